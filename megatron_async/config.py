@@ -1,0 +1,96 @@
+"""InferenceConfig: every knob of the engine, one documented field each."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class AttentionBackend(str, Enum):
+    """Which attention implementation the model layers call."""
+
+    TORCH = "torch"  # pure-torch reference (CPU and CUDA)
+    TRITON = "triton"  # Triton paged kernels (CUDA, or CPU with TRITON_INTERPRET=1)
+    AUTO = "auto"  # triton on CUDA when importable, else torch
+
+
+class MambaBackend(str, Enum):
+    """Which SSM / conv1d implementation the Mamba mixers call."""
+
+    TORCH = "torch"
+    TRITON = "triton"
+    AUTO = "auto"
+
+
+@dataclass
+class InferenceConfig:
+    """Configuration of the dynamic inference engine.
+
+    Sizes that are None are derived from the model and the other fields when the
+    engine is built (see ``resolve``)."""
+
+    block_size_tokens: int = 16
+    """Tokens per paged KV block."""
+
+    num_kv_blocks: int | None = None
+    """Blocks in the KV pool. None: derived from ``buffer_size_gb``."""
+
+    buffer_size_gb: float = 1.0
+    """KV pool budget in GB when ``num_kv_blocks`` is None."""
+
+    max_requests: int = 64
+    """Most requests that may be active (scheduled or paused) at once."""
+
+    max_tokens: int = 2048
+    """Most tokens one forward step may process (prefill chunk tokens + decode tokens)."""
+
+    max_sequence_length: int = 4096
+    """Most tokens (prompt + generated) any request may reach."""
+
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the per-step token budget over several steps.
+    Off: a prompt must fit ``max_tokens`` whole, else it is rejected."""
+
+    enable_prefix_caching: bool = False
+    """Share complete KV blocks between requests with equal prefixes and skip their prefill."""
+
+    prefix_caching_mamba_gb: float = 0.0
+    """Budget of the cached Mamba state pool for hybrid prefix caching; <= 0 disables it."""
+
+    async_scheduling: bool = True
+    """Launch-ahead: step N+1 is enqueued on the device before step N's CPU bookkeeping."""
+
+    cuda_graphs: bool = False
+    """Capture and replay decode-only steps as CUDA graphs (CUDA only; ignored on CPU)."""
+
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    """Padded decode batch sizes to capture. None: 1, 2, 4, 8, then multiples of 16 up to max_requests."""
+
+    attention_backend: AttentionBackend = AttentionBackend.AUTO
+    """Attention kernels to use."""
+
+    mamba_backend: MambaBackend = MambaBackend.AUTO
+    """SSM kernels to use for hybrid models."""
+
+    logging_step_interval: int = 0
+    """Log (and time, with one device sync) every N steps; 0 = never."""
+
+    nvtx_ranges: bool = False
+    """Wrap every stage in an NVTX range (off = no cost)."""
+
+    seed: int = 1234
+    """Seed of the engine's generator that gives seeds to requests that bring none."""
+
+    def validate(self) -> None:
+        """Raise ValueError on settings that cannot work."""
+        for name in ("block_size_tokens", "max_requests", "max_tokens", "max_sequence_length"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"InferenceConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError("InferenceConfig.num_kv_blocks must be at least 2 (one is the dummy block)")
+        if self.max_tokens < self.max_requests:
+            # every active request must be able to decode one token per step
+            raise ValueError(
+                f"InferenceConfig.max_tokens ({self.max_tokens}) must be >= max_requests ({self.max_requests})"
+            )
+        self.attention_backend = AttentionBackend(self.attention_backend)
+        self.mamba_backend = MambaBackend(self.mamba_backend)

@@ -1,0 +1,306 @@
+"""DynamicInferenceContext: the CPU-owned truth of every active request and of the step.
+
+Request state lives in ``DynamicInferenceRequest`` objects, the step's per-token and
+per-row tables in one host byte buffer (a ring of two, so launch-ahead can fill step
+N+1's while step N's copy may still be pending); the device sees them only through
+``ContextGPUView``, refreshed by one copy per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megatron_async.config import InferenceConfig
+from megatron_async.inference.contexts.bookkeeping_layout import BookkeepingLayout, FieldSpec
+from megatron_async.inference.contexts.gpu_view import ContextGPUView
+from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK, KVBlockAllocator, chain_hash
+from megatron_async.inference.contexts.mamba_states import MambaStateManager
+from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch, MambaMetadata
+from megatron_async.inference.device import DeviceFacade
+from megatron_async.inference.engines.step_plan import StepPlan
+from megatron_async.inference.request import DynamicInferenceRequest, Status
+from megatron_async.models.base import CausalLM
+
+
+def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int) -> list[FieldSpec]:
+    """The single declaration of the step snapshot (host buffer and device view alike)."""
+    T, R = max_tokens, max_rows
+    return [
+        FieldSpec("input_ids", torch.int64, (T,)),
+        FieldSpec("prev_sample_idx", torch.int64, (T,)),  # -1: token known on CPU
+        FieldSpec("positions", torch.int64, (T,)),
+        FieldSpec("slot_mapping", torch.int64, (T,)),
+        FieldSpec("token_to_row", torch.int32, (T,)),
+        FieldSpec("cu_query_lens", torch.int32, (R + 1,)),
+        FieldSpec("kv_lens", torch.int32, (R,)),
+        FieldSpec("sample_token_idx", torch.int64, (R,)),
+        FieldSpec("sample_position", torch.int64, (R,)),
+        FieldSpec("seed", torch.int64, (R,)),
+        FieldSpec("temperature", torch.float32, (R,)),
+        FieldSpec("top_k", torch.int64, (R,)),
+        FieldSpec("top_p", torch.float32, (R,)),
+        FieldSpec("state_slots", torch.int64, (R,)),
+        FieldSpec("has_initial_state", torch.bool, (R,)),
+        FieldSpec("block_table", torch.int32, (R, max_blocks)),
+    ]
+
+
+@dataclass
+class StepShape:
+    """Host-side sizes and flags of one assembled step (no device reads needed)."""
+
+    num_tokens: int
+    num_rows: int
+    max_query_len: int
+    max_kv_len: int
+    is_decode_only: bool
+    any_sampling: bool  # some row is not greedy
+    any_top_k_top_p: bool
+    max_top_n: int
+    any_log_probs: bool
+
+
+class DynamicInferenceContext:
+    def __init__(self, config: InferenceConfig, model: CausalLM, device: DeviceFacade, dtype: torch.dtype):
+        self.config = config
+        self.device = device
+        self.block_size = config.block_size_tokens
+        self.max_blocks_per_request = -(-config.max_sequence_length // self.block_size)
+        spec = model.kv_cache_spec()
+        elt = torch.empty((), dtype=dtype).element_size()
+        bytes_per_block = max(1, 2 * self.block_size * spec.num_kv_heads * spec.head_dim * elt * spec.num_layers)
+        num_blocks = config.num_kv_blocks or max(2, int(config.buffer_size_gb * 1e9 // bytes_per_block) + 1)
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device.device)
+            for _ in range(spec.num_layers)
+        ]
+        self.allocator = KVBlockAllocator(num_blocks, config.enable_prefix_caching)
+        self.mamba = MambaStateManager.create(model, config, device, dtype)
+
+        self.layout = BookkeepingLayout(bookkeeping_fields(config.max_tokens, config.max_requests, self.max_blocks_per_request))
+        self._host_buffers = [device.host_empty(self.layout.nbytes) for _ in range(2)]
+        # numpy views of the host buffers: list -> buffer assignment is much cheaper than torch.tensor()
+        self._host_views = [{k: t.numpy() for k, t in self.layout.views(b).items()} for b in self._host_buffers]
+        self._ring = 0
+        self.gpu_view = ContextGPUView(self.layout, device.device)
+
+        self.active: dict[int, DynamicInferenceRequest] = {}  # ACTIVE and PAUSED, by request id
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_ever_fit(self, total_tokens: int) -> bool:
+        return self.blocks_for(total_tokens) <= self.allocator.capacity
+
+    # ------------------------------------------------------------------ transitions
+    def admit(self, req: DynamicInferenceRequest) -> int:
+        """Make a waiting request active: take matching cached prefix blocks and a state
+        slot. Returns the prefix tokens whose prefill is skipped."""
+        assert req.status == Status.WAITING and not req.block_ids and req.num_inflight == 0
+        req.status = Status.ACTIVE
+        req.num_computed_tokens = 0
+        req.num_hashed_blocks, req.last_block_hash = 0, None
+        self.active[req.request_id] = req
+        if self.mamba is not None:
+            self.mamba.assign_slot(req)
+        return self._match_prefix(req)
+
+    def _match_prefix(self, req: DynamicInferenceRequest) -> int:
+        if not self.allocator.enable_prefix_caching:
+            return 0
+        # Leave at least one known token to compute: its logits give the next token.
+        limit = (req.num_known_tokens - 1) // self.block_size
+        if self.mamba is not None:
+            limit = self.mamba.restorable_prefix_blocks(req, limit, self)
+        parent = None
+        for i in range(limit):
+            h = chain_hash(parent, tuple(req.token_at(p) for p in range(i * self.block_size, (i + 1) * self.block_size)))
+            block = self.allocator.lookup(h)
+            if block is None:
+                break
+            self.allocator.acquire_cached(block)
+            req.block_ids.append(block)
+            parent = h
+        n = len(req.block_ids)
+        if n:
+            req.num_computed_tokens = n * self.block_size
+            req.num_hashed_blocks, req.last_block_hash = n, parent
+            if self.mamba is not None:
+                self.mamba.restore_prefix_state(req, parent)
+        return n * self.block_size
+
+    def reserve(self, req: DynamicInferenceRequest, num_tokens: int) -> bool:
+        """Own blocks for positions [num_computed, num_computed + num_tokens); all or nothing."""
+        need = self.blocks_for(req.num_computed_tokens + num_tokens) - len(req.block_ids)
+        if need > self.allocator.num_available:
+            return False
+        for _ in range(need):
+            req.block_ids.append(self.allocator.allocate())
+        return True
+
+    def reservable_tokens(self, req: DynamicInferenceRequest) -> int:
+        """Most new tokens the request could reserve blocks for right now."""
+        slack = len(req.block_ids) * self.block_size - req.num_computed_tokens
+        return slack + self.allocator.num_available * self.block_size
+
+    def pause(self, req: DynamicInferenceRequest) -> None:
+        req.status = Status.PAUSED
+
+    def resume(self, req: DynamicInferenceRequest) -> None:
+        req.status = Status.ACTIVE
+
+    def evict(self, req: DynamicInferenceRequest) -> None:
+        """Give back all KV blocks and the state slot; the request recomputes later."""
+        self._release_resources(req)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
+
+    def release(self, req: DynamicInferenceRequest) -> None:
+        """Free a finished request's blocks (complete hashed ones stay cached) and slot."""
+        self._release_resources(req)
+        req.status = Status.FINISHED
+
+    def _release_resources(self, req: DynamicInferenceRequest) -> None:
+        self.allocator.release(req.block_ids)
+        req.block_ids = []
+        if self.mamba is not None:
+            self.mamba.free_slot(req)
+        self.active.pop(req.request_id, None)
+
+    def register_complete_blocks(self, req: DynamicInferenceRequest) -> None:
+        """Publish blocks whose tokens are all known and whose KV is enqueued."""
+        if not self.allocator.enable_prefix_caching:
+            return
+        full = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size
+        bs = self.block_size
+        while req.num_hashed_blocks < full:
+            i = req.num_hashed_blocks
+            h = chain_hash(req.last_block_hash, tuple(req.token_at(p) for p in range(i * bs, (i + 1) * bs)))
+            self.allocator.register(req.block_ids[i], h)
+            if self.mamba is not None:
+                self.mamba.on_block_registered(req, i, h)
+            req.num_hashed_blocks, req.last_block_hash = i + 1, h
+
+    # ------------------------------------------------------------------ step assembly
+    def initialize_attention_state(self, plan: StepPlan) -> StepShape:
+        """Fill the next host buffer of the ring with the step's tables and advance the
+        planned rows' computed positions (in-flight samples counted)."""
+        self._ring ^= 1
+        v = self._host_views[self._ring]
+        ids, prev, pos, slots, tok_row = [], [], [], [], []
+        cu, kv_lens, sample_idx, sample_pos = [0], [], [], []
+        seeds, temps, topk, topp, state_slots, has_init = [], [], [], [], [], []
+        bs = self.block_size
+        max_q = max_kv = 0
+        any_sampling = any_tk = any_lp = False
+        max_top_n = 0
+        bt = v["block_table"]
+        for r, row in enumerate(plan.rows):
+            req, start, n = row.request, row.start, row.num_tokens
+            assert start == req.num_computed_tokens
+            for p in range(start, start + n):
+                if row.prev_row >= 0 and p == start:
+                    ids.append(0)
+                    prev.append(row.prev_row)
+                else:
+                    ids.append(req.token_at(p))
+                    prev.append(-1)
+                pos.append(p)
+                slots.append(req.block_ids[p // bs] * bs + p % bs)
+                tok_row.append(r)
+            cu.append(cu[-1] + n)
+            kv_lens.append(start + n)
+            sample_idx.append(cu[-1] - 1)
+            sample_pos.append(start + n)
+            sp = req.sampling_params
+            seeds.append(req.seed)
+            greedy = sp.is_greedy
+            temps.append(0.0 if greedy else float(sp.temperature))
+            topk.append(1 if greedy else sp.top_k)
+            topp.append(0.0 if greedy else sp.top_p)
+            if row.samples:
+                any_sampling |= not greedy
+                any_tk |= not greedy and (sp.top_k > 1 or 0 < sp.top_p < 1)
+                any_lp |= sp.return_log_probs
+                max_top_n = max(max_top_n, sp.top_n_logprobs)
+            state_slots.append(req.state_slot)
+            has_init.append(start > 0)
+            nb = len(req.block_ids)
+            bt[r, :nb] = req.block_ids
+            bt[r, nb:] = DUMMY_BLOCK
+            max_q, max_kv = max(max_q, n), max(max_kv, start + n)
+            req.num_computed_tokens = start + n
+            if row.samples:
+                req.num_inflight += 1
+                req.inflight_row = r
+        T, R = len(ids), len(plan.rows)
+        v["input_ids"][:T] = ids
+        v["prev_sample_idx"][:T] = prev
+        v["positions"][:T] = pos
+        v["slot_mapping"][:T] = slots
+        v["token_to_row"][:T] = tok_row
+        v["cu_query_lens"][: R + 1] = cu
+        v["kv_lens"][:R] = kv_lens
+        v["sample_token_idx"][:R] = sample_idx
+        v["sample_position"][:R] = sample_pos
+        v["seed"][:R] = seeds
+        v["temperature"][:R] = temps
+        v["top_k"][:R] = topk
+        v["top_p"][:R] = topp
+        v["state_slots"][:R] = state_slots
+        v["has_initial_state"][:R] = has_init
+        for row in plan.rows:
+            self.register_complete_blocks(row.request)
+        return StepShape(T, R, max_q, max_kv, plan.is_decode_only, any_sampling, any_tk, max_top_n, any_lp)
+
+    def pad_decode_rows(self, num_rows: int, padded_rows: int) -> None:
+        """Make rows [num_rows, padded_rows) of the current host buffer harmless padding
+        (one token each, writing to the dummy block) for a padded CUDA-graph replay."""
+        v = self._host_views[self._ring]
+        if padded_rows <= num_rows:
+            return
+        a, b = num_rows, padded_rows
+        v["input_ids"][a:b] = 0
+        v["prev_sample_idx"][a:b] = -1
+        v["positions"][a:b] = 0
+        v["slot_mapping"][a:b] = DUMMY_BLOCK * self.block_size
+        v["token_to_row"][a:b] = np.arange(a, b)
+        v["cu_query_lens"][a + 1 : b + 1] = np.arange(a + 1, b + 1)
+        v["kv_lens"][a:b] = 1
+        v["sample_token_idx"][a:b] = np.arange(a, b)
+        v["sample_position"][a:b] = 0
+        v["seed"][a:b] = 0
+        v["temperature"][a:b] = 0.0
+        v["top_k"][a:b] = 1
+        v["top_p"][a:b] = 0.0
+        v["state_slots"][a:b] = self.mamba.padding_slot if self.mamba is not None else 0
+        v["has_initial_state"][a:b] = False
+        v["block_table"][a:b] = DUMMY_BLOCK
+
+    def transfer_bookkeeping_to_gpu(self) -> None:
+        """The step's one H2D copy of the whole snapshot."""
+        self.gpu_view.copy_from(self._host_buffers[self._ring])
+
+    def forward_batch(self, shape: StepShape) -> ForwardBatch:
+        g, T, R = self.gpu_view, shape.num_tokens, shape.num_rows
+        attn = AttentionMetadata(
+            num_tokens=T, num_rows=R, max_query_len=shape.max_query_len, max_kv_len=shape.max_kv_len,
+            is_decode_only=shape.is_decode_only, positions=g.positions[:T], slot_mapping=g.slot_mapping[:T],
+            token_to_row=g.token_to_row[:T], cu_query_lens=g.cu_query_lens[: R + 1], kv_lens=g.kv_lens[:R],
+            block_table=g.block_table[:R], block_size=self.block_size,
+        )
+        batch = ForwardBatch(attn=attn, kv_caches=self.kv_caches)
+        if self.mamba is not None:
+            batch.mamba = MambaMetadata(
+                state_slots=g.state_slots[:R], has_initial_state=g.has_initial_state[:R],
+                cu_query_lens=attn.cu_query_lens, num_rows=R, is_decode_only=shape.is_decode_only,
+                max_query_len=shape.max_query_len,
+            )
+            batch.conv_states, batch.ssm_states = self.mamba.conv_states, self.mamba.ssm_states
+        return batch

@@ -1,0 +1,72 @@
+"""Per-step metadata handed to the model: views into the GPU bookkeeping snapshot.
+
+Everything here is built by ``DynamicInferenceContext`` on the CPU and reaches the
+device in the single H2D copy of ``ContextGPUView``; the tensors below are slices of
+that view (fixed addresses), the ints are host-side sizes of the step.
+
+Row = one request scheduled in the step (a prefill chunk or one decode token).
+Tokens of a step are packed row after row: row r owns tokens
+``cu_query_lens[r] : cu_query_lens[r + 1]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int
+    """Tokens in the step (T)."""
+    num_rows: int
+    """Rows (requests) in the step (R)."""
+    max_query_len: int
+    """Longest row's query length in this step (1 for decode-only steps)."""
+    max_kv_len: int
+    """Longest row's KV length after this step's tokens are appended."""
+    is_decode_only: bool
+    """Every row has exactly one query token."""
+    positions: torch.Tensor
+    """[T] int64: absolute position of each token in its sequence."""
+    slot_mapping: torch.Tensor
+    """[T] int64: flat KV slot (block_id * block_size + offset) each token's K/V is written to."""
+    token_to_row: torch.Tensor
+    """[T] int32: row index of each token."""
+    cu_query_lens: torch.Tensor
+    """[R + 1] int32: prefix sums of query lengths."""
+    kv_lens: torch.Tensor
+    """[R] int32: KV length of each row after this step (cached prefix + new tokens)."""
+    block_table: torch.Tensor
+    """[R, max_blocks_per_request] int32: KV block ids of each row; unused entries are the dummy block 0."""
+    block_size: int
+    """Tokens per KV block."""
+
+
+@dataclass
+class MambaMetadata:
+    """Hybrid models only: which state slot each row reads and writes."""
+
+    state_slots: torch.Tensor
+    """[R] int64: index into the live Mamba state pool of each row."""
+    has_initial_state: torch.Tensor
+    """[R] bool: the row continues a state (later prefill chunk, decode); False = start from zeros."""
+    cu_query_lens: torch.Tensor
+    """[R + 1] int32: same as AttentionMetadata.cu_query_lens (tokens of each row)."""
+    num_rows: int
+    is_decode_only: bool
+    max_query_len: int
+
+
+@dataclass
+class ForwardBatch:
+    """What a model's forward needs besides input ids."""
+
+    attn: AttentionMetadata
+    kv_caches: list[torch.Tensor]
+    """One tensor per attention layer: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    mamba: MambaMetadata | None = None
+    conv_states: list[torch.Tensor] = field(default_factory=list)
+    """Hybrid: one per Mamba layer, [num_slots, conv_dim, d_conv - 1]."""
+    ssm_states: list[torch.Tensor] = field(default_factory=list)
+    """Hybrid: one per Mamba layer, [num_slots, num_heads, head_dim, d_state]."""

@@ -1,0 +1,33 @@
+"""The one place that knows CUDA from CPU: pinned memory, events, streams degrade to no-ops on CPU."""
+from __future__ import annotations
+
+import torch
+
+
+class DeviceFacade:
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        """A host byte buffer; pinned on CUDA so non-blocking copies are really asynchronous."""
+        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.is_cuda)
+
+    def event(self) -> "torch.cuda.Event | None":
+        return torch.cuda.Event() if self.is_cuda else None
+
+    def record(self, event) -> None:
+        if event is not None:
+            event.record()
+
+    def wait_host(self, event) -> None:
+        """Block the CPU until ``event`` has passed on the device (no-op on CPU)."""
+        if event is not None:
+            event.synchronize()
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def max_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) if self.is_cuda else 0

@@ -1,0 +1,63 @@
+"""Launch-ahead state: what a launched-but-not-bookkept step assumed, and reconciling it.
+
+A ``PendingLaunch`` records the row order the device computes for, which rows sample, and
+where their results will land on the host. When step N's bookkeeping finishes requests
+that also have a row in the in-flight step N+1, those rows' results are simply dropped:
+the speculative token of a finished request is never appended, and its KV slot belongs
+to blocks the request already gave back (stream order makes reuse safe). Rows of live
+requests are kept. Pause/evict decisions are taken at scheduling time and never touch a
+launched row, so no launch needs rolling back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_async.inference.engines.step_plan import RowPlan
+from megatron_async.inference.request import DynamicInferenceRequest, Status
+
+
+@dataclass
+class PendingLaunch:
+    step_id: int
+    rows: list[RowPlan]
+    is_decode_only: bool
+    num_tokens: int
+    overlapped: bool
+    """Launched while an earlier launch was still un-bookkept."""
+    host_tokens: torch.Tensor
+    """Host (pinned on CUDA) int64 [R] the sampled tokens land in."""
+    host_log_probs: torch.Tensor | None
+    host_top_n_vals: torch.Tensor | None
+    host_top_n_ids: torch.Tensor | None
+    event: object | None
+    """Recorded after the D2H copies; None on CPU (results are ready at once)."""
+    launch_time: float = 0.0
+    timing_events: tuple = ()
+    discarded_rows: list[int] = field(default_factory=list)
+
+    @property
+    def request_ids(self) -> list[int]:
+        return [r.request.request_id for r in self.rows]
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    keep: list[int]
+    """Row indices whose samples are appended."""
+    discard: list[int]
+    """Row indices whose samples are dropped (their request finished before they landed)."""
+
+
+def reconcile(rows: list[RowPlan]) -> Reconciliation:
+    """Split a landed launch's sampling rows into kept and discarded ones (pure)."""
+    keep, discard = [], []
+    for i, row in enumerate(rows):
+        if not row.samples:
+            continue
+        (discard if row.request.status == Status.FINISHED else keep).append(i)
+    return Reconciliation(keep, discard)
+
+
+def row_is_live(req: DynamicInferenceRequest) -> bool:
+    return req.status != Status.FINISHED

@@ -1,0 +1,62 @@
+"""EngineStats: counters that show what the engine really did (tests assert on them)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    """Launches bookkept."""
+    decode_steps: int = 0
+    """Bookkept launches whose rows were all single decode tokens."""
+    prefill_steps: int = 0
+    """Bookkept launches with at least one prefill chunk."""
+    overlapped_steps: int = 0
+    """Launches enqueued while an earlier launch was still un-bookkept."""
+    overlapped_decode_steps: int = 0
+    rejected_launches: int = 0
+    """Launch-ahead attempts that found nothing to launch while requests were unfinished."""
+    rejected_causes: Counter = field(default_factory=Counter)
+    drains: int = 0
+    """Times the engine waited on an in-flight launch without a successor enqueued while
+    unfinished requests remained (the device went idle behind the host)."""
+    discarded_rows: int = 0
+    """Launch-ahead rows dropped because their request finished one step earlier."""
+    paused: int = 0
+    evicted: int = 0
+    prefix_hit_tokens: int = 0
+    mamba_states_stored: int = 0
+    mamba_states_restored: int = 0
+    mamba_states_evicted: int = 0
+    finished_requests: int = 0
+    rejected_requests: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_wall_time: float = 0.0
+    """Host wall time of engine steps that bookkept a decode-only launch (no sync needed)."""
+    prefill_wall_time: float = 0.0
+    timed_steps: int = 0
+    timed_device_time: float = 0.0
+    """Device time of steps timed on logging steps (CUDA events)."""
+
+    @property
+    def mean_decode_step_ms(self) -> float:
+        return 1e3 * self.decode_wall_time / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def mean_prefill_step_ms(self) -> float:
+        return 1e3 * self.prefill_wall_time / self.prefill_steps if self.prefill_steps else 0.0
+
+    @property
+    def overlap_ratio(self) -> float:
+        return self.overlapped_decode_steps / self.decode_steps if self.decode_steps else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["rejected_causes"] = dict(self.rejected_causes)
+        d["mean_decode_step_ms"] = self.mean_decode_step_ms
+        d["mean_prefill_step_ms"] = self.mean_prefill_step_ms
+        d["overlap_ratio"] = self.overlap_ratio
+        return d

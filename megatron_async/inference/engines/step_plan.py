@@ -1,0 +1,38 @@
+"""What the scheduler hands the context for one step: rows in launch order."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_async.inference.request import DynamicInferenceRequest
+
+
+@dataclass
+class RowPlan:
+    request: DynamicInferenceRequest
+    start: int
+    """First position this row computes."""
+    num_tokens: int
+    samples: bool
+    """The row ends at the request's last known-or-in-flight token, so it samples the next one."""
+    prev_row: int = -1
+    """>= 0: the row's first input token is the previous launch's sample at that row (not yet on the CPU)."""
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start >= len(self.request.prompt_tokens)
+
+
+@dataclass
+class StepPlan:
+    rows: list[RowPlan] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return bool(self.rows) and all(r.num_tokens == 1 and r.samples for r in self.rows)
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)

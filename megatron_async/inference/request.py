@@ -1,0 +1,130 @@
+"""Requests, their sampling parameters, lifecycle status and outputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never be served (bad prompt, bad sampling params, too long, too big)."""
+
+
+class Status(str, Enum):
+    WAITING = "waiting"  # queued (new, or evicted and waiting to be recomputed)
+    ACTIVE = "active"  # holds KV blocks; prefilling or decoding
+    PAUSED = "paused"  # holds its KV blocks but has no block for its next token
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    LENGTH = "length"
+    STOP = "stop"
+
+
+@dataclass
+class SamplingParams:
+    """Megatron-style sampling parameters. Greedy: ``top_k=1`` or ``temperature=0``."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 0.0  # 0 = off
+    num_tokens_to_generate: int = 16
+    termination_id: int | None = None  # None = the tokenizer's / model's EOS
+    ignore_eos: bool = False
+    seed: int | None = None  # None = drawn from the engine's seeded generator at add_request
+    return_log_probs: bool = False
+    top_n_logprobs: int = 0
+    stop_words: list[str] | list[list[int]] | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def validate(self, vocab_size: int) -> None:
+        if not self.temperature >= 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.num_tokens_to_generate < 1:
+            raise InvalidRequestError(f"num_tokens_to_generate must be >= 1, got {self.num_tokens_to_generate}")
+        if self.top_n_logprobs < 0 or self.top_n_logprobs > vocab_size:
+            raise InvalidRequestError(f"top_n_logprobs must be in [0, {vocab_size}], got {self.top_n_logprobs}")
+        if self.termination_id is not None and not 0 <= self.termination_id < vocab_size:
+            raise InvalidRequestError(f"termination_id {self.termination_id} outside vocab [0, {vocab_size})")
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_tokens: list[int]
+    generated_tokens: list[int]
+    generated_text: str | None
+    finish_reason: str
+    generated_log_probs: list[float] | None = None
+    generated_top_n_logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+    """Set (with finish_reason "error") when the request was rejected at admission."""
+
+
+@dataclass
+class DynamicInferenceRequest:
+    """A request and its scheduling state; owned by the CPU context."""
+
+    request_id: int
+    prompt_tokens: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    termination_id: int | None
+    stop_sequences: list[list[int]] = field(default_factory=list)
+    arrival_order: int = 0
+
+    status: Status = Status.WAITING
+    generated_tokens: list[int] = field(default_factory=list)
+    generated_log_probs: list[float] = field(default_factory=list)
+    generated_top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    # -- scheduling state (CPU truth) --
+    num_computed_tokens: int = 0
+    """Positions whose KV is computed or enqueued (in flight included)."""
+    num_inflight: int = 0
+    """Tokens sampled by launched steps but not yet bookkept (0 or 1)."""
+    inflight_row: int = -1
+    """Row of this request in the latest launch when it samples there (input of the next decode)."""
+    block_ids: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0
+    last_block_hash: int | None = None
+    state_slot: int = -1
+    """Hybrid models: index of this request's live Mamba state slot (-1 = none)."""
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.prompt_tokens) + len(self.generated_tokens)
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_tokens)
+        return self.prompt_tokens[position] if position < n else self.generated_tokens[position - n]
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Known tokens remain whose KV is not computed (prompt, or recompute after eviction)."""
+        return self.num_computed_tokens < self.num_known_tokens
+
+    @property
+    def tokens_budgeted(self) -> int:
+        """Generated tokens including those in flight."""
+        return len(self.generated_tokens) + self.num_inflight
+
+    def to_output(self, text: str | None) -> RequestOutput:
+        sp = self.sampling_params
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_tokens=list(self.prompt_tokens),
+            generated_tokens=list(self.generated_tokens),
+            generated_text=text,
+            finish_reason=self.finish_reason.value if self.finish_reason else "length",
+            generated_log_probs=list(self.generated_log_probs) if sp.return_log_probs else None,
+            generated_top_n_logprobs=list(self.generated_top_n_logprobs) if sp.top_n_logprobs > 0 else None,
+        )

@@ -1,0 +1,84 @@
+"""Stateless per-request sampling: the random draw of a row is a pure function of
+(request seed, position of the token being sampled, token id), so a request's tokens never
+depend on which other requests share its batch, on admission timing, preemption or
+async/serial mode. Sampling is Gumbel-max over the temperature-scaled, top-k / top-p
+filtered logits; greedy rows (temperature 0 or top_k 1) take the argmax."""
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xorshift-multiply) on int64 tensors holding values < 2**32.
+
+    Products may wrap past int64; masking keeps the correct low 32 bits."""
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _M32
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def row_keys(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """[R] int64 seeds and positions -> [R] 32-bit keys."""
+    h = _mix32((seed & _M32) ^ 0x9E3779B9)
+    h = _mix32(h ^ ((seed >> 32) & _M32))
+    return _mix32(h ^ (position & _M32))
+
+
+def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R] keys -> [R, V] float32 uniforms in (0, 1), one per (row, token id)."""
+    tok = _mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64) * 0x27D4EB2F & _M32)
+    bits = _mix32(keys[:, None] ^ tok[None, :]) >> 8  # 24 random bits: exact in float32
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and nucleus; top_k 0 / top_p 0 = off."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    V = logits.shape[-1]
+    rank = torch.arange(V, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, V)[:, None]
+    drop = rank >= k
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(-1) - probs  # mass strictly above this token
+    p = top_p[:, None]
+    drop |= (p > 0) & (p < 1) & (before >= p)
+    mask = torch.zeros_like(drop).scatter_(-1, order, drop)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    position: torch.Tensor,
+    any_random: bool,
+    any_filter: bool,
+) -> torch.Tensor:
+    """logits [R, V] float32 -> tokens [R] int64. ``any_random`` / ``any_filter`` are host
+    flags (from the requests' params) that skip work no row needs; they never change results."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if not any_random:
+        return greedy_tokens
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    if any_filter:
+        scaled = filter_top_k_top_p(scaled, top_k, top_p)
+    u = uniform_noise(row_keys(seed, position), logits.shape[-1])
+    gumbel = -torch.log(-torch.log(u))
+    drawn = (scaled + gumbel).argmax(dim=-1)
+    return torch.where(greedy, greedy_tokens, drawn)
+
+
+def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int):
+    """Log-probabilities of the raw (unscaled) distribution: of the sampled tokens [R], and
+    the top-n (values [R, n], ids [R, n]) when top_n > 0."""
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = lp.gather(-1, tokens[:, None])[:, 0]
+    if top_n > 0:
+        vals, ids = lp.topk(top_n, dim=-1)
+        return chosen, vals, ids
+    return chosen, None, None

@@ -1,0 +1,176 @@
+"""TextGenerationController: ``launch_step`` enqueues all device work of a step,
+``bookkeep_step`` does its CPU work once the samples have landed.
+
+Serial = launch then bookkeep. Launch-ahead = launch N+1, then bookkeep N while the
+device runs N+1. Within a launch the only device->host traffic is the asynchronous copy
+of the samples into a pinned buffer followed by an event; decode input ids of the next
+launch are gathered on the device from ``last_samples``, never via the host."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext, StepShape
+from megatron_async.inference.engines.async_pipeline import PendingLaunch, reconcile
+from megatron_async.inference.engines.step_plan import StepPlan
+from megatron_async.inference.nvtx import nvtx_range
+from megatron_async.inference.request import DynamicInferenceRequest, FinishReason, Status
+from megatron_async.inference.text_generation_controllers import sampling
+from megatron_async.models.base import CausalLM
+
+
+@dataclass
+class BookkeepResult:
+    finished: list[DynamicInferenceRequest]
+    num_discarded: int
+    step_time: float | None  # device time of the step, on timed (logging) steps only
+
+
+class TextGenerationController:
+    def __init__(self, model: CausalLM, context: DynamicInferenceContext, default_eos: int | None):
+        self.model = model
+        self.context = context
+        self.device = context.device
+        self.default_eos = default_eos
+        R = context.config.max_requests
+        dev = self.device.device
+        # Samples of the latest launch, read by the next launch's decode rows (fixed address).
+        self.last_samples = torch.zeros(R, dtype=torch.int64, device=dev)
+        self._host_ring = [self._host_buffers(R) for _ in range(3)]
+        self._ring = 0
+        self.graphs = None  # CudaGraphRunner, when enabled
+
+    def _host_buffers(self, R: int) -> dict[str, torch.Tensor]:
+        pin = self.device.is_cuda
+        return {
+            "tokens": torch.zeros(R, dtype=torch.int64, pin_memory=pin),
+            "log_probs": torch.zeros(R, dtype=torch.float32, pin_memory=pin),
+        }
+
+    # ------------------------------------------------------------------ device side
+    @torch.inference_mode()
+    def launch_step(self, plan: StepPlan, step_id: int, overlapped: bool, timed: bool) -> PendingLaunch:
+        ctx = self.context
+        with nvtx_range("initialize_attention_state"):
+            shape = ctx.initialize_attention_state(plan)
+        start_ev = end_ev = None
+        if timed and self.device.is_cuda:
+            start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start_ev.record()
+        t0 = time.perf_counter()
+        graph = self.graphs.lookup(shape) if self.graphs is not None else None
+        if graph is not None:
+            ctx.pad_decode_rows(shape.num_rows, graph.num_rows)
+        with nvtx_range("transfer_bookkeeping_to_gpu"):
+            ctx.transfer_bookkeeping_to_gpu()
+        if graph is not None:
+            with nvtx_range("forward_pass"):
+                graph.replay()
+            tokens, log_probs, top_vals, top_ids = graph.outputs(shape.num_rows)
+        else:
+            tokens, log_probs, top_vals, top_ids = self.compute_step(shape)
+        self._ring = (self._ring + 1) % len(self._host_ring)
+        host = self._host_ring[self._ring]
+        R = shape.num_rows
+        with nvtx_range("transfer_samples_to_cpu"):
+            host["tokens"][:R].copy_(tokens, non_blocking=True)
+            h_lp = h_tv = h_ti = None
+            if log_probs is not None:
+                h_lp = host["log_probs"][:R]
+                h_lp.copy_(log_probs, non_blocking=True)
+            if top_vals is not None:
+                h_tv = torch.empty(top_vals.shape, dtype=top_vals.dtype, pin_memory=self.device.is_cuda)
+                h_ti = torch.empty(top_ids.shape, dtype=top_ids.dtype, pin_memory=self.device.is_cuda)
+                h_tv.copy_(top_vals, non_blocking=True)
+                h_ti.copy_(top_ids, non_blocking=True)
+            event = self.device.event()
+            self.device.record(event)
+        if end_ev is not None:
+            end_ev.record()
+        return PendingLaunch(
+            step_id=step_id, rows=list(plan.rows), is_decode_only=shape.is_decode_only,
+            num_tokens=shape.num_tokens, overlapped=overlapped, host_tokens=host["tokens"][:R],
+            host_log_probs=h_lp, host_top_n_vals=h_tv, host_top_n_ids=h_ti, event=event,
+            launch_time=t0, timing_events=(start_ev, end_ev) if start_ev is not None else (),
+        )
+
+    def compute_step(self, shape: StepShape):
+        """Forward + sample of one assembled step, reading only the GPU view.
+
+        Also the body that CUDA graphs capture (with decode-only shapes)."""
+        ctx, g = self.context, self.context.gpu_view
+        T, R = shape.num_tokens, shape.num_rows
+        batch = ctx.forward_batch(shape)
+        prev = g.prev_sample_idx[:T]
+        input_ids = torch.where(prev >= 0, self.last_samples[prev.clamp(min=0)], g.input_ids[:T])
+        with nvtx_range("forward_pass"):
+            hidden = self.model(input_ids, batch)
+            logits = self.model.compute_logits(hidden[g.sample_token_idx[:R]])
+        with nvtx_range("sampling"):
+            tokens = sampling.sample(
+                logits, g.temperature[:R], g.top_k[:R], g.top_p[:R], g.seed[:R], g.sample_position[:R],
+                any_random=shape.any_sampling, any_filter=shape.any_top_k_top_p,
+            )
+            self.last_samples[:R].copy_(tokens)
+            log_probs = top_vals = top_ids = None
+            if shape.any_log_probs or shape.max_top_n > 0:
+                log_probs, top_vals, top_ids = sampling.log_probs_of(logits, tokens, shape.max_top_n)
+        return self.last_samples[:R], log_probs, top_vals, top_ids
+
+    # ------------------------------------------------------------------ host side
+    def bookkeep_step(self, pending: PendingLaunch) -> BookkeepResult:
+        ctx = self.context
+        self.device.wait_host(pending.event)
+        step_time = None
+        if pending.timing_events:
+            s, e = pending.timing_events
+            e.synchronize()
+            step_time = s.elapsed_time(e) / 1000.0
+        elif pending.launch_time and not self.device.is_cuda:
+            step_time = time.perf_counter() - pending.launch_time
+        with nvtx_range("active_request_mask"):
+            tokens = pending.host_tokens.tolist()
+            lps = pending.host_log_probs.tolist() if pending.host_log_probs is not None else None
+            tvs = pending.host_top_n_vals.tolist() if pending.host_top_n_vals is not None else None
+            tis = pending.host_top_n_ids.tolist() if pending.host_top_n_ids is not None else None
+            rec = reconcile(pending.rows)
+        finished = []
+        with nvtx_range("update_requests"):
+            for i in rec.keep:
+                req = pending.rows[i].request
+                req.num_inflight -= 1
+                if req.num_inflight == 0:  # else a later launch holds its newest sample
+                    req.inflight_row = -1
+                req.generated_tokens.append(tokens[i])
+                sp = req.sampling_params
+                if sp.return_log_probs:
+                    req.generated_log_probs.append(lps[i])
+                if sp.top_n_logprobs > 0:
+                    n = sp.top_n_logprobs
+                    req.generated_top_n_logprobs.append(dict(zip(tis[i][:n], tvs[i][:n])))
+                reason = self._finish_reason(req)
+                if reason is not None:
+                    req.finish_reason = reason
+                    ctx.release(req)
+                    finished.append(req)
+                else:
+                    ctx.register_complete_blocks(req)
+        return BookkeepResult(finished, len(rec.discard), step_time)
+
+    def _finish_reason(self, req: DynamicInferenceRequest) -> FinishReason | None:
+        sp = req.sampling_params
+        last = req.generated_tokens[-1]
+        eos = req.termination_id
+        if not sp.ignore_eos and eos is not None and last == eos:
+            return FinishReason.STOP
+        gen = req.generated_tokens
+        for seq in req.stop_sequences:
+            if len(gen) >= len(seq) and gen[-len(seq):] == seq:
+                return FinishReason.STOP
+        if len(gen) >= sp.num_tokens_to_generate:
+            return FinishReason.LENGTH
+        if req.num_known_tokens >= self.context.config.max_sequence_length:
+            return FinishReason.LENGTH
+        return None

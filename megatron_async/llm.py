@@ -1,0 +1,84 @@
+"""LLM: the offline API. Builds model, context, controller and engine; ``generate`` runs them."""
+from __future__ import annotations
+
+import torch
+
+from megatron_async.config import InferenceConfig
+from megatron_async.inference import nvtx
+from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron_async.inference.device import DeviceFacade
+from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine
+from megatron_async.inference.request import InvalidRequestError, RequestOutput, SamplingParams
+from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+from megatron_async.kernels.attention import set_attention_backend
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str = "cpu",
+        dtype: str | torch.dtype = "float32",
+        inference_config: InferenceConfig | None = None,
+        default_model: str = "tiny",
+        seed: int = 0,
+    ):
+        from megatron_async.models import build_default_model, load_checkpoint, load_tokenizer
+
+        self.config = inference_config or InferenceConfig()
+        self.config.validate()
+        self.dtype = parse_dtype(dtype)
+        self.device = torch.device(device)
+        nvtx.set_enabled(self.config.nvtx_ranges)
+        self.attention_backend = set_attention_backend(self.config.attention_backend, self.device)
+        if model is None:
+            self.model = build_default_model(default_model, self.device, self.dtype, seed=seed)
+            self.tokenizer = None
+        else:
+            self.model, _ = load_checkpoint(model, self.device, self.dtype)
+            self.tokenizer = load_tokenizer(model)
+        self.model.eval()
+        eos = self.model.eos_token_id
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = self.tokenizer.eos_token_id
+        facade = DeviceFacade(self.device)
+        self.context = DynamicInferenceContext(self.config, self.model, facade, self.dtype)
+        self.controller = TextGenerationController(self.model, self.context, eos)
+        if self.config.cuda_graphs and facade.is_cuda:
+            from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
+
+            self.controller.graphs = CudaGraphRunner(self.controller, self.config)
+        self.engine = DynamicInferenceEngine(self.controller, self.context, self.config, self.tokenizer)
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts to completion; ``outs[i]`` belongs to ``prompts[i]``. A prompt that
+        can never be served gets an output with ``finish_reason="error"`` and ``error`` set,
+        and the others still run."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        slots: list[RequestOutput | int] = []
+        for prompt, sp in zip(prompts, sampling_params):
+            try:
+                slots.append(self.engine.add_request(prompt, sp))
+            except InvalidRequestError as e:
+                toks = list(prompt) if not isinstance(prompt, str) else []
+                slots.append(RequestOutput(-1, toks, [], None, "error", error=str(e)))
+        done = {o.request_id: o for o in self.engine.run_until_done()}
+        return [s if isinstance(s, RequestOutput) else done[s] for s in slots]

@@ -1,0 +1,55 @@
+"""The interface every model offers the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from megatron_async.inference.contexts.metadata import ForwardBatch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int  # attention layers only
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class MambaStateSpec:
+    num_layers: int  # Mamba layers only
+    conv_shape: tuple[int, ...]  # per slot: (conv_dim, d_conv - 1)
+    ssm_shape: tuple[int, ...]  # per slot: (num_heads, head_dim, d_state)
+
+
+class CausalLM(nn.Module):
+    """A decoder that runs one packed step (prefill chunks and decode tokens mixed).
+
+    Subclasses set ``vocab_size`` and ``eos_token_id`` and implement the methods below."""
+
+    vocab_size: int
+    eos_token_id: int | None
+    max_position_embeddings: int
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids [T] int64 -> final hidden states [T, hidden] (after the final norm).
+
+        Writes the step's K/V into ``batch.kv_caches`` and advances Mamba states in place."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 logits."""
+        raise NotImplementedError
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        raise NotImplementedError
+
+    def mamba_state_spec(self) -> MambaStateSpec | None:
+        return None
+
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the parameters; raise ValueError naming any
+        missing, unexpected or mis-shaped tensor."""
+        raise NotImplementedError

@@ -1,0 +1,47 @@
+"""Shared helpers for engine-level tests: tiny checkpoints, staggered runs, comparisons."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from megatron_async import LLM, InferenceConfig, SamplingParams
+
+
+@dataclass
+class Arrival:
+    step: int  # engine.step() calls made before this request is added
+    prompt: list[int]
+    params: SamplingParams
+
+
+def make_llm(path, **cfg) -> LLM:
+    base = dict(block_size_tokens=4, num_kv_blocks=256, max_requests=16, max_tokens=64, max_sequence_length=256)
+    base.update(cfg)
+    return LLM(model=str(path), inference_config=InferenceConfig(**base))
+
+
+def run_arrivals(llm: LLM, arrivals: list[Arrival], max_steps: int = 5000) -> dict[int, object]:
+    """Add requests at their arrival step while stepping; returns outputs by arrival index."""
+    eng = llm.engine
+    pending = sorted(enumerate(arrivals), key=lambda x: x[1].step)
+    ids: dict[int, int] = {}
+    outs: dict[int, object] = {}
+    steps = 0
+    while pending or eng.has_unfinished_requests():
+        while pending and pending[0][1].step <= steps:
+            i, a = pending.pop(0)
+            ids[eng.add_request(a.prompt, a.params)] = i
+        for o in eng.step().finished:
+            outs[ids[o.request_id]] = o
+        steps += 1
+        assert steps < max_steps, "engine made no progress"
+    return outs
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def tokens_of(outs: dict[int, object]) -> dict[int, list[int]]:
+    return {i: o.generated_tokens for i, o in outs.items()}
