@@ -11,6 +11,7 @@ from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngi
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, SamplingParams
 from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 from megatron_async.kernels.attention import set_attention_backend
+from megatron_async.kernels.mamba_ops import set_mamba_backend
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -42,13 +43,20 @@ class LLM:
         self.device = torch.device(device)
         nvtx.set_enabled(self.config.nvtx_ranges)
         self.attention_backend = set_attention_backend(self.config.attention_backend, self.device)
+        self.mamba_backend = set_mamba_backend(self.config.mamba_backend, self.device)
         if model is None:
             self.model = build_default_model(default_model, self.device, self.dtype, seed=seed)
             self.tokenizer = None
+            if default_model == "tiny":  # sized to the in-process tiny BPE: text prompts work
+                from megatron_async.models import Tokenizer
+                from megatron_async.testing.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
+
+                self.tokenizer = Tokenizer(train_tiny_tokenizer(), EOS_TOKEN_ID)
         else:
             self.model, _ = load_checkpoint(model, self.device, self.dtype)
             self.tokenizer = load_tokenizer(model)
         self.model.eval()
+        self.model.reserve_positions(self.config.max_sequence_length)
         eos = self.model.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = self.tokenizer.eos_token_id

@@ -49,6 +49,10 @@ class CausalLM(nn.Module):
     def mamba_state_spec(self) -> MambaStateSpec | None:
         return None
 
+    def reserve_positions(self, num_positions: int) -> None:
+        """Pre-build position tables (rope) up to ``num_positions`` so no step, and no
+        captured CUDA graph, ever has to grow them."""
+
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters; raise ValueError naming any
         missing, unexpected or mis-shaped tensor."""

@@ -1,0 +1,86 @@
+"""Load a Hugging Face-format checkpoint directory (config.json + safetensors) into a CausalLM."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from megatron_async.models import registry
+from megatron_async.models.base import CausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, hf_config: dict | None = None) -> torch.dtype:
+    """torch.dtype, its name ("bfloat16", "torch.float16"), or None = the checkpoint's dtype (float32 if unset)."""
+    if dtype is None:
+        dtype = (hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype") or "float32"
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"unknown floating-point dtype {dtype!r}")
+    return resolved
+
+
+def read_hf_config(path: str | Path) -> dict:
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"checkpoint directory {str(root)!r} does not exist")
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"checkpoint {str(root)!r} has no config.json")
+    with open(config_file) as f:
+        return json.load(f)
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The weight files of a checkpoint: model.safetensors, or the shards its index names."""
+    root = Path(path)
+    if (root / SINGLE_FILE).is_file():
+        return [root / SINGLE_FILE]
+    index = root / INDEX_FILE
+    if not index.is_file():
+        raise ValueError(f"checkpoint {str(root)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    with open(index) as f:
+        weight_map = json.load(f).get("weight_map")
+    if not weight_map:
+        raise ValueError(f"{index} has no 'weight_map'")
+    files = [root / name for name in sorted(set(weight_map.values()))]
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise ValueError(f"{index} names shard files that do not exist: {', '.join(absent)}")
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time so that only one tensor is in host memory at once."""
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_checkpoint(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None
+) -> tuple[CausalLM, dict]:
+    """Build the model named by ``config.json``'s ``architectures[0]`` on ``device`` in ``dtype``
+    (None: the checkpoint's dtype) and fill it from the checkpoint's safetensors.
+
+    Returns (model in eval mode, the config.json dict)."""
+    hf_config = read_hf_config(path)
+    archs = hf_config.get("architectures") or []
+    if not archs:
+        raise ValueError(f"{Path(path) / 'config.json'} has no 'architectures' entry")
+    files = safetensors_files(path)
+    builder = registry.get_builder(archs[0])
+    model = builder(hf_config, resolve_dtype(dtype, hf_config), torch.device(device))
+    try:
+        model.load_hf_weights(iter_safetensors(files))
+    except ValueError as e:
+        raise ValueError(f"checkpoint {str(path)!r}: {e}") from e
+    return model.eval(), hf_config

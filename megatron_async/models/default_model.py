@@ -1,0 +1,85 @@
+"""Built-in models with seeded random weights, for running the engine without a checkpoint."""
+from __future__ import annotations
+
+import torch
+
+from megatron_async.models.checkpoint import resolve_dtype
+from megatron_async.models.gpt import GPTModel, build_gpt
+from megatron_async.testing.tiny_tokenizer import EOS_TOKEN_ID
+
+_QWEN3_COMMON = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "use_sliding_window": False,
+}
+
+DEFAULT_CONFIGS: dict[str, dict] = {
+    # Runs in milliseconds per step on CPU; its vocabulary is the tiny test tokenizer's
+    # (megatron_async.testing.tiny_tokenizer, default vocab_size=1024).
+    "tiny": {
+        **_QWEN3_COMMON,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        "vocab_size": 1024,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.1,
+        "eos_token_id": EOS_TOKEN_ID,
+        "dtype": "float32",
+    },
+    # The shape of Qwen/Qwen3-0.6B.
+    "qwen3-0.6b": {
+        **_QWEN3_COMMON,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.02,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "dtype": "bfloat16",
+    },
+}
+
+
+@torch.no_grad()
+def init_random_weights(model: GPTModel, std: float, seed: int) -> None:
+    """Seeded N(0, std) matrices, unit norm weights, zero biases, drawn on the model's device.
+
+    The draws come from a generator on that device, so CPU and CUDA give different
+    (each reproducible) weights."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        elif p.dim() == 1:
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gen)
+
+
+def build_default_model(
+    name: str = "tiny", device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None, seed: int = 0
+) -> GPTModel:
+    """One of DEFAULT_CONFIGS with seeded random weights, built directly on ``device``.
+    dtype None = the config's dtype."""
+    if name not in DEFAULT_CONFIGS:
+        raise ValueError(f"unknown default model {name!r}; choose from {', '.join(DEFAULT_CONFIGS)}")
+    cfg = DEFAULT_CONFIGS[name]
+    model = build_gpt(cfg, resolve_dtype(dtype, cfg), torch.device(device))
+    init_random_weights(model, cfg["initializer_range"], seed)
+    return model.eval()

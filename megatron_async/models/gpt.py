@@ -1,0 +1,132 @@
+"""GPT decoder (Llama / Qwen2 / Qwen3) running packed steps over the paged KV cache."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_async.inference.contexts.metadata import ForwardBatch
+from megatron_async.models.base import CausalLM, KVCacheSpec
+from megatron_async.models.layers.attention_layer import SelfAttention
+from megatron_async.models.layers.mlp import SwiGLUMLP
+from megatron_async.models.layers.norm import RMSNorm
+from megatron_async.models.layers.rope import RotaryEmbedding
+from megatron_async.models.model_config import GPTConfig, parse_gpt_config
+
+# Buffers some old checkpoints saved; they are recomputed here, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _name_list(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, ... ({len(names)} in all)"
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: GPTConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = SelfAttention(cfg, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
+
+    def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {
+            f"{prefix}.input_layernorm.weight": self.input_layernorm.weight.data,
+            f"{prefix}.post_attention_layernorm.weight": self.post_attention_layernorm.weight.data,
+            **self.self_attn.hf_targets(f"{prefix}.self_attn"),
+            **self.mlp.hf_targets(f"{prefix}.mlp"),
+        }
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch.attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GPTModel(CausalLM):
+    def __init__(self, cfg: GPTConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.config = cfg
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_id = cfg.eos_token_id
+        self.max_position_embeddings = cfg.max_position_embeddings
+        kw = dict(dtype=dtype, device=device)
+        self.embed_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head_weight = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False)
+        )
+        self.rope = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype, device
+        )
+
+    def reserve_positions(self, num_positions: int) -> None:
+        """Pre-size the rope table (e.g. to max_sequence_length before CUDA-graph capture)."""
+        self.rope.reserve(num_positions)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # max_kv_len is a host int, so growing the rope table never syncs with the device.
+        self.rope.reserve(batch.attn.max_kv_len)
+        cos, sin = self.rope(batch.attn.positions[: input_ids.shape[0]])
+        x = F.embedding(input_ids, self.embed_weight)
+        for layer, kv_cache in zip(self.layers, batch.kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, batch)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
+        # matmul in the model dtype (as HF does), then float32 for sampling
+        return F.linear(hidden, weight).float()
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.config.num_hidden_layers, self.config.num_key_value_heads, self.config.head_dim)
+
+    def hf_targets(self) -> dict[str, torch.Tensor]:
+        """Every HF tensor name this model needs -> the (slice of a) parameter it fills."""
+        targets = {"model.embed_tokens.weight": self.embed_weight.data, "model.norm.weight": self.norm.weight.data}
+        for i, layer in enumerate(self.layers):
+            targets.update(layer.hf_targets(f"model.layers.{i}"))
+        if self.lm_head_weight is not None:
+            targets["lm_head.weight"] = self.lm_head_weight.data
+        return targets
+
+    @torch.no_grad()
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        targets = self.hf_targets()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.lm_head_weight is None:
+                continue  # some tied checkpoints store the (identical) head too
+            target = targets.get(name)
+            if target is None:
+                unexpected.append(name)
+                continue
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        problems = []
+        if missing:
+            problems.append(f"missing tensors: {_name_list(missing)}")
+        if unexpected:
+            problems.append(f"unexpected tensors: {_name_list(sorted(unexpected))}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def build_gpt(hf_config: dict, dtype: torch.dtype, device: torch.device | str) -> GPTModel:
+    """A GPTModel with uninitialised weights (fill them with ``load_hf_weights``)."""
+    return GPTModel(parse_gpt_config(hf_config), dtype, device)

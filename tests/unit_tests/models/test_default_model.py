@@ -1,0 +1,49 @@
+import pytest
+import torch
+
+from megatron_async.models import DEFAULT_CONFIGS, build_default_model
+from megatron_async.models.gpt import build_gpt
+from megatron_async.testing.simple_session import SimpleSession
+from megatron_async.testing.tiny_tokenizer import train_tiny_tokenizer
+
+
+def test_tiny_is_seeded_and_runs():
+    a, b, c = (build_default_model("tiny", seed=s) for s in (0, 0, 1))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.embed_weight, c.embed_weight)
+    logits = SimpleSession(a, max_seqs=2, max_len=32).step([(0, [1, 2, 3]), (1, [4])])
+    assert logits.shape == (4, DEFAULT_CONFIGS["tiny"]["vocab_size"]) and logits.dtype == torch.float32
+    assert a.eos_token_id == 0 and a.vocab_size >= train_tiny_tokenizer().get_vocab_size()
+
+
+def test_dtype_override():
+    assert next(build_default_model("tiny", dtype=torch.bfloat16).parameters()).dtype == torch.bfloat16
+
+
+def test_qwen3_06b_shape():
+    model = build_gpt(DEFAULT_CONFIGS["qwen3-0.6b"], torch.bfloat16, "meta")  # no memory, no init
+    assert 595e6 < sum(p.numel() for p in model.parameters()) < 597e6
+    spec = model.kv_cache_spec()
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (28, 8, 128)
+    assert model.lm_head_weight is None  # tied
+
+
+def test_unknown_name():
+    with pytest.raises(ValueError, match="unknown default model"):
+        build_default_model("huge")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_qwen3_06b_builds_fast_on_cuda():
+    import time
+
+    torch.zeros(1, device="cuda")  # CUDA context start-up is not the model's cost
+    start = time.perf_counter()
+    model = build_default_model("qwen3-0.6b", "cuda", seed=3)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    assert elapsed < 5.0, f"building took {elapsed:.1f}s"
+    assert next(model.parameters()).dtype == torch.bfloat16
+    logits = SimpleSession(model, max_seqs=2, max_len=64, block_size=16).step([(0, list(range(40))), (1, [7])])
+    assert logits.shape == (41, 151936) and torch.isfinite(logits).all()
