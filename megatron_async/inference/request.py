@@ -51,6 +51,8 @@ class SamplingParams:
             raise InvalidRequestError(f"num_tokens_to_generate must be >= 1, got {self.num_tokens_to_generate}")
         if self.top_n_logprobs < 0 or self.top_n_logprobs > vocab_size:
             raise InvalidRequestError(f"top_n_logprobs must be in [0, {vocab_size}], got {self.top_n_logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.termination_id is not None and not 0 <= self.termination_id < vocab_size:
             raise InvalidRequestError(f"termination_id {self.termination_id} outside vocab [0, {vocab_size})")
 

@@ -59,6 +59,7 @@ class StepShape:
     any_top_k_top_p: bool
     max_top_n: int
     any_log_probs: bool
+    cu_query_lens: list[int] | None = None  # host copy, for kernels that need row lengths
 
 
 class DynamicInferenceContext:
@@ -69,8 +70,13 @@ class DynamicInferenceContext:
         self.max_blocks_per_request = -(-config.max_sequence_length // self.block_size)
         spec = model.kv_cache_spec()
         elt = torch.empty((), dtype=dtype).element_size()
-        bytes_per_block = max(1, 2 * self.block_size * spec.num_kv_heads * spec.head_dim * elt * spec.num_layers)
-        num_blocks = config.num_kv_blocks or max(2, int(config.buffer_size_gb * 1e9 // bytes_per_block) + 1)
+        bytes_per_block = 2 * self.block_size * spec.num_kv_heads * spec.head_dim * elt * spec.num_layers
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        elif bytes_per_block == 0:  # no attention layers: blocks are bookkeeping only (prefix hashes)
+            num_blocks = config.max_requests * self.max_blocks_per_request + 1
+        else:
+            num_blocks = max(2, int(config.buffer_size_gb * 1e9 // bytes_per_block) + 1)
         self.kv_caches = [
             torch.zeros(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device.device)
             for _ in range(spec.num_layers)
@@ -257,15 +263,23 @@ class DynamicInferenceContext:
         v["has_initial_state"][:R] = has_init
         for row in plan.rows:
             self.register_complete_blocks(row.request)
-        return StepShape(T, R, max_q, max_kv, plan.is_decode_only, any_sampling, any_tk, max_top_n, any_lp)
+        return StepShape(T, R, max_q, max_kv, plan.is_decode_only, any_sampling, any_tk, max_top_n, any_lp, cu)
 
     def pad_decode_rows(self, num_rows: int, padded_rows: int) -> None:
         """Make rows [num_rows, padded_rows) of the current host buffer harmless padding
         (one token each, writing to the dummy block) for a padded CUDA-graph replay."""
-        v = self._host_views[self._ring]
-        if padded_rows <= num_rows:
-            return
-        a, b = num_rows, padded_rows
+        if padded_rows > num_rows:
+            self._fill_padding(self._host_views[self._ring], num_rows, padded_rows)
+
+    def padding_snapshot(self, num_rows: int) -> torch.Tensor:
+        """A whole host snapshot of ``num_rows`` padding rows (what graph capture runs on)."""
+        buf = torch.zeros(self.layout.nbytes, dtype=torch.uint8)
+        views = {k: t.numpy() for k, t in self.layout.views(buf).items()}
+        views["cu_query_lens"][0] = 0
+        self._fill_padding(views, 0, num_rows)
+        return buf
+
+    def _fill_padding(self, v: dict, a: int, b: int) -> None:
         v["input_ids"][a:b] = 0
         v["prev_sample_idx"][a:b] = -1
         v["positions"][a:b] = 0
@@ -300,7 +314,7 @@ class DynamicInferenceContext:
             batch.mamba = MambaMetadata(
                 state_slots=g.state_slots[:R], has_initial_state=g.has_initial_state[:R],
                 cu_query_lens=attn.cu_query_lens, num_rows=R, is_decode_only=shape.is_decode_only,
-                max_query_len=shape.max_query_len,
+                max_query_len=shape.max_query_len, host_cu_query_lens=shape.cu_query_lens,
             )
             batch.conv_states, batch.ssm_states = self.mamba.conv_states, self.mamba.ssm_states
         return batch

@@ -56,6 +56,9 @@ class MambaMetadata:
     num_rows: int
     is_decode_only: bool
     max_query_len: int
+    host_cu_query_lens: list[int] | None = None
+    """The same prefix sums as a host list (the context built them on the CPU), so kernels
+    that need row lengths on the host read them here instead of syncing with the device."""
 
 
 @dataclass

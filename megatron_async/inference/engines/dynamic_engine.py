@@ -95,6 +95,12 @@ class DynamicInferenceEngine:
         pending, self._pending = self._pending, nxt
         with nvtx_range("reconcile"):
             result = self._bookkeep(pending)
+            if self._pending is not None and not self._requests:
+                # Every row of the launch-ahead step belonged to requests that just finished:
+                # land it now so no launch outlives the work (its rows are all discarded).
+                with nvtx_range("drain"):
+                    self._bookkeep(self._pending)
+                self._pending = None
         self._account_time(pending, time.perf_counter() - t0)
         return result
 

@@ -1,0 +1,102 @@
+"""CUDA graphs for decode-only steps: one graph per (padded batch size, sampling variant).
+
+A captured graph is the whole device side of a decode step after the H2D copy: the
+gather of the previous samples into input ids, the forward, sampling, log-probs and the
+write of the samples into ``last_samples`` — all reading the fixed-address
+``ContextGPUView``. Launch-ahead replays therefore chain back to back: the host only
+copies the next snapshot and replays. Rows beyond the real batch are padding rows that
+write to the dummy KV block (and the padding Mamba slot)."""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from megatron_async.config import InferenceConfig
+from megatron_async.inference.contexts.dynamic_context import StepShape
+
+
+def default_batch_sizes(max_requests: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_requests]
+    sizes += list(range(16, max_requests + 1, 16))
+    if sizes[-1] != max_requests:
+        sizes.append(max_requests)
+    return sizes
+
+
+@dataclass
+class CapturedStep:
+    graph: torch.cuda.CUDAGraph
+    num_rows: int
+    out: tuple
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    def outputs(self, num_rows: int):
+        tokens, lp, tv, ti = self.out
+        cut = lambda t: None if t is None else t[:num_rows]  # noqa: E731
+        return cut(tokens), cut(lp), cut(tv), cut(ti)
+
+
+class CudaGraphRunner:
+    def __init__(self, controller, config: InferenceConfig):
+        self.controller = controller
+        self.config = config
+        self.sizes = sorted(config.cuda_graph_batch_sizes or default_batch_sizes(config.max_requests))
+        self.graphs: dict[tuple, CapturedStep] = {}
+        self._pool = None
+        self.num_replays = 0
+
+    def key(self, shape: StepShape) -> tuple | None:
+        if not shape.is_decode_only or shape.num_rows > self.sizes[-1]:
+            return None
+        padded = self.sizes[bisect.bisect_left(self.sizes, shape.num_rows)]
+        return (padded, shape.any_sampling, shape.any_top_k_top_p, shape.any_log_probs or shape.max_top_n > 0, shape.max_top_n)
+
+    def lookup(self, shape: StepShape) -> CapturedStep | None:
+        key = self.key(shape)
+        if key is None:
+            return None
+        step = self.graphs.get(key)
+        if step is None:
+            step = self.graphs[key] = self._capture(key)
+        self.num_replays += 1
+        return step
+
+    def warmup(self, greedy_only: bool = True) -> None:
+        """Capture the greedy decode graphs of every batch size up front."""
+        for b in self.sizes:
+            key = (b, False, False, False, 0)
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(key)
+
+    def _capture(self, key: tuple) -> CapturedStep:
+        b, any_sampling, any_filter, any_lp, top_n = key
+        ctl, ctx = self.controller, self.controller.context
+        shape = StepShape(
+            num_tokens=b, num_rows=b, max_query_len=1, max_kv_len=self.config.max_sequence_length,
+            is_decode_only=True, any_sampling=any_sampling, any_top_k_top_p=any_filter,
+            max_top_n=top_n, any_log_probs=any_lp,
+        )
+        # Capture runs on a padding-only snapshot (dummy block, padding slot); the samples of
+        # the launch in flight are kept aside because warm-up runs overwrite them.
+        torch.cuda.synchronize()
+        saved_samples = ctl.last_samples.clone()
+        saved_view = ctx.gpu_view.buffer.clone()
+        ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(b))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                ctl.compute_step(shape)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = ctl.compute_step(shape)
+        self._pool = graph.pool()
+        ctl.last_samples.copy_(saved_samples)
+        ctx.gpu_view.buffer.copy_(saved_view)
+        torch.cuda.synchronize()
+        return CapturedStep(graph, b, out)
