@@ -16,9 +16,10 @@ class AttentionBackend(str, Enum):
 class MambaBackend(str, Enum):
     """Which SSM / conv1d implementation the Mamba mixers call."""
 
-    TORCH = "torch"
-    TRITON = "triton"
-    AUTO = "auto"
+    TORCH = "torch"  # pure-torch reference (CPU and CUDA)
+    TRITON = "triton"  # in-repo Triton kernels (CUDA, or CPU with TRITON_INTERPRET=1)
+    MAMBA_SSM = "mamba_ssm"  # the optional mamba_ssm + causal_conv1d packages (CUDA)
+    AUTO = "auto"  # CUDA: mamba_ssm when importable, else triton; CPU: torch
 
 
 @dataclass

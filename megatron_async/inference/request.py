@@ -38,7 +38,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Below ~1e-5, logits / temperature overflows float32; such a request is greedy anyway.
+        return self.temperature < 1e-5 or self.top_k == 1  # same bound as sampling.GREEDY_TEMPERATURE
 
     def validate(self, vocab_size: int) -> None:
         if not self.temperature >= 0:
@@ -98,6 +99,8 @@ class DynamicInferenceRequest:
     block_ids: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
     last_block_hash: int | None = None
+    mamba_store_points: list[int] = field(default_factory=list)
+    """Hybrid prefix caching: prefill chunks end at these positions so their states get cached."""
     state_slot: int = -1
     """Hybrid models: index of this request's live Mamba state slot (-1 = none)."""
 

@@ -1,15 +1,22 @@
-"""Mamba2 op dispatcher: the mixer calls these four functions and nothing else.
+"""Mamba2 op dispatcher: the mixer calls these functions and nothing else.
 
-Backends: the pure-torch reference (``conv1d_torch`` / ``ssd_torch``, CPU and CUDA), or, on
-CUDA, the ``causal_conv1d`` and ``mamba_ssm`` packages when they are importable (never
-required). All four ops are functional on gathered per-row states: the mixer gathers the
-rows' states from the slot pools, and writes the returned states back, so every backend
-shares one state-pool protocol. ``dt`` is always the final step size (bias, softplus and
-limits applied by the mixer), so the backends never see the dt options.
+Backends (``MambaBackend``): TORCH, the pure-torch reference (``conv1d_torch`` / ``ssd_torch``,
+CPU and CUDA, the ground truth); TRITON, this repo's kernels (``triton_mamba_decode``,
+``triton_ssd_prefill``; CUDA, or CPU under ``TRITON_INTERPRET=1`` for tests); MAMBA_SSM, the
+optional ``mamba_ssm`` + ``causal_conv1d`` packages (CUDA, never required).
+
+The four functional ops work on gathered per-row states and return the new states, so every
+backend shares one state-pool protocol with the mixer. The two ``*_inplace`` decode ops
+instead read and advance the rows' states directly in the slot pools (no gather / scatter
+copies of the large SSM state): on TRITON and MAMBA_SSM they run the in-repo Triton kernels,
+on TORCH the reference with an explicit gather and scatter. ``dt`` given to the functional ops
+is the final step size (bias, softplus and limits applied by the mixer); the in-place decode
+op can apply them itself.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from megatron_async.config import MambaBackend
 from megatron_async.kernels import conv1d_torch, ssd_torch
@@ -17,7 +24,7 @@ from megatron_async.kernels import conv1d_torch, ssd_torch
 _backend: MambaBackend = MambaBackend.TORCH
 
 
-def _fast_kernels_importable() -> bool:
+def _mamba_ssm_importable() -> bool:
     try:
         import causal_conv1d  # noqa: F401
         import mamba_ssm  # noqa: F401
@@ -26,16 +33,34 @@ def _fast_kernels_importable() -> bool:
     return True
 
 
+def _triton_usable(on_cuda: bool) -> bool:
+    """Triton imports and its kernels can run here: compiled on CUDA, interpreted on CPU (only
+    when TRITON_INTERPRET=1 was set before the kernels were decorated)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        from megatron_async.kernels import triton_mamba_decode
+    except ImportError:
+        return False
+    return on_cuda or isinstance(triton_mamba_decode._state_update_kernel, InterpretedFunction)
+
+
 def set_mamba_backend(backend: MambaBackend | str, device: torch.device | str) -> MambaBackend:
-    """Pick the process-wide Mamba backend. TRITON means the ``mamba_ssm`` (Triton) and
-    ``causal_conv1d`` (CUDA) kernels; AUTO picks them on CUDA when importable, else TORCH."""
+    """Pick the process-wide Mamba backend. AUTO: on CUDA, MAMBA_SSM when its packages import,
+    else TRITON when triton imports, else TORCH; on CPU, TORCH."""
     global _backend
     backend = MambaBackend(backend)
     on_cuda = torch.device(device).type == "cuda"
     if backend == MambaBackend.AUTO:
-        backend = MambaBackend.TRITON if on_cuda and _fast_kernels_importable() else MambaBackend.TORCH
-    elif backend == MambaBackend.TRITON and not (on_cuda and _fast_kernels_importable()):
-        raise ValueError("MambaBackend.TRITON needs CUDA and the mamba_ssm + causal_conv1d packages")
+        backend = MambaBackend.TORCH
+        if on_cuda and _mamba_ssm_importable():
+            backend = MambaBackend.MAMBA_SSM
+        elif on_cuda and _triton_usable(on_cuda):
+            backend = MambaBackend.TRITON
+    elif backend == MambaBackend.MAMBA_SSM and not (on_cuda and _mamba_ssm_importable()):
+        raise ValueError("MambaBackend.MAMBA_SSM needs CUDA and the mamba_ssm + causal_conv1d packages")
+    elif backend == MambaBackend.TRITON and not _triton_usable(on_cuda):
+        raise ValueError("MambaBackend.TRITON needs triton on CUDA, or TRITON_INTERPRET=1 set before import on CPU")
     _backend = backend
     return backend
 
@@ -53,6 +78,10 @@ def conv1d_prefill(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded rows x [b, l, c] after states [b, c, K-1] -> (silu(conv) [b, l, c], final states)."""
     if _backend == MambaBackend.TRITON:
+        from megatron_async.kernels.triton_ssd_prefill import causal_conv1d_prefill
+
+        return causal_conv1d_prefill(x, weight, bias, initial_state, lengths)
+    if _backend == MambaBackend.MAMBA_SSM:
         from causal_conv1d import causal_conv1d_fn
 
         # Prepend the state as K-1 extra inputs: the plain causal conv then sees each row's
@@ -71,6 +100,11 @@ def conv1d_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row: x [b, c], state [b, c, K-1] -> (silu(conv) [b, c], new state)."""
     if _backend == MambaBackend.TRITON:
+        from megatron_async.kernels.triton_mamba_decode import causal_conv1d_update
+
+        new_state = torch.empty_like(state)
+        return causal_conv1d_update(x, weight, bias, state, out_state=new_state), new_state
+    if _backend == MambaBackend.MAMBA_SSM:
         from causal_conv1d import causal_conv1d_update
 
         state = state.contiguous()  # the kernel shifts this (gathered) copy in place
@@ -89,8 +123,15 @@ def ssd_prefill(
     D: torch.Tensor,
     initial_state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked scan of right-padded rows (pads carry dt = 0) -> (y [b, l, h, p], final state fp32)."""
+    """Chunked scan of right-padded rows (pads carry dt = 0) -> (y [b, l, h, p], final state fp32).
+
+    ``chunk_size`` is the model's; the math does not depend on it, so the TRITON kernel uses
+    its own tile size."""
     if _backend == MambaBackend.TRITON:
+        from megatron_async.kernels.triton_ssd_prefill import ssd_scan
+
+        return ssd_scan(x, dt, A, B, C, D, initial_state)
+    if _backend == MambaBackend.MAMBA_SSM:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
         y, final = mamba_chunk_scan_combined(
@@ -111,6 +152,12 @@ def ssd_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row: x [b, h, p], dt [b, h], B / C [b, g, n] -> (y [b, h, p] fp32, new state fp32)."""
     if _backend == MambaBackend.TRITON:
+        from megatron_async.kernels.triton_mamba_decode import selective_state_update
+
+        state = state.float()
+        new_state = torch.empty_like(state)
+        return selective_state_update(x, dt, A, B, C, D, state, out_state=new_state), new_state
+    if _backend == MambaBackend.MAMBA_SSM:
         from mamba_ssm.ops.triton.selective_state_update import selective_state_update
 
         h, p, n = state.shape[1:]
@@ -126,3 +173,65 @@ def ssd_decode(
         )
         return y.float(), state
     return ssd_torch.ssd_step(x, dt, A, B, C, state, D)
+
+
+def _gather_states(pool: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
+    """Rows' states from the pool; rows without an initial state start from zeros."""
+    states = pool.index_select(0, slots)
+    return torch.where(has_init.view(-1, *([1] * (states.dim() - 1))), states, torch.zeros_like(states))
+
+
+def conv1d_decode_inplace(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_pool: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row: x [b, c] -> silu(conv) [b, c]. Row r's state is ``conv_pool[slots[r]]``
+    ([S, c, K-1]; zeros when ``has_initial_state[r]`` is False) and is advanced there in place."""
+    if _backend in (MambaBackend.TRITON, MambaBackend.MAMBA_SSM):
+        from megatron_async.kernels.triton_mamba_decode import causal_conv1d_update
+
+        return causal_conv1d_update(x, weight, bias, conv_pool, slots=slots, has_initial_state=has_initial_state)
+    out, new_state = conv1d_torch.causal_conv1d_step(x, weight, bias, _gather_states(conv_pool, slots, has_initial_state))
+    conv_pool.index_copy_(0, slots, new_state.to(conv_pool.dtype))
+    return out
+
+
+def ssd_decode_inplace(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    ssm_pool: torch.Tensor,
+    slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """One token per row: x [b, h, p], dt [b, h], B / C [b, g, n] -> y [b, h, p] fp32. Row r's
+    state is ``ssm_pool[slots[r]]`` ([S, h, p, n] fp32; zeros when ``has_initial_state[r]`` is
+    False) and is advanced there in place. dt: ``dt_bias`` added, softplus, ``dt_limit`` clamp,
+    each only when given."""
+    if _backend in (MambaBackend.TRITON, MambaBackend.MAMBA_SSM):
+        from megatron_async.kernels.triton_mamba_decode import selective_state_update
+
+        return selective_state_update(
+            x, dt, A, B, C, D, ssm_pool, slots=slots, has_initial_state=has_initial_state,
+            dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+        )
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    if dt_limit is not None:
+        dt = dt.clamp(*dt_limit)
+    y, new_state = ssd_torch.ssd_step(x, dt, A, B, C, _gather_states(ssm_pool, slots, has_initial_state), D)
+    ssm_pool.index_copy_(0, slots, new_state)
+    return y

@@ -83,6 +83,8 @@ class DynamicInferenceContext:
         ]
         self.allocator = KVBlockAllocator(num_blocks, config.enable_prefix_caching)
         self.mamba = MambaStateManager.create(model, config, device, dtype)
+        if self.mamba is not None:
+            self.allocator.on_reclaim = lambda block, block_hash: self.mamba.on_kv_block_reclaimed(block_hash)
 
         self.layout = BookkeepingLayout(bookkeeping_fields(config.max_tokens, config.max_requests, self.max_blocks_per_request))
         self._host_buffers = [device.host_empty(self.layout.nbytes) for _ in range(2)]
@@ -120,26 +122,32 @@ class DynamicInferenceContext:
     def _match_prefix(self, req: DynamicInferenceRequest) -> int:
         if not self.allocator.enable_prefix_caching:
             return 0
+        bs = self.block_size
         # Leave at least one known token to compute: its logits give the next token.
-        limit = (req.num_known_tokens - 1) // self.block_size
-        if self.mamba is not None:
-            limit = self.mamba.restorable_prefix_blocks(req, limit, self)
-        parent = None
+        limit = (req.num_known_tokens - 1) // bs
+        hashes, blocks, parent = [], [], None
         for i in range(limit):
-            h = chain_hash(parent, tuple(req.token_at(p) for p in range(i * self.block_size, (i + 1) * self.block_size)))
+            h = chain_hash(parent, tuple(req.token_at(p) for p in range(i * bs, (i + 1) * bs)))
             block = self.allocator.lookup(h)
             if block is None:
                 break
+            hashes.append(h)
+            blocks.append(block)
+            parent = h
+        kv_depth = depth = len(blocks)
+        if self.mamba is not None:  # a hybrid skips only as deep as a cached state exists
+            depth = self.mamba.matched_depth(hashes)
+        for block in blocks[:depth]:
             self.allocator.acquire_cached(block)
             req.block_ids.append(block)
-            parent = h
-        n = len(req.block_ids)
-        if n:
-            req.num_computed_tokens = n * self.block_size
-            req.num_hashed_blocks, req.last_block_hash = n, parent
+        if depth:
+            req.num_computed_tokens = depth * bs
+            req.num_hashed_blocks, req.last_block_hash = depth, hashes[depth - 1]
             if self.mamba is not None:
-                self.mamba.restore_prefix_state(req, parent)
-        return n * self.block_size
+                self.mamba.restore_prefix_state(req, hashes[depth - 1])
+        if self.mamba is not None:
+            req.mamba_store_points = self.mamba.store_points(req, kv_depth)
+        return depth * bs
 
     def reserve(self, req: DynamicInferenceRequest, num_tokens: int) -> bool:
         """Own blocks for positions [num_computed, num_computed + num_tokens); all or nothing."""

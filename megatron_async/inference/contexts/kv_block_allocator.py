@@ -26,7 +26,7 @@ class KVBlockAllocator:
         self._hash_of: dict[int, int] = {}  # block -> hash
         self._block_of: dict[int, int] = {}  # hash -> block
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks with ref 0, oldest first
-        self.on_reclaim = None  # callback(block_id) when a cached block loses its hash
+        self.on_reclaim = None  # callback(block_id, block_hash) when a cached block loses its hash
 
     @property
     def capacity(self) -> int:
@@ -84,4 +84,4 @@ class KVBlockAllocator:
         if h is not None:
             del self._block_of[h]
             if self.on_reclaim is not None:
-                self.on_reclaim(block)
+                self.on_reclaim(block, h)

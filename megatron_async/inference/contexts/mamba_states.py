@@ -8,14 +8,17 @@ from __future__ import annotations
 import torch
 
 from megatron_async.config import InferenceConfig
+from megatron_async.inference.contexts.mamba_prefix_cache import MambaPrefixCache
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest
 from megatron_async.models.base import CausalLM
 
 
 class MambaStateManager:
-    def __init__(self, spec, num_slots: int, device: DeviceFacade, dtype: torch.dtype):
+    def __init__(self, spec, num_slots: int, block_size: int, device: DeviceFacade, dtype: torch.dtype):
         dev = device.device
+        self.block_size = block_size
+        self.prefix_cache: MambaPrefixCache | None = None
         self.num_slots = num_slots
         self.padding_slot = num_slots  # one extra slot beyond the live ones
         self.conv_states = [torch.zeros(num_slots + 1, *spec.conv_shape, dtype=dtype, device=dev) for _ in range(spec.num_layers)]
@@ -27,7 +30,10 @@ class MambaStateManager:
         spec = model.mamba_state_spec()
         if spec is None or spec.num_layers == 0:
             return None
-        return cls(spec, config.max_requests, device, dtype)
+        mgr = cls(spec, config.max_requests, config.block_size_tokens, device, dtype)
+        if config.enable_prefix_caching:
+            mgr.enable_prefix_cache(config.prefix_caching_mamba_gb)
+        return mgr
 
     def assign_slot(self, req: DynamicInferenceRequest) -> None:
         assert req.state_slot < 0, "request already holds a state slot"
@@ -38,13 +44,44 @@ class MambaStateManager:
             self._free.append(req.state_slot)
             req.state_slot = -1
 
-    # Prefix caching of Mamba states is not wired yet: without a cached state no KV prefix
-    # can be skipped for a hybrid model, so the match depth is 0.
-    def restorable_prefix_blocks(self, req: DynamicInferenceRequest, limit: int, ctx) -> int:
+    # ------------------------------------------------------------------ prefix caching
+    def enable_prefix_cache(self, budget_gb: float) -> None:
+        cache = MambaPrefixCache(self.conv_states, self.ssm_states, budget_gb)
+        self.prefix_cache = cache if cache.enabled else None
+
+    def matched_depth(self, block_hashes: list[int]) -> int:
+        """Deepest number of matched KV blocks whose end-boundary state is cached (0 = none)."""
+        if self.prefix_cache is None:
+            return 0
+        for d in range(len(block_hashes), 0, -1):
+            if self.prefix_cache.has(block_hashes[d - 1]):
+                return d
         return 0
 
-    def restore_prefix_state(self, req: DynamicInferenceRequest, block_hash: int | None) -> None:
-        pass
+    def restore_prefix_state(self, req: DynamicInferenceRequest, block_hash: int) -> None:
+        self.prefix_cache.restore(block_hash, req.state_slot)
 
     def on_block_registered(self, req: DynamicInferenceRequest, block_index: int, block_hash: int) -> None:
-        pass
+        """Store the state when this launch's row ends exactly at a boundary worth caching."""
+        end = (block_index + 1) * self.block_size
+        if self.prefix_cache is not None and end == req.num_computed_tokens and end in req.mamba_store_points:
+            self.prefix_cache.store(req.state_slot, block_hash)
+
+    def after_forward(self) -> None:
+        """Enqueue the state stores of the launch whose forward was just enqueued."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
+
+    def on_kv_block_reclaimed(self, block_hash: int) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.invalidate(block_hash)
+
+    def store_points(self, req: DynamicInferenceRequest, kv_depth: int) -> list[int]:
+        """Positions where a prefill chunk must end so their states get cached: the last
+        block boundary a later identical prompt may skip to, and the end of a KV match that
+        had no state (so the next request with this prefix can skip all of it)."""
+        if self.prefix_cache is None:
+            return []
+        bs = self.block_size
+        points = {(len(req.prompt_tokens) - 1) // bs * bs, kv_depth * bs}
+        return sorted(p for p in points if p > req.num_computed_tokens)

@@ -86,6 +86,13 @@ class DynamicInferenceEngine:
             if self._pending is None:
                 plan = self.scheduler.schedule(has_inflight=False)
                 if not plan:
+                    if self._requests:  # nothing in flight, nothing admissible: would spin forever
+                        head = self.scheduler.waiting[0] if self.scheduler.waiting else None
+                        raise RuntimeError(
+                            f"engine cannot make progress: {len(self._requests)} unfinished requests, "
+                            f"{len(self.context.active)} active, head of queue {head and head.request_id} "
+                            f"({head and head.num_known_tokens} tokens) cannot be scheduled"
+                        )
                     return StepResult()
                 self._pending = self._launch(plan, overlapped=False)
             nxt = None
@@ -138,6 +145,9 @@ class DynamicInferenceEngine:
         st.paused = self.scheduler.num_paused_events
         st.evicted = self.scheduler.num_evicted_events
         st.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
+        cache = self.context.mamba.prefix_cache if self.context.mamba is not None else None
+        if cache is not None:
+            st.mamba_states_stored, st.mamba_states_restored, st.mamba_states_evicted = cache.stored, cache.restored, cache.evicted
         if pending.is_decode_only:
             st.decode_steps += 1
             st.overlapped_decode_steps += pending.overlapped

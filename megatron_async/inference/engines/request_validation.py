@@ -1,6 +1,8 @@
 """Checks that reject a request at ``add_request`` with a clear message, before it is queued."""
 from __future__ import annotations
 
+import numbers
+
 from megatron_async.config import InferenceConfig
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.request import InvalidRequestError, SamplingParams
@@ -47,9 +49,13 @@ class RequestValidator:
                 raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids or a checkpoint with tokenizer.json")
             return self.tokenizer.encode(prompt)
         try:
-            return [int(t) for t in prompt]
-        except (TypeError, ValueError) as e:
-            raise InvalidRequestError(f"prompt must be a string or a list of token ids: {e}") from None
+            tokens = list(prompt)
+        except TypeError:
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
+        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be integers, got {bad[:5]}")
+        return [int(t) for t in tokens]
 
     def _stop_sequences(self, sp: SamplingParams) -> list[list[int]]:
         out = []

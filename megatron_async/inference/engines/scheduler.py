@@ -124,9 +124,20 @@ class Scheduler:
         """Schedule the next prefill chunk of ``req``; returns tokens used (0 = none fit)."""
         remaining = req.num_known_tokens - req.num_computed_tokens
         chunk = min(remaining, budget, self.ctx.reservable_tokens(req))
-        if chunk < remaining and not self.config.enable_chunked_prefill:
-            return 0
+        start = req.num_computed_tokens
+        # A recompute after eviction may exceed max_tokens although its prompt did not:
+        # it is chunked even when chunked prefill is off, or it could never run again.
+        whole_only = not self.config.enable_chunked_prefill and not req.generated_tokens
+        if whole_only:
+            return self._append_prefill(req, start, remaining, remaining, plan) if chunk == remaining else 0
+        for point in req.mamba_store_points:  # end the chunk where a state must be cached
+            if start < point < start + chunk:
+                chunk = point - start
+                break
+        return self._append_prefill(req, start, chunk, remaining, plan)
+
+    def _append_prefill(self, req: DynamicInferenceRequest, start: int, chunk: int, remaining: int, plan: StepPlan) -> int:
         if chunk <= 0 or not self.ctx.reserve(req, chunk):
             return 0
-        plan.rows.append(RowPlan(req, req.num_computed_tokens, chunk, samples=chunk == remaining))
+        plan.rows.append(RowPlan(req, start, chunk, samples=chunk == remaining))
         return chunk

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 _M32 = 0xFFFFFFFF
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +64,7 @@ def sample(
     greedy_tokens = logits.argmax(dim=-1)
     if not any_random:
         return greedy_tokens
-    greedy = temperature <= 0
+    greedy = temperature < GREEDY_TEMPERATURE  # smaller ones overflow logits / t in float32
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     if any_filter:
         scaled = filter_top_k_top_p(scaled, top_k, top_p)

@@ -71,6 +71,8 @@ class TextGenerationController:
             tokens, log_probs, top_vals, top_ids = graph.outputs(shape.num_rows)
         else:
             tokens, log_probs, top_vals, top_ids = self.compute_step(shape)
+        if ctx.mamba is not None:
+            ctx.mamba.after_forward()
         self._ring = (self._ring + 1) % len(self._host_ring)
         host = self._host_ring[self._ring]
         R = shape.num_rows

@@ -1,0 +1,33 @@
+"""Triton attention backend: same contract as ``attention.attend`` with the torch backend.
+
+Decode-only steps use the split-K decode kernel; any step with a multi-token row uses
+the varlen prefill kernel, which also serves that step's decode rows. Nothing here reads
+device data on the host (no syncs), and launch grids depend only on tensor shapes and
+meta.num_tokens / meta.num_rows, so decode steps can be captured in CUDA graphs with
+``meta.max_kv_len`` set to an upper bound (see triton_decode_attention).
+
+Runs on CPU under ``TRITON_INTERPRET=1`` (set before triton is imported), for tests."""
+from __future__ import annotations
+
+import torch
+
+from megatron_async.inference.contexts.metadata import AttentionMetadata
+from megatron_async.kernels.triton_decode_attention import decode_attention
+from megatron_async.kernels.triton_kv_append import append_kv
+from megatron_async.kernels.triton_prefill_attention import prefill_attention
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Append k/v ([T, KVH, D]) at ``meta.slot_mapping[:T]``, then attend q ([T, H, D]) over
+    each row's paged KV. Returns [T, H, D] in q's dtype."""
+    append_kv(kv_cache, k, v, meta.slot_mapping)
+    if meta.is_decode_only:
+        return decode_attention(q, kv_cache, meta, scale)
+    return prefill_attention(q, kv_cache, meta, scale)

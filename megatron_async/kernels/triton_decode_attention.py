@@ -1,0 +1,212 @@
+"""Decode attention over a paged KV cache (one query token per row), flash-decoding style.
+
+Grid: (rows, kv_heads, splits). A program takes ALL query heads that share one KV head
+(the GQA group, padded to >= 16 rows so ``tl.dot`` can run on tensor cores: decode is
+bound by reading K/V, so the padded rows cost nothing that matters, and each K/V tile is
+read once per group instead of once per query head). The row's keys are cut into
+``num_splits`` contiguous chunks; each program runs an fp32 online softmax over its chunk
+and writes a normalised partial output plus its log-sum-exp, and a second kernel merges
+the splits. With one split the first kernel writes the output directly.
+
+CUDA graphs: nothing here depends on the step's data. The row's real KV length is read
+from ``meta.kv_lens`` (and its query position from ``meta.positions``) inside the kernel,
+the chunk size is derived from it there, and ``num_splits`` comes only from the number
+of rows, the KV head count, the device and ``block_table.shape[1]`` (the longest a row
+can ever be), never from ``meta.max_kv_len``. So a graph captured once with an upper
+bound for ``max_kv_len`` replays correctly for any kv_lens that fit the block table.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_async.inference.contexts.metadata import AttentionMetadata
+from megatron_async.kernels.triton_paged_common import check_cache, dot_args, load_kv_tile, num_compute_units
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 64
+_MIN_TOKENS_PER_SPLIT = 128
+"""Fewer keys per split than this is not worth a program plus its share of the merge."""
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    kv_lens_ptr,
+    positions_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    num_heads,
+    scale_log2,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Keys visible to the row's single query: [0, min(kv_len, position + 1)).
+    kv_len = tl.load(kv_lens_ptr + row).to(tl.int64)
+    length = tl.minimum(kv_len, tl.load(positions_ptr + row).to(tl.int64) + 1)
+    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
+
+    table_ptr = block_table_ptr + row.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        k = load_kv_tile(k_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
+                         stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        # Every iteration has >= 1 visible key, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_kv_tile(v_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
+                         stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0  # an empty split (or an empty row) contributes nothing
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+    else:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        part = (row.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
+                 mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per (row, query head): weight each split by exp2(lse_s - max lse).
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    part = (row * num_heads + head) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    den = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def choose_num_splits(num_rows: int, num_kv_heads: int, max_blocks_per_row: int, block_size: int,
+                      device: torch.device) -> int:
+    """Split count for a decode step: enough programs to fill the device about twice,
+    capped so a full-length row (the block table's width) keeps >= _MIN_TOKENS_PER_SPLIT
+    keys per split. Depends on shapes only (graph-safe, see the module docstring)."""
+    want = triton.cdiv(2 * num_compute_units(device), max(1, num_rows * num_kv_heads))
+    cap = triton.cdiv(max_blocks_per_row * block_size, _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, cap, _MAX_SPLITS))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query per row (q: [R, H, D], row r = token r) over the row's paged
+    KV (already appended). ``meta.max_kv_len`` is not used. Returns [R, H, D] in q's dtype.
+
+    ``num_splits`` / ``block_n`` override the split count and key-tile size (tests)."""
+    check_cache(kv_cache, q)
+    num_rows, num_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    out = torch.empty(num_rows, num_heads, head_dim, device=q.device, dtype=q.dtype)
+    if num_rows == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(num_rows, num_kv_heads, meta.block_table.shape[1], block_size, q.device)
+    if block_n is None:
+        block_n = 16 if q.device.type == "cpu" else 64
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    if num_splits > 1:
+        part_out = torch.empty(num_rows, num_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(num_rows, num_heads, num_splits, device=q.device, dtype=torch.float32)
+    else:  # unused by the kernel
+        part_out = part_lse = out
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions,
+        out, part_out, part_lse,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
+        num_heads, scale * _LOG2E,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, **dot_args(_decode_split_kernel, kv_cache.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_rows, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out

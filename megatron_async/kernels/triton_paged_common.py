@@ -1,0 +1,71 @@
+"""Pieces shared by the Triton paged-attention kernels: the paged K/V tile gather and
+launch helpers.
+
+Cache layout (one layer): ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]``;
+the kernels get ``kv_cache[0]`` / ``kv_cache[1]`` and their strides, head_dim stride 1."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+
+@triton.jit
+def load_kv_tile(
+    cache_ptr,
+    table_ptr,
+    offs_n,
+    offs_d,
+    n_mask,
+    d_mask,
+    kv_head,
+    stride_block,
+    stride_slot,
+    stride_head,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Gather keys (or values) ``offs_n`` of one row and one KV head: [BLOCK_N, BLOCK_D].
+
+    Every token looks up its own block id, so a tile may span several KV blocks and any
+    power-of-two block size works (small blocks just repeat table loads, which hit L1).
+    Masked tokens load 0 and never touch memory: unused slots may hold anything."""
+    block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+    rows = block_ids.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+    return tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def dot_args(kernel: object, cache_dtype: torch.dtype) -> dict[str, object]:
+    """Constexprs DOT_DTYPE (operand type of every ``tl.dot``) and DOT_PRECISION.
+
+    Operands are fed in the cache dtype (tensor cores for bf16/fp16); fp32 must not be
+    rounded to tf32, the reference is exact fp32. Triton's CPU interpreter multiplies
+    bf16 as raw uint16 bits, so there bf16 operands are widened to fp32 first."""
+    if cache_dtype not in _TL_DTYPES:
+        raise TypeError(f"unsupported KV cache dtype {cache_dtype}")
+    dot_dtype = _TL_DTYPES[cache_dtype]
+    if cache_dtype == torch.bfloat16 and isinstance(kernel, InterpretedFunction):
+        dot_dtype = tl.float32
+    return {"DOT_DTYPE": dot_dtype, "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32"}
+
+
+def check_cache(kv_cache: torch.Tensor, q: torch.Tensor) -> None:
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache must be [2, blocks, block_size, kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+    if kv_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("kv_cache and q need a contiguous head_dim")
+    if q.shape[1] % kv_cache.shape[3] != 0:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {kv_cache.shape[3]} KV heads")
+
+
+@functools.lru_cache(maxsize=None)
+def num_compute_units(device: torch.device) -> int:
+    """SM count on CUDA; a small stand-in on CPU (interpreter) so split-K still happens there."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4

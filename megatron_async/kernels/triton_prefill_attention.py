@@ -1,0 +1,186 @@
+"""Varlen causal attention over a paged KV cache for mixed batches (prefill chunks, which
+may continue a cached prefix, plus decode rows).
+
+A program owns one tile of up to BLOCK_Q consecutive query tokens of ONE row and all the
+query heads of one KV head: its BLOCK_M = BLOCK_Q * BLOCK_G matrix rows are
+(token, head-in-group) pairs, so each K/V tile is read once for the whole GQA group and
+``tl.dot`` gets >= 16 rows even for a decode row. Key j is visible to a query at
+position p when j <= p and j < kv_len (the row's KV starts at position 0).
+
+Tiles are numbered so that row r's tiles start at ``cu_query_lens[r] // BLOCK_Q + r``;
+this bounds the tile count by ``num_tokens // BLOCK_Q + num_rows`` without reading any
+lengths on the host, and a program finds its row by binary search over cu_query_lens.
+The grid depends only on num_tokens and num_rows (graph-safe, like the decode kernel).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_async.inference.contexts.metadata import AttentionMetadata
+from megatron_async.kernels.triton_paged_common import check_cache, dot_args, load_kv_tile
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_keys(
+    acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+    lo, hi, kv_len, scale_log2, stride_cb, stride_cs, stride_ch,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update with keys [lo, hi); per-key masking only when CAUSAL_MASK."""
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        k = load_kv_tile(k_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
+                         stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2
+        if CAUSAL_MASK:
+            visible = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < kv_len)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Matrix rows with no visible key yet (padding) keep m = -inf: shift by 0 instead.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_kv_tile(v_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
+                         stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    kv_lens_ptr,
+    positions_ptr,
+    cu_q_ptr,
+    out_ptr,
+    num_rows,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    scale_log2,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # Row of this tile: the last r with cu_query_lens[r] // BLOCK_Q + r <= tile.
+    lo = tile * 0  # int32 loop-carried values (num_rows may arrive as a constexpr 1)
+    hi = lo + num_rows
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(cu_q_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid
+        else:
+            hi = mid
+    row = lo
+    q_begin = tl.load(cu_q_ptr + row)
+    q_len = tl.load(cu_q_ptr + row + 1) - q_begin
+    q_first = (tile - (q_begin // BLOCK_Q + row)) * BLOCK_Q  # first query of the tile, within the row
+    if q_first >= q_len:
+        return
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_idx = q_first + offs_m // BLOCK_G
+    g = offs_m % BLOCK_G
+    m_valid = (q_idx < q_len) & (g < GROUP)
+    tok = (q_begin + q_idx).to(tl.int64)
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+    pos = tl.load(positions_ptr + tok, mask=m_valid, other=-1).to(tl.int64)
+
+    kv_len = tl.load(kv_lens_ptr + row).to(tl.int64)
+    # Keys below every query's position (and kv_len) need no mask; the rest do.
+    no_mask_end = tl.minimum(kv_len, tl.min(tl.where(m_valid, pos, kv_len), 0) + 1)
+    no_mask_end = no_mask_end // BLOCK_N * BLOCK_N  # whole tiles only: the unmasked pass has no tail mask
+    end = tl.minimum(kv_len, tl.max(pos, 0) + 1)
+
+    table_ptr = block_table_ptr + row.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+                                 0, no_mask_end, kv_len, scale_log2, stride_cb, stride_cs, stride_ch,
+                                 BLOCK_SIZE, BLOCK_N, False, DOT_DTYPE, DOT_PRECISION)
+    acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+                                 no_mask_end, end, kv_len, scale_log2, stride_cb, stride_cs, stride_ch,
+                                 BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, DOT_PRECISION)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a query with no visible key gets 0
+    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
+
+
+def prefill_tiles(group: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_N): ~64 matrix rows per program on GPU; small tiles on CPU so tiny
+    test shapes still cross tile boundaries."""
+    block_g = max(1, triton.next_power_of_2(group))
+    rows = 16 if device.type == "cpu" else 64
+    return max(1, rows // block_g), 16 if device.type == "cpu" else 64
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    block_q: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries q [T, H, D] (rows as in ``meta``) over each row's
+    paged KV (already appended). Returns [T, H, D] in q's dtype.
+
+    ``block_q`` / ``block_n`` override the query-token and key tile sizes (tests)."""
+    check_cache(kv_cache, q)
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or meta.num_rows == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_g = max(1, triton.next_power_of_2(group))
+    default_q, default_n = prefill_tiles(group, q.device)
+    block_q = block_q or default_q
+    block_n = block_n or default_n
+    if block_q * block_g < 16:
+        block_q = triton.cdiv(16, block_g)  # tl.dot needs >= 16 rows on GPU
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (num_tokens // block_q + meta.num_rows, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens, out,
+        meta.num_rows,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
+        scale * _LOG2E,
+        GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        **dot_args(_prefill_kernel, kv_cache.dtype),
+        num_warps=4, num_stages=2,
+    )
+    return out

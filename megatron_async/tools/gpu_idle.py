@@ -1,0 +1,137 @@
+"""GPU idle share of decode: profile a window of decode-only engine steps (torch.profiler, CUDA
+activity) and report 1 - (union of device busy intervals) / (span of the window).
+
+The span runs from the first device activity of the window to the last, so idle time is the
+gaps between kernels: the device waiting for the host. Kernels, memcpys and memsets count as
+busy. The profiler's own launch callbacks add a little host time, so this is an upper bound."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine
+from megatron_async.inference.request import SamplingParams
+
+BUSY_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by ``[start, end)`` intervals (overlaps counted once)."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def idle_share(intervals: list[tuple[float, float]]) -> float | None:
+    """1 - busy / span over the span of ``intervals``; None when there is no activity."""
+    if not intervals:
+        return None
+    span = max(e for _, e in intervals) - min(s for s, _ in intervals)
+    return 1.0 - union_length(intervals) / span if span > 0 else 0.0
+
+
+def device_intervals(trace: dict) -> list[tuple[float, float]]:
+    """Busy ``(start_us, end_us)`` intervals of the device events in a chrome trace."""
+    return [
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and e.get("cat") in BUSY_CATEGORIES
+    ]
+
+
+@dataclass(frozen=True)
+class DecodeProfile:
+    batch: int
+    steps: int
+    decode_only_steps: int
+    idle_share: float | None
+    """None on CPU (no device timeline) or without the profiler."""
+    span_ms: float | None
+    busy_ms: float | None
+    host_ms_per_step: float
+    trace_path: str | None
+
+
+def _fill_decode_batch(engine: DynamicInferenceEngine, batch: int, prompt_len: int, num_tokens: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    vocab = engine.controller.model.vocab_size
+    sp = SamplingParams(top_k=1, num_tokens_to_generate=num_tokens, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(rng.integers(0, vocab, size=prompt_len).tolist(), sp)
+
+
+def profile_decode_steps(
+    engine: DynamicInferenceEngine,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    warmup_steps: int = 10,
+    trace_path: str | Path | None = None,
+    record_cpu: bool = False,
+    use_profiler: bool = True,
+    seed: int = 0,
+) -> DecodeProfile:
+    """Admit ``batch`` requests, decode until ``warmup_steps`` decode-only steps passed, then
+    profile ``steps`` steps; the requests are run to completion afterwards. The engine must
+    be idle on entry. ``record_cpu`` adds host ops to the trace (more profiler overhead)."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("profile_decode_steps needs an idle engine")
+    batch = max(1, min(batch, engine.config.max_requests))
+    _fill_decode_batch(engine, batch, prompt_len, warmup_steps + steps + 2, seed)
+    decode_seen = 0
+    while decode_seen < warmup_steps:
+        decode_seen += engine.step().is_decode_only
+    is_cuda = engine.context.device.is_cuda
+    activities = [torch.profiler.ProfilerActivity.CUDA] if is_cuda else []
+    if record_cpu or not is_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
+    decode_only = 0
+    with torch.profiler.profile(activities=activities) if use_profiler else contextlib.nullcontext() as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            decode_only += engine.step().is_decode_only
+        engine.context.device.synchronize()
+        host_ms = 1e3 * (time.perf_counter() - t0) / max(1, steps)
+    engine.run_until_done()
+    share = span_ms = busy_ms = None
+    saved = None
+    if prof is not None:
+        saved = _export(prof, trace_path)
+        if is_cuda:
+            with open(saved) as f:
+                intervals = device_intervals(json.load(f))
+            share = idle_share(intervals)
+            if intervals:
+                span_ms = (max(e for _, e in intervals) - min(s for s, _ in intervals)) / 1e3
+                busy_ms = union_length(intervals) / 1e3
+        if trace_path is None:
+            os.unlink(saved)
+            saved = None
+    return DecodeProfile(batch, steps, decode_only, share, span_ms, busy_ms, host_ms, saved)
+
+
+def _export(prof: torch.profiler.profile, trace_path: str | Path | None) -> str:
+    if trace_path is None:
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+    else:
+        path = str(trace_path)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(path)
+    return path

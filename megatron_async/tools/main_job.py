@@ -1,0 +1,95 @@
+"""The main job: build the engine from flags, run a workload with arrivals, print a summary,
+optionally write every request's tokens/text plus the stats to JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from megatron_async import LLM
+from megatron_async.tools import cli
+from megatron_async.tools.driver import WorkloadRun, run_workload
+from megatron_async.tools.progress import ProgressBar
+from megatron_async.tools.summary import RunSummary, format_summary, summarize
+from megatron_async.tools.workload import WorkloadRequest, file_workload, synthetic_workload
+
+
+def build_parser(description: str, require_model: bool = False) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--benchmark", action="store_true",
+                   help="run scripts/benchmark.py (the side-by-side benchmark) with the remaining flags")
+    cli.add_model_args(p, require_model)
+    cli.add_engine_args(p)
+    cli.add_workload_args(p)
+    cli.add_sampling_args(p)
+    p.add_argument("--output-path", default=None, help="write per-request results, stats and the summary as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def workload_tokenizer(llm: LLM, args: argparse.Namespace):
+    """The checkpoint's tokenizer; the built-in tiny model shares the tiny test tokenizer's vocabulary."""
+    if llm.tokenizer is not None or args.model is not None or args.default_model != "tiny":
+        return llm.tokenizer
+    from megatron_async.models.tokenizer import Tokenizer
+    from megatron_async.testing.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
+
+    return Tokenizer(train_tiny_tokenizer(llm.model.vocab_size), EOS_TOKEN_ID)
+
+
+def build_workload(llm: LLM, args: argparse.Namespace) -> list[WorkloadRequest]:
+    spec = cli.workload_spec_from_args(args)
+    if args.prompt_file:
+        return file_workload(args.prompt_file, workload_tokenizer(llm, args), spec)
+    return synthetic_workload(spec, llm.model.vocab_size)
+
+
+def results_json(args, requests: list[WorkloadRequest], run: WorkloadRun, llm: LLM, summary: RunSummary) -> dict:
+    tokenizer = workload_tokenizer(llm, args)
+    items = []
+    for req, out in zip(requests, run.outputs):
+        if out is None:
+            items.append({"prompt_tokens": req.prompt, "finish_reason": "unfinished"})
+            continue
+        text = out.generated_text
+        if text is None and tokenizer is not None:
+            text = tokenizer.decode(out.generated_tokens)
+        items.append({
+            "request_id": out.request_id, "prompt_text": req.prompt_text, "prompt_tokens": out.prompt_tokens,
+            "generated_tokens": out.generated_tokens, "generated_text": text, "finish_reason": out.finish_reason,
+            "generated_log_probs": out.generated_log_probs, "error": out.error,
+        })
+    return {"args": vars(args), "summary": summary.as_dict(), "stats": llm.engine.stats.as_dict(), "requests": items}
+
+
+def main(argv: list[str] | None = None, description: str = "megatron_async main job", require_model: bool = False) -> RunSummary | None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--benchmark" in argv:
+        from megatron_async.tools.benchmark import main as benchmark_main
+
+        argv.remove("--benchmark")
+        benchmark_main(argv)
+        return None
+    args = build_parser(description, require_model).parse_args(argv)
+    cli.resolve_device_args(args)
+    if args.logging_step_interval:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    t0 = time.perf_counter()
+    llm = LLM(args.model, args.device, args.dtype, cli.inference_config_from_args(args), default_model=args.default_model)
+    requests = build_workload(llm, args)
+    model_name = args.model or f"built-in {args.default_model}"
+    print(f"model: {model_name} on {args.device} ({args.dtype}), built in {time.perf_counter() - t0:.1f} s; "
+          f"{len(requests)} requests, {'serial' if args.serial else 'async'} engine", file=sys.stderr)
+    progress = ProgressBar(len(requests), enabled=not args.quiet)
+    run = run_workload(llm.engine, requests, cli.sampling_factory(args), progress)
+    summary = summarize(run, llm.engine.stats, llm.device)
+    print(format_summary(summary))
+    if args.output_path:
+        path = Path(args.output_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results_json(args, requests, run, llm, summary), indent=1))
+        print(f"wrote {path}", file=sys.stderr)
+    return summary

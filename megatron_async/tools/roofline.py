@@ -1,0 +1,90 @@
+"""Memory-bandwidth floor of a decode step: every weight and every cached K/V (and Mamba state)
+a step needs is read once, at the bandwidth a plain device copy reaches."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megatron_async.models.base import CausalLM
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> float:
+    """Bytes/s of a large device-to-device copy, counting read + write bytes."""
+    if nbytes is None:
+        nbytes = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up (first touch, allocator)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dst.copy_(src)
+        seconds = time.perf_counter() - t0
+    return 2 * nbytes * iters / seconds
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of all parameters (a tied embedding is one tensor and counts once)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
+    spec = model.kv_cache_spec()
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def state_bytes_per_request(model: CausalLM, dtype: torch.dtype) -> int:
+    """Mamba conv + SSM state bytes of one request (0 for pure attention models)."""
+    spec = model.mamba_state_spec()
+    if spec is None:
+        return 0
+    elt = torch.empty((), dtype=dtype).element_size()
+    per_layer = sum(int(torch.Size(s).numel()) for s in (spec.conv_shape, spec.ssm_shape))
+    return spec.num_layers * per_layer * elt
+
+
+def mean_context_per_output_token(prompt_lens: list[int], output_lens: list[int]) -> float:
+    """Mean tokens of context behind each generated token: the k-th output token (k = 0..O-1)
+    attends over P + k positions, so a request contributes O * (P + (O - 1) / 2)."""
+    total = sum(o * (p + (o - 1) / 2) for p, o in zip(prompt_lens, output_lens))
+    return total / max(1, sum(output_lens))
+
+
+@dataclass(frozen=True)
+class DecodeFloor:
+    weight_bytes: int
+    kv_bytes: float
+    state_bytes: float
+    bandwidth: float
+    """Bytes/s (read + write) of a device copy."""
+
+    @property
+    def seconds(self) -> float:
+        return (self.weight_bytes + self.kv_bytes + self.state_bytes) / self.bandwidth
+
+
+def decode_floor(model: CausalLM, dtype: torch.dtype, batch: float, mean_context: float, bandwidth: float) -> DecodeFloor:
+    """Floor of one decode step over ``batch`` rows of ``mean_context`` cached tokens each;
+    Mamba states are read and written back."""
+    return DecodeFloor(
+        weight_bytes=weight_bytes(model),
+        kv_bytes=batch * mean_context * kv_bytes_per_token(model, dtype),
+        state_bytes=2 * batch * state_bytes_per_request(model, dtype),
+        bandwidth=bandwidth,
+    )

@@ -1,0 +1,293 @@
+"""DynamicInferenceContext transitions (admit / reserve / pause / resume / evict / release),
+prefix-block publication and the step tables written by initialize_attention_state."""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from megatron_async import InferenceConfig, SamplingParams  # noqa: E402
+from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext  # noqa: E402
+from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK, chain_hash  # noqa: E402
+from megatron_async.inference.device import DeviceFacade  # noqa: E402
+from megatron_async.inference.engines.step_plan import RowPlan, StepPlan  # noqa: E402
+from megatron_async.inference.request import DynamicInferenceRequest, Status  # noqa: E402
+from megatron_async.models import build_default_model  # noqa: E402
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_default_model("tiny", "cpu", torch.float32)
+
+
+def make_ctx(model, num_kv_blocks=9, prefix_caching=True, max_requests=4, max_tokens=32) -> DynamicInferenceContext:
+    cfg = InferenceConfig(block_size_tokens=BS, num_kv_blocks=num_kv_blocks, max_requests=max_requests,
+                          max_tokens=max_tokens, max_sequence_length=32, enable_prefix_caching=prefix_caching)
+    return DynamicInferenceContext(cfg, model, DeviceFacade("cpu"), torch.float32)
+
+
+def make_req(rid, prompt, **sp) -> DynamicInferenceRequest:
+    return DynamicInferenceRequest(rid, list(prompt), SamplingParams(**sp), seed=100 + rid, termination_id=None,
+                                   arrival_order=rid)
+
+
+def run_prefill(ctx, req, n=None) -> None:
+    """Reserve and assemble one prefill chunk of ``n`` tokens (default: the rest)."""
+    n = req.num_known_tokens - req.num_computed_tokens if n is None else n
+    assert ctx.reserve(req, n)
+    samples = req.num_computed_tokens + n == req.num_known_tokens
+    ctx.initialize_attention_state(StepPlan([RowPlan(req, req.num_computed_tokens, n, samples)]))
+
+
+def land(req, token) -> None:
+    """What bookkeeping does with a kept sample."""
+    req.num_inflight -= 1
+    if req.num_inflight == 0:
+        req.inflight_row = -1
+    req.generated_tokens.append(token)
+
+
+def host(ctx) -> dict:
+    return ctx._host_views[ctx._ring]
+
+
+# ---------------------------------------------------------------- transitions
+def test_admit_without_cache_hit(model):
+    ctx = make_ctx(model)
+    req = make_req(0, range(10))
+    assert ctx.admit(req) == 0
+    assert req.status == Status.ACTIVE and ctx.active == {0: req}
+    assert req.num_computed_tokens == 0 and req.block_ids == []
+
+
+def test_prefix_hit_skips_cached_blocks_but_leaves_a_token_to_compute(model):
+    ctx = make_ctx(model)
+    a = make_req(0, range(12))  # 3 complete blocks
+    ctx.admit(a)
+    run_prefill(ctx, a)
+    assert a.num_hashed_blocks == 3
+    cached = list(a.block_ids)
+    ctx.release(a)
+    assert ctx.allocator.num_available == 8  # cached blocks stay obtainable
+
+    same = make_req(1, range(12))  # fully cached: the last block is recomputed for its logits
+    assert ctx.admit(same) == 8
+    assert same.num_computed_tokens == 8 and same.block_ids == cached[:2]
+    longer = make_req(2, list(range(12)) + [50])
+    assert ctx.admit(longer) == 12 and longer.block_ids == cached
+    diverging = make_req(3, [0, 1, 2, 3, 99, 5, 6, 7, 8])
+    assert ctx.admit(diverging) == 4
+    assert ctx.allocator.ref_count(same.block_ids[0]) == 3  # first block shared three ways
+    assert diverging.block_ids == cached[:1] and ctx.allocator.ref_count(cached[2]) == 1
+
+
+def test_reserve_is_all_or_nothing_across_block_boundaries(model):
+    ctx = make_ctx(model, num_kv_blocks=4, prefix_caching=False)  # 3 usable blocks
+    req = make_req(0, range(20))
+    ctx.admit(req)
+    assert ctx.reservable_tokens(req) == 12
+    assert not ctx.reserve(req, 13)  # needs 4 blocks
+    assert req.block_ids == [] and ctx.allocator.num_available == 3
+    assert ctx.reserve(req, 5)  # 2 blocks
+    assert len(req.block_ids) == 2 and ctx.allocator.num_available == 1
+    ctx.initialize_attention_state(StepPlan([RowPlan(req, 0, 5, samples=False)]))
+    assert ctx.reservable_tokens(req) == 3 + 4  # slack in block 2 + one free block
+    assert ctx.reserve(req, 3) and len(req.block_ids) == 2  # fits in the slack: no new block
+    assert not ctx.reserve(req, 8)
+    assert len(req.block_ids) == 2 and ctx.allocator.num_available == 1
+
+
+def test_pause_and_resume_keep_blocks(model):
+    ctx = make_ctx(model)
+    req = make_req(0, range(6))
+    ctx.admit(req)
+    run_prefill(ctx, req)
+    blocks, avail = list(req.block_ids), ctx.allocator.num_available
+    ctx.pause(req)
+    assert req.status == Status.PAUSED and req.block_ids == blocks and 0 in ctx.active
+    ctx.resume(req)
+    assert req.status == Status.ACTIVE and req.block_ids == blocks
+    assert ctx.allocator.num_available == avail and req.num_computed_tokens == 6
+
+
+def test_evict_frees_blocks_and_resets_computed_tokens(model):
+    ctx = make_ctx(model, prefix_caching=False)
+    req = make_req(0, range(6))
+    ctx.admit(req)
+    run_prefill(ctx, req)
+    land(req, 7)
+    ctx.evict(req)
+    assert req.status == Status.WAITING and req.block_ids == [] and req.num_computed_tokens == 0
+    assert ctx.active == {} and ctx.allocator.num_available == ctx.allocator.capacity
+    assert req.generated_tokens == [7]  # kept: recomputed as part of the prefix later
+    assert ctx.admit(req) == 0 and req.num_known_tokens == 7
+
+
+def test_release_keeps_complete_hashed_blocks_cached(model):
+    ctx = make_ctx(model)
+    req = make_req(0, range(6))  # one complete block + a partial one
+    ctx.admit(req)
+    run_prefill(ctx, req)
+    full, partial = req.block_ids
+    h = chain_hash(None, (0, 1, 2, 3))
+    assert ctx.allocator.lookup(h) == full
+    ctx.release(req)
+    assert req.status == Status.FINISHED and ctx.active == {}
+    assert ctx.allocator.ref_count(full) == ctx.allocator.ref_count(partial) == 0
+    assert ctx.allocator.lookup(h) == full  # still findable
+    # the partial block went to the free list and is handed out before the cached one
+    got = [ctx.allocator.allocate() for _ in range(ctx.allocator.capacity)]
+    assert got[-1] == full and partial in got[:-1]
+
+
+def test_register_only_publishes_blocks_known_and_computed(model):
+    ctx = make_ctx(model)
+    req = make_req(0, range(11))
+    ctx.admit(req)
+    run_prefill(ctx, req, 5)  # computed 5 of 11 known
+    assert req.num_hashed_blocks == 1
+    run_prefill(ctx, req, 2)  # computed 7: block 2 is still incomplete
+    assert req.num_hashed_blocks == 1
+    run_prefill(ctx, req)  # computed 11, samples position 11
+    assert req.num_hashed_blocks == 2
+    # launch-ahead decode of the in-flight sample: position 11 computed, its token unknown
+    assert ctx.reserve(req, 1)
+    ctx.initialize_attention_state(StepPlan([RowPlan(req, 11, 1, samples=True, prev_row=0)]))
+    assert req.num_computed_tokens == 12 and req.num_known_tokens == 11
+    assert req.num_hashed_blocks == 2  # block 3 waits for its last token
+    land(req, 42)
+    ctx.register_complete_blocks(req)
+    assert req.num_hashed_blocks == 3
+    h3 = chain_hash(chain_hash(chain_hash(None, (0, 1, 2, 3)), (4, 5, 6, 7)), (8, 9, 10, 42))
+    assert ctx.allocator.lookup(h3) == req.block_ids[2] and req.last_block_hash == h3
+
+
+def test_register_is_a_no_op_without_prefix_caching(model):
+    ctx = make_ctx(model, prefix_caching=False)
+    req = make_req(0, range(8))
+    ctx.admit(req)
+    run_prefill(ctx, req)
+    assert req.num_hashed_blocks == 0
+    assert ctx.allocator.lookup(chain_hash(None, (0, 1, 2, 3))) is None
+
+
+# ---------------------------------------------------------------- step tables
+def test_initialize_attention_state_tables(model):
+    ctx = make_ctx(model, num_kv_blocks=12)
+    a = make_req(0, [10, 11, 12, 13, 14, 15])  # decode row, token known on the host
+    b = make_req(1, [20, 21, 22])  # decode row whose input is an in-flight sample
+    c = make_req(2, [30, 31, 32, 33, 34, 35, 36, 37, 38], temperature=0.7, top_k=5, top_p=0.9)  # chunk
+    for r in (a, b, c):
+        ctx.admit(r)
+    run_prefill(ctx, a)
+    land(a, 16)
+    run_prefill(ctx, b)  # b now has one sample in flight at row 0
+    assert b.num_inflight == 1 and b.inflight_row == 0
+    ctx.reserve(c, 5)
+    ctx.reserve(a, 1)
+    ctx.reserve(b, 1)
+    plan = StepPlan([
+        RowPlan(a, 6, 1, samples=True),
+        RowPlan(b, 3, 1, samples=True, prev_row=0),
+        RowPlan(c, 0, 5, samples=False),
+    ])
+    shape = ctx.initialize_attention_state(plan)
+    v = host(ctx)
+    T, R = 7, 3
+    assert (shape.num_tokens, shape.num_rows, shape.max_query_len, shape.max_kv_len) == (T, R, 5, 7)
+    # a and b sample (temperature 1); c's top-k / top-p do not count: its row does not sample
+    assert not shape.is_decode_only and shape.any_sampling and not shape.any_top_k_top_p
+    assert v["input_ids"][:T].tolist() == [16, 0, 30, 31, 32, 33, 34]
+    assert v["prev_sample_idx"][:T].tolist() == [-1, 0, -1, -1, -1, -1, -1]
+    assert v["positions"][:T].tolist() == [6, 3, 0, 1, 2, 3, 4]
+    slot = lambda req, p: req.block_ids[p // BS] * BS + p % BS  # noqa: E731
+    assert v["slot_mapping"][:T].tolist() == [slot(a, 6), slot(b, 3)] + [slot(c, p) for p in range(5)]
+    assert v["token_to_row"][:T].tolist() == [0, 1, 2, 2, 2, 2, 2]
+    assert v["cu_query_lens"][: R + 1].tolist() == [0, 1, 2, 7]
+    assert v["kv_lens"][:R].tolist() == [7, 4, 5]
+    assert v["sample_token_idx"][:R].tolist() == [0, 1, 6]
+    assert v["sample_position"][:R].tolist() == [7, 4, 5]
+    assert v["seed"][:R].tolist() == [100, 101, 102]
+    assert v["temperature"][:R].tolist() == pytest.approx([1.0, 1.0, 0.7])
+    assert v["top_k"][:R].tolist() == [0, 0, 5]
+    assert v["has_initial_state"][:R].tolist() == [True, True, False]
+    width = ctx.max_blocks_per_request
+    for r, req in enumerate((a, b, c)):
+        nb = len(req.block_ids)
+        assert v["block_table"][r, :nb].tolist() == req.block_ids
+        assert v["block_table"][r, nb:].tolist() == [DUMMY_BLOCK] * (width - nb)
+    # computed positions advanced; sampling rows are now in flight at their row
+    assert (a.num_computed_tokens, b.num_computed_tokens, c.num_computed_tokens) == (7, 4, 5)
+    assert (a.num_inflight, a.inflight_row, b.num_inflight, b.inflight_row) == (1, 0, 2, 1)
+    assert c.num_inflight == 0
+
+
+def test_greedy_rows_get_canonical_params_and_flags(model):
+    ctx = make_ctx(model)
+    g = make_req(0, [1, 2], temperature=0.0, top_k=7, top_p=0.5)
+    s = make_req(1, [3, 4], temperature=0.5, top_k=3, return_log_probs=True, top_n_logprobs=2)
+    for r in (g, s):
+        ctx.admit(r)
+        ctx.reserve(r, 2)
+    shape = ctx.initialize_attention_state(StepPlan([RowPlan(g, 0, 2, True), RowPlan(s, 0, 2, True)]))
+    v = host(ctx)
+    assert v["temperature"][:2].tolist() == pytest.approx([0.0, 0.5])
+    assert v["top_k"][:2].tolist() == [1, 3] and v["top_p"][:2].tolist() == pytest.approx([0.0, 0.0])
+    assert shape.any_sampling and shape.any_top_k_top_p and shape.any_log_probs and shape.max_top_n == 2
+
+
+def test_ring_alternates_host_buffers(model):
+    ctx = make_ctx(model)
+    req = make_req(0, range(8))
+    ctx.admit(req)
+    run_prefill(ctx, req, 4)
+    first = ctx._ring
+    run_prefill(ctx, req, 4)
+    assert ctx._ring != first
+    assert host(ctx)["positions"][:4].tolist() == [4, 5, 6, 7]
+    assert ctx._host_views[first]["positions"][:4].tolist() == [0, 1, 2, 3]  # previous step untouched
+
+
+def test_pad_decode_rows(model):
+    ctx = make_ctx(model)
+    reqs = [make_req(i, [i + 1]) for i in range(2)]
+    for r in reqs:
+        ctx.admit(r)
+        ctx.reserve(r, 1)
+    shape = ctx.initialize_attention_state(StepPlan([RowPlan(r, 0, 1, True) for r in reqs]))
+    assert shape.is_decode_only
+    before = {k: t.copy() for k, t in host(ctx).items()}
+    ctx.pad_decode_rows(2, 4)
+    v = host(ctx)
+    for k in before:  # live rows untouched
+        n = 3 if k == "cu_query_lens" else 2
+        assert (v[k][:n] == before[k][:n]).all(), k
+    assert v["input_ids"][2:4].tolist() == [0, 0]
+    assert v["prev_sample_idx"][2:4].tolist() == [-1, -1]
+    assert v["slot_mapping"][2:4].tolist() == [DUMMY_BLOCK * BS] * 2
+    assert v["token_to_row"][2:4].tolist() == [2, 3]
+    assert v["cu_query_lens"][:5].tolist() == [0, 1, 2, 3, 4]
+    assert v["kv_lens"][2:4].tolist() == [1, 1]
+    assert v["sample_token_idx"][2:4].tolist() == [2, 3]
+    assert v["temperature"][2:4].tolist() == [0.0, 0.0] and v["top_k"][2:4].tolist() == [1, 1]
+    assert (v["block_table"][2:4] == DUMMY_BLOCK).all()
+    assert not v["has_initial_state"][2:4].any()
+    ctx.pad_decode_rows(4, 4)  # nothing to pad
+    assert v["cu_query_lens"][:5].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_transfer_makes_forward_batch_views_of_the_snapshot(model):
+    ctx = make_ctx(model)
+    req = make_req(0, range(6))
+    ctx.admit(req)
+    ctx.reserve(req, 6)
+    shape = ctx.initialize_attention_state(StepPlan([RowPlan(req, 0, 6, True)]))
+    ctx.transfer_bookkeeping_to_gpu()
+    batch = ctx.forward_batch(shape)
+    assert batch.attn.positions.tolist() == list(range(6))
+    assert batch.attn.block_table.tolist() == [host(ctx)["block_table"][0].tolist()]
+    assert batch.attn.positions.data_ptr() == ctx.gpu_view.positions.data_ptr()
+    assert batch.mamba is None and len(batch.kv_caches) == model.kv_cache_spec().num_layers

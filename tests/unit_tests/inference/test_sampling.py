@@ -1,0 +1,177 @@
+"""Stateless sampling: draws keyed by (seed, position, token id), top-k / top-p filtering,
+greedy, the distribution of draws, log-probs."""
+import math
+
+import pytest
+import torch
+
+from megatron_async.inference.text_generation_controllers.sampling import (
+    filter_top_k_top_p,
+    log_probs_of,
+    row_keys,
+    sample,
+    uniform_noise,
+)
+
+V = 32
+
+
+def _logits(rows: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
+    return scale * torch.randn(rows, V, generator=torch.Generator().manual_seed(seed))
+
+
+def _draw(logits, temperature=1.0, top_k=0, top_p=0.0, seed=None, position=None):
+    R = logits.shape[0]
+    full = lambda x, dt: x if torch.is_tensor(x) else torch.full((R,), x, dtype=dt)  # noqa: E731
+    seed = torch.arange(R) * 7919 + 1 if seed is None else full(seed, torch.int64)
+    position = torch.arange(R) + 10 if position is None else full(position, torch.int64)
+    t, k, p = full(temperature, torch.float32), full(top_k, torch.int64), full(top_p, torch.float32)
+    any_filter = bool(((k > 1) | ((p > 0) & (p < 1))).any())
+    return sample(logits, t, k, p, seed, position, any_random=True, any_filter=any_filter)
+
+
+def test_greedy_is_argmax():
+    logits = _logits(16)
+    expected = logits.argmax(-1)
+    zeros = torch.zeros(16)
+    none = torch.zeros(16, dtype=torch.int64)
+    # host flag off (all rows greedy) and per-row temperature 0 in a random batch give the same
+    assert torch.equal(sample(logits, zeros, none + 1, zeros, none, none, False, False), expected)
+    mixed_t = torch.tensor([0.0, 1.0] * 8)
+    drawn = _draw(logits, temperature=mixed_t)
+    assert torch.equal(drawn[::2], expected[::2])
+
+
+def test_draw_is_independent_of_batch_composition_and_row_order():
+    logits = _logits(12)
+    seeds, pos = torch.arange(12) * 31 + 5, torch.arange(12) * 3
+    params = dict(temperature=torch.linspace(0.5, 1.5, 12), top_k=torch.tensor([0, 5, 0, 3] * 3),
+                  top_p=torch.tensor([0.0, 0.0, 0.9] * 4))
+    full = _draw(logits, seed=seeds, position=pos, **params)
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(3))
+    permuted = _draw(logits[perm], seed=seeds[perm], position=pos[perm], **{k: v[perm] for k, v in params.items()})
+    assert torch.equal(permuted, full[perm])
+    for i in range(12):  # alone in its batch
+        alone = _draw(logits[i:i + 1], seed=seeds[i:i + 1], position=pos[i:i + 1],
+                      **{k: v[i:i + 1] for k, v in params.items()})
+        assert alone.item() == full[i].item()
+
+
+def test_draw_depends_on_seed_and_position():
+    logits = torch.zeros(400, V)  # uniform: the draw is all noise
+    base = _draw(logits, seed=11, position=torch.arange(400))
+    other_seed = _draw(logits, seed=12, position=torch.arange(400))
+    high_bits = _draw(logits, seed=11 + 2**32, position=torch.arange(400))
+    assert (base != other_seed).float().mean() > 0.8
+    assert (base != high_bits).float().mean() > 0.8
+    assert len(set(base.tolist())) > V // 2  # positions give different draws
+    assert torch.equal(base, _draw(logits, seed=11, position=torch.arange(400)))  # reproducible
+
+
+def test_top_k_never_samples_outside_the_top_k():
+    logits = _logits(2000, seed=1, scale=0.5)  # flat-ish: without the filter, draws spread out
+    for k in (2, 3, 8):  # top_k 1 is greedy: the context sends it as temperature 0
+        drawn = _draw(logits, temperature=2.0, top_k=k)
+        topk = logits.topk(k, dim=-1).indices
+        assert (topk == drawn[:, None]).any(-1).all(), k
+    assert len(set(_draw(logits[:1].expand(2000, V), temperature=2.0, top_k=3).tolist())) == 3
+
+
+def _nucleus(logits: torch.Tensor, p: float) -> list[set[int]]:
+    probs = torch.softmax(logits, -1)
+    out = []
+    for row in probs:
+        order = row.argsort(descending=True).tolist()
+        keep, mass = set(), 0.0
+        for t in order:
+            keep.add(t)
+            mass += row[t].item()
+            if mass >= p:
+                break
+        out.append(keep)
+    return out
+
+
+def test_top_p_never_samples_outside_the_nucleus():
+    logits = _logits(1000, seed=2)
+    for p in (0.3, 0.8):
+        drawn = _draw(logits, top_p=p).tolist()
+        nuclei = _nucleus(logits, p)
+        assert all(t in n for t, n in zip(drawn, nuclei)), p
+    # the nucleus is taken on the temperature-scaled distribution
+    drawn = _draw(logits, temperature=0.5, top_p=0.5).tolist()
+    assert all(t in n for t, n in zip(drawn, _nucleus(logits / 0.5, 0.5)))
+
+
+def test_filter_masks_exactly_outside_top_k_and_nucleus():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0]])
+    k = torch.tensor([2, 0])
+    p = torch.tensor([0.0, 0.9])
+    out = filter_top_k_top_p(logits, k, p)
+    assert torch.isinf(out[0, 2:]).all() and torch.equal(out[0, :2], logits[0, :2])
+    probs = torch.softmax(logits[1], -1)  # [.01, .03, .09, .24, .64]: .64 + .24 < .9 <= .64 + .24 + .09
+    assert probs[3:].sum() < 0.9 <= probs[2:].sum()
+    assert torch.isinf(out[1, :2]).all() and torch.equal(out[1, 2:], logits[1, 2:])
+    off = filter_top_k_top_p(logits, torch.tensor([0, 0]), torch.tensor([0.0, 1.0]))
+    assert torch.equal(off, logits)
+
+
+def test_low_temperature_behaves_like_greedy():
+    logits = _logits(500, seed=4)
+    assert torch.equal(_draw(logits, temperature=1e-3), logits.argmax(-1))
+
+
+def test_tiny_temperature_is_still_argmax():
+    logits = _logits(200, seed=6, scale=10.0)  # realistic logit magnitudes
+    assert torch.equal(_draw(logits, temperature=1e-38), logits.argmax(-1))
+
+
+def test_draws_follow_softmax():
+    logits = torch.tensor([[1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0]])
+    n = 20000
+    drawn = _draw(logits.expand(n, -1).contiguous(), seed=123, position=torch.arange(n))
+    counts = torch.bincount(drawn, minlength=8).double()
+    expected = torch.softmax(logits[0].double(), -1) * n
+    chi2 = (((counts - expected) ** 2) / expected).sum().item()
+    assert chi2 < 30.0, (chi2, counts.tolist(), expected.tolist())  # 7 dof: p ~ 1e-4 at 30
+    # temperature 2 flattens: the same test against softmax(logits / 2)
+    drawn = _draw(logits.expand(n, -1).contiguous(), temperature=2.0, seed=321, position=torch.arange(n))
+    counts = torch.bincount(drawn, minlength=8).double()
+    expected = torch.softmax(logits[0].double() / 2, -1) * n
+    assert (((counts - expected) ** 2) / expected).sum().item() < 30.0
+
+
+def test_noise_is_uniform_in_open_interval():
+    keys = row_keys(torch.arange(64) * 1000003, torch.arange(64))
+    u = uniform_noise(keys, 1024)
+    assert u.shape == (64, 1024) and u.dtype == torch.float32
+    assert (u > 0).all() and (u < 1).all()
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+    hist = torch.histc(u, bins=10, min=0.0, max=1.0)
+    assert (hist / u.numel() - 0.1).abs().max() < 0.01
+    # keys are 32-bit values and neighbouring positions are decorrelated
+    assert (keys >= 0).all() and (keys < 2**32).all()
+    corr = torch.corrcoef(torch.stack([u[:-1].flatten(), u[1:].flatten()]))[0, 1]
+    assert abs(corr.item()) < 0.02
+
+
+def test_log_probs_of_equals_log_softmax_gather():
+    logits = _logits(6, seed=5)
+    tokens = torch.tensor([0, 3, 31, 7, 7, 12])
+    chosen, vals, ids = log_probs_of(logits, tokens, top_n=4)
+    lp = torch.log_softmax(logits, -1)
+    assert torch.allclose(chosen, lp[torch.arange(6), tokens])
+    ref_vals, ref_ids = lp.topk(4, -1)
+    assert torch.allclose(vals, ref_vals) and torch.equal(ids, ref_ids)
+    chosen0, none_v, none_i = log_probs_of(logits, tokens, top_n=0)
+    assert torch.equal(chosen0, chosen) and none_v is None and none_i is None
+    assert math.isclose(torch.logsumexp(lp[0], -1).item(), 0.0, abs_tol=1e-5)
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_filtered_tokens_get_no_mass_even_with_extreme_noise(top_k):
+    # a huge logit gap outside the filter must not leak through
+    logits = torch.zeros(300, V)
+    logits[:, -1] = 50.0  # best token
+    drawn = _draw(logits, top_k=top_k)
+    assert (drawn == V - 1).all()
