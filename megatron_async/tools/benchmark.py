@@ -31,6 +31,7 @@ from megatron_async.tools.workload import WorkloadRequest, WorkloadSpec, synthet
 ENGINE_MODES = {
     "serial": {"async_scheduling": False, "cuda_graphs": False},
     "async": {"async_scheduling": True, "cuda_graphs": False},
+    "serial_graphs": {"async_scheduling": False, "cuda_graphs": True},
     "async_graphs": {"async_scheduling": True, "cuda_graphs": True},
 }
 MODES = (*HF_PEERS, *ENGINE_MODES)
@@ -85,6 +86,9 @@ def _free_device() -> None:
 
 
 class Benchmark:
+    """Holds what every mode shares: the workload, the checkpoint, the time budget, the
+    copy bandwidth, and the serial engine's tokens (the reference the others are compared with)."""
+
     def __init__(self, args: argparse.Namespace, checkpoint: str | None):
         self.args = args
         self.device = torch.device(args.device)
@@ -92,9 +96,17 @@ class Benchmark:
         self.checkpoint = checkpoint
         self.deadline = time.perf_counter() + 60 * args.max_minutes
         self.bandwidth = measure_copy_bandwidth(self.device)
-        self.requests: list[WorkloadRequest] = []
+        vocab = (json.loads((Path(checkpoint) / "config.json").read_text()) if checkpoint
+                 else DEFAULT_CONFIGS[args.default_model])["vocab_size"]
+        spec = WorkloadSpec(args.num_requests, args.prompt_len_min, args.prompt_len_max, args.output_len_min,
+                            args.output_len_max, 0.0, args.seed)
+        self.requests = synthetic_workload(spec, vocab)
+        prompt_lens = [len(r.prompt) for r in self.requests]
+        self.info = {
+            "mean_context": mean_context_per_output_token(prompt_lens, [r.output_len for r in self.requests]),
+            "mean_prompt_len": round(sum(prompt_lens) / len(prompt_lens)),
+        }
         self.serial_tokens: list[list[int] | None] | None = None
-        self.info: dict = {}
 
     def time_left(self) -> bool:
         return time.perf_counter() < self.deadline
@@ -139,6 +151,8 @@ class Benchmark:
         _free_device()
         cfg = cli.inference_config_from_args(self.args, **ENGINE_MODES[mode])
         llm = LLM(self.checkpoint, self.args.device, self.dtype, cfg, default_model=self.args.default_model)
+        if llm.controller.graphs is not None:
+            llm.controller.graphs.warmup()  # capture outside the measured window
         warm = [WorkloadRequest(r.prompt[:64], 8) for r in self.requests[: self.args.warmup_requests]]
         run_workload(llm.engine, warm, _greedy)
         window = StatsWindow(llm.engine)
@@ -195,18 +209,10 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
     with tempfile.TemporaryDirectory(prefix="megatron_async_bench_") as tmp:
         checkpoint, notes = _prepare_checkpoint(args, tmp)
         bench = Benchmark(args, checkpoint)
-        vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"] if checkpoint else \
-            DEFAULT_CONFIGS[args.default_model]["vocab_size"]
-        spec = WorkloadSpec(args.num_requests, args.prompt_len_min, args.prompt_len_max, args.output_len_min,
-                            args.output_len_max, 0.0, args.seed)
-        bench.requests = synthetic_workload(spec, vocab)
-        prompt_lens = [len(r.prompt) for r in bench.requests]
-        output_lens = [r.output_len for r in bench.requests]
-        bench.info = {"mean_context": mean_context_per_output_token(prompt_lens, output_lens),
-                      "mean_prompt_len": round(sum(prompt_lens) / len(prompt_lens))}
         print(f"benchmark: {checkpoint or 'built-in ' + args.default_model} on {args.device} ({args.dtype}); "
               f"{len(bench.requests)} requests, prompts {args.prompt_len_min}-{args.prompt_len_max}, outputs "
-              f"{args.output_len_min}-{args.output_len_max}; copy bandwidth {bench.bandwidth / 1e9:,.1f} GB/s", file=sys.stderr)
+              f"{args.output_len_min}-{args.output_len_max}; copy bandwidth {bench.bandwidth / 1e9:,.1f} GB/s",
+              file=sys.stderr)
         results: list[ModeResult] = []
         # serial first among engine modes: the others are compared with its tokens
         for mode in [m for m in ENGINE_MODES if m in args.modes]:

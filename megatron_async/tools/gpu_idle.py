@@ -11,6 +11,7 @@ import json
 import os
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,18 +97,22 @@ def profile_decode_steps(
     _fill_decode_batch(engine, batch, prompt_len, warmup_steps + steps + 2, seed)
     decode_seen = 0
     while decode_seen < warmup_steps:
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("the requests finished before the decode window (raise steps or num_tokens)")
         decode_seen += engine.step().is_decode_only
     is_cuda = engine.context.device.is_cuda
     activities = [torch.profiler.ProfilerActivity.CUDA] if is_cuda else []
     if record_cpu or not is_cuda:
         activities.append(torch.profiler.ProfilerActivity.CPU)
     decode_only = 0
-    with torch.profiler.profile(activities=activities) if use_profiler else contextlib.nullcontext() as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            decode_only += engine.step().is_decode_only
-        engine.context.device.synchronize()
-        host_ms = 1e3 * (time.perf_counter() - t0) / max(1, steps)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events.*")  # one window: nothing to keep
+        with torch.profiler.profile(activities=activities) if use_profiler else contextlib.nullcontext() as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                decode_only += engine.step().is_decode_only
+            engine.context.device.synchronize()
+            host_ms = 1e3 * (time.perf_counter() - t0) / max(1, steps)
     engine.run_until_done()
     share = span_ms = busy_ms = None
     saved = None

@@ -1,0 +1,168 @@
+"""Triton paged attention vs the torch reference at real shapes on CUDA: accuracy, time,
+and the decode kernel's achieved KV read bandwidth.
+
+Shapes are Qwen3-0.6B-like (16 query heads, 8 KV heads, head_dim 128, bf16), KV blocks of
+16 and 64 tokens; decode batches of 1..256 rows with KV lengths up to 2048, and a mixed
+step (prefill chunks, some continuing a cached prefix, plus decode rows).
+
+    python scripts/check_triton_attention.py [--iters 20] [--block-sizes 16 64]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "unit_tests" / "kernels")]
+
+from megatron_async.kernels import attention_torch, attention_triton  # noqa: E402
+from megatron_async.kernels.triton_decode_attention import choose_num_splits, decode_attention  # noqa: E402
+from paged_attention_cases import PagedCase, make_case  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, MAX_LEN = 16, 8, 128, 2048
+
+
+@dataclass
+class Row:
+    name: str
+    max_abs: float
+    max_rel: float
+    torch_ms: float
+    triton_ms: float
+    host_us: float
+    decode_ms: float | None = None
+    decode_gbps: float | None = None
+    splits: int | None = None
+
+
+def decode_rows(batch: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    """One new token per row; KV lengths uniform in [MAX_LEN / 2, MAX_LEN] (a single row
+    gets the full MAX_LEN)."""
+    if batch == 1:
+        return [(MAX_LEN - 1, 1)]
+    lens = torch.randint(MAX_LEN // 2, MAX_LEN + 1, (batch,), generator=gen).tolist()
+    return [(n - 1, 1) for n in lens]
+
+
+def mixed_rows(gen: torch.Generator) -> list[tuple[int, int]]:
+    prefill = [(0, 512), (1024, 512), (300, 256), (0, 128)]
+    return prefill + decode_rows(64, gen)
+
+
+def median_ms(fn: Callable[[], object], iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def graph_ms(fn: Callable[[], object], iters: int) -> float:
+    """Median time of ``fn`` captured in a CUDA graph: kernel time without launch overhead."""
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay, iters)
+
+
+def host_us(fn: Callable[[], object], iters: int) -> float:
+    """CPU time of one eager call (Python + launch), GPU work left in flight."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / iters * 1e6
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    diff = (out.float() - ref.float()).abs().max().item()
+    return diff, diff / max(ref.float().abs().max().item(), 1e-12)
+
+
+def check_case(name: str, case: PagedCase, iters: int) -> Row:
+    ref_out, ref_cache = case.reference()
+    out = attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)
+    max_abs, max_rel = errors(out, ref_out)
+    if not torch.equal(torch.nan_to_num(case.kv_cache, nan=0.0), ref_cache):
+        raise AssertionError(f"{name}: KV cache after append differs from the reference")
+
+    def torch_step() -> torch.Tensor:
+        attention_torch.write_kv(ref_cache, case.k, case.v, case.meta.slot_mapping[: case.meta.num_tokens])
+        return attention_torch.paged_attention(case.q, ref_cache, case.meta, case.scale)
+
+    def triton_step() -> torch.Tensor:
+        return attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)
+
+    row = Row(name, max_abs, max_rel, torch_ms=median_ms(torch_step, iters),
+              triton_ms=median_ms(triton_step, iters), host_us=host_us(triton_step, iters))
+    if case.meta.is_decode_only:
+        row.decode_ms = graph_ms(lambda: decode_attention(case.q, case.kv_cache, case.meta, case.scale), iters)
+        kv_tokens = int(case.meta.kv_lens.sum())
+        kv_bytes = 2 * kv_tokens * KV_HEADS * HEAD_DIM * case.kv_cache.element_size()
+        row.decode_gbps = kv_bytes / (row.decode_ms * 1e-3) / 1e9
+        row.splits = choose_num_splits(case.meta.num_rows, KV_HEADS, case.meta.block_table.shape[1],
+                                       case.meta.block_size, case.q.device)
+    return row
+
+
+def run_checks(block_sizes: list[int], batches: list[int], iters: int) -> list[Row]:
+    gen = torch.Generator().manual_seed(0)
+    shape = dict(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    rows = []
+    for bs in block_sizes:
+        for batch in batches:
+            case = make_case(decode_rows(batch, gen), block_size=bs, seed=batch, **shape)
+            rows.append(check_case(f"decode bs={bs} rows={batch}", case, iters))
+            del case
+        case = make_case(mixed_rows(gen), block_size=bs, seed=1, **shape)
+        rows.append(check_case(f"mixed bs={bs} T={case.meta.num_tokens}", case, iters))
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    def fmt(x: float | int | None, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    print("eager ms: attend incl. KV append (torch reference vs Triton), median of CUDA-event timings;")
+    print("host us: CPU cost of one eager Triton call; graph ms / KV GB/s: decode kernels alone, CUDA-graph replay")
+    print(f"{'case':<24} {'max_abs':>9} {'max_rel':>9} {'torch ms':>9} {'triton ms':>9} {'speedup':>8}"
+          f" {'host us':>8} {'graph ms':>9} {'KV GB/s':>8} {'splits':>6}")
+    for r in rows:
+        print(f"{r.name:<24} {r.max_abs:>9.2e} {r.max_rel:>9.2e} {r.torch_ms:>9.3f} {r.triton_ms:>9.3f}"
+              f" {r.torch_ms / r.triton_ms:>7.1f}x {r.host_us:>8.0f} {fmt(r.decode_ms, '9.3f'):>9}"
+              f" {fmt(r.decode_gbps, '8.0f'):>8} {fmt(r.splits, 'd'):>6}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs CUDA")
+    print(torch.cuda.get_device_name(), f"torch {torch.__version__}")
+    print_table(run_checks(args.block_sizes, args.batches, args.iters))
+
+
+if __name__ == "__main__":
+    main()

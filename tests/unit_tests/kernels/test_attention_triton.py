@@ -1,0 +1,161 @@
+"""Triton paged attention vs the torch reference on tiny random problems (interpreter on
+CPU, compiled on CUDA). See paged_attention_cases for how unused cache slots are poisoned."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megatron_async.kernels import attention, attention_torch, attention_triton  # noqa: E402
+from megatron_async.kernels.triton_decode_attention import decode_attention  # noqa: E402
+from megatron_async.kernels.triton_kv_append import append_kv  # noqa: E402
+from megatron_async.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
+
+from paged_attention_cases import PagedCase, make_case  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP32_TOL = dict(rtol=1e-4, atol=1e-5)
+LOW_TOL = dict(rtol=2e-2, atol=2e-2)
+
+# (cached, new): kv_len 1, lengths on and across block boundaries (block sizes 4/8/16).
+DECODE_ROWS = [(0, 1), (3, 1), (4, 1), (7, 1), (16, 1), (40, 1)]
+# Fresh prefills, chunks continuing a cached prefix at a nonzero position, a chunk longer
+# than one query tile, and decode rows mixed in.
+MIXED_ROWS = [(0, 7), (9, 6), (5, 1), (0, 1), (3, 21), (12, 1), (16, 3)]
+
+
+def _case(rows: list[tuple[int, int]], group: int, head_dim: int, block_size: int, **kw) -> PagedCase:
+    return make_case(rows, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+                     block_size=block_size, device=DEVICE, **kw)
+
+
+def _check(case: PagedCase, tol: dict, meta=None) -> None:
+    ref_out, ref_cache = case.reference()
+    out = attention_triton.attend(case.q, case.k, case.v, case.kv_cache, meta or case.meta, case.scale)
+    assert out.dtype == case.q.dtype and out.shape == case.q.shape
+    torch.testing.assert_close(out.float(), ref_out.float(), **tol)
+    assert torch.equal(torch.nan_to_num(case.kv_cache, nan=0.0), ref_cache)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter is the CPU path")
+def test_cpu_runs_triton_interpreter():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from megatron_async.kernels import triton_decode_attention, triton_prefill_attention
+
+    assert isinstance(triton_prefill_attention._prefill_kernel, InterpretedFunction)
+    assert isinstance(triton_decode_attention._decode_split_kernel, InterpretedFunction)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_append_kv_matches_reference(block_size):
+    case = _case(MIXED_ROWS, group=2, head_dim=16, block_size=block_size)
+    cache = torch.nan_to_num(case.kv_cache, nan=0.0)
+    ref = cache.clone()
+    attention_torch.write_kv(ref, case.k, case.v, case.meta.slot_mapping)
+    append_kv(cache, case.k, case.v, case.meta.slot_mapping)
+    assert torch.equal(cache, ref)
+
+
+def test_append_kv_skips_negative_slots():
+    case = _case([(0, 4)], group=1, head_dim=16, block_size=4)
+    cache = torch.zeros_like(case.kv_cache)
+    slots = case.meta.slot_mapping.clone()
+    slots[1] = -1
+    append_kv(cache, case.k, case.v, slots)
+    assert torch.equal(cache[0].flatten(0, 1)[slots[[0, 2, 3]]], case.k[[0, 2, 3]])
+    assert torch.count_nonzero(cache[0].flatten(0, 1)[case.meta.slot_mapping[1]]) == 0
+
+
+@pytest.mark.parametrize(
+    "block_size,group,head_dim",
+    [(4, 1, 32), (8, 2, 16), (16, 4, 32), (4, 8, 16), (8, 3, 16)],
+)
+def test_decode_matches_reference(block_size, group, head_dim):
+    _check(_case(DECODE_ROWS, group, head_dim, block_size, seed=block_size + group), FP32_TOL)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_split_counts(num_splits):
+    """Every split count merges to the same answer, including splits left empty."""
+    case = _case(DECODE_ROWS, group=2, head_dim=16, block_size=4, seed=num_splits)
+    ref_out, ref_cache = case.reference()
+    append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
+    out = decode_attention(case.q, case.kv_cache, case.meta, case.scale, num_splits=num_splits)
+    torch.testing.assert_close(out, ref_out, **FP32_TOL)
+
+
+def test_decode_with_upper_bound_max_kv_len_replays():
+    """CUDA-graph style: Python ints fixed at capture (max_kv_len = table capacity); the
+    tensors are refilled in place with another step's data and the call is repeated."""
+    width = 12  # blocks per row: capacity 48 tokens
+    first = _case(DECODE_ROWS, group=2, head_dim=16, block_size=4, table_width=width, seed=1)
+    captured = dataclasses.replace(first.meta, max_kv_len=width * 4)
+    _check(first, FP32_TOL, meta=captured)
+
+    second = _case([(46, 1), (0, 1), (8, 1), (30, 1), (2, 1), (19, 1)], group=2, head_dim=16,
+                   block_size=4, table_width=width, seed=2)
+    for name in ("positions", "slot_mapping", "kv_lens", "block_table"):
+        getattr(captured, name).copy_(getattr(second.meta, name))
+    replay = dataclasses.replace(second, meta=captured)
+    _check(replay, FP32_TOL, meta=captured)
+
+
+@pytest.mark.parametrize(
+    "block_size,group,head_dim",
+    [(4, 1, 32), (8, 2, 16), (16, 4, 32), (4, 8, 16), (8, 3, 16)],
+)
+def test_mixed_matches_reference(block_size, group, head_dim):
+    _check(_case(MIXED_ROWS, group, head_dim, block_size, seed=block_size * group), FP32_TOL)
+
+
+def test_prefill_kernel_on_decode_rows_and_small_tiles():
+    """The varlen kernel is exact for decode-only steps too, and with 1-token query tiles."""
+    case = _case(DECODE_ROWS + MIXED_ROWS, group=2, head_dim=16, block_size=8, seed=5)
+    ref_out, _ = case.reference()
+    append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
+    out = prefill_attention(case.q, case.kv_cache, case.meta, case.scale, block_q=8, block_n=32)
+    torch.testing.assert_close(out, ref_out, **FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [DECODE_ROWS, MIXED_ROWS], ids=["decode", "mixed"])
+def test_low_precision(dtype, rows):
+    _check(_case(rows, group=2, head_dim=32, block_size=8, dtype=dtype), LOW_TOL)
+
+
+def test_backend_dispatch_runs_triton(monkeypatch):
+    case = _case(MIXED_ROWS, group=2, head_dim=16, block_size=4, seed=9)
+    ref_out, ref_cache = case.reference()
+
+    def fail(*args, **kwargs):
+        raise AssertionError("torch reference called under the triton backend")
+
+    monkeypatch.setattr(attention_torch, "write_kv", fail)
+    monkeypatch.setattr(attention_torch, "paged_attention", fail)
+    previous = attention.get_attention_backend()
+    attention.set_attention_backend("triton", DEVICE)
+    try:
+        out = attention.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)
+    finally:
+        attention.set_attention_backend(previous, DEVICE)
+    torch.testing.assert_close(out, ref_out, **FP32_TOL)
+    assert torch.equal(torch.nan_to_num(case.kv_cache, nan=0.0), ref_cache)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_padding_row_is_zero(num_splits):
+    """A CUDA-graph filler row (slot -1, kv_len 0) writes nothing and attends to nothing."""
+    case = _case(DECODE_ROWS, group=2, head_dim=16, block_size=4, seed=11)
+    ref_out, _ = case.reference()
+    skipped_slot = case.meta.slot_mapping[-1].item()
+    case.meta.slot_mapping[-1] = -1
+    case.meta.kv_lens[-1] = 0
+    append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
+    out = decode_attention(case.q, case.kv_cache, case.meta, case.scale, num_splits=num_splits)
+    torch.testing.assert_close(out[:-1], ref_out[:-1], **FP32_TOL)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    assert torch.isnan(case.kv_cache.flatten(1, 2)[:, skipped_slot]).all()  # still the unused-slot poison
