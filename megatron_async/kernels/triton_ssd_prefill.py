@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_async.kernels.triton_paged_common import dot_args
+
 
 @triton.jit
 def _conv_prefill_kernel(
@@ -52,20 +54,24 @@ def _conv_prefill_kernel(
         acc += w[None, :] * (xv.to(tl.float32) + sv.to(x_dtype).to(tl.float32))
     out = acc / (1.0 + tl.exp(-acc))  # SiLU
     out_mask = (offs_t < seq_len)[:, None] & c_mask[None, :]
-    tl.store(out_ptr + row * stride_ob + offs_t[:, None] * stride_ot + offs_c[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    out_ptrs = out_ptr + row * stride_ob + offs_t[:, None] * stride_ot + offs_c[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
-    if pid_t == 0:  # final state: ext[len .. len + K - 2], the last K - 1 inputs of the row
+    # Final state: ext[len .. len + K - 2], the last K - 1 inputs of the row (names not reused
+    # from above: the compiler needs one type per name across the branch).
+    if pid_t == 0:
         if HAS_LENGTHS:
-            length = seq_len
+            length = tl.load(lengths_ptr + row).to(tl.int32)
         else:
             length = seq_len
         for j in tl.static_range(K - 1):
             e = length + j
             # Scalar conditions folded into the channel bound (a masked-off load reads nothing).
-            xv = tl.load(x_row + (e - (K - 1)) * stride_xt, mask=offs_c < tl.where(e >= K - 1, channels, 0), other=0.0)
-            sv = tl.load(s_row + e * stride_sk, mask=offs_c < tl.where(e < K - 1, channels, 0), other=0.0)
-            val = xv + sv.to(x_dtype)
-            tl.store(final_ptr + row * stride_fb + offs_c * stride_fc + j * stride_fk, val.to(final_ptr.dtype.element_ty), mask=c_mask)
+            from_x = tl.load(x_row + (e - (K - 1)) * stride_xt, mask=offs_c < tl.where(e >= K - 1, channels, 0), other=0.0)
+            from_state = tl.load(s_row + e * stride_sk, mask=offs_c < tl.where(e < K - 1, channels, 0), other=0.0)
+            val = from_x + from_state.to(x_dtype)
+            final_ptrs = final_ptr + row * stride_fb + offs_c * stride_fc + j * stride_fk
+            tl.store(final_ptrs, val.to(final_ptr.dtype.element_ty), mask=c_mask)
 
 
 def causal_conv1d_prefill(
@@ -110,7 +116,7 @@ def _ssd_scan_kernel(
     stride_yb, stride_yt, stride_yh,
     stride_fb, stride_fh, stride_fp,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_D: tl.constexpr, CB_DTYPE: tl.constexpr, CB_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -141,17 +147,19 @@ def _ssd_scan_kernel(
         # Tokens past the end load zeros (dt = 0): identity steps, as the reference pads.
         dt = tl.load(dt_ptr + row * stride_dtb + offs_t * stride_dtt + head * stride_dth, mask=t_mask, other=0.0).to(tl.float32)
         x = tl.load(x_base + offs_t[:, None] * stride_xt, mask=t_mask[:, None] & p_mask[None, :], other=0.0).to(tl.float32)
-        Bc = tl.load(B_base + offs_t[:, None] * stride_Bt, mask=t_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
-        Cc = tl.load(C_base + offs_t[:, None] * stride_Ct, mask=t_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+        # B / C stay in their own dtype (half the registers of fp32 copies).
+        Bc = tl.load(B_base + offs_t[:, None] * stride_Bt, mask=t_mask[:, None] & n_mask[None, :], other=0.0)
+        Cc = tl.load(C_base + offs_t[:, None] * stride_Ct, mask=t_mask[:, None] & n_mask[None, :], other=0.0)
 
         cum = tl.cumsum(dt * A, axis=0)  # log-decay from the chunk start to each token (<= 0)
         xdt = x * dt[:, None]
         # Intra-chunk: y_i = sum_{j <= i} exp(cum_i - cum_j) (C_i . B_j) dt_j x_j.
         decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
-        scores = tl.dot(Cc, tl.trans(Bc), input_precision=DOT_PRECISION) * decay
+        # C . B in the inputs' dtype: 16-bit products are exact in the fp32 accumulator.
+        scores = tl.dot(Cc.to(CB_DTYPE), tl.trans(Bc.to(CB_DTYPE)), input_precision=CB_PRECISION) * decay
         y = tl.dot(scores, xdt, input_precision=DOT_PRECISION)
         # The state entering the chunk, decayed to each token and read out through C.
-        y += tl.dot(Cc, tl.trans(state), input_precision=DOT_PRECISION) * tl.exp(cum)[:, None]
+        y += tl.dot(Cc.to(tl.float32), tl.trans(state), input_precision=DOT_PRECISION) * tl.exp(cum)[:, None]
         if HAS_D:
             y += D * x
         tl.store(y_base + offs_t[:, None] * stride_yt, y, mask=t_mask[:, None] & p_mask[None, :])
@@ -159,7 +167,7 @@ def _ssd_scan_kernel(
         # Advance the state past the whole chunk.
         total = tl.sum(dt * A, axis=0)
         to_end = tl.exp(total - cum)  # [BLOCK_T] decay from each token to the chunk's end
-        state = state * tl.exp(total) + tl.dot(tl.trans(xdt * to_end[:, None]), Bc, input_precision=DOT_PRECISION)
+        state = state * tl.exp(total) + tl.dot(tl.trans(xdt * to_end[:, None]), Bc.to(tl.float32), input_precision=DOT_PRECISION)
 
     tl.store(final_ptr + row * stride_fb + head * stride_fh + offs_p[:, None] * stride_fp + offs_n[None, :], state, mask=pn_mask)
 
@@ -173,8 +181,8 @@ def ssd_scan(
     D: torch.Tensor | None,
     initial_state: torch.Tensor,
     *,
-    block_t: int = 32,
-    block_p: int = 32,
+    block_t: int | None = None,
+    block_p: int | None = None,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SSD scan of right-padded rows: x [b, l, h, p], dt [b, l, h] (final step sizes, pads 0),
@@ -182,27 +190,34 @@ def ssd_scan(
     -> (y [b, l, h, p], final_state [b, h, p, n]), float32.
 
     The block sizes only trade speed (results are equal up to rounding); every block is at
-    least 16 for ``tl.dot``. Matmuls run in exact fp32 for fp32 inputs and in tf32 for 16-bit
-    inputs (whose own rounding dominates)."""
+    least 16 for ``tl.dot``. Defaults: 32 x 32 for 16-bit inputs (no register spills at
+    d_state 128 on sm_90); 16 x 16 for fp32 inputs, whose exact-fp32 matmuls need far more
+    registers. C . B runs in the inputs' dtype (exact products); the matmuls with fp32
+    operands (state, decayed dt * x) run in exact fp32 for fp32 inputs and in tf32 for
+    16-bit inputs, whose own rounding dominates."""
     b, l, h, p = x.shape
     g, n = B.shape[2:]
     if initial_state.shape != (b, h, p, n):
         raise ValueError(f"initial_state must be [{b}, {h}, {p}, {n}], got {tuple(initial_state.shape)}")
     if h % g != 0:
         raise ValueError(f"{h} heads are not a multiple of {g} groups")
+    if B.dtype != C.dtype:
+        raise TypeError(f"B and C must share a dtype, got {B.dtype} / {C.dtype}")
     y = torch.empty(b, l, h, p, dtype=torch.float32, device=x.device)
     final = torch.empty(b, h, p, n, dtype=torch.float32, device=x.device)
     if b == 0:
         return y, final
-    block_p = max(16, min(block_p, triton.next_power_of_2(p)))
-    block_t = max(16, block_t)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    small = 16 if x.dtype == torch.float32 else 32
+    block_p = max(16, min(block_p or small, triton.next_power_of_2(p)))
+    block_t = max(16, block_t or small)
+    cb = dot_args(_ssd_scan_kernel, B.dtype)
     _ssd_scan_kernel[(b, h, triton.cdiv(p, block_p))](
         x, dt, A, B, C, x if D is None else D, initial_state, y, final,
         l, h // g, p, n,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *initial_state.stride(),
         y.stride(0), y.stride(1), y.stride(2), final.stride(0), final.stride(1), final.stride(2),
         BLOCK_T=block_t, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(n)),
-        HAS_D=D is not None, DOT_PRECISION=precision, num_warps=num_warps,
+        HAS_D=D is not None, CB_DTYPE=cb["DOT_DTYPE"], CB_PRECISION=cb["DOT_PRECISION"],
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
     return y, final

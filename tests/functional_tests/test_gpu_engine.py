@@ -67,3 +67,22 @@ def test_no_host_sync_in_steady_async_decode(ckpt):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert decoded == 20 and eng.stats.overlap_ratio > 0.9
+
+
+@pytest.fixture(scope="module", params=["NemotronHForCausalLM", "BambaForCausalLM"])
+def hybrid_ckpt(request, tmp_path_factory):
+    from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
+
+    return make_tiny_hybrid_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_hybrid_cuda_matches_hf_async_and_graphs(hybrid_ckpt):
+    ref = load_hf_reference(hybrid_ckpt)
+    prompts = random_prompts(6, 2, 30, ref.config.vocab_size, seed=1)
+    expected = [hf_greedy(ref, p, NEW) for p in prompts]
+    for async_scheduling, graphs in ((False, False), (True, False), (True, True)):
+        llm = cuda_llm(hybrid_ckpt, max_tokens=16, num_kv_blocks=40, async_scheduling=async_scheduling, cuda_graphs=graphs)
+        outs = llm.generate(prompts, SamplingParams(top_k=1, num_tokens_to_generate=NEW))
+        assert [o.generated_tokens for o in outs] == expected, (async_scheduling, graphs)
+        if graphs:
+            assert llm.controller.graphs.num_replays > 0

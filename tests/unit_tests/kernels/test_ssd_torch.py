@@ -131,7 +131,7 @@ def test_fast_backend_matches_reference():
         mamba_ops.conv1d_decode(cx[:, 0], w, bias, state),
     )
     try:
-        mamba_ops.set_mamba_backend(MambaBackend.TRITON, "cuda")
+        mamba_ops.set_mamba_backend(MambaBackend.MAMBA_SSM, "cuda")
         fast = (
             mamba_ops.ssd_prefill(x, dt, A, Bm, Cm, 16, D, init),
             mamba_ops.ssd_decode(x[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], D, init),

@@ -1,0 +1,314 @@
+"""In-repo Triton Mamba2 kernels vs the torch reference ops (interpreter on CPU, compiled on
+CUDA): decode conv / state updates on slot pools, prefill conv and SSD scan on ragged padded
+rows, the dispatcher's TRITON backend, and the mixer run end to end on both backends."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from megatron_async.config import MambaBackend  # noqa: E402
+from megatron_async.inference.contexts.metadata import MambaMetadata  # noqa: E402
+from megatron_async.kernels import mamba_ops  # noqa: E402
+from megatron_async.kernels.conv1d_torch import causal_conv1d, causal_conv1d_step  # noqa: E402
+from megatron_async.kernels.ssd_torch import ssd_chunked, ssd_sequential, ssd_step  # noqa: E402
+from megatron_async.kernels.triton_mamba_decode import causal_conv1d_update, selective_state_update  # noqa: E402
+from megatron_async.kernels.triton_ssd_prefill import causal_conv1d_prefill, ssd_scan  # noqa: E402
+from megatron_async.models.hybrid_config import MambaConfig  # noqa: E402
+from megatron_async.models.layers.mamba2_mixer import Mamba2Mixer, MambaStepPlan  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(g: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+
+def _rand(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.rand(*shape, generator=g).to(DEVICE)
+
+
+def _gathered(pool: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
+    """What a row starts from: its slot's state, or zeros."""
+    zero = torch.zeros((), dtype=pool.dtype, device=pool.device)
+    return torch.where(has_init.view(-1, *([1] * (pool.dim() - 1))), pool[slots], zero)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def exact_cudnn_conv():
+    """On CUDA the reference conv1d may round to tf32 in cuDNN; the fp32 tolerances need exact."""
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.fixture
+def triton_backend():
+    yield mamba_ops.set_mamba_backend(MambaBackend.TRITON, DEVICE)
+    mamba_ops.set_mamba_backend(MambaBackend.TORCH, "cpu")
+
+
+# Rows read slots 4, 0, 2 of a 6-slot pool; row 1 has no initial state, its slot holds junk.
+SLOTS = [4, 0, 2]
+HAS_INIT = [True, False, True]
+
+
+@pytest.mark.parametrize("k, with_bias, dtype", [(4, True, torch.float32), (2, False, torch.float32), (4, True, torch.bfloat16)])
+def test_conv_update_in_place_on_slots(k, with_bias, dtype):
+    g = _gen(k)
+    c = 12
+    x, w = _randn(g, 3, c, dtype=dtype), _randn(g, c, k, dtype=dtype)
+    bias = _randn(g, c, dtype=dtype) if with_bias else None
+    pool = _randn(g, 6, c, k - 1, dtype=dtype)
+    slots, has_init = torch.tensor(SLOTS, device=DEVICE), torch.tensor(HAS_INIT, device=DEVICE)
+    ref_out, ref_state = causal_conv1d_step(x, w, bias, _gathered(pool, slots, has_init))
+
+    new_pool = pool.clone()
+    out = causal_conv1d_update(x, w, bias, new_pool, slots=slots, has_initial_state=has_init)
+    tol = TOL if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, ref_out, **tol)
+    assert torch.equal(new_pool[slots], ref_state)  # a shift plus x: exact
+    untouched = [s for s in range(6) if s not in SLOTS]
+    assert torch.equal(new_pool[untouched], pool[untouched])
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("dt_options", [False, True])
+def test_state_update_in_place_on_slots(groups, dt_options):
+    g = _gen(10 * groups + dt_options)
+    h, p, n = 4, 5, 6
+    x = _randn(g, 3, h, p)
+    dt = _randn(g, 3, h) if dt_options else 0.05 + _rand(g, 3, h)
+    A, D, dt_bias = -(0.1 + _rand(g, h)), _randn(g, h), _randn(g, h)
+    B, C = _randn(g, 3, groups, n), _randn(g, 3, groups, n)
+    pool = _randn(g, 6, h, p, n)
+    slots, has_init = torch.tensor(SLOTS, device=DEVICE), torch.tensor(HAS_INIT, device=DEVICE)
+    opts = dict(dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.2, 0.9)) if dt_options else {}
+    dt_final = F.softplus(dt + dt_bias).clamp(0.2, 0.9) if dt_options else dt
+    ref_y, ref_state = ssd_step(x, dt_final, A, B, C, _gathered(pool, slots, has_init), D)
+
+    new_pool = pool.clone()
+    y = selective_state_update(x, dt, A, B, C, D, new_pool, slots=slots, has_initial_state=has_init, **opts)
+    torch.testing.assert_close(y, ref_y, **TOL)
+    torch.testing.assert_close(new_pool[slots], ref_state, **TOL)
+    untouched = [s for s in range(6) if s not in SLOTS]
+    assert torch.equal(new_pool[untouched], pool[untouched])
+
+
+def test_state_update_strided_inputs_without_D():
+    """x / B / C as the mixer passes them: views into one [b, conv_dim] activation."""
+    g = _gen(3)
+    h, p, grp, n = 4, 3, 2, 5
+    xbc = _randn(g, 2, h * p + 2 * grp * n)
+    x, B, C = xbc.split([h * p, grp * n, grp * n], dim=-1)
+    x, B, C = x.unflatten(-1, (h, p)), B.unflatten(-1, (grp, n)), C.unflatten(-1, (grp, n))
+    dt, A, state = 0.1 + _rand(g, 2, h), -_rand(g, h), _randn(g, 2, h, p, n)
+    ref_y, ref_state = ssd_step(x, dt, A, B, C, state)
+    new_state = torch.empty_like(state)
+    y = selective_state_update(x, dt, A, B, C, None, state, out_state=new_state)
+    torch.testing.assert_close(y, ref_y, **TOL)
+    torch.testing.assert_close(new_state, ref_state, **TOL)
+
+
+def test_conv_prefill_ragged_rows():
+    """Rows shorter than K - 1 keep part of their initial state; pads are never read."""
+    g = _gen(4)
+    b, l, c, k = 3, 37, 10, 4
+    x, w, bias, state = _randn(g, b, l, c), _randn(g, c, k), _randn(g, c), _randn(g, b, c, k - 1)
+    for lengths in (torch.tensor([37, 2, 20], device=DEVICE), None):
+        ref_out, ref_final = causal_conv1d(x, w, bias, state, lengths)
+        out, final = causal_conv1d_prefill(x, w, bias, state, lengths)
+        torch.testing.assert_close(out, ref_out, **TOL)
+        assert torch.equal(final, ref_final)
+
+
+def _ssd_inputs(g: torch.Generator, b: int, l: int, h: int, p: int, grp: int, n: int) -> list[torch.Tensor]:
+    return [_randn(g, b, l, h, p), 0.05 + 0.5 * _rand(g, b, l, h), -(0.1 + _rand(g, h)),
+            _randn(g, b, l, grp, n), _randn(g, b, l, grp, n), _randn(g, h), _randn(g, b, h, p, n)]
+
+
+@pytest.mark.parametrize("groups, block_t, dtype", [(1, 16, torch.float32), (2, 32, torch.float32),
+                                                    (4, None, torch.float32), (2, None, torch.bfloat16)])
+def test_ssd_scan_matches_chunked_reference(groups, block_t, dtype):
+    """37 tokens: a partial last tile. bf16 x / B / C (fp32 math on the same values) take the
+    16-bit path: C . B in bf16, the other matmuls in tf32 on CUDA."""
+    x, dt, A, B, C, D, init = _ssd_inputs(_gen(groups), 2, 37, 4, 5, groups, 6)
+    x, B, C = x.to(dtype), B.to(dtype), C.to(dtype)
+    ref_y, ref_final = ssd_chunked(x, dt, A, B, C, 8, D, init)
+    y, final = ssd_scan(x, dt, A, B, C, D, init, block_t=block_t)
+    if dtype == torch.float32 or DEVICE == "cpu":  # the interpreter's matmuls are exact fp32
+        torch.testing.assert_close(y, ref_y, **TOL)
+        torch.testing.assert_close(final, ref_final, **TOL)
+    else:
+        assert _rel_err(y, ref_y) < 5e-3 and _rel_err(final, ref_final) < 5e-3
+
+
+def test_ssd_scan_ragged_rows_padded_with_zero_dt():
+    """The mixer's layout: each row's final state is its state after its last real token."""
+    x, dt, A, B, C, D, init = _ssd_inputs(_gen(7), 3, 40, 2, 4, 2, 6)
+    lengths = [40, 3, 17]
+    for r, n_real in enumerate(lengths):
+        dt[r, n_real:] = 0
+        x[r, n_real:] = 0
+    init[1] = 0  # a fresh row among continuing ones
+    y, final = ssd_scan(x, dt, A, B, C, D, init)
+    for r, n_real in enumerate(lengths):
+        sl = slice(r, r + 1)
+        ref_y, ref_final = ssd_sequential(x[sl, :n_real], dt[sl, :n_real], A, B[sl, :n_real], C[sl, :n_real], D, init[sl])
+        torch.testing.assert_close(y[sl, :n_real], ref_y, **TOL)
+        torch.testing.assert_close(final[sl], ref_final, **TOL)
+
+
+def test_dispatcher_triton_matches_torch(triton_backend):
+    assert triton_backend == MambaBackend.TRITON and mamba_ops.get_mamba_backend() == MambaBackend.TRITON
+    g = _gen(8)
+    x, dt, A, B, C, D, init = _ssd_inputs(g, 2, 19, 4, 3, 2, 5)
+    cx, w, bias, cstate = _randn(g, 2, 19, 8), _randn(g, 8, 4), _randn(g, 8), _randn(g, 2, 8, 3)
+    lengths = torch.tensor([19, 6], device=DEVICE)
+
+    def run_all():
+        return (
+            mamba_ops.ssd_prefill(x, dt, A, B, C, 8, D, init),
+            mamba_ops.ssd_decode(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D, init),
+            mamba_ops.conv1d_prefill(cx, w, bias, cstate, lengths),
+            mamba_ops.conv1d_decode(cx[:, 0], w, bias, cstate),
+        )
+
+    states_before = (init.clone(), cstate.clone())
+    fast = run_all()
+    assert torch.equal(init, states_before[0]) and torch.equal(cstate, states_before[1])  # inputs untouched
+    mamba_ops.set_mamba_backend(MambaBackend.TORCH, DEVICE)
+    ref = run_all()
+    for (f_out, f_state), (r_out, r_state) in zip(fast, ref):
+        torch.testing.assert_close(f_out, r_out, **TOL)
+        torch.testing.assert_close(f_state, r_state, **TOL)
+
+
+@pytest.mark.parametrize("backend", [MambaBackend.TORCH, MambaBackend.TRITON])
+def test_inplace_decode_ops_agree_across_backends(backend):
+    g = _gen(9)
+    h, p, grp, n, c, k = 4, 3, 2, 5, 8, 4
+    x, dt, dt_bias = _randn(g, 3, h, p), _randn(g, 3, h), _randn(g, h)
+    A, D, B, C = -_rand(g, h), _randn(g, h), _randn(g, 3, grp, n), _randn(g, 3, grp, n)
+    cx, w, bias = _randn(g, 3, c), _randn(g, c, k), _randn(g, c)
+    ssm_pool, conv_pool = _randn(g, 6, h, p, n), _randn(g, 6, c, k - 1)
+    slots, has_init = torch.tensor(SLOTS, device=DEVICE), torch.tensor(HAS_INIT, device=DEVICE)
+    ref_conv_out, ref_conv = causal_conv1d_step(cx, w, bias, _gathered(conv_pool, slots, has_init))
+    dt_final = F.softplus(dt + dt_bias).clamp(0.0, 0.5)
+    ref_y, ref_ssm = ssd_step(x, dt_final, A, B, C, _gathered(ssm_pool, slots, has_init), D)
+    try:
+        mamba_ops.set_mamba_backend(backend, DEVICE)
+        conv_out = mamba_ops.conv1d_decode_inplace(cx, w, bias, conv_pool, slots, has_init)
+        y = mamba_ops.ssd_decode_inplace(
+            x, dt, A, B, C, D, ssm_pool, slots, has_init, dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, 0.5)
+        )
+    finally:
+        mamba_ops.set_mamba_backend(MambaBackend.TORCH, "cpu")
+    torch.testing.assert_close(conv_out, ref_conv_out, **TOL)
+    torch.testing.assert_close(conv_pool[slots], ref_conv, **TOL)
+    torch.testing.assert_close(y, ref_y, **TOL)
+    torch.testing.assert_close(ssm_pool[slots], ref_ssm, **TOL)
+
+
+def test_backend_selection():
+    assert mamba_ops.set_mamba_backend(MambaBackend.AUTO, "cpu") == MambaBackend.TORCH
+    assert mamba_ops.set_mamba_backend("torch", "cpu") == MambaBackend.TORCH
+    with pytest.raises(ValueError, match="MAMBA_SSM"):
+        mamba_ops.set_mamba_backend(MambaBackend.MAMBA_SSM, "cpu")
+    assert mamba_ops.get_mamba_backend() == MambaBackend.TORCH
+
+
+def _mixer(seed: int) -> Mamba2Mixer:
+    cfg = MambaConfig(num_heads=4, head_dim=4, d_state=8, n_groups=2, conv_kernel=4, chunk_size=8,
+                      dt_limit=(0.0, float("inf")), use_conv_bias=True, proj_bias=False, norm_eps=1e-5,
+                      norm_before_gate=False)
+    mixer = Mamba2Mixer(16, cfg, torch.float32, DEVICE)
+    g = _gen(seed)
+    for param in mixer.parameters():
+        param.data.copy_(0.3 * torch.randn(param.shape, generator=g))
+    mixer.A_log.data.copy_(torch.rand(4, generator=g).log())
+    return mixer
+
+
+def test_mixer_mixed_step_same_on_both_backends():
+    """A step with decode rows, a fresh one-token row and ragged prefill chunks (continuing and
+    fresh) gives the same output and pool states on TRITON as on TORCH."""
+    mixer, g = _mixer(11), _gen(12)
+    lengths, has_init, slots = [1, 6, 1, 3, 9], [True, True, False, False, True], [5, 0, 3, 1, 6]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    meta = MambaMetadata(
+        state_slots=torch.tensor(slots, device=DEVICE), has_initial_state=torch.tensor(has_init, device=DEVICE),
+        cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=DEVICE), num_rows=len(lengths),
+        is_decode_only=False, max_query_len=max(lengths), host_cu_query_lens=cu,
+    )
+    x = _randn(g, cu[-1], 16)
+    cfg = mixer.cfg
+    pools = (_randn(g, 8, cfg.conv_dim, 3), _randn(g, 8, cfg.num_heads, cfg.head_dim, cfg.d_state))
+    results = []
+    for backend in (MambaBackend.TORCH, MambaBackend.TRITON):
+        conv_pool, ssm_pool = (t.clone() for t in pools)
+        try:
+            mamba_ops.set_mamba_backend(backend, DEVICE)
+            out = mixer(x, conv_pool, ssm_pool, MambaStepPlan.build(meta))
+        finally:
+            mamba_ops.set_mamba_backend(MambaBackend.TORCH, "cpu")
+        results.append((out, conv_pool, ssm_pool))
+    for ref, fast in zip(*results):
+        torch.testing.assert_close(fast, ref, **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_realistic_sizes_on_gpu():
+    """NemotronH-like: 128 heads of 64, d_state 128, 8 groups, bf16 activations, fp32 states."""
+    g = _gen(13)
+    h, p, grp, n, k, rows = 128, 64, 8, 128, 4, 64
+    c = h * p + 2 * grp * n
+    bf16 = torch.bfloat16
+    x, B, C = _randn(g, rows, h, p, dtype=bf16), _randn(g, rows, grp, n, dtype=bf16), _randn(g, rows, grp, n, dtype=bf16)
+    dt, dt_bias, A, D = _randn(g, rows, h), _randn(g, h), -(0.5 + 4 * _rand(g, h)), _randn(g, h)
+    pool = _randn(g, rows + 8, h, p, n)
+    slots = torch.randperm(rows + 8, generator=g)[:rows].to(DEVICE)
+    has_init = _rand(g, rows) > 0.2
+    dt_final = F.softplus(dt + dt_bias).clamp(1e-3, float("inf"))
+    ref_y, ref_state = ssd_step(x, dt_final, A, B, C, _gathered(pool, slots, has_init), D)
+    y = selective_state_update(x, dt, A, B, C, D, pool, slots=slots, has_initial_state=has_init,
+                               dt_bias=dt_bias, dt_softplus=True, dt_limit=(1e-3, float("inf")))
+    assert _rel_err(y, ref_y) < 1e-5 and _rel_err(pool[slots], ref_state) < 1e-5
+
+    cx, w, bias = _randn(g, rows, c, dtype=bf16), _randn(g, c, k, dtype=bf16), _randn(g, c, dtype=bf16)
+    cpool = _randn(g, rows + 8, c, k - 1, dtype=bf16)
+    ref_out, ref_cstate = causal_conv1d_step(cx, w, bias, _gathered(cpool, slots, has_init))
+    out = causal_conv1d_update(cx, w, bias, cpool, slots=slots, has_initial_state=has_init)
+    assert _rel_err(out, ref_out) < 1e-2 and torch.equal(cpool[slots], ref_cstate)
+
+    lengths = [1000, 17, 300]
+    L = max(lengths)
+    xs, Bs, Cs = _randn(g, 3, L, h, p, dtype=bf16), _randn(g, 3, L, grp, n, dtype=bf16), _randn(g, 3, L, grp, n, dtype=bf16)
+    dts = F.softplus(_randn(g, 3, L, h) - 2)
+    for r, n_real in enumerate(lengths):
+        dts[r, n_real:] = 0
+    init = _randn(g, 3, h, p, n)
+    ref_y, ref_final = ssd_chunked(xs, dts, A, Bs, Cs, 128, D, init)
+    y, final = ssd_scan(xs, dts, A, Bs, Cs, D, init)
+    assert _rel_err(y, ref_y) < 5e-3 and _rel_err(final, ref_final) < 5e-3
+
+    cxs, cinit = _randn(g, 3, L, c, dtype=bf16), _randn(g, 3, c, k - 1, dtype=bf16)
+    lens = torch.tensor(lengths, device=DEVICE)
+    ref_out, ref_cfinal = causal_conv1d(cxs, w, bias, cinit, lens)
+    out, cfinal = causal_conv1d_prefill(cxs, w, bias, cinit, lens)
+    assert _rel_err(out, ref_out) < 1e-2 and torch.equal(cfinal, ref_cfinal)
