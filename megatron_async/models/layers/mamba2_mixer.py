@@ -141,17 +141,13 @@ class Mamba2Mixer(nn.Module):
         self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor,
         conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
     ) -> torch.Tensor:
-        """One token per row: xbc [S, conv_dim], dt [S, H] -> y [S, H, P] float32."""
-        conv_out, conv_state = mamba_ops.conv1d_decode(
-            xbc, self.conv_weight[:, 0, :], self.conv_bias, _read_states(conv_pool, slots, has_init)
+        """One token per row: xbc [S, conv_dim], dt [S, H] -> y [S, H, P] float32. The rows'
+        states are advanced in place in their slots (distinct per real row)."""
+        conv_out = mamba_ops.conv1d_decode_inplace(
+            xbc, self.conv_weight[:, 0, :], self.conv_bias, conv_pool, slots, has_init
         )
-        conv_pool.index_copy_(0, slots, conv_state.to(conv_pool.dtype))
         xs, B, C = self._split_xbc(conv_out)
-        y, ssm_state = mamba_ops.ssd_decode(
-            xs, dt, self._A(), B, C, self.D.float(), _read_states(ssm_pool, slots, has_init)
-        )
-        ssm_pool.index_copy_(0, slots, ssm_state)
-        return y
+        return mamba_ops.ssd_decode_inplace(xs, dt, self._A(), B, C, self.D.float(), ssm_pool, slots, has_init)
 
     def _scan_rows(
         self, xbc: torch.Tensor, dt: torch.Tensor, m: _PaddedRows, slots: torch.Tensor, has_init: torch.Tensor,
