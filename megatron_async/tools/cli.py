@@ -45,7 +45,7 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides --buffer-size-gb)")
     g.add_argument("--buffer-size-gb", type=float, default=None,
-                   help=f"KV pool budget (default: 1 on cpu, {GPU_KV_FRACTION:.0%} of free memory on cuda)")
+                   help=f"KV pool budget (default: 1 on cpu, {GPU_KV_FRACTION * 100:.0f}%% of free memory on cuda)")
     g.add_argument("--max-requests", type=int, default=None, help="most active requests")
     g.add_argument("--max-tokens", type=int, default=None, help="most tokens per step")
     g.add_argument("--max-sequence-length", type=int, default=None)

@@ -153,3 +153,15 @@ def test_torchrun_launcher_world_size_one():
     proc = _run(["bash", "examples/run_torchrun.sh", *SMALL])
     assert proc.returncode == 0, proc.stderr
     assert "6/6 finished" in proc.stdout
+
+
+@pytest.mark.parametrize("script", ["examples/gpt_dynamic_inference.py", "scripts/benchmark.py"])
+def test_help_renders(script):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / script), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "--buffer-size-gb" in out.stdout
