@@ -41,10 +41,24 @@ class DecoderLayer(nn.Module):
         }
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch.attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output, or the embeddings when ``residual`` is None.
+        Returns (this layer's MLP output, residual stream before it). Each residual add is
+        fused with the norm after it; the sums round as ``h = h + f(norm(h))`` does."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        attn_out = self.self_attn(h, cos, sin, kv_cache, batch.attn)
+        h, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.mlp(h), residual
 
 
 class GPTModel(CausalLM):
@@ -75,10 +89,10 @@ class GPTModel(CausalLM):
         # max_kv_len is a host int, so growing the rope table never syncs with the device.
         self.rope.reserve(batch.attn.max_kv_len)
         cos, sin = self.rope(batch.attn.positions[: input_ids.shape[0]])
-        x = F.embedding(input_ids, self.embed_weight)
+        x, residual = F.embedding(input_ids, self.embed_weight), None
         for layer, kv_cache in zip(self.layers, batch.kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, batch)
+        return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_async.inference.contexts.metadata import AttentionMetadata
+from megatron_async.kernels import fused_ops
 from megatron_async.kernels.attention import attend
 from megatron_async.models.layers.norm import RMSNorm
 from megatron_async.models.layers.rope import apply_rotary
@@ -45,6 +46,11 @@ class SelfAttention(nn.Module):
             targets[f"{prefix}.k_norm.weight"] = self.k_norm.weight.data
         return targets
 
+    def _qk_norm_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        if self.q_norm is None:
+            return None, None, 0.0
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+
     def forward(
         self,
         x: torch.Tensor,
@@ -58,8 +64,11 @@ class SelfAttention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if fused_ops.use_fused(q):  # q/k norm and rope of q and k in one kernel
+            q, k = fused_ops.rope_qk(q, k, cos, sin, *self._qk_norm_args())
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attend(q, k, v, kv_cache, meta, self.scale)
         return F.linear(out.reshape(T, self.q_size), self.o_weight, self.o_bias)

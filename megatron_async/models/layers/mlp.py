@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_async.kernels import fused_ops
+
 
 class SwiGLUMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype, device: torch.device | str):
@@ -32,5 +34,10 @@ class SwiGLUMLP(nn.Module):
         return targets
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        if fused_ops.use_fused(gate_up) and gate_up.dim() == 2:
+            act = fused_ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            act = F.silu(gate) * up
+        return F.linear(act, self.down_weight, self.down_bias)

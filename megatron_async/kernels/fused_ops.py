@@ -1,0 +1,73 @@
+"""Switch between the layers' torch code and the fused Triton kernels for per-layer
+elementwise work (RMSNorm, residual add + RMSNorm, q/k norm + RoPE, SiLU-and-mul).
+
+A layer asks ``use_fused(x)`` and, when true, calls the op here; otherwise it runs its own
+torch code, which stays the numerical reference. Fused ops run only on CUDA tensors (never
+on CPU by default), when triton imports and the process-wide switch is on. Kernel modules
+are imported on first use, so that a test can set ``TRITON_INTERPRET=1`` before they are
+decorated. The kernels take shapes only from tensor metadata: CUDA-graph safe."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_enabled = True
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the fused kernels on or off process-wide (A/B tests); on by default."""
+    global _enabled
+    _enabled = enabled
+
+
+def is_enabled() -> bool:
+    return _enabled
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """Whether the layers should run the fused kernels on x."""
+    return _enabled and x.is_cuda and _triton_importable()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_before_weight: bool = True) -> torch.Tensor:
+    from megatron_async.kernels import triton_rmsnorm
+
+    return triton_rmsnorm.rms_norm(x, weight, eps, cast_before_weight)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, cast_before_weight: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from megatron_async.kernels import triton_rmsnorm
+
+    return triton_rmsnorm.add_rms_norm(x, residual, weight, eps, cast_before_weight)
+
+
+def rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from megatron_async.kernels import triton_rope
+
+    return triton_rope.rope_qk(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    from megatron_async.kernels import triton_act
+
+    return triton_act.silu_and_mul(gate_up)

@@ -1,0 +1,143 @@
+"""Rotary embedding of q and k in one kernel, optionally after Qwen3's per-head RMSNorm.
+
+Rounding follows the torch path step by step: the norm's output is rounded to the
+activation dtype before its weight multiply and after it, and each rotary product and sum
+(``x1 * cos - x2 * sin``, HF's rotate_half convention) is rounded as the bf16 torch ops
+round it; products of two bf16 values are exact in float32, so the result is bit-identical
+to the torch path for rope without norm. Only the first ``rot_dim`` dims of a head rotate
+(partial rotary); the rest are copied."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(
+    src_ptr,
+    dst_ptr,
+    w_ptr,
+    tok,
+    stride_t,
+    stride_h,
+    c,
+    s,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    HALF: tl.constexpr = ROT_DIM // 2
+    dt = dst_ptr.dtype.element_ty
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)
+    src = src_ptr + tok * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    dst = dst_ptr + tok * (NUM_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # the wrapper guarantees ROT_DIM == HEAD_DIM here
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+        w1 = tl.load(w_ptr + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
+        x1 = (w1[None, :] * (x1 * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2[None, :] * (x2 * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    o1 = (x1 * c[None, :]).to(dt).to(tl.float32) - (x2 * s[None, :]).to(dt).to(tl.float32)
+    o2 = (x2 * c[None, :]).to(dt).to(tl.float32) + (x1 * s[None, :]).to(dt).to(tl.float32)
+    tl.store(dst, o1.to(dt), mask=mask)
+    tl.store(dst + HALF, o2.to(dt), mask=mask)
+    if ROT_DIM < HEAD_DIM:
+        offs_p = tl.arange(0, BLOCK_PASS)
+        pmask = (offs_h[:, None] < NUM_HEADS) & (offs_p[None, :] < HEAD_DIM - ROT_DIM)
+        src_p = src_ptr + tok * stride_t + offs_h[:, None] * stride_h + ROT_DIM + offs_p[None, :]
+        dst_p = dst_ptr + tok * (NUM_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + ROT_DIM + offs_p[None, :]
+        tl.store(dst_p, tl.load(src_p, mask=pmask, other=0.0), mask=pmask)
+
+
+@triton.jit
+def _rope_qk_kernel(
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    qw_ptr,
+    kw_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    stride_sin,
+    eps,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    # One program per token: its cos/sin row is read once for all q and k heads.
+    tok = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    dmask = offs_d < ROT_DIM // 2
+    c = tl.load(cos_ptr + tok * stride_cos + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + tok * stride_sin + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, q_out_ptr, qw_ptr, tok, stride_qt, stride_qh, c, s, eps,
+                  NUM_Q_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, HAS_NORM)
+    _rotate_heads(k_ptr, k_out_ptr, kw_ptr, tok, stride_kt, stride_kh, c, s, eps,
+                  NUM_K_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, HAS_NORM)
+
+
+def rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, H, D] and k [T, KVH, D] (unit last stride, any token/head strides) by
+    cos/sin [T, R/2] (R <= D the rotary dims; the model's table rows at each token's position).
+
+    With both norm weights ([D]), each head is RMS-normalised (eps) first, as Qwen3 does.
+    All tensors share one dtype and have a unit last stride. Returns new contiguous q and k."""
+    num_tokens, hq, d = q.shape
+    hk, rot, dtype = k.shape[1], 2 * cos.shape[-1], q.dtype
+    has_norm = q_norm_weight is not None
+    tensors = [q, k, cos, sin] + ([q_norm_weight, k_norm_weight] if has_norm else [])
+    if (
+        k.shape != (num_tokens, hk, d) or cos.shape != sin.shape or cos.shape[0] != num_tokens or rot > d
+        or any(t is None or t.stride(-1) != 1 or t.dtype != dtype for t in tensors)
+    ):
+        raise ValueError(f"rope_qk: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, "
+                         f"cos {tuple(cos.shape)} {cos.dtype} do not fit together")
+    if has_norm != (k_norm_weight is not None) or (has_norm and (rot != d or q_norm_weight.shape != (d,)
+                                                                 or k_norm_weight.shape != (d,))):
+        raise ValueError("rope_qk: q/k norm needs both weights, of shape [head_dim], and full rotary")
+    q_out = torch.empty((num_tokens, hq, d), dtype=dtype, device=q.device)
+    k_out = torch.empty((num_tokens, hk, d), dtype=dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    block_half = triton.next_power_of_2(rot // 2)
+    _rope_qk_kernel[(num_tokens,)](
+        q, k, cos, sin,
+        q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
+        q_out, k_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), eps,
+        NUM_Q_HEADS=hq, NUM_K_HEADS=hk, HEAD_DIM=d, ROT_DIM=rot,
+        BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=block_half,
+        BLOCK_PASS=triton.next_power_of_2(max(d - rot, 1)), HAS_NORM=has_norm,
+        num_warps=4 if hq * block_half >= 1024 else 1,
+    )
+    return q_out, k_out

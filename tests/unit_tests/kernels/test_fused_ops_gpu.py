@@ -1,0 +1,111 @@
+"""Compiled fused elementwise kernels vs the layers' torch code at Qwen3-0.6B shapes on CUDA,
+bit-for-bit where only roundings are involved, and under CUDA-graph capture."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megatron_async.kernels import fused_ops, triton_act, triton_rmsnorm, triton_rope  # noqa: E402
+from megatron_async.models.layers.norm import RMSNorm  # noqa: E402
+from megatron_async.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS = 1024, 16, 8, 128, 3072, 1e-6
+
+
+@pytest.fixture
+def torch_path():
+    """Run the layers' own torch code on CUDA (the reference), restoring the switch after."""
+    fused_ops.set_enabled(False)
+    yield
+    fused_ops.set_enabled(True)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal up to rare last-ulp flips from the float32 sum order / exp approximation."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        # a flipped ulp of a rotary input can meet cancellation: bound the error by the scale
+        assert (out != ref).float().mean() < 0.01
+        torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2 * float(ref.abs().max()))
+
+
+def _norm(dim: int, dtype: torch.dtype) -> RMSNorm:
+    norm = RMSNorm(dim, EPS, dtype, "cuda")
+    norm.weight.copy_(1.0 + 0.3 * torch.randn(dim, device="cuda"))
+    return norm
+
+
+def _qk(T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    qkv = torch.randn(T, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=dtype, device="cuda")
+    q = qkv[:, : HEADS * HEAD_DIM].view(T, HEADS, HEAD_DIM)
+    return q, qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(T, KV_HEADS, HEAD_DIM)
+
+
+def _cos_sin(T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    rope = RotaryEmbedding(HEAD_DIM, 40960, 1_000_000.0, None, dtype, "cuda")
+    return rope(torch.randint(0, 40960, (T,), device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [1, 8, 2048])
+def test_real_shapes_match_torch_path(T, dtype, torch_path):
+    torch.manual_seed(T)
+    x, res = torch.randn(T, HIDDEN, dtype=dtype, device="cuda"), torch.randn(T, HIDDEN, dtype=dtype, device="cuda")
+    norm, q_norm, k_norm = _norm(HIDDEN, dtype), _norm(HEAD_DIM, dtype), _norm(HEAD_DIM, dtype)
+    _close(triton_rmsnorm.rms_norm(x, norm.weight, EPS), norm(x))
+
+    out, new_res = triton_rmsnorm.add_rms_norm(x, res, norm.weight, EPS)
+    ref_out, ref_res = norm.add_and_norm(x, res)
+    assert torch.equal(new_res, ref_res)
+    _close(out, ref_out)
+
+    q, k = _qk(T, dtype)
+    cos, sin = _cos_sin(T, dtype)
+    q_out, k_out = triton_rope.rope_qk(q, k, cos, sin)
+    if dtype == torch.bfloat16:  # pure roundings: bit-identical
+        assert torch.equal(q_out, apply_rotary(q, cos, sin)) and torch.equal(k_out, apply_rotary(k, cos, sin))
+    else:  # float32: the compiler may contract into FMAs
+        _close(q_out, apply_rotary(q, cos, sin))
+        _close(k_out, apply_rotary(k, cos, sin))
+    q_out, k_out = triton_rope.rope_qk(q, k, cos, sin, q_norm.weight, k_norm.weight, EPS)
+    _close(q_out, apply_rotary(q_norm(q), cos, sin))
+    _close(k_out, apply_rotary(k_norm(k), cos, sin))
+
+    gate_up = 3 * torch.randn(T, 2 * INTER, dtype=dtype, device="cuda")
+    gate, up = gate_up.split(INTER, dim=-1)
+    _close(triton_act.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+def test_cuda_graph_replay_matches_eager():
+    """Launches depend only on shapes: a captured graph replays on new inputs correctly."""
+    torch.manual_seed(0)
+    T, dtype = 8, torch.bfloat16
+    x = torch.randn(T, HIDDEN, dtype=dtype, device="cuda")
+    res = torch.randn_like(x)
+    q, k = _qk(T, dtype)
+    cos, sin = _cos_sin(T, dtype)
+    gate_up = torch.randn(T, 2 * INTER, dtype=dtype, device="cuda")
+    norm, q_norm, k_norm = _norm(HIDDEN, dtype), _norm(HEAD_DIM, dtype), _norm(HEAD_DIM, dtype)
+
+    def step() -> list[torch.Tensor]:
+        h, r = triton_rmsnorm.add_rms_norm(x, res, norm.weight, EPS)
+        qo, ko = triton_rope.rope_qk(q, k, cos, sin, q_norm.weight, k_norm.weight, EPS)
+        return [h, r, qo, ko, triton_act.silu_and_mul(gate_up)]
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for t in (x, res, q, k, cos, sin, gate_up):
+        t.copy_(torch.randn_like(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    for out, ref in zip(captured, step(), strict=True):
+        assert torch.equal(out, ref)
