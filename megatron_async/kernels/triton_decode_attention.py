@@ -184,7 +184,7 @@ def decode_attention(
     if block_n is None:
         block_n = 16 if q.device.type == "cpu" else 64
     group = num_heads // num_kv_heads
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on GPU
     if num_splits > 1:
         part_out = torch.empty(num_rows, num_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(num_rows, num_heads, num_splits, device=q.device, dtype=torch.float32)

@@ -179,7 +179,7 @@ def prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
         scale * _LOG2E,
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
         **dot_args(_prefill_kernel, kv_cache.dtype),
         num_warps=4, num_stages=2,
     )

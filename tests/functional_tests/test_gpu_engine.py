@@ -82,7 +82,8 @@ def test_hybrid_cuda_matches_hf_async_and_graphs(hybrid_ckpt):
     expected = [hf_greedy(ref, p, NEW) for p in prompts]
     for async_scheduling, graphs in ((False, False), (True, False), (True, True)):
         llm = cuda_llm(hybrid_ckpt, max_tokens=16, num_kv_blocks=40, async_scheduling=async_scheduling, cuda_graphs=graphs)
-        outs = llm.generate(prompts, SamplingParams(top_k=1, num_tokens_to_generate=NEW))
+        # HF's reference ignores EOS (eos_token_id=None), so must we
+        outs = llm.generate(prompts, SamplingParams(top_k=1, num_tokens_to_generate=NEW, ignore_eos=True))
         assert [o.generated_tokens for o in outs] == expected, (async_scheduling, graphs)
         if graphs:
             assert llm.controller.graphs.num_replays > 0

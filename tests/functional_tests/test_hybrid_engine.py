@@ -8,7 +8,7 @@ from megatron_async.testing.hf_models import hf_greedy, load_hf_reference
 from tests.functional_tests.engine_harness import Arrival, make_llm, random_prompts, run_arrivals, tokens_of
 
 NEW = 8
-GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=NEW)
+GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=NEW, ignore_eos=True)  # HF reference ignores EOS
 
 
 @pytest.fixture(scope="module", params=HYBRID_ARCHS)

@@ -72,7 +72,7 @@ def test_append_kv_skips_negative_slots():
 
 @pytest.mark.parametrize(
     "block_size,group,head_dim",
-    [(4, 1, 32), (8, 2, 16), (16, 4, 32), (4, 8, 16), (8, 3, 16)],
+    [(4, 1, 32), (8, 2, 16), (16, 4, 32), (4, 8, 16), (8, 3, 16), (4, 2, 8)],  # 8: padded to a 16-wide dot
 )
 def test_decode_matches_reference(block_size, group, head_dim):
     _check(_case(DECODE_ROWS, group, head_dim, block_size, seed=block_size + group), FP32_TOL)
@@ -106,7 +106,7 @@ def test_decode_with_upper_bound_max_kv_len_replays():
 
 @pytest.mark.parametrize(
     "block_size,group,head_dim",
-    [(4, 1, 32), (8, 2, 16), (16, 4, 32), (4, 8, 16), (8, 3, 16)],
+    [(4, 1, 32), (8, 2, 16), (16, 4, 32), (4, 8, 16), (8, 3, 16), (4, 2, 8)],  # 8: padded to a 16-wide dot
 )
 def test_mixed_matches_reference(block_size, group, head_dim):
     _check(_case(MIXED_ROWS, group, head_dim, block_size, seed=block_size * group), FP32_TOL)
