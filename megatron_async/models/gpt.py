@@ -14,14 +14,11 @@ from megatron_async.models.layers.mlp import SwiGLUMLP
 from megatron_async.models.layers.norm import RMSNorm
 from megatron_async.models.layers.rope import RotaryEmbedding
 from megatron_async.models.model_config import GPTConfig, parse_gpt_config
+from megatron_async.models.weight_loading import copy_hf_weights
 
 # Buffers some old checkpoints saved; they are recomputed here, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-
-def _name_list(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return shown if len(names) <= limit else f"{shown}, ... ({len(names)} in all)"
 
 
 class DecoderLayer(nn.Module):
@@ -111,35 +108,11 @@ class GPTModel(CausalLM):
             targets["lm_head.weight"] = self.lm_head_weight.data
         return targets
 
-    @torch.no_grad()
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        targets = self.hf_targets()
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and self.lm_head_weight is None:
-                continue  # some tied checkpoints store the (identical) head too
-            target = targets.get(name)
-            if target is None:
-                unexpected.append(name)
-                continue
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(targets) - loaded)
-        problems = []
-        if missing:
-            problems.append(f"missing tensors: {_name_list(missing)}")
-        if unexpected:
-            problems.append(f"unexpected tensors: {_name_list(sorted(unexpected))}")
-        if problems:
-            raise ValueError("; ".join(problems))
-
+        tied = self.lm_head_weight is None
+        # some tied checkpoints also store the (identical) head: skip it
+        skip = lambda name: name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")  # noqa: E731
+        copy_hf_weights(self.hf_targets(), weights, skip, what=self.config.architecture)
 
 def build_gpt(hf_config: dict, dtype: torch.dtype, device: torch.device | str) -> GPTModel:
     """A GPTModel with uninitialised weights (fill them with ``load_hf_weights``)."""

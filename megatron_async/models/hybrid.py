@@ -28,6 +28,7 @@ from megatron_async.models.layers.mamba2_mixer import Mamba2Mixer, MambaStepPlan
 from megatron_async.models.layers.mlp import SwiGLUMLP
 from megatron_async.models.layers.norm import RMSNorm
 from megatron_async.models.layers.rope import RotaryEmbedding, apply_rotary
+from megatron_async.models.weight_loading import copy_hf_weights
 
 # Tensors that some checkpoints carry and transformers ignores: multi-token-prediction heads
 # (NemotronH "mtp.*") and recomputed rotary buffers.
@@ -258,42 +259,13 @@ class HybridModel(CausalLM):
             return "backbone.embeddings.weight"  # original mamba_ssm name
         return name
 
-    @torch.no_grad()
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        targets = self.hf_targets()
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            if name.startswith(_IGNORED_PREFIXES) or name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and self.lm_head_weight is None:
-                continue  # some tied checkpoints store the (identical) head too
-            name = self._canonical_name(name)
-            target = targets.get(name)
-            if target is None:
-                unexpected.append(name)
-                continue
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
-                )
-            if name in loaded:
-                raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
-            target.copy_(tensor)
-            loaded.add(name)
-        problems = []
-        missing = sorted(set(targets) - loaded)
-        if missing:
-            problems.append(f"missing tensors: {_name_list(missing)}")
-        if unexpected:
-            problems.append(f"unexpected tensors: {_name_list(sorted(unexpected))}")
-        if problems:
-            raise ValueError(f"{self.config.family.value}: " + "; ".join(problems))
-
-
-def _name_list(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return shown if len(names) <= limit else f"{shown}, ... ({len(names)} in all)"
+        tied = self.lm_head_weight is None
+        # some tied checkpoints also store the (identical) head: skip it
+        skip = lambda name: (  # noqa: E731
+            name.startswith(_IGNORED_PREFIXES) or name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")
+        )
+        copy_hf_weights(self.hf_targets(), weights, skip, self._canonical_name, what=self.config.family.value)
 
 
 def build_hybrid(hf_config: dict, dtype: torch.dtype, device: torch.device | str) -> HybridModel:

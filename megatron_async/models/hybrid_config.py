@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
-
+from megatron_async.models.config_fields import first_id, positive_int
 
 
 class HybridFamily(str, Enum):
@@ -129,21 +129,6 @@ class HybridConfig:
         return sum(k == LayerKind.ATTENTION for k in self.layers)
 
 
-def _positive_int(cfg: dict, key: str, default: int | None = None) -> int:
-    value = cfg.get(key, default)
-    if value is None:
-        raise ValueError(f"config.json: missing required field {key!r}")
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"config.json: {key!r} must be a positive integer, got {value!r}")
-    return value
-
-
-def _first_id(value: Any) -> int | None:
-    if isinstance(value, list):
-        return int(value[0]) if value else None
-    return None if value is None else int(value)
-
-
 def _get(cfg: dict, names: tuple[str, ...], default: Any) -> Any:
     """First present key among ``names`` (current name first, then legacy aliases)."""
     for name in names:
@@ -205,7 +190,7 @@ def _nemotron_layers(cfg: dict) -> tuple[LayerKind, ...]:
 
 
 def _bamba_layers(cfg: dict) -> tuple[LayerKind, ...]:
-    n = _positive_int(cfg, "num_hidden_layers", 32)
+    n = positive_int(cfg, "num_hidden_layers", 32)
     attn = cfg.get("attn_layer_indices") or []
     bad = [i for i in attn if not (isinstance(i, int) and 0 <= i < n)]
     if bad:
@@ -215,7 +200,7 @@ def _bamba_layers(cfg: dict) -> tuple[LayerKind, ...]:
 
 def _mamba_config(cfg: dict, family: HybridFamily, hidden: int, eps: float) -> MambaConfig:
     if family == HybridFamily.BAMBA:
-        heads = _positive_int(cfg, "mamba_n_heads", 128)
+        heads = positive_int(cfg, "mamba_n_heads", 128)
         inner = int(cfg.get("mamba_expand", 2)) * hidden
         head_dim = cfg.get("mamba_d_head", "auto")
         if head_dim in (None, "auto"):
@@ -235,7 +220,7 @@ def _mamba_config(cfg: dict, family: HybridFamily, hidden: int, eps: float) -> M
         act = cfg.get("hidden_act", "silu")
     elif family == HybridFamily.NEMOTRON_H:
         # NemotronH's inner width is heads * head_dim; its `expand` is not used.
-        heads = _positive_int(cfg, "mamba_num_heads", 128)
+        heads = positive_int(cfg, "mamba_num_heads", 128)
         head_dim = _get(cfg, ("mamba_head_dim",), 64)
         inner = None
         fields = dict(
@@ -250,7 +235,7 @@ def _mamba_config(cfg: dict, family: HybridFamily, hidden: int, eps: float) -> M
         dt_limit = (_float(_get(cfg, ("time_step_min", "mamba_dt_min"), 0.001)), math.inf)
         act = cfg.get("mamba_hidden_act", "silu")
     else:
-        heads = _positive_int(cfg, "num_heads", 128)
+        heads = positive_int(cfg, "num_heads", 128)
         head_dim = _get(cfg, ("head_dim",), 64)
         inner = int(cfg.get("expand", 2)) * hidden
         fields = dict(
@@ -264,7 +249,7 @@ def _mamba_config(cfg: dict, family: HybridFamily, hidden: int, eps: float) -> M
         act = cfg.get("hidden_act", "silu")
 
     for name, value in [("head_dim", head_dim), *fields.items()]:
-        _positive_int({name: value}, name)
+        positive_int({name: value}, name)
     if act != "silu":
         raise ValueError(f"config.json: Mamba activation {act!r} is not supported (only 'silu')")
     if inner is not None and heads * head_dim != inner:
@@ -288,8 +273,8 @@ def _mamba_config(cfg: dict, family: HybridFamily, hidden: int, eps: float) -> M
 
 
 def _attention_config(cfg: dict, family: HybridFamily, hidden: int) -> AttentionConfig:
-    heads = _positive_int(cfg, "num_attention_heads")
-    kv_heads = _positive_int(cfg, "num_key_value_heads", 8)  # transformers' default for both families
+    heads = positive_int(cfg, "num_attention_heads")
+    kv_heads = positive_int(cfg, "num_key_value_heads", 8)  # transformers' default for both families
     if heads % kv_heads:
         raise ValueError(f"config.json: num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
     head_dim = _get(cfg, ("head_dim", "attention_head_dim"), 128)  # NemotronHConfig's default
@@ -297,7 +282,7 @@ def _attention_config(cfg: dict, family: HybridFamily, hidden: int) -> Attention
         if hidden % heads:
             raise ValueError(f"config.json: num_attention_heads ({heads}) must divide hidden_size ({hidden})")
         head_dim = hidden // heads
-    _positive_int({"head_dim": head_dim}, "head_dim")
+    positive_int({"head_dim": head_dim}, "head_dim")
     bias = bool(cfg.get("attention_bias", False))
     if family == HybridFamily.NEMOTRON_H:
         # No rotary embedding and no projection biases in transformers' NemotronH attention.
@@ -317,8 +302,8 @@ def _attention_config(cfg: dict, family: HybridFamily, hidden: int) -> Attention
 def parse_hybrid_config(cfg: dict) -> HybridConfig:
     """Validate a HF config dict of a NemotronH / Bamba / Mamba2 model."""
     family = _family(cfg)
-    hidden = _positive_int(cfg, "hidden_size")
-    vocab = _positive_int(cfg, "vocab_size")
+    hidden = positive_int(cfg, "hidden_size")
+    vocab = positive_int(cfg, "vocab_size")
     if family == HybridFamily.NEMOTRON_H:
         layers = _nemotron_layers(cfg)
         eps = float(cfg.get("layer_norm_epsilon", 1e-5))
@@ -326,7 +311,7 @@ def parse_hybrid_config(cfg: dict) -> HybridConfig:
         layers = _bamba_layers(cfg)
         eps = float(cfg.get("rms_norm_eps", 1e-5))
     else:
-        layers = (LayerKind.MAMBA,) * _positive_int(cfg, "num_hidden_layers", 64)
+        layers = (LayerKind.MAMBA,) * positive_int(cfg, "num_hidden_layers", 64)
         eps = float(cfg.get("layer_norm_epsilon", 1e-5))
     if not layers:
         raise ValueError("config.json: the model has no layers")
@@ -340,15 +325,15 @@ def parse_hybrid_config(cfg: dict) -> HybridConfig:
         act = cfg.get(act_key, want)
         if act != want:
             raise ValueError(f"config.json: {act_key} {act!r} is not supported (only {want!r})")
-        mlp = MLPConfig(_positive_int(cfg, "intermediate_size"), gated, bool(cfg.get("mlp_bias", False)))
+        mlp = MLPConfig(positive_int(cfg, "intermediate_size"), gated, bool(cfg.get("mlp_bias", False)))
     attention = _attention_config(cfg, family, hidden) if LayerKind.ATTENTION in layers else None
 
-    eos = _first_id(cfg.get("eos_token_id"))
+    eos = first_id(cfg.get("eos_token_id"))
     if eos is not None and not 0 <= eos < vocab:
         raise ValueError(f"config.json: eos_token_id {eos} is outside the vocabulary (size {vocab})")
     default_positions = {HybridFamily.NEMOTRON_H: 4096, HybridFamily.BAMBA: 262144}
     # Mamba2 has no positional limit; the bound only caps the engine's max_sequence_length.
-    max_positions = _positive_int(cfg, "max_position_embeddings", default_positions.get(family, 1 << 20))
+    max_positions = positive_int(cfg, "max_position_embeddings", default_positions.get(family, 1 << 20))
     return HybridConfig(
         family=family,
         vocab_size=vocab,

@@ -5,7 +5,7 @@ that omits a field behaves here as it does in ``transformers``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from megatron_async.models.config_fields import first_id, positive_int
 
 GPT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -61,21 +61,6 @@ class GPTConfig:
     """Per-head RMSNorm of q and k before RoPE (Qwen3)."""
     eos_token_id: int | None
     torch_dtype: str | None
-
-
-def _first_id(value: Any) -> int | None:
-    if isinstance(value, list):
-        return int(value[0]) if value else None
-    return None if value is None else int(value)
-
-
-def _positive_int(cfg: dict, key: str, default: int | None = None) -> int:
-    value = cfg.get(key, default)
-    if value is None:
-        raise ValueError(f"config.json: missing required field {key!r}")
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"config.json: {key!r} must be a positive integer, got {value!r}")
-    return value
 
 
 def _architecture(cfg: dict) -> str:
@@ -135,9 +120,9 @@ def _rope(cfg: dict, max_positions: int) -> tuple[float, RopeScaling | None]:
 def parse_gpt_config(cfg: dict) -> GPTConfig:
     """Validate a HF config dict of a Llama / Qwen2 / Qwen3 model; ValueError names the bad field."""
     arch = _architecture(cfg)
-    hidden = _positive_int(cfg, "hidden_size")
-    heads = _positive_int(cfg, "num_attention_heads")
-    kv_heads = _positive_int(cfg, "num_key_value_heads", heads)
+    hidden = positive_int(cfg, "hidden_size")
+    heads = positive_int(cfg, "num_attention_heads")
+    kv_heads = positive_int(cfg, "num_key_value_heads", heads)
     if heads % kv_heads:
         raise ValueError(f"config.json: num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
     head_dim = cfg.get("head_dim")
@@ -147,7 +132,7 @@ def parse_gpt_config(cfg: dict) -> GPTConfig:
         if hidden % heads:
             raise ValueError(f"config.json: num_attention_heads ({heads}) must divide hidden_size ({hidden})")
         head_dim = hidden // heads
-    head_dim = _positive_int({"head_dim": head_dim}, "head_dim")
+    head_dim = positive_int({"head_dim": head_dim}, "head_dim")
     if head_dim % 2:
         raise ValueError(f"config.json: head_dim must be even for rotary embeddings, got {head_dim}")
     act = cfg.get("hidden_act", "silu")
@@ -156,11 +141,11 @@ def parse_gpt_config(cfg: dict) -> GPTConfig:
     if cfg.get("use_sliding_window", False):
         raise ValueError("config.json: sliding-window attention (use_sliding_window) is not supported")
 
-    max_positions = _positive_int(cfg, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
+    max_positions = positive_int(cfg, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
     theta, scaling = _rope(cfg, max_positions)
     attention_bias = bool(cfg.get("attention_bias", False))
-    vocab = _positive_int(cfg, "vocab_size")
-    eos = _first_id(cfg.get("eos_token_id"))
+    vocab = positive_int(cfg, "vocab_size")
+    eos = first_id(cfg.get("eos_token_id"))
     if eos is not None and not 0 <= eos < vocab:
         raise ValueError(f"config.json: eos_token_id {eos} is outside the vocabulary (size {vocab})")
     eps = float(cfg.get("rms_norm_eps", 1e-6))
@@ -169,8 +154,8 @@ def parse_gpt_config(cfg: dict) -> GPTConfig:
     return GPTConfig(
         architecture=arch,
         hidden_size=hidden,
-        intermediate_size=_positive_int(cfg, "intermediate_size"),
-        num_hidden_layers=_positive_int(cfg, "num_hidden_layers"),
+        intermediate_size=positive_int(cfg, "intermediate_size"),
+        num_hidden_layers=positive_int(cfg, "num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,

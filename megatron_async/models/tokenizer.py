@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import tokenizers
+from megatron_async.models.config_fields import first_id
 
 
 def _read_json(path: Path) -> dict:
@@ -12,12 +13,6 @@ def _read_json(path: Path) -> dict:
         return {}
     with open(path) as f:
         return json.load(f)
-
-
-def _first_id(value: object) -> int | None:
-    if isinstance(value, list):
-        return int(value[0]) if value else None
-    return None if value is None else int(value)
 
 
 class Tokenizer:
@@ -38,9 +33,9 @@ class Tokenizer:
         if isinstance(eos_token, str):
             eos = tok.token_to_id(eos_token)
         if eos is None:
-            eos = _first_id(_read_json(root / "generation_config.json").get("eos_token_id"))
+            eos = first_id(_read_json(root / "generation_config.json").get("eos_token_id"))
         if eos is None:
-            eos = _first_id(_read_json(root / "config.json").get("eos_token_id"))
+            eos = first_id(_read_json(root / "config.json").get("eos_token_id"))
         return cls(tok, eos)
 
     @property

@@ -55,7 +55,7 @@ def reconcile(rows: list[RowPlan]) -> Reconciliation:
     for i, row in enumerate(rows):
         if not row.samples:
             continue
-        (discard if row.request.status == Status.FINISHED else keep).append(i)
+        (keep if row_is_live(row.request) else discard).append(i)
     return Reconciliation(keep, discard)
 
 

@@ -16,7 +16,7 @@ from megatron_async.inference.contexts.dynamic_context import DynamicInferenceCo
 from megatron_async.inference.engines.async_pipeline import PendingLaunch, reconcile
 from megatron_async.inference.engines.step_plan import StepPlan
 from megatron_async.inference.nvtx import nvtx_range
-from megatron_async.inference.request import DynamicInferenceRequest, FinishReason, Status
+from megatron_async.inference.request import DynamicInferenceRequest, FinishReason
 from megatron_async.inference.text_generation_controllers import sampling
 from megatron_async.models.base import CausalLM
 
