@@ -8,7 +8,6 @@ for rope and the residual sum, rare last-ulp flips elsewhere). Runs in well unde
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from megatron_async.models.gpt import build_gpt  # noqa: E402
 from megatron_async.models.layers.norm import RMSNorm  # noqa: E402
 from megatron_async.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 from megatron_async.testing.simple_session import SimpleSession  # noqa: E402
+from megatron_async.tools.cuda_timing import median_ms
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS, THETA, MAX_POS = 1024, 16, 8, 128, 3072, 1e-6, 1e6, 40960
 DTYPE = torch.bfloat16
@@ -31,18 +31,8 @@ Ops = Callable[[], object]
 
 
 def device_us(fn: Ops, iters: int) -> float:
-    """Median eager time of one call between CUDA events (launch gaps included)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3)
-    return statistics.median(times)
+    """Median eager time of one call between CUDA events (launch gaps included), in us."""
+    return 1e3 * median_ms(fn, iters)
 
 
 def host_us(fn: Ops, iters: int) -> float:

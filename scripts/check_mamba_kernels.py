@@ -12,10 +12,8 @@ in-place slot kernels, also replayed from a CUDA graph (checked equal to eager).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,25 +24,12 @@ from megatron_async.kernels.conv1d_torch import causal_conv1d, causal_conv1d_ste
 from megatron_async.kernels.ssd_torch import ssd_chunked, ssd_step  # noqa: E402
 from megatron_async.kernels.triton_mamba_decode import causal_conv1d_update, selective_state_update  # noqa: E402
 from megatron_async.kernels.triton_ssd_prefill import causal_conv1d_prefill, ssd_scan  # noqa: E402
+from megatron_async.tools.cuda_timing import median_ms
 
 H, P, N, G, K = 128, 64, 128, 8, 4
 CONV_DIM = H * P + 2 * G * N
 BF16 = torch.bfloat16
 DEV = "cuda"
-
-
-def median_ms(fn: Callable[[], object], iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

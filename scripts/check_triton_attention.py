@@ -10,7 +10,6 @@ step (prefill chunks, some continuing a cached prefix, plus decode rows).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "unit_tests" / "kernels")]
 from megatron_async.kernels import attention_torch, attention_triton  # noqa: E402
 from megatron_async.kernels.triton_decode_attention import choose_num_splits, decode_attention  # noqa: E402
 from paged_attention_cases import PagedCase, make_case  # noqa: E402
+from megatron_async.tools.cuda_timing import median_ms
 
 HEADS, KV_HEADS, HEAD_DIM, MAX_LEN = 16, 8, 128, 2048
 
@@ -54,20 +54,6 @@ def decode_rows(batch: int, gen: torch.Generator) -> list[tuple[int, int]]:
 def mixed_rows(gen: torch.Generator) -> list[tuple[int, int]]:
     prefill = [(0, 512), (1024, 512), (300, 256), (0, 128)]
     return prefill + decode_rows(64, gen)
-
-
-def median_ms(fn: Callable[[], object], iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def graph_ms(fn: Callable[[], object], iters: int) -> float:

@@ -1,6 +1,6 @@
 """Per-kernel device time (torch.profiler) and host cProfile of serial decode steps on CUDA,
 at decode batches 8 and 128 of the qwen3-0.6b default model: where a step's time goes."""
-import cProfile, pstats, random, sys, time
+import cProfile, pstats, random, time
 import torch
 from torch.profiler import profile, ProfilerActivity
 from megatron_async import LLM, SamplingParams, InferenceConfig
