@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_async.inference.contexts.metadata import ForwardBatch
+from megatron_async.kernels import fused_ops
 from megatron_async.kernels.attention import attend
 from megatron_async.models.base import CausalLM, KVCacheSpec, MambaStateSpec
 from megatron_async.models.hybrid_config import (
@@ -40,6 +41,8 @@ class NemotronRMSNorm(RMSNorm):
     """NemotronH scales in float32 before casting back (LlamaRMSNorm casts first)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ops.use_fused(x) and x.dtype == self.weight.dtype:
+            return fused_ops.rms_norm(x, self.weight, self.eps, cast_before_weight=False)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * xf).to(x.dtype)
@@ -110,7 +113,10 @@ class HybridAttention(nn.Module):
         q = q.view(T, c.num_heads, c.head_dim)
         k, v = k.view(T, c.num_kv_heads, c.head_dim), v.view(T, c.num_kv_heads, c.head_dim)
         if rope is not None:
-            q, k = self._rotate(q, *rope), self._rotate(k, *rope)
+            if fused_ops.use_fused(q):  # one kernel for q and k (partial rotary included)
+                q, k = fused_ops.rope_qk(q, k, *rope)
+            else:
+                q, k = self._rotate(q, *rope), self._rotate(k, *rope)
         out = attend(q, k, v, kv_cache, batch.attn, c.head_dim**-0.5)
         return F.linear(out.reshape(T, self.q_size), self.o_weight, self.o_bias)
 

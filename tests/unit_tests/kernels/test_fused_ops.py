@@ -214,7 +214,9 @@ def test_dispatch_switch():
 MODEL_CASES = {
     "qwen3": ("Qwen3ForCausalLM", dict(num_key_value_heads=2)),  # q/k norm + rope in one kernel
     "llama-bias": ("LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
-    "bamba": ("BambaForCausalLM", {}),  # hybrid: shared RMSNorm and SwiGLU layers
+    "bamba": ("BambaForCausalLM", {}),  # hybrid: shared RMSNorm and SwiGLU layers, fused rope
+    "bamba-partial-rope": ("BambaForCausalLM", dict(partial_rotary_factor=0.5)),
+    "nemotron-h": ("NemotronHForCausalLM", {}),  # NemotronH norm order (scale, then cast)
 }
 
 
@@ -235,7 +237,7 @@ def _model_logits(path, dtype: torch.dtype, fused: bool) -> torch.Tensor:
 def test_models_fused_path_matches_torch_path(case, dtype, tmp_path, monkeypatch):
     """Whole models with every layer routed through the (interpreted) fused kernels."""
     arch, overrides = MODEL_CASES[case]
-    if arch == "BambaForCausalLM":
+    if arch in ("BambaForCausalLM", "NemotronHForCausalLM"):
         from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint as make
     else:
         from megatron_async.testing.hf_models import make_tiny_checkpoint as make
