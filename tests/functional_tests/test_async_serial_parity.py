@@ -118,3 +118,12 @@ def test_randomized_async_equals_serial(qwen3_ckpt, n, gaps, lens, outs, blocks,
     # the pool must hold the largest single request
     need = max(-(-(len(p) + o) // block_size) for p, o in zip(prompts, outs))
     both_modes(qwen3_ckpt, arr, num_kv_blocks=max(blocks // block_size * 4, need + 1), block_size_tokens=block_size, max_tokens=16)
+
+
+def test_logging_steps_log_and_keep_the_chain(qwen3_ckpt, caplog):
+    arr = [Arrival(0, p, GREEDY) for p in random_prompts(6, 3, 20, 256, seed=13)]
+    with caplog.at_level("INFO", logger="megatron_async"):
+        _, _, _, a = both_modes(qwen3_ckpt, arr, logging_step_interval=3)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(lines) >= 2 * (a.steps // 3) - 2  # both modes logged every third step
+    assert a.overlap_ratio >= 0.9, a.as_dict()  # timing a step never breaks launch-ahead
