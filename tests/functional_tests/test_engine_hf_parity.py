@@ -53,3 +53,20 @@ def test_prefix_caching_on_off_same_tokens(ckpt_and_ref, async_scheduling):
         results[caching] = ([o.generated_tokens for o in outs], llm.engine.stats.prefix_hit_tokens)
     assert results[True][0] == results[False][0]
     assert results[False][1] == 0 and results[True][1] > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_seeded_request_alone_equals_inside_busy_batch(ckpt_and_ref, async_scheduling):
+    """A seeded top-k/top-p request gives the same tokens alone and among 7 other requests
+    (arriving at other times, with other params), under memory pressure."""
+    path, prompts, _ = ckpt_and_ref
+    sp = SamplingParams(temperature=1.1, top_k=40, top_p=0.9, seed=77, num_tokens_to_generate=15)
+    alone = make_llm(path, async_scheduling=async_scheduling).generate([prompts[3]], sp)[0].generated_tokens
+    others = [SamplingParams(temperature=0.7, seed=i, num_tokens_to_generate=5 + 2 * i) for i in range(8)]
+    others[3] = sp
+    llm = make_llm(path, async_scheduling=async_scheduling, num_kv_blocks=30, max_tokens=24)
+    busy = llm.generate(prompts, others)
+    assert busy[3].generated_tokens == alone
+    assert llm.engine.stats.paused > 0  # the busy run really was squeezed
+    greedy = make_llm(path).generate([prompts[3]], SamplingParams(top_k=1, num_tokens_to_generate=15))[0]
+    assert greedy.generated_tokens != alone  # it really sampled
