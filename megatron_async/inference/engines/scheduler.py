@@ -72,7 +72,7 @@ class Scheduler:
                 break
             if req.status == Status.ACTIVE and req.is_prefilling:
                 used = self._schedule_prefill(req, budget, plan)
-                if used == 0:
+                if used == 0 and self._blocked_on_memory(req):
                     ctx.pause(req)
                     self.num_paused_events += 1
                 budget -= used
@@ -120,15 +120,22 @@ class Scheduler:
             return self.schedule(has_inflight)
         return plan
 
+    def _whole_prompt_only(self, req: DynamicInferenceRequest) -> bool:
+        # A recompute after eviction may exceed max_tokens although its prompt did not:
+        # it is chunked even when chunked prefill is off, or it could never run again.
+        return not self.config.enable_chunked_prefill and not req.generated_tokens
+
+    def _blocked_on_memory(self, req: DynamicInferenceRequest) -> bool:
+        """The next prefill chunk cannot get KV blocks (as opposed to: no token budget left)."""
+        remaining = req.num_known_tokens - req.num_computed_tokens
+        return self.ctx.reservable_tokens(req) < (remaining if self._whole_prompt_only(req) else 1)
+
     def _schedule_prefill(self, req: DynamicInferenceRequest, budget: int, plan: StepPlan) -> int:
         """Schedule the next prefill chunk of ``req``; returns tokens used (0 = none fit)."""
         remaining = req.num_known_tokens - req.num_computed_tokens
         chunk = min(remaining, budget, self.ctx.reservable_tokens(req))
         start = req.num_computed_tokens
-        # A recompute after eviction may exceed max_tokens although its prompt did not:
-        # it is chunked even when chunked prefill is off, or it could never run again.
-        whole_only = not self.config.enable_chunked_prefill and not req.generated_tokens
-        if whole_only:
+        if self._whole_prompt_only(req):
             return self._append_prefill(req, start, remaining, remaining, plan) if chunk == remaining else 0
         for point in req.mamba_store_points:  # end the chunk where a state must be cached
             if start < point < start + chunk:
