@@ -1,10 +1,13 @@
 """LLM: the offline API. Builds model, context, controller and engine; ``generate`` runs them."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from megatron_async.config import InferenceConfig
 from megatron_async.inference import nvtx
+from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine
@@ -12,6 +15,7 @@ from megatron_async.inference.request import InvalidRequestError, RequestOutput,
 from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 from megatron_async.kernels.attention import set_attention_backend
 from megatron_async.kernels.mamba_ops import set_mamba_backend
+from megatron_async.parallel.state import destroy_tensor_parallel, init_tensor_parallel, tp_rank
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -34,13 +38,28 @@ class LLM:
         inference_config: InferenceConfig | None = None,
         default_model: str = "tiny",
         seed: int = 0,
+        tensor_parallel_size: int = 1,
     ):
+        """``tensor_parallel_size`` > 1: run as one rank of a torchrun job of that many
+        processes (GPT models only). Every rank builds its shard of the model and its share
+        of the KV cache; rank 0 alone accepts requests (``engine.add_request``) and
+        ``generate`` returns the same outputs on every rank."""
         from megatron_async.models import build_default_model, load_checkpoint, load_tokenizer
 
         self.config = inference_config or InferenceConfig()
         self.config.validate()
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.communicator: ZMQCommunicator | None = None
+        if tensor_parallel_size > 1:
+            if self.config.cuda_graphs:
+                raise ValueError("cuda_graphs is not supported with tensor parallelism yet")
+            if self.device.type == "cuda":  # one GPU per rank
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(self.device)
+            init_tensor_parallel(tensor_parallel_size, self.device)
+            self.communicator = ZMQCommunicator.from_env()
         nvtx.set_enabled(self.config.nvtx_ranges)
         self.attention_backend = set_attention_backend(self.config.attention_backend, self.device)
         self.mamba_backend = set_mamba_backend(self.config.mamba_backend, self.device)
@@ -55,6 +74,8 @@ class LLM:
         else:
             self.model, _ = load_checkpoint(model, self.device, self.dtype)
             self.tokenizer = load_tokenizer(model)
+        if getattr(self.model, "tensor_parallel_size", 1) != tensor_parallel_size:
+            raise ValueError(f"{type(self.model).__name__} does not support tensor parallelism")
         self.model.eval()
         self.model.reserve_positions(self.config.max_sequence_length)
         eos = self.model.eos_token_id
@@ -67,7 +88,20 @@ class LLM:
             from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
 
             self.controller.graphs = CudaGraphRunner(self.controller, self.config)
-        self.engine = DynamicInferenceEngine(self.controller, self.context, self.config, self.tokenizer)
+        self.engine = DynamicInferenceEngine(self.controller, self.context, self.config, self.tokenizer,
+                                             self.communicator)
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0 of the TP group (always True without TP): the rank that prints and writes."""
+        return tp_rank() == 0
+
+    def close(self) -> None:
+        """Leave the TP group (no-op without TP)."""
+        if self.communicator is not None:
+            self.communicator.close()
+            self.communicator = None
+            destroy_tensor_parallel()
 
     def generate(
         self,
@@ -82,11 +116,15 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         slots: list[RequestOutput | int] = []
-        for prompt, sp in zip(prompts, sampling_params):
+        # Under TP every rank calls generate (SPMD) but only rank 0's prompts are used: the
+        # others receive its requests at the first step, and its slots here.
+        for prompt, sp in zip(prompts, sampling_params) if self.is_leader else ():
             try:
                 slots.append(self.engine.add_request(prompt, sp))
             except InvalidRequestError as e:
                 toks = list(prompt) if not isinstance(prompt, str) else []
                 slots.append(RequestOutput(-1, toks, [], None, "error", error=str(e)))
+        if self.communicator is not None:
+            slots = self.communicator.broadcast_object(slots)
         done = {o.request_id: o for o in self.engine.run_until_done()}
         return [s if isinstance(s, RequestOutput) else done[s] for s in slots]

@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_async.inference.contexts.metadata import ForwardBatch
@@ -14,7 +13,9 @@ from megatron_async.models.layers.mlp import SwiGLUMLP
 from megatron_async.models.layers.norm import RMSNorm
 from megatron_async.models.layers.rope import RotaryEmbedding
 from megatron_async.models.model_config import GPTConfig, parse_gpt_config
-from megatron_async.models.weight_loading import copy_hf_weights
+from megatron_async.models.weight_loading import Target, copy_hf_weights
+from megatron_async.parallel.layers import divide, parallel_lm_head, shard_target, vocab_parallel_embedding
+from megatron_async.parallel.state import tp_size
 
 # Buffers some old checkpoints saved; they are recomputed here, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -29,7 +30,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
 
-    def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+    def hf_targets(self, prefix: str) -> dict[str, Target]:
         return {
             f"{prefix}.input_layernorm.weight": self.input_layernorm.weight.data,
             f"{prefix}.post_attention_layernorm.weight": self.post_attention_layernorm.weight.data,
@@ -65,14 +66,18 @@ class GPTModel(CausalLM):
         self.vocab_size = cfg.vocab_size
         self.eos_token_id = cfg.eos_token_id
         self.max_position_embeddings = cfg.max_position_embeddings
+        # Tensor parallelism: embedding and LM head are split along the vocabulary; the
+        # layers split heads and MLP columns. tp_size 1 is the unsharded model.
+        self.tensor_parallel_size = tp_size()
+        local_vocab = divide(cfg.vocab_size, self.tensor_parallel_size, "vocab_size")
         kw = dict(dtype=dtype, device=device)
-        self.embed_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False)
+        self.embed_weight = nn.Parameter(torch.empty(local_vocab, cfg.hidden_size, **kw), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head_weight = (
             None
             if cfg.tie_word_embeddings
-            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False)
+            else nn.Parameter(torch.empty(local_vocab, cfg.hidden_size, **kw), requires_grad=False)
         )
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype, device
@@ -86,26 +91,30 @@ class GPTModel(CausalLM):
         # max_kv_len is a host int, so growing the rope table never syncs with the device.
         self.rope.reserve(batch.attn.max_kv_len)
         cos, sin = self.rope(batch.attn.positions[: input_ids.shape[0]])
-        x, residual = F.embedding(input_ids, self.embed_weight), None
+        x, residual = vocab_parallel_embedding(input_ids, self.embed_weight), None
         for layer, kv_cache in zip(self.layers, batch.kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, batch)
         return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
-        # matmul in the model dtype (as HF does), then float32 for sampling
-        return F.linear(hidden, weight).float()
+        # matmul in the model dtype (as HF does), then float32 full-vocab logits on every rank
+        return parallel_lm_head(hidden, weight)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(self.config.num_hidden_layers, self.config.num_key_value_heads, self.config.head_dim)
+        # this rank's KV heads: the context allocates only the local share of the cache
+        local_kv_heads = self.config.num_key_value_heads // self.tensor_parallel_size
+        return KVCacheSpec(self.config.num_hidden_layers, local_kv_heads, self.config.head_dim)
 
-    def hf_targets(self) -> dict[str, torch.Tensor]:
+    def hf_targets(self) -> dict[str, Target]:
         """Every HF tensor name this model needs -> the (slice of a) parameter it fills."""
-        targets = {"model.embed_tokens.weight": self.embed_weight.data, "model.norm.weight": self.norm.weight.data}
+        vocab = self.config.vocab_size
+        targets = {"model.embed_tokens.weight": shard_target(self.embed_weight.data, 0, vocab),
+                   "model.norm.weight": self.norm.weight.data}
         for i, layer in enumerate(self.layers):
             targets.update(layer.hf_targets(f"model.layers.{i}"))
         if self.lm_head_weight is not None:
-            targets["lm_head.weight"] = self.lm_head_weight.data
+            targets["lm_head.weight"] = shard_target(self.lm_head_weight.data, 0, vocab)
         return targets
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -2,9 +2,13 @@
 missing, unexpected, duplicated or mis-shaped tensor."""
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Union
 
 import torch
+
+Target = Union[torch.Tensor, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]
+"""A parameter (slice) to fill, or (parameter slice, function taking this tensor-parallel
+rank's share of the full HF tensor)."""
 
 
 def name_list(names: list[str], limit: int = 8) -> str:
@@ -14,7 +18,7 @@ def name_list(names: list[str], limit: int = 8) -> str:
 
 @torch.no_grad()
 def copy_hf_weights(
-    targets: dict[str, torch.Tensor],
+    targets: dict[str, Target],
     weights: Iterable[tuple[str, torch.Tensor]],
     skip: Callable[[str], bool],
     canonical: Callable[[str], str] = lambda name: name,
@@ -33,6 +37,9 @@ def copy_hf_weights(
         if target is None:
             unexpected.append(name)
             continue
+        if isinstance(target, tuple):
+            target, take = target
+            tensor = take(tensor)
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
         if name in loaded:

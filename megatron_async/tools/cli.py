@@ -41,6 +41,13 @@ def add_model_args(p: argparse.ArgumentParser, require_model: bool = False) -> N
     g.add_argument("--attention-backend", default="auto", choices=[b.value for b in AttentionBackend])
 
 
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="TP ranks (GPT models); > 1 needs a torchrun launch of that many processes, "
+                        "e.g. NPROC=2 bash examples/run_torchrun.sh")
+
+
 def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None:
     """``mode_flags=False`` leaves out --serial / --cuda-graphs (the benchmark sets them per mode)."""
     g = p.add_argument_group("engine (InferenceConfig)")

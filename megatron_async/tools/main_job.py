@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 from megatron_async import LLM
+from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine
+from megatron_async.inference.request import SamplingParams
 from megatron_async.tools import cli
 from megatron_async.tools.driver import WorkloadRun, run_workload
 from megatron_async.tools.progress import ProgressBar
@@ -22,12 +24,32 @@ def build_parser(description: str, require_model: bool = False) -> argparse.Argu
     p.add_argument("--benchmark", action="store_true",
                    help="run scripts/benchmark.py (the side-by-side benchmark) with the remaining flags")
     cli.add_model_args(p, require_model)
+    cli.add_parallel_args(p)
     cli.add_engine_args(p)
     cli.add_workload_args(p)
     cli.add_sampling_args(p)
     p.add_argument("--output-path", default=None, help="write per-request results, stats and the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+class FollowerEngine:
+    """The engine as a tensor-parallel rank > 0 sees it while running the same driver as
+    rank 0 (so every rank makes the same collective calls). Requests really come from rank 0
+    at each step; ``add_request`` only mirrors rank 0's answer: the same validation error,
+    or the id rank 0 assigns (sequential, as the driver passes no ids)."""
+
+    def __init__(self, engine: DynamicInferenceEngine):
+        self._engine = engine
+        self._next_id = 0
+
+    def add_request(self, prompt_tokens: list[int] | str, sampling_params: SamplingParams) -> int:
+        self._engine.validator.check(prompt_tokens, sampling_params)  # raises as rank 0 does
+        self._next_id += 1
+        return self._next_id - 1
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
 
 
 def workload_tokenizer(llm: LLM, args: argparse.Namespace):
@@ -78,14 +100,28 @@ def main(argv: list[str] | None = None, description: str = "megatron_async main 
     if args.logging_step_interval:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     t0 = time.perf_counter()
-    llm = LLM(args.model, args.device, args.dtype, cli.inference_config_from_args(args), default_model=args.default_model)
+    llm = LLM(args.model, args.device, args.dtype, cli.inference_config_from_args(args),
+              default_model=args.default_model, tensor_parallel_size=args.tensor_parallel_size)
+    try:
+        return _run(args, llm, t0)
+    finally:
+        llm.close()
+
+
+def _run(args: argparse.Namespace, llm: LLM, t0: float) -> RunSummary:
+    """Every TP rank runs the same (seeded) workload through the driver; only rank 0 reports."""
     requests = build_workload(llm, args)
     model_name = args.model or f"built-in {args.default_model}"
-    print(f"model: {model_name} on {args.device} ({args.dtype}), built in {time.perf_counter() - t0:.1f} s; "
-          f"{len(requests)} requests, {'serial' if args.serial else 'async'} engine", file=sys.stderr)
-    progress = ProgressBar(len(requests), enabled=not args.quiet)
-    run = run_workload(llm.engine, requests, cli.sampling_factory(args), progress)
+    if llm.is_leader:
+        mode = "serial" if args.serial else "async"
+        print(f"model: {model_name} on {args.device} ({args.dtype}, TP {args.tensor_parallel_size}), built in "
+              f"{time.perf_counter() - t0:.1f} s; {len(requests)} requests, {mode} engine", file=sys.stderr)
+    progress = ProgressBar(len(requests), enabled=not args.quiet and llm.is_leader)
+    engine = llm.engine if llm.is_leader else FollowerEngine(llm.engine)
+    run = run_workload(engine, requests, cli.sampling_factory(args), progress)
     summary = summarize(run, llm.engine.stats, llm.device)
+    if not llm.is_leader:
+        return summary
     print(format_summary(summary))
     if args.output_path:
         path = Path(args.output_path)

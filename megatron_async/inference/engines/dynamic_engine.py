@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,9 +14,13 @@ from megatron_async.inference.engines.async_pipeline import PendingLaunch
 from megatron_async.inference.engines.engine_stats import EngineStats
 from megatron_async.inference.engines.request_validation import RequestValidator
 from megatron_async.inference.engines.scheduler import Scheduler
+from megatron_async.inference.engines.tp_sync import TensorParallelSync
 from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.request import DynamicInferenceRequest, RequestOutput, SamplingParams, Status
 from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+
+if TYPE_CHECKING:
+    from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
 
 log = logging.getLogger("megatron_async")
 
@@ -39,7 +44,10 @@ class DynamicInferenceEngine:
         context: DynamicInferenceContext,
         config: InferenceConfig,
         tokenizer=None,
+        communicator: ZMQCommunicator | None = None,
     ):
+        """``communicator``: tensor parallelism. Only rank 0 accepts ``add_request``; the other
+        ranks receive its requests at each ``step()`` (see tp_sync.py)."""
         self.controller = controller
         self.context = context
         self.config = config
@@ -53,11 +61,18 @@ class DynamicInferenceEngine:
         self._requests: dict[int, DynamicInferenceRequest] = {}  # unfinished, by id
         self._pending: PendingLaunch | None = None
         self._launches = 0
+        self._tp = TensorParallelSync(communicator) if communicator is not None else None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_tokens: list[int] | str, sampling_params: SamplingParams | None = None,
                     request_id: int | None = None) -> int:
         """Queue a request; raises InvalidRequestError (nothing queued) when it can never be served."""
+        if self._tp is not None:
+            self._tp.check_can_add()
+        return self._add_request(prompt_tokens, sampling_params, request_id)
+
+    def _add_request(self, prompt_tokens: list[int] | str, sampling_params: SamplingParams | None,
+                     request_id: int | None) -> int:
         sp = sampling_params or SamplingParams()
         try:
             tokens, stops, eos = self.validator.check(prompt_tokens, sp)
@@ -73,15 +88,23 @@ class DynamicInferenceEngine:
         self._arrivals += 1
         self._requests[rid] = req
         self.scheduler.add(req)
+        if self._tp is not None:
+            self._tp.record(tokens, sp, rid, seed)
         return rid
 
     def has_unfinished_requests(self) -> bool:
+        """Under TP a collective: every rank gets the same answer (and must call it together)."""
+        if self._tp is not None:
+            return self._tp.any_rank(bool(self._requests))
         return bool(self._requests)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> StepResult:
         """Bookkeep one launch (launching the next one first in async mode)."""
         t0 = time.perf_counter()
+        if self._tp is not None:  # collective: the other ranks add rank 0's new requests
+            for new in self._tp.exchange():
+                self._add_request(new.prompt_tokens, new.sampling_params, new.request_id)
         with nvtx_range("schedule"):
             if self._pending is None:
                 plan = self.scheduler.schedule(has_inflight=False)

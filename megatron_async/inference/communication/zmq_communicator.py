@@ -1,0 +1,141 @@
+"""A small CPU communicator among the ranks of a tensor-parallel group, over ZMQ.
+
+Rank 0 binds a ROUTER socket; every other rank connects a DEALER named after its rank.
+Collectives are star-shaped through rank 0, which is plenty for the few small Python
+objects the engine exchanges per step. Every message carries the collective's sequence
+number and kind, so ranks that call different collectives fail loudly instead of
+silently pairing the wrong messages; every receive has a timeout so a dead peer raises
+instead of hanging. Payloads are pickled: only for ranks of one trusted job."""
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import zmq
+
+DEFAULT_PORT_OFFSET = 17
+"""``from_env`` listens on MASTER_PORT + this (torch.distributed's store owns MASTER_PORT)."""
+
+
+class CommunicatorError(RuntimeError):
+    """A peer timed out or answered a different collective (the ranks have diverged)."""
+
+
+class ZMQCommunicator:
+    def __init__(self, rank: int, world_size: int, host: str, port: int, timeout_s: float | None = 300.0):
+        """``timeout_s``: longest wait for one message (None: wait forever)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of size {world_size}")
+        self.rank, self.world_size = rank, world_size
+        self._timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
+        self._seq = 0
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        if world_size == 1:
+            return
+        self._ctx = zmq.Context()
+        if rank == 0:
+            self._sock = self._ctx.socket(zmq.ROUTER)
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to an unknown peer raises
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.IDENTITY, self._identity(rank))
+            self._sock.connect(f"tcp://{host}:{port}")
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # Handshake: rank 0 learns every peer's identity before it routes anything to it.
+        self.barrier()
+
+    @classmethod
+    def from_env(cls, port_offset: int = DEFAULT_PORT_OFFSET, timeout_s: float | None = 300.0) -> "ZMQCommunicator":
+        """The torchrun job's ranks: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT + ``port_offset``."""
+        port = int(os.environ["MASTER_PORT"]) + port_offset
+        return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"], port, timeout_s)
+
+    # ------------------------------------------------------------------ collectives
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj`` on every rank (the others' arguments are ignored)."""
+        seq = self._next_seq()
+        if self.world_size == 1:
+            return obj
+        if self.rank == 0:
+            msg = pickle.dumps((seq, "broadcast", obj))
+            for peer in range(1, self.world_size):
+                self._sock.send_multipart([self._identity(peer), msg])
+            return obj
+        return self._recv_from_root(seq, "broadcast")
+
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        """Element-wise max of every rank's ``values`` (all of one length), on every rank."""
+        seq = self._next_seq()
+        values = [int(v) for v in values]
+        if self.world_size == 1:
+            return values
+        if self.rank != 0:
+            self._sock.send(pickle.dumps((seq, "all_reduce_max", values)))
+            return self._recv_from_root(seq, "all_reduce_max")
+        result = values
+        for peer, theirs in self._gather_at_root(seq, "all_reduce_max").items():
+            if len(theirs) != len(result):
+                raise CommunicatorError(
+                    f"all_reduce_max #{seq}: rank {peer} sent {len(theirs)} values, rank 0 {len(result)}"
+                )
+            result = [max(a, b) for a, b in zip(result, theirs)]
+        msg = pickle.dumps((seq, "all_reduce_max", result))
+        for peer in range(1, self.world_size):
+            self._sock.send_multipart([self._identity(peer), msg])
+        return result
+
+    def barrier(self) -> None:
+        self.all_reduce_max([0])
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            self._sock = self._ctx = None
+
+    # ------------------------------------------------------------------ plumbing
+    @staticmethod
+    def _identity(rank: int) -> bytes:
+        return f"rank{rank}".encode()
+
+    def _next_seq(self) -> int:
+        if self.world_size > 1 and self._sock is None:
+            raise CommunicatorError("communicator is closed")
+        self._seq += 1
+        return self._seq
+
+    def _poll(self, seq: int, kind: str) -> None:
+        if not self._sock.poll(self._timeout_ms):
+            raise CommunicatorError(f"rank {self.rank}: no message within {self._timeout_ms} ms in {kind} #{seq}")
+
+    def _check(self, got: tuple, seq: int, kind: str, sender: str) -> Any:
+        got_seq, got_kind, payload = got
+        if (got_seq, got_kind) != (seq, kind):
+            raise CommunicatorError(
+                f"rank {self.rank} is in {kind} #{seq} but {sender} sent {got_kind} #{got_seq}: the ranks diverged"
+            )
+        return payload
+
+    def _recv_from_root(self, seq: int, kind: str) -> Any:
+        self._poll(seq, kind)
+        return self._check(pickle.loads(self._sock.recv()), seq, kind, "rank 0")
+
+    def _gather_at_root(self, seq: int, kind: str) -> dict[int, Any]:
+        got: dict[int, Any] = {}
+        while len(got) < self.world_size - 1:
+            self._poll(seq, kind)
+            identity, msg = self._sock.recv_multipart()
+            peer = int(identity.decode().removeprefix("rank"))
+            if peer in got:
+                raise CommunicatorError(f"rank {peer} sent twice in {kind} #{seq}")
+            got[peer] = self._check(pickle.loads(msg), seq, kind, f"rank {peer}")
+        return got
+
+    def __enter__(self) -> "ZMQCommunicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

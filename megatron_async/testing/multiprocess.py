@@ -1,0 +1,62 @@
+"""Run a function on N spawned local "ranks" with a torchrun-like environment, with a hard
+deadline, so that multi-rank tests can neither hang nor hide a child's traceback."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable, rank: int, world_size: int, env: dict[str, str], args: tuple, results: mp.Queue) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
+    try:
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # report everything, including a CommunicatorError the test expects
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 30.0,
+              env: dict[str, str] | None = None) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on every rank (a module-level function: it is pickled
+    by name); returns the results by rank. Raises RuntimeError with the child's traceback
+    if one raises, and TimeoutError (after killing them all) if any is still running
+    after ``timeout_s``."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", **(env or {})}
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, env, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[bool, Any]] = {}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(got) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                running = sorted(set(range(world_size)) - set(got))
+                raise TimeoutError(f"ranks {running} still running after {timeout_s} s")
+            got[rank] = (ok, value)
+    finally:
+        for p in procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5.0)
+    failed = {r: v for r, (ok, v) in got.items() if not ok}
+    if failed:
+        raise RuntimeError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(failed.items())))
+    return [got[r][1] for r in range(world_size)]

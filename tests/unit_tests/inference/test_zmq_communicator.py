@@ -1,0 +1,74 @@
+"""ZMQCommunicator across 2-3 spawned processes on loopback; every receive is bounded."""
+import time
+
+import pytest
+
+from megatron_async.inference.communication.zmq_communicator import CommunicatorError, ZMQCommunicator
+from megatron_async.testing.multiprocess import free_port, run_ranks
+
+
+def _collectives(rank: int, world: int, port: int):
+    with ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=10) as comm:
+        got = [comm.broadcast_object({"step": 1, "reqs": [[1, 2, 3]]} if rank == 0 else "ignored")]
+        got.append(comm.all_reduce_max([rank, 10 - rank, 0]))
+        comm.barrier()
+        got.append(comm.broadcast_object(None if rank else ("done", rank)))
+        got.append(comm.all_reduce_max([]))
+        return got
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_agree_on_every_rank(world):
+    results = run_ranks(_collectives, world, free_port(), timeout_s=30)
+    expected = [{"step": 1, "reqs": [[1, 2, 3]]}, [world - 1, 10, 0], ("done", 0), []]
+    assert results == [expected] * world
+
+
+def _diverge(rank: int, world: int, port: int):
+    with ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=5) as comm:
+        if rank == 0:
+            comm.broadcast_object("x")
+            time.sleep(1.0)  # keep the socket open until rank 1 has read it
+            return "sent"
+        try:
+            comm.all_reduce_max([1])
+        except CommunicatorError as e:
+            return str(e)
+        return "no error"
+
+
+def test_ranks_calling_different_collectives_fail_loudly():
+    _, err = run_ranks(_diverge, 2, free_port(), timeout_s=30)
+    assert "diverged" in err and "broadcast" in err
+
+
+def _silent_root(rank: int, world: int, port: int):
+    with ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=0.5) as comm:
+        if rank == 0:
+            time.sleep(1.5)
+            return None
+        t0 = time.monotonic()
+        try:
+            comm.broadcast_object()
+        except CommunicatorError as e:
+            return str(e), time.monotonic() - t0
+        return "no error", 0.0
+
+
+def test_missing_message_times_out_instead_of_hanging():
+    _, (err, waited) = run_ranks(_silent_root, 2, free_port(), timeout_s=30)
+    assert "no message within 500 ms" in err
+    assert 0.4 < waited < 1.4
+
+
+def test_world_of_one_needs_no_sockets():
+    comm = ZMQCommunicator(0, 1, "127.0.0.1", 1)  # port 1 would fail to bind
+    assert comm.broadcast_object([5]) == [5]
+    assert comm.all_reduce_max([3, 4]) == [3, 4]
+    comm.barrier()
+    comm.close()
+
+
+def test_rank_outside_world_is_rejected():
+    with pytest.raises(ValueError, match="outside world"):
+        ZMQCommunicator(2, 2, "127.0.0.1", 1)
