@@ -22,6 +22,9 @@ class ModeResult:
     mean_decode_batch: float | None = None
     gpu_idle_share: float | None = None
     """Decode-only window under torch.profiler; None on CPU or when not measured."""
+    gpu_wait_share: float | None = None
+    """Decode-only window timed with CUDA events, no profiler: share of wall time the device
+    had no step to run (waited for the host); None on CPU or when not measured."""
     decode_floor_ms: float | None = None
     step_over_floor: float | None = None
     same_tokens_as_serial: float | None = None
@@ -48,7 +51,7 @@ def _fmt(v: float | None, spec: str, scale: float = 1.0) -> str:
 
 def format_table(results: list[ModeResult]) -> str:
     head = ["mode", "status", "out tok/s", "x hf_generate", "x hf_gen_batch", "decode ms", "batch", "GPU idle %",
-            "floor ms", "step/floor", "=serial"]
+            "GPU wait %", "floor ms", "step/floor", "=serial"]
     rows = [head]
     for r in results:
         if r.status in ("skipped", "error"):
@@ -58,7 +61,7 @@ def format_table(results: list[ModeResult]) -> str:
             r.mode, r.status, f"{r.output_tokens_per_s:,.1f}",
             _fmt(r.ratio_to.get("hf_generate"), ".2f"), _fmt(r.ratio_to.get("hf_generate_batch"), ".2f"),
             _fmt(r.mean_decode_step_ms, ".2f"), _fmt(r.mean_decode_batch, ".1f"), _fmt(r.gpu_idle_share, ".1f", 100.0),
-            _fmt(r.decode_floor_ms, ".2f"), _fmt(r.step_over_floor, ".2f"), _fmt(r.same_tokens_as_serial, ".0%"),
+            _fmt(r.gpu_wait_share, ".1f", 100.0), _fmt(r.decode_floor_ms, ".2f"), _fmt(r.step_over_floor, ".2f"), _fmt(r.same_tokens_as_serial, ".0%"),
         ])
     widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(head))]
     lines = []

@@ -1,9 +1,13 @@
-"""GPU idle share of decode: profile a window of decode-only engine steps (torch.profiler, CUDA
-activity) and report 1 - (union of device busy intervals) / (span of the window).
+"""GPU idle share of decode, measured two ways over windows of decode-only engine steps.
 
-The span runs from the first device activity of the window to the last, so idle time is the
-gaps between kernels: the device waiting for the host. Kernels, memcpys and memsets count as
-busy. The profiler's own launch callbacks add a little host time, so this is an upper bound."""
+1. torch.profiler (CUDA activity): 1 - (union of device busy intervals) / (span of the window).
+   Idle time is every gap between kernels, including the ~1 us launch gaps inside a CUDA graph.
+   The profiler's launch callbacks add host time (on an H100 they made the host as slow as the
+   device), so this is an upper bound.
+2. CUDA events, no profiler: every launch is timed from its first enqueued work to its sample
+   copy (the events run on the stream, no host sync), and 1 - sum(step device time) / wall time
+   is the share of the window in which the device had no step to run: the device waiting for
+   the host, which launch-ahead is meant to remove."""
 from __future__ import annotations
 
 import contextlib
@@ -67,6 +71,8 @@ class DecodeProfile:
     busy_ms: float | None
     host_ms_per_step: float
     trace_path: str | None
+    event_idle_share: float | None = None
+    """Method 2 (CUDA events, no profiler); None on CPU."""
 
 
 def _fill_decode_batch(engine: DynamicInferenceEngine, batch: int, prompt_len: int, num_tokens: int, seed: int) -> None:
@@ -94,7 +100,7 @@ def profile_decode_steps(
     if engine.has_unfinished_requests():
         raise RuntimeError("profile_decode_steps needs an idle engine")
     batch = max(1, min(batch, engine.config.max_requests))
-    _fill_decode_batch(engine, batch, prompt_len, warmup_steps + steps + 2, seed)
+    _fill_decode_batch(engine, batch, prompt_len, warmup_steps + 2 * steps + 2, seed)
     decode_seen = 0
     while decode_seen < warmup_steps:
         if not engine.has_unfinished_requests():
@@ -113,6 +119,7 @@ def profile_decode_steps(
                 decode_only += engine.step().is_decode_only
             engine.context.device.synchronize()
             host_ms = 1e3 * (time.perf_counter() - t0) / max(1, steps)
+    event_share = _event_idle_share(engine, steps) if is_cuda else None
     engine.run_until_done()
     share = span_ms = busy_ms = None
     saved = None
@@ -128,7 +135,26 @@ def profile_decode_steps(
         if trace_path is None:
             os.unlink(saved)
             saved = None
-    return DecodeProfile(batch, steps, decode_only, share, span_ms, busy_ms, host_ms, saved)
+    return DecodeProfile(batch, steps, decode_only, share, span_ms, busy_ms, host_ms, saved, event_share)
+
+
+def _event_idle_share(engine: DynamicInferenceEngine, steps: int) -> float | None:
+    """Method 2 over ``steps`` more steps of the running decode batch."""
+    stats = engine.stats
+    engine.time_all_launches = True
+    try:
+        engine.step()  # the launch in flight was not timed: land it
+        engine.context.device.synchronize()
+        timed0, device0 = stats.timed_steps, stats.timed_device_time
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()  # returns once the launch it bookkeeps has landed: no extra sync
+        wall = time.perf_counter() - t0
+    finally:
+        engine.time_all_launches = False
+    if stats.timed_steps - timed0 < steps or wall <= 0:
+        return None
+    return max(0.0, 1.0 - (stats.timed_device_time - device0) / wall)
 
 
 def _export(prof: torch.profiler.profile, trace_path: str | Path | None) -> str:

@@ -112,3 +112,28 @@ def test_profile_step_script_writes_traces(tmp_path, monkeypatch):
     for mode in report:
         assert report[mode]["decode_only_steps"] == 3
         assert json.loads((tmp_path / f"trace_{mode}.json").read_text())["traceEvents"]
+
+
+def test_event_idle_share_arithmetic():
+    """Method 2 of gpu_idle: device time summed over timed launches against the window's wall."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from megatron_async.inference.engines.engine_stats import EngineStats
+    from megatron_async.tools.gpu_idle import _event_idle_share
+
+    class FakeEngine:
+        def __init__(self):
+            self.stats = EngineStats()
+            self.time_all_launches = False
+            self.context = SimpleNamespace(device=SimpleNamespace(synchronize=lambda: None))
+
+        def step(self):
+            _time.sleep(0.004)  # a step period of ~4 ms ...
+            if self.time_all_launches:  # ... of which the device was busy 2 ms
+                self.stats.timed_steps += 1
+                self.stats.timed_device_time += 0.002
+
+    eng = FakeEngine()
+    share = _event_idle_share(eng, steps=25)
+    assert 0.35 < share < 0.6 and eng.time_all_launches is False

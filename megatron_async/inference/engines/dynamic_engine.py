@@ -61,6 +61,8 @@ class DynamicInferenceEngine:
         self._requests: dict[int, DynamicInferenceRequest] = {}  # unfinished, by id
         self._pending: PendingLaunch | None = None
         self._launches = 0
+        self.time_all_launches = False
+        """Time every launch with CUDA events (no host sync; measurement windows only)."""
         self._tp = TensorParallelSync(communicator) if communicator is not None else None
 
     # ------------------------------------------------------------------ requests
@@ -156,7 +158,8 @@ class DynamicInferenceEngine:
 
     def _launch(self, plan, overlapped: bool) -> PendingLaunch:
         self._launches += 1
-        timed = self.config.logging_step_interval > 0 and self._launches % self.config.logging_step_interval == 0
+        interval = self.config.logging_step_interval
+        timed = self.time_all_launches or (interval > 0 and self._launches % interval == 0)
         self.stats.overlapped_steps += overlapped
         return self.controller.launch_step(plan, self._launches, overlapped, timed)
 
