@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +22,7 @@ from megatron_async.models.gpt import build_gpt  # noqa: E402
 from megatron_async.models.layers.norm import RMSNorm  # noqa: E402
 from megatron_async.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 from megatron_async.testing.simple_session import SimpleSession  # noqa: E402
-from megatron_async.tools.cuda_timing import median_ms
+from megatron_async.tools.cuda_timing import host_us, median_ms
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS, THETA, MAX_POS = 1024, 16, 8, 128, 3072, 1e-6, 1e6, 40960
 DTYPE = torch.bfloat16
@@ -33,16 +32,6 @@ Ops = Callable[[], object]
 def device_us(fn: Ops, iters: int) -> float:
     """Median eager time of one call between CUDA events (launch gaps included), in us."""
     return 1e3 * median_ms(fn, iters)
-
-
-def host_us(fn: Ops, iters: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / iters * 1e6
 
 
 def _outputs(fn: Ops) -> list[torch.Tensor]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -24,7 +23,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "unit_tests" / "kernels")]
 from megatron_async.kernels import attention_torch, attention_triton  # noqa: E402
 from megatron_async.kernels.triton_decode_attention import choose_num_splits, decode_attention  # noqa: E402
 from paged_attention_cases import PagedCase, make_case  # noqa: E402
-from megatron_async.tools.cuda_timing import median_ms
+from megatron_async.tools.cuda_timing import host_us, median_ms
 
 HEADS, KV_HEADS, HEAD_DIM, MAX_LEN = 16, 8, 128, 2048
 
@@ -64,17 +63,6 @@ def graph_ms(fn: Callable[[], object], iters: int) -> float:
     with torch.cuda.graph(graph):
         fn()
     return median_ms(graph.replay, iters)
-
-
-def host_us(fn: Callable[[], object], iters: int) -> float:
-    """CPU time of one eager call (Python + launch), GPU work left in flight."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / iters * 1e6
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:

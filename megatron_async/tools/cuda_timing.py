@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -20,3 +21,14 @@ def median_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
         stop.synchronize()
         times.append(start.elapsed_time(stop))
     return statistics.median(times)
+
+
+def host_us(fn: Callable[[], object], iters: int) -> float:
+    """CPU time of one eager call in us (Python + launch), GPU work left in flight."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / iters * 1e6
