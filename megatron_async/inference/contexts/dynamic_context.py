@@ -283,7 +283,6 @@ class DynamicInferenceContext:
         """A whole host snapshot of ``num_rows`` padding rows (what graph capture runs on)."""
         buf = torch.zeros(self.layout.nbytes, dtype=torch.uint8)
         views = {k: t.numpy() for k, t in self.layout.views(buf).items()}
-        views["cu_query_lens"][0] = 0
         self._fill_padding(views, 0, num_rows)
         return buf
 

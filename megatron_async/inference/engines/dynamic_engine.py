@@ -150,7 +150,7 @@ class DynamicInferenceEngine:
         active = list(self.context.active.values())
         if any(r.status == Status.PAUSED for r in active):
             return "paused"
-        if active and all(not self.scheduler._wants_token(r) for r in active if not r.is_prefilling):
+        if active and all(not self.scheduler.wants_token(r) for r in active if not r.is_prefilling):
             return "length_limit"
         if self.scheduler.waiting:
             return "admission_blocked"

@@ -35,7 +35,7 @@ class Scheduler:
     def remove_waiting(self, req: DynamicInferenceRequest) -> None:
         self.waiting.remove(req)
 
-    def _wants_token(self, req: DynamicInferenceRequest) -> bool:
+    def wants_token(self, req: DynamicInferenceRequest) -> bool:
         """More tokens may be sampled without passing a length limit known on the CPU."""
         sp = req.sampling_params
         return (
@@ -55,7 +55,7 @@ class Scheduler:
 
         # 1. decode rows
         for req in by_age:
-            if req.status != Status.ACTIVE or req.is_prefilling or not self._wants_token(req):
+            if req.status != Status.ACTIVE or req.is_prefilling or not self.wants_token(req):
                 continue
             if req.num_inflight and req.inflight_row < 0:
                 continue
