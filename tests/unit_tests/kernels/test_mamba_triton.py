@@ -18,6 +18,7 @@ from megatron_async.kernels.triton_mamba_decode import causal_conv1d_update, sel
 from megatron_async.kernels.triton_ssd_prefill import causal_conv1d_prefill, ssd_scan  # noqa: E402
 from megatron_async.models.hybrid_config import MambaConfig  # noqa: E402
 from megatron_async.models.layers.mamba2_mixer import Mamba2Mixer, MambaStepPlan  # noqa: E402
+from megatron_async.parallel.state import ParallelState  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -234,7 +235,7 @@ def _mixer(seed: int) -> Mamba2Mixer:
     cfg = MambaConfig(num_heads=4, head_dim=4, d_state=8, n_groups=2, conv_kernel=4, chunk_size=8,
                       dt_limit=(0.0, float("inf")), use_conv_bias=True, proj_bias=False, norm_eps=1e-5,
                       norm_before_gate=False)
-    mixer = Mamba2Mixer(16, cfg, torch.float32, DEVICE)
+    mixer = Mamba2Mixer(16, cfg, 0, ParallelState(), torch.float32, DEVICE)
     g = _gen(seed)
     for param in mixer.parameters():
         param.data.copy_(0.3 * torch.randn(param.shape, generator=g))
@@ -263,7 +264,7 @@ def test_mixer_mixed_step_same_on_both_backends():
         conv_pool, ssm_pool = (t.clone() for t in pools)
         try:
             mamba_ops.set_mamba_backend(backend, DEVICE)
-            out = mixer(x, conv_pool, ssm_pool, MambaStepPlan.build(meta))
+            out = mixer.mix(x, conv_pool, ssm_pool, MambaStepPlan.build(meta))
         finally:
             mamba_ops.set_mamba_backend(MambaBackend.TORCH, "cpu")
         results.append((out, conv_pool, ssm_pool))
