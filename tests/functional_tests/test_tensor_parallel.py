@@ -153,6 +153,11 @@ def test_shapes_that_do_not_divide_fail_at_load_on_every_rank(tmp_path):
     assert report.count("Mamba n_groups (1) must be divisible by tensor_parallel_size (2)") >= 2
 
 
+def test_cuda_graphs_under_tp_are_refused_before_joining_a_group():
+    with pytest.raises(ValueError, match="cuda_graphs is not supported with tensor parallelism yet"):
+        LLM(None, inference_config=InferenceConfig(**{**CONFIG, "cuda_graphs": True}), tensor_parallel_size=2)
+
+
 JOB_ARGS = ["--num-requests", "6", "--prompt-len-min", "4", "--prompt-len-max", "12", "--output-len-min", "3",
             "--output-len-max", "8", "--arrival-rate", "1.5", "--temperature", "0.9", "--top-p", "0.8",
             "--block-size", "4", "--num-kv-blocks", "64", "--max-requests", "3", "--max-tokens", "16", "--quiet",
