@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from megatron_async.models import registry
+from megatron_async.models.registry import get_builder
 from megatron_async.models.base import CausalLM
 from megatron_async.parallel.state import ParallelState
 
@@ -80,7 +80,7 @@ def load_checkpoint(
     if not archs:
         raise ValueError(f"{Path(path) / 'config.json'} has no 'architectures' entry")
     files = safetensors_files(path)
-    builder = registry.get_builder(archs[0])
+    builder = get_builder(archs[0])
     model = builder(hf_config, resolve_dtype(dtype, hf_config), torch.device(device), parallel or ParallelState())
     try:
         model.load_hf_weights(iter_safetensors(files))

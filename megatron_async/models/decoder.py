@@ -15,7 +15,8 @@ from megatron_async.models.base import CausalLM, KVCacheSpec, MambaStateSpec
 from megatron_async.models.hybrid_config import MambaConfig
 from megatron_async.models.layers.attention_layer import Attention
 from megatron_async.models.layers.block import Block, StepInputs
-from megatron_async.models.layers.mamba2_mixer import Mamba2Mixer, MambaStepPlan
+from megatron_async.models.layers.mamba2_mixer import Mamba2Mixer
+from megatron_async.models.layers.mamba_step_plan import MambaStepPlan
 from megatron_async.models.layers.mlp import build_mlp
 from megatron_async.models.layers.norm import NemotronRMSNorm, RMSNorm
 from megatron_async.models.layers.rope import RotaryEmbedding

@@ -10,7 +10,6 @@ import torch
 
 from megatron_async.models.decoder import BlockSpec, DecoderModel, DecoderSpec
 from megatron_async.models.hybrid_config import HybridConfig, HybridFamily, LayerKind, parse_hybrid_config
-from megatron_async.models.layers.norm import NemotronRMSNorm  # noqa: F401  (re-exported: tests import it here)
 from megatron_async.parallel.state import ParallelState
 
 

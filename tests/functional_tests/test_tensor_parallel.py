@@ -153,6 +153,22 @@ def test_shapes_that_do_not_divide_fail_at_load_on_every_rank(tmp_path):
     assert report.count("Mamba n_groups (1) must be divisible by tensor_parallel_size (2)") >= 2
 
 
+def _dying_worker(rank: int, world: int) -> None:
+    llm = LLM(None, inference_config=InferenceConfig(**CONFIG), tensor_parallel_size=world)
+    llm.generate(PROMPTS[:2], GREEDY[:2])
+    if rank == 1:
+        os._exit(9)  # dies between steps, without a word
+    llm.generate(PROMPTS[:2], GREEDY[:2])  # the ZMQ timeout is 300 s: this must fail long before
+
+
+def test_a_dead_rank_makes_the_others_fail_clearly():
+    with pytest.raises(RuntimeError) as failed:
+        run_ranks(_dying_worker, 2, timeout_s=60)
+    report = str(failed.value)
+    assert "rank 1 failed:\nexited with code 9" in report
+    assert "CommunicatorError: rank 0: lost the connection to a peer" in report
+
+
 def test_cuda_graphs_under_tp_are_refused_before_joining_a_group():
     with pytest.raises(ValueError, match="cuda_graphs is not supported with tensor parallelism yet"):
         LLM(None, inference_config=InferenceConfig(**{**CONFIG, "cuda_graphs": True}), tensor_parallel_size=2)

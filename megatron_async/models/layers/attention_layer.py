@@ -3,21 +3,17 @@ heads), optional per-head q/k norm, RoPE on the first ``rotary_dim`` dims of eac
 when 0), paged attention over this rank's heads, row-parallel output projection."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from megatron_async.kernels import fused_ops
 from megatron_async.kernels.attention import attend
+from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.layers.norm import RMSNorm
 from megatron_async.models.layers.rope import apply_rotary
 from megatron_async.models.model_config import AttentionConfig
 from megatron_async.parallel.linear import QKVParallelLinear, RowParallelLinear
 from megatron_async.parallel.state import ParallelState
-
-if TYPE_CHECKING:
-    from megatron_async.models.layers.block import StepInputs
 
 
 class Attention(nn.Module):

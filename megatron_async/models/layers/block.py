@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from megatron_async.inference.contexts.metadata import ForwardBatch
-from megatron_async.models.layers.mamba2_mixer import MambaStepPlan
+from megatron_async.models.layers.mamba_step_plan import MambaStepPlan
 from megatron_async.models.layers.norm import RMSNorm
 
 

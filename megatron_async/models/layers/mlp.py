@@ -2,19 +2,15 @@
 Bamba), and NemotronH's non-gated down(relu(up(x))^2); down is row-parallel in both."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_async.kernels import fused_ops
+from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.model_config import MLPConfig
 from megatron_async.parallel.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from megatron_async.parallel.state import ParallelState
-
-if TYPE_CHECKING:
-    from megatron_async.models.layers.block import StepInputs
 
 
 class SwiGLUMLP(nn.Module):
