@@ -58,8 +58,9 @@ class LLM:
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
                 torch.cuda.set_device(self.device)
             self.parallel = ParallelState.from_torchrun(tensor_parallel_size, self.device)
-            self.communicator = ZMQCommunicator.from_env()
         try:
+            if tensor_parallel_size > 1:
+                self.communicator = ZMQCommunicator.from_env()
             self._build(model, default_model, seed)
         except BaseException:
             self.close()  # every rank fails the same way at load (a shape that does not divide): leave cleanly
@@ -108,7 +109,6 @@ class LLM:
             self.communicator.close()
             self.communicator = None
         self.parallel.destroy()
-        self.parallel = ParallelState()
 
     def generate(
         self,
