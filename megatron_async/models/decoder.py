@@ -124,7 +124,7 @@ class DecoderModel(CausalLM):
         for block in self.blocks:
             x, residual = block(x, residual, step)
         if residual is None:
-            return self.final_norm(x.to(self.dtype))
+            return self.final_norm(self.final_norm.in_dtype(x))
         return self.final_norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ class Block(nn.Module):
         """x: the previous mixer's output, or the embeddings when ``residual`` is None.
         Returns (this mixer's output, the residual stream before it)."""
         if residual is None:
-            h, residual = self.norm(x.to(self.norm.weight.dtype)), x
+            h, residual = self.norm(self.norm.in_dtype(x)), x
         else:
             h, residual = self.norm.add_and_norm(x, residual)
         return self.mixer(h, step), residual

@@ -35,7 +35,11 @@ class RMSNorm(nn.Module):
         if fused_ops.use_fused(x) and x.dtype == residual.dtype == self.weight.dtype:
             return fused_ops.add_rms_norm(x, residual, self.weight, self.eps, self.cast_before_weight)
         residual = x + residual
-        return self(residual.to(self.weight.dtype)), residual
+        return self(self.in_dtype(residual)), residual
+
+    def in_dtype(self, x: torch.Tensor) -> torch.Tensor:
+        """x in the weight's dtype (a float32 residual stream is cast down before the norm)."""
+        return x if x.dtype == self.weight.dtype else x.to(self.weight.dtype)
 
 
 class NemotronRMSNorm(RMSNorm):
