@@ -160,3 +160,16 @@ def test_fuzz_only_invalid_request_error_leaves_add_request(fuzz_llm, prompt, fi
 @pytest.fixture(scope="module")
 def fuzz_llm():
     return _llm(max_sequence_length=48)
+
+
+def test_stream_text_off_decodes_once_at_the_end():
+    params = [SamplingParams(temperature=0.8, seed=i, num_tokens_to_generate=10, ignore_eos=True,
+                             stop_words=["zq"] if i == 2 else None) for i in range(3)]
+    texts = {}
+    for stream in (True, False):
+        llm = _llm(stream_text=stream)
+        rids = [llm.engine.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+        outs, updates = drive(llm.engine)
+        texts[stream] = [outs[r].generated_text for r in rids]
+        assert all((u.new_text is not None) == stream for r in rids for u in updates[r])
+    assert texts[True] == texts[False] and all(texts[True])
