@@ -5,7 +5,10 @@ Request lifecycle at the API: ``add_request`` validates and freezes a request (o
 ``RequestUpdate`` and every request that ended as a ``RequestOutput``; ``abort_request`` ends a
 request at the next ``step()`` whatever state it is in (its in-flight launch-ahead row is
 discarded like a finished request's). A request whose host-side step preparation raises is
-failed alone (finish_reason "error") and the engine keeps serving the others."""
+failed alone (finish_reason "error") and the engine keeps serving the others.
+
+The engine is single-threaded: a server calls add_request / abort_request / step from one
+thread (its engine loop), handing requests over through a queue."""
 from __future__ import annotations
 
 import logging
