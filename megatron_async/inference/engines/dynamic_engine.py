@@ -138,12 +138,13 @@ class DynamicInferenceEngine:
         Returns False (and does nothing) for an unknown, finished or already aborted id."""
         if self._tp is not None:
             self._tp.check_can_add()
-            if request_id in self._requests and request_id not in self._aborts:
-                self._tp.record_abort(request_id)
-        return self._mark_abort(request_id)
+        marked = self._mark_abort(request_id)
+        if marked and self._tp is not None:
+            self._tp.record_abort(int(request_id))
+        return marked
 
     def _mark_abort(self, request_id: int) -> bool:
-        if request_id not in self._requests or request_id in self._aborts:
+        if not isinstance(request_id, numbers.Integral) or request_id not in self._requests or request_id in self._aborts:
             return False
         self._aborts[request_id] = None
         return True
