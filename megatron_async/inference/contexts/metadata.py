@@ -73,3 +73,7 @@ class ForwardBatch:
     """Hybrid: one per Mamba layer, [num_slots, conv_dim, d_conv - 1]."""
     ssm_states: list[torch.Tensor] = field(default_factory=list)
     """Hybrid: one per Mamba layer, [num_slots, num_heads, head_dim, d_state]."""
+    ep_num_tokens: int | None = None
+    """Expert parallelism: the token count every EP rank pads its MoE-layer input to in this
+    step (agreed by the engines on the CPU; >= this rank's token count, equal on all ranks of
+    the EP group). None: no expert parallelism."""
