@@ -81,7 +81,7 @@ class LLM:
         if model is None:
             self.model = build_default_model(default_model, self.device, self.dtype, seed=seed, parallel=self.parallel)
             self.tokenizer = None
-            if default_model == "tiny":  # sized to the in-process tiny BPE: text prompts work
+            if default_model.startswith("tiny"):  # sized to the in-process tiny BPE: text prompts work
                 from megatron_async.models import Tokenizer
                 from megatron_async.models.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
 

@@ -25,6 +25,9 @@ CASES = {
     "mixtral": ("MixtralForCausalLM", {}),
     # Mamba, MoE (sigmoid, grouped top-k, correction bias, scaling, shared expert), attention, MoE
     "nemotron_h-moe": ("NemotronHForCausalLM", {}),
+    # routed experts in a latent space (fc1 / fc2 projections), one group, no renormalisation
+    "nemotron_h-moe-latent": ("NemotronHForCausalLM", dict(moe_latent_size=24, n_group=1, topk_group=1,
+                                                           norm_topk_prob=False, mlp_bias=True)),
 }
 
 

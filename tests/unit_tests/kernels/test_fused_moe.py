@@ -75,3 +75,26 @@ def test_no_tokens_and_all_dropped():
     assert triton_fused_moe.fused_experts(x[:0], w13, w2, ids[:0], w[:0], True).shape == (0, 16)
     out = triton_fused_moe.fused_experts(x, w13, w2, torch.full_like(ids, 4), w, True)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_moe_layer_runs_the_fused_kernel_under_the_triton_backend(monkeypatch):
+    from megatron_async.kernels import attention
+    from megatron_async.parallel.state import ParallelState
+    from megatron_async.testing.moe_layers import MOE_CONFIGS, build_moe_layer
+
+    calls = []
+    real = triton_fused_moe.fused_experts
+    monkeypatch.setattr(triton_fused_moe, "fused_experts", lambda *a: calls.append(1) or real(*a))
+    layer = build_moe_layer(MOE_CONFIGS["softmax"], 32, ParallelState(), device=DEVICE)
+    x = torch.randn(6, 32, device=DEVICE)
+    previous = attention.get_attention_backend()
+    try:
+        attention.set_attention_backend("torch", DEVICE)
+        ref = layer(x)
+        assert not calls
+        attention.set_attention_backend("triton", DEVICE)
+        out = layer(x)
+    finally:
+        attention.set_attention_backend(previous, DEVICE)
+    assert calls
+    assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
