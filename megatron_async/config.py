@@ -6,7 +6,8 @@ from enum import Enum
 
 
 class AttentionBackend(str, Enum):
-    """Which attention implementation the model layers call."""
+    """Which attention implementation the model layers call. It also picks the MoE experts'
+    kernels (``kernels/moe.py``): TRITON = the fused Triton MoE, TORCH = the reference loop."""
 
     TORCH = "torch"  # pure-torch reference (CPU and CUDA)
     TRITON = "triton"  # Triton paged kernels (CUDA, or CPU with TRITON_INTERPRET=1)
@@ -67,7 +68,7 @@ class InferenceConfig:
     """Padded decode batch sizes to capture. None: 1, 2, 4, 8, then multiples of 16 up to max_requests."""
 
     attention_backend: AttentionBackend = AttentionBackend.AUTO
-    """Attention kernels to use."""
+    """Attention kernels to use (and the MoE experts' kernels: Triton fused MoE or the torch loop)."""
 
     mamba_backend: MambaBackend = MambaBackend.AUTO
     """SSM kernels to use for hybrid models."""
