@@ -1,10 +1,11 @@
 """Fused MoE for the GPU: the routed experts of a batch as two grouped GEMMs.
 
-1. ``align_by_expert``: the (token, slot) pairs sorted by expert into blocks of BLOCK_M rows,
-   each block one expert's (padded with a sentinel pair), with torch ops that neither sync nor
-   size anything from device values: the buffer has the worst-case padded length
-   ``P = pairs + min(experts, pairs) * (BLOCK_M - 1)`` computed from the shapes, and blocks
-   past the real end are marked "no expert" and exit at once.
+1. Alignment: the (token, slot) pairs sorted by expert into blocks of BLOCK_M rows, each block
+   one expert's (padded with a sentinel pair). Nothing is synced or sized from device values:
+   the buffer has the worst-case padded length ``P = pairs + min(experts, pairs) * (BLOCK_M -
+   1)`` computed from the shapes, and blocks past the real end are marked "no expert" and exit
+   at once. Two small kernels, one program per expert (``_count_kernel``, ``_place_kernel``);
+   ``align_by_expert`` is the same in torch ops (the reference of the tests).
 2. ``_gate_up_kernel``: per block, x rows of its pairs @ the expert's [gate | up] (or up) rows,
    float32 accumulation, SiLU(gate) * up (or relu^2) fused in the epilogue -> [pairs, I].
 3. ``_down_kernel``: activations @ the expert's down rows, times the routing weight, float32
@@ -42,6 +43,66 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     block_start = torch.arange(0, bound, block_m, device=dev)
     block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
     return sorted_pairs[:bound], block_expert
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, n, BLOCK: tl.constexpr):
+    """counts[e] = number of pairs routed to expert e (program e)."""
+    e = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
+        acc += (ids == e).to(tl.int32)
+    tl.store(counts_ptr + e, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _place_kernel(ids_ptr, counts_ptr, pairs_ptr, block_expert_ptr, n, num_blocks, E: tl.constexpr,
+                  E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """Program e writes expert e's segment of the sorted pairs (in pair order, then padding
+    pairs ``n``) and the expert of its blocks; the last program marks the blocks past the end."""
+    e = tl.program_id(0)
+    experts = tl.arange(0, E_POW2)
+    counts = tl.load(counts_ptr + experts, mask=experts < E, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.sum(tl.where(experts < e, padded, 0), axis=0)
+    count = tl.sum(tl.where(experts == e, counts, 0), axis=0)
+    mine = tl.sum(tl.where(experts == e, padded, 0), axis=0)
+    placed = tl.sum(tl.zeros((BLOCK,), dtype=tl.int32), axis=0)
+    for s in range(0, n, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        match = (tl.load(ids_ptr + offs, mask=offs < n, other=-1) == e).to(tl.int32)
+        rank = placed + tl.cumsum(match, axis=0) - match
+        tl.store(pairs_ptr + start + rank, offs.to(tl.int32), mask=match > 0)
+        placed += tl.sum(match, axis=0)
+    pad = count + tl.arange(0, BLOCK_M)
+    tl.store(pairs_ptr + start + pad, n, mask=pad < mine)
+    first_block = start // BLOCK_M
+    for b in range(0, mine // BLOCK_M, BLOCK):
+        offs = b + tl.arange(0, BLOCK)
+        tl.store(block_expert_ptr + first_block + offs, e, mask=offs < mine // BLOCK_M)
+    if e == E - 1:
+        end_block = (start + mine) // BLOCK_M
+        for b in range(end_block, num_blocks, BLOCK):
+            offs = b + tl.arange(0, BLOCK)
+            tl.store(block_expert_ptr + offs, E, mask=offs < num_blocks)
+
+
+def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int,
+                           block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``align_by_expert`` in two kernels; rows of blocks marked E are left unwritten."""
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    n, E = ids.numel(), num_experts
+    bound = triton.cdiv(n + min(E, n) * (block_m - 1), block_m) * block_m
+    counts = torch.empty(E, dtype=torch.int32, device=ids.device)
+    sorted_pairs = torch.empty(bound, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(bound // block_m, dtype=torch.int32, device=ids.device)
+    block = min(1024, max(16, triton.next_power_of_2(n)))
+    _count_kernel[(E,)](ids, counts, n, BLOCK=block, num_warps=4)
+    _place_kernel[(E,)](ids, counts, sorted_pairs, block_expert, n, bound // block_m, E=E,
+                        E_POW2=triton.next_power_of_2(E), BLOCK_M=block_m, BLOCK=block, num_warps=4)
+    return sorted_pairs, block_expert
 
 
 @triton.jit
@@ -135,7 +196,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         return torch.zeros((M, H), dtype=x.dtype, device=x.device)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     block_m = _block_m(num_pairs, E)
-    sorted_pairs, block_expert = align_by_expert(topk_ids, E, block_m)
+    sorted_pairs, block_expert = align_by_expert_triton(topk_ids, E, block_m)
     num_blocks = block_expert.shape[0]
     dots = dot_args(_gate_up_kernel, x.dtype)
     block_k = 64 if K >= 64 else max(16, triton.next_power_of_2(K))

@@ -98,3 +98,15 @@ def test_moe_layer_runs_the_fused_kernel_under_the_triton_backend(monkeypatch):
         attention.set_attention_backend(previous, DEVICE)
     assert calls
     assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("M, E, k, block_m", [(1, 8, 2, 16), (7, 4, 2, 16), (40, 8, 3, 16), (33, 128, 8, 32),
+                                              (300, 6, 2, 64)])
+def test_triton_alignment_equals_the_torch_alignment(M, E, k, block_m):
+    g = torch.Generator().manual_seed(M + E)
+    ids = torch.randint(-1, E + 2, (M, k), generator=g).to(torch.int32).to(DEVICE)
+    ref_pairs, ref_blocks = triton_fused_moe.align_by_expert(ids, E, block_m)
+    pairs, blocks = triton_fused_moe.align_by_expert_triton(ids, E, block_m)
+    assert torch.equal(blocks, ref_blocks)
+    live = (blocks < E).repeat_interleave(block_m)  # rows of blocks past the end are never read
+    assert torch.equal(pairs[live], ref_pairs[live])
