@@ -127,13 +127,14 @@ def _sample_kernel(logits_ptr, stride, V, inv_t_ptr, greedy_ptr, top_k_ptr, top_
             p = tl.load(top_p_ptr + row)
             minp = tl.load(min_p_ptr + row)
             m = tl.full((), _NEG_INF, tl.float32)
-            kmin = tl.full((), 2**31, tl.int64)
+            above_all = tl.full((), 2**31, tl.int64)
+            kmin = above_all
             for start in range(0, V, BLOCK):
                 idx = start + offs
                 valid = idx < V
                 s = tl.load(base + idx, mask=valid, other=_NEG_INF) * inv_t
                 m = tl.maximum(m, tl.max(s, axis=0))
-                kmin = tl.minimum(kmin, tl.min(tl.where(valid, _key(s), 2**31), axis=0))
+                kmin = tl.minimum(kmin, tl.min(tl.where(valid, _key(s), above_all), axis=0))
             hi = _key(m) + 1
             if (k > 0) & (k < V):
                 floor_key = _search(base, V, inv_t, m, minp, kmin, hi, floor_key, k.to(tl.float64), p,

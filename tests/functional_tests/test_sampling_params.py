@@ -148,3 +148,48 @@ def test_triton_sampler_in_the_engine_equals_torch(qwen3_ckpt):
         outs[backend] = [o.generated_tokens for o in llm.generate(prompts, params)]
         assert llm.engine.controller.sampler.backend.value == backend
     assert outs["torch"] == outs["triton"]
+
+
+def _cuda_llm(path, **cfg):
+    from megatron_async import LLM
+
+    return LLM(model=str(path), device="cuda", dtype="float32", inference_config=make_llm(path, **cfg).config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_penalties_graphs_async_serial_and_backends_agree(qwen3_ckpt):
+    prompts = random_prompts(12, 3, 30, 256, seed=26)
+    arr = [Arrival(2 * i, p, PENALISED[i % len(PENALISED)]) for i, p in enumerate(prompts)]
+    res = {}
+    for key in [("triton", True, True), ("triton", False, True), ("triton", True, False), ("torch", True, True)]:
+        backend, graphs, async_ = key
+        llm = _cuda_llm(qwen3_ckpt, sampling_backend=backend, cuda_graphs=graphs, async_scheduling=async_,
+                        attention_backend="triton")
+        res[key] = tokens_of(run_arrivals(llm, arr))
+        if graphs:
+            assert llm.engine.controller.graphs.num_replays > 0
+            assert any(k[-1] for k in llm.engine.controller.graphs.graphs)  # a penalties graph ran
+        if async_:
+            assert llm.engine.stats.overlap_ratio > 0.8
+    first = res[("triton", True, True)]
+    assert all(r == first for r in res.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_no_host_sync_with_penalties_and_filters(qwen3_ckpt):
+    llm = _cuda_llm(qwen3_ckpt, attention_backend="triton", max_requests=16, sampling_backend="triton")
+    eng = llm.engine
+    for i, p in enumerate(random_prompts(8, 5, 20, 256, seed=27)):
+        eng.add_request(p, SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, seed=i,
+                                          presence_penalty=0.5, repetition_penalty=1.2, min_tokens=10,
+                                          num_tokens_to_generate=40))
+    for _ in range(4):
+        eng.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        decoded = sum(eng.step().is_decode_only for _ in range(20))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert decoded == 20 and eng.stats.overlap_ratio > 0.9
