@@ -166,14 +166,22 @@ def timing(rows: list[int], iters: int) -> None:
 
 def tuning(R: int, iters: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(2)
-    print(f"\ntop_p=0.95 fast-path variants at {R} rows (ms):")
-    for kind in ("spread", "flat"):
-        logits = make_logits(R, kind, gen)
-        params = row_params(R, CASES["top_p=0.95"], gen, False)
-        for block, sblock, piv in [(1024, 256, 16), (1024, 128, 16), (1024, 256, 8), (1024, 128, 32), (2048, 256, 16), (1024, 512, 16)]:
-            tune = dict(block=block, search_block=sblock, pivots=piv)
-            assert torch.equal(fast(logits, params, None, True, **tune), reference(logits, params, None, True))
-            print(f"  {kind:6s} block={block} search_block={sblock} pivots={piv}: {graph_ms(lambda: fast(logits, params, None, True, **tune), iters):.3f}")
+    print(f"\nfast-path variants at {R} rows (ms; chunk, block, search_block, pivots, num_warps):")
+    variants = [(8192, 1024, 256, 16, 8), (4096, 1024, 256, 16, 8), (16384, 1024, 256, 16, 8), (8192, 2048, 512, 16, 8),
+                (8192, 1024, 128, 16, 4), (8192, 1024, 256, 8, 8), (8192, 1024, 256, 32, 8), (8192, 1024, 128, 8, 4),
+                (8192, 2048, 256, 16, 16)]
+    for name in ("temperature", "top_k=50", "top_p=0.95"):
+        for kind in ("spread", "flat"):
+            logits = make_logits(R, kind, gen)
+            params = row_params(R, CASES[name], gen, False)
+            filt = name != "temperature"
+            expected = reference(logits, params, None, filt)
+            line = []
+            for chunk, block, sblock, piv, warps in variants:
+                tune = dict(chunk=chunk, block=block, search_block=sblock, pivots=piv, num_warps=warps)
+                assert torch.equal(fast(logits, params, None, filt, **tune), expected)
+                line.append(f"{graph_ms(lambda: fast(logits, params, None, filt, **tune), iters):.3f}")
+            print(f"  {name:12s} {kind:6s}: " + "  ".join(f"{v}={t}" for v, t in zip(variants, line)))
 
 
 def main() -> None:

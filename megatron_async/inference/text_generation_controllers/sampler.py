@@ -5,7 +5,7 @@ fixed-address tensors (the step snapshot and the sampling-state rows), so the wh
 is captured inside decode CUDA graphs. Nothing here syncs with the host."""
 from __future__ import annotations
 
-import functools
+import importlib.util
 
 import torch
 
@@ -15,19 +15,11 @@ from megatron_async.inference.text_generation_controllers import sampling
 from megatron_async.inference.text_generation_controllers.sampling import PenaltyRows, RowParams
 
 
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def resolve_backend(backend: SamplingBackend | str, device: torch.device) -> SamplingBackend:
     backend = SamplingBackend(backend)
     if backend == SamplingBackend.AUTO:
-        return SamplingBackend.TRITON if device.type == "cuda" and _triton_importable() else SamplingBackend.TORCH
+        on_cuda = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        return SamplingBackend.TRITON if on_cuda else SamplingBackend.TORCH
     return backend
 
 
