@@ -188,7 +188,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[128, 256])
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--seeds", type=int, default=6)
+    ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--skip-tuning", action="store_true")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)

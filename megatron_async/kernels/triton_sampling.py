@@ -68,7 +68,8 @@ def _key(s):
 
 
 @triton.jit
-def _stats_kernel(logits_ptr, stride, V, inv_t_ptr, pmax_ptr, pkmin_ptr, NS, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _stats_kernel(logits_ptr, stride, V, inv_t_ptr, pmax_ptr, pkmin_ptr, NS,
+                  EXACT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # EXACT: unused, shared kwargs
     row, c = tl.program_id(0), tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride
     inv_t = tl.load(inv_t_ptr + row)
@@ -221,9 +222,10 @@ class _Launch:
 
 def sample(logits: torch.Tensor, inv_t: torch.Tensor, greedy: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, min_p: torch.Tensor, keys: torch.Tensor, any_filter: bool,
-           chunk: int = 8192, block: int = 1024, search_block: int = 256, pivots: int = 16,
-           num_warps: int = 8) -> torch.Tensor:
-    """[R, V] float32 logits -> [R] int64 tokens; per-row tensors as in the reference."""
+           chunk: int = 8192, block: int = 1024, search_block: int = 128, pivots: int = 8,
+           num_warps: int = 4) -> torch.Tensor:
+    """[R, V] float32 logits -> [R] int64 tokens; per-row tensors as in the reference.
+    Defaults: the fastest of scripts/check_sampling.py's sweep on an H100 (docs/PERFORMANCE.md)."""
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     assert chunk % block == 0 and chunk % search_block == 0
     L = _Launch(logits, chunk, block, search_block, pivots, num_warps)
