@@ -221,15 +221,19 @@ class _Launch:
 
 
 def sample(logits: torch.Tensor, inv_t: torch.Tensor, greedy: torch.Tensor, top_k: torch.Tensor,
-           top_p: torch.Tensor, min_p: torch.Tensor, keys: torch.Tensor, any_filter: bool,
+           top_p: torch.Tensor, min_p: torch.Tensor, keys: torch.Tensor, filters: tuple[bool, bool, bool] | bool,
            chunk: int = 8192, block: int = 1024, search_block: int = 128, pivots: int = 8,
            num_warps: int = 4) -> torch.Tensor:
     """[R, V] float32 logits -> [R] int64 tokens; per-row tensors as in the reference.
+    ``filters``: whether some row uses (top-k, top-p, min-p); True = all (passes of unused
+    filters are skipped; a row's own off values are honoured either way).
     Defaults: the fastest of scripts/check_sampling.py's sweep on an H100 (docs/PERFORMANCE.md)."""
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     assert chunk % block == 0 and chunk % search_block == 0
     L = _Launch(logits, chunk, block, search_block, pivots, num_warps)
     R, V, dev = L.R, L.V, logits.device
+    use_top_k, use_top_p, use_min_p = (filters,) * 3 if isinstance(filters, bool) else filters
+    any_filter = use_top_k or use_top_p or use_min_p
     floor = torch.full((R,), -(2**31), dtype=torch.int64, device=dev)  # below every key: keep all
     if any_filter:
         pmax = torch.empty(L.grid, dtype=torch.float32, device=dev)
@@ -238,15 +242,17 @@ def sample(logits: torch.Tensor, inv_t: torch.Tensor, greedy: torch.Tensor, top_
         m, kmin = pmax.amax(1), pkmin.amin(1)
         top1 = _torch_key(m) + 1
         sampled = ~greedy
-        use_k = sampled & (top_k > 0) & (top_k < V)
-        lo = kmin.clone()
-        floor = torch.where(use_k, L.search(logits, inv_t, m, min_p, floor, lo, torch.where(use_k, top1, lo + 1),
-                                            top_k.double(), top_p, mass=False), floor)
-        use_p = sampled & (top_p > 0) & (top_p < 1)
-        lo = torch.maximum(kmin, floor)
-        target = torch.full((R,), -1.0, dtype=torch.float64, device=dev)
-        floor = torch.where(use_p, L.search(logits, inv_t, m, min_p, floor, lo, torch.where(use_p, top1, lo + 1),
-                                            target, top_p, mass=True), floor)
+        if use_top_k:
+            use_k = sampled & (top_k > 0) & (top_k < V)
+            lo = kmin.clone()
+            floor = torch.where(use_k, L.search(logits, inv_t, m, min_p, floor, lo, torch.where(use_k, top1, lo + 1),
+                                                top_k.double(), top_p, mass=False), floor)
+        if use_top_p:
+            use_p = sampled & (top_p > 0) & (top_p < 1)
+            lo = torch.maximum(kmin, floor)
+            target = torch.full((R,), -1.0, dtype=torch.float64, device=dev)
+            floor = torch.where(use_p, L.search(logits, inv_t, m, min_p, floor, lo, torch.where(use_p, top1, lo + 1),
+                                                target, top_p, mass=True), floor)
     else:
         m = torch.zeros(R, dtype=torch.float32, device=dev)
         min_p = torch.zeros_like(m)

@@ -7,6 +7,7 @@ request keeps its tokens through pause / evict / recompute and in any batch."""
 import math
 import os
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -141,8 +142,8 @@ def test_penalised_requests_survive_pause_evict_and_batching(qwen3_ckpt):
                     reason="CPU engine with the interpreted Triton sampler (TRITON_INTERPRET=1, set by the kernel "
                            "tests' conftest); on CUDA the test_cuda_* tests cover it")
 def test_triton_sampler_in_the_engine_equals_torch(qwen3_ckpt):
-    prompts = random_prompts(5, 3, 12, 256, seed=25)
-    params = [PENALISED[i] for i in range(5)]
+    prompts = random_prompts(3, 3, 12, 256, seed=25)  # the interpreter is slow: a short run
+    params = [replace(PENALISED[i], num_tokens_to_generate=5) for i in (0, 2, 4)]
     outs = {}
     for backend in ("torch", "triton"):
         llm = make_llm(qwen3_ckpt, sampling_backend=backend)

@@ -69,6 +69,7 @@ class StepShape:
     any_log_probs: bool
     cu_query_lens: list[int] | None = None  # host copy, for kernels that need row lengths
     any_penalties: bool = False  # some sampling row has a sampling slot (penalties / min_tokens)
+    filters: tuple[bool, bool, bool] = (False, False, False)  # some sampled row uses (top-k, top-p, min-p)
 
 
 class DynamicInferenceContext:
@@ -225,7 +226,8 @@ class DynamicInferenceContext:
         pen = _PenaltyColumns(self.sampling_state.padding_slot)
         bs = self.block_size
         max_q = max_kv = 0
-        any_sampling = any_tk = any_lp = False
+        any_sampling = any_lp = False
+        use_k = use_p = use_mp = False
         max_top_n = 0
         bt = v["block_table"]
         for r, row in enumerate(plan.rows):
@@ -253,10 +255,11 @@ class DynamicInferenceContext:
             topp.append(0.0 if greedy else sp.top_p)
             if row.samples:
                 any_sampling |= not greedy
-                any_tk |= not greedy and (sp.top_k > 1 or 0 < sp.top_p < 1)
+                use_k |= not greedy and sp.top_k > 1
+                use_p |= not greedy and 0 < sp.top_p < 1
                 any_lp |= sp.return_log_probs
                 max_top_n = max(max_top_n, sp.top_n_logprobs)
-                any_tk |= not greedy and sp.min_p > 0
+                use_mp |= not greedy and sp.min_p > 0
             pen.add(req, row.samples, greedy, start + n)
             state_slots.append(req.state_slot)
             has_init.append(start > 0)
@@ -287,8 +290,9 @@ class DynamicInferenceContext:
         pen.write(v, R)
         for row in plan.rows:
             self.register_complete_blocks(row.request)
-        return StepShape(T, R, max_q, max_kv, plan.is_decode_only, any_sampling, any_tk, max_top_n, any_lp, cu,
-                         any_penalties=pen.any)
+        filters = (use_k, use_p, use_mp)
+        return StepShape(T, R, max_q, max_kv, plan.is_decode_only, any_sampling, any(filters), max_top_n, any_lp, cu,
+                         any_penalties=pen.any, filters=filters)
 
     def pad_decode_rows(self, num_rows: int, padded_rows: int) -> None:
         """Make rows [num_rows, padded_rows) of the current host buffer harmless padding

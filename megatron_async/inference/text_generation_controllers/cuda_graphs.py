@@ -53,7 +53,7 @@ class CudaGraphRunner:
         if not shape.is_decode_only or shape.num_rows > self.sizes[-1]:
             return None
         padded = self.sizes[bisect.bisect_left(self.sizes, shape.num_rows)]
-        return (padded, shape.any_sampling, shape.any_top_k_top_p, shape.any_log_probs or shape.max_top_n > 0,
+        return (padded, shape.any_sampling, shape.filters, shape.any_log_probs or shape.max_top_n > 0,
                 shape.max_top_n, shape.any_penalties)
 
     def lookup(self, shape: StepShape) -> CapturedStep | None:
@@ -69,16 +69,16 @@ class CudaGraphRunner:
     def warmup(self, greedy_only: bool = True) -> None:
         """Capture the greedy decode graphs of every batch size up front."""
         for b in self.sizes:
-            key = (b, False, False, False, 0, False)
+            key = (b, False, (False, False, False), False, 0, False)
             if key not in self.graphs:
                 self.graphs[key] = self._capture(key)
 
     def _capture(self, key: tuple) -> CapturedStep:
-        b, any_sampling, any_filter, any_lp, top_n, any_penalties = key
+        b, any_sampling, filters, any_lp, top_n, any_penalties = key
         ctl, ctx = self.controller, self.controller.context
         shape = StepShape(
             num_tokens=b, num_rows=b, max_query_len=1, max_kv_len=self.config.max_sequence_length,
-            is_decode_only=True, any_sampling=any_sampling, any_top_k_top_p=any_filter,
+            is_decode_only=True, any_sampling=any_sampling, any_top_k_top_p=any(filters), filters=filters,
             max_top_n=top_n, any_log_probs=any_lp, any_penalties=any_penalties,
         )
         if any_penalties:

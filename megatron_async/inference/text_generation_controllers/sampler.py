@@ -33,10 +33,11 @@ class Sampler:
         return PenaltyRows(g.sampling_slot[:R], g.presence_penalty[:R], g.frequency_penalty[:R],
                            g.repetition_penalty[:R], g.suppress_stop[:R], st.counts, st.prompt_mask, st.stop_mask)
 
-    def __call__(self, logits: torch.Tensor, g, R: int, any_random: bool, any_filter: bool,
+    def __call__(self, logits: torch.Tensor, g, R: int, any_random: bool, filters: tuple[bool, bool, bool],
                  any_penalties: bool) -> torch.Tensor:
         """logits [R, V] float32 (left unchanged) -> tokens [R] int64. ``g`` is the GPU view;
-        the flags are host facts of the step that only skip work no row needs."""
+        the flags (``filters``: some row uses top-k, top-p, min-p) are host facts of the step
+        that only skip work no row needs."""
         triton_path = self.backend == SamplingBackend.TRITON
         if any_penalties:
             pen = self.penalties(g, R)
@@ -59,9 +60,9 @@ class Sampler:
                 inv_t, greedy = sampling.inverse_temperature(params.temperature)
                 keys = sampling.row_keys(params.seed, params.position)
                 tokens = triton_sampling.sample(logits.contiguous(), inv_t, greedy, params.top_k, params.top_p,
-                                                params.min_p, keys, any_filter)
+                                                params.min_p, keys, filters)
             else:
-                tokens = sampling.sample_reference(logits, params, any_filter)
+                tokens = sampling.sample_reference(logits, params, any(filters))
         if any_penalties:  # the next launch, queued after this one, sees this token
             self.state.count_samples(g.sampling_slot[:R], tokens)
         return tokens

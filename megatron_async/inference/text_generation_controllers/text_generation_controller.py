@@ -113,7 +113,7 @@ class TextGenerationController:
             hidden = self.model(input_ids, batch)
             logits = self.model.compute_logits(hidden[g.sample_token_idx[:R]])
         with nvtx_range("sampling"):
-            tokens = self.sampler(logits, g, R, shape.any_sampling, shape.any_top_k_top_p, shape.any_penalties)
+            tokens = self.sampler(logits, g, R, shape.any_sampling, shape.filters, shape.any_penalties)
             self.last_samples[:R].copy_(tokens)
             log_probs = top_vals = top_ids = None
             if shape.any_log_probs or shape.max_top_n > 0:
