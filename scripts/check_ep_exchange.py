@@ -27,10 +27,10 @@ from megatron_async.models.layers.block import StepInputs  # noqa: E402
 from megatron_async.models.layers.moe import MoEMixer  # noqa: E402
 from megatron_async.parallel.state import ParallelState  # noqa: E402
 from megatron_async.testing.multiprocess import run_ranks  # noqa: E402
-from megatron_async.tools.cuda_timing import median_ms  # noqa: E402
+from megatron_async.tools.cuda_timing import graph_replay, median_ms  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_fused_moe import CFG, DTYPE, HIDDEN, graphed  # noqa: E402
+from check_fused_moe import CFG, DTYPE, HIDDEN  # noqa: E402
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -58,12 +58,12 @@ def _worker(rank: int, world: int, tokens: list[int], iters: int) -> list[dict]:
             gather, a2a = layers[ExpertExchange.ALL_GATHER], layers[ExpertExchange.ALL_TO_ALL]
             row = {"tokens": T,
                    "all_gather_eager": 1e3 * median_ms(lambda: gather(x, step), iters),
-                   "all_gather_graph": 1e3 * median_ms(graphed(lambda: gather(x, step)), iters),
+                   "all_gather_graph": 1e3 * median_ms(graph_replay(lambda: gather(x, step)), iters),
                    "all_to_all_eager": 1e3 * median_ms(lambda: a2a(x, step), iters)}
             torch.distributed.barrier()
             if single is not None:  # one GPU with the whole batch of all ranks (the same global work)
                 x_all = torch.randn(world * T, HIDDEN, device="cuda", dtype=DTYPE)
-                row["ep1_graph"] = 1e3 * median_ms(graphed(lambda: single(x_all)), iters)
+                row["ep1_graph"] = 1e3 * median_ms(graph_replay(lambda: single(x_all)), iters)
             torch.distributed.barrier()
             rows.append(row)
         return rows
