@@ -46,14 +46,16 @@ class RoutedExperts(nn.Module):
         if cfg.gated:
             self.gate_up_proj = ExpertColumnParallelLinear(cfg.num_experts, in_features, [I, I],
                                                            (cfg.hf_gate, cfg.hf_up), parallel, dtype, device)
-            self.input_proj = self.gate_up_proj
         else:
             self.up_proj = ExpertColumnParallelLinear(cfg.num_experts, in_features, [I], (cfg.hf_up,),
                                                       parallel, dtype, device)
-            self.input_proj = self.up_proj
         self.down_proj = ExpertRowParallelLinear(cfg.num_experts, I, in_features, cfg.hf_down, parallel, dtype, device)
         self.num_local = self.down_proj.num_local_experts
         self.first_expert = self.down_proj.first_expert
+
+    @property
+    def input_proj(self) -> ExpertColumnParallelLinear:
+        return self.gate_up_proj if self.gated else self.up_proj
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return fused_experts(x, self.input_proj.weight, self.down_proj.weight, ids, weights, self.gated)
