@@ -44,6 +44,8 @@ class ModeResult:
     triton_builds: int | None = None
     """Triton kernel builds (compile or disk-cache load) inside the timed run; None without Triton hooks."""
     graph_captures: int | None = None
+    built_kernels: list[str] = field(default_factory=list)
+    """Names of the Triton kernels built inside the timed run (first 20)."""
     summary: dict | None = None
     step_times: list[tuple[float, float, bool]] = field(default_factory=list)
     """(seconds since start, step ms, decode-only) per engine step."""

@@ -191,7 +191,10 @@ class Benchmark:
                 static = mode == "hf_generate_static"
                 settings = (f"generate, batch {a.hf_batch_size}, sdpa, "
                             + ("static cache + torch.compile (HF auto-compile)" if static else "dynamic cache, eager"))
+                t0 = time.perf_counter()
                 hf_peers.run_hf_generate(model, self.warmup, a.hf_batch_size, sampling, None, static)  # warm-up twin
+                settings += f", warm-up {time.perf_counter() - t0:.1f} s"
+                gc.collect()
                 run = hf_peers.run_hf_generate(model, self.requests, a.hf_batch_size, sampling, self.deadline, static)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
@@ -229,6 +232,7 @@ class Benchmark:
         if not self.time_left():
             return ModeResult(mode, wl, "skipped", "time budget (--max-minutes) spent")
         make = params_factory(wl, self.args.seed, self.requests)
+        gc.collect()  # earlier runs' garbage (a profiled run's) is collected here, not as a stall in this run
         window = StatsWindow(llm.engine)
         with CompileCounter(llm.controller.graphs) as compiles:
             run = run_workload(llm.engine, self.requests, make, deadline=self.deadline)
@@ -242,7 +246,8 @@ class Benchmark:
             decode_floor_ms=1e3 * floor.seconds, latency_ms=run.latency_ms(), summary=summary.as_dict(),
             first_step_ms=first, max_step_ms=worst, slow_steps=slow,
             triton_builds=compiles.triton_builds if compiles._knobs is not None else None,
-            graph_captures=compiles.graph_captures, step_times=[(s.t, 1e3 * s.seconds, s.decode_only) for s in run.steps],
+            graph_captures=compiles.graph_captures, built_kernels=compiles.kernels,
+            step_times=[(s.t, 1e3 * s.seconds, s.decode_only) for s in run.steps],
         )
         if res.mean_decode_step_ms:
             res.step_over_floor = res.mean_decode_step_ms / res.decode_floor_ms

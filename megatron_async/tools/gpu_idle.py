@@ -14,6 +14,7 @@ identical run after the timed one; its throughput is reported next to the timed 
 perturbation is visible."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
@@ -153,4 +154,6 @@ def profile_run(engine, run: Callable[[], object], trace_path: str | None = None
         if trace_path is None:
             os.unlink(path)
     events = device_events(trace, engine.context.layout.nbytes)
+    del prof, trace
+    gc.collect()  # the profiler's objects, collected here rather than as a pause in the next timed run
     return result, idle_report(events, decode_only)

@@ -32,7 +32,8 @@ class WorkloadSpec:
     seed: int = 0
     request_rate: float = 0.0
     """Mean requests arriving per second of wall clock (Poisson process: exponential gaps,
-    the first at t=0); 0 = no wall-clock pacing."""
+    the first at t=0, drawn from their own generator so the prompts do not change); 0 = no
+    wall-clock pacing."""
 
     def validate(self) -> None:
         if self.num_requests < 1:
@@ -74,7 +75,7 @@ def synthetic_workload(spec: WorkloadSpec, vocab_size: int) -> list[WorkloadRequ
     prompt_lens = rng.integers(spec.prompt_len_min, spec.prompt_len_max + 1, size=n)
     output_lens = rng.integers(spec.output_len_min, spec.output_len_max + 1, size=n)
     arrivals = arrival_steps(n, spec.arrival_rate, rng)
-    times = arrival_times(n, spec.request_rate, rng)
+    times = arrival_times(n, spec.request_rate, np.random.default_rng([spec.seed, 1]))  # prompts stay the same
     return [
         WorkloadRequest(rng.integers(0, vocab_size, size=int(p)).tolist(), int(o), a, t)
         for p, o, a, t in zip(prompt_lens, output_lens, arrivals, times)
@@ -92,7 +93,7 @@ def file_workload(path: str | Path, tokenizer, spec: WorkloadSpec) -> list[Workl
     rng = np.random.default_rng(spec.seed)
     output_lens = rng.integers(spec.output_len_min, spec.output_len_max + 1, size=len(lines))
     arrivals = arrival_steps(len(lines), spec.arrival_rate, rng)
-    times = arrival_times(len(lines), spec.request_rate, rng)
+    times = arrival_times(len(lines), spec.request_rate, np.random.default_rng([spec.seed, 1]))
     return [
         WorkloadRequest(tokenizer.encode(text), int(o), a, t, prompt_text=text)
         for text, o, a, t in zip(lines, output_lens, arrivals, times)

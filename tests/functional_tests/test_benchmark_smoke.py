@@ -152,3 +152,23 @@ def test_profile_step_script_runs_every_mode(tmp_path, monkeypatch):
     assert set(report) == {"serial", "async"}
     for mode in report:
         assert report[mode]["decode_steps"] == 2 and report[mode]["idle"] is None  # CPU: no device timeline
+
+
+def test_compile_counter_counts_builds_and_captures_and_restores_the_hook():
+    from types import SimpleNamespace
+
+    from megatron_async.tools.compile_counter import CompileCounter
+
+    knobs = pytest.importorskip("triton.knobs")
+    seen = []
+    knobs.runtime.jit_cache_hook = lambda **kw: seen.append(kw) and None
+    graphs = SimpleNamespace(graphs={"a": 1})
+    try:
+        with CompileCounter(graphs) as cc:
+            knobs.runtime.jit_cache_hook(fn=SimpleNamespace(name="k1"), key=1)  # what Triton calls on a miss
+            graphs.graphs["b"] = 2
+        assert (cc.triton_builds, cc.graph_captures, cc.kernels) == (1, 1, ["k1"])
+        assert len(seen) == 1  # the hook that was there is still called, and restored afterwards
+        assert knobs.runtime.jit_cache_hook is not cc._hook
+    finally:
+        knobs.runtime.jit_cache_hook = None
