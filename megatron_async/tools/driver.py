@@ -79,7 +79,7 @@ class TokenClock:
             self.run.ttft.append(t - self.added[rid])
         else:
             self.run.itl.append(t - self.last[rid])
-        self.run.itl.extend([0.0] * (new - 1 if self.count[rid] else new - 1))  # several at once: 0 gaps
+        self.run.itl.extend([0.0] * (new - 1))  # several tokens in one step: zero gaps between them
         self.count[rid], self.last[rid] = num_tokens, t
 
     def forget(self, rid: int) -> None:
