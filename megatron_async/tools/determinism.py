@@ -13,23 +13,23 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from megatron_async.tools.schedule_trace import bit_digest
 
-# (module path, attribute, label) of the functions tapped while a step is repeated.
-TAPS = (
-    ("megatron_async.models.layers.attention_layer", "column_parallel_linear", "gemm_qkv"),
-    ("megatron_async.models.layers.attention_layer", "row_parallel_linear", "gemm_o"),
+# (module path, attribute, label) of the functions tapped while a step is repeated; every
+# linear layer and the LM head are tapped as modules (forward hooks), labelled by their name.
+FUNCTION_TAPS = (
     ("megatron_async.models.layers.attention_layer", "attend", "attention"),
-    ("megatron_async.models.layers.mlp", "column_parallel_linear", "gemm_gate_up"),
-    ("megatron_async.models.layers.mlp", "row_parallel_linear", "gemm_down"),
     ("megatron_async.kernels.fused_ops", "rms_norm", "rms_norm"),
     ("megatron_async.kernels.fused_ops", "add_rms_norm", "add_rms_norm"),
     ("megatron_async.kernels.fused_ops", "rope_qk", "rope_qk"),
     ("megatron_async.kernels.fused_ops", "silu_and_mul", "silu_and_mul"),
-    ("megatron_async.models.gpt", "parallel_lm_head", "lm_head"),
 )
+
+
+def _is_gemm(module: torch.nn.Module) -> bool:
+    name = type(module).__name__
+    return name.endswith("Linear") or name.endswith("LMHead")
 
 
 def _digests(out) -> tuple:
@@ -39,12 +39,13 @@ def _digests(out) -> tuple:
 
 
 @contextlib.contextmanager
-def tapped(calls: list[tuple[str, tuple]], label_suffix: str = ""):
-    """Record (label, output digests) of every tapped call made inside the block."""
+def tapped(model: torch.nn.Module, calls: list[tuple[str, tuple]]):
+    """Record (label, output digests) of every tapped call made inside the block: the model's
+    linear layers and LM head (label ``gemm_<attribute name>``) and FUNCTION_TAPS."""
     import importlib
 
-    saved = []
-    for mod_name, attr, label in TAPS:
+    saved, hooks = [], []
+    for mod_name, attr, label in FUNCTION_TAPS:
         mod = importlib.import_module(mod_name)
         fn = getattr(mod, attr, None)
         if fn is None:
@@ -52,14 +53,20 @@ def tapped(calls: list[tuple[str, tuple]], label_suffix: str = ""):
 
         def wrap(*a, _fn=fn, _label=label, **kw):
             out = _fn(*a, **kw)
-            calls.append((_label + label_suffix, _digests(out)))
+            calls.append((_label, _digests(out)))
             return out
 
         saved.append((mod, attr, fn))
         setattr(mod, attr, wrap)
+    for name, module in model.named_modules():
+        if _is_gemm(module):
+            label = "gemm_" + name.rsplit(".", 1)[-1]
+            hooks.append(module.register_forward_hook(lambda m, i, out, _l=label: calls.append((_l, _digests(out)))))
     try:
         yield calls
     finally:
+        for h in hooks:
+            h.remove()
         for mod, attr, fn in reversed(saved):
             setattr(mod, attr, fn)
 
@@ -92,7 +99,7 @@ def repeat_step(engine, shape, pending, launch: int) -> RepeatReport:
     runs = []
     for _ in range(2):
         calls: list = []
-        with tapped(calls):
+        with tapped(controller.model, calls):
             tokens = controller.compute_step(shape)[0].clone()
         runs.append((calls, tokens))
     (a, ta), (b, tb) = runs
@@ -114,16 +121,16 @@ class InvarianceProbe:
 @torch.inference_mode()
 def batch_invariance_probe(model, device: torch.device, dtype: torch.dtype,
                            row_counts=(1, 7, 32, 128, 1024, 8192), seed: int = 0) -> list[InvarianceProbe]:
-    """Row 0 of a GEMM (the first MLP's gate/up weight) and of the LM head computed inside
-    batches of different sizes, compared bitwise with the same row computed alone: shows
-    whether a change of batch mix (a different schedule) alone can change a token."""
-    layer = model.layers[0]
-    weights = {"gemm_gate_up": layer.mlp.gate_up_weight, "lm_head": model.embed_weight}
+    """Row 0 of a GEMM (the first merged column-parallel layer, e.g. an MLP's gate/up) and of the
+    LM head computed inside batches of different sizes, compared bitwise with the same row
+    computed alone: shows whether a change of batch mix (another schedule) alone can change a token."""
+    gemm = next(m for m in model.modules() if type(m).__name__ == "MergedColumnParallelLinear")
+    fns = {"gemm_gate_up": gemm, "lm_head": model.compute_logits}
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(max(row_counts), weights["gemm_gate_up"].shape[1], generator=gen).to(device, dtype)
+    x = torch.randn(max(row_counts), gemm.weight.shape[1], generator=gen).to(device, dtype)
     out = []
-    for name, w in weights.items():
-        alone = F.linear(x[:1], w)
+    for name, fn in fns.items():
+        alone = fn(x[:1])
         for m in row_counts:
-            out.append(InvarianceProbe(name, m, bool(torch.equal(F.linear(x[:m], w)[:1], alone))))
+            out.append(InvarianceProbe(name, m, bool(torch.equal(fn(x[:m])[:1], alone))))
     return out
