@@ -29,6 +29,18 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def _check_batch_invariant(model: torch.nn.Module, device: torch.device) -> None:
+    """Batch-invariant numerics run Triton kernels in GPT layers only: say so up front."""
+    if not getattr(model, "supports_batch_invariant", False):
+        raise ValueError(f"batch_invariant is not supported for {type(model).__name__} (GPT models only)")
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise ValueError("batch_invariant needs triton") from e
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("batch_invariant runs Triton kernels: use device='cuda', or set TRITON_INTERPRET=1 on CPU")
+
+
 class LLM:
     def __init__(
         self,
@@ -77,6 +89,8 @@ class LLM:
         if getattr(self.model, "tensor_parallel_size", 1) != tensor_parallel_size:
             raise ValueError(f"{type(self.model).__name__} does not support tensor parallelism")
         self.model.eval()
+        if self.config.batch_invariant:
+            _check_batch_invariant(self.model, self.device)
         self.model.reserve_positions(self.config.max_sequence_length)
         eos = self.model.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

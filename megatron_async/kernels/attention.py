@@ -40,10 +40,16 @@ def attend(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Append this step's k/v ([T, KVH, D]) to the paged cache, then attend q ([T, H, D]).
 
-    Returns [T, H, D] in q's dtype."""
+    ``batch_invariant``: the Triton fixed-order path whatever the backend (see
+    ``attention_triton.attend_invariant``). Returns [T, H, D] in q's dtype."""
+    if batch_invariant:
+        from megatron_async.kernels import attention_triton
+
+        return attention_triton.attend_invariant(q, k, v, kv_cache, meta, scale)
     if _backend == AttentionBackend.TRITON:
         from megatron_async.kernels import attention_triton
 

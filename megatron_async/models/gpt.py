@@ -50,16 +50,19 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's MLP output, or the embeddings when ``residual`` is None.
         Returns (this layer's MLP output, residual stream before it). Each residual add is
         fused with the norm after it; the sums round as ``h = h + f(norm(h))`` does."""
+        inv = batch.batch_invariant
         if residual is None:
-            h, residual = self.input_layernorm(x), x
+            h, residual = self.input_layernorm(x, inv), x
         else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
-        attn_out = self.self_attn(h, cos, sin, kv_cache, batch.attn)
-        h, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
-        return self.mlp(h), residual
+            h, residual = self.input_layernorm.add_and_norm(x, residual, inv)
+        attn_out = self.self_attn(h, cos, sin, kv_cache, batch.attn, inv)
+        h, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual, inv)
+        return self.mlp(h, inv), residual
 
 
 class GPTModel(CausalLM):
+    supports_batch_invariant = True
+
     def __init__(self, cfg: GPTConfig, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.config = cfg
@@ -94,12 +97,13 @@ class GPTModel(CausalLM):
         x, residual = vocab_parallel_embedding(input_ids, self.embed_weight), None
         for layer, kv_cache in zip(self.layers, batch.kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, batch)
-        return self.norm(x) if residual is None else self.norm.add_and_norm(x, residual)[0]
+        inv = batch.batch_invariant
+        return self.norm(x, inv) if residual is None else self.norm.add_and_norm(x, residual, inv)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
         # matmul in the model dtype (as HF does), then float32 full-vocab logits on every rank
-        return parallel_lm_head(hidden, weight)
+        return parallel_lm_head(hidden, weight, batch_invariant)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         # this rank's KV heads: the context allocates only the local share of the cache

@@ -16,6 +16,7 @@ from torch import nn
 from megatron_async.inference.contexts.metadata import ForwardBatch
 from megatron_async.kernels import fused_ops
 from megatron_async.kernels.attention import attend
+from megatron_async.kernels.linear import linear
 from megatron_async.models.base import CausalLM, KVCacheSpec, MambaStateSpec
 from megatron_async.models.hybrid_config import (
     AttentionConfig,
@@ -222,9 +223,9 @@ class HybridModel(CausalLM):
             h = block(h, batch, plan, rope)
         return self.final_norm(h.to(self.dtype))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         weight = self.embed_weight if self.lm_head_weight is None else self.lm_head_weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight, None, batch_invariant).float()
 
     def kv_cache_spec(self) -> KVCacheSpec:
         att = self.config.attention

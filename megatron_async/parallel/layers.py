@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_async.kernels.linear import linear
+from megatron_async.parallel.reduce import tp_sum
 from megatron_async.parallel.state import tp_group, tp_rank, tp_size
 
 Slicer = Callable[[torch.Tensor], torch.Tensor]
@@ -37,18 +39,19 @@ def shard_target(dest: torch.Tensor, dim: int, full: int) -> torch.Tensor | tupl
     return dest if tp_size() == 1 else (dest, rank_slice(dim, full))
 
 
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           batch_invariant: bool = False) -> torch.Tensor:
     """``weight``/``bias`` hold this rank's output rows; the result is this rank's output columns."""
-    return F.linear(x, weight, bias)
+    return linear(x, weight, bias, batch_invariant)
 
 
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        batch_invariant: bool = False) -> torch.Tensor:
     """``x``: this rank's input columns; ``weight``: the matching columns; ``bias``: full,
     added once after the sum."""
     if tp_size() == 1:
-        return F.linear(x, weight, bias)
-    out = F.linear(x, weight)
-    dist.all_reduce(out, group=tp_group())
+        return linear(x, weight, bias, batch_invariant)
+    out = tp_sum(linear(x, weight, None, batch_invariant), tp_group(), tp_size(), batch_invariant)
     return out if bias is None else out + bias
 
 
@@ -66,10 +69,10 @@ def vocab_parallel_embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> t
     return out
 
 
-def parallel_lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def parallel_lm_head(hidden: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
     """Logits of this rank's vocabulary rows, gathered so that every rank holds the full
     [N, vocab] float32 logits (and therefore samples the same tokens)."""
-    local = F.linear(hidden, weight)  # in the model dtype, as HF does
+    local = linear(hidden, weight, None, batch_invariant)  # in the model dtype, as HF does
     if tp_size() == 1:
         return local.float()
     parts = [torch.empty_like(local) for _ in range(tp_size())]

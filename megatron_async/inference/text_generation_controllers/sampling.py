@@ -34,15 +34,25 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k and nucleus; top_k 0 / top_p 0 = off."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+def _row_cumsum(x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+    if batch_invariant and x.shape[0] == 1:
+        # torch on CUDA scans a lone row with one device-wide scan but a batch row by row:
+        # scan it beside a copy so a row is always summed the same way.
+        return torch.cat([x, x]).cumsum(-1)[:1]
+    return x.cumsum(-1)
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       batch_invariant: bool = False) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and nucleus; top_k 0 / top_p 0 = off.
+    ``batch_invariant``: a stable sort (tied logits keep id order at any batch size)."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=batch_invariant)
     V = logits.shape[-1]
     rank = torch.arange(V, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, V)[:, None]
     drop = rank >= k
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    before = probs.cumsum(-1) - probs  # mass strictly above this token
+    before = _row_cumsum(probs, batch_invariant) - probs  # mass strictly above this token
     p = top_p[:, None]
     drop |= (p > 0) & (p < 1) & (before >= p)
     mask = torch.zeros_like(drop).scatter_(-1, order, drop)
@@ -58,26 +68,35 @@ def sample(
     position: torch.Tensor,
     any_random: bool,
     any_filter: bool,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """logits [R, V] float32 -> tokens [R] int64. ``any_random`` / ``any_filter`` are host
-    flags (from the requests' params) that skip work no row needs; they never change results."""
+    flags (from the requests' params) that skip work no row needs; they never change results.
+    Everything here is per row (argmax, elementwise noise, per-row sort / softmax / scan);
+    ``batch_invariant`` only closes the two gaps in that (see ``filter_top_k_top_p``)."""
     greedy_tokens = logits.argmax(dim=-1)
     if not any_random:
         return greedy_tokens
     greedy = temperature < GREEDY_TEMPERATURE  # smaller ones overflow logits / t in float32
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     if any_filter:
-        scaled = filter_top_k_top_p(scaled, top_k, top_p)
+        scaled = filter_top_k_top_p(scaled, top_k, top_p, batch_invariant)
     u = uniform_noise(row_keys(seed, position), logits.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     drawn = (scaled + gumbel).argmax(dim=-1)
     return torch.where(greedy, greedy_tokens, drawn)
 
 
-def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int):
+def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, batch_invariant: bool = False):
     """Log-probabilities of the raw (unscaled) distribution: of the sampled tokens [R], and
-    the top-n (values [R, n], ids [R, n]) when top_n > 0."""
-    lp = torch.log_softmax(logits, dim=-1)
+    the top-n (values [R, n], ids [R, n]) when top_n > 0. ``batch_invariant``: the
+    one-program-per-row Triton log-softmax."""
+    if batch_invariant:
+        from megatron_async.kernels.triton_log_softmax import log_softmax
+
+        lp = log_softmax(logits)
+    else:
+        lp = torch.log_softmax(logits, dim=-1)
     chosen = lp.gather(-1, tokens[:, None])[:, 0]
     if top_n > 0:
         vals, ids = lp.topk(top_n, dim=-1)

@@ -67,18 +67,19 @@ class SelfAttention(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        batch_invariant: bool = False,
     ) -> torch.Tensor:
         T = x.shape[0]
-        qkv = column_parallel_linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = column_parallel_linear(x, self.qkv_weight, self.qkv_bias, batch_invariant)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if fused_ops.use_fused(q):  # q/k norm and rope of q and k in one kernel
+        if batch_invariant or fused_ops.use_fused(q):  # q/k norm and rope of q and k in one kernel (per token)
             q, k = fused_ops.rope_qk(q, k, cos, sin, *self._qk_norm_args())
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attend(q, k, v, kv_cache, meta, self.scale)
-        return row_parallel_linear(out.reshape(T, self.q_size), self.o_weight, self.o_bias)
+        out = attend(q, k, v, kv_cache, meta, self.scale, batch_invariant)
+        return row_parallel_linear(out.reshape(T, self.q_size), self.o_weight, self.o_bias, batch_invariant)

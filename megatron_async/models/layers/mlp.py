@@ -40,11 +40,11 @@ class SwiGLUMLP(nn.Module):
             targets[f"{prefix}.down_proj.bias"] = self.down_bias.data
         return targets
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = column_parallel_linear(x, self.gate_up_weight, self.gate_up_bias)
-        if fused_ops.use_fused(gate_up) and gate_up.dim() == 2:
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        gate_up = column_parallel_linear(x, self.gate_up_weight, self.gate_up_bias, batch_invariant)
+        if (batch_invariant or fused_ops.use_fused(gate_up)) and gate_up.dim() == 2:
             act = fused_ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             act = F.silu(gate) * up
-        return row_parallel_linear(act, self.down_weight, self.down_bias)
+        return row_parallel_linear(act, self.down_weight, self.down_bias, batch_invariant)
