@@ -16,6 +16,7 @@ if not torch.cuda.is_available():  # before any kernel module is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter test; on a GPU see *_gpu.py")
 
 from megatron_async import SamplingParams  # noqa: E402
 
