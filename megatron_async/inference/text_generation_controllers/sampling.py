@@ -45,7 +45,8 @@ def _row_cumsum(x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                        batch_invariant: bool = False) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k and nucleus; top_k 0 / top_p 0 = off.
-    ``batch_invariant``: a stable sort (tied logits keep id order at any batch size)."""
+    ``batch_invariant``: a stable sort (tied logits keep id order at any batch size) and a
+    cumulative sum that scans a lone row the way it scans a batch."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=batch_invariant)
     V = logits.shape[-1]
     rank = torch.arange(V, device=logits.device)[None, :]
