@@ -2,10 +2,10 @@
 the same way whatever the number of rows.
 
 cuBLAS picks its algorithm (tile shape, split-K, stream-K) from M, the number of rows, so
-the bits of one row change with the batch around it. Here the tile shape depends only on
-the weight's shape (N, K) and the device, never on M; every output tile walks K from 0 to
-K in BLOCK_K steps, accumulating in float32 in that one order (no split-K); the bias is
-added in float32 and the sum rounded once. A row's result is then a function of that row
+the bits of one row change with the batch around it. Here the tiles and the K split depend
+only on the weight's shape (N, K) and the device, never on M; every output tile walks its
+K range in BLOCK_K steps, accumulating in float32 in that one order, the ranges' partials
+are added in range order, and the bias is added in float32 before one rounding. A row's result is then a function of that row
 and the weight only: equal bits at batch 1, 7 or 8192, in eager mode or a CUDA graph.
 
 M is excluded from Triton's integer specialisation so that one compiled kernel serves
@@ -27,6 +27,7 @@ def _matmul_kernel(
     w_ptr,
     bias_ptr,
     c_ptr,
+    ws_ptr,
     M,
     N,
     K,
@@ -35,6 +36,8 @@ def _matmul_kernel(
     stride_wn,
     stride_wk,
     stride_cm,
+    K_PER_SPLIT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -46,6 +49,7 @@ def _matmul_kernel(
     # Grouped tile order (GROUP_M row tiles share a column of weight tiles in L2). The
     # order only schedules tiles: each tile's arithmetic is the same wherever it runs.
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -62,17 +66,36 @@ def _matmul_kernel(
     a_rows = a_ptr + offs_m[:, None] * stride_am
     w_cols = w_ptr + offs_n[None, :] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_end = tl.minimum(K, (split + 1) * K_PER_SPLIT)
+    for k0 in range(split * K_PER_SPLIT, k_end, BLOCK_K):
         k = k0 + offs_k
-        k_mask = k < K
+        k_mask = k < k_end
         # Out-of-range rows / k load 0: they add exact zeros to the real rows' sums.
         a = tl.load(a_rows + k[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_cols + k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+    else:  # float32 partial of this K range; _split_sum_kernel adds them in split order
+        tl.store(ws_ptr + (split * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_sum_kernel(ws_ptr, bias_ptr, c_ptr, M, N, stride_cm, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    # One element's partials are always added in the same order: split 0, 1, ..., then bias.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    n = offs % N
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + (offs // N) * stride_cm + n, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -80,6 +103,9 @@ class TileConfig:
     block_m: int
     block_n: int
     block_k: int
+    split_k: int
+    """K is cut into this many fixed ranges (a function of K, never of M); their float32
+    partials are summed in range order by a second kernel."""
     num_warps: int
     num_stages: int
 
@@ -89,13 +115,16 @@ def tile_config(n: int, k: int, device: torch.device) -> TileConfig:
     the whole mode rests on M never reaching this choice.
 
     GPU: 64-row tiles (a decode batch of ~128 fills two), 128 columns for wide weights
-    (QKV, gate_up, LM head) and 64 for narrow ones (o_proj, down_proj), so small-M steps
-    still spread over the SMs. CPU (interpreter): tiles that tiny test shapes still cross
-    in M, N and K, yet few programs (the interpreter pays per program)."""
+    (QKV, gate_up, LM head), 64 for narrow ones (o_proj, down_proj). Narrow weights with a
+    long K (o_proj, down_proj) also cut K into up to 4 fixed ranges: at decode batch sizes
+    they would otherwise run only ~32 programs, each walking all of K alone. CPU
+    (interpreter): tiles that tiny test shapes still cross in M, N and K (and a split for
+    narrow weights), yet few programs (the interpreter pays per program)."""
     if device.type != "cuda":
-        return TileConfig(32, 64, 32, 1, 1)
-    block_n = 128 if n >= 4096 else 64
-    return TileConfig(64, block_n, 64, 4, 4)
+        return TileConfig(32, 64, 32, 2 if n <= 64 and k > 32 else 1, 1, 1)
+    narrow = n < 4096
+    split = max(1, min(4, k // 512)) if narrow else 1
+    return TileConfig(64, 64 if narrow else 128, 64, split, 4, 4)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,11 +145,20 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if k == 0:
         return (out.zero_() if bias is None else out.copy_(bias.expand(m, n))).reshape(*lead, n)
     cfg = tile_config(n, k, x.device)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    bias_arg = weight if bias is None else bias
     _matmul_kernel[grid](
-        a, weight, weight if bias is None else bias, out,
+        a, weight, bias_arg, out, ws,
         m, n, k, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
+        K_PER_SPLIT=k_per_split, SPLIT_K=split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, HAS_BIAS=bias is not None,
         **dot_args(_matmul_kernel, x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](ws, bias_arg, out, m, n, out.stride(0), SPLIT_K=split,
+                                                       HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return out.reshape(*lead, n)

@@ -144,11 +144,13 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
 
 
-def prefill_tiles(group: int, device: torch.device) -> tuple[int, int]:
+def prefill_tiles(group: int, device: torch.device, fixed_order: bool = False) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_N): ~64 matrix rows per program on GPU; small tiles on CPU so tiny
-    test shapes still cross tile boundaries."""
+    test shapes still cross tile boundaries. ``fixed_order`` (batch-invariant mode, where
+    decode rows run here too): 16 matrix rows, the decode kernel's size, so a decode row
+    (one token: GROUP real rows) does not pay for 64."""
     block_g = max(1, triton.next_power_of_2(group))
-    rows = 16 if device.type == "cpu" else 64
+    rows = 16 if device.type == "cpu" or fixed_order else 64
     return max(1, rows // block_g), 16 if device.type == "cpu" else 64
 
 
@@ -174,7 +176,7 @@ def prefill_attention(
         return out
     group = num_heads // num_kv_heads
     block_g = max(1, triton.next_power_of_2(group))
-    default_q, default_n = prefill_tiles(group, q.device)
+    default_q, default_n = prefill_tiles(group, q.device, fixed_order)
     block_q = block_q or default_q
     block_n = block_n or default_n
     if block_q * block_g < 16:

@@ -99,3 +99,14 @@ def test_default_mode_control_changes_bits(qwen3_ckpt):
     arrivals, probe_idx = _busy(probe_step=3, seed=16)
     outs, _ = _run(qwen3_ckpt, arrivals, max_tokens=16)
     assert _probe_results(outs, probe_idx) != ref
+
+
+def test_unsupported_setups_are_rejected(monkeypatch):
+    from megatron_async import LLM, InferenceConfig
+    from megatron_async.llm import _check_batch_invariant
+
+    with pytest.raises(ValueError, match="GPT models only"):  # e.g. hybrid models
+        _check_batch_invariant(torch.nn.Linear(2, 2), torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        LLM(None, inference_config=InferenceConfig(batch_invariant=True))

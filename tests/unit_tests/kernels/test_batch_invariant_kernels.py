@@ -16,7 +16,7 @@ from megatron_async.inference.contexts.metadata import AttentionMetadata  # noqa
 from megatron_async.inference.text_generation_controllers import sampling  # noqa: E402
 from megatron_async.kernels import triton_rmsnorm  # noqa: E402
 from megatron_async.kernels.attention import attend  # noqa: E402
-from megatron_async.kernels.triton_invariant_matmul import invariant_linear  # noqa: E402
+from megatron_async.kernels.triton_invariant_matmul import invariant_linear, tile_config  # noqa: E402
 from megatron_async.kernels.triton_log_softmax import log_softmax  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,13 +40,15 @@ def _assert_rows_invariant(fn, x: torch.Tensor, *more: torch.Tensor) -> None:
     assert torch.equal(fn(x[perm], *(m[perm] for m in more)), full[perm]), "row order changed a row"
 
 
-@pytest.mark.parametrize("k,n,bias", [(40, 50, True), (64, 96, False)])
+@pytest.mark.parametrize("k,n,bias", [(40, 50, True), (64, 96, False), (1100, 64, True)])
 def test_matmul_rows_invariant_and_correct(k, n, bias):
+    if k == 1100:  # a narrow weight with a long K: the fixed K split and its ordered sum
+        assert tile_config(n, k, torch.device(DEVICE)).split_k > 1
     w, x = _randn(n, k, seed=1), _randn(64, k, seed=2)
     b = _randn(n, seed=3) if bias else None
     _assert_rows_invariant(lambda t: invariant_linear(t, w, b), x)
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    tol = dict(rtol=1e-4, atol=1e-4) if DTYPE == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    tol = dict(rtol=1e-4, atol=1e-3) if DTYPE == torch.float32 else dict(rtol=2e-2, atol=2e-1)
     torch.testing.assert_close(invariant_linear(x, w, b).float(), ref, **tol)
 
 
