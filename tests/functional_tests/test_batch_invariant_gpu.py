@@ -47,7 +47,7 @@ def _requests() -> tuple[list[list[int]], list[SamplingParams]]:
 
 
 def _llm(**cfg) -> LLM:
-    base = dict(max_requests=NUM_BUSY, max_tokens=2048, max_sequence_length=16500, buffer_size_gb=16.0,
+    base = dict(max_requests=NUM_BUSY, max_tokens=2048, max_sequence_length=16500, buffer_size_gb=24.0,
                 batch_invariant=True)
     base.update(cfg)
     return LLM(None, device="cuda", dtype="bfloat16", inference_config=InferenceConfig(**base),
