@@ -4,16 +4,19 @@
 For greedy and sampled (temperature 0.8, top-p 0.95) decoding, runs the default mode and
 ``batch_invariant=True`` side by side in one process (async + CUDA graphs, the benchmark's
 fastest engine mode; same weights, same workload), then re-runs a few requests of each
-invariant run alone on the same engine and compares their tokens with the batch run.
+run alone on the same engine and compares their tokens with the batch run (both modes: the
+default mode shows what the invariant one removes).
 Prints one table: output tok/s, mean decode / prefill step, ratio to the default mode.
 
     python scripts/check_batch_invariance.py            # 256 requests, prompts 100-1024, outputs 100-1024
     python scripts/check_batch_invariance.py --quick    # 128 requests, outputs 100-256
+    python scripts/check_batch_invariance.py --smoke    # CPU (Triton interpreter), tiny model: plumbing only
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 
 import torch
@@ -36,48 +39,63 @@ ALONE_CHECKS = 4
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="128 requests, outputs 100-256")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, tiny model, 3 short requests, no graphs: checks the plumbing (interpreter: minutes)")
     p.add_argument("--model", default="qwen3-0.6b", choices=sorted(DEFAULT_CONFIGS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-graphs", action="store_true", help="eager async instead of async + CUDA graphs")
-    return p.parse_args()
+    args = p.parse_args()
+    args.device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        args.model, args.no_graphs = "tiny", True
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+    return args
 
 
 def run_mode(args, requests: list[WorkloadRequest], sampling: str, invariant: bool) -> dict:
+    device = torch.device(args.device)
     cfg = InferenceConfig(max_requests=128, max_tokens=8192, max_sequence_length=2048, async_scheduling=True,
                           cuda_graphs=not args.no_graphs, batch_invariant=invariant,
-                          buffer_size_gb=default_buffer_gb(torch.device("cuda")), seed=args.seed)
-    llm = LLM(None, "cuda", "bfloat16", cfg, default_model=args.model, seed=args.seed)
+                          buffer_size_gb=default_buffer_gb(device) or 0.05, seed=args.seed)
+    llm = LLM(None, args.device, "bfloat16" if device.type == "cuda" else "float32", cfg, default_model=args.model,
+              seed=args.seed)
     if llm.controller.graphs is not None:
         llm.controller.graphs.warmup()
     make = SAMPLING[sampling]
     # full-length prompts first: Triton kernels compile outside the timed run
-    run_workload(llm.engine, [WorkloadRequest(r.prompt, 8) for r in requests[:4]], make)
+    run_workload(llm.engine, [WorkloadRequest(r.prompt, 8) for r in requests[: 1 if args.smoke else 4]], make)
     window = StatsWindow(llm.engine)
     run = run_workload(llm.engine, requests, make)
-    s = summarize(run, window.stats(), torch.device("cuda"))
+    s = summarize(run, window.stats(), device)
     row = {"sampling": sampling, "mode": "batch_invariant" if invariant else "default",
            "tok_s": s.output_tokens_per_s, "decode_ms": s.mean_decode_step_ms, "prefill_ms": s.mean_prefill_step_ms,
-           "batch": s.mean_decode_batch, "failed": s.failed_requests, "alone": ""}
-    if invariant:  # spot-check: requests re-run alone on the same engine give the batch run's tokens
-        same = sum(run_workload(llm.engine, [requests[i]], make).outputs[0].generated_tokens
-                   == run.outputs[i].generated_tokens for i in range(ALONE_CHECKS))
-        row["alone"] = f"{same}/{ALONE_CHECKS}"
+           "batch": s.mean_decode_batch, "failed": s.failed_requests}
+    # spot-check: requests re-run alone on the same engine vs their tokens in the batch run
+    checks = min(ALONE_CHECKS, len(requests))
+    same = sum(run_workload(llm.engine, [requests[i]], make).outputs[0].generated_tokens
+               == run.outputs[i].generated_tokens for i in range(checks))
+    row["alone"] = f"{same}/{checks}"
     del llm, window
     gc.collect()
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return row
 
 
 def main() -> None:
     args = parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("check_batch_invariance.py measures GPU throughput: no CUDA device")
-    n, out_max = (128, 256) if args.quick else (256, 1024)
-    spec = WorkloadSpec(n, 100, 1024, 100, out_max, 0.0, args.seed)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("check_batch_invariance.py measures GPU throughput: no CUDA device (--smoke runs on CPU)")
+    if args.smoke:
+        spec = WorkloadSpec(3, 4, 12, 2, 4, 0.0, args.seed)
+    else:
+        spec = WorkloadSpec(128 if args.quick else 256, 100, 1024, 100, 256 if args.quick else 1024, 0.0, args.seed)
     requests = synthetic_workload(spec, DEFAULT_CONFIGS[args.model]["vocab_size"])
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     mode = "async" if args.no_graphs else "async + CUDA graphs"
-    print(f"{torch.cuda.get_device_name()}, built-in {args.model} bf16, {mode}; {n} requests, prompts 100-1024, "
-          f"outputs 100-{out_max}", file=sys.stderr)
+    print(f"{name}, built-in {args.model}, {mode}; {spec.num_requests} requests, prompts "
+          f"{spec.prompt_len_min}-{spec.prompt_len_max}, outputs {spec.output_len_min}-{spec.output_len_max}",
+          file=sys.stderr)
     rows = []
     for sampling in SAMPLING:
         for invariant in (False, True):
