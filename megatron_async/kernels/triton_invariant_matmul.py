@@ -9,7 +9,11 @@ are added in range order, and the bias is added in float32 before one rounding. 
 and the weight only: equal bits at batch 1, 7 or 8192, in eager mode or a CUDA graph.
 
 M is excluded from Triton's integer specialisation so that one compiled kernel serves
-every row count. Runs on CPU under ``TRITON_INTERPRET=1`` (tests)."""
+every row count. Runs on CPU under ``TRITON_INTERPRET=1`` (tests), where ``tl.dot`` is numpy's
+matmul of fixed-shape tiles: row-invariant in the tests (batch 1 / 7 / 64, shuffled rows), an
+observed property of BLAS on fixed shapes rather than a promise. torch's own CPU matmul is not
+row-invariant in float32 (MKL takes another path for one row: results move by ~1e-5), which
+is why the mode needs Triton on CPU too."""
 from __future__ import annotations
 
 from dataclasses import dataclass
