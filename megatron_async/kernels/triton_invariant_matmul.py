@@ -5,8 +5,9 @@ cuBLAS picks its algorithm (tile shape, split-K, stream-K) from M, the number of
 the bits of one row change with the batch around it. Here the tiles and the K split depend
 only on the weight's shape (N, K) and the device, never on M; every output tile walks its
 K range in BLOCK_K steps, accumulating in float32 in that one order, the ranges' partials
-are added in range order, and the bias is added in float32 before one rounding. A row's result is then a function of that row
-and the weight only: equal bits at batch 1, 7 or 8192, in eager mode or a CUDA graph.
+are added in range order, and the bias is added in float32 before one rounding. A row's
+result is then a function of that row and the weight only: equal bits at batch 1, 7 or
+8192, in eager mode or a CUDA graph.
 
 M is excluded from Triton's integer specialisation so that one compiled kernel serves
 every row count. Runs on CPU under ``TRITON_INTERPRET=1`` (tests), where ``tl.dot`` is numpy's
