@@ -84,7 +84,8 @@ class InferenceConfig:
     without CUDA-graph padding, prefix-cache hits or launch-ahead. Every matmul runs a
     fixed-tile Triton kernel, RMSNorm / log-softmax reduce each row alone, attention walks
     each row's keys in one fixed order (the same kernel for prefill and decode), and the TP
-    sum adds ranks in a fixed order (same TP size only). GPT models; needs Triton (CUDA, or
+    sum adds ranks in a fixed order (same TP size only). Models of attention and MLP blocks
+    (GPT; not Mamba2 layers); needs Triton (CUDA, or
     CPU with ``TRITON_INTERPRET=1``). Costs throughput; off = today's kernels, no extra work."""
 
     seed: int = 1234

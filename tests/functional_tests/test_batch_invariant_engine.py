@@ -105,7 +105,7 @@ def test_unsupported_setups_are_rejected(monkeypatch):
     from megatron_async import LLM, InferenceConfig
     from megatron_async.llm import _check_batch_invariant
 
-    with pytest.raises(ValueError, match="GPT models only"):  # e.g. hybrid models
+    with pytest.raises(ValueError, match="attention \\+ MLP models only"):  # e.g. hybrid models
         _check_batch_invariant(torch.nn.Linear(2, 2), torch.device("cpu"))
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):

@@ -1,5 +1,6 @@
-"""The TP sum of batch-invariant mode: all-gather, then a float32 sum in rank order, rounded
-once. 3 gloo ranks on CPU: every rank gets exactly that sum, whatever the number of rows."""
+"""The TP sum of batch-invariant mode (``tp_all_reduce(..., batch_invariant=True)``): all-gather,
+then a float32 sum in rank order, rounded once. 3 gloo ranks on CPU: every rank gets exactly
+that sum, whatever the number of rows."""
 from __future__ import annotations
 
 import torch
@@ -15,11 +16,13 @@ def _partial(rank: int, rows: int) -> torch.Tensor:
 def _worker(rank: int, world: int) -> list[tuple[str, list]]:
     import torch.distributed as dist
 
-    from megatron_async.parallel.reduce import tp_sum
+    from megatron_async.parallel.communication import tp_all_reduce
+    from megatron_async.parallel.state import ParallelState
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        outs = [tp_sum(_partial(rank, rows), dist.group.WORLD, world, batch_invariant=True) for rows in (1, 7, 64)]
+        parallel = ParallelState(tp_rank=rank, tp_size=world, tp_group=dist.group.WORLD)
+        outs = [tp_all_reduce(_partial(rank, rows), parallel, batch_invariant=True) for rows in (1, 7, 64)]
         return [(str(o.dtype), o.float().tolist()) for o in outs]  # bf16 -> float is exact
     finally:
         dist.destroy_process_group()
