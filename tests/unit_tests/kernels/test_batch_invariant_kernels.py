@@ -69,23 +69,32 @@ def test_log_softmax_rows_invariant_and_correct():
 
 
 def test_sampling_and_log_probs_rows_invariant():
-    """Sampling is per row already; with top-k/top-p filters and log-probs in the mode."""
+    """Sampling is per row by definition (exact fixed-point masses); check it with filters,
+    ties and log-probs in the mode, on the reference and (on CUDA) the Triton sampler."""
     V = 1000
     logits = _randn(64, V, seed=8, dtype=torch.float32) * 3
     logits[5, 10:20] = logits[5, 9]  # ties at the top-k cut
-    ints = lambda vals: torch.tensor(vals, device=DEVICE)  # noqa: E731
-    temperature = ints([0.0 if i % 4 == 0 else 0.8 for i in range(64)]).float()
-    top_k = ints([[0, 5, 15, 1][i % 4] for i in range(64)])
-    top_p = ints([[0.0, 0.9, 0.5, 0.0][i % 4] for i in range(64)]).float()
-    seed = ints(list(range(100, 164)))
-    position = ints([7 * i for i in range(64)])
+    vals = lambda xs: torch.tensor(xs, device=DEVICE)  # noqa: E731
+    temperature = vals([0.0 if i % 4 == 0 else 0.8 for i in range(64)]).float()
+    top_k = vals([[0, 5, 15, 1][i % 4] for i in range(64)])
+    top_p = vals([[0.0, 0.9, 0.5, 0.0][i % 4] for i in range(64)]).float()
+    min_p = vals([[0.0, 0.0, 0.05, 0.1][i % 4] for i in range(64)]).float()
+    seed = vals(list(range(100, 164)))
+    position = vals([7 * i for i in range(64)])
 
-    def run(lg, t, k, p, s, pos):
-        tokens = sampling.sample(lg, t, k, p, s, pos, any_random=True, any_filter=True, batch_invariant=True)
-        lp, vals, ids = sampling.log_probs_of(lg, tokens, 3, batch_invariant=True)
-        return torch.cat([tokens[:, None].float(), lp[:, None], vals, ids.float()], -1)
+    def run(lg, t, k, p, mp, s, pos):
+        tokens = sampling.sample_reference(lg, sampling.RowParams(t, k, p, mp, s, pos), any_filter=True)
+        cols = [tokens[:, None].float()]
+        if DEVICE == "cuda":
+            from megatron_async.kernels import triton_sampling
 
-    _assert_rows_invariant(run, logits, temperature, top_k, top_p, seed, position)
+            inv_t, greedy = sampling.inverse_temperature(t)
+            fast = triton_sampling.sample(lg, inv_t, greedy, k, p, mp, sampling.row_keys(s, pos), True)
+            cols.append(fast[:, None].float())
+        lp, top_vals, ids = sampling.log_probs_of(lg, tokens, 3, batch_invariant=True)
+        return torch.cat(cols + [lp[:, None], top_vals, ids.float()], -1)
+
+    _assert_rows_invariant(run, logits, temperature, top_k, top_p, min_p, seed, position)
 
 
 # ------------------------------------------------------------------ attention
