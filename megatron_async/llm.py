@@ -1,7 +1,10 @@
 """LLM: the offline API. Builds model, context, controller and engine; ``generate`` runs them."""
 from __future__ import annotations
 
+import logging
+import numbers
 import os
+from dataclasses import replace
 
 import torch
 
@@ -16,6 +19,8 @@ from megatron_async.inference.text_generation_controllers.text_generation_contro
 from megatron_async.kernels.attention import set_attention_backend
 from megatron_async.kernels.mamba_ops import set_mamba_backend
 from megatron_async.parallel.state import destroy_tensor_parallel, init_tensor_parallel, tp_rank
+
+log = logging.getLogger("megatron_async")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -45,6 +50,7 @@ class LLM:
         of the KV cache; rank 0 alone accepts requests (``engine.add_request``) and
         ``generate`` returns the same outputs on every rank."""
         from megatron_async.models import build_default_model, load_checkpoint, load_tokenizer
+        from megatron_async.models.eos_ids import checkpoint_eos_ids
 
         self.config = inference_config or InferenceConfig()
         self.config.validate()
@@ -77,19 +83,32 @@ class LLM:
         if getattr(self.model, "tensor_parallel_size", 1) != tensor_parallel_size:
             raise ValueError(f"{type(self.model).__name__} does not support tensor parallelism")
         self.model.eval()
+        self._fit_max_sequence_length()
         self.model.reserve_positions(self.config.max_sequence_length)
-        eos = self.model.eos_token_id
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos = self.tokenizer.eos_token_id
+        tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if model is None:
+            eos_ids = tuple(dict.fromkeys(i for i in (tok_eos, self.model.eos_token_id) if i is not None))
+        else:
+            eos_ids = checkpoint_eos_ids(model, tok_eos)
         facade = DeviceFacade(self.device)
         self.context = DynamicInferenceContext(self.config, self.model, facade, self.dtype)
-        self.controller = TextGenerationController(self.model, self.context, eos)
+        self.controller = TextGenerationController(self.model, self.context, eos_ids)
         if self.config.cuda_graphs and facade.is_cuda:
             from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
 
             self.controller.graphs = CudaGraphRunner(self.controller, self.config)
         self.engine = DynamicInferenceEngine(self.controller, self.context, self.config, self.tokenizer,
                                              self.communicator)
+
+    def _fit_max_sequence_length(self) -> None:
+        """A model cannot attend beyond its ``max_position_embeddings``: a larger
+        ``max_sequence_length`` is clamped to it, with a warning (the caller's config object is
+        not changed; ``self.config`` is a copy then). Requests longer than that are rejected."""
+        limit = getattr(self.model, "max_position_embeddings", None)
+        if limit is not None and self.config.max_sequence_length > limit:
+            log.warning("max_sequence_length %d exceeds the model's max_position_embeddings %d: clamped to %d",
+                        self.config.max_sequence_length, limit, limit)
+            self.config = replace(self.config, max_sequence_length=limit)
 
     @property
     def is_leader(self) -> bool:
@@ -105,14 +124,19 @@ class LLM:
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]],
+        prompts: str | list[int] | list[str | list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run all prompts to completion; ``outs[i]`` belongs to ``prompts[i]``. A prompt that
-        can never be served gets an output with ``finish_reason="error"`` and ``error`` set,
-        and the others still run."""
+        """Run the prompts to completion; ``outs[i]`` belongs to ``prompts[i]``.
+
+        A single string, or a single list of token ids, is one prompt. A prompt that can never
+        be served gets an output with ``finish_reason="error"`` and ``error`` set, and the
+        others still run. Requests added earlier with ``engine.add_request`` are not touched:
+        they advance while these run, and their outputs come from the engine's next ``step()``."""
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        sampling_params = list(sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         slots: list[RequestOutput | int] = []
@@ -122,9 +146,27 @@ class LLM:
             try:
                 slots.append(self.engine.add_request(prompt, sp))
             except InvalidRequestError as e:
-                toks = list(prompt) if not isinstance(prompt, str) else []
-                slots.append(RequestOutput(-1, toks, [], None, "error", error=str(e)))
+                slots.append(RequestOutput(-1, _token_ids_or_empty(prompt), [], None, "error", error=str(e)))
         if self.communicator is not None:
             slots = self.communicator.broadcast_object(slots)
-        done = {o.request_id: o for o in self.engine.run_until_done()}
+        done = self.engine.run_requests([s for s in slots if not isinstance(s, RequestOutput)])
         return [s if isinstance(s, RequestOutput) else done[s] for s in slots]
+
+
+def _is_token_ids(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
+
+
+def _as_prompt_list(prompts) -> list:
+    """One string or one non-empty list of token ids is a single prompt."""
+    if isinstance(prompts, str) or (_is_token_ids(prompts) and len(prompts) > 0):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidRequestError(
+            f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def _token_ids_or_empty(prompt) -> list[int]:
+    return [int(t) for t in prompt] if _is_token_ids(prompt) else []

@@ -1,8 +1,13 @@
 """Requests, their sampling parameters, lifecycle status and outputs."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_async.inference.text_stream import TextStream
 
 
 class InvalidRequestError(ValueError):
@@ -19,22 +24,34 @@ class Status(str, Enum):
 class FinishReason(str, Enum):
     LENGTH = "length"
     STOP = "stop"
+    ABORT = "abort"  # engine.abort_request
+    ERROR = "error"  # rejected at admission, or failed by a step that raised for it
 
 
 @dataclass
 class SamplingParams:
-    """Megatron-style sampling parameters. Greedy: ``top_k=1`` or ``temperature=0``."""
+    """Megatron-style sampling parameters. Greedy: ``top_k=1`` or ``temperature=0``.
+
+    The engine validates a copy at ``add_request`` (every field's type from its annotation:
+    a bool is not an int, 2.5 is not an int, floats must be finite) and freezes it, so
+    changing the caller's object afterwards changes nothing."""
 
     temperature: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 = off; values above the vocab size are clamped to it at admission
     top_p: float = 0.0  # 0 = off
     num_tokens_to_generate: int = 16
-    termination_id: int | None = None  # None = the tokenizer's / model's EOS
+    termination_id: int | None = None  # None = every EOS id of the tokenizer / checkpoint
     ignore_eos: bool = False
     seed: int | None = None  # None = drawn from the engine's seeded generator at add_request
     return_log_probs: bool = False
     top_n_logprobs: int = 0
-    stop_words: list[str] | list[list[int]] | None = None
+    stop_words: str | list[str | list[int]] | None = None
+    """Strings match the decoded text (also across token boundaries); lists of ids match
+    the generated ids. A single string is one stop word."""
+    skip_special_tokens: bool = True
+    """Leave special tokens (EOS among them) out of the generated text (vLLM meaning)."""
+    include_stop_str_in_output: bool = False
+    """Keep a matched stop string at the end of the generated text (vLLM meaning)."""
 
     @property
     def is_greedy(self) -> bool:
@@ -42,6 +59,7 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1  # same bound as sampling.GREEDY_TEMPERATURE
 
     def validate(self, vocab_size: int) -> None:
+        """Range checks (types are checked before, in request_validation.check_types)."""
         if not self.temperature >= 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -57,6 +75,18 @@ class SamplingParams:
         if self.termination_id is not None and not 0 <= self.termination_id < vocab_size:
             raise InvalidRequestError(f"termination_id {self.termination_id} outside vocab [0, {vocab_size})")
 
+    def frozen_copy(self, **changes) -> SamplingParams:
+        """A copy that raises on assignment (what an admitted request holds)."""
+        copy = dataclasses.replace(self, **changes)
+        object.__setattr__(copy, "_frozen", True)
+        return copy
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_frozen", False):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign SamplingParams.{name}: an admitted request's parameters are frozen")
+        object.__setattr__(self, name, value)
+
 
 @dataclass
 class RequestOutput:
@@ -68,7 +98,21 @@ class RequestOutput:
     generated_log_probs: list[float] | None = None
     generated_top_n_logprobs: list[dict[int, float]] | None = None
     error: str | None = None
-    """Set (with finish_reason "error") when the request was rejected at admission."""
+    """Set (with finish_reason "error") when the request was rejected at admission or failed."""
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What one request gained in one ``engine.step()`` (streaming)."""
+
+    request_id: int
+    new_tokens: tuple[int, ...]
+    new_text: str | None
+    """Text that became stable with these tokens (None without a tokenizer). The deltas of a
+    request concatenate to its final ``generated_text``."""
+    finished: bool
+    finish_reason: str | None
+    """Set when ``finished``; the full ``RequestOutput`` is in the same step's ``finished``."""
 
 
 @dataclass
@@ -79,7 +123,8 @@ class DynamicInferenceRequest:
     prompt_tokens: list[int]
     sampling_params: SamplingParams
     seed: int
-    termination_id: int | None
+    eos_ids: frozenset[int] = frozenset()
+    """Token ids that end the request (unless ``ignore_eos``)."""
     stop_sequences: list[list[int]] = field(default_factory=list)
     arrival_order: int = 0
 
@@ -88,6 +133,11 @@ class DynamicInferenceRequest:
     generated_log_probs: list[float] = field(default_factory=list)
     generated_top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    error: str | None = None
+    text: TextStream | None = None
+    """Incremental detokenizer + string stop words (None without a tokenizer)."""
+    num_streamed_tokens: int = 0
+    """Generated tokens already reported in a RequestUpdate."""
 
     # -- scheduling state (CPU truth) --
     num_computed_tokens: int = 0
@@ -98,7 +148,8 @@ class DynamicInferenceRequest:
     """Row of this request in the latest launch when it samples there (input of the next decode)."""
     block_ids: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
-    last_block_hash: int | None = None
+    last_block_hash: object | None = None
+    """BlockKey of the last hashed block (kv_block_allocator)."""
     mamba_store_points: list[int] = field(default_factory=list)
     """Hybrid prefix caching: prefill chunks end at these positions so their states get cached."""
     state_slot: int = -1
@@ -112,6 +163,15 @@ class DynamicInferenceRequest:
         n = len(self.prompt_tokens)
         return self.prompt_tokens[position] if position < n else self.generated_tokens[position - n]
 
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """Known tokens at positions [start, end)."""
+        n = len(self.prompt_tokens)
+        if end <= n:
+            return self.prompt_tokens[start:end]
+        if start >= n:
+            return self.generated_tokens[start - n : end - n]
+        return self.prompt_tokens[start:] + self.generated_tokens[: end - n]
+
     @property
     def is_prefilling(self) -> bool:
         """Known tokens remain whose KV is not computed (prompt, or recompute after eviction)."""
@@ -122,14 +182,24 @@ class DynamicInferenceRequest:
         """Generated tokens including those in flight."""
         return len(self.generated_tokens) + self.num_inflight
 
-    def to_output(self, text: str | None) -> RequestOutput:
+    def take_update(self) -> RequestUpdate:
+        """Tokens and text gained since the last update (all that is left once finished)."""
+        new = tuple(self.generated_tokens[self.num_streamed_tokens :])
+        self.num_streamed_tokens = len(self.generated_tokens)
+        finished = self.status == Status.FINISHED
+        text = self.text.take_delta() if self.text is not None else None
+        reason = self.finish_reason.value if finished and self.finish_reason else None
+        return RequestUpdate(self.request_id, new, text, finished, reason)
+
+    def to_output(self) -> RequestOutput:
         sp = self.sampling_params
         return RequestOutput(
             request_id=self.request_id,
             prompt_tokens=list(self.prompt_tokens),
             generated_tokens=list(self.generated_tokens),
-            generated_text=text,
+            generated_text=self.text.text if self.text is not None else None,
             finish_reason=self.finish_reason.value if self.finish_reason else "length",
             generated_log_probs=list(self.generated_log_probs) if sp.return_log_probs else None,
             generated_top_n_logprobs=list(self.generated_top_n_logprobs) if sp.top_n_logprobs > 0 else None,
+            error=self.error,
         )

@@ -17,6 +17,7 @@ from megatron_async.inference.contexts.gpu_view import ContextGPUView
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK, KVBlockAllocator, chain_hash
 from megatron_async.inference.contexts.mamba_states import MambaStateManager
 from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch, MambaMetadata
+from megatron_async.inference.contexts.step_errors import RequestStepError, RowUndo, row_of_bad_value
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.engines.step_plan import StepPlan
 from megatron_async.inference.request import DynamicInferenceRequest, Status
@@ -204,7 +205,8 @@ class DynamicInferenceContext:
     # ------------------------------------------------------------------ step assembly
     def initialize_attention_state(self, plan: StepPlan) -> StepShape:
         """Fill the next host buffer of the ring with the step's tables and advance the
-        planned rows' computed positions (in-flight samples counted)."""
+        planned rows' computed positions (in-flight samples counted). Raises
+        RequestStepError, with the rows' state undone, when one request's values break it."""
         self._ring ^= 1
         v = self._host_views[self._ring]
         ids, prev, pos, slots, tok_row = [], [], [], [], []
@@ -215,62 +217,67 @@ class DynamicInferenceContext:
         any_sampling = any_tk = any_lp = False
         max_top_n = 0
         bt = v["block_table"]
-        for r, row in enumerate(plan.rows):
-            req, start, n = row.request, row.start, row.num_tokens
-            assert start == req.num_computed_tokens
-            for p in range(start, start + n):
-                if row.prev_row >= 0 and p == start:
-                    ids.append(0)
-                    prev.append(row.prev_row)
-                else:
-                    ids.append(req.token_at(p))
-                    prev.append(-1)
-                pos.append(p)
-                slots.append(req.block_ids[p // bs] * bs + p % bs)
-                tok_row.append(r)
-            cu.append(cu[-1] + n)
-            kv_lens.append(start + n)
-            sample_idx.append(cu[-1] - 1)
-            sample_pos.append(start + n)
-            sp = req.sampling_params
-            seeds.append(req.seed)
-            greedy = sp.is_greedy
-            temps.append(0.0 if greedy else float(sp.temperature))
-            topk.append(1 if greedy else sp.top_k)
-            topp.append(0.0 if greedy else sp.top_p)
-            if row.samples:
-                any_sampling |= not greedy
-                any_tk |= not greedy and (sp.top_k > 1 or 0 < sp.top_p < 1)
-                any_lp |= sp.return_log_probs
-                max_top_n = max(max_top_n, sp.top_n_logprobs)
-            state_slots.append(req.state_slot)
-            has_init.append(start > 0)
-            nb = len(req.block_ids)
-            bt[r, :nb] = req.block_ids
-            bt[r, nb:] = DUMMY_BLOCK
-            max_q, max_kv = max(max_q, n), max(max_kv, start + n)
-            req.num_computed_tokens = start + n
-            if row.samples:
-                req.num_inflight += 1
-                req.inflight_row = r
-        T, R = len(ids), len(plan.rows)
-        v["input_ids"][:T] = ids
-        v["prev_sample_idx"][:T] = prev
-        v["positions"][:T] = pos
-        v["slot_mapping"][:T] = slots
-        v["token_to_row"][:T] = tok_row
-        v["cu_query_lens"][: R + 1] = cu
-        v["kv_lens"][:R] = kv_lens
-        v["sample_token_idx"][:R] = sample_idx
-        v["sample_position"][:R] = sample_pos
-        v["seed"][:R] = seeds
-        v["temperature"][:R] = temps
-        v["top_k"][:R] = topk
-        v["top_p"][:R] = topp
-        v["state_slots"][:R] = state_slots
-        v["has_initial_state"][:R] = has_init
+        undo: list[RowUndo] = []
+        r = 0
+        try:
+            for r, row in enumerate(plan.rows):
+                req, start, n = row.request, row.start, row.num_tokens
+                assert start == req.num_computed_tokens
+                undo.append(RowUndo.of(req))
+                for p in range(start, start + n):
+                    if row.prev_row >= 0 and p == start:
+                        ids.append(0)
+                        prev.append(row.prev_row)
+                    else:
+                        ids.append(req.token_at(p))
+                        prev.append(-1)
+                    pos.append(p)
+                    slots.append(req.block_ids[p // bs] * bs + p % bs)
+                    tok_row.append(r)
+                cu.append(cu[-1] + n)
+                kv_lens.append(start + n)
+                sample_idx.append(cu[-1] - 1)
+                sample_pos.append(start + n)
+                sp = req.sampling_params
+                seeds.append(req.seed)
+                greedy = sp.is_greedy
+                temps.append(0.0 if greedy else float(sp.temperature))
+                topk.append(1 if greedy else sp.top_k)
+                topp.append(0.0 if greedy else sp.top_p)
+                if row.samples:
+                    any_sampling |= not greedy
+                    any_tk |= not greedy and (sp.top_k > 1 or 0 < sp.top_p < 1)
+                    any_lp |= sp.return_log_probs
+                    max_top_n = max(max_top_n, sp.top_n_logprobs)
+                state_slots.append(req.state_slot)
+                has_init.append(start > 0)
+                nb = len(req.block_ids)
+                bt[r, :nb] = req.block_ids
+                bt[r, nb:] = DUMMY_BLOCK
+                max_q, max_kv = max(max_q, n), max(max_kv, start + n)
+                req.num_computed_tokens = start + n
+                if row.samples:
+                    req.num_inflight += 1
+                    req.inflight_row = r
+            r = None
+            columns = {
+                "input_ids": ids, "prev_sample_idx": prev, "positions": pos, "slot_mapping": slots,
+                "token_to_row": tok_row, "cu_query_lens": cu, "kv_lens": kv_lens, "sample_token_idx": sample_idx,
+                "sample_position": sample_pos, "seed": seeds, "temperature": temps, "top_k": topk, "top_p": topp,
+                "state_slots": state_slots, "has_initial_state": has_init,
+            }
+            for name, values in columns.items():
+                v[name][: len(values)] = values
+        except Exception as e:
+            for u in reversed(undo):
+                u.apply()
+            if r is None:
+                r = row_of_bad_value(v, columns, tok_row)
+            bad = plan.rows[r if r is not None else -1].request
+            raise RequestStepError(bad, e) from e
         for row in plan.rows:
             self.register_complete_blocks(row.request)
+        T, R = len(ids), len(plan.rows)
         return StepShape(T, R, max_q, max_kv, plan.is_decode_only, any_sampling, any_tk, max_top_n, any_lp, cu)
 
     def pad_decode_rows(self, num_rows: int, padded_rows: int) -> None:

@@ -1,7 +1,15 @@
-"""DynamicInferenceEngine: the waiting queue, ``step()``, serial vs launch-ahead routing, logging."""
+"""DynamicInferenceEngine: the waiting queue, ``step()``, serial vs launch-ahead routing, logging.
+
+Request lifecycle at the API: ``add_request`` validates and freezes a request (only
+``InvalidRequestError`` leaves it); ``step()`` reports every request that gained tokens as a
+``RequestUpdate`` and every request that ended as a ``RequestOutput``; ``abort_request`` ends a
+request at the next ``step()`` whatever state it is in (its in-flight launch-ahead row is
+discarded like a finished request's). A request whose host-side step preparation raises is
+failed alone (finish_reason "error") and the engine keeps serving the others."""
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -10,13 +18,17 @@ import torch
 
 from megatron_async.config import InferenceConfig
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron_async.inference.contexts.step_errors import RequestStepError
 from megatron_async.inference.engines.async_pipeline import PendingLaunch
 from megatron_async.inference.engines.engine_stats import EngineStats
-from megatron_async.inference.engines.request_validation import RequestValidator
+from megatron_async.inference.engines.request_validation import RequestValidator, ValidRequest
 from megatron_async.inference.engines.scheduler import Scheduler
 from megatron_async.inference.engines.tp_sync import TensorParallelSync
 from megatron_async.inference.nvtx import nvtx_range
-from megatron_async.inference.request import DynamicInferenceRequest, RequestOutput, SamplingParams, Status
+from megatron_async.inference.request import (
+    DynamicInferenceRequest, FinishReason, InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams, Status,
+)
+from megatron_async.inference.text_stream import TextStream
 from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 
 if TYPE_CHECKING:
@@ -28,6 +40,9 @@ log = logging.getLogger("megatron_async")
 @dataclass
 class StepResult:
     finished: list[RequestOutput] = field(default_factory=list)
+    """Requests that ended (length, stop, abort, error), in the order they ended."""
+    updates: list[RequestUpdate] = field(default_factory=list)
+    """One entry per request that gained tokens or ended in this call."""
     step_id: int = -1
     """Id of the launch bookkept by this call (-1: nothing ran)."""
     num_rows: int = 0
@@ -46,19 +61,21 @@ class DynamicInferenceEngine:
         tokenizer=None,
         communicator: ZMQCommunicator | None = None,
     ):
-        """``communicator``: tensor parallelism. Only rank 0 accepts ``add_request``; the other
-        ranks receive its requests at each ``step()`` (see tp_sync.py)."""
+        """``communicator``: tensor parallelism. Only rank 0 accepts ``add_request`` and
+        ``abort_request``; the other ranks receive them at each ``step()`` (see tp_sync.py)."""
         self.controller = controller
         self.context = context
         self.config = config
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(config, context)
-        self.validator = RequestValidator(config, context, controller.model.vocab_size, controller.default_eos, tokenizer)
+        self.validator = RequestValidator(config, context, controller.model.vocab_size, controller.eos_ids, tokenizer)
         self.stats = EngineStats()
         self._gen = torch.Generator().manual_seed(config.seed)
         self._next_id = 0
         self._arrivals = 0
         self._requests: dict[int, DynamicInferenceRequest] = {}  # unfinished, by id
+        self._aborts: dict[int, None] = {}  # ids to end at the next step, in call order
+        self._held = StepResult()  # produced while generate() ran, handed out by the next step()
         self._pending: PendingLaunch | None = None
         self._launches = 0
         self.time_all_launches = False
@@ -68,78 +85,136 @@ class DynamicInferenceEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_tokens: list[int] | str, sampling_params: SamplingParams | None = None,
                     request_id: int | None = None) -> int:
-        """Queue a request; raises InvalidRequestError (nothing queued) when it can never be served."""
+        """Queue a request; raises InvalidRequestError (nothing queued) when it can never be
+        served. ``request_id``: None (the engine picks) or an id never used in this engine
+        (ids only grow: it must be >= every id used so far)."""
         if self._tp is not None:
             self._tp.check_can_add()
         return self._add_request(prompt_tokens, sampling_params, request_id)
 
-    def _add_request(self, prompt_tokens: list[int] | str, sampling_params: SamplingParams | None,
-                     request_id: int | None) -> int:
-        sp = sampling_params or SamplingParams()
+    def _add_request(self, prompt_tokens, sampling_params, request_id) -> int:
         try:
-            tokens, stops, eos = self.validator.check(prompt_tokens, sp)
-        except ValueError:
+            valid = self.validator.check(prompt_tokens, SamplingParams() if sampling_params is None else sampling_params)
+            rid = self._check_id(request_id)
+        except InvalidRequestError:
             self.stats.rejected_requests += 1
             raise
-        rid = self._next_id if request_id is None else request_id
-        if rid in self._requests:
-            raise ValueError(f"request id {rid} is already in use")
-        self._next_id = max(self._next_id, rid + 1)
+        self._next_id = rid + 1
+        sp = valid.sampling_params
         seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._gen))
-        req = DynamicInferenceRequest(rid, tokens, sp, seed, eos, stops, arrival_order=self._arrivals)
+        req = DynamicInferenceRequest(rid, valid.prompt_tokens, sp, seed, valid.eos_ids, valid.stop_sequences,
+                                      arrival_order=self._arrivals, text=self._text_stream(valid))
         self._arrivals += 1
         self._requests[rid] = req
         self.scheduler.add(req)
         if self._tp is not None:
-            self._tp.record(tokens, sp, rid, seed)
+            self._tp.record(valid.prompt_tokens, sp, rid, seed)
         return rid
 
-    def has_unfinished_requests(self) -> bool:
-        """Under TP a collective: every rank gets the same answer (and must call it together)."""
+    def _check_id(self, request_id) -> int:
+        if request_id is None:
+            return self._next_id
+        if isinstance(request_id, bool) or not isinstance(request_id, numbers.Integral) or request_id < 0:
+            raise InvalidRequestError(f"request_id must be a non-negative integer or None, got {request_id!r}")
+        if request_id < self._next_id:
+            raise InvalidRequestError(
+                f"request id {request_id} is already in use or was used before (ids are never reused: "
+                f"give None or an id >= {self._next_id})")
+        return int(request_id)
+
+    def _text_stream(self, valid: ValidRequest) -> TextStream | None:
+        if self.tokenizer is None:
+            return None
+        sp = valid.sampling_params
+        return TextStream(self.tokenizer, valid.prompt_tokens, valid.stop_strings, sp.skip_special_tokens,
+                          sp.include_stop_str_in_output)
+
+    def abort_request(self, request_id: int) -> bool:
+        """End an unfinished request at the next ``step()``: its output comes in that step's
+        ``finished`` with finish_reason "abort", its KV blocks and state slot are freed.
+        Returns False (and does nothing) for an unknown, finished or already aborted id."""
         if self._tp is not None:
-            return self._tp.any_rank(bool(self._requests))
-        return bool(self._requests)
+            self._tp.check_can_add()
+            if request_id in self._requests and request_id not in self._aborts:
+                self._tp.record_abort(request_id)
+        return self._mark_abort(request_id)
+
+    def _mark_abort(self, request_id: int) -> bool:
+        if request_id not in self._requests or request_id in self._aborts:
+            return False
+        self._aborts[request_id] = None
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests not yet reported finished. Under TP a collective: every rank gets the
+        same answer (and must call it together)."""
+        local = bool(self._requests) or bool(self._held.finished)
+        return self._tp.any_rank(local) if self._tp is not None else local
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> StepResult:
         """Bookkeep one launch (launching the next one first in async mode)."""
         t0 = time.perf_counter()
-        if self._tp is not None:  # collective: the other ranks add rank 0's new requests
-            for new in self._tp.exchange():
+        if self._tp is not None:  # collective: the other ranks add rank 0's new requests and aborts
+            news, aborts = self._tp.exchange()
+            for new in news:
                 self._add_request(new.prompt_tokens, new.sampling_params, new.request_id)
+            for rid in aborts:
+                self._mark_abort(rid)
+        out, self._held = self._held, StepResult()
+        self._apply_aborts(out)
         with nvtx_range("schedule"):
             if self._pending is None:
-                plan = self.scheduler.schedule(has_inflight=False)
-                if not plan:
-                    if self._requests:  # nothing in flight, nothing admissible: would spin forever
-                        head = self.scheduler.waiting[0] if self.scheduler.waiting else None
-                        raise RuntimeError(
-                            f"engine cannot make progress: {len(self._requests)} unfinished requests, "
-                            f"{len(self.context.active)} active, head of queue {head and head.request_id} "
-                            f"({head and head.num_known_tokens} tokens) cannot be scheduled"
-                        )
-                    return StepResult()
-                self._pending = self._launch(plan, overlapped=False)
+                self._pending = self._launch_first(out)
+                if self._pending is None:
+                    return out
             nxt = None
             if self.config.async_scheduling:
                 with nvtx_range("launch_ahead"):
-                    nxt = self._launch_ahead()
+                    nxt = self._launch_ahead(out)
         pending, self._pending = self._pending, nxt
         with nvtx_range("reconcile"):
-            result = self._bookkeep(pending)
+            self._bookkeep(pending, out)
             if self._pending is not None and not self._requests:
                 # Every row of the launch-ahead step belonged to requests that just finished:
                 # land it now so no launch outlives the work (its rows are all discarded).
                 with nvtx_range("drain"):
-                    self._bookkeep(self._pending)
+                    self._bookkeep(self._pending, out)
                 self._pending = None
         self._account_time(pending, time.perf_counter() - t0)
-        return result
+        return out
 
-    def _launch_ahead(self) -> PendingLaunch | None:
+    def _launch_first(self, out: StepResult) -> PendingLaunch | None:
+        """Schedule and launch with nothing in flight (retrying without a request that failed)."""
+        while True:
+            plan = self.scheduler.schedule(has_inflight=False)
+            if not plan:
+                if self._requests:  # nothing in flight, nothing admissible: would spin forever
+                    head = self.scheduler.waiting[0] if self.scheduler.waiting else None
+                    raise RuntimeError(
+                        f"engine cannot make progress: {len(self._requests)} unfinished requests, "
+                        f"{len(self.context.active)} active, head of queue {head and head.request_id} "
+                        f"({head and head.num_known_tokens} tokens) cannot be scheduled"
+                    )
+                return None
+            launched = self._try_launch(plan, False, out)
+            if launched is not None:
+                return launched
+
+    def _try_launch(self, plan, overlapped: bool, out: StepResult) -> PendingLaunch | None:
+        try:
+            return self._launch(plan, overlapped)
+        except RequestStepError as e:  # the context undid the plan's host state
+            log.error("request %d failed while preparing a step: %s", e.request.request_id, e.message)
+            self._end(e.request, FinishReason.ERROR, out, error=e.message)
+            return None
+
+    def _launch_ahead(self, out: StepResult) -> PendingLaunch | None:
         plan = self.scheduler.schedule(has_inflight=True)
         if plan:
-            return self._launch(plan, overlapped=True)
+            launched = self._try_launch(plan, True, out)
+            if launched is not None:
+                return launched
         if self._requests:
             self.stats.rejected_launches += 1
             self.stats.rejected_causes[self._rejection_cause()] += 1
@@ -157,13 +232,43 @@ class DynamicInferenceEngine:
         return "other"
 
     def _launch(self, plan, overlapped: bool) -> PendingLaunch:
-        self._launches += 1
+        step_id = self._launches + 1
         interval = self.config.logging_step_interval
-        timed = self.time_all_launches or (interval > 0 and self._launches % interval == 0)
+        timed = self.time_all_launches or (interval > 0 and step_id % interval == 0)
+        launched = self.controller.launch_step(plan, step_id, overlapped, timed)
+        self._launches = step_id
         self.stats.overlapped_steps += overlapped
-        return self.controller.launch_step(plan, self._launches, overlapped, timed)
+        return launched
 
-    def _bookkeep(self, pending: PendingLaunch) -> StepResult:
+    # ------------------------------------------------------------------ endings
+    def _apply_aborts(self, out: StepResult) -> None:
+        aborts, self._aborts = self._aborts, {}
+        for rid in aborts:
+            req = self._requests.get(rid)
+            if req is not None:
+                self._end(req, FinishReason.ABORT, out)
+
+    def _end(self, req: DynamicInferenceRequest, reason: FinishReason, out: StepResult, error: str | None = None) -> None:
+        """End a request outside normal bookkeeping (abort, failure), in any state. A row it
+        has in flight is discarded when that launch lands (reconcile: it is FINISHED)."""
+        if req.status == Status.WAITING and req in self.scheduler.waiting:
+            self.scheduler.remove_waiting(req)
+        self.context.release(req)  # blocks and state slot back (nothing held while waiting)
+        req.finish_reason, req.error = reason, error
+        if reason == FinishReason.ABORT:
+            self.stats.aborted_requests += 1
+        else:
+            self.stats.failed_requests += 1
+        self._report_finished(req, out)
+        out.updates.append(req.take_update())
+
+    def _report_finished(self, req: DynamicInferenceRequest, out: StepResult) -> None:
+        self._requests.pop(req.request_id, None)
+        if req.text is not None:
+            req.text.finish()
+        out.finished.append(req.to_output())
+
+    def _bookkeep(self, pending: PendingLaunch, out: StepResult) -> None:
         res = self.controller.bookkeep_step(pending)
         st = self.stats
         st.steps += 1
@@ -181,19 +286,19 @@ class DynamicInferenceEngine:
             st.prefill_steps += 1
             st.prefill_tokens += sum(r.num_tokens for r in pending.rows if r.num_tokens > 1 or not r.is_decode)
         st.generated_tokens += sum(1 for r in pending.rows if r.samples) - res.num_discarded
-        outputs = []
         for req in res.finished:
             if req in self.scheduler.waiting:  # evicted, then finished by its last in-flight sample
                 self.scheduler.remove_waiting(req)
-            self._requests.pop(req.request_id, None)
             st.finished_requests += 1
-            outputs.append(req.to_output(self._detokenize(req.generated_tokens)))
+            self._report_finished(req, out)
+        out.updates.extend(req.take_update() for req in res.updated)
         if res.step_time is not None and pending.timing_events:
             st.timed_steps += 1
             st.timed_device_time += res.step_time
         if self.config.logging_step_interval and pending.step_id % self.config.logging_step_interval == 0:
             self._log(pending, res.step_time)
-        return StepResult(outputs, pending.step_id, len(pending.rows), pending.is_decode_only, pending.overlapped, res.step_time)
+        out.step_id, out.num_rows, out.is_decode_only = pending.step_id, len(pending.rows), pending.is_decode_only
+        out.overlapped, out.step_time = pending.overlapped, res.step_time
 
     def _account_time(self, pending: PendingLaunch, wall: float) -> None:
         if pending.is_decode_only:
@@ -211,11 +316,23 @@ class DynamicInferenceEngine:
             st.overlapped_decode_steps, st.decode_steps, st.paused, st.evicted,
         )
 
-    def _detokenize(self, tokens: list[int]) -> str | None:
-        return self.tokenizer.decode(tokens) if self.tokenizer is not None else None
-
     def run_until_done(self) -> list[RequestOutput]:
         outs = []
         while self.has_unfinished_requests():
             outs.extend(self.step().finished)
         return outs
+
+    def run_requests(self, request_ids: list[int]) -> dict[int, RequestOutput]:
+        """Step until these requests finish and return their outputs. Outputs and updates of
+        other requests produced meanwhile are not lost: the next ``step()`` returns them."""
+        own, want, got = set(request_ids), set(request_ids), {}
+        while self._tp.any_rank(bool(want)) if self._tp is not None else want:
+            res = self.step()
+            for o in res.finished:
+                if o.request_id in own:
+                    got[o.request_id] = o
+                    want.discard(o.request_id)
+                else:
+                    self._held.finished.append(o)
+            self._held.updates.extend(u for u in res.updates if u.request_id not in own)
+        return got

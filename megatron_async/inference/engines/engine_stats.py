@@ -31,7 +31,13 @@ class EngineStats:
     mamba_states_restored: int = 0
     mamba_states_evicted: int = 0
     finished_requests: int = 0
+    """Requests that ended by length or stop condition."""
     rejected_requests: int = 0
+    """Requests refused at add_request (InvalidRequestError)."""
+    aborted_requests: int = 0
+    """Requests ended by engine.abort_request."""
+    failed_requests: int = 0
+    """Admitted requests ended with finish_reason "error" because preparing a step raised for them."""
     generated_tokens: int = 0
     prefill_tokens: int = 0
     decode_wall_time: float = 0.0

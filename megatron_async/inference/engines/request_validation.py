@@ -1,30 +1,136 @@
-"""Checks that reject a request at ``add_request`` with a clear message, before it is queued."""
+"""Checks that reject a request at ``add_request`` with a clear message, before it is queued.
+
+Types are checked from the annotations of ``SamplingParams`` (so every field, including ones
+added later, is covered): a bool is not an int, 2.5 is not an int, a float must be finite,
+and numpy scalars are accepted and converted. The request then holds a frozen, normalized
+copy of the parameters."""
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 import numbers
+import types
+import typing
+from dataclasses import dataclass
+
+import numpy as np
 
 from megatron_async.config import InferenceConfig
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.request import InvalidRequestError, SamplingParams
 
 
+@dataclass(frozen=True)
+class ValidRequest:
+    prompt_tokens: list[int]
+    sampling_params: SamplingParams
+    """Frozen, normalized copy (top_k clamped to the vocab size)."""
+    stop_sequences: list[list[int]]
+    stop_strings: list[str]
+    eos_ids: frozenset[int]
+
+
+_MISMATCH = object()
+
+
+def _normalize(value, tp):
+    """``value`` converted to annotation ``tp`` (tuples for lists), or _MISMATCH."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            out = _normalize(value, arg)
+            if out is not _MISMATCH:
+                return out
+        return _MISMATCH
+    if tp is type(None):
+        return None if value is None else _MISMATCH
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            return _MISMATCH
+        (item,) = typing.get_args(tp)
+        out = [_normalize(v, item) for v in value]
+        return _MISMATCH if any(o is _MISMATCH for o in out) else tuple(out)
+    if tp is bool:
+        return bool(value) if isinstance(value, (bool, np.bool_)) else _MISMATCH
+    if isinstance(value, (bool, np.bool_)):
+        return _MISMATCH  # True is not 1
+    if tp is int:
+        return int(value) if isinstance(value, numbers.Integral) else _MISMATCH
+    if tp is float:
+        ok = isinstance(value, numbers.Real) and math.isfinite(value)
+        return float(value) if ok else _MISMATCH
+    if tp is str:
+        return value if isinstance(value, str) else _MISMATCH
+    raise TypeError(f"SamplingParams annotation {tp} has no checker")
+
+
+def _describe(tp) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
+    if typing.get_origin(tp) is list:
+        return f"a list of ({_describe(typing.get_args(tp)[0])})"
+    return {float: "a finite number", int: "an integer", bool: "a bool", str: "a string"}.get(tp, str(tp))
+
+
+@functools.cache
+def _field_types() -> dict[str, object]:
+    return typing.get_type_hints(SamplingParams)
+
+
+def normalized_params(sp: SamplingParams) -> dict:
+    """Every field checked against its annotation; returns the converted values."""
+    out = {}
+    for f in dataclasses.fields(SamplingParams):
+        tp = _field_types()[f.name]
+        value = getattr(sp, f.name)
+        got = _normalize(value, tp)
+        if got is _MISMATCH:
+            raise InvalidRequestError(f"SamplingParams.{f.name} must be {_describe(tp)}, got {value!r}")
+        out[f.name] = got
+    return out
+
+
 class RequestValidator:
     def __init__(self, config: InferenceConfig, context: DynamicInferenceContext, vocab_size: int,
-                 default_eos: int | None, tokenizer):
+                 eos_ids: tuple[int, ...], tokenizer):
         self.config, self.context, self.vocab_size = config, context, vocab_size
-        self.default_eos, self.tokenizer = default_eos, tokenizer
+        self.eos_ids, self.tokenizer = frozenset(eos_ids), tokenizer
 
-    def check(self, prompt, sp: SamplingParams) -> tuple[list[int], list[list[int]], int | None]:
-        """-> (prompt token ids, stop sequences as token ids, termination id)."""
+    def check(self, prompt, sp: SamplingParams) -> ValidRequest:
+        """Raises InvalidRequestError, and nothing else, for a request that cannot be served."""
+        try:
+            return self._check(prompt, sp)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # a check that itself broke on odd input: still the request's fault
+            raise InvalidRequestError(f"invalid request: {type(e).__name__}: {e}") from e
+
+    def _check(self, prompt, sp: SamplingParams) -> ValidRequest:
         if not isinstance(sp, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
-        sp.validate(self.vocab_size)
+        values = normalized_params(sp)
+        stop_words = values["stop_words"]
+        if isinstance(stop_words, str):
+            stop_words = (stop_words,)
+        values["stop_words"] = stop_words
+        values["top_k"] = min(values["top_k"], self.vocab_size)  # more than the vocab = all of it
+        frozen = sp.frozen_copy(**values)
+        frozen.validate(self.vocab_size)
         tokens = self._tokens(prompt)
         if not tokens:
             raise InvalidRequestError("empty prompt")
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token ids outside the vocab [0, {self.vocab_size}): {bad[:5]}")
+        self._check_length(tokens, frozen)
+        sequences, strings = self._stop_words(stop_words or ())
+        eos = frozenset([frozen.termination_id]) if frozen.termination_id is not None else self.eos_ids
+        return ValidRequest(tokens, frozen, sequences, strings, eos)
+
+    def _check_length(self, tokens: list[int], sp: SamplingParams) -> None:
         total = len(tokens) + sp.num_tokens_to_generate
         if total > self.config.max_sequence_length:
             raise InvalidRequestError(
@@ -40,33 +146,33 @@ class RequestValidator:
             raise InvalidRequestError(
                 f"prompt of {len(tokens)} tokens exceeds max_tokens {self.config.max_tokens} with chunked prefill off"
             )
-        eos = sp.termination_id if sp.termination_id is not None else self.default_eos
-        return tokens, self._stop_sequences(sp), eos
 
     def _tokens(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids or a checkpoint with tokenizer.json")
             return self.tokenizer.encode(prompt)
-        try:
-            tokens = list(prompt)
-        except TypeError:
-            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
-        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if not isinstance(prompt, (list, tuple)) and not hasattr(prompt, "__array__"):
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        tokens = list(prompt)
+        bad = [t for t in tokens if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral)]
         if bad:
             raise InvalidRequestError(f"prompt token ids must be integers, got {bad[:5]}")
         return [int(t) for t in tokens]
 
-    def _stop_sequences(self, sp: SamplingParams) -> list[list[int]]:
-        out = []
-        for w in sp.stop_words or []:
+    def _stop_words(self, words) -> tuple[list[list[int]], list[str]]:
+        """-> (token-id stop sequences, stop strings)."""
+        sequences, strings = [], []
+        for w in words:
+            if not w:
+                raise InvalidRequestError(f"stop word {w!r} is empty")
             if isinstance(w, str):
                 if self.tokenizer is None:
                     raise InvalidRequestError("string stop_words need a tokenizer; give token-id lists instead")
-                seq = self.tokenizer.encode(w)
-            else:
-                seq = [int(t) for t in w]
-            if not seq:
-                raise InvalidRequestError(f"stop word {w!r} is empty")
-            out.append(seq)
-        return out
+                strings.append(w)
+                continue
+            bad = [t for t in w if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"stop word {list(w)} has token ids outside the vocab [0, {self.vocab_size})")
+            sequences.append(list(w))
+        return sequences, strings

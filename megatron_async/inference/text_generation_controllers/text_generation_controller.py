@@ -16,7 +16,8 @@ from megatron_async.inference.contexts.dynamic_context import DynamicInferenceCo
 from megatron_async.inference.engines.async_pipeline import PendingLaunch, reconcile
 from megatron_async.inference.engines.step_plan import StepPlan
 from megatron_async.inference.nvtx import nvtx_range
-from megatron_async.inference.request import DynamicInferenceRequest, FinishReason
+from megatron_async.inference.request import DynamicInferenceRequest
+from megatron_async.inference.stop_conditions import finish_reason
 from megatron_async.inference.text_generation_controllers import sampling
 from megatron_async.models.base import CausalLM
 
@@ -24,16 +25,19 @@ from megatron_async.models.base import CausalLM
 @dataclass
 class BookkeepResult:
     finished: list[DynamicInferenceRequest]
+    updated: list[DynamicInferenceRequest]
+    """Requests that gained a token in this step (finished ones included), in row order."""
     num_discarded: int
     step_time: float | None  # device time of the step, on timed (logging) steps only
 
 
 class TextGenerationController:
-    def __init__(self, model: CausalLM, context: DynamicInferenceContext, default_eos: int | None):
+    def __init__(self, model: CausalLM, context: DynamicInferenceContext, eos_ids: tuple[int, ...] = ()):
         self.model = model
         self.context = context
         self.device = context.device
-        self.default_eos = default_eos
+        self.eos_ids = tuple(eos_ids)
+        """Token ids that end a request without its own termination_id (all of them stop)."""
         R = context.config.max_requests
         dev = self.device.device
         # Samples of the latest launch, read by the next launch's decode rows (fixed address).
@@ -138,7 +142,8 @@ class TextGenerationController:
             tvs = pending.host_top_n_vals.tolist() if pending.host_top_n_vals is not None else None
             tis = pending.host_top_n_ids.tolist() if pending.host_top_n_ids is not None else None
             rec = reconcile(pending.rows)
-        finished = []
+        finished, updated = [], []
+        max_len = ctx.config.max_sequence_length
         with nvtx_range("update_requests"):
             for i in rec.keep:
                 req = pending.rows[i].request
@@ -152,27 +157,12 @@ class TextGenerationController:
                 if sp.top_n_logprobs > 0:
                     n = sp.top_n_logprobs
                     req.generated_top_n_logprobs.append(dict(zip(tis[i][:n], tvs[i][:n])))
-                reason = self._finish_reason(req)
+                updated.append(req)
+                reason = finish_reason(req, max_len)
                 if reason is not None:
                     req.finish_reason = reason
                     ctx.release(req)
                     finished.append(req)
                 else:
                     ctx.register_complete_blocks(req)
-        return BookkeepResult(finished, len(rec.discard), step_time)
-
-    def _finish_reason(self, req: DynamicInferenceRequest) -> FinishReason | None:
-        sp = req.sampling_params
-        last = req.generated_tokens[-1]
-        eos = req.termination_id
-        if not sp.ignore_eos and eos is not None and last == eos:
-            return FinishReason.STOP
-        gen = req.generated_tokens
-        for seq in req.stop_sequences:
-            if len(gen) >= len(seq) and gen[-len(seq):] == seq:
-                return FinishReason.STOP
-        if len(gen) >= sp.num_tokens_to_generate:
-            return FinishReason.LENGTH
-        if req.num_known_tokens >= self.context.config.max_sequence_length:
-            return FinishReason.LENGTH
-        return None
+        return BookkeepResult(finished, updated, len(rec.discard), step_time)

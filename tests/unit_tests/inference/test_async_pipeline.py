@@ -6,7 +6,7 @@ from megatron_async.inference.request import DynamicInferenceRequest, Status
 
 
 def _req(rid: int, status: Status) -> DynamicInferenceRequest:
-    req = DynamicInferenceRequest(rid, [1, 2, 3], SamplingParams(), seed=rid, termination_id=None)
+    req = DynamicInferenceRequest(rid, [1, 2, 3], SamplingParams(), seed=rid)
     req.status = status
     return req
 

@@ -30,7 +30,7 @@ def make_ctx(model, num_kv_blocks=9, prefix_caching=True, max_requests=4, max_to
 
 
 def make_req(rid, prompt, **sp) -> DynamicInferenceRequest:
-    return DynamicInferenceRequest(rid, list(prompt), SamplingParams(**sp), seed=100 + rid, termination_id=None,
+    return DynamicInferenceRequest(rid, list(prompt), SamplingParams(**sp), seed=100 + rid,
                                    arrival_order=rid)
 
 

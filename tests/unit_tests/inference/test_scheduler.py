@@ -37,7 +37,7 @@ class Driver:
     def add(self, prompt_len: int, num_tokens: int = 4) -> DynamicInferenceRequest:
         rid = self._arrivals
         sp = SamplingParams(top_k=1, num_tokens_to_generate=num_tokens)
-        req = DynamicInferenceRequest(rid, [rid + 1] * prompt_len, sp, seed=rid, termination_id=None, arrival_order=rid)
+        req = DynamicInferenceRequest(rid, [rid + 1] * prompt_len, sp, seed=rid, arrival_order=rid)
         self._arrivals += 1
         self.sched.add(req)
         return req
@@ -98,7 +98,7 @@ def test_inflight_decode_rows_precede_older_prefills(model):
     d = Driver(model, max_tokens=8)
     b = d.add(2, num_tokens=8)
     d.step()  # b samples; its token is still in flight
-    older = DynamicInferenceRequest(99, [5] * 20, SamplingParams(top_k=1), seed=0, termination_id=None,
+    older = DynamicInferenceRequest(99, [5] * 20, SamplingParams(top_k=1), seed=0,
                                     arrival_order=-1)  # e.g. the recompute of an evicted request
     d.sched.requeue_front(older)
     assert rows(d.step(has_inflight=True)) == [(0, 2, 1), (99, 0, 7)]

@@ -1,0 +1,53 @@
+"""When preparing a step raises for one request: undo the step's host state and name the request.
+
+Per-request values enter the step in ``initialize_attention_state``; a value that slipped
+past validation (or a bug tied to one request) must fail that request alone, not leave it
+queued to break every later step. The undo restores exactly what the assembly advanced
+(computed positions and in-flight counts), so the plan's other requests are scheduled
+again as if this launch never happened (the blocks it reserved stay theirs)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_async.inference.request import DynamicInferenceRequest
+
+TOKEN_FIELDS = ("input_ids", "prev_sample_idx", "positions", "slot_mapping", "token_to_row")
+
+
+class RequestStepError(RuntimeError):
+    """Preparing a step raised for ``request``; the step's host state was undone."""
+
+    def __init__(self, request: DynamicInferenceRequest, cause: BaseException):
+        self.request = request
+        self.message = f"preparing a step raised {type(cause).__name__}: {cause}"
+        super().__init__(f"request {request.request_id}: {self.message}")
+
+
+@dataclass
+class RowUndo:
+    request: DynamicInferenceRequest
+    num_computed_tokens: int
+    num_inflight: int
+    inflight_row: int
+
+    @classmethod
+    def of(cls, req: DynamicInferenceRequest) -> RowUndo:
+        return cls(req, req.num_computed_tokens, req.num_inflight, req.inflight_row)
+
+    def apply(self) -> None:
+        r = self.request
+        r.num_computed_tokens, r.num_inflight, r.inflight_row = self.num_computed_tokens, self.num_inflight, self.inflight_row
+
+
+def row_of_bad_value(views: dict, columns: dict[str, list], token_to_row: list[int]) -> int | None:
+    """Which row holds a value the host buffer cannot take (e.g. an int64 overflow); None if none."""
+    for name, values in columns.items():
+        arr = views[name]
+        for i, x in enumerate(values):
+            try:
+                arr[i] = x
+            except (OverflowError, TypeError, ValueError):
+                if name in TOKEN_FIELDS:
+                    return token_to_row[i]
+                return max(i - 1, 0) if name == "cu_query_lens" else i
+    return None

@@ -1,0 +1,26 @@
+"""Why a request stops after its newest token: host-side, on bookkept tokens only, so a
+launch-ahead row of a request that stopped here is discarded by reconcile like any finish."""
+from __future__ import annotations
+
+from megatron_async.inference.request import DynamicInferenceRequest, FinishReason
+
+
+def finish_reason(req: DynamicInferenceRequest, max_sequence_length: int) -> FinishReason | None:
+    """Check the request's newest generated token (already appended) and feed its text.
+
+    EOS stops before its text is decoded, so the EOS text is never in the output."""
+    sp = req.sampling_params
+    gen = req.generated_tokens
+    last = gen[-1]
+    if not sp.ignore_eos and last in req.eos_ids:
+        return FinishReason.STOP
+    if req.text is not None and req.text.append(last):
+        return FinishReason.STOP  # a stop string completed in the decoded text
+    for seq in req.stop_sequences:
+        if len(gen) >= len(seq) and gen[-len(seq):] == seq:
+            return FinishReason.STOP
+    if len(gen) >= sp.num_tokens_to_generate:
+        return FinishReason.LENGTH
+    if req.num_known_tokens >= max_sequence_length:
+        return FinishReason.LENGTH
+    return None

@@ -1,0 +1,104 @@
+"""Incremental detokenization and string stop words, on the host, one token at a time.
+
+Decoding tokens one by one is wrong for byte-level BPE (a multi-byte character split over
+tokens decodes to U+FFFD halves) and for decoders that merge tokens (SentencePiece drops
+the leading space of the first token it sees). So a window of earlier tokens is decoded
+with the new ones and only the part after the window's old text is taken, and text is held
+back while it ends in an incomplete character. Stop strings are searched in the stable
+text, across token boundaries, and text that might still become the start of a stop string
+is held back too, so the emitted deltas always concatenate to the final text."""
+from __future__ import annotations
+
+REPLACEMENT_CHAR = "\ufffd"
+_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first generated one (leading-space rules)
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_tokens: list[int], skip_special_tokens: bool):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        context = list(prompt_tokens[-_CONTEXT_TOKENS:])
+        self._ids = context
+        self._prefix = 0  # window start
+        self._read = len(context)  # tokens up to here are in ``text``
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def append(self, token: int) -> str:
+        """Add one token; returns the text that became stable ('' while it is incomplete)."""
+        self._ids.append(token)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The rest of the text, complete or not (end of the stream)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        old = self._decode(self._ids[self._prefix : self._read])
+        new = self._decode(self._ids[self._prefix :])
+        if len(new) <= len(old) and not final:
+            return ""  # e.g. a skipped special token: nothing visible yet
+        if new.endswith(REPLACEMENT_CHAR) and not final:
+            return ""  # a character's bytes are split over tokens: wait for the rest
+        # The window keeps the previous read segment, so decoders that look at neighbours
+        # (leading spaces, merged tokens) see the same context on both sides.
+        delta = new[len(old):]
+        self._prefix, self._read = self._read, len(self._ids)
+        return delta
+
+
+class TextStream:
+    """A request's generated text: detokenizer + stop strings + what was already emitted."""
+
+    def __init__(self, tokenizer, prompt_tokens: list[int], stop_strings: list[str],
+                 skip_special_tokens: bool, include_stop_str_in_output: bool):
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_tokens, skip_special_tokens)
+        self._stops = stop_strings
+        self._include_stop = include_stop_str_in_output
+        longest = max((len(s) for s in stop_strings), default=0)
+        # Chars that may be the start of a stop string completed by later tokens.
+        self._hold = 0 if include_stop_str_in_output else max(longest - 1, 0)
+        self.text = ""
+        """Stable text so far (the final generated_text once finished)."""
+        self._emitted = 0
+        self.stopped_by: str | None = None
+        self._done = False
+
+    def append(self, token: int) -> bool:
+        """Feed a generated token; True when a stop string completed (text already trimmed)."""
+        delta = self._detok.append(token)
+        if not delta:
+            return False
+        old_len = len(self.text)
+        self.text += delta
+        return self._find_stop(old_len)
+
+    def _find_stop(self, old_len: int) -> bool:
+        best = None
+        for s in self._stops:
+            at = self.text.find(s, max(0, old_len - len(s) + 1))
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, s)
+        if best is None:
+            return False
+        at, s = best
+        self.text = self.text[: at + len(s)] if self._include_stop else self.text[:at]
+        self.stopped_by = s
+        self._done = True
+        return True
+
+    def finish(self) -> None:
+        """The request ended: no more text will come (the undecided tail is final now)."""
+        if not self._done:
+            self.text += self._detok.flush()
+            self._done = True
+
+    def take_delta(self) -> str:
+        """Text not yet emitted that can no longer change."""
+        end = len(self.text) if self._done else max(self._emitted, len(self.text) - self._hold)
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta
