@@ -27,12 +27,36 @@ class StepRecord:
 
 
 @dataclass
+class RequestTiming:
+    """Seconds since the run started, on the host, at step granularity."""
+
+    added: float
+    first_token: float | None = None
+    """End of the step that delivered the request's first token."""
+    finished: float | None = None
+    num_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.added
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (None below two tokens)."""
+        if self.finished is None or self.first_token is None or self.num_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (self.num_tokens - 1)
+
+
+@dataclass
 class WorkloadRun:
     outputs: list[RequestOutput | None]
     """``outputs[i]`` belongs to the i-th workload request (None: unfinished at a timeout)."""
     wall_time: float
     steps: list[StepRecord] = field(default_factory=list)
     timed_out: bool = False
+    timings: list[RequestTiming | None] = field(default_factory=list)
+    """``timings[i]``: the i-th request's latencies (None: rejected at admission)."""
 
     @property
     def output_tokens(self) -> int:
@@ -72,6 +96,7 @@ def run_workload(
     A request the engine rejects at admission gets an output with ``finish_reason="error"``."""
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_step)
     outputs: dict[int, RequestOutput] = {}
+    timings: dict[int, RequestTiming] = {}  # by request id
     index_of: dict[int, int] = {}
     run = WorkloadRun([], 0.0)
     nxt, step, tokens = 0, 0, 0
@@ -83,7 +108,9 @@ def run_workload(
             i = order[nxt]
             nxt += 1
             try:
-                index_of[engine.add_request(requests[i].prompt, make_params(requests[i]))] = i
+                rid = engine.add_request(requests[i].prompt, make_params(requests[i]))
+                index_of[rid] = i
+                timings[rid] = RequestTiming(time.perf_counter() - t0)
             except InvalidRequestError as e:
                 outputs[i] = RequestOutput(-1, list(requests[i].prompt), [], None, "error", error=str(e))
         if not engine.has_unfinished_requests():
@@ -94,9 +121,15 @@ def run_workload(
         if res.step_id < 0:
             raise RuntimeError("engine.step() ran nothing while requests were unfinished")
         run.steps.append(StepRecord(te - t0, te - ts, res.num_rows, res.is_decode_only))
+        for upd in res.updates:
+            timing = timings[upd.request_id]
+            if timing.first_token is None and upd.new_tokens:
+                timing.first_token = te - t0
+            timing.num_tokens += len(upd.new_tokens)
+            tokens += len(upd.new_tokens)
         for out in res.finished:
             outputs[index_of[out.request_id]] = out
-            tokens += len(out.generated_tokens)
+            timings[out.request_id].finished = te - t0
         if progress is not None:
             progress.update(len(outputs), tokens)
         step += 1
@@ -108,4 +141,6 @@ def run_workload(
         progress.update(len(outputs), tokens, force=True)
         progress.close()
     run.outputs = [outputs.get(i) for i in range(len(requests))]
+    by_index = {i: timings[rid] for rid, i in index_of.items()}
+    run.timings = [by_index.get(i) for i in range(len(requests))]
     return run

@@ -1,7 +1,9 @@
 """The end-of-run throughput summary shared by the main job and the benchmark."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 import torch
 
@@ -30,9 +32,30 @@ class RunSummary:
     peak_gpu_memory_gb: float | None
     """None on CPU."""
     timed_out: bool
+    ttft_p50_ms: float | None = None
+    """Time to first token (from add_request to the end of the step that delivered it), median."""
+    ttft_p99_ms: float | None = None
+    tpot_p50_ms: float | None = None
+    """Time per output token after the first, per request, median over requests."""
+    tpot_p99_ms: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between ranks; None when empty."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _ms(values: list[float], q: float) -> float | None:
+    p = percentile(values, q)
+    return None if p is None else 1e3 * p
 
 
 def peak_gpu_memory_gb(device: torch.device) -> float | None:
@@ -42,6 +65,9 @@ def peak_gpu_memory_gb(device: torch.device) -> float | None:
 def summarize(run: WorkloadRun, stats: EngineStats, device: torch.device) -> RunSummary:
     done = [o for o in run.outputs if o is not None]
     failed = sum(o.finish_reason == "error" for o in done)
+    timings = [t for t in run.timings if t is not None]
+    ttft = [t.ttft for t in timings if t.ttft is not None]
+    tpot = [t.tpot for t in timings if t.tpot is not None]
     return RunSummary(
         requests=len(run.outputs),
         finished_requests=len(done) - failed,
@@ -61,7 +87,13 @@ def summarize(run: WorkloadRun, stats: EngineStats, device: torch.device) -> Run
         prefix_hit_tokens=stats.prefix_hit_tokens,
         peak_gpu_memory_gb=peak_gpu_memory_gb(device),
         timed_out=run.timed_out,
+        ttft_p50_ms=_ms(ttft, 50), ttft_p99_ms=_ms(ttft, 99),
+        tpot_p50_ms=_ms(tpot, 50), tpot_p99_ms=_ms(tpot, 99),
     )
+
+
+def _p50_p99(p50: float | None, p99: float | None) -> str:
+    return "n/a" if p50 is None else f"p50 {p50:.1f} ms, p99 {p99:.1f} ms"
 
 
 def format_summary(s: RunSummary) -> str:
@@ -72,6 +104,8 @@ def format_summary(s: RunSummary) -> str:
         ("output tokens", f"{s.output_tokens}"),
         ("wall time", f"{s.wall_time_s:.2f} s"),
         ("output tokens/s", f"{s.output_tokens_per_s:,.1f}"),
+        ("TTFT", _p50_p99(s.ttft_p50_ms, s.ttft_p99_ms)),
+        ("TPOT", _p50_p99(s.tpot_p50_ms, s.tpot_p99_ms)),
         ("mean prefill step", f"{s.mean_prefill_step_ms:.2f} ms"),
         ("mean decode step", f"{s.mean_decode_step_ms:.2f} ms (mean batch {s.mean_decode_batch:.1f})"),
         ("steps", f"{s.steps} ({s.decode_steps} decode-only)"),
