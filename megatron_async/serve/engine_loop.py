@@ -155,8 +155,8 @@ class EngineLoop:
             log.exception("engine step failed; failing %d requests", len(self._live))
             self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
             return
-        if res.step_id < 0:  # nothing ran although requests are live: never spin on that
-            self._fail_all("the engine dropped this request")
+        if res.step_id < 0 and not res.finished and not self.engine.has_unfinished_requests():
+            self._fail_all("the engine dropped this request")  # never spin on live requests it lost
             return
         self.steps += 1
         self.metrics.engine_steps.inc()
@@ -199,7 +199,10 @@ class EngineLoop:
         m.waiting.set(len(self.engine.scheduler.waiting) + self._inbox.qsize())
         alloc = ctx.allocator
         m.kv_usage.set(1.0 - alloc.num_available / alloc.capacity if alloc.capacity else 0.0)
-        m.overlap_ratio.set(self.engine.stats.overlap_ratio)
+        st = self.engine.stats
+        m.overlap_ratio.set(st.overlap_ratio)
+        m.decode_steps.set(st.decode_steps)
+        m.overlapped_decode_steps.set(st.overlapped_decode_steps)
 
     def _flush(self) -> None:
         if not self._outbox:

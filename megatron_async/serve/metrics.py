@@ -29,6 +29,9 @@ class ServerMetrics:
         self.waiting = gauge("num_requests_waiting", "Requests queued in the engine or in the server's inbox.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks in use (1 = all).")
         self.overlap_ratio = gauge("overlap_ratio", "Share of decode steps launched ahead of the previous step's bookkeeping.")
+        self.decode_steps = gauge("engine_decode_steps", "Decode-only engine steps so far.")
+        self.overlapped_decode_steps = gauge("engine_overlapped_decode_steps",
+                                             "Decode-only steps launched ahead (while the previous one was in flight).")
         self.ttft = histogram("time_to_first_token_seconds", "From HTTP arrival to the first generated token.")
         self.itl = histogram("inter_token_latency_seconds", "Between successive generated tokens of a request.")
         self.e2e = histogram("e2e_request_latency_seconds", "From HTTP arrival to the request's end.")
