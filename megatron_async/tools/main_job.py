@@ -103,7 +103,8 @@ def results_json(args, requests: list[WorkloadRequest], run: WorkloadRun, llm: L
         items.append({
             "request_id": out.request_id, "prompt_text": req.prompt_text, "prompt_tokens": out.prompt_tokens,
             "generated_tokens": out.generated_tokens, "generated_text": text, "finish_reason": out.finish_reason,
-            "generated_log_probs": out.generated_log_probs, "error": out.error,
+            "generated_log_probs": out.generated_log_probs,
+            "generated_top_n_logprobs": out.generated_top_n_logprobs, "error": out.error,
         })
     return {"args": vars(args), "summary": summary.as_dict(), "stats": llm.engine.stats.as_dict(), "requests": items}
 
