@@ -72,6 +72,12 @@ class InferenceConfig:
     mamba_backend: MambaBackend = MambaBackend.AUTO
     """SSM kernels to use for hybrid models."""
 
+    stream_text: bool = True
+    """Fill ``RequestUpdate.new_text`` at every step (incremental detokenization of every
+    running request: a few microseconds of host time per token). False: updates carry
+    ``new_text=None`` and a request's text is decoded once, when it finishes (string stop
+    words still decode their own requests as they go)."""
+
     logging_step_interval: int = 0
     """Log (and time, with one device sync) every N steps; 0 = never."""
 

@@ -108,8 +108,9 @@ class RequestUpdate:
     request_id: int
     new_tokens: tuple[int, ...]
     new_text: str | None
-    """Text that became stable with these tokens (None without a tokenizer). The deltas of a
-    request concatenate to its final ``generated_text``."""
+    """Text that became stable with these tokens (None without a tokenizer or with
+    ``InferenceConfig.stream_text`` off). The deltas of a request concatenate to its final
+    ``generated_text``."""
     finished: bool
     finish_reason: str | None
     """Set when ``finished``; the full ``RequestOutput`` is in the same step's ``finished``."""
@@ -182,12 +183,12 @@ class DynamicInferenceRequest:
         """Generated tokens including those in flight."""
         return len(self.generated_tokens) + self.num_inflight
 
-    def take_update(self) -> RequestUpdate:
-        """Tokens and text gained since the last update (all that is left once finished)."""
+    def take_update(self, with_text: bool = True) -> RequestUpdate:
+        """Tokens (and text) gained since the last update (all that is left once finished)."""
         new = tuple(self.generated_tokens[self.num_streamed_tokens :])
         self.num_streamed_tokens = len(self.generated_tokens)
         finished = self.status == Status.FINISHED
-        text = self.text.take_delta() if self.text is not None else None
+        text = self.text.take_delta() if self.text is not None and with_text else None
         reason = self.finish_reason.value if finished and self.finish_reason else None
         return RequestUpdate(self.request_id, new, text, finished, reason)
 

@@ -25,9 +25,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
-    def append(self, token: int) -> str:
-        """Add one token; returns the text that became stable ('' while it is incomplete)."""
-        self._ids.append(token)
+    def extend(self, tokens: list[int]) -> str:
+        """Add tokens; returns the text that became stable ('' while it is incomplete)."""
+        self._ids.extend(tokens)
         return self._advance(final=False)
 
     def flush(self) -> str:
@@ -51,7 +51,10 @@ class IncrementalDetokenizer:
 
 
 class TextStream:
-    """A request's generated text: detokenizer + stop strings + what was already emitted."""
+    """A request's generated text: detokenizer + stop strings + what was already emitted.
+
+    Without stop strings, tokens are only buffered until text is asked for (``take_delta``
+    or ``finish``), so a request whose text nobody streams is decoded once, at its end."""
 
     def __init__(self, tokenizer, prompt_tokens: list[int], stop_strings: list[str],
                  skip_special_tokens: bool, include_stop_str_in_output: bool):
@@ -64,17 +67,23 @@ class TextStream:
         self.text = ""
         """Stable text so far (the final generated_text once finished)."""
         self._emitted = 0
+        self._buffered: list[int] = []
         self.stopped_by: str | None = None
         self._done = False
 
     def append(self, token: int) -> bool:
         """Feed a generated token; True when a stop string completed (text already trimmed)."""
-        delta = self._detok.append(token)
+        self._buffered.append(token)
+        return bool(self._stops) and self._catch_up()
+
+    def _catch_up(self) -> bool:
+        tokens, self._buffered = self._buffered, []
+        delta = self._detok.extend(tokens) if tokens else ""
         if not delta:
             return False
         old_len = len(self.text)
         self.text += delta
-        return self._find_stop(old_len)
+        return bool(self._stops) and self._find_stop(old_len)
 
     def _find_stop(self, old_len: int) -> bool:
         best = None
@@ -92,12 +101,17 @@ class TextStream:
 
     def finish(self) -> None:
         """The request ended: no more text will come (the undecided tail is final now)."""
-        if not self._done:
+        if self._done:
+            return
+        self._catch_up()
+        if not self._done:  # (a stop string found while catching up ends it already)
             self.text += self._detok.flush()
             self._done = True
 
     def take_delta(self) -> str:
         """Text not yet emitted that can no longer change."""
+        if not self._done:
+            self._catch_up()
         end = len(self.text) if self._done else max(self._emitted, len(self.text) - self._hold)
         delta = self.text[self._emitted : end]
         self._emitted = end

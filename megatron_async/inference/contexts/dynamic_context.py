@@ -14,7 +14,7 @@ import torch
 from megatron_async.config import InferenceConfig
 from megatron_async.inference.contexts.bookkeeping_layout import BookkeepingLayout, FieldSpec
 from megatron_async.inference.contexts.gpu_view import ContextGPUView
-from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK, KVBlockAllocator, chain_hash
+from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK, KVBlockAllocator
 from megatron_async.inference.contexts.mamba_states import MambaStateManager
 from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch, MambaMetadata
 from megatron_async.inference.contexts.step_errors import RequestStepError, RowUndo, row_of_bad_value
@@ -82,7 +82,8 @@ class DynamicInferenceContext:
             torch.zeros(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device.device)
             for _ in range(spec.num_layers)
         ]
-        self.allocator = KVBlockAllocator(num_blocks, config.enable_prefix_caching)
+        # One model per engine; the key keeps identities apart should pools ever be shared.
+        self.allocator = KVBlockAllocator(num_blocks, config.enable_prefix_caching, type(model).__name__.encode())
         self.mamba = MambaStateManager.create(model, config, device, dtype)
         if self.mamba is not None:
             self.allocator.on_reclaim = lambda block, block_hash: self.mamba.on_kv_block_reclaimed(block_hash)
@@ -128,7 +129,7 @@ class DynamicInferenceContext:
         limit = (req.num_known_tokens - 1) // bs
         hashes, blocks, parent = [], [], None
         for i in range(limit):
-            h = chain_hash(parent, tuple(req.token_at(p) for p in range(i * bs, (i + 1) * bs)))
+            h = self.allocator.block_hash(parent, req.tokens_between(i * bs, (i + 1) * bs))
             block = self.allocator.lookup(h)
             if block is None:
                 break
@@ -196,7 +197,7 @@ class DynamicInferenceContext:
         bs = self.block_size
         while req.num_hashed_blocks < full:
             i = req.num_hashed_blocks
-            h = chain_hash(req.last_block_hash, tuple(req.token_at(p) for p in range(i * bs, (i + 1) * bs)))
+            h = self.allocator.block_hash(req.last_block_hash, req.tokens_between(i * bs, (i + 1) * bs))
             self.allocator.register(req.block_ids[i], h)
             if self.mamba is not None:
                 self.mamba.on_block_registered(req, i, h)

@@ -13,6 +13,8 @@ from collections import OrderedDict
 
 import torch
 
+from megatron_async.inference.contexts.kv_block_allocator import BlockKey
+
 log = logging.getLogger("megatron_async")
 
 
@@ -29,7 +31,7 @@ class MambaPrefixCache:
         self.conv = [torch.zeros(n, *t.shape[1:], dtype=t.dtype, device=t.device) for t in conv_states]
         self.ssm = [torch.zeros(n, *t.shape[1:], dtype=t.dtype, device=t.device) for t in ssm_states]
         self._live_conv, self._live_ssm = conv_states, ssm_states
-        self._slot_of: OrderedDict[int, int] = OrderedDict()  # block hash -> pool slot, LRU first
+        self._slot_of: OrderedDict[BlockKey, int] = OrderedDict()  # block hash -> pool slot, LRU first
         self._free = list(range(self.capacity - 1, -1, -1))
         self._pending: list[tuple[int, int]] = []  # (live slot, pool slot) to copy after the forward
         self.stored = self.restored = self.evicted = 0
@@ -38,10 +40,10 @@ class MambaPrefixCache:
     def enabled(self) -> bool:
         return self.capacity > 0
 
-    def has(self, block_hash: int) -> bool:
+    def has(self, block_hash: BlockKey) -> bool:
         return block_hash in self._slot_of
 
-    def store(self, live_slot: int, block_hash: int) -> None:
+    def store(self, live_slot: int, block_hash: BlockKey) -> None:
         """Claim a pool slot for the state a live slot will hold after the launch being
         assembled; the copy itself is enqueued by ``flush`` once that forward is enqueued."""
         if block_hash in self._slot_of:
@@ -63,14 +65,14 @@ class MambaPrefixCache:
             self._copy(self._live_ssm, self.ssm, live_slot, slot)
         self._pending.clear()
 
-    def restore(self, block_hash: int, live_slot: int) -> None:
+    def restore(self, block_hash: BlockKey, live_slot: int) -> None:
         slot = self._slot_of[block_hash]
         self._slot_of.move_to_end(block_hash)
         self._copy(self.conv, self._live_conv, slot, live_slot)
         self._copy(self.ssm, self._live_ssm, slot, live_slot)
         self.restored += 1
 
-    def invalidate(self, block_hash: int) -> None:
+    def invalidate(self, block_hash: BlockKey) -> None:
         """The KV block ending at this boundary was reclaimed: its state is unusable."""
         slot = self._slot_of.pop(block_hash, None)
         if slot is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from megatron_async.config import InferenceConfig
+from megatron_async.inference.contexts.kv_block_allocator import BlockKey
 from megatron_async.inference.contexts.mamba_prefix_cache import MambaPrefixCache
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest
@@ -49,7 +50,7 @@ class MambaStateManager:
         cache = MambaPrefixCache(self.conv_states, self.ssm_states, budget_gb)
         self.prefix_cache = cache if cache.enabled else None
 
-    def matched_depth(self, block_hashes: list[int]) -> int:
+    def matched_depth(self, block_hashes: list[BlockKey]) -> int:
         """Deepest number of matched KV blocks whose end-boundary state is cached (0 = none)."""
         if self.prefix_cache is None:
             return 0
@@ -58,10 +59,10 @@ class MambaStateManager:
                 return d
         return 0
 
-    def restore_prefix_state(self, req: DynamicInferenceRequest, block_hash: int) -> None:
+    def restore_prefix_state(self, req: DynamicInferenceRequest, block_hash: BlockKey) -> None:
         self.prefix_cache.restore(block_hash, req.state_slot)
 
-    def on_block_registered(self, req: DynamicInferenceRequest, block_index: int, block_hash: int) -> None:
+    def on_block_registered(self, req: DynamicInferenceRequest, block_index: int, block_hash: BlockKey) -> None:
         """Store the state when this launch's row ends exactly at a boundary worth caching."""
         end = (block_index + 1) * self.block_size
         if self.prefix_cache is not None and end == req.num_computed_tokens and end in req.mamba_store_points:
@@ -72,7 +73,7 @@ class MambaStateManager:
         if self.prefix_cache is not None:
             self.prefix_cache.flush()
 
-    def on_kv_block_reclaimed(self, block_hash: int) -> None:
+    def on_kv_block_reclaimed(self, block_hash: BlockKey) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.invalidate(block_hash)
 

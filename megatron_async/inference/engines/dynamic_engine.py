@@ -260,7 +260,7 @@ class DynamicInferenceEngine:
         else:
             self.stats.failed_requests += 1
         self._report_finished(req, out)
-        out.updates.append(req.take_update())
+        out.updates.append(req.take_update(self.config.stream_text))
 
     def _report_finished(self, req: DynamicInferenceRequest, out: StepResult) -> None:
         self._requests.pop(req.request_id, None)
@@ -291,7 +291,8 @@ class DynamicInferenceEngine:
                 self.scheduler.remove_waiting(req)
             st.finished_requests += 1
             self._report_finished(req, out)
-        out.updates.extend(req.take_update() for req in res.updated)
+        text = self.config.stream_text
+        out.updates.extend(req.take_update(text) for req in res.updated)
         if res.step_time is not None and pending.timing_events:
             st.timed_steps += 1
             st.timed_device_time += res.step_time

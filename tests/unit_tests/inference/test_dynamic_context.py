@@ -9,7 +9,7 @@ import torch  # noqa: E402
 
 from megatron_async import InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext  # noqa: E402
-from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK, chain_hash  # noqa: E402
+from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK  # noqa: E402
 from megatron_async.inference.device import DeviceFacade  # noqa: E402
 from megatron_async.inference.engines.step_plan import RowPlan, StepPlan  # noqa: E402
 from megatron_async.inference.request import DynamicInferenceRequest, Status  # noqa: E402
@@ -132,7 +132,7 @@ def test_release_keeps_complete_hashed_blocks_cached(model):
     ctx.admit(req)
     run_prefill(ctx, req)
     full, partial = req.block_ids
-    h = chain_hash(None, (0, 1, 2, 3))
+    h = ctx.allocator.block_hash(None, (0, 1, 2, 3))
     assert ctx.allocator.lookup(h) == full
     ctx.release(req)
     assert req.status == Status.FINISHED and ctx.active == {}
@@ -161,7 +161,8 @@ def test_register_only_publishes_blocks_known_and_computed(model):
     land(req, 42)
     ctx.register_complete_blocks(req)
     assert req.num_hashed_blocks == 3
-    h3 = chain_hash(chain_hash(chain_hash(None, (0, 1, 2, 3)), (4, 5, 6, 7)), (8, 9, 10, 42))
+    bh = ctx.allocator.block_hash
+    h3 = bh(bh(bh(None, (0, 1, 2, 3)), (4, 5, 6, 7)), (8, 9, 10, 42))
     assert ctx.allocator.lookup(h3) == req.block_ids[2] and req.last_block_hash == h3
 
 
@@ -171,7 +172,7 @@ def test_register_is_a_no_op_without_prefix_caching(model):
     ctx.admit(req)
     run_prefill(ctx, req)
     assert req.num_hashed_blocks == 0
-    assert ctx.allocator.lookup(chain_hash(None, (0, 1, 2, 3))) is None
+    assert ctx.allocator.lookup(ctx.allocator.block_hash(None, (0, 1, 2, 3))) is None
 
 
 # ---------------------------------------------------------------- step tables

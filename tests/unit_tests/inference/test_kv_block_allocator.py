@@ -124,3 +124,29 @@ def test_prefix_caching_off_never_finds_blocks():
     assert alloc.lookup(h) is None
     alloc.release([b])
     assert alloc.num_available == 3 and b in _drain(alloc)
+
+
+def test_block_identity_is_a_sha256_chain_over_token_bytes():
+    import hashlib
+
+    from megatron_async.inference.contexts.kv_block_allocator import chain_hash as ch
+
+    root = ch(None, [1, 2], key=b"m")
+    child = ch(root, [3, 4], key=b"m")
+    tokens = (3).to_bytes(8, "little") + (4).to_bytes(8, "little")
+    assert child.digest == hashlib.sha256(root.digest + tokens).digest()
+    assert ch(None, [1, 2], key=b"other") != root  # the model / adapter key separates pools
+    assert ch(None, [1, 2], key=b"m") == root and hash(ch(None, [1, 2], key=b"m")) == hash(root)
+
+
+def test_colliding_digests_never_alias_blocks(monkeypatch):
+    """Even if the digest collided (forced here), the compared content keeps blocks apart."""
+    from megatron_async.inference.contexts import kv_block_allocator as kv
+
+    monkeypatch.setattr(kv, "_digest", lambda message: b"\0" * 32)
+    alloc = KVBlockAllocator(4, enable_prefix_caching=True)
+    a, b = alloc.block_hash(None, (1, 2)), alloc.block_hash(None, (2, 1))
+    assert a.digest == b.digest and hash(a) == hash(b)  # a full collision of the weak digest
+    block = alloc.allocate()
+    alloc.register(block, a)
+    assert alloc.lookup(b) is None and alloc.lookup(alloc.block_hash(None, (1, 2))) == block
