@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_async.serve.app import create_app
     from megatron_async.tools.main_job import load_llm
 
-    llm = load_llm(args)
+    llm = load_llm(args, stream_text=True)  # SSE deltas come from RequestUpdate.new_text
     try:
         state = build_state(llm, args)
         try:

@@ -121,11 +121,11 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
     return args
 
 
-def load_llm(args: argparse.Namespace) -> LLM:
+def load_llm(args: argparse.Namespace, **config_overrides) -> LLM:
     """The engine from the flags; a checkpoint that cannot be loaded ends the job with one line
     naming the file and the problem, not a traceback."""
     try:
-        return LLM(args.model, args.device, args.dtype, cli.inference_config_from_args(args),
+        return LLM(args.model, args.device, args.dtype, cli.inference_config_from_args(args, **config_overrides),
                    default_model=args.default_model, tensor_parallel_size=args.tensor_parallel_size)
     except Exception as e:  # noqa: BLE001 -- any loader failure is reported the same way
         what = f"model {args.model}" if args.model else f"built-in model {args.default_model}"
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None, description: str = "megatron_async main 
     if args.logging_step_interval:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     t0 = time.perf_counter()
-    llm = load_llm(args)
+    llm = load_llm(args, stream_text=False)  # texts are decoded once, at the end
     try:
         return _run(args, llm, t0)
     except ValueError as e:  # a workload that cannot be built (prompt file, tokenizer, chat template)
