@@ -1,7 +1,9 @@
 """python -m megatron_async.serve --model CKPT [--host H] [--port P] [the main job's engine and model flags]
 
 Serves the checkpoint over an OpenAI-compatible HTTP API (see app.py). ``--port 0`` picks a free
-port; the line ``megatron_async.serve: serving NAME on http://HOST:PORT`` on stdout says which."""
+port; the line ``megatron_async.serve: serving NAME on http://HOST:PORT`` on stdout says which.
+Tensor parallelism: ``torchrun --nproc-per-node T -m megatron_async.serve --tensor-parallel-size T
+...``; rank 0 serves HTTP and the other ranks follow its engine steps."""
 from __future__ import annotations
 
 import argparse
@@ -56,7 +58,7 @@ def build_state(llm, args: argparse.Namespace):
     metrics = ServerMetrics(name)
     kv_tokens = llm.context.allocator.capacity * llm.config.block_size_tokens
     return ServerState(
-        engine_loop=EngineLoop(llm.engine, metrics), metrics=metrics, model_name=name, tokenizer=llm.tokenizer,
+        engine_loop=EngineLoop(llm.engine, metrics, llm.communicator), metrics=metrics, model_name=name, tokenizer=llm.tokenizer,
         chat_template=load_chat_template(args.model) if args.model else None,
         max_model_len=min(llm.config.max_sequence_length, kv_tokens),
     )
@@ -73,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
 
     llm = load_llm(args, stream_text=True)  # SSE deltas come from RequestUpdate.new_text
     try:
+        if not llm.is_leader:  # tensor parallelism: rank 0 serves, this rank follows its steps
+            from megatron_async.serve.engine_loop import follow_rank0
+
+            follow_rank0(llm.engine, llm.communicator)
+            return 0
         state = build_state(llm, args)
         try:
             sock = bind(args.host, args.port)

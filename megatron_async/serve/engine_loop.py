@@ -79,10 +79,17 @@ def _deliver(batch: list[tuple[Submission, str, Any]]) -> None:
             (sub.admitted.set_result if kind == "admitted" else sub.admitted.set_exception)(payload)
 
 
+TP_HEARTBEAT_S = 30.0
+"""Under TP an idle rank 0 tells the other ranks so this often (their receives time out after 300 s)."""
+
+
 class EngineLoop:
-    def __init__(self, engine, metrics: ServerMetrics):
+    def __init__(self, engine, metrics: ServerMetrics, communicator=None):
+        """``communicator``: tensor parallelism; this loop runs on rank 0 and tells the other
+        ranks (``follow_rank0``) at each iteration whether to step, wait or stop."""
         self.engine = engine
         self.metrics = metrics
+        self._comm = communicator
         self._inbox: queue.SimpleQueue[tuple[str, Submission | None]] = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}
         self._outbox: list[tuple[Submission, str, Any]] = []
@@ -110,19 +117,22 @@ class EngineLoop:
     def _run(self) -> None:
         """Every engine request belongs to a submission here, so ``_live`` says whether the
         engine has work (an aborted request stays live until its final output arrives)."""
+        idle_timeout = TP_HEARTBEAT_S if self._comm is not None else None
         while True:
             commands = []
             try:  # idle: sleep until a command arrives; busy: take only what is already there
-                commands.append(self._inbox.get(block=not self._live))
+                commands.append(self._inbox.get(block=not self._live, timeout=None if self._live else idle_timeout))
                 while True:
                     commands.append(self._inbox.get_nowait())
             except queue.Empty:
                 pass
             for kind, sub in commands:
                 if kind == "stop":
+                    self._tell_ranks("stop")
                     self._flush()
                     return
                 (self._admit if kind == "add" else self._abort)(sub)
+            self._tell_ranks("step" if self._live else "idle")
             if self._live:
                 self._step()
             self._observe_engine()
@@ -155,7 +165,7 @@ class EngineLoop:
             log.exception("engine step failed; failing %d requests", len(self._live))
             self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
             return
-        if res.step_id < 0 and not res.finished and not self.engine.has_unfinished_requests():
+        if res.step_id < 0 and not res.finished and not res.updates:  # the engine holds no request
             self._fail_all("the engine dropped this request")  # never spin on live requests it lost
             return
         self.steps += 1
@@ -193,6 +203,10 @@ class EngineLoop:
                 log.exception("abort of request %d failed", rid)
         self._live.clear()
 
+    def _tell_ranks(self, command: str) -> None:
+        if self._comm is not None:
+            self._comm.broadcast_object(command)
+
     def _observe_engine(self) -> None:
         ctx, m = self.engine.context, self.metrics
         m.running.set(len(ctx.active))
@@ -215,3 +229,14 @@ class EngineLoop:
                 loop.call_soon_threadsafe(_deliver, mine)
             except RuntimeError:  # the event loop closed (shutdown): nobody is waiting any more
                 pass
+
+
+def follow_rank0(engine, communicator) -> None:
+    """A tensor-parallel rank > 0 of the server: step whenever rank 0's loop steps (the engine
+    receives rank 0's new requests and aborts inside ``step``), until rank 0 says stop."""
+    while True:
+        command = communicator.broadcast_object(None)
+        if command == "stop":
+            return
+        if command == "step":
+            engine.step()

@@ -17,7 +17,10 @@ class ServerProcess:
     ``python -m megatron_async.serve ARGS --port 0`` and waits for its ready line."""
 
     def __init__(self, args: list[str], host: str = "127.0.0.1", start_timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, launcher: list[str] | None = None):
+        """``launcher``: runs ``-m megatron_async.serve ARGS`` (default: this Python), e.g.
+        ``["torchrun", "--standalone", "--nproc-per-node", "2"]`` for tensor parallelism."""
+        self.launcher = launcher or [sys.executable]
         self.args = [*args, "--host", host, "--port", "0"]
         self.start_timeout_s = start_timeout_s
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
@@ -27,7 +30,7 @@ class ServerProcess:
         self._lines: deque[str] = deque(maxlen=200)
 
     def start(self) -> ServerProcess:
-        self.proc = subprocess.Popen([sys.executable, "-m", "megatron_async.serve", *self.args], env=self.env,
+        self.proc = subprocess.Popen([*self.launcher, "-m", "megatron_async.serve", *self.args], env=self.env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         ready = threading.Event()
 
