@@ -15,6 +15,8 @@ from pathlib import Path
 from megatron_async.tools import cli
 
 log = logging.getLogger("megatron_async.serve")
+GRACEFUL_SHUTDOWN_S = 5
+"""On SIGTERM / Ctrl-C, requests in flight get this long to finish before their connections close."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
             return 1
         port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False))
+        server = uvicorn.Server(uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False,
+                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         state.engine_loop.start()
         print(f"megatron_async.serve: serving {state.model_name} on http://{args.host}:{port}", flush=True)
         try:

@@ -69,6 +69,8 @@ def create_app(state: ServerState) -> FastAPI:
         req = proto.parse_body(proto.CompletionRequest, await _json_body(request))
         _check_model(req.model)
         proto.check_completion_options(req)
+        if req.stream and req.logprobs is not None:
+            raise proto.BadRequest("logprobs are not supported with stream: true", "logprobs")
         prompts = [_tokens(p) for p in proto.completion_prompts(req)]
         max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         choices = [Choice(p, _params(req, max_tokens, req.logprobs, i)) for p in prompts for i in range(req.n)]
@@ -98,6 +100,8 @@ def create_app(state: ServerState) -> FastAPI:
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, state.max_model_len - len(prompt))
         if req.top_logprobs and not req.logprobs:
             raise proto.BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        if req.stream and req.logprobs:
+            raise proto.BadRequest("logprobs are not supported with stream: true", "logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         choices = [Choice(prompt, _params(req, max_tokens, logprobs, i)) for i in range(req.n)]
         head = resp.ResponseHead("chat.completion.chunk" if req.stream else "chat.completion", state.model_name,
@@ -172,9 +176,10 @@ def create_app(state: ServerState) -> FastAPI:
                     state.engine_loop.abort(sub)
                     raise _ClientGone() from None
                 continue
-            if ev.error is not None:
+            error = ev.error or (ev.output.error if ev.output is not None and ev.output.finish_reason == "error" else None)
+            if error is not None:
                 state.engine_loop.abort(sub)
-                raise RuntimeError(ev.error)
+                raise RuntimeError(error)
             if ev.output is not None:
                 outs[ev.index] = ev.output
                 done += 1
@@ -188,11 +193,11 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             while finished < n:
                 ev = await sub.events.get()
-                if ev.error is not None:
-                    yield resp.sse(resp.error_body(ev.error, 500))
-                    finished = n
-                    break
                 upd, out = ev.update, ev.output
+                error = ev.error or (out.error or "request failed" if out is not None and out.finish_reason == "error" else None)
+                if error is not None:  # abort the other choices (finally) and end the stream
+                    yield resp.sse(resp.error_body(error, 500))
+                    break
                 if upd is not None and (upd.new_tokens or upd.new_text or not started[ev.index]):
                     text = upd.new_text or ""
                     generated += len(upd.new_tokens)
@@ -208,7 +213,7 @@ def create_app(state: ServerState) -> FastAPI:
                 yield resp.sse(head.body([], usage=resp.usage(sum(len(p) for p in usage_prompts), generated)))
             yield resp.sse("[DONE]")
         finally:
-            if finished < n:  # cancelled: the client disconnected
+            if finished < n:  # the client disconnected (cancelled), or a choice failed
                 state.engine_loop.abort(sub)
 
     return app

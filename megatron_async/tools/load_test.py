@@ -20,6 +20,7 @@ class StreamRecord:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     ttft_s: float | None = None
+    last_token_s: float | None = None
     gaps_s: list[float] = field(default_factory=list)
     error: str | None = None
 
@@ -43,7 +44,12 @@ class LoadTestReport:
     ttft_p50_ms: float | None
     ttft_p99_ms: float | None
     itl_p50_ms: float | None
+    """Gaps between successive token chunks as the client sees them (bursty when the client or
+    the event loop falls behind: several chunks then arrive back to back)."""
     itl_p99_ms: float | None
+    tpot_p50_ms: float | None
+    """Per request: (last token - first token) / (tokens - 1); percentiles over requests."""
+    tpot_p99_ms: float | None
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -61,7 +67,8 @@ class LoadTestReport:
                 f"({self.requests_per_s:.1f} req/s, {self.output_tokens_per_s:.0f} tok/s); failed {self.failed}, "
                 f"lost {self.lost}, duplicated {self.duplicated}, wrong length {self.wrong_length}\n"
                 f"TTFT p50 {ms(self.ttft_p50_ms)} p99 {ms(self.ttft_p99_ms)}; "
-                f"inter-token p50 {ms(self.itl_p50_ms)} p99 {ms(self.itl_p99_ms)}")
+                f"inter-token p50 {ms(self.itl_p50_ms)} p99 {ms(self.itl_p99_ms)}; "
+                f"TPOT p50 {ms(self.tpot_p50_ms)} p99 {ms(self.tpot_p99_ms)}")
 
 
 def prompt_for(index: int, num_words: int) -> str:
@@ -89,6 +96,7 @@ async def _one(client, model: str, rec: StreamRecord, max_tokens: int, prompt_wo
                     else:
                         rec.gaps_s.extend([(now - last) / len(ids)] * len(ids))
                     last = now
+                    rec.last_token_s = now - t0
                     rec.token_ids.extend(ids)
                 if choice.finish_reason is not None:
                     if rec.finish_reason is not None:
@@ -135,6 +143,8 @@ def _report(records: dict[int, list[StreamRecord]], clients: int, max_tokens: in
     wrong = [r for r in ended if len(r.token_ids) != max_tokens]
     ttft = [r.ttft_s for r in ended if r.ttft_s is not None]
     gaps = [g for r in ended for g in r.gaps_s]
+    tpot = [(r.last_token_s - r.ttft_s) / (len(r.token_ids) - 1) for r in ended
+            if r.ttft_s is not None and r.last_token_s is not None and len(r.token_ids) > 1]
     tokens = sum(len(r.token_ids) for r in ended)
 
     def ms(xs, q):
@@ -146,5 +156,6 @@ def _report(records: dict[int, list[StreamRecord]], clients: int, max_tokens: in
         duplicated=duplicated, wrong_length=len(wrong), output_tokens=tokens, wall_s=wall,
         requests_per_s=len(ended) / wall if wall else 0.0, output_tokens_per_s=tokens / wall if wall else 0.0,
         ttft_p50_ms=ms(ttft, 50), ttft_p99_ms=ms(ttft, 99), itl_p50_ms=ms(gaps, 50), itl_p99_ms=ms(gaps, 99),
+        tpot_p50_ms=ms(tpot, 50), tpot_p99_ms=ms(tpot, 99),
         errors=sorted({r.error for r in failed})[:5],
     )

@@ -20,6 +20,7 @@ from megatron_async.serve.process import ServerProcess  # noqa: E402
 from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
 from megatron_async.testing.tiny_tokenizer import save_chat_template  # noqa: E402
 from megatron_async.tools.load_test import prompt_for, run_load_test  # noqa: E402
+from tests.functional_tests.server_client import concurrent_greedy_streams  # noqa: E402
 
 ENGINE = {"num_kv_blocks": 160, "block_size_tokens": 16, "max_requests": 32, "max_sequence_length": 256}
 SERVER_FLAGS = ["--num-kv-blocks", "160", "--block-size", "16", "--max-requests", "32", "--max-sequence-length", "256"]
@@ -112,22 +113,7 @@ def test_concurrent_streams_keep_launch_ahead(server, llm):
     prompts = [prompt_for(i, 6 + i % 5) for i in range(n)]
     ref = reference(llm, prompts, 16)
     before = metrics(server)
-
-    async def one(aclient, prompt):
-        ids = []
-        async for chunk in await aclient.completions.create(model="tiny-chat", prompt=prompt, max_tokens=16,
-                                                            stream=True, **GREEDY):
-            ids += chunk.choices[0].model_extra.get("token_ids") or [] if chunk.choices else []
-        return ids
-
-    async def main():
-        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-        try:
-            return await asyncio.gather(*(one(aclient, p) for p in prompts))
-        finally:
-            await aclient.close()
-
-    assert asyncio.run(main()) == ref
+    assert concurrent_greedy_streams(server.url, "tiny-chat", prompts, 16) == ref
     after = metrics(server)
     decode = after["megatron_async_engine_decode_steps"] - before["megatron_async_engine_decode_steps"]
     overlapped = (after["megatron_async_engine_overlapped_decode_steps"]
@@ -168,6 +154,7 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, client):
         dict(prompt="hi", max_tokens=4, logit_bias={"5": 1.0}),  # unsupported
         dict(prompt="hi", max_tokens=4, top_p=0.0),  # OpenAI range (0, 1]
         dict(prompt="hi", max_tokens=4, n=0),
+        dict(prompt="hi", max_tokens=4, logprobs=1, stream=True),  # no per-chunk log-probs
     ]
     for kwargs in bad:
         with pytest.raises(openai.BadRequestError) as e:

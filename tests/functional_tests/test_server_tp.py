@@ -1,7 +1,6 @@
 """The server under tensor parallelism (torchrun, 2 CPU ranks, gloo + ZMQ): rank 0 serves HTTP,
 rank 1 follows its steps; greedy streams equal the single-process engine, a disconnect aborts
 on both ranks, and a SIGTERM stops every rank."""
-import asyncio
 import shutil
 import time
 import urllib.request
@@ -14,6 +13,7 @@ pytest.importorskip("fastapi")
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.serve.process import ServerProcess  # noqa: E402
 from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
+from tests.functional_tests.server_client import concurrent_greedy_streams  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 FLAGS = ["--num-kv-blocks", "96", "--block-size", "16", "--max-requests", "8", "--max-sequence-length", "192",
@@ -29,22 +29,7 @@ def test_tp2_server_streams_equal_single_process_and_abort(tmp_path):
                                                                              ignore_eos=True))]
     launcher = ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2"]
     with ServerProcess(["--model", str(ckpt), *FLAGS], launcher=launcher) as srv:
-        async def one(client, prompt):
-            ids = []
-            stream = await client.completions.create(model="tp-model", prompt=prompt, max_tokens=10, temperature=0.0,
-                                                     stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
-            async for chunk in stream:
-                ids += (chunk.choices[0].model_extra.get("token_ids") or []) if chunk.choices else []
-            return ids
-
-        async def main():
-            client = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
-            try:
-                return await asyncio.gather(*(one(client, p) for p in PROMPTS))
-            finally:
-                await client.close()
-
-        assert asyncio.run(main()) == want
+        assert concurrent_greedy_streams(srv.url, "tp-model", PROMPTS, 10) == want
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
         stream = client.completions.create(model="tp-model", prompt="Once upon a time", max_tokens=150, stream=True,
                                            extra_body={"ignore_eos": True})
