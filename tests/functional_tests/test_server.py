@@ -108,12 +108,14 @@ def test_chat_uses_the_checkpoint_template(server, client, llm, ckpt):
     assert deltas[-1].usage.completion_tokens == 10 and not deltas[-1].choices
 
 
-def test_concurrent_streams_keep_launch_ahead(server, llm):
+def test_concurrent_streams_keep_launch_ahead_beside_bad_requests(server, llm):
     n = 20
     prompts = [prompt_for(i, 6 + i % 5) for i in range(n)]
     ref = reference(llm, prompts, 16)
     before = metrics(server)
-    assert concurrent_greedy_streams(server.url, "tiny-chat", prompts, 16) == ref
+    bad = ({"prompt": "word " * 300, "max_tokens": 4}, {"prompt": [1, 99999], "max_tokens": 4},
+           {"prompt": "hi", "max_tokens": 4, "extra_body": {"top_k": True}})
+    assert concurrent_greedy_streams(server.url, "tiny-chat", prompts, 16, bad) == ref  # unchanged by the 400s
     after = metrics(server)
     decode = after["megatron_async_engine_decode_steps"] - before["megatron_async_engine_decode_steps"]
     overlapped = (after["megatron_async_engine_overlapped_decode_steps"]
@@ -207,3 +209,18 @@ def test_small_load_test_loses_and_duplicates_nothing(server):
     assert report.ok, report.format()
     assert report.completed == 72 and report.output_tokens == 72 * 8
     assert report.ttft_p50_ms is not None and report.itl_p99_ms is not None
+
+
+@pytest.mark.parametrize("field, value", [("min_tokens", 3), ("min_p", 0.1), ("presence_penalty", 0.5),
+                                          ("frequency_penalty", 0.5), ("repetition_penalty", 1.2)])
+def test_optional_sampling_fields_are_served_or_refused(server, client, field, value):
+    """Fields the engine's SamplingParams has are passed on; others are a clear 400, never ignored."""
+    import dataclasses
+
+    supported = any(f.name == field for f in dataclasses.fields(SamplingParams))
+    kwargs = dict(model="tiny-chat", prompt="The quick brown fox", max_tokens=4, extra_body={field: value})
+    if supported:
+        assert client.completions.create(**kwargs).choices[0].finish_reason in ("length", "stop")
+    else:
+        with pytest.raises(openai.BadRequestError, match=f"{field} is not supported"):
+            client.completions.create(**kwargs)
