@@ -26,13 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_parallel_args(p)
     cli.add_engine_args(p)
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: all)")
     g.add_argument("--port", type=cli.checked(int, 0, 65535, name="port"), default=8000,
                    help="0 = a free port (printed at start)")
     g.add_argument("--served-model-name", default=None, help="default: the checkpoint directory's name")
     g.add_argument("--seed", type=cli.checked(int, 0, 2**63 - 1), default=0,
                    help="seeds the per-request seeds of requests that give none")
-    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="server log level")
     return p
 
 

