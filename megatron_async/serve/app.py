@@ -38,6 +38,22 @@ class _ClientGone(Exception):
     pass
 
 
+class _SSEResponse(StreamingResponse):
+    """Server-sent events that call ``on_close`` however the response ends: all sent, a choice
+    failed, or the client went away (Starlette then cancels the stream, possibly before the
+    generator ever started, so a ``finally`` inside it would not be enough)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()  # aborts what is still running; a no-op for finished requests
+
+
 def _error(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
     return JSONResponse(resp.error_body(message, status, param), status_code=status)
 
@@ -155,7 +171,7 @@ def create_app(state: ServerState) -> FastAPI:
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             events = _stream(sub, head, chunk, prompts if include_usage else None, req.return_token_ids)
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return _SSEResponse(events, on_close=lambda: state.engine_loop.abort(sub))
         try:
             outs = await _collect(request, sub)
         except _ClientGone:
@@ -187,33 +203,29 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def _stream(sub: Submission, head: resp.ResponseHead, chunk: Callable, usage_prompts: list[list[int]] | None,
                       token_ids: bool) -> AsyncIterator[str]:
-        """SSE chunks as the engine produces them; a cancelled stream (client gone) aborts."""
+        """SSE chunks as the engine produces them (the response aborts what is left when it ends)."""
         n = len(sub.choices)
         started, finished, generated = [False] * n, 0, 0
-        try:
-            while finished < n:
-                ev = await sub.events.get()
-                upd, out = ev.update, ev.output
-                error = ev.error or (out.error or "request failed" if out is not None and out.finish_reason == "error" else None)
-                if error is not None:  # abort the other choices (finally) and end the stream
-                    yield resp.sse(resp.error_body(error, 500))
-                    break
-                if upd is not None and (upd.new_tokens or upd.new_text or not started[ev.index]):
-                    text = upd.new_text or ""
-                    generated += len(upd.new_tokens)
-                    tokens = list(upd.new_tokens) if token_ids else None
-                    yield resp.sse(chunk(ev.index, text, None, tokens, not started[ev.index]))
-                    started[ev.index] = True
-                if out is not None:
-                    tokens = [] if token_ids else None
-                    yield resp.sse(chunk(ev.index, "", out.finish_reason, tokens, not started[ev.index]))
-                    started[ev.index] = True
-                    finished += 1
-            if usage_prompts is not None:
-                yield resp.sse(head.body([], usage=resp.usage(sum(len(p) for p in usage_prompts), generated)))
-            yield resp.sse("[DONE]")
-        finally:
-            if finished < n:  # the client disconnected (cancelled), or a choice failed
-                state.engine_loop.abort(sub)
+        while finished < n:
+            ev = await sub.events.get()
+            upd, out = ev.update, ev.output
+            error = ev.error or (out.error or "request failed" if out is not None and out.finish_reason == "error" else None)
+            if error is not None:  # end the stream; _SSEResponse aborts the other choices
+                yield resp.sse(resp.error_body(error, 500))
+                break
+            if upd is not None and (upd.new_tokens or upd.new_text or not started[ev.index]):
+                text = upd.new_text or ""
+                generated += len(upd.new_tokens)
+                tokens = list(upd.new_tokens) if token_ids else None
+                yield resp.sse(chunk(ev.index, text, None, tokens, not started[ev.index]))
+                started[ev.index] = True
+            if out is not None:
+                tokens = [] if token_ids else None
+                yield resp.sse(chunk(ev.index, "", out.finish_reason, tokens, not started[ev.index]))
+                started[ev.index] = True
+                finished += 1
+        if usage_prompts is not None:
+            yield resp.sse(head.body([], usage=resp.usage(sum(len(p) for p in usage_prompts), generated)))
+        yield resp.sse("[DONE]")
 
     return app
