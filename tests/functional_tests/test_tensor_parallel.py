@@ -111,3 +111,36 @@ def test_torchrun_launcher_two_ranks():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("6/6 finished") == 1  # the summary comes from rank 0 only
     assert proc.stderr.count("TP 2") == 1
+
+
+def _abort_worker(rank: int, world: int, ckpt: str) -> dict:
+    """Rank 0 aborts a decoding request; every rank must end it at the same step."""
+    llm = LLM(ckpt, inference_config=InferenceConfig(**CONFIG), tensor_parallel_size=world)
+    try:
+        eng = llm.engine
+        if rank == 0:
+            for prompt, params in zip(PROMPTS[:3], GREEDY[:3]):
+                eng.add_request(prompt, params)
+        outs, steps = {}, 0
+        while eng.has_unfinished_requests():
+            if steps == 3:
+                if rank == 0:
+                    assert eng.abort_request(1)
+                else:
+                    with pytest.raises(RuntimeError, match="cannot add requests or abort them"):
+                        eng.abort_request(1)
+            for o in eng.step().finished:
+                outs[o.request_id] = (o.finish_reason, o.generated_tokens, steps)
+            steps += 1
+        return outs
+    finally:
+        llm.close()
+
+
+def test_tp2_abort_reaches_every_rank(tmp_path):
+    ckpt = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "ckpt", num_attention_heads=4, num_key_value_heads=2)
+    expected = [o.generated_tokens for o in LLM(str(ckpt), inference_config=InferenceConfig(**CONFIG))
+                .generate(PROMPTS[:3], GREEDY[:3])]
+    r0, r1 = run_ranks(_abort_worker, 2, str(ckpt), timeout_s=60)
+    assert r0 == r1 and r0[1][0] == "abort" and r0[1][2] == 3
+    assert [r0[0][1], r0[2][1]] == [expected[0], expected[2]]

@@ -270,6 +270,7 @@ class DynamicInferenceContext:
             for name, values in columns.items():
                 v[name][: len(values)] = values
         except Exception as e:
+            self._ring ^= 1  # the buffer was not used: keep the ring's order
             for u in reversed(undo):
                 u.apply()
             if r is None:

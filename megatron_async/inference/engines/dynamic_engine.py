@@ -5,7 +5,10 @@ Request lifecycle at the API: ``add_request`` validates and freezes a request (o
 ``RequestUpdate`` and every request that ended as a ``RequestOutput``; ``abort_request`` ends a
 request at the next ``step()`` whatever state it is in (its in-flight launch-ahead row is
 discarded like a finished request's). A request whose host-side step preparation raises is
-failed alone (finish_reason "error") and the engine keeps serving the others."""
+failed alone (finish_reason "error") and the engine keeps serving the others.
+
+The engine is single-threaded: a server calls add_request / abort_request / step from one
+thread (its engine loop), handing requests over through a queue."""
 from __future__ import annotations
 
 import logging
@@ -135,12 +138,13 @@ class DynamicInferenceEngine:
         Returns False (and does nothing) for an unknown, finished or already aborted id."""
         if self._tp is not None:
             self._tp.check_can_add()
-            if request_id in self._requests and request_id not in self._aborts:
-                self._tp.record_abort(request_id)
-        return self._mark_abort(request_id)
+        marked = self._mark_abort(request_id)
+        if marked and self._tp is not None:
+            self._tp.record_abort(int(request_id))
+        return marked
 
     def _mark_abort(self, request_id: int) -> bool:
-        if request_id not in self._requests or request_id in self._aborts:
+        if not isinstance(request_id, numbers.Integral) or request_id not in self._requests or request_id in self._aborts:
             return False
         self._aborts[request_id] = None
         return True

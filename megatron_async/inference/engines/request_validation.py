@@ -62,7 +62,9 @@ def _normalize(value, tp):
         return float(value) if ok else _MISMATCH
     if tp is str:
         return value if isinstance(value, str) else _MISMATCH
-    raise TypeError(f"SamplingParams annotation {tp} has no checker")
+    # Any other annotation (a class, or a generic such as dict[int, float]): its container type.
+    kind = origin if origin is not None else tp
+    return value if isinstance(kind, type) and isinstance(value, kind) else _MISMATCH
 
 
 def _describe(tp) -> str:

@@ -71,7 +71,7 @@ def test_abort_in_every_state(reference, async_scheduling, state):
         if i != victim:
             assert outs[rid].generated_tokens == reference[i] and outs[rid].finish_reason == "length"
     assert eng.abort_request(rids[victim]) is False  # finished: a no-op
-    assert eng.abort_request(12345) is False  # unknown: a no-op
+    assert eng.abort_request(12345) is False and eng.abort_request([1]) is False  # unknown: a no-op
     alloc = eng.context.allocator
     assert alloc.num_available == alloc.capacity and not eng.context.active and not eng.scheduler.waiting
     st = eng.stats
