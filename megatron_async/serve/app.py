@@ -168,6 +168,8 @@ def create_app(state: ServerState) -> FastAPI:
             await sub.admitted
         except InvalidRequestError as e:
             return _error(str(e), 400)
+        except RuntimeError as e:
+            return _error(str(e), 500)
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             events = _stream(sub, head, chunk, prompts if include_usage else None, req.return_token_ids)

@@ -58,7 +58,8 @@ class Submission:
 
     def __post_init__(self):
         self.admitted: asyncio.Future = self.loop.create_future()
-        """Resolves to the request ids, or raises InvalidRequestError when admission failed."""
+        """Resolves to the request ids; raises InvalidRequestError (a bad request) or
+        RuntimeError (the engine failed) when admission did not happen."""
         self.events: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
 
 
@@ -66,6 +67,9 @@ class Submission:
 class _Live:
     submission: Submission
     index: int
+    failed: bool = False
+    """Told it failed (a step raised); kept until the engine reports its abort, so that the
+    loop keeps stepping until its blocks are freed, but nothing more is delivered."""
     num_tokens: int = 0
     last_token_at: float | None = None
 
@@ -79,6 +83,8 @@ def _deliver(batch: list[tuple[Submission, str, Any]]) -> None:
             (sub.admitted.set_result if kind == "admitted" else sub.admitted.set_exception)(payload)
 
 
+MAX_FAILED_STEPS = 3
+"""Consecutive failed steps after which the loop stops stepping for the requests it failed."""
 TP_HEARTBEAT_S = 30.0
 """Under TP an idle rank 0 tells the other ranks so this often (their receives time out after 300 s)."""
 
@@ -93,6 +99,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[tuple[str, Submission | None]] = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}
         self._outbox: list[tuple[Submission, str, Any]] = []
+        self._failed_steps = 0
         self._thread = threading.Thread(target=self._run, name="megatron-async-engine", daemon=True)
         self.steps = 0
 
@@ -143,7 +150,10 @@ class EngineLoop:
         try:
             for choice in sub.choices:
                 sub.request_ids.append(self.engine.add_request(choice.prompt_tokens, choice.params))
-        except InvalidRequestError as e:
+        except Exception as e:  # noqa: BLE001 -- InvalidRequestError is a 400; anything else must not kill the loop
+            if not isinstance(e, InvalidRequestError):
+                log.exception("add_request failed unexpectedly")
+                e = RuntimeError(f"the engine could not admit this request: {type(e).__name__}: {e}")
             for rid in sub.request_ids:
                 self.engine.abort_request(rid)
             self._outbox.append((sub, "rejected", e))
@@ -163,17 +173,19 @@ class EngineLoop:
             res = self.engine.step()
         except Exception as e:  # noqa: BLE001 -- fail the requests in flight, keep serving
             log.exception("engine step failed; failing %d requests", len(self._live))
-            self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+            self._failed_steps += 1
+            self._fail_all(f"engine step failed: {type(e).__name__}: {e}", forget=self._failed_steps >= MAX_FAILED_STEPS)
             return
+        self._failed_steps = 0
         if res.step_id < 0 and not res.finished and not res.updates:  # the engine holds no request
-            self._fail_all("the engine dropped this request")  # never spin on live requests it lost
+            self._fail_all("the engine dropped this request", forget=True)  # never spin on requests it lost
             return
         self.steps += 1
         self.metrics.engine_steps.inc()
         now = time.perf_counter()
         for upd in res.updates:
             live = self._live.get(upd.request_id)
-            if live is None:
+            if live is None or live.failed:
                 continue
             n = len(upd.new_tokens)
             if n:
@@ -188,20 +200,25 @@ class EngineLoop:
             self._outbox.append((live.submission, "event", ChoiceEvent(live.index, update=upd)))
         for out in res.finished:
             live = self._live.pop(out.request_id, None)
-            if live is None:
+            if live is None or live.failed:
                 continue
             self.metrics.e2e.observe(now - live.submission.arrival)
             self.metrics.finished(out.finish_reason)
             self._outbox.append((live.submission, "event", ChoiceEvent(live.index, output=out)))
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, forget: bool = False) -> None:
+        """Tell every live request's handler it failed and abort it in the engine; ``forget``:
+        also stop stepping for them (the engine lost them, or keeps failing)."""
         for rid, live in list(self._live.items()):
-            self._outbox.append((live.submission, "event", ChoiceEvent(live.index, error=message)))
-            try:
-                self.engine.abort_request(rid)
-            except Exception:  # noqa: BLE001 -- best effort: the request is failed either way
-                log.exception("abort of request %d failed", rid)
-        self._live.clear()
+            if not live.failed:
+                self._outbox.append((live.submission, "event", ChoiceEvent(live.index, error=message)))
+                live.failed = True
+                try:
+                    self.engine.abort_request(rid)
+                except Exception:  # noqa: BLE001 -- best effort: the request is failed either way
+                    log.exception("abort of request %d failed", rid)
+        if forget:
+            self._live.clear()
 
     def _tell_ranks(self, command: str) -> None:
         if self._comm is not None:
