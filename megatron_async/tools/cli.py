@@ -112,7 +112,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt-file", default=None, help="text prompts, one per line (needs a tokenizer)")
     g.add_argument("--chat", action="store_true",
                    help="wrap each text prompt as a user message in the checkpoint's chat template")
-    g.add_argument("--num-requests", type=POSITIVE_INT, default=None)
+    g.add_argument("--num-requests", type=POSITIVE_INT, default=None,
+                   help="synthetic requests; with text prompts, the most prompts used (default: all)")
     g.add_argument("--prompt-len-min", type=POSITIVE_INT, default=None)
     g.add_argument("--prompt-len-max", type=POSITIVE_INT, default=None)
     g.add_argument("--output-len-min", type=POSITIVE_INT, default=None)

@@ -70,6 +70,8 @@ def build_workload(llm: LLM, args: argparse.Namespace) -> list[WorkloadRequest]:
     if not cli.has_text_prompts(args):
         return synthetic_workload(spec, llm.model.vocab_size)
     texts = args.prompts or read_prompt_file(args.prompt_file)
+    if args.prompt_limit is not None:  # an explicit --num-requests caps the prompts used
+        texts = texts[: args.prompt_limit]
     template = None
     if args.chat:
         from megatron_async.models.chat_template import load_chat_template
@@ -112,6 +114,7 @@ def results_json(args, requests: list[WorkloadRequest], run: WorkloadRun, llm: L
 def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse and check flag combinations (argparse errors, exit code 2)."""
     args = parser.parse_args(argv)
+    args.prompt_limit = args.num_requests  # before the device defaults fill --num-requests in
     if args.chat and not cli.has_text_prompts(args):
         parser.error("--chat needs --prompts or --prompt-file")
     if args.output_len_min and args.output_len_max and args.output_len_min > args.output_len_max:

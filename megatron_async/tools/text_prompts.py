@@ -23,12 +23,12 @@ def read_prompt_file(path: str | Path) -> list[str]:
 
 def text_workload(texts: list[str], tokenizer, spec: WorkloadSpec,
                   chat_template: ChatTemplate | None = None) -> list[WorkloadRequest]:
-    """One request per text (at most ``spec.num_requests``), with output lengths drawn from the
-    spec's range and arrivals as for synthetic prompts. With a chat template each text becomes a
-    user message; the rendered prompt already holds its special tokens, so none are added."""
+    """One request per text, with output lengths drawn from the spec's range and arrivals as for
+    synthetic prompts (``spec.num_requests`` is not used: the texts are the workload). With a
+    chat template each text becomes a user message; the rendered prompt already holds its
+    special tokens, so none are added."""
     if tokenizer is None:
         raise ValueError("text prompts need a tokenizer: pass a checkpoint with tokenizer.json")
-    texts = texts[: spec.num_requests]
     rng = np.random.default_rng(spec.seed)
     output_lens = rng.integers(spec.output_len_min, spec.output_len_max + 1, size=len(texts))
     arrivals = arrival_steps(len(texts), spec.arrival_rate, rng)

@@ -114,3 +114,11 @@ def test_chat_flag_renders_the_checkpoint_template(tmp_path, capsys):
     _, reqs = _run(tmp_path, "--model", str(ckpt), "--prompts", "Hello there", "--chat", "--num-tokens-to-generate", "3")
     text = load_chat_template(ckpt).render([{"role": "user", "content": "Hello there"}])
     assert reqs[0]["prompt_tokens"] == load_tokenizer(ckpt).encode(text, add_special_tokens=False)
+
+
+def test_every_text_prompt_runs_unless_num_requests_caps_them(tmp_path):
+    prompts = ["--prompts", *[f"prompt number {i}" for i in range(40)], "--num-tokens-to-generate", "2"]
+    summary, _ = _run(tmp_path, *prompts)
+    assert summary.requests == 40  # more than the CPU default of --num-requests (32)
+    summary, _ = _run(tmp_path, *prompts, "--num-requests", "5")
+    assert summary.requests == 5
