@@ -186,13 +186,19 @@ def create_app(state: ServerState) -> FastAPI:
         """Wait for every choice's final output; abort them when the client goes away."""
         outs: list[RequestOutput | None] = [None] * len(sub.choices)
         done = 0
+        clock = asyncio.get_running_loop().time
+        next_check = clock() + DISCONNECT_POLL_S
         while done < len(outs):
             try:
-                ev = await asyncio.wait_for(sub.events.get(), DISCONNECT_POLL_S)
+                ev = await asyncio.wait_for(sub.events.get(), max(0.0, next_check - clock()))
             except asyncio.TimeoutError:
+                ev = None
+            if clock() >= next_check:  # also while tokens keep coming
                 if await request.is_disconnected():
                     state.engine_loop.abort(sub)
                     raise _ClientGone() from None
+                next_check = clock() + DISCONNECT_POLL_S
+            if ev is None:
                 continue
             error = ev.error or (ev.output.error if ev.output is not None and ev.output.finish_reason == "error" else None)
             if error is not None:

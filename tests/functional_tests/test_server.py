@@ -146,6 +146,25 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, client):
     assert m["megatron_async_generation_tokens_total"] < 1000  # it did not run its 240 tokens to the end
 
 
+def test_disconnect_while_waiting_for_a_whole_answer_aborts(server):
+    import socket
+    from urllib.parse import urlparse
+
+    abort_key = 'megatron_async_request_success_total{"finished_reason": "abort"}'
+    aborted = metrics(server).get(abort_key, 0.0)
+    body = json.dumps({"model": "tiny-chat", "prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True})
+    url = urlparse(server.url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        time.sleep(0.2)  # admitted and running
+    deadline = time.monotonic() + 20
+    while metrics(server).get(abort_key, 0.0) < aborted + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    m = metrics(server)
+    assert m.get(abort_key, 0.0) == aborted + 1 and m["megatron_async_num_requests_running"] == 0
+
+
 def test_bad_requests_get_400_and_the_server_keeps_serving(server, client):
     bad = [
         dict(prompt="hi", max_tokens=4, extra_body={"temperature": "0.5"}),  # wrong type
