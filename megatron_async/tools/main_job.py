@@ -155,9 +155,6 @@ def main(argv: list[str] | None = None, description: str = "megatron_async main 
     llm = load_llm(args, stream_text=False)  # texts are decoded once, at the end
     try:
         return _run(args, llm, t0)
-    except ValueError as e:  # a workload that cannot be built (prompt file, tokenizer, chat template)
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
     finally:
         llm.close()
 
@@ -183,7 +180,11 @@ def report_failures(requests: list[WorkloadRequest], run: WorkloadRun) -> None:
 
 def _run(args: argparse.Namespace, llm: LLM, t0: float) -> RunSummary:
     """Every TP rank runs the same (seeded) workload through the driver; only rank 0 reports."""
-    requests = build_workload(llm, args)
+    try:
+        requests = build_workload(llm, args)
+    except ValueError as e:  # prompt file, tokenizer or chat template problems: one line, exit 1
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     model_name = args.model or f"built-in {args.default_model}"
     if llm.is_leader:
         mode = "serial" if args.serial else "async"
