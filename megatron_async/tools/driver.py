@@ -35,6 +35,22 @@ class RequestTiming:
     """End of the step that delivered the request's first token."""
     finished: float | None = None
     num_tokens: int = 0
+    last_token: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    """Seconds between the steps that delivered consecutive tokens (one entry per token after
+    the first)."""
+
+    def record(self, num_new: int, t: float) -> None:
+        """``num_new`` tokens landed at time ``t`` (several in one step have gaps of 0)."""
+        if not num_new:
+            return
+        if self.first_token is None:
+            self.first_token = t
+        else:
+            self.gaps.append(t - self.last_token)
+        self.gaps.extend([0.0] * (num_new - 1))
+        self.last_token = t
+        self.num_tokens += num_new
 
     @property
     def ttft(self) -> float | None:
@@ -122,10 +138,7 @@ def run_workload(
             raise RuntimeError("engine.step() ran nothing while requests were unfinished")
         run.steps.append(StepRecord(te - t0, te - ts, res.num_rows, res.is_decode_only))
         for upd in res.updates:
-            timing = timings[upd.request_id]
-            if timing.first_token is None and upd.new_tokens:
-                timing.first_token = te - t0
-            timing.num_tokens += len(upd.new_tokens)
+            timings[upd.request_id].record(len(upd.new_tokens), te - t0)
             tokens += len(upd.new_tokens)
         for out in res.finished:
             outputs[index_of[out.request_id]] = out

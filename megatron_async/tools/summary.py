@@ -38,6 +38,9 @@ class RunSummary:
     tpot_p50_ms: float | None = None
     """Time per output token after the first, per request, median over requests."""
     tpot_p99_ms: float | None = None
+    itl_p50_ms: float | None = None
+    """Gap between consecutive tokens of a request on the host; p50 / p99 over all gaps."""
+    itl_p99_ms: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -68,6 +71,7 @@ def summarize(run: WorkloadRun, stats: EngineStats, device: torch.device) -> Run
     timings = [t for t in run.timings if t is not None]
     ttft = [t.ttft for t in timings if t.ttft is not None]
     tpot = [t.tpot for t in timings if t.tpot is not None]
+    itl = [g for t in timings for g in t.gaps]
     return RunSummary(
         requests=len(run.outputs),
         finished_requests=len(done) - failed,
@@ -89,6 +93,7 @@ def summarize(run: WorkloadRun, stats: EngineStats, device: torch.device) -> Run
         timed_out=run.timed_out,
         ttft_p50_ms=_ms(ttft, 50), ttft_p99_ms=_ms(ttft, 99),
         tpot_p50_ms=_ms(tpot, 50), tpot_p99_ms=_ms(tpot, 99),
+        itl_p50_ms=_ms(itl, 50), itl_p99_ms=_ms(itl, 99),
     )
 
 
@@ -106,6 +111,7 @@ def format_summary(s: RunSummary) -> str:
         ("output tokens/s", f"{s.output_tokens_per_s:,.1f}"),
         ("TTFT", _p50_p99(s.ttft_p50_ms, s.ttft_p99_ms)),
         ("TPOT", _p50_p99(s.tpot_p50_ms, s.tpot_p99_ms)),
+        ("inter-token latency", _p50_p99(s.itl_p50_ms, s.itl_p99_ms)),
         ("mean prefill step", f"{s.mean_prefill_step_ms:.2f} ms"),
         ("mean decode step", f"{s.mean_decode_step_ms:.2f} ms (mean batch {s.mean_decode_batch:.1f})"),
         ("steps", f"{s.steps} ({s.decode_steps} decode-only)"),

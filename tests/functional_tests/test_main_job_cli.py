@@ -43,12 +43,13 @@ def test_synthetic_workloads_keep_exact_lengths_and_top_n_logprobs(tmp_path):
                for r in reqs)
     assert summary.ttft_p50_ms is not None and 0 < summary.ttft_p50_ms <= summary.ttft_p99_ms
     assert summary.tpot_p50_ms is not None and 0 < summary.tpot_p50_ms <= summary.tpot_p99_ms
+    assert summary.itl_p50_ms is not None and 0 < summary.itl_p50_ms <= summary.itl_p99_ms
 
 
 def test_summary_shows_ttft_and_tpot(capsys):
     main(BASE + ["--num-requests", "3", "--num-tokens-to-generate", "5"])
     out = capsys.readouterr().out
-    assert "TTFT" in out and "TPOT" in out and "p99" in out
+    assert "TTFT" in out and "TPOT" in out and "inter-token latency" in out and "p99" in out
 
 
 @pytest.mark.parametrize("flags, needle", [
@@ -122,3 +123,17 @@ def test_every_text_prompt_runs_unless_num_requests_caps_them(tmp_path):
     assert summary.requests == 40  # more than the CPU default of --num-requests (32)
     summary, _ = _run(tmp_path, *prompts, "--num-requests", "5")
     assert summary.requests == 5
+
+
+def test_request_timing_percentiles():
+    from megatron_async.tools.driver import RequestTiming
+    from megatron_async.tools.summary import percentile
+
+    t = RequestTiming(added=1.0)
+    for n, when in ((0, 1.5), (1, 2.0), (1, 2.5), (2, 3.5)):
+        t.record(n, when)
+    t.finished = 3.5
+    assert t.ttft == 1.0 and t.num_tokens == 4 and t.gaps == [0.5, 1.0, 0.0]
+    assert t.tpot == 0.5  # (3.5 - 2.0) / 3
+    assert percentile([], 50) is None and percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([1.0, 2.0, 3.0, 4.0], 100) == 4.0
