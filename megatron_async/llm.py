@@ -18,7 +18,7 @@ from megatron_async.inference.request import InvalidRequestError, RequestOutput,
 from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 from megatron_async.kernels.attention import set_attention_backend
 from megatron_async.kernels.mamba_ops import set_mamba_backend
-from megatron_async.parallel.state import destroy_tensor_parallel, init_tensor_parallel, tp_rank
+from megatron_async.parallel.state import ParallelState
 
 log = logging.getLogger("megatron_async")
 
@@ -46,42 +46,49 @@ class LLM:
         tensor_parallel_size: int = 1,
     ):
         """``tensor_parallel_size`` > 1: run as one rank of a torchrun job of that many
-        processes (GPT models only). Every rank builds its shard of the model and its share
-        of the KV cache; rank 0 alone accepts requests (``engine.add_request``) and
+        processes. Every rank builds its shard of the model (GPT or hybrid) and its share of the
+        KV cache / Mamba states; rank 0 alone accepts requests (``engine.add_request``) and
         ``generate`` returns the same outputs on every rank."""
-        from megatron_async.models import build_default_model, load_checkpoint, load_tokenizer
-        from megatron_async.models.eos_ids import checkpoint_eos_ids
-
         self.config = inference_config or InferenceConfig()
         self.config.validate()
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
         self.tensor_parallel_size = tensor_parallel_size
         self.communicator: ZMQCommunicator | None = None
+        self.parallel = ParallelState()
         if tensor_parallel_size > 1:
             if self.config.cuda_graphs:
                 raise ValueError("cuda_graphs is not supported with tensor parallelism yet")
             if self.device.type == "cuda":  # one GPU per rank
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
                 torch.cuda.set_device(self.device)
-            init_tensor_parallel(tensor_parallel_size, self.device)
-            self.communicator = ZMQCommunicator.from_env()
+            self.parallel = ParallelState.from_torchrun(tensor_parallel_size, self.device)
+        try:
+            if tensor_parallel_size > 1:
+                self.communicator = ZMQCommunicator.from_env()
+            self._build(model, default_model, seed)
+        except BaseException:
+            self.close()  # every rank fails the same way at load (a shape that does not divide): leave cleanly
+            raise
+
+    def _build(self, model: str | None, default_model: str, seed: int) -> None:
+        from megatron_async.models import build_default_model, load_checkpoint, load_tokenizer
+        from megatron_async.models.eos_ids import checkpoint_eos_ids
+
         nvtx.set_enabled(self.config.nvtx_ranges)
         self.attention_backend = set_attention_backend(self.config.attention_backend, self.device)
         self.mamba_backend = set_mamba_backend(self.config.mamba_backend, self.device)
         if model is None:
-            self.model = build_default_model(default_model, self.device, self.dtype, seed=seed)
+            self.model = build_default_model(default_model, self.device, self.dtype, seed=seed, parallel=self.parallel)
             self.tokenizer = None
             if default_model == "tiny":  # sized to the in-process tiny BPE: text prompts work
                 from megatron_async.models import Tokenizer
-                from megatron_async.testing.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
+                from megatron_async.models.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
 
                 self.tokenizer = Tokenizer(train_tiny_tokenizer(), EOS_TOKEN_ID)
         else:
-            self.model, _ = load_checkpoint(model, self.device, self.dtype)
+            self.model, _ = load_checkpoint(model, self.device, self.dtype, self.parallel)
             self.tokenizer = load_tokenizer(model)
-        if getattr(self.model, "tensor_parallel_size", 1) != tensor_parallel_size:
-            raise ValueError(f"{type(self.model).__name__} does not support tensor parallelism")
         self.model.eval()
         self._fit_max_sequence_length()
         self.model.reserve_positions(self.config.max_sequence_length)
@@ -113,14 +120,14 @@ class LLM:
     @property
     def is_leader(self) -> bool:
         """Rank 0 of the TP group (always True without TP): the rank that prints and writes."""
-        return tp_rank() == 0
+        return self.parallel.is_leader
 
     def close(self) -> None:
         """Leave the TP group (no-op without TP)."""
         if self.communicator is not None:
             self.communicator.close()
             self.communicator = None
-            destroy_tensor_parallel()
+        self.parallel.destroy()
 
     def generate(
         self,

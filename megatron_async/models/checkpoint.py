@@ -8,8 +8,9 @@ from typing import Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
-from megatron_async.models import registry
+from megatron_async.models.registry import get_builder
 from megatron_async.models.base import CausalLM
+from megatron_async.parallel.state import ParallelState
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -80,10 +81,12 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_checkpoint(
-    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None,
+    parallel: ParallelState | None = None,
 ) -> tuple[CausalLM, dict]:
     """Build the model named by ``config.json``'s ``architectures[0]`` on ``device`` in ``dtype``
-    (None: the checkpoint's dtype) and fill it from the checkpoint's safetensors.
+    (None: the checkpoint's dtype) and fill it from the checkpoint's safetensors: under tensor
+    parallelism, this rank's shard (``parallel``; None = a single process).
 
     Returns (model in eval mode, the config.json dict)."""
     hf_config = read_hf_config(path)
@@ -91,8 +94,8 @@ def load_checkpoint(
     if not archs:
         raise ValueError(f"{Path(path) / 'config.json'} has no 'architectures' entry")
     files = safetensors_files(path)
-    builder = registry.get_builder(archs[0])
-    model = builder(hf_config, resolve_dtype(dtype, hf_config), torch.device(device))
+    builder = get_builder(archs[0])
+    model = builder(hf_config, resolve_dtype(dtype, hf_config), torch.device(device), parallel or ParallelState())
     try:
         model.load_hf_weights(iter_safetensors(files))
     except ValueError as e:

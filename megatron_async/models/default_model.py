@@ -1,11 +1,15 @@
 """Built-in models with seeded random weights, for running the engine without a checkpoint."""
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 from megatron_async.models.checkpoint import resolve_dtype
+from megatron_async.models.decoder import DecoderModel
 from megatron_async.models.gpt import GPTModel, build_gpt
-from megatron_async.testing.tiny_tokenizer import EOS_TOKEN_ID
+from megatron_async.models.tiny_tokenizer import EOS_TOKEN_ID
+from megatron_async.parallel.state import ParallelState
 
 _QWEN3_COMMON = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -19,7 +23,7 @@ _QWEN3_COMMON = {
 
 DEFAULT_CONFIGS: dict[str, dict] = {
     # Runs in milliseconds per step on CPU; its vocabulary is the tiny test tokenizer's
-    # (megatron_async.testing.tiny_tokenizer, default vocab_size=1024).
+    # (megatron_async.models.tiny_tokenizer, default vocab_size=1024).
     "tiny": {
         **_QWEN3_COMMON,
         "hidden_size": 256,
@@ -56,30 +60,32 @@ DEFAULT_CONFIGS: dict[str, dict] = {
 
 
 @torch.no_grad()
-def init_random_weights(model: GPTModel, std: float, seed: int) -> None:
-    """Seeded N(0, std) matrices, unit norm weights, zero biases, drawn on the model's device.
-
-    The draws come from a generator on that device, so CPU and CUDA give different
-    (each reproducible) weights."""
+def random_hf_weights(model: DecoderModel, std: float, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Seeded FULL tensors in the Hugging Face layout, one at a time, in a fixed name order: N(0,
+    std) matrices, unit norm weights, zero biases. Every rank draws the same full tensors and its
+    weight loaders keep its shard, so the model is the same whatever the TP size. Drawn on the
+    model's device, so CPU and CUDA give different (each reproducible) weights."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in model.named_parameters():
+    dtype = next(model.parameters()).dtype
+    for name, shape in model.hf_shapes().items():
         if "norm" in name:
-            p.fill_(1.0)
-        elif p.dim() == 1:
-            p.zero_()
+            yield name, torch.ones(shape, dtype=dtype, device=device)
+        elif len(shape) == 1:
+            yield name, torch.zeros(shape, dtype=dtype, device=device)
         else:
-            p.normal_(0.0, std, generator=gen)
+            yield name, torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
 
 
 def build_default_model(
-    name: str = "tiny", device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None, seed: int = 0
+    name: str = "tiny", device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None, seed: int = 0,
+    parallel: ParallelState | None = None,
 ) -> GPTModel:
-    """One of DEFAULT_CONFIGS with seeded random weights, built directly on ``device``.
-    dtype None = the config's dtype."""
+    """One of DEFAULT_CONFIGS with seeded random weights, built directly on ``device`` (this
+    rank's shard under ``parallel``). dtype None = the config's dtype."""
     if name not in DEFAULT_CONFIGS:
         raise ValueError(f"unknown default model {name!r}; choose from {', '.join(DEFAULT_CONFIGS)}")
     cfg = DEFAULT_CONFIGS[name]
-    model = build_gpt(cfg, resolve_dtype(dtype, cfg), torch.device(device))
-    init_random_weights(model, cfg["initializer_range"], seed)
+    model = build_gpt(cfg, resolve_dtype(dtype, cfg), torch.device(device), parallel)
+    model.load_hf_weights(random_hf_weights(model, cfg["initializer_range"], seed))
     return model.eval()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 from megatron_async.models.config_fields import first_id, positive_int
+from megatron_async.models.model_config import AttentionConfig, LayerKind, MLPConfig
 
 
 class HybridFamily(str, Enum):
@@ -19,15 +20,6 @@ class HybridFamily(str, Enum):
 
 
 _MODEL_TYPES = {"nemotron_h": HybridFamily.NEMOTRON_H, "bamba": HybridFamily.BAMBA, "mamba2": HybridFamily.MAMBA2}
-
-
-class LayerKind(str, Enum):
-    """Mixer of one HF layer; values are NemotronH ``hybrid_override_pattern`` characters."""
-
-    MAMBA = "M"
-    ATTENTION = "*"
-    MLP = "-"
-    MOE = "E"
 
 
 # transformers 5.x ``layers_block_type`` names (and their legacy spellings).
@@ -75,26 +67,6 @@ class MambaConfig:
     @property
     def norm_group_size(self) -> int:
         return self.intermediate_size // self.n_groups
-
-
-@dataclass(frozen=True)
-class AttentionConfig:
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    qkv_bias: bool
-    o_bias: bool
-    rotary_dim: int
-    """Leading dims of each head that RoPE rotates; 0 = no rotary embedding (NemotronH)."""
-    rope_theta: float
-
-
-@dataclass(frozen=True)
-class MLPConfig:
-    intermediate_size: int
-    gated: bool
-    """True: SwiGLU (Bamba); False: down(relu(up(x))^2) (NemotronH)."""
-    bias: bool
 
 
 @dataclass(frozen=True)

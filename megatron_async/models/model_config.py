@@ -5,6 +5,7 @@ that omits a field behaves here as it does in ``transformers``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from megatron_async.models.config_fields import first_id, positive_int
 
 GPT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -37,6 +38,41 @@ class RopeScaling:
     """yarn: round the correction range to whole dimensions."""
 
 
+class LayerKind(str, Enum):
+    """Mixer of one HF layer; values are NemotronH ``hybrid_override_pattern`` characters."""
+
+    MAMBA = "M"
+    ATTENTION = "*"
+    MLP = "-"
+    MOE = "E"
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """One self-attention mixer, shared by GPT and hybrid models (full model sizes: the layer
+    takes this rank's heads)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool
+    o_bias: bool
+    rotary_dim: int
+    """Leading dims of each head that RoPE rotates; 0 = no rotary embedding (NemotronH)."""
+    rope_theta: float
+    rope_scaling: RopeScaling | None = None
+    qk_norm_eps: float | None = None
+    """Per-head RMSNorm of q and k before RoPE (Qwen3) with this epsilon; None = none."""
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    intermediate_size: int
+    gated: bool
+    """True: SwiGLU down(silu(gate(x)) * up(x)) (Llama, Qwen, Bamba); False: down(relu(up(x))^2) (NemotronH)."""
+    bias: bool
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     architecture: str
@@ -61,6 +97,15 @@ class GPTConfig:
     """Per-head RMSNorm of q and k before RoPE (Qwen3)."""
     eos_token_id: int | None
     torch_dtype: str | None
+
+    def attention(self) -> AttentionConfig:
+        return AttentionConfig(
+            self.num_attention_heads, self.num_key_value_heads, self.head_dim, self.qkv_bias, self.o_bias,
+            self.head_dim, self.rope_theta, self.rope_scaling, self.rms_norm_eps if self.qk_norm else None,
+        )
+
+    def mlp(self) -> MLPConfig:
+        return MLPConfig(self.intermediate_size, gated=True, bias=self.mlp_bias)
 
 
 def _architecture(cfg: dict) -> str:

@@ -1,5 +1,5 @@
-"""HF ``architectures`` name -> builder. Builders take (hf_config: dict, dtype, device) and
-return a ``CausalLM`` with uninitialised (or seeded random) weights."""
+"""HF ``architectures`` name -> builder. Builders take (hf_config: dict, dtype, device, parallel:
+ParallelState) and return a ``CausalLM`` with uninitialised (or seeded random) weights."""
 from __future__ import annotations
 
 import importlib

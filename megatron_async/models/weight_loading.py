@@ -1,14 +1,24 @@
-"""Copy Hugging Face-named tensors into a model's parameters, with errors that name every
-missing, unexpected, duplicated or mis-shaped tensor."""
+"""One checkpoint-loading path for every model: the model maps each Hugging Face tensor name
+to (parameter, shard_id), and that parameter's ``weight_loader`` cuts this rank's slice out of
+the full tensor. Errors name every missing, unexpected, duplicated or mis-shaped tensor."""
 from __future__ import annotations
 
-from typing import Callable, Iterable, Union
+from typing import Callable, Hashable, Iterable
 
 import torch
+from torch import nn
 
-Target = Union[torch.Tensor, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]
-"""A parameter (slice) to fill, or (parameter slice, function taking this tensor-parallel
-rank's share of the full HF tensor)."""
+from megatron_async.parallel.sharding import default_weight_loader
+
+HFTarget = tuple[nn.Parameter, Hashable]
+"""(parameter, shard_id): where one HF tensor goes."""
+
+STACKED_PARAMS: dict[str, tuple[tuple[str, Hashable], ...]] = {
+    "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
+    "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
+}
+"""Our fused module name -> the HF modules stacked into it, with their shard ids (nano-vllm's
+``packed_modules_mapping``). Every other module keeps its HF name."""
 
 
 def name_list(names: list[str], limit: int = 8) -> str:
@@ -16,17 +26,40 @@ def name_list(names: list[str], limit: int = 8) -> str:
     return shown if len(names) <= limit else f"{shown}, ... ({len(names)} in all)"
 
 
+def hf_targets(model: nn.Module, hf_prefixes: dict[str, str]) -> dict[str, HFTarget]:
+    """Every HF tensor name the model needs -> (parameter, shard_id). ``hf_prefixes`` maps our
+    module paths (``"blocks.3.mixer"``) to the HF module path they stand for
+    (``"model.layers.1.self_attn"``); below that, names follow HF except ``STACKED_PARAMS``."""
+    targets: dict[str, HFTarget] = {}
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            ours = ".".join(parts[:cut])
+            if ours in hf_prefixes:
+                break
+        else:
+            raise KeyError(f"parameter {name!r} has no Hugging Face name")
+        rest = parts[cut:]
+        hf = [p for p in (hf_prefixes[ours],) if p]
+        if rest[0] in STACKED_PARAMS:
+            for hf_module, shard_id in STACKED_PARAMS[rest[0]]:
+                targets[".".join(hf + [hf_module, *rest[1:]])] = (param, shard_id)
+        else:
+            targets[".".join(hf + rest)] = (param, None)
+    return targets
+
+
 @torch.no_grad()
-def copy_hf_weights(
-    targets: dict[str, Target],
+def load_hf_weights(
+    targets: dict[str, HFTarget],
     weights: Iterable[tuple[str, torch.Tensor]],
     skip: Callable[[str], bool],
     canonical: Callable[[str], str] = lambda name: name,
     what: str = "checkpoint",
 ) -> None:
-    """``targets``: HF name -> the parameter (slice) it fills. ``skip(name)`` drops tensors the
-    model does not need (checked on the stored name); ``canonical`` maps accepted spellings
-    onto the target names."""
+    """Fill ``targets`` from (HF name, full tensor) pairs. ``skip(name)`` drops tensors the model
+    does not need (checked on the stored name); ``canonical`` maps accepted spellings onto the
+    target names."""
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
@@ -37,14 +70,14 @@ def copy_hf_weights(
         if target is None:
             unexpected.append(name)
             continue
-        if isinstance(target, tuple):
-            target, take = target
-            tensor = take(tensor)
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
         if name in loaded:
             raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
-        target.copy_(tensor)
+        param, shard_id = target
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"tensor {name!r} {e}") from None
         loaded.add(name)
     problems = []
     missing = sorted(set(targets) - loaded)

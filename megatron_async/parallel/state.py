@@ -1,59 +1,84 @@
-"""Tensor-parallel process group: one group spanning every rank of a torchrun job.
+"""ParallelState: this process's ranks, sizes and process groups, created once by ``LLM`` and
+passed to every model and layer that shards or communicates (no module globals).
 
-Without ``init_tensor_parallel`` (or with tp_size 1) the size is 1 and there is no group,
-so single-process code never touches torch.distributed."""
+Tensor parallelism (tp) splits heads, MLP / Mamba columns and the vocabulary; activations are
+all-reduced over ``tp_group``. Expert parallelism (ep) and attention data parallelism (dp) are
+reserved for the MoE issue: experts split over ``ep_size`` ranks while each dp rank runs its
+own requests. Today ep_size = dp_size = 1, so the world is the TP group."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-_group: dist.ProcessGroup | None = None
-_rank = 0
-_size = 1
 
+@dataclass(frozen=True)
+class ParallelState:
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: Any = None
+    """torch.distributed process group of the TP ranks (None when tp_size is 1, or in tests
+    that only load weights as rank ``tp_rank``: loading needs no communication)."""
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: Any = None
+    """Reserved: the expert-parallel group (MoE experts split ``ep_size`` ways)."""
+    dp_rank: int = 0
+    dp_size: int = 1
+    """Reserved: attention data parallelism (each dp rank an engine with its own requests)."""
 
-def init_tensor_parallel(tp_size: int, device: torch.device | str = "cpu") -> None:
-    """Join the torchrun job described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as a
-    TP group of ``tp_size`` ranks (NCCL on CUDA, gloo on CPU). The whole world is the TP
-    group: there is no data or pipeline parallelism."""
-    global _group, _rank, _size
-    if tp_size < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
-    if tp_size == 1:
-        return
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise RuntimeError(f"tensor_parallel_size={tp_size} needs a torchrun environment; unset: {', '.join(missing)}")
-    world = int(os.environ["WORLD_SIZE"])
-    if world != tp_size:
-        raise ValueError(f"tensor_parallel_size={tp_size} but WORLD_SIZE={world}; launch exactly tp_size processes")
-    if _group is not None:
-        if _size != tp_size:
-            raise RuntimeError(f"tensor parallelism already initialised with size {_size}")
-        return
-    is_cuda = torch.device(device).type == "cuda"
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if is_cuda else "gloo", rank=int(os.environ["RANK"]), world_size=world)
-    _group, _rank, _size = dist.group.WORLD, dist.get_rank(), world
+    def __post_init__(self) -> None:
+        for name in ("tp", "ep", "dp"):
+            rank, size = getattr(self, f"{name}_rank"), getattr(self, f"{name}_size")
+            if size < 1 or not 0 <= rank < size:
+                raise ValueError(f"{name}_rank {rank} / {name}_size {size}: need size >= 1 and 0 <= rank < size")
 
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.ep_size
 
-def destroy_tensor_parallel() -> None:
-    """Leave the group (tests run several TP jobs in one process's lifetime)."""
-    global _group, _rank, _size
-    if _group is not None and dist.is_initialized():
-        dist.destroy_process_group()
-    _group, _rank, _size = None, 0, 1
+    @property
+    def is_leader(self) -> bool:
+        """The rank that accepts requests, prints and writes (global rank 0)."""
+        return self.tp_rank == 0 and self.ep_rank == 0
 
+    def tp_divide(self, total: int, what: str) -> int:
+        """This rank's share of ``total`` (heads, columns, vocabulary rows); a clear error when
+        it does not divide. Raised while the model is built, identically on every rank."""
+        if total % self.tp_size:
+            raise ValueError(f"{what} ({total}) must be divisible by tensor_parallel_size ({self.tp_size})")
+        return total // self.tp_size
 
-def tp_rank() -> int:
-    return _rank
+    @classmethod
+    def from_torchrun(cls, tensor_parallel_size: int, device: torch.device | str = "cpu") -> ParallelState:
+        """Join the torchrun job described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as a
+        TP group of ``tensor_parallel_size`` ranks (NCCL on CUDA, gloo on CPU). Size 1 needs no
+        environment and creates no group."""
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if tensor_parallel_size == 1:
+            return cls()
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"tensor_parallel_size={tensor_parallel_size} needs a torchrun environment; unset: {', '.join(missing)}"
+            )
+        world = int(os.environ["WORLD_SIZE"])
+        if world != tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} but WORLD_SIZE={world}; launch exactly that many processes"
+            )
+        if not dist.is_initialized():
+            backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+            dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=world)
+        elif dist.get_world_size() != world:
+            raise RuntimeError(f"torch.distributed is already initialised with world size {dist.get_world_size()}")
+        return cls(tp_rank=dist.get_rank(), tp_size=world, tp_group=dist.group.WORLD)
 
-
-def tp_size() -> int:
-    return _size
-
-
-def tp_group() -> dist.ProcessGroup | None:
-    return _group
+    def destroy(self) -> None:
+        """Leave the process groups (tests run several TP jobs in one process's lifetime)."""
+        if self.tp_group is not None and dist.is_initialized():
+            dist.destroy_process_group()

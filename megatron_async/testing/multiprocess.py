@@ -30,8 +30,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 30.0
               env: dict[str, str] | None = None) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank (a module-level function: it is pickled
     by name); returns the results by rank. Raises RuntimeError with the child's traceback
-    if one raises, and TimeoutError (after killing them all) if any is still running
-    after ``timeout_s``."""
+    if one raises (or exits without a result), and TimeoutError (after killing them all) if
+    any is still running after ``timeout_s``."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
@@ -41,15 +41,24 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 30.0
     for p in procs:
         p.start()
     got: dict[int, tuple[bool, Any]] = {}
+    dead_since: dict[int, float] = {}
     try:
         deadline = time.monotonic() + timeout_s
         while len(got) < world_size:
             try:
-                rank, ok, value = results.get(timeout=max(0.0, deadline - time.monotonic()))
+                rank, ok, value = results.get(timeout=0.2)
+                got[rank] = (ok, value)
+                continue
             except queue.Empty:
+                pass
+            now = time.monotonic()
+            for r, p in enumerate(procs):  # a rank that exited without a result (killed, os._exit)
+                if r not in got and p.exitcode is not None:
+                    if now - dead_since.setdefault(r, now) > 2.0:  # grace: its result may still be in the pipe
+                        got[r] = (False, f"exited with code {p.exitcode} without a result")
+            if now > deadline:
                 running = sorted(set(range(world_size)) - set(got))
                 raise TimeoutError(f"ranks {running} still running after {timeout_s} s")
-            got[rank] = (ok, value)
     finally:
         for p in procs:
             p.join(timeout=5.0)

@@ -60,7 +60,7 @@ def workload_tokenizer(llm: LLM, args: argparse.Namespace):
     if llm.tokenizer is not None or args.model is not None or args.default_model != "tiny":
         return llm.tokenizer
     from megatron_async.models.tokenizer import Tokenizer
-    from megatron_async.testing.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
+    from megatron_async.models.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
 
     return Tokenizer(train_tiny_tokenizer(llm.model.vocab_size), EOS_TOKEN_ID)
 

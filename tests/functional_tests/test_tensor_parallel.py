@@ -1,6 +1,7 @@
-"""Tensor parallelism on CPU (gloo + ZMQ): 2 spawned ranks must produce exactly the tokens of
-the single-process model, identical on both ranks, for greedy and seeded top-p sampling
-with launch-ahead scheduling, and for requests rank 0 adds between steps."""
+"""Tensor parallelism on CPU (gloo + ZMQ): 2 or 3 spawned ranks must produce exactly the tokens
+of the single-process model, identical on every rank, for GPT and hybrid checkpoints and the
+built-in model; greedy and seeded top-p sampling, launch-ahead and serial scheduling, and
+requests rank 0 adds between steps. Shapes that do not divide fail at load on every rank."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
+from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
 from megatron_async.testing.hf_models import make_tiny_checkpoint
 from megatron_async.testing.multiprocess import run_ranks
 from megatron_async.tools.main_job import main
@@ -24,13 +26,18 @@ GREEDY = [SamplingParams(top_k=1, num_tokens_to_generate=n, ignore_eos=True) for
 # seed None: rank 0 draws it from the engine's generator and sends it with the request
 SAMPLED = [SamplingParams(temperature=0.9, top_p=0.8, num_tokens_to_generate=8, ignore_eos=True,
                           seed=None if i % 2 else 1000 + i) for i in range(len(PROMPTS))]
-ARRIVALS = [(0, PROMPTS[0], GREEDY[0]), (2, PROMPTS[1], SAMPLED[1]), (2, PROMPTS[2], SAMPLED[2]),
-            (5, PROMPTS[3], GREEDY[3]), (9, PROMPTS[4], SAMPLED[4])]
+ARRIVAL_STEPS = [0, 2, 2, 5, 9]
+ARRIVAL_PARAMS = [GREEDY[0], SAMPLED[1], SAMPLED[2], GREEDY[3], SAMPLED[4]]
+
+
+def prompts_for(vocab: int) -> list[list[int]]:
+    return [[t % vocab for t in p] for p in PROMPTS]
 
 
 def staggered(llm: LLM, rank: int) -> dict[int, list[int]]:
     """Every rank runs this same loop (same collective calls); only rank 0 adds requests."""
-    eng, pending, steps, outs = llm.engine, list(ARRIVALS), 0, {}
+    eng, steps, outs = llm.engine, 0, {}
+    pending = list(zip(ARRIVAL_STEPS, prompts_for(llm.model.vocab_size), ARRIVAL_PARAMS))
     while pending or eng.has_unfinished_requests():
         while pending and pending[0][0] <= steps:
             _, prompt, params = pending.pop(0)
@@ -44,18 +51,27 @@ def staggered(llm: LLM, rank: int) -> dict[int, list[int]]:
 
 
 def run_all(llm: LLM, rank: int) -> dict:
-    greedy = llm.generate(PROMPTS, GREEDY)
-    sampled = llm.generate(PROMPTS, SAMPLED)
-    return {"greedy": [o.generated_tokens for o in greedy], "sampled": [o.generated_tokens for o in sampled],
-            "staggered": staggered(llm, rank)}
+    """Launch-ahead runs (greedy, sampled, staggered arrivals), then the same batches serially."""
+    prompts, stats = prompts_for(llm.model.vocab_size), llm.engine.stats
+    result = {"greedy": [o.generated_tokens for o in llm.generate(prompts, GREEDY)],
+              "sampled": [o.generated_tokens for o in llm.generate(prompts, SAMPLED)],
+              "staggered": staggered(llm, rank)}
+    overlapped = stats.overlapped_steps
+    llm.config.async_scheduling = False  # read at every step: the same engine now runs serially
+    result["serial_greedy"] = [o.generated_tokens for o in llm.generate(prompts, GREEDY)]
+    result["serial_sampled"] = [o.generated_tokens for o in llm.generate(prompts, SAMPLED)]
+    result["overlapped"] = (overlapped, stats.overlapped_steps - overlapped)
+    llm.config.async_scheduling = True
+    return result
 
 
-def _tp_worker(rank: int, world: int, ckpt: str) -> dict:
+def _tp_worker(rank: int, world: int, ckpt: str | None) -> dict:
     llm = LLM(ckpt, inference_config=InferenceConfig(**CONFIG), tensor_parallel_size=world)
     try:
         result = run_all(llm, rank)
-        result["kv_heads"] = llm.model.kv_cache_spec().num_kv_heads
-        result["kv_cache_shape"] = tuple(llm.context.kv_caches[0].shape)
+        result["kv_cache_shape"] = tuple(llm.context.kv_caches[0].shape) if llm.context.kv_caches else None
+        mamba = llm.context.mamba
+        result["ssm_shape"] = tuple(mamba.ssm_states[0].shape) if mamba is not None else None
         if rank != 0:  # followers only receive requests
             with pytest.raises(RuntimeError, match="cannot add requests"):
                 llm.engine.add_request([1, 2, 3])
@@ -64,20 +80,98 @@ def _tp_worker(rank: int, world: int, ckpt: str) -> dict:
         llm.close()
 
 
-@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
-def test_tp2_matches_single_process(arch, tmp_path):
-    # Qwen3: 4 heads / 2 KV heads, q/k norm, head_dim 32 != hidden / heads. Llama: untied head, biases off.
-    ckpt = make_tiny_checkpoint(arch, tmp_path / "ckpt", num_attention_heads=4, num_key_value_heads=2)
-    reference = LLM(str(ckpt), inference_config=InferenceConfig(**CONFIG))
+def _check_tp(ckpt: str | None, world: int, sharded_heads: tuple[int, ...]) -> None:
+    """``sharded_heads``: dims of the KV cache / SSM state that hold heads (divided by ``world``)."""
+    reference = LLM(ckpt, inference_config=InferenceConfig(**CONFIG))
     expected = run_all(reference, 0)
-    full_kv = tuple(reference.context.kv_caches[0].shape)
-    ranks = run_ranks(_tp_worker, 2, str(ckpt), timeout_s=60)
+    full = {"kv_cache_shape": tuple(reference.context.kv_caches[0].shape) if reference.context.kv_caches else None,
+            "ssm_shape": (tuple(reference.context.mamba.ssm_states[0].shape)
+                          if reference.context.mamba is not None else None)}
+    assert expected["serial_greedy"] == expected["greedy"]
+    seeded = [i for i, sp in enumerate(SAMPLED) if sp.seed is not None]  # the others draw new seeds per run
+    assert [expected["serial_sampled"][i] for i in seeded] == [expected["sampled"][i] for i in seeded]
+    assert expected["overlapped"][0] > 0 and expected["overlapped"][1] == 0  # both modes really ran
+    assert len(expected["staggered"]) == len(ARRIVAL_STEPS)
+    ranks = run_ranks(_tp_worker, world, ckpt, timeout_s=120)
     for rank, got in enumerate(ranks):
-        assert got["kv_heads"] == 1
-        assert got["kv_cache_shape"] == full_kv[:3] + (1,) + full_kv[4:]  # half the heads, same blocks
-        for case in ("greedy", "sampled", "staggered"):
+        for key, dim in zip(("kv_cache_shape", "ssm_shape"), sharded_heads):
+            if full[key] is not None:  # this rank's heads, same blocks / slots
+                want = list(full[key])
+                want[dim] //= world
+                assert got[key] == tuple(want), f"rank {rank}, {key}"
+        for case in ("greedy", "sampled", "staggered", "serial_greedy", "serial_sampled", "overlapped"):
             assert got[case] == expected[case], f"rank {rank}, {case}"
-    assert len(expected["staggered"]) == len(ARRIVALS)
+
+
+GPT_CASES = {
+    # Qwen3: q/k norm, head_dim 32 != hidden / heads. Llama: untied head.
+    "qwen3-tp2": ("Qwen3ForCausalLM", 2, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama-tp2": ("LlamaForCausalLM", 2, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3-tp3": ("Qwen3ForCausalLM", 3, dict(num_attention_heads=6, num_key_value_heads=3, vocab_size=258,
+                                              intermediate_size=96)),
+}
+
+
+@pytest.mark.parametrize("case", list(GPT_CASES))
+def test_gpt_tp_matches_single_process(case, tmp_path):
+    arch, world, overrides = GPT_CASES[case]
+    ckpt = make_tiny_checkpoint(arch, tmp_path / "ckpt", **overrides)
+    _check_tp(str(ckpt), world, sharded_heads=(3, 1))  # kv cache [2, blocks, block, heads, dim]
+
+
+HYBRID_CASES = {
+    # NemotronH "M*M-": 4 Mamba heads in 2 groups, 4 attention heads / 2 KV heads, relu^2 MLP
+    "nemotron_h-tp2": ("NemotronHForCausalLM", 2, {}),
+    "nemotron_h-tp3": ("NemotronHForCausalLM", 3, dict(mamba_num_heads=6, n_groups=3, num_attention_heads=6,
+                                                       num_key_value_heads=3, vocab_size=129, intermediate_size=66)),
+    "bamba-tp2": ("BambaForCausalLM", 2, {}),  # partial rotary attention, SwiGLU after every mixer
+}
+
+
+@pytest.mark.parametrize("case", list(HYBRID_CASES))
+def test_hybrid_tp_matches_single_process(case, tmp_path):
+    arch, world, overrides = HYBRID_CASES[case]
+    ckpt = make_tiny_hybrid_checkpoint(arch, tmp_path / "ckpt", **overrides)
+    _check_tp(str(ckpt), world, sharded_heads=(3, 1))  # ssm state [slots, heads, head_dim, d_state]
+
+
+def test_built_in_model_is_the_same_under_tp2():
+    """The built-in model draws full tensors and keeps each rank's shard: TP=2 is the TP=1 model."""
+    _check_tp(None, 2, sharded_heads=(3, 1))
+
+
+def _bad_worker(rank: int, world: int, ckpt: str) -> None:
+    LLM(ckpt, inference_config=InferenceConfig(**CONFIG), tensor_parallel_size=world)
+
+
+def test_shapes_that_do_not_divide_fail_at_load_on_every_rank(tmp_path):
+    ckpt = make_tiny_hybrid_checkpoint("NemotronHForCausalLM", tmp_path / "ckpt", n_groups=1)
+    with pytest.raises(RuntimeError) as failed:
+        run_ranks(_bad_worker, 2, str(ckpt), timeout_s=60)  # no hang: every rank raises while building
+    report = str(failed.value)
+    assert "rank 0 failed" in report and "rank 1 failed" in report
+    assert report.count("Mamba n_groups (1) must be divisible by tensor_parallel_size (2)") >= 2
+
+
+def _dying_worker(rank: int, world: int) -> None:
+    llm = LLM(None, inference_config=InferenceConfig(**CONFIG), tensor_parallel_size=world)
+    llm.generate(PROMPTS[:2], GREEDY[:2])
+    if rank == 1:
+        os._exit(9)  # dies between steps, without a word
+    llm.generate(PROMPTS[:2], GREEDY[:2])  # the ZMQ timeout is 300 s: this must fail long before
+
+
+def test_a_dead_rank_makes_the_others_fail_clearly():
+    with pytest.raises(RuntimeError) as failed:
+        run_ranks(_dying_worker, 2, timeout_s=60)
+    report = str(failed.value)
+    assert "rank 1 failed:\nexited with code 9" in report
+    assert "CommunicatorError: rank 0: lost the connection to a peer" in report
+
+
+def test_cuda_graphs_under_tp_are_refused_before_joining_a_group():
+    with pytest.raises(ValueError, match="cuda_graphs is not supported with tensor parallelism yet"):
+        LLM(None, inference_config=InferenceConfig(**{**CONFIG, "cuda_graphs": True}), tensor_parallel_size=2)
 
 
 JOB_ARGS = ["--num-requests", "6", "--prompt-len-min", "4", "--prompt-len-max", "12", "--output-len-min", "3",

@@ -4,8 +4,9 @@ Rank 0 binds a ROUTER socket; every other rank connects a DEALER named after its
 Collectives are star-shaped through rank 0, which is plenty for the few small Python
 objects the engine exchanges per step. Every message carries the collective's sequence
 number and kind, so ranks that call different collectives fail loudly instead of
-silently pairing the wrong messages; every receive has a timeout so a dead peer raises
-instead of hanging. Payloads are pickled: only for ranks of one trusted job."""
+silently pairing the wrong messages; every receive has a timeout so a silent peer raises
+instead of hanging, and a peer whose connection drops (its process died) makes the waiting
+ranks raise at once. Payloads are pickled: only for ranks of one trusted job."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ import pickle
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 DEFAULT_PORT_OFFSET = 17
 """``from_env`` listens on MASTER_PORT + this (torch.distributed's store owns MASTER_PORT)."""
@@ -32,6 +34,7 @@ class ZMQCommunicator:
         self._seq = 0
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
         if world_size == 1:
             return
         self._ctx = zmq.Context()
@@ -44,6 +47,11 @@ class ZMQCommunicator:
             self._sock.setsockopt(zmq.IDENTITY, self._identity(rank))
             self._sock.connect(f"tcp://{host}:{port}")
         self._sock.setsockopt(zmq.LINGER, 0)
+        # Dropped connections (a peer process that died) are reported here, so waits end at once.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         # Handshake: rank 0 learns every peer's identity before it routes anything to it.
         self.barrier()
 
@@ -92,9 +100,11 @@ class ZMQCommunicator:
 
     def close(self) -> None:
         if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
             self._ctx.term()
-            self._sock = self._ctx = None
+            self._sock = self._monitor = self._ctx = None
 
     # ------------------------------------------------------------------ plumbing
     @staticmethod
@@ -108,8 +118,16 @@ class ZMQCommunicator:
         return self._seq
 
     def _poll(self, seq: int, kind: str) -> None:
-        if not self._sock.poll(self._timeout_ms):
-            raise CommunicatorError(f"rank {self.rank}: no message within {self._timeout_ms} ms in {kind} #{seq}")
+        ready = dict(self._poller.poll(self._timeout_ms))
+        if self._sock in ready:  # a message sent before its sender died is still delivered
+            return
+        if self._monitor in ready:
+            event = recv_monitor_message(self._monitor)
+            raise CommunicatorError(
+                f"rank {self.rank}: lost the connection to a peer ({event['endpoint'].decode()}) in {kind} #{seq}: "
+                "a rank exited or died"
+            )
+        raise CommunicatorError(f"rank {self.rank}: no message within {self._timeout_ms} ms in {kind} #{seq}")
 
     def _check(self, got: tuple, seq: int, kind: str, sender: str) -> Any:
         got_seq, got_kind, payload = got

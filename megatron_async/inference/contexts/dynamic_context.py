@@ -7,6 +7,7 @@ N+1's while step N's copy may still be pending); the device sees them only throu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,9 +20,11 @@ from megatron_async.inference.contexts.mamba_states import MambaStateManager
 from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch, MambaMetadata
 from megatron_async.inference.contexts.step_errors import RequestStepError, RowUndo, row_of_bad_value
 from megatron_async.inference.device import DeviceFacade
-from megatron_async.inference.engines.step_plan import StepPlan
 from megatron_async.inference.request import DynamicInferenceRequest, Status
-from megatron_async.models.base import CausalLM
+
+if TYPE_CHECKING:  # type-only: engines and models import contexts, not the reverse
+    from megatron_async.inference.engines.step_plan import StepPlan
+    from megatron_async.models.base import CausalLM
 
 
 def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int) -> list[FieldSpec]:

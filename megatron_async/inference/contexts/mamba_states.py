@@ -5,6 +5,8 @@ evicted request recomputes its state from its tokens). The last slot is a paddin
 that padded CUDA-graph rows read and write harmlessly."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from megatron_async.config import InferenceConfig
@@ -12,7 +14,9 @@ from megatron_async.inference.contexts.kv_block_allocator import BlockKey
 from megatron_async.inference.contexts.mamba_prefix_cache import MambaPrefixCache
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest
-from megatron_async.models.base import CausalLM
+
+if TYPE_CHECKING:  # type-only: models import contexts (metadata), not the reverse
+    from megatron_async.models.base import CausalLM
 
 
 class MambaStateManager:

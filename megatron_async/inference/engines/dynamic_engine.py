@@ -32,10 +32,10 @@ from megatron_async.inference.request import (
     DynamicInferenceRequest, FinishReason, InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams, Status,
 )
 from megatron_async.inference.text_stream import TextStream
-from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type-only: the engine depends on contexts, never the reverse, and not at import on controllers
     from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
+    from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 
 log = logging.getLogger("megatron_async")
 

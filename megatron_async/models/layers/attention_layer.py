@@ -1,84 +1,57 @@
-"""Self-attention of a GPT layer: fused qkv projection, optional q/k norm, RoPE, paged attention."""
+"""Self-attention mixer of GPT and hybrid models: fused qkv projection (column-parallel by
+heads), optional per-head q/k norm, RoPE on the first ``rotary_dim`` dims of each head (none
+when 0), paged attention over this rank's heads, row-parallel output projection."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from megatron_async.inference.contexts.metadata import AttentionMetadata
 from megatron_async.kernels import fused_ops
 from megatron_async.kernels.attention import attend
+from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.layers.norm import RMSNorm
 from megatron_async.models.layers.rope import apply_rotary
-from megatron_async.models.model_config import GPTConfig
-from megatron_async.models.weight_loading import Target
-from megatron_async.parallel.layers import column_parallel_linear, divide, row_parallel_linear, shard_target
-from megatron_async.parallel.state import tp_size
+from megatron_async.models.model_config import AttentionConfig
+from megatron_async.parallel.linear import QKVParallelLinear, RowParallelLinear
+from megatron_async.parallel.state import ParallelState
 
 
-class SelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, dtype: torch.dtype, device: torch.device | str):
+class Attention(nn.Module):
+    def __init__(self, hidden: int, cfg: AttentionConfig, kv_index: int, parallel: ParallelState,
+                 dtype: torch.dtype, device: torch.device | str):
+        """``kv_index``: this layer's KV cache among the model's attention layers."""
         super().__init__()
-        # Tensor parallelism: each rank owns whole query and KV heads (qkv column-parallel,
-        # o_proj row-parallel); the counts below are this rank's.
-        tp = tp_size()
-        self.num_heads = divide(cfg.num_attention_heads, tp, "num_attention_heads")
-        self.num_kv_heads = divide(cfg.num_key_value_heads, tp, "num_key_value_heads")
+        self.cfg, self.kv_index = cfg, kv_index
+        self.qkv_proj = QKVParallelLinear(hidden, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias,
+                                          parallel, dtype, device)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
-        kw = dict(dtype=dtype, device=device)
-        qkv_rows = self.q_size + 2 * self.kv_size
-        # rows: [q | k | v], so one matmul produces all three
-        self.qkv_weight = nn.Parameter(torch.empty(qkv_rows, cfg.hidden_size, **kw), requires_grad=False)
-        self.qkv_bias = nn.Parameter(torch.empty(qkv_rows, **kw), requires_grad=False) if cfg.qkv_bias else None
-        self.o_weight = nn.Parameter(torch.empty(cfg.hidden_size, self.q_size, **kw), requires_grad=False)
-        self.o_bias = nn.Parameter(torch.empty(cfg.hidden_size, **kw), requires_grad=False) if cfg.o_bias else None
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, hidden, cfg.o_bias, parallel, dtype, device,
+                                        "num_attention_heads * head_dim")
+        has_norm = cfg.qk_norm_eps is not None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.qk_norm_eps, dtype, device) if has_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.qk_norm_eps, dtype, device) if has_norm else None
 
-    def hf_targets(self, prefix: str) -> dict[str, Target]:
-        """HF tensor name -> the slice of our parameter it fills (and, under TP, the rank's
-        share of the HF tensor: q, k and v are each cut separately)."""
-        q, kv, tp = self.q_size, self.kv_size, tp_size()
-        spans = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
-        targets = {f"{prefix}.{n}.weight": shard_target(self.qkv_weight.data[a:b], 0, (b - a) * tp)
-                   for n, (a, b) in spans.items()}
-        if self.qkv_bias is not None:
-            targets.update({f"{prefix}.{n}.bias": shard_target(self.qkv_bias.data[a:b], 0, (b - a) * tp)
-                            for n, (a, b) in spans.items()})
-        targets[f"{prefix}.o_proj.weight"] = shard_target(self.o_weight.data, 1, q * tp)
-        if self.o_bias is not None:
-            targets[f"{prefix}.o_proj.bias"] = self.o_bias.data
-        if self.q_norm is not None:
-            targets[f"{prefix}.q_norm.weight"] = self.q_norm.weight.data
-            targets[f"{prefix}.k_norm.weight"] = self.k_norm.weight.data
-        return targets
+    def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.cfg.rotary_dim
+        if r == self.head_dim:
+            return apply_rotary(t, cos, sin)
+        return torch.cat([apply_rotary(t[..., :r], cos, sin), t[..., r:]], dim=-1)
 
-    def _qk_norm_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
-        if self.q_norm is None:
-            return None, None, 0.0
-        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         T = x.shape[0]
-        qkv = column_parallel_linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if fused_ops.use_fused(q):  # q/k norm and rope of q and k in one kernel
-            q, k = fused_ops.rope_qk(q, k, cos, sin, *self._qk_norm_args())
+        if step.rope is not None and fused_ops.use_fused(q):  # q/k norm and rope of q and k in one kernel
+            norm = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            q, k = fused_ops.rope_qk(q, k, *step.rope, *norm)
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attend(q, k, v, kv_cache, meta, self.scale)
-        return row_parallel_linear(out.reshape(T, self.q_size), self.o_weight, self.o_bias)
+            if step.rope is not None:
+                q, k = self._rotate(q, *step.rope), self._rotate(k, *step.rope)
+        out = attend(q, k, v, step.batch.kv_caches[self.kv_index], step.batch.attn, self.head_dim**-0.5)
+        return self.o_proj(out.reshape(T, self.q_size))

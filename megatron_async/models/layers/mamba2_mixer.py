@@ -4,78 +4,18 @@ batch. Each row reads its conv / SSM state from its slot (zeros when it has no i
 state) and its final state is written back to the slot in place."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_async.inference.contexts.metadata import MambaMetadata
 from megatron_async.kernels import mamba_ops
 from megatron_async.models.hybrid_config import MambaConfig
+from megatron_async.models.layers.block import StepInputs
+from megatron_async.models.layers.mamba_step_plan import MambaStepPlan, PaddedRows
+from megatron_async.parallel.linear import MergedColumnParallelLinear, RowParallelLinear
+from megatron_async.parallel.sharding import Sharding, sharded_param
+from megatron_async.parallel.state import ParallelState
 
-
-@dataclass
-class _PaddedRows:
-    """Rows of several tokens, laid out right-padded as [M, max_len]."""
-
-    rows: torch.Tensor  # [M] int64 row index
-    lengths: torch.Tensor  # [M] int64 tokens of each row
-    gather: torch.Tensor  # [M, max_len] int64 packed token index (pads repeat the row's last token)
-    valid: torch.Tensor  # [M, max_len] bool
-    tokens: torch.Tensor  # [V] int64 packed index of every real token ...
-    flat: torch.Tensor  # [V] int64 ... and its position in the flattened [M * max_len] layout
-
-
-@dataclass
-class MambaStepPlan:
-    """How the rows of one step split between the two paths; built once per forward and shared
-    by every Mamba layer."""
-
-    slots: torch.Tensor  # [R] int64 state slot of each row
-    has_initial_state: torch.Tensor  # [R] bool
-    single_rows: torch.Tensor  # [S] int64 rows with exactly one token ...
-    single_tokens: torch.Tensor  # [S] int64 ... and that token's packed index
-    multi: _PaddedRows | None
-    identity_order: bool  # decode-only: row r is token r, results need no scatter
-
-    @classmethod
-    def build(cls, meta: MambaMetadata) -> MambaStepPlan:
-        R = meta.num_rows
-        slots, has_init = meta.state_slots[:R], meta.has_initial_state[:R]
-        device = slots.device
-        if meta.is_decode_only:
-            # No host sync: every row is one token and row order is token order.
-            rows = torch.arange(R, device=device)
-            return cls(slots, has_init, rows, rows, None, True)
-
-        # Row lengths are needed on the host to lay multi-token rows out as a padded batch. The
-        # engine's context passes its host copy; without one (a hand-built batch) we read the
-        # device tensor: a HOST SYNC, once per step, only in steps with a multi-token row.
-        cu = meta.host_cu_query_lens
-        if cu is None:
-            cu = meta.cu_query_lens[: R + 1].tolist()
-        lengths = [cu[r + 1] - cu[r] for r in range(R)]
-        single = [r for r in range(R) if lengths[r] == 1]
-        multi = [r for r in range(R) if lengths[r] > 1]
-        max_len = max((lengths[r] for r in multi), default=0)
-        gather, valid, tokens, flat = [], [], [], []
-        for m, r in enumerate(multi):
-            gather.append([cu[r] + min(t, lengths[r] - 1) for t in range(max_len)])
-            valid.append([t < lengths[r] for t in range(max_len)])
-            tokens.extend(range(cu[r], cu[r + 1]))
-            flat.extend(range(m * max_len, m * max_len + lengths[r]))
-
-        def dev(values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        padded = None
-        if multi:
-            padded = _PaddedRows(
-                rows=dev(multi), lengths=dev([lengths[r] for r in multi]),
-                gather=dev(gather), valid=dev(valid, torch.bool), tokens=dev(tokens), flat=dev(flat),
-            )
-        return cls(slots, has_init, dev(single), dev([cu[r] for r in single]), padded, False)
 
 
 def _read_states(pool: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
@@ -99,43 +39,69 @@ def gated_rms_norm(
     return y
 
 
-class Mamba2Mixer(nn.Module):
-    def __init__(self, hidden_size: int, cfg: MambaConfig, dtype: torch.dtype, device: torch.device | str):
+class GatedGroupRMSNorm(nn.Module):
+    """Mamba2's gated RMSNorm over this rank's groups (each of ``group_size`` channels)."""
+
+    def __init__(self, cfg: MambaConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.cfg = cfg
-        kw = dict(dtype=dtype, device=device)
-        H, I = cfg.num_heads, cfg.intermediate_size
+        sharding = Sharding.split(0, cfg.intermediate_size, parallel, "Mamba n_groups * group size")
+        self.weight = sharded_param((cfg.intermediate_size // parallel.tp_size,), sharding, dtype, device)
 
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, **kw), requires_grad=False)
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        return gated_rms_norm(y, z, self.weight, c.norm_group_size, c.norm_eps, c.norm_before_gate)
 
-        self.in_proj_weight = param(cfg.in_proj_size, hidden_size)
-        self.in_proj_bias = param(cfg.in_proj_size) if cfg.proj_bias else None
-        self.conv_weight = param(cfg.conv_dim, 1, cfg.conv_kernel)  # HF nn.Conv1d layout
-        self.conv_bias = param(cfg.conv_dim) if cfg.use_conv_bias else None
-        self.dt_bias = param(H)
-        self.A_log = param(H)
-        self.D = param(H)
-        self.norm_weight = param(I)
-        self.out_proj_weight = param(hidden_size, I)
-        self.out_proj_bias = param(hidden_size) if cfg.proj_bias else None
 
-    def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
-        """HF tensor name -> our parameter it fills."""
-        names = {
-            "in_proj.weight": self.in_proj_weight, "in_proj.bias": self.in_proj_bias,
-            "conv1d.weight": self.conv_weight, "conv1d.bias": self.conv_bias,
-            "dt_bias": self.dt_bias, "A_log": self.A_log, "D": self.D, "norm.weight": self.norm_weight,
-            "out_proj.weight": self.out_proj_weight, "out_proj.bias": self.out_proj_bias,
-        }
-        return {f"{prefix}.{k}": v.data for k, v in names.items() if v is not None}
+class MambaConv1d(nn.Module):
+    """Depthwise causal conv weights over this rank's x / B / C channels (HF nn.Conv1d layout)."""
+
+    def __init__(self, cfg: MambaConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        parts = (cfg.intermediate_size, cfg.n_groups * cfg.d_state, cfg.n_groups * cfg.d_state)
+        sharding = Sharding.split(0, parts, parallel, "Mamba conv channels")
+        local = sum(parts) // parallel.tp_size
+        self.weight = sharded_param((local, 1, cfg.conv_kernel), sharding, dtype, device)
+        self.bias = sharded_param((local,), sharding, dtype, device) if cfg.use_conv_bias else None
+
+
+class Mamba2Mixer(nn.Module):
+    """Tensor parallel as Megatron's MambaMixer: this rank owns ``num_heads / tp`` heads and
+    ``n_groups / tp`` groups. in_proj is column-parallel with its z / x / B / C / dt parts each
+    split (by heads or by groups), the conv and SSM states hold only local channels and heads,
+    A / D / dt_bias are per local head, the gated norm runs over local groups, and out_proj is
+    row-parallel. A local head's group is still ``head // (heads per group)``."""
+
+    def __init__(self, hidden_size: int, cfg: MambaConfig, state_index: int, parallel: ParallelState,
+                 dtype: torch.dtype, device: torch.device | str):
+        """``state_index``: this layer's conv / SSM state pools among the model's Mamba layers."""
+        super().__init__()
+        self.cfg, self.state_index = cfg, state_index
+        self.num_heads = parallel.tp_divide(cfg.num_heads, "Mamba num_heads")
+        self.n_groups = parallel.tp_divide(cfg.n_groups, "Mamba n_groups")
+        self.intermediate = self.num_heads * cfg.head_dim
+        self.group_dim = self.n_groups * cfg.d_state
+        self.conv_dim = self.intermediate + 2 * self.group_dim
+        I, GN, H = cfg.intermediate_size, cfg.n_groups * cfg.d_state, cfg.num_heads
+        self.in_proj = MergedColumnParallelLinear(hidden_size, [I, I, GN, GN, H], cfg.proj_bias, parallel, dtype,
+                                                  device, "Mamba in_proj parts", shard_ids=("z", "x", "B", "C", "dt"))
+        self.conv1d = MambaConv1d(cfg, parallel, dtype, device)
+        per_head = Sharding.split(0, H, parallel, "Mamba num_heads")
+        self.dt_bias = sharded_param((self.num_heads,), per_head, dtype, device)
+        self.A_log = sharded_param((self.num_heads,), per_head, dtype, device)
+        self.D = sharded_param((self.num_heads,), per_head, dtype, device)
+        self.norm = GatedGroupRMSNorm(cfg, parallel, dtype, device)
+        self.out_proj = RowParallelLinear(I, hidden_size, cfg.proj_bias, parallel, dtype, device, "Mamba heads * head_dim")
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """This rank's (conv state, SSM state) shape per slot."""
+        return (self.conv_dim, self.cfg.conv_kernel - 1), (self.num_heads, self.cfg.head_dim, self.cfg.d_state)
 
     def _split_xbc(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[..., conv_dim] -> x [..., H, P], B [..., G, N], C [..., G, N]."""
-        c = self.cfg
-        xs, B, C = t.split([c.intermediate_size, c.n_groups * c.d_state, c.n_groups * c.d_state], dim=-1)
-        groups = (c.n_groups, c.d_state)
-        return xs.unflatten(-1, (c.num_heads, c.head_dim)), B.unflatten(-1, groups), C.unflatten(-1, groups)
+        xs, B, C = t.split([self.intermediate, self.group_dim, self.group_dim], dim=-1)
+        groups = (self.n_groups, self.cfg.d_state)
+        return xs.unflatten(-1, (self.num_heads, self.cfg.head_dim)), B.unflatten(-1, groups), C.unflatten(-1, groups)
 
     def _step_rows(
         self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor,
@@ -144,20 +110,20 @@ class Mamba2Mixer(nn.Module):
         """One token per row: xbc [S, conv_dim], dt [S, H] -> y [S, H, P] float32. The rows'
         states are advanced in place in their slots (distinct per real row)."""
         conv_out = mamba_ops.conv1d_decode_inplace(
-            xbc, self.conv_weight[:, 0, :], self.conv_bias, conv_pool, slots, has_init
+            xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_pool, slots, has_init
         )
         xs, B, C = self._split_xbc(conv_out)
         return mamba_ops.ssd_decode_inplace(xs, dt, self._A(), B, C, self.D.float(), ssm_pool, slots, has_init)
 
     def _scan_rows(
-        self, xbc: torch.Tensor, dt: torch.Tensor, m: _PaddedRows, slots: torch.Tensor, has_init: torch.Tensor,
+        self, xbc: torch.Tensor, dt: torch.Tensor, m: PaddedRows, slots: torch.Tensor, has_init: torch.Tensor,
         conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
     ) -> torch.Tensor:
         """Rows of several tokens, padded: xbc [T, conv_dim], dt [T, H] -> y [M * max_len, H, P] float32."""
         valid = m.valid[..., None]
         zero = torch.zeros((), dtype=xbc.dtype, device=xbc.device)
         conv_out, conv_state = mamba_ops.conv1d_prefill(
-            torch.where(valid, xbc[m.gather], zero), self.conv_weight[:, 0, :], self.conv_bias,
+            torch.where(valid, xbc[m.gather], zero), self.conv1d.weight[:, 0, :], self.conv1d.bias,
             _read_states(conv_pool, slots, has_init), m.lengths,
         )
         conv_pool.index_copy_(0, slots, conv_state.to(conv_pool.dtype))
@@ -172,13 +138,15 @@ class Mamba2Mixer(nn.Module):
     def _A(self) -> torch.Tensor:
         return -torch.exp(self.A_log.float())
 
-    def forward(
-        self, x: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, plan: MambaStepPlan
-    ) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; advances the rows' states in the pools in place."""
+    def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; advances the rows' states in this layer's pools in place."""
+        batch = step.batch
+        return self.mix(x, batch.conv_states[self.state_index], batch.ssm_states[self.state_index], step.mamba_plan)
+
+    def mix(self, x: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, plan: MambaStepPlan) -> torch.Tensor:
         cfg = self.cfg
-        T, H, I = x.shape[0], cfg.num_heads, cfg.intermediate_size
-        z, xbc, dt = F.linear(x, self.in_proj_weight, self.in_proj_bias).split([I, cfg.conv_dim, H], dim=-1)
+        T, H, I = x.shape[0], self.num_heads, self.intermediate
+        z, xbc, dt = self.in_proj(x).split([I, self.conv_dim, H], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*cfg.dt_limit)
         pools = (conv_pool, ssm_pool)
         if plan.identity_order:
@@ -192,5 +160,4 @@ class Mamba2Mixer(nn.Module):
             if m is not None:
                 y_m = self._scan_rows(xbc, dt, m, plan.slots[m.rows], plan.has_initial_state[m.rows], *pools)
                 y[m.tokens] = y_m[m.flat]
-        out = gated_rms_norm(y.view(T, I), z, self.norm_weight, cfg.norm_group_size, cfg.norm_eps, cfg.norm_before_gate)
-        return F.linear(out.to(x.dtype), self.out_proj_weight, self.out_proj_bias)
+        return self.out_proj(self.norm(y.view(T, I), z).to(x.dtype))

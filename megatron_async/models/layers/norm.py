@@ -1,4 +1,5 @@
-"""RMSNorm with Hugging Face numerics: normalise in float32, cast back, then scale."""
+"""RMSNorm with Hugging Face numerics: normalise in float32, then scale, with the pre-norm
+residual add fused in (one Triton kernel on CUDA; the torch code is the reference)."""
 from __future__ import annotations
 
 import torch
@@ -8,24 +9,45 @@ from megatron_async.kernels import fused_ops
 
 
 class RMSNorm(nn.Module):
+    cast_before_weight = True
+    """LlamaRMSNorm: cast the normalised activations back to their dtype, then multiply by the
+    weight, so bf16 results round exactly like the reference."""
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_ops.use_fused(x) and x.dtype == self.weight.dtype:
-            return fused_ops.rms_norm(x, self.weight, self.eps)
-        # The weight multiplies the already down-cast activations, as LlamaRMSNorm does, so
-        # bf16 results round exactly like the reference.
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_ops.use_fused(x) and x.dtype == self.weight.dtype:
+            return fused_ops.rms_norm(x, self.weight, self.eps, self.cast_before_weight)
+        return self._torch(x)
+
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the pre-norm residual step, one kernel when fused.
-        The sum is rounded to the activation dtype before it is normalised."""
+        The sum is rounded to the residual stream's dtype (float32 for Mamba2's
+        ``residual_in_fp32``), then cast to the weight's dtype and normalised."""
         if fused_ops.use_fused(x) and x.dtype == residual.dtype == self.weight.dtype:
-            return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return fused_ops.add_rms_norm(x, residual, self.weight, self.eps, self.cast_before_weight)
         residual = x + residual
-        return self(residual), residual
+        return self(self.in_dtype(residual)), residual
+
+    def in_dtype(self, x: torch.Tensor) -> torch.Tensor:
+        """x in the weight's dtype (a float32 residual stream is cast down before the norm)."""
+        return x if x.dtype == self.weight.dtype else x.to(self.weight.dtype)
+
+
+class NemotronRMSNorm(RMSNorm):
+    """NemotronH scales in float32 before casting back (LlamaRMSNorm casts first)."""
+
+    cast_before_weight = False
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)

@@ -1,4 +1,5 @@
 """ZMQCommunicator across 2-3 spawned processes on loopback; every receive is bounded."""
+import re
 import time
 
 import pytest
@@ -72,3 +73,32 @@ def test_world_of_one_needs_no_sockets():
 def test_rank_outside_world_is_rejected():
     with pytest.raises(ValueError, match="outside world"):
         ZMQCommunicator(2, 2, "127.0.0.1", 1)
+
+
+
+def _peer_dies(rank: int, world: int, port: int):
+    """Rank 1 dies (its socket drops without a word) while rank 0 waits in a collective with a
+    60 s timeout: rank 0 must fail at once, naming the lost connection."""
+    import os
+
+    comm = ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=60)
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(7)
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce_max([1])
+    except CommunicatorError as e:
+        raise CommunicatorError(f"{e} [waited={time.monotonic() - t0:.2f}]") from None
+    finally:
+        comm.close()
+
+
+def test_dead_peer_fails_the_waiting_rank_at_once():
+    with pytest.raises(RuntimeError) as failed:
+        run_ranks(_peer_dies, 2, free_port(), timeout_s=30)
+    report = str(failed.value)
+    assert "rank 1 failed:\nexited with code 7 without a result" in report
+    assert "rank 0: lost the connection to a peer" in report and "all_reduce_max #" in report
+    waited = float(re.search(r"\[waited=([0-9.]+)\]", report).group(1))
+    assert waited < 5.0  # not the 60 s timeout

@@ -13,8 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from megatron_async.kernels import fused_ops, triton_act, triton_rmsnorm, triton_rope  # noqa: E402
-from megatron_async.models.hybrid import NemotronRMSNorm  # noqa: E402
-from megatron_async.models.layers.norm import RMSNorm  # noqa: E402
+from megatron_async.models.layers.norm import NemotronRMSNorm, RMSNorm  # noqa: E402
 from megatron_async.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 from megatron_async.models.model_config import RopeScaling  # noqa: E402
 

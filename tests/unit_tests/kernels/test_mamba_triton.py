@@ -18,6 +18,7 @@ from megatron_async.kernels.triton_mamba_decode import causal_conv1d_update, sel
 from megatron_async.kernels.triton_ssd_prefill import causal_conv1d_prefill, ssd_scan  # noqa: E402
 from megatron_async.models.hybrid_config import MambaConfig  # noqa: E402
 from megatron_async.models.layers.mamba2_mixer import Mamba2Mixer, MambaStepPlan  # noqa: E402
+from megatron_async.parallel.state import ParallelState  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -230,22 +231,26 @@ def test_backend_selection():
     assert mamba_ops.get_mamba_backend() == MambaBackend.TORCH
 
 
-def _mixer(seed: int) -> Mamba2Mixer:
+def _mixer(seed: int, parallel: ParallelState = ParallelState()) -> Mamba2Mixer:
     cfg = MambaConfig(num_heads=4, head_dim=4, d_state=8, n_groups=2, conv_kernel=4, chunk_size=8,
                       dt_limit=(0.0, float("inf")), use_conv_bias=True, proj_bias=False, norm_eps=1e-5,
                       norm_before_gate=False)
-    mixer = Mamba2Mixer(16, cfg, torch.float32, DEVICE)
+    mixer = Mamba2Mixer(16, cfg, 0, parallel, torch.float32, DEVICE)
+    mixer.out_proj.parallel = ParallelState()  # a TP rank's partial output, before the all-reduce
     g = _gen(seed)
     for param in mixer.parameters():
         param.data.copy_(0.3 * torch.randn(param.shape, generator=g))
-    mixer.A_log.data.copy_(torch.rand(4, generator=g).log())
+    mixer.A_log.data.copy_(torch.rand(mixer.num_heads, generator=g).log())
     return mixer
 
 
-def test_mixer_mixed_step_same_on_both_backends():
+@pytest.mark.parametrize("tp_rank", [None, 1])
+def test_mixer_mixed_step_same_on_both_backends(tp_rank):
     """A step with decode rows, a fresh one-token row and ragged prefill chunks (continuing and
-    fresh) gives the same output and pool states on TRITON as on TORCH."""
-    mixer, g = _mixer(11), _gen(12)
+    fresh) gives the same output and pool states on TRITON as on TORCH; also with a tensor-
+    parallel rank's local shapes (2 of 4 heads, 1 of 2 groups)."""
+    parallel = ParallelState() if tp_rank is None else ParallelState(tp_rank=tp_rank, tp_size=2)
+    mixer, g = _mixer(11, parallel), _gen(12)
     lengths, has_init, slots = [1, 6, 1, 3, 9], [True, True, False, False, True], [5, 0, 3, 1, 6]
     cu = [0]
     for n in lengths:
@@ -256,14 +261,14 @@ def test_mixer_mixed_step_same_on_both_backends():
         is_decode_only=False, max_query_len=max(lengths), host_cu_query_lens=cu,
     )
     x = _randn(g, cu[-1], 16)
-    cfg = mixer.cfg
-    pools = (_randn(g, 8, cfg.conv_dim, 3), _randn(g, 8, cfg.num_heads, cfg.head_dim, cfg.d_state))
+    conv_shape, ssm_shape = mixer.state_shapes()  # this rank's channels and heads
+    pools = (_randn(g, 8, *conv_shape), _randn(g, 8, *ssm_shape))
     results = []
     for backend in (MambaBackend.TORCH, MambaBackend.TRITON):
         conv_pool, ssm_pool = (t.clone() for t in pools)
         try:
             mamba_ops.set_mamba_backend(backend, DEVICE)
-            out = mixer(x, conv_pool, ssm_pool, MambaStepPlan.build(meta))
+            out = mixer.mix(x, conv_pool, ssm_pool, MambaStepPlan.build(meta))
         finally:
             mamba_ops.set_mamba_backend(MambaBackend.TORCH, "cpu")
         results.append((out, conv_pool, ssm_pool))

@@ -38,7 +38,7 @@ def test_dtype_cast(ckpt):
     model, _ = load_checkpoint(ckpt, "cpu", "bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     ref = load_file(ckpt / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
-    assert torch.equal(model.layers[0].mlp.down_weight, ref.to(torch.bfloat16))
+    assert torch.equal(model.blocks[1].mixer.down_proj.weight, ref.to(torch.bfloat16))  # layer 0: attention, MLP
 
 
 def test_missing_dir(tmp_path):

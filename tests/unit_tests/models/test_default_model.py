@@ -10,7 +10,7 @@ from megatron_async.testing.tiny_tokenizer import train_tiny_tokenizer
 def test_tiny_is_seeded_and_runs():
     a, b, c = (build_default_model("tiny", seed=s) for s in (0, 0, 1))
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
-    assert not torch.equal(a.embed_weight, c.embed_weight)
+    assert not torch.equal(a.embed_tokens.weight, c.embed_tokens.weight)
     logits = SimpleSession(a, max_seqs=2, max_len=32).step([(0, [1, 2, 3]), (1, [4])])
     assert logits.shape == (4, DEFAULT_CONFIGS["tiny"]["vocab_size"]) and logits.dtype == torch.float32
     assert a.eos_token_id == 0 and a.vocab_size >= train_tiny_tokenizer().get_vocab_size()
@@ -25,7 +25,7 @@ def test_qwen3_06b_shape():
     assert 595e6 < sum(p.numel() for p in model.parameters()) < 597e6
     spec = model.kv_cache_spec()
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (28, 8, 128)
-    assert model.lm_head_weight is None  # tied
+    assert model.lm_head.is_tied
 
 
 def test_unknown_name():

@@ -1,0 +1,173 @@
+"""DecoderModel: every model family as one stack of ``Block``s (``h += mixer(norm(h))``) between
+a vocabulary-parallel embedding and LM head. GPT and hybrid models differ only in the list of
+blocks they declare (and their Hugging Face names); a new family, or a new mixer kind (MoE),
+needs no new sharding or loading code."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from megatron_async.inference.contexts.metadata import ForwardBatch
+from megatron_async.models.base import CausalLM, KVCacheSpec, MambaStateSpec
+from megatron_async.models.hybrid_config import MambaConfig
+from megatron_async.models.layers.attention_layer import Attention
+from megatron_async.models.layers.block import Block, StepInputs
+from megatron_async.models.layers.mamba2_mixer import Mamba2Mixer
+from megatron_async.models.layers.mamba_step_plan import MambaStepPlan
+from megatron_async.models.layers.mlp import build_mlp
+from megatron_async.models.layers.norm import NemotronRMSNorm, RMSNorm
+from megatron_async.models.layers.rope import RotaryEmbedding
+from megatron_async.models.model_config import AttentionConfig, LayerKind, MLPConfig
+from megatron_async.models.weight_loading import HFTarget, hf_targets, load_hf_weights
+from megatron_async.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
+from megatron_async.parallel.sharding import full_shape
+from megatron_async.parallel.state import ParallelState
+
+# Buffers some checkpoints carry that are recomputed here, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    kind: LayerKind
+    hf_norm: str
+    """HF module path of the block's norm, e.g. "model.layers.0.input_layernorm"."""
+    hf_mixer: str
+    """HF module path of its mixer, e.g. "model.layers.0.self_attn"."""
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """A model as a stack of blocks, whatever its config format (full sizes; layers shard them)."""
+
+    name: str
+    """For error messages (the architecture)."""
+    vocab_size: int
+    hidden_size: int
+    blocks: tuple[BlockSpec, ...]
+    attention: AttentionConfig | None
+    mamba: MambaConfig | None
+    mlp: MLPConfig | None
+    norm_eps: float
+    nemotron_norm: bool
+    """NemotronH's RMSNorm rounding (scale in float32, then cast)."""
+    tie_word_embeddings: bool
+    residual_in_fp32: bool
+    eos_token_id: int | None
+    max_position_embeddings: int
+    hf_embedding: str
+    hf_final_norm: str
+    hf_ignored_prefixes: tuple[str, ...] = ()
+    """Checkpoint tensors that are not part of the model (e.g. NemotronH "mtp." heads)."""
+
+
+def _mixer(kind: LayerKind, spec: DecoderSpec, index: int, parallel: ParallelState, dtype: torch.dtype,
+           device: torch.device | str) -> nn.Module:
+    """``index``: the block's number among the blocks of its kind (its cache / state slot)."""
+    if kind == LayerKind.ATTENTION:
+        return Attention(spec.hidden_size, spec.attention, index, parallel, dtype, device)
+    if kind == LayerKind.MAMBA:
+        return Mamba2Mixer(spec.hidden_size, spec.mamba, index, parallel, dtype, device)
+    if kind == LayerKind.MLP:
+        return build_mlp(spec.hidden_size, spec.mlp, parallel, dtype, device)
+    raise ValueError(f"{spec.name}: {kind.name} layers are not supported")
+
+
+class DecoderModel(CausalLM):
+    def __init__(self, spec: DecoderSpec, parallel: ParallelState, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.spec, self.parallel, self.dtype = spec, parallel, dtype
+        self.vocab_size = spec.vocab_size
+        self.eos_token_id = spec.eos_token_id
+        self.max_position_embeddings = spec.max_position_embeddings
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, parallel, dtype, device)
+        norm_cls = NemotronRMSNorm if spec.nemotron_norm else RMSNorm
+        counts = {kind: 0 for kind in LayerKind}
+        blocks = []
+        for b in spec.blocks:
+            mixer = _mixer(b.kind, spec, counts[b.kind], parallel, dtype, device)
+            blocks.append(Block(norm_cls(spec.hidden_size, spec.norm_eps, dtype, device), mixer))
+            counts[b.kind] += 1
+        self.blocks = nn.ModuleList(blocks)
+        self.num_blocks_of = counts
+        self.final_norm = norm_cls(spec.hidden_size, spec.norm_eps, dtype, device)
+        tied = self.embed_tokens if spec.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, parallel, dtype, device, tied=tied)
+        att = spec.attention
+        self.rope = None
+        if att is not None and att.rotary_dim > 0:
+            self.rope = RotaryEmbedding(att.rotary_dim, spec.max_position_embeddings, att.rope_theta,
+                                        att.rope_scaling, dtype, device)
+
+    def _mixers(self, kind: type[nn.Module]) -> list[nn.Module]:
+        return [b.mixer for b in self.blocks if isinstance(b.mixer, kind)]
+
+    def reserve_positions(self, num_positions: int) -> None:
+        """Pre-size the rope table (e.g. to max_sequence_length before CUDA-graph capture)."""
+        if self.rope is not None:
+            self.rope.reserve(num_positions)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T = input_ids.shape[0]
+        rope = None
+        if self.rope is not None:
+            self.rope.reserve(batch.attn.max_kv_len)  # a host int: growing the table never syncs
+            rope = self.rope(batch.attn.positions[:T])
+        plan = MambaStepPlan.build(batch.mamba) if self.num_blocks_of[LayerKind.MAMBA] else None
+        step = StepInputs(batch, rope, plan)
+        x, residual = self.embed_tokens(input_ids), None
+        if self.spec.residual_in_fp32:
+            x = x.float()
+        for block in self.blocks:
+            x, residual = block(x, residual, step)
+        if residual is None:
+            return self.final_norm(self.final_norm.in_dtype(x))
+        return self.final_norm.add_and_norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        attn = self._mixers(Attention)
+        if not attn:  # pure Mamba2: no KV cache; head dims only keep size arithmetic well-defined
+            return KVCacheSpec(0, 1, self.spec.mamba.head_dim)
+        return KVCacheSpec(len(attn), attn[0].num_kv_heads, attn[0].head_dim)  # this rank's KV heads
+
+    def mamba_state_spec(self) -> MambaStateSpec | None:
+        mamba = self._mixers(Mamba2Mixer)
+        if not mamba:
+            return None
+        conv_shape, ssm_shape = mamba[0].state_shapes()  # this rank's heads and channels
+        return MambaStateSpec(len(mamba), conv_shape, ssm_shape)
+
+    # ------------------------------------------------------------------ checkpoints
+    def hf_prefixes(self) -> dict[str, str]:
+        """Our module paths -> the HF module paths they stand for."""
+        names = {"embed_tokens": self.spec.hf_embedding, "final_norm": self.spec.hf_final_norm, "lm_head": "lm_head"}
+        for i, b in enumerate(self.spec.blocks):
+            names[f"blocks.{i}.norm"] = b.hf_norm
+            names[f"blocks.{i}.mixer"] = b.hf_mixer
+        return names
+
+    def hf_targets(self) -> dict[str, HFTarget]:
+        """Every HF tensor name this model needs -> (parameter, shard_id)."""
+        return hf_targets(self, self.hf_prefixes())
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The full (unsharded) shape of every HF tensor this model needs, in a fixed order."""
+        return {name: full_shape(param, shard_id) for name, (param, shard_id) in self.hf_targets().items()}
+
+    def canonical_name(self, name: str) -> str:
+        """Map an accepted alternative spelling onto the name transformers saves."""
+        return name
+
+    def _skip(self, name: str) -> bool:
+        # some tied checkpoints also store the (identical) head: skip it
+        return (name.endswith(_IGNORED_SUFFIXES) or name.startswith(self.spec.hf_ignored_prefixes)
+                or (self.lm_head.is_tied and name == "lm_head.weight"))
+
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_hf_weights(self.hf_targets(), weights, self._skip, self.canonical_name, what=self.spec.name)

@@ -1,0 +1,103 @@
+"""Tensor-parallel linear layers (Megatron-Core / nano-vllm shapes) that own their weight
+loaders and shard from full Hugging Face tensors.
+
+Column-parallel: the output features are split (input replicated, output sharded, no
+communication). Row-parallel: the input features are split and the partial products are
+summed over the TP group; the bias is added once after the sum. At tp_size 1 every layer is
+exactly ``F.linear`` with no collective, so single-GPU numerics are unchanged.
+
+Expert parallelism (the MoE issue) extends ``ParallelLinear``: an expert-sharded linear holds
+[num_local_experts, out, in] weights for the experts of ``parallel.ep_rank`` and its
+``weight_loader(param, loaded, shard_id=(expert_id, part))`` keeps only local experts (and,
+with TP inside, their column / row slices through ``Sharding``); the model's stacked-params
+mapping emits one (param, (expert, part)) target per HF expert tensor, so checkpoint loading
+needs no new code path."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_async.parallel.communication import tp_all_reduce
+from megatron_async.parallel.sharding import REPLICATED, Sharding, ShardId, sharded_param
+from megatron_async.parallel.state import ParallelState
+
+
+class ParallelLinear(nn.Module):
+    """Base: ``weight`` [out_local, in_local] and optional ``bias``, each with its weight_loader."""
+
+    def __init__(self, weight_shape: tuple[int, int], weight_sharding: Sharding, bias_shape: tuple[int, ...] | None,
+                 bias_sharding: Sharding, parallel: ParallelState, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.parallel = parallel
+        self.weight = sharded_param(weight_shape, weight_sharding, dtype, device)
+        self.bias = None if bias_shape is None else sharded_param(bias_shape, bias_sharding, dtype, device)
+
+
+class ReplicatedLinear(ParallelLinear):
+    """Every rank holds the whole weight (e.g. a MoE router)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelState,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__((out_features, in_features), REPLICATED, (out_features,) if bias else None, REPLICATED,
+                         parallel, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ParallelLinear):
+    """Several column-parallel outputs in one matmul (gate_up, Mamba's z/x/B/C/dt): each part is
+    split across ranks separately, so this rank's output is [part0_local | part1_local | ...].
+    ``shard_ids`` name the parts (the HF tensors stacked here); a checkpoint that stores them
+    already concatenated loads with shard_id None."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, parallel: ParallelState,
+                 dtype: torch.dtype, device: torch.device | str, what: str = "output features",
+                 shard_ids: tuple[ShardId, ...] | None = None):
+        ids = tuple(range(len(output_sizes))) if shard_ids is None else tuple(shard_ids)
+        w = Sharding.split(0, tuple(output_sizes), parallel, what, ids)
+        self.output_sizes = [s // parallel.tp_size for s in output_sizes]
+        out = sum(self.output_sizes)
+        super().__init__((out, in_features), w, (out,) if bias else None, w, parallel, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(MergedColumnParallelLinear):
+    """One column-parallel output (this rank's ``out_features / tp`` rows)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelState,
+                 dtype: torch.dtype, device: torch.device | str, what: str = "output features"):
+        super().__init__(in_features, [out_features], bias, parallel, dtype, device, what, shard_ids=(None,))
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """Fused q/k/v projection; each rank owns whole query and KV heads (shard ids "q", "k", "v").
+    GQA: KV heads must divide the TP size (no KV-head replication)."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 parallel: ParallelState, dtype: torch.dtype, device: torch.device | str):
+        self.num_heads = parallel.tp_divide(num_heads, "num_attention_heads")
+        self.num_kv_heads = parallel.tp_divide(num_kv_heads, "num_key_value_heads")
+        self.head_dim = head_dim
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden, sizes, bias, parallel, dtype, device, "attention heads", shard_ids=("q", "k", "v"))
+
+
+class RowParallelLinear(ParallelLinear):
+    """Input features split; the output is summed over the TP group (full on every rank)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelState,
+                 dtype: torch.dtype, device: torch.device | str, what: str = "input features"):
+        w = Sharding.split(1, in_features, parallel, what)
+        local_in = in_features // parallel.tp_size
+        super().__init__((out_features, local_in), w, (out_features,) if bias else None, REPLICATED,
+                         parallel, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = tp_all_reduce(F.linear(x, self.weight), self.parallel)
+        return out if self.bias is None else out + self.bias

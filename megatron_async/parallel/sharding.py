@@ -1,0 +1,100 @@
+"""How one parameter is cut from FULL Hugging Face tensors, and its ``weight_loader``.
+
+Every parameter of a parallel layer carries ``param.weight_loader(param, loaded_weight,
+shard_id=None)`` (the nano-vllm / vLLM protocol): ``loaded_weight`` is the full checkpoint
+tensor, ``shard_id`` names which of the HF tensors stacked into this parameter it is (q / k /
+v of a fused qkv, gate / up of a fused MLP; None = the parameter's whole full tensor). The
+loader keeps this rank's slice and raises ValueError on a mis-shaped tensor. A parameter
+along whose ``dim`` several parts are concatenated holds, in part order, this rank's equal
+slice of every part: that is how q/k/v heads, gate/up columns and Mamba's z/x/B/C/dt
+channels stay aligned on each rank."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+from torch import nn
+
+from megatron_async.parallel.state import ParallelState
+
+ShardId = Hashable
+
+
+@dataclass(frozen=True)
+class Sharding:
+    dim: int | None
+    """The split dim; None = replicated (every rank holds the full tensor)."""
+    full_sizes: tuple[int, ...] = ()
+    """Full size of each part along ``dim``, in the order they are concatenated."""
+    shard_ids: tuple[ShardId, ...] = ()
+    """The ``shard_id`` of each part; () = one part, loaded with shard_id None."""
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @classmethod
+    def split(cls, dim: int, full_sizes: tuple[int, ...] | int, parallel: ParallelState, what: str,
+              shard_ids: tuple[ShardId, ...] = ()) -> Sharding:
+        """Each part split evenly over the TP ranks; ValueError naming ``what`` if one does not divide."""
+        sizes = (full_sizes,) if isinstance(full_sizes, int) else tuple(full_sizes)
+        for size in sizes:
+            parallel.tp_divide(size, what)
+        return cls(dim, sizes, shard_ids, parallel.tp_rank, parallel.tp_size)
+
+    def _part(self, shard_id: ShardId) -> int | None:
+        if shard_id is None:
+            return None
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"unknown shard_id {shard_id!r} (this parameter stacks {list(self.shard_ids)})")
+        return self.shard_ids.index(shard_id)
+
+    def full_shape(self, local_shape: tuple[int, ...], shard_id: ShardId = None) -> tuple[int, ...]:
+        """Shape of the checkpoint tensor that fills ``shard_id`` of a parameter of ``local_shape``."""
+        if self.dim is None:
+            return tuple(local_shape)
+        part = self._part(shard_id)
+        shape = list(local_shape)
+        shape[self.dim] = sum(self.full_sizes) if part is None else self.full_sizes[part]
+        return tuple(shape)
+
+    @torch.no_grad()
+    def load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        """The ``weight_loader``: copy this rank's slice(s) of ``loaded`` into ``param``."""
+        expected = self.full_shape(tuple(param.shape), shard_id)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"has shape {tuple(loaded.shape)}, the model expects {expected}")
+        if self.dim is None:
+            param.copy_(loaded)
+            return
+        part = self._part(shard_id)
+        parts = range(len(self.full_sizes)) if part is None else [part]
+        full_offsets = [sum(self.full_sizes[:i]) for i in range(len(self.full_sizes))]
+        local_offsets = [o // self.tp_size for o in full_offsets]
+        for i in parts:
+            local = self.full_sizes[i] // self.tp_size
+            src_start = (0 if part is not None else full_offsets[i]) + self.tp_rank * local
+            param.narrow(self.dim, local_offsets[i], local).copy_(loaded.narrow(self.dim, src_start, local))
+
+
+REPLICATED = Sharding(None)
+
+
+def sharded_param(shape: tuple[int, ...], sharding: Sharding, dtype: torch.dtype,
+                  device: torch.device | str) -> nn.Parameter:
+    """An uninitialised inference parameter of this rank's ``shape`` that loads itself from
+    full checkpoint tensors (``param.weight_loader``; ``param.sharding`` describes the cut)."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    param.sharding = sharding
+    param.weight_loader = sharding.load
+    return param
+
+
+@torch.no_grad()
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+    """Loader of plain (replicated) parameters such as norm weights."""
+    REPLICATED.load(param, loaded, shard_id)
+
+
+def full_shape(param: torch.Tensor, shard_id: ShardId = None) -> tuple[int, ...]:
+    """The checkpoint shape that fills ``shard_id`` of ``param`` (replicated if it has no sharding)."""
+    return getattr(param, "sharding", REPLICATED).full_shape(tuple(param.shape), shard_id)
