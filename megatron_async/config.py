@@ -13,6 +13,14 @@ class AttentionBackend(str, Enum):
     AUTO = "auto"  # triton on CUDA when importable, else torch
 
 
+class SamplingBackend(str, Enum):
+    """Which sampler draws the tokens (both give the same tokens; see sampling.py)."""
+
+    TORCH = "torch"  # the pure-torch reference (full-vocabulary sorts when filtering)
+    TRITON = "triton"  # sort-free Triton kernels (CUDA, or CPU with TRITON_INTERPRET=1)
+    AUTO = "auto"  # triton on CUDA when importable, else torch
+
+
 class MambaBackend(str, Enum):
     """Which SSM / conv1d implementation the Mamba mixers call."""
 
@@ -78,6 +86,9 @@ class InferenceConfig:
     ``new_text=None`` and a request's text is decoded once, when it finishes (string stop
     words still decode their own requests as they go)."""
 
+    sampling_backend: SamplingBackend = SamplingBackend.AUTO
+    """Sampling (penalties, temperature, top-k / top-p / min-p, draws) implementation."""
+
     logging_step_interval: int = 0
     """Log (and time, with one device sync) every N steps; 0 = never."""
 
@@ -101,3 +112,4 @@ class InferenceConfig:
             )
         self.attention_backend = AttentionBackend(self.attention_backend)
         self.mamba_backend = MambaBackend(self.mamba_backend)
+        self.sampling_backend = SamplingBackend(self.sampling_backend)

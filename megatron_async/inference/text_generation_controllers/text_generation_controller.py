@@ -19,6 +19,7 @@ from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.request import DynamicInferenceRequest
 from megatron_async.inference.stop_conditions import finish_reason
 from megatron_async.inference.text_generation_controllers import sampling
+from megatron_async.inference.text_generation_controllers.sampler import Sampler
 from megatron_async.models.base import CausalLM
 
 
@@ -45,6 +46,7 @@ class TextGenerationController:
         self._host_ring = [self._host_buffers(R) for _ in range(3)]
         self._ring = 0
         self.graphs = None  # CudaGraphRunner, when enabled
+        self.sampler = Sampler(context.config.sampling_backend, dev, context.sampling_state)
 
     def _host_buffers(self, R: int) -> dict[str, torch.Tensor]:
         pin = self.device.is_cuda
@@ -115,10 +117,7 @@ class TextGenerationController:
             hidden = self.model(input_ids, batch)
             logits = self.model.compute_logits(hidden[g.sample_token_idx[:R]])
         with nvtx_range("sampling"):
-            tokens = sampling.sample(
-                logits, g.temperature[:R], g.top_k[:R], g.top_p[:R], g.seed[:R], g.sample_position[:R],
-                any_random=shape.any_sampling, any_filter=shape.any_top_k_top_p,
-            )
+            tokens = self.sampler(logits, g, R, shape.any_sampling, shape.filters, shape.any_penalties)
             self.last_samples[:R].copy_(tokens)
             log_probs = top_vals = top_ids = None
             if shape.any_log_probs or shape.max_top_n > 0:
