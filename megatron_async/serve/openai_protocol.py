@@ -4,7 +4,6 @@
 a token count."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -110,16 +109,6 @@ def parse_body(model: type[_Strict], body: Any) -> Any:
         raise BadRequest(f"{loc or 'body'}: {err['msg']} (got {err.get('input')!r:.80})", loc or None) from None
 
 
-def _supports(name: str) -> bool:
-    return any(f.name == name for f in dataclasses.fields(SamplingParams))
-
-
-# Request fields that map onto a SamplingParams field of the same meaning, with the value that
-# means "off": a request may only use them where this engine's SamplingParams has them.
-_OPTIONAL_FIELDS = {"min_p": 0.0, "min_tokens": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                    "repetition_penalty": 1.0, "skip_special_tokens": True, "include_stop_str_in_output": False}
-
-
 def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """The engine's SamplingParams for one choice. ``logprobs``: None = none, k >= 0 = the sampled
     token's log-prob plus the top k."""
@@ -130,17 +119,13 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None)
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     if stop is not None and any(not s for s in stop):
         raise BadRequest("stop strings must not be empty", "stop")
-    kwargs: dict[str, Any] = {}
-    for name, off in _OPTIONAL_FIELDS.items():
-        value = getattr(req, name)
-        if value != off:
-            if not _supports(name):
-                raise BadRequest(f"{name} is not supported by this engine", name)
-            kwargs[name] = value
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_k=top_k, top_p=top_p, num_tokens_to_generate=max_tokens, ignore_eos=req.ignore_eos, seed=req.seed,
-        return_log_probs=logprobs is not None, top_n_logprobs=logprobs or 0, stop_words=stop or None, **kwargs,
+        return_log_probs=logprobs is not None, top_n_logprobs=logprobs or 0, stop_words=stop or None,
+        min_tokens=req.min_tokens, min_p=req.min_p, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
     )
 
 

@@ -132,6 +132,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=checked(float, 0.0, 1.0), default=0.0, help="0 = off")
     g.add_argument("--seed", type=checked(int, 0, 2**63 - 1), default=0,
                    help="seeds the workload and the engine's per-request seeds")
+    g.add_argument("--min-p", type=checked(float, 0.0, 1.0), default=0.0,
+                   help="keep tokens with probability >= min_p x the top token's; 0 = off")
+    g.add_argument("--min-tokens", type=NON_NEGATIVE_INT, default=0, help="no EOS / stop before this many tokens")
+    g.add_argument("--presence-penalty", type=checked(float, -2.0, 2.0), default=0.0)
+    g.add_argument("--frequency-penalty", type=checked(float, -2.0, 2.0), default=0.0)
+    g.add_argument("--repetition-penalty", type=checked(float, 0.01), default=1.0, help="1 = off")
     g.add_argument("--return-log-probs", action="store_true")
     g.add_argument("--top-n-logprobs", type=NON_NEGATIVE_INT, default=0, help="log-probs of the N likeliest tokens per step")
     g.add_argument("--stop-words", nargs="+", default=None, metavar="TEXT", help="stop when the output contains one")
@@ -218,7 +224,9 @@ def sampling_factory(args: argparse.Namespace) -> Callable[[WorkloadRequest], Sa
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             num_tokens_to_generate=req.output_len, ignore_eos=ignore_eos,
             return_log_probs=args.return_log_probs, top_n_logprobs=args.top_n_logprobs,
-            termination_id=args.termination_id, stop_words=args.stop_words,
+            termination_id=args.termination_id, stop_words=args.stop_words, min_p=args.min_p,
+            min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
         )
 
     return make

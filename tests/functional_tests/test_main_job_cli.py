@@ -57,6 +57,8 @@ def test_summary_shows_ttft_and_tpot(capsys):
     (["--temperature", "nan"], "--temperature"),
     (["--top-p", "1.5"], "--top-p"),
     (["--top-k", "-2"], "--top-k"),
+    (["--min-p", "1.5"], "--min-p"),
+    (["--presence-penalty", "3"], "--presence-penalty"),
     (["--num-tokens-to-generate", "0"], "--num-tokens-to-generate"),
     (["--num-tokens-to-generate", "2.5"], "--num-tokens-to-generate"),
     (["--max-requests", "0"], "--max-requests"),
@@ -137,3 +139,12 @@ def test_request_timing_percentiles():
     assert t.tpot == 0.5  # (3.5 - 2.0) / 3
     assert percentile([], 50) is None and percentile([3.0], 99) == 3.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([1.0, 2.0, 3.0, 4.0], 100) == 4.0
+
+
+def test_penalty_flags_reach_the_engine(tmp_path):
+    flags = ("--num-requests", "3", "--num-tokens-to-generate", "12")
+    _, plain = _run(tmp_path, *flags, name="plain.json")
+    _, penalized = _run(tmp_path, *flags, "--repetition-penalty", "1.8", "--presence-penalty", "1.0",
+                        name="pen.json")
+    assert [r["prompt_tokens"] for r in plain] == [r["prompt_tokens"] for r in penalized]
+    assert [r["generated_tokens"] for r in plain] != [r["generated_tokens"] for r in penalized]
