@@ -50,6 +50,12 @@ def test_sampling_mapping_uses_engine_conventions():
     assert sp.num_tokens_to_generate == 7 and sp.temperature == 1.0 and not sp.return_log_probs
     sp = sampling_params(parse_body(CompletionRequest, {"prompt": "x", "top_p": 0.9, "temperature": 0}), 4, 2)
     assert sp.top_p == 0.9 and sp.is_greedy and sp.return_log_probs and sp.top_n_logprobs == 2
+    sp = sampling_params(parse_body(CompletionRequest, {
+        "prompt": "x", "min_p": 0.1, "min_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+        "repetition_penalty": 1.3, "skip_special_tokens": False, "include_stop_str_in_output": True}), 4, None)
+    assert (sp.min_p, sp.min_tokens, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (
+        0.1, 2, 0.5, -0.5, 1.3)
+    assert not sp.skip_special_tokens and sp.include_stop_str_in_output
     with pytest.raises(BadRequest, match="logit_bias"):
         sampling_params(parse_body(CompletionRequest, {"prompt": "x", "logit_bias": {"1": 2.0}}), 4, None)
     with pytest.raises(BadRequest, match="stop"):
