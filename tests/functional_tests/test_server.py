@@ -157,7 +157,9 @@ def test_disconnect_while_waiting_for_a_whole_answer_aborts(server):
     with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
-        time.sleep(0.2)  # admitted and running
+        deadline = time.monotonic() + 20
+        while metrics(server)["megatron_async_num_requests_running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)  # close only once it runs (closing earlier is no work at all: no abort)
     deadline = time.monotonic() + 20
     while metrics(server).get(abort_key, 0.0) < aborted + 1 and time.monotonic() < deadline:
         time.sleep(0.1)
