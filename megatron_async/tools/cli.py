@@ -97,6 +97,7 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--max-sequence-length", type=POSITIVE_INT, default=None)
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--prefix-caching", action="store_true")
+    g.add_argument("--batch-invariant", action="store_true", help="batch-invariant numerics (InferenceConfig.batch_invariant)")
     if mode_flags:
         g.add_argument("--serial", action="store_true", help="turn launch-ahead (async scheduling) off")
         g.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
@@ -119,7 +120,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len-min", type=POSITIVE_INT, default=None)
     g.add_argument("--output-len-max", type=POSITIVE_INT, default=None)
     g.add_argument("--arrival-rate", type=checked(float, 0.0), default=0.0,
-                   help="mean requests per step (Poisson); 0 = all at once")
+                   help="mean requests per engine step (Poisson, deterministic schedule); 0 = all at once")
+    g.add_argument("--request-rate", type=checked(float, 0.0), default=0.0,
+                   help="mean requests per second of wall clock (Poisson arrivals, serving-like); 0 = off")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -186,6 +189,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "max_sequence_length": args.max_sequence_length,
         "enable_chunked_prefill": not args.no_chunked_prefill,
         "enable_prefix_caching": args.prefix_caching,
+        "batch_invariant": args.batch_invariant,
         "async_scheduling": not getattr(args, "serial", False),
         "cuda_graphs": getattr(args, "cuda_graphs", False),
         "logging_step_interval": args.logging_step_interval,
@@ -211,7 +215,7 @@ def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
     if getattr(args, "num_tokens_to_generate", None) is not None:
         out_min = out_max = args.num_tokens_to_generate
     return WorkloadSpec(args.num_requests, args.prompt_len_min, args.prompt_len_max, out_min, out_max,
-                        args.arrival_rate, args.seed)
+                        args.arrival_rate, args.seed, request_rate=args.request_rate)
 
 
 def sampling_factory(args: argparse.Namespace) -> Callable[[WorkloadRequest], SamplingParams]:

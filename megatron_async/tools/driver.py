@@ -1,10 +1,13 @@
-"""Drive an engine through a workload: requests are added at their arrival step, and every
-``engine.step()`` is timed on the host (in steady async decode that equals the device step)."""
+"""Drive an engine through a workload: requests are added at their arrival step and wall-clock
+arrival time, every ``engine.step()`` is timed on the host (in steady async decode that equals
+the device step), and each token's landing time on the host gives TTFT and inter-token latency."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
+
+import numpy as np
 
 from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron_async.inference.engines.engine_stats import EngineStats
@@ -83,6 +86,29 @@ class WorkloadRun:
         rows = [s.num_rows for s in self.steps if s.decode_only]
         return sum(rows) / len(rows) if rows else 0.0
 
+    @property
+    def ttft(self) -> list[float]:
+        """Seconds from each request's arrival (its ``add_request``) to its first token on the host."""
+        return [t.ttft for t in self.timings if t is not None and t.ttft is not None]
+
+    @property
+    def tpot(self) -> list[float]:
+        """Each finished request's mean time per output token after the first."""
+        return [t.tpot for t in self.timings if t is not None and t.tpot is not None]
+
+    @property
+    def itl(self) -> list[float]:
+        """Seconds between consecutive tokens of a request landing on the host (all requests)."""
+        return [g for t in self.timings if t is not None for g in t.gaps]
+
+    def latency_ms(self) -> dict[str, float | None]:
+        """TTFT, TPOT and inter-token latency p50 / p99 in ms (None without samples)."""
+        out = {}
+        for name, xs in (("ttft", self.ttft), ("tpot", self.tpot), ("itl", self.itl)):
+            for q in (50, 99):
+                out[f"{name}_p{q}_ms"] = float(1e3 * np.percentile(xs, q)) if xs else None
+        return out
+
 
 class StatsWindow:
     """Counts engine events from its creation on (e.g. after a warm-up run): it gives the
@@ -109,8 +135,10 @@ def run_workload(
 ) -> WorkloadRun:
     """Run ``requests`` to completion (or until ``deadline``, a ``time.perf_counter()`` value).
 
-    A request the engine rejects at admission gets an output with ``finish_reason="error"``."""
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_step)
+    A request is added once ``arrival_step`` steps ran and ``arrival_time`` seconds passed; an
+    idle engine sleeps until the next arrival. A request the engine rejects at admission gets
+    an output with ``finish_reason="error"``."""
+    order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_step, requests[i].arrival_time))
     outputs: dict[int, RequestOutput] = {}
     timings: dict[int, RequestTiming] = {}  # by request id
     index_of: dict[int, int] = {}
@@ -119,14 +147,19 @@ def run_workload(
     t0 = time.perf_counter()
     while nxt < len(order) or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():
-            step = max(step, requests[order[nxt]].arrival_step)  # idle engine: jump to the next arrival
-        while nxt < len(order) and requests[order[nxt]].arrival_step <= step:
+            head = requests[order[nxt]]
+            step = max(step, head.arrival_step)  # idle engine: jump to the next arrival
+            wait = head.arrival_time - (time.perf_counter() - t0)
+            if wait > 0:
+                time.sleep(wait)
+        now = time.perf_counter() - t0
+        while nxt < len(order) and requests[order[nxt]].arrival_step <= step and requests[order[nxt]].arrival_time <= now:
             i = order[nxt]
             nxt += 1
             try:
                 rid = engine.add_request(requests[i].prompt, make_params(requests[i]))
                 index_of[rid] = i
-                timings[rid] = RequestTiming(time.perf_counter() - t0)
+                timings[rid] = RequestTiming(now)
             except InvalidRequestError as e:
                 outputs[i] = RequestOutput(-1, list(requests[i].prompt), [], None, "error", error=str(e))
         if not engine.has_unfinished_requests():

@@ -56,11 +56,6 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def _ms(values: list[float], q: float) -> float | None:
-    p = percentile(values, q)
-    return None if p is None else 1e3 * p
-
-
 def peak_gpu_memory_gb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
@@ -68,10 +63,6 @@ def peak_gpu_memory_gb(device: torch.device) -> float | None:
 def summarize(run: WorkloadRun, stats: EngineStats, device: torch.device) -> RunSummary:
     done = [o for o in run.outputs if o is not None]
     failed = sum(o.finish_reason == "error" for o in done)
-    timings = [t for t in run.timings if t is not None]
-    ttft = [t.ttft for t in timings if t.ttft is not None]
-    tpot = [t.tpot for t in timings if t.tpot is not None]
-    itl = [g for t in timings for g in t.gaps]
     return RunSummary(
         requests=len(run.outputs),
         finished_requests=len(done) - failed,
@@ -91,9 +82,7 @@ def summarize(run: WorkloadRun, stats: EngineStats, device: torch.device) -> Run
         prefix_hit_tokens=stats.prefix_hit_tokens,
         peak_gpu_memory_gb=peak_gpu_memory_gb(device),
         timed_out=run.timed_out,
-        ttft_p50_ms=_ms(ttft, 50), ttft_p99_ms=_ms(ttft, 99),
-        tpot_p50_ms=_ms(tpot, 50), tpot_p99_ms=_ms(tpot, 99),
-        itl_p50_ms=_ms(itl, 50), itl_p99_ms=_ms(itl, 99),
+        **run.latency_ms(),
     )
 
 
@@ -122,3 +111,4 @@ def format_summary(s: RunSummary) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+

@@ -73,3 +73,5 @@ class ForwardBatch:
     """Hybrid: one per Mamba layer, [num_slots, conv_dim, d_conv - 1]."""
     ssm_states: list[torch.Tensor] = field(default_factory=list)
     """Hybrid: one per Mamba layer, [num_slots, num_heads, head_dim, d_state]."""
+    batch_invariant: bool = False
+    """Run the batch-invariant kernels (``InferenceConfig.batch_invariant``)."""
