@@ -1,5 +1,8 @@
 from setuptools import find_packages, setup
 
+SERVE = ["fastapi", "uvicorn", "prometheus-client", "jinja2"]
+REAL = ["gguf", "accelerate", "transformers>=4.50"]
+
 setup(
     name="megatron_async",
     version="0.1.0",
@@ -8,7 +11,11 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy", "safetensors", "tokenizers", "pyzmq"],
     extras_require={
-        "test": ["pytest", "hypothesis", "transformers>=4.50", "triton"],
+        # The server (python -m megatron_async.serve).
+        "serve": SERVE,
+        # The real-model checkpoint builder (scripts/fetch_smollm2.py): transformers reads GGUF.
+        "real": REAL,
+        "test": ["pytest", "hypothesis", "transformers>=4.50", "triton", "openai", *SERVE, *REAL],
         "gpu": ["triton"],
         "bench": ["matplotlib", "transformers>=4.50"],
     },

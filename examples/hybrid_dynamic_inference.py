@@ -5,7 +5,9 @@ Same flags as gpt_dynamic_inference.py, but --model is required: there is no bui
 
     python examples/hybrid_dynamic_inference.py --model /path/to/nemotron_h_checkpoint
 """
-from megatron_async.tools.main_job import main
+import sys
+
+from megatron_async.tools.main_job import cli_main
 
 if __name__ == "__main__":
-    main(description=__doc__.splitlines()[0], require_model=True)
+    sys.exit(cli_main(__doc__.splitlines()[0], require_model=True))

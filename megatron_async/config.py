@@ -104,6 +104,16 @@ class InferenceConfig:
     nvtx_ranges: bool = False
     """Wrap every stage in an NVTX range (off = no cost)."""
 
+    batch_invariant: bool = False
+    """Batch-invariant numerics: a request's logits (so its tokens and log-probs) are bit
+    for bit the same whatever else shares its steps, however its prompt was chunked, with or
+    without CUDA-graph padding, prefix-cache hits or launch-ahead. Every matmul runs a
+    fixed-tile Triton kernel, RMSNorm / log-softmax reduce each row alone, attention walks
+    each row's keys in one fixed order (the same kernel for prefill and decode), and the TP
+    sum adds ranks in a fixed order (same TP size only). Models of attention and MLP blocks
+    (GPT; not Mamba2 layers); needs Triton (CUDA, or
+    CPU with ``TRITON_INTERPRET=1``). Costs throughput; off = today's kernels, no extra work."""
+
     seed: int = 1234
     """Seed of the engine's generator that gives seeds to requests that bring none."""
 

@@ -34,6 +34,19 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def _check_batch_invariant(model: torch.nn.Module, device: torch.device) -> None:
+    """Batch-invariant numerics run Triton kernels in attention / MLP layers only: say so up front."""
+    if not getattr(model, "supports_batch_invariant", False):
+        raise ValueError(f"batch_invariant is not supported for {type(model).__name__}: attention + MLP models "
+                         "only (GPT; not Mamba2 layers)")
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise ValueError("batch_invariant needs triton") from e
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("batch_invariant runs Triton kernels: use device='cuda', or set TRITON_INTERPRET=1 on CPU")
+
+
 class LLM:
     def __init__(
         self,
@@ -90,6 +103,8 @@ class LLM:
             self.model, _ = load_checkpoint(model, self.device, self.dtype, self.parallel)
             self.tokenizer = load_tokenizer(model)
         self.model.eval()
+        if self.config.batch_invariant:
+            _check_batch_invariant(self.model, self.device)
         self._fit_max_sequence_length()
         self.model.reserve_positions(self.config.max_sequence_length)
         tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None

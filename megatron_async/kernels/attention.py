@@ -40,13 +40,15 @@ def attend(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Append this step's k/v ([T, KVH, D]) to the paged cache, then attend q ([T, H, D]).
 
-    Returns [T, H, D] in q's dtype."""
-    if _backend == AttentionBackend.TRITON:
+    ``batch_invariant``: the Triton fixed-order path whatever the backend (see
+    ``attention_triton.attend``). Returns [T, H, D] in q's dtype."""
+    if batch_invariant or _backend == AttentionBackend.TRITON:
         from megatron_async.kernels import attention_triton
 
-        return attention_triton.attend(q, k, v, kv_cache, meta, scale)
+        return attention_triton.attend(q, k, v, kv_cache, meta, scale, fixed_order=batch_invariant)
     attention_torch.write_kv(kv_cache, k, v, meta.slot_mapping[: meta.num_tokens])
     return attention_torch.paged_attention(q, kv_cache, meta, scale)

@@ -24,10 +24,19 @@ def attend(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    fixed_order: bool = False,
 ) -> torch.Tensor:
     """Append k/v ([T, KVH, D]) at ``meta.slot_mapping[:T]``, then attend q ([T, H, D]) over
-    each row's paged KV. Returns [T, H, D] in q's dtype."""
+    each row's paged KV. Returns [T, H, D] in q's dtype.
+
+    ``fixed_order`` (batch-invariant mode): every row, decode or prefill chunk, goes through
+    the one varlen kernel in its fixed-order mode, which walks the row's keys from position 0
+    in BLOCK_N tiles with the same masked online-softmax update for every tile. A query's
+    bits then depend only on its position and the K/V it reads back from the cache (the new
+    tokens too are read after the append, never from the un-stored k/v), not on the step's
+    batch, on how its prompt was chunked, or on decode vs prefill. No split-K: a long row is
+    one program per (query tile, KV head)."""
     append_kv(kv_cache, k, v, meta.slot_mapping)
-    if meta.is_decode_only:
+    if meta.is_decode_only and not fixed_order:
         return decode_attention(q, kv_cache, meta, scale)
-    return prefill_attention(q, kv_cache, meta, scale)
+    return prefill_attention(q, kv_cache, meta, scale, fixed_order=fixed_order)

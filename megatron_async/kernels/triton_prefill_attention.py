@@ -54,7 +54,7 @@ def _attend_keys(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one binary for any row count (batch-invariant mode)
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -83,6 +83,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FIXED_ORDER: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,6 +121,12 @@ def _prefill_kernel(
     # Keys below every query's position (and kv_len) need no mask; the rest do.
     no_mask_end = tl.minimum(kv_len, tl.min(tl.where(m_valid, pos, kv_len), 0) + 1)
     no_mask_end = no_mask_end // BLOCK_N * BLOCK_N  # whole tiles only: the unmasked pass has no tail mask
+    if FIXED_ORDER:
+        # Where the unmasked pass ends depends on the tile's other queries, and the two passes
+        # may round differently (the compiler may contract the scaled score into an FMA only
+        # when no mask sits between). One masked pass from key 0: a tile wholly invisible to
+        # a query is an exact no-op for it (alpha 1, p 0).
+        no_mask_end = no_mask_end * 0
     end = tl.minimum(kv_len, tl.max(pos, 0) + 1)
 
     table_ptr = block_table_ptr + row.to(tl.int64) * stride_bt
@@ -137,11 +144,13 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
 
 
-def prefill_tiles(group: int, device: torch.device) -> tuple[int, int]:
+def prefill_tiles(group: int, device: torch.device, fixed_order: bool = False) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_N): ~64 matrix rows per program on GPU; small tiles on CPU so tiny
-    test shapes still cross tile boundaries."""
+    test shapes still cross tile boundaries. ``fixed_order`` (batch-invariant mode, where
+    decode rows run here too): 16 matrix rows, the decode kernel's size, so a decode row
+    (one token: GROUP real rows) does not pay for 64."""
     block_g = max(1, triton.next_power_of_2(group))
-    rows = 16 if device.type == "cpu" else 64
+    rows = 16 if device.type == "cpu" or fixed_order else 64
     return max(1, rows // block_g), 16 if device.type == "cpu" else 64
 
 
@@ -152,11 +161,13 @@ def prefill_attention(
     scale: float,
     block_q: int | None = None,
     block_n: int | None = None,
+    fixed_order: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] (rows as in ``meta``) over each row's
     paged KV (already appended). Returns [T, H, D] in q's dtype.
 
-    ``block_q`` / ``block_n`` override the query-token and key tile sizes (tests)."""
+    ``block_q`` / ``block_n`` override the query-token and key tile sizes (tests).
+    ``fixed_order``: every key tile takes the same masked update (batch-invariant mode)."""
     check_cache(kv_cache, q)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -165,7 +176,7 @@ def prefill_attention(
         return out
     group = num_heads // num_kv_heads
     block_g = max(1, triton.next_power_of_2(group))
-    default_q, default_n = prefill_tiles(group, q.device)
+    default_q, default_n = prefill_tiles(group, q.device, fixed_order)
     block_q = block_q or default_q
     block_n = block_n or default_n
     if block_q * block_g < 16:
@@ -180,7 +191,7 @@ def prefill_attention(
         scale * _LOG2E,
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        **dot_args(_prefill_kernel, kv_cache.dtype),
+        **dot_args(_prefill_kernel, kv_cache.dtype), FIXED_ORDER=fixed_order,
         num_warps=4, num_stages=2,
     )
     return out

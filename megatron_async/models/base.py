@@ -32,6 +32,8 @@ class CausalLM(nn.Module):
     vocab_size: int
     eos_token_id: int | None
     max_position_embeddings: int
+    supports_batch_invariant: bool = False
+    """Honours ``ForwardBatch.batch_invariant`` and ``compute_logits(batch_invariant=True)``."""
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [T] int64 -> final hidden states [T, hidden] (after the final norm).
@@ -39,8 +41,8 @@ class CausalLM(nn.Module):
         Writes the step's K/V into ``batch.kv_caches`` and advances Mamba states in place."""
         raise NotImplementedError
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 logits."""
+    def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 logits; ``batch_invariant``: row-count-independent bits."""
         raise NotImplementedError
 
     def kv_cache_spec(self) -> KVCacheSpec:

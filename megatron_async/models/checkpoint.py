@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from megatron_async.models.registry import get_builder
 from megatron_async.models.base import CausalLM
@@ -28,6 +28,18 @@ def resolve_dtype(dtype: torch.dtype | str | None, hf_config: dict | None = None
     return resolved
 
 
+def read_json_file(path: Path) -> dict:
+    """A JSON object from ``path``; a malformed file raises ValueError naming it."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 def read_hf_config(path: str | Path) -> dict:
     root = Path(path)
     if not root.is_dir():
@@ -35,8 +47,7 @@ def read_hf_config(path: str | Path) -> dict:
     config_file = root / "config.json"
     if not config_file.is_file():
         raise ValueError(f"checkpoint {str(root)!r} has no config.json")
-    with open(config_file) as f:
-        return json.load(f)
+    return read_json_file(config_file)
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
@@ -47,8 +58,7 @@ def safetensors_files(path: str | Path) -> list[Path]:
     index = root / INDEX_FILE
     if not index.is_file():
         raise ValueError(f"checkpoint {str(root)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    with open(index) as f:
-        weight_map = json.load(f).get("weight_map")
+    weight_map = read_json_file(index).get("weight_map")
     if not weight_map:
         raise ValueError(f"{index} has no 'weight_map'")
     files = [root / name for name in sorted(set(weight_map.values()))]
@@ -59,11 +69,15 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one at a time so that only one tensor is in host memory at once."""
+    """Yield (name, tensor) one at a time so that only one tensor is in host memory at once.
+    A damaged file (truncated, bad header) raises ValueError naming it."""
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from e
 
 
 def load_checkpoint(

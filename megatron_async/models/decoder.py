@@ -129,12 +129,20 @@ class DecoderModel(CausalLM):
             x = x.float()
         for block in self.blocks:
             x, residual = block(x, residual, step)
+        inv = batch.batch_invariant
         if residual is None:
-            return self.final_norm(self.final_norm.in_dtype(x))
-        return self.final_norm.add_and_norm(x, residual)[0]
+            return self.final_norm(self.final_norm.in_dtype(x), inv)
+        return self.final_norm.add_and_norm(x, residual, inv)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    @property
+    def supports_batch_invariant(self) -> bool:
+        """Attention and MLP blocks honour ``ForwardBatch.batch_invariant``; Mamba2 mixers do
+        not (their chunked scan depends on where prefill chunks are cut), nor do MoE mixers (the
+        router and the grouped expert GEMMs have no batch-invariant kernels yet)."""
+        return self.num_blocks_of[LayerKind.MAMBA] == 0 and self.num_blocks_of[LayerKind.MOE] == 0
+
+    def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        return self.lm_head(hidden, batch_invariant)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         attn = self._mixers(Attention)

@@ -7,7 +7,13 @@ The default EP exchange (all-gather / reduce-scatter) needs equal shapes on ever
 rank pads its tokens to the count the engines agreed on the CPU (``StepInputs.ep_num_tokens``),
 so no collective carries a size and no rank waits on a device value to size a buffer. The
 all-to-all exchange sends each token only to the ranks of its experts; its split sizes are
-device values read on the host (one sync per layer), so it is an eager-only option."""
+device values read on the host (one sync per layer), so it is an eager-only option.
+
+Batch-invariant mode sums differently: NCCL picks ring / tree and chunking from the message
+size, so the order in which ranks' partials are added (and with it the bf16 bits) can change
+with the number of tokens in the step; there the partials are all-gathered and added locally
+in rank order in float32, rounded once. Same TP size only: another TP size cuts K
+differently, so no promise across sizes."""
 from __future__ import annotations
 
 import torch
@@ -16,11 +22,20 @@ import torch.distributed as dist
 from megatron_async.parallel.state import ParallelState
 
 
-def tp_all_reduce(x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
-    """Sum ``x`` over the TP group, in place."""
-    if parallel.tp_size > 1:
+def tp_all_reduce(x: torch.Tensor, parallel: ParallelState, batch_invariant: bool = False) -> torch.Tensor:
+    """Sum ``x`` over the TP group (in place by default; a new tensor, summed in rank order,
+    when ``batch_invariant``)."""
+    if parallel.tp_size == 1:
+        return x
+    if not batch_invariant:
         dist.all_reduce(x, group=parallel.tp_group)
-    return x
+        return x
+    parts = [torch.empty_like(x) for _ in range(parallel.tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=parallel.tp_group)
+    total = parts[0].float()
+    for p in parts[1:]:
+        total += p.float()
+    return total.to(x.dtype)
 
 
 def tp_all_gather_last_dim(x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_async.kernels.linear import linear
 from megatron_async.parallel.communication import tp_all_gather_last_dim, tp_all_reduce
 from megatron_async.parallel.sharding import Sharding, sharded_param
 from megatron_async.parallel.state import ParallelState
@@ -51,7 +52,7 @@ class ParallelLMHead(nn.Module):
     def is_tied(self) -> bool:
         return self.weight is None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         weight = self._tied[0].weight if self.weight is None else self.weight
-        local = F.linear(hidden, weight)  # in the model dtype, as HF does
+        local = linear(hidden, weight, None, batch_invariant)  # in the model dtype, as HF does
         return tp_all_gather_last_dim(local, self.parallel).float()

@@ -4,7 +4,9 @@ loaders and shard from full Hugging Face tensors.
 Column-parallel: the output features are split (input replicated, output sharded, no
 communication). Row-parallel: the input features are split and the partial products are
 summed over the TP group; the bias is added once after the sum. At tp_size 1 every layer is
-exactly ``F.linear`` with no collective, so single-GPU numerics are unchanged.
+exactly ``F.linear`` with no collective, so single-GPU numerics are unchanged. Every forward
+takes ``batch_invariant`` (the step's ``ForwardBatch.batch_invariant``): the fixed-tile Triton
+matmul and the rank-ordered TP sum instead (see kernels/linear.py).
 
 Expert parallelism (the MoE issue) extends ``ParallelLinear``: an expert-sharded linear holds
 [num_local_experts, out, in] weights for the experts of ``parallel.ep_rank`` and its
@@ -15,9 +17,9 @@ needs no new code path."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from megatron_async.kernels.linear import linear
 from megatron_async.parallel.communication import tp_all_reduce
 from megatron_async.parallel.sharding import REPLICATED, Sharding, ShardId, sharded_param
 from megatron_async.parallel.state import ParallelState
@@ -42,8 +44,8 @@ class ReplicatedLinear(ParallelLinear):
         super().__init__((out_features, in_features), REPLICATED, (out_features,) if bias else None, REPLICATED,
                          parallel, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, batch_invariant)
 
 
 class MergedColumnParallelLinear(ParallelLinear):
@@ -61,8 +63,8 @@ class MergedColumnParallelLinear(ParallelLinear):
         out = sum(self.output_sizes)
         super().__init__((out, in_features), w, (out,) if bias else None, w, parallel, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, batch_invariant)
 
 
 class ColumnParallelLinear(MergedColumnParallelLinear):
@@ -96,8 +98,8 @@ class RowParallelLinear(ParallelLinear):
         super().__init__((out_features, local_in), w, (out_features,) if bias else None, REPLICATED,
                          parallel, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         if self.parallel.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = tp_all_reduce(F.linear(x, self.weight), self.parallel)
+            return linear(x, self.weight, self.bias, batch_invariant)
+        out = tp_all_reduce(linear(x, self.weight, None, batch_invariant), self.parallel, batch_invariant)
         return out if self.bias is None else out + self.bias

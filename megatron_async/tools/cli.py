@@ -3,6 +3,8 @@ objects built from them (InferenceConfig, WorkloadSpec, SamplingParams)."""
 from __future__ import annotations
 
 import argparse
+import math
+from typing import Callable
 
 import torch
 
@@ -26,6 +28,41 @@ GPU_KV_FRACTION = 0.5
 """Default KV pool on CUDA: this share of the device memory free when the engine is built."""
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows a flag's default once: appended only when the help text does not state it already
+    and the default means something (not None / False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+def checked(kind: type, lo: float | None = None, hi: float | None = None, name: str = "") -> Callable[[str], float]:
+    """An argparse ``type``: parses ``kind`` (int or a finite float) within [lo, hi], so that bad
+    values are argparse errors naming the flag, before any model is built."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            bounds = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+
+    parse.__name__ = name or kind.__name__  # argparse names the type in some messages
+    return parse
+
+
+POSITIVE_INT = checked(int, 1, name="positive int")
+NON_NEGATIVE_INT = checked(int, 0, name="non-negative int")
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -43,7 +80,7 @@ def add_model_args(p: argparse.ArgumentParser, require_model: bool = False) -> N
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
+    g.add_argument("--tensor-parallel-size", type=POSITIVE_INT, default=1,
                    help="TP ranks (GPT models); > 1 needs a torchrun launch of that many processes, "
                         "e.g. NPROC=2 bash examples/run_torchrun.sh")
 
@@ -51,44 +88,69 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
 def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None:
     """``mode_flags=False`` leaves out --serial / --cuda-graphs (the benchmark sets them per mode)."""
     g = p.add_argument_group("engine (InferenceConfig)")
-    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides --buffer-size-gb)")
-    g.add_argument("--buffer-size-gb", type=float, default=None,
+    g.add_argument("--block-size", type=POSITIVE_INT, default=None, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=POSITIVE_INT, default=None, help="KV pool size in blocks (overrides --buffer-size-gb)")
+    g.add_argument("--buffer-size-gb", type=checked(float, 0.0), default=None,
                    help=f"KV pool budget (default: 1 on cpu, {GPU_KV_FRACTION * 100:.0f}%% of free memory on cuda)")
-    g.add_argument("--max-requests", type=int, default=None, help="most active requests")
-    g.add_argument("--max-tokens", type=int, default=None, help="most tokens per step")
-    g.add_argument("--max-sequence-length", type=int, default=None)
+    g.add_argument("--max-requests", type=POSITIVE_INT, default=None, help="most active requests")
+    g.add_argument("--max-tokens", type=POSITIVE_INT, default=None, help="most tokens per step")
+    g.add_argument("--max-sequence-length", type=POSITIVE_INT, default=None)
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--prefix-caching", action="store_true")
+    g.add_argument("--batch-invariant", action="store_true", help="batch-invariant numerics (InferenceConfig.batch_invariant)")
     if mode_flags:
         g.add_argument("--serial", action="store_true", help="turn launch-ahead (async scheduling) off")
         g.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
-    g.add_argument("--logging-step-interval", type=int, default=0, help="log (and time) every N steps")
+    g.add_argument("--logging-step-interval", type=NON_NEGATIVE_INT, default=0, help="log (and time) every N steps")
     g.add_argument("--nvtx", action="store_true", help="NVTX ranges around engine stages (for nsys)")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workload (defaults depend on the device)")
-    g.add_argument("--num-requests", type=int, default=None)
-    g.add_argument("--prompt-len-min", type=int, default=None)
-    g.add_argument("--prompt-len-max", type=int, default=None)
-    g.add_argument("--output-len-min", type=int, default=None)
-    g.add_argument("--output-len-max", type=int, default=None)
-    g.add_argument("--arrival-rate", type=float, default=0.0,
+    g = p.add_argument_group("workload (synthetic random-token prompts unless --prompts / --prompt-file; "
+                             "sizes default by device)")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompts", nargs="+", default=None, metavar="TEXT", help="one or more text prompts")
+    src.add_argument("--prompt-file", default=None, help="text prompts, one per line (needs a tokenizer)")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap each text prompt as a user message in the checkpoint's chat template")
+    g.add_argument("--num-requests", type=POSITIVE_INT, default=None,
+                   help="synthetic requests; with text prompts, the most prompts used (default: all)")
+    g.add_argument("--prompt-len-min", type=POSITIVE_INT, default=None)
+    g.add_argument("--prompt-len-max", type=POSITIVE_INT, default=None)
+    g.add_argument("--output-len-min", type=POSITIVE_INT, default=None)
+    g.add_argument("--output-len-max", type=POSITIVE_INT, default=None)
+    g.add_argument("--arrival-rate", type=checked(float, 0.0), default=0.0,
                    help="mean requests per engine step (Poisson, deterministic schedule); 0 = all at once")
-    g.add_argument("--request-rate", type=float, default=0.0,
+    g.add_argument("--request-rate", type=checked(float, 0.0), default=0.0,
                    help="mean requests per second of wall clock (Poisson arrivals, serving-like); 0 = off")
-    g.add_argument("--prompt-file", default=None, help="text prompts, one per line (needs a tokenizer)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off; 1 = greedy")
-    g.add_argument("--top-p", type=float, default=0.0, help="0 = off")
-    g.add_argument("--seed", type=int, default=0, help="seeds the workload and the engine's per-request seeds")
+    g.add_argument("--num-tokens-to-generate", type=POSITIVE_INT, default=None,
+                   help="tokens per request (most, when EOS / stop words end it earlier); "
+                        "default: drawn from --output-len-min..max")
+    g.add_argument("--temperature", type=checked(float, 0.0), default=1.0, help="0 = greedy")
+    g.add_argument("--top-k", type=NON_NEGATIVE_INT, default=0, help="0 = off; 1 = greedy")
+    g.add_argument("--top-p", type=checked(float, 0.0, 1.0), default=0.0, help="0 = off")
+    g.add_argument("--seed", type=checked(int, 0, 2**63 - 1), default=0,
+                   help="seeds the workload and the engine's per-request seeds")
+    g.add_argument("--min-p", type=checked(float, 0.0, 1.0), default=0.0,
+                   help="keep tokens with probability >= min_p x the top token's; 0 = off")
+    g.add_argument("--min-tokens", type=NON_NEGATIVE_INT, default=0, help="no EOS / stop before this many tokens")
+    g.add_argument("--presence-penalty", type=checked(float, -2.0, 2.0), default=0.0)
+    g.add_argument("--frequency-penalty", type=checked(float, -2.0, 2.0), default=0.0)
+    g.add_argument("--repetition-penalty", type=checked(float, 0.01), default=1.0, help="1 = off")
     g.add_argument("--return-log-probs", action="store_true")
-    g.add_argument("--stop-at-eos", action="store_true", help="stop at EOS (default: ignore EOS, exact output lengths)")
+    g.add_argument("--top-n-logprobs", type=NON_NEGATIVE_INT, default=0, help="log-probs of the N likeliest tokens per step")
+    g.add_argument("--stop-words", nargs="+", default=None, metavar="TEXT", help="stop when the output contains one")
+    g.add_argument("--termination-id", type=NON_NEGATIVE_INT, default=None,
+                   help="token id that ends a request (default: the tokenizer's / model's EOS)")
+    eos = g.add_mutually_exclusive_group()
+    eos.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", default=None,
+                     help="run every request to its length (default for synthetic workloads)")
+    eos.add_argument("--stop-at-eos", dest="ignore_eos", action="store_false",
+                     help="stop at EOS (default for text prompts)")
 
 
 def resolve_device_args(args: argparse.Namespace) -> None:
@@ -127,6 +189,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "max_sequence_length": args.max_sequence_length,
         "enable_chunked_prefill": not args.no_chunked_prefill,
         "enable_prefix_caching": args.prefix_caching,
+        "batch_invariant": args.batch_invariant,
         "async_scheduling": not getattr(args, "serial", False),
         "cuda_graphs": getattr(args, "cuda_graphs", False),
         "logging_step_interval": args.logging_step_interval,
@@ -142,19 +205,32 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
     return cfg
 
 
+def has_text_prompts(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "prompts", None) or getattr(args, "prompt_file", None))
+
+
 def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
-    return WorkloadSpec(args.num_requests, args.prompt_len_min, args.prompt_len_max, args.output_len_min,
-                        args.output_len_max, args.arrival_rate, args.seed, request_rate=args.request_rate)
+    """``--num-tokens-to-generate`` pins every request's output length."""
+    out_min, out_max = args.output_len_min, args.output_len_max
+    if getattr(args, "num_tokens_to_generate", None) is not None:
+        out_min = out_max = args.num_tokens_to_generate
+    return WorkloadSpec(args.num_requests, args.prompt_len_min, args.prompt_len_max, out_min, out_max,
+                        args.arrival_rate, args.seed, request_rate=args.request_rate)
 
 
-def sampling_factory(args: argparse.Namespace):
-    """WorkloadRequest -> SamplingParams from the sampling flags."""
+def sampling_factory(args: argparse.Namespace) -> Callable[[WorkloadRequest], SamplingParams]:
+    """WorkloadRequest -> SamplingParams from the sampling flags. EOS ends text prompts unless
+    --ignore-eos; synthetic prompts ignore it unless --stop-at-eos (their lengths are the workload)."""
+    ignore_eos = args.ignore_eos if args.ignore_eos is not None else not has_text_prompts(args)
 
     def make(req: WorkloadRequest) -> SamplingParams:
         return SamplingParams(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            num_tokens_to_generate=req.output_len, ignore_eos=not args.stop_at_eos,
-            return_log_probs=args.return_log_probs,
+            num_tokens_to_generate=req.output_len, ignore_eos=ignore_eos,
+            return_log_probs=args.return_log_probs, top_n_logprobs=args.top_n_logprobs,
+            termination_id=args.termination_id, stop_words=args.stop_words, min_p=args.min_p,
+            min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
         )
 
     return make

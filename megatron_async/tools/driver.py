@@ -30,16 +30,52 @@ class StepRecord:
 
 
 @dataclass
+class RequestTiming:
+    """Seconds since the run started, on the host, at step granularity."""
+
+    added: float
+    first_token: float | None = None
+    """End of the step that delivered the request's first token."""
+    finished: float | None = None
+    num_tokens: int = 0
+    last_token: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    """Seconds between the steps that delivered consecutive tokens (one entry per token after
+    the first)."""
+
+    def record(self, num_new: int, t: float) -> None:
+        """``num_new`` tokens landed at time ``t`` (several in one step have gaps of 0)."""
+        if not num_new:
+            return
+        if self.first_token is None:
+            self.first_token = t
+        else:
+            self.gaps.append(t - self.last_token)
+        self.gaps.extend([0.0] * (num_new - 1))
+        self.last_token = t
+        self.num_tokens += num_new
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.added
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (None below two tokens)."""
+        if self.finished is None or self.first_token is None or self.num_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (self.num_tokens - 1)
+
+
+@dataclass
 class WorkloadRun:
     outputs: list[RequestOutput | None]
     """``outputs[i]`` belongs to the i-th workload request (None: unfinished at a timeout)."""
     wall_time: float
     steps: list[StepRecord] = field(default_factory=list)
     timed_out: bool = False
-    ttft: list[float] = field(default_factory=list)
-    """Seconds from a request's arrival (its ``add_request``) to its first token on the host."""
-    itl: list[float] = field(default_factory=list)
-    """Seconds between consecutive tokens of a request landing on the host (all requests)."""
+    timings: list[RequestTiming | None] = field(default_factory=list)
+    """``timings[i]``: the i-th request's latencies (None: rejected at admission)."""
 
     @property
     def output_tokens(self) -> int:
@@ -50,41 +86,28 @@ class WorkloadRun:
         rows = [s.num_rows for s in self.steps if s.decode_only]
         return sum(rows) / len(rows) if rows else 0.0
 
+    @property
+    def ttft(self) -> list[float]:
+        """Seconds from each request's arrival (its ``add_request``) to its first token on the host."""
+        return [t.ttft for t in self.timings if t is not None and t.ttft is not None]
+
+    @property
+    def tpot(self) -> list[float]:
+        """Each finished request's mean time per output token after the first."""
+        return [t.tpot for t in self.timings if t is not None and t.tpot is not None]
+
+    @property
+    def itl(self) -> list[float]:
+        """Seconds between consecutive tokens of a request landing on the host (all requests)."""
+        return [g for t in self.timings if t is not None for g in t.gaps]
+
     def latency_ms(self) -> dict[str, float | None]:
-        """TTFT and inter-token latency p50 / p99 in ms (None without samples)."""
+        """TTFT, TPOT and inter-token latency p50 / p99 in ms (None without samples)."""
         out = {}
-        for name, xs in (("ttft", self.ttft), ("itl", self.itl)):
+        for name, xs in (("ttft", self.ttft), ("tpot", self.tpot), ("itl", self.itl)):
             for q in (50, 99):
                 out[f"{name}_p{q}_ms"] = float(1e3 * np.percentile(xs, q)) if xs else None
         return out
-
-
-class TokenClock:
-    """Per-request token landing times, from the tokens each request holds after a step."""
-
-    def __init__(self, run: WorkloadRun):
-        self.run = run
-        self.added: dict[int, float] = {}
-        self.count: dict[int, int] = {}
-        self.last: dict[int, float] = {}
-
-    def add(self, rid: int, t: float) -> None:
-        self.added[rid], self.count[rid] = t, 0
-
-    def observe(self, rid: int, num_tokens: int, t: float) -> None:
-        new = num_tokens - self.count.get(rid, num_tokens)
-        if new <= 0:
-            return
-        if self.count[rid] == 0:
-            self.run.ttft.append(t - self.added[rid])
-        else:
-            self.run.itl.append(t - self.last[rid])
-        self.run.itl.extend([0.0] * (new - 1))  # several tokens in one step: zero gaps between them
-        self.count[rid], self.last[rid] = num_tokens, t
-
-    def forget(self, rid: int) -> None:
-        for d in (self.added, self.count, self.last):
-            d.pop(rid, None)
 
 
 class StatsWindow:
@@ -117,9 +140,9 @@ def run_workload(
     an output with ``finish_reason="error"``."""
     order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_step, requests[i].arrival_time))
     outputs: dict[int, RequestOutput] = {}
+    timings: dict[int, RequestTiming] = {}  # by request id
     index_of: dict[int, int] = {}
     run = WorkloadRun([], 0.0)
-    clock = TokenClock(run)
     nxt, step, tokens = 0, 0, 0
     t0 = time.perf_counter()
     while nxt < len(order) or engine.has_unfinished_requests():
@@ -136,7 +159,7 @@ def run_workload(
             try:
                 rid = engine.add_request(requests[i].prompt, make_params(requests[i]))
                 index_of[rid] = i
-                clock.add(rid, now)
+                timings[rid] = RequestTiming(now)
             except InvalidRequestError as e:
                 outputs[i] = RequestOutput(-1, list(requests[i].prompt), [], None, "error", error=str(e))
         if not engine.has_unfinished_requests():
@@ -147,13 +170,12 @@ def run_workload(
         if res.step_id < 0:
             raise RuntimeError("engine.step() ran nothing while requests were unfinished")
         run.steps.append(StepRecord(te - t0, te - ts, res.num_rows, res.is_decode_only))
-        for req in engine.context.active.values():
-            clock.observe(req.request_id, len(req.generated_tokens), te - t0)
+        for upd in res.updates:
+            timings[upd.request_id].record(len(upd.new_tokens), te - t0)
+            tokens += len(upd.new_tokens)
         for out in res.finished:
             outputs[index_of[out.request_id]] = out
-            clock.observe(out.request_id, len(out.generated_tokens), te - t0)
-            clock.forget(out.request_id)
-            tokens += len(out.generated_tokens)
+            timings[out.request_id].finished = te - t0
         if progress is not None:
             progress.update(len(outputs), tokens)
         step += 1
@@ -165,4 +187,6 @@ def run_workload(
         progress.update(len(outputs), tokens, force=True)
         progress.close()
     run.outputs = [outputs.get(i) for i in range(len(requests))]
+    by_index = {i: timings[rid] for rid, i in index_of.items()}
+    run.timings = [by_index.get(i) for i in range(len(requests))]
     return run

@@ -16,11 +16,14 @@ from megatron_async.tools import cli
 from megatron_async.tools.driver import WorkloadRun, run_workload
 from megatron_async.tools.progress import ProgressBar
 from megatron_async.tools.summary import RunSummary, format_summary, summarize
-from megatron_async.tools.workload import WorkloadRequest, file_workload, synthetic_workload
+from megatron_async.tools.text_prompts import read_prompt_file, text_workload
+from megatron_async.tools.workload import WorkloadRequest, synthetic_workload
+
+MAX_REASONS_PRINTED = 10
 
 
 def build_parser(description: str, require_model: bool = False) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=cli.HelpFormatter)
     p.add_argument("--benchmark", action="store_true",
                    help="run scripts/benchmark.py (the side-by-side benchmark) with the remaining flags")
     cli.add_model_args(p, require_model)
@@ -64,9 +67,29 @@ def workload_tokenizer(llm: LLM, args: argparse.Namespace):
 
 def build_workload(llm: LLM, args: argparse.Namespace) -> list[WorkloadRequest]:
     spec = cli.workload_spec_from_args(args)
-    if args.prompt_file:
-        return file_workload(args.prompt_file, workload_tokenizer(llm, args), spec)
-    return synthetic_workload(spec, llm.model.vocab_size)
+    if not cli.has_text_prompts(args):
+        return synthetic_workload(spec, llm.model.vocab_size)
+    texts = args.prompts or read_prompt_file(args.prompt_file)
+    if args.prompt_limit is not None:  # an explicit --num-requests caps the prompts used
+        texts = texts[: args.prompt_limit]
+    template = None
+    if args.chat:
+        from megatron_async.models.chat_template import load_chat_template
+
+        template = load_chat_template(args.model) if args.model else None
+        if template is None:
+            raise ValueError(f"--chat: {args.model or 'the built-in model'} has no chat template "
+                             "(chat_template.jinja or tokenizer_config.json's chat_template)")
+    return text_workload(texts, workload_tokenizer(llm, args), spec, template)
+
+
+def print_answers(requests: list[WorkloadRequest], run: WorkloadRun, tokenizer, limit: int = 8) -> None:
+    """Text prompts: show the first few prompts and answers (all of them go to --output-path)."""
+    for req, out in list(zip(requests, run.outputs))[:limit]:
+        if out is None or out.finish_reason == "error":
+            continue
+        text = out.generated_text if out.generated_text is not None else tokenizer.decode(out.generated_tokens)
+        print(f"prompt: {req.prompt_text!r}\nanswer ({out.finish_reason}, {len(out.generated_tokens)} tokens): {text!r}")
 
 
 def results_json(args, requests: list[WorkloadRequest], run: WorkloadRun, llm: LLM, summary: RunSummary) -> dict:
@@ -82,12 +105,40 @@ def results_json(args, requests: list[WorkloadRequest], run: WorkloadRun, llm: L
         items.append({
             "request_id": out.request_id, "prompt_text": req.prompt_text, "prompt_tokens": out.prompt_tokens,
             "generated_tokens": out.generated_tokens, "generated_text": text, "finish_reason": out.finish_reason,
-            "generated_log_probs": out.generated_log_probs, "error": out.error,
+            "generated_log_probs": out.generated_log_probs,
+            "generated_top_n_logprobs": out.generated_top_n_logprobs, "error": out.error,
         })
     return {"args": vars(args), "summary": summary.as_dict(), "stats": llm.engine.stats.as_dict(), "requests": items}
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse and check flag combinations (argparse errors, exit code 2)."""
+    args = parser.parse_args(argv)
+    args.prompt_limit = args.num_requests  # before the device defaults fill --num-requests in
+    if args.chat and not cli.has_text_prompts(args):
+        parser.error("--chat needs --prompts or --prompt-file")
+    if args.output_len_min and args.output_len_max and args.output_len_min > args.output_len_max:
+        parser.error(f"--output-len-min {args.output_len_min} > --output-len-max {args.output_len_max}")
+    if args.prompt_len_min and args.prompt_len_max and args.prompt_len_min > args.prompt_len_max:
+        parser.error(f"--prompt-len-min {args.prompt_len_min} > --prompt-len-max {args.prompt_len_max}")
+    return args
+
+
+def load_llm(args: argparse.Namespace, **config_overrides) -> LLM:
+    """The engine from the flags; a checkpoint that cannot be loaded ends the job with one line
+    naming the file and the problem, not a traceback."""
+    try:
+        return LLM(args.model, args.device, args.dtype, cli.inference_config_from_args(args, **config_overrides),
+                   default_model=args.default_model, tensor_parallel_size=args.tensor_parallel_size)
+    except Exception as e:  # noqa: BLE001 -- any loader failure is reported the same way
+        what = f"model {args.model}" if args.model else f"built-in model {args.default_model}"
+        print(f"error: cannot load {what}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 def main(argv: list[str] | None = None, description: str = "megatron_async main job", require_model: bool = False) -> RunSummary | None:
+    """Run the job and return its summary (None for --benchmark). Exits (SystemExit) on bad flags
+    or a model that cannot be loaded; ``cli_main`` turns failed requests into the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--benchmark" in argv:
         from megatron_async.tools.benchmark import main as benchmark_main
@@ -95,22 +146,45 @@ def main(argv: list[str] | None = None, description: str = "megatron_async main 
         argv.remove("--benchmark")
         benchmark_main(argv)
         return None
-    args = build_parser(description, require_model).parse_args(argv)
+    parser = build_parser(description, require_model)
+    args = parse_args(parser, argv)
     cli.resolve_device_args(args)
     if args.logging_step_interval:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     t0 = time.perf_counter()
-    llm = LLM(args.model, args.device, args.dtype, cli.inference_config_from_args(args),
-              default_model=args.default_model, tensor_parallel_size=args.tensor_parallel_size)
+    llm = load_llm(args, stream_text=False)  # texts are decoded once, at the end
     try:
         return _run(args, llm, t0)
     finally:
         llm.close()
 
 
+def cli_main(description: str, require_model: bool = False) -> int:
+    """The examples' entry point: exit code 1 when any request failed or the run timed out."""
+    summary = main(description=description, require_model=require_model)
+    if summary is None:
+        return 0
+    return 1 if summary.failed_requests or summary.timed_out or summary.finished_requests < summary.requests else 0
+
+
+def report_failures(requests: list[WorkloadRequest], run: WorkloadRun) -> None:
+    """Why each rejected request was rejected (the first few), on stderr."""
+    failed = [(i, o) for i, o in enumerate(run.outputs) if o is not None and o.finish_reason == "error"]
+    for i, out in failed[:MAX_REASONS_PRINTED]:
+        prompt = requests[i].prompt_text
+        label = f"request {i}" + (f" ({prompt[:40]!r})" if prompt else f" ({len(requests[i].prompt)} prompt tokens)")
+        print(f"rejected: {label}: {out.error}", file=sys.stderr)
+    if len(failed) > MAX_REASONS_PRINTED:
+        print(f"rejected: ... and {len(failed) - MAX_REASONS_PRINTED} more (see --output-path)", file=sys.stderr)
+
+
 def _run(args: argparse.Namespace, llm: LLM, t0: float) -> RunSummary:
     """Every TP rank runs the same (seeded) workload through the driver; only rank 0 reports."""
-    requests = build_workload(llm, args)
+    try:
+        requests = build_workload(llm, args)
+    except ValueError as e:  # prompt file, tokenizer or chat template problems: one line, exit 1
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     model_name = args.model or f"built-in {args.default_model}"
     if llm.is_leader:
         mode = "serial" if args.serial else "async"
@@ -122,7 +196,10 @@ def _run(args: argparse.Namespace, llm: LLM, t0: float) -> RunSummary:
     summary = summarize(run, llm.engine.stats, llm.device)
     if not llm.is_leader:
         return summary
+    if cli.has_text_prompts(args):
+        print_answers(requests, run, workload_tokenizer(llm, args))
     print(format_summary(summary))
+    report_failures(requests, run)
     if args.output_path:
         path = Path(args.output_path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -105,8 +105,8 @@ class ScheduleRecorder:
         if self.record_logits:
             compute_logits = controller.model.compute_logits
 
-            def logits_wrapper(hidden):
-                logits = compute_logits(hidden)
+            def logits_wrapper(hidden, **kwargs):  # kwargs: e.g. batch_invariant
+                logits = compute_logits(hidden, **kwargs)
                 self._keep_logits(logits)
                 return logits
 

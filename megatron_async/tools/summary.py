@@ -1,7 +1,9 @@
 """The end-of-run throughput summary shared by the main job and the benchmark."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 import torch
 
@@ -31,14 +33,27 @@ class RunSummary:
     """None on CPU."""
     timed_out: bool
     ttft_p50_ms: float | None = None
-    """Arrival (``add_request``) to first token on the host; p50 / p99 over requests."""
+    """Time to first token (from add_request to the end of the step that delivered it), median."""
     ttft_p99_ms: float | None = None
+    tpot_p50_ms: float | None = None
+    """Time per output token after the first, per request, median over requests."""
+    tpot_p99_ms: float | None = None
     itl_p50_ms: float | None = None
     """Gap between consecutive tokens of a request on the host; p50 / p99 over all gaps."""
     itl_p99_ms: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between ranks; None when empty."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def peak_gpu_memory_gb(device: torch.device) -> float | None:
@@ -71,6 +86,10 @@ def summarize(run: WorkloadRun, stats: EngineStats, device: torch.device) -> Run
     )
 
 
+def _p50_p99(p50: float | None, p99: float | None) -> str:
+    return "n/a" if p50 is None else f"p50 {p50:.1f} ms, p99 {p99:.1f} ms"
+
+
 def format_summary(s: RunSummary) -> str:
     mem = f"{s.peak_gpu_memory_gb:.2f} GiB" if s.peak_gpu_memory_gb is not None else "n/a (cpu)"
     failed = f" ({s.failed_requests} rejected)" if s.failed_requests else ""
@@ -79,12 +98,13 @@ def format_summary(s: RunSummary) -> str:
         ("output tokens", f"{s.output_tokens}"),
         ("wall time", f"{s.wall_time_s:.2f} s"),
         ("output tokens/s", f"{s.output_tokens_per_s:,.1f}"),
+        ("TTFT", _p50_p99(s.ttft_p50_ms, s.ttft_p99_ms)),
+        ("TPOT", _p50_p99(s.tpot_p50_ms, s.tpot_p99_ms)),
+        ("inter-token latency", _p50_p99(s.itl_p50_ms, s.itl_p99_ms)),
         ("mean prefill step", f"{s.mean_prefill_step_ms:.2f} ms"),
         ("mean decode step", f"{s.mean_decode_step_ms:.2f} ms (mean batch {s.mean_decode_batch:.1f})"),
         ("steps", f"{s.steps} ({s.decode_steps} decode-only)"),
         ("overlap ratio", f"{s.overlap_ratio:.1%} of decode steps launched ahead ({s.drains} drains)"),
-        ("TTFT p50 / p99", f"{_ms(s.ttft_p50_ms)} / {_ms(s.ttft_p99_ms)}"),
-        ("inter-token p50 / p99", f"{_ms(s.itl_p50_ms)} / {_ms(s.itl_p99_ms)}"),
         ("paused / evicted", f"{s.paused} / {s.evicted}"),
         ("prefix hit tokens", f"{s.prefix_hit_tokens}"),
         ("peak GPU memory", mem),
@@ -92,6 +112,3 @@ def format_summary(s: RunSummary) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
-
-def _ms(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.2f} ms"

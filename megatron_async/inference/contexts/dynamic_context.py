@@ -355,7 +355,7 @@ class DynamicInferenceContext:
             token_to_row=g.token_to_row[:T], cu_query_lens=g.cu_query_lens[: R + 1], kv_lens=g.kv_lens[:R],
             block_table=g.block_table[:R], block_size=self.block_size,
         )
-        batch = ForwardBatch(attn=attn, kv_caches=self.kv_caches)
+        batch = ForwardBatch(attn=attn, kv_caches=self.kv_caches, batch_invariant=self.config.batch_invariant)
         if self.mamba is not None:
             batch.mamba = MambaMetadata(
                 state_slots=g.state_slots[:R], has_initial_state=g.has_initial_state[:R],

@@ -77,3 +77,5 @@ class ForwardBatch:
     """Expert parallelism: the token count every EP rank pads its MoE-layer input to in this
     step (agreed by the engines on the CPU; >= this rank's token count, equal on all ranks of
     the EP group). None: no expert parallelism."""
+    batch_invariant: bool = False
+    """Run the batch-invariant kernels (``InferenceConfig.batch_invariant``)."""

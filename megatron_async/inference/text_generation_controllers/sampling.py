@@ -135,10 +135,21 @@ def apply_penalties_reference(logits: torch.Tensor, pen: PenaltyRows) -> torch.T
     return out.masked_fill(pen.stop_mask[pen.slot] & pen.suppress_stop[:, None], float("-inf"))
 
 
-def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int):
+def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, batch_invariant: bool = False):
     """Log-probabilities of the RAW model distribution (no penalties, temperature or
     filters, as vLLM's default raw log-probs): of the sampled tokens [R], and the top-n
-    (values [R, n], ids [R, n]) when top_n > 0."""
+    (values [R, n], ids [R, n]) when top_n > 0. ``batch_invariant``: the log-sum-exp of the
+    one-program-per-row Triton log-softmax (torch's reductions pick their split, and so
+    their summation order, from the whole [R, V] shape)."""
+    if batch_invariant:
+        from megatron_async.kernels.triton_log_softmax import log_softmax
+
+        lp = log_softmax(logits)
+        chosen = lp.gather(-1, tokens[:, None])[:, 0]
+        if top_n > 0:
+            vals, ids = lp.topk(top_n, dim=-1)
+            return chosen, vals, ids
+        return chosen, None, None
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     chosen = (logits.gather(-1, tokens[:, None]) - lse)[:, 0]
     if top_n > 0:

@@ -39,6 +39,7 @@ class TextGenerationController:
         self.device = context.device
         self.eos_ids = tuple(eos_ids)
         """Token ids that end a request without its own termination_id (all of them stop)."""
+        self.batch_invariant = context.config.batch_invariant
         R = context.config.max_requests
         dev = self.device.device
         # Samples of the latest launch, read by the next launch's decode rows (fixed address).
@@ -115,13 +116,14 @@ class TextGenerationController:
         input_ids = torch.where(prev >= 0, self.last_samples[prev.clamp(min=0)], g.input_ids[:T])
         with nvtx_range("forward_pass"):
             hidden = self.model(input_ids, batch)
-            logits = self.model.compute_logits(hidden[g.sample_token_idx[:R]])
+            logits = self.model.compute_logits(hidden[g.sample_token_idx[:R]], batch_invariant=self.batch_invariant)
         with nvtx_range("sampling"):
             tokens = self.sampler(logits, g, R, shape.any_sampling, shape.filters, shape.any_penalties)
             self.last_samples[:R].copy_(tokens)
             log_probs = top_vals = top_ids = None
             if shape.any_log_probs or shape.max_top_n > 0:
-                log_probs, top_vals, top_ids = sampling.log_probs_of(logits, tokens, shape.max_top_n)
+                log_probs, top_vals, top_ids = sampling.log_probs_of(logits, tokens, shape.max_top_n,
+                                                                     self.batch_invariant)
         return self.last_samples[:R], log_probs, top_vals, top_ids
 
     # ------------------------------------------------------------------ host side

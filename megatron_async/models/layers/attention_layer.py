@@ -41,17 +41,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        inv = step.batch.batch_invariant
+        q, k, v = self.qkv_proj(x, inv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if step.rope is not None and fused_ops.use_fused(q):  # q/k norm and rope of q and k in one kernel
+        if step.rope is not None and (inv or fused_ops.use_fused(q)):  # q/k norm + rope of q and k, per token
             norm = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             q, k = fused_ops.rope_qk(q, k, *step.rope, *norm)
         else:
             if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
+                q, k = self.q_norm(q, inv), self.k_norm(k, inv)
             if step.rope is not None:
                 q, k = self._rotate(q, *step.rope), self._rotate(k, *step.rope)
-        out = attend(q, k, v, step.batch.kv_caches[self.kv_index], step.batch.attn, self.head_dim**-0.5)
-        return self.o_proj(out.reshape(T, self.q_size))
+        out = attend(q, k, v, step.batch.kv_caches[self.kv_index], step.batch.attn, self.head_dim**-0.5, inv)
+        return self.o_proj(out.reshape(T, self.q_size), inv)

@@ -42,8 +42,9 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous mixer's output, or the embeddings when ``residual`` is None.
         Returns (this mixer's output, the residual stream before it)."""
+        inv = step.batch.batch_invariant
         if residual is None:
-            h, residual = self.norm(self.norm.in_dtype(x)), x
+            h, residual = self.norm(self.norm.in_dtype(x), inv), x
         else:
-            h, residual = self.norm.add_and_norm(x, residual)
+            h, residual = self.norm.add_and_norm(x, residual, inv)
         return self.mixer(h, step), residual

@@ -24,13 +24,14 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, parallel, dtype, device, "intermediate_size")
 
     def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if fused_ops.use_fused(gate_up) and gate_up.dim() == 2:
+        inv = step is not None and step.batch.batch_invariant
+        gate_up = self.gate_up_proj(x, inv)
+        if (inv or fused_ops.use_fused(gate_up)) and gate_up.dim() == 2:
             act = fused_ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             act = F.silu(gate) * up
-        return self.down_proj(act)
+        return self.down_proj(act, inv)
 
 
 class ReluSquaredMLP(nn.Module):
@@ -41,7 +42,8 @@ class ReluSquaredMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, parallel, dtype, device, "intermediate_size")
 
     def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor:
-        return self.down_proj(torch.relu(self.up_proj(x)).square())
+        inv = step is not None and step.batch.batch_invariant
+        return self.down_proj(torch.relu(self.up_proj(x, inv)).square(), inv)
 
 
 def build_mlp(hidden: int, cfg: MLPConfig, parallel: ParallelState, dtype: torch.dtype,

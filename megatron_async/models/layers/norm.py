@@ -23,19 +23,22 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_ops.use_fused(x) and x.dtype == self.weight.dtype:
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        # The Triton kernel reduces each row in one program, alone: batch-invariant mode
+        # always takes it (torch's reductions pick their split from the whole tensor).
+        if (batch_invariant or fused_ops.use_fused(x)) and x.dtype == self.weight.dtype:
             return fused_ops.rms_norm(x, self.weight, self.eps, self.cast_before_weight)
         return self._torch(x)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                     batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the pre-norm residual step, one kernel when fused.
         The sum is rounded to the residual stream's dtype (float32 for Mamba2's
         ``residual_in_fp32``), then cast to the weight's dtype and normalised."""
-        if fused_ops.use_fused(x) and x.dtype == residual.dtype == self.weight.dtype:
+        if (batch_invariant or fused_ops.use_fused(x)) and x.dtype == residual.dtype == self.weight.dtype:
             return fused_ops.add_rms_norm(x, residual, self.weight, self.eps, self.cast_before_weight)
         residual = x + residual
-        return self(self.in_dtype(residual)), residual
+        return self(self.in_dtype(residual), batch_invariant), residual
 
     def in_dtype(self, x: torch.Tensor) -> torch.Tensor:
         """x in the weight's dtype (a float32 residual stream is cast down before the norm)."""

@@ -1,0 +1,169 @@
+"""Batch-invariant linear layer: ``x @ weight.T + bias`` whose every output row is computed
+the same way whatever the number of rows.
+
+cuBLAS picks its algorithm (tile shape, split-K, stream-K) from M, the number of rows, so
+the bits of one row change with the batch around it. Here the tiles and the K split depend
+only on the weight's shape (N, K) and the device, never on M; every output tile walks its
+K range in BLOCK_K steps, accumulating in float32 in that one order, the ranges' partials
+are added in range order, and the bias is added in float32 before one rounding. A row's
+result is then a function of that row and the weight only: equal bits at batch 1, 7 or
+8192, in eager mode or a CUDA graph.
+
+M is excluded from Triton's integer specialisation so that one compiled kernel serves
+every row count. Runs on CPU under ``TRITON_INTERPRET=1`` (tests), where ``tl.dot`` is numpy's
+matmul of fixed-shape tiles: row-invariant in the tests (batch 1 / 7 / 64, shuffled rows), an
+observed property of BLAS on fixed shapes rather than a promise. torch's own CPU matmul is not
+row-invariant in float32 (MKL takes another path for one row: results move by ~1e-5), which
+is why the mode needs Triton on CPU too."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_async.kernels.triton_paged_common import dot_args
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(
+    a_ptr,
+    w_ptr,
+    bias_ptr,
+    c_ptr,
+    ws_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_wn,
+    stride_wk,
+    stride_cm,
+    K_PER_SPLIT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Grouped tile order (GROUP_M row tiles share a column of weight tiles in L2). The
+    # order only schedules tiles: each tile's arithmetic is the same wherever it runs.
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_rows = a_ptr + offs_m[:, None] * stride_am
+    w_cols = w_ptr + offs_n[None, :] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_end = tl.minimum(K, (split + 1) * K_PER_SPLIT)
+    for k0 in range(split * K_PER_SPLIT, k_end, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < k_end
+        # Out-of-range rows / k load 0: they add exact zeros to the real rows' sums.
+        a = tl.load(a_rows + k[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_cols + k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+    else:  # float32 partial of this K range; _split_sum_kernel adds them in split order
+        tl.store(ws_ptr + (split * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_sum_kernel(ws_ptr, bias_ptr, c_ptr, M, N, stride_cm, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    # One element's partials are always added in the same order: split 0, 1, ..., then bias.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + (offs // N) * stride_cm + n, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    """K is cut into this many fixed ranges (a function of K, never of M); their float32
+    partials are summed in range order by a second kernel."""
+    num_warps: int
+    num_stages: int
+
+
+def tile_config(n: int, k: int, device: torch.device) -> TileConfig:
+    """Tiles for an [N, K] weight. A function of (N, K, device) ONLY: the invariance of
+    the whole mode rests on M never reaching this choice.
+
+    GPU: 64-row tiles (a decode batch of ~128 fills two), 128 columns for wide weights
+    (QKV, gate_up, LM head), 64 for narrow ones (o_proj, down_proj). Narrow weights with a
+    long K (o_proj, down_proj) also cut K into up to 4 fixed ranges: at decode batch sizes
+    they would otherwise run only ~32 programs, each walking all of K alone. CPU
+    (interpreter): tiles that tiny test shapes still cross in M, N and K (and a split for
+    narrow weights), yet few programs (the interpreter pays per program)."""
+    if device.type != "cuda":
+        return TileConfig(32, 64, 32, 2 if n <= 64 and k > 32 else 1, 1, 1)
+    narrow = n < 4096
+    split = max(1, min(4, k // 512)) if narrow else 1
+    return TileConfig(64, 64 if narrow else 128, 64, split, 4, 4)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with row-count-independent numerics (see the module
+    docstring). x: [..., K]; weight: [N, K]; bias: [N] or None. Returns [..., N] in x's dtype."""
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"invariant_linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
+    if x.dtype != weight.dtype or (bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype)):
+        raise ValueError(f"invariant_linear: dtypes/shapes x {x.dtype}, weight {weight.dtype}, "
+                         f"bias {None if bias is None else (tuple(bias.shape), bias.dtype)}")
+    lead = x.shape[:-1]
+    a = x.reshape(-1, x.shape[-1])
+    n, k = weight.shape
+    m = a.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.reshape(*lead, n)
+    if k == 0:
+        return (out.zero_() if bias is None else out.copy_(bias.expand(m, n))).reshape(*lead, n)
+    cfg = tile_config(n, k, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    bias_arg = weight if bias is None else bias
+    _matmul_kernel[grid](
+        a, weight, bias_arg, out, ws,
+        m, n, k, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
+        K_PER_SPLIT=k_per_split, SPLIT_K=split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, HAS_BIAS=bias is not None,
+        **dot_args(_matmul_kernel, x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](ws, bias_arg, out, m, n, out.stride(0), SPLIT_K=split,
+                                                       HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out.reshape(*lead, n)

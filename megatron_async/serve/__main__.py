@@ -1,0 +1,108 @@
+"""python -m megatron_async.serve --model CKPT [--host H] [--port P] [the main job's engine and model flags]
+
+Serves the checkpoint over an OpenAI-compatible HTTP API (see app.py). ``--port 0`` picks a free
+port; the line ``megatron_async.serve: serving NAME on http://HOST:PORT`` on stdout says which.
+Tensor parallelism: ``torchrun --nproc-per-node T -m megatron_async.serve --tensor-parallel-size T
+...``; rank 0 serves HTTP and the other ranks follow its engine steps."""
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from pathlib import Path
+
+from megatron_async.tools import cli
+
+log = logging.getLogger("megatron_async.serve")
+GRACEFUL_SHUTDOWN_S = 5
+"""On SIGTERM / Ctrl-C, requests in flight get this long to finish before their connections close."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_async.serve", description=__doc__.splitlines()[0],
+                                formatter_class=cli.HelpFormatter)
+    cli.add_model_args(p)
+    cli.add_parallel_args(p)
+    cli.add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: all)")
+    g.add_argument("--port", type=cli.checked(int, 0, 65535, name="port"), default=8000,
+                   help="0 = a free port (printed at start)")
+    g.add_argument("--served-model-name", default=None, help="default: the checkpoint directory's name")
+    g.add_argument("--seed", type=cli.checked(int, 0, 2**63 - 1), default=0,
+                   help="seeds the per-request seeds of requests that give none")
+    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="server log level")
+    return p
+
+
+def served_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    return Path(args.model).resolve().name if args.model else args.default_model
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # connections made after the ready line queue until uvicorn accepts them
+    return sock
+
+
+def build_state(llm, args: argparse.Namespace):
+    from megatron_async.models.chat_template import load_chat_template
+    from megatron_async.serve.app import ServerState
+    from megatron_async.serve.engine_loop import EngineLoop
+    from megatron_async.serve.metrics import ServerMetrics
+
+    name = served_name(args)
+    metrics = ServerMetrics(name)
+    kv_tokens = llm.context.allocator.capacity * llm.config.block_size_tokens
+    return ServerState(
+        engine_loop=EngineLoop(llm.engine, metrics, llm.communicator), metrics=metrics, model_name=name, tokenizer=llm.tokenizer,
+        chat_template=load_chat_template(args.model) if args.model else None,
+        max_model_len=min(llm.config.max_sequence_length, kv_tokens),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cli.resolve_device_args(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import uvicorn
+
+    from megatron_async.serve.app import create_app
+    from megatron_async.tools.main_job import load_llm
+
+    llm = load_llm(args, stream_text=True)  # SSE deltas come from RequestUpdate.new_text
+    try:
+        if not llm.is_leader:  # tensor parallelism: rank 0 serves, this rank follows its steps
+            from megatron_async.serve.engine_loop import follow_rank0
+
+            follow_rank0(llm.engine, llm.communicator)
+            return 0
+        state = build_state(llm, args)
+        try:
+            sock = bind(args.host, args.port)
+        except OSError as e:
+            print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+            return 1
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False,
+                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        state.engine_loop.start()
+        print(f"megatron_async.serve: serving {state.model_name} on http://{args.host}:{port}", flush=True)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            state.engine_loop.stop()
+    finally:
+        llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE when
+``stream``), /v1/models, /health, /metrics. Handlers turn a body into engine choices, hand them to
+the engine thread (engine_loop.py) and read their events back; a bad request is HTTP 400 with the
+reason, and a client that goes away has its requests aborted."""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from megatron_async.inference.request import InvalidRequestError, RequestOutput
+from megatron_async.models.chat_template import ChatTemplate, ChatTemplateError
+from megatron_async.serve import openai_protocol as proto
+from megatron_async.serve import responses as resp
+from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission
+from megatron_async.serve.metrics import CONTENT_TYPE, ServerMetrics
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ServerState:
+    engine_loop: EngineLoop
+    metrics: ServerMetrics
+    model_name: str
+    tokenizer: object | None
+    chat_template: ChatTemplate | None
+    max_model_len: int
+    """Most tokens (prompt + output) a request can reach: max_sequence_length capped by the KV pool."""
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events that call ``on_close`` however the response ends: all sent, a choice
+    failed, or the client went away (Starlette then cancels the stream, possibly before the
+    generator ever started, so a ``finally`` inside it would not be enough)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()  # aborts what is still running; a no-op for finished requests
+
+
+def _error(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    return JSONResponse(resp.error_body(message, status, param), status_code=status)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="megatron_async", docs_url=None, redoc_url=None)
+    text_of = resp.TokenText(state.tokenizer)
+
+    @app.exception_handler(proto.BadRequest)
+    async def _bad_request(_: Request, e: proto.BadRequest):
+        return _error(str(e), 400, e.param)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if state.engine_loop.is_alive() else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "megatron_async",
+                "max_model_len": state.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = proto.parse_body(proto.CompletionRequest, await _json_body(request))
+        _check_model(req.model)
+        proto.check_completion_options(req)
+        if req.stream and req.logprobs is not None:
+            raise proto.BadRequest("logprobs are not supported with stream: true", "logprobs")
+        prompts = [_tokens(p) for p in proto.completion_prompts(req)]
+        max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        choices = [Choice(p, _params(req, max_tokens, req.logprobs, i)) for p in prompts for i in range(req.n)]
+        head = resp.ResponseHead("text_completion", state.model_name, resp.new_id("cmpl"))
+
+        def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool) -> dict:
+            return head.body([resp.completion_chunk_choice(i, text, finish, tokens)])
+
+        def whole(outs: list[RequestOutput]) -> dict:
+            body = [resp.completion_choice(i, o, text_of, req.return_token_ids) for i, o in enumerate(outs)]
+            return head.body(body, usage=_usage(prompts, outs))
+
+        return await _respond(request, req, choices, head, chunk, whole, prompts)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = proto.parse_body(proto.ChatCompletionRequest, await _json_body(request))
+        _check_model(req.model)
+        if state.chat_template is None:
+            raise proto.BadRequest(f"{state.model_name} has no chat template; use /v1/completions")
+        messages = [m.as_template_message() for m in req.messages]
+        try:
+            text = state.chat_template.render(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+        except ChatTemplateError as e:
+            raise proto.BadRequest(str(e), "messages") from None
+        prompt = _tokens(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, state.max_model_len - len(prompt))
+        if req.top_logprobs and not req.logprobs:
+            raise proto.BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        if req.stream and req.logprobs:
+            raise proto.BadRequest("logprobs are not supported with stream: true", "logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        choices = [Choice(prompt, _params(req, max_tokens, logprobs, i)) for i in range(req.n)]
+        head = resp.ResponseHead("chat.completion.chunk" if req.stream else "chat.completion", state.model_name,
+                                 resp.new_id("chatcmpl"))
+
+        def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool) -> dict:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text or not finish else {})
+            return head.body([resp.chat_chunk_choice(i, delta, finish, tokens)])
+
+        def whole(outs: list[RequestOutput]) -> dict:
+            body = [resp.chat_choice(i, o, text_of, req.return_token_ids) for i, o in enumerate(outs)]
+            return head.body(body, usage=_usage([prompt], outs))
+
+        return await _respond(request, req, choices, head, chunk, whole, [prompt])
+
+    # ------------------------------------------------------------------ helpers
+    async def _json_body(request: Request):
+        try:
+            return json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise proto.BadRequest(f"request body is not valid JSON: {e}") from None
+
+    def _check_model(name: str | None) -> None:
+        if name is not None and name != state.model_name:
+            raise proto.BadRequest(f"model {name!r} is not served here; this server serves {state.model_name!r}", "model")
+
+    def _tokens(prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if state.tokenizer is None:
+            raise proto.BadRequest("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
+        return state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def _params(req, max_tokens: int, logprobs: int | None, i: int):
+        sp = proto.sampling_params(req, max_tokens, logprobs)
+        if sp.seed is not None and i:  # n samples of one seeded request must differ
+            sp.seed = (sp.seed + i) % 2**63
+        return sp
+
+    def _usage(prompts: list[list[int]], outs: list[RequestOutput]) -> dict:
+        return resp.usage(sum(len(p) for p in prompts), sum(len(o.generated_tokens) for o in outs))
+
+    async def _respond(request: Request, req, choices: list[Choice], head: resp.ResponseHead,
+                       chunk: Callable, whole: Callable, prompts: list[list[int]]):
+        sub = Submission(choices, asyncio.get_running_loop())
+        state.engine_loop.submit(sub)
+        try:
+            await sub.admitted
+        except InvalidRequestError as e:
+            return _error(str(e), 400)
+        except RuntimeError as e:
+            return _error(str(e), 500)
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            events = _stream(sub, head, chunk, prompts if include_usage else None, req.return_token_ids)
+            return _SSEResponse(events, on_close=lambda: state.engine_loop.abort(sub))
+        try:
+            outs = await _collect(request, sub)
+        except _ClientGone:
+            return Response(status_code=499)
+        except RuntimeError as e:
+            return _error(str(e), 500)
+        return whole(outs)
+
+    async def _collect(request: Request, sub: Submission) -> list[RequestOutput]:
+        """Wait for every choice's final output; abort them when the client goes away."""
+        outs: list[RequestOutput | None] = [None] * len(sub.choices)
+        done = 0
+        clock = asyncio.get_running_loop().time
+        next_check = clock() + DISCONNECT_POLL_S
+        while done < len(outs):
+            try:
+                ev = await asyncio.wait_for(sub.events.get(), max(0.0, next_check - clock()))
+            except asyncio.TimeoutError:
+                ev = None
+            if clock() >= next_check:  # also while tokens keep coming
+                if await request.is_disconnected():
+                    state.engine_loop.abort(sub)
+                    raise _ClientGone() from None
+                next_check = clock() + DISCONNECT_POLL_S
+            if ev is None:
+                continue
+            error = ev.error or (ev.output.error if ev.output is not None and ev.output.finish_reason == "error" else None)
+            if error is not None:
+                state.engine_loop.abort(sub)
+                raise RuntimeError(error)
+            if ev.output is not None:
+                outs[ev.index] = ev.output
+                done += 1
+        return outs
+
+    async def _stream(sub: Submission, head: resp.ResponseHead, chunk: Callable, usage_prompts: list[list[int]] | None,
+                      token_ids: bool) -> AsyncIterator[str]:
+        """SSE chunks as the engine produces them (the response aborts what is left when it ends)."""
+        n = len(sub.choices)
+        started, finished, generated = [False] * n, 0, 0
+        while finished < n:
+            ev = await sub.events.get()
+            upd, out = ev.update, ev.output
+            error = ev.error or (out.error or "request failed" if out is not None and out.finish_reason == "error" else None)
+            if error is not None:  # end the stream; _SSEResponse aborts the other choices
+                yield resp.sse(resp.error_body(error, 500))
+                break
+            if upd is not None and (upd.new_tokens or upd.new_text or not started[ev.index]):
+                text = upd.new_text or ""
+                generated += len(upd.new_tokens)
+                tokens = list(upd.new_tokens) if token_ids else None
+                yield resp.sse(chunk(ev.index, text, None, tokens, not started[ev.index]))
+                started[ev.index] = True
+            if out is not None:
+                tokens = [] if token_ids else None
+                yield resp.sse(chunk(ev.index, "", out.finish_reason, tokens, not started[ev.index]))
+                started[ev.index] = True
+                finished += 1
+        if usage_prompts is not None:
+            yield resp.sse(head.body([], usage=resp.usage(sum(len(p) for p in usage_prompts), generated)))
+        yield resp.sse("[DONE]")
+
+    return app

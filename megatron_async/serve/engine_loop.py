@@ -1,0 +1,259 @@
+"""The engine on its own thread, fed by HTTP handlers on the asyncio event loop.
+
+The engine thread never waits for HTTP: handlers put commands (add / abort) into a thread-safe
+inbox, and the thread takes them all at each step boundary, so requests join a running batch
+between two ``engine.step()`` calls and launch-ahead keeps going. What a step produced
+(``StepResult.updates`` and ``.finished``) goes back to the event loop in one
+``call_soon_threadsafe`` per step, into one asyncio queue per HTTP request."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_async.inference.request import InvalidRequestError, RequestOutput, SamplingParams
+from megatron_async.serve.metrics import ServerMetrics
+
+log = logging.getLogger("megatron_async.serve")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One engine request of an HTTP request (a prompt, or one of its ``n`` samples)."""
+
+    prompt_tokens: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    """What a step gave one choice: an update (new tokens / text), its final output, or an error."""
+
+    index: int
+    update: Any = None
+    """A ``StepResult.updates`` entry."""
+    output: RequestOutput | None = None
+    """Set once, when the engine request ended (finished, stopped, aborted)."""
+    error: str | None = None
+    """The engine failed this request (a step raised); the choice ends here."""
+
+    @property
+    def is_last(self) -> bool:
+        return self.output is not None or self.error is not None
+
+
+@dataclass
+class Submission:
+    """One HTTP request's choices, and the asyncio side the engine thread reports to."""
+
+    choices: list[Choice]
+    loop: asyncio.AbstractEventLoop
+    arrival: float = field(default_factory=time.perf_counter)
+    request_ids: list[int] = field(default_factory=list)
+    """Engine ids of the choices, in order (filled by the engine thread at admission)."""
+
+    def __post_init__(self):
+        self.admitted: asyncio.Future = self.loop.create_future()
+        """Resolves to the request ids; raises InvalidRequestError (a bad request) or
+        RuntimeError (the engine failed) when admission did not happen."""
+        self.events: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
+
+
+@dataclass
+class _Live:
+    submission: Submission
+    index: int
+    failed: bool = False
+    """Told it failed (a step raised); kept until the engine reports its abort, so that the
+    loop keeps stepping until its blocks are freed, but nothing more is delivered."""
+    num_tokens: int = 0
+    last_token_at: float | None = None
+
+
+def _deliver(batch: list[tuple[Submission, str, Any]]) -> None:
+    """On the event loop: hand a step's results to the waiting handlers."""
+    for sub, kind, payload in batch:
+        if kind == "event":
+            sub.events.put_nowait(payload)
+        elif not sub.admitted.done():
+            (sub.admitted.set_result if kind == "admitted" else sub.admitted.set_exception)(payload)
+
+
+MAX_FAILED_STEPS = 3
+"""Consecutive failed steps after which the loop stops stepping for the requests it failed."""
+TP_HEARTBEAT_S = 30.0
+"""Under TP an idle rank 0 tells the other ranks so this often (their receives time out after 300 s)."""
+
+
+class EngineLoop:
+    def __init__(self, engine, metrics: ServerMetrics, communicator=None):
+        """``communicator``: tensor parallelism; this loop runs on rank 0 and tells the other
+        ranks (``follow_rank0``) at each iteration whether to step, wait or stop."""
+        self.engine = engine
+        self.metrics = metrics
+        self._comm = communicator
+        self._inbox: queue.SimpleQueue[tuple[str, Submission | None]] = queue.SimpleQueue()
+        self._live: dict[int, _Live] = {}
+        self._outbox: list[tuple[Submission, str, Any]] = []
+        self._failed_steps = 0
+        self._thread = threading.Thread(target=self._run, name="megatron-async-engine", daemon=True)
+        self.steps = 0
+
+    # ---------------------------------------------------------------- event-loop side
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, sub: Submission) -> None:
+        self._inbox.put(("add", sub))
+
+    def abort(self, sub: Submission) -> None:
+        self._inbox.put(("abort", sub))
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+
+    # ---------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        """Every engine request belongs to a submission here, so ``_live`` says whether the
+        engine has work (an aborted request stays live until its final output arrives)."""
+        idle_timeout = TP_HEARTBEAT_S if self._comm is not None else None
+        while True:
+            commands = []
+            try:  # idle: sleep until a command arrives; busy: take only what is already there
+                commands.append(self._inbox.get(block=not self._live, timeout=None if self._live else idle_timeout))
+                while True:
+                    commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            for kind, sub in commands:
+                if kind == "stop":
+                    self._tell_ranks("stop")
+                    self._flush()
+                    return
+                (self._admit if kind == "add" else self._abort)(sub)
+            self._tell_ranks("step" if self._live else "idle")
+            if self._live:
+                self._step()
+            self._observe_engine()
+            self._flush()
+
+    def _admit(self, sub: Submission) -> None:
+        """All of a submission's choices join, or none (a bad one aborts those already added)."""
+        try:
+            for choice in sub.choices:
+                sub.request_ids.append(self.engine.add_request(choice.prompt_tokens, choice.params))
+        except Exception as e:  # noqa: BLE001 -- InvalidRequestError is a 400; anything else must not kill the loop
+            if not isinstance(e, InvalidRequestError):
+                log.exception("add_request failed unexpectedly")
+                e = RuntimeError(f"the engine could not admit this request: {type(e).__name__}: {e}")
+            for rid in sub.request_ids:
+                self.engine.abort_request(rid)
+            self._outbox.append((sub, "rejected", e))
+            return
+        for i, (rid, choice) in enumerate(zip(sub.request_ids, sub.choices)):
+            self._live[rid] = _Live(sub, i)
+            self.metrics.prompt_tokens.inc(len(choice.prompt_tokens))
+        self._outbox.append((sub, "admitted", list(sub.request_ids)))
+
+    def _abort(self, sub: Submission) -> None:
+        for rid in sub.request_ids:
+            if rid in self._live:
+                self.engine.abort_request(rid)
+
+    def _step(self) -> None:
+        try:
+            res = self.engine.step()
+        except Exception as e:  # noqa: BLE001 -- fail the requests in flight, keep serving
+            log.exception("engine step failed; failing %d requests", len(self._live))
+            self._failed_steps += 1
+            self._fail_all(f"engine step failed: {type(e).__name__}: {e}", forget=self._failed_steps >= MAX_FAILED_STEPS)
+            return
+        self._failed_steps = 0
+        if res.step_id < 0 and not res.finished and not res.updates:  # the engine holds no request
+            self._fail_all("the engine dropped this request", forget=True)  # never spin on requests it lost
+            return
+        self.steps += 1
+        self.metrics.engine_steps.inc()
+        now = time.perf_counter()
+        for upd in res.updates:
+            live = self._live.get(upd.request_id)
+            if live is None or live.failed:
+                continue
+            n = len(upd.new_tokens)
+            if n:
+                if live.last_token_at is None:
+                    self.metrics.ttft.observe(now - live.submission.arrival)
+                else:
+                    for _ in range(n):
+                        self.metrics.itl.observe((now - live.last_token_at) / n)
+                live.last_token_at = now
+                live.num_tokens += n
+                self.metrics.generation_tokens.inc(n)
+            self._outbox.append((live.submission, "event", ChoiceEvent(live.index, update=upd)))
+        for out in res.finished:
+            live = self._live.pop(out.request_id, None)
+            if live is None or live.failed:
+                continue
+            self.metrics.e2e.observe(now - live.submission.arrival)
+            self.metrics.finished(out.finish_reason)
+            self._outbox.append((live.submission, "event", ChoiceEvent(live.index, output=out)))
+
+    def _fail_all(self, message: str, forget: bool = False) -> None:
+        """Tell every live request's handler it failed and abort it in the engine; ``forget``:
+        also stop stepping for them (the engine lost them, or keeps failing)."""
+        for rid, live in list(self._live.items()):
+            if not live.failed:
+                self._outbox.append((live.submission, "event", ChoiceEvent(live.index, error=message)))
+                live.failed = True
+                try:
+                    self.engine.abort_request(rid)
+                except Exception:  # noqa: BLE001 -- best effort: the request is failed either way
+                    log.exception("abort of request %d failed", rid)
+        if forget:
+            self._live.clear()
+
+    def _tell_ranks(self, command: str) -> None:
+        if self._comm is not None:
+            self._comm.broadcast_object(command)
+
+    def _observe_engine(self) -> None:
+        ctx, m = self.engine.context, self.metrics
+        m.running.set(len(ctx.active))
+        m.waiting.set(len(self.engine.scheduler.waiting) + self._inbox.qsize())
+        alloc = ctx.allocator
+        m.kv_usage.set(1.0 - alloc.num_available / alloc.capacity if alloc.capacity else 0.0)
+        st = self.engine.stats
+        m.overlap_ratio.set(st.overlap_ratio)
+        m.decode_steps.set(st.decode_steps)
+        m.overlapped_decode_steps.set(st.overlapped_decode_steps)
+
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        loops = {id(sub.loop): sub.loop for sub, _, _ in batch}
+        for loop in loops.values():
+            mine = [b for b in batch if b[0].loop is loop]
+            try:
+                loop.call_soon_threadsafe(_deliver, mine)
+            except RuntimeError:  # the event loop closed (shutdown): nobody is waiting any more
+                pass
+
+
+def follow_rank0(engine, communicator) -> None:
+    """A tensor-parallel rank > 0 of the server: step whenever rank 0's loop steps (the engine
+    receives rank 0's new requests and aborts inside ``step``), until rank 0 says stop."""
+    while True:
+        command = communicator.broadcast_object(None)
+        if command == "stop":
+            return
+        if command == "step":
+            engine.step()

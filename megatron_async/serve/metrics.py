@@ -1,0 +1,49 @@
+"""Prometheus metrics of the server, on a registry of its own (several servers may share a
+process in tests). The engine thread writes them; ``/metrics`` renders them."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+PREFIX = "megatron_async"
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, label = self.registry, {"model_name": model_name}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"{PREFIX}_{name}", doc, list(label), registry=r).labels(**label)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, list(label), registry=r).labels(**label)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"{PREFIX}_{name}", doc, list(label), buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
+
+        self.running = gauge("num_requests_running", "Requests holding KV blocks (prefilling, decoding or paused).")
+        self.waiting = gauge("num_requests_waiting", "Requests queued in the engine or in the server's inbox.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV blocks in use (1 = all).")
+        self.overlap_ratio = gauge("overlap_ratio", "Share of decode steps launched ahead of the previous step's bookkeeping.")
+        self.decode_steps = gauge("engine_decode_steps", "Decode-only engine steps so far.")
+        self.overlapped_decode_steps = gauge("engine_overlapped_decode_steps",
+                                             "Decode-only steps launched ahead (while the previous one was in flight).")
+        self.ttft = histogram("time_to_first_token_seconds", "From HTTP arrival to the first generated token.")
+        self.itl = histogram("inter_token_latency_seconds", "Between successive generated tokens of a request.")
+        self.e2e = histogram("e2e_request_latency_seconds", "From HTTP arrival to the request's end.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.engine_steps = counter("engine_steps", "Engine steps run.")
+        self._finished = Counter(f"{PREFIX}_request_success", "Requests ended, by finish reason.",
+                                 ["model_name", "finished_reason"], registry=r)
+        self._model_name = model_name
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(model_name=self._model_name, finished_reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,150 @@
+"""OpenAI request bodies (completions and chat) as strict pydantic models, and their mapping to
+``SamplingParams``. Wrong types, unknown fields and unsupported options are ``BadRequest`` (HTTP
+400 with the reason), never a silent coercion: ``"0.5"`` is not a temperature and ``true`` is not
+a token count."""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from megatron_async.inference.request import SamplingParams
+
+TokenIds = list[int]
+
+
+class BadRequest(ValueError):
+    """A request the server answers with HTTP 400; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both endpoints: OpenAI's, then the extra ones vLLM also accepts."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extras (vLLM names)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, TokenIds, list[str], list[TokenIds]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        msg = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def _is_union_branch(part: Any) -> bool:
+    """pydantic names the union member it tried in an error's location ('str', 'list[int]', ...)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part or "-" in part)
+
+
+def parse_body(model: type[_Strict], body: Any) -> Any:
+    """Validate a decoded JSON body; the first problem becomes a BadRequest naming the field."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"] if not _is_union_branch(p))
+        raise BadRequest(f"{loc or 'body'}: {err['msg']} (got {err.get('input')!r:.80})", loc or None) from None
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The engine's SamplingParams for one choice. ``logprobs``: None = none, k >= 0 = the sampled
+    token's log-prob plus the top k."""
+    if req.logit_bias:
+        raise BadRequest("logit_bias is not supported", "logit_bias")
+    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0  # -1 / 0: off (vLLM uses -1)
+    top_p = req.top_p if req.top_p is not None and req.top_p < 1.0 else 0.0  # 1.0 = off = our 0
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    if stop is not None and any(not s for s in stop):
+        raise BadRequest("stop strings must not be empty", "stop")
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=top_k, top_p=top_p, num_tokens_to_generate=max_tokens, ignore_eos=req.ignore_eos, seed=req.seed,
+        return_log_probs=logprobs is not None, top_n_logprobs=logprobs or 0, stop_words=stop or None,
+        min_tokens=req.min_tokens, min_p=req.min_p, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | TokenIds]:
+    """The request's prompts: one text, one token-id list, or a batch of either."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise BadRequest("prompt must not be empty", "prompt")
+    if isinstance(p[0], int):
+        return [p]
+    return list(p)
+
+
+def check_completion_options(req: CompletionRequest) -> None:
+    if req.echo:
+        raise BadRequest("echo is not supported", "echo")
+    if req.suffix:
+        raise BadRequest("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise BadRequest("best_of other than n is not supported", "best_of")

@@ -1,0 +1,127 @@
+"""OpenAI response bodies: completions and chat, whole or as SSE chunks, with log-probs and the
+``token_ids`` extra. Pure functions over engine outputs (no I/O)."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_async.inference.request import RequestOutput
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event (``data: [DONE]`` for the end marker)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    kind = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass
+class ResponseHead:
+    """What every body and chunk of one HTTP request repeats."""
+
+    object: str
+    model: str
+    id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def body(self, choices: list[dict], **extra: Any) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+
+class TokenText:
+    """Token id -> its text, for log-prob entries (cached: the same ids recur)."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        if token not in self._cache:
+            self._cache[token] = self._tok.decode([token]) if self._tok is not None else f"<{token}>"
+        return self._cache[token]
+
+
+def completion_logprobs(out: RequestOutput, text_of: TokenText) -> dict | None:
+    """The legacy completions ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset)."""
+    if out.generated_log_probs is None:
+        return None
+    tokens = [text_of(t) for t in out.generated_tokens]
+    tops = out.generated_top_n_logprobs
+    offsets, pos = [], 0
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(out.generated_log_probs),
+        "top_logprobs": [{text_of(t): lp for t, lp in top.items()} for top in tops] if tops else None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(out: RequestOutput, text_of: TokenText) -> dict | None:
+    """The chat ``logprobs`` object: one entry per generated token with its top alternatives."""
+    if out.generated_log_probs is None:
+        return None
+    tops = out.generated_top_n_logprobs or [{}] * len(out.generated_tokens)
+
+    def entry(token: int, lp: float) -> dict:
+        s = text_of(token)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    return {"content": [
+        {**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top.items()]}
+        for t, lp, top in zip(out.generated_tokens, out.generated_log_probs, tops)
+    ]}
+
+
+def finish_reason(out: RequestOutput) -> str:
+    return out.finish_reason
+
+
+def completion_choice(index: int, out: RequestOutput, text_of: TokenText, token_ids: bool) -> dict:
+    choice = {"index": index, "text": out.generated_text or "", "logprobs": completion_logprobs(out, text_of),
+              "finish_reason": finish_reason(out)}
+    if token_ids:
+        choice["token_ids"] = list(out.generated_tokens)
+        choice["prompt_token_ids"] = list(out.prompt_tokens)
+    return choice
+
+
+def chat_choice(index: int, out: RequestOutput, text_of: TokenText, token_ids: bool) -> dict:
+    choice = {"index": index, "message": {"role": "assistant", "content": out.generated_text or ""},
+              "logprobs": chat_logprobs(out, text_of), "finish_reason": finish_reason(out)}
+    if token_ids:
+        choice["token_ids"] = list(out.generated_tokens)
+        choice["prompt_token_ids"] = list(out.prompt_tokens)
+    return choice
+
+
+def completion_chunk_choice(index: int, text: str, finish: str | None, tokens: list[int] | None) -> dict:
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    if tokens is not None:
+        choice["token_ids"] = tokens
+    return choice
+
+
+def chat_chunk_choice(index: int, delta: dict, finish: str | None, tokens: list[int] | None) -> dict:
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    if tokens is not None:
+        choice["token_ids"] = tokens
+    return choice

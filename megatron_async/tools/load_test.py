@@ -1,0 +1,161 @@
+"""A bounded load test of a running server: C concurrent streaming clients (the official
+``openai`` client) send N completions between them; every request must end exactly once with
+all its tokens (none lost, none duplicated); TTFT and inter-token latency percentiles."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass, field
+
+from megatron_async.tools.summary import percentile
+
+WORDS = ("the quick brown fox jumps over a lazy dog while engines batch many requests and decode "
+         "one token for each per step").split()
+
+
+@dataclass
+class StreamRecord:
+    index: int
+    response_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    ttft_s: float | None = None
+    last_token_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class LoadTestReport:
+    clients: int
+    requests: int
+    completed: int
+    """Requests that ended with every token and a finish reason."""
+    failed: int
+    lost: int
+    """Requests that never produced a final chunk."""
+    duplicated: int
+    """Response ids seen more than once, or requests answered more than once."""
+    wrong_length: int
+    output_tokens: int
+    wall_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    """Gaps between successive token chunks as the client sees them (bursty when the client or
+    the event loop falls behind: several chunks then arrive back to back)."""
+    itl_p99_ms: float | None
+    tpot_p50_ms: float | None
+    """Per request: (last token - first token) / (tokens - 1); percentiles over requests."""
+    tpot_p99_ms: float | None
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.completed == self.requests and not (self.failed or self.lost or self.duplicated or self.wrong_length)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def format(self) -> str:
+        def ms(x: float | None) -> str:
+            return "n/a" if x is None else f"{x:.1f} ms"
+
+        return (f"{self.completed}/{self.requests} requests completed by {self.clients} clients in {self.wall_s:.1f} s "
+                f"({self.requests_per_s:.1f} req/s, {self.output_tokens_per_s:.0f} tok/s); failed {self.failed}, "
+                f"lost {self.lost}, duplicated {self.duplicated}, wrong length {self.wrong_length}\n"
+                f"TTFT p50 {ms(self.ttft_p50_ms)} p99 {ms(self.ttft_p99_ms)}; "
+                f"inter-token p50 {ms(self.itl_p50_ms)} p99 {ms(self.itl_p99_ms)}; "
+                f"TPOT p50 {ms(self.tpot_p50_ms)} p99 {ms(self.tpot_p99_ms)}")
+
+
+def prompt_for(index: int, num_words: int) -> str:
+    """A distinct text prompt per request (its index first)."""
+    return f"request {index}: " + " ".join(WORDS[(index + k) % len(WORDS)] for k in range(num_words))
+
+
+async def _one(client, model: str, rec: StreamRecord, max_tokens: int, prompt_words: int) -> None:
+    t0 = time.perf_counter()
+    last = None
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=prompt_for(rec.index, prompt_words), max_tokens=max_tokens, temperature=0.0,
+            stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            rec.response_id = rec.response_id or chunk.id
+            if chunk.id != rec.response_id:
+                raise RuntimeError(f"chunks of two responses in one stream: {rec.response_id} and {chunk.id}")
+            for choice in chunk.choices:
+                ids = (choice.model_extra or {}).get("token_ids") or []
+                if ids:
+                    if last is None:
+                        rec.ttft_s = now - t0
+                    else:
+                        rec.gaps_s.extend([(now - last) / len(ids)] * len(ids))
+                    last = now
+                    rec.last_token_s = now - t0
+                    rec.token_ids.extend(ids)
+                if choice.finish_reason is not None:
+                    if rec.finish_reason is not None:
+                        raise RuntimeError("two final chunks")
+                    rec.finish_reason = choice.finish_reason
+    except Exception as e:  # noqa: BLE001 -- counted and reported, the test goes on
+        rec.error = f"{type(e).__name__}: {e}"
+
+
+async def run_load_test(base_url: str, model: str | None, clients: int = 64, requests: int = 500, max_tokens: int = 32,
+                        prompt_words: int = 12, timeout_s: float = 600.0) -> LoadTestReport:
+    """``clients`` workers share a queue of ``requests`` indices; each request asks for exactly
+    ``max_tokens`` tokens (EOS ignored) so that a short or long answer shows."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+    if not model:  # the server's one model
+        model = (await client.models.list()).data[0].id
+    todo: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(requests):
+        todo.put_nowait(i)
+    records: dict[int, list[StreamRecord]] = {i: [] for i in range(requests)}
+
+    async def worker():
+        while not todo.empty():
+            rec = StreamRecord(todo.get_nowait())
+            records[rec.index].append(rec)
+            await _one(client, model, rec, max_tokens, prompt_words)
+
+    t0 = time.perf_counter()
+    await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(clients))), timeout_s)
+    wall = time.perf_counter() - t0
+    await client.close()
+    return _report(records, clients, max_tokens, wall)
+
+
+def _report(records: dict[int, list[StreamRecord]], clients: int, max_tokens: int, wall: float) -> LoadTestReport:
+    flat = [r for recs in records.values() for r in recs]
+    ids = [r.response_id for r in flat if r.response_id]
+    failed = [r for r in flat if r.error is not None]
+    ended = [r for r in flat if r.error is None and r.finish_reason is not None]
+    lost = sum(1 for recs in records.values() if not any(r.finish_reason for r in recs))
+    duplicated = (len(ids) - len(set(ids))) + sum(1 for recs in records.values() if len(recs) > 1)
+    wrong = [r for r in ended if len(r.token_ids) != max_tokens]
+    ttft = [r.ttft_s for r in ended if r.ttft_s is not None]
+    gaps = [g for r in ended for g in r.gaps_s]
+    tpot = [(r.last_token_s - r.ttft_s) / (len(r.token_ids) - 1) for r in ended
+            if r.ttft_s is not None and r.last_token_s is not None and len(r.token_ids) > 1]
+    tokens = sum(len(r.token_ids) for r in ended)
+
+    def ms(xs, q):
+        p = percentile(xs, q)
+        return None if p is None else 1e3 * p
+
+    return LoadTestReport(
+        clients=clients, requests=len(records), completed=len(ended) - len(wrong), failed=len(failed), lost=lost,
+        duplicated=duplicated, wrong_length=len(wrong), output_tokens=tokens, wall_s=wall,
+        requests_per_s=len(ended) / wall if wall else 0.0, output_tokens_per_s=tokens / wall if wall else 0.0,
+        ttft_p50_ms=ms(ttft, 50), ttft_p99_ms=ms(ttft, 99), itl_p50_ms=ms(gaps, 50), itl_p99_ms=ms(gaps, 99),
+        tpot_p50_ms=ms(tpot, 50), tpot_p99_ms=ms(tpot, 99),
+        errors=sorted({r.error for r in failed})[:5],
+    )

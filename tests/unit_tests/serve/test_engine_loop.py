@@ -1,0 +1,82 @@
+"""The engine thread of the server, without HTTP: submissions in, per-step events out; a bad
+request, an unexpected admission error or a failing step ends only the requests concerned."""
+import asyncio
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
+from megatron_async.inference.request import InvalidRequestError  # noqa: E402
+from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission  # noqa: E402
+from megatron_async.serve.metrics import ServerMetrics  # noqa: E402
+
+CONFIG = InferenceConfig(max_sequence_length=64, num_kv_blocks=64, max_requests=8, max_tokens=64)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(top_k=1, num_tokens_to_generate=n, ignore_eos=True)
+
+
+async def run(loop: EngineLoop, choices: list[Choice]):
+    """Submit and collect: (token ids per choice from the updates, final outputs, errors)."""
+    sub = Submission(choices, asyncio.get_running_loop())
+    loop.submit(sub)
+    await sub.admitted
+    tokens = [[] for _ in choices]
+    outs, errors = [None] * len(choices), []
+    while sum(o is not None for o in outs) + len(errors) < len(choices):
+        ev = await asyncio.wait_for(sub.events.get(), 30)
+        if ev.update is not None:
+            tokens[ev.index] += ev.update.new_tokens
+        if ev.output is not None:
+            outs[ev.index] = ev.output
+        if ev.error is not None:
+            errors.append(ev.error)
+    return tokens, outs, errors
+
+
+def test_events_failures_and_recovery():
+    llm = LLM(inference_config=CONFIG)
+    want = [o.generated_tokens for o in llm.generate([[1, 2, 3], [7, 8]], [greedy(5), greedy(3)])]
+    loop = EngineLoop(llm.engine, ServerMetrics("t"))
+    loop.start()
+    real_step, real_add = llm.engine.step, llm.engine.add_request
+    try:
+        async def main():
+            tokens, outs, errors = await run(loop, [Choice([1, 2, 3], greedy(5)), Choice([7, 8], greedy(3))])
+            assert tokens == want == [o.generated_tokens for o in outs] and not errors
+
+            with pytest.raises(InvalidRequestError):  # too long: nothing is admitted
+                await run(loop, [Choice([1, 2, 3], greedy(2)), Choice(list(range(1, 70)), greedy(2))])
+
+            def add_fails(*a, **k):
+                llm.engine.add_request = real_add
+                raise TypeError("boom")
+            llm.engine.add_request = add_fails
+            with pytest.raises(RuntimeError, match="could not admit"):
+                await run(loop, [Choice([1, 2, 3], greedy(2))])
+
+            def step_fails():
+                llm.engine.step = real_step
+                raise RuntimeError("device lost")
+            llm.engine.step = step_fails
+            _, outs, errors = await run(loop, [Choice([1, 2, 3], greedy(5))])
+            assert errors == ["engine step failed: RuntimeError: device lost"]
+            for _ in range(100):  # the loop steps on until the engine has ended the failed request
+                if not llm.engine.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.05)
+            assert not llm.engine.has_unfinished_requests()
+
+            tokens, outs, errors = await run(loop, [Choice([1, 2, 3], greedy(5))])
+            assert tokens[0] == want[0] and not errors  # the loop and the engine still serve
+
+        asyncio.run(main())
+        assert loop.is_alive()
+    finally:
+        loop.stop()
+    assert not loop.is_alive()
+    assert not llm.engine.has_unfinished_requests() and len(llm.context.active) == 0
+    alloc = llm.context.allocator
+    assert alloc.num_available == alloc.capacity  # the aborted request's blocks came back

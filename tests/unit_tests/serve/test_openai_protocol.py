@@ -1,0 +1,78 @@
+"""OpenAI request bodies: strict parsing (wrong types, unknown fields are BadRequest) and the
+mapping to SamplingParams."""
+import pytest
+
+pytest.importorskip("pydantic")
+
+from megatron_async.serve.openai_protocol import (  # noqa: E402
+    BadRequest, ChatCompletionRequest, CompletionRequest, check_completion_options, completion_prompts, parse_body,
+    sampling_params,
+)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "temperature": "0.5"}, "temperature"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+    ({"prompt": "x", "stop": [5]}, "stop"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": "x", "bogus": 1}, "bogus"),
+    ({"prompt": "x", "seed": -1}, "seed"),
+    ({}, "prompt"),
+])
+def test_bad_bodies_name_the_field(body, param):
+    with pytest.raises(BadRequest) as e:
+        parse_body(CompletionRequest, body)
+    assert e.value.param == param and param in str(e.value)
+
+
+def test_body_must_be_an_object():
+    with pytest.raises(BadRequest, match="JSON object"):
+        parse_body(CompletionRequest, [1, 2])
+
+
+def test_prompt_forms():
+    assert completion_prompts(parse_body(CompletionRequest, {"prompt": "hi"})) == ["hi"]
+    assert completion_prompts(parse_body(CompletionRequest, {"prompt": [1, 2]})) == [[1, 2]]
+    assert completion_prompts(parse_body(CompletionRequest, {"prompt": [[1], [2, 3]]})) == [[1], [2, 3]]
+    assert completion_prompts(parse_body(CompletionRequest, {"prompt": ["a", "b"]})) == ["a", "b"]
+    with pytest.raises(BadRequest):
+        completion_prompts(parse_body(CompletionRequest, {"prompt": []}))
+
+
+def test_sampling_mapping_uses_engine_conventions():
+    req = parse_body(CompletionRequest, {"prompt": "x", "top_p": 1.0, "top_k": -1, "stop": "END", "seed": 3,
+                                         "ignore_eos": True})
+    sp = sampling_params(req, max_tokens=7, logprobs=None)
+    assert (sp.top_p, sp.top_k, sp.stop_words, sp.seed, sp.ignore_eos) == (0.0, 0, ["END"], 3, True)
+    assert sp.num_tokens_to_generate == 7 and sp.temperature == 1.0 and not sp.return_log_probs
+    sp = sampling_params(parse_body(CompletionRequest, {"prompt": "x", "top_p": 0.9, "temperature": 0}), 4, 2)
+    assert sp.top_p == 0.9 and sp.is_greedy and sp.return_log_probs and sp.top_n_logprobs == 2
+    sp = sampling_params(parse_body(CompletionRequest, {
+        "prompt": "x", "min_p": 0.1, "min_tokens": 2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+        "repetition_penalty": 1.3, "skip_special_tokens": False, "include_stop_str_in_output": True}), 4, None)
+    assert (sp.min_p, sp.min_tokens, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (
+        0.1, 2, 0.5, -0.5, 1.3)
+    assert not sp.skip_special_tokens and sp.include_stop_str_in_output
+    with pytest.raises(BadRequest, match="logit_bias"):
+        sampling_params(parse_body(CompletionRequest, {"prompt": "x", "logit_bias": {"1": 2.0}}), 4, None)
+    with pytest.raises(BadRequest, match="stop"):
+        sampling_params(parse_body(CompletionRequest, {"prompt": "x", "stop": [""]}), 4, None)
+    for field in ("echo", "suffix", "best_of"):
+        value = {"echo": True, "suffix": "s", "best_of": 3}[field]
+        with pytest.raises(BadRequest, match=field):
+            check_completion_options(parse_body(CompletionRequest, {"prompt": "x", field: value}))
+
+
+def test_chat_messages():
+    req = parse_body(ChatCompletionRequest, {"messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert [m.as_template_message() for m in req.messages] == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    for bad in ({"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
+                {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]}):
+        with pytest.raises(BadRequest):
+            parse_body(ChatCompletionRequest, bad)

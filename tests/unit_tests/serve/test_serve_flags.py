@@ -1,0 +1,35 @@
+"""python -m megatron_async.serve flags: the served name, the listening socket, argparse errors."""
+import socket
+
+import pytest
+
+from megatron_async.serve.__main__ import bind, build_parser, served_name
+
+
+def test_served_name_is_the_checkpoint_dir_unless_given(tmp_path):
+    ckpt = tmp_path / "My-Model-7B"
+    ckpt.mkdir()
+    p = build_parser()
+    assert served_name(p.parse_args(["--model", f"{ckpt}/"])) == "My-Model-7B"
+    assert served_name(p.parse_args(["--model", str(ckpt), "--served-model-name", "m"])) == "m"
+    args = p.parse_args([])
+    args.default_model = "tiny"
+    assert served_name(args) == "tiny"
+
+
+def test_bind_listens_on_a_free_port():
+    sock = bind("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        assert port > 0
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # accepted into the backlog before any server loop runs
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("flags", [["--port", "70000"], ["--port", "x"], ["--max-requests", "0"], ["--seed", "-1"]])
+def test_bad_flags_are_argparse_errors(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(flags)
+    assert e.value.code == 2 and flags[0] in capsys.readouterr().err
