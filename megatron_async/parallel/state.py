@@ -53,32 +53,54 @@ class ParallelState:
         return total // self.tp_size
 
     @classmethod
-    def from_torchrun(cls, tensor_parallel_size: int, device: torch.device | str = "cpu") -> ParallelState:
+    def from_torchrun(cls, tensor_parallel_size: int, device: torch.device | str = "cpu",
+                      expert_parallel_size: int = 1) -> ParallelState:
         """Join the torchrun job described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as a
-        TP group of ``tensor_parallel_size`` ranks (NCCL on CUDA, gloo on CPU). Size 1 needs no
-        environment and creates no group."""
-        if tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        TP group of ``tensor_parallel_size`` ranks, or as ``expert_parallel_size`` data-parallel
+        engines (one EP group; TP x EP is not supported yet) (NCCL on CUDA, gloo on CPU). Size 1
+        needs no environment and creates no group."""
+        if tensor_parallel_size < 1 or expert_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size ({tensor_parallel_size}) and expert_parallel_size "
+                             f"({expert_parallel_size}) must be >= 1")
+        if tensor_parallel_size > 1 and expert_parallel_size > 1:
+            raise ValueError("tensor and expert parallelism together are not supported yet")
+        if expert_parallel_size > 1:
+            rank, world = cls._join(expert_parallel_size, "expert_parallel_size", device)
+            return cls(ep_rank=rank, ep_size=world, ep_group=dist.group.WORLD, dp_rank=rank, dp_size=world)
         if tensor_parallel_size == 1:
             return cls()
+        rank, world = cls._join(tensor_parallel_size, "tensor_parallel_size", device)
+        return cls(tp_rank=rank, tp_size=world, tp_group=dist.group.WORLD)
+
+    @staticmethod
+    def _join(size: int, what: str, device: torch.device | str) -> tuple[int, int]:
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
-            raise RuntimeError(
-                f"tensor_parallel_size={tensor_parallel_size} needs a torchrun environment; unset: {', '.join(missing)}"
-            )
+            raise RuntimeError(f"{what}={size} needs a torchrun environment; unset: {', '.join(missing)}")
         world = int(os.environ["WORLD_SIZE"])
-        if world != tensor_parallel_size:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} but WORLD_SIZE={world}; launch exactly that many processes"
-            )
+        if world != size:
+            raise ValueError(f"{what}={size} but WORLD_SIZE={world}; launch exactly that many processes")
         if not dist.is_initialized():
             backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
             dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=world)
         elif dist.get_world_size() != world:
             raise RuntimeError(f"torch.distributed is already initialised with world size {dist.get_world_size()}")
-        return cls(tp_rank=dist.get_rank(), tp_size=world, tp_group=dist.group.WORLD)
+        return dist.get_rank(), world
+
+    @property
+    def rank(self) -> int:
+        """Global rank (ranks are laid out TP-major inside each EP rank)."""
+        return self.ep_rank * self.tp_size + self.tp_rank
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def rendezvous_store(self):
+        """The job's torch.distributed store (the torchrun rendezvous): ranks publish addresses in it."""
+        return dist.distributed_c10d._get_default_store()
 
     def destroy(self) -> None:
         """Leave the process groups (tests run several TP jobs in one process's lifetime)."""
-        if self.tp_group is not None and dist.is_initialized():
+        if (self.tp_group is not None or self.ep_group is not None) and dist.is_initialized():
             dist.destroy_process_group()

@@ -73,3 +73,7 @@ class ForwardBatch:
     """Hybrid: one per Mamba layer, [num_slots, conv_dim, d_conv - 1]."""
     ssm_states: list[torch.Tensor] = field(default_factory=list)
     """Hybrid: one per Mamba layer, [num_slots, num_heads, head_dim, d_state]."""
+    dp_num_tokens: int = 0
+    """Expert parallel (data-parallel engines): the most tokens any rank runs in this step, agreed
+    over ZMQ before the launch; MoE token exchanges pad to it so every rank's collectives have the
+    same shape. At least this batch's own token count."""
