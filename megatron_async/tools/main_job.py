@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None, description: str = "megatron_async main 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     t0 = time.perf_counter()
     llm = LLM(args.model, args.device, args.dtype, cli.inference_config_from_args(args),
-              default_model=args.default_model, tensor_parallel_size=args.tensor_parallel_size)
+              default_model=args.default_model, tensor_parallel_size=args.tensor_parallel_size,
+              expert_parallel_size=args.expert_parallel_size)
     try:
         return _run(args, llm, t0)
     finally:
@@ -114,7 +115,7 @@ def _run(args: argparse.Namespace, llm: LLM, t0: float) -> RunSummary:
     model_name = args.model or f"built-in {args.default_model}"
     if llm.is_leader:
         mode = "serial" if args.serial else "async"
-        print(f"model: {model_name} on {args.device} ({args.dtype}, TP {args.tensor_parallel_size}), built in "
+        print(f"model: {model_name} on {args.device} ({args.dtype}, TP {args.tensor_parallel_size}, EP {args.expert_parallel_size}), built in "
               f"{time.perf_counter() - t0:.1f} s; {len(requests)} requests, {mode} engine", file=sys.stderr)
     progress = ProgressBar(len(requests), enabled=not args.quiet and llm.is_leader)
     engine = llm.engine if llm.is_leader else FollowerEngine(llm.engine)

@@ -7,12 +7,14 @@ does not hang; a killed rank makes the others fail clearly. With a dense model E
 data-parallel engines (no expert split yet): the engine side of issue 10."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.testing.multiprocess import run_ranks
+from megatron_async.tools.main_job import main
 
 CONFIG = dict(block_size_tokens=4, num_kv_blocks=128, max_requests=4, max_tokens=16, max_sequence_length=128)
 PROMPTS = [[3, 17, 42, 9, 100, 7], [250, 1, 2], [5] * 11, [60, 61, 62, 63, 64, 65, 66, 67, 68], [8, 9],
@@ -123,3 +125,25 @@ def test_a_killed_rank_makes_the_others_fail_clearly():
     report = str(failed.value)
     assert "rank 1 failed:\nexited with code 9" in report
     assert "CommunicatorError: rank 0: lost the connection to a peer" in report
+
+
+JOB_ARGS = ["--num-requests", "8", "--prompt-len-min", "4", "--prompt-len-max", "12", "--output-len-min", "3",
+            "--output-len-max", "8", "--arrival-rate", "1.5", "--temperature", "0.9", "--top-p", "0.8",
+            "--block-size", "4", "--num-kv-blocks", "64", "--max-requests", "3", "--max-tokens", "16", "--quiet",
+            "--device", "cpu"]
+
+
+def _job_worker(rank: int, world: int, out_dir: str) -> bool:
+    summary = main([*JOB_ARGS, "--expert-parallel-size", str(world), "--output-path", f"{out_dir}/r{rank}.json"])
+    return summary is not None
+
+
+def test_main_job_ep2_with_arrivals_matches_ep1(tmp_path):
+    main([*JOB_ARGS, "--output-path", str(tmp_path / "ep1.json")])
+    run_ranks(_job_worker, 2, str(tmp_path), timeout_s=90)
+    assert not (tmp_path / "r1.json").exists()  # only rank 0 writes
+
+    def tokens(name: str) -> list[list[int]]:
+        return [r["generated_tokens"] for r in json.loads((tmp_path / name).read_text())["requests"]]
+
+    assert tokens("r0.json") == tokens("ep1.json") and all(tokens("ep1.json"))

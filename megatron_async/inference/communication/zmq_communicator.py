@@ -63,12 +63,16 @@ class ZMQCommunicator:
         # Handshake: rank 0 learns every peer's identity before it routes anything to it.
         self.barrier()
 
+    _joined = 0  # communicators built through a rendezvous by this process (same count on every rank)
+
     @classmethod
-    def from_rendezvous(cls, store, rank: int, world_size: int, key: str = "megatron_async/zmq",
-                        timeout_s: float | None = 300.0) -> "ZMQCommunicator":
+    def from_rendezvous(cls, store, rank: int, world_size: int, timeout_s: float | None = 300.0) -> "ZMQCommunicator":
         """Join through a torch.distributed ``Store`` (the job's rendezvous): rank 0 binds an
-        ephemeral port on the address it uses to reach the store's host (MASTER_ADDR) and sets
-        ``key``; the others wait for the key and connect there. Works across nodes."""
+        ephemeral port on the address it uses to reach the store's host (MASTER_ADDR) and
+        publishes it; the others wait for it and connect there. Works across nodes. The key is
+        numbered, so a store that outlives one engine never hands out a stale address."""
+        ZMQCommunicator._joined += 1
+        key = f"megatron_async/zmq/{ZMQCommunicator._joined}"
         host = _address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")) if rank == 0 else ""
         publish = lambda endpoint: store.set(key, endpoint)  # noqa: E731
         lookup = lambda: store.get(key).decode()  # noqa: E731  (store.get blocks until it is set)

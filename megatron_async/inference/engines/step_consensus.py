@@ -117,13 +117,14 @@ class StepConsensus:
         """Collective: one round trip. Returns the agreement, with the news and aborts this
         rank must apply (rank 0's included: it applies its own outbox only here, like the rest)."""
         t0 = time.perf_counter()
-        values = [int(has_work or self.has_outgoing()), num_tokens, int(eager), int(leader_waiting)]
+        handing_up = upload is not None  # rank 0 must step again to hand these out: that is work
+        values = [int(has_work or handing_up or self.has_outgoing()), num_tokens, int(eager), int(leader_waiting)]
         if self.data_parallel:
             values += [load if r == self.rank else 0 for r in range(self.world_size)]
         payload = (self._outbox, self._aborts) if self.is_leader else None
         self._outbox, self._aborts = [], []
         result, uploads, (news, aborts) = self.comm.exchange(values, upload, payload)
-        any_work = bool(result[0]) or any(u is not None for u in uploads)
+        any_work = bool(result[0])
         if self.data_parallel:
             news = [n for n in news if n.rank == self.rank]
             self._routed_since = [0] * self.world_size
