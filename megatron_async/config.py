@@ -6,10 +6,19 @@ from enum import Enum
 
 
 class AttentionBackend(str, Enum):
-    """Which attention implementation the model layers call."""
+    """Which attention implementation the model layers call. It also picks the MoE experts'
+    kernels (``kernels/moe.py``): TRITON = the fused Triton MoE, TORCH = the reference loop."""
 
     TORCH = "torch"  # pure-torch reference (CPU and CUDA)
     TRITON = "triton"  # Triton paged kernels (CUDA, or CPU with TRITON_INTERPRET=1)
+    AUTO = "auto"  # triton on CUDA when importable, else torch
+
+
+class SamplingBackend(str, Enum):
+    """Which sampler draws the tokens (both give the same tokens; see sampling.py)."""
+
+    TORCH = "torch"  # the pure-torch reference (full-vocabulary sorts when filtering)
+    TRITON = "triton"  # sort-free Triton kernels (CUDA, or CPU with TRITON_INTERPRET=1)
     AUTO = "auto"  # triton on CUDA when importable, else torch
 
 
@@ -67,7 +76,7 @@ class InferenceConfig:
     """Padded decode batch sizes to capture. None: 1, 2, 4, 8, then multiples of 16 up to max_requests."""
 
     attention_backend: AttentionBackend = AttentionBackend.AUTO
-    """Attention kernels to use."""
+    """Attention kernels to use (and the MoE experts' kernels: Triton fused MoE or the torch loop)."""
 
     mamba_backend: MambaBackend = MambaBackend.AUTO
     """SSM kernels to use for hybrid models."""
@@ -77,6 +86,9 @@ class InferenceConfig:
     running request: a few microseconds of host time per token). False: updates carry
     ``new_text=None`` and a request's text is decoded once, when it finishes (string stop
     words still decode their own requests as they go)."""
+
+    sampling_backend: SamplingBackend = SamplingBackend.AUTO
+    """Sampling (penalties, temperature, top-k / top-p / min-p, draws) implementation."""
 
     logging_step_interval: int = 0
     """Log (and time, with one device sync) every N steps; 0 = never."""
@@ -101,3 +113,4 @@ class InferenceConfig:
             )
         self.attention_backend = AttentionBackend(self.attention_backend)
         self.mamba_backend = MambaBackend(self.mamba_backend)
+        self.sampling_backend = SamplingBackend(self.sampling_backend)

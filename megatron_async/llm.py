@@ -64,6 +64,9 @@ class LLM:
         self.expert_parallel_size = expert_parallel_size
         self.communicator: ZMQCommunicator | None = None
         self.parallel = ParallelState()
+        if tensor_parallel_size > 1 and expert_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 together with expert_parallel_size > 1 is not supported by the "
+                             "engines yet (each TP group would have to act as one data-parallel engine)")
         if tensor_parallel_size > 1 or expert_parallel_size > 1:
             if self.device.type == "cuda":  # one GPU per rank
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -72,7 +75,7 @@ class LLM:
         try:
             if self.parallel.is_distributed:
                 self.communicator = ZMQCommunicator.from_rendezvous(
-                    self.parallel.rendezvous_store(), self.parallel.rank, self.parallel.world_size)
+                    self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size)
             self._build(model, default_model, seed)
         except BaseException:
             self.close()  # every rank fails the same way at load (a shape that does not divide): leave cleanly
@@ -88,7 +91,7 @@ class LLM:
         if model is None:
             self.model = build_default_model(default_model, self.device, self.dtype, seed=seed, parallel=self.parallel)
             self.tokenizer = None
-            if default_model == "tiny":  # sized to the in-process tiny BPE: text prompts work
+            if default_model.startswith("tiny"):  # sized to the in-process tiny BPE: text prompts work
                 from megatron_async.models import Tokenizer
                 from megatron_async.models.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
 
@@ -107,6 +110,7 @@ class LLM:
         facade = DeviceFacade(self.device)
         self.context = DynamicInferenceContext(self.config, self.model, facade, self.dtype)
         self.controller = TextGenerationController(self.model, self.context, eos_ids)
+        self.controller.expert_parallel = self.parallel.ep_size > 1
         if self.config.cuda_graphs and facade.is_cuda:
             from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
 

@@ -53,6 +53,24 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     """Keep a matched stop string at the end of the generated text (vLLM meaning)."""
 
+    # -- vLLM-named sampling extensions (checked by request_validation.check_sampling_extensions) --
+    min_tokens: int = 0
+    """EOS and single-token stop ids are masked (and stop checks skipped) until this many tokens were generated."""
+    min_p: float = 0.0
+    """Keep tokens whose probability is >= min_p x the top token's (after temperature); 0 = off."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token that occurs in the output so far."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per occurrence in the output so far."""
+    repetition_penalty: float = 1.0
+    """Tokens of the prompt or output: positive logits divided by it, negative multiplied; 1 = off."""
+
+    @property
+    def has_penalties(self) -> bool:
+        """Needs per-request token counts on the device (penalties or min_tokens)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+
     @property
     def is_greedy(self) -> bool:
         # Below ~1e-5, logits / temperature overflows float32; such a request is greedy anyway.
@@ -155,6 +173,8 @@ class DynamicInferenceRequest:
     """Hybrid prefix caching: prefill chunks end at these positions so their states get cached."""
     state_slot: int = -1
     """Hybrid models: index of this request's live Mamba state slot (-1 = none)."""
+    sampling_slot: int = -1
+    """Row of this request's device token counts (penalties / min_tokens; -1 = none)."""
 
     @property
     def num_known_tokens(self) -> int:

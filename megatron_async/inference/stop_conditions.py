@@ -8,15 +8,17 @@ from megatron_async.inference.request import DynamicInferenceRequest, FinishReas
 def finish_reason(req: DynamicInferenceRequest, max_sequence_length: int) -> FinishReason | None:
     """Check the request's newest generated token (already appended) and feed its text.
 
-    EOS stops before its text is decoded, so the EOS text is never in the output."""
+    EOS stops before its text is decoded, so the EOS text is never in the output. Before
+    ``min_tokens`` tokens exist no EOS / stop check applies (vLLM's rule)."""
     sp = req.sampling_params
     gen = req.generated_tokens
     last = gen[-1]
-    if not sp.ignore_eos and last in req.eos_ids:
+    stops_armed = len(gen) >= sp.min_tokens
+    if stops_armed and not sp.ignore_eos and last in req.eos_ids:
         return FinishReason.STOP
-    if req.text is not None and req.text.append(last):
+    if req.text is not None and req.text.append(last, check_stops=stops_armed):
         return FinishReason.STOP  # a stop string completed in the decoded text
-    for seq in req.stop_sequences:
+    for seq in req.stop_sequences if stops_armed else ():
         if len(gen) >= len(seq) and gen[-len(seq):] == seq:
             return FinishReason.STOP
     if len(gen) >= sp.num_tokens_to_generate:

@@ -71,19 +71,20 @@ class TextStream:
         self.stopped_by: str | None = None
         self._done = False
 
-    def append(self, token: int) -> bool:
-        """Feed a generated token; True when a stop string completed (text already trimmed)."""
+    def append(self, token: int, check_stops: bool = True) -> bool:
+        """Feed a generated token; True when a stop string completed (text already trimmed).
+        ``check_stops=False`` (before min_tokens): the text grows, no stop is looked for."""
         self._buffered.append(token)
-        return bool(self._stops) and self._catch_up()
+        return bool(self._stops) and self._catch_up(check_stops)
 
-    def _catch_up(self) -> bool:
+    def _catch_up(self, check_stops: bool = True) -> bool:
         tokens, self._buffered = self._buffered, []
         delta = self._detok.extend(tokens) if tokens else ""
         if not delta:
             return False
         old_len = len(self.text)
         self.text += delta
-        return bool(self._stops) and self._find_stop(old_len)
+        return check_stops and bool(self._stops) and self._find_stop(old_len)
 
     def _find_stop(self, old_len: int) -> bool:
         best = None

@@ -1,6 +1,6 @@
 """DecoderModel: every model family as one stack of ``Block``s (``h += mixer(norm(h))``) between
 a vocabulary-parallel embedding and LM head. GPT and hybrid models differ only in the list of
-blocks they declare (and their Hugging Face names); a new family, or a new mixer kind (MoE),
+blocks they declare (and their Hugging Face names); a new family, or a new mixer kind (MoE: ``LayerKind.MOE``),
 needs no new sharding or loading code."""
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ from megatron_async.models.layers.block import Block, StepInputs
 from megatron_async.models.layers.mamba2_mixer import Mamba2Mixer
 from megatron_async.models.layers.mamba_step_plan import MambaStepPlan
 from megatron_async.models.layers.mlp import build_mlp
+from megatron_async.models.layers.moe import MoEMixer
 from megatron_async.models.layers.norm import NemotronRMSNorm, RMSNorm
 from megatron_async.models.layers.rope import RotaryEmbedding
 from megatron_async.models.model_config import AttentionConfig, LayerKind, MLPConfig
+from megatron_async.models.moe_config import MoEConfig
 from megatron_async.models.weight_loading import HFTarget, hf_targets, load_hf_weights
 from megatron_async.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from megatron_async.parallel.sharding import full_shape
@@ -62,6 +64,8 @@ class DecoderSpec:
     hf_final_norm: str
     hf_ignored_prefixes: tuple[str, ...] = ()
     """Checkpoint tensors that are not part of the model (e.g. NemotronH "mtp." heads)."""
+    moe: MoEConfig | None = None
+    """The mixture-of-experts mixer of the MOE blocks (None: the model has none)."""
 
 
 def _mixer(kind: LayerKind, spec: DecoderSpec, index: int, parallel: ParallelState, dtype: torch.dtype,
@@ -73,6 +77,8 @@ def _mixer(kind: LayerKind, spec: DecoderSpec, index: int, parallel: ParallelSta
         return Mamba2Mixer(spec.hidden_size, spec.mamba, index, parallel, dtype, device)
     if kind == LayerKind.MLP:
         return build_mlp(spec.hidden_size, spec.mlp, parallel, dtype, device)
+    if kind == LayerKind.MOE:
+        return MoEMixer(spec.hidden_size, spec.moe, parallel, dtype, device)
     raise ValueError(f"{spec.name}: {kind.name} layers are not supported")
 
 
@@ -117,7 +123,7 @@ class DecoderModel(CausalLM):
             self.rope.reserve(batch.attn.max_kv_len)  # a host int: growing the table never syncs
             rope = self.rope(batch.attn.positions[:T])
         plan = MambaStepPlan.build(batch.mamba) if self.num_blocks_of[LayerKind.MAMBA] else None
-        step = StepInputs(batch, rope, plan)
+        step = StepInputs(batch, rope, plan, batch.ep_num_tokens)
         x, residual = self.embed_tokens(input_ids), None
         if self.spec.residual_in_fp32:
             x = x.float()

@@ -1,4 +1,6 @@
-"""Built-in models with seeded random weights, for running the engine without a checkpoint."""
+"""Built-in models with seeded random weights, for running the engine without a checkpoint.
+Every rank draws the same FULL tensors and keeps its TP / EP shard, so a built-in model is the
+same model whatever the parallel sizes."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -38,6 +40,55 @@ DEFAULT_CONFIGS: dict[str, dict] = {
         "initializer_range": 0.1,
         "eos_token_id": EOS_TOKEN_ID,
         "dtype": "float32",
+    },
+    # A tiny Qwen3-MoE (8 experts, top-2, normalised; layer 1 dense) on the tiny tokenizer's
+    # vocabulary: the CPU model for expert-parallel runs (experts split 2, 4 or 8 ways).
+    "tiny-moe": {
+        **_QWEN3_COMMON,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "moe_intermediate_size": 192,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [1],
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        "vocab_size": 1024,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.1,
+        "eos_token_id": EOS_TOKEN_ID,
+        "dtype": "float32",
+    },
+    # The shape of Qwen/Qwen3-30B-A3B (48 layers, 128 experts, top-8): ~30.5B parameters, 61 GB in bf16.
+    "qwen3-30b-a3b": {
+        **_QWEN3_COMMON,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "dtype": "bfloat16",
     },
     # The shape of Qwen/Qwen3-0.6B.
     "qwen3-0.6b": {

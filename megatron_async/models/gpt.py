@@ -1,4 +1,5 @@
-"""GPT decoders (Llama / Qwen2 / Qwen3): per HF layer, an attention block and a SwiGLU block."""
+"""GPT decoders (Llama / Qwen2 / Qwen3, Qwen3-MoE, Mixtral): per HF layer, an attention block
+and a SwiGLU block or (sparse layers) a mixture-of-experts block."""
 from __future__ import annotations
 
 import torch
@@ -13,13 +14,17 @@ def gpt_spec(cfg: GPTConfig) -> DecoderSpec:
     for i in range(cfg.num_hidden_layers):
         layer = f"model.layers.{i}"
         blocks.append(BlockSpec(LayerKind.ATTENTION, f"{layer}.input_layernorm", f"{layer}.self_attn"))
-        blocks.append(BlockSpec(LayerKind.MLP, f"{layer}.post_attention_layernorm", f"{layer}.mlp"))
+        if cfg.sparse_layers and cfg.sparse_layers[i]:
+            moe_name = "block_sparse_moe" if cfg.architecture == "MixtralForCausalLM" else "mlp"
+            blocks.append(BlockSpec(LayerKind.MOE, f"{layer}.post_attention_layernorm", f"{layer}.{moe_name}"))
+        else:
+            blocks.append(BlockSpec(LayerKind.MLP, f"{layer}.post_attention_layernorm", f"{layer}.mlp"))
     return DecoderSpec(
         name=cfg.architecture, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, blocks=tuple(blocks),
         attention=cfg.attention(), mamba=None, mlp=cfg.mlp(), norm_eps=cfg.rms_norm_eps, nemotron_norm=False,
         tie_word_embeddings=cfg.tie_word_embeddings, residual_in_fp32=False, eos_token_id=cfg.eos_token_id,
         max_position_embeddings=cfg.max_position_embeddings, hf_embedding="model.embed_tokens",
-        hf_final_norm="model.norm",
+        hf_final_norm="model.norm", moe=cfg.moe,
     )
 
 

@@ -37,7 +37,7 @@ def hybrid_spec(cfg: HybridConfig) -> DecoderSpec:
         hf_embedding="model.embed_tokens" if bamba else "backbone.embeddings",
         hf_final_norm="model.final_layernorm" if bamba else "backbone.norm_f",
         # multi-token-prediction heads some NemotronH checkpoints carry; transformers ignores them
-        hf_ignored_prefixes=("mtp.",),
+        hf_ignored_prefixes=("mtp.",), moe=cfg.moe,
     )
 
 

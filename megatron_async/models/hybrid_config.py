@@ -1,5 +1,5 @@
 """Typed view of a Hugging Face ``config.json`` for hybrid Mamba2 models:
-NemotronH (Mamba2 / attention / MLP layers), Bamba (Mamba2 or attention + SwiGLU per layer)
+NemotronH (Mamba2 / attention / MLP / MoE layers), Bamba (Mamba2 or attention + SwiGLU per layer)
 and pure Mamba2. Defaults follow the transformers config classes, so a checkpoint that
 omits a field behaves here as it does in ``transformers``; every inconsistency raises
 ValueError naming the field."""
@@ -11,6 +11,7 @@ from enum import Enum
 from typing import Any
 from megatron_async.models.config_fields import first_id, positive_int
 from megatron_async.models.model_config import AttentionConfig, LayerKind, MLPConfig
+from megatron_async.models.moe_config import MoEConfig, parse_nemotron_moe
 
 
 class HybridFamily(str, Enum):
@@ -87,6 +88,8 @@ class HybridConfig:
     """Keep the residual stream in float32 (Mamba2)."""
     eos_token_id: int | None
     max_position_embeddings: int
+    moe: MoEConfig | None = None
+    """The mixer of NemotronH 'E' (MoE) layers; None when there is none."""
 
     @property
     def mlp_after_mixer(self) -> bool:
@@ -156,8 +159,6 @@ def _nemotron_layers(cfg: dict) -> tuple[LayerKind, ...]:
     n = cfg.get("num_hidden_layers")
     if n is not None and n != len(layers):
         raise ValueError(f"config.json: the layer pattern has {len(layers)} layers but num_hidden_layers is {n}")
-    if LayerKind.MOE in layers:
-        raise ValueError("config.json: NemotronH MoE layers ('E') are not supported")
     return layers
 
 
@@ -319,4 +320,5 @@ def parse_hybrid_config(cfg: dict) -> HybridConfig:
         residual_in_fp32=family == HybridFamily.MAMBA2 and bool(cfg.get("residual_in_fp32", True)),
         eos_token_id=eos,
         max_position_embeddings=max_positions,
+        moe=parse_nemotron_moe(cfg) if LayerKind.MOE in layers else None,
     )

@@ -1,4 +1,5 @@
-"""Typed view of a Hugging Face ``config.json`` for Llama / Qwen2 / Qwen3 decoders.
+"""Typed view of a Hugging Face ``config.json`` for Llama / Qwen2 / Qwen3 decoders and their
+mixture-of-experts variants (Qwen3-MoE, Mixtral: MoE fields in ``moe_config.py``).
 
 Defaults follow the Hugging Face config classes of each family, so a checkpoint
 that omits a field behaves here as it does in ``transformers``."""
@@ -7,10 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from megatron_async.models.config_fields import first_id, positive_int
+from megatron_async.models.moe_config import MoEConfig, parse_softmax_moe
 
-GPT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768}
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+GPT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *MOE_ARCHITECTURES)
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+_DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768,
+                          "Qwen3MoeForCausalLM": 32768, "MixtralForCausalLM": 4096 * 32}
+_DEFAULT_RMS_EPS = {"MixtralForCausalLM": 1e-5}
+_DEFAULT_INTERMEDIATE = {"Qwen3MoeForCausalLM": 6144, "MixtralForCausalLM": 14336}
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -97,6 +105,10 @@ class GPTConfig:
     """Per-head RMSNorm of q and k before RoPE (Qwen3)."""
     eos_token_id: int | None
     torch_dtype: str | None
+    moe: MoEConfig | None = None
+    """The MoE mixer of sparse layers (Qwen3-MoE, Mixtral); None for dense models."""
+    sparse_layers: tuple[bool, ...] = ()
+    """Per layer: True = MoE mixer, False = dense SwiGLU MLP (empty for dense models)."""
 
     def attention(self) -> AttentionConfig:
         return AttentionConfig(
@@ -118,11 +130,11 @@ def _architecture(cfg: dict) -> str:
     return arch
 
 
-def _rope(cfg: dict, max_positions: int) -> tuple[float, RopeScaling | None]:
+def _rope(cfg: dict, max_positions: int, default_theta: float = _DEFAULT_ROPE_THETA) -> tuple[float, RopeScaling | None]:
     # transformers 5.x writes `rope_parameters` (theta inside); older configs write
     # `rope_theta` at top level and `rope_scaling` (with "type" or "rope_type").
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", _DEFAULT_ROPE_THETA)))
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"config.json: unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
@@ -185,21 +197,24 @@ def parse_gpt_config(cfg: dict) -> GPTConfig:
         raise ValueError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
     if cfg.get("use_sliding_window", False):
         raise ValueError("config.json: sliding-window attention (use_sliding_window) is not supported")
+    if arch == "MixtralForCausalLM" and cfg.get("sliding_window") is not None:
+        raise ValueError("config.json: sliding-window attention (Mixtral sliding_window) is not supported")
+    moe, sparse = parse_softmax_moe(cfg, arch) if arch in MOE_ARCHITECTURES else (None, ())
 
     max_positions = positive_int(cfg, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
-    theta, scaling = _rope(cfg, max_positions)
+    theta, scaling = _rope(cfg, max_positions, 1e6 if arch == "MixtralForCausalLM" else _DEFAULT_ROPE_THETA)
     attention_bias = bool(cfg.get("attention_bias", False))
     vocab = positive_int(cfg, "vocab_size")
     eos = first_id(cfg.get("eos_token_id"))
     if eos is not None and not 0 <= eos < vocab:
         raise ValueError(f"config.json: eos_token_id {eos} is outside the vocabulary (size {vocab})")
-    eps = float(cfg.get("rms_norm_eps", 1e-6))
+    eps = float(cfg.get("rms_norm_eps", _DEFAULT_RMS_EPS.get(arch, 1e-6)))
     if eps <= 0:
         raise ValueError(f"config.json: rms_norm_eps must be positive, got {eps}")
     return GPTConfig(
         architecture=arch,
         hidden_size=hidden,
-        intermediate_size=positive_int(cfg, "intermediate_size"),
+        intermediate_size=positive_int(cfg, "intermediate_size", _DEFAULT_INTERMEDIATE.get(arch)),
         num_hidden_layers=positive_int(cfg, "num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -213,7 +228,9 @@ def parse_gpt_config(cfg: dict) -> GPTConfig:
         qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
         o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
         mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in _QK_NORM,
         eos_token_id=eos,
         torch_dtype=cfg.get("dtype", cfg.get("torch_dtype")),
+        moe=moe,
+        sparse_layers=sparse,
     )

@@ -9,6 +9,8 @@ _BUILDERS: dict[str, str] = {
     "LlamaForCausalLM": "megatron_async.models.gpt:build_gpt",
     "Qwen2ForCausalLM": "megatron_async.models.gpt:build_gpt",
     "Qwen3ForCausalLM": "megatron_async.models.gpt:build_gpt",
+    "Qwen3MoeForCausalLM": "megatron_async.models.gpt:build_gpt",
+    "MixtralForCausalLM": "megatron_async.models.gpt:build_gpt",
     "NemotronHForCausalLM": "megatron_async.models.hybrid:build_hybrid",
     "BambaForCausalLM": "megatron_async.models.hybrid:build_hybrid",
     "Mamba2ForCausalLM": "megatron_async.models.hybrid:build_hybrid",

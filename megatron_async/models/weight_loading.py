@@ -29,7 +29,9 @@ def name_list(names: list[str], limit: int = 8) -> str:
 def hf_targets(model: nn.Module, hf_prefixes: dict[str, str]) -> dict[str, HFTarget]:
     """Every HF tensor name the model needs -> (parameter, shard_id). ``hf_prefixes`` maps our
     module paths (``"blocks.3.mixer"``) to the HF module path they stand for
-    (``"model.layers.1.self_attn"``); below that, names follow HF except ``STACKED_PARAMS``."""
+    (``"model.layers.1.self_attn"``); below that, names follow HF except ``STACKED_PARAMS`` and
+    parameters that list their own ``hf_names`` (relative to their module's parent: expert
+    weights, ``experts.gate_up_proj.weight`` -> ``experts.<e>.gate_proj.weight`` ...)."""
     targets: dict[str, HFTarget] = {}
     for name, param in model.named_parameters():
         parts = name.split(".")
@@ -41,7 +43,11 @@ def hf_targets(model: nn.Module, hf_prefixes: dict[str, str]) -> dict[str, HFTar
             raise KeyError(f"parameter {name!r} has no Hugging Face name")
         rest = parts[cut:]
         hf = [p for p in (hf_prefixes[ours],) if p]
-        if rest[0] in STACKED_PARAMS:
+        hf_names = getattr(param, "hf_names", None)
+        if hf_names is not None:  # e.g. expert weights: one HF tensor per (expert, part)
+            for suffix, shard_id in hf_names:
+                targets[".".join(hf + rest[:-2] + [suffix])] = (param, shard_id)
+        elif rest[0] in STACKED_PARAMS:
             for hf_module, shard_id in STACKED_PARAMS[rest[0]]:
                 targets[".".join(hf + [hf_module, *rest[1:]])] = (param, shard_id)
         else:

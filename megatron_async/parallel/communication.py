@@ -1,10 +1,15 @@
-"""The tensor-parallel collectives of the forward pass, in one place: a faster small-message
-all-reduce (CUDA P2P / symmetric memory) plugs in here, with NCCL / gloo as the fallback. Each
-is the identity at tp_size 1 (no collective at all).
+"""The collectives of the forward pass, in one place: tensor-parallel all-reduce / all-gather
+and the expert-parallel token exchange of MoE layers. A faster small-message all-reduce (CUDA
+P2P / symmetric memory) plugs in here, with NCCL / gloo as the fallback. Each is the identity at
+size 1 (no collective at all).
 
-CUDA-graph safe on NCCL: both are single in-place / into-tensor collectives on tensors the
-graph's pool owns, with no host read-back and no Python-side size decisions; ProcessGroupNCCL
-records them into the capturing stream (it keeps captured work out of its watchdog). The NCCL
+The EP exchange needs equal shapes on every rank: each rank pads its tokens to the count the
+engines agreed on the CPU (``StepInputs.ep_num_tokens``), so no collective ever carries a
+size and no rank waits on a device value to size a buffer.
+
+CUDA-graph safe on NCCL: each is one in-place / into-tensor collective on tensors the graph's
+pool owns, with no host read-back and no Python-side size decisions; ProcessGroupNCCL records
+them into the capturing stream (it keeps captured work out of its watchdog). The NCCL
 communicator must exist before capture: the eager steps and the capture's warm-up iterations
 run the same collectives first."""
 from __future__ import annotations
@@ -33,3 +38,30 @@ def tp_all_gather_last_dim(x: torch.Tensor, parallel: ParallelState) -> torch.Te
     out = torch.empty((parallel.tp_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_into_tensor(out, x, group=parallel.tp_group)
     return torch.cat(out.chunk(parallel.tp_size, dim=0), dim=-1)
+
+
+def ep_all_gather(x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
+    """[n, ...] on every EP rank (the same n) -> [ep_size * n, ...], rank r's rows at r * n."""
+    if parallel.ep_size == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((parallel.ep_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if x.is_cuda:
+        dist.all_gather_into_tensor(out, x, group=parallel.ep_group)
+    else:  # gloo: into row blocks of ``out`` (contiguous views)
+        dist.all_gather(list(out.chunk(parallel.ep_size)), x, group=parallel.ep_group)
+    return out
+
+
+def ep_reduce_scatter(x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
+    """[ep_size * n, ...] partial sums on every EP rank -> this rank's [n, ...] block of their sum."""
+    if parallel.ep_size == 1:
+        return x
+    x = x.contiguous()
+    n = x.shape[0] // parallel.ep_size
+    if x.is_cuda:
+        out = torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x, group=parallel.ep_group)
+        return out
+    dist.all_reduce(x, group=parallel.ep_group)  # gloo has no reduce-scatter
+    return x[parallel.ep_rank * n:(parallel.ep_rank + 1) * n]

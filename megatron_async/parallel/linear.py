@@ -26,7 +26,7 @@ from megatron_async.parallel.state import ParallelState
 class ParallelLinear(nn.Module):
     """Base: ``weight`` [out_local, in_local] and optional ``bias``, each with its weight_loader."""
 
-    def __init__(self, weight_shape: tuple[int, int], weight_sharding: Sharding, bias_shape: tuple[int, ...] | None,
+    def __init__(self, weight_shape: tuple[int, ...], weight_sharding: Sharding, bias_shape: tuple[int, ...] | None,
                  bias_sharding: Sharding, parallel: ParallelState, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.parallel = parallel

@@ -2,9 +2,12 @@
 passed to every model and layer that shards or communicates (no module globals).
 
 Tensor parallelism (tp) splits heads, MLP / Mamba columns and the vocabulary; activations are
-all-reduced over ``tp_group``. Expert parallelism (ep) and attention data parallelism (dp) are
-reserved for the MoE issue: experts split over ``ep_size`` ranks while each dp rank runs its
-own requests. Today ep_size = dp_size = 1, so the world is the TP group."""
+all-reduced over ``tp_group``. Expert parallelism (ep) splits the routed experts of MoE layers
+over ``ep_size`` ranks, whose attention is data parallel: each ep rank is also a dp rank
+(dp_rank == ep_rank) running its own requests, and MoE layers exchange tokens over
+``ep_group``. A world of T x E ranks is E data-parallel replicas of a T-way TP group: global
+rank = ep_rank * T + tp_rank; the TP group is a replica's T consecutive ranks, the EP group
+the E ranks with the same tp_rank (experts are also TP-split inside each ep rank)."""
 from __future__ import annotations
 
 import os
@@ -25,10 +28,12 @@ class ParallelState:
     ep_rank: int = 0
     ep_size: int = 1
     ep_group: Any = None
-    """Reserved: the expert-parallel group (MoE experts split ``ep_size`` ways)."""
+    """torch.distributed group of the ranks that share routed experts (same tp_rank, one per
+    data-parallel replica); None when ep_size is 1 or in loading-only tests."""
     dp_rank: int = 0
     dp_size: int = 1
-    """Reserved: attention data parallelism (each dp rank an engine with its own requests)."""
+    """Attention data parallelism: each dp rank is an engine with its own requests. Equal to
+    (ep_rank, ep_size) when built by ``from_torchrun``."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "ep", "dp"):
@@ -45,6 +50,16 @@ class ParallelState:
         """The rank that accepts requests, prints and writes (global rank 0)."""
         return self.tp_rank == 0 and self.ep_rank == 0
 
+    @property
+    def global_rank(self) -> int:
+        return self.ep_rank * self.tp_size + self.tp_rank
+
+    def ep_divide(self, total: int, what: str) -> int:
+        """This rank's number of ``total`` experts; a clear error when it does not divide."""
+        if total % self.ep_size:
+            raise ValueError(f"{what} ({total}) must be divisible by expert_parallel_size ({self.ep_size})")
+        return total // self.ep_size
+
     def tp_divide(self, total: int, what: str) -> int:
         """This rank's share of ``total`` (heads, columns, vocabulary rows); a clear error when
         it does not divide. Raised while the model is built, identically on every rank."""
@@ -55,42 +70,43 @@ class ParallelState:
     @classmethod
     def from_torchrun(cls, tensor_parallel_size: int, device: torch.device | str = "cpu",
                       expert_parallel_size: int = 1) -> ParallelState:
-        """Join the torchrun job described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as a
-        TP group of ``tensor_parallel_size`` ranks, or as ``expert_parallel_size`` data-parallel
-        engines (one EP group; TP x EP is not supported yet) (NCCL on CUDA, gloo on CPU). Size 1
-        needs no environment and creates no group."""
-        if tensor_parallel_size < 1 or expert_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size ({tensor_parallel_size}) and expert_parallel_size "
-                             f"({expert_parallel_size}) must be >= 1")
-        if tensor_parallel_size > 1 and expert_parallel_size > 1:
-            raise ValueError("tensor and expert parallelism together are not supported yet")
-        if expert_parallel_size > 1:
-            rank, world = cls._join(expert_parallel_size, "expert_parallel_size", device)
-            return cls(ep_rank=rank, ep_size=world, ep_group=dist.group.WORLD, dp_rank=rank, dp_size=world)
-        if tensor_parallel_size == 1:
+        """Join the torchrun job described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as
+        ``expert_parallel_size`` data-parallel replicas of a ``tensor_parallel_size``-way TP
+        group (NCCL on CUDA, gloo on CPU; WORLD_SIZE must be their product). Sizes 1 x 1 need
+        no environment and create no group. Every rank creates every group, in one order."""
+        for name, size in (("tensor_parallel_size", tensor_parallel_size), ("expert_parallel_size", expert_parallel_size)):
+            if size < 1:
+                raise ValueError(f"{name} must be >= 1, got {size}")
+        want = tensor_parallel_size * expert_parallel_size
+        if want == 1:
             return cls()
-        rank, world = cls._join(tensor_parallel_size, "tensor_parallel_size", device)
-        return cls(tp_rank=rank, tp_size=world, tp_group=dist.group.WORLD)
-
-    @staticmethod
-    def _join(size: int, what: str, device: torch.device | str) -> tuple[int, int]:
+        what = f"tensor_parallel_size={tensor_parallel_size} x expert_parallel_size={expert_parallel_size}"
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
-            raise RuntimeError(f"{what}={size} needs a torchrun environment; unset: {', '.join(missing)}")
+            raise RuntimeError(f"{what} needs a torchrun environment; unset: {', '.join(missing)}")
         world = int(os.environ["WORLD_SIZE"])
-        if world != size:
-            raise ValueError(f"{what}={size} but WORLD_SIZE={world}; launch exactly that many processes")
+        if world != want:
+            raise ValueError(f"{what} needs WORLD_SIZE={want}, got {world}; launch exactly that many processes")
         if not dist.is_initialized():
             backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
             dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=world)
         elif dist.get_world_size() != world:
             raise RuntimeError(f"torch.distributed is already initialised with world size {dist.get_world_size()}")
-        return dist.get_rank(), world
-
-    @property
-    def rank(self) -> int:
-        """Global rank (ranks are laid out TP-major inside each EP rank)."""
-        return self.ep_rank * self.tp_size + self.tp_rank
+        rank, T, E = dist.get_rank(), tensor_parallel_size, expert_parallel_size
+        tp_rank, ep_rank = rank % T, rank // T
+        if E == 1:
+            return cls(tp_rank=tp_rank, tp_size=T, tp_group=dist.group.WORLD)
+        if T == 1:
+            return cls(ep_rank=ep_rank, ep_size=E, ep_group=dist.group.WORLD, dp_rank=ep_rank, dp_size=E)
+        tp_group = ep_group = None
+        for e in range(E):  # new_group is collective: all ranks create all groups in one order
+            g = dist.new_group([e * T + t for t in range(T)])
+            tp_group = g if e == ep_rank else tp_group
+        for t in range(T):
+            g = dist.new_group([e * T + t for e in range(E)])
+            ep_group = g if t == tp_rank else ep_group
+        return cls(tp_rank=tp_rank, tp_size=T, tp_group=tp_group, ep_rank=ep_rank, ep_size=E, ep_group=ep_group,
+                   dp_rank=ep_rank, dp_size=E)
 
     @property
     def is_distributed(self) -> bool:
@@ -101,6 +117,6 @@ class ParallelState:
         return dist.distributed_c10d._get_default_store()
 
     def destroy(self) -> None:
-        """Leave the process groups (tests run several TP jobs in one process's lifetime)."""
+        """Leave the process groups (tests run several parallel jobs in one process's lifetime)."""
         if (self.tp_group is not None or self.ep_group is not None) and dist.is_initialized():
             dist.destroy_process_group()

@@ -3,8 +3,9 @@
 Every rank runs its own engine over the requests rank 0 routes to it; tokens must equal the
 single engine's for every request whichever rank served it (greedy and seeded sampling,
 staggered arrivals, launch-ahead and serial); a rank with no requests runs dummy forwards and
-does not hang; a killed rank makes the others fail clearly. With a dense model EP only means
-data-parallel engines (no expert split yet): the engine side of issue 10."""
+does not hang; a killed rank makes the others fail clearly. The built-in tiny Qwen3-MoE (8
+experts split 2 / 4 ways, tokens exchanged every MoE layer, so a rank without work MUST run
+dummy forwards or the others hang); the dense built-in for data-parallel engines alone."""
 from __future__ import annotations
 
 import json
@@ -58,8 +59,8 @@ def run_all(llm: LLM, rank: int) -> dict:
     return result
 
 
-def _dp_worker(rank: int, world: int) -> dict:
-    llm = LLM(None, inference_config=InferenceConfig(**CONFIG), expert_parallel_size=world)
+def _dp_worker(rank: int, world: int, model: str) -> dict:
+    llm = LLM(None, inference_config=InferenceConfig(**CONFIG), default_model=model, expert_parallel_size=world)
     try:
         assert llm.parallel.dp_size == world and llm.parallel.ep_rank == rank
         result = run_all(llm, rank)
@@ -72,12 +73,12 @@ def _dp_worker(rank: int, world: int) -> dict:
         llm.close()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_dp_engines_match_one_engine_whichever_rank_serves(world):
-    expected = run_all(LLM(None, inference_config=InferenceConfig(**CONFIG)), 0)
+@pytest.mark.parametrize("model,world", [("tiny-moe", 2), ("tiny-moe", 4), ("tiny", 2)])
+def test_dp_engines_match_one_engine_whichever_rank_serves(model, world):
+    expected = run_all(LLM(None, inference_config=InferenceConfig(**CONFIG), default_model=model), 0)
     assert expected["async_greedy"] == expected["serial_greedy"]
     assert expected["async_seeded"] == expected["serial_seeded"]
-    ranks = run_ranks(_dp_worker, world, timeout_s=180)
+    ranks = run_ranks(_dp_worker, world, model, timeout_s=240)
     for rank, got in enumerate(ranks):
         for case in ("async_greedy", "serial_greedy", "async_seeded", "serial_seeded"):
             assert got[case] == expected[case], f"rank {rank}, {case}"
@@ -90,7 +91,7 @@ def test_dp_engines_match_one_engine_whichever_rank_serves(world):
 
 
 def _idle_worker(rank: int, world: int) -> dict:
-    llm = LLM(None, inference_config=InferenceConfig(**CONFIG), expert_parallel_size=world)
+    llm = LLM(None, inference_config=InferenceConfig(**CONFIG), default_model="tiny-moe", expert_parallel_size=world)
     try:
         outs = llm.generate([PROMPTS[0]], SamplingParams(top_k=1, num_tokens_to_generate=40, ignore_eos=True))
         st = llm.engine.stats
@@ -101,7 +102,7 @@ def _idle_worker(rank: int, world: int) -> dict:
 
 
 def test_a_rank_without_requests_runs_dummy_steps_and_does_not_hang():
-    expected = LLM(None, inference_config=InferenceConfig(**CONFIG)).generate(
+    expected = LLM(None, inference_config=InferenceConfig(**CONFIG), default_model="tiny-moe").generate(
         [PROMPTS[0]], SamplingParams(top_k=1, num_tokens_to_generate=40, ignore_eos=True))[0].generated_tokens
     r0, r1 = run_ranks(_idle_worker, 2, timeout_s=120)
     assert r0["tokens"] == r1["tokens"] == expected
@@ -112,7 +113,7 @@ def test_a_rank_without_requests_runs_dummy_steps_and_does_not_hang():
 
 
 def _dying_worker(rank: int, world: int) -> None:
-    llm = LLM(None, inference_config=InferenceConfig(**CONFIG), expert_parallel_size=world)
+    llm = LLM(None, inference_config=InferenceConfig(**CONFIG), default_model="tiny-moe", expert_parallel_size=world)
     llm.generate(PROMPTS[:4], GREEDY[:4])
     if rank == world - 1:
         os._exit(9)
@@ -134,12 +135,13 @@ JOB_ARGS = ["--num-requests", "8", "--prompt-len-min", "4", "--prompt-len-max", 
 
 
 def _job_worker(rank: int, world: int, out_dir: str) -> bool:
-    summary = main([*JOB_ARGS, "--expert-parallel-size", str(world), "--output-path", f"{out_dir}/r{rank}.json"])
+    summary = main([*JOB_ARGS, "--default-model", "tiny-moe", "--expert-parallel-size", str(world),
+                    "--output-path", f"{out_dir}/r{rank}.json"])
     return summary is not None
 
 
 def test_main_job_ep2_with_arrivals_matches_ep1(tmp_path):
-    main([*JOB_ARGS, "--output-path", str(tmp_path / "ep1.json")])
+    main([*JOB_ARGS, "--default-model", "tiny-moe", "--output-path", str(tmp_path / "ep1.json")])
     run_ranks(_job_worker, 2, str(tmp_path), timeout_s=90)
     assert not (tmp_path / "r1.json").exists()  # only rank 0 writes
 

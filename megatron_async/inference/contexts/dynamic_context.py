@@ -17,6 +17,7 @@ from megatron_async.inference.contexts.bookkeeping_layout import BookkeepingLayo
 from megatron_async.inference.contexts.gpu_view import ContextGPUView
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK, KVBlockAllocator
 from megatron_async.inference.contexts.mamba_states import MambaStateManager
+from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
 from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch, MambaMetadata
 from megatron_async.inference.contexts.step_errors import RequestStepError, RowUndo, row_of_bad_value
 from megatron_async.inference.device import DeviceFacade
@@ -47,6 +48,13 @@ def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int) -> list[
         FieldSpec("state_slots", torch.int64, (R,)),
         FieldSpec("has_initial_state", torch.bool, (R,)),
         FieldSpec("block_table", torch.int32, (R, max_blocks)),
+        # penalties / min-p / min_tokens (see sampling_state.py)
+        FieldSpec("sampling_slot", torch.int64, (R,)),
+        FieldSpec("min_p", torch.float32, (R,)),
+        FieldSpec("presence_penalty", torch.float32, (R,)),
+        FieldSpec("frequency_penalty", torch.float32, (R,)),
+        FieldSpec("repetition_penalty", torch.float32, (R,)),
+        FieldSpec("suppress_stop", torch.bool, (R,)),
     ]
 
 
@@ -60,10 +68,12 @@ class StepShape:
     max_kv_len: int
     is_decode_only: bool
     any_sampling: bool  # some row is not greedy
-    any_top_k_top_p: bool
+    any_top_k_top_p: bool  # some sampled row filters (top-k, top-p or min-p)
     max_top_n: int
     any_log_probs: bool
     cu_query_lens: list[int] | None = None  # host copy, for kernels that need row lengths
+    any_penalties: bool = False  # some sampling row has a sampling slot (penalties / min_tokens)
+    filters: tuple[bool, bool, bool] = (False, False, False)  # some sampled row uses (top-k, top-p, min-p)
 
 
 class DynamicInferenceContext:
@@ -90,6 +100,7 @@ class DynamicInferenceContext:
         self.mamba = MambaStateManager.create(model, config, device, dtype)
         if self.mamba is not None:
             self.allocator.on_reclaim = lambda block, block_hash: self.mamba.on_kv_block_reclaimed(block_hash)
+        self.sampling_state = SamplingStateSlots(config.max_requests, model.vocab_size, device)
 
         self.layout = BookkeepingLayout(bookkeeping_fields(config.max_tokens, config.max_requests, self.max_blocks_per_request))
         self._host_buffers = [device.host_empty(self.layout.nbytes) for _ in range(2)]
@@ -122,6 +133,7 @@ class DynamicInferenceContext:
         self.active[req.request_id] = req
         if self.mamba is not None:
             self.mamba.assign_slot(req)
+        self.sampling_state.assign(req)
         return self._match_prefix(req)
 
     def _match_prefix(self, req: DynamicInferenceRequest) -> int:
@@ -190,6 +202,7 @@ class DynamicInferenceContext:
         req.block_ids = []
         if self.mamba is not None:
             self.mamba.free_slot(req)
+        self.sampling_state.free(req)
         self.active.pop(req.request_id, None)
 
     def register_complete_blocks(self, req: DynamicInferenceRequest) -> None:
@@ -216,9 +229,11 @@ class DynamicInferenceContext:
         ids, prev, pos, slots, tok_row = [], [], [], [], []
         cu, kv_lens, sample_idx, sample_pos = [0], [], [], []
         seeds, temps, topk, topp, state_slots, has_init = [], [], [], [], [], []
+        pen = _PenaltyColumns(self.sampling_state.padding_slot)
         bs = self.block_size
         max_q = max_kv = 0
-        any_sampling = any_tk = any_lp = False
+        any_sampling = any_lp = False
+        use_k = use_p = use_mp = False
         max_top_n = 0
         bt = v["block_table"]
         undo: list[RowUndo] = []
@@ -250,9 +265,12 @@ class DynamicInferenceContext:
                 topp.append(0.0 if greedy else sp.top_p)
                 if row.samples:
                     any_sampling |= not greedy
-                    any_tk |= not greedy and (sp.top_k > 1 or 0 < sp.top_p < 1)
+                    use_k |= not greedy and sp.top_k > 1
+                    use_p |= not greedy and 0 < sp.top_p < 1
                     any_lp |= sp.return_log_probs
                     max_top_n = max(max_top_n, sp.top_n_logprobs)
+                    use_mp |= not greedy and sp.min_p > 0
+                pen.add(req, row.samples, greedy, start + n)
                 state_slots.append(req.state_slot)
                 has_init.append(start > 0)
                 nb = len(req.block_ids)
@@ -268,7 +286,7 @@ class DynamicInferenceContext:
                 "input_ids": ids, "prev_sample_idx": prev, "positions": pos, "slot_mapping": slots,
                 "token_to_row": tok_row, "cu_query_lens": cu, "kv_lens": kv_lens, "sample_token_idx": sample_idx,
                 "sample_position": sample_pos, "seed": seeds, "temperature": temps, "top_k": topk, "top_p": topp,
-                "state_slots": state_slots, "has_initial_state": has_init,
+                "state_slots": state_slots, "has_initial_state": has_init, **pen.columns(),
             }
             for name, values in columns.items():
                 v[name][: len(values)] = values
@@ -283,7 +301,9 @@ class DynamicInferenceContext:
         for row in plan.rows:
             self.register_complete_blocks(row.request)
         T, R = len(ids), len(plan.rows)
-        return StepShape(T, R, max_q, max_kv, plan.is_decode_only, any_sampling, any_tk, max_top_n, any_lp, cu)
+        filters = (use_k, use_p, use_mp)
+        return StepShape(T, R, max_q, max_kv, plan.is_decode_only, any_sampling, any(filters), max_top_n, any_lp, cu,
+                         any_penalties=pen.any, filters=filters)
 
     def pad_decode_rows(self, num_rows: int, padded_rows: int) -> None:
         """Make rows [num_rows, padded_rows) of the current host buffer harmless padding
@@ -315,6 +335,7 @@ class DynamicInferenceContext:
         v["state_slots"][a:b] = self.mamba.padding_slot if self.mamba is not None else 0
         v["has_initial_state"][a:b] = False
         v["block_table"][a:b] = DUMMY_BLOCK
+        _PenaltyColumns.fill_padding(v, a, b, self.sampling_state.padding_slot)
 
     def transfer_bookkeeping_to_gpu(self) -> None:
         """The step's one H2D copy of the whole snapshot."""
@@ -337,3 +358,37 @@ class DynamicInferenceContext:
             )
             batch.conv_states, batch.ssm_states = self.mamba.conv_states, self.mamba.ssm_states
         return batch
+
+
+class _PenaltyColumns:
+    """Collects the per-row penalty / min-p / min_tokens columns of one snapshot."""
+
+    def __init__(self, padding_slot: int):
+        self.padding_slot = padding_slot
+        self.slot, self.min_p, self.pres, self.freq, self.rep, self.suppress = [], [], [], [], [], []
+        self.any = False
+
+    def add(self, req: DynamicInferenceRequest, samples: bool, greedy: bool, sample_position: int) -> None:
+        sp = req.sampling_params
+        has_slot = samples and req.sampling_slot >= 0  # rows that sample nothing count nothing
+        self.any |= has_slot
+        self.slot.append(req.sampling_slot if has_slot else self.padding_slot)
+        self.min_p.append(0.0 if greedy else sp.min_p)
+        self.pres.append(sp.presence_penalty)
+        self.freq.append(sp.frequency_penalty)
+        self.rep.append(sp.repetition_penalty)
+        self.suppress.append(has_slot and sample_position - len(req.prompt_tokens) < sp.min_tokens)
+
+    def columns(self) -> dict[str, list]:
+        """Snapshot field name -> this step's per-row values."""
+        return {"sampling_slot": self.slot, "min_p": self.min_p, "presence_penalty": self.pres,
+                "frequency_penalty": self.freq, "repetition_penalty": self.rep, "suppress_stop": self.suppress}
+
+    @staticmethod
+    def fill_padding(v: dict, a: int, b: int, padding_slot: int) -> None:
+        v["sampling_slot"][a:b] = padding_slot
+        v["min_p"][a:b] = 0.0
+        v["presence_penalty"][a:b] = 0.0
+        v["frequency_penalty"][a:b] = 0.0
+        v["repetition_penalty"][a:b] = 1.0
+        v["suppress_stop"][a:b] = False

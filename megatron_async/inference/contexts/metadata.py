@@ -73,7 +73,7 @@ class ForwardBatch:
     """Hybrid: one per Mamba layer, [num_slots, conv_dim, d_conv - 1]."""
     ssm_states: list[torch.Tensor] = field(default_factory=list)
     """Hybrid: one per Mamba layer, [num_slots, num_heads, head_dim, d_state]."""
-    dp_num_tokens: int = 0
-    """Expert parallel (data-parallel engines): the most tokens any rank runs in this step, agreed
-    over ZMQ before the launch; MoE token exchanges pad to it so every rank's collectives have the
-    same shape. At least this batch's own token count."""
+    ep_num_tokens: int | None = None
+    """Expert parallelism: the token count every EP rank pads its MoE-layer input to in this
+    step (agreed by the engines on the CPU; >= this rank's token count, equal on all ranks of
+    the EP group). None: no expert parallelism."""

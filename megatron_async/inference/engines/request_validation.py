@@ -121,6 +121,7 @@ class RequestValidator:
         values["top_k"] = min(values["top_k"], self.vocab_size)  # more than the vocab = all of it
         frozen = sp.frozen_copy(**values)
         frozen.validate(self.vocab_size)
+        check_sampling_extensions(frozen)
         tokens = self._tokens(prompt)
         if not tokens:
             raise InvalidRequestError("empty prompt")
@@ -178,3 +179,29 @@ class RequestValidator:
                 raise InvalidRequestError(f"stop word {list(w)} has token ids outside the vocab [0, {self.vocab_size})")
             sequences.append(list(w))
         return sequences, strings
+
+
+# ---------------------------------------------------------------- vLLM-named sampling extensions
+def _real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidRequestError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def check_sampling_extensions(sp: SamplingParams) -> None:
+    """min_tokens, min_p and the penalties: types, finiteness and vLLM's ranges."""
+    if isinstance(sp.min_tokens, bool) or not isinstance(sp.min_tokens, numbers.Integral):
+        raise InvalidRequestError(f"min_tokens must be an int, got {type(sp.min_tokens).__name__} {sp.min_tokens!r}")
+    limit = sp.num_tokens_to_generate
+    if not 0 <= sp.min_tokens or (isinstance(limit, numbers.Integral) and sp.min_tokens > limit):
+        raise InvalidRequestError(f"min_tokens must be in [0, num_tokens_to_generate={limit}], got {sp.min_tokens}")
+    if not 0.0 <= _real("min_p", sp.min_p) <= 1.0:
+        raise InvalidRequestError(f"min_p must be in [0, 1], got {sp.min_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= _real(name, getattr(sp, name)) <= 2.0:
+            raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(sp, name)}")
+    # vLLM asks only > 0; the bounds keep logits / penalty finite for any float32 logit
+    if not 0.01 <= _real("repetition_penalty", sp.repetition_penalty) <= 100.0:
+        raise InvalidRequestError(f"repetition_penalty must be in [0.01, 100], got {sp.repetition_penalty}")

@@ -68,7 +68,8 @@ class CudaGraphRunner:
         padded = self.padded_rows(max(shape.num_rows, min_rows))
         if not shape.is_decode_only or padded is None:
             return None
-        return (padded, shape.any_sampling, shape.any_top_k_top_p, shape.any_log_probs or shape.max_top_n > 0, shape.max_top_n)
+        return (padded, shape.any_sampling, shape.filters, shape.any_log_probs or shape.max_top_n > 0,
+                shape.max_top_n, shape.any_penalties)
 
     def lookup(self, shape: StepShape, min_rows: int = 0) -> CapturedStep | None:
         key = self.key(shape, min_rows)
@@ -83,18 +84,20 @@ class CudaGraphRunner:
     def warmup(self, greedy_only: bool = True) -> None:
         """Capture the greedy decode graphs of every batch size up front."""
         for b in self.sizes:
-            key = (b, False, False, False, 0)
+            key = (b, False, (False, False, False), False, 0, False)
             if key not in self.graphs:
                 self.graphs[key] = self._capture(key)
 
     def _capture(self, key: tuple) -> CapturedStep:
-        b, any_sampling, any_filter, any_lp, top_n = key
+        b, any_sampling, filters, any_lp, top_n, any_penalties = key
         ctl, ctx = self.controller, self.controller.context
         shape = StepShape(
             num_tokens=b, num_rows=b, max_query_len=1, max_kv_len=self.config.max_sequence_length,
-            is_decode_only=True, any_sampling=any_sampling, any_top_k_top_p=any_filter,
-            max_top_n=top_n, any_log_probs=any_lp,
+            is_decode_only=True, any_sampling=any_sampling, any_top_k_top_p=any(filters), filters=filters,
+            max_top_n=top_n, any_log_probs=any_lp, any_penalties=any_penalties,
         )
+        if any_penalties:
+            ctx.sampling_state.ensure_allocated()
         # Capture runs on a padding-only snapshot (dummy block, padding slot); the samples of
         # the launch in flight are kept aside because warm-up runs overwrite them.
         torch.cuda.synchronize()

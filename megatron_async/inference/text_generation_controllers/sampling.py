@@ -1,14 +1,60 @@
-"""Stateless per-request sampling: the random draw of a row is a pure function of
-(request seed, position of the token being sampled, token id), so a request's tokens never
-depend on which other requests share its batch, on admission timing, preemption or
-async/serial mode. Sampling is Gumbel-max over the temperature-scaled, top-k / top-p
-filtered logits; greedy rows (temperature 0 or top_k 1) take the argmax."""
+"""Stateless per-request sampling, the reference definition (pure torch, CPU and CUDA).
+
+A row's draw is a pure function of (request seed, position of the token being sampled,
+token id), so a request's tokens never depend on which other requests share its batch, on
+admission timing, preemption or async/serial mode. The definition, per row:
+
+1. ``s = logits * inv_t`` with ``inv_t = 1 / temperature`` (one float32 rounding, computed
+   once per row); greedy rows (temperature < 1e-5 or top_k 1) take ``argmax(logits)``.
+2. The kept set is an upper set of ``s``, tie-inclusive:
+   - min-p: ``exp(s - max s) >= min_p`` (vLLM's ``p >= min_p * p_max``);
+   - top-k: ``s >= `` the k-th largest ``s``;
+   - top-p over the min-p / top-k survivors: ``s >= tau``, tau the largest value whose
+     mass at or above it reaches ``top_p`` of the survivors' mass. Mass is measured in
+     fixed point: a token weighs ``floor(2**32 * exp(s - max s))`` (float32), and weights
+     are summed in float64, which is exact (<= 2**50) in any order, so the boundary never
+     depends on summation order. Tokens below 2**-32 of the top token weigh nothing.
+3. Gumbel-max: ``argmax over kept of s + g``, ``g = -log(-log(u))`` with ``u`` from a
+   32-bit hash of (row key, token id); the first index wins ties.
+
+The fast path (``kernels/triton_sampling.py``) computes the same function without a sort
+(threshold search over float keys) and is compared with this one in the tests.
+Penalties (vLLM semantics) are applied before step 1; log-probs are of the RAW logits."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 _M32 = 0xFFFFFFFF
 GREEDY_TEMPERATURE = 1e-5
+MASS_SCALE = 4294967296.0  # 2**32: top-p weight units per unit of exp(s - max)
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling parameters, [R] device tensors (views of the step snapshot)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seed: torch.Tensor
+    position: torch.Tensor
+
+
+@dataclass
+class PenaltyRows:
+    """Per-row penalty parameters and the device rows they read (see sampling_state.py)."""
+
+    slot: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    suppress_stop: torch.Tensor
+    counts: torch.Tensor  # [slots + 1, V] int32
+    prompt_mask: torch.Tensor  # [slots + 1, V] bool
+    stop_mask: torch.Tensor  # [slots + 1, V] bool
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -34,52 +80,68 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k and nucleus; top_k 0 / top_p 0 = off."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    V = logits.shape[-1]
-    rank = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, V)[:, None]
-    drop = rank >= k
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    before = probs.cumsum(-1) - probs  # mass strictly above this token
-    p = top_p[:, None]
-    drop |= (p > 0) & (p < 1) & (before >= p)
-    mask = torch.zeros_like(drop).scatter_(-1, order, drop)
-    return logits.masked_fill(mask, float("-inf"))
-
-
-def sample(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    seed: torch.Tensor,
-    position: torch.Tensor,
-    any_random: bool,
-    any_filter: bool,
-) -> torch.Tensor:
-    """logits [R, V] float32 -> tokens [R] int64. ``any_random`` / ``any_filter`` are host
-    flags (from the requests' params) that skip work no row needs; they never change results."""
-    greedy_tokens = logits.argmax(dim=-1)
-    if not any_random:
-        return greedy_tokens
+def inverse_temperature(temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (inv_t [R] float32, 1 for greedy rows; greedy [R] bool). Shared by both paths."""
     greedy = temperature < GREEDY_TEMPERATURE  # smaller ones overflow logits / t in float32
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    safe = torch.where(greedy, torch.ones_like(temperature), temperature)
+    return 1.0 / safe, greedy
+
+
+def keep_mask(s: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """[R, V] bool: the kept set of step 2 (0 / off values keep everything)."""
+    R, V = s.shape
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    mp = min_p[:, None]
+    keep = (mp <= 0) | (e >= mp)
+    sorted_s, order = torch.sort(s, dim=-1, descending=True)
+    k = top_k[:, None]
+    kth = sorted_s.gather(-1, (k.clamp(1, V) - 1))
+    keep &= ~((k > 0) & (k < V)) | (s >= kth)
+    p = top_p[:, None]
+    w = torch.where(keep, torch.floor(e * MASS_SCALE), torch.zeros_like(e)).double()
+    cw = w.gather(-1, order).cumsum(-1)  # exact: integer-valued float64 below 2**53
+    target = p.double() * cw[:, -1:]
+    first = (cw >= target).to(torch.int8).argmax(-1, keepdim=True)
+    tau = sorted_s.gather(-1, first)
+    keep &= ~((p > 0) & (p < 1)) | (s >= tau)
+    return keep
+
+
+def sample_reference(logits: torch.Tensor, params: RowParams, any_filter: bool) -> torch.Tensor:
+    """logits [R, V] float32 (penalties applied) -> tokens [R] int64, by the definition above."""
+    inv_t, greedy = inverse_temperature(params.temperature)
+    s = logits * inv_t[:, None]
+    score = s + gumbel_noise(row_keys(params.seed, params.position), logits.shape[-1])
     if any_filter:
-        scaled = filter_top_k_top_p(scaled, top_k, top_p)
-    u = uniform_noise(row_keys(seed, position), logits.shape[-1])
-    gumbel = -torch.log(-torch.log(u))
-    drawn = (scaled + gumbel).argmax(dim=-1)
-    return torch.where(greedy, greedy_tokens, drawn)
+        keep = keep_mask(s, params.top_k, params.top_p, params.min_p)
+        score = score.masked_fill(~keep, float("-inf"))
+    return torch.where(greedy, logits.argmax(dim=-1), score.argmax(dim=-1))
+
+
+def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return -torch.log(-torch.log(uniform_noise(keys, vocab_size)))
+
+
+def apply_penalties_reference(logits: torch.Tensor, pen: PenaltyRows) -> torch.Tensor:
+    """vLLM's penalties on a copy of ``logits``: repetition over prompt + output tokens
+    (positive logits divided, negative multiplied), frequency and presence over output
+    tokens; then ``min_tokens``: the row's stop ids to -inf while ``suppress_stop``."""
+    counts = pen.counts[pen.slot]
+    seen_out = counts > 0
+    rep = torch.where(seen_out | pen.prompt_mask[pen.slot], pen.repetition[:, None], torch.ones_like(logits[:1]))
+    out = torch.where(logits > 0, logits / rep, logits * rep)
+    out = out - pen.frequency[:, None] * counts
+    out = out - pen.presence[:, None] * seen_out
+    return out.masked_fill(pen.stop_mask[pen.slot] & pen.suppress_stop[:, None], float("-inf"))
 
 
 def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int):
-    """Log-probabilities of the raw (unscaled) distribution: of the sampled tokens [R], and
-    the top-n (values [R, n], ids [R, n]) when top_n > 0."""
-    lp = torch.log_softmax(logits, dim=-1)
-    chosen = lp.gather(-1, tokens[:, None])[:, 0]
+    """Log-probabilities of the RAW model distribution (no penalties, temperature or
+    filters, as vLLM's default raw log-probs): of the sampled tokens [R], and the top-n
+    (values [R, n], ids [R, n]) when top_n > 0."""
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = (logits.gather(-1, tokens[:, None]) - lse)[:, 0]
     if top_n > 0:
-        vals, ids = lp.topk(top_n, dim=-1)
-        return chosen, vals, ids
+        vals, ids = logits.topk(top_n, dim=-1)
+        return chosen, vals - lse, ids
     return chosen, None, None

@@ -19,6 +19,7 @@ from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.request import DynamicInferenceRequest
 from megatron_async.inference.stop_conditions import finish_reason
 from megatron_async.inference.text_generation_controllers import sampling
+from megatron_async.inference.text_generation_controllers.sampler import Sampler
 from megatron_async.models.base import CausalLM
 
 
@@ -46,11 +47,14 @@ class TextGenerationController:
         self._ring = 0
         self.graphs = None  # CudaGraphRunner, when enabled
         # Data-parallel engines (EP): set per step from the ranks' agreement before launching.
+        self.expert_parallel = False
+        """MoE layers exchange tokens across EP ranks: every forward carries ``ep_num_tokens``."""
         self.dp_num_tokens = 0
-        """The most tokens any rank launches in this step: what MoE exchanges pad to (0: no EP)."""
+        """The most tokens any rank launches in this step: what MoE exchanges pad to."""
         self.force_eager = False
         """Some rank cannot replay a graph in this step: none does."""
         self._dummy_snapshot: torch.Tensor | None = None
+        self.sampler = Sampler(context.config.sampling_backend, dev, context.sampling_state)
 
     def _host_buffers(self, R: int) -> dict[str, torch.Tensor]:
         pin = self.device.is_cuda
@@ -117,17 +121,14 @@ class TextGenerationController:
         ctx, g = self.context, self.context.gpu_view
         T, R = shape.num_tokens, shape.num_rows
         batch = ctx.forward_batch(shape)
-        batch.dp_num_tokens = max(T, self.dp_num_tokens)
+        batch.ep_num_tokens = max(T, self.dp_num_tokens) if self.expert_parallel else None
         prev = g.prev_sample_idx[:T]
         input_ids = torch.where(prev >= 0, self.last_samples[prev.clamp(min=0)], g.input_ids[:T])
         with nvtx_range("forward_pass"):
             hidden = self.model(input_ids, batch)
             logits = self.model.compute_logits(hidden[g.sample_token_idx[:R]])
         with nvtx_range("sampling"):
-            tokens = sampling.sample(
-                logits, g.temperature[:R], g.top_k[:R], g.top_p[:R], g.seed[:R], g.sample_position[:R],
-                any_random=shape.any_sampling, any_filter=shape.any_top_k_top_p,
-            )
+            tokens = self.sampler(logits, g, R, shape.any_sampling, shape.filters, shape.any_penalties)
             self.last_samples[:R].copy_(tokens)
             log_probs = top_vals = top_ids = None
             if shape.any_log_probs or shape.max_top_n > 0:
@@ -154,7 +155,7 @@ class TextGenerationController:
                           cu_query_lens=list(range(rows + 1)))
         with nvtx_range("dummy_forward"):
             batch = ctx.forward_batch(shape)
-            batch.dp_num_tokens = max(rows, self.dp_num_tokens)
+            batch.ep_num_tokens = max(rows, self.dp_num_tokens) if self.expert_parallel else None
             self.model(ctx.gpu_view.input_ids[:rows], batch)
 
     # ------------------------------------------------------------------ host side

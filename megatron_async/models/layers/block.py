@@ -1,5 +1,5 @@
 """The one block system of every model family: a stack of pre-norm residual blocks
-``h += mixer(norm(h))``, the mixer being attention, Mamba2, an MLP (and, later, MoE).
+``h += mixer(norm(h))``, the mixer being attention, Mamba2, an MLP or a mixture of experts.
 
 Each residual add is fused with the next block's norm (``RMSNorm.add_and_norm``: one kernel
 on CUDA), so a block takes the previous mixer's output and the residual stream before it,
@@ -26,6 +26,9 @@ class StepInputs:
     """(cos, sin) [T, rotary_dim / 2] of every token, or None (no rotary embedding)."""
     mamba_plan: MambaStepPlan | None
     """How the rows split between the Mamba decode and scan paths (None: no Mamba layer)."""
+    ep_num_tokens: int | None = None
+    """Expert parallelism: the agreed per-rank padded token count of the MoE token exchange
+    (``ForwardBatch.ep_num_tokens``); None without expert parallelism."""
 
 
 class Block(nn.Module):

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from megatron_async.inference.text_generation_controllers.sampling import (
-    filter_top_k_top_p,
+    RowParams,
+    keep_mask,
     log_probs_of,
     row_keys,
-    sample,
+    sample_reference,
     uniform_noise,
 )
 
@@ -20,23 +21,21 @@ def _logits(rows: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
     return scale * torch.randn(rows, V, generator=torch.Generator().manual_seed(seed))
 
 
-def _draw(logits, temperature=1.0, top_k=0, top_p=0.0, seed=None, position=None):
+def _draw(logits, temperature=1.0, top_k=0, top_p=0.0, seed=None, position=None, min_p=0.0):
     R = logits.shape[0]
     full = lambda x, dt: x if torch.is_tensor(x) else torch.full((R,), x, dtype=dt)  # noqa: E731
     seed = torch.arange(R) * 7919 + 1 if seed is None else full(seed, torch.int64)
     position = torch.arange(R) + 10 if position is None else full(position, torch.int64)
     t, k, p = full(temperature, torch.float32), full(top_k, torch.int64), full(top_p, torch.float32)
-    any_filter = bool(((k > 1) | ((p > 0) & (p < 1))).any())
-    return sample(logits, t, k, p, seed, position, any_random=True, any_filter=any_filter)
+    mp = full(min_p, torch.float32)
+    any_filter = bool(((k > 1) | ((p > 0) & (p < 1)) | (mp > 0)).any())
+    return sample_reference(logits, RowParams(t, k, p, mp, seed, position), any_filter)
 
 
 def test_greedy_is_argmax():
     logits = _logits(16)
     expected = logits.argmax(-1)
-    zeros = torch.zeros(16)
-    none = torch.zeros(16, dtype=torch.int64)
-    # host flag off (all rows greedy) and per-row temperature 0 in a random batch give the same
-    assert torch.equal(sample(logits, zeros, none + 1, zeros, none, none, False, False), expected)
+    assert torch.equal(_draw(logits, temperature=0.0), expected)
     mixed_t = torch.tensor([0.0, 1.0] * 8)
     drawn = _draw(logits, temperature=mixed_t)
     assert torch.equal(drawn[::2], expected[::2])
@@ -103,17 +102,32 @@ def test_top_p_never_samples_outside_the_nucleus():
     assert all(t in n for t, n in zip(drawn, _nucleus(logits / 0.5, 0.5)))
 
 
-def test_filter_masks_exactly_outside_top_k_and_nucleus():
+def test_keep_mask_is_exactly_top_k_and_nucleus():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0]])
     k = torch.tensor([2, 0])
     p = torch.tensor([0.0, 0.9])
-    out = filter_top_k_top_p(logits, k, p)
-    assert torch.isinf(out[0, 2:]).all() and torch.equal(out[0, :2], logits[0, :2])
+    none = torch.zeros(2)
+    keep = keep_mask(logits, k, p, none)
+    assert keep[0].tolist() == [True, True, False, False, False]
     probs = torch.softmax(logits[1], -1)  # [.01, .03, .09, .24, .64]: .64 + .24 < .9 <= .64 + .24 + .09
     assert probs[3:].sum() < 0.9 <= probs[2:].sum()
-    assert torch.isinf(out[1, :2]).all() and torch.equal(out[1, 2:], logits[1, 2:])
-    off = filter_top_k_top_p(logits, torch.tensor([0, 0]), torch.tensor([0.0, 1.0]))
-    assert torch.equal(off, logits)
+    assert keep[1].tolist() == [False, False, True, True, True]
+    assert keep_mask(logits, torch.tensor([0, 5]), torch.tensor([0.0, 1.0]), none).all()  # off values
+
+
+def test_keep_mask_keeps_ties_and_min_p_is_relative_to_the_top_token():
+    s = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]])
+    none = torch.zeros(1)
+    assert keep_mask(s, torch.tensor([2]), none, none)[0].tolist() == [True, True, True, True, False, False]
+    # min_p: keep p_i >= min_p * p_max, i.e. exp(s_i - s_max) >= min_p
+    for mp in (0.3, 0.37, 0.4, 0.1):
+        keep = keep_mask(s, torch.tensor([0]), none, torch.tensor([mp]))[0]
+        probs = torch.softmax(s[0].double(), -1)
+        assert keep.tolist() == (probs >= mp * probs.max()).tolist(), mp
+    # top-p: the tie group that crosses the mass is kept whole
+    probs = torch.softmax(s[0].double(), -1)
+    p = float(probs[0] + probs[1] * 0.5)  # crosses inside the tie group of 2.0
+    assert keep_mask(s, torch.tensor([0]), torch.tensor([p]), none)[0].tolist() == [True] * 4 + [False] * 2
 
 
 def test_low_temperature_behaves_like_greedy():
@@ -175,3 +189,16 @@ def test_filtered_tokens_get_no_mass_even_with_extreme_noise(top_k):
     logits[:, -1] = 50.0  # best token
     drawn = _draw(logits, top_k=top_k)
     assert (drawn == V - 1).all()
+
+
+def test_min_p_never_samples_below_the_threshold():
+    logits = _logits(1500, seed=8, scale=1.5)
+    for mp in (0.05, 0.3):
+        drawn = _draw(logits, temperature=1.3, min_p=mp)
+        probs = torch.softmax(logits / 1.3, -1)
+        chosen = probs.gather(-1, drawn[:, None])[:, 0]
+        assert (chosen >= mp * probs.max(-1).values * (1 - 1e-5)).all(), mp
+        assert len(set(drawn[:1].tolist())) == 1
+    flat = _draw(logits[:1].expand(3000, V), temperature=1.3, min_p=0.3)
+    probs = torch.softmax(logits[0] / 1.3, -1)
+    assert set(flat.tolist()) == set((probs >= 0.3 * probs.max()).nonzero()[:, 0].tolist())

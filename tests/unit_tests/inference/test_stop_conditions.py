@@ -80,6 +80,18 @@ def test_stop_word_sequences(ckpt, greedy, async_scheduling):
     assert outs[2].generated_tokens == cont[:1] and outs[2].finish_reason == "stop"
 
 
+def test_min_tokens_disarms_stop_sequences(ckpt, greedy, async_scheduling):
+    """A stop sequence completed before min_tokens tokens exist does not end the request (vLLM)."""
+    cont = greedy[0]
+    llm = _llm(ckpt, async_scheduling)
+    stop = [cont[:2]]
+    outs = llm.generate([PROMPTS[0]] * 2, [SamplingParams(top_k=1, num_tokens_to_generate=NEW, stop_words=stop),
+                                           SamplingParams(top_k=1, num_tokens_to_generate=NEW, stop_words=stop,
+                                                          min_tokens=3)])
+    assert outs[0].generated_tokens == cont[:2] and outs[0].finish_reason == "stop"
+    assert outs[1].generated_tokens == cont and outs[1].finish_reason == "length"
+
+
 def test_num_tokens_to_generate(ckpt, greedy, async_scheduling):
     llm = _llm(ckpt, async_scheduling)
     lengths = [1, 3, NEW]

@@ -21,12 +21,12 @@ def test_scripted_multibyte_stream(monkeypatch, async_scheduling):
     scripts = {seed: tok.encode(text) for seed, text in enumerate(TEXTS)}
     assert any(any("\ufffd" in tok.decode([t]) for t in s) for s in scripts.values())  # split characters
 
-    def scripted(logits, temperature, top_k, top_p, seed, position, **_):
+    def scripted(logits, params, any_filter):
         out = [scripts[int(s)][p - len(PROMPT)] if p - len(PROMPT) < len(scripts[int(s)]) else 0
-               for s, p in zip(seed.tolist(), position.tolist())]
+               for s, p in zip(params.seed.tolist(), params.position.tolist())]
         return torch.tensor(out, dtype=torch.int64, device=logits.device)
 
-    monkeypatch.setattr(sampling, "sample", scripted)
+    monkeypatch.setattr(sampling, "sample_reference", scripted)  # the CPU (torch) sampling backend
     eng = llm.engine
     rids = [eng.add_request(PROMPT, SamplingParams(temperature=1.0, seed=i, num_tokens_to_generate=len(scripts[i]),
                                                    ignore_eos=True, stop_words=STOPS[i])) for i in range(len(TEXTS))]

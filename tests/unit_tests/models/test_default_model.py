@@ -47,3 +47,25 @@ def test_qwen3_06b_builds_fast_on_cuda():
     assert next(model.parameters()).dtype == torch.bfloat16
     logits = SimpleSession(model, max_seqs=2, max_len=64, block_size=16).step([(0, list(range(40))), (1, [7])])
     assert logits.shape == (41, 151936) and torch.isfinite(logits).all()
+
+
+def test_tiny_moe_expert_shards_are_slices_of_the_ep1_model():
+    from megatron_async.parallel.state import ParallelState
+
+    full = build_default_model("tiny-moe", seed=2)
+    assert sum(type(b.mixer).__name__ == "MoEMixer" for b in full.blocks) == 3
+    for rank in range(2):
+        part = build_default_model("tiny-moe", seed=2, parallel=ParallelState(ep_rank=rank, ep_size=2))
+        for name, p in part.state_dict().items():
+            ref = full.state_dict()[name]
+            if ".experts." in name:
+                ref = ref[4 * rank:4 * (rank + 1)]
+            assert torch.equal(p, ref), name
+    logits = SimpleSession(full, max_seqs=2, max_len=32).step([(0, [1, 2, 3]), (1, [4])])
+    assert logits.shape == (4, 1024) and torch.isfinite(logits).all()
+
+
+def test_qwen3_30b_a3b_shape():
+    model = build_gpt(DEFAULT_CONFIGS["qwen3-30b-a3b"], torch.bfloat16, "meta")
+    assert 30.4e9 < sum(p.numel() for p in model.parameters()) < 30.6e9
+    assert sum(type(b.mixer).__name__ == "MoEMixer" for b in model.blocks) == 48

@@ -79,7 +79,8 @@ def test_state_specs_count_blocks_by_kind():
 @pytest.mark.parametrize(
     "arch, change, message",
     [
-        ("nemotron_h", {"layers_block_type": None, "hybrid_override_pattern": "M*E"}, "MoE"),
+        ("nemotron_h", {"layers_block_type": None, "hybrid_override_pattern": "M*E", "n_routed_experts": 6,
+                        "n_group": 4}, "n_group"),
         ("nemotron_h", {"layers_block_type": None, "hybrid_override_pattern": "M*X"}, "unknown characters"),
         (
             "nemotron_h",

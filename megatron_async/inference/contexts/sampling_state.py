@@ -1,0 +1,78 @@
+"""Per-request device state of the penalties and ``min_tokens``: one row per active request.
+
+A request with penalties or ``min_tokens`` holds a slot from admission to release / eviction
+(like a Mamba state slot). Its row holds, over the vocabulary: the output token counts
+(frequency / presence, and repetition together with the prompt mask), the prompt mask, and
+the mask of stop ids that ``min_tokens`` suppresses. The row is filled at admission from the
+host's tokens (one small H2D copy; a recompute after eviction refills it from prompt +
+generated tokens) and afterwards advanced ON THE DEVICE by ``count_samples`` from each
+launch's sampled ids, so a launch-ahead step already sees the token still in flight.
+Rows that sample nothing, padding rows and requests without penalties point at the extra
+padding slot, whose contents are never read for a real row. Tensors are allocated on first
+use, so engines that never see a penalty pay no memory."""
+from __future__ import annotations
+
+import torch
+
+from megatron_async.inference.device import DeviceFacade
+from megatron_async.inference.request import DynamicInferenceRequest
+
+
+class SamplingStateSlots:
+    def __init__(self, max_requests: int, vocab_size: int, device: DeviceFacade):
+        self.vocab_size = vocab_size
+        self.padding_slot = max_requests
+        self.device = device
+        self._free = list(range(max_requests - 1, -1, -1))
+        self.counts: torch.Tensor | None = None  # [slots + 1, V] int32 output token counts
+        self.prompt_mask: torch.Tensor | None = None  # [slots + 1, V] bool
+        self.stop_mask: torch.Tensor | None = None  # [slots + 1, V] bool, masked while < min_tokens
+        self.num_assigned = 0  # slots handed out (admissions and re-admissions)
+
+    @property
+    def allocated(self) -> bool:
+        return self.counts is not None
+
+    def ensure_allocated(self) -> None:
+        """Allocate the rows (also called before capturing graphs that read them)."""
+        if self.counts is None:
+            shape, dev = (self.padding_slot + 1, self.vocab_size), self.device.device
+            self.counts = torch.zeros(shape, dtype=torch.int32, device=dev)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=dev)
+            self.stop_mask = torch.zeros(shape, dtype=torch.bool, device=dev)
+
+    def assign(self, req: DynamicInferenceRequest) -> None:
+        """Give ``req`` a slot (if its params need one) and fill it from its known tokens."""
+        if not req.sampling_params.has_penalties or req.sampling_slot >= 0:
+            return
+        self.ensure_allocated()
+        slot = req.sampling_slot = self._free.pop()
+        self.num_assigned += 1
+        prompt, gen, stops = req.prompt_tokens, req.generated_tokens, stop_ids(req)
+        ids = torch.tensor(prompt + gen + stops, dtype=torch.int64).to(self.device.device, non_blocking=True)
+        n_p, n_g = len(prompt), len(gen)
+        counts, pmask, smask = self.counts[slot], self.prompt_mask[slot], self.stop_mask[slot]
+        counts.zero_()
+        pmask.zero_()
+        smask.zero_()
+        pmask.index_fill_(0, ids[:n_p], True)
+        counts.index_add_(0, ids[n_p : n_p + n_g], torch.ones(n_g, dtype=torch.int32, device=ids.device))
+        smask.index_fill_(0, ids[n_p + n_g :], True)
+
+    def free(self, req: DynamicInferenceRequest) -> None:
+        if req.sampling_slot >= 0:
+            self._free.append(req.sampling_slot)
+            req.sampling_slot = -1
+
+    def count_samples(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """counts[slots[r], tokens[r]] += 1 on the device (graph-safe scatter-add)."""
+        flat = slots * self.vocab_size + tokens
+        self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+
+
+def stop_ids(req: DynamicInferenceRequest) -> list[int]:
+    """Ids ``min_tokens`` suppresses: EOS (unless ignored) and single-token stop sequences."""
+    ids = [seq[0] for seq in req.stop_sequences if len(seq) == 1]
+    if not req.sampling_params.ignore_eos:
+        ids.extend(sorted(req.eos_ids))
+    return ids

@@ -1,0 +1,68 @@
+"""The device side of sampling in a step: penalties, the draw, the penalty-count update.
+
+Chooses the backend once (torch reference or sort-free Triton; same tokens) and reads only
+fixed-address tensors (the step snapshot and the sampling-state rows), so the whole thing
+is captured inside decode CUDA graphs. Nothing here syncs with the host."""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from megatron_async.config import SamplingBackend
+from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
+from megatron_async.inference.text_generation_controllers import sampling
+from megatron_async.inference.text_generation_controllers.sampling import PenaltyRows, RowParams
+
+
+def resolve_backend(backend: SamplingBackend | str, device: torch.device) -> SamplingBackend:
+    backend = SamplingBackend(backend)
+    if backend == SamplingBackend.AUTO:
+        on_cuda = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        return SamplingBackend.TRITON if on_cuda else SamplingBackend.TORCH
+    return backend
+
+
+class Sampler:
+    def __init__(self, backend: SamplingBackend | str, device: torch.device, state: SamplingStateSlots):
+        self.backend = resolve_backend(backend, device)
+        self.state = state
+
+    def penalties(self, g, R: int) -> PenaltyRows:
+        st = self.state
+        return PenaltyRows(g.sampling_slot[:R], g.presence_penalty[:R], g.frequency_penalty[:R],
+                           g.repetition_penalty[:R], g.suppress_stop[:R], st.counts, st.prompt_mask, st.stop_mask)
+
+    def __call__(self, logits: torch.Tensor, g, R: int, any_random: bool, filters: tuple[bool, bool, bool],
+                 any_penalties: bool) -> torch.Tensor:
+        """logits [R, V] float32 (left unchanged) -> tokens [R] int64. ``g`` is the GPU view;
+        the flags (``filters``: some row uses top-k, top-p, min-p) are host facts of the step
+        that only skip work no row needs."""
+        triton_path = self.backend == SamplingBackend.TRITON
+        if any_penalties:
+            pen = self.penalties(g, R)
+            if triton_path:
+                from megatron_async.kernels import triton_sampling
+
+                logits = triton_sampling.apply_penalties(
+                    logits, pen.slot, pen.counts, pen.prompt_mask, pen.stop_mask, pen.presence, pen.frequency,
+                    pen.repetition, pen.suppress_stop)
+            else:
+                logits = sampling.apply_penalties_reference(logits, pen)
+        if not any_random:
+            tokens = logits.argmax(dim=-1)
+        else:
+            params = RowParams(g.temperature[:R], g.top_k[:R], g.top_p[:R], g.min_p[:R], g.seed[:R],
+                               g.sample_position[:R])
+            if triton_path:
+                from megatron_async.kernels import triton_sampling
+
+                inv_t, greedy = sampling.inverse_temperature(params.temperature)
+                keys = sampling.row_keys(params.seed, params.position)
+                tokens = triton_sampling.sample(logits.contiguous(), inv_t, greedy, params.top_k, params.top_p,
+                                                params.min_p, keys, filters)
+            else:
+                tokens = sampling.sample_reference(logits, params, any(filters))
+        if any_penalties:  # the next launch, queued after this one, sees this token
+            self.state.count_samples(g.sampling_slot[:R], tokens)
+        return tokens

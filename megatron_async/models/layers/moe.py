@@ -1,0 +1,109 @@
+"""Mixture-of-experts mixer: a replicated router picks k experts per token; the routed experts
+are split over the expert-parallel group (and TP-split inside each expert); NemotronH adds an
+always-on shared expert and optional latent projections around the routed experts.
+
+Expert parallelism with data-parallel attention: every EP rank brings its OWN tokens, padded
+to the count the engines agreed for this step (``StepInputs.ep_num_tokens``). The layer routes
+its tokens locally, all-gathers tokens and routing over the EP group, runs its local experts on
+all of them (ids of other ranks' experts mean "skip") and reduce-scatters the partial sums
+back, so each rank receives the full MoE output of its own tokens. Padding rows are routed to
+no expert. With TP inside, the expert outputs are then summed over the TP group."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_async.kernels.moe import fused_experts
+from megatron_async.models.layers.block import StepInputs
+from megatron_async.models.layers.mlp import ReluSquaredMLP
+from megatron_async.models.layers.moe_router import TopKRouter
+from megatron_async.models.moe_config import MoEConfig
+from megatron_async.parallel.communication import ep_all_gather, ep_reduce_scatter, tp_all_reduce
+from megatron_async.parallel.expert_linear import ExpertColumnParallelLinear, ExpertRowParallelLinear
+from megatron_async.parallel.linear import ReplicatedLinear
+from megatron_async.parallel.state import ParallelState
+
+
+class RoutedExperts(nn.Module):
+    """This rank's experts (HF ``experts``): ``gate_up_proj`` (SwiGLU) or ``up_proj``, and
+    ``down_proj``, with the EP token exchange around the grouped GEMMs."""
+
+    def __init__(self, in_features: int, cfg: MoEConfig, parallel: ParallelState, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        self.parallel, self.gated, self.num_experts = parallel, cfg.gated, cfg.num_experts
+        I = cfg.intermediate_size
+        if cfg.gated:
+            self.gate_up_proj = ExpertColumnParallelLinear(cfg.num_experts, in_features, [I, I],
+                                                           (cfg.hf_gate, cfg.hf_up), parallel, dtype, device)
+            self.input_proj = self.gate_up_proj
+        else:
+            self.up_proj = ExpertColumnParallelLinear(cfg.num_experts, in_features, [I], (cfg.hf_up,),
+                                                      parallel, dtype, device)
+            self.input_proj = self.up_proj
+        self.down_proj = ExpertRowParallelLinear(cfg.num_experts, I, in_features, cfg.hf_down, parallel, dtype, device)
+        self.num_local = self.down_proj.num_local_experts
+        self.first_expert = self.down_proj.first_expert
+
+    def _compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, self.input_proj.weight, self.down_proj.weight, ids, weights, self.gated)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                ep_num_tokens: int | None) -> torch.Tensor:
+        """x [n, in]; ids [n, k] global expert ids (int32); weights [n, k] float32 -> [n, in]."""
+        p = self.parallel
+        if p.ep_size == 1:
+            out = self._compute(x, ids, weights)
+        else:
+            out = self._exchange(x, ids, weights, ep_num_tokens)
+        return tp_all_reduce(out, p)
+
+    def _exchange(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  ep_num_tokens: int | None) -> torch.Tensor:
+        n = x.shape[0]
+        if ep_num_tokens is None or ep_num_tokens < n:
+            raise ValueError(f"MoE under expert parallelism needs the agreed padded token count of the step "
+                             f"(StepInputs.ep_num_tokens >= {n} tokens on this rank), got {ep_num_tokens}")
+        pad = ep_num_tokens - n
+        x = F.pad(x, (0, 0, 0, pad))
+        ids = F.pad(ids, (0, 0, 0, pad), value=self.num_experts)  # padding rows: no expert
+        weights = F.pad(weights, (0, 0, 0, pad))
+        # one exchange for the routing: int32 ids beside the float32 weights' bits
+        routing = torch.cat([ids, weights.view(torch.int32)], dim=1)
+        x_all = ep_all_gather(x, self.parallel)
+        routing_all = ep_all_gather(routing, self.parallel)
+        k = ids.shape[1]
+        local_ids = routing_all[:, :k] - self.first_expert  # other ranks' experts fall outside [0, num_local)
+        weights_all = routing_all[:, k:].contiguous().view(torch.float32)
+        out_all = self._compute(x_all, local_ids, weights_all)
+        return ep_reduce_scatter(out_all, self.parallel)[:n]
+
+
+class MoEMixer(nn.Module):
+    """HF ``mlp`` (Qwen3-MoE) / ``block_sparse_moe`` (Mixtral) / ``mixer`` (NemotronH)."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig, parallel: ParallelState, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        self.gate = TopKRouter(hidden, cfg, parallel, dtype, device)
+        expert_dim = cfg.latent_size or hidden
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if cfg.latent_size is not None:
+            self.fc1_latent_proj = ReplicatedLinear(hidden, expert_dim, cfg.mlp_bias, parallel, dtype, device)
+            self.fc2_latent_proj = ReplicatedLinear(expert_dim, hidden, cfg.mlp_bias, parallel, dtype, device)
+        self.experts = RoutedExperts(expert_dim, cfg, parallel, dtype, device)
+        self.shared_experts = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_experts = ReluSquaredMLP(hidden, cfg.shared_expert_intermediate_size, cfg.mlp_bias,
+                                                 parallel, dtype, device)
+
+    def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor:
+        ids, weights = self.gate.route(x)
+        h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        out = self.experts(h, ids, weights, None if step is None else step.ep_num_tokens)
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,97 @@
+"""Fused Triton MoE vs the torch reference on CUDA for a Qwen3-30B-A3B-shaped MoE layer (hidden
+2048, 128 experts, top-8, moe_intermediate 768, bf16): accuracy, time per call, and the whole
+MoE layer (router + experts) in a CUDA graph against its floor: reading the weights of the
+experts the batch activates at the device's copy bandwidth.
+
+    python scripts/check_fused_moe.py [--tokens 1 8 32 128 512 2048] [--iters 30]
+
+Columns: tokens; active experts; their weights in MB; floor us (weights / copy bandwidth);
+layer_graph us (router + align + 2 grouped GEMMs, replayed graph) and its ratio to the floor;
+fused / reference: eager time of the routed experts alone; err: max |fused - ref| / max |ref|."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_async.kernels import attention, triton_fused_moe  # noqa: E402
+from megatron_async.kernels.moe_torch import fused_experts_torch  # noqa: E402
+from megatron_async.models.layers.moe import MoEMixer  # noqa: E402
+from megatron_async.models.moe_config import MoEConfig, RouterScore  # noqa: E402
+from megatron_async.parallel.state import ParallelState  # noqa: E402
+from megatron_async.tools.cuda_timing import median_ms  # noqa: E402
+
+HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
+DTYPE = torch.bfloat16
+CFG = MoEConfig(EXPERTS, TOP_K, INTER, gated=True, score=RouterScore.SOFTMAX, norm_topk_prob=True,
+                hf_gate="gate_proj", hf_up="up_proj", hf_down="down_proj", weights_in_model_dtype=True)
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy of 1 GiB: (read + write) bytes / time."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), 10)
+    return 2 * src.numel() / (ms * 1e-3) / 1e9
+
+
+def graphed(fn):
+    """Capture ``fn`` (static inputs) in a CUDA graph; returns the replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 512, 2048])
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    layer = MoEMixer(HIDDEN, CFG, ParallelState(), DTYPE, "cuda").eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.02)
+    w13, w2 = layer.experts.gate_up_proj.weight, layer.experts.down_proj.weight
+    bw = copy_bandwidth_gbs()
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s  "
+          f"expert {expert_bytes / 1e6:.2f} MB  all experts {EXPERTS * expert_bytes / 1e9:.2f} GB")
+    print(f"{'tokens':>6}{'active':>8}{'MB':>9}{'floor_us':>10}{'layer_graph':>13}{'x_floor':>9}"
+          f"{'fused_us':>10}{'ref_us':>10}{'err':>10}")
+    previous = attention.get_attention_backend()
+    attention.set_attention_backend("triton", "cuda")
+    try:
+        with torch.no_grad():
+            for T in args.tokens:
+                x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+                ids, weights = layer.gate.route(x)
+                active = int(torch.unique(ids).numel())
+                nbytes = active * expert_bytes + layer.gate.weight.numel() * 2
+                floor_us = nbytes / (bw * 1e9) * 1e6
+                layer_us = 1e3 * median_ms(graphed(lambda: layer(x)), args.iters)
+                fused = lambda: triton_fused_moe.fused_experts(x, w13, w2, ids, weights, True)  # noqa: E731
+                ref = lambda: fused_experts_torch(x, w13, w2, ids, weights, True)  # noqa: E731
+                out, expect = fused(), ref()
+                err = float((out.float() - expect.float()).abs().max() / expect.float().abs().max())
+                fused_us = 1e3 * median_ms(fused, args.iters)
+                ref_us = 1e3 * median_ms(ref, max(3, args.iters // 5))
+                print(f"{T:>6}{active:>8}{nbytes / 1e6:>9.1f}{floor_us:>10.1f}{layer_us:>13.1f}"
+                      f"{layer_us / floor_us:>9.2f}{fused_us:>10.1f}{ref_us:>10.1f}{err:>10.2e}")
+    finally:
+        attention.set_attention_backend(previous, "cuda")
+
+
+if __name__ == "__main__":
+    main()
