@@ -149,3 +149,30 @@ def test_main_job_ep2_with_arrivals_matches_ep1(tmp_path):
         return [r["generated_tokens"] for r in json.loads((tmp_path / name).read_text())["requests"]]
 
     assert tokens("r0.json") == tokens("ep1.json") and all(tokens("ep1.json"))
+
+
+def _abort_worker(rank: int, world: int) -> dict:
+    """Rank 0 aborts a request another rank serves; its output still comes back through rank 0."""
+    llm = LLM(None, inference_config=InferenceConfig(**CONFIG), default_model="tiny-moe", expert_parallel_size=world)
+    try:
+        eng, outs, steps = llm.engine, {}, 0
+        if rank == 0:
+            for prompt in PROMPTS[:4]:
+                eng.add_request(prompt, SamplingParams(top_k=1, num_tokens_to_generate=30, ignore_eos=True))
+        while eng.has_unfinished_requests():
+            if steps == 6 and rank == 0:
+                assert eng.abort_request(1) and not eng.abort_request(1)
+            for o in eng.step().finished:
+                outs[o.request_id] = (o.finish_reason, len(o.generated_tokens))
+            steps += 1
+            assert steps < 300
+        return {"outs": outs, "aborted": eng.stats.aborted_requests}
+    finally:
+        llm.close()
+
+
+def test_abort_reaches_the_rank_that_serves_the_request():
+    r0, r1 = run_ranks(_abort_worker, 2, timeout_s=120)
+    assert r0["outs"][1][0] == "abort" and 0 < r0["outs"][1][1] < 30
+    assert all(r0["outs"][i] == ("length", 30) for i in (0, 2, 3))
+    assert r1["outs"] == {} and r0["aborted"] + r1["aborted"] == 1 and r1["aborted"] == 1  # rank 1 served it

@@ -81,17 +81,11 @@ class DataParallelEngine(DynamicInferenceEngine):
         pending, self._pending = self._pending, None
         if not first:
             self._pending = launched
-            if launched is None and self._requests:
+            if launched is None and plan is not None and self._requests:  # launch-ahead found nothing
                 self.stats.rejected_launches += 1
                 self.stats.rejected_causes[self._rejection_cause()] += 1
                 self.stats.drains += 1
-        with nvtx_range("reconcile"):
-            self._bookkeep(pending, out)
-            if self._pending is not None and not self._requests:
-                with nvtx_range("drain"):
-                    self._bookkeep(self._pending, out)
-                self._pending = None
-        self._account_time(pending, time.perf_counter() - t0)
+        self._land(pending, out, t0)
         return self._finish(out, took_part=True)
 
     def _finish(self, out: StepResult, took_part: bool) -> StepResult:

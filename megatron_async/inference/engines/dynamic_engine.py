@@ -226,6 +226,11 @@ class DynamicInferenceEngine:
                 with nvtx_range("launch_ahead"):
                     nxt = self._launch_ahead(out)
         pending, self._pending = self._pending, nxt
+        self._land(pending, out, t0)
+        return out
+
+    def _land(self, pending: PendingLaunch, out: StepResult, t0: float) -> None:
+        """Bookkeep ``pending`` (the launch ahead of it, if any, is ``self._pending``)."""
         with nvtx_range("reconcile"):
             self._bookkeep(pending, out)
             if self._pending is not None and not self._requests:
@@ -235,7 +240,6 @@ class DynamicInferenceEngine:
                     self._bookkeep(self._pending, out)
                 self._pending = None
         self._account_time(pending, time.perf_counter() - t0)
-        return out
 
     def _launch_first(self, out: StepResult) -> PendingLaunch | None:
         """Schedule and launch with nothing in flight (retrying without a request that failed)."""
