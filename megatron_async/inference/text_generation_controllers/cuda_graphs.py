@@ -111,7 +111,9 @@ class CudaGraphRunner:
                 ctl.compute_step(shape)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: NCCL's watchdog thread keeps polling events while a TP / EP graph with
+        # collectives is captured; "global" mode would turn those polls into capture errors.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = ctl.compute_step(shape)
         self._pool = graph.pool()
         ctl.last_samples.copy_(saved_samples)
