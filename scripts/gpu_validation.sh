@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session's validation in one command (what the device runs): the GPU-marked tests,
 # the kernel check scripts, and the side-by-side benchmark. Logs go to ${OUT:-gpu_out}.
-# Usage: bash scripts/gpu_validation.sh [tests|kernels|bench|bench-long ...] (default: all but bench-long)
+# Usage: bash scripts/gpu_validation.sh [tests|kernels|bench|bench-poisson|bench-long|diagnose ...]
+# (default: tests kernels bench)
 set -uo pipefail
-export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 out="${OUT:-gpu_out}"; mkdir -p "$out"
 stages="${*:-tests kernels bench}"
 for stage in $stages; do
@@ -16,10 +17,20 @@ for stage in $stages; do
         [ -f "scripts/$s.py" ] && timeout 120 python "scripts/$s.py" > "$out/$s.log" 2>&1
         tail -25 "$out/$s.log"
       done ;;
-    bench)  # the NOTES.md reference workload: 128 requests, prompts 100-1024, 128 output tokens
-      timeout 540 python scripts/benchmark.py --num-requests 128 --output-len-min 128 --output-len-max 128 \
-        --max-requests 128 --max-minutes 8 --output-dir "$out/bench128" > "$out/bench128.log" 2>&1
-      tail -20 "$out/bench128.log" ;;
+    bench)  # the NOTES.md reference workload: 128 requests, prompts 100-1024, 128 output tokens; greedy
+            # and sampled, every engine mode and HF peer (batch = max_requests), twin warm-up for all
+      timeout 560 python scripts/benchmark.py --num-requests 128 --output-len-min 128 --output-len-max 128 \
+        --max-requests 128 --max-minutes 8.5 --output-dir "$out/bench128" > "$out/bench128.log" 2>&1
+      tail -32 "$out/bench128.log" ;;
+    bench-poisson)  # the same workload arriving as a Poisson process (requests per second): TTFT / ITL under load
+      timeout 300 python scripts/benchmark.py --modes serial_graphs,async_graphs --num-requests 128 \
+        --output-len-min 128 --output-len-max 128 --max-requests 128 --request-rate 80 --no-idle-profile \
+        --max-minutes 4 --output-dir "$out/poisson" > "$out/poisson.log" 2>&1
+      tail -14 "$out/poisson.log" ;;
+    diagnose)  # issue 13: async vs serial at long context (NOTES.md "Long context on the GPU")
+      timeout 300 python scripts/diagnose_async_serial.py --device cuda --num-requests 32 --prompt-len-min 8192 \
+        --prompt-len-max 16384 --output-len 64 --max-sequence-length 16500 --output "$out/diag.json" > "$out/diag.log" 2>&1
+      cut -c1-600 "$out/diag.log" ;;
     bench-long)  # the issue's workload (256 requests, outputs 100-1024): engine modes only
       timeout 540 python scripts/benchmark.py --modes serial,async,serial_graphs,async_graphs \
         --max-requests 256 --max-minutes 8 --output-dir "$out/bench256" > "$out/bench256.log" 2>&1

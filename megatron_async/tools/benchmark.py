@@ -1,13 +1,16 @@
 """Side-by-side benchmark: one workload, one set of weights, several modes in one process.
 
-Modes: HF ``generate`` (static batches), HF continuous batching (``generate_batch``), this
-engine serial, async (launch-ahead) and async + CUDA graphs. See docs/PERFORMANCE.md."""
+Modes: HF ``generate`` (static batches; dynamic cache, or static cache + torch.compile), HF
+continuous batching (``generate_batch``), this engine serial, async (launch-ahead), and both
+with CUDA graphs; each on a greedy and a sampled workload. Every side warms up on the same
+twin workload (same lengths, fresh tokens) before its timed run. See docs/PERFORMANCE.md."""
 from __future__ import annotations
 
 import argparse
 import gc
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -17,17 +20,20 @@ from pathlib import Path
 
 import torch
 
-from megatron_async import LLM, SamplingParams
+from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.llm import parse_dtype
 from megatron_async.models.default_model import DEFAULT_CONFIGS
 from megatron_async.tools import cli, hf_peers
 from megatron_async.tools.bench_report import HF_PEERS, ModeResult, add_ratios, format_table, plot_step_times
-from megatron_async.tools.driver import StatsWindow, run_workload
-from megatron_async.tools.gpu_idle import profile_decode_steps
+from megatron_async.tools.compile_counter import CompileCounter
+from megatron_async.tools.driver import StatsWindow, WorkloadRun, run_workload
+from megatron_async.tools.gpu_idle import profile_run
 from megatron_async.tools.roofline import decode_floor, mean_context_per_output_token, measure_copy_bandwidth
 from megatron_async.tools.summary import summarize
-from megatron_async.tools.workload import WorkloadRequest, WorkloadSpec, synthetic_workload
+from megatron_async.tools.workload import WorkloadRequest, WorkloadSpec, synthetic_workload, twin_workload
 
+WORKLOADS = {"greedy": hf_peers.Sampling(), "sampled": hf_peers.Sampling(temperature=0.8, top_p=0.95)}
+"""Sampled: temperature 0.8 + top-p 0.95, each request seeded (seed + its index) in the engine."""
 ENGINE_MODES = {
     "serial": {"async_scheduling": False, "cuda_graphs": False},
     "async": {"async_scheduling": True, "cuda_graphs": False},
@@ -36,7 +42,8 @@ ENGINE_MODES = {
 }
 MODES = (*HF_PEERS, *ENGINE_MODES)
 SMOKE = {"device": "cpu", "default_model": "tiny", "num_requests": 8, "prompt_len_min": 8, "prompt_len_max": 32,
-         "output_len_min": 8, "output_len_max": 16, "hf_batch_size": 4, "buffer_size_gb": 0.05, "max_minutes": 5.0}
+         "output_len_min": 8, "output_len_max": 16, "max_requests": 4, "buffer_size_gb": 0.05, "max_minutes": 5.0,
+         "warmup_requests": 2}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,10 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-len-max", type=int, default=1024)
     g.add_argument("--output-len-min", type=int, default=100)
     g.add_argument("--output-len-max", type=int, default=1024)
-    g.add_argument("--hf-batch-size", type=int, default=32, help="batch size of HF generate (static batching)")
+    g.add_argument("--workloads", default="greedy,sampled", help=f"comma-separated subset of {', '.join(WORKLOADS)}")
+    g.add_argument("--request-rate", type=float, default=0.0,
+                   help="Poisson arrivals in requests per second of wall clock (0 = all at once)")
+    g.add_argument("--hf-batch-size", type=int, default=None, help="HF generate batch size (default: --max-requests)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--warmup-requests", type=int, default=4, help="short requests run before each engine mode")
-    g.add_argument("--idle-steps", type=int, default=200, help="decode steps profiled for the GPU idle share (0 = skip)")
+    g.add_argument("--warmup-requests", type=int, default=None,
+                   help="requests of the twin warm-up workload every side runs first (default: all)")
+    g.add_argument("--no-idle-profile", action="store_true",
+                   help="skip the profiled second run that gives the device idle shares (CUDA)")
     g.add_argument("--max-minutes", type=float, default=30.0, help="stop starting/continuing modes after this")
     g.add_argument("--output-dir", default="benchmark_out", help="benchmark.json and step_times.png go here")
     g.add_argument("--smoke", action="store_true", help="tiny model, few requests, CPU: seconds")
@@ -71,11 +83,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.modes) - set(MODES)
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if not args.workloads or set(args.workloads) - set(WORKLOADS):
+        p.error(f"--workloads: choose from {', '.join(WORKLOADS)}")
+    defaults = InferenceConfig()
+    args.max_requests = args.max_requests or defaults.max_requests
+    args.max_tokens = args.max_tokens or max(defaults.max_tokens, args.max_requests)
+    args.hf_batch_size = args.hf_batch_size or args.max_requests
     return args
 
 
-def _greedy(req: WorkloadRequest) -> SamplingParams:
-    return SamplingParams(top_k=1, num_tokens_to_generate=req.output_len, ignore_eos=True)
+def params_factory(workload: str, seed: int, requests: list[WorkloadRequest]):
+    """WorkloadRequest -> SamplingParams; a sampled request's seed is fixed by its index."""
+    s = WORKLOADS[workload]
+    index = {id(r): i for i, r in enumerate(requests)}
+
+    def make(req: WorkloadRequest) -> SamplingParams:
+        if s.greedy:
+            return SamplingParams(top_k=1, num_tokens_to_generate=req.output_len, ignore_eos=True)
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=seed * 100_003 + index[id(req)],
+                              num_tokens_to_generate=req.output_len, ignore_eos=True)
+
+    return make
+
+
+def step_outliers(run: WorkloadRun) -> tuple[float | None, float | None, int]:
+    """First step ms, max step ms, and steps over 5x the median of their kind."""
+    if not run.steps:
+        return None, None, 0
+    slow = 0
+    for decode in (True, False):
+        ms = [s.seconds for s in run.steps if s.decode_only == decode]
+        if ms:
+            med = statistics.median(ms)
+            slow += sum(x > 5 * med for x in ms)
+    return 1e3 * run.steps[0].seconds, 1e3 * max(s.seconds for s in run.steps), slow
 
 
 def _free_device() -> None:
@@ -86,8 +128,9 @@ def _free_device() -> None:
 
 
 class Benchmark:
-    """Holds what every mode shares: the workload, the checkpoint, the time budget, the
-    copy bandwidth, and the serial engine's tokens (the reference the others are compared with)."""
+    """Holds what every mode shares: the workload and its warm-up twin, the checkpoint, the
+    time budget, the copy bandwidth, and the serial engine's tokens per workload (the
+    reference the others are compared with)."""
 
     def __init__(self, args: argparse.Namespace, checkpoint: str | None):
         self.args = args
@@ -99,94 +142,132 @@ class Benchmark:
         vocab = (json.loads((Path(checkpoint) / "config.json").read_text()) if checkpoint
                  else DEFAULT_CONFIGS[args.default_model])["vocab_size"]
         spec = WorkloadSpec(args.num_requests, args.prompt_len_min, args.prompt_len_max, args.output_len_min,
-                            args.output_len_max, 0.0, args.seed)
+                            args.output_len_max, 0.0, args.seed, request_rate=args.request_rate)
         self.requests = synthetic_workload(spec, vocab)
+        self.warmup = twin_workload(self.requests[: args.warmup_requests or len(self.requests)], vocab, args.seed)
         prompt_lens = [len(r.prompt) for r in self.requests]
         self.info = {
             "mean_context": mean_context_per_output_token(prompt_lens, [r.output_len for r in self.requests]),
             "mean_prompt_len": round(sum(prompt_lens) / len(prompt_lens)),
+            "warmup_requests": len(self.warmup),
         }
-        self.serial_tokens: list[list[int] | None] | None = None
+        self.serial_tokens: dict[str, list[list[int] | None]] = {}
 
     def time_left(self) -> bool:
         return time.perf_counter() < self.deadline
 
+    # ------------------------------------------------------------------ HF peers
     def run_hf(self, modes: list[str]) -> list[ModeResult]:
-        results = []
         try:
             model = hf_peers.load_hf_model(self.checkpoint, self.device, self.dtype)
         except Exception as e:  # noqa: BLE001 - a broken peer must not hide our own numbers
-            return [ModeResult(m, "error", f"loading the HF model failed: {e}") for m in modes]
+            return [ModeResult(m, w, "error", f"loading the HF model failed: {e}") for m in modes for w in self.args.workloads]
+        results = []
         for mode in modes:
-            if not self.time_left():
-                results.append(ModeResult(mode, "skipped", "time budget (--max-minutes) spent"))
-                continue
-            if mode == "hf_generate_batch" and not hf_peers.continuous_batching_available(model):
-                results.append(ModeResult(mode, "skipped", "this transformers has no continuous batching"))
-                continue
-            _free_device()
-            try:
-                if mode == "hf_generate":
-                    run = hf_peers.run_hf_generate(model, self.requests, self.args.hf_batch_size, self.deadline)
-                else:
-                    run = hf_peers.run_hf_continuous_batching(model, self.requests, self.deadline)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                results.append(ModeResult(mode, "error", f"{type(e).__name__}: {e}"))
-                continue
-            res = ModeResult(mode, "timed_out" if run.timed_out else "ok", output_tokens=run.output_tokens,
-                             wall_time_s=run.wall_time, output_tokens_per_s=run.output_tokens / run.wall_time)
-            res.same_tokens_as_serial = self._match_serial(run.outputs)
-            res.summary = {"peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None}
-            results.append(res)
+            for wl in self.args.workloads:
+                results.append(self._run_hf_mode(model, mode, wl))
         del model
         _free_device()
         return results
 
-    def run_engine(self, mode: str) -> ModeResult:
-        if ENGINE_MODES[mode]["cuda_graphs"] and self.device.type != "cuda":
-            return ModeResult(mode, "skipped", "CUDA graphs need a GPU")
+    def _run_hf_mode(self, model, mode: str, wl: str) -> ModeResult:
+        a = self.args
         if not self.time_left():
-            return ModeResult(mode, "skipped", "time budget (--max-minutes) spent")
+            return ModeResult(mode, wl, "skipped", "time budget (--max-minutes) spent")
+        if mode == "hf_generate_batch" and not hf_peers.continuous_batching_available(model):
+            return ModeResult(mode, wl, "skipped", "this transformers has no continuous batching")
+        if mode == "hf_generate_static" and self.device.type != "cuda":
+            return ModeResult(mode, wl, "skipped", "static cache + torch.compile: CUDA only here")
+        _free_device()
+        sampling = WORKLOADS[wl]
+        try:
+            if mode == "hf_generate_batch":
+                cb = hf_peers.cb_config(self.device, self.requests, a.max_requests, a.max_tokens, cli.GPU_KV_FRACTION)
+                settings = "continuous batching (generate_batch), " + ", ".join(
+                    f"{k} {getattr(cb, k)}" for k in ("max_batch_tokens", "max_requests_per_batch", "max_memory_percent",
+                                                       "page_size", "num_blocks", "use_cuda_graph") if hasattr(cb, k))
+                run = hf_peers.run_hf_continuous_batching(model, self.requests, self.warmup, sampling, cb, self.deadline)
+            else:
+                static = mode == "hf_generate_static"
+                settings = (f"generate, batch {a.hf_batch_size}, sdpa, "
+                            + ("static cache + torch.compile (HF auto-compile)" if static else "dynamic cache, eager"))
+                t0 = time.perf_counter()
+                hf_peers.run_hf_generate(model, self.warmup, a.hf_batch_size, sampling, None, static)  # warm-up twin
+                settings += f", warm-up {time.perf_counter() - t0:.1f} s"
+                gc.collect()
+                run = hf_peers.run_hf_generate(model, self.requests, a.hf_batch_size, sampling, self.deadline, static)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            return ModeResult(mode, wl, "error", f"{type(e).__name__}: {e}")
+        res = ModeResult(mode, wl, "timed_out" if run.timed_out else "ok", settings=settings, output_tokens=run.output_tokens,
+                         wall_time_s=run.wall_time, output_tokens_per_s=run.output_tokens / run.wall_time)
+        if sampling.greedy:  # HF samples from one generator: its sampled tokens cannot match per-request draws
+            res.same_tokens_as_serial = self._match_serial(wl, run.outputs)
+        res.summary = {"peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None}
+        return res
+
+    # ------------------------------------------------------------------ the engine
+    def run_engine(self, mode: str) -> list[ModeResult]:
+        wls = self.args.workloads
+        if ENGINE_MODES[mode]["cuda_graphs"] and self.device.type != "cuda":
+            return [ModeResult(mode, w, "skipped", "CUDA graphs need a GPU") for w in wls]
+        if not self.time_left():
+            return [ModeResult(mode, w, "skipped", "time budget (--max-minutes) spent") for w in wls]
         _free_device()
         cfg = cli.inference_config_from_args(self.args, **ENGINE_MODES[mode])
         llm = LLM(self.checkpoint, self.args.device, self.dtype, cfg, default_model=self.args.default_model)
-        if llm.controller.graphs is not None:
-            llm.controller.graphs.warmup()  # capture outside the measured window
-        # full-length prompts: the Triton prefill kernels compile for the workload's shapes here,
-        # not inside the timed run (seen on an H100: a hybrid serial run lost 3x to compiles)
-        warm = [WorkloadRequest(r.prompt, 8) for r in self.requests[: self.args.warmup_requests]]
-        run_workload(llm.engine, warm, _greedy)
+        graphs = llm.controller.graphs
+        t0 = time.perf_counter()
+        if graphs is not None:
+            graphs.warmup()
+        for wl in wls:  # the same twin warm-up as the HF peers: compiles and captures happen here
+            run_workload(llm.engine, self.warmup, params_factory(wl, self.args.seed + 1, self.warmup))
+        warm_s = time.perf_counter() - t0
+        results = [self._timed_engine_run(llm, mode, wl, warm_s) for wl in wls]
+        del llm
+        _free_device()
+        return results
+
+    def _timed_engine_run(self, llm: LLM, mode: str, wl: str, warm_s: float) -> ModeResult:
+        if not self.time_left():
+            return ModeResult(mode, wl, "skipped", "time budget (--max-minutes) spent")
+        make = params_factory(wl, self.args.seed, self.requests)
+        gc.collect()  # earlier runs' garbage (a profiled run's) is collected here, not as a stall in this run
         window = StatsWindow(llm.engine)
-        run = run_workload(llm.engine, self.requests, _greedy, deadline=self.deadline)
+        with CompileCounter(llm.controller.graphs) as compiles:
+            run = run_workload(llm.engine, self.requests, make, deadline=self.deadline)
         summary = summarize(run, window.stats(), self.device)
         floor = decode_floor(llm.model, self.dtype, run.mean_decode_batch, self.info["mean_context"], self.bandwidth)
+        first, worst, slow = step_outliers(run)
         res = ModeResult(
-            mode, "timed_out" if run.timed_out else "ok", output_tokens=run.output_tokens, wall_time_s=run.wall_time,
-            output_tokens_per_s=summary.output_tokens_per_s, mean_decode_step_ms=summary.mean_decode_step_ms,
-            mean_decode_batch=run.mean_decode_batch, decode_floor_ms=1e3 * floor.seconds, summary=summary.as_dict(),
+            mode, wl, "timed_out" if run.timed_out else "ok", settings=f"{ENGINE_MODES[mode]}, warm-up {warm_s:.1f} s",
+            output_tokens=run.output_tokens, wall_time_s=run.wall_time, output_tokens_per_s=summary.output_tokens_per_s,
+            mean_decode_step_ms=summary.mean_decode_step_ms, mean_decode_batch=run.mean_decode_batch,
+            decode_floor_ms=1e3 * floor.seconds, latency_ms=run.latency_ms(), summary=summary.as_dict(),
+            first_step_ms=first, max_step_ms=worst, slow_steps=slow,
+            triton_builds=compiles.triton_builds if compiles._knobs is not None else None,
+            graph_captures=compiles.graph_captures, built_kernels=compiles.kernels,
             step_times=[(s.t, 1e3 * s.seconds, s.decode_only) for s in run.steps],
         )
         if res.mean_decode_step_ms:
             res.step_over_floor = res.mean_decode_step_ms / res.decode_floor_ms
         tokens = [o.generated_tokens if o is not None else None for o in run.outputs]
         if mode == "serial":
-            self.serial_tokens = tokens
-        res.same_tokens_as_serial = self._match_serial(tokens)
-        if self.device.type == "cuda" and self.args.idle_steps > 0 and self.time_left() and run.mean_decode_batch:
-            prof = profile_decode_steps(llm.engine, round(run.mean_decode_batch), self.info["mean_prompt_len"],
-                                        self.args.idle_steps, seed=self.args.seed)
-            res.gpu_idle_share = prof.idle_share
-            res.gpu_wait_share = prof.event_idle_share
-            res.idle_profile = asdict(prof)
-        del llm, window
-        _free_device()
+            self.serial_tokens[wl] = tokens
+        res.same_tokens_as_serial = self._match_serial(wl, tokens)
+        if self.device.type == "cuda" and not self.args.no_idle_profile and self.time_left():
+            prof_run, idle = profile_run(llm.engine, lambda: run_workload(llm.engine, self.requests, make,
+                                                                          deadline=self.deadline))
+            res.run_idle_share, res.decode_idle_share = idle.run_idle_share, idle.decode_idle_share
+            res.profiled_tokens_per_s = prof_run.output_tokens / prof_run.wall_time if prof_run.wall_time else None
+            res.idle_profile = asdict(idle)
         return res
 
-    def _match_serial(self, tokens: list[list[int] | None]) -> float | None:
-        if self.serial_tokens is None:
+    def _match_serial(self, wl: str, tokens: list[list[int] | None]) -> float | None:
+        ref = self.serial_tokens.get(wl)
+        if ref is None:
             return None
-        pairs = [(a, b) for a, b in zip(tokens, self.serial_tokens) if a is not None and b is not None]
+        pairs = [(a, b) for a, b in zip(tokens, ref) if a is not None and b is not None]
         return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
 
 
@@ -221,19 +302,19 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
         for mode in [m for m in ENGINE_MODES if m in args.modes]:
             print(f"  running {mode} ...", file=sys.stderr)
             try:
-                results.append(bench.run_engine(mode))
+                results.extend(bench.run_engine(mode))
             except Exception as e:  # noqa: BLE001 - report the failure, run the other modes
                 traceback.print_exc()
-                results.append(ModeResult(mode, "error", f"{type(e).__name__}: {e}"))
+                results.append(ModeResult(mode, ",".join(args.workloads), "error", f"{type(e).__name__}: {e}"))
         if hf_modes:
             if checkpoint is None:
-                results = [ModeResult(m, "skipped", notes[0]) for m in hf_modes] + results
+                results = [ModeResult(m, w, "skipped", notes[0]) for m in hf_modes for w in args.workloads] + results
             else:
                 print(f"  running {', '.join(hf_modes)} ...", file=sys.stderr)
                 results = bench.run_hf(hf_modes) + results
     add_ratios(results)
     order = {m: i for i, m in enumerate(MODES)}
-    results.sort(key=lambda r: order[r.mode])
+    results.sort(key=lambda r: (r.workload != "greedy", order[r.mode]))
     print(format_table(results))
     for note in notes:
         print(f"note: {note}")

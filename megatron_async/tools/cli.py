@@ -77,7 +77,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-len-max", type=int, default=None)
     g.add_argument("--output-len-min", type=int, default=None)
     g.add_argument("--output-len-max", type=int, default=None)
-    g.add_argument("--arrival-rate", type=float, default=0.0, help="mean requests per step (Poisson); 0 = all at once")
+    g.add_argument("--arrival-rate", type=float, default=0.0,
+                   help="mean requests per engine step (Poisson, deterministic schedule); 0 = all at once")
+    g.add_argument("--request-rate", type=float, default=0.0,
+                   help="mean requests per second of wall clock (Poisson arrivals, serving-like); 0 = off")
     g.add_argument("--prompt-file", default=None, help="text prompts, one per line (needs a tokenizer)")
 
 
@@ -144,7 +147,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
 
 def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(args.num_requests, args.prompt_len_min, args.prompt_len_max, args.output_len_min,
-                        args.output_len_max, args.arrival_rate, args.seed)
+                        args.output_len_max, args.arrival_rate, args.seed, request_rate=args.request_rate)
 
 
 def sampling_factory(args: argparse.Namespace):

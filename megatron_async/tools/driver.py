@@ -1,10 +1,13 @@
-"""Drive an engine through a workload: requests are added at their arrival step, and every
-``engine.step()`` is timed on the host (in steady async decode that equals the device step)."""
+"""Drive an engine through a workload: requests are added at their arrival step and wall-clock
+arrival time, every ``engine.step()`` is timed on the host (in steady async decode that equals
+the device step), and each token's landing time on the host gives TTFT and inter-token latency."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
+
+import numpy as np
 
 from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron_async.inference.engines.engine_stats import EngineStats
@@ -33,6 +36,10 @@ class WorkloadRun:
     wall_time: float
     steps: list[StepRecord] = field(default_factory=list)
     timed_out: bool = False
+    ttft: list[float] = field(default_factory=list)
+    """Seconds from a request's arrival (its ``add_request``) to its first token on the host."""
+    itl: list[float] = field(default_factory=list)
+    """Seconds between consecutive tokens of a request landing on the host (all requests)."""
 
     @property
     def output_tokens(self) -> int:
@@ -42,6 +49,42 @@ class WorkloadRun:
     def mean_decode_batch(self) -> float:
         rows = [s.num_rows for s in self.steps if s.decode_only]
         return sum(rows) / len(rows) if rows else 0.0
+
+    def latency_ms(self) -> dict[str, float | None]:
+        """TTFT and inter-token latency p50 / p99 in ms (None without samples)."""
+        out = {}
+        for name, xs in (("ttft", self.ttft), ("itl", self.itl)):
+            for q in (50, 99):
+                out[f"{name}_p{q}_ms"] = float(1e3 * np.percentile(xs, q)) if xs else None
+        return out
+
+
+class TokenClock:
+    """Per-request token landing times, from the tokens each request holds after a step."""
+
+    def __init__(self, run: WorkloadRun):
+        self.run = run
+        self.added: dict[int, float] = {}
+        self.count: dict[int, int] = {}
+        self.last: dict[int, float] = {}
+
+    def add(self, rid: int, t: float) -> None:
+        self.added[rid], self.count[rid] = t, 0
+
+    def observe(self, rid: int, num_tokens: int, t: float) -> None:
+        new = num_tokens - self.count.get(rid, num_tokens)
+        if new <= 0:
+            return
+        if self.count[rid] == 0:
+            self.run.ttft.append(t - self.added[rid])
+        else:
+            self.run.itl.append(t - self.last[rid])
+        self.run.itl.extend([0.0] * (new - 1))  # several tokens in one step: zero gaps between them
+        self.count[rid], self.last[rid] = num_tokens, t
+
+    def forget(self, rid: int) -> None:
+        for d in (self.added, self.count, self.last):
+            d.pop(rid, None)
 
 
 class StatsWindow:
@@ -69,21 +112,31 @@ def run_workload(
 ) -> WorkloadRun:
     """Run ``requests`` to completion (or until ``deadline``, a ``time.perf_counter()`` value).
 
-    A request the engine rejects at admission gets an output with ``finish_reason="error"``."""
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_step)
+    A request is added once ``arrival_step`` steps ran and ``arrival_time`` seconds passed; an
+    idle engine sleeps until the next arrival. A request the engine rejects at admission gets
+    an output with ``finish_reason="error"``."""
+    order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_step, requests[i].arrival_time))
     outputs: dict[int, RequestOutput] = {}
     index_of: dict[int, int] = {}
     run = WorkloadRun([], 0.0)
+    clock = TokenClock(run)
     nxt, step, tokens = 0, 0, 0
     t0 = time.perf_counter()
     while nxt < len(order) or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():
-            step = max(step, requests[order[nxt]].arrival_step)  # idle engine: jump to the next arrival
-        while nxt < len(order) and requests[order[nxt]].arrival_step <= step:
+            head = requests[order[nxt]]
+            step = max(step, head.arrival_step)  # idle engine: jump to the next arrival
+            wait = head.arrival_time - (time.perf_counter() - t0)
+            if wait > 0:
+                time.sleep(wait)
+        now = time.perf_counter() - t0
+        while nxt < len(order) and requests[order[nxt]].arrival_step <= step and requests[order[nxt]].arrival_time <= now:
             i = order[nxt]
             nxt += 1
             try:
-                index_of[engine.add_request(requests[i].prompt, make_params(requests[i]))] = i
+                rid = engine.add_request(requests[i].prompt, make_params(requests[i]))
+                index_of[rid] = i
+                clock.add(rid, now)
             except InvalidRequestError as e:
                 outputs[i] = RequestOutput(-1, list(requests[i].prompt), [], None, "error", error=str(e))
         if not engine.has_unfinished_requests():
@@ -94,8 +147,12 @@ def run_workload(
         if res.step_id < 0 and engine.has_unfinished_requests():  # TP / EP: an agreed "yes" may be one step stale
             raise RuntimeError("engine.step() ran nothing while requests were unfinished")
         run.steps.append(StepRecord(te - t0, te - ts, res.num_rows, res.is_decode_only))
+        for req in engine.context.active.values():
+            clock.observe(req.request_id, len(req.generated_tokens), te - t0)
         for out in res.finished:
             outputs[index_of[out.request_id]] = out
+            clock.observe(out.request_id, len(out.generated_tokens), te - t0)
+            clock.forget(out.request_id)
             tokens += len(out.generated_tokens)
         if progress is not None:
             progress.update(len(outputs), tokens)

@@ -1,29 +1,28 @@
-"""GPU idle share of decode, measured two ways over windows of decode-only engine steps.
+"""GPU idle share from device-side intervals of a real run (torch.profiler, i.e. CUPTI).
 
-1. torch.profiler (CUDA activity): 1 - (union of device busy intervals) / (span of the window).
-   Idle time is every gap between kernels, including the ~1 us launch gaps inside a CUDA graph.
-   The profiler's launch callbacks add host time (on an H100 they made the host as slow as the
-   device), so this is an upper bound.
-2. CUDA events, no profiler: every launch is timed from its first enqueued work to its sample
-   copy (the events run on the stream, no host sync), and 1 - sum(step device time) / wall time
-   is the share of the window in which the device had no step to run: the device waiting for
-   the host, which launch-ahead is meant to remove."""
+A run is profiled with CUDA activity only (kernel, memcpy and memset intervals as the device
+executed them); idle = 1 - (union of busy intervals) / (wall span), never clamped.
+
+Per-launch windows: every launch starts with exactly one host-to-device copy of the
+bookkeeping snapshot (``context.layout.nbytes`` bytes). On the device, launch k's window runs
+from its snapshot copy to launch k+1's; the gap between its last kernel and the next copy is
+the time the device waited for the host. Windows of decode-only launches give the decode
+idle share; the whole run's span gives the run idle share.
+
+The profiler adds host time per launch (CUPTI callbacks), so the profiled run is a second,
+identical run after the timed one; its throughput is reported next to the timed run's so the
+perturbation is visible."""
 from __future__ import annotations
 
-import contextlib
+import gc
 import json
 import os
 import tempfile
-import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Callable
 
-import numpy as np
 import torch
-
-from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine
-from megatron_async.inference.request import SamplingParams
 
 BUSY_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 
@@ -51,118 +50,110 @@ def idle_share(intervals: list[tuple[float, float]]) -> float | None:
     return 1.0 - union_length(intervals) / span if span > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class DeviceEvent:
+    start: float
+    end: float
+    """Microseconds on the device clock."""
+    is_snapshot_copy: bool
+    """A host-to-device copy of exactly the bookkeeping snapshot's size."""
+
+
+def device_events(trace: dict, snapshot_bytes: int | None = None) -> list[DeviceEvent]:
+    """Busy device events of a chrome trace, in start order."""
+    out = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") not in BUSY_CATEGORIES:
+            continue
+        start = float(e["ts"])
+        args = e.get("args", {})
+        snap = (snapshot_bytes is not None and e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")
+                and int(args.get("bytes", -1)) == snapshot_bytes)
+        out.append(DeviceEvent(start, start + float(e.get("dur", 0.0)), snap))
+    return sorted(out, key=lambda d: d.start)
+
+
 def device_intervals(trace: dict) -> list[tuple[float, float]]:
     """Busy ``(start_us, end_us)`` intervals of the device events in a chrome trace."""
-    return [
-        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
-        for e in trace.get("traceEvents", [])
-        if e.get("ph") == "X" and e.get("cat") in BUSY_CATEGORIES
-    ]
+    return [(d.start, d.end) for d in device_events(trace)]
 
 
 @dataclass(frozen=True)
-class DecodeProfile:
-    batch: int
-    steps: int
-    decode_only_steps: int
-    idle_share: float | None
-    """None on CPU (no device timeline) or without the profiler."""
-    span_ms: float | None
-    busy_ms: float | None
-    host_ms_per_step: float
-    trace_path: str | None
-    event_idle_share: float | None = None
-    """Method 2 (CUDA events, no profiler); None on CPU."""
+class IdleReport:
+    run_idle_share: float | None
+    """Whole profiled run: 1 - busy / span."""
+    decode_idle_share: float | None
+    """Decode-only launch windows only; None when launches could not be matched to windows."""
+    span_ms: float
+    busy_ms: float
+    decode_window_ms: float
+    launches: int
+    snapshot_copies: int
+    """Should equal ``launches``; otherwise the per-launch windows are not trusted."""
+    note: str = ""
 
 
-def _fill_decode_batch(engine: DynamicInferenceEngine, batch: int, prompt_len: int, num_tokens: int, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    vocab = engine.controller.model.vocab_size
-    sp = SamplingParams(top_k=1, num_tokens_to_generate=num_tokens, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(rng.integers(0, vocab, size=prompt_len).tolist(), sp)
+def idle_report(events: list[DeviceEvent], decode_only: list[bool]) -> IdleReport:
+    """Idle shares of a profiled run whose k-th launch was decode-only iff ``decode_only[k]``."""
+    if not events:
+        return IdleReport(None, None, 0.0, 0.0, 0.0, len(decode_only), 0, "no device activity recorded")
+    intervals = [(d.start, d.end) for d in events]
+    span = max(e for _, e in intervals) - min(s for s, _ in intervals)
+    busy = union_length(intervals)
+    starts = [d.start for d in events if d.is_snapshot_copy]
+    run_idle = 1.0 - busy / span if span > 0 else 0.0
+    if len(starts) != len(decode_only):
+        return IdleReport(run_idle, None, span / 1e3, busy / 1e3, 0.0, len(decode_only), len(starts),
+                          f"{len(starts)} snapshot copies for {len(decode_only)} launches: no per-launch windows")
+    ends = starts[1:] + [max(e for _, e in intervals)]
+    window = idle = 0.0
+    for k, (a, b) in enumerate(zip(starts, ends)):
+        if not decode_only[k] or b <= a:
+            continue
+        inside = [(max(s, a), min(e, b)) for s, e in intervals if e > a and s < b]
+        window += b - a
+        idle += (b - a) - union_length(inside)
+    dec = idle / window if window > 0 else None
+    return IdleReport(run_idle, dec, span / 1e3, busy / 1e3, window / 1e3, len(decode_only), len(starts))
 
 
-def profile_decode_steps(
-    engine: DynamicInferenceEngine,
-    batch: int,
-    prompt_len: int,
-    steps: int,
-    warmup_steps: int = 10,
-    trace_path: str | Path | None = None,
-    record_cpu: bool = False,
-    use_profiler: bool = True,
-    seed: int = 0,
-) -> DecodeProfile:
-    """Admit ``batch`` requests, decode until ``warmup_steps`` decode-only steps passed, then
-    profile ``steps`` steps; the requests are run to completion afterwards. The engine must
-    be idle on entry. ``record_cpu`` adds host ops to the trace (more profiler overhead)."""
-    if engine.has_unfinished_requests():
-        raise RuntimeError("profile_decode_steps needs an idle engine")
-    batch = max(1, min(batch, engine.config.max_requests))
-    _fill_decode_batch(engine, batch, prompt_len, warmup_steps + 2 * steps + 2, seed)
-    decode_seen = 0
-    while decode_seen < warmup_steps:
-        if not engine.has_unfinished_requests():
-            raise RuntimeError("the requests finished before the decode window (raise steps or num_tokens)")
-        decode_seen += engine.step().is_decode_only
-    is_cuda = engine.context.device.is_cuda
-    activities = [torch.profiler.ProfilerActivity.CUDA] if is_cuda else []
-    if record_cpu or not is_cuda:
-        activities.append(torch.profiler.ProfilerActivity.CPU)
-    decode_only = 0
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Profiler clears events.*")  # one window: nothing to keep
-        with torch.profiler.profile(activities=activities) if use_profiler else contextlib.nullcontext() as prof:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                decode_only += engine.step().is_decode_only
-            engine.context.device.synchronize()
-            host_ms = 1e3 * (time.perf_counter() - t0) / max(1, steps)
-    event_share = _event_idle_share(engine, steps) if is_cuda else None
-    engine.run_until_done()
-    share = span_ms = busy_ms = None
-    saved = None
-    if prof is not None:
-        saved = _export(prof, trace_path)
-        if is_cuda:
-            with open(saved) as f:
-                intervals = device_intervals(json.load(f))
-            share = idle_share(intervals)
-            if intervals:
-                span_ms = (max(e for _, e in intervals) - min(s for s, _ in intervals)) / 1e3
-                busy_ms = union_length(intervals) / 1e3
-        if trace_path is None:
-            os.unlink(saved)
-            saved = None
-    return DecodeProfile(batch, steps, decode_only, share, span_ms, busy_ms, host_ms, saved, event_share)
+def profile_run(engine, run: Callable[[], object], trace_path: str | None = None) -> tuple[object, IdleReport | None]:
+    """Call ``run()`` (which drives ``engine``) under the CUDA profiler; returns its result and
+    the idle report (None on CPU, where there is no device timeline). ``trace_path`` keeps the
+    chrome trace (open in https://ui.perfetto.dev)."""
+    if not engine.context.device.is_cuda:
+        return run(), None
+    controller = engine.controller
+    launch_step = controller.launch_step
+    decode_only: list[bool] = []
 
+    def recording_launch(*a, **kw):
+        pending = launch_step(*a, **kw)
+        decode_only.append(pending.is_decode_only)
+        return pending
 
-def _event_idle_share(engine: DynamicInferenceEngine, steps: int) -> float | None:
-    """Method 2 over ``steps`` more steps of the running decode batch."""
-    stats = engine.stats
-    engine.time_all_launches = True
+    controller.launch_step = recording_launch  # this instance only, for this run only
     try:
-        engine.step()  # the launch in flight was not timed: land it
-        engine.context.device.synchronize()
-        timed0, device0 = stats.timed_steps, stats.timed_device_time
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()  # returns once the launch it bookkeeps has landed: no extra sync
-        wall = time.perf_counter() - t0
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                result = run()
+                torch.cuda.synchronize()
     finally:
-        engine.time_all_launches = False
-    if stats.timed_steps - timed0 < steps or wall <= 0:
-        return None
-    return max(0.0, 1.0 - (stats.timed_device_time - device0) / wall)
-
-
-def _export(prof: torch.profiler.profile, trace_path: str | Path | None) -> str:
+        del controller.launch_step
     if trace_path is None:
         fd, path = tempfile.mkstemp(suffix=".json")
         os.close(fd)
     else:
-        path = str(trace_path)
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(path)
-    return path
+        path = trace_path
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        if trace_path is None:
+            os.unlink(path)
+    events = device_events(trace, engine.context.layout.nbytes)
+    del prof, trace
+    gc.collect()  # the profiler's objects, collected here rather than as a pause in the next timed run
+    return result, idle_report(events, decode_only)

@@ -30,6 +30,12 @@ class RunSummary:
     peak_gpu_memory_gb: float | None
     """None on CPU."""
     timed_out: bool
+    ttft_p50_ms: float | None = None
+    """Arrival (``add_request``) to first token on the host; p50 / p99 over requests."""
+    ttft_p99_ms: float | None = None
+    itl_p50_ms: float | None = None
+    """Gap between consecutive tokens of a request on the host; p50 / p99 over all gaps."""
+    itl_p99_ms: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -61,6 +67,7 @@ def summarize(run: WorkloadRun, stats: EngineStats, device: torch.device) -> Run
         prefix_hit_tokens=stats.prefix_hit_tokens,
         peak_gpu_memory_gb=peak_gpu_memory_gb(device),
         timed_out=run.timed_out,
+        **run.latency_ms(),
     )
 
 
@@ -76,9 +83,15 @@ def format_summary(s: RunSummary) -> str:
         ("mean decode step", f"{s.mean_decode_step_ms:.2f} ms (mean batch {s.mean_decode_batch:.1f})"),
         ("steps", f"{s.steps} ({s.decode_steps} decode-only)"),
         ("overlap ratio", f"{s.overlap_ratio:.1%} of decode steps launched ahead ({s.drains} drains)"),
+        ("TTFT p50 / p99", f"{_ms(s.ttft_p50_ms)} / {_ms(s.ttft_p99_ms)}"),
+        ("inter-token p50 / p99", f"{_ms(s.itl_p50_ms)} / {_ms(s.itl_p99_ms)}"),
         ("paused / evicted", f"{s.paused} / {s.evicted}"),
         ("prefix hit tokens", f"{s.prefix_hit_tokens}"),
         ("peak GPU memory", mem),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f} ms"

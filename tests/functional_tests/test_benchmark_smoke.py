@@ -8,7 +8,10 @@ import torch
 
 from megatron_async import LLM, InferenceConfig
 from megatron_async.tools.benchmark import main as benchmark_main
-from megatron_async.tools.gpu_idle import device_intervals, idle_share, profile_decode_steps, union_length
+from megatron_async import SamplingParams
+from megatron_async.tools.driver import run_workload
+from megatron_async.tools.gpu_idle import device_events, device_intervals, idle_report, idle_share, profile_run, union_length
+from megatron_async.tools.workload import WorkloadRequest
 from megatron_async.tools.roofline import (
     decode_floor, kv_bytes_per_token, mean_context_per_output_token, measure_copy_bandwidth, weight_bytes)
 
@@ -20,36 +23,49 @@ def smoke(tmp_path_factory):
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("bench")
     results = benchmark_main(["--smoke", "--output-dir", str(out)])
-    return {r.mode: r for r in results}, json.loads((out / "benchmark.json").read_text())
+    return {(r.mode, r.workload): r for r in results}, json.loads((out / "benchmark.json").read_text())
 
 
-def test_smoke_runs_every_mode_on_the_same_weights(smoke):
+def test_smoke_runs_every_mode_and_workload_on_the_same_weights(smoke):
     results, _ = smoke
-    assert set(results) == {"hf_generate", "hf_generate_batch", "serial", "async", "serial_graphs", "async_graphs"}
-    assert results["async_graphs"].status == results["serial_graphs"].status == "skipped"  # CPU
-    expected = None
-    for mode in ("hf_generate", "hf_generate_batch", "serial", "async"):
-        r = results[mode]
-        assert r.status == "ok", (mode, r.reason)
-        assert r.output_tokens > 0 and r.output_tokens_per_s > 0
-        expected = expected or r.output_tokens
-        assert r.output_tokens == expected  # every mode produced every requested token
-        # one checkpoint, float32, greedy: HF and both engine modes agree token for token
-        assert r.same_tokens_as_serial == 1.0, mode
-        assert set(r.ratio_to) == {"hf_generate", "hf_generate_batch"}
-    assert results["hf_generate"].ratio_to["hf_generate"] == pytest.approx(1.0)
-    for mode in ("serial", "async"):
-        r = results[mode]
-        assert r.mean_decode_step_ms > 0 and r.decode_floor_ms > 0
-        assert r.step_over_floor == pytest.approx(r.mean_decode_step_ms / r.decode_floor_ms)
-        assert r.gpu_idle_share is None and r.step_times  # CPU: no device timeline
-    assert results["async"].summary["overlap_ratio"] > 0.5 and results["serial"].summary["overlap_ratio"] == 0
+    modes = {"hf_generate", "hf_generate_static", "hf_generate_batch", "serial", "async", "serial_graphs", "async_graphs"}
+    assert set(results) == {(m, w) for m in modes for w in ("greedy", "sampled")}
+    for w in ("greedy", "sampled"):
+        for m in ("async_graphs", "serial_graphs", "hf_generate_static"):
+            assert results[m, w].status == "skipped"  # CPU
+        expected = None
+        for mode in ("hf_generate", "hf_generate_batch", "serial", "async"):
+            r = results[mode, w]
+            assert r.status == "ok", (mode, w, r.reason)
+            assert r.output_tokens > 0 and r.output_tokens_per_s > 0 and r.settings
+            expected = expected or r.output_tokens
+            assert r.output_tokens == expected  # every mode produced every requested token
+            assert set(r.ratio_to) == {"hf_generate", "hf_generate_batch"}
+        # one checkpoint, float32: greedy HF and both engine modes agree token for token; sampled
+        # engine modes agree (per-request seeds), HF samples from its own generator (not compared)
+        assert results["serial", w].same_tokens_as_serial == results["async", w].same_tokens_as_serial == 1.0
+        assert results["hf_generate", w].same_tokens_as_serial == (1.0 if w == "greedy" else None)
+        for mode in ("serial", "async"):
+            r = results[mode, w]
+            assert r.mean_decode_step_ms > 0 and r.decode_floor_ms > 0
+            assert r.step_over_floor == pytest.approx(r.mean_decode_step_ms / r.decode_floor_ms)
+            assert r.run_idle_share is None and r.step_times  # CPU: no device timeline
+            lat = r.latency_ms
+            assert 0 < lat["ttft_p50_ms"] <= lat["ttft_p99_ms"] and 0 < lat["itl_p50_ms"] <= lat["itl_p99_ms"]
+            assert r.first_step_ms > 0 and r.max_step_ms >= r.first_step_ms and r.slow_steps >= 0
+        assert results["async", w].summary["overlap_ratio"] > 0.5 and results["serial", w].summary["overlap_ratio"] == 0
+        # serial drains at every step that leaves work behind; launch-ahead rarely
+        s, a = results["serial", w].summary, results["async", w].summary
+        assert s["drains"] >= s["steps"] - s["requests"] and a["drains"] < s["drains"] / 2
+    greedy = [results["serial", "greedy"].output_tokens_per_s, results["serial", "sampled"].output_tokens_per_s]
+    assert all(x > 0 for x in greedy)
 
 
 def test_smoke_report_json(smoke):
     _, report = smoke
-    assert report["copy_bandwidth_GBps"] > 0 and report["mean_context"] > 0
-    assert [m["mode"] for m in report["modes"]] == ["hf_generate", "hf_generate_batch", "serial", "async", "serial_graphs", "async_graphs"]
+    assert report["copy_bandwidth_GBps"] > 0 and report["mean_context"] > 0 and report["warmup_requests"] == 2
+    assert [(m["mode"], m["workload"]) for m in report["modes"]][:3] == [
+        ("hf_generate", "greedy"), ("hf_generate_static", "greedy"), ("hf_generate_batch", "greedy")]
 
 
 def test_mode_subset_time_guard_and_main_job_dispatch(tmp_path, capsys):
@@ -58,7 +74,8 @@ def test_mode_subset_time_guard_and_main_job_dispatch(tmp_path, capsys):
     assert job_main(["--benchmark", "--smoke", "--modes", "serial", "--max-minutes", "0",
                      "--output-dir", str(tmp_path)]) is None
     report = json.loads((tmp_path / "benchmark.json").read_text())
-    assert [(m["mode"], m["status"]) for m in report["modes"]] == [("serial", "skipped")]
+    assert [(m["mode"], m["workload"], m["status"]) for m in report["modes"]] == [
+        ("serial", "greedy", "skipped"), ("serial", "sampled", "skipped")]
     assert "time budget" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         benchmark_main(["--smoke", "--modes", "nonsense"])
@@ -79,6 +96,40 @@ def test_union_and_idle_share():
     assert idle_share(device_intervals(trace)) == pytest.approx(1 / 3)
 
 
+def _launch(t0: float, busy: float, gap_after: float, snap_bytes: int = 64) -> tuple[list[dict], float]:
+    """One launch on a fake device timeline: snapshot copy, a kernel, then ``gap_after`` idle."""
+    ev = [{"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": t0, "dur": 1.0,
+           "args": {"bytes": snap_bytes}},
+          {"ph": "X", "cat": "kernel", "name": "k", "ts": t0 + 1.0, "dur": busy - 1.0}]
+    return ev, t0 + busy + gap_after
+
+
+def test_idle_report_splits_launch_windows_and_never_clamps():
+    events, t = [], 0.0
+    # mixed launch: 10 busy + 30 idle; then three decode launches: 8 busy + 2 idle each
+    for busy, gap in [(10.0, 30.0), (8.0, 2.0), (8.0, 2.0), (8.0, 0.0)]:
+        ev, t = _launch(t, busy, gap)
+        events += ev
+    events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 5.0, "dur": 0.5,
+                   "args": {"bytes": 8}})  # another copy (other size): busy, but no launch boundary
+    rep = idle_report(device_events({"traceEvents": events}, snapshot_bytes=64), [False, True, True, True])
+    assert rep.snapshot_copies == rep.launches == 4
+    # decode windows: [40, 50), [50, 60), [60, 68): idle 2 + 2 + 0 of 28
+    assert rep.decode_idle_share == pytest.approx(4 / 28)
+    assert rep.run_idle_share == pytest.approx(34 / 68)
+    # a mismatch between copies and launches: the run share stays, the per-launch windows go
+    bad = idle_report(device_events({"traceEvents": events}, snapshot_bytes=64), [True] * 3)
+    assert bad.decode_idle_share is None and bad.run_idle_share == pytest.approx(34 / 68) and "launches" in bad.note
+
+
+def test_profile_run_on_cpu_returns_no_report():
+    llm = LLM(inference_config=InferenceConfig(num_kv_blocks=64, max_requests=8, max_tokens=64))
+    reqs = [WorkloadRequest([1, 2, 3, 4], 5)]
+    run, rep = profile_run(llm.engine, lambda: run_workload(llm.engine, reqs, lambda r: SamplingParams(
+        top_k=1, num_tokens_to_generate=r.output_len, ignore_eos=True)))
+    assert rep is None and run.output_tokens == 5
+
+
 def test_roofline_arithmetic():
     # prompt 10, 3 outputs: contexts 10, 11, 12 -> mean 11; prompt 4, 1 output: 4
     assert mean_context_per_output_token([10, 4], [3, 1]) == pytest.approx((10 + 11 + 12 + 4) / 4)
@@ -93,47 +144,31 @@ def test_roofline_arithmetic():
     assert measure_copy_bandwidth(torch.device("cpu"), nbytes=1 << 20, iters=2) > 0
 
 
-def test_profile_decode_window_on_cpu(tmp_path):
-    llm = LLM(inference_config=InferenceConfig(num_kv_blocks=64, max_requests=8, max_tokens=64))
-    prof = profile_decode_steps(llm.engine, batch=4, prompt_len=6, steps=5, warmup_steps=2,
-                                trace_path=tmp_path / "t.json")
-    assert (prof.batch, prof.steps, prof.decode_only_steps) == (4, 5, 5)
-    assert prof.idle_share is None and not llm.engine.has_unfinished_requests()
-    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
-
-
-def test_profile_step_script_writes_traces(tmp_path, monkeypatch):
+def test_profile_step_script_runs_every_mode(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["profile_step.py", "--device", "cpu", "--steps", "3", "--batch", "2",
-                                     "--prompt-len", "4", "--warmup-steps", "1", "--num-kv-blocks", "32",
-                                     "--output-dir", str(tmp_path)])
+                                     "--prompt-len", "4", "--num-kv-blocks", "32", "--output-dir", str(tmp_path)])
     runpy.run_path(str(ROOT / "scripts" / "profile_step.py"), run_name="__main__")
     report = json.loads((tmp_path / "profile.json").read_text())
     assert set(report) == {"serial", "async"}
     for mode in report:
-        assert report[mode]["decode_only_steps"] == 3
-        assert json.loads((tmp_path / f"trace_{mode}.json").read_text())["traceEvents"]
+        assert report[mode]["decode_steps"] == 2 and report[mode]["idle"] is None  # CPU: no device timeline
 
 
-def test_event_idle_share_arithmetic():
-    """Method 2 of gpu_idle: device time summed over timed launches against the window's wall."""
-    import time as _time
+def test_compile_counter_counts_builds_and_captures_and_restores_the_hook():
     from types import SimpleNamespace
 
-    from megatron_async.inference.engines.engine_stats import EngineStats
-    from megatron_async.tools.gpu_idle import _event_idle_share
+    from megatron_async.tools.compile_counter import CompileCounter
 
-    class FakeEngine:
-        def __init__(self):
-            self.stats = EngineStats()
-            self.time_all_launches = False
-            self.context = SimpleNamespace(device=SimpleNamespace(synchronize=lambda: None))
-
-        def step(self):
-            _time.sleep(0.004)  # a step period of ~4 ms ...
-            if self.time_all_launches:  # ... of which the device was busy 2 ms
-                self.stats.timed_steps += 1
-                self.stats.timed_device_time += 0.002
-
-    eng = FakeEngine()
-    share = _event_idle_share(eng, steps=25)
-    assert 0.35 < share < 0.6 and eng.time_all_launches is False
+    knobs = pytest.importorskip("triton.knobs")
+    seen = []
+    knobs.runtime.jit_cache_hook = lambda **kw: seen.append(kw) and None
+    graphs = SimpleNamespace(graphs={"a": 1})
+    try:
+        with CompileCounter(graphs) as cc:
+            knobs.runtime.jit_cache_hook(fn=SimpleNamespace(name="k1"), key=1)  # what Triton calls on a miss
+            graphs.graphs["b"] = 2
+        assert (cc.triton_builds, cc.graph_captures, cc.kernels) == (1, 1, ["k1"])
+        assert len(seen) == 1  # the hook that was there is still called, and restored afterwards
+        assert knobs.runtime.jit_cache_hook is not cc._hook
+    finally:
+        knobs.runtime.jit_cache_hook = None

@@ -164,3 +164,24 @@ def test_help_renders(script):
     out = subprocess.run([sys.executable, str(root / script), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--buffer-size-gb" in out.stdout
+
+
+def test_wall_clock_poisson_arrivals_and_latency_percentiles():
+    from megatron_async.tools.workload import arrival_times
+
+    t = arrival_times(400, 50.0, np.random.default_rng(2))
+    assert t[0] == 0.0 and t == sorted(t) and 6.0 <= t[-1] <= 10.0  # ~8 s for 400 requests at 50/s
+    spec = WorkloadSpec(4, 3, 5, 3, 3, seed=1, request_rate=20.0)
+    reqs = synthetic_workload(spec, vocab_size=64)
+    assert reqs[0].arrival_time == 0.0 and reqs[-1].arrival_time > 0
+    # the rate leaves the prompts of a seed unchanged (arrival times have their own generator)
+    assert [r.prompt for r in synthetic_workload(WorkloadSpec(4, 3, 5, 3, 3, seed=1), 64)] == [r.prompt for r in reqs]
+    late = [WorkloadRequest([1, 2, 3], 3), WorkloadRequest([4, 5, 6], 3, arrival_time=0.3)]
+    llm = LLM(inference_config=InferenceConfig(num_kv_blocks=32, max_requests=4, max_tokens=32))
+    run = run_workload(llm.engine, late, _greedy)
+    assert run.wall_time >= 0.3 and run.output_tokens == 6  # the engine idled until the second arrival
+    assert len(run.ttft) == 2 and len(run.itl) == 4  # 2 gaps per 3-token request
+    lat = run.latency_ms()
+    assert lat["ttft_p50_ms"] < 300 and lat["itl_p99_ms"] >= lat["itl_p50_ms"] > 0
+    # summary and main job flag
+    assert main(SMALL + ["--request-rate", "50"]).ttft_p99_ms is not None

@@ -197,6 +197,12 @@ class DynamicInferenceContext:
         self._release_resources(req)
         req.status = Status.FINISHED
 
+    def release_ahead(self, req: DynamicInferenceRequest) -> None:
+        """Free the blocks and slot of a request that will finish by length when its in-flight
+        sample lands (see Scheduler.release_finishing); ``release`` completes it then."""
+        assert req.num_inflight > 0
+        self._release_resources(req)
+
     def _release_resources(self, req: DynamicInferenceRequest) -> None:
         self.allocator.release(req.block_ids)
         req.block_ids = []

@@ -84,7 +84,6 @@ class DataParallelEngine(DynamicInferenceEngine):
             if launched is None and plan is not None and self._requests:  # launch-ahead found nothing
                 self.stats.rejected_launches += 1
                 self.stats.rejected_causes[self._rejection_cause()] += 1
-                self.stats.drains += 1
         self._land(pending, out, t0)
         return self._finish(out, took_part=True)
 

@@ -84,8 +84,6 @@ class DynamicInferenceEngine:
         self._pending: PendingLaunch | None = None
         self._launches = 0
         self._leader_waiting = False
-        self.time_all_launches = False
-        """Time every launch with CUDA events (no host sync; measurement windows only)."""
         self._sync = self._make_consensus(communicator) if communicator is not None else None
         self._live: dict[int, None] = {}  # rank 0 under a consensus: accepted ids not reported finished
         self._aborting: set[int] = set()
@@ -239,6 +237,8 @@ class DynamicInferenceEngine:
                 with nvtx_range("drain"):
                     self._bookkeep(self._pending, out)
                 self._pending = None
+        if self._pending is None and self._requests:
+            self.stats.drains += 1  # the device idles until the host launches again
         self._account_time(pending, time.perf_counter() - t0)
 
     def _launch_first(self, out: StepResult) -> PendingLaunch | None:
@@ -275,14 +275,16 @@ class DynamicInferenceEngine:
         if self._requests:
             self.stats.rejected_launches += 1
             self.stats.rejected_causes[self._rejection_cause()] += 1
-            self.stats.drains += 1
         return None
 
     def _rejection_cause(self) -> str:
         active = list(self.context.active.values())
         if any(r.status == Status.PAUSED for r in active):
             return "paused"
-        if active and all(not self.scheduler.wants_token(r) for r in active if not r.is_prefilling):
+        if not active and self.scheduler.waiting:
+            return "admission_blocked"
+        # every remaining row at its limit (those released ahead have left ``active`` already)
+        if all(not self.scheduler.wants_token(r) for r in active if not r.is_prefilling):
             return "length_limit"
         if self.scheduler.waiting:
             return "admission_blocked"
@@ -291,7 +293,7 @@ class DynamicInferenceEngine:
     def _launch(self, plan, overlapped: bool) -> PendingLaunch:
         step_id = self._launches + 1
         interval = self.config.logging_step_interval
-        timed = self.time_all_launches or (interval > 0 and step_id % interval == 0)
+        timed = interval > 0 and step_id % interval == 0
         launched = self.controller.launch_step(plan, step_id, overlapped, timed)
         self._launches = step_id
         self.stats.overlapped_steps += overlapped

@@ -17,11 +17,13 @@ class EngineStats:
     """Launches enqueued while an earlier launch was still un-bookkept."""
     overlapped_decode_steps: int = 0
     rejected_launches: int = 0
-    """Launch-ahead attempts that found nothing to launch while requests were unfinished."""
+    """Launch-ahead attempts that found nothing to launch while requests were unfinished
+    (async mode only; a rejection is not a drain when the landing step finishes everything)."""
     rejected_causes: Counter = field(default_factory=Counter)
     drains: int = 0
-    """Times the engine waited on an in-flight launch without a successor enqueued while
-    unfinished requests remained (the device went idle behind the host)."""
+    """Bookkept launches that had no successor enqueued while unfinished requests remained
+    after them: the device went idle until the host launched again. Serial mode drains at
+    every step but the last; launch-ahead only where it could not launch ahead."""
     discarded_rows: int = 0
     """Launch-ahead rows dropped because their request finished one step earlier."""
     paused: int = 0
@@ -52,7 +54,10 @@ class EngineStats:
     did, so it ran a dummy forward (its collectives must match the others')."""
     timed_steps: int = 0
     timed_device_time: float = 0.0
-    """Device time of steps timed on logging steps (CUDA events)."""
+    """Event-to-event time of logging steps (CUDA events recorded before the step's H2D copy and
+    after its sample copy): a step period, not device busy time, since it also holds any wait
+    behind the previous launch and host enqueue time. Device idle is measured from profiler
+    intervals (megatron_async/tools/gpu_idle.py)."""
 
     @property
     def mean_decode_step_ms(self) -> float:

@@ -49,6 +49,8 @@ class Scheduler:
 
     def schedule(self, has_inflight: bool) -> StepPlan:
         ctx = self.ctx
+        if has_inflight:
+            self.release_finishing()
         plan = StepPlan()
         budget = self.config.max_tokens
         by_age = sorted(ctx.active.values(), key=lambda r: r.arrival_order)
@@ -119,6 +121,19 @@ class Scheduler:
             self.requeue_front(victim)
             return self.schedule(has_inflight)
         return plan
+
+    def release_finishing(self) -> None:
+        """Launch-ahead schedules step N+1 before step N is bookkept. A request whose last token
+        is in flight reaches its length limit when N lands, and the serial engine releases it
+        before scheduling N+1; releasing it here frees the same blocks, state slot and request
+        place, so both modes build the same schedules (on the GPU a different schedule means
+        different bf16 rounding, and different greedy tokens). Stream order keeps N's KV writes
+        before any next owner's. Finishes by EOS / stop words cannot be foreseen: after one,
+        launch-ahead still schedules one step with the request's blocks held."""
+        done = [r for r in self.ctx.active.values()
+                if r.num_inflight and r.status == Status.ACTIVE and not self.wants_token(r)]
+        for req in done:
+            self.ctx.release_ahead(req)
 
     def _whole_prompt_only(self, req: DynamicInferenceRequest) -> bool:
         # A recompute after eviction may exceed max_tokens although its prompt did not:

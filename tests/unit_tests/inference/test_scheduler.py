@@ -248,3 +248,31 @@ def test_evicted_request_is_recomputed_with_chunked_prefill_off(model):
         d.serial()
     assert d.sched.num_evicted_events >= 1  # b was evicted with 7 + 2 tokens to recompute
     assert a.status == Status.FINISHED and b.status == Status.FINISHED
+
+
+def test_launch_ahead_releases_a_request_whose_last_token_is_in_flight(model):
+    """The serial engine releases a length-finished request before scheduling the next step;
+    launch-ahead schedules that step while the last token is in flight, so it releases the
+    request then: both build the same plan, which a tight pool would otherwise prevent."""
+
+    def second_plan(ahead: bool, release: bool = True):
+        d = Driver(model, num_kv_blocks=5, max_requests=4, max_tokens=16)  # 4 usable blocks of 4 tokens
+        if not release:
+            d.sched.release_finishing = lambda: None
+        a = d.add(12, num_tokens=1)  # its prefill samples its only (last) token
+        b = d.add(8)
+        first = d.step()
+        assert rows(first) == [(a.request_id, 0, 12), (b.request_id, 0, 4)] and d.ctx.allocator.num_available == 0
+        if not ahead:
+            d.land(first)
+            return rows(d.step()), a, d
+        plan = d.step(has_inflight=True)
+        assert d.land(first) == [a] and a.status == Status.FINISHED and a.generated_tokens == [7]
+        return rows(plan), a, d
+
+    serial, _, _ = second_plan(ahead=False)
+    ahead, a, d = second_plan(ahead=True)
+    assert serial == ahead == [(1, 4, 4)]  # b's second chunk, in a's freed blocks
+    assert a.request_id not in d.ctx.active and not a.block_ids
+    old, _, d_old = second_plan(ahead=True, release=False)
+    assert old == [] and d_old.ctx.active[1].status == Status.PAUSED  # what launch-ahead did before
