@@ -22,6 +22,14 @@ class SamplingBackend(str, Enum):
     AUTO = "auto"  # triton on CUDA when importable, else torch
 
 
+class ExpertExchange(str, Enum):
+    """How MoE layers move tokens to the experts of other expert-parallel ranks."""
+
+    ALL_GATHER = "all_gather"  # every rank's padded tokens to all, reduce-scatter back: no host sync, graph-safe
+    ALL_TO_ALL = "all_to_all"  # each token only to the ranks of its experts: fewer bytes at large EP, but the
+    # split sizes come back to the host (one sync per MoE layer): eager only
+
+
 class MambaBackend(str, Enum):
     """Which SSM / conv1d implementation the Mamba mixers call."""
 

@@ -23,7 +23,7 @@ from megatron_async.kernels.moe_torch import fused_experts_torch  # noqa: E402
 from megatron_async.models.layers.moe import MoEMixer  # noqa: E402
 from megatron_async.models.moe_config import MoEConfig, RouterScore  # noqa: E402
 from megatron_async.parallel.state import ParallelState  # noqa: E402
-from megatron_async.tools.cuda_timing import median_ms  # noqa: E402
+from megatron_async.tools.cuda_timing import graph_replay, median_ms  # noqa: E402
 
 HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
 DTYPE = torch.bfloat16
@@ -37,20 +37,6 @@ def copy_bandwidth_gbs() -> float:
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), 10)
     return 2 * src.numel() / (ms * 1e-3) / 1e9
-
-
-def graphed(fn):
-    """Capture ``fn`` (static inputs) in a CUDA graph; returns the replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main() -> None:
@@ -80,7 +66,7 @@ def main() -> None:
                 active = int(torch.unique(ids).numel())
                 nbytes = active * expert_bytes + layer.gate.weight.numel() * 2
                 floor_us = nbytes / (bw * 1e9) * 1e6
-                layer_us = 1e3 * median_ms(graphed(lambda: layer(x)), args.iters)
+                layer_us = 1e3 * median_ms(graph_replay(lambda: layer(x)), args.iters)
                 fused = lambda: triton_fused_moe.fused_experts(x, w13, w2, ids, weights, True)  # noqa: E731
                 ref = lambda: fused_experts_torch(x, w13, w2, ids, weights, True)  # noqa: E731
                 out, expect = fused(), ref()

@@ -12,7 +12,6 @@ five tokens raised by 12 (a confident trained model)."""
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_async.inference.text_generation_controllers import sampling as ref  # noqa: E402
 from megatron_async.kernels import triton_sampling  # noqa: E402
+from megatron_async.tools.cuda_timing import graph_replay, median_ms  # noqa: E402
 
 V = 151_936
 CASES = {  # name: (temperature, top_k, top_p, min_p, penalties)
@@ -105,26 +105,11 @@ def before(logits, params, pen, any_filter):
 
 def graph_ms(fn, iters: int) -> float:
     """Median device time of one replay of ``fn`` captured in a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(iters + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del graph
+    replay = graph_replay(fn)
+    ms = median_ms(replay, iters)
+    del replay
     torch.cuda.empty_cache()  # each graph keeps a private pool; the reference's is ~1 GB at 256 rows
-    return statistics.median(times[3:])
+    return ms
 
 
 def check_tokens(rows: list[int], seeds: int) -> None:

@@ -13,7 +13,7 @@ for stage in $stages; do
       timeout 420 python -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -40 > "$out/gpu_tests.log"
       tail -3 "$out/gpu_tests.log" ;;
     kernels)
-      for s in check_triton_attention check_mamba_kernels check_fused_ops check_sampling; do
+      for s in check_triton_attention check_mamba_kernels check_fused_ops check_sampling check_fused_moe; do
         [ -f "scripts/$s.py" ] && timeout 120 python "scripts/$s.py" > "$out/$s.log" 2>&1
         tail -25 "$out/$s.log"
       done ;;

@@ -25,4 +25,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         from megatron_async.kernels import triton_fused_moe
 
         return triton_fused_moe.fused_experts(x, w13, w2, topk_ids, topk_weights, gated)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the torch MoE reference reads expert token counts on the host and cannot run in a "
+                           "CUDA graph: use attention_backend 'triton' (or 'auto') with cuda_graphs")
     return fused_experts_torch(x, w13, w2, topk_ids, topk_weights, gated)

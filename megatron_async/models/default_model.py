@@ -43,28 +43,6 @@ DEFAULT_CONFIGS: dict[str, dict] = {
     },
     # A tiny Qwen3-MoE (8 experts, top-2, normalised; layer 1 dense) on the tiny tokenizer's
     # vocabulary: the CPU model for expert-parallel runs (experts split 2, 4 or 8 ways).
-    "tiny-moe": {
-        **_QWEN3_COMMON,
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "hidden_size": 256,
-        "intermediate_size": 768,
-        "moe_intermediate_size": 192,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "mlp_only_layers": [1],
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 32,
-        "vocab_size": 1024,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": True,
-        "initializer_range": 0.1,
-        "eos_token_id": EOS_TOKEN_ID,
-        "dtype": "float32",
-    },
     # The shape of Qwen/Qwen3-30B-A3B (48 layers, 128 experts, top-8): ~30.5B parameters, 61 GB in bf16.
     "qwen3-30b-a3b": {
         **_QWEN3_COMMON,
@@ -107,6 +85,19 @@ DEFAULT_CONFIGS: dict[str, dict] = {
         "eos_token_id": 151645,
         "dtype": "bfloat16",
     },
+}
+
+# A tiny Qwen3-MoE (8 experts, top-2, normalised; layer 1 dense) on the tiny tokenizer's
+# vocabulary: the CPU model for expert-parallel runs (experts split 2, 4 or 8 ways).
+DEFAULT_CONFIGS["tiny-moe"] = {
+    **DEFAULT_CONFIGS["tiny"],
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 192,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "mlp_only_layers": [1],
 }
 
 

@@ -3,13 +3,15 @@ and the expert-parallel token exchange of MoE layers. A faster small-message all
 P2P / symmetric memory) plugs in here, with NCCL / gloo as the fallback. Each is the identity at
 size 1 (no collective at all).
 
-The EP exchange needs equal shapes on every rank: each rank pads its tokens to the count the
-engines agreed on the CPU (``StepInputs.ep_num_tokens``), so no collective ever carries a
-size and no rank waits on a device value to size a buffer.
+The default EP exchange (all-gather / reduce-scatter) needs equal shapes on every rank: each
+rank pads its tokens to the count the engines agreed on the CPU (``StepInputs.ep_num_tokens``),
+so no collective carries a size and no rank waits on a device value to size a buffer. The
+all-to-all exchange sends each token only to the ranks of its experts; its split sizes are
+device values read on the host (one sync per layer), so it is an eager-only option.
 
-CUDA-graph safe on NCCL: each is one in-place / into-tensor collective on tensors the graph's
-pool owns, with no host read-back and no Python-side size decisions; ProcessGroupNCCL records
-them into the capturing stream (it keeps captured work out of its watchdog). The NCCL
+CUDA-graph safe on NCCL (TP collectives and the default EP exchange): each is one in-place /
+into-tensor collective on tensors the graph's pool owns, with no host read-back and no
+Python-side size decisions; ProcessGroupNCCL records them into the capturing stream. The NCCL
 communicator must exist before capture: the eager steps and the capture's warm-up iterations
 run the same collectives first."""
 from __future__ import annotations
@@ -65,3 +67,20 @@ def ep_reduce_scatter(x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
         return out
     dist.all_reduce(x, group=parallel.ep_group)  # gloo has no reduce-scatter
     return x[parallel.ep_rank * n:(parallel.ep_rank + 1) * n]
+
+
+def ep_all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                  parallel: ParallelState) -> torch.Tensor:
+    """Rows [sum(send_counts), ...] in destination-rank order -> the rows the other ranks sent
+    here [sum(recv_counts), ...], in source-rank order."""
+    out = torch.empty((sum(recv_counts), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=parallel.ep_group)
+    return out
+
+
+def ep_exchange_counts(send_counts: torch.Tensor, parallel: ParallelState) -> list[int]:
+    """Each rank's row counts for every rank ([ep_size] int64) -> the counts each rank sends
+    here, on the host: a device-to-host sync (the all-to-all exchange is eager only)."""
+    recv = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv, send_counts, group=parallel.ep_group)
+    return recv.tolist()

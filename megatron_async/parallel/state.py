@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_async.config import ExpertExchange
+
 
 @dataclass(frozen=True)
 class ParallelState:
@@ -30,6 +32,8 @@ class ParallelState:
     ep_group: Any = None
     """torch.distributed group of the ranks that share routed experts (same tp_rank, one per
     data-parallel replica); None when ep_size is 1 or in loading-only tests."""
+    ep_exchange: ExpertExchange = ExpertExchange.ALL_GATHER
+    """The MoE token exchange over ``ep_group`` (``parallel/communication.py``)."""
     dp_rank: int = 0
     dp_size: int = 1
     """Attention data parallelism: each dp rank is an engine with its own requests. Equal to
@@ -69,7 +73,8 @@ class ParallelState:
 
     @classmethod
     def from_torchrun(cls, tensor_parallel_size: int, device: torch.device | str = "cpu",
-                      expert_parallel_size: int = 1) -> ParallelState:
+                      expert_parallel_size: int = 1,
+                      ep_exchange: ExpertExchange | str = ExpertExchange.ALL_GATHER) -> ParallelState:
         """Join the torchrun job described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as
         ``expert_parallel_size`` data-parallel replicas of a ``tensor_parallel_size``-way TP
         group (NCCL on CUDA, gloo on CPU; WORLD_SIZE must be their product). Sizes 1 x 1 need
@@ -96,8 +101,10 @@ class ParallelState:
         tp_rank, ep_rank = rank % T, rank // T
         if E == 1:
             return cls(tp_rank=tp_rank, tp_size=T, tp_group=dist.group.WORLD)
+        exchange = ExpertExchange(ep_exchange)
         if T == 1:
-            return cls(ep_rank=ep_rank, ep_size=E, ep_group=dist.group.WORLD, dp_rank=ep_rank, dp_size=E)
+            return cls(ep_rank=ep_rank, ep_size=E, ep_group=dist.group.WORLD, ep_exchange=exchange,
+                       dp_rank=ep_rank, dp_size=E)
         tp_group = ep_group = None
         for e in range(E):  # new_group is collective: all ranks create all groups in one order
             g = dist.new_group([e * T + t for t in range(T)])
@@ -106,7 +113,7 @@ class ParallelState:
             g = dist.new_group([e * T + t for e in range(E)])
             ep_group = g if t == tp_rank else ep_group
         return cls(tp_rank=tp_rank, tp_size=T, tp_group=tp_group, ep_rank=ep_rank, ep_size=E, ep_group=ep_group,
-                   dp_rank=ep_rank, dp_size=E)
+                   ep_exchange=exchange, dp_rank=ep_rank, dp_size=E)
 
     @property
     def is_distributed(self) -> bool:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_async.testing.hf_models import perturb_norms_and_biases
+
 HYBRID_ARCHS = ("NemotronHForCausalLM", "BambaForCausalLM", "Mamba2ForCausalLM")
 _SHORT_NAMES = {"nemotron_h": "NemotronHForCausalLM", "bamba": "BambaForCausalLM", "mamba2": "Mamba2ForCausalLM"}
 
@@ -106,11 +108,7 @@ def make_tiny_hybrid_checkpoint(arch: str, path: str | Path, *, seed: int = 0, *
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
-    for name, p in model.named_parameters():
-        if name.endswith(("norm.weight", "norm_f.weight")):
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-        elif name.endswith(".bias"):
-            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    perturb_norms_and_biases(model, gen)
     _redraw_mamba_params(model, gen)
     root = Path(path)
     model.save_pretrained(root)

@@ -35,6 +35,17 @@ def _quiet() -> None:
     hf_logging.disable_progress_bar()  # keep test logs readable
 
 
+@torch.no_grad()
+def perturb_norms_and_biases(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Norm weights ~1 + 0.1 N(0, 1) and biases ~0.1 N(0, 1) instead of HF's 1 / 0, so that a
+    mis-mapped norm or bias tensor changes the outputs."""
+    for name, p in model.named_parameters():
+        if name.endswith(("norm.weight", "norm_f.weight")):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        elif name.endswith(".bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+
+
 def make_tiny_config(arch: str, **overrides):
     """A transformers config object of ``arch`` with tiny defaults, ``overrides`` applied."""
     import transformers
@@ -69,12 +80,7 @@ def make_tiny_checkpoint(
     config = make_tiny_config(arch, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-        elif name.endswith(".bias"):
-            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    perturb_norms_and_biases(model, torch.Generator().manual_seed(seed + 1))
     root = Path(path)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(root, **kwargs)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_config, _redraw_mamba_params
+from megatron_async.testing.hf_hybrid_models import _redraw_mamba_params, make_tiny_hybrid_config
+from megatron_async.testing.hf_models import perturb_norms_and_biases
 
 MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "NemotronHForCausalLM")
 
@@ -56,11 +57,7 @@ def make_tiny_moe_checkpoint(arch: str, path: str | Path, *, seed: int = 0, **ov
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
-    for name, p in model.named_parameters():
-        if name.endswith(("norm.weight", "norm_f.weight")):
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-        elif name.endswith(".bias"):
-            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    perturb_norms_and_biases(model, gen)
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             b.copy_(0.3 * torch.randn(b.shape, generator=gen))

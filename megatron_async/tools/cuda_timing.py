@@ -32,3 +32,17 @@ def host_us(fn: Callable[[], object], iters: int) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / iters * 1e6
+
+
+def graph_replay(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` (static inputs) warmed up on a side stream and captured in a CUDA graph; returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay

@@ -7,7 +7,9 @@ to the count the engines agreed for this step (``StepInputs.ep_num_tokens``). Th
 its tokens locally, all-gathers tokens and routing over the EP group, runs its local experts on
 all of them (ids of other ranks' experts mean "skip") and reduce-scatters the partial sums
 back, so each rank receives the full MoE output of its own tokens. Padding rows are routed to
-no expert. With TP inside, the expert outputs are then summed over the TP group."""
+no expert. With TP inside, the expert outputs are then summed over the TP group. The optional
+all-to-all exchange (``ParallelState.ep_exchange``) sends each token only to the ranks of its
+experts, at the cost of a host sync per layer."""
 from __future__ import annotations
 
 import torch
@@ -19,7 +21,14 @@ from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.layers.mlp import ReluSquaredMLP
 from megatron_async.models.layers.moe_router import TopKRouter
 from megatron_async.models.moe_config import MoEConfig
-from megatron_async.parallel.communication import ep_all_gather, ep_reduce_scatter, tp_all_reduce
+from megatron_async.config import ExpertExchange
+from megatron_async.parallel.communication import (
+    ep_all_gather,
+    ep_all_to_all,
+    ep_exchange_counts,
+    ep_reduce_scatter,
+    tp_all_reduce,
+)
 from megatron_async.parallel.expert_linear import ExpertColumnParallelLinear, ExpertRowParallelLinear
 from megatron_async.parallel.linear import ReplicatedLinear
 from megatron_async.parallel.state import ParallelState
@@ -37,14 +46,16 @@ class RoutedExperts(nn.Module):
         if cfg.gated:
             self.gate_up_proj = ExpertColumnParallelLinear(cfg.num_experts, in_features, [I, I],
                                                            (cfg.hf_gate, cfg.hf_up), parallel, dtype, device)
-            self.input_proj = self.gate_up_proj
         else:
             self.up_proj = ExpertColumnParallelLinear(cfg.num_experts, in_features, [I], (cfg.hf_up,),
                                                       parallel, dtype, device)
-            self.input_proj = self.up_proj
         self.down_proj = ExpertRowParallelLinear(cfg.num_experts, I, in_features, cfg.hf_down, parallel, dtype, device)
         self.num_local = self.down_proj.num_local_experts
         self.first_expert = self.down_proj.first_expert
+
+    @property
+    def input_proj(self) -> ExpertColumnParallelLinear:
+        return self.gate_up_proj if self.gated else self.up_proj
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return fused_experts(x, self.input_proj.weight, self.down_proj.weight, ids, weights, self.gated)
@@ -55,6 +66,8 @@ class RoutedExperts(nn.Module):
         p = self.parallel
         if p.ep_size == 1:
             out = self._compute(x, ids, weights)
+        elif p.ep_exchange == ExpertExchange.ALL_TO_ALL:
+            out = self._all_to_all(x, ids, weights)
         else:
             out = self._exchange(x, ids, weights, ep_num_tokens)
         return tp_all_reduce(out, p)
@@ -78,6 +91,26 @@ class RoutedExperts(nn.Module):
         weights_all = routing_all[:, k:].contiguous().view(torch.float32)
         out_all = self._compute(x_all, local_ids, weights_all)
         return ep_reduce_scatter(out_all, self.parallel)[:n]
+
+    def _all_to_all(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each token goes once to every rank owning one of its experts (with ids local to that
+        rank); the partial outputs come back the same way and are summed per token. Sizes are
+        read on the host: eager only, and no agreed token count is needed."""
+        p, n, k = self.parallel, ids.shape[0], ids.shape[1]
+        owner = torch.div(ids, self.num_local, rounding_mode="floor").long()
+        needs = torch.zeros((n, p.ep_size), dtype=torch.bool, device=x.device).scatter_(1, owner, True)
+        dest, token = needs.t().nonzero(as_tuple=True)  # rows in destination-rank order
+        send_counts = needs.sum(dim=0)
+        recv_counts = ep_exchange_counts(send_counts, p)
+        send = send_counts.tolist()
+        local = (ids[token] - (dest * self.num_local).unsqueeze(1)).to(torch.int32)  # others' experts: out of range
+        routing = torch.cat([local, weights[token].view(torch.int32)], dim=1)
+        x_recv = ep_all_to_all(x[token], send, recv_counts, p)
+        routing_recv = ep_all_to_all(routing, send, recv_counts, p)
+        y = self._compute(x_recv, routing_recv[:, :k], routing_recv[:, k:].contiguous().view(torch.float32))
+        y_back = ep_all_to_all(y, recv_counts, send, p)
+        out = torch.zeros((n, y.shape[1]), dtype=torch.float32, device=x.device)
+        return out.index_add_(0, token, y_back.float()).to(x.dtype)
 
 
 class MoEMixer(nn.Module):

@@ -1,12 +1,17 @@
 """Expert parallelism of the MoE layer: expert-sharded weights load as slices of the full
 layer, and the layer sharded over 2 (EP) or 2 x 2 (TP x EP) gloo ranks, each rank with its own
-number of tokens (one with none), equals the full layer on that rank's tokens."""
+number of tokens (one with none), equals the full layer on that rank's tokens, with the
+all-gather and the all-to-all token exchange."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import dataclasses  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from megatron_async.config import ExpertExchange  # noqa: E402
 
 from megatron_async.models.layers.block import StepInputs  # noqa: E402
 from megatron_async.parallel.state import ParallelState  # noqa: E402
@@ -69,7 +74,8 @@ def _ep_worker(rank: int, world: int, kinds: tuple[str, ...], tp: int) -> list[f
         assert parallel.global_rank == rank
         errors = []
         for kind in kinds:
-            errors += _ep_steps(MOE_CONFIGS[kind], parallel)
+            for exchange in ExpertExchange:
+                errors += _ep_steps(MOE_CONFIGS[kind], dataclasses.replace(parallel, ep_exchange=exchange))
         return errors
     finally:
         parallel.destroy()
