@@ -13,6 +13,7 @@ from megatron_async.inference import nvtx
 from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.device import DeviceFacade
+from megatron_async.inference.engines.data_parallel_engine import DataParallelEngine
 from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, SamplingParams
 from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
@@ -57,28 +58,37 @@ class LLM:
         default_model: str = "tiny",
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
     ):
         """``tensor_parallel_size`` > 1: run as one rank of a torchrun job of that many
         processes. Every rank builds its shard of the model (GPT or hybrid) and its share of the
         KV cache / Mamba states; rank 0 alone accepts requests (``engine.add_request``) and
-        ``generate`` returns the same outputs on every rank."""
+        ``generate`` returns the same outputs on every rank.
+
+        ``expert_parallel_size`` > 1: as many data-parallel engines (one per rank, each with its
+        own KV cache and requests; MoE experts split across them). Rank 0 alone accepts requests
+        and routes each to the least loaded rank; its ``engine.step()`` returns every rank's
+        results; ``generate`` returns all outputs, in prompt order, on every rank."""
         self.config = inference_config or InferenceConfig()
         self.config.validate()
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
         self.tensor_parallel_size = tensor_parallel_size
+        self.expert_parallel_size = expert_parallel_size
         self.communicator: ZMQCommunicator | None = None
         self.parallel = ParallelState()
-        if tensor_parallel_size > 1:
-            if self.config.cuda_graphs:
-                raise ValueError("cuda_graphs is not supported with tensor parallelism yet")
+        if tensor_parallel_size > 1 and expert_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 together with expert_parallel_size > 1 is not supported by the "
+                             "engines yet (each TP group would have to act as one data-parallel engine)")
+        if tensor_parallel_size > 1 or expert_parallel_size > 1:
             if self.device.type == "cuda":  # one GPU per rank
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
                 torch.cuda.set_device(self.device)
-            self.parallel = ParallelState.from_torchrun(tensor_parallel_size, self.device)
+            self.parallel = ParallelState.from_torchrun(tensor_parallel_size, self.device, expert_parallel_size)
         try:
-            if tensor_parallel_size > 1:
-                self.communicator = ZMQCommunicator.from_env()
+            if self.parallel.is_distributed:
+                self.communicator = ZMQCommunicator.from_rendezvous(
+                    self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size)
             self._build(model, default_model, seed)
         except BaseException:
             self.close()  # every rank fails the same way at load (a shape that does not divide): leave cleanly
@@ -115,12 +125,15 @@ class LLM:
         facade = DeviceFacade(self.device)
         self.context = DynamicInferenceContext(self.config, self.model, facade, self.dtype)
         self.controller = TextGenerationController(self.model, self.context, eos_ids)
+        self.controller.expert_parallel = self.parallel.ep_size > 1
         if self.config.cuda_graphs and facade.is_cuda:
             from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
 
             self.controller.graphs = CudaGraphRunner(self.controller, self.config)
-        self.engine = DynamicInferenceEngine(self.controller, self.context, self.config, self.tokenizer,
-                                             self.communicator)
+            if self.parallel.ep_size > 1:  # every rank captures together (collectives inside)
+                self.controller.graphs.warmup()
+        engine_cls = DataParallelEngine if self.parallel.dp_size > 1 else DynamicInferenceEngine
+        self.engine = engine_cls(self.controller, self.context, self.config, self.tokenizer, self.communicator)
 
     def _fit_max_sequence_length(self) -> None:
         """A model cannot attend beyond its ``max_position_embeddings``: a larger
@@ -134,7 +147,7 @@ class LLM:
 
     @property
     def is_leader(self) -> bool:
-        """Rank 0 of the TP group (always True without TP): the rank that prints and writes."""
+        """Rank 0 of the job (always True without TP / EP): the rank that prints and writes."""
         return self.parallel.is_leader
 
     def close(self) -> None:
@@ -162,8 +175,8 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         slots: list[RequestOutput | int] = []
-        # Under TP every rank calls generate (SPMD) but only rank 0's prompts are used: the
-        # others receive its requests at the first step, and its slots here.
+        # Under TP / EP every rank calls generate (SPMD) but only rank 0's prompts are used: the
+        # others receive its requests at the per-step exchange, and its slots here.
         for prompt, sp in zip(prompts, sampling_params) if self.is_leader else ():
             try:
                 slots.append(self.engine.add_request(prompt, sp))
@@ -172,6 +185,8 @@ class LLM:
         if self.communicator is not None:
             slots = self.communicator.broadcast_object(slots)
         done = self.engine.run_requests([s for s in slots if not isinstance(s, RequestOutput)])
+        if self.parallel.dp_size > 1:  # only rank 0 gathered every rank's outputs
+            done = self.communicator.broadcast_object(done if self.is_leader else None)
         return [s if isinstance(s, RequestOutput) else done[s] for s in slots]
 
 

@@ -1,7 +1,7 @@
 """The collectives of the forward pass, in one place: tensor-parallel all-reduce / all-gather
 and the expert-parallel token exchange of MoE layers. A faster small-message all-reduce (CUDA
-P2P / symmetric memory) or graph-capture handling plugs in here, with NCCL / gloo as the
-fallback. Each is the identity at size 1 (no collective at all).
+P2P / symmetric memory) plugs in here, with NCCL / gloo as the fallback. Each is the identity at
+size 1 (no collective at all).
 
 The default EP exchange (all-gather / reduce-scatter) needs equal shapes on every rank: each
 rank pads its tokens to the count the engines agreed on the CPU (``StepInputs.ep_num_tokens``),
@@ -13,13 +13,22 @@ Batch-invariant mode sums differently: NCCL picks ring / tree and chunking from 
 size, so the order in which ranks' partials are added (and with it the bf16 bits) can change
 with the number of tokens in the step; there the partials are all-gathered and added locally
 in rank order in float32, rounded once. Same TP size only: another TP size cuts K
-differently, so no promise across sizes."""
+differently, so no promise across sizes.
+
+CUDA-graph safe on NCCL (TP collectives and the default EP exchange): each is one in-place /
+into-tensor collective on tensors the graph's pool owns, with no host read-back and no
+Python-side size decisions; ProcessGroupNCCL records them into the capturing stream. The NCCL
+communicator must exist before capture: the eager steps and the capture's warm-up iterations
+run the same collectives first."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 from megatron_async.parallel.state import ParallelState
+
+# torch >= 2.12 renames the one-tensor all-gather (the old name warns there; older torch lacks the new one)
+_all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def tp_all_reduce(x: torch.Tensor, parallel: ParallelState, batch_invariant: bool = False) -> torch.Tensor:
@@ -42,9 +51,10 @@ def tp_all_gather_last_dim(x: torch.Tensor, parallel: ParallelState) -> torch.Te
     """Concatenate every rank's ``x`` along the last dim, in rank order."""
     if parallel.tp_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(parallel.tp_size)]
-    dist.all_gather(parts, x.contiguous(), group=parallel.tp_group)
-    return torch.cat(parts, dim=-1)
+    x = x.contiguous()
+    out = torch.empty((parallel.tp_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_into_tensor(out, x, group=parallel.tp_group)
+    return torch.cat(out.chunk(parallel.tp_size, dim=0), dim=-1)
 
 
 def ep_all_gather(x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:

@@ -115,6 +115,14 @@ class ParallelState:
         return cls(tp_rank=tp_rank, tp_size=T, tp_group=tp_group, ep_rank=ep_rank, ep_size=E, ep_group=ep_group,
                    ep_exchange=exchange, dp_rank=ep_rank, dp_size=E)
 
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def rendezvous_store(self):
+        """The job's torch.distributed store (the torchrun rendezvous): ranks publish addresses in it."""
+        return dist.distributed_c10d._get_default_store()
+
     def destroy(self) -> None:
         """Leave the process groups (tests run several parallel jobs in one process's lifetime)."""
         if (self.tp_group is not None or self.ep_group is not None) and dist.is_initialized():

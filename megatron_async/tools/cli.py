@@ -83,6 +83,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=POSITIVE_INT, default=1,
                    help="TP ranks (GPT models); > 1 needs a torchrun launch of that many processes, "
                         "e.g. NPROC=2 bash examples/run_torchrun.sh")
+    g.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="data-parallel engines (MoE experts split across them); > 1 needs a torchrun launch "
+                        "of that many processes, e.g. NPROC=2 EP=1 bash examples/run_torchrun.sh")
 
 
 def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None:

@@ -129,7 +129,8 @@ def load_llm(args: argparse.Namespace, **config_overrides) -> LLM:
     naming the file and the problem, not a traceback."""
     try:
         return LLM(args.model, args.device, args.dtype, cli.inference_config_from_args(args, **config_overrides),
-                   default_model=args.default_model, tensor_parallel_size=args.tensor_parallel_size)
+                   default_model=args.default_model, tensor_parallel_size=args.tensor_parallel_size,
+                   expert_parallel_size=args.expert_parallel_size)
     except Exception as e:  # noqa: BLE001 -- any loader failure is reported the same way
         what = f"model {args.model}" if args.model else f"built-in model {args.default_model}"
         print(f"error: cannot load {what}: {e}", file=sys.stderr)
@@ -188,7 +189,7 @@ def _run(args: argparse.Namespace, llm: LLM, t0: float) -> RunSummary:
     model_name = args.model or f"built-in {args.default_model}"
     if llm.is_leader:
         mode = "serial" if args.serial else "async"
-        print(f"model: {model_name} on {args.device} ({args.dtype}, TP {args.tensor_parallel_size}), built in "
+        print(f"model: {model_name} on {args.device} ({args.dtype}, TP {args.tensor_parallel_size}, EP {args.expert_parallel_size}), built in "
               f"{time.perf_counter() - t0:.1f} s; {len(requests)} requests, {mode} engine", file=sys.stderr)
     progress = ProgressBar(len(requests), enabled=not args.quiet and llm.is_leader)
     engine = llm.engine if llm.is_leader else FollowerEngine(llm.engine)

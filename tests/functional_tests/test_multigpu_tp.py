@@ -84,6 +84,28 @@ def test_bf16_tp_runs_finish_like_tp1(checkpoint):
             assert [len(t) for t, _ in got] == [len(t) for t, _ in outs], case
 
 
-def test_cuda_graphs_under_tp_are_refused_clearly():
-    with pytest.raises(ValueError, match="cuda_graphs is not supported with tensor parallelism yet"):
-        LLM(None, device="cuda", inference_config=InferenceConfig(cuda_graphs=True), tensor_parallel_size=2)
+def _graph_worker(rank: int, world: int, ckpt: str) -> dict:
+    cfg = InferenceConfig(**CONFIG, cuda_graphs=True)
+    llm = LLM(ckpt, device="cuda", dtype="float32", inference_config=cfg, tensor_parallel_size=world)
+    try:
+        outs = run(llm)
+        outs["replays"] = llm.controller.graphs.num_replays
+        outs["rounds_per_step"] = llm.engine.stats.consensus_rounds / max(1, llm.engine.stats.steps)
+        return outs
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fp32_tp_graphs_tokens_equal_tp1(checkpoint, tp):
+    """Launch-ahead + CUDA graphs under TP (captured NCCL all-reduces) == TP=1 eager, token for token."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA devices")
+    _, ckpt = checkpoint
+    expected = run(LLM(ckpt, device="cuda", dtype="float32", inference_config=InferenceConfig(**CONFIG)))
+    for rank, got in enumerate(run_ranks(_graph_worker, tp, ckpt, timeout_s=300, env=NCCL_ENV)):
+        assert got.pop("replays") > 0, f"rank {rank}: no graph replayed"
+        assert got.pop("rounds_per_step") <= 1.5, f"rank {rank}: more than one consensus exchange per step"
+        assert got["overlapped_steps"] > 0
+        got["overlapped_steps"] = expected["overlapped_steps"]  # graphs change nothing but the launch path
+        assert got == expected, f"rank {rank}"

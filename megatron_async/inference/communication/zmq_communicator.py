@@ -2,7 +2,11 @@
 
 Rank 0 binds a ROUTER socket; every other rank connects a DEALER named after its rank.
 Collectives are star-shaped through rank 0, which is plenty for the few small Python
-objects the engine exchanges per step. Every message carries the collective's sequence
+objects the engine exchanges per step: ``exchange`` is the engine's one per-step round trip
+(every rank's ints max-reduced, the others' uploads gathered at rank 0, rank 0's payload sent
+back). Rank 0 binds an ephemeral port on the interface that reaches the rendezvous host and
+publishes the address through the torch.distributed store (``from_rendezvous``), so ranks on
+other nodes find it without localhost or fixed-port assumptions. Every message carries the collective's sequence
 number and kind, so ranks that call different collectives fail loudly instead of
 silently pairing the wrong messages; every receive has a timeout so a silent peer raises
 instead of hanging, and a peer whose connection drops (its process died) makes the waiting
@@ -11,22 +15,22 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
-
-DEFAULT_PORT_OFFSET = 17
-"""``from_env`` listens on MASTER_PORT + this (torch.distributed's store owns MASTER_PORT)."""
-
 
 class CommunicatorError(RuntimeError):
     """A peer timed out or answered a different collective (the ranks have diverged)."""
 
 
 class ZMQCommunicator:
-    def __init__(self, rank: int, world_size: int, host: str, port: int, timeout_s: float | None = 300.0):
-        """``timeout_s``: longest wait for one message (None: wait forever)."""
+    def __init__(self, rank: int, world_size: int, host: str, port: int | None, timeout_s: float | None = 300.0,
+                 publish=None, lookup=None):
+        """``timeout_s``: longest wait for one message (None: wait forever). ``port`` None: rank 0
+        binds an ephemeral port on ``host`` and hands ``tcp://host:port`` to ``publish``; the
+        others connect to the address ``lookup()`` returns (see ``from_rendezvous``)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of size {world_size}")
         self.rank, self.world_size = rank, world_size
@@ -41,11 +45,15 @@ class ZMQCommunicator:
         if rank == 0:
             self._sock = self._ctx.socket(zmq.ROUTER)
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to an unknown peer raises
-            self._sock.bind(f"tcp://{host}:{port}")
+            if port is None:
+                bound = self._sock.bind_to_random_port(f"tcp://{host}")
+                publish(f"tcp://{host}:{bound}")
+            else:
+                self._sock.bind(f"tcp://{host}:{port}")
         else:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.IDENTITY, self._identity(rank))
-            self._sock.connect(f"tcp://{host}:{port}")
+            self._sock.connect(lookup() if port is None else f"tcp://{host}:{port}")
         self._sock.setsockopt(zmq.LINGER, 0)
         # Dropped connections (a peer process that died) are reported here, so waits end at once.
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -55,13 +63,45 @@ class ZMQCommunicator:
         # Handshake: rank 0 learns every peer's identity before it routes anything to it.
         self.barrier()
 
+    _joined = 0  # communicators built through a rendezvous by this process (same count on every rank)
+
     @classmethod
-    def from_env(cls, port_offset: int = DEFAULT_PORT_OFFSET, timeout_s: float | None = 300.0) -> "ZMQCommunicator":
-        """The torchrun job's ranks: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT + ``port_offset``."""
-        port = int(os.environ["MASTER_PORT"]) + port_offset
-        return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"], port, timeout_s)
+    def from_rendezvous(cls, store, rank: int, world_size: int, timeout_s: float | None = 300.0) -> "ZMQCommunicator":
+        """Join through a torch.distributed ``Store`` (the job's rendezvous): rank 0 binds an
+        ephemeral port on the address it uses to reach the store's host (MASTER_ADDR) and
+        publishes it; the others wait for it and connect there. Works across nodes. The key is
+        numbered, so a store that outlives one engine never hands out a stale address."""
+        ZMQCommunicator._joined += 1
+        key = f"megatron_async/zmq/{ZMQCommunicator._joined}"
+        host = _address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")) if rank == 0 else ""
+        publish = lambda endpoint: store.set(key, endpoint)  # noqa: E731
+        lookup = lambda: store.get(key).decode()  # noqa: E731  (store.get blocks until it is set)
+        return cls(rank, world_size, host, None, timeout_s, publish=publish, lookup=lookup)
 
     # ------------------------------------------------------------------ collectives
+    def exchange(self, values: list[int], upload: Any = None, payload: Any = None) -> tuple[list[int], list[Any], Any]:
+        """One round trip: the element-wise max of every rank's ``values``, rank 0's ``payload``
+        on every rank, and on rank 0 the other ranks' ``upload``s by rank (``[]`` elsewhere;
+        rank 0's own upload is not sent)."""
+        seq = self._next_seq()
+        values = [int(v) for v in values]
+        if self.world_size == 1:
+            return values, [], payload
+        if self.rank != 0:
+            self._sock.send(pickle.dumps((seq, "exchange", (values, upload))))
+            result, payload = self._recv_from_root(seq, "exchange")
+            return result, [], payload
+        result, uploads = values, [None] * self.world_size
+        for peer, (theirs, up) in sorted(self._gather_at_root(seq, "exchange").items()):
+            if len(theirs) != len(result):
+                raise CommunicatorError(f"exchange #{seq}: rank {peer} sent {len(theirs)} values, rank 0 {len(result)}")
+            result = [max(a, b) for a, b in zip(result, theirs)]
+            uploads[peer] = up
+        msg = pickle.dumps((seq, "exchange", (result, payload)))
+        for peer in range(1, self.world_size):
+            self._sock.send_multipart([self._identity(peer), msg])
+        return result, uploads, payload
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (the others' arguments are ignored)."""
         seq = self._next_seq()
@@ -157,3 +197,13 @@ class ZMQCommunicator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _address_towards(peer_host: str) -> str:
+    """This host's IP on the interface that routes to ``peer_host`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(peer_host), 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"

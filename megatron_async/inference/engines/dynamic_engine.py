@@ -26,7 +26,7 @@ from megatron_async.inference.engines.async_pipeline import PendingLaunch
 from megatron_async.inference.engines.engine_stats import EngineStats
 from megatron_async.inference.engines.request_validation import RequestValidator, ValidRequest
 from megatron_async.inference.engines.scheduler import Scheduler
-from megatron_async.inference.engines.tp_sync import TensorParallelSync
+from megatron_async.inference.engines.step_consensus import Agreement, NewRequest, StepConsensus
 from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.request import (
     DynamicInferenceRequest, FinishReason, InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams, Status,
@@ -47,7 +47,8 @@ class StepResult:
     updates: list[RequestUpdate] = field(default_factory=list)
     """One entry per request that gained tokens or ended in this call."""
     step_id: int = -1
-    """Id of the launch bookkept by this call (-1: nothing ran)."""
+    """Id of the launch bookkept by this call (-1: nothing ran; 0: data-parallel engines only,
+    this call launched without bookkeeping, or took part in the ranks' step with a dummy forward)."""
     num_rows: int = 0
     is_decode_only: bool = False
     overlapped: bool = False
@@ -65,7 +66,8 @@ class DynamicInferenceEngine:
         communicator: ZMQCommunicator | None = None,
     ):
         """``communicator``: tensor parallelism. Only rank 0 accepts ``add_request`` and
-        ``abort_request``; the other ranks receive them at each ``step()`` (see tp_sync.py)."""
+        ``abort_request``; every rank (rank 0 too) admits them at the next per-step exchange
+        (see step_consensus.py)."""
         self.controller = controller
         self.context = context
         self.config = config
@@ -81,7 +83,13 @@ class DynamicInferenceEngine:
         self._held = StepResult()  # produced while generate() ran, handed out by the next step()
         self._pending: PendingLaunch | None = None
         self._launches = 0
-        self._tp = TensorParallelSync(communicator) if communicator is not None else None
+        self._leader_waiting = False
+        self._sync = self._make_consensus(communicator) if communicator is not None else None
+        self._live: dict[int, None] = {}  # rank 0 under a consensus: accepted ids not reported finished
+        self._aborting: set[int] = set()
+
+    def _make_consensus(self, communicator: ZMQCommunicator) -> StepConsensus:
+        return StepConsensus(communicator)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_tokens: list[int] | str, sampling_params: SamplingParams | None = None,
@@ -89,11 +97,18 @@ class DynamicInferenceEngine:
         """Queue a request; raises InvalidRequestError (nothing queued) when it can never be
         served. ``request_id``: None (the engine picks) or an id never used in this engine
         (ids only grow: it must be >= every id used so far)."""
-        if self._tp is not None:
-            self._tp.check_can_add()
-        return self._add_request(prompt_tokens, sampling_params, request_id)
+        if self._sync is not None:
+            self._sync.check_can_add()
+        new = self._accept(prompt_tokens, sampling_params, request_id)
+        if self._sync is None:
+            self._admit(new)
+        else:  # admitted by every rank (this one too) at the next exchange
+            self._sync.send(NewRequest(new.valid, new.request_id, new.seed, self._sync.route()))
+            self._live[new.request_id] = None
+        return new.request_id
 
-    def _add_request(self, prompt_tokens, sampling_params, request_id) -> int:
+    def _accept(self, prompt_tokens, sampling_params, request_id) -> NewRequest:
+        """Validate, and give the request its id and seed."""
         try:
             valid = self.validator.check(prompt_tokens, SamplingParams() if sampling_params is None else sampling_params)
             rid = self._check_id(request_id)
@@ -103,14 +118,16 @@ class DynamicInferenceEngine:
         self._next_id = rid + 1
         sp = valid.sampling_params
         seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._gen))
-        req = DynamicInferenceRequest(rid, valid.prompt_tokens, sp, seed, valid.eos_ids, valid.stop_sequences,
-                                      arrival_order=self._arrivals, text=self._text_stream(valid))
+        return NewRequest(valid, rid, seed)
+
+    def _admit(self, new: NewRequest) -> None:
+        valid, rid = new.valid, new.request_id
+        self._next_id = max(self._next_id, rid + 1)
+        req = DynamicInferenceRequest(rid, valid.prompt_tokens, valid.sampling_params, new.seed, valid.eos_ids,
+                                      valid.stop_sequences, arrival_order=self._arrivals, text=self._text_stream(valid))
         self._arrivals += 1
         self._requests[rid] = req
         self.scheduler.add(req)
-        if self._tp is not None:
-            self._tp.record(valid.prompt_tokens, sp, rid, seed)
-        return rid
 
     def _check_id(self, request_id) -> int:
         if request_id is None:
@@ -134,12 +151,14 @@ class DynamicInferenceEngine:
         """End an unfinished request at the next ``step()``: its output comes in that step's
         ``finished`` with finish_reason "abort", its KV blocks and state slot are freed.
         Returns False (and does nothing) for an unknown, finished or already aborted id."""
-        if self._tp is not None:
-            self._tp.check_can_add()
-        marked = self._mark_abort(request_id)
-        if marked and self._tp is not None:
-            self._tp.record_abort(int(request_id))
-        return marked
+        if self._sync is None:
+            return self._mark_abort(request_id)
+        self._sync.check_can_add()
+        if not isinstance(request_id, numbers.Integral) or request_id not in self._live or request_id in self._aborting:
+            return False
+        self._aborting.add(int(request_id))
+        self._sync.send_abort(int(request_id))  # every rank marks it at the next exchange
+        return True
 
     def _mark_abort(self, request_id: int) -> bool:
         if not isinstance(request_id, numbers.Integral) or request_id not in self._requests or request_id in self._aborts:
@@ -147,23 +166,53 @@ class DynamicInferenceEngine:
         self._aborts[request_id] = None
         return True
 
+    def _has_local_work(self) -> bool:
+        return bool(self._requests) or bool(self._held.finished) or bool(self._held.updates)
+
     def has_unfinished_requests(self) -> bool:
-        """Requests not yet reported finished. Under TP a collective: every rank gets the
-        same answer (and must call it together)."""
-        local = bool(self._requests) or bool(self._held.finished)
-        return self._tp.any_rank(local) if self._tp is not None else local
+        """Requests not yet reported finished. Under TP / EP a collective: every rank gets the
+        same answer (and must call it together). It reuses the latest per-step agreement while
+        that said "work" (a stale yes costs at most one empty step), else exchanges afresh."""
+        if self._sync is None:
+            return self._has_local_work()
+        return self._agreed("any_work")
+
+    def _agreed(self, flag: str) -> bool:
+        if not self._sync.said(flag):
+            self._agree(from_step=False, out=self._held)
+        return getattr(self._sync.last, flag)
+
+    def _agree(self, from_step: bool, out: StepResult, num_tokens: int = 0, eager: bool = False,
+               upload: StepResult | None = None) -> Agreement:
+        """The per-step exchange; admits the new requests and marks the aborts it brings."""
+        sync = self._sync
+        got = sync.exchange(self._has_local_work(), num_tokens, eager, leader_waiting=self._leader_waiting,
+                            load=len(self._requests), upload=upload, from_step=from_step)
+        self.stats.consensus_rounds = sync.rounds
+        self.stats.consensus_time = sync.seconds
+        for new in got.news:
+            self._admit(new)
+        for rid in got.aborts:
+            self._mark_abort(rid)
+        for up in got.uploads:  # rank 0 of data-parallel engines: the others' results
+            if up is not None:
+                out.finished.extend(up.finished)
+                out.updates.extend(up.updates)
+        for o in out.finished:
+            self._live.pop(o.request_id, None)
+            self._aborting.discard(o.request_id)
+        return got
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> StepResult:
         """Bookkeep one launch (launching the next one first in async mode)."""
         t0 = time.perf_counter()
-        if self._tp is not None:  # collective: the other ranks add rank 0's new requests and aborts
-            news, aborts = self._tp.exchange()
-            for new in news:
-                self._add_request(new.prompt_tokens, new.sampling_params, new.request_id)
-            for rid in aborts:
-                self._mark_abort(rid)
         out, self._held = self._held, StepResult()
+        if self._sync is not None:  # tensor parallel: one exchange per step, before scheduling
+            if self._sync.fresh:  # has_unfinished_requests exchanged and nothing ran since
+                self._sync.fresh = False
+            else:
+                self._agree(from_step=True, out=out)
         self._apply_aborts(out)
         with nvtx_range("schedule"):
             if self._pending is None:
@@ -175,6 +224,11 @@ class DynamicInferenceEngine:
                 with nvtx_range("launch_ahead"):
                     nxt = self._launch_ahead(out)
         pending, self._pending = self._pending, nxt
+        self._land(pending, out, t0)
+        return out
+
+    def _land(self, pending: PendingLaunch, out: StepResult, t0: float) -> None:
+        """Bookkeep ``pending`` (the launch ahead of it, if any, is ``self._pending``)."""
         with nvtx_range("reconcile"):
             self._bookkeep(pending, out)
             if self._pending is not None and not self._requests:
@@ -186,7 +240,6 @@ class DynamicInferenceEngine:
         if self._pending is None and self._requests:
             self.stats.drains += 1  # the device idles until the host launches again
         self._account_time(pending, time.perf_counter() - t0)
-        return out
 
     def _launch_first(self, out: StepResult) -> PendingLaunch | None:
         """Schedule and launch with nothing in flight (retrying without a request that failed)."""
@@ -270,6 +323,8 @@ class DynamicInferenceEngine:
 
     def _report_finished(self, req: DynamicInferenceRequest, out: StepResult) -> None:
         self._requests.pop(req.request_id, None)
+        self._live.pop(req.request_id, None)
+        self._aborting.discard(req.request_id)
         if req.text is not None:
             req.text.finish()
         out.finished.append(req.to_output())
@@ -333,7 +388,7 @@ class DynamicInferenceEngine:
         """Step until these requests finish and return their outputs. Outputs and updates of
         other requests produced meanwhile are not lost: the next ``step()`` returns them."""
         own, want, got = set(request_ids), set(request_ids), {}
-        while self._tp.any_rank(bool(want)) if self._tp is not None else want:
+        while self._still_waiting(want):
             res = self.step()
             for o in res.finished:
                 if o.request_id in own:
@@ -342,4 +397,9 @@ class DynamicInferenceEngine:
                 else:
                     self._held.finished.append(o)
             self._held.updates.extend(u for u in res.updates if u.request_id not in own)
+        self._leader_waiting = False
         return got
+
+    def _still_waiting(self, want: set[int]) -> bool:
+        """Tensor-parallel ranks are replicas: every rank's ``want`` is the same."""
+        return bool(want)

@@ -45,6 +45,13 @@ class EngineStats:
     decode_wall_time: float = 0.0
     """Host wall time of engine steps that bookkept a decode-only launch (no sync needed)."""
     prefill_wall_time: float = 0.0
+    consensus_rounds: int = 0
+    """Per-step ZMQ exchanges among TP / EP ranks (one per step, plus one per idle check)."""
+    consensus_time: float = 0.0
+    """Host seconds spent in those exchanges (waiting for the slowest rank included)."""
+    dummy_steps: int = 0
+    """Data-parallel engines: steps where this rank had nothing to launch while another rank
+    did, so it ran a dummy forward (its collectives must match the others')."""
     timed_steps: int = 0
     timed_device_time: float = 0.0
     """Event-to-event time of logging steps (CUDA events recorded before the step's H2D copy and
@@ -61,6 +68,10 @@ class EngineStats:
         return 1e3 * self.prefill_wall_time / self.prefill_steps if self.prefill_steps else 0.0
 
     @property
+    def consensus_us_per_round(self) -> float:
+        return 1e6 * self.consensus_time / self.consensus_rounds if self.consensus_rounds else 0.0
+
+    @property
     def overlap_ratio(self) -> float:
         return self.overlapped_decode_steps / self.decode_steps if self.decode_steps else 0.0
 
@@ -70,4 +81,5 @@ class EngineStats:
         d["mean_decode_step_ms"] = self.mean_decode_step_ms
         d["mean_prefill_step_ms"] = self.mean_prefill_step_ms
         d["overlap_ratio"] = self.overlap_ratio
+        d["consensus_us_per_round"] = self.consensus_us_per_round
         return d

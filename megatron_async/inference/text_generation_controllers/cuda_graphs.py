@@ -49,15 +49,30 @@ class CudaGraphRunner:
         self._pool = None
         self.num_replays = 0
 
-    def key(self, shape: StepShape) -> tuple | None:
-        if not shape.is_decode_only or shape.num_rows > self.sizes[-1]:
+    def padded_rows(self, num_rows: int) -> int | None:
+        """The captured batch size a step of ``num_rows`` decode rows replays (None: too large)."""
+        if num_rows > self.sizes[-1]:
             return None
-        padded = self.sizes[bisect.bisect_left(self.sizes, shape.num_rows)]
+        return self.sizes[bisect.bisect_left(self.sizes, num_rows)]
+
+    def would_replay(self, plan) -> bool:
+        """Data-parallel engines: a plan (before assembly) whose step can replay a graph that
+        ``warmup`` captured on every rank at once (greedy decode). Other variants run eager: a
+        lazy capture on one rank would run its collectives while the others replay."""
+        greedy = all(r.request.sampling_params.is_greedy and not r.request.sampling_params.return_log_probs
+                     and r.request.sampling_params.top_n_logprobs == 0 for r in plan.rows)
+        return plan.is_decode_only and greedy and self.padded_rows(len(plan.rows)) is not None
+
+    def key(self, shape: StepShape, min_rows: int = 0) -> tuple | None:
+        """``min_rows``: pad at least to this many rows (data-parallel ranks pad to the agreed size)."""
+        padded = self.padded_rows(max(shape.num_rows, min_rows))
+        if not shape.is_decode_only or padded is None:
+            return None
         return (padded, shape.any_sampling, shape.filters, shape.any_log_probs or shape.max_top_n > 0,
                 shape.max_top_n, shape.any_penalties)
 
-    def lookup(self, shape: StepShape) -> CapturedStep | None:
-        key = self.key(shape)
+    def lookup(self, shape: StepShape, min_rows: int = 0) -> CapturedStep | None:
+        key = self.key(shape, min_rows)
         if key is None:
             return None
         step = self.graphs.get(key)
@@ -96,7 +111,9 @@ class CudaGraphRunner:
                 ctl.compute_step(shape)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: NCCL's watchdog thread keeps polling events while a TP / EP graph with
+        # collectives is captured; "global" mode would turn those polls into capture errors.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = ctl.compute_step(shape)
         self._pool = graph.pool()
         ctl.last_samples.copy_(saved_samples)

@@ -47,6 +47,14 @@ class TextGenerationController:
         self._host_ring = [self._host_buffers(R) for _ in range(3)]
         self._ring = 0
         self.graphs = None  # CudaGraphRunner, when enabled
+        # Data-parallel engines (EP): set per step from the ranks' agreement before launching.
+        self.expert_parallel = False
+        """MoE layers exchange tokens across EP ranks: every forward carries ``ep_num_tokens``."""
+        self.dp_num_tokens = 0
+        """The most tokens any rank launches in this step: what MoE exchanges pad to."""
+        self.force_eager = False
+        """Some rank cannot replay a graph in this step: none does."""
+        self._dummy_snapshot: torch.Tensor | None = None
         self.sampler = Sampler(context.config.sampling_backend, dev, context.sampling_state)
 
     def _host_buffers(self, R: int) -> dict[str, torch.Tensor]:
@@ -67,7 +75,9 @@ class TextGenerationController:
             start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start_ev.record()
         t0 = time.perf_counter()
-        graph = self.graphs.lookup(shape) if self.graphs is not None else None
+        graph = None
+        if self.graphs is not None and not self.force_eager:
+            graph = self.graphs.lookup(shape, min_rows=self.dp_num_tokens)
         if graph is not None:
             ctx.pad_decode_rows(shape.num_rows, graph.num_rows)
         with nvtx_range("transfer_bookkeeping_to_gpu"):
@@ -112,6 +122,7 @@ class TextGenerationController:
         ctx, g = self.context, self.context.gpu_view
         T, R = shape.num_tokens, shape.num_rows
         batch = ctx.forward_batch(shape)
+        batch.ep_num_tokens = max(T, self.dp_num_tokens) if self.expert_parallel else None
         prev = g.prev_sample_idx[:T]
         input_ids = torch.where(prev >= 0, self.last_samples[prev.clamp(min=0)], g.input_ids[:T])
         with nvtx_range("forward_pass"):
@@ -125,6 +136,29 @@ class TextGenerationController:
                 log_probs, top_vals, top_ids = sampling.log_probs_of(logits, tokens, shape.max_top_n,
                                                                      self.batch_invariant)
         return self.last_samples[:R], log_probs, top_vals, top_ids
+
+    @torch.inference_mode()
+    def dummy_forward(self) -> None:
+        """Data parallel: a forward with nothing to compute, so this rank's collectives match
+        the ranks that launch real work. One padding row (or the agreed graph's padded rows),
+        writing only to the dummy KV block and the padding Mamba slot; no sampling, so the
+        samples of a launch in flight stay intact. Its MoE layers pad to ``dp_num_tokens``."""
+        ctx = self.context
+        rows = 1
+        if self.graphs is not None and not self.force_eager:
+            rows = self.graphs.padded_rows(max(1, self.dp_num_tokens))
+        if self._dummy_snapshot is None or self._dummy_rows != rows:
+            snap = ctx.padding_snapshot(rows)
+            self._dummy_snapshot = snap.pin_memory() if self.device.is_cuda else snap
+            self._dummy_rows = rows
+        ctx.gpu_view.buffer.copy_(self._dummy_snapshot, non_blocking=True)
+        shape = StepShape(num_tokens=rows, num_rows=rows, max_query_len=1, max_kv_len=1, is_decode_only=True,
+                          any_sampling=False, any_top_k_top_p=False, max_top_n=0, any_log_probs=False,
+                          cu_query_lens=list(range(rows + 1)))
+        with nvtx_range("dummy_forward"):
+            batch = ctx.forward_batch(shape)
+            batch.ep_num_tokens = max(rows, self.dp_num_tokens) if self.expert_parallel else None
+            self.model(ctx.gpu_view.input_ids[:rows], batch)
 
     # ------------------------------------------------------------------ host side
     def bookkeep_step(self, pending: PendingLaunch) -> BookkeepResult:

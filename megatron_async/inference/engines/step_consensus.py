@@ -1,0 +1,140 @@
+"""The ranks' per-step agreement: ONE ZMQ round trip per engine step, on the CPU.
+
+Every exchange is an all-reduce-max of a few ints (plus, for data-parallel engines, one load
+slot per rank) that piggybacks rank 0's payload (the requests and aborts it accepted since the
+last exchange, each with the rank that serves it) down, and the other ranks' finished outputs
+and updates up. No device collective and no device read-back is involved.
+
+Tensor parallelism (replicas): the exchange sits at the start of ``step()``, before scheduling,
+so every rank admits the same requests before the same step; the padded batch and graph choice
+then follow identically from identical bookkeeping. Under launch-ahead this runs while the
+device executes the step launched by the previous ``step()`` call, so the device never waits
+for it unless host work exceeds a device step.
+
+Data-parallel engines (expert parallelism): each rank schedules its own requests first, then
+the exchange agrees on whether anyone launches, the largest token count (what every rank pads
+to: a rank with nothing to launch runs a dummy forward of that size so the MoE collectives
+match) and graph vs eager. Requests routed at this exchange are admitted after the launch it
+decides (scheduled from the next step on: one step of admission latency on the receiving rank).
+
+``has_unfinished_requests`` / ``run_requests`` reuse the latest agreement while it said "work"
+(a stale yes only costs one empty step at the very end); otherwise they exchange afresh, because
+rank 0 may have accepted requests the others cannot know about."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
+from megatron_async.inference.engines.request_validation import ValidRequest
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    valid: ValidRequest
+    request_id: int
+    seed: int
+    """The seed rank 0 drew (or the request's own), so every rank samples the same stream."""
+    rank: int = 0
+    """The data-parallel rank that serves it (always 0 under tensor parallelism: every rank)."""
+
+
+@dataclass(frozen=True)
+class Agreement:
+    any_work: bool
+    """Some rank has unfinished requests, requests to send, or outputs to hand up."""
+    max_tokens: int = 0
+    """Data parallel: the most tokens any rank launches in this step (0: nobody forwards)."""
+    eager: bool = False
+    """Data parallel: some rank's launch is not a graph replay (then no rank replays)."""
+    leader_waiting: bool = False
+    """Rank 0 is inside ``run_requests`` waiting for some of its requests."""
+    loads: tuple[int, ...] = ()
+    """Data parallel: every rank's unfinished request count, by rank."""
+    news: list[NewRequest] = field(default_factory=list)
+    """The new requests this rank serves, in arrival order."""
+    aborts: list[int] = field(default_factory=list)
+    uploads: list[Any] = field(default_factory=list)
+    """Rank 0: what each other rank handed up (None for rank 0 itself); empty elsewhere."""
+
+
+_HEAD = 4  # any_work, max_tokens, eager, leader_waiting; then one load per rank (data parallel)
+
+
+class StepConsensus:
+    def __init__(self, communicator: ZMQCommunicator, data_parallel: bool = False):
+        self.comm = communicator
+        self.data_parallel = data_parallel
+        self.rank, self.world_size = communicator.rank, communicator.world_size
+        self._outbox: list[NewRequest] = []
+        self._aborts: list[int] = []
+        self.last: Agreement | None = None
+        self.fresh = False
+        """The latest exchange came from has_unfinished / run_requests and no step used it yet."""
+        self.rounds = 0
+        self.seconds = 0.0
+        self._routed_since = [0] * self.world_size  # rank 0: routed after the loads it last heard
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def check_can_add(self) -> None:
+        if not self.is_leader:
+            kind = "data-parallel" if self.data_parallel else "tensor-parallel"
+            raise RuntimeError(
+                f"{kind} rank {self.rank} cannot add requests or abort them: only rank 0 does, and "
+                "the others receive them at the next step()"
+            )
+
+    # ------------------------------------------------------------------ rank 0's outbox
+    def route(self) -> int:
+        """Rank 0: the rank a new request goes to (least loaded by the latest agreement plus
+        what was routed since; ties to the lowest rank). Always 0 under tensor parallelism."""
+        if not self.data_parallel:
+            return 0
+        loads = self.last.loads if self.last is not None and self.last.loads else (0,) * self.world_size
+        rank = min(range(self.world_size), key=lambda r: (loads[r] + self._routed_since[r], r))
+        self._routed_since[rank] += 1
+        return rank
+
+    def send(self, new: NewRequest) -> None:
+        self._outbox.append(new)
+
+    def send_abort(self, request_id: int) -> None:
+        self._aborts.append(request_id)
+
+    def has_outgoing(self) -> bool:
+        return bool(self._outbox or self._aborts)
+
+    def outgoing_ids(self) -> set[int]:
+        return {n.request_id for n in self._outbox}
+
+    # ------------------------------------------------------------------ the exchange
+    def exchange(self, has_work: bool, num_tokens: int = 0, eager: bool = False, leader_waiting: bool = False,
+                 load: int = 0, upload: Any = None, from_step: bool = True) -> Agreement:
+        """Collective: one round trip. Returns the agreement, with the news and aborts this
+        rank must apply (rank 0's included: it applies its own outbox only here, like the rest)."""
+        t0 = time.perf_counter()
+        handing_up = upload is not None  # rank 0 must step again to hand these out: that is work
+        values = [int(has_work or handing_up or self.has_outgoing()), num_tokens, int(eager), int(leader_waiting)]
+        if self.data_parallel:
+            values += [load if r == self.rank else 0 for r in range(self.world_size)]
+        payload = (self._outbox, self._aborts) if self.is_leader else None
+        self._outbox, self._aborts = [], []
+        result, uploads, (news, aborts) = self.comm.exchange(values, upload, payload)
+        any_work = bool(result[0])
+        if self.data_parallel:
+            news = [n for n in news if n.rank == self.rank]
+            self._routed_since = [0] * self.world_size
+        self.last = Agreement(any_work, result[1], bool(result[2]), bool(result[3]), tuple(result[_HEAD:]),
+                              news, aborts, uploads)
+        self.fresh = not from_step
+        self.rounds += 1
+        self.seconds += time.perf_counter() - t0
+        return self.last
+
+    def said(self, name: str) -> bool:
+        """The latest agreement's flag ``name`` if it is True (a stale yes is safe), else None."""
+        return self.last is not None and bool(getattr(self.last, name))

@@ -1,0 +1,96 @@
+"""Cost of the per-step consensus on the CPU: N spawned ranks on loopback (gloo job + ZMQ).
+
+1. The bare exchange: one ``StepConsensus.exchange`` (the ints every step agrees on plus rank
+   0's payload, here one new request every 4th step) against the scheme it replaced (a
+   broadcast of rank 0's requests + a separate all-reduce for "anyone has work": two round trips).
+2. In the engine: EngineStats.consensus_time / consensus_rounds of a launch-ahead run of the
+   built-in MoE model with data-parallel engines (expert_parallel_size=N), which includes the
+   wait for the slowest rank, next to the engine's mean step time.
+
+    python scripts/measure_consensus.py --ranks 2 4 --iters 2000
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
+from megatron_async.inference.engines.request_validation import ValidRequest
+from megatron_async.inference.engines.step_consensus import NewRequest, StepConsensus
+from megatron_async.inference.request import SamplingParams
+from megatron_async.testing.multiprocess import free_port, run_ranks
+
+NEW = NewRequest(ValidRequest(list(range(64)), SamplingParams(top_k=1), [], [], frozenset()), 0, 1)
+
+
+def _bare(rank: int, world: int, port: int, iters: int, data_parallel: bool) -> dict:
+    with ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=60) as comm:
+        sync = StepConsensus(comm, data_parallel=data_parallel)
+        one, two = [], []
+        for i in range(iters):
+            if rank == 0 and i % 4 == 0:
+                sync.send(NEW)
+            t0 = time.perf_counter()
+            sync.exchange(True, num_tokens=64, load=3)
+            one.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()  # the old scheme: broadcast of rank 0's requests, then an all-reduce
+            comm.broadcast_object(([NEW] if i % 4 == 0 else [], []) if rank == 0 else None)
+            comm.all_reduce_max([1])
+            two.append(time.perf_counter() - t0)
+        return {"one": one, "two": two}
+
+
+def _engine(rank: int, world: int) -> dict:
+    from megatron_async import LLM, InferenceConfig
+
+    cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=512, max_requests=16, max_tokens=256,
+                          max_sequence_length=256)
+    llm = LLM(None, inference_config=cfg, default_model="tiny-moe", expert_parallel_size=world)
+    try:
+        prompts = [[(7 * i + j) % 1000 + 1 for j in range(16 + 4 * i)] for i in range(8 * world)]
+        from megatron_async import SamplingParams as SP
+
+        t0 = time.perf_counter()
+        llm.generate(prompts, SP(top_k=1, num_tokens_to_generate=32, ignore_eos=True))
+        wall = time.perf_counter() - t0
+        st = llm.engine.stats
+        return {"rounds": st.consensus_rounds, "seconds": st.consensus_time, "steps": st.steps,
+                "dummy": st.dummy_steps, "wall": wall}
+    finally:
+        llm.close()
+
+
+def us(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return 1e6 * xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--skip-engine", action="store_true")
+    args = p.parse_args()
+    print("| ranks | mode | one exchange p50 / p90 us | old broadcast + all-reduce p50 / p90 us |")
+    print("|---|---|---|---|")
+    for world in args.ranks:
+        for dp in (False, True):
+            res = run_ranks(_bare, world, free_port(), args.iters, dp, timeout_s=600)
+            one = [t for r in res for t in r["one"][100:]]
+            two = [t for r in res for t in r["two"][100:]]
+            print(f"| {world} | {'data parallel' if dp else 'tensor parallel'} | {us(one, .5):.0f} / {us(one, .9):.0f} "
+                  f"| {us(two, .5):.0f} / {us(two, .9):.0f} |")
+    if args.skip_engine:
+        return
+    print("\n| ranks | rounds | steps (rank 0) | dummy steps (by rank) | consensus us / round (by rank) | wall s |")
+    print("|---|---|---|---|---|---|")
+    for world in args.ranks:
+        res = run_ranks(_engine, world, timeout_s=600)
+        per = " / ".join(f"{1e6 * r['seconds'] / max(1, r['rounds']):.0f}" for r in res)
+        print(f"| {world} | {res[0]['rounds']} | {res[0]['steps']} | {' / '.join(str(r['dummy']) for r in res)} "
+              f"| {per} | {statistics.mean(r['wall'] for r in res):.1f} |")
+
+
+if __name__ == "__main__":
+    main()

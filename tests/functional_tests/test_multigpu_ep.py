@@ -1,0 +1,57 @@
+"""Data-parallel engines with expert parallelism on 2 / 4 GPUs over NCCL (``pytest -m multigpu``;
+skipped below the GPU count): the built-in tiny Qwen3-MoE in float32, experts split E ways, tokens
+exchanged in every MoE layer; eager and CUDA graphs (greedy decode graphs captured by every rank
+at once, padded to the agreed token count), launch-ahead and serial: tokens equal EP=1's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_async import LLM, InferenceConfig, SamplingParams
+from megatron_async.testing.multiprocess import run_ranks
+
+pytestmark = pytest.mark.multigpu
+
+CONFIG = dict(block_size_tokens=16, num_kv_blocks=64, max_requests=8, max_tokens=64, max_sequence_length=128)
+PROMPTS = [[3, 17, 42, 9, 100, 7], [25, 1, 2], [5] * 23, [60, 61, 62, 63, 64, 65, 66, 67, 68], [8, 9], [11] * 5]
+GREEDY = [SamplingParams(top_k=1, num_tokens_to_generate=n, ignore_eos=True) for n in (6, 9, 4, 7, 5, 30)]
+SAMPLED = [SamplingParams(temperature=0.9, top_p=0.8, num_tokens_to_generate=8, ignore_eos=True, seed=1000 + i)
+           for i in range(len(PROMPTS))]
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def run(llm: LLM) -> dict:
+    outs = {}
+    for mode in ("async", "serial"):
+        llm.config.async_scheduling = mode == "async"
+        for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
+            outs[f"{mode}_{name}"] = [o.generated_tokens for o in llm.generate(PROMPTS, params)]
+    return outs
+
+
+def _worker(rank: int, world: int, graphs: bool) -> dict:
+    cfg = InferenceConfig(**CONFIG, cuda_graphs=graphs)
+    llm = LLM(None, device="cuda", inference_config=cfg, default_model="tiny-moe", expert_parallel_size=world)
+    try:
+        outs = run(llm)
+        st = llm.engine.stats
+        outs["served"], outs["dummy"] = st.finished_requests, st.dummy_steps
+        outs["replays"] = llm.controller.graphs.num_replays if llm.controller.graphs is not None else 0
+        return outs
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("ep", [2, 4])
+def test_fp32_ep_tokens_equal_ep1(ep, graphs):
+    if torch.cuda.device_count() < ep:
+        pytest.skip(f"needs {ep} CUDA devices")
+    expected = run(LLM(None, device="cuda", inference_config=InferenceConfig(**CONFIG), default_model="tiny-moe"))
+    ranks = run_ranks(_worker, ep, graphs, timeout_s=300, env=NCCL_ENV)
+    assert sum(r.pop("served") for r in ranks) == 4 * len(PROMPTS)  # each request served once
+    assert sum(r.pop("dummy") for r in ranks) > 0  # the long request kept one rank busy alone
+    replays = [r.pop("replays") for r in ranks]
+    assert (min(replays) > 0) if graphs else max(replays) == 0
+    for rank, got in enumerate(ranks):
+        assert got == expected, f"rank {rank}"
