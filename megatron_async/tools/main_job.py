@@ -195,8 +195,8 @@ def _run(args: argparse.Namespace, llm: LLM, t0: float) -> RunSummary:
     engine = llm.engine if llm.is_leader else FollowerEngine(llm.engine)
     run = run_workload(engine, requests, cli.sampling_factory(args), progress)
     summary = summarize(run, llm.engine.stats, llm.device)
-    if not llm.is_leader:
-        return summary
+    if not llm.is_leader:  # data-parallel followers hand their outputs to rank 0: their summary is partial
+        return summary if llm.parallel.dp_size == 1 else None
     if cli.has_text_prompts(args):
         print_answers(requests, run, workload_tokenizer(llm, args))
     print(format_summary(summary))
