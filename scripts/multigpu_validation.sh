@@ -5,6 +5,8 @@
 # pyzmq is not installed on the GPU machines: fetch its wheel here with
 # `bash /work/shared/tools/device_wheels.sh` (writes ./.whl) and carry ".whl" with the run.
 # Usage: bash scripts/multigpu_validation.sh [extra pytest args]
+# Each test spawns its ranks and compiles its kernels (~30-130 s): the whole suite takes longer
+# than one 10-minute device call, so pass a file or -k selection per call.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 # No NVLink multicast in any process (it can take the shared host down); children inherit these.
