@@ -39,7 +39,7 @@ def _check_batch_invariant(model: torch.nn.Module, device: torch.device) -> None
     """Batch-invariant numerics run Triton kernels in attention / MLP layers only: say so up front."""
     if not getattr(model, "supports_batch_invariant", False):
         raise ValueError(f"batch_invariant is not supported for {type(model).__name__}: attention + MLP models "
-                         "only (GPT; not Mamba2 layers)")
+                         "only (dense GPT; not Mamba2 or MoE layers)")
     try:
         import triton  # noqa: F401
     except ImportError as e:
