@@ -47,7 +47,7 @@ SMOKE = {"device": "cpu", "default_model": "tiny", "num_requests": 8, "prompt_le
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
     cli.add_model_args(p)
     cli.add_engine_args(p, mode_flags=False)
     g = p.add_argument_group("benchmark")

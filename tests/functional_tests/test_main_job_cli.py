@@ -71,12 +71,16 @@ def test_bad_flags_are_argparse_errors(flags, needle, capsys):
     assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
-def test_help_states_each_default_once():
-    text = build_parser("x").format_help()
+@pytest.mark.parametrize("which", ["main_job", "benchmark"])
+def test_help_states_each_default_once(which):
+    from megatron_async.tools import benchmark
+
+    text = (build_parser("x") if which == "main_job" else benchmark.build_parser()).format_help()
     assert "(default: None)" not in text and "default: False" not in text
     for block in text.split("\n  -")[1:]:
         assert block.count("default:") <= 1, block
-    assert "--num-tokens-to-generate" in text and "(default: 1.0)" in text  # --temperature
+    if which == "main_job":
+        assert "--num-tokens-to-generate" in text and "(default: 1.0)" in text  # --temperature
 
 
 def test_truncated_checkpoint_is_one_line_naming_the_file(tmp_path, capsys):
