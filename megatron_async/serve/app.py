@@ -20,7 +20,6 @@ from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission
 from megatron_async.serve.metrics import CONTENT_TYPE, ServerMetrics
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
-DISCONNECT_POLL_S = 0.5
 
 
 @dataclass
@@ -32,6 +31,13 @@ class ServerState:
     chat_template: ChatTemplate | None
     max_model_len: int
     """Most tokens (prompt + output) a request can reach: max_sequence_length capped by the KV pool."""
+
+
+async def _client_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the request body was already read, so
+    the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class _ClientGone(Exception):
@@ -183,30 +189,29 @@ def create_app(state: ServerState) -> FastAPI:
         return whole(outs)
 
     async def _collect(request: Request, sub: Submission) -> list[RequestOutput]:
-        """Wait for every choice's final output; abort them when the client goes away."""
+        """Wait for every choice's final output; abort them as soon as the client goes away
+        (a watcher waits for the ASGI disconnect message: no polling interval to race with)."""
         outs: list[RequestOutput | None] = [None] * len(sub.choices)
         done = 0
-        clock = asyncio.get_running_loop().time
-        next_check = clock() + DISCONNECT_POLL_S
-        while done < len(outs):
-            try:
-                ev = await asyncio.wait_for(sub.events.get(), max(0.0, next_check - clock()))
-            except asyncio.TimeoutError:
-                ev = None
-            if clock() >= next_check:  # also while tokens keep coming
-                if await request.is_disconnected():
+        gone = asyncio.ensure_future(_client_disconnect(request))
+        try:
+            while done < len(outs):
+                nxt = asyncio.ensure_future(sub.events.get())
+                ready, _ = await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if nxt not in ready:
+                    nxt.cancel()
                     state.engine_loop.abort(sub)
-                    raise _ClientGone() from None
-                next_check = clock() + DISCONNECT_POLL_S
-            if ev is None:
-                continue
-            error = ev.error or (ev.output.error if ev.output is not None and ev.output.finish_reason == "error" else None)
-            if error is not None:
-                state.engine_loop.abort(sub)
-                raise RuntimeError(error)
-            if ev.output is not None:
-                outs[ev.index] = ev.output
-                done += 1
+                    raise _ClientGone()
+                ev = nxt.result()
+                error = ev.error or (ev.output.error if ev.output is not None and ev.output.finish_reason == "error" else None)
+                if error is not None:
+                    state.engine_loop.abort(sub)
+                    raise RuntimeError(error)
+                if ev.output is not None:
+                    outs[ev.index] = ev.output
+                    done += 1
+        finally:
+            gone.cancel()
         return outs
 
     async def _stream(sub: Submission, head: resp.ResponseHead, chunk: Callable, usage_prompts: list[list[int]] | None,
