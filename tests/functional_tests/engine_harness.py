@@ -38,6 +38,24 @@ def run_arrivals(llm: LLM, arrivals: list[Arrival], max_steps: int = 5000) -> di
     return outs
 
 
+def run_leader_arrivals(llm: LLM, rank: int, arrivals: list[tuple[int, list[int], SamplingParams]],
+                        max_steps: int = 500) -> dict[int, list[int]]:
+    """Multi-rank: every rank runs this same loop (the same collective calls); only rank 0 adds
+    the (step, prompt, params) arrivals. Returns tokens by request id."""
+    eng, steps, outs = llm.engine, 0, {}
+    pending = sorted(arrivals, key=lambda a: a[0])
+    while pending or eng.has_unfinished_requests():
+        while pending and pending[0][0] <= steps:
+            _, prompt, params = pending.pop(0)
+            if rank == 0:
+                eng.add_request(prompt, params)
+        for out in eng.step().finished:
+            outs[out.request_id] = out.generated_tokens
+        steps += 1
+        assert steps < max_steps, "engine made no progress"
+    return outs
+
+
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

@@ -15,6 +15,7 @@ import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.testing.multiprocess import run_ranks
+from tests.functional_tests.engine_harness import run_leader_arrivals
 from megatron_async.tools.main_job import main
 
 CONFIG = dict(block_size_tokens=4, num_kv_blocks=128, max_requests=4, max_tokens=16, max_sequence_length=128)
@@ -29,19 +30,7 @@ MIXED = [GREEDY[i] if i % 2 else SAMPLED[i] for i in range(len(PROMPTS))]
 
 
 def staggered(llm: LLM, rank: int) -> dict[int, list[int]]:
-    """Every rank runs the same loop (the same collective calls); only rank 0 adds requests."""
-    eng, steps, outs = llm.engine, 0, {}
-    pending = list(zip(ARRIVALS, PROMPTS, MIXED))
-    while pending or eng.has_unfinished_requests():
-        while pending and pending[0][0] <= steps:
-            _, prompt, params = pending.pop(0)
-            if rank == 0:
-                eng.add_request(prompt, params)
-        for out in eng.step().finished:
-            outs[out.request_id] = out.generated_tokens
-        steps += 1
-        assert steps < 500, "engine made no progress"
-    return outs
+    return run_leader_arrivals(llm, rank, list(zip(ARRIVALS, PROMPTS, MIXED)))
 
 
 def run_all(llm: LLM, rank: int) -> dict:

@@ -16,6 +16,7 @@ from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
 from megatron_async.testing.hf_models import make_tiny_checkpoint
 from megatron_async.testing.multiprocess import run_ranks
+from tests.functional_tests.engine_harness import run_leader_arrivals
 from megatron_async.tools.main_job import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,19 +36,7 @@ def prompts_for(vocab: int) -> list[list[int]]:
 
 
 def staggered(llm: LLM, rank: int) -> dict[int, list[int]]:
-    """Every rank runs this same loop (same collective calls); only rank 0 adds requests."""
-    eng, steps, outs = llm.engine, 0, {}
-    pending = list(zip(ARRIVAL_STEPS, prompts_for(llm.model.vocab_size), ARRIVAL_PARAMS))
-    while pending or eng.has_unfinished_requests():
-        while pending and pending[0][0] <= steps:
-            _, prompt, params = pending.pop(0)
-            if rank == 0:
-                eng.add_request(prompt, params)
-        for out in eng.step().finished:
-            outs[out.request_id] = out.generated_tokens
-        steps += 1
-        assert steps < 500, "engine made no progress"
-    return outs
+    return run_leader_arrivals(llm, rank, list(zip(ARRIVAL_STEPS, prompts_for(llm.model.vocab_size), ARRIVAL_PARAMS)))
 
 
 def run_all(llm: LLM, rank: int) -> dict:
