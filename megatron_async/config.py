@@ -30,6 +30,15 @@ class ExpertExchange(str, Enum):
     # split sizes come back to the host (one sync per MoE layer): eager only
 
 
+class AllReduceBackend(str, Enum):
+    """How the tensor-parallel all-reduce of activations runs on GPUs (``parallel/p2p_all_reduce.py``)."""
+
+    AUTO = "auto"  # P2P for messages up to p2p_all_reduce_max_bytes when the TP group's GPUs can map each
+    # other's memory (CUDA, fp32 / bf16), NCCL otherwise; CPU (gloo) always uses the process group
+    NCCL = "nccl"  # always the process group's collective (NCCL on CUDA, gloo on CPU)
+    P2P = "p2p"  # like AUTO, but an error at load when the P2P buffers cannot be set up
+
+
 class MambaBackend(str, Enum):
     """Which SSM / conv1d implementation the Mamba mixers call."""
 
@@ -114,6 +123,17 @@ class InferenceConfig:
     (GPT; not Mamba2 layers); needs Triton (CUDA, or
     CPU with ``TRITON_INTERPRET=1``). Costs throughput; off = today's kernels, no extra work."""
 
+    tp_all_reduce: AllReduceBackend = AllReduceBackend.AUTO
+    """Tensor-parallel all-reduce of small messages (decode activations): one kernel that reads
+    every rank's copy through CUDA P2P mappings of a symmetric buffer (torch symmetric memory,
+    never NVLink multicast) instead of NCCL's ring / tree round trips; CUDA-graph safe. Larger
+    messages, other dtypes and CPU runs use NCCL / gloo. Under ``batch_invariant`` the TP sum
+    keeps its fixed-order all-gather either way."""
+
+    p2p_all_reduce_max_bytes: int = 8 << 20
+    """Largest message (bytes) the P2P all-reduce takes; larger ones go to NCCL. Each rank
+    allocates one symmetric buffer of this size. 0 turns the P2P path off."""
+
     seed: int = 1234
     """Seed of the engine's generator that gives seeds to requests that bring none."""
 
@@ -132,3 +152,6 @@ class InferenceConfig:
         self.attention_backend = AttentionBackend(self.attention_backend)
         self.mamba_backend = MambaBackend(self.mamba_backend)
         self.sampling_backend = SamplingBackend(self.sampling_backend)
+        self.tp_all_reduce = AllReduceBackend(self.tp_all_reduce)
+        if self.p2p_all_reduce_max_bytes < 0:
+            raise ValueError(f"InferenceConfig.p2p_all_reduce_max_bytes must be >= 0, got {self.p2p_all_reduce_max_bytes}")

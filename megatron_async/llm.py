@@ -19,6 +19,7 @@ from megatron_async.inference.request import InvalidRequestError, RequestOutput,
 from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 from megatron_async.kernels.attention import set_attention_backend
 from megatron_async.kernels.mamba_ops import set_mamba_backend
+from megatron_async.parallel.p2p_all_reduce import with_p2p_all_reduce
 from megatron_async.parallel.state import ParallelState
 
 log = logging.getLogger("megatron_async")
@@ -86,6 +87,8 @@ class LLM:
                 torch.cuda.set_device(self.device)
             self.parallel = ParallelState.from_torchrun(tensor_parallel_size, self.device, expert_parallel_size)
         try:
+            self.parallel = with_p2p_all_reduce(self.parallel, self.config.tp_all_reduce,
+                                                self.config.p2p_all_reduce_max_bytes, self.device)
             if self.parallel.is_distributed:
                 self.communicator = ZMQCommunicator.from_rendezvous(
                     self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size)

@@ -1,7 +1,7 @@
 """The collectives of the forward pass, in one place: tensor-parallel all-reduce / all-gather
-and the expert-parallel token exchange of MoE layers. A faster small-message all-reduce (CUDA
-P2P / symmetric memory) plugs in here, with NCCL / gloo as the fallback. Each is the identity at
-size 1 (no collective at all).
+and the expert-parallel token exchange of MoE layers. Small TP all-reduces take the P2P path
+(``parallel.tp_reducer``, ``p2p_all_reduce.py``) when the group has one, NCCL / gloo otherwise.
+Each is the identity at size 1 (no collective at all).
 
 The default EP exchange (all-gather / reduce-scatter) needs equal shapes on every rank: each
 rank pads its tokens to the count the engines agreed on the CPU (``StepInputs.ep_num_tokens``),
@@ -37,6 +37,9 @@ def tp_all_reduce(x: torch.Tensor, parallel: ParallelState, batch_invariant: boo
     if parallel.tp_size == 1:
         return x
     if not batch_invariant:
+        reducer = parallel.tp_reducer
+        if reducer is not None and reducer.accepts(x):
+            return reducer.all_reduce(x)
         dist.all_reduce(x, group=parallel.tp_group)
         return x
     parts = [torch.empty_like(x) for _ in range(parallel.tp_size)]

@@ -38,6 +38,9 @@ class ParallelState:
     dp_size: int = 1
     """Attention data parallelism: each dp rank is an engine with its own requests. Equal to
     (ep_rank, ep_size) when built by ``from_torchrun``."""
+    tp_reducer: Any = None
+    """The TP group's P2P all-reduce for small messages (``parallel/p2p_all_reduce.py``,
+    attached by ``with_p2p_all_reduce``); None: the process group's collective for every size."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "ep", "dp"):
@@ -125,5 +128,7 @@ class ParallelState:
 
     def destroy(self) -> None:
         """Leave the process groups (tests run several parallel jobs in one process's lifetime)."""
+        if self.tp_reducer is not None:
+            self.tp_reducer.close()
         if (self.tp_group is not None or self.ep_group is not None) and dist.is_initialized():
             dist.destroy_process_group()

@@ -172,7 +172,9 @@ def _counting_worker(rank: int, world: int) -> dict:
         eng.step = counted_step
         outs = staggered(llm, rank)
         st = eng.stats
-        return {"outs": outs, "steps": calls["step"], "rounds": st.consensus_rounds, "seconds": st.consensus_time}
+        return {"outs": outs, "steps": calls["step"], "rounds": st.consensus_rounds, "seconds": st.consensus_time,
+                "samples": len(st.consensus_round_seconds), "p50_us": st.consensus_us(50), "p99_us": st.consensus_us(99),
+                "as_dict": {k: v for k, v in st.as_dict().items() if k.startswith("consensus")}}
     finally:
         llm.close()
 
@@ -185,6 +187,8 @@ def test_one_consensus_exchange_per_step():
     for got in (r0, r1):
         assert got["rounds"] <= got["steps"] + 2, got  # + the idle checks at the start and the end
         assert got["seconds"] > 0
+        assert got["samples"] == got["rounds"] and 0 < got["p50_us"] <= got["p99_us"], got  # one duration per round
+        assert got["as_dict"]["consensus_p99_us"] == got["p99_us"] and "consensus_round_seconds" not in got["as_dict"]
 
 
 JOB_ARGS = ["--num-requests", "6", "--prompt-len-min", "4", "--prompt-len-max", "12", "--output-len-min", "3",

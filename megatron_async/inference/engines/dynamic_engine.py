@@ -186,10 +186,12 @@ class DynamicInferenceEngine:
                upload: StepResult | None = None) -> Agreement:
         """The per-step exchange; admits the new requests and marks the aborts it brings."""
         sync = self._sync
+        before = sync.seconds
         got = sync.exchange(self._has_local_work(), num_tokens, eager, leader_waiting=self._leader_waiting,
                             load=len(self._requests), upload=upload, from_step=from_step)
         self.stats.consensus_rounds = sync.rounds
         self.stats.consensus_time = sync.seconds
+        self.stats.consensus_round_seconds.append(sync.seconds - before)
         for new in got.news:
             self._admit(new)
         for rid in got.aborts:

@@ -1,8 +1,11 @@
 """EngineStats: counters that show what the engine really did (tests assert on them)."""
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
+
+CONSENSUS_WINDOW = 4096
+"""How many of the latest consensus rounds keep their own duration (for p50 / p99)."""
 
 
 @dataclass
@@ -49,6 +52,8 @@ class EngineStats:
     """Per-step ZMQ exchanges among TP / EP ranks (one per step, plus one per idle check)."""
     consensus_time: float = 0.0
     """Host seconds spent in those exchanges (waiting for the slowest rank included)."""
+    consensus_round_seconds: deque = field(default_factory=lambda: deque(maxlen=CONSENSUS_WINDOW))
+    """Host seconds of each of the latest ``CONSENSUS_WINDOW`` exchanges (``consensus_us``)."""
     dummy_steps: int = 0
     """Data-parallel engines: steps where this rank had nothing to launch while another rank
     did, so it ran a dummy forward (its collectives must match the others')."""
@@ -71,6 +76,13 @@ class EngineStats:
     def consensus_us_per_round(self) -> float:
         return 1e6 * self.consensus_time / self.consensus_rounds if self.consensus_rounds else 0.0
 
+    def consensus_us(self, percentile: float) -> float:
+        """A percentile (0-100) of the latest exchanges' durations in us; 0 without any."""
+        xs = sorted(self.consensus_round_seconds)
+        if not xs:
+            return 0.0
+        return 1e6 * xs[min(len(xs) - 1, int(percentile / 100 * len(xs)))]
+
     @property
     def overlap_ratio(self) -> float:
         return self.overlapped_decode_steps / self.decode_steps if self.decode_steps else 0.0
@@ -78,6 +90,9 @@ class EngineStats:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["rejected_causes"] = dict(self.rejected_causes)
+        del d["consensus_round_seconds"]
+        d["consensus_p50_us"] = self.consensus_us(50)
+        d["consensus_p99_us"] = self.consensus_us(99)
         d["mean_decode_step_ms"] = self.mean_decode_step_ms
         d["mean_prefill_step_ms"] = self.mean_prefill_step_ms
         d["overlap_ratio"] = self.overlap_ratio

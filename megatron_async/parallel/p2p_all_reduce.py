@@ -1,0 +1,175 @@
+"""A small-message tensor-parallel all-reduce through CUDA P2P instead of NCCL.
+
+Decode all-reduces are tiny (batch x hidden x 2 bytes: 8 KB at batch 1, 1 MB at batch 128 for a
+4096-wide model) and there are two per layer, so NCCL's fixed cost per collective (ring / tree
+steps, protocol handshakes) dominates them. Here every rank of the TP group owns one buffer of
+torch symmetric memory: the same-size allocation on every rank, mapped into the others' address
+space once at load. A call is then
+- one-shot (small messages): one kernel copies this rank's tensor into its buffer, meets the
+  other ranks at a barrier of flags in the buffers' signal pads, reads every rank's copy over
+  NVLink and writes the sum (each rank reads N x the message; the fewest steps);
+- two-shot (medium messages): after a copy into the buffer, each rank sums 1/N of the elements
+  from every rank and the ranks gather the summed slices (N x fewer bytes read per rank);
+- NCCL above ``max_bytes``, for dtypes other than fp32 / bf16, and for odd sizes.
+Multicast (NVLS, multimem instructions) is never used: on shared hosts it can take the GPUs down.
+
+CUDA-graph safe: the buffer and its peer mappings are fixed at load, each call launches one or
+two kernels on the current stream, and the barrier flags return to zero by the end of every
+call, so a replay behaves like the captured call. All ranks take the same path because the
+choice depends only on the tensor's size, dtype and layout, which are equal on every TP rank."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import warnings
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from megatron_async.config import AllReduceBackend
+from megatron_async.parallel.state import ParallelState
+
+log = logging.getLogger("megatron_async")
+
+ONE_SHOT_MAX_BYTES = 512 << 10
+"""Messages up to this size use one-shot, larger ones two-shot (a bandwidth trade: one-shot
+reads world_size x the message per rank). Measured on 4x H200: docs/PERFORMANCE.md."""
+
+_DTYPES = (torch.float32, torch.bfloat16)  # what torch's symmetric-memory reduce kernels dispatch
+_OPS = ("one_shot_all_reduce_copy_out", "two_shot_all_reduce_out")
+# Set before the first symmetric allocation: multicast objects are never created.
+_NO_MULTICAST_ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class P2PAllReduceUnavailable(RuntimeError):
+    """``tp_all_reduce="p2p"`` was asked for but the TP group cannot set up P2P buffers."""
+
+
+def with_p2p_all_reduce(parallel: ParallelState, backend: AllReduceBackend | str, max_bytes: int,
+                        device: torch.device) -> ParallelState:
+    """``parallel`` with its TP group's P2P all-reduce attached (``parallel.tp_reducer``), or
+    unchanged when the backend is NCCL, TP is off, ``max_bytes`` is 0, or (AUTO) the group cannot
+    use P2P. Collective over the TP group on CUDA; call it on every rank before building layers."""
+    backend = AllReduceBackend(backend)
+    if parallel.tp_size == 1 or backend is AllReduceBackend.NCCL or max_bytes == 0:
+        return parallel
+    reducer = P2PAllReduce.create(parallel.tp_group, torch.device(device), max_bytes,
+                                  required=backend is AllReduceBackend.P2P)
+    return parallel if reducer is None else dataclasses.replace(parallel, tp_reducer=reducer)
+
+
+def _local_problem(device: torch.device) -> str | None:
+    """Why this rank cannot take part (None: it can)."""
+    if device.type != "cuda":
+        return f"needs CUDA devices (device is {device})"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError as e:
+        return f"torch has no symmetric memory ({e})"
+    missing = [op for op in _OPS if not hasattr(torch.ops.symm_mem, op)]
+    return f"torch lacks symm_mem ops {missing}" if missing else None
+
+
+class P2PAllReduce:
+    """The TP group's symmetric buffer and the size rules; call ``accepts`` then ``all_reduce``.
+    Build it with ``create`` (collective over the TP group)."""
+
+    def __init__(self, group, buffer: torch.Tensor, max_bytes: int, one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES):
+        self.group = group
+        self.group_name = group.group_name
+        self.buffer = buffer
+        self.max_bytes = max_bytes
+        """Largest message taken (<= the buffer); mutable: 0 sends everything to NCCL (benchmarks
+        compare both paths in one process this way; CUDA graphs keep the path they captured)."""
+        self.one_shot_max_bytes = one_shot_max_bytes
+        self.calls: Counter = Counter()
+        """Host-side count of calls per path ("one_shot", "two_shot"); a graph counts at capture."""
+
+    @classmethod
+    def create(cls, group, device: torch.device, max_bytes: int, required: bool) -> P2PAllReduce | None:
+        """Collective over ``group``: every rank checks itself, the ranks agree, and only if all
+        can do they allocate and exchange the buffer. None (NCCL for everything) when some rank
+        cannot, or raise P2PAllReduceUnavailable (on every rank) when ``required``."""
+        problem = _local_problem(device)
+        if problem is not None and device.type != "cuda":  # gloo group: decided alike on every rank, no collective
+            return _unavailable(problem, required)
+        infos: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(infos, (socket.gethostname(), device.index, problem), group=group)
+        problem = _group_problem(infos, device)
+        if problem is None:
+            try:
+                buffer = _rendezvous_buffer(group, device, max_bytes)
+            except Exception as e:  # noqa: BLE001 - any failure means: use NCCL
+                problem, buffer = f"symmetric memory setup failed on rank {dist.get_rank(group)}: {e}", None
+        ok = torch.tensor([problem is None], dtype=torch.int32, device=device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        if not bool(ok.item()):
+            return _unavailable(problem or "symmetric memory setup failed on another rank", required)
+        return cls(group, buffer, max_bytes)
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` takes the P2P path (the same answer on every rank for the same shape)."""
+        nbytes = x.numel() * x.element_size()
+        # The kernels' vector width must be the same for the buffer (offset 0) and x: a 16-byte
+        # aligned start and a size that is a multiple of 4 bytes give both min(16, size alignment).
+        return (x.is_cuda and x.dtype in _DTYPES and 0 < nbytes <= self.max_bytes and nbytes % 4 == 0
+                and x.is_contiguous() and (x.storage_offset() * x.element_size()) % 16 == 0)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group, in place (``accepts(x)`` must hold)."""
+        nbytes = x.numel() * x.element_size()
+        staged = self.buffer[:nbytes].view(x.dtype).view(x.shape)
+        if nbytes <= self.one_shot_max_bytes:
+            self.calls["one_shot"] += 1
+            # Each thread copies its elements of x into the buffer before the barrier and writes
+            # the same elements of the sum after it, so the output may be x itself.
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, x, "sum", self.group_name, x)
+        else:
+            self.calls["two_shot"] += 1
+            staged.copy_(x)
+            torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self.group_name, x)
+        return x
+
+    def close(self) -> None:
+        """Drop the buffer (before the process group goes); later calls all go to NCCL."""
+        self.buffer, self.max_bytes = None, 0
+
+
+def _group_problem(infos: list, device: torch.device) -> str | None:
+    """The first reason any rank cannot take part, judged alike on every rank from the gathered
+    (host, device index, problem) triples, plus this rank's peer access to the others' GPUs."""
+    for rank, (_, _, problem) in enumerate(infos):
+        if problem is not None:
+            return f"rank {rank}: {problem}"
+    if len({host for host, _, _ in infos}) > 1:
+        return "the TP group spans several hosts (P2P needs one NVLink domain)"
+    indices = [index for _, index, _ in infos]
+    if len(set(indices)) == len(indices) and max(indices) < torch.cuda.device_count():  # all GPUs visible here
+        blocked = [i for i in indices if i != device.index and not torch.cuda.can_device_access_peer(device.index, i)]
+        if blocked:
+            return f"GPU {device.index} cannot access the memory of GPUs {blocked}"
+    return None
+
+
+def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> torch.Tensor:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    for key, value in _NO_MULTICAST_ENV.items():
+        os.environ[key] = value
+    with warnings.catch_warnings():  # older torch needs it, newer deprecates it
+        warnings.simplefilter("ignore")
+        if hasattr(symm_mem, "enable_symm_mem_for_group") and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+    buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    symm_mem.rendezvous(buffer, group.group_name)
+    return buffer
+
+
+def _unavailable(problem: str, required: bool) -> None:
+    if required:
+        raise P2PAllReduceUnavailable(f"tp_all_reduce='p2p': {problem}")
+    log.info("P2P all-reduce off (NCCL / gloo for every size): %s", problem)
+    return None

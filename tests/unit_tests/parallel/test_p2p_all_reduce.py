@@ -1,0 +1,91 @@
+"""The P2P all-reduce's CPU side: under gloo every backend setting falls back cleanly (AUTO and
+NCCL silently, P2P with the same clear error on every rank, no hang), ``tp_all_reduce`` sends a
+message to the group's reducer exactly when it accepts it (never in batch-invariant mode), and
+the config knob is validated. The GPU side: tests/functional_tests/test_multigpu_p2p_all_reduce.py."""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_async import InferenceConfig  # noqa: E402
+from megatron_async.config import AllReduceBackend  # noqa: E402
+from megatron_async.parallel.communication import tp_all_reduce  # noqa: E402
+from megatron_async.parallel.p2p_all_reduce import P2PAllReduceUnavailable, with_p2p_all_reduce  # noqa: E402
+from megatron_async.parallel.state import ParallelState  # noqa: E402
+from megatron_async.testing.multiprocess import run_ranks  # noqa: E402
+
+
+class _CountingReducer:
+    """Stands in for P2PAllReduce: takes messages up to ``max_numel`` and sums them over gloo."""
+
+    def __init__(self, group, max_numel: int):
+        self.group, self.max_numel, self.taken = group, max_numel, []
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        return x.numel() <= self.max_numel
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.taken.append(x.numel())
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+def _gloo_worker(rank: int, world: int) -> dict:
+    base = ParallelState.from_torchrun(world, "cpu")
+    try:
+        out = {}
+        for backend in AllReduceBackend:
+            try:
+                out[backend.value] = with_p2p_all_reduce(base, backend, 8 << 20, torch.device("cpu")).tp_reducer
+            except P2PAllReduceUnavailable as e:
+                out[backend.value] = str(e)
+        out["p2p_off"] = with_p2p_all_reduce(base, "p2p", 0, torch.device("cpu")).tp_reducer  # 0 bytes: nothing asked
+        fake = _CountingReducer(base.tp_group, max_numel=8)
+        parallel = dataclasses.replace(base, tp_reducer=fake)
+        small, large = torch.full((2, 4), float(rank + 1)), torch.full((3, 5), float(rank + 1))
+        out["small"] = tp_all_reduce(small, parallel).tolist()
+        out["large"] = tp_all_reduce(large, parallel).tolist()
+        out["invariant"] = tp_all_reduce(torch.full((2, 4), float(rank + 1)), parallel, batch_invariant=True).tolist()
+        out["taken"] = fake.taken
+        return out
+    finally:
+        base.destroy()
+
+
+def test_gloo_falls_back_and_routes_by_size():
+    for rank, got in enumerate(run_ranks(_gloo_worker, 2, timeout_s=60)):
+        assert got["auto"] is None and got["nccl"] is None and got["p2p_off"] is None, rank
+        assert got["p2p"] == "tp_all_reduce='p2p': needs CUDA devices (device is cpu)"
+        assert got["small"] == [[3.0] * 4] * 2 and got["large"] == [[3.0] * 5] * 3
+        assert got["invariant"] == [[3.0] * 4] * 2
+        assert got["taken"] == [8]  # only the small message, and not the batch-invariant sum
+
+
+def _llm_worker(rank: int, world: int) -> str:
+    from megatron_async import LLM
+
+    cfg = InferenceConfig(max_requests=4, max_tokens=64, num_kv_blocks=16, tp_all_reduce="p2p")
+    try:
+        LLM(None, inference_config=cfg, tensor_parallel_size=world)
+    except P2PAllReduceUnavailable as e:
+        return str(e)
+    return "built"
+
+
+def test_llm_asked_for_p2p_on_cpu_fails_on_every_rank():
+    assert run_ranks(_llm_worker, 2, timeout_s=60) == ["tp_all_reduce='p2p': needs CUDA devices (device is cpu)"] * 2
+
+
+def test_config_knob():
+    cfg = InferenceConfig(tp_all_reduce="nccl")
+    cfg.validate()
+    assert cfg.tp_all_reduce is AllReduceBackend.NCCL and InferenceConfig().tp_all_reduce is AllReduceBackend.AUTO
+    with pytest.raises(ValueError, match="p2p_all_reduce_max_bytes must be >= 0"):
+        InferenceConfig(p2p_all_reduce_max_bytes=-1).validate()
+    with pytest.raises(ValueError):
+        InferenceConfig(tp_all_reduce="multicast").validate()
