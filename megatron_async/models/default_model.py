@@ -85,6 +85,24 @@ DEFAULT_CONFIGS: dict[str, dict] = {
         "eos_token_id": 151645,
         "dtype": "bfloat16",
     },
+    # The shape of Qwen/Qwen3-8B (~8.2B parameters, 16.4 GB in bf16): a size where tensor
+    # parallelism pays (scripts/bench_tp_scaling.py).
+    "qwen3-8b": {
+        **_QWEN3_COMMON,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "dtype": "bfloat16",
+    },
 }
 
 # A tiny Qwen3-MoE (8 experts, top-2, normalised; layer 1 dense) on the tiny tokenizer's

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import socket
+import time
 import warnings
 from collections import Counter
 
@@ -38,8 +39,11 @@ ONE_SHOT_MAX_BYTES = 512 << 10
 """Messages up to this size use one-shot, larger ones two-shot (a bandwidth trade: one-shot
 reads world_size x the message per rank). Measured on 4x H200: docs/PERFORMANCE.md."""
 
+SELF_TEST_TIMEOUT_S = 30.0
+"""How long the load-time self-test may take before the P2P path is declared broken."""
+
 _DTYPES = (torch.float32, torch.bfloat16)  # what torch's symmetric-memory reduce kernels dispatch
-_OPS = ("one_shot_all_reduce_copy_out", "two_shot_all_reduce_out")
+_TWO_SHOT_WORLD_SIZES = (2, 4, 8)  # torch's two-shot kernel with an output tensor exists for these only
 # Set before the first symmetric allocation: multicast objects are never created.
 _NO_MULTICAST_ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -69,8 +73,9 @@ def _local_problem(device: torch.device) -> str | None:
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError as e:
         return f"torch has no symmetric memory ({e})"
-    missing = [op for op in _OPS if not hasattr(torch.ops.symm_mem, op)]
-    return f"torch lacks symm_mem ops {missing}" if missing else None
+    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
+        return "torch lacks torch.ops.symm_mem.one_shot_all_reduce_copy_out"
+    return None
 
 
 class P2PAllReduce:
@@ -85,6 +90,10 @@ class P2PAllReduce:
         """Largest message taken (<= the buffer); mutable: 0 sends everything to NCCL (benchmarks
         compare both paths in one process this way; CUDA graphs keep the path they captured)."""
         self.one_shot_max_bytes = one_shot_max_bytes
+        self.two_shot = dist.get_world_size(group) in _TWO_SHOT_WORLD_SIZES and hasattr(
+            torch.ops.symm_mem, "two_shot_all_reduce_out")
+        """Messages above ``one_shot_max_bytes`` go two-shot; without it (other group sizes,
+        older torch) they go to NCCL."""
         self.calls: Counter = Counter()
         """Host-side count of calls per path ("one_shot", "two_shot"); a graph counts at capture."""
 
@@ -104,11 +113,41 @@ class P2PAllReduce:
                 buffer = _rendezvous_buffer(group, device, max_bytes)
             except Exception as e:  # noqa: BLE001 - any failure means: use NCCL
                 problem, buffer = f"symmetric memory setup failed on rank {dist.get_rank(group)}: {e}", None
-        ok = torch.tensor([problem is None], dtype=torch.int32, device=device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-        if not bool(ok.item()):
+        if not _all_agree(problem is None, group, device):
             return _unavailable(problem or "symmetric memory setup failed on another rank", required)
-        return cls(group, buffer, max_bytes)
+        reducer = cls(group, buffer, max_bytes)
+        problem = reducer.self_test()
+        if not _all_agree(problem is None, group, device):
+            reducer.close()
+            return _unavailable(problem or "the self-test failed on another rank", required)
+        return reducer
+
+    def self_test(self, timeout_s: float = SELF_TEST_TIMEOUT_S) -> str | None:
+        """Sum exactly representable values through one-shot (and two-shot) and compare bit for
+        bit: a problem string if a sum is wrong. Raises RuntimeError if the kernels do not finish
+        within ``timeout_s`` (P2P mappings that do not work spin forever: an error, not a hang)."""
+        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        sizes = [1024] + ([self.one_shot_max_bytes // 4 + 64] if self.two_shot else [])
+        sizes = [n for n in sizes if 4 * n <= self.max_bytes]
+        device = self.buffer.device
+        results = []
+        for n in sizes:
+            pattern = torch.arange(n, device=device, dtype=torch.float32) % 7
+            x = pattern + (rank + 1)
+            results.append((self.all_reduce(x), pattern * world + world * (world + 1) // 2))
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                msg = (f"P2P all-reduce self-test did not finish in {timeout_s:.0f} s on rank {rank}: the GPUs' P2P "
+                       "mappings do not work here; use InferenceConfig.tp_all_reduce='nccl'")
+                log.error(msg)
+                raise RuntimeError(msg)
+            time.sleep(0.001)
+        self.calls.clear()
+        bad = [x.numel() for x, want in results if not torch.equal(x, want)]
+        return f"self-test sums wrong on rank {rank} for {bad} elements" if bad else None
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether ``x`` takes the P2P path (the same answer on every rank for the same shape)."""
@@ -116,6 +155,7 @@ class P2PAllReduce:
         # The kernels' vector width must be the same for the buffer (offset 0) and x: a 16-byte
         # aligned start and a size that is a multiple of 4 bytes give both min(16, size alignment).
         return (x.is_cuda and x.dtype in _DTYPES and 0 < nbytes <= self.max_bytes and nbytes % 4 == 0
+                and (self.two_shot or nbytes <= self.one_shot_max_bytes)
                 and x.is_contiguous() and (x.storage_offset() * x.element_size()) % 16 == 0)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,6 +176,12 @@ class P2PAllReduce:
     def close(self) -> None:
         """Drop the buffer (before the process group goes); later calls all go to NCCL."""
         self.buffer, self.max_bytes = None, 0
+
+
+def _all_agree(ok: bool, group, device: torch.device) -> bool:
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def _group_problem(infos: list, device: torch.device) -> str | None:
@@ -161,7 +207,8 @@ def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> torch.Tensor
         os.environ[key] = value
     with warnings.catch_warnings():  # older torch needs it, newer deprecates it
         warnings.simplefilter("ignore")
-        if hasattr(symm_mem, "enable_symm_mem_for_group") and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
+        enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", lambda name: False)
+        if hasattr(symm_mem, "enable_symm_mem_for_group") and not enabled(group.group_name):
             symm_mem.enable_symm_mem_for_group(group.group_name)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     symm_mem.rendezvous(buffer, group.group_name)

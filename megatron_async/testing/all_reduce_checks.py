@@ -6,6 +6,7 @@ under TP with CUDA graphs on either backend (its tokens are compared with TP=1).
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -165,6 +166,9 @@ def all_reduce_worker(rank: int, world: int, group_sizes: list[int], time_sizes_
     """One spawned rank: for each group size, build the P2P all-reduce on the first ``g`` ranks
     (``required``: no silent NCCL), check values and graph replay, then time ``time_sizes_bytes``.
     Last, with ``engine_ckpt``: ``engine_worker`` on the whole world with P2P (report["engine"])."""
+    t0 = time.perf_counter()
+    say = (lambda msg: print(f"[rank 0, {time.perf_counter() - t0:5.1f} s] {msg}", flush=True)) if rank == 0 else (
+        lambda msg: None)
     torch.cuda.set_device(rank)
     world_state = ParallelState.from_torchrun(world, "cuda")
     report = {}
@@ -173,14 +177,22 @@ def all_reduce_worker(rank: int, world: int, group_sizes: list[int], time_sizes_
             group = dist.group.WORLD if g == world else dist.new_group(list(range(g)))
             if rank < g:
                 reducer = P2PAllReduce.create(group, torch.device("cuda", rank), MAX_BYTES, required=True)
-                report[g] = {"values": check_values(reducer, group, seed),
-                             "graph_errors": check_graph_replay(reducer, group, seed),
-                             "times": time_sizes(reducer, group, time_sizes_bytes, iters) if time_sizes_bytes else [],
-                             "calls": dict(reducer.calls)}
+                say(f"group {g}: P2P buffers exchanged, self-test passed")
+                rep = report[g] = {"values": check_values(reducer, group, seed),
+                                   "graph_errors": check_graph_replay(reducer, group, seed), "times": []}
+                say(f"group {g}: " + ", ".join(f"{r['dtype']} {r['bytes']} B {r['path']} err {r['rel_err']:.1e}"
+                                              for r in rep["values"]))
+                say(f"group {g}: graph replay errors {rep['graph_errors']}")
+                for nbytes in time_sizes_bytes:
+                    rep["times"] += time_sizes(reducer, group, [nbytes], iters)
+                    say(f"group {g}: {rep['times'][-1]}")
+                rep["calls"] = dict(reducer.calls)
                 reducer.close()
             dist.barrier()
         if engine_ckpt is not None:  # the LLM joins this world's process group and leaves it at close
+            say("engine check: TP=world, CUDA graphs, P2P")
             report["engine"] = engine_worker(rank, world, engine_ckpt, "p2p")
+            say(f"engine check done: {report['engine']['p2p_calls']}, {report['engine']['graph_replays']} replays")
         return report
     finally:
         world_state.destroy()

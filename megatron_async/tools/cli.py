@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from megatron_async.config import AttentionBackend, InferenceConfig
+from megatron_async.config import AllReduceBackend, AttentionBackend, InferenceConfig
 from megatron_async.inference.request import SamplingParams
 from megatron_async.models.default_model import DEFAULT_CONFIGS
 from megatron_async.tools.workload import WorkloadRequest, WorkloadSpec
@@ -101,6 +101,9 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--prefix-caching", action="store_true")
     g.add_argument("--batch-invariant", action="store_true", help="batch-invariant numerics (InferenceConfig.batch_invariant)")
+    g.add_argument("--tp-all-reduce", choices=[b.value for b in AllReduceBackend], default=None,
+                   help="small TP all-reduces: P2P symmetric memory (auto: when the GPUs allow) or NCCL "
+                        "(InferenceConfig.tp_all_reduce; default auto)")
     if mode_flags:
         g.add_argument("--serial", action="store_true", help="turn launch-ahead (async scheduling) off")
         g.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
@@ -193,6 +196,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "enable_chunked_prefill": not args.no_chunked_prefill,
         "enable_prefix_caching": args.prefix_caching,
         "batch_invariant": args.batch_invariant,
+        "tp_all_reduce": args.tp_all_reduce,
         "async_scheduling": not getattr(args, "serial", False),
         "cuda_graphs": getattr(args, "cuda_graphs", False),
         "logging_step_interval": args.logging_step_interval,
