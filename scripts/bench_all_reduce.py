@@ -23,10 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_async.testing.all_reduce_checks import (  # noqa: E402
-    all_reduce_worker, assert_group_report, engine_outputs, ENGINE_CONFIG)
+    ENGINE_CONFIG, NO_MULTICAST_ENV, all_reduce_worker, assert_group_report, engine_outputs)
 from megatron_async.testing.multiprocess import run_ranks  # noqa: E402
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SIZES_KB = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 
 
@@ -64,7 +63,7 @@ def main() -> None:
     p.add_argument("--engine", action="store_true", help="also the TP=world engine check (tiny fp32 checkpoint)")
     p.add_argument("--json", type=str, default=None)
     args = p.parse_args()
-    os.environ.update(NO_MULTICAST)
+    os.environ.update(NO_MULTICAST_ENV)
     groups = args.groups or sorted({args.world, 2}, reverse=True)
     ckpt = expected = None
     if args.engine:
@@ -75,7 +74,7 @@ def main() -> None:
         expected = tp1_reference(ckpt)
     sizes = [kb << 10 for kb in args.sizes_kb]
     reports = run_ranks(all_reduce_worker, args.world, groups, sizes, args.iters, 0, ckpt, timeout_s=500,
-                        env=NO_MULTICAST)
+                        env=NO_MULTICAST_ENV)
     failures = check(reports, groups, expected)
     if args.json:
         Path(args.json).write_text(json.dumps({"groups": groups, "reports": reports, "failures": failures},

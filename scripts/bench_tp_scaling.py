@@ -29,7 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from megatron_async.testing.all_reduce_checks import NO_MULTICAST_ENV  # noqa: E402
+
 SMOKE = ["--device", "cpu", "--model", "tiny", "--dtype", "float32", "--tp", "1", "2", "--batches", "1", "4",
          "--prompt-len", "8", "--output-len", "6"]
 
@@ -146,7 +147,7 @@ def _worker(args: argparse.Namespace) -> None:
 def _launch(args: argparse.Namespace, tp: int, out: Path, argv: list[str]) -> dict | None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
            str(Path(__file__).resolve()), *argv, "--worker-out", str(out)]
-    env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    env = {**os.environ, **NO_MULTICAST_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
     try:

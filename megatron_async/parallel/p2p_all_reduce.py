@@ -37,7 +37,8 @@ log = logging.getLogger("megatron_async")
 
 ONE_SHOT_MAX_BYTES = 512 << 10
 """Messages up to this size use one-shot, larger ones two-shot (a bandwidth trade: one-shot
-reads world_size x the message per rank). Measured on 4x H200: docs/PERFORMANCE.md."""
+reads world_size x the message per rank). The crossover vLLM's custom all-reduce uses on NVLink;
+not measured here yet: ``scripts/bench_all_reduce.py`` times both at every size."""
 
 SELF_TEST_TIMEOUT_S = 30.0
 """How long the load-time self-test may take before the P2P path is declared broken."""

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from megatron_async.parallel.p2p_all_reduce import P2PAllReduce
 from megatron_async.parallel.state import ParallelState
 
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+"""For every process of a multi-GPU run: NVLink multicast can take a shared host's GPUs down."""
 HIDDEN = 4096
 MAX_BYTES = 8 << 20
 # (dtype, numel): tiny, unaligned (fp32 4-byte vectors), the one-shot / two-shot edge, the

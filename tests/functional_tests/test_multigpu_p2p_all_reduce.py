@@ -11,19 +11,17 @@ import torch
 
 from megatron_async import LLM, InferenceConfig
 from megatron_async.testing.all_reduce_checks import (
-    ENGINE_CONFIG, all_reduce_worker, assert_group_report, engine_outputs, engine_worker)
+    ENGINE_CONFIG, NO_MULTICAST_ENV, all_reduce_worker, assert_group_report, engine_outputs, engine_worker)
 from megatron_async.testing.hf_models import make_tiny_checkpoint
 from megatron_async.testing.multiprocess import run_ranks
 
 pytestmark = pytest.mark.multigpu
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
 
 def test_p2p_all_reduce_equals_nccl():
     world = 4 if torch.cuda.device_count() >= 4 else 2
     groups = sorted({world, 2}, reverse=True)
-    reports = run_ranks(all_reduce_worker, world, groups, [], 0, timeout_s=300, env=NO_MULTICAST)
+    reports = run_ranks(all_reduce_worker, world, groups, [], 0, timeout_s=300, env=NO_MULTICAST_ENV)
     for g in groups:
         for rank in range(g):
             assert_group_report(reports[rank][g])
@@ -35,7 +33,7 @@ def test_fp32_tp_graphs_tokens_equal_tp1(tmp_path, backend):
     ckpt = str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "qwen3", num_attention_heads=8,
                                     num_key_value_heads=4))
     expected = engine_outputs(LLM(ckpt, device="cuda", dtype="float32", inference_config=InferenceConfig(**ENGINE_CONFIG)))
-    for rank, got in enumerate(run_ranks(engine_worker, world, ckpt, backend, timeout_s=240, env=NO_MULTICAST)):
+    for rank, got in enumerate(run_ranks(engine_worker, world, ckpt, backend, timeout_s=240, env=NO_MULTICAST_ENV)):
         assert got["outputs"] == expected, f"rank {rank}"
         assert got["graph_replays"] > 0
         assert bool(got["p2p_calls"].get("one_shot")) == (backend == "p2p"), got["p2p_calls"]
