@@ -103,7 +103,7 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--batch-invariant", action="store_true", help="batch-invariant numerics (InferenceConfig.batch_invariant)")
     g.add_argument("--tp-all-reduce", choices=[b.value for b in AllReduceBackend], default=None,
                    help="small TP all-reduces: P2P symmetric memory (auto: when the GPUs allow) or NCCL "
-                        "(InferenceConfig.tp_all_reduce; default auto)")
+                        "(InferenceConfig.tp_all_reduce; default nccl)")
     if mode_flags:
         g.add_argument("--serial", action="store_true", help="turn launch-ahead (async scheduling) off")
         g.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
