@@ -267,6 +267,29 @@ def test_small_load_test_loses_and_duplicates_nothing(server):
     assert report.ttft_p50_ms is not None and report.itl_p99_ms is not None
 
 
+def test_load_test_script_starts_a_builtin_model_server(tmp_path):
+    """scripts/load_test.py as the GPU wrapper runs it (built-in model, token-id prompts, warm-up),
+    small: it starts its own server, reports, and exits 0 only when nothing was lost."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "load_test.py"), "--clients", "8", "--requests", "24", "--max-tokens", "6",
+         "--prompt-words", "10", "--token-prompts", "--warmup-requests", "8", "--output-path", str(out),
+         "--", "--default-model", "tiny", "--device", "cpu", "--max-requests", "8"],
+        capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "warm-up: 8/8 requests completed" in proc.stdout and "overlap ratio" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["completed"] == 24 and report["lost"] == report["duplicated"] == 0
+    assert report["output_tokens"] == 24 * 6 and report["itl_p99_ms"] is not None
+
+
 @pytest.mark.parametrize("field, value", [("min_tokens", 6), ("min_p", 0.1), ("presence_penalty", 1.5),
                                           ("frequency_penalty", 1.5), ("repetition_penalty", 1.8)])
 def test_vllm_sampling_fields_reach_the_engine(client, llm, field, value):
