@@ -8,6 +8,8 @@
 # The GPU machine lacks fastapi / uvicorn / openai: first, here, `bash scripts/serve_wheels.sh`
 # (fills .whl), then carry ".whl" with the call. Extra load-test flags may be given, e.g.
 #   bash scripts/gpu_load_test.sh --requests 200; SERVER_FLAGS="--serial" bash scripts/gpu_load_test.sh
+# A CPU check of the script itself: MODEL_FLAGS="--default-model tiny --device cpu" bash scripts/gpu_load_test.sh \
+#   --clients 8 --requests 24 --max-tokens 4 --warmup-requests 8
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -23,6 +25,6 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 # shellcheck disable=SC2086
 python3 scripts/load_test.py --clients 64 --requests 500 --max-tokens 128 --prompt-words 128 --token-prompts \
   --warmup-requests 128 --output-path "$out/load_test.json" "$@" \
-  -- --default-model qwen3-0.6b --device cuda --dtype bfloat16 --max-requests 64 --max-sequence-length 1024 \
-  ${SERVER_FLAGS:---cuda-graphs} 2>&1 | tee "$out/load_test.log"
+  -- ${MODEL_FLAGS:---default-model qwen3-0.6b --device cuda --dtype bfloat16} --max-requests 64 \
+  --max-sequence-length 1024 ${SERVER_FLAGS:---cuda-graphs} 2>&1 | tee "$out/load_test.log"
 exit "${PIPESTATUS[0]}"
