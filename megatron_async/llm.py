@@ -120,11 +120,13 @@ class LLM:
             _check_batch_invariant(self.model, self.device)
         self._fit_max_sequence_length()
         self.model.reserve_positions(self.config.max_sequence_length)
-        tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        # The tokenizer already holds every EOS id of the checkpoint (Tokenizer.from_dir), so the
+        # engine stops on exactly the ids that every other user of the tokenizer sees.
+        tok_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         if model is None:
-            eos_ids = tuple(dict.fromkeys(i for i in (tok_eos, self.model.eos_token_id) if i is not None))
+            eos_ids = tuple(dict.fromkeys(i for i in (*tok_eos, self.model.eos_token_id) if i is not None))
         else:
-            eos_ids = checkpoint_eos_ids(model, tok_eos)
+            eos_ids = tok_eos if self.tokenizer is not None else checkpoint_eos_ids(model)
         facade = DeviceFacade(self.device)
         self.context = DynamicInferenceContext(self.config, self.model, facade, self.dtype)
         self.controller = TextGenerationController(self.model, self.context, eos_ids)

@@ -132,6 +132,11 @@ class RequestUpdate(NamedTuple):
     finished: bool
     finish_reason: str | None
     """Set when ``finished``; the full ``RequestOutput`` is in the same step's ``finished``."""
+    new_log_probs: tuple[float, ...] | None = None
+    """Log-probs of ``new_tokens`` (``return_log_probs``); they concatenate to the final
+    ``generated_log_probs``."""
+    new_top_n_logprobs: tuple[dict[int, float], ...] | None = None
+    """One {token id: log-prob} per new token (``top_n_logprobs`` > 0)."""
 
 
 @dataclass
@@ -205,12 +210,16 @@ class DynamicInferenceRequest:
 
     def take_update(self, with_text: bool = True) -> RequestUpdate:
         """Tokens (and text) gained since the last update (all that is left once finished)."""
-        new = tuple(self.generated_tokens[self.num_streamed_tokens :])
+        start = self.num_streamed_tokens
+        new = tuple(self.generated_tokens[start:])
         self.num_streamed_tokens = len(self.generated_tokens)
         finished = self.status == Status.FINISHED
         text = self.text.take_delta() if self.text is not None and with_text else None
         reason = self.finish_reason.value if finished and self.finish_reason else None
-        return RequestUpdate(self.request_id, new, text, finished, reason)
+        sp = self.sampling_params
+        lps = tuple(self.generated_log_probs[start:]) if sp.return_log_probs else None
+        tops = tuple(self.generated_top_n_logprobs[start:]) if sp.top_n_logprobs > 0 else None
+        return RequestUpdate(self.request_id, new, text, finished, reason, lps, tops)
 
     def to_output(self) -> RequestOutput:
         sp = self.sampling_params

@@ -51,4 +51,6 @@ def attend(
 
         return attention_triton.attend(q, k, v, kv_cache, meta, scale, fixed_order=batch_invariant)
     attention_torch.write_kv(kv_cache, k, v, meta.slot_mapping[: meta.num_tokens])
+    if meta.is_decode_only:
+        return attention_torch.decode_attention(q, kv_cache, meta, scale)
     return attention_torch.paged_attention(q, kv_cache, meta, scale)

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import tokenizers
-from megatron_async.models.config_fields import first_id
+from megatron_async.models.eos_ids import checkpoint_eos_ids
 
 
 def _read_json(path: Path) -> dict:
@@ -16,14 +16,25 @@ def _read_json(path: Path) -> dict:
 
 
 class Tokenizer:
-    def __init__(self, tokenizer: tokenizers.Tokenizer, eos_token_id: int | None):
+    def __init__(self, tokenizer: tokenizers.Tokenizer, eos_token_ids: int | tuple[int, ...] | None):
         self._tok = tokenizer
-        self.eos_token_id = eos_token_id
+        if eos_token_ids is None:
+            eos_token_ids = ()
+        elif isinstance(eos_token_ids, int):
+            eos_token_ids = (eos_token_ids,)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        """Every id that ends generation (the engine stops on any of them)."""
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The main EOS id (the tokenizer's own EOS token when it names one)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load ``tokenizer.json``; the EOS id comes from tokenizer_config.json's ``eos_token``,
-        else generation_config.json, else config.json (first id of a list)."""
+        """Load ``tokenizer.json``. EOS ids: tokenizer_config.json's ``eos_token`` first, then every
+        id of generation_config.json's and config.json's ``eos_token_id`` (an int or a list, as in
+        Llama 3 and Qwen), deduplicated: the same set the engine stops on."""
         root = Path(path)
         tok = tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
         eos: int | None = None
@@ -32,11 +43,7 @@ class Tokenizer:
             eos_token = eos_token.get("content")
         if isinstance(eos_token, str):
             eos = tok.token_to_id(eos_token)
-        if eos is None:
-            eos = first_id(_read_json(root / "generation_config.json").get("eos_token_id"))
-        if eos is None:
-            eos = first_id(_read_json(root / "config.json").get("eos_token_id"))
-        return cls(tok, eos)
+        return cls(tok, checkpoint_eos_ids(root, eos))
 
     @property
     def vocab_size(self) -> int:

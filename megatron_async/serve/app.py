@@ -12,7 +12,7 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from megatron_async.inference.request import InvalidRequestError, RequestOutput
+from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate
 from megatron_async.models.chat_template import ChatTemplate, ChatTemplateError
 from megatron_async.serve import openai_protocol as proto
 from megatron_async.serve import responses as resp
@@ -91,15 +91,21 @@ def create_app(state: ServerState) -> FastAPI:
         req = proto.parse_body(proto.CompletionRequest, await _json_body(request))
         _check_model(req.model)
         proto.check_completion_options(req)
-        if req.stream and req.logprobs is not None:
-            raise proto.BadRequest("logprobs are not supported with stream: true", "logprobs")
         prompts = [_tokens(p) for p in proto.completion_prompts(req)]
         max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         choices = [Choice(p, _params(req, max_tokens, req.logprobs, i)) for p in prompts for i in range(req.n)]
         head = resp.ResponseHead("text_completion", state.model_name, resp.new_id("cmpl"))
 
-        def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool) -> dict:
-            return head.body([resp.completion_chunk_choice(i, text, finish, tokens)])
+        text_offsets = [0] * len(choices)  # per choice: text of the tokens streamed so far
+
+        def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool,
+                  upd: RequestUpdate | None = None) -> dict:
+            lp = None
+            if upd is not None and upd.new_tokens and upd.new_log_probs is not None:
+                lp = resp.completion_logprobs(upd.new_tokens, upd.new_log_probs, upd.new_top_n_logprobs, text_of,
+                                              text_offsets[i])
+                text_offsets[i] += sum(len(t) for t in lp["tokens"])
+            return head.body([resp.completion_chunk_choice(i, text, finish, tokens, lp)])
 
         def whole(outs: list[RequestOutput]) -> dict:
             body = [resp.completion_choice(i, o, text_of, req.return_token_ids) for i, o in enumerate(outs)]
@@ -122,16 +128,18 @@ def create_app(state: ServerState) -> FastAPI:
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, state.max_model_len - len(prompt))
         if req.top_logprobs and not req.logprobs:
             raise proto.BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        if req.stream and req.logprobs:
-            raise proto.BadRequest("logprobs are not supported with stream: true", "logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         choices = [Choice(prompt, _params(req, max_tokens, logprobs, i)) for i in range(req.n)]
         head = resp.ResponseHead("chat.completion.chunk" if req.stream else "chat.completion", state.model_name,
                                  resp.new_id("chatcmpl"))
 
-        def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool) -> dict:
+        def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool,
+                  upd: RequestUpdate | None = None) -> dict:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text or not finish else {})
-            return head.body([resp.chat_chunk_choice(i, delta, finish, tokens)])
+            lp = None
+            if upd is not None and upd.new_tokens and upd.new_log_probs is not None:
+                lp = resp.chat_logprobs(upd.new_tokens, upd.new_log_probs, upd.new_top_n_logprobs, text_of)
+            return head.body([resp.chat_chunk_choice(i, delta, finish, tokens, lp)])
 
         def whole(outs: list[RequestOutput]) -> dict:
             body = [resp.chat_choice(i, o, text_of, req.return_token_ids) for i, o in enumerate(outs)]
@@ -230,7 +238,7 @@ def create_app(state: ServerState) -> FastAPI:
                 text = upd.new_text or ""
                 generated += len(upd.new_tokens)
                 tokens = list(upd.new_tokens) if token_ids else None
-                yield resp.sse(chunk(ev.index, text, None, tokens, not started[ev.index]))
+                yield resp.sse(chunk(ev.index, text, None, tokens, not started[ev.index], upd))
                 started[ev.index] = True
             if out is not None:
                 tokens = [] if token_ids else None

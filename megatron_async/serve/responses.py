@@ -57,29 +57,30 @@ class TokenText:
         return self._cache[token]
 
 
-def completion_logprobs(out: RequestOutput, text_of: TokenText) -> dict | None:
-    """The legacy completions ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset)."""
-    if out.generated_log_probs is None:
+def completion_logprobs(tokens, log_probs, tops, text_of: TokenText, offset: int = 0) -> dict | None:
+    """The legacy completions ``logprobs`` object (tokens, token_logprobs, top_logprobs,
+    text_offset) of some generated tokens; ``offset``: text length before them (a stream's
+    earlier chunks), so that streamed chunks concatenate to the whole answer's object."""
+    if log_probs is None:
         return None
-    tokens = [text_of(t) for t in out.generated_tokens]
-    tops = out.generated_top_n_logprobs
-    offsets, pos = [], 0
-    for s in tokens:
-        offsets.append(pos)
-        pos += len(s)
+    texts = [text_of(t) for t in tokens]
+    offsets = []
+    for s in texts:
+        offsets.append(offset)
+        offset += len(s)
     return {
-        "tokens": tokens,
-        "token_logprobs": list(out.generated_log_probs),
-        "top_logprobs": [{text_of(t): lp for t, lp in top.items()} for top in tops] if tops else None,
+        "tokens": texts,
+        "token_logprobs": list(log_probs),
+        "top_logprobs": [{text_of(t): lp for t, lp in top.items()} for top in tops] if tops is not None else None,
         "text_offset": offsets,
     }
 
 
-def chat_logprobs(out: RequestOutput, text_of: TokenText) -> dict | None:
+def chat_logprobs(tokens, log_probs, tops, text_of: TokenText) -> dict | None:
     """The chat ``logprobs`` object: one entry per generated token with its top alternatives."""
-    if out.generated_log_probs is None:
+    if log_probs is None:
         return None
-    tops = out.generated_top_n_logprobs or [{}] * len(out.generated_tokens)
+    tops = tops if tops is not None else [{}] * len(tokens)
 
     def entry(token: int, lp: float) -> dict:
         s = text_of(token)
@@ -87,8 +88,13 @@ def chat_logprobs(out: RequestOutput, text_of: TokenText) -> dict | None:
 
     return {"content": [
         {**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top.items()]}
-        for t, lp, top in zip(out.generated_tokens, out.generated_log_probs, tops)
+        for t, lp, top in zip(tokens, log_probs, tops)
     ]}
+
+
+def output_logprobs(out: RequestOutput) -> tuple:
+    """(tokens, log-probs, top-n) of a whole answer, for the builders above."""
+    return out.generated_tokens, out.generated_log_probs, out.generated_top_n_logprobs
 
 
 def finish_reason(out: RequestOutput) -> str:
@@ -96,7 +102,8 @@ def finish_reason(out: RequestOutput) -> str:
 
 
 def completion_choice(index: int, out: RequestOutput, text_of: TokenText, token_ids: bool) -> dict:
-    choice = {"index": index, "text": out.generated_text or "", "logprobs": completion_logprobs(out, text_of),
+    choice = {"index": index, "text": out.generated_text or "",
+              "logprobs": completion_logprobs(*output_logprobs(out), text_of),
               "finish_reason": finish_reason(out)}
     if token_ids:
         choice["token_ids"] = list(out.generated_tokens)
@@ -106,22 +113,24 @@ def completion_choice(index: int, out: RequestOutput, text_of: TokenText, token_
 
 def chat_choice(index: int, out: RequestOutput, text_of: TokenText, token_ids: bool) -> dict:
     choice = {"index": index, "message": {"role": "assistant", "content": out.generated_text or ""},
-              "logprobs": chat_logprobs(out, text_of), "finish_reason": finish_reason(out)}
+              "logprobs": chat_logprobs(*output_logprobs(out), text_of), "finish_reason": finish_reason(out)}
     if token_ids:
         choice["token_ids"] = list(out.generated_tokens)
         choice["prompt_token_ids"] = list(out.prompt_tokens)
     return choice
 
 
-def completion_chunk_choice(index: int, text: str, finish: str | None, tokens: list[int] | None) -> dict:
-    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+def completion_chunk_choice(index: int, text: str, finish: str | None, tokens: list[int] | None,
+                            logprobs: dict | None = None) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     if tokens is not None:
         choice["token_ids"] = tokens
     return choice
 
 
-def chat_chunk_choice(index: int, delta: dict, finish: str | None, tokens: list[int] | None) -> dict:
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+def chat_chunk_choice(index: int, delta: dict, finish: str | None, tokens: list[int] | None,
+                      logprobs: dict | None = None) -> dict:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     if tokens is not None:
         choice["token_ids"] = tokens
     return choice

@@ -76,12 +76,22 @@ def prompt_for(index: int, num_words: int) -> str:
     return f"request {index}: " + " ".join(WORDS[(index + k) % len(WORDS)] for k in range(num_words))
 
 
-async def _one(client, model: str, rec: StreamRecord, max_tokens: int, prompt_words: int) -> None:
+TOKEN_PROMPT_VOCAB = 256
+"""Token-id prompts draw ids below this (every built-in model's vocabulary is larger)."""
+
+
+def token_prompt_for(index: int, num_tokens: int) -> list[int]:
+    """A distinct token-id prompt per request, for models without a tokenizer (the built-in ones)."""
+    return [1 + (index * 7919 + k * 104729 + k * k) % (TOKEN_PROMPT_VOCAB - 1) for k in range(num_tokens)]
+
+
+async def _one(client, model: str, rec: StreamRecord, max_tokens: int, prompt_words: int, token_prompts: bool) -> None:
     t0 = time.perf_counter()
     last = None
+    prompt = token_prompt_for(rec.index, prompt_words) if token_prompts else prompt_for(rec.index, prompt_words)
     try:
         stream = await client.completions.create(
-            model=model, prompt=prompt_for(rec.index, prompt_words), max_tokens=max_tokens, temperature=0.0,
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
             stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
         async for chunk in stream:
             now = time.perf_counter()
@@ -107,9 +117,10 @@ async def _one(client, model: str, rec: StreamRecord, max_tokens: int, prompt_wo
 
 
 async def run_load_test(base_url: str, model: str | None, clients: int = 64, requests: int = 500, max_tokens: int = 32,
-                        prompt_words: int = 12, timeout_s: float = 600.0) -> LoadTestReport:
+                        prompt_words: int = 12, timeout_s: float = 600.0, token_prompts: bool = False) -> LoadTestReport:
     """``clients`` workers share a queue of ``requests`` indices; each request asks for exactly
-    ``max_tokens`` tokens (EOS ignored) so that a short or long answer shows."""
+    ``max_tokens`` tokens (EOS ignored) so that a short or long answer shows. ``token_prompts``:
+    prompts of ``prompt_words`` token ids instead of text (a server without a tokenizer)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
@@ -124,7 +135,7 @@ async def run_load_test(base_url: str, model: str | None, clients: int = 64, req
         while not todo.empty():
             rec = StreamRecord(todo.get_nowait())
             records[rec.index].append(rec)
-            await _one(client, model, rec, max_tokens, prompt_words)
+            await _one(client, model, rec, max_tokens, prompt_words, token_prompts)
 
     t0 = time.perf_counter()
     await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(clients))), timeout_s)
@@ -159,3 +170,24 @@ def _report(records: dict[int, list[StreamRecord]], clients: int, max_tokens: in
         tpot_p50_ms=ms(tpot, 50), tpot_p99_ms=ms(tpot, 99),
         errors=sorted({r.error for r in failed})[:5],
     )
+
+
+def server_side_summary(base_url: str) -> str:
+    """The server's own view from ``/metrics`` (cumulative since it started, warm-up included):
+    mean TTFT and inter-token latency as the engine thread saw them, and the launch-ahead share."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    v = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels.keys() - {"model_name"}}
+
+    def mean_ms(name: str) -> str:
+        n = v.get(f"megatron_async_{name}_count", 0.0)
+        return f"{1e3 * v[f'megatron_async_{name}_sum'] / n:.1f} ms" if n else "n/a"
+
+    return (f"server: {v.get('megatron_async_engine_steps_total', 0):.0f} engine steps, "
+            f"{v.get('megatron_async_engine_decode_steps', 0):.0f} decode-only, overlap ratio "
+            f"{v.get('megatron_async_overlap_ratio', 0):.3f}; mean TTFT {mean_ms('time_to_first_token_seconds')}, "
+            f"mean inter-token {mean_ms('inter_token_latency_seconds')}")

@@ -178,7 +178,7 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, client):
         dict(prompt="hi", max_tokens=4, logit_bias={"5": 1.0}),  # unsupported
         dict(prompt="hi", max_tokens=4, top_p=0.0),  # OpenAI range (0, 1]
         dict(prompt="hi", max_tokens=4, n=0),
-        dict(prompt="hi", max_tokens=4, logprobs=1, stream=True),  # no per-chunk log-probs
+        dict(prompt="hi", max_tokens=4, logprobs=21, stream=True),  # more than OpenAI's 20
     ]
     for kwargs in bad:
         with pytest.raises(openai.BadRequestError) as e:
@@ -216,6 +216,40 @@ def test_sampling_options_n_seed_stop_logprobs(server, client, llm):
     assert all(lp <= 0 for lp in logprobs.token_logprobs)
 
 
+def test_streamed_logprobs_equal_whole_answer_logprobs(client):
+    """Completions and chat, sampled with a seed and a stop string that never matches (text is
+    held back while tokens stream): per-chunk log-prob entries concatenate to the whole answer's."""
+    kw = dict(model="tiny-chat", max_tokens=12, temperature=0.8, seed=3, stop=["never in the text"],
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    whole = client.completions.create(prompt="The quick brown fox", logprobs=3, **kw).choices[0]
+    tokens, lps, tops, offsets, ids = [], [], [], [], []
+    for chunk in client.completions.create(prompt="The quick brown fox", logprobs=3, stream=True, **kw):
+        for c in chunk.choices:
+            ids += c.model_extra.get("token_ids") or []
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                lps += c.logprobs.token_logprobs
+                tops += c.logprobs.top_logprobs
+                offsets += c.logprobs.text_offset
+    want = whole.logprobs
+    assert ids == whole.model_extra["token_ids"] and len(lps) == 12
+    assert (tokens, lps, tops, offsets) == (want.tokens, want.token_logprobs, want.top_logprobs, want.text_offset)
+    assert any(len(t) == 3 for t in tops) and all(lp <= 0 for lp in lps)
+
+    messages = [{"role": "user", "content": "Hello world!"}]
+    ckw = dict(kw, messages=messages, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**ckw).choices[0]
+    entries = []
+    for chunk in client.chat.completions.create(stream=True, **ckw):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                entries += c.logprobs.content
+    assert [e.model_dump() for e in entries] == [e.model_dump() for e in whole.logprobs.content]
+    assert len(entries) == 12 and all(len(e.top_logprobs) == 2 for e in entries)
+    plain = client.chat.completions.create(stream=True, **{**ckw, "logprobs": False, "top_logprobs": None})
+    assert all(c.logprobs is None for chunk in plain for c in chunk.choices)
+
+
 def test_metrics_parse_as_prometheus_text(server):
     m = metrics(server)
     for name in ("megatron_async_num_requests_running", "megatron_async_num_requests_waiting",
@@ -231,6 +265,29 @@ def test_small_load_test_loses_and_duplicates_nothing(server):
     assert report.ok, report.format()
     assert report.completed == 72 and report.output_tokens == 72 * 8
     assert report.ttft_p50_ms is not None and report.itl_p99_ms is not None
+
+
+def test_load_test_script_starts_a_builtin_model_server(tmp_path):
+    """scripts/load_test.py as the GPU wrapper runs it (built-in model, token-id prompts, warm-up),
+    small: it starts its own server, reports, and exits 0 only when nothing was lost."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "load_test.py"), "--clients", "8", "--requests", "24", "--max-tokens", "6",
+         "--prompt-words", "10", "--token-prompts", "--warmup-requests", "8", "--output-path", str(out),
+         "--", "--default-model", "tiny", "--device", "cpu", "--max-requests", "8"],
+        capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "warm-up: 8/8 requests completed" in proc.stdout and "overlap ratio" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["completed"] == 24 and report["lost"] == report["duplicated"] == 0
+    assert report["output_tokens"] == 24 * 6 and report["itl_p99_ms"] is not None
 
 
 @pytest.mark.parametrize("field, value", [("min_tokens", 6), ("min_p", 0.1), ("presence_penalty", 1.5),

@@ -35,6 +35,28 @@ def test_updates_concatenate_to_the_outputs(async_scheduling):
         assert all(len(u.new_tokens) == 1 for u in ups)  # one token per step: really streamed
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_update_log_probs_concatenate_to_the_outputs(async_scheduling):
+    """Updates carry the log-probs (and top-n) of their tokens, only when the request asks."""
+    eng = _llm(async_scheduling).engine
+    kinds = [dict(return_log_probs=True, top_n_logprobs=3), dict(return_log_probs=True), dict(), dict(top_n_logprobs=2)]
+    rids = [eng.add_request(p, SamplingParams(temperature=0.8, seed=i, num_tokens_to_generate=9 + i, ignore_eos=True,
+                                              **kw)) for i, (p, kw) in enumerate(zip(PROMPTS, kinds))]
+    outs, updates = drive(eng)
+    for rid in rids:
+        ups, out = updates[rid], outs[rid]
+        if out.generated_log_probs is None:
+            assert all(u.new_log_probs is None for u in ups)
+        else:
+            assert [lp for u in ups for lp in u.new_log_probs] == out.generated_log_probs
+            assert all(len(u.new_log_probs) == len(u.new_tokens) for u in ups)
+        if out.generated_top_n_logprobs is None:
+            assert all(u.new_top_n_logprobs is None for u in ups)
+        else:
+            assert [t for u in ups for t in u.new_top_n_logprobs] == out.generated_top_n_logprobs
+    assert outs[rids[0]].generated_log_probs and len(outs[rids[0]].generated_top_n_logprobs[0]) == 3
+
+
 def test_sampling_params_are_copied_and_frozen_at_admission():
     llm = _llm()
     eng = llm.engine

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from megatron_async.models import load_tokenizer
 from megatron_async.testing.tiny_tokenizer import EOS_TOKEN, EOS_TOKEN_ID, save_tiny_tokenizer, train_tiny_tokenizer
 
@@ -21,12 +23,31 @@ def test_no_tokenizer_json(tmp_path):
     assert load_tokenizer(None) is None
 
 
-def test_eos_fallbacks(tmp_path):
+def test_eos_ids_keep_every_listed_id(tmp_path):
+    """tokenizer_config's EOS token first, then every id of generation_config.json and config.json."""
     train_tiny_tokenizer(300).save(str(tmp_path / "tokenizer.json"))
-    assert load_tokenizer(tmp_path).eos_token_id is None
+    assert load_tokenizer(tmp_path).eos_token_id is None and load_tokenizer(tmp_path).eos_token_ids == ()
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 5}))
-    assert load_tokenizer(tmp_path).eos_token_id == 5
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5]}))
-    assert load_tokenizer(tmp_path).eos_token_id == 7
+    assert load_tokenizer(tmp_path).eos_token_ids == (5,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5, 9]}))
+    tok = load_tokenizer(tmp_path)
+    assert tok.eos_token_ids == (7, 5, 9) and tok.eos_token_id == 7
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": EOS_TOKEN}}))
-    assert load_tokenizer(tmp_path).eos_token_id == EOS_TOKEN_ID
+    tok = load_tokenizer(tmp_path)
+    assert tok.eos_token_ids == (EOS_TOKEN_ID, 7, 5, 9) and tok.eos_token_id == EOS_TOKEN_ID
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [5, "x"]}))
+    with pytest.raises(ValueError, match="config.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_engine_stops_on_the_tokenizer_eos_ids(tmp_path):
+    """The LLM's engine and its tokenizer agree on the EOS set (a list in generation_config.json)."""
+    from megatron_async import LLM, InferenceConfig
+    from megatron_async.testing.hf_models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint("LlamaForCausalLM", tmp_path, with_tokenizer=True)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [11, 12, 13]}))
+    llm = LLM(str(ckpt), inference_config=InferenceConfig(max_sequence_length=64, num_kv_blocks=16))
+    assert len(llm.tokenizer.eos_token_ids) == 4 and set(llm.tokenizer.eos_token_ids[1:]) == {11, 12, 13}
+    assert llm.controller.eos_ids == llm.tokenizer.eos_token_ids
+    assert llm.engine.validator.eos_ids == frozenset(llm.tokenizer.eos_token_ids)
