@@ -129,7 +129,7 @@ class LLM:
         if self.config.cuda_graphs and facade.is_cuda:
             from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
 
-            self.controller.graphs = CudaGraphRunner(self.controller, self.config)
+            self.controller.graphs = CudaGraphRunner(self.controller, self.config, collective=self.parallel.ep_size > 1)
             if self.parallel.ep_size > 1:  # every rank captures together (collectives inside)
                 self.controller.graphs.warmup()
         engine_cls = DataParallelEngine if self.parallel.dp_size > 1 else DynamicInferenceEngine
