@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.testing.multiprocess import run_ranks  # noqa: E402
+from megatron_async.tools.cuda_timing import capture  # noqa: E402
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
             "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
@@ -57,16 +58,7 @@ def _exchange(x: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def _captured(x: torch.Tensor, world: int):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            _exchange(x, world)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        out = _exchange(x, world)
-    return graph, out
+    return capture(lambda: _exchange(x, world), error_mode="thread_local")
 
 
 def _nccl_stage(rank: int, world: int) -> float:
@@ -110,14 +102,7 @@ def _layer_stage(rank: int, world: int) -> float:
         layer = build_moe_layer(MOE_CONFIGS["softmax"], 64, par, device="cuda")
         x = torch.randn(5, 64, device="cuda")
         step = StepInputs(None, None, None, ep_num_tokens=8)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            layer(x, step)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = layer(x, step)
+        graph, out = capture(lambda: layer(x, step), error_mode="thread_local")
         x.copy_(torch.randn(5, 64, device="cuda"))
         graph.replay()
         torch.cuda.synchronize()
