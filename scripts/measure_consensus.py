@@ -92,9 +92,10 @@ def _trace(rank: int, world: int) -> list[tuple[int, bool, int]]:
         eng._agree = recorded
         rng = random.Random(0)  # irregular arrivals (mean gap 2 steps), the same on every rank
         at = [sum(rng.choice((0, 1, 1, 2, 3, 5)) for _ in range(i + 1)) for i in range(12 * world)]
-        arrivals = [(at[i], [(7 * i + j) % 1000 + 1 for j in range(4 + 3 * (i % 5))],
-                     SP(top_k=1, num_tokens_to_generate=8 + 4 * (i % 5), ignore_eos=True) if i % 4 else
-                     SP(temperature=0.8, num_tokens_to_generate=10, ignore_eos=True, seed=i)) for i in range(12 * world)]
+        greedy = [SP(top_k=1, num_tokens_to_generate=8 + 4 * (i % 5), ignore_eos=True) for i in range(12 * world)]
+        sampled = [SP(temperature=0.8, num_tokens_to_generate=10, ignore_eos=True, seed=i) for i in range(12 * world)]
+        prompts = [[(7 * i + j) % 1000 + 1 for j in range(4 + 3 * (i % 5))] for i in range(12 * world)]
+        arrivals = [(at[i], prompts[i], greedy[i] if i % 4 else sampled[i]) for i in range(12 * world)]
         run_leader_arrivals(llm, rank, arrivals, max_steps=5000)
         return records
     finally:
@@ -109,13 +110,15 @@ def windows_table(ranks: list[int], ks: list[int]) -> None:
     print("|---|---|---|---|---|---|---|")
     for world in ranks:
         per_rank = run_ranks(_trace, world, timeout_s=900)
-        trace = [TraceStep(tuple(r[0] for r in step), step[0][1], sum(r[2] for r in step)) for step in zip(*per_rank)]
+        trace = [TraceStep(tuple(r[0] for r in step), step[0][1], sum(r[2] for r in step))
+                 for step in zip(*per_rank)]
         for k in ks:
             c = window_costs(trace, k)
-            print(f"| {world} | {k} | {c.exchanges_per_step:.2f} | {c.padded_rows_pct:.0f} | {c.graph_steps_lost_pct:.0f} "
-                  f"| {c.extra_dummy_forwards} | {c.mean_admission_delay_steps:.2f} |")
-        print(f"| {world} | (trace) | {len(trace)} steps | | {sum(not s.eager for s in trace if max(s.tokens))} graph steps "
-              f"| {sum(t == 0 for s in trace if max(s.tokens) for t in s.tokens)} dummy forwards at K=1 | |")
+            print(f"| {world} | {k} | {c.exchanges_per_step:.2f} | {c.padded_rows_pct:.0f} "
+                  f"| {c.graph_steps_lost_pct:.0f} | {c.extra_dummy_forwards} | {c.mean_admission_delay_steps:.2f} |")
+        working = [s for s in trace if max(s.tokens)]
+        print(f"| {world} | (trace) | {len(trace)} steps | | {sum(not s.eager for s in working)} graph steps "
+              f"| {sum(t == 0 for s in working for t in s.tokens)} dummy forwards at K=1 | |")
 
 
 def us(xs: list[float], q: float) -> float:

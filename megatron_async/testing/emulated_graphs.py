@@ -43,6 +43,7 @@ class EmulatedGraphRunner(CudaGraphRunner):
         real), the samples and the view restored afterwards."""
         ctl, ctx = self.controller, self.controller.context
         self.captures.append(key)
+        ctl.dp_num_tokens = 0  # as the real capture: MoE exchanges pad to the graph's rows
         saved_samples, saved_view = ctl.last_samples.clone(), ctx.gpu_view.buffer.clone()
         ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key[0]))
         self.mode = f"capture{key}"

@@ -18,8 +18,8 @@ from tests.functional_tests.engine_harness import run_leader_arrivals
 CONFIG = dict(block_size_tokens=4, num_kv_blocks=128, max_requests=4, max_tokens=16, max_sequence_length=96)
 LONG = ([3, 17, 42, 9, 100, 7], SamplingParams(top_k=1, num_tokens_to_generate=24, ignore_eos=True))
 GREEDY = lambda n: SamplingParams(top_k=1, num_tokens_to_generate=n, ignore_eos=True)  # noqa: E731
-SAMPLED = lambda n, s: SamplingParams(temperature=0.9, top_p=0.8, num_tokens_to_generate=n, ignore_eos=True,  # noqa: E731
-                                      seed=s)
+SAMPLED = lambda n, s: SamplingParams(  # noqa: E731
+    temperature=0.9, top_p=0.8, num_tokens_to_generate=n, ignore_eos=True, seed=s)
 # (arrival step, prompt, params): greedy and sampled mixed, a 3-row batch on one rank padded to 4
 ARRIVALS = [(0, [5] * 11, GREEDY(12)), (1, [250, 1, 2], GREEDY(5)), (2, [60, 61, 62, 63], SAMPLED(4, 7)),
             (2, [8, 9], GREEDY(9)), (6, [11, 12, 13], GREEDY(3)), (9, [40] * 7, SAMPLED(5, 8)),

@@ -108,7 +108,8 @@ class CudaGraphRunner:
         b = self.padded_rows(num_rows)
         step = self.graphs.get((b, *GREEDY_VARIANT)) if b is not None else None
         if step is None:
-            raise RuntimeError(f"no greedy CUDA graph for a dummy step of {num_rows} rows (captured: {sorted(self.graphs)})")
+            raise RuntimeError(f"no greedy CUDA graph for a dummy step of {num_rows} rows "
+                               f"(captured: {sorted(self.graphs)})")
         step.replay()
         self.num_padding_replays += 1
         return b

@@ -20,7 +20,8 @@ def runner(collective: bool) -> CudaGraphRunner:
 
 
 def decode_plan(*params: SamplingParams) -> StepPlan:
-    return StepPlan([RowPlan(SimpleNamespace(sampling_params=sp), start=5, num_tokens=1, samples=True) for sp in params])
+    return StepPlan([RowPlan(SimpleNamespace(sampling_params=sp), start=5, num_tokens=1, samples=True)
+                     for sp in params])
 
 
 GREEDY = SamplingParams(top_k=1)
