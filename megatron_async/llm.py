@@ -69,7 +69,9 @@ class LLM:
         ``expert_parallel_size`` > 1: as many data-parallel engines (one per rank, each with its
         own KV cache and requests; MoE experts split across them). Rank 0 alone accepts requests
         and routes each to the least loaded rank; its ``engine.step()`` returns every rank's
-        results; ``generate`` returns all outputs, in prompt order, on every rank."""
+        results; ``generate`` returns all outputs, in prompt order, on every rank. Both > 1:
+        T x E ranks, ``expert_parallel_size`` data-parallel engines each run by a TP group of
+        ``tensor_parallel_size`` ranks (replicas of one engine)."""
         self.config = inference_config or InferenceConfig()
         self.config.validate()
         self.dtype = parse_dtype(dtype)
@@ -78,9 +80,6 @@ class LLM:
         self.expert_parallel_size = expert_parallel_size
         self.communicator: ZMQCommunicator | None = None
         self.parallel = ParallelState()
-        if tensor_parallel_size > 1 and expert_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 together with expert_parallel_size > 1 is not supported by the "
-                             "engines yet (each TP group would have to act as one data-parallel engine)")
         if tensor_parallel_size > 1 or expert_parallel_size > 1:
             if self.device.type == "cuda":  # one GPU per rank
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -134,7 +133,7 @@ class LLM:
         if self.config.cuda_graphs and facade.is_cuda:
             from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
 
-            self.controller.graphs = CudaGraphRunner(self.controller, self.config)
+            self.controller.graphs = CudaGraphRunner(self.controller, self.config, collective=self.parallel.ep_size > 1)
             if self.parallel.ep_size > 1:  # every rank captures together (collectives inside)
                 self.controller.graphs.warmup()
         engine_cls = DataParallelEngine if self.parallel.dp_size > 1 else DynamicInferenceEngine

@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, tokens: list[int], iters: int) -> list[dict]:
             gather, a2a = layers[ExpertExchange.ALL_GATHER], layers[ExpertExchange.ALL_TO_ALL]
             row = {"tokens": T,
                    "all_gather_eager": 1e3 * median_ms(lambda: gather(x, step), iters),
-                   "all_gather_graph": 1e3 * median_ms(graph_replay(lambda: gather(x, step)), iters),
+                   "all_gather_graph": 1e3 * median_ms(graph_replay(lambda: gather(x, step), "thread_local"), iters),
                    "all_to_all_eager": 1e3 * median_ms(lambda: a2a(x, step), iters)}
             torch.distributed.barrier()
             if single is not None:  # one GPU with the whole batch of all ranks (the same global work)

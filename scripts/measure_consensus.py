@@ -7,11 +7,18 @@
    built-in MoE model with data-parallel engines (expert_parallel_size=N), which includes the
    wait for the slowest rank, next to the engine's mean step time.
 
-    python scripts/measure_consensus.py --ranks 2 4 --iters 2000
+3. Every K steps instead (``--windows``): a trace of a data-parallel run that agrees every step
+   (tiny-moe, staggered greedy and sampled arrivals, CUDA graphs emulated on the CPU so the
+   graph / eager decisions are the real ones), replayed with windows of K steps
+   (megatron_async/tools/consensus_windows.py): exchanges saved against padding, graph steps
+   lost, extra dummy forwards and admission delay.
+
+    python scripts/measure_consensus.py --ranks 2 4 --iters 2000 [--windows 1 2 4 8]
 """
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -61,6 +68,59 @@ def _engine(rank: int, world: int) -> dict:
         llm.close()
 
 
+def _trace(rank: int, world: int) -> list[tuple[int, bool, int]]:
+    """This rank's (tokens, agreed eager, requests admitted) at every step's exchange."""
+    from megatron_async import LLM, InferenceConfig
+    from megatron_async import SamplingParams as SP
+    from megatron_async.testing.emulated_graphs import EmulatedGraphRunner
+    from tests.functional_tests.engine_harness import run_leader_arrivals
+
+    cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=512, max_requests=8, max_tokens=64,
+                          max_sequence_length=256)
+    llm = LLM(None, inference_config=cfg, default_model="tiny-moe", expert_parallel_size=world)
+    try:
+        graphs = llm.controller.graphs = EmulatedGraphRunner(llm.controller, llm.config, collective=True)
+        graphs.warmup()
+        eng, records, agree = llm.engine, [], llm.engine._agree
+
+        def recorded(from_step, out, num_tokens=0, eager=False, upload=None):
+            got = agree(from_step, out, num_tokens, eager, upload)
+            if from_step:
+                records.append((num_tokens, got.eager, len(got.news)))
+            return got
+
+        eng._agree = recorded
+        rng = random.Random(0)  # irregular arrivals (mean gap 2 steps), the same on every rank
+        at = [sum(rng.choice((0, 1, 1, 2, 3, 5)) for _ in range(i + 1)) for i in range(12 * world)]
+        greedy = [SP(top_k=1, num_tokens_to_generate=8 + 4 * (i % 5), ignore_eos=True) for i in range(12 * world)]
+        sampled = [SP(temperature=0.8, num_tokens_to_generate=10, ignore_eos=True, seed=i) for i in range(12 * world)]
+        prompts = [[(7 * i + j) % 1000 + 1 for j in range(4 + 3 * (i % 5))] for i in range(12 * world)]
+        arrivals = [(at[i], prompts[i], greedy[i] if i % 4 else sampled[i]) for i in range(12 * world)]
+        run_leader_arrivals(llm, rank, arrivals, max_steps=5000)
+        return records
+    finally:
+        llm.close()
+
+
+def windows_table(ranks: list[int], ks: list[int]) -> None:
+    from megatron_async.tools.consensus_windows import TraceStep, window_costs
+
+    print("\n| ranks | K | exchanges / step | extra padded MoE rows % | graph steps lost % | extra dummy forwards "
+          "| admission delay (steps, mean) |")
+    print("|---|---|---|---|---|---|---|")
+    for world in ranks:
+        per_rank = run_ranks(_trace, world, timeout_s=900)
+        trace = [TraceStep(tuple(r[0] for r in step), step[0][1], sum(r[2] for r in step))
+                 for step in zip(*per_rank)]
+        for k in ks:
+            c = window_costs(trace, k)
+            print(f"| {world} | {k} | {c.exchanges_per_step:.2f} | {c.padded_rows_pct:.0f} "
+                  f"| {c.graph_steps_lost_pct:.0f} | {c.extra_dummy_forwards} | {c.mean_admission_delay_steps:.2f} |")
+        working = [s for s in trace if max(s.tokens)]
+        print(f"| {world} | (trace) | {len(trace)} steps | | {sum(not s.eager for s in working)} graph steps "
+              f"| {sum(t == 0 for s in working for t in s.tokens)} dummy forwards at K=1 | |")
+
+
 def us(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return 1e6 * xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -71,7 +131,11 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--windows", type=int, nargs="*", default=None, help="window sizes K to replay a trace with")
     args = p.parse_args()
+    if args.windows:
+        windows_table(args.ranks, args.windows)
+        return
     print("| ranks | mode | one exchange p50 / p90 us | old broadcast + all-reduce p50 / p90 us |")
     print("|---|---|---|---|")
     for world in args.ranks:

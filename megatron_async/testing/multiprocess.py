@@ -2,6 +2,7 @@
 deadline, so that multi-rank tests can neither hang nor hide a child's traceback."""
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -17,7 +18,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable, rank: int, world_size: int, env: dict[str, str], args: tuple, results: mp.Queue) -> None:
+def _child(fn: Callable, rank: int, world_size: int, env: dict[str, str], args: tuple, results: mp.Queue,
+           dump_at: float) -> None:
+    # A rank still running 2 s before the deadline (wall clock) prints every thread's Python
+    # stack to stderr (pytest shows it), so a hang names where it waits (a collective, a sync).
+    faulthandler.dump_traceback_later(max(0.5, dump_at - time.time()), exit=False)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
     try:
@@ -36,7 +41,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 30.0
     results = ctx.Queue()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", **(env or {})}
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, env, args, results), daemon=True)
+    dump_at = time.time() + max(1.0, timeout_s - 2.0)
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, env, args, results, dump_at), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -58,10 +64,13 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 30.0
                         got[r] = (False, f"exited with code {p.exitcode} without a result")
             if now > deadline:
                 running = sorted(set(range(world_size)) - set(got))
-                raise TimeoutError(f"ranks {running} still running after {timeout_s} s")
+                failed = "".join(f"\nrank {r} failed first:\n{v}" for r, (ok, v) in sorted(got.items()) if not ok)
+                raise TimeoutError(f"ranks {running} still running after {timeout_s} s (their Python stacks are "
+                                   f"on stderr){failed}")
     finally:
+        wait = 5.0 if len(got) == world_size else 0.1  # timed out or interrupted: kill at once
         for p in procs:
-            p.join(timeout=5.0)
+            p.join(timeout=wait)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5.0)

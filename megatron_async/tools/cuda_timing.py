@@ -34,8 +34,10 @@ def host_us(fn: Callable[[], object], iters: int) -> float:
     return elapsed / iters * 1e6
 
 
-def graph_replay(fn: Callable[[], object]) -> Callable[[], None]:
-    """``fn`` (static inputs) warmed up on a side stream and captured in a CUDA graph; returns its replay."""
+def capture(fn: Callable[[], object], error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, object]:
+    """``fn`` (static inputs) warmed up twice on a side stream, then captured in a CUDA graph;
+    returns the graph and what the captured call returned (tensors the replays overwrite).
+    ``error_mode`` "thread_local" when the graph holds NCCL collectives (their watchdog thread)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -43,6 +45,11 @@ def graph_replay(fn: Callable[[], object]) -> Callable[[], None]:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    with torch.cuda.graph(graph, capture_error_mode=error_mode):
+        out = fn()
+    return graph, out
+
+
+def graph_replay(fn: Callable[[], object], error_mode: str = "global") -> Callable[[], None]:
+    """``fn`` (static inputs) warmed up on a side stream and captured in a CUDA graph; returns its replay."""
+    return capture(fn, error_mode)[0].replay

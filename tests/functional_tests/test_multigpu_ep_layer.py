@@ -15,6 +15,7 @@ from megatron_async.models.layers.block import StepInputs
 from megatron_async.parallel.state import ParallelState
 from megatron_async.testing.moe_layers import MOE_CONFIGS, build_moe_layer
 from megatron_async.testing.multiprocess import run_ranks
+from megatron_async.tools.cuda_timing import capture
 
 pytestmark = pytest.mark.multigpu
 
@@ -41,14 +42,9 @@ def _worker(rank: int, world: int) -> dict:
         layer = build_moe_layer(MOE_CONFIGS["softmax"], HIDDEN, base, device="cuda")
         x = torch.zeros(max(counts), HIDDEN, device="cuda")
         step = StepInputs(None, None, None, ep_num_tokens=max(counts))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            layer(x, step)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = layer(x, step)
+        # thread_local: NCCL's watchdog thread polls events during the capture ("global" mode
+        # would fail the capture on whichever rank it hits first, and the other rank would hang)
+        graph, out = capture(lambda: layer(x, step), error_mode="thread_local")
         x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(10 + rank)))
         graph.replay()
         torch.cuda.synchronize()

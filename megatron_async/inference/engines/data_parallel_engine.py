@@ -20,7 +20,10 @@ from megatron_async.inference.nvtx import nvtx_range
 
 class DataParallelEngine(DynamicInferenceEngine):
     def _make_consensus(self, communicator) -> StepConsensus:
-        return StepConsensus(communicator, data_parallel=True)
+        # TP x EP: each data-parallel rank is a TP group whose ranks are replicas (same requests,
+        # same steps); only its TP rank 0 hands results up.
+        tp_size = self.controller.model.parallel.tp_size
+        return StepConsensus(communicator, data_parallel=True, tensor_parallel_size=tp_size)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -33,7 +36,7 @@ class DataParallelEngine(DynamicInferenceEngine):
         return super()._has_local_work() or self._pending is not None or bool(self._outgoing.finished)
 
     def _upload(self) -> StepResult | None:
-        if self._sync.is_leader or not (self._outgoing.finished or self._outgoing.updates):
+        if self._sync.is_leader or self._sync.tp_rank != 0 or not (self._outgoing.finished or self._outgoing.updates):
             return None
         up, self._outgoing = self._outgoing, StepResult()
         return up
@@ -93,7 +96,8 @@ class DataParallelEngine(DynamicInferenceEngine):
             out.step_id = 0
         if self._sync.is_leader:
             return out
-        self._outgoing.finished.extend(out.finished)
-        self._outgoing.updates.extend(out.updates)
+        if self._sync.tp_rank == 0:  # other TP ranks hold copies of the same results
+            self._outgoing.finished.extend(out.finished)
+            self._outgoing.updates.extend(out.updates)
         return StepResult(step_id=out.step_id, num_rows=out.num_rows, is_decode_only=out.is_decode_only,
                           overlapped=out.overlapped, step_time=out.step_time)

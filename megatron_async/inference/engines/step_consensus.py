@@ -37,7 +37,7 @@ class NewRequest:
     seed: int
     """The seed rank 0 drew (or the request's own), so every rank samples the same stream."""
     rank: int = 0
-    """The data-parallel rank that serves it (always 0 under tensor parallelism: every rank)."""
+    """The data-parallel rank that serves it (every TP rank of it; always 0 under tensor parallelism alone)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Agreement:
     leader_waiting: bool = False
     """Rank 0 is inside ``run_requests`` waiting for some of its requests."""
     loads: tuple[int, ...] = ()
-    """Data parallel: every rank's unfinished request count, by rank."""
+    """Data parallel: every data-parallel rank's unfinished request count, by rank."""
     news: list[NewRequest] = field(default_factory=list)
     """The new requests this rank serves, in arrival order."""
     aborts: list[int] = field(default_factory=list)
@@ -63,10 +63,17 @@ _HEAD = 4  # any_work, max_tokens, eager, leader_waiting; then one load per rank
 
 
 class StepConsensus:
-    def __init__(self, communicator: ZMQCommunicator, data_parallel: bool = False):
+    def __init__(self, communicator: ZMQCommunicator, data_parallel: bool = False, tensor_parallel_size: int = 1):
+        """``tensor_parallel_size`` T (data parallel): every data-parallel rank is a TP group of T
+        consecutive communicator ranks (rank = dp_rank * T + tp_rank, as ParallelState numbers
+        them); requests are routed to data-parallel ranks and every TP rank of one admits them."""
         self.comm = communicator
         self.data_parallel = data_parallel
         self.rank, self.world_size = communicator.rank, communicator.world_size
+        if self.world_size % tensor_parallel_size:
+            raise ValueError(f"{self.world_size} ranks do not form TP groups of {tensor_parallel_size}")
+        self.dp_rank, self.dp_size = self.rank // tensor_parallel_size, self.world_size // tensor_parallel_size
+        self.tp_rank = self.rank % tensor_parallel_size
         self._outbox: list[NewRequest] = []
         self._aborts: list[int] = []
         self.last: Agreement | None = None
@@ -74,7 +81,7 @@ class StepConsensus:
         """The latest exchange came from has_unfinished / run_requests and no step used it yet."""
         self.rounds = 0
         self.seconds = 0.0
-        self._routed_since = [0] * self.world_size  # rank 0: routed after the loads it last heard
+        self._routed_since = [0] * self.dp_size  # rank 0: routed after the loads it last heard
 
     @property
     def is_leader(self) -> bool:
@@ -90,12 +97,12 @@ class StepConsensus:
 
     # ------------------------------------------------------------------ rank 0's outbox
     def route(self) -> int:
-        """Rank 0: the rank a new request goes to (least loaded by the latest agreement plus
-        what was routed since; ties to the lowest rank). Always 0 under tensor parallelism."""
+        """Rank 0: the data-parallel rank a new request goes to (least loaded by the latest
+        agreement plus what was routed since; ties to the lowest). Always 0 under tensor parallelism."""
         if not self.data_parallel:
             return 0
-        loads = self.last.loads if self.last is not None and self.last.loads else (0,) * self.world_size
-        rank = min(range(self.world_size), key=lambda r: (loads[r] + self._routed_since[r], r))
+        loads = self.last.loads if self.last is not None and self.last.loads else (0,) * self.dp_size
+        rank = min(range(self.dp_size), key=lambda r: (loads[r] + self._routed_since[r], r))
         self._routed_since[rank] += 1
         return rank
 
@@ -120,14 +127,14 @@ class StepConsensus:
         handing_up = upload is not None  # rank 0 must step again to hand these out: that is work
         values = [int(has_work or handing_up or self.has_outgoing()), num_tokens, int(eager), int(leader_waiting)]
         if self.data_parallel:
-            values += [load if r == self.rank else 0 for r in range(self.world_size)]
+            values += [load if r == self.dp_rank else 0 for r in range(self.dp_size)]
         payload = (self._outbox, self._aborts) if self.is_leader else None
         self._outbox, self._aborts = [], []
         result, uploads, (news, aborts) = self.comm.exchange(values, upload, payload)
         any_work = bool(result[0])
         if self.data_parallel:
-            news = [n for n in news if n.rank == self.rank]
-            self._routed_since = [0] * self.world_size
+            news = [n for n in news if n.rank == self.dp_rank]
+            self._routed_since = [0] * self.dp_size
         self.last = Agreement(any_work, result[1], bool(result[2]), bool(result[3]), tuple(result[_HEAD:]),
                               news, aborts, uploads)
         self.fresh = not from_step

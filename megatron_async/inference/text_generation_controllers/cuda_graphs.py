@@ -40,14 +40,27 @@ class CapturedStep:
         return cut(tokens), cut(lp), cut(tv), cut(ti)
 
 
+GREEDY_VARIANT = (False, (False, False, False), False, 0, False)
+"""The key of a greedy decode graph after its padded size (no sampling, filters, log-probs, penalties)."""
+
+
 class CudaGraphRunner:
-    def __init__(self, controller, config: InferenceConfig):
+    def __init__(self, controller, config: InferenceConfig, collective: bool = False):
+        """``collective``: data-parallel engines (expert parallelism). The graphs hold MoE
+        collectives across ranks that run different batches, and NCCL requires graph-captured
+        vs eager to be the same on every rank of a launch, with graphs of one joint capture: so
+        only the graphs ``warmup`` captured on every rank at once are replayed, a missing one is
+        an error (never a capture on one rank alone), and a rank with nothing to launch replays
+        the agreed graph on padding rows (``replay_padding``)."""
         self.controller = controller
         self.config = config
+        self.collective = collective
         self.sizes = sorted(config.cuda_graph_batch_sizes or default_batch_sizes(config.max_requests))
         self.graphs: dict[tuple, CapturedStep] = {}
         self._pool = None
         self.num_replays = 0
+        self.num_padding_replays = 0
+        """Dummy forwards of data-parallel engines that replayed a graph on padding rows."""
 
     def padded_rows(self, num_rows: int) -> int | None:
         """The captured batch size a step of ``num_rows`` decode rows replays (None: too large)."""
@@ -57,11 +70,13 @@ class CudaGraphRunner:
 
     def would_replay(self, plan) -> bool:
         """Data-parallel engines: a plan (before assembly) whose step can replay a graph that
-        ``warmup`` captured on every rank at once (greedy decode). Other variants run eager: a
-        lazy capture on one rank would run its collectives while the others replay."""
-        greedy = all(r.request.sampling_params.is_greedy and not r.request.sampling_params.return_log_probs
-                     and r.request.sampling_params.top_n_logprobs == 0 for r in plan.rows)
-        return plan.is_decode_only and greedy and self.padded_rows(len(plan.rows)) is not None
+        ``warmup`` captured on every rank at once: greedy decode without log-probs or penalties
+        (the shape's key is then ``(padded, *GREEDY_VARIANT)``). Other variants run eager."""
+        def plain_greedy(sp) -> bool:
+            return sp.is_greedy and not sp.return_log_probs and sp.top_n_logprobs == 0 and not sp.has_penalties
+        padded = self.padded_rows(len(plan.rows))
+        return (plan.is_decode_only and padded is not None and (padded, *GREEDY_VARIANT) in self.graphs
+                and all(plain_greedy(r.request.sampling_params) for r in plan.rows))
 
     def key(self, shape: StepShape, min_rows: int = 0) -> tuple | None:
         """``min_rows``: pad at least to this many rows (data-parallel ranks pad to the agreed size)."""
@@ -73,34 +88,58 @@ class CudaGraphRunner:
 
     def lookup(self, shape: StepShape, min_rows: int = 0) -> CapturedStep | None:
         key = self.key(shape, min_rows)
+        step = self.graphs.get(key) if key is not None else None
+        if step is None and self.collective:  # the ranks agreed on a replay: a bug, say so before a hang
+            raise RuntimeError(f"data-parallel ranks agreed to replay CUDA graphs, but this rank's step "
+                               f"(key {key}, {shape.num_rows} rows, padded to >= {min_rows}) has no graph that "
+                               f"every rank captured at once ({sorted(self.graphs)})")
         if key is None:
             return None
-        step = self.graphs.get(key)
         if step is None:
             step = self.graphs[key] = self._capture(key)
         self.num_replays += 1
         return step
 
+    def replay_padding(self, num_rows: int) -> int:
+        """Data-parallel engines, a rank with nothing to launch in a step the others replay:
+        replay the greedy graph those ranks replay (padded size of ``num_rows``) on padding rows,
+        so its collectives are graph-captured like theirs. The controller has already put a
+        padding snapshot in the view; the graph's samples are discarded. Returns the rows."""
+        b = self.padded_rows(num_rows)
+        step = self.graphs.get((b, *GREEDY_VARIANT)) if b is not None else None
+        if step is None:
+            raise RuntimeError(f"no greedy CUDA graph for a dummy step of {num_rows} rows "
+                               f"(captured: {sorted(self.graphs)})")
+        step.replay()
+        self.num_padding_replays += 1
+        return b
+
     def warmup(self, greedy_only: bool = True) -> None:
         """Capture the greedy decode graphs of every batch size up front."""
         for b in self.sizes:
-            key = (b, False, (False, False, False), False, 0, False)
+            key = (b, *GREEDY_VARIANT)
             if key not in self.graphs:
                 self.graphs[key] = self._capture(key)
 
-    def _capture(self, key: tuple) -> CapturedStep:
+    def capture_shape(self, key: tuple) -> StepShape:
+        """The decode shape a graph of ``key`` is captured with."""
         b, any_sampling, filters, any_lp, top_n, any_penalties = key
-        ctl, ctx = self.controller, self.controller.context
-        shape = StepShape(
+        return StepShape(
             num_tokens=b, num_rows=b, max_query_len=1, max_kv_len=self.config.max_sequence_length,
             is_decode_only=True, any_sampling=any_sampling, any_top_k_top_p=any(filters), filters=filters,
             max_top_n=top_n, any_log_probs=any_lp, any_penalties=any_penalties,
         )
+
+    def _capture(self, key: tuple) -> CapturedStep:
+        b, any_penalties = key[0], key[-1]
+        ctl, ctx = self.controller, self.controller.context
+        shape = self.capture_shape(key)
         if any_penalties:
             ctx.sampling_state.ensure_allocated()
         # Capture runs on a padding-only snapshot (dummy block, padding slot); the samples of
         # the launch in flight are kept aside because warm-up runs overwrite them.
         torch.cuda.synchronize()
+        ctl.dp_num_tokens = 0  # MoE exchanges pad to the graph's rows (a stale agreement must not leak in)
         saved_samples = ctl.last_samples.clone()
         saved_view = ctx.gpu_view.buffer.clone()
         ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(b))

@@ -140,18 +140,24 @@ class TextGenerationController:
     @torch.inference_mode()
     def dummy_forward(self) -> None:
         """Data parallel: a forward with nothing to compute, so this rank's collectives match
-        the ranks that launch real work. One padding row (or the agreed graph's padded rows),
-        writing only to the dummy KV block and the padding Mamba slot; no sampling, so the
-        samples of a launch in flight stay intact. Its MoE layers pad to ``dp_num_tokens``."""
+        the ranks that launch real work. Padding rows only, writing only to the dummy KV block
+        and the padding Mamba slot; the samples of a launch in flight stay intact. Its MoE
+        layers pad to ``dp_num_tokens``. In a step the ranks replay graphs it replays the
+        agreed graph too (NCCL: captured or not must match across ranks), else one eager row."""
         ctx = self.context
-        rows = 1
-        if self.graphs is not None and not self.force_eager:
-            rows = self.graphs.padded_rows(max(1, self.dp_num_tokens))
+        replay = self.graphs is not None and not self.force_eager
+        rows = self.graphs.padded_rows(max(1, self.dp_num_tokens)) if replay else 1
         if self._dummy_snapshot is None or self._dummy_rows != rows:
             snap = ctx.padding_snapshot(rows)
             self._dummy_snapshot = snap.pin_memory() if self.device.is_cuda else snap
             self._dummy_rows = rows
         ctx.gpu_view.buffer.copy_(self._dummy_snapshot, non_blocking=True)
+        if replay:
+            saved = self.last_samples.clone()  # the graph samples its padding rows into last_samples
+            with nvtx_range("dummy_forward"):
+                self.graphs.replay_padding(rows)
+            self.last_samples.copy_(saved)
+            return
         shape = StepShape(num_tokens=rows, num_rows=rows, max_query_len=1, max_kv_len=1, is_decode_only=True,
                           any_sampling=False, any_top_k_top_p=False, max_top_n=0, any_log_probs=False,
                           cu_query_lens=list(range(rows + 1)))

@@ -1,0 +1,73 @@
+"""CUDA graphs emulated on the CPU, for multi-rank engine tests (gloo): the real
+``CudaGraphRunner`` decisions (which size, which key, capture or replay) with a "graph" that
+re-runs ``compute_step`` on the current GPU view at replay time, which is what a real replay
+computes. Every expert-parallel collective is logged with the mode it ran in, so a test can
+check what NCCL requires: whether a launch is graph-captured is a collective property, so all
+ranks must replay graphs of one capture, of one size, or all run eager, step by step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_async.inference.text_generation_controllers.cuda_graphs import CapturedStep, CudaGraphRunner
+from megatron_async.models.layers import moe
+
+
+@dataclass
+class EmulatedStep:
+    runner: EmulatedGraphRunner
+    key: tuple
+    num_rows: int
+    out: tuple = ()
+
+    def replay(self) -> None:
+        self.runner.mode = f"graph{self.key}"
+        try:
+            self.out = self.runner.controller.compute_step(self.runner.capture_shape(self.key))
+        finally:
+            self.runner.mode = "eager"
+
+    outputs = CapturedStep.outputs
+
+
+class EmulatedGraphRunner(CudaGraphRunner):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mode = "eager"
+        self.captures: list[tuple] = []
+        """Keys in capture order."""
+
+    def _capture(self, key: tuple) -> EmulatedStep:
+        """Like the real capture: two eager warm-up runs on padding rows (their collectives are
+        real), the samples and the view restored afterwards."""
+        ctl, ctx = self.controller, self.controller.context
+        self.captures.append(key)
+        ctl.dp_num_tokens = 0  # as the real capture: MoE exchanges pad to the graph's rows
+        saved_samples, saved_view = ctl.last_samples.clone(), ctx.gpu_view.buffer.clone()
+        ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key[0]))
+        self.mode = f"capture{key}"
+        try:
+            for _ in range(2):
+                ctl.compute_step(self.capture_shape(key))
+        finally:
+            self.mode = "eager"
+        ctl.last_samples.copy_(saved_samples)
+        ctx.gpu_view.buffer.copy_(saved_view)
+        return EmulatedStep(self, key, key[0])
+
+
+@dataclass
+class CollectiveLog:
+    """Every ``ep_all_gather`` of the MoE layers on this rank: (mode, rows per rank)."""
+    runner: EmulatedGraphRunner
+    calls: list[tuple[str, int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        inner = moe.ep_all_gather
+
+        def logged(x: torch.Tensor, parallel):
+            self.calls.append((self.runner.mode, int(x.shape[0])))
+            return inner(x, parallel)
+
+        moe.ep_all_gather = logged  # the spawned rank's own module: nothing else shares it

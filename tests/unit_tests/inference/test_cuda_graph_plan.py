@@ -1,0 +1,74 @@
+"""CudaGraphRunner's decisions for data-parallel engines (no GPU: graphs stand in as keys):
+only plain greedy decode plans that fit a jointly captured graph replay, and a collective
+runner never captures alone: a missing graph is a clear error, not a capture (or a hang)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_async import InferenceConfig, SamplingParams
+from megatron_async.inference.contexts.dynamic_context import StepShape
+from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
+from megatron_async.inference.text_generation_controllers.cuda_graphs import GREEDY_VARIANT, CudaGraphRunner
+
+
+def runner(collective: bool) -> CudaGraphRunner:
+    r = CudaGraphRunner(None, InferenceConfig(max_requests=8), collective=collective)
+    r.graphs = {(b, *GREEDY_VARIANT): SimpleNamespace(num_rows=b) for b in r.sizes}  # what warmup captures
+    return r
+
+
+def decode_plan(*params: SamplingParams) -> StepPlan:
+    return StepPlan([RowPlan(SimpleNamespace(sampling_params=sp), start=5, num_tokens=1, samples=True)
+                     for sp in params])
+
+
+GREEDY = SamplingParams(top_k=1)
+
+
+@pytest.mark.parametrize("other,replays", [
+    (GREEDY, True), (SamplingParams(temperature=0.0), True), (SamplingParams(temperature=0.8), False),
+    (SamplingParams(top_k=1, return_log_probs=True), False), (SamplingParams(top_k=1, top_n_logprobs=2), False),
+    (SamplingParams(top_k=1, repetition_penalty=1.2), False), (SamplingParams(top_k=1, min_tokens=3), False),
+])
+def test_only_plain_greedy_decode_replays(other, replays):
+    assert runner(True).would_replay(decode_plan(GREEDY, other)) is replays
+
+
+def test_prefill_too_large_and_uncaptured_plans_run_eager():
+    r = runner(True)
+    prefill = StepPlan([RowPlan(SimpleNamespace(sampling_params=GREEDY), start=0, num_tokens=4, samples=True)])
+    assert not r.would_replay(prefill)
+    assert not r.would_replay(decode_plan(*[GREEDY] * 9))  # beyond the largest size (8)
+    del r.graphs[(4, *GREEDY_VARIANT)]
+    assert not r.would_replay(decode_plan(GREEDY, GREEDY, GREEDY))  # pads to 4: not captured on every rank
+
+
+def shape(rows: int, sampling: bool = False) -> StepShape:
+    return StepShape(rows, rows, 1, 9, True, sampling, False, 0, False)
+
+
+def test_lookup_pads_to_the_agreed_rows():
+    r = runner(True)
+    assert r.lookup(shape(1), min_rows=3).num_rows == 4
+    assert r.lookup(shape(3), min_rows=0).num_rows == 4
+    assert r.lookup(shape(5), min_rows=8).num_rows == 8
+
+
+def test_a_collective_runner_never_captures_alone():
+    r = runner(True)
+    r._capture = lambda key: pytest.fail(f"captured {key} on one rank")
+    with pytest.raises(RuntimeError, match="agreed to replay CUDA graphs.*no graph that every rank captured"):
+        r.lookup(shape(2, sampling=True))
+    with pytest.raises(RuntimeError, match="agreed to replay"):
+        r.lookup(StepShape(6, 2, 5, 9, False, False, False, 0, False))  # a prefill step under an agreed replay
+    with pytest.raises(RuntimeError, match="no greedy CUDA graph for a dummy step of 9 rows"):
+        r.replay_padding(9)
+
+
+def test_a_single_engine_runner_captures_lazily():
+    r = runner(False)
+    r._capture = lambda key: SimpleNamespace(num_rows=key[0], key=key)
+    assert r.lookup(shape(2, sampling=True)).key == (2, True, (False, False, False), False, 0, False)
+    assert r.lookup(StepShape(6, 2, 5, 9, False, False, False, 0, False)) is None  # prefill: eager
