@@ -104,6 +104,10 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--tp-all-reduce", choices=[b.value for b in AllReduceBackend], default=None,
                    help="small TP all-reduces: P2P symmetric memory (auto: when the GPUs allow) or NCCL "
                         "(InferenceConfig.tp_all_reduce; default nccl)")
+    g.add_argument("--num-speculative-tokens", type=checked(int, 0, name="int"), default=None,
+                   help="speculative decoding: drafts verified per decode row (default 0: off)")
+    g.add_argument("--speculative-method", choices=["mtp", "ngram"], default=None,
+                   help="speculative decoding's drafter (default mtp)")
     if mode_flags:
         g.add_argument("--serial", action="store_true", help="turn launch-ahead (async scheduling) off")
         g.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
@@ -197,6 +201,8 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "enable_prefix_caching": args.prefix_caching,
         "batch_invariant": args.batch_invariant,
         "tp_all_reduce": args.tp_all_reduce,
+        "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
+        "speculative_method": getattr(args, "speculative_method", None),
         "async_scheduling": not getattr(args, "serial", False),
         "cuda_graphs": getattr(args, "cuda_graphs", False),
         "logging_step_interval": args.logging_step_interval,
