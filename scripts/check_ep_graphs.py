@@ -72,6 +72,7 @@ def _nccl_stage(rank: int, world: int) -> float:
             graph.replay()
             torch.cuda.synchronize()
             err = max(err, float((out - _exchange(x, world)).abs().max()))
+        graph.reset()  # before the group goes: NCCL hangs destroying a comm that live graphs captured
         return err
     finally:
         par.destroy()
@@ -106,7 +107,9 @@ def _layer_stage(rank: int, world: int) -> float:
         x.copy_(torch.randn(5, 64, device="cuda"))
         graph.replay()
         torch.cuda.synchronize()
-        return float((out - layer(x, step)).abs().max())
+        err = float((out - layer(x, step)).abs().max())
+        graph.reset()  # before the group goes (see _nccl_stage)
+        return err
     finally:
         par.destroy()
 
