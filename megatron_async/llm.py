@@ -150,7 +150,13 @@ class LLM:
         return self.parallel.is_leader
 
     def close(self) -> None:
-        """Leave the TP group (no-op without TP)."""
+        """Leave the TP / EP group (no-op without). CUDA graphs go first: a graph that captured
+        NCCL collectives holds a reference on the communicator, and destroying the process group
+        (ncclCommDestroy) waits for every such graph to be destroyed, i.e. forever."""
+        controller = getattr(self, "controller", None)
+        if controller is not None and controller.graphs is not None:
+            controller.graphs.release()
+            controller.graphs = None
         if self.communicator is not None:
             self.communicator.close()
             self.communicator = None

@@ -72,6 +72,7 @@ def _nccl_stage(rank: int, world: int) -> float:
             graph.replay()
             torch.cuda.synchronize()
             err = max(err, float((out - _exchange(x, world)).abs().max()))
+        del graph  # before destroy_process_group: ncclCommDestroy waits for graphs holding NCCL ops
         return err
     finally:
         par.destroy()
@@ -106,7 +107,9 @@ def _layer_stage(rank: int, world: int) -> float:
         x.copy_(torch.randn(5, 64, device="cuda"))
         graph.replay()
         torch.cuda.synchronize()
-        return float((out - layer(x, step)).abs().max())
+        err = float((out - layer(x, step)).abs().max())
+        del graph
+        return err
     finally:
         par.destroy()
 

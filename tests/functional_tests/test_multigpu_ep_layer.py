@@ -49,6 +49,7 @@ def _worker(rank: int, world: int) -> dict:
         graph.replay()
         torch.cuda.synchronize()
         errors["graph_replay"] = float((out - layer(x, step)).abs().max())
+        del graph  # before destroy_process_group: ncclCommDestroy waits for graphs holding NCCL ops
         return errors
     finally:
         base.destroy()
