@@ -170,26 +170,17 @@ class LLM:
         return self.parallel.is_leader
 
     def close(self) -> None:
-        """Leave the TP / EP groups (no-op without them). CUDA graphs go first: NCCL cannot
-        destroy a communicator while graphs that captured its collectives exist (the process
-        hangs in ``destroy_process_group``; pytorch/pytorch#115388)."""
-        self.release_cuda_graphs()
+        """Leave the TP / EP group (no-op without). CUDA graphs go first: a graph that captured
+        NCCL collectives holds a reference on the communicator, and destroying the process group
+        (ncclCommDestroy) waits for every such graph to be destroyed, i.e. forever."""
+        controller = getattr(self, "controller", None)
+        if controller is not None and controller.graphs is not None:
+            controller.graphs.release()
+            controller.graphs = None
         if self.communicator is not None:
             self.communicator.close()
             self.communicator = None
         self.parallel.destroy()
-
-    def release_cuda_graphs(self) -> None:
-        """Destroy every captured CUDA graph and its memory pool; the engine runs eager afterwards."""
-        runner = getattr(self.controller, "graphs", None)
-        if runner is None or not torch.cuda.is_available():
-            return
-        torch.cuda.synchronize()
-        for step in runner.graphs.values():
-            step.graph.reset()
-        runner.graphs.clear()
-        runner._pool = None
-        self.controller.graphs = None
 
     def generate(
         self,

@@ -72,7 +72,7 @@ def _nccl_stage(rank: int, world: int) -> float:
             graph.replay()
             torch.cuda.synchronize()
             err = max(err, float((out - _exchange(x, world)).abs().max()))
-        graph.reset()  # before the group goes: NCCL hangs destroying a comm that live graphs captured
+        del graph  # before destroy_process_group: ncclCommDestroy waits for graphs holding NCCL ops
         return err
     finally:
         par.destroy()
@@ -108,7 +108,7 @@ def _layer_stage(rank: int, world: int) -> float:
         graph.replay()
         torch.cuda.synchronize()
         err = float((out - layer(x, step)).abs().max())
-        graph.reset()  # before the group goes (see _nccl_stage)
+        del graph
         return err
     finally:
         par.destroy()

@@ -49,7 +49,7 @@ def _worker(rank: int, world: int) -> dict:
         graph.replay()
         torch.cuda.synchronize()
         errors["graph_replay"] = float((out - layer(x, step)).abs().max())
-        graph.reset()  # NCCL hangs destroying a communicator that live graphs captured
+        del graph  # before destroy_process_group: ncclCommDestroy waits for graphs holding NCCL ops
         return errors
     finally:
         base.destroy()

@@ -9,6 +9,7 @@ write to the dummy KV block (and the padding Mamba slot)."""
 from __future__ import annotations
 
 import bisect
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +114,19 @@ class CudaGraphRunner:
         step.replay()
         self.num_padding_replays += 1
         return b
+
+    def release(self) -> None:
+        """Destroy every captured graph (before the process group: NCCL's communicator cannot be
+        destroyed while a graph holding its collectives exists)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        for step in self.graphs.values():
+            step.graph.reset()  # explicit: a CapturedStep someone still holds must not keep it alive
+        self.graphs.clear()
+        self._pool = None
+        gc.collect()  # CUDAGraph objects in reference cycles too
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
 
     def warmup(self, greedy_only: bool = True) -> None:
         """Capture the greedy decode graphs of every batch size up front."""

@@ -72,3 +72,20 @@ def test_a_single_engine_runner_captures_lazily():
     r._capture = lambda key: SimpleNamespace(num_rows=key[0], key=key)
     assert r.lookup(shape(2, sampling=True)).key == (2, True, (False, False, False), False, 0, False)
     assert r.lookup(StepShape(6, 2, 5, 9, False, False, False, 0, False)) is None  # prefill: eager
+
+
+def test_llm_close_destroys_graphs_before_the_process_group():
+    """ncclCommDestroy waits for every graph that captured NCCL ops: close() must drop them first
+    (the multi-GPU EP + graphs runs hung in close otherwise)."""
+    from megatron_async import LLM
+
+    llm = LLM(None, inference_config=InferenceConfig(max_requests=4, num_kv_blocks=16, max_sequence_length=64))
+    order = []
+    r = runner(True)
+    r.release = lambda: (order.append("graphs released"), CudaGraphRunner.release(r))
+    llm.controller.graphs = r
+    left = lambda: order.append(f"process group destroyed, graphs left: {len(r.graphs)}")  # noqa: E731
+    llm.parallel = SimpleNamespace(destroy=left)
+    llm.close()
+    assert order == ["graphs released", "process group destroyed, graphs left: 0"]
+    assert llm.controller.graphs is None
