@@ -121,7 +121,8 @@ class CudaGraphRunner:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         for step in self.graphs.values():
-            step.graph.reset()  # explicit: a CapturedStep someone still holds must not keep it alive
+            if isinstance(step, CapturedStep):  # explicit: a step someone still holds must not keep it alive
+                step.graph.reset()
         self.graphs.clear()
         self._pool = None
         gc.collect()  # CUDAGraph objects in reference cycles too
