@@ -363,6 +363,7 @@ class DynamicInferenceContext:
                 max_query_len=shape.max_query_len, host_cu_query_lens=shape.cu_query_lens,
             )
             batch.conv_states, batch.ssm_states = self.mamba.conv_states, self.mamba.ssm_states
+            batch.conv_window_states, batch.ssm_window_states = self.mamba.conv_window_states, self.mamba.ssm_window_states
         return batch
 
 

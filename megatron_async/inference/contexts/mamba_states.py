@@ -2,7 +2,11 @@
 
 A slot is taken at admission and kept while paused; eviction and finish free it (an
 evicted request recomputes its state from its tokens). The last slot is a padding slot
-that padded CUDA-graph rows read and write harmlessly."""
+that padded CUDA-graph rows read and write harmlessly.
+
+With speculative decoding every slot also owns a window scratch of k + 1 states per layer: a
+verification row leaves the state after each of its tokens there and its slot untouched, and
+``commit_windows`` copies the accepted position's state into the slot on the device."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -14,6 +18,7 @@ from megatron_async.inference.contexts.kv_block_allocator import BlockKey
 from megatron_async.inference.contexts.mamba_prefix_cache import MambaPrefixCache
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest
+from megatron_async.kernels.mamba_window_ops import commit_window_states
 
 if TYPE_CHECKING:  # type-only: models import contexts (metadata), not the reverse
     from megatron_async.models.base import CausalLM
@@ -29,6 +34,9 @@ class MambaStateManager:
         self.conv_states = [torch.zeros(num_slots + 1, *spec.conv_shape, dtype=dtype, device=dev) for _ in range(spec.num_layers)]
         self.ssm_states = [torch.zeros(num_slots + 1, *spec.ssm_shape, dtype=torch.float32, device=dev) for _ in range(spec.num_layers)]
         self._free = list(range(num_slots - 1, -1, -1))
+        self.window_tokens = 0
+        self.conv_window_states: list[torch.Tensor] = []
+        self.ssm_window_states: list[torch.Tensor] = []
 
     @classmethod
     def create(cls, model: CausalLM, config: InferenceConfig, device: DeviceFacade, dtype: torch.dtype):
@@ -39,6 +47,27 @@ class MambaStateManager:
         if config.enable_prefix_caching:
             mgr.enable_prefix_cache(config.prefix_caching_mamba_gb)
         return mgr
+
+    def enable_windows(self, window_tokens: int) -> None:
+        """Allocate the window scratch once (fixed addresses, graph-safe): per layer
+        [slots + 1, window_tokens, *state shape], the padding slot included."""
+        self.window_tokens = window_tokens
+        self.conv_window_states = [torch.zeros(t.shape[0], window_tokens, *t.shape[1:], dtype=t.dtype, device=t.device)
+                                   for t in self.conv_states]
+        self.ssm_window_states = [torch.zeros(t.shape[0], window_tokens, *t.shape[1:], dtype=t.dtype, device=t.device)
+                                  for t in self.ssm_states]
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the live states and the window scratch."""
+        return sum(t.numel() * t.element_size()
+                   for t in self.conv_states + self.ssm_states + self.conv_window_states + self.ssm_window_states)
+
+    def commit_windows(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Make each verification row's slot hold the state after its last sampled token and
+        ``accepted[r]`` drafts (device tensors [R]; no host sync, only these slots written)."""
+        commit_window_states(self.conv_states + self.ssm_states, self.conv_window_states + self.ssm_window_states,
+                             slots, accepted)
 
     def assign_slot(self, req: DynamicInferenceRequest) -> None:
         assert req.state_slot < 0, "request already holds a state slot"
