@@ -12,11 +12,10 @@ obviously equal to T decode steps), TRITON and MAMBA_SSM this repo's window kern
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from megatron_async.config import MambaBackend
 from megatron_async.kernels import conv1d_torch, ssd_torch
-from megatron_async.kernels.mamba_ops import _gather_states, get_mamba_backend
+from megatron_async.kernels.mamba_ops import final_step_size, gather_states, get_mamba_backend
 
 
 def _use_triton() -> bool:
@@ -39,7 +38,7 @@ def conv1d_window(
         from megatron_async.kernels.triton_mamba_window import causal_conv1d_window
 
         return causal_conv1d_window(x, weight, bias, conv_pool, conv_scratch, slots, has_initial_state)
-    state = _gather_states(conv_pool, slots, has_initial_state)
+    state = gather_states(conv_pool, slots, has_initial_state)
     outs = []
     for t in range(x.shape[1]):
         out, state = conv1d_torch.causal_conv1d_step(x[:, t], weight, bias, state)
@@ -73,14 +72,8 @@ def ssd_window(
             x, dt, A, B, C, D, ssm_pool, ssm_scratch, slots, has_initial_state,
             dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
         )
-    dt = dt.float()
-    if dt_bias is not None:
-        dt = dt + dt_bias.float()
-    if dt_softplus:
-        dt = F.softplus(dt)
-    if dt_limit is not None:
-        dt = dt.clamp(*dt_limit)
-    state = _gather_states(ssm_pool, slots, has_initial_state)
+    dt = final_step_size(dt, dt_bias, dt_softplus, dt_limit)
+    state = gather_states(ssm_pool, slots, has_initial_state)
     ys = []
     for t in range(x.shape[1]):
         y, state = ssd_torch.ssd_step(x[:, t], dt[:, t], A, B[:, t], C[:, t], state, D)

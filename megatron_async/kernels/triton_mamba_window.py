@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels.triton_mamba_decode import _row_state, _row_state_args
+from megatron_async.kernels.triton_mamba_decode import _row_state, _row_state_args, _step_size, ssm_launch_sizes
 
 
 @triton.jit
@@ -125,19 +125,13 @@ def _state_window_kernel(
     tile = offs_p[:, None] * stride_sp + offs_n[None, :] * stride_sn
     state = tl.load(state_ptr + slot * stride_sb + head * stride_sh + tile, mask=old_mask, other=0.0).to(tl.float32)
     A = tl.load(A_ptr + head).to(tl.float32)
-    dt_bias = 0.0
-    if HAS_DT_BIAS:
-        dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     D = 0.0
     if HAS_D:
         D = tl.load(D_ptr + head).to(tl.float32)
     q_head = scratch_ptr + slot * stride_qb + head * stride_qh + offs_p[:, None] * stride_qp + offs_n[None, :] * stride_qn
     for t in range(T):  # the recurrence, one token at a time, state kept in registers
-        dt = tl.load(dt_ptr + row64 * stride_dtb + t * stride_dtt + head * stride_dth).to(tl.float32) + dt_bias
-        if DT_SOFTPLUS:  # torch's softplus: identity above 20
-            dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
-        if HAS_DT_LIMIT:
-            dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        dt = _step_size(dt_ptr + row64 * stride_dtb + t * stride_dtt + head * stride_dth, dt_bias_ptr, head,
+                        dt_min, dt_max, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT)
         x = tl.load(x_ptr + row64 * stride_xb + t * stride_xt + head * stride_xh + offs_p * stride_xp,
                     mask=p_mask, other=0.0).to(tl.float32)
         Bv = tl.load(B_ptr + row64 * stride_Bb + t * stride_Bt + group * stride_Bg + offs_n * stride_Bn,
@@ -170,25 +164,19 @@ def selective_state_window(
     y [b, T, h, p] float32; the state after token t of row r goes to ``scratch[slot_r, t]``.
     dt as in ``selective_state_update``."""
     b, T, h, p = x.shape
-    g, n = B.shape[2:]
-    if state.shape[1:] != (h, p, n) or scratch.shape[2:] != (h, p, n) or scratch.shape[1] < T:
-        raise ValueError(f"SSM state must be [slots, {h}, {p}, {n}] and scratch [slots, >= {T}, {h}, {p}, {n}], "
+    if state.dim() != 4 or scratch.dim() != 5 or scratch.shape[1] < T:
+        raise ValueError(f"SSM state must be [slots, h, p, n] and scratch [slots, >= {T}, h, p, n], "
                          f"got {tuple(state.shape)} / {tuple(scratch.shape)}")
-    if state.dtype != torch.float32 or scratch.dtype != torch.float32:
-        raise TypeError("SSM states are float32")
-    if h % g != 0:
-        raise ValueError(f"{h} heads are not a multiple of {g} groups")
+    block_p, block_n = ssm_launch_sizes(h, p, B, state, scratch)
     y = torch.empty(b, T, h, p, dtype=torch.float32, device=x.device)
     if b == 0:
         return y
-    block_n = triton.next_power_of_2(n)
-    block_p = max(1, min(triton.next_power_of_2(p), 2048 // block_n))  # <= 2048 state values a program
     lo, hi = dt_limit if dt_limit is not None else (0.0, 0.0)
     _state_window_kernel[(b, h, triton.cdiv(p, block_p))](
         x, dt, x if dt_bias is None else dt_bias, A, B, C, x if D is None else D,
         state, scratch, y,
         *_row_state_args(x, slots, has_initial_state),
-        T, h // g, p, n, float(lo), float(hi),
+        T, h // B.shape[2], p, B.shape[3], float(lo), float(hi),
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
         *state.stride(), *scratch.stride(), y.stride(0), y.stride(1), y.stride(2),
         BLOCK_P=block_p, BLOCK_N=block_n,

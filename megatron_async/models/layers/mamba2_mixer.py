@@ -17,13 +17,6 @@ from megatron_async.parallel.sharding import Sharding, sharded_param
 from megatron_async.parallel.state import ParallelState
 
 
-
-def _read_states(pool: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
-    """Gather rows' states from the pool; rows without an initial state start from zeros."""
-    states = pool.index_select(0, slots)
-    return torch.where(has_init.view(-1, *([1] * (states.dim() - 1))), states, torch.zeros_like(states))
-
-
 def gated_rms_norm(
     y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float, norm_before_gate: bool
 ) -> torch.Tensor:
@@ -124,13 +117,13 @@ class Mamba2Mixer(nn.Module):
         zero = torch.zeros((), dtype=xbc.dtype, device=xbc.device)
         conv_out, conv_state = mamba_ops.conv1d_prefill(
             torch.where(valid, xbc[m.gather], zero), self.conv1d.weight[:, 0, :], self.conv1d.bias,
-            _read_states(conv_pool, slots, has_init), m.lengths,
+            mamba_ops.gather_states(conv_pool, slots, has_init), m.lengths,
         )
         conv_pool.index_copy_(0, slots, conv_state.to(conv_pool.dtype))
         xs, B, C = self._split_xbc(conv_out)
         dt_pad = torch.where(valid, dt[m.gather], torch.zeros((), device=dt.device))  # pads: dt = 0, identity steps
         y, ssm_state = mamba_ops.ssd_prefill(
-            xs, dt_pad, self._A(), B, C, self.cfg.chunk_size, self.D.float(), _read_states(ssm_pool, slots, has_init)
+            xs, dt_pad, self._A(), B, C, self.cfg.chunk_size, self.D.float(), mamba_ops.gather_states(ssm_pool, slots, has_init)
         )
         ssm_pool.index_copy_(0, slots, ssm_state)
         return y.flatten(0, 1)
