@@ -69,6 +69,14 @@ class MambaStateManager:
         commit_window_states(self.conv_states + self.ssm_states, self.conv_window_states + self.ssm_window_states,
                              slots, accepted)
 
+    def commit_verified(self, state_slots: torch.Tensor, num_drafts: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After a verify step's acceptance: rows with drafts (the window rows, see
+        ``window_rows``) commit their accepted state; the others advanced their slots in place
+        and are pointed at the padding slot instead (their writes there are harmless). All
+        device tensors [R]: no host sync, fixed shapes."""
+        slots = torch.where(num_drafts > 0, state_slots, torch.full_like(state_slots, self.padding_slot))
+        self.commit_windows(slots, accepted)
+
     def assign_slot(self, req: DynamicInferenceRequest) -> None:
         assert req.state_slot < 0, "request already holds a state slot"
         req.state_slot = self._free.pop()  # max_requests bounds active requests, so never empty
@@ -119,3 +127,15 @@ class MambaStateManager:
         bs = self.block_size
         points = {(len(req.prompt_tokens) - 1) // bs * bs, kv_depth * bs}
         return sorted(p for p in points if p > req.num_computed_tokens)
+
+
+def window_rows(num_drafts: list[int], num_tokens: int) -> tuple[list[bool] | None, int]:
+    """Host layout of a step's Mamba windows: a row runs as a window iff it verifies drafts.
+    Returns (window flag per row or None when no row has drafts, T when every row is a window
+    of exactly T tokens else 0)."""
+    flags = [k > 0 for k in num_drafts]
+    if not any(flags):
+        return None, 0
+    T = num_drafts[0] + 1
+    uniform = all(flags) and all(k + 1 == T for k in num_drafts) and T * len(num_drafts) == num_tokens
+    return flags, T if uniform else 0

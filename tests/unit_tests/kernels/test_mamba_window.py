@@ -159,3 +159,38 @@ def test_commit_rejects_mismatched_scratch():
     pool, scratch = torch.zeros(4, 3, 2, device=DEVICE), torch.zeros(4, 2, 3, 3, device=DEVICE)
     with pytest.raises(ValueError):
         commit_window_state(pool, scratch, torch.tensor([0], device=DEVICE), torch.tensor([0], device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_window_realistic_sizes_on_gpu():
+    """NemotronH-like: 128 heads of 64, d_state 128, 8 groups, bf16 activations, k = 3 drafts."""
+    g = torch.Generator().manual_seed(13)
+    h, p, grp, n, K, rows, T = 128, 64, 8, 128, 4, 64, 4
+    c, bf16 = h * p + 2 * grp * n, torch.bfloat16
+    x, B, C = _randn(g, rows, T, h, p, dtype=bf16), _randn(g, rows, T, grp, n, dtype=bf16), _randn(g, rows, T, grp, n, dtype=bf16)
+    dt, dt_bias, D = _randn(g, rows, T, h), _randn(g, h), _randn(g, h)
+    A = -(0.5 + 4 * torch.rand(h, generator=g).to(DEVICE))
+    pool = _randn(g, rows + 8, h, p, n)
+    slots = torch.randperm(rows + 8, generator=g)[:rows].to(DEVICE)
+    has_init = torch.rand(rows, generator=g).to(DEVICE) > 0.2
+    kw = dict(dt_bias=dt_bias, dt_softplus=True, dt_limit=(1e-3, float("inf")))
+    scratch_ref, scratch = (torch.zeros(rows + 8, T, h, p, n, device=DEVICE) for _ in range(2))
+    mamba_ops.set_mamba_backend(MambaBackend.TORCH, DEVICE)
+    ref = mamba_window_ops.ssd_window(x, dt, A, B, C, D, pool, scratch_ref, slots, has_init, **kw)
+    y = selective_state_window(x, dt, A, B, C, D, pool, scratch, slots, has_init, **kw)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(scratch[slots], scratch_ref[slots], rtol=1e-4, atol=1e-4)
+
+    cx, w, bias = _randn(g, rows, T, c, dtype=bf16), _randn(g, c, K, dtype=bf16), _randn(g, c, dtype=bf16)
+    cpool = _randn(g, rows + 8, c, K - 1, dtype=bf16)
+    cscratch_ref, cscratch = (torch.zeros(rows + 8, T, c, K - 1, dtype=bf16, device=DEVICE) for _ in range(2))
+    ref_out = mamba_window_ops.conv1d_window(cx, w, bias, cpool, cscratch_ref, slots, has_init)
+    out = causal_conv1d_window(cx, w, bias, cpool, cscratch, slots, has_init)
+    torch.testing.assert_close(out.float(), ref_out.float(), **BF16)
+    assert torch.equal(cscratch[slots], cscratch_ref[slots])  # states are copies of inputs: exact
+
+    accepted = torch.randint(0, T, (rows,), generator=g).to(DEVICE)
+    new_pool = pool.clone()
+    commit_window_state(new_pool, scratch, slots, accepted)
+    assert torch.equal(new_pool[slots], scratch[slots, accepted])
