@@ -83,17 +83,21 @@ def ssd_window(
 
 
 def commit_window_states(
-    pools: list[torch.Tensor], scratches: list[torch.Tensor], slots: torch.Tensor, accepted: torch.Tensor
+    pools: list[torch.Tensor], scratches: list[torch.Tensor], slots: torch.Tensor, accepted: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> None:
-    """For every row r and every (pool, scratch) pair: ``pool[slots[r]] = scratch[slots[r],
-    accepted[r]]``. ``accepted`` [R] is a device tensor (drafts accepted, 0..T-1: the state
-    after the last sampled token plus that many drafts); nothing reads it on the host, and only
-    the rows' slots are written, never the whole pool."""
+    """For every row r (where ``rows[r]``, when given) and every (pool, scratch) pair:
+    ``pool[slots[r]] = scratch[slots[r], accepted[r]]``. ``accepted`` [R] is a device tensor
+    (drafts accepted, 0..T-1: the state after the last sampled token plus that many drafts);
+    nothing reads it on the host, and only the rows' slots are written, never the whole pool."""
     if _use_triton():
         from megatron_async.kernels.triton_mamba_window import commit_window_state
 
         for pool, scratch in zip(pools, scratches, strict=True):
-            commit_window_state(pool, scratch, slots, accepted)
+            commit_window_state(pool, scratch, slots, accepted, rows)
         return
     for pool, scratch in zip(pools, scratches, strict=True):
-        pool.index_copy_(0, slots, scratch[slots, accepted.long()])
+        new = scratch[slots, accepted.long()]
+        if rows is not None:  # rows left out write their own state back
+            new = torch.where(rows.view(-1, *([1] * (new.dim() - 1))), new, pool[slots])
+        pool.index_copy_(0, slots, new)

@@ -187,20 +187,27 @@ def selective_state_window(
 
 
 @triton.jit
-def _commit_kernel(pool_ptr, scratch_ptr, slots_ptr, accepted_ptr, numel, stride_pool, stride_qb, stride_qt,
-                   BLOCK: tl.constexpr):
+def _commit_kernel(pool_ptr, scratch_ptr, slots_ptr, accepted_ptr, rows_ptr, numel, stride_pool, stride_qb, stride_qt,
+                   BLOCK: tl.constexpr, HAS_ROWS: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+    commit = 1
+    if HAS_ROWS:
+        commit = (tl.load(rows_ptr + row) != 0).to(tl.int32)
+    mask = offs < numel * commit  # rows left out touch nothing
     slot = tl.load(slots_ptr + row).to(tl.int64)
     t = tl.load(accepted_ptr + row).to(tl.int64)
     v = tl.load(scratch_ptr + slot * stride_qb + t * stride_qt + offs, mask=mask)
     tl.store(pool_ptr + slot * stride_pool + offs, v, mask=mask)
 
 
-def commit_window_state(pool: torch.Tensor, scratch: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor) -> None:
-    """``pool[slots[r]] = scratch[slots[r], accepted[r]]`` for every row r, on the device:
-    only those slots are written, straight from the scratch (no gathered temporary)."""
+def commit_window_state(
+    pool: torch.Tensor, scratch: torch.Tensor, slots: torch.Tensor, accepted: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> None:
+    """``pool[slots[r]] = scratch[slots[r], accepted[r]]`` for every row r (where ``rows[r]``,
+    when given), on the device: only those slots are written, straight from the scratch (no
+    gathered temporary)."""
     per_state = pool[0].numel()
     if not (pool.is_contiguous() and scratch.is_contiguous()) or scratch[0, 0].numel() != per_state:
         raise ValueError(f"commit needs contiguous pool [S, ...] and scratch [S, T, ...] of one state shape, "
@@ -212,6 +219,6 @@ def commit_window_state(pool: torch.Tensor, scratch: torch.Tensor, slots: torch.
         return
     block = min(1024, triton.next_power_of_2(per_state))
     _commit_kernel[(R, triton.cdiv(per_state, block))](
-        pool, scratch, slots.contiguous(), accepted.contiguous(), per_state,
-        pool.stride(0), scratch.stride(0), scratch.stride(1), BLOCK=block,
+        pool, scratch, slots.contiguous(), accepted.contiguous(), slots if rows is None else rows.contiguous().view(torch.uint8),
+        per_state, pool.stride(0), scratch.stride(0), scratch.stride(1), BLOCK=block, HAS_ROWS=rows is not None,
     )

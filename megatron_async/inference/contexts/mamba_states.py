@@ -6,9 +6,11 @@ that padded CUDA-graph rows read and write harmlessly.
 
 With speculative decoding every slot also owns a window scratch of k + 1 states per layer: a
 verification row leaves the state after each of its tokens there and its slot untouched, and
-``commit_windows`` copies the accepted position's state into the slot on the device."""
+the model's ``commit_speculative`` copies the accepted position's state into the slot on the
+device."""
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +20,8 @@ from megatron_async.inference.contexts.kv_block_allocator import BlockKey
 from megatron_async.inference.contexts.mamba_prefix_cache import MambaPrefixCache
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest
-from megatron_async.kernels.mamba_window_ops import commit_window_states
+
+log = logging.getLogger("megatron_async")
 
 if TYPE_CHECKING:  # type-only: models import contexts (metadata), not the reverse
     from megatron_async.models.base import CausalLM
@@ -46,6 +49,11 @@ class MambaStateManager:
         mgr = cls(spec, config.max_requests, config.block_size_tokens, device, dtype)
         if config.enable_prefix_caching:
             mgr.enable_prefix_cache(config.prefix_caching_mamba_gb)
+        live = mgr.nbytes
+        if config.num_speculative_tokens > 0:
+            mgr.enable_windows(config.num_speculative_tokens + 1)
+        log.info("Mamba states: %.3f GB live (%d slots) + %.3f GB speculative window scratch",
+                 live / 1e9, mgr.num_slots, (mgr.nbytes - live) / 1e9)
         return mgr
 
     def enable_windows(self, window_tokens: int) -> None:
@@ -62,20 +70,6 @@ class MambaStateManager:
         """Device bytes of the live states and the window scratch."""
         return sum(t.numel() * t.element_size()
                    for t in self.conv_states + self.ssm_states + self.conv_window_states + self.ssm_window_states)
-
-    def commit_windows(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Make each verification row's slot hold the state after its last sampled token and
-        ``accepted[r]`` drafts (device tensors [R]; no host sync, only these slots written)."""
-        commit_window_states(self.conv_states + self.ssm_states, self.conv_window_states + self.ssm_window_states,
-                             slots, accepted)
-
-    def commit_verified(self, state_slots: torch.Tensor, num_drafts: torch.Tensor, accepted: torch.Tensor) -> None:
-        """After a verify step's acceptance: rows with drafts (the window rows, see
-        ``window_rows``) commit their accepted state; the others advanced their slots in place
-        and are pointed at the padding slot instead (their writes there are harmless). All
-        device tensors [R]: no host sync, fixed shapes."""
-        slots = torch.where(num_drafts > 0, state_slots, torch.full_like(state_slots, self.padding_slot))
-        self.commit_windows(slots, accepted)
 
     def assign_slot(self, req: DynamicInferenceRequest) -> None:
         assert req.state_slot < 0, "request already holds a state slot"

@@ -155,6 +155,19 @@ def test_commit_picks_the_accepted_state(backend, k):
     assert torch.equal(conv_scratch, before[2]) and torch.equal(ssm_scratch, before[3])
 
 
+def test_commit_leaves_rows_outside_the_mask_alone(backend):
+    """Rows without drafts (prefill chunks, plain decode rows) advanced their slots in place: a
+    commit with ``rows`` False for them must not write those slots."""
+    g = torch.Generator().manual_seed(5)
+    pool, scratch = _randn(g, 5, 3, 2), _randn(g, 5, 2, 3, 2)
+    before = pool.clone()
+    slots, accepted = torch.tensor([2, 0, 4], device=DEVICE), torch.tensor([1, 1, 0], device=DEVICE)
+    rows = torch.tensor([True, False, True], device=DEVICE)
+    mamba_window_ops.commit_window_states([pool], [scratch], slots, accepted, rows)
+    assert torch.equal(pool[2], scratch[2, 1]) and torch.equal(pool[4], scratch[4, 0])
+    assert torch.equal(pool[[0, 1, 3]], before[[0, 1, 3]])
+
+
 def test_commit_rejects_mismatched_scratch():
     pool, scratch = torch.zeros(4, 3, 2, device=DEVICE), torch.zeros(4, 2, 3, 3, device=DEVICE)
     with pytest.raises(ValueError):
