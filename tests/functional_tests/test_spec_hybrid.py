@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_async import LLM, InferenceConfig, SamplingParams
+from megatron_async import SamplingParams
 from megatron_async.models.layers import mamba_step_plan
 from megatron_async.testing.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
-from megatron_async.testing.oracle_drafter import OracleDrafter
-from tests.functional_tests.engine_harness import Arrival, random_prompts, run_arrivals
+from tests.functional_tests.engine_harness import Arrival, make_llm, random_prompts, run_arrivals
+from tests.functional_tests.spec_harness import assert_partial_acceptance, assert_same_outputs, oracle_for
 
 K = 3
-BASE = dict(block_size_tokens=4, num_kv_blocks=256, max_requests=8, max_tokens=64, max_sequence_length=128)
 
 
 @pytest.fixture(scope="module", params=HYBRID_ARCHS)
@@ -28,7 +27,7 @@ def hybrid(request, tmp_path_factory):
 def plan_kinds(monkeypatch):
     """Which Mamba paths each forward's plan used: 'uniform' (every row a window of one
     length), 'windows+prefill' (windows beside multi-token prefill rows), 'windows+single'
-    (windows beside one-token rows)."""
+    (windows beside one-token rows), 'ragged' (windows of different lengths only)."""
     seen: set[str] = set()
     build = mamba_step_plan.MambaStepPlan.build.__func__
 
@@ -44,23 +43,12 @@ def plan_kinds(monkeypatch):
     return seen
 
 
-def _llm(path, k: int, drafter=None, **cfg) -> LLM:
-    conf = InferenceConfig(**{**BASE, "num_speculative_tokens": k, **cfg})
-    return LLM(model=str(path), inference_config=conf, drafter=drafter)
+def _llm(path, k: int, drafter=None, **cfg):
+    return make_llm(path, drafter, max_requests=8, max_sequence_length=128, num_speculative_tokens=k, **cfg)
 
 
-def _oracle(llm_off: LLM, outs: dict, arrivals: list[Arrival], corrupt: float = 0.3) -> OracleDrafter:
-    cont = {tuple(a.prompt): outs[i].generated_tokens for i, a in enumerate(arrivals)}
-    return OracleDrafter(cont, corrupt, llm_off.model.vocab_size, BASE["max_sequence_length"])
-
-
-def _same_outputs(on: dict, off: dict) -> None:
-    assert sorted(on) == sorted(off)
-    for i in off:
-        assert on[i].generated_tokens == off[i].generated_tokens, i
-        assert on[i].finish_reason == off[i].finish_reason, i
-        if off[i].generated_log_probs is not None:
-            assert on[i].generated_log_probs == pytest.approx(off[i].generated_log_probs, rel=1e-5, abs=1e-5), i
+def _oracle(llm_off, outs: dict, arrivals: list[Arrival], corrupt: float = 0.3):
+    return oracle_for(outs, arrivals, corrupt, vocab=llm_off.model.vocab_size)
 
 
 def _arrivals(vocab: int, seed: int, eos: int | None = None) -> list[Arrival]:
@@ -84,10 +72,10 @@ def test_hybrid_spec_equals_plain(hybrid, async_scheduling, plan_kinds):
     assert not plan_kinds, "plain decoding ran a Mamba window"
     llm = _llm(hybrid, K, _oracle(off_llm, off, arrivals), async_scheduling=async_scheduling,
                speculative_min_acceptance=0.0)
-    _same_outputs(run_arrivals(llm, arrivals), off)
+    assert_same_outputs(off, run_arrivals(llm, arrivals), log_prob_tol=1e-5)
     st = llm.engine.stats
-    assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens, st.as_dict()
-    assert 0 < st.spec_accepted_tokens_per_depth[K - 1] < st.spec_draft_tokens_per_depth[K - 1]
+    assert_partial_acceptance(st)
+    assert llm.context.gpu_view.num_copies == st.steps  # still one H2D copy per step
     assert {"uniform", "windows+prefill"} <= plan_kinds, plan_kinds
     if async_scheduling:
         assert st.overlapped_steps > 0.5 * st.steps, st.as_dict()
@@ -109,7 +97,7 @@ def test_hybrid_spec_under_pressure_with_eos_and_prefix_caching(hybrid, plan_kin
     off_llm = _llm(hybrid, 0, **cfg)
     off = run_arrivals(off_llm, arrivals)
     llm = _llm(hybrid, K, _oracle(off_llm, off, arrivals, corrupt=0.5), **cfg)
-    _same_outputs(run_arrivals(llm, arrivals), off)
+    assert_same_outputs(off, run_arrivals(llm, arrivals), log_prob_tol=1e-5)
     st = llm.engine.stats
     assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens, st.as_dict()
     assert st.paused > 0 and st.evicted > 0 and st.prefix_hit_tokens > 0, st.as_dict()
