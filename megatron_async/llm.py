@@ -147,9 +147,6 @@ class LLM:
     def _drafter(self, drafter):
         from megatron_async.inference.speculative.factory import build_drafter
 
-        if self.model.mamba_state_spec() is not None:
-            raise ValueError("speculative decoding supports GPT models (attention layers) only so far: Mamba "
-                             "layers need per-position states to roll back rejected drafts")
         if self.parallel.is_distributed:
             raise ValueError("speculative decoding is not supported with tensor / expert parallelism yet")
         return drafter if drafter is not None else build_drafter(self.config, self.model)

@@ -175,7 +175,21 @@ def ssd_decode(
     return ssd_torch.ssd_step(x, dt, A, B, C, state, D)
 
 
-def _gather_states(pool: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
+def final_step_size(
+    dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float] | None
+) -> torch.Tensor:
+    """The mixer's order on a raw dt, in float32: bias added, softplus, clamp (each when given)."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    if dt_limit is not None:
+        dt = dt.clamp(*dt_limit)
+    return dt
+
+
+def gather_states(pool: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
     """Rows' states from the pool; rows without an initial state start from zeros."""
     states = pool.index_select(0, slots)
     return torch.where(has_init.view(-1, *([1] * (states.dim() - 1))), states, torch.zeros_like(states))
@@ -195,7 +209,7 @@ def conv1d_decode_inplace(
         from megatron_async.kernels.triton_mamba_decode import causal_conv1d_update
 
         return causal_conv1d_update(x, weight, bias, conv_pool, slots=slots, has_initial_state=has_initial_state)
-    out, new_state = conv1d_torch.causal_conv1d_step(x, weight, bias, _gather_states(conv_pool, slots, has_initial_state))
+    out, new_state = conv1d_torch.causal_conv1d_step(x, weight, bias, gather_states(conv_pool, slots, has_initial_state))
     conv_pool.index_copy_(0, slots, new_state.to(conv_pool.dtype))
     return out
 
@@ -225,13 +239,7 @@ def ssd_decode_inplace(
             x, dt, A, B, C, D, ssm_pool, slots=slots, has_initial_state=has_initial_state,
             dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
         )
-    dt = dt.float()
-    if dt_bias is not None:
-        dt = dt + dt_bias.float()
-    if dt_softplus:
-        dt = F.softplus(dt)
-    if dt_limit is not None:
-        dt = dt.clamp(*dt_limit)
-    y, new_state = ssd_torch.ssd_step(x, dt, A, B, C, _gather_states(ssm_pool, slots, has_initial_state), D)
+    dt = final_step_size(dt, dt_bias, dt_softplus, dt_limit)
+    y, new_state = ssd_torch.ssd_step(x, dt, A, B, C, gather_states(ssm_pool, slots, has_initial_state), D)
     ssm_pool.index_copy_(0, slots, new_state)
     return y

@@ -114,6 +114,35 @@ def causal_conv1d_update(
 
 
 @triton.jit
+def _step_size(dt_ptr, dt_bias_ptr, head, dt_min, dt_max,
+               HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr):
+    """The final fp32 step size from the raw dt at ``dt_ptr``: bias, softplus, clamp (each when asked)."""
+    dt = tl.load(dt_ptr).to(tl.float32)
+    if HAS_DT_BIAS:
+        dt += tl.load(dt_bias_ptr + head).to(tl.float32)
+    if DT_SOFTPLUS:  # torch's softplus: identity above 20
+        dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
+    if HAS_DT_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    return dt
+
+
+def ssm_launch_sizes(x_heads: int, head_dim: int, B: torch.Tensor, *pools: torch.Tensor) -> tuple[int, int]:
+    """Check SSM pools ([..., h, p, n] float32) against x's heads / head_dim and B's groups and
+    state size; return the (BLOCK_P, BLOCK_N) tile: <= 2048 state values a program."""
+    h, p, (g, n) = x_heads, head_dim, B.shape[-2:]
+    for pool in pools:
+        if pool.shape[-3:] != (h, p, n):
+            raise ValueError(f"SSM state must end in [{h}, {p}, {n}], got {tuple(pool.shape)}")
+        if pool.dtype != torch.float32:
+            raise TypeError("SSM states are float32")
+    if h % g != 0:
+        raise ValueError(f"{h} heads are not a multiple of {g} groups")
+    block_n = triton.next_power_of_2(n)
+    return max(1, min(triton.next_power_of_2(p), 2048 // block_n)), block_n
+
+
+@triton.jit
 def _state_update_kernel(
     x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr,
     state_ptr, out_state_ptr, y_ptr, slots_ptr, has_init_ptr,
@@ -139,13 +168,8 @@ def _state_update_kernel(
     slot, read_old = _row_state(slots_ptr, has_init_ptr, row, HAS_SLOTS, HAS_INIT_FLAGS)
     row64 = row.to(tl.int64)
 
-    dt = tl.load(dt_ptr + row64 * stride_dtb + head * stride_dth).to(tl.float32)
-    if HAS_DT_BIAS:
-        dt += tl.load(dt_bias_ptr + head).to(tl.float32)
-    if DT_SOFTPLUS:  # torch's softplus: identity above 20
-        dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
-    if HAS_DT_LIMIT:
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    dt = _step_size(dt_ptr + row64 * stride_dtb + head * stride_dth, dt_bias_ptr, head, dt_min, dt_max,
+                    HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT)
     decay = tl.exp(dt * tl.load(A_ptr + head).to(tl.float32))
 
     x = tl.load(x_ptr + row64 * stride_xb + head * stride_xh + offs_p * stride_xp, mask=p_mask, other=0.0).to(tl.float32)
@@ -188,25 +212,17 @@ def selective_state_update(
     dt is used as given unless asked: ``dt_bias`` added, then softplus, then clamped to
     ``dt_limit`` (the mixer's order), all in float32."""
     b, h, p = x.shape
-    g, n = B.shape[1:]
     out_state = state if out_state is None else out_state
-    if state.shape[1:] != (h, p, n) or out_state.shape[1:] != (h, p, n):
-        raise ValueError(f"SSM state must be [slots, {h}, {p}, {n}], got {tuple(state.shape)} / {tuple(out_state.shape)}")
-    if state.dtype != torch.float32 or out_state.dtype != torch.float32:
-        raise TypeError("SSM states are float32")
-    if h % g != 0:
-        raise ValueError(f"{h} heads are not a multiple of {g} groups")
+    block_p, block_n = ssm_launch_sizes(h, p, B, state, out_state)
     y = torch.empty(b, h, p, dtype=torch.float32, device=x.device)
     if b == 0:
         return y
-    block_n = triton.next_power_of_2(n)
-    block_p = max(1, min(triton.next_power_of_2(p), 2048 // block_n))  # <= 2048 state values a program
     lo, hi = dt_limit if dt_limit is not None else (0.0, 0.0)
     _state_update_kernel[(b, h, triton.cdiv(p, block_p))](
         x, dt, x if dt_bias is None else dt_bias, A, B, C, x if D is None else D,
         state, out_state, y,
         *_row_state_args(x, slots, has_initial_state),
-        h // g, p, n, float(lo), float(hi),
+        h // B.shape[1], p, B.shape[2], float(lo), float(hi),
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
         *state.stride(), *out_state.stride(), y.stride(0), y.stride(1),
         BLOCK_P=block_p, BLOCK_N=block_n,

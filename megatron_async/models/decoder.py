@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from megatron_async.inference.contexts.metadata import ForwardBatch
+from megatron_async.kernels import mamba_window_ops
 from megatron_async.models.base import CausalLM, KVCacheSpec, MambaStateSpec
 from megatron_async.models.hybrid_config import MambaConfig
 from megatron_async.models.layers.attention_layer import Attention
@@ -133,6 +134,18 @@ class DecoderModel(CausalLM):
         if residual is None:
             return self.final_norm(self.final_norm.in_dtype(x), inv)
         return self.final_norm.add_and_norm(x, residual, inv)[0]
+
+    def commit_speculative(self, out) -> None:
+        """Mamba layers: each verify row's slot takes the state after its accepted drafts from
+        the window scratch its Mamba window left (rows without drafts advanced in place and are
+        left alone). Device only; a no-op without Mamba windows."""
+        b = out.batch
+        if b.mamba is None or not b.conv_window_states:
+            return
+        mamba_window_ops.commit_window_states(
+            b.conv_states + b.ssm_states, b.conv_window_states + b.ssm_window_states,
+            b.mamba.state_slots[: out.num_rows], out.accepted, rows=out.num_drafts > 0,
+        )
 
     @property
     def supports_batch_invariant(self) -> bool:

@@ -16,7 +16,7 @@ from megatron_async.config import InferenceConfig
 from megatron_async.inference.contexts.bookkeeping_layout import BookkeepingLayout, FieldSpec
 from megatron_async.inference.contexts.gpu_view import ContextGPUView
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK, KVBlockAllocator
-from megatron_async.inference.contexts.mamba_states import MambaStateManager
+from megatron_async.inference.contexts.mamba_states import MambaStateManager, window_rows
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
 from megatron_async.inference.contexts.spec_state import SpecState
 from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch, MambaMetadata
@@ -92,6 +92,7 @@ class StepShape:
     filters: tuple[bool, bool, bool] = (False, False, False)  # some sampled row uses (top-k, top-p, min-p)
     num_samples: int = -1  # sampled positions (rows plus drafts); -1: one per row
     sample_base: list[int] | None = None  # host copy: each row's first sample (speculative decoding)
+    num_drafts: list[int] | None = None  # host copy: drafts each row verifies (speculative decoding)
 
     def __post_init__(self):
         if self.num_samples < 0:
@@ -373,7 +374,7 @@ class DynamicInferenceContext:
         filters = (use_k, use_p, use_mp)
         return StepShape(T, R, max_q, max_kv, plan.is_decode_only, any_sampling, any(filters), max_top_n, any_lp, cu,
                          any_penalties=pen.any, filters=filters, num_samples=len(sample_idx),
-                         sample_base=sample_base if spec else None)
+                         sample_base=sample_base if spec else None, num_drafts=num_drafts if spec else None)
 
     def pad_decode_rows(self, num_rows: int, padded_rows: int) -> None:
         """Make rows [num_rows, padded_rows) of the current host buffer harmless padding
@@ -433,7 +434,10 @@ class DynamicInferenceContext:
                 cu_query_lens=attn.cu_query_lens, num_rows=R, is_decode_only=shape.is_decode_only,
                 max_query_len=shape.max_query_len, host_cu_query_lens=shape.cu_query_lens,
             )
+            if shape.num_drafts is not None:  # verify rows run as Mamba windows
+                batch.mamba.host_window_rows, batch.mamba.window_tokens = window_rows(shape.num_drafts, T)
             batch.conv_states, batch.ssm_states = self.mamba.conv_states, self.mamba.ssm_states
+            batch.conv_window_states, batch.ssm_window_states = self.mamba.conv_window_states, self.mamba.ssm_window_states
         return batch
 
 

@@ -59,6 +59,13 @@ class MambaMetadata:
     host_cu_query_lens: list[int] | None = None
     """The same prefix sums as a host list (the context built them on the CPU), so kernels
     that need row lengths on the host read them here instead of syncing with the device."""
+    host_window_rows: list[bool] | None = None
+    """Speculative verification rows (last sampled token + drafts): they run as a decode window
+    whose per-token states go to the window scratch; their slots change only when the accepted
+    state is committed. None: no such row."""
+    window_tokens: int = 0
+    """T > 0: every row is a verification window of exactly T tokens (then the mixers need no
+    host lists: the shape CUDA graphs capture)."""
 
 
 @dataclass
@@ -73,6 +80,12 @@ class ForwardBatch:
     """Hybrid: one per Mamba layer, [num_slots, conv_dim, d_conv - 1]."""
     ssm_states: list[torch.Tensor] = field(default_factory=list)
     """Hybrid: one per Mamba layer, [num_slots, num_heads, head_dim, d_state]."""
+    conv_window_states: list[torch.Tensor] = field(default_factory=list)
+    """Hybrid with speculation: one per Mamba layer, [num_slots, k + 1, conv_dim, d_conv - 1],
+    the conv state after each token of a slot's verification window."""
+    ssm_window_states: list[torch.Tensor] = field(default_factory=list)
+    """Hybrid with speculation: one per Mamba layer, [num_slots, k + 1, num_heads, head_dim,
+    d_state], the SSM state after each token of a slot's verification window."""
     ep_num_tokens: int | None = None
     """Expert parallelism: the token count every EP rank pads its MoE-layer input to in this
     step (agreed by the engines on the CPU; >= this rank's token count, equal on all ranks of

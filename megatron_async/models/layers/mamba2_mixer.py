@@ -8,20 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_async.kernels import mamba_ops
+from megatron_async.kernels import mamba_ops, mamba_window_ops
 from megatron_async.models.hybrid_config import MambaConfig
 from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.layers.mamba_step_plan import MambaStepPlan, PaddedRows
 from megatron_async.parallel.linear import MergedColumnParallelLinear, RowParallelLinear
 from megatron_async.parallel.sharding import Sharding, sharded_param
 from megatron_async.parallel.state import ParallelState
-
-
-
-def _read_states(pool: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
-    """Gather rows' states from the pool; rows without an initial state start from zeros."""
-    states = pool.index_select(0, slots)
-    return torch.where(has_init.view(-1, *([1] * (states.dim() - 1))), states, torch.zeros_like(states))
 
 
 def gated_rms_norm(
@@ -124,15 +117,31 @@ class Mamba2Mixer(nn.Module):
         zero = torch.zeros((), dtype=xbc.dtype, device=xbc.device)
         conv_out, conv_state = mamba_ops.conv1d_prefill(
             torch.where(valid, xbc[m.gather], zero), self.conv1d.weight[:, 0, :], self.conv1d.bias,
-            _read_states(conv_pool, slots, has_init), m.lengths,
+            mamba_ops.gather_states(conv_pool, slots, has_init), m.lengths,
         )
         conv_pool.index_copy_(0, slots, conv_state.to(conv_pool.dtype))
         xs, B, C = self._split_xbc(conv_out)
         dt_pad = torch.where(valid, dt[m.gather], torch.zeros((), device=dt.device))  # pads: dt = 0, identity steps
         y, ssm_state = mamba_ops.ssd_prefill(
-            xs, dt_pad, self._A(), B, C, self.cfg.chunk_size, self.D.float(), _read_states(ssm_pool, slots, has_init)
+            xs, dt_pad, self._A(), B, C, self.cfg.chunk_size, self.D.float(), mamba_ops.gather_states(ssm_pool, slots, has_init)
         )
         ssm_pool.index_copy_(0, slots, ssm_state)
+        return y.flatten(0, 1)
+
+    def _window_rows(
+        self, xbc: torch.Tensor, dt: torch.Tensor, w: PaddedRows | None, T: int, slots: torch.Tensor,
+        has_init: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
+        conv_scratch: torch.Tensor, ssm_scratch: torch.Tensor,
+    ) -> torch.Tensor:
+        """Verification windows: rows laid out [W, T] (``w``'s padded gather, or a plain reshape
+        when ``w`` is None: every token is a window token) -> y [W * T, H, P] float32."""
+        xbc_w = xbc.view(-1, T, self.conv_dim) if w is None else xbc[w.gather]
+        dt_w = dt.view(-1, T, self.num_heads) if w is None else dt[w.gather]
+        conv_out = mamba_window_ops.conv1d_window(
+            xbc_w, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_pool, conv_scratch, slots, has_init
+        )
+        xs, B, C = self._split_xbc(conv_out)
+        y = mamba_window_ops.ssd_window(xs, dt_w, self._A(), B, C, self.D.float(), ssm_pool, ssm_scratch, slots, has_init)
         return y.flatten(0, 1)
 
     def _A(self) -> torch.Tensor:
@@ -140,16 +149,26 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; advances the rows' states in this layer's pools in place."""
-        batch = step.batch
-        return self.mix(x, batch.conv_states[self.state_index], batch.ssm_states[self.state_index], step.mamba_plan)
+        batch, i = step.batch, self.state_index
+        windows = (batch.conv_window_states[i], batch.ssm_window_states[i]) if batch.conv_window_states else None
+        return self.mix(x, batch.conv_states[i], batch.ssm_states[i], step.mamba_plan, windows)
 
-    def mix(self, x: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, plan: MambaStepPlan) -> torch.Tensor:
+    def mix(
+        self, x: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, plan: MambaStepPlan,
+        window_scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``window_scratch``: this layer's (conv, SSM) window scratch, needed when the plan has
+        verification rows."""
         cfg = self.cfg
         T, H, I = x.shape[0], self.num_heads, self.intermediate
         z, xbc, dt = self.in_proj(x).split([I, self.conv_dim, H], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*cfg.dt_limit)
         pools = (conv_pool, ssm_pool)
-        if plan.identity_order:
+        if (plan.window_only or plan.window is not None) and window_scratch is None:
+            raise ValueError("a step with speculative verification rows needs the Mamba window scratch")
+        if plan.window_only:
+            y = self._window_rows(xbc, dt, None, plan.window_only, plan.slots, plan.has_initial_state, *pools, *window_scratch)
+        elif plan.identity_order:
             y = self._step_rows(xbc, dt, plan.slots, plan.has_initial_state, *pools)
         else:
             y = torch.empty(T, H, cfg.head_dim, dtype=torch.float32, device=x.device)
@@ -160,4 +179,9 @@ class Mamba2Mixer(nn.Module):
             if m is not None:
                 y_m = self._scan_rows(xbc, dt, m, plan.slots[m.rows], plan.has_initial_state[m.rows], *pools)
                 y[m.tokens] = y_m[m.flat]
+            w = plan.window
+            if w is not None:
+                T_w = w.gather.shape[1]
+                y_w = self._window_rows(xbc, dt, w, T_w, plan.slots[w.rows], plan.has_initial_state[w.rows], *pools, *window_scratch)
+                y[w.tokens] = y_w[w.flat]
         return self.out_proj(self.norm(y.view(T, I), z).to(x.dtype))
