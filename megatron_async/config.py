@@ -39,6 +39,13 @@ class MambaBackend(str, Enum):
     AUTO = "auto"  # CUDA: mamba_ssm when importable, else triton; CPU: torch
 
 
+class SpeculativeMethod(str, Enum):
+    """Where speculative decoding's draft tokens come from (docs/SPECULATIVE.md)."""
+
+    MTP = "mtp"  # multi-token-prediction heads of the checkpoint
+    NGRAM = "ngram"  # prompt lookup: the tokens that followed the latest earlier match of the last n tokens
+
+
 @dataclass
 class InferenceConfig:
     """Configuration of the dynamic inference engine.
@@ -117,6 +124,31 @@ class InferenceConfig:
     seed: int = 1234
     """Seed of the engine's generator that gives seeds to requests that bring none."""
 
+    num_speculative_tokens: int = 0
+    """Draft tokens verified per decode row and step (0 = speculative decoding off). A decode
+    row then runs its last token plus up to this many drafts in one forward and keeps the
+    drafts that equal what the model samples at their positions (with the same per-position
+    draws), plus one more token: tokens and log-probs are those of plain decoding."""
+
+    speculative_method: SpeculativeMethod = SpeculativeMethod.MTP
+    """Drafter: "mtp" (the checkpoint's MTP heads) or "ngram" (prompt lookup, no weights)."""
+
+    speculative_ngram_max: int = 3
+    """N-gram drafter: the longest suffix (in tokens) looked up in the request's history;
+    shorter suffixes down to one token are tried when it has no earlier occurrence."""
+
+    speculative_min_acceptance: float = 0.3
+    """A request whose recent draft acceptance (moving average of accepted / drafted) falls
+    below this decodes without drafts, probing again with drafts every
+    ``speculative_probe_interval`` rows; 0 = never switch off by acceptance."""
+
+    speculative_probe_interval: int = 16
+    """Decode rows a request runs without drafts, once switched off, before it probes again."""
+
+    speculative_max_batch_size: int = 0
+    """Steps with more decode rows than this run without drafts (verify costs more than it
+    saves once the forward is compute bound); 0 = no limit."""
+
     def validate(self) -> None:
         """Raise ValueError on settings that cannot work."""
         for name in ("block_size_tokens", "max_requests", "max_tokens", "max_sequence_length"):
@@ -132,3 +164,19 @@ class InferenceConfig:
         self.attention_backend = AttentionBackend(self.attention_backend)
         self.mamba_backend = MambaBackend(self.mamba_backend)
         self.sampling_backend = SamplingBackend(self.sampling_backend)
+        self.speculative_method = SpeculativeMethod(self.speculative_method)
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"InferenceConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.speculative_ngram_max < 1:
+            raise ValueError(f"InferenceConfig.speculative_ngram_max must be >= 1, got {self.speculative_ngram_max}")
+        if not 0.0 <= self.speculative_min_acceptance <= 1.0:
+            raise ValueError("InferenceConfig.speculative_min_acceptance must be in [0, 1], "
+                             f"got {self.speculative_min_acceptance}")
+        if self.speculative_probe_interval < 1 or self.speculative_max_batch_size < 0:
+            raise ValueError("InferenceConfig.speculative_probe_interval must be >= 1 and "
+                             "speculative_max_batch_size >= 0")
+
+    @property
+    def max_samples(self) -> int:
+        """Most sampled positions in one step: every row one, plus its drafts."""
+        return min(self.max_tokens, self.max_requests * (1 + self.num_speculative_tokens))

@@ -59,6 +59,7 @@ class LLM:
         seed: int = 0,
         tensor_parallel_size: int = 1,
         expert_parallel_size: int = 1,
+        drafter=None,
     ):
         """``tensor_parallel_size`` > 1: run as one rank of a torchrun job of that many
         processes. Every rank builds its shard of the model (GPT or hybrid) and its share of the
@@ -89,12 +90,12 @@ class LLM:
             if self.parallel.is_distributed:
                 self.communicator = ZMQCommunicator.from_rendezvous(
                     self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size)
-            self._build(model, default_model, seed)
+            self._build(model, default_model, seed, drafter)
         except BaseException:
             self.close()  # every rank fails the same way at load (a shape that does not divide): leave cleanly
             raise
 
-    def _build(self, model: str | None, default_model: str, seed: int) -> None:
+    def _build(self, model: str | None, default_model: str, seed: int, drafter=None) -> None:
         from megatron_async.models import build_default_model, load_checkpoint, load_tokenizer
         from megatron_async.models.eos_ids import checkpoint_eos_ids
 
@@ -124,6 +125,10 @@ class LLM:
             eos_ids = checkpoint_eos_ids(model, tok_eos)
         facade = DeviceFacade(self.device)
         self.context = DynamicInferenceContext(self.config, self.model, facade, self.dtype)
+        if self.context.spec is not None:
+            self.context.spec.set_drafter(self._drafter(drafter))
+        elif drafter is not None:
+            raise ValueError("a drafter needs InferenceConfig.num_speculative_tokens > 0")
         self.controller = TextGenerationController(self.model, self.context, eos_ids)
         self.controller.expert_parallel = self.parallel.ep_size > 1
         if self.config.cuda_graphs and facade.is_cuda:
@@ -134,6 +139,16 @@ class LLM:
                 self.controller.graphs.warmup()
         engine_cls = DataParallelEngine if self.parallel.dp_size > 1 else DynamicInferenceEngine
         self.engine = engine_cls(self.controller, self.context, self.config, self.tokenizer, self.communicator)
+
+    def _drafter(self, drafter):
+        from megatron_async.inference.speculative.factory import build_drafter
+
+        if self.model.mamba_state_spec() is not None:
+            raise ValueError("speculative decoding supports GPT models (attention layers) only so far: Mamba "
+                             "layers need per-position states to roll back rejected drafts")
+        if self.parallel.is_distributed:
+            raise ValueError("speculative decoding is not supported with tensor / expert parallelism yet")
+        return drafter if drafter is not None else build_drafter(self.config, self.model)
 
     def _fit_max_sequence_length(self) -> None:
         """A model cannot attend beyond its ``max_position_embeddings``: a larger

@@ -162,7 +162,9 @@ class DynamicInferenceRequest:
     num_computed_tokens: int = 0
     """Positions whose KV is computed or enqueued (in flight included)."""
     num_inflight: int = 0
-    """Tokens sampled by launched steps but not yet bookkept (0 or 1)."""
+    """Launched steps that sample for this request, not yet bookkept (0 or 1)."""
+    num_inflight_drafts: int = 0
+    """Drafts verified by that launch: it brings 1 to 1 + this many tokens (speculative decoding)."""
     inflight_row: int = -1
     """Row of this request in the latest launch when it samples there (input of the next decode)."""
     block_ids: list[int] = field(default_factory=list)
@@ -175,6 +177,12 @@ class DynamicInferenceRequest:
     """Hybrid models: index of this request's live Mamba state slot (-1 = none)."""
     sampling_slot: int = -1
     """Row of this request's device token counts (penalties / min_tokens; -1 = none)."""
+    spec_slot: int = -1
+    """Speculative decoding: row of this request's device draft state (-1 = none)."""
+    spec_acceptance: float = 1.0
+    """Moving average of accepted / drafted tokens of its verify rows (host, bookkept)."""
+    spec_rows_off: int = 0
+    """Decode rows run without drafts since acceptance switched them off (probe counter)."""
 
     @property
     def num_known_tokens(self) -> int:
@@ -200,7 +208,13 @@ class DynamicInferenceRequest:
 
     @property
     def tokens_budgeted(self) -> int:
-        """Generated tokens including those in flight."""
+        """Generated tokens including those in flight, counting every in-flight draft as
+        accepted (an upper bound: the most tokens the request may own when they land)."""
+        return len(self.generated_tokens) + self.num_inflight + self.num_inflight_drafts
+
+    @property
+    def tokens_certain(self) -> int:
+        """Generated tokens plus the one every in-flight launch surely brings (a lower bound)."""
         return len(self.generated_tokens) + self.num_inflight
 
     def take_update(self, with_text: bool = True) -> RequestUpdate:

@@ -51,6 +51,12 @@ class CausalLM(nn.Module):
     def mamba_state_spec(self) -> MambaStateSpec | None:
         return None
 
+    def commit_speculative(self, out) -> None:
+        """Speculative decoding, after each step's acceptance (``speculative.drafter.VerifyOutputs``,
+        on the device, no host reads): models with per-request recurrent state keep the state
+        of each row's last accepted position here. Attention-only models need nothing: KV of
+        rejected positions is simply overwritten later."""
+
     def reserve_positions(self, num_positions: int) -> None:
         """Pre-build position tables (rope) up to ``num_positions`` so no step, and no
         captured CUDA graph, ever has to grow them."""

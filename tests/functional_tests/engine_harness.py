@@ -14,10 +14,10 @@ class Arrival:
     params: SamplingParams
 
 
-def make_llm(path, **cfg) -> LLM:
+def make_llm(path, drafter=None, **cfg) -> LLM:
     base = dict(block_size_tokens=4, num_kv_blocks=256, max_requests=16, max_tokens=64, max_sequence_length=256)
     base.update(cfg)
-    return LLM(model=str(path), inference_config=InferenceConfig(**base))
+    return LLM(model=str(path), inference_config=InferenceConfig(**base), drafter=drafter)
 
 
 def run_arrivals(llm: LLM, arrivals: list[Arrival], max_steps: int = 5000) -> dict[int, object]:

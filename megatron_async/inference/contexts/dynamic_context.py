@@ -18,6 +18,7 @@ from megatron_async.inference.contexts.gpu_view import ContextGPUView
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK, KVBlockAllocator
 from megatron_async.inference.contexts.mamba_states import MambaStateManager
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
+from megatron_async.inference.contexts.spec_state import SpecState
 from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch, MambaMetadata
 from megatron_async.inference.contexts.step_errors import RequestStepError, RowUndo, row_of_bad_value
 from megatron_async.inference.device import DeviceFacade
@@ -28,10 +29,15 @@ if TYPE_CHECKING:  # type-only: engines and models import contexts, not the reve
     from megatron_async.models.base import CausalLM
 
 
-def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int) -> list[FieldSpec]:
-    """The single declaration of the step snapshot (host buffer and device view alike)."""
+def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samples: int | None = None,
+                       speculative: bool = False) -> list[FieldSpec]:
+    """The single declaration of the step snapshot (host buffer and device view alike).
+
+    A "sample" is one sampled position: one per row, plus one per draft of a verify row
+    (``max_samples`` == ``max_rows`` without speculative decoding)."""
     T, R = max_tokens, max_rows
-    return [
+    S = max_rows if max_samples is None else max_samples
+    fields = [
         FieldSpec("input_ids", torch.int64, (T,)),
         FieldSpec("prev_sample_idx", torch.int64, (T,)),  # -1: token known on CPU
         FieldSpec("positions", torch.int64, (T,)),
@@ -39,23 +45,33 @@ def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int) -> list[
         FieldSpec("token_to_row", torch.int32, (T,)),
         FieldSpec("cu_query_lens", torch.int32, (R + 1,)),
         FieldSpec("kv_lens", torch.int32, (R,)),
-        FieldSpec("sample_token_idx", torch.int64, (R,)),
-        FieldSpec("sample_position", torch.int64, (R,)),
-        FieldSpec("seed", torch.int64, (R,)),
-        FieldSpec("temperature", torch.float32, (R,)),
-        FieldSpec("top_k", torch.int64, (R,)),
-        FieldSpec("top_p", torch.float32, (R,)),
+        FieldSpec("sample_token_idx", torch.int64, (S,)),
+        FieldSpec("sample_position", torch.int64, (S,)),
+        FieldSpec("seed", torch.int64, (S,)),
+        FieldSpec("temperature", torch.float32, (S,)),
+        FieldSpec("top_k", torch.int64, (S,)),
+        FieldSpec("top_p", torch.float32, (S,)),
         FieldSpec("state_slots", torch.int64, (R,)),
         FieldSpec("has_initial_state", torch.bool, (R,)),
         FieldSpec("block_table", torch.int32, (R, max_blocks)),
         # penalties / min-p / min_tokens (see sampling_state.py)
-        FieldSpec("sampling_slot", torch.int64, (R,)),
-        FieldSpec("min_p", torch.float32, (R,)),
-        FieldSpec("presence_penalty", torch.float32, (R,)),
-        FieldSpec("frequency_penalty", torch.float32, (R,)),
-        FieldSpec("repetition_penalty", torch.float32, (R,)),
-        FieldSpec("suppress_stop", torch.bool, (R,)),
+        FieldSpec("sampling_slot", torch.int64, (S,)),
+        FieldSpec("min_p", torch.float32, (S,)),
+        FieldSpec("presence_penalty", torch.float32, (S,)),
+        FieldSpec("frequency_penalty", torch.float32, (S,)),
+        FieldSpec("repetition_penalty", torch.float32, (S,)),
+        FieldSpec("suppress_stop", torch.bool, (S,)),
     ]
+    if speculative:  # see contexts/spec_state.py and speculative/verify.py
+        fields += [
+            FieldSpec("spec_src", torch.int64, (T,)),  # -1: input id from the host; 0: slot's last token; j: draft j
+            FieldSpec("spec_slot", torch.int64, (R,)),
+            FieldSpec("spec_inflight", torch.bool, (R,)),  # positions assume full acceptance of a launch in flight
+            FieldSpec("num_drafts", torch.int64, (R,)),
+            FieldSpec("sample_base", torch.int64, (R,)),  # the row's first sample
+            FieldSpec("sample_to_row", torch.int64, (S,)),
+        ]
+    return fields
 
 
 @dataclass
@@ -74,6 +90,12 @@ class StepShape:
     cu_query_lens: list[int] | None = None  # host copy, for kernels that need row lengths
     any_penalties: bool = False  # some sampling row has a sampling slot (penalties / min_tokens)
     filters: tuple[bool, bool, bool] = (False, False, False)  # some sampled row uses (top-k, top-p, min-p)
+    num_samples: int = -1  # sampled positions (rows plus drafts); -1: one per row
+    sample_base: list[int] | None = None  # host copy: each row's first sample (speculative decoding)
+
+    def __post_init__(self):
+        if self.num_samples < 0:
+            self.num_samples = self.num_rows
 
 
 class DynamicInferenceContext:
@@ -101,8 +123,11 @@ class DynamicInferenceContext:
         if self.mamba is not None:
             self.allocator.on_reclaim = lambda block, block_hash: self.mamba.on_kv_block_reclaimed(block_hash)
         self.sampling_state = SamplingStateSlots(config.max_requests, model.vocab_size, device)
+        K = config.num_speculative_tokens
+        self.spec = SpecState(config.max_requests, K, device) if K > 0 else None
 
-        self.layout = BookkeepingLayout(bookkeeping_fields(config.max_tokens, config.max_requests, self.max_blocks_per_request))
+        self.layout = BookkeepingLayout(bookkeeping_fields(config.max_tokens, config.max_requests,
+                                                           self.max_blocks_per_request, config.max_samples, K > 0))
         self._host_buffers = [device.host_empty(self.layout.nbytes) for _ in range(2)]
         # numpy views of the host buffers: list -> buffer assignment is much cheaper than torch.tensor()
         self._host_views = [{k: t.numpy() for k, t in self.layout.views(b).items()} for b in self._host_buffers]
@@ -134,6 +159,8 @@ class DynamicInferenceContext:
         if self.mamba is not None:
             self.mamba.assign_slot(req)
         self.sampling_state.assign(req)
+        if self.spec is not None:
+            self.spec.assign(req)
         return self._match_prefix(req)
 
     def _match_prefix(self, req: DynamicInferenceRequest) -> int:
@@ -209,7 +236,22 @@ class DynamicInferenceContext:
         if self.mamba is not None:
             self.mamba.free_slot(req)
         self.sampling_state.free(req)
+        if self.spec is not None:
+            self.spec.free(req)
         self.active.pop(req.request_id, None)
+
+    def correct_speculation(self, req: DynamicInferenceRequest, num_rejected: int) -> None:
+        """A landed verify row of ``req`` rejected ``num_rejected`` drafts the host had counted
+        as computed: take them back, and give back blocks only they needed. Positions beyond
+        the corrected count hold stale KV that later steps overwrite; a launch in flight had
+        the same correction applied on the device (verify.py), so its writes stay in range."""
+        if num_rejected == 0 or req.status not in (Status.ACTIVE, Status.PAUSED):
+            return  # evicted (recomputes from scratch) or finished (released)
+        req.num_computed_tokens -= num_rejected
+        keep = self.blocks_for(req.num_computed_tokens)
+        if len(req.block_ids) > keep:
+            self.allocator.release(req.block_ids[keep:])
+            del req.block_ids[keep:]
 
     def register_complete_blocks(self, req: DynamicInferenceRequest) -> None:
         """Publish blocks whose tokens are all known and whose KV is enqueued."""
@@ -232,9 +274,11 @@ class DynamicInferenceContext:
         RequestStepError, with the rows' state undone, when one request's values break it."""
         self._ring ^= 1
         v = self._host_views[self._ring]
-        ids, prev, pos, slots, tok_row = [], [], [], [], []
-        cu, kv_lens, sample_idx, sample_pos = [0], [], [], []
+        spec = self.spec is not None
+        ids, prev, pos, slots, tok_row, src = [], [], [], [], [], []
+        cu, kv_lens, sample_idx, sample_pos, sample_row = [0], [], [], [], []
         seeds, temps, topk, topp, state_slots, has_init = [], [], [], [], [], []
+        spec_slot, spec_inflight, num_drafts, sample_base = [], [], [], []
         pen = _PenaltyColumns(self.sampling_state.padding_slot)
         bs = self.block_size
         max_q = max_kv = 0
@@ -246,29 +290,45 @@ class DynamicInferenceContext:
         r = 0
         try:
             for r, row in enumerate(plan.rows):
-                req, start, n = row.request, row.start, row.num_tokens
+                req, start, n, k = row.request, row.start, row.num_tokens, row.num_drafts
                 assert start == req.num_computed_tokens
                 undo.append(RowUndo.of(req))
+                # a verify row's input token comes from the device when its predecessor is in flight
+                inflight = spec and row.prev_row >= 0
                 for p in range(start, start + n):
-                    if row.prev_row >= 0 and p == start:
+                    j = p - start
+                    if j == 0 and row.prev_row >= 0 and not spec:
                         ids.append(0)
                         prev.append(row.prev_row)
+                    elif j > 0 and j <= k or j == 0 and inflight:
+                        ids.append(0)
+                        prev.append(-1)
                     else:
                         ids.append(req.token_at(p))
                         prev.append(-1)
+                    if spec:
+                        src.append(j if j <= k and (j > 0 or inflight) else -1)
                     pos.append(p)
                     slots.append(req.block_ids[p // bs] * bs + p % bs)
                     tok_row.append(r)
                 cu.append(cu[-1] + n)
                 kv_lens.append(start + n)
-                sample_idx.append(cu[-1] - 1)
-                sample_pos.append(start + n)
                 sp = req.sampling_params
-                seeds.append(req.seed)
                 greedy = sp.is_greedy
-                temps.append(0.0 if greedy else float(sp.temperature))
-                topk.append(1 if greedy else sp.top_k)
-                topp.append(0.0 if greedy else sp.top_p)
+                if spec:
+                    spec_slot.append(req.spec_slot if row.samples else self.spec.padding_slot)
+                    spec_inflight.append(inflight)
+                    num_drafts.append(k)
+                    sample_base.append(len(sample_idx))
+                for j in range(k, -1, -1):  # the row's sampled positions: one, or one per draft plus one
+                    sample_idx.append(cu[-1] - 1 - j)
+                    sample_pos.append(start + n - j)
+                    sample_row.append(r)
+                    seeds.append(req.seed)
+                    temps.append(0.0 if greedy else float(sp.temperature))
+                    topk.append(1 if greedy else sp.top_k)
+                    topp.append(0.0 if greedy else sp.top_p)
+                    pen.add(req, row.samples, greedy, start + n - j)
                 if row.samples:
                     any_sampling |= not greedy
                     use_k |= not greedy and sp.top_k > 1
@@ -276,7 +336,6 @@ class DynamicInferenceContext:
                     any_lp |= sp.return_log_probs
                     max_top_n = max(max_top_n, sp.top_n_logprobs)
                     use_mp |= not greedy and sp.min_p > 0
-                pen.add(req, row.samples, greedy, start + n)
                 state_slots.append(req.state_slot)
                 has_init.append(start > 0)
                 nb = len(req.block_ids)
@@ -287,6 +346,7 @@ class DynamicInferenceContext:
                 if row.samples:
                     req.num_inflight += 1
                     req.inflight_row = r
+                    req.num_inflight_drafts = k
             r = None
             columns = {
                 "input_ids": ids, "prev_sample_idx": prev, "positions": pos, "slot_mapping": slots,
@@ -294,6 +354,9 @@ class DynamicInferenceContext:
                 "sample_position": sample_pos, "seed": seeds, "temperature": temps, "top_k": topk, "top_p": topp,
                 "state_slots": state_slots, "has_initial_state": has_init, **pen.columns(),
             }
+            if spec:
+                columns.update(spec_src=src, spec_slot=spec_slot, spec_inflight=spec_inflight, num_drafts=num_drafts,
+                               sample_base=sample_base, sample_to_row=sample_row)
             for name, values in columns.items():
                 v[name][: len(values)] = values
         except Exception as e:
@@ -309,7 +372,8 @@ class DynamicInferenceContext:
         T, R = len(ids), len(plan.rows)
         filters = (use_k, use_p, use_mp)
         return StepShape(T, R, max_q, max_kv, plan.is_decode_only, any_sampling, any(filters), max_top_n, any_lp, cu,
-                         any_penalties=pen.any, filters=filters)
+                         any_penalties=pen.any, filters=filters, num_samples=len(sample_idx),
+                         sample_base=sample_base if spec else None)
 
     def pad_decode_rows(self, num_rows: int, padded_rows: int) -> None:
         """Make rows [num_rows, padded_rows) of the current host buffer harmless padding
@@ -342,6 +406,13 @@ class DynamicInferenceContext:
         v["has_initial_state"][a:b] = False
         v["block_table"][a:b] = DUMMY_BLOCK
         _PenaltyColumns.fill_padding(v, a, b, self.sampling_state.padding_slot)
+        if self.spec is not None:
+            v["spec_src"][a:b] = -1
+            v["spec_slot"][a:b] = self.spec.padding_slot
+            v["spec_inflight"][a:b] = False
+            v["num_drafts"][a:b] = 0
+            v["sample_base"][a:b] = np.arange(a, b)
+            v["sample_to_row"][a:b] = np.arange(a, b)
 
     def transfer_bookkeeping_to_gpu(self) -> None:
         """The step's one H2D copy of the whole snapshot."""

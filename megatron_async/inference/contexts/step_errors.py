@@ -29,14 +29,16 @@ class RowUndo:
     num_computed_tokens: int
     num_inflight: int
     inflight_row: int
+    num_inflight_drafts: int = 0
 
     @classmethod
     def of(cls, req: DynamicInferenceRequest) -> RowUndo:
-        return cls(req, req.num_computed_tokens, req.num_inflight, req.inflight_row)
+        return cls(req, req.num_computed_tokens, req.num_inflight, req.inflight_row, req.num_inflight_drafts)
 
     def apply(self) -> None:
         r = self.request
         r.num_computed_tokens, r.num_inflight, r.inflight_row = self.num_computed_tokens, self.num_inflight, self.inflight_row
+        r.num_inflight_drafts = self.num_inflight_drafts
 
 
 def row_of_bad_value(views: dict, columns: dict[str, list], token_to_row: list[int]) -> int | None:

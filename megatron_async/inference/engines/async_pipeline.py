@@ -22,6 +22,7 @@ class PendingLaunch:
     step_id: int
     rows: list[RowPlan]
     is_decode_only: bool
+    """Every row is a decode row (verify rows with drafts included)."""
     num_tokens: int
     overlapped: bool
     """Launched while an earlier launch was still un-bookkept."""
@@ -35,6 +36,10 @@ class PendingLaunch:
     launch_time: float = 0.0
     timing_events: tuple = ()
     discarded_rows: list[int] = field(default_factory=list)
+    host_accepted: torch.Tensor | None = None
+    """Speculative decoding: host int64 [R] drafts accepted per row (same event as the tokens)."""
+    sample_base: list[int] | None = None
+    """Speculative decoding: each row's first sample in ``host_tokens`` (None: sample i is row i)."""
 
     @property
     def request_ids(self) -> list[int]:

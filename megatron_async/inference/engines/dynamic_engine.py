@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import numbers
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -345,8 +346,10 @@ class DynamicInferenceEngine:
             st.overlapped_decode_steps += pending.overlapped
         else:
             st.prefill_steps += 1
-            st.prefill_tokens += sum(r.num_tokens for r in pending.rows if r.num_tokens > 1 or not r.is_decode)
-        st.generated_tokens += sum(1 for r in pending.rows if r.samples) - res.num_discarded
+            st.prefill_tokens += sum(r.num_tokens for r in pending.rows if r.num_tokens > 1 + r.num_drafts or not r.is_decode)
+        st.generated_tokens += res.num_tokens
+        if res.drafted is not None:
+            self._count_speculation(res)
         for req in res.finished:
             if req in self.scheduler.waiting:  # evicted, then finished by its last in-flight sample
                 self.scheduler.remove_waiting(req)
@@ -361,6 +364,19 @@ class DynamicInferenceEngine:
             self._log(pending, res.step_time)
         out.step_id, out.num_rows, out.is_decode_only = pending.step_id, len(pending.rows), pending.is_decode_only
         out.overlapped, out.step_time = pending.overlapped, res.step_time
+
+    def _count_speculation(self, res) -> None:
+        st = self.stats
+        if not st.spec_draft_tokens_per_depth:
+            st.spec_draft_tokens_per_depth = [0] * len(res.drafted)
+            st.spec_accepted_tokens_per_depth = [0] * len(res.accepted)
+        for d, (n, a) in enumerate(zip(res.drafted, res.accepted)):
+            st.spec_draft_tokens_per_depth[d] += n
+            st.spec_accepted_tokens_per_depth[d] += a
+        st.spec_draft_tokens += sum(res.drafted)
+        st.spec_accepted_tokens += sum(res.accepted)
+        st.spec_verify_rows += res.drafted[0] if res.drafted else 0
+        st.spec_off_rows = Counter(self.scheduler.spec.off_rows)
 
     def _account_time(self, pending: PendingLaunch, wall: float) -> None:
         if pending.is_decode_only:

@@ -10,7 +10,8 @@ class EngineStats:
     steps: int = 0
     """Launches bookkept."""
     decode_steps: int = 0
-    """Bookkept launches whose rows were all single decode tokens."""
+    """Bookkept launches whose rows were all decode rows (single tokens, or verify rows: one
+    token plus its drafts)."""
     prefill_steps: int = 0
     """Bookkept launches with at least one prefill chunk."""
     overlapped_steps: int = 0
@@ -52,6 +53,20 @@ class EngineStats:
     dummy_steps: int = 0
     """Data-parallel engines: steps where this rank had nothing to launch while another rank
     did, so it ran a dummy forward (its collectives must match the others')."""
+    spec_draft_tokens: int = 0
+    """Speculative decoding: draft tokens verified (rows discarded by a finish not counted)."""
+    spec_accepted_tokens: int = 0
+    """Of those, drafts accepted (each brought one token beyond plain decoding's one per row)."""
+    spec_verify_rows: int = 0
+    """Decode rows that verified at least one draft."""
+    spec_draft_tokens_per_depth: list = field(default_factory=list)
+    """Index d: verify rows with at least d + 1 drafts."""
+    spec_accepted_tokens_per_depth: list = field(default_factory=list)
+    """Index d: rows whose draft d + 1 was accepted (so were drafts 1..d)."""
+    spec_off_rows: Counter = field(default_factory=Counter)
+    """Decode rows run without drafts although speculation is on, by cause: "acceptance" (the
+    request's acceptance fell below speculative_min_acceptance), "batch" (more decode rows than
+    speculative_max_batch_size), "penalties" (penalties / min_tokens)."""
     timed_steps: int = 0
     timed_device_time: float = 0.0
     """Event-to-event time of logging steps (CUDA events recorded before the step's H2D copy and
@@ -72,12 +87,19 @@ class EngineStats:
         return 1e6 * self.consensus_time / self.consensus_rounds if self.consensus_rounds else 0.0
 
     @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 without drafts)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
     def overlap_ratio(self) -> float:
         return self.overlapped_decode_steps / self.decode_steps if self.decode_steps else 0.0
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["rejected_causes"] = dict(self.rejected_causes)
+        d["spec_off_rows"] = dict(self.spec_off_rows)
+        d["spec_acceptance_rate"] = self.spec_acceptance_rate
         d["mean_decode_step_ms"] = self.mean_decode_step_ms
         d["mean_prefill_step_ms"] = self.mean_prefill_step_ms
         d["overlap_ratio"] = self.overlap_ratio

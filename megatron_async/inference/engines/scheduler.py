@@ -15,6 +15,7 @@ from megatron_async.config import InferenceConfig
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
 from megatron_async.inference.request import DynamicInferenceRequest, Status
+from megatron_async.inference.speculative.policy import SpecPolicy
 
 
 class Scheduler:
@@ -25,6 +26,7 @@ class Scheduler:
         self.num_paused_events = 0
         self.num_evicted_events = 0
         self.prefix_hit_tokens = 0
+        self.spec = SpecPolicy(config)
 
     def add(self, req: DynamicInferenceRequest) -> None:
         self.waiting.append(req)
@@ -36,16 +38,40 @@ class Scheduler:
         self.waiting.remove(req)
 
     def wants_token(self, req: DynamicInferenceRequest) -> bool:
-        """More tokens may be sampled without passing a length limit known on the CPU."""
-        sp = req.sampling_params
-        return (
-            req.tokens_budgeted < sp.num_tokens_to_generate
-            and req.num_known_tokens + req.num_inflight < self.config.max_sequence_length
-        )
+        """More tokens may be sampled without passing a length limit known on the CPU
+        (in-flight drafts counted as accepted)."""
+        return self.token_room(req) > 0
 
-    def _decode_row(self, req: DynamicInferenceRequest) -> RowPlan:
+    def token_room(self, req: DynamicInferenceRequest) -> int:
+        """Tokens the request may still gain beyond the most its in-flight launch brings."""
+        sp = req.sampling_params
+        in_flight = req.num_inflight + req.num_inflight_drafts
+        return min(sp.num_tokens_to_generate - req.tokens_budgeted,
+                   self.config.max_sequence_length - req.num_known_tokens - in_flight)
+
+    def _decode_row(self, req: DynamicInferenceRequest, num_drafts: int = 0) -> RowPlan:
         prev = req.inflight_row if req.num_inflight else -1
-        return RowPlan(req, req.num_computed_tokens, 1, samples=True, prev_row=prev)
+        return RowPlan(req, req.num_computed_tokens, 1 + num_drafts, samples=True, prev_row=prev, num_drafts=num_drafts)
+
+    def _is_decoding(self, req: DynamicInferenceRequest) -> bool:
+        """The request's next row is a decode row: its input is its newest token, in flight or
+        (speculative decoding, where such a row may carry drafts) bookkept but not computed."""
+        if not self.wants_token(req):
+            return False
+        if not req.is_prefilling:
+            return not (req.num_inflight and req.inflight_row < 0)
+        return (self.spec.enabled and req.num_inflight == 0 and bool(req.generated_tokens)
+                and req.num_known_tokens - req.num_computed_tokens == 1)
+
+    def _reserve_decode(self, req: DynamicInferenceRequest, num_decode_rows: int, spare: int) -> RowPlan | None:
+        """KV room for the next decode row, with as many drafts as the policy, the limits and
+        ``spare`` step tokens allow (fewer when the pool is short); None: not even one token fits."""
+        k = self.spec.drafts_for(req, num_decode_rows, min(spare, self.token_room(req) - 1)) if self.spec.enabled else 0
+        if k and not self.ctx.reserve(req, 1 + k):
+            k = 0
+        if k == 0 and not self.ctx.reserve(req, 1):
+            return None
+        return self._decode_row(req, k)
 
     def schedule(self, has_inflight: bool) -> StepPlan:
         ctx = self.ctx
@@ -55,15 +81,16 @@ class Scheduler:
         budget = self.config.max_tokens
         by_age = sorted(ctx.active.values(), key=lambda r: r.arrival_order)
 
-        # 1. decode rows
-        for req in by_age:
-            if req.status != Status.ACTIVE or req.is_prefilling or not self.wants_token(req):
-                continue
-            if req.num_inflight and req.inflight_row < 0:
-                continue
-            if ctx.reserve(req, 1):
-                plan.rows.append(self._decode_row(req))
-                budget -= 1
+        # 1. decode rows (each one token, plus drafts from the tokens to spare)
+        decoding = [req for req in by_age if req.status == Status.ACTIVE and self._is_decoding(req)]
+        decode_ids = {req.request_id for req in decoding}
+        spare = budget - len(decoding)
+        for req in decoding:
+            row = self._reserve_decode(req, len(decoding), spare)
+            if row is not None:
+                plan.rows.append(row)
+                budget -= row.num_tokens
+                spare -= row.num_drafts
             else:
                 ctx.pause(req)
                 self.num_paused_events += 1
@@ -72,7 +99,7 @@ class Scheduler:
         for req in by_age:
             if budget <= 0:
                 break
-            if req.status == Status.ACTIVE and req.is_prefilling:
+            if req.status == Status.ACTIVE and req.is_prefilling and req.request_id not in decode_ids:
                 used = self._schedule_prefill(req, budget, plan)
                 if used == 0 and self._blocked_on_memory(req):
                     ctx.pause(req)
@@ -90,10 +117,10 @@ class Scheduler:
                 if used:
                     ctx.resume(req)
                     budget -= used
-            elif ctx.reserve(req, 1):
+            elif (row := self._reserve_decode(req, len(decoding), budget - 1)) is not None:
                 ctx.resume(req)
-                plan.rows.append(self._decode_row(req))
-                budget -= 1
+                plan.rows.append(row)
+                budget -= row.num_tokens
 
         # 4. admissions, FIFO, only while nothing is paused
         while (
@@ -130,8 +157,11 @@ class Scheduler:
         different bf16 rounding, and different greedy tokens). Stream order keeps N's KV writes
         before any next owner's. Finishes by EOS / stop words cannot be foreseen: after one,
         launch-ahead still schedules one step with the request's blocks held."""
+        limit = self.config.max_sequence_length
         done = [r for r in self.ctx.active.values()
-                if r.num_inflight and r.status == Status.ACTIVE and not self.wants_token(r)]
+                if r.num_inflight and r.status == Status.ACTIVE
+                and (r.tokens_certain >= r.sampling_params.num_tokens_to_generate
+                     or r.num_known_tokens + r.num_inflight >= limit)]
         for req in done:
             self.ctx.release_ahead(req)
 

@@ -16,10 +16,13 @@ class RowPlan:
     """The row ends at the request's last known-or-in-flight token, so it samples the next one."""
     prev_row: int = -1
     """>= 0: the row's first input token is the previous launch's sample at that row (not yet on the CPU)."""
+    num_drafts: int = 0
+    """Speculative decoding: the row verifies this many draft tokens after its input token
+    (``num_tokens == 1 + num_drafts``); the drafts are read on the device."""
 
     @property
     def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.start >= len(self.request.prompt_tokens)
+        return self.num_tokens == 1 + self.num_drafts and self.start >= len(self.request.prompt_tokens)
 
 
 @dataclass
@@ -32,7 +35,13 @@ class StepPlan:
 
     @property
     def is_decode_only(self) -> bool:
+        """Every row is one token that samples (the decode kernels and CUDA graphs need this)."""
         return bool(self.rows) and all(r.num_tokens == 1 and r.samples for r in self.rows)
+
+    @property
+    def is_all_decode(self) -> bool:
+        """Every row is a decode row, verify rows (one token plus drafts) included."""
+        return bool(self.rows) and all(r.samples and r.num_tokens == 1 + r.num_drafts for r in self.rows)
 
     def __bool__(self) -> bool:
         return bool(self.rows)

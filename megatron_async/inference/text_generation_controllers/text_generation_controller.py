@@ -17,6 +17,9 @@ from megatron_async.inference.engines.async_pipeline import PendingLaunch, recon
 from megatron_async.inference.engines.step_plan import StepPlan
 from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.request import DynamicInferenceRequest
+from megatron_async.inference.speculative.acceptance import emitted_tokens
+from megatron_async.inference.speculative.policy import SpecPolicy
+from megatron_async.inference.speculative.verify import SpecVerifier
 from megatron_async.inference.stop_conditions import finish_reason
 from megatron_async.inference.text_generation_controllers import sampling
 from megatron_async.inference.text_generation_controllers.sampler import Sampler
@@ -30,6 +33,12 @@ class BookkeepResult:
     """Requests that gained a token in this step (finished ones included), in row order."""
     num_discarded: int
     step_time: float | None  # device time of the step, on timed (logging) steps only
+    num_tokens: int = 0
+    """Tokens appended to requests."""
+    drafted: list[int] | None = None
+    """Speculative decoding: verify rows with at least d + 1 drafts, at index d (kept rows only)."""
+    accepted: list[int] | None = None
+    """Of those, rows whose draft d + 1 was accepted (index d)."""
 
 
 class TextGenerationController:
@@ -41,10 +50,14 @@ class TextGenerationController:
         """Token ids that end a request without its own termination_id (all of them stop)."""
         self.batch_invariant = context.config.batch_invariant
         R = context.config.max_requests
+        S = context.config.max_samples
         dev = self.device.device
         # Samples of the latest launch, read by the next launch's decode rows (fixed address).
-        self.last_samples = torch.zeros(R, dtype=torch.int64, device=dev)
-        self._host_ring = [self._host_buffers(R) for _ in range(3)]
+        self.last_samples = torch.zeros(S, dtype=torch.int64, device=dev)
+        self.spec = SpecVerifier(context.spec, context.block_size) if context.spec is not None else None
+        self.accepted = torch.zeros(R, dtype=torch.int64, device=dev)
+        """Speculative decoding: drafts accepted per row of the latest launch (fixed address)."""
+        self._host_ring = [self._host_buffers(S, R) for _ in range(3)]
         self._ring = 0
         self.graphs = None  # CudaGraphRunner, when enabled
         # Data-parallel engines (EP): set per step from the ranks' agreement before launching.
@@ -57,11 +70,12 @@ class TextGenerationController:
         self._dummy_snapshot: torch.Tensor | None = None
         self.sampler = Sampler(context.config.sampling_backend, dev, context.sampling_state)
 
-    def _host_buffers(self, R: int) -> dict[str, torch.Tensor]:
+    def _host_buffers(self, S: int, R: int) -> dict[str, torch.Tensor]:
         pin = self.device.is_cuda
         return {
-            "tokens": torch.zeros(R, dtype=torch.int64, pin_memory=pin),
-            "log_probs": torch.zeros(R, dtype=torch.float32, pin_memory=pin),
+            "tokens": torch.zeros(S, dtype=torch.int64, pin_memory=pin),
+            "log_probs": torch.zeros(S, dtype=torch.float32, pin_memory=pin),
+            "accepted": torch.zeros(R, dtype=torch.int64, pin_memory=pin),
         }
 
     # ------------------------------------------------------------------ device side
@@ -92,12 +106,16 @@ class TextGenerationController:
             ctx.mamba.after_forward()
         self._ring = (self._ring + 1) % len(self._host_ring)
         host = self._host_ring[self._ring]
-        R = shape.num_rows
+        R, S = shape.num_rows, shape.num_samples
         with nvtx_range("transfer_samples_to_cpu"):
-            host["tokens"][:R].copy_(tokens, non_blocking=True)
+            host["tokens"][:S].copy_(tokens, non_blocking=True)
+            h_acc = None
+            if self.spec is not None:
+                h_acc = host["accepted"][:R]
+                h_acc.copy_(self.accepted[:R], non_blocking=True)
             h_lp = h_tv = h_ti = None
             if log_probs is not None:
-                h_lp = host["log_probs"][:R]
+                h_lp = host["log_probs"][:S]
                 h_lp.copy_(log_probs, non_blocking=True)
             if top_vals is not None:
                 h_tv = torch.empty(top_vals.shape, dtype=top_vals.dtype, pin_memory=self.device.is_cuda)
@@ -109,10 +127,11 @@ class TextGenerationController:
         if end_ev is not None:
             end_ev.record()
         return PendingLaunch(
-            step_id=step_id, rows=list(plan.rows), is_decode_only=shape.is_decode_only,
-            num_tokens=shape.num_tokens, overlapped=overlapped, host_tokens=host["tokens"][:R],
+            step_id=step_id, rows=list(plan.rows), is_decode_only=plan.is_all_decode,
+            num_tokens=shape.num_tokens, overlapped=overlapped, host_tokens=host["tokens"][:S],
             host_log_probs=h_lp, host_top_n_vals=h_tv, host_top_n_ids=h_ti, event=event,
             launch_time=t0, timing_events=(start_ev, end_ev) if start_ev is not None else (),
+            host_accepted=h_acc, sample_base=shape.sample_base,
         )
 
     def compute_step(self, shape: StepShape):
@@ -120,22 +139,29 @@ class TextGenerationController:
 
         Also the body that CUDA graphs capture (with decode-only shapes)."""
         ctx, g = self.context, self.context.gpu_view
-        T, R = shape.num_tokens, shape.num_rows
+        T, R, S = shape.num_tokens, shape.num_rows, shape.num_samples
         batch = ctx.forward_batch(shape)
         batch.ep_num_tokens = max(T, self.dp_num_tokens) if self.expert_parallel else None
         prev = g.prev_sample_idx[:T]
         input_ids = torch.where(prev >= 0, self.last_samples[prev.clamp(min=0)], g.input_ids[:T])
+        if self.spec is not None:  # positions corrected in the view before the forward reads them
+            input_ids = self.spec.prepare(g, T, R, S, input_ids)
         with nvtx_range("forward_pass"):
             hidden = self.model(input_ids, batch)
-            logits = self.model.compute_logits(hidden[g.sample_token_idx[:R]], batch_invariant=self.batch_invariant)
+            logits = self.model.compute_logits(hidden[g.sample_token_idx[:S]], batch_invariant=self.batch_invariant)
         with nvtx_range("sampling"):
-            tokens = self.sampler(logits, g, R, shape.any_sampling, shape.filters, shape.any_penalties)
-            self.last_samples[:R].copy_(tokens)
+            tokens = self.sampler(logits, g, S, shape.any_sampling, shape.filters, shape.any_penalties)
+            self.last_samples[:S].copy_(tokens)
             log_probs = top_vals = top_ids = None
             if shape.any_log_probs or shape.max_top_n > 0:
                 log_probs, top_vals, top_ids = sampling.log_probs_of(logits, tokens, shape.max_top_n,
                                                                      self.batch_invariant)
-        return self.last_samples[:R], log_probs, top_vals, top_ids
+        if self.spec is not None:
+            with nvtx_range("speculative_verify"):
+                out = self.spec.verify(g, R, input_ids, tokens, hidden, batch, self.accepted)
+                self.model.commit_speculative(out)
+                self.spec.store_drafts(out, ctx.spec.drafter.propose(out))
+        return self.last_samples[:S], log_probs, top_vals, top_ids
 
     @torch.inference_mode()
     def dummy_forward(self) -> None:
@@ -177,27 +203,48 @@ class TextGenerationController:
             tvs = pending.host_top_n_vals.tolist() if pending.host_top_n_vals is not None else None
             tis = pending.host_top_n_ids.tolist() if pending.host_top_n_ids is not None else None
             rec = reconcile(pending.rows)
+        accepted = pending.host_accepted.tolist() if pending.host_accepted is not None else None
+        base = pending.sample_base
+        K = ctx.config.num_speculative_tokens
+        drafted_d, accepted_d = ([0] * K, [0] * K) if K else (None, None)
         finished, updated = [], []
         max_len = ctx.config.max_sequence_length
+        num_tokens = 0
         with nvtx_range("update_requests"):
             for i in rec.keep:
-                req = pending.rows[i].request
+                row = pending.rows[i]
+                req = row.request
                 req.num_inflight -= 1
                 if req.num_inflight == 0:  # else a later launch holds its newest sample
                     req.inflight_row = -1
-                req.generated_tokens.append(tokens[i])
-                sp = req.sampling_params
-                if sp.return_log_probs:
-                    req.generated_log_probs.append(lps[i])
-                if sp.top_n_logprobs > 0:
-                    n = sp.top_n_logprobs
-                    req.generated_top_n_logprobs.append(dict(zip(tis[i][:n], tvs[i][:n])))
+                    req.num_inflight_drafts = 0
+                a = accepted[i] if accepted is not None else 0
+                first = base[i] if base is not None else i
+                if row.num_drafts:
+                    SpecPolicy.observe(req, row.num_drafts, a)
+                    for d in range(row.num_drafts):
+                        drafted_d[d] += 1
+                        accepted_d[d] += d < a
                 updated.append(req)
-                reason = finish_reason(req, max_len)
+                reason = None
+                for s in emitted_tokens(first, a):
+                    req.generated_tokens.append(tokens[s])
+                    num_tokens += 1
+                    sp = req.sampling_params
+                    if sp.return_log_probs:
+                        req.generated_log_probs.append(lps[s])
+                    if sp.top_n_logprobs > 0:
+                        n = sp.top_n_logprobs
+                        req.generated_top_n_logprobs.append(dict(zip(tis[s][:n], tvs[s][:n])))
+                    reason = finish_reason(req, max_len)
+                    if reason is not None:
+                        break
                 if reason is not None:
                     req.finish_reason = reason
                     ctx.release(req)
                     finished.append(req)
                 else:
+                    ctx.correct_speculation(req, row.num_drafts - a)
                     ctx.register_complete_blocks(req)
-        return BookkeepResult(finished, updated, len(rec.discard), step_time)
+        return BookkeepResult(finished, updated, len(rec.discard), step_time, num_tokens, drafted_d, accepted_d)
+

@@ -1,0 +1,1 @@
+"""Speculative decoding: the drafter interface, the device-side verify step, the drafters."""

@@ -1,0 +1,78 @@
+"""The drafter interface: draft tokens are produced ON THE DEVICE from a step's outputs.
+
+After every launch (verify rows and plain rows alike) the engine calls ``propose`` with the
+step's ``VerifyOutputs``; the drafts it returns are stored in ``SpecState.drafts`` at the
+rows' slots and gathered as input ids by the request's next row. Under launch-ahead that
+next row is already being launched while the host has not seen this step's samples, so a
+drafter must never read device values on the host (no ``.item()`` / ``.tolist()``): only
+tensor ops on the device, with shapes fixed by the step (graph-safe).
+
+A drafter may keep per-request device state (token history, hidden states, KV of its own
+layers) indexed by the request's spec slot: ``on_admit`` fills it from the host's tokens
+when a request is admitted or re-admitted after an eviction (a small H2D copy, like the
+penalty state's), and every ``propose`` advances it from the step's outputs. How to plug in
+a new drafter: docs/SPECULATIVE.md."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from megatron_async.inference.contexts.metadata import ForwardBatch
+    from megatron_async.inference.contexts.spec_state import SpecState
+    from megatron_async.inference.request import DynamicInferenceRequest
+
+
+@dataclass
+class VerifyOutputs:
+    """What one launch leaves for the drafter; every tensor is on the device, one entry per
+    row of the step (R = ``num_rows``, K = num_speculative_tokens, T = the step's tokens).
+
+    Row r verified ``num_drafts[r]`` drafts and kept ``accepted[r]`` of them; its emitted tokens
+    are ``tokens[r, :accepted[r] + 1]`` at positions ``positions[r, :accepted[r] + 1]`` (entries
+    past ``num_drafts[r]`` repeat the row's last sample). Rows that sample nothing (a prefill
+    chunk that is not the prompt's last) have ``slots[r] == SpecState.padding_slot``: a drafter
+    may compute garbage for them, it lands in the padding slot."""
+
+    num_rows: int
+    slots: torch.Tensor
+    """[R] int64: spec slot of each row."""
+    tokens: torch.Tensor
+    """[R, K + 1] int64: the tokens the model sampled at the row's positions."""
+    positions: torch.Tensor
+    """[R, K + 1] int64: the position each of those tokens occupies in its sequence."""
+    num_drafts: torch.Tensor
+    """[R] int64: drafts the row verified (0: a plain row)."""
+    accepted: torch.Tensor
+    """[R] int64: drafts accepted (<= num_drafts)."""
+    last_token: torch.Tensor
+    """[R] int64: the row's newest emitted token (``tokens[r, accepted[r]]``): the bonus token."""
+    last_pos: torch.Tensor
+    """[R] int64: its position."""
+    hidden: torch.Tensor
+    """[T, H]: the model's final hidden states of the step (output of ``model.forward``)."""
+    hidden_idx: torch.Tensor
+    """[R] int64: row of ``hidden`` whose logits produced ``last_token`` (MTP's input state)."""
+    batch: ForwardBatch
+    """The step's attention metadata (positions already corrected on the device)."""
+
+
+class Drafter(ABC):
+    """Proposes ``num_speculative_tokens`` drafts per row, on the device."""
+
+    name: str = "drafter"
+
+    def bind(self, spec: SpecState) -> None:
+        """Called once when the engine is built: allocate per-slot device state here
+        (``spec.num_slots`` rows, ``spec.num_speculative_tokens`` drafts, ``spec.device``)."""
+        self.spec = spec
+
+    def on_admit(self, req: DynamicInferenceRequest, slot: int) -> None:
+        """A request got ``slot``: its known tokens are ``req.prompt_tokens + req.generated_tokens``."""
+
+    @abstractmethod
+    def propose(self, out: VerifyOutputs) -> torch.Tensor:
+        """-> [R, K] int64 drafts for each row's next step (positions ``last_pos + 1 ...``)."""

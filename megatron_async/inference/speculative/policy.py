@@ -1,0 +1,57 @@
+"""How many drafts a decode row verifies: speculation switches itself off where it does not pay.
+
+Host-side and cheap: the scheduler asks once per decode row. A request's acceptance is a
+moving average of accepted / drafted over its bookkept verify rows; below
+``speculative_min_acceptance`` the request decodes plainly and probes with drafts again every
+``speculative_probe_interval`` rows. Steps with more decode rows than
+``speculative_max_batch_size`` run plainly (verify work grows with the batch while the
+saving does not). Requests with penalties or ``min_tokens`` never draft: their device token
+counts advance by every sample of a row, rejected ones included. Every row that could have
+drafted but did not is counted by cause (EngineStats reads these counters)."""
+from __future__ import annotations
+
+from collections import Counter
+
+from megatron_async.config import InferenceConfig
+from megatron_async.inference.request import DynamicInferenceRequest
+
+_EMA = 0.25  # weight of the newest verify row in a request's acceptance average
+
+
+class SpecPolicy:
+    def __init__(self, config: InferenceConfig):
+        self.k = config.num_speculative_tokens
+        self.min_acceptance = config.speculative_min_acceptance
+        self.probe_interval = config.speculative_probe_interval
+        self.max_batch = config.speculative_max_batch_size
+        self.off_rows: Counter = Counter()
+        """Decode rows run without drafts, by cause: "penalties", "batch", "acceptance"."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.k > 0
+
+    def drafts_for(self, req: DynamicInferenceRequest, num_decode_rows: int, room: int) -> int:
+        """Drafts for ``req``'s next decode row; ``room``: the most its length limits and the
+        step's token budget allow."""
+        if self.k == 0 or room <= 0:
+            return 0
+        if req.sampling_params.has_penalties:
+            self.off_rows["penalties"] += 1
+            return 0
+        if self.max_batch and num_decode_rows > self.max_batch:
+            self.off_rows["batch"] += 1
+            return 0
+        if req.spec_acceptance < self.min_acceptance:
+            req.spec_rows_off += 1
+            if req.spec_rows_off < self.probe_interval:
+                self.off_rows["acceptance"] += 1
+                return 0
+            req.spec_rows_off = 0  # probe
+        return min(self.k, room)
+
+    @staticmethod
+    def observe(req: DynamicInferenceRequest, drafted: int, accepted: int) -> None:
+        """Fold one bookkept verify row into the request's acceptance average."""
+        if drafted > 0:
+            req.spec_acceptance += _EMA * (accepted / drafted - req.spec_acceptance)

@@ -1,0 +1,60 @@
+"""A test drafter that knows each request's true continuation (tests and benchmarks only).
+
+Built from a non-speculative run's outputs (prompt -> generated tokens), it proposes the
+true next tokens, except that each (request, position) is corrupted with probability
+``corrupt_rate`` by a hash of (request seed, position): acceptance per draft token is then
+about ``1 - corrupt_rate``, the same in every mode and batch, and every accept / reject path
+runs. Requests whose prompt it does not know get token 0 drafts (rejected)."""
+from __future__ import annotations
+
+import torch
+
+from megatron_async.inference.contexts.spec_state import SpecState
+from megatron_async.inference.request import DynamicInferenceRequest
+from megatron_async.inference.speculative.drafter import Drafter, VerifyOutputs
+from megatron_async.inference.text_generation_controllers.sampling import _mix32, row_keys
+
+_M24 = 1 << 24
+
+
+class OracleDrafter(Drafter):
+    name = "oracle"
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], corrupt_rate: float, vocab_size: int,
+                 max_generated: int):
+        if not 0.0 <= corrupt_rate <= 1.0:
+            raise ValueError(f"corrupt_rate must be in [0, 1], got {corrupt_rate}")
+        self.continuations = continuations
+        self.corrupt_rate = corrupt_rate
+        self.vocab_size = vocab_size
+        self.max_generated = max_generated
+
+    def bind(self, spec: SpecState) -> None:
+        super().bind(spec)
+        dev = spec.device.device
+        self.table = torch.zeros(spec.num_slots, self.max_generated + 1, dtype=torch.int64, device=dev)
+        self.prompt_len = torch.zeros(spec.num_slots, dtype=torch.int64, device=dev)
+        self.known_len = torch.zeros(spec.num_slots, dtype=torch.int64, device=dev)
+        self.key = torch.zeros(spec.num_slots, dtype=torch.int64, device=dev)
+
+    def on_admit(self, req: DynamicInferenceRequest, slot: int) -> None:
+        cont = list(self.continuations.get(tuple(req.prompt_tokens), []))[: self.max_generated]
+        row = torch.zeros(self.max_generated + 1, dtype=torch.int64)
+        row[: len(cont)] = torch.tensor(cont, dtype=torch.int64)
+        self.table[slot] = row.to(self.table.device)
+        self.prompt_len[slot] = len(req.prompt_tokens)
+        self.known_len[slot] = len(cont)
+        self.key[slot] = req.seed & ((1 << 62) - 1)
+
+    def propose(self, out: VerifyOutputs) -> torch.Tensor:
+        K = self.spec.num_speculative_tokens
+        slots = out.slots
+        q = out.last_pos[:, None] + 1 + torch.arange(K, device=slots.device)[None, :]  # draft positions
+        gen = q - self.prompt_len[slots][:, None]
+        valid = (gen >= 0) & (gen < self.known_len[slots][:, None])
+        true = self.table[slots[:, None].expand_as(gen), gen.clamp(0, self.max_generated)]
+        true = torch.where(valid, true, torch.zeros_like(true))
+        h = _mix32(row_keys(self.key[slots][:, None].expand_as(q), q) ^ 0x5BD1E995)
+        corrupt = (h >> 8).to(torch.float64) < self.corrupt_rate * _M24
+        shift = 1 + (h % max(self.vocab_size - 1, 1))
+        return torch.where(corrupt, (true + shift) % self.vocab_size, true)
