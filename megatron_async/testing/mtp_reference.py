@@ -87,3 +87,19 @@ class MTPReference:
         (its logits predict token i + 2)."""
         hidden = self.main_hidden(tokens)[:-1]
         return self.logits(self.depth_output(depth, hidden, tokens[1:]))
+
+    def greedy_drafts(self, known: list[int], k: int) -> list[int]:
+        """The k greedy drafts after ``known`` (whose last token is the newest emitted one, at
+        position len - 1), chaining depth 0 as the engine's MTP drafter does: step 1 at the
+        position before it, then each step one position further on the previous step's output
+        and draft. Each step is the last position of a teacher-forced pass over an extended
+        sequence (causal attention: the earlier positions are unchanged)."""
+        hidden = self.main_hidden(known)[:-1]
+        next_ids = list(known[1:])
+        drafts = []
+        for _ in range(k):
+            out = self.depth_output(0, hidden, next_ids)
+            drafts.append(int(self.logits(out[-1]).argmax()))
+            hidden = torch.cat([hidden, out[-1:]])
+            next_ids.append(drafts[-1])
+        return drafts
