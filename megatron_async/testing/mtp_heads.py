@@ -24,6 +24,8 @@ from megatron_async.parallel.state import ParallelState
 
 MTP_FILE = "model-mtp.safetensors"
 INITS = ("random", "copy_next")
+_RESIDUAL_OUT = ("o_proj.weight", "down_proj.weight", "w2.weight")
+"""Weights whose products are added to the residual stream (attention out, MLP / expert down)."""
 
 
 def _with_depths(config: dict, depths: int) -> dict:
@@ -61,7 +63,7 @@ def mtp_tensors(config: dict, base: dict[str, torch.Tensor], depths: int, seed: 
         out["mtp.fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
         out["mtp.norm.weight"] = base[final_norm].float().clone()
         for name in out:
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+            if name.endswith(_RESIDUAL_OUT):
                 out[name].zero_()
     return {n: t.to(dtype).contiguous() for n, t in out.items()}
 
@@ -81,7 +83,7 @@ def add_mtp_heads(ckpt_in: str | Path, ckpt_out: str | Path, depths: int = 1, se
     dtype = next(iter(base.values())).dtype
     if scale_layers is not None:
         for n in base:
-            if n.endswith(("o_proj.weight", "down_proj.weight")):
+            if n.endswith(_RESIDUAL_OUT):
                 base[n] = base[n] * scale_layers
     shutil.copytree(src, dst, dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("*.safetensors", INDEX_FILE, "config.json"))

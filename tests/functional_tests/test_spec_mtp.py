@@ -123,3 +123,18 @@ def test_mtp_drafts_equal_dense_reference(ckpts, async_scheduling, monkeypatch):
 def test_mtp_method_needs_heads(ckpts):
     with pytest.raises(ValueError, match="MTP heads"):
         make_llm(ckpts["base"], num_speculative_tokens=2, **CFG)
+
+
+def test_mtp_heads_of_a_moe_model(tmp_path):
+    """Qwen3-MoE: the MTP layer's MLP is a mixture of experts (mtp.layers.0.mlp.experts.*)."""
+    from megatron_async.testing.hf_moe_models import make_tiny_moe_checkpoint
+
+    base = make_tiny_moe_checkpoint("Qwen3MoeForCausalLM", tmp_path / "moe", seed=1)
+    path = add_mtp_heads(base, tmp_path / "moe_mtp", init="copy_next", scale_layers=0.01)
+    prompts = random_prompts(4, 3, 20, 200, seed=1)
+    params = SamplingParams(top_k=1, num_tokens_to_generate=12, ignore_eos=True)
+    plain = make_llm(path, num_speculative_tokens=0).generate(prompts, params)
+    llm = make_llm(path, num_speculative_tokens=2, **CFG)
+    spec = llm.generate(prompts, params)
+    assert [o.generated_tokens for o in spec] == [o.generated_tokens for o in plain]
+    assert 0 < llm.engine.stats.spec_accepted_tokens < llm.engine.stats.spec_draft_tokens
