@@ -376,6 +376,7 @@ class DynamicInferenceEngine:
         st.spec_draft_tokens += sum(res.drafted)
         st.spec_accepted_tokens += sum(res.accepted)
         st.spec_verify_rows += res.drafted[0] if res.drafted else 0
+        st.spec_truncated_rows += res.truncated
         st.spec_off_rows = Counter(self.scheduler.spec.off_rows)
 
     def _account_time(self, pending: PendingLaunch, wall: float) -> None:

@@ -63,6 +63,9 @@ class EngineStats:
     """Index d: verify rows with at least d + 1 drafts."""
     spec_accepted_tokens_per_depth: list = field(default_factory=list)
     """Index d: rows whose draft d + 1 was accepted (so were drafts 1..d)."""
+    spec_truncated_rows: int = 0
+    """Verify rows whose request finished (EOS, stop sequence, length) before the row's last
+    emitted token: the tokens after the finish were dropped."""
     spec_off_rows: Counter = field(default_factory=Counter)
     """Decode rows run without drafts although speculation is on, by cause: "acceptance" (the
     request's acceptance fell below speculative_min_acceptance), "batch" (more decode rows than

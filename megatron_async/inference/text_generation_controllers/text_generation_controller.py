@@ -39,6 +39,8 @@ class BookkeepResult:
     """Speculative decoding: verify rows with at least d + 1 drafts, at index d (kept rows only)."""
     accepted: list[int] | None = None
     """Of those, rows whose draft d + 1 was accepted (index d)."""
+    truncated: int = 0
+    """Rows whose request finished before their last emitted token (the rest was dropped)."""
 
 
 class TextGenerationController:
@@ -209,7 +211,7 @@ class TextGenerationController:
         drafted_d, accepted_d = ([0] * K, [0] * K) if K else (None, None)
         finished, updated = [], []
         max_len = ctx.config.max_sequence_length
-        num_tokens = 0
+        num_tokens = truncated = 0
         with nvtx_range("update_requests"):
             for i in rec.keep:
                 row = pending.rows[i]
@@ -227,7 +229,8 @@ class TextGenerationController:
                         accepted_d[d] += d < a
                 updated.append(req)
                 reason = None
-                for s in emitted_tokens(first, a):
+                emitted = emitted_tokens(first, a)
+                for s in emitted:
                     req.generated_tokens.append(tokens[s])
                     num_tokens += 1
                     sp = req.sampling_params
@@ -240,11 +243,13 @@ class TextGenerationController:
                     if reason is not None:
                         break
                 if reason is not None:
+                    truncated += s != emitted[-1]
                     req.finish_reason = reason
                     ctx.release(req)
                     finished.append(req)
                 else:
                     ctx.correct_speculation(req, row.num_drafts - a)
                     ctx.register_complete_blocks(req)
-        return BookkeepResult(finished, updated, len(rec.discard), step_time, num_tokens, drafted_d, accepted_d)
+        return BookkeepResult(finished, updated, len(rec.discard), step_time, num_tokens, drafted_d, accepted_d,
+                              truncated)
 
