@@ -138,3 +138,28 @@ def test_mtp_heads_of_a_moe_model(tmp_path):
     spec = llm.generate(prompts, params)
     assert [o.generated_tokens for o in spec] == [o.generated_tokens for o in plain]
     assert 0 < llm.engine.stats.spec_accepted_tokens < llm.engine.stats.spec_draft_tokens
+
+
+@pytest.mark.parametrize("case", ["small_pool", "prefix_caching"])
+def test_mtp_through_pauses_evictions_and_prefix_hits(ckpts, case):
+    """The drafter's per-slot state survives the lifecycle: evicted requests are re-admitted
+    with their generated tokens (on_admit refills the history), prefix hits skip prefill (the
+    MTP KV of the shared blocks comes from the cache)."""
+    from tests.functional_tests.engine_harness import Arrival
+    from tests.functional_tests.spec_harness import run_plain_and_spec
+
+    if case == "small_pool":
+        arr = [Arrival(i, p, SamplingParams(top_k=1, num_tokens_to_generate=24))
+               for i, p in enumerate(random_prompts(10, 5, 30, 256, seed=5))]
+        cfg = dict(num_kv_blocks=24, max_tokens=32)
+    else:
+        shared = random_prompts(1, 12, 12, 256, seed=34)[0]
+        arr = [Arrival(2 * i, shared + p, SamplingParams(top_k=1, num_tokens_to_generate=14))
+               for i, p in enumerate(random_prompts(6, 2, 9, 256, seed=35))]
+        cfg = dict(enable_prefix_caching=True)
+    for _, _, st in run_plain_and_spec(ckpts["good"], arr, k=3, drafter_rate=None, method="mtp", **cfg).values():
+        assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens, st.as_dict()
+        if case == "small_pool":
+            assert st.paused > 0 and st.evicted > 0, st.as_dict()
+        else:
+            assert st.prefix_hit_tokens > 0, st.as_dict()
