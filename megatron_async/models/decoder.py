@@ -4,6 +4,7 @@ blocks they declare (and their Hugging Face names); a new family, or a new mixer
 needs no new sharding or loading code."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -24,11 +25,13 @@ from megatron_async.models.layers.norm import NemotronRMSNorm, RMSNorm
 from megatron_async.models.layers.rope import RotaryEmbedding
 from megatron_async.models.model_config import AttentionConfig, LayerKind, MLPConfig
 from megatron_async.models.moe_config import MoEConfig
-from megatron_async.models.mtp_weights import mtp_hf_prefixes, mtp_layer_blocks
+from megatron_async.models.mtp_weights import MTP_PREFIX, load_main_and_mtp, mtp_hf_prefixes, mtp_layer_blocks
 from megatron_async.models.weight_loading import HFTarget, hf_targets, load_hf_weights
 from megatron_async.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from megatron_async.parallel.sharding import full_shape
 from megatron_async.parallel.state import ParallelState
+
+log = logging.getLogger("megatron_async")
 
 # Buffers some checkpoints carry that are recomputed here, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -242,8 +245,15 @@ class DecoderModel(CausalLM):
 
     def _skip(self, name: str) -> bool:
         # some tied checkpoints also store the (identical) head: skip it
+        # mtp.* heads a config does not declare are ignored, as transformers ignores them
         return (name.endswith(_IGNORED_SUFFIXES) or name.startswith(self.spec.hf_ignored_prefixes)
+                or (self.mtp is None and name.startswith(MTP_PREFIX))
                 or (self.lm_head.is_tied and name == "lm_head.weight"))
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_hf_weights(self.hf_targets(), weights, self._skip, self.canonical_name, what=self.spec.name)
+        if self.mtp is None:
+            load_hf_weights(self.hf_targets(), weights, self._skip, self.canonical_name, what=self.spec.name)
+        elif not load_main_and_mtp(self.hf_targets(), weights, self._skip, self.canonical_name, self.spec.name):
+            log.warning("%s: config.json declares %d MTP depths but the checkpoint has no mtp.* tensors: "
+                        "loaded without MTP heads", self.spec.name, self.mtp.num_depths)
+            self.mtp = None

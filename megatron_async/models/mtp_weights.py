@@ -10,7 +10,12 @@ input norms ``mtp.pre_fc_norm_embedding`` / ``mtp.pre_fc_norm_hidden`` and the o
 ``mlp.*``). The LM head and the embedding are the main model's."""
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
+import torch
+
 from megatron_async.models.model_config import LayerKind
+from megatron_async.models.weight_loading import HFTarget, load_hf_weights
 
 MTP_PREFIX = "mtp."
 DEPTH_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
@@ -46,3 +51,27 @@ def mtp_hf_prefixes(num_depths: int, mlp_kind: LayerKind) -> dict[str, str]:
             names[f"mtp.layers.{d}.{i}.norm"] = norm
             names[f"mtp.layers.{d}.{i}.mixer"] = mixer
     return names
+
+
+def load_main_and_mtp(targets: dict[str, HFTarget], weights: Iterable[tuple[str, torch.Tensor]],
+                      skip: Callable[[str], bool], canonical: Callable[[str], str], what: str) -> bool:
+    """Load a checkpoint whose config declares MTP heads. The ``mtp.*`` tensors (small) are set
+    aside while the main model streams in, then loaded; returns False, loading nothing more,
+    when the checkpoint has none at all (a config that declares heads its weights lack: the
+    model serves without them). Some but not all present: ValueError naming the missing ones."""
+    heads: list[tuple[str, torch.Tensor]] = []
+
+    def main_only(items):
+        for name, tensor in items:
+            if not skip(name) and canonical(name).startswith(MTP_PREFIX):
+                heads.append((name, tensor))
+            else:
+                yield name, tensor
+
+    load_hf_weights({n: t for n, t in targets.items() if not n.startswith(MTP_PREFIX)}, main_only(weights), skip,
+                    canonical, what)
+    if not heads:
+        return False
+    load_hf_weights({n: t for n, t in targets.items() if n.startswith(MTP_PREFIX)}, heads, skip, canonical,
+                    f"{what} MTP heads")
+    return True

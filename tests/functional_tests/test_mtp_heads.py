@@ -92,6 +92,28 @@ def test_missing_mtp_tensor_is_named(mtp_ckpt, tmp_path):
         load_checkpoint(bad)
 
 
+def test_heads_without_tensors_or_config(mtp_ckpt, base_ckpt, tmp_path, caplog):
+    """A config that declares heads its weights lack loads the main model (with a warning); heads
+    that the config does not declare are ignored (as transformers ignores them)."""
+    import shutil
+
+    no_tensors = tmp_path / "no_tensors"
+    shutil.copytree(base_ckpt, no_tensors)
+    cfg = json.loads((no_tensors / "config.json").read_text())
+    (no_tensors / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    model, _ = load_checkpoint(no_tensors)
+    assert model.num_mtp_depths == 0 and "no mtp.* tensors" in caplog.text
+    no_config = tmp_path / "no_config"
+    shutil.copytree(mtp_ckpt, no_config)
+    cfg = json.loads((no_config / "config.json").read_text())
+    del cfg["num_nextn_predict_layers"]
+    (no_config / "config.json").write_text(json.dumps(cfg))
+    model, _ = load_checkpoint(no_config)
+    assert model.num_mtp_depths == 0
+    base, _ = load_checkpoint(base_ckpt)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values()))
+
+
 def test_kv_pool_grows_only_when_enabled(mtp_ckpt):
     model, _ = load_checkpoint(mtp_ckpt)
     main_layers = model.kv_cache_spec().num_layers
