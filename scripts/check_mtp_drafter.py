@@ -36,7 +36,8 @@ def exactness(root: Path) -> list[dict]:
     base = make_tiny_checkpoint("Qwen3ForCausalLM", root / "tiny", seed=1)
     path = add_mtp_heads(base, root / "tiny_mtp", init="copy_next", scale_layers=0.01)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in torch.randint(3, 60, (12,), generator=gen)]
+    lengths = torch.randint(3, 60, (12,), generator=gen).tolist()
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
     rows = []
     for kind in ("greedy", "sampled"):
         params = [SamplingParams(top_k=1 if kind == "greedy" else 40, temperature=1.0, seed=i, ignore_eos=True,

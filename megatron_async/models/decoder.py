@@ -159,7 +159,8 @@ class DecoderModel(CausalLM):
         self.enable_mtp()
         return MTPDrafter(self, config.max_sequence_length)
 
-    def mtp_forward(self, depth: int, next_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def mtp_forward(self, depth: int, next_ids: torch.Tensor, hidden: torch.Tensor,
+                    batch: ForwardBatch) -> torch.Tensor:
         """One MTP depth over the tokens of ``batch`` (its positions and KV slots): ``hidden``
         [T, H] the previous hidden states at those positions, ``next_ids`` [T] the tokens that
         follow them. Returns the depth's normed output [T, H] (``compute_logits`` gives the
@@ -244,8 +245,8 @@ class DecoderModel(CausalLM):
         return name
 
     def _skip(self, name: str) -> bool:
-        # some tied checkpoints also store the (identical) head: skip it
-        # mtp.* heads a config does not declare are ignored, as transformers ignores them
+        # some tied checkpoints also store the (identical) head: skip it; mtp.* heads that the
+        # config does not declare are ignored, as transformers ignores them
         return (name.endswith(_IGNORED_SUFFIXES) or name.startswith(self.spec.hf_ignored_prefixes)
                 or (self.mtp is None and name.startswith(MTP_PREFIX))
                 or (self.lm_head.is_tied and name == "lm_head.weight"))

@@ -65,7 +65,8 @@ def test_script_adds_named_heads(base_ckpt, tmp_path):
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
     with safe_open(str(out / "model-mtp.safetensors"), "pt") as f:
         names = set(f.keys())
-    for name in ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+    for name in ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                 "mtp.norm.weight",
                  "mtp.layers.0.input_layernorm.weight", "mtp.layers.0.self_attn.q_proj.weight",
                  "mtp.layers.0.self_attn.q_norm.weight", "mtp.layers.0.post_attention_layernorm.weight",
                  "mtp.layers.0.mlp.gate_proj.weight", "mtp.layers.0.mlp.down_proj.weight"):

@@ -65,15 +65,16 @@ class MTPDrafter(Drafter):
         Positions past the row's reserved blocks write (and read) the dummy block: such drafts
         are garbage, which only costs acceptance."""
         a, R = out.batch.attn, out.num_rows
-        bs, width = a.block_size, a.block_table.shape[1]
-        pos = pos.clamp(0, width * bs - 1)
+        bs = a.block_size
+        limit = min(a.block_table.shape[1] * bs, self.max_sequence_length)  # rope tables are sized to it
+        pos = pos.clamp(0, limit - 1)
         table = a.block_table[:R].long()
         block = table.gather(1, (pos // bs)[:, None])[:, 0]
         rows = torch.arange(R, device=pos.device)
+        max_kv_len = min(a.max_kv_len + self.spec.num_speculative_tokens, limit)  # an upper bound, on the host
         meta = AttentionMetadata(
-            num_tokens=R, num_rows=R, max_query_len=1, max_kv_len=min(a.max_kv_len + self.spec.num_speculative_tokens,
-                                                                      width * bs),
-            is_decode_only=True, positions=pos, slot_mapping=block * bs + pos % bs,
+            num_tokens=R, num_rows=R, max_query_len=1, max_kv_len=max_kv_len, is_decode_only=True,
+            positions=pos, slot_mapping=block * bs + pos % bs,
             token_to_row=rows.to(torch.int32), cu_query_lens=torch.arange(R + 1, device=pos.device, dtype=torch.int32),
             kv_lens=(pos + 1).to(torch.int32), block_table=a.block_table[:R], block_size=bs,
         )
