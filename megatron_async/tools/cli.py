@@ -101,6 +101,10 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--prefix-caching", action="store_true")
     g.add_argument("--batch-invariant", action="store_true", help="batch-invariant numerics (InferenceConfig.batch_invariant)")
+    g.add_argument("--num-speculative-tokens", type=checked(int, 0, name="int"), default=None,
+                   help="speculative decoding: drafts verified per decode row (default 0: off)")
+    g.add_argument("--speculative-method", choices=["mtp", "ngram"], default=None,
+                   help="speculative decoding's drafter (default mtp)")
     if mode_flags:
         g.add_argument("--serial", action="store_true", help="turn launch-ahead (async scheduling) off")
         g.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
@@ -193,6 +197,8 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "enable_chunked_prefill": not args.no_chunked_prefill,
         "enable_prefix_caching": args.prefix_caching,
         "batch_invariant": args.batch_invariant,
+        "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
+        "speculative_method": getattr(args, "speculative_method", None),
         "async_scheduling": not getattr(args, "serial", False),
         "cuda_graphs": getattr(args, "cuda_graphs", False),
         "logging_step_interval": args.logging_step_interval,

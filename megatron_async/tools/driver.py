@@ -16,7 +16,7 @@ from megatron_async.tools.progress import ProgressBar
 from megatron_async.tools.workload import WorkloadRequest
 
 # Scheduler counters the engine copies into its stats as running totals.
-_CUMULATIVE_STATS = ("paused", "evicted", "prefix_hit_tokens")
+_CUMULATIVE_STATS = ("paused", "evicted", "prefix_hit_tokens", "spec_off_rows")
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ class ScheduleRecorder:
         active = list(engine.context.active.values())
         finishing = tuple(sorted(
             r.request_id for r in active
-            if r.num_inflight and r.tokens_budgeted >= r.sampling_params.num_tokens_to_generate))
+            if r.num_inflight and r.tokens_certain >= r.sampling_params.num_tokens_to_generate))
         return LaunchRecord(
             index=len(self.launches), overlapped=overlapped,
             rows=tuple(RowRecord(r.request.request_id, r.start, r.num_tokens, r.samples) for r in plan.rows),

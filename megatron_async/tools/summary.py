@@ -41,6 +41,9 @@ class RunSummary:
     itl_p50_ms: float | None = None
     """Gap between consecutive tokens of a request on the host; p50 / p99 over all gaps."""
     itl_p99_ms: float | None = None
+    spec_draft_tokens: int = 0
+    """Speculative decoding: drafts verified, and accepted."""
+    spec_accepted_tokens: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -82,6 +85,8 @@ def summarize(run: WorkloadRun, stats: EngineStats, device: torch.device) -> Run
         prefix_hit_tokens=stats.prefix_hit_tokens,
         peak_gpu_memory_gb=peak_gpu_memory_gb(device),
         timed_out=run.timed_out,
+        spec_draft_tokens=stats.spec_draft_tokens,
+        spec_accepted_tokens=stats.spec_accepted_tokens,
         **run.latency_ms(),
     )
 
@@ -109,6 +114,9 @@ def format_summary(s: RunSummary) -> str:
         ("prefix hit tokens", f"{s.prefix_hit_tokens}"),
         ("peak GPU memory", mem),
     ]
+    if s.spec_draft_tokens:
+        rate = s.spec_accepted_tokens / s.spec_draft_tokens
+        rows.insert(-1, ("speculative drafts", f"{s.spec_accepted_tokens}/{s.spec_draft_tokens} accepted ({rate:.1%})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 

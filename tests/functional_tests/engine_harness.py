@@ -14,10 +14,11 @@ class Arrival:
     params: SamplingParams
 
 
-def make_llm(path, drafter=None, **cfg) -> LLM:
+def make_llm(path, drafter=None, device: str = "cpu", **cfg) -> LLM:
+    """``drafter``: speculative decoding's drafter (needs ``num_speculative_tokens`` in ``cfg``)."""
     base = dict(block_size_tokens=4, num_kv_blocks=256, max_requests=16, max_tokens=64, max_sequence_length=256)
     base.update(cfg)
-    return LLM(model=str(path), inference_config=InferenceConfig(**base), drafter=drafter)
+    return LLM(model=str(path), device=device, inference_config=InferenceConfig(**base), drafter=drafter)
 
 
 def run_arrivals(llm: LLM, arrivals: list[Arrival], max_steps: int = 5000) -> dict[int, object]:

@@ -1,7 +1,7 @@
 """Shared helpers of the speculative-decoding tests: plain vs speculative runs of one workload."""
 from __future__ import annotations
 
-from megatron_async.testing.oracle_drafter import OracleDrafter
+from megatron_async.inference.speculative.oracle import OracleDrafter
 from tests.functional_tests.engine_harness import Arrival, make_llm, run_arrivals
 
 

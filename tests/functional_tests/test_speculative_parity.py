@@ -44,3 +44,19 @@ def test_full_and_zero_acceptance_step_counts(qwen3_ckpt):
     none = run_plain_and_spec(qwen3_ckpt, arr, k=3, drafter_rate=1.0, async_modes=(False,))[False][2]
     assert none.spec_accepted_tokens == 0 < none.spec_draft_tokens
     assert none.decode_steps == 15, none.as_dict()
+
+
+def test_refusals(qwen3_ckpt, tmp_path):
+    import pytest
+
+    from megatron_async.inference.speculative.oracle import OracleDrafter
+    from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
+    from tests.functional_tests.engine_harness import make_llm
+
+    with pytest.raises(ValueError, match="MTP heads"):
+        make_llm(qwen3_ckpt, num_speculative_tokens=2)  # default method "mtp", no heads
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        make_llm(qwen3_ckpt, OracleDrafter({}, 0.5, 256, 8))
+    hybrid = make_tiny_hybrid_checkpoint("NemotronHForCausalLM", tmp_path)
+    with pytest.raises(ValueError, match="GPT models"):
+        make_llm(hybrid, num_speculative_tokens=2, speculative_method="ngram")

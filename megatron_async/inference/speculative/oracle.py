@@ -1,4 +1,5 @@
-"""A test drafter that knows each request's true continuation (tests and benchmarks only).
+"""A drafter that knows each request's true continuation: tests and benchmarks only (it is no
+``speculative_method``; inject it with ``LLM(..., drafter=...)``).
 
 Built from a non-speculative run's outputs (prompt -> generated tokens), it proposes the
 true next tokens, except that each (request, position) is corrupted with probability
@@ -41,7 +42,7 @@ class OracleDrafter(Drafter):
         cont = list(self.continuations.get(tuple(req.prompt_tokens), []))[: self.max_generated]
         row = torch.zeros(self.max_generated + 1, dtype=torch.int64)
         row[: len(cont)] = torch.tensor(cont, dtype=torch.int64)
-        self.table[slot] = row.to(self.table.device)
+        self.table[slot] = row.to(self.table.device, non_blocking=True)
         self.prompt_len[slot] = len(req.prompt_tokens)
         self.known_len[slot] = len(cont)
         self.key[slot] = req.seed & ((1 << 62) - 1)
