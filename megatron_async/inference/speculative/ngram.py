@@ -56,11 +56,10 @@ class NGramDrafter(Drafter):
 
     def _match_ends(self, rows: torch.Tensor, last: torch.Tensor, n: int) -> torch.Tensor:
         """[R]: the largest e < last with rows[e - n + 1 .. e] == rows[last - n + 1 .. last]; -1 if none."""
-        L = rows.shape[1]
         ok = (self._pos[None, :] < last[:, None]) & (self._pos[None, :] >= n - 1)
         for q in range(n):  # compare token e - q with token last - q
             suffix = rows.gather(1, (last - q).clamp(min=0)[:, None])
             shifted = torch.roll(rows, shifts=q, dims=1)  # shifted[:, e] = rows[:, e - q]
             ok &= shifted == suffix
-        ok &= (last[:, None] >= n - 1)
-        return torch.where(ok, self._pos[None, :], torch.full_like(rows, -1)).amax(dim=1) if L else last
+        ok &= last[:, None] >= n - 1
+        return torch.where(ok, self._pos[None, :], torch.full_like(rows, -1)).amax(dim=1)

@@ -2,7 +2,7 @@
 
 Host-side and cheap: the scheduler asks once per decode row. A request's acceptance is a
 moving average of accepted / drafted over its bookkept verify rows; below
-``speculative_min_acceptance`` the request decodes plainly and probes with drafts again every
+``speculative_min_acceptance`` the request decodes plainly and probes with one draft every
 ``speculative_probe_interval`` rows. Steps with more decode rows than
 ``speculative_max_batch_size`` run plainly (verify work grows with the batch while the
 saving does not). Requests with penalties or ``min_tokens`` never draft: their device token
@@ -47,7 +47,8 @@ class SpecPolicy:
             if req.spec_rows_off < self.probe_interval:
                 self.off_rows["acceptance"] += 1
                 return 0
-            req.spec_rows_off = 0  # probe
+            req.spec_rows_off = 0
+            return 1  # probe: one draft tells whether drafts land again, at the least cost
         return min(self.k, room)
 
     @staticmethod

@@ -228,22 +228,11 @@ class TextGenerationController:
                         drafted_d[d] += 1
                         accepted_d[d] += d < a
                 updated.append(req)
-                reason = None
                 emitted = emitted_tokens(first, a)
-                for s in emitted:
-                    req.generated_tokens.append(tokens[s])
-                    num_tokens += 1
-                    sp = req.sampling_params
-                    if sp.return_log_probs:
-                        req.generated_log_probs.append(lps[s])
-                    if sp.top_n_logprobs > 0:
-                        n = sp.top_n_logprobs
-                        req.generated_top_n_logprobs.append(dict(zip(tis[s][:n], tvs[s][:n])))
-                    reason = finish_reason(req, max_len)
-                    if reason is not None:
-                        break
+                reason, last = _append_tokens(req, emitted, tokens, lps, tis, tvs, max_len)
+                num_tokens += last - first + 1
                 if reason is not None:
-                    truncated += s != emitted[-1]
+                    truncated += last != emitted[-1]
                     req.finish_reason = reason
                     ctx.release(req)
                     finished.append(req)
@@ -253,3 +242,21 @@ class TextGenerationController:
         return BookkeepResult(finished, updated, len(rec.discard), step_time, num_tokens, drafted_d, accepted_d,
                               truncated)
 
+
+
+def _append_tokens(req: DynamicInferenceRequest, samples: range, tokens, lps, tis, tvs, max_len: int):
+    """Append the samples a row emits (log-probs too) up to the first that finishes the
+    request. Returns (finish reason or None, the last sample appended)."""
+    sp = req.sampling_params
+    reason, last = None, samples[0]
+    for last in samples:
+        req.generated_tokens.append(tokens[last])
+        if sp.return_log_probs:
+            req.generated_log_probs.append(lps[last])
+        if sp.top_n_logprobs > 0:
+            n = sp.top_n_logprobs
+            req.generated_top_n_logprobs.append(dict(zip(tis[last][:n], tvs[last][:n])))
+        reason = finish_reason(req, max_len)
+        if reason is not None:
+            break
+    return reason, last

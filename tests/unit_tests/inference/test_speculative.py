@@ -103,7 +103,7 @@ def test_policy_switches_off_and_counts():
     for _ in range(4):
         pol.observe(req, 3, 0)
     assert req.spec_acceptance < 0.5
-    assert [pol.drafts_for(req, 1, room=5) for _ in range(6)] == [0, 0, 3, 0, 0, 3]  # probes every 3rd row
+    assert [pol.drafts_for(req, 1, room=5) for _ in range(6)] == [0, 0, 1, 0, 0, 1]  # probes (one draft) every 3rd row
     assert pol.off_rows["acceptance"] == 4
 
 
