@@ -128,11 +128,13 @@ class LLM:
         else:
             eos_ids = tok_eos if self.tokenizer is not None else checkpoint_eos_ids(model)
         facade = DeviceFacade(self.device)
-        self.context = DynamicInferenceContext(self.config, self.model, facade, self.dtype)
-        if self.context.spec is not None:
-            self.context.spec.set_drafter(self._drafter(drafter))
+        if self.config.num_speculative_tokens > 0:  # before the context: MTP heads add KV layers to the pool
+            drafter = self._drafter(drafter)
         elif drafter is not None:
             raise ValueError("a drafter needs InferenceConfig.num_speculative_tokens > 0")
+        self.context = DynamicInferenceContext(self.config, self.model, facade, self.dtype)
+        if self.context.spec is not None:
+            self.context.spec.set_drafter(drafter)
         self.controller = TextGenerationController(self.model, self.context, eos_ids)
         self.controller.expert_parallel = self.parallel.ep_size > 1
         if self.config.cuda_graphs and facade.is_cuda:

@@ -4,6 +4,7 @@ blocks they declare (and their Hugging Face names); a new family, or a new mixer
 needs no new sharding or loading code."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -20,14 +21,18 @@ from megatron_async.models.layers.mamba2_mixer import Mamba2Mixer
 from megatron_async.models.layers.mamba_step_plan import MambaStepPlan
 from megatron_async.models.layers.mlp import build_mlp
 from megatron_async.models.layers.moe import MoEMixer
+from megatron_async.models.layers.mtp import MTPHeads
 from megatron_async.models.layers.norm import NemotronRMSNorm, RMSNorm
 from megatron_async.models.layers.rope import RotaryEmbedding
 from megatron_async.models.model_config import AttentionConfig, LayerKind, MLPConfig
 from megatron_async.models.moe_config import MoEConfig
+from megatron_async.models.mtp_weights import MTP_PREFIX, load_main_and_mtp, mtp_hf_prefixes, mtp_layer_blocks
 from megatron_async.models.weight_loading import HFTarget, hf_targets, load_hf_weights
 from megatron_async.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from megatron_async.parallel.sharding import full_shape
 from megatron_async.parallel.state import ParallelState
+
+log = logging.getLogger("megatron_async")
 
 # Buffers some checkpoints carry that are recomputed here, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -67,6 +72,8 @@ class DecoderSpec:
     """Checkpoint tensors that are not part of the model (e.g. NemotronH "mtp." heads)."""
     moe: MoEConfig | None = None
     """The mixture-of-experts mixer of the MOE blocks (None: the model has none)."""
+    mtp_depths: int = 0
+    """Multi-token-prediction depths the checkpoint carries (``mtp.*`` tensors, see mtp_weights.py)."""
 
 
 def _mixer(kind: LayerKind, spec: DecoderSpec, index: int, parallel: ParallelState, dtype: torch.dtype,
@@ -103,11 +110,69 @@ class DecoderModel(CausalLM):
         self.final_norm = norm_cls(spec.hidden_size, spec.norm_eps, dtype, device)
         tied = self.embed_tokens if spec.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, parallel, dtype, device, tied=tied)
+        self.mtp = self._build_mtp(norm_cls, counts[LayerKind.ATTENTION], parallel, dtype, device)
+        self.mtp_enabled = False
+        """The MTP heads run (set by ``enable_mtp``): their KV layers are part of ``kv_cache_spec``."""
         att = spec.attention
         self.rope = None
         if att is not None and att.rotary_dim > 0:
             self.rope = RotaryEmbedding(att.rotary_dim, spec.max_position_embeddings, att.rope_theta,
                                         att.rope_scaling, dtype, device)
+
+    def _mtp_mlp_kind(self) -> LayerKind:
+        return LayerKind.MOE if self.spec.moe is not None else LayerKind.MLP
+
+    def _build_mtp(self, norm_cls, num_attention: int, parallel: ParallelState, dtype: torch.dtype,
+                   device: torch.device | str) -> MTPHeads | None:
+        """Depth d's attention uses KV layer ``num_attention + d``, after the main model's."""
+        spec = self.spec
+        if spec.mtp_depths == 0:
+            return None
+        if spec.attention is None or (spec.mlp is None and spec.moe is None):
+            raise ValueError(f"{spec.name}: MTP heads need the model's attention and MLP configs")
+        layers = []
+        for d in range(spec.mtp_depths):
+            kinds = [kind for kind, _, _ in mtp_layer_blocks(d, self._mtp_mlp_kind())]
+            layers.append([Block(norm_cls(spec.hidden_size, spec.norm_eps, dtype, device),
+                                 _mixer(kind, spec, num_attention + d if kind == LayerKind.ATTENTION else 0,
+                                        parallel, dtype, device)) for kind in kinds])
+        return MTPHeads(spec.hidden_size, lambda: norm_cls(spec.hidden_size, spec.norm_eps, dtype, device),
+                        layers, parallel, dtype, device)
+
+    @property
+    def num_mtp_depths(self) -> int:
+        return 0 if self.mtp is None else self.mtp.num_depths
+
+    def enable_mtp(self) -> None:
+        """Give the MTP heads their KV layers (call before the KV pool is sized from ``kv_cache_spec``)."""
+        if self.mtp is None:
+            raise ValueError(f"{self.spec.name}: the checkpoint has no MTP heads (mtp.* tensors and "
+                             "num_nextn_predict_layers / mtp_num_hidden_layers in config.json)")
+        self.mtp_enabled = True
+
+    def build_mtp_drafter(self, config):
+        """The MTP drafter of speculative decoding (None: no heads); gives the heads their KV
+        layers, so call it before the KV pool is built."""
+        if self.mtp is None:
+            return None
+        from megatron_async.inference.speculative.mtp_drafter import MTPDrafter
+
+        self.enable_mtp()
+        return MTPDrafter(self, config.max_sequence_length)
+
+    def mtp_forward(self, depth: int, next_ids: torch.Tensor, hidden: torch.Tensor,
+                    batch: ForwardBatch) -> torch.Tensor:
+        """One MTP depth over the tokens of ``batch`` (its positions and KV slots): ``hidden``
+        [T, H] the previous hidden states at those positions, ``next_ids`` [T] the tokens that
+        follow them. Returns the depth's normed output [T, H] (``compute_logits`` gives the
+        drafts' logits). Writes depth ``depth``'s KV at the batch's slots."""
+        T = next_ids.shape[0]
+        rope = None
+        if self.rope is not None:
+            self.rope.reserve(batch.attn.max_kv_len)
+            rope = self.rope(batch.attn.positions[:T])
+        step = StepInputs(batch, rope, None, batch.ep_num_tokens)
+        return self.mtp(depth, self.embed_tokens(next_ids), hidden, step)
 
     def _mixers(self, kind: type[nn.Module]) -> list[nn.Module]:
         return [b.mixer for b in self.blocks if isinstance(b.mixer, kind)]
@@ -161,7 +226,8 @@ class DecoderModel(CausalLM):
         attn = self._mixers(Attention)
         if not attn:  # pure Mamba2: no KV cache; head dims only keep size arithmetic well-defined
             return KVCacheSpec(0, 1, self.spec.mamba.head_dim)
-        return KVCacheSpec(len(attn), attn[0].num_kv_heads, attn[0].head_dim)  # this rank's KV heads
+        mtp_layers = self.num_mtp_depths if self.mtp_enabled else 0
+        return KVCacheSpec(len(attn) + mtp_layers, attn[0].num_kv_heads, attn[0].head_dim)  # this rank's KV heads
 
     def mamba_state_spec(self) -> MambaStateSpec | None:
         mamba = self._mixers(Mamba2Mixer)
@@ -177,7 +243,7 @@ class DecoderModel(CausalLM):
         for i, b in enumerate(self.spec.blocks):
             names[f"blocks.{i}.norm"] = b.hf_norm
             names[f"blocks.{i}.mixer"] = b.hf_mixer
-        return names
+        return names | mtp_hf_prefixes(self.num_mtp_depths, self._mtp_mlp_kind())
 
     def hf_targets(self) -> dict[str, HFTarget]:
         """Every HF tensor name this model needs -> (parameter, shard_id)."""
@@ -192,9 +258,16 @@ class DecoderModel(CausalLM):
         return name
 
     def _skip(self, name: str) -> bool:
-        # some tied checkpoints also store the (identical) head: skip it
+        # some tied checkpoints also store the (identical) head: skip it; mtp.* heads that the
+        # config does not declare are ignored, as transformers ignores them
         return (name.endswith(_IGNORED_SUFFIXES) or name.startswith(self.spec.hf_ignored_prefixes)
+                or (self.mtp is None and name.startswith(MTP_PREFIX))
                 or (self.lm_head.is_tied and name == "lm_head.weight"))
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_hf_weights(self.hf_targets(), weights, self._skip, self.canonical_name, what=self.spec.name)
+        if self.mtp is None:
+            load_hf_weights(self.hf_targets(), weights, self._skip, self.canonical_name, what=self.spec.name)
+        elif not load_main_and_mtp(self.hf_targets(), weights, self._skip, self.canonical_name, self.spec.name):
+            log.warning("%s: config.json declares %d MTP depths but the checkpoint has no mtp.* tensors: "
+                        "loaded without MTP heads", self.spec.name, self.mtp.num_depths)
+            self.mtp = None

@@ -6,10 +6,11 @@ import torch
 
 from megatron_async.models.decoder import BlockSpec, DecoderModel, DecoderSpec
 from megatron_async.models.model_config import GPTConfig, LayerKind, parse_gpt_config
+from megatron_async.models.mtp_weights import mtp_depths
 from megatron_async.parallel.state import ParallelState
 
 
-def gpt_spec(cfg: GPTConfig) -> DecoderSpec:
+def gpt_spec(cfg: GPTConfig, mtp_depths: int = 0) -> DecoderSpec:
     blocks = []
     for i in range(cfg.num_hidden_layers):
         layer = f"model.layers.{i}"
@@ -24,17 +25,18 @@ def gpt_spec(cfg: GPTConfig) -> DecoderSpec:
         attention=cfg.attention(), mamba=None, mlp=cfg.mlp(), norm_eps=cfg.rms_norm_eps, nemotron_norm=False,
         tie_word_embeddings=cfg.tie_word_embeddings, residual_in_fp32=False, eos_token_id=cfg.eos_token_id,
         max_position_embeddings=cfg.max_position_embeddings, hf_embedding="model.embed_tokens",
-        hf_final_norm="model.norm", moe=cfg.moe,
+        hf_final_norm="model.norm", moe=cfg.moe, mtp_depths=mtp_depths,
     )
 
 
 class GPTModel(DecoderModel):
-    def __init__(self, cfg: GPTConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device | str):
-        super().__init__(gpt_spec(cfg), parallel, dtype, device)
+    def __init__(self, cfg: GPTConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device | str,
+                 mtp_depths: int = 0):
+        super().__init__(gpt_spec(cfg, mtp_depths), parallel, dtype, device)
         self.config = cfg
 
 
 def build_gpt(hf_config: dict, dtype: torch.dtype, device: torch.device | str,
               parallel: ParallelState | None = None) -> GPTModel:
     """A GPTModel (this rank's shard) with uninitialised weights (fill them with ``load_hf_weights``)."""
-    return GPTModel(parse_gpt_config(hf_config), parallel or ParallelState(), dtype, device)
+    return GPTModel(parse_gpt_config(hf_config), parallel or ParallelState(), dtype, device, mtp_depths(hf_config))

@@ -37,6 +37,11 @@ class SimpleSession:
     @torch.no_grad()
     def step(self, rows: list[tuple[int, list[int]]]) -> torch.Tensor:
         """Run one packed step; returns logits [T, vocab] for every new token."""
+        return self.model.compute_logits(self.forward(rows)[0])
+
+    @torch.no_grad()
+    def forward(self, rows: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, ForwardBatch]:
+        """Run one packed step; returns the final hidden states [T, H] and the step's batch."""
         ids, pos, slots, tok_row, cu, kv_lens, table, has_init = [], [], [], [], [0], [], [], []
         for r, (seq, toks) in enumerate(rows):
             start = self.lengths[seq]
@@ -75,5 +80,4 @@ class SimpleSession:
             )
         batch = ForwardBatch(attn=meta, kv_caches=self.kv_caches, mamba=mamba,
                              conv_states=self.conv_states, ssm_states=self.ssm_states)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), batch)
-        return self.model.compute_logits(hidden)
+        return self.model(torch.tensor(ids, dtype=torch.long, device=dev), batch), batch

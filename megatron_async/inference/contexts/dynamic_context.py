@@ -66,6 +66,7 @@ def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samp
         fields += [
             FieldSpec("spec_src", torch.int64, (T,)),  # -1: input id from the host; 0: slot's last token; j: draft j
             FieldSpec("spec_slot", torch.int64, (R,)),
+            FieldSpec("spec_owner_slot", torch.int64, (R,)),  # the request's slot, also for rows that sample nothing
             FieldSpec("spec_inflight", torch.bool, (R,)),  # positions assume full acceptance of a launch in flight
             FieldSpec("num_drafts", torch.int64, (R,)),
             FieldSpec("sample_base", torch.int64, (R,)),  # the row's first sample
@@ -279,7 +280,7 @@ class DynamicInferenceContext:
         ids, prev, pos, slots, tok_row, src = [], [], [], [], [], []
         cu, kv_lens, sample_idx, sample_pos, sample_row = [0], [], [], [], []
         seeds, temps, topk, topp, state_slots, has_init = [], [], [], [], [], []
-        spec_slot, spec_inflight, num_drafts, sample_base = [], [], [], []
+        spec_slot, spec_owner, spec_inflight, num_drafts, sample_base = [], [], [], [], []
         pen = _PenaltyColumns(self.sampling_state.padding_slot)
         bs = self.block_size
         max_q = max_kv = 0
@@ -318,6 +319,7 @@ class DynamicInferenceContext:
                 greedy = sp.is_greedy
                 if spec:
                     spec_slot.append(req.spec_slot if row.samples else self.spec.padding_slot)
+                    spec_owner.append(req.spec_slot)
                     spec_inflight.append(inflight)
                     num_drafts.append(k)
                     sample_base.append(len(sample_idx))
@@ -356,8 +358,8 @@ class DynamicInferenceContext:
                 "state_slots": state_slots, "has_initial_state": has_init, **pen.columns(),
             }
             if spec:
-                columns.update(spec_src=src, spec_slot=spec_slot, spec_inflight=spec_inflight, num_drafts=num_drafts,
-                               sample_base=sample_base, sample_to_row=sample_row)
+                columns.update(spec_src=src, spec_slot=spec_slot, spec_owner_slot=spec_owner, spec_inflight=spec_inflight,
+                               num_drafts=num_drafts, sample_base=sample_base, sample_to_row=sample_row)
             for name, values in columns.items():
                 v[name][: len(values)] = values
         except Exception as e:
@@ -410,6 +412,7 @@ class DynamicInferenceContext:
         if self.spec is not None:
             v["spec_src"][a:b] = -1
             v["spec_slot"][a:b] = self.spec.padding_slot
+            v["spec_owner_slot"][a:b] = self.spec.padding_slot
             v["spec_inflight"][a:b] = False
             v["num_drafts"][a:b] = 0
             v["sample_base"][a:b] = np.arange(a, b)

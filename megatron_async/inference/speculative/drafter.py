@@ -58,6 +58,10 @@ class VerifyOutputs:
     """[R] int64: row of ``hidden`` whose logits produced ``last_token`` (MTP's input state)."""
     batch: ForwardBatch
     """The step's attention metadata (positions already corrected on the device)."""
+    row_slots: torch.Tensor | None = None
+    """[R] int64: spec slot of each row's request, also for rows that sample nothing (where
+    ``slots`` is the padding slot): for drafters that read per-request state at every
+    position the step processed (MTP: the token after each position)."""
 
 
 class Drafter(ABC):

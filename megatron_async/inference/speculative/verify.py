@@ -71,7 +71,7 @@ class SpecVerifier:
         sp.last_pos[slots] = last_pos
         sp.shortfall[slots] = nd - accepted
         return VerifyOutputs(R, slots, t, positions, nd, accepted, last_token, last_pos, hidden,
-                             g.sample_token_idx[last_idx], batch)
+                             g.sample_token_idx[last_idx], batch, row_slots=g.spec_owner_slot[:R])
 
     def store_drafts(self, out: VerifyOutputs, drafts: torch.Tensor) -> None:
         self.spec.drafts[out.slots] = drafts

@@ -34,7 +34,8 @@ def test_verify_accepts_the_matching_prefix_plus_one():
     base = L([0, 4, 5, 8])
     pos0 = L([10, 20, 30, 40])  # each row's first sampled position
     sample_pos = torch.cat([pos0[r] + torch.arange(int(qlen[r])) for r in range(4)])
-    g = SimpleNamespace(sample_base=base, num_drafts=nd, spec_slot=L([0, 1, 2, 3]), cu_query_lens=cu,
+    g = SimpleNamespace(sample_base=base, num_drafts=nd, spec_slot=L([0, 1, 2, 3]), spec_owner_slot=L([0, 1, 2, 3]),
+                        cu_query_lens=cu,
                         sample_position=sample_pos, sample_token_idx=torch.arange(12))
     acc = torch.zeros(4, dtype=torch.int64)
     out = v.verify(g, 4, input_ids, samples, torch.zeros(12, 2), None, acc)
