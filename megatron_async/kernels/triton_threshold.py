@@ -129,7 +129,7 @@ def _level_pass_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, 
                        phase_ptr, vlo_ptr, inv_ptr, sel_ptr, part_c_ptr, part_w_ptr, buf_key_ptr, buf_w_ptr,
                        MASS: tl.constexpr, NLEV: tl.constexpr, HIST: tl.constexpr, EXACT: tl.constexpr,
                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr, NS_BLOCK: tl.constexpr,
-                       CAP: tl.constexpr):
+                       CAP: tl.constexpr, SHIFT: tl.constexpr):
     """Rows in _SEARCH: histogram of level NLEV over the members of levels < NLEV.
     Rows in _COMPACT: copy the members of levels < NLEV into the row's buffer."""
     row, c = tl.program_id(0), tl.program_id(1)
@@ -158,9 +158,12 @@ def _level_pass_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, 
         offs = tl.arange(0, BLOCK)
         pj = tl.arange(0, P)
         if phase == 0:
-            hvlo = vlo1 if NLEV == 1 else vlo0
-            hinv = inv1 if NLEV == 1 else inv0
-            # int32 tiles: weight = hi * 2**16 + lo; lo's field also carries the count at bit 21
+            hvlo = vlo0
+            hinv = inv0
+            if NLEV == 1:
+                hvlo = vlo1
+                hinv = inv1
+            # int32 tiles: weight = hi * 2**16 + lo; lo's tile also counts, in bits SHIFT and up
             acc_a = tl.zeros((BLOCK, P), tl.int32)
             acc_b = tl.zeros((BLOCK, P), tl.int32)
             col = offs[:, None]  # [BLOCK, 1] elements: each thread then owns whole tile rows
@@ -174,15 +177,15 @@ def _level_pass_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, 
                 hit = tl.where(play, _bucket(s, hvlo, hinv, P), -1) == pj[None, :]
                 if MASS:
                     wh = tl.floor(w * (1.0 / 65536.0))
-                    wl = (w - wh * 65536.0).to(tl.int32) + (1 << 21)
+                    wl = (w - wh * 65536.0).to(tl.int32) + (1 << SHIFT)
                     acc_a += tl.where(hit, wh.to(tl.int32), 0)
                     acc_b += tl.where(hit, wl, 0)
                 else:
                     acc_b += hit.to(tl.int32)
             out = (row * NS + c) * P + pj
             if MASS:
-                cnt = tl.sum(acc_b >> 21, axis=0)
-                lo = tl.sum(acc_b & 0x1FFFFF, axis=0)
+                cnt = tl.sum(acc_b >> SHIFT, axis=0)
+                lo = tl.sum(acc_b & ((1 << SHIFT) - 1), axis=0)
                 hi = tl.sum(acc_a, axis=0)
                 tl.store(part_w_ptr + out, hi.to(tl.float64) * 65536.0 + lo.to(tl.float64))
             else:
@@ -190,7 +193,9 @@ def _level_pass_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, 
             tl.store(part_c_ptr + out, cnt)
         else:
             # this chunk's offset in the row's buffer: the chosen bucket's counts of earlier chunks
-            sel = sel1 if NLEV == 2 else sel0
+            sel = sel0
+            if NLEV == 2:
+                sel = sel1
             ns = tl.arange(0, NS_BLOCK)
             pos = tl.sum(tl.load(part_c_ptr + (row * NS + ns) * P + sel, mask=ns < c, other=0), axis=0)
             for off in range(0, CHUNK, BLOCK):
@@ -202,12 +207,14 @@ def _level_pass_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, 
                 if NLEV == 2:
                     play = play & (_bucket(s, vlo1, inv1, P) == sel1)
                 mi = play.to(tl.int32)
-                at = pos + tl.cumsum(mi, axis=0) - mi
-                keep = play & (at < CAP)
-                tl.store(buf_key_ptr + row * CAP + at, key, mask=keep)
-                if MASS:
-                    tl.store(buf_w_ptr + row * CAP + at, w, mask=keep)
-                pos += tl.sum(mi, axis=0)
+                n_in = tl.sum(mi, axis=0)
+                if n_in > 0:  # most blocks hold no candidate: skip the scan
+                    at = pos + tl.cumsum(mi, axis=0) - mi
+                    keep = play & (at < CAP)
+                    tl.store(buf_key_ptr + row * CAP + at, key, mask=keep)
+                    if MASS:
+                        tl.store(buf_w_ptr + row * CAP + at, w, mask=keep)
+                pos += n_in
 
 
 @triton.jit
@@ -322,7 +329,10 @@ class StageLaunch:
         self.R, self.V = logits.shape
         self.ns = triton.cdiv(self.V, chunk)
         self.ns_block = triton.next_power_of_2(self.ns)
-        assert chunk % hist_block == 0 and chunk // hist_block <= 32, "int32 tile fields hold <= 32 adds"
+        # a tile element adds <= chunk / hist_block weights of < 2**16 (lo) and as many ones (count)
+        adds = (chunk // hist_block - 1).bit_length()
+        assert chunk % hist_block == 0 and 16 + 2 * adds + 1 <= 31 and chunk <= 16384, "int32 tile fields overflow"
+        self.shift = 16 + adds
         self.chunk, self.hist_block, self.search_block, self.pivots, self.cap = chunk, hist_block, search_block, pivots, cap
         self.num_warps, self.exact = num_warps, exact
 
@@ -349,7 +359,7 @@ def threshold(L: StageLaunch, logits, temperature, top_k, top_p, min_p, pmax, pm
     for level, hist in ((0, True), (1, True), (2, False)):
         _level_pass_kernel[(R, ns)](*row_args, phase, vlo, inv, sel, part_c, part_w, buf_key, buf_w,
                                     MASS=mass, NLEV=level, HIST=hist, EXACT=L.exact, CHUNK=L.chunk,
-                                    BLOCK=L.hist_block, P=P, NS_BLOCK=L.ns_block, CAP=L.cap,
+                                    BLOCK=L.hist_block, P=P, NS_BLOCK=L.ns_block, CAP=L.cap, SHIFT=L.shift,
                                     num_warps=L.num_warps, enable_fp_fusion=False)
         if level < 2:
             _level_update_kernel[(R,)](phase, top_p, whi, target, cnt, vlo, inv, sel, part_c, part_w, ns,

@@ -13,7 +13,7 @@ from megatron_async.inference.text_generation_controllers import sampling as ref
 from megatron_async.kernels import triton_sampling
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-BLOCKS = dict(chunk=64, block=32, hist_block=16, search_block=256, pivots=16)  # V > chunk: several chunks and blocks per pass
+BLOCKS = dict(chunk=128, block=64, hist_block=32, search_block=256, pivots=16)  # V > chunk: several chunks and blocks per pass
 BUFFERED, WHOLE_ROW = (1, 2), (0,)
 
 
@@ -67,7 +67,7 @@ def test_fast_sampler_equals_reference(mode, cap):
     # cap 512 > V: every searching row finishes from its buffer; cap 0: every one searches the whole row
     filters = {"top_k": (True, False, False), "top_p": (False, True, False), "min_p": (False, False, True)}
     for seed in range(2 if mode == "mixed" else 1):
-        logits, params = _case(16, 150, seed, mode)
+        logits, params = _case(12, 150, seed, mode)
         expected = ref.sample_reference(logits, params, any_filter=True)
         probe = []  # single-filter modes launch only their filter's stage
         got = _fast(logits, params, filters.get(mode, True), probe=probe, cap=cap)
@@ -86,15 +86,16 @@ def test_buckets_narrow_and_compact_on_wide_rows():
                            torch.tensor([0.9, 0.0, 0.0, 0.0, 0.5, 0.97, 0.8, 0.99]), torch.zeros(R),
                            torch.arange(R) * 7 + 1, torch.arange(R) + 3)
     expected = ref.sample_reference(logits, params, any_filter=True)
-    for cap in (64, 0):
+    for cap in (16, 0):
         probe = []
         assert torch.equal(_fast(logits, params, True, probe=probe, cap=cap), expected), cap
-        assert _phases(probe) & set(BUFFERED if cap else WHOLE_ROW)
+        # phase 2: compacted after level 0; 1: needed level 1 first; 0: whole-row search
+        assert _phases(probe) >= ({1, 2} if cap else {0}), (cap, _phases(probe))
 
 
 def test_filters_really_bind_in_these_cases():
     # the comparison above is only meaningful if the filters change draws
-    logits, params = _case(16, 150, 0, "mixed")
+    logits, params = _case(12, 150, 0, "mixed")
     off = ref.RowParams(params.temperature, torch.zeros_like(params.top_k), torch.zeros_like(params.top_p),
                         torch.zeros_like(params.min_p), params.seed, params.position)
     changed = ref.sample_reference(logits, params, True) != ref.sample_reference(logits, off, False)
