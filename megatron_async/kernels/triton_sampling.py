@@ -21,23 +21,14 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from megatron_async.kernels.triton_threshold import (
-    KEY_MIN, StageLaunch, exp_, inv_temperature, key_of, row_max, threshold,
+    KEY_MIN, StageLaunch, exp_, inv_temperature, key_of, log_, row_filters, threshold,
 )
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _NEG_INF = tl.constexpr(float("-inf"))
 _POS_INF = tl.constexpr(float("inf"))
-
-
-@triton.jit
-def _log(x, EXACT: tl.constexpr):
-    if EXACT:
-        return libdevice.log(x)
-    else:
-        return tl.log(x)
 
 
 @triton.jit
@@ -60,7 +51,7 @@ def _gumbel(rkey, idx, EXACT: tl.constexpr):
     tok = _mix32(idx.to(tl.uint32) * 0x27D4EB2F)
     bits = _mix32(rkey ^ tok) >> 8
     u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    return -_log(-_log(u, EXACT), EXACT)
+    return -log_(-log_(u, EXACT), EXACT)
 
 
 @triton.jit
@@ -90,13 +81,7 @@ def _draw_kernel(logits_ptr, stride, V, temp_ptr, seed_ptr, pos_ptr, pmax_ptr, m
     base = logits_ptr + row.to(tl.int64) * stride
     inv_t, greedy = inv_temperature(tl.load(temp_ptr + row))
     rkey = _row_key(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
-    m = 0.0
-    minp = 0.0
-    floor = 0
-    if FILTER:
-        m = row_max(pmax_ptr, row, NS, NS_BLOCK)
-        minp = tl.load(minp_ptr + row)
-        floor = tl.load(floor_ptr + row)
+    m, minp, floor = row_filters(pmax_ptr, minp_ptr, floor_ptr, row, NS, NS_BLOCK, FILTER)
     offs = tl.arange(0, BLOCK)
     best = tl.full((), _NEG_INF, tl.float32)
     best_i = tl.zeros((), tl.int32)
@@ -147,7 +132,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     per-row candidate buffer of the threshold search; ``probe`` (tests) collects each
     stage's row phases. Defaults: see docs/PERFORMANCE.md (scripts/check_sampling.py)."""
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
-    assert temperature.dtype == torch.float32 and chunk % block == 0
+    assert temperature.dtype == top_p.dtype == min_p.dtype == torch.float32 and chunk % block == 0
+    assert top_k.dtype == seed.dtype == position.dtype == torch.int64
     R, V = logits.shape
     dev = logits.device
     L = StageLaunch(logits, chunk, hist_block, search_block, pivots, cap, num_warps, exact=not _INTERPRET)

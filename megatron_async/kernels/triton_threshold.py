@@ -42,6 +42,14 @@ def exp_(x, EXACT: tl.constexpr):
 
 
 @triton.jit
+def log_(x, EXACT: tl.constexpr):
+    if EXACT:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
 def key_of(s):
     """float32 -> int32 key with the same order (-0 == +0)."""
     s = tl.where(s == 0.0, 0.0, s)
@@ -67,6 +75,15 @@ def inv_temperature(t):
 def row_max(pmax_ptr, row, NS, NS_BLOCK: tl.constexpr):
     ns = tl.arange(0, NS_BLOCK)
     return tl.max(tl.load(pmax_ptr + row * NS + ns, mask=ns < NS, other=_NEG_INF), axis=0)
+
+
+@triton.jit
+def row_filters(pmax_ptr, minp_ptr, floor_ptr, row, NS, NS_BLOCK: tl.constexpr, USED: tl.constexpr):
+    """(row max of s, min-p, key floor) where a filter is applied, else zeros."""
+    if USED:
+        return row_max(pmax_ptr, row, NS, NS_BLOCK), tl.load(minp_ptr + row), tl.load(floor_ptr + row)
+    else:
+        return 0.0, 0.0, 0
 
 
 @triton.jit
@@ -146,9 +163,7 @@ def _level_pass_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, 
         minp = 0.0
         floor = 0
         if MASS:
-            m = row_max(pmax_ptr, row, NS, NS_BLOCK)
-            minp = tl.load(minp_ptr + row)
-            floor = tl.load(floor_ptr + row)
+            m, minp, floor = row_filters(pmax_ptr, minp_ptr, floor_ptr, row, NS, NS_BLOCK, MASS)
         vlo0 = tl.load(vlo_ptr + 2 * row)
         inv0 = tl.load(inv_ptr + 2 * row)
         vlo1 = tl.load(vlo_ptr + 2 * row + 1)
