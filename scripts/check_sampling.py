@@ -1,10 +1,13 @@
 """Sort-free Triton sampler vs the torch reference on CUDA at a 151,936-token vocabulary:
 token equality on fresh bf16-valued logits, then device time per step (each sampler captured
 in a CUDA graph, as decode runs it; median of many replays between CUDA events) for greedy,
-temperature, top-k, top-p, min-p and penalties, next to the sampler main had before this
-change (full-vocabulary sort + materialised noise).
+temperature, top-k, top-p, min-p and penalties: reference, the Triton sampler of another
+checkout (``--before``, e.g. main's, side by side) and this one; with ``--tuning``, this one's
+launch variants; each threshold stage's rows are counted by how they finished (candidate
+buffer or whole-row search).
 
-    python scripts/check_sampling.py [--rows 128 256] [--iters 50] [--seeds 8]
+    python scripts/check_sampling.py [--rows 128 256] [--iters 50] [--seeds 3] \
+        [--before ../main/megatron_async/kernels/triton_sampling.py] [--tuning]
 
 Logit shapes: "spread" = N(0, 3^2) (a nucleus of thousands of tokens), "flat" = N(0, 0.3^2)
 (a random-weight model: top-p 0.95 keeps most of the vocabulary), "peaked" = N(0, 2^2) with
@@ -12,6 +15,7 @@ five tokens raised by 12 (a confident trained model)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -70,37 +74,36 @@ def penalty_rows(R: int, gen: torch.Generator) -> ref.PenaltyRows:
                            torch.full((R,), 1.2, **dev), torch.arange(R, **dev) % 2 == 0, counts, prompt, stop)
 
 
-def fast(logits, params, pen, any_filter, **tune):
+def fast(logits, params, pen, any_filter, probe=None, **tune):
     if pen is not None:
         logits = triton_sampling.apply_penalties(logits, pen.slot, pen.counts, pen.prompt_mask, pen.stop_mask,
                                                  pen.presence, pen.frequency, pen.repetition, pen.suppress_stop)
-    inv_t, greedy = ref.inverse_temperature(params.temperature)
-    keys = ref.row_keys(params.seed, params.position)
-    return triton_sampling.sample(logits, inv_t, greedy, params.top_k, params.top_p, params.min_p, keys, any_filter, **tune)
+    return triton_sampling.sample(logits, params.temperature, params.top_k, params.top_p, params.min_p, params.seed,
+                                  params.position, any_filter, probe=probe, **tune)
+
+
+def load_before(path: str | None):
+    """The ``triton_sampling`` module of another checkout (its own signature: inv_t, greedy, keys)."""
+    if not path:
+        return None
+    spec = importlib.util.spec_from_file_location("triton_sampling_before", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def run(logits, params, pen, any_filter):
+        if pen is not None:
+            logits = mod.apply_penalties(logits, pen.slot, pen.counts, pen.prompt_mask, pen.stop_mask, pen.presence,
+                                         pen.frequency, pen.repetition, pen.suppress_stop)
+        inv_t, greedy = ref.inverse_temperature(params.temperature)
+        keys = ref.row_keys(params.seed, params.position)
+        return mod.sample(logits, inv_t, greedy, params.top_k, params.top_p, params.min_p, keys, any_filter)
+    return run
 
 
 def reference(logits, params, pen, any_filter):
     if pen is not None:
         logits = ref.apply_penalties_reference(logits, pen)
     return ref.sample_reference(logits, params, any_filter)
-
-
-def before(logits, params, pen, any_filter):
-    """The sampler of commit ade4b2b (sort-based top-k / top-p, full noise tensor); no penalties."""
-    t = params.temperature
-    greedy_tokens = logits.argmax(dim=-1)
-    greedy = t < ref.GREEDY_TEMPERATURE
-    scaled = logits / torch.where(greedy, torch.ones_like(t), t)[:, None]
-    if any_filter:
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-        rank = torch.arange(V, device=logits.device)[None, :]
-        drop = rank >= torch.where(params.top_k > 0, params.top_k, V)[:, None]
-        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        p = params.top_p[:, None]
-        drop |= (p > 0) & (p < 1) & (probs.cumsum(-1) - probs >= p)
-        scaled = scaled.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
-    drawn = (scaled + ref.gumbel_noise(ref.row_keys(params.seed, params.position), V)).argmax(dim=-1)
-    return torch.where(greedy, greedy_tokens, drawn)
 
 
 def graph_ms(fn, iters: int) -> float:
@@ -112,9 +115,10 @@ def graph_ms(fn, iters: int) -> float:
     return ms
 
 
-def check_tokens(rows: list[int], seeds: int) -> None:
+def check_tokens(rows: list[int], seeds: int, before) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    total = equal = 0
+    total = equal = equal_before = 0
+    finished = torch.zeros(4, dtype=torch.int64)
     for R in rows:
         for kind in ("spread", "flat", "peaked"):
             for name, case in CASES.items():
@@ -122,51 +126,69 @@ def check_tokens(rows: list[int], seeds: int) -> None:
                     logits = make_logits(R, kind, gen)
                     params = row_params(R, case, gen, mixed=s % 2 == 1)
                     pen = penalty_rows(R, gen) if case[4] else None
-                    a, b = fast(logits, params, pen, True), reference(logits, params, pen, True)
+                    probe = []
+                    a, b = fast(logits, params, pen, True, probe), reference(logits, params, pen, True)
+                    for ph in probe:
+                        finished += torch.bincount(ph.long().cpu(), minlength=4)
                     total += R
                     equal += int((a == b).sum())
+                    if before is not None:
+                        equal_before += int((before(logits, params, pen, True) == b).sum())
                     if not torch.equal(a, b):
                         print(f"MISMATCH rows={R} {kind} {name} seed={s}: {(a != b).sum().item()} rows differ")
-    print(f"tokens equal fast vs reference: {equal}/{total} rows")
+    print(f"tokens equal fast vs reference: {equal}/{total} rows"
+          + (f"; before vs reference: {equal_before}/{total}" if before is not None else ""))
+    print(f"threshold stages' rows: whole-row search {finished[0]}, candidate buffer {finished[1] + finished[2]}, "
+          f"filter off {finished[3]}")
 
 
-def timing(rows: list[int], iters: int) -> None:
+def timing(rows: list[int], iters: int, before) -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
-    print(f"\n| rows | case | logits | before (sort) ms | reference ms | fast ms |")
-    print("|---:|---|---|---:|---:|---:|")
+    print("\n| rows | case | logits | reference ms | before ms | fast ms | fast rows: buffer / whole-row |")
+    print("|---:|---|---|---:|---:|---:|---|")
     for R in rows:
         for kind in ("spread", "flat"):
             logits = make_logits(R, kind, gen)
             for name, case in CASES.items():
                 params, pen = row_params(R, case, gen, False), penalty_rows(R, gen) if case[4] else None
                 filt = (case[1] > 0, 0 < case[2] < 1, case[3] > 0)  # as the engine's step flags
+                paths = ""
                 if case[0] == 0.0:  # all greedy: the engine takes argmax (plus penalties) only
                     t_before = t_ref = t_fast = graph_ms(lambda: logits.argmax(-1), iters)
                 else:
-                    t_before = float("nan") if pen is not None else graph_ms(lambda: before(logits, params, pen, any(filt)), iters)
+                    t_before = float("nan") if before is None else graph_ms(lambda: before(logits, params, pen, filt), iters)
                     t_ref = graph_ms(lambda: reference(logits, params, pen, any(filt)), iters)
                     t_fast = graph_ms(lambda: fast(logits, params, pen, filt), iters)
-                print(f"| {R} | {name} | {kind} | {t_before:.3f} | {t_ref:.3f} | {t_fast:.3f} |")
+                    probe = []
+                    fast(logits, params, pen, filt, probe)
+                    if probe:
+                        ph = torch.cat(probe).cpu()
+                        paths = f"{int(((ph == 1) | (ph == 2)).sum())} / {int((ph == 0).sum())}"
+                print(f"| {R} | {name} | {kind} | {t_ref:.3f} | {t_before:.3f} | {t_fast:.3f} | {paths} |")
+
+
+VARIANTS = [  # chunk, hist_block, pivots, cap, num_warps
+    (8192, 256, 16, 4096, 4), (8192, 128, 16, 4096, 4), (8192, 256, 16, 4096, 8), (4096, 128, 16, 4096, 4),
+    (8192, 256, 8, 8192, 4), (16384, 512, 16, 4096, 8), (8192, 256, 16, 2048, 4),
+]
 
 
 def tuning(R: int, iters: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(2)
-    print(f"\nfast-path variants at {R} rows (ms; chunk, block, search_block, pivots, num_warps):")
-    variants = [(8192, 1024, 256, 16, 8), (4096, 1024, 256, 16, 8), (16384, 1024, 256, 16, 8), (8192, 2048, 512, 16, 8),
-                (8192, 1024, 128, 16, 4), (8192, 1024, 256, 8, 8), (8192, 1024, 256, 32, 8), (8192, 1024, 128, 8, 4),
-                (8192, 2048, 256, 16, 16)]
-    for name in ("temperature", "top_k=50", "top_p=0.95"):
+    print(f"\nfast-path variants at {R} rows (ms; chunk, hist_block, pivots, cap, num_warps):")
+    for name in ("temperature", "top_k=50", "top_p=0.95", "k+p+min_p"):
         for kind in ("spread", "flat"):
             logits = make_logits(R, kind, gen)
             params = row_params(R, CASES[name], gen, False)
-            filt = (name == "top_k=50", name == "top_p=0.95", False)
+            case = CASES[name]
+            filt = (case[1] > 0, 0 < case[2] < 1, case[3] > 0)
             expected = reference(logits, params, None, any(filt))
             line = []
-            for chunk, block, sblock, piv, warps in variants:
-                tune = dict(chunk=chunk, block=block, search_block=sblock, pivots=piv, num_warps=warps)
+            for chunk, hist_block, piv, cap, warps in VARIANTS:
+                tune = dict(chunk=chunk, hist_block=hist_block, pivots=piv, cap=cap, num_warps=warps)
                 assert torch.equal(fast(logits, params, None, filt, **tune), expected)
                 line.append(f"{graph_ms(lambda: fast(logits, params, None, filt, **tune), iters):.3f}")
-            print(f"  {name:12s} {kind:6s}: " + "  ".join(f"{v}={t}" for v, t in zip(variants, line)))
+            print(f"  {name:12s} {kind:6s}: " + "  ".join(f"{v}={t}" for v, t in zip(VARIANTS, line)))
 
 
 def main() -> None:
@@ -174,13 +196,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[128, 256])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--skip-tuning", action="store_true")
+    ap.add_argument("--before", default=None, help="another checkout's kernels/triton_sampling.py, timed side by side")
+    ap.add_argument("--tuning", action="store_true", help="time this sampler's launch variants too")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    check_tokens(args.rows, args.seeds)
-    if not args.skip_tuning:
+    before = load_before(args.before)
+    check_tokens(args.rows, args.seeds, before)
+    if args.tuning:
         tuning(args.rows[0], args.iters)
-    timing(args.rows, args.iters)
+    timing(args.rows, args.iters, before)
 
 
 if __name__ == "__main__":

@@ -57,10 +57,8 @@ class Sampler:
             if triton_path:
                 from megatron_async.kernels import triton_sampling
 
-                inv_t, greedy = sampling.inverse_temperature(params.temperature)
-                keys = sampling.row_keys(params.seed, params.position)
-                tokens = triton_sampling.sample(logits.contiguous(), inv_t, greedy, params.top_k, params.top_p,
-                                                params.min_p, keys, filters)
+                tokens = triton_sampling.sample(logits.contiguous(), params.temperature, params.top_k, params.top_p,
+                                                params.min_p, params.seed, params.position, filters)
             else:
                 tokens = sampling.sample_reference(logits, params, any(filters))
         if any_penalties:  # the next launch, queued after this one, sees this token

@@ -88,8 +88,7 @@ def test_sampling_and_log_probs_rows_invariant():
         if DEVICE == "cuda":
             from megatron_async.kernels import triton_sampling
 
-            inv_t, greedy = sampling.inverse_temperature(t)
-            fast = triton_sampling.sample(lg, inv_t, greedy, k, p, mp, sampling.row_keys(s, pos), True)
+            fast = triton_sampling.sample(lg, t, k, p, mp, s, pos, True)
             cols.append(fast[:, None].float())
         lp, top_vals, ids = sampling.log_probs_of(lg, tokens, 3, batch_invariant=True)
         return torch.cat(cols + [lp[:, None], top_vals, ids.float()], -1)

@@ -1,7 +1,11 @@
 """The sort-free Triton sampler and penalty kernel against the torch reference definition
 (sampling.py), on fresh random logits: many seeds, top-k / top-p / min-p alone and mixed,
-greedy rows, tiny temperatures, heavy ties, -inf entries. Runs in Triton's interpreter on
-the CPU (tiny shapes, small blocks so the block loops and searches really iterate)."""
+greedy rows, tiny and huge temperatures, heavy ties, -inf entries, k = 1 / V, p -> 0 / 1.
+Runs in Triton's interpreter on the CPU (tiny shapes, small blocks so the block loops,
+bucket levels and searches really iterate). Each threshold search ends either from the
+compacted candidate buffer or, for rows whose candidates never fit it, from a whole-row
+search; the tests run both (a small ``cap`` forces the second) and check via ``probe``
+that each really ran."""
 import pytest
 import torch
 
@@ -9,7 +13,8 @@ from megatron_async.inference.text_generation_controllers import sampling as ref
 from megatron_async.kernels import triton_sampling
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-BLOCKS = dict(chunk=64, block=32, search_block=32, pivots=16)  # V > block: several blocks per pass
+BLOCKS = dict(chunk=128, block=64, hist_block=32, search_block=256, pivots=16)  # V > chunk: several chunks and blocks per pass
+BUFFERED, WHOLE_ROW = (1, 2), (0,)
 
 
 def _case(R: int, V: int, seed: int, mode: str):
@@ -22,11 +27,15 @@ def _case(R: int, V: int, seed: int, mode: str):
     temp = torch.rand(R, generator=g) * 1.8 + 0.05
     temp[::5] = 0.0  # greedy rows
     temp[1::6] = 1e-4  # tiny but sampled
+    temp[3::8] = 50.0  # nearly flat
     top_k = torch.randint(0, V + 3, (R,), generator=g)
     top_k[::3] = 0
+    top_k[4::9] = 1
+    top_k[7::11] = V
     top_p = torch.rand(R, generator=g)
     top_p[::4] = 0.0
     top_p[2::7] = 1.0
+    top_p[5::13] = 1e-6  # p -> 0: the top token (and its ties) only
     min_p = torch.rand(R, generator=g) * 0.4
     min_p[::2] = 0.0
     if mode == "top_k":
@@ -40,30 +49,53 @@ def _case(R: int, V: int, seed: int, mode: str):
     return logits, params
 
 
-def _fast(logits, params, any_filter=True, **blocks):
-    inv_t, greedy = ref.inverse_temperature(params.temperature)
-    keys = ref.row_keys(params.seed, params.position)
+def _fast(logits, params, any_filter=True, probe=None, **blocks):
     d = lambda t: t.to(DEV)  # noqa: E731
-    out = triton_sampling.sample(d(logits), d(inv_t), d(greedy), d(params.top_k), d(params.top_p),
-                                 d(params.min_p), d(keys), any_filter, **{**BLOCKS, **blocks})
+    out = triton_sampling.sample(d(logits), d(params.temperature), d(params.top_k), d(params.top_p),
+                                 d(params.min_p), d(params.seed), d(params.position), any_filter,
+                                 probe=probe, **{**BLOCKS, **blocks})
     return out.cpu()
 
 
-@pytest.mark.parametrize("mode", ["mixed", "top_k", "top_p", "min_p", "ties", "neg_inf"])
-def test_fast_sampler_equals_reference(mode):
-    # the default pivot count on the mixed cases; wider pivots (fewer passes) elsewhere, for time
+def _phases(probe) -> set[int]:
+    return {int(v) for t in probe for v in t.cpu()}
+
+
+@pytest.mark.parametrize("mode,cap", [("mixed", 512), ("mixed", 0), ("top_k", 512), ("top_p", 0), ("min_p", 512),
+                                      ("ties", 512), ("ties", 0), ("neg_inf", 512)])
+def test_fast_sampler_equals_reference(mode, cap):
+    # cap 512 > V: every searching row finishes from its buffer; cap 0: every one searches the whole row
+    filters = {"top_k": (True, False, False), "top_p": (False, True, False), "min_p": (False, False, True)}
     for seed in range(2 if mode == "mixed" else 1):
-        logits, params = _case(10, 70, seed, mode)
+        logits, params = _case(12, 150, seed, mode)
         expected = ref.sample_reference(logits, params, any_filter=True)
-        # single-filter modes launch only their filter's passes
-        filters = {"top_k": (True, False, False), "top_p": (False, True, False), "min_p": (False, False, True)}
-        got = _fast(logits, params, filters.get(mode, True), pivots=16 if mode == "mixed" else 64)
-        assert torch.equal(got, expected), (mode, seed)
+        probe = []  # single-filter modes launch only their filter's stage
+        got = _fast(logits, params, filters.get(mode, True), probe=probe, cap=cap)
+        assert torch.equal(got, expected), (mode, seed, cap)
+        if mode != "min_p":
+            ran = _phases(probe)
+            assert ran & set(BUFFERED if cap > 150 else WHOLE_ROW), (mode, ran)
+
+
+def test_buckets_narrow_and_compact_on_wide_rows():
+    # several chunks and a wide spread: rows pick a level-0 or level-1 bucket, then compact
+    g = torch.Generator().manual_seed(11)
+    R, V = 8, 400
+    logits = torch.randn(R, V, generator=g) * torch.linspace(0.2, 4.0, R)[:, None]
+    params = ref.RowParams(torch.full((R,), 0.9), torch.tensor([0, 3, 40, 300, 0, 0, 25, 399]),
+                           torch.tensor([0.9, 0.0, 0.0, 0.0, 0.5, 0.97, 0.8, 0.99]), torch.zeros(R),
+                           torch.arange(R) * 7 + 1, torch.arange(R) + 3)
+    expected = ref.sample_reference(logits, params, any_filter=True)
+    for cap in (16, 0):
+        probe = []
+        assert torch.equal(_fast(logits, params, True, probe=probe, cap=cap), expected), cap
+        # phase 2: compacted after level 0; 1: needed level 1 first; 0: whole-row search
+        assert _phases(probe) >= ({1, 2} if cap else {0}), (cap, _phases(probe))
 
 
 def test_filters_really_bind_in_these_cases():
     # the comparison above is only meaningful if the filters change draws
-    logits, params = _case(12, 70, 0, "mixed")
+    logits, params = _case(12, 150, 0, "mixed")
     off = ref.RowParams(params.temperature, torch.zeros_like(params.top_k), torch.zeros_like(params.top_p),
                         torch.zeros_like(params.min_p), params.seed, params.position)
     changed = ref.sample_reference(logits, params, True) != ref.sample_reference(logits, off, False)
@@ -76,9 +108,24 @@ def test_unfiltered_and_flat_rows():
     params = ref.RowParams(torch.full((8,), 1.0), torch.zeros(8, dtype=torch.int64), torch.full((8,), 0.95),
                            torch.zeros(8), torch.arange(8) * 17, torch.arange(8))
     expected = ref.sample_reference(logits, params, any_filter=True)
-    assert torch.equal(_fast(logits, params, block=64, search_block=64, pivots=16), expected)
+    assert torch.equal(_fast(logits, params), expected)
     params.top_p.zero_()
     assert torch.equal(_fast(logits, params, any_filter=False), ref.sample_reference(logits, params, False))
+
+
+def test_combined_filters_and_tie_plateau():
+    # top-k + top-p + min-p on the same rows; one row a plateau of equal logits at the cut
+    g = torch.Generator().manual_seed(9)
+    R, V = 6, 300
+    logits = 2.0 * torch.randn(R, V, generator=g)
+    logits[0, 100:220] = 1.25
+    logits[0, :5] = 4.0
+    params = ref.RowParams(torch.tensor([1.0, 0.7, 1.3, 0.5, 2.0, 1.0]), torch.tensor([50, 120, 7, 299, 1, 200]),
+                           torch.tensor([0.6, 0.9, 0.3, 0.99, 0.5, 1e-7]), torch.tensor([0.0, 0.05, 0.01, 0.0, 0.3, 0.0]),
+                           torch.arange(R) * 31, torch.arange(R) * 5)
+    expected = ref.sample_reference(logits, params, any_filter=True)
+    for cap in (40, 0):
+        assert torch.equal(_fast(logits, params, True, cap=cap), expected), cap
 
 
 def _penalty_rows(R, V, S, seed):

@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""Per-kernel device time of steady decode steps (async + CUDA graphs by default), greedy and
+sampled: a torch.profiler kernel table (name, count, total us, us per step, share) and the
+same grouped by role (attention, GEMMs, norms, sampler, ...), to find each role's gap to its floor.
+
+    python scripts/profile_decode_kernels.py --batch 128 --prompt-len 512 --steps 20
+
+The batch's requests all arrive at once; after prefill and a few warm decode steps (graph
+capture, Triton builds) ``--steps`` decode-only steps run under the profiler (CUDA activity only)."""
+from __future__ import annotations
+
+import argparse
+import random
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from megatron_async import LLM, InferenceConfig, SamplingParams
+
+GROUPS = [  # (role, name substrings), first match wins
+    ("sampler", ("_stats_kernel", "_draw_kernel", "_pick_kernel", "_stage_init", "_level_pass", "_level_update",
+                 "_finish_kernel", "_penalty_kernel")),
+    ("attention", ("attention", "attn", "_paged", "decode_kernel")),
+    ("kv append", ("kv_append", "append")),
+    ("norm / rope / act", ("rmsnorm", "rms_norm", "rope", "silu", "act", "norm")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "wgmma", "cublas")),
+    ("argmax / reductions", ("argmax", "reduce", "max_", "cumsum", "sort")),
+    ("copies / casts", ("copy", "cast", "elementwise", "fill", "index", "gather", "scatter", "memcpy", "memset")),
+]
+
+
+def role(name: str) -> str:
+    low = name.lower()
+    for group, keys in GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return "other"
+
+
+def kernel_rows(prof) -> list[tuple[str, int, float]]:
+    rows = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            r = rows[ev.name]
+            r[0] += 1
+            r[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    return sorted(((n, c, t) for n, (c, t) in rows.items()), key=lambda x: -x[2])
+
+
+def run(args, sampled: bool) -> None:
+    cfg = InferenceConfig(max_requests=args.batch, max_tokens=max(4096, args.batch), buffer_size_gb=args.kv_gb,
+                          async_scheduling=not args.serial, cuda_graphs=not args.eager, attention_backend="triton")
+    llm = LLM(device="cuda", dtype="bfloat16", default_model=args.model, inference_config=cfg)
+    rng = random.Random(0)
+    n_out = args.warm_steps + args.steps + 8  # every request still decoding in the profiled steps
+    for i in range(args.batch):
+        sp = (SamplingParams(temperature=0.8, top_p=0.95, seed=i, ignore_eos=True, num_tokens_to_generate=n_out)
+              if sampled else SamplingParams(top_k=1, ignore_eos=True, num_tokens_to_generate=n_out))
+        llm.engine.add_request([rng.randrange(llm.model.vocab_size) for _ in range(args.prompt_len)], sp)
+    for _ in range(args.warm_steps):  # prefill, graph capture, Triton builds
+        llm.engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            llm.engine.step()
+        torch.cuda.synchronize()
+    rows = kernel_rows(prof)
+    total = sum(t for _, _, t in rows)
+    label = "sampled (temperature 0.8, top-p 0.95)" if sampled else "greedy"
+    print(f"\n### {label}: batch {args.batch}, {args.steps} decode steps, device busy {total / args.steps / 1e3:.3f} "
+          f"ms per step")
+    print("\n| role | us per step | share |\n|---|---:|---:|")
+    by_role = defaultdict(float)
+    for n, _, t in rows:
+        by_role[role(n)] += t
+    for r, t in sorted(by_role.items(), key=lambda x: -x[1]):
+        print(f"| {r} | {t / args.steps:.1f} | {t / total:.1%} |")
+    print("\n| kernel | role | count | total us | us per step | share |\n|---|---|---:|---:|---:|---:|")
+    for n, c, t in rows[:args.top]:
+        print(f"| `{n[:70]}` | {role(n)} | {c} | {t:.0f} | {t / args.steps:.1f} | {t / total:.1%} |")
+    del llm
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-0.6b", help="built-in default model name")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warm-steps", type=int, default=12)
+    p.add_argument("--kv-gb", type=float, default=8.0)
+    p.add_argument("--top", type=int, default=25, help="kernels listed")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--serial", action="store_true", help="no launch-ahead")
+    p.add_argument("--workloads", default="greedy,sampled")
+    args = p.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    for w in args.workloads.split(","):
+        run(args, sampled=w.strip() == "sampled")
+
+
+if __name__ == "__main__":
+    main()
