@@ -127,13 +127,28 @@ class LLM:
         self.controller = TextGenerationController(self.model, self.context, eos_ids)
         self.controller.expert_parallel = self.parallel.ep_size > 1
         if self.config.cuda_graphs and facade.is_cuda:
-            from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
-
-            self.controller.graphs = CudaGraphRunner(self.controller, self.config)
-            if self.parallel.ep_size > 1:  # every rank captures together (collectives inside)
-                self.controller.graphs.warmup()
+            self.controller.graphs = self._graph_runner()
         engine_cls = DataParallelEngine if self.parallel.dp_size > 1 else DynamicInferenceEngine
         self.engine = engine_cls(self.controller, self.context, self.config, self.tokenizer, self.communicator)
+        if facade.is_cuda and (self.config.startup_warmup or self.parallel.ep_size > 1 and self.config.cuda_graphs):
+            # Expert parallelism always captures here: every rank at once (collectives inside).
+            rep = self.engine.warmup()
+            log.info("warm-up: %.1f s, %d eager steps, %d CUDA graphs, %d Triton builds, %.2f GiB reserved",
+                     rep.seconds, rep.eager_steps, rep.graphs_captured, rep.triton_builds, rep.memory_bytes / 2**30)
+
+    def _graph_runner(self):
+        """Decode graphs always; mixed-step graphs for models without Mamba layers, on Triton
+        attention (the varlen kernel reads row lengths from the snapshot), without expert
+        parallelism (data-parallel ranks replay greedy decode graphs only)."""
+        from megatron_async.config import AttentionBackend
+        from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
+        from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant
+
+        ep = self.parallel.ep_size > 1
+        triton_attention = self.attention_backend == AttentionBackend.TRITON or self.config.batch_invariant
+        mixed = self.config.cuda_graph_mixed_steps and self.context.mamba is None and not ep and triton_attention
+        variants = (SamplingVariant.GREEDY,) if ep else tuple(SamplingVariant)
+        return CudaGraphRunner(self.controller, self.config, mixed=mixed, variants=variants)
 
     def _fit_max_sequence_length(self) -> None:
         """A model cannot attend beyond its ``max_position_embeddings``: a larger

@@ -20,6 +20,7 @@ from megatron_async.inference.request import DynamicInferenceRequest
 from megatron_async.inference.stop_conditions import finish_reason
 from megatron_async.inference.text_generation_controllers import sampling
 from megatron_async.inference.text_generation_controllers.sampler import Sampler
+from megatron_async.inference.text_generation_controllers.warmup import WarmupReport, run_warmup
 from megatron_async.models.base import CausalLM
 
 
@@ -42,8 +43,9 @@ class TextGenerationController:
         self.batch_invariant = context.config.batch_invariant
         R = context.config.max_requests
         dev = self.device.device
-        # Samples of the latest launch, read by the next launch's decode rows (fixed address).
-        self.last_samples = torch.zeros(R, dtype=torch.int64, device=dev)
+        # Samples of the latest launch, read by the next launch's decode rows (fixed address);
+        # graph padding rows write past the real rows, up to the snapshot's spare row.
+        self.last_samples = torch.zeros(context.max_rows, dtype=torch.int64, device=dev)
         self._host_ring = [self._host_buffers(R) for _ in range(3)]
         self._ring = 0
         self.graphs = None  # CudaGraphRunner, when enabled
@@ -79,7 +81,7 @@ class TextGenerationController:
         if self.graphs is not None and not self.force_eager:
             graph = self.graphs.lookup(shape, min_rows=self.dp_num_tokens)
         if graph is not None:
-            ctx.pad_decode_rows(shape.num_rows, graph.num_rows)
+            ctx.pad_for_graph(shape.num_tokens, shape.num_rows, graph.key.num_tokens, graph.key.num_rows)
         with nvtx_range("transfer_bookkeeping_to_gpu"):
             ctx.transfer_bookkeeping_to_gpu()
         if graph is not None:
@@ -118,7 +120,7 @@ class TextGenerationController:
     def compute_step(self, shape: StepShape):
         """Forward + sample of one assembled step, reading only the GPU view.
 
-        Also the body that CUDA graphs capture (with decode-only shapes)."""
+        Also the body that CUDA graphs capture (with padded decode and mixed shapes)."""
         ctx, g = self.context, self.context.gpu_view
         T, R = shape.num_tokens, shape.num_rows
         batch = ctx.forward_batch(shape)
@@ -159,6 +161,11 @@ class TextGenerationController:
             batch = ctx.forward_batch(shape)
             batch.ep_num_tokens = max(rows, self.dp_num_tokens) if self.expert_parallel else None
             self.model(ctx.gpu_view.input_ids[:rows], batch)
+
+    def warmup(self) -> WarmupReport:
+        """Build every reachable Triton kernel variant and capture every planned graph (warmup.py).
+        Expert parallelism: only the graphs (greedy decode, every rank together), no eager pass."""
+        return run_warmup(self, eager=not self.expert_parallel)
 
     # ------------------------------------------------------------------ host side
     def bookkeep_step(self, pending: PendingLaunch) -> BookkeepResult:
