@@ -44,10 +44,14 @@ class CapturedStep:
         else:
             self.out = self.runner.compute_step(self.shape)
 
-    def outputs(self, num_rows: int):
+    def outputs(self, num_rows: int, log_probs: bool, top_n: int):
+        """The real rows' tokens, and the log-probs / top-n the step asked for (a larger variant
+        computes more: what no row asked for is not copied to the host)."""
         tokens, lp, tv, ti = self.out
-        cut = lambda t: None if t is None else t[:num_rows]  # noqa: E731
-        return cut(tokens), cut(lp), cut(tv), cut(ti)
+        lp = lp[:num_rows] if lp is not None and (log_probs or top_n) else None
+        if tv is None or top_n == 0:
+            return tokens[:num_rows], lp, None, None
+        return tokens[:num_rows], lp, tv[:num_rows, :top_n], ti[:num_rows, :top_n]
 
 
 def graph_shape(key: GraphKey, max_sequence_length: int, vocab_size: int) -> StepShape:

@@ -87,7 +87,7 @@ class TextGenerationController:
         if graph is not None:
             with nvtx_range("forward_pass"):
                 graph.replay()
-            tokens, log_probs, top_vals, top_ids = graph.outputs(shape.num_rows)
+            tokens, log_probs, top_vals, top_ids = graph.outputs(shape.num_rows, shape.any_log_probs, shape.max_top_n)
         else:
             tokens, log_probs, top_vals, top_ids = self.compute_step(shape)
         if ctx.mamba is not None:
