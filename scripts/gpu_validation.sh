@@ -30,15 +30,15 @@ for stage in $stages; do
     warmup-graphs)  # issue 12 items 2 + 4: timed right after the startup warm-up (no twin run): builds /
                     # captures while serving, mixed steps in graphs (async_graphs) vs eager (async_graphs_decode),
                     # all at once and as Poisson arrivals; then what the nested sampling variants cost
-      timeout 150 python scripts/benchmark.py --modes async_graphs,async_graphs_decode --num-requests 128 \
+      timeout 110 python scripts/benchmark.py --modes async_graphs,async_graphs_decode --num-requests 128 \
         --output-len-min 128 --output-len-max 128 --max-requests 128 --no-twin-warmup --no-idle-profile \
-        --max-minutes 2.2 --output-dir "$out/wg_all" > "$out/wg_all.log" 2>&1
+        --max-minutes 1.6 --output-dir "$out/wg_all" > "$out/wg_all.log" 2>&1
       tail -14 "$out/wg_all.log"
-      timeout 90 python scripts/benchmark.py --modes async_graphs --num-requests 128 --output-len-min 128 \
+      timeout 60 python scripts/benchmark.py --modes async_graphs --num-requests 128 --output-len-min 128 \
         --output-len-max 128 --max-requests 128 --request-rate 80 --no-twin-warmup --no-idle-profile \
-        --max-minutes 1.3 --output-dir "$out/wg_poisson" > "$out/wg_poisson.log" 2>&1
+        --max-minutes 0.9 --output-dir "$out/wg_poisson" > "$out/wg_poisson.log" 2>&1
       tail -10 "$out/wg_poisson.log"
-      timeout 60 python scripts/check_graph_variants.py > "$out/variants.log" 2>&1
+      timeout 30 python scripts/check_graph_variants.py > "$out/variants.log" 2>&1
       tail -8 "$out/variants.log" ;;
     diagnose)  # issue 13: async vs serial at long context (NOTES.md "Long context on the GPU")
       timeout 300 python scripts/diagnose_async_serial.py --device cuda --num-requests 32 --prompt-len-min 8192 \

@@ -5,20 +5,13 @@ import random
 
 import pytest
 
-from megatron_async import LLM, SamplingParams
+from megatron_async import LLM
 from megatron_async.testing.hf_models import make_tiny_checkpoint
-from tests.functional_tests.engine_harness import Arrival, make_llm, run_arrivals
+from tests.functional_tests.engine_harness import Arrival, make_llm, run_arrivals, sampling_mix
 
 pytestmark = pytest.mark.gpu
 N = 12
-PARAMS = [
-    SamplingParams(top_k=1, num_tokens_to_generate=N),
-    SamplingParams(temperature=0.9, seed=3, num_tokens_to_generate=N),
-    SamplingParams(temperature=0.8, top_p=0.9, seed=4, num_tokens_to_generate=N, return_log_probs=True),
-    SamplingParams(temperature=0.7, top_k=5, min_p=0.05, presence_penalty=0.5, seed=5, num_tokens_to_generate=N),
-    SamplingParams(top_k=1, repetition_penalty=1.3, top_n_logprobs=3, num_tokens_to_generate=N),
-    SamplingParams(temperature=0.8, top_k=40, seed=6, min_tokens=4, num_tokens_to_generate=N),
-]
+PARAMS = sampling_mix(N)
 
 
 @pytest.fixture(scope="module")
