@@ -32,7 +32,7 @@ class WarmupReport:
     eager_steps: int
     graphs_captured: int
     triton_builds: int
-    """Kernel builds during warm-up (None-like 0 where Triton's build hook is missing)."""
+    """Kernel builds during warm-up (0 where Triton has no build hook, e.g. the CPU interpreter)."""
     memory_bytes: int
     """Growth of the device memory the caching allocator reserved (graph pools, sampler state)."""
 
