@@ -99,6 +99,21 @@ class InferenceConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     """Padded decode batch sizes to capture. None: 1, 2, 4, 8, then multiples of 16 up to max_requests."""
 
+    cuda_graph_mixed_steps: bool = True
+    """With ``cuda_graphs``: also replay mixed steps (prefill chunks + decode rows, and any step
+    with a multi-token row) as graphs keyed by padded token count. GPT / MoE models on one
+    expert-parallel rank with Triton attention; hybrid (Mamba) mixed steps stay eager."""
+
+    cuda_graph_token_counts: tuple[int, ...] | None = None
+    """Padded token counts of the mixed-step graphs. None: 16, 32, ..., 256, then four sizes
+    per doubling (x1.25, x1.5, x1.75, x2) up to max_tokens (padding wastes at most 25%)."""
+
+    startup_warmup: bool = True
+    """On CUDA, when the LLM is built: compile every Triton kernel variant the configuration can
+    reach and capture every CUDA graph it can replay, so serving never compiles or captures
+    (``EngineStats.triton_builds_after_warmup`` / ``graph_captures_after_warmup`` count any
+    that still happen). Takes seconds; False = compile and capture lazily on first use."""
+
     attention_backend: AttentionBackend = AttentionBackend.AUTO
     """Attention kernels to use (and the MoE experts' kernels: Triton fused MoE or the torch loop)."""
 

@@ -138,13 +138,26 @@ class LLM:
         self.controller = TextGenerationController(self.model, self.context, eos_ids)
         self.controller.expert_parallel = self.parallel.ep_size > 1
         if self.config.cuda_graphs and facade.is_cuda:
-            from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
-
-            self.controller.graphs = CudaGraphRunner(self.controller, self.config, collective=self.parallel.ep_size > 1)
-            if self.parallel.ep_size > 1:  # every rank captures together (collectives inside)
-                self.controller.graphs.warmup()
+            self.controller.graphs = self._graph_runner()
         engine_cls = DataParallelEngine if self.parallel.dp_size > 1 else DynamicInferenceEngine
         self.engine = engine_cls(self.controller, self.context, self.config, self.tokenizer, self.communicator)
+        if facade.is_cuda and (self.config.startup_warmup or self.parallel.ep_size > 1 and self.config.cuda_graphs):
+            # Expert parallelism always captures here: every rank at once (collectives inside).
+            rep = self.engine.warmup()
+            log.info("warm-up: %.1f s, %d eager steps, %d CUDA graphs, %d Triton builds, %.2f GiB reserved",
+                     rep.seconds, rep.eager_steps, rep.graphs_captured, rep.triton_builds, rep.memory_bytes / 2**30)
+
+    def _graph_runner(self):
+        """Decode graphs always; mixed-step graphs for models without Mamba layers, on Triton
+        attention (the varlen kernel reads row lengths from the snapshot). Expert parallelism:
+        a collective runner (greedy decode graphs only, captured by every rank at once in the
+        warm-up; see ``CudaGraphRunner``)."""
+        from megatron_async.config import AttentionBackend
+        from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
+
+        triton_attention = self.attention_backend == AttentionBackend.TRITON or self.config.batch_invariant
+        mixed = self.config.cuda_graph_mixed_steps and self.context.mamba is None and triton_attention
+        return CudaGraphRunner(self.controller, self.config, mixed=mixed, collective=self.parallel.ep_size > 1)
 
     def _drafter(self, drafter):
         from megatron_async.inference.speculative.factory import build_drafter

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's validation in one command (what the device runs): the GPU-marked tests,
 # the kernel check scripts, and the side-by-side benchmark. Logs go to ${OUT:-gpu_out}.
-# Usage: bash scripts/gpu_validation.sh [tests|kernels|bench|bench-poisson|bench-long|diagnose ...]
+# Usage: bash scripts/gpu_validation.sh [tests|kernels|bench|bench-poisson|bench-long|diagnose|warmup-graphs ...]
 # (default: tests kernels bench)
 set -uo pipefail
 export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -27,6 +27,19 @@ for stage in $stages; do
         --output-len-min 128 --output-len-max 128 --max-requests 128 --request-rate 80 --no-idle-profile \
         --max-minutes 4 --output-dir "$out/poisson" > "$out/poisson.log" 2>&1
       tail -14 "$out/poisson.log" ;;
+    warmup-graphs)  # issue 12 items 2 + 4: timed right after the startup warm-up (no twin run): builds /
+                    # captures while serving, mixed steps in graphs (async_graphs) vs eager (async_graphs_decode),
+                    # all at once and as Poisson arrivals; then what the nested sampling variants cost
+      timeout 110 python scripts/benchmark.py --modes async_graphs,async_graphs_decode --num-requests 128 \
+        --output-len-min 128 --output-len-max 128 --max-requests 128 --no-twin-warmup --no-idle-profile \
+        --max-minutes 1.6 --output-dir "$out/wg_all" > "$out/wg_all.log" 2>&1
+      tail -14 "$out/wg_all.log"
+      timeout 60 python scripts/benchmark.py --modes async_graphs --num-requests 128 --output-len-min 128 \
+        --output-len-max 128 --max-requests 128 --request-rate 80 --no-twin-warmup --no-idle-profile \
+        --max-minutes 0.9 --output-dir "$out/wg_poisson" > "$out/wg_poisson.log" 2>&1
+      tail -10 "$out/wg_poisson.log"
+      timeout 30 python scripts/check_graph_variants.py > "$out/variants.log" 2>&1
+      tail -8 "$out/variants.log" ;;
     diagnose)  # issue 13: async vs serial at long context (NOTES.md "Long context on the GPU")
       timeout 300 python scripts/diagnose_async_serial.py --device cuda --num-requests 32 --prompt-len-min 8192 \
         --prompt-len-max 16384 --output-len 64 --max-sequence-length 16500 --output "$out/diag.json" > "$out/diag.log" 2>&1

@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CapturedStep, CudaGraphRunner
+from megatron_async.inference.text_generation_controllers.graph_plan import GraphKey
 from megatron_async.models.layers import moe
 
 
 @dataclass
 class EmulatedStep:
     runner: EmulatedGraphRunner
-    key: tuple
+    key: GraphKey
     num_rows: int
     out: tuple = ()
 
@@ -35,17 +36,17 @@ class EmulatedGraphRunner(CudaGraphRunner):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.mode = "eager"
-        self.captures: list[tuple] = []
+        self.captures: list[GraphKey] = []
         """Keys in capture order."""
 
-    def _capture(self, key: tuple) -> EmulatedStep:
+    def _capture(self, key: GraphKey) -> EmulatedStep:
         """Like the real capture: two eager warm-up runs on padding rows (their collectives are
         real), the samples and the view restored afterwards."""
         ctl, ctx = self.controller, self.controller.context
         self.captures.append(key)
         ctl.dp_num_tokens = 0  # as the real capture: MoE exchanges pad to the graph's rows
         saved_samples, saved_view = ctl.last_samples.clone(), ctx.gpu_view.buffer.clone()
-        ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key[0]))
+        ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens))
         self.mode = f"capture{key}"
         try:
             for _ in range(2):
@@ -54,7 +55,7 @@ class EmulatedGraphRunner(CudaGraphRunner):
             self.mode = "eager"
         ctl.last_samples.copy_(saved_samples)
         ctx.gpu_view.buffer.copy_(saved_view)
-        return EmulatedStep(self, key, key[0])
+        return EmulatedStep(self, key, key.num_rows)
 
 
 @dataclass

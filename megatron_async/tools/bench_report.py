@@ -23,6 +23,10 @@ class ModeResult:
     ratio_to: dict[str, float] = field(default_factory=dict)
     """Output tokens/s over each HF peer's on the same workload."""
     mean_decode_step_ms: float | None = None
+    mean_mixed_step_ms: float | None = None
+    """Host wall time of steps that bookkept a launch with a prefill chunk (engine modes)."""
+    startup_warmup: dict | None = None
+    """The engine's startup warm-up: seconds, memory_gib, graphs, triton_builds."""
     mean_decode_batch: float | None = None
     decode_floor_ms: float | None = None
     step_over_floor: float | None = None
@@ -79,7 +83,7 @@ def _best_peer(r: ModeResult) -> str:
 
 
 def format_table(results: list[ModeResult]) -> str:
-    head = ["mode", "workload", "status", "out tok/s", "x best HF", "decode ms", "batch", "step/floor",
+    head = ["mode", "workload", "status", "out tok/s", "x best HF", "decode ms", "mixed ms", "batch", "step/floor",
             "TTFT p50/p99 ms", "ITL p50/p99 ms", "idle run %", "idle decode %", "prof tok/s", "=serial",
             "builds/captures", "max step ms"]
     rows = [head]
@@ -91,7 +95,7 @@ def format_table(results: list[ModeResult]) -> str:
         builds = "n/a" if r.triton_builds is None else f"{r.triton_builds}/{r.graph_captures or 0}"
         rows.append([
             r.mode, r.workload, r.status, f"{r.output_tokens_per_s:,.1f}", _best_peer(r),
-            _fmt(r.mean_decode_step_ms, ".2f"), _fmt(r.mean_decode_batch, ".1f"), _fmt(r.step_over_floor, ".2f"),
+            _fmt(r.mean_decode_step_ms, ".2f"), _fmt(r.mean_mixed_step_ms, ".2f"), _fmt(r.mean_decode_batch, ".1f"), _fmt(r.step_over_floor, ".2f"),
             _pair(lat.get("ttft_p50_ms"), lat.get("ttft_p99_ms")), _pair(lat.get("itl_p50_ms"), lat.get("itl_p99_ms"), ".2f"),
             _fmt(r.run_idle_share, ".1f", 100.0), _fmt(r.decode_idle_share, ".1f", 100.0),
             _fmt(r.profiled_tokens_per_s, ",.0f"), _fmt(r.same_tokens_as_serial, ".0%"), builds, _fmt(r.max_step_ms, ".0f"),

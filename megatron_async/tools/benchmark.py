@@ -39,8 +39,11 @@ ENGINE_MODES = {
     "async": {"async_scheduling": True, "cuda_graphs": False},
     "serial_graphs": {"async_scheduling": False, "cuda_graphs": True},
     "async_graphs": {"async_scheduling": True, "cuda_graphs": True},
+    # async + graphs with eager mixed steps (decode graphs only), the comparison for mixed-step graphs
+    "async_graphs_decode": {"async_scheduling": True, "cuda_graphs": True, "cuda_graph_mixed_steps": False},
 }
 MODES = (*HF_PEERS, *ENGINE_MODES)
+DEFAULT_MODES = tuple(m for m in MODES if m != "async_graphs_decode")
 SMOKE = {"device": "cpu", "default_model": "tiny", "num_requests": 8, "prompt_len_min": 8, "prompt_len_max": 32,
          "output_len_min": 8, "output_len_max": 16, "max_requests": 4, "buffer_size_gb": 0.05, "max_minutes": 5.0,
          "warmup_requests": 2}
@@ -51,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_model_args(p)
     cli.add_engine_args(p, mode_flags=False)
     g = p.add_argument_group("benchmark")
-    g.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
+    g.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated subset of {', '.join(MODES)}")
     g.add_argument("--num-requests", type=int, default=256)
     g.add_argument("--prompt-len-min", type=int, default=100)
     g.add_argument("--prompt-len-max", type=int, default=1024)
@@ -64,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--warmup-requests", type=int, default=None,
                    help="requests of the twin warm-up workload every side runs first (default: all)")
+    g.add_argument("--no-twin-warmup", action="store_true",
+                   help="engine modes: time right after the engine's own startup warm-up, without the twin run")
     g.add_argument("--no-idle-profile", action="store_true",
                    help="skip the profiled second run that gives the device idle shares (CUDA)")
     g.add_argument("--max-minutes", type=float, default=30.0, help="stop starting/continuing modes after this")
@@ -216,19 +221,20 @@ class Benchmark:
         _free_device()
         cfg = cli.inference_config_from_args(self.args, **ENGINE_MODES[mode])
         llm = LLM(self.checkpoint, self.args.device, self.dtype, cfg, default_model=self.args.default_model)
-        graphs = llm.controller.graphs
+        st = llm.engine.stats  # the startup warm-up (CUDA) ran inside LLM(): every build and capture
+        startup = {"seconds": st.warmup_seconds, "memory_gib": st.warmup_memory_bytes / 2**30,
+                   "graphs": st.warmup_graphs, "triton_builds": st.warmup_triton_builds}
         t0 = time.perf_counter()
-        if graphs is not None:
-            graphs.warmup()
-        for wl in wls:  # the same twin warm-up as the HF peers: compiles and captures happen here
-            run_workload(llm.engine, self.warmup, params_factory(wl, self.args.seed + 1, self.warmup))
+        if not self.args.no_twin_warmup:
+            for wl in wls:  # the same twin warm-up as the HF peers
+                run_workload(llm.engine, self.warmup, params_factory(wl, self.args.seed + 1, self.warmup))
         warm_s = time.perf_counter() - t0
-        results = [self._timed_engine_run(llm, mode, wl, warm_s) for wl in wls]
+        results = [self._timed_engine_run(llm, mode, wl, warm_s, startup) for wl in wls]
         del llm
         _free_device()
         return results
 
-    def _timed_engine_run(self, llm: LLM, mode: str, wl: str, warm_s: float) -> ModeResult:
+    def _timed_engine_run(self, llm: LLM, mode: str, wl: str, warm_s: float, startup: dict) -> ModeResult:
         if not self.time_left():
             return ModeResult(mode, wl, "skipped", "time budget (--max-minutes) spent")
         make = params_factory(wl, self.args.seed, self.requests)
@@ -240,7 +246,10 @@ class Benchmark:
         floor = decode_floor(llm.model, self.dtype, run.mean_decode_batch, self.info["mean_context"], self.bandwidth)
         first, worst, slow = step_outliers(run)
         res = ModeResult(
-            mode, wl, "timed_out" if run.timed_out else "ok", settings=f"{ENGINE_MODES[mode]}, warm-up {warm_s:.1f} s",
+            mode, wl, "timed_out" if run.timed_out else "ok",
+            settings=(f"{ENGINE_MODES[mode]}, startup warm-up {startup['seconds']:.1f} s ({startup['graphs']} graphs, "
+                      f"{startup['triton_builds']} Triton builds, {startup['memory_gib']:.2f} GiB), twin warm-up {warm_s:.1f} s"),
+            startup_warmup=startup, mean_mixed_step_ms=summary.mean_prefill_step_ms or None,
             output_tokens=run.output_tokens, wall_time_s=run.wall_time, output_tokens_per_s=summary.output_tokens_per_s,
             mean_decode_step_ms=summary.mean_decode_step_ms, mean_decode_batch=run.mean_decode_batch,
             decode_floor_ms=1e3 * floor.seconds, latency_ms=run.latency_ms(), summary=summary.as_dict(),

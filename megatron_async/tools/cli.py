@@ -111,6 +111,8 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     if mode_flags:
         g.add_argument("--serial", action="store_true", help="turn launch-ahead (async scheduling) off")
         g.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
+    g.add_argument("--no-warmup", action="store_true",
+                   help="CUDA: skip the startup warm-up (Triton builds and graph captures then happen while serving)")
     g.add_argument("--logging-step-interval", type=NON_NEGATIVE_INT, default=0, help="log (and time) every N steps")
     g.add_argument("--nvtx", action="store_true", help="NVTX ranges around engine stages (for nsys)")
 
@@ -205,6 +207,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "speculative_method": getattr(args, "speculative_method", None),
         "async_scheduling": not getattr(args, "serial", False),
         "cuda_graphs": getattr(args, "cuda_graphs", False),
+        "startup_warmup": not args.no_warmup,
         "logging_step_interval": args.logging_step_interval,
         "nvtx_ranges": args.nvtx,
         "attention_backend": args.attention_backend,

@@ -64,3 +64,16 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list
 
 def tokens_of(outs: dict[int, object]) -> dict[int, list[int]]:
     return {i: o.generated_tokens for i, o in outs.items()}
+
+
+def sampling_mix(n: int) -> list[SamplingParams]:
+    """One request kind per sampling feature (greedy, temperature, top-p + log-probs, top-k +
+    min-p + presence penalty, repetition penalty + top-n log-probs, min_tokens), n tokens each."""
+    return [
+        SamplingParams(top_k=1, num_tokens_to_generate=n),
+        SamplingParams(temperature=0.9, seed=3, num_tokens_to_generate=n),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=4, num_tokens_to_generate=n, return_log_probs=True),
+        SamplingParams(temperature=0.7, top_k=5, min_p=0.05, presence_penalty=0.5, seed=5, num_tokens_to_generate=n),
+        SamplingParams(top_k=1, repetition_penalty=1.3, top_n_logprobs=3, num_tokens_to_generate=n),
+        SamplingParams(temperature=0.8, top_k=40, seed=6, min_tokens=4, num_tokens_to_generate=n),
+    ]

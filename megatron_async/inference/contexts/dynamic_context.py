@@ -128,8 +128,13 @@ class DynamicInferenceContext:
         K = config.num_speculative_tokens
         self.spec = SpecState(config.max_requests, K, device) if K > 0 else None
 
-        self.layout = BookkeepingLayout(bookkeeping_fields(config.max_tokens, config.max_requests,
-                                                           self.max_blocks_per_request, config.max_samples, K > 0))
+        # One row more than max_requests: a mixed-step CUDA graph pads with at least one spare
+        # row, which holds the padding tokens (see pad_for_graph). Graph steps sample one
+        # position per row (steps with drafts run eager), so the spare row needs a sample too.
+        self.max_rows = config.max_requests + 1
+        self.max_samples = max(config.max_samples, self.max_rows)
+        self.layout = BookkeepingLayout(bookkeeping_fields(
+            config.max_tokens, self.max_rows, self.max_blocks_per_request, self.max_samples, K > 0))
         self._host_buffers = [device.host_empty(self.layout.nbytes) for _ in range(2)]
         # numpy views of the host buffers: list -> buffer assignment is much cheaper than torch.tensor()
         self._host_views = [{k: t.numpy() for k, t in self.layout.views(b).items()} for b in self._host_buffers]
@@ -378,28 +383,36 @@ class DynamicInferenceContext:
                          any_penalties=pen.any, filters=filters, num_samples=len(sample_idx),
                          sample_base=sample_base if spec else None, num_drafts=num_drafts if spec else None)
 
-    def pad_decode_rows(self, num_rows: int, padded_rows: int) -> None:
-        """Make rows [num_rows, padded_rows) of the current host buffer harmless padding
-        (one token each, writing to the dummy block) for a padded CUDA-graph replay."""
-        if padded_rows > num_rows:
-            self._fill_padding(self._host_views[self._ring], num_rows, padded_rows)
+    def pad_for_graph(self, num_tokens: int, num_rows: int, padded_tokens: int, padded_rows: int) -> None:
+        """Make rows [num_rows, padded_rows) and tokens [num_tokens, padded_tokens) of the current
+        host buffer harmless padding for a padded CUDA-graph replay (see ``_fill_padding``)."""
+        if padded_rows > num_rows or padded_tokens > num_tokens:
+            assert padded_rows > num_rows, "padding tokens need a padding row"
+            self._fill_padding(self._host_views[self._ring], num_rows, padded_rows, num_tokens, padded_tokens)
 
-    def padding_snapshot(self, num_rows: int) -> torch.Tensor:
-        """A whole host snapshot of ``num_rows`` padding rows (what graph capture runs on)."""
+    def padding_snapshot(self, num_rows: int, num_tokens: int | None = None) -> torch.Tensor:
+        """A whole host snapshot of padding only (what graph capture and warm-up run on):
+        ``num_rows`` rows, one token each unless ``num_tokens`` (> rows: the last row holds the rest)."""
         buf = torch.zeros(self.layout.nbytes, dtype=torch.uint8)
         views = {k: t.numpy() for k, t in self.layout.views(buf).items()}
-        self._fill_padding(views, 0, num_rows)
+        self._fill_padding(views, 0, num_rows, 0, num_rows if num_tokens is None else num_tokens)
         return buf
 
-    def _fill_padding(self, v: dict, a: int, b: int) -> None:
-        v["input_ids"][a:b] = 0
-        v["prev_sample_idx"][a:b] = -1
-        v["positions"][a:b] = 0
-        v["slot_mapping"][a:b] = DUMMY_BLOCK * self.block_size
-        v["token_to_row"][a:b] = np.arange(a, b)
-        v["cu_query_lens"][a + 1 : b + 1] = np.arange(a + 1, b + 1)
+    def _fill_padding(self, v: dict, a: int, b: int, ta: int, tb: int) -> None:
+        """Rows [a, b) own tokens [ta, tb): one each in order, the last row the remainder (rows
+        past the tokens get none). Padding tokens sit at position 0 and write their K/V to the
+        dummy block; padding rows see one key of it, sample greedily and count nothing."""
+        cu = np.minimum(np.arange(ta + 1, ta + b - a + 1), tb)
+        cu[-1] = tb
+        v["cu_query_lens"][a + 1 : b + 1] = cu
+        starts = np.concatenate(([ta], cu[:-1]))
+        v["token_to_row"][ta:tb] = np.repeat(np.arange(a, b), cu - starts)
+        v["input_ids"][ta:tb] = 0
+        v["prev_sample_idx"][ta:tb] = -1
+        v["positions"][ta:tb] = 0
+        v["slot_mapping"][ta:tb] = DUMMY_BLOCK * self.block_size
         v["kv_lens"][a:b] = 1
-        v["sample_token_idx"][a:b] = np.arange(a, b)
+        v["sample_token_idx"][a:b] = np.maximum(cu - 1, 0)
         v["sample_position"][a:b] = 0
         v["seed"][a:b] = 0
         v["temperature"][a:b] = 0.0
@@ -410,7 +423,7 @@ class DynamicInferenceContext:
         v["block_table"][a:b] = DUMMY_BLOCK
         _PenaltyColumns.fill_padding(v, a, b, self.sampling_state.padding_slot)
         if self.spec is not None:
-            v["spec_src"][a:b] = -1
+            v["spec_src"][ta:tb] = -1  # per token
             v["spec_slot"][a:b] = self.spec.padding_slot
             v["spec_owner_slot"][a:b] = self.spec.padding_slot
             v["spec_inflight"][a:b] = False

@@ -34,12 +34,14 @@ class SamplingStateSlots:
         return self.counts is not None
 
     def ensure_allocated(self) -> None:
-        """Allocate the rows (also called before capturing graphs that read them)."""
+        """Allocate the rows (also called before capturing graphs that read them). Normal
+        tensors even under inference mode (warm-up): admission later fills rows outside it."""
         if self.counts is None:
             shape, dev = (self.padding_slot + 1, self.vocab_size), self.device.device
-            self.counts = torch.zeros(shape, dtype=torch.int32, device=dev)
-            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=dev)
-            self.stop_mask = torch.zeros(shape, dtype=torch.bool, device=dev)
+            with torch.inference_mode(False):
+                self.counts = torch.zeros(shape, dtype=torch.int32, device=dev)
+                self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=dev)
+                self.stop_mask = torch.zeros(shape, dtype=torch.bool, device=dev)
 
     def assign(self, req: DynamicInferenceRequest) -> None:
         """Give ``req`` a slot (if its params need one) and fill it from its known tokens."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_async.config import InferenceConfig
+from megatron_async.inference import triton_builds
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.contexts.step_errors import RequestStepError
 from megatron_async.inference.engines.async_pipeline import PendingLaunch
@@ -88,6 +89,7 @@ class DynamicInferenceEngine:
         self._sync = self._make_consensus(communicator) if communicator is not None else None
         self._live: dict[int, None] = {}  # rank 0 under a consensus: accepted ids not reported finished
         self._aborting: set[int] = set()
+        self._builds_at_warmup: int | None = None  # the process's Triton build count after warm-up
 
     def _make_consensus(self, communicator: ZMQCommunicator) -> StepConsensus:
         return StepConsensus(communicator)
@@ -205,6 +207,31 @@ class DynamicInferenceEngine:
             self._live.pop(o.request_id, None)
             self._aborting.discard(o.request_id)
         return got
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self):
+        """Build every Triton kernel variant and capture every CUDA graph this engine can use,
+        so serving never compiles or captures (``LLM`` calls it at build on CUDA unless
+        ``InferenceConfig.startup_warmup`` is off). Call with nothing in flight. Returns the
+        controller's ``WarmupReport``; the stats' ``warmup_*`` fields hold it too."""
+        if self._pending is not None:
+            raise RuntimeError("engine.warmup() needs an idle engine: a launch is in flight")
+        report = self.controller.warmup()
+        st = self.stats
+        st.warmup_seconds += report.seconds
+        st.warmup_memory_bytes += report.memory_bytes
+        st.warmup_graphs += report.graphs_captured
+        st.warmup_triton_builds += report.triton_builds
+        self._builds_at_warmup = triton_builds.builds()
+        return report
+
+    def _count_graph_use(self) -> None:
+        graphs, st = self.controller.graphs, self.stats
+        if graphs is not None:
+            st.graph_replays, st.mixed_graph_replays = graphs.num_replays, graphs.num_mixed_replays
+            st.graph_captures_after_warmup = graphs.captures_after_warmup if graphs.warmed_up else len(graphs.graphs)
+        if self._builds_at_warmup is not None:
+            st.triton_builds_after_warmup = triton_builds.builds() - self._builds_at_warmup
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> StepResult:
@@ -337,6 +364,7 @@ class DynamicInferenceEngine:
         st = self.stats
         st.steps += 1
         st.discarded_rows += res.num_discarded
+        self._count_graph_use()
         st.paused = self.scheduler.num_paused_events
         st.evicted = self.scheduler.num_evicted_events
         st.prefix_hit_tokens = self.scheduler.prefix_hit_tokens

@@ -75,6 +75,24 @@ class EngineStats:
     """Decode rows run without drafts although speculation is on, by cause: "acceptance" (the
     request's acceptance fell below speculative_min_acceptance), "batch" (more decode rows than
     speculative_max_batch_size), "penalties" (penalties / min_tokens)."""
+    warmup_seconds: float = 0.0
+    """Wall time of ``engine.warmup()`` (Triton builds + graph captures before serving)."""
+    warmup_memory_bytes: int = 0
+    """Device memory the warm-up reserved (graph pools, sampler state)."""
+    warmup_graphs: int = 0
+    """CUDA graphs captured by the warm-up."""
+    warmup_triton_builds: int = 0
+    """Triton kernel builds during the warm-up."""
+    graph_captures_after_warmup: int = 0
+    """CUDA graphs captured while serving, after the warm-up (0 when the warm-up covered every
+    key; without a warm-up, every lazy capture counts)."""
+    triton_builds_after_warmup: int = 0
+    """Triton kernel builds in this process since the warm-up ended (every engine of the
+    process counts: Triton's build hook is process-wide). 0 without a warm-up or without Triton."""
+    graph_replays: int = 0
+    """Steps that replayed a CUDA graph."""
+    mixed_graph_replays: int = 0
+    """Of those, mixed steps (prefill chunks + decode rows)."""
     timed_steps: int = 0
     timed_device_time: float = 0.0
     """Event-to-event time of logging steps (CUDA events recorded before the step's H2D copy and

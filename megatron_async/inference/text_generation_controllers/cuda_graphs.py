@@ -1,14 +1,20 @@
-"""CUDA graphs for decode-only steps: one graph per (padded batch size, sampling variant).
+"""CUDA graphs of whole steps: one graph per ``GraphKey`` of the ``GraphPlan`` (graph_plan.py).
 
-A captured graph is the whole device side of a decode step after the H2D copy: the
-gather of the previous samples into input ids, the forward, sampling, log-probs and the
-write of the samples into ``last_samples`` — all reading the fixed-address
-``ContextGPUView``. Launch-ahead replays therefore chain back to back: the host only
-copies the next snapshot and replays. Rows beyond the real batch are padding rows that
-write to the dummy KV block (and the padding Mamba slot)."""
+A captured graph is the whole device side of a step after the H2D copy: the gather of the
+previous samples into input ids, the forward, sampling, log-probs and the write of the samples
+into ``last_samples``, all reading the fixed-address ``ContextGPUView``. Launch-ahead replays
+therefore chain back to back: the host only copies the next snapshot and replays.
+
+Decode graphs pad rows to a captured batch size; mixed graphs (prefill chunks + decode rows)
+pad tokens to a captured token count and rows to the key's rows, the spare rows holding the
+padding tokens. Padding writes K/V only to the dummy block (and the padding Mamba slot); the
+varlen attention kernel reads every row's query span from ``cu_query_lens`` in the snapshot, and
+its launch grid depends only on the padded sizes, so one capture serves any ragged batch.
+
+``emulate=True`` (CPU tests only): no capture; a replay runs the same padded step eagerly,
+so the padding logic is checked where no graphs exist."""
 from __future__ import annotations
 
-import bisect
 import gc
 from dataclasses import dataclass
 
@@ -16,89 +22,116 @@ import torch
 
 from megatron_async.config import InferenceConfig
 from megatron_async.inference.contexts.dynamic_context import StepShape
-
-
-def default_batch_sizes(max_requests: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4, 8) if b <= max_requests]
-    sizes += list(range(16, max_requests + 1, 16))
-    if sizes[-1] != max_requests:
-        sizes.append(max_requests)
-    return sizes
+from megatron_async.inference.text_generation_controllers.graph_plan import (
+    GraphKey, GraphPlan, SamplingVariant, variant_flags,
+)
 
 
 @dataclass
 class CapturedStep:
-    graph: torch.cuda.CUDAGraph
-    num_rows: int
-    out: tuple
+    key: GraphKey
+    graph: torch.cuda.CUDAGraph | None
+    shape: StepShape
+    out: tuple | None = None
+    runner: object | None = None  # emulation: the controller whose compute_step a replay runs
+
+    @property
+    def num_rows(self) -> int:
+        return self.key.num_rows
 
     def replay(self) -> None:
-        self.graph.replay()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.out = self.runner.compute_step(self.shape)
 
-    def outputs(self, num_rows: int):
+    def outputs(self, num_rows: int, log_probs: bool, top_n: int):
+        """The real rows' tokens, and the log-probs / top-n the step asked for (a larger variant
+        computes more: what no row asked for is not copied to the host)."""
         tokens, lp, tv, ti = self.out
-        cut = lambda t: None if t is None else t[:num_rows]  # noqa: E731
-        return cut(tokens), cut(lp), cut(tv), cut(ti)
+        lp = lp[:num_rows] if lp is not None and (log_probs or top_n) else None
+        if tv is None or top_n == 0:
+            return tokens[:num_rows], lp, None, None
+        return tokens[:num_rows], lp, tv[:num_rows, :top_n], ti[:num_rows, :top_n]
 
 
-GREEDY_VARIANT = (False, (False, False, False), False, 0, False)
-"""The key of a greedy decode graph after its padded size (no sampling, filters, log-probs, penalties)."""
+def graph_shape(key: GraphKey, max_sequence_length: int, vocab_size: int) -> StepShape:
+    """The StepShape a key's graph is captured with (upper bounds for the length fields)."""
+    f = variant_flags(key.variant, vocab_size)
+    return StepShape(
+        num_tokens=key.num_tokens, num_rows=key.num_rows, max_query_len=1 if key.decode_only else key.num_tokens,
+        max_kv_len=max_sequence_length, is_decode_only=key.decode_only, any_sampling=f.any_sampling,
+        any_top_k_top_p=any(f.filters), filters=f.filters, max_top_n=f.max_top_n, any_log_probs=f.any_log_probs,
+        any_penalties=f.any_penalties,
+    )
+
+
+def greedy_decode_key(rows: int) -> GraphKey:
+    """The key of the greedy decode graph of ``rows`` (padded) rows: what data-parallel ranks replay."""
+    return GraphKey(rows, rows, True, SamplingVariant.GREEDY)
 
 
 class CudaGraphRunner:
-    def __init__(self, controller, config: InferenceConfig, collective: bool = False):
+    def __init__(self, controller, config: InferenceConfig, mixed: bool = False,
+                 variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), emulate: bool = False,
+                 collective: bool = False):
         """``collective``: data-parallel engines (expert parallelism). The graphs hold MoE
         collectives across ranks that run different batches, and NCCL requires graph-captured
         vs eager to be the same on every rank of a launch, with graphs of one joint capture: so
-        only the graphs ``warmup`` captured on every rank at once are replayed, a missing one is
-        an error (never a capture on one rank alone), and a rank with nothing to launch replays
-        the agreed graph on padding rows (``replay_padding``)."""
+        the plan is greedy decode only (no mixed steps), only the graphs ``warmup`` captured on
+        every rank at once are replayed, a missing one is an error (never a capture on one rank
+        alone), and a rank with nothing to launch replays the agreed graph on padding rows
+        (``replay_padding``)."""
         self.controller = controller
         self.config = config
         self.collective = collective
-        self.sizes = sorted(config.cuda_graph_batch_sizes or default_batch_sizes(config.max_requests))
-        self.graphs: dict[tuple, CapturedStep] = {}
+        if collective:
+            mixed, variants = False, (SamplingVariant.GREEDY,)
+        self.plan = GraphPlan(config, controller.model.vocab_size, mixed, variants)
+        self.graphs: dict[GraphKey, CapturedStep] = {}
+        self.emulate = emulate
         self._pool = None
         self.num_replays = 0
+        self.num_mixed_replays = 0
         self.num_padding_replays = 0
         """Dummy forwards of data-parallel engines that replayed a graph on padding rows."""
+        self.captures_after_warmup = 0
+        """Graphs captured while serving (a key warm-up did not cover); 0 after a full warm-up."""
+        self.warmed_up = False
+
+    @property
+    def sizes(self) -> list[int]:
+        return self.plan.decode_sizes
 
     def padded_rows(self, num_rows: int) -> int | None:
-        """The captured batch size a step of ``num_rows`` decode rows replays (None: too large)."""
-        if num_rows > self.sizes[-1]:
-            return None
-        return self.sizes[bisect.bisect_left(self.sizes, num_rows)]
+        """The captured batch size a decode step of ``num_rows`` rows replays (None: too large)."""
+        sizes = self.plan.decode_sizes
+        return next((b for b in sizes if b >= num_rows), None)
 
     def would_replay(self, plan) -> bool:
         """Data-parallel engines: a plan (before assembly) whose step can replay a graph that
         ``warmup`` captured on every rank at once: greedy decode without log-probs or penalties
-        (the shape's key is then ``(padded, *GREEDY_VARIANT)``). Other variants run eager."""
+        (the step's key is then ``greedy_decode_key(padded)``). Other variants run eager."""
         def plain_greedy(sp) -> bool:
             return sp.is_greedy and not sp.return_log_probs and sp.top_n_logprobs == 0 and not sp.has_penalties
         padded = self.padded_rows(len(plan.rows))
-        return (plan.is_decode_only and padded is not None and (padded, *GREEDY_VARIANT) in self.graphs
+        return (plan.is_decode_only and padded is not None and greedy_decode_key(padded) in self.graphs
                 and all(plain_greedy(r.request.sampling_params) for r in plan.rows))
 
-    def key(self, shape: StepShape, min_rows: int = 0) -> tuple | None:
-        """``min_rows``: pad at least to this many rows (data-parallel ranks pad to the agreed size)."""
-        padded = self.padded_rows(max(shape.num_rows, min_rows))
-        if not shape.is_decode_only or padded is None:
-            return None
-        return (padded, shape.any_sampling, shape.filters, shape.any_log_probs or shape.max_top_n > 0,
-                shape.max_top_n, shape.any_penalties)
-
     def lookup(self, shape: StepShape, min_rows: int = 0) -> CapturedStep | None:
-        key = self.key(shape, min_rows)
+        key = self.plan.key(shape, min_rows)
         step = self.graphs.get(key) if key is not None else None
         if step is None and self.collective:  # the ranks agreed on a replay: a bug, say so before a hang
             raise RuntimeError(f"data-parallel ranks agreed to replay CUDA graphs, but this rank's step "
                                f"(key {key}, {shape.num_rows} rows, padded to >= {min_rows}) has no graph that "
-                               f"every rank captured at once ({sorted(self.graphs)})")
+                               f"every rank captured at once ({sorted(self.graphs, key=str)})")
         if key is None:
             return None
         if step is None:
             step = self.graphs[key] = self._capture(key)
+            self.captures_after_warmup += self.warmed_up
         self.num_replays += 1
+        self.num_mixed_replays += not key.decode_only
         return step
 
     def replay_padding(self, num_rows: int) -> int:
@@ -107,10 +140,10 @@ class CudaGraphRunner:
         so its collectives are graph-captured like theirs. The controller has already put a
         padding snapshot in the view; the graph's samples are discarded. Returns the rows."""
         b = self.padded_rows(num_rows)
-        step = self.graphs.get((b, *GREEDY_VARIANT)) if b is not None else None
+        step = self.graphs.get(greedy_decode_key(b)) if b is not None else None
         if step is None:
             raise RuntimeError(f"no greedy CUDA graph for a dummy step of {num_rows} rows "
-                               f"(captured: {sorted(self.graphs)})")
+                               f"(captured: {sorted(self.graphs, key=str)})")
         step.replay()
         self.num_padding_replays += 1
         return b
@@ -129,35 +162,35 @@ class CudaGraphRunner:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
-    def warmup(self, greedy_only: bool = True) -> None:
-        """Capture the greedy decode graphs of every batch size up front."""
-        for b in self.sizes:
-            key = (b, *GREEDY_VARIANT)
+    def warmup(self, keys: list[GraphKey] | None = None) -> int:
+        """Capture ``keys`` (default: the whole plan) not captured yet; returns how many.
+        Data-parallel engines call it on every rank at once (collectives inside the captures)."""
+        n = 0
+        for key in self.plan.keys() if keys is None else keys:
             if key not in self.graphs:
                 self.graphs[key] = self._capture(key)
+                n += 1
+        self.warmed_up = True
+        return n
 
-    def capture_shape(self, key: tuple) -> StepShape:
-        """The decode shape a graph of ``key`` is captured with."""
-        b, any_sampling, filters, any_lp, top_n, any_penalties = key
-        return StepShape(
-            num_tokens=b, num_rows=b, max_query_len=1, max_kv_len=self.config.max_sequence_length,
-            is_decode_only=True, any_sampling=any_sampling, any_top_k_top_p=any(filters), filters=filters,
-            max_top_n=top_n, any_log_probs=any_lp, any_penalties=any_penalties,
-        )
+    def capture_shape(self, key: GraphKey) -> StepShape:
+        """The StepShape a graph of ``key`` is captured with."""
+        return graph_shape(key, self.config.max_sequence_length, self.controller.model.vocab_size)
 
-    def _capture(self, key: tuple) -> CapturedStep:
-        b, any_penalties = key[0], key[-1]
+    def _capture(self, key: GraphKey) -> CapturedStep:
         ctl, ctx = self.controller, self.controller.context
         shape = self.capture_shape(key)
-        if any_penalties:
+        if shape.any_penalties:
             ctx.sampling_state.ensure_allocated()
+        if self.emulate:
+            return CapturedStep(key, None, shape, runner=ctl)
         # Capture runs on a padding-only snapshot (dummy block, padding slot); the samples of
         # the launch in flight are kept aside because warm-up runs overwrite them.
         torch.cuda.synchronize()
         ctl.dp_num_tokens = 0  # MoE exchanges pad to the graph's rows (a stale agreement must not leak in)
         saved_samples = ctl.last_samples.clone()
         saved_view = ctx.gpu_view.buffer.clone()
-        ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(b))
+        ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -173,4 +206,4 @@ class CudaGraphRunner:
         ctl.last_samples.copy_(saved_samples)
         ctx.gpu_view.buffer.copy_(saved_view)
         torch.cuda.synchronize()
-        return CapturedStep(graph, b, out)
+        return CapturedStep(key, graph, shape, out)

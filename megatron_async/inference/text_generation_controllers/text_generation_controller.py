@@ -23,6 +23,7 @@ from megatron_async.inference.speculative.verify import SpecVerifier
 from megatron_async.inference.stop_conditions import finish_reason
 from megatron_async.inference.text_generation_controllers import sampling
 from megatron_async.inference.text_generation_controllers.sampler import Sampler
+from megatron_async.inference.text_generation_controllers.warmup import WarmupReport, run_warmup
 from megatron_async.models.base import CausalLM
 
 
@@ -52,13 +53,15 @@ class TextGenerationController:
         """Token ids that end a request without its own termination_id (all of them stop)."""
         self.batch_invariant = context.config.batch_invariant
         R = context.config.max_requests
-        S = context.config.max_samples
+        S = context.max_samples  # config.max_samples, and the graphs' spare padding row
         dev = self.device.device
-        # Samples of the latest launch, read by the next launch's decode rows (fixed address).
+        # Samples of the latest launch, read by the next launch's decode rows (fixed address);
+        # graph padding rows write past the real rows, up to the snapshot's spare row.
         self.last_samples = torch.zeros(S, dtype=torch.int64, device=dev)
         self.spec = SpecVerifier(context.spec, context.block_size) if context.spec is not None else None
-        self.accepted = torch.zeros(R, dtype=torch.int64, device=dev)
-        """Speculative decoding: drafts accepted per row of the latest launch (fixed address)."""
+        self.accepted = torch.zeros(context.max_rows, dtype=torch.int64, device=dev)
+        """Speculative decoding: drafts accepted per row of the latest launch (fixed address;
+        a graph's spare padding row writes one too)."""
         self._host_ring = [self._host_buffers(S, R) for _ in range(3)]
         self._ring = 0
         self.graphs = None  # CudaGraphRunner, when enabled
@@ -95,13 +98,13 @@ class TextGenerationController:
         if self.graphs is not None and not self.force_eager:
             graph = self.graphs.lookup(shape, min_rows=self.dp_num_tokens)
         if graph is not None:
-            ctx.pad_decode_rows(shape.num_rows, graph.num_rows)
+            ctx.pad_for_graph(shape.num_tokens, shape.num_rows, graph.key.num_tokens, graph.key.num_rows)
         with nvtx_range("transfer_bookkeeping_to_gpu"):
             ctx.transfer_bookkeeping_to_gpu()
         if graph is not None:
             with nvtx_range("forward_pass"):
                 graph.replay()
-            tokens, log_probs, top_vals, top_ids = graph.outputs(shape.num_rows)
+            tokens, log_probs, top_vals, top_ids = graph.outputs(shape.num_rows, shape.any_log_probs, shape.max_top_n)
         else:
             tokens, log_probs, top_vals, top_ids = self.compute_step(shape)
         if ctx.mamba is not None:
@@ -139,7 +142,7 @@ class TextGenerationController:
     def compute_step(self, shape: StepShape):
         """Forward + sample of one assembled step, reading only the GPU view.
 
-        Also the body that CUDA graphs capture (with decode-only shapes)."""
+        Also the body that CUDA graphs capture (with padded decode and mixed shapes)."""
         ctx, g = self.context, self.context.gpu_view
         T, R, S = shape.num_tokens, shape.num_rows, shape.num_samples
         batch = ctx.forward_batch(shape)
@@ -193,6 +196,11 @@ class TextGenerationController:
             batch = ctx.forward_batch(shape)
             batch.ep_num_tokens = max(rows, self.dp_num_tokens) if self.expert_parallel else None
             self.model(ctx.gpu_view.input_ids[:rows], batch)
+
+    def warmup(self) -> WarmupReport:
+        """Build every reachable Triton kernel variant and capture every planned graph (warmup.py).
+        Expert parallelism: only the graphs (greedy decode, every rank together), no eager pass."""
+        return run_warmup(self, eager=not self.expert_parallel)
 
     # ------------------------------------------------------------------ host side
     def bookkeep_step(self, pending: PendingLaunch) -> BookkeepResult:

@@ -10,12 +10,16 @@ import pytest
 from megatron_async import InferenceConfig, SamplingParams
 from megatron_async.inference.contexts.dynamic_context import StepShape
 from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
-from megatron_async.inference.text_generation_controllers.cuda_graphs import GREEDY_VARIANT, CudaGraphRunner
+from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner, greedy_decode_key
+from megatron_async.inference.text_generation_controllers.graph_plan import GraphKey, SamplingVariant
 
 
 def runner(collective: bool) -> CudaGraphRunner:
-    r = CudaGraphRunner(None, InferenceConfig(max_requests=8), collective=collective)
-    r.graphs = {(b, *GREEDY_VARIANT): SimpleNamespace(num_rows=b) for b in r.sizes}  # what warmup captures
+    ctl = SimpleNamespace(model=SimpleNamespace(vocab_size=64))
+    r = CudaGraphRunner(ctl, InferenceConfig(max_requests=8), mixed=True, collective=collective)
+    if collective:
+        assert r.plan.keys() == [greedy_decode_key(b) for b in (8, 4, 2, 1)]  # greedy decode only, no mixed
+    r.graphs = {greedy_decode_key(b): SimpleNamespace(num_rows=b) for b in r.sizes}  # what warmup captures
     return r
 
 
@@ -41,7 +45,7 @@ def test_prefill_too_large_and_uncaptured_plans_run_eager():
     prefill = StepPlan([RowPlan(SimpleNamespace(sampling_params=GREEDY), start=0, num_tokens=4, samples=True)])
     assert not r.would_replay(prefill)
     assert not r.would_replay(decode_plan(*[GREEDY] * 9))  # beyond the largest size (8)
-    del r.graphs[(4, *GREEDY_VARIANT)]
+    del r.graphs[greedy_decode_key(4)]
     assert not r.would_replay(decode_plan(GREEDY, GREEDY, GREEDY))  # pads to 4: not captured on every rank
 
 
@@ -69,9 +73,20 @@ def test_a_collective_runner_never_captures_alone():
 
 def test_a_single_engine_runner_captures_lazily():
     r = runner(False)
-    r._capture = lambda key: SimpleNamespace(num_rows=key[0], key=key)
-    assert r.lookup(shape(2, sampling=True)).key == (2, True, (False, False, False), False, 0, False)
-    assert r.lookup(StepShape(6, 2, 5, 9, False, False, False, 0, False)) is None  # prefill: eager
+    r._capture = lambda key: SimpleNamespace(num_rows=key.num_rows, key=key)
+    assert r.lookup(shape(2, sampling=True)).key == GraphKey(2, 2, True, SamplingVariant.TEMPERATURE)
+    prefill = StepShape(6, 2, 5, 9, False, False, False, 0, False)
+    assert r.lookup(prefill).key == GraphKey(16, 9, False, SamplingVariant.GREEDY)  # a mixed graph
+    r.plan.token_counts = []
+    assert r.lookup(prefill) is None  # no mixed graphs: eager
+
+
+def test_a_step_with_drafts_never_replays():
+    """Speculative verify rows (more sampled positions than rows) run eager, decode or mixed."""
+    r = runner(False)
+    r._capture = lambda key: pytest.fail(f"captured {key} for a verify step")
+    assert r.lookup(StepShape(4, 2, 2, 9, False, False, False, 0, False, num_samples=4)) is None
+    assert r.lookup(StepShape(5, 3, 3, 9, False, True, False, 0, False, num_samples=5)) is None
 
 
 def test_llm_close_destroys_graphs_before_the_process_group():

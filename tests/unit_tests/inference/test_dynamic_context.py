@@ -252,7 +252,7 @@ def test_ring_alternates_host_buffers(model):
     assert ctx._host_views[first]["positions"][:4].tolist() == [0, 1, 2, 3]  # previous step untouched
 
 
-def test_pad_decode_rows(model):
+def test_pad_for_graph_decode_rows(model):
     ctx = make_ctx(model)
     reqs = [make_req(i, [i + 1]) for i in range(2)]
     for r in reqs:
@@ -261,7 +261,7 @@ def test_pad_decode_rows(model):
     shape = ctx.initialize_attention_state(StepPlan([RowPlan(r, 0, 1, True) for r in reqs]))
     assert shape.is_decode_only
     before = {k: t.copy() for k, t in host(ctx).items()}
-    ctx.pad_decode_rows(2, 4)
+    ctx.pad_for_graph(2, 2, 4, 4)
     v = host(ctx)
     for k in before:  # live rows untouched
         n = 3 if k == "cu_query_lens" else 2
@@ -276,8 +276,34 @@ def test_pad_decode_rows(model):
     assert v["temperature"][2:4].tolist() == [0.0, 0.0] and v["top_k"][2:4].tolist() == [1, 1]
     assert (v["block_table"][2:4] == DUMMY_BLOCK).all()
     assert not v["has_initial_state"][2:4].any()
-    ctx.pad_decode_rows(4, 4)  # nothing to pad
+    ctx.pad_for_graph(4, 4, 4, 4)  # nothing to pad
     assert v["cu_query_lens"][:5].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_pad_for_graph_mixed_step(model):
+    """A mixed step of 2 rows / 7 tokens padded to 4 rows / 12 tokens: the first padding row
+    takes one token, the last the other four; real rows untouched."""
+    ctx = make_ctx(model)
+    a, b = make_req(0, [5]), make_req(1, range(6))
+    for r, n in ((a, 1), (b, 6)):
+        ctx.admit(r)
+        ctx.reserve(r, n)
+    shape = ctx.initialize_attention_state(StepPlan([RowPlan(a, 0, 1, True), RowPlan(b, 0, 6, True)]))
+    assert not shape.is_decode_only and (shape.num_tokens, shape.num_rows) == (7, 2)
+    before = {k: t.copy() for k, t in host(ctx).items()}
+    ctx.pad_for_graph(7, 2, 12, 4)
+    v = host(ctx)
+    for k in ("input_ids", "positions", "slot_mapping", "token_to_row"):
+        assert (v[k][:7] == before[k][:7]).all(), k
+    for k in ("kv_lens", "sample_token_idx", "temperature", "block_table"):
+        assert (v[k][:2] == before[k][:2]).all(), k
+    assert v["cu_query_lens"][:5].tolist() == [0, 1, 7, 8, 12]
+    assert v["token_to_row"][7:12].tolist() == [2, 3, 3, 3, 3]
+    assert v["slot_mapping"][7:12].tolist() == [DUMMY_BLOCK * BS] * 5
+    assert v["positions"][7:12].tolist() == [0] * 5 and v["prev_sample_idx"][7:12].tolist() == [-1] * 5
+    assert v["sample_token_idx"][2:4].tolist() == [7, 11] and v["kv_lens"][2:4].tolist() == [1, 1]
+    ctx.pad_for_graph(7, 2, 7, 4)  # rows only: the padding rows hold no token
+    assert v["cu_query_lens"][:5].tolist() == [0, 1, 7, 7, 7]
 
 
 def test_transfer_makes_forward_batch_views_of_the_snapshot(model):

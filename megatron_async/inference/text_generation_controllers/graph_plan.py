@@ -1,0 +1,147 @@
+"""Which CUDA graphs exist: the key of a step, and the full list warm-up captures.
+
+Pure host logic (no CUDA), so CPU tests check that every step serving can produce maps to a
+key warm-up captured. A key is (padded tokens, padded rows, decode-only, sampling variant).
+
+Sampling variants form a chain, each a superset of the one before, because every sampling
+feature is also switched per row at run time (a row's own off values: temperature 0 = greedy,
+top-k 0, top-p 0, no penalty slot): a graph of a larger variant computes the same tokens for a
+step that needs less. A step replays the smallest variant that covers it, so the key space is
+sizes x 4 instead of sizes x every flag combination:
+- GREEDY: argmax;
+- TEMPERATURE: the Gumbel draw (greedy rows still argmax);
+- FILTERED: + top-k, top-p and min-p passes (rows without them skip the search work);
+- FULL: + penalties / min_tokens and log-probs with the top ``GRAPH_TOP_N`` (a row's own
+  top-n is the head of that sorted list).
+
+Mixed steps (any row with more than one token: prefill chunks) pad their tokens to a bucket
+of ``token_counts``; their rows pad to ``min(max_requests, padded tokens) + 1``, one spare row
+at least, which takes the padding tokens (see ``DynamicInferenceContext.pad_for_graph``).
+
+Speculative verify steps (a row with drafts: more sampled positions than rows) never get a
+key: a graph samples one position per row, and padding rows index samples by row, so a step
+with drafts runs eager; its steps without drafts (speculation switched off) may replay."""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from enum import Enum
+
+from megatron_async.config import InferenceConfig
+
+GRAPH_TOP_N = 20
+"""Top-n log-probs a FULL graph computes (OpenAI's limit); steps asking for more run eager."""
+
+
+class SamplingVariant(str, Enum):
+    GREEDY = "greedy"
+    TEMPERATURE = "temperature"
+    FILTERED = "filtered"
+    FULL = "full"
+
+
+@dataclass(frozen=True)
+class VariantFlags:
+    """The StepShape sampling flags a variant's graph is captured with."""
+
+    any_sampling: bool
+    filters: tuple[bool, bool, bool]
+    any_log_probs: bool
+    max_top_n: int
+    any_penalties: bool
+
+
+def variant_flags(variant: SamplingVariant, vocab_size: int) -> VariantFlags:
+    order = list(SamplingVariant).index(variant)
+    full = variant == SamplingVariant.FULL
+    return VariantFlags(any_sampling=order >= 1, filters=(order >= 2,) * 3, any_log_probs=full,
+                        max_top_n=min(GRAPH_TOP_N, vocab_size) if full else 0, any_penalties=full)
+
+
+def variant_of(shape) -> SamplingVariant | None:
+    """The smallest variant covering a step's sampling needs (None: no graph can, run eager)."""
+    if shape.max_top_n > GRAPH_TOP_N:
+        return None
+    if shape.any_penalties or shape.any_log_probs or shape.max_top_n > 0:
+        return SamplingVariant.FULL
+    if any(shape.filters):
+        return SamplingVariant.FILTERED
+    if shape.any_sampling:
+        return SamplingVariant.TEMPERATURE
+    return SamplingVariant.GREEDY
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    num_tokens: int
+    """Padded token count (decode: = rows)."""
+    num_rows: int
+    """Padded row count."""
+    decode_only: bool
+    variant: SamplingVariant
+
+
+def default_batch_sizes(max_requests: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_requests]
+    sizes += list(range(16, max_requests + 1, 16))
+    if sizes[-1] != max_requests:
+        sizes.append(max_requests)
+    return sizes
+
+
+def default_token_counts(max_tokens: int) -> list[int]:
+    """16 .. 256 by doubling, then four steps per doubling, capped by (and ending at) max_tokens."""
+    counts, p = [], 16
+    while p < 256:
+        counts.append(p)
+        p *= 2
+    while p < max_tokens:
+        counts += [p, p * 5 // 4, p * 3 // 2, p * 7 // 4]
+        p *= 2
+    return sorted({c for c in counts if c < max_tokens} | {max_tokens})
+
+
+class GraphPlan:
+    """The graphs a configuration can replay. ``mixed``: mixed-step graphs are possible (the
+    controller decides from the model and backends); ``variants``: the sampling variants that
+    may be captured (data-parallel engines: greedy only, see ``CudaGraphRunner.would_replay``)."""
+
+    def __init__(self, config: InferenceConfig, vocab_size: int, mixed: bool,
+                 variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant)):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.decode_sizes = sorted(config.cuda_graph_batch_sizes or default_batch_sizes(config.max_requests))
+        counts = config.cuda_graph_token_counts or default_token_counts(config.max_tokens)
+        self.token_counts = sorted(c for c in counts if c <= config.max_tokens) if mixed else []
+        self.variants = variants
+
+    def mixed_rows(self, padded_tokens: int) -> int:
+        """Rows of a mixed graph of ``padded_tokens``: every real row fits (a row has >= 1 token)
+        plus at least one spare row for the padding tokens."""
+        return min(self.config.max_requests, padded_tokens) + 1
+
+    def key(self, shape, min_rows: int = 0) -> GraphKey | None:
+        """The graph a step replays (None: eager). ``min_rows``: data-parallel ranks pad decode
+        steps at least to the rows all ranks agreed on."""
+        if shape.num_samples > shape.num_rows:  # speculative verify rows (drafts): eager, see below
+            return None
+        variant = variant_of(shape)
+        if variant is None or variant not in self.variants:
+            return None
+        if shape.is_decode_only:
+            rows = max(shape.num_rows, min_rows)
+            if rows > self.decode_sizes[-1]:
+                return None
+            padded = self.decode_sizes[bisect.bisect_left(self.decode_sizes, rows)]
+            return GraphKey(padded, padded, True, variant)
+        if not self.token_counts or shape.num_tokens > self.token_counts[-1] or min_rows:
+            return None
+        tokens = self.token_counts[bisect.bisect_left(self.token_counts, shape.num_tokens)]
+        return GraphKey(tokens, self.mixed_rows(tokens), False, variant)
+
+    def keys(self) -> list[GraphKey]:
+        """Every key, in capture order: largest first within each kind (so later, smaller
+        captures reuse the shared pool's memory), mixed before decode."""
+        mixed = [GraphKey(t, self.mixed_rows(t), False, v) for t in reversed(self.token_counts) for v in self.variants]
+        decode = [GraphKey(b, b, True, v) for b in reversed(self.decode_sizes) for v in self.variants]
+        return mixed + decode

@@ -1,0 +1,123 @@
+"""Startup warm-up: build every Triton kernel variant a configuration can reach and capture
+every CUDA graph it can replay, before the first request, so serving never compiles or captures.
+
+Triton builds a kernel once per specialization: its constexpr arguments (tile sizes picked
+from shapes, the decode kernel's split count, the sampler's filter / mass flags) and its
+integer arguments' classes (== 1, divisible by 16, other). A step's sizes reach kernels only
+as the token count T and the row count R, so eager warm-up runs steps on padding snapshots
+(dummy KV block, padding state slot) over:
+- decode steps at one row count per class of (R == 1, R % 16, next power of two, decode
+  split count);
+- one-row mixed steps at token counts 1 .. max_tokens around every power of two (p - 1, p,
+  p + 16), which covers every class of T and every T-derived tile choice (fused MoE blocks);
+- every sampling variant (greedy, temperature, filtered, full: penalties + log-probs) once for
+  decode and once for a mixed step.
+Then the graph runner captures its whole plan (graph_plan.py). Under expert parallelism only
+the greedy decode graphs are captured (every rank at once: collectives inside)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megatron_async.inference import triton_builds
+from megatron_async.inference.contexts.dynamic_context import StepShape
+from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant, variant_flags
+
+
+@dataclass
+class WarmupReport:
+    seconds: float
+    eager_steps: int
+    graphs_captured: int
+    triton_builds: int
+    """Kernel builds during warm-up (0 where Triton has no build hook, e.g. the CPU interpreter)."""
+    memory_bytes: int
+    """Growth of the device memory the caching allocator reserved (graph pools, sampler state)."""
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def decode_row_counts(max_rows: int, split_count=None) -> list[int]:
+    """One row count per compile class in 1 .. max_rows (``split_count(R)``: the decode
+    attention's split count, a constexpr of its kernel)."""
+    seen, out = set(), []
+    for r in range(1, max_rows + 1):
+        cls = (r == 1, r % 16 == 0, _next_pow2(r), split_count(r) if split_count else None)
+        if cls not in seen:
+            seen.add(cls)
+            out.append(r)
+    return out
+
+
+def mixed_token_counts(max_tokens: int) -> list[int]:
+    counts, p = {1, 2, max_tokens}, 2
+    while p <= 2 * max_tokens:
+        counts |= {p - 1, p, p + 16}
+        p *= 2
+    return sorted(c for c in counts if 2 <= c <= max_tokens)
+
+
+def _shape(tokens: int, rows: int, decode: bool, variant: SamplingVariant, vocab: int) -> StepShape:
+    f = variant_flags(variant, vocab)
+    cu = [min(i, tokens) for i in range(rows)] + [tokens]
+    return StepShape(num_tokens=tokens, num_rows=rows, max_query_len=tokens - rows + 1, max_kv_len=1,
+                     is_decode_only=decode, any_sampling=f.any_sampling, any_top_k_top_p=any(f.filters),
+                     filters=f.filters, max_top_n=f.max_top_n, any_log_probs=f.any_log_probs, cu_query_lens=cu,
+                     any_penalties=f.any_penalties)
+
+
+def eager_shapes(controller) -> list[StepShape]:
+    ctx, vocab = controller.context, controller.model.vocab_size
+    cfg = ctx.config
+    split = _decode_split_count(controller)
+    shapes = [_shape(r, r, True, SamplingVariant.GREEDY, vocab) for r in decode_row_counts(cfg.max_requests, split)]
+    shapes += [_shape(t, 1, t == 1, SamplingVariant.GREEDY, vocab) for t in mixed_token_counts(cfg.max_tokens)]
+    for v in list(SamplingVariant)[1:]:
+        shapes += [_shape(2, 2, True, v, vocab), _shape(3, 2, False, v, vocab)]
+    return shapes
+
+
+def _decode_split_count(controller):
+    """The Triton decode kernel's split count as a function of rows (None: another backend)."""
+    from megatron_async.config import AttentionBackend
+    from megatron_async.kernels.attention import get_attention_backend
+
+    ctx = controller.context
+    if get_attention_backend() != AttentionBackend.TRITON or not ctx.device.is_cuda:
+        return None
+    from megatron_async.kernels.triton_decode_attention import choose_num_splits
+
+    spec = controller.model.kv_cache_spec()
+    dev = ctx.device.device
+    return lambda r: choose_num_splits(r, spec.num_kv_heads, ctx.max_blocks_per_request, ctx.block_size, dev)
+
+
+@torch.inference_mode()
+def run_warmup(controller, graphs: bool = True, eager: bool = True) -> WarmupReport:
+    """Warm ``controller`` up (nothing may be in flight). ``eager``: the eager compile pass;
+    ``graphs``: capture the graph runner's plan (when the controller has one)."""
+    ctx, dev = controller.context, controller.device
+    triton_builds.install()
+    builds0, t0 = triton_builds.builds(), time.perf_counter()
+    mem0 = torch.cuda.memory_reserved(dev.device) if dev.is_cuda else 0
+    n_eager = 0
+    if eager:
+        saved = controller.last_samples.clone()
+        for shape in eager_shapes(controller):
+            if shape.any_penalties:
+                ctx.sampling_state.ensure_allocated()
+            ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(shape.num_rows, shape.num_tokens).to(dev.device))
+            controller.compute_step(shape)
+            n_eager += 1
+        controller.last_samples.copy_(saved)
+    captured = 0
+    if graphs and controller.graphs is not None:
+        captured = controller.graphs.warmup()
+    if dev.is_cuda:
+        torch.cuda.synchronize(dev.device)
+    mem = torch.cuda.memory_reserved(dev.device) - mem0 if dev.is_cuda else 0
+    return WarmupReport(time.perf_counter() - t0, n_eager, captured, triton_builds.builds() - builds0, mem)

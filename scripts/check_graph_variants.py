@@ -1,0 +1,82 @@
+"""What the nested graph sampling variants cost (graph_plan.py): a step replays the smallest
+variant covering it, so a top-p step runs the FILTERED graph (top-k and min-p passes launched,
+every row skipping their work) and a greedy step with log-probs runs FULL (penalties, draw,
+log-probs with top-20). Each path is the engine's Sampler (+ log-probs) captured in a CUDA
+graph at [rows, 151,936] float32 logits; median of replays between CUDA events.
+
+    python scripts/check_graph_variants.py [--rows 128] [--iters 40]"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_async.inference.contexts.sampling_state import SamplingStateSlots  # noqa: E402
+from megatron_async.inference.device import DeviceFacade  # noqa: E402
+from megatron_async.inference.text_generation_controllers.graph_plan import (  # noqa: E402
+    SamplingVariant, variant_flags,
+)
+from megatron_async.inference.text_generation_controllers.sampler import Sampler  # noqa: E402
+from megatron_async.inference.text_generation_controllers.sampling import log_probs_of  # noqa: E402
+from megatron_async.tools.cuda_timing import graph_replay, median_ms  # noqa: E402
+
+V = 151_936
+ROWS = {  # case: (temperature, top_k, top_p, exact flags (any_random, filters, log_probs))
+    "greedy": (0.0, 1, 0.0, (False, (False, False, False), False)),
+    "greedy + log-probs": (0.0, 1, 0.0, None),
+    "temperature 0.8": (0.8, 0, 0.0, (True, (False, False, False), False)),
+    "top_p 0.95": (0.8, 0, 0.95, (True, (False, True, False), False)),
+    "top_k 50": (0.8, 50, 0.0, (True, (True, False, False), False)),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=40)
+    args = ap.parse_args()
+    R, dev = args.rows, torch.device("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (0.3 * torch.randn(R, V, generator=gen, device="cuda")).to(torch.bfloat16).float()
+    state = SamplingStateSlots(R, V, DeviceFacade(dev))
+    state.ensure_allocated()
+    sampler = Sampler("triton", dev, state)
+    print(f"rows {R}, vocab {V}: ms per step, sampler (+ log-probs) in a CUDA graph")
+    print(f"{'case':<22}{'exact flags':>12}" + "".join(f"{v.value:>13}" for v in SamplingVariant))
+    for case, (t, k, p, exact) in ROWS.items():
+        g = SimpleNamespace(
+            temperature=torch.full((R,), t, device=dev), top_k=torch.full((R,), k, dtype=torch.int64, device=dev),
+            top_p=torch.full((R,), p, device=dev), min_p=torch.zeros(R, device=dev),
+            seed=torch.arange(R, device=dev) * 7919, sample_position=torch.full((R,), 100, device=dev),
+            sampling_slot=torch.full((R,), R, dtype=torch.int64, device=dev),  # the padding slot: no penalty
+            presence_penalty=torch.zeros(R, device=dev), frequency_penalty=torch.zeros(R, device=dev),
+            repetition_penalty=torch.ones(R, device=dev), suppress_stop=torch.zeros(R, dtype=torch.bool, device=dev))
+
+        base = sampler(logits, g, R, *(exact[:2] if exact else (False, (False,) * 3)), False)
+
+        def timed(any_random, filters, pen, lp, top_n):
+            def step():
+                tokens = sampler(logits, g, R, any_random, filters, pen)
+                if lp:
+                    log_probs_of(logits, tokens, top_n)
+                return tokens
+            assert torch.equal(step(), base), case  # a larger variant draws the same tokens
+            return median_ms(graph_replay(step), args.iters)
+
+        cells = [f"{timed(*exact[:2], False, exact[2], 0):12.3f}" if exact else f"{'-':>12}"]
+        for v in SamplingVariant:
+            f = variant_flags(v, V)
+            covers = exact is None and v == SamplingVariant.FULL or exact is not None and (
+                (f.any_sampling or not exact[0]) and all(a or not b for a, b in zip(f.filters, exact[1])))
+            cells.append(f"{timed(f.any_sampling, f.filters, f.any_penalties, f.any_log_probs, f.max_top_n):13.3f}"
+                         if covers else f"{'-':>13}")
+        print(f"{case:<22}" + "".join(cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""CUDA: after the startup warm-up, a run with staggered arrivals and every sampling feature
+builds no Triton kernel and captures no graph, in eager and in graph mode; mixed steps replay
+graphs, and their tokens equal eager (float32). Skipped without a GPU."""
+import random
+
+import pytest
+
+from megatron_async import LLM
+from megatron_async.testing.hf_models import make_tiny_checkpoint
+from tests.functional_tests.engine_harness import Arrival, make_llm, run_arrivals, sampling_mix
+
+pytestmark = pytest.mark.gpu
+N = 12
+PARAMS = sampling_mix(N)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path_factory.mktemp("qwen3"))
+
+
+def _arrivals() -> list[Arrival]:
+    """Poisson-like: gaps of 0-3 steps, prompts 3-150 tokens (chunked at 64 tokens per step)."""
+    rng, step, out = random.Random(5), 0, []
+    for i in range(24):
+        step += rng.choice((0, 0, 1, 2, 3))
+        out.append(Arrival(step, [rng.randrange(256) for _ in range(rng.randint(3, 150))], PARAMS[i % len(PARAMS)]))
+    return out
+
+
+def _run(ckpt, graphs: bool):
+    cfg = make_llm(ckpt, cuda_graphs=graphs, attention_backend="triton", max_sequence_length=256).config
+    llm = LLM(model=str(ckpt), device="cuda", dtype="float32", inference_config=cfg)  # warms up at build
+    st = llm.engine.stats
+    assert st.warmup_seconds > 0 and st.warmup_graphs == (len(llm.controller.graphs.plan.keys()) if graphs else 0)
+    outs = run_arrivals(llm, _arrivals())
+    return {i: o.generated_tokens for i, o in outs.items()}, st
+
+
+def test_no_builds_or_captures_after_startup_warmup_and_mixed_graphs_equal_eager(ckpt):
+    eager, st_e = _run(ckpt, graphs=False)
+    assert st_e.triton_builds_after_warmup == 0 and st_e.prefill_steps > 0
+    graphs, st_g = _run(ckpt, graphs=True)
+    assert st_g.triton_builds_after_warmup == 0 and st_g.graph_captures_after_warmup == 0
+    assert st_g.mixed_graph_replays > 0 and st_g.graph_replays == st_g.steps  # every step replayed a graph
+    assert graphs == eager
