@@ -127,6 +127,7 @@ class LLM:
             eos_ids = tuple(dict.fromkeys(i for i in (*tok_eos, self.model.eos_token_id) if i is not None))
         else:
             eos_ids = tok_eos if self.tokenizer is not None else checkpoint_eos_ids(model)
+        eos_ids = _in_vocab_eos_ids(eos_ids, self.model.vocab_size)
         facade = DeviceFacade(self.device)
         if self.config.num_speculative_tokens > 0:  # before the context: MTP heads add KV layers to the pool
             drafter = self._drafter(drafter)
@@ -244,3 +245,15 @@ def _as_prompt_list(prompts) -> list:
 
 def _token_ids_or_empty(prompt) -> list[int]:
     return [int(t) for t in prompt] if _is_token_ids(prompt) else []
+
+
+def _in_vocab_eos_ids(eos_ids, vocab_size: int) -> tuple[int, ...]:
+    """EOS ids the model can emit. A config may list ids beyond the (padded) vocabulary; the
+    device-side stop masks (min_tokens, penalties) index by id, so such ids are dropped with a
+    warning instead of failing every step of the requests that use them."""
+    kept = tuple(i for i in eos_ids if 0 <= i < vocab_size)
+    if len(kept) != len(eos_ids):
+        log.warning("ignoring EOS ids outside the vocabulary (size %d): %s", vocab_size,
+                       sorted(set(eos_ids) - set(kept)))
+    return kept
+

@@ -51,3 +51,21 @@ def test_engine_stops_on_the_tokenizer_eos_ids(tmp_path):
     assert len(llm.tokenizer.eos_token_ids) == 4 and set(llm.tokenizer.eos_token_ids[1:]) == {11, 12, 13}
     assert llm.controller.eos_ids == llm.tokenizer.eos_token_ids
     assert llm.engine.validator.eos_ids == frozenset(llm.tokenizer.eos_token_ids)
+
+
+def test_eos_ids_beyond_the_vocabulary_are_dropped_and_requests_still_run(tmp_path, caplog):
+    """A config listing an EOS id the model cannot emit: dropped with a warning; requests that
+    use the device-side stop masks (min_tokens, penalties) still run."""
+    from megatron_async import LLM, InferenceConfig, SamplingParams
+    from megatron_async.testing.hf_models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint("LlamaForCausalLM", tmp_path, with_tokenizer=True)
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [11, vocab + 5]}))
+    with caplog.at_level("WARNING", logger="megatron_async"):
+        llm = LLM(str(ckpt), inference_config=InferenceConfig(max_sequence_length=64, num_kv_blocks=16))
+    assert 11 in llm.controller.eos_ids and vocab + 5 not in llm.controller.eos_ids
+    assert any("outside the vocabulary" in r.message for r in caplog.records)
+    params = SamplingParams(temperature=0.8, seed=3, min_tokens=4, repetition_penalty=1.2, num_tokens_to_generate=6)
+    (out,) = llm.generate([[5, 6, 7]], params)
+    assert out.error is None and len(out.generated_tokens) >= 4
