@@ -15,8 +15,8 @@ from megatron_async.inference.request import InvalidRequestError, RequestOutput,
 from megatron_async.tools.progress import ProgressBar
 from megatron_async.tools.workload import WorkloadRequest
 
-# Scheduler counters the engine copies into its stats as running totals.
-_CUMULATIVE_STATS = ("paused", "evicted", "prefix_hit_tokens", "spec_off_rows")
+# Counters the engine copies into its stats as running totals (scheduler, consensus exchange).
+_CUMULATIVE_STATS = ("paused", "evicted", "prefix_hit_tokens", "spec_off_rows", "consensus_rounds", "consensus_time")
 
 
 @dataclass(frozen=True)

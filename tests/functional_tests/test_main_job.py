@@ -185,3 +185,17 @@ def test_wall_clock_poisson_arrivals_and_latency_percentiles():
     assert lat["ttft_p50_ms"] < 300 and lat["itl_p99_ms"] >= lat["itl_p50_ms"] > 0
     # summary and main job flag
     assert main(SMALL + ["--request-rate", "50"]).ttft_p99_ms is not None
+
+
+def test_stats_window_rebases_consensus_totals():
+    """The engine copies the consensus exchange's running totals into its stats: a window
+    reports only the rounds and time since it opened."""
+    from types import SimpleNamespace
+
+    from megatron_async.inference.engines.engine_stats import EngineStats
+
+    engine = SimpleNamespace(stats=EngineStats(consensus_rounds=5, consensus_time=1.5))
+    window = StatsWindow(engine)
+    engine.stats.consensus_rounds, engine.stats.consensus_time = 8, 2.0  # totals since engine start
+    st = window.stats()
+    assert st.consensus_rounds == 3 and st.consensus_time == pytest.approx(0.5)
