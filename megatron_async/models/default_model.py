@@ -23,6 +23,17 @@ _QWEN3_COMMON = {
     "use_sliding_window": False,
 }
 
+# What the released Qwen3 checkpoints share (tokenizer, context length, head size, dtype).
+_QWEN3_RELEASED = {
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "initializer_range": 0.02,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "dtype": "bfloat16",
+}
+
 DEFAULT_CONFIGS: dict[str, dict] = {
     # Runs in milliseconds per step on CPU; its vocabulary is the tiny test tokenizer's
     # (megatron_async.models.tiny_tokenizer, default vocab_size=1024).
@@ -41,8 +52,6 @@ DEFAULT_CONFIGS: dict[str, dict] = {
         "eos_token_id": EOS_TOKEN_ID,
         "dtype": "float32",
     },
-    # A tiny Qwen3-MoE (8 experts, top-2, normalised; layer 1 dense) on the tiny tokenizer's
-    # vocabulary: the CPU model for expert-parallel runs (experts split 2, 4 or 8 ways).
     # The shape of Qwen/Qwen3-30B-A3B (48 layers, 128 experts, top-8): ~30.5B parameters, 61 GB in bf16.
     "qwen3-30b-a3b": {
         **_QWEN3_COMMON,
@@ -59,14 +68,8 @@ DEFAULT_CONFIGS: dict[str, dict] = {
         "num_hidden_layers": 48,
         "num_attention_heads": 32,
         "num_key_value_heads": 4,
-        "head_dim": 128,
-        "vocab_size": 151936,
-        "max_position_embeddings": 40960,
+        **_QWEN3_RELEASED,
         "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "dtype": "bfloat16",
     },
     # The shape of Qwen/Qwen3-0.6B.
     "qwen3-0.6b": {
@@ -76,14 +79,8 @@ DEFAULT_CONFIGS: dict[str, dict] = {
         "num_hidden_layers": 28,
         "num_attention_heads": 16,
         "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 151936,
-        "max_position_embeddings": 40960,
+        **_QWEN3_RELEASED,
         "tie_word_embeddings": True,
-        "initializer_range": 0.02,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "dtype": "bfloat16",
     },
     # The shape of Qwen/Qwen3-8B (~8.2B parameters, 16.4 GB in bf16): a size where tensor
     # parallelism pays (scripts/bench_tp_scaling.py).
@@ -94,14 +91,8 @@ DEFAULT_CONFIGS: dict[str, dict] = {
         "num_hidden_layers": 36,
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 151936,
-        "max_position_embeddings": 40960,
+        **_QWEN3_RELEASED,
         "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
-        "dtype": "bfloat16",
     },
 }
 
