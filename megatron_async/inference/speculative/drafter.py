@@ -80,3 +80,26 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, out: VerifyOutputs) -> torch.Tensor:
         """-> [R, K] int64 drafts for each row's next step (positions ``last_pos + 1 ...``)."""
+
+
+class TokenHistory:
+    """Each request's known tokens (prompt + emitted) in a device row of its spec slot, for
+    drafters that read a request's earlier tokens (n-gram lookup, MTP's next-token inputs)."""
+
+    def __init__(self, spec: SpecState, max_sequence_length: int):
+        # a row writes up to K + 1 positions past its last one (samples of rejected drafts too)
+        self.length = max_sequence_length + spec.num_speculative_tokens + 2
+        self.tokens = torch.zeros(spec.num_slots, self.length, dtype=torch.int64, device=spec.device.device)
+
+    def fill(self, req: DynamicInferenceRequest, slot: int) -> None:
+        """``Drafter.on_admit``: the host's tokens of a (re-)admitted request."""
+        known = req.prompt_tokens + req.generated_tokens
+        self.tokens[slot, : len(known)] = torch.tensor(known, dtype=torch.int64).to(self.tokens.device,
+                                                                                    non_blocking=True)
+
+    def record(self, out: VerifyOutputs) -> None:
+        """Write the step's samples at their positions (those past the accepted run are
+        overwritten by later steps, like rejected KV)."""
+        pos = out.positions.clamp(0, self.length - 1)
+        self.tokens[out.slots[:, None].expand_as(pos), pos] = out.tokens
+

@@ -21,7 +21,7 @@ import torch
 from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch
 from megatron_async.inference.contexts.spec_state import SpecState
 from megatron_async.inference.request import DynamicInferenceRequest
-from megatron_async.inference.speculative.drafter import Drafter, VerifyOutputs
+from megatron_async.inference.speculative.drafter import Drafter, TokenHistory, VerifyOutputs
 
 
 class MTPDrafter(Drafter):
@@ -35,21 +35,18 @@ class MTPDrafter(Drafter):
 
     def bind(self, spec: SpecState) -> None:
         super().bind(spec)
-        self.length = self.max_sequence_length + spec.num_speculative_tokens + 2  # rows sample past their end
-        self.history = torch.zeros(spec.num_slots, self.length, dtype=torch.int64, device=spec.device.device)
+        self.history = TokenHistory(spec, self.max_sequence_length)
 
     def on_admit(self, req: DynamicInferenceRequest, slot: int) -> None:
-        known = req.prompt_tokens + req.generated_tokens
-        ids = torch.tensor(known, dtype=torch.int64).to(self.history.device, non_blocking=True)
-        self.history[slot, : len(known)] = ids
+        self.history.fill(req, slot)
 
     def propose(self, out: VerifyOutputs) -> torch.Tensor:
-        K, L = self.spec.num_speculative_tokens, self.length
+        K, L = self.spec.num_speculative_tokens, self.history.length
         attn, R = out.batch.attn, out.num_rows
         T = attn.num_tokens
-        self.history[out.slots[:, None].expand_as(out.positions), out.positions.clamp(0, L - 1)] = out.tokens
+        self.history.record(out)
         owner = out.row_slots[attn.token_to_row[:T].long()]
-        next_ids = self.history[owner, (attn.positions[:T] + 1).clamp(0, L - 1)]
+        next_ids = self.history.tokens[owner, (attn.positions[:T] + 1).clamp(0, L - 1)]
         hidden = self.model.mtp_forward(0, next_ids, out.hidden[:T], out.batch)[out.hidden_idx]
         inv = out.batch.batch_invariant
         drafts = [self.model.compute_logits(hidden, inv).argmax(dim=-1)]

@@ -13,7 +13,7 @@ import torch
 
 from megatron_async.inference.contexts.spec_state import SpecState
 from megatron_async.inference.request import DynamicInferenceRequest
-from megatron_async.inference.speculative.drafter import Drafter, VerifyOutputs
+from megatron_async.inference.speculative.drafter import Drafter, TokenHistory, VerifyOutputs
 
 
 class NGramDrafter(Drafter):
@@ -25,23 +25,17 @@ class NGramDrafter(Drafter):
 
     def bind(self, spec: SpecState) -> None:
         super().bind(spec)
-        K = spec.num_speculative_tokens
-        self.length = self.max_sequence_length + K + 2  # a row writes up to K + 1 past its last position
-        self.history = torch.zeros(spec.num_slots, self.length, dtype=torch.int64, device=spec.device.device)
-        self._pos = torch.arange(self.length, device=spec.device.device)
+        self.history = TokenHistory(spec, self.max_sequence_length)
+        self._pos = torch.arange(self.history.length, device=spec.device.device)
 
     def on_admit(self, req: DynamicInferenceRequest, slot: int) -> None:
-        known = req.prompt_tokens + req.generated_tokens
-        ids = torch.tensor(known, dtype=torch.int64).to(self.history.device, non_blocking=True)
-        self.history[slot, : len(known)] = ids
+        self.history.fill(req, slot)
 
     def propose(self, out: VerifyOutputs) -> torch.Tensor:
         K = self.spec.num_speculative_tokens
-        L = self.length
-        hist = self.history
-        pos = out.positions.clamp(0, L - 1)
-        hist[out.slots[:, None].expand_as(pos), pos] = out.tokens  # emitted (and later-overwritten) samples
-        rows = hist[out.slots]  # [R, L]
+        L = self.history.length
+        self.history.record(out)  # emitted (and later-overwritten) samples
+        rows = self.history.tokens[out.slots]  # [R, L]
         last = out.last_pos.clamp(0, L - 1)  # newest known position of each row
         R = rows.shape[0]
         best_end = torch.full((R,), -1, dtype=torch.int64, device=rows.device)
