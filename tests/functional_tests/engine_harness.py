@@ -57,6 +57,21 @@ def run_leader_arrivals(llm: LLM, rank: int, arrivals: list[tuple[int, list[int]
     return outs
 
 
+def decode_steps_without_host_sync(engine, steps: int, warm_steps: int = 4) -> int:
+    """CUDA: ``warm_steps`` steps (prefill into steady decode), then ``steps`` more under torch's
+    sync debug mode "error" (any device-to-host sync raises). Returns how many of those were
+    decode-only."""
+    import torch
+
+    for _ in range(warm_steps):
+        engine.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return sum(engine.step().is_decode_only for _ in range(steps))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

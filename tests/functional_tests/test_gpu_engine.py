@@ -5,7 +5,8 @@ import torch
 
 from megatron_async import SamplingParams
 from megatron_async.testing.hf_models import GPT_ARCHS, hf_greedy, load_hf_reference, make_tiny_checkpoint
-from tests.functional_tests.engine_harness import Arrival, make_llm, random_prompts, run_arrivals, tokens_of
+from tests.functional_tests.engine_harness import (Arrival, decode_steps_without_host_sync, make_llm, random_prompts,
+                                                    run_arrivals, tokens_of)
 
 pytestmark = pytest.mark.gpu
 NEW = 12
@@ -56,16 +57,7 @@ def test_no_host_sync_in_steady_async_decode(ckpt):
     eng = llm.engine
     for p in random_prompts(8, 5, 20, 256, seed=4):
         eng.add_request(p, SamplingParams(temperature=1.0, top_k=20, seed=1, num_tokens_to_generate=40))
-    for _ in range(4):  # prefill and reach steady decode
-        eng.step()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        decoded = 0
-        for _ in range(20):
-            r = eng.step()
-            decoded += r.is_decode_only
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    decoded = decode_steps_without_host_sync(eng, 20)
     assert decoded == 20 and eng.stats.overlap_ratio > 0.9
 
 

@@ -15,7 +15,8 @@ import torch
 from megatron_async import SamplingParams
 from megatron_async.inference.text_generation_controllers.sampling import gumbel_noise, row_keys
 from megatron_async.testing.hf_models import hf_logits, load_hf_reference
-from tests.functional_tests.engine_harness import Arrival, make_llm, random_prompts, run_arrivals, tokens_of
+from tests.functional_tests.engine_harness import (Arrival, decode_steps_without_host_sync, make_llm, random_prompts,
+                                                    run_arrivals, tokens_of)
 
 
 def _penalised(logits: list[float], prompt: list[int], out: list[int], sp: SamplingParams, stop: set[int]):
@@ -187,11 +188,5 @@ def test_cuda_no_host_sync_with_penalties_and_filters(qwen3_ckpt):
         eng.add_request(p, SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, seed=i,
                                           presence_penalty=0.5, repetition_penalty=1.2, min_tokens=10,
                                           num_tokens_to_generate=40))
-    for _ in range(4):
-        eng.step()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        decoded = sum(eng.step().is_decode_only for _ in range(20))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    decoded = decode_steps_without_host_sync(eng, 20)
     assert decoded == 20 and eng.stats.overlap_ratio > 0.9
