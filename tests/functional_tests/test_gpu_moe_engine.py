@@ -2,7 +2,6 @@
 the fused Triton experts: greedy tokens equal HF (float32) serial, async and with CUDA graphs,
 and steady launch-ahead decode makes no host sync. Skipped without a GPU."""
 import pytest
-import torch
 
 from megatron_async import SamplingParams
 from megatron_async.testing.hf_models import hf_greedy, load_hf_reference
