@@ -65,9 +65,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
     R, H, D = q.shape
     bs, kvh = meta.block_size, kv_cache.shape[3]
     nblk = (meta.max_kv_len + bs - 1) // bs
-    kv = gather_blocks(kv_cache, meta, R, nblk).view(2, R, nblk * bs, kvh, D).transpose(2, 3)  # [2, R, KVH, K, D]
+    kv = gather_blocks(kv_cache, meta, R, nblk).reshape(2, R, nblk * bs, kvh, D).transpose(2, 3)  # [2, R, KVH, K, D]
     visible = torch.arange(nblk * bs, device=q.device) < meta.kv_lens[:R, None]  # [R, K]
-    qg = q.view(R, kvh, H // kvh, D).float()  # query head h reads KV head h // (H / KVH), as repeat_interleave
+    qg = q.reshape(R, kvh, H // kvh, D).float()  # query head h reads KV head h // (H / KVH), as repeat_interleave
     out = F.scaled_dot_product_attention(qg, kv[0].float(), kv[1].float(), attn_mask=visible[:, None, None, :],
                                          scale=scale)
-    return out.view(R, H, D).to(q.dtype)
+    return out.reshape(R, H, D).to(q.dtype)  # CUDA SDPA may return it non-contiguous

@@ -147,12 +147,25 @@ def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, batch_i
         lp = log_softmax(logits)
         chosen = lp.gather(-1, tokens[:, None])[:, 0]
         if top_n > 0:
-            vals, ids = lp.topk(top_n, dim=-1)
-            return chosen, vals, ids
+            ids = top_ids_lowest_first(lp, top_n)
+            return chosen, lp.gather(-1, ids), ids
         return chosen, None, None
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     chosen = (logits.gather(-1, tokens[:, None]) - lse)[:, 0]
     if top_n > 0:
-        vals, ids = logits.topk(top_n, dim=-1)
-        return chosen, vals - lse, ids
+        ids = top_ids_lowest_first(logits, top_n)
+        return chosen, logits.gather(-1, ids) - lse, ids
     return chosen, None, None
+
+
+def top_ids_lowest_first(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Ids [R, n] of the n largest values of float rows x [R, V], ties to the lowest id. A plain
+    ``topk`` breaks ties by its own algorithm, which depends on n: a CUDA graph (captured for
+    ``GRAPH_TOP_N`` alternatives) and an eager step (the step's own maximum) would report
+    different ids for equal bf16 log-probs. Here the order is a function of the row only: one
+    int64 key per entry, the value's order-preserving float32 bits above the inverted id."""
+    bits = (x.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes 0.0, so the two tie
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    inv_id = x.shape[-1] - 1 - torch.arange(x.shape[-1], device=x.device)
+    keys = (ordered << 32) | inv_id
+    return x.shape[-1] - 1 - (keys.topk(n, dim=-1).values & 0xFFFFFFFF)

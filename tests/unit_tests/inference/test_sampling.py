@@ -10,6 +10,7 @@ from megatron_async.inference.text_generation_controllers.sampling import (
     keep_mask,
     log_probs_of,
     row_keys,
+    top_ids_lowest_first,
     sample_reference,
     uniform_noise,
 )
@@ -180,6 +181,22 @@ def test_log_probs_of_equals_log_softmax_gather():
     chosen0, none_v, none_i = log_probs_of(logits, tokens, top_n=0)
     assert torch.equal(chosen0, chosen) and none_v is None and none_i is None
     assert math.isclose(torch.logsumexp(lp[0], -1).item(), 0.0, abs_tol=1e-5)
+
+
+def test_top_n_ties_go_to_the_lowest_id_whatever_n():
+    """bf16 log-probs tie often; a CUDA graph asks topk for GRAPH_TOP_N alternatives and an eager
+    step for its own maximum, so the reported ids must not depend on n."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-3, 2, (64, 200), generator=g).float() * 0.5  # few distinct values: many ties
+    x[:, 7] = -0.0
+    x[:5] = float("-inf")
+    x[5, :] = 1.0
+    ref = torch.stack([torch.tensor(sorted(range(200), key=lambda j: (-r[j].item(), j))) for r in x])
+    for n in (1, 2, 5, 20, 200):
+        ids = top_ids_lowest_first(x, n)
+        assert torch.equal(ids, ref[:, :n]), n
+    _, vals, ids = log_probs_of(x[5:], torch.zeros(59, dtype=torch.long), top_n=3)
+    assert torch.equal(ids, ref[5:, :3]) and torch.allclose(vals, torch.log_softmax(x[5:], -1).gather(-1, ids))
 
 
 @pytest.mark.parametrize("top_k", [0, 4])
