@@ -150,7 +150,9 @@ class LLM:
 
     def _graph_runner(self):
         """Decode graphs always; mixed-step graphs for models without Mamba layers, on Triton
-        attention (the varlen kernel reads row lengths from the snapshot). Expert parallelism:
+        attention (the varlen kernel reads row lengths from the snapshot); speculative verify
+        graphs on Triton attention (the torch path would gather every row's whole KV table in
+        a graph, sized for max_sequence_length). Expert parallelism:
         a collective runner (greedy decode graphs only, captured by every rank at once in the
         warm-up; see ``CudaGraphRunner``)."""
         from megatron_async.config import AttentionBackend
@@ -158,7 +160,8 @@ class LLM:
 
         triton_attention = self.attention_backend == AttentionBackend.TRITON or self.config.batch_invariant
         mixed = self.config.cuda_graph_mixed_steps and self.context.mamba is None and triton_attention
-        return CudaGraphRunner(self.controller, self.config, mixed=mixed, collective=self.parallel.ep_size > 1)
+        return CudaGraphRunner(self.controller, self.config, mixed=mixed, collective=self.parallel.ep_size > 1,
+                               verify=triton_attention)
 
     def _drafter(self, drafter):
         from megatron_async.inference.speculative.factory import build_drafter

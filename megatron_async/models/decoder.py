@@ -203,13 +203,16 @@ class DecoderModel(CausalLM):
     def commit_speculative(self, out) -> None:
         """Mamba layers: each verify row's slot takes the state after its accepted drafts from
         the window scratch its Mamba window left (rows without drafts advanced in place and are
-        left alone). Device only; a no-op without Mamba windows."""
+        left alone, except in a step where every row is a window: a uniform verify step, where
+        rows without drafts commit the state after their one real token). Device only; a no-op
+        without Mamba windows."""
         b = out.batch
         if b.mamba is None or not b.conv_window_states:
             return
         mamba_window_ops.commit_window_states(
             b.conv_states + b.ssm_states, b.conv_window_states + b.ssm_window_states,
-            b.mamba.state_slots[: out.num_rows], out.accepted, rows=out.num_drafts > 0,
+            b.mamba.state_slots[: out.num_rows], out.accepted,
+            rows=None if b.mamba.window_tokens else out.num_drafts > 0,
         )
 
     @property

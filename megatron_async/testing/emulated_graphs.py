@@ -46,7 +46,7 @@ class EmulatedGraphRunner(CudaGraphRunner):
         self.captures.append(key)
         ctl.dp_num_tokens = 0  # as the real capture: MoE exchanges pad to the graph's rows
         saved_samples, saved_view = ctl.last_samples.clone(), ctx.gpu_view.buffer.clone()
-        ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens))
+        ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens, key.verify_width))
         self.mode = f"capture{key}"
         try:
             for _ in range(2):

@@ -1,45 +1,108 @@
-"""Speculative decoding with CUDA graphs (emulated on the CPU: a replay runs the padded step
-eagerly, as cuda_graphs.py's ``emulate`` mode does): verify steps (rows with drafts) never
-replay a graph, steps without drafts (speculation switched off for a large batch, prefill
-chunks) replay padded decode and mixed graphs, and the tokens equal plain eager decoding's (after a
-startup warm-up, which must leave the speculative state as it found it)."""
+"""Speculative decoding with CUDA graphs, emulated on the CPU (a replay runs the padded step
+eagerly, as cuda_graphs.py's ``emulate`` mode does): verify steps (decode rows with drafts) are
+laid out K + 1 tokens per row and replay verify graphs, rows with fewer drafts (length limits,
+penalty rows that never draft, rows switched off by acceptance) padded inside the row;
+steps without drafts replay decode graphs, prefill chunks mixed graphs (GPT). Tokens, finish
+reasons and log-probs equal plain eager decoding's, serial and launch-ahead, GPT and hybrid
+models, oracle and n-gram drafters; a startup warm-up covers every key (0 captures after it)."""
 import pytest
 
 from megatron_async import SamplingParams
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
+from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
 from tests.functional_tests.engine_harness import Arrival, make_llm, random_prompts, run_arrivals
 from tests.functional_tests.spec_harness import assert_same_outputs, oracle_for
 
-CFG = dict(max_requests=6, max_tokens=32, speculative_max_batch_size=2)  # > 2 decode rows: no drafts
+K = 2
+CFG = dict(max_requests=6, max_tokens=32)
 PARAMS = [
     SamplingParams(top_k=1, num_tokens_to_generate=14, return_log_probs=True),
-    SamplingParams(temperature=0.8, top_k=20, seed=11, num_tokens_to_generate=14, return_log_probs=True),
-    SamplingParams(temperature=1.0, top_p=0.9, seed=12, num_tokens_to_generate=14),
+    SamplingParams(temperature=0.8, top_k=20, seed=11, num_tokens_to_generate=13, return_log_probs=True),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=12, num_tokens_to_generate=11),
+    # penalties: never drafts, so its rows are padded to K + 1 inside verify graphs (FULL variant)
+    SamplingParams(top_k=1, presence_penalty=0.7, num_tokens_to_generate=9, return_log_probs=True),
 ]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_verify_steps_run_eager_and_draft_free_steps_replay(qwen3_ckpt, async_scheduling):
-    prompts = random_prompts(7, 3, 30, 256, seed=31)
-    arrivals = [Arrival(3 * (i // 2), p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(prompts)]
-    plain = run_arrivals(make_llm(qwen3_ckpt, async_scheduling=async_scheduling, **CFG), arrivals)
-    llm = make_llm(qwen3_ckpt, oracle_for(plain, arrivals, 0.3), async_scheduling=async_scheduling,
-                   num_speculative_tokens=2, speculative_min_acceptance=0.0, **CFG)
-    runner = llm.controller.graphs = CudaGraphRunner(llm.controller, llm.config, mixed=True, emulate=True)
-    llm.engine.warmup()  # the eager pass runs the speculative step body on padding too: state intact
+@pytest.fixture(scope="module")
+def hybrid_ckpt(tmp_path_factory):
+    return make_tiny_hybrid_checkpoint("NemotronHForCausalLM", tmp_path_factory.mktemp("nemotron_h"))
+
+
+def _arrivals(vocab: int, seed: int) -> list[Arrival]:
+    prompts = random_prompts(7, 3, 30, vocab, seed=seed)
+    return [Arrival(3 * (i // 2), p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(prompts)]
+
+
+def _spec_llm_with_graphs(path, drafter, async_scheduling: bool, mixed: bool, **cfg):
+    llm = make_llm(path, drafter, async_scheduling=async_scheduling, num_speculative_tokens=K, **CFG, **cfg)
+    runner = llm.controller.graphs = CudaGraphRunner(llm.controller, llm.config, mixed=mixed, emulate=True)
+    llm.engine.warmup()  # eager pass + every key, on padding: the speculative state stays intact
     lookups = []
     lookup = runner.lookup
 
     def logged(shape, min_rows=0):
         step = lookup(shape, min_rows)
-        lookups.append((shape.num_samples > shape.num_rows, step is not None, shape.is_decode_only))
+        lookups.append((shape, step))
         return step
 
     runner.lookup = logged
-    assert_same_outputs(plain, run_arrivals(llm, arrivals))
+    return llm, runner, lookups
+
+
+def _assert_verify_steps_replayed(llm, runner, lookups) -> None:
     st = llm.engine.stats
-    assert not any(drafts and replayed for drafts, replayed, _ in lookups), "a verify step replayed a graph"
-    assert any(drafts for drafts, _, _ in lookups) and st.spec_verify_rows > 0 and st.spec_accepted_tokens > 0
-    assert st.spec_off_rows["batch"] > 0
-    assert any(replayed and decode for _, replayed, decode in lookups) and st.mixed_graph_replays > 0
+    verify = [(shape, step) for shape, step in lookups if shape.num_samples > shape.num_rows or shape.verify_width]
+    assert verify and st.spec_verify_rows > 0 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens, st.as_dict()
+    uniform = [(shape, step) for shape, step in verify if shape.verify_width]
+    # every all-decode verify step took the uniform layout and replayed a verify graph
+    assert uniform and all(step is not None and step.key.verify_width == K + 1 for _, step in uniform)
+    assert any(min(shape.num_drafts) < K for shape, _ in uniform), "no verify graph padded a row inside"
+    assert st.spec_graph_replays == len(uniform) == runner.num_verify_replays
     assert st.graph_captures_after_warmup == 0 and st.warmup_graphs == len(runner.plan.keys())
+    assert llm.context.gpu_view.num_copies == st.steps  # still one H2D copy per step
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_gpt_verify_steps_replay_graphs(qwen3_ckpt, async_scheduling):
+    arrivals = _arrivals(256, seed=31)
+    plain = run_arrivals(make_llm(qwen3_ckpt, async_scheduling=async_scheduling, **CFG), arrivals)
+    llm, runner, lookups = _spec_llm_with_graphs(qwen3_ckpt, oracle_for(plain, arrivals, 0.3), async_scheduling,
+                                                 mixed=True, speculative_min_acceptance=0.0)
+    assert_same_outputs(plain, run_arrivals(llm, arrivals))
+    _assert_verify_steps_replayed(llm, runner, lookups)
+    st = llm.engine.stats
+    assert st.spec_off_rows["penalties"] > 0 and st.mixed_graph_replays > 0
+    if async_scheduling:
+        assert st.overlapped_steps > 0.5 * st.steps, st.as_dict()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_hybrid_verify_steps_replay_graphs(hybrid_ckpt, async_scheduling):
+    """Mamba windows of K + 1 tokens for every row (rows without drafts too: they commit the
+    state after their one real token), mixed steps eager as on the GPU."""
+    probe = make_llm(hybrid_ckpt, **CFG)
+    arrivals = _arrivals(probe.model.vocab_size, seed=32)
+    plain = run_arrivals(make_llm(hybrid_ckpt, async_scheduling=async_scheduling, **CFG), arrivals)
+    oracle = oracle_for(plain, arrivals, 0.3, vocab=probe.model.vocab_size)
+    llm, runner, lookups = _spec_llm_with_graphs(hybrid_ckpt, oracle, async_scheduling, mixed=False,
+                                                 speculative_min_acceptance=0.0)
+    assert_same_outputs(plain, run_arrivals(llm, arrivals), log_prob_tol=1e-5)
+    _assert_verify_steps_replayed(llm, runner, lookups)
+
+
+def test_ngram_with_acceptance_switch_and_plain_decode_graphs(qwen3_ckpt):
+    """The n-gram drafter on repetitive prompts, with the acceptance switch on (rows switched
+    off sit beside drafting rows in verify graphs) and a batch limit (steps past it run plain
+    decode graphs)."""
+    prompts = [(p * 6)[:24] for p in random_prompts(6, 2, 4, 256, seed=12)]
+    arrivals = [Arrival(2 * i, p, PARAMS[i % 3]) for i, p in enumerate(prompts)]
+    plain = run_arrivals(make_llm(qwen3_ckpt, **CFG), arrivals)
+    llm, runner, lookups = _spec_llm_with_graphs(qwen3_ckpt, None, True, mixed=True, speculative_method="ngram",
+                                                 speculative_min_acceptance=0.5, speculative_probe_interval=2,
+                                                 speculative_max_batch_size=4)
+    assert_same_outputs(plain, run_arrivals(llm, arrivals))
+    _assert_verify_steps_replayed(llm, runner, lookups)
+    st = llm.engine.stats
+    assert st.spec_off_rows["batch"] > 0, st.as_dict()
+    assert any(step is not None and step.key.decode_only for _, step in lookups)  # plain decode graphs too

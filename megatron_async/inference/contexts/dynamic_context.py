@@ -64,7 +64,9 @@ def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samp
     ]
     if speculative:  # see contexts/spec_state.py and speculative/verify.py
         fields += [
-            FieldSpec("spec_src", torch.int64, (T,)),  # -1: input id from the host; 0: slot's last token; j: draft j
+            # -1: input id from the host; 0: slot's last token; j: draft j; -2: padding of a uniform
+            # verify row (input 0, K/V to the dummy block; see ``initialize_attention_state``)
+            FieldSpec("spec_src", torch.int64, (T,)),
             FieldSpec("spec_slot", torch.int64, (R,)),
             FieldSpec("spec_owner_slot", torch.int64, (R,)),  # the request's slot, also for rows that sample nothing
             FieldSpec("spec_inflight", torch.bool, (R,)),  # positions assume full acceptance of a launch in flight
@@ -94,6 +96,7 @@ class StepShape:
     num_samples: int = -1  # sampled positions (rows plus drafts); -1: one per row
     sample_base: list[int] | None = None  # host copy: each row's first sample (speculative decoding)
     num_drafts: list[int] | None = None  # host copy: drafts each row verifies (speculative decoding)
+    verify_width: int = 0  # > 0: a uniform verify step, every row this many tokens and samples (padded)
 
     def __post_init__(self):
         if self.num_samples < 0:
@@ -275,10 +278,18 @@ class DynamicInferenceContext:
             req.num_hashed_blocks, req.last_block_hash = i + 1, h
 
     # ------------------------------------------------------------------ step assembly
-    def initialize_attention_state(self, plan: StepPlan) -> StepShape:
+    def initialize_attention_state(self, plan: StepPlan, verify_width: int = 0) -> StepShape:
         """Fill the next host buffer of the ring with the step's tables and advance the
         planned rows' computed positions (in-flight samples counted). Raises
-        RequestStepError, with the rows' state undone, when one request's values break it."""
+        RequestStepError, with the rows' state undone, when one request's values break it.
+
+        ``verify_width`` (speculative decoding, a step of decode rows only; the layout verify
+        CUDA graphs replay): every row is laid out as ``verify_width`` tokens and as many
+        samples, its last token and drafts first, then padding tokens (input 0, the row's last
+        position, K/V to the dummy block, ``spec_src`` -2) whose samples nobody reads. Causal
+        attention keeps the real tokens blind to them, and a Mamba window leaves their states
+        in scratch positions past any accepted count, so the real samples are those of the
+        compact layout; only the row's sizes are uniform."""
         self._ring ^= 1
         v = self._host_views[self._ring]
         spec = self.spec is not None
@@ -295,6 +306,8 @@ class DynamicInferenceContext:
         bt = v["block_table"]
         undo: list[RowUndo] = []
         r = 0
+        if verify_width and not spec:
+            raise ValueError("a uniform verify layout needs speculative decoding")
         try:
             for r, row in enumerate(plan.rows):
                 req, start, n, k = row.request, row.start, row.num_tokens, row.num_drafts
@@ -318,7 +331,18 @@ class DynamicInferenceContext:
                     pos.append(p)
                     slots.append(req.block_ids[p // bs] * bs + p % bs)
                     tok_row.append(r)
-                cu.append(cu[-1] + n)
+                pad = verify_width - n if verify_width else 0
+                if pad < 0 or pad and not row.samples:
+                    raise ValueError(f"a uniform verify layout of {verify_width} tokens per row cannot hold a row "
+                                     f"of {n} tokens (samples: {row.samples})")
+                ids += [0] * pad
+                prev += [-1] * pad
+                src += [-2] * pad
+                pos += [start + n - 1] * pad
+                slots += [DUMMY_BLOCK * bs] * pad
+                tok_row += [r] * pad
+                row_first = cu[-1]
+                cu.append(cu[-1] + n + pad)
                 kv_lens.append(start + n)
                 sp = req.sampling_params
                 greedy = sp.is_greedy
@@ -329,7 +353,7 @@ class DynamicInferenceContext:
                     num_drafts.append(k)
                     sample_base.append(len(sample_idx))
                 for j in range(k, -1, -1):  # the row's sampled positions: one, or one per draft plus one
-                    sample_idx.append(cu[-1] - 1 - j)
+                    sample_idx.append(row_first + n - 1 - j)
                     sample_pos.append(start + n - j)
                     sample_row.append(r)
                     seeds.append(req.seed)
@@ -337,6 +361,15 @@ class DynamicInferenceContext:
                     topk.append(1 if greedy else sp.top_k)
                     topp.append(0.0 if greedy else sp.top_p)
                     pen.add(req, row.samples, greedy, start + n - j)
+                for q in range(pad):  # padding samples: greedy, no sampling slot, never read
+                    sample_idx.append(row_first + n + q)
+                    sample_pos.append(start + n)
+                    sample_row.append(r)
+                    seeds.append(0)
+                    temps.append(0.0)
+                    topk.append(1)
+                    topp.append(0.0)
+                    pen.add(req, False, True, start + n)
                 if row.samples:
                     any_sampling |= not greedy
                     use_k |= not greedy and sp.top_k > 1
@@ -349,7 +382,7 @@ class DynamicInferenceContext:
                 nb = len(req.block_ids)
                 bt[r, :nb] = req.block_ids
                 bt[r, nb:] = DUMMY_BLOCK
-                max_q, max_kv = max(max_q, n), max(max_kv, start + n)
+                max_q, max_kv = max(max_q, n + pad), max(max_kv, start + n)
                 req.num_computed_tokens = start + n
                 if row.samples:
                     req.num_inflight += 1
@@ -379,24 +412,47 @@ class DynamicInferenceContext:
             self.register_complete_blocks(row.request)
         T, R = len(ids), len(plan.rows)
         filters = (use_k, use_p, use_mp)
-        return StepShape(T, R, max_q, max_kv, plan.is_decode_only, any_sampling, any(filters), max_top_n, any_lp, cu,
+        return StepShape(T, R, max_q, max_kv, plan.is_decode_only and not verify_width, any_sampling, any(filters), max_top_n, any_lp, cu,
                          any_penalties=pen.any, filters=filters, num_samples=len(sample_idx),
-                         sample_base=sample_base if spec else None, num_drafts=num_drafts if spec else None)
+                         sample_base=sample_base if spec else None, num_drafts=num_drafts if spec else None,
+                         verify_width=verify_width)
 
-    def pad_for_graph(self, num_tokens: int, num_rows: int, padded_tokens: int, padded_rows: int) -> None:
+    def pad_for_graph(self, num_tokens: int, num_rows: int, padded_tokens: int, padded_rows: int,
+                      verify_width: int = 0) -> None:
         """Make rows [num_rows, padded_rows) and tokens [num_tokens, padded_tokens) of the current
-        host buffer harmless padding for a padded CUDA-graph replay (see ``_fill_padding``)."""
-        if padded_rows > num_rows or padded_tokens > num_tokens:
+        host buffer harmless padding for a padded CUDA-graph replay (see ``_fill_padding``).
+        ``verify_width``: a uniform verify step, whose padding rows hold that many tokens and
+        samples each (``padded_tokens`` is then ``padded_rows * verify_width``)."""
+        v = self._host_views[self._ring]
+        if verify_width:
+            assert padded_tokens == padded_rows * verify_width and num_tokens == num_rows * verify_width
+            self._fill_verify_padding(v, num_rows, padded_rows, verify_width)
+        elif padded_rows > num_rows or padded_tokens > num_tokens:
             assert padded_rows > num_rows, "padding tokens need a padding row"
-            self._fill_padding(self._host_views[self._ring], num_rows, padded_rows, num_tokens, padded_tokens)
+            self._fill_padding(v, num_rows, padded_rows, num_tokens, padded_tokens)
 
-    def padding_snapshot(self, num_rows: int, num_tokens: int | None = None) -> torch.Tensor:
+    def padding_snapshot(self, num_rows: int, num_tokens: int | None = None, verify_width: int = 0) -> torch.Tensor:
         """A whole host snapshot of padding only (what graph capture and warm-up run on):
-        ``num_rows`` rows, one token each unless ``num_tokens`` (> rows: the last row holds the rest)."""
+        ``num_rows`` rows, one token each unless ``num_tokens`` (> rows: the last row holds the
+        rest), or ``verify_width`` tokens and samples each (a uniform verify step)."""
         buf = torch.zeros(self.layout.nbytes, dtype=torch.uint8)
         views = {k: t.numpy() for k, t in self.layout.views(buf).items()}
-        self._fill_padding(views, 0, num_rows, 0, num_rows if num_tokens is None else num_tokens)
+        if verify_width:
+            self._fill_verify_padding(views, 0, num_rows, verify_width)
+        else:
+            self._fill_padding(views, 0, num_rows, 0, num_rows if num_tokens is None else num_tokens)
         return buf
+
+    def _fill_verify_padding(self, v: dict, a: int, b: int, width: int) -> None:
+        """Padding rows [a, b) of a uniform verify step: row r owns tokens and samples
+        [r * width, (r + 1) * width), with the harmless values of ``_fill_padding``."""
+        ta, tb = a * width, b * width
+        rows = np.repeat(np.arange(a, b), width)
+        v["cu_query_lens"][a + 1 : b + 1] = np.arange(a + 1, b + 1) * width
+        v["token_to_row"][ta:tb] = rows
+        self._pad_tokens(v, ta, tb)
+        self._pad_samples(v, ta, tb, np.arange(ta, tb), rows)
+        self._pad_rows(v, a, b, np.arange(a, b) * width)
 
     def _fill_padding(self, v: dict, a: int, b: int, ta: int, tb: int) -> None:
         """Rows [a, b) own tokens [ta, tb): one each in order, the last row the remainder (rows
@@ -407,29 +463,40 @@ class DynamicInferenceContext:
         v["cu_query_lens"][a + 1 : b + 1] = cu
         starts = np.concatenate(([ta], cu[:-1]))
         v["token_to_row"][ta:tb] = np.repeat(np.arange(a, b), cu - starts)
+        self._pad_tokens(v, ta, tb)
+        self._pad_samples(v, a, b, np.maximum(cu - 1, 0), np.arange(a, b))
+        self._pad_rows(v, a, b, np.arange(a, b))
+
+    def _pad_tokens(self, v: dict, ta: int, tb: int) -> None:
         v["input_ids"][ta:tb] = 0
         v["prev_sample_idx"][ta:tb] = -1
         v["positions"][ta:tb] = 0
         v["slot_mapping"][ta:tb] = DUMMY_BLOCK * self.block_size
+        if self.spec is not None:
+            v["spec_src"][ta:tb] = -1
+
+    def _pad_samples(self, v: dict, sa: int, sb: int, token_idx: np.ndarray, rows: np.ndarray) -> None:
+        v["sample_token_idx"][sa:sb] = token_idx
+        v["sample_position"][sa:sb] = 0
+        v["seed"][sa:sb] = 0
+        v["temperature"][sa:sb] = 0.0
+        v["top_k"][sa:sb] = 1
+        v["top_p"][sa:sb] = 0.0
+        _PenaltyColumns.fill_padding(v, sa, sb, self.sampling_state.padding_slot)
+        if self.spec is not None:
+            v["sample_to_row"][sa:sb] = rows
+
+    def _pad_rows(self, v: dict, a: int, b: int, sample_base: np.ndarray) -> None:
         v["kv_lens"][a:b] = 1
-        v["sample_token_idx"][a:b] = np.maximum(cu - 1, 0)
-        v["sample_position"][a:b] = 0
-        v["seed"][a:b] = 0
-        v["temperature"][a:b] = 0.0
-        v["top_k"][a:b] = 1
-        v["top_p"][a:b] = 0.0
         v["state_slots"][a:b] = self.mamba.padding_slot if self.mamba is not None else 0
         v["has_initial_state"][a:b] = False
         v["block_table"][a:b] = DUMMY_BLOCK
-        _PenaltyColumns.fill_padding(v, a, b, self.sampling_state.padding_slot)
         if self.spec is not None:
-            v["spec_src"][ta:tb] = -1  # per token
             v["spec_slot"][a:b] = self.spec.padding_slot
             v["spec_owner_slot"][a:b] = self.spec.padding_slot
             v["spec_inflight"][a:b] = False
             v["num_drafts"][a:b] = 0
-            v["sample_base"][a:b] = np.arange(a, b)
-            v["sample_to_row"][a:b] = np.arange(a, b)
+            v["sample_base"][a:b] = sample_base
 
     def transfer_bookkeeping_to_gpu(self) -> None:
         """The step's one H2D copy of the whole snapshot."""
@@ -450,7 +517,9 @@ class DynamicInferenceContext:
                 cu_query_lens=attn.cu_query_lens, num_rows=R, is_decode_only=shape.is_decode_only,
                 max_query_len=shape.max_query_len, host_cu_query_lens=shape.cu_query_lens,
             )
-            if shape.num_drafts is not None:  # verify rows run as Mamba windows
+            if shape.verify_width:  # uniform verify step: every row (padding too) is one window
+                batch.mamba.host_window_rows, batch.mamba.window_tokens = [True] * R, shape.verify_width
+            elif shape.num_drafts is not None:  # verify rows run as Mamba windows
                 batch.mamba.host_window_rows, batch.mamba.window_tokens = window_rows(shape.num_drafts, T)
             batch.conv_states, batch.ssm_states = self.mamba.conv_states, self.mamba.ssm_states
             batch.conv_window_states, batch.ssm_window_states = self.mamba.conv_window_states, self.mamba.ssm_window_states

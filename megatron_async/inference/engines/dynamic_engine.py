@@ -229,6 +229,7 @@ class DynamicInferenceEngine:
         graphs, st = self.controller.graphs, self.stats
         if graphs is not None:
             st.graph_replays, st.mixed_graph_replays = graphs.num_replays, graphs.num_mixed_replays
+            st.spec_graph_replays = graphs.num_verify_replays
             st.graph_captures_after_warmup = graphs.captures_after_warmup if graphs.warmed_up else len(graphs.graphs)
         if self._builds_at_warmup is not None:
             st.triton_builds_after_warmup = triton_builds.builds() - self._builds_at_warmup

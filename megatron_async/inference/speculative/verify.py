@@ -37,10 +37,11 @@ class SpecVerifier:
         pos = g.positions[:T] - row_corr[tok_row]
         g.positions[:T] = pos
         block = g.block_table[:R].long()[tok_row, pos // bs]
-        g.slot_mapping[:T] = block * bs + pos % bs
+        src = g.spec_src[:T]
+        # padding tokens of a uniform verify row (-2) keep writing to the dummy block
+        g.slot_mapping[:T] = torch.where(src == -2, g.slot_mapping[:T], block * bs + pos % bs)
         g.kv_lens[:R] -= row_corr.to(g.kv_lens.dtype)
         g.sample_position[:S] -= row_corr[g.sample_to_row[:S]]
-        src = g.spec_src[:T]
         tok_slot = row_slot[tok_row]
         drafts = sp.drafts[tok_slot, (src - 1).clamp(0, max(sp.num_speculative_tokens - 1, 0))] \
             if sp.num_speculative_tokens else input_ids

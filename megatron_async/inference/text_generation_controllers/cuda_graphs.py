@@ -10,6 +10,10 @@ pad tokens to a captured token count and rows to the key's rows, the spare rows 
 padding tokens. Padding writes K/V only to the dummy block (and the padding Mamba slot); the
 varlen attention kernel reads every row's query span from ``cu_query_lens`` in the snapshot, and
 its launch grid depends only on the padded sizes, so one capture serves any ragged batch.
+Verify graphs (speculative decoding) take decode rows laid out K + 1 tokens and samples each
+(graph_plan.py): the drafts' gather, the position correction of a launch in flight, the
+forward (Mamba windows included), sampling, acceptance, the commit of the accepted Mamba
+states and the drafter's proposal (n-gram lookup, MTP heads' forward) are all inside.
 
 ``emulate=True`` (CPU tests only): no capture; a replay runs the same padded step eagerly,
 so the padding logic is checked where no graphs exist."""
@@ -45,24 +49,30 @@ class CapturedStep:
         else:
             self.out = self.runner.compute_step(self.shape)
 
-    def outputs(self, num_rows: int, log_probs: bool, top_n: int):
-        """The real rows' tokens, and the log-probs / top-n the step asked for (a larger variant
-        computes more: what no row asked for is not copied to the host)."""
+    def outputs(self, num_samples: int, log_probs: bool, top_n: int):
+        """The real samples' tokens (one per real row; verify graphs: K + 1 per real row), and
+        the log-probs / top-n the step asked for (a larger variant computes more: what no row
+        asked for is not copied to the host)."""
         tokens, lp, tv, ti = self.out
-        lp = lp[:num_rows] if lp is not None and (log_probs or top_n) else None
+        n = num_samples
+        lp = lp[:n] if lp is not None and (log_probs or top_n) else None
         if tv is None or top_n == 0:
-            return tokens[:num_rows], lp, None, None
-        return tokens[:num_rows], lp, tv[:num_rows, :top_n], ti[:num_rows, :top_n]
+            return tokens[:n], lp, None, None
+        return tokens[:n], lp, tv[:n, :top_n], ti[:n, :top_n]
 
 
 def graph_shape(key: GraphKey, max_sequence_length: int, vocab_size: int) -> StepShape:
     """The StepShape a key's graph is captured with (upper bounds for the length fields)."""
     f = variant_flags(key.variant, vocab_size)
+    W, R = key.verify_width, key.num_rows
+    verify = dict(num_samples=R * W, sample_base=list(range(0, R * W, W)), num_drafts=[W - 1] * R,
+                  verify_width=W) if W else {}
+    max_query_len = 1 if key.decode_only else W or key.num_tokens
     return StepShape(
-        num_tokens=key.num_tokens, num_rows=key.num_rows, max_query_len=1 if key.decode_only else key.num_tokens,
+        num_tokens=key.num_tokens, num_rows=R, max_query_len=max_query_len,
         max_kv_len=max_sequence_length, is_decode_only=key.decode_only, any_sampling=f.any_sampling,
         any_top_k_top_p=any(f.filters), filters=f.filters, max_top_n=f.max_top_n, any_log_probs=f.any_log_probs,
-        any_penalties=f.any_penalties,
+        any_penalties=f.any_penalties, **verify,
     )
 
 
@@ -74,25 +84,27 @@ def greedy_decode_key(rows: int) -> GraphKey:
 class CudaGraphRunner:
     def __init__(self, controller, config: InferenceConfig, mixed: bool = False,
                  variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), emulate: bool = False,
-                 collective: bool = False):
+                 collective: bool = False, verify: bool = True):
         """``collective``: data-parallel engines (expert parallelism). The graphs hold MoE
         collectives across ranks that run different batches, and NCCL requires graph-captured
         vs eager to be the same on every rank of a launch, with graphs of one joint capture: so
         the plan is greedy decode only (no mixed steps), only the graphs ``warmup`` captured on
         every rank at once are replayed, a missing one is an error (never a capture on one rank
         alone), and a rank with nothing to launch replays the agreed graph on padding rows
-        (``replay_padding``)."""
+        (``replay_padding``). ``verify``: verify graphs when speculative decoding is on."""
         self.controller = controller
         self.config = config
         self.collective = collective
         if collective:
-            mixed, variants = False, (SamplingVariant.GREEDY,)
-        self.plan = GraphPlan(config, controller.model.vocab_size, mixed, variants)
+            mixed, variants, verify = False, (SamplingVariant.GREEDY,), False
+        self.plan = GraphPlan(config, controller.model.vocab_size, mixed, variants, verify)
         self.graphs: dict[GraphKey, CapturedStep] = {}
         self.emulate = emulate
         self._pool = None
         self.num_replays = 0
         self.num_mixed_replays = 0
+        self.num_verify_replays = 0
+        """Speculative verify steps that replayed a verify graph."""
         self.num_padding_replays = 0
         """Dummy forwards of data-parallel engines that replayed a graph on padding rows."""
         self.captures_after_warmup = 0
@@ -131,7 +143,8 @@ class CudaGraphRunner:
             step = self.graphs[key] = self._capture(key)
             self.captures_after_warmup += self.warmed_up
         self.num_replays += 1
-        self.num_mixed_replays += not key.decode_only
+        self.num_mixed_replays += not key.decode_only and not key.verify_width
+        self.num_verify_replays += bool(key.verify_width)
         return step
 
     def replay_padding(self, num_rows: int) -> int:
@@ -190,7 +203,7 @@ class CudaGraphRunner:
         ctl.dp_num_tokens = 0  # MoE exchanges pad to the graph's rows (a stale agreement must not leak in)
         saved_samples = ctl.last_samples.clone()
         saved_view = ctx.gpu_view.buffer.clone()
-        ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens))
+        ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens, key.verify_width))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -18,9 +18,14 @@ Mixed steps (any row with more than one token: prefill chunks) pad their tokens 
 of ``token_counts``; their rows pad to ``min(max_requests, padded tokens) + 1``, one spare row
 at least, which takes the padding tokens (see ``DynamicInferenceContext.pad_for_graph``).
 
-Speculative verify steps (a row with drafts: more sampled positions than rows) never get a
-key: a graph samples one position per row, and padding rows index samples by row, so a step
-with drafts runs eager; its steps without drafts (speculation switched off) may replay."""
+Speculative verify steps (decode rows, some with drafts) replay verify graphs: every row is
+exactly ``K + 1`` tokens and ``K + 1`` samples (K = num_speculative_tokens), rows with fewer
+drafts (none, a probe, a length limit) padded inside the row, rows padded to a decode batch size
+(``DynamicInferenceContext.initialize_attention_state(verify_width=...)``). One width per
+configuration: a row's padding costs tokens of a forward that is memory bound at the batch
+sizes where speculation pays, while a key per draft count would multiply the captures by K.
+A verify step that mixes in a prefill chunk runs eager (a hybrid's window layout then needs
+host lists); a step whose rows all run without drafts replays a plain decode graph."""
 from __future__ import annotations
 
 import bisect
@@ -79,6 +84,8 @@ class GraphKey:
     """Padded row count."""
     decode_only: bool
     variant: SamplingVariant
+    verify_width: int = 0
+    """> 0: a verify graph; every row is this many tokens and samples (its last token, K drafts)."""
 
 
 def default_batch_sizes(max_requests: int) -> list[int]:
@@ -107,13 +114,30 @@ class GraphPlan:
     may be captured (data-parallel engines: greedy only, see ``CudaGraphRunner.would_replay``)."""
 
     def __init__(self, config: InferenceConfig, vocab_size: int, mixed: bool,
-                 variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant)):
+                 variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), verify: bool = False):
+        """``verify``: verify graphs for speculative decoding (``num_speculative_tokens`` > 0)."""
         self.config = config
         self.vocab_size = vocab_size
         self.decode_sizes = sorted(config.cuda_graph_batch_sizes or default_batch_sizes(config.max_requests))
         counts = config.cuda_graph_token_counts or default_token_counts(config.max_tokens)
         self.token_counts = sorted(c for c in counts if c <= config.max_tokens) if mixed else []
         self.variants = variants
+        K = config.num_speculative_tokens
+        self.verify_width = K + 1 if verify and K > 0 else 0
+        """Tokens (and samples) of every row of a verify graph; 0: no verify graphs."""
+        self.verify_sizes = [b for b in self.decode_sizes if b * self.verify_width <= config.max_tokens] \
+            if self.verify_width else []
+        """Padded row counts of the verify graphs (their tokens fit ``max_tokens``)."""
+
+    def verify_rows(self, plan) -> int:
+        """The padded rows of a verify graph for ``plan`` (a StepPlan), 0 when its step cannot
+        replay one: the step must be decode rows only (one token plus drafts each), some with
+        drafts, few enough for a verify size. The controller then lays the step out uniformly."""
+        rows = plan.rows
+        if not self.verify_sizes or not plan.is_all_decode or not any(r.num_drafts for r in rows):
+            return 0
+        i = bisect.bisect_left(self.verify_sizes, len(rows))
+        return self.verify_sizes[i] if i < len(self.verify_sizes) else 0
 
     def mixed_rows(self, padded_tokens: int) -> int:
         """Rows of a mixed graph of ``padded_tokens``: every real row fits (a row has >= 1 token)
@@ -123,11 +147,17 @@ class GraphPlan:
     def key(self, shape, min_rows: int = 0) -> GraphKey | None:
         """The graph a step replays (None: eager). ``min_rows``: data-parallel ranks pad decode
         steps at least to the rows all ranks agreed on."""
-        if shape.num_samples > shape.num_rows:  # speculative verify rows (drafts): eager, see below
-            return None
         variant = variant_of(shape)
         if variant is None or variant not in self.variants:
             return None
+        if shape.verify_width or shape.num_samples > shape.num_rows:  # speculative verify rows
+            if not shape.verify_width or shape.verify_width != self.verify_width or min_rows:
+                return None  # not the uniform layout (a prefill chunk beside them: eager)
+            i = bisect.bisect_left(self.verify_sizes, shape.num_rows)
+            if i == len(self.verify_sizes):
+                return None
+            b = self.verify_sizes[i]
+            return GraphKey(b * self.verify_width, b, False, variant, self.verify_width)
         if shape.is_decode_only:
             rows = max(shape.num_rows, min_rows)
             if rows > self.decode_sizes[-1]:
@@ -141,7 +171,9 @@ class GraphPlan:
 
     def keys(self) -> list[GraphKey]:
         """Every key, in capture order: largest first within each kind (so later, smaller
-        captures reuse the shared pool's memory), mixed before decode."""
+        captures reuse the shared pool's memory), mixed before verify before decode."""
         mixed = [GraphKey(t, self.mixed_rows(t), False, v) for t in reversed(self.token_counts) for v in self.variants]
+        W = self.verify_width
+        verify = [GraphKey(b * W, b, False, v, W) for b in reversed(self.verify_sizes) for v in self.variants]
         decode = [GraphKey(b, b, True, v) for b in reversed(self.decode_sizes) for v in self.variants]
-        return mixed + decode
+        return mixed + verify + decode

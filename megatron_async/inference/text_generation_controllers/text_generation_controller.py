@@ -87,24 +87,29 @@ class TextGenerationController:
     @torch.inference_mode()
     def launch_step(self, plan: StepPlan, step_id: int, overlapped: bool, timed: bool) -> PendingLaunch:
         ctx = self.context
+        use_graphs = self.graphs is not None and not self.force_eager
+        # verify steps that may replay a verify graph are laid out K + 1 tokens per row
+        width = self.graphs.plan.verify_width if use_graphs and self.graphs.plan.verify_rows(plan) else 0
         with nvtx_range("initialize_attention_state"):
-            shape = ctx.initialize_attention_state(plan)
+            shape = ctx.initialize_attention_state(plan, verify_width=width)
         start_ev = end_ev = None
         if timed and self.device.is_cuda:
             start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start_ev.record()
         t0 = time.perf_counter()
         graph = None
-        if self.graphs is not None and not self.force_eager:
+        if use_graphs:
             graph = self.graphs.lookup(shape, min_rows=self.dp_num_tokens)
         if graph is not None:
-            ctx.pad_for_graph(shape.num_tokens, shape.num_rows, graph.key.num_tokens, graph.key.num_rows)
+            k = graph.key
+            ctx.pad_for_graph(shape.num_tokens, shape.num_rows, k.num_tokens, k.num_rows, k.verify_width)
         with nvtx_range("transfer_bookkeeping_to_gpu"):
             ctx.transfer_bookkeeping_to_gpu()
         if graph is not None:
             with nvtx_range("forward_pass"):
                 graph.replay()
-            tokens, log_probs, top_vals, top_ids = graph.outputs(shape.num_rows, shape.any_log_probs, shape.max_top_n)
+            tokens, log_probs, top_vals, top_ids = graph.outputs(shape.num_samples, shape.any_log_probs,
+                                                                 shape.max_top_n)
         else:
             tokens, log_probs, top_vals, top_ids = self.compute_step(shape)
         if ctx.mamba is not None:

@@ -11,7 +11,10 @@ as the token count T and the row count R, so eager warm-up runs steps on padding
 - one-row mixed steps at token counts 1 .. max_tokens around every power of two (p - 1, p,
   p + 16), which covers every class of T and every T-derived tile choice (fused MoE blocks);
 - every sampling variant (greedy, temperature, filtered, full: penalties + log-probs) once for
-  decode and once for a mixed step.
+  decode and once for a mixed step;
+- speculative decoding: uniform verify steps (every row K + 1 tokens and samples, the verify
+  graphs' layout) at the decode row counts, one window of each length 2 .. K + 1, and a
+  window beside a multi-token row (the eager layout of verify rows next to a prefill chunk).
 Then the graph runner captures its whole plan (graph_plan.py). Under expert parallelism only
 the greedy decode graphs are captured (every rank at once: collectives inside)."""
 from __future__ import annotations
@@ -70,7 +73,33 @@ def _shape(tokens: int, rows: int, decode: bool, variant: SamplingVariant, vocab
                      any_penalties=f.any_penalties)
 
 
-def eager_shapes(controller) -> list[StepShape]:
+def _verify_shape(rows: int, width: int, drafts: list[int], vocab: int, uniform: bool) -> StepShape:
+    """``rows`` rows of ``width`` tokens and samples each (the padding snapshot of that width);
+    ``drafts``: the drafts each row verifies; ``uniform``: the verify-graph layout."""
+    shape = _shape(rows * width, rows, False, SamplingVariant.GREEDY, vocab)
+    shape.max_query_len, shape.cu_query_lens = width, list(range(0, rows * width + 1, width))
+    shape.num_samples, shape.sample_base, shape.num_drafts = rows * width, list(range(0, rows * width, width)), drafts
+    shape.verify_width = width if uniform else 0
+    return shape
+
+
+def verify_shapes(controller, split=None) -> list[tuple[StepShape, int]]:
+    """Speculative decoding's eager shapes, each with the width of its padding snapshot."""
+    ctx, vocab = controller.context, controller.model.vocab_size
+    K = ctx.config.num_speculative_tokens
+    if K == 0:
+        return []
+    W = K + 1
+    rows = decode_row_counts(min(ctx.config.max_requests, ctx.config.max_tokens // W), split)
+    out = [(_verify_shape(r, W, [K] * r, vocab, True), W) for r in rows]
+    out += [(_verify_shape(1, k + 1, [k], vocab, False), k + 1) for k in range(1, K + 1)]
+    if 2 * W <= ctx.config.max_tokens:  # a window beside a multi-token row that verifies nothing
+        out.append((_verify_shape(2, W, [K, 0], vocab, False), W))
+    return out
+
+
+def eager_shapes(controller) -> list[tuple[StepShape, int]]:
+    """(shape, verify width of its padding snapshot: 0 = one token per row, the rest to the last)."""
     ctx, vocab = controller.context, controller.model.vocab_size
     cfg = ctx.config
     split = _decode_split_count(controller)
@@ -78,7 +107,7 @@ def eager_shapes(controller) -> list[StepShape]:
     shapes += [_shape(t, 1, t == 1, SamplingVariant.GREEDY, vocab) for t in mixed_token_counts(cfg.max_tokens)]
     for v in list(SamplingVariant)[1:]:
         shapes += [_shape(2, 2, True, v, vocab), _shape(3, 2, False, v, vocab)]
-    return shapes
+    return [(s, 0) for s in shapes] + verify_shapes(controller, split)
 
 
 def _decode_split_count(controller):
@@ -107,10 +136,11 @@ def run_warmup(controller, graphs: bool = True, eager: bool = True) -> WarmupRep
     n_eager = 0
     if eager:
         saved = controller.last_samples.clone()
-        for shape in eager_shapes(controller):
+        for shape, width in eager_shapes(controller):
             if shape.any_penalties:
                 ctx.sampling_state.ensure_allocated()
-            ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(shape.num_rows, shape.num_tokens).to(dev.device))
+            snapshot = ctx.padding_snapshot(shape.num_rows, shape.num_tokens, width)
+            ctx.gpu_view.buffer.copy_(snapshot.to(dev.device))
             controller.compute_step(shape)
             n_eager += 1
         controller.last_samples.copy_(saved)

@@ -81,12 +81,45 @@ def test_a_single_engine_runner_captures_lazily():
     assert r.lookup(prefill) is None  # no mixed graphs: eager
 
 
-def test_a_step_with_drafts_never_replays():
-    """Speculative verify rows (more sampled positions than rows) run eager, decode or mixed."""
-    r = runner(False)
-    r._capture = lambda key: pytest.fail(f"captured {key} for a verify step")
-    assert r.lookup(StepShape(4, 2, 2, 9, False, False, False, 0, False, num_samples=4)) is None
-    assert r.lookup(StepShape(5, 3, 3, 9, False, True, False, 0, False, num_samples=5)) is None
+def verify_plan(*drafts: int, prefill: bool = False) -> StepPlan:
+    rows = [RowPlan(SimpleNamespace(sampling_params=GREEDY, prompt_tokens=[1]), start=5, num_tokens=1 + k,
+                    samples=True, num_drafts=k) for k in drafts]
+    if prefill:
+        rows.append(RowPlan(SimpleNamespace(sampling_params=GREEDY, prompt_tokens=[1] * 9), 0, 4, samples=False))
+    return StepPlan(rows)
+
+
+def verify_shape(rows: int, width: int, uniform: bool = True, sampling: bool = False) -> StepShape:
+    return StepShape(rows * width, rows, width, 9, False, sampling, False, 0, False, num_samples=rows * width,
+                     verify_width=width if uniform else 0)
+
+
+def test_verify_keys_pad_rows_to_a_decode_size_of_k_plus_one_tokens():
+    """K = 3: verify graphs of 4 tokens per row at the decode sizes whose tokens fit max_tokens
+    (24: sizes 1, 2, 4 but not 8); a step laid out compactly (rows next to a prefill chunk) or
+    beyond the largest size runs eager; without speculation no verify key exists."""
+    cfg = InferenceConfig(max_requests=8, max_tokens=24, num_speculative_tokens=3)
+    r = CudaGraphRunner(SimpleNamespace(model=SimpleNamespace(vocab_size=64)), cfg, mixed=True)
+    r._capture = lambda key: SimpleNamespace(num_rows=key.num_rows, key=key)
+    assert r.plan.verify_width == 4 and r.plan.verify_sizes == [1, 2, 4]
+    verify_keys = [k for k in r.plan.keys() if k.verify_width]
+    assert verify_keys == [GraphKey(4 * b, b, False, v, 4) for b in (4, 2, 1) for v in SamplingVariant]
+    assert r.lookup(verify_shape(3, 4, sampling=True)).key == GraphKey(16, 4, False, SamplingVariant.TEMPERATURE, 4)
+    assert r.lookup(verify_shape(1, 4)).key == GraphKey(4, 1, False, SamplingVariant.GREEDY, 4)
+    assert r.lookup(verify_shape(5, 4)) is None  # beyond the largest verify size
+    assert r.lookup(verify_shape(2, 3, uniform=False)) is None  # compact layout: eager
+    assert r.lookup(verify_shape(2, 3)) is None  # another width than K + 1
+    assert r.num_verify_replays == 2 and r.num_mixed_replays == 0
+    # which plans the controller lays out uniformly (padded rows), and which not (0)
+    assert r.plan.verify_rows(verify_plan(3, 1, 0)) == 4
+    assert r.plan.verify_rows(verify_plan(0, 0)) == 0  # no drafts: a plain decode graph
+    assert r.plan.verify_rows(verify_plan(3, 1, prefill=True)) == 0
+    assert r.plan.verify_rows(verify_plan(*[1] * 5)) == 0
+    off = CudaGraphRunner(r.controller, InferenceConfig(max_requests=8, max_tokens=24), mixed=True)
+    assert off.plan.verify_width == 0 and not any(k.verify_width for k in off.plan.keys())
+    assert off.plan.verify_rows(verify_plan(3)) == 0
+    no_verify = CudaGraphRunner(r.controller, cfg, mixed=True, verify=False)
+    assert no_verify.plan.verify_rows(verify_plan(3)) == 0 and no_verify.lookup(verify_shape(1, 4)) is None
 
 
 def test_llm_close_destroys_graphs_before_the_process_group():

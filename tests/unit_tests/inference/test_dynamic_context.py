@@ -318,3 +318,48 @@ def test_transfer_makes_forward_batch_views_of_the_snapshot(model):
     assert batch.attn.block_table.tolist() == [host(ctx)["block_table"][0].tolist()]
     assert batch.attn.positions.data_ptr() == ctx.gpu_view.positions.data_ptr()
     assert batch.mamba is None and len(batch.kv_caches) == model.kv_cache_spec().num_layers
+
+
+def test_uniform_verify_layout_and_its_graph_padding(model):
+    """K = 2, verify width 3: a row with 2 drafts and a row with none, each 3 tokens and 3
+    samples; the second row's two padding tokens take input 0, its last position, the dummy
+    block and spec_src -2, their samples no sampling slot; then two padding rows of 3."""
+    cfg = InferenceConfig(block_size_tokens=BS, num_kv_blocks=9, max_requests=4, max_tokens=32,
+                          max_sequence_length=32, num_speculative_tokens=2)
+    ctx = DynamicInferenceContext(cfg, model, DeviceFacade("cpu"), torch.float32)
+    reqs = [make_req(i, [1, 2, 3], presence_penalty=0.5 * i) for i in range(2)]
+    for r in reqs:
+        ctx.admit(r)
+        run_prefill(ctx, r)
+        r.num_inflight, r.inflight_row = 0, -1
+        r.generated_tokens.append(7 + r.request_id)
+    for r, k in zip(reqs, (2, 0)):
+        assert ctx.reserve(r, 1 + k)
+    plan = StepPlan([RowPlan(r, 3, 1 + k, True, num_drafts=k) for r, k in zip(reqs, (2, 0))])
+    shape = ctx.initialize_attention_state(plan, verify_width=3)
+    assert (shape.num_tokens, shape.num_rows, shape.num_samples, shape.verify_width) == (6, 2, 6, 3)
+    assert not shape.is_decode_only and shape.max_query_len == 3 and shape.num_drafts == [2, 0]
+    assert shape.sample_base == [0, 3] and shape.cu_query_lens == [0, 3, 6]
+    v = host(ctx)
+    b1 = reqs[1].block_ids[0]
+    assert v["input_ids"][3:6].tolist() == [8, 0, 0] and v["spec_src"][:6].tolist() == [-1, 1, 2, -1, -2, -2]
+    assert v["positions"][:6].tolist() == [3, 4, 5, 3, 3, 3]
+    assert v["slot_mapping"][3:6].tolist() == [b1 * BS + 3, DUMMY_BLOCK * BS, DUMMY_BLOCK * BS]
+    assert v["kv_lens"][:2].tolist() == [6, 4] and v["num_drafts"][:2].tolist() == [2, 0]
+    assert v["sample_token_idx"][:6].tolist() == [0, 1, 2, 3, 4, 5]
+    assert v["sample_to_row"][:6].tolist() == [0, 0, 0, 1, 1, 1]
+    pad_slot = ctx.sampling_state.padding_slot
+    assert v["sampling_slot"][3] == reqs[1].sampling_slot != pad_slot
+    assert v["sampling_slot"][4:6].tolist() == [pad_slot] * 2 and v["top_k"][4:6].tolist() == [1, 1]
+    assert reqs[0].num_computed_tokens == 6 and reqs[1].num_computed_tokens == 4  # real tokens only
+    ctx.pad_for_graph(6, 2, 12, 4, verify_width=3)
+    assert v["cu_query_lens"][:5].tolist() == [0, 3, 6, 9, 12]
+    assert v["token_to_row"][6:12].tolist() == [2, 2, 2, 3, 3, 3]
+    assert v["sample_base"][:4].tolist() == [0, 3, 6, 9] and v["sample_token_idx"][6:12].tolist() == list(range(6, 12))
+    assert v["spec_slot"][2:4].tolist() == [ctx.spec.padding_slot] * 2 and v["kv_lens"][2:4].tolist() == [1, 1]
+    assert v["slot_mapping"][6:12].tolist() == [DUMMY_BLOCK * BS] * 6 and v["sampling_slot"][6:12].tolist() == [pad_slot] * 6
+    assert ctx.reserve(reqs[0], 4)
+    reqs[0].generated_tokens += [9, 9, 9]  # as if its drafts had landed: position 6 is known
+    with pytest.raises(Exception, match="uniform verify layout of 3 tokens per row cannot hold a row of 4"):
+        ctx.initialize_attention_state(StepPlan([RowPlan(reqs[0], 6, 4, True, num_drafts=3)]), verify_width=3)
+    assert reqs[0].num_computed_tokens == 6  # the row's state undone
