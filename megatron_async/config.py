@@ -94,7 +94,8 @@ class InferenceConfig:
     """Launch-ahead: step N+1 is enqueued on the device before step N's CPU bookkeeping."""
 
     cuda_graphs: bool = False
-    """Capture and replay decode-only steps as CUDA graphs (CUDA only; ignored on CPU)."""
+    """Capture and replay decode-only steps as CUDA graphs (CUDA only; ignored on CPU); with
+    speculative decoding also its verify steps (decode rows with drafts, K + 1 tokens each)."""
 
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     """Padded decode batch sizes to capture. None: 1, 2, 4, 8, then multiples of 16 up to max_requests."""

@@ -106,3 +106,25 @@ def test_ngram_with_acceptance_switch_and_plain_decode_graphs(qwen3_ckpt):
     st = llm.engine.stats
     assert st.spec_off_rows["batch"] > 0, st.as_dict()
     assert any(step is not None and step.key.decode_only for _, step in lookups)  # plain decode graphs too
+
+
+def test_mtp_drafts_inside_verify_graphs_equal_eager_drafts(tmp_path):
+    """The MTP heads' teacher-forced pass and chained drafts run inside the verify graph, over
+    the padded layout: tokens equal plain decoding's and the drafts equal the eager speculative
+    run's (same acceptance, step for step: serial mode, same schedules)."""
+    from megatron_async.testing.hf_models import make_tiny_checkpoint
+    from megatron_async.testing.mtp_heads import add_mtp_heads
+
+    base = make_tiny_checkpoint("LlamaForCausalLM", tmp_path / "base", seed=1)
+    ckpt = add_mtp_heads(base, tmp_path / "mtp", init="copy_next", scale_layers=0.01)
+    arrivals = _arrivals(256, seed=33)
+    plain = run_arrivals(make_llm(ckpt, async_scheduling=False, **CFG), arrivals)
+    cfg = dict(speculative_method="mtp", speculative_min_acceptance=0.0)
+    eager = make_llm(ckpt, async_scheduling=False, num_speculative_tokens=K, **CFG, **cfg)
+    assert_same_outputs(plain, run_arrivals(eager, arrivals))
+    llm, runner, lookups = _spec_llm_with_graphs(ckpt, None, False, mixed=True, **cfg)
+    assert_same_outputs(plain, run_arrivals(llm, arrivals))
+    _assert_verify_steps_replayed(llm, runner, lookups)
+    a, b = eager.engine.stats, llm.engine.stats
+    assert (a.spec_draft_tokens_per_depth, a.spec_accepted_tokens_per_depth) == \
+        (b.spec_draft_tokens_per_depth, b.spec_accepted_tokens_per_depth)
