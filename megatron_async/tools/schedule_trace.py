@@ -85,8 +85,8 @@ class ScheduleRecorder:
         init_state = ctx.initialize_attention_state
         shapes: list = []
 
-        def init_wrapper(plan):
-            shape = init_state(plan)
+        def init_wrapper(plan, **kwargs):  # kwargs: e.g. verify_width
+            shape = init_state(plan, **kwargs)
             shapes.append(shape)
             return shape
 

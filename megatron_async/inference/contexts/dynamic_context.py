@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from megatron_async.config import InferenceConfig
 from megatron_async.inference.contexts.bookkeeping_layout import BookkeepingLayout, FieldSpec
 from megatron_async.inference.contexts.gpu_view import ContextGPUView
+from megatron_async.inference.contexts.graph_padding import PaddingSlots, fill_padding, fill_verify_padding
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK, KVBlockAllocator
 from megatron_async.inference.contexts.mamba_states import MambaStateManager, window_rows
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
@@ -412,7 +412,8 @@ class DynamicInferenceContext:
             self.register_complete_blocks(row.request)
         T, R = len(ids), len(plan.rows)
         filters = (use_k, use_p, use_mp)
-        return StepShape(T, R, max_q, max_kv, plan.is_decode_only and not verify_width, any_sampling, any(filters), max_top_n, any_lp, cu,
+        decode_only = plan.is_decode_only and not verify_width
+        return StepShape(T, R, max_q, max_kv, decode_only, any_sampling, any(filters), max_top_n, any_lp, cu,
                          any_penalties=pen.any, filters=filters, num_samples=len(sample_idx),
                          sample_base=sample_base if spec else None, num_drafts=num_drafts if spec else None,
                          verify_width=verify_width)
@@ -420,16 +421,16 @@ class DynamicInferenceContext:
     def pad_for_graph(self, num_tokens: int, num_rows: int, padded_tokens: int, padded_rows: int,
                       verify_width: int = 0) -> None:
         """Make rows [num_rows, padded_rows) and tokens [num_tokens, padded_tokens) of the current
-        host buffer harmless padding for a padded CUDA-graph replay (see ``_fill_padding``).
+        host buffer harmless padding for a padded CUDA-graph replay (graph_padding.py).
         ``verify_width``: a uniform verify step, whose padding rows hold that many tokens and
         samples each (``padded_tokens`` is then ``padded_rows * verify_width``)."""
         v = self._host_views[self._ring]
         if verify_width:
             assert padded_tokens == padded_rows * verify_width and num_tokens == num_rows * verify_width
-            self._fill_verify_padding(v, num_rows, padded_rows, verify_width)
+            fill_verify_padding(v, self._padding_slots, num_rows, padded_rows, verify_width)
         elif padded_rows > num_rows or padded_tokens > num_tokens:
             assert padded_rows > num_rows, "padding tokens need a padding row"
-            self._fill_padding(v, num_rows, padded_rows, num_tokens, padded_tokens)
+            fill_padding(v, self._padding_slots, num_rows, padded_rows, num_tokens, padded_tokens)
 
     def padding_snapshot(self, num_rows: int, num_tokens: int | None = None, verify_width: int = 0) -> torch.Tensor:
         """A whole host snapshot of padding only (what graph capture and warm-up run on):
@@ -438,65 +439,15 @@ class DynamicInferenceContext:
         buf = torch.zeros(self.layout.nbytes, dtype=torch.uint8)
         views = {k: t.numpy() for k, t in self.layout.views(buf).items()}
         if verify_width:
-            self._fill_verify_padding(views, 0, num_rows, verify_width)
+            fill_verify_padding(views, self._padding_slots, 0, num_rows, verify_width)
         else:
-            self._fill_padding(views, 0, num_rows, 0, num_rows if num_tokens is None else num_tokens)
+            fill_padding(views, self._padding_slots, 0, num_rows, 0, num_rows if num_tokens is None else num_tokens)
         return buf
 
-    def _fill_verify_padding(self, v: dict, a: int, b: int, width: int) -> None:
-        """Padding rows [a, b) of a uniform verify step: row r owns tokens and samples
-        [r * width, (r + 1) * width), with the harmless values of ``_fill_padding``."""
-        ta, tb = a * width, b * width
-        rows = np.repeat(np.arange(a, b), width)
-        v["cu_query_lens"][a + 1 : b + 1] = np.arange(a + 1, b + 1) * width
-        v["token_to_row"][ta:tb] = rows
-        self._pad_tokens(v, ta, tb)
-        self._pad_samples(v, ta, tb, np.arange(ta, tb), rows)
-        self._pad_rows(v, a, b, np.arange(a, b) * width)
-
-    def _fill_padding(self, v: dict, a: int, b: int, ta: int, tb: int) -> None:
-        """Rows [a, b) own tokens [ta, tb): one each in order, the last row the remainder (rows
-        past the tokens get none). Padding tokens sit at position 0 and write their K/V to the
-        dummy block; padding rows see one key of it, sample greedily and count nothing."""
-        cu = np.minimum(np.arange(ta + 1, ta + b - a + 1), tb)
-        cu[-1] = tb
-        v["cu_query_lens"][a + 1 : b + 1] = cu
-        starts = np.concatenate(([ta], cu[:-1]))
-        v["token_to_row"][ta:tb] = np.repeat(np.arange(a, b), cu - starts)
-        self._pad_tokens(v, ta, tb)
-        self._pad_samples(v, a, b, np.maximum(cu - 1, 0), np.arange(a, b))
-        self._pad_rows(v, a, b, np.arange(a, b))
-
-    def _pad_tokens(self, v: dict, ta: int, tb: int) -> None:
-        v["input_ids"][ta:tb] = 0
-        v["prev_sample_idx"][ta:tb] = -1
-        v["positions"][ta:tb] = 0
-        v["slot_mapping"][ta:tb] = DUMMY_BLOCK * self.block_size
-        if self.spec is not None:
-            v["spec_src"][ta:tb] = -1
-
-    def _pad_samples(self, v: dict, sa: int, sb: int, token_idx: np.ndarray, rows: np.ndarray) -> None:
-        v["sample_token_idx"][sa:sb] = token_idx
-        v["sample_position"][sa:sb] = 0
-        v["seed"][sa:sb] = 0
-        v["temperature"][sa:sb] = 0.0
-        v["top_k"][sa:sb] = 1
-        v["top_p"][sa:sb] = 0.0
-        _PenaltyColumns.fill_padding(v, sa, sb, self.sampling_state.padding_slot)
-        if self.spec is not None:
-            v["sample_to_row"][sa:sb] = rows
-
-    def _pad_rows(self, v: dict, a: int, b: int, sample_base: np.ndarray) -> None:
-        v["kv_lens"][a:b] = 1
-        v["state_slots"][a:b] = self.mamba.padding_slot if self.mamba is not None else 0
-        v["has_initial_state"][a:b] = False
-        v["block_table"][a:b] = DUMMY_BLOCK
-        if self.spec is not None:
-            v["spec_slot"][a:b] = self.spec.padding_slot
-            v["spec_owner_slot"][a:b] = self.spec.padding_slot
-            v["spec_inflight"][a:b] = False
-            v["num_drafts"][a:b] = 0
-            v["sample_base"][a:b] = sample_base
+    @property
+    def _padding_slots(self) -> PaddingSlots:
+        return PaddingSlots(self.block_size, self.mamba.padding_slot if self.mamba is not None else 0,
+                            self.sampling_state.padding_slot, self.spec.padding_slot if self.spec is not None else None)
 
     def transfer_bookkeeping_to_gpu(self) -> None:
         """The step's one H2D copy of the whole snapshot."""
@@ -549,12 +500,3 @@ class _PenaltyColumns:
         """Snapshot field name -> this step's per-row values."""
         return {"sampling_slot": self.slot, "min_p": self.min_p, "presence_penalty": self.pres,
                 "frequency_penalty": self.freq, "repetition_penalty": self.rep, "suppress_stop": self.suppress}
-
-    @staticmethod
-    def fill_padding(v: dict, a: int, b: int, padding_slot: int) -> None:
-        v["sampling_slot"][a:b] = padding_slot
-        v["min_p"][a:b] = 0.0
-        v["presence_penalty"][a:b] = 0.0
-        v["frequency_penalty"][a:b] = 0.0
-        v["repetition_penalty"][a:b] = 1.0
-        v["suppress_stop"][a:b] = False
