@@ -128,3 +128,22 @@ def test_mtp_drafts_inside_verify_graphs_equal_eager_drafts(tmp_path):
     a, b = eager.engine.stats, llm.engine.stats
     assert (a.spec_draft_tokens_per_depth, a.spec_accepted_tokens_per_depth) == \
         (b.spec_draft_tokens_per_depth, b.spec_accepted_tokens_per_depth)
+
+
+def test_uniform_verify_steps_without_a_graph_run_eager(qwen3_ckpt):
+    """A request asking for more top-n log-probs than a graph computes: its verify steps keep
+    the uniform layout (decided before the key) but run eager; tokens, log-probs and top-n
+    equal plain decoding's."""
+    params = [PARAMS[0], SamplingParams(top_k=1, top_n_logprobs=25, num_tokens_to_generate=10)]
+    arrivals = [Arrival(i, p, params[i % 2]) for i, p in enumerate(random_prompts(4, 3, 20, 256, seed=34))]
+    plain = run_arrivals(make_llm(qwen3_ckpt, **CFG), arrivals)
+    llm, runner, lookups = _spec_llm_with_graphs(qwen3_ckpt, oracle_for(plain, arrivals, 0.3), True, mixed=True,
+                                                 speculative_min_acceptance=0.0)
+    spec = run_arrivals(llm, arrivals)
+    assert_same_outputs(plain, spec)
+    for i in plain:
+        a, b = plain[i].generated_top_n_logprobs, spec[i].generated_top_n_logprobs
+        assert (a is None) == (b is None) and [list(x) for x in a or []] == [list(y) for y in b or []]
+    eager_uniform = [s for s, step in lookups if s.verify_width and step is None]
+    assert eager_uniform and all(s.max_top_n == 25 for s in eager_uniform)
+    assert llm.engine.stats.spec_accepted_tokens > 0
