@@ -95,7 +95,7 @@ class InferenceConfig:
 
     cuda_graphs: bool = False
     """Capture and replay decode-only steps as CUDA graphs (CUDA only; ignored on CPU); with
-    speculative decoding also its verify steps (decode rows with drafts, K + 1 tokens each)."""
+    speculative decoding also its verify steps (decode rows with drafts, padded to a captured width)."""
 
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     """Padded decode batch sizes to capture. None: 1, 2, 4, 8, then multiples of 16 up to max_requests."""
@@ -108,6 +108,14 @@ class InferenceConfig:
     cuda_graph_token_counts: tuple[int, ...] | None = None
     """Padded token counts of the mixed-step graphs. None: 16, 32, ..., 256, then four sizes
     per doubling (x1.25, x1.5, x1.75, x2) up to max_tokens (padding wastes at most 25%)."""
+
+    cuda_graph_verify_widths: tuple[int, ...] | None = None
+    """With ``cuda_graphs`` and speculative decoding: tokens per row of the verify graphs, each
+    in 2 .. num_speculative_tokens + 1 (which is always included). A verify step replays the
+    narrowest width that holds its most drafted row; rows with fewer drafts are padded inside
+    the row. None: (2, K + 1): steps whose rows draft at most one token (probes of requests
+    switched off by acceptance) replay narrow graphs, the rest full ones. More widths: less
+    padding per step, more captures (sizes x variants per width)."""
 
     startup_warmup: bool = True
     """On CUDA, when the LLM is built: compile every Triton kernel variant the configuration can
@@ -212,6 +220,10 @@ class InferenceConfig:
         if not 0.0 <= self.speculative_min_acceptance <= 1.0:
             raise ValueError("InferenceConfig.speculative_min_acceptance must be in [0, 1], "
                              f"got {self.speculative_min_acceptance}")
+        K = self.num_speculative_tokens
+        if self.cuda_graph_verify_widths is not None and not all(2 <= w <= K + 1 for w in self.cuda_graph_verify_widths):
+            raise ValueError(f"InferenceConfig.cuda_graph_verify_widths must lie in 2 .. num_speculative_tokens + 1 "
+                             f"({K + 1}), got {self.cuda_graph_verify_widths}")
         if self.speculative_probe_interval < 1 or self.speculative_max_batch_size < 0:
             raise ValueError("InferenceConfig.speculative_probe_interval must be >= 1 and "
                              "speculative_max_batch_size >= 0")

@@ -4,8 +4,9 @@ and seeded sampling, serial / launch-ahead / launch-ahead + CUDA graphs, where v
 replay verify graphs with 0 captures and 0 Triton builds after the warm-up; a tiny NemotronH
 hybrid with graphs too), no host sync in steady speculative decode, eager and with graphs
 (``torch.cuda.set_sync_debug_mode("error")``), and a timing line per batch size: a
-Qwen3-0.6B-shaped bf16 model, k = 3, oracle drafter at 80% per-token acceptance, graphs on,
-speculative vs plain decode step time and tok/s. Prints one line per check; exit 1 on a failure.
+Qwen3-0.6B-shaped bf16 model, k = 3, oracle drafter at 80% per-token acceptance (and 0% with
+the switch-off policy at batch 128), graphs on, speculative vs plain decode step time and tok/s.
+Prints one line per check; exit 1 on a failure.
 
     python scripts/check_speculative_gpu.py
     SPEC_CHECK_DEVICE=cpu python scripts/check_speculative_gpu.py   # a dry run (emulated graphs)
@@ -90,11 +91,13 @@ def no_sync(ckpt, cuda_graphs: bool) -> str:
 
 
 def timing(batches=(1, 128), prompt_len: int = 64, output_len: int = 64, accept: float = 0.8) -> list[str]:
-    """Plain vs speculative decode on the bf16 Qwen3-0.6B shape, graphs on. The verify graph's
-    step time does not depend on acceptance; tokens per step do. In bf16 a (k + 1)-token row's
-    logits differ in the last bits from a 1-token row's, so a request can leave the oracle's
-    script at a near-tie: the measured acceptance is printed next to the target, and
-    "at target" scales the step times by the tokens per row 80% acceptance brings."""
+    """Plain vs speculative decode on the bf16 Qwen3-0.6B shape, graphs on, k = K, the oracle at
+    ``accept`` per-token acceptance (forced: always drafting) at every batch size, and at 0% with
+    the default switch-off policy at the largest. The verify graph's step time does not depend
+    on acceptance; tokens per step do. In bf16 a (k + 1)-token row's logits differ in the last
+    bits from a 1-token row's, so a request can leave the oracle's script at a near-tie: the
+    measured acceptance is printed next to the target, and "at target" scales the step times by
+    the tokens per row ``accept`` brings (1 + a + a^2 + a^3)."""
     cuda = DEVICE == "cuda"
     model, dtype = ("qwen3-0.6b", "bfloat16") if cuda else ("tiny", "float32")
     B = max(batches)
@@ -102,43 +105,52 @@ def timing(batches=(1, 128), prompt_len: int = 64, output_len: int = 64, accept:
                 buffer_size_gb=2.0 if cuda else 0.05, cuda_graphs=True, cuda_graph_batch_sizes=tuple(batches),
                 cuda_graph_mixed_steps=False, startup_warmup=False)  # the first (untimed) run compiles + captures
     vocab = DEFAULT_CONFIGS[model]["vocab_size"]
-    plain = _with_graphs(LLM(None, DEVICE, dtype, InferenceConfig(**base), default_model=model))
-    spec = _with_graphs(LLM(None, DEVICE, dtype, InferenceConfig(**base, num_speculative_tokens=K,
-                                                                 speculative_min_acceptance=0.0),
-                            default_model=model, drafter=OracleDrafter({}, 1.0, vocab, output_len + 1)))
+
+    def llm(drafter=None, **cfg) -> LLM:
+        return _with_graphs(LLM(None, DEVICE, dtype, InferenceConfig(**base, **cfg), default_model=model,
+                                drafter=drafter))
+
+    plain = llm()
     params = SamplingParams(top_k=1, num_tokens_to_generate=output_len, ignore_eos=True)
-    per_row_at_target = sum(accept ** i for i in range(K + 1))  # 1 + a + a^2 + a^3
     prompts, refs, cont = {}, {}, {}
     for b in batches:
         rng = random.Random(b)
         prompts[b] = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(b)]
         refs[b] = plain.generate(prompts[b], params)  # untimed: compiles and captures
         cont.update({tuple(p): o.generated_tokens for p, o in zip(prompts[b], refs[b])})
-    # one drafter for every batch, set before the first capture (graphs read its tables)
-    spec.context.spec.set_drafter(OracleDrafter(cont, 1.0 - accept, vocab, output_len + 1))
+    # the drafters know every batch's continuation before the first capture (graphs read their tables)
+    forced = llm(OracleDrafter(cont, 1.0 - accept, vocab, output_len + 1), num_speculative_tokens=K,
+                 speculative_min_acceptance=0.0)
+    auto = llm(OracleDrafter(cont, 1.0, vocab, output_len + 1), num_speculative_tokens=K)
+    runs = [(b, forced, f"oracle {accept:.0%} forced") for b in batches] + [(B, auto, "oracle 0% auto policy")]
+    per_row_at_target = sum(accept ** i for i in range(K + 1))
     lines = []
-    for b in batches:
+    for b, spec, what in runs:
         spec.generate(prompts[b], params)  # untimed: compiles and captures
-        ref = refs[b]
-        (p_ms, p_tps, _), (s_ms, s_tps, outs) = _timed(plain, prompts[b], params), _timed(spec, prompts[b], params)
-        st = spec.engine.stats
-        same = sum(o.generated_tokens == r.generated_tokens for o, r in zip(outs, ref))
-        lines.append(f"OK  timing batch={b} k={K} oracle {accept:.0%} graphs: plain {p_ms:.2f} ms/step {p_tps:,.0f} tok/s"
-                     f" | spec {s_ms:.2f} ms/step {s_tps:,.0f} tok/s ({s_tps / p_tps:.2f}x), acceptance "
-                     f"{st.spec_acceptance_rate:.2f}, verify graph replays {st.spec_graph_replays}, same tokens "
-                     f"{same}/{b} | at target: {per_row_at_target * p_ms / s_ms:.2f}x")
+        p, s = _timed(plain, prompts[b], params), _timed(spec, prompts[b], params)
+        same = sum(o.generated_tokens == r.generated_tokens for o, r in zip(s["outs"], refs[b]))
+        target = f" | at target: {per_row_at_target * p['ms'] / s['ms']:.2f}x" if spec is forced else ""
+        lines.append(f"OK  timing batch={b} k={K} {what}, graphs: plain {p['ms']:.2f} ms/step {p['tps']:,.0f} tok/s | "
+                     f"spec {s['ms']:.2f} ms/step {s['tps']:,.0f} tok/s ({s['tps'] / p['tps']:.2f}x), acceptance "
+                     f"{s['acceptance']:.2f}, verify graph replays {s['verify']}/{s['steps']} decode steps, off rows "
+                     f"{s['off']}, same tokens {same}/{b}{target}")
     return lines
 
 
-def _timed(llm: LLM, prompts, params):
-    """(ms per decode step, decode tok/s, outputs) of one generate: decode steps are the
-    engine's decode-only launches; their tokens are all but each request's first."""
+def _timed(llm: LLM, prompts, params) -> dict:
+    """One generate: ms per decode step and decode tok/s (decode steps are the engine's
+    decode-only launches, their tokens all but each request's first), and the speculative
+    counters of this run alone."""
     st = llm.engine.stats
-    steps0, wall0 = st.decode_steps, st.decode_wall_time
+    before = (st.decode_steps, st.decode_wall_time, st.spec_accepted_tokens, st.spec_draft_tokens,
+              st.spec_graph_replays, sum(st.spec_off_rows.values()))
     outs = llm.generate(prompts, params)
-    steps, wall = st.decode_steps - steps0, st.decode_wall_time - wall0
+    after = (st.decode_steps, st.decode_wall_time, st.spec_accepted_tokens, st.spec_draft_tokens,
+             st.spec_graph_replays, sum(st.spec_off_rows.values()))
+    steps, wall, acc, drafted, verify, off = (a - b for a, b in zip(after, before))
     tokens = sum(len(o.generated_tokens) - 1 for o in outs)
-    return 1e3 * wall / max(steps, 1), tokens / max(wall, 1e-9), outs
+    return dict(ms=1e3 * wall / max(steps, 1), tps=tokens / max(wall, 1e-9), outs=outs, steps=steps,
+                acceptance=acc / drafted if drafted else 0.0, verify=verify, off=off)
 
 
 def _guarded(lines: list[str], what: str, fn, *args, **kw) -> None:

@@ -1,6 +1,7 @@
 """Speculative decoding with CUDA graphs, emulated on the CPU (a replay runs the padded step
 eagerly, as cuda_graphs.py's ``emulate`` mode does): verify steps (decode rows with drafts) are
-laid out K + 1 tokens per row and replay verify graphs, rows with fewer drafts (length limits,
+laid out W tokens per row (the narrowest captured width holding the most drafted row: with
+K = 2 and the default widths, 2 and 3) and replay verify graphs, rows with fewer drafts (length limits,
 penalty rows that never draft, rows switched off by acceptance) padded inside the row;
 steps without drafts replay decode graphs, prefill chunks mixed graphs (GPT). Tokens, finish
 reasons and log-probs equal plain eager decoding's, serial and launch-ahead, GPT and hybrid
@@ -50,17 +51,21 @@ def _spec_llm_with_graphs(path, drafter, async_scheduling: bool, mixed: bool, **
     return llm, runner, lookups
 
 
-def _assert_verify_steps_replayed(llm, runner, lookups) -> None:
+def _assert_verify_steps_replayed(llm, runner, lookups) -> set[int]:
+    """Returns the verify widths replayed."""
     st = llm.engine.stats
     verify = [(shape, step) for shape, step in lookups if shape.num_samples > shape.num_rows or shape.verify_width]
     assert verify and st.spec_verify_rows > 0 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens, st.as_dict()
     uniform = [(shape, step) for shape, step in verify if shape.verify_width]
-    # every all-decode verify step took the uniform layout and replayed a verify graph
-    assert uniform and all(step is not None and step.key.verify_width == K + 1 for _, step in uniform)
-    assert any(min(shape.num_drafts) < K for shape, _ in uniform), "no verify graph padded a row inside"
+    # every all-decode verify step took the uniform layout of the narrowest width holding its
+    # most drafted row (widths 2 .. K + 1 here) and replayed a verify graph of that width
+    assert uniform and all(step is not None and step.key.verify_width == shape.verify_width == 1 + max(shape.num_drafts)
+                           for shape, step in uniform)
+    assert any(min(shape.num_drafts) < shape.verify_width - 1 for shape, _ in uniform), "no row padded inside"
     assert st.spec_graph_replays == len(uniform) == runner.num_verify_replays
     assert st.graph_captures_after_warmup == 0 and st.warmup_graphs == len(runner.plan.keys())
     assert llm.context.gpu_view.num_copies == st.steps  # still one H2D copy per step
+    return {step.key.verify_width for _, step in uniform}
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -79,7 +84,7 @@ def test_gpt_verify_steps_replay_graphs(qwen3_ckpt, async_scheduling):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_hybrid_verify_steps_replay_graphs(hybrid_ckpt, async_scheduling):
-    """Mamba windows of K + 1 tokens for every row (rows without drafts too: they commit the
+    """Mamba windows of W tokens for every row (rows without drafts too: they commit the
     state after their one real token), mixed steps eager as on the GPU."""
     probe = make_llm(hybrid_ckpt, **CFG)
     arrivals = _arrivals(probe.model.vocab_size, seed=32)
@@ -102,9 +107,10 @@ def test_ngram_with_acceptance_switch_and_plain_decode_graphs(qwen3_ckpt):
                                                  speculative_min_acceptance=0.5, speculative_probe_interval=2,
                                                  speculative_max_batch_size=4)
     assert_same_outputs(plain, run_arrivals(llm, arrivals))
-    _assert_verify_steps_replayed(llm, runner, lookups)
+    widths = _assert_verify_steps_replayed(llm, runner, lookups)
     st = llm.engine.stats
-    assert st.spec_off_rows["batch"] > 0, st.as_dict()
+    assert st.spec_off_rows["batch"] > 0 and st.spec_off_rows["acceptance"] > 0, st.as_dict()
+    assert widths == {2, K + 1}, widths  # probe-only steps replayed the narrow graphs
     assert any(step is not None and step.key.decode_only for _, step in lookups)  # plain decode graphs too
 
 

@@ -94,8 +94,8 @@ class EngineStats:
     mixed_graph_replays: int = 0
     """Of those, mixed steps (prefill chunks + decode rows)."""
     spec_graph_replays: int = 0
-    """Of those, speculative verify steps (decode rows with drafts, each laid out as K + 1
-    tokens): verify graphs."""
+    """Of those, speculative verify steps (decode rows with drafts, each laid out as W tokens
+    and samples, W a captured verify width): verify graphs."""
     timed_steps: int = 0
     timed_device_time: float = 0.0
     """Event-to-event time of logging steps (CUDA events recorded before the step's H2D copy and

@@ -10,7 +10,7 @@ pad tokens to a captured token count and rows to the key's rows, the spare rows 
 padding tokens. Padding writes K/V only to the dummy block (and the padding Mamba slot); the
 varlen attention kernel reads every row's query span from ``cu_query_lens`` in the snapshot, and
 its launch grid depends only on the padded sizes, so one capture serves any ragged batch.
-Verify graphs (speculative decoding) take decode rows laid out K + 1 tokens and samples each
+Verify graphs (speculative decoding) take decode rows laid out W tokens and samples each
 (graph_plan.py): the drafts' gather, the position correction of a launch in flight, the
 forward (Mamba windows included), sampling, acceptance, the commit of the accepted Mamba
 states and the drafter's proposal (n-gram lookup, MTP heads' forward) are all inside.

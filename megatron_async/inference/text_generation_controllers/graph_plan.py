@@ -19,11 +19,13 @@ of ``token_counts``; their rows pad to ``min(max_requests, padded tokens) + 1``,
 at least, which takes the padding tokens (see ``DynamicInferenceContext.pad_for_graph``).
 
 Speculative verify steps (decode rows, some with drafts) replay verify graphs: every row is
-exactly ``K + 1`` tokens and ``K + 1`` samples (K = num_speculative_tokens), rows with fewer
-drafts (none, a probe, a length limit) padded inside the row, rows padded to a decode batch size
-(``DynamicInferenceContext.initialize_attention_state(verify_width=...)``). One width per
-configuration: a row's padding costs tokens of a forward that is memory bound at the batch
-sizes where speculation pays, while a key per draft count would multiply the captures by K.
+exactly ``W`` tokens and ``W`` samples, W the narrowest captured width (``InferenceConfig.
+cuda_graph_verify_widths``, default 2 and K + 1) that holds the step's most drafted row; rows
+with fewer drafts (none, a probe, a length limit) are padded inside the row, rows padded to a
+decode batch size (``DynamicInferenceContext.initialize_attention_state(verify_width=W)``).
+A row's padding costs tokens of a forward that is memory bound at the batch sizes where
+speculation pays, while a key per draft count multiplies the captures; width 2 keeps steps
+where requests switched off by acceptance probe with one draft from paying for K + 1 tokens.
 A verify step that mixes in a prefill chunk runs eager (a hybrid's window layout then needs
 host lists); a step whose rows all run without drafts replays a plain decode graph."""
 from __future__ import annotations
@@ -85,7 +87,7 @@ class GraphKey:
     decode_only: bool
     variant: SamplingVariant
     verify_width: int = 0
-    """> 0: a verify graph; every row is this many tokens and samples (its last token, K drafts)."""
+    """> 0: a verify graph; every row is this many tokens and samples (its last token, drafts)."""
 
 
 def default_batch_sizes(max_requests: int) -> list[int]:
@@ -123,21 +125,27 @@ class GraphPlan:
         self.token_counts = sorted(c for c in counts if c <= config.max_tokens) if mixed else []
         self.variants = variants
         K = config.num_speculative_tokens
-        self.verify_width = K + 1 if verify and K > 0 else 0
-        """Tokens (and samples) of every row of a verify graph; 0: no verify graphs."""
-        self.verify_sizes = [b for b in self.decode_sizes if b * self.verify_width <= config.max_tokens] \
-            if self.verify_width else []
-        """Padded row counts of the verify graphs (their tokens fit ``max_tokens``)."""
+        widths = config.cuda_graph_verify_widths or (2, K + 1)
+        self.verify_sizes: dict[int, list[int]] = {}
+        """Verify width -> padded row counts of its graphs (their tokens fit ``max_tokens``)."""
+        if verify and K > 0:
+            for w in sorted(set(widths) | {K + 1}):
+                sizes = [b for b in self.decode_sizes if b * w <= config.max_tokens]
+                if sizes:
+                    self.verify_sizes[w] = sizes
 
-    def verify_rows(self, plan) -> int:
-        """The padded rows of a verify graph for ``plan`` (a StepPlan), 0 when its step cannot
-        replay one: the step must be decode rows only (one token plus drafts each), some with
-        drafts, few enough for a verify size. The controller then lays the step out uniformly."""
+    def verify_width(self, plan) -> int:
+        """The row width of the verify graph ``plan`` (a StepPlan) replays, 0 when its step
+        cannot replay one: the step must be decode rows only (one token plus drafts each), some
+        with drafts, few enough for a verify size of a width holding the most drafted row. The
+        controller then lays the step out uniformly at that width."""
         rows = plan.rows
-        if not self.verify_sizes or not plan.is_all_decode or not any(r.num_drafts for r in rows):
+        if not self.verify_sizes or not plan.is_all_decode:
             return 0
-        i = bisect.bisect_left(self.verify_sizes, len(rows))
-        return self.verify_sizes[i] if i < len(self.verify_sizes) else 0
+        need = 1 + max(r.num_drafts for r in rows)
+        if need == 1:
+            return 0
+        return next((w for w, sizes in self.verify_sizes.items() if w >= need and sizes[-1] >= len(rows)), 0)
 
     def mixed_rows(self, padded_tokens: int) -> int:
         """Rows of a mixed graph of ``padded_tokens``: every real row fits (a row has >= 1 token)
@@ -151,13 +159,12 @@ class GraphPlan:
         if variant is None or variant not in self.variants:
             return None
         if shape.verify_width or shape.num_samples > shape.num_rows:  # speculative verify rows
-            if not shape.verify_width or shape.verify_width != self.verify_width or min_rows:
-                return None  # not the uniform layout (a prefill chunk beside them: eager)
-            i = bisect.bisect_left(self.verify_sizes, shape.num_rows)
-            if i == len(self.verify_sizes):
-                return None
-            b = self.verify_sizes[i]
-            return GraphKey(b * self.verify_width, b, False, variant, self.verify_width)
+            W = shape.verify_width
+            if W not in self.verify_sizes or min_rows:
+                return None  # not a uniform layout of a captured width (a prefill chunk beside them: eager)
+            sizes = self.verify_sizes[W]
+            i = bisect.bisect_left(sizes, shape.num_rows)
+            return GraphKey(sizes[i] * W, sizes[i], False, variant, W) if i < len(sizes) else None
         if shape.is_decode_only:
             rows = max(shape.num_rows, min_rows)
             if rows > self.decode_sizes[-1]:
@@ -173,7 +180,7 @@ class GraphPlan:
         """Every key, in capture order: largest first within each kind (so later, smaller
         captures reuse the shared pool's memory), mixed before verify before decode."""
         mixed = [GraphKey(t, self.mixed_rows(t), False, v) for t in reversed(self.token_counts) for v in self.variants]
-        W = self.verify_width
-        verify = [GraphKey(b * W, b, False, v, W) for b in reversed(self.verify_sizes) for v in self.variants]
+        verify = [GraphKey(b * w, b, False, v, w) for w in reversed(self.verify_sizes)
+                  for b in reversed(self.verify_sizes[w]) for v in self.variants]
         decode = [GraphKey(b, b, True, v) for b in reversed(self.decode_sizes) for v in self.variants]
         return mixed + verify + decode

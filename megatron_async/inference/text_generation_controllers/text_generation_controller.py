@@ -88,8 +88,8 @@ class TextGenerationController:
     def launch_step(self, plan: StepPlan, step_id: int, overlapped: bool, timed: bool) -> PendingLaunch:
         ctx = self.context
         use_graphs = self.graphs is not None and not self.force_eager
-        # verify steps that may replay a verify graph are laid out K + 1 tokens per row
-        width = self.graphs.plan.verify_width if use_graphs and self.graphs.plan.verify_rows(plan) else 0
+        # verify steps that may replay a verify graph are laid out uniformly (its width per row)
+        width = self.graphs.plan.verify_width(plan) if use_graphs else 0
         with nvtx_range("initialize_attention_state"):
             shape = ctx.initialize_attention_state(plan, verify_width=width)
         start_ev = end_ev = None

@@ -12,9 +12,10 @@ as the token count T and the row count R, so eager warm-up runs steps on padding
   p + 16), which covers every class of T and every T-derived tile choice (fused MoE blocks);
 - every sampling variant (greedy, temperature, filtered, full: penalties + log-probs) once for
   decode and once for a mixed step;
-- speculative decoding: uniform verify steps (every row K + 1 tokens and samples, the verify
-  graphs' layout) at the decode row counts, one window of each length 2 .. K + 1, and a
-  window beside a multi-token row (the eager layout of verify rows next to a prefill chunk).
+- speculative decoding: one window of each length 2 .. K + 1, a window beside a multi-token
+  row (the eager layout of verify rows next to a prefill chunk) and, with graphs, uniform
+  verify steps (every row W tokens and samples, the verify graphs' layout) of each captured
+  width W at the decode row counts.
 Then the graph runner captures its whole plan (graph_plan.py). Under expert parallelism only
 the greedy decode graphs are captured (every rank at once: collectives inside)."""
 from __future__ import annotations
@@ -90,11 +91,12 @@ def verify_shapes(controller, split=None) -> list[tuple[StepShape, int]]:
     if K == 0:
         return []
     W = K + 1
-    rows = decode_row_counts(min(ctx.config.max_requests, ctx.config.max_tokens // W), split)
-    out = [(_verify_shape(r, W, [K] * r, vocab, True), W) for r in rows]
-    out += [(_verify_shape(1, k + 1, [k], vocab, False), k + 1) for k in range(1, K + 1)]
+    out = [(_verify_shape(1, k + 1, [k], vocab, False), k + 1) for k in range(1, K + 1)]
     if 2 * W <= ctx.config.max_tokens:  # a window beside a multi-token row that verifies nothing
         out.append((_verify_shape(2, W, [K, 0], vocab, False), W))
+    widths = controller.graphs.plan.verify_sizes if controller.graphs is not None else {}
+    for w, sizes in widths.items():  # the verify graphs' layouts, also run eager (a variant without a graph)
+        out += [(_verify_shape(r, w, [w - 1] * r, vocab, True), w) for r in decode_row_counts(sizes[-1], split)]
     return out
 
 

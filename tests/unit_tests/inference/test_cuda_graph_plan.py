@@ -3,6 +3,7 @@ only plain greedy decode plans that fit a jointly captured graph replay, and a c
 runner never captures alone: a missing graph is a clear error, not a capture (or a hang)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -94,32 +95,41 @@ def verify_shape(rows: int, width: int, uniform: bool = True, sampling: bool = F
                      verify_width=width if uniform else 0)
 
 
-def test_verify_keys_pad_rows_to_a_decode_size_of_k_plus_one_tokens():
-    """K = 3: verify graphs of 4 tokens per row at the decode sizes whose tokens fit max_tokens
-    (24: sizes 1, 2, 4 but not 8); a step laid out compactly (rows next to a prefill chunk) or
-    beyond the largest size runs eager; without speculation no verify key exists."""
+def test_verify_keys_pad_rows_to_a_decode_size_at_the_narrowest_width():
+    """K = 3, widths 2 and 4 (the default): verify graphs at the decode sizes whose tokens fit
+    max_tokens (24: width 4 sizes 1, 2, 4; width 2 also 8); a step replays the narrowest width
+    holding its most drafted row; a step laid out compactly (rows next to a prefill chunk), of
+    another width or beyond the largest size runs eager; without speculation no verify key."""
     cfg = InferenceConfig(max_requests=8, max_tokens=24, num_speculative_tokens=3)
     r = CudaGraphRunner(SimpleNamespace(model=SimpleNamespace(vocab_size=64)), cfg, mixed=True)
     r._capture = lambda key: SimpleNamespace(num_rows=key.num_rows, key=key)
-    assert r.plan.verify_width == 4 and r.plan.verify_sizes == [1, 2, 4]
+    assert r.plan.verify_sizes == {2: [1, 2, 4, 8], 4: [1, 2, 4]}
     verify_keys = [k for k in r.plan.keys() if k.verify_width]
-    assert verify_keys == [GraphKey(4 * b, b, False, v, 4) for b in (4, 2, 1) for v in SamplingVariant]
+    assert verify_keys == [GraphKey(w * b, b, False, v, w) for w, sizes in ((4, (4, 2, 1)), (2, (8, 4, 2, 1)))
+                           for b in sizes for v in SamplingVariant]
     assert r.lookup(verify_shape(3, 4, sampling=True)).key == GraphKey(16, 4, False, SamplingVariant.TEMPERATURE, 4)
     assert r.lookup(verify_shape(1, 4)).key == GraphKey(4, 1, False, SamplingVariant.GREEDY, 4)
-    assert r.lookup(verify_shape(5, 4)) is None  # beyond the largest verify size
+    assert r.lookup(verify_shape(5, 2)).key == GraphKey(16, 8, False, SamplingVariant.GREEDY, 2)
+    assert r.lookup(verify_shape(5, 4)) is None  # beyond the largest size of width 4
     assert r.lookup(verify_shape(2, 3, uniform=False)) is None  # compact layout: eager
-    assert r.lookup(verify_shape(2, 3)) is None  # another width than K + 1
-    assert r.num_verify_replays == 2 and r.num_mixed_replays == 0
-    # which plans the controller lays out uniformly (padded rows), and which not (0)
-    assert r.plan.verify_rows(verify_plan(3, 1, 0)) == 4
-    assert r.plan.verify_rows(verify_plan(0, 0)) == 0  # no drafts: a plain decode graph
-    assert r.plan.verify_rows(verify_plan(3, 1, prefill=True)) == 0
-    assert r.plan.verify_rows(verify_plan(*[1] * 5)) == 0
+    assert r.lookup(verify_shape(2, 3)) is None  # not a captured width
+    assert r.num_verify_replays == 3 and r.num_mixed_replays == 0
+    # the width the controller lays a plan out at (0: compact, eager or a plain decode graph)
+    assert r.plan.verify_width(verify_plan(3, 1, 0)) == 4
+    assert r.plan.verify_width(verify_plan(2, 1, 0)) == 4  # no width 3: the next one up
+    assert r.plan.verify_width(verify_plan(1, 0, 1)) == 2  # probes only: the narrow graphs
+    assert r.plan.verify_width(verify_plan(*[1] * 5)) == 2 and r.plan.verify_width(verify_plan(*[3] * 5)) == 0
+    assert r.plan.verify_width(verify_plan(0, 0)) == 0  # no drafts: a plain decode graph
+    assert r.plan.verify_width(verify_plan(3, 1, prefill=True)) == 0
+    every = CudaGraphRunner(r.controller, replace(cfg, cuda_graph_verify_widths=(2, 3)), mixed=True)
+    assert list(every.plan.verify_sizes) == [2, 3, 4] and every.plan.verify_width(verify_plan(2, 1)) == 3
     off = CudaGraphRunner(r.controller, InferenceConfig(max_requests=8, max_tokens=24), mixed=True)
-    assert off.plan.verify_width == 0 and not any(k.verify_width for k in off.plan.keys())
-    assert off.plan.verify_rows(verify_plan(3)) == 0
+    assert off.plan.verify_sizes == {} and not any(k.verify_width for k in off.plan.keys())
+    assert off.plan.verify_width(verify_plan(3)) == 0
     no_verify = CudaGraphRunner(r.controller, cfg, mixed=True, verify=False)
-    assert no_verify.plan.verify_rows(verify_plan(3)) == 0 and no_verify.lookup(verify_shape(1, 4)) is None
+    assert no_verify.plan.verify_width(verify_plan(3)) == 0 and no_verify.lookup(verify_shape(1, 4)) is None
+    with pytest.raises(ValueError, match="cuda_graph_verify_widths must lie in 2 .. num_speculative_tokens"):
+        InferenceConfig(num_speculative_tokens=3, cuda_graph_verify_widths=(5,)).validate()
 
 
 def test_llm_close_destroys_graphs_before_the_process_group():
