@@ -6,13 +6,19 @@ penalty rows that never draft, rows switched off by acceptance) padded inside th
 steps without drafts replay decode graphs, prefill chunks mixed graphs (GPT). Tokens, finish
 reasons and log-probs equal plain eager decoding's, serial and launch-ahead, GPT and hybrid
 models, oracle and n-gram drafters; a startup warm-up covers every key (0 captures after it)."""
-import pytest
+import os
 
-from megatron_async import SamplingParams
-from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
-from tests.functional_tests.engine_harness import Arrival, make_llm, random_prompts, run_arrivals
-from tests.functional_tests.spec_harness import assert_same_outputs, oracle_for
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before any kernel module is imported: the Triton variant interprets
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from megatron_async import SamplingParams  # noqa: E402
+from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner  # noqa: E402
+from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
+from tests.functional_tests.engine_harness import Arrival, make_llm, random_prompts, run_arrivals  # noqa: E402
+from tests.functional_tests.spec_harness import assert_same_outputs, oracle_for  # noqa: E402
 
 K = 2
 CFG = dict(max_requests=6, max_tokens=32)
@@ -153,3 +159,23 @@ def test_uniform_verify_steps_without_a_graph_run_eager(qwen3_ckpt):
     eager_uniform = [s for s, step in lookups if s.verify_width and step is None]
     assert eager_uniform and all(s.max_top_n == 25 for s in eager_uniform)
     assert llm.engine.stats.spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("model", ["gpt", "hybrid"])
+def test_triton_kernels_on_the_padded_verify_layout(qwen3_ckpt, hybrid_ckpt, model):
+    """The Triton varlen attention and Mamba window kernels (interpreted on the CPU) on verify
+    graphs' layouts: padding tokens at a row's last position writing the dummy block, padding
+    rows of W tokens on the padding slots. Equal to plain decoding with the same kernels."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter (set before triton was imported)")
+    ckpt, vocab = (qwen3_ckpt, 256) if model == "gpt" else (hybrid_ckpt, 128)
+    cfg = dict(attention_backend="triton", mamba_backend="triton", max_requests=4, max_tokens=16)
+    sp = SamplingParams(top_k=1, num_tokens_to_generate=6, return_log_probs=True)
+    arrivals = [Arrival(i, p, sp) for i, p in enumerate(random_prompts(3, 3, 12, vocab, seed=3))]
+    plain = run_arrivals(make_llm(ckpt, **cfg), arrivals)
+    llm = make_llm(ckpt, oracle_for(plain, arrivals, 0.3, vocab=vocab), num_speculative_tokens=K,
+                   speculative_min_acceptance=0.0, **cfg)
+    llm.controller.graphs = CudaGraphRunner(llm.controller, llm.config, mixed=False, emulate=True)
+    assert_same_outputs(plain, run_arrivals(llm, arrivals), log_prob_tol=1e-5)
+    st = llm.engine.stats
+    assert st.spec_graph_replays > 0 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens, st.as_dict()
