@@ -4,21 +4,13 @@ Grid: (rows, kv_heads, splits). A program takes ALL query heads that share one K
 (the GQA group, padded to >= 16 rows so ``tl.dot`` can run on tensor cores: decode is
 bound by reading K/V, so the padded rows cost nothing that matters, and each K/V tile is
 read once per group instead of once per query head). The row's keys are cut into
-contiguous chunks; each program runs an fp32 online softmax over its chunk and writes a
-normalised partial output plus its log-sum-exp, and a second kernel merges the splits. With
-one split the first kernel writes the output directly.
-
-How many chunks a row takes is decided per row, in the kernel: at least ``want`` (enough
-programs to fill the device when rows are few), and enough that no chunk exceeds
-``MAX_CHUNK`` keys, at most the grid's ``NUM_SPLITS``. The second rule is for big ragged
-batches: with one chunk per row, 128 rows of 100 to 1,100 keys left the device waiting on
-the longest rows (decode attention at ~2.5 TB/s against ~3.2 on equal rows); cut into
-<= 256-key chunks the work units are nearly equal. Programs past a row's chunks exit after
-writing an empty log-sum-exp (the merge never reads their outputs).
+``num_splits`` contiguous chunks; each program runs an fp32 online softmax over its chunk
+and writes a normalised partial output plus its log-sum-exp, and a second kernel merges
+the splits. With one split the first kernel writes the output directly.
 
 CUDA graphs: nothing here depends on the step's data. The row's real KV length is read
 from ``meta.kv_lens`` (and its query position from ``meta.positions``) inside the kernel,
-the chunks are derived from it there, and ``num_splits`` / ``want`` come only from the number
+the chunk size is derived from it there, and ``num_splits`` comes only from the number
 of rows, the KV head count, the device and ``block_table.shape[1]`` (the longest a row
 can ever be), never from ``meta.max_kv_len``. So a graph captured once with an upper
 bound for ``max_kv_len`` replays correctly for any kv_lens that fit the block table.
@@ -36,11 +28,9 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
 _MIN_TOKENS_PER_SPLIT = 128
 """Fewer keys per split than this is not worth a program plus its share of the merge."""
-_MAX_CHUNK = 256
-"""Longest chunk of keys one program reads while the grid has splits to spare (balance)."""
 
 
-@triton.jit(do_not_specialize=["want", "max_chunk"])  # runtime ints: no binary per value
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -61,8 +51,6 @@ def _decode_split_kernel(
     stride_bt,
     num_heads,
     scale_log2,
-    want,
-    max_chunk,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -80,8 +68,7 @@ def _decode_split_kernel(
     # Keys visible to the row's single query: [0, min(kv_len, position + 1)).
     kv_len = tl.load(kv_lens_ptr + row).to(tl.int64)
     length = tl.minimum(kv_len, tl.load(positions_ptr + row).to(tl.int64) + 1)
-    pieces = tl.minimum(tl.maximum(tl.cdiv(length, max_chunk), want), NUM_SPLITS)
-    chunk = tl.cdiv(tl.cdiv(length, pieces), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, length)
 
@@ -129,9 +116,8 @@ def _decode_split_kernel(
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         part = (row.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
-        if start < end:  # an empty split writes its lse only
-            tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
-                     mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
+                 mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -159,26 +145,20 @@ def _decode_merge_kernel(
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
     o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=(s_mask & (lse > float("-inf")))[:, None] & d_mask[None, :], other=0.0)  # unwritten if empty
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     den = tl.sum(w, 0)
     res = tl.sum(w[:, None] * o, 0) / tl.where(den > 0.0, den, 1.0)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def splits_wanted(num_rows: int, num_kv_heads: int, device: torch.device) -> int:
-    """Chunks per row that fill the device about twice with (rows x KV heads x chunks) programs."""
-    return triton.cdiv(2 * num_compute_units(device), max(1, num_rows * num_kv_heads))
-
-
 def choose_num_splits(num_rows: int, num_kv_heads: int, max_blocks_per_row: int, block_size: int,
                       device: torch.device) -> int:
-    """The grid's split count (a compile-time constant): room for ``splits_wanted`` chunks and
-    for a full-length row (the block table's width) cut into ``_MAX_CHUNK``-key chunks, capped
-    so such a row keeps >= _MIN_TOKENS_PER_SPLIT keys per split. Depends on shapes only
-    (graph-safe, see the module docstring)."""
-    max_len = max_blocks_per_row * block_size
-    room = max(splits_wanted(num_rows, num_kv_heads, device), triton.cdiv(max_len, _MAX_CHUNK))
-    return max(1, min(room, triton.cdiv(max_len, _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS))
+    """Split count for a decode step: enough programs to fill the device about twice,
+    capped so a full-length row (the block table's width) keeps >= _MIN_TOKENS_PER_SPLIT
+    keys per split. Depends on shapes only (graph-safe, see the module docstring)."""
+    want = triton.cdiv(2 * num_compute_units(device), max(1, num_rows * num_kv_heads))
+    cap = triton.cdiv(max_blocks_per_row * block_size, _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, cap, _MAX_SPLITS))
 
 
 def decode_attention(
@@ -188,15 +168,11 @@ def decode_attention(
     scale: float,
     num_splits: int | None = None,
     block_n: int | None = None,
-    max_chunk: int = _MAX_CHUNK,
-    want: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per row (q: [R, H, D], row r = token r) over the row's paged
     KV (already appended). ``meta.max_kv_len`` is not used. Returns [R, H, D] in q's dtype.
 
-    ``num_splits`` / ``want`` / ``block_n`` / ``max_chunk`` override the grid's split count, the
-    chunks wanted per row (default: ``num_splits`` when that is given), the key-tile size and
-    the chunk cap (tests)."""
+    ``num_splits`` / ``block_n`` override the split count and key-tile size (tests)."""
     check_cache(kv_cache, q)
     num_rows, num_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -205,9 +181,6 @@ def decode_attention(
         return out
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, meta.block_table.shape[1], block_size, q.device)
-        want = splits_wanted(num_rows, num_kv_heads, q.device) if want is None else want
-    elif want is None:
-        want = num_splits
     if block_n is None:
         block_n = 16 if q.device.type == "cpu" else 64
     group = num_heads // num_kv_heads
@@ -223,7 +196,7 @@ def decode_attention(
         out, part_out, part_lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
-        num_heads, scale * _LOG2E, want, max_chunk,
+        num_heads, scale * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, **dot_args(_decode_split_kernel, kv_cache.dtype),
