@@ -72,6 +72,8 @@ class TextGenerationController:
         """The most tokens any rank launches in this step: what MoE exchanges pad to."""
         self.force_eager = False
         """Some rank cannot replay a graph in this step: none does."""
+        self.dp_variant = 0
+        """The sampling variant every rank replays in this step (the largest any rank needs)."""
         self._dummy_snapshot: torch.Tensor | None = None
         self.sampler = Sampler(context.config.sampling_backend, dev, context.sampling_state)
 
@@ -96,7 +98,7 @@ class TextGenerationController:
         t0 = time.perf_counter()
         graph = None
         if self.graphs is not None and not self.force_eager:
-            graph = self.graphs.lookup(shape, min_rows=self.dp_num_tokens)
+            graph = self.graphs.lookup(shape, min_rows=self.dp_num_tokens, min_variant=self.dp_variant)
         if graph is not None:
             ctx.pad_for_graph(shape.num_tokens, shape.num_rows, graph.key.num_tokens, graph.key.num_rows)
         with nvtx_range("transfer_bookkeeping_to_gpu"):
@@ -187,7 +189,7 @@ class TextGenerationController:
         if replay:
             saved = self.last_samples.clone()  # the graph samples its padding rows into last_samples
             with nvtx_range("dummy_forward"):
-                self.graphs.replay_padding(rows)
+                self.graphs.replay_padding(rows, self.dp_variant)
             self.last_samples.copy_(saved)
             return
         shape = StepShape(num_tokens=rows, num_rows=rows, max_query_len=1, max_kv_len=1, is_decode_only=True,
