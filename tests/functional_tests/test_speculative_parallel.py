@@ -156,3 +156,29 @@ def test_tp2_x_ep2_mtp_speculation_equals_one_engine_plain(moe_mtp):
     for a, b in ((0, 1), (2, 3)):  # TP peers: replicas of one engine
         assert ranks[a]["stats"] == ranks[b]["stats"], (a, b)
     assert ranks[2]["stats"]["idle_dummy"] > 0 and ranks[0]["stats"]["idle_dummy"] == 0
+
+
+def test_dummy_forward_runs_the_mtp_heads_k_times_on_padding_only(gpt_mtp, monkeypatch):
+    """An idle data-parallel rank's dummy forward: the main model once, then the MTP heads K times
+    (``propose``'s passes: depth 0, then the chain at depths 1, 1 for K = 3 and 2 depths), writing
+    KV only to the dummy block, so the requests' KV (and the drafter's state) are untouched."""
+    llm = LLM(gpt_mtp, inference_config=InferenceConfig(**CONFIG, num_speculative_tokens=K, speculative_method="mtp",
+                                                       async_scheduling=False))
+    eng, model = llm.engine, llm.model
+    for prompt in PROMPTS[:2]:
+        eng.add_request(prompt, GREEDY[0])
+    for _ in range(3):
+        eng.step()
+    depths = []
+    real_mtp_forward = model.mtp_forward
+    monkeypatch.setattr(model, "mtp_forward", lambda d, *a: depths.append(d) or real_mtp_forward(d, *a))
+    kv = [c[:, 1:].clone() for c in llm.context.kv_caches]  # every block but the dummy block 0
+    history = llm.context.spec.drafter.history.tokens.clone()
+    llm.controller.dp_num_tokens = 5
+    llm.controller.dummy_forward()
+    assert depths == [0, 1, 1]
+    assert all(c[:, 1:].equal(before) for c, before in zip(llm.context.kv_caches, kv))
+    assert llm.context.spec.drafter.history.tokens.equal(history)
+    outs = eng.run_until_done()  # and the requests go on as if nothing happened
+    plain = LLM(gpt_mtp, inference_config=InferenceConfig(**CONFIG)).generate(PROMPTS[:2], [GREEDY[0]] * 2)
+    assert sorted(o.generated_tokens for o in outs) == sorted(o.generated_tokens for o in plain)
