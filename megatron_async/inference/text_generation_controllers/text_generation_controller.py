@@ -177,7 +177,9 @@ class TextGenerationController:
         the ranks that launch real work. Padding rows only, writing only to the dummy KV block
         and the padding Mamba slot; the samples of a launch in flight stay intact. Its MoE
         layers pad to ``dp_num_tokens``. In a step the ranks replay graphs it replays the
-        agreed graph too (NCCL: captured or not must match across ranks), else one eager row."""
+        agreed graph too (NCCL: captured or not must match across ranks), else one eager row.
+        Speculative decoding: a verify step's MoE exchanges pad to the same agreed count (drafts
+        included), and the drafter's own collectives are matched too (``match_collectives``)."""
         ctx = self.context
         replay = self.graphs is not None and not self.force_eager
         rows = self.graphs.padded_rows(max(1, self.dp_num_tokens)) if replay else 1
@@ -198,7 +200,10 @@ class TextGenerationController:
         with nvtx_range("dummy_forward"):
             batch = ctx.forward_batch(shape)
             batch.ep_num_tokens = max(rows, self.dp_num_tokens) if self.expert_parallel else None
-            self.model(ctx.gpu_view.input_ids[:rows], batch)
+            input_ids = ctx.gpu_view.input_ids[:rows]
+            hidden = self.model(input_ids, batch)
+            if self.spec is not None:  # the drafter's own collectives (MTP heads' MoE layers)
+                ctx.spec.drafter.match_collectives(input_ids, hidden, batch)
 
     def warmup(self) -> WarmupReport:
         """Build every reachable Triton kernel variant and capture every planned graph (warmup.py).
