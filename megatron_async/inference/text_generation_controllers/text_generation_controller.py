@@ -207,7 +207,7 @@ class TextGenerationController:
 
     def warmup(self) -> WarmupReport:
         """Build every reachable Triton kernel variant and capture every planned graph (warmup.py).
-        Expert parallelism: only the graphs (greedy decode, every rank together), no eager pass."""
+        Expert parallelism: only the graphs (decode, every variant, every rank together), no eager pass."""
         return run_warmup(self, eager=not self.expert_parallel)
 
     # ------------------------------------------------------------------ host side
