@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # type-only: engines and models import contexts, not the reve
 
 
 def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samples: int | None = None,
-                       speculative: bool = False) -> list[FieldSpec]:
+                       speculative: bool = False, mamba: bool = False) -> list[FieldSpec]:
     """The single declaration of the step snapshot (host buffer and device view alike).
 
     A "sample" is one sampled position: one per row, plus one per draft of a verify row
@@ -62,6 +62,8 @@ def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samp
         FieldSpec("repetition_penalty", torch.float32, (S,)),
         FieldSpec("suppress_stop", torch.bool, (S,)),
     ]
+    if mamba:  # a mixed step's Mamba rows: several-token rows first (see kernels/mamba_varlen_ops.py)
+        fields.append(FieldSpec("mamba_row_order", torch.int64, (R,)))
     if speculative:  # see contexts/spec_state.py and speculative/verify.py
         fields += [
             FieldSpec("spec_src", torch.int64, (T,)),  # -1: input id from the host; 0: slot's last token; j: draft j
@@ -94,6 +96,7 @@ class StepShape:
     num_samples: int = -1  # sampled positions (rows plus drafts); -1: one per row
     sample_base: list[int] | None = None  # host copy: each row's first sample (speculative decoding)
     num_drafts: list[int] | None = None  # host copy: drafts each row verifies (speculative decoding)
+    num_multi_rows: int = -1  # rows of several tokens (first in mamba_row_order); -1: unknown (a graph's shape)
 
     def __post_init__(self):
         if self.num_samples < 0:
@@ -134,7 +137,7 @@ class DynamicInferenceContext:
         self.max_rows = config.max_requests + 1
         self.max_samples = max(config.max_samples, self.max_rows)
         self.layout = BookkeepingLayout(bookkeeping_fields(
-            config.max_tokens, self.max_rows, self.max_blocks_per_request, self.max_samples, K > 0))
+            config.max_tokens, self.max_rows, self.max_blocks_per_request, self.max_samples, K > 0, self.mamba is not None))
         self._host_buffers = [device.host_empty(self.layout.nbytes) for _ in range(2)]
         # numpy views of the host buffers: list -> buffer assignment is much cheaper than torch.tensor()
         self._host_views = [{k: t.numpy() for k, t in self.layout.views(b).items()} for b in self._host_buffers]
@@ -362,6 +365,9 @@ class DynamicInferenceContext:
                 "sample_position": sample_pos, "seed": seeds, "temperature": temps, "top_k": topk, "top_p": topp,
                 "state_slots": state_slots, "has_initial_state": has_init, **pen.columns(),
             }
+            if self.mamba is not None:
+                multi = [r for r in range(len(plan.rows)) if cu[r + 1] - cu[r] > 1]
+                columns["mamba_row_order"] = multi + [r for r in range(len(plan.rows)) if cu[r + 1] - cu[r] == 1]
             if spec:
                 columns.update(spec_src=src, spec_slot=spec_slot, spec_owner_slot=spec_owner, spec_inflight=spec_inflight,
                                num_drafts=num_drafts, sample_base=sample_base, sample_to_row=sample_row)
@@ -381,7 +387,8 @@ class DynamicInferenceContext:
         filters = (use_k, use_p, use_mp)
         return StepShape(T, R, max_q, max_kv, plan.is_decode_only, any_sampling, any(filters), max_top_n, any_lp, cu,
                          any_penalties=pen.any, filters=filters, num_samples=len(sample_idx),
-                         sample_base=sample_base if spec else None, num_drafts=num_drafts if spec else None)
+                         sample_base=sample_base if spec else None, num_drafts=num_drafts if spec else None,
+                         num_multi_rows=len(multi) if self.mamba is not None else -1)
 
     def pad_for_graph(self, num_tokens: int, num_rows: int, padded_tokens: int, padded_rows: int) -> None:
         """Make rows [num_rows, padded_rows) and tokens [num_tokens, padded_tokens) of the current
@@ -420,6 +427,8 @@ class DynamicInferenceContext:
         v["top_p"][a:b] = 0.0
         v["state_slots"][a:b] = self.mamba.padding_slot if self.mamba is not None else 0
         v["has_initial_state"][a:b] = False
+        if self.mamba is not None:
+            v["mamba_row_order"][a:b] = np.arange(a, b)
         v["block_table"][a:b] = DUMMY_BLOCK
         _PenaltyColumns.fill_padding(v, a, b, self.sampling_state.padding_slot)
         if self.spec is not None:
@@ -448,7 +457,9 @@ class DynamicInferenceContext:
             batch.mamba = MambaMetadata(
                 state_slots=g.state_slots[:R], has_initial_state=g.has_initial_state[:R],
                 cu_query_lens=attn.cu_query_lens, num_rows=R, is_decode_only=shape.is_decode_only,
-                max_query_len=shape.max_query_len, host_cu_query_lens=shape.cu_query_lens,
+                max_query_len=shape.max_query_len, token_to_row=attn.token_to_row, row_order=g.mamba_row_order[:R],
+                num_scan_rows=shape.num_multi_rows if shape.num_multi_rows >= 0 else R,
+                host_cu_query_lens=shape.cu_query_lens,
             )
             if shape.num_drafts is not None:  # verify rows run as Mamba windows
                 batch.mamba.host_window_rows, batch.mamba.window_tokens = window_rows(shape.num_drafts, T)

@@ -56,6 +56,14 @@ class MambaMetadata:
     num_rows: int
     is_decode_only: bool
     max_query_len: int
+    """Longest row's tokens (a bound: a mixed CUDA graph's padded token count)."""
+    token_to_row: torch.Tensor | None = None
+    """[T] int32: same as AttentionMetadata.token_to_row."""
+    row_order: torch.Tensor | None = None
+    """[R] int64: the rows of several tokens first (in row order), then the others."""
+    num_scan_rows: int = 0
+    """How many of ``row_order`` the reference backend runs through the chunked scan (the rest
+    take the one-token step): the rows of several tokens, or every row in a graph's shape."""
     host_cu_query_lens: list[int] | None = None
     """The same prefix sums as a host list (the context built them on the CPU), so kernels
     that need row lengths on the host read them here instead of syncing with the device."""
@@ -66,6 +74,24 @@ class MambaMetadata:
     window_tokens: int = 0
     """T > 0: every row is a verification window of exactly T tokens (then the mixers need no
     host lists: the shape CUDA graphs capture)."""
+
+    @classmethod
+    def for_rows(cls, lengths: list[int], slots: list[int], has_init: list[bool], device: torch.device | str,
+                 window_rows: list[bool] | None = None, window_tokens: int = 0) -> MambaMetadata:
+        """Metadata of a hand-built batch (tests, benchmarks): rows of ``lengths`` tokens packed
+        in order; the engine's context fills the same fields from its step snapshot."""
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        order = [r for r, n in enumerate(lengths) if n > 1] + [r for r, n in enumerate(lengths) if n <= 1]
+        return cls(
+            state_slots=torch.tensor(slots, device=device), has_initial_state=torch.tensor(has_init, device=device),
+            cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=device), num_rows=len(lengths),
+            is_decode_only=all(n == 1 for n in lengths), max_query_len=max(lengths),
+            token_to_row=torch.tensor([r for r, n in enumerate(lengths) for _ in range(n)], dtype=torch.int32, device=device),
+            row_order=torch.tensor(order, device=device), num_scan_rows=sum(n > 1 for n in lengths),
+            host_cu_query_lens=cu, host_window_rows=window_rows, window_tokens=window_tokens,
+        )
 
 
 @dataclass
