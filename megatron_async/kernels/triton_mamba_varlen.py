@@ -21,7 +21,7 @@ import triton.language as tl
 from megatron_async.kernels.triton_paged_common import dot_args
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one build for every (padded) token count
 def _conv_out_kernel(
     x_ptr, w_ptr, bias_ptr, pool_ptr, out_ptr, slots_ptr, has_init_ptr, cu_ptr, tok_row_ptr,
     num_tokens, channels,
