@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from megatron_async.kernels.triton_paged_common import dot_args
+from megatron_async.kernels.triton_ssd_prefill import ssd_chunk
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one build for every (padded) token count
@@ -134,8 +135,7 @@ def _ssd_varlen_kernel(
     n_mask = offs_n < d_state
     group = head // heads_per_group
     A = tl.load(A_ptr + head).to(tl.float32)
-    if HAS_D:
-        D = tl.load(D_ptr + head).to(tl.float32)
+    D = tl.load(D_ptr + head).to(tl.float32) if HAS_D else 0.0
     start = tl.load(cu_ptr + row)
     end = tl.load(cu_ptr + row + 1)
     slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -159,19 +159,8 @@ def _ssd_varlen_kernel(
         Bc = tl.load(B_base + t64[:, None] * stride_Bt, mask=t_mask[:, None] & n_mask[None, :], other=0.0)
         Cc = tl.load(C_base + t64[:, None] * stride_Ct, mask=t_mask[:, None] & n_mask[None, :], other=0.0)
 
-        cum = tl.cumsum(dt * A, axis=0)  # log-decay from the chunk start (past the row's end: dt = 0)
-        xdt = x * dt[:, None]
-        decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
-        scores = tl.dot(Cc.to(CB_DTYPE), tl.trans(Bc.to(CB_DTYPE)), input_precision=CB_PRECISION) * decay
-        y = tl.dot(scores, xdt, input_precision=DOT_PRECISION)
-        y += tl.dot(Cc.to(tl.float32), tl.trans(state), input_precision=DOT_PRECISION) * tl.exp(cum)[:, None]
-        if HAS_D:
-            y += D * x
+        y, state = ssd_chunk(x, dt, Bc, Cc, state, A, D, causal, HAS_D, CB_DTYPE, CB_PRECISION, DOT_PRECISION)
         tl.store(y_base + t64[:, None] * stride_yt, y, mask=t_mask[:, None] & p_mask[None, :])
-
-        total = tl.sum(dt * A, axis=0)
-        to_end = tl.exp(total - cum)
-        state = state * tl.exp(total) + tl.dot(tl.trans(xdt * to_end[:, None]), Bc.to(tl.float32), input_precision=DOT_PRECISION)
 
     tl.store(s_ptrs, state, mask=pn_mask)
 
