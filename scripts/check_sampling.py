@@ -117,7 +117,7 @@ def graph_ms(fn, iters: int) -> float:
 
 def check_tokens(rows: list[int], seeds: int, before) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    total = equal = equal_before = 0
+    total = equal = equal_before = equal16 = 0
     finished = torch.zeros(4, dtype=torch.int64)
     for R in rows:
         for kind in ("spread", "flat", "peaked"):
@@ -128,6 +128,11 @@ def check_tokens(rows: list[int], seeds: int, before) -> None:
                     pen = penalty_rows(R, gen) if case[4] else None
                     probe = []
                     a, b = fast(logits, params, pen, True, probe), reference(logits, params, pen, True)
+                    # the engine hands the sampler the LM head's bf16 logits (exact in float32)
+                    a16 = fast(logits.to(torch.bfloat16), params, pen, True)
+                    if not torch.equal(a16, b):
+                        print(f"MISMATCH bf16 input rows={R} {kind} {name} seed={s}: {(a16 != b).sum().item()} rows")
+                    equal16 += int((a16 == b).sum())
                     for ph in probe:
                         finished += torch.bincount(ph.long().cpu(), minlength=4)
                     total += R
@@ -136,7 +141,7 @@ def check_tokens(rows: list[int], seeds: int, before) -> None:
                         equal_before += int((before(logits, params, pen, True) == b).sum())
                     if not torch.equal(a, b):
                         print(f"MISMATCH rows={R} {kind} {name} seed={s}: {(a != b).sum().item()} rows differ")
-    print(f"tokens equal fast vs reference: {equal}/{total} rows"
+    print(f"tokens equal fast vs reference: {equal}/{total} rows (bf16 logits in: {equal16}/{total})"
           + (f"; before vs reference: {equal_before}/{total}" if before is not None else ""))
     print(f"threshold stages' rows: whole-row search {finished[0]}, candidate buffer {finished[1] + finished[2]}, "
           f"filter off {finished[3]}")
@@ -144,27 +149,30 @@ def check_tokens(rows: list[int], seeds: int, before) -> None:
 
 def timing(rows: list[int], iters: int, before) -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
-    print("\n| rows | case | logits | reference ms | before ms | fast ms | fast rows: buffer / whole-row |")
-    print("|---:|---|---|---:|---:|---:|---|")
+    print("\n| rows | case | logits | reference ms | before ms | fast ms | fast ms, bf16 in | fast rows: buffer / whole-row |")
+    print("|---:|---|---|---:|---:|---:|---:|---|")
     for R in rows:
         for kind in ("spread", "flat"):
             logits = make_logits(R, kind, gen)
+            low = logits.to(torch.bfloat16)
             for name, case in CASES.items():
                 params, pen = row_params(R, case, gen, False), penalty_rows(R, gen) if case[4] else None
                 filt = (case[1] > 0, 0 < case[2] < 1, case[3] > 0)  # as the engine's step flags
                 paths = ""
                 if case[0] == 0.0:  # all greedy: the engine takes argmax (plus penalties) only
                     t_before = t_ref = t_fast = graph_ms(lambda: logits.argmax(-1), iters)
+                    t_low = graph_ms(lambda: low.argmax(-1), iters)
                 else:
                     t_before = float("nan") if before is None else graph_ms(lambda: before(logits, params, pen, filt), iters)
                     t_ref = graph_ms(lambda: reference(logits, params, pen, any(filt)), iters)
                     t_fast = graph_ms(lambda: fast(logits, params, pen, filt), iters)
+                    t_low = graph_ms(lambda: fast(low, params, pen, filt), iters)
                     probe = []
                     fast(logits, params, pen, filt, probe)
                     if probe:
                         ph = torch.cat(probe).cpu()
                         paths = f"{int(((ph == 1) | (ph == 2)).sum())} / {int((ph == 0).sum())}"
-                print(f"| {R} | {name} | {kind} | {t_ref:.3f} | {t_before:.3f} | {t_fast:.3f} | {paths} |")
+                print(f"| {R} | {name} | {kind} | {t_ref:.3f} | {t_before:.3f} | {t_fast:.3f} | {t_low:.3f} | {paths} |")
 
 
 VARIANTS = [  # chunk, hist_block, pivots, cap, num_warps

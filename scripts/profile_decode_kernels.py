@@ -10,7 +10,11 @@ capture, Triton builds) ``--steps`` decode-only steps run under the profiler (CU
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import random
+import time
 from collections import defaultdict
 
 import torch
@@ -21,7 +25,8 @@ from megatron_async import LLM, InferenceConfig, SamplingParams
 GROUPS = [  # (role, name substrings), first match wins
     ("sampler", ("_stats_kernel", "_draw_kernel", "_pick_kernel", "_stage_init", "_level_pass", "_level_update",
                  "_finish_kernel", "_penalty_kernel")),
-    ("attention", ("attention", "attn", "_paged", "decode_kernel")),
+    ("attention", ("attention", "attn", "_paged", "decode_kernel", "_decode_split", "_decode_merge",
+                   "_prefill_kernel")),
     ("kv append", ("kv_append", "append")),
     ("norm / rope / act", ("rmsnorm", "rms_norm", "rope", "silu", "act", "norm")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "wgmma", "cublas")),
@@ -48,28 +53,57 @@ def kernel_rows(prof) -> list[tuple[str, int, float]]:
     return sorted(((n, c, t) for n, (c, t) in rows.items()), key=lambda x: -x[2])
 
 
+def host_side(llm: LLM, steps: int) -> tuple[float, str]:
+    """Wall ms per decode step (no profiler; launch-ahead keeps one step in flight, so the
+    cadence is max(host, device)), and a cProfile table of the host's work in as many steps."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        llm.engine.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        llm.engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    table = out.getvalue()
+    return wall_ms, table[table.find("   ncalls"):]
+
+
 def run(args, sampled: bool) -> None:
     cfg = InferenceConfig(max_requests=args.batch, max_tokens=max(4096, args.batch), buffer_size_gb=args.kv_gb,
                           async_scheduling=not args.serial, cuda_graphs=not args.eager, attention_backend="triton")
     llm = LLM(device="cuda", dtype="bfloat16", default_model=args.model, inference_config=cfg)
     rng = random.Random(0)
-    n_out = args.warm_steps + args.steps + 8  # every request still decoding in the profiled steps
+    n_out = args.warm_steps + 3 * args.steps + 8  # every request still decoding in the profiled steps
     for i in range(args.batch):
         sp = (SamplingParams(temperature=0.8, top_p=0.95, seed=i, ignore_eos=True, num_tokens_to_generate=n_out)
               if sampled else SamplingParams(top_k=1, ignore_eos=True, num_tokens_to_generate=n_out))
         llm.engine.add_request([rng.randrange(llm.model.vocab_size) for _ in range(args.prompt_len)], sp)
-    for _ in range(args.warm_steps):  # prefill, graph capture, Triton builds
+    while llm.engine.stats.decode_steps == 0:  # every prefill chunk (stats count launches: the first
+        llm.engine.step()                        # decode-only launch comes after the last chunk)
+    for _ in range(args.warm_steps):  # graph replays settle; the profile must hold decode steps only
         llm.engine.step()
     torch.cuda.synchronize()
+    before = (llm.engine.stats.decode_steps, llm.engine.stats.prefill_steps)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             llm.engine.step()
         torch.cuda.synchronize()
+    got = (llm.engine.stats.decode_steps - before[0], llm.engine.stats.prefill_steps - before[1])
+    assert got == (args.steps, 0), f"profiled {got[0]} decode and {got[1]} prefill / mixed steps, not {args.steps} decode"
     rows = kernel_rows(prof)
     total = sum(t for _, _, t in rows)
+    wall_ms, host = host_side(llm, args.steps)
     label = "sampled (temperature 0.8, top-p 0.95)" if sampled else "greedy"
-    print(f"\n### {label}: batch {args.batch}, {args.steps} decode steps, device busy {total / args.steps / 1e3:.3f} "
-          f"ms per step")
+    busy_ms = total / args.steps / 1e3
+    print(f"\n### {label}: batch {args.batch}, {args.steps} decode steps, device busy {busy_ms:.3f} ms per step; "
+          f"wall {wall_ms:.3f} ms per step without the profiler (device busy / wall {busy_ms / wall_ms:.0%})")
+    print(f"\nhost, cProfile of {args.steps} more steps (top by own time):\n```\n{host}```")
     print("\n| role | us per step | share |\n|---|---:|---:|")
     by_role = defaultdict(float)
     for n, _, t in rows:

@@ -66,7 +66,7 @@ def _stats_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, pmin_ptr, NS,
     lo = tl.full((), _POS_INF, tl.float32)
     for off in range(0, CHUNK, BLOCK):
         idx = c * CHUNK + off + offs
-        s = tl.load(base + idx, mask=idx < V, other=_NEG_INF) * inv_t
+        s = tl.load(base + idx, mask=idx < V, other=_NEG_INF).to(tl.float32) * inv_t
         m = tl.maximum(m, tl.max(s, axis=0))
         lo = tl.minimum(lo, tl.min(tl.where(s > _NEG_INF, s, _POS_INF), axis=0))
     tl.store(pmax_ptr + row * NS + c, m)
@@ -88,7 +88,7 @@ def _draw_kernel(logits_ptr, stride, V, temp_ptr, seed_ptr, pos_ptr, pmax_ptr, m
     for off in range(0, CHUNK, BLOCK):
         idx = c * CHUNK + off + offs
         valid = idx < V
-        x = tl.load(base + idx, mask=valid, other=_NEG_INF)
+        x = tl.load(base + idx, mask=valid, other=_NEG_INF).to(tl.float32)
         if greedy:
             bv, bi = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
         else:
@@ -125,13 +125,14 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
            filters: tuple[bool, bool, bool] | bool, chunk: int = 8192, block: int = 1024, hist_block: int = 256,
            search_block: int = 256, pivots: int = 16, cap: int = 4096, num_warps: int = 4, probe: list | None = None) -> torch.Tensor:
-    """[R, V] float32 logits -> [R] int64 tokens; per-row tensors as in ``sampling.RowParams``
+    """[R, V] logits (float32, or the model's bf16 / fp16: read as float32, which is exact, so
+    the draws equal those of the upcast copy at half the bytes) -> [R] int64 tokens; per-row tensors as in ``sampling.RowParams``
     (temperature / top_p / min_p float32, top_k / seed / position int64).
     ``filters``: whether some row uses (top-k, top-p, min-p); True = all (stages of unused
     filters are skipped; a row's own off values are honoured either way). ``cap``: the
     per-row candidate buffer of the threshold search; ``probe`` (tests) collects each
     stage's row phases. Defaults: see docs/PERFORMANCE.md (scripts/check_sampling.py)."""
-    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1
     assert temperature.dtype == top_p.dtype == min_p.dtype == torch.float32 and chunk % block == 0
     assert top_k.dtype == seed.dtype == position.dtype == torch.int64
     R, V = logits.shape
@@ -165,7 +166,7 @@ def _penalty_kernel(logits_ptr, out_ptr, stride, V, slot_ptr, counts_ptr, pmask_
     idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = idx < V
     state = tl.load(slot_ptr + row) * V + idx
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride + idx, mask=valid, other=0.0)
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride + idx, mask=valid, other=0.0).to(tl.float32)
     c = tl.load(counts_ptr + state, mask=valid, other=0)
     seen_out = c > 0
     seen = seen_out | (tl.load(pmask_ptr + state, mask=valid, other=0) != 0)

@@ -185,7 +185,7 @@ def _level_pass_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, 
             for off in range(0, CHUNK, BLOCK):
                 idx = c * CHUNK + off + col
                 valid = idx < V
-                x = tl.load(base + idx, mask=valid, other=_NEG_INF)
+                x = tl.load(base + idx, mask=valid, other=_NEG_INF).to(tl.float32)
                 s, key, w, play = _element(x, valid, inv_t, m, minp, floor, MASS, EXACT)
                 if NLEV >= 1:
                     play = play & (_bucket(s, vlo0, inv0, P) == sel0)
@@ -216,7 +216,7 @@ def _level_pass_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, 
             for off in range(0, CHUNK, BLOCK):
                 idx = c * CHUNK + off + offs
                 valid = idx < V
-                x = tl.load(base + idx, mask=valid, other=_NEG_INF)
+                x = tl.load(base + idx, mask=valid, other=_NEG_INF).to(tl.float32)
                 s, key, w, play = _element(x, valid, inv_t, m, minp, floor, MASS, EXACT)
                 play = play & (_bucket(s, vlo0, inv0, P) == sel0)
                 if NLEV == 2:
@@ -320,7 +320,7 @@ def _finish_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, floo
                     else:
                         w = (i < n).to(tl.float64)
                 else:
-                    x = tl.load(base + i, mask=i < n, other=_NEG_INF)
+                    x = tl.load(base + i, mask=i < n, other=_NEG_INF).to(tl.float32)
                     sv, k, wf, play = _element(x, i < n, inv_t, m, minp, floor, MASS, EXACT)
                     w = tl.where(play, wf, 0.0).to(tl.float64)
                 k = k.to(tl.int64)

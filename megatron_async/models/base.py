@@ -41,8 +41,9 @@ class CausalLM(nn.Module):
         Writes the step's K/V into ``batch.kv_caches`` and advances Mamba states in place."""
         raise NotImplementedError
 
-    def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 logits; ``batch_invariant``: row-count-independent bits."""
+    def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False, float32: bool = True) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] logits, float32 unless ``float32=False`` (then the model
+        dtype they are computed in); ``batch_invariant``: row-count-independent bits."""
         raise NotImplementedError
 
     def kv_cache_spec(self) -> KVCacheSpec:

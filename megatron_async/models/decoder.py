@@ -219,8 +219,8 @@ class DecoderModel(CausalLM):
         router and the grouped expert GEMMs have no batch-invariant kernels yet)."""
         return self.num_blocks_of[LayerKind.MAMBA] == 0 and self.num_blocks_of[LayerKind.MOE] == 0
 
-    def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        return self.lm_head(hidden, batch_invariant)
+    def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False, float32: bool = True) -> torch.Tensor:
+        return self.lm_head(hidden, batch_invariant, float32)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         attn = self._mixers(Attention)

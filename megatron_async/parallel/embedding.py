@@ -52,7 +52,10 @@ class ParallelLMHead(nn.Module):
     def is_tied(self) -> bool:
         return self.weight is None
 
-    def forward(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, batch_invariant: bool = False, float32: bool = True) -> torch.Tensor:
+        """Logits [N, vocab], computed in the model dtype as HF does; ``float32=False`` keeps
+        that dtype (consumers that read them as float32 skip a full-vocabulary cast)."""
         weight = self._tied[0].weight if self.weight is None else self.weight
-        local = linear(hidden, weight, None, batch_invariant)  # in the model dtype, as HF does
-        return tp_all_gather_last_dim(local, self.parallel).float()
+        local = linear(hidden, weight, None, batch_invariant)
+        logits = tp_all_gather_last_dim(local, self.parallel)
+        return logits.float() if float32 else logits

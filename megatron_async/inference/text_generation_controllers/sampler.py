@@ -28,6 +28,12 @@ class Sampler:
         self.backend = resolve_backend(backend, device)
         self.state = state
 
+    @property
+    def reads_model_dtype(self) -> bool:
+        """The Triton kernels read bf16 / fp16 logits as float32 in registers (exact), so the
+        step skips the [R, V] float32 copy: ~50 us and half the sampler's reads at 128 rows."""
+        return self.backend == SamplingBackend.TRITON
+
     def penalties(self, g, R: int) -> PenaltyRows:
         st = self.state
         return PenaltyRows(g.sampling_slot[:R], g.presence_penalty[:R], g.frequency_penalty[:R],
@@ -35,10 +41,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, g, R: int, any_random: bool, filters: tuple[bool, bool, bool],
                  any_penalties: bool) -> torch.Tensor:
-        """logits [R, V] float32 (left unchanged) -> tokens [R] int64. ``g`` is the GPU view;
+        """logits [R, V] (left unchanged; float32, or the model dtype when ``reads_model_dtype``)
+        -> tokens [R] int64. ``g`` is the GPU view;
         the flags (``filters``: some row uses top-k, top-p, min-p) are host facts of the step
         that only skip work no row needs."""
         triton_path = self.backend == SamplingBackend.TRITON
+        if not triton_path:
+            logits = logits.float()
         if any_penalties:
             pen = self.penalties(g, R)
             if triton_path:

@@ -153,13 +153,14 @@ class TextGenerationController:
             input_ids = self.spec.prepare(g, T, R, S, input_ids)
         with nvtx_range("forward_pass"):
             hidden = self.model(input_ids, batch)
-            logits = self.model.compute_logits(hidden[g.sample_token_idx[:S]], batch_invariant=self.batch_invariant)
+            logits = self.model.compute_logits(hidden[g.sample_token_idx[:S]], batch_invariant=self.batch_invariant,
+                                               float32=not self.sampler.reads_model_dtype)
         with nvtx_range("sampling"):
             tokens = self.sampler(logits, g, S, shape.any_sampling, shape.filters, shape.any_penalties)
             self.last_samples[:S].copy_(tokens)
             log_probs = top_vals = top_ids = None
             if shape.any_log_probs or shape.max_top_n > 0:
-                log_probs, top_vals, top_ids = sampling.log_probs_of(logits, tokens, shape.max_top_n,
+                log_probs, top_vals, top_ids = sampling.log_probs_of(logits.float(), tokens, shape.max_top_n,
                                                                      self.batch_invariant)
         if self.spec is not None:
             with nvtx_range("speculative_verify"):
