@@ -48,7 +48,7 @@ def padded_rows(rows: torch.Tensor, cu_query_lens: torch.Tensor, num_tokens: int
 class VarlenRows:
     """The rows of a mixed step, all on the device (views of the step snapshot)."""
 
-    slots: torch.Tensor  # [R] int64 state slot of each row
+    slots: torch.Tensor  # [R] int64 state slot of each row (-1: skipped)
     has_initial_state: torch.Tensor  # [R] bool
     cu_query_lens: torch.Tensor  # [R + 1] int32
     token_to_row: torch.Tensor  # [T] int32
@@ -58,9 +58,14 @@ class VarlenRows:
 
 
 def varlen_rows(slots: torch.Tensor, has_init: torch.Tensor, cu: torch.Tensor, token_to_row: torch.Tensor,
-                row_order: torch.Tensor, num_scan_rows: int, max_len: int) -> VarlenRows:
-    """``row_order`` [R]: rows of several tokens first; the first ``num_scan_rows`` of it take the
-    scan on the TORCH backend (the kernels of the other backends take every row as it is)."""
+                row_order: torch.Tensor, num_scan_rows: int, max_len: int,
+                skip_rows: torch.Tensor | None = None) -> VarlenRows:
+    """``row_order``: the rows to run, those of several tokens first; the first ``num_scan_rows``
+    of it take the scan on the TORCH backend (the kernels of the other backends run every row of
+    the step). ``skip_rows``: rows left out (their slot reads -1: no state read or kept; their
+    outputs are garbage for the caller to overwrite)."""
+    if skip_rows is not None:
+        slots = slots.index_fill(0, skip_rows, -1)
     rows = VarlenRows(slots, has_init, cu, token_to_row)
     if not uses_kernels():
         T = token_to_row.shape[0]

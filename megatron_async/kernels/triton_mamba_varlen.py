@@ -8,7 +8,9 @@ Everything a kernel needs about the rows comes from device tensors of the step s
 (``cu_query_lens``, ``token_to_row``, ``state_slots``, ``has_initial_state``): grids depend only
 on the (padded) token and row counts, loop bounds are loaded on the device, so one CUDA-graph
 capture serves any ragged batch of that padded size. Padding rows share the padding slot and
-start fresh: their racing writes there are never read.
+start fresh: their racing writes there are never read. A row whose slot is -1 is skipped: it
+reads no state and keeps none (its outputs are computed for the caller to overwrite:
+speculative verify rows, which run as Mamba windows).
 
 Runs on CPU under ``TRITON_INTERPRET=1`` (set before triton is imported), for tests.
 """
@@ -36,7 +38,7 @@ def _conv_out_kernel(
     row = tl.load(tok_row_ptr + offs_t, mask=t_mask, other=0)
     start = tl.load(cu_ptr + row, mask=t_mask, other=0)
     slot = tl.load(slots_ptr + row, mask=t_mask, other=0).to(tl.int64)
-    init = tl.load(has_init_ptr + row, mask=t_mask, other=0) != 0
+    init = (tl.load(has_init_ptr + row, mask=t_mask, other=0) != 0) & (slot >= 0)
     x_dtype = x_ptr.dtype.element_ty
 
     # Token t of a row starting at s sees ext[t - s .. t - s + K - 1] of ext = [state (K - 1),
@@ -74,7 +76,8 @@ def _conv_state_kernel(
     start = tl.load(cu_ptr + row)
     length = tl.load(cu_ptr + row + 1) - start
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    init = tl.load(has_init_ptr + row) != 0
+    init = (tl.load(has_init_ptr + row) != 0) & (slot >= 0)
+    c_mask = offs_c < tl.where(slot >= 0, channels, 0)  # a skipped row keeps no state
     s_row = pool_ptr + slot * stride_sb + offs_c * stride_sc
     for j in tl.static_range(K - 1):
         e = length + j
@@ -139,7 +142,8 @@ def _ssd_varlen_kernel(
     start = tl.load(cu_ptr + row)
     end = tl.load(cu_ptr + row + 1)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    read_old = (tl.load(has_init_ptr + row) != 0).to(tl.int32)
+    keep = (slot >= 0).to(tl.int32)  # a skipped row reads and keeps no state
+    read_old = (tl.load(has_init_ptr + row) != 0).to(tl.int32) * keep
 
     pn_mask = p_mask[:, None] & n_mask[None, :]
     s_ptrs = pool_ptr + slot * stride_sb + head * stride_sh + offs_p[:, None] * stride_sp + offs_n[None, :] * stride_sn
@@ -162,7 +166,7 @@ def _ssd_varlen_kernel(
         y, state = ssd_chunk(x, dt, Bc, Cc, state, A, D, causal, HAS_D, CB_DTYPE, CB_PRECISION, DOT_PRECISION)
         tl.store(y_base + t64[:, None] * stride_yt, y, mask=t_mask[:, None] & p_mask[None, :])
 
-    tl.store(s_ptrs, state, mask=pn_mask)
+    tl.store(s_ptrs, state, mask=(offs_p[:, None] < head_dim * keep) & n_mask[None, :])
 
 
 def ssd_scan_varlen(

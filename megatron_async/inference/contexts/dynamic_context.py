@@ -19,7 +19,7 @@ from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK, KV
 from megatron_async.inference.contexts.mamba_states import MambaStateManager, window_rows
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
 from megatron_async.inference.contexts.spec_state import SpecState
-from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch, MambaMetadata
+from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch, MambaMetadata, mamba_row_order
 from megatron_async.inference.contexts.step_errors import RequestStepError, RowUndo, row_of_bad_value
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest, Status
@@ -96,7 +96,7 @@ class StepShape:
     num_samples: int = -1  # sampled positions (rows plus drafts); -1: one per row
     sample_base: list[int] | None = None  # host copy: each row's first sample (speculative decoding)
     num_drafts: list[int] | None = None  # host copy: drafts each row verifies (speculative decoding)
-    num_multi_rows: int = -1  # rows of several tokens (first in mamba_row_order); -1: unknown (a graph's shape)
+    num_multi_rows: int = -1  # hybrid: rows of several tokens that verify no drafts (see mamba_row_order); -1: unknown (a graph's shape)
 
     def __post_init__(self):
         if self.num_samples < 0:
@@ -365,9 +365,9 @@ class DynamicInferenceContext:
                 "sample_position": sample_pos, "seed": seeds, "temperature": temps, "top_k": topk, "top_p": topp,
                 "state_slots": state_slots, "has_initial_state": has_init, **pen.columns(),
             }
+            num_multi = -1
             if self.mamba is not None:
-                multi = [r for r in range(len(plan.rows)) if cu[r + 1] - cu[r] > 1]
-                columns["mamba_row_order"] = multi + [r for r in range(len(plan.rows)) if cu[r + 1] - cu[r] == 1]
+                columns["mamba_row_order"], num_multi = mamba_row_order(cu, [k > 0 for k in num_drafts] if spec else None)
             if spec:
                 columns.update(spec_src=src, spec_slot=spec_slot, spec_owner_slot=spec_owner, spec_inflight=spec_inflight,
                                num_drafts=num_drafts, sample_base=sample_base, sample_to_row=sample_row)
@@ -388,7 +388,7 @@ class DynamicInferenceContext:
         return StepShape(T, R, max_q, max_kv, plan.is_decode_only, any_sampling, any(filters), max_top_n, any_lp, cu,
                          any_penalties=pen.any, filters=filters, num_samples=len(sample_idx),
                          sample_base=sample_base if spec else None, num_drafts=num_drafts if spec else None,
-                         num_multi_rows=len(multi) if self.mamba is not None else -1)
+                         num_multi_rows=num_multi)
 
     def pad_for_graph(self, num_tokens: int, num_rows: int, padded_tokens: int, padded_rows: int) -> None:
         """Make rows [num_rows, padded_rows) and tokens [num_tokens, padded_tokens) of the current
@@ -459,10 +459,12 @@ class DynamicInferenceContext:
                 cu_query_lens=attn.cu_query_lens, num_rows=R, is_decode_only=shape.is_decode_only,
                 max_query_len=shape.max_query_len, token_to_row=attn.token_to_row, row_order=g.mamba_row_order[:R],
                 num_scan_rows=shape.num_multi_rows if shape.num_multi_rows >= 0 else R,
-                host_cu_query_lens=shape.cu_query_lens,
             )
             if shape.num_drafts is not None:  # verify rows run as Mamba windows
-                batch.mamba.host_window_rows, batch.mamba.window_tokens = window_rows(shape.num_drafts, T)
+                flags, batch.mamba.window_tokens = window_rows(shape.num_drafts, T)
+                if flags is not None:
+                    batch.mamba.num_window_rows = sum(flags)
+                    batch.mamba.max_window_len = max(shape.num_drafts) + 1
             batch.conv_states, batch.ssm_states = self.mamba.conv_states, self.mamba.ssm_states
             batch.conv_window_states, batch.ssm_window_states = self.mamba.conv_window_states, self.mamba.ssm_window_states
         return batch

@@ -119,26 +119,6 @@ class Mamba2Mixer(nn.Module):
         return mamba_varlen_ops.ssd_varlen_inplace(xs, dt, self._A(), B, C, self.D.float(), ssm_pool, rows,
                                                    self.cfg.chunk_size)
 
-    def _scan_rows(
-        self, xbc: torch.Tensor, dt: torch.Tensor, m: PaddedRows, slots: torch.Tensor, has_init: torch.Tensor,
-        conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
-    ) -> torch.Tensor:
-        """Window steps' rows of several tokens, padded: xbc [T, conv_dim], dt [T, H] -> y [M, max_len, H, P] float32."""
-        valid = m.valid[..., None]
-        zero = torch.zeros((), dtype=xbc.dtype, device=xbc.device)
-        conv_out, conv_state = mamba_ops.conv1d_prefill(
-            torch.where(valid, xbc[m.gather], zero), self.conv1d.weight[:, 0, :], self.conv1d.bias,
-            mamba_ops.gather_states(conv_pool, slots, has_init), m.lengths,
-        )
-        conv_pool.index_copy_(0, slots, conv_state.to(conv_pool.dtype))
-        xs, B, C = self._split_xbc(conv_out)
-        dt_pad = torch.where(valid, dt[m.gather], torch.zeros((), device=dt.device))  # pads: dt = 0, identity steps
-        y, ssm_state = mamba_ops.ssd_prefill(
-            xs, dt_pad, self._A(), B, C, self.cfg.chunk_size, self.D.float(), mamba_ops.gather_states(ssm_pool, slots, has_init)
-        )
-        ssm_pool.index_copy_(0, slots, ssm_state)
-        return y
-
     def _window_rows(
         self, xbc: torch.Tensor, dt: torch.Tensor, w: PaddedRows | None, T: int, slots: torch.Tensor,
         has_init: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
@@ -181,20 +161,13 @@ class Mamba2Mixer(nn.Module):
             y = self._window_rows(xbc, dt, None, plan.window_only, plan.slots, plan.has_initial_state, *pools, *window_scratch)
         elif plan.identity_order:
             y = self._step_rows(xbc, dt, plan.slots, plan.has_initial_state, *pools)
-        elif plan.varlen is not None:
+        else:
             y = self._varlen_rows(xbc, dt, plan.varlen, *pools)
-        else:  # verification windows beside other rows (eager speculative steps)
-            y = torch.empty(T + 1, H, cfg.head_dim, dtype=torch.float32, device=x.device)  # y[T]: pads
-            rows, toks = plan.single_rows, plan.single_tokens
-            if rows.numel() > 0:
-                y[toks] = self._step_rows(xbc[toks], dt[toks], plan.slots[rows], plan.has_initial_state[rows], *pools)
-            m = plan.multi
-            if m is not None:
-                m.scatter(y, self._scan_rows(xbc, dt, m, plan.slots[m.rows], plan.has_initial_state[m.rows], *pools))
             w = plan.window
-            if w is not None:
+            if w is not None:  # verification windows beside other rows (eager speculative steps)
                 T_w = w.gather.shape[1]
                 y_w = self._window_rows(xbc, dt, w, T_w, plan.slots[w.rows], plan.has_initial_state[w.rows], *pools, *window_scratch)
-                w.scatter(y, y_w.unflatten(0, (-1, T_w)))
-            y = y[:T]
+                y_ext = torch.cat([y, y.new_empty(1, *y.shape[1:])])  # y_ext[T] takes the pads
+                w.scatter(y_ext, y_w.unflatten(0, (-1, T_w)))
+                y = y_ext[:T]
         return self.out_proj(self.norm(y.view(T, I), z).to(x.dtype))

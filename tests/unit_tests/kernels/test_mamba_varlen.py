@@ -2,7 +2,8 @@
 (one-token decode rows, continuing and fresh prefill chunks) followed by graph padding rows
 that share the padding slot, one with all padding tokens and some with none; on both backends
 (TORCH's device layout, the TRITON kernels: interpreter on CPU). Real slots end where the
-reference leaves them, the padding slot is the only other slot written."""
+reference leaves them, the padding slot is the only other slot written; skipped rows (slot -1:
+speculative verification windows, which the mixer runs apart) read and keep no state."""
 from __future__ import annotations
 
 import pytest
@@ -25,35 +26,43 @@ def backend(request):
     mamba_ops.set_mamba_backend(MambaBackend.TORCH, "cpu")
 
 
-def _rows(lengths: list[int], slots: list[int], has_init: list[bool], num_real: int, max_len: int):
-    """VarlenRows of a step as the context lays it out (several-token real rows first in the order)."""
+def _rows(lengths: list[int], slots: list[int], has_init: list[bool], num_real: int, max_len: int,
+          skipped: tuple[int, ...] = ()):
+    """VarlenRows of a step as the plan lays it out: ``skipped`` rows (verification windows) first
+    in the order and left out, then several-token real rows, then the rest."""
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
-    order = [r for r in range(num_real) if lengths[r] > 1] + [r for r in range(num_real) if lengths[r] <= 1]
+    run = [r for r in range(num_real) if r not in skipped]
+    order = list(skipped) + [r for r in run if lengths[r] > 1] + [r for r in run if lengths[r] <= 1]
     order += list(range(num_real, len(lengths)))
     dev = lambda v, dt=torch.long: torch.tensor(v, dtype=dt, device=DEVICE)  # noqa: E731
     tok_row = [r for r, n in enumerate(lengths) for _ in range(n)]
-    num_scan = len(lengths) if num_real < len(lengths) else sum(n > 1 for n in lengths)  # a graph: every row
+    graph = num_real < len(lengths)
+    num_scan = len(order) - len(skipped) if graph else sum(lengths[r] > 1 for r in run)  # a graph: every row
+    W = len(skipped)
+    order_t = dev(order)
     return cu, mamba_varlen_ops.varlen_rows(dev(slots), dev(has_init, torch.bool), dev(cu, torch.int32),
-                                            dev(tok_row, torch.int32), dev(order), num_scan, max_len)
+                                            dev(tok_row, torch.int32), order_t[W:], num_scan, max_len,
+                                            skip_rows=order_t[:W] if W else None)
 
 
 CASES = {
-    # lengths, slots, has_init, real rows (the rest: graph padding rows on the padding slot)
-    "eager": ([1, 6, 1, 3, 17, 2], [5, 0, 3, 1, 6, 2], [True, True, False, False, True, False], 6),
-    "padded": ([1, 6, 3, 1, 7, 0, 0], [5, 0, 1, 3, PAD_SLOT, PAD_SLOT, PAD_SLOT], [True, True, False, True] + [False] * 3, 4),
+    # lengths, slots, has_init, real rows (the rest: graph padding rows on the padding slot), skipped rows
+    "eager": ([1, 6, 1, 3, 17, 2], [5, 0, 3, 1, 6, 2], [True, True, False, False, True, False], 6, ()),
+    "padded": ([1, 6, 3, 1, 7, 0, 0], [5, 0, 1, 3, PAD_SLOT, PAD_SLOT, PAD_SLOT], [True, True, False, True] + [False] * 3, 4, ()),
+    "windows skipped": ([3, 6, 1, 2, 4], [5, 0, 3, 1, 6], [True, True, True, False, True], 5, (0, 3)),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_varlen_ops_equal_per_row_reference(backend, case, dtype):
-    lengths, slots, has_init, num_real = CASES[case]
+    lengths, slots, has_init, num_real, skipped = CASES[case]
     g = _gen(3)
     T, c, k = sum(lengths), 24, 4
     h, p, grp, n = 4, 8, 2, 16
-    cu, rows = _rows(lengths, slots, has_init, num_real, max(lengths))
+    cu, rows = _rows(lengths, slots, has_init, num_real, max(lengths), skipped)
     # x as the mixer passes it: a strided slice of a wider projection
     wide = _randn(g, T, c + 5, dtype=dtype)
     x = wide[:, 2 : 2 + c]
@@ -65,7 +74,8 @@ def test_varlen_ops_equal_per_row_reference(backend, case, dtype):
 
     ref_conv, ref_ssm = conv_pool.clone(), ssm_pool.clone()
     ref_out, ref_y = torch.empty(T, c, dtype=dtype, device=DEVICE), torch.empty(T, h, p, device=DEVICE)
-    for r in range(num_real):
+    ran = [r for r in range(num_real) if r not in skipped]
+    for r in ran:
         a, b, s = cu[r], cu[r + 1], slots[r]
         init_c = conv_pool[s : s + 1] if has_init[r] else torch.zeros_like(conv_pool[:1])
         out, fin = causal_conv1d(x[None, a:b], w, bias, init_c)
@@ -77,11 +87,11 @@ def test_varlen_ops_equal_per_row_reference(backend, case, dtype):
     got_conv, got_ssm = conv_pool.clone(), ssm_pool.clone()
     out = mamba_varlen_ops.conv1d_varlen_inplace(x, w, bias, got_conv, rows)
     y = mamba_varlen_ops.ssd_varlen_inplace(xs, dt, A, B, C, D, got_ssm, rows, chunk_size=4)
-    real = cu[num_real]
+    tok = [t for r in ran for t in range(cu[r], cu[r + 1])]
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(out[:real].float(), ref_out[:real].float(), **tol)
-    torch.testing.assert_close(y[:real], ref_y[:real], **tol)
-    real_slots = slots[:num_real]
+    torch.testing.assert_close(out[tok].float(), ref_out[tok].float(), **tol)
+    torch.testing.assert_close(y[tok], ref_y[tok], **tol)
+    real_slots = [slots[r] for r in ran]
     torch.testing.assert_close(got_conv[real_slots].float(), ref_conv[real_slots].float(), **tol)
     torch.testing.assert_close(got_ssm[real_slots], ref_ssm[real_slots], **tol)
     untouched = [s for s in range(PAD_SLOT) if s not in real_slots]
