@@ -90,7 +90,6 @@ class StepShape:
     any_top_k_top_p: bool  # some sampled row filters (top-k, top-p or min-p)
     max_top_n: int
     any_log_probs: bool
-    cu_query_lens: list[int] | None = None  # host copy, for kernels that need row lengths
     any_penalties: bool = False  # some sampling row has a sampling slot (penalties / min_tokens)
     filters: tuple[bool, bool, bool] = (False, False, False)  # some sampled row uses (top-k, top-p, min-p)
     num_samples: int = -1  # sampled positions (rows plus drafts); -1: one per row
@@ -385,7 +384,7 @@ class DynamicInferenceContext:
             self.register_complete_blocks(row.request)
         T, R = len(ids), len(plan.rows)
         filters = (use_k, use_p, use_mp)
-        return StepShape(T, R, max_q, max_kv, plan.is_decode_only, any_sampling, any(filters), max_top_n, any_lp, cu,
+        return StepShape(T, R, max_q, max_kv, plan.is_decode_only, any_sampling, any(filters), max_top_n, any_lp,
                          any_penalties=pen.any, filters=filters, num_samples=len(sample_idx),
                          sample_base=sample_base if spec else None, num_drafts=num_drafts if spec else None,
                          num_multi_rows=num_multi)

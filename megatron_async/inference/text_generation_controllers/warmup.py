@@ -63,10 +63,9 @@ def mixed_token_counts(max_tokens: int) -> list[int]:
 
 def _shape(tokens: int, rows: int, decode: bool, variant: SamplingVariant, vocab: int) -> StepShape:
     f = variant_flags(variant, vocab)
-    cu = [min(i, tokens) for i in range(rows)] + [tokens]
     return StepShape(num_tokens=tokens, num_rows=rows, max_query_len=tokens - rows + 1, max_kv_len=1,
                      is_decode_only=decode, any_sampling=f.any_sampling, any_top_k_top_p=any(f.filters),
-                     filters=f.filters, max_top_n=f.max_top_n, any_log_probs=f.any_log_probs, cu_query_lens=cu,
+                     filters=f.filters, max_top_n=f.max_top_n, any_log_probs=f.any_log_probs,
                      any_penalties=f.any_penalties)
 
 
