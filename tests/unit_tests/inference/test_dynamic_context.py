@@ -318,3 +318,32 @@ def test_transfer_makes_forward_batch_views_of_the_snapshot(model):
     assert batch.attn.block_table.tolist() == [host(ctx)["block_table"][0].tolist()]
     assert batch.attn.positions.data_ptr() == ctx.gpu_view.positions.data_ptr()
     assert batch.mamba is None and len(batch.kv_caches) == model.kv_cache_spec().num_layers
+
+
+def test_hybrid_snapshot_carries_the_mamba_row_layout():
+    """A hybrid context's snapshot: ``mamba_row_order`` (several-token rows first), state slots and
+    fresh-or-continued flags per row; graph padding rows take the padding slot, start fresh and
+    follow in order; the Mamba metadata are views of the snapshot with host sizes only."""
+    from megatron_async.models.hybrid import build_hybrid
+    from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_config
+
+    hybrid = build_hybrid(make_tiny_hybrid_config("NemotronHForCausalLM").to_dict(), torch.float32, "cpu")
+    ctx = make_ctx(hybrid, num_kv_blocks=16)
+    a, b, c = make_req(0, [5]), make_req(1, range(6)), make_req(2, range(9))
+    for r, n in ((a, 1), (b, 6), (c, 9)):
+        ctx.admit(r)
+        ctx.reserve(r, n)
+    c.num_computed_tokens = 4  # c continues a state (a later prefill chunk)
+    shape = ctx.initialize_attention_state(StepPlan([RowPlan(a, 0, 1, True), RowPlan(b, 0, 6, True),
+                                                     RowPlan(c, 4, 5, True)]))
+    v = host(ctx)
+    assert v["mamba_row_order"][:3].tolist() == [1, 2, 0] and shape.num_multi_rows == 2
+    assert v["state_slots"][:3].tolist() == [a.state_slot, b.state_slot, c.state_slot]
+    assert v["has_initial_state"][:3].tolist() == [False, False, True]
+    ctx.transfer_bookkeeping_to_gpu()
+    meta = ctx.forward_batch(shape).mamba
+    assert meta.num_scan_rows == 2 and meta.row_order.data_ptr() == ctx.gpu_view.mamba_row_order.data_ptr()
+    assert meta.token_to_row.tolist() == [0] + [1] * 6 + [2] * 5
+    ctx.pad_for_graph(12, 3, 16, 5)
+    assert v["mamba_row_order"][:5].tolist() == [1, 2, 0, 3, 4]
+    assert v["state_slots"][3:5].tolist() == [ctx.mamba.padding_slot] * 2 and not v["has_initial_state"][3:5].any()
