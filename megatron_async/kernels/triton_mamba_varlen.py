@@ -128,7 +128,8 @@ def _ssd_varlen_kernel(
     HAS_D: tl.constexpr, CB_DTYPE: tl.constexpr, CB_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program per (row, head, block of head_dim): the row's tokens in chunks of BLOCK_T
-    from its own start (the chunk boundaries of the scan), state in registers throughout."""
+    from its own start (the chunk boundaries of the scan), state in registers throughout; a row
+    of one token takes the plain recurrent step."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -154,17 +155,28 @@ def _ssd_varlen_kernel(
     y_base = y_ptr + head * stride_yh + offs_p[None, :]
     causal = offs_q[:, None] >= offs_q[None, :]
 
-    for t0 in tl.range(start, end, BLOCK_T):
-        offs_t = t0 + offs_q
-        t_mask = offs_t < end
-        t64 = offs_t.to(tl.int64)
-        dt = tl.load(dt_ptr + t64 * stride_dtt + head * stride_dth, mask=t_mask, other=0.0).to(tl.float32)
-        x = tl.load(x_base + t64[:, None] * stride_xt, mask=t_mask[:, None] & p_mask[None, :], other=0.0).to(tl.float32)
-        Bc = tl.load(B_base + t64[:, None] * stride_Bt, mask=t_mask[:, None] & n_mask[None, :], other=0.0)
-        Cc = tl.load(C_base + t64[:, None] * stride_Ct, mask=t_mask[:, None] & n_mask[None, :], other=0.0)
-
-        y, state = ssd_chunk(x, dt, Bc, Cc, state, A, D, causal, HAS_D, CB_DTYPE, CB_PRECISION, DOT_PRECISION)
-        tl.store(y_base + t64[:, None] * stride_yt, y, mask=t_mask[:, None] & p_mask[None, :])
+    if end - start == 1:  # a decode token (most rows of a mixed step): the recurrent step, no chunk matmuls
+        t = start.to(tl.int64)
+        dt1 = tl.load(dt_ptr + t * stride_dtt + head * stride_dth).to(tl.float32)
+        x1 = tl.load(x_ptr + t * stride_xt + head * stride_xh + offs_p * stride_xp, mask=p_mask, other=0.0).to(tl.float32)
+        B1 = tl.load(B_ptr + t * stride_Bt + group * stride_Bg + offs_n * stride_Bn, mask=n_mask, other=0.0).to(tl.float32)
+        C1 = tl.load(C_ptr + t * stride_Ct + group * stride_Cg + offs_n * stride_Cn, mask=n_mask, other=0.0).to(tl.float32)
+        state = state * tl.exp(dt1 * A) + (x1 * dt1)[:, None] * B1[None, :]
+        y1 = tl.sum(state * C1[None, :], axis=1)
+        if HAS_D:
+            y1 += D * x1
+        tl.store(y_ptr + t * stride_yt + head * stride_yh + offs_p, y1, mask=p_mask)
+    else:
+        for t0 in tl.range(start, end, BLOCK_T):
+            offs_t = t0 + offs_q
+            t_mask = offs_t < end
+            t64 = offs_t.to(tl.int64)
+            dt = tl.load(dt_ptr + t64 * stride_dtt + head * stride_dth, mask=t_mask, other=0.0).to(tl.float32)
+            x = tl.load(x_base + t64[:, None] * stride_xt, mask=t_mask[:, None] & p_mask[None, :], other=0.0).to(tl.float32)
+            Bc = tl.load(B_base + t64[:, None] * stride_Bt, mask=t_mask[:, None] & n_mask[None, :], other=0.0)
+            Cc = tl.load(C_base + t64[:, None] * stride_Ct, mask=t_mask[:, None] & n_mask[None, :], other=0.0)
+            y, state = ssd_chunk(x, dt, Bc, Cc, state, A, D, causal, HAS_D, CB_DTYPE, CB_PRECISION, DOT_PRECISION)
+            tl.store(y_base + t64[:, None] * stride_yt, y, mask=t_mask[:, None] & p_mask[None, :])
 
     tl.store(s_ptrs, state, mask=(offs_p[:, None] < head_dim * keep) & n_mask[None, :])
 
