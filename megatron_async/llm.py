@@ -167,8 +167,6 @@ class LLM:
     def _drafter(self, drafter):
         from megatron_async.inference.speculative.factory import build_drafter
 
-        if self.parallel.is_distributed:
-            raise ValueError("speculative decoding is not supported with tensor / expert parallelism yet")
         return drafter if drafter is not None else build_drafter(self.config, self.model)
 
     def _fit_max_sequence_length(self) -> None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The multi-GPU suite in one device call (nvidia-h200-x4, or -x2: the TP=4 cases then skip):
 # `pytest -m multigpu` (fp32 TP=2/4 tokens == TP=1 on NCCL for GPT and hybrid checkpoints,
+# speculative decoding under TP=2 / EP=2: `-k multigpu_speculative -s` prints VERDICT lines,
 # bf16 TP runs finish like TP=1). Logs go to ${OUT:-gpu_out}.
 # pyzmq is not installed on the GPU machines: fetch its wheel here with
 # `bash /work/shared/tools/device_wheels.sh` (writes ./.whl) and carry ".whl" with the run.

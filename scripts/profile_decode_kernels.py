@@ -21,6 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
+from megatron_async.tools.cli import default_buffer_gb
 
 GROUPS = [  # (role, name substrings), first match wins
     ("sampler", ("_stats_kernel", "_draw_kernel", "_pick_kernel", "_stage_init", "_level_pass", "_level_update",
@@ -75,7 +76,9 @@ def host_side(llm: LLM, steps: int) -> tuple[float, str]:
 
 
 def run(args, sampled: bool) -> None:
-    cfg = InferenceConfig(max_requests=args.batch, max_tokens=max(4096, args.batch), buffer_size_gb=args.kv_gb,
+    extra = {} if args.max_sequence_length is None else {"max_sequence_length": args.max_sequence_length}
+    kv_gb = args.kv_gb if args.kv_gb is not None else default_buffer_gb(torch.device("cuda"))
+    cfg = InferenceConfig(max_requests=args.batch, max_tokens=max(4096, args.batch), buffer_size_gb=kv_gb, **extra,
                           async_scheduling=not args.serial, cuda_graphs=not args.eager, attention_backend="triton")
     llm = LLM(device="cuda", dtype="bfloat16", default_model=args.model, inference_config=cfg)
     rng = random.Random(0)
@@ -83,7 +86,8 @@ def run(args, sampled: bool) -> None:
     for i in range(args.batch):
         sp = (SamplingParams(temperature=0.8, top_p=0.95, seed=i, ignore_eos=True, num_tokens_to_generate=n_out)
               if sampled else SamplingParams(top_k=1, ignore_eos=True, num_tokens_to_generate=n_out))
-        llm.engine.add_request([rng.randrange(llm.model.vocab_size) for _ in range(args.prompt_len)], sp)
+        n = rng.randint(args.prompt_len_min, args.prompt_len) if args.prompt_len_min else args.prompt_len
+        llm.engine.add_request([rng.randrange(llm.model.vocab_size) for _ in range(n)], sp)
     while llm.engine.stats.decode_steps == 0:  # every prefill chunk (stats count launches: the first
         llm.engine.step()                        # decode-only launch comes after the last chunk)
     for _ in range(args.warm_steps):  # graph replays settle; the profile must hold decode steps only
@@ -96,6 +100,8 @@ def run(args, sampled: bool) -> None:
         torch.cuda.synchronize()
     got = (llm.engine.stats.decode_steps - before[0], llm.engine.stats.prefill_steps - before[1])
     assert got == (args.steps, 0), f"profiled {got[0]} decode and {got[1]} prefill / mixed steps, not {args.steps} decode"
+    st = llm.engine.stats
+    assert st.paused == st.evicted == 0, f"the KV pool held only part of the batch ({st.paused} pauses): raise --kv-gb"
     rows = kernel_rows(prof)
     total = sum(t for _, _, t in rows)
     wall_ms, host = host_side(llm, args.steps)
@@ -122,9 +128,13 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-0.6b", help="built-in default model name")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--prompt-len-min", type=int, default=0, help="ragged prompts: lengths uniform in [min, --prompt-len]")
+    p.add_argument("--max-sequence-length", type=int, default=None)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warm-steps", type=int, default=12)
-    p.add_argument("--kv-gb", type=float, default=8.0)
+    p.add_argument("--kv-gb", type=float, default=None,
+                   help="KV pool (default: as the benchmark, half the free memory; a pool too small for the "
+                        "whole batch pauses rows and the profile fails)")
     p.add_argument("--top", type=int, default=25, help="kernels listed")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--serial", action="store_true", help="no launch-ahead")

@@ -3,7 +3,7 @@ whether a collective is graph-captured be the same on every rank of the launch, 
 replay graphs of one joint capture. So step by step, every rank must run its MoE exchanges in
 the same mode (the same graph, or eager) at the same size, including a rank with nothing to do
 (its dummy forward replays the agreed graph on padding rows) and a rank whose requests sample
-(then nobody replays). The emulated runner makes the real CudaGraphRunner decisions; each
+(then every rank replays the sampled variant of the graph, the largest any rank needs). The emulated runner makes the real CudaGraphRunner decisions; each
 rank's log of (mode, rows) per expert-parallel all-gather must be identical, and tokens must
 equal one engine's. Workload: one rank idle for many steps, then staggered mixed arrivals."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.inference.text_generation_controllers.cuda_graphs import greedy_decode_key
+from megatron_async.inference.text_generation_controllers.cuda_graphs import decode_key
+from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant
 from megatron_async.testing.emulated_graphs import CollectiveLog, EmulatedGraphRunner
 from megatron_async.testing.multiprocess import run_ranks
 from tests.functional_tests.engine_harness import run_leader_arrivals
@@ -57,7 +58,8 @@ def _worker(rank: int, world: int) -> dict:
 def test_every_rank_runs_the_same_graph_or_eager_collectives_step_by_step():
     expected = workload(LLM(None, inference_config=InferenceConfig(**CONFIG), default_model="tiny-moe"), 0, None)
     r0, r1 = run_ranks(_worker, 2, timeout_s=300)
-    assert r0["captures"] == r1["captures"] == [greedy_decode_key(b) for b in (4, 2, 1)]  # greedy decode only
+    # decode only, every sampling variant
+    assert r0["captures"] == r1["captures"] == [decode_key(b, v) for b in (4, 2, 1) for v in SamplingVariant]
     assert len(r0["calls"]) == len(r1["calls"]), "the ranks ran different numbers of MoE exchanges"
     for i, (a, b) in enumerate(zip(r0["calls"], r1["calls"])):
         assert a == b, f"MoE exchange #{i}: rank 0 ran {a}, rank 1 ran {b}"
@@ -65,10 +67,13 @@ def test_every_rank_runs_the_same_graph_or_eager_collectives_step_by_step():
         assert r0[f"{mode}_idle"] == expected[f"{mode}_idle"]
         assert r0[f"{mode}_staggered"] == expected[f"{mode}_staggered"]
     # the situations happened: rank 1 was idle while rank 0 replayed graphs (so its dummy
-    # forwards replayed them too), sampled steps ran eager, and both ranks served requests
+    # forwards replayed them too), sampled steps replayed the sampled variant on both ranks
+    # (a greedy or idle rank took its peer's variant), prefill steps ran eager, and both ranks served
     for name, start, end in r1["marks"]:
         idle_modes = {m for m, _ in r1["calls"][start:end]}
         assert any(m.startswith("graph") for m in idle_modes), f"{name}: rank 1's dummies never replayed"
     assert r1["dummy"] > 20 and r0["dummy"] > 0 and r1["padding_replays"] > 20
     assert any(m == "eager" for m, _ in r0["calls"]) and r0["replays"] > 0 and r1["replays"] > 0
+    sampled = [m for m, _ in r0["calls"] if m.startswith("graph") and "GREEDY" not in m]
+    assert sampled and all("FILTERED" in m for m in sampled), sampled  # temperature + top-p rows: FILTERED
     assert r0["served"] > 0 and r1["served"] > 0

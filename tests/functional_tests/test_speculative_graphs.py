@@ -30,8 +30,8 @@ def test_verify_steps_run_eager_and_draft_free_steps_replay(qwen3_ckpt, async_sc
     lookups = []
     lookup = runner.lookup
 
-    def logged(shape, min_rows=0):
-        step = lookup(shape, min_rows)
+    def logged(shape, min_rows=0, min_variant=0):
+        step = lookup(shape, min_rows, min_variant)
         lookups.append((shape.num_samples > shape.num_rows, step is not None, shape.is_decode_only))
         return step
 

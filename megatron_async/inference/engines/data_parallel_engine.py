@@ -69,10 +69,11 @@ class DataParallelEngine(DynamicInferenceEngine):
                 raise RuntimeError(f"engine cannot make progress: {len(self._requests)} unfinished requests, "
                                    "nothing in flight and nothing can be scheduled")
         ctl = self.controller
-        eager = bool(plan) and (ctl.graphs is None or not ctl.graphs.would_replay(plan))
+        variant = ctl.graphs.replay_variant(plan) if plan and ctl.graphs is not None else None
+        eager = bool(plan) and variant is None
         agreed = self._agree(from_step=True, out=out, num_tokens=plan.num_tokens if plan else 0, eager=eager,
-                             upload=self._upload())
-        ctl.dp_num_tokens, ctl.force_eager = agreed.max_tokens, agreed.eager
+                             upload=self._upload(), variant=variant or 0)
+        ctl.dp_num_tokens, ctl.force_eager, ctl.dp_variant = agreed.max_tokens, agreed.eager, agreed.variant
         launched = self._try_launch(plan, not first, out) if plan else None
         if launched is None and agreed.max_tokens > 0:
             ctl.dummy_forward()

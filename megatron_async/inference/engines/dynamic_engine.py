@@ -186,12 +186,12 @@ class DynamicInferenceEngine:
         return getattr(self._sync.last, flag)
 
     def _agree(self, from_step: bool, out: StepResult, num_tokens: int = 0, eager: bool = False,
-               upload: StepResult | None = None) -> Agreement:
+               upload: StepResult | None = None, variant: int = 0) -> Agreement:
         """The per-step exchange; admits the new requests and marks the aborts it brings."""
         sync = self._sync
         before = sync.seconds
         got = sync.exchange(self._has_local_work(), num_tokens, eager, leader_waiting=self._leader_waiting,
-                            load=len(self._requests), upload=upload, from_step=from_step)
+                            load=len(self._requests), upload=upload, from_step=from_step, variant=variant)
         self.stats.consensus_rounds = sync.rounds
         self.stats.consensus_time = sync.seconds
         self.stats.consensus_round_seconds.append(sync.seconds - before)

@@ -48,6 +48,9 @@ class Agreement:
     """Data parallel: the most tokens any rank launches in this step (0: nobody forwards)."""
     eager: bool = False
     """Data parallel: some rank's launch is not a graph replay (then no rank replays)."""
+    variant: int = 0
+    """Data parallel: the largest sampling variant (``graph_plan.variant_index``) a rank's replay
+    needs; every rank replays that one (it draws the same tokens for smaller needs)."""
     leader_waiting: bool = False
     """Rank 0 is inside ``run_requests`` waiting for some of its requests."""
     loads: tuple[int, ...] = ()
@@ -59,7 +62,7 @@ class Agreement:
     """Rank 0: what each other rank handed up (None for rank 0 itself); empty elsewhere."""
 
 
-_HEAD = 4  # any_work, max_tokens, eager, leader_waiting; then one load per rank (data parallel)
+_HEAD = 5  # any_work, max_tokens, eager, leader_waiting, variant; then one load per rank (data parallel)
 
 
 class StepConsensus:
@@ -120,12 +123,13 @@ class StepConsensus:
 
     # ------------------------------------------------------------------ the exchange
     def exchange(self, has_work: bool, num_tokens: int = 0, eager: bool = False, leader_waiting: bool = False,
-                 load: int = 0, upload: Any = None, from_step: bool = True) -> Agreement:
+                 load: int = 0, upload: Any = None, from_step: bool = True, variant: int = 0) -> Agreement:
         """Collective: one round trip. Returns the agreement, with the news and aborts this
         rank must apply (rank 0's included: it applies its own outbox only here, like the rest)."""
         t0 = time.perf_counter()
         handing_up = upload is not None  # rank 0 must step again to hand these out: that is work
-        values = [int(has_work or handing_up or self.has_outgoing()), num_tokens, int(eager), int(leader_waiting)]
+        values = [int(has_work or handing_up or self.has_outgoing()), num_tokens, int(eager), int(leader_waiting),
+                  variant]
         if self.data_parallel:
             values += [load if r == self.dp_rank else 0 for r in range(self.dp_size)]
         payload = (self._outbox, self._aborts) if self.is_leader else None
@@ -135,8 +139,8 @@ class StepConsensus:
         if self.data_parallel:
             news = [n for n in news if n.rank == self.dp_rank]
             self._routed_since = [0] * self.dp_size
-        self.last = Agreement(any_work, result[1], bool(result[2]), bool(result[3]), tuple(result[_HEAD:]),
-                              news, aborts, uploads)
+        self.last = Agreement(any_work, result[1], bool(result[2]), result[4], bool(result[3]),
+                              tuple(result[_HEAD:]), news, aborts, uploads)
         self.fresh = not from_step
         self.rounds += 1
         self.seconds += time.perf_counter() - t0

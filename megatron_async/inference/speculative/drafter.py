@@ -81,6 +81,13 @@ class Drafter(ABC):
     def propose(self, out: VerifyOutputs) -> torch.Tensor:
         """-> [R, K] int64 drafts for each row's next step (positions ``last_pos + 1 ...``)."""
 
+    def match_collectives(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> None:
+        """Data-parallel engines (expert parallelism): a rank with nothing to launch runs this
+        after its dummy forward (``input_ids`` / ``hidden`` of its padding rows, ``batch`` with
+        the agreed ``ep_num_tokens``), so that every collective ``propose`` runs on the ranks
+        that launched (MoE token exchanges of a drafter's own layers) has its partner here.
+        Drafters without model layers run none (the default)."""
+
 
 class TokenHistory:
     """Each request's known tokens (prompt + emitted) in a device row of its spec slot, for

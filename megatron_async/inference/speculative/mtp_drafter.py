@@ -57,6 +57,13 @@ class MTPDrafter(Drafter):
             drafts.append(self.model.compute_logits(hidden, inv).argmax(dim=-1))
         return torch.stack(drafts, dim=1)[:R]
 
+    def match_collectives(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> None:
+        """``propose`` runs the heads K times (depth 0, then K - 1 chained drafts), each with the
+        MoE exchanges of a MoE head layer: the same K passes over the dummy's padding rows
+        (their KV goes to the dummy block)."""
+        for j in range(self.spec.num_speculative_tokens):
+            hidden = self.model.mtp_forward(min(j, self.num_depths - 1), input_ids, hidden, batch)
+
     def _chain_batch(self, out: VerifyOutputs, pos: torch.Tensor) -> ForwardBatch:
         """One token per row at positions ``pos`` [R], attending over each row's KV before it.
         Positions past the row's reserved blocks write (and read) the dummy block: such drafts
@@ -75,4 +82,6 @@ class MTPDrafter(Drafter):
             token_to_row=rows.to(torch.int32), cu_query_lens=torch.arange(R + 1, device=pos.device, dtype=torch.int32),
             kv_lens=(pos + 1).to(torch.int32), block_table=a.block_table[:R], block_size=bs,
         )
-        return ForwardBatch(attn=meta, kv_caches=out.batch.kv_caches, batch_invariant=out.batch.batch_invariant)
+        # expert parallelism: the chain's MoE exchanges pad to the step's agreed count (>= T >= R)
+        return ForwardBatch(attn=meta, kv_caches=out.batch.kv_caches, ep_num_tokens=out.batch.ep_num_tokens,
+                            batch_invariant=out.batch.batch_invariant)

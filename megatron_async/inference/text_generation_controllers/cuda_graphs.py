@@ -23,7 +23,7 @@ import torch
 from megatron_async.config import InferenceConfig
 from megatron_async.inference.contexts.dynamic_context import StepShape
 from megatron_async.inference.text_generation_controllers.graph_plan import (
-    GraphKey, GraphPlan, SamplingVariant, variant_flags,
+    GraphKey, GraphPlan, SamplingVariant, variant_flags, variant_index, variant_of_params,
 )
 
 
@@ -66,9 +66,9 @@ def graph_shape(key: GraphKey, max_sequence_length: int, vocab_size: int) -> Ste
     )
 
 
-def greedy_decode_key(rows: int) -> GraphKey:
-    """The key of the greedy decode graph of ``rows`` (padded) rows: what data-parallel ranks replay."""
-    return GraphKey(rows, rows, True, SamplingVariant.GREEDY)
+def decode_key(rows: int, variant: SamplingVariant = SamplingVariant.GREEDY) -> GraphKey:
+    """The key of the decode graph of ``rows`` (padded) rows and a sampling variant."""
+    return GraphKey(rows, rows, True, variant)
 
 
 class CudaGraphRunner:
@@ -78,15 +78,16 @@ class CudaGraphRunner:
         """``collective``: data-parallel engines (expert parallelism). The graphs hold MoE
         collectives across ranks that run different batches, and NCCL requires graph-captured
         vs eager to be the same on every rank of a launch, with graphs of one joint capture: so
-        the plan is greedy decode only (no mixed steps), only the graphs ``warmup`` captured on
-        every rank at once are replayed, a missing one is an error (never a capture on one rank
-        alone), and a rank with nothing to launch replays the agreed graph on padding rows
-        (``replay_padding``)."""
+        the plan is decode steps only (no mixed steps), every rank replays the agreed size and
+        the largest sampling variant any rank needs (``replay_variant``; a larger variant draws
+        the same tokens), only the graphs ``warmup`` captured on every rank at once are
+        replayed, a missing one is an error (never a capture on one rank alone), and a rank
+        with nothing to launch replays the agreed graph on padding rows (``replay_padding``)."""
         self.controller = controller
         self.config = config
         self.collective = collective
         if collective:
-            mixed, variants = False, (SamplingVariant.GREEDY,)
+            mixed = False
         self.plan = GraphPlan(config, controller.model.vocab_size, mixed, variants)
         self.graphs: dict[GraphKey, CapturedStep] = {}
         self.emulate = emulate
@@ -108,18 +109,21 @@ class CudaGraphRunner:
         sizes = self.plan.decode_sizes
         return next((b for b in sizes if b >= num_rows), None)
 
-    def would_replay(self, plan) -> bool:
-        """Data-parallel engines: a plan (before assembly) whose step can replay a graph that
-        ``warmup`` captured on every rank at once: greedy decode without log-probs or penalties
-        (the step's key is then ``greedy_decode_key(padded)``). Other variants run eager."""
-        def plain_greedy(sp) -> bool:
-            return sp.is_greedy and not sp.return_log_probs and sp.top_n_logprobs == 0 and not sp.has_penalties
+    def replay_variant(self, plan) -> int | None:
+        """Data-parallel engines: the sampling variant (``variant_index``) a plan's step needs
+        (before assembly) if it can replay a graph that ``warmup`` captured on every rank at
+        once, else None (eager). The ranks then replay the largest variant any of them needs."""
+        if not plan.is_decode_only:  # prefill chunks, verify rows with drafts: eager
+            return None
         padded = self.padded_rows(len(plan.rows))
-        return (plan.is_decode_only and padded is not None and greedy_decode_key(padded) in self.graphs
-                and all(plain_greedy(r.request.sampling_params) for r in plan.rows))
+        variant = variant_of_params(r.request.sampling_params for r in plan.rows)
+        if padded is None or variant is None:
+            return None
+        # a larger variant the others may agree on is captured whenever this one is (warm-up takes them all)
+        return variant_index(variant) if decode_key(padded, variant) in self.graphs else None
 
-    def lookup(self, shape: StepShape, min_rows: int = 0) -> CapturedStep | None:
-        key = self.plan.key(shape, min_rows)
+    def lookup(self, shape: StepShape, min_rows: int = 0, min_variant: int = 0) -> CapturedStep | None:
+        key = self.plan.key(shape, min_rows, min_variant)
         step = self.graphs.get(key) if key is not None else None
         if step is None and self.collective:  # the ranks agreed on a replay: a bug, say so before a hang
             raise RuntimeError(f"data-parallel ranks agreed to replay CUDA graphs, but this rank's step "
@@ -134,15 +138,17 @@ class CudaGraphRunner:
         self.num_mixed_replays += not key.decode_only
         return step
 
-    def replay_padding(self, num_rows: int) -> int:
+    def replay_padding(self, num_rows: int, variant: int = 0) -> int:
         """Data-parallel engines, a rank with nothing to launch in a step the others replay:
-        replay the greedy graph those ranks replay (padded size of ``num_rows``) on padding rows,
-        so its collectives are graph-captured like theirs. The controller has already put a
-        padding snapshot in the view; the graph's samples are discarded. Returns the rows."""
+        replay the graph those ranks replay (padded size of ``num_rows``, the agreed sampling
+        variant) on padding rows, so its collectives are graph-captured like theirs. The
+        controller has already put a padding snapshot in the view; the graph's samples are
+        discarded. Returns the rows."""
         b = self.padded_rows(num_rows)
-        step = self.graphs.get(greedy_decode_key(b)) if b is not None else None
+        kind = list(SamplingVariant)[variant]
+        step = self.graphs.get(decode_key(b, kind)) if b is not None else None
         if step is None:
-            raise RuntimeError(f"no greedy CUDA graph for a dummy step of {num_rows} rows "
+            raise RuntimeError(f"no {kind.value} CUDA graph for a dummy step of {num_rows} rows "
                                f"(captured: {sorted(self.graphs, key=str)})")
         step.replay()
         self.num_padding_replays += 1

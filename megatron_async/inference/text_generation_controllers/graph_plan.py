@@ -58,17 +58,35 @@ def variant_flags(variant: SamplingVariant, vocab_size: int) -> VariantFlags:
                         max_top_n=min(GRAPH_TOP_N, vocab_size) if full else 0, any_penalties=full)
 
 
+def _covering(max_top_n: int, full: bool, filtered: bool, sampled: bool) -> SamplingVariant | None:
+    if max_top_n > GRAPH_TOP_N:
+        return None
+    if full or max_top_n > 0:
+        return SamplingVariant.FULL
+    if filtered:
+        return SamplingVariant.FILTERED
+    return SamplingVariant.TEMPERATURE if sampled else SamplingVariant.GREEDY
+
+
 def variant_of(shape) -> SamplingVariant | None:
     """The smallest variant covering a step's sampling needs (None: no graph can, run eager)."""
-    if shape.max_top_n > GRAPH_TOP_N:
-        return None
-    if shape.any_penalties or shape.any_log_probs or shape.max_top_n > 0:
-        return SamplingVariant.FULL
-    if any(shape.filters):
-        return SamplingVariant.FILTERED
-    if shape.any_sampling:
-        return SamplingVariant.TEMPERATURE
-    return SamplingVariant.GREEDY
+    return _covering(shape.max_top_n, shape.any_penalties or shape.any_log_probs, any(shape.filters),
+                     shape.any_sampling)
+
+
+def variant_of_params(params) -> SamplingVariant | None:
+    """``variant_of`` a step from its rows' SamplingParams, before the step is assembled (the
+    flags ``DynamicInferenceContext`` derives: greedy rows need no filter)."""
+    params = list(params)
+    drawn = [sp for sp in params if not sp.is_greedy]
+    return _covering(max((sp.top_n_logprobs for sp in params), default=0),
+                     any(sp.has_penalties or sp.return_log_probs for sp in params),
+                     any(sp.top_k > 1 or 0 < sp.top_p < 1 or sp.min_p > 0 for sp in drawn), bool(drawn))
+
+
+def variant_index(variant: SamplingVariant) -> int:
+    """Position in the chain (larger covers smaller): data-parallel ranks agree on the max."""
+    return list(SamplingVariant).index(variant)
 
 
 @dataclass(frozen=True)
@@ -104,7 +122,7 @@ def default_token_counts(max_tokens: int) -> list[int]:
 class GraphPlan:
     """The graphs a configuration can replay. ``mixed``: mixed-step graphs are possible (the
     controller decides from the model and backends); ``variants``: the sampling variants that
-    may be captured (data-parallel engines: greedy only, see ``CudaGraphRunner.would_replay``)."""
+    may be captured."""
 
     def __init__(self, config: InferenceConfig, vocab_size: int, mixed: bool,
                  variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant)):
@@ -120,13 +138,17 @@ class GraphPlan:
         plus at least one spare row for the padding tokens."""
         return min(self.config.max_requests, padded_tokens) + 1
 
-    def key(self, shape, min_rows: int = 0) -> GraphKey | None:
-        """The graph a step replays (None: eager). ``min_rows``: data-parallel ranks pad decode
-        steps at least to the rows all ranks agreed on."""
+    def key(self, shape, min_rows: int = 0, min_variant: int = 0) -> GraphKey | None:
+        """The graph a step replays (None: eager). ``min_rows`` / ``min_variant``: data-parallel
+        ranks pad decode steps at least to the rows, and replay at least the sampling variant,
+        that all ranks agreed on (a larger variant draws the same tokens)."""
         if shape.num_samples > shape.num_rows:  # speculative verify rows (drafts): eager, see below
             return None
         variant = variant_of(shape)
-        if variant is None or variant not in self.variants:
+        if variant is None:
+            return None
+        variant = list(SamplingVariant)[max(variant_index(variant), min_variant)]
+        if variant not in self.variants:
             return None
         if shape.is_decode_only:
             rows = max(shape.num_rows, min_rows)

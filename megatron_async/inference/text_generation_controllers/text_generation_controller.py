@@ -72,6 +72,8 @@ class TextGenerationController:
         """The most tokens any rank launches in this step: what MoE exchanges pad to."""
         self.force_eager = False
         """Some rank cannot replay a graph in this step: none does."""
+        self.dp_variant = 0
+        """The sampling variant every rank replays in this step (the largest any rank needs)."""
         self._dummy_snapshot: torch.Tensor | None = None
         self.sampler = Sampler(context.config.sampling_backend, dev, context.sampling_state)
 
@@ -96,7 +98,7 @@ class TextGenerationController:
         t0 = time.perf_counter()
         graph = None
         if self.graphs is not None and not self.force_eager:
-            graph = self.graphs.lookup(shape, min_rows=self.dp_num_tokens)
+            graph = self.graphs.lookup(shape, min_rows=self.dp_num_tokens, min_variant=self.dp_variant)
         if graph is not None:
             ctx.pad_for_graph(shape.num_tokens, shape.num_rows, graph.key.num_tokens, graph.key.num_rows)
         with nvtx_range("transfer_bookkeeping_to_gpu"):
@@ -175,7 +177,9 @@ class TextGenerationController:
         the ranks that launch real work. Padding rows only, writing only to the dummy KV block
         and the padding Mamba slot; the samples of a launch in flight stay intact. Its MoE
         layers pad to ``dp_num_tokens``. In a step the ranks replay graphs it replays the
-        agreed graph too (NCCL: captured or not must match across ranks), else one eager row."""
+        agreed graph too (NCCL: captured or not must match across ranks), else one eager row.
+        Speculative decoding: a verify step's MoE exchanges pad to the same agreed count (drafts
+        included), and the drafter's own collectives are matched too (``match_collectives``)."""
         ctx = self.context
         replay = self.graphs is not None and not self.force_eager
         rows = self.graphs.padded_rows(max(1, self.dp_num_tokens)) if replay else 1
@@ -187,7 +191,7 @@ class TextGenerationController:
         if replay:
             saved = self.last_samples.clone()  # the graph samples its padding rows into last_samples
             with nvtx_range("dummy_forward"):
-                self.graphs.replay_padding(rows)
+                self.graphs.replay_padding(rows, self.dp_variant)
             self.last_samples.copy_(saved)
             return
         shape = StepShape(num_tokens=rows, num_rows=rows, max_query_len=1, max_kv_len=1, is_decode_only=True,
@@ -195,11 +199,14 @@ class TextGenerationController:
         with nvtx_range("dummy_forward"):
             batch = ctx.forward_batch(shape)
             batch.ep_num_tokens = max(rows, self.dp_num_tokens) if self.expert_parallel else None
-            self.model(ctx.gpu_view.input_ids[:rows], batch)
+            input_ids = ctx.gpu_view.input_ids[:rows]
+            hidden = self.model(input_ids, batch)
+            if self.spec is not None:  # the drafter's own collectives (MTP heads' MoE layers)
+                ctx.spec.drafter.match_collectives(input_ids, hidden, batch)
 
     def warmup(self) -> WarmupReport:
         """Build every reachable Triton kernel variant and capture every planned graph (warmup.py).
-        Expert parallelism: only the graphs (greedy decode, every rank together), no eager pass."""
+        Expert parallelism: only the graphs (decode, every variant, every rank together), no eager pass."""
         return run_warmup(self, eager=not self.expert_parallel)
 
     # ------------------------------------------------------------------ host side

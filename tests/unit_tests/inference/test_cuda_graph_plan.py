@@ -1,6 +1,7 @@
 """CudaGraphRunner's decisions for data-parallel engines (no GPU: graphs stand in as keys):
-only plain greedy decode plans that fit a jointly captured graph replay, and a collective
-runner never captures alone: a missing graph is a clear error, not a capture (or a hang)."""
+decode plans that fit a jointly captured graph replay it at the largest sampling variant any
+rank needs, and a collective runner never captures alone: a missing graph is a clear error,
+not a capture (or a hang)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -10,7 +11,7 @@ import pytest
 from megatron_async import InferenceConfig, SamplingParams
 from megatron_async.inference.contexts.dynamic_context import StepShape
 from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
-from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner, greedy_decode_key
+from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner, decode_key
 from megatron_async.inference.text_generation_controllers.graph_plan import GraphKey, SamplingVariant
 
 
@@ -18,8 +19,9 @@ def runner(collective: bool) -> CudaGraphRunner:
     ctl = SimpleNamespace(model=SimpleNamespace(vocab_size=64))
     r = CudaGraphRunner(ctl, InferenceConfig(max_requests=8), mixed=True, collective=collective)
     if collective:
-        assert r.plan.keys() == [greedy_decode_key(b) for b in (8, 4, 2, 1)]  # greedy decode only, no mixed
-    r.graphs = {greedy_decode_key(b): SimpleNamespace(num_rows=b) for b in r.sizes}  # what warmup captures
+        # decode only (no mixed), every sampling variant
+        assert r.plan.keys() == [decode_key(b, v) for b in (8, 4, 2, 1) for v in SamplingVariant]
+    r.graphs = {k: SimpleNamespace(num_rows=k.num_rows, key=k) for k in r.plan.keys()}  # what warmup captures
     return r
 
 
@@ -31,22 +33,37 @@ def decode_plan(*params: SamplingParams) -> StepPlan:
 GREEDY = SamplingParams(top_k=1)
 
 
-@pytest.mark.parametrize("other,replays", [
-    (GREEDY, True), (SamplingParams(temperature=0.0), True), (SamplingParams(temperature=0.8), False),
-    (SamplingParams(top_k=1, return_log_probs=True), False), (SamplingParams(top_k=1, top_n_logprobs=2), False),
-    (SamplingParams(top_k=1, repetition_penalty=1.2), False), (SamplingParams(top_k=1, min_tokens=3), False),
+V = list(SamplingVariant)
+
+
+@pytest.mark.parametrize("other,variant", [
+    (GREEDY, 0), (SamplingParams(temperature=0.0, top_p=0.5), 0), (SamplingParams(temperature=0.8), 1),
+    (SamplingParams(temperature=0.8, top_k=40), 2), (SamplingParams(temperature=0.8, min_p=0.1), 2),
+    (SamplingParams(top_k=1, return_log_probs=True), 3), (SamplingParams(top_k=1, top_n_logprobs=2), 3),
+    (SamplingParams(top_k=1, repetition_penalty=1.2), 3), (SamplingParams(top_k=1, min_tokens=3), 3),
+    (SamplingParams(top_k=1, top_n_logprobs=21), None),  # beyond GRAPH_TOP_N: eager
 ])
-def test_only_plain_greedy_decode_replays(other, replays):
-    assert runner(True).would_replay(decode_plan(GREEDY, other)) is replays
+def test_a_decode_plan_replays_its_covering_variant(other, variant):
+    assert runner(True).replay_variant(decode_plan(GREEDY, other)) == variant
 
 
 def test_prefill_too_large_and_uncaptured_plans_run_eager():
     r = runner(True)
     prefill = StepPlan([RowPlan(SimpleNamespace(sampling_params=GREEDY), start=0, num_tokens=4, samples=True)])
-    assert not r.would_replay(prefill)
-    assert not r.would_replay(decode_plan(*[GREEDY] * 9))  # beyond the largest size (8)
-    del r.graphs[greedy_decode_key(4)]
-    assert not r.would_replay(decode_plan(GREEDY, GREEDY, GREEDY))  # pads to 4: not captured on every rank
+    assert r.replay_variant(prefill) is None
+    assert r.replay_variant(decode_plan(*[GREEDY] * 9)) is None  # beyond the largest size (8)
+    del r.graphs[decode_key(4)]
+    assert r.replay_variant(decode_plan(GREEDY, GREEDY, GREEDY)) is None  # pads to 4: not captured on every rank
+
+
+def test_ranks_replay_the_agreed_variant():
+    """A greedy step on a rank whose peers sample replays their (larger) variant, at their size."""
+    r = runner(True)
+    assert r.lookup(shape(2), min_rows=3, min_variant=2).key == decode_key(4, SamplingVariant.FILTERED)
+    assert r.lookup(shape(2, sampling=True), min_variant=0).key == decode_key(2, SamplingVariant.TEMPERATURE)
+    replayed = []
+    r.graphs[decode_key(4, SamplingVariant.FULL)].replay = lambda: replayed.append("full 4")
+    assert r.replay_padding(3, 3) == 4 and replayed == ["full 4"]
 
 
 def shape(rows: int, sampling: bool = False) -> StepShape:
@@ -63,12 +80,15 @@ def test_lookup_pads_to_the_agreed_rows():
 def test_a_collective_runner_never_captures_alone():
     r = runner(True)
     r._capture = lambda key: pytest.fail(f"captured {key} on one rank")
+    del r.graphs[decode_key(2, SamplingVariant.TEMPERATURE)]
     with pytest.raises(RuntimeError, match="agreed to replay CUDA graphs.*no graph that every rank captured"):
         r.lookup(shape(2, sampling=True))
     with pytest.raises(RuntimeError, match="agreed to replay"):
         r.lookup(StepShape(6, 2, 5, 9, False, False, False, 0, False))  # a prefill step under an agreed replay
     with pytest.raises(RuntimeError, match="no greedy CUDA graph for a dummy step of 9 rows"):
         r.replay_padding(9)
+    with pytest.raises(RuntimeError, match="no temperature CUDA graph for a dummy step of 2 rows"):
+        r.replay_padding(2, 1)
 
 
 def test_a_single_engine_runner_captures_lazily():
