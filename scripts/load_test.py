@@ -12,13 +12,12 @@ given) and the flags after ``--``. A warm-up load (Triton compiles, CUDA graph c
 first and is not reported. Exit code 1 when a request is lost, duplicated, failed or short.
 """
 import argparse
-import asyncio
 import json
 import sys
 
 from megatron_async.serve.process import ServerProcess
 from megatron_async.tools.cli import NON_NEGATIVE_INT, POSITIVE_INT, HelpFormatter
-from megatron_async.tools.load_test import LoadTestReport, run_load_test, server_side_summary
+from megatron_async.tools.load_test import LoadTestReport, run_load_test_processes, server_side_summary
 
 
 def main() -> int:
@@ -31,6 +30,8 @@ def main() -> int:
     target.add_argument("--url", help="base URL of a running server (default: start one on a free loopback port)")
     p.add_argument("--served-model-name", default=None, help="with --url: the model to request (default: the server's)")
     p.add_argument("--clients", type=POSITIVE_INT, default=64)
+    p.add_argument("--client-processes", type=POSITIVE_INT, default=1,
+                   help="spread the clients over this many processes (one process saturates at a few thousand chunks/s)")
     p.add_argument("--requests", type=POSITIVE_INT, default=500)
     p.add_argument("--max-tokens", type=POSITIVE_INT, default=32, help="tokens per request (EOS ignored)")
     p.add_argument("--prompt-words", type=POSITIVE_INT, default=12, help="prompt length (words, or ids with --token-prompts)")
@@ -47,8 +48,8 @@ def main() -> int:
         return load(url, model, args.requests)
 
     def load(url: str, model: str | None, requests: int) -> LoadTestReport:
-        return asyncio.run(run_load_test(url, model, args.clients, requests, args.max_tokens, args.prompt_words,
-                                         token_prompts=args.token_prompts))
+        return run_load_test_processes(url, model, args.client_processes, args.clients, requests, args.max_tokens,
+                                       args.prompt_words, token_prompts=args.token_prompts)
 
     if args.url:
         report = run(args.url.rstrip("/"), args.served_model_name)

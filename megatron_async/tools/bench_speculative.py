@@ -22,6 +22,7 @@ import torch
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.models.default_model import DEFAULT_CONFIGS
 from megatron_async.inference.speculative.oracle import OracleDrafter
+from megatron_async.tools.gpu_idle import profile_run
 
 
 @dataclass
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-invariant", choices=["auto", "on", "off"], default="auto",
                    help="auto: on with CUDA (bit-identical logits, so the oracle's acceptance holds)")
     p.add_argument("--max-seconds", type=float, default=200.0, help="skip what is left after this")
+    p.add_argument("--cuda-graphs", action="store_true", help="plain and speculative engines with CUDA graphs")
+    p.add_argument("--idle", action="store_true",
+                   help="then one profiled run (largest batch and k, 80%% oracle acceptance): device idle share")
     p.add_argument("--output", default=None, help="write the rows as JSON here")
     return p
 
@@ -78,7 +82,7 @@ class SpecBench:
         B = max(args.batches)
         common = dict(max_requests=B, max_tokens=max(2048, B * (K + 1)), max_sequence_length=args.prompt_len +
                       args.output_len + 8, buffer_size_gb=4.0 if self.device == "cuda" else 0.05,
-                      batch_invariant=self.batch_invariant)
+                      batch_invariant=self.batch_invariant, cuda_graphs=args.cuda_graphs)
         self.plain = self._llm(InferenceConfig(**common))
         self.spec = self._llm(InferenceConfig(**common, num_speculative_tokens=K, speculative_min_acceptance=0.0),
                               OracleDrafter({}, 1.0, self.vocab, args.output_len + 1))
@@ -126,8 +130,7 @@ class SpecBench:
 
     def _set_oracle(self, prompts, plain_outs, acceptance: float, k: int) -> None:
         cont = {tuple(p): o.generated_tokens for p, o in zip(prompts, plain_outs)}
-        drafter = OracleDrafter(cont, 1.0 - acceptance, self.vocab, self.args.output_len + 1)
-        self.spec.context.spec.set_drafter(drafter)
+        self.spec.context.spec.drafter.configure(cont, 1.0 - acceptance)  # in place: graphs captured it
         self.spec.engine.scheduler.spec.k = k
 
     def sweep(self) -> list[BenchRow]:
@@ -150,6 +153,23 @@ class SpecBench:
             if self.time_left():
                 self._ngram(batch, params)
         return self.rows
+
+    def idle_run(self) -> str | None:
+        """Device idle share (from the profiler's device intervals) of one speculative run: the
+        largest batch and k, 80 % oracle acceptance, forced."""
+        batch, k = max(self.args.batches), max(self.args.ks)
+        params = SamplingParams(top_k=1, num_tokens_to_generate=self.args.output_len, ignore_eos=True)
+        prompts = self.prompts(batch, False, seed=batch)
+        plain = self.plain.generate(prompts, params)
+        self._set_oracle(prompts, plain, 0.8, k)
+        self.spec.engine.scheduler.spec.min_acceptance = 0.0
+        _, rep = profile_run(self.spec.engine, lambda: self.spec.generate(prompts, params))
+        if rep is None:
+            return None
+        dec = "n/a" if rep.decode_idle_share is None else f"{rep.decode_idle_share:.1%}"
+        return (f"device idle with speculation (batch {batch}, k {k}, oracle 80 %, profiled run): whole run "
+                f"{rep.run_idle_share:.1%}, decode windows {dec} ({rep.launches} launches, {rep.snapshot_copies} "
+                f"snapshot copies{'; ' + rep.note if rep.note else ''})")
 
     def _ngram(self, batch: int, params: SamplingParams) -> None:
         prompts = self.prompts(batch, True, seed=1000 + batch)
@@ -218,13 +238,17 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
         args.prompt_len, args.output_len, args.device = 12, 12, args.device or "cpu"
     bench = SpecBench(args)
     print(f"bench_speculative: {bench.model} on {bench.device} ({bench.dtype}), batch_invariant="
-          f"{bench.batch_invariant}, prompts {args.prompt_len}, outputs {args.output_len}, eager", file=sys.stderr)
+          f"{bench.batch_invariant}, prompts {args.prompt_len}, outputs {args.output_len}, "
+          f"{'CUDA graphs' if args.cuda_graphs else 'eager'}", file=sys.stderr)
     bench.warmup()
     rows = bench.sweep()
     print(format_table(rows))
+    idle = bench.idle_run() if args.idle else None
+    if idle is not None:
+        print(idle)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if bench.device == "cuda" else "cpu",
                        "model": bench.model, "dtype": bench.dtype, "batch_invariant": bench.batch_invariant,
-                       "args": vars(args), "rows": [asdict(r) for r in rows]}, f, indent=1)
+                       "args": vars(args), "rows": [asdict(r) for r in rows], "idle": idle}, f, indent=1)
     return rows

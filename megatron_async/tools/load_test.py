@@ -1,9 +1,16 @@
 """A bounded load test of a running server: C concurrent streaming clients (the official
 ``openai`` client) send N completions between them; every request must end exactly once with
-all its tokens (none lost, none duplicated); TTFT and inter-token latency percentiles."""
+all its tokens (none lost, none duplicated); TTFT and inter-token latency percentiles.
+
+The clients can be spread over P processes: one Python process parsing thousands of SSE chunks
+a second through the client's models saturates its core, falls behind the server and then
+reads buffered chunks back to back, which shows as huge TTFTs and near-zero inter-token gaps
+that the server never caused. ``client_cpu_busy`` (the busiest process's CPU time over its
+wall time) says when that is happening: near 100 %, the client figures measure the client."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -51,6 +58,9 @@ class LoadTestReport:
     """Per request: (last token - first token) / (tokens - 1); percentiles over requests."""
     tpot_p99_ms: float | None
     errors: list[str] = field(default_factory=list)
+    processes: int = 1
+    client_cpu_busy: float | None = None
+    """CPU time / wall time of the busiest client process (near 1.0: the client is the bottleneck)."""
 
     @property
     def ok(self) -> bool:
@@ -68,7 +78,9 @@ class LoadTestReport:
                 f"lost {self.lost}, duplicated {self.duplicated}, wrong length {self.wrong_length}\n"
                 f"TTFT p50 {ms(self.ttft_p50_ms)} p99 {ms(self.ttft_p99_ms)}; "
                 f"inter-token p50 {ms(self.itl_p50_ms)} p99 {ms(self.itl_p99_ms)}; "
-                f"TPOT p50 {ms(self.tpot_p50_ms)} p99 {ms(self.tpot_p99_ms)}")
+                f"TPOT p50 {ms(self.tpot_p50_ms)} p99 {ms(self.tpot_p99_ms)}"
+                + ("" if self.client_cpu_busy is None else
+                   f"; client processes {self.processes}, busiest {self.client_cpu_busy:.0%} CPU-busy"))
 
 
 def prompt_for(index: int, num_words: int) -> str:
@@ -116,20 +128,18 @@ async def _one(client, model: str, rec: StreamRecord, max_tokens: int, prompt_wo
         rec.error = f"{type(e).__name__}: {e}"
 
 
-async def run_load_test(base_url: str, model: str | None, clients: int = 64, requests: int = 500, max_tokens: int = 32,
-                        prompt_words: int = 12, timeout_s: float = 600.0, token_prompts: bool = False) -> LoadTestReport:
-    """``clients`` workers share a queue of ``requests`` indices; each request asks for exactly
-    ``max_tokens`` tokens (EOS ignored) so that a short or long answer shows. ``token_prompts``:
-    prompts of ``prompt_words`` token ids instead of text (a server without a tokenizer)."""
+async def _collect(base_url: str, model: str | None, indices: list[int], clients: int, max_tokens: int,
+                   prompt_words: int, timeout_s: float, token_prompts: bool):
+    """``clients`` workers share a queue of request ``indices``. Returns (records, wall s, CPU s)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
     if not model:  # the server's one model
         model = (await client.models.list()).data[0].id
     todo: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(requests):
+    for i in indices:
         todo.put_nowait(i)
-    records: dict[int, list[StreamRecord]] = {i: [] for i in range(requests)}
+    records: dict[int, list[StreamRecord]] = {i: [] for i in indices}
 
     async def worker():
         while not todo.empty():
@@ -137,11 +147,47 @@ async def run_load_test(base_url: str, model: str | None, clients: int = 64, req
             records[rec.index].append(rec)
             await _one(client, model, rec, max_tokens, prompt_words, token_prompts)
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(clients))), timeout_s)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     await client.close()
-    return _report(records, clients, max_tokens, wall)
+    return records, wall, cpu
+
+
+async def run_load_test(base_url: str, model: str | None, clients: int = 64, requests: int = 500, max_tokens: int = 32,
+                        prompt_words: int = 12, timeout_s: float = 600.0, token_prompts: bool = False) -> LoadTestReport:
+    """One client process: ``clients`` workers send ``requests`` requests; each asks for exactly
+    ``max_tokens`` tokens (EOS ignored) so that a short or long answer shows. ``token_prompts``:
+    prompts of ``prompt_words`` token ids instead of text (a server without a tokenizer)."""
+    records, wall, cpu = await _collect(base_url, model, list(range(requests)), clients, max_tokens, prompt_words,
+                                        timeout_s, token_prompts)
+    report = _report(records, clients, max_tokens, wall)
+    report.client_cpu_busy = cpu / wall if wall else None
+    return report
+
+
+def _process_part(args: tuple) -> tuple:
+    return asyncio.run(_collect(*args))
+
+
+def run_load_test_processes(base_url: str, model: str | None, processes: int, clients: int = 64, requests: int = 500,
+                            max_tokens: int = 32, prompt_words: int = 12, timeout_s: float = 600.0,
+                            token_prompts: bool = False) -> LoadTestReport:
+    """``run_load_test`` with the clients and requests dealt round-robin over ``processes``
+    client processes (spawned), started together; the wall time is the slowest one's."""
+    if processes <= 1:
+        return asyncio.run(run_load_test(base_url, model, clients, requests, max_tokens, prompt_words, timeout_s,
+                                         token_prompts))
+    parts = [(base_url, model, list(range(p, requests, processes)), len(range(p, clients, processes)), max_tokens,
+              prompt_words, timeout_s, token_prompts) for p in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        results = pool.map(_process_part, parts)
+    records = {i: recs for part, _, _ in results for i, recs in part.items()}
+    wall = max(w for _, w, _ in results)
+    report = _report(dict(sorted(records.items())), clients, max_tokens, wall)
+    report.processes = processes
+    report.client_cpu_busy = max(c / w for _, w, c in results if w)
+    return report
 
 
 def _report(records: dict[int, list[StreamRecord]], clients: int, max_tokens: int, wall: float) -> LoadTestReport:

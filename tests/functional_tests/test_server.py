@@ -268,8 +268,9 @@ def test_small_load_test_loses_and_duplicates_nothing(server):
 
 
 def test_load_test_script_starts_a_builtin_model_server(tmp_path):
-    """scripts/load_test.py as the GPU wrapper runs it (built-in model, token-id prompts, warm-up),
-    small: it starts its own server, reports, and exits 0 only when nothing was lost."""
+    """scripts/load_test.py as the GPU wrapper runs it (built-in model, token-id prompts, warm-up,
+    clients spread over processes), small: it starts its own server, reports, and exits 0 only
+    when nothing was lost."""
     import os
     import subprocess
     import sys
@@ -279,7 +280,8 @@ def test_load_test_script_starts_a_builtin_model_server(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, str(root / "scripts" / "load_test.py"), "--clients", "8", "--requests", "24", "--max-tokens", "6",
+        [sys.executable, str(root / "scripts" / "load_test.py"), "--clients", "8", "--client-processes", "2",
+         "--requests", "24", "--max-tokens", "6",
          "--prompt-words", "10", "--token-prompts", "--warmup-requests", "8", "--output-path", str(out),
          "--", "--default-model", "tiny", "--device", "cpu", "--max-requests", "8"],
         capture_output=True, text=True, timeout=300, cwd=root, env=env)
@@ -288,6 +290,7 @@ def test_load_test_script_starts_a_builtin_model_server(tmp_path):
     report = json.loads(out.read_text())
     assert report["completed"] == 24 and report["lost"] == report["duplicated"] == 0
     assert report["output_tokens"] == 24 * 6 and report["itl_p99_ms"] is not None
+    assert report["processes"] == 2 and 0 < report["client_cpu_busy"] < 1.5  # both processes' requests merged
 
 
 @pytest.mark.parametrize("field, value", [("min_tokens", 6), ("min_p", 0.1), ("presence_penalty", 1.5),

@@ -6,7 +6,9 @@ objects the engine exchanges per step: ``exchange`` is the engine's one per-step
 (every rank's ints max-reduced, the others' uploads gathered at rank 0, rank 0's payload sent
 back). Rank 0 binds an ephemeral port on the interface that reaches the rendezvous host and
 publishes the address through the torch.distributed store (``from_rendezvous``), so ranks on
-other nodes find it without localhost or fixed-port assumptions. Every message carries the collective's sequence
+other nodes find it without localhost or fixed-port assumptions. It also binds a Unix-domain
+(``ipc://``) endpoint: ranks on its host use that one (about half the round-trip time of TCP
+loopback; the exchange is on every step's path), the others TCP. Every message carries the collective's sequence
 number and kind, so ranks that call different collectives fail loudly instead of
 silently pairing the wrong messages; every receive has a timeout so a silent peer raises
 instead of hanging, and a peer whose connection drops (its process died) makes the waiting
@@ -16,6 +18,8 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import tempfile
+import uuid
 from typing import Any
 
 import zmq
@@ -37,6 +41,7 @@ class ZMQCommunicator:
         self._timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
         self._seq = 0
         self._ctx: zmq.Context | None = None
+        self._ipc_path: str | None = None
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         if world_size == 1:
@@ -47,13 +52,15 @@ class ZMQCommunicator:
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to an unknown peer raises
             if port is None:
                 bound = self._sock.bind_to_random_port(f"tcp://{host}")
-                publish(f"tcp://{host}:{bound}")
+                self._ipc_path = _ipc_path()
+                self._sock.bind(f"ipc://{self._ipc_path}")
+                publish(f"tcp://{host}:{bound} ipc://{self._ipc_path} {socket.gethostname()}")
             else:
                 self._sock.bind(f"tcp://{host}:{port}")
         else:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.IDENTITY, self._identity(rank))
-            self._sock.connect(lookup() if port is None else f"tcp://{host}:{port}")
+            self._sock.connect(_pick_endpoint(lookup()) if port is None else f"tcp://{host}:{port}")
         self._sock.setsockopt(zmq.LINGER, 0)
         # Dropped connections (a peer process that died) are reported here, so waits end at once.
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -145,6 +152,8 @@ class ZMQCommunicator:
             self._sock.close(linger=0)
             self._ctx.term()
             self._sock = self._monitor = self._ctx = None
+        if self._ipc_path is not None and os.path.exists(self._ipc_path):
+            os.unlink(self._ipc_path)  # ZMQ leaves a bound socket's file behind
 
     # ------------------------------------------------------------------ plumbing
     @staticmethod
@@ -197,6 +206,19 @@ class ZMQCommunicator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _ipc_path() -> str:
+    """A fresh Unix socket path (short: the limit is ~107 bytes)."""
+    return os.path.join(tempfile.gettempdir(), f"ma-zmq-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def _pick_endpoint(published: str) -> str:
+    """Rank 0's IPC endpoint when this rank runs on its host (same host name and the socket
+    file is visible here), else its TCP one."""
+    tcp, ipc, host = published.split(" ")
+    same_host = host == socket.gethostname() and os.path.exists(ipc.removeprefix("ipc://"))
+    return ipc if same_host else tcp
 
 
 def _address_towards(peer_host: str) -> str:

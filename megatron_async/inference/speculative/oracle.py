@@ -5,7 +5,9 @@ Built from a non-speculative run's outputs (prompt -> generated tokens), it prop
 true next tokens, except that each (request, position) is corrupted with probability
 ``corrupt_rate`` by a hash of (request seed, position): acceptance per draft token is then
 about ``1 - corrupt_rate``, the same in every mode and batch, and every accept / reject path
-runs. Requests whose prompt it does not know get token 0 drafts (rejected)."""
+runs. Requests whose prompt it does not know get token 0 drafts (rejected). The corruption
+rate is a device tensor and ``configure`` changes it and the continuations in place, so
+CUDA graphs that captured ``propose`` follow a sweep over acceptance rates."""
 from __future__ import annotations
 
 import torch
@@ -30,9 +32,18 @@ class OracleDrafter(Drafter):
         self.vocab_size = vocab_size
         self.max_generated = max_generated
 
+    def configure(self, continuations: dict[tuple[int, ...], list[int]], corrupt_rate: float) -> None:
+        """New continuations (for requests admitted from now on) and corruption rate, in place."""
+        if not 0.0 <= corrupt_rate <= 1.0:
+            raise ValueError(f"corrupt_rate must be in [0, 1], got {corrupt_rate}")
+        self.continuations, self.corrupt_rate = continuations, corrupt_rate
+        if hasattr(self, "rate"):
+            self.rate.fill_(corrupt_rate * _M24)
+
     def bind(self, spec: SpecState) -> None:
         super().bind(spec)
         dev = spec.device.device
+        self.rate = torch.tensor(self.corrupt_rate * _M24, dtype=torch.float64, device=dev)
         self.table = torch.zeros(spec.num_slots, self.max_generated + 1, dtype=torch.int64, device=dev)
         self.prompt_len = torch.zeros(spec.num_slots, dtype=torch.int64, device=dev)
         self.known_len = torch.zeros(spec.num_slots, dtype=torch.int64, device=dev)
@@ -56,6 +67,6 @@ class OracleDrafter(Drafter):
         true = self.table[slots[:, None].expand_as(gen), gen.clamp(0, self.max_generated)]
         true = torch.where(valid, true, torch.zeros_like(true))
         h = _mix32(row_keys(self.key[slots][:, None].expand_as(q), q) ^ 0x5BD1E995)
-        corrupt = (h >> 8).to(torch.float64) < self.corrupt_rate * _M24
+        corrupt = (h >> 8).to(torch.float64) < self.rate
         shift = 1 + (h % max(self.vocab_size - 1, 1))
         return torch.where(corrupt, (true + shift) % self.vocab_size, true)

@@ -102,3 +102,40 @@ def test_dead_peer_fails_the_waiting_rank_at_once():
     assert "rank 0: lost the connection to a peer" in report and "all_reduce_max #" in report
     waited = float(re.search(r"\[waited=([0-9.]+)\]", report).group(1))
     assert waited < 5.0  # not the 60 s timeout
+
+
+def _rendezvous(rank: int, world: int, port: int):
+    """Through a store, as engines join: the peers on rank 0's host connect over its Unix socket."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import zmq
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=20))
+    comm = ZMQCommunicator.from_rendezvous(store, rank, world, timeout_s=10)
+    endpoint = comm._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    got = comm.all_reduce_max([rank])
+    path = comm._ipc_path
+    comm.barrier()
+    comm.close()
+    return endpoint, got, path, path is not None and __import__("os").path.exists(path)
+
+
+def test_ranks_on_one_host_use_the_unix_socket_and_it_is_removed():
+    results = run_ranks(_rendezvous, 3, free_port(), timeout_s=30)
+    assert [r[1] for r in results] == [[2]] * 3
+    assert all(r[0].startswith("ipc://") for r in results[1:]), results  # the peers connected over IPC
+    assert results[0][2] is not None and results[0][3] is False  # rank 0 bound it, and close() removed it
+
+
+def test_endpoint_choice():
+    import socket
+    import tempfile
+
+    from megatron_async.inference.communication.zmq_communicator import _pick_endpoint
+
+    with tempfile.NamedTemporaryFile() as f:
+        here = socket.gethostname()
+        assert _pick_endpoint(f"tcp://10.0.0.1:5 ipc://{f.name} {here}") == f"ipc://{f.name}"
+        assert _pick_endpoint(f"tcp://10.0.0.1:5 ipc://{f.name} other-host") == "tcp://10.0.0.1:5"
+    assert _pick_endpoint(f"tcp://10.0.0.1:5 ipc://{f.name} {here}") == "tcp://10.0.0.1:5"  # not visible here
