@@ -102,8 +102,9 @@ class InferenceConfig:
 
     cuda_graph_mixed_steps: bool = True
     """With ``cuda_graphs``: also replay mixed steps (prefill chunks + decode rows, and any step
-    with a multi-token row) as graphs keyed by padded token count. GPT / MoE models on one
-    expert-parallel rank with Triton attention; hybrid (Mamba) mixed steps stay eager."""
+    with a multi-token row) as graphs keyed by padded token count. Needs Triton attention and
+    no expert parallelism; hybrid (Mamba) models also need the TRITON or MAMBA_SSM Mamba backend
+    (the packed kernels; the torch reference keeps mixed steps eager)."""
 
     cuda_graph_token_counts: tuple[int, ...] | None = None
     """Padded token counts of the mixed-step graphs. None: 16, 32, ..., 256, then four sizes

@@ -149,17 +149,21 @@ class LLM:
                      rep.seconds, rep.eager_steps, rep.graphs_captured, rep.triton_builds, rep.memory_bytes / 2**30)
 
     def _graph_runner(self):
-        """Decode graphs always; mixed-step graphs for models without Mamba layers, on Triton
-        attention (the varlen kernel reads row lengths from the snapshot); speculative verify
-        graphs on Triton attention (the torch path would gather every row's whole KV table in
-        a graph, sized for max_sequence_length). Expert parallelism:
-        a collective runner (greedy decode graphs only, captured by every rank at once in the
+        """Decode graphs always; mixed-step graphs on Triton attention (the varlen kernel reads
+        row lengths from the snapshot) and, for hybrid models, on the Mamba backends with packed
+        kernels (TRITON / MAMBA_SSM: their grids depend only on the padded sizes; the torch
+        reference would lay every row out to the padded token count); speculative verify graphs
+        on Triton attention (the torch path would gather every row's whole KV table in a graph,
+        sized for max_sequence_length). Expert parallelism: a
+        collective runner (greedy decode graphs only, captured by every rank at once in the
         warm-up; see ``CudaGraphRunner``)."""
         from megatron_async.config import AttentionBackend
         from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
+        from megatron_async.kernels.mamba_varlen_ops import uses_kernels
 
         triton_attention = self.attention_backend == AttentionBackend.TRITON or self.config.batch_invariant
-        mixed = self.config.cuda_graph_mixed_steps and self.context.mamba is None and triton_attention
+        mamba_ok = self.context.mamba is None or uses_kernels()
+        mixed = self.config.cuda_graph_mixed_steps and mamba_ok and triton_attention
         return CudaGraphRunner(self.controller, self.config, mixed=mixed, collective=self.parallel.ep_size > 1,
                                verify=triton_attention)
 

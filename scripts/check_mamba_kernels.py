@@ -5,7 +5,9 @@ Shapes are NemotronH-like: 128 heads of 64, d_state 128, 8 groups, conv kernel 4
 activations, fp32 SSM states. Decode: batches of 1..256 rows on slot pools; "torch" is the
 reference as the mixer runs it (gather the rows' states, step, scatter back), "triton" the
 in-place slot kernels, also replayed from a CUDA graph (checked equal to eager). Prefill:
-4096 tokens as 1, 4 or 16 (ragged) rows; then a small tile sweep of the SSD scan.
+4096 tokens as 1, 4 or 16 (ragged) rows. Mixed steps: decode rows + a prefill chunk through the
+packed (varlen) conv + scan, eager and from a CUDA graph, vs the split route (decode kernels +
+padded scan). Then a small tile sweep of the SSD scan.
 
     python scripts/check_mamba_kernels.py [--iters 10]
 """
@@ -122,6 +124,72 @@ def check_prefill(lengths: list[int], iters: int) -> str:
             f"conv: err {cerr:.1e} torch {tc_ref:6.2f} ms triton {tc_fast:6.2f} ms")
 
 
+def check_mixed(num_decode: int, chunk: int, iters: int) -> str:
+    """A mixed step: ``num_decode`` decode rows + one prefill chunk. "packed": the varlen conv +
+    scan of mixed steps (what a mixed CUDA graph replays), vs "split": the decode kernels for the
+    one-token rows plus the padded conv + scan for the chunk (the mixer's route before). Error vs
+    the torch reference (per row, as the TORCH backend runs it)."""
+    from megatron_async.config import MambaBackend
+    from megatron_async.kernels import mamba_ops, mamba_varlen_ops
+
+    lengths = [1] * num_decode + [chunk]
+    R, T = len(lengths), sum(lengths)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEV)
+    tok_row = torch.repeat_interleave(torch.arange(R, device=DEV, dtype=torch.int32), torch.tensor(lengths, device=DEV))
+    slots = torch.randperm(R + 16, device=DEV)[:R]
+    has_init = torch.ones(R, dtype=torch.bool, device=DEV)
+    order = torch.tensor([R - 1] + list(range(R - 1)), device=DEV)
+    xbc, w, bias = (torch.randn(*sh, device=DEV, dtype=BF16) for sh in ((T, CONV_DIM), (CONV_DIM, K), (CONV_DIM,)))
+    dt = F.softplus(torch.randn(T, H, device=DEV) - 2)
+    A, D = -torch.rand(H, device=DEV) * 4 - 0.5, torch.randn(H, device=DEV)
+    conv_pool = torch.randn(R + 16, CONV_DIM, K - 1, device=DEV, dtype=BF16)
+    ssm_pool = torch.randn(R + 16, H, P, N, device=DEV)
+
+    def packed(pools):
+        rows = mamba_varlen_ops.varlen_rows(slots, has_init, cu, tok_row, order, 1, chunk)
+        out = mamba_varlen_ops.conv1d_varlen_inplace(xbc, w, bias, pools[0], rows)
+        xs, B, C = out.split([H * P, G * N, G * N], dim=-1)
+        return mamba_varlen_ops.ssd_varlen_inplace(xs.unflatten(-1, (H, P)), dt, A, B.unflatten(-1, (G, N)),
+                                                   C.unflatten(-1, (G, N)), D, pools[1], rows, 128)
+
+    def split(pools):
+        d = slice(0, num_decode)
+        out = causal_conv1d_update(xbc[d], w, bias, pools[0], slots=slots[d], has_initial_state=has_init[d])
+        xs, B, C = out.split([H * P, G * N, G * N], dim=-1)
+        y = selective_state_update(xs.unflatten(-1, (H, P)), dt[d], A, B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N)), D,
+                                   pools[1], slots=slots[d], has_initial_state=has_init[d])
+        c_out, c_fin = causal_conv1d_prefill(xbc[None, num_decode:], w, bias, pools[0][slots[-1:]])
+        xs, B, C = c_out.split([H * P, G * N, G * N], dim=-1)
+        y2, s_fin = ssd_scan(xs.unflatten(-1, (H, P)), dt[None, num_decode:], A, B.unflatten(-1, (G, N)),
+                             C.unflatten(-1, (G, N)), D, pools[1][slots[-1:]])
+        pools[0][slots[-1]] = c_fin[0]
+        pools[1][slots[-1]] = s_fin[0]
+        return torch.cat([y, y2[0]])
+
+    pools = lambda: (conv_pool.clone(), ssm_pool.clone())  # noqa: E731
+    ref_pools = pools()
+    saved = mamba_ops.get_mamba_backend()
+    try:
+        mamba_ops.set_mamba_backend(MambaBackend.TORCH, DEV)
+        ref = packed(ref_pools)
+        mamba_ops.set_mamba_backend(MambaBackend.TRITON, DEV)
+        got_pools = pools()
+        got = packed(got_pools)
+        err = max(rel_err(got, ref), rel_err(got_pools[1][slots], ref_pools[1][slots]))
+        p1, p2 = pools(), pools()
+        t_packed = median_ms(lambda: packed(p1), iters)
+        t_split = median_ms(lambda: split(p2), iters)
+        graph, p3 = torch.cuda.CUDAGraph(), pools()
+        packed(p3)
+        with torch.cuda.graph(graph):
+            packed(p3)
+        t_graph = median_ms(graph.replay, iters)
+    finally:
+        mamba_ops.set_mamba_backend(saved, DEV)
+    return (f"mixed {num_decode:>3d} decode rows + {chunk:>4d}-token chunk: err {err:.1e} packed {t_packed:6.2f} ms "
+            f"(graph {t_graph:6.2f} ms) split {t_split:6.2f} ms")
+
+
 def sweep_scan(iters: int) -> list[str]:
     x, dt, A, B, C, D, init = prefill_inputs([4096])
     lines = []
@@ -144,6 +212,8 @@ def main() -> None:
     ragged = [700, 40, 1500, 256, 1, 300, 120, 900, 2, 77, 60, 33, 11, 64, 30, 2]  # 4096 tokens
     for lengths in ([4096], [1024] * 4, ragged):
         print(check_prefill(lengths, args.iters))
+    for num_decode, chunk in ((127, 1024), (127, 64), (16, 2048)):
+        print(check_mixed(num_decode, chunk, args.iters))
     print("\n".join(sweep_scan(args.iters)))
 
 

@@ -1,4 +1,8 @@
-"""Mamba2 op dispatcher: the mixer calls these functions and nothing else.
+"""Mamba2 op dispatcher and backend switch. The mixer's decode steps call the ``*_inplace`` ops
+here; its mixed steps go through ``mamba_varlen_ops`` and its speculative windows through
+``mamba_window_ops``, which read the backend set here. The four functional ops (padded rows,
+gathered states) serve kernel comparisons and tests: the model no longer calls them, so the
+``mamba_ssm`` packages are used nowhere in a forward (MAMBA_SSM runs this repo's kernels there).
 
 Backends (``MambaBackend``): TORCH, the pure-torch reference (``conv1d_torch`` / ``ssd_torch``,
 CPU and CUDA, the ground truth); TRITON, this repo's kernels (``triton_mamba_decode``,

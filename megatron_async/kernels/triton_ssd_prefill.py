@@ -105,6 +105,30 @@ def causal_conv1d_prefill(
 
 
 @triton.jit
+def ssd_chunk(x, dt, Bc, Cc, state, A, D, causal, HAS_D: tl.constexpr, CB_DTYPE: tl.constexpr,
+              CB_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One chunk of the scan for one head: x [BLOCK_T, BLOCK_P] fp32, dt [BLOCK_T] fp32 (0 past
+    the row's end: identity steps), B / C [BLOCK_T, BLOCK_N] in their dtype, the entering state
+    [BLOCK_P, BLOCK_N] fp32 -> (y [BLOCK_T, BLOCK_P] fp32, the state after the chunk)."""
+    cum = tl.cumsum(dt * A, axis=0)  # log-decay from the chunk start to each token (<= 0)
+    xdt = x * dt[:, None]
+    # Intra-chunk: y_i = sum_{j <= i} exp(cum_i - cum_j) (C_i . B_j) dt_j x_j.
+    decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
+    # C . B in the inputs' dtype: 16-bit products are exact in the fp32 accumulator.
+    scores = tl.dot(Cc.to(CB_DTYPE), tl.trans(Bc.to(CB_DTYPE)), input_precision=CB_PRECISION) * decay
+    y = tl.dot(scores, xdt, input_precision=DOT_PRECISION)
+    # The state entering the chunk, decayed to each token and read out through C.
+    y += tl.dot(Cc.to(tl.float32), tl.trans(state), input_precision=DOT_PRECISION) * tl.exp(cum)[:, None]
+    if HAS_D:
+        y += D * x
+    # Advance the state past the whole chunk.
+    total = tl.sum(dt * A, axis=0)
+    to_end = tl.exp(total - cum)  # [BLOCK_T] decay from each token to the chunk's end
+    state = state * tl.exp(total) + tl.dot(tl.trans(xdt * to_end[:, None]), Bc.to(tl.float32), input_precision=DOT_PRECISION)
+    return y, state
+
+
+@triton.jit
 def _ssd_scan_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, init_ptr, y_ptr, final_ptr,
     seq_len, heads_per_group, head_dim, d_state,
@@ -127,8 +151,7 @@ def _ssd_scan_kernel(
     n_mask = offs_n < d_state
     group = head // heads_per_group
     A = tl.load(A_ptr + head).to(tl.float32)
-    if HAS_D:
-        D = tl.load(D_ptr + head).to(tl.float32)
+    D = tl.load(D_ptr + head).to(tl.float32) if HAS_D else 0.0
 
     pn_mask = p_mask[:, None] & n_mask[None, :]
     state = tl.load(
@@ -151,23 +174,8 @@ def _ssd_scan_kernel(
         Bc = tl.load(B_base + offs_t[:, None] * stride_Bt, mask=t_mask[:, None] & n_mask[None, :], other=0.0)
         Cc = tl.load(C_base + offs_t[:, None] * stride_Ct, mask=t_mask[:, None] & n_mask[None, :], other=0.0)
 
-        cum = tl.cumsum(dt * A, axis=0)  # log-decay from the chunk start to each token (<= 0)
-        xdt = x * dt[:, None]
-        # Intra-chunk: y_i = sum_{j <= i} exp(cum_i - cum_j) (C_i . B_j) dt_j x_j.
-        decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
-        # C . B in the inputs' dtype: 16-bit products are exact in the fp32 accumulator.
-        scores = tl.dot(Cc.to(CB_DTYPE), tl.trans(Bc.to(CB_DTYPE)), input_precision=CB_PRECISION) * decay
-        y = tl.dot(scores, xdt, input_precision=DOT_PRECISION)
-        # The state entering the chunk, decayed to each token and read out through C.
-        y += tl.dot(Cc.to(tl.float32), tl.trans(state), input_precision=DOT_PRECISION) * tl.exp(cum)[:, None]
-        if HAS_D:
-            y += D * x
+        y, state = ssd_chunk(x, dt, Bc, Cc, state, A, D, causal, HAS_D, CB_DTYPE, CB_PRECISION, DOT_PRECISION)
         tl.store(y_base + offs_t[:, None] * stride_yt, y, mask=t_mask[:, None] & p_mask[None, :])
-
-        # Advance the state past the whole chunk.
-        total = tl.sum(dt * A, axis=0)
-        to_end = tl.exp(total - cum)  # [BLOCK_T] decay from each token to the chunk's end
-        state = state * tl.exp(total) + tl.dot(tl.trans(xdt * to_end[:, None]), Bc.to(tl.float32), input_precision=DOT_PRECISION)
 
     tl.store(final_ptr + row * stride_fb + head * stride_fh + offs_p[:, None] * stride_fp + offs_n[None, :], state, mask=pn_mask)
 

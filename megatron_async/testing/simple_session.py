@@ -72,11 +72,15 @@ class SimpleSession:
         )
         mamba = None
         if self.conv_states:
+            lengths = [len(t) for _, t in rows]
+            order = [r for r, n in enumerate(lengths) if n > 1] + [r for r, n in enumerate(lengths) if n == 1]
             mamba = MambaMetadata(
                 state_slots=torch.tensor([s for s, _ in rows], dtype=torch.long, device=dev),
                 has_initial_state=torch.tensor(has_init, dtype=torch.bool, device=dev),
                 cu_query_lens=meta.cu_query_lens, num_rows=len(rows),
                 is_decode_only=meta.is_decode_only, max_query_len=meta.max_query_len,
+                token_to_row=meta.token_to_row, row_order=torch.tensor(order, dtype=torch.long, device=dev),
+                num_scan_rows=sum(n > 1 for n in lengths),
             )
         batch = ForwardBatch(attn=meta, kv_caches=self.kv_caches, mamba=mamba,
                              conv_states=self.conv_states, ssm_states=self.ssm_states)

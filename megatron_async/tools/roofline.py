@@ -50,13 +50,14 @@ def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
 
 
 def state_bytes_per_request(model: CausalLM, dtype: torch.dtype) -> int:
-    """Mamba conv + SSM state bytes of one request (0 for pure attention models)."""
+    """Mamba conv + SSM state bytes of one request (0 for pure attention models). The conv state
+    is kept in the model dtype, the SSM state always in float32 (``MambaStateManager``)."""
     spec = model.mamba_state_spec()
     if spec is None:
         return 0
     elt = torch.empty((), dtype=dtype).element_size()
-    per_layer = sum(int(torch.Size(s).numel()) for s in (spec.conv_shape, spec.ssm_shape))
-    return spec.num_layers * per_layer * elt
+    per_layer = int(torch.Size(spec.conv_shape).numel()) * elt + int(torch.Size(spec.ssm_shape).numel()) * 4
+    return spec.num_layers * per_layer
 
 
 def mean_context_per_output_token(prompt_lens: list[int], output_lens: list[int]) -> float:

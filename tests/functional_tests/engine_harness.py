@@ -92,3 +92,34 @@ def sampling_mix(n: int) -> list[SamplingParams]:
         SamplingParams(top_k=1, repetition_penalty=1.3, top_n_logprobs=3, num_tokens_to_generate=n),
         SamplingParams(temperature=0.8, top_k=40, seed=6, min_tokens=4, num_tokens_to_generate=n),
     ]
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+HOST_DATA = ("tensor", "as_tensor", "from_numpy")  # a tensor made from host data: an H2D copy on CUDA
+
+
+def forbid_host_traffic(model, monkeypatch, on_forward=None) -> None:
+    """Make any host read of a tensor value (a device sync on CUDA) or any tensor built from host
+    data (an extra H2D copy on CUDA) inside ``model.forward`` raise. ``on_forward(*args)`` is
+    called at each forward (to record what ran)."""
+    import torch
+
+    forward = model.forward
+
+    def fail(name):
+        def raise_(*args, **kwargs):
+            raise AssertionError(f"forward read a tensor on the host or copied host data ({name})")
+
+        return raise_
+
+    def guarded(*args, **kwargs):
+        if on_forward is not None:
+            on_forward(*args)
+        with monkeypatch.context() as m:
+            for name in HOST_READS:
+                m.setattr(torch.Tensor, name, fail(name))
+            for name in HOST_DATA:
+                m.setattr(torch, name, fail(name))
+            return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", guarded)

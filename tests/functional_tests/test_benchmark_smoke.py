@@ -172,3 +172,16 @@ def test_compile_counter_counts_builds_and_captures_and_restores_the_hook():
         assert knobs.runtime.jit_cache_hook is not cc._hook
     finally:
         knobs.runtime.jit_cache_hook = None
+
+
+def test_roofline_counts_the_ssm_state_in_float32(tmp_path):
+    """The engine keeps the SSM state in float32 whatever the model dtype (conv state: model dtype)."""
+    from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
+    from megatron_async.tools.roofline import state_bytes_per_request
+
+    path = make_tiny_hybrid_checkpoint("NemotronHForCausalLM", tmp_path / "nh")
+    llm = LLM(str(path), dtype="bfloat16", inference_config=InferenceConfig(num_kv_blocks=8, max_requests=2))
+    mamba = llm.context.mamba
+    live = [t[0] for t in mamba.conv_states + mamba.ssm_states]  # one slot's state of every layer
+    assert state_bytes_per_request(llm.model, torch.bfloat16) == sum(t.numel() * t.element_size() for t in live)
+    assert {t.dtype for t in mamba.ssm_states} == {torch.float32}

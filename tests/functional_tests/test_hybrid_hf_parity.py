@@ -9,8 +9,8 @@ from megatron_async.models.checkpoint import load_checkpoint, read_hf_config
 from megatron_async.models.hybrid import build_hybrid
 from megatron_async.testing.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
 from megatron_async.testing.hf_models import hf_greedy, hf_logits, load_hf_reference
-from megatron_async.testing import simple_session
 from megatron_async.testing.simple_session import SimpleSession
+from tests.functional_tests.engine_harness import forbid_host_traffic
 
 VOCAB = 128  # the tiny checkpoints' vocabulary
 
@@ -98,45 +98,16 @@ def test_greedy_decode_matches_hf_generate(pair):
         assert tokens == hf_greedy(hf, prompt, num_new)
 
 
-_SYNCING = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-
-def _forbid_host_reads(model, monkeypatch) -> None:
-    """Make any host read of a tensor value (a device sync on CUDA) inside forward raise."""
-    forward = model.forward
-
-    def fail(name):
-        def raise_(*args, **kwargs):
-            raise AssertionError(f"forward read a tensor on the host (Tensor.{name})")
-
-        return raise_
-
-    def guarded(*args, **kwargs):
-        with monkeypatch.context() as m:
-            for name in _SYNCING:
-                m.setattr(torch.Tensor, name, fail(name))
-            return forward(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", guarded)
-
-
 def test_forward_reads_nothing_back(pair, monkeypatch):
-    """Decode-only steps never read a tensor on the host; mixed steps neither when the batch
-    carries the host copy of the row offsets (as the engine's context does). Without it, the
-    mixer falls back to reading cu_query_lens (documented)."""
+    """Neither decode-only nor mixed steps read a tensor on the host or build one from host
+    data inside forward: every table comes with the batch (the engine's step snapshot)."""
     _, _, ours = pair
     session = SimpleSession(ours)
     session.step([(0, _tokens(30, 6)), (1, _tokens(31, 3))])
-    _forbid_host_reads(ours, monkeypatch)
+    forbid_host_traffic(ours, monkeypatch)
     session.step([(0, [1]), (1, [2]), (2, [3])])  # row 2: a new one-token prompt
-    with pytest.raises(AssertionError, match="tolist"):
-        session.step([(0, [4, 5]), (1, [6])])
-
-    def with_host_offsets(**fields):
-        return MambaMetadata(**fields, host_cu_query_lens=fields["cu_query_lens"].tolist())
-
-    monkeypatch.setattr(simple_session, "MambaMetadata", with_host_offsets)  # built outside forward
-    session.step([(0, [4, 5]), (1, [6]), (3, [7, 8, 9])])
+    session.step([(0, [4, 5]), (1, [6])])  # mixed: a two-token chunk beside a decode token
+    session.step([(0, [4, 5]), (1, [6]), (3, [7, 8, 9])])  # and a fresh prompt
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ import pytest
 from megatron_async import SamplingParams
 from megatron_async.models.layers import mamba_step_plan
 from megatron_async.testing.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
-from tests.functional_tests.engine_harness import Arrival, make_llm, random_prompts, run_arrivals
+from tests.functional_tests.engine_harness import Arrival, forbid_host_traffic, make_llm, random_prompts, run_arrivals
 from tests.functional_tests.spec_harness import assert_partial_acceptance, assert_same_outputs, oracle_for
 
 K = 3
@@ -36,7 +36,8 @@ def plan_kinds(monkeypatch):
         if plan.window_only:
             seen.add("uniform")
         elif plan.window is not None:
-            seen.add("windows+prefill" if plan.multi is not None else "windows+single" if plan.single_rows.numel() else "ragged")
+            others = meta.num_rows - meta.num_window_rows
+            seen.add("windows+prefill" if meta.num_scan_rows else "windows+single" if others else "ragged")
         return plan
 
     monkeypatch.setattr(mamba_step_plan.MambaStepPlan, "build", classmethod(spy))
@@ -65,13 +66,14 @@ def _arrivals(vocab: int, seed: int, eos: int | None = None) -> list[Arrival]:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_hybrid_spec_equals_plain(hybrid, async_scheduling, plan_kinds):
+def test_hybrid_spec_equals_plain(hybrid, async_scheduling, plan_kinds, monkeypatch):
     off_llm = _llm(hybrid, 0, async_scheduling=async_scheduling)
     arrivals = _arrivals(off_llm.model.vocab_size, seed=7)
     off = run_arrivals(off_llm, arrivals)
     assert not plan_kinds, "plain decoding ran a Mamba window"
     llm = _llm(hybrid, K, _oracle(off_llm, off, arrivals), async_scheduling=async_scheduling,
                speculative_min_acceptance=0.0)
+    forbid_host_traffic(llm.model, monkeypatch)  # windows beside prefill rows too: all from the snapshot
     assert_same_outputs(off, run_arrivals(llm, arrivals), log_prob_tol=1e-5)
     st = llm.engine.stats
     assert_partial_acceptance(st)

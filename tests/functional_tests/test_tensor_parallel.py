@@ -179,6 +179,35 @@ def _counting_worker(rank: int, world: int) -> dict:
         llm.close()
 
 
+def _diverging_worker(rank: int, world: int) -> str:
+    """Rank 1's device result differs once (its 4th sample is bumped): the replicas' digests then
+    differ at the next exchange, and every rank fails naming it, rather than running on."""
+    llm = LLM(None, inference_config=InferenceConfig(**CONFIG), tensor_parallel_size=world)
+    if rank == 1:
+        sample, calls = llm.controller.sampler.__call__, []
+
+        def bumped(logits, *a, **kw):
+            tokens = sample(logits, *a, **kw)
+            calls.append(1)
+            return tokens + 1 if len(calls) == 4 else tokens
+
+        llm.controller.sampler = type("Bumped", (), {"__call__": staticmethod(bumped),
+                                                     "reads_model_dtype": llm.controller.sampler.reads_model_dtype})()
+    try:
+        llm.generate(PROMPTS[:2], GREEDY[:2])
+    except Exception as e:  # noqa: BLE001 -- the message is what the test checks
+        return f"{type(e).__name__}: {e}"
+    finally:
+        llm.close()
+    return "no error"
+
+
+def test_replicas_that_diverge_fail_at_the_next_exchange():
+    results = run_ranks(_diverging_worker, 2, timeout_s=120)
+    for r in results:
+        assert r.startswith("CommunicatorError: replica ranks diverged"), results
+
+
 def test_one_consensus_exchange_per_step():
     """New requests, aborts and "anyone has work" travel in ONE ZMQ round trip per step (before:
     a broadcast per step plus an all-reduce per has_unfinished_requests call)."""

@@ -19,7 +19,7 @@ from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK, KV
 from megatron_async.inference.contexts.mamba_states import MambaStateManager, window_rows
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
 from megatron_async.inference.contexts.spec_state import SpecState
-from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch, MambaMetadata
+from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch, MambaMetadata, mamba_row_order
 from megatron_async.inference.contexts.step_errors import RequestStepError, RowUndo, row_of_bad_value
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest, Status
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # type-only: engines and models import contexts, not the reve
 
 
 def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samples: int | None = None,
-                       speculative: bool = False) -> list[FieldSpec]:
+                       speculative: bool = False, mamba: bool = False) -> list[FieldSpec]:
     """The single declaration of the step snapshot (host buffer and device view alike).
 
     A "sample" is one sampled position: one per row, plus one per draft of a verify row
@@ -62,6 +62,8 @@ def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samp
         FieldSpec("repetition_penalty", torch.float32, (S,)),
         FieldSpec("suppress_stop", torch.bool, (S,)),
     ]
+    if mamba:  # a mixed step's Mamba rows: several-token rows first (see kernels/mamba_varlen_ops.py)
+        fields.append(FieldSpec("mamba_row_order", torch.int64, (R,)))
     if speculative:  # see contexts/spec_state.py and speculative/verify.py
         fields += [
             # -1: input id from the host; 0: slot's last token; j: draft j; -2: padding of a uniform
@@ -90,13 +92,13 @@ class StepShape:
     any_top_k_top_p: bool  # some sampled row filters (top-k, top-p or min-p)
     max_top_n: int
     any_log_probs: bool
-    cu_query_lens: list[int] | None = None  # host copy, for kernels that need row lengths
     any_penalties: bool = False  # some sampling row has a sampling slot (penalties / min_tokens)
     filters: tuple[bool, bool, bool] = (False, False, False)  # some sampled row uses (top-k, top-p, min-p)
     num_samples: int = -1  # sampled positions (rows plus drafts); -1: one per row
     sample_base: list[int] | None = None  # host copy: each row's first sample (speculative decoding)
     num_drafts: list[int] | None = None  # host copy: drafts each row verifies (speculative decoding)
     verify_width: int = 0  # > 0: a uniform verify step, every row this many tokens and samples (padded)
+    num_multi_rows: int = -1  # hybrid: rows of several tokens that verify no drafts (see mamba_row_order); -1: unknown (a graph's shape)
 
     def __post_init__(self):
         if self.num_samples < 0:
@@ -137,7 +139,7 @@ class DynamicInferenceContext:
         self.max_rows = config.max_requests + 1
         self.max_samples = max(config.max_samples, self.max_rows)
         self.layout = BookkeepingLayout(bookkeeping_fields(
-            config.max_tokens, self.max_rows, self.max_blocks_per_request, self.max_samples, K > 0))
+            config.max_tokens, self.max_rows, self.max_blocks_per_request, self.max_samples, K > 0, self.mamba is not None))
         self._host_buffers = [device.host_empty(self.layout.nbytes) for _ in range(2)]
         # numpy views of the host buffers: list -> buffer assignment is much cheaper than torch.tensor()
         self._host_views = [{k: t.numpy() for k, t in self.layout.views(b).items()} for b in self._host_buffers]
@@ -395,6 +397,9 @@ class DynamicInferenceContext:
                 "sample_position": sample_pos, "seed": seeds, "temperature": temps, "top_k": topk, "top_p": topp,
                 "state_slots": state_slots, "has_initial_state": has_init, **pen.columns(),
             }
+            num_multi = -1
+            if self.mamba is not None:
+                columns["mamba_row_order"], num_multi = mamba_row_order(cu, [k > 0 for k in num_drafts] if spec else None)
             if spec:
                 columns.update(spec_src=src, spec_slot=spec_slot, spec_owner_slot=spec_owner, spec_inflight=spec_inflight,
                                num_drafts=num_drafts, sample_base=sample_base, sample_to_row=sample_row)
@@ -413,10 +418,10 @@ class DynamicInferenceContext:
         T, R = len(ids), len(plan.rows)
         filters = (use_k, use_p, use_mp)
         decode_only = plan.is_decode_only and not verify_width
-        return StepShape(T, R, max_q, max_kv, decode_only, any_sampling, any(filters), max_top_n, any_lp, cu,
+        return StepShape(T, R, max_q, max_kv, decode_only, any_sampling, any(filters), max_top_n, any_lp,
                          any_penalties=pen.any, filters=filters, num_samples=len(sample_idx),
                          sample_base=sample_base if spec else None, num_drafts=num_drafts if spec else None,
-                         verify_width=verify_width)
+                         num_multi_rows=num_multi, verify_width=verify_width)
 
     def pad_for_graph(self, num_tokens: int, num_rows: int, padded_tokens: int, padded_rows: int,
                       verify_width: int = 0) -> None:
@@ -466,12 +471,17 @@ class DynamicInferenceContext:
             batch.mamba = MambaMetadata(
                 state_slots=g.state_slots[:R], has_initial_state=g.has_initial_state[:R],
                 cu_query_lens=attn.cu_query_lens, num_rows=R, is_decode_only=shape.is_decode_only,
-                max_query_len=shape.max_query_len, host_cu_query_lens=shape.cu_query_lens,
+                max_query_len=shape.max_query_len, token_to_row=attn.token_to_row, row_order=g.mamba_row_order[:R],
+                num_scan_rows=shape.num_multi_rows if shape.num_multi_rows >= 0 else R,
             )
             if shape.verify_width:  # uniform verify step: every row (padding too) is one window
-                batch.mamba.host_window_rows, batch.mamba.window_tokens = [True] * R, shape.verify_width
+                W = shape.verify_width
+                batch.mamba.window_tokens, batch.mamba.num_window_rows, batch.mamba.max_window_len = W, R, W
             elif shape.num_drafts is not None:  # verify rows run as Mamba windows
-                batch.mamba.host_window_rows, batch.mamba.window_tokens = window_rows(shape.num_drafts, T)
+                flags, batch.mamba.window_tokens = window_rows(shape.num_drafts, T)
+                if flags is not None:
+                    batch.mamba.num_window_rows = sum(flags)
+                    batch.mamba.max_window_len = max(shape.num_drafts) + 1
             batch.conv_states, batch.ssm_states = self.mamba.conv_states, self.mamba.ssm_states
             batch.conv_window_states, batch.ssm_window_states = self.mamba.conv_window_states, self.mamba.ssm_window_states
         return batch

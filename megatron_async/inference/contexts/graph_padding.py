@@ -86,6 +86,8 @@ def _rows(v: dict, pad: PaddingSlots, a: int, b: int, sample_base: np.ndarray) -
     v["kv_lens"][a:b] = 1
     v["state_slots"][a:b] = pad.mamba_slot
     v["has_initial_state"][a:b] = False
+    if "mamba_row_order" in v:  # hybrid: padding rows keep their own order
+        v["mamba_row_order"][a:b] = np.arange(a, b)
     v["block_table"][a:b] = DUMMY_BLOCK
     if pad.spec_slot is not None:
         v["spec_slot"][a:b] = pad.spec_slot

@@ -133,3 +133,4 @@ def window_rows(num_drafts: list[int], num_tokens: int) -> tuple[list[bool] | No
     T = num_drafts[0] + 1
     uniform = all(flags) and all(k + 1 == T for k in num_drafts) and T * len(num_drafts) == num_tokens
     return flags, T if uniform else 0
+

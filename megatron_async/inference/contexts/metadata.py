@@ -56,16 +56,44 @@ class MambaMetadata:
     num_rows: int
     is_decode_only: bool
     max_query_len: int
-    host_cu_query_lens: list[int] | None = None
-    """The same prefix sums as a host list (the context built them on the CPU), so kernels
-    that need row lengths on the host read them here instead of syncing with the device."""
-    host_window_rows: list[bool] | None = None
+    """Longest row's tokens (a bound: a mixed CUDA graph's padded token count)."""
+    token_to_row: torch.Tensor | None = None
+    """[T] int32: same as AttentionMetadata.token_to_row."""
+    row_order: torch.Tensor | None = None
+    """[R] int64: the verification windows first (``num_window_rows``), then the other rows of
+    several tokens, then those of one token (``DynamicInferenceContext``'s ``mamba_row_order``)."""
+    num_scan_rows: int = 0
+    """How many rows after the windows the reference backend runs through the chunked scan (the
+    rest take the one-token step): the rows of several tokens, or every row in a graph's shape."""
+    num_window_rows: int = 0
     """Speculative verification rows (last sampled token + drafts): they run as a decode window
     whose per-token states go to the window scratch; their slots change only when the accepted
-    state is committed. None: no such row."""
+    state is committed."""
+    max_window_len: int = 0
+    """Tokens of the longest verification window (drafts + 1)."""
     window_tokens: int = 0
-    """T > 0: every row is a verification window of exactly T tokens (then the mixers need no
-    host lists: the shape CUDA graphs capture)."""
+    """T > 0: every row is a verification window of exactly T tokens (the mixers then reshape
+    tokens to [R, T]: the shape CUDA graphs capture)."""
+
+    @classmethod
+    def for_rows(cls, lengths: list[int], slots: list[int], has_init: list[bool], device: torch.device | str,
+                 window_rows: list[bool] | None = None, window_tokens: int = 0) -> MambaMetadata:
+        """Metadata of a hand-built batch (tests, benchmarks): rows of ``lengths`` tokens packed
+        in order (``window_rows``: verification windows); the engine's context fills the same
+        fields from its step snapshot."""
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        order, num_multi = mamba_row_order(cu, window_rows)
+        windows = [n for n, w in zip(lengths, window_rows or [False] * len(lengths)) if w]
+        return cls(
+            state_slots=torch.tensor(slots, device=device), has_initial_state=torch.tensor(has_init, device=device),
+            cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=device), num_rows=len(lengths),
+            is_decode_only=all(n == 1 for n in lengths) and not windows, max_query_len=max(lengths),
+            token_to_row=torch.tensor([r for r, n in enumerate(lengths) for _ in range(n)], dtype=torch.int32, device=device),
+            row_order=torch.tensor(order, device=device), num_scan_rows=num_multi, num_window_rows=len(windows),
+            max_window_len=max(windows, default=0), window_tokens=window_tokens,
+        )
 
 
 @dataclass
@@ -92,3 +120,14 @@ class ForwardBatch:
     the EP group). None: no expert parallelism."""
     batch_invariant: bool = False
     """Run the batch-invariant kernels (``InferenceConfig.batch_invariant``)."""
+
+
+def mamba_row_order(cu: list[int], is_window: list[bool] | None) -> tuple[list[int], int]:
+    """The snapshot's ``mamba_row_order`` of a step with row prefix sums ``cu``: verification
+    windows first, then the other rows of several tokens, then those of one token. Returns
+    (order, how many of the second kind)."""
+    R = len(cu) - 1
+    win = is_window or [False] * R
+    multi = [r for r in range(R) if cu[r + 1] - cu[r] > 1 and not win[r]]
+    single = [r for r in range(R) if cu[r + 1] - cu[r] <= 1 and not win[r]]
+    return [r for r in range(R) if win[r]] + multi + single, len(multi)

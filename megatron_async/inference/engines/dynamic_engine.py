@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # type-only: the engine depends on contexts, never the revers
     from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 
 log = logging.getLogger("megatron_async")
+_DIGEST_MOD = (1 << 61) - 1  # a Mersenne prime: digests stay small ints for the max-reduce
 
 
 @dataclass
@@ -87,6 +88,8 @@ class DynamicInferenceEngine:
         self._launches = 0
         self._leader_waiting = False
         self._sync = self._make_consensus(communicator) if communicator is not None else None
+        self._landed_digest = 0
+        """Tensor-parallel replicas: a running digest of the tokens (and accepted counts) landed."""
         self._live: dict[int, None] = {}  # rank 0 under a consensus: accepted ids not reported finished
         self._aborting: set[int] = set()
         self._builds_at_warmup: int | None = None  # the process's Triton build count after warm-up
@@ -191,7 +194,8 @@ class DynamicInferenceEngine:
         sync = self._sync
         before = sync.seconds
         got = sync.exchange(self._has_local_work(), num_tokens, eager, leader_waiting=self._leader_waiting,
-                            load=len(self._requests), upload=upload, from_step=from_step, variant=variant)
+                            load=len(self._requests), upload=upload, from_step=from_step, variant=variant,
+                            digest=self._landed_digest)
         self.stats.consensus_rounds = sync.rounds
         self.stats.consensus_time = sync.seconds
         self.stats.consensus_round_seconds.append(sync.seconds - before)
@@ -362,6 +366,11 @@ class DynamicInferenceEngine:
 
     def _bookkeep(self, pending: PendingLaunch, out: StepResult) -> None:
         res = self.controller.bookkeep_step(pending)
+        if self._sync is not None and self._sync.checks_replicas:  # what replicas must have landed alike
+            step = int(pending.host_tokens.sum()) * 31 + len(pending.host_tokens)
+            if pending.host_accepted is not None:
+                step = step * 131 + int(pending.host_accepted.sum())
+            self._landed_digest = (self._landed_digest * 1_000_003 + step) % _DIGEST_MOD
         st = self.stats
         st.steps += 1
         st.discarded_rows += res.num_discarded

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
+from megatron_async.inference.communication.zmq_communicator import CommunicatorError, ZMQCommunicator
 from megatron_async.inference.engines.request_validation import ValidRequest
 
 
@@ -62,7 +62,9 @@ class Agreement:
     """Rank 0: what each other rank handed up (None for rank 0 itself); empty elsewhere."""
 
 
-_HEAD = 5  # any_work, max_tokens, eager, leader_waiting, variant; then one load per rank (data parallel)
+_HEAD = 5  # any_work, max_tokens, eager, leader_waiting, variant; then one load per rank (data parallel),
+# then, where ranks are replicas (TP groups), (digest, -digest) per group
+_NOBODY = -(2**62)  # a group slot this rank does not write: below every digest and negated digest
 
 
 class StepConsensus:
@@ -77,6 +79,13 @@ class StepConsensus:
             raise ValueError(f"{self.world_size} ranks do not form TP groups of {tensor_parallel_size}")
         self.dp_rank, self.dp_size = self.rank // tensor_parallel_size, self.world_size // tensor_parallel_size
         self.tp_rank = self.rank % tensor_parallel_size
+        # Replica groups: the ranks of one TP group bookkeep identical steps. A digest of what each
+        # landed rides the exchange (its max and the max of its negation give max and min), so ranks
+        # that diverged (with speculation, different accepted counts: mismatched collectives and a
+        # hang) fail at the next exchange, naming it.
+        self.replica_size = tensor_parallel_size if data_parallel else self.world_size
+        self.checks_replicas = self.replica_size > 1
+        self._group = self.dp_rank if data_parallel else 0
         self._outbox: list[NewRequest] = []
         self._aborts: list[int] = []
         self.last: Agreement | None = None
@@ -123,24 +132,37 @@ class StepConsensus:
 
     # ------------------------------------------------------------------ the exchange
     def exchange(self, has_work: bool, num_tokens: int = 0, eager: bool = False, leader_waiting: bool = False,
-                 load: int = 0, upload: Any = None, from_step: bool = True, variant: int = 0) -> Agreement:
+                 load: int = 0, upload: Any = None, from_step: bool = True, variant: int = 0,
+                 digest: int = 0) -> Agreement:
         """Collective: one round trip. Returns the agreement, with the news and aborts this
-        rank must apply (rank 0's included: it applies its own outbox only here, like the rest)."""
+        rank must apply (rank 0's included: it applies its own outbox only here, like the rest).
+        ``digest``: of the steps this rank has landed (must match across a replica group)."""
         t0 = time.perf_counter()
         handing_up = upload is not None  # rank 0 must step again to hand these out: that is work
         values = [int(has_work or handing_up or self.has_outgoing()), num_tokens, int(eager), int(leader_waiting),
                   variant]
         if self.data_parallel:
             values += [load if r == self.dp_rank else 0 for r in range(self.dp_size)]
+        num_loads = len(values) - _HEAD
+        if self.checks_replicas:
+            for g in range(self.world_size // self.replica_size):
+                values += [digest, -digest] if g == self._group else [_NOBODY, _NOBODY]
         payload = (self._outbox, self._aborts) if self.is_leader else None
         self._outbox, self._aborts = [], []
         result, uploads, (news, aborts) = self.comm.exchange(values, upload, payload)
+        if self.checks_replicas:
+            at = _HEAD + num_loads + 2 * self._group
+            if result[at] != -result[at + 1]:
+                raise CommunicatorError(
+                    f"replica ranks diverged: rank {self.rank}'s landed steps differ from another rank of its "
+                    f"tensor-parallel group (digests from {-result[at + 1]} to {result[at]}, exchange "
+                    f"#{self.rounds + 1}): their device results were not identical")
         any_work = bool(result[0])
         if self.data_parallel:
             news = [n for n in news if n.rank == self.dp_rank]
             self._routed_since = [0] * self.dp_size
         self.last = Agreement(any_work, result[1], bool(result[2]), result[4], bool(result[3]),
-                              tuple(result[_HEAD:]), news, aborts, uploads)
+                              tuple(result[_HEAD:_HEAD + num_loads]), news, aborts, uploads)
         self.fresh = not from_step
         self.rounds += 1
         self.seconds += time.perf_counter() - t0

@@ -200,8 +200,7 @@ class TextGenerationController:
             self.last_samples.copy_(saved)
             return
         shape = StepShape(num_tokens=rows, num_rows=rows, max_query_len=1, max_kv_len=1, is_decode_only=True,
-                          any_sampling=False, any_top_k_top_p=False, max_top_n=0, any_log_probs=False,
-                          cu_query_lens=list(range(rows + 1)))
+                          any_sampling=False, any_top_k_top_p=False, max_top_n=0, any_log_probs=False)
         with nvtx_range("dummy_forward"):
             batch = ctx.forward_batch(shape)
             batch.ep_num_tokens = max(rows, self.dp_num_tokens) if self.expert_parallel else None

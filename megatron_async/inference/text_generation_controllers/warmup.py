@@ -67,10 +67,9 @@ def mixed_token_counts(max_tokens: int) -> list[int]:
 
 def _shape(tokens: int, rows: int, decode: bool, variant: SamplingVariant, vocab: int) -> StepShape:
     f = variant_flags(variant, vocab)
-    cu = [min(i, tokens) for i in range(rows)] + [tokens]
     return StepShape(num_tokens=tokens, num_rows=rows, max_query_len=tokens - rows + 1, max_kv_len=1,
                      is_decode_only=decode, any_sampling=f.any_sampling, any_top_k_top_p=any(f.filters),
-                     filters=f.filters, max_top_n=f.max_top_n, any_log_probs=f.any_log_probs, cu_query_lens=cu,
+                     filters=f.filters, max_top_n=f.max_top_n, any_log_probs=f.any_log_probs,
                      any_penalties=f.any_penalties)
 
 
@@ -78,9 +77,10 @@ def _verify_shape(rows: int, width: int, drafts: list[int], vocab: int, uniform:
     """``rows`` rows of ``width`` tokens and samples each (the padding snapshot of that width);
     ``drafts``: the drafts each row verifies; ``uniform``: the verify-graph layout."""
     shape = _shape(rows * width, rows, False, SamplingVariant.GREEDY, vocab)
-    shape.max_query_len, shape.cu_query_lens = width, list(range(0, rows * width + 1, width))
+    shape.max_query_len = width
     shape.num_samples, shape.sample_base, shape.num_drafts = rows * width, list(range(0, rows * width, width)), drafts
     shape.verify_width = width if uniform else 0
+    shape.num_multi_rows = sum(k == 0 for k in drafts)  # rows of `width` tokens that verify nothing
     return shape
 
 

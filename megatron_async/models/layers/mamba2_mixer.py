@@ -1,17 +1,19 @@
-"""Mamba2 mixer over a packed step: rows of one token (decode, or a one-token prefill chunk)
-take a vectorised recurrent step; rows of several tokens run the chunked scan on a padded
-batch. Each row reads its conv / SSM state from its slot (zeros when it has no initial
-state) and its final state is written back to the slot in place."""
+"""Mamba2 mixer over a packed step: decode-only steps take a vectorised recurrent step; mixed
+steps run every row through the packed (varlen) conv + chunked scan, reading the rows' layout
+from the step snapshot on the device; speculative verification rows run as decode windows (see
+mamba_step_plan.py). Each row reads its conv / SSM state from its slot (zeros when it has no
+initial state) and its final state is written back to the slot in place."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_async.kernels import mamba_ops, mamba_window_ops
+from megatron_async.kernels import mamba_ops, mamba_varlen_ops, mamba_window_ops
+from megatron_async.kernels.mamba_varlen_ops import PaddedRows, VarlenRows
 from megatron_async.models.hybrid_config import MambaConfig
 from megatron_async.models.layers.block import StepInputs
-from megatron_async.models.layers.mamba_step_plan import MambaStepPlan, PaddedRows
+from megatron_async.models.layers.mamba_step_plan import MambaStepPlan
 from megatron_async.parallel.linear import MergedColumnParallelLinear, RowParallelLinear
 from megatron_async.parallel.sharding import Sharding, sharded_param
 from megatron_async.parallel.state import ParallelState
@@ -108,25 +110,14 @@ class Mamba2Mixer(nn.Module):
         xs, B, C = self._split_xbc(conv_out)
         return mamba_ops.ssd_decode_inplace(xs, dt, self._A(), B, C, self.D.float(), ssm_pool, slots, has_init)
 
-    def _scan_rows(
-        self, xbc: torch.Tensor, dt: torch.Tensor, m: PaddedRows, slots: torch.Tensor, has_init: torch.Tensor,
-        conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
-    ) -> torch.Tensor:
-        """Rows of several tokens, padded: xbc [T, conv_dim], dt [T, H] -> y [M * max_len, H, P] float32."""
-        valid = m.valid[..., None]
-        zero = torch.zeros((), dtype=xbc.dtype, device=xbc.device)
-        conv_out, conv_state = mamba_ops.conv1d_prefill(
-            torch.where(valid, xbc[m.gather], zero), self.conv1d.weight[:, 0, :], self.conv1d.bias,
-            mamba_ops.gather_states(conv_pool, slots, has_init), m.lengths,
-        )
-        conv_pool.index_copy_(0, slots, conv_state.to(conv_pool.dtype))
+    def _varlen_rows(self, xbc: torch.Tensor, dt: torch.Tensor, rows: VarlenRows, conv_pool: torch.Tensor,
+                     ssm_pool: torch.Tensor) -> torch.Tensor:
+        """Every row of a mixed step, packed: xbc [T, conv_dim], dt [T, H] -> y [T, H, P] float32."""
+        conv_out = mamba_varlen_ops.conv1d_varlen_inplace(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias,
+                                                          conv_pool, rows)
         xs, B, C = self._split_xbc(conv_out)
-        dt_pad = torch.where(valid, dt[m.gather], torch.zeros((), device=dt.device))  # pads: dt = 0, identity steps
-        y, ssm_state = mamba_ops.ssd_prefill(
-            xs, dt_pad, self._A(), B, C, self.cfg.chunk_size, self.D.float(), mamba_ops.gather_states(ssm_pool, slots, has_init)
-        )
-        ssm_pool.index_copy_(0, slots, ssm_state)
-        return y.flatten(0, 1)
+        return mamba_varlen_ops.ssd_varlen_inplace(xs, dt, self._A(), B, C, self.D.float(), ssm_pool, rows,
+                                                   self.cfg.chunk_size)
 
     def _window_rows(
         self, xbc: torch.Tensor, dt: torch.Tensor, w: PaddedRows | None, T: int, slots: torch.Tensor,
@@ -171,17 +162,12 @@ class Mamba2Mixer(nn.Module):
         elif plan.identity_order:
             y = self._step_rows(xbc, dt, plan.slots, plan.has_initial_state, *pools)
         else:
-            y = torch.empty(T, H, cfg.head_dim, dtype=torch.float32, device=x.device)
-            rows, toks = plan.single_rows, plan.single_tokens
-            if rows.numel() > 0:
-                y[toks] = self._step_rows(xbc[toks], dt[toks], plan.slots[rows], plan.has_initial_state[rows], *pools)
-            m = plan.multi
-            if m is not None:
-                y_m = self._scan_rows(xbc, dt, m, plan.slots[m.rows], plan.has_initial_state[m.rows], *pools)
-                y[m.tokens] = y_m[m.flat]
+            y = self._varlen_rows(xbc, dt, plan.varlen, *pools)
             w = plan.window
-            if w is not None:
+            if w is not None:  # verification windows beside other rows (eager speculative steps)
                 T_w = w.gather.shape[1]
                 y_w = self._window_rows(xbc, dt, w, T_w, plan.slots[w.rows], plan.has_initial_state[w.rows], *pools, *window_scratch)
-                y[w.tokens] = y_w[w.flat]
+                y_ext = torch.cat([y, y.new_empty(1, *y.shape[1:])])  # y_ext[T] takes the pads
+                w.scatter(y_ext, y_w.unflatten(0, (-1, T_w)))
+                y = y_ext[:T]
         return self.out_proj(self.norm(y.view(T, I), z).to(x.dtype))

@@ -1,8 +1,15 @@
-"""How the rows of one packed step split between the Mamba mixers' paths: rows of one token
-take a vectorised recurrent step, rows of several tokens a chunked scan over a padded batch,
-and speculative verification rows (the last sampled token plus drafts) a decode window that
-leaves every per-token state in the window scratch instead of the slot. Built once per forward
-on the host and shared by every Mamba layer."""
+"""How the rows of one packed step reach the Mamba mixers' paths, built once per forward from
+the step snapshot's device views and host sizes (no host read, no copy of host data) and shared
+by every Mamba layer:
+- decode-only steps: every row one token, row r is token r (the vectorised recurrent step);
+- mixed steps (prefill chunks beside decode tokens): ``VarlenRows``, the packed conv + chunked
+  scan over ``cu_query_lens`` / ``token_to_row`` / ``state_slots`` / ``has_initial_state`` /
+  ``mamba_row_order``; shapes from the (padded) token and row counts only, so a CUDA graph
+  captures it like any other step;
+- speculative verify rows (the last sampled token + drafts) run as decode windows that leave
+  every per-token state in the window scratch: uniform windows reshape to [R, T]; windows beside
+  other rows are laid out [W, longest window] on the device from ``mamba_row_order`` (windows
+  first) while the packed path skips them (slot -1)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,81 +17,33 @@ from dataclasses import dataclass
 import torch
 
 from megatron_async.inference.contexts.metadata import MambaMetadata
-
-
-@dataclass
-class PaddedRows:
-    """Rows of several tokens, laid out right-padded as [M, max_len]."""
-
-    rows: torch.Tensor  # [M] int64 row index
-    lengths: torch.Tensor  # [M] int64 tokens of each row
-    gather: torch.Tensor  # [M, max_len] int64 packed token index (pads repeat the row's last token)
-    valid: torch.Tensor  # [M, max_len] bool
-    tokens: torch.Tensor  # [V] int64 packed index of every real token ...
-    flat: torch.Tensor  # [V] int64 ... and its position in the flattened [M * max_len] layout
+from megatron_async.kernels.mamba_varlen_ops import PaddedRows, VarlenRows, padded_rows, varlen_rows
 
 
 @dataclass
 class MambaStepPlan:
-    """How the rows of one step split between the two paths; built once per forward and shared
-    by every Mamba layer."""
-
     slots: torch.Tensor  # [R] int64 state slot of each row
     has_initial_state: torch.Tensor  # [R] bool
-    single_rows: torch.Tensor  # [S] int64 rows with exactly one token ...
-    single_tokens: torch.Tensor  # [S] int64 ... and that token's packed index
-    multi: PaddedRows | None
-    identity_order: bool  # decode-only: row r is token r, results need no scatter
+    identity_order: bool = False  # decode-only: row r is token r, results need no scatter
+    varlen: VarlenRows | None = None
+    """Mixed steps: the rows that run through the packed conv + scan (device tables)."""
     window: PaddedRows | None = None
-    """Verification rows, padded to the longest (pads repeat the last token; the states after
-    them land in scratch positions nobody commits)."""
+    """Verification windows beside other rows, padded to the longest (pads repeat the last token;
+    the states after them land in scratch positions nobody commits)."""
     window_only: int = 0
     """T > 0: every row is a verification window of exactly T tokens, so tokens reshape to
-    [R, T] with no gather or scatter (no host data needed: the CUDA-graph shape)."""
+    [R, T] with no gather or scatter."""
 
     @classmethod
     def build(cls, meta: MambaMetadata) -> MambaStepPlan:
-        R = meta.num_rows
+        R, W = meta.num_rows, meta.num_window_rows
         slots, has_init = meta.state_slots[:R], meta.has_initial_state[:R]
-        device = slots.device
         if meta.window_tokens:
-            empty = torch.empty(0, dtype=torch.long, device=device)
-            return cls(slots, has_init, empty, empty, None, False, window_only=meta.window_tokens)
-        if meta.is_decode_only and not any(meta.host_window_rows or ()):
-            # No host sync: every row is one token and row order is token order.
-            rows = torch.arange(R, device=device)
-            return cls(slots, has_init, rows, rows, None, True)
-
-        # Row lengths are needed on the host to lay multi-token rows out as a padded batch. The
-        # engine's context passes its host copy; without one (a hand-built batch) we read the
-        # device tensor: a HOST SYNC, once per step, only in steps with a multi-token row.
-        cu = meta.host_cu_query_lens
-        if cu is None:
-            cu = meta.cu_query_lens[: R + 1].tolist()
-        lengths = [cu[r + 1] - cu[r] for r in range(R)]
-        is_window = meta.host_window_rows or [False] * R
-        single = [r for r in range(R) if lengths[r] == 1 and not is_window[r]]
-        multi = [r for r in range(R) if lengths[r] > 1 and not is_window[r]]
-        window = [r for r in range(R) if is_window[r]]
-
-        def dev(values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        return cls(slots, has_init, dev(single), dev([cu[r] for r in single]), _padded(multi, cu, dev), False,
-                   window=_padded(window, cu, dev))
-
-
-def _padded(rows: list[int], cu: list[int], dev) -> PaddedRows | None:
-    """Lay ``rows`` out right-padded to the longest of them (None when there are none)."""
-    if not rows:
-        return None
-    lengths = [cu[r + 1] - cu[r] for r in rows]
-    max_len = max(lengths)
-    gather, valid, tokens, flat = [], [], [], []
-    for m, (r, n) in enumerate(zip(rows, lengths)):
-        gather.append([cu[r] + min(t, n - 1) for t in range(max_len)])
-        valid.append([t < n for t in range(max_len)])
-        tokens.extend(range(cu[r], cu[r + 1]))
-        flat.extend(range(m * max_len, m * max_len + n))
-    return PaddedRows(rows=dev(rows), lengths=dev(lengths), gather=dev(gather), valid=dev(valid, torch.bool),
-                      tokens=dev(tokens), flat=dev(flat))
+            return cls(slots, has_init, window_only=meta.window_tokens)
+        if meta.is_decode_only and not W:
+            return cls(slots, has_init, identity_order=True)
+        order, cu = meta.row_order[:R], meta.cu_query_lens[: R + 1]
+        rows = varlen_rows(slots, has_init, cu, meta.token_to_row, order[W:], meta.num_scan_rows, meta.max_query_len,
+                           skip_rows=order[:W] if W else None)
+        window = padded_rows(order[:W], cu, meta.token_to_row.shape[0], meta.max_window_len) if W else None
+        return cls(slots, has_init, varlen=rows, window=window)

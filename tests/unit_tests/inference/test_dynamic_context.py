@@ -339,7 +339,7 @@ def test_uniform_verify_layout_and_its_graph_padding(model):
     shape = ctx.initialize_attention_state(plan, verify_width=3)
     assert (shape.num_tokens, shape.num_rows, shape.num_samples, shape.verify_width) == (6, 2, 6, 3)
     assert not shape.is_decode_only and shape.max_query_len == 3 and shape.num_drafts == [2, 0]
-    assert shape.sample_base == [0, 3] and shape.cu_query_lens == [0, 3, 6]
+    assert shape.sample_base == [0, 3]
     v = host(ctx)
     b1 = reqs[1].block_ids[0]
     assert v["input_ids"][3:6].tolist() == [8, 0, 0] and v["spec_src"][:6].tolist() == [-1, 1, 2, -1, -2, -2]
@@ -363,3 +363,32 @@ def test_uniform_verify_layout_and_its_graph_padding(model):
     with pytest.raises(Exception, match="uniform verify layout of 3 tokens per row cannot hold a row of 4"):
         ctx.initialize_attention_state(StepPlan([RowPlan(reqs[0], 6, 4, True, num_drafts=3)]), verify_width=3)
     assert reqs[0].num_computed_tokens == 6  # the row's state undone
+
+
+def test_hybrid_snapshot_carries_the_mamba_row_layout():
+    """A hybrid context's snapshot: ``mamba_row_order`` (several-token rows first), state slots and
+    fresh-or-continued flags per row; graph padding rows take the padding slot, start fresh and
+    follow in order; the Mamba metadata are views of the snapshot with host sizes only."""
+    from megatron_async.models.hybrid import build_hybrid
+    from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_config
+
+    hybrid = build_hybrid(make_tiny_hybrid_config("NemotronHForCausalLM").to_dict(), torch.float32, "cpu")
+    ctx = make_ctx(hybrid, num_kv_blocks=16)
+    a, b, c = make_req(0, [5]), make_req(1, range(6)), make_req(2, range(9))
+    for r, n in ((a, 1), (b, 6), (c, 9)):
+        ctx.admit(r)
+        ctx.reserve(r, n)
+    c.num_computed_tokens = 4  # c continues a state (a later prefill chunk)
+    shape = ctx.initialize_attention_state(StepPlan([RowPlan(a, 0, 1, True), RowPlan(b, 0, 6, True),
+                                                     RowPlan(c, 4, 5, True)]))
+    v = host(ctx)
+    assert v["mamba_row_order"][:3].tolist() == [1, 2, 0] and shape.num_multi_rows == 2
+    assert v["state_slots"][:3].tolist() == [a.state_slot, b.state_slot, c.state_slot]
+    assert v["has_initial_state"][:3].tolist() == [False, False, True]
+    ctx.transfer_bookkeeping_to_gpu()
+    meta = ctx.forward_batch(shape).mamba
+    assert meta.num_scan_rows == 2 and meta.row_order.data_ptr() == ctx.gpu_view.mamba_row_order.data_ptr()
+    assert meta.token_to_row.tolist() == [0] + [1] * 6 + [2] * 5
+    ctx.pad_for_graph(12, 3, 16, 5)
+    assert v["mamba_row_order"][:5].tolist() == [1, 2, 0, 3, 4]
+    assert v["state_slots"][3:5].tolist() == [ctx.mamba.padding_slot] * 2 and not v["has_initial_state"][3:5].any()

@@ -7,6 +7,7 @@ import torch
 
 from megatron_async.config import InferenceConfig
 from megatron_async.inference.contexts.mamba_states import MambaStateManager, window_rows
+from megatron_async.inference.contexts.metadata import mamba_row_order
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.models.base import MambaStateSpec
 
@@ -27,6 +28,13 @@ def test_window_rows_layout():
     assert window_rows([3, 3], 8) == ([True, True], 4)
     assert window_rows([3, 2], 7) == ([True, True], 0)  # ragged drafts: padded windows
     assert window_rows([0, 2], 4) == ([False, True], 0)  # a prefill / plain decode row beside a window
+
+
+def test_mamba_row_order_puts_windows_then_several_token_rows_first():
+    cu = [0, 1, 5, 8, 9, 12]  # rows of 1, 4, 3, 1, 3 tokens
+    assert mamba_row_order(cu, None) == ([1, 2, 4, 0, 3], 3)
+    assert mamba_row_order(cu, [False, False, True, False, False]) == ([2, 1, 4, 0, 3], 2)  # row 2: a window
+    assert mamba_row_order([0, 1, 2], [False, False]) == ([0, 1], 0)
 
 
 def test_scratch_follows_the_config():

@@ -252,15 +252,8 @@ def test_mixer_mixed_step_same_on_both_backends(tp_rank):
     parallel = ParallelState() if tp_rank is None else ParallelState(tp_rank=tp_rank, tp_size=2)
     mixer, g = _mixer(11, parallel), _gen(12)
     lengths, has_init, slots = [1, 6, 1, 3, 9], [True, True, False, False, True], [5, 0, 3, 1, 6]
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    meta = MambaMetadata(
-        state_slots=torch.tensor(slots, device=DEVICE), has_initial_state=torch.tensor(has_init, device=DEVICE),
-        cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=DEVICE), num_rows=len(lengths),
-        is_decode_only=False, max_query_len=max(lengths), host_cu_query_lens=cu,
-    )
-    x = _randn(g, cu[-1], 16)
+    meta = MambaMetadata.for_rows(lengths, slots, has_init, DEVICE)
+    x = _randn(g, sum(lengths), 16)
     conv_shape, ssm_shape = mixer.state_shapes()  # this rank's channels and heads
     pools = (_randn(g, 8, *conv_shape), _randn(g, 8, *ssm_shape))
     results = []

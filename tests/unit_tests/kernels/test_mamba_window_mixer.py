@@ -27,15 +27,7 @@ def backend(request):
 
 def _meta(lengths: list[int], slots: list[int], has_init: list[bool], window_rows: list[bool] | None = None,
           window_tokens: int = 0) -> MambaMetadata:
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return MambaMetadata(
-        state_slots=torch.tensor(slots, device=DEVICE), has_initial_state=torch.tensor(has_init, device=DEVICE),
-        cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=DEVICE), num_rows=len(lengths),
-        is_decode_only=all(n == 1 for n in lengths), max_query_len=max(lengths), host_cu_query_lens=cu,
-        host_window_rows=window_rows, window_tokens=window_tokens,
-    )
+    return MambaMetadata.for_rows(lengths, slots, has_init, DEVICE, window_rows, window_tokens)
 
 
 def _scratch(mixer, num_slots: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,98 @@
+"""The packed (varlen) Mamba2 ops of mixed steps against the per-row reference: ragged rows
+(one-token decode rows, continuing and fresh prefill chunks) followed by graph padding rows
+that share the padding slot, one with all padding tokens and some with none; on both backends
+(TORCH's device layout, the TRITON kernels: interpreter on CPU). Real slots end where the
+reference leaves them, the padding slot is the only other slot written; skipped rows (slot -1:
+speculative verification windows, which the mixer runs apart) read and keep no state."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megatron_async.config import MambaBackend  # noqa: E402
+from megatron_async.kernels import mamba_ops, mamba_varlen_ops  # noqa: E402
+from megatron_async.kernels.conv1d_torch import causal_conv1d  # noqa: E402
+from megatron_async.kernels.ssd_torch import ssd_sequential  # noqa: E402
+from tests.unit_tests.kernels.test_mamba_triton import DEVICE, _gen, _rand, _randn  # noqa: E402
+
+PAD_SLOT = 9
+
+
+@pytest.fixture(params=[MambaBackend.TORCH, MambaBackend.TRITON])
+def backend(request):
+    yield mamba_ops.set_mamba_backend(request.param, DEVICE)
+    mamba_ops.set_mamba_backend(MambaBackend.TORCH, "cpu")
+
+
+def _rows(lengths: list[int], slots: list[int], has_init: list[bool], num_real: int, max_len: int,
+          skipped: tuple[int, ...] = ()):
+    """VarlenRows of a step as the plan lays it out: ``skipped`` rows (verification windows) first
+    in the order and left out, then several-token real rows, then the rest."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    run = [r for r in range(num_real) if r not in skipped]
+    order = list(skipped) + [r for r in run if lengths[r] > 1] + [r for r in run if lengths[r] <= 1]
+    order += list(range(num_real, len(lengths)))
+    dev = lambda v, dt=torch.long: torch.tensor(v, dtype=dt, device=DEVICE)  # noqa: E731
+    tok_row = [r for r, n in enumerate(lengths) for _ in range(n)]
+    graph = num_real < len(lengths)
+    num_scan = len(order) - len(skipped) if graph else sum(lengths[r] > 1 for r in run)  # a graph: every row
+    W = len(skipped)
+    order_t = dev(order)
+    return cu, mamba_varlen_ops.varlen_rows(dev(slots), dev(has_init, torch.bool), dev(cu, torch.int32),
+                                            dev(tok_row, torch.int32), order_t[W:], num_scan, max_len,
+                                            skip_rows=order_t[:W] if W else None)
+
+
+CASES = {
+    # lengths, slots, has_init, real rows (the rest: graph padding rows on the padding slot), skipped rows
+    "eager": ([1, 6, 1, 3, 17, 2], [5, 0, 3, 1, 6, 2], [True, True, False, False, True, False], 6, ()),
+    "padded": ([1, 6, 3, 1, 7, 0, 0], [5, 0, 1, 3, PAD_SLOT, PAD_SLOT, PAD_SLOT], [True, True, False, True] + [False] * 3, 4, ()),
+    "windows skipped": ([3, 6, 1, 2, 4], [5, 0, 3, 1, 6], [True, True, True, False, True], 5, (0, 3)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_ops_equal_per_row_reference(backend, case, dtype):
+    lengths, slots, has_init, num_real, skipped = CASES[case]
+    g = _gen(3)
+    T, c, k = sum(lengths), 24, 4
+    h, p, grp, n = 4, 8, 2, 16
+    cu, rows = _rows(lengths, slots, has_init, num_real, max(lengths), skipped)
+    # x as the mixer passes it: a strided slice of a wider projection
+    wide = _randn(g, T, c + 5, dtype=dtype)
+    x = wide[:, 2 : 2 + c]
+    w, bias = _randn(g, c, k, dtype=dtype), _randn(g, c, dtype=dtype)
+    conv_pool = _randn(g, PAD_SLOT + 1, c, k - 1, dtype=dtype)
+    xs, B, C = _randn(g, T, h, p, dtype=dtype), _randn(g, T, grp, n, dtype=dtype), _randn(g, T, grp, n, dtype=dtype)
+    dt, A, D = 0.05 + 0.3 * _rand(g, T, h), -(0.1 + _rand(g, h)), _randn(g, h)
+    ssm_pool = _randn(g, PAD_SLOT + 1, h, p, n)
+
+    ref_conv, ref_ssm = conv_pool.clone(), ssm_pool.clone()
+    ref_out, ref_y = torch.empty(T, c, dtype=dtype, device=DEVICE), torch.empty(T, h, p, device=DEVICE)
+    ran = [r for r in range(num_real) if r not in skipped]
+    for r in ran:
+        a, b, s = cu[r], cu[r + 1], slots[r]
+        init_c = conv_pool[s : s + 1] if has_init[r] else torch.zeros_like(conv_pool[:1])
+        out, fin = causal_conv1d(x[None, a:b], w, bias, init_c)
+        ref_out[a:b], ref_conv[s] = out[0], fin[0]
+        init_s = ssm_pool[s : s + 1] if has_init[r] else torch.zeros_like(ssm_pool[:1])
+        y, fin = ssd_sequential(xs[None, a:b], dt[None, a:b], A, B[None, a:b], C[None, a:b], D, init_s)
+        ref_y[a:b], ref_ssm[s] = y[0], fin[0]
+
+    got_conv, got_ssm = conv_pool.clone(), ssm_pool.clone()
+    out = mamba_varlen_ops.conv1d_varlen_inplace(x, w, bias, got_conv, rows)
+    y = mamba_varlen_ops.ssd_varlen_inplace(xs, dt, A, B, C, D, got_ssm, rows, chunk_size=4)
+    tok = [t for r in ran for t in range(cu[r], cu[r + 1])]
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out[tok].float(), ref_out[tok].float(), **tol)
+    torch.testing.assert_close(y[tok], ref_y[tok], **tol)
+    real_slots = [slots[r] for r in ran]
+    torch.testing.assert_close(got_conv[real_slots].float(), ref_conv[real_slots].float(), **tol)
+    torch.testing.assert_close(got_ssm[real_slots], ref_ssm[real_slots], **tol)
+    untouched = [s for s in range(PAD_SLOT) if s not in real_slots]
+    assert torch.equal(got_conv[untouched], conv_pool[untouched]) and torch.equal(got_ssm[untouched], ssm_pool[untouched])
