@@ -129,8 +129,20 @@ def test_decode_only_step_does_not_sync_on_cuda(pair):
     model.forward = guarded
     logits = session.step([(0, [1]), (1, [2])])
     _assert_close(logits.cpu(), torch.stack([hf_logits(hf, p + [t])[-1] for p, t in zip(prompts, (1, 2))]))
-    with pytest.raises(RuntimeError, match="synchroniz"):  # the detector works: a mixed step reads lengths
-        session.step([(0, [3, 4]), (1, [5])])
+    session.step([(0, [3, 4]), (1, [5])])  # mixed steps plan their Mamba rows from the snapshot: no sync either
+
+    def reads_back(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = forward(*args, **kwargs)
+            torch.ones(1, device="cuda").item()
+            return out
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    model.forward = reads_back
+    with pytest.raises(RuntimeError, match="synchroniz"):  # the detector works: a host read raises
+        session.step([(0, [6]), (1, [7])])
 
 
 def _weights(path) -> dict[str, torch.Tensor]:
