@@ -186,7 +186,7 @@ class InferenceConfig:
     speculative_min_acceptance: float = 0.3
     """A request whose recent draft acceptance (moving average of accepted / drafted) falls
     below this decodes without drafts, probing again with one draft every
-    ``speculative_probe_interval`` rows; 0 = never switch off by acceptance."""
+    ``speculative_probe_interval`` steps; 0 = never switch off by acceptance."""
 
     speculative_probe_interval: int = 16
     """Decode rows a request runs without drafts, once switched off, before it probes again."""

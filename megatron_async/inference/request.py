@@ -186,8 +186,6 @@ class DynamicInferenceRequest:
     """Speculative decoding: row of this request's device draft state (-1 = none)."""
     spec_acceptance: float = 1.0
     """Moving average of accepted / drafted tokens of its verify rows (host, bookkept)."""
-    spec_rows_off: int = 0
-    """Decode rows run without drafts since acceptance switched them off (probe counter)."""
 
     @property
     def num_known_tokens(self) -> int:

@@ -79,6 +79,8 @@ class Scheduler:
             self.release_finishing()
         plan = StepPlan()
         budget = self.config.max_tokens
+        if self.spec.enabled:
+            self.spec.begin_step()
         by_age = sorted(ctx.active.values(), key=lambda r: r.arrival_order)
 
         # 1. decode rows (each one token, plus drafts from the tokens to spare)

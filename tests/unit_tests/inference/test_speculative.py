@@ -103,8 +103,22 @@ def test_policy_switches_off_and_counts():
     for _ in range(4):
         pol.observe(req, 3, 0)
     assert req.spec_acceptance < 0.5
-    assert [pol.drafts_for(req, 1, room=5) for _ in range(6)] == [0, 0, 1, 0, 0, 1]  # probes (one draft) every 3rd row
+    late = DynamicInferenceRequest(2, [1], SamplingParams(), seed=0)  # switched off at another time
+    late.spec_acceptance = 0.0
+
+    def step(r):
+        pol.begin_step()
+        return pol.drafts_for(r, 1, room=5)
+
+    pol.step = 0
+    assert [step(req) for _ in range(6)] == [0, 0, 1, 0, 0, 1]  # probes (one draft) every 3rd step
     assert pol.off_rows["acceptance"] == 4
+    pol.step = 1  # another phase of arrivals: the probes still fall on the same steps for everyone
+    got = []
+    for _ in range(6):
+        pol.begin_step()
+        got.append((pol.drafts_for(req, 2, room=5), pol.drafts_for(late, 2, room=5)))
+    assert got == [(0, 0), (1, 1), (0, 0), (0, 0), (1, 1), (0, 0)]
 
 
 def test_config_checks():
