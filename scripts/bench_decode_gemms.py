@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_async.kernels.linear import _invariant_linear
+from megatron_async.tools.cuda_timing import graph_replay
 
 SHAPES = {  # name: (out features N, in features K), qwen3-0.6b
     "qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
@@ -24,22 +25,13 @@ SHAPES = {  # name: (out features N, in features K), qwen3-0.6b
 
 def graph_time_us(fn, calls: int = 50, replays: int = 5) -> float:
     """Device time per call: ``calls`` calls captured in one graph, replayed, event-timed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
+    replay = graph_replay(lambda: [fn() for _ in range(calls)])
+    replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
-        g.replay()
+        replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (calls * replays)
