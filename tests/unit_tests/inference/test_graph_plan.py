@@ -12,7 +12,7 @@ from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
 from megatron_async.inference.request import DynamicInferenceRequest
 from megatron_async.inference.text_generation_controllers.graph_plan import (
-    GRAPH_TOP_N, GraphPlan, SamplingVariant, default_token_counts, variant_flags,
+    GRAPH_TOP_N, GraphPlan, SamplingVariant, default_token_counts, variant_flags, variant_of, variant_of_params,
 )
 from megatron_async.inference.text_generation_controllers.warmup import decode_row_counts, mixed_token_counts
 from megatron_async.models import build_default_model
@@ -70,6 +70,8 @@ def test_every_sampling_combination_replays_a_planned_graph_that_covers_it(model
     for pair in itertools.combinations_with_replacement(FEATURES, 2):
         shape = _step_shape(model, pair, prefill)
         assert shape.is_decode_only != prefill
+        # data-parallel ranks agree on a variant before assembly, from the rows' params: the same answer
+        assert variant_of_params(SamplingParams(**FEATURES[f]) for f in pair) == variant_of(shape), pair
         key = plan.key(shape)
         if "top_n_too_many" in pair:
             assert key is None  # more top log-probs than a graph computes: eager
