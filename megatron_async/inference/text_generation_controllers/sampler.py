@@ -46,8 +46,6 @@ class Sampler:
         the flags (``filters``: some row uses top-k, top-p, min-p) are host facts of the step
         that only skip work no row needs."""
         triton_path = self.backend == SamplingBackend.TRITON
-        if not triton_path:
-            logits = logits.float()
         if any_penalties:
             pen = self.penalties(g, R)
             if triton_path:
