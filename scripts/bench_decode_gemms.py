@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megatron_async.kernels.linear import _invariant_linear
 from megatron_async.tools.cuda_timing import graph_replay
+from megatron_async.tools.roofline import measure_copy_bandwidth
 
 SHAPES = {  # name: (out features N, in features K), qwen3-0.6b
     "qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
@@ -37,19 +38,12 @@ def graph_time_us(fn, calls: int = 50, replays: int = 5) -> float:
     return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
-def copy_bandwidth_gbs() -> float:
-    src = torch.empty(1 << 29, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = graph_time_us(lambda: dst.copy_(src), calls=10, replays=3)
-    return 2 * src.numel() / us / 1e3
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 128, 256])
     args = p.parse_args()
     torch.manual_seed(0)
-    bw = copy_bandwidth_gbs()
+    bw = measure_copy_bandwidth(torch.device("cuda")) / 1e9  # GB/s, as the benchmark's floor uses
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:,.0f} GB/s; bf16; us per call (GB/s of weight read)")
     inv = _invariant_linear()
     totals: dict[tuple[int, str], float] = {}
