@@ -1,0 +1,153 @@
+"""Host (CPU) time per decode step, by stage, on the built-in tiny model (CPU, float32).
+
+Launch-ahead hides the host only while its time per step stays below the device step, so this
+is the number that decides whether small or sharded models are host-bound. Runs
+``LLM.generate`` (async scheduling) at several row counts, greedy and sampled (temperature +
+top-p, seeded), and wraps each stage with ``perf_counter``. Only steps that bookkeep a decode
+launch and launch a decode step are counted (the prefill steps are left out). Stages:
+
+- schedule: ``Scheduler.schedule``
+- init_attn: ``DynamicInferenceContext.initialize_attention_state``
+- land: ``TextGenerationController.bookkeep_step`` (tokens appended, stops, blocks)
+- text_updates: ``DynamicInferenceRequest.take_update`` (new tokens and text deltas per request)
+- engine_rest: the rest of ``DynamicInferenceEngine._bookkeep`` (stats, finished outputs)
+- h2d: ``transfer_bookkeeping_to_gpu``
+- host total: ``engine.step`` wall minus the forward (``compute_step``)
+
+Usage: ``OMP_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/measure_host_step.py [--rows 64 128 256]``
+(the last thing printed is a markdown table, ms per decode step)."""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from collections import defaultdict
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
+from megatron_async.inference import request as rq  # noqa: E402
+from megatron_async.inference.contexts import dynamic_context as dc  # noqa: E402
+from megatron_async.inference.engines import dynamic_engine as de  # noqa: E402
+from megatron_async.inference.engines import scheduler as sch  # noqa: E402
+from megatron_async.inference.text_generation_controllers import text_generation_controller as tgc  # noqa: E402
+
+STAGES = ["schedule", "init_attn", "land", "text_updates", "engine_rest", "h2d"]
+
+
+class StageTimer:
+    """Wraps methods with perf_counter; per-step sums, kept only for decode steps."""
+
+    def __init__(self):
+        self.cur: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+        self.launched_decode = True
+        self._undo = []
+
+    def wrap(self, cls, name: str, label: str, after=None):
+        f = getattr(cls, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                res = f(*a, **k)
+            finally:
+                self.cur[label] += time.perf_counter() - t
+            if after is not None:
+                after(res)
+            return res
+
+        setattr(cls, name, timed)
+        self._undo.append((cls, name, f))
+
+    def install(self):
+        self.wrap(sch.Scheduler, "schedule", "schedule")
+        self.wrap(dc.DynamicInferenceContext, "initialize_attention_state", "init_attn", after=self._note_shape)
+        self.wrap(dc.DynamicInferenceContext, "transfer_bookkeeping_to_gpu", "h2d")
+        self.wrap(tgc.TextGenerationController, "bookkeep_step", "land")
+        self.wrap(tgc.TextGenerationController, "compute_step", "forward")
+        self.wrap(de.DynamicInferenceEngine, "_bookkeep", "bookkeep")
+        self.wrap(rq.DynamicInferenceRequest, "take_update", "text_updates")
+        step = de.DynamicInferenceEngine.step
+
+        def timed_step(engine):
+            self.cur, self.launched_decode = defaultdict(float), True
+            t = time.perf_counter()
+            res = step(engine)
+            self.cur["wall"] = time.perf_counter() - t
+            if res.is_decode_only and self.launched_decode:
+                self.steps.append(dict(self.cur))
+            return res
+
+        de.DynamicInferenceEngine.step = timed_step
+        self._undo.append((de.DynamicInferenceEngine, "step", step))
+
+    def _note_shape(self, shape):
+        self.launched_decode &= shape.is_decode_only
+
+    def uninstall(self):
+        for cls, name, f in reversed(self._undo):
+            setattr(cls, name, f)
+
+    def summary(self) -> dict[str, float]:
+        """Mean ms per decode step of every stage, plus host total."""
+        n = max(1, len(self.steps))
+        out = {s: 1e3 * sum(st.get(s, 0.0) for st in self.steps) / n for s in STAGES}
+        out["engine_rest"] = 1e3 * sum(st.get("bookkeep", 0.0) - st.get("land", 0.0) - st.get("text_updates", 0.0) for st in self.steps) / n
+        out["forward"] = 1e3 * sum(st.get("forward", 0.0) for st in self.steps) / n
+        out["host"] = 1e3 * sum(st["wall"] - st.get("forward", 0.0) for st in self.steps) / n
+        out["steps"] = len(self.steps)
+        return out
+
+
+def run(rows: int, sampled: bool, tokens: int, repeats: int) -> dict[str, float]:
+    cfg = InferenceConfig(max_requests=rows, max_tokens=4096, num_kv_blocks=rows * 40, async_scheduling=True)
+    llm = LLM(None, inference_config=cfg)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 1000) for _ in range(rng.randrange(8, 16))] for _ in range(rows)]
+    if sampled:
+        sp = SamplingParams(num_tokens_to_generate=tokens, temperature=0.8, top_p=0.95, ignore_eos=True, seed=1)
+    else:
+        sp = SamplingParams(num_tokens_to_generate=tokens, top_k=1, ignore_eos=True)
+    llm.generate(prompts[:8], sp)  # warm-up
+    best = None
+    for _ in range(repeats):  # the box is shared: keep the quietest run
+        timer = StageTimer()
+        timer.install()
+        try:
+            llm.generate(prompts, sp)
+        finally:
+            timer.uninstall()
+        s = timer.summary()
+        if best is None or s["host"] < best["host"]:
+            best = s
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--tokens", type=int, default=48, help="tokens generated per request")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per setting; the fastest host time is kept")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    results = []
+    for rows in args.rows:
+        for sampled in (False, True):
+            s = run(rows, sampled, args.tokens, args.repeats)
+            results.append((rows, "sampled" if sampled else "greedy", s))
+            print(f"rows={rows} {'sampled' if sampled else 'greedy'}: host {s['host']:.3f} ms/step "
+                  f"(forward {s['forward']:.1f} ms, {s['steps']} decode steps)", flush=True)
+    print()
+    print("| rows | sampling | schedule | init_attn | land | text_updates | engine_rest | h2d | host total | forward |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for rows, mode, s in results:
+        print(f"| {rows} | {mode} | {s['schedule']:.3f} | {s['init_attn']:.3f} | {s['land']:.3f} | {s['text_updates']:.3f} | "
+              f"{s['engine_rest']:.3f} | {s['h2d']:.3f} | **{s['host']:.3f}** | {s['forward']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
