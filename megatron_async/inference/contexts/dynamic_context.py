@@ -13,6 +13,7 @@ import torch
 
 from megatron_async.config import InferenceConfig
 from megatron_async.inference.contexts.bookkeeping_layout import BookkeepingLayout, FieldSpec
+from megatron_async.inference.contexts.decode_rows import DecodeRows
 from megatron_async.inference.contexts.gpu_view import ContextGPUView
 from megatron_async.inference.contexts.graph_padding import PaddingSlots, fill_padding, fill_verify_padding
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK, KVBlockAllocator
@@ -132,6 +133,9 @@ class DynamicInferenceContext:
         self.sampling_state = SamplingStateSlots(config.max_requests, model.vocab_size, device)
         K = config.num_speculative_tokens
         self.spec = SpecState(config.max_requests, K, device) if K > 0 else None
+        # decode-only snapshots from per-request rows (speculative engines keep the general path)
+        self._decode_rows = None if K > 0 else DecodeRows(
+            config.max_requests, self.max_blocks_per_request, self.block_size, self.sampling_state.padding_slot)
 
         # One row more than max_requests: a mixed-step CUDA graph pads with at least one spare
         # row, which holds the padding tokens (see pad_for_graph). Graph steps sample one
@@ -147,6 +151,7 @@ class DynamicInferenceContext:
         self.gpu_view = ContextGPUView(self.layout, device.device)
 
         self.active: dict[int, DynamicInferenceRequest] = {}  # ACTIVE and PAUSED, by request id
+        self.active_version = 0  # bumped whenever ``active`` gains or loses a request
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -168,12 +173,16 @@ class DynamicInferenceContext:
         req.num_computed_tokens = 0
         req.num_hashed_blocks, req.last_block_hash = 0, None
         self.active[req.request_id] = req
+        self.active_version += 1
         if self.mamba is not None:
             self.mamba.assign_slot(req)
         self.sampling_state.assign(req)
         if self.spec is not None:
             self.spec.assign(req)
-        return self._match_prefix(req)
+        hit = self._match_prefix(req)
+        if self._decode_rows is not None:
+            self._decode_rows.assign(req)
+        return hit
 
     def _match_prefix(self, req: DynamicInferenceRequest) -> int:
         if not self.allocator.enable_prefix_caching:
@@ -212,6 +221,8 @@ class DynamicInferenceContext:
             return False
         for _ in range(need):
             req.block_ids.append(self.allocator.allocate())
+        if need > 0 and self._decode_rows is not None:
+            self._decode_rows.sync_blocks(req)
         return True
 
     def reservable_tokens(self, req: DynamicInferenceRequest) -> int:
@@ -245,12 +256,15 @@ class DynamicInferenceContext:
     def _release_resources(self, req: DynamicInferenceRequest) -> None:
         self.allocator.release(req.block_ids)
         req.block_ids = []
+        if self._decode_rows is not None:
+            self._decode_rows.free(req)
         if self.mamba is not None:
             self.mamba.free_slot(req)
         self.sampling_state.free(req)
         if self.spec is not None:
             self.spec.free(req)
         self.active.pop(req.request_id, None)
+        self.active_version += 1
 
     def correct_speculation(self, req: DynamicInferenceRequest, num_rejected: int) -> None:
         """A landed verify row of ``req`` rejected ``num_rejected`` drafts the host had counted
@@ -292,6 +306,18 @@ class DynamicInferenceContext:
         attention keeps the real tokens blind to them, and a Mamba window leaves their states
         in scratch positions past any accepted count, so the real samples are those of the
         compact layout; only the row's sizes are uniform."""
+        if self._decode_rows is not None and not verify_width:
+            shape = self._decode_rows.assemble(plan, self._host_views[self._ring ^ 1], self.mamba is not None)
+            if shape is not None:
+                self._ring ^= 1
+                if self.allocator.enable_prefix_caching:
+                    for row in plan.rows:
+                        self.register_complete_blocks(row.request)
+                return shape
+        return self._assemble_general(plan, verify_width)
+
+    def _assemble_general(self, plan: StepPlan, verify_width: int) -> StepShape:
+        """Any step (prefill chunks, verify rows, mixed): the tables row by row."""
         self._ring ^= 1
         v = self._host_views[self._ring]
         spec = self.spec is not None

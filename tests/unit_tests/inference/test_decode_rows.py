@@ -1,0 +1,170 @@
+"""The decode-only fast path (contexts/decode_rows.py) writes the same host bytes, the same
+StepShape and the same request state as initialize_attention_state's general path.
+
+Every step of real engine runs (staggered ragged prompts, greedy and sampled rows, penalties,
+min_tokens, log-probs, a small KV pool that pauses and evicts, prefix caching, serial and
+launch-ahead so inputs come from the host and from the in-flight ``prev_row``, GPT and hybrid
+models with Mamba state slots) is assembled twice from the same state: by the general path,
+then by the dispatcher, each into a buffer pre-filled with the same junk byte, so a field one
+side forgets to write shows up as a difference too."""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import dataclasses  # noqa: E402
+import random  # noqa: E402
+from collections import Counter  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
+from megatron_async.inference.contexts.step_errors import RequestStepError, RowUndo  # noqa: E402
+from tests.functional_tests.engine_harness import Arrival, run_arrivals, sampling_mix  # noqa: E402
+
+JUNK = 0xA5
+
+
+def _state(req):
+    return (req.num_computed_tokens, req.num_inflight, req.inflight_row, req.num_inflight_drafts)
+
+
+def compare_both_paths(ctx, seen: Counter) -> None:
+    """Replace ``ctx.initialize_attention_state``: general path first, then the dispatcher from
+    the same state, compared whenever the dispatcher took the fast path."""
+    dispatch, general, rows = ctx.initialize_attention_state, ctx._assemble_general, ctx._decode_rows
+    assemble = rows.assemble
+    fast_used = []
+
+    def spy(*args):
+        shape = assemble(*args)
+        fast_used.append(shape is not None)
+        return shape
+
+    rows.assemble = spy
+
+    def both(plan, verify_width=0):
+        ring = ctx._ring
+        buf = ctx._host_buffers[ring ^ 1]
+        undo = [RowUndo.of(r.request) for r in plan.rows]
+        buf.fill_(JUNK)
+        try:
+            ref_shape = general(plan, verify_width)
+        except RequestStepError:
+            return dispatch(plan, verify_width)  # it raises the same, with the state undone
+        ref_bytes, ref_state = buf.clone(), [_state(r.request) for r in plan.rows]
+        for u in reversed(undo):
+            u.apply()
+        ctx._ring = ring
+        buf.fill_(JUNK)
+        fast_used.clear()
+        shape = dispatch(plan, verify_width)
+        if not fast_used or not fast_used[-1]:
+            seen["general"] += 1
+            return shape
+        assert ctx._ring == ring ^ 1
+        assert torch.equal(buf, ref_bytes), _first_difference(ctx, buf, ref_bytes)
+        assert shape == ref_shape
+        assert [_state(r.request) for r in plan.rows] == ref_state
+        seen["fast"] += 1
+        for row in plan.rows:
+            sp = row.request.sampling_params
+            seen["prev_row"] += row.prev_row >= 0
+            seen["host_input"] += row.prev_row < 0
+            seen["sampled"] += not sp.is_greedy
+            seen["greedy"] += sp.is_greedy
+            seen["penalties"] += row.request.sampling_slot >= 0
+            seen["log_probs"] += sp.return_log_probs
+            seen["state_slots"] += row.request.state_slot >= 0
+        seen["ragged"] += len({len(r.request.block_ids) for r in plan.rows}) > 1
+        return shape
+
+    ctx.initialize_attention_state = both
+
+
+def _first_difference(ctx, got: torch.Tensor, ref: torch.Tensor) -> str:
+    got_views, ref_views = ctx.layout.views(got), ctx.layout.views(ref)
+    bad = [name for name in got_views if not torch.equal(got_views[name], ref_views[name])]
+    return f"fields differ: {bad}"
+
+
+def _arrivals(seed: int, n: int, vocab: int) -> list[Arrival]:
+    rng = random.Random(seed)
+    kinds = sampling_mix(0)
+    shared = [rng.randrange(1, vocab) for _ in range(9)]
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(1, 23))]
+        params = dataclasses.replace(kinds[rng.randrange(len(kinds))], num_tokens_to_generate=rng.randint(4, 14),
+                                     ignore_eos=rng.random() < 0.3)
+        out.append(Arrival(rng.randrange(0, 2 * n), shared + prompt if i % 4 == 0 else prompt, params))
+    return out
+
+
+def _run(model, arrivals, async_scheduling: bool, num_kv_blocks: int, seen: Counter, **cfg):
+    config = InferenceConfig(block_size_tokens=4, num_kv_blocks=num_kv_blocks, max_requests=8, max_tokens=40,
+                             max_sequence_length=64, enable_prefix_caching=True, async_scheduling=async_scheduling,
+                             **cfg)
+    llm = LLM(model, inference_config=config)
+    compare_both_paths(llm.context, seen)
+    outs = run_arrivals(llm, arrivals)
+    return {i: o.generated_tokens for i, o in outs.items()}, llm.engine.stats
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_fast_path_equals_general_path_gpt(seed, async_scheduling):
+    seen = Counter()
+    arrivals = _arrivals(seed, 24, 1000)
+    outs, stats = _run(None, arrivals, async_scheduling, num_kv_blocks=24, seen=seen)
+    assert len(outs) == len(arrivals)
+    assert seen["fast"] >= 10, seen
+    for what in ("sampled", "greedy", "penalties", "log_probs", "ragged", "host_input"):
+        assert seen[what] > 0, (what, seen)
+    if async_scheduling:
+        assert seen["prev_row"] > 0 and stats.overlapped_decode_steps > 0, seen
+    assert stats.paused + stats.evicted > 0, "the pool was meant to run short"
+
+
+@pytest.fixture(scope="module")
+def hybrid_ckpt(tmp_path_factory):
+    from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
+
+    return make_tiny_hybrid_checkpoint("NemotronHForCausalLM", tmp_path_factory.mktemp("nemotron"))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_fast_path_equals_general_path_hybrid(hybrid_ckpt, async_scheduling):
+    seen = Counter()
+    arrivals = _arrivals(2, 16, 120)
+    outs, _ = _run(str(hybrid_ckpt), arrivals, async_scheduling, num_kv_blocks=40, seen=seen,
+                   prefix_caching_mamba_gb=1e-3)
+    assert len(outs) == len(arrivals)
+    assert seen["fast"] >= 10 and seen["state_slots"] > 0, seen
+
+
+def test_outputs_equal_with_and_without_the_fast_path():
+    """Same tokens whether decode steps take the fast path or the general path."""
+    arrivals = _arrivals(3, 20, 1000)
+    seen = Counter()
+    fast, _ = _run(None, arrivals, True, num_kv_blocks=30, seen=seen)
+    config = InferenceConfig(block_size_tokens=4, num_kv_blocks=30, max_requests=8, max_tokens=40,
+                             max_sequence_length=64, enable_prefix_caching=True)
+    llm = LLM(None, inference_config=config)
+    llm.context._decode_rows.assemble = lambda *a: None  # every step through the general path
+    general = {i: o.generated_tokens for i, o in run_arrivals(llm, arrivals).items()}
+    assert fast == general and seen["fast"] > 0
+
+
+def test_request_without_a_row_takes_the_general_path():
+    """A request whose values the per-request arrays cannot hold gets no row; its steps go
+    through the general path, which fails that request alone (engine keeps serving)."""
+    llm = LLM(None, inference_config=InferenceConfig(max_requests=4, max_tokens=64, num_kv_blocks=64))
+    eng = llm.engine
+    good = eng.add_request([5, 6, 7], SamplingParams(top_k=1, num_tokens_to_generate=5))
+    bad = eng.add_request([8, 9], SamplingParams(top_k=1, num_tokens_to_generate=5))
+    eng._requests[bad].seed = 2**64  # slipped past validation before admission
+    outs = {o.request_id: o for o in eng.run_until_done()}
+    assert outs[bad].finish_reason == "error" and "OverflowError" in outs[bad].error
+    assert outs[good].finish_reason == "length" and len(outs[good].generated_tokens) == 5
+    assert not eng.context._decode_rows.slot_of  # every row given back
