@@ -27,6 +27,8 @@ class Scheduler:
         self.num_evicted_events = 0
         self.prefix_hit_tokens = 0
         self.spec = SpecPolicy(config)
+        self._by_age: list[DynamicInferenceRequest] = []
+        self._by_age_version = -1  # ctx.active_version the list was sorted at
 
     def add(self, req: DynamicInferenceRequest) -> None:
         self.waiting.append(req)
@@ -44,10 +46,11 @@ class Scheduler:
 
     def token_room(self, req: DynamicInferenceRequest) -> int:
         """Tokens the request may still gain beyond the most its in-flight launch brings."""
-        sp = req.sampling_params
+        # (tokens_budgeted and num_known_tokens spelled out: this runs for every row every step)
+        generated = len(req.generated_tokens)
         in_flight = req.num_inflight + req.num_inflight_drafts
-        return min(sp.num_tokens_to_generate - req.tokens_budgeted,
-                   self.config.max_sequence_length - req.num_known_tokens - in_flight)
+        return min(req.sampling_params.num_tokens_to_generate - generated - in_flight,
+                   self.config.max_sequence_length - len(req.prompt_tokens) - generated - in_flight)
 
     def _decode_row(self, req: DynamicInferenceRequest, num_drafts: int = 0) -> RowPlan:
         prev = req.inflight_row if req.num_inflight else -1
@@ -62,6 +65,18 @@ class Scheduler:
             return not (req.num_inflight and req.inflight_row < 0)
         return (self.spec.enabled and req.num_inflight == 0 and bool(req.generated_tokens)
                 and req.num_known_tokens - req.num_computed_tokens == 1)
+
+    def _is_plain_decoding(self, req: DynamicInferenceRequest) -> bool:
+        """``_is_decoding`` without speculative decoding, its calls spelled out (every row,
+        every step): wants a token, nothing left to prefill, and no prefill sample in flight."""
+        generated = len(req.generated_tokens)
+        known = len(req.prompt_tokens) + generated
+        if req.num_computed_tokens < known:
+            return False
+        in_flight = req.num_inflight + req.num_inflight_drafts
+        if min(req.sampling_params.num_tokens_to_generate - generated, self.config.max_sequence_length - known) <= in_flight:
+            return False
+        return not (req.num_inflight and req.inflight_row < 0)
 
     def _reserve_decode(self, req: DynamicInferenceRequest, num_decode_rows: int, spare: int) -> RowPlan | None:
         """KV room for the next decode row, with as many drafts as the policy, the limits and
@@ -81,35 +96,60 @@ class Scheduler:
         budget = self.config.max_tokens
         if self.spec.enabled:
             self.spec.begin_step()
-        by_age = sorted(ctx.active.values(), key=lambda r: r.arrival_order)
+        by_age = self._active_by_age()
+
+        # One pass sorts the active requests into decode rows and unfinished prefills (and
+        # recomputes of evicted requests); steps 3 and 4 look for paused requests only if any.
+        decoding, prefilling, any_paused = [], [], False
+        is_decoding = self._is_decoding if self.spec.enabled else self._is_plain_decoding
+        for req in by_age:
+            if req.status == Status.ACTIVE:
+                if is_decoding(req):
+                    decoding.append(req)
+                elif req.is_prefilling:
+                    prefilling.append(req)
+            elif req.status == Status.PAUSED:
+                any_paused = True
 
         # 1. decode rows (each one token, plus drafts from the tokens to spare)
-        decoding = [req for req in by_age if req.status == Status.ACTIVE and self._is_decoding(req)]
-        decode_ids = {req.request_id for req in decoding}
         spare = budget - len(decoding)
-        for req in decoding:
-            row = self._reserve_decode(req, len(decoding), spare)
-            if row is not None:
-                plan.rows.append(row)
-                budget -= row.num_tokens
-                spare -= row.num_drafts
-            else:
-                ctx.pause(req)
-                self.num_paused_events += 1
-
-        # 2. unfinished prefills (and recomputes of evicted requests); no block -> paused
-        for req in by_age:
-            if budget <= 0:
-                break
-            if req.status == Status.ACTIVE and req.is_prefilling and req.request_id not in decode_ids:
-                used = self._schedule_prefill(req, budget, plan)
-                if used == 0 and self._blocked_on_memory(req):
+        rows = plan.rows
+        if self.spec.enabled:
+            for req in decoding:
+                row = self._reserve_decode(req, len(decoding), spare)
+                if row is not None:
+                    rows.append(row)
+                    budget -= row.num_tokens
+                    spare -= row.num_drafts
+                else:
                     ctx.pause(req)
                     self.num_paused_events += 1
-                budget -= used
+                    any_paused = True
+        else:  # one token per row: a block is needed only where the row's position starts one
+            bs = ctx.block_size
+            for req in decoding:
+                start = req.num_computed_tokens
+                if start < len(req.block_ids) * bs or ctx.reserve(req, 1):
+                    rows.append(RowPlan(req, start, 1, True, req.inflight_row if req.num_inflight else -1))
+                    budget -= 1
+                else:
+                    ctx.pause(req)
+                    self.num_paused_events += 1
+                    any_paused = True
+
+        # 2. unfinished prefills; no block -> paused
+        for req in prefilling:
+            if budget <= 0:
+                break
+            used = self._schedule_prefill(req, budget, plan)
+            if used == 0 and self._blocked_on_memory(req):
+                ctx.pause(req)
+                self.num_paused_events += 1
+                any_paused = True
+            budget -= used
 
         # 3. resume paused requests whose next token (or chunk) now has room
-        for req in by_age:
+        for req in by_age if any_paused else ():
             if budget <= 0:
                 break
             if req.status != Status.PAUSED or req.num_inflight:
@@ -127,7 +167,7 @@ class Scheduler:
         # 4. admissions, FIFO, only while nothing is paused
         while (
             self.waiting and budget > 0 and len(ctx.active) < self.config.max_requests
-            and not any(r.status == Status.PAUSED for r in ctx.active.values())
+            and not (any_paused and any(r.status == Status.PAUSED for r in ctx.active.values()))
         ):
             req = self.waiting[0]
             if req.num_inflight:
@@ -150,6 +190,13 @@ class Scheduler:
             self.requeue_front(victim)
             return self.schedule(has_inflight)
         return plan
+
+    def _active_by_age(self) -> list[DynamicInferenceRequest]:
+        """The active requests, oldest first; sorted again only when the set changed."""
+        if self._by_age_version != self.ctx.active_version:
+            self._by_age = sorted(self.ctx.active.values(), key=lambda r: r.arrival_order)
+            self._by_age_version = self.ctx.active_version
+        return self._by_age
 
     def release_finishing(self) -> None:
         """Launch-ahead schedules step N+1 before step N is bookkept. A request whose last token
