@@ -22,6 +22,7 @@ from megatron_async.inference.speculative.policy import SpecPolicy
 from megatron_async.inference.speculative.verify import SpecVerifier
 from megatron_async.inference.stop_conditions import finish_reason
 from megatron_async.inference.text_generation_controllers import sampling
+from megatron_async.inference.text_generation_controllers.landing import land_plain_rows
 from megatron_async.inference.text_generation_controllers.sampler import Sampler
 from megatron_async.inference.text_generation_controllers.warmup import WarmupReport, run_warmup
 from megatron_async.models.base import CausalLM
@@ -230,6 +231,11 @@ class TextGenerationController:
             lps = pending.host_log_probs.tolist() if pending.host_log_probs is not None else None
             tvs = pending.host_top_n_vals.tolist() if pending.host_top_n_vals is not None else None
             tis = pending.host_top_n_ids.tolist() if pending.host_top_n_ids is not None else None
+        if pending.host_accepted is None and pending.sample_base is None:  # no drafts: one sample per row
+            with nvtx_range("update_requests"):
+                finished, updated, discarded = land_plain_rows(ctx, pending.rows, tokens, lps, tis, tvs)
+            return BookkeepResult(finished, updated, discarded, step_time, len(updated))
+        with nvtx_range("active_request_mask"):
             rec = reconcile(pending.rows)
         accepted = pending.host_accepted.tolist() if pending.host_accepted is not None else None
         base = pending.sample_base
