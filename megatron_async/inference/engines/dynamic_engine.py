@@ -92,6 +92,9 @@ class DynamicInferenceEngine:
         """Tensor-parallel replicas: a running digest of the tokens (and accepted counts) landed."""
         self._live: dict[int, None] = {}  # rank 0 under a consensus: accepted ids not reported finished
         self._aborting: set[int] = set()
+        self._quiet: set[int] = set()
+        """Ids whose ``RequestUpdate``s nobody reads (``run_requests`` returns whole outputs):
+        no update is built for them, so their text is decoded once, when they finish."""
         self._builds_at_warmup: int | None = None  # the process's Triton build count after warm-up
 
     def _make_consensus(self, communicator: ZMQCommunicator) -> StepConsensus:
@@ -395,8 +398,8 @@ class DynamicInferenceEngine:
                 self.scheduler.remove_waiting(req)
             st.finished_requests += 1
             self._report_finished(req, out)
-        text = self.config.stream_text
-        out.updates.extend(req.take_update(text) for req in res.updated)
+        text, quiet = self.config.stream_text, self._quiet
+        out.updates.extend(req.take_update(text) for req in res.updated if req.request_id not in quiet)
         if res.step_time is not None and pending.timing_events:
             st.timed_steps += 1
             st.timed_device_time += res.step_time
@@ -445,15 +448,19 @@ class DynamicInferenceEngine:
         """Step until these requests finish and return their outputs. Outputs and updates of
         other requests produced meanwhile are not lost: the next ``step()`` returns them."""
         own, want, got = set(request_ids), set(request_ids), {}
-        while self._still_waiting(want):
-            res = self.step()
-            for o in res.finished:
-                if o.request_id in own:
-                    got[o.request_id] = o
-                    want.discard(o.request_id)
-                else:
-                    self._held.finished.append(o)
-            self._held.updates.extend(u for u in res.updates if u.request_id not in own)
+        self._quiet |= own  # their updates would be dropped below: do not build them
+        try:
+            while self._still_waiting(want):
+                res = self.step()
+                for o in res.finished:
+                    if o.request_id in own:
+                        got[o.request_id] = o
+                        want.discard(o.request_id)
+                    else:
+                        self._held.finished.append(o)
+                self._held.updates.extend(u for u in res.updates if u.request_id not in own)
+        finally:
+            self._quiet -= own
         self._leader_waiting = False
         return got
 
