@@ -12,15 +12,21 @@ launch and launch a decode step are counted (the prefill steps are left out). St
 - text_updates: ``DynamicInferenceRequest.take_update`` (new tokens and text deltas per request)
 - engine_rest: the rest of ``DynamicInferenceEngine._bookkeep`` (stats, finished outputs)
 - h2d: ``transfer_bookkeeping_to_gpu``
+- launch_rest: the rest of ``TextGenerationController.launch_step`` (sample copies, the
+  PendingLaunch record), the forward excluded
 - host total: ``engine.step`` wall minus the forward (``compute_step``)
 
-Usage: ``OMP_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/measure_host_step.py [--rows 64 128 256]``
+``--stream`` drives ``engine.step()`` the way the server's engine loop does (every request's
+``RequestUpdate`` with its text delta is read each step) instead of ``LLM.generate``.
+
+Usage: ``OMP_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/measure_host_step.py [--rows 64 128 256] [--stream]``
 (the last thing printed is a markdown table, ms per decode step)."""
 from __future__ import annotations
 
 import argparse
 import os
 import random
+import statistics
 import time
 from collections import defaultdict
 
@@ -35,7 +41,7 @@ from megatron_async.inference.engines import dynamic_engine as de  # noqa: E402
 from megatron_async.inference.engines import scheduler as sch  # noqa: E402
 from megatron_async.inference.text_generation_controllers import text_generation_controller as tgc  # noqa: E402
 
-STAGES = ["schedule", "init_attn", "land", "text_updates", "engine_rest", "h2d"]
+STAGES = ["schedule", "init_attn", "h2d", "launch_rest", "land", "text_updates", "engine_rest"]
 
 
 class StageTimer:
@@ -69,6 +75,7 @@ class StageTimer:
         self.wrap(dc.DynamicInferenceContext, "transfer_bookkeeping_to_gpu", "h2d")
         self.wrap(tgc.TextGenerationController, "bookkeep_step", "land")
         self.wrap(tgc.TextGenerationController, "compute_step", "forward")
+        self.wrap(tgc.TextGenerationController, "launch_step", "launch")
         self.wrap(de.DynamicInferenceEngine, "_bookkeep", "bookkeep")
         self.wrap(rq.DynamicInferenceRequest, "take_update", "text_updates")
         step = de.DynamicInferenceEngine.step
@@ -93,17 +100,32 @@ class StageTimer:
             setattr(cls, name, f)
 
     def summary(self) -> dict[str, float]:
-        """Mean ms per decode step of every stage, plus host total."""
-        n = max(1, len(self.steps))
-        out = {s: 1e3 * sum(st.get(s, 0.0) for st in self.steps) / n for s in STAGES}
-        out["engine_rest"] = 1e3 * sum(st.get("bookkeep", 0.0) - st.get("land", 0.0) - st.get("text_updates", 0.0) for st in self.steps) / n
-        out["forward"] = 1e3 * sum(st.get("forward", 0.0) for st in self.steps) / n
-        out["host"] = 1e3 * sum(st["wall"] - st.get("forward", 0.0) for st in self.steps) / n
+        """Median ms per decode step of every stage, plus host total (medians: on a shared
+        box a step now and then loses the core to another process, which says nothing about
+        the host work of a step)."""
+        for st in self.steps:
+            st["engine_rest"] = st.get("bookkeep", 0.0) - st.get("land", 0.0) - st.get("text_updates", 0.0)
+            st["host"] = st["wall"] - st.get("forward", 0.0)
+            st["launch_rest"] = st.get("launch", 0.0) - st.get("init_attn", 0.0) - st.get("h2d", 0.0) - st.get("forward", 0.0)
+        out = {s: 1e3 * statistics.median(st.get(s, 0.0) for st in self.steps) for s in STAGES + ["forward", "host"]}
+        out["host_mean"] = 1e3 * statistics.fmean(st["host"] for st in self.steps)
         out["steps"] = len(self.steps)
         return out
 
 
-def run(rows: int, sampled: bool, tokens: int, repeats: int) -> dict[str, float]:
+def _stream(llm: LLM, prompts, sp) -> None:
+    """What the server's engine loop does: add, step, read every update's tokens and text."""
+    eng = llm.engine
+    for p in prompts:
+        eng.add_request(p, sp)
+    chars = 0
+    while eng.has_unfinished_requests():
+        for upd in eng.step().updates:
+            chars += len(upd.new_text or "") + len(upd.new_tokens)
+    assert chars > 0
+
+
+def run(rows: int, sampled: bool, tokens: int, repeats: int, stream: bool = False) -> dict[str, float]:
     cfg = InferenceConfig(max_requests=rows, max_tokens=4096, num_kv_blocks=rows * 40, async_scheduling=True)
     llm = LLM(None, inference_config=cfg)
     rng = random.Random(0)
@@ -118,7 +140,7 @@ def run(rows: int, sampled: bool, tokens: int, repeats: int) -> dict[str, float]
         timer = StageTimer()
         timer.install()
         try:
-            llm.generate(prompts, sp)
+            _stream(llm, prompts, sp) if stream else llm.generate(prompts, sp)
         finally:
             timer.uninstall()
         s = timer.summary()
@@ -132,21 +154,24 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--tokens", type=int, default=48, help="tokens generated per request")
     ap.add_argument("--repeats", type=int, default=3, help="runs per setting; the fastest host time is kept")
+    ap.add_argument("--stream", action="store_true", help="step the engine and read every update (server path)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     results = []
     for rows in args.rows:
         for sampled in (False, True):
-            s = run(rows, sampled, args.tokens, args.repeats)
+            s = run(rows, sampled, args.tokens, args.repeats, args.stream)
             results.append((rows, "sampled" if sampled else "greedy", s))
             print(f"rows={rows} {'sampled' if sampled else 'greedy'}: host {s['host']:.3f} ms/step "
-                  f"(forward {s['forward']:.1f} ms, {s['steps']} decode steps)", flush=True)
+                  f"(mean {s['host_mean']:.3f}; forward {s['forward']:.1f} ms, {s['steps']} decode steps)", flush=True)
     print()
-    print("| rows | sampling | schedule | init_attn | land | text_updates | engine_rest | h2d | host total | forward |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"{'engine.step() + every update read (server path)' if args.stream else 'LLM.generate'}, "
+          "median ms per decode step (best of --repeats runs):")
+    print("| rows | sampling | " + " | ".join(STAGES) + " | host total | forward |")
+    print("|---:|---|" + "---:|" * (len(STAGES) + 2))
     for rows, mode, s in results:
-        print(f"| {rows} | {mode} | {s['schedule']:.3f} | {s['init_attn']:.3f} | {s['land']:.3f} | {s['text_updates']:.3f} | "
-              f"{s['engine_rest']:.3f} | {s['h2d']:.3f} | **{s['host']:.3f}** | {s['forward']:.1f} |")
+        stages = " | ".join(f"{s[k]:.3f}" for k in STAGES)
+        print(f"| {rows} | {mode} | {stages} | **{s['host']:.3f}** | {s['forward']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -18,31 +18,39 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK
+from megatron_async.inference.contexts.step_shape import StepShape
 from megatron_async.inference.request import DynamicInferenceRequest
 
 if TYPE_CHECKING:
-    from megatron_async.inference.contexts.dynamic_context import StepShape
     from megatron_async.inference.engines.step_plan import StepPlan
 
-_INT_FIELDS = ("seed", "top_k", "sampling_slot", "state_slot", "prompt_len", "min_tokens", "top_n")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
-_FLAG_FIELDS = ("sampled", "use_k", "use_p", "use_mp", "log_probs")
+# Per slot, besides: prompt length, min_tokens, StepShape flag bits (sampled, top-k, top-p,
+# min-p, log-probs: a step's are the OR over its rows) and top-n log-probs (the step's: max).
+_PROMPT_LEN, _MIN_TOKENS, _FLAG_BITS, _TOP_N = range(4)
+_SAMPLED, _TOP_K, _TOP_P, _MIN_P, _LOG_PROBS = (1 << i for i in range(5))
+# Snapshot fields whose per-row value is the request's, constant while it is active: kept
+# per slot in the snapshot's own dtype and gathered straight into the host buffer.
+GATHERED = ("seed", "temperature", "top_k", "top_p", "state_slots", "sampling_slot", "min_p", "presence_penalty",
+            "frequency_penalty", "repetition_penalty")
 
 
 class DecodeRows:
     """Per active request (a slot of ``max_requests``): block-table row and sampling fields."""
 
-    def __init__(self, max_requests: int, max_blocks: int, block_size: int, padding_sampling_slot: int):
+    def __init__(self, max_requests: int, block_size: int, padding_sampling_slot: int, views: dict[str, np.ndarray]):
+        """``views``: host views of a snapshot buffer (their dtypes and block-table width)."""
         self.block_size = block_size
         self.padding_sampling_slot = padding_sampling_slot
-        self.table = np.full((max_requests, max_blocks), DUMMY_BLOCK, dtype=np.int32)
-        self.num_blocks = np.zeros(max_requests, dtype=np.int64)
-        for name in _INT_FIELDS:
-            setattr(self, name, np.zeros(max_requests, dtype=np.int64))
-        for name in _FLOAT_FIELDS:
-            setattr(self, name, np.zeros(max_requests, dtype=np.float64))
-        for name in _FLAG_FIELDS:
-            setattr(self, name, np.zeros(max_requests, dtype=bool))
+        n = max_requests
+        self.table = np.full((n, views["block_table"].shape[1]), DUMMY_BLOCK, dtype=views["block_table"].dtype)
+        self.num_blocks = np.zeros(n, dtype=np.int64)
+        # one [slot, field] matrix per snapshot dtype: a step gathers each with one take
+        by_dtype: dict[np.dtype, list[str]] = {}
+        for name in GATHERED:
+            by_dtype.setdefault(views[name].dtype, []).append(name)
+        self.groups = [(np.zeros((n, len(names)), dtype=dt), names) for dt, names in by_dtype.items()]
+        self.column = {name: (m, j) for m, names in self.groups for j, name in enumerate(names)}
+        self.meta = np.zeros((n, 4), dtype=np.int64)
         self.slot_of: dict[int, int] = {}  # request id -> slot
         self._free = list(range(max_requests - 1, -1, -1))
 
@@ -55,26 +63,23 @@ class DecodeRows:
             return
         sp, s = req.sampling_params, self._free[-1]
         greedy = sp.is_greedy
+        values = {  # what the general path writes for the request's sampling row
+            "seed": req.seed, "temperature": 0.0 if greedy else float(sp.temperature), "top_k": 1 if greedy else sp.top_k,
+            "top_p": 0.0 if greedy else sp.top_p, "state_slots": req.state_slot,
+            "sampling_slot": req.sampling_slot if req.sampling_slot >= 0 else self.padding_sampling_slot,
+            "min_p": 0.0 if greedy else sp.min_p, "presence_penalty": sp.presence_penalty,
+            "frequency_penalty": sp.frequency_penalty, "repetition_penalty": sp.repetition_penalty,
+        }
+        bits = 0 if greedy else (_SAMPLED | _TOP_K * (sp.top_k > 1) | _TOP_P * (0 < sp.top_p < 1)
+                                 | _MIN_P * (sp.min_p > 0))
+        bits |= _LOG_PROBS * bool(sp.return_log_probs)
         try:
-            self.seed[s] = req.seed
-            self.top_k[s] = 1 if greedy else sp.top_k
-            self.sampling_slot[s] = req.sampling_slot if req.sampling_slot >= 0 else self.padding_sampling_slot
-            self.state_slot[s] = req.state_slot
-            self.prompt_len[s] = len(req.prompt_tokens)
-            self.min_tokens[s] = sp.min_tokens
-            self.top_n[s] = sp.top_n_logprobs
-            self.temperature[s] = 0.0 if greedy else float(sp.temperature)
-            self.top_p[s] = 0.0 if greedy else sp.top_p
-            self.min_p[s] = 0.0 if greedy else sp.min_p
-            self.presence[s], self.frequency[s] = sp.presence_penalty, sp.frequency_penalty
-            self.repetition[s] = sp.repetition_penalty
+            for name, value in values.items():
+                m, j = self.column[name]
+                m[s, j] = value
+            self.meta[s] = (len(req.prompt_tokens), sp.min_tokens, bits, sp.top_n_logprobs)
         except (OverflowError, TypeError, ValueError):
             return
-        self.sampled[s] = not greedy
-        self.use_k[s] = not greedy and sp.top_k > 1
-        self.use_p[s] = not greedy and 0 < sp.top_p < 1
-        self.use_mp[s] = not greedy and sp.min_p > 0
-        self.log_probs[s] = sp.return_log_probs
         self._free.pop()
         self.slot_of[req.request_id] = s
         self.table[s] = DUMMY_BLOCK
@@ -117,7 +122,7 @@ class DecodeRows:
         computed = np.fromiter([q.num_computed_tokens for q in reqs], np.int64, R)
         bs = self.block_size
         block_idx = starts // bs
-        if not (np.array_equal(starts, computed) and (block_idx < self.num_blocks[slots]).all()):
+        if (starts != computed).any() or (block_idx >= self.num_blocks[slots]).any():
             return None  # the general path raises for it, naming the request
         ids = np.zeros(R, dtype=np.int64)
         try:
@@ -127,44 +132,42 @@ class DecodeRows:
             return None
         positions1 = starts + 1
         rows_i = np.arange(R, dtype=np.int64)
-        has_slot = self.sampling_slot[slots] != self.padding_sampling_slot
+        for m, names in self.groups:
+            got = np.take(m, slots, axis=0)
+            for j, name in enumerate(names):
+                v[name][:R] = got[:, j]
+        v["block_table"][:R] = np.take(self.table, slots, axis=0)
+        meta = np.take(self.meta, slots, axis=0)
+        has_slot = v["sampling_slot"][:R] != self.padding_sampling_slot
+        slot_mapping = v["slot_mapping"][:R]
+        slot_mapping[:] = self.table[slots, block_idx]
+        slot_mapping *= bs
+        slot_mapping += starts % bs
         columns = {
             "input_ids": ids,
             "prev_sample_idx": np.where(prevs >= 0, prevs, -1),
             "positions": starts,
-            "slot_mapping": self.table[slots, block_idx].astype(np.int64) * bs + starts % bs,
             "token_to_row": rows_i,
             "cu_query_lens": np.arange(R + 1, dtype=np.int64),
             "kv_lens": positions1,
             "sample_token_idx": rows_i,
             "sample_position": positions1,
-            "seed": self.seed[slots],
-            "temperature": self.temperature[slots],
-            "top_k": self.top_k[slots],
-            "top_p": self.top_p[slots],
-            "state_slots": self.state_slot[slots],
             "has_initial_state": starts > 0,
-            "sampling_slot": self.sampling_slot[slots],
-            "min_p": self.min_p[slots],
-            "presence_penalty": self.presence[slots],
-            "frequency_penalty": self.frequency[slots],
-            "repetition_penalty": self.repetition[slots],
-            "suppress_stop": has_slot & (positions1 - self.prompt_len[slots] < self.min_tokens[slots]),
+            "suppress_stop": has_slot & (positions1 - meta[:, _PROMPT_LEN] < meta[:, _MIN_TOKENS]),
         }
         if mamba:  # every row one token: the decode rows in row order (metadata.mamba_row_order)
             columns["mamba_row_order"] = rows_i
         for name, values in columns.items():
             v[name][: len(values)] = values
-        v["block_table"][:R] = self.table[slots]
         for r, q in enumerate(reqs):  # what the general path advances (RowUndo restores the same)
             q.num_computed_tokens += 1
             q.num_inflight += 1
             q.inflight_row = r
             q.num_inflight_drafts = 0
-        from megatron_async.inference.contexts.dynamic_context import StepShape
-
-        filters = (bool(self.use_k[slots].any()), bool(self.use_p[slots].any()), bool(self.use_mp[slots].any()))
-        return StepShape(R, R, 1, int(positions1.max()), True, bool(self.sampled[slots].any()), any(filters),
-                         int(self.top_n[slots].max()), bool(self.log_probs[slots].any()),
+    
+        bits = int(np.bitwise_or.reduce(meta[:, _FLAG_BITS]))
+        filters = (bool(bits & _TOP_K), bool(bits & _TOP_P), bool(bits & _MIN_P))
+        return StepShape(R, R, 1, int(positions1.max()), True, bool(bits & _SAMPLED), any(filters),
+                         int(meta[:, _TOP_N].max()), bool(bits & _LOG_PROBS),
                          any_penalties=bool(has_slot.any()), filters=filters, num_samples=R,
                          num_multi_rows=0 if mamba else -1)

@@ -6,7 +6,6 @@ N+1's while step N's copy may still be pending); the device sees them only throu
 ``ContextGPUView``, refreshed by one copy per step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +21,7 @@ from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
 from megatron_async.inference.contexts.spec_state import SpecState
 from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch, MambaMetadata, mamba_row_order
 from megatron_async.inference.contexts.step_errors import RequestStepError, RowUndo, row_of_bad_value
+from megatron_async.inference.contexts.step_shape import StepShape
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest, Status
 
@@ -80,32 +80,6 @@ def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samp
     return fields
 
 
-@dataclass
-class StepShape:
-    """Host-side sizes and flags of one assembled step (no device reads needed)."""
-
-    num_tokens: int
-    num_rows: int
-    max_query_len: int
-    max_kv_len: int
-    is_decode_only: bool
-    any_sampling: bool  # some row is not greedy
-    any_top_k_top_p: bool  # some sampled row filters (top-k, top-p or min-p)
-    max_top_n: int
-    any_log_probs: bool
-    any_penalties: bool = False  # some sampling row has a sampling slot (penalties / min_tokens)
-    filters: tuple[bool, bool, bool] = (False, False, False)  # some sampled row uses (top-k, top-p, min-p)
-    num_samples: int = -1  # sampled positions (rows plus drafts); -1: one per row
-    sample_base: list[int] | None = None  # host copy: each row's first sample (speculative decoding)
-    num_drafts: list[int] | None = None  # host copy: drafts each row verifies (speculative decoding)
-    verify_width: int = 0  # > 0: a uniform verify step, every row this many tokens and samples (padded)
-    num_multi_rows: int = -1  # hybrid: rows of several tokens that verify no drafts (see mamba_row_order); -1: unknown (a graph's shape)
-
-    def __post_init__(self):
-        if self.num_samples < 0:
-            self.num_samples = self.num_rows
-
-
 class DynamicInferenceContext:
     def __init__(self, config: InferenceConfig, model: CausalLM, device: DeviceFacade, dtype: torch.dtype):
         self.config = config
@@ -133,9 +107,6 @@ class DynamicInferenceContext:
         self.sampling_state = SamplingStateSlots(config.max_requests, model.vocab_size, device)
         K = config.num_speculative_tokens
         self.spec = SpecState(config.max_requests, K, device) if K > 0 else None
-        # decode-only snapshots from per-request rows (speculative engines keep the general path)
-        self._decode_rows = None if K > 0 else DecodeRows(
-            config.max_requests, self.max_blocks_per_request, self.block_size, self.sampling_state.padding_slot)
 
         # One row more than max_requests: a mixed-step CUDA graph pads with at least one spare
         # row, which holds the padding tokens (see pad_for_graph). Graph steps sample one
@@ -149,6 +120,9 @@ class DynamicInferenceContext:
         self._host_views = [{k: t.numpy() for k, t in self.layout.views(b).items()} for b in self._host_buffers]
         self._ring = 0
         self.gpu_view = ContextGPUView(self.layout, device.device)
+        # decode-only snapshots from per-request rows (speculative engines keep the general path)
+        self._decode_rows = None if K > 0 else DecodeRows(
+            config.max_requests, self.block_size, self.sampling_state.padding_slot, self._host_views[0])
 
         self.active: dict[int, DynamicInferenceRequest] = {}  # ACTIVE and PAUSED, by request id
         self.active_version = 0  # bumped whenever ``active`` gains or loses a request
