@@ -90,34 +90,26 @@ class Scheduler:
 
     def schedule(self, has_inflight: bool) -> StepPlan:
         ctx = self.ctx
+        if has_inflight:
+            self.release_finishing()
         plan = StepPlan()
         budget = self.config.max_tokens
         if self.spec.enabled:
             self.spec.begin_step()
         by_age = self._active_by_age()
 
-        # One pass finds the requests finishing in flight (released first, see release_finishing)
-        # and sorts the others into decode rows and unfinished prefills (and recomputes of
-        # evicted requests); steps 3 and 4 look for paused requests only if any.
-        decoding, prefilling, finishing, any_paused = [], [], [], False
+        # One pass sorts the active requests into decode rows and unfinished prefills (and
+        # recomputes of evicted requests); steps 3 and 4 look for paused requests only if any.
+        decoding, prefilling, any_paused = [], [], False
         is_decoding = self._is_decoding if self.spec.enabled else self._is_plain_decoding
-        limit = self.config.max_sequence_length
         for req in by_age:
             if req.status == Status.ACTIVE:
-                if has_inflight and req.num_inflight:
-                    certain = len(req.generated_tokens) + req.num_inflight  # req.tokens_certain
-                    if (certain >= req.sampling_params.num_tokens_to_generate
-                            or len(req.prompt_tokens) + certain >= limit):
-                        finishing.append(req)
-                        continue
                 if is_decoding(req):
                     decoding.append(req)
                 elif req.is_prefilling:
                     prefilling.append(req)
             elif req.status == Status.PAUSED:
                 any_paused = True
-        if finishing:
-            self.release_finishing(finishing)
 
         # 1. decode rows (each one token, plus drafts from the tokens to spare)
         spare = budget - len(decoding)
@@ -206,19 +198,22 @@ class Scheduler:
             self._by_age_version = self.ctx.active_version
         return self._by_age
 
-    def release_finishing(self, finishing: list[DynamicInferenceRequest]) -> None:
+    def release_finishing(self) -> None:
         """Launch-ahead schedules step N+1 before step N is bookkept. A request whose last token
         is in flight reaches its length limit when N lands, and the serial engine releases it
         before scheduling N+1; releasing it here frees the same blocks, state slot and request
         place, so both modes build the same schedules (on the GPU a different schedule means
         different bf16 rounding, and different greedy tokens). Stream order keeps N's KV writes
         before any next owner's. Finishes by EOS / stop words cannot be foreseen: after one,
-        launch-ahead still schedules one step with the request's blocks held.
-
-        ``finishing``: the active requests whose sample in flight reaches a length limit; they
-        are released in ``ctx.active`` order (the order blocks return to the pool)."""
-        done = set(map(id, finishing))
-        for req in [r for r in self.ctx.active.values() if id(r) in done]:
+        launch-ahead still schedules one step with the request's blocks held."""
+        limit = self.config.max_sequence_length
+        done = []
+        for r in self.ctx.active.values():  # (tokens_certain and num_known_tokens spelled out: every row, every step)
+            if r.num_inflight and r.status == Status.ACTIVE:
+                certain = len(r.generated_tokens) + r.num_inflight
+                if certain >= r.sampling_params.num_tokens_to_generate or len(r.prompt_tokens) + certain >= limit:
+                    done.append(r)
+        for req in done:
             self.ctx.release_ahead(req)
 
     def _whole_prompt_only(self, req: DynamicInferenceRequest) -> bool:
