@@ -13,6 +13,7 @@ any plan it does not cover (prefill chunks, drafts, a request without a row, a v
 needs the general path's per-request error) goes to the general path."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,6 +53,9 @@ class DecodeRows:
         self.column = {name: (m, j) for m, names in self.groups for j, name in enumerate(names)}
         self.meta = np.zeros((n, 4), dtype=np.int64)
         self.slot_of: dict[int, int] = {}  # request id -> slot
+        self._epoch = 0  # admissions so far: a slot's constant values change only at one
+        self._constant: dict[int, _Constant] = {}  # ring buffer -> its constant columns
+        self._arange = np.arange(n + 2, dtype=np.int64)
         self._free = list(range(max_requests - 1, -1, -1))
 
     # ------------------------------------------------------------------ request events
@@ -82,6 +86,7 @@ class DecodeRows:
             return
         self._free.pop()
         self.slot_of[req.request_id] = s
+        self._epoch += 1
         self.table[s] = DUMMY_BLOCK
         self.num_blocks[s] = 0
         self.sync_blocks(req)
@@ -104,9 +109,14 @@ class DecodeRows:
             self._free.append(s)
 
     # ------------------------------------------------------------------ the step
-    def assemble(self, plan: StepPlan, v: dict[str, np.ndarray], mamba: bool) -> StepShape | None:
-        """Fill host views ``v`` for a decode-only ``plan`` and advance its requests as the
-        general path does; None (nothing written or advanced) when the plan is not covered."""
+    def invalidate(self, buffer: int) -> None:
+        """Something else (the general path) wrote host buffer ``buffer``."""
+        self._constant.pop(buffer, None)
+
+    def assemble(self, plan: StepPlan, v: dict[str, np.ndarray], buffer: int, mamba: bool) -> StepShape | None:
+        """Fill host views ``v`` (of ring buffer ``buffer``) for a decode-only ``plan`` and
+        advance its requests as the general path does; None (nothing written or advanced) when
+        the plan is not covered."""
         rows = plan.rows
         R = len(rows)
         if R == 0 or not all(row.num_tokens == 1 and row.samples for row in rows):
@@ -125,49 +135,75 @@ class DecodeRows:
         if (starts != computed).any() or (block_idx >= self.num_blocks[slots]).any():
             return None  # the general path raises for it, naming the request
         ids = np.zeros(R, dtype=np.int64)
-        try:
-            for r in np.flatnonzero(prevs < 0).tolist():  # input known on the host (serial decode, last prompt token)
-                ids[r] = reqs[r].token_at(int(starts[r]))
-        except Exception:  # noqa: BLE001 -- the general path raises it again, for that request alone
-            return None
-        positions1 = starts + 1
-        rows_i = np.arange(R, dtype=np.int64)
-        for m, names in self.groups:
-            got = np.take(m, slots, axis=0)
-            for j, name in enumerate(names):
-                v[name][:R] = got[:, j]
+        if prevs.min() < 0:  # some input known on the host (serial decode, a last prompt token)
+            try:
+                for r in np.flatnonzero(prevs < 0).tolist():
+                    ids[r] = reqs[r].token_at(int(starts[r]))
+            except Exception:  # noqa: BLE001 -- the general path raises it again, for that request alone
+                return None
+            prevs[prevs < 0] = -1
+        constant = self._write_constant(v, buffer, slots)
         v["block_table"][:R] = np.take(self.table, slots, axis=0)
-        meta = np.take(self.meta, slots, axis=0)
-        has_slot = v["sampling_slot"][:R] != self.padding_sampling_slot
         slot_mapping = v["slot_mapping"][:R]
         slot_mapping[:] = self.table[slots, block_idx]
         slot_mapping *= bs
         slot_mapping += starts % bs
-        columns = {
-            "input_ids": ids,
-            "prev_sample_idx": np.where(prevs >= 0, prevs, -1),
-            "positions": starts,
-            "token_to_row": rows_i,
-            "cu_query_lens": np.arange(R + 1, dtype=np.int64),
-            "kv_lens": positions1,
-            "sample_token_idx": rows_i,
-            "sample_position": positions1,
-            "has_initial_state": starts > 0,
-            "suppress_stop": has_slot & (positions1 - meta[:, _PROMPT_LEN] < meta[:, _MIN_TOKENS]),
-        }
-        if mamba:  # every row one token: the decode rows in row order (metadata.mamba_row_order)
-            columns["mamba_row_order"] = rows_i
-        for name, values in columns.items():
-            v[name][: len(values)] = values
+        positions1 = starts + 1
+        v["input_ids"][:R] = ids
+        v["prev_sample_idx"][:R] = prevs
+        v["positions"][:R] = starts
+        v["kv_lens"][:R] = positions1
+        v["sample_position"][:R] = positions1
+        v["has_initial_state"][:R] = starts > 0
+        if constant.any_penalties:  # min_tokens: stop ids suppressed while the output is short
+            meta = np.take(self.meta, slots, axis=0)
+            has_slot = v["sampling_slot"][:R] != self.padding_sampling_slot
+            v["suppress_stop"][:R] = has_slot & (positions1 - meta[:, _PROMPT_LEN] < meta[:, _MIN_TOKENS])
         for r, q in enumerate(reqs):  # what the general path advances (RowUndo restores the same)
             q.num_computed_tokens += 1
             q.num_inflight += 1
             q.inflight_row = r
             q.num_inflight_drafts = 0
-    
-        bits = int(np.bitwise_or.reduce(meta[:, _FLAG_BITS]))
+        bits = constant.bits
         filters = (bool(bits & _TOP_K), bool(bits & _TOP_P), bool(bits & _MIN_P))
-        return StepShape(R, R, 1, int(positions1.max()), True, bool(bits & _SAMPLED), any(filters),
-                         int(meta[:, _TOP_N].max()), bool(bits & _LOG_PROBS),
-                         any_penalties=bool(has_slot.any()), filters=filters, num_samples=R,
-                         num_multi_rows=0 if mamba else -1)
+        return StepShape(R, R, 1, int(positions1.max()), True, bool(bits & _SAMPLED), any(filters), constant.top_n,
+                         bool(bits & _LOG_PROBS), any_penalties=constant.any_penalties, filters=filters,
+                         num_samples=R, num_multi_rows=0 if mamba else -1)
+
+    def _write_constant(self, v: dict[str, np.ndarray], buffer: int, slots: np.ndarray) -> _Constant:
+        """The columns that depend only on which requests sit in which rows (their sampling
+        fields, the row / sample indices). A buffer that already holds them for the same slots
+        (no admission since: a slot's values change only then) keeps them: padding for a graph
+        writes only past the real rows, and the general path invalidates the buffer."""
+        R = len(slots)
+        key = (self._epoch, slots.tobytes())
+        known = self._constant.get(buffer)
+        if known is not None and known.key == key:
+            return known
+        for m, names in self.groups:
+            got = np.take(m, slots, axis=0)
+            for j, name in enumerate(names):
+                v[name][:R] = got[:, j]
+        rows_i = self._arange[:R]
+        v["token_to_row"][:R] = rows_i
+        v["sample_token_idx"][:R] = rows_i
+        v["cu_query_lens"][: R + 1] = self._arange[: R + 1]
+        if "mamba_row_order" in v:  # every row one token: the rows in row order (metadata.mamba_row_order)
+            v["mamba_row_order"][:R] = rows_i
+        meta = np.take(self.meta, slots, axis=0)
+        any_penalties = bool((v["sampling_slot"][:R] != self.padding_sampling_slot).any())
+        if not any_penalties:
+            v["suppress_stop"][:R] = False
+        known = self._constant[buffer] = _Constant(key, int(np.bitwise_or.reduce(meta[:, _FLAG_BITS])),
+                                                   int(meta[:, _TOP_N].max()), any_penalties)
+        return known
+
+
+@dataclass
+class _Constant:
+    """What ``_write_constant`` wrote into one buffer, and the step flags that follow from it."""
+
+    key: tuple
+    bits: int
+    top_n: int
+    any_penalties: bool

@@ -281,7 +281,8 @@ class DynamicInferenceContext:
         in scratch positions past any accepted count, so the real samples are those of the
         compact layout; only the row's sizes are uniform."""
         if self._decode_rows is not None and not verify_width:
-            shape = self._decode_rows.assemble(plan, self._host_views[self._ring ^ 1], self.mamba is not None)
+            nxt = self._ring ^ 1
+            shape = self._decode_rows.assemble(plan, self._host_views[nxt], nxt, self.mamba is not None)
             if shape is not None:
                 self._ring ^= 1
                 if self.allocator.enable_prefix_caching:
@@ -293,6 +294,8 @@ class DynamicInferenceContext:
     def _assemble_general(self, plan: StepPlan, verify_width: int) -> StepShape:
         """Any step (prefill chunks, verify rows, mixed): the tables row by row."""
         self._ring ^= 1
+        if self._decode_rows is not None:
+            self._decode_rows.invalidate(self._ring)
         v = self._host_views[self._ring]
         spec = self.spec is not None
         ids, prev, pos, slots, tok_row, src = [], [], [], [], [], []

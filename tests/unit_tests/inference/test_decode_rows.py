@@ -4,9 +4,13 @@ StepShape and the same request state as initialize_attention_state's general pat
 Every step of real engine runs (staggered ragged prompts, greedy and sampled rows, penalties,
 min_tokens, log-probs, a small KV pool that pauses and evicts, prefix caching, serial and
 launch-ahead so inputs come from the host and from the in-flight ``prev_row``, GPT and hybrid
-models with Mamba state slots) is assembled twice from the same state: by the general path,
-then by the dispatcher, each into a buffer pre-filled with the same junk byte, so a field one
-side forgets to write shows up as a difference too."""
+models with Mamba state slots) is assembled twice from the same state, in one of two orders
+(picked at random per step):
+- general path first, then the dispatcher, each into a buffer pre-filled with the same junk
+  byte, so a field one side forgets to write shows up as a difference too;
+- the dispatcher first, into the buffer as earlier steps left it (the fast path keeps the
+  columns that only depend on which requests sit in which rows), then the general path over
+  it: every byte the general path writes must already be there."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -29,12 +33,13 @@ def _state(req):
     return (req.num_computed_tokens, req.num_inflight, req.inflight_row, req.num_inflight_drafts)
 
 
-def compare_both_paths(ctx, seen: Counter) -> None:
-    """Replace ``ctx.initialize_attention_state``: general path first, then the dispatcher from
-    the same state, compared whenever the dispatcher took the fast path."""
+def compare_both_paths(ctx, seen: Counter, seed: int = 0) -> None:
+    """Replace ``ctx.initialize_attention_state``: both paths from the same state, compared
+    whenever the dispatcher took the fast path."""
     dispatch, general, rows = ctx.initialize_attention_state, ctx._assemble_general, ctx._decode_rows
     assemble = rows.assemble
     fast_used = []
+    rng = random.Random(seed)
 
     def spy(*args):
         shape = assemble(*args)
@@ -43,29 +48,46 @@ def compare_both_paths(ctx, seen: Counter) -> None:
 
     rows.assemble = spy
 
-    def both(plan, verify_width=0):
-        ring = ctx._ring
-        buf = ctx._host_buffers[ring ^ 1]
-        undo = [RowUndo.of(r.request) for r in plan.rows]
-        buf.fill_(JUNK)
-        try:
-            ref_shape = general(plan, verify_width)
-        except RequestStepError:
-            return dispatch(plan, verify_width)  # it raises the same, with the state undone
-        ref_bytes, ref_state = buf.clone(), [_state(r.request) for r in plan.rows]
+    def run(fn, plan, verify_width, undo, ring, junk: bool):
+        """``fn`` from the state before the step; returns (shape, bytes, request state)."""
         for u in reversed(undo):
             u.apply()
         ctx._ring = ring
-        buf.fill_(JUNK)
-        fast_used.clear()
-        shape = dispatch(plan, verify_width)
-        if not fast_used or not fast_used[-1]:
-            seen["general"] += 1
-            return shape
+        buf = ctx._host_buffers[ring ^ 1]
+        if junk:
+            buf.fill_(JUNK)
+        shape = fn(plan, verify_width)
         assert ctx._ring == ring ^ 1
-        assert torch.equal(buf, ref_bytes), _first_difference(ctx, buf, ref_bytes)
-        assert shape == ref_shape
-        assert [_state(r.request) for r in plan.rows] == ref_state
+        return shape, buf.clone(), [_state(r.request) for r in plan.rows]
+
+    def both(plan, verify_width=0):
+        ring = ctx._ring
+        nxt = ring ^ 1
+        undo = [RowUndo.of(r.request) for r in plan.rows]
+        general_first = rng.random() < 0.5
+        fast_used.clear()
+        if general_first:
+            try:
+                ref = run(general, plan, verify_width, undo, ring, junk=True)
+            except RequestStepError:
+                return dispatch(plan, verify_width)  # it raises the same (the state was undone)
+            got = run(dispatch, plan, verify_width, undo, ring, junk=True)
+        else:
+            prior = rows._constant.get(nxt)
+            got = run(dispatch, plan, verify_width, undo, ring, junk=False)
+            after = rows._constant.get(nxt)
+            if not fast_used[0]:
+                seen["general"] += 1
+                return got[0]
+            ref = run(general, plan, verify_width, undo, ring, junk=False)
+            rows._constant[nxt] = after  # asserted below: the bytes are the fast path's, its record holds
+            seen["kept_constant"] += prior is not None and after is prior
+        if not fast_used[-1]:
+            seen["general"] += 1
+            return got[0]
+        assert torch.equal(got[1], ref[1]), _first_difference(ctx, got[1], ref[1])
+        assert got[0] == ref[0]
+        assert got[2] == ref[2]
         seen["fast"] += 1
         for row in plan.rows:
             sp = row.request.sampling_params
@@ -77,7 +99,7 @@ def compare_both_paths(ctx, seen: Counter) -> None:
             seen["log_probs"] += sp.return_log_probs
             seen["state_slots"] += row.request.state_slot >= 0
         seen["ragged"] += len({len(r.request.block_ids) for r in plan.rows}) > 1
-        return shape
+        return got[0]
 
     ctx.initialize_attention_state = both
 
@@ -119,7 +141,7 @@ def test_fast_path_equals_general_path_gpt(seed, async_scheduling):
     outs, stats = _run(None, arrivals, async_scheduling, num_kv_blocks=24, seen=seen)
     assert len(outs) == len(arrivals)
     assert seen["fast"] >= 10, seen
-    for what in ("sampled", "greedy", "penalties", "log_probs", "ragged", "host_input"):
+    for what in ("sampled", "greedy", "penalties", "log_probs", "ragged", "host_input", "kept_constant"):
         assert seen[what] > 0, (what, seen)
     if async_scheduling:
         assert seen["prev_row"] > 0 and stats.overlapped_decode_steps > 0, seen
@@ -140,7 +162,7 @@ def test_fast_path_equals_general_path_hybrid(hybrid_ckpt, async_scheduling):
     outs, _ = _run(str(hybrid_ckpt), arrivals, async_scheduling, num_kv_blocks=40, seen=seen,
                    prefix_caching_mamba_gb=1e-3)
     assert len(outs) == len(arrivals)
-    assert seen["fast"] >= 10 and seen["state_slots"] > 0, seen
+    assert seen["fast"] >= 10 and seen["state_slots"] > 0 and seen["kept_constant"] > 0, seen
 
 
 def test_outputs_equal_with_and_without_the_fast_path():
