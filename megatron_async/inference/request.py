@@ -187,6 +187,10 @@ class DynamicInferenceRequest:
     spec_acceptance: float = 1.0
     """Moving average of accepted / drafted tokens of its verify rows (host, bookkept)."""
 
+    def __post_init__(self):
+        if self.text is not None:  # the text reads the generated tokens itself (unless it watches stop strings)
+            self.text.follow(self.generated_tokens)
+
     @property
     def num_known_tokens(self) -> int:
         return len(self.prompt_tokens) + len(self.generated_tokens)

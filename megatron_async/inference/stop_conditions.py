@@ -15,8 +15,11 @@ def finish_reason(req: DynamicInferenceRequest, max_sequence_length: int) -> Fin
     last = gen[-1]
     stops_armed = len(gen) >= sp.min_tokens
     if stops_armed and not sp.ignore_eos and last in req.eos_ids:
+        if req.text is not None:
+            req.text.end_before_last()
         return FinishReason.STOP
-    if req.text is not None and req.text.append(last, check_stops=stops_armed):
+    text = req.text
+    if text is not None and text.needs_tokens and text.append(last, check_stops=stops_armed):
         return FinishReason.STOP  # a stop string completed in the decoded text
     for seq in req.stop_sequences if stops_armed else ():
         if len(gen) >= len(seq) and gen[-len(seq):] == seq:

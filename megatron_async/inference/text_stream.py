@@ -68,8 +68,27 @@ class TextStream:
         """Stable text so far (the final generated_text once finished)."""
         self._emitted = 0
         self._buffered: list[int] = []
+        self._source: list[int] | None = None
+        self._fed = 0  # tokens of ``_source`` already given to the detokenizer
+        self._end: int | None = None  # ``_source`` tokens past this have no text (EOS)
+        self.needs_tokens = True
+        """Feed every generated token with ``append`` (False: the stream reads its request's
+        token list when text is asked for, see ``follow``)."""
         self.stopped_by: str | None = None
         self._done = False
+
+    def follow(self, tokens: list[int]) -> None:
+        """A stream without stop strings reads the generated tokens from ``tokens`` (its
+        request's own list, appended to in place) when text is asked for, so landing a token
+        costs it nothing; a stream with stop strings keeps being fed by ``append``."""
+        if not self._stops:
+            self._source, self._fed, self.needs_tokens = tokens, len(tokens), False
+
+    def end_before_last(self) -> None:
+        """The newest token ended the request without text of its own (EOS): a followed list
+        holds it, but the text stops before it (a fed stream never received it)."""
+        if self._source is not None:
+            self._end = len(self._source) - 1
 
     def append(self, token: int, check_stops: bool = True) -> bool:
         """Feed a generated token; True when a stop string completed (text already trimmed).
@@ -78,7 +97,11 @@ class TextStream:
         return bool(self._stops) and self._catch_up(check_stops)
 
     def _catch_up(self, check_stops: bool = True) -> bool:
-        tokens, self._buffered = self._buffered, []
+        if self._source is not None:
+            tokens = self._source[self._fed : self._end]
+            self._fed += len(tokens)
+        else:
+            tokens, self._buffered = self._buffered, []
         delta = self._detok.extend(tokens) if tokens else ""
         if not delta:
             return False

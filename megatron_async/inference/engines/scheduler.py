@@ -66,17 +66,40 @@ class Scheduler:
         return (self.spec.enabled and req.num_inflight == 0 and bool(req.generated_tokens)
                 and req.num_known_tokens - req.num_computed_tokens == 1)
 
-    def _is_plain_decoding(self, req: DynamicInferenceRequest) -> bool:
-        """``_is_decoding`` without speculative decoding, its calls spelled out (every row,
-        every step): wants a token, nothing left to prefill, and no prefill sample in flight."""
-        generated = len(req.generated_tokens)
-        known = len(req.prompt_tokens) + generated
-        if req.num_computed_tokens < known:
-            return False
-        in_flight = req.num_inflight + req.num_inflight_drafts
-        if min(req.sampling_params.num_tokens_to_generate - generated, self.config.max_sequence_length - known) <= in_flight:
-            return False
-        return not (req.num_inflight and req.inflight_row < 0)
+    def _plain_decode_rows(self, by_age: list[DynamicInferenceRequest], rows: list[RowPlan]
+                           ) -> tuple[list[DynamicInferenceRequest], bool]:
+        """Step 1 without speculative decoding, in one pass (it runs for every row, every step,
+        so ``_is_decoding`` / ``_reserve_decode`` are spelled out): a decoding request (wants a
+        token, nothing left to prefill, no prefill sample in flight) gets a one-token row, or is
+        paused when its position starts a block and none is free. Deciding each request as the
+        pass reaches it equals sorting first: whether a request decodes depends only on its own
+        state, and rows reserve blocks in the same (age) order. Returns (unfinished prefills,
+        whether any request is paused)."""
+        ctx, bs, limit = self.ctx, self.ctx.block_size, self.config.max_sequence_length
+        prefilling, any_paused = [], False
+        active, paused = Status.ACTIVE, Status.PAUSED
+        for req in by_age:
+            status = req.status
+            if status == active:
+                generated = len(req.generated_tokens)
+                known = len(req.prompt_tokens) + generated
+                start = req.num_computed_tokens
+                if start < known:
+                    prefilling.append(req)
+                    continue
+                in_flight = req.num_inflight
+                if (min(req.sampling_params.num_tokens_to_generate - generated, limit - known)
+                        <= in_flight + req.num_inflight_drafts or in_flight and req.inflight_row < 0):
+                    continue
+                if start < len(req.block_ids) * bs or ctx.reserve(req, 1):
+                    rows.append(RowPlan(req, start, 1, True, req.inflight_row if in_flight else -1))
+                else:
+                    ctx.pause(req)
+                    self.num_paused_events += 1
+                    any_paused = True
+            elif status == paused:
+                any_paused = True
+        return prefilling, any_paused
 
     def _reserve_decode(self, req: DynamicInferenceRequest, num_decode_rows: int, spare: int) -> RowPlan | None:
         """KV room for the next decode row, with as many drafts as the policy, the limits and
@@ -98,40 +121,30 @@ class Scheduler:
             self.spec.begin_step()
         by_age = self._active_by_age()
 
-        # One pass sorts the active requests into decode rows and unfinished prefills (and
-        # recomputes of evicted requests); steps 3 and 4 look for paused requests only if any.
-        decoding, prefilling, any_paused = [], [], False
-        is_decoding = self._is_decoding if self.spec.enabled else self._is_plain_decoding
-        for req in by_age:
-            if req.status == Status.ACTIVE:
-                if is_decoding(req):
-                    decoding.append(req)
-                elif req.is_prefilling:
-                    prefilling.append(req)
-            elif req.status == Status.PAUSED:
-                any_paused = True
-
-        # 1. decode rows (each one token, plus drafts from the tokens to spare)
-        spare = budget - len(decoding)
+        # 1. decode rows (each one token, plus drafts from the tokens to spare). The same pass
+        # collects the unfinished prefills (and recomputes of evicted requests); steps 3 and 4
+        # look for paused requests only if any.
         rows = plan.rows
-        if self.spec.enabled:
+        if not self.spec.enabled:
+            prefilling, any_paused = self._plain_decode_rows(by_age, rows)
+            budget -= len(rows)
+        else:
+            decoding, prefilling, any_paused = [], [], False
+            for req in by_age:
+                if req.status == Status.ACTIVE:
+                    if self._is_decoding(req):
+                        decoding.append(req)
+                    elif req.is_prefilling:
+                        prefilling.append(req)
+                elif req.status == Status.PAUSED:
+                    any_paused = True
+            spare = budget - len(decoding)
             for req in decoding:
                 row = self._reserve_decode(req, len(decoding), spare)
                 if row is not None:
                     rows.append(row)
                     budget -= row.num_tokens
                     spare -= row.num_drafts
-                else:
-                    ctx.pause(req)
-                    self.num_paused_events += 1
-                    any_paused = True
-        else:  # one token per row: a block is needed only where the row's position starts one
-            bs = ctx.block_size
-            for req in decoding:
-                start = req.num_computed_tokens
-                if start < len(req.block_ids) * bs or ctx.reserve(req, 1):
-                    rows.append(RowPlan(req, start, 1, True, req.inflight_row if req.num_inflight else -1))
-                    budget -= 1
                 else:
                     ctx.pause(req)
                     self.num_paused_events += 1
