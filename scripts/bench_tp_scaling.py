@@ -121,6 +121,7 @@ def _worker(args: argparse.Namespace) -> None:
                         "backend": backend, "mode": f"{mode}+graphs" if cuda else mode, "batch": batch,
                         "decode_ms": st.mean_decode_step_ms, "decode_steps": st.decode_steps, "floor_ms": 1e3 * floor_s,
                         "consensus_p50_us": st.consensus_us(50), "consensus_p99_us": st.consensus_us(99),
+                        "latency_p50_us": st.consensus_latency_us(50), "latency_p99_us": st.consensus_latency_us(99),
                         "consensus_rounds": st.consensus_rounds, "overlap": st.overlap_ratio,
                         "tok_s": batch * args.output_len / wall,
                         "p2p_calls": {k: v - calls.get(k, 0) for k, v in reducer.calls.items()} if reducer else {},
@@ -128,7 +129,8 @@ def _worker(args: argparse.Namespace) -> None:
                     if leader:
                         r = result["rows"][-1]
                         print(f"[tp={tp}] {backend:5s} {r['mode']:14s} batch {batch:4d}: decode {r['decode_ms']:.3f} ms "
-                              f"(floor {r['floor_ms']:.3f}), consensus p50 {r['consensus_p50_us']:.0f} us", flush=True)
+                              f"(floor {r['floor_ms']:.3f}), consensus p50 {r['consensus_p50_us']:.0f} us "
+                              f"(own cost {r['latency_p50_us']:.0f} us)", flush=True)
                         Path(args.worker_out).write_text(json.dumps(result))  # partial results survive a timeout
         if "p2p" in tokens_by_backend:  # bf16: a different summation order may flip near-ties
             nccl = tokens_by_backend["nccl"]
@@ -164,7 +166,7 @@ def table(results: list[dict]) -> str:
     serial = {(res["tp"], r["backend"], r["batch"]): r["decode_ms"] for res in results for r in res["rows"]
               if r["mode"].startswith("serial")}
     lines = ["| TP | all-reduce | mode | batch | decode ms | floor ms | step / floor | vs TP=1 | async / serial "
-             "| consensus p50 / p99 us | tok/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| consensus p50 / p99 us | its own cost p50 / p99 us | tok/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for r in res["rows"]:
             ref = base.get((r["mode"], r["batch"]))
@@ -174,7 +176,8 @@ def table(results: list[dict]) -> str:
             vs_tp1 = f"{ms / ref:.2f}" if ref else ""
             lines.append(f"| {res['tp']} | {r['backend']} | {r['mode']} | {r['batch']} | {ms:.3f} | {r['floor_ms']:.3f} | "
                          f"{ms / r['floor_ms']:.2f} | {vs_tp1} | {speed} | "
-                         f"{r['consensus_p50_us']:.0f} / {r['consensus_p99_us']:.0f} | {r['tok_s']:.0f} |")
+                         f"{r['consensus_p50_us']:.0f} / {r['consensus_p99_us']:.0f} | "
+                         f"{r.get('latency_p50_us', 0):.0f} / {r.get('latency_p99_us', 0):.0f} | {r['tok_s']:.0f} |")
     return "\n".join(lines)
 
 
