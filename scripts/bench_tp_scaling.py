@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--launch-timeout", type=float, default=400.0, help="seconds per torchrun job")
+    p.add_argument("--all-reduce", default="auto", choices=["auto", "nccl", "p2p"],
+                   help="InferenceConfig.tp_all_reduce: auto / p2p time NCCL and the P2P path side by side")
     p.add_argument("--json", default=None, help="write every result here")
     p.add_argument("--idle", action="store_true",
                    help="also profile one async + graphs run at the largest batch per backend: the device idle "
@@ -79,7 +81,8 @@ def _worker(args: argparse.Namespace) -> None:
     blocks_per_req = -(-seq // 16)
     cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=max(args.batches) * (blocks_per_req + 1) + 8,
                           max_requests=max(args.batches), max_tokens=max(2048, max(args.batches)),
-                          max_sequence_length=seq + 16, cuda_graphs=cuda, cuda_graph_batch_sizes=tuple(args.batches))
+                          max_sequence_length=seq + 16, cuda_graphs=cuda, cuda_graph_batch_sizes=tuple(args.batches),
+                          tp_all_reduce=args.all_reduce)
     t0 = time.perf_counter()
     llm = LLM(None, device=args.device, dtype=args.dtype, inference_config=cfg, default_model=args.model,
               tensor_parallel_size=tp)
