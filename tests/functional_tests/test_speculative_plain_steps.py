@@ -18,6 +18,7 @@ if not torch.cuda.is_available():  # before any kernel module is imported: the T
 from megatron_async import SamplingParams  # noqa: E402
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner  # noqa: E402
 from megatron_async.inference.text_generation_controllers.graph_plan import GraphPlan  # noqa: E402
+from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
 from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
 from megatron_async.testing.mtp_heads import add_mtp_heads  # noqa: E402
 from tests.functional_tests.engine_harness import Arrival, make_llm, random_prompts, run_arrivals  # noqa: E402
@@ -32,8 +33,8 @@ PARAMS = [
 OFF = dict(speculative_min_acceptance=0.3, speculative_probe_interval=12)
 
 
-def _arrivals(seed: int, n: int = 5, stagger: int = 0) -> list[Arrival]:
-    return [Arrival(stagger * i, p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(random_prompts(n, 3, 14, 256, seed))]
+def _arrivals(seed: int, n: int = 5, stagger: int = 0, vocab: int = 256) -> list[Arrival]:
+    return [Arrival(stagger * i, p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(random_prompts(n, 3, 14, vocab, seed))]
 
 
 def _assert_mostly_plain(st) -> None:
@@ -49,16 +50,27 @@ def mtp_ckpt(tmp_path_factory):
     return add_mtp_heads(make_tiny_checkpoint("LlamaForCausalLM", root / "base", seed=1), root / "mtp", depths=1, seed=3)
 
 
+@pytest.fixture(scope="module")
+def hybrid_ckpt(tmp_path_factory):
+    return make_tiny_hybrid_checkpoint("NemotronHForCausalLM", tmp_path_factory.mktemp("plain_steps_hybrid"))
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_zero_acceptance_oracle_runs_plain_steps(qwen3_ckpt, async_scheduling, graphs):
-    arr = _arrivals(41, stagger=2)
+@pytest.mark.parametrize("model", ["gpt", "hybrid"])
+def test_zero_acceptance_oracle_runs_plain_steps(qwen3_ckpt, hybrid_ckpt, model, async_scheduling, graphs):
+    """Hybrid: plain steps advance the Mamba slots in place, as a plain engine's do; the verify
+    steps between them keep committing the accepted window state."""
+    path = hybrid_ckpt if model == "hybrid" else qwen3_ckpt
+    vocab = make_llm(path).model.vocab_size
+    arr = _arrivals(41, stagger=2, vocab=vocab)
     cfg = dict(async_scheduling=async_scheduling, max_requests=6, max_tokens=32)
-    plain = run_arrivals(make_llm(qwen3_ckpt, **cfg), arr)
-    llm = make_llm(qwen3_ckpt, oracle_for(plain, arr, 1.0), num_speculative_tokens=3, **OFF, **cfg)
+    plain = run_arrivals(make_llm(path, **cfg), arr)
+    llm = make_llm(path, oracle_for(plain, arr, 1.0, vocab=vocab), num_speculative_tokens=3, **OFF, **cfg)
     keys = []
     if graphs:
-        runner = llm.controller.graphs = CudaGraphRunner(llm.controller, llm.config, mixed=True, emulate=True)
+        runner = llm.controller.graphs = CudaGraphRunner(llm.controller, llm.config, mixed=model == "gpt",
+                                                         emulate=True)
         llm.engine.warmup()
         lookup = runner.lookup
 
@@ -68,12 +80,12 @@ def test_zero_acceptance_oracle_runs_plain_steps(qwen3_ckpt, async_scheduling, g
             return step
 
         runner.lookup = logged
-    assert_same_outputs(plain, run_arrivals(llm, arr))
+    assert_same_outputs(plain, run_arrivals(llm, arr), log_prob_tol=1e-5)
     st = llm.engine.stats
     _assert_mostly_plain(st)
     assert st.spec_accepted_tokens == 0 and llm.context.gpu_view.num_copies == st.steps
     if graphs:  # plain steps replayed a plain engine's decode graphs (the same keys)
-        plain_plan = GraphPlan(replace(llm.config, num_speculative_tokens=0), 256, mixed=True)
+        plain_plan = GraphPlan(replace(llm.config, num_speculative_tokens=0), vocab, mixed=model == "gpt")
         plain_decode = [k for k in keys if k is not None and k.decode_only and not k.spec]
         assert len(plain_decode) == st.spec_plain_steps and set(plain_decode) <= set(plain_plan.keys())
         assert any(k is not None and k.spec and k.decode_only for k in keys)  # steps before probes
