@@ -105,8 +105,6 @@ class TextGenerationController:
         width = self.graphs.plan.verify_width(plan) if use_graphs else 0
         with nvtx_range("initialize_attention_state"):
             shape = ctx.initialize_attention_state(plan, verify_width=width)
-        if self.spec_steps is not None:
-            self.spec_steps.launched(plan, spec)
         start_ev = end_ev = None
         if timed and self.device.is_cuda:
             start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -117,7 +115,10 @@ class TextGenerationController:
             graph = self.graphs.lookup(shape, min_rows=self.dp_num_tokens, min_variant=self.dp_variant, spec=spec)
         if graph is not None:
             k = graph.key
+            spec |= k.spec  # a graph with the machinery runs it (correct for any step's layout)
             ctx.pad_for_graph(shape.num_tokens, shape.num_rows, k.num_tokens, k.num_rows, k.verify_width)
+        if self.spec_steps is not None:
+            self.spec_steps.launched(plan, spec)
         with nvtx_range("transfer_bookkeeping_to_gpu"):
             ctx.transfer_bookkeeping_to_gpu()
         if graph is not None:
