@@ -71,6 +71,7 @@ def _rank(rank: int, world: int, args) -> dict:
             st = llm.engine.stats
             steps0, wall0, dummy0 = st.decode_steps, st.decode_wall_time, st.dummy_steps
             rounds0, cons0 = st.consensus_rounds, st.consensus_time
+            st.consensus_latency_seconds.clear()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params[wl])
             wall = time.perf_counter() - t0
@@ -80,6 +81,7 @@ def _rank(rank: int, world: int, args) -> dict:
                 "decode_ms": 1e3 * (st.decode_wall_time - wall0) / steps if steps else 0.0,
                 "dummy": st.dummy_steps - dummy0,
                 "consensus_us": 1e6 * (st.consensus_time - cons0) / max(1, st.consensus_rounds - rounds0),
+                "latency_us": st.consensus_latency_us(50),
             }
         return result
     finally:
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append({
                 "ep": ep, "workload": wl, "tok_s": tokens / r0["wall"], "decode_ms": r0["decode_ms"],
                 "dummy": [r[wl]["dummy"] for r in res], "consensus_us": [r[wl]["consensus_us"] for r in res],
+                "latency_us": [r[wl]["latency_us"] for r in res],
                 "equal": sum(a == b for a, b in zip(r0["tokens"], ref)), "n": len(ref),
             })
         base = base or res[0]
@@ -130,12 +133,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{args.num_requests} requests, prompts {args.prompt_len_min}-{args.prompt_len_max}, "
           f"outputs {args.output_len_min}-{args.output_len_max}")
     print(f"| EP | workload | output tok/s | vs EP={args.ep[0]} | decode ms / step (rank 0) | dummy steps by rank "
-          f"| consensus us / round by rank | tokens == EP={args.ep[0]} |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"| consensus us / round by rank | its own cost p50 us by rank | tokens == EP={args.ep[0]} |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['ep']} | {r['workload']} | {r['tok_s']:.0f} | {r['tok_s'] / first[r['workload']]:.2f}x "
               f"| {r['decode_ms']:.2f} | {' / '.join(map(str, r['dummy']))} "
-              f"| {' / '.join(f'{c:.0f}' for c in r['consensus_us'])} | {r['equal']}/{r['n']} |")
+              f"| {' / '.join(f'{c:.0f}' for c in r['consensus_us'])} "
+              f"| {' / '.join(f'{c:.0f}' for c in r['latency_us'])} | {r['equal']}/{r['n']} |")
     return rows
 
 

@@ -174,6 +174,7 @@ def _counting_worker(rank: int, world: int) -> dict:
         st = eng.stats
         return {"outs": outs, "steps": calls["step"], "rounds": st.consensus_rounds, "seconds": st.consensus_time,
                 "samples": len(st.consensus_round_seconds), "p50_us": st.consensus_us(50), "p99_us": st.consensus_us(99),
+                "pairs": list(zip(st.consensus_round_seconds, st.consensus_latency_seconds)),
                 "as_dict": {k: v for k, v in st.as_dict().items() if k.startswith("consensus")}}
     finally:
         llm.close()
@@ -218,6 +219,9 @@ def test_one_consensus_exchange_per_step():
         assert got["seconds"] > 0
         assert got["samples"] == got["rounds"] and 0 < got["p50_us"] <= got["p99_us"], got  # one duration per round
         assert got["as_dict"]["consensus_p99_us"] == got["p99_us"] and "consensus_round_seconds" not in got["as_dict"]
+        # an exchange's own cost (after the last rank arrived) is part of its duration on every rank
+        assert len(got["pairs"]) == got["rounds"] and all(0 <= lat <= dur + 1e-4 for dur, lat in got["pairs"]), got
+        assert 0 < got["as_dict"]["consensus_latency_p50_us"] <= got["as_dict"]["consensus_latency_p99_us"]
 
 
 JOB_ARGS = ["--num-requests", "6", "--prompt-len-min", "4", "--prompt-len-max", "12", "--output-len-min", "3",

@@ -193,13 +193,14 @@ class DynamicInferenceEngine:
                upload: StepResult | None = None, variant: int = 0) -> Agreement:
         """The per-step exchange; admits the new requests and marks the aborts it brings."""
         sync = self._sync
-        before = sync.seconds
-        got = sync.exchange(self._has_local_work(), num_tokens, eager, leader_waiting=self._leader_waiting,
-                            load=len(self._requests), upload=upload, from_step=from_step, variant=variant,
-                            digest=self._landed_digest)
+        with nvtx_range("consensus"):
+            got = sync.exchange(self._has_local_work(), num_tokens, eager, leader_waiting=self._leader_waiting,
+                                load=len(self._requests), upload=upload, from_step=from_step, variant=variant,
+                                digest=self._landed_digest)
         self.stats.consensus_rounds = sync.rounds
         self.stats.consensus_time = sync.seconds
-        self.stats.consensus_round_seconds.append(sync.seconds - before)
+        self.stats.consensus_round_seconds.append(sync.round_seconds)
+        self.stats.consensus_latency_seconds.append(sync.latency_seconds)
         for new in got.news:
             self._admit(new)
         for rid in got.aborts:

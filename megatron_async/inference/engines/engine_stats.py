@@ -55,6 +55,9 @@ class EngineStats:
     """Host seconds spent in those exchanges (waiting for the slowest rank included)."""
     consensus_round_seconds: deque = field(default_factory=lambda: deque(maxlen=CONSENSUS_WINDOW))
     """Host seconds of each of the latest ``CONSENSUS_WINDOW`` exchanges (``consensus_us``)."""
+    consensus_latency_seconds: deque = field(default_factory=lambda: deque(maxlen=CONSENSUS_WINDOW))
+    """Of those exchanges, the part after the last rank arrived (the exchange's own cost; the
+    rest was waiting for slower ranks); ``consensus_latency_us``. Ranks on one host only."""
     dummy_steps: int = 0
     """Data-parallel engines: steps where this rank had nothing to launch while another rank
     did, so it ran a dummy forward (its collectives must match the others')."""
@@ -122,10 +125,11 @@ class EngineStats:
 
     def consensus_us(self, percentile: float) -> float:
         """A percentile (0-100) of the latest exchanges' durations in us; 0 without any."""
-        xs = sorted(self.consensus_round_seconds)
-        if not xs:
-            return 0.0
-        return 1e6 * xs[min(len(xs) - 1, int(percentile / 100 * len(xs)))]
+        return _percentile_us(self.consensus_round_seconds, percentile)
+
+    def consensus_latency_us(self, percentile: float) -> float:
+        """A percentile of the latest exchanges' own cost (after the last rank arrived) in us."""
+        return _percentile_us(self.consensus_latency_seconds, percentile)
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -139,9 +143,11 @@ class EngineStats:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["rejected_causes"] = dict(self.rejected_causes)
-        del d["consensus_round_seconds"]
+        del d["consensus_round_seconds"], d["consensus_latency_seconds"]
         d["consensus_p50_us"] = self.consensus_us(50)
         d["consensus_p99_us"] = self.consensus_us(99)
+        d["consensus_latency_p50_us"] = self.consensus_latency_us(50)
+        d["consensus_latency_p99_us"] = self.consensus_latency_us(99)
         d["spec_off_rows"] = dict(self.spec_off_rows)
         d["spec_acceptance_rate"] = self.spec_acceptance_rate
         d["mean_decode_step_ms"] = self.mean_decode_step_ms
@@ -149,3 +155,10 @@ class EngineStats:
         d["overlap_ratio"] = self.overlap_ratio
         d["consensus_us_per_round"] = self.consensus_us_per_round
         return d
+
+
+def _percentile_us(seconds, percentile: float) -> float:
+    xs = sorted(seconds)
+    if not xs:
+        return 0.0
+    return 1e6 * xs[min(len(xs) - 1, int(percentile / 100 * len(xs)))]

@@ -63,7 +63,7 @@ class Agreement:
 
 
 _HEAD = 5  # any_work, max_tokens, eager, leader_waiting, variant; then one load per rank (data parallel),
-# then, where ranks are replicas (TP groups), (digest, -digest) per group
+# then, where ranks are replicas (TP groups), (digest, -digest) per group; last, the rank's arrival time
 _NOBODY = -(2**62)  # a group slot this rank does not write: below every digest and negated digest
 
 
@@ -93,6 +93,12 @@ class StepConsensus:
         """The latest exchange came from has_unfinished / run_requests and no step used it yet."""
         self.rounds = 0
         self.seconds = 0.0
+        self.round_seconds = 0.0
+        """The latest exchange's duration on this rank (waiting for slower ranks included)."""
+        self.latency_seconds = 0.0
+        """The latest exchange's cost beyond waiting for peers: from the last rank's arrival to this
+        rank holding the result. CLOCK_MONOTONIC is one clock per host, so this is meaningful
+        with every rank on one host (the usual single-node torchrun)."""
         self._routed_since = [0] * self.dp_size  # rank 0: routed after the loads it last heard
 
     @property
@@ -147,6 +153,8 @@ class StepConsensus:
         if self.checks_replicas:
             for g in range(self.world_size // self.replica_size):
                 values += [digest, -digest] if g == self._group else [_NOBODY, _NOBODY]
+        arrival = time.monotonic_ns() // 1000  # us; the max over ranks is the last arrival
+        values.append(arrival)
         payload = (self._outbox, self._aborts) if self.is_leader else None
         self._outbox, self._aborts = [], []
         result, uploads, (news, aborts) = self.comm.exchange(values, upload, payload)
@@ -165,7 +173,9 @@ class StepConsensus:
                               tuple(result[_HEAD:_HEAD + num_loads]), news, aborts, uploads)
         self.fresh = not from_step
         self.rounds += 1
-        self.seconds += time.perf_counter() - t0
+        self.latency_seconds = max(0, time.monotonic_ns() // 1000 - result[-1]) / 1e6
+        self.round_seconds = time.perf_counter() - t0
+        self.seconds += self.round_seconds
         return self.last
 
     def said(self, name: str) -> bool:
