@@ -48,8 +48,8 @@ def _spec_llm_with_graphs(path, drafter, async_scheduling: bool, mixed: bool, **
     lookups = []
     lookup = runner.lookup
 
-    def logged(shape, min_rows=0, min_variant=0):
-        step = lookup(shape, min_rows, min_variant)
+    def logged(shape, min_rows=0, min_variant=0, spec=None):
+        step = lookup(shape, min_rows, min_variant, spec)
         lookups.append((shape, step))
         return step
 
