@@ -251,7 +251,7 @@ class TextGenerationController:
             lps = pending.host_log_probs.tolist() if pending.host_log_probs is not None else None
             tvs = pending.host_top_n_vals.tolist() if pending.host_top_n_vals is not None else None
             tis = pending.host_top_n_ids.tolist() if pending.host_top_n_ids is not None else None
-        if pending.host_accepted is None and pending.sample_base is None:  # no drafts: one sample per row
+        if ctx.spec is None:  # no speculative decoding: one sample per row, no drafts
             with nvtx_range("update_requests"):
                 finished, updated, discarded = land_plain_rows(ctx, pending.rows, tokens, lps, tis, tvs)
             return BookkeepResult(finished, updated, discarded, step_time, len(updated))
