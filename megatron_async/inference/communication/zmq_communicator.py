@@ -22,8 +22,11 @@ import tempfile
 import uuid
 from typing import Any
 
+import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
+
+from megatron_async.inference.communication.shm_slots import SharedSlots, SlotsError, segment_path, supported
 
 class CommunicatorError(RuntimeError):
     """A peer timed out or answered a different collective (the ranks have diverged)."""
@@ -31,10 +34,12 @@ class CommunicatorError(RuntimeError):
 
 class ZMQCommunicator:
     def __init__(self, rank: int, world_size: int, host: str, port: int | None, timeout_s: float | None = 300.0,
-                 publish=None, lookup=None):
+                 publish=None, lookup=None, shared_memory: bool = True):
         """``timeout_s``: longest wait for one message (None: wait forever). ``port`` None: rank 0
         binds an ephemeral port on ``host`` and hands ``tcp://host:port`` to ``publish``; the
-        others connect to the address ``lookup()`` returns (see ``from_rendezvous``)."""
+        others connect to the address ``lookup()`` returns (see ``from_rendezvous``).
+        ``shared_memory``: run ``exchange``'s ints through shared memory when every rank is on
+        this host (False on any rank: ZMQ everywhere)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of size {world_size}")
         self.rank, self.world_size = rank, world_size
@@ -44,6 +49,9 @@ class ZMQCommunicator:
         self._ipc_path: str | None = None
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
+        self._slots: SharedSlots | None = None
+        self.exchange_path = "local" if world_size == 1 else "zmq"
+        """How ``exchange`` moves its ints: "shared_memory", "zmq", or "local" (one rank)."""
         if world_size == 1:
             return
         self._ctx = zmq.Context()
@@ -69,11 +77,42 @@ class ZMQCommunicator:
         self._poller.register(self._monitor, zmq.POLLIN)
         # Handshake: rank 0 learns every peer's identity before it routes anything to it.
         self.barrier()
+        self._join_slots(shared_memory)
+
+    def _join_slots(self, wanted: bool) -> None:
+        """Collective: map rank 0's shared slots if every rank is on its host (and wants them)."""
+        slots, capacity = None, 32 + 4 * self.world_size  # StepConsensus sends ~8 + 3 ints per rank
+        # Spin-then-yield budget before sleeping: long with a core per rank to spare, short when
+        # ranks share cores (a yielding rank still takes CPU time from the one computing).
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        timing = dict(timeout_s=self._timeout_ms and self._timeout_ms / 1000, spin_us=50.0,
+                      yield_us=2000.0 if cores >= 2 * self.world_size else 200.0)
+        offer = None
+        if self.rank == 0 and wanted and supported():
+            try:
+                slots = SharedSlots(segment_path(), 0, self.world_size, capacity, create=True, **timing)
+                offer = (socket.gethostname(), slots.path)
+            except OSError:
+                slots = None
+        offer = self.broadcast_object(offer)
+        if self.rank != 0 and wanted and offer is not None and offer[0] == socket.gethostname():
+            try:
+                slots = SharedSlots(offer[1], self.rank, self.world_size, capacity, create=False, **timing)
+            except (OSError, ValueError):
+                slots = None
+        everyone = self.all_reduce_max([int(slots is None)]) == [0]  # after it, every rank has mapped it
+        if slots is not None:
+            slots.unlink()  # nothing to leak from here on, even if a rank is killed
+            if everyone:
+                self._slots, self.exchange_path = slots, "shared_memory"
+            else:
+                slots.close()
 
     _joined = 0  # communicators built through a rendezvous by this process (same count on every rank)
 
     @classmethod
-    def from_rendezvous(cls, store, rank: int, world_size: int, timeout_s: float | None = 300.0) -> "ZMQCommunicator":
+    def from_rendezvous(cls, store, rank: int, world_size: int, timeout_s: float | None = 300.0,
+                        shared_memory: bool = True) -> "ZMQCommunicator":
         """Join through a torch.distributed ``Store`` (the job's rendezvous): rank 0 binds an
         ephemeral port on the address it uses to reach the store's host (MASTER_ADDR) and
         publishes it; the others wait for it and connect there. Works across nodes. The key is
@@ -83,17 +122,19 @@ class ZMQCommunicator:
         host = _address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")) if rank == 0 else ""
         publish = lambda endpoint: store.set(key, endpoint)  # noqa: E731
         lookup = lambda: store.get(key).decode()  # noqa: E731  (store.get blocks until it is set)
-        return cls(rank, world_size, host, None, timeout_s, publish=publish, lookup=lookup)
+        return cls(rank, world_size, host, None, timeout_s, publish=publish, lookup=lookup, shared_memory=shared_memory)
 
     # ------------------------------------------------------------------ collectives
     def exchange(self, values: list[int], upload: Any = None, payload: Any = None) -> tuple[list[int], list[Any], Any]:
         """One round trip: the element-wise max of every rank's ``values``, rank 0's ``payload``
         on every rank, and on rank 0 the other ranks' ``upload``s by rank (``[]`` elsewhere;
-        rank 0's own upload is not sent)."""
+        rank 0's own upload is not sent). None (payload or upload): nothing to send."""
         seq = self._next_seq()
         values = [int(v) for v in values]
         if self.world_size == 1:
             return values, [], payload
+        if self._slots is not None:
+            return self._exchange_shared(seq, values, upload, payload)
         if self.rank != 0:
             self._sock.send(pickle.dumps((seq, "exchange", (values, upload))))
             result, payload = self._recv_from_root(seq, "exchange")
@@ -108,6 +149,40 @@ class ZMQCommunicator:
         for peer in range(1, self.world_size):
             self._sock.send_multipart([self._identity(peer), msg])
         return result, uploads, payload
+
+    def _exchange_shared(self, seq: int, values: list[int], upload: Any, payload: Any):
+        """``exchange`` with the ints in shared memory. A payload / upload message leaves before
+        this rank publishes its ints, so it is in flight (usually there) once the receiver
+        learns from the flags that it comes."""
+        leader = self.rank == 0
+        sends = (payload if leader else upload) is not None
+        if sends:
+            msg = pickle.dumps((seq, "exchange", payload if leader else upload))
+            if leader:
+                for peer in range(1, self.world_size):
+                    self._sock.send_multipart([self._identity(peer), msg])
+            else:
+                self._sock.send(msg)
+        try:
+            rows = self._slots.gather(np.array(values + [int(sends)], dtype=np.int64), self._alive)
+        except SlotsError as e:
+            raise CommunicatorError(f"{e} (exchange #{seq})") from None
+        result, flags = rows[:, :-1].max(axis=0).tolist(), rows[:, -1].tolist()
+        if not leader:
+            return result, [], (self._recv_from_root(seq, "exchange") if flags[0] else None)
+        uploads = [None] * self.world_size
+        senders = {r for r in range(1, self.world_size) if flags[r]}
+        for peer, up in self._gather_at_root(seq, "exchange", senders).items():
+            uploads[peer] = up
+        return result, uploads, payload
+
+    def _alive(self) -> None:
+        """Raises if the monitor reported a dropped connection (rank 0 hears of every peer, the
+        others of rank 0; a rank that raises while waiting poisons the slots for the rest)."""
+        if self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            raise CommunicatorError(f"rank {self.rank}: lost the connection to a peer ({event['endpoint'].decode()}) "
+                                    "while waiting in shared memory: a rank exited or died")
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (the others' arguments are ignored)."""
@@ -146,6 +221,9 @@ class ZMQCommunicator:
         self.all_reduce_max([0])
 
     def close(self) -> None:
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
         if self._sock is not None:
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
@@ -190,14 +268,15 @@ class ZMQCommunicator:
         self._poll(seq, kind)
         return self._check(pickle.loads(self._sock.recv()), seq, kind, "rank 0")
 
-    def _gather_at_root(self, seq: int, kind: str) -> dict[int, Any]:
+    def _gather_at_root(self, seq: int, kind: str, peers: set[int] | None = None) -> dict[int, Any]:
+        """One message from each of ``peers`` (default: every other rank)."""
         got: dict[int, Any] = {}
-        while len(got) < self.world_size - 1:
+        while len(got) < (self.world_size - 1 if peers is None else len(peers)):
             self._poll(seq, kind)
             identity, msg = self._sock.recv_multipart()
             peer = int(identity.decode().removeprefix("rank"))
-            if peer in got:
-                raise CommunicatorError(f"rank {peer} sent twice in {kind} #{seq}")
+            if peer in got or (peers is not None and peer not in peers):
+                raise CommunicatorError(f"rank {peer} sent twice or unannounced in {kind} #{seq}")
             got[peer] = self._check(pickle.loads(msg), seq, kind, f"rank {peer}")
         return got
 

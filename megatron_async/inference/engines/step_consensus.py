@@ -1,9 +1,10 @@
-"""The ranks' per-step agreement: ONE ZMQ round trip per engine step, on the CPU.
+"""The ranks' per-step agreement: ONE exchange per engine step, on the CPU (through shared
+memory when every rank is on one host, else a ZMQ round trip; see zmq_communicator.py).
 
 Every exchange is an all-reduce-max of a few ints (plus, for data-parallel engines, one load
 slot per rank) that piggybacks rank 0's payload (the requests and aborts it accepted since the
 last exchange, each with the rank that serves it) down, and the other ranks' finished outputs
-and updates up. No device collective and no device read-back is involved.
+and updates up; each only when there is one (an empty one sends nothing). No device collective and no device read-back is involved.
 
 Tensor parallelism (replicas): the exchange sits at the start of ``step()``, before scheduling,
 so every rank admits the same requests before the same step; the padded batch and graph choice
@@ -155,9 +156,10 @@ class StepConsensus:
                 values += [digest, -digest] if g == self._group else [_NOBODY, _NOBODY]
         arrival = time.monotonic_ns() // 1000  # us; the max over ranks is the last arrival
         values.append(arrival)
-        payload = (self._outbox, self._aborts) if self.is_leader else None
+        payload = (self._outbox, self._aborts) if self.is_leader and self.has_outgoing() else None
         self._outbox, self._aborts = [], []
-        result, uploads, (news, aborts) = self.comm.exchange(values, upload, payload)
+        result, uploads, payload = self.comm.exchange(values, upload, payload)  # None: nothing sent
+        news, aborts = payload if payload is not None else ([], [])
         if self.checks_replicas:
             at = _HEAD + num_loads + 2 * self._group
             if result[at] != -result[at + 1]:

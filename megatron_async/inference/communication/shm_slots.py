@@ -1,0 +1,143 @@
+"""An all-gather of a few int64 per rank through one shared-memory segment (ranks on one host).
+
+Layout: a header line (the poison word: nonzero once some rank gave up, naming it), then one
+slot per rank, each padded to whole cache lines so two ranks never write the same line:
+``[seq, bank 0: n + values, bank 1: n + values]``. Round k: every rank writes its values into
+bank ``k % 2`` of its own slot, THEN stores ``seq = k``; it waits until every slot's seq is >= k
+and reads every bank ``k % 2``. No root hop, no thread wake-up, no pickling.
+
+Why two banks suffice: a rank can run at most one round ahead of the slowest reader (it cannot
+finish round k+1 before everyone wrote k+1, i.e. finished reading k), so bank ``k % 2`` is not
+rewritten (round k+2) before every rank has read round k from it.
+
+Memory ordering: a reader that sees ``seq == k`` must see the values written before it. On x86
+(TSO) stores become visible in program order and loads are not reordered with older loads; the
+values and the seq are separate numpy assignments (separate C calls: no compiler reordering
+across them) and the seq is one aligned 8-byte store (atomic). Weakly ordered CPUs (Arm) would
+need fences Python cannot issue, so ``supported()`` is False there and the caller uses ZMQ.
+
+Waiting: spin (the fast case: peers a few us behind), then ``sched_yield`` (lets a peer that
+shares the core run), then sleeps growing to 1 ms (many ranks on few cores: spinning ranks would
+starve the ones computing). While backing off it checks the poison word, the caller's liveness
+check (a dead peer) and the timeout, so a dead or silent peer ends in a CommunicatorError."""
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import tempfile
+import time
+import uuid
+from typing import Callable
+
+import numpy as np
+
+_LINE = 8  # int64 per 64-byte cache line
+
+
+def supported() -> bool:
+    """Shared slots rely on x86's store ordering (see the module docstring)."""
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def segment_path() -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"ma-consensus-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+class SlotsError(RuntimeError):
+    """A peer gave up, went silent or died (the caller re-raises it as its own error type)."""
+
+
+class SharedSlots:
+    def __init__(self, path: str, rank: int, world_size: int, capacity: int, create: bool,
+                 timeout_s: float | None = 300.0, spin_us: float = 50.0, yield_us: float = 1000.0):
+        """``capacity``: most ints one rank contributes per round. ``create``: this rank makes the
+        file at ``path`` (the others map it; whoever made it unlinks it once all have mapped it).
+        ``spin_us`` / ``yield_us``: how long a wait spins, then yields, before it sleeps."""
+        self.rank, self.world_size, self.capacity = rank, world_size, capacity
+        self.timeout_s, self.spin_s, self.yield_s = timeout_s, spin_us / 1e6, yield_us / 1e6
+        self._bank = -(-(1 + capacity) // _LINE) * _LINE
+        self._slot = _LINE + 2 * self._bank  # seq (one line of its own), then the two banks
+        words = _LINE + world_size * self._slot
+        self.path = path
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, 8 * words)
+            self._map = mmap.mmap(fd, 8 * words)
+        finally:
+            os.close(fd)
+        self._words = np.frombuffer(self._map, dtype=np.int64)
+        self._poison = self._words[0:1]
+        slots = self._words[_LINE:].reshape(world_size, self._slot)
+        self._slots = slots
+        self._seqs = slots[:, 0]  # a strided view: one load per rank
+        self._mine = slots[rank]
+        self.round = int(self._mine[0])  # 0 on a fresh segment
+
+    def gather(self, values: np.ndarray, alive: Callable[[], None] | None = None) -> np.ndarray:
+        """Collective: every rank's ``values`` (int64, same length on every rank) as a
+        (world_size, n) array, by rank. ``alive()`` raises if a peer is known dead."""
+        n = len(values)
+        if n > self.capacity:
+            raise ValueError(f"{n} values exceed the shared slots' capacity of {self.capacity}")
+        k = self.round + 1
+        at = _LINE + (k & 1) * self._bank
+        self._mine[at + 1:at + 1 + n] = values
+        self._mine[at] = n
+        self._mine[0] = k  # publish last: x86 keeps the stores above visible first
+        self.round = k
+        self._wait(k, alive)
+        rows = self._slots[:, at:at + 1 + n].copy()
+        if (rows[:, 0] != n).any():
+            raise SlotsError(f"round {k}: ranks contributed {rows[:, 0].tolist()} values, rank {self.rank} {n}: "
+                             "the ranks diverged")
+        return rows[:, 1:]
+
+    def _wait(self, k: int, alive) -> None:
+        seqs = self._seqs
+        if seqs.min() >= k:
+            return
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < self.spin_s:
+            if seqs.min() >= k:
+                return
+        nap, checked = 0.0, t0
+        while seqs.min() < k:
+            now = time.perf_counter()
+            if now - t0 < self.spin_s + self.yield_s:
+                os.sched_yield()
+            else:
+                nap = min(1e-3, max(2e-5, 2 * nap))
+                time.sleep(nap)
+            if now - checked > 1e-3 or nap:
+                checked = now
+                self._check(k, now - t0, alive)
+
+    def _check(self, k: int, waited: float, alive) -> None:
+        if self._poison[0]:
+            raise SlotsError(f"rank {self.rank}: rank {self._poison[0] - 1} gave up in shared-memory round {k}")
+        try:
+            if alive is not None:
+                alive()
+            if self.timeout_s is not None and waited > self.timeout_s:
+                late = [r for r in range(self.world_size) if self._seqs[r] < k]
+                raise SlotsError(f"rank {self.rank}: ranks {late} did not arrive within {self.timeout_s:.3g} s "
+                                 f"in shared-memory round {k}")
+        except Exception:
+            self._poison[0] = self.rank + 1  # the others waiting here fail at once too
+            raise
+
+    def unlink(self) -> None:
+        """Remove the file (the mappings stay valid); every rank may call it, once all mapped it."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        if self._map is not None:
+            del self._words, self._poison, self._slots, self._seqs, self._mine
+            self._map.close()
+            self._map = None

@@ -1,0 +1,112 @@
+"""The shared-memory exchange (ranks on one host) against the ZMQ one, on spawned ranks: same
+results for random values, payloads / uploads arrive only when sent, a dead or silent rank ends
+in a CommunicatorError within the timeout, and nothing is left in /dev/shm."""
+import glob
+import os
+import random
+import re
+import time
+
+import pytest
+
+from megatron_async.inference.communication.shm_slots import supported
+from megatron_async.inference.communication.zmq_communicator import CommunicatorError, ZMQCommunicator
+from megatron_async.testing.multiprocess import free_port, run_ranks
+
+pytestmark = pytest.mark.skipif(not supported(), reason="shared slots need x86 store ordering")
+
+
+def _both_paths(rank: int, world: int, ports: tuple[int, int], rounds: int):
+    shm = ZMQCommunicator(rank, world, "127.0.0.1", ports[0], timeout_s=20)
+    zmq_ = ZMQCommunicator(rank, world, "127.0.0.1", ports[1], timeout_s=20, shared_memory=False)
+    try:
+        got = []
+        for i in range(rounds):
+            rng = random.Random(1000 * i + rank)  # this rank's draw; the same for both paths
+            n = 3 + i % 4  # lengths change between rounds (same on every rank within one)
+            values = [rng.randint(-2**62, 2**62) for _ in range(n)]
+            upload = {"rank": rank, "i": i} if rank and rng.random() < 0.5 else None
+            payload = [i, "news"] if rank == 0 and rng.random() < 0.5 else None
+            a = shm.exchange(values, upload, payload)
+            b = zmq_.exchange(values, upload, payload)
+            got.append((a, b, values, upload, payload))
+        return shm.exchange_path, zmq_.exchange_path, got
+    finally:
+        shm.close()
+        zmq_.close()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shared_memory_exchange_equals_zmq(world):
+    before = set(glob.glob("/dev/shm/ma-consensus-*"))
+    results = run_ranks(_both_paths, world, (free_port(), free_port()), 60, timeout_s=120)
+    assert [r[:2] for r in results] == [("shared_memory", "zmq")] * world
+    for i in range(60):
+        per_rank = [r[2][i] for r in results]
+        expected_max = [max(col) for col in zip(*(p[2] for p in per_rank))]
+        uploads = [None] + [p[3] for p in per_rank[1:]]
+        payload = per_rank[0][4]
+        for rank, (shm, zmq_, *_rest) in enumerate(per_rank):
+            assert shm == zmq_, (i, rank)  # the two paths agree exactly
+            assert shm[0] == expected_max and shm[2] == payload
+            assert shm[1] == (uploads if rank == 0 else [])
+    assert set(glob.glob("/dev/shm/ma-consensus-*")) <= before  # unlinked once every rank mapped it
+
+
+def _one_host_opt_out(rank: int, world: int, port: int):
+    with ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=20, shared_memory=rank != 1) as comm:
+        return comm.exchange_path, comm.exchange([rank], None, "p" if rank == 0 else None)
+
+
+def test_one_rank_opting_out_puts_every_rank_on_zmq():
+    results = run_ranks(_one_host_opt_out, 3, free_port(), timeout_s=60)
+    assert results == [("zmq", ([2], [None, None, None], "p"))] + [("zmq", ([2], [], "p"))] * 2
+
+
+def _killed(rank: int, world: int, port: int):
+    """The last rank dies between rounds while the others wait with a 60 s timeout."""
+    comm = ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=60)
+    assert comm.exchange_path == "shared_memory"
+    comm.exchange([rank])
+    if rank == world - 1:
+        time.sleep(0.3)
+        os._exit(7)
+    t0 = time.monotonic()
+    try:
+        comm.exchange([rank])
+    except CommunicatorError as e:
+        raise CommunicatorError(f"{e} [waited={time.monotonic() - t0:.2f}]") from None
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_killed_rank_fails_the_others_at_once(world):
+    with pytest.raises(RuntimeError) as failed:
+        run_ranks(_killed, world, free_port(), timeout_s=40)
+    report = str(failed.value)
+    assert f"rank {world - 1} failed:\nexited with code 7 without a result" in report
+    assert "rank 0: lost the connection to a peer" in report  # rank 0 hears of every peer
+    if world == 3:  # rank 1 hears nothing over ZMQ: rank 0 poisoned the slots
+        assert "rank 1: rank 0 gave up in shared-memory round" in report
+    waits = [float(w) for w in re.findall(r"\[waited=([0-9.]+)\]", report)]
+    assert len(waits) == world - 1 and max(waits) < 5.0  # not the 60 s timeout
+
+
+def _silent(rank: int, world: int, port: int):
+    with ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=0.5) as comm:
+        if rank == 1:
+            time.sleep(1.5)
+            return None
+        t0 = time.monotonic()
+        try:
+            comm.exchange([1])
+        except CommunicatorError as e:
+            return str(e), time.monotonic() - t0
+        return "no error", 0.0
+
+
+def test_silent_rank_times_out_instead_of_hanging():
+    (err, waited), _ = run_ranks(_silent, 2, free_port(), timeout_s=30)
+    assert "ranks [1] did not arrive within 0.5 s" in err and "exchange #" in err
+    assert 0.4 < waited < 1.4
