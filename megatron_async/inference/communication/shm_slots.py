@@ -16,15 +16,21 @@ values and the seq are separate numpy assignments (separate C calls: no compiler
 across them) and the seq is one aligned 8-byte store (atomic). Weakly ordered CPUs (Arm) would
 need fences Python cannot issue, so ``supported()`` is False there and the caller uses ZMQ.
 
-Waiting: spin (the fast case: peers a few us behind), then ``sched_yield`` (lets a peer that
-shares the core run), then sleeps growing to 1 ms (many ranks on few cores: spinning ranks would
-starve the ones computing). While backing off it checks the poison word, the caller's liveness
-check (a dead peer) and the timeout, so a dead or silent peer ends in a CommunicatorError."""
+Waiting: spin for a bounded time (the fast case: peers a few us behind; long where every rank
+has cores to spare), then sleep in the kernel on this rank's FIFO: a sleeper marks its slot with
+the round it sleeps in, re-checks, and blocks; a rank that completes a round (it sees every seq)
+writes a byte to the FIFO of each rank marked for that round. The mark and the check can cross
+(x86 may order a load before an older store), so a sleep also ends after 2 ms and re-checks:
+a lost wake-up costs at most that. No spinning rank starves a computing one on a small box, and
+no I/O thread sits between ranks. Each wake-up also checks the poison word, the caller's
+liveness check (a dead peer) and the timeout, so a dead or silent peer ends in an error.
+"""
 from __future__ import annotations
 
 import mmap
 import os
 import platform
+import select
 import tempfile
 import time
 import uuid
@@ -33,6 +39,7 @@ from typing import Callable
 import numpy as np
 
 _LINE = 8  # int64 per 64-byte cache line
+_NAP_S = 2e-3  # longest sleep before re-checking (bounds a lost wake-up and the liveness checks)
 
 
 def supported() -> bool:
@@ -51,16 +58,20 @@ class SlotsError(RuntimeError):
 
 class SharedSlots:
     def __init__(self, path: str, rank: int, world_size: int, capacity: int, create: bool,
-                 timeout_s: float | None = 300.0, spin_us: float = 50.0, yield_us: float = 1000.0):
+                 timeout_s: float | None = 300.0, spin_us: float = 50.0):
         """``capacity``: most ints one rank contributes per round. ``create``: this rank makes the
-        file at ``path`` (the others map it; whoever made it unlinks it once all have mapped it).
-        ``spin_us`` / ``yield_us``: how long a wait spins, then yields, before it sleeps."""
+        segment at ``path`` and the ranks' FIFOs next to it (the others open them; ``unlink``
+        once every rank has). ``spin_us``: how long a wait spins before it sleeps."""
         self.rank, self.world_size, self.capacity = rank, world_size, capacity
-        self.timeout_s, self.spin_s, self.yield_s = timeout_s, spin_us / 1e6, yield_us / 1e6
+        self.timeout_s, self.spin_s = timeout_s, spin_us / 1e6
         self._bank = -(-(1 + capacity) // _LINE) * _LINE
-        self._slot = _LINE + 2 * self._bank  # seq (one line of its own), then the two banks
+        self._slot = _LINE + 2 * self._bank  # [seq, sleeping in round] (a line of their own), two banks
         words = _LINE + world_size * self._slot
-        self.path = path
+        self.path, self._map, self._fifos = path, None, []
+        self._fifo_paths = [f"{path}.w{r}" for r in range(world_size)]
+        if create:
+            for f in self._fifo_paths:
+                os.mkfifo(f, 0o600)
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
@@ -68,13 +79,17 @@ class SharedSlots:
             self._map = mmap.mmap(fd, 8 * words)
         finally:
             os.close(fd)
+        # O_RDWR: opening a FIFO this way never blocks, and it never reports end-of-file.
+        self._fifos = [os.open(f, os.O_RDWR | os.O_NONBLOCK) for f in self._fifo_paths]
         self._words = np.frombuffer(self._map, dtype=np.int64)
         self._poison = self._words[0:1]
-        slots = self._words[_LINE:].reshape(world_size, self._slot)
-        self._slots = slots
-        self._seqs = slots[:, 0]  # a strided view: one load per rank
-        self._mine = slots[rank]
+        self._slots = self._words[_LINE:].reshape(world_size, self._slot)
+        self._seqs = self._slots[:, 0]  # strided views: one load per rank
+        self._sleeping = self._slots[:, 1]
+        self._mine = self._slots[rank]
         self.round = int(self._mine[0])  # 0 on a fresh segment
+        self._poll = select.poll()
+        self._poll.register(self._fifos[rank], select.POLLIN)
 
     def gather(self, values: np.ndarray, alive: Callable[[], None] | None = None) -> np.ndarray:
         """Collective: every rank's ``values`` (int64, same length on every rank) as a
@@ -88,32 +103,42 @@ class SharedSlots:
         self._mine[at] = n
         self._mine[0] = k  # publish last: x86 keeps the stores above visible first
         self.round = k
-        self._wait(k, alive)
+        if self._seqs.min() < k:
+            self._wait(k, alive)
+        self._wake(k)  # the round is complete: wake whoever sleeps in it
         rows = self._slots[:, at:at + 1 + n].copy()
         if (rows[:, 0] != n).any():
             raise SlotsError(f"round {k}: ranks contributed {rows[:, 0].tolist()} values, rank {self.rank} {n}: "
                              "the ranks diverged")
         return rows[:, 1:]
 
+    def _wake(self, k: int) -> None:
+        for r in np.flatnonzero(self._sleeping == k).tolist():
+            if r == self.rank:
+                continue
+            try:
+                os.write(self._fifos[r], b"\0")
+            except BlockingIOError:  # its FIFO is full of wake-ups already
+                pass
+
     def _wait(self, k: int, alive) -> None:
         seqs = self._seqs
-        if seqs.min() >= k:
-            return
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < self.spin_s:
             if seqs.min() >= k:
                 return
-        nap, checked = 0.0, t0
-        while seqs.min() < k:
-            now = time.perf_counter()
-            if now - t0 < self.spin_s + self.yield_s:
-                os.sched_yield()
-            else:
-                nap = min(1e-3, max(2e-5, 2 * nap))
-                time.sleep(nap)
-            if now - checked > 1e-3 or nap:
-                checked = now
-                self._check(k, now - t0, alive)
+        while True:
+            self._sleeping[self.rank] = k  # then re-check: a rank arriving now sees the mark
+            if seqs.min() >= k:
+                break
+            self._poll.poll(_NAP_S * 1000)
+            try:
+                os.read(self._fifos[self.rank], 4096)  # drain (several ranks may have written)
+            except BlockingIOError:
+                pass
+            if seqs.min() >= k:
+                break
+            self._check(k, time.perf_counter() - t0, alive)
 
     def _check(self, k: int, waited: float, alive) -> None:
         if self._poison[0]:
@@ -127,17 +152,29 @@ class SharedSlots:
                                  f"in shared-memory round {k}")
         except Exception:
             self._poison[0] = self.rank + 1  # the others waiting here fail at once too
+            for fd in self._fifos:
+                try:
+                    os.write(fd, b"\0")
+                except BlockingIOError:
+                    pass
             raise
 
     def unlink(self) -> None:
-        """Remove the file (the mappings stay valid); every rank may call it, once all mapped it."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        """Remove the files (mappings and open FIFOs stay valid); call once every rank opened them."""
+        for f in [self.path, *self._fifo_paths]:
+            try:
+                os.unlink(f)
+            except FileNotFoundError:
+                pass
 
     def close(self) -> None:
+        for fd in self._fifos:
+            os.close(fd)
+        self._fifos = []
         if self._map is not None:
-            del self._words, self._poison, self._slots, self._seqs, self._mine
-            self._map.close()
+            del self._words, self._poison, self._slots, self._seqs, self._sleeping, self._mine
+            try:
+                self._map.close()
+            except BufferError:  # a view is still alive (a traceback's frame): freed with it
+                pass
             self._map = None

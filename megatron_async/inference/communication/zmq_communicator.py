@@ -50,6 +50,7 @@ class ZMQCommunicator:
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._slots: SharedSlots | None = None
+        self._early: list[tuple[int, bytes]] = []  # rank 0: (peer, message) of a later collective
         self.exchange_path = "local" if world_size == 1 else "zmq"
         """How ``exchange`` moves its ints: "shared_memory", "zmq", or "local" (one rank)."""
         if world_size == 1:
@@ -82,11 +83,12 @@ class ZMQCommunicator:
     def _join_slots(self, wanted: bool) -> None:
         """Collective: map rank 0's shared slots if every rank is on its host (and wants them)."""
         slots, capacity = None, 32 + 4 * self.world_size  # StepConsensus sends ~8 + 3 ints per rank
-        # Spin-then-yield budget before sleeping: long with a core per rank to spare, short when
-        # ranks share cores (a yielding rank still takes CPU time from the one computing).
+        # Spin before sleeping: long with cores to spare (a waiting rank has nothing else to do;
+        # waking from a sleep costs tens of us), short when ranks share cores (a spinning rank
+        # takes CPU time from the one it waits for).
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        timing = dict(timeout_s=self._timeout_ms and self._timeout_ms / 1000, spin_us=50.0,
-                      yield_us=2000.0 if cores >= 2 * self.world_size else 200.0)
+        timing = dict(timeout_s=self._timeout_ms and self._timeout_ms / 1000,
+                      spin_us=2000.0 if cores >= 2 * self.world_size else 20.0)
         offer = None
         if self.rank == 0 and wanted and supported():
             try:
@@ -269,15 +271,25 @@ class ZMQCommunicator:
         return self._check(pickle.loads(self._sock.recv()), seq, kind, "rank 0")
 
     def _gather_at_root(self, seq: int, kind: str, peers: set[int] | None = None) -> dict[int, Any]:
-        """One message from each of ``peers`` (default: every other rank)."""
+        """One message from each of ``peers`` (default: every other rank). With shared memory a
+        peer can be a round ahead: a message of its next collective that comes first waits in
+        ``_early`` (a peer's messages arrive in the order it sent them)."""
+        want = set(range(1, self.world_size)) if peers is None else peers
         got: dict[int, Any] = {}
-        while len(got) < (self.world_size - 1 if peers is None else len(peers)):
+        early, self._early = self._early, []
+
+        def take(peer: int, msg: bytes) -> None:
+            if peer in want and peer not in got:
+                got[peer] = self._check(pickle.loads(msg), seq, kind, f"rank {peer}")
+            else:
+                self._early.append((peer, msg))
+
+        for peer, msg in early:
+            take(peer, msg)
+        while len(got) < len(want):
             self._poll(seq, kind)
             identity, msg = self._sock.recv_multipart()
-            peer = int(identity.decode().removeprefix("rank"))
-            if peer in got or (peers is not None and peer not in peers):
-                raise CommunicatorError(f"rank {peer} sent twice or unannounced in {kind} #{seq}")
-            got[peer] = self._check(pickle.loads(msg), seq, kind, f"rank {peer}")
+            take(int(identity.decode().removeprefix("rank")), msg)
         return got
 
     def __enter__(self) -> "ZMQCommunicator":

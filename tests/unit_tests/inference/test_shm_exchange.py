@@ -20,17 +20,19 @@ def _both_paths(rank: int, world: int, ports: tuple[int, int], rounds: int):
     shm = ZMQCommunicator(rank, world, "127.0.0.1", ports[0], timeout_s=20)
     zmq_ = ZMQCommunicator(rank, world, "127.0.0.1", ports[1], timeout_s=20, shared_memory=False)
     try:
-        got = []
+        inputs = []
         for i in range(rounds):
             rng = random.Random(1000 * i + rank)  # this rank's draw; the same for both paths
             n = 3 + i % 4  # lengths change between rounds (same on every rank within one)
             values = [rng.randint(-2**62, 2**62) for _ in range(n)]
-            upload = {"rank": rank, "i": i} if rank and rng.random() < 0.5 else None
+            upload = {"rank": rank, "i": i} if rank and rng.random() < 0.7 else None
             payload = [i, "news"] if rank == 0 and rng.random() < 0.5 else None
-            a = shm.exchange(values, upload, payload)
-            b = zmq_.exchange(values, upload, payload)
-            got.append((a, b, values, upload, payload))
-        return shm.exchange_path, zmq_.exchange_path, got
+            inputs.append((values, upload, payload))
+        # back to back on each path (ranks run up to a round ahead of each other on shared memory),
+        # with a ZMQ collective in between, as the engines mix them
+        a = [shm.exchange(*x) if i % 25 else (shm.barrier(), shm.exchange(*x))[1] for i, x in enumerate(inputs)]
+        b = [zmq_.exchange(*x) for x in inputs]
+        return shm.exchange_path, zmq_.exchange_path, [(x, y, *z) for x, y, z in zip(a, b, inputs)]
     finally:
         shm.close()
         zmq_.close()
