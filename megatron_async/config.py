@@ -174,6 +174,12 @@ class InferenceConfig:
     only). Ranks on several hosts, or off on any rank: ZMQ. ``LLM.communicator.exchange_path``
     says which is used."""
 
+    consensus_spin_us: float | None = None
+    """How long a rank waiting in the shared-memory consensus spins (yielding its core every
+    turn) before it sleeps in the kernel (waking costs tens of us more than spinning, more on a
+    busy host). None: 2000 when the host has at least one core per rank (a waiting rank has
+    nothing else to do), else 20 (spinning ranks would take CPU time from the ones computing)."""
+
     seed: int = 1234
     """Seed of the engine's generator that gives seeds to requests that bring none."""
 
@@ -220,6 +226,8 @@ class InferenceConfig:
         self.tp_all_reduce = AllReduceBackend(self.tp_all_reduce)
         if self.p2p_all_reduce_max_bytes < 0:
             raise ValueError(f"InferenceConfig.p2p_all_reduce_max_bytes must be >= 0, got {self.p2p_all_reduce_max_bytes}")
+        if self.consensus_spin_us is not None and self.consensus_spin_us < 0:
+            raise ValueError(f"InferenceConfig.consensus_spin_us must be >= 0 or None, got {self.consensus_spin_us}")
         self.speculative_method = SpeculativeMethod(self.speculative_method)
         if self.num_speculative_tokens < 0:
             raise ValueError(f"InferenceConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")

@@ -1,10 +1,12 @@
-"""An all-gather of a few int64 per rank through one shared-memory segment (ranks on one host).
+"""An all-gather of a few int64 (and optionally some bytes) per rank through one shared-memory
+segment (ranks on one host).
 
 Layout: a header line (the poison word: nonzero once some rank gave up, naming it), then one
 slot per rank, each padded to whole cache lines so two ranks never write the same line:
-``[seq, bank 0: n + values, bank 1: n + values]``. Round k: every rank writes its values into
-bank ``k % 2`` of its own slot, THEN stores ``seq = k``; it waits until every slot's seq is >= k
-and reads every bank ``k % 2``. No root hop, no thread wake-up, no pickling.
+``[seq, bank 0: n + values, bank 1: n + values]``; after the slots, a byte area per rank and
+bank (``blob_bytes`` each; tmpfs backs only the pages written). Round k: every rank writes its
+values (and bytes) into bank ``k % 2`` of its own slot, THEN stores ``seq = k``; it waits until
+every slot's seq is >= k and reads every bank ``k % 2``. No root hop, no thread wake-up.
 
 Why two banks suffice: a rank can run at most one round ahead of the slowest reader (it cannot
 finish round k+1 before everyone wrote k+1, i.e. finished reading k), so bank ``k % 2`` is not
@@ -16,8 +18,10 @@ values and the seq are separate numpy assignments (separate C calls: no compiler
 across them) and the seq is one aligned 8-byte store (atomic). Weakly ordered CPUs (Arm) would
 need fences Python cannot issue, so ``supported()`` is False there and the caller uses ZMQ.
 
-Waiting: spin for a bounded time (the fast case: peers a few us behind; long where every rank
-has cores to spare), then sleep in the kernel on this rank's FIFO: a sleeper marks its slot with
+Waiting: spin for a bounded time (the fast case: peers a few us behind), calling
+``sched_yield`` every turn so that a peer, a ZMQ thread or another job waiting for this core
+runs first (a bare spin on a busy box held the core its peer needed: rounds of milliseconds),
+then sleep in the kernel on this rank's FIFO: a sleeper marks its slot with
 the round it sleeps in, re-checks, and blocks; a rank that completes a round (it sees every seq)
 writes a byte to the FIFO of each rank marked for that round. The mark and the check can cross
 (x86 may order a load before an older store), so a sleep also ends after 2 ms and re-checks:
@@ -58,15 +62,18 @@ class SlotsError(RuntimeError):
 
 class SharedSlots:
     def __init__(self, path: str, rank: int, world_size: int, capacity: int, create: bool,
-                 timeout_s: float | None = 300.0, spin_us: float = 50.0):
+                 timeout_s: float | None = 300.0, spin_us: float = 50.0, blob_bytes: int = 1 << 20):
         """``capacity``: most ints one rank contributes per round. ``create``: this rank makes the
         segment at ``path`` and the ranks' FIFOs next to it (the others open them; ``unlink``
-        once every rank has). ``spin_us``: how long a wait spins before it sleeps."""
+        once every rank has). ``spin_us``: how long a wait spins before it sleeps. ``blob_bytes``:
+        the most bytes one rank hands to the others per round (``gather(blob=...)``)."""
         self.rank, self.world_size, self.capacity = rank, world_size, capacity
         self.timeout_s, self.spin_s = timeout_s, spin_us / 1e6
         self._bank = -(-(1 + capacity) // _LINE) * _LINE
         self._slot = _LINE + 2 * self._bank  # [seq, sleeping in round] (a line of their own), two banks
         words = _LINE + world_size * self._slot
+        self.blob_bytes = -(-blob_bytes // 64) * 64
+        size = 8 * words + 2 * world_size * self.blob_bytes
         self.path, self._map, self._fifos = path, None, []
         self._fifo_paths = [f"{path}.w{r}" for r in range(world_size)]
         if create:
@@ -75,13 +82,15 @@ class SharedSlots:
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
-                os.ftruncate(fd, 8 * words)
-            self._map = mmap.mmap(fd, 8 * words)
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         # O_RDWR: opening a FIFO this way never blocks, and it never reports end-of-file.
         self._fifos = [os.open(f, os.O_RDWR | os.O_NONBLOCK) for f in self._fifo_paths]
-        self._words = np.frombuffer(self._map, dtype=np.int64)
+        self._words = np.frombuffer(self._map, dtype=np.int64, count=words)
+        self._blobs = np.frombuffer(self._map, dtype=np.uint8, offset=8 * words).reshape(
+            world_size, 2, self.blob_bytes)
         self._poison = self._words[0:1]
         self._slots = self._words[_LINE:].reshape(world_size, self._slot)
         self._seqs = self._slots[:, 0]  # strided views: one load per rank
@@ -91,14 +100,21 @@ class SharedSlots:
         self._poll = select.poll()
         self._poll.register(self._fifos[rank], select.POLLIN)
 
-    def gather(self, values: np.ndarray, alive: Callable[[], None] | None = None) -> np.ndarray:
+    def gather(self, values: np.ndarray, alive: Callable[[], None] | None = None, blob: bytes | None = None
+               ) -> np.ndarray:
         """Collective: every rank's ``values`` (int64, same length on every rank) as a
-        (world_size, n) array, by rank. ``alive()`` raises if a peer is known dead."""
+        (world_size, n) array, by rank. ``alive()`` raises if a peer is known dead. ``blob``
+        (at most ``blob_bytes``): bytes the others read with ``blob(rank, size)`` until this
+        rank's next ``gather`` returns (say its size in ``values``)."""
         n = len(values)
         if n > self.capacity:
             raise ValueError(f"{n} values exceed the shared slots' capacity of {self.capacity}")
         k = self.round + 1
         at = _LINE + (k & 1) * self._bank
+        if blob:
+            if len(blob) > self.blob_bytes:
+                raise ValueError(f"{len(blob)} bytes exceed the shared slots' {self.blob_bytes} per round")
+            self._blobs[self.rank, k & 1, :len(blob)] = np.frombuffer(blob, dtype=np.uint8)
         self._mine[at + 1:at + 1 + n] = values
         self._mine[at] = n
         self._mine[0] = k  # publish last: x86 keeps the stores above visible first
@@ -111,6 +127,10 @@ class SharedSlots:
             raise SlotsError(f"round {k}: ranks contributed {rows[:, 0].tolist()} values, rank {self.rank} {n}: "
                              "the ranks diverged")
         return rows[:, 1:]
+
+    def blob(self, rank: int, size: int) -> bytes:
+        """The first ``size`` bytes ``rank`` handed over in the latest round."""
+        return self._blobs[rank, self.round & 1, :size].tobytes()
 
     def _wake(self, k: int) -> None:
         for r in np.flatnonzero(self._sleeping == k).tolist():
@@ -127,6 +147,7 @@ class SharedSlots:
         while time.perf_counter() - t0 < self.spin_s:
             if seqs.min() >= k:
                 return
+            os.sched_yield()  # a peer or ZMQ thread waiting for this core runs first
         while True:
             self._sleeping[self.rank] = k  # then re-check: a rank arriving now sees the mark
             if seqs.min() >= k:
@@ -172,7 +193,7 @@ class SharedSlots:
             os.close(fd)
         self._fifos = []
         if self._map is not None:
-            del self._words, self._poison, self._slots, self._seqs, self._sleeping, self._mine
+            del self._words, self._blobs, self._poison, self._slots, self._seqs, self._sleeping, self._mine
             try:
                 self._map.close()
             except BufferError:  # a view is still alive (a traceback's frame): freed with it

@@ -34,12 +34,13 @@ class CommunicatorError(RuntimeError):
 
 class ZMQCommunicator:
     def __init__(self, rank: int, world_size: int, host: str, port: int | None, timeout_s: float | None = 300.0,
-                 publish=None, lookup=None, shared_memory: bool = True):
+                 publish=None, lookup=None, shared_memory: bool = True, spin_us: float | None = None):
         """``timeout_s``: longest wait for one message (None: wait forever). ``port`` None: rank 0
         binds an ephemeral port on ``host`` and hands ``tcp://host:port`` to ``publish``; the
         others connect to the address ``lookup()`` returns (see ``from_rendezvous``).
         ``shared_memory``: run ``exchange``'s ints through shared memory when every rank is on
-        this host (False on any rank: ZMQ everywhere)."""
+        this host (False on any rank: ZMQ everywhere). ``spin_us``: how long a shared-memory wait
+        spins before it sleeps (None: see ``InferenceConfig.consensus_spin_us``)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of size {world_size}")
         self.rank, self.world_size = rank, world_size
@@ -78,17 +79,15 @@ class ZMQCommunicator:
         self._poller.register(self._monitor, zmq.POLLIN)
         # Handshake: rank 0 learns every peer's identity before it routes anything to it.
         self.barrier()
-        self._join_slots(shared_memory)
+        self._join_slots(shared_memory, spin_us)
 
-    def _join_slots(self, wanted: bool) -> None:
+    def _join_slots(self, wanted: bool, spin_us: float | None) -> None:
         """Collective: map rank 0's shared slots if every rank is on its host (and wants them)."""
         slots, capacity = None, 32 + 4 * self.world_size  # StepConsensus sends ~8 + 3 ints per rank
-        # Spin before sleeping: long with cores to spare (a waiting rank has nothing else to do;
-        # waking from a sleep costs tens of us), short when ranks share cores (a spinning rank
-        # takes CPU time from the one it waits for).
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        timing = dict(timeout_s=self._timeout_ms and self._timeout_ms / 1000,
-                      spin_us=2000.0 if cores >= 2 * self.world_size else 20.0)
+        if spin_us is None:  # see InferenceConfig.consensus_spin_us
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            spin_us = 2000.0 if cores >= self.world_size else 20.0
+        timing = dict(timeout_s=self._timeout_ms and self._timeout_ms / 1000, spin_us=spin_us)
         offer = None
         if self.rank == 0 and wanted and supported():
             try:
@@ -114,7 +113,7 @@ class ZMQCommunicator:
 
     @classmethod
     def from_rendezvous(cls, store, rank: int, world_size: int, timeout_s: float | None = 300.0,
-                        shared_memory: bool = True) -> "ZMQCommunicator":
+                        shared_memory: bool = True, spin_us: float | None = None) -> "ZMQCommunicator":
         """Join through a torch.distributed ``Store`` (the job's rendezvous): rank 0 binds an
         ephemeral port on the address it uses to reach the store's host (MASTER_ADDR) and
         publishes it; the others wait for it and connect there. Works across nodes. The key is
@@ -124,7 +123,8 @@ class ZMQCommunicator:
         host = _address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")) if rank == 0 else ""
         publish = lambda endpoint: store.set(key, endpoint)  # noqa: E731
         lookup = lambda: store.get(key).decode()  # noqa: E731  (store.get blocks until it is set)
-        return cls(rank, world_size, host, None, timeout_s, publish=publish, lookup=lookup, shared_memory=shared_memory)
+        return cls(rank, world_size, host, None, timeout_s, publish=publish, lookup=lookup, shared_memory=shared_memory,
+                   spin_us=spin_us)
 
     # ------------------------------------------------------------------ collectives
     def exchange(self, values: list[int], upload: Any = None, payload: Any = None) -> tuple[list[int], list[Any], Any]:
@@ -153,28 +153,36 @@ class ZMQCommunicator:
         return result, uploads, payload
 
     def _exchange_shared(self, seq: int, values: list[int], upload: Any, payload: Any):
-        """``exchange`` with the ints in shared memory. A payload / upload message leaves before
-        this rank publishes its ints, so it is in flight (usually there) once the receiver
-        learns from the flags that it comes."""
+        """``exchange`` with the ints in shared memory, and the payload / upload too when it fits
+        the slots' byte area (else a ZMQ message, sent before the ints are published so it is
+        in flight once the receiver learns from them that it comes). The last int says which:
+        0 none, size + 1 in shared memory, -1 over ZMQ."""
         leader = self.rank == 0
-        sends = (payload if leader else upload) is not None
-        if sends:
-            msg = pickle.dumps((seq, "exchange", payload if leader else upload))
-            if leader:
-                for peer in range(1, self.world_size):
-                    self._sock.send_multipart([self._identity(peer), msg])
-            else:
+        data = payload if leader else upload
+        blob = None if data is None else pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
+        code = 0 if blob is None else len(blob) + 1 if len(blob) <= self._slots.blob_bytes else -1
+        if code < 0:
+            msg = pickle.dumps((seq, "exchange", data))
+            for peer in range(1, self.world_size) if leader else ():
+                self._sock.send_multipart([self._identity(peer), msg])
+            if not leader:
                 self._sock.send(msg)
         try:
-            rows = self._slots.gather(np.array(values + [int(sends)], dtype=np.int64), self._alive)
+            rows = self._slots.gather(np.array(values + [code], dtype=np.int64), self._alive, blob if code > 0 else None)
         except SlotsError as e:
             raise CommunicatorError(f"{e} (exchange #{seq})") from None
-        result, flags = rows[:, :-1].max(axis=0).tolist(), rows[:, -1].tolist()
+        result, codes = rows[:, :-1].max(axis=0).tolist(), rows[:, -1].tolist()
         if not leader:
-            return result, [], (self._recv_from_root(seq, "exchange") if flags[0] else None)
+            if codes[0] == 0:
+                return result, [], None
+            got = self._recv_from_root(seq, "exchange") if codes[0] < 0 else self._slots.blob(0, codes[0] - 1)
+            return result, [], pickle.loads(got) if codes[0] > 0 else got
         uploads = [None] * self.world_size
-        senders = {r for r in range(1, self.world_size) if flags[r]}
-        for peer, up in self._gather_at_root(seq, "exchange", senders).items():
+        for peer in range(1, self.world_size):
+            if codes[peer] > 0:
+                uploads[peer] = pickle.loads(self._slots.blob(peer, codes[peer] - 1))
+        over_zmq = {r for r in range(1, self.world_size) if codes[r] < 0}
+        for peer, up in self._gather_at_root(seq, "exchange", over_zmq).items() if over_zmq else ():
             uploads[peer] = up
         return result, uploads, payload
 

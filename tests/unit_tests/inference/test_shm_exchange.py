@@ -16,6 +16,9 @@ from megatron_async.testing.multiprocess import free_port, run_ranks
 pytestmark = pytest.mark.skipif(not supported(), reason="shared slots need x86 store ordering")
 
 
+BIG = (1 << 20) + 1
+
+
 def _both_paths(rank: int, world: int, ports: tuple[int, int], rounds: int):
     shm = ZMQCommunicator(rank, world, "127.0.0.1", ports[0], timeout_s=20)
     zmq_ = ZMQCommunicator(rank, world, "127.0.0.1", ports[1], timeout_s=20, shared_memory=False)
@@ -25,8 +28,10 @@ def _both_paths(rank: int, world: int, ports: tuple[int, int], rounds: int):
             rng = random.Random(1000 * i + rank)  # this rank's draw; the same for both paths
             n = 3 + i % 4  # lengths change between rounds (same on every rank within one)
             values = [rng.randint(-2**62, 2**62) for _ in range(n)]
-            upload = {"rank": rank, "i": i} if rank and rng.random() < 0.7 else None
-            payload = [i, "news"] if rank == 0 and rng.random() < 0.5 else None
+            # some too big for the shared byte area (1 MiB a round): those go over ZMQ
+            big = b"x" * BIG if i % 10 == 3 else b""
+            upload = {"rank": rank, "i": i, "big": big} if rank and rng.random() < 0.7 else None
+            payload = [i, "news", big] if rank == 0 and rng.random() < 0.5 else None
             inputs.append((values, upload, payload))
         # back to back on each path (ranks run up to a round ahead of each other on shared memory),
         # with a ZMQ collective in between, as the engines mix them
@@ -52,6 +57,9 @@ def test_shared_memory_exchange_equals_zmq(world):
             assert shm == zmq_, (i, rank)  # the two paths agree exactly
             assert shm[0] == expected_max and shm[2] == payload
             assert shm[1] == (uploads if rank == 0 else [])
+    sent = [(rank, len(upload["big"])) for rank, r in enumerate(results) for *_, upload, _ in r[2] if upload]
+    sent += [(0, len(payload[2])) for *_, payload in results[0][2] if payload]
+    assert {(rank, size) for rank in range(world) for size in (0, BIG)} <= set(sent)  # every rank, both ways
     assert set(glob.glob("/dev/shm/ma-consensus-*")) <= before  # unlinked once every rank mapped it
 
 
