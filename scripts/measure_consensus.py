@@ -17,7 +17,7 @@
    (megatron_async/tools/consensus_windows.py): exchanges saved against padding, graph steps
    lost, extra dummy forwards and admission delay.
 
-    python scripts/measure_consensus.py --ranks 2 4 --iters 2000 [--skip-engine] [--windows 1 2 4 8]
+    python scripts/measure_consensus.py --ranks 2 4 --iters 2000 [--skip-engine | --skip-bare] [--windows 1 2 4 8]
 """
 from __future__ import annotations
 
@@ -37,18 +37,21 @@ UPDATES = [RequestUpdate(i, (1000 + i,), None, False, None) for i in range(8)]
 PATHS = {"zmq": False, "shared_memory": True}
 
 
-def _communicator(rank: int, world: int, store_port: int, shared_memory: bool) -> ZMQCommunicator:
+def _communicator(rank: int, world: int, store_port: int, shared_memory: bool, spin_us: float | None
+                  ) -> ZMQCommunicator:
     """Joined as engines join (through the job's store: IPC for ZMQ on one host)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", store_port, world, rank == 0, timeout=timedelta(seconds=60))
-    return ZMQCommunicator.from_rendezvous(store, rank, world, timeout_s=60, shared_memory=shared_memory)
+    return ZMQCommunicator.from_rendezvous(store, rank, world, timeout_s=60, shared_memory=shared_memory,
+                                           spin_us=spin_us)
 
 
-def _bare(rank: int, world: int, store_port: int, iters: int, data_parallel: bool, shared_memory: bool) -> dict:
-    with _communicator(rank, world, store_port, shared_memory) as comm:
+def _bare(rank: int, world: int, store_port: int, iters: int, data_parallel: bool, shared_memory: bool,
+          spin_us: float | None) -> dict:
+    with _communicator(rank, world, store_port, shared_memory, spin_us) as comm:
         sync = StepConsensus(comm, data_parallel=data_parallel)
         rounds, own = [], []
         for i in range(iters):
@@ -61,13 +64,13 @@ def _bare(rank: int, world: int, store_port: int, iters: int, data_parallel: boo
         return {"round": rounds[iters // 10:], "own": own[iters // 10:], "path": comm.exchange_path}
 
 
-def bare_table(ranks: list[int], iters: int) -> None:
+def bare_table(ranks: list[int], iters: int, spin_us: float | None) -> None:
     print("| ranks | mode | path | round p50 / p99 us | own cost p50 / p99 us |")
     print("|---|---|---|---|---|")
     for world in ranks:
         for dp in (False, True):
             for name, shm in PATHS.items():
-                res = run_ranks(_bare, world, free_port(), iters, dp, shm, timeout_s=600)
+                res = run_ranks(_bare, world, free_port(), iters, dp, shm, spin_us, timeout_s=600)
                 assert all(r["path"] == name for r in res), [r["path"] for r in res]
                 rounds = [t for r in res for t in r["round"]]
                 own = [t for r in res for t in r["own"]]
@@ -76,11 +79,11 @@ def bare_table(ranks: list[int], iters: int) -> None:
                       flush=True)
 
 
-def _engine(rank: int, world: int, shared_memory: bool) -> dict:
+def _engine(rank: int, world: int, shared_memory: bool, spin_us: float | None) -> dict:
     from megatron_async import LLM, InferenceConfig
 
     cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=512, max_requests=16, max_tokens=256,
-                          max_sequence_length=256, consensus_shared_memory=shared_memory)
+                          max_sequence_length=256, consensus_shared_memory=shared_memory, consensus_spin_us=spin_us)
     llm = LLM(None, inference_config=cfg, default_model="tiny-moe", expert_parallel_size=world)
     try:
         prompts = [[(7 * i + j) % 1000 + 1 for j in range(16 + 4 * i)] for i in range(8 * world)]
@@ -160,12 +163,15 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--skip-bare", action="store_true")
+    p.add_argument("--spin-us", type=float, default=None, help="InferenceConfig.consensus_spin_us (default: automatic)")
     p.add_argument("--windows", type=int, nargs="*", default=None, help="window sizes K to replay a trace with")
     args = p.parse_args()
     if args.windows:
         windows_table(args.ranks, args.windows)
         return
-    bare_table(args.ranks, args.iters)
+    if not args.skip_bare:
+        bare_table(args.ranks, args.iters, args.spin_us)
     if args.skip_engine:
         return
     print("\n| ranks | path | rounds | steps (rank 0) | consensus us / round (by rank) | own cost p50 us (by rank) "
@@ -173,7 +179,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for world in args.ranks:
         for name, shm in PATHS.items():
-            res = run_ranks(_engine, world, shm, timeout_s=600)
+            res = run_ranks(_engine, world, shm, args.spin_us, timeout_s=600)
             assert all(r["path"] == name for r in res)
             per = " / ".join(f"{1e6 * r['seconds'] / max(1, r['rounds']):.0f}" for r in res)
             own = " / ".join(f"{r['own_p50']:.0f}" for r in res)

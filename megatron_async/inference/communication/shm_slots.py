@@ -70,7 +70,7 @@ class SharedSlots:
         self.rank, self.world_size, self.capacity = rank, world_size, capacity
         self.timeout_s, self.spin_s = timeout_s, spin_us / 1e6
         self._bank = -(-(1 + capacity) // _LINE) * _LINE
-        self._slot = _LINE + 2 * self._bank  # [seq, sleeping in round] (a line of their own), two banks
+        self._slot = _LINE + 2 * self._bank  # [seq, sleeping in round, posted] (a line of their own), two banks
         words = _LINE + world_size * self._slot
         self.blob_bytes = -(-blob_bytes // 64) * 64
         size = 8 * words + 2 * world_size * self.blob_bytes
@@ -90,37 +90,41 @@ class SharedSlots:
         self._fifos = [os.open(f, os.O_RDWR | os.O_NONBLOCK) for f in self._fifo_paths]
         self._words = np.frombuffer(self._map, dtype=np.int64, count=words)
         self._blobs = np.frombuffer(self._map, dtype=np.uint8, offset=8 * words).reshape(
-            world_size, 2, self.blob_bytes)
+            world_size, 2, self.blob_bytes)  # per bank: an int64 size (-1: none), then the bytes
+        self._headers = np.frombuffer(self._map, dtype=np.int64, offset=8 * words).reshape(
+            world_size, 2, self.blob_bytes // 8)[:, :, 0]
         self._poison = self._words[0:1]
         self._slots = self._words[_LINE:].reshape(world_size, self._slot)
         self._seqs = self._slots[:, 0]  # strided views: one load per rank
         self._sleeping = self._slots[:, 1]
+        self._posted = self._slots[:, 2]  # the latest round whose ``post`` is complete
         self._mine = self._slots[rank]
         self.round = int(self._mine[0])  # 0 on a fresh segment
         self._poll = select.poll()
         self._poll.register(self._fifos[rank], select.POLLIN)
 
-    def gather(self, values: np.ndarray, alive: Callable[[], None] | None = None, blob: bytes | None = None
-               ) -> np.ndarray:
+    def gather(self, values: np.ndarray, alive: Callable[[], None] | None = None, blob: bytes | None = None,
+               published: Callable[[], None] | None = None) -> np.ndarray:
         """Collective: every rank's ``values`` (int64, same length on every rank) as a
         (world_size, n) array, by rank. ``alive()`` raises if a peer is known dead. ``blob``
-        (at most ``blob_bytes``): bytes the others read with ``blob(rank, size)`` until this
-        rank's next ``gather`` returns (say its size in ``values``)."""
+        (at most ``blob_bytes``): bytes the others read with ``blob(rank)`` until this rank's
+        next ``gather`` returns. ``published()`` runs once this rank's values are visible,
+        before it waits for the others (the time to ``post`` what nobody waits for yet)."""
         n = len(values)
         if n > self.capacity:
             raise ValueError(f"{n} values exceed the shared slots' capacity of {self.capacity}")
         k = self.round + 1
         at = _LINE + (k & 1) * self._bank
-        if blob:
-            if len(blob) > self.blob_bytes:
-                raise ValueError(f"{len(blob)} bytes exceed the shared slots' {self.blob_bytes} per round")
-            self._blobs[self.rank, k & 1, :len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        if blob is not None:
+            self._write_blob(k, blob)
         self._mine[at + 1:at + 1 + n] = values
         self._mine[at] = n
         self._mine[0] = k  # publish last: x86 keeps the stores above visible first
         self.round = k
+        if published is not None:
+            published()
         if self._seqs.min() < k:
-            self._wait(k, alive)
+            self._wait(k, alive, self._seqs)
         self._wake(k)  # the round is complete: wake whoever sleeps in it
         rows = self._slots[:, at:at + 1 + n].copy()
         if (rows[:, 0] != n).any():
@@ -128,9 +132,31 @@ class SharedSlots:
                              "the ranks diverged")
         return rows[:, 1:]
 
-    def blob(self, rank: int, size: int) -> bytes:
-        """The first ``size`` bytes ``rank`` handed over in the latest round."""
-        return self._blobs[rank, self.round & 1, :size].tobytes()
+    def blob(self, rank: int) -> bytes | None:
+        """What ``rank`` handed over in the latest round (``gather``'s or ``post``'s blob; None:
+        it posted none). Valid until this rank's next ``gather`` returns."""
+        size = int(self._headers[rank, self.round & 1])
+        return None if size < 0 else self._blobs[rank, self.round & 1, 8:8 + size].tobytes()
+
+    def post(self, blob: bytes | None) -> None:
+        """After publishing round k's values: bytes the others read after ``wait_posted(rank,
+        k)`` (None: nothing here, the caller sent it some other way)."""
+        self._write_blob(self.round, blob)
+        self._posted[self.rank] = self.round  # after the bytes (x86 store order)
+
+    def wait_posted(self, rank: int, alive: Callable[[], None] | None = None) -> bytes | None:
+        """``rank``'s ``post`` of the latest round (it is on its way: spin, yielding the core)."""
+        k = self.round
+        if self._posted[rank] < k:
+            self._wait(k, alive, self._posted[rank:rank + 1], sleep=False)
+        return self.blob(rank)
+
+    def _write_blob(self, k: int, blob: bytes | None) -> None:
+        if blob is not None and len(blob) > self.blob_bytes - 8:
+            raise ValueError(f"{len(blob)} bytes exceed the shared slots' {self.blob_bytes - 8} per round")
+        if blob:
+            self._blobs[self.rank, k & 1, 8:8 + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        self._headers[self.rank, k & 1] = -1 if blob is None else len(blob)
 
     def _wake(self, k: int) -> None:
         for r in np.flatnonzero(self._sleeping == k).tolist():
@@ -141,23 +167,27 @@ class SharedSlots:
             except BlockingIOError:  # its FIFO is full of wake-ups already
                 pass
 
-    def _wait(self, k: int, alive) -> None:
-        seqs = self._seqs
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < self.spin_s:
-            if seqs.min() >= k:
+    def _wait(self, k: int, alive, words: np.ndarray, sleep: bool = True) -> None:
+        """Until every one of ``words`` is >= k."""
+        t0 = checked = time.perf_counter()
+        while time.perf_counter() - t0 < self.spin_s or not sleep:
+            if words.min() >= k:
                 return
             os.sched_yield()  # a peer or ZMQ thread waiting for this core runs first
+            now = time.perf_counter()
+            if now - checked > 1e-3:
+                checked = now
+                self._check(k, now - t0, alive)
         while True:
             self._sleeping[self.rank] = k  # then re-check: a rank arriving now sees the mark
-            if seqs.min() >= k:
+            if words.min() >= k:
                 break
             self._poll.poll(_NAP_S * 1000)
             try:
                 os.read(self._fifos[self.rank], 4096)  # drain (several ranks may have written)
             except BlockingIOError:
                 pass
-            if seqs.min() >= k:
+            if words.min() >= k:
                 break
             self._check(k, time.perf_counter() - t0, alive)
 
@@ -193,7 +223,8 @@ class SharedSlots:
             os.close(fd)
         self._fifos = []
         if self._map is not None:
-            del self._words, self._blobs, self._poison, self._slots, self._seqs, self._sleeping, self._mine
+            del self._words, self._blobs, self._headers, self._poison, self._slots, self._seqs, self._sleeping
+            del self._posted, self._mine
             try:
                 self._map.close()
             except BufferError:  # a view is still alive (a traceback's frame): freed with it

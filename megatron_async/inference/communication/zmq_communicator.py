@@ -52,6 +52,8 @@ class ZMQCommunicator:
         self._monitor: zmq.Socket | None = None
         self._slots: SharedSlots | None = None
         self._early: list[tuple[int, bytes]] = []  # rank 0: (peer, message) of a later collective
+        self._carry: list[Any] = []  # rank 0: uploads received, not yet taken
+        self._posting: tuple[int, list[int]] | None = None  # rank 0: (exchange, ranks) whose uploads are posted
         self.exchange_path = "local" if world_size == 1 else "zmq"
         """How ``exchange`` moves its ints: "shared_memory", "zmq", or "local" (one rank)."""
         if world_size == 1:
@@ -86,7 +88,7 @@ class ZMQCommunicator:
         slots, capacity = None, 32 + 4 * self.world_size  # StepConsensus sends ~8 + 3 ints per rank
         if spin_us is None:  # see InferenceConfig.consensus_spin_us
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            spin_us = 2000.0 if cores >= self.world_size else 20.0
+            spin_us = 2000.0 if cores >= os.getloadavg()[0] + self.world_size else 20.0
         timing = dict(timeout_s=self._timeout_ms and self._timeout_ms / 1000, spin_us=spin_us)
         offer = None
         if self.rank == 0 and wanted and supported():
@@ -127,64 +129,94 @@ class ZMQCommunicator:
                    spin_us=spin_us)
 
     # ------------------------------------------------------------------ collectives
-    def exchange(self, values: list[int], upload: Any = None, payload: Any = None) -> tuple[list[int], list[Any], Any]:
-        """One round trip: the element-wise max of every rank's ``values``, rank 0's ``payload``
-        on every rank, and on rank 0 the other ranks' ``upload``s by rank (``[]`` elsewhere;
-        rank 0's own upload is not sent). None (payload or upload): nothing to send."""
+    def exchange(self, values: list[int], upload: Any = None, payload: Any = None) -> tuple[list[int], Any]:
+        """One round: the element-wise max of every rank's ``values`` and rank 0's ``payload``
+        on every rank (None: nothing to send). The other ranks' ``upload``s (results, not
+        decisions: nobody waits for them) reach rank 0 through ``take_uploads``."""
         seq = self._next_seq()
         values = [int(v) for v in values]
         if self.world_size == 1:
-            return values, [], payload
+            return values, payload
+        self._carry.extend(self._take_posted())  # uploads of the previous round nobody took
         if self._slots is not None:
             return self._exchange_shared(seq, values, upload, payload)
         if self.rank != 0:
             self._sock.send(pickle.dumps((seq, "exchange", (values, upload))))
-            result, payload = self._recv_from_root(seq, "exchange")
-            return result, [], payload
-        result, uploads = values, [None] * self.world_size
+            return self._recv_from_root(seq, "exchange")
+        result = values
         for peer, (theirs, up) in sorted(self._gather_at_root(seq, "exchange").items()):
             if len(theirs) != len(result):
                 raise CommunicatorError(f"exchange #{seq}: rank {peer} sent {len(theirs)} values, rank 0 {len(result)}")
             result = [max(a, b) for a, b in zip(result, theirs)]
-            uploads[peer] = up
+            if up is not None:
+                self._carry.append(up)
         msg = pickle.dumps((seq, "exchange", (result, payload)))
         for peer in range(1, self.world_size):
             self._sock.send_multipart([self._identity(peer), msg])
-        return result, uploads, payload
+        return result, payload
+
+    def take_uploads(self) -> list[Any]:
+        """Rank 0: the uploads of the exchanges so far not taken, by round then rank. Call it
+        when the results are needed (after launching the step, say); the next exchange keeps
+        any left untaken for the call after it."""
+        got, self._carry = self._carry + self._take_posted(), []
+        return got
 
     def _exchange_shared(self, seq: int, values: list[int], upload: Any, payload: Any):
-        """``exchange`` with the ints in shared memory, and the payload / upload too when it fits
-        the slots' byte area (else a ZMQ message, sent before the ints are published so it is
-        in flight once the receiver learns from them that it comes). The last int says which:
-        0 none, size + 1 in shared memory, -1 over ZMQ."""
+        """``exchange`` with the ints in shared memory. Rank 0's payload rides the segment's byte
+        area (or, too big for it, ZMQ, sent before the ints are published so it is in flight
+        once the others learn from them that it comes; the last int says which: 0 none, 1
+        shared memory, -1 ZMQ). An upload is pickled and posted after its rank's ints are
+        published (into the byte area, or over ZMQ), so no rank waits for it in the round."""
         leader = self.rank == 0
-        data = payload if leader else upload
-        blob = None if data is None else pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
-        code = 0 if blob is None else len(blob) + 1 if len(blob) <= self._slots.blob_bytes else -1
-        if code < 0:
-            msg = pickle.dumps((seq, "exchange", data))
-            for peer in range(1, self.world_size) if leader else ():
+        blob = None if payload is None else pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        code = 0 if blob is None else 1 if len(blob) <= self._slots.blob_bytes - 8 else -1
+        if leader and code < 0:
+            msg = pickle.dumps((seq, "exchange", payload))
+            for peer in range(1, self.world_size):
                 self._sock.send_multipart([self._identity(peer), msg])
-            if not leader:
-                self._sock.send(msg)
+        if not leader:
+            code = int(upload is not None)
+
+        def post() -> None:
+            data = pickle.dumps(upload, protocol=pickle.HIGHEST_PROTOCOL)
+            if len(data) > self._slots.blob_bytes - 8:
+                self._sock.send(pickle.dumps((seq, "upload", upload)))
+                data = None
+            self._slots.post(data)
+
         try:
-            rows = self._slots.gather(np.array(values + [code], dtype=np.int64), self._alive, blob if code > 0 else None)
+            rows = self._slots.gather(np.array(values + [code], dtype=np.int64), self._alive,
+                                      blob if leader and code > 0 else None,
+                                      post if not leader and upload is not None else None)
         except SlotsError as e:
             raise CommunicatorError(f"{e} (exchange #{seq})") from None
         result, codes = rows[:, :-1].max(axis=0).tolist(), rows[:, -1].tolist()
-        if not leader:
-            if codes[0] == 0:
-                return result, [], None
-            got = self._recv_from_root(seq, "exchange") if codes[0] < 0 else self._slots.blob(0, codes[0] - 1)
-            return result, [], pickle.loads(got) if codes[0] > 0 else got
-        uploads = [None] * self.world_size
-        for peer in range(1, self.world_size):
-            if codes[peer] > 0:
-                uploads[peer] = pickle.loads(self._slots.blob(peer, codes[peer] - 1))
-        over_zmq = {r for r in range(1, self.world_size) if codes[r] < 0}
-        for peer, up in self._gather_at_root(seq, "exchange", over_zmq).items() if over_zmq else ():
-            uploads[peer] = up
-        return result, uploads, payload
+        if leader:
+            self._posting = (seq, [r for r in range(1, self.world_size) if codes[r]])
+            return result, payload
+        if codes[0] == 0:
+            return result, None
+        return result, self._recv_from_root(seq, "exchange") if codes[0] < 0 else pickle.loads(self._slots.blob(0))
+
+    def _take_posted(self) -> list[Any]:
+        """Rank 0: the uploads posted in the latest shared-memory round (each at most once)."""
+        if self._posting is None:
+            return []
+        (seq, ranks), self._posting = self._posting, None
+        got, over_zmq = [], []
+        for r in ranks:
+            try:
+                data = self._slots.wait_posted(r, self._alive)
+            except SlotsError as e:
+                raise CommunicatorError(f"{e} (uploads of exchange #{seq})") from None
+            if data is None:
+                over_zmq.append(r)
+            else:
+                got.append((r, pickle.loads(data)))
+        if over_zmq:
+            got += self._gather_at_root(seq, "upload", set(over_zmq)).items()
+        return [up for _, up in sorted(got, key=lambda x: x[0])]
 
     def _alive(self) -> None:
         """Raises if the monitor reported a dropped connection (rank 0 hears of every peer, the

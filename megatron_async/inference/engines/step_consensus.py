@@ -59,8 +59,6 @@ class Agreement:
     news: list[NewRequest] = field(default_factory=list)
     """The new requests this rank serves, in arrival order."""
     aborts: list[int] = field(default_factory=list)
-    uploads: list[Any] = field(default_factory=list)
-    """Rank 0: what each other rank handed up (None for rank 0 itself); empty elsewhere."""
 
 
 _HEAD = 5  # any_work, max_tokens, eager, leader_waiting, variant; then one load per rank (data parallel),
@@ -158,7 +156,7 @@ class StepConsensus:
         values.append(arrival)
         payload = (self._outbox, self._aborts) if self.is_leader and self.has_outgoing() else None
         self._outbox, self._aborts = [], []
-        result, uploads, payload = self.comm.exchange(values, upload, payload)  # None: nothing sent
+        result, payload = self.comm.exchange(values, upload, payload)  # None: nothing sent
         news, aborts = payload if payload is not None else ([], [])
         if self.checks_replicas:
             at = _HEAD + num_loads + 2 * self._group
@@ -172,13 +170,19 @@ class StepConsensus:
             news = [n for n in news if n.rank == self.dp_rank]
             self._routed_since = [0] * self.dp_size
         self.last = Agreement(any_work, result[1], bool(result[2]), result[4], bool(result[3]),
-                              tuple(result[_HEAD:_HEAD + num_loads]), news, aborts, uploads)
+                              tuple(result[_HEAD:_HEAD + num_loads]), news, aborts)
         self.fresh = not from_step
         self.rounds += 1
         self.latency_seconds = max(0, time.monotonic_ns() // 1000 - result[-1]) / 1e6
         self.round_seconds = time.perf_counter() - t0
         self.seconds += self.round_seconds
         return self.last
+
+    def take_uploads(self) -> list[Any]:
+        """Rank 0: what the other ranks handed up at the exchanges so far (not yet taken), by
+        round then rank; [] elsewhere. Results, not decisions: the exchange does not wait for
+        them, and rank 0 takes them when it needs them (after launching its step)."""
+        return self.comm.take_uploads() if self.is_leader else []
 
     def said(self, name: str) -> bool:
         """The latest agreement's flag ``name`` if it is True (a stale yes is safe), else None."""
