@@ -177,7 +177,7 @@ class SharedSlots:
             now = time.perf_counter()
             if now - checked > 1e-3:
                 checked = now
-                self._check(k, now - t0, alive)
+                self._check(k, now - t0, alive, words)
         while True:
             self._sleeping[self.rank] = k  # then re-check: a rank arriving now sees the mark
             if words.min() >= k:
@@ -189,12 +189,15 @@ class SharedSlots:
                 pass
             if words.min() >= k:
                 break
-            self._check(k, time.perf_counter() - t0, alive)
+            self._check(k, time.perf_counter() - t0, alive, words)
 
-    def _check(self, k: int, waited: float, alive) -> None:
-        if self._poison[0]:
-            raise SlotsError(f"rank {self.rank}: rank {self._poison[0] - 1} gave up in shared-memory round {k}")
+    def _check(self, k: int, waited: float, alive, words: np.ndarray) -> None:
+        """Raise if a peer gave up, is known dead, or the wait timed out, unless the round
+        completed meanwhile (a peer that published and then exited left a good round: its
+        death shows at the next one, the poison word and a lost connection being sticky)."""
         try:
+            if self._poison[0]:
+                raise SlotsError(f"rank {self.rank}: rank {self._poison[0] - 1} gave up in shared-memory round {k}")
             if alive is not None:
                 alive()
             if self.timeout_s is not None and waited > self.timeout_s:
@@ -202,7 +205,10 @@ class SharedSlots:
                 raise SlotsError(f"rank {self.rank}: ranks {late} did not arrive within {self.timeout_s:.3g} s "
                                  f"in shared-memory round {k}")
         except Exception:
-            self._poison[0] = self.rank + 1  # the others waiting here fail at once too
+            if words.min() >= k:
+                return
+            if not self._poison[0]:
+                self._poison[0] = self.rank + 1  # the others waiting here fail at once too
             for fd in self._fifos:
                 try:
                     os.write(fd, b"\0")

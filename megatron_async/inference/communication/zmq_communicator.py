@@ -53,6 +53,7 @@ class ZMQCommunicator:
         self._slots: SharedSlots | None = None
         self._early: list[tuple[int, bytes]] = []  # rank 0: (peer, message) of a later collective
         self._carry: list[Any] = []  # rank 0: uploads received, not yet taken
+        self._lost: str | None = None  # the endpoint of a dropped connection, once the monitor reported one
         self._posting: tuple[int, list[int]] | None = None  # rank 0: (exchange, ranks) whose uploads are posted
         self.exchange_path = "local" if world_size == 1 else "zmq"
         """How ``exchange`` moves its ints: "shared_memory", "zmq", or "local" (one rank)."""
@@ -220,10 +221,12 @@ class ZMQCommunicator:
 
     def _alive(self) -> None:
         """Raises if the monitor reported a dropped connection (rank 0 hears of every peer, the
-        others of rank 0; a rank that raises while waiting poisons the slots for the rest)."""
-        if self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)
-            raise CommunicatorError(f"rank {self.rank}: lost the connection to a peer ({event['endpoint'].decode()}) "
+        others of rank 0; a rank that raises while waiting poisons the slots for the rest).
+        Sticky: a peer that published its last round and exited is reported at the next wait."""
+        if self._lost is None and self._monitor.poll(0):
+            self._lost = recv_monitor_message(self._monitor)["endpoint"].decode()
+        if self._lost is not None:
+            raise CommunicatorError(f"rank {self.rank}: lost the connection to a peer ({self._lost}) "
                                     "while waiting in shared memory: a rank exited or died")
 
     def broadcast_object(self, obj: Any = None) -> Any:

@@ -131,3 +131,28 @@ def test_silent_rank_times_out_instead_of_hanging():
     (err, waited), _ = run_ranks(_silent, 2, free_port(), timeout_s=30)
     assert "ranks [1] did not arrive within 0.5 s" in err and "exchange #" in err
     assert 0.4 < waited < 1.4
+
+
+def _publish_then_exit(rank: int, world: int, port: int):
+    """Rank 1 publishes its last round and exits at once while rank 0 still waits in it: rank 0
+    gets that round's result (it is complete), and the lost peer fails its next round."""
+    comm = ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=60)
+    if rank == 1:
+        time.sleep(0.3)
+        comm.exchange([5])
+        return "left"  # without closing: the process exits, its connection drops
+    got = comm.exchange([1])
+    time.sleep(0.5)  # the disconnect has surely been reported by now
+    try:
+        comm.exchange([1])
+    except CommunicatorError as e:
+        return got, str(e)
+    finally:
+        comm.close()
+    return got, "no error"
+
+
+def test_a_peer_that_published_and_exited_leaves_a_good_round():
+    (got, err), left = run_ranks(_publish_then_exit, 2, free_port(), timeout_s=40)
+    assert left == "left" and got == ([5], None)
+    assert "rank 0: lost the connection to a peer" in err
