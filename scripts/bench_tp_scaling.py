@@ -46,7 +46,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--launch-timeout", type=float, default=400.0, help="seconds per torchrun job")
+    p.add_argument("--all-reduce", default="auto", choices=["auto", "nccl", "p2p"],
+                   help="InferenceConfig.tp_all_reduce: auto / p2p time NCCL and the P2P path side by side")
     p.add_argument("--json", default=None, help="write every result here")
+    p.add_argument("--idle", action="store_true",
+                   help="also profile one async + graphs run at the largest batch per backend: the device idle "
+                        "share of its decode windows (CUPTI intervals, rank 0), i.e. whether host work and the "
+                        "per-step consensus stay off the device's critical path")
     p.add_argument("--smoke", action="store_true", help="CPU / gloo / tiny model, TP=1 and 2: checks the script")
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)  # set on torchrun workers
     args = p.parse_args(argv)
@@ -64,6 +70,7 @@ def _worker(args: argparse.Namespace) -> None:
     from megatron_async.inference.engines.engine_stats import EngineStats
     from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
     from megatron_async.models.default_model import DEFAULT_CONFIGS
+    from megatron_async.tools.gpu_idle import profile_run
     from megatron_async.tools.roofline import kv_bytes_per_token, measure_copy_bandwidth, weight_bytes
 
     tp = int(os.environ.get("WORLD_SIZE", "1"))
@@ -74,7 +81,8 @@ def _worker(args: argparse.Namespace) -> None:
     blocks_per_req = -(-seq // 16)
     cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=max(args.batches) * (blocks_per_req + 1) + 8,
                           max_requests=max(args.batches), max_tokens=max(2048, max(args.batches)),
-                          max_sequence_length=seq + 16, cuda_graphs=cuda, cuda_graph_batch_sizes=tuple(args.batches))
+                          max_sequence_length=seq + 16, cuda_graphs=cuda, cuda_graph_batch_sizes=tuple(args.batches),
+                          tp_all_reduce=args.all_reduce)
     t0 = time.perf_counter()
     llm = LLM(None, device=args.device, dtype=args.dtype, inference_config=cfg, default_model=args.model,
               tensor_parallel_size=tp)
@@ -95,7 +103,8 @@ def _worker(args: argparse.Namespace) -> None:
         result = {"tp": tp, "model": args.model, "layers": DEFAULT_CONFIGS[args.model]["num_hidden_layers"],
                   "device": torch.cuda.get_device_name(llm.device) if cuda else "cpu", "build_s": build_s,
                   "warmup_s": time.perf_counter() - t1, "weight_bytes": weight_bytes(llm.model),
-                  "kv_bytes_per_token": kv_token, "copy_bandwidth": bandwidth, "p2p_reason": None, "rows": []}
+                  "kv_bytes_per_token": kv_token, "copy_bandwidth": bandwidth, "p2p_reason": None, "rows": [],
+                  "idle": []}
         tokens_by_backend: dict[str, dict] = {}
         if leader:
             print(f"[tp={tp}] built in {build_s:.0f} s, warm-up {result['warmup_s']:.0f} s, backends {backends}", flush=True)
@@ -132,6 +141,16 @@ def _worker(args: argparse.Namespace) -> None:
                               f"(floor {r['floor_ms']:.3f}), consensus p50 {r['consensus_p50_us']:.0f} us "
                               f"(own cost {r['latency_p50_us']:.0f} us)", flush=True)
                         Path(args.worker_out).write_text(json.dumps(result))  # partial results survive a timeout
+            if args.idle and cuda:  # every rank profiles its own device; rank 0 reports
+                llm.config.async_scheduling = True
+                batch = max(args.batches)
+                _, rep = profile_run(llm.engine, lambda: llm.generate(prompts[:batch], params))
+                result["idle"].append({"backend": backend, "batch": batch, "decode_idle": rep.decode_idle_share,
+                                       "run_idle": rep.run_idle_share, "note": rep.note})
+                if leader:
+                    print(f"[tp={tp}] {backend:5s} async+graphs batch {batch}: decode-window idle "
+                          f"{rep.decode_idle_share}, run idle {rep.run_idle_share:.3f} {rep.note}", flush=True)
+                    Path(args.worker_out).write_text(json.dumps(result))
         if "p2p" in tokens_by_backend:  # bf16: a different summation order may flip near-ties
             nccl = tokens_by_backend["nccl"]
             for r in result["rows"]:
@@ -205,6 +224,11 @@ def main(argv: list[str] | None = None) -> None:
               f"{res['weight_bytes'] / 1e9:.2f} GB, copy {res['copy_bandwidth'] / 1e12:.2f} TB/s, build "
               f"{res['build_s']:.0f} s, warm-up {res['warmup_s']:.0f} s")
     print(table(results))
+    for res in results:
+        for r in res.get("idle", []):
+            dec = "n/a" if r["decode_idle"] is None else f"{100 * r['decode_idle']:.1f} %"
+            print(f"TP={res['tp']} {r['backend']} async+graphs batch {r['batch']}: device idle {dec} of decode windows, "
+                  f"{100 * r['run_idle']:.1f} % of the profiled run {r['note']}")
     if missing:
         print(f"no result for TP={missing}")
         sys.exit(1)

@@ -35,14 +35,15 @@ def get_attention_backend() -> AttentionBackend:
 
 def attend(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Append this step's k/v ([T, KVH, D]) to the paged cache, then attend q ([T, H, D]).
+    k and v None: already stored (``fused_ops.rope_qk`` with the cache).
 
     ``batch_invariant``: the Triton fixed-order path whatever the backend (see
     ``attention_triton.attend``). Returns [T, H, D] in q's dtype."""
@@ -50,7 +51,8 @@ def attend(
         from megatron_async.kernels import attention_triton
 
         return attention_triton.attend(q, k, v, kv_cache, meta, scale, fixed_order=batch_invariant)
-    attention_torch.write_kv(kv_cache, k, v, meta.slot_mapping[: meta.num_tokens])
+    if k is not None:
+        attention_torch.write_kv(kv_cache, k, v, meta.slot_mapping[: meta.num_tokens])
     if meta.is_decode_only:
         return attention_torch.decode_attention(q, kv_cache, meta, scale)
     return attention_torch.paged_attention(q, kv_cache, meta, scale)

@@ -19,14 +19,14 @@ from megatron_async.kernels.triton_prefill_attention import prefill_attention
 
 def attend(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     fixed_order: bool = False,
 ) -> torch.Tensor:
-    """Append k/v ([T, KVH, D]) at ``meta.slot_mapping[:T]``, then attend q ([T, H, D]) over
+    """Append k/v ([T, KVH, D]; None: already in the cache) at ``meta.slot_mapping[:T]``, then attend q ([T, H, D]) over
     each row's paged KV. Returns [T, H, D] in q's dtype.
 
     ``fixed_order`` (batch-invariant mode): every row, decode or prefill chunk, goes through
@@ -36,7 +36,8 @@ def attend(
     tokens too are read after the append, never from the un-stored k/v), not on the step's
     batch, on how its prompt was chunked, or on decode vs prefill. No split-K: a long row is
     one program per (query tile, KV head)."""
-    append_kv(kv_cache, k, v, meta.slot_mapping)
+    if k is not None:  # None: the rope kernel stored them already
+        append_kv(kv_cache, k, v, meta.slot_mapping)
     if meta.is_decode_only and not fixed_order:
         return decode_attention(q, kv_cache, meta, scale)
     return prefill_attention(q, kv_cache, meta, scale, fixed_order=fixed_order)

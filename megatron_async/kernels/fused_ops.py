@@ -61,10 +61,14 @@ def rope_qk(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    v: torch.Tensor | None = None,
+    kv_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """See ``triton_rope.rope_qk``: with ``kv_cache`` k and v go to the cache and k comes back None."""
     from megatron_async.kernels import triton_rope
 
-    return triton_rope.rope_qk(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
+    return triton_rope.rope_qk(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, kv_cache, slot_mapping)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

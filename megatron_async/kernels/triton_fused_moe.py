@@ -194,7 +194,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     num_pairs = M * top_k
     if num_pairs == 0:
         return torch.zeros((M, H), dtype=x.dtype, device=x.device)
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    if x.stride(1) != 1:  # rows may be strided (the EP exchange's packed columns): the kernel takes a row stride
+        x = x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
     block_m = _block_m(num_pairs, E)
     sorted_pairs, block_expert = align_by_expert_triton(topk_ids, E, block_m)
     num_blocks = block_expert.shape[0]

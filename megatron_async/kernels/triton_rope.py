@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_async.kernels.triton_paged_common import check_cache
+
 
 @triton.jit
 def _rotate_heads(
@@ -21,6 +23,9 @@ def _rotate_heads(
     tok,
     stride_t,
     stride_h,
+    dst_off,
+    dst_stride_h,
+    keep,
     c,
     s,
     eps,
@@ -31,14 +36,19 @@ def _rotate_heads(
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    CHECK_KEEP: tl.constexpr,
 ):
+    """Head h of token ``tok`` goes to ``dst_ptr + dst_off + h * dst_stride_h`` (an output row, or
+    the token's paged-cache slot), rounded to the activation dtype first; nothing when not ``keep``."""
     HALF: tl.constexpr = ROT_DIM // 2
-    dt = dst_ptr.dtype.element_ty
+    dt = src_ptr.dtype.element_ty
+    out_dt = dst_ptr.dtype.element_ty
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)
+    store_mask = mask & keep if CHECK_KEEP else mask
     src = src_ptr + tok * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
-    dst = dst_ptr + tok * (NUM_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    dst = dst_ptr + dst_off + offs_h[:, None] * dst_stride_h + offs_d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:  # the wrapper guarantees ROT_DIM == HEAD_DIM here
@@ -49,32 +59,40 @@ def _rotate_heads(
         x2 = (w2[None, :] * (x2 * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     o1 = (x1 * c[None, :]).to(dt).to(tl.float32) - (x2 * s[None, :]).to(dt).to(tl.float32)
     o2 = (x2 * c[None, :]).to(dt).to(tl.float32) + (x1 * s[None, :]).to(dt).to(tl.float32)
-    tl.store(dst, o1.to(dt), mask=mask)
-    tl.store(dst + HALF, o2.to(dt), mask=mask)
+    tl.store(dst, o1.to(dt).to(out_dt), mask=store_mask)
+    tl.store(dst + HALF, o2.to(dt).to(out_dt), mask=store_mask)
     if ROT_DIM < HEAD_DIM:
         offs_p = tl.arange(0, BLOCK_PASS)
         pmask = (offs_h[:, None] < NUM_HEADS) & (offs_p[None, :] < HEAD_DIM - ROT_DIM)
         src_p = src_ptr + tok * stride_t + offs_h[:, None] * stride_h + ROT_DIM + offs_p[None, :]
-        dst_p = dst_ptr + tok * (NUM_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + ROT_DIM + offs_p[None, :]
-        tl.store(dst_p, tl.load(src_p, mask=pmask, other=0.0), mask=pmask)
+        dst_p = dst_ptr + dst_off + offs_h[:, None] * dst_stride_h + ROT_DIM + offs_p[None, :]
+        tl.store(dst_p, tl.load(src_p, mask=pmask, other=0.0).to(out_dt), mask=pmask & keep if CHECK_KEEP else pmask)
 
 
 @triton.jit
 def _rope_qk_kernel(
     q_ptr,
     k_ptr,
+    v_ptr,
     cos_ptr,
     sin_ptr,
     qw_ptr,
     kw_ptr,
     q_out_ptr,
     k_out_ptr,
+    v_out_ptr,
+    slot_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
     stride_cos,
     stride_sin,
+    stride_cb,
+    stride_cs,
+    stride_ch,
     eps,
     NUM_Q_HEADS: tl.constexpr,
     NUM_K_HEADS: tl.constexpr,
@@ -84,7 +102,10 @@ def _rope_qk_kernel(
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    TO_CACHE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     # One program per token: its cos/sin row is read once for all q and k heads.
     tok = tl.program_id(0).to(tl.int64)
@@ -92,10 +113,23 @@ def _rope_qk_kernel(
     dmask = offs_d < ROT_DIM // 2
     c = tl.load(cos_ptr + tok * stride_cos + offs_d, mask=dmask, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + tok * stride_sin + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, q_out_ptr, qw_ptr, tok, stride_qt, stride_qh, c, s, eps,
-                  NUM_Q_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, HAS_NORM)
-    _rotate_heads(k_ptr, k_out_ptr, kw_ptr, tok, stride_kt, stride_kh, c, s, eps,
-                  NUM_K_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, HAS_NORM)
+    _rotate_heads(q_ptr, q_out_ptr, qw_ptr, tok, stride_qt, stride_qh, tok * (NUM_Q_HEADS * HEAD_DIM), HEAD_DIM,
+                  0, c, s, eps, NUM_Q_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, HAS_NORM, False)
+    if TO_CACHE:  # k and v straight into the token's paged-cache slot (the attention reads them there)
+        slot = tl.load(slot_ptr + tok)
+        keep = (tl.zeros([1, 1], dtype=tl.int64) + slot) >= 0  # padded token (graph filler): store nothing
+        cache_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+        _rotate_heads(k_ptr, k_out_ptr, kw_ptr, tok, stride_kt, stride_kh, cache_off, stride_ch, keep, c, s, eps,
+                      NUM_K_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, HAS_NORM, True)
+        offs_h = tl.arange(0, BLOCK_HK)
+        offs_v = tl.arange(0, BLOCK_D)
+        vmask = (offs_h[:, None] < NUM_K_HEADS) & (offs_v[None, :] < HEAD_DIM)
+        v = tl.load(v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :], mask=vmask)
+        tl.store(v_out_ptr + cache_off + offs_h[:, None] * stride_ch + offs_v[None, :],
+                 v.to(v_out_ptr.dtype.element_ty), mask=vmask & keep)
+    else:
+        _rotate_heads(k_ptr, k_out_ptr, kw_ptr, tok, stride_kt, stride_kh, tok * (NUM_K_HEADS * HEAD_DIM), HEAD_DIM,
+                      0, c, s, eps, NUM_K_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, HAS_NORM, False)
 
 
 def rope_qk(
@@ -106,12 +140,20 @@ def rope_qk(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    v: torch.Tensor | None = None,
+    kv_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate q [T, H, D] and k [T, KVH, D] (unit last stride, any token/head strides) by
     cos/sin [T, R/2] (R <= D the rotary dims; the model's table rows at each token's position).
 
     With both norm weights ([D]), each head is RMS-normalised (eps) first, as Qwen3 does.
-    All tensors share one dtype and have a unit last stride. Returns new contiguous q and k."""
+    All tensors share one dtype and have a unit last stride. Returns new contiguous q and k.
+
+    With ``kv_cache`` (one layer's ``[2, blocks, block_size, KVH, D]``), ``v`` and
+    ``slot_mapping``, the rotated k and v are stored at the tokens' flat slots instead (what
+    ``triton_kv_append.append_kv`` would store, negative slots skipped): one kernel fewer per
+    attention layer; returns (q, None)."""
     num_tokens, hq, d = q.shape
     hk, rot, dtype = k.shape[1], 2 * cos.shape[-1], q.dtype
     has_norm = q_norm_weight is not None
@@ -126,18 +168,31 @@ def rope_qk(
                                                                  or k_norm_weight.shape != (d,))):
         raise ValueError("rope_qk: q/k norm needs both weights, of shape [head_dim], and full rotary")
     q_out = torch.empty((num_tokens, hq, d), dtype=dtype, device=q.device)
-    k_out = torch.empty((num_tokens, hk, d), dtype=dtype, device=k.device)
+    to_cache = kv_cache is not None
+    if to_cache:
+        check_cache(kv_cache, k)
+        if v is None or slot_mapping is None or v.shape != k.shape or v.stride(-1) != 1 or v.dtype != dtype \
+                or tuple(kv_cache.shape[3:]) != (hk, d):
+            raise ValueError(f"rope_qk: v {None if v is None else tuple(v.shape)} / cache "
+                             f"{tuple(kv_cache.shape)} do not fit k {tuple(k.shape)}")
+        k_out, v_out = kv_cache[0], kv_cache[1]
+    else:
+        k_out = v_out = torch.empty((num_tokens, hk, d), dtype=dtype, device=k.device)
     if num_tokens == 0:
-        return q_out, k_out
+        return q_out, None if to_cache else k_out
     block_half = triton.next_power_of_2(rot // 2)
+    vv = v if to_cache else k
+    cache_strides = (k_out.stride(0), k_out.stride(1), k_out.stride(2)) if to_cache else (0, 0, 0)
     _rope_qk_kernel[(num_tokens,)](
-        q, k, cos, sin,
+        q, k, vv, cos, sin,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
-        q_out, k_out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), eps,
+        q_out, k_out, v_out, slot_mapping if to_cache else q_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
+        cos.stride(0), sin.stride(0), *cache_strides, eps,
         NUM_Q_HEADS=hq, NUM_K_HEADS=hk, HEAD_DIM=d, ROT_DIM=rot,
         BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=block_half,
-        BLOCK_PASS=triton.next_power_of_2(max(d - rot, 1)), HAS_NORM=has_norm,
+        BLOCK_PASS=triton.next_power_of_2(max(d - rot, 1)), BLOCK_D=triton.next_power_of_2(d), HAS_NORM=has_norm,
+        TO_CACHE=to_cache, BLOCK_SIZE=kv_cache.shape[2] if to_cache else 1,
         num_warps=4 if hq * block_half >= 1024 else 1,
     )
-    return q_out, k_out
+    return q_out, None if to_cache else k_out

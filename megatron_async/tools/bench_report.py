@@ -30,6 +30,10 @@ class ModeResult:
     mean_decode_batch: float | None = None
     decode_floor_ms: float | None = None
     step_over_floor: float | None = None
+    mixed_floor_ms: float | None = None
+    """Least FLOPs of a mean mixed step (its prefill tokens' matmuls and causal attention) at the
+    measured matmul rate (``roofline.prefill_flops``); None for MoE models."""
+    mixed_over_floor: float | None = None
     latency_ms: dict[str, float | None] = field(default_factory=dict)
     """ttft_p50_ms, ttft_p99_ms, itl_p50_ms, itl_p99_ms (engine modes)."""
     run_idle_share: float | None = None
@@ -83,7 +87,7 @@ def _best_peer(r: ModeResult) -> str:
 
 
 def format_table(results: list[ModeResult]) -> str:
-    head = ["mode", "workload", "status", "out tok/s", "x best HF", "decode ms", "mixed ms", "batch", "step/floor",
+    head = ["mode", "workload", "status", "out tok/s", "x best HF", "decode ms", "mixed ms", "batch", "step/floor", "mixed/floor",
             "TTFT p50/p99 ms", "ITL p50/p99 ms", "idle run %", "idle decode %", "prof tok/s", "=serial",
             "builds/captures", "max step ms"]
     rows = [head]
@@ -96,7 +100,7 @@ def format_table(results: list[ModeResult]) -> str:
         rows.append([
             r.mode, r.workload, r.status, f"{r.output_tokens_per_s:,.1f}", _best_peer(r),
             _fmt(r.mean_decode_step_ms, ".2f"), _fmt(r.mean_mixed_step_ms, ".2f"), _fmt(r.mean_decode_batch, ".1f"), _fmt(r.step_over_floor, ".2f"),
-            _pair(lat.get("ttft_p50_ms"), lat.get("ttft_p99_ms")), _pair(lat.get("itl_p50_ms"), lat.get("itl_p99_ms"), ".2f"),
+            _fmt(r.mixed_over_floor, ".2f"), _pair(lat.get("ttft_p50_ms"), lat.get("ttft_p99_ms")), _pair(lat.get("itl_p50_ms"), lat.get("itl_p99_ms"), ".2f"),
             _fmt(r.run_idle_share, ".1f", 100.0), _fmt(r.decode_idle_share, ".1f", 100.0),
             _fmt(r.profiled_tokens_per_s, ",.0f"), _fmt(r.same_tokens_as_serial, ".0%"), builds, _fmt(r.max_step_ms, ".0f"),
         ])

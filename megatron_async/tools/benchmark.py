@@ -28,7 +28,9 @@ from megatron_async.tools.bench_report import HF_PEERS, ModeResult, add_ratios, 
 from megatron_async.tools.compile_counter import CompileCounter
 from megatron_async.tools.driver import StatsWindow, WorkloadRun, run_workload
 from megatron_async.tools.gpu_idle import profile_run
-from megatron_async.tools.roofline import decode_floor, mean_context_per_output_token, measure_copy_bandwidth
+from megatron_async.tools.roofline import (
+    decode_floor, mean_context_per_output_token, measure_copy_bandwidth, measure_matmul_flops, prefill_flops,
+)
 from megatron_async.tools.summary import summarize
 from megatron_async.tools.workload import WorkloadRequest, WorkloadSpec, synthetic_workload, twin_workload
 
@@ -144,6 +146,7 @@ class Benchmark:
         self.checkpoint = checkpoint
         self.deadline = time.perf_counter() + 60 * args.max_minutes
         self.bandwidth = measure_copy_bandwidth(self.device)
+        self.matmul_flops = measure_matmul_flops(self.device, self.dtype)
         vocab = (json.loads((Path(checkpoint) / "config.json").read_text()) if checkpoint
                  else DEFAULT_CONFIGS[args.default_model])["vocab_size"]
         spec = WorkloadSpec(args.num_requests, args.prompt_len_min, args.prompt_len_max, args.output_len_min,
@@ -260,6 +263,11 @@ class Benchmark:
         )
         if res.mean_decode_step_ms:
             res.step_over_floor = res.mean_decode_step_ms / res.decode_floor_ms
+        st = window.stats()
+        flops = prefill_flops(llm.model, [len(r.prompt) for r in self.requests], st.prefill_tokens)
+        if flops is not None and st.prefill_steps and res.mean_mixed_step_ms:
+            res.mixed_floor_ms = 1e3 * flops / st.prefill_steps / self.matmul_flops
+            res.mixed_over_floor = res.mean_mixed_step_ms / res.mixed_floor_ms
         tokens = [o.generated_tokens if o is not None else None for o in run.outputs]
         if mode == "serial":
             self.serial_tokens[wl] = tokens
@@ -304,7 +312,8 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
         bench = Benchmark(args, checkpoint)
         print(f"benchmark: {checkpoint or 'built-in ' + args.default_model} on {args.device} ({args.dtype}); "
               f"{len(bench.requests)} requests, prompts {args.prompt_len_min}-{args.prompt_len_max}, outputs "
-              f"{args.output_len_min}-{args.output_len_max}; copy bandwidth {bench.bandwidth / 1e9:,.1f} GB/s",
+              f"{args.output_len_min}-{args.output_len_max}; copy bandwidth {bench.bandwidth / 1e9:,.1f} GB/s, "
+              f"matmul {bench.matmul_flops / 1e12:,.1f} TFLOP/s",
               file=sys.stderr)
         results: list[ModeResult] = []
         # serial first among engine modes: the others are compared with its tokens
@@ -331,7 +340,8 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": _version("transformers")},
         "model": args.model or f"built-in {args.default_model} (HF random init, seed {args.seed})",
-        "dtype": args.dtype, "args": vars(args), "copy_bandwidth_GBps": bench.bandwidth / 1e9, **bench.info,
+        "dtype": args.dtype, "args": vars(args), "copy_bandwidth_GBps": bench.bandwidth / 1e9,
+        "matmul_TFLOPs": bench.matmul_flops / 1e12, **bench.info,
         "modes": [r.as_dict() for r in results],
     }
     (out_dir / "benchmark.json").write_text(json.dumps(report, indent=1))

@@ -103,7 +103,7 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--batch-invariant", action="store_true", help="batch-invariant numerics (InferenceConfig.batch_invariant)")
     g.add_argument("--tp-all-reduce", choices=[b.value for b in AllReduceBackend], default=None,
                    help="small TP all-reduces: P2P symmetric memory (auto: when the GPUs allow) or NCCL "
-                        "(InferenceConfig.tp_all_reduce; default nccl)")
+                        "(InferenceConfig.tp_all_reduce; default auto)")
     g.add_argument("--num-speculative-tokens", type=checked(int, 0, name="int"), default=None,
                    help="speculative decoding: drafts verified per decode row (default 0: off)")
     g.add_argument("--speculative-method", choices=["mtp", "ngram"], default=None,

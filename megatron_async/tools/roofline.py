@@ -1,5 +1,6 @@
-"""Memory-bandwidth floor of a decode step: every weight and every cached K/V (and Mamba state)
-a step needs is read once, at the bandwidth a plain device copy reaches."""
+"""Floors of a step. Decode: every weight and every cached K/V (and Mamba state) a step needs is
+read once, at the bandwidth a plain device copy reaches. Mixed (prefill) steps: their least
+FLOPs at the rate a large matmul reaches."""
 from __future__ import annotations
 
 import time
@@ -89,3 +90,46 @@ def decode_floor(model: CausalLM, dtype: torch.dtype, batch: float, mean_context
         state_bytes=2 * batch * state_bytes_per_request(model, dtype),
         bandwidth=bandwidth,
     )
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None = None, iters: int = 10) -> float:
+    """FLOP/s of a large square matmul in ``dtype``: the compute rate a prefill can reach here."""
+    if n is None:
+        n = 8192 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b  # warm-up (library heuristics, allocator)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            a @ b
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            a @ b
+        seconds = time.perf_counter() - t0
+    return 2 * n**3 * iters / seconds
+
+
+def prefill_flops(model: CausalLM, prompt_lens: list[int], prefilled_tokens: int) -> float | None:
+    """Least FLOPs of prefilling ``prefilled_tokens`` tokens of these prompts: every token through
+    every 2-D weight but the embedding and LM head (logits are only taken at a chunk's end), and
+    causal attention over its prefix (QK^T and PV) in every attention layer; the prompts' pairs
+    are scaled by the share of their tokens prefilled. Mamba scans and norms are left out (it is a
+    floor). None for MoE models, whose active weights per token depend on the routing."""
+    from megatron_async.models.layers.attention_layer import Attention
+
+    matmul_params = 0
+    for name, p in model.named_parameters():
+        if p.dim() == 3:  # expert-stacked weights
+            return None
+        if p.dim() == 2 and "embed" not in name and "lm_head" not in name:
+            matmul_params += p.numel()
+    attn_width = sum(m.num_heads * m.head_dim for m in model.modules() if isinstance(m, Attention))
+    total = sum(prompt_lens)
+    pairs = sum(n * (n + 1) / 2 for n in prompt_lens) * (prefilled_tokens / total if total else 0.0)
+    return 2.0 * matmul_params * prefilled_tokens + 4.0 * attn_width * pairs

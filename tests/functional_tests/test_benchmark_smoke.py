@@ -49,6 +49,7 @@ def test_smoke_runs_every_mode_and_workload_on_the_same_weights(smoke):
             r = results[mode, w]
             assert r.mean_decode_step_ms > 0 and r.decode_floor_ms > 0
             assert r.step_over_floor == pytest.approx(r.mean_decode_step_ms / r.decode_floor_ms)
+            assert r.mixed_floor_ms > 0 and r.mixed_over_floor == pytest.approx(r.mean_mixed_step_ms / r.mixed_floor_ms)
             assert r.run_idle_share is None and r.step_times  # CPU: no device timeline
             lat = r.latency_ms
             assert 0 < lat["ttft_p50_ms"] <= lat["ttft_p99_ms"] and 0 < lat["itl_p50_ms"] <= lat["itl_p99_ms"]

@@ -193,9 +193,10 @@ class DynamicInferenceEngine:
         """The per-step exchange; admits the new requests and marks the aborts it brings.
         ``take_uploads`` False: the caller takes the other ranks' results later (``_take_uploads``)."""
         sync = self._sync
-        got = sync.exchange(self._has_local_work(), num_tokens, eager, leader_waiting=self._leader_waiting,
-                            load=len(self._requests), upload=upload, from_step=from_step, variant=variant,
-                            digest=self._landed_digest)
+        with nvtx_range("consensus"):
+            got = sync.exchange(self._has_local_work(), num_tokens, eager, leader_waiting=self._leader_waiting,
+                                load=len(self._requests), upload=upload, from_step=from_step, variant=variant,
+                                digest=self._landed_digest)
         self.stats.consensus_rounds = sync.rounds
         self.stats.consensus_time = sync.seconds
         self.stats.consensus_round_seconds.append(sync.round_seconds)

@@ -82,14 +82,16 @@ class RoutedExperts(nn.Module):
         x = F.pad(x, (0, 0, 0, pad))
         ids = F.pad(ids, (0, 0, 0, pad), value=self.num_experts)  # padding rows: no expert
         weights = F.pad(weights, (0, 0, 0, pad))
-        # one exchange for the routing: int32 ids beside the float32 weights' bits
-        routing = torch.cat([ids, weights.view(torch.int32)], dim=1)
-        x_all = ep_all_gather(x, self.parallel)
-        routing_all = ep_all_gather(routing, self.parallel)
-        k = ids.shape[1]
+        # ONE all-gather for the tokens and their routing: the int32 ids' and float32 weights' bits
+        # ride as extra columns of x's dtype (a collective copies bits; small decode exchanges
+        # cost their latency, not their bytes)
+        h, k = x.shape[1], ids.shape[1]
+        ids, weights = ids.to(torch.int32), weights.to(torch.float32)  # the bit layout below (no-ops as routed)
+        packed = ep_all_gather(torch.cat([x, ids.view(x.dtype), weights.view(x.dtype)], dim=1), self.parallel)
+        routing_all = packed[:, h:].contiguous().view(torch.int32)  # [ids | weights' bits], k int32 each
         local_ids = routing_all[:, :k] - self.first_expert  # other ranks' experts fall outside [0, num_local)
         weights_all = routing_all[:, k:].contiguous().view(torch.float32)
-        out_all = self._compute(x_all, local_ids, weights_all)
+        out_all = self._compute(packed[:, :h], local_ids, weights_all)
         return ep_reduce_scatter(out_all, self.parallel)[:n]
 
     def _all_to_all(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,18 @@ def test_fused_moe_matches_the_reference(M, K, I, H, E, k, gated, dropped, dtype
     assert float((out.float() - ref.float()).abs().max() / scale) < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_rows_equal_contiguous_rows(dtype):
+    """The EP exchange hands the experts a column slice of its packed all-gather (tokens, then
+    the routing's bits): the kernel reads rows by their stride, with no copy, bit for bit."""
+    x, w13, w2, ids, w = _inputs(9, 48, 16, 32, 8, 3, dtype, True, seed=5, dropped=0.2)
+    wide = torch.cat([x, torch.randn(9, 6).to(DEVICE, dtype)], dim=1)
+    strided = wide[:, :48]
+    assert strided.stride(0) == 54
+    out = triton_fused_moe.fused_experts(strided, w13, w2, ids, w, True)
+    assert torch.equal(out, triton_fused_moe.fused_experts(x, w13, w2, ids, w, True))
+
+
 def test_no_tokens_and_all_dropped():
     x, w13, w2, ids, w = _inputs(3, 32, 16, 16, 4, 2, torch.float32, True, seed=1)
     assert triton_fused_moe.fused_experts(x[:0], w13, w2, ids[:0], w[:0], True).shape == (0, 16)

@@ -169,6 +169,32 @@ def test_rope_qk_partial_rotary_copies_the_rest(dtype, rot_dim):
         _exact(out, torch.cat([apply_rotary(t[..., :rot_dim], cos, sin), t[..., rot_dim:]], dim=-1), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["norm", "plain", "partial"])
+def test_rope_qk_into_the_cache_equals_rope_then_append(dtype, case):
+    """With the cache, the kernel stores rotated k and v at the tokens' slots: the same bits as
+    rotating, then ``append_kv``, everywhere in the cache (padded tokens' negative slots skipped,
+    strided q/k/v as the fused qkv projection hands them over); q is unchanged."""
+    from megatron_async.kernels.triton_kv_append import append_kv
+
+    torch.manual_seed(8)
+    T, H, KVH, D, BS, NB = 6, 4, 2, 32, 4, 5
+    rot = 16 if case == "partial" else D
+    rope = _rope_table(D, rot, dtype)
+    qkv = _randn(T, (H + 2 * KVH) * D, dtype=dtype)
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([H * D, KVH * D, KVH * D], dim=-1))
+    norm = (_norm(D, dtype).weight, _norm(D, dtype).weight, 1e-6) if case == "norm" else (None, None, 0.0)
+    cos, sin = rope(torch.randint(0, 1000, (T,), device=DEVICE))
+    slots = torch.tensor([3, 17, -1, 0, 9, 18], device=DEVICE)
+    start = _randn(2, NB, BS, KVH, D, dtype=dtype)
+    ref_cache, cache = start.clone(), start.clone()
+    q_ref, k_ref = triton_rope.rope_qk(q, k, cos, sin, *norm)
+    append_kv(ref_cache, k_ref, v, slots)
+    q_out, k_out = triton_rope.rope_qk(q, k, cos, sin, *norm, v=v, kv_cache=cache, slot_mapping=slots)
+    assert k_out is None and torch.equal(q_out, q_ref)
+    assert torch.equal(cache, ref_cache)
+
+
 def test_rope_qk_rejects_bad_inputs():
     q, k = _randn(3, 2, 16, dtype=torch.float32), _randn(3, 1, 16, dtype=torch.float32)
     cos = _randn(3, 8, dtype=torch.float32)

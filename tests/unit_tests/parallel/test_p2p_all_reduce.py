@@ -82,9 +82,9 @@ def test_llm_asked_for_p2p_on_cpu_fails_on_every_rank():
 
 
 def test_config_knob():
-    cfg = InferenceConfig(tp_all_reduce="auto")
+    cfg = InferenceConfig(tp_all_reduce="nccl")
     cfg.validate()
-    assert cfg.tp_all_reduce is AllReduceBackend.AUTO and InferenceConfig().tp_all_reduce is AllReduceBackend.NCCL
+    assert cfg.tp_all_reduce is AllReduceBackend.NCCL and InferenceConfig().tp_all_reduce is AllReduceBackend.AUTO
     with pytest.raises(ValueError, match="p2p_all_reduce_max_bytes must be >= 0"):
         InferenceConfig(p2p_all_reduce_max_bytes=-1).validate()
     with pytest.raises(ValueError):
