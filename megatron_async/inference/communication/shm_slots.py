@@ -35,6 +35,7 @@ import mmap
 import os
 import platform
 import select
+import socket
 import tempfile
 import time
 import uuid
@@ -54,6 +55,40 @@ def supported() -> bool:
 def segment_path() -> str:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(base, f"ma-consensus-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def join_slots(rank: int, world_size: int, wanted: bool, broadcast, all_reduce_max, timeout_s: float | None,
+               spin_us: float | None) -> "SharedSlots | None":
+    """Collective over an existing link (``broadcast(obj)`` from rank 0, ``all_reduce_max(ints)``):
+    rank 0's slots, mapped on every rank, if every rank is on its host and wants them; else None
+    on every rank. ``spin_us`` None: 2000 with a spare core per rank, else 20 (see
+    ``InferenceConfig.consensus_spin_us``)."""
+    if spin_us is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        spin_us = 2000.0 if cores >= os.getloadavg()[0] + world_size else 20.0
+    # StepConsensus sends ~8 + 3 ints per rank
+    args = dict(world_size=world_size, capacity=32 + 4 * world_size, timeout_s=timeout_s, spin_us=spin_us)
+    slots = offer = None
+    if rank == 0 and wanted and supported():
+        try:
+            slots = SharedSlots(segment_path(), 0, create=True, **args)
+            offer = (socket.gethostname(), slots.path)
+        except OSError:
+            slots = None
+    offer = broadcast(offer)
+    if rank != 0 and wanted and offer is not None and offer[0] == socket.gethostname():
+        try:
+            slots = SharedSlots(offer[1], rank, create=False, **args)
+        except (OSError, ValueError):
+            slots = None
+    everyone = all_reduce_max([int(slots is None)]) == [0]  # after it, every rank has mapped it
+    if slots is None:
+        return None
+    slots.unlink()  # nothing to leak from here on, even if a rank is killed
+    if not everyone:
+        slots.close()
+        return None
+    return slots
 
 
 class SlotsError(RuntimeError):

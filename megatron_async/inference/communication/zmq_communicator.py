@@ -26,7 +26,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from megatron_async.inference.communication.shm_slots import SharedSlots, SlotsError, segment_path, supported
+from megatron_async.inference.communication.shm_slots import SharedSlots, SlotsError, join_slots
 
 class CommunicatorError(RuntimeError):
     """A peer timed out or answered a different collective (the ranks have diverged)."""
@@ -82,35 +82,10 @@ class ZMQCommunicator:
         self._poller.register(self._monitor, zmq.POLLIN)
         # Handshake: rank 0 learns every peer's identity before it routes anything to it.
         self.barrier()
-        self._join_slots(shared_memory, spin_us)
-
-    def _join_slots(self, wanted: bool, spin_us: float | None) -> None:
-        """Collective: map rank 0's shared slots if every rank is on its host (and wants them)."""
-        slots, capacity = None, 32 + 4 * self.world_size  # StepConsensus sends ~8 + 3 ints per rank
-        if spin_us is None:  # see InferenceConfig.consensus_spin_us
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            spin_us = 2000.0 if cores >= os.getloadavg()[0] + self.world_size else 20.0
-        timing = dict(timeout_s=self._timeout_ms and self._timeout_ms / 1000, spin_us=spin_us)
-        offer = None
-        if self.rank == 0 and wanted and supported():
-            try:
-                slots = SharedSlots(segment_path(), 0, self.world_size, capacity, create=True, **timing)
-                offer = (socket.gethostname(), slots.path)
-            except OSError:
-                slots = None
-        offer = self.broadcast_object(offer)
-        if self.rank != 0 and wanted and offer is not None and offer[0] == socket.gethostname():
-            try:
-                slots = SharedSlots(offer[1], self.rank, self.world_size, capacity, create=False, **timing)
-            except (OSError, ValueError):
-                slots = None
-        everyone = self.all_reduce_max([int(slots is None)]) == [0]  # after it, every rank has mapped it
-        if slots is not None:
-            slots.unlink()  # nothing to leak from here on, even if a rank is killed
-            if everyone:
-                self._slots, self.exchange_path = slots, "shared_memory"
-            else:
-                slots.close()
+        self._slots = join_slots(self.rank, self.world_size, shared_memory, self.broadcast_object,
+                                 self.all_reduce_max, self._timeout_ms and self._timeout_ms / 1000, spin_us)
+        if self._slots is not None:
+            self.exchange_path = "shared_memory"
 
     _joined = 0  # communicators built through a rendezvous by this process (same count on every rank)
 
