@@ -12,7 +12,14 @@ loopback; the exchange is on every step's path), the others TCP. Every message c
 number and kind, so ranks that call different collectives fail loudly instead of
 silently pairing the wrong messages; every receive has a timeout so a silent peer raises
 instead of hanging, and a peer whose connection drops (its process died) makes the waiting
-ranks raise at once. Payloads are pickled: only for ranks of one trusted job."""
+ranks raise at once. Payloads are pickled: only for ranks of one trusted job.
+
+Ranks all on one host (decided together at construction) run ``exchange`` through shared memory
+instead (shm_slots.py: a slot per rank, every rank takes the max itself, no root hop, no I/O
+thread); rank 0's payload rides the segment too, only when present (a flag among the ints says
+so), and the other ranks' uploads are posted there after the round for rank 0 to take when it
+needs them (``take_uploads``); either goes over ZMQ when larger than the segment's byte area.
+``exchange_path`` says which path this communicator uses."""
 from __future__ import annotations
 
 import os
@@ -113,7 +120,6 @@ class ZMQCommunicator:
         values = [int(v) for v in values]
         if self.world_size == 1:
             return values, payload
-        self._carry.extend(self._take_posted())  # uploads of the previous round nobody took
         if self._slots is not None:
             return self._exchange_shared(seq, values, upload, payload)
         if self.rank != 0:
@@ -261,6 +267,8 @@ class ZMQCommunicator:
     def _next_seq(self) -> int:
         if self.world_size > 1 and self._sock is None:
             raise CommunicatorError("communicator is closed")
+        if self._posting is not None:  # before any other collective: uploads of the round nobody took
+            self._carry.extend(self._take_posted())
         self._seq += 1
         return self._seq
 

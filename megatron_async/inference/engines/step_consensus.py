@@ -3,8 +3,9 @@ memory when every rank is on one host, else a ZMQ round trip; see zmq_communicat
 
 Every exchange is an all-reduce-max of a few ints (plus, for data-parallel engines, one load
 slot per rank) that piggybacks rank 0's payload (the requests and aborts it accepted since the
-last exchange, each with the rank that serves it) down, and the other ranks' finished outputs
-and updates up; each only when there is one (an empty one sends nothing). No device collective and no device read-back is involved.
+last exchange, each with the rank that serves it) down, only when there is one. The other ranks'
+finished outputs and updates go up with it, but nobody waits for them: rank 0 takes them when it
+needs them (``take_uploads``). No device collective and no device read-back is involved.
 
 Tensor parallelism (replicas): the exchange sits at the start of ``step()``, before scheduling,
 so every rank admits the same requests before the same step; the padded batch and graph choice
