@@ -8,7 +8,13 @@ Qwen3-0.6B-shaped bf16 model, k = 3, oracle drafter at 80% per-token acceptance 
 the switch-off policy at batch 128), graphs on, speculative vs plain decode step time and tok/s.
 Prints one line per check; exit 1 on a failure.
 
+``--split``: only batch 128 at 0 % acceptance (k = 3, the default switch-off policy, graphs, bf16
+Qwen3-0.6B shape), every decode step timed with CUDA events and split by kind: verify steps,
+decode steps with the drafter (before / after a probe), plain steps (no drafter:
+speculative/plain_steps.py), against the plain engine's decode steps (~1 min on an H100).
+
     python scripts/check_speculative_gpu.py
+    python scripts/check_speculative_gpu.py --split
     SPEC_CHECK_DEVICE=cpu python scripts/check_speculative_gpu.py   # a dry run (emulated graphs)
 """
 from __future__ import annotations
@@ -137,6 +143,88 @@ def timing(batches=(1, 128), prompt_len: int = 64, output_len: int = 64, accept:
     return lines
 
 
+def split_timing(batch: int = 128, prompt_len: int = 64, output_len: int = 128) -> list[str]:
+    """Spec / plain ms per decode step at ``batch``, 0 % acceptance (the oracle's drafts all
+    wrong), the default switch-off policy, graphs: each step's device period from the engine's
+    CUDA events (``logging_step_interval`` 1), by step kind. One untimed run per engine first
+    (compiles, captures the graphs it replays)."""
+    cuda = DEVICE == "cuda"
+    model, dtype = ("qwen3-0.6b", "bfloat16") if cuda else ("tiny", "float32")
+    base = dict(max_requests=batch, max_tokens=max(1024, batch * (K + 1)),
+                max_sequence_length=prompt_len + output_len + 8, buffer_size_gb=4.0 if cuda else 0.05,
+                cuda_graphs=True, cuda_graph_batch_sizes=(batch,), cuda_graph_mixed_steps=False,
+                startup_warmup=False, logging_step_interval=1)
+    vocab = DEFAULT_CONFIGS[model]["vocab_size"]
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    params = SamplingParams(top_k=1, num_tokens_to_generate=output_len, ignore_eos=True)
+    plain = _with_graphs(LLM(None, DEVICE, dtype, InferenceConfig(**base), default_model=model))
+    refs = plain.generate(prompts, params)  # untimed
+    oracle = OracleDrafter({tuple(p): o.generated_tokens for p, o in zip(prompts, refs)}, 1.0, vocab, output_len + 1)
+    spec = _with_graphs(LLM(None, DEVICE, dtype, InferenceConfig(**base, num_speculative_tokens=K), default_model=model,
+                            drafter=oracle))
+    spec.generate(prompts, params)  # untimed
+    p, s = _step_kinds(plain, prompts, params), _step_kinds(spec, prompts, params)
+    same = sum(a == b for a, b in zip(s["tokens"], p["tokens"]))
+    base_ms = _mean(p["plain"])
+
+    def kind(name: str) -> str:
+        t = s[name]
+        return f"{name} {len(t)} steps {_mean(t):.3f} ms ({_mean(t) / base_ms:.2f}x)" if t else f"{name} 0 steps"
+
+    all_spec = s["plain"] + s["drafter"] + s["verify"]
+    ok = same == batch and len(s["plain"]) > len(all_spec) / 2
+    return [
+        f"{'OK ' if ok else 'BAD'} split batch={batch} k={K} oracle 0% auto policy, graphs: plain engine "
+        f"{base_ms:.3f} ms/decode step ({len(p['plain'])} steps) | speculative engine all decode steps "
+        f"{_mean(all_spec):.3f} ms ({_mean(all_spec) / base_ms:.2f}x): {kind('verify')}, {kind('drafter')}, "
+        f"{kind('plain')} | tok/s {s['tps']:,.0f} vs {p['tps']:,.0f} ({s['tps'] / p['tps']:.2f}x), same tokens "
+        f"{same}/{batch}, off rows {s['off']}",
+    ]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _step_kinds(llm: LLM, prompts, params) -> dict:
+    """One generate stepped by hand: each decode step's time (ms) by kind ("verify": rows with
+    drafts; "drafter": no drafts, with the speculative machinery; "plain": neither), tok/s."""
+    ctl, eng = llm.controller, llm.engine
+    kinds: dict[int, str] = {}
+    launch = ctl.launch_step
+
+    def logged(plan, step_id, overlapped, timed):
+        before = ctl.spec_steps.plain_steps if ctl.spec_steps is not None else 0
+        pending = launch(plan, step_id, overlapped, timed)
+        if not plan.is_all_decode:
+            kinds[step_id] = "mixed"
+        elif any(r.num_drafts for r in plan.rows):
+            kinds[step_id] = "verify"
+        else:
+            plain = ctl.spec_steps is None or ctl.spec_steps.plain_steps > before
+            kinds[step_id] = "plain" if plain else "drafter"
+        return pending
+
+    ctl.launch_step = logged
+    off0 = dict(eng.stats.spec_off_rows)
+    times: dict[str, list[float]] = {"plain": [], "drafter": [], "verify": [], "mixed": []}
+    ids = [eng.add_request(p, params) for p in prompts]
+    outs = {}
+    torch.cuda.synchronize() if DEVICE == "cuda" else None
+    t0 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        res = eng.step()
+        for o in res.finished:
+            outs[o.request_id] = o.generated_tokens
+        if res.step_time is not None and res.step_id in kinds:
+            times[kinds[res.step_id]].append(1e3 * res.step_time)
+    wall = time.perf_counter() - t0
+    ctl.launch_step = launch
+    off = {c: n - off0.get(c, 0) for c, n in eng.stats.spec_off_rows.items() if n - off0.get(c, 0)}
+    return dict(times, tokens=[outs[i] for i in ids], tps=sum(len(outs[i]) for i in ids) / wall, off=off)
+
+
 def _timed(llm: LLM, prompts, params) -> dict:
     """One generate: ms per decode step and decode tok/s (decode steps are the engine's
     decode-only launches, their tokens all but each request's first), and the speculative
@@ -167,6 +255,11 @@ def _guarded(lines: list[str], what: str, fn, *args, **kw) -> None:
 def main() -> int:
     t0 = time.perf_counter()
     lines: list[str] = []
+    if "--split" in sys.argv[1:]:
+        _guarded(lines, "split", split_timing, 128 if DEVICE == "cuda" else 8, 64 if DEVICE == "cuda" else 8,
+                 128 if DEVICE == "cuda" else 40)
+        print(f"total {time.perf_counter() - t0:.0f} s")
+        return 1 if any(line.startswith("BAD") for line in lines) else 0
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_tiny_checkpoint("Qwen3ForCausalLM", os.path.join(tmp, "qwen3"))
         greedy = SamplingParams(top_k=1, num_tokens_to_generate=24, return_log_probs=True)

@@ -186,6 +186,9 @@ class DynamicInferenceRequest:
     """Speculative decoding: row of this request's device draft state (-1 = none)."""
     spec_acceptance: float = 1.0
     """Moving average of accepted / drafted tokens of its verify rows (host, bookkept)."""
+    spec_drafts_fresh: bool = False
+    """Its latest launched row ran the drafter, so its spec slot holds drafts for its next row
+    (a plain step of a speculative engine leaves them stale; speculative/plain_steps.py)."""
 
     @property
     def num_known_tokens(self) -> int:

@@ -25,7 +25,7 @@ class EmulatedStep:
     def replay(self) -> None:
         self.runner.mode = f"graph{self.key}"
         try:
-            self.out = self.runner.controller.compute_step(self.runner.capture_shape(self.key))
+            self.out = self.runner.controller.compute_step(self.runner.capture_shape(self.key), self.key.spec)
         finally:
             self.runner.mode = "eager"
 
@@ -52,7 +52,7 @@ class EmulatedGraphRunner(CudaGraphRunner):
         self.mode = f"capture{key}"
         try:
             for _ in range(2):
-                ctl.compute_step(self.capture_shape(key))
+                ctl.compute_step(self.capture_shape(key), key.spec)
         finally:
             self.mode = "eager"
         ctl.last_samples.copy_(saved_samples)

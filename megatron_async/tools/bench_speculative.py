@@ -7,7 +7,12 @@ The oracle drafter proposes the plain run's continuation with tokens corrupted a
 1 - acceptance, so its acceptance is only what it says while the speculative run's tokens
 equal the plain run's: on a GPU in bf16 a (k + 1)-token row's logits differ in the last bits
 from a 1-token row's, near-ties then flip, and a flipped request leaves the oracle's script.
-``--batch-invariant`` (default on CUDA) makes the two bit-identical."""
+``--batch-invariant`` (default on CUDA) makes the two bit-identical.
+
+``--quick``: only batch 128 at 0 % acceptance, plain against the default switch-off policy
+(k = 3), with CUDA graphs: two engines, graphs of batch 128 only, captured by an untimed run of
+the same workload instead of a startup warm-up; about a minute on an H100, the row printed as
+soon as it is measured (issue 11's ">= 0.9x plain at batch 128 / 0 %")."""
 from __future__ import annotations
 
 import argparse
@@ -46,11 +51,15 @@ class BenchRow:
     off_rows: dict
     same_tokens: float
     """Share of requests whose tokens equal the plain run's."""
+    plain_steps: int = 0
+    """Decode steps the speculative engine ran as plain steps (no drafter: plain_steps.py)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small sweep")
+    p.add_argument("--quick", action="store_true",
+                   help="batch 128, k 3, 0%% acceptance, plain vs the switch-off policy, graphs (~1 min on an H100)")
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--model", default=None, help="built-in model (default: qwen3-0.6b on CUDA, tiny on CPU)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 128])
@@ -83,10 +92,13 @@ class SpecBench:
         common = dict(max_requests=B, max_tokens=max(2048, B * (K + 1)), max_sequence_length=args.prompt_len +
                       args.output_len + 8, buffer_size_gb=4.0 if self.device == "cuda" else 0.05,
                       batch_invariant=self.batch_invariant, cuda_graphs=args.cuda_graphs)
+        if args.quick:  # graphs of the one batch size, captured by the untimed first run (``warmup``)
+            common.update(cuda_graph_batch_sizes=(B,), cuda_graph_mixed_steps=False, startup_warmup=False)
         self.plain = self._llm(InferenceConfig(**common))
         self.spec = self._llm(InferenceConfig(**common, num_speculative_tokens=K, speculative_min_acceptance=0.0),
                               OracleDrafter({}, 1.0, self.vocab, args.output_len + 1))
-        self.ngram = self._llm(InferenceConfig(**common, num_speculative_tokens=K, speculative_method="ngram"))
+        self.ngram = None if args.quick else self._llm(
+            InferenceConfig(**common, num_speculative_tokens=K, speculative_method="ngram"))
         self.rows: list[BenchRow] = []
 
     def _llm(self, cfg: InferenceConfig, drafter=None) -> LLM:
@@ -120,7 +132,17 @@ class SpecBench:
             torch.cuda.synchronize()
 
     def warmup(self) -> None:
-        """Compile every kernel shape class once (decode, verify rows, prefill) before timing."""
+        """Compile every kernel shape class once (decode, verify rows, prefill) before timing.
+        ``--quick``: the timed workload itself, untimed, in both engines (every graph it replays
+        gets captured: wide and probe verify steps, decode steps with and without the drafter)."""
+        if self.args.quick:
+            B, params = max(self.args.batches), self._params()
+            prompts = self.prompts(B, False, seed=B)
+            outs = self.plain.generate(prompts, params)
+            self._set_oracle(prompts, outs, 0.0, max(self.args.ks))
+            self.spec.engine.scheduler.spec.min_acceptance = 0.3
+            self.spec.generate(prompts, params)
+            return
         params = SamplingParams(top_k=1, num_tokens_to_generate=8, ignore_eos=True)
         prompts = self.prompts(2, False, seed=99)
         outs = self.plain.generate(prompts, params)
@@ -133,14 +155,34 @@ class SpecBench:
         self.spec.context.spec.drafter.configure(cont, 1.0 - acceptance)  # in place: graphs captured it
         self.spec.engine.scheduler.spec.k = k
 
+    def _params(self) -> SamplingParams:
+        return SamplingParams(top_k=1, num_tokens_to_generate=self.args.output_len, ignore_eos=True)
+
+    def add(self, row: BenchRow) -> None:
+        """Keep a row and print it at once (a run cut short still leaves its rows)."""
+        self.rows.append(row)
+        print(format_table([row]).splitlines()[-1], file=sys.stderr, flush=True)
+
+    def quick(self) -> list[BenchRow]:
+        """Batch 128 (the largest of ``--batches``), k = 3, 0 %: plain, then the switch-off policy."""
+        batch, k, params = max(self.args.batches), max(self.args.ks), self._params()
+        prompts = self.prompts(batch, False, seed=batch)
+        plain, wall, steps = self.timed(self.plain, prompts, params)
+        plain_tps = sum(len(o.generated_tokens) for o in plain) / wall
+        self.add(self._row("oracle", batch, 0, None, "plain", plain, wall, steps, plain, plain_tps, None))
+        self._set_oracle(prompts, plain, 0.0, k)
+        self.spec.engine.scheduler.spec.min_acceptance = 0.3
+        self._spec_run(self.spec, "oracle", batch, k, 0.0, "auto", prompts, params, plain, plain_tps)
+        return self.rows
+
     def sweep(self) -> list[BenchRow]:
         a = self.args
-        params = SamplingParams(top_k=1, num_tokens_to_generate=a.output_len, ignore_eos=True)
+        params = self._params()
         for batch in a.batches:
             prompts = self.prompts(batch, False, seed=batch)
             plain, plain_wall, steps = self.timed(self.plain, prompts, params)
             plain_tps = sum(len(o.generated_tokens) for o in plain) / plain_wall
-            self.rows.append(self._row("oracle", batch, 0, None, "plain", plain, plain_wall, steps, plain, plain_tps, None))
+            self.add(self._row("oracle", batch, 0, None, "plain", plain, plain_wall, steps, plain, plain_tps, None))
             for k in a.ks:
                 for acc in a.acceptances:
                     if not self.time_left():
@@ -183,7 +225,7 @@ class SpecBench:
         outs, wall, steps = self.timed(llm, prompts, params)
         d = _SpecCounts.of(llm.engine.stats).minus(before)
         tps = sum(len(o.generated_tokens) for o in outs) / wall
-        self.rows.append(self._row(workload, batch, k, acc, policy, outs, wall, steps, plain, plain_tps, d, tps))
+        self.add(self._row(workload, batch, k, acc, policy, outs, wall, steps, plain, plain_tps, d, tps))
 
     def _row(self, workload, batch, k, acc, policy, outs, wall, steps, plain, plain_tps, counts=None,
              tps=None) -> BenchRow:
@@ -192,7 +234,7 @@ class SpecBench:
         c = counts or _SpecCounts([0], [0], 0, {})
         rows = max(c.drafted[0], 1)
         return BenchRow(workload, batch, k, acc, policy, tps, plain_tps, tps / plain_tps, c.conditional_acceptance,
-                        1 + sum(c.accepted) / rows if c.drafted[0] else 1.0, steps, c.off, same)
+                        1 + sum(c.accepted) / rows if c.drafted[0] else 1.0, steps, c.off, same, c.plain_steps)
 
 
 @dataclass
@@ -201,16 +243,18 @@ class _SpecCounts:
     accepted: list[int]
     verify_rows: int
     off: dict
+    plain_steps: int = 0
 
     @classmethod
     def of(cls, st) -> _SpecCounts:
         return cls(list(st.spec_draft_tokens_per_depth) or [0], list(st.spec_accepted_tokens_per_depth) or [0],
-                   st.spec_verify_rows, dict(st.spec_off_rows))
+                   st.spec_verify_rows, dict(st.spec_off_rows), st.spec_plain_steps)
 
     def minus(self, o: _SpecCounts) -> _SpecCounts:
         sub = lambda a, b: [x - y for x, y in zip(a, b + [0] * (len(a) - len(b)))]  # noqa: E731
         off = {c: n - o.off.get(c, 0) for c, n in self.off.items() if n - o.off.get(c, 0)}
-        return _SpecCounts(sub(self.drafted, o.drafted), sub(self.accepted, o.accepted), self.verify_rows - o.verify_rows, off)
+        return _SpecCounts(sub(self.drafted, o.drafted), sub(self.accepted, o.accepted), self.verify_rows - o.verify_rows,
+                           off, self.plain_steps - o.plain_steps)
 
     @property
     def conditional_acceptance(self) -> float:
@@ -220,13 +264,14 @@ class _SpecCounts:
 
 def format_table(rows: list[BenchRow]) -> str:
     head = ("| workload | batch | k | oracle acc. | policy | tok/s | plain tok/s | speedup | measured acc. | tokens/row "
-            "| steps | drafts off | same tokens |")
-    lines = [head, "|" + "---|" * 13]
+            "| steps | plain steps | drafts off | same tokens |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         acc = "-" if r.target_acceptance is None else f"{r.target_acceptance:.0%}"
         off = ", ".join(f"{c} {n}" for c, n in r.off_rows.items()) or "-"
         lines.append(f"| {r.workload} | {r.batch} | {r.k or '-'} | {acc} | {r.policy} | {r.tokens_per_s:,.0f} | "
-                     f"{r.plain_tokens_per_s:,.0f} | {r.speedup:.2f}x | {r.acceptance:.0%} | {r.tokens_per_row:.2f} | {r.steps} | {off} | "
+                     f"{r.plain_tokens_per_s:,.0f} | {r.speedup:.2f}x | {r.acceptance:.0%} | {r.tokens_per_row:.2f} | {r.steps} | "
+                     f"{r.plain_steps if r.k else '-'} | {off} | "
                      f"{r.same_tokens:.0%} |")
     return "\n".join(lines)
 
@@ -236,12 +281,18 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     if args.smoke:
         args.batches, args.ks, args.acceptances = [1, 4], [1, 3], [0.0, 0.5, 1.0]
         args.prompt_len, args.output_len, args.device = 12, 12, args.device or "cpu"
+    if args.quick:
+        args.batches, args.ks, args.acceptances = [max(args.batches)], [3], [0.0]
+        args.cuda_graphs = args.cuda_graphs or torch.cuda.is_available() and args.device != "cpu"
     bench = SpecBench(args)
     print(f"bench_speculative: {bench.model} on {bench.device} ({bench.dtype}), batch_invariant="
           f"{bench.batch_invariant}, prompts {args.prompt_len}, outputs {args.output_len}, "
           f"{'CUDA graphs' if args.cuda_graphs else 'eager'}", file=sys.stderr)
+    t0 = time.perf_counter()
     bench.warmup()
-    rows = bench.sweep()
+    print(f"bench_speculative: warm-up {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    print(format_table([]), file=sys.stderr, flush=True)
+    rows = bench.quick() if args.quick else bench.sweep()
     print(format_table(rows))
     idle = bench.idle_run() if args.idle else None
     if idle is not None:

@@ -22,3 +22,11 @@ def test_smoke(tmp_path):
     auto = [r for r in oracle if r.policy == "auto"]
     assert auto and all(r.off_rows.get("acceptance", 0) > 0 for r in auto)
     assert json.loads(out.read_text())["rows"]
+
+
+def test_quick_mode():
+    """--quick: the batch-128-at-0 % pair only (here the smoke's largest batch, 4), plain and the
+    switch-off policy, with plain steps counted."""
+    rows = main(["--smoke", "--quick"])
+    assert [(r.policy, r.batch, r.k, r.target_acceptance) for r in rows] == [("plain", 4, 0, None), ("auto", 4, 3, 0.0)]
+    assert rows[1].same_tokens == 1.0 and rows[1].off_rows.get("acceptance", 0) > 0 and rows[1].plain_steps > 0

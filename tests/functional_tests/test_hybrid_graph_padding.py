@@ -82,8 +82,9 @@ def test_hybrid_padded_graph_steps_equal_eager_steps(ckpt, async_scheduling):
 def test_hybrid_padded_graph_steps_triton_kernels(ckpt):
     """The packed Triton conv / scan and varlen attention (interpreted): same tokens with and
     without graph padding, launch-ahead; small: the interpreter is slow."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs the Triton interpreter (set before triton was imported)")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the engine runs on the CPU: needs the Triton interpreter (set before triton was imported; "
+                    "on a CUDA box the GPU tests cover the compiled kernels)")
     arrivals = _arrivals(seed=9, n=4, new=3, kinds=(0, 2, 4))
     ref, _ = _run(ckpt, arrivals, graphs=False, async_scheduling=True, backend="triton", num_kv_blocks=64)
     got, llm = _run(ckpt, arrivals, graphs=True, async_scheduling=True, backend="triton", num_kv_blocks=64)

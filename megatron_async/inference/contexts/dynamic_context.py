@@ -315,11 +315,11 @@ class DynamicInferenceContext:
                 req, start, n, k = row.request, row.start, row.num_tokens, row.num_drafts
                 assert start == req.num_computed_tokens
                 undo.append(RowUndo.of(req))
-                # a verify row's input token comes from the device when its predecessor is in flight
-                inflight = spec and row.prev_row >= 0
+                # a row's input token comes from the spec state when its predecessor in flight verified drafts
+                inflight = spec and row.prev_row >= 0 and plan.inflight_verified
                 for p in range(start, start + n):
                     j = p - start
-                    if j == 0 and row.prev_row >= 0 and not spec:
+                    if j == 0 and row.prev_row >= 0 and not inflight:
                         ids.append(0)
                         prev.append(row.prev_row)
                     elif j > 0 and j <= k or j == 0 and inflight:

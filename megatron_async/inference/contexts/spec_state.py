@@ -55,6 +55,7 @@ class SpecState:
         if req.spec_slot >= 0:
             return
         req.spec_slot = self._free.pop()
+        req.spec_drafts_fresh = False  # the slot's drafts are another request's until a drafter run
         if self.drafter is not None:
             self.drafter.on_admit(req, req.spec_slot)
 

@@ -76,6 +76,7 @@ class DynamicInferenceEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(config, context)
+        controller.bind_spec_policy(self.scheduler.spec)
         self.validator = RequestValidator(config, context, controller.model.vocab_size, controller.eos_ids, tokenizer)
         self.stats = EngineStats()
         self._gen = torch.Generator().manual_seed(config.seed)
@@ -424,6 +425,7 @@ class DynamicInferenceEngine:
         st.spec_verify_rows += res.drafted[0] if res.drafted else 0
         st.spec_truncated_rows += res.truncated
         st.spec_off_rows = Counter(self.scheduler.spec.off_rows)
+        st.spec_plain_steps = self.controller.spec_steps.plain_steps
 
     def _account_time(self, pending: PendingLaunch, wall: float) -> None:
         if pending.is_decode_only:

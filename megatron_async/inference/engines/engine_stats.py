@@ -77,7 +77,12 @@ class EngineStats:
     spec_off_rows: Counter = field(default_factory=Counter)
     """Decode rows run without drafts although speculation is on, by cause: "acceptance" (the
     request's acceptance fell below speculative_min_acceptance), "batch" (more decode rows than
-    speculative_max_batch_size), "penalties" (penalties / min_tokens)."""
+    speculative_max_batch_size), "penalties" (penalties / min_tokens), "stale" (its previous
+    launch was a plain step, so it has no drafts for this row)."""
+    spec_plain_steps: int = 0
+    """Decode steps of a speculative engine launched as plain steps: no row drafted in them and
+    none could draft next, so they ran the plain engine's step (and replayed its decode graphs)
+    without the drafter or any speculative state work (speculative/plain_steps.py)."""
     warmup_seconds: float = 0.0
     """Wall time of ``engine.warmup()`` (Triton builds + graph captures before serving)."""
     warmup_memory_bytes: int = 0

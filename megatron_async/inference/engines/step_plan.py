@@ -28,6 +28,11 @@ class RowPlan:
 @dataclass
 class StepPlan:
     rows: list[RowPlan] = field(default_factory=list)
+    inflight_verified: bool = True
+    """Speculative decoding: the launch in flight verified drafts, so rows continuing it
+    (``prev_row`` >= 0) take their input token, and the correction of their positions, from
+    the spec state on the device. False: it sampled one token per row, and they read its
+    samples as a plain engine's rows do (speculative/plain_steps.py)."""
 
     @property
     def num_tokens(self) -> int:

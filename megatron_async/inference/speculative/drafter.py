@@ -68,6 +68,8 @@ class Drafter(ABC):
     """Proposes ``num_speculative_tokens`` drafts per row, on the device."""
 
     name: str = "drafter"
+    tracks_plain_steps: bool = False
+    """``track`` must see the steps a speculative engine runs without the drafter (plain_steps.py)."""
 
     def bind(self, spec: SpecState) -> None:
         """Called once when the engine is built: allocate per-slot device state here
@@ -80,6 +82,13 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, out: VerifyOutputs) -> torch.Tensor:
         """-> [R, K] int64 drafts for each row's next step (positions ``last_pos + 1 ...``)."""
+
+    def track(self, out: VerifyOutputs) -> None:
+        """A step ran without the drafter (no drafts in it, none wanted after it: plain_steps.py):
+        update per-position state its later proposals read (token history, a head's KV), so
+        drafting resumes as if it had run. ``out`` has one sample per row (``num_drafts`` 0),
+        every tensor on the device, as in ``propose``; nothing may be read on the host. Called
+        only when ``tracks_plain_steps``."""
 
     def match_collectives(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> None:
         """Data-parallel engines (expert parallelism): a rank with nothing to launch runs this

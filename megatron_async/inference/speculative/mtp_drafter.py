@@ -26,6 +26,7 @@ from megatron_async.inference.speculative.drafter import Drafter, TokenHistory, 
 
 class MTPDrafter(Drafter):
     name = "mtp"
+    tracks_plain_steps = True
 
     def __init__(self, model, max_sequence_length: int):
         """``model``: a DecoderModel with MTP heads (``mtp_forward``, ``compute_logits``)."""
@@ -40,14 +41,23 @@ class MTPDrafter(Drafter):
     def on_admit(self, req: DynamicInferenceRequest, slot: int) -> None:
         self.history.fill(req, slot)
 
-    def propose(self, out: VerifyOutputs) -> torch.Tensor:
-        K, L = self.spec.num_speculative_tokens, self.history.length
-        attn, R = out.batch.attn, out.num_rows
+    def track(self, out: VerifyOutputs) -> None:
+        """A step without the drafter: depth 0's KV at its positions still gets filled (later
+        drafts attend over it); no logits, no drafts."""
+        self._depth0(out)
+
+    def _depth0(self, out: VerifyOutputs) -> torch.Tensor:
+        """Record the step's samples, run depth 0 teacher forced over all its tokens: [T, H]."""
+        attn, L = out.batch.attn, self.history.length
         T = attn.num_tokens
         self.history.record(out)
         owner = out.row_slots[attn.token_to_row[:T].long()]
         next_ids = self.history.tokens[owner, (attn.positions[:T] + 1).clamp(0, L - 1)]
-        hidden = self.model.mtp_forward(0, next_ids, out.hidden[:T], out.batch)[out.hidden_idx]
+        return self.model.mtp_forward(0, next_ids, out.hidden[:T], out.batch)
+
+    def propose(self, out: VerifyOutputs) -> torch.Tensor:
+        K, R = self.spec.num_speculative_tokens, out.num_rows
+        hidden = self._depth0(out)[out.hidden_idx]
         inv = out.batch.batch_invariant
         drafts = [self.model.compute_logits(hidden, inv).argmax(dim=-1)]
         for j in range(1, K):

@@ -18,6 +18,7 @@ from megatron_async.inference.speculative.drafter import Drafter, TokenHistory, 
 
 class NGramDrafter(Drafter):
     name = "ngram"
+    tracks_plain_steps = True
 
     def __init__(self, max_ngram: int, max_sequence_length: int):
         self.max_ngram = max_ngram
@@ -30,6 +31,9 @@ class NGramDrafter(Drafter):
 
     def on_admit(self, req: DynamicInferenceRequest, slot: int) -> None:
         self.history.fill(req, slot)
+
+    def track(self, out: VerifyOutputs) -> None:
+        self.history.record(out)  # the lookups of later drafts read every emitted token
 
     def propose(self, out: VerifyOutputs) -> torch.Tensor:
         K = self.spec.num_speculative_tokens

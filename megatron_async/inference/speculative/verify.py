@@ -26,6 +26,7 @@ class SpecVerifier:
         self.block_size = block_size
         K = spec.num_speculative_tokens
         self._cols = torch.arange(K + 1, device=spec.device.device)
+        self._no_drafts = torch.zeros(spec.num_slots, dtype=torch.int64, device=spec.device.device)
 
     def prepare(self, g, T: int, R: int, S: int, input_ids: torch.Tensor) -> torch.Tensor:
         """Correct the step's positions in the GPU view (in place: the next H2D copy rewrites
@@ -76,3 +77,11 @@ class SpecVerifier:
 
     def store_drafts(self, out: VerifyOutputs, drafts: torch.Tensor) -> None:
         self.spec.drafts[out.slots] = drafts
+
+    def plain_outputs(self, g, R: int, tokens: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> VerifyOutputs:
+        """What a plain step (one token and one sample per row, no drafts: plain_steps.py) gives
+        ``Drafter.track``; it writes no spec state."""
+        zeros = self._no_drafts[:R]
+        return VerifyOutputs(R, g.spec_slot[:R], tokens[:R, None], g.sample_position[:R, None], zeros, zeros,
+                             tokens[:R], g.sample_position[:R], hidden, g.sample_token_idx[:R], batch,
+                             row_slots=g.spec_owner_slot[:R])

@@ -47,7 +47,7 @@ class CapturedStep:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self.out = self.runner.compute_step(self.shape)
+            self.out = self.runner.compute_step(self.shape, self.key.spec)
 
     def outputs(self, num_samples: int, log_probs: bool, top_n: int):
         """The real samples' tokens (one per real row; verify graphs: K + 1 per real row), and
@@ -76,9 +76,10 @@ def graph_shape(key: GraphKey, max_sequence_length: int, vocab_size: int) -> Ste
     )
 
 
-def decode_key(rows: int, variant: SamplingVariant = SamplingVariant.GREEDY) -> GraphKey:
-    """The key of the decode graph of ``rows`` (padded) rows and a sampling variant."""
-    return GraphKey(rows, rows, True, variant)
+def decode_key(rows: int, variant: SamplingVariant = SamplingVariant.GREEDY, spec: bool = False) -> GraphKey:
+    """The key of the decode graph of ``rows`` (padded) rows and a sampling variant (``spec``:
+    with speculative decoding's machinery)."""
+    return GraphKey(rows, rows, True, variant, spec=spec)
 
 
 class CudaGraphRunner:
@@ -93,13 +94,15 @@ class CudaGraphRunner:
         variant draws the same tokens), only the graphs ``warmup`` captured on every rank at once
         are replayed, a missing one is an error (never a capture on one rank alone), and a rank
         with nothing to launch replays the agreed graph on padding rows (``replay_padding``).
-        ``verify``: verify graphs when speculative decoding is on."""
+        ``verify``: verify graphs when speculative decoding is on. Speculative engines also
+        capture plain decode graphs (speculative/plain_steps.py), except data-parallel ones
+        (every rank runs the drafter's collectives in every step)."""
         self.controller = controller
         self.config = config
         self.collective = collective
         if collective:
             mixed, verify = False, False
-        self.plan = GraphPlan(config, controller.model.vocab_size, mixed, variants, verify)
+        self.plan = GraphPlan(config, controller.model.vocab_size, mixed, variants, verify, plain_steps=not collective)
         self.graphs: dict[GraphKey, CapturedStep] = {}
         self.emulate = emulate
         self._pool = None
@@ -133,10 +136,13 @@ class CudaGraphRunner:
         if padded is None or variant is None:
             return None
         # a larger variant the others may agree on is captured whenever this one is (warm-up takes them all)
-        return variant_index(variant) if decode_key(padded, variant) in self.graphs else None
+        key = decode_key(padded, variant, self.plan.speculative)
+        return variant_index(variant) if key in self.graphs else None
 
-    def lookup(self, shape: StepShape, min_rows: int = 0, min_variant: int = 0) -> CapturedStep | None:
-        key = self.plan.key(shape, min_rows, min_variant)
+    def lookup(self, shape: StepShape, min_rows: int = 0, min_variant: int = 0,
+               spec: bool | None = None) -> CapturedStep | None:
+        """``spec``: the step runs speculative decoding's machinery (None: whenever it is on)."""
+        key = self.plan.key(shape, min_rows, min_variant, spec)
         step = self.graphs.get(key) if key is not None else None
         if step is None and self.collective:  # the ranks agreed on a replay: a bug, say so before a hang
             raise RuntimeError(f"data-parallel ranks agreed to replay CUDA graphs, but this rank's step "
@@ -160,7 +166,7 @@ class CudaGraphRunner:
         discarded. Returns the rows."""
         b = self.padded_rows(num_rows)
         kind = list(SamplingVariant)[variant]
-        step = self.graphs.get(decode_key(b, kind)) if b is not None else None
+        step = self.graphs.get(decode_key(b, kind, self.plan.speculative)) if b is not None else None
         if step is None:
             raise RuntimeError(f"no {kind.value} CUDA graph for a dummy step of {num_rows} rows "
                                f"(captured: {sorted(self.graphs, key=str)})")
@@ -215,13 +221,13 @@ class CudaGraphRunner:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                ctl.compute_step(shape)
+                ctl.compute_step(shape, key.spec)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: NCCL's watchdog thread keeps polling events while a TP / EP graph with
         # collectives is captured; "global" mode would turn those polls into capture errors.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = ctl.compute_step(shape)
+            out = ctl.compute_step(shape, key.spec)
         self._pool = graph.pool()
         ctl.last_samples.copy_(saved_samples)
         ctx.gpu_view.buffer.copy_(saved_view)

@@ -27,7 +27,11 @@ A row's padding costs tokens of a forward that is memory bound at the batch size
 speculation pays, while a key per draft count multiplies the captures; width 2 keeps steps
 where requests switched off by acceptance probe with one draft from paying for K + 1 tokens.
 A verify step that mixes in a prefill chunk runs eager (a hybrid's window layout then needs
-host lists); a step whose rows all run without drafts replays a plain decode graph."""
+host lists); a step whose rows all run without drafts replays a decode graph.
+
+A speculative engine's graphs run its speculative machinery (``GraphKey.spec``: spec inputs,
+acceptance, drafter); its decode steps that need none of it (speculative/plain_steps.py)
+replay decode graphs without it, under the same keys as a plain engine's."""
 from __future__ import annotations
 
 import bisect
@@ -106,6 +110,9 @@ class GraphKey:
     variant: SamplingVariant
     verify_width: int = 0
     """> 0: a verify graph; every row is this many tokens and samples (its last token, drafts)."""
+    spec: bool = False
+    """The step runs speculative decoding's machinery (spec inputs, acceptance, the drafter);
+    False: a plain engine's step (also a speculative engine's plain decode steps)."""
 
 
 def default_batch_sizes(max_requests: int) -> list[int]:
@@ -134,9 +141,15 @@ class GraphPlan:
     may be captured."""
 
     def __init__(self, config: InferenceConfig, vocab_size: int, mixed: bool,
-                 variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), verify: bool = False):
-        """``verify``: verify graphs for speculative decoding (``num_speculative_tokens`` > 0)."""
+                 variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), verify: bool = False,
+                 plain_steps: bool = False):
+        """``verify``: verify graphs for speculative decoding (``num_speculative_tokens`` > 0).
+        ``plain_steps``: a speculative engine's decode steps may run plain (decode graphs of
+        both kinds)."""
         self.config = config
+        self.speculative = config.num_speculative_tokens > 0
+        """Every graph but the plain decode graphs runs the speculative machinery."""
+        self.plain_steps = plain_steps and self.speculative
         self.vocab_size = vocab_size
         self.decode_sizes = sorted(config.cuda_graph_batch_sizes or default_batch_sizes(config.max_requests))
         counts = config.cuda_graph_token_counts or default_token_counts(config.max_tokens)
@@ -170,10 +183,13 @@ class GraphPlan:
         plus at least one spare row for the padding tokens."""
         return min(self.config.max_requests, padded_tokens) + 1
 
-    def key(self, shape, min_rows: int = 0, min_variant: int = 0) -> GraphKey | None:
+    def key(self, shape, min_rows: int = 0, min_variant: int = 0, spec: bool | None = None) -> GraphKey | None:
         """The graph a step replays (None: eager). ``min_rows`` / ``min_variant``: data-parallel
         ranks pad decode steps at least to the rows, and replay at least the sampling variant,
-        that all ranks agreed on (a larger variant draws the same tokens)."""
+        that all ranks agreed on (a larger variant draws the same tokens). ``spec``: whether
+        the step runs the speculative machinery (None: whenever speculation is on); only
+        decode steps of a plan with ``plain_steps`` can run without it."""
+        spec = self.speculative if spec is None or not self.plain_steps else spec
         variant = variant_of(shape)
         if variant is None:
             return None
@@ -186,23 +202,28 @@ class GraphPlan:
                 return None  # not a uniform layout of a captured width (a prefill chunk beside them: eager)
             sizes = self.verify_sizes[W]
             i = bisect.bisect_left(sizes, shape.num_rows)
-            return GraphKey(sizes[i] * W, sizes[i], False, variant, W) if i < len(sizes) else None
+            return GraphKey(sizes[i] * W, sizes[i], False, variant, W, True) if i < len(sizes) else None
         if shape.is_decode_only:
             rows = max(shape.num_rows, min_rows)
             if rows > self.decode_sizes[-1]:
                 return None
             padded = self.decode_sizes[bisect.bisect_left(self.decode_sizes, rows)]
-            return GraphKey(padded, padded, True, variant)
+            return GraphKey(padded, padded, True, variant, spec=spec)
         if not self.token_counts or shape.num_tokens > self.token_counts[-1] or min_rows:
             return None
         tokens = self.token_counts[bisect.bisect_left(self.token_counts, shape.num_tokens)]
-        return GraphKey(tokens, self.mixed_rows(tokens), False, variant)
+        return GraphKey(tokens, self.mixed_rows(tokens), False, variant, spec=self.speculative)
 
     def keys(self) -> list[GraphKey]:
         """Every key, in capture order: largest first within each kind (so later, smaller
-        captures reuse the shared pool's memory), mixed before verify before decode."""
-        mixed = [GraphKey(t, self.mixed_rows(t), False, v) for t in reversed(self.token_counts) for v in self.variants]
-        verify = [GraphKey(b * w, b, False, v, w) for w in reversed(self.verify_sizes)
+        captures reuse the shared pool's memory), mixed before verify before decode (a
+        speculative engine's decode graphs with the machinery before the plain ones)."""
+        spec = self.speculative
+        mixed = [GraphKey(t, self.mixed_rows(t), False, v, spec=spec) for t in reversed(self.token_counts)
+                 for v in self.variants]
+        verify = [GraphKey(b * w, b, False, v, w, True) for w in reversed(self.verify_sizes)
                   for b in reversed(self.verify_sizes[w]) for v in self.variants]
-        decode = [GraphKey(b, b, True, v) for b in reversed(self.decode_sizes) for v in self.variants]
+        kinds = (True, False) if self.plain_steps else (spec,)
+        decode = [GraphKey(b, b, True, v, spec=k) for b in reversed(self.decode_sizes) for k in kinds
+                  for v in self.variants]
         return mixed + verify + decode

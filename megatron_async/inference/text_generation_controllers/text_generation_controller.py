@@ -18,6 +18,7 @@ from megatron_async.inference.engines.step_plan import StepPlan
 from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.request import DynamicInferenceRequest
 from megatron_async.inference.speculative.acceptance import emitted_tokens
+from megatron_async.inference.speculative.plain_steps import PlainStepSelector
 from megatron_async.inference.speculative.policy import SpecPolicy
 from megatron_async.inference.speculative.verify import SpecVerifier
 from megatron_async.inference.stop_conditions import finish_reason
@@ -59,6 +60,8 @@ class TextGenerationController:
         # graph padding rows write past the real rows, up to the snapshot's spare row.
         self.last_samples = torch.zeros(S, dtype=torch.int64, device=dev)
         self.spec = SpecVerifier(context.spec, context.block_size) if context.spec is not None else None
+        self.spec_steps = PlainStepSelector() if self.spec is not None else None
+        """Speculative decoding: which steps run the plain engine's step (``bind_spec_policy``)."""
         self.accepted = torch.zeros(context.max_rows, dtype=torch.int64, device=dev)
         """Speculative decoding: drafts accepted per row of the latest launch (fixed address;
         a graph's spare padding row writes one too)."""
@@ -85,11 +88,19 @@ class TextGenerationController:
             "accepted": torch.zeros(R, dtype=torch.int64, pin_memory=pin),
         }
 
+    def bind_spec_policy(self, policy: SpecPolicy) -> None:
+        """Speculative decoding: steps where no row drafts now or (by ``policy``) next run the
+        plain engine's step. Not under expert parallelism: every rank runs the drafter's
+        collectives in every step."""
+        if self.spec_steps is not None:
+            self.spec_steps = PlainStepSelector(policy)
+
     # ------------------------------------------------------------------ device side
     @torch.inference_mode()
     def launch_step(self, plan: StepPlan, step_id: int, overlapped: bool, timed: bool) -> PendingLaunch:
         ctx = self.context
         use_graphs = self.graphs is not None and not self.force_eager
+        spec = self.spec_steps is not None and (self.spec_steps.speculative(plan) or self.expert_parallel)
         # verify steps that may replay a verify graph are laid out uniformly (its width per row)
         width = self.graphs.plan.verify_width(plan) if use_graphs else 0
         with nvtx_range("initialize_attention_state"):
@@ -101,10 +112,13 @@ class TextGenerationController:
         t0 = time.perf_counter()
         graph = None
         if use_graphs:
-            graph = self.graphs.lookup(shape, min_rows=self.dp_num_tokens, min_variant=self.dp_variant)
+            graph = self.graphs.lookup(shape, min_rows=self.dp_num_tokens, min_variant=self.dp_variant, spec=spec)
         if graph is not None:
             k = graph.key
+            spec |= k.spec  # a graph with the machinery runs it (correct for any step's layout)
             ctx.pad_for_graph(shape.num_tokens, shape.num_rows, k.num_tokens, k.num_rows, k.verify_width)
+        if self.spec_steps is not None:
+            self.spec_steps.launched(plan, spec)
         with nvtx_range("transfer_bookkeeping_to_gpu"):
             ctx.transfer_bookkeeping_to_gpu()
         if graph is not None:
@@ -113,7 +127,7 @@ class TextGenerationController:
             tokens, log_probs, top_vals, top_ids = graph.outputs(shape.num_samples, shape.any_log_probs,
                                                                  shape.max_top_n)
         else:
-            tokens, log_probs, top_vals, top_ids = self.compute_step(shape)
+            tokens, log_probs, top_vals, top_ids = self.compute_step(shape, spec)
         if ctx.mamba is not None:
             ctx.mamba.after_forward()
         self._ring = (self._ring + 1) % len(self._host_ring)
@@ -122,7 +136,7 @@ class TextGenerationController:
         with nvtx_range("transfer_samples_to_cpu"):
             host["tokens"][:S].copy_(tokens, non_blocking=True)
             h_acc = None
-            if self.spec is not None:
+            if spec:  # a plain step accepts nothing
                 h_acc = host["accepted"][:R]
                 h_acc.copy_(self.accepted[:R], non_blocking=True)
             h_lp = h_tv = h_ti = None
@@ -146,17 +160,20 @@ class TextGenerationController:
             host_accepted=h_acc, sample_base=shape.sample_base,
         )
 
-    def compute_step(self, shape: StepShape):
+    def compute_step(self, shape: StepShape, spec: bool | None = None):
         """Forward + sample of one assembled step, reading only the GPU view.
 
-        Also the body that CUDA graphs capture (with padded decode and mixed shapes)."""
+        Also the body that CUDA graphs capture (with padded decode and mixed shapes).
+        ``spec``: speculative decoding's machinery (spec inputs, acceptance, drafter) runs;
+        False: the plain engine's step (plain_steps.py); None: whenever speculation is on."""
         ctx, g = self.context, self.context.gpu_view
+        spec = self.spec is not None if spec is None else spec and self.spec is not None
         T, R, S = shape.num_tokens, shape.num_rows, shape.num_samples
         batch = ctx.forward_batch(shape)
         batch.ep_num_tokens = max(T, self.dp_num_tokens) if self.expert_parallel else None
         prev = g.prev_sample_idx[:T]
         input_ids = torch.where(prev >= 0, self.last_samples[prev.clamp(min=0)], g.input_ids[:T])
-        if self.spec is not None:  # positions corrected in the view before the forward reads them
+        if spec:  # positions corrected in the view before the forward reads them
             input_ids = self.spec.prepare(g, T, R, S, input_ids)
         with nvtx_range("forward_pass"):
             hidden = self.model(input_ids, batch)
@@ -169,11 +186,14 @@ class TextGenerationController:
             if shape.any_log_probs or shape.max_top_n > 0:
                 log_probs, top_vals, top_ids = sampling.log_probs_of(logits.float(), tokens, shape.max_top_n,
                                                                      self.batch_invariant)
-        if self.spec is not None:
+        if spec:
             with nvtx_range("speculative_verify"):
                 out = self.spec.verify(g, R, input_ids, tokens, hidden, batch, self.accepted)
                 self.model.commit_speculative(out)
                 self.spec.store_drafts(out, ctx.spec.drafter.propose(out))
+        elif self.spec is not None and ctx.spec.drafter.tracks_plain_steps:
+            with nvtx_range("speculative_track"):
+                ctx.spec.drafter.track(self.spec.plain_outputs(g, R, tokens, hidden, batch))
         return self.last_samples[:S], log_probs, top_vals, top_ids
 
     @torch.inference_mode()

@@ -125,11 +125,11 @@ def test_verify_keys_pad_rows_to_a_decode_size_at_the_narrowest_width():
     r._capture = lambda key: SimpleNamespace(num_rows=key.num_rows, key=key)
     assert r.plan.verify_sizes == {2: [1, 2, 4, 8], 4: [1, 2, 4]}
     verify_keys = [k for k in r.plan.keys() if k.verify_width]
-    assert verify_keys == [GraphKey(w * b, b, False, v, w) for w, sizes in ((4, (4, 2, 1)), (2, (8, 4, 2, 1)))
+    assert verify_keys == [GraphKey(w * b, b, False, v, w, True) for w, sizes in ((4, (4, 2, 1)), (2, (8, 4, 2, 1)))
                            for b in sizes for v in SamplingVariant]
-    assert r.lookup(verify_shape(3, 4, sampling=True)).key == GraphKey(16, 4, False, SamplingVariant.TEMPERATURE, 4)
-    assert r.lookup(verify_shape(1, 4)).key == GraphKey(4, 1, False, SamplingVariant.GREEDY, 4)
-    assert r.lookup(verify_shape(5, 2)).key == GraphKey(16, 8, False, SamplingVariant.GREEDY, 2)
+    assert r.lookup(verify_shape(3, 4, sampling=True)).key == GraphKey(16, 4, False, SamplingVariant.TEMPERATURE, 4, True)
+    assert r.lookup(verify_shape(1, 4)).key == GraphKey(4, 1, False, SamplingVariant.GREEDY, 4, True)
+    assert r.lookup(verify_shape(5, 2)).key == GraphKey(16, 8, False, SamplingVariant.GREEDY, 2, True)
     assert r.lookup(verify_shape(5, 4)) is None  # beyond the largest size of width 4
     assert r.lookup(verify_shape(2, 3, uniform=False)) is None  # compact layout: eager
     assert r.lookup(verify_shape(2, 3)) is None  # not a captured width

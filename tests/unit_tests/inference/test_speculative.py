@@ -96,6 +96,7 @@ def test_policy_switches_off_and_counts():
     pol = SpecPolicy(InferenceConfig(num_speculative_tokens=3, speculative_min_acceptance=0.5,
                                      speculative_probe_interval=3, speculative_max_batch_size=8))
     req = DynamicInferenceRequest(0, [1], SamplingParams(), seed=0)
+    req.spec_drafts_fresh = True  # its latest launch ran the drafter
     assert pol.drafts_for(req, 4, room=2) == 2 and pol.drafts_for(req, 4, room=0) == 0
     assert pol.drafts_for(req, 9, room=5) == 0 and pol.off_rows["batch"] == 1
     pen = DynamicInferenceRequest(1, [1], SamplingParams(presence_penalty=0.1), seed=0)
@@ -104,7 +105,7 @@ def test_policy_switches_off_and_counts():
         pol.observe(req, 3, 0)
     assert req.spec_acceptance < 0.5
     late = DynamicInferenceRequest(2, [1], SamplingParams(), seed=0)  # switched off at another time
-    late.spec_acceptance = 0.0
+    late.spec_acceptance, late.spec_drafts_fresh = 0.0, True
 
     def step(r):
         pol.begin_step()
