@@ -91,7 +91,8 @@ class LLM:
                                                 self.config.p2p_all_reduce_max_bytes, self.device)
             if self.parallel.is_distributed:
                 self.communicator = ZMQCommunicator.from_rendezvous(
-                    self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size)
+                    self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size,
+                    shared_memory=self.config.consensus_shared_memory, spin_us=self.config.consensus_spin_us)
             self._build(model, default_model, seed, drafter)
         except BaseException:
             self.close()  # every rank fails the same way at load (a shape that does not divide): leave cleanly

@@ -1,11 +1,15 @@
-"""Cost of the per-step consensus on the CPU: N spawned ranks on loopback (gloo job + ZMQ).
+"""Cost of the per-step consensus on the CPU: N spawned ranks on one host (gloo job + ZMQ).
 
-1. The bare exchange: one ``StepConsensus.exchange`` (the ints every step agrees on plus rank
-   0's payload, here one new request every 4th step) against the scheme it replaced (a
-   broadcast of rank 0's requests + a separate all-reduce for "anyone has work": two round trips).
-2. In the engine: EngineStats.consensus_time / consensus_rounds of a launch-ahead run of the
-   built-in MoE model with data-parallel engines (expert_parallel_size=N), which includes the
-   wait for the slowest rank, next to the engine's mean step time.
+1. The bare exchange: ``StepConsensus.exchange`` back to back through each path, the ZMQ round
+   trip through rank 0 (Unix socket, as engines on one host use it) and the shared-memory slots
+   (the default on one host), with rank 0 sending one new request every 4th step; tensor
+   parallel (no uploads) and data parallel (every other rank uploads 8 streaming updates every
+   step, as decoding ranks do). Per round: p50 / p99 of its duration on a rank, and of its own
+   cost (from the last rank's arrival to this rank holding the result: the part that is not
+   waiting for a slower rank). The first 10% of rounds are dropped (warm-up).
+2. In the engine: EngineStats of a launch-ahead run of the built-in MoE model with data-parallel
+   engines (expert_parallel_size=N) on each path: consensus us per round (waits for the slowest
+   rank included) and its own cost p50 (``consensus_latency_us``), next to the wall time.
 
 3. Every K steps instead (``--windows``): a trace of a data-parallel run that agrees every step
    (tiny-moe, staggered greedy and sampled arrivals, CUDA graphs emulated on the CPU so the
@@ -13,7 +17,7 @@
    (megatron_async/tools/consensus_windows.py): exchanges saved against padding, graph steps
    lost, extra dummy forwards and admission delay.
 
-    python scripts/measure_consensus.py --ranks 2 4 --iters 2000 [--windows 1 2 4 8]
+    python scripts/measure_consensus.py --ranks 2 4 --iters 2000 [--skip-engine | --skip-bare] [--windows 1 2 4 8]
 """
 from __future__ import annotations
 
@@ -25,34 +29,61 @@ import time
 from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
 from megatron_async.inference.engines.request_validation import ValidRequest
 from megatron_async.inference.engines.step_consensus import NewRequest, StepConsensus
-from megatron_async.inference.request import SamplingParams
+from megatron_async.inference.request import RequestUpdate, SamplingParams
 from megatron_async.testing.multiprocess import free_port, run_ranks
 
 NEW = NewRequest(ValidRequest(list(range(64)), SamplingParams(top_k=1), [], [], frozenset()), 0, 1)
+UPDATES = [RequestUpdate(i, (1000 + i,), None, False, None) for i in range(8)]
+PATHS = {"zmq": False, "shared_memory": True}
 
 
-def _bare(rank: int, world: int, port: int, iters: int, data_parallel: bool) -> dict:
-    with ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=60) as comm:
+def _communicator(rank: int, world: int, store_port: int, shared_memory: bool, spin_us: float | None
+                  ) -> ZMQCommunicator:
+    """Joined as engines join (through the job's store: IPC for ZMQ on one host)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", store_port, world, rank == 0, timeout=timedelta(seconds=60))
+    return ZMQCommunicator.from_rendezvous(store, rank, world, timeout_s=60, shared_memory=shared_memory,
+                                           spin_us=spin_us)
+
+
+def _bare(rank: int, world: int, store_port: int, iters: int, data_parallel: bool, shared_memory: bool,
+          spin_us: float | None) -> dict:
+    with _communicator(rank, world, store_port, shared_memory, spin_us) as comm:
         sync = StepConsensus(comm, data_parallel=data_parallel)
-        one, two = [], []
+        rounds, own = [], []
         for i in range(iters):
             if rank == 0 and i % 4 == 0:
                 sync.send(NEW)
-            t0 = time.perf_counter()
-            sync.exchange(True, num_tokens=64, load=3)
-            one.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()  # the old scheme: broadcast of rank 0's requests, then an all-reduce
-            comm.broadcast_object(([NEW] if i % 4 == 0 else [], []) if rank == 0 else None)
-            comm.all_reduce_max([1])
-            two.append(time.perf_counter() - t0)
-        return {"one": one, "two": two}
+            upload = list(UPDATES) if data_parallel and rank else None
+            sync.exchange(True, num_tokens=64, load=3, upload=upload)
+            rounds.append(sync.round_seconds)
+            own.append(sync.latency_seconds)
+        return {"round": rounds[iters // 10:], "own": own[iters // 10:], "path": comm.exchange_path}
 
 
-def _engine(rank: int, world: int) -> dict:
+def bare_table(ranks: list[int], iters: int, spin_us: float | None) -> None:
+    print("| ranks | mode | path | round p50 / p99 us | own cost p50 / p99 us |")
+    print("|---|---|---|---|---|")
+    for world in ranks:
+        for dp in (False, True):
+            for name, shm in PATHS.items():
+                res = run_ranks(_bare, world, free_port(), iters, dp, shm, spin_us, timeout_s=600)
+                assert all(r["path"] == name for r in res), [r["path"] for r in res]
+                rounds = [t for r in res for t in r["round"]]
+                own = [t for r in res for t in r["own"]]
+                print(f"| {world} | {'data parallel' if dp else 'tensor parallel'} | {name} "
+                      f"| {us(rounds, .5):.0f} / {us(rounds, .99):.0f} | {us(own, .5):.0f} / {us(own, .99):.0f} |",
+                      flush=True)
+
+
+def _engine(rank: int, world: int, shared_memory: bool, spin_us: float | None) -> dict:
     from megatron_async import LLM, InferenceConfig
 
     cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=512, max_requests=16, max_tokens=256,
-                          max_sequence_length=256)
+                          max_sequence_length=256, consensus_shared_memory=shared_memory, consensus_spin_us=spin_us)
     llm = LLM(None, inference_config=cfg, default_model="tiny-moe", expert_parallel_size=world)
     try:
         prompts = [[(7 * i + j) % 1000 + 1 for j in range(16 + 4 * i)] for i in range(8 * world)]
@@ -63,7 +94,8 @@ def _engine(rank: int, world: int) -> dict:
         wall = time.perf_counter() - t0
         st = llm.engine.stats
         return {"rounds": st.consensus_rounds, "seconds": st.consensus_time, "steps": st.steps,
-                "dummy": st.dummy_steps, "wall": wall}
+                "own_p50": st.consensus_latency_us(50), "dummy": st.dummy_steps, "wall": wall,
+                "path": llm.communicator.exchange_path}
     finally:
         llm.close()
 
@@ -131,29 +163,28 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--skip-bare", action="store_true")
+    p.add_argument("--spin-us", type=float, default=None, help="InferenceConfig.consensus_spin_us (default: automatic)")
     p.add_argument("--windows", type=int, nargs="*", default=None, help="window sizes K to replay a trace with")
     args = p.parse_args()
     if args.windows:
         windows_table(args.ranks, args.windows)
         return
-    print("| ranks | mode | one exchange p50 / p90 us | old broadcast + all-reduce p50 / p90 us |")
-    print("|---|---|---|---|")
-    for world in args.ranks:
-        for dp in (False, True):
-            res = run_ranks(_bare, world, free_port(), args.iters, dp, timeout_s=600)
-            one = [t for r in res for t in r["one"][100:]]
-            two = [t for r in res for t in r["two"][100:]]
-            print(f"| {world} | {'data parallel' if dp else 'tensor parallel'} | {us(one, .5):.0f} / {us(one, .9):.0f} "
-                  f"| {us(two, .5):.0f} / {us(two, .9):.0f} |")
+    if not args.skip_bare:
+        bare_table(args.ranks, args.iters, args.spin_us)
     if args.skip_engine:
         return
-    print("\n| ranks | rounds | steps (rank 0) | dummy steps (by rank) | consensus us / round (by rank) | wall s |")
-    print("|---|---|---|---|---|---|")
+    print("\n| ranks | path | rounds | steps (rank 0) | consensus us / round (by rank) | own cost p50 us (by rank) "
+          "| wall s |")
+    print("|---|---|---|---|---|---|---|")
     for world in args.ranks:
-        res = run_ranks(_engine, world, timeout_s=600)
-        per = " / ".join(f"{1e6 * r['seconds'] / max(1, r['rounds']):.0f}" for r in res)
-        print(f"| {world} | {res[0]['rounds']} | {res[0]['steps']} | {' / '.join(str(r['dummy']) for r in res)} "
-              f"| {per} | {statistics.mean(r['wall'] for r in res):.1f} |")
+        for name, shm in PATHS.items():
+            res = run_ranks(_engine, world, shm, args.spin_us, timeout_s=600)
+            assert all(r["path"] == name for r in res)
+            per = " / ".join(f"{1e6 * r['seconds'] / max(1, r['rounds']):.0f}" for r in res)
+            own = " / ".join(f"{r['own_p50']:.0f}" for r in res)
+            print(f"| {world} | {name} | {res[0]['rounds']} | {res[0]['steps']} | {per} | {own} "
+                  f"| {statistics.mean(r['wall'] for r in res):.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ def _dp_worker(rank: int, world: int, model: str) -> dict:
         assert llm.parallel.dp_size == world and llm.parallel.ep_rank == rank
         result = run_all(llm, rank)
         result["rounds"], result["steps"] = llm.engine.stats.consensus_rounds, llm.engine.stats.steps
+        result["exchange_path"] = llm.communicator.exchange_path
         if rank != 0:
             with pytest.raises(RuntimeError, match="data-parallel rank .* cannot add requests"):
                 llm.engine.add_request([1, 2, 3])
@@ -73,6 +74,7 @@ def test_dp_engines_match_one_engine_whichever_rank_serves(model, world):
             assert got[case] == expected[case], f"rank {rank}, {case}"
         assert got["served"] > 0 and got["overlapped"] > 0, f"rank {rank} served nothing or never overlapped"
         assert got["rounds"] >= 1
+        assert got["exchange_path"] == "shared_memory"  # ranks on one host: the default path
     assert ranks[0]["staggered"] == expected["staggered"]  # rank 0 reports every rank's outputs
     assert sum(r["served"] for r in ranks) == expected["served"]  # each request ran on exactly one rank
     for got in ranks[1:]:

@@ -61,6 +61,7 @@ def _tp_worker(rank: int, world: int, ckpt: str | None) -> dict:
         result["kv_cache_shape"] = tuple(llm.context.kv_caches[0].shape) if llm.context.kv_caches else None
         mamba = llm.context.mamba
         result["ssm_shape"] = tuple(mamba.ssm_states[0].shape) if mamba is not None else None
+        result["exchange_path"] = llm.communicator.exchange_path
         if rank != 0:  # followers only receive requests
             with pytest.raises(RuntimeError, match="cannot add requests"):
                 llm.engine.add_request([1, 2, 3])
@@ -90,6 +91,7 @@ def _check_tp(ckpt: str | None, world: int, sharded_heads: tuple[int, ...]) -> N
                 assert got[key] == tuple(want), f"rank {rank}, {key}"
         for case in ("greedy", "sampled", "staggered", "serial_greedy", "serial_sampled", "overlapped"):
             assert got[case] == expected[case], f"rank {rank}, {case}"
+        assert got["exchange_path"] == "shared_memory"  # ranks on one host: the default path
 
 
 GPT_CASES = {
@@ -158,9 +160,10 @@ def test_a_dead_rank_makes_the_others_fail_clearly():
     assert "CommunicatorError: rank 0: lost the connection to a peer" in report
 
 
-def _counting_worker(rank: int, world: int) -> dict:
+def _counting_worker(rank: int, world: int, shared_memory: bool) -> dict:
     # cuda_graphs is accepted under TP (ignored on CPU; pytest -m multigpu replays graphs on NCCL)
-    llm = LLM(None, inference_config=InferenceConfig(**{**CONFIG, "cuda_graphs": True}), tensor_parallel_size=world)
+    cfg = InferenceConfig(**{**CONFIG, "cuda_graphs": True, "consensus_shared_memory": shared_memory})
+    llm = LLM(None, inference_config=cfg, tensor_parallel_size=world)
     try:
         eng, calls = llm.engine, {"step": 0}
         step = eng.step
@@ -175,7 +178,8 @@ def _counting_worker(rank: int, world: int) -> dict:
         return {"outs": outs, "steps": calls["step"], "rounds": st.consensus_rounds, "seconds": st.consensus_time,
                 "samples": len(st.consensus_round_seconds), "p50_us": st.consensus_us(50), "p99_us": st.consensus_us(99),
                 "pairs": list(zip(st.consensus_round_seconds, st.consensus_latency_seconds)),
-                "as_dict": {k: v for k, v in st.as_dict().items() if k.startswith("consensus")}}
+                "as_dict": {k: v for k, v in st.as_dict().items() if k.startswith("consensus")},
+                "path": llm.communicator.exchange_path}
     finally:
         llm.close()
 
@@ -209,11 +213,14 @@ def test_replicas_that_diverge_fail_at_the_next_exchange():
         assert r.startswith("CommunicatorError: replica ranks diverged"), results
 
 
-def test_one_consensus_exchange_per_step():
-    """New requests, aborts and "anyone has work" travel in ONE ZMQ round trip per step (before:
-    a broadcast per step plus an all-reduce per has_unfinished_requests call)."""
-    r0, r1 = run_ranks(_counting_worker, 2, timeout_s=60)
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_one_consensus_exchange_per_step(shared_memory):
+    """New requests, aborts and "anyone has work" travel in ONE exchange per step (before: a
+    broadcast per step plus an all-reduce per has_unfinished_requests call), through shared
+    memory or ZMQ, with the same tokens."""
+    r0, r1 = run_ranks(_counting_worker, 2, shared_memory, timeout_s=60)
     assert r0["outs"] == r1["outs"] and len(r0["outs"]) == len(ARRIVAL_STEPS)
+    assert r0["path"] == r1["path"] == ("shared_memory" if shared_memory else "zmq")
     for got in (r0, r1):
         assert got["rounds"] <= got["steps"] + 2, got  # + the idle checks at the start and the end
         assert got["seconds"] > 0

@@ -28,7 +28,8 @@ def _worker(rank: int, world: int) -> dict:
         while eng.has_unfinished_requests():
             result["outputs_seen"] += len(eng.step().finished)
         st = llm.engine.stats
-        result.update(idle_dummies=st.dummy_steps - before, steps=st.steps, dummy=st.dummy_steps)
+        result.update(idle_dummies=st.dummy_steps - before, steps=st.steps, dummy=st.dummy_steps,
+                      exchange_path=llm.communicator.exchange_path)
         return result
     finally:
         llm.close()
@@ -45,6 +46,7 @@ def test_tp2_x_ep2_tokens_equal_one_engine():
     assert ranks[0]["staggered"] == expected["staggered"]  # rank 0 reports every replica's outputs
     assert all(r["staggered"] == {} for r in ranks[1:])
     assert [r["outputs_seen"] for r in ranks] == [2, 0, 0, 0]
+    assert [r["exchange_path"] for r in ranks] == ["shared_memory"] * 4
     for a, b in ((0, 1), (2, 3)):  # TP peers: replicas of one engine
         for key in ("served", "steps", "dummy", "idle_dummies", "overlapped"):
             assert ranks[a][key] == ranks[b][key], (a, b, key)

@@ -12,7 +12,14 @@ loopback; the exchange is on every step's path), the others TCP. Every message c
 number and kind, so ranks that call different collectives fail loudly instead of
 silently pairing the wrong messages; every receive has a timeout so a silent peer raises
 instead of hanging, and a peer whose connection drops (its process died) makes the waiting
-ranks raise at once. Payloads are pickled: only for ranks of one trusted job."""
+ranks raise at once. Payloads are pickled: only for ranks of one trusted job.
+
+Ranks all on one host (decided together at construction) run ``exchange`` through shared memory
+instead (shm_slots.py: a slot per rank, every rank takes the max itself, no root hop, no I/O
+thread); rank 0's payload rides the segment too, only when present (a flag among the ints says
+so), and the other ranks' uploads are posted there after the round for rank 0 to take when it
+needs them (``take_uploads``); either goes over ZMQ when larger than the segment's byte area.
+``exchange_path`` says which path this communicator uses."""
 from __future__ import annotations
 
 import os
@@ -22,8 +29,11 @@ import tempfile
 import uuid
 from typing import Any
 
+import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
+
+from megatron_async.inference.communication.shm_slots import SharedSlots, SlotsError, join_slots
 
 class CommunicatorError(RuntimeError):
     """A peer timed out or answered a different collective (the ranks have diverged)."""
@@ -31,10 +41,13 @@ class CommunicatorError(RuntimeError):
 
 class ZMQCommunicator:
     def __init__(self, rank: int, world_size: int, host: str, port: int | None, timeout_s: float | None = 300.0,
-                 publish=None, lookup=None):
+                 publish=None, lookup=None, shared_memory: bool = True, spin_us: float | None = None):
         """``timeout_s``: longest wait for one message (None: wait forever). ``port`` None: rank 0
         binds an ephemeral port on ``host`` and hands ``tcp://host:port`` to ``publish``; the
-        others connect to the address ``lookup()`` returns (see ``from_rendezvous``)."""
+        others connect to the address ``lookup()`` returns (see ``from_rendezvous``).
+        ``shared_memory``: run ``exchange``'s ints through shared memory when every rank is on
+        this host (False on any rank: ZMQ everywhere). ``spin_us``: how long a shared-memory wait
+        spins before it sleeps (None: see ``InferenceConfig.consensus_spin_us``)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of size {world_size}")
         self.rank, self.world_size = rank, world_size
@@ -44,6 +57,13 @@ class ZMQCommunicator:
         self._ipc_path: str | None = None
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
+        self._slots: SharedSlots | None = None
+        self._early: list[tuple[int, bytes]] = []  # rank 0: (peer, message) of a later collective
+        self._carry: list[Any] = []  # rank 0: uploads received, not yet taken
+        self._lost: str | None = None  # the endpoint of a dropped connection, once the monitor reported one
+        self._posting: tuple[int, list[int]] | None = None  # rank 0: (exchange, ranks) whose uploads are posted
+        self.exchange_path = "local" if world_size == 1 else "zmq"
+        """How ``exchange`` moves its ints: "shared_memory", "zmq", or "local" (one rank)."""
         if world_size == 1:
             return
         self._ctx = zmq.Context()
@@ -69,11 +89,16 @@ class ZMQCommunicator:
         self._poller.register(self._monitor, zmq.POLLIN)
         # Handshake: rank 0 learns every peer's identity before it routes anything to it.
         self.barrier()
+        self._slots = join_slots(self.rank, self.world_size, shared_memory, self.broadcast_object,
+                                 self.all_reduce_max, self._timeout_ms and self._timeout_ms / 1000, spin_us)
+        if self._slots is not None:
+            self.exchange_path = "shared_memory"
 
     _joined = 0  # communicators built through a rendezvous by this process (same count on every rank)
 
     @classmethod
-    def from_rendezvous(cls, store, rank: int, world_size: int, timeout_s: float | None = 300.0) -> "ZMQCommunicator":
+    def from_rendezvous(cls, store, rank: int, world_size: int, timeout_s: float | None = 300.0,
+                        shared_memory: bool = True, spin_us: float | None = None) -> "ZMQCommunicator":
         """Join through a torch.distributed ``Store`` (the job's rendezvous): rank 0 binds an
         ephemeral port on the address it uses to reach the store's host (MASTER_ADDR) and
         publishes it; the others wait for it and connect there. Works across nodes. The key is
@@ -83,31 +108,107 @@ class ZMQCommunicator:
         host = _address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")) if rank == 0 else ""
         publish = lambda endpoint: store.set(key, endpoint)  # noqa: E731
         lookup = lambda: store.get(key).decode()  # noqa: E731  (store.get blocks until it is set)
-        return cls(rank, world_size, host, None, timeout_s, publish=publish, lookup=lookup)
+        return cls(rank, world_size, host, None, timeout_s, publish=publish, lookup=lookup, shared_memory=shared_memory,
+                   spin_us=spin_us)
 
     # ------------------------------------------------------------------ collectives
-    def exchange(self, values: list[int], upload: Any = None, payload: Any = None) -> tuple[list[int], list[Any], Any]:
-        """One round trip: the element-wise max of every rank's ``values``, rank 0's ``payload``
-        on every rank, and on rank 0 the other ranks' ``upload``s by rank (``[]`` elsewhere;
-        rank 0's own upload is not sent)."""
+    def exchange(self, values: list[int], upload: Any = None, payload: Any = None) -> tuple[list[int], Any]:
+        """One round: the element-wise max of every rank's ``values`` and rank 0's ``payload``
+        on every rank (None: nothing to send). The other ranks' ``upload``s (results, not
+        decisions: nobody waits for them) reach rank 0 through ``take_uploads``."""
         seq = self._next_seq()
         values = [int(v) for v in values]
         if self.world_size == 1:
-            return values, [], payload
+            return values, payload
+        if self._slots is not None:
+            return self._exchange_shared(seq, values, upload, payload)
         if self.rank != 0:
             self._sock.send(pickle.dumps((seq, "exchange", (values, upload))))
-            result, payload = self._recv_from_root(seq, "exchange")
-            return result, [], payload
-        result, uploads = values, [None] * self.world_size
+            return self._recv_from_root(seq, "exchange")
+        result = values
         for peer, (theirs, up) in sorted(self._gather_at_root(seq, "exchange").items()):
             if len(theirs) != len(result):
                 raise CommunicatorError(f"exchange #{seq}: rank {peer} sent {len(theirs)} values, rank 0 {len(result)}")
             result = [max(a, b) for a, b in zip(result, theirs)]
-            uploads[peer] = up
+            if up is not None:
+                self._carry.append(up)
         msg = pickle.dumps((seq, "exchange", (result, payload)))
         for peer in range(1, self.world_size):
             self._sock.send_multipart([self._identity(peer), msg])
-        return result, uploads, payload
+        return result, payload
+
+    def take_uploads(self) -> list[Any]:
+        """Rank 0: the uploads of the exchanges so far not taken, by round then rank. Call it
+        when the results are needed (after launching the step, say); the next exchange keeps
+        any left untaken for the call after it."""
+        got, self._carry = self._carry + self._take_posted(), []
+        return got
+
+    def _exchange_shared(self, seq: int, values: list[int], upload: Any, payload: Any):
+        """``exchange`` with the ints in shared memory. Rank 0's payload rides the segment's byte
+        area (or, too big for it, ZMQ, sent before the ints are published so it is in flight
+        once the others learn from them that it comes; the last int says which: 0 none, 1
+        shared memory, -1 ZMQ). An upload is pickled and posted after its rank's ints are
+        published (into the byte area, or over ZMQ), so no rank waits for it in the round."""
+        leader = self.rank == 0
+        blob = None if payload is None else pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        code = 0 if blob is None else 1 if len(blob) <= self._slots.blob_bytes - 8 else -1
+        if leader and code < 0:
+            msg = pickle.dumps((seq, "exchange", payload))
+            for peer in range(1, self.world_size):
+                self._sock.send_multipart([self._identity(peer), msg])
+        if not leader:
+            code = int(upload is not None)
+
+        def post() -> None:
+            data = pickle.dumps(upload, protocol=pickle.HIGHEST_PROTOCOL)
+            if len(data) > self._slots.blob_bytes - 8:
+                self._sock.send(pickle.dumps((seq, "upload", upload)))
+                data = None
+            self._slots.post(data)
+
+        try:
+            rows = self._slots.gather(np.array(values + [code], dtype=np.int64), self._alive,
+                                      blob if leader and code > 0 else None,
+                                      post if not leader and upload is not None else None)
+        except SlotsError as e:
+            raise CommunicatorError(f"{e} (exchange #{seq})") from None
+        result, codes = rows[:, :-1].max(axis=0).tolist(), rows[:, -1].tolist()
+        if leader:
+            self._posting = (seq, [r for r in range(1, self.world_size) if codes[r]])
+            return result, payload
+        if codes[0] == 0:
+            return result, None
+        return result, self._recv_from_root(seq, "exchange") if codes[0] < 0 else pickle.loads(self._slots.blob(0))
+
+    def _take_posted(self) -> list[Any]:
+        """Rank 0: the uploads posted in the latest shared-memory round (each at most once)."""
+        if self._posting is None:
+            return []
+        (seq, ranks), self._posting = self._posting, None
+        got, over_zmq = [], []
+        for r in ranks:
+            try:
+                data = self._slots.wait_posted(r, self._alive)
+            except SlotsError as e:
+                raise CommunicatorError(f"{e} (uploads of exchange #{seq})") from None
+            if data is None:
+                over_zmq.append(r)
+            else:
+                got.append((r, pickle.loads(data)))
+        if over_zmq:
+            got += self._gather_at_root(seq, "upload", set(over_zmq)).items()
+        return [up for _, up in sorted(got, key=lambda x: x[0])]
+
+    def _alive(self) -> None:
+        """Raises if the monitor reported a dropped connection (rank 0 hears of every peer, the
+        others of rank 0; a rank that raises while waiting poisons the slots for the rest).
+        Sticky: a peer that published its last round and exited is reported at the next wait."""
+        if self._lost is None and self._monitor.poll(0):
+            self._lost = recv_monitor_message(self._monitor)["endpoint"].decode()
+        if self._lost is not None:
+            raise CommunicatorError(f"rank {self.rank}: lost the connection to a peer ({self._lost}) "
+                                    "while waiting in shared memory: a rank exited or died")
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (the others' arguments are ignored)."""
@@ -146,6 +247,9 @@ class ZMQCommunicator:
         self.all_reduce_max([0])
 
     def close(self) -> None:
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
         if self._sock is not None:
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
@@ -163,6 +267,8 @@ class ZMQCommunicator:
     def _next_seq(self) -> int:
         if self.world_size > 1 and self._sock is None:
             raise CommunicatorError("communicator is closed")
+        if self._posting is not None:  # before any other collective: uploads of the round nobody took
+            self._carry.extend(self._take_posted())
         self._seq += 1
         return self._seq
 
@@ -190,15 +296,26 @@ class ZMQCommunicator:
         self._poll(seq, kind)
         return self._check(pickle.loads(self._sock.recv()), seq, kind, "rank 0")
 
-    def _gather_at_root(self, seq: int, kind: str) -> dict[int, Any]:
+    def _gather_at_root(self, seq: int, kind: str, peers: set[int] | None = None) -> dict[int, Any]:
+        """One message from each of ``peers`` (default: every other rank). With shared memory a
+        peer can be a round ahead: a message of its next collective that comes first waits in
+        ``_early`` (a peer's messages arrive in the order it sent them)."""
+        want = set(range(1, self.world_size)) if peers is None else peers
         got: dict[int, Any] = {}
-        while len(got) < self.world_size - 1:
+        early, self._early = self._early, []
+
+        def take(peer: int, msg: bytes) -> None:
+            if peer in want and peer not in got:
+                got[peer] = self._check(pickle.loads(msg), seq, kind, f"rank {peer}")
+            else:
+                self._early.append((peer, msg))
+
+        for peer, msg in early:
+            take(peer, msg)
+        while len(got) < len(want):
             self._poll(seq, kind)
             identity, msg = self._sock.recv_multipart()
-            peer = int(identity.decode().removeprefix("rank"))
-            if peer in got:
-                raise CommunicatorError(f"rank {peer} sent twice in {kind} #{seq}")
-            got[peer] = self._check(pickle.loads(msg), seq, kind, f"rank {peer}")
+            take(int(identity.decode().removeprefix("rank")), msg)
         return got
 
     def __enter__(self) -> "ZMQCommunicator":

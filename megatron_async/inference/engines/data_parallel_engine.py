@@ -8,7 +8,8 @@ each launches its plan or, with nothing to launch while another rank does, a dum
 the agreed size, so the MoE layers' collectives pair up (skipping it deadlocks). Launch-ahead
 keeps working: the exchange for step N+1 happens while the device runs step N; the first launch
 of a chain is bookkept by the next call (never two launches in one call: the ranks' launch
-counts must stay equal). Outputs of rank r reach rank 0 with r's next exchange."""
+counts must stay equal). Outputs of rank r reach rank 0 with r's next exchange (rank 0 takes
+them at the end of that step, after its launch: the exchange does not wait for them)."""
 from __future__ import annotations
 
 import time
@@ -72,7 +73,7 @@ class DataParallelEngine(DynamicInferenceEngine):
         variant = ctl.graphs.replay_variant(plan) if plan and ctl.graphs is not None else None
         eager = bool(plan) and variant is None
         agreed = self._agree(from_step=True, out=out, num_tokens=plan.num_tokens if plan else 0, eager=eager,
-                             upload=self._upload(), variant=variant or 0)
+                             upload=self._upload(), variant=variant or 0, take_uploads=False)
         ctl.dp_num_tokens, ctl.force_eager, ctl.dp_variant = agreed.max_tokens, agreed.eager, agreed.variant
         launched = self._try_launch(plan, not first, out) if plan else None
         if launched is None and agreed.max_tokens > 0:
@@ -92,10 +93,12 @@ class DataParallelEngine(DynamicInferenceEngine):
         return self._finish(out, took_part=True)
 
     def _finish(self, out: StepResult, took_part: bool) -> StepResult:
-        """Rank 0 returns everyone's results; the others keep theirs for the next exchange."""
+        """Rank 0 returns everyone's results (the others', handed up at this step's exchange,
+        taken only now: after the launch); the others keep theirs for the next exchange."""
         if took_part and out.step_id < 0:
             out.step_id = 0
         if self._sync.is_leader:
+            self._take_uploads(out)
             return out
         if self._sync.tp_rank == 0:  # other TP ranks hold copies of the same results
             self._outgoing.finished.extend(out.finished)

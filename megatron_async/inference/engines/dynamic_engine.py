@@ -193,8 +193,9 @@ class DynamicInferenceEngine:
         return getattr(self._sync.last, flag)
 
     def _agree(self, from_step: bool, out: StepResult, num_tokens: int = 0, eager: bool = False,
-               upload: StepResult | None = None, variant: int = 0) -> Agreement:
-        """The per-step exchange; admits the new requests and marks the aborts it brings."""
+               upload: StepResult | None = None, variant: int = 0, take_uploads: bool = True) -> Agreement:
+        """The per-step exchange; admits the new requests and marks the aborts it brings.
+        ``take_uploads`` False: the caller takes the other ranks' results later (``_take_uploads``)."""
         sync = self._sync
         with nvtx_range("consensus"):
             got = sync.exchange(self._has_local_work(), num_tokens, eager, leader_waiting=self._leader_waiting,
@@ -208,14 +209,18 @@ class DynamicInferenceEngine:
             self._admit(new)
         for rid in got.aborts:
             self._mark_abort(rid)
-        for up in got.uploads:  # rank 0 of data-parallel engines: the others' results
-            if up is not None:
-                out.finished.extend(up.finished)
-                out.updates.extend(up.updates)
-        for o in out.finished:
-            self._live.pop(o.request_id, None)
-            self._aborting.discard(o.request_id)
+        if take_uploads:
+            self._take_uploads(out)
         return got
+
+    def _take_uploads(self, out: StepResult) -> None:
+        """Rank 0 of data-parallel engines: the other ranks' results, handed up at exchanges."""
+        for up in self._sync.take_uploads():
+            out.finished.extend(up.finished)
+            out.updates.extend(up.updates)
+            for o in up.finished:
+                self._live.pop(o.request_id, None)
+                self._aborting.discard(o.request_id)
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self):

@@ -1,9 +1,11 @@
-"""The ranks' per-step agreement: ONE ZMQ round trip per engine step, on the CPU.
+"""The ranks' per-step agreement: ONE exchange per engine step, on the CPU (through shared
+memory when every rank is on one host, else a ZMQ round trip; see zmq_communicator.py).
 
 Every exchange is an all-reduce-max of a few ints (plus, for data-parallel engines, one load
 slot per rank) that piggybacks rank 0's payload (the requests and aborts it accepted since the
-last exchange, each with the rank that serves it) down, and the other ranks' finished outputs
-and updates up. No device collective and no device read-back is involved.
+last exchange, each with the rank that serves it) down, only when there is one. The other ranks'
+finished outputs and updates go up with it, but nobody waits for them: rank 0 takes them when it
+needs them (``take_uploads``). No device collective and no device read-back is involved.
 
 Tensor parallelism (replicas): the exchange sits at the start of ``step()``, before scheduling,
 so every rank admits the same requests before the same step; the padded batch and graph choice
@@ -58,8 +60,6 @@ class Agreement:
     news: list[NewRequest] = field(default_factory=list)
     """The new requests this rank serves, in arrival order."""
     aborts: list[int] = field(default_factory=list)
-    uploads: list[Any] = field(default_factory=list)
-    """Rank 0: what each other rank handed up (None for rank 0 itself); empty elsewhere."""
 
 
 _HEAD = 5  # any_work, max_tokens, eager, leader_waiting, variant; then one load per rank (data parallel),
@@ -155,9 +155,10 @@ class StepConsensus:
                 values += [digest, -digest] if g == self._group else [_NOBODY, _NOBODY]
         arrival = time.monotonic_ns() // 1000  # us; the max over ranks is the last arrival
         values.append(arrival)
-        payload = (self._outbox, self._aborts) if self.is_leader else None
+        payload = (self._outbox, self._aborts) if self.is_leader and self.has_outgoing() else None
         self._outbox, self._aborts = [], []
-        result, uploads, (news, aborts) = self.comm.exchange(values, upload, payload)
+        result, payload = self.comm.exchange(values, upload, payload)  # None: nothing sent
+        news, aborts = payload if payload is not None else ([], [])
         if self.checks_replicas:
             at = _HEAD + num_loads + 2 * self._group
             if result[at] != -result[at + 1]:
@@ -170,13 +171,19 @@ class StepConsensus:
             news = [n for n in news if n.rank == self.dp_rank]
             self._routed_since = [0] * self.dp_size
         self.last = Agreement(any_work, result[1], bool(result[2]), result[4], bool(result[3]),
-                              tuple(result[_HEAD:_HEAD + num_loads]), news, aborts, uploads)
+                              tuple(result[_HEAD:_HEAD + num_loads]), news, aborts)
         self.fresh = not from_step
         self.rounds += 1
         self.latency_seconds = max(0, time.monotonic_ns() // 1000 - result[-1]) / 1e6
         self.round_seconds = time.perf_counter() - t0
         self.seconds += self.round_seconds
         return self.last
+
+    def take_uploads(self) -> list[Any]:
+        """Rank 0: what the other ranks handed up at the exchanges so far (not yet taken), by
+        round then rank; [] elsewhere. Results, not decisions: the exchange does not wait for
+        them, and rank 0 takes them when it needs them (after launching its step)."""
+        return self.comm.take_uploads() if self.is_leader else []
 
     def said(self, name: str) -> bool:
         """The latest agreement's flag ``name`` if it is True (a stale yes is safe), else None."""
