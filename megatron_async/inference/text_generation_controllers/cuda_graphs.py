@@ -192,6 +192,7 @@ class CudaGraphRunner:
         """Capture ``keys`` (default: the whole plan) not captured yet; returns how many.
         Data-parallel engines call it on every rank at once (collectives inside the captures)."""
         n = 0
+        gc.collect()  # garbage from earlier engines (their graphs) goes now, not inside a capture
         for key in self.plan.keys() if keys is None else keys:
             if key not in self.graphs:
                 self.graphs[key] = self._capture(key)
@@ -224,10 +225,19 @@ class CudaGraphRunner:
                 ctl.compute_step(shape, key.spec)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: NCCL's watchdog thread keeps polling events while a TP / EP graph with
-        # collectives is captured; "global" mode would turn those polls into capture errors.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = ctl.compute_step(shape, key.spec)
+        # No cyclic GC inside a capture: collecting an earlier engine's CUDA graphs there frees
+        # their memory, which invalidates the capture (seen once in the H100 GPU suite, a graph
+        # test right after another one). torch's graph context no longer collects on entry.
+        gc_on = gc.isenabled()
+        gc.disable()
+        try:
+            # thread_local: NCCL's watchdog thread keeps polling events while a TP / EP graph with
+            # collectives is captured; "global" mode would turn those polls into capture errors.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = ctl.compute_step(shape, key.spec)
+        finally:
+            if gc_on:
+                gc.enable()
         self._pool = graph.pool()
         ctl.last_samples.copy_(saved_samples)
         ctx.gpu_view.buffer.copy_(saved_view)
