@@ -18,20 +18,24 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, iter
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # warm-up (first touch, allocator)
+    return 2 * nbytes * iters / _seconds(lambda: dst.copy_(src), device, iters)
+
+
+def _seconds(fn, device: torch.device, iters: int) -> float:
+    """Seconds for ``iters`` back-to-back calls of ``fn``: device time between two events on
+    CUDA, host time on CPU."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
-            dst.copy_(src)
+            fn()
         end.record()
         end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3
-    else:
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dst.copy_(src)
-        seconds = time.perf_counter() - t0
-    return 2 * nbytes * iters / seconds
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return time.perf_counter() - t0
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -99,20 +103,7 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     a @ b  # warm-up (library heuristics, allocator)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            a @ b
-        end.record()
-        end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3
-    else:
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            a @ b
-        seconds = time.perf_counter() - t0
-    return 2 * n**3 * iters / seconds
+    return 2 * n**3 * iters / _seconds(lambda: a @ b, device, iters)
 
 
 def prefill_flops(model: CausalLM, prompt_lens: list[int], prefilled_tokens: int) -> float | None:
