@@ -1,4 +1,4 @@
-"""Cost of the per-step consensus on the CPU: N spawned ranks on one host (gloo job + ZMQ).
+"""Cost of the per-step consensus: N spawned ranks on one host (gloo or NCCL job + ZMQ).
 
 1. The bare exchange: ``StepConsensus.exchange`` back to back through each path, the ZMQ round
    trip through rank 0 (Unix socket, as engines on one host use it) and the shared-memory slots
@@ -7,9 +7,13 @@
    step, as decoding ranks do). Per round: p50 / p99 of its duration on a rank, and of its own
    cost (from the last rank's arrival to this rank holding the result: the part that is not
    waiting for a slower rank). The first 10% of rounds are dropped (warm-up).
-2. In the engine: EngineStats of a launch-ahead run of the built-in MoE model with data-parallel
-   engines (expert_parallel_size=N) on each path: consensus us per round (waits for the slowest
-   rank included) and its own cost p50 (``consensus_latency_us``), next to the wall time.
+2. In the engines: a launch-ahead run of a TP engine and of an EP (data-parallel) engine per
+   rank count (``--device cuda``: qwen3-0.6b shape for TP, a 4-layer qwen3-30b-a3b shape for
+   EP, bf16, one GPU per rank; cpu: tiny / tiny-moe), shared memory (``--zmq-engines``: ZMQ
+   too). Per rank, p50 of each exchange's duration, its work (duration less the wait for
+   peers), its own cost (as above); rounds that pickled nothing, waits that slept; the share of
+   exchanges made while a launch was in flight and, on CUDA, while the device still ran it.
+   Then the phases of a round (round_probe.py) for the bare exchange next to the engines.
 
 3. Every K steps instead (``--windows``): a trace of a data-parallel run that agrees every step
    (tiny-moe, staggered greedy and sampled arrivals, CUDA graphs emulated on the CPU so the
@@ -18,15 +22,17 @@
    lost, extra dummy forwards and admission delay.
 
     python scripts/measure_consensus.py --ranks 2 4 --iters 2000 [--skip-engine | --skip-bare] [--windows 1 2 4 8]
+    python scripts/measure_consensus.py --ranks 2 --iters 2000 --device cuda --tokens 128   # a GPU host
 """
 from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 
+from megatron_async.inference.communication.round_probe import PHASES, RoundProbe
 from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
+from megatron_async.inference.engines.dynamic_engine import StepResult
 from megatron_async.inference.engines.request_validation import ValidRequest
 from megatron_async.inference.engines.step_consensus import NewRequest, StepConsensus
 from megatron_async.inference.request import RequestUpdate, SamplingParams
@@ -57,8 +63,9 @@ def _bare(rank: int, world: int, store_port: int, iters: int, data_parallel: boo
         for i in range(iters):
             if rank == 0 and i % 4 == 0:
                 sync.send(NEW)
-            upload = list(UPDATES) if data_parallel and rank else None
+            upload = StepResult(updates=list(UPDATES)) if data_parallel and rank else None
             sync.exchange(True, num_tokens=64, load=3, upload=upload)
+            sync.take_uploads()  # as the engine does, after each round (outside the timed exchange)
             rounds.append(sync.round_seconds)
             own.append(sync.latency_seconds)
         return {"round": rounds[iters // 10:], "own": own[iters // 10:], "path": comm.exchange_path}
@@ -79,25 +86,125 @@ def bare_table(ranks: list[int], iters: int, spin_us: float | None) -> None:
                       flush=True)
 
 
-def _engine(rank: int, world: int, shared_memory: bool, spin_us: float | None) -> dict:
+ENGINE_MODELS = {"cpu": {"tp": ("tiny", None), "ep": ("tiny-moe", None)},
+                 "cuda": {"tp": ("qwen3-0.6b", None), "ep": ("qwen3-30b-a3b", 4)}}
+"""Per device and kind: the built-in model and its decoder layers (None: all)."""
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _engine(rank: int, world: int, parallel: str, shared_memory: bool, tokens: int, device: str) -> dict:
+    """A launch-ahead run under TP (``parallel`` "tp": replica engines) or EP ("ep":
+    data-parallel engines), 8 requests per rank of ``tokens`` greedy tokens, after a short
+    warm-up run, the round probe on. Per exchange of the timed run: its duration, its own work
+    (duration less the wait for peers), its own cost (after the last rank arrived), the phases;
+    whether a launch was in flight during it and, on CUDA, whether the device was still running
+    that launch when the exchange ended (the exchange was hidden under the device step)."""
     from megatron_async import LLM, InferenceConfig
+    from megatron_async import SamplingParams as SP
+    from megatron_async.models.default_model import DEFAULT_CONFIGS
 
-    cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=512, max_requests=16, max_tokens=256,
-                          max_sequence_length=256, consensus_shared_memory=shared_memory, consensus_spin_us=spin_us)
-    llm = LLM(None, inference_config=cfg, default_model="tiny-moe", expert_parallel_size=world)
+    base, layers = ENGINE_MODELS[device][parallel]
+    name = base if layers is None else f"{base}-{layers}l"
+    DEFAULT_CONFIGS[name] = {**DEFAULT_CONFIGS[base], **({"num_hidden_layers": layers} if layers else {})}
+    cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=1024, max_requests=16, max_tokens=512,
+                          max_sequence_length=512, consensus_shared_memory=shared_memory)
+    sizes = {"tensor_parallel_size": world} if parallel == "tp" else {"expert_parallel_size": world}
+    llm = LLM(None, device=device, dtype="bfloat16" if device == "cuda" else "float32", inference_config=cfg,
+              default_model=name, **sizes)
     try:
-        prompts = [[(7 * i + j) % 1000 + 1 for j in range(16 + 4 * i)] for i in range(8 * world)]
-        from megatron_async import SamplingParams as SP
+        eng, comm = llm.engine, llm.communicator
+        busy, in_flight, agree = [], [], eng._agree
 
+        def watched(*a, **kw):
+            got = agree(*a, **kw)
+            pending = eng._pending
+            in_flight.append(pending is not None)
+            if pending is not None and pending.event is not None:
+                busy.append(not pending.event.query())  # no sync: is the device still on that launch?
+            return got
+
+        eng._agree = watched
+        prompts = [[(7 * i + j) % 1000 + 1 for j in range(16 + 4 * i)] for i in range(8 * world)]
+        llm.generate(prompts[:2 * world], SP(top_k=1, num_tokens_to_generate=8, ignore_eos=True))  # warm-up
+        st = eng.stats
+        for q in (st.consensus_round_seconds, st.consensus_latency_seconds, st.consensus_work_seconds, busy,
+                  in_flight):
+            q.clear()
+        probe = comm.probe = RoundProbe()
+        sleeps0, plain0, rounds0 = comm.sleeps, comm.plain_rounds, st.consensus_rounds
         t0 = time.perf_counter()
-        llm.generate(prompts, SP(top_k=1, num_tokens_to_generate=32, ignore_eos=True))
+        llm.generate(prompts, SP(top_k=1, num_tokens_to_generate=tokens, ignore_eos=True))
         wall = time.perf_counter() - t0
-        st = llm.engine.stats
-        return {"rounds": st.consensus_rounds, "seconds": st.consensus_time, "steps": st.steps,
-                "own_p50": st.consensus_latency_us(50), "dummy": st.dummy_steps, "wall": wall,
-                "path": llm.communicator.exchange_path}
+        return {"path": comm.exchange_path, "rounds": st.consensus_rounds - rounds0,
+                "round": st.consensus_us(50), "work": st.consensus_work_us(50), "own": st.consensus_latency_us(50),
+                "own_p99": st.consensus_latency_us(99), "phases": probe.p50_us(skip=0),
+                "take": probe.p50_us("take_uploads", skip=0), "sleeps": comm.sleeps - sleeps0,
+                "plain": comm.plain_rounds - plain0, "spin_us": comm.spin_us,
+                "in_flight": sum(in_flight) / max(1, len(in_flight)),
+                "busy": sum(busy) / len(busy) if busy else None, "wall": wall}
     finally:
         llm.close()
+
+
+def engine_table(ranks: list[int], tokens: int, device: str, paths: dict[str, bool]) -> list:
+    """Own cost per round of the TP and EP engines (each path), by rank. Returns the shared-memory
+    runs' (ranks, kind, per-rank results) for ``breakdown_table``."""
+    env = NCCL_ENV if device == "cuda" else {}
+    print(f"\nEngines ({device}, launch-ahead; p50 over the timed run's exchanges, by rank; \"work\": the "
+          "exchange less its wait for peers; \"own cost\": from the last rank's arrival to holding the result; "
+          "\"hidden\": the device was still running the in-flight step when the exchange ended)")
+    print("\n| ranks | engine | path | rounds | round us | work us | own cost us | own cost p99 us | plain rounds "
+          "| sleeps (spin us) | in flight | hidden | wall s |")
+    print("|---|---|---|---:|---|---|---|---|---|---|---|---|---:|")
+    kept = []
+    for world in ranks:
+        for parallel in ("tp", "ep"):
+            for name, shm in paths.items():
+                res = run_ranks(_engine, world, parallel, shm, tokens, device, timeout_s=600, env=env)
+                assert all(r["path"] == name for r in res), [r["path"] for r in res]
+
+                def by_rank(key: str, fmt: str = "{:.0f}") -> str:
+                    return " / ".join("-" if r[key] is None else fmt.format(r[key]) for r in res)
+
+                spin = res[0]["spin_us"]
+                print(f"| {world} | {parallel.upper()} | {name} | {res[0]['rounds']} | {by_rank('round')} "
+                      f"| {by_rank('work')} | {by_rank('own')} | {by_rank('own_p99')} | {by_rank('plain')} "
+                      f"| {by_rank('sleeps')} ({'-' if spin is None else f'{spin:.0f}'}) "
+                      f"| {by_rank('in_flight', '{:.0%}')} | {by_rank('busy', '{:.0%}')} "
+                      f"| {max(r['wall'] for r in res):.1f} |", flush=True)
+                if shm:
+                    kept.append((world, f"engine {parallel.upper()}", res))
+    return kept
+
+
+def _bare_probed(rank: int, world: int, store_port: int, iters: int, data_parallel: bool) -> dict:
+    """The bare exchange as the engines call it (rank 0 takes the uploads after each round), probed."""
+    with _communicator(rank, world, store_port, True, None) as comm:
+        comm.probe = RoundProbe()
+        sync = StepConsensus(comm, data_parallel=data_parallel)
+        for i in range(iters):
+            if rank == 0 and i % 4 == 0:
+                sync.send(NEW)
+            upload = StepResult(updates=list(UPDATES)) if data_parallel and rank else None
+            sync.exchange(True, num_tokens=64, load=3, upload=upload)
+            sync.take_uploads()
+        return {"phases": comm.probe.p50_us(), "take": comm.probe.p50_us("take_uploads")}
+
+
+def breakdown_table(world: int, iters: int, engines: list) -> None:
+    """Per-phase p50 us of a round on shared memory, by rank: the bare exchange and ``engines``
+    (``engine_table``'s shared-memory runs)."""
+    rows = [(world, f"bare {'DP' if dp else 'TP'}", run_ranks(_bare_probed, world, free_port(), iters, dp))
+            for dp in (False, True)]
+    print("\nPhases of a shared-memory round, p50 us by rank (round_probe.py; \"total\" and \"work\" are p50s of "
+          "the sums, not sums of the p50s; bare DP: every other rank uploads 8 updates a round)")
+    print(f"\n| ranks | what | rank | {' | '.join(PHASES)} | total | work | take_uploads |")
+    print("|---|---|---:|" + "---:|" * (len(PHASES) + 3))
+    for w, what, res in rows + engines:
+        for rank, r in enumerate(res):
+            ph = r["phases"]
+            print(f"| {w} | {what} | {rank} | " + " | ".join(f"{ph.get(c, 0):.1f}" for c in PHASES)
+                  + f" | {ph.get('total', 0):.1f} | {ph.get('work', 0):.1f} | {r['take'].get('total', 0):.1f} |")
 
 
 def _trace(rank: int, world: int) -> list[tuple[int, bool, int]]:
@@ -166,6 +273,9 @@ def main() -> None:
     p.add_argument("--skip-bare", action="store_true")
     p.add_argument("--spin-us", type=float, default=None, help="InferenceConfig.consensus_spin_us (default: automatic)")
     p.add_argument("--windows", type=int, nargs="*", default=None, help="window sizes K to replay a trace with")
+    p.add_argument("--tokens", type=int, default=64, help="engine runs: greedy tokens per request")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="engine runs: one device per rank")
+    p.add_argument("--zmq-engines", action="store_true", help="engine runs over ZMQ too (shared memory only else)")
     args = p.parse_args()
     if args.windows:
         windows_table(args.ranks, args.windows)
@@ -174,17 +284,9 @@ def main() -> None:
         bare_table(args.ranks, args.iters, args.spin_us)
     if args.skip_engine:
         return
-    print("\n| ranks | path | rounds | steps (rank 0) | consensus us / round (by rank) | own cost p50 us (by rank) "
-          "| wall s |")
-    print("|---|---|---|---|---|---|---|")
-    for world in args.ranks:
-        for name, shm in PATHS.items():
-            res = run_ranks(_engine, world, shm, args.spin_us, timeout_s=600)
-            assert all(r["path"] == name for r in res)
-            per = " / ".join(f"{1e6 * r['seconds'] / max(1, r['rounds']):.0f}" for r in res)
-            own = " / ".join(f"{r['own_p50']:.0f}" for r in res)
-            print(f"| {world} | {name} | {res[0]['rounds']} | {res[0]['steps']} | {per} | {own} "
-                  f"| {statistics.mean(r['wall'] for r in res):.1f} |", flush=True)
+    paths = PATHS if args.zmq_engines else {"shared_memory": True}
+    engines = engine_table(args.ranks, args.tokens, args.device, paths)
+    breakdown_table(args.ranks[0], args.iters, [e for e in engines if e[0] == args.ranks[0]])
 
 
 if __name__ == "__main__":

@@ -14,9 +14,10 @@ rewritten (round k+2) before every rank has read round k from it.
 
 Memory ordering: a reader that sees ``seq == k`` must see the values written before it. On x86
 (TSO) stores become visible in program order and loads are not reordered with older loads; the
-values and the seq are separate numpy assignments (separate C calls: no compiler reordering
-across them) and the seq is one aligned 8-byte store (atomic). Weakly ordered CPUs (Arm) would
-need fences Python cannot issue, so ``supported()`` is False there and the caller uses ZMQ.
+values and the seq are separate ``struct`` writes (separate C calls: no compiler reordering
+across them; on a little-endian host "<q" packs with one 8-byte ``memcpy``) and the seq is one
+aligned 8-byte store (atomic). Weakly ordered CPUs (Arm) would need fences Python cannot issue,
+so ``supported()`` is False there and the caller uses ZMQ.
 
 Waiting: spin for a bounded time (the fast case: peers a few us behind), calling
 ``sched_yield`` every turn so that a peer, a ZMQ thread or another job waiting for this core
@@ -36,14 +37,14 @@ import os
 import platform
 import select
 import socket
+import struct
 import tempfile
 import time
 import uuid
 from typing import Callable
 
-import numpy as np
-
 _LINE = 8  # int64 per 64-byte cache line
+_Q = struct.Struct("<q")  # one aligned word: a single 8-byte store or load
 _NAP_S = 2e-3  # longest sleep before re-checking (bounds a lost wake-up and the liveness checks)
 
 
@@ -101,7 +102,12 @@ class SharedSlots:
         """``capacity``: most ints one rank contributes per round. ``create``: this rank makes the
         segment at ``path`` and the ranks' FIFOs next to it (the others open them; ``unlink``
         once every rank has). ``spin_us``: how long a wait spins before it sleeps. ``blob_bytes``:
-        the most bytes one rank hands to the others per round (``gather(blob=...)``)."""
+        the most bytes one rank hands to the others per round (``gather(blob=...)``).
+
+        Every access is a precompiled ``struct`` over the mapping: a round's write is one call,
+        its read of every rank's seq (and sleep mark) one call, its read of every rank's values
+        one call. Few C calls matter more than their speed: between two rounds the engine's own
+        work evicts this code from the caches, and each cold call costs microseconds."""
         self.rank, self.world_size, self.capacity = rank, world_size, capacity
         self.timeout_s, self.spin_s = timeout_s, spin_us / 1e6
         self._bank = -(-(1 + capacity) // _LINE) * _LINE
@@ -123,127 +129,164 @@ class SharedSlots:
             os.close(fd)
         # O_RDWR: opening a FIFO this way never blocks, and it never reports end-of-file.
         self._fifos = [os.open(f, os.O_RDWR | os.O_NONBLOCK) for f in self._fifo_paths]
-        self._words = np.frombuffer(self._map, dtype=np.int64, count=words)
-        self._blobs = np.frombuffer(self._map, dtype=np.uint8, offset=8 * words).reshape(
-            world_size, 2, self.blob_bytes)  # per bank: an int64 size (-1: none), then the bytes
-        self._headers = np.frombuffer(self._map, dtype=np.int64, offset=8 * words).reshape(
-            world_size, 2, self.blob_bytes // 8)[:, :, 0]
-        self._poison = self._words[0:1]
-        self._slots = self._words[_LINE:].reshape(world_size, self._slot)
-        self._seqs = self._slots[:, 0]  # strided views: one load per rank
-        self._sleeping = self._slots[:, 1]
-        self._posted = self._slots[:, 2]  # the latest round whose ``post`` is complete
-        self._mine = self._slots[rank]
-        self.round = int(self._mine[0])  # 0 on a fresh segment
+        stride = 8 * self._slot
+        self._slot0 = 8 * _LINE  # byte offset of rank 0's slot
+        self._mine = self._slot0 + rank * stride
+        self._blob0 = 8 * words  # byte offset of the byte areas: per rank and bank, an int64 size (-1: none), bytes
+        # (seq, sleeping) of every rank in one read; every rank's posted word in another
+        self._heads = struct.Struct("<" + f"{stride - 16}x".join(["qq"] * world_size))
+        self._posted_all = struct.Struct("<" + f"{stride - 8}x".join(["q"] * world_size))
+        self._fmt: dict[int, tuple] = {}  # by value count (``_formats``)
+        self.round = _Q.unpack_from(self._map, self._mine)[0]  # 0 on a fresh segment
         self._poll = select.poll()
         self._poll.register(self._fifos[rank], select.POLLIN)
+        self.probe = None
+        """A ``RoundProbe`` (debug; round_probe.py) or None."""
+        self.waited_ns = 0
+        """How long the latest ``gather`` waited for the other ranks."""
+        self.sleeps = 0
+        """Waits that outlasted the spin and slept on the FIFO (each wake-up costs tens of us)."""
 
-    def gather(self, values: np.ndarray, alive: Callable[[], None] | None = None, blob: bytes | None = None,
-               published: Callable[[], None] | None = None) -> np.ndarray:
-        """Collective: every rank's ``values`` (int64, same length on every rank) as a
-        (world_size, n) array, by rank. ``alive()`` raises if a peer is known dead. ``blob``
-        (at most ``blob_bytes``): bytes the others read with ``blob(rank)`` until this rank's
-        next ``gather`` returns. ``published()`` runs once this rank's values are visible,
-        before it waits for the others (the time to ``post`` what nobody waits for yet)."""
-        n = len(values)
+    def _formats(self, n: int) -> tuple[struct.Struct, struct.Struct, list[slice]]:
+        """The write of ``n`` values (count first), the read of every rank's ``n``, and where
+        each rank's values sit in what the read returns."""
         if n > self.capacity:
             raise ValueError(f"{n} values exceed the shared slots' capacity of {self.capacity}")
+        m = 1 + n
+        read = struct.Struct("<" + f"{8 * (self._slot - m)}x".join([f"{m}q"] * self.world_size))
+        self._fmt[n] = struct.Struct(f"<{m}q"), read, [slice(r * m + 1, (r + 1) * m) for r in range(self.world_size)]
+        return self._fmt[n]
+
+    def gather(self, values, alive: Callable[[], None] | None = None, blob: bytes | None = None,
+               published: Callable[[], None] | None = None) -> tuple[tuple[int, ...], list[slice]]:
+        """Collective: every rank's ``values`` (ints, as many on every rank), as ``(flat,
+        slices)``: rank r's values are ``flat[slices[r]]``. ``alive()`` raises if a peer is known
+        dead. ``blob`` (at most ``blob_bytes``): bytes the others read with ``blob(rank)`` until
+        this rank's next ``gather`` returns. ``published()`` runs once this rank's values are
+        visible, before it waits for the others (the time to ``post`` what nobody waits for yet)."""
+        n = len(values)
+        write, read, slices = self._fmt.get(n) or self._formats(n)
         k = self.round + 1
-        at = _LINE + (k & 1) * self._bank
+        bank = 8 * (_LINE + (k & 1) * self._bank)
         if blob is not None:
             self._write_blob(k, blob)
-        self._mine[at + 1:at + 1 + n] = values
-        self._mine[at] = n
-        self._mine[0] = k  # publish last: x86 keeps the stores above visible first
+        write.pack_into(self._map, self._mine + bank, n, *values)
+        _Q.pack_into(self._map, self._mine, k)  # publish last: x86 keeps the stores above visible first
         self.round = k
+        probe = self.probe
+        if probe is not None:
+            probe.mark("publish")
         if published is not None:
             published()
-        if self._seqs.min() < k:
-            self._wait(k, alive, self._seqs)
-        self._wake(k)  # the round is complete: wake whoever sleeps in it
-        rows = self._slots[:, at:at + 1 + n].copy()
-        if (rows[:, 0] != n).any():
-            raise SlotsError(f"round {k}: ranks contributed {rows[:, 0].tolist()} values, rank {self.rank} {n}: "
+            if probe is not None:
+                probe.mark("post")
+        heads = self._heads.unpack_from(self._map, self._slot0)
+        self.waited_ns = 0
+        if min(heads[0::2]) < k:
+            t = time.perf_counter_ns()
+            self._wait(k, alive, self._seqs_done)
+            self.waited_ns = time.perf_counter_ns() - t
+            heads = self._heads.unpack_from(self._map, self._slot0)
+        if probe is not None:
+            probe.mark("wait")
+        if k in heads[1::2]:
+            self._wake(k, heads[1::2])  # the round is complete: wake whoever sleeps in it
+        flat = read.unpack_from(self._map, self._slot0 + bank)
+        if flat[0::n + 1].count(n) != self.world_size:
+            raise SlotsError(f"round {k}: ranks contributed {list(flat[0::n + 1])} values, rank {self.rank} {n}: "
                              "the ranks diverged")
-        return rows[:, 1:]
+        return flat, slices
+
+    def _seqs_done(self, k: int) -> bool:
+        return min(self._heads.unpack_from(self._map, self._slot0)[0::2]) >= k
 
     def blob(self, rank: int) -> bytes | None:
         """What ``rank`` handed over in the latest round (``gather``'s or ``post``'s blob; None:
         it posted none). Valid until this rank's next ``gather`` returns."""
-        size = int(self._headers[rank, self.round & 1])
-        return None if size < 0 else self._blobs[rank, self.round & 1, 8:8 + size].tobytes()
+        at = self._blob_at(rank, self.round)
+        size = _Q.unpack_from(self._map, at)[0]
+        return None if size < 0 else self._map[at + 8:at + 8 + size]
 
     def post(self, blob: bytes | None) -> None:
         """After publishing round k's values: bytes the others read after ``wait_posted(rank,
         k)`` (None: nothing here, the caller sent it some other way)."""
         self._write_blob(self.round, blob)
-        self._posted[self.rank] = self.round  # after the bytes (x86 store order)
+        _Q.pack_into(self._map, self._mine + 16, self.round)  # after the bytes (x86 store order)
 
     def wait_posted(self, rank: int, alive: Callable[[], None] | None = None) -> bytes | None:
         """``rank``'s ``post`` of the latest round (it is on its way: spin, yielding the core)."""
-        k = self.round
-        if self._posted[rank] < k:
-            self._wait(k, alive, self._posted[rank:rank + 1], sleep=False)
+        k, at = self.round, self._slot0 + rank * 8 * self._slot + 16
+        if _Q.unpack_from(self._map, at)[0] < k:
+            self._wait(k, alive, lambda k: _Q.unpack_from(self._map, at)[0] >= k, sleep=False)
         return self.blob(rank)
+
+    def _blob_at(self, rank: int, k: int) -> int:
+        return self._blob0 + (2 * rank + (k & 1)) * self.blob_bytes
 
     def _write_blob(self, k: int, blob: bytes | None) -> None:
         if blob is not None and len(blob) > self.blob_bytes - 8:
             raise ValueError(f"{len(blob)} bytes exceed the shared slots' {self.blob_bytes - 8} per round")
+        at = self._blob_at(self.rank, k)
         if blob:
-            self._blobs[self.rank, k & 1, 8:8 + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-        self._headers[self.rank, k & 1] = -1 if blob is None else len(blob)
+            self._map[at + 8:at + 8 + len(blob)] = blob
+        _Q.pack_into(self._map, at, -1 if blob is None else len(blob))
 
-    def _wake(self, k: int) -> None:
-        for r in np.flatnonzero(self._sleeping == k).tolist():
-            if r == self.rank:
+    def _wake(self, k: int, sleeping: tuple[int, ...]) -> None:
+        for r, round_ in enumerate(sleeping):
+            if round_ != k or r == self.rank:
                 continue
             try:
                 os.write(self._fifos[r], b"\0")
             except BlockingIOError:  # its FIFO is full of wake-ups already
                 pass
 
-    def _wait(self, k: int, alive, words: np.ndarray, sleep: bool = True) -> None:
-        """Until every one of ``words`` is >= k."""
+    def _wait(self, k: int, alive, done: Callable[[int], bool], sleep: bool = True) -> None:
+        """Until ``done(k)``."""
         t0 = checked = time.perf_counter()
         while time.perf_counter() - t0 < self.spin_s or not sleep:
-            if words.min() >= k:
+            if done(k):
                 return
             os.sched_yield()  # a peer or ZMQ thread waiting for this core runs first
             now = time.perf_counter()
             if now - checked > 1e-3:
                 checked = now
-                self._check(k, now - t0, alive, words)
+                self._check(k, now - t0, alive, done)
+        self.sleeps += 1  # (only a sleeping wait gets here)
         while True:
-            self._sleeping[self.rank] = k  # then re-check: a rank arriving now sees the mark
-            if words.min() >= k:
+            _Q.pack_into(self._map, self._mine + 8, k)  # sleeping in k; then re-check: a rank arriving now sees it
+            if done(k):
                 break
             self._poll.poll(_NAP_S * 1000)
             try:
                 os.read(self._fifos[self.rank], 4096)  # drain (several ranks may have written)
             except BlockingIOError:
                 pass
-            if words.min() >= k:
+            if done(k):
                 break
-            self._check(k, time.perf_counter() - t0, alive, words)
+            self._check(k, time.perf_counter() - t0, alive, done)
 
-    def _check(self, k: int, waited: float, alive, words: np.ndarray) -> None:
+    def _seq(self, rank: int) -> int:
+        return _Q.unpack_from(self._map, self._slot0 + rank * 8 * self._slot)[0]
+
+    def _check(self, k: int, waited: float, alive, done: Callable[[int], bool]) -> None:
         """Raise if a peer gave up, is known dead, or the wait timed out, unless the round
         completed meanwhile (a peer that published and then exited left a good round: its
         death shows at the next one, the poison word and a lost connection being sticky)."""
         try:
-            if self._poison[0]:
-                raise SlotsError(f"rank {self.rank}: rank {self._poison[0] - 1} gave up in shared-memory round {k}")
+            poison = _Q.unpack_from(self._map, 0)[0]
+            if poison:
+                raise SlotsError(f"rank {self.rank}: rank {poison - 1} gave up in shared-memory round {k}")
             if alive is not None:
                 alive()
             if self.timeout_s is not None and waited > self.timeout_s:
-                late = [r for r in range(self.world_size) if self._seqs[r] < k]
+                late = [r for r in range(self.world_size) if self._seq(r) < k]
                 raise SlotsError(f"rank {self.rank}: ranks {late} did not arrive within {self.timeout_s:.3g} s "
                                  f"in shared-memory round {k}")
         except Exception:
-            if words.min() >= k:
+            if done(k):
                 return
-            if not self._poison[0]:
-                self._poison[0] = self.rank + 1  # the others waiting here fail at once too
+            if not _Q.unpack_from(self._map, 0)[0]:
+                _Q.pack_into(self._map, 0, self.rank + 1)  # the others waiting here fail at once too
             for fd in self._fifos:
                 try:
                     os.write(fd, b"\0")
@@ -264,10 +307,5 @@ class SharedSlots:
             os.close(fd)
         self._fifos = []
         if self._map is not None:
-            del self._words, self._blobs, self._headers, self._poison, self._slots, self._seqs, self._sleeping
-            del self._posted, self._mine
-            try:
-                self._map.close()
-            except BufferError:  # a view is still alive (a traceback's frame): freed with it
-                pass
+            self._map.close()
             self._map = None

@@ -26,10 +26,10 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
-import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -62,6 +62,15 @@ class ZMQCommunicator:
         self._carry: list[Any] = []  # rank 0: uploads received, not yet taken
         self._lost: str | None = None  # the endpoint of a dropped connection, once the monitor reported one
         self._posting: tuple[int, list[int]] | None = None  # rank 0: (exchange, ranks) whose uploads are posted
+        self.upload_codec: tuple[Callable[[Any], bytes], Callable[[bytes], Any]] | None = None
+        """(encode, decode) turning uploads into bytes and back, used instead of pickle (the
+        caller's compact format); set on every rank alike."""
+        self._probe = None
+        self.plain_rounds = 0
+        """Shared-memory exchanges in which this rank pickled and unpickled nothing: only its
+        record of ints moved (the common step: no news from rank 0, no upload from this rank)."""
+        self.waited_ns = 0
+        """How long the latest ``exchange`` waited for other ranks (over ZMQ: for messages)."""
         self.exchange_path = "local" if world_size == 1 else "zmq"
         """How ``exchange`` moves its ints: "shared_memory", "zmq", or "local" (one rank)."""
         if world_size == 1:
@@ -94,6 +103,27 @@ class ZMQCommunicator:
         if self._slots is not None:
             self.exchange_path = "shared_memory"
 
+    @property
+    def probe(self):
+        """A ``RoundProbe`` timing each exchange's phases (debug), or None (the default)."""
+        return self._probe
+
+    @probe.setter
+    def probe(self, probe) -> None:
+        self._probe = probe
+        if self._slots is not None:
+            self._slots.probe = probe
+
+    @property
+    def spin_us(self) -> float | None:
+        """How long a shared-memory wait spins before it sleeps (None over ZMQ)."""
+        return self._slots.spin_s * 1e6 if self._slots is not None else None
+
+    @property
+    def sleeps(self) -> int:
+        """Shared-memory waits that outlasted the spin and slept (0 over ZMQ)."""
+        return self._slots.sleeps if self._slots is not None else 0
+
     _joined = 0  # communicators built through a rendezvous by this process (same count on every rank)
 
     @classmethod
@@ -117,13 +147,14 @@ class ZMQCommunicator:
         on every rank (None: nothing to send). The other ranks' ``upload``s (results, not
         decisions: nobody waits for them) reach rank 0 through ``take_uploads``."""
         seq = self._next_seq()
+        self.waited_ns = 0
+        if self._slots is not None:  # (struct packs any int-like value, and reads back ints)
+            return self._exchange_shared(seq, values, upload, payload)
         values = [int(v) for v in values]
         if self.world_size == 1:
             return values, payload
-        if self._slots is not None:
-            return self._exchange_shared(seq, values, upload, payload)
         if self.rank != 0:
-            self._sock.send(pickle.dumps((seq, "exchange", (values, upload))))
+            self._sock.send(pickle.dumps((seq, "exchange", (values, self._encode(upload)))))
             return self._recv_from_root(seq, "exchange")
         result = values
         for peer, (theirs, up) in sorted(self._gather_at_root(seq, "exchange").items()):
@@ -131,7 +162,7 @@ class ZMQCommunicator:
                 raise CommunicatorError(f"exchange #{seq}: rank {peer} sent {len(theirs)} values, rank 0 {len(result)}")
             result = [max(a, b) for a, b in zip(result, theirs)]
             if up is not None:
-                self._carry.append(up)
+                self._carry.append(self._decode(up))
         msg = pickle.dumps((seq, "exchange", (result, payload)))
         for peer in range(1, self.world_size):
             self._sock.send_multipart([self._identity(peer), msg])
@@ -148,9 +179,9 @@ class ZMQCommunicator:
         """``exchange`` with the ints in shared memory. Rank 0's payload rides the segment's byte
         area (or, too big for it, ZMQ, sent before the ints are published so it is in flight
         once the others learn from them that it comes; the last int says which: 0 none, 1
-        shared memory, -1 ZMQ). An upload is pickled and posted after its rank's ints are
+        shared memory, -1 ZMQ). An upload is serialised (``upload_codec``, else pickle) and posted after its rank's ints are
         published (into the byte area, or over ZMQ), so no rank waits for it in the round."""
-        leader = self.rank == 0
+        leader, probe = self.rank == 0, self.probe
         blob = None if payload is None else pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         code = 0 if blob is None else 1 if len(blob) <= self._slots.blob_bytes - 8 else -1
         if leader and code < 0:
@@ -159,27 +190,38 @@ class ZMQCommunicator:
                 self._sock.send_multipart([self._identity(peer), msg])
         if not leader:
             code = int(upload is not None)
+        if probe is not None:
+            probe.mark("serialise")
 
         def post() -> None:
-            data = pickle.dumps(upload, protocol=pickle.HIGHEST_PROTOCOL)
+            data = self._encode(upload)
             if len(data) > self._slots.blob_bytes - 8:
-                self._sock.send(pickle.dumps((seq, "upload", upload)))
+                self._sock.send(pickle.dumps((seq, "upload", data)))
                 data = None
             self._slots.post(data)
 
         try:
-            rows = self._slots.gather(np.array(values + [code], dtype=np.int64), self._alive,
-                                      blob if leader and code > 0 else None,
-                                      post if not leader and upload is not None else None)
+            flat, slices = self._slots.gather((*values, code), self._alive, blob if leader and code > 0 else None,
+                                              post if not leader and upload is not None else None)
         except SlotsError as e:
             raise CommunicatorError(f"{e} (exchange #{seq})") from None
-        result, codes = rows[:, :-1].max(axis=0).tolist(), rows[:, -1].tolist()
+        self.waited_ns = self._slots.waited_ns
+        result = list(map(max, *map(flat.__getitem__, slices)))  # element-wise, no Python frame per rank
+        codes = flat[len(values) + 1::len(values) + 2]  # each rank's last int
+        del result[-1]
+        if probe is not None:
+            probe.mark("read")
         if leader:
             self._posting = (seq, [r for r in range(1, self.world_size) if codes[r]])
+            self.plain_rounds += blob is None
             return result, payload
         if codes[0] == 0:
+            self.plain_rounds += upload is None
             return result, None
-        return result, self._recv_from_root(seq, "exchange") if codes[0] < 0 else pickle.loads(self._slots.blob(0))
+        got = self._recv_from_root(seq, "exchange") if codes[0] < 0 else pickle.loads(self._slots.blob(0))
+        if probe is not None:
+            probe.mark("deserialise")
+        return result, got
 
     def _take_posted(self) -> list[Any]:
         """Rank 0: the uploads posted in the latest shared-memory round (each at most once)."""
@@ -192,13 +234,25 @@ class ZMQCommunicator:
                 data = self._slots.wait_posted(r, self._alive)
             except SlotsError as e:
                 raise CommunicatorError(f"{e} (uploads of exchange #{seq})") from None
+            if self.probe is not None:
+                self.probe.mark("wait")
             if data is None:
                 over_zmq.append(r)
             else:
-                got.append((r, pickle.loads(data)))
+                got.append((r, self._decode(data)))
+                if self.probe is not None:
+                    self.probe.mark("deserialise")
         if over_zmq:
-            got += self._gather_at_root(seq, "upload", set(over_zmq)).items()
+            got += [(r, self._decode(data)) for r, data in self._gather_at_root(seq, "upload", set(over_zmq)).items()]
         return [up for _, up in sorted(got, key=lambda x: x[0])]
+
+    def _encode(self, upload: Any) -> bytes | None:
+        if upload is None:
+            return None
+        return self.upload_codec[0](upload) if self.upload_codec else pickle.dumps(upload, pickle.HIGHEST_PROTOCOL)
+
+    def _decode(self, data: bytes) -> Any:
+        return self.upload_codec[1](data) if self.upload_codec else pickle.loads(data)
 
     def _alive(self) -> None:
         """Raises if the monitor reported a dropped connection (rank 0 hears of every peer, the
@@ -273,7 +327,9 @@ class ZMQCommunicator:
         return self._seq
 
     def _poll(self, seq: int, kind: str) -> None:
+        t0 = time.perf_counter_ns()
         ready = dict(self._poller.poll(self._timeout_ms))
+        self.waited_ns += time.perf_counter_ns() - t0
         if self._sock in ready:  # a message sent before its sender died is still delivered
             return
         if self._monitor in ready:

@@ -200,13 +200,14 @@ class DynamicInferenceEngine:
         with nvtx_range("consensus"):
             got = sync.exchange(self._has_local_work(), num_tokens, eager, leader_waiting=self._leader_waiting,
                                 load=len(self._requests), upload=upload, from_step=from_step, variant=variant,
-                                digest=self._landed_digest)
-        self.stats.consensus_rounds = sync.rounds
-        self.stats.consensus_time = sync.seconds
-        self.stats.consensus_round_seconds.append(sync.round_seconds)
-        self.stats.consensus_latency_seconds.append(sync.latency_seconds)
+                                digest=self._landed_digest, quiet=self._quiet)
+        sync.record(self.stats, in_flight=self._pending is not None)
         for new in got.news:
             self._admit(new)
+        if got.quiet and not sync.is_leader:  # rank 0 reads no updates of these: build none
+            self._quiet.update(got.quiet)
+            if len(self._quiet) > 2 * len(self._requests) + 64:
+                self._quiet.intersection_update(self._requests)
         for rid in got.aborts:
             self._mark_abort(rid)
         if take_uploads:

@@ -58,6 +58,18 @@ class EngineStats:
     consensus_latency_seconds: deque = field(default_factory=lambda: deque(maxlen=CONSENSUS_WINDOW))
     """Of those exchanges, the part after the last rank arrived (the exchange's own cost; the
     rest was waiting for slower ranks); ``consensus_latency_us``. Ranks on one host only."""
+    consensus_work_seconds: deque = field(default_factory=lambda: deque(maxlen=CONSENSUS_WINDOW))
+    """Of those exchanges, the duration less the wait for the other ranks: this rank's own host
+    work in each (``consensus_work_us``); clock-independent, unlike the latency above."""
+    consensus_plain_rounds: int = 0
+    """Exchanges that moved only this rank's record of ints through shared memory (nothing
+    pickled: no news from rank 0, no upload from this rank)."""
+    consensus_sleeps: int = 0
+    """Shared-memory waits that outlasted the spin (``consensus_spin_us``) and slept: each
+    wake-up costs tens of us."""
+    consensus_overlapped_rounds: int = 0
+    """Exchanges made while a launch was in flight (launch-ahead: agreeing on step N+1 while
+    the device runs step N, off the device's critical path unless host work outlasts it)."""
     dummy_steps: int = 0
     """Data-parallel engines: steps where this rank had nothing to launch while another rank
     did, so it ran a dummy forward (its collectives must match the others')."""
@@ -131,6 +143,10 @@ class EngineStats:
         """A percentile of the latest exchanges' own cost (after the last rank arrived) in us."""
         return _percentile_us(self.consensus_latency_seconds, percentile)
 
+    def consensus_work_us(self, percentile: float) -> float:
+        """A percentile of the latest exchanges' own host work (duration less waiting) in us."""
+        return _percentile_us(self.consensus_work_seconds, percentile)
+
     @property
     def spec_acceptance_rate(self) -> float:
         """Accepted / drafted tokens (0 without drafts)."""
@@ -143,7 +159,8 @@ class EngineStats:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["rejected_causes"] = dict(self.rejected_causes)
-        del d["consensus_round_seconds"], d["consensus_latency_seconds"]
+        del d["consensus_round_seconds"], d["consensus_latency_seconds"], d["consensus_work_seconds"]
+        d["consensus_work_p50_us"] = self.consensus_work_us(50)
         d["consensus_p50_us"] = self.consensus_us(50)
         d["consensus_p99_us"] = self.consensus_us(99)
         d["consensus_latency_p50_us"] = self.consensus_latency_us(50)

@@ -25,10 +25,11 @@ rank 0 may have accepted requests the others cannot know about."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from megatron_async.inference.communication.zmq_communicator import CommunicatorError, ZMQCommunicator
+from megatron_async.inference.engines import upload_codec
 from megatron_async.inference.engines.request_validation import ValidRequest
 
 
@@ -42,8 +43,10 @@ class NewRequest:
     """The data-parallel rank that serves it (every TP rank of it; always 0 under tensor parallelism alone)."""
 
 
-@dataclass(frozen=True)
-class Agreement:
+class Agreement(NamedTuple):
+    """One exchange's outcome (a NamedTuple: one is built per step, and it is cheaper than a
+    frozen dataclass)."""
+
     any_work: bool
     """Some rank has unfinished requests, requests to send, or outputs to hand up."""
     max_tokens: int = 0
@@ -57,9 +60,16 @@ class Agreement:
     """Rank 0 is inside ``run_requests`` waiting for some of its requests."""
     loads: tuple[int, ...] = ()
     """Data parallel: every data-parallel rank's unfinished request count, by rank."""
-    news: list[NewRequest] = field(default_factory=list)
+    news: tuple[NewRequest, ...] | list[NewRequest] = ()
     """The new requests this rank serves, in arrival order."""
-    aborts: list[int] = field(default_factory=list)
+    aborts: tuple[int, ...] | list[int] = ()
+    quiet: tuple[int, ...] | list[int] = ()
+    """Ids among the news whose streaming updates nobody reads (rank 0 waits for their whole
+    outputs in ``run_requests``): the serving rank builds and hands up no update for them."""
+
+
+def _encode_upload(result) -> bytes:
+    return upload_codec.encode(result.finished, result.updates)
 
 
 _HEAD = 5  # any_work, max_tokens, eager, leader_waiting, variant; then one load per rank (data parallel),
@@ -99,7 +109,20 @@ class StepConsensus:
         """The latest exchange's cost beyond waiting for peers: from the last rank's arrival to this
         rank holding the result. CLOCK_MONOTONIC is one clock per host, so this is meaningful
         with every rank on one host (the usual single-node torchrun)."""
+        self.work_seconds = 0.0
+        """The latest exchange's duration less its wait for the other ranks: the host work it
+        took on this rank (the part that adds to a step however early the peers are)."""
         self._routed_since = [0] * self.dp_size  # rank 0: routed after the loads it last heard
+        if data_parallel:  # uploads are StepResults: compact bytes, not pickles (upload_codec.py)
+            communicator.upload_codec = (_encode_upload, upload_codec.decode)
+        # This rank's record, laid out once: _HEAD flags, a load slot per data-parallel rank (its
+        # own at _load_at), (digest, -digest) per replica group (its own at _digest_at), arrival.
+        num_loads = self.dp_size if data_parallel else 0
+        groups = self.world_size // self.replica_size if self.checks_replicas else 0
+        self._record = [0] * (_HEAD + num_loads) + [_NOBODY] * (2 * groups) + [0]
+        self._load_at = _HEAD + self.dp_rank if data_parallel else -1
+        self._loads = slice(_HEAD, _HEAD + num_loads)
+        self._digest_at = _HEAD + num_loads + 2 * self._group if self.checks_replicas else -1
 
     @property
     def is_leader(self) -> bool:
@@ -139,51 +162,87 @@ class StepConsensus:
     # ------------------------------------------------------------------ the exchange
     def exchange(self, has_work: bool, num_tokens: int = 0, eager: bool = False, leader_waiting: bool = False,
                  load: int = 0, upload: Any = None, from_step: bool = True, variant: int = 0,
-                 digest: int = 0) -> Agreement:
+                 digest: int = 0, quiet: set[int] | frozenset[int] = frozenset()) -> Agreement:
         """Collective: one round trip. Returns the agreement, with the news and aborts this
         rank must apply (rank 0's included: it applies its own outbox only here, like the rest).
-        ``digest``: of the steps this rank has landed (must match across a replica group)."""
+        ``digest``: of the steps this rank has landed (must match across a replica group).
+        ``quiet`` (rank 0): ids whose updates nobody reads; those among the news say so.
+
+        The common step (nothing to send down, nothing to hand up) moves only this rank's record
+        of ints: no pickling anywhere (``comm.plain_rounds`` counts those rounds)."""
         t0 = time.perf_counter()
-        handing_up = upload is not None  # rank 0 must step again to hand these out: that is work
-        values = [int(has_work or handing_up or self.has_outgoing()), num_tokens, int(eager), int(leader_waiting),
-                  variant]
+        probe = self.comm.probe
+        if probe is not None:
+            probe.start()
+        rec = self._record
+        rec[0] = 1 if has_work or upload is not None or self._outbox or self._aborts else 0  # handing up is work
+        rec[1], rec[2], rec[3], rec[4] = num_tokens, 1 if eager else 0, 1 if leader_waiting else 0, variant
+        if self._load_at >= 0:
+            rec[self._load_at] = load
+        if self._digest_at >= 0:
+            rec[self._digest_at], rec[self._digest_at + 1] = digest, -digest
+        rec[-1] = time.monotonic_ns() // 1000  # arrival, us; the max over ranks is the last arrival
+        payload = None
+        if self.is_leader and (self._outbox or self._aborts):
+            outbox = self._outbox
+            payload = (outbox, self._aborts, [n.request_id for n in outbox if n.request_id in quiet] if quiet else [])
+            self._outbox, self._aborts = [], []
+        if probe is not None:
+            probe.mark("build")
+        result, payload = self.comm.exchange(rec, upload, payload)  # None: nothing sent
+        if self._digest_at >= 0 and result[self._digest_at] != -result[self._digest_at + 1]:
+            raise CommunicatorError(
+                f"replica ranks diverged: rank {self.rank}'s landed steps differ from another rank of its "
+                f"tensor-parallel group (digests from {-result[self._digest_at + 1]} to {result[self._digest_at]}, "
+                f"exchange #{self.rounds + 1}): their device results were not identical")
+        if payload is None:
+            last = Agreement(result[0] != 0, result[1], result[2] != 0, result[4], result[3] != 0,
+                             tuple(result[self._loads]))
+        else:
+            news, aborts, quiet_ids = payload
+            if self.data_parallel:
+                news = [n for n in news if n.rank == self.dp_rank]
+            last = Agreement(result[0] != 0, result[1], result[2] != 0, result[4], result[3] != 0,
+                             tuple(result[self._loads]), news, aborts, quiet_ids)
         if self.data_parallel:
-            values += [load if r == self.dp_rank else 0 for r in range(self.dp_size)]
-        num_loads = len(values) - _HEAD
-        if self.checks_replicas:
-            for g in range(self.world_size // self.replica_size):
-                values += [digest, -digest] if g == self._group else [_NOBODY, _NOBODY]
-        arrival = time.monotonic_ns() // 1000  # us; the max over ranks is the last arrival
-        values.append(arrival)
-        payload = (self._outbox, self._aborts) if self.is_leader and self.has_outgoing() else None
-        self._outbox, self._aborts = [], []
-        result, payload = self.comm.exchange(values, upload, payload)  # None: nothing sent
-        news, aborts = payload if payload is not None else ([], [])
-        if self.checks_replicas:
-            at = _HEAD + num_loads + 2 * self._group
-            if result[at] != -result[at + 1]:
-                raise CommunicatorError(
-                    f"replica ranks diverged: rank {self.rank}'s landed steps differ from another rank of its "
-                    f"tensor-parallel group (digests from {-result[at + 1]} to {result[at]}, exchange "
-                    f"#{self.rounds + 1}): their device results were not identical")
-        any_work = bool(result[0])
-        if self.data_parallel:
-            news = [n for n in news if n.rank == self.dp_rank]
             self._routed_since = [0] * self.dp_size
-        self.last = Agreement(any_work, result[1], bool(result[2]), result[4], bool(result[3]),
-                              tuple(result[_HEAD:_HEAD + num_loads]), news, aborts)
+        self.last = last
         self.fresh = not from_step
         self.rounds += 1
         self.latency_seconds = max(0, time.monotonic_ns() // 1000 - result[-1]) / 1e6
         self.round_seconds = time.perf_counter() - t0
+        self.work_seconds = max(0.0, self.round_seconds - self.comm.waited_ns / 1e9)
         self.seconds += self.round_seconds
-        return self.last
+        if probe is not None:
+            probe.mark("apply")
+            probe.end()
+        return last
+
+    def record(self, stats, in_flight: bool) -> None:
+        """Copy the latest exchange into ``stats`` (EngineStats). ``in_flight``: a launch was
+        on the device while it ran (launch-ahead: the exchange overlapped that step)."""
+        stats.consensus_rounds = self.rounds
+        stats.consensus_time = self.seconds
+        stats.consensus_round_seconds.append(self.round_seconds)
+        stats.consensus_latency_seconds.append(self.latency_seconds)
+        stats.consensus_work_seconds.append(self.work_seconds)
+        stats.consensus_overlapped_rounds += in_flight
+        comm = self.comm
+        stats.consensus_plain_rounds, stats.consensus_sleeps = comm.plain_rounds, comm.sleeps
 
     def take_uploads(self) -> list[Any]:
         """Rank 0: what the other ranks handed up at the exchanges so far (not yet taken), by
         round then rank; [] elsewhere. Results, not decisions: the exchange does not wait for
         them, and rank 0 takes them when it needs them (after launching its step)."""
-        return self.comm.take_uploads() if self.is_leader else []
+        if not (self.is_leader and self.data_parallel):  # (replicas hand nothing up)
+            return []
+        probe = self.comm.probe
+        if probe is not None:
+            probe.start()
+        got = self.comm.take_uploads()
+        if probe is not None:
+            probe.end("take_uploads")
+        return got
 
     def said(self, name: str) -> bool:
         """The latest agreement's flag ``name`` if it is True (a stale yes is safe), else None."""
