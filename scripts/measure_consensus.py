@@ -23,6 +23,7 @@
 
     python scripts/measure_consensus.py --ranks 2 4 --iters 2000 [--skip-engine | --skip-bare] [--windows 1 2 4 8]
     python scripts/measure_consensus.py --ranks 2 --iters 2000 --device cuda --tokens 128   # a GPU host
+    python scripts/measure_consensus.py --ranks 2 --cold   # why the engine's rounds cost more than bare ones
 """
 from __future__ import annotations
 
@@ -95,10 +96,11 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 def _engine(rank: int, world: int, parallel: str, shared_memory: bool, tokens: int, device: str) -> dict:
     """A launch-ahead run under TP (``parallel`` "tp": replica engines) or EP ("ep":
     data-parallel engines), 8 requests per rank of ``tokens`` greedy tokens, after a short
-    warm-up run, the round probe on. Per exchange of the timed run: its duration, its own work
-    (duration less the wait for peers), its own cost (after the last rank arrived), the phases;
+    warm-up run. Per exchange of the timed run: its duration, its own work
+    (duration less the wait for peers), its own cost (after the last rank arrived);
     whether a launch was in flight during it and, on CUDA, whether the device was still running
-    that launch when the exchange ended (the exchange was hidden under the device step)."""
+    that launch when the exchange ended (the exchange was hidden under the device step). Then
+    the timed run again with the round probe on: the phases."""
     from megatron_async import LLM, InferenceConfig
     from megatron_async import SamplingParams as SP
     from megatron_async.models.default_model import DEFAULT_CONFIGS
@@ -107,7 +109,8 @@ def _engine(rank: int, world: int, parallel: str, shared_memory: bool, tokens: i
     name = base if layers is None else f"{base}-{layers}l"
     DEFAULT_CONFIGS[name] = {**DEFAULT_CONFIGS[base], **({"num_hidden_layers": layers} if layers else {})}
     cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=1024, max_requests=16, max_tokens=512,
-                          max_sequence_length=512, consensus_shared_memory=shared_memory)
+                          max_sequence_length=512, consensus_shared_memory=shared_memory,
+                          cuda_graphs=device == "cuda")
     sizes = {"tensor_parallel_size": world} if parallel == "tp" else {"expert_parallel_size": world}
     llm = LLM(None, device=device, dtype="bfloat16" if device == "cuda" else "float32", inference_config=cfg,
               default_model=name, **sizes)
@@ -130,18 +133,20 @@ def _engine(rank: int, world: int, parallel: str, shared_memory: bool, tokens: i
         for q in (st.consensus_round_seconds, st.consensus_latency_seconds, st.consensus_work_seconds, busy,
                   in_flight):
             q.clear()
-        probe = comm.probe = RoundProbe()
         sleeps0, plain0, rounds0 = comm.sleeps, comm.plain_rounds, st.consensus_rounds
         t0 = time.perf_counter()
         llm.generate(prompts, SP(top_k=1, num_tokens_to_generate=tokens, ignore_eos=True))
         wall = time.perf_counter() - t0
-        return {"path": comm.exchange_path, "rounds": st.consensus_rounds - rounds0,
-                "round": st.consensus_us(50), "work": st.consensus_work_us(50), "own": st.consensus_latency_us(50),
-                "own_p99": st.consensus_latency_us(99), "phases": probe.p50_us(skip=0),
-                "take": probe.p50_us("take_uploads", skip=0), "sleeps": comm.sleeps - sleeps0,
-                "plain": comm.plain_rounds - plain0, "spin_us": comm.spin_us,
-                "in_flight": sum(in_flight) / max(1, len(in_flight)),
-                "busy": sum(busy) / len(busy) if busy else None, "wall": wall}
+        got = {"path": comm.exchange_path, "rounds": st.consensus_rounds - rounds0,
+               "round": st.consensus_us(50), "work": st.consensus_work_us(50), "own": st.consensus_latency_us(50),
+               "own_p99": st.consensus_latency_us(99), "sleeps": comm.sleeps - sleeps0,
+               "plain": comm.plain_rounds - plain0, "spin_us": comm.spin_us,
+               "in_flight": sum(in_flight) / max(1, len(in_flight)),
+               "busy": sum(busy) / len(busy) if busy else None, "wall": wall}
+        # the same run again with the probe on, for the phases (its marks cost a little: not in the numbers above)
+        probe = comm.probe = RoundProbe()
+        llm.generate(prompts, SP(top_k=1, num_tokens_to_generate=tokens, ignore_eos=True))
+        return {**got, "phases": probe.p50_us(skip=0), "take": probe.p50_us("take_uploads", skip=0)}
     finally:
         llm.close()
 
@@ -241,6 +246,46 @@ def _trace(rank: int, world: int) -> list[tuple[int, bool, int]]:
         llm.close()
 
 
+def _cold(rank: int, world: int) -> dict:
+    """The engine's exchange back to back, then with other work between rounds (what the
+    engine does between two steps): per-phase p50 us of each."""
+    import torch
+
+    from megatron_async import LLM, InferenceConfig
+    from megatron_async import SamplingParams as SP
+
+    cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=256, max_requests=8, max_tokens=128,
+                          max_sequence_length=128)
+    llm = LLM(None, inference_config=cfg, default_model="tiny-moe", expert_parallel_size=world)
+    try:
+        llm.generate([[1, 2, 3]] * 2 * world, SP(top_k=1, num_tokens_to_generate=4, ignore_eos=True))
+        sync, x, out = llm.engine._sync, torch.randn(256, 256), {}
+        between = {"nothing": None, "20 matmuls 256x256": lambda: [x @ x for _ in range(20)],
+                   "3000 small dicts": lambda: [dict(a=i) for i in range(3000)], "2 ms sleep": lambda: time.sleep(2e-3)}
+        for name, work in between.items():
+            probe = sync.comm.probe = RoundProbe()
+            for _ in range(300):
+                if work is not None:
+                    work()
+                sync.exchange(True, 4, load=1)
+            out[name] = probe.p50_us()
+        return out
+    finally:
+        llm.close()
+
+
+def cold_table(world: int) -> None:
+    print("\nThe engine's exchange with other work between rounds, p50 us by rank (work: less the wait)")
+    print("\n| between rounds | rank | build | publish | read | apply | work |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    res = run_ranks(_cold, world, timeout_s=600)
+    for name in res[0]:
+        for rank, r in enumerate(res):
+            ph = r[name]
+            print(f"| {name} | {rank} | " + " | ".join(f"{ph.get(c, 0):.1f}" for c in ("build", "publish", "read",
+                                                                                         "apply", "work")) + " |")
+
+
 def windows_table(ranks: list[int], ks: list[int]) -> None:
     from megatron_async.tools.consensus_windows import TraceStep, window_costs
 
@@ -276,7 +321,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="engine runs: greedy tokens per request")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="engine runs: one device per rank")
     p.add_argument("--zmq-engines", action="store_true", help="engine runs over ZMQ too (shared memory only else)")
+    p.add_argument("--cold", action="store_true", help="only: the exchange with other work between rounds (CPU)")
     args = p.parse_args()
+    if args.cold:
+        cold_table(args.ranks[0])
+        return
     if args.windows:
         windows_table(args.ranks, args.windows)
         return

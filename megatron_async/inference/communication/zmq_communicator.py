@@ -179,8 +179,9 @@ class ZMQCommunicator:
         """``exchange`` with the ints in shared memory. Rank 0's payload rides the segment's byte
         area (or, too big for it, ZMQ, sent before the ints are published so it is in flight
         once the others learn from them that it comes; the last int says which: 0 none, 1
-        shared memory, -1 ZMQ). An upload is serialised (``upload_codec``, else pickle) and posted after its rank's ints are
-        published (into the byte area, or over ZMQ), so no rank waits for it in the round."""
+        shared memory, -1 ZMQ). An upload is serialised (``upload_codec``, else pickle) and
+        posted after its rank's ints are published (into the byte area, or over ZMQ), so no rank
+        waits for it in the round."""
         leader, probe = self.rank == 0, self.probe
         blob = None if payload is None else pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         code = 0 if blob is None else 1 if len(blob) <= self._slots.blob_bytes - 8 else -1

@@ -15,8 +15,8 @@ def _updates(rng: random.Random, n: int, texts: bool, counts=(1,)) -> list[Reque
     out = []
     for i in range(n):
         done = rng.random() < 0.2
-        out.append(RequestUpdate(rng.randrange(2**40), tuple(rng.randrange(-5, 2**40) for _ in range(rng.choice(counts))),
-                                 rng.choice(TEXTS) if texts else None, done,
+        tokens = tuple(rng.randrange(-5, 2**40) for _ in range(rng.choice(counts)))
+        out.append(RequestUpdate(rng.randrange(2**40), tokens, rng.choice(TEXTS) if texts else None, done,
                                  rng.choice(["length", "stop", "abort"]) if done else None))
     return out
 
