@@ -25,9 +25,9 @@ def _script(rank: int, world: int) -> list[dict]:
     for i in range(ROUNDS):
         ins = [dict(work=rng.random() < 0.7, tokens=rng.randrange(0, 300), eager=rng.random() < 0.3,
                     variant=rng.randrange(3), load=rng.randrange(20)) for _ in range(world)]
-        news = [NewRequest(ValidRequest([rng.randrange(1000) for _ in range(rng.randrange(1, 9))], SamplingParams(top_k=1),
-                                        [], [], frozenset()), 100 * i + j, rng.randrange(2**40), rng.randrange(world))
-                for j in range(rng.choice([0, 0, 0, 1, 3]))]
+        prompts = [[rng.randrange(1000) for _ in range(rng.randrange(1, 9))] for _ in range(rng.choice([0, 0, 0, 1, 3]))]
+        news = [NewRequest(ValidRequest(p, SamplingParams(top_k=1), [], [], frozenset()), 100 * i + j,
+                           rng.randrange(2**40), rng.randrange(world)) for j, p in enumerate(prompts)]
         uploads = [None] + [StepResult(
             finished=[RequestOutput(i, [1], [2, 3], "é", "length")] if rng.random() < 0.3 else [],
             updates=[RequestUpdate(1000 * r + k, (rng.randrange(2**31),), rng.choice([None, "ab"]), False, None)
