@@ -126,15 +126,50 @@ def print_table(rows: list[Row]) -> None:
               f" {fmt(r.decode_gbps, '8.0f'):>8} {fmt(r.splits, 'd'):>6}")
 
 
+def sweep(iters: int, batch: int, min_len: int, max_len: int) -> None:
+    """Decode kernel launch settings at one batch (KV lengths uniform in [min_len, max_len], KV
+    blocks of 16 tokens as the engine's default): graph ms and KV GB/s per variant, and whether
+    its output equals the default's bits."""
+    gen = torch.Generator().manual_seed(7)
+    lens = torch.randint(min_len, max_len + 1, (batch,), generator=gen).tolist()
+    case = make_case([(n - 1, 1) for n in lens], block_size=16, seed=3, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                     head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the new keys
+    kv_bytes = 2 * int(case.meta.kv_lens.sum()) * KV_HEADS * HEAD_DIM * case.kv_cache.element_size()
+    base = decode_attention(case.q, case.kv_cache, case.meta, case.scale)
+    print(f"\ndecode sweep: {batch} rows, KV {min_len}-{max_len} tokens, {kv_bytes / 1e6:.0f} MB of KV")
+    print("| splits | block_n | warps | stages | graph us | KV GB/s | bits == default |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for splits in (1, 2):
+        for block_n in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (1, 2, 3, 4):
+                    kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+                    try:
+                        out = decode_attention(case.q, case.kv_cache, case.meta, case.scale, **kw)
+                        ms = graph_ms(lambda: decode_attention(case.q, case.kv_cache, case.meta, case.scale, **kw),
+                                      iters)
+                    except Exception as e:  # out of shared memory / registers for this variant
+                        print(f"| {splits} | {block_n} | {warps} | {stages} | failed: {type(e).__name__} | | |")
+                        continue
+                    print(f"| {splits} | {block_n} | {warps} | {stages} | {ms * 1e3:.1f} | "
+                          f"{kv_bytes / (ms * 1e-3) / 1e9:.0f} | {torch.equal(out, base)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--sweep", type=int, nargs=3, metavar=("BATCH", "MIN_LEN", "MAX_LEN"), default=None,
+                        help="only sweep the decode kernel's launch settings at this batch and KV length range")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
     print(torch.cuda.get_device_name(), f"torch {torch.__version__}")
+    if args.sweep:
+        sweep(args.iters, *args.sweep)
+        return
     print_table(run_checks(args.block_sizes, args.batches, args.iters))
 
 

@@ -168,11 +168,14 @@ def decode_attention(
     scale: float,
     num_splits: int | None = None,
     block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Attention of one query per row (q: [R, H, D], row r = token r) over the row's paged
     KV (already appended). ``meta.max_kv_len`` is not used. Returns [R, H, D] in q's dtype.
 
-    ``num_splits`` / ``block_n`` override the split count and key-tile size (tests)."""
+    ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the split count,
+    key-tile size and launch settings (tests, ``check_triton_attention.py --sweep``)."""
     check_cache(kv_cache, q)
     num_rows, num_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -200,7 +203,7 @@ def decode_attention(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, **dot_args(_decode_split_kernel, kv_cache.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_rows, num_heads)](
