@@ -5,8 +5,8 @@ whole GPU works on every pass:
 - filtered steps: one pass for each row's max and smallest finite value;
 - top-k, then top-p over its survivors: an exact threshold search each
   (``triton_threshold.py``: two bucket-histogram passes, one compaction pass, a per-row
-  search over the few compacted candidates); when no row uses top-k, top-p draws first and
-  searches only the rows whose draw fell outside the nucleus (``triton_top_p_candidate.py``);
+  search over the few compacted candidates); top-p draws first and searches only the rows
+  whose draw fell outside the nucleus (``triton_top_p_candidate.py``);
 - one draw pass: Gumbel-max over the kept set per chunk, noise hashed from (row key, token
   id) on the fly (blocks with no kept token skip the noise), greedy rows argmax; a per-row
   program picks the first best chunk.
@@ -140,9 +140,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     ``filters``: whether some row uses (top-k, top-p, min-p); True = all (stages of unused
     filters are skipped; a row's own off values are honoured either way). ``cap``: the
     per-row candidate buffer of the threshold search; ``probe`` (tests) collects each
-    stage's row phases. ``candidate_first``: when no row uses top-k, draw first and search
-    top-p thresholds only for rows whose draw falls outside the nucleus
-    (``triton_top_p_candidate``; the same tokens). Defaults: see docs/PERFORMANCE.md (scripts/check_sampling.py)."""
+    stage's row phases. ``candidate_first``: draw first and search top-p thresholds only
+    for rows whose draw falls outside the nucleus (``triton_top_p_candidate``; the same tokens).
+    Defaults: see docs/PERFORMANCE.md (scripts/check_sampling.py)."""
     assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1
     assert temperature.dtype == top_p.dtype == min_p.dtype == torch.float32 and chunk % block == 0
     assert top_k.dtype == seed.dtype == position.dtype == torch.int64
@@ -171,15 +171,17 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     pmin = torch.empty_like(pmax)
     _stats_kernel[(R, L.ns)](logits, logits.stride(0), V, temperature, pmax, pmin, L.ns, CHUNK=chunk,
                              BLOCK=block, num_warps=num_warps)
-    if use_top_p and not use_top_k and candidate_first:
-        draw(floor)  # over the min-p survivors: each row's candidate
-        done = candidate_done(logits, temperature, top_p, min_p, pmax, tokens, chunk, block, num_warps, L.exact)
+    if use_top_k:
+        floor = threshold(L, logits, temperature, top_k, top_p, min_p, pmax, pmin, floor, False, probe)
+    if use_top_p and candidate_first:
+        draw(floor)  # over the top-k and min-p survivors: each row's candidate
+        done = candidate_done(logits, temperature, top_p, min_p, pmax, floor, tokens, chunk, block, num_warps,
+                              L.exact)
         floor = threshold(L, logits, temperature, top_k, top_p, min_p, pmax, pmin, floor, True, probe, skip=done)
         draw(floor, skip=done)
         return tokens
-    for used, mass in ((use_top_k, False), (use_top_p, True)):
-        if used:
-            floor = threshold(L, logits, temperature, top_k, top_p, min_p, pmax, pmin, floor, mass, probe)
+    if use_top_p:
+        floor = threshold(L, logits, temperature, top_k, top_p, min_p, pmax, pmin, floor, True, probe)
     draw(floor)
     return tokens
 
