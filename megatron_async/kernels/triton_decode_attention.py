@@ -22,9 +22,7 @@ import triton
 import triton.language as tl
 
 from megatron_async.inference.contexts.metadata import AttentionMetadata
-from megatron_async.kernels.attention import DecodeRope
 from megatron_async.kernels.triton_paged_common import check_cache, dot_args, load_kv_tile, num_compute_units
-from megatron_async.kernels.triton_rope import rotate_halves
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -43,19 +41,6 @@ def _decode_split_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    k_new_ptr,
-    v_new_ptr,
-    cos_ptr,
-    sin_ptr,
-    qw_ptr,
-    kw_ptr,
-    slot_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_cos,
-    eps,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -75,8 +60,6 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FUSE_ROPE: tl.constexpr,
-    HAS_NORM: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -94,37 +77,11 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    if FUSE_ROPE:
-        # q arrives straight from the qkv projection: per-head norm and rotary here, rounded as
-        # the rope kernel rounds them; the row's new k / v go to the cache from the one program
-        # whose split holds the row's last key, before its loop reads them back.
-        HALF: tl.constexpr = HEAD_DIM // 2
-        offs_h = tl.arange(0, HALF)
-        c = tl.load(cos_ptr + row * stride_cos + offs_h).to(tl.float32)
-        sn = tl.load(sin_ptr + row * stride_cos + offs_h).to(tl.float32)
-        dt = q_ptr.dtype.element_ty
-        src = q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_h[None, :]
-        x1 = tl.load(src, mask=g_mask[:, None], other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=g_mask[:, None], other=0.0).to(tl.float32)
-        o1, o2 = rotate_halves(x1, x2, qw_ptr, c, sn, eps, dt, HALF, HEAD_DIM, HALF, HAS_NORM)
-        q = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_G, BLOCK_D)).to(DOT_DTYPE)
-        slot = tl.load(slot_ptr + row)
-        if (start < end) & (end == length) & (slot >= 0):
-            ksrc = k_new_ptr + row.to(tl.int64) * stride_kt + kv_head * stride_kh + offs_h[None, :]
-            k1, k2 = rotate_halves(tl.load(ksrc).to(tl.float32), tl.load(ksrc + HALF).to(tl.float32), kw_ptr,
-                                   c, sn, eps, dt, HALF, HEAD_DIM, HALF, HAS_NORM)
-            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-            tl.store(k_cache_ptr + dst + offs_h[None, :], k1.to(k_cache_ptr.dtype.element_ty))
-            tl.store(k_cache_ptr + dst + HALF + offs_h[None, :], k2.to(k_cache_ptr.dtype.element_ty))
-            v = tl.load(v_new_ptr + row.to(tl.int64) * stride_vt + kv_head * stride_vh + offs_d, mask=d_mask)
-            tl.store(v_cache_ptr + dst + offs_d, v.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
-        tl.debug_barrier()  # the stores above before this program's loop reads the new key back
-    else:
-        q = tl.load(
-            q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=g_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        ).to(DOT_DTYPE)
+    q = tl.load(
+        q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
 
     table_ptr = block_table_ptr + row.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -213,20 +170,13 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
-    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """Attention of one query per row (q: [R, H, D], row r = token r) over the row's paged
     KV (already appended). ``meta.max_kv_len`` is not used. Returns [R, H, D] in q's dtype.
 
-    ``rope``: q is the projection's raw q, rotated (after the per-head norm, if any) here, and
-    the rows' new k / v are rotated and stored into the cache here (see ``DecodeRope``): the
-    rope kernel's work without its launch.
-
     ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the split count,
     key-tile size and launch settings (tests, ``check_triton_attention.py --sweep``)."""
     check_cache(kv_cache, q)
-    if rope is not None and not rope.fits(q, kv_cache):
-        raise ValueError(f"decode_attention: rope tensors do not fit q {tuple(q.shape)} {q.dtype}")
     num_rows, num_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     out = torch.empty(num_rows, num_heads, head_dim, device=q.device, dtype=q.dtype)
@@ -249,24 +199,16 @@ def decode_attention(
     else:  # unused by the kernel
         part_out = part_lse = out
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    if rope is None:  # unread pointers and strides
-        fused = (q, q, q, q, q, q, q, 0, 0, 0, 0, 0, 0.0)
-    else:
-        qw, kw = (q, q) if rope.q_norm_weight is None else (rope.q_norm_weight, rope.k_norm_weight)
-        fused = (rope.k, rope.v, rope.cos, rope.sin, qw, kw, meta.slot_mapping, rope.k.stride(0), rope.k.stride(1),
-                 rope.v.stride(0), rope.v.stride(1), rope.cos.stride(0), rope.eps)
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions,
-        out, part_out, part_lse, *fused,
+        out, part_out, part_lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
         num_heads, scale * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, **dot_args(_decode_split_kernel, kv_cache.dtype),
-        FUSE_ROPE=rope is not None, HAS_NORM=rope is not None and rope.q_norm_weight is not None,
         num_warps=num_warps, num_stages=num_stages,
-        enable_fp_fusion=rope is None,  # the rotary products round one by one, as the rope kernel's
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_rows, num_heads)](

@@ -16,24 +16,6 @@ from megatron_async.kernels.triton_paged_common import check_cache
 
 
 @triton.jit
-def rotate_halves(x1, x2, w_ptr, c, s, eps, dt: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    """x1, x2 [N, BLOCK_HALF] float32: the two rotary halves of N heads -> the rotated halves,
-    every value rounded to ``dt`` as the torch path rounds it (returned as float32). With
-    ``HAS_NORM`` (needs ROT_DIM == HEAD_DIM) each head is RMS-normalised by ``w_ptr`` first."""
-    offs_d = tl.arange(0, BLOCK_HALF)
-    if HAS_NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
-        w1 = tl.load(w_ptr + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
-        x1 = (w1[None, :] * (x1 * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        x2 = (w2[None, :] * (x2 * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    o1 = (x1 * c[None, :]).to(dt).to(tl.float32) - (x2 * s[None, :]).to(dt).to(tl.float32)
-    o2 = (x2 * c[None, :]).to(dt).to(tl.float32) + (x1 * s[None, :]).to(dt).to(tl.float32)
-    return o1.to(dt).to(tl.float32), o2.to(dt).to(tl.float32)
-
-
-@triton.jit
 def _rotate_heads(
     src_ptr,
     dst_ptr,
@@ -69,10 +51,16 @@ def _rotate_heads(
     dst = dst_ptr + dst_off + offs_h[:, None] * dst_stride_h + offs_d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    # HAS_NORM: the wrapper guarantees ROT_DIM == HEAD_DIM
-    o1, o2 = rotate_halves(x1, x2, w_ptr, c, s, eps, dt, HALF, HEAD_DIM, BLOCK_HALF, HAS_NORM)
-    tl.store(dst, o1.to(out_dt), mask=store_mask)
-    tl.store(dst + HALF, o2.to(out_dt), mask=store_mask)
+    if HAS_NORM:  # the wrapper guarantees ROT_DIM == HEAD_DIM here
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+        w1 = tl.load(w_ptr + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
+        x1 = (w1[None, :] * (x1 * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2[None, :] * (x2 * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    o1 = (x1 * c[None, :]).to(dt).to(tl.float32) - (x2 * s[None, :]).to(dt).to(tl.float32)
+    o2 = (x2 * c[None, :]).to(dt).to(tl.float32) + (x1 * s[None, :]).to(dt).to(tl.float32)
+    tl.store(dst, o1.to(dt).to(out_dt), mask=store_mask)
+    tl.store(dst + HALF, o2.to(dt).to(out_dt), mask=store_mask)
     if ROT_DIM < HEAD_DIM:
         offs_p = tl.arange(0, BLOCK_PASS)
         pmask = (offs_h[:, None] < NUM_HEADS) & (offs_p[None, :] < HEAD_DIM - ROT_DIM)

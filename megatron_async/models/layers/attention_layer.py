@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from megatron_async.kernels import fused_ops
-from megatron_async.kernels.attention import DecodeRope, attend, attend_decode_rope, fuses_decode_rope
+from megatron_async.kernels.attention import attend
 from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.layers.norm import RMSNorm
 from megatron_async.models.layers.rope import apply_rotary
@@ -47,13 +47,6 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         kv_cache = step.batch.kv_caches[self.kv_index]
-        meta, scale = step.batch.attn, self.head_dim**-0.5
-        if (step.rope is not None and self.cfg.rotary_dim == self.head_dim and fused_ops.use_fused(q)
-                and fuses_decode_rope(q, meta, inv)):  # decode: rope, norm and the KV store inside attention
-            qw, kw, eps = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
-                                                                         self.q_norm.eps)
-            out = attend_decode_rope(q, kv_cache, meta, scale, DecodeRope(k, v, *step.rope, qw, kw, eps))
-            return self.o_proj(out.reshape(T, self.q_size), inv)
         if step.rope is not None and (inv or fused_ops.use_fused(q)):  # q/k norm + rope of q and k, per token
             norm = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             # the same kernel stores k and v in the paged cache (attend then skips its append)
@@ -65,5 +58,5 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q, inv), self.k_norm(k, inv)
             if step.rope is not None:
                 q, k = self._rotate(q, *step.rope), self._rotate(k, *step.rope)
-        out = attend(q, k, v, kv_cache, meta, scale, inv)
+        out = attend(q, k, v, kv_cache, step.batch.attn, self.head_dim**-0.5, inv)
         return self.o_proj(out.reshape(T, self.q_size), inv)
