@@ -42,17 +42,24 @@ from megatron_async.kernels.triton_rmsnorm import MAX_HIDDEN
 
 @triton.jit
 def _barrier(pad_table_ptr, slot, rank, W: tl.constexpr):
-    """Every rank's program ``slot`` (within a region) has reached this point."""
+    """Every rank's program ``slot`` (within a region) has reached this point. One lane per
+    rank, so the W remote compare-and-swaps are in flight together; a lane that succeeded
+    compares against -1 on retries (never matches a 0 / 1 flag: no write)."""
     tl.debug_barrier()  # the whole program's earlier stores / loads come before the signal
-    for r in tl.static_range(W):
-        peer_pad = tl.load(pad_table_ptr + r).to(tl.pointer_type(tl.int32))
-        while tl.atomic_cas(peer_pad + slot * W + rank, 0, 1, sem="release", scope="sys") != 0:
-            pass
+    lanes = tl.arange(0, W)
+    peer_pads = tl.load(pad_table_ptr + lanes).to(tl.pointer_type(tl.int32))
+    send = peer_pads + slot * W + rank
+    pending = tl.full([W], 1, tl.int32)
+    while tl.max(pending, axis=0) > 0:
+        old = tl.atomic_cas(send, tl.where(pending > 0, 0, -1), tl.where(pending > 0, 1, -1), sem="release", scope="sys")
+        pending = tl.where(old == 0, 0, pending)
     my_pad = tl.load(pad_table_ptr + rank).to(tl.pointer_type(tl.int32))
-    for r in tl.static_range(W):
-        while tl.atomic_cas(my_pad + slot * W + r, 1, 0, sem="acquire", scope="sys") != 1:
-            pass
-    tl.debug_barrier()  # no thread reads peers' rows before the flags are seen
+    wait = my_pad + slot * W + lanes
+    pending = tl.full([W], 1, tl.int32)
+    while tl.max(pending, axis=0) > 0:
+        old = tl.atomic_cas(wait, tl.where(pending > 0, 1, -1), tl.where(pending > 0, 0, -1), sem="acquire", scope="sys")
+        pending = tl.where(old == 1, 0, pending)
+    tl.debug_barrier()  # no thread reads peers' rows before every flag is seen
 
 
 @triton.jit

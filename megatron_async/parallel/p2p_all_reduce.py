@@ -146,11 +146,13 @@ class P2PAllReduce:
         if not _all_agree(problem is None, group, device):
             reducer.close()
             return _unavailable(problem or "the self-test failed on another rank", required)
-        if reducer.fused_max_bytes:
+        if fused_norm and _all_agree(reducer.fused_max_bytes > 0, group, device):  # every rank has the tables
             problem = fused_self_test(reducer)
             if not _all_agree(problem is None, group, device):
                 log.warning("fused all-reduce + RMSNorm off: %s", problem or "its self-test failed on another rank")
                 reducer.fused_max_bytes = 0
+        else:
+            reducer.fused_max_bytes = 0
         return reducer
 
     def self_test(self, timeout_s: float = SELF_TEST_TIMEOUT_S) -> str | None:
@@ -293,7 +295,7 @@ def _group_problem(infos: list, device: torch.device) -> str | None:
     return None
 
 
-def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> tuple[torch.Tensor, PeerTables]:
+def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> tuple[torch.Tensor, PeerTables | None]:
     import torch.distributed._symmetric_memory as symm_mem
 
     for key, value in _NO_MULTICAST_ENV.items():
@@ -305,14 +307,27 @@ def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> tuple[torch.
             symm_mem.enable_symm_mem_for_group(group.group_name)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buffer, group.group_name)
-    world, rank = handle.world_size, handle.rank
-    shift = buffer.data_ptr() - handle.buffer_ptrs[rank]  # where the tensor starts in its allocation (0)
-    pad_slots = getattr(handle, "signal_pad_size", 2048) // 4  # int32 flags; older torch: 2 KB pads
-    peers = PeerTables(
-        buffers=torch.tensor([p + shift for p in handle.buffer_ptrs], dtype=torch.int64, device=device),
-        signal_pads=torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device),
-        rank=rank, world_size=world, max_programs=min(FUSED_MAX_PROGRAMS, pad_slots // (2 * world)))
-    return buffer, peers
+    return buffer, _peer_tables(handle, buffer, device)
+
+
+def _peer_tables(handle, buffer: torch.Tensor, device: torch.device) -> PeerTables | None:
+    """The fused kernel's address tables from the rendezvous handle (None, fused path off, if
+    this torch's handle lacks something: the plain P2P all-reduce does not need them)."""
+    try:
+        world, rank = handle.world_size, handle.rank
+        shift = buffer.data_ptr() - handle.buffer_ptrs[rank]  # where the tensor starts in its allocation (0)
+        pad_bytes = getattr(handle, "signal_pad_size", None)
+        pad_slots = (pad_bytes if isinstance(pad_bytes, int) else 2048) // 4  # int32 flags; unknown: assume 2 KB
+        # Programs of one rank wait only for the same program on the others: with at most one per
+        # SM they can all be resident at once, so none waits behind a program that waits itself.
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return PeerTables(
+            buffers=torch.tensor([p + shift for p in handle.buffer_ptrs], dtype=torch.int64, device=device),
+            signal_pads=torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device),
+            rank=rank, world_size=world, max_programs=min(FUSED_MAX_PROGRAMS, sms, pad_slots // (2 * world)))
+    except Exception as e:  # noqa: BLE001 - decided alike on every rank (same torch); fused_self_test agrees anyway
+        log.warning("fused all-reduce + RMSNorm off: no peer address tables from torch symmetric memory (%s)", e)
+        return None
 
 
 def _unavailable(problem: str, required: bool) -> None:
