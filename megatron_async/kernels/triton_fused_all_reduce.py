@@ -41,24 +41,28 @@ from megatron_async.kernels.triton_rmsnorm import MAX_HIDDEN
 
 
 @triton.jit
+def _swap_each(flags, expect, new, W: tl.constexpr, SEM: tl.constexpr):
+    """Compare-and-swap every one of the W flags from ``expect`` to ``new`` (system scope),
+    spinning until each has succeeded once. One lane per flag, so the W (remote) atomics are in
+    flight together; a lane that succeeded compares against -1 on retries, which never matches
+    a 0 / 1 flag: no second write."""
+    pending = tl.full([W], 1, tl.int32)
+    while tl.max(pending, axis=0) > 0:
+        old = tl.atomic_cas(flags, tl.where(pending > 0, expect, -1), tl.where(pending > 0, new, -1),
+                            sem=SEM, scope="sys")
+        pending = tl.where(old == expect, 0, pending)
+
+
+@triton.jit
 def _barrier(pad_table_ptr, slot, rank, W: tl.constexpr):
-    """Every rank's program ``slot`` (within a region) has reached this point. One lane per
-    rank, so the W remote compare-and-swaps are in flight together; a lane that succeeded
-    compares against -1 on retries (never matches a 0 / 1 flag: no write)."""
+    """Every rank's program ``slot`` (within a region) has reached this point: raise this rank's
+    flag in every rank's pad (release), then lower every rank's flag in this rank's pad (acquire)."""
     tl.debug_barrier()  # the whole program's earlier stores / loads come before the signal
     lanes = tl.arange(0, W)
     peer_pads = tl.load(pad_table_ptr + lanes).to(tl.pointer_type(tl.int32))
-    send = peer_pads + slot * W + rank
-    pending = tl.full([W], 1, tl.int32)
-    while tl.max(pending, axis=0) > 0:
-        old = tl.atomic_cas(send, tl.where(pending > 0, 0, -1), tl.where(pending > 0, 1, -1), sem="release", scope="sys")
-        pending = tl.where(old == 0, 0, pending)
+    _swap_each(peer_pads + slot * W + rank, 0, 1, W, "release")
     my_pad = tl.load(pad_table_ptr + rank).to(tl.pointer_type(tl.int32))
-    wait = my_pad + slot * W + lanes
-    pending = tl.full([W], 1, tl.int32)
-    while tl.max(pending, axis=0) > 0:
-        old = tl.atomic_cas(wait, tl.where(pending > 0, 1, -1), tl.where(pending > 0, 0, -1), sem="acquire", scope="sys")
-        pending = tl.where(old == 1, 0, pending)
+    _swap_each(my_pad + slot * W + lanes, 1, 0, W, "acquire")
     tl.debug_barrier()  # no thread reads peers' rows before every flag is seen
 
 
