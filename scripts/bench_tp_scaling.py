@@ -170,6 +170,7 @@ def _worker(args: argparse.Namespace) -> None:
                     key = (r["mode"].split("+")[0], r["batch"])
                     a, b = tokens_by_backend[r["backend"]][key], nccl[key]
                     r["requests_equal_to_nccl"] = sum(x == y for x, y in zip(a, b)) / len(a)
+        result["p2p_calls_total"] = dict(reducer.calls) if reducer is not None else {}  # graphs count at capture
         if leader:
             Path(args.worker_out).write_text(json.dumps(result))
     finally:
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"TP={res['tp']} {res['model']} ({res['layers']} layers) on {res['device']}: weights/rank "
               f"{res['weight_bytes'] / 1e9:.2f} GB, copy {res['copy_bandwidth'] / 1e12:.2f} TB/s, build "
               f"{res['build_s']:.0f} s, warm-up {res['warmup_s']:.0f} s, fused all-reduce + norm up to "
-              f"{res.get('fused_norm_bytes', 0) >> 10} KB")
+              f"{res.get('fused_norm_bytes', 0) >> 10} KB, P2P calls {res.get('p2p_calls_total', {})}")
     print(table(results))
     for res in results:
         for r in res.get("idle", []):
