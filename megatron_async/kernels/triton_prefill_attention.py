@@ -162,11 +162,14 @@ def prefill_attention(
     block_q: int | None = None,
     block_n: int | None = None,
     fixed_order: bool = False,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] (rows as in ``meta``) over each row's
     paged KV (already appended). Returns [T, H, D] in q's dtype.
 
-    ``block_q`` / ``block_n`` override the query-token and key tile sizes (tests).
+    ``block_q`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the query-token and key
+    tile sizes and launch settings (tests, ``check_triton_attention.py --sweep-prefill``).
     ``fixed_order``: every key tile takes the same masked update (batch-invariant mode)."""
     check_cache(kv_cache, q)
     num_tokens, num_heads, head_dim = q.shape
@@ -192,6 +195,6 @@ def prefill_attention(
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
         **dot_args(_prefill_kernel, kv_cache.dtype), FIXED_ORDER=fixed_order,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
