@@ -48,12 +48,39 @@ def run_all(llm: LLM, rank: int) -> dict:
     return result
 
 
+def _count_handed_up(llm: LLM) -> dict[str, int]:
+    """Updates this rank hands up to rank 0, inside ``generate`` (rank 0 reads none of them
+    there) and elsewhere (``step()`` callers read them)."""
+    eng, handed, where = llm.engine, {"generate": 0, "step": 0}, ["step"]
+    upload, generate = eng._upload, llm.generate
+
+    def counted():
+        up = upload()
+        if up is not None:
+            handed[where[0]] += len(up.updates)
+        return up
+
+    def generating(*args, **kwargs):
+        where[0] = "generate"
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            where[0] = "step"
+
+    eng._upload, llm.generate = counted, generating
+    return handed
+
+
 def _dp_worker(rank: int, world: int, model: str) -> dict:
     llm = LLM(None, inference_config=InferenceConfig(**CONFIG), default_model=model, expert_parallel_size=world)
     try:
         assert llm.parallel.dp_size == world and llm.parallel.ep_rank == rank
+        handed = _count_handed_up(llm)
         result = run_all(llm, rank)
-        result["rounds"], result["steps"] = llm.engine.stats.consensus_rounds, llm.engine.stats.steps
+        st = llm.engine.stats
+        result["rounds"], result["steps"] = st.consensus_rounds, st.steps
+        result["plain"], result["in_flight"], result["handed"] = (st.consensus_plain_rounds,
+                                                                  st.consensus_overlapped_rounds, handed)
         result["exchange_path"] = llm.communicator.exchange_path
         if rank != 0:
             with pytest.raises(RuntimeError, match="data-parallel rank .* cannot add requests"):
@@ -75,6 +102,10 @@ def test_dp_engines_match_one_engine_whichever_rank_serves(model, world):
         assert got["served"] > 0 and got["overlapped"] > 0, f"rank {rank} served nothing or never overlapped"
         assert got["rounds"] >= 1
         assert got["exchange_path"] == "shared_memory"  # ranks on one host: the default path
+        # rounds that moved only the int record, and ones with a launch in flight (launch-ahead)
+        assert 0 < got["plain"] < got["rounds"] and got["in_flight"] > 0, (rank, got["plain"], got["rounds"])
+        if rank:  # nobody reads per-step updates inside generate(): none built; step() callers get them
+            assert got["handed"]["generate"] == 0 and got["handed"]["step"] > 0, (rank, got["handed"])
     assert ranks[0]["staggered"] == expected["staggered"]  # rank 0 reports every rank's outputs
     assert sum(r["served"] for r in ranks) == expected["served"]  # each request ran on exactly one rank
     for got in ranks[1:]:
