@@ -63,6 +63,8 @@ class TextGenerationController:
         self.spec = SpecVerifier(context.spec, context.block_size) if context.spec is not None else None
         self.spec_steps = PlainStepSelector() if self.spec is not None else None
         """Speculative decoding: which steps run the plain engine's step (``bind_spec_policy``)."""
+        self.spec_policy = SpecPolicy(context.config)
+        """Speculative decoding: the policy told every bookkept verify row (the scheduler's: ``bind_spec_policy``)."""
         self.fast_landings = 0
         """Launches without drafts landed by the one-pass loop (landing.py; EngineStats.fast_landings)."""
         self.accepted = torch.zeros(context.max_rows, dtype=torch.int64, device=dev)
@@ -95,6 +97,7 @@ class TextGenerationController:
         """Speculative decoding: steps where no row drafts now or (by ``policy``) next run the
         plain engine's step. Not under expert parallelism: every rank runs the drafter's
         collectives in every step."""
+        self.spec_policy = policy
         if self.spec_steps is not None:
             self.spec_steps = PlainStepSelector(policy)
 
@@ -282,7 +285,7 @@ class TextGenerationController:
                 a = accepted[i] if accepted is not None else 0
                 first = base[i] if base is not None else i
                 if row.num_drafts:
-                    SpecPolicy.observe(req, row.num_drafts, a)
+                    self.spec_policy.observe(req, row.num_drafts, a)
                     for d in range(row.num_drafts):
                         drafted_d[d] += 1
                         accepted_d[d] += d < a
