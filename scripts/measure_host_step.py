@@ -63,6 +63,8 @@ class StageTimer:
         self.cur: dict[str, float] = defaultdict(float)
         self.steps: list[dict[str, float]] = []
         self.launched_decode = True
+        self.run_host = 0.0
+        """Host time of every step of the run (prefill included), the forwards excluded."""
         self._undo = []
 
     def wrap(self, cls, name: str, label: str, after=None):
@@ -97,6 +99,7 @@ class StageTimer:
             t = self.clock()
             res = step(engine)
             self.cur["wall"] = self.clock() - t
+            self.run_host += self.cur["wall"] - self.cur.get("forward", 0.0)
             if res.is_decode_only and self.launched_decode:
                 self.steps.append(dict(self.cur))
             return res
@@ -143,6 +146,7 @@ class StageTimer:
         out = {s: 1e3 * statistics.median(st.get(s, 0.0) for st in self.steps) for s in STAGES + ["forward", "host"]}
         out["host_mean"] = 1e3 * statistics.fmean(st["host"] for st in self.steps)
         out["steps"] = len(self.steps)
+        out["run_host"] = 1e3 * self.run_host
         for kind in KINDS:
             of_kind = [st for st in self.steps if st.get("kind:" + kind)]
             out["n:" + kind] = len(of_kind)
@@ -218,7 +222,8 @@ def main():
             s = run(rows, sampled, args.tokens, args.repeats, args.stream, clock, args.spec, args.kinds)
             results.append((rows, "sampled" if sampled else "greedy", s))
             print(f"rows={rows} {'sampled' if sampled else 'greedy'}: host {s['host']:.3f} ms/step "
-                  f"(mean {s['host_mean']:.3f}; forward {s['forward']:.1f} ms, {s['steps']} decode steps)", flush=True)
+                  f"(mean {s['host_mean']:.3f}; forward {s['forward']:.1f} ms, {s['steps']} decode steps; host of the "
+                  f"whole run {s['run_host']:.1f} ms)", flush=True)
     print()
     print(f"{'engine.step() + every update read (server path)' if args.stream else 'LLM.generate'}, "
           f"median {args.clock} ms per decode step (best of --repeats runs):")

@@ -32,7 +32,7 @@ from megatron_async.config import InferenceConfig
 from megatron_async.inference.request import DynamicInferenceRequest
 
 _EMA = 0.25  # weight of the newest draft in a request's acceptance average
-_ENGINE_EMA = 1 / 64  # in the engine's average (the prior of new requests): a wide verify step of a large batch moves it all the way
+_ENGINE_EMA = 1 / 16  # in the engine average (new requests start from it): ~40 rejected drafts take it from 1 to 0.1
 
 
 class SpecPolicy:
