@@ -65,6 +65,9 @@ class StageTimer:
         self.launched_decode = True
         self.run_host = 0.0
         """Host time of every step of the run (prefill included), the forwards excluded."""
+        self.run_by_kind: dict[str, float] = {}
+        self.run_steps: dict[str, int] = {}
+        """Host time and ``engine.step()`` calls of the whole run by the kind of step each launched."""
         self._undo = []
 
     def wrap(self, cls, name: str, label: str, after=None):
@@ -99,7 +102,13 @@ class StageTimer:
             t = self.clock()
             res = step(engine)
             self.cur["wall"] = self.clock() - t
-            self.run_host += self.cur["wall"] - self.cur.get("forward", 0.0)
+            host = self.cur["wall"] - self.cur.get("forward", 0.0)
+            self.run_host += host
+            for kind in ("mixed",) + KINDS:  # a call that launched a mixed step (and another) counts as mixed
+                if self.cur.get("kind:" + kind):
+                    self.run_by_kind[kind] = self.run_by_kind.get(kind, 0.0) + host
+                    self.run_steps[kind] = self.run_steps.get(kind, 0) + 1
+                    break
             if res.is_decode_only and self.launched_decode:
                 self.steps.append(dict(self.cur))
             return res
@@ -117,7 +126,9 @@ class StageTimer:
         def tagged(plan, *a, **k):
             before = controller.spec_steps.plain_steps if controller.spec_steps is not None else 0
             res = launch(plan, *a, **k)
-            if any(r.num_drafts for r in plan.rows):
+            if not plan.is_all_decode:
+                self.cur["kind:mixed"] = 1
+            elif any(r.num_drafts for r in plan.rows):
                 self.cur["kind:verify"] = 1
             elif controller.spec_steps is None or controller.spec_steps.plain_steps > before:
                 self.cur["kind:plain"] = 1
@@ -147,6 +158,7 @@ class StageTimer:
         out["host_mean"] = 1e3 * statistics.fmean(st["host"] for st in self.steps)
         out["steps"] = len(self.steps)
         out["run_host"] = 1e3 * self.run_host
+        out["run_by_kind"] = {k: (self.run_steps[k], 1e3 * v) for k, v in self.run_by_kind.items()}
         for kind in KINDS:
             of_kind = [st for st in self.steps if st.get("kind:" + kind)]
             out["n:" + kind] = len(of_kind)
@@ -223,7 +235,7 @@ def main():
             results.append((rows, "sampled" if sampled else "greedy", s))
             print(f"rows={rows} {'sampled' if sampled else 'greedy'}: host {s['host']:.3f} ms/step "
                   f"(mean {s['host_mean']:.3f}; forward {s['forward']:.1f} ms, {s['steps']} decode steps; host of the "
-                  f"whole run {s['run_host']:.1f} ms)", flush=True)
+                  f"whole run {s['run_host']:.1f} ms; by kind (calls, ms): {s['run_by_kind']})", flush=True)
     print()
     print(f"{'engine.step() + every update read (server path)' if args.stream else 'LLM.generate'}, "
           f"median {args.clock} ms per decode step (best of --repeats runs):")
