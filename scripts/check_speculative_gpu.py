@@ -20,6 +20,7 @@ ms per step and the host's wait for the device, step counts, lazy captures (~1 m
 """
 from __future__ import annotations
 
+import gc
 import os
 import random
 import sys
@@ -186,7 +187,8 @@ def split_timing(batch: int = 128, prompt_len: int = 64, output_len: int = 128) 
                 lines.append(f"| {name} | {kind} | {len(k['host'])} | {dev:.3f} | {dev / base_ms:.2f}x | "
                              f"{_mean(k['host']):.3f} | {_mean(k['wait']):.3f} | {sum(k['wall']):.1f} |")
         lines.append(f"| {name} | run | {run['steps']} | | | | | wall {1e3 * run['wall']:.1f} ms, "
-                     f"captures {run['captures']}, builds {run['builds']} |")
+                     f"captures {run['captures']}, builds {run['builds']}, gc {run['gc_ms']:.1f} ms "
+                     f"({run['gc_full']} full) |")
     ok = same == batch and len(s["plain"]["device"]) > len(decode) / 2
     lines.append(f"{'OK ' if ok else 'BAD'} split: spec decode steps {_mean(decode):.3f} ms ({_mean(decode) / base_ms:.2f}x "
                  f"plain {base_ms:.3f}) | tok/s {s['tps']:,.0f} vs {p['tps']:,.0f} ({s['tps'] / p['tps']:.2f}x) | same "
@@ -233,7 +235,17 @@ def _step_kinds(llm: LLM, prompts, params) -> dict:
         wait_host(event)
         cur["wait"] += time.perf_counter() - t
 
+    gc_time = {"start": 0.0, "ms": 0.0, "full": 0}
+
+    def on_gc(phase, info):  # Python's cyclic collector: pauses the host inside some step
+        if phase == "start":
+            gc_time["start"] = time.perf_counter()
+        else:
+            gc_time["ms"] += 1e3 * (time.perf_counter() - gc_time["start"])
+            gc_time["full"] += info["generation"] == 2
+
     ctl.launch_step, dev.wait_host = logged, waited
+    gc.callbacks.append(on_gc)
     off0 = dict(st.spec_off_rows)
     before = (st.graph_captures_after_warmup, st.triton_builds_after_warmup, st.fast_decode_snapshots,
               st.fast_landings, st.steps)
@@ -260,12 +272,13 @@ def _step_kinds(llm: LLM, prompts, params) -> dict:
         wall = time.perf_counter() - t0
     finally:
         del ctl.launch_step, dev.wait_host  # back to the class's methods
+        gc.callbacks.remove(on_gc)
     after = (st.graph_captures_after_warmup, st.triton_builds_after_warmup, st.fast_decode_snapshots,
              st.fast_landings, st.steps)
     captures, builds, fast_snapshots, fast_landings, steps = (x - y for x, y in zip(after, before))
     off = {c: n - off0.get(c, 0) for c, n in st.spec_off_rows.items() if n - off0.get(c, 0)}
     return dict(times, tokens=[outs[i] for i in ids], tps=sum(len(outs[i]) for i in ids) / wall, off=off, wall=wall,
-                captures=captures, builds=builds, fast_snapshots=fast_snapshots, fast_landings=fast_landings,
+                captures=captures, builds=builds, gc_ms=gc_time["ms"], gc_full=gc_time["full"], fast_snapshots=fast_snapshots, fast_landings=fast_landings,
                 steps=steps)
 
 
