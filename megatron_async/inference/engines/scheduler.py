@@ -57,7 +57,8 @@ class Scheduler:
     def _spec_decode_rows(self, by_age: list[DynamicInferenceRequest], rows: list[RowPlan], budget: int
                           ) -> tuple[int, list[DynamicInferenceRequest], bool]:
         """Step 1 with speculative decoding (``wants_token`` / ``token_room`` spelled out: this runs
-        for every row, every step). A request decodes when it wants a token and its next row's
+        for every row, every step; its first lines repeat ``_plain_decode_rows``'s on purpose, a
+        shared helper would cost a call per row). A request decodes when it wants a token and its next row's
         input is its newest token: in flight, or (a row that may carry drafts) bookkept but not
         computed; the rest of its known tokens, if any, are prefilled. Then each decoding request
         gets its row with drafts from the tokens to spare (``_reserve_decode``), or is paused.
@@ -103,7 +104,7 @@ class Scheduler:
     def _plain_decode_rows(self, by_age: list[DynamicInferenceRequest], rows: list[RowPlan]
                            ) -> tuple[list[DynamicInferenceRequest], bool]:
         """Step 1 without speculative decoding, in one pass (it runs for every row, every step,
-        so ``_is_decoding`` / ``_reserve_decode`` are spelled out): a decoding request (wants a
+        so ``wants_token`` / ``_reserve_decode`` are spelled out): a decoding request (wants a
         token, nothing left to prefill, no prefill sample in flight) gets a one-token row, or is
         paused when its position starts a block and none is free. Deciding each request as the
         pass reaches it equals sorting first: whether a request decodes depends only on its own

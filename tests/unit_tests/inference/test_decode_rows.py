@@ -206,6 +206,22 @@ def test_fast_path_equals_general_path_hybrid(hybrid_ckpt, async_scheduling):
     assert seen["fast"] >= 10 and seen["state_slots"] > 0 and seen["kept_constant"] > 0, seen
 
 
+def test_fast_path_equals_general_path_hybrid_speculative(hybrid_ckpt):
+    """A hybrid speculative engine's steps without drafts: Mamba columns and spec columns together."""
+    from megatron_async.inference.speculative.oracle import OracleDrafter
+
+    arrivals = _arrivals(4, 12, 120)
+    plain, _ = _run(str(hybrid_ckpt), arrivals, True, num_kv_blocks=60, seen=Counter())
+    seen = Counter()
+    cont = {tuple(a.prompt): plain[i] for i, a in enumerate(arrivals)}
+    outs, stats = _run(str(hybrid_ckpt), arrivals, True, num_kv_blocks=60, seen=seen,
+                       drafter=OracleDrafter(cont, 0.45, 120, 64), num_speculative_tokens=2,
+                       speculative_min_acceptance=0.6, speculative_probe_interval=3)
+    assert outs == plain
+    assert seen["fast"] >= 3 and seen["state_slots"] > 0 and seen["spec_inflight"] > 0, seen
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, stats.as_dict()
+
+
 def test_outputs_equal_with_and_without_the_fast_path():
     """Same tokens whether decode steps take the fast path or the general path."""
     arrivals = _arrivals(3, 20, 1000)
