@@ -115,9 +115,15 @@ def graph_ms(fn, iters: int) -> float:
     return ms
 
 
+def step_flags(params: ref.RowParams) -> tuple[bool, bool, bool]:
+    """Whether some row uses top-k / top-p / min-p, as the engine's step flags say."""
+    return (bool(((params.top_k > 0) & (params.top_k < V)).any()), bool(((params.top_p > 0) & (params.top_p < 1)).any()),
+            bool((params.min_p > 0).any()))
+
+
 def check_tokens(rows: list[int], seeds: int, before) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    total = equal = equal_before = equal16 = 0
+    total = equal = equal_before = equal16 = equal_flags = 0
     finished = torch.zeros(4, dtype=torch.int64)
     for R in rows:
         for kind in ("spread", "flat", "peaked"):
@@ -128,6 +134,13 @@ def check_tokens(rows: list[int], seeds: int, before) -> None:
                     pen = penalty_rows(R, gen) if case[4] else None
                     probe = []
                     a, b = fast(logits, params, pen, True, probe), reference(logits, params, pen, True)
+                    # with the step's own flags (as the engine launches it): no top-k row -> top-p draws first
+                    flags = step_flags(params)
+                    a_flags = fast(logits, params, pen, flags)
+                    if not torch.equal(a_flags, b):
+                        print(f"MISMATCH step flags {flags} rows={R} {kind} {name} seed={s}: "
+                              f"{(a_flags != b).sum().item()} rows")
+                    equal_flags += int((a_flags == b).sum())
                     # the engine hands the sampler the LM head's bf16 logits (exact in float32)
                     a16 = fast(logits.to(torch.bfloat16), params, pen, True)
                     if not torch.equal(a16, b):
@@ -141,7 +154,8 @@ def check_tokens(rows: list[int], seeds: int, before) -> None:
                         equal_before += int((before(logits, params, pen, True) == b).sum())
                     if not torch.equal(a, b):
                         print(f"MISMATCH rows={R} {kind} {name} seed={s}: {(a != b).sum().item()} rows differ")
-    print(f"tokens equal fast vs reference: {equal}/{total} rows (bf16 logits in: {equal16}/{total})"
+    print(f"tokens equal fast vs reference: {equal}/{total} rows (bf16 logits in: {equal16}/{total}; "
+          f"the step's own filter flags: {equal_flags}/{total})"
           + (f"; before vs reference: {equal_before}/{total}" if before is not None else ""))
     print(f"threshold stages' rows: whole-row search {finished[0]}, candidate buffer {finished[1] + finished[2]}, "
           f"filter off {finished[3]}")
@@ -149,8 +163,9 @@ def check_tokens(rows: list[int], seeds: int, before) -> None:
 
 def timing(rows: list[int], iters: int, before) -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
-    print("\n| rows | case | logits | reference ms | before ms | fast ms | fast ms, bf16 in | fast rows: buffer / whole-row |")
-    print("|---:|---|---|---:|---:|---:|---:|---|")
+    print("\n| rows | case | logits | reference ms | before ms | fast ms, search first | fast ms | fast ms, bf16 in "
+          "| fast rows: buffer / whole-row / kept draw |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---|")
     for R in rows:
         for kind in ("spread", "flat"):
             logits = make_logits(R, kind, gen)
@@ -160,19 +175,21 @@ def timing(rows: list[int], iters: int, before) -> None:
                 filt = (case[1] > 0, 0 < case[2] < 1, case[3] > 0)  # as the engine's step flags
                 paths = ""
                 if case[0] == 0.0:  # all greedy: the engine takes argmax (plus penalties) only
-                    t_before = t_ref = t_fast = graph_ms(lambda: logits.argmax(-1), iters)
+                    t_before = t_ref = t_fast = t_search = graph_ms(lambda: logits.argmax(-1), iters)
                     t_low = graph_ms(lambda: low.argmax(-1), iters)
                 else:
                     t_before = float("nan") if before is None else graph_ms(lambda: before(logits, params, pen, filt), iters)
                     t_ref = graph_ms(lambda: reference(logits, params, pen, any(filt)), iters)
                     t_fast = graph_ms(lambda: fast(logits, params, pen, filt), iters)
+                    t_search = graph_ms(lambda: fast(logits, params, pen, filt, candidate_first=False), iters)
                     t_low = graph_ms(lambda: fast(low, params, pen, filt), iters)
                     probe = []
                     fast(logits, params, pen, filt, probe)
                     if probe:
                         ph = torch.cat(probe).cpu()
-                        paths = f"{int(((ph == 1) | (ph == 2)).sum())} / {int((ph == 0).sum())}"
-                print(f"| {R} | {name} | {kind} | {t_ref:.3f} | {t_before:.3f} | {t_fast:.3f} | {t_low:.3f} | {paths} |")
+                        paths = f"{int(((ph == 1) | (ph == 2)).sum())} / {int((ph == 0).sum())} / {int((ph == 3).sum())}"
+                print(f"| {R} | {name} | {kind} | {t_ref:.3f} | {t_before:.3f} | {t_search:.3f} | {t_fast:.3f} "
+                      f"| {t_low:.3f} | {paths} |")
 
 
 VARIANTS = [  # chunk, hist_block, pivots, cap, num_warps

@@ -126,15 +126,103 @@ def print_table(rows: list[Row]) -> None:
               f" {fmt(r.decode_gbps, '8.0f'):>8} {fmt(r.splits, 'd'):>6}")
 
 
+def sweep(iters: int, batch: int, min_len: int, max_len: int) -> None:
+    """Decode kernel launch settings at one batch (KV lengths uniform in [min_len, max_len], KV
+    blocks of 16 tokens as the engine's default): graph ms and KV GB/s per variant, and whether
+    its output equals the default's bits."""
+    gen = torch.Generator().manual_seed(7)
+    lens = torch.randint(min_len, max_len + 1, (batch,), generator=gen).tolist()
+    case = make_case([(n - 1, 1) for n in lens], block_size=16, seed=3, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                     head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the new keys
+    kv_bytes = 2 * int(case.meta.kv_lens.sum()) * KV_HEADS * HEAD_DIM * case.kv_cache.element_size()
+    base = decode_attention(case.q, case.kv_cache, case.meta, case.scale)
+    print(f"\ndecode sweep: {batch} rows, KV {min_len}-{max_len} tokens, {kv_bytes / 1e6:.0f} MB of KV")
+    print("| splits | block_n | warps | stages | graph us | KV GB/s | bits == default |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for splits in (1, 2):
+        for block_n in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (1, 2, 3, 4):
+                    kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+                    try:
+                        out = decode_attention(case.q, case.kv_cache, case.meta, case.scale, **kw)
+                        ms = graph_ms(lambda: decode_attention(case.q, case.kv_cache, case.meta, case.scale, **kw),
+                                      iters)
+                    except Exception as e:  # out of shared memory / registers for this variant
+                        print(f"| {splits} | {block_n} | {warps} | {stages} | failed: {type(e).__name__} | | |")
+                        continue
+                    print(f"| {splits} | {block_n} | {warps} | {stages} | {ms * 1e3:.1f} | "
+                          f"{kv_bytes / (ms * 1e-3) / 1e9:.0f} | {torch.equal(out, base)} |")
+
+
+def sweep_prefill(iters: int, tokens: int, min_len: int, max_len: int) -> None:
+    """Prefill kernel launch settings on a mixed step like workload A's: prompts of
+    [min_len, max_len] tokens packed into ``tokens`` (the last chunk cut, every third prompt
+    continuing a cached first half), plus 64 decode rows; graph ms and attention TFLOP/s."""
+    from megatron_async.kernels.triton_prefill_attention import prefill_attention
+
+    gen = torch.Generator().manual_seed(11)
+    rows, left = [], tokens - 64
+    while left > 0:
+        n = min(int(torch.randint(min_len, max_len + 1, (1,), generator=gen)), left)
+        prefix = n // 2 if len(rows) % 3 == 2 else 0
+        rows.append((prefix, n - prefix))
+        left -= n - prefix
+    rows += [(int(torch.randint(min_len, max_len + 1, (1,), generator=gen)), 1) for _ in range(64)]
+    case = make_case(rows, block_size=16, seed=5, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                     dtype=torch.bfloat16, device="cuda")
+    attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the new keys
+    # causal work: each query attends to prefix + its index + 1 keys (4 * D FLOPs per key per head)
+    flops = sum(4 * HEADS * HEAD_DIM * sum(p + i + 1 for i in range(q)) for p, q in rows)
+    base = prefill_attention(case.q, case.kv_cache, case.meta, case.scale)
+    print(f"\nprefill sweep: {case.meta.num_tokens} tokens in {len(rows)} rows, {flops / 1e9:.1f} GFLOP")
+    print("| block_q | block_n | warps | stages | graph us | TFLOP/s | max abs diff vs default |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for block_q in (32, 64):  # 128 and 8 warps were slower on an H100 (first sweep, see PERFORMANCE.md)
+        for block_n in (32, 64):
+            for warps in (4,):
+                for stages in (2, 3):
+                    kw = dict(block_q=block_q, block_n=block_n, num_warps=warps, num_stages=stages)
+                    try:
+                        out = prefill_attention(case.q, case.kv_cache, case.meta, case.scale, **kw)
+                        ms = graph_ms(lambda: prefill_attention(case.q, case.kv_cache, case.meta, case.scale, **kw),
+                                      iters)
+                    except Exception as e:  # out of shared memory / registers for this variant
+                        print(f"| {block_q} | {block_n} | {warps} | {stages} | failed: {type(e).__name__} | | |")
+                        continue
+                    diff = (out.float() - base.float()).abs().max().item()
+                    print(f"| {block_q} | {block_n} | {warps} | {stages} | {ms * 1e3:.1f} | "
+                          f"{flops / (ms * 1e-3) / 1e12:.0f} | {diff:.2e} |")
+    from megatron_async.kernels import varlen_prefill
+    if varlen_prefill.applies(case.q, case.meta):  # the path mixed steps take: flash attention + prefix merge
+        def two_part() -> torch.Tensor:
+            return attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale, kv_stored=True)
+        out = two_part()
+        ms = graph_ms(two_part, iters)
+        diff = (out.float() - base.float()).abs().max().item()
+        print(f"| two-part | | | | {ms * 1e3:.1f} | {flops / (ms * 1e-3) / 1e12:.0f} | {diff:.2e} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--sweep", type=int, nargs=3, metavar=("BATCH", "MIN_LEN", "MAX_LEN"), default=None,
+                        help="only sweep the decode kernel's launch settings at this batch and KV length range")
+    parser.add_argument("--sweep-prefill", type=int, nargs=3, metavar=("TOKENS", "MIN_LEN", "MAX_LEN"), default=None,
+                        help="only sweep the prefill kernel's launch settings on one mixed step")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
     print(torch.cuda.get_device_name(), f"torch {torch.__version__}")
+    if args.sweep:
+        sweep(args.iters, *args.sweep)
+    if args.sweep_prefill:
+        sweep_prefill(args.iters, *args.sweep_prefill)
+    if args.sweep or args.sweep_prefill:
+        return
     print_table(run_checks(args.block_sizes, args.batches, args.iters))
 
 

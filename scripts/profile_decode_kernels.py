@@ -6,7 +6,10 @@ same grouped by role (attention, GEMMs, norms, sampler, ...), to find each role'
     python scripts/profile_decode_kernels.py --batch 128 --prompt-len 512 --steps 20
 
 The batch's requests all arrive at once; after prefill and a few warm decode steps (graph
-capture, Triton builds) ``--steps`` decode-only steps run under the profiler (CUDA activity only)."""
+capture, Triton builds) ``--steps`` decode-only steps run under the profiler (CUDA activity only).
+``--mixed`` profiles the prefill / mixed steps instead: a first batch of the same shape runs to
+its end (every kernel built, every graph captured), then the second batch's steps up to its
+first decode-only step run under the profiler."""
 from __future__ import annotations
 
 import argparse
@@ -78,16 +81,24 @@ def host_side(llm: LLM, steps: int) -> tuple[float, str]:
 def run(args, sampled: bool) -> None:
     extra = {} if args.max_sequence_length is None else {"max_sequence_length": args.max_sequence_length}
     kv_gb = args.kv_gb if args.kv_gb is not None else default_buffer_gb(torch.device("cuda"))
-    cfg = InferenceConfig(max_requests=args.batch, max_tokens=max(4096, args.batch), buffer_size_gb=kv_gb, **extra,
+    cfg = InferenceConfig(max_requests=args.batch, max_tokens=args.max_tokens or max(4096, args.batch),
+                          buffer_size_gb=kv_gb, **extra,
                           async_scheduling=not args.serial, cuda_graphs=not args.eager, attention_backend="triton")
     llm = LLM(device="cuda", dtype="bfloat16", default_model=args.model, inference_config=cfg)
     rng = random.Random(0)
     n_out = args.warm_steps + 3 * args.steps + 8  # every request still decoding in the profiled steps
-    for i in range(args.batch):
-        sp = (SamplingParams(temperature=0.8, top_p=0.95, seed=i, ignore_eos=True, num_tokens_to_generate=n_out)
-              if sampled else SamplingParams(top_k=1, ignore_eos=True, num_tokens_to_generate=n_out))
-        n = rng.randint(args.prompt_len_min, args.prompt_len) if args.prompt_len_min else args.prompt_len
-        llm.engine.add_request([rng.randrange(llm.model.vocab_size) for _ in range(n)], sp)
+
+    def add_batch() -> None:
+        for i in range(args.batch):
+            sp = (SamplingParams(temperature=0.8, top_p=0.95, seed=i, ignore_eos=True, num_tokens_to_generate=n_out)
+                  if sampled else SamplingParams(top_k=1, ignore_eos=True, num_tokens_to_generate=n_out))
+            n = rng.randint(args.prompt_len_min, args.prompt_len) if args.prompt_len_min else args.prompt_len
+            llm.engine.add_request([rng.randrange(llm.model.vocab_size) for _ in range(n)], sp)
+
+    add_batch()
+    if args.mixed:
+        mixed_profile(llm, add_batch, sampled)
+        return
     while llm.engine.stats.decode_steps == 0:  # every prefill chunk (stats count launches: the first
         llm.engine.step()                        # decode-only launch comes after the last chunk)
     for _ in range(args.warm_steps):  # graph replays settle; the profile must hold decode steps only
@@ -110,15 +121,46 @@ def run(args, sampled: bool) -> None:
     print(f"\n### {label}: batch {args.batch}, {args.steps} decode steps, device busy {busy_ms:.3f} ms per step; "
           f"wall {wall_ms:.3f} ms per step without the profiler (device busy / wall {busy_ms / wall_ms:.0%})")
     print(f"\nhost, cProfile of {args.steps} more steps (top by own time):\n```\n{host}```")
+    print_roles(rows, args.steps, args.top)
+    del llm
+    torch.cuda.empty_cache()
+
+
+def print_roles(rows, steps: int, top: int) -> None:
+    total = sum(t for _, _, t in rows)
     print("\n| role | us per step | share |\n|---|---:|---:|")
     by_role = defaultdict(float)
     for n, _, t in rows:
         by_role[role(n)] += t
     for r, t in sorted(by_role.items(), key=lambda x: -x[1]):
-        print(f"| {r} | {t / args.steps:.1f} | {t / total:.1%} |")
+        print(f"| {r} | {t / steps:.1f} | {t / total:.1%} |")
     print("\n| kernel | role | count | total us | us per step | share |\n|---|---|---:|---:|---:|---:|")
-    for n, c, t in rows[:args.top]:
-        print(f"| `{n[:70]}` | {role(n)} | {c} | {t:.0f} | {t / args.steps:.1f} | {t / total:.1%} |")
+    for n, c, t in rows[:top]:
+        print(f"| `{n[:70]}` | {role(n)} | {c} | {t:.0f} | {t / steps:.1f} | {t / total:.1%} |")
+
+
+def mixed_profile(llm: LLM, add_batch, sampled: bool) -> None:
+    """The prefill / mixed steps of a second batch, after a first one warmed every kernel."""
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    add_batch()
+    st = llm.engine.stats
+    before = (st.decode_steps, st.prefill_steps)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while st.decode_steps == before[0]:
+            llm.engine.step()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    steps = st.prefill_steps - before[1]
+    rows = kernel_rows(prof)
+    busy_ms = sum(t for _, _, t in rows) / 1e3
+    label = "sampled (temperature 0.8, top-p 0.95)" if sampled else "greedy"
+    print(f"\n### {label}: prefill / mixed steps of {llm.engine.config.max_tokens}-token chunks: {steps} steps "
+          f"(+1 decode launch), device busy {busy_ms / steps:.3f} ms per step, wall {wall_ms / steps:.3f} ms per step "
+          f"under the profiler")
+    print_roles(rows, steps, 30)
     del llm
     torch.cuda.empty_cache()
 
@@ -137,6 +179,9 @@ def main() -> None:
                         "whole batch pauses rows and the profile fails)")
     p.add_argument("--top", type=int, default=25, help="kernels listed")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--mixed", action="store_true", help="profile the prefill / mixed steps instead of decode")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per step (default max(4096, batch); "
+                   "the benchmark's GPU default is 8192)")
     p.add_argument("--serial", action="store_true", help="no launch-ahead")
     p.add_argument("--workloads", default="greedy,sampled")
     args = p.parse_args()

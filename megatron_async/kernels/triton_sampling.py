@@ -5,7 +5,8 @@ whole GPU works on every pass:
 - filtered steps: one pass for each row's max and smallest finite value;
 - top-k, then top-p over its survivors: an exact threshold search each
   (``triton_threshold.py``: two bucket-histogram passes, one compaction pass, a per-row
-  search over the few compacted candidates);
+  search over the few compacted candidates); top-p draws first and searches only the rows
+  whose draw fell outside the nucleus (``triton_top_p_candidate.py``);
 - one draw pass: Gumbel-max over the kept set per chunk, noise hashed from (row key, token
   id) on the fly (blocks with no kept token skip the noise), greedy rows argmax; a per-row
   program picks the first best chunk.
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_async.kernels.triton_top_p_candidate import candidate_done
 from megatron_async.kernels.triton_threshold import (
     KEY_MIN, StageLaunch, exp_, inv_temperature, key_of, log_, row_filters, threshold,
 )
@@ -75,9 +77,12 @@ def _stats_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, pmin_ptr, NS,
 
 @triton.jit
 def _draw_kernel(logits_ptr, stride, V, temp_ptr, seed_ptr, pos_ptr, pmax_ptr, minp_ptr, floor_ptr, best_ptr,
-                 idx_ptr, NS, FILTER: tl.constexpr, EXACT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                 NS_BLOCK: tl.constexpr):
+                 idx_ptr, NS, skip_ptr, FILTER: tl.constexpr, EXACT: tl.constexpr, CHUNK: tl.constexpr,
+                 BLOCK: tl.constexpr, NS_BLOCK: tl.constexpr, HAS_SKIP: tl.constexpr):
     row, c = tl.program_id(0), tl.program_id(1)
+    if HAS_SKIP:
+        if tl.load(skip_ptr + row) != 0:  # the row's token is already drawn
+            return
     base = logits_ptr + row.to(tl.int64) * stride
     inv_t, greedy = inv_temperature(tl.load(temp_ptr + row))
     rkey = _row_key(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
@@ -111,9 +116,12 @@ def _draw_kernel(logits_ptr, stride, V, temp_ptr, seed_ptr, pos_ptr, pmax_ptr, m
 
 
 @triton.jit
-def _pick_kernel(best_ptr, idx_ptr, out_ptr, NS, NS_BLOCK: tl.constexpr):
+def _pick_kernel(best_ptr, idx_ptr, out_ptr, NS, skip_ptr, NS_BLOCK: tl.constexpr, HAS_SKIP: tl.constexpr):
     """The first chunk holding the row's best score (the reference's first-index argmax)."""
     row = tl.program_id(0)
+    if HAS_SKIP:
+        if tl.load(skip_ptr + row) != 0:
+            return
     ns = tl.arange(0, NS_BLOCK)
     b = tl.load(best_ptr + row * NS + ns, mask=ns < NS, other=_NEG_INF)
     first = tl.min(tl.where((b == tl.max(b, axis=0)) & (ns < NS), ns, NS_BLOCK), axis=0)
@@ -124,14 +132,17 @@ def _pick_kernel(best_ptr, idx_ptr, out_ptr, NS, NS_BLOCK: tl.constexpr):
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
            filters: tuple[bool, bool, bool] | bool, chunk: int = 8192, block: int = 1024, hist_block: int = 256,
-           search_block: int = 256, pivots: int = 16, cap: int = 4096, num_warps: int = 4, probe: list | None = None) -> torch.Tensor:
+           search_block: int = 256, pivots: int = 16, cap: int = 4096, num_warps: int = 4, probe: list | None = None,
+           candidate_first: bool = True) -> torch.Tensor:
     """[R, V] logits (float32, or the model's bf16 / fp16: read as float32, which is exact, so
     the draws equal those of the upcast copy at half the bytes) -> [R] int64 tokens; per-row tensors as in ``sampling.RowParams``
     (temperature / top_p / min_p float32, top_k / seed / position int64).
     ``filters``: whether some row uses (top-k, top-p, min-p); True = all (stages of unused
     filters are skipped; a row's own off values are honoured either way). ``cap``: the
     per-row candidate buffer of the threshold search; ``probe`` (tests) collects each
-    stage's row phases. Defaults: see docs/PERFORMANCE.md (scripts/check_sampling.py)."""
+    stage's row phases. ``candidate_first``: draw first and search top-p thresholds only
+    for rows whose draw falls outside the nucleus (``triton_top_p_candidate``; the same tokens).
+    Defaults: see docs/PERFORMANCE.md (scripts/check_sampling.py)."""
     assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1
     assert temperature.dtype == top_p.dtype == min_p.dtype == torch.float32 and chunk % block == 0
     assert top_k.dtype == seed.dtype == position.dtype == torch.int64
@@ -142,20 +153,36 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     any_filter = use_top_k or use_top_p or use_min_p
     floor = torch.full((R,), KEY_MIN, dtype=torch.int64, device=dev)  # below every key: keep all
     pmax = torch.empty(R, L.ns, dtype=torch.float32, device=dev)
-    if any_filter:
-        pmin = torch.empty_like(pmax)
-        _stats_kernel[(R, L.ns)](logits, logits.stride(0), V, temperature, pmax, pmin, L.ns, CHUNK=chunk,
-                                 BLOCK=block, num_warps=num_warps)
-        for used, mass in ((use_top_k, False), (use_top_p, True)):
-            if used:
-                floor = threshold(L, logits, temperature, top_k, top_p, min_p, pmax, pmin, floor, mass, probe)
     best = torch.empty(R, L.ns, dtype=torch.float32, device=dev)
     best_idx = torch.empty(R, L.ns, dtype=torch.int32, device=dev)
-    _draw_kernel[(R, L.ns)](logits, logits.stride(0), V, temperature, seed, position, pmax, min_p, floor, best,
-                            best_idx, L.ns, FILTER=any_filter, EXACT=L.exact, CHUNK=chunk, BLOCK=block,
-                            NS_BLOCK=L.ns_block, num_warps=num_warps, enable_fp_fusion=False)
     tokens = torch.empty(R, dtype=torch.int64, device=dev)
-    _pick_kernel[(R,)](best, best_idx, tokens, L.ns, NS_BLOCK=L.ns_block)
+
+    def draw(floor: torch.Tensor, skip: torch.Tensor | None = None) -> None:
+        flag = tokens if skip is None else skip  # an unread pointer when there is no skip
+        _draw_kernel[(R, L.ns)](logits, logits.stride(0), V, temperature, seed, position, pmax, min_p, floor, best,
+                                best_idx, L.ns, flag, FILTER=any_filter, EXACT=L.exact, CHUNK=chunk, BLOCK=block,
+                                NS_BLOCK=L.ns_block, HAS_SKIP=skip is not None, num_warps=num_warps,
+                                enable_fp_fusion=False)
+        _pick_kernel[(R,)](best, best_idx, tokens, L.ns, flag, NS_BLOCK=L.ns_block, HAS_SKIP=skip is not None)
+
+    if not any_filter:
+        draw(floor)
+        return tokens
+    pmin = torch.empty_like(pmax)
+    _stats_kernel[(R, L.ns)](logits, logits.stride(0), V, temperature, pmax, pmin, L.ns, CHUNK=chunk,
+                             BLOCK=block, num_warps=num_warps)
+    if use_top_k:
+        floor = threshold(L, logits, temperature, top_k, top_p, min_p, pmax, pmin, floor, False, probe)
+    if use_top_p and candidate_first:
+        draw(floor)  # over the top-k and min-p survivors: each row's candidate
+        done = candidate_done(logits, temperature, top_p, min_p, pmax, floor, tokens, chunk, block, num_warps,
+                              L.exact)
+        floor = threshold(L, logits, temperature, top_k, top_p, min_p, pmax, pmin, floor, True, probe, skip=done)
+        draw(floor, skip=done)
+        return tokens
+    if use_top_p:
+        floor = threshold(L, logits, temperature, top_k, top_p, min_p, pmax, pmin, floor, True, probe)
+    draw(floor)
     return tokens
 
 

@@ -112,8 +112,8 @@ def _element(x, valid, inv_t, m, minp, floor, MASS: tl.constexpr, EXACT: tl.cons
 
 @triton.jit
 def _stage_init_kernel(temp_ptr, k_ptr, p_ptr, pmax_ptr, pmin_ptr, NS, V, floor_in_ptr, floor_out_ptr,
-                       phase_ptr, whi_ptr, target_ptr, vlo_ptr, inv_ptr,
-                       MASS: tl.constexpr, P: tl.constexpr, NS_BLOCK: tl.constexpr):
+                       phase_ptr, whi_ptr, target_ptr, vlo_ptr, inv_ptr, skip_ptr,
+                       MASS: tl.constexpr, P: tl.constexpr, NS_BLOCK: tl.constexpr, HAS_SKIP: tl.constexpr):
     row = tl.program_id(0)
     ns = tl.arange(0, NS_BLOCK)
     m = row_max(pmax_ptr, row, NS, NS_BLOCK)
@@ -133,6 +133,8 @@ def _stage_init_kernel(temp_ptr, k_ptr, p_ptr, pmax_ptr, pmin_ptr, NS, V, floor_
         active = (k > 0) & (k < V)
         vlo = smin
         target = k.to(tl.float64)
+    if HAS_SKIP:  # rows already decided (triton_top_p_candidate) search nothing
+        active = active & (tl.load(skip_ptr + row) == 0)
     width = m - vlo
     tl.store(phase_ptr + row, tl.where(active & (greedy == 0), 0, 3).to(tl.int32))
     tl.store(whi_ptr + row, tl.zeros((), tl.float64))
@@ -353,8 +355,9 @@ class StageLaunch:
 
 
 def threshold(L: StageLaunch, logits, temperature, top_k, top_p, min_p, pmax, pmin, floor_in: torch.Tensor,
-              mass: bool, probe: list | None = None) -> torch.Tensor:
-    """One filter's thresholds [R] int64 (the input floor for rows that do not use it)."""
+              mass: bool, probe: list | None = None, skip: torch.Tensor | None = None) -> torch.Tensor:
+    """One filter's thresholds [R] int64 (the input floor for rows that do not use it, and for
+    rows with ``skip`` [R] int32 set)."""
     R, V, ns, P, dev = L.R, L.V, L.ns, L.pivots, logits.device
     phase = torch.empty(R, dtype=torch.int32, device=dev)
     cnt = torch.zeros(R, dtype=torch.int32, device=dev)
@@ -369,7 +372,8 @@ def threshold(L: StageLaunch, logits, temperature, top_k, top_p, min_p, pmax, pm
     buf_w = torch.empty(R, max(L.cap, 1), dtype=torch.float32, device=dev) if mass else buf_key
     out = torch.empty(R, dtype=torch.int64, device=dev)
     _stage_init_kernel[(R,)](temperature, top_k, top_p, pmax, pmin, ns, V, floor_in, out, phase, whi, target,
-                             vlo, inv, MASS=mass, P=P, NS_BLOCK=L.ns_block)
+                             vlo, inv, out if skip is None else skip, MASS=mass, P=P, NS_BLOCK=L.ns_block,
+                             HAS_SKIP=skip is not None)
     row_args = (logits, logits.stride(0), V, temperature, pmax, ns, min_p, floor_in)
     for level, hist in ((0, True), (1, True), (2, False)):
         _level_pass_kernel[(R, ns)](*row_args, phase, vlo, inv, sel, part_c, part_w, buf_key, buf_w,

@@ -174,3 +174,23 @@ def test_model_dtype_logits_sample_as_their_float32_copy(dtype):
                 d(pen.repetition), d(pen.suppress_stop)]
         out = triton_sampling.apply_penalties(d(low), *args, block=64).cpu()
         assert out.dtype == torch.float32 and torch.equal(out, ref.apply_penalties_reference(up, pen)), seed
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_top_p_candidate_first_keeps_and_falls_back(seed):
+    # Every row samples with a binding top-p, so each one either keeps its unfiltered draw
+    # (phase 3: no search) or searches; both must happen, and the tokens must be the reference's
+    # and the search-only path's.
+    logits, params = _case(16, 150, seed, "mixed" if seed else "top_p")  # seed 1: top-k and min-p rows too
+    g = torch.Generator().manual_seed(100 + seed)
+    params.temperature.copy_(torch.rand(16, generator=g) * 1.5 + 0.3)
+    params.top_p.copy_(torch.rand(16, generator=g) * 0.9 + 0.05)
+    params.min_p[::3] = 0.01
+    expected = ref.sample_reference(logits, params, any_filter=True)
+    probe = []
+    flags = (seed == 1, True, True)
+    got = _fast(logits, params, flags, probe=probe)
+    assert torch.equal(got, expected)
+    assert torch.equal(_fast(logits, params, flags, candidate_first=False), expected)
+    phases = [int(v) for v in probe[-1]]  # the top-p stage's
+    assert 3 in phases and set(phases) - {3}, phases  # some rows kept their draw, some searched
