@@ -90,15 +90,20 @@ class Scheduler:
             elif status == paused:
                 any_paused = True
         spare, n = budget - len(decoding), len(decoding)
-        for req, room in zip(decoding, rooms):
-            row = self._reserve_decode(req, n, spare, room)
-            if row is not None:
-                rows.append(row)
-                spare -= row.num_drafts
-            else:
-                self.ctx.pause(req)
+        drafts_for, ctx, bs = self.spec.drafts_for, self.ctx, self.ctx.block_size
+        for req, room in zip(decoding, rooms):  # _reserve_decode, spelled out
+            k = drafts_for(req, n, min(spare, room - 1))
+            start = req.num_computed_tokens
+            owned = len(req.block_ids) * bs  # positions below it need no reservation
+            if k and start + 1 + k > owned and not ctx.reserve(req, 1 + k):
+                k = 0
+            if k == 0 and start + 1 > owned and not ctx.reserve(req, 1):
+                ctx.pause(req)
                 self.num_paused_events += 1
                 any_paused = True
+                continue
+            rows.append(RowPlan(req, start, 1 + k, True, req.inflight_row if req.num_inflight else -1, k))
+            spare -= k
         return n, prefilling, any_paused
 
     def _plain_decode_rows(self, by_age: list[DynamicInferenceRequest], rows: list[RowPlan]
