@@ -165,6 +165,15 @@ class InferenceConfig:
     step 2.74-3.96 ms against 2.96-4.02 ms (docs/PERFORMANCE.md). bf16 sums of 3+ ranks then add
     in another order than NCCL's ring, so bf16 tokens can differ from an NCCL run's at near-ties."""
 
+    tp_fused_norm: bool = True
+    """With the P2P all-reduce (``tp_all_reduce`` auto / p2p on GPUs): the all-reduce after each
+    attention / MLP / Mamba2 output projection runs in one kernel with the residual add and the
+    next block's RMSNorm (kernels/triton_fused_all_reduce.py), 2 fewer launches per layer and
+    one less trip of the hidden state through memory. Decode-size messages only (larger ones,
+    bias, a float32 residual stream, batch-invariant mode: unfused). bf16 partials are summed
+    in float32 and rounded once, so bf16 bits can differ from the unfused P2P path (float32:
+    the same). False: the unfused all-reduce then add + RMSNorm (A/B)."""
+
     p2p_all_reduce_max_bytes: int = 8 << 20
     """Largest message (bytes) the P2P all-reduce takes; larger ones go to NCCL. Each rank
     allocates one symmetric buffer of this size. 0 turns the P2P path off."""

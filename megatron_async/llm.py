@@ -88,7 +88,8 @@ class LLM:
             self.parallel = ParallelState.from_torchrun(tensor_parallel_size, self.device, expert_parallel_size)
         try:
             self.parallel = with_p2p_all_reduce(self.parallel, self.config.tp_all_reduce,
-                                                self.config.p2p_all_reduce_max_bytes, self.device)
+                                                self.config.p2p_all_reduce_max_bytes, self.device,
+                                                fused_norm=self.config.tp_fused_norm)
             if self.parallel.is_distributed:
                 self.communicator = ZMQCommunicator.from_rendezvous(
                     self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size,

@@ -2,7 +2,8 @@
 at TP=1/2/4, each size one torchrun job on the same workload: B requests of --prompt-len random
 tokens, --output-len greedy tokens each (all decode steps run at batch B), B in --batches.
 
-Per TP size, all-reduce backend (NCCL; P2P symmetric memory) and mode (serial + CUDA graphs;
+Per TP size, all-reduce backend (NCCL; P2P symmetric memory; P2P with the all-reduce fused into
+the next residual add + RMSNorm, "p2p+fused") and mode (serial + CUDA graphs;
 async + CUDA graphs): the mean decode step (host time of decode-only engine steps: in steady
 launch-ahead that is the device step), the per-rank bandwidth floor ((this rank's weights + the
 KV it reads) / device copy bandwidth), step / floor, the ratio to TP=1's step (same mode and
@@ -11,6 +12,7 @@ captured for exactly the --batches sizes (recaptured when the backend changes: a
 the path it captured).
 
     python scripts/bench_tp_scaling.py [--tp 1 2 4] [--batches 1 32 128] [--layers N] [--json F]
+        [--backends nccl p2p p2p+fused] [--modes serial async]
     python scripts/bench_tp_scaling.py --smoke        # CPU, gloo, the tiny model: TP=1/2
 
 Launches ``torchrun --standalone --nproc-per-node T`` per size (rank 0 writes a JSON result);
@@ -31,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_async.testing.all_reduce_checks import NO_MULTICAST_ENV  # noqa: E402
 
+BACKENDS = ("nccl", "p2p", "p2p+fused")
 SMOKE = ["--device", "cpu", "--model", "tiny", "--dtype", "float32", "--tp", "1", "2", "--batches", "1", "4",
          "--prompt-len", "8", "--output-len", "6"]
 
@@ -48,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--launch-timeout", type=float, default=400.0, help="seconds per torchrun job")
     p.add_argument("--all-reduce", default="auto", choices=["auto", "nccl", "p2p"],
                    help="InferenceConfig.tp_all_reduce: auto / p2p time NCCL and the P2P path side by side")
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS),
+                   help="TP > 1 with a P2P reducer: which all-reduce paths to time (NCCL-only groups: nccl)")
+    p.add_argument("--modes", nargs="+", default=["serial", "async"], choices=["serial", "async"])
     p.add_argument("--json", default=None, help="write every result here")
     p.add_argument("--idle", action="store_true",
                    help="also profile one async + graphs run at the largest batch per backend: the device idle "
@@ -97,26 +103,31 @@ def _worker(args: argparse.Namespace) -> None:
         mean_ctx = args.prompt_len + args.output_len / 2
         reducer = llm.parallel.tp_reducer
         p2p_bytes = reducer.max_bytes if reducer is not None else 0
-        backends = ["-"] if tp == 1 else (["nccl", "p2p"] if reducer is not None else ["gloo" if not cuda else "nccl"])
+        fused_bytes = reducer.fused_max_bytes if reducer is not None else 0
+        backends = ["-"] if tp == 1 else (args.backends if reducer is not None else ["gloo" if not cuda else "nccl"])
+        if "p2p+fused" in backends and not fused_bytes:
+            backends.remove("p2p+fused")  # the fused kernel is off (knob, TP size, or its self-test): say so below
         t1 = time.perf_counter()
         llm.generate(prompts, SamplingParams(top_k=1, num_tokens_to_generate=4, ignore_eos=True))  # compile, NCCL
         result = {"tp": tp, "model": args.model, "layers": DEFAULT_CONFIGS[args.model]["num_hidden_layers"],
                   "device": torch.cuda.get_device_name(llm.device) if cuda else "cpu", "build_s": build_s,
                   "warmup_s": time.perf_counter() - t1, "weight_bytes": weight_bytes(llm.model),
                   "kv_bytes_per_token": kv_token, "copy_bandwidth": bandwidth, "p2p_reason": None, "rows": [],
+                  "fused_norm_bytes": fused_bytes,
                   "idle": []}
         tokens_by_backend: dict[str, dict] = {}
         if leader:
             print(f"[tp={tp}] built in {build_s:.0f} s, warm-up {result['warmup_s']:.0f} s, backends {backends}", flush=True)
         for backend in backends:
             if reducer is not None:
-                reducer.max_bytes = p2p_bytes if backend == "p2p" else 0
+                reducer.max_bytes = p2p_bytes if backend.startswith("p2p") else 0
+                reducer.fused_max_bytes = fused_bytes if backend == "p2p+fused" else 0
             if cuda:  # graphs keep the all-reduce path they captured: capture anew for this backend
                 llm.controller.graphs = CudaGraphRunner(llm.controller, llm.config)
             for batch in args.batches:  # captures this step's graph at every batch size before timing
                 llm.generate(prompts[:batch], SamplingParams(top_k=1, num_tokens_to_generate=3, ignore_eos=True))
             tokens = tokens_by_backend[backend] = {}
-            for mode in ("serial", "async"):
+            for mode in args.modes:
                 llm.config.async_scheduling = mode == "async"
                 for batch in args.batches:
                     llm.engine.stats = st = EngineStats()
@@ -134,7 +145,8 @@ def _worker(args: argparse.Namespace) -> None:
                         "consensus_rounds": st.consensus_rounds, "overlap": st.overlap_ratio,
                         "tok_s": batch * args.output_len / wall,
                         "p2p_calls": {k: v - calls.get(k, 0) for k, v in reducer.calls.items()} if reducer else {},
-                        "async_equals_serial": None if mode == "serial" else tokens[("serial", batch)] == tokens[(mode, batch)]})
+                        "async_equals_serial": (None if mode == "serial" or ("serial", batch) not in tokens
+                                                else tokens[("serial", batch)] == tokens[(mode, batch)])})
                     if leader:
                         r = result["rows"][-1]
                         print(f"[tp={tp}] {backend:5s} {r['mode']:14s} batch {batch:4d}: decode {r['decode_ms']:.3f} ms "
@@ -151,12 +163,14 @@ def _worker(args: argparse.Namespace) -> None:
                     print(f"[tp={tp}] {backend:5s} async+graphs batch {batch}: decode-window idle "
                           f"{rep.decode_idle_share}, run idle {rep.run_idle_share:.3f} {rep.note}", flush=True)
                     Path(args.worker_out).write_text(json.dumps(result))
-        if "p2p" in tokens_by_backend:  # bf16: a different summation order may flip near-ties
+        if "nccl" in tokens_by_backend:  # bf16: a different summation order may flip near-ties
             nccl = tokens_by_backend["nccl"]
             for r in result["rows"]:
-                if r["backend"] == "p2p":
-                    a, b = tokens_by_backend["p2p"][(r["mode"].split("+")[0], r["batch"])], nccl[(r["mode"].split("+")[0], r["batch"])]
+                if r["backend"].startswith("p2p"):
+                    key = (r["mode"].split("+")[0], r["batch"])
+                    a, b = tokens_by_backend[r["backend"]][key], nccl[key]
                     r["requests_equal_to_nccl"] = sum(x == y for x, y in zip(a, b)) / len(a)
+        result["p2p_calls_total"] = dict(reducer.calls) if reducer is not None else {}  # graphs count at capture
         if leader:
             Path(args.worker_out).write_text(json.dumps(result))
     finally:
@@ -215,14 +229,15 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "missing_tp": missing}, indent=1))
     rows = [r for res in results for r in res["rows"] if r["async_equals_serial"] is not None]
     print(f"async == serial tokens in {sum(r['async_equals_serial'] for r in rows)} of {len(rows)} async runs")
-    same = [f"TP={res['tp']} {r['mode']} b{r['batch']}: {r['requests_equal_to_nccl']:.0%}" for res in results
+    same = [f"TP={res['tp']} {r['backend']} {r['mode']} b{r['batch']}: {r['requests_equal_to_nccl']:.0%}" for res in results
             for r in res["rows"] if "requests_equal_to_nccl" in r]
     if same:
         print("requests with P2P tokens == NCCL tokens: " + ", ".join(same))
     for res in results:
         print(f"TP={res['tp']} {res['model']} ({res['layers']} layers) on {res['device']}: weights/rank "
               f"{res['weight_bytes'] / 1e9:.2f} GB, copy {res['copy_bandwidth'] / 1e12:.2f} TB/s, build "
-              f"{res['build_s']:.0f} s, warm-up {res['warmup_s']:.0f} s")
+              f"{res['build_s']:.0f} s, warm-up {res['warmup_s']:.0f} s, fused all-reduce + norm up to "
+              f"{res.get('fused_norm_bytes', 0) >> 10} KB, P2P calls {res.get('p2p_calls_total', {})}")
     print(table(results))
     for res in results:
         for r in res.get("idle", []):

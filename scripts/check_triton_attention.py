@@ -179,10 +179,10 @@ def sweep_prefill(iters: int, tokens: int, min_len: int, max_len: int) -> None:
     print(f"\nprefill sweep: {case.meta.num_tokens} tokens in {len(rows)} rows, {flops / 1e9:.1f} GFLOP")
     print("| block_q | block_n | warps | stages | graph us | TFLOP/s | max abs diff vs default |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
-    for block_q in (32, 64):  # 128 and 8 warps were slower on an H100 (first sweep, see PERFORMANCE.md)
-        for block_n in (32, 64):
-            for warps in (4,):
-                for stages in (2, 3):
+    for block_q in (32, 64, 128):
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
                     kw = dict(block_q=block_q, block_n=block_n, num_warps=warps, num_stages=stages)
                     try:
                         out = prefill_attention(case.q, case.kv_cache, case.meta, case.scale, **kw)
@@ -194,14 +194,6 @@ def sweep_prefill(iters: int, tokens: int, min_len: int, max_len: int) -> None:
                     diff = (out.float() - base.float()).abs().max().item()
                     print(f"| {block_q} | {block_n} | {warps} | {stages} | {ms * 1e3:.1f} | "
                           f"{flops / (ms * 1e-3) / 1e12:.0f} | {diff:.2e} |")
-    from megatron_async.kernels import varlen_prefill
-    if varlen_prefill.applies(case.q, case.meta):  # the path mixed steps take: flash attention + prefix merge
-        def two_part() -> torch.Tensor:
-            return attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale, kv_stored=True)
-        out = two_part()
-        ms = graph_ms(two_part, iters)
-        diff = (out.float() - base.float()).abs().max().item()
-        print(f"| two-part | | | | {ms * 1e3:.1f} | {flops / (ms * 1e-3) / 1e12:.0f} | {diff:.2e} |")
 
 
 def main() -> None:

@@ -41,31 +41,18 @@ def attend(
     meta: AttentionMetadata,
     scale: float,
     batch_invariant: bool = False,
-    kv_stored: bool = False,
 ) -> torch.Tensor:
     """Append this step's k/v ([T, KVH, D]) to the paged cache, then attend q ([T, H, D]).
-    k and v None, or ``kv_stored``: already stored (``fused_ops.rope_qk`` with the cache); a
-    mixed step may still read the given k / v (see ``wants_step_kv``).
+    k and v None: already stored (``fused_ops.rope_qk`` with the cache).
 
     ``batch_invariant``: the Triton fixed-order path whatever the backend (see
     ``attention_triton.attend``). Returns [T, H, D] in q's dtype."""
     if batch_invariant or _backend == AttentionBackend.TRITON:
         from megatron_async.kernels import attention_triton
 
-        return attention_triton.attend(q, k, v, kv_cache, meta, scale, fixed_order=batch_invariant,
-                                       kv_stored=kv_stored)
-    if k is not None and not kv_stored:
+        return attention_triton.attend(q, k, v, kv_cache, meta, scale, fixed_order=batch_invariant)
+    if k is not None:
         attention_torch.write_kv(kv_cache, k, v, meta.slot_mapping[: meta.num_tokens])
     if meta.is_decode_only:
         return attention_torch.decode_attention(q, kv_cache, meta, scale)
     return attention_torch.paged_attention(q, kv_cache, meta, scale)
-
-
-def wants_step_kv(q: torch.Tensor, meta: AttentionMetadata, batch_invariant: bool) -> bool:
-    """Whether ``attend`` reads this step's own k / v even when they are already in the cache
-    (the two-part mixed-step path of ``varlen_prefill``)."""
-    if batch_invariant or _backend != AttentionBackend.TRITON:
-        return False
-    from megatron_async.kernels import varlen_prefill
-
-    return varlen_prefill.applies(q, meta)

@@ -14,8 +14,7 @@ import torch
 from megatron_async.inference.contexts.metadata import AttentionMetadata
 from megatron_async.kernels.triton_decode_attention import decode_attention
 from megatron_async.kernels.triton_kv_append import append_kv
-from megatron_async.kernels import varlen_prefill
-from megatron_async.kernels.triton_prefill_attention import merge_prefix_attention, prefill_attention
+from megatron_async.kernels.triton_prefill_attention import prefill_attention
 
 
 def attend(
@@ -26,12 +25,9 @@ def attend(
     meta: AttentionMetadata,
     scale: float,
     fixed_order: bool = False,
-    kv_stored: bool = False,
 ) -> torch.Tensor:
-    """Append k/v ([T, KVH, D]; None or ``kv_stored``: already in the cache) at
-    ``meta.slot_mapping[:T]``, then attend q ([T, H, D]) over each row's paged KV. Returns
-    [T, H, D] in q's dtype. Mixed steps given this step's k / v take the two-part path of
-    ``varlen_prefill`` where it applies.
+    """Append k/v ([T, KVH, D]; None: already in the cache) at ``meta.slot_mapping[:T]``, then attend q ([T, H, D]) over
+    each row's paged KV. Returns [T, H, D] in q's dtype.
 
     ``fixed_order`` (batch-invariant mode): every row, decode or prefill chunk, goes through
     the one varlen kernel in its fixed-order mode, which walks the row's keys from position 0
@@ -40,11 +36,8 @@ def attend(
     tokens too are read after the append, never from the un-stored k/v), not on the step's
     batch, on how its prompt was chunked, or on decode vs prefill. No split-K: a long row is
     one program per (query tile, KV head)."""
-    if k is not None and not kv_stored:  # None: the rope kernel stored them already
+    if k is not None:  # None: the rope kernel stored them already
         append_kv(kv_cache, k, v, meta.slot_mapping)
     if meta.is_decode_only and not fixed_order:
         return decode_attention(q, kv_cache, meta, scale)
-    if k is not None and not fixed_order and varlen_prefill.applies(q, meta):
-        out, lse, strides = varlen_prefill.new_token_attention(q, k, v, meta, scale)
-        return merge_prefix_attention(q, kv_cache, meta, scale, out, lse, strides)
     return prefill_attention(q, kv_cache, meta, scale, fixed_order=fixed_order)

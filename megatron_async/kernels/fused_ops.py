@@ -64,14 +64,11 @@ def rope_qk(
     v: torch.Tensor | None = None,
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
-    return_k: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """See ``triton_rope.rope_qk``: with ``kv_cache`` k and v go to the cache and k comes back
-    None (or, with ``return_k``, also contiguous)."""
+    """See ``triton_rope.rope_qk``: with ``kv_cache`` k and v go to the cache and k comes back None."""
     from megatron_async.kernels import triton_rope
 
-    return triton_rope.rope_qk(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, kv_cache, slot_mapping,
-                               return_k)
+    return triton_rope.rope_qk(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, kv_cache, slot_mapping)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -11,10 +11,6 @@ Tiles are numbered so that row r's tiles start at ``cu_query_lens[r] // BLOCK_Q 
 this bounds the tile count by ``num_tokens // BLOCK_Q + num_rows`` without reading any
 lengths on the host, and a program finds its row by binary search over cu_query_lens.
 The grid depends only on num_tokens and num_rows (graph-safe, like the decode kernel).
-
-``merge_prefix_attention`` runs the same kernel over a row's cached prefix only (the keys
-before this step's tokens), starting each query's online softmax from the attention among
-the new tokens that ``varlen_prefill`` computed (output and log-sum-exp), in place.
 """
 from __future__ import annotations
 
@@ -68,7 +64,6 @@ def _prefill_kernel(
     positions_ptr,
     cu_q_ptr,
     out_ptr,
-    lse_ptr,
     num_rows,
     stride_qt,
     stride_qh,
@@ -78,8 +73,6 @@ def _prefill_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
-    stride_lt,
-    stride_lh,
     scale_log2,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -91,7 +84,6 @@ def _prefill_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FIXED_ORDER: tl.constexpr,
-    MERGE_PREFIX: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -111,10 +103,6 @@ def _prefill_kernel(
     q_first = (tile - (q_begin // BLOCK_Q + row)) * BLOCK_Q  # first query of the tile, within the row
     if q_first >= q_len:
         return
-    kv_len = tl.load(kv_lens_ptr + row).to(tl.int64)
-    if MERGE_PREFIX:
-        if kv_len - q_len <= 0:  # no cached prefix: the new tokens' attention is the whole answer
-            return
 
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G
     offs_m = tl.arange(0, BLOCK_M)
@@ -129,34 +117,22 @@ def _prefill_kernel(
                 mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
     pos = tl.load(positions_ptr + tok, mask=m_valid, other=-1).to(tl.int64)
 
-    out_ptrs = out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    io_mask = m_valid[:, None] & d_mask[None, :]
-    if MERGE_PREFIX:
-        # Every query sees the whole prefix: one unmasked pass over its whole tiles, a masked
-        # one over the tail. The state starts from the new tokens' normalised output (l = 1).
-        kv_len = kv_len - q_len
-        end = kv_len
-        no_mask_end = kv_len // BLOCK_N * BLOCK_N
-        lse = tl.load(lse_ptr + tok * stride_lt + heads * stride_lh, mask=m_valid, other=float("-inf"))
-        m_i = lse * 1.4426950408889634  # natural log -> the kernel's log2 scores
-        l_i = tl.where(m_valid, 1.0, 0.0)
-        acc = tl.load(out_ptrs, mask=io_mask, other=0.0).to(tl.float32)
-    else:
-        # Keys below every query's position (and kv_len) need no mask; the rest do.
-        no_mask_end = tl.minimum(kv_len, tl.min(tl.where(m_valid, pos, kv_len), 0) + 1)
-        no_mask_end = no_mask_end // BLOCK_N * BLOCK_N  # whole tiles only: the unmasked pass has no tail mask
-        if FIXED_ORDER:
-            # Where the unmasked pass ends depends on the tile's other queries, and the two passes
-            # may round differently (the compiler may contract the scaled score into an FMA only
-            # when no mask sits between). One masked pass from key 0: a tile wholly invisible to
-            # a query is an exact no-op for it (alpha 1, p 0).
-            no_mask_end = no_mask_end * 0
-        end = tl.minimum(kv_len, tl.max(pos, 0) + 1)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_len = tl.load(kv_lens_ptr + row).to(tl.int64)
+    # Keys below every query's position (and kv_len) need no mask; the rest do.
+    no_mask_end = tl.minimum(kv_len, tl.min(tl.where(m_valid, pos, kv_len), 0) + 1)
+    no_mask_end = no_mask_end // BLOCK_N * BLOCK_N  # whole tiles only: the unmasked pass has no tail mask
+    if FIXED_ORDER:
+        # Where the unmasked pass ends depends on the tile's other queries, and the two passes
+        # may round differently (the compiler may contract the scaled score into an FMA only
+        # when no mask sits between). One masked pass from key 0: a tile wholly invisible to
+        # a query is an exact no-op for it (alpha 1, p 0).
+        no_mask_end = no_mask_end * 0
+    end = tl.minimum(kv_len, tl.max(pos, 0) + 1)
 
     table_ptr = block_table_ptr + row.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
                                  0, no_mask_end, kv_len, scale_log2, stride_cb, stride_cs, stride_ch,
                                  BLOCK_SIZE, BLOCK_N, False, DOT_DTYPE, DOT_PRECISION)
@@ -164,7 +140,8 @@ def _prefill_kernel(
                                  no_mask_end, end, kv_len, scale_log2, stride_cb, stride_cs, stride_ch,
                                  BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, DOT_PRECISION)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a query with no visible key gets 0
-    tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
 
 
 def prefill_tiles(group: int, device: torch.device, fixed_order: bool = False) -> tuple[int, int]:
@@ -194,27 +171,12 @@ def prefill_attention(
     ``block_q`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the query-token and key
     tile sizes and launch settings (tests, ``check_triton_attention.py --sweep-prefill``).
     ``fixed_order``: every key tile takes the same masked update (batch-invariant mode)."""
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _launch(q, kv_cache, meta, scale, out, None, (0, 0), block_q, block_n, fixed_order, num_warps, num_stages)
-    return out
-
-
-def merge_prefix_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                           out: torch.Tensor, lse: torch.Tensor, lse_strides: tuple[int, int],
-                           block_q: int | None = None, block_n: int | None = None) -> torch.Tensor:
-    """``out`` [T, H, D] (the attention of each row's new tokens among themselves) and its ``lse``
-    (float32, natural log; (token, head) strides) -> attention over every key of the row (its
-    cached prefix as well), in place. Rows without a prefix are left as they are."""
-    _launch(q, kv_cache, meta, scale, out, lse, lse_strides, block_q, block_n, False, 4, 2)
-    return out
-
-
-def _launch(q, kv_cache, meta, scale, out, lse, lse_strides, block_q, block_n, fixed_order, num_warps, num_stages):
     check_cache(kv_cache, q)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0 or meta.num_rows == 0:
-        return
+        return out
     group = num_heads // num_kv_heads
     block_g = max(1, triton.next_power_of_2(group))
     default_q, default_n = prefill_tiles(group, q.device, fixed_order)
@@ -226,12 +188,13 @@ def _launch(q, kv_cache, meta, scale, out, lse, lse_strides, block_q, block_n, f
     grid = (num_tokens // block_q + meta.num_rows, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens, out,
-        out if lse is None else lse, meta.num_rows,
+        meta.num_rows,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0), *lse_strides,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
         scale * _LOG2E,
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        **dot_args(_prefill_kernel, kv_cache.dtype), FIXED_ORDER=fixed_order, MERGE_PREFIX=lse is not None,
+        **dot_args(_prefill_kernel, kv_cache.dtype), FIXED_ORDER=fixed_order,
         num_warps=num_warps, num_stages=num_stages,
     )
+    return out

@@ -82,7 +82,6 @@ def _rope_qk_kernel(
     k_out_ptr,
     v_out_ptr,
     slot_ptr,
-    k_copy_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -107,7 +106,6 @@ def _rope_qk_kernel(
     HAS_NORM: tl.constexpr,
     TO_CACHE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    K_COPY: tl.constexpr,
 ):
     # One program per token: its cos/sin row is read once for all q and k heads.
     tok = tl.program_id(0).to(tl.int64)
@@ -129,10 +127,6 @@ def _rope_qk_kernel(
         v = tl.load(v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :], mask=vmask)
         tl.store(v_out_ptr + cache_off + offs_h[:, None] * stride_ch + offs_v[None, :],
                  v.to(v_out_ptr.dtype.element_ty), mask=vmask & keep)
-        if K_COPY:  # the rotated k contiguous as well (mixed steps' new-token attention reads it)
-            _rotate_heads(k_ptr, k_copy_ptr, kw_ptr, tok, stride_kt, stride_kh, tok * (NUM_K_HEADS * HEAD_DIM),
-                          HEAD_DIM, 0, c, s, eps, NUM_K_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS,
-                          HAS_NORM, False)
     else:
         _rotate_heads(k_ptr, k_out_ptr, kw_ptr, tok, stride_kt, stride_kh, tok * (NUM_K_HEADS * HEAD_DIM), HEAD_DIM,
                       0, c, s, eps, NUM_K_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, HAS_NORM, False)
@@ -149,7 +143,6 @@ def rope_qk(
     v: torch.Tensor | None = None,
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
-    return_k: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate q [T, H, D] and k [T, KVH, D] (unit last stride, any token/head strides) by
     cos/sin [T, R/2] (R <= D the rotary dims; the model's table rows at each token's position).
@@ -160,7 +153,7 @@ def rope_qk(
     With ``kv_cache`` (one layer's ``[2, blocks, block_size, KVH, D]``), ``v`` and
     ``slot_mapping``, the rotated k and v are stored at the tokens' flat slots instead (what
     ``triton_kv_append.append_kv`` would store, negative slots skipped): one kernel fewer per
-    attention layer; returns (q, None), or (q, rotated k) with ``return_k``."""
+    attention layer; returns (q, None)."""
     num_tokens, hq, d = q.shape
     hk, rot, dtype = k.shape[1], 2 * cos.shape[-1], q.dtype
     has_norm = q_norm_weight is not None
@@ -185,25 +178,24 @@ def rope_qk(
         k_out, v_out = kv_cache[0], kv_cache[1]
     else:
         k_out = v_out = torch.empty((num_tokens, hk, d), dtype=dtype, device=k.device)
-    k_copy = torch.empty((num_tokens, hk, d), dtype=dtype, device=k.device) if to_cache and return_k else None
     if num_tokens == 0:
-        return q_out, k_copy if to_cache else k_out
+        return q_out, None if to_cache else k_out
     block_half = triton.next_power_of_2(rot // 2)
     vv = v if to_cache else k
     cache_strides = (k_out.stride(0), k_out.stride(1), k_out.stride(2)) if to_cache else (0, 0, 0)
     _rope_qk_kernel[(num_tokens,)](
         q, k, vv, cos, sin,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
-        q_out, k_out, v_out, slot_mapping if to_cache else q_out, q_out if k_copy is None else k_copy,
+        q_out, k_out, v_out, slot_mapping if to_cache else q_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
         cos.stride(0), sin.stride(0), *cache_strides, eps,
         NUM_Q_HEADS=hq, NUM_K_HEADS=hk, HEAD_DIM=d, ROT_DIM=rot,
         BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=block_half,
         BLOCK_PASS=triton.next_power_of_2(max(d - rot, 1)), BLOCK_D=triton.next_power_of_2(d), HAS_NORM=has_norm,
-        TO_CACHE=to_cache, BLOCK_SIZE=kv_cache.shape[2] if to_cache else 1, K_COPY=k_copy is not None,
+        TO_CACHE=to_cache, BLOCK_SIZE=kv_cache.shape[2] if to_cache else 1,
         num_warps=4 if hq * block_half >= 1024 else 1,
         # no mul+add -> FMA contraction: it skips the rounding of each product to the activation
         # dtype that the torch ops do (H100: 22 % of fp16 / bf16 elements 1 ulp off with it on)
         enable_fp_fusion=False,
     )
-    return q_out, k_copy if to_cache else k_out
+    return q_out, None if to_cache else k_out

@@ -22,6 +22,8 @@ communicator must exist before capture: the eager steps and the capture's warm-u
 run the same collectives first."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -48,6 +50,25 @@ def tp_all_reduce(x: torch.Tensor, parallel: ParallelState, batch_invariant: boo
     for p in parts[1:]:
         total += p.float()
     return total.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class PendingSum:
+    """A row-parallel layer's partial product whose sum over the TP group is left to the next
+    block's norm (``RMSNorm.add_and_norm``), which sums, adds the residual and normalises in
+    one kernel (``tp_reducer.add_rms_norm``) or, when that kernel does not take its tensors,
+    calls ``reduce`` first. Deliberately not a tensor: any other consumer fails loudly."""
+
+    partial: torch.Tensor
+    parallel: ParallelState
+
+    def reduce(self) -> torch.Tensor:
+        return tp_all_reduce(self.partial, self.parallel)
+
+    def add_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     cast_before_weight: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(norm(sum + residual), sum + residual), or None: not fused for these tensors."""
+        return self.parallel.tp_reducer.add_rms_norm(self.partial, residual, weight, eps, cast_before_weight)
 
 
 def tp_all_gather_last_dim(x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from megatron_async.kernels.linear import linear
-from megatron_async.parallel.communication import tp_all_reduce
+from megatron_async.parallel.communication import PendingSum, tp_all_reduce
 from megatron_async.parallel.sharding import REPLICATED, Sharding, ShardId, sharded_param
 from megatron_async.parallel.state import ParallelState
 
@@ -89,7 +89,14 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class RowParallelLinear(ParallelLinear):
-    """Input features split; the output is summed over the TP group (full on every rank)."""
+    """Input features split; the output is summed over the TP group (full on every rank).
+
+    ``defer_reduction`` (set by ``Block`` on a mixer's output projection, whose output goes
+    straight into the next norm): when the TP group's P2P reducer fuses the sum with the
+    residual add and RMSNorm, return a ``PendingSum`` instead of summing here. Never with a
+    bias (added after the sum), in batch-invariant mode, or on NCCL / gloo / TP=1."""
+
+    defer_reduction = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelState,
                  dtype: torch.dtype, device: torch.device | str, what: str = "input features"):
@@ -101,5 +108,10 @@ class RowParallelLinear(ParallelLinear):
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         if self.parallel.tp_size == 1:
             return linear(x, self.weight, self.bias, batch_invariant)
-        out = tp_all_reduce(linear(x, self.weight, None, batch_invariant), self.parallel, batch_invariant)
+        partial = linear(x, self.weight, None, batch_invariant)
+        reducer = self.parallel.tp_reducer
+        if (self.defer_reduction and self.bias is None and not batch_invariant and reducer is not None
+                and reducer.fuses_norm(partial)):
+            return PendingSum(partial, self.parallel)
+        out = tp_all_reduce(partial, self.parallel, batch_invariant)
         return out if self.bias is None else out + self.bias

@@ -13,6 +13,11 @@ space once at load. A call is then
 - NCCL above ``max_bytes``, for dtypes other than fp32 / bf16, and for odd sizes.
 Multicast (NVLS, multimem instructions) is never used: on shared hosts it can take the GPUs down.
 
+The same buffer and signal pads also serve the all-reduce fused with the residual add and the
+next RMSNorm (``add_rms_norm``, kernels/triton_fused_all_reduce.py): a row-parallel layer
+whose output goes straight into a block's norm hands over its partial product unreduced
+(``communication.PendingSum``) and the norm runs one kernel instead of two.
+
 CUDA-graph safe: the buffer and its peer mappings are fixed at load, each call launches one or
 two kernels on the current stream, and the barrier flags return to zero by the end of every
 call, so a replay behaves like the captured call. All ranks take the same path because the
@@ -40,6 +45,15 @@ ONE_SHOT_MAX_BYTES = 512 << 10
 reads world_size x the message per rank). The crossover vLLM's custom all-reduce uses on NVLink;
 not measured here yet: ``scripts/bench_all_reduce.py`` times both at every size."""
 
+FUSED_NORM_MAX_BYTES = 2 << 20
+"""Largest partial product the fused all-reduce + add + RMSNorm takes (one-shot: each rank reads
+world_size x the message); larger ones (prefill) are reduced first, then normed as before.
+``scripts/bench_all_reduce.py --fused`` times both paths per size."""
+
+FUSED_MAX_PROGRAMS = 128
+"""Grid cap of the fused kernel (each program owns rows and two flag slots per rank); lower
+when the signal pads are small."""
+
 SELF_TEST_TIMEOUT_S = 30.0
 """How long the load-time self-test may take before the P2P path is declared broken."""
 
@@ -54,15 +68,16 @@ class P2PAllReduceUnavailable(RuntimeError):
 
 
 def with_p2p_all_reduce(parallel: ParallelState, backend: AllReduceBackend | str, max_bytes: int,
-                        device: torch.device) -> ParallelState:
+                        device: torch.device, fused_norm: bool = True) -> ParallelState:
     """``parallel`` with its TP group's P2P all-reduce attached (``parallel.tp_reducer``), or
     unchanged when the backend is NCCL, TP is off, ``max_bytes`` is 0, or (AUTO) the group cannot
-    use P2P. Collective over the TP group on CUDA; call it on every rank before building layers."""
+    use P2P. ``fused_norm``: also offer the all-reduce fused with the next add + RMSNorm.
+    Collective over the TP group on CUDA; call it on every rank before building layers."""
     backend = AllReduceBackend(backend)
     if parallel.tp_size == 1 or backend is AllReduceBackend.NCCL or max_bytes == 0:
         return parallel
     reducer = P2PAllReduce.create(parallel.tp_group, torch.device(device), max_bytes,
-                                  required=backend is AllReduceBackend.P2P)
+                                  required=backend is AllReduceBackend.P2P, fused_norm=fused_norm)
     return parallel if reducer is None else dataclasses.replace(parallel, tp_reducer=reducer)
 
 
@@ -83,10 +98,17 @@ class P2PAllReduce:
     """The TP group's symmetric buffer and the size rules; call ``accepts`` then ``all_reduce``.
     Build it with ``create`` (collective over the TP group)."""
 
-    def __init__(self, group, buffer: torch.Tensor, max_bytes: int, one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES):
+    def __init__(self, group, buffer: torch.Tensor, max_bytes: int, one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES,
+                 peers: PeerTables | None = None):
         self.group = group
         self.group_name = group.group_name
         self.buffer = buffer
+        self.peers = peers
+        """Every rank's buffer and signal-pad address, for the fused kernel (None: not fused)."""
+        pow2 = peers is not None and peers.world_size & (peers.world_size - 1) == 0
+        self.fused_max_bytes = min(FUSED_NORM_MAX_BYTES, max_bytes) if pow2 else 0
+        """Largest partial product ``fuses_norm`` takes; 0 turns the fused path off (mutable,
+        like ``max_bytes``, for A/B runs in one process). Off for TP sizes that are not powers of 2."""
         self.max_bytes = max_bytes
         """Largest message taken (<= the buffer); mutable: 0 sends everything to NCCL (benchmarks
         compare both paths in one process this way; CUDA graphs keep the path they captured)."""
@@ -96,31 +118,41 @@ class P2PAllReduce:
         """Messages above ``one_shot_max_bytes`` go two-shot; without it (other group sizes,
         older torch) they go to NCCL."""
         self.calls: Counter = Counter()
-        """Host-side count of calls per path ("one_shot", "two_shot"); a graph counts at capture."""
+        """Host-side count of calls per path ("one_shot", "two_shot", "fused_norm"); a graph counts
+        at capture."""
 
     @classmethod
-    def create(cls, group, device: torch.device, max_bytes: int, required: bool) -> P2PAllReduce | None:
+    def create(cls, group, device: torch.device, max_bytes: int, required: bool,
+               fused_norm: bool = True) -> P2PAllReduce | None:
         """Collective over ``group``: every rank checks itself, the ranks agree, and only if all
         can do they allocate and exchange the buffer. None (NCCL for everything) when some rank
-        cannot, or raise P2PAllReduceUnavailable (on every rank) when ``required``."""
+        cannot, or raise P2PAllReduceUnavailable (on every rank) when ``required``. The fused
+        norm path is kept only if it passes its own self-test on every rank."""
         problem = _local_problem(device)
         if problem is not None and device.type != "cuda":  # gloo group: decided alike on every rank, no collective
             return _unavailable(problem, required)
         infos: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(infos, (socket.gethostname(), device.index, problem), group=group)
-        problem = _group_problem(infos, device)
+        problem, buffer, peers = _group_problem(infos, device), None, None
         if problem is None:
             try:
-                buffer = _rendezvous_buffer(group, device, max_bytes)
+                buffer, peers = _rendezvous_buffer(group, device, max_bytes)
             except Exception as e:  # noqa: BLE001 - any failure means: use NCCL
                 problem, buffer = f"symmetric memory setup failed on rank {dist.get_rank(group)}: {e}", None
         if not _all_agree(problem is None, group, device):
             return _unavailable(problem or "symmetric memory setup failed on another rank", required)
-        reducer = cls(group, buffer, max_bytes)
+        reducer = cls(group, buffer, max_bytes, peers=peers if fused_norm else None)
         problem = reducer.self_test()
         if not _all_agree(problem is None, group, device):
             reducer.close()
             return _unavailable(problem or "the self-test failed on another rank", required)
+        if fused_norm and _all_agree(reducer.fused_max_bytes > 0, group, device):  # every rank has the tables
+            problem = fused_self_test(reducer)
+            if not _all_agree(problem is None, group, device):
+                log.warning("fused all-reduce + RMSNorm off: %s", problem or "its self-test failed on another rank")
+                reducer.fused_max_bytes = 0
+        else:
+            reducer.fused_max_bytes = 0
         return reducer
 
     def self_test(self, timeout_s: float = SELF_TEST_TIMEOUT_S) -> str | None:
@@ -136,16 +168,7 @@ class P2PAllReduce:
             pattern = torch.arange(n, device=device, dtype=torch.float32) % 7
             x = pattern + (rank + 1)
             results.append((self.all_reduce(x), pattern * world + world * (world + 1) // 2))
-        done = torch.cuda.Event()
-        done.record()
-        deadline = time.monotonic() + timeout_s
-        while not done.query():
-            if time.monotonic() > deadline:
-                msg = (f"P2P all-reduce self-test did not finish in {timeout_s:.0f} s on rank {rank}: the GPUs' P2P "
-                       "mappings do not work here; use InferenceConfig.tp_all_reduce='nccl'")
-                log.error(msg)
-                raise RuntimeError(msg)
-            time.sleep(0.001)
+        wait_or_raise(timeout_s, f"P2P all-reduce self-test on rank {rank}")
         self.calls.clear()
         bad = [x.numel() for x, want in results if not torch.equal(x, want)]
         return f"self-test sums wrong on rank {rank} for {bad} elements" if bad else None
@@ -174,9 +197,80 @@ class P2PAllReduce:
             torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self.group_name, x)
         return x
 
+    def fuses_norm(self, partial: torch.Tensor) -> bool:
+        """Whether a row-parallel layer may hand ``partial`` to the next norm unreduced (the same
+        answer on every rank for the same shape); the norm then calls ``add_rms_norm``."""
+        nbytes = partial.numel() * partial.element_size()
+        return (partial.is_cuda and partial.dim() == 2 and partial.dtype in _DTYPES and partial.is_contiguous()
+                and 0 < nbytes <= self.fused_max_bytes)
+
+    def add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     cast_before_weight: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rms_norm(residual + sum of the group's partials), that sum) in one kernel, or None when
+        the fused kernel does not take these tensors (e.g. a float32 residual stream under bf16
+        activations): the caller then reduces and norms as usual. Decided alike on every rank."""
+        from megatron_async.kernels import triton_fused_all_reduce as fused
+
+        if not fused.supported(partial, residual, weight, self.peers.world_size):
+            return None
+        self.calls["fused_norm"] += 1
+        return fused.all_reduce_add_rms_norm(partial, residual, weight, eps, cast_before_weight, self.peers.buffers,
+                                             self.peers.signal_pads, self.peers.rank, self.peers.max_programs)
+
     def close(self) -> None:
         """Drop the buffer (before the process group goes); later calls all go to NCCL."""
-        self.buffer, self.max_bytes = None, 0
+        self.buffer, self.max_bytes, self.peers, self.fused_max_bytes = None, 0, None, 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerTables:
+    """Where the fused kernel finds every rank's buffer and signal pad (int64 addresses on this
+    GPU, fixed for the process's life: CUDA-graph safe)."""
+
+    buffers: torch.Tensor
+    signal_pads: torch.Tensor
+    rank: int
+    world_size: int
+    max_programs: int
+    """Grid cap: two regions (entry / exit barrier) of max_programs x world_size int32 flags fit
+    the signal pad."""
+
+
+def wait_or_raise(timeout_s: float, what: str) -> None:
+    """Wait for the current stream's work, raising RuntimeError after ``timeout_s``: P2P mappings
+    that do not work make the kernels spin forever (an error, not a hang)."""
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + timeout_s
+    while not done.query():
+        if time.monotonic() > deadline:
+            msg = (f"{what} did not finish in {timeout_s:.0f} s: the GPUs' P2P mappings do not work here; "
+                   "use InferenceConfig.tp_all_reduce='nccl'")
+            log.error(msg)
+            raise RuntimeError(msg)
+        time.sleep(0.001)
+
+
+def fused_self_test(reducer: P2PAllReduce, rows: int = 3, hidden: int = 256) -> str | None:
+    """Run the fused kernel once on exactly representable float32 values: None when the new
+    residual is exact and the norm close to torch's, else what went wrong (raises on a hang)."""
+    rank, world, device = reducer.peers.rank, reducer.peers.world_size, reducer.buffer.device
+    pattern = (torch.arange(rows * hidden, device=device, dtype=torch.float32) % 5).view(rows, hidden)
+    residual = torch.ones(rows, hidden, device=device)
+    weight = torch.full((hidden,), 0.5, device=device)
+    try:
+        got = reducer.add_rms_norm(pattern + (rank + 1), residual, weight, 1e-6, True)
+    except Exception as e:  # noqa: BLE001 - a Triton compile / launch problem: keep the unfused path
+        return f"fused kernel failed on rank {rank}: {e}"
+    wait_or_raise(SELF_TEST_TIMEOUT_S, f"fused all-reduce + RMSNorm self-test on rank {rank}")
+    reducer.calls.clear()
+    if got is None:
+        return f"fused kernel refused float32 [{rows}, {hidden}] at world {world}"
+    want = pattern * world + world * (world + 1) // 2 + 1
+    normed = weight * want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-6)
+    if not torch.equal(got[1], want) or not torch.allclose(got[0], normed, rtol=1e-5, atol=1e-6):
+        return f"fused self-test values wrong on rank {rank}"
+    return None
 
 
 def _all_agree(ok: bool, group, device: torch.device) -> bool:
@@ -201,7 +295,7 @@ def _group_problem(infos: list, device: torch.device) -> str | None:
     return None
 
 
-def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> torch.Tensor:
+def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> tuple[torch.Tensor, PeerTables | None]:
     import torch.distributed._symmetric_memory as symm_mem
 
     for key, value in _NO_MULTICAST_ENV.items():
@@ -212,8 +306,28 @@ def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> torch.Tensor
         if hasattr(symm_mem, "enable_symm_mem_for_group") and not enabled(group.group_name):
             symm_mem.enable_symm_mem_for_group(group.group_name)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-    symm_mem.rendezvous(buffer, group.group_name)
-    return buffer
+    handle = symm_mem.rendezvous(buffer, group.group_name)
+    return buffer, _peer_tables(handle, buffer, device)
+
+
+def _peer_tables(handle, buffer: torch.Tensor, device: torch.device) -> PeerTables | None:
+    """The fused kernel's address tables from the rendezvous handle (None, fused path off, if
+    this torch's handle lacks something: the plain P2P all-reduce does not need them)."""
+    try:
+        world, rank = handle.world_size, handle.rank
+        shift = buffer.data_ptr() - handle.buffer_ptrs[rank]  # where the tensor starts in its allocation (0)
+        pad_bytes = getattr(handle, "signal_pad_size", None)
+        pad_slots = (pad_bytes if isinstance(pad_bytes, int) else 2048) // 4  # int32 flags; unknown: assume 2 KB
+        # Programs of one rank wait only for the same program on the others: with at most one per
+        # SM they can all be resident at once, so none waits behind a program that waits itself.
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return PeerTables(
+            buffers=torch.tensor([p + shift for p in handle.buffer_ptrs], dtype=torch.int64, device=device),
+            signal_pads=torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device),
+            rank=rank, world_size=world, max_programs=min(FUSED_MAX_PROGRAMS, sms, pad_slots // (2 * world)))
+    except Exception as e:  # noqa: BLE001 - decided alike on every rank (same torch); fused_self_test agrees anyway
+        log.warning("fused all-reduce + RMSNorm off: no peer address tables from torch symmetric memory (%s)", e)
+        return None
 
 
 def _unavailable(problem: str, required: bool) -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_async.parallel.p2p_all_reduce import P2PAllReduce
+from megatron_async.testing import fused_norm_checks
 from megatron_async.parallel.state import ParallelState
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -164,9 +165,10 @@ def _eager_us(op, iters: int) -> float:
 
 
 def all_reduce_worker(rank: int, world: int, group_sizes: list[int], time_sizes_bytes: list[int], iters: int,
-                      seed: int = 0, engine_ckpt: str | None = None) -> dict:
+                      seed: int = 0, engine_ckpt: str | None = None, fused_rows: list[int] | None = None) -> dict:
     """One spawned rank: for each group size, build the P2P all-reduce on the first ``g`` ranks
-    (``required``: no silent NCCL), check values and graph replay, then time ``time_sizes_bytes``.
+    (``required``: no silent NCCL), check values and graph replay (plain and fused with add +
+    RMSNorm), then time ``time_sizes_bytes`` and, with ``fused_rows``, fused vs unfused layers.
     Last, with ``engine_ckpt``: ``engine_worker`` on the whole world with P2P (report["engine"])."""
     t0 = time.perf_counter()
     say = (lambda msg: print(f"[rank 0, {time.perf_counter() - t0:5.1f} s] {msg}", flush=True)) if rank == 0 else (
@@ -185,6 +187,13 @@ def all_reduce_worker(rank: int, world: int, group_sizes: list[int], time_sizes_
                 say(f"group {g}: " + ", ".join(f"{r['dtype']} {r['bytes']} B {r['path']} err {r['rel_err']:.1e}"
                                               for r in rep["values"]))
                 say(f"group {g}: graph replay errors {rep['graph_errors']}")
+                rep["fused_values"] = fused_norm_checks.check_fused_norm(reducer, group, seed)
+                rep["fused_replays"] = fused_norm_checks.check_fused_graph_replay(reducer, group, seed)
+                say(f"group {g}: fused norm {rep['fused_values']}, graph replays {rep['fused_replays']}")
+                rep["fused_times"] = fused_norm_checks.time_layer_halves(reducer, group, fused_rows or [], iters,
+                                                                        _graph_us)
+                for row in rep["fused_times"]:
+                    say(f"group {g}: {row}")
                 for nbytes in time_sizes_bytes:
                     rep["times"] += time_sizes(reducer, group, [nbytes], iters)
                     say(f"group {g}: {rep['times'][-1]}")
@@ -214,6 +223,7 @@ def assert_group_report(report: dict) -> None:
         assert row["rel_err"] <= tol, row
     assert max(report["graph_errors"]) < 8e-3, report["graph_errors"]  # bf16 P2P sums vs NCCL's
     assert report["calls"].get("one_shot", 0) > 0 and report["calls"].get("two_shot", 0) > 0, report["calls"]
+    fused_norm_checks.assert_fused_report(report["fused_values"], report["fused_replays"])
 
 
 ENGINE_CONFIG = dict(block_size_tokens=16, num_kv_blocks=64, max_requests=4, max_tokens=64, max_sequence_length=128,
@@ -236,11 +246,12 @@ def engine_outputs(llm) -> dict:
     return outs
 
 
-def engine_worker(rank: int, world: int, ckpt: str, backend: str) -> dict:
-    """The fp32 checkpoint under TP=world with CUDA graphs and the given all-reduce backend."""
+def engine_worker(rank: int, world: int, ckpt: str, backend: str, fused_norm: bool = True) -> dict:
+    """The fp32 checkpoint under TP=world with CUDA graphs and the given all-reduce backend
+    (``fused_norm``: InferenceConfig.tp_fused_norm; its calls count as p2p_calls["fused_norm"])."""
     from megatron_async import LLM, InferenceConfig
 
-    cfg = InferenceConfig(**ENGINE_CONFIG, cuda_graphs=True, tp_all_reduce=backend)
+    cfg = InferenceConfig(**ENGINE_CONFIG, cuda_graphs=True, tp_all_reduce=backend, tp_fused_norm=fused_norm)
     llm = LLM(ckpt, device="cuda", dtype="float32", inference_config=cfg, tensor_parallel_size=world)
     try:
         reducer = llm.parallel.tp_reducer

@@ -104,6 +104,9 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--tp-all-reduce", choices=[b.value for b in AllReduceBackend], default=None,
                    help="small TP all-reduces: P2P symmetric memory (auto: when the GPUs allow) or NCCL "
                         "(InferenceConfig.tp_all_reduce; default auto)")
+    g.add_argument("--no-tp-fused-norm", action="store_true",
+                   help="P2P path: keep the TP all-reduce and the next add + RMSNorm as two kernels "
+                        "(InferenceConfig.tp_fused_norm=False)")
     g.add_argument("--num-speculative-tokens", type=checked(int, 0, name="int"), default=None,
                    help="speculative decoding: drafts verified per decode row (default 0: off)")
     g.add_argument("--speculative-method", choices=["mtp", "ngram"], default=None,
@@ -203,6 +206,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "enable_prefix_caching": args.prefix_caching,
         "batch_invariant": args.batch_invariant,
         "tp_all_reduce": args.tp_all_reduce,
+        "tp_fused_norm": not getattr(args, "no_tp_fused_norm", False),
         "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
         "speculative_method": getattr(args, "speculative_method", None),
         "async_scheduling": not getattr(args, "serial", False),

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from megatron_async.kernels import fused_ops
-from megatron_async.kernels.attention import attend, wants_step_kv
+from megatron_async.kernels.attention import attend
 from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.layers.norm import RMSNorm
 from megatron_async.models.layers.rope import apply_rotary
@@ -47,19 +47,16 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         kv_cache = step.batch.kv_caches[self.kv_index]
-        stored = False
         if step.rope is not None and (inv or fused_ops.use_fused(q)):  # q/k norm + rope of q and k, per token
             norm = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            # the same kernel stores k and v in the paged cache (attend then skips its append);
-            # a mixed step whose attention reads the new k / v directly gets the rotated k too
-            keep = wants_step_kv(q, step.batch.attn, inv)
+            # the same kernel stores k and v in the paged cache (attend then skips its append)
             q, k = fused_ops.rope_qk(q, k, *step.rope, *norm, v=v, kv_cache=kv_cache,
-                                     slot_mapping=step.batch.attn.slot_mapping, return_k=keep)
-            v, stored = (v if keep else None), True
+                                     slot_mapping=step.batch.attn.slot_mapping)
+            v = None
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q, inv), self.k_norm(k, inv)
             if step.rope is not None:
                 q, k = self._rotate(q, *step.rope), self._rotate(k, *step.rope)
-        out = attend(q, k, v, kv_cache, step.batch.attn, self.head_dim**-0.5, inv, kv_stored=stored)
+        out = attend(q, k, v, kv_cache, step.batch.attn, self.head_dim**-0.5, inv)
         return self.o_proj(out.reshape(T, self.q_size), inv)

@@ -3,7 +3,9 @@
 
 Each residual add is fused with the next block's norm (``RMSNorm.add_and_norm``: one kernel
 on CUDA), so a block takes the previous mixer's output and the residual stream before it,
-and the sums round exactly as ``h = h + mixer(norm(h))`` does."""
+and the sums round exactly as ``h = h + mixer(norm(h))`` does. Under tensor parallelism the
+mixer's output projection (row-parallel) may leave its all-reduce to that norm too
+(``PendingSum``): one kernel sums the ranks' partials, adds the residual and normalises."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +16,13 @@ from torch import nn
 from megatron_async.inference.contexts.metadata import ForwardBatch
 from megatron_async.models.layers.mamba_step_plan import MambaStepPlan
 from megatron_async.models.layers.norm import RMSNorm
+from megatron_async.parallel.linear import RowParallelLinear
+
+OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "out_proj")
+"""Names of the mixers' last layer (attention, MLP, Mamba2) when it is row-parallel and the
+mixer returns its output unchanged: such an output may stay a ``PendingSum`` until the next
+norm. A mixer that post-processes that output must not use these names (a PendingSum is not
+a tensor: misuse fails loudly). MoE mixers sum their experts themselves: not deferred."""
 
 
 @dataclass
@@ -36,12 +45,16 @@ class Block(nn.Module):
         super().__init__()
         self.norm = norm
         self.mixer = mixer
+        for name in OUTPUT_PROJECTIONS:
+            proj = getattr(mixer, name, None)
+            if type(proj) is RowParallelLinear:
+                proj.defer_reduction = True
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous mixer's output, or the embeddings when ``residual`` is None.
-        Returns (this mixer's output, the residual stream before it)."""
+        """x: the previous mixer's output (maybe a ``PendingSum``), or the embeddings when
+        ``residual`` is None. Returns (this mixer's output, the residual stream before it)."""
         inv = step.batch.batch_invariant
         if residual is None:
             h, residual = self.norm(self.norm.in_dtype(x), inv), x

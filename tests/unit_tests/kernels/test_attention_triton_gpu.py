@@ -67,22 +67,3 @@ def test_decode_cuda_graph_replay(block_size):
         graph.replay()
         torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=1e-2)
         assert torch.equal(torch.nan_to_num(static.kv_cache, nan=0.0), ref_cache)
-
-
-def test_mixed_bf16_steps_take_the_two_part_path():
-    """Flash attention for the new tokens + the prefix merge (varlen_prefill) on a mixed step,
-    against the one paged kernel and the torch reference."""
-    from megatron_async.kernels import varlen_prefill
-    from megatron_async.kernels.triton_prefill_attention import prefill_attention
-
-    case = make_case(_rows("mixed"), num_heads=16, num_kv_heads=8, head_dim=128, block_size=16,
-                     dtype=torch.bfloat16, device="cuda", seed=3)
-    support = varlen_prefill.varlen_support(torch.device("cuda"))
-    assert support is not None, "torch's varlen flash attention is missing on this CUDA build"
-    assert varlen_prefill.applies(case.q, case.meta)
-    ref_out, _ = case.reference()
-    out = attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)
-    one = prefill_attention(case.q, case.kv_cache, case.meta, case.scale)
-    torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=1e-2)
-    torch.testing.assert_close(out, one, rtol=2e-2, atol=1e-2)
-    print(f"varlen support: {support}; max |two-part - one kernel| {(out.float() - one.float()).abs().max().item():.2e}")

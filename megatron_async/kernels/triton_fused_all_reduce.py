@@ -1,0 +1,163 @@
+"""Tensor-parallel all-reduce fused with the residual add and the next RMSNorm, one launch.
+
+A row-parallel layer leaves a partial product on every TP rank; the next block needs
+``residual + sum(partials)`` (the new residual stream) and its RMSNorm. Unfused that is an
+all-reduce kernel and an add + RMSNorm kernel, the summed hidden state going through HBM in
+between. Here one kernel, on every rank:
+
+1. copies this rank's partial rows into its symmetric buffer (mapped into every peer);
+2. meets the other ranks at a barrier (below);
+3. reads every rank's copy of its rows over NVLink, adds them in float32 IN RANK ORDER (the
+   same order on every rank, so every rank holds the same bits), rounds to the activation
+   dtype (what the all-reduce's output tensor holds), adds the residual (rounded, as
+   ``x + residual``) and writes it, then the RMSNorm of it (``triton_rmsnorm``'s numerics);
+4. meets the ranks again, so that no rank's next call overwrites its buffer while a peer
+   still reads it.
+
+The barrier: each program (a fixed set of rows) owns one flag slot per rank in every rank's
+signal pad. It raises its slot in every peer's pad (compare-and-swap 0 -> 1, release at
+system scope, spinning while the slot is still raised from an earlier call) and lowers the
+peers' slots in its own pad (CAS 1 -> 0, acquire), so each flag returns to zero once both
+sides have passed: a CUDA-graph replay starts from the state the capture saw. The entry and
+exit barriers use separate slot regions (the exit region starts ``exit_slot`` slots in), which
+lets a single process play one rank (``barrier`` test mode: the peers' flags raised
+beforehand, see tests/unit_tests/kernels/test_fused_all_reduce.py). Other kernels that use the
+same pads (torch's one-shot / two-shot all-reduce) follow the same raise / lower protocol, and
+every rank runs the same kernels in the same order, so the k-th raise of a slot always meets
+its k-th lower.
+
+Numerics against the unfused path: float32 is bit-identical to torch's one-shot all-reduce
+(also rank order, float32 adds) followed by ``add_rms_norm``. bf16 is summed in float32 and
+rounded once; torch's one-shot rounds to bf16 after every add (rank order) and NCCL's ring
+adds in ring order, so bf16 results can differ from both in the last bit at 3+ ranks (at 2
+ranks one add: the same up to a rare double rounding)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_async.kernels.triton_rmsnorm import MAX_HIDDEN
+
+
+@triton.jit
+def _swap_each(flags, expect, new, W: tl.constexpr, SEM: tl.constexpr):
+    """Compare-and-swap every one of the W flags from ``expect`` to ``new`` (system scope),
+    spinning until each has succeeded once. One lane per flag, so the W (remote) atomics are in
+    flight together; a lane that succeeded compares against -1 on retries, which never matches
+    a 0 / 1 flag: no second write."""
+    pending = tl.full([W], 1, tl.int32)
+    while tl.max(pending, axis=0) > 0:
+        old = tl.atomic_cas(flags, tl.where(pending > 0, expect, -1), tl.where(pending > 0, new, -1),
+                            sem=SEM, scope="sys")
+        pending = tl.where(old == expect, 0, pending)
+
+
+@triton.jit
+def _barrier(pad_table_ptr, slot, rank, W: tl.constexpr):
+    """Every rank's program ``slot`` (within a region) has reached this point: raise this rank's
+    flag in every rank's pad (release), then lower every rank's flag in this rank's pad (acquire)."""
+    tl.debug_barrier()  # the whole program's earlier stores / loads come before the signal
+    lanes = tl.arange(0, W)
+    peer_pads = tl.load(pad_table_ptr + lanes).to(tl.pointer_type(tl.int32))
+    _swap_each(peer_pads + slot * W + rank, 0, 1, W, "release")
+    my_pad = tl.load(pad_table_ptr + rank).to(tl.pointer_type(tl.int32))
+    _swap_each(my_pad + slot * W + lanes, 1, 0, W, "acquire")
+    tl.debug_barrier()  # no thread reads peers' rows before every flag is seen
+
+
+@triton.jit
+def _fused_kernel(
+    x_ptr,
+    buf_table_ptr,
+    pad_table_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    M,
+    rank,
+    exit_slot,
+    eps,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    W: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    BARRIER: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    dtype = x_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < N
+    my_buf = tl.multiple_of(tl.load(buf_table_ptr + rank).to(tl.pointer_type(dtype)), 16)
+    for row in range(pid, M, num_programs):
+        base = row * N  # M * N < 2**31: the message fits the staging buffer
+        tl.store(my_buf + base + offs, tl.load(x_ptr + base + offs, mask=mask), mask=mask)
+    if BARRIER:
+        _barrier(pad_table_ptr, pid, rank, W)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for row in range(pid, M, num_programs):
+        base = row * N  # M * N < 2**31: the message fits the staging buffer
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for r in tl.static_range(W):
+            peer = tl.multiple_of(tl.load(buf_table_ptr + r).to(tl.pointer_type(dtype)), 16)
+            acc += tl.load(peer + base + offs, mask=mask, other=0.0).to(tl.float32)
+        reduced = acc.to(dtype).to(tl.float32)  # the all-reduce's output, as the unfused path holds it
+        res = tl.load(res_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+        h = (reduced + res).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + base + offs, h, mask=mask)
+        hf = h.to(tl.float32)
+        y = hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
+        if CAST_BEFORE_WEIGHT:
+            y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + base + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    if BARRIER:
+        _barrier(pad_table_ptr, exit_slot + pid, rank, W)
+
+
+def supported(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, world_size: int) -> bool:
+    """Whether the fused kernel takes these tensors (the same answer on every rank for equal
+    shapes): 2-d contiguous rows of one dtype (bf16 / fp16 / fp32), a hidden size that keeps
+    16-byte rows and fits one program's registers, a power-of-two world."""
+    n = x.shape[-1]
+    return (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and residual.dtype == weight.dtype == x.dtype and residual.shape == x.shape
+            and weight.shape == (n,) and n <= MAX_HIDDEN and (n * x.element_size()) % 16 == 0
+            and x.is_contiguous() and residual.is_contiguous() and world_size & (world_size - 1) == 0)
+
+
+def all_reduce_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cast_before_weight: bool,
+    buffer_table: torch.Tensor,
+    pad_table: torch.Tensor,
+    rank: int,
+    max_programs: int,
+    barrier: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + sum_r x_r) * weight, residual + sum_r x_r) over the TP ranks, new tensors.
+
+    ``buffer_table`` / ``pad_table``: int64 [W] on x's device, the address of every rank's
+    staging buffer (>= x's bytes, 16-byte aligned) and signal pad (int32 slots: at least
+    ``2 * max_programs * W``), this rank's at ``rank``. ``max_programs`` caps the grid and is
+    where the exit barrier's slot region starts. ``barrier=False`` skips both barriers (tests
+    on one process whose "peers" are already in their buffers); never on real ranks."""
+    if not supported(x, residual, weight, buffer_table.numel()):
+        raise ValueError(f"all_reduce_add_rms_norm: x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "
+                         f"{residual.dtype}, weight {tuple(weight.shape)} {weight.dtype}, world {buffer_table.numel()}")
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(residual)
+    M, n = x.shape
+    if M == 0:
+        return out, res_out
+    block = triton.next_power_of_2(n)
+    _fused_kernel[(min(M, max_programs),)](
+        x, buffer_table, pad_table, residual, weight, out, res_out, M, rank, max_programs, eps,
+        N=n, BLOCK_N=block, W=buffer_table.numel(), CAST_BEFORE_WEIGHT=cast_before_weight, BARRIER=barrier,
+        num_warps=min(max(block // 512, 1), 16),
+    )
+    return out, res_out

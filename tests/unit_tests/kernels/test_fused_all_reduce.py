@@ -1,0 +1,139 @@
+"""The fused TP all-reduce + residual add + RMSNorm kernel, one process playing one rank.
+
+The other ranks' partials are placed in their "symmetric buffers" (same-process tensors whose
+addresses fill the pointer table) before the launch, as if their copy-in had run, and their
+barrier flags in this rank's signal pad are raised beforehand: the kernel's own raises then go
+into the peers' pads and its waits find the peers' flags. So one launch checks the arithmetic
+(against sum in rank order + add + RMSNorm) and the flag protocol (this rank's pad back to zero
+after both barriers, exactly one raised flag per program and barrier in every peer's pad).
+Compiled on CUDA, the interpreter on CPU (whose float32 -> bfloat16 conversion truncates: bf16
+to tolerance there; float16 and float32 are checked exactly)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megatron_async.kernels import triton_fused_all_reduce as fused  # noqa: E402
+from megatron_async.models.layers.norm import NemotronRMSNorm, RMSNorm  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+
+
+def _reference(parts: list[torch.Tensor], residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused path: the all-reduce (float32, rank order, one rounding), then add + norm (torch code)."""
+    total = parts[0].float()
+    for p in parts[1:]:
+        total = total + p.float()
+    reduced = total.to(parts[0].dtype)
+    new_residual = reduced + residual
+    return norm(new_residual), new_residual
+
+
+def _play_rank(parts: list[torch.Tensor], rank: int, residual: torch.Tensor, norm: RMSNorm, max_programs: int,
+               barrier: bool = True) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Run the kernel as ``rank``; returns (out, new residual, every rank's signal pad after)."""
+    W = len(parts)
+    M, N = parts[0].shape
+    buffers = [torch.zeros(M * N + 64, dtype=parts[0].dtype, device=DEVICE) for _ in range(W)]
+    pads = [torch.zeros(2 * max_programs * W, dtype=torch.int32, device=DEVICE) for _ in range(W)]
+    for r in range(W):
+        if r != rank:
+            buffers[r][: M * N].copy_(parts[r].flatten())
+    programs = min(M, max_programs)
+    flags = pads[rank].view(2, max_programs, W)
+    flags[:, :programs, :] = 1
+    flags[:, :, rank] = 0  # this rank's own flag is raised by the kernel itself
+    table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
+    out, new_res = fused.all_reduce_add_rms_norm(parts[rank], residual, norm.weight, EPS, norm.cast_before_weight,
+                                                 table(buffers), table(pads), rank, max_programs, barrier)
+    assert torch.equal(buffers[rank][: M * N], parts[rank].flatten())  # its copy-in, for the peers to read
+    return out, new_res, pads
+
+
+def _check(got: torch.Tensor, want: torch.Tensor) -> None:
+    if got.dtype == torch.bfloat16 and DEVICE == "cpu":  # interpreter truncation
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    elif got.dtype == torch.float32:  # the norm's float32 reduction order may differ from torch's
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert (got != want).float().mean() < 0.01  # a rare last-ulp flip of the float32 sum order
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+
+
+def _case(world: int, rows: int, hidden: int, dtype: torch.dtype, seed: int, norm_cls=RMSNorm):
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(rows, hidden, generator=g).to(dtype).to(DEVICE) for _ in range(world)]
+    residual = (3 * torch.randn(rows, hidden, generator=g)).to(dtype).to(DEVICE)
+    norm = norm_cls(hidden, EPS, dtype, DEVICE)
+    norm.weight.copy_(1 + 0.3 * torch.randn(hidden, generator=g))
+    return parts, residual, norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("world,rows,max_programs", [(1, 3, 4), (2, 5, 2), (4, 7, 3), (8, 2, 4)])
+def test_every_rank_gets_the_reference_sum_and_norm(dtype, world, rows, max_programs):
+    parts, residual, norm = _case(world, rows, 64, dtype, seed=world * 10 + rows)
+    want_out, want_res = _reference(parts, residual, norm)
+    results = []
+    for rank in range(world):
+        out, new_res, pads = _play_rank(parts, rank, residual, norm, max_programs)
+        if dtype == torch.bfloat16 and DEVICE == "cpu":
+            _check(new_res, want_res)
+        else:
+            assert torch.equal(new_res, want_res)  # the sum rounded once, then one rounding of + residual
+        _check(out, want_out)
+        results.append((out, new_res))
+        # Flags: this rank's pad is back to zero; each peer got one raise per program and barrier.
+        programs = min(rows, max_programs)
+        assert not pads[rank].any()
+        for r in range(world):
+            if r != rank:
+                raised = torch.zeros(2, max_programs, world, dtype=torch.int32, device=DEVICE)
+                raised[:, :programs, rank] = 1
+                assert torch.equal(pads[r].view(2, max_programs, world), raised)
+    for out, new_res in results[1:]:  # rank order: every rank holds the same bits
+        assert torch.equal(out, results[0][0]) and torch.equal(new_res, results[0][1])
+
+
+def test_float32_matches_the_unfused_layers_within_1e6():
+    """Against the layers' unfused path itself: sum, then ``RMSNorm.add_and_norm`` (torch code on CPU)."""
+    parts, residual, norm = _case(4, 6, 96, torch.float32, seed=7)
+    total = parts[0] + parts[1] + parts[2] + parts[3]
+    want_out, want_res = norm.add_and_norm(total, residual)
+    out, new_res, _ = _play_rank(parts, 1, residual, norm, max_programs=8)
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert rel(new_res, want_res) < 1e-6 and rel(out, want_out) < 1e-6
+
+
+def test_nemotron_norm_scales_before_casting():
+    parts, residual, norm = _case(2, 4, 64, torch.float16, seed=3, norm_cls=NemotronRMSNorm)
+    want_out, want_res = _reference(parts, residual, norm)
+    out, new_res, _ = _play_rank(parts, 0, residual, norm, max_programs=4)
+    assert torch.equal(new_res, want_res)
+    _check(out, want_out)
+
+
+def test_without_barrier_the_flags_stay_untouched():
+    parts, residual, norm = _case(2, 3, 32, torch.float32, seed=5)
+    want_out, want_res = _reference(parts, residual, norm)
+    out, new_res, pads = _play_rank(parts, 1, residual, norm, max_programs=4, barrier=False)
+    assert torch.equal(new_res, want_res)
+    _check(out, want_out)
+    assert pads[1].view(2, 4, 2)[:, :3, 0].all() and not pads[0].any()  # pre-raised flags not consumed
+
+
+def test_supported_shapes():
+    x = torch.zeros(4, 64, device=DEVICE)
+    w = torch.ones(64, device=DEVICE)
+    assert fused.supported(x, x.clone(), w, 4)
+    assert not fused.supported(x, x.clone(), w, 3)  # world not a power of two
+    assert not fused.supported(x, x.double(), w, 2)  # float32 residual stream under other activations
+    assert not fused.supported(x[:, :60], x[:, :60].clone(), w[:60], 2)  # rows not 16-byte multiples
+    assert not fused.supported(x.t(), x.t().clone(), torch.ones(4, device=DEVICE), 2)  # not contiguous
+    assert not fused.supported(x.view(2, 2, 64), x.view(2, 2, 64).clone(), w, 2)  # 2-d only
+    with pytest.raises(ValueError, match="all_reduce_add_rms_norm"):
+        table = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+        fused.all_reduce_add_rms_norm(x, x, w, EPS, True, table, table, 0, 4)
