@@ -9,9 +9,10 @@ the switch-off policy at batch 128), graphs on, speculative vs plain decode step
 Prints one line per check; exit 1 on a failure.
 
 ``--split``: only batch 128 at 0 % acceptance (k = 3, the default switch-off policy, graphs, bf16
-Qwen3-0.6B shape), every decode step timed with CUDA events and split by kind: verify steps,
-decode steps with the drafter (before / after a probe), plain steps (no drafter:
-speculative/plain_steps.py), against the plain engine's decode steps (~1 min on an H100).
+Qwen3-0.6B shape), plain and speculative engines side by side, every step split by kind:
+prefill / mixed steps, verify steps, decode steps with the drafter (before / after a probe),
+plain steps (no drafter: speculative/plain_steps.py); device ms per step (CUDA events), host
+ms per step and the host's wait for the device, step counts, lazy captures (~1 min on an H100).
 
     python scripts/check_speculative_gpu.py
     python scripts/check_speculative_gpu.py --split
@@ -19,6 +20,7 @@ speculative/plain_steps.py), against the plain engine's decode steps (~1 min on 
 """
 from __future__ import annotations
 
+import gc
 import os
 import random
 import sys
@@ -144,10 +146,15 @@ def timing(batches=(1, 128), prompt_len: int = 64, output_len: int = 64, accept:
 
 
 def split_timing(batch: int = 128, prompt_len: int = 64, output_len: int = 128) -> list[str]:
-    """Spec / plain ms per decode step at ``batch``, 0 % acceptance (the oracle's drafts all
-    wrong), the default switch-off policy, graphs: each step's device period from the engine's
-    CUDA events (``logging_step_interval`` 1), by step kind. One untimed run per engine first
-    (compiles, captures the graphs it replays)."""
+    """Plain vs speculative engine at ``batch``, 0 % acceptance (the oracle's drafts all wrong),
+    the default switch-off policy, graphs, side by side: where the run's wall time goes.
+    Per step kind ("mixed": prefill chunks; decode steps "plain" (the plain engine's step),
+    "drafter" (no drafts, the speculative machinery runs), "verify" (rows with drafts)):
+    steps, device period per step from the engine's CUDA events (``logging_step_interval`` 1),
+    host ms per ``engine.step()`` call (its wall minus the time it waited for the device: the
+    host work; where the wait is ~0 the host, not the device, sets the pace) and the wait.
+    Also graph captures and Triton builds inside the timed run (lazy captures cost ms each).
+    One untimed run per engine first (compiles, captures the graphs it replays)."""
     cuda = DEVICE == "cuda"
     model, dtype = ("qwen3-0.6b", "bfloat16") if cuda else ("tiny", "float32")
     base = dict(max_requests=batch, max_tokens=max(1024, batch * (K + 1)),
@@ -166,21 +173,31 @@ def split_timing(batch: int = 128, prompt_len: int = 64, output_len: int = 128) 
     spec.generate(prompts, params)  # untimed
     p, s = _step_kinds(plain, prompts, params), _step_kinds(spec, prompts, params)
     same = sum(a == b for a, b in zip(s["tokens"], p["tokens"]))
-    base_ms = _mean(p["plain"])
+    base_ms = _mean(p["plain"]["device"])
+    decode = [t for k in ("plain", "drafter", "verify") for t in s[k]["device"]]
+    lines = [f"split batch={batch} k={K} oracle 0% auto policy, graphs; ms per step (device: event period; host: "
+             f"engine.step() wall minus its wait for the device)",
+             "| engine | kind | steps | device ms | vs plain decode | host ms | wait ms | sum of step() ms |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, run in (("plain", p), ("spec", s)):
+        for kind in KINDS:
+            k = run[kind]
+            if k["device"] or k["host"]:
+                dev = _mean(k["device"])
+                lines.append(f"| {name} | {kind} | {len(k['host'])} | {dev:.3f} | {dev / base_ms:.2f}x | "
+                             f"{_mean(k['host']):.3f} | {_mean(k['wait']):.3f} | {sum(k['wall']):.1f} |")
+        lines.append(f"| {name} | run | {run['steps']} | | | | | wall {1e3 * run['wall']:.1f} ms, "
+                     f"captures {run['captures']}, builds {run['builds']}, gc {run['gc_ms']:.1f} ms "
+                     f"({run['gc_full']} full) |")
+    ok = same == batch and len(s["plain"]["device"]) > len(decode) / 2
+    lines.append(f"{'OK ' if ok else 'BAD'} split: spec decode steps {_mean(decode):.3f} ms ({_mean(decode) / base_ms:.2f}x "
+                 f"plain {base_ms:.3f}) | tok/s {s['tps']:,.0f} vs {p['tps']:,.0f} ({s['tps'] / p['tps']:.2f}x) | same "
+                 f"tokens {same}/{batch} | off rows {s['off']} | fast snapshots {s['fast_snapshots']}, fast landings "
+                 f"{s['fast_landings']} of {s['steps']} steps")
+    return lines
 
-    def kind(name: str) -> str:
-        t = s[name]
-        return f"{name} {len(t)} steps {_mean(t):.3f} ms ({_mean(t) / base_ms:.2f}x)" if t else f"{name} 0 steps"
 
-    all_spec = s["plain"] + s["drafter"] + s["verify"]
-    ok = same == batch and len(s["plain"]) > len(all_spec) / 2
-    return [
-        f"{'OK ' if ok else 'BAD'} split batch={batch} k={K} oracle 0% auto policy, graphs: plain engine "
-        f"{base_ms:.3f} ms/decode step ({len(p['plain'])} steps) | speculative engine all decode steps "
-        f"{_mean(all_spec):.3f} ms ({_mean(all_spec) / base_ms:.2f}x): {kind('verify')}, {kind('drafter')}, "
-        f"{kind('plain')} | tok/s {s['tps']:,.0f} vs {p['tps']:,.0f} ({s['tps'] / p['tps']:.2f}x), same tokens "
-        f"{same}/{batch}, off rows {s['off']}",
-    ]
+KINDS = ("mixed", "plain", "drafter", "verify")
 
 
 def _mean(xs: list[float]) -> float:
@@ -188,41 +205,81 @@ def _mean(xs: list[float]) -> float:
 
 
 def _step_kinds(llm: LLM, prompts, params) -> dict:
-    """One generate stepped by hand: each decode step's time (ms) by kind ("verify": rows with
-    drafts; "drafter": no drafts, with the speculative machinery; "plain": neither), tok/s."""
-    ctl, eng = llm.controller, llm.engine
+    """One generate stepped by hand. Each ``engine.step()`` call is filed under the kind of
+    step it launched (KINDS; the first call launches two) with its wall, its wait for the device (``wait_host``) and, from
+    the step's CUDA events, the device period of that launch. Also tok/s, the run's graph
+    captures and Triton builds, and the fast-path counters."""
+    ctl, eng, dev = llm.controller, llm.engine, llm.controller.device
+    st = eng.stats
     kinds: dict[int, str] = {}
-    launch = ctl.launch_step
+    launch, wait_host = ctl.launch_step, dev.wait_host
+    cur = {"kind": None, "wait": 0.0}
 
     def logged(plan, step_id, overlapped, timed):
         before = ctl.spec_steps.plain_steps if ctl.spec_steps is not None else 0
         pending = launch(plan, step_id, overlapped, timed)
         if not plan.is_all_decode:
-            kinds[step_id] = "mixed"
+            kind = "mixed"
         elif any(r.num_drafts for r in plan.rows):
-            kinds[step_id] = "verify"
+            kind = "verify"
         else:
             plain = ctl.spec_steps is None or ctl.spec_steps.plain_steps > before
-            kinds[step_id] = "plain" if plain else "drafter"
+            kind = "plain" if plain else "drafter"
+        kinds[step_id] = kind
+        if cur["kind"] != "mixed":  # a call that launched a mixed step (and another) is filed as mixed
+            cur["kind"] = kind
         return pending
 
-    ctl.launch_step = logged
-    off0 = dict(eng.stats.spec_off_rows)
-    times: dict[str, list[float]] = {"plain": [], "drafter": [], "verify": [], "mixed": []}
+    def waited(event):
+        t = time.perf_counter()
+        wait_host(event)
+        cur["wait"] += time.perf_counter() - t
+
+    gc_time = {"start": 0.0, "ms": 0.0, "full": 0}
+
+    def on_gc(phase, info):  # Python's cyclic collector: pauses the host inside some step
+        if phase == "start":
+            gc_time["start"] = time.perf_counter()
+        else:
+            gc_time["ms"] += 1e3 * (time.perf_counter() - gc_time["start"])
+            gc_time["full"] += info["generation"] == 2
+
+    ctl.launch_step, dev.wait_host = logged, waited
+    gc.callbacks.append(on_gc)
+    off0 = dict(st.spec_off_rows)
+    before = (st.graph_captures_after_warmup, st.triton_builds_after_warmup, st.fast_decode_snapshots,
+              st.fast_landings, st.steps)
+    times = {k: {"device": [], "host": [], "wait": [], "wall": []} for k in KINDS}
     ids = [eng.add_request(p, params) for p in prompts]
     outs = {}
     torch.cuda.synchronize() if DEVICE == "cuda" else None
     t0 = time.perf_counter()
-    while eng.has_unfinished_requests():
-        res = eng.step()
-        for o in res.finished:
-            outs[o.request_id] = o.generated_tokens
-        if res.step_time is not None and res.step_id in kinds:
-            times[kinds[res.step_id]].append(1e3 * res.step_time)
-    wall = time.perf_counter() - t0
-    ctl.launch_step = launch
-    off = {c: n - off0.get(c, 0) for c, n in eng.stats.spec_off_rows.items() if n - off0.get(c, 0)}
-    return dict(times, tokens=[outs[i] for i in ids], tps=sum(len(outs[i]) for i in ids) / wall, off=off)
+    try:
+        while eng.has_unfinished_requests():
+            cur["kind"], cur["wait"] = None, 0.0
+            t = time.perf_counter()
+            res = eng.step()
+            wall = time.perf_counter() - t
+            for o in res.finished:
+                outs[o.request_id] = o.generated_tokens
+            if res.step_time is not None and res.step_id in kinds:
+                times[kinds[res.step_id]]["device"].append(1e3 * res.step_time)
+            if cur["kind"] is not None:
+                k = times[cur["kind"]]
+                k["wall"].append(1e3 * wall)
+                k["wait"].append(1e3 * cur["wait"])
+                k["host"].append(1e3 * (wall - cur["wait"]))
+        wall = time.perf_counter() - t0
+    finally:
+        del ctl.launch_step, dev.wait_host  # back to the class's methods
+        gc.callbacks.remove(on_gc)
+    after = (st.graph_captures_after_warmup, st.triton_builds_after_warmup, st.fast_decode_snapshots,
+             st.fast_landings, st.steps)
+    captures, builds, fast_snapshots, fast_landings, steps = (x - y for x, y in zip(after, before))
+    off = {c: n - off0.get(c, 0) for c, n in st.spec_off_rows.items() if n - off0.get(c, 0)}
+    return dict(times, tokens=[outs[i] for i in ids], tps=sum(len(outs[i]) for i in ids) / wall, off=off, wall=wall,
+                captures=captures, builds=builds, gc_ms=gc_time["ms"], gc_full=gc_time["full"], fast_snapshots=fast_snapshots, fast_landings=fast_landings,
+                steps=steps)
 
 
 def _timed(llm: LLM, prompts, params) -> dict:

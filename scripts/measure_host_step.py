@@ -22,11 +22,18 @@ counts the moments another process holds the core, which say nothing about the h
 ``--stream`` drives ``engine.step()`` the way the server's engine loop does (every request's
 ``RequestUpdate`` with its text delta is read each step) instead of ``LLM.generate``.
 
+``--spec K``: a speculative engine (k = K, the default switch-off policy) with an oracle
+drafter at 0 % acceptance (issue 11: batch 128 / 0 % must cost what plain decoding costs), its
+host time also split by the kind of step launched: "plain" (the plain engine's step:
+speculative/plain_steps.py), "drafter" (no drafts, the speculative machinery runs), "verify"
+(some row has drafts). ``--spec 0`` with ``--kinds`` prints the same split for a plain engine.
+
 Usage: ``OMP_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/measure_host_step.py [--rows 64 128 256] [--stream]``
 (the last thing printed is a markdown table, ms per decode step)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import statistics
@@ -42,6 +49,7 @@ from megatron_async.inference import request as rq  # noqa: E402
 from megatron_async.inference.contexts import dynamic_context as dc  # noqa: E402
 from megatron_async.inference.engines import dynamic_engine as de  # noqa: E402
 from megatron_async.inference.engines import scheduler as sch  # noqa: E402
+from megatron_async.inference.speculative.oracle import OracleDrafter  # noqa: E402
 from megatron_async.inference.text_generation_controllers import text_generation_controller as tgc  # noqa: E402
 
 STAGES = ["schedule", "init_attn", "h2d", "launch_rest", "land", "text_updates", "engine_rest"]
@@ -55,6 +63,11 @@ class StageTimer:
         self.cur: dict[str, float] = defaultdict(float)
         self.steps: list[dict[str, float]] = []
         self.launched_decode = True
+        self.run_host = 0.0
+        """Host time of every step of the run (prefill included), the forwards excluded."""
+        self.run_by_kind: dict[str, float] = {}
+        self.run_steps: dict[str, int] = {}
+        """Host time and ``engine.step()`` calls of the whole run by the kind of step each launched."""
         self._undo = []
 
     def wrap(self, cls, name: str, label: str, after=None):
@@ -89,6 +102,13 @@ class StageTimer:
             t = self.clock()
             res = step(engine)
             self.cur["wall"] = self.clock() - t
+            host = self.cur["wall"] - self.cur.get("forward", 0.0)
+            self.run_host += host
+            for kind in ("mixed",) + KINDS:  # a call that launched a mixed step (and another) counts as mixed
+                if self.cur.get("kind:" + kind):
+                    self.run_by_kind[kind] = self.run_by_kind.get(kind, 0.0) + host
+                    self.run_steps[kind] = self.run_steps.get(kind, 0) + 1
+                    break
             if res.is_decode_only and self.launched_decode:
                 self.steps.append(dict(self.cur))
             return res
@@ -99,9 +119,32 @@ class StageTimer:
     def _note_shape(self, shape):
         self.launched_decode &= shape.is_decode_only
 
+    def tag_kinds(self, controller) -> None:
+        """Label each step by the kind of decode step it launched (plain / drafter / verify)."""
+        launch = controller.launch_step
+
+        def tagged(plan, *a, **k):
+            before = controller.spec_steps.plain_steps if controller.spec_steps is not None else 0
+            res = launch(plan, *a, **k)
+            if not plan.is_all_decode:
+                self.cur["kind:mixed"] = 1
+            elif any(r.num_drafts for r in plan.rows):
+                self.cur["kind:verify"] = 1
+            elif controller.spec_steps is None or controller.spec_steps.plain_steps > before:
+                self.cur["kind:plain"] = 1
+            else:
+                self.cur["kind:drafter"] = 1
+            return res
+
+        controller.launch_step = tagged
+        self._undo.append((controller, "launch_step", launch))
+
     def uninstall(self):
         for cls, name, f in reversed(self._undo):
-            setattr(cls, name, f)
+            if isinstance(cls, type):
+                setattr(cls, name, f)
+            else:  # an instance attribute
+                delattr(cls, name)
 
     def summary(self) -> dict[str, float]:
         """Median ms per decode step of every stage, plus host total (medians: on a shared
@@ -114,7 +157,16 @@ class StageTimer:
         out = {s: 1e3 * statistics.median(st.get(s, 0.0) for st in self.steps) for s in STAGES + ["forward", "host"]}
         out["host_mean"] = 1e3 * statistics.fmean(st["host"] for st in self.steps)
         out["steps"] = len(self.steps)
+        out["run_host"] = 1e3 * self.run_host
+        out["run_by_kind"] = {k: (self.run_steps[k], 1e3 * v) for k, v in self.run_by_kind.items()}
+        for kind in KINDS:
+            of_kind = [st for st in self.steps if st.get("kind:" + kind)]
+            out["n:" + kind] = len(of_kind)
+            out["host:" + kind] = 1e3 * statistics.median(st["host"] for st in of_kind) if of_kind else float("nan")
         return out
+
+
+KINDS = ("plain", "drafter", "verify")
 
 
 def _stream(llm: LLM, prompts, sp) -> None:
@@ -129,20 +181,27 @@ def _stream(llm: LLM, prompts, sp) -> None:
     assert chars > 0
 
 
-def run(rows: int, sampled: bool, tokens: int, repeats: int, stream: bool, clock) -> dict[str, float]:
+def run(rows: int, sampled: bool, tokens: int, repeats: int, stream: bool, clock, spec: int = 0,
+        kinds: bool = False) -> dict[str, float]:
     cfg = InferenceConfig(max_requests=rows, max_tokens=4096, num_kv_blocks=rows * 40, async_scheduling=True)
-    llm = LLM(None, inference_config=cfg)
     rng = random.Random(0)
     prompts = [[rng.randrange(5, 1000) for _ in range(rng.randrange(8, 16))] for _ in range(rows)]
     if sampled:
         sp = SamplingParams(num_tokens_to_generate=tokens, temperature=0.8, top_p=0.95, ignore_eos=True, seed=1)
     else:
         sp = SamplingParams(num_tokens_to_generate=tokens, top_k=1, ignore_eos=True)
+    llm = LLM(None, inference_config=cfg)
+    if spec:  # every draft wrong: the oracle corrupts each true next token
+        cont = {tuple(p): o.generated_tokens for p, o in zip(prompts, llm.generate(prompts, sp))}
+        drafter = OracleDrafter(cont, 1.0, llm.model.vocab_size, tokens + 1)
+        llm = LLM(None, inference_config=dataclasses.replace(cfg, num_speculative_tokens=spec), drafter=drafter)
     llm.generate(prompts[:8], sp)  # warm-up
     best = None
     for _ in range(repeats):  # the box is shared: keep the quietest run
         timer = StageTimer(clock)
         timer.install()
+        if spec or kinds:
+            timer.tag_kinds(llm.controller)
         try:
             _stream(llm, prompts, sp) if stream else llm.generate(prompts, sp)
         finally:
@@ -159,6 +218,10 @@ def main():
     ap.add_argument("--tokens", type=int, default=48, help="tokens generated per request")
     ap.add_argument("--repeats", type=int, default=3, help="runs per setting; the fastest host time is kept")
     ap.add_argument("--stream", action="store_true", help="step the engine and read every update (server path)")
+    ap.add_argument("--spec", type=int, default=0, metavar="K",
+                    help="a speculative engine, k = K, oracle drafter at 0%% acceptance (host time by step kind too)")
+    ap.add_argument("--kinds", action="store_true", help="print the host time by step kind (implied by --spec)")
+    ap.add_argument("--greedy-only", action="store_true", help="skip the sampled runs")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                     help="cpu: this thread's CPU time (time.thread_time: what the host works, whatever else "
                          "runs on the box); wall: perf_counter")
@@ -167,11 +230,12 @@ def main():
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     results = []
     for rows in args.rows:
-        for sampled in (False, True):
-            s = run(rows, sampled, args.tokens, args.repeats, args.stream, clock)
+        for sampled in (False,) if args.greedy_only else (False, True):
+            s = run(rows, sampled, args.tokens, args.repeats, args.stream, clock, args.spec, args.kinds)
             results.append((rows, "sampled" if sampled else "greedy", s))
             print(f"rows={rows} {'sampled' if sampled else 'greedy'}: host {s['host']:.3f} ms/step "
-                  f"(mean {s['host_mean']:.3f}; forward {s['forward']:.1f} ms, {s['steps']} decode steps)", flush=True)
+                  f"(mean {s['host_mean']:.3f}; forward {s['forward']:.1f} ms, {s['steps']} decode steps; host of the "
+                  f"whole run {s['run_host']:.1f} ms; by kind (calls, ms): {s['run_by_kind']})", flush=True)
     print()
     print(f"{'engine.step() + every update read (server path)' if args.stream else 'LLM.generate'}, "
           f"median {args.clock} ms per decode step (best of --repeats runs):")
@@ -180,6 +244,15 @@ def main():
     for rows, mode, s in results:
         stages = " | ".join(f"{s[k]:.3f}" for k in STAGES)
         print(f"| {rows} | {mode} | {stages} | **{s['host']:.3f}** | {s['forward']:.1f} |")
+    if args.spec or args.kinds:
+        print()
+        print(f"{'speculative engine, k = %d, oracle 0 %%' % args.spec if args.spec else 'plain engine'}: median host "
+              f"ms per decode step by the kind of step launched (steps)")
+        print("| rows | sampling | " + " | ".join(KINDS) + " |")
+        print("|---:|---|" + "---:|" * len(KINDS))
+        for rows, mode, s in results:
+            cells = " | ".join(f"{s['host:' + k]:.3f} ({s['n:' + k]})" for k in KINDS)
+            print(f"| {rows} | {mode} | {cells} |")
 
 
 if __name__ == "__main__":

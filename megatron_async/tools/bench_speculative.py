@@ -167,12 +167,23 @@ class SpecBench:
         """Batch 128 (the largest of ``--batches``), k = 3, 0 %: plain, then the switch-off policy."""
         batch, k, params = max(self.args.batches), max(self.args.ks), self._params()
         prompts = self.prompts(batch, False, seed=batch)
+        captures = self.plain.engine.stats.graph_captures_after_warmup
         plain, wall, steps = self.timed(self.plain, prompts, params)
+        self._plain_captures = self.plain.engine.stats.graph_captures_after_warmup - captures
         plain_tps = sum(len(o.generated_tokens) for o in plain) / wall
         self.add(self._row("oracle", batch, 0, None, "plain", plain, wall, steps, plain, plain_tps, None))
         self._set_oracle(prompts, plain, 0.0, k)
-        self.spec.engine.scheduler.spec.min_acceptance = 0.3
+        policy, st = self.spec.engine.scheduler.spec, self.spec.engine.stats
+        policy.min_acceptance = 0.3
+        prior, before = policy.recent_acceptance, (st.graph_captures_after_warmup, st.spec_verify_rows,
+                                                    (st.spec_draft_tokens_per_depth or [0])[-1])
         self._spec_run(self.spec, "oracle", batch, k, 0.0, "auto", prompts, params, plain, plain_tps)
+        captures, verify, wide = (a - b for a, b in zip(
+            (st.graph_captures_after_warmup, st.spec_verify_rows, (st.spec_draft_tokens_per_depth or [0])[-1]), before))
+        # new requests start from the engine's recent acceptance (speculative/policy.py), here the untimed run's
+        print(f"quick: the speculative run started at recent acceptance {prior:.2f}; verify rows {verify} ({wide} "
+              f"with {k} drafts); graph captures in the timed runs: plain {self._plain_captures}, speculative "
+              f"{captures}", file=sys.stderr, flush=True)
         return self.rows
 
     def sweep(self) -> list[BenchRow]:

@@ -10,7 +10,12 @@ instead of ~40 Python list appends per row and a per-row block-table fill.
 It writes exactly the bytes ``DynamicInferenceContext.initialize_attention_state``'s general
 path writes (tests/unit_tests/inference/test_decode_rows.py compares them on random plans);
 any plan it does not cover (prefill chunks, drafts, a request without a row, a value that
-needs the general path's per-request error) goes to the general path."""
+needs the general path's per-request error) goes to the general path.
+
+Speculative engines use it for their decode steps without drafts (issue 11: a plain step
+of a speculative engine costs what a plain engine's step costs): the spec columns of such a
+step are the request's spec slot (constant), no drafts, one sample per row, and, for a row
+continuing a launch that verified drafts, input and correction from the spec state."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,6 +38,7 @@ _SAMPLED, _TOP_K, _TOP_P, _MIN_P, _LOG_PROBS = (1 << i for i in range(5))
 # per slot in the snapshot's own dtype and gathered straight into the host buffer.
 GATHERED = ("seed", "temperature", "top_k", "top_p", "state_slots", "sampling_slot", "min_p", "presence_penalty",
             "frequency_penalty", "repetition_penalty")
+SPEC_GATHERED = ("spec_slot", "spec_owner_slot")  # speculative engines: a sampling row's slot is its request's
 
 
 class DecodeRows:
@@ -42,12 +48,14 @@ class DecodeRows:
         """``views``: host views of a snapshot buffer (their dtypes and block-table width)."""
         self.block_size = block_size
         self.padding_sampling_slot = padding_sampling_slot
+        self.spec = "spec_slot" in views
+        """The snapshot has speculative decoding's columns."""
         n = max_requests
         self.table = np.full((n, views["block_table"].shape[1]), DUMMY_BLOCK, dtype=views["block_table"].dtype)
         self.num_blocks = np.zeros(n, dtype=np.int64)
         # one [slot, field] matrix per snapshot dtype: a step gathers each with one take
         by_dtype: dict[np.dtype, list[str]] = {}
-        for name in GATHERED:
+        for name in GATHERED + (SPEC_GATHERED if self.spec else ()):
             by_dtype.setdefault(views[name].dtype, []).append(name)
         self.groups = [(np.zeros((n, len(names)), dtype=dt), names) for dt, names in by_dtype.items()]
         self.column = {name: (m, j) for m, names in self.groups for j, name in enumerate(names)}
@@ -57,6 +65,8 @@ class DecodeRows:
         self._constant: dict[int, _Constant] = {}  # ring buffer -> its constant columns
         self._arange = np.arange(n + 2, dtype=np.int64)
         self._free = list(range(max_requests - 1, -1, -1))
+        self.assembled = 0
+        """Steps this path assembled (EngineStats.fast_decode_snapshots)."""
 
     # ------------------------------------------------------------------ request events
     def assign(self, req: DynamicInferenceRequest) -> None:
@@ -74,6 +84,8 @@ class DecodeRows:
             "min_p": 0.0 if greedy else sp.min_p, "presence_penalty": sp.presence_penalty,
             "frequency_penalty": sp.frequency_penalty, "repetition_penalty": sp.repetition_penalty,
         }
+        if self.spec:
+            values.update(spec_slot=req.spec_slot, spec_owner_slot=req.spec_slot)
         bits = 0 if greedy else (_SAMPLED | _TOP_K * (sp.top_k > 1) | _TOP_P * (0 < sp.top_p < 1)
                                  | _MIN_P * (sp.min_p > 0))
         bits |= _LOG_PROBS * bool(sp.return_log_probs)
@@ -142,6 +154,11 @@ class DecodeRows:
             except Exception:  # noqa: BLE001 -- the general path raises it again, for that request alone
                 return None
             prevs[prevs < 0] = -1
+        if self.spec:  # rows continuing a launch that verified drafts: input and correction from the spec state
+            inflight = prevs >= 0 if plan.inflight_verified else np.zeros(R, dtype=bool)
+            v["spec_inflight"][:R] = inflight
+            v["spec_src"][:R] = np.where(inflight, 0, -1)
+            prevs[inflight] = -1
         constant = self._write_constant(v, buffer, slots)
         v["block_table"][:R] = np.take(self.table, slots, axis=0)
         slot_mapping = v["slot_mapping"][:R]
@@ -164,11 +181,14 @@ class DecodeRows:
             q.num_inflight += 1
             q.inflight_row = r
             q.num_inflight_drafts = 0
+        self.assembled += 1
         bits = constant.bits
         filters = (bool(bits & _TOP_K), bool(bits & _TOP_P), bool(bits & _MIN_P))
+        spec = self.spec
         return StepShape(R, R, 1, int(positions1.max()), True, bool(bits & _SAMPLED), any(filters), constant.top_n,
                          bool(bits & _LOG_PROBS), any_penalties=constant.any_penalties, filters=filters,
-                         num_samples=R, num_multi_rows=0 if mamba else -1)
+                         num_samples=R, sample_base=list(range(R)) if spec else None,
+                         num_drafts=[0] * R if spec else None, num_multi_rows=0 if mamba else -1)
 
     def _write_constant(self, v: dict[str, np.ndarray], buffer: int, slots: np.ndarray) -> _Constant:
         """The columns that depend only on which requests sit in which rows (their sampling
@@ -190,6 +210,10 @@ class DecodeRows:
         v["cu_query_lens"][: R + 1] = self._arange[: R + 1]
         if "mamba_row_order" in v:  # every row one token: the rows in row order (metadata.mamba_row_order)
             v["mamba_row_order"][:R] = rows_i
+        if self.spec:  # no drafts: one sample per row, at the row's index
+            v["num_drafts"][:R] = 0
+            v["sample_base"][:R] = rows_i
+            v["sample_to_row"][:R] = rows_i
         meta = np.take(self.meta, slots, axis=0)
         any_penalties = bool((v["sampling_slot"][:R] != self.padding_sampling_slot).any())
         if not any_penalties:

@@ -120,8 +120,8 @@ class DynamicInferenceContext:
         self._host_views = [{k: t.numpy() for k, t in self.layout.views(b).items()} for b in self._host_buffers]
         self._ring = 0
         self.gpu_view = ContextGPUView(self.layout, device.device)
-        # decode-only snapshots from per-request rows (speculative engines keep the general path)
-        self._decode_rows = None if K > 0 else DecodeRows(
+        # decode-only snapshots (speculative engines: steps without drafts) from per-request rows
+        self._decode_rows = DecodeRows(
             config.max_requests, self.block_size, self.sampling_state.padding_slot, self._host_views[0])
 
         self.active: dict[int, DynamicInferenceRequest] = {}  # ACTIVE and PAUSED, by request id
@@ -154,8 +154,7 @@ class DynamicInferenceContext:
         if self.spec is not None:
             self.spec.assign(req)
         hit = self._match_prefix(req)
-        if self._decode_rows is not None:
-            self._decode_rows.assign(req)
+        self._decode_rows.assign(req)
         return hit
 
     def _match_prefix(self, req: DynamicInferenceRequest) -> int:
@@ -195,7 +194,7 @@ class DynamicInferenceContext:
             return False
         for _ in range(need):
             req.block_ids.append(self.allocator.allocate())
-        if need > 0 and self._decode_rows is not None:
+        if need > 0:
             self._decode_rows.sync_blocks(req)
         return True
 
@@ -230,8 +229,7 @@ class DynamicInferenceContext:
     def _release_resources(self, req: DynamicInferenceRequest) -> None:
         self.allocator.release(req.block_ids)
         req.block_ids = []
-        if self._decode_rows is not None:
-            self._decode_rows.free(req)
+        self._decode_rows.free(req)
         if self.mamba is not None:
             self.mamba.free_slot(req)
         self.sampling_state.free(req)
@@ -252,6 +250,7 @@ class DynamicInferenceContext:
         if len(req.block_ids) > keep:
             self.allocator.release(req.block_ids[keep:])
             del req.block_ids[keep:]
+            self._decode_rows.sync_blocks(req)  # its row must not keep the given-back blocks
 
     def register_complete_blocks(self, req: DynamicInferenceRequest) -> None:
         """Publish blocks whose tokens are all known and whose KV is enqueued."""
@@ -280,7 +279,7 @@ class DynamicInferenceContext:
         attention keeps the real tokens blind to them, and a Mamba window leaves their states
         in scratch positions past any accepted count, so the real samples are those of the
         compact layout; only the row's sizes are uniform."""
-        if self._decode_rows is not None and not verify_width:
+        if not verify_width:
             nxt = self._ring ^ 1
             shape = self._decode_rows.assemble(plan, self._host_views[nxt], nxt, self.mamba is not None)
             if shape is not None:
@@ -291,11 +290,15 @@ class DynamicInferenceContext:
                 return shape
         return self._assemble_general(plan, verify_width)
 
+    @property
+    def fast_decode_snapshots(self) -> int:
+        """Steps assembled by the decode-only fast path (``DecodeRows``)."""
+        return self._decode_rows.assembled
+
     def _assemble_general(self, plan: StepPlan, verify_width: int) -> StepShape:
         """Any step (prefill chunks, verify rows, mixed): the tables row by row."""
         self._ring ^= 1
-        if self._decode_rows is not None:
-            self._decode_rows.invalidate(self._ring)
+        self._decode_rows.invalidate(self._ring)
         v = self._host_views[self._ring]
         spec = self.spec is not None
         ids, prev, pos, slots, tok_row, src = [], [], [], [], [], []

@@ -385,6 +385,8 @@ class DynamicInferenceEngine:
         st = self.stats
         st.steps += 1
         st.discarded_rows += res.num_discarded
+        st.fast_decode_snapshots = self.context.fast_decode_snapshots
+        st.fast_landings = self.controller.fast_landings
         self._count_graph_use()
         st.paused = self.scheduler.num_paused_events
         st.evicted = self.scheduler.num_evicted_events

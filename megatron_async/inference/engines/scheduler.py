@@ -31,6 +31,8 @@ class Scheduler:
         self._by_age_version = -1  # ctx.active_version the list was sorted at
 
     def add(self, req: DynamicInferenceRequest) -> None:
+        if self.spec.enabled:
+            self.spec.admit(req)
         self.waiting.append(req)
 
     def requeue_front(self, req: DynamicInferenceRequest) -> None:
@@ -52,24 +54,62 @@ class Scheduler:
         return min(req.sampling_params.num_tokens_to_generate - generated - in_flight,
                    self.config.max_sequence_length - len(req.prompt_tokens) - generated - in_flight)
 
-    def _decode_row(self, req: DynamicInferenceRequest, num_drafts: int = 0) -> RowPlan:
-        prev = req.inflight_row if req.num_inflight else -1
-        return RowPlan(req, req.num_computed_tokens, 1 + num_drafts, samples=True, prev_row=prev, num_drafts=num_drafts)
-
-    def _is_decoding(self, req: DynamicInferenceRequest) -> bool:
-        """The request's next row is a decode row: its input is its newest token, in flight or
-        (speculative decoding, where such a row may carry drafts) bookkept but not computed."""
-        if not self.wants_token(req):
-            return False
-        if not req.is_prefilling:
-            return not (req.num_inflight and req.inflight_row < 0)
-        return (self.spec.enabled and req.num_inflight == 0 and bool(req.generated_tokens)
-                and req.num_known_tokens - req.num_computed_tokens == 1)
+    def _spec_decode_rows(self, by_age: list[DynamicInferenceRequest], rows: list[RowPlan], budget: int
+                          ) -> tuple[int, list[DynamicInferenceRequest], bool]:
+        """Step 1 with speculative decoding (``wants_token`` / ``token_room`` spelled out: this runs
+        for every row, every step; its first lines repeat ``_plain_decode_rows``'s on purpose, a
+        shared helper would cost a call per row). A request decodes when it wants a token and its next row's
+        input is its newest token: in flight, or (a row that may carry drafts) bookkept but not
+        computed; the rest of its known tokens, if any, are prefilled. Then each decoding request
+        gets its row with drafts from the tokens to spare (``_reserve_decode``), or is paused.
+        Returns (how many requests decode, unfinished prefills, whether any request is paused)."""
+        limit = self.config.max_sequence_length
+        decoding, rooms, prefilling, any_paused = [], [], [], False
+        active, paused = Status.ACTIVE, Status.PAUSED
+        for req in by_age:
+            status = req.status
+            if status == active:
+                generated = len(req.generated_tokens)
+                known = len(req.prompt_tokens) + generated
+                in_flight = req.num_inflight
+                room = (min(req.sampling_params.num_tokens_to_generate - generated, limit - known)
+                        - in_flight - req.num_inflight_drafts)
+                pending = known - req.num_computed_tokens  # known tokens whose KV is not computed
+                if room <= 0:
+                    if pending > 0:
+                        prefilling.append(req)
+                elif pending <= 0:
+                    if not (in_flight and req.inflight_row < 0):  # else: a prefill sample in flight
+                        decoding.append(req)
+                        rooms.append(room)
+                elif pending == 1 and not in_flight and generated:
+                    decoding.append(req)
+                    rooms.append(room)
+                else:
+                    prefilling.append(req)
+            elif status == paused:
+                any_paused = True
+        spare, n = budget - len(decoding), len(decoding)
+        drafts_for, ctx, bs = self.spec.drafts_for, self.ctx, self.ctx.block_size
+        for req, room in zip(decoding, rooms):  # _reserve_decode, spelled out
+            k = drafts_for(req, n, min(spare, room - 1))
+            start = req.num_computed_tokens
+            owned = len(req.block_ids) * bs  # positions below it need no reservation
+            if k and start + 1 + k > owned and not ctx.reserve(req, 1 + k):
+                k = 0
+            if k == 0 and start + 1 > owned and not ctx.reserve(req, 1):
+                ctx.pause(req)
+                self.num_paused_events += 1
+                any_paused = True
+                continue
+            rows.append(RowPlan(req, start, 1 + k, True, req.inflight_row if req.num_inflight else -1, k))
+            spare -= k
+        return n, prefilling, any_paused
 
     def _plain_decode_rows(self, by_age: list[DynamicInferenceRequest], rows: list[RowPlan]
                            ) -> tuple[list[DynamicInferenceRequest], bool]:
         """Step 1 without speculative decoding, in one pass (it runs for every row, every step,
-        so ``_is_decoding`` / ``_reserve_decode`` are spelled out): a decoding request (wants a
+        so ``wants_token`` / ``_reserve_decode`` are spelled out): a decoding request (wants a
         token, nothing left to prefill, no prefill sample in flight) gets a one-token row, or is
         paused when its position starts a block and none is free. Deciding each request as the
         pass reaches it equals sorting first: whether a request decodes depends only on its own
@@ -101,15 +141,21 @@ class Scheduler:
                 any_paused = True
         return prefilling, any_paused
 
-    def _reserve_decode(self, req: DynamicInferenceRequest, num_decode_rows: int, spare: int) -> RowPlan | None:
+    def _reserve_decode(self, req: DynamicInferenceRequest, num_decode_rows: int, spare: int,
+                        room: int | None = None) -> RowPlan | None:
         """KV room for the next decode row, with as many drafts as the policy, the limits and
-        ``spare`` step tokens allow (fewer when the pool is short); None: not even one token fits."""
-        k = self.spec.drafts_for(req, num_decode_rows, min(spare, self.token_room(req) - 1)) if self.spec.enabled else 0
-        if k and not self.ctx.reserve(req, 1 + k):
+        ``spare`` step tokens allow (fewer when the pool is short); None: not even one token fits.
+        ``room``: ``token_room(req)`` when the caller knows it."""
+        room = self.token_room(req) if room is None else room
+        k = self.spec.drafts_for(req, num_decode_rows, min(spare, room - 1)) if self.spec.enabled else 0
+        start, ctx = req.num_computed_tokens, self.ctx
+        owned = len(req.block_ids) * ctx.block_size  # positions below it need no reservation
+        if k and start + 1 + k > owned and not ctx.reserve(req, 1 + k):
             k = 0
-        if k == 0 and not self.ctx.reserve(req, 1):
+        if k == 0 and start + 1 > owned and not ctx.reserve(req, 1):
             return None
-        return self._decode_row(req, k)
+        return RowPlan(req, start, 1 + k, samples=True, prev_row=req.inflight_row if req.num_inflight else -1,
+                       num_drafts=k)
 
     def schedule(self, has_inflight: bool) -> StepPlan:
         ctx = self.ctx
@@ -127,28 +173,10 @@ class Scheduler:
         rows = plan.rows
         if not self.spec.enabled:
             prefilling, any_paused = self._plain_decode_rows(by_age, rows)
-            budget -= len(rows)
+            num_decoding = len(rows)
         else:
-            decoding, prefilling, any_paused = [], [], False
-            for req in by_age:
-                if req.status == Status.ACTIVE:
-                    if self._is_decoding(req):
-                        decoding.append(req)
-                    elif req.is_prefilling:
-                        prefilling.append(req)
-                elif req.status == Status.PAUSED:
-                    any_paused = True
-            spare = budget - len(decoding)
-            for req in decoding:
-                row = self._reserve_decode(req, len(decoding), spare)
-                if row is not None:
-                    rows.append(row)
-                    budget -= row.num_tokens
-                    spare -= row.num_drafts
-                else:
-                    ctx.pause(req)
-                    self.num_paused_events += 1
-                    any_paused = True
+            num_decoding, prefilling, any_paused = self._spec_decode_rows(by_age, rows, budget)
+        budget -= sum(r.num_tokens for r in rows) if self.spec.enabled else len(rows)
 
         # 2. unfinished prefills; no block -> paused
         for req in prefilling:
@@ -172,7 +200,7 @@ class Scheduler:
                 if used:
                     ctx.resume(req)
                     budget -= used
-            elif (row := self._reserve_decode(req, len(decoding), budget - 1)) is not None:
+            elif (row := self._reserve_decode(req, num_decoding, budget - 1)) is not None:
                 ctx.resume(req)
                 plan.rows.append(row)
                 budget -= row.num_tokens

@@ -23,6 +23,7 @@ import torch
 if TYPE_CHECKING:
     from megatron_async.inference.contexts.metadata import ForwardBatch
     from megatron_async.inference.contexts.spec_state import SpecState
+    from megatron_async.inference.device import DeviceFacade
     from megatron_async.inference.request import DynamicInferenceRequest
 
 
@@ -98,6 +99,16 @@ class Drafter(ABC):
         Drafters without model layers run none (the default)."""
 
 
+def upload(values: list[int], device: DeviceFacade) -> torch.Tensor:
+    """Host ints to an int64 device tensor without a host sync: a copy from pageable memory
+    may wait for the stream (a stall of launch-ahead at every admission), so on CUDA the values
+    go through pinned memory (the caching host allocator keeps the block until the copy is done)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.is_cuda:
+        host = host.pin_memory()
+    return host.to(device.device, non_blocking=True)
+
+
 class TokenHistory:
     """Each request's known tokens (prompt + emitted) in a device row of its spec slot, for
     drafters that read a request's earlier tokens (n-gram lookup, MTP's next-token inputs)."""
@@ -106,12 +117,12 @@ class TokenHistory:
         # a row writes up to K + 1 positions past its last one (samples of rejected drafts too)
         self.length = max_sequence_length + spec.num_speculative_tokens + 2
         self.tokens = torch.zeros(spec.num_slots, self.length, dtype=torch.int64, device=spec.device.device)
+        self.device = spec.device
 
     def fill(self, req: DynamicInferenceRequest, slot: int) -> None:
         """``Drafter.on_admit``: the host's tokens of a (re-)admitted request."""
         known = req.prompt_tokens + req.generated_tokens
-        self.tokens[slot, : len(known)] = torch.tensor(known, dtype=torch.int64).to(self.tokens.device,
-                                                                                    non_blocking=True)
+        self.tokens[slot, : len(known)] = upload(known, self.device)
 
     def record(self, out: VerifyOutputs) -> None:
         """Write the step's samples at their positions (those past the accepted run are

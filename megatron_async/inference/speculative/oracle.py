@@ -14,7 +14,7 @@ import torch
 
 from megatron_async.inference.contexts.spec_state import SpecState
 from megatron_async.inference.request import DynamicInferenceRequest
-from megatron_async.inference.speculative.drafter import Drafter, VerifyOutputs
+from megatron_async.inference.speculative.drafter import Drafter, VerifyOutputs, upload
 from megatron_async.inference.text_generation_controllers.sampling import _mix32, row_keys
 
 _M24 = 1 << 24
@@ -51,9 +51,7 @@ class OracleDrafter(Drafter):
 
     def on_admit(self, req: DynamicInferenceRequest, slot: int) -> None:
         cont = list(self.continuations.get(tuple(req.prompt_tokens), []))[: self.max_generated]
-        row = torch.zeros(self.max_generated + 1, dtype=torch.int64)
-        row[: len(cont)] = torch.tensor(cont, dtype=torch.int64)
-        self.table[slot] = row.to(self.table.device, non_blocking=True)
+        self.table[slot] = upload(cont + [0] * (self.max_generated + 1 - len(cont)), self.spec.device)
         self.prompt_len[slot] = len(req.prompt_tokens)
         self.known_len[slot] = len(cont)
         self.key[slot] = req.seed & ((1 << 62) - 1)

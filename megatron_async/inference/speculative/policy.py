@@ -13,6 +13,12 @@ saving does not). Requests with penalties or ``min_tokens`` never draft: their d
 counts advance by every sample of a row, rejected ones included. Every row that could have
 drafted but did not is counted by cause (EngineStats reads these counters).
 
+A request starts from the engine's recent acceptance (``recent_acceptance``: the same kind of
+average over every request's verify rows, slower; 1.0 before any), not from 1.0: at 0 %
+acceptance each new request would otherwise pay 2-4 wide verify rows before switching off,
+and a batch of them as many wide verify steps (issue 11: batch 128 / 0 %). A request that
+starts switched off drafts from its first probe on if drafts land.
+
 Drafts for a row come from the drafter's run in the request's previous launch. A decode step
 after which no row can draft runs the plain engine's step, drafter and spec state untouched
 (``may_any_draft_next`` guesses; plain_steps.py decides the step): a request whose latest
@@ -26,6 +32,7 @@ from megatron_async.config import InferenceConfig
 from megatron_async.inference.request import DynamicInferenceRequest
 
 _EMA = 0.25  # weight of the newest draft in a request's acceptance average
+_ENGINE_EMA = 1 / 16  # in the engine average (new requests start from it): ~40 rejected drafts take it from 1 to 0.1
 
 
 class SpecPolicy:
@@ -34,6 +41,9 @@ class SpecPolicy:
         self.min_acceptance = config.speculative_min_acceptance
         self.probe_interval = config.speculative_probe_interval
         self.max_batch = config.speculative_max_batch_size
+        self.recent_acceptance = 1.0
+        """Acceptance average over every request's verify rows (weighted per draft, as
+        ``observe``): where a new request's ``spec_acceptance`` starts (``admit``)."""
         self.step = 0
         """Steps scheduled so far: switched-off requests probe when it is a multiple of the interval."""
         self.off_rows: Counter = Counter()
@@ -82,12 +92,16 @@ class SpecPolicy:
         m = self.min_acceptance
         return any((probe or req.spec_acceptance >= m) and not req.sampling_params.has_penalties for req in requests)
 
-    @staticmethod
-    def observe(req: DynamicInferenceRequest, drafted: int, accepted: int) -> None:
+    def admit(self, req: DynamicInferenceRequest) -> None:
+        """A new request (not a recompute after eviction) starts from the engine's recent acceptance."""
+        req.spec_acceptance = self.recent_acceptance
+
+    def observe(self, req: DynamicInferenceRequest, drafted: int, accepted: int) -> None:
         """Fold one bookkept verify row into the request's acceptance average, weighted as its
         ``drafted`` drafts one by one: a row of k rejected drafts is k pieces of evidence (at
         k = 3 and 0 % acceptance a request switches off after 2 verify rows instead of 5, each
-        of which costs a (k + 1)-token row), a probe one."""
+        of which costs a (k + 1)-token row), a probe one; and into the engine's average."""
         if drafted > 0:
-            weight = 1.0 - (1.0 - _EMA) ** drafted
-            req.spec_acceptance += weight * (accepted / drafted - req.spec_acceptance)
+            rate = accepted / drafted
+            req.spec_acceptance += (1.0 - (1.0 - _EMA) ** drafted) * (rate - req.spec_acceptance)
+            self.recent_acceptance += (1.0 - (1.0 - _ENGINE_EMA) ** drafted) * (rate - self.recent_acceptance)

@@ -63,6 +63,10 @@ class TextGenerationController:
         self.spec = SpecVerifier(context.spec, context.block_size) if context.spec is not None else None
         self.spec_steps = PlainStepSelector() if self.spec is not None else None
         """Speculative decoding: which steps run the plain engine's step (``bind_spec_policy``)."""
+        self.spec_policy = SpecPolicy(context.config)
+        """Speculative decoding: the policy told every bookkept verify row (the scheduler's: ``bind_spec_policy``)."""
+        self.fast_landings = 0
+        """Launches without drafts landed by the one-pass loop (landing.py; EngineStats.fast_landings)."""
         self.accepted = torch.zeros(context.max_rows, dtype=torch.int64, device=dev)
         """Speculative decoding: drafts accepted per row of the latest launch (fixed address;
         a graph's spare padding row writes one too)."""
@@ -93,6 +97,7 @@ class TextGenerationController:
         """Speculative decoding: steps where no row drafts now or (by ``policy``) next run the
         plain engine's step. Not under expert parallelism: every rank runs the drafter's
         collectives in every step."""
+        self.spec_policy = policy
         if self.spec_steps is not None:
             self.spec_steps = PlainStepSelector(policy)
 
@@ -251,10 +256,15 @@ class TextGenerationController:
             lps = pending.host_log_probs.tolist() if pending.host_log_probs is not None else None
             tvs = pending.host_top_n_vals.tolist() if pending.host_top_n_vals is not None else None
             tis = pending.host_top_n_ids.tolist() if pending.host_top_n_ids is not None else None
-        if ctx.spec is None:  # no speculative decoding: one sample per row, no drafts
+        if ctx.spec is None or not any(r.num_drafts for r in pending.rows):
+            # one sample per row, no drafts (a speculative engine's launch without drafts
+            # accepted nothing and corrects nothing: the general loop below would do the same)
             with nvtx_range("update_requests"):
                 finished, updated, discarded = land_plain_rows(ctx, pending.rows, tokens, lps, tis, tvs)
-            return BookkeepResult(finished, updated, discarded, step_time, len(updated))
+            self.fast_landings += 1
+            K = ctx.config.num_speculative_tokens if ctx.spec is not None else 0
+            none = ([0] * K, [0] * K) if K else (None, None)
+            return BookkeepResult(finished, updated, discarded, step_time, len(updated), *none)
         with nvtx_range("active_request_mask"):
             rec = reconcile(pending.rows)
         accepted = pending.host_accepted.tolist() if pending.host_accepted is not None else None
@@ -275,7 +285,7 @@ class TextGenerationController:
                 a = accepted[i] if accepted is not None else 0
                 first = base[i] if base is not None else i
                 if row.num_drafts:
-                    SpecPolicy.observe(req, row.num_drafts, a)
+                    self.spec_policy.observe(req, row.num_drafts, a)
                     for d in range(row.num_drafts):
                         drafted_d[d] += 1
                         accepted_d[d] += d < a

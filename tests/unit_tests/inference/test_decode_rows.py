@@ -98,6 +98,7 @@ def compare_both_paths(ctx, seen: Counter, seed: int = 0) -> None:
             seen["penalties"] += row.request.sampling_slot >= 0
             seen["log_probs"] += sp.return_log_probs
             seen["state_slots"] += row.request.state_slot >= 0
+            seen["spec_inflight"] += ctx.spec is not None and plan.inflight_verified and row.prev_row >= 0
         seen["ragged"] += len({len(r.request.block_ids) for r in plan.rows}) > 1
         return got[0]
 
@@ -123,14 +124,27 @@ def _arrivals(seed: int, n: int, vocab: int) -> list[Arrival]:
     return out
 
 
-def _run(model, arrivals, async_scheduling: bool, num_kv_blocks: int, seen: Counter, **cfg):
+def _run(model, arrivals, async_scheduling: bool, num_kv_blocks: int, seen: Counter, drafter=None, **cfg):
     config = InferenceConfig(block_size_tokens=4, num_kv_blocks=num_kv_blocks, max_requests=8, max_tokens=40,
                              max_sequence_length=64, enable_prefix_caching=True, async_scheduling=async_scheduling,
                              **cfg)
-    llm = LLM(model, inference_config=config)
+    llm = LLM(model, inference_config=config, drafter=drafter)
     compare_both_paths(llm.context, seen)
+    _count_blocks_given_back(llm.context, seen)
     outs = run_arrivals(llm, arrivals)
     return {i: o.generated_tokens for i, o in outs.items()}, llm.engine.stats
+
+
+def _count_blocks_given_back(ctx, seen: Counter) -> None:
+    """Speculative decoding: rejected drafts that give back blocks (the per-request rows must follow)."""
+    correct = ctx.correct_speculation
+
+    def counted(req, num_rejected):
+        before = len(req.block_ids)
+        correct(req, num_rejected)
+        seen["blocks_given_back"] += len(req.block_ids) < before
+
+    ctx.correct_speculation = counted
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -148,6 +162,33 @@ def test_fast_path_equals_general_path_gpt(seed, async_scheduling):
     assert stats.paused + stats.evicted > 0, "the pool was meant to run short"
 
 
+@pytest.mark.parametrize("policy", ["forced", "switch-off"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_fast_path_equals_general_path_speculative(async_scheduling, policy):
+    """A speculative engine's decode steps without drafts (plain steps, drafter steps, rows
+    continuing a launch that verified drafts) take the fast path too, spec columns included;
+    rejected drafts give blocks back between them. The oracle's drafts are right about half
+    the time, so verify rows, corrections and (switch-off policy) plain steps all happen."""
+    from megatron_async.inference.speculative.oracle import OracleDrafter
+
+    seen = Counter()
+    arrivals = _arrivals(5, 20, 1000)
+    plain, _ = _run(None, arrivals, async_scheduling, num_kv_blocks=40, seen=Counter())
+    cont = {tuple(a.prompt): plain[i] for i, a in enumerate(arrivals)}
+    knobs = dict(speculative_min_acceptance=0.0) if policy == "forced" else dict(
+        speculative_min_acceptance=0.6, speculative_probe_interval=3)
+    outs, stats = _run(None, arrivals, async_scheduling, num_kv_blocks=40, seen=seen,
+                       drafter=OracleDrafter(cont, 0.45, 1000, 64), num_speculative_tokens=3, **knobs)
+    assert outs == plain
+    assert seen["fast"] >= 3 and seen["general"] > 0, seen
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens and seen["blocks_given_back"] > 0, seen
+    assert stats.fast_decode_snapshots >= seen["fast"] and stats.fast_landings > 0, stats.as_dict()
+    if async_scheduling:  # rows continuing a launch in flight: one that verified drafts, and a plain one
+        assert seen["spec_inflight"] > 0 and seen["prev_row"] > seen["spec_inflight"], seen
+    if policy == "switch-off":
+        assert stats.spec_plain_steps > 0, stats.as_dict()
+
+
 @pytest.fixture(scope="module")
 def hybrid_ckpt(tmp_path_factory):
     from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
@@ -163,6 +204,22 @@ def test_fast_path_equals_general_path_hybrid(hybrid_ckpt, async_scheduling):
                    prefix_caching_mamba_gb=1e-3)
     assert len(outs) == len(arrivals)
     assert seen["fast"] >= 10 and seen["state_slots"] > 0 and seen["kept_constant"] > 0, seen
+
+
+def test_fast_path_equals_general_path_hybrid_speculative(hybrid_ckpt):
+    """A hybrid speculative engine's steps without drafts: Mamba columns and spec columns together."""
+    from megatron_async.inference.speculative.oracle import OracleDrafter
+
+    arrivals = _arrivals(4, 12, 120)
+    plain, _ = _run(str(hybrid_ckpt), arrivals, True, num_kv_blocks=60, seen=Counter())
+    seen = Counter()
+    cont = {tuple(a.prompt): plain[i] for i, a in enumerate(arrivals)}
+    outs, stats = _run(str(hybrid_ckpt), arrivals, True, num_kv_blocks=60, seen=seen,
+                       drafter=OracleDrafter(cont, 0.45, 120, 64), num_speculative_tokens=2,
+                       speculative_min_acceptance=0.6, speculative_probe_interval=3)
+    assert outs == plain
+    assert seen["fast"] >= 3 and seen["state_slots"] > 0 and seen["spec_inflight"] > 0, seen
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, stats.as_dict()
 
 
 def test_outputs_equal_with_and_without_the_fast_path():

@@ -1,0 +1,77 @@
+"""The plain engine's host fast paths in a speculative engine (issue 11: batch 128 / 0 %): decode
+steps without drafts take the numpy snapshot (contexts/decode_rows.py) and launches without
+drafts land in one pass (landing.py). Outputs stay equal to plain decoding, token for token,
+finish reasons and log-probs, greedy and seeded sampling, serial and launch-ahead, with the
+oracle drafter at 0 % and at an intermediate acceptance; the counters show the fast paths ran.
+And new requests start from the engine's recent acceptance: at 0 % a second batch pays no
+wide verify rows."""
+import pytest
+
+from megatron_async import SamplingParams
+from tests.functional_tests.engine_harness import Arrival, make_llm, random_prompts, run_arrivals
+from tests.functional_tests.spec_harness import assert_partial_acceptance, assert_same_outputs, oracle_for
+
+N = 40
+PARAMS = [
+    SamplingParams(top_k=1, num_tokens_to_generate=N, return_log_probs=True),
+    SamplingParams(temperature=0.9, top_k=20, seed=5, num_tokens_to_generate=N, return_log_probs=True),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=6, num_tokens_to_generate=N - 7, ignore_eos=True,
+                   return_log_probs=True),
+]
+CFG = dict(max_requests=6, max_tokens=32, speculative_probe_interval=6)
+
+
+def _arrivals(seed: int, n: int = 6) -> list[Arrival]:
+    return [Arrival(2 * i, p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(random_prompts(n, 3, 14, 256, seed))]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+@pytest.mark.parametrize("corrupt", [1.0, 0.4], ids=["0%", "60%"])
+def test_spec_equals_plain_with_fast_paths(qwen3_ckpt, async_scheduling, corrupt):
+    """0 %: requests switch off, most steps are plain steps. ~60 % acceptance against a 0.7
+    threshold: requests switch off and on again (probes land), so verify rows with partial
+    acceptance, drafter steps and plain steps all take turns."""
+    arr = _arrivals(61)
+    plain = run_arrivals(make_llm(qwen3_ckpt, async_scheduling=async_scheduling, **CFG), arr)
+    knobs = dict(CFG, speculative_probe_interval=12) if corrupt == 1.0 else dict(CFG, speculative_min_acceptance=0.7)
+    llm = make_llm(qwen3_ckpt, oracle_for(plain, arr, corrupt), num_speculative_tokens=3,
+                   async_scheduling=async_scheduling, **knobs)
+    spec = run_arrivals(llm, arr)
+    assert_same_outputs(plain, spec, log_prob_tol=1e-5)
+    st = llm.engine.stats
+    assert st.spec_plain_steps > 0 and st.spec_off_rows["acceptance"] > 0, st.as_dict()
+    # the fast paths ran: every plain step assembled by decode_rows, more launches landed in one pass
+    assert st.fast_decode_snapshots >= st.spec_plain_steps > 0, st.as_dict()
+    assert st.fast_landings > st.spec_plain_steps, st.as_dict()
+    assert st.fast_landings < st.steps  # verify steps still land through the general loop
+    if corrupt == 1.0:
+        assert st.spec_accepted_tokens == 0 and st.spec_plain_steps > 0.5 * st.decode_steps, st.as_dict()
+    else:
+        assert_partial_acceptance(st)
+    assert llm.context.gpu_view.num_copies == st.steps
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_new_requests_start_from_recent_acceptance(qwen3_ckpt, async_scheduling):
+    """The first batch at 0 % starts at acceptance 1.0 and pays k-draft verify rows before
+    switching off; the engine's recent acceptance falls with them, so a second batch starts
+    switched off: no 3-draft rows, only 1-draft probes, and the same tokens as plain decoding."""
+    params = SamplingParams(top_k=1, num_tokens_to_generate=30, ignore_eos=True)
+    first = [Arrival(0, p, params) for p in random_prompts(4, 3, 12, 256, seed=62)]
+    second = [Arrival(0, p, params) for p in random_prompts(4, 3, 12, 256, seed=63)]
+    cfg = dict(CFG, async_scheduling=async_scheduling)
+    plain_llm = make_llm(qwen3_ckpt, **cfg)
+    plain1, plain2 = run_arrivals(plain_llm, first), run_arrivals(plain_llm, second)
+    oracle = oracle_for(plain1, first, 1.0)
+    oracle.continuations.update({tuple(a.prompt): plain2[i].generated_tokens for i, a in enumerate(second)})
+    llm = make_llm(qwen3_ckpt, oracle, num_speculative_tokens=3, **cfg)
+    policy, st = llm.engine.scheduler.spec, llm.engine.stats
+    assert policy.recent_acceptance == 1.0
+    assert_same_outputs(plain1, run_arrivals(llm, first))
+    wide_first = st.spec_draft_tokens_per_depth[2]
+    assert wide_first >= 4 and policy.recent_acceptance < policy.min_acceptance, st.as_dict()
+    verify_before = st.spec_verify_rows
+    assert_same_outputs(plain2, run_arrivals(llm, second))
+    assert st.spec_draft_tokens_per_depth[2] == wide_first, st.as_dict()  # no wide verify rows
+    assert st.spec_verify_rows > verify_before, st.as_dict()  # probes still ran
+    assert st.spec_accepted_tokens == 0
