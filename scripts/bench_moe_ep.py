@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "equal": sum(a == b for a, b in zip(r0["tokens"], ref)), "n": len(ref),
             })
         base = base or res[0]
+        for r in rows[-len(args.workloads):]:  # as each size ends: a cut call keeps what finished
+            print(f"[ep={ep}] {r['workload']}: {r['tok_s']:.0f} tok/s, decode {r['decode_ms']:.2f} ms, "
+                  f"own cost p50 {r['latency_us']} us, dummy {r['dummy']}", flush=True)
     first = {r["workload"]: r["tok_s"] for r in rows if r["ep"] == args.ep[0]}
     print(f"model {model_name(args.model, args.layers)} ({args.dtype}, {args.device}, graphs {args.cuda_graphs}), "
           f"{args.num_requests} requests, prompts {args.prompt_len_min}-{args.prompt_len_max}, "
