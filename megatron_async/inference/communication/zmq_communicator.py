@@ -35,6 +35,10 @@ from zmq.utils.monitor import recv_monitor_message
 
 from megatron_async.inference.communication.shm_slots import SharedSlots, SlotsError, join_slots
 
+JOIN_TIMEOUT_S = 60.0
+"""The longest wait for the peers while joining (at least the per-message timeout)."""
+
+
 class CommunicatorError(RuntimeError):
     """A peer timed out or answered a different collective (the ranks have diverged)."""
 
@@ -42,7 +46,8 @@ class CommunicatorError(RuntimeError):
 class ZMQCommunicator:
     def __init__(self, rank: int, world_size: int, host: str, port: int | None, timeout_s: float | None = 300.0,
                  publish=None, lookup=None, shared_memory: bool = True, spin_us: float | None = None):
-        """``timeout_s``: longest wait for one message (None: wait forever). ``port`` None: rank 0
+        """``timeout_s``: longest wait for one message once joined (None: wait forever; joining
+        waits up to ``max(timeout_s, JOIN_TIMEOUT_S)``). ``port`` None: rank 0
         binds an ephemeral port on ``host`` and hands ``tcp://host:port`` to ``publish``; the
         others connect to the address ``lookup()`` returns (see ``from_rendezvous``).
         ``shared_memory``: run ``exchange``'s ints through shared memory when every rank is on
@@ -96,10 +101,18 @@ class ZMQCommunicator:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
-        # Handshake: rank 0 learns every peer's identity before it routes anything to it.
-        self.barrier()
-        self._slots = join_slots(self.rank, self.world_size, shared_memory, self.broadcast_object,
-                                 self.all_reduce_max, self._timeout_ms and self._timeout_ms / 1000, spin_us)
+        # Handshake: rank 0 learns every peer's identity before it routes anything to it. Ranks
+        # start at different times (process spawn, imports, model build on a loaded host), so
+        # joining waits up to JOIN_TIMEOUT_S even when the per-message timeout is shorter.
+        step_timeout_ms = self._timeout_ms
+        if step_timeout_ms is not None:
+            self._timeout_ms = max(step_timeout_ms, int(JOIN_TIMEOUT_S * 1000))
+        try:
+            self.barrier()
+            self._slots = join_slots(self.rank, self.world_size, shared_memory, self.broadcast_object,
+                                     self.all_reduce_max, timeout_s, spin_us)
+        finally:
+            self._timeout_ms = step_timeout_ms
         if self._slots is not None:
             self.exchange_path = "shared_memory"
 

@@ -62,6 +62,17 @@ def test_missing_message_times_out_instead_of_hanging():
     assert 0.4 < waited < 1.4
 
 
+def _late_joiner(rank: int, world: int, port: int):
+    if rank == 1:
+        time.sleep(1.5)  # a slow start (imports, model build) longer than the per-message timeout
+    with ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=0.5) as comm:
+        return comm.all_reduce_max([rank + 1])
+
+
+def test_joining_waits_longer_than_the_message_timeout():
+    assert run_ranks(_late_joiner, 2, free_port(), timeout_s=30) == [[2], [2]]
+
+
 def test_world_of_one_needs_no_sockets():
     comm = ZMQCommunicator(0, 1, "127.0.0.1", 1)  # port 1 would fail to bind
     assert comm.broadcast_object([5]) == [5]
