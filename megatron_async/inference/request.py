@@ -76,6 +76,13 @@ class SamplingParams:
         # Below ~1e-5, logits / temperature overflows float32; such a request is greedy anyway.
         return self.temperature < 1e-5 or self.top_k == 1  # same bound as sampling.GREEDY_TEMPERATURE
 
+    def row_filters(self) -> tuple[float, int, float, float]:
+        """(temperature, top_k, top_p, min_p) as a sampling row holds them: a greedy request's
+        row is (0, 1, 0, 0) whatever it asked for. The one rule both snapshot builders follow."""
+        if self.is_greedy:
+            return 0.0, 1, 0.0, 0.0
+        return float(self.temperature), self.top_k, self.top_p, self.min_p
+
     def validate(self, vocab_size: int) -> None:
         """Range checks (types are checked before, in request_validation.check_types)."""
         if not self.temperature >= 0:

@@ -77,17 +77,17 @@ class DecodeRows:
             return
         sp, s = req.sampling_params, self._free[-1]
         greedy = sp.is_greedy
+        temperature, top_k, top_p, min_p = sp.row_filters()
         values = {  # what the general path writes for the request's sampling row
-            "seed": req.seed, "temperature": 0.0 if greedy else float(sp.temperature), "top_k": 1 if greedy else sp.top_k,
-            "top_p": 0.0 if greedy else sp.top_p, "state_slots": req.state_slot,
+            "seed": req.seed, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+            "state_slots": req.state_slot,
             "sampling_slot": req.sampling_slot if req.sampling_slot >= 0 else self.padding_sampling_slot,
-            "min_p": 0.0 if greedy else sp.min_p, "presence_penalty": sp.presence_penalty,
+            "min_p": min_p, "presence_penalty": sp.presence_penalty,
             "frequency_penalty": sp.frequency_penalty, "repetition_penalty": sp.repetition_penalty,
         }
         if self.spec:
             values.update(spec_slot=req.spec_slot, spec_owner_slot=req.spec_slot)
-        bits = 0 if greedy else (_SAMPLED | _TOP_K * (sp.top_k > 1) | _TOP_P * (0 < sp.top_p < 1)
-                                 | _MIN_P * (sp.min_p > 0))
+        bits = 0 if greedy else (_SAMPLED | _TOP_K * (top_k > 1) | _TOP_P * (0 < top_p < 1) | _MIN_P * (min_p > 0))
         bits |= _LOG_PROBS * bool(sp.return_log_probs)
         try:
             for name, value in values.items():

@@ -354,6 +354,7 @@ class DynamicInferenceContext:
                 kv_lens.append(start + n)
                 sp = req.sampling_params
                 greedy = sp.is_greedy
+                temperature, top_k, top_p, min_p = sp.row_filters()
                 if spec:
                     spec_slot.append(req.spec_slot if row.samples else self.spec.padding_slot)
                     spec_owner.append(req.spec_slot)
@@ -365,10 +366,10 @@ class DynamicInferenceContext:
                     sample_pos.append(start + n - j)
                     sample_row.append(r)
                     seeds.append(req.seed)
-                    temps.append(0.0 if greedy else float(sp.temperature))
-                    topk.append(1 if greedy else sp.top_k)
-                    topp.append(0.0 if greedy else sp.top_p)
-                    pen.add(req, row.samples, greedy, start + n - j)
+                    temps.append(temperature)
+                    topk.append(top_k)
+                    topp.append(top_p)
+                    pen.add(req, row.samples, min_p, start + n - j)
                 for q in range(pad):  # padding samples: greedy, no sampling slot, never read
                     sample_idx.append(row_first + n + q)
                     sample_pos.append(start + n)
@@ -377,14 +378,14 @@ class DynamicInferenceContext:
                     temps.append(0.0)
                     topk.append(1)
                     topp.append(0.0)
-                    pen.add(req, False, True, start + n)
+                    pen.add(req, False, 0.0, start + n)
                 if row.samples:
                     any_sampling |= not greedy
-                    use_k |= not greedy and sp.top_k > 1
-                    use_p |= not greedy and 0 < sp.top_p < 1
+                    use_k |= top_k > 1
+                    use_p |= 0 < top_p < 1
                     any_lp |= sp.return_log_probs
                     max_top_n = max(max_top_n, sp.top_n_logprobs)
-                    use_mp |= not greedy and sp.min_p > 0
+                    use_mp |= min_p > 0
                 state_slots.append(req.state_slot)
                 has_init.append(start > 0)
                 nb = len(req.block_ids)
@@ -501,12 +502,12 @@ class _PenaltyColumns:
         self.slot, self.min_p, self.pres, self.freq, self.rep, self.suppress = [], [], [], [], [], []
         self.any = False
 
-    def add(self, req: DynamicInferenceRequest, samples: bool, greedy: bool, sample_position: int) -> None:
+    def add(self, req: DynamicInferenceRequest, samples: bool, min_p: float, sample_position: int) -> None:
         sp = req.sampling_params
         has_slot = samples and req.sampling_slot >= 0  # rows that sample nothing count nothing
         self.any |= has_slot
         self.slot.append(req.sampling_slot if has_slot else self.padding_slot)
-        self.min_p.append(0.0 if greedy else sp.min_p)
+        self.min_p.append(min_p)
         self.pres.append(sp.presence_penalty)
         self.freq.append(sp.frequency_penalty)
         self.rep.append(sp.repetition_penalty)
