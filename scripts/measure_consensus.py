@@ -217,7 +217,7 @@ def _trace(rank: int, world: int) -> list[tuple[int, bool, int]]:
     from megatron_async import LLM, InferenceConfig
     from megatron_async import SamplingParams as SP
     from megatron_async.testing.emulated_graphs import EmulatedGraphRunner
-    from tests.functional_tests.engine_harness import run_leader_arrivals
+    from megatron_async.testing.engine_harness import run_leader_arrivals
 
     cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=512, max_requests=8, max_tokens=64,
                           max_sequence_length=256)

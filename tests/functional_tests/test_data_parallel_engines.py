@@ -15,7 +15,7 @@ import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.testing.multiprocess import run_ranks
-from tests.functional_tests.engine_harness import run_leader_arrivals
+from megatron_async.testing.engine_harness import run_leader_arrivals
 from megatron_async.tools.main_job import main
 
 CONFIG = dict(block_size_tokens=4, num_kv_blocks=128, max_requests=4, max_tokens=16, max_sequence_length=128)

@@ -3,7 +3,7 @@ import pytest
 
 from megatron_async import SamplingParams
 from megatron_async.testing.hf_models import GPT_ARCHS, hf_greedy, load_hf_reference, make_tiny_checkpoint
-from tests.functional_tests.engine_harness import make_llm, random_prompts
+from megatron_async.testing.engine_harness import make_llm, random_prompts
 
 NEW = 10
 

@@ -15,7 +15,7 @@ from megatron_async.inference.text_generation_controllers.cuda_graphs import dec
 from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant
 from megatron_async.testing.emulated_graphs import CollectiveLog, EmulatedGraphRunner
 from megatron_async.testing.multiprocess import run_ranks
-from tests.functional_tests.engine_harness import run_leader_arrivals
+from megatron_async.testing.engine_harness import run_leader_arrivals
 
 CONFIG = dict(block_size_tokens=4, num_kv_blocks=128, max_requests=4, max_tokens=16, max_sequence_length=96)
 LONG = ([3, 17, 42, 9, 100, 7], SamplingParams(top_k=1, num_tokens_to_generate=24, ignore_eos=True))

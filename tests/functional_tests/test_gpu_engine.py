@@ -5,7 +5,7 @@ import torch
 
 from megatron_async import SamplingParams
 from megatron_async.testing.hf_models import GPT_ARCHS, hf_greedy, load_hf_reference, make_tiny_checkpoint
-from tests.functional_tests.engine_harness import (Arrival, decode_steps_without_host_sync, make_llm, random_prompts,
+from megatron_async.testing.engine_harness import (Arrival, decode_steps_without_host_sync, make_llm, random_prompts,
                                                     run_arrivals, tokens_of)
 
 pytestmark = pytest.mark.gpu

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_async import LLM
 from megatron_async.testing.hf_models import make_tiny_checkpoint
-from tests.functional_tests.engine_harness import Arrival, make_llm, run_arrivals, sampling_mix
+from megatron_async.testing.engine_harness import Arrival, make_llm, run_arrivals, sampling_mix
 
 pytestmark = pytest.mark.gpu
 N = 12

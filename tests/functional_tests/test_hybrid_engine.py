@@ -5,7 +5,7 @@ import pytest
 from megatron_async import SamplingParams
 from megatron_async.testing.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
 from megatron_async.testing.hf_models import hf_greedy, load_hf_reference
-from tests.functional_tests.engine_harness import Arrival, make_llm, random_prompts, run_arrivals, tokens_of
+from megatron_async.testing.engine_harness import Arrival, make_llm, random_prompts, run_arrivals, tokens_of
 
 NEW = 8
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=NEW, ignore_eos=True)  # HF reference ignores EOS

@@ -10,7 +10,7 @@ from megatron_async.models.hybrid import build_hybrid
 from megatron_async.testing.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
 from megatron_async.testing.hf_models import hf_greedy, hf_logits, load_hf_reference
 from megatron_async.testing.simple_session import SimpleSession
-from tests.functional_tests.engine_harness import forbid_host_traffic
+from megatron_async.testing.engine_harness import forbid_host_traffic
 
 VOCAB = 128  # the tiny checkpoints' vocabulary
 

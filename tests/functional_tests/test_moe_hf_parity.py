@@ -12,7 +12,7 @@ from megatron_async.models.model_config import LayerKind
 from megatron_async.testing.hf_models import hf_greedy, hf_logits, load_hf_reference
 from megatron_async.testing.hf_moe_models import make_tiny_moe_checkpoint
 from megatron_async.testing.simple_session import SimpleSession
-from tests.functional_tests.engine_harness import make_llm, random_prompts
+from megatron_async.testing.engine_harness import make_llm, random_prompts
 
 NEW = 8
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=NEW, ignore_eos=True)

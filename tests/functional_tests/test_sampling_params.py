@@ -15,7 +15,7 @@ import torch
 from megatron_async import SamplingParams
 from megatron_async.inference.text_generation_controllers.sampling import gumbel_noise, row_keys
 from megatron_async.testing.hf_models import hf_logits, load_hf_reference
-from tests.functional_tests.engine_harness import (Arrival, decode_steps_without_host_sync, make_llm, random_prompts,
+from megatron_async.testing.engine_harness import (Arrival, decode_steps_without_host_sync, make_llm, random_prompts,
                                                     run_arrivals, tokens_of)
 
 

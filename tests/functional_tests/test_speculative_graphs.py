@@ -17,8 +17,8 @@ if not torch.cuda.is_available():  # before any kernel module is imported: the T
 from megatron_async import SamplingParams  # noqa: E402
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner  # noqa: E402
 from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
-from tests.functional_tests.engine_harness import Arrival, make_llm, random_prompts, run_arrivals  # noqa: E402
-from tests.functional_tests.spec_harness import assert_same_outputs, oracle_for  # noqa: E402
+from megatron_async.testing.engine_harness import Arrival, make_llm, random_prompts, run_arrivals  # noqa: E402
+from megatron_async.testing.spec_harness import assert_same_outputs, oracle_for  # noqa: E402
 
 K = 2
 CFG = dict(max_requests=6, max_tokens=32)

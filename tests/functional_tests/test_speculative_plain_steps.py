@@ -21,8 +21,8 @@ from megatron_async.inference.text_generation_controllers.graph_plan import Grap
 from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
 from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
 from megatron_async.testing.mtp_heads import add_mtp_heads  # noqa: E402
-from tests.functional_tests.engine_harness import Arrival, make_llm, random_prompts, run_arrivals  # noqa: E402
-from tests.functional_tests.spec_harness import assert_same_outputs, oracle_for  # noqa: E402
+from megatron_async.testing.engine_harness import Arrival, make_llm, random_prompts, run_arrivals  # noqa: E402
+from megatron_async.testing.spec_harness import assert_same_outputs, oracle_for  # noqa: E402
 
 N = 48  # tokens per request: several probe intervals
 PARAMS = [

@@ -16,7 +16,7 @@ from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
 from megatron_async.testing.hf_models import make_tiny_checkpoint
 from megatron_async.testing.multiprocess import run_ranks
-from tests.functional_tests.engine_harness import run_leader_arrivals
+from megatron_async.testing.engine_harness import run_leader_arrivals
 from megatron_async.tools.main_job import main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.inference.contexts.step_errors import RequestStepError, RowUndo  # noqa: E402
-from tests.functional_tests.engine_harness import Arrival, run_arrivals, sampling_mix  # noqa: E402
+from megatron_async.testing.engine_harness import Arrival, run_arrivals, sampling_mix  # noqa: E402
 
 JUNK = 0xA5
 

@@ -1,4 +1,4 @@
-"""Shared helpers for engine-level tests: tiny checkpoints, staggered runs, comparisons."""
+"""Shared helpers for engine-level tests and GPU check scripts: tiny checkpoints, staggered runs, comparisons."""
 from __future__ import annotations
 
 import random

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from megatron_async.inference.speculative.oracle import OracleDrafter
-from tests.functional_tests.engine_harness import Arrival, make_llm, run_arrivals
+from megatron_async.testing.engine_harness import Arrival, make_llm, run_arrivals
 
 
 def oracle_for(plain_outs: dict, arrivals: list[Arrival], rate: float, vocab: int = 256) -> OracleDrafter:
