@@ -20,7 +20,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -193,19 +193,38 @@ class SpecBench:
             prompts = self.prompts(batch, False, seed=batch)
             plain, plain_wall, steps = self.timed(self.plain, prompts, params)
             plain_tps = sum(len(o.generated_tokens) for o in plain) / plain_wall
+            first = len(self.rows)
             self.add(self._row("oracle", batch, 0, None, "plain", plain, plain_wall, steps, plain, plain_tps, None))
             for k in a.ks:
                 for acc in a.acceptances:
                     if not self.time_left():
+                        self._replain(first, batch, prompts, params, plain_tps)
                         return self.rows
                     self._set_oracle(prompts, plain, acc, k)
                     policies = ["forced", "auto"] if acc == 0.0 else ["forced"]
                     for policy in policies:
                         self.spec.engine.scheduler.spec.min_acceptance = 0.0 if policy == "forced" else 0.3
                         self._spec_run(self.spec, "oracle", batch, k, acc, policy, prompts, params, plain, plain_tps)
+            self._replain(first, batch, prompts, params, plain_tps)
             if self.time_left():
                 self._ngram(batch, params)
         return self.rows
+
+    def _replain(self, first: int, batch: int, prompts, params, before_tps: float) -> None:
+        """Times the plain engine again after a batch's speculative rows and rescales those rows
+        (``self.rows[first:]``) to the mean of both plain runs: a host or device that drifts
+        during the sweep then moves plain and speculative alike. Prints both plain rates."""
+        outs, wall, _ = self.timed(self.plain, prompts, params)
+        after_tps = sum(len(o.generated_tokens) for o in outs) / wall
+        mean = (before_tps + after_tps) / 2
+        drift = after_tps / before_tps - 1
+        print(f"bench_speculative: plain at batch {batch}: {before_tps:,.0f} tok/s before the speculative rows, "
+              f"{after_tps:,.0f} after ({drift:+.0%}); speedups use the mean"
+              f"{' (NOISY: over 10 %)' if abs(drift) > 0.1 else ''}", file=sys.stderr, flush=True)
+        for i in range(first, len(self.rows)):
+            r = self.rows[i]
+            tps = mean if r.policy == "plain" else r.tokens_per_s
+            self.rows[i] = replace(r, tokens_per_s=tps, plain_tokens_per_s=mean, speedup=tps / mean)
 
     def idle_run(self) -> str | None:
         """Device idle share (from the profiler's device intervals) of one speculative run: the

@@ -1,13 +1,17 @@
 """scripts/bench_speculative.py --smoke on the CPU: every row ran, every speculative run's
 tokens equal plain decoding's, and the oracle's acceptance is what was asked."""
 import json
+import re
 
 from megatron_async.tools.bench_speculative import main
 
 
-def test_smoke(tmp_path):
+def test_smoke(tmp_path, capsys):
     out = tmp_path / "spec.json"
     rows = main(["--smoke", "--output", str(out)])
+    timed = {int(b): (float(x.replace(",", "")), float(y.replace(",", ""))) for b, x, y in re.findall(
+        r"plain at batch (\d+): ([\d,]+) tok/s before the speculative rows, ([\d,]+) after", capsys.readouterr().err)}
+    assert timed.keys() == {1, 4}
     oracle = [r for r in rows if r.workload == "oracle" and r.policy != "plain"]
     assert {(r.batch, r.k, r.target_acceptance) for r in oracle} == {
         (b, k, a) for b in (1, 4) for k in (1, 3) for a in (0.0, 0.5, 1.0)}
@@ -21,6 +25,13 @@ def test_smoke(tmp_path):
             assert r.acceptance == 0.0
     auto = [r for r in oracle if r.policy == "auto"]
     assert auto and all(r.off_rows.get("acceptance", 0) > 0 for r in auto)
+    for b in (1, 4):  # the oracle rows of a batch share one plain rate: the mean of its runs before and after them
+        of_batch = [r for r in rows if r.batch == b and r.workload == "oracle"]
+        plain = next(r for r in of_batch if r.policy == "plain")
+        assert plain.tokens_per_s == plain.plain_tokens_per_s and plain.speedup == 1.0
+        assert abs(plain.tokens_per_s - sum(timed[b]) / 2) <= 1.0  # the printed rates are rounded
+        assert all(r.plain_tokens_per_s == plain.tokens_per_s for r in of_batch)
+        assert all(abs(r.speedup - r.tokens_per_s / r.plain_tokens_per_s) < 1e-9 for r in of_batch)
     assert json.loads(out.read_text())["rows"]
 
 
