@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's validation in one command (what the device runs): the GPU-marked tests,
 # the kernel check scripts, and the side-by-side benchmark. Logs go to ${OUT:-gpu_out}.
-# Usage: bash scripts/gpu_validation.sh [tests|kernels|bench|bench-poisson|bench-long|diagnose|warmup-graphs ...]
+# Usage: bash scripts/gpu_validation.sh [tests|kernels|bench|bench-poisson|bench-long|main-job|diagnose|warmup-graphs ...]
 # (default: tests kernels bench)
 set -uo pipefail
 export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -40,6 +40,10 @@ for stage in $stages; do
       tail -10 "$out/wg_poisson.log"
       timeout 30 python scripts/check_graph_variants.py > "$out/variants.log" 2>&1
       tail -8 "$out/variants.log" ;;
+    main-job)  # issue 12: the main job as a user runs it (fresh process, own startup warm-up) against the
+               # benchmark's async_graphs mode on workload A, greedy and sampled (~3 min on an H100)
+      timeout 420 python scripts/compare_main_job.py --out "$out/main_job" > "$out/main_job.log" 2>&1
+      tail -6 "$out/main_job.log" ;;
     diagnose)  # issue 13: async vs serial at long context (NOTES.md "Long context on the GPU")
       timeout 300 python scripts/diagnose_async_serial.py --device cuda --num-requests 32 --prompt-len-min 8192 \
         --prompt-len-max 16384 --output-len 64 --max-sequence-length 16500 --output "$out/diag.json" > "$out/diag.log" 2>&1
