@@ -70,6 +70,7 @@ def _rank(rank: int, world: int, args) -> dict:
         for wl in args.workloads:
             st = llm.engine.stats
             steps0, wall0, dummy0 = st.decode_steps, st.decode_wall_time, st.dummy_steps
+            mixed0, mixed_steps0 = st.prefill_wall_time, st.prefill_steps
             rounds0, cons0 = st.consensus_rounds, st.consensus_time
             st.consensus_latency_seconds.clear()
             t0 = time.perf_counter()
@@ -79,6 +80,9 @@ def _rank(rank: int, world: int, args) -> dict:
             result[wl] = {
                 "wall": wall, "tokens": [o.generated_tokens for o in outs],
                 "decode_ms": 1e3 * (st.decode_wall_time - wall0) / steps if steps else 0.0,
+                # where the wall went: decode steps, steps with prefill chunks, the rest (host, waits)
+                "decode_s": st.decode_wall_time - wall0, "decode_steps": steps,
+                "mixed_s": st.prefill_wall_time - mixed0, "mixed_steps": st.prefill_steps - mixed_steps0,
                 "dummy": st.dummy_steps - dummy0,
                 "consensus_us": 1e6 * (st.consensus_time - cons0) / max(1, st.consensus_rounds - rounds0),
                 "latency_us": st.consensus_latency_us(50),
@@ -126,6 +130,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "dummy": [r[wl]["dummy"] for r in res], "consensus_us": [r[wl]["consensus_us"] for r in res],
                 "latency_us": [r[wl]["latency_us"] for r in res],
                 "equal": sum(a == b for a, b in zip(r0["tokens"], ref)), "n": len(ref),
+                "split": [(r[wl]["mixed_steps"], r[wl]["mixed_s"], r[wl]["decode_steps"], r[wl]["decode_s"],
+                           r[wl]["wall"]) for r in res],
             })
         base = base or res[0]
         for r in rows[-len(args.workloads):]:  # as each size ends: a cut call keeps what finished
@@ -143,6 +149,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"| {r['decode_ms']:.2f} | {' / '.join(map(str, r['dummy']))} "
               f"| {' / '.join(f'{c:.0f}' for c in r['consensus_us'])} "
               f"| {' / '.join(f'{c:.0f}' for c in r['latency_us'])} | {r['equal']}/{r['n']} |")
+    print(f"\nwhere each rank's wall went (greedy / sampled rows as above): mixed steps (count, s), decode steps "
+          f"(count, s), the rest of the rank's generate() wall (host work outside steps, waiting)")
+    print("| EP | workload | rank | mixed steps | mixed s | decode steps | decode s | rest s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        for rank, (ms, m_s, ds, d_s, wall) in enumerate(r["split"]):
+            print(f"| {r['ep']} | {r['workload']} | {rank} | {ms} | {m_s:.3f} | {ds} | {d_s:.3f} | {wall - m_s - d_s:.3f} |")
     return rows
 
 
