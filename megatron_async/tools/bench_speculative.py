@@ -212,8 +212,8 @@ class SpecBench:
 
     def _replain(self, first: int, batch: int, prompts, params, before_tps: float) -> None:
         """Times the plain engine again after a batch's speculative rows and rescales those rows
-        (``self.rows[first:]``) to the mean of both plain runs: a host or device that drifts
-        during the sweep then moves plain and speculative alike. Prints both plain rates."""
+        (``self.rows[first:]``) to the mean of both plain runs, which cancels a steady drift of
+        the host or device during the sweep. Prints both plain rates (their gap bounds the noise)."""
         outs, wall, _ = self.timed(self.plain, prompts, params)
         after_tps = sum(len(o.generated_tokens) for o in outs) / wall
         mean = (before_tps + after_tps) / 2
