@@ -20,7 +20,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOADS = {"greedy": ["--top-k", "1"], "sampled": ["--temperature", "0.8", "--top-p", "0.95", "--seed", "1"]}
+sys.path.insert(0, str(ROOT))
+
+from megatron_async.tools.benchmark import WORKLOADS  # noqa: E402
+
+
+def sampling_flags(workload: str) -> list[str]:
+    """The main job's flags for the benchmark's own sampling of ``workload`` (one table, no copy)."""
+    s = WORKLOADS[workload]
+    if s.greedy:
+        return ["--top-k", "1"]
+    return ["--temperature", str(s.temperature), "--top-p", str(s.top_p), "--seed", "1"]
 
 
 def workload_flags(smoke: bool) -> list[str]:
@@ -55,9 +65,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     bench = {m["workload"]: m for m in json.loads((out / "bench" / "benchmark.json").read_text())["modes"]
              if m["mode"] == mode and m["status"] == "ok"}
     rows = []
-    for wl, sampling in WORKLOADS.items():
+    for wl in WORKLOADS:
         path = out / f"main_{wl}.json"
-        run([sys.executable, "examples/gpt_dynamic_inference.py", *flags, *device, *sampling, "--ignore-eos",
+        run([sys.executable, "examples/gpt_dynamic_inference.py", *flags, *device, *sampling_flags(wl), "--ignore-eos",
              "--quiet", "--output-path", str(path)], out / f"main_{wl}.log", args.timeout)
         s = json.loads(path.read_text())["summary"]
         b = bench[wl]
