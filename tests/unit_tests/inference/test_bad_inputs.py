@@ -5,6 +5,7 @@ import re
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from megatron_async import LLM, InferenceConfig, InvalidRequestError, SamplingParams  # noqa: E402
@@ -47,6 +48,9 @@ CASES = {
     "negative token": ([-3, 4], SamplingParams(**G), r"outside the vocab.*-3"),
     "not token ids": ([1, "x"], SamplingParams(**G), "token ids must be integers"),
     "float token ids": ([1, 2.5], SamplingParams(**G), "token ids must be integers"),
+    "bool token ids": ([1, True], SamplingParams(**G), "token ids must be integers"),
+    "float numpy prompt": (np.array([1.0, 2.0]), SamplingParams(**G), "token ids must be integers"),
+    "numpy prompt above vocab": (np.array([1, VOCAB], dtype=np.int32), SamplingParams(**G), "outside the vocab"),
     "too long for max_sequence_length": (
         [1] * 10, SamplingParams(top_k=1, num_tokens_to_generate=55), r"= 65 exceeds max_sequence_length 64"),
     "never fits the KV pool": (
@@ -144,6 +148,14 @@ def test_limits_are_inclusive(llm, ckpt):
     big = _llm(ckpt, num_kv_blocks=40)
     at_limit = big.generate([[1] * 60], SamplingParams(top_k=1, num_tokens_to_generate=4))[0]
     assert at_limit.finish_reason == "length" and len(at_limit.generated_tokens) == 4
+
+
+def test_token_id_containers_serve_alike(llm, reference):
+    # list of ints (the fast path), numpy int arrays, numpy scalars and tuples: the same tokens
+    for prompt, want in zip(GOOD, reference):
+        for variant in (np.array(prompt, dtype=np.int32), [np.int64(t) for t in prompt], tuple(prompt)):
+            out = llm.generate([variant], SamplingParams(**G))[0]
+            assert out.finish_reason == "length" and out.generated_tokens == want
 
 
 def test_duplicate_request_id_rejected(llm):
