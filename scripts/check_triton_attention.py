@@ -10,6 +10,7 @@ step (prefill chunks, some continuing a cached prefix, plus decode rows).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +157,23 @@ def sweep(iters: int, batch: int, min_len: int, max_len: int) -> None:
                           f"{kv_bytes / (ms * 1e-3) / 1e9:.0f} | {torch.equal(out, base)} |")
 
 
+def row_order(iters: int, batch: int, min_len: int, max_len: int) -> None:
+    """The default decode launch on one ragged batch with its rows in three orders: the grid
+    walks rows fastest, so the order decides which rows' programs start last (the tail)."""
+    gen = torch.Generator().manual_seed(7)
+    lens = torch.randint(min_len, max_len + 1, (batch,), generator=gen).tolist()
+    print(f"\ndecode row order: {batch} rows, KV {min_len}-{max_len} tokens")
+    print("| order | graph us | KV GB/s |\n|---|---:|---:|")
+    for order, ordered in (("random", lens), ("longest first", sorted(lens, reverse=True)),
+                           ("shortest first", sorted(lens))):
+        case = make_case([(n - 1, 1) for n in ordered], block_size=16, seed=3, num_heads=HEADS,
+                         num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)
+        kv_bytes = 2 * int(case.meta.kv_lens.sum()) * KV_HEADS * HEAD_DIM * case.kv_cache.element_size()
+        ms = graph_ms(functools.partial(decode_attention, case.q, case.kv_cache, case.meta, case.scale), iters)
+        print(f"| {order} | {ms * 1e3:.1f} | {kv_bytes / (ms * 1e-3) / 1e9:.0f} |")
+
+
 def sweep_prefill(iters: int, tokens: int, min_len: int, max_len: int) -> None:
     """Prefill kernel launch settings on a mixed step like workload A's: prompts of
     [min_len, max_len] tokens packed into ``tokens`` (the last chunk cut, every third prompt
@@ -203,6 +221,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", type=int, nargs=3, metavar=("BATCH", "MIN_LEN", "MAX_LEN"), default=None,
                         help="only sweep the decode kernel's launch settings at this batch and KV length range")
+    parser.add_argument("--row-order", type=int, nargs=3, metavar=("BATCH", "MIN_LEN", "MAX_LEN"), default=None,
+                        help="only time the default decode launch with the rows random / longest / shortest first")
     parser.add_argument("--sweep-prefill", type=int, nargs=3, metavar=("TOKENS", "MIN_LEN", "MAX_LEN"), default=None,
                         help="only sweep the prefill kernel's launch settings on one mixed step")
     args = parser.parse_args()
@@ -213,7 +233,9 @@ def main() -> None:
         sweep(args.iters, *args.sweep)
     if args.sweep_prefill:
         sweep_prefill(args.iters, *args.sweep_prefill)
-    if args.sweep or args.sweep_prefill:
+    if args.row_order:
+        row_order(args.iters, *args.row_order)
+    if args.sweep or args.sweep_prefill or args.row_order:
         return
     print_table(run_checks(args.block_sizes, args.batches, args.iters))
 

@@ -6,7 +6,9 @@ bound by reading K/V, so the padded rows cost nothing that matters, and each K/V
 read once per group instead of once per query head). The row's keys are cut into
 ``num_splits`` contiguous chunks; each program runs an fp32 online softmax over its chunk
 and writes a normalised partial output plus its log-sum-exp, and a second kernel merges
-the splits. With one split the first kernel writes the output directly.
+the splits. With one split the first kernel writes the output directly. With
+``meta.row_order`` program i of the row axis serves row ``row_order[i]`` (longest first: the
+block scheduler starts programs in grid order, so the short rows fill the tail).
 
 CUDA graphs: nothing here depends on the step's data. The row's real KV length is read
 from ``meta.kv_lens`` (and its query position from ``meta.positions``) inside the kernel,
@@ -38,6 +40,7 @@ def _decode_split_kernel(
     block_table_ptr,
     kv_lens_ptr,
     positions_ptr,
+    row_order_ptr,
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
@@ -58,10 +61,13 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    ORDERED: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     row = tl.program_id(0)
+    if ORDERED:  # programs start in grid order: the longest rows first, the short ones fill the tail
+        row = tl.load(row_order_ptr + row)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -201,13 +207,14 @@ def decode_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions,
+        meta.kv_lens if meta.row_order is None else meta.row_order,
         out, part_out, part_lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
         num_heads, scale * _LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, **dot_args(_decode_split_kernel, kv_cache.dtype),
+        NUM_SPLITS=num_splits, ORDERED=meta.row_order is not None, **dot_args(_decode_split_kernel, kv_cache.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

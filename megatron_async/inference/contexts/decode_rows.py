@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK
+from megatron_async.inference.contexts.metadata import longest_first
 from megatron_async.inference.contexts.step_shape import StepShape
 from megatron_async.inference.request import DynamicInferenceRequest
 
@@ -170,6 +171,7 @@ class DecodeRows:
         v["prev_sample_idx"][:R] = prevs
         v["positions"][:R] = starts
         v["kv_lens"][:R] = positions1
+        v["attention_row_order"][:R] = longest_first(positions1)
         v["sample_position"][:R] = positions1
         v["has_initial_state"][:R] = starts > 0
         if constant.any_penalties:  # min_tokens: stop ids suppressed while the output is short

@@ -47,6 +47,7 @@ def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samp
         FieldSpec("token_to_row", torch.int32, (T,)),
         FieldSpec("cu_query_lens", torch.int32, (R + 1,)),
         FieldSpec("kv_lens", torch.int32, (R,)),
+        FieldSpec("attention_row_order", torch.int32, (R,)),  # rows longest KV first (decode attention's launch order)
         FieldSpec("sample_token_idx", torch.int64, (S,)),
         FieldSpec("sample_position", torch.int64, (S,)),
         FieldSpec("seed", torch.int64, (S,)),
@@ -352,7 +353,7 @@ class DynamicInferenceContext:
             num_tokens=T, num_rows=R, max_query_len=shape.max_query_len, max_kv_len=shape.max_kv_len,
             is_decode_only=shape.is_decode_only, positions=g.positions[:T], slot_mapping=g.slot_mapping[:T],
             token_to_row=g.token_to_row[:T], cu_query_lens=g.cu_query_lens[: R + 1], kv_lens=g.kv_lens[:R],
-            block_table=g.block_table[:R], block_size=self.block_size,
+            block_table=g.block_table[:R], block_size=self.block_size, row_order=g.attention_row_order[:R],
         )
         batch = ForwardBatch(attn=attn, kv_caches=self.kv_caches, batch_invariant=self.config.batch_invariant)
         if self.mamba is not None:

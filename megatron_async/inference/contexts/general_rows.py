@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK
-from megatron_async.inference.contexts.metadata import mamba_row_order
+from megatron_async.inference.contexts.metadata import longest_first, mamba_row_order
 from megatron_async.inference.contexts.step_errors import RequestStepError, RowUndo, row_of_bad_value
 from megatron_async.inference.contexts.step_shape import StepShape
 from megatron_async.inference.request import DynamicInferenceRequest
@@ -123,7 +123,8 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
         r = None
         columns = {
             "input_ids": ids, "prev_sample_idx": prev, "positions": pos, "slot_mapping": slots,
-            "token_to_row": tok_row, "cu_query_lens": cu, "kv_lens": kv_lens, "sample_token_idx": sample_idx,
+            "token_to_row": tok_row, "cu_query_lens": cu, "kv_lens": kv_lens, "attention_row_order": longest_first(kv_lens),
+            "sample_token_idx": sample_idx,
             "sample_position": sample_pos, "seed": seeds, "temperature": temps, "top_k": topk, "top_p": topp,
             "state_slots": state_slots, "has_initial_state": has_init, **pen.columns(),
         }

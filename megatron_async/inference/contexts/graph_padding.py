@@ -84,6 +84,7 @@ def _samples(v: dict, pad: PaddingSlots, sa: int, sb: int, token_idx: np.ndarray
 
 def _rows(v: dict, pad: PaddingSlots, a: int, b: int, sample_base: np.ndarray) -> None:
     v["kv_lens"][a:b] = 1
+    v["attention_row_order"][a:b] = np.arange(a, b)  # after the real rows' permutation: still a permutation
     v["state_slots"][a:b] = pad.mamba_slot
     v["has_initial_state"][a:b] = False
     if "mamba_row_order" in v:  # hybrid: padding rows keep their own order

@@ -276,6 +276,7 @@ def test_pad_for_graph_decode_rows(model):
     assert v["temperature"][2:4].tolist() == [0.0, 0.0] and v["top_k"][2:4].tolist() == [1, 1]
     assert (v["block_table"][2:4] == DUMMY_BLOCK).all()
     assert not v["has_initial_state"][2:4].any()
+    assert v["attention_row_order"][2:4].tolist() == [2, 3]  # the padded grid still visits each row once
     ctx.pad_for_graph(4, 4, 4, 4)  # nothing to pad
     assert v["cu_query_lens"][:5].tolist() == [0, 1, 2, 3, 4]
 
@@ -302,6 +303,7 @@ def test_pad_for_graph_mixed_step(model):
     assert v["slot_mapping"][7:12].tolist() == [DUMMY_BLOCK * BS] * 5
     assert v["positions"][7:12].tolist() == [0] * 5 and v["prev_sample_idx"][7:12].tolist() == [-1] * 5
     assert v["sample_token_idx"][2:4].tolist() == [7, 11] and v["kv_lens"][2:4].tolist() == [1, 1]
+    assert v["attention_row_order"][:4].tolist() == [1, 0, 2, 3]  # the 6-token row first, then padding in order
     ctx.pad_for_graph(7, 2, 7, 4)  # rows only: the padding rows hold no token
     assert v["cu_query_lens"][:5].tolist() == [0, 1, 7, 7, 7]
 

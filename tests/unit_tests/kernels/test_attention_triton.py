@@ -88,6 +88,22 @@ def test_decode_split_counts(num_splits):
     torch.testing.assert_close(out, ref_out, **FP32_TOL)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_row_order_changes_launch_order_only(num_splits):
+    """With ``meta.row_order`` (any permutation: longest first, reversed) every row gets the
+    bits it gets in row order: the order only decides which programs start first."""
+    from megatron_async.inference.contexts.metadata import longest_first
+
+    case = _case(DECODE_ROWS, group=2, head_dim=16, block_size=4, seed=5)
+    append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
+    plain = decode_attention(case.q, case.kv_cache, case.meta, case.scale, num_splits=num_splits)
+    lens = case.meta.kv_lens.tolist()
+    for order in (longest_first(lens), list(reversed(range(len(lens))))):
+        meta = dataclasses.replace(case.meta, row_order=torch.tensor(order, dtype=torch.int32, device=DEVICE))
+        assert torch.equal(decode_attention(case.q, case.kv_cache, meta, case.scale, num_splits=num_splits), plain)
+    assert longest_first(lens).tolist() == sorted(range(len(lens)), key=lambda r: (-lens[r], r))
+
+
 def test_decode_with_upper_bound_max_kv_len_replays():
     """CUDA-graph style: Python ints fixed at capture (max_kv_len = table capacity); the
     tensors are refilled in place with another step's data and the call is repeated."""
