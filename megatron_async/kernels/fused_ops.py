@@ -1,5 +1,6 @@
 """Switch between the layers' torch code and the fused Triton kernels for per-layer
-elementwise work (RMSNorm, residual add + RMSNorm, q/k norm + RoPE, SiLU-and-mul).
+elementwise work (RMSNorm, residual add + RMSNorm, q/k norm + RoPE, SiLU-and-mul, MoE
+softmax top-k routing).
 
 A layer asks ``use_fused(x)`` and, when true, calls the op here; otherwise it runs its own
 torch code, which stays the numerical reference. Fused ops run only on CUDA tensors (never
@@ -69,6 +70,14 @@ def rope_qk(
     from megatron_async.kernels import triton_rope
 
     return triton_rope.rope_qk(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, kv_cache, slot_mapping)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool,
+                 round_to: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ``triton_moe_router.softmax_topk``: MoE routing ids (int32) and weights (float32)."""
+    from megatron_async.kernels import triton_moe_router
+
+    return triton_moe_router.softmax_topk(logits, top_k, norm, round_to)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,9 @@
 2. ``_gate_up_kernel``: per block, x rows of its pairs @ the expert's [gate | up] (or up) rows,
    float32 accumulation, SiLU(gate) * up (or relu^2) fused in the epilogue -> [pairs, I].
 3. ``_down_kernel``: activations @ the expert's down rows, times the routing weight, float32
-   -> [pairs, H]; pairs of no expert stay zero; the k slots of a token are summed last (no
-   atomics: the result does not depend on the schedule).
+   -> [pairs, H] (pairs of no expert are not written); ``_sum_slots_kernel`` adds a token's
+   routed slots in slot order and rounds once (no atomics: the result does not depend on the
+   schedule; no zero-fill, no separate cast).
 Graph-safe: every shape and grid comes from tensor shapes."""
 from __future__ import annotations
 
@@ -176,6 +177,23 @@ def _down_kernel(h_ptr, w_ptr, weights_ptr, out_ptr, pairs_ptr, block_expert_ptr
              mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _sum_slots_kernel(pair_out_ptr, ids_ptr, out_ptr, H: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """out[t] = sum over the token's routed slots j (ids in [0, E)) of pair_out[t * k + j], in
+    slot order, float32, rounded once to out's dtype. Slots of no expert were never written."""
+    tok = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + tok * TOP_K + j)
+        routed = (e >= 0) & (e < E)
+        # an unrouted slot's row was never written: select 0 (the load stays inside pair_out)
+        acc += tl.where(routed, tl.load(pair_out_ptr + (tok * TOP_K + j) * H + offs, mask=mask, other=0.0), 0.0)
+    tl.store(out_ptr + tok * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per block: small for decode (few pairs per expert), larger for prefill."""
     per_expert = num_pairs / max(1, min(num_experts, num_pairs))
@@ -198,7 +216,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     block_m = _block_m(num_pairs, E)
-    sorted_pairs, block_expert = align_by_expert_triton(topk_ids, E, block_m)
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    sorted_pairs, block_expert = align_by_expert_triton(ids, E, block_m)
     num_blocks = block_expert.shape[0]
     dots = dot_args(_gate_up_kernel, x.dtype)
     block_k = 64 if K >= 64 else max(16, triton.next_power_of_2(K))
@@ -208,11 +227,14 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         x, w13, h, sorted_pairs, block_expert, num_pairs, x.stride(0), w13.stride(0), w13.stride(1),
         K=K, I=I, TOP_K=top_k, E=E, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4, **dots)
-    out = torch.zeros((num_pairs, H), dtype=torch.float32, device=x.device)
+    pair_out = torch.empty((num_pairs, H), dtype=torch.float32, device=x.device)  # routed pairs only are written
     block_n = 64 if H >= 64 else max(16, triton.next_power_of_2(H))
     block_k = 64 if I >= 64 else max(16, triton.next_power_of_2(I))
     _down_kernel[(num_blocks, triton.cdiv(H, block_n))](
-        h, w2, topk_weights.contiguous().float(), out, sorted_pairs, block_expert, num_pairs,
+        h, w2, topk_weights.contiguous().float(), pair_out, sorted_pairs, block_expert, num_pairs,
         w2.stride(0), w2.stride(1), I=I, H=H, E=E, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4, **dots)
-    return out.view(M, top_k, H).sum(dim=1).to(x.dtype)
+    out = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(H))
+    _sum_slots_kernel[(M, triton.cdiv(H, block))](pair_out, ids, out, H=H, E=E, TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_async.kernels import fused_ops
 from megatron_async.models.moe_config import MoEConfig, RouterScore
 from megatron_async.parallel.linear import ReplicatedLinear
 from megatron_async.parallel.sharding import REPLICATED, sharded_param
@@ -26,6 +27,9 @@ class TopKRouter(ReplicatedLinear):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, hidden] -> (expert ids [n, k] int32, weights [n, k] float32)."""
         cfg = self.cfg
+        if cfg.score == RouterScore.SOFTMAX and fused_ops.use_fused(x):  # one kernel after the router GEMM
+            round_to = x.dtype if cfg.weights_in_model_dtype else None
+            return fused_ops.softmax_topk(F.linear(x, self.weight), cfg.top_k, cfg.norm_topk_prob, round_to)
         if cfg.score == RouterScore.SOFTMAX:
             weights, ids = self._softmax_topk(x)
         else:
