@@ -80,6 +80,20 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool,
     return triton_moe_router.softmax_topk(logits, top_k, norm, round_to)
 
 
+def ep_pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows: int, num_experts: int) -> torch.Tensor:
+    """See ``triton_ep_pack.ep_pack``: the EP all-gather's send rows (tokens + routing bits, padded)."""
+    from megatron_async.kernels import triton_ep_pack
+
+    return triton_ep_pack.ep_pack(x, ids, weights, rows, num_experts)
+
+
+def ep_unpack(packed: torch.Tensor, h: int, k: int, first_expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ``triton_ep_pack.ep_unpack``: local expert ids and weights of the gathered rows."""
+    from megatron_async.kernels import triton_ep_pack
+
+    return triton_ep_pack.ep_unpack(packed, h, k, first_expert)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     from megatron_async.kernels import triton_act
 

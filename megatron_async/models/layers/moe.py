@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_async.kernels import fused_ops
 from megatron_async.kernels.moe import fused_experts
 from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.layers.mlp import ReluSquaredMLP
@@ -78,19 +79,24 @@ class RoutedExperts(nn.Module):
         if ep_num_tokens is None or ep_num_tokens < n:
             raise ValueError(f"MoE under expert parallelism needs the agreed padded token count of the step "
                              f"(StepInputs.ep_num_tokens >= {n} tokens on this rank), got {ep_num_tokens}")
-        pad = ep_num_tokens - n
-        x = F.pad(x, (0, 0, 0, pad))
-        ids = F.pad(ids, (0, 0, 0, pad), value=self.num_experts)  # padding rows: no expert
-        weights = F.pad(weights, (0, 0, 0, pad))
         # ONE all-gather for the tokens and their routing: the int32 ids' and float32 weights' bits
         # ride as extra columns of x's dtype (a collective copies bits; small decode exchanges
-        # cost their latency, not their bytes)
+        # cost their latency, not their bytes); padding rows route to no expert
         h, k = x.shape[1], ids.shape[1]
         ids, weights = ids.to(torch.int32), weights.to(torch.float32)  # the bit layout below (no-ops as routed)
-        packed = ep_all_gather(torch.cat([x, ids.view(x.dtype), weights.view(x.dtype)], dim=1), self.parallel)
-        routing_all = packed[:, h:].contiguous().view(torch.int32)  # [ids | weights' bits], k int32 each
-        local_ids = routing_all[:, :k] - self.first_expert  # other ranks' experts fall outside [0, num_local)
-        weights_all = routing_all[:, k:].contiguous().view(torch.float32)
+        fused = fused_ops.use_fused(x)
+        if fused:  # one launch each way instead of pads + cat and two copies + a subtraction
+            packed = ep_all_gather(fused_ops.ep_pack(x, ids, weights, ep_num_tokens, self.num_experts), self.parallel)
+            local_ids, weights_all = fused_ops.ep_unpack(packed, h, k, self.first_expert)
+        else:
+            pad = ep_num_tokens - n
+            x = F.pad(x, (0, 0, 0, pad))
+            ids = F.pad(ids, (0, 0, 0, pad), value=self.num_experts)
+            weights = F.pad(weights, (0, 0, 0, pad))
+            packed = ep_all_gather(torch.cat([x, ids.view(x.dtype), weights.view(x.dtype)], dim=1), self.parallel)
+            routing_all = packed[:, h:].contiguous().view(torch.int32)  # [ids | weights' bits], k int32 each
+            local_ids = routing_all[:, :k] - self.first_expert  # other ranks' experts fall outside [0, num_local)
+            weights_all = routing_all[:, k:].contiguous().view(torch.float32)
         out_all = self._compute(packed[:, :h], local_ids, weights_all)
         return ep_reduce_scatter(out_all, self.parallel)[:n]
 
