@@ -44,8 +44,9 @@ class AttentionMetadata:
     """Tokens per KV block."""
     row_order: torch.Tensor | None = None
     """[R] int32: a permutation of the rows, longest KV first (``longest_first``). The decode
-    kernel starts the longest rows' programs first, so the short ones fill the tail (-3.5 %
-    attention time on an H100 at workload A's lengths). None: row order."""
+    kernel starts the longest rows' programs first, so the short ones fill the tail (H100, workload
+    A's lengths: -3.5 % for the kernel alone, -1.4 % of a decode step's attention in the engine).
+    None: row order."""
 
 
 def longest_first(kv_lens) -> np.ndarray:

@@ -84,8 +84,7 @@ class RoutedExperts(nn.Module):
         # cost their latency, not their bytes); padding rows route to no expert
         h, k = x.shape[1], ids.shape[1]
         ids, weights = ids.to(torch.int32), weights.to(torch.float32)  # the bit layout below (no-ops as routed)
-        fused = fused_ops.use_fused(x)
-        if fused:  # one launch each way instead of pads + cat and two copies + a subtraction
+        if fused_ops.use_fused(x):  # one launch each way instead of pads + cat and two copies + a subtraction
             packed = ep_all_gather(fused_ops.ep_pack(x, ids, weights, ep_num_tokens, self.num_experts), self.parallel)
             local_ids, weights_all = fused_ops.ep_unpack(packed, h, k, self.first_expert)
         else:
