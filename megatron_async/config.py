@@ -174,6 +174,15 @@ class InferenceConfig:
     in float32 and rounded once, so bf16 bits can differ from the unfused P2P path (float32:
     the same). False: the unfused all-reduce then add + RMSNorm (A/B)."""
 
+    ep_p2p_exchange: bool = True
+    """Expert parallelism on GPUs of one host: the MoE layers' all-gather and reduce-scatter of
+    decode-size messages (<= 16 MB) run as one Triton kernel each over symmetric buffers
+    (``parallel/p2p_exchange.py``: CUDA P2P, never multicast) instead of NCCL, whose fixed cost
+    per collective dominates these; larger ones, CPU / gloo, or a group that fails the load-time
+    self-test use NCCL. bf16 partial outputs are summed in float32 in rank order and rounded
+    once (NCCL adds in its own order), so bf16 tokens can differ from an NCCL run's at near-ties.
+    False: NCCL for every size (A/B)."""
+
     p2p_all_reduce_max_bytes: int = 8 << 20
     """Largest message (bytes) the P2P all-reduce takes; larger ones go to NCCL. Each rank
     allocates one symmetric buffer of this size. 0 turns the P2P path off."""

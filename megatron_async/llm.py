@@ -21,6 +21,7 @@ from megatron_async.inference.text_generation_controllers.text_generation_contro
 from megatron_async.kernels.attention import set_attention_backend
 from megatron_async.kernels.mamba_ops import set_mamba_backend
 from megatron_async.parallel.p2p_all_reduce import with_p2p_all_reduce
+from megatron_async.parallel.p2p_exchange import with_p2p_exchange
 from megatron_async.parallel.state import ParallelState
 
 log = logging.getLogger("megatron_async")
@@ -91,6 +92,7 @@ class LLM:
             self.parallel = with_p2p_all_reduce(self.parallel, self.config.tp_all_reduce,
                                                 self.config.p2p_all_reduce_max_bytes, self.device,
                                                 fused_norm=self.config.tp_fused_norm)
+            self.parallel = with_p2p_exchange(self.parallel, self.config.ep_p2p_exchange, self.device)
             if self.parallel.is_distributed:
                 self.communicator = ZMQCommunicator.from_rendezvous(
                     self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size,

@@ -57,7 +57,8 @@ def _rank(rank: int, world: int, args) -> dict:
     name = model_name(args.model, args.layers)
     cfg = InferenceConfig(max_requests=args.max_requests, max_tokens=args.max_tokens,
                           max_sequence_length=args.prompt_len_max + args.output_len_max + 16,
-                          block_size_tokens=16, num_kv_blocks=args.num_kv_blocks, cuda_graphs=args.cuda_graphs)
+                          block_size_tokens=16, num_kv_blocks=args.num_kv_blocks, cuda_graphs=args.cuda_graphs,
+                          ep_p2p_exchange=not args.nccl_exchange)
     llm = LLM(None, device=args.device, dtype=args.dtype, inference_config=cfg, default_model=name,
               expert_parallel_size=world)
     try:
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--nccl-exchange", action="store_true",
+                   help="the MoE exchange over NCCL for every size (default: CUDA P2P kernels for decode sizes)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prompt-len-min", type=int, default=64)
@@ -149,8 +152,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"| {r['decode_ms']:.2f} | {' / '.join(map(str, r['dummy']))} "
               f"| {' / '.join(f'{c:.0f}' for c in r['consensus_us'])} "
               f"| {' / '.join(f'{c:.0f}' for c in r['latency_us'])} | {r['equal']}/{r['n']} |")
-    print(f"\nwhere each rank's wall went (greedy / sampled rows as above): mixed steps (count, s), decode steps "
-          f"(count, s), the rest of the rank's generate() wall (host work outside steps, waiting)")
+    print("\nwhere each rank's wall went (greedy / sampled rows as above): mixed steps (count, s), decode steps "
+          "(count, s), the rest of the rank's generate() wall (host work outside steps, waiting)")
     print("| EP | workload | rank | mixed steps | mixed s | decode steps | decode s | rest s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -86,6 +86,9 @@ def ep_all_gather(x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
     if parallel.ep_size == 1:
         return x
     x = x.contiguous()
+    p2p = parallel.ep_exchanger
+    if p2p is not None and p2p.accepts(x, gather=True):
+        return p2p.all_gather(x)
     out = torch.empty((parallel.ep_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     if x.is_cuda:
         dist.all_gather_into_tensor(out, x, group=parallel.ep_group)
@@ -100,6 +103,9 @@ def ep_reduce_scatter(x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
         return x
     x = x.contiguous()
     n = x.shape[0] // parallel.ep_size
+    p2p = parallel.ep_exchanger
+    if p2p is not None and p2p.accepts(x, gather=False):
+        return p2p.reduce_scatter(x)
     if x.is_cuda:
         out = torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.reduce_scatter_tensor(out, x, group=parallel.ep_group)

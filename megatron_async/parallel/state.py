@@ -41,6 +41,9 @@ class ParallelState:
     tp_reducer: Any = None
     """The TP group's P2P all-reduce for small messages (``parallel/p2p_all_reduce.py``,
     attached by ``with_p2p_all_reduce``); None: the process group's collective for every size."""
+    ep_exchanger: Any = None
+    """The EP group's P2P all-gather / reduce-scatter for small messages (``parallel/p2p_exchange.py``,
+    attached by ``with_p2p_exchange``); None: the process group's collectives."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "ep", "dp"):
@@ -128,7 +131,8 @@ class ParallelState:
 
     def destroy(self) -> None:
         """Leave the process groups (tests run several parallel jobs in one process's lifetime)."""
-        if self.tp_reducer is not None:
-            self.tp_reducer.close()
+        for p2p in (self.tp_reducer, self.ep_exchanger):
+            if p2p is not None:
+                p2p.close()
         if (self.tp_group is not None or self.ep_group is not None) and dist.is_initialized():
             dist.destroy_process_group()

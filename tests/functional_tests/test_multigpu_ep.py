@@ -1,9 +1,10 @@
-"""Data-parallel engines with expert parallelism on 2 / 4 GPUs over NCCL (``pytest -m multigpu``;
+"""Data-parallel engines with expert parallelism on 2 / 4 GPUs (``pytest -m multigpu``;
 skipped below the GPU count): the built-in tiny Qwen3-MoE in float32, experts split E ways, tokens
 exchanged in every MoE layer; eager and CUDA graphs (greedy decode graphs captured by every rank
 at once, padded to the agreed token count; a rank with nothing to launch replays the agreed graph
 on padding rows, since NCCL needs captured-or-not to match across ranks), launch-ahead and
-serial: tokens equal EP=1's."""
+serial: tokens equal EP=1's. The MoE exchange runs through the P2P kernels (asserted: calls
+counted on every rank); test_multigpu_ep_layer.py covers the NCCL collectives."""
 from __future__ import annotations
 
 import pytest
@@ -41,6 +42,8 @@ def _worker(rank: int, world: int, graphs: bool) -> dict:
         graphs = llm.controller.graphs
         outs["replays"] = graphs.num_replays if graphs is not None else 0
         outs["padding_replays"] = graphs.num_padding_replays if graphs is not None else 0
+        p2p = llm.parallel.ep_exchanger  # the default exchange on one host: CUDA P2P kernels, not NCCL
+        outs["p2p_calls"] = dict(p2p.calls) if p2p is not None else {}
         return outs
     finally:
         llm.close()
@@ -58,5 +61,7 @@ def test_fp32_ep_tokens_equal_ep1(ep, graphs):
     replays = [r.pop("replays") for r in ranks]
     padding_replays = sum(r.pop("padding_replays") for r in ranks)  # idle ranks replayed the agreed graph
     assert (min(replays) > 0 and padding_replays > 0) if graphs else max(replays) + padding_replays == 0
+    for calls in (r.pop("p2p_calls") for r in ranks):
+        assert calls.get("all_gather", 0) > 0 and calls.get("reduce_scatter", 0) > 0, calls
     for rank, got in enumerate(ranks):
         assert got == expected, f"rank {rank}"
