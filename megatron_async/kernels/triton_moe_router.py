@@ -52,12 +52,12 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool,
     if logits.dim() != 2 or logits.stride(1) != 1 or not 0 < top_k <= logits.shape[1]:
         raise ValueError(f"softmax_topk: logits {tuple(logits.shape)} with unit last stride and 0 < k <= E, k {top_k}")
     n, num_experts = logits.shape
+    if round_to is not None and round_to not in _ROUND:
+        raise ValueError(f"softmax_topk: cannot round weights to {round_to}")
     ids = torch.empty((n, top_k), dtype=torch.int32, device=logits.device)
     weights = torch.empty((n, top_k), dtype=torch.float32, device=logits.device)
     if n == 0:
         return ids, weights
-    if round_to is not None and round_to not in _ROUND:
-        raise ValueError(f"softmax_topk: cannot round weights to {round_to}")
     rounding = _ROUND[round_to] if round_to is not None else 0
     e_pow2 = triton.next_power_of_2(num_experts)
     _softmax_topk_kernel[(n,)](logits, ids, weights, logits.stride(0), E=num_experts, E_POW2=e_pow2, TOP_K=top_k,

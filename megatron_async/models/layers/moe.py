@@ -35,6 +35,26 @@ from megatron_async.parallel.linear import ReplicatedLinear
 from megatron_async.parallel.state import ParallelState
 
 
+def pack_exchange_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows: int,
+                       num_experts: int) -> torch.Tensor:
+    """The all-gather's send rows in torch ops: [x | int32 ids' bits | float32 weights' bits] in
+    x's dtype, padded to ``rows`` with zero tokens routed to ``num_experts`` (no expert). The
+    reference of ``triton_ep_pack.ep_pack`` (same bytes), and the CPU / gloo path."""
+    pad = rows - x.shape[0]
+    x = F.pad(x, (0, 0, 0, pad))
+    ids = F.pad(ids, (0, 0, 0, pad), value=num_experts)
+    weights = F.pad(weights, (0, 0, 0, pad))
+    return torch.cat([x, ids.view(x.dtype), weights.view(x.dtype)], dim=1)
+
+
+def unpack_exchange_rows(packed: torch.Tensor, h: int, k: int, first_expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered ``pack_exchange_rows`` rows -> (ids local to this rank [R, k] int32, weights [R, k]
+    float32), in torch ops (the reference of ``triton_ep_pack.ep_unpack``)."""
+    routing_all = packed[:, h:].contiguous().view(torch.int32)  # [ids | weights' bits], k int32 each
+    local_ids = routing_all[:, :k] - first_expert  # other ranks' experts fall outside [0, num_local)
+    return local_ids, routing_all[:, k:].contiguous().view(torch.float32)
+
+
 class RoutedExperts(nn.Module):
     """This rank's experts (HF ``experts``): ``gate_up_proj`` (SwiGLU) or ``up_proj``, and
     ``down_proj``, with the EP token exchange around the grouped GEMMs."""
@@ -84,18 +104,11 @@ class RoutedExperts(nn.Module):
         # cost their latency, not their bytes); padding rows route to no expert
         h, k = x.shape[1], ids.shape[1]
         ids, weights = ids.to(torch.int32), weights.to(torch.float32)  # the bit layout below (no-ops as routed)
-        if fused_ops.use_fused(x):  # one launch each way instead of pads + cat and two copies + a subtraction
-            packed = ep_all_gather(fused_ops.ep_pack(x, ids, weights, ep_num_tokens, self.num_experts), self.parallel)
-            local_ids, weights_all = fused_ops.ep_unpack(packed, h, k, self.first_expert)
-        else:
-            pad = ep_num_tokens - n
-            x = F.pad(x, (0, 0, 0, pad))
-            ids = F.pad(ids, (0, 0, 0, pad), value=self.num_experts)
-            weights = F.pad(weights, (0, 0, 0, pad))
-            packed = ep_all_gather(torch.cat([x, ids.view(x.dtype), weights.view(x.dtype)], dim=1), self.parallel)
-            routing_all = packed[:, h:].contiguous().view(torch.int32)  # [ids | weights' bits], k int32 each
-            local_ids = routing_all[:, :k] - self.first_expert  # other ranks' experts fall outside [0, num_local)
-            weights_all = routing_all[:, k:].contiguous().view(torch.float32)
+        # on CUDA one launch each way instead of pads + cat and two copies + a subtraction
+        pack, unpack = ((fused_ops.ep_pack, fused_ops.ep_unpack) if fused_ops.use_fused(x)
+                        else (pack_exchange_rows, unpack_exchange_rows))
+        packed = ep_all_gather(pack(x, ids, weights, ep_num_tokens, self.num_experts), self.parallel)
+        local_ids, weights_all = unpack(packed, h, k, self.first_expert)
         out_all = self._compute(packed[:, :h], local_ids, weights_all)
         return ep_reduce_scatter(out_all, self.parallel)[:n]
 

@@ -5,21 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
 from megatron_async.kernels.triton_ep_pack import ep_pack, ep_unpack  # noqa: E402
+from megatron_async.models.layers.moe import pack_exchange_rows, unpack_exchange_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _torch_pack(x, ids, weights, rows, num_experts):
-    pad = rows - x.shape[0]
-    x = F.pad(x, (0, 0, 0, pad))
-    ids = F.pad(ids, (0, 0, 0, pad), value=num_experts)
-    weights = F.pad(weights, (0, 0, 0, pad))
-    return torch.cat([x, ids.view(x.dtype), weights.view(x.dtype)], dim=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -31,14 +23,13 @@ def test_pack_and_unpack_equal_the_torch_exchange_code(dtype, n, rows, h, k):
     ids = torch.randint(0, E, (n, k), generator=g, dtype=torch.int32).to(DEVICE)
     weights = torch.rand(n, k, generator=g).to(DEVICE)
     packed = ep_pack(x, ids, weights, rows, E)
-    ref = _torch_pack(x, ids, weights, rows, E)
+    ref = pack_exchange_rows(x, ids, weights, rows, E)
     assert packed.dtype == dtype and torch.equal(packed.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                                                  ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
     gathered = torch.cat([packed, packed.flip(0)])  # as an all-gather of two ranks would stack them
     local_ids, w = ep_unpack(gathered, h, k, first)
-    routing = gathered[:, h:].contiguous().view(torch.int32)
-    assert torch.equal(local_ids, routing[:, :k] - first)
-    assert torch.equal(w, routing[:, k:].contiguous().view(torch.float32))
+    ref_ids, ref_w = unpack_exchange_rows(gathered, h, k, first)
+    assert torch.equal(local_ids, ref_ids) and torch.equal(w, ref_w)
     assert local_ids.is_contiguous() and w.is_contiguous()
 
 
