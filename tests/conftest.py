@@ -1,4 +1,5 @@
-"""Suite-wide settings: single-threaded torch (2 threads make CPU timings jump), no hub."""
+"""Suite-wide settings: single-threaded torch (2 threads make CPU timings jump), no hub, and
+without CUDA the Triton interpreter (with a row-independent tl.dot)."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -9,6 +10,18 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+if not torch.cuda.is_available():
+    # Triton kernels can only be interpreted here. Set before triton is first imported: its own
+    # library functions (tl.sum, ...) are built interpreted or compiled at import. The
+    # interpreter's tl.dot is then made as row-independent as a GPU's (see interpreter_dot).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from interpreter_dot import make_interpreter_dot_row_independent
+
+    make_interpreter_dot_row_independent()
 
 
 def pytest_collection_modifyitems(config, items):
