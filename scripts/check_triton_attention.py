@@ -214,6 +214,36 @@ def sweep_prefill(iters: int, tokens: int, min_len: int, max_len: int) -> None:
                           f"{flops / (ms * 1e-3) / 1e12:.0f} | {diff:.2e} |")
 
 
+def grid_order(iters: int) -> None:
+    """The prefill kernel with query tiles fastest in its grid against KV heads fastest (the
+    default), on the sweep's mixed step without its decode rows (8,192 tokens, prompts
+    100-1,024, KV blocks of 16 tokens as the engine's default), then with KV blocks of 64
+    and 256 tokens (what the paged gather costs): us per call in a graph, same bits."""
+    from megatron_async.kernels.triton_prefill_attention import prefill_attention
+
+    gen = torch.Generator().manual_seed(11)
+    rows, left = [], 8192
+    while left > 0:
+        n = min(int(torch.randint(100, 1025, (1,), generator=gen)), left)
+        prefix = n // 2 if len(rows) % 3 == 2 else 0
+        rows.append((prefix, n - prefix))
+        left -= n - prefix
+    flops = sum(4 * HEADS * HEAD_DIM * sum(p + i + 1 for i in range(q)) for p, q in rows)
+    print(f"\nprefill grid order: {sum(q for _, q in rows)} tokens in {len(rows)} rows, {flops / 1e9:.1f} GFLOP")
+    print("| KV block | grid | graph us | TFLOP/s | bits == tiles first |\n|---:|---|---:|---:|---|")
+    for block_size in (16, 64, 256):
+        case = make_case(rows, block_size=block_size, seed=5, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                         head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)
+        base = prefill_attention(case.q, case.kv_cache, case.meta, case.scale, heads_fastest=False)
+        for heads_fastest in (False, True) * (2 if block_size == 16 else 1):
+            fn = functools.partial(prefill_attention, case.q, case.kv_cache, case.meta, case.scale,
+                                   heads_fastest=heads_fastest)
+            ms = graph_ms(fn, iters)
+            print(f"| {block_size} | {'KV heads' if heads_fastest else 'tiles'} first | {ms * 1e3:.1f} | "
+                  f"{flops / (ms * 1e-3) / 1e12:.0f} | {torch.equal(fn(), base)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
@@ -225,6 +255,8 @@ def main() -> None:
                         help="only time the default decode launch with the rows random / longest / shortest first")
     parser.add_argument("--sweep-prefill", type=int, nargs=3, metavar=("TOKENS", "MIN_LEN", "MAX_LEN"), default=None,
                         help="only sweep the prefill kernel's launch settings on one mixed step")
+    parser.add_argument("--grid-order", action="store_true",
+                        help="only time the prefill kernel with query tiles or KV heads first in its grid")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
@@ -235,7 +267,9 @@ def main() -> None:
         sweep_prefill(args.iters, *args.sweep_prefill)
     if args.row_order:
         row_order(args.iters, *args.row_order)
-    if args.sweep or args.sweep_prefill or args.row_order:
+    if args.grid_order:
+        grid_order(args.iters)
+    if args.sweep or args.sweep_prefill or args.row_order or args.grid_order:
         return
     print_table(run_checks(args.block_sizes, args.batches, args.iters))
 

@@ -84,9 +84,14 @@ def _prefill_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FIXED_ORDER: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FASTEST:  # a tile's KV heads run side by side: they read the same tokens' K/V records
+        kv_head = tl.program_id(0)
+        tile = tl.program_id(1)
+    else:
+        tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
 
     # Row of this tile: the last r with cu_query_lens[r] // BLOCK_Q + r <= tile.
     lo = tile * 0  # int32 loop-carried values (num_rows may arrive as a constexpr 1)
@@ -164,13 +169,17 @@ def prefill_attention(
     fixed_order: bool = False,
     num_warps: int = 4,
     num_stages: int = 2,
+    heads_fastest: bool = True,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] (rows as in ``meta``) over each row's
     paged KV (already appended). Returns [T, H, D] in q's dtype.
 
     ``block_q`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the query-token and key
     tile sizes and launch settings (tests, ``check_triton_attention.py --sweep-prefill``).
-    ``fixed_order``: every key tile takes the same masked update (batch-invariant mode)."""
+    ``fixed_order``: every key tile takes the same masked update (batch-invariant mode).
+    ``heads_fastest``: the grid's first axis is the KV head, so the programs of one query tile
+    start together (7 % faster than tiles first on an H100 mixed step: the heads' K/V of a token
+    share one record in the cache, see ``check_triton_attention.py --grid-order``); same bits."""
     check_cache(kv_cache, q)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -185,7 +194,9 @@ def prefill_attention(
     if block_q * block_g < 16:
         block_q = triton.cdiv(16, block_g)  # tl.dot needs >= 16 rows on GPU
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    grid = (num_tokens // block_q + meta.num_rows, num_kv_heads)
+    tiles = num_tokens // block_q + meta.num_rows
+    heads_fastest = heads_fastest and tiles < 65536  # the grid's 2nd axis holds at most 65,535
+    grid = (num_kv_heads, tiles) if heads_fastest else (tiles, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens, out,
         meta.num_rows,
@@ -195,6 +206,6 @@ def prefill_attention(
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
         **dot_args(_prefill_kernel, kv_cache.dtype), FIXED_ORDER=fixed_order,
-        num_warps=num_warps, num_stages=num_stages,
+        HEADS_FASTEST=heads_fastest, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -137,6 +137,17 @@ def test_prefill_kernel_on_decode_rows_and_small_tiles():
     torch.testing.assert_close(out, ref_out, **FP32_TOL)
 
 
+def test_prefill_grid_order_changes_launch_order_only():
+    """KV heads first (the default) or query tiles first in the varlen kernel's grid: same bits."""
+    case = _case(MIXED_ROWS, group=2, head_dim=16, block_size=4, seed=7)
+    ref_out, _ = case.reference()
+    append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
+    heads_first = prefill_attention(case.q, case.kv_cache, case.meta, case.scale)
+    tiles_first = prefill_attention(case.q, case.kv_cache, case.meta, case.scale, heads_fastest=False)
+    assert torch.equal(heads_first, tiles_first)
+    torch.testing.assert_close(heads_first, ref_out, **FP32_TOL)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows", [DECODE_ROWS, MIXED_ROWS], ids=["decode", "mixed"])
 def test_low_precision(dtype, rows):
