@@ -9,12 +9,18 @@ The batch's requests all arrive at once; after prefill and a few warm decode ste
 capture, Triton builds) ``--steps`` decode-only steps run under the profiler (CUDA activity only).
 ``--mixed`` profiles the prefill / mixed steps instead: a first batch of the same shape runs to
 its end (every kernel built, every graph captured), then the second batch's steps up to its
-first decode-only step run under the profiler."""
+first decode-only step run under the profiler.
+
+Under ``torchrun --nproc-per-node N`` the model runs tensor-parallel over the N ranks (decode
+profile only); rank 0 adds the requests and prints its own device's table.
+
+    torchrun --nproc-per-node 2 scripts/profile_decode_kernels.py --model qwen3-8b --batch 64"""
 from __future__ import annotations
 
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import random
 import time
@@ -27,6 +33,7 @@ from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.tools.cli import default_buffer_gb
 
 GROUPS = [  # (role, name substrings), first match wins
+    ("all-reduce (TP)", ("all_reduce", "allreduce", "nccl", "_fused_kernel", "symm_mem", "multimem")),
     ("sampler", ("_stats_kernel", "_draw_kernel", "_pick_kernel", "_stage_init", "_level_pass", "_level_update",
                  "_finish_kernel", "_penalty_kernel")),
     ("attention", ("attention", "attn", "_paged", "decode_kernel", "_decode_split", "_decode_merge",
@@ -84,12 +91,16 @@ def run(args, sampled: bool) -> None:
     cfg = InferenceConfig(max_requests=args.batch, max_tokens=args.max_tokens or max(4096, args.batch),
                           buffer_size_gb=kv_gb, **extra,
                           async_scheduling=not args.serial, cuda_graphs=not args.eager, attention_backend="triton")
-    llm = LLM(device="cuda", dtype="bfloat16", default_model=args.model, inference_config=cfg)
+    tp = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp > 1 and args.mixed:
+        raise SystemExit("--mixed profiles one process; the tensor-parallel profile is of decode steps")
+    llm = LLM(device="cuda", dtype="bfloat16", default_model=args.model, inference_config=cfg, tensor_parallel_size=tp)
+    say = print if llm.is_leader else (lambda *a, **k: None)
     rng = random.Random(0)
     n_out = args.warm_steps + 3 * args.steps + 8  # every request still decoding in the profiled steps
 
-    def add_batch() -> None:
-        for i in range(args.batch):
+    def add_batch() -> None:  # under TP the leader's requests reach the other ranks in the step's consensus
+        for i in range(args.batch if llm.is_leader else 0):
             sp = (SamplingParams(temperature=0.8, top_p=0.95, seed=i, ignore_eos=True, num_tokens_to_generate=n_out)
                   if sampled else SamplingParams(top_k=1, ignore_eos=True, num_tokens_to_generate=n_out))
             n = rng.randint(args.prompt_len_min, args.prompt_len) if args.prompt_len_min else args.prompt_len
@@ -118,10 +129,12 @@ def run(args, sampled: bool) -> None:
     wall_ms, host = host_side(llm, args.steps)
     label = "sampled (temperature 0.8, top-p 0.95)" if sampled else "greedy"
     busy_ms = total / args.steps / 1e3
-    print(f"\n### {label}: batch {args.batch}, {args.steps} decode steps, device busy {busy_ms:.3f} ms per step; "
-          f"wall {wall_ms:.3f} ms per step without the profiler (device busy / wall {busy_ms / wall_ms:.0%})")
-    print(f"\nhost, cProfile of {args.steps} more steps (top by own time):\n```\n{host}```")
-    print_roles(rows, args.steps, args.top)
+    say(f"\n### {label}: batch {args.batch}, {args.steps} decode steps, TP={tp} (rank 0's device), device busy "
+        f"{busy_ms:.3f} ms per step; wall {wall_ms:.3f} ms per step without the profiler (device busy / wall "
+        f"{busy_ms / wall_ms:.0%})")
+    say(f"\nhost, cProfile of {args.steps} more steps (top by own time):\n```\n{host}```")
+    if llm.is_leader:
+        print_roles(rows, args.steps, args.top)
     del llm
     torch.cuda.empty_cache()
 
@@ -185,7 +198,8 @@ def main() -> None:
     p.add_argument("--serial", action="store_true", help="no launch-ahead")
     p.add_argument("--workloads", default="greedy,sampled")
     args = p.parse_args()
-    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for w in args.workloads.split(","):
         run(args, sampled=w.strip() == "sampled")
 
