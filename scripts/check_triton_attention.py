@@ -257,7 +257,12 @@ def main() -> None:
                         help="only sweep the prefill kernel's launch settings on one mixed step")
     parser.add_argument("--grid-order", action="store_true",
                         help="only time the prefill kernel with query tiles or KV heads first in its grid")
+    parser.add_argument("--heads", type=int, nargs=2, metavar=("HEADS", "KV_HEADS"), default=None,
+                        help="query and KV heads per rank for --sweep / --row-order (default 16 8, Qwen3-0.6B)")
     args = parser.parse_args()
+    if args.heads:
+        global HEADS, KV_HEADS
+        HEADS, KV_HEADS = args.heads
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
     print(torch.cuda.get_device_name(), f"torch {torch.__version__}")

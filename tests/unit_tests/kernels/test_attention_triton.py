@@ -137,6 +137,20 @@ def test_prefill_kernel_on_decode_rows_and_small_tiles():
     torch.testing.assert_close(out, ref_out, **FP32_TOL)
 
 
+def test_decode_split_count_rule(monkeypatch):
+    """Splits fill a 132-SM device about twice; rows x KV heads within 5 % of that keep one."""
+    from megatron_async.kernels import triton_decode_attention as dec
+
+    monkeypatch.setattr(dec, "num_compute_units", lambda device: 132)
+    dev = torch.device(DEVICE)
+    assert dec.choose_num_splits(32, 8, 128, 16, dev) == 1  # 256 programs: 1.94 fills
+    assert dec.choose_num_splits(64, 4, 128, 16, dev) == 1
+    assert dec.choose_num_splits(24, 8, 128, 16, dev) == 2  # 192 programs
+    assert dec.choose_num_splits(16, 8, 128, 16, dev) == 3
+    assert dec.choose_num_splits(1, 8, 128, 16, dev) == 16  # capped: >= 128 keys per split of a 2,048-token row
+    assert dec.choose_num_splits(1, 8, 8, 16, dev) == 1  # a 128-token table keeps one split
+
+
 def test_prefill_grid_order_changes_launch_order_only():
     """KV heads first (the default) or query tiles first in the varlen kernel's grid: same bits."""
     case = _case(MIXED_ROWS, group=2, head_dim=16, block_size=4, seed=7)
