@@ -5,14 +5,15 @@ A row-parallel layer leaves a partial product on every TP rank; the next block n
 all-reduce kernel and an add + RMSNorm kernel, the summed hidden state going through HBM in
 between. Here one kernel, on every rank:
 
-1. copies this rank's partial rows into its symmetric buffer (mapped into every peer);
+1. writes this rank's partial rows into slot ``rank`` of EVERY rank's symmetric buffer (the
+   peers' over NVLink: stores are posted, so they overlap where loads from peers would each
+   wait a round trip); a buffer holds world_size slots of the message;
 2. meets the other ranks at a barrier (below);
-3. reads every rank's copy of its rows over NVLink, adds them in float32 IN RANK ORDER (the
-   same order on every rank, so every rank holds the same bits), rounds to the activation
-   dtype (what the all-reduce's output tensor holds), adds the residual (rounded, as
-   ``x + residual``) and writes it, then the RMSNorm of it (``triton_rmsnorm``'s numerics);
-4. meets the ranks again, so that no rank's next call overwrites its buffer while a peer
-   still reads it.
+3. reads the world_size slots of its own buffer (local memory), adds them in float32 IN RANK
+   ORDER (the same order on every rank, so every rank holds the same bits), rounds to the
+   activation dtype (what the all-reduce's output tensor holds), adds the residual (rounded,
+   as ``x + residual``) and writes it, then the RMSNorm of it (``triton_rmsnorm``'s numerics);
+4. meets the ranks again, so that no rank's next call writes into a buffer a peer still reads.
 
 The barrier: each program (a fixed set of rows) owns one flag slot per rank in every rank's
 signal pad. It raises its slot in every peer's pad (compare-and-swap 0 -> 1, release at
@@ -90,19 +91,22 @@ def _fused_kernel(
     dtype = x_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
+    msg = M * N  # W * M * N < 2**31: world_size messages fit the staging buffer
     my_buf = tl.multiple_of(tl.load(buf_table_ptr + rank).to(tl.pointer_type(dtype)), 16)
     for row in range(pid, M, num_programs):
-        base = row * N  # M * N < 2**31: the message fits the staging buffer
-        tl.store(my_buf + base + offs, tl.load(x_ptr + base + offs, mask=mask), mask=mask)
+        base = row * N
+        x = tl.load(x_ptr + base + offs, mask=mask)
+        for r in tl.static_range(W):  # slot `rank` of every rank's buffer
+            peer = tl.multiple_of(tl.load(buf_table_ptr + r).to(tl.pointer_type(dtype)), 16)
+            tl.store(peer + rank * msg + base + offs, x, mask=mask)
     if BARRIER:
         _barrier(pad_table_ptr, pid, rank, W)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, M, num_programs):
-        base = row * N  # M * N < 2**31: the message fits the staging buffer
+        base = row * N
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for r in tl.static_range(W):
-            peer = tl.multiple_of(tl.load(buf_table_ptr + r).to(tl.pointer_type(dtype)), 16)
-            acc += tl.load(peer + base + offs, mask=mask, other=0.0).to(tl.float32)
+        for r in tl.static_range(W):  # rank r's rows, in this rank's own buffer
+            acc += tl.load(my_buf + r * msg + base + offs, mask=mask, other=0.0).to(tl.float32)
         reduced = acc.to(dtype).to(tl.float32)  # the all-reduce's output, as the unfused path holds it
         res = tl.load(res_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
         h = (reduced + res).to(res_out_ptr.dtype.element_ty)
@@ -142,7 +146,7 @@ def all_reduce_add_rms_norm(
     """(rms_norm(residual + sum_r x_r) * weight, residual + sum_r x_r) over the TP ranks, new tensors.
 
     ``buffer_table`` / ``pad_table``: int64 [W] on x's device, the address of every rank's
-    staging buffer (>= x's bytes, 16-byte aligned) and signal pad (int32 slots: at least
+    staging buffer (>= W times x's bytes, 16-byte aligned) and signal pad (int32 slots: at least
     ``2 * max_programs * W``), this rank's at ``rank``. ``max_programs`` caps the grid and is
     where the exit barrier's slot region starts. ``barrier=False`` skips both barriers (tests
     on one process whose "peers" are already in their buffers); never on real ranks."""

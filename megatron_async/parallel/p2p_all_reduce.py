@@ -46,8 +46,9 @@ reads world_size x the message per rank). The crossover vLLM's custom all-reduce
 not measured here yet: ``scripts/bench_all_reduce.py`` times both at every size."""
 
 FUSED_NORM_MAX_BYTES = 2 << 20
-"""Largest partial product the fused all-reduce + add + RMSNorm takes (one-shot: each rank reads
-world_size x the message); larger ones (prefill) are reduced first, then normed as before.
+"""Largest partial product the fused all-reduce + add + RMSNorm takes (each rank's buffer holds
+world_size messages, one pushed by every rank, so also at most max_bytes / world_size); larger
+ones (prefill) are reduced first, then normed as before.
 ``scripts/bench_all_reduce.py --fused`` times both paths per size."""
 
 FUSED_MAX_PROGRAMS = 128
@@ -106,7 +107,7 @@ class P2PAllReduce:
         self.peers = peers
         """Every rank's buffer and signal-pad address, for the fused kernel (None: not fused)."""
         pow2 = peers is not None and peers.world_size & (peers.world_size - 1) == 0
-        self.fused_max_bytes = min(FUSED_NORM_MAX_BYTES, max_bytes) if pow2 else 0
+        self.fused_max_bytes = min(FUSED_NORM_MAX_BYTES, max_bytes // peers.world_size) if pow2 else 0
         """Largest partial product ``fuses_norm`` takes; 0 turns the fused path off (mutable,
         like ``max_bytes``, for A/B runs in one process). Off for TP sizes that are not powers of 2."""
         self.max_bytes = max_bytes

@@ -1,7 +1,8 @@
 """A stand-in for the P2P reducer on CPU (gloo) tensor-parallel runs, so the fused all-reduce +
 add + RMSNorm path runs end to end without GPUs: the ranks' partials are all-gathered over
-gloo and the fused Triton kernel (``TRITON_INTERPRET=1``) reads the gathered copies as if they
-were the peers' symmetric buffers, its barrier off (every copy is there before the launch).
+gloo into this rank's "symmetric buffer" (one slot per rank, as the peers' pushes leave it) and
+the fused Triton kernel (``TRITON_INTERPRET=1``) reduces them, its barrier off (every slot is
+there before the launch; its own pushes into the peers' buffers land in scratch tensors).
 Plain all-reduces still go to gloo. Tests patch ``megatron_async.llm.with_p2p_all_reduce``
 with ``attach_gathered_peers_reducer``."""
 from __future__ import annotations
@@ -34,9 +35,10 @@ class GatheredPeersReducer:
 
         if not fused.supported(partial, residual, weight, self.world):
             return None
-        parts = [torch.empty_like(partial) for _ in range(self.world)]
-        dist.all_gather(parts, partial, group=self.group)  # parts[rank]: the kernel's copy-in target
-        table = torch.tensor([p.data_ptr() for p in parts], dtype=torch.int64)
+        own = partial.new_empty((self.world, *partial.shape))  # slot r: rank r's partial
+        dist.all_gather(list(own.unbind(0)), partial, group=self.group)
+        buffers = [own if r == self.rank else torch.empty_like(own) for r in range(self.world)]
+        table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
         pads = torch.zeros(self.world, dtype=torch.int64)  # never read: no barrier
         self.calls["fused_norm"] += 1
         return fused.all_reduce_add_rms_norm(partial, residual, weight, eps, cast_before_weight, table, pads,

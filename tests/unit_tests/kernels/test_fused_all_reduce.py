@@ -1,7 +1,8 @@
 """The fused TP all-reduce + residual add + RMSNorm kernel, one process playing one rank.
 
-The other ranks' partials are placed in their "symmetric buffers" (same-process tensors whose
-addresses fill the pointer table) before the launch, as if their copy-in had run, and their
+The other ranks' partials are placed in their slots of this rank's "symmetric buffer" (same-
+process tensors whose addresses fill the pointer table) before the launch, as if their pushes
+had run, and their
 barrier flags in this rank's signal pad are raised beforehand: the kernel's own raises then go
 into the peers' pads and its waits find the peers' flags. So one launch checks the arithmetic
 (against sum in rank order + add + RMSNorm) and the flag protocol (this rank's pad back to zero
@@ -37,11 +38,11 @@ def _play_rank(parts: list[torch.Tensor], rank: int, residual: torch.Tensor, nor
     """Run the kernel as ``rank``; returns (out, new residual, every rank's signal pad after)."""
     W = len(parts)
     M, N = parts[0].shape
-    buffers = [torch.zeros(M * N + 64, dtype=parts[0].dtype, device=DEVICE) for _ in range(W)]
+    buffers = [torch.zeros(W * M * N + 64, dtype=parts[0].dtype, device=DEVICE) for _ in range(W)]
     pads = [torch.zeros(2 * max_programs * W, dtype=torch.int32, device=DEVICE) for _ in range(W)]
     for r in range(W):
-        if r != rank:
-            buffers[r][: M * N].copy_(parts[r].flatten())
+        if r != rank:  # the peers' pushes into this rank's buffer
+            buffers[rank][r * M * N: (r + 1) * M * N].copy_(parts[r].flatten())
     programs = min(M, max_programs)
     flags = pads[rank].view(2, max_programs, W)
     flags[:, :programs, :] = 1
@@ -49,7 +50,8 @@ def _play_rank(parts: list[torch.Tensor], rank: int, residual: torch.Tensor, nor
     table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
     out, new_res = fused.all_reduce_add_rms_norm(parts[rank], residual, norm.weight, EPS, norm.cast_before_weight,
                                                  table(buffers), table(pads), rank, max_programs, barrier)
-    assert torch.equal(buffers[rank][: M * N], parts[rank].flatten())  # its copy-in, for the peers to read
+    for b in buffers:  # its push: slot `rank` of every buffer, its own included
+        assert torch.equal(b[rank * M * N: (rank + 1) * M * N], parts[rank].flatten())
     return out, new_res, pads
 
 
