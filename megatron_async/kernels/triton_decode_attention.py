@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from megatron_async.inference.contexts.metadata import AttentionMetadata
-from megatron_async.kernels.triton_paged_common import check_cache, dot_args, load_kv_tile, num_compute_units
+from megatron_async.kernels.triton_paged_common import check_cache, dot_args, kv_tile_rows, load_kv, num_compute_units
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -96,8 +96,8 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        k = load_kv_tile(k_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
-                         stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        rows = kv_tile_rows(table_ptr, n0, end, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N)
+        k = load_kv(k_cache_ptr, rows, offs_d, n_mask, d_mask)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # Every iteration has >= 1 visible key, so m_new is finite.
@@ -105,8 +105,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv_tile(v_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
-                         stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        v = load_kv(v_cache_ptr, rows, offs_d, n_mask, d_mask)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
 

@@ -14,26 +14,37 @@ from triton.runtime.interpreter import InterpretedFunction
 
 
 @triton.jit
-def load_kv_tile(
-    cache_ptr,
+def kv_tile_rows(
     table_ptr,
-    offs_n,
-    offs_d,
-    n_mask,
-    d_mask,
+    n0,
+    hi,
     kv_head,
     stride_block,
     stride_slot,
     stride_head,
     BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """Gather keys (or values) ``offs_n`` of one row and one KV head: [BLOCK_N, BLOCK_D].
+    """Cache offsets (int64 [BLOCK_N]) of keys ``n0 .. n0 + BLOCK_N - 1`` of one row and KV head,
+    for the tile's K and V loads both; ``n0`` a multiple of BLOCK_N, keys from ``hi`` on masked
+    (they get block 0's offsets). A tile inside one KV block reads one table entry; otherwise
+    every key looks up its own block (any power-of-two block size; the repeats hit L1). Loading
+    one entry per block and reshaping [blocks, BLOCK_SIZE] offsets to [BLOCK_N] instead was 1.7x
+    (prefill) to 4.6x (decode) slower on an H100: the reshape's layout change, every tile."""
+    if BLOCK_SIZE >= BLOCK_N:
+        block = tl.load(table_ptr + n0 // BLOCK_SIZE).to(tl.int64)
+        rows = block * stride_block + (n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N)) * stride_slot
+    else:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < hi, other=0)
+        rows = block_ids.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_slot
+    return rows + kv_head * stride_head
 
-    Every token looks up its own block id, so a tile may span several KV blocks and any
-    power-of-two block size works (small blocks just repeat table loads, which hit L1).
-    Masked tokens load 0 and never touch memory: unused slots may hold anything."""
-    block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-    rows = block_ids.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+
+@triton.jit
+def load_kv(cache_ptr, rows, offs_d, n_mask, d_mask):
+    """Keys (or values) at ``rows`` (from ``kv_tile_rows``): [BLOCK_N, BLOCK_D]. Masked keys load
+    0 and never touch memory: unused slots may hold anything."""
     return tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
 
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from megatron_async.inference.contexts.metadata import AttentionMetadata
-from megatron_async.kernels.triton_paged_common import check_cache, dot_args, load_kv_tile
+from megatron_async.kernels.triton_paged_common import check_cache, dot_args, kv_tile_rows, load_kv
 
 _LOG2E = 1.4426950408889634
 
@@ -35,8 +35,8 @@ def _attend_keys(
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        k = load_kv_tile(k_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
-                         stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N)
+        k = load_kv(k_cache_ptr, rows, offs_d, n_mask, d_mask)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2
         if CAUSAL_MASK:
             visible = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < kv_len)
@@ -47,8 +47,7 @@ def _attend_keys(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv_tile(v_cache_ptr, table_ptr, offs_n, offs_d, n_mask, d_mask, kv_head,
-                         stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        v = load_kv(v_cache_ptr, rows, offs_d, n_mask, d_mask)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
