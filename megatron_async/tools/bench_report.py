@@ -20,6 +20,8 @@ class ModeResult:
     output_tokens: int = 0
     wall_time_s: float = 0.0
     output_tokens_per_s: float = 0.0
+    tokens_per_s_runs: list[float] = field(default_factory=list)
+    """Output tokens/s of every timed run (benchmark ``--repeats``); the row is the median run."""
     ratio_to: dict[str, float] = field(default_factory=dict)
     """Output tokens/s over each HF peer's on the same workload."""
     mean_decode_step_ms: float | None = None
@@ -86,6 +88,13 @@ def _best_peer(r: ModeResult) -> str:
     return f"{r.ratio_to[best]:.2f} ({best.removeprefix('hf_generate').strip('_') or 'gen'})"
 
 
+def _tok_s(r: ModeResult) -> str:
+    """The row's tok/s, and the range over its timed runs when there were several."""
+    runs = r.tokens_per_s_runs
+    spread = f" ({min(runs):,.0f}-{max(runs):,.0f})" if len(runs) > 1 else ""
+    return f"{r.output_tokens_per_s:,.1f}{spread}"
+
+
 def format_table(results: list[ModeResult]) -> str:
     head = ["mode", "workload", "status", "out tok/s", "x best HF", "decode ms", "mixed ms", "batch", "step/floor", "mixed/floor",
             "TTFT p50/p99 ms", "ITL p50/p99 ms", "idle run %", "idle decode %", "prof tok/s", "=serial",
@@ -98,7 +107,7 @@ def format_table(results: list[ModeResult]) -> str:
         lat = r.latency_ms or {}
         builds = "n/a" if r.triton_builds is None else f"{r.triton_builds}/{r.graph_captures or 0}"
         rows.append([
-            r.mode, r.workload, r.status, f"{r.output_tokens_per_s:,.1f}", _best_peer(r),
+            r.mode, r.workload, r.status, _tok_s(r), _best_peer(r),
             _fmt(r.mean_decode_step_ms, ".2f"), _fmt(r.mean_mixed_step_ms, ".2f"), _fmt(r.mean_decode_batch, ".1f"), _fmt(r.step_over_floor, ".2f"),
             _fmt(r.mixed_over_floor, ".2f"), _pair(lat.get("ttft_p50_ms"), lat.get("ttft_p99_ms")), _pair(lat.get("itl_p50_ms"), lat.get("itl_p99_ms"), ".2f"),
             _fmt(r.run_idle_share, ".1f", 100.0), _fmt(r.decode_idle_share, ".1f", 100.0),

@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine modes: time right after the engine's own startup warm-up, without the twin run")
     g.add_argument("--no-idle-profile", action="store_true",
                    help="skip the profiled second run that gives the device idle shares (CUDA)")
+    g.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per engine mode and workload, on the same engine: the table shows the median "
+                        "run (by tok/s; the slower middle one for an even count) and the tok/s range, so an A/B of "
+                        "a few percent can be told from run-to-run spread (use an odd count)")
     g.add_argument("--max-minutes", type=float, default=30.0, help="stop starting/continuing modes after this")
     g.add_argument("--output-dir", default="benchmark_out", help="benchmark.json and step_times.png go here")
     g.add_argument("--smoke", action="store_true", help="tiny model, few requests, CPU: seconds")
@@ -93,6 +97,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not args.workloads or set(args.workloads) - set(WORKLOADS):
         p.error(f"--workloads: choose from {', '.join(WORKLOADS)}")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     defaults = InferenceConfig()
     args.max_requests = args.max_requests or defaults.max_requests
     args.max_tokens = args.max_tokens or max(defaults.max_tokens, args.max_requests)
@@ -238,9 +244,27 @@ class Benchmark:
         return results
 
     def _timed_engine_run(self, llm: LLM, mode: str, wl: str, warm_s: float, startup: dict) -> ModeResult:
+        """``--repeats`` timed runs; the median one's numbers (every run's tok/s kept), then the
+        profiled run for the device idle shares."""
         if not self.time_left():
             return ModeResult(mode, wl, "skipped", "time budget (--max-minutes) spent")
         make = params_factory(wl, self.args.seed, self.requests)
+        runs = []
+        for _ in range(self.args.repeats):
+            if runs and not self.time_left():
+                break
+            runs.append(self._one_timed_run(llm, mode, wl, make, warm_s, startup))
+        res = sorted(runs, key=lambda r: r.output_tokens_per_s)[(len(runs) - 1) // 2]
+        res.tokens_per_s_runs = [r.output_tokens_per_s for r in runs]
+        if self.device.type == "cuda" and not self.args.no_idle_profile and self.time_left():
+            prof_run, idle = profile_run(llm.engine, lambda: run_workload(llm.engine, self.requests, make,
+                                                                          deadline=self.deadline))
+            res.run_idle_share, res.decode_idle_share = idle.run_idle_share, idle.decode_idle_share
+            res.profiled_tokens_per_s = prof_run.output_tokens / prof_run.wall_time if prof_run.wall_time else None
+            res.idle_profile = asdict(idle)
+        return res
+
+    def _one_timed_run(self, llm: LLM, mode: str, wl: str, make, warm_s: float, startup: dict) -> ModeResult:
         gc.collect()  # earlier runs' garbage (a profiled run's) is collected here, not as a stall in this run
         window = StatsWindow(llm.engine)
         with CompileCounter(llm.controller.graphs) as compiles:
@@ -272,12 +296,6 @@ class Benchmark:
         if mode == "serial":
             self.serial_tokens[wl] = tokens
         res.same_tokens_as_serial = self._match_serial(wl, tokens)
-        if self.device.type == "cuda" and not self.args.no_idle_profile and self.time_left():
-            prof_run, idle = profile_run(llm.engine, lambda: run_workload(llm.engine, self.requests, make,
-                                                                          deadline=self.deadline))
-            res.run_idle_share, res.decode_idle_share = idle.run_idle_share, idle.decode_idle_share
-            res.profiled_tokens_per_s = prof_run.output_tokens / prof_run.wall_time if prof_run.wall_time else None
-            res.idle_profile = asdict(idle)
         return res
 
     def _match_serial(self, wl: str, tokens: list[list[int] | None]) -> float | None:

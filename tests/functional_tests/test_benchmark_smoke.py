@@ -80,6 +80,22 @@ def test_mode_subset_time_guard_and_main_job_dispatch(tmp_path, capsys):
     assert "time budget" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         benchmark_main(["--smoke", "--modes", "nonsense"])
+    with pytest.raises(SystemExit):
+        benchmark_main(["--smoke", "--repeats", "0"])
+
+
+def test_repeats_report_the_median_run_and_the_range(tmp_path):
+    from megatron_async.tools.bench_report import format_table
+
+    results = benchmark_main(["--smoke", "--modes", "async", "--workloads", "greedy", "--repeats", "3",
+                              "--output-dir", str(tmp_path)])
+    (r,) = results
+    assert r.status == "ok" and len(r.tokens_per_s_runs) == 3
+    assert r.output_tokens_per_s == sorted(r.tokens_per_s_runs)[1]  # the median run's own numbers
+    lo, hi = min(r.tokens_per_s_runs), max(r.tokens_per_s_runs)
+    assert f"({lo:,.0f}-{hi:,.0f})" in format_table(results)
+    report = json.loads((tmp_path / "benchmark.json").read_text())
+    assert report["modes"][0]["tokens_per_s_runs"] == r.tokens_per_s_runs
 
 
 def test_union_and_idle_share():
