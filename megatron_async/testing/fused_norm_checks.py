@@ -56,7 +56,7 @@ def check_fused_norm(reducer: P2PAllReduce, group, seed: int) -> list[dict]:
             partial, residual, weight = _inputs(rows, dtype, rank, seed + rows)
             row = {"dtype": str(dtype).split(".")[-1], "rows": rows, "bytes": partial.numel() * partial.element_size(),
                    "fused": reducer.fuses_norm(partial), "fused_max_bytes": reducer.fused_max_bytes,
-                   "world": reducer.peers.world_size}
+                   "buffer_bytes": reducer.max_bytes, "world": reducer.peers.world_size}
             if row["fused"]:
                 out, new_res = reducer.add_rms_norm(partial, residual, weight, EPS, True)
                 ref_out, ref_res = unfused(reducer, partial.clone(), residual, weight)
@@ -113,8 +113,8 @@ def time_layer_halves(reducer: P2PAllReduce, group, rows_list: list[int], iters:
 def assert_fused_report(values: list[dict], replays: list[bool]) -> None:
     """What one rank's fused checks must show (AssertionError with the row)."""
     for row in values:
-        # FUSED_NORM_MAX_BYTES, and world_size pushed messages fit the checks' 8 MB buffer
-        assert row["fused_max_bytes"] == min(2 << 20, (8 << 20) // row["world"]), row
+        # FUSED_NORM_MAX_BYTES, and world_size pushed messages fit the reducer's buffer
+        assert row["fused_max_bytes"] == min(2 << 20, row["buffer_bytes"] // row["world"]), row
         assert row["fused"] == (row["bytes"] <= row["fused_max_bytes"]), row
         if not row["fused"]:
             continue
