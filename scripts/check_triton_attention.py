@@ -127,25 +127,28 @@ def print_table(rows: list[Row]) -> None:
               f" {fmt(r.decode_gbps, '8.0f'):>8} {fmt(r.splits, 'd'):>6}")
 
 
-def sweep(iters: int, batch: int, min_len: int, max_len: int) -> None:
-    """Decode kernel launch settings at one batch (KV lengths uniform in [min_len, max_len], KV
-    blocks of 16 tokens as the engine's default): graph ms and KV GB/s per variant, and whether
-    its output equals the default's bits."""
+def sweep(iters: int, batch: int, min_len: int, max_len: int, heads_fastest: bool) -> None:
+    """Decode kernel launch settings at one batch (KV lengths uniform in [min_len, max_len],
+    rows longest first as the engine launches them, KV blocks of 16 tokens as the engine's
+    default; ``heads_fastest``: the grid's KV-head order): graph ms and KV GB/s per variant,
+    and whether its output equals the default's bits."""
     gen = torch.Generator().manual_seed(7)
-    lens = torch.randint(min_len, max_len + 1, (batch,), generator=gen).tolist()
+    lens = sorted(torch.randint(min_len, max_len + 1, (batch,), generator=gen).tolist(), reverse=True)
     case = make_case([(n - 1, 1) for n in lens], block_size=16, seed=3, num_heads=HEADS, num_kv_heads=KV_HEADS,
                      head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the new keys
     kv_bytes = 2 * int(case.meta.kv_lens.sum()) * KV_HEADS * HEAD_DIM * case.kv_cache.element_size()
     base = decode_attention(case.q, case.kv_cache, case.meta, case.scale)
-    print(f"\ndecode sweep: {batch} rows, KV {min_len}-{max_len} tokens, {kv_bytes / 1e6:.0f} MB of KV")
+    order = "KV heads" if heads_fastest else "rows"
+    print(f"\ndecode sweep ({order} first): {batch} rows, KV {min_len}-{max_len} tokens, {kv_bytes / 1e6:.0f} MB of KV")
     print("| splits | block_n | warps | stages | graph us | KV GB/s | bits == default |")
     print("|---:|---:|---:|---:|---:|---:|---|")
     for splits in (1, 2):
         for block_n in (32, 64, 128):
             for warps in (2, 4, 8):
                 for stages in (1, 2, 3, 4):
-                    kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+                    kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages,
+                              heads_fastest=heads_fastest)
                     try:
                         out = decode_attention(case.q, case.kv_cache, case.meta, case.scale, **kw)
                         ms = graph_ms(lambda: decode_attention(case.q, case.kv_cache, case.meta, case.scale, **kw),
@@ -172,6 +175,35 @@ def row_order(iters: int, batch: int, min_len: int, max_len: int) -> None:
         kv_bytes = 2 * int(case.meta.kv_lens.sum()) * KV_HEADS * HEAD_DIM * case.kv_cache.element_size()
         ms = graph_ms(functools.partial(decode_attention, case.q, case.kv_cache, case.meta, case.scale), iters)
         print(f"| {order} | {ms * 1e3:.1f} | {kv_bytes / (ms * 1e-3) / 1e9:.0f} |")
+
+
+def decode_grid(iters: int, batch: int, min_len: int, max_len: int) -> None:
+    """The decode kernel with rows or KV heads fastest in its grid (rows longest first, as the
+    engine launches them), at a few tile / stage settings: us per call in a graph, KV GB/s,
+    same bits as the default; then the default launch's registers and shared memory."""
+    gen = torch.Generator().manual_seed(7)
+    lens = sorted(torch.randint(min_len, max_len + 1, (batch,), generator=gen).tolist(), reverse=True)
+    case = make_case([(n - 1, 1) for n in lens], block_size=16, seed=3, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                     head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)
+    kv_bytes = 2 * int(case.meta.kv_lens.sum()) * KV_HEADS * HEAD_DIM * case.kv_cache.element_size()
+    base = decode_attention(case.q, case.kv_cache, case.meta, case.scale)
+    print(f"\ndecode grid order: {batch} rows longest first, KV {min_len}-{max_len} tokens, {kv_bytes / 1e6:.0f} MB")
+    print("| grid | block_n | stages | graph us | KV GB/s | bits == default |\n|---|---:|---:|---:|---:|---|")
+    for block_n, stages in ((128, 4), (128, 3), (64, 4), (64, 2)):
+        for heads_fastest in (False, True, False, True):
+            kw = dict(block_n=block_n, num_stages=stages, heads_fastest=heads_fastest)
+            fn = functools.partial(decode_attention, case.q, case.kv_cache, case.meta, case.scale, **kw)
+            ms = graph_ms(fn, iters)
+            print(f"| {'KV heads' if heads_fastest else 'rows'} first | {block_n} | {stages} | {ms * 1e3:.1f} | "
+                  f"{kv_bytes / (ms * 1e-3) / 1e9:.0f} | {torch.equal(fn(), base)} |")
+    from megatron_async.kernels.triton_decode_attention import _decode_split_kernel
+    try:  # Triton's per-device cache of compiled variants (an internal layout: best effort)
+        for kernel in _decode_split_kernel.device_caches[torch.cuda.current_device()][0].values():
+            print(f"compiled variant: regs {kernel.n_regs}, shared {kernel.metadata.shared} B, "
+                  f"warps {kernel.metadata.num_warps}, stages {kernel.metadata.num_stages}")
+    except Exception as e:  # noqa: BLE001
+        print(f"compiled variants not readable: {type(e).__name__}: {e}")
 
 
 def sweep_prefill(iters: int, tokens: int, min_len: int, max_len: int) -> None:
@@ -251,12 +283,15 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", type=int, nargs=3, metavar=("BATCH", "MIN_LEN", "MAX_LEN"), default=None,
                         help="only sweep the decode kernel's launch settings at this batch and KV length range")
+    parser.add_argument("--sweep-heads-first", action="store_true", help="--sweep with KV heads first in the grid")
     parser.add_argument("--row-order", type=int, nargs=3, metavar=("BATCH", "MIN_LEN", "MAX_LEN"), default=None,
                         help="only time the default decode launch with the rows random / longest / shortest first")
     parser.add_argument("--sweep-prefill", type=int, nargs=3, metavar=("TOKENS", "MIN_LEN", "MAX_LEN"), default=None,
                         help="only sweep the prefill kernel's launch settings on one mixed step")
     parser.add_argument("--grid-order", action="store_true",
                         help="only time the prefill kernel with query tiles or KV heads first in its grid")
+    parser.add_argument("--decode-grid", type=int, nargs=3, metavar=("BATCH", "MIN_LEN", "MAX_LEN"), default=None,
+                        help="only time the decode kernel with rows or KV heads first in its grid")
     parser.add_argument("--heads", type=int, nargs=2, metavar=("HEADS", "KV_HEADS"), default=None,
                         help="query and KV heads per rank for --sweep / --row-order (default 16 8, Qwen3-0.6B)")
     args = parser.parse_args()
@@ -267,14 +302,16 @@ def main() -> None:
         sys.exit("needs CUDA")
     print(torch.cuda.get_device_name(), f"torch {torch.__version__}")
     if args.sweep:
-        sweep(args.iters, *args.sweep)
+        sweep(args.iters, *args.sweep, args.sweep_heads_first)
     if args.sweep_prefill:
         sweep_prefill(args.iters, *args.sweep_prefill)
     if args.row_order:
         row_order(args.iters, *args.row_order)
     if args.grid_order:
         grid_order(args.iters)
-    if args.sweep or args.sweep_prefill or args.row_order or args.grid_order:
+    if args.decode_grid:
+        decode_grid(args.iters, *args.decode_grid)
+    if args.sweep or args.sweep_prefill or args.row_order or args.grid_order or args.decode_grid:
         return
     print_table(run_checks(args.block_sizes, args.batches, args.iters))
 

@@ -90,8 +90,9 @@ def test_decode_split_counts(num_splits):
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_row_order_changes_launch_order_only(num_splits):
-    """With ``meta.row_order`` (any permutation: longest first, reversed) every row gets the
-    bits it gets in row order: the order only decides which programs start first."""
+    """With ``meta.row_order`` (any permutation: longest first, reversed), and with rows or KV
+    heads fastest in the grid, every row gets the bits it gets in row order: the order only
+    decides which programs start first."""
     from megatron_async.inference.contexts.metadata import longest_first
 
     case = _case(DECODE_ROWS, group=2, head_dim=16, block_size=4, seed=5)
@@ -100,7 +101,10 @@ def test_decode_row_order_changes_launch_order_only(num_splits):
     lens = case.meta.kv_lens.tolist()
     for order in (longest_first(lens), list(reversed(range(len(lens))))):
         meta = dataclasses.replace(case.meta, row_order=torch.tensor(order, dtype=torch.int32, device=DEVICE))
-        assert torch.equal(decode_attention(case.q, case.kv_cache, meta, case.scale, num_splits=num_splits), plain)
+        for heads_fastest in (True, False):
+            out = decode_attention(case.q, case.kv_cache, meta, case.scale, num_splits=num_splits,
+                                   heads_fastest=heads_fastest)
+            assert torch.equal(out, plain)
     assert longest_first(lens).tolist() == sorted(range(len(lens)), key=lambda r: (-lens[r], r))
 
 
