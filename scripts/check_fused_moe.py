@@ -39,10 +39,60 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() / (ms * 1e-3) / 1e9
 
 
+def kernel_table(fn, iters: int) -> list[tuple[str, float]]:
+    """us per call of each kernel in ``fn``'s graph replay (torch profiler, device intervals)."""
+    replay = graph_replay(fn)
+    replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            replay()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / iters) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def sweep(layer: MoEMixer, tokens: list[int], iters: int, tiles: bool) -> None:
+    """The layer by kernel, then the two grouped GEMMs' launch settings one at a time (the
+    other at its default): that GEMM's device time per call (profiler intervals of graph
+    replays: event timings of a ~50 us graph moved by +-10 us between identical runs), same
+    bits as the default."""
+    w13, w2 = layer.experts.gate_up_proj.weight, layer.experts.down_proj.weight
+    GemmTiles = triton_fused_moe.GemmTiles
+    for T in tokens:
+        x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+        ids, weights = layer.gate.route(x)
+        print(f"\n{T} tokens: the layer by kernel (us per call in a graph)")
+        for name, us in kernel_table(lambda: layer(x), iters):
+            print(f"  {us:8.1f}  {name[:100]}")
+        if not tiles:
+            continue
+        base = triton_fused_moe.fused_experts(x, w13, w2, ids, weights, True)
+        print("| GEMM | block_n | block_k | warps | stages | kernel us | same bits |")
+        print("|---|---:|---:|---:|---:|---:|---|")
+        for which in ("gate_up", "down"):
+            for block_n in (16, 32, 64, 128):
+                for block_k in (64, 128, 256):
+                    for warps, stages in ((4, 3), (4, 4), (4, 5), (8, 4)):
+                        tiles = GemmTiles(block_n, block_k, warps, stages)
+                        kw = {"gate_up_tiles" if which == "gate_up" else "down_tiles": tiles}
+                        fn = lambda: triton_fused_moe.fused_experts(x, w13, w2, ids, weights, True, **kw)  # noqa: E731
+                        try:
+                            times = dict(kernel_table(fn, iters))
+                        except Exception as e:  # out of shared memory for this tile
+                            print(f"| {which} | {block_n} | {block_k} | {warps} | {stages} | failed: {type(e).__name__} | |")
+                            continue
+                        print(f"| {which} | {block_n} | {block_k} | {warps} | {stages} | {times[f'_{which}_kernel']:.1f} | "
+                              f"{torch.equal(fn(), base)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 512, 2048])
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--sweep", action="store_true",
+                        help="per-kernel table and the grouped GEMMs' tile settings at each --tokens")
+    parser.add_argument("--by-kernel", action="store_true", help="only the per-kernel table at each --tokens")
     args = parser.parse_args()
     torch.manual_seed(0)
     layer = MoEMixer(HIDDEN, CFG, ParallelState(), DTYPE, "cuda").eval()
@@ -60,6 +110,9 @@ def main() -> None:
     attention.set_attention_backend("triton", "cuda")
     try:
         with torch.no_grad():
+            if args.sweep or args.by_kernel:
+                sweep(layer, args.tokens, args.iters, tiles=args.sweep)
+                return
             for T in args.tokens:
                 x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
                 ids, weights = layer.gate.route(x)

@@ -113,7 +113,7 @@ def test_moe_layer_runs_the_fused_kernel_under_the_triton_backend(monkeypatch):
 
 
 @pytest.mark.parametrize("M, E, k, block_m", [(1, 8, 2, 16), (7, 4, 2, 16), (40, 8, 3, 16), (33, 128, 8, 32),
-                                              (300, 6, 2, 64)])
+                                              (300, 6, 2, 64), (700, 16, 2, 16)])  # 1,400 pairs: two chunks
 def test_triton_alignment_equals_the_torch_alignment(M, E, k, block_m):
     g = torch.Generator().manual_seed(M + E)
     ids = torch.randint(-1, E + 2, (M, k), generator=g).to(torch.int32).to(DEVICE)
