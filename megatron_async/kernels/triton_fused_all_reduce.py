@@ -7,25 +7,30 @@ between. Here one kernel, on every rank:
 
 1. writes this rank's partial rows into slot ``rank`` of EVERY rank's symmetric buffer (the
    peers' over NVLink: stores are posted, so they overlap where loads from peers would each
-   wait a round trip); a buffer holds world_size slots of the message;
+   wait a round trip), in the half of the buffer this call's parity picks (below); a half
+   holds world_size slots of the message;
 2. meets the other ranks at a barrier (below);
-3. reads the world_size slots of its own buffer (local memory), adds them in float32 IN RANK
-   ORDER (the same order on every rank, so every rank holds the same bits), rounds to the
+3. reads the world_size slots of its own buffer half (local memory), adds them in float32 IN
+   RANK ORDER (the same order on every rank, so every rank holds the same bits), rounds to the
    activation dtype (what the all-reduce's output tensor holds), adds the residual (rounded,
-   as ``x + residual``) and writes it, then the RMSNorm of it (``triton_rmsnorm``'s numerics);
-4. meets the ranks again, so that no rank's next call writes into a buffer a peer still reads.
+   as ``x + residual``) and writes it, then the RMSNorm of it (``triton_rmsnorm``'s numerics).
+
+No exit barrier: consecutive calls use alternate halves, so a rank that runs ahead into call
+k + 1 pushes into the half its peers are not reading for call k; and it cannot reach call
+k + 2 (the half of call k again) before every peer has started call k + 1 (its barrier waits
+for them), i.e. finished call k, whose kernel came before on the peer's stream. The parity is
+a call counter in device memory (``state``: [epoch, arrivals]), read by every program at the
+start and advanced by the last program to finish, so CUDA-graph replays and eager calls keep
+alternating whatever mix of them runs; every rank makes the same calls, so the counters agree.
 
 The barrier: each program (a fixed set of rows) owns one flag slot per rank in every rank's
 signal pad. It raises its slot in every peer's pad (compare-and-swap 0 -> 1, release at
 system scope, spinning while the slot is still raised from an earlier call) and lowers the
 peers' slots in its own pad (CAS 1 -> 0, acquire), so each flag returns to zero once both
-sides have passed: a CUDA-graph replay starts from the state the capture saw. The entry and
-exit barriers use separate slot regions (the exit region starts ``exit_slot`` slots in), which
-lets a single process play one rank (``barrier`` test mode: the peers' flags raised
-beforehand, see tests/unit_tests/kernels/test_fused_all_reduce.py). Other kernels that use the
-same pads (torch's one-shot / two-shot all-reduce) follow the same raise / lower protocol, and
-every rank runs the same kernels in the same order, so the k-th raise of a slot always meets
-its k-th lower.
+sides have passed: a CUDA-graph replay starts from the state the capture saw. A single process
+can play one rank (``barrier`` test mode: the peers' flags raised beforehand, see
+tests/unit_tests/kernels/test_fused_all_reduce.py). The buffer and pads are the fused path's
+own symmetric allocation, apart from what torch's one-shot / two-shot kernels use.
 
 Numerics against the unfused path: float32 is bit-identical to torch's one-shot all-reduce
 (also rank order, float32 adds) followed by ``add_rms_norm``. bf16 is summed in float32 and
@@ -76,9 +81,10 @@ def _fused_kernel(
     w_ptr,
     out_ptr,
     res_out_ptr,
+    state_ptr,
     M,
     rank,
-    exit_slot,
+    half,
     eps,
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -91,13 +97,15 @@ def _fused_kernel(
     dtype = x_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
-    msg = M * N  # W * M * N < 2**31: world_size messages fit the staging buffer
-    my_buf = tl.multiple_of(tl.load(buf_table_ptr + rank).to(tl.pointer_type(dtype)), 16)
+    msg = M * N  # W * M * N <= half < 2**31: world_size messages fit one half of the buffer
+    epoch = tl.load(state_ptr, volatile=True)  # the previous call's last program advanced it
+    start = (epoch & 1) * half  # & (not %): the counter may wrap to negative values
+    my_buf = tl.multiple_of(tl.load(buf_table_ptr + rank).to(tl.pointer_type(dtype)), 16) + start
     for row in range(pid, M, num_programs):
         base = row * N
         x = tl.load(x_ptr + base + offs, mask=mask)
         for r in tl.static_range(W):  # slot `rank` of every rank's buffer
-            peer = tl.multiple_of(tl.load(buf_table_ptr + r).to(tl.pointer_type(dtype)), 16)
+            peer = tl.multiple_of(tl.load(buf_table_ptr + r).to(tl.pointer_type(dtype)), 16) + start
             tl.store(peer + rank * msg + base + offs, x, mask=mask)
     if BARRIER:
         _barrier(pad_table_ptr, pid, rank, W)
@@ -116,8 +124,10 @@ def _fused_kernel(
         if CAST_BEFORE_WEIGHT:
             y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + base + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
-    if BARRIER:
-        _barrier(pad_table_ptr, exit_slot + pid, rank, W)
+    tl.debug_barrier()  # every thread has read the epoch before this program counts as arrived
+    if tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
+        tl.store(state_ptr + 1, 0)  # the last program: arrivals back to 0, the next call's parity
+        tl.store(state_ptr, epoch + 1)
 
 
 def supported(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, world_size: int) -> bool:
@@ -139,6 +149,8 @@ def all_reduce_add_rms_norm(
     cast_before_weight: bool,
     buffer_table: torch.Tensor,
     pad_table: torch.Tensor,
+    state: torch.Tensor,
+    half_bytes: int,
     rank: int,
     max_programs: int,
     barrier: bool = True,
@@ -146,10 +158,12 @@ def all_reduce_add_rms_norm(
     """(rms_norm(residual + sum_r x_r) * weight, residual + sum_r x_r) over the TP ranks, new tensors.
 
     ``buffer_table`` / ``pad_table``: int64 [W] on x's device, the address of every rank's
-    staging buffer (>= W times x's bytes, 16-byte aligned) and signal pad (int32 slots: at least
-    ``2 * max_programs * W``), this rank's at ``rank``. ``max_programs`` caps the grid and is
-    where the exit barrier's slot region starts. ``barrier=False`` skips both barriers (tests
-    on one process whose "peers" are already in their buffers); never on real ranks."""
+    staging buffer (two halves of ``half_bytes``, each >= W times x's bytes, 16-byte aligned) and
+    signal pad (int32 slots: at least ``max_programs * W``), this rank's at ``rank``. ``state``:
+    int32 [2] on x's device, zeros before the first call, then only this kernel's (the call
+    counter whose parity picks the half). ``max_programs`` caps the grid. ``barrier=False``
+    skips the barrier (tests on one process whose "peers" are already in their buffers); never
+    on real ranks."""
     if not supported(x, residual, weight, buffer_table.numel()):
         raise ValueError(f"all_reduce_add_rms_norm: x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "
                          f"{residual.dtype}, weight {tuple(weight.shape)} {weight.dtype}, world {buffer_table.numel()}")
@@ -158,9 +172,12 @@ def all_reduce_add_rms_norm(
     M, n = x.shape
     if M == 0:
         return out, res_out
+    if buffer_table.numel() * x.numel() * x.element_size() > half_bytes or half_bytes % 16:
+        raise ValueError(f"all_reduce_add_rms_norm: {buffer_table.numel()} messages of {tuple(x.shape)} {x.dtype} "
+                         f"do not fit a buffer half of {half_bytes} bytes (or it is not 16-byte aligned)")
     block = triton.next_power_of_2(n)
     _fused_kernel[(min(M, max_programs),)](
-        x, buffer_table, pad_table, residual, weight, out, res_out, M, rank, max_programs, eps,
+        x, buffer_table, pad_table, residual, weight, out, res_out, state, M, rank, half_bytes // x.element_size(), eps,
         N=n, BLOCK_N=block, W=buffer_table.numel(), CAST_BEFORE_WEIGHT=cast_before_weight, BARRIER=barrier,
         num_warps=min(max(block // 512, 1), 16),
     )

@@ -13,9 +13,10 @@ space once at load. A call is then
 - NCCL above ``max_bytes``, for dtypes other than fp32 / bf16, and for odd sizes.
 Multicast (NVLS, multimem instructions) is never used: on shared hosts it can take the GPUs down.
 
-The same buffer and signal pads also serve the all-reduce fused with the residual add and the
-next RMSNorm (``add_rms_norm``, kernels/triton_fused_all_reduce.py): a row-parallel layer
-whose output goes straight into a block's norm hands over its partial product unreduced
+A second symmetric allocation (its own buffer and signal pads, two halves of world_size
+messages) serves the all-reduce fused with the residual add and the next RMSNorm
+(``add_rms_norm``, kernels/triton_fused_all_reduce.py): a row-parallel layer whose output goes
+straight into a block's norm hands over its partial product unreduced
 (``communication.PendingSum``) and the norm runs one kernel instead of two.
 
 CUDA-graph safe: the buffer and its peer mappings are fixed at load, each call launches one or
@@ -46,13 +47,13 @@ reads world_size x the message per rank). The crossover vLLM's custom all-reduce
 not measured here yet: ``scripts/bench_all_reduce.py`` times both at every size."""
 
 FUSED_NORM_MAX_BYTES = 2 << 20
-"""Largest partial product the fused all-reduce + add + RMSNorm takes (each rank's buffer holds
-world_size messages, one pushed by every rank, so also at most max_bytes / world_size); larger
-ones (prefill) are reduced first, then normed as before.
+"""Largest partial product the fused all-reduce + add + RMSNorm takes (also at most max_bytes /
+world_size; its buffer holds two halves of world_size messages, one pushed by every rank);
+larger ones (prefill) are reduced first, then normed as before.
 ``scripts/bench_all_reduce.py --fused`` times both paths per size."""
 
 FUSED_MAX_PROGRAMS = 128
-"""Grid cap of the fused kernel (each program owns rows and two flag slots per rank); lower
+"""Grid cap of the fused kernel (each program owns rows and one flag slot per rank); lower
 when the signal pads are small."""
 
 SELF_TEST_TIMEOUT_S = 30.0
@@ -105,9 +106,9 @@ class P2PAllReduce:
         self.group_name = group.group_name
         self.buffer = buffer
         self.peers = peers
-        """Every rank's buffer and signal-pad address, for the fused kernel (None: not fused)."""
+        """Every rank's fused buffer and signal-pad address, for the fused kernel (None: not fused)."""
         pow2 = peers is not None and peers.world_size & (peers.world_size - 1) == 0
-        self.fused_max_bytes = min(FUSED_NORM_MAX_BYTES, max_bytes // peers.world_size) if pow2 else 0
+        self.fused_max_bytes = fused_message_bytes(max_bytes, peers.world_size) if pow2 else 0
         """Largest partial product ``fuses_norm`` takes; 0 turns the fused path off (mutable,
         like ``max_bytes``, for A/B runs in one process). Off for TP sizes that are not powers of 2."""
         self.max_bytes = max_bytes
@@ -137,12 +138,14 @@ class P2PAllReduce:
         problem, buffer, peers = _group_problem(infos, device), None, None
         if problem is None:
             try:
-                buffer, peers = _rendezvous_buffer(group, device, max_bytes)
+                buffer = _rendezvous_buffer(group, device, max_bytes)[0]
+                if fused_norm:
+                    peers = _fused_peer_tables(group, device, max_bytes)
             except Exception as e:  # noqa: BLE001 - any failure means: use NCCL
                 problem, buffer = f"symmetric memory setup failed on rank {dist.get_rank(group)}: {e}", None
         if not _all_agree(problem is None, group, device):
             return _unavailable(problem or "symmetric memory setup failed on another rank", required)
-        reducer = cls(group, buffer, max_bytes, peers=peers if fused_norm else None)
+        reducer = cls(group, buffer, max_bytes, peers=peers)
         problem = reducer.self_test()
         if not _all_agree(problem is None, group, device):
             reducer.close()
@@ -215,26 +218,37 @@ class P2PAllReduce:
         if not fused.supported(partial, residual, weight, self.peers.world_size):
             return None
         self.calls["fused_norm"] += 1
-        return fused.all_reduce_add_rms_norm(partial, residual, weight, eps, cast_before_weight, self.peers.buffers,
-                                             self.peers.signal_pads, self.peers.rank, self.peers.max_programs)
+        p = self.peers
+        return fused.all_reduce_add_rms_norm(partial, residual, weight, eps, cast_before_weight, p.buffers,
+                                             p.signal_pads, p.state, p.half_bytes, p.rank, p.max_programs)
 
     def close(self) -> None:
         """Drop the buffer (before the process group goes); later calls all go to NCCL."""
         self.buffer, self.max_bytes, self.peers, self.fused_max_bytes = None, 0, None, 0
 
 
+def fused_message_bytes(max_bytes: int, world_size: int) -> int:
+    """Largest partial product of the fused path (16-byte multiple)."""
+    return min(FUSED_NORM_MAX_BYTES, max_bytes // world_size) // 16 * 16
+
+
 @dataclasses.dataclass(frozen=True)
 class PeerTables:
     """Where the fused kernel finds every rank's buffer and signal pad (int64 addresses on this
-    GPU, fixed for the process's life: CUDA-graph safe)."""
+    GPU, fixed for the process's life: CUDA-graph safe), and this rank's call counter."""
 
     buffers: torch.Tensor
     signal_pads: torch.Tensor
     rank: int
     world_size: int
     max_programs: int
-    """Grid cap: two regions (entry / exit barrier) of max_programs x world_size int32 flags fit
-    the signal pad."""
+    """Grid cap: the kernel's flag regions of max_programs x world_size int32 flags fit the signal pad."""
+    allocation: torch.Tensor | None = None
+    """This rank's symmetric buffer (kept alive with the tables)."""
+    half_bytes: int = 0
+    """Fused all-reduce: each buffer is two halves of this size (world_size messages each), used alternately."""
+    state: torch.Tensor | None = None
+    """Fused all-reduce: int32 [2] on this GPU, (calls so far, arrivals in the current call); the kernel's own."""
 
 
 def wait_or_raise(timeout_s: float, what: str) -> None:
@@ -296,7 +310,7 @@ def _group_problem(infos: list, device: torch.device) -> str | None:
     return None
 
 
-def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> tuple[torch.Tensor, PeerTables | None]:
+def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> tuple[torch.Tensor, object]:
     import torch.distributed._symmetric_memory as symm_mem
 
     for key, value in _NO_MULTICAST_ENV.items():
@@ -307,13 +321,27 @@ def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> tuple[torch.
         if hasattr(symm_mem, "enable_symm_mem_for_group") and not enabled(group.group_name):
             symm_mem.enable_symm_mem_for_group(group.group_name)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(buffer, group.group_name)
-    return buffer, _peer_tables(handle, buffer, device)
+    return buffer, symm_mem.rendezvous(buffer, group.group_name)
 
 
-def _peer_tables(handle, buffer: torch.Tensor, device: torch.device) -> PeerTables | None:
-    """The fused kernel's address tables from the rendezvous handle (None, fused path off, if
-    this torch's handle lacks something: the plain P2P all-reduce does not need them)."""
+def _fused_peer_tables(group, device: torch.device, max_bytes: int) -> PeerTables | None:
+    """The fused kernel's own symmetric buffer (two halves of world_size messages) and its
+    address tables (None, fused path off, if this torch's handle lacks something: the plain P2P
+    all-reduce does not need them). Collective over ``group``."""
+    world = dist.get_world_size(group)
+    half = world * fused_message_bytes(max_bytes, world)
+    if half == 0:
+        return None
+    buffer, handle = _rendezvous_buffer(group, device, 2 * half)
+    return peer_tables(handle, buffer, device, regions=1, what="fused all-reduce + RMSNorm", half_bytes=half,
+                       state=torch.zeros(2, dtype=torch.int32, device=device))
+
+
+def peer_tables(handle, buffer: torch.Tensor, device: torch.device, regions: int, what: str,
+                **extra) -> PeerTables | None:
+    """A P2P kernel's address tables from a rendezvous handle, with a grid cap that leaves
+    ``regions`` flag regions (barriers per call) of max_programs x world_size slots in the signal
+    pad; None (that path off: ``what``) if this torch's handle lacks something."""
     try:
         world, rank = handle.world_size, handle.rank
         shift = buffer.data_ptr() - handle.buffer_ptrs[rank]  # where the tensor starts in its allocation (0)
@@ -325,9 +353,10 @@ def _peer_tables(handle, buffer: torch.Tensor, device: torch.device) -> PeerTabl
         return PeerTables(
             buffers=torch.tensor([p + shift for p in handle.buffer_ptrs], dtype=torch.int64, device=device),
             signal_pads=torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device),
-            rank=rank, world_size=world, max_programs=min(FUSED_MAX_PROGRAMS, sms, pad_slots // (2 * world)))
-    except Exception as e:  # noqa: BLE001 - decided alike on every rank (same torch); fused_self_test agrees anyway
-        log.warning("fused all-reduce + RMSNorm off: no peer address tables from torch symmetric memory (%s)", e)
+            rank=rank, world_size=world, max_programs=min(FUSED_MAX_PROGRAMS, sms, pad_slots // (regions * world)),
+            allocation=buffer, **extra)
+    except Exception as e:  # noqa: BLE001 - decided alike on every rank (same torch); self-tests agree anyway
+        log.warning("%s off: no peer address tables from torch symmetric memory (%s)", what, e)
         return None
 
 

@@ -25,6 +25,7 @@ from megatron_async.parallel.p2p_all_reduce import (
     _group_problem,
     _local_problem,
     _rendezvous_buffer,
+    peer_tables,
     wait_or_raise,
 )
 from megatron_async.parallel.state import ParallelState
@@ -65,7 +66,8 @@ class P2PExchange:
         problem, exchanger = _group_problem(infos, device), None
         if problem is None:
             try:
-                buffer, peers = _rendezvous_buffer(group, device, max_bytes)
+                buffer, handle = _rendezvous_buffer(group, device, max_bytes)
+                peers = peer_tables(handle, buffer, device, regions=2, what="P2P EP exchange")  # entry + exit barrier
                 if peers is None:
                     raise RuntimeError("no peer address tables from torch symmetric memory")
                 exchanger = cls(buffer, peers, max_bytes)

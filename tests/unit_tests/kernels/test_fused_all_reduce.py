@@ -5,8 +5,9 @@ process tensors whose addresses fill the pointer table) before the launch, as if
 had run, and their
 barrier flags in this rank's signal pad are raised beforehand: the kernel's own raises then go
 into the peers' pads and its waits find the peers' flags. So one launch checks the arithmetic
-(against sum in rank order + add + RMSNorm) and the flag protocol (this rank's pad back to zero
-after both barriers, exactly one raised flag per program and barrier in every peer's pad).
+(against sum in rank order + add + RMSNorm), the flag protocol (this rank's pad back to zero
+after the barrier, exactly one raised flag per program in every peer's pad) and the call
+counter whose parity picks the buffer half.
 Compiled on CUDA, the interpreter on CPU (whose float32 -> bfloat16 conversion truncates: bf16
 to tolerance there; float16 and float32 are checked exactly)."""
 from __future__ import annotations
@@ -34,24 +35,33 @@ def _reference(parts: list[torch.Tensor], residual: torch.Tensor, norm: RMSNorm)
 
 
 def _play_rank(parts: list[torch.Tensor], rank: int, residual: torch.Tensor, norm: RMSNorm, max_programs: int,
-               barrier: bool = True) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Run the kernel as ``rank``; returns (out, new residual, every rank's signal pad after)."""
+               barrier: bool = True, calls_before: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Run the kernel as ``rank`` after ``calls_before`` calls (the counter's parity picks the
+    half of every buffer the call uses); returns (out, new residual, every rank's signal pad after)."""
     W = len(parts)
     M, N = parts[0].shape
-    buffers = [torch.zeros(W * M * N + 64, dtype=parts[0].dtype, device=DEVICE) for _ in range(W)]
-    pads = [torch.zeros(2 * max_programs * W, dtype=torch.int32, device=DEVICE) for _ in range(W)]
+    half = W * M * N + 64  # elements; in bytes a 16-byte multiple for every dtype here
+    buffers = [torch.zeros(2 * half, dtype=parts[0].dtype, device=DEVICE) for _ in range(W)]
+    pads = [torch.zeros(max_programs * W, dtype=torch.int32, device=DEVICE) for _ in range(W)]
+    used = (calls_before & 1) * half
     for r in range(W):
         if r != rank:  # the peers' pushes into this rank's buffer
-            buffers[rank][r * M * N: (r + 1) * M * N].copy_(parts[r].flatten())
+            buffers[rank][used + r * M * N: used + (r + 1) * M * N].copy_(parts[r].flatten())
     programs = min(M, max_programs)
-    flags = pads[rank].view(2, max_programs, W)
-    flags[:, :programs, :] = 1
-    flags[:, :, rank] = 0  # this rank's own flag is raised by the kernel itself
+    flags = pads[rank].view(max_programs, W)
+    flags[:programs, :] = 1
+    flags[:, rank] = 0  # this rank's own flag is raised by the kernel itself
+    state = torch.tensor([calls_before, 0], dtype=torch.int32, device=DEVICE)
     table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
     out, new_res = fused.all_reduce_add_rms_norm(parts[rank], residual, norm.weight, EPS, norm.cast_before_weight,
-                                                 table(buffers), table(pads), rank, max_programs, barrier)
-    for b in buffers:  # its push: slot `rank` of every buffer, its own included
-        assert torch.equal(b[rank * M * N: (rank + 1) * M * N], parts[rank].flatten())
+                                                 table(buffers), table(pads), state, half * parts[0].element_size(),
+                                                 rank, max_programs, barrier)
+    for b in buffers:  # its push: slot `rank` of every buffer's half, its own included; the other half untouched
+        assert torch.equal(b[used + rank * M * N: used + (rank + 1) * M * N], parts[rank].flatten())
+        other = half - used
+        assert not b[other: other + half].any()
+    after = (calls_before + 1 + 2**31) % 2**32 - 2**31  # int32 arithmetic
+    assert state.tolist() == [after, 0]  # the call counted, arrivals back to 0
     return out, new_res, pads
 
 
@@ -88,16 +98,27 @@ def test_every_rank_gets_the_reference_sum_and_norm(dtype, world, rows, max_prog
             assert torch.equal(new_res, want_res)  # the sum rounded once, then one rounding of + residual
         _check(out, want_out)
         results.append((out, new_res))
-        # Flags: this rank's pad is back to zero; each peer got one raise per program and barrier.
+        # Flags: this rank's pad is back to zero; each peer got one raise per program.
         programs = min(rows, max_programs)
         assert not pads[rank].any()
         for r in range(world):
             if r != rank:
-                raised = torch.zeros(2, max_programs, world, dtype=torch.int32, device=DEVICE)
-                raised[:, :programs, rank] = 1
-                assert torch.equal(pads[r].view(2, max_programs, world), raised)
+                raised = torch.zeros(max_programs, world, dtype=torch.int32, device=DEVICE)
+                raised[:programs, rank] = 1
+                assert torch.equal(pads[r].view(max_programs, world), raised)
     for out, new_res in results[1:]:  # rank order: every rank holds the same bits
         assert torch.equal(out, results[0][0]) and torch.equal(new_res, results[0][1])
+
+
+@pytest.mark.parametrize("calls_before", [1, 6, 2**31 - 1, -2**31])
+def test_the_call_counter_alternates_the_buffer_halves(calls_before):
+    """An odd count uses the second half, an even one the first, also where the int32 counter
+    wraps (2**31 - 1 calls, then -2**31)."""
+    parts, residual, norm = _case(2, 5, 64, torch.float32, seed=11)
+    want_out, want_res = _reference(parts, residual, norm)
+    out, new_res, _ = _play_rank(parts, 1, residual, norm, max_programs=3, calls_before=calls_before)
+    assert torch.equal(new_res, want_res)
+    _check(out, want_out)
 
 
 def test_float32_matches_the_unfused_layers_within_1e6():
@@ -124,7 +145,7 @@ def test_without_barrier_the_flags_stay_untouched():
     out, new_res, pads = _play_rank(parts, 1, residual, norm, max_programs=4, barrier=False)
     assert torch.equal(new_res, want_res)
     _check(out, want_out)
-    assert pads[1].view(2, 4, 2)[:, :3, 0].all() and not pads[0].any()  # pre-raised flags not consumed
+    assert pads[1].view(4, 2)[:3, 0].all() and not pads[0].any()  # pre-raised flags not consumed
 
 
 def test_supported_shapes():
@@ -138,4 +159,7 @@ def test_supported_shapes():
     assert not fused.supported(x.view(2, 2, 64), x.view(2, 2, 64).clone(), w, 2)  # 2-d only
     with pytest.raises(ValueError, match="all_reduce_add_rms_norm"):
         table = torch.zeros(3, dtype=torch.int64, device=DEVICE)
-        fused.all_reduce_add_rms_norm(x, x, w, EPS, True, table, table, 0, 4)
+        fused.all_reduce_add_rms_norm(x, x, w, EPS, True, table, table, torch.zeros(2, dtype=torch.int32), 4096, 0, 4)
+    with pytest.raises(ValueError, match="do not fit a buffer half"):
+        table = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+        fused.all_reduce_add_rms_norm(x, x, w, EPS, True, table, table, torch.zeros(2, dtype=torch.int32), 2032, 0, 4)
