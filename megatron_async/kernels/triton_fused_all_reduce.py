@@ -15,22 +15,10 @@ between. Here one kernel, on every rank:
    activation dtype (what the all-reduce's output tensor holds), adds the residual (rounded,
    as ``x + residual``) and writes it, then the RMSNorm of it (``triton_rmsnorm``'s numerics).
 
-No exit barrier: consecutive calls use alternate halves, so a rank that runs ahead into call
-k + 1 pushes into the half its peers are not reading for call k; and it cannot reach call
-k + 2 (the half of call k again) before every peer has started call k + 1 (its barrier waits
-for them), i.e. finished call k, whose kernel came before on the peer's stream. The parity is
-a call counter in device memory (``state``: [epoch, arrivals]), read by every program at the
-start and advanced by the last program to finish, so CUDA-graph replays and eager calls keep
-alternating whatever mix of them runs; every rank makes the same calls, so the counters agree.
-
-The barrier: each program (a fixed set of rows) owns one flag slot per rank in every rank's
-signal pad. It raises its slot in every peer's pad (compare-and-swap 0 -> 1, release at
-system scope, spinning while the slot is still raised from an earlier call) and lowers the
-peers' slots in its own pad (CAS 1 -> 0, acquire), so each flag returns to zero once both
-sides have passed: a CUDA-graph replay starts from the state the capture saw. A single process
-can play one rank (``barrier`` test mode: the peers' flags raised beforehand, see
-tests/unit_tests/kernels/test_fused_all_reduce.py). The buffer and pads are the fused path's
-own symmetric allocation, apart from what torch's one-shot / two-shot kernels use.
+The barrier, the call counter whose parity picks the half (no exit barrier: a rank one call
+ahead writes the other half) and why that is safe: ``triton_p2p_sync``. The buffer and pads
+are the fused path's own symmetric allocation, apart from what torch's one-shot / two-shot
+kernels use.
 
 Numerics against the unfused path: float32 is bit-identical to torch's one-shot all-reduce
 (also rank order, float32 adds) followed by ``add_rms_norm``. bf16 is summed in float32 and
@@ -43,33 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_async.kernels.triton_p2p_sync import call_epoch, epoch_barrier, finish_call
 from megatron_async.kernels.triton_rmsnorm import MAX_HIDDEN
-
-
-@triton.jit
-def _swap_each(flags, expect, new, W: tl.constexpr, SEM: tl.constexpr):
-    """Compare-and-swap every one of the W flags from ``expect`` to ``new`` (system scope),
-    spinning until each has succeeded once. One lane per flag, so the W (remote) atomics are in
-    flight together; a lane that succeeded compares against -1 on retries, which never matches
-    a 0 / 1 flag: no second write."""
-    pending = tl.full([W], 1, tl.int32)
-    while tl.max(pending, axis=0) > 0:
-        old = tl.atomic_cas(flags, tl.where(pending > 0, expect, -1), tl.where(pending > 0, new, -1),
-                            sem=SEM, scope="sys")
-        pending = tl.where(old == expect, 0, pending)
-
-
-@triton.jit
-def _barrier(pad_table_ptr, slot, rank, W: tl.constexpr):
-    """Every rank's program ``slot`` (within a region) has reached this point: raise this rank's
-    flag in every rank's pad (release), then lower every rank's flag in this rank's pad (acquire)."""
-    tl.debug_barrier()  # the whole program's earlier stores / loads come before the signal
-    lanes = tl.arange(0, W)
-    peer_pads = tl.load(pad_table_ptr + lanes).to(tl.pointer_type(tl.int32))
-    _swap_each(peer_pads + slot * W + rank, 0, 1, W, "release")
-    my_pad = tl.load(pad_table_ptr + rank).to(tl.pointer_type(tl.int32))
-    _swap_each(my_pad + slot * W + lanes, 1, 0, W, "acquire")
-    tl.debug_barrier()  # no thread reads peers' rows before every flag is seen
 
 
 @triton.jit
@@ -98,7 +61,7 @@ def _fused_kernel(
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
     msg = M * N  # W * M * N <= half < 2**31: world_size messages fit one half of the buffer
-    epoch = tl.load(state_ptr, volatile=True)  # the previous call's last program advanced it
+    epoch = call_epoch(state_ptr)
     start = (epoch & 1) * half  # & (not %): the counter may wrap to negative values
     my_buf = tl.multiple_of(tl.load(buf_table_ptr + rank).to(tl.pointer_type(dtype)), 16) + start
     for row in range(pid, M, num_programs):
@@ -108,7 +71,7 @@ def _fused_kernel(
             peer = tl.multiple_of(tl.load(buf_table_ptr + r).to(tl.pointer_type(dtype)), 16) + start
             tl.store(peer + rank * msg + base + offs, x, mask=mask)
     if BARRIER:
-        _barrier(pad_table_ptr, pid, rank, W)
+        epoch_barrier(pad_table_ptr, pid, rank, epoch, W)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, M, num_programs):
         base = row * N
@@ -124,10 +87,7 @@ def _fused_kernel(
         if CAST_BEFORE_WEIGHT:
             y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + base + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.debug_barrier()  # every thread has read the epoch before this program counts as arrived
-    if tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu") == num_programs - 1:
-        tl.store(state_ptr + 1, 0)  # the last program: arrivals back to 0, the next call's parity
-        tl.store(state_ptr, epoch + 1)
+    finish_call(state_ptr, epoch)
 
 
 def supported(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, world_size: int) -> bool:

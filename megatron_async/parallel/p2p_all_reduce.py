@@ -242,13 +242,13 @@ class PeerTables:
     rank: int
     world_size: int
     max_programs: int
-    """Grid cap: the kernel's flag regions of max_programs x world_size int32 flags fit the signal pad."""
-    allocation: torch.Tensor | None = None
+    """Grid cap: max_programs x world_size int32 flags (one per program and rank) fit the signal pad."""
+    allocation: torch.Tensor
     """This rank's symmetric buffer (kept alive with the tables)."""
-    half_bytes: int = 0
-    """Fused all-reduce: each buffer is two halves of this size (world_size messages each), used alternately."""
-    state: torch.Tensor | None = None
-    """Fused all-reduce: int32 [2] on this GPU, (calls so far, arrivals in the current call); the kernel's own."""
+    half_bytes: int
+    """Each buffer is two halves of this size, used alternately (``kernels/triton_p2p_sync``)."""
+    state: torch.Tensor
+    """int32 [2] on this GPU: (calls so far, arrivals in the current call); the kernels' own."""
 
 
 def wait_or_raise(timeout_s: float, what: str) -> None:
@@ -333,15 +333,13 @@ def _fused_peer_tables(group, device: torch.device, max_bytes: int) -> PeerTable
     if half == 0:
         return None
     buffer, handle = _rendezvous_buffer(group, device, 2 * half)
-    return peer_tables(handle, buffer, device, regions=1, what="fused all-reduce + RMSNorm", half_bytes=half,
-                       state=torch.zeros(2, dtype=torch.int32, device=device))
+    return peer_tables(handle, buffer, device, half, "fused all-reduce + RMSNorm")
 
 
-def peer_tables(handle, buffer: torch.Tensor, device: torch.device, regions: int, what: str,
-                **extra) -> PeerTables | None:
-    """A P2P kernel's address tables from a rendezvous handle, with a grid cap that leaves
-    ``regions`` flag regions (barriers per call) of max_programs x world_size slots in the signal
-    pad; None (that path off: ``what``) if this torch's handle lacks something."""
+def peer_tables(handle, buffer: torch.Tensor, device: torch.device, half_bytes: int, what: str) -> PeerTables | None:
+    """A P2P collective's address tables from a rendezvous handle (``buffer``: two halves of
+    ``half_bytes``) and a fresh call counter; None (that path off: ``what``) if this torch's
+    handle lacks something."""
     try:
         world, rank = handle.world_size, handle.rank
         shift = buffer.data_ptr() - handle.buffer_ptrs[rank]  # where the tensor starts in its allocation (0)
@@ -353,8 +351,8 @@ def peer_tables(handle, buffer: torch.Tensor, device: torch.device, regions: int
         return PeerTables(
             buffers=torch.tensor([p + shift for p in handle.buffer_ptrs], dtype=torch.int64, device=device),
             signal_pads=torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device),
-            rank=rank, world_size=world, max_programs=min(FUSED_MAX_PROGRAMS, sms, pad_slots // (regions * world)),
-            allocation=buffer, **extra)
+            rank=rank, world_size=world, max_programs=min(FUSED_MAX_PROGRAMS, sms, pad_slots // world),
+            allocation=buffer, half_bytes=half_bytes, state=torch.zeros(2, dtype=torch.int32, device=device))
     except Exception as e:  # noqa: BLE001 - decided alike on every rank (same torch); self-tests agree anyway
         log.warning("%s off: no peer address tables from torch symmetric memory (%s)", what, e)
         return None

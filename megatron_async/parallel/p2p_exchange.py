@@ -66,8 +66,8 @@ class P2PExchange:
         problem, exchanger = _group_problem(infos, device), None
         if problem is None:
             try:
-                buffer, handle = _rendezvous_buffer(group, device, max_bytes)
-                peers = peer_tables(handle, buffer, device, regions=2, what="P2P EP exchange")  # entry + exit barrier
+                buffer, handle = _rendezvous_buffer(group, device, 2 * max_bytes)  # two halves, used alternately
+                peers = peer_tables(handle, buffer, device, max_bytes, "P2P EP exchange")
                 if peers is None:
                     raise RuntimeError("no peer address tables from torch symmetric memory")
                 exchanger = cls(buffer, peers, max_bytes)
@@ -105,14 +105,16 @@ class P2PExchange:
 
         p = self.peers
         self.calls["all_gather"] += 1
-        return triton_p2p_exchange.all_gather(x, p.buffers, p.signal_pads, p.rank, p.max_programs)
+        return triton_p2p_exchange.all_gather(x, p.buffers, p.signal_pads, p.state, p.half_bytes, p.rank,
+                                              p.max_programs)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         from megatron_async.kernels import triton_p2p_exchange
 
         p = self.peers
         self.calls["reduce_scatter"] += 1
-        return triton_p2p_exchange.reduce_scatter(x, p.buffers, p.signal_pads, p.rank, p.max_programs)
+        return triton_p2p_exchange.reduce_scatter(x, p.buffers, p.signal_pads, p.state, p.half_bytes, p.rank,
+                                                  p.max_programs)
 
     def close(self) -> None:
         """Drop the buffer (before the process group goes); later calls go to NCCL."""

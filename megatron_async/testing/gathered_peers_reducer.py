@@ -35,13 +35,15 @@ class GatheredPeersReducer:
 
         if not fused.supported(partial, residual, weight, self.world):
             return None
-        own = partial.new_empty((self.world, *partial.shape))  # slot r: rank r's partial
-        dist.all_gather(list(own.unbind(0)), partial, group=self.group)
+        # Two buffer halves; a fresh call counter (0: the first half) every call. Slot r: rank r's partial.
+        own = partial.new_empty((2, self.world, *partial.shape))
+        dist.all_gather(list(own[0].unbind(0)), partial, group=self.group)
         buffers = [own if r == self.rank else torch.empty_like(own) for r in range(self.world)]
         table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
         pads = torch.zeros(self.world, dtype=torch.int64)  # never read: no barrier
         self.calls["fused_norm"] += 1
         return fused.all_reduce_add_rms_norm(partial, residual, weight, eps, cast_before_weight, table, pads,
+                                             torch.zeros(2, dtype=torch.int32), own[0].numel() * own.element_size(),
                                              self.rank, max_programs=4, barrier=False)
 
     def close(self) -> None:

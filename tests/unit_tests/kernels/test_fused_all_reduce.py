@@ -3,11 +3,11 @@
 The other ranks' partials are placed in their slots of this rank's "symmetric buffer" (same-
 process tensors whose addresses fill the pointer table) before the launch, as if their pushes
 had run, and their
-barrier flags in this rank's signal pad are raised beforehand: the kernel's own raises then go
-into the peers' pads and its waits find the peers' flags. So one launch checks the arithmetic
-(against sum in rank order + add + RMSNorm), the flag protocol (this rank's pad back to zero
-after the barrier, exactly one raised flag per program in every peer's pad) and the call
-counter whose parity picks the buffer half.
+barrier flags in this rank's signal pad are raised beforehand (to the call's epoch + 1): the
+kernel's own raises then go into the peers' pads and its waits find the peers' flags. So one
+launch checks the arithmetic (against sum in rank order + add + RMSNorm), the flag protocol
+(epoch + 1 stored in this rank's slot of every pad, once per program) and the call counter
+whose parity picks the buffer half.
 Compiled on CUDA, the interpreter on CPU (whose float32 -> bfloat16 conversion truncates: bf16
 to tolerance there; float16 and float32 are checked exactly)."""
 from __future__ import annotations
@@ -35,9 +35,11 @@ def _reference(parts: list[torch.Tensor], residual: torch.Tensor, norm: RMSNorm)
 
 
 def _play_rank(parts: list[torch.Tensor], rank: int, residual: torch.Tensor, norm: RMSNorm, max_programs: int,
-               barrier: bool = True, calls_before: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+               barrier: bool = True, calls_before: int = 0,
+               peer_lead: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Run the kernel as ``rank`` after ``calls_before`` calls (the counter's parity picks the
-    half of every buffer the call uses); returns (out, new residual, every rank's signal pad after)."""
+    half of every buffer the call uses), the peers' flags ``peer_lead`` calls ahead; returns
+    (out, new residual, every rank's signal pad after)."""
     W = len(parts)
     M, N = parts[0].shape
     half = W * M * N + 64  # elements; in bytes a 16-byte multiple for every dtype here
@@ -48,9 +50,9 @@ def _play_rank(parts: list[torch.Tensor], rank: int, residual: torch.Tensor, nor
         if r != rank:  # the peers' pushes into this rank's buffer
             buffers[rank][used + r * M * N: used + (r + 1) * M * N].copy_(parts[r].flatten())
     programs = min(M, max_programs)
+    after = (calls_before + 1 + 2**31) % 2**32 - 2**31  # epoch + 1 in int32 arithmetic
     flags = pads[rank].view(max_programs, W)
-    flags[:programs, :] = 1
-    flags[:, rank] = 0  # this rank's own flag is raised by the kernel itself
+    flags[:programs, :] = after + peer_lead  # the peers' raises (this rank's own lane too: the kernel rewrites it)
     state = torch.tensor([calls_before, 0], dtype=torch.int32, device=DEVICE)
     table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
     out, new_res = fused.all_reduce_add_rms_norm(parts[rank], residual, norm.weight, EPS, norm.cast_before_weight,
@@ -60,7 +62,6 @@ def _play_rank(parts: list[torch.Tensor], rank: int, residual: torch.Tensor, nor
         assert torch.equal(b[used + rank * M * N: used + (rank + 1) * M * N], parts[rank].flatten())
         other = half - used
         assert not b[other: other + half].any()
-    after = (calls_before + 1 + 2**31) % 2**32 - 2**31  # int32 arithmetic
     assert state.tolist() == [after, 0]  # the call counted, arrivals back to 0
     return out, new_res, pads
 
@@ -98,9 +99,8 @@ def test_every_rank_gets_the_reference_sum_and_norm(dtype, world, rows, max_prog
             assert torch.equal(new_res, want_res)  # the sum rounded once, then one rounding of + residual
         _check(out, want_out)
         results.append((out, new_res))
-        # Flags: this rank's pad is back to zero; each peer got one raise per program.
+        # Flags: each peer's pad got epoch + 1 = 1 in this rank's lane of every program's slot.
         programs = min(rows, max_programs)
-        assert not pads[rank].any()
         for r in range(world):
             if r != rank:
                 raised = torch.zeros(max_programs, world, dtype=torch.int32, device=DEVICE)
@@ -117,6 +117,15 @@ def test_the_call_counter_alternates_the_buffer_halves(calls_before):
     parts, residual, norm = _case(2, 5, 64, torch.float32, seed=11)
     want_out, want_res = _reference(parts, residual, norm)
     out, new_res, _ = _play_rank(parts, 1, residual, norm, max_programs=3, calls_before=calls_before)
+    assert torch.equal(new_res, want_res)
+    _check(out, want_out)
+
+
+def test_a_peer_one_call_ahead_releases_the_barrier():
+    """A peer already in the next call has stored epoch + 2 over its epoch + 1: still released."""
+    parts, residual, norm = _case(2, 4, 64, torch.float32, seed=13)
+    want_out, want_res = _reference(parts, residual, norm)
+    out, new_res, _ = _play_rank(parts, 0, residual, norm, max_programs=4, calls_before=5, peer_lead=1)
     assert torch.equal(new_res, want_res)
     _check(out, want_out)
 
@@ -145,7 +154,7 @@ def test_without_barrier_the_flags_stay_untouched():
     out, new_res, pads = _play_rank(parts, 1, residual, norm, max_programs=4, barrier=False)
     assert torch.equal(new_res, want_res)
     _check(out, want_out)
-    assert pads[1].view(4, 2)[:3, 0].all() and not pads[0].any()  # pre-raised flags not consumed
+    assert not pads[0].any()  # no flag raised in the peer's pad
 
 
 def test_supported_shapes():
