@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels.triton_p2p_sync import call_epoch, epoch_barrier, finish_call
+from megatron_async.kernels.triton_p2p_sync import (buffer_half, call_epoch, check_fits, epoch_barrier,
+                                                    finish_call)
 from megatron_async.kernels.triton_rmsnorm import MAX_HIDDEN
 
 
@@ -62,14 +63,12 @@ def _fused_kernel(
     mask = offs < N
     msg = M * N  # W * M * N <= half < 2**31: world_size messages fit one half of the buffer
     epoch = call_epoch(state_ptr)
-    start = (epoch & 1) * half  # & (not %): the counter may wrap to negative values
-    my_buf = tl.multiple_of(tl.load(buf_table_ptr + rank).to(tl.pointer_type(dtype)), 16) + start
+    my_buf = buffer_half(buf_table_ptr, rank, epoch, half, dtype)
     for row in range(pid, M, num_programs):
         base = row * N
         x = tl.load(x_ptr + base + offs, mask=mask)
         for r in tl.static_range(W):  # slot `rank` of every rank's buffer
-            peer = tl.multiple_of(tl.load(buf_table_ptr + r).to(tl.pointer_type(dtype)), 16) + start
-            tl.store(peer + rank * msg + base + offs, x, mask=mask)
+            tl.store(buffer_half(buf_table_ptr, r, epoch, half, dtype) + rank * msg + base + offs, x, mask=mask)
     if BARRIER:
         epoch_barrier(pad_table_ptr, pid, rank, epoch, W)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -132,9 +131,8 @@ def all_reduce_add_rms_norm(
     M, n = x.shape
     if M == 0:
         return out, res_out
-    if buffer_table.numel() * x.numel() * x.element_size() > half_bytes or half_bytes % 16:
-        raise ValueError(f"all_reduce_add_rms_norm: {buffer_table.numel()} messages of {tuple(x.shape)} {x.dtype} "
-                         f"do not fit a buffer half of {half_bytes} bytes (or it is not 16-byte aligned)")
+    check_fits(buffer_table.numel() * x.numel() * x.element_size(), half_bytes,
+               f"all_reduce_add_rms_norm: {buffer_table.numel()} messages of {tuple(x.shape)} {x.dtype}")
     block = triton.next_power_of_2(n)
     _fused_kernel[(min(M, max_programs),)](
         x, buffer_table, pad_table, residual, weight, out, res_out, state, M, rank, half_bytes // x.element_size(), eps,

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels.triton_p2p_sync import call_epoch, epoch_barrier, finish_call
+from megatron_async.kernels.triton_p2p_sync import (buffer_half, call_epoch, check_fits, epoch_barrier,
+                                                    finish_call)
 
 
 @triton.jit
@@ -33,15 +34,14 @@ def _all_gather_kernel(x_ptr, buf_table_ptr, pad_table_ptr, state_ptr, out_ptr, 
     step = tl.num_programs(0) * BLOCK
     offs = tl.arange(0, BLOCK)
     epoch = call_epoch(state_ptr)
-    start_half = (epoch & 1) * half  # & (not %): the counter may wrap to negative values
-    my_buf = tl.multiple_of(tl.load(buf_table_ptr + rank).to(tl.pointer_type(tl.int32)), 16) + start_half
+    my_buf = buffer_half(buf_table_ptr, rank, epoch, half, tl.int32)
     for start in range(pid * BLOCK, n, step):
         idx = start + offs
         tl.store(my_buf + idx, tl.load(x_ptr + idx, mask=idx < n), mask=idx < n)
     if BARRIER:
         epoch_barrier(pad_table_ptr, pid, rank, epoch, W)
     for r in tl.static_range(W):
-        peer = tl.multiple_of(tl.load(buf_table_ptr + r).to(tl.pointer_type(tl.int32)), 16) + start_half
+        peer = buffer_half(buf_table_ptr, r, epoch, half, tl.int32)
         for start in range(pid * BLOCK, n, step):
             idx = start + offs
             tl.store(out_ptr + r * n + idx, tl.load(peer + idx, mask=idx < n), mask=idx < n)
@@ -57,8 +57,7 @@ def _reduce_scatter_kernel(x_ptr, buf_table_ptr, pad_table_ptr, state_ptr, out_p
     offs = tl.arange(0, BLOCK)
     dtype = x_ptr.dtype.element_ty
     epoch = call_epoch(state_ptr)
-    start_half = (epoch & 1) * half
-    my_buf = tl.multiple_of(tl.load(buf_table_ptr + rank).to(tl.pointer_type(dtype)), 16) + start_half
+    my_buf = buffer_half(buf_table_ptr, rank, epoch, half, dtype)
     for start in range(pid * BLOCK, n, step):
         idx = start + offs
         for d in tl.static_range(W):  # every destination's slice, at the offsets this program pairs with
@@ -69,7 +68,7 @@ def _reduce_scatter_kernel(x_ptr, buf_table_ptr, pad_table_ptr, state_ptr, out_p
         idx = start + offs
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(W):
-            peer = tl.multiple_of(tl.load(buf_table_ptr + r).to(tl.pointer_type(dtype)), 16) + start_half
+            peer = buffer_half(buf_table_ptr, r, epoch, half, dtype)
             acc += tl.load(peer + rank * n + idx, mask=idx < n, other=0.0).to(tl.float32)
         tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=idx < n)
     finish_call(state_ptr, epoch)
@@ -82,19 +81,13 @@ def _grid(n: int, max_programs: int) -> tuple[int]:
     return (max(1, min(triton.cdiv(n, _BLOCK), max_programs)),)
 
 
-def _check_fits(x: torch.Tensor, half_bytes: int) -> None:
-    if x.numel() * x.element_size() > half_bytes or half_bytes % 16:
-        raise ValueError(f"P2P exchange: {tuple(x.shape)} {x.dtype} does not fit a buffer half of {half_bytes} bytes "
-                         "(or it is not 16-byte aligned)")
-
-
 def all_gather(x: torch.Tensor, buffer_table: torch.Tensor, pad_table: torch.Tensor, state: torch.Tensor,
                half_bytes: int, rank: int, max_programs: int, barrier: bool = True) -> torch.Tensor:
     """[W * rows, ...] from every rank's contiguous ``x`` [rows, ...] (a whole number of int32
     words). ``buffer_table`` / ``pad_table``: int64 [W], every rank's buffer (two halves of
     ``half_bytes`` >= x's bytes) and signal pad (>= max_programs * W int32 flags); ``state``:
     the exchange's call counter (int32 [2], zeros at first: ``triton_p2p_sync``)."""
-    _check_fits(x, half_bytes)
+    check_fits(x.numel() * x.element_size(), half_bytes, f"P2P exchange: {tuple(x.shape)} {x.dtype}")
     world = buffer_table.numel()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     words = x.numel() * x.element_size() // 4
@@ -109,7 +102,7 @@ def reduce_scatter(x: torch.Tensor, buffer_table: torch.Tensor, pad_table: torch
                    half_bytes: int, rank: int, max_programs: int, barrier: bool = True) -> torch.Tensor:
     """[rows / W, ...]: this rank's slice of the sum of every rank's contiguous ``x`` [rows, ...]
     (float32 adds in rank order, one rounding). Tables and state as in ``all_gather``."""
-    _check_fits(x, half_bytes)
+    check_fits(x.numel() * x.element_size(), half_bytes, f"P2P exchange: {tuple(x.shape)} {x.dtype}")
     world = buffer_table.numel()
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
     n = out.numel()

@@ -39,6 +39,20 @@ def call_epoch(state_ptr):
 
 
 @triton.jit
+def buffer_half(buf_table_ptr, r, epoch, half, DTYPE: tl.constexpr):
+    """Rank ``r``'s buffer (from the pointer table), at the half call ``epoch`` uses (``half``
+    elements of DTYPE each; ``&``, not ``%``: the counter may wrap to negative values)."""
+    return tl.multiple_of(tl.load(buf_table_ptr + r).to(tl.pointer_type(DTYPE)), 16) + (epoch & 1) * half
+
+
+def check_fits(nbytes: int, half_bytes: int, what: str) -> None:
+    """A call's ``nbytes`` must fit one buffer half, and halves keep 16-byte alignment."""
+    if nbytes > half_bytes or half_bytes % 16:
+        raise ValueError(f"{what}: {nbytes} bytes do not fit a buffer half of {half_bytes} bytes "
+                         "(or it is not 16-byte aligned)")
+
+
+@triton.jit
 def epoch_barrier(pad_table_ptr, slot, rank, epoch, W: tl.constexpr):
     """Program ``slot`` of every rank has reached this point in call ``epoch``."""
     tl.debug_barrier()  # the whole program's earlier stores / loads come before the signal
