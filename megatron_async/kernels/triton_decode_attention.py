@@ -5,10 +5,10 @@ by side, so the programs of one row's heads, started together, read neighbouring
 -2 % at 128 rows, -10 % at 64 rows against rows fastest, same bits). A program takes ALL
 query heads that share one KV head (the GQA group, padded to >= 16 rows so ``tl.dot`` can
 run on tensor cores: decode is bound by reading K/V, so the padded rows cost nothing that
-matters, and each K/V tile is read once per group instead of once per query head). The row's keys are cut into
-``num_splits`` contiguous chunks; each program runs an fp32 online softmax over its chunk
-and writes a normalised partial output plus its log-sum-exp, and a second kernel merges
-the splits. With one split the first kernel writes the output directly. With
+matters, and each K/V tile is read once per group instead of once per query head). The
+row's keys are cut into ``num_splits`` contiguous chunks; each program runs an fp32 online
+softmax over its chunk and writes a normalised partial output plus its log-sum-exp, and a
+second kernel merges the splits. With one split the first kernel writes the output directly. With
 ``meta.row_order`` program i of the row axis serves row ``row_order[i]`` (longest first: the
 block scheduler starts programs in grid order, so the short rows fill the tail).
 

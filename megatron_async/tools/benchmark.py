@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the profiled second run that gives the device idle shares (CUDA)")
     g.add_argument("--repeats", type=int, default=1,
                    help="timed runs per engine mode and workload, on the same engine: the table shows the median "
-                        "run (by tok/s; the slower middle one for an even count) and the tok/s range, so an A/B of "
-                        "a few percent can be told from run-to-run spread (use an odd count)")
+                        "run (by tok/s; the slower middle one for an even count) and the tok/s range, the spread "
+                        "within one engine (use an odd count; engines of the same code differ more, so an A/B "
+                        "between two trees takes scripts/ab_benchmark.py)")
     g.add_argument("--max-minutes", type=float, default=30.0, help="stop starting/continuing modes after this")
     g.add_argument("--output-dir", default="benchmark_out", help="benchmark.json and step_times.png go here")
     g.add_argument("--smoke", action="store_true", help="tiny model, few requests, CPU: seconds")
