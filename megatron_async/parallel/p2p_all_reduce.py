@@ -139,10 +139,13 @@ class P2PAllReduce:
         if problem is None:
             try:
                 buffer = _rendezvous_buffer(group, device, max_bytes)[0]
-                if fused_norm:
-                    peers = _fused_peer_tables(group, device, max_bytes)
             except Exception as e:  # noqa: BLE001 - any failure means: use NCCL
                 problem, buffer = f"symmetric memory setup failed on rank {dist.get_rank(group)}: {e}", None
+            if buffer is not None and fused_norm:
+                try:  # the fused path's own allocation: optional, its failure leaves plain P2P on
+                    peers = _fused_peer_tables(group, device, max_bytes)
+                except Exception as e:  # noqa: BLE001 - the ranks agree on the fused path below
+                    log.warning("fused all-reduce + RMSNorm off: its symmetric buffer failed (%s)", e)
         if not _all_agree(problem is None, group, device):
             return _unavailable(problem or "symmetric memory setup failed on another rank", required)
         reducer = cls(group, buffer, max_bytes, peers=peers)
