@@ -127,17 +127,26 @@ def print_table(rows: list[Row]) -> None:
               f" {fmt(r.decode_gbps, '8.0f'):>8} {fmt(r.splits, 'd'):>6}")
 
 
+def decode_case(lens: list[int]) -> tuple[PagedCase, int]:
+    """A decode step of one new token per row (KV lengths ``lens``, KV blocks of 16 tokens as
+    the engine's default) with its keys appended, and the K/V bytes it reads."""
+    case = make_case([(n - 1, 1) for n in lens], block_size=16, seed=3, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                     head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the new keys
+    return case, 2 * int(case.meta.kv_lens.sum()) * KV_HEADS * HEAD_DIM * case.kv_cache.element_size()
+
+
+def longest_first_lens(batch: int, min_len: int, max_len: int) -> list[int]:
+    gen = torch.Generator().manual_seed(7)
+    return sorted(torch.randint(min_len, max_len + 1, (batch,), generator=gen).tolist(), reverse=True)
+
+
 def sweep(iters: int, batch: int, min_len: int, max_len: int, heads_fastest: bool) -> None:
     """Decode kernel launch settings at one batch (KV lengths uniform in [min_len, max_len],
     rows longest first as the engine launches them, KV blocks of 16 tokens as the engine's
     default; ``heads_fastest``: the grid's KV-head order): graph ms and KV GB/s per variant,
     and whether its output equals the default's bits."""
-    gen = torch.Generator().manual_seed(7)
-    lens = sorted(torch.randint(min_len, max_len + 1, (batch,), generator=gen).tolist(), reverse=True)
-    case = make_case([(n - 1, 1) for n in lens], block_size=16, seed=3, num_heads=HEADS, num_kv_heads=KV_HEADS,
-                     head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the new keys
-    kv_bytes = 2 * int(case.meta.kv_lens.sum()) * KV_HEADS * HEAD_DIM * case.kv_cache.element_size()
+    case, kv_bytes = decode_case(longest_first_lens(batch, min_len, max_len))
     base = decode_attention(case.q, case.kv_cache, case.meta, case.scale)
     order = "KV heads" if heads_fastest else "rows"
     print(f"\ndecode sweep ({order} first): {batch} rows, KV {min_len}-{max_len} tokens, {kv_bytes / 1e6:.0f} MB of KV")
@@ -169,10 +178,7 @@ def row_order(iters: int, batch: int, min_len: int, max_len: int) -> None:
     print("| order | graph us | KV GB/s |\n|---|---:|---:|")
     for order, ordered in (("random", lens), ("longest first", sorted(lens, reverse=True)),
                            ("shortest first", sorted(lens))):
-        case = make_case([(n - 1, 1) for n in ordered], block_size=16, seed=3, num_heads=HEADS,
-                         num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)
-        kv_bytes = 2 * int(case.meta.kv_lens.sum()) * KV_HEADS * HEAD_DIM * case.kv_cache.element_size()
+        case, kv_bytes = decode_case(ordered)
         ms = graph_ms(functools.partial(decode_attention, case.q, case.kv_cache, case.meta, case.scale), iters)
         print(f"| {order} | {ms * 1e3:.1f} | {kv_bytes / (ms * 1e-3) / 1e9:.0f} |")
 
@@ -181,12 +187,7 @@ def decode_grid(iters: int, batch: int, min_len: int, max_len: int) -> None:
     """The decode kernel with rows or KV heads fastest in its grid (rows longest first, as the
     engine launches them), at a few tile / stage settings: us per call in a graph, KV GB/s,
     same bits as the default; then the default launch's registers and shared memory."""
-    gen = torch.Generator().manual_seed(7)
-    lens = sorted(torch.randint(min_len, max_len + 1, (batch,), generator=gen).tolist(), reverse=True)
-    case = make_case([(n - 1, 1) for n in lens], block_size=16, seed=3, num_heads=HEADS, num_kv_heads=KV_HEADS,
-                     head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)
-    kv_bytes = 2 * int(case.meta.kv_lens.sum()) * KV_HEADS * HEAD_DIM * case.kv_cache.element_size()
+    case, kv_bytes = decode_case(longest_first_lens(batch, min_len, max_len))
     base = decode_attention(case.q, case.kv_cache, case.meta, case.scale)
     print(f"\ndecode grid order: {batch} rows longest first, KV {min_len}-{max_len} tokens, {kv_bytes / 1e6:.0f} MB")
     print("| grid | block_n | stages | graph us | KV GB/s | bits == default |\n|---|---:|---:|---:|---:|---|")
@@ -206,6 +207,23 @@ def decode_grid(iters: int, batch: int, min_len: int, max_len: int) -> None:
         print(f"compiled variants not readable: {type(e).__name__}: {e}")
 
 
+def prompt_rows(tokens: int, min_len: int, max_len: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    """(cached prefix, new tokens) rows of prompts of [min_len, max_len] tokens packed into
+    ``tokens`` (the last chunk cut, every third prompt continuing a cached first half)."""
+    rows, left = [], tokens
+    while left > 0:
+        n = min(int(torch.randint(min_len, max_len + 1, (1,), generator=gen)), left)
+        prefix = n // 2 if len(rows) % 3 == 2 else 0
+        rows.append((prefix, n - prefix))
+        left -= n - prefix
+    return rows
+
+
+def attention_flops(rows: list[tuple[int, int]]) -> int:
+    """Causal work: each query attends to prefix + its index + 1 keys (4 * D FLOPs per key per head)."""
+    return sum(4 * HEADS * HEAD_DIM * sum(p + i + 1 for i in range(q)) for p, q in rows)
+
+
 def sweep_prefill(iters: int, tokens: int, min_len: int, max_len: int) -> None:
     """Prefill kernel launch settings on a mixed step like workload A's: prompts of
     [min_len, max_len] tokens packed into ``tokens`` (the last chunk cut, every third prompt
@@ -213,18 +231,12 @@ def sweep_prefill(iters: int, tokens: int, min_len: int, max_len: int) -> None:
     from megatron_async.kernels.triton_prefill_attention import prefill_attention
 
     gen = torch.Generator().manual_seed(11)
-    rows, left = [], tokens - 64
-    while left > 0:
-        n = min(int(torch.randint(min_len, max_len + 1, (1,), generator=gen)), left)
-        prefix = n // 2 if len(rows) % 3 == 2 else 0
-        rows.append((prefix, n - prefix))
-        left -= n - prefix
+    rows = prompt_rows(tokens - 64, min_len, max_len, gen)
     rows += [(int(torch.randint(min_len, max_len + 1, (1,), generator=gen)), 1) for _ in range(64)]
     case = make_case(rows, block_size=16, seed=5, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                      dtype=torch.bfloat16, device="cuda")
     attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the new keys
-    # causal work: each query attends to prefix + its index + 1 keys (4 * D FLOPs per key per head)
-    flops = sum(4 * HEADS * HEAD_DIM * sum(p + i + 1 for i in range(q)) for p, q in rows)
+    flops = attention_flops(rows)
     base = prefill_attention(case.q, case.kv_cache, case.meta, case.scale)
     print(f"\nprefill sweep: {case.meta.num_tokens} tokens in {len(rows)} rows, {flops / 1e9:.1f} GFLOP")
     print("| block_q | block_n | warps | stages | graph us | TFLOP/s | max abs diff vs default |")
@@ -253,14 +265,8 @@ def grid_order(iters: int) -> None:
     and 256 tokens (what the paged gather costs): us per call in a graph, same bits."""
     from megatron_async.kernels.triton_prefill_attention import prefill_attention
 
-    gen = torch.Generator().manual_seed(11)
-    rows, left = [], 8192
-    while left > 0:
-        n = min(int(torch.randint(100, 1025, (1,), generator=gen)), left)
-        prefix = n // 2 if len(rows) % 3 == 2 else 0
-        rows.append((prefix, n - prefix))
-        left -= n - prefix
-    flops = sum(4 * HEADS * HEAD_DIM * sum(p + i + 1 for i in range(q)) for p, q in rows)
+    rows = prompt_rows(8192, 100, 1024, torch.Generator().manual_seed(11))
+    flops = attention_flops(rows)
     print(f"\nprefill grid order: {sum(q for _, q in rows)} tokens in {len(rows)} rows, {flops / 1e9:.1f} GFLOP")
     print("| KV block | grid | graph us | TFLOP/s | bits == tiles first |\n|---:|---|---:|---:|---|")
     for block_size in (16, 64, 256):
