@@ -28,7 +28,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-METRICS = {"output_tokens_per_s": "tok/s", "mean_decode_step_ms": "decode ms", "mean_mixed_step_ms": "mixed ms"}
+METRICS = {"output_tokens_per_s": "tok/s", "mean_decode_step_ms": "decode ms", "mean_mixed_step_ms": "mixed ms",
+           "step_over_floor": "decode / floor", "mixed_over_floor": "mixed / floor"}
 _RUNNER = ("import os, sys; sys.path.insert(0, os.environ['AB_ROOT']); import megatron_async; "
            "print('ab: package', megatron_async.__file__, file=sys.stderr); "
            "from megatron_async.tools.benchmark import main; main(sys.argv[1:])")

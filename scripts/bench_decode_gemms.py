@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """The decode GEMMs of the built-in qwen3-0.6b shape, alone, inside CUDA graphs: device time
-per call of ``F.linear`` (cuBLAS, the engine's path; gate_up followed by the SiLU-mul kernel as
-in the model) and of the batch-invariant Triton matmul, then one decode step's GEMM sequence
-(28 layers of qkv, o_proj, gate_up + SiLU-mul, down, then the LM head) against its weight-read
-floor.
+per call of ``F.linear`` (cuBLAS; gate_up followed by the SiLU-mul kernel, the model's path
+before the fused gate_up + SwiGLU kernel, which ``check_swiglu_matmul.py`` compares with it)
+and of the batch-invariant Triton matmul, then one decode step's GEMM sequence (28 layers of
+qkv, o_proj, gate_up + SiLU-mul, down, then the LM head) against its weight-read floor.
 
 Every measurement cycles through 28 distinct weights per shape (as the 28 layers do), so the
 weights come from DRAM, not from L2 as they would if one weight were called 50 times. A
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megatron_async.kernels.linear import _invariant_linear
 from megatron_async.kernels.triton_act import silu_and_mul
-from megatron_async.tools.cuda_timing import graph_replay
+from megatron_async.tools.cuda_timing import graph_call_us
 from megatron_async.tools.roofline import measure_copy_bandwidth
 
 LAYERS = 28
@@ -28,20 +28,6 @@ SHAPES = {  # name: (weight rows, in features K, gated), qwen3-0.6b
     "qkv": (4096, 1024, False), "o_proj": (1024, 2048, False), "gate_up": (6144, 1024, True),
     "down": (1024, 3072, False), "lm_head": (151936, 1024, False),
 }
-
-
-def graph_time_us(fns, calls_per_graph: int, replays: int = 5) -> float:
-    """Device time per call: ``fns`` (a cycle of calls) captured in one graph, replayed, event-timed."""
-    replay = graph_replay(lambda: [fns[i % len(fns)]() for i in range(calls_per_graph)])
-    replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls_per_graph * replays)
 
 
 def main() -> None:
@@ -62,8 +48,8 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, ws[0])
             assert torch.allclose(inv(x, ws[0], None), ref, atol=2e-2, rtol=2e-2)
-            cols = [graph_time_us([lambda w=w: silu_and_mul(F.linear(x, w)) if gated else F.linear(x, w) for w in ws], calls),
-                    graph_time_us([lambda w=w: inv(x, w, None) for w in ws], calls)]
+            cols = [graph_call_us([lambda w=w: silu_and_mul(F.linear(x, w)) if gated else F.linear(x, w) for w in ws], calls),
+                    graph_call_us([lambda w=w: inv(x, w, None) for w in ws], calls)]
             print(f"| {name} | {m} | {n * k * 2 / bw / 1e3:.1f} | "
                   + " | ".join(f"{us:.1f} ({n * k * 2 / us / 1e3:,.0f})" for us in cols) + " |")
 
@@ -81,7 +67,7 @@ def main() -> None:
                         silu_and_mul(y)
             mm(xs["lm_head"], weights["lm_head"][0])
 
-        cells = [graph_time_us([lambda mm=mm: step(mm)], 1, replays=20) for mm in (F.linear, lambda x, w: inv(x, w, None))]
+        cells = [graph_call_us([lambda mm=mm: step(mm)], 1, replays=20) for mm in (F.linear, lambda x, w: inv(x, w, None))]
         print(f"| {m} | {floor:.0f} | " + " | ".join(f"{us:.0f}" for us in cells) + " |")
 
 

@@ -1,6 +1,6 @@
 """Switch between the layers' torch code and the fused Triton kernels for per-layer
 elementwise work (RMSNorm, residual add + RMSNorm, q/k norm + RoPE, SiLU-and-mul, MoE
-softmax top-k routing).
+softmax top-k routing) and the SwiGLU gate_up projection with its activation.
 
 A layer asks ``use_fused(x)`` and, when true, calls the op here; otherwise it runs its own
 torch code, which stays the numerical reference. Fused ops run only on CUDA tensors (never
@@ -98,3 +98,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     from megatron_async.kernels import triton_act
 
     return triton_act.silu_and_mul(gate_up)
+
+
+def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """silu(gate) * up of the [gate | up] projection in one kernel (``triton_swiglu_matmul``);
+    None where that kernel does not take the operands (pre-Hopper GPU, unaligned views) or
+    where cuBLAS + the SiLU-mul kernel measured faster (row counts between the buckets)."""
+    from megatron_async.kernels import triton_swiglu_matmul
+
+    if not (triton_swiglu_matmul.pays_off(x.shape[0]) and triton_swiglu_matmul.supported(x, weight)):
+        return None
+    return triton_swiglu_matmul.swiglu_linear(x, weight, bias)

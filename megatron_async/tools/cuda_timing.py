@@ -53,3 +53,19 @@ def capture(fn: Callable[[], object], error_mode: str = "global") -> tuple[torch
 def graph_replay(fn: Callable[[], object], error_mode: str = "global") -> Callable[[], None]:
     """``fn`` (static inputs) warmed up on a side stream and captured in a CUDA graph; returns its replay."""
     return capture(fn, error_mode)[0].replay
+
+
+def graph_call_us(fns: list[Callable[[], object]], calls_per_graph: int, replays: int = 5) -> float:
+    """Device time per call in us: ``calls_per_graph`` calls cycling through ``fns`` (e.g. one
+    per layer's weight, so weights come from DRAM as in a step) captured in one graph, replayed,
+    event-timed."""
+    replay = graph_replay(lambda: [fns[i % len(fns)]() for i in range(calls_per_graph)])
+    replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls_per_graph * replays)
