@@ -225,16 +225,34 @@ class LLM:
         sampling_params = list(sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-        slots: list[RequestOutput | int] = []
+        slots: list[RequestOutput | int | None] = [None] * len(prompts)
+        pending = iter(enumerate(zip(prompts, sampling_params)))
+
+        def add(limit: Callable[[], bool]) -> tuple[list[int], bool]:
+            """Add prompts while ``limit()`` holds; -> (new ids, whether prompts remain)."""
+            ids = []
+            while limit():
+                nxt = next(pending, None)
+                if nxt is None:
+                    return ids, False
+                i, (prompt, sp) = nxt
+                try:
+                    slots[i] = self.engine.add_request(prompt, sp)
+                    ids.append(slots[i])
+                except InvalidRequestError as e:
+                    slots[i] = RequestOutput(-1, _token_ids_or_empty(prompt), [], None, "error", error=str(e))
+            return ids, True
+
+        if self.communicator is None:
+            # one rank: later prompts are validated and added while the GPU runs the first steps
+            ids, more = add(self.engine.admission_queue_short)
+            done = self.engine.run_requests(ids, (lambda: add(self.engine.admission_queue_short)) if more else None)
+            return [s if isinstance(s, RequestOutput) else done[s] for s in slots]
         # Under TP / EP every rank calls generate (SPMD) but only rank 0's prompts are used: the
         # others receive its requests at the per-step exchange, and its slots here.
-        for prompt, sp in zip(prompts, sampling_params) if self.is_leader else ():
-            try:
-                slots.append(self.engine.add_request(prompt, sp))
-            except InvalidRequestError as e:
-                slots.append(RequestOutput(-1, _token_ids_or_empty(prompt), [], None, "error", error=str(e)))
-        if self.communicator is not None:
-            slots = self.communicator.broadcast_object(slots)
+        if self.is_leader:
+            add(lambda: True)
+        slots = self.communicator.broadcast_object(slots if self.is_leader else [])
         done = self.engine.run_requests([s for s in slots if not isinstance(s, RequestOutput)])
         if self.parallel.dp_size > 1:  # only rank 0 gathered every rank's outputs
             done = self.communicator.broadcast_object(done if self.is_leader else None)

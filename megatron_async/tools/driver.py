@@ -4,6 +4,7 @@ the device step), and each token's landing time on the host gives TTFT and inter
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -33,7 +34,8 @@ class StepRecord:
 class RequestTiming:
     """Seconds since the run started, on the host, at step granularity."""
 
-    added: float
+    arrival: float
+    """When the request arrived (its add may come later: ``admission_queue_short``)."""
     first_token: float | None = None
     """End of the step that delivered the request's first token."""
     finished: float | None = None
@@ -57,7 +59,7 @@ class RequestTiming:
 
     @property
     def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.added
+        return None if self.first_token is None else self.first_token - self.arrival
 
     @property
     def tpot(self) -> float | None:
@@ -135,18 +137,20 @@ def run_workload(
 ) -> WorkloadRun:
     """Run ``requests`` to completion (or until ``deadline``, a ``time.perf_counter()`` value).
 
-    A request is added once ``arrival_step`` steps ran and ``arrival_time`` seconds passed; an
-    idle engine sleeps until the next arrival. A request the engine rejects at admission gets
+    A request arrives once ``arrival_step`` steps ran and ``arrival_time`` seconds passed, and is
+    added when the engine's queue is short (``admission_queue_short``); an idle engine sleeps
+    until the next arrival. TTFT counts from the arrival. A request the engine rejects at admission gets
     an output with ``finish_reason="error"``."""
     order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_step, requests[i].arrival_time))
     outputs: dict[int, RequestOutput] = {}
     timings: dict[int, RequestTiming] = {}  # by request id
     index_of: dict[int, int] = {}
+    ready: deque[tuple[int, float]] = deque()  # arrived, not yet added: (index, arrival time)
     run = WorkloadRun([], 0.0)
     nxt, step, tokens = 0, 0, 0
     t0 = time.perf_counter()
-    while nxt < len(order) or engine.has_unfinished_requests():
-        if not engine.has_unfinished_requests():
+    while nxt < len(order) or ready or engine.has_unfinished_requests():
+        if not ready and not engine.has_unfinished_requests():
             head = requests[order[nxt]]
             step = max(step, head.arrival_step)  # idle engine: jump to the next arrival
             wait = head.arrival_time - (time.perf_counter() - t0)
@@ -156,10 +160,16 @@ def run_workload(
         while nxt < len(order) and requests[order[nxt]].arrival_step <= step and requests[order[nxt]].arrival_time <= now:
             i = order[nxt]
             nxt += 1
+            # latency counts from the arrival (a timed arrival's own time), not from the add
+            ready.append((i, now if requests[i].arrival_step > 0 else requests[i].arrival_time))
+        # add while the engine's queue could take more in its next step; the rest is validated
+        # and added between later steps, while the GPU runs the ones launched
+        while ready and engine.admission_queue_short():
+            i, arrived = ready.popleft()
             try:
                 rid = engine.add_request(requests[i].prompt, make_params(requests[i]))
                 index_of[rid] = i
-                timings[rid] = RequestTiming(now)
+                timings[rid] = RequestTiming(arrived)
             except InvalidRequestError as e:
                 outputs[i] = RequestOutput(-1, list(requests[i].prompt), [], None, "error", error=str(e))
         if not engine.has_unfinished_requests():

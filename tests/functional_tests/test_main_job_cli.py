@@ -135,7 +135,7 @@ def test_request_timing_percentiles():
     from megatron_async.tools.driver import RequestTiming
     from megatron_async.tools.summary import percentile
 
-    t = RequestTiming(added=1.0)
+    t = RequestTiming(arrival=1.0)
     for n, when in ((0, 1.5), (1, 2.0), (1, 2.5), (2, 3.5)):
         t.record(n, when)
     t.finished = 3.5
