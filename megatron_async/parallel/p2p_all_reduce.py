@@ -314,16 +314,27 @@ def _group_problem(infos: list, device: torch.device) -> str | None:
 
 
 def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> tuple[torch.Tensor, object]:
+    """A symmetric buffer of ``nbytes`` on every rank of ``group`` and its rendezvous handle.
+    Collective: the ranks agree that every allocation succeeded before the rendezvous (a rank
+    whose allocation raised would never join it, and the others would wait there forever);
+    if one failed, every rank raises RuntimeError."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    for key, value in _NO_MULTICAST_ENV.items():
-        os.environ[key] = value
-    with warnings.catch_warnings():  # older torch needs it, newer deprecates it
-        warnings.simplefilter("ignore")
-        enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", lambda name: False)
-        if hasattr(symm_mem, "enable_symm_mem_for_group") and not enabled(group.group_name):
-            symm_mem.enable_symm_mem_for_group(group.group_name)
-    buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    buffer, error = None, None
+    try:
+        for key, value in _NO_MULTICAST_ENV.items():
+            os.environ[key] = value
+        with warnings.catch_warnings():  # older torch needs it, newer deprecates it
+            warnings.simplefilter("ignore")
+            enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", lambda name: False)
+            if hasattr(symm_mem, "enable_symm_mem_for_group") and not enabled(group.group_name):
+                symm_mem.enable_symm_mem_for_group(group.group_name)
+        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    except Exception as e:  # noqa: BLE001 - reported below, on every rank
+        error = e
+    if not _all_agree(error is None, group, device):
+        where = f"on rank {dist.get_rank(group)}: {error}" if error is not None else "on another rank"
+        raise RuntimeError(f"symmetric allocation of {nbytes} bytes failed {where}")
     return buffer, symm_mem.rendezvous(buffer, group.group_name)
 
 

@@ -1,5 +1,6 @@
 """The P2P all-reduce's CPU side: under gloo every backend setting falls back cleanly (AUTO and
-NCCL silently, P2P with the same clear error on every rank, no hang), ``tp_all_reduce`` sends a
+NCCL silently, P2P with the same clear error on every rank, no hang; a symmetric allocation that
+fails on one rank fails the set-up on every rank, no hang), ``tp_all_reduce`` sends a
 message to the group's reducer exactly when it accepts it (never in batch-invariant mode), and
 the config knob is validated. The GPU side: tests/functional_tests/test_multigpu_p2p_all_reduce.py."""
 import os
@@ -89,3 +90,39 @@ def test_config_knob():
         InferenceConfig(p2p_all_reduce_max_bytes=-1).validate()
     with pytest.raises(ValueError):
         InferenceConfig(tp_all_reduce="multicast").validate()
+
+
+def _alloc_worker(rank: int, world: int) -> str:
+    """Rank 1's symmetric allocation raises (as an out-of-memory would); the rendezvous is a
+    stand-in collective that would block forever with one rank missing."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from megatron_async.parallel import p2p_all_reduce
+
+    base = ParallelState.from_torchrun(world, "cpu")
+
+    def empty(nbytes, dtype, device):
+        if rank == 1:
+            raise torch.OutOfMemoryError("no room for the buffer")
+        return torch.empty(nbytes, dtype=dtype, device=device)
+
+    def rendezvous(buffer, group_name):
+        dist.barrier(group=base.tp_group)
+        return "handle"
+
+    symm_mem.empty, symm_mem.rendezvous = empty, rendezvous
+    symm_mem.enable_symm_mem_for_group = lambda name: None
+    try:
+        p2p_all_reduce._rendezvous_buffer(base.tp_group, torch.device("cpu"), 64)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        base.destroy()
+    return "allocated"
+
+
+def test_a_failed_symmetric_allocation_fails_every_rank_without_a_hang():
+    assert run_ranks(_alloc_worker, 2, timeout_s=60) == [
+        "symmetric allocation of 64 bytes failed on another rank",
+        "symmetric allocation of 64 bytes failed on rank 1: no room for the buffer",
+    ]
