@@ -133,9 +133,7 @@ class P2PAllReduce:
         problem = _local_problem(device)
         if problem is not None and device.type != "cuda":  # gloo group: decided alike on every rank, no collective
             return _unavailable(problem, required)
-        infos: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(infos, (socket.gethostname(), device.index, problem), group=group)
-        problem, buffer, peers = _group_problem(infos, device), None, None
+        problem, buffer, peers = group_problem(group, device, problem), None, None
         if problem is None:
             try:
                 buffer = _rendezvous_buffer(group, device, max_bytes)[0]
@@ -295,6 +293,14 @@ def _all_agree(ok: bool, group, device: torch.device) -> bool:
     flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def group_problem(group, device: torch.device, local_problem: str | None) -> str | None:
+    """Collective over ``group``: the first reason any rank cannot take part in a P2P
+    collective (each rank's ``local_problem``, hosts, peer access), the same on every rank."""
+    infos: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(infos, (socket.gethostname(), device.index, local_problem), group=group)
+    return _group_problem(infos, device)
 
 
 def _group_problem(infos: list, device: torch.device) -> str | None:

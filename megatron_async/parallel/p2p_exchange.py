@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 from collections import Counter
 
 import torch
@@ -22,9 +21,9 @@ from megatron_async.parallel.p2p_all_reduce import (
     SELF_TEST_TIMEOUT_S,
     PeerTables,
     _all_agree,
-    _group_problem,
     _local_problem,
     _rendezvous_buffer,
+    group_problem,
     peer_tables,
     wait_or_raise,
 )
@@ -61,9 +60,7 @@ class P2PExchange:
     def create(cls, group, device: torch.device, max_bytes: int) -> P2PExchange | None:
         """Every rank checks itself, the ranks agree, they allocate and exchange the buffers and
         run a self-test; None (NCCL for everything, on every rank) if any step fails anywhere."""
-        infos: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(infos, (socket.gethostname(), device.index, _local_problem(device)), group=group)
-        problem, exchanger = _group_problem(infos, device), None
+        problem, exchanger = group_problem(group, device, _local_problem(device)), None
         if problem is None:
             try:
                 buffer, handle = _rendezvous_buffer(group, device, 2 * max_bytes)  # two halves, used alternately
