@@ -29,7 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = {"output_tokens_per_s": "tok/s", "mean_decode_step_ms": "decode ms", "mean_mixed_step_ms": "mixed ms",
-           "step_over_floor": "decode / floor", "mixed_over_floor": "mixed / floor"}
+           "step_over_floor": "decode / floor", "mixed_over_floor": "mixed / floor", "ttft_p50_ms": "TTFT p50 ms",
+           "first_step_end_ms": "first step ends, ms"}
 _RUNNER = ("import os, sys; sys.path.insert(0, os.environ['AB_ROOT']); import megatron_async; "
            "print('ab: package', megatron_async.__file__, file=sys.stderr); "
            "from megatron_async.tools.benchmark import main; main(sys.argv[1:])")
@@ -46,7 +47,12 @@ def run_side(root: Path, bench_args: list[str], out_dir: Path) -> list[dict]:
     if done.returncode != 0 or not report.exists():
         raise RuntimeError(f"benchmark on {root} failed (rc {done.returncode}); log: {out_dir / 'log.txt'}\n"
                            f"{(done.stdout + done.stderr)[-2000:]}")
-    return json.loads(report.read_text())["modes"]
+    rows = json.loads(report.read_text())["modes"]
+    for row in rows:  # nested / derived numbers as plain metrics
+        row["ttft_p50_ms"] = (row.get("latency_ms") or {}).get("ttft_p50_ms")
+        steps = row.get("step_times") or []
+        row["first_step_end_ms"] = 1e3 * steps[0][0] if steps else None
+    return rows
 
 
 def summarize(runs: dict[str, list[list[dict]]]) -> list[dict]:
