@@ -103,9 +103,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """silu(gate) * up of the [gate | up] projection in one kernel (``triton_swiglu_matmul``);
     None where that kernel does not take the operands (pre-Hopper GPU, unaligned views) or
-    where cuBLAS + the SiLU-mul kernel measured faster (row counts between the buckets)."""
+    where cuBLAS + the SiLU-mul kernel is faster (``pays_off``)."""
     from megatron_async.kernels import triton_swiglu_matmul
 
-    if not (triton_swiglu_matmul.pays_off(x.shape[0]) and triton_swiglu_matmul.supported(x, weight)):
+    if not (triton_swiglu_matmul.pays_off(x.shape[0], x.shape[1]) and triton_swiglu_matmul.supported(x, weight)):
         return None
     return triton_swiglu_matmul.swiglu_linear(x, weight, bias)

@@ -64,8 +64,9 @@ def test_empty_rows():
 
 
 def test_row_buckets_follow_the_measured_crossover():
-    assert triton_swiglu_matmul.pays_off(1) and triton_swiglu_matmul.pays_off(128)
-    assert not triton_swiglu_matmul.pays_off(512) and triton_swiglu_matmul.pays_off(8192)
+    assert triton_swiglu_matmul.pays_off(1, 1024) and triton_swiglu_matmul.pays_off(128, 1024)
+    assert not triton_swiglu_matmul.pays_off(512, 1024) and triton_swiglu_matmul.pays_off(8192, 1024)
+    assert not triton_swiglu_matmul.pays_off(8192, 4096)  # the round trip it saves is too small there
 
 
 def test_mlp_routes_through_the_fused_kernel(monkeypatch):
@@ -85,7 +86,7 @@ def test_mlp_routes_through_the_fused_kernel(monkeypatch):
     x = torch.randn(9, 32, device=DEVICE)
     fused = mlp(x)
     assert calls == [9]
-    monkeypatch.setattr(triton_swiglu_matmul, "pays_off", lambda m: False)
+    monkeypatch.setattr(triton_swiglu_matmul, "pays_off", lambda m, k: False)
     unfused = mlp(x)
     assert calls == [9]
     fused_ops.set_enabled(False)
