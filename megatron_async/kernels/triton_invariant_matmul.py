@@ -26,6 +26,17 @@ import triton.language as tl
 from megatron_async.kernels.triton_paged_common import dot_args
 
 
+@triton.jit
+def grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of the ``tile``-th output tile in grouped order: GROUP_M row
+    tiles in a row walk each column of weight tiles together, so a weight tile is reused from
+    L2. The order only schedules tiles; each tile's arithmetic is the same wherever it runs."""
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     a_ptr,
@@ -51,17 +62,8 @@ def _matmul_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # Grouped tile order (GROUP_M row tiles share a column of weight tiles in L2). The
-    # order only schedules tiles: each tile's arithmetic is the same wherever it runs.
-    pid = tl.program_id(0)
     split = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megatron_async.kernels.triton_paged_common import dot_args
+from megatron_async.kernels.triton_invariant_matmul import grouped_tile
+from megatron_async.kernels.triton_paged_common import dot_args, num_compute_units
 
 
 @triton.jit(do_not_specialize=["M", "num_programs"])
@@ -48,14 +49,10 @@ def _swiglu_matmul_kernel(
 ):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(I, BLOCK_N)
-    per_group = GROUP_M * num_n
     dt = out_desc.dtype
     # A plain loop over tiles: Triton's flattened (tile x K) pipeline measured 10 % slower here.
     for tile in range(tl.program_id(0), num_m * num_n, num_programs):
-        first_m = (tile // per_group) * GROUP_M
-        group_rows = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % group_rows
-        pid_n = (tile % per_group) // group_rows
+        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         # Descriptors load zeros past M and K. Gate columns past I (last column tile) read
@@ -117,11 +114,6 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_programs(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``swiglu_linear`` takes these operands: Hopper or newer (TMA) or the CPU
     interpreter, float types, K > 0, 16-byte aligned bases and row strides, unit stride along K."""
@@ -151,7 +143,7 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return out
     t = tiles or swiglu_tiles(m, x.dtype, x.device)
     tiles_total = triton.cdiv(m, t.block_m) * triton.cdiv(inter, t.block_n)
-    programs = min(_num_programs(x.device), tiles_total)
+    programs = min(num_compute_units(x.device), tiles_total)
     _swiglu_matmul_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [t.block_m, t.block_k]),
         TensorDescriptor.from_tensor(weight, [t.block_n, t.block_k]),
