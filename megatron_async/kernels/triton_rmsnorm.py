@@ -53,6 +53,11 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * N + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def num_warps(block: int) -> int:
+    """Warps per row program (a function so ``scripts/check_small_kernels.py`` can sweep it)."""
+    return min(max(block // 512, 1), 16)
+
+
 def _rows_view(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
     """(t with a unit last stride, M0, M1, stride0, stride1) for a [.., N] tensor of <= 3 dims."""
     if t.stride(-1) != 1:
@@ -91,7 +96,7 @@ def _launch(
         x, x if residual is None else residual, weight, out, out if res_out is None else res_out,
         m1, sx0, sx1, sr0, sr1, eps,
         N=n, BLOCK_N=block, HAS_RESIDUAL=residual is not None, CAST_BEFORE_WEIGHT=cast_before_weight,
-        num_warps=min(max(block // 512, 1), 16),
+        num_warps=num_warps(block),
     )
     return out, res_out
 

@@ -107,15 +107,17 @@ def _rope_qk_kernel(
     TO_CACHE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    # One program per token: its cos/sin row is read once for all q and k heads.
+    # Per token, program (tok, 0) rotates the q heads and (tok, 1) the k heads (and stores v):
+    # two short dependent chains per token instead of one long one (decode runs few tokens).
     tok = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     dmask = offs_d < ROT_DIM // 2
     c = tl.load(cos_ptr + tok * stride_cos + offs_d, mask=dmask, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + tok * stride_sin + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, q_out_ptr, qw_ptr, tok, stride_qt, stride_qh, tok * (NUM_Q_HEADS * HEAD_DIM), HEAD_DIM,
-                  0, c, s, eps, NUM_Q_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, HAS_NORM, False)
-    if TO_CACHE:  # k and v straight into the token's paged-cache slot (the attention reads them there)
+    if tl.program_id(1) == 0:
+        _rotate_heads(q_ptr, q_out_ptr, qw_ptr, tok, stride_qt, stride_qh, tok * (NUM_Q_HEADS * HEAD_DIM), HEAD_DIM,
+                      0, c, s, eps, NUM_Q_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, HAS_NORM, False)
+    elif TO_CACHE:  # k and v straight into the token's paged-cache slot (the attention reads them there)
         slot = tl.load(slot_ptr + tok)
         keep = (tl.zeros([1, 1], dtype=tl.int64) + slot) >= 0  # padded token (graph filler): store nothing
         cache_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
@@ -130,6 +132,11 @@ def _rope_qk_kernel(
     else:
         _rotate_heads(k_ptr, k_out_ptr, kw_ptr, tok, stride_kt, stride_kh, tok * (NUM_K_HEADS * HEAD_DIM), HEAD_DIM,
                       0, c, s, eps, NUM_K_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, HAS_NORM, False)
+
+
+def num_warps(num_q_heads: int, block_half: int) -> int:
+    """Warps per program (a function so ``scripts/check_small_kernels.py`` can sweep it)."""
+    return 4 if num_q_heads * block_half >= 1024 else 1
 
 
 def rope_qk(
@@ -183,7 +190,7 @@ def rope_qk(
     block_half = triton.next_power_of_2(rot // 2)
     vv = v if to_cache else k
     cache_strides = (k_out.stride(0), k_out.stride(1), k_out.stride(2)) if to_cache else (0, 0, 0)
-    _rope_qk_kernel[(num_tokens,)](
+    _rope_qk_kernel[(num_tokens, 2)](
         q, k, vv, cos, sin,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
         q_out, k_out, v_out, slot_mapping if to_cache else q_out,
@@ -193,7 +200,7 @@ def rope_qk(
         BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=block_half,
         BLOCK_PASS=triton.next_power_of_2(max(d - rot, 1)), BLOCK_D=triton.next_power_of_2(d), HAS_NORM=has_norm,
         TO_CACHE=to_cache, BLOCK_SIZE=kv_cache.shape[2] if to_cache else 1,
-        num_warps=4 if hq * block_half >= 1024 else 1,
+        num_warps=num_warps(hq, block_half),
         # no mul+add -> FMA contraction: it skips the rounding of each product to the activation
         # dtype that the torch ops do (H100: 22 % of fp16 / bf16 elements 1 ulp off with it on)
         enable_fp_fusion=False,

@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""The decode step's small kernels at Qwen3-0.6B shapes (bf16, CUDA): residual add + RMSNorm,
+q/k norm + rotary + K/V store, and the greedy argmax over the vocabulary; us per call in a
+CUDA graph (28 distinct inputs cycled, as the layers of a step), launch settings swept, and
+the outputs checked against the reference (bit-equal) first.
+
+    python scripts/check_small_kernels.py [--tokens 1 64 128 256] [--rope-before OLD/triton_rope.py]
+
+``--rope-before`` times another version of ``kernels/triton_rope.py`` beside the current one
+(an A/B in one process)."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_async.kernels import triton_rmsnorm, triton_rope, triton_sampling  # noqa: E402
+from megatron_async.tools.cuda_timing import graph_call_us  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, BLOCK_SIZE = 1024, 16, 8, 128, 151936, 16
+DT = torch.bfloat16
+LAYERS = 28
+
+
+def _load(path: str):
+    spec = importlib.util.spec_from_file_location("rope_before", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def norm_rows(tokens: list[int], warps: list[int]) -> None:
+    print("\n| add + RMSNorm [T, 1024] | " + " | ".join(f"{w} warps" for w in warps) + " |")
+    print("|---:|" + "---:|" * len(warps))
+    default = triton_rmsnorm.num_warps
+    for t in tokens:
+        sets = [(torch.randn(t, HIDDEN, device="cuda", dtype=DT), torch.randn(t, HIDDEN, device="cuda", dtype=DT),
+                 torch.rand(HIDDEN, device="cuda", dtype=DT)) for _ in range(LAYERS)]
+        ref = triton_rmsnorm.add_rms_norm(*sets[0], 1e-6)
+        cells = []
+        for w in warps:
+            triton_rmsnorm.num_warps = lambda block, w=w: w
+            got = triton_rmsnorm.add_rms_norm(*sets[0], 1e-6)
+            assert all(torch.equal(a, b) for a, b in zip(ref, got)), f"{w} warps: outputs differ"
+            fns = [lambda s=s: triton_rmsnorm.add_rms_norm(*s, 1e-6) for s in sets]
+            cells.append(f"{graph_call_us(fns, 2 * LAYERS):.2f}")
+        triton_rmsnorm.num_warps = default
+        print(f"| {t} | " + " | ".join(cells) + f" |  (default {default(triton_rmsnorm.triton.next_power_of_2(HIDDEN))})")
+
+
+def rope_rows(tokens: list[int], warps: list[int], before) -> None:
+    mods = [("current", triton_rope)] + ([("before", before)] if before else [])
+    cols = [(name, w) for name, _ in mods for w in warps]
+    print("\n| q/k norm + rope + K/V store | " + " | ".join(f"{n}, {w} warps" for n, w in cols) + " |")
+    print("|---:|" + "---:|" * len(cols))
+    for t in tokens:
+        blocks = max(64, 4 * t)
+        cache = torch.zeros(2, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DT)
+
+        def inputs():
+            qkv = torch.randn(t, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=DT)
+            q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+            ang = torch.rand(t, HEAD_DIM // 2, device="cuda") * 6.28
+            slots = torch.randperm(blocks * BLOCK_SIZE, device="cuda")[:t]
+            return (q.view(t, HEADS, HEAD_DIM), k.view(t, KV_HEADS, HEAD_DIM), ang.cos().to(DT), ang.sin().to(DT),
+                    torch.rand(HEAD_DIM, device="cuda", dtype=DT), torch.rand(HEAD_DIM, device="cuda", dtype=DT),
+                    1e-6, v.view(t, KV_HEADS, HEAD_DIM), cache, slots)
+
+        sets = [inputs() for _ in range(LAYERS)]
+        outs = {}
+        for name, mod in mods:
+            cache.zero_()
+            outs[name] = (mod.rope_qk(*sets[0])[0], cache.clone())
+        if before:
+            assert torch.equal(outs["current"][0], outs["before"][0]) and torch.equal(outs["current"][1], outs["before"][1])
+        cells = []
+        for name, mod in mods:
+            default = mod.num_warps if hasattr(mod, "num_warps") else None
+            for w in warps:
+                if default is not None:
+                    mod.num_warps = lambda h, b, w=w: w
+                fns = [lambda s=s, m=mod: m.rope_qk(*s) for s in sets]
+                cells.append(f"{graph_call_us(fns, LAYERS):.2f}" if default is not None or w == warps[0] else "-")
+            if default is not None:
+                mod.num_warps = default
+        print(f"| {t} | " + " | ".join(cells) + " |")
+
+
+def argmax_rows(tokens: list[int]) -> None:
+    print("\n| greedy argmax [T, 151936] bf16 | torch.argmax | Triton chunks |\n|---:|---:|---:|")
+    for t in tokens:
+        sets = [torch.randn(t, VOCAB, device="cuda", dtype=DT) for _ in range(4)]
+        x = sets[0]
+        x[:, 5] = x[:, 7] = x.max() + 1  # a tie: the first index wins
+        assert torch.equal(triton_sampling.argmax(x), x.argmax(-1))
+        for s in sets:
+            assert torch.equal(triton_sampling.argmax(s), s.argmax(-1))
+        a = graph_call_us([lambda s=s: s.argmax(-1) for s in sets], 8)
+        b = graph_call_us([lambda s=s: triton_sampling.argmax(s) for s in sets], 8)
+        print(f"| {t} | {a:.2f} | {b:.2f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 128, 256])
+    p.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--rope-before", default=None, help="another triton_rope.py to time beside the current one")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name())
+    norm_rows(args.tokens, args.warps)
+    rope_rows(args.tokens, args.warps, _load(args.rope_before) if args.rope_before else None)
+    argmax_rows(args.tokens)
+
+
+if __name__ == "__main__":
+    main()
