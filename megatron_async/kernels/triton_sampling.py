@@ -129,6 +129,46 @@ def _pick_kernel(best_ptr, idx_ptr, out_ptr, NS, skip_ptr, NS_BLOCK: tl.constexp
     tl.store(out_ptr + row, tl.load(idx_ptr + row * NS + first).to(tl.int64))
 
 
+@triton.jit
+def _argmax_kernel(logits_ptr, stride, V, best_ptr, idx_ptr, NS, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Per chunk: the largest logit and its first index (NaN counts as +inf)."""
+    row, c = tl.program_id(0), tl.program_id(1)
+    base = logits_ptr + row.to(tl.int64) * stride
+    offs = tl.arange(0, BLOCK)
+    best = tl.full((), _NEG_INF, tl.float32)
+    best_i = tl.zeros((), tl.int32) + c * CHUNK  # a chunk of -inf only: its first index
+    for off in range(0, CHUNK, BLOCK):
+        idx = c * CHUNK + off + offs
+        x = tl.load(base + idx, mask=idx < V, other=_NEG_INF).to(tl.float32)
+        x = tl.where(x == x, x, _POS_INF)
+        bv, bi = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        better = bv > best
+        best_i = tl.where(better, c * CHUNK + off + bi, best_i)
+        best = tl.where(better, bv, best)
+    tl.store(best_ptr + row * NS + c, best)
+    tl.store(idx_ptr + row * NS + c, best_i)
+
+
+def argmax(logits: torch.Tensor, chunk: int = 8192, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
+    """[R, V] logits -> [R] int64: each row's first largest index, as ``logits.argmax(-1)``
+    (which reads a row per program; this reads (rows x chunks) programs: the whole GPU).
+    A NaN counts as +inf, so a row holding both picks the first of either. Graph-safe."""
+    assert logits.dim() == 2 and chunk % block == 0
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    R, V = logits.shape
+    ns = triton.cdiv(V, chunk)
+    best = torch.empty(R, ns, dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty(R, ns, dtype=torch.int32, device=logits.device)
+    tokens = torch.empty(R, dtype=torch.int64, device=logits.device)
+    if R == 0:
+        return tokens
+    _argmax_kernel[(R, ns)](logits, logits.stride(0), V, best, best_idx, ns, CHUNK=chunk, BLOCK=block,
+                            num_warps=num_warps)
+    _pick_kernel[(R,)](best, best_idx, tokens, ns, tokens, NS_BLOCK=max(2, triton.next_power_of_2(ns)), HAS_SKIP=False)
+    return tokens
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
            filters: tuple[bool, bool, bool] | bool, chunk: int = 8192, block: int = 1024, hist_block: int = 256,

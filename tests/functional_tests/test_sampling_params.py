@@ -142,15 +142,22 @@ def test_penalised_requests_survive_pause_evict_and_batching(qwen3_ckpt):
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU engine with the interpreted Triton sampler (TRITON_INTERPRET=1, set by the kernel "
                            "tests' conftest); on CUDA the test_cuda_* tests cover it")
-def test_triton_sampler_in_the_engine_equals_torch(qwen3_ckpt):
+def test_triton_sampler_in_the_engine_equals_torch(qwen3_ckpt, monkeypatch):
+    from megatron_async.kernels import triton_sampling
+
+    argmax_calls = []
+    kernel = triton_sampling.argmax
+    monkeypatch.setattr(triton_sampling, "argmax", lambda *a, **k: argmax_calls.append(1) or kernel(*a, **k))
     prompts = random_prompts(3, 3, 12, 256, seed=25)  # the interpreter is slow: a short run
     params = [replace(PENALISED[i], num_tokens_to_generate=5) for i in (0, 2, 4)]
+    greedy = [SamplingParams(top_k=1, num_tokens_to_generate=5, ignore_eos=True)] * 3  # all-greedy steps: argmax kernel
     outs = {}
     for backend in ("torch", "triton"):
         llm = make_llm(qwen3_ckpt, sampling_backend=backend)
-        outs[backend] = [o.generated_tokens for o in llm.generate(prompts, params)]
+        outs[backend] = [o.generated_tokens for o in llm.generate(prompts, params) + llm.generate(prompts, greedy)]
         assert llm.engine.controller.sampler.backend.value == backend
     assert outs["torch"] == outs["triton"]
+    assert argmax_calls  # the all-greedy steps took the chunked argmax
 
 
 def _cuda_llm(path, **cfg):

@@ -23,6 +23,13 @@ def resolve_backend(backend: SamplingBackend | str, device: torch.device) -> Sam
     return backend
 
 
+def _triton_sampling():
+    """The Triton kernels, imported on first use (the torch backend needs no Triton)."""
+    from megatron_async.kernels import triton_sampling
+
+    return triton_sampling
+
+
 class Sampler:
     def __init__(self, backend: SamplingBackend | str, device: torch.device, state: SamplingStateSlots):
         self.backend = resolve_backend(backend, device)
@@ -49,22 +56,18 @@ class Sampler:
         if any_penalties:
             pen = self.penalties(g, R)
             if triton_path:
-                from megatron_async.kernels import triton_sampling
-
-                logits = triton_sampling.apply_penalties(
+                logits = _triton_sampling().apply_penalties(
                     logits, pen.slot, pen.counts, pen.prompt_mask, pen.stop_mask, pen.presence, pen.frequency,
                     pen.repetition, pen.suppress_stop)
             else:
                 logits = sampling.apply_penalties_reference(logits, pen)
-        if not any_random:
-            tokens = logits.argmax(dim=-1)
+        if not any_random:  # Triton: the same first-index argmax over (rows x chunks), 35 -> 23 us at 128 rows
+            tokens = _triton_sampling().argmax(logits) if triton_path else logits.argmax(dim=-1)
         else:
             params = RowParams(g.temperature[:R], g.top_k[:R], g.top_p[:R], g.min_p[:R], g.seed[:R],
                                g.sample_position[:R])
             if triton_path:
-                from megatron_async.kernels import triton_sampling
-
-                tokens = triton_sampling.sample(logits.contiguous(), params.temperature, params.top_k, params.top_p,
+                tokens = _triton_sampling().sample(logits.contiguous(), params.temperature, params.top_k, params.top_p,
                                                 params.min_p, params.seed, params.position, filters)
             else:
                 tokens = sampling.sample_reference(logits, params, any(filters))

@@ -194,3 +194,24 @@ def test_top_p_candidate_first_keeps_and_falls_back(seed):
     assert torch.equal(_fast(logits, params, flags, candidate_first=False), expected)
     phases = [int(v) for v in probe[-1]]  # the top-p stage's
     assert 3 in phases and set(phases) - {3}, phases  # some rows kept their draw, some searched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_argmax_equals_torch_first_index(dtype):
+    """Greedy steps' argmax over (rows x chunks): the first largest index, as torch's, on ties
+    inside a block, across blocks and across chunks, -inf entries and an all -inf row."""
+    g = torch.Generator().manual_seed(3)
+    R, V = 9, 1000  # chunks of 128 in blocks of 64: 8 chunks, the last one partial
+    x = torch.round(3.0 * torch.randn(R, V, generator=g)) / 2
+    x[torch.rand(R, V, generator=g) < 0.2] = float("-inf")
+    top = x.max() + 1
+    x[0, [10, 20]] = top  # same block
+    x[1, [70, 100]] = top  # same chunk, two blocks
+    x[2, [130, 900]] = top  # two chunks
+    x[3, [999, 998]] = top  # the partial last chunk
+    x[4] = float("-inf")
+    x[5, 0] = top
+    x = x.to(dtype)
+    got = triton_sampling.argmax(x.to(DEV), chunk=128, block=64).cpu()
+    assert torch.equal(got, x.argmax(-1))
+    assert got[:4].tolist() == [10, 70, 130, 998] and got[4] == 0 and got[5] == 0
