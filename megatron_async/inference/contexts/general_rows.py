@@ -46,22 +46,25 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
             undo.append(RowUndo.of(req))
             # a row's input token comes from the spec state when its predecessor in flight verified drafts
             inflight = spec and row.prev_row >= 0 and plan.inflight_verified
-            for p in range(start, start + n):
-                j = p - start
-                if j == 0 and row.prev_row >= 0 and not inflight:
-                    ids.append(0)
-                    prev.append(row.prev_row)
-                elif j > 0 and j <= k or j == 0 and inflight:
-                    ids.append(0)
-                    prev.append(-1)
-                else:
-                    ids.append(req.token_at(p))
-                    prev.append(-1)
-                if spec:
-                    src.append(j if j <= k and (j > 0 or inflight) else -1)
-                pos.append(p)
-                slots.append(req.block_ids[p // bs] * bs + p % bs)
-                tok_row.append(r)
+            if not spec and k == 0:  # a plain row (the prefill chunks): its columns by slices, not per token
+                _plain_row_tokens(req, start, n, row.prev_row, r, bs, ids, prev, pos, slots, tok_row)
+            else:
+                for p in range(start, start + n):
+                    j = p - start
+                    if j == 0 and row.prev_row >= 0 and not inflight:
+                        ids.append(0)
+                        prev.append(row.prev_row)
+                    elif j > 0 and j <= k or j == 0 and inflight:
+                        ids.append(0)
+                        prev.append(-1)
+                    else:
+                        ids.append(req.token_at(p))
+                        prev.append(-1)
+                    if spec:
+                        src.append(j if j <= k and (j > 0 or inflight) else -1)
+                    pos.append(p)
+                    slots.append(req.block_ids[p // bs] * bs + p % bs)
+                    tok_row.append(r)
             pad = verify_width - n if verify_width else 0
             if pad < 0 or pad and not row.samples:
                 raise ValueError(f"a uniform verify layout of {verify_width} tokens per row cannot hold a row "
@@ -150,6 +153,31 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
                      any_penalties=pen.any, filters=filters, num_samples=len(sample_idx),
                      sample_base=sample_base if spec else None, num_drafts=num_drafts if spec else None,
                      num_multi_rows=num_multi, verify_width=verify_width)
+
+
+def _plain_row_tokens(req: DynamicInferenceRequest, start: int, n: int, prev_row: int, r: int, bs: int,
+                      ids: list, prev: list, pos: list, slots: list, tok_row: list) -> None:
+    """The per-token columns of a row without drafts, as the general loop writes them: its
+    first token comes from the launch in flight when ``prev_row`` >= 0, the rest are known."""
+    end = start + n
+    first = 0
+    if prev_row >= 0 and n:
+        ids.append(0)
+        prev.append(prev_row)
+        first = 1
+    known = req.tokens_between(start + first, end)
+    if len(known) != end - start - first:
+        raise IndexError(f"positions {start + first}-{end - 1} of a request with {req.num_known_tokens} known tokens")
+    ids.extend(known)
+    prev.extend([-1] * (n - first))
+    pos.extend(range(start, end))
+    tok_row.extend([r] * n)
+    p = start
+    while p < end:  # one range per KV block
+        b, o = req.block_ids[p // bs], p % bs
+        m = min(bs - o, end - p)
+        slots.extend(range(b * bs + o, b * bs + o + m))
+        p += m
 
 
 class _PenaltyColumns:

@@ -139,7 +139,7 @@ def test_a_step_that_raises_for_one_request_fails_only_it(async_scheduling, wher
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     victim = eng._requests[rids[1]]
     if where == "row":  # a bug tied to one request while its prefill row is assembled
-        victim.token_at = lambda position: 1 // 0
+        victim.token_at = victim.tokens_between = lambda *positions: 1 // 0
     else:  # a value that slipped past validation breaks the host buffer while it decodes
         for _ in range(3):
             eng.step()
