@@ -93,16 +93,23 @@ class RotaryEmbedding(nn.Module):
         elif kind == "yarn":
             inv, self.attention_factor = _yarn_inv_freq(theta, head_dim, scaling, device)
         self.inv_freq: torch.Tensor
-        self.cos: torch.Tensor
-        self.sin: torch.Tensor
+        self.table: torch.Tensor
+        """[P, head_dim]: row p = cos | sin of position p, so a step gathers both in one kernel."""
         self.register_buffer("inv_freq", inv, persistent=False)
-        self.register_buffer("cos", torch.empty(0, head_dim // 2, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", torch.empty(0, head_dim // 2, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("table", torch.empty(0, head_dim, dtype=dtype, device=device), persistent=False)
         self.reserve(max_position_embeddings)
 
     @property
     def num_positions(self) -> int:
-        return self.cos.shape[0]
+        return self.table.shape[0]
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self.table[:, : self.head_dim // 2]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.table[:, self.head_dim // 2 :]
 
     def _inv_freq_per_position(self, positions: torch.Tensor) -> torch.Tensor:
         """[P] -> [P, D/2] (dynamic NTK) or [D/2] (every other type)."""
@@ -122,12 +129,13 @@ class RotaryEmbedding(nn.Module):
         size = max(num_positions, 2 * self.num_positions)
         positions = torch.arange(size, device=self.inv_freq.device)
         freqs = positions[:, None].float() * self._inv_freq_per_position(positions)
-        self.cos = (freqs.cos() * self.attention_factor).to(self.dtype)
-        self.sin = (freqs.sin() * self.attention_factor).to(self.dtype)
+        self.table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).mul(self.attention_factor).to(self.dtype)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin), each [T, head_dim / 2] in the model dtype."""
-        return self.cos[positions], self.sin[positions]
+        """positions [T] -> (cos, sin), each [T, head_dim / 2] in the model dtype (views of
+        one gathered [T, head_dim] tensor: unit last stride, row stride head_dim)."""
+        rows = self.table[positions]
+        return rows[:, : self.head_dim // 2], rows[:, self.head_dim // 2 :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
