@@ -1,6 +1,6 @@
 """Switch between the layers' torch code and the fused Triton kernels for per-layer
 elementwise work (RMSNorm, residual add + RMSNorm, q/k norm + RoPE, SiLU-and-mul, MoE
-softmax top-k routing) and the SwiGLU gate_up projection with its activation.
+softmax top-k routing, a step's input ids) and the SwiGLU gate_up projection with its activation.
 
 A layer asks ``use_fused(x)`` and, when true, calls the op here; otherwise it runs its own
 torch code, which stays the numerical reference. Fused ops run only on CUDA tensors (never
@@ -92,6 +92,15 @@ def ep_unpack(packed: torch.Tensor, h: int, k: int, first_expert: int) -> tuple[
     from megatron_async.kernels import triton_ep_pack
 
     return triton_ep_pack.ep_unpack(packed, h, k, first_expert)
+
+
+def resolve_input_ids(prev: torch.Tensor, samples: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each token's id: ``samples[prev]`` where prev >= 0, else ``ids`` (one kernel on CUDA)."""
+    if not use_fused(ids):
+        return torch.where(prev >= 0, samples[prev.clamp(min=0)], ids)
+    from megatron_async.kernels import triton_step_inputs
+
+    return triton_step_inputs.resolve_input_ids(prev, samples, ids)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from megatron_async.inference.text_generation_controllers import sampling
 from megatron_async.inference.text_generation_controllers.landing import land_plain_rows
 from megatron_async.inference.text_generation_controllers.sampler import Sampler
 from megatron_async.inference.text_generation_controllers.warmup import WarmupReport, run_warmup
+from megatron_async.kernels import fused_ops
 from megatron_async.models.base import CausalLM
 
 
@@ -178,7 +179,7 @@ class TextGenerationController:
         batch = ctx.forward_batch(shape)
         batch.ep_num_tokens = max(T, self.dp_num_tokens) if self.expert_parallel else None
         prev = g.prev_sample_idx[:T]
-        input_ids = torch.where(prev >= 0, self.last_samples[prev.clamp(min=0)], g.input_ids[:T])
+        input_ids = fused_ops.resolve_input_ids(prev, self.last_samples, g.input_ids[:T])
         if spec:  # positions corrected in the view before the forward reads them
             input_ids = self.spec.prepare(g, T, R, S, input_ids)
         with nvtx_range("forward_pass"):

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from megatron_async.kernels import fused_ops, triton_act, triton_rmsnorm, triton_rope  # noqa: E402
+from megatron_async.kernels import fused_ops, triton_act, triton_rmsnorm, triton_rope, triton_step_inputs  # noqa: E402
 from megatron_async.models.layers.norm import NemotronRMSNorm, RMSNorm  # noqa: E402
 from megatron_async.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 from megatron_async.models.model_config import RopeScaling  # noqa: E402
@@ -273,3 +273,19 @@ def test_models_fused_path_matches_torch_path(case, dtype, tmp_path, monkeypatch
     err = float((out - ref).abs().max() / ref.abs().max())
     assert err < (1e-5 if dtype == torch.float32 else 1e-2)
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 5, 2500])  # 2500: several programs, a partial last one
+def test_resolve_input_ids_equals_torch(num_tokens):
+    """A step's input ids: the snapshot's where the host knew the token, the in-flight samples
+    (any index, repeats) elsewhere."""
+    g = torch.Generator().manual_seed(num_tokens)
+    samples = torch.randint(0, 50_000, (37,), generator=g, dtype=torch.int64)
+    ids = torch.randint(0, 50_000, (num_tokens,), generator=g, dtype=torch.int64)
+    prev = torch.randint(-1, 37, (num_tokens,), generator=g, dtype=torch.int64)
+    prev[::3] = -1
+    want = torch.where(prev >= 0, samples[prev.clamp(min=0)], ids)
+    got = triton_step_inputs.resolve_input_ids(prev.to(DEVICE), samples.to(DEVICE), ids.to(DEVICE)).cpu()
+    assert torch.equal(got, want)
+    if num_tokens > 1:  # both sources really used
+        assert (prev >= 0).any() and (prev < 0).any()
