@@ -149,10 +149,12 @@ def _argmax_kernel(logits_ptr, stride, V, best_ptr, idx_ptr, NS, CHUNK: tl.const
     tl.store(idx_ptr + row * NS + c, best_i)
 
 
-def argmax(logits: torch.Tensor, chunk: int = 8192, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
+def argmax(logits: torch.Tensor, chunk: int = 8192, block: int = 4096, num_warps: int = 4) -> torch.Tensor:
     """[R, V] logits -> [R] int64: each row's first largest index, as ``logits.argmax(-1)``
     (which reads a row per program; this reads (rows x chunks) programs: the whole GPU).
-    A NaN counts as +inf, so a row holding both picks the first of either. Graph-safe."""
+    A NaN counts as +inf, so a row holding both picks the first of either. Graph-safe.
+    Default launch: the fastest of ``check_small_kernels.py --argmax-sweep 128`` (H100: 19.6 us
+    at 128 x 151,936 bf16; 1,024-wide blocks 22.4, torch 33.9)."""
     assert logits.dim() == 2 and chunk % block == 0
     if logits.stride(1) != 1:
         logits = logits.contiguous()
