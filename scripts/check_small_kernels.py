@@ -54,10 +54,11 @@ def norm_rows(tokens: list[int], warps: list[int]) -> None:
 
 
 def rope_rows(tokens: list[int], warps: list[int], before) -> None:
-    mods = [("current", triton_rope)] + ([("before", before)] if before else [])
-    cols = [(name, w) for name, _ in mods for w in warps]
-    print("\n| q/k norm + rope + K/V store | " + " | ".join(f"{n}, {w} warps" for n, w in cols) + " |")
+    """The current kernel at each warp count; ``before`` (another triton_rope.py) at its own launch."""
+    cols = [f"{w} warps" for w in warps] + (["before, its own launch"] if before else [])
+    print("\n| q/k norm + rope + K/V store | " + " | ".join(cols) + " |")
     print("|---:|" + "---:|" * len(cols))
+    default = triton_rope.num_warps
     for t in tokens:
         blocks = max(64, 4 * t)
         cache = torch.zeros(2, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DT)
@@ -72,22 +73,20 @@ def rope_rows(tokens: list[int], warps: list[int], before) -> None:
                     1e-6, v.view(t, KV_HEADS, HEAD_DIM), cache, slots)
 
         sets = [inputs() for _ in range(LAYERS)]
-        outs = {}
-        for name, mod in mods:
-            cache.zero_()
-            outs[name] = (mod.rope_qk(*sets[0])[0], cache.clone())
-        if before:
-            assert torch.equal(outs["current"][0], outs["before"][0]) and torch.equal(outs["current"][1], outs["before"][1])
+        ref = triton_rope.rope_qk(*sets[0])[0], cache.clone()
         cells = []
-        for name, mod in mods:
-            default = mod.num_warps if hasattr(mod, "num_warps") else None
-            for w in warps:
-                if default is not None:
-                    mod.num_warps = lambda h, b, w=w: w
-                fns = [lambda s=s, m=mod: m.rope_qk(*s) for s in sets]
-                cells.append(f"{graph_call_us(fns, LAYERS):.2f}" if default is not None or w == warps[0] else "-")
-            if default is not None:
-                mod.num_warps = default
+        for w in warps:
+            triton_rope.num_warps = lambda h, b, w=w: w
+            cache.zero_()
+            got = triton_rope.rope_qk(*sets[0])[0]
+            assert torch.equal(got, ref[0]) and torch.equal(cache, ref[1]), f"{w} warps: outputs differ"
+            cells.append(f"{graph_call_us([lambda s=s: triton_rope.rope_qk(*s) for s in sets], LAYERS):.2f}")
+        triton_rope.num_warps = default
+        if before:
+            cache.zero_()
+            got = before.rope_qk(*sets[0])[0]
+            assert torch.equal(got, ref[0]) and torch.equal(cache, ref[1]), "before: outputs differ"
+            cells.append(f"{graph_call_us([lambda s=s: before.rope_qk(*s) for s in sets], LAYERS):.2f}")
         print(f"| {t} | " + " | ".join(cells) + " |")
 
 
@@ -105,17 +104,34 @@ def argmax_rows(tokens: list[int]) -> None:
         print(f"| {t} | {a:.2f} | {b:.2f} |")
 
 
+def argmax_sweep(rows: int) -> None:
+    print(f"\n| argmax launch [{rows}, 151936] bf16: chunk / block / warps | us |\n|---|---:|")
+    sets = [torch.randn(rows, VOCAB, device="cuda", dtype=DT) for _ in range(4)]
+    for chunk in (4096, 8192, 16384):
+        for block in (1024, 2048, 4096):
+            for warps in (4, 8):
+                if block > chunk:
+                    continue
+                kw = dict(chunk=chunk, block=block, num_warps=warps)
+                assert torch.equal(triton_sampling.argmax(sets[0], **kw), sets[0].argmax(-1))
+                us = graph_call_us([lambda s=s: triton_sampling.argmax(s, **kw) for s in sets], 8)
+                print(f"| {chunk} / {block} / {warps} | {us:.2f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 128, 256])
     p.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--rope-before", default=None, help="another triton_rope.py to time beside the current one")
+    p.add_argument("--argmax-sweep", type=int, default=0, metavar="ROWS", help="also sweep the argmax launch at ROWS rows")
     args = p.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name())
     norm_rows(args.tokens, args.warps)
     rope_rows(args.tokens, args.warps, _load(args.rope_before) if args.rope_before else None)
     argmax_rows(args.tokens)
+    if args.argmax_sweep:
+        argmax_sweep(args.argmax_sweep)
 
 
 if __name__ == "__main__":
