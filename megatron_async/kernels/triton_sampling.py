@@ -76,6 +76,14 @@ def _stats_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, pmin_ptr, NS,
 
 
 @triton.jit
+def _running_best(bv, bi, first, best, best_i):
+    """A block's best (bv at index first + bi) replaces the running one only when larger: the
+    first index wins ties across blocks."""
+    better = bv > best
+    return tl.where(better, bv, best), tl.where(better, first + bi, best_i)
+
+
+@triton.jit
 def _draw_kernel(logits_ptr, stride, V, temp_ptr, seed_ptr, pos_ptr, pmax_ptr, minp_ptr, floor_ptr, best_ptr,
                  idx_ptr, NS, skip_ptr, FILTER: tl.constexpr, EXACT: tl.constexpr, CHUNK: tl.constexpr,
                  BLOCK: tl.constexpr, NS_BLOCK: tl.constexpr, HAS_SKIP: tl.constexpr):
@@ -108,9 +116,7 @@ def _draw_kernel(logits_ptr, stride, V, temp_ptr, seed_ptr, pos_ptr, pmax_ptr, m
             if tl.max(keep.to(tl.int32), axis=0) > 0:  # the logs only where some token is kept
                 score = tl.where(keep, s + _gumbel(rkey, idx, EXACT), _NEG_INF)
                 bv, bi = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        better = bv > best
-        best_i = tl.where(better, c * CHUNK + off + bi, best_i)
-        best = tl.where(better, bv, best)
+        best, best_i = _running_best(bv, bi, c * CHUNK + off, best, best_i)
     tl.store(best_ptr + row * NS + c, best)
     tl.store(idx_ptr + row * NS + c, best_i)
 
@@ -142,9 +148,7 @@ def _argmax_kernel(logits_ptr, stride, V, best_ptr, idx_ptr, NS, CHUNK: tl.const
         x = tl.load(base + idx, mask=idx < V, other=_NEG_INF).to(tl.float32)
         x = tl.where(x == x, x, _POS_INF)
         bv, bi = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        better = bv > best
-        best_i = tl.where(better, c * CHUNK + off + bi, best_i)
-        best = tl.where(better, bv, best)
+        best, best_i = _running_best(bv, bi, c * CHUNK + off, best, best_i)
     tl.store(best_ptr + row * NS + c, best)
     tl.store(idx_ptr + row * NS + c, best_i)
 
