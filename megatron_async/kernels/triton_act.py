@@ -12,6 +12,14 @@ _BLOCK = 1024
 
 
 @triton.jit
+def silu_mul(gate, up, dt: tl.constexpr):
+    """silu(gate) * up from float32 gate / up as the torch ops round: silu rounded to ``dt``,
+    then the product rounded to ``dt`` (shared with the fused SwiGLU GEMM's epilogue)."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    return (act * up).to(dt)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, I: tl.constexpr, BLOCK: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -19,8 +27,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, I: tl.constexpr, BLOCK: tl.co
     dt = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + tok * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + tok * stride_x + I + offs, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-    tl.store(out_ptr + tok * I + offs, (act * up).to(dt), mask=mask)
+    tl.store(out_ptr + tok * I + offs, silu_mul(gate, up, dt), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

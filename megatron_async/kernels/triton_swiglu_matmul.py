@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from megatron_async.kernels.triton_act import silu_mul
 from megatron_async.kernels.triton_invariant_matmul import grouped_tile
 from megatron_async.kernels.triton_paged_common import dot_args, num_compute_units
 
@@ -67,11 +68,9 @@ def _swiglu_matmul_kernel(
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             acc_gate += tl.load(bias_ptr + offs_n, mask=offs_n < I, other=0.0).to(tl.float32)[None, :]
             acc_up += tl.load(bias_ptr + I + offs_n, mask=offs_n < I, other=0.0).to(tl.float32)[None, :]
-        # the unfused path's roundings: projections in dt, silu(gate) in dt, the product in dt
-        gate = acc_gate.to(dt).to(tl.float32)
-        up = acc_up.to(dt).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], (act * up).to(dt))
+        # the unfused path's roundings: projections in dt, then silu_and_mul's
+        out = silu_mul(acc_gate.to(dt).to(tl.float32), acc_up.to(dt).to(tl.float32), dt)
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out)
 
 
 @dataclass(frozen=True)
