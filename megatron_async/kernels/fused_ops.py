@@ -115,6 +115,6 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     where cuBLAS + the SiLU-mul kernel is faster (``pays_off``)."""
     from megatron_async.kernels import triton_swiglu_matmul
 
-    if not (triton_swiglu_matmul.pays_off(x.shape[0], x.shape[1]) and triton_swiglu_matmul.supported(x, weight)):
+    if not triton_swiglu_matmul.pays_off(x.shape[0], x.shape[1]):
         return None
-    return triton_swiglu_matmul.swiglu_linear(x, weight, bias)
+    return triton_swiglu_matmul.swiglu_linear_if_supported(x, weight, bias)

@@ -133,6 +133,17 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if not supported(x, weight):
         raise ValueError(f"swiglu_linear: unsupported operands x {tuple(x.shape)} {x.dtype} stride {x.stride()}, "
                          f"weight {tuple(weight.shape)} {weight.dtype} stride {weight.stride()}")
+    return _launch(x, weight, bias, tiles)
+
+
+def swiglu_linear_if_supported(x: torch.Tensor, weight: torch.Tensor,
+                               bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``swiglu_linear``, or None where ``supported`` says no (the layers' fallback test, done once)."""
+    return _launch(x, weight, bias, None) if supported(x, weight) else None
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            tiles: SwigluTiles | None) -> torch.Tensor:
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
         raise ValueError(f"swiglu_linear: bias {tuple(bias.shape)} {bias.dtype} does not match weight")
     m, k = x.shape
