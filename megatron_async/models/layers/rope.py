@@ -103,14 +103,6 @@ class RotaryEmbedding(nn.Module):
     def num_positions(self) -> int:
         return self.table.shape[0]
 
-    @property
-    def cos(self) -> torch.Tensor:
-        return self.table[:, : self.head_dim // 2]
-
-    @property
-    def sin(self) -> torch.Tensor:
-        return self.table[:, self.head_dim // 2 :]
-
     def _inv_freq_per_position(self, positions: torch.Tensor) -> torch.Tensor:
         """[P] -> [P, D/2] (dynamic NTK) or [D/2] (every other type)."""
         if self.scaling is None or self.scaling.rope_type != "dynamic":

@@ -62,11 +62,11 @@ def test_dynamic_beyond_max_positions_matches_hf_token_by_token():
 
 def test_reserve_grows_and_keeps_rows():
     _, ours = _pair("linear")
-    before = ours.cos[:MAX_POS].clone()
+    before = ours.table[:MAX_POS].clone()
     assert ours.num_positions == MAX_POS
     ours.reserve(MAX_POS + 1)
     assert ours.num_positions == 2 * MAX_POS  # geometric growth
-    assert torch.equal(ours.cos[:MAX_POS], before)
+    assert torch.equal(ours.table[:MAX_POS], before)
 
 
 def test_apply_rotary_matches_hf_bf16():
