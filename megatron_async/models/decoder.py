@@ -260,7 +260,8 @@ class DecoderModel(CausalLM):
         """Map an accepted alternative spelling onto the name transformers saves."""
         return name
 
-    def _skip(self, name: str) -> bool:
+    def skips_hf_name(self, name: str) -> bool:
+        """Whether a checkpoint tensor of this name is not needed (loading and updates ignore it)."""
         # some tied checkpoints also store the (identical) head: skip it; mtp.* heads that the
         # config does not declare are ignored, as transformers ignores them
         return (name.endswith(_IGNORED_SUFFIXES) or name.startswith(self.spec.hf_ignored_prefixes)
@@ -269,8 +270,8 @@ class DecoderModel(CausalLM):
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.mtp is None:
-            load_hf_weights(self.hf_targets(), weights, self._skip, self.canonical_name, what=self.spec.name)
-        elif not load_main_and_mtp(self.hf_targets(), weights, self._skip, self.canonical_name, self.spec.name):
+            load_hf_weights(self.hf_targets(), weights, self.skips_hf_name, self.canonical_name, what=self.spec.name)
+        elif not load_main_and_mtp(self.hf_targets(), weights, self.skips_hf_name, self.canonical_name, self.spec.name):
             log.warning("%s: config.json declares %d MTP depths but the checkpoint has no mtp.* tensors: "
                         "loaded without MTP heads", self.spec.name, self.mtp.num_depths)
             self.mtp = None
