@@ -188,7 +188,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     per-row candidate buffer of the threshold search; ``probe`` (tests) collects each
     stage's row phases. ``candidate_first``: draw first and search top-p thresholds only
     for rows whose draw falls outside the nucleus (``triton_top_p_candidate``; the same tokens).
-    Defaults: see docs/PERFORMANCE.md (scripts/gpu_check.py sampler-kernels)."""
+    Defaults: docs/PERFORMANCE.md, "Kernel choices" (scripts/gpu_check.py sampler-kernels)."""
     assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1
     assert temperature.dtype == top_p.dtype == min_p.dtype == torch.float32 and chunk % block == 0
     assert top_k.dtype == seed.dtype == position.dtype == torch.int64
