@@ -160,9 +160,9 @@ class InferenceConfig:
     every rank's copy through CUDA P2P mappings of a symmetric buffer (torch symmetric memory,
     never NVLink multicast) instead of NCCL's ring / tree round trips; CUDA-graph safe. Larger
     messages, other dtypes and CPU runs use NCCL / gloo. Under ``batch_invariant`` the TP sum
-    keeps its fixed-order all-gather either way. Default ``auto``: on 4x H200 the P2P path took
-    8-15 us per decode all-reduce against NCCL's 13-18 us in graphs, and the Qwen3-8B TP=4 decode
-    step 2.74-3.96 ms against 2.96-4.02 ms (docs/PERFORMANCE.md). bf16 sums of 3+ ranks then add
+    keeps its fixed-order all-gather either way. Default ``auto``: the P2P path beats NCCL per
+    decode all-reduce in graphs and per Qwen3-8B TP=4 decode step (docs/PERFORMANCE.md, "Tensor
+    parallelism"). bf16 sums of 3+ ranks then add
     in another order than NCCL's ring, so bf16 tokens can differ from an NCCL run's at near-ties."""
 
     tp_fused_norm: bool = True

@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# The multi-GPU suite in one device call (nvidia-h200-x4, or -x2: the TP=4 cases then skip):
-# `pytest -m multigpu` (fp32 TP=2/4 tokens == TP=1 on NCCL for GPT and hybrid checkpoints,
-# speculative decoding under TP=2 / EP=2: `-k multigpu_speculative -s` prints VERDICT lines,
-# bf16 TP runs finish like TP=1). Logs go to ${OUT:-gpu_out}.
-# pyzmq is not installed on the GPU machines: fetch its wheel here with
-# `bash /work/shared/tools/device_wheels.sh` (writes ./.whl) and carry ".whl" with the run.
-# Usage: bash scripts/multigpu_validation.sh [extra pytest args]
-# Each test spawns its ranks and compiles its kernels (~30-130 s): the whole suite takes longer
-# than one 10-minute device call, so pass a file or -k selection per call.
+# The multi-GPU checks of one host in one device call (nvidia-h200-x4, or -x2: TP=4 cases skip).
+# Logs go to ${OUT:-gpu_out}.
+#   bash scripts/multigpu_validation.sh [PYTEST ARGS]   # `pytest -m multigpu`: fp32 TP=2/4 tokens == TP=1
+#       on NCCL for GPT and hybrid checkpoints, speculative decoding under TP=2 / EP=2 (`-k
+#       multigpu_speculative -s` prints VERDICT lines), bf16 TP runs against TP=1. Each test spawns its
+#       ranks and compiles its kernels (~30-130 s): pass a file or -k selection per 10-minute call.
+#   bash scripts/multigpu_validation.sh fused-norm [WORLD]   # the TP all-reduce fused with the residual
+#       add + RMSNorm: its checks and us per decoder layer against the unfused P2P path
+#       (scripts/measure.py all-reduce), then the Qwen3-8B-shape decode step at TP=WORLD, async +
+#       graphs, P2P unfused vs fused (scripts/measure.py tp-scaling); < 4 minutes on 2 GPUs.
+#   bash scripts/multigpu_validation.sh tp-invariance        # batch-invariant mode under TP=2: the main
+#       job (torchrun, built-in qwen3-0.6b bf16, sampled with log-probs) twice with different schedules
+#       (serial, 512-token steps, 64 requests per step; launch-ahead, 8192-token steps, 16): every
+#       request's tokens and log-probs identical. Same TP size only: no promise across TP sizes.
+# pyzmq is not installed on the GPU machines: fetch its wheel here with `bash scripts/serve_wheels.sh`
+# (writes ./.whl) and carry ".whl" with the run.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 # No NVLink multicast in any process (it can take the shared host down); children inherit these.
@@ -16,7 +23,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLEL
 out="${OUT:-gpu_out}"; mkdir -p "$out"
 if ! python -c "import zmq" 2>/dev/null; then
   if ! ls "$root"/.whl/*.whl > /dev/null 2>&1; then
-    echo "pyzmq is missing and $root/.whl has no wheels (run device_wheels.sh and carry .whl)" | tee "$out/multigpu_tests.log"
+    echo "pyzmq is missing and $root/.whl has no wheels (run serve_wheels.sh and carry .whl)" | tee "$out/multigpu_tests.log"
     exit 2
   fi
   python -m pip install -q --no-index --no-deps --target /tmp/site "$root"/.whl/*.whl
@@ -26,7 +33,45 @@ fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L > "$out/gpus.txt" 2>&1
 cd "$root"
-timeout 560 python -m pytest -q -p no:cacheprovider -m multigpu tests -rs "$@" > "$out/multigpu_tests.log" 2>&1
-rc=$?
-tail -30 "$out/multigpu_tests.log"
-exit $rc
+
+fused_norm() {
+  local world="${1:-$(python -c 'import torch; print(min(4, torch.cuda.device_count()))')}"
+  timeout 100 python scripts/measure.py all-reduce --world "$world" --groups "$world" --sizes-kb 8 1024 --iters 20 \
+    --fused-rows 1 16 64 128 > "$out/fused_all_reduce.log" 2>&1
+  local rc1=$?
+  timeout 200 python scripts/measure.py tp-scaling --tp "$world" --batches 1 64 128 --backends p2p p2p+fused \
+    --output-len 24 --modes async --launch-timeout 190 > "$out/fused_tp_scaling.log" 2>&1
+  local rc2=$?
+  grep -E "^group|^\| GPUs|^\|---|^\| [0-9]|CHECKS" "$out/fused_all_reduce.log"
+  echo
+  grep -E "^requests|^TP=|^\| TP|^\|---|^\| [0-9]|^async|^no result" "$out/fused_tp_scaling.log"
+  echo "VERDICT: checks rc=$rc1 (0 = all fused checks passed), scaling rc=$rc2"
+  return $(( rc1 || rc2 ))
+}
+
+tp_invariance() {
+  local common=(--batch-invariant --num-requests 64 --prompt-len-min 100 --prompt-len-max 4000 --output-len-min 16
+    --output-len-max 64 --max-sequence-length 4200 --temperature 0.8 --top-p 0.95 --return-log-probs --quiet)
+  NPROC=2 bash examples/run_torchrun.sh "${common[@]}" --serial --max-tokens 512 --max-requests 64 \
+    --output-path "$out/serial_512.json" || return 1
+  NPROC=2 bash examples/run_torchrun.sh "${common[@]}" --max-tokens 8192 --max-requests 16 \
+    --output-path "$out/async_8192.json" || return 1
+  python - "$out/serial_512.json" "$out/async_8192.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p))["requests"] for p in sys.argv[1:])
+same = sum((x["generated_tokens"], x["generated_log_probs"]) == (y["generated_tokens"], y["generated_log_probs"])
+           for x, y in zip(a, b))
+print(f"TP=2 batch-invariant: {same}/{len(a)} requests identical (tokens and log-probs)")
+sys.exit(0 if same == len(a) else 1)
+PY
+}
+
+case "${1:-}" in
+  fused-norm) shift; fused_norm "$@" ;;
+  tp-invariance) tp_invariance ;;
+  *)
+    timeout 560 python -m pytest -q -p no:cacheprovider -m multigpu tests -rs "$@" > "$out/multigpu_tests.log" 2>&1
+    rc=$?
+    tail -30 "$out/multigpu_tests.log"
+    exit $rc ;;
+esac

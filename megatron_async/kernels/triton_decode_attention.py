@@ -1,8 +1,8 @@
 """Decode attention over a paged KV cache (one query token per row), flash-decoding style.
 
 Grid: (kv_heads, rows, splits), KV heads fastest: the cache stores a token's KV heads side
-by side, so the programs of one row's heads, started together, read neighbouring bytes (H100:
--2 % at 128 rows, -10 % at 64 rows against rows fastest, same bits). A program takes ALL
+by side, so the programs of one row's heads, started together, read neighbouring bytes
+(-2 % at 128 rows, -10 % at 64 rows against rows fastest, same bits). A program takes ALL
 query heads that share one KV head (the GQA group, padded to >= 16 rows so ``tl.dot`` can
 run on tensor cores: decode is bound by reading K/V, so the padded rows cost nothing that
 matters, and each K/V tile is read once per group instead of once per query head). The
@@ -169,7 +169,7 @@ def choose_num_splits(num_rows: int, num_kv_heads: int, max_blocks_per_row: int,
     capped so a full-length row (the block table's width) keeps >= _MIN_TOKENS_PER_SPLIT
     keys per split. A step whose rows already come within 5 % of two fills keeps one split:
     256 programs on 132 SMs ran 4-25 % faster unsplit, without the merge kernel
-    (``check_triton_attention.py --heads H KVH --sweep``, H200: 32 x 8 and 64 x 4 rows x KV
+    (``gpu_check.py paged-attention --heads H KVH --sweep``: 32 x 8 and 64 x 4 rows x KV
     heads). Depends on shapes only (graph-safe, see the module docstring)."""
     programs, fill = max(1, num_rows * num_kv_heads), 2 * num_compute_units(device)
     want = 1 if programs >= 0.95 * fill else triton.cdiv(fill, programs)
@@ -193,7 +193,7 @@ def decode_attention(
 
     ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the split count,
     key-tile size and launch settings, ``heads_fastest=False`` puts rows first in the grid (tests,
-    ``check_triton_attention.py --sweep``)."""
+    ``gpu_check.py paged-attention --sweep``)."""
     check_cache(kv_cache, q)
     num_rows, num_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -202,8 +202,8 @@ def decode_attention(
         return out
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, meta.block_table.shape[1], block_size, q.device)
-    # 128-key tiles, 3 stages: the fastest of `check_triton_attention.py --sweep R 100 L --sweep-heads-first` on an
-    # H100 at both 128 rows x 100-1,152 keys (123.3 us; 32-key tiles 120.2 there but 137.5 at 64 rows) and
+    # 128-key tiles, 3 stages: the fastest of `gpu_check.py paged-attention --sweep R 100 L --sweep-heads-first` on an
+    # both 128 rows x 100-1,152 keys (123.3 us; 32-key tiles 120.2 there but 137.5 at 64 rows) and
     # 64 rows x 100-2,048 (109.7 us); wider heads keep the smaller tile (shared memory)
     wide = head_dim > 128
     if block_n is None:

@@ -30,7 +30,7 @@ def kv_tile_rows(
     (they get block 0's offsets). A tile inside one KV block reads one table entry; otherwise
     every key looks up its own block (any power-of-two block size; the repeats hit L1). Loading
     one entry per block and reshaping [blocks, BLOCK_SIZE] offsets to [BLOCK_N] instead was 1.7x
-    (prefill) to 4.6x (decode) slower on an H100: the reshape's layout change, every tile."""
+    (prefill) to 4.6x (decode) slower: the reshape's layout change, every tile."""
     if BLOCK_SIZE >= BLOCK_N:
         block = tl.load(table_ptr + n0 // BLOCK_SIZE).to(tl.int64)
         rows = block * stride_block + (n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N)) * stride_slot

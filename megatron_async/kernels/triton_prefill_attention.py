@@ -174,11 +174,11 @@ def prefill_attention(
     paged KV (already appended). Returns [T, H, D] in q's dtype.
 
     ``block_q`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the query-token and key
-    tile sizes and launch settings (tests, ``check_triton_attention.py --sweep-prefill``).
+    tile sizes and launch settings (tests, ``gpu_check.py paged-attention --sweep-prefill``).
     ``fixed_order``: every key tile takes the same masked update (batch-invariant mode).
     ``heads_fastest``: the grid's first axis is the KV head, so the programs of one query tile
-    start together (7 % faster than tiles first on an H100 mixed step: the heads' K/V of a token
-    share one record in the cache, see ``check_triton_attention.py --grid-order``); same bits."""
+    start together (7 % faster than tiles first on a mixed step: the heads' K/V of a token
+    share one record in the cache, see ``gpu_check.py paged-attention --grid-order``); same bits."""
     check_cache(kv_cache, q)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape

@@ -54,7 +54,7 @@ def _rms_norm_kernel(
 
 
 def num_warps(block: int) -> int:
-    """Warps per row program (a function so ``scripts/check_small_kernels.py`` can sweep it)."""
+    """Warps per row program (a function so ``scripts/gpu_check.py small-kernels`` can sweep it)."""
     return min(max(block // 512, 1), 16)
 
 

@@ -135,7 +135,7 @@ def _rope_qk_kernel(
 
 
 def num_warps(num_q_heads: int, block_half: int) -> int:
-    """Warps per program (a function so ``scripts/check_small_kernels.py`` can sweep it)."""
+    """Warps per program (a function so ``scripts/gpu_check.py small-kernels`` can sweep it)."""
     return 4 if num_q_heads * block_half >= 1024 else 1
 
 
@@ -202,7 +202,7 @@ def rope_qk(
         TO_CACHE=to_cache, BLOCK_SIZE=kv_cache.shape[2] if to_cache else 1,
         num_warps=num_warps(hq, block_half),
         # no mul+add -> FMA contraction: it skips the rounding of each product to the activation
-        # dtype that the torch ops do (H100: 22 % of fp16 / bf16 elements 1 ulp off with it on)
+        # dtype that the torch ops do (22 % of fp16 / bf16 elements 1 ulp off with it on)
         enable_fp_fusion=False,
     )
     return q_out, None if to_cache else k_out

@@ -85,8 +85,8 @@ class SwigluTiles:
 
 def swiglu_tiles(m: int, dtype: torch.dtype, device: torch.device) -> SwigluTiles:
     """Launch settings by row count (one compiled variant per bucket; M itself is not
-    specialised, so a CUDA graph of any size reuses them). H100 sweep:
-    ``scripts/check_swiglu_matmul.py --sweep``. 4-byte types take half the K depth (the
+    specialised, so a CUDA graph of any size reuses them). The sweep:
+    ``scripts/gpu_check.py swiglu-matmul --sweep``. 4-byte types take half the K depth (the
     same shared memory)."""
     if device.type != "cuda":  # interpreter: tiles that tiny test shapes still cross
         return SwigluTiles(16, 16, 16, 1, 1)
@@ -98,12 +98,12 @@ def swiglu_tiles(m: int, dtype: torch.dtype, device: torch.device) -> SwigluTile
 
 def pays_off(m: int, k: int) -> bool:
     """Whether the fused kernel should beat cuBLAS + the SiLU-mul kernel for m rows and a
-    hidden size k. Measured (H100, qwen3-0.6b MLP, k = 1,024, ``check_swiglu_matmul.py --sweep``):
-    9.3 / 9.4 us at 128 rows, 44.6 / 49.7 at 2,048, 172.7 / 205.2 at 8,192; slower at 256-1,024
-    rows (30.0 / 25.3 us at 1,024: cuBLAS's tiles fit the waves better). What the fusion saves,
+    hidden size k: at qwen3-0.6b's k = 1,024 (``gpu_check.py swiglu-matmul --sweep``,
+    docs/PERFORMANCE.md "Kernel choices") faster at <= 128 and >= 2,048 rows, slower at 256-1,024
+    (cuBLAS's tiles fit the waves better). What the fusion saves,
     the SiLU round trip of the [m, 2I] projection, shrinks against the GEMM as 1 / k (~1/3 of the
     GEMM's time at k = 1,024), while Triton's GEMM runs ~12 % below cuBLAS's on this shape: past
-    k ~ 2,800 (Qwen3-8B's 4,096) the fused kernel would lose. Not measured beyond k = 1,024, so
+    k ~ 2,800 (Qwen3-8B's 4,096) the fused kernel would lose (within 2-3 % either way there), so
     taken up to 2,048 only."""
     return k <= 2048 and (m <= 128 or m >= 2048)
 

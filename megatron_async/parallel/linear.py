@@ -8,7 +8,7 @@ exactly ``F.linear`` with no collective, so single-GPU numerics are unchanged. E
 takes ``batch_invariant`` (the step's ``ForwardBatch.batch_invariant``): the fixed-tile Triton
 matmul and the rank-ordered TP sum instead (see kernels/linear.py).
 
-Expert parallelism (the MoE issue) extends ``ParallelLinear``: an expert-sharded linear holds
+Expert parallelism extends ``ParallelLinear``: an expert-sharded linear holds
 [num_local_experts, out, in] weights for the experts of ``parallel.ep_rank`` and its
 ``weight_loader(param, loaded, shard_id=(expert_id, part))`` keeps only local experts (and,
 with TP inside, their column / row slices through ``Sharding``); the model's stacked-params

@@ -1,6 +1,6 @@
 """GPU checks and timings of the P2P all-reduce (``parallel/p2p_all_reduce.py``) against NCCL,
 run on spawned ranks (``run_ranks``) by ``tests/functional_tests/test_multigpu_p2p_all_reduce.py``
-and ``scripts/bench_all_reduce.py``. One spawn covers several group sizes: a group of the first
+and ``scripts/measure.py all-reduce``. One spawn covers several group sizes: a group of the first
 ``g`` ranks per size, the other ranks waiting at a barrier. ``engine_worker`` runs a checkpoint
 under TP with CUDA graphs on either backend (its tokens are compared with TP=1)."""
 from __future__ import annotations

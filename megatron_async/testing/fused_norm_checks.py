@@ -1,7 +1,7 @@
 """GPU checks and timings of the fused TP all-reduce + residual add + RMSNorm
 (``P2PAllReduce.add_rms_norm``, kernels/triton_fused_all_reduce.py) against the unfused path
 (the P2P all-reduce, then ``add_rms_norm``), on spawned ranks: called by
-``all_reduce_checks.all_reduce_worker`` (``--fused`` in scripts/bench_all_reduce.py, and
+``all_reduce_checks.all_reduce_worker`` (``--fused`` in scripts/measure.py all-reduce, and
 tests/functional_tests/test_multigpu_p2p_all_reduce.py)."""
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from a 1-token row's, near-ties then flip, and a flipped request leaves the orac
 
 ``--quick``: only batch 128 at 0 % acceptance, plain against the default switch-off policy
 (k = 3), with CUDA graphs: two engines, graphs of batch 128 only, captured by an untimed run of
-the same workload instead of a startup warm-up; about a minute on an H100, the row printed as
-soon as it is measured (issue 11's ">= 0.9x plain at batch 128 / 0 %")."""
+the same workload instead of a startup warm-up; about a minute on one GPU, the row printed as
+soon as it is measured (the target: >= 0.9x plain at batch 128 / 0 %)."""
 from __future__ import annotations
 
 import argparse
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, small sweep")
     p.add_argument("--quick", action="store_true",
-                   help="batch 128, k 3, 0%% acceptance, plain vs the switch-off policy, graphs (~1 min on an H100)")
+                   help="batch 128, k 3, 0%% acceptance, plain vs the switch-off policy, graphs (~1 min on one GPU)")
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--model", default=None, help="built-in model (default: qwen3-0.6b on CUDA, tiny on CPU)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 128])

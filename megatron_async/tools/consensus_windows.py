@@ -1,5 +1,5 @@
 """What agreeing every K steps instead of every step would save and cost, replayed on a trace of
-a real data-parallel run that agreed every step (issue 10 item 4; scripts/measure_consensus.py).
+a real data-parallel run that agreed every step (scripts/measure.py consensus).
 
 Agreeing once per window of K steps fixes, for the whole window, what the per-step agreement
 decides: the padded token count of the MoE exchanges (the window's largest), graph or eager

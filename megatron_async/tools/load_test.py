@@ -9,11 +9,16 @@ that the server never caused. ``client_cpu_busy`` (the busiest process's CPU tim
 wall time) says when that is happening: near 100 %, the client figures measure the client."""
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import multiprocessing
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from megatron_async.serve.process import ServerProcess
+from megatron_async.tools.cli import NON_NEGATIVE_INT, POSITIVE_INT, HelpFormatter
 from megatron_async.tools.summary import percentile
 
 WORDS = ("the quick brown fox jumps over a lazy dog while engines batch many requests and decode "
@@ -237,3 +242,51 @@ def server_side_summary(base_url: str) -> str:
             f"{v.get('megatron_async_engine_decode_steps', 0):.0f} decode-only, overlap ratio "
             f"{v.get('megatron_async_overlap_ratio', 0):.3f}; mean TTFT {mean_ms('time_to_first_token_seconds')}, "
             f"mean inter-token {mean_ms('inter_token_latency_seconds')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line of scripts/load_test.py (see there)."""
+    argv = sys.argv[1:] if argv is None else argv
+    server_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description="Loopback load test of the OpenAI-compatible server", formatter_class=HelpFormatter)
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--model", help="checkpoint dir of the server to start (default: the server's built-in model)")
+    target.add_argument("--url", help="base URL of a running server (default: start one on a free loopback port)")
+    p.add_argument("--served-model-name", default=None, help="with --url: the model to request (default: the server's)")
+    p.add_argument("--clients", type=POSITIVE_INT, default=64)
+    p.add_argument("--client-processes", type=POSITIVE_INT, default=1,
+                   help="spread the clients over this many processes (one process saturates at a few thousand chunks/s)")
+    p.add_argument("--requests", type=POSITIVE_INT, default=500)
+    p.add_argument("--max-tokens", type=POSITIVE_INT, default=32, help="tokens per request (EOS ignored)")
+    p.add_argument("--prompt-words", type=POSITIVE_INT, default=12, help="prompt length (words, or ids with --token-prompts)")
+    p.add_argument("--token-prompts", action="store_true", help="token-id prompts (a model without a tokenizer)")
+    p.add_argument("--warmup-requests", type=NON_NEGATIVE_INT, default=0, help="an unreported load run first")
+    p.add_argument("--start-timeout", type=POSITIVE_INT, default=300, help="seconds the server may take to start")
+    p.add_argument("--output-path", default=None, help="write the report as JSON")
+    args = p.parse_args(argv)
+
+    def run(url: str, model: str | None) -> LoadTestReport:
+        if args.warmup_requests:
+            warm = load(url, model, args.warmup_requests)
+            print(f"warm-up: {warm.format().splitlines()[0]}", flush=True)
+        return load(url, model, args.requests)
+
+    def load(url: str, model: str | None, requests: int) -> LoadTestReport:
+        return run_load_test_processes(url, model, args.client_processes, args.clients, requests, args.max_tokens,
+                                       args.prompt_words, token_prompts=args.token_prompts)
+
+    if args.url:
+        report = run(args.url.rstrip("/"), args.served_model_name)
+        print(server_side_summary(args.url.rstrip("/")))
+    else:
+        model_args = ["--model", args.model] if args.model else []
+        with ServerProcess([*model_args, *server_args], start_timeout_s=args.start_timeout) as srv:
+            print(f"server: {srv.model_name} at {srv.url} ({' '.join(model_args + server_args)})", flush=True)
+            report = run(srv.url, srv.model_name)
+            print(server_side_summary(srv.url))
+    print(report.format())
+    if args.output_path:
+        with open(args.output_path, "w") as f:
+            json.dump(report.as_dict(), f, indent=1)
+    return 0 if report.ok else 1

@@ -2,7 +2,7 @@
 
 ``ScheduleRecorder.install(engine)`` wraps the controller's ``launch_step`` (and, optionally,
 the model's ``compute_logits``) on that one instance: an engine without a recorder runs the
-unwrapped methods, so there is no cost when unused. Used by scripts/diagnose_async_serial.py
+unwrapped methods, so there is no cost when unused. Used by scripts/measure.py async-vs-serial
 to find the first launch where serial and launch-ahead schedules differ, and the first
 (request, position) whose logits differ."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""scripts/bench_moe_ep.py --smoke: EP=1 and EP=2 (gloo) through the same workload on the CPU,
+"""scripts/measure.py moe-ep --smoke: EP=1 and EP=2 (gloo) through the same workload on the CPU,
 greedy and sampled; float32, so EP=2's tokens equal EP=1's for every request."""
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import importlib
 import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "measurements"
 
 
 def test_bench_moe_ep_smoke(capsys):
     sys.path.insert(0, str(SCRIPTS))  # spawned ranks import the script module by name (sys.path travels)
     try:
-        bench = importlib.import_module("bench_moe_ep")
+        bench = importlib.import_module("moe_ep")
         rows = bench.main(["--smoke"])
     finally:
         sys.path.remove(str(SCRIPTS))

@@ -1,4 +1,4 @@
-"""scripts/bench_speculative.py --smoke on the CPU: every row ran, every speculative run's
+"""scripts/measure.py speculative --smoke on the CPU: every row ran, every speculative run's
 tokens equal plain decoding's, and the oracle's acceptance is what was asked."""
 import json
 import re

@@ -1,14 +1,14 @@
 """CUDA: mixed-step graphs of a hybrid model (tiny NemotronH, float32, Triton attention and Mamba
 kernels) under staggered arrivals with chunked prefill: tokens equal eager (serial and
 launch-ahead), mixed graphs replay, 0 builds / captures after the startup warm-up. The timing
-table is scripts/check_hybrid_graphs.py (this test runs its functions). Skipped without a GPU."""
+table is scripts/gpu_check.py hybrid-graphs (this test runs its functions). Skipped without a GPU."""
 import runpy
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.gpu
-SCRIPT = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "check_hybrid_graphs.py"))
+SCRIPT = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "gpu_checks" / "hybrid_graphs.py"))
 
 
 def test_hybrid_mixed_graphs_equal_eager_without_captures_after_warmup(tmp_path):

@@ -109,10 +109,10 @@ def test_hybrid_one_copy_per_step(ckpt, async_scheduling, monkeypatch):
 
 
 def test_gpu_check_script_smoke_on_cpu(capsys):
-    """scripts/check_hybrid_graphs.py (the lead's GPU check) runs end to end on the CPU (emulated graphs)."""
+    """scripts/gpu_check.py hybrid-graphs (the lead's GPU check) runs end to end on the CPU (emulated graphs)."""
     import runpy
     from pathlib import Path
 
-    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "check_hybrid_graphs.py"))
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "gpu_checks" / "hybrid_graphs.py"))
     assert script["main"](["--device", "cpu", "--size", "tiny", "--requests", "6", "--output-len", "3"]) == 0
     assert "VERDICT: PASS" in capsys.readouterr().out

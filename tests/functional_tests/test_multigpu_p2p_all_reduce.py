@@ -6,7 +6,7 @@ all-reduce fused with add + RMSNorm equals the unfused path (fp32 within 1e-6, t
 bit for bit; bf16 within rounding), identical on every rank, and replays in a graph; and the
 engine under TP with CUDA graphs on P2P (fused norm on and off) gives TP=1's tokens (fp32), with
 P2P and fused calls counted.
-``scripts/bench_all_reduce.py`` runs the same checks before timing."""
+``scripts/measure.py all-reduce`` runs the same checks before timing."""
 from __future__ import annotations
 
 import pytest

@@ -12,7 +12,7 @@ path writes (tests/unit_tests/inference/test_decode_rows.py compares them on ran
 any plan it does not cover (prefill chunks, drafts, a request without a row, a value that
 needs the general path's per-request error) goes to the general path.
 
-Speculative engines use it for their decode steps without drafts (issue 11: a plain step
+Speculative engines use it for their decode steps without drafts (a plain step
 of a speculative engine costs what a plain engine's step costs): the spec columns of such a
 step are the request's spec slot (constant), no drafts, one sample per row, and, for a row
 continuing a launch that verified drafts, input and correction from the spec state."""

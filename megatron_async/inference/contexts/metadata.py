@@ -44,7 +44,7 @@ class AttentionMetadata:
     """Tokens per KV block."""
     row_order: torch.Tensor | None = None
     """[R] int32: a permutation of the rows, longest KV first (``longest_first``). The decode
-    kernel starts the longest rows' programs first, so the short ones fill the tail (H100, workload
+    kernel starts the longest rows' programs first, so the short ones fill the tail (workload
     A's lengths: -3.5 % for the kernel alone, -1.4 % of a decode step's attention in the engine).
     None: row order."""
 

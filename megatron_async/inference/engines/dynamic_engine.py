@@ -184,7 +184,7 @@ class DynamicInferenceEngine:
         """Whether a caller holding more requests should add them before the next ``step()``.
 
         Validating and adding requests costs the host ~0.2 ms per 1,000 prompt tokens (13.6 ms
-        for workload A's 128 prompts on the H100 host), GPU idle if done before the first step. A caller that adds while
+        for workload A's 128 prompts), GPU idle if done before the first step. A caller that adds while
         this is true and steps otherwise (``LLM.generate``, the benchmark driver) validates the
         rest while the GPU runs the steps already launched. The next step admits at most
         ``max_requests`` requests and ``max_tokens`` tokens, so a queue holding either (twice the

@@ -1,4 +1,4 @@
-"""Which steps of a speculative engine run the plain engine's step (issue 11: speculation must
+"""Which steps of a speculative engine run the plain engine's step (speculation must
 cost nothing where it does not draft).
 
 A decode step needs the speculative machinery only for

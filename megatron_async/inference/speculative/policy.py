@@ -6,7 +6,7 @@ drafts as it verified); below ``speculative_min_acceptance`` the request decodes
 probes with one draft every ``speculative_probe_interval`` steps. The probes of all
 switched-off requests fall on the same steps (a step clock, not a per-request count): one
 probing row makes the whole step a verify step (a verify graph pads every row to 2 tokens),
-so staggered probes made every step of a large batch a verify step (H100, batch 128, 0 %
+so staggered probes made every step of a large batch a verify step (batch 128, 0 %
 acceptance: 0.47x plain decode with graphs). Steps with more decode rows than
 ``speculative_max_batch_size`` run plainly (verify work grows with the batch while the
 saving does not). Requests with penalties or ``min_tokens`` never draft: their device token
@@ -16,7 +16,7 @@ drafted but did not is counted by cause (EngineStats reads these counters).
 A request starts from the engine's recent acceptance (``recent_acceptance``: the same kind of
 average over every request's verify rows, slower; 1.0 before any), not from 1.0: at 0 %
 acceptance each new request would otherwise pay 2-4 wide verify rows before switching off,
-and a batch of them as many wide verify steps (issue 11: batch 128 / 0 %). A request that
+and a batch of them as many wide verify steps (batch 128 / 0 %). A request that
 starts switched off drafts from its first probe on if drafts land.
 
 Drafts for a row come from the drafter's run in the request's previous launch. A decode step

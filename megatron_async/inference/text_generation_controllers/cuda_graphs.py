@@ -226,7 +226,7 @@ class CudaGraphRunner:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # No cyclic GC inside a capture: collecting an earlier engine's CUDA graphs there frees
-        # their memory, which invalidates the capture (seen once in the H100 GPU suite, a graph
+        # their memory, which invalidates the capture (seen once in the GPU suite, a graph
         # test right after another one). torch's graph context no longer collects on entry.
         gc_on = gc.isenabled()
         gc.disable()

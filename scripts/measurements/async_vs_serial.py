@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Why does launch-ahead (async) give other tokens than the serial engine? (issue 13, item 1)
+"""Why does launch-ahead (async) give other tokens than the serial engine?
 
 Runs one workload through a serial and an async engine built with the same weights and the
 same KV pool, and reports:
@@ -11,9 +11,9 @@ same KV pool, and reports:
 3. the first (request, position) whose logits bits differ between the modes, and whether the
    schedules were still identical up to that launch.
 
-    python scripts/diagnose_async_serial.py --device cuda --num-requests 32 \\
+    python scripts/measure.py async-vs-serial --device cuda --num-requests 32 \\
         --prompt-len-min 8192 --prompt-len-max 16384 --output-len 64 --max-sequence-length 16500
-    python scripts/diagnose_async_serial.py --smoke          # CPU, tiny model, seconds
+    python scripts/measure.py async-vs-serial --smoke          # CPU, tiny model, seconds
 """
 from __future__ import annotations
 

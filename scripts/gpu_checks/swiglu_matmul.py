@@ -5,7 +5,7 @@ measured faster at the row count, ``pays_off``), qwen3-0.6b shape (I = 3,072, K 
 at decode and prefill row counts. Checks the fused output against the reference first, then
 times both in CUDA graphs cycling through 28 distinct weights (weights from DRAM, as in a step).
 
-    python scripts/check_swiglu_matmul.py [--rows 128 1024 8192] [--sweep] [--inter 3072 --hidden 1024]"""
+    python scripts/gpu_check.py swiglu-matmul [--rows 128 1024 8192] [--sweep] [--inter 3072 --hidden 1024]"""
 from __future__ import annotations
 
 import argparse

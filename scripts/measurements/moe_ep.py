@@ -6,8 +6,8 @@ Model: the built-in Qwen3-30B-A3B shape (hidden 2048, 128 experts, top-8, moe_in
 to fit the device call, and every layer is the same, so per-layer costs scale). ``--smoke``: the
 built-in tiny-moe on the CPU (gloo), a few requests, EP 1 and 2 (the test runs it).
 
-    python scripts/bench_moe_ep.py --ep 1 2 4 --layers 12 [--cuda-graphs] [--num-requests 256]
-    python scripts/bench_moe_ep.py --smoke
+    python scripts/measure.py moe-ep --ep 1 2 4 --layers 12 [--cuda-graphs] [--num-requests 256]
+    python scripts/measure.py moe-ep --smoke
 
 Every EP size runs a short warm-up workload first (compiles, graph captures), then the timed one;
 rank 0's wall time of ``LLM.generate`` gives tok/s. The last column compares each request's
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.models.default_model import DEFAULT_CONFIGS  # noqa: E402

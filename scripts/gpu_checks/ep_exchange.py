@@ -4,7 +4,7 @@ every rank, timed with the all-gather exchange (eager and in a CUDA graph) and t
 exchange (eager: it syncs), next to the whole layer on one GPU (EP=1) running all ranks'
 tokens (N x T: the same global batch).
 
-    python scripts/check_ep_exchange.py [--ep 2 4] [--tokens 8 64 256] [--iters 20]
+    python scripts/gpu_check.py ep-exchange [--ep 2 4] [--tokens 8 64 256] [--iters 20]
 
 Spawns the ranks itself (one per GPU); NVLink multicast stays off. Times are rank 0's medians
 in us; every rank runs the same token count (the all-gather cost does not depend on how many of
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async.config import ExpertExchange  # noqa: E402
 from megatron_async.kernels.attention import set_attention_backend  # noqa: E402
@@ -30,7 +30,7 @@ from megatron_async.testing.multiprocess import run_ranks  # noqa: E402
 from megatron_async.tools.cuda_timing import graph_replay, median_ms  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_fused_moe import CFG, DTYPE, HIDDEN  # noqa: E402
+from fused_moe import CFG, DTYPE, HIDDEN  # noqa: E402
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 

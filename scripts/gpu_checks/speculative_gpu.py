@@ -14,9 +14,9 @@ prefill / mixed steps, verify steps, decode steps with the drafter (before / aft
 plain steps (no drafter: speculative/plain_steps.py); device ms per step (CUDA events), host
 ms per step and the host's wait for the device, step counts, lazy captures (~1 min on an H100).
 
-    python scripts/check_speculative_gpu.py
-    python scripts/check_speculative_gpu.py --split
-    SPEC_CHECK_DEVICE=cpu python scripts/check_speculative_gpu.py   # a dry run (emulated graphs)
+    python scripts/gpu_check.py speculative-gpu
+    python scripts/gpu_check.py speculative-gpu --split
+    SPEC_CHECK_DEVICE=cpu python scripts/gpu_check.py speculative-gpu   # a dry run (emulated graphs)
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ model, float32, staggered arrivals with chunked prefill:
   decode only (``cuda_graph_mixed_steps=False``, the state before hybrid mixed graphs), graphs
   for mixed steps too.
 Prints a table and a verdict last; exits 1 when a check fails. About a minute on an H100:
-    python scripts/check_hybrid_graphs.py [--requests 48] [--size small|tiny]"""
+    python scripts/gpu_check.py hybrid-graphs [--requests 48] [--size small|tiny]"""
 from __future__ import annotations
 
 import argparse

@@ -6,7 +6,7 @@ checkout (``--before``, e.g. main's, side by side) and this one; with ``--tuning
 launch variants; each threshold stage's rows are counted by how they finished (candidate
 buffer or whole-row search).
 
-    python scripts/check_sampling.py [--rows 128 256] [--iters 50] [--seeds 3] \
+    python scripts/gpu_check.py sampler-kernels [--rows 128 256] [--iters 50] [--seeds 3] \
         [--before ../main/megatron_async/kernels/triton_sampling.py] [--tuning]
 
 Logit shapes: "spread" = N(0, 3^2) (a nucleus of thousands of tokens), "flat" = N(0, 0.3^2)
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async.inference.text_generation_controllers import sampling as ref  # noqa: E402
 from megatron_async.kernels import triton_sampling  # noqa: E402

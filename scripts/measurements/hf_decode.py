@@ -7,7 +7,7 @@ generate 1 token) / N, so prompt processing cancels out. Greedy, EOS ignored, fl
 time and process CPU time are reported: on a shared machine other processes stretch wall time,
 while the CPU time of a single-threaded run (OMP_NUM_THREADS=1) stays close to the work done.
 
-    OMP_NUM_THREADS=1 python scripts/compare_hf_decode.py --model $(python scripts/fetch_smollm2.py)
+    OMP_NUM_THREADS=1 python scripts/measure.py hf-decode --model $(python scripts/fetch_smollm2.py)
 """
 import argparse
 import json

@@ -2,7 +2,7 @@
 fresh ranks with its own deadline; a line per stage as it ends (PASS / FAIL / HANG), and a hung
 rank's Python stack on stderr just before its deadline.
 
-    python scripts/check_ep_graphs.py [--stages nccl layer engine mixed] [--timeout-scale 1.0]
+    python scripts/gpu_check.py ep-graphs [--stages nccl layer engine mixed] [--timeout-scale 1.0]
 
 A stage that hangs is run once more with ``--retry-env`` (default: NCCL's graph buffer
 registration and runtime connection off), to tell an NCCL feature from our own bug.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.testing.multiprocess import run_ranks  # noqa: E402

@@ -9,7 +9,7 @@ in-place slot kernels, also replayed from a CUDA graph (checked equal to eager).
 packed (varlen) conv + scan, eager and from a CUDA graph, vs the split route (decode kernels +
 padded scan). Then a small tile sweep of the SSD scan.
 
-    python scripts/check_mamba_kernels.py [--iters 10]
+    python scripts/gpu_check.py mamba-kernels [--iters 10]
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async.kernels.conv1d_torch import causal_conv1d, causal_conv1d_step  # noqa: E402
 from megatron_async.kernels.ssd_torch import ssd_chunked, ssd_step  # noqa: E402

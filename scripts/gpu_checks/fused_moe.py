@@ -3,7 +3,7 @@
 MoE layer (router + experts) in a CUDA graph against its floor: reading the weights of the
 experts the batch activates at the device's copy bandwidth.
 
-    python scripts/check_fused_moe.py [--tokens 1 8 32 128 512 2048] [--iters 30]
+    python scripts/gpu_check.py fused-moe [--tokens 1 8 32 128 512 2048] [--iters 30]
 
 Columns: tokens; active experts; their weights in MB; floor us (weights / copy bandwidth);
 layer_graph us (router + align + 2 grouped GEMMs, replayed graph) and its ratio to the floor;
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async.kernels import attention, triton_fused_moe  # noqa: E402
 from megatron_async.kernels.moe_torch import fused_experts_torch  # noqa: E402

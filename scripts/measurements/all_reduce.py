@@ -7,7 +7,7 @@ eager (NCCL, the default P2P path). The all-reduce fused with the residual add a
 checked against the unfused path (values, ranks' bits, graph replays) and timed per decoder
 layer (two all-reduce + add + RMSNorm, bf16, hidden 4096) at ``--fused-rows`` batch rows.
 
-    python scripts/bench_all_reduce.py [--world 4] [--groups 4 2] [--iters 20] [--engine] [--json F]
+    python scripts/measure.py all-reduce [--world 4] [--groups 4 2] [--iters 20] [--engine] [--json F]
         [--fused-rows 1 64 128]
 
 One spawn of ``--world`` ranks (one per GPU) covers every group size (the first g ranks).
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async.testing.all_reduce_checks import (  # noqa: E402
     ENGINE_CONFIG, NO_MULTICAST_ENV, all_reduce_worker, assert_group_report, engine_outputs)

@@ -1,5 +1,5 @@
-"""The main job as a user runs it against the benchmark (issue 12: "the main job and the server
-reach the benchmark's numbers, no hidden warm-up only the benchmark does").
+"""The main job as a user runs it against the benchmark: both reach the same numbers, with no
+hidden warm-up that only the benchmark does.
 
 Each side is a fresh process on the same workload (workload A on a GPU: 128 requests, prompts
 100-1024, 128 output tokens, EOS ignored), greedy and sampled (temperature 0.8, top-p 0.95,
@@ -8,8 +8,8 @@ right after the engine's own startup warm-up) and ``examples/gpt_dynamic_inferen
 --cuda-graphs`` once per workload. The prompts are drawn the same way, not the same ids. Prints
 one markdown table: output tok/s, decode and prefill / mixed step, and main job / benchmark.
 
-    python scripts/compare_main_job.py [--out DIR]      # a GPU, ~3 minutes on an H100
-    python scripts/compare_main_job.py --smoke          # CPU, tiny model, seconds (no graphs)
+    python scripts/measure.py main-job-vs-benchmark [--out DIR]      # a GPU, ~3 minutes on an H100
+    python scripts/measure.py main-job-vs-benchmark --smoke          # CPU, tiny model, seconds (no graphs)
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from megatron_async.tools.benchmark import WORKLOADS  # noqa: E402

@@ -1,7 +1,7 @@
 """Fused elementwise Triton kernels vs the layers' torch code on CUDA at Qwen3-0.6B shapes
 (bf16): accuracy, device time and host time per call, and CUDA kernels per decoder layer.
 
-    python scripts/check_fused_ops.py [--tokens 8 128 2048] [--iters 50]
+    python scripts/gpu_check.py fused-elementwise [--tokens 8 128 2048] [--iters 50]
 
 Errors are max |fused - torch| and the share of elements that differ at all (expected 0
 for rope and the residual sum, rare last-ulp flips elsewhere). Runs in well under 30 s."""
@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async.kernels import attention, fused_ops  # noqa: E402
 from megatron_async.models.gpt import build_gpt  # noqa: E402

@@ -5,7 +5,7 @@ Shapes are Qwen3-0.6B-like (16 query heads, 8 KV heads, head_dim 128, bf16), KV 
 16 and 64 tokens; decode batches of 1..256 rows with KV lengths up to 2048, and a mixed
 step (prefill chunks, some continuing a cached prefix, plus decode rows).
 
-    python scripts/check_triton_attention.py [--iters 20] [--block-sizes 16 64]
+    python scripts/gpu_check.py paged-attention [--iters 20] [--block-sizes 16 64]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "unit_tests" / "kernels")]
 
 from megatron_async.kernels import attention_torch, attention_triton  # noqa: E402

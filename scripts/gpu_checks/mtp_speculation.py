@@ -1,6 +1,6 @@
 """MTP speculative decoding on a GPU: exactness with the device kernels, then its cost.
 
-    python scripts/check_mtp_drafter.py [--out DIR] [--skip-timing]
+    python scripts/gpu_check.py mtp-speculation [--out DIR] [--skip-timing]
 
 1. A tiny float32 Qwen3 with MTP heads on CUDA (Triton attention / sampling, async, CUDA
    graphs on and off): speculation on == off token for token, greedy and seeded sampling.

@@ -11,9 +11,9 @@ batch), and the per-step consensus (ZMQ exchange) p50 / p99 in us from EngineSta
 captured for exactly the --batches sizes (recaptured when the backend changes: a graph keeps
 the path it captured).
 
-    python scripts/bench_tp_scaling.py [--tp 1 2 4] [--batches 1 32 128] [--layers N] [--json F]
+    python scripts/measure.py tp-scaling [--tp 1 2 4] [--batches 1 32 128] [--layers N] [--json F]
         [--backends nccl p2p p2p+fused] [--modes serial async]
-    python scripts/bench_tp_scaling.py --smoke        # CPU, gloo, the tiny model: TP=1/2
+    python scripts/measure.py tp-scaling --smoke        # CPU, gloo, the tiny model: TP=1/2
 
 Launches ``torchrun --standalone --nproc-per-node T`` per size (rank 0 writes a JSON result);
 NVLink multicast stays off in every process. Prints one markdown table last."""
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from megatron_async.testing.all_reduce_checks import NO_MULTICAST_ENV  # noqa: E402

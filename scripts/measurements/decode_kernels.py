@@ -3,7 +3,7 @@
 sampled: a torch.profiler kernel table (name, count, total us, us per step, share) and the
 same grouped by role (attention, GEMMs, norms, sampler, ...), to find each role's gap to its floor.
 
-    python scripts/profile_decode_kernels.py --batch 128 --prompt-len 512 --steps 20
+    python scripts/measure.py decode-kernels --batch 128 --prompt-len 512 --steps 20
 
 The batch's requests all arrive at once; after prefill and a few warm decode steps (graph
 capture, Triton builds) ``--steps`` decode-only steps run under the profiler (CUDA activity only).
@@ -14,7 +14,7 @@ first decode-only step run under the profiler.
 Under ``torchrun --nproc-per-node N`` the model runs tensor-parallel over the N ranks (decode
 profile only); rank 0 adds the requests and prints its own device's table.
 
-    torchrun --nproc-per-node 2 scripts/profile_decode_kernels.py --model qwen3-8b --batch 64"""
+    torchrun --nproc-per-node 2 scripts/measure.py decode-kernels --model qwen3-8b --batch 64"""
 from __future__ import annotations
 
 import argparse

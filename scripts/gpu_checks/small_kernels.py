@@ -4,7 +4,7 @@ q/k norm + rotary + K/V store, and the greedy argmax over the vocabulary; us per
 CUDA graph (28 distinct inputs cycled, as the layers of a step), launch settings swept, and
 the outputs checked against the reference (bit-equal) first.
 
-    python scripts/check_small_kernels.py [--tokens 1 64 128 256] [--rope-before OLD/triton_rope.py]
+    python scripts/gpu_check.py small-kernels [--tokens 1 64 128 256] [--rope-before OLD/triton_rope.py]
 
 ``--rope-before`` times another version of ``kernels/triton_rope.py`` beside the current one
 (an A/B in one process)."""
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async.kernels import triton_rmsnorm, triton_rope, triton_sampling  # noqa: E402
 from megatron_async.tools.cuda_timing import graph_call_us  # noqa: E402

@@ -23,12 +23,12 @@ counts the moments another process holds the core, which say nothing about the h
 ``RequestUpdate`` with its text delta is read each step) instead of ``LLM.generate``.
 
 ``--spec K``: a speculative engine (k = K, the default switch-off policy) with an oracle
-drafter at 0 % acceptance (issue 11: batch 128 / 0 % must cost what plain decoding costs), its
+drafter at 0 % acceptance (batch 128 / 0 % must cost what plain decoding costs), its
 host time also split by the kind of step launched: "plain" (the plain engine's step:
 speculative/plain_steps.py), "drafter" (no drafts, the speculative machinery runs), "verify"
 (some row has drafts). ``--spec 0`` with ``--kinds`` prints the same split for a plain engine.
 
-Usage: ``OMP_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/measure_host_step.py [--rows 64 128 256] [--stream]``
+Usage: ``OMP_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/measure.py host-step [--rows 64 128 256] [--stream]``
 (the last thing printed is a markdown table, ms per decode step)."""
 from __future__ import annotations
 

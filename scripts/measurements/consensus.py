@@ -21,9 +21,9 @@
    (megatron_async/tools/consensus_windows.py): exchanges saved against padding, graph steps
    lost, extra dummy forwards and admission delay.
 
-    python scripts/measure_consensus.py --ranks 2 4 --iters 2000 [--skip-engine | --skip-bare] [--windows 1 2 4 8]
-    python scripts/measure_consensus.py --ranks 2 --iters 2000 --device cuda --tokens 128   # a GPU host
-    python scripts/measure_consensus.py --ranks 2 --cold   # why the engine's rounds cost more than bare ones
+    python scripts/measure.py consensus --ranks 2 4 --iters 2000 [--skip-engine | --skip-bare] [--windows 1 2 4 8]
+    python scripts/measure.py consensus --ranks 2 --iters 2000 --device cuda --tokens 128   # a GPU host
+    python scripts/measure.py consensus --ranks 2 --cold   # why the engine's rounds cost more than bare ones
 """
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ run alone on the same engine and compares their tokens with the batch run (both 
 default mode shows what the invariant one removes).
 Prints one table: output tok/s, mean decode / prefill step, ratio to the default mode.
 
-    python scripts/check_batch_invariance.py            # 256 requests, prompts 100-1024, outputs 100-1024
-    python scripts/check_batch_invariance.py --quick    # 128 requests, outputs 100-256
-    python scripts/check_batch_invariance.py --smoke    # CPU (Triton interpreter), tiny model: plumbing only
+    python scripts/gpu_check.py batch-invariance            # 256 requests, prompts 100-1024, outputs 100-1024
+    python scripts/gpu_check.py batch-invariance --quick    # 128 requests, outputs 100-256
+    python scripts/gpu_check.py batch-invariance --smoke    # CPU (Triton interpreter), tiny model: plumbing only
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def parse_args() -> argparse.Namespace:
     if args.smoke:
         args.model, args.no_graphs = "tiny", True
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
         from interpreter_dot import make_interpreter_dot_row_independent
 
         make_interpreter_dot_row_independent()  # the interpreter's BLAS dot is not row-invariant
@@ -90,7 +90,7 @@ def run_mode(args, requests: list[WorkloadRequest], sampling: str, invariant: bo
 def main() -> None:
     args = parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("check_batch_invariance.py measures GPU throughput: no CUDA device (--smoke runs on CPU)")
+        sys.exit("batch-invariance measures GPU throughput: no CUDA device (--smoke runs on CPU)")
     if args.smoke:
         spec = WorkloadSpec(3, 4, 12, 2, 4, 0.0, args.seed)
     else:

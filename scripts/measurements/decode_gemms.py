@@ -1,16 +1,16 @@
 #!/usr/bin/env python
 """The decode GEMMs of the built-in qwen3-0.6b shape, alone, inside CUDA graphs: device time
 per call of ``F.linear`` (cuBLAS; gate_up followed by the SiLU-mul kernel, the model's path
-before the fused gate_up + SwiGLU kernel, which ``check_swiglu_matmul.py`` compares with it)
+before the fused gate_up + SwiGLU kernel, which ``scripts/gpu_check.py swiglu-matmul`` compares with it)
 and of the batch-invariant Triton matmul, then one decode step's GEMM sequence (28 layers of
 qkv, o_proj, gate_up + SiLU-mul, down, then the LM head) against its weight-read floor.
 
 Every measurement cycles through 28 distinct weights per shape (as the 28 layers do), so the
 weights come from DRAM, not from L2 as they would if one weight were called 50 times. A
 split-K Triton matmul with the SwiGLU epilogue and programmatic dependent launch was tried
-against these numbers and removed (no gain; commit 37776fe and docs/PERFORMANCE.md).
+against these numbers and removed (no gain).
 
-    python scripts/bench_decode_gemms.py --rows 64 128 256"""
+    python scripts/measure.py decode-gemms --rows 64 128 256"""
 from __future__ import annotations
 
 import argparse

@@ -4,7 +4,7 @@ every row skipping their work) and a greedy step with log-probs runs FULL (penal
 log-probs with top-20). Each path is the engine's Sampler (+ log-probs) captured in a CUDA
 graph at [rows, 151,936] float32 logits; median of replays between CUDA events.
 
-    python scripts/check_graph_variants.py [--rows 128] [--iters 40]"""
+    python scripts/gpu_check.py graph-variants [--rows 128] [--iters 40]"""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots  # noqa: E402
 from megatron_async.inference.device import DeviceFacade  # noqa: E402

@@ -2,8 +2,8 @@
 """Speculative decoding vs plain decoding, tok/s (oracle acceptance sweep, n-gram on a
 repetitive workload). `--smoke` runs in seconds on CPU.
 
-    python scripts/bench_speculative.py            # GPU: qwen3-0.6b-shaped bf16 model
-    python scripts/bench_speculative.py --smoke    # CPU, tiny model
+    python scripts/measure.py speculative            # GPU: qwen3-0.6b-shaped bf16 model
+    python scripts/measure.py speculative --smoke    # CPU, tiny model
 """
 from megatron_async.tools.bench_speculative import main
 
