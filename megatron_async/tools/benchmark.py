@@ -34,6 +34,8 @@ from megatron_async.tools.roofline import (
 from megatron_async.tools.summary import summarize
 from megatron_async.tools.workload import WorkloadRequest, WorkloadSpec, synthetic_workload, twin_workload
 
+HF_CACHE_MEMORY_FRACTION = 0.5
+"""HF continuous batching: share of the free memory its auto-sized KV cache may take."""
 WORKLOADS = {"greedy": hf_peers.Sampling(), "sampled": hf_peers.Sampling(temperature=0.8, top_p=0.95)}
 """Sampled: temperature 0.8 + top-p 0.95, each request seeded (seed + its index) in the engine."""
 ENGINE_MODES = {
@@ -197,7 +199,7 @@ class Benchmark:
         sampling = WORKLOADS[wl]
         try:
             if mode == "hf_generate_batch":
-                cb = hf_peers.cb_config(self.device, self.requests, a.max_requests, a.max_tokens, cli.GPU_KV_FRACTION)
+                cb = hf_peers.cb_config(self.device, self.requests, a.max_requests, a.max_tokens, HF_CACHE_MEMORY_FRACTION)
                 settings = "continuous batching (generate_batch), " + ", ".join(
                     f"{k} {getattr(cb, k)}" for k in ("max_batch_tokens", "max_requests_per_batch", "max_memory_percent",
                                                        "page_size", "num_blocks", "use_cuda_graph") if hasattr(cb, k))
