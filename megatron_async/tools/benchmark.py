@@ -175,8 +175,15 @@ class Benchmark:
 
     # ------------------------------------------------------------------ HF peers
     def run_hf(self, modes: list[str]) -> list[ModeResult]:
+        _free_device()
+        too_big = hf_peers.does_not_fit(self.checkpoint, self.device, self.dtype)
+        if too_big:
+            return [ModeResult(m, w, "skipped", too_big) for m in modes for w in self.args.workloads]
         try:
             model = hf_peers.load_hf_model(self.checkpoint, self.device, self.dtype)
+        except torch.OutOfMemoryError:
+            return [ModeResult(m, w, "skipped", "HF does not fit this device: CUDA out of memory loading the model")
+                    for m in modes for w in self.args.workloads]
         except Exception as e:  # noqa: BLE001 - a broken peer must not hide our own numbers
             return [ModeResult(m, w, "error", f"loading the HF model failed: {e}") for m in modes for w in self.args.workloads]
         results = []
@@ -213,6 +220,9 @@ class Benchmark:
                 settings += f", warm-up {time.perf_counter() - t0:.1f} s"
                 gc.collect()
                 run = hf_peers.run_hf_generate(model, self.requests, a.hf_batch_size, sampling, self.deadline, static)
+        except torch.OutOfMemoryError:
+            return ModeResult(mode, wl, "skipped", f"HF does not fit this device at these settings: CUDA out of memory "
+                                                   f"({torch.cuda.max_memory_allocated() / 2**30:.1f} GiB peak)")
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             return ModeResult(mode, wl, "error", f"{type(e).__name__}: {e}")
@@ -360,7 +370,7 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
     report = {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": _version("transformers")},
-        "model": args.model or f"built-in {args.default_model} (HF random init, seed {args.seed})",
+        "model": args.model or f"built-in {args.default_model} (its seeded random weights, seed {args.seed})",
         "dtype": args.dtype, "args": vars(args), "copy_bandwidth_GBps": bench.bandwidth / 1e9,
         "matmul_TFLOPs": bench.matmul_flops / 1e12, **bench.info,
         "modes": [r.as_dict() for r in results],
