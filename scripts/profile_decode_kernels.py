@@ -186,7 +186,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warm-steps", type=int, default=12)
     p.add_argument("--kv-gb", type=float, default=None,
-                   help="KV pool (default: as the benchmark, half the free memory; a pool too small for the "
+                   help="KV pool (default: as the benchmark, sized from profiled memory; a pool too small for the "
                         "whole batch pauses rows and the profile fails)")
     p.add_argument("--top", type=int, default=25, help="kernels listed")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
