@@ -151,7 +151,13 @@ class LLM:
         self.engine = engine_cls(self.controller, self.context, self.config, self.tokenizer, self.communicator)
         if facade.is_cuda and (self.config.startup_warmup or self.parallel.ep_size > 1 and self.config.cuda_graphs):
             # Expert parallelism always captures here: every rank at once (collectives inside).
-            rep = self.engine.warmup()
+            try:
+                rep = self.engine.warmup()
+            except torch.OutOfMemoryError:
+                if self.memory_plan is None:
+                    raise
+                raise MemoryPlanError(f"CUDA out of memory in the startup warm-up: the planned {self.memory_plan.describe()} "
+                                      "left too little; lower gpu_memory_utilization or max_tokens") from None
             log.info("warm-up: %.1f s, %d eager steps, %d CUDA graphs, %d Triton builds, %.2f GiB reserved",
                      rep.seconds, rep.eager_steps, rep.graphs_captured, rep.triton_builds, rep.memory_bytes / 2**30)
             # startup's garbage goes now, not as a full collection inside the first serving steps
