@@ -117,7 +117,7 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
         graphs = g.add_mutually_exclusive_group()
         graphs.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=None,
                             help="replay decode and mixed steps as CUDA graphs (the default on cuda)")
-        graphs.add_argument("--eager", dest="cuda_graphs", action="store_false",
+        graphs.add_argument("--eager", dest="cuda_graphs", action="store_false", default=None,
                             help="no CUDA graphs: every step runs eager, nothing is captured at startup")
     g.add_argument("--no-warmup", action="store_true",
                    help="CUDA: skip the startup warm-up (Triton builds and graph captures then happen while serving)")
