@@ -1,8 +1,11 @@
 """InferenceConfig: every knob of the engine, one documented field each."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
+
+CPU_BUFFER_SIZE_GB = 1.0
+"""KV pool budget on CPU (and of a context built from an unresolved config) when none is given."""
 
 
 class AttentionBackend(str, Enum):
@@ -66,10 +69,21 @@ class InferenceConfig:
     """Tokens per paged KV block."""
 
     num_kv_blocks: int | None = None
-    """Blocks in the KV pool. None: derived from ``buffer_size_gb``."""
+    """Blocks in the KV pool (one of them the dummy block padding rows point at). None: from
+    ``buffer_size_gb``, or on CUDA without it from ``gpu_memory_utilization``."""
 
-    buffer_size_gb: float = 1.0
-    """KV pool budget in GB when ``num_kv_blocks`` is None."""
+    buffer_size_gb: float | None = None
+    """KV pool budget in GB when ``num_kv_blocks`` is None. None: 1 GB on CPU; on CUDA the
+    pool takes what ``gpu_memory_utilization`` leaves (``megatron_async/memory_planning.py``)."""
+
+    gpu_memory_utilization: float = 0.9
+    """CUDA, when neither ``num_kv_blocks`` nor ``buffer_size_gb`` is given: the share of the
+    device's total memory this engine may use (vLLM's meaning). The KV pool (and nothing else)
+    gets what is left of it after the memory other processes and the CUDA context hold, the
+    weights, the measured peak of the largest step the configuration allows (a profiling
+    forward at ``max_tokens`` with every sampling feature on) and the CUDA graph pools
+    (estimated as one more such peak). ``LLM.memory_plan`` holds the numbers; the build fails
+    with them when the model or one request of ``max_sequence_length`` does not fit."""
 
     max_requests: int = 64
     """Most requests that may be active (scheduled or paused) at once."""
@@ -93,9 +107,11 @@ class InferenceConfig:
     async_scheduling: bool = True
     """Launch-ahead: step N+1 is enqueued on the device before step N's CPU bookkeeping."""
 
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     """Capture and replay decode-only steps as CUDA graphs (CUDA only; ignored on CPU); with
-    speculative decoding also its verify steps (decode rows with drafts, padded to a captured width)."""
+    speculative decoding also its verify steps (decode rows with drafts, padded to a captured width).
+    None: on for CUDA, off on CPU (``LLM.config`` holds the resolved value). False is vLLM's
+    ``enforce_eager`` (the main job's ``--eager``): every step eager, no capture at startup."""
 
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     """Padded decode batch sizes to capture. None: 1, 2, 4, 8, then multiples of 16 up to max_requests."""
@@ -235,6 +251,10 @@ class InferenceConfig:
         for name in ("block_size_tokens", "max_requests", "max_tokens", "max_sequence_length"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"InferenceConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.buffer_size_gb is not None and self.buffer_size_gb < 0:
+            raise ValueError(f"InferenceConfig.buffer_size_gb must be >= 0 or None, got {self.buffer_size_gb}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"InferenceConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("InferenceConfig.num_kv_blocks must be at least 2 (one is the dummy block)")
         if self.max_tokens < self.max_requests:
@@ -265,6 +285,21 @@ class InferenceConfig:
         if self.speculative_probe_interval < 1 or self.speculative_max_batch_size < 0:
             raise ValueError("InferenceConfig.speculative_probe_interval must be >= 1 and "
                              "speculative_max_batch_size >= 0")
+
+    def for_device(self, device_type: str) -> InferenceConfig:
+        """This config with the device-dependent defaults filled in (a copy; self unchanged when
+        nothing is None): ``cuda_graphs`` on for CUDA only, and on CPU a 1 GB KV budget."""
+        changes = {}
+        if self.cuda_graphs is None:
+            changes["cuda_graphs"] = device_type == "cuda"
+        if device_type != "cuda" and self.buffer_size_gb is None:
+            changes["buffer_size_gb"] = CPU_BUFFER_SIZE_GB
+        return replace(self, **changes) if changes else self
+
+    @property
+    def kv_budget_gb(self) -> float:
+        """``buffer_size_gb``, or the CPU default for a config no device resolved."""
+        return CPU_BUFFER_SIZE_GB if self.buffer_size_gb is None else self.buffer_size_gb
 
     @property
     def max_samples(self) -> int:

@@ -16,6 +16,8 @@ from megatron_async.inference.contexts.dynamic_context import DynamicInferenceCo
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.engines.data_parallel_engine import DataParallelEngine
 from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine
+from megatron_async.inference.memory_planning import GiB, CudaMemoryReader, MemoryPlan, MemoryPlanError, check_weights_fit
+from megatron_async.inference.memory_profiling import builtin_weight_bytes, profile_memory_plan
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, SamplingParams
 from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 from megatron_async.kernels.attention import set_attention_backend
@@ -79,6 +81,9 @@ class LLM:
         self.config.validate()
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
+        self.config = self.config.for_device(self.device.type)  # a copy where a default depends on the device
+        self.memory_plan: MemoryPlan | None = None
+        """How the KV pool was sized on CUDA when the config gives no size (see memory_planning.py)."""
         self.tensor_parallel_size = tensor_parallel_size
         self.expert_parallel_size = expert_parallel_size
         self.communicator: ZMQCommunicator | None = None
@@ -103,23 +108,14 @@ class LLM:
             raise
 
     def _build(self, model: str | None, default_model: str, seed: int, drafter=None) -> None:
-        from megatron_async.models import build_default_model, load_checkpoint, load_tokenizer
         from megatron_async.models.eos_ids import checkpoint_eos_ids
 
         nvtx.set_enabled(self.config.nvtx_ranges)
         self.attention_backend = set_attention_backend(self.config.attention_backend, self.device)
         self.mamba_backend = set_mamba_backend(self.config.mamba_backend, self.device)
-        if model is None:
-            self.model = build_default_model(default_model, self.device, self.dtype, seed=seed, parallel=self.parallel)
-            self.tokenizer = None
-            if default_model.startswith("tiny"):  # sized to the in-process tiny BPE: text prompts work
-                from megatron_async.models import Tokenizer
-                from megatron_async.models.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
-
-                self.tokenizer = Tokenizer(train_tiny_tokenizer(), EOS_TOKEN_ID)
-        else:
-            self.model, _ = load_checkpoint(model, self.device, self.dtype, self.parallel)
-            self.tokenizer = load_tokenizer(model)
+        reader = CudaMemoryReader(self.device) if self.device.type == "cuda" else None
+        allocated_before = reader.read().allocated if reader else 0
+        self._load_model(model, default_model, seed, reader)
         self.model.eval()
         if self.config.batch_invariant:
             _check_batch_invariant(self.model, self.device)
@@ -138,6 +134,12 @@ class LLM:
             drafter = self._drafter(drafter)
         elif drafter is not None:
             raise ValueError("a drafter needs InferenceConfig.num_speculative_tokens > 0")
+        if reader and self._plans_memory():
+            weights = reader.read().allocated - allocated_before
+            self.memory_plan = profile_memory_plan(self.config, self.model, facade, self.dtype, weights, reader,
+                                                   self.parallel.ep_size, drafter)
+            self.config = replace(self.config, num_kv_blocks=self.memory_plan.num_blocks)
+            log.info("%s", self.memory_plan.describe())
         self.context = DynamicInferenceContext(self.config, self.model, facade, self.dtype)
         if self.context.spec is not None:
             self.context.spec.set_drafter(drafter)
@@ -149,7 +151,13 @@ class LLM:
         self.engine = engine_cls(self.controller, self.context, self.config, self.tokenizer, self.communicator)
         if facade.is_cuda and (self.config.startup_warmup or self.parallel.ep_size > 1 and self.config.cuda_graphs):
             # Expert parallelism always captures here: every rank at once (collectives inside).
-            rep = self.engine.warmup()
+            try:
+                rep = self.engine.warmup()
+            except torch.OutOfMemoryError:
+                if self.memory_plan is None:
+                    raise
+                raise MemoryPlanError(f"CUDA out of memory in the startup warm-up: the planned {self.memory_plan.describe()} "
+                                      "left too little; lower gpu_memory_utilization or max_tokens") from None
             log.info("warm-up: %.1f s, %d eager steps, %d CUDA graphs, %d Triton builds, %.2f GiB reserved",
                      rep.seconds, rep.eager_steps, rep.graphs_captured, rep.triton_builds, rep.memory_bytes / 2**30)
             # startup's garbage goes now, not as a full collection inside the first serving steps
@@ -174,6 +182,34 @@ class LLM:
         mixed = self.config.cuda_graph_mixed_steps and mamba_ok and triton_attention
         return CudaGraphRunner(self.controller, self.config, mixed=mixed, collective=self.parallel.ep_size > 1,
                                verify=triton_attention)
+
+    def _load_model(self, model: str | None, default_model: str, seed: int, reader: CudaMemoryReader | None) -> None:
+        """The model and tokenizer. On CUDA a model whose weights cannot fit fails with the
+        numbers, before or instead of a CUDA out-of-memory traceback."""
+        from megatron_async.models import build_default_model, load_checkpoint, load_tokenizer
+
+        now = reader.read() if reader else None
+        try:
+            if model is None:
+                if now:
+                    check_weights_fit(builtin_weight_bytes(default_model, self.dtype, self.parallel), now.total, now.free)
+                self.model = build_default_model(default_model, self.device, self.dtype, seed=seed, parallel=self.parallel)
+                self.tokenizer = None
+                if default_model.startswith("tiny"):  # sized to the in-process tiny BPE: text prompts work
+                    from megatron_async.models import Tokenizer
+                    from megatron_async.models.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
+
+                    self.tokenizer = Tokenizer(train_tiny_tokenizer(), EOS_TOKEN_ID)
+            else:
+                self.model, _ = load_checkpoint(model, self.device, self.dtype, self.parallel)
+                self.tokenizer = load_tokenizer(model)
+        except torch.OutOfMemoryError:
+            raise MemoryPlanError(f"model does not fit: CUDA out of memory while loading its weights (device had "
+                                  f"{now.free / GiB:.2f} GiB free of {now.total / GiB:.2f} GiB)") from None
+
+    def _plans_memory(self) -> bool:
+        """CUDA without a KV size in the config: the pool is planned from measured memory."""
+        return self.device.type == "cuda" and self.config.num_kv_blocks is None and self.config.buffer_size_gb is None
 
     def _drafter(self, drafter):
         from megatron_async.inference.speculative.factory import build_drafter

@@ -110,16 +110,21 @@ DEFAULT_CONFIGS["tiny-moe"] = {
 }
 
 
-@torch.no_grad()
 def random_hf_weights(model: DecoderModel, std: float, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Seeded FULL tensors in the Hugging Face layout, one at a time, in a fixed name order: N(0,
-    std) matrices, unit norm weights, zero biases. Every rank draws the same full tensors and its
-    weight loaders keep its shard, so the model is the same whatever the TP size. Drawn on the
-    model's device, so CPU and CUDA give different (each reproducible) weights."""
-    device = next(model.parameters()).device
+    """Seeded FULL tensors in the Hugging Face layout, one at a time, in a fixed name order (see
+    ``random_hf_tensors``). Every rank draws the same full tensors and its weight loaders keep its
+    shard, so the model is the same whatever the TP size."""
+    param = next(model.parameters())
+    return random_hf_tensors(model.hf_shapes(), param.dtype, param.device, std, seed)
+
+
+@torch.no_grad()
+def random_hf_tensors(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device, std: float,
+                      seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """N(0, std) matrices, unit norm weights, zero biases, drawn in ``shapes``' order from one
+    generator on ``device`` (CPU and CUDA give different, each reproducible, weights)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    dtype = next(model.parameters()).dtype
-    for name, shape in model.hf_shapes().items():
+    for name, shape in shapes.items():
         if "norm" in name:
             yield name, torch.ones(shape, dtype=dtype, device=device)
         elif len(shape) == 1:

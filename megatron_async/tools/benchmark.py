@@ -34,6 +34,8 @@ from megatron_async.tools.roofline import (
 from megatron_async.tools.summary import summarize
 from megatron_async.tools.workload import WorkloadRequest, WorkloadSpec, synthetic_workload, twin_workload
 
+HF_CACHE_MEMORY_FRACTION = 0.5
+"""HF continuous batching: share of the free memory its auto-sized KV cache may take."""
 WORKLOADS = {"greedy": hf_peers.Sampling(), "sampled": hf_peers.Sampling(temperature=0.8, top_p=0.95)}
 """Sampled: temperature 0.8 + top-p 0.95, each request seeded (seed + its index) in the engine."""
 ENGINE_MODES = {
@@ -173,8 +175,15 @@ class Benchmark:
 
     # ------------------------------------------------------------------ HF peers
     def run_hf(self, modes: list[str]) -> list[ModeResult]:
+        _free_device()
+        too_big = hf_peers.does_not_fit(self.checkpoint, self.device, self.dtype)
+        if too_big:
+            return [ModeResult(m, w, "skipped", too_big) for m in modes for w in self.args.workloads]
         try:
             model = hf_peers.load_hf_model(self.checkpoint, self.device, self.dtype)
+        except torch.OutOfMemoryError:
+            return [ModeResult(m, w, "skipped", "HF does not fit this device: CUDA out of memory loading the model")
+                    for m in modes for w in self.args.workloads]
         except Exception as e:  # noqa: BLE001 - a broken peer must not hide our own numbers
             return [ModeResult(m, w, "error", f"loading the HF model failed: {e}") for m in modes for w in self.args.workloads]
         results = []
@@ -197,7 +206,7 @@ class Benchmark:
         sampling = WORKLOADS[wl]
         try:
             if mode == "hf_generate_batch":
-                cb = hf_peers.cb_config(self.device, self.requests, a.max_requests, a.max_tokens, cli.GPU_KV_FRACTION)
+                cb = hf_peers.cb_config(self.device, self.requests, a.max_requests, a.max_tokens, HF_CACHE_MEMORY_FRACTION)
                 settings = "continuous batching (generate_batch), " + ", ".join(
                     f"{k} {getattr(cb, k)}" for k in ("max_batch_tokens", "max_requests_per_batch", "max_memory_percent",
                                                        "page_size", "num_blocks", "use_cuda_graph") if hasattr(cb, k))
@@ -211,6 +220,9 @@ class Benchmark:
                 settings += f", warm-up {time.perf_counter() - t0:.1f} s"
                 gc.collect()
                 run = hf_peers.run_hf_generate(model, self.requests, a.hf_batch_size, sampling, self.deadline, static)
+        except torch.OutOfMemoryError:
+            return ModeResult(mode, wl, "skipped", f"HF does not fit this device at these settings: CUDA out of memory "
+                                                   f"({torch.cuda.max_memory_allocated() / 2**30:.1f} GiB peak)")
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             return ModeResult(mode, wl, "error", f"{type(e).__name__}: {e}")
@@ -358,7 +370,7 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
     report = {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": _version("transformers")},
-        "model": args.model or f"built-in {args.default_model} (HF random init, seed {args.seed})",
+        "model": args.model or f"built-in {args.default_model} (its seeded random weights, seed {args.seed})",
         "dtype": args.dtype, "args": vars(args), "copy_bandwidth_GBps": bench.bandwidth / 1e9,
         "matmul_TFLOPs": bench.matmul_flops / 1e12, **bench.info,
         "modes": [r.as_dict() for r in results],

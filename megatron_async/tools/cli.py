@@ -24,8 +24,6 @@ WORKLOAD_DEFAULTS = {
 # On CUDA, large prefill chunks amortise the eager (launch-bound) mixed steps; vLLM also
 # defaults to 8192 batched tokens.
 ENGINE_DEFAULTS = {"cpu": {"max_requests": None}, "cuda": {"max_requests": 128, "max_tokens": 8192}}
-GPU_KV_FRACTION = 0.5
-"""Default KV pool on CUDA: this share of the device memory free when the engine is built."""
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -94,7 +92,10 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--block-size", type=POSITIVE_INT, default=None, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=POSITIVE_INT, default=None, help="KV pool size in blocks (overrides --buffer-size-gb)")
     g.add_argument("--buffer-size-gb", type=checked(float, 0.0), default=None,
-                   help=f"KV pool budget (default: 1 on cpu, {GPU_KV_FRACTION * 100:.0f}%% of free memory on cuda)")
+                   help="KV pool budget in GB (default: 1 on cpu; on cuda what --gpu-memory-utilization leaves)")
+    g.add_argument("--gpu-memory-utilization", type=checked(float, 0.01, 1.0), default=None,
+                   help="cuda, no KV size given: share of the device memory the engine may use; the KV pool gets "
+                        "what the weights, the profiled peak step and the CUDA graph pools leave (default 0.9)")
     g.add_argument("--max-requests", type=POSITIVE_INT, default=None, help="most active requests")
     g.add_argument("--max-tokens", type=POSITIVE_INT, default=None, help="most tokens per step")
     g.add_argument("--max-sequence-length", type=POSITIVE_INT, default=None)
@@ -113,7 +114,11 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
                    help="speculative decoding's drafter (default mtp)")
     if mode_flags:
         g.add_argument("--serial", action="store_true", help="turn launch-ahead (async scheduling) off")
-        g.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs")
+        graphs = g.add_mutually_exclusive_group()
+        graphs.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=None,
+                            help="replay decode and mixed steps as CUDA graphs (the default on cuda)")
+        graphs.add_argument("--eager", dest="cuda_graphs", action="store_false", default=None,
+                            help="no CUDA graphs: every step runs eager, nothing is captured at startup")
     g.add_argument("--no-warmup", action="store_true",
                    help="CUDA: skip the startup warm-up (Triton builds and graph captures then happen while serving)")
     g.add_argument("--logging-step-interval", type=NON_NEGATIVE_INT, default=0, help="log (and time) every N steps")
@@ -184,21 +189,13 @@ def resolve_device_args(args: argparse.Namespace) -> None:
             setattr(args, name, value)
 
 
-def default_buffer_gb(device: torch.device) -> float | None:
-    """KV budget when none is given: a share of free device memory on CUDA, else the config default."""
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return GPU_KV_FRACTION * free / 1e9
-
-
 def inference_config_from_args(args: argparse.Namespace, **overrides) -> InferenceConfig:
     """An InferenceConfig from the flags; flags left unset keep the dataclass defaults."""
-    buffer_gb = args.buffer_size_gb if args.buffer_size_gb is not None else default_buffer_gb(torch.device(args.device))
     fields = {
         "block_size_tokens": args.block_size,
         "num_kv_blocks": args.num_kv_blocks,
-        "buffer_size_gb": buffer_gb,
+        "buffer_size_gb": args.buffer_size_gb,
+        "gpu_memory_utilization": getattr(args, "gpu_memory_utilization", None),
         "max_requests": args.max_requests,
         "max_tokens": args.max_tokens,
         "max_sequence_length": args.max_sequence_length,
@@ -210,7 +207,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
         "speculative_method": getattr(args, "speculative_method", None),
         "async_scheduling": not getattr(args, "serial", False),
-        "cuda_graphs": getattr(args, "cuda_graphs", False),
+        "cuda_graphs": getattr(args, "cuda_graphs", None),
         "startup_warmup": not args.no_warmup,
         "logging_step_interval": args.logging_step_interval,
         "nvtx_ranges": args.nvtx,

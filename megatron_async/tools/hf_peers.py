@@ -5,14 +5,20 @@ warmed on the same twin workload as the engine."""
 from __future__ import annotations
 
 import inspect
+import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from megatron_async.models.default_model import DEFAULT_CONFIGS
+from megatron_async.models.default_model import DEFAULT_CONFIGS, random_hf_tensors
 from megatron_async.tools.workload import WorkloadRequest
+
+
+SHARD_BYTES = 4 << 30
+"""Largest safetensors shard ``save_default_checkpoint`` writes."""
 
 
 @dataclass(frozen=True)
@@ -54,22 +60,72 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def save_default_checkpoint(name: str, path: str | Path, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Path:
-    """Build the built-in model ``name`` as a transformers model (HF's own random init, seeded),
-    ``save_pretrained`` it, and return the directory: the engine and HF then load the same weights."""
+def save_default_checkpoint(name: str, path: str | Path, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                            shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write the built-in model ``name`` as a Hugging Face checkpoint and return the directory:
+    config.json and safetensors shards of the engine's own seeded random weights (the tensors
+    ``build_default_model`` loads, in HF names, drawn on ``device``), the engine and HF then load
+    the same weights. Shard by shard from the shapes of a meta-device model: memory holds one
+    shard, never the model (transformers' own save of a MoE model converts its fused experts
+    and held the 30B-A3B model twice)."""
     import transformers
+    from safetensors.torch import save_file
+
+    from megatron_async.models.gpt import build_gpt
 
     _quiet_transformers()
     cfg = dict(DEFAULT_CONFIGS[name])
+    shapes = build_gpt(cfg, dtype, torch.device("meta")).hf_shapes()
     arch = cfg.pop("architectures")[0]
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     config.architectures = [arch]
-    torch.manual_seed(seed)
-    with torch.device(device):  # initialising 0.6B parameters on the host is slow
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(path)
-    del model
-    return Path(path)
+    config.dtype = dtype
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    config.to_json_file(root / "config.json")
+    shards = _shard_names(shapes, dtype, shard_bytes)
+    files = sorted(set(shards.values()))
+    if len(files) > 1:
+        total = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=dtype).element_size()
+        (root / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": shards}, indent=1))
+    shard: dict[str, torch.Tensor] = {}
+    file = files[0]
+    for key, tensor in random_hf_tensors(shapes, dtype, device, DEFAULT_CONFIGS[name]["initializer_range"], seed):
+        if shards[key] != file:  # shards hold consecutive tensors: the previous one is complete
+            save_file(shard, root / file, metadata={"format": "pt"})
+            shard, file = {}, shards[key]
+        shard[key] = tensor.cpu()
+    save_file(shard, root / file, metadata={"format": "pt"})
+    return root
+
+
+def _shard_names(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, shard_bytes: int) -> dict[str, str]:
+    """Tensor name -> file: consecutive tensors fill a shard up to ``shard_bytes`` (HF's names)."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    index, size, which = 0, 0, {}
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * elt
+        if size and size + nbytes > shard_bytes:
+            index, size = index + 1, 0
+        which[name], size = index, size + nbytes
+    n = index + 1
+    return {k: "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors" for k, i in which.items()}
+
+
+def does_not_fit(path: str | Path, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why HF cannot hold the checkpoint's weights on a CUDA ``device`` (None: it can)."""
+    if device.type != "cuda":
+        return None
+    from megatron_async.models.checkpoint import resolve_dtype, safetensors_files
+
+    stored = resolve_dtype(None, json.loads((Path(path) / "config.json").read_text())).itemsize
+    weights = sum(f.stat().st_size for f in safetensors_files(path)) * dtype.itemsize // stored
+    free, total = torch.cuda.mem_get_info(device)
+    if weights > free:
+        return (f"HF does not fit this device: its weights need {weights / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free "
+                f"of {total / 2**30:.1f} GiB")
+    return None
 
 
 def load_hf_model(path: str | Path, device: torch.device, dtype: torch.dtype):

@@ -188,12 +188,14 @@ def _run(args: argparse.Namespace, llm: LLM, t0: float) -> RunSummary:
         raise SystemExit(1) from None
     model_name = args.model or f"built-in {args.default_model}"
     if llm.is_leader:
-        mode = "serial" if args.serial else "async"
+        mode = ("serial" if args.serial else "async") + (", CUDA graphs" if llm.config.cuda_graphs else ", eager")
         st = llm.engine.stats
         warm = (f" (warm-up {st.warmup_seconds:.1f} s: {st.warmup_triton_builds} Triton builds, {st.warmup_graphs} CUDA "
                 f"graphs, {st.warmup_memory_bytes / 2**30:.2f} GiB)" if st.warmup_seconds else "")
         print(f"model: {model_name} on {args.device} ({args.dtype}, TP {args.tensor_parallel_size}, EP {args.expert_parallel_size}), built in "
               f"{time.perf_counter() - t0:.1f} s{warm}; {len(requests)} requests, {mode} engine", file=sys.stderr)
+        if llm.memory_plan is not None:
+            print(llm.memory_plan.describe(), file=sys.stderr)
     progress = ProgressBar(len(requests), enabled=not args.quiet and llm.is_leader)
     engine = llm.engine if llm.is_leader else FollowerEngine(llm.engine)
     run = run_workload(engine, requests, cli.sampling_factory(args), progress)

@@ -24,7 +24,6 @@ import torch
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.models.default_model import DEFAULT_CONFIGS
-from megatron_async.tools.cli import default_buffer_gb
 from megatron_async.tools.driver import StatsWindow, run_workload
 from megatron_async.tools.summary import summarize
 from megatron_async.tools.workload import WorkloadRequest, WorkloadSpec, synthetic_workload
@@ -61,7 +60,7 @@ def run_mode(args, requests: list[WorkloadRequest], sampling: str, invariant: bo
     device = torch.device(args.device)
     cfg = InferenceConfig(max_requests=128, max_tokens=8192, max_sequence_length=2048, async_scheduling=True,
                           cuda_graphs=not args.no_graphs, batch_invariant=invariant,
-                          buffer_size_gb=default_buffer_gb(device) or 0.05, seed=args.seed)
+                          buffer_size_gb=None if device.type == "cuda" else 0.05, seed=args.seed)
     llm = LLM(None, args.device, "bfloat16" if device.type == "cuda" else "float32", cfg, default_model=args.model,
               seed=args.seed)
     if llm.controller.graphs is not None:

@@ -28,10 +28,11 @@ import numpy as np
 import torch
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.tools.cli import GPU_KV_FRACTION
 from megatron_async.tools.determinism import batch_invariance_probe, repeat_step
 from megatron_async.tools.schedule_trace import ScheduleRecorder, first_logit_difference, first_schedule_difference
 
+KV_FRACTION = 0.5
+"""CUDA without --buffer-size-gb: the KV pool is this share of the memory free at start, the same for both modes."""
 SMOKE = dict(device="cpu", dtype="float32", default_model="tiny", num_requests=6, prompt_len_min=40,
              prompt_len_max=120, output_len=12, max_tokens=64, max_requests=8, num_kv_blocks=60, block_size=16,
              max_sequence_length=256)
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--buffer-size-gb", type=float, default=None,
-                   help=f"KV pool (default: the main job's, {GPU_KV_FRACTION:.0%} of free memory, taken once for both modes)")
+                   help=f"KV pool (default: {KV_FRACTION * 100:.0f}%% of free memory, taken once for both modes)")
     p.add_argument("--repeat-launches", default="auto",
                    help="serial launches rerun for the determinism check: comma list, 'auto' (first mixed + first decode) or 'none'")
     p.add_argument("--seed", type=int, default=0)
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.device.startswith("cuda") and args.buffer_size_gb is None and args.num_kv_blocks is None:
         free, _ = torch.cuda.mem_get_info()
-        args.buffer_size_gb = GPU_KV_FRACTION * free / 1e9  # once: both modes get the same pool
+        args.buffer_size_gb = KV_FRACTION * free / 1e9  # once: both modes get the same pool
     from megatron_async.models.default_model import DEFAULT_CONFIGS
 
     prompts = workload(args, DEFAULT_CONFIGS[args.default_model]["vocab_size"])

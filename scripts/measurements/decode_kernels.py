@@ -30,7 +30,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.tools.cli import default_buffer_gb
 
 GROUPS = [  # (role, name substrings), first match wins
     ("all-reduce (TP)", ("all_reduce", "allreduce", "nccl", "_fused_kernel", "symm_mem", "multimem")),
@@ -87,9 +86,8 @@ def host_side(llm: LLM, steps: int) -> tuple[float, str]:
 
 def run(args, sampled: bool) -> None:
     extra = {} if args.max_sequence_length is None else {"max_sequence_length": args.max_sequence_length}
-    kv_gb = args.kv_gb if args.kv_gb is not None else default_buffer_gb(torch.device("cuda"))
     cfg = InferenceConfig(max_requests=args.batch, max_tokens=args.max_tokens or max(4096, args.batch),
-                          buffer_size_gb=kv_gb, **extra,
+                          buffer_size_gb=args.kv_gb, **extra,  # None: the profiled pool
                           async_scheduling=not args.serial, cuda_graphs=not args.eager, attention_backend="triton")
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     if tp > 1 and args.mixed:
@@ -188,7 +186,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warm-steps", type=int, default=12)
     p.add_argument("--kv-gb", type=float, default=None,
-                   help="KV pool (default: as the benchmark, half the free memory; a pool too small for the "
+                   help="KV pool (default: as the benchmark, sized from profiled memory; a pool too small for the "
                         "whole batch pauses rows and the profile fails)")
     p.add_argument("--top", type=int, default=25, help="kernels listed")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")

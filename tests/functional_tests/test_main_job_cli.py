@@ -152,3 +152,18 @@ def test_penalty_flags_reach_the_engine(tmp_path):
                         name="pen.json")
     assert [r["prompt_tokens"] for r in plain] == [r["prompt_tokens"] for r in penalized]
     assert [r["generated_tokens"] for r in plain] != [r["generated_tokens"] for r in penalized]
+
+
+@pytest.mark.parametrize("flags, graphs", [([], None), (["--cuda-graphs"], True), (["--eager"], False)])
+def test_graph_and_memory_flags_reach_the_config(flags, graphs):
+    """No flag leaves CUDA graphs to the device (on for CUDA); --eager turns them off."""
+    from megatron_async.tools import cli
+
+    args = build_parser("t").parse_args(["--device", "cuda", *flags, "--gpu-memory-utilization", "0.8"])
+    cli.resolve_device_args(args)
+    cfg = cli.inference_config_from_args(args)
+    assert cfg.cuda_graphs is graphs and cfg.for_device("cuda").cuda_graphs is (graphs is not False)
+    assert cfg.for_device("cpu").cuda_graphs is bool(graphs)
+    assert (cfg.gpu_memory_utilization, cfg.buffer_size_gb, cfg.num_kv_blocks) == (0.8, None, None)
+    with pytest.raises(SystemExit):
+        build_parser("t").parse_args(["--eager", "--cuda-graphs"])

@@ -96,7 +96,7 @@ class DynamicInferenceContext:
         elif bytes_per_block == 0:  # no attention layers: blocks are bookkeeping only (prefix hashes)
             num_blocks = config.max_requests * self.max_blocks_per_request + 1
         else:
-            num_blocks = max(2, int(config.buffer_size_gb * 1e9 // bytes_per_block) + 1)
+            num_blocks = max(2, int(config.kv_budget_gb * 1e9 // bytes_per_block) + 1)
         self.kv_caches = [
             torch.zeros(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device.device)
             for _ in range(spec.num_layers)

@@ -1,0 +1,91 @@
+"""Measure what ``plan_kv_pool`` needs on a GPU, once the weights are loaded and before the KV
+pool exists: a probe context of two KV blocks (bookkeeping, sampler and Mamba state at their
+real sizes) runs the largest step the configuration allows on a padding snapshot (every token
+writes the dummy block, so two blocks suffice): ``max_tokens`` tokens over ``max_requests`` rows,
+every row sampled with penalties, filters, log-probs and top-n. Its peak over the tensors that
+stay is the step's workspace (activations, logits, MoE buffers, sampler). The CUDA graph pools
+are estimated as one more such peak: graphs share one private pool, the largest captured step
+needs what the eager one did, and the eager allocator keeps its own cached peak beside it."""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+
+from megatron_async.config import InferenceConfig
+from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron_async.inference.device import DeviceFacade
+from megatron_async.inference.memory_planning import DeviceMemoryReader, MemoryPlan, plan_kv_pool
+from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant
+from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+from megatron_async.inference.text_generation_controllers.warmup import _shape as warmup_shape
+
+log = logging.getLogger("megatron_async")
+
+EP_PEAK_SHARE = 0.05
+"""Expert parallelism runs no eager probe step (its MoE exchanges need every rank's agreement):
+the step's peak is taken as this share of the device memory instead."""
+
+
+@torch.inference_mode()
+def measure_peak_step(controller: TextGenerationController, reader: DeviceMemoryReader) -> int:
+    """Bytes the largest step allocates above the tensors that stay."""
+    ctx = controller.context
+    cfg = ctx.config
+    rows = min(cfg.max_requests, cfg.max_tokens)
+    shape = warmup_shape(cfg.max_tokens, rows, False, SamplingVariant.FULL, controller.model.vocab_size)
+    ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(rows, cfg.max_tokens).to(ctx.device.device))
+    reader.reset_peak()
+    before = reader.read().allocated
+    controller.compute_step(shape)
+    return reader.read().peak_allocated - before
+
+
+def profile_memory_plan(config: InferenceConfig, model, facade: DeviceFacade, dtype: torch.dtype, weights: int,
+                        reader: DeviceMemoryReader, ep_size: int = 1, drafter=None) -> MemoryPlan:
+    """The KV pool for ``config`` (neither ``num_kv_blocks`` nor ``buffer_size_gb`` set) on the
+    device ``reader`` reads, given ``weights`` bytes already allocated for the model.
+    Distributed runs: every rank calls it; all take the smallest pool (TP ranks share one schedule)."""
+    probe = DynamicInferenceContext(replace(config, num_kv_blocks=2), model, facade, dtype)
+    if probe.spec is not None:
+        probe.spec.set_drafter(drafter)
+    controller = TextGenerationController(model, probe, ())
+    probe.sampling_state.ensure_allocated()
+    probe_kv = sum(t.nbytes for t in probe.kv_caches)
+    resident = reader.read().allocated - probe_kv - weights
+    if ep_size == 1:
+        peak = measure_peak_step(controller, reader)
+    else:
+        peak = int(EP_PEAK_SHARE * reader.read().total)
+    bytes_per_block = probe_kv // probe.num_kv_blocks
+    del controller, probe
+    reader.release_cached()
+    now = reader.read()
+    plan = plan_kv_pool(
+        total=now.total, utilization=config.gpu_memory_utilization, others=now.total - now.free - now.reserved,
+        weights=weights, resident=resident, peak_step=peak, graph_pools=peak if config.cuda_graphs else 0,
+        bytes_per_block=bytes_per_block, block_size=config.block_size_tokens,
+        max_sequence_length=config.max_sequence_length, max_requests=config.max_requests)
+    return _agree(plan)
+
+
+def _agree(plan: MemoryPlan) -> MemoryPlan:
+    """The smallest pool of all ranks (each measured its own device)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return plan
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    n = torch.tensor([plan.num_blocks], device=device)
+    torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
+    return replace(plan, num_blocks=int(n.item()))
+
+
+def builtin_weight_bytes(name: str, dtype: torch.dtype, parallel=None) -> int:
+    """Bytes of a built-in model's weights and buffers on this rank, from a build on the meta device."""
+    from megatron_async.models.default_model import DEFAULT_CONFIGS
+    from megatron_async.models.gpt import build_gpt
+
+    if name not in DEFAULT_CONFIGS:
+        return 0  # build_default_model names the choices
+    model = build_gpt(DEFAULT_CONFIGS[name], dtype, torch.device("meta"), parallel)
+    return sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
