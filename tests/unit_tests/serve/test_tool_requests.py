@@ -87,3 +87,16 @@ def test_parser_choice():
     assert choose_parser("none", hermes_template) is None
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         choose_parser("mistral", plain_template)
+
+
+def test_parser_flags(capsys):
+    from megatron_async.serve.__main__ import build_parser
+
+    args = build_parser().parse_args(["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
+    assert (args.tool_call_parser, args.reasoning_parser) == ("hermes", "qwen3")
+    defaults = build_parser().parse_args([])
+    assert (defaults.tool_call_parser, defaults.reasoning_parser) == ("auto", None)
+    for flag in ("--tool-call-parser", "--reasoning-parser"):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args([flag, "nope"])
+        assert e.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
