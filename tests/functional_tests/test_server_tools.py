@@ -65,11 +65,13 @@ def user(text):
 
 
 def streamed(client, **kwargs):
-    """(content, reasoning, tool calls, finish reasons) of a streamed answer, merged as a client
-    merges them; asserts each call's id and name come before its arguments."""
-    content, reasoning, calls, finishes = [], [], {}, []
+    """Per choice: (content pieces, reasoning pieces, tool calls, finish reasons, token ids) of a
+    streamed answer, merged as a client merges them; asserts each call's id and name come before
+    its arguments."""
+    answers = {}
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for c in chunk.choices:
+            content, reasoning, calls, finishes, ids = answers.setdefault(c.index, ([], [], {}, [], []))
             d = c.delta
             content += [d.content] if d.content else []
             reasoning += [d.model_extra["reasoning_content"]] if d.model_extra.get("reasoning_content") else []
@@ -81,7 +83,8 @@ def streamed(client, **kwargs):
                     assert t.id is None and t.function.name is None
                     calls[t.index][1] += t.function.arguments
             finishes += [c.finish_reason] if c.finish_reason else []
-    return content, reasoning, [tuple(calls[i]) for i in sorted(calls)], finishes
+            ids += c.model_extra.get("token_ids") or []
+    return [(a[0], a[1], [tuple(a[2][i]) for i in sorted(a[2])], a[3], a[4]) for _, a in sorted(answers.items())]
 
 
 def test_tool_calls_come_back_whole_and_streamed(client, prompt_of):
@@ -93,9 +96,12 @@ def test_tool_calls_come_back_whole_and_streamed(client, prompt_of):
     assert calls == [("get_weather", {"city": "Paris"}), ("get_time", {})]
     assert all(t.type == "function" and t.id.startswith("call_") for t in choice.message.tool_calls)
 
-    content, _, stream_calls, finishes = streamed(client, **kwargs)
-    assert content and "".join(content) == "Let me check." and finishes == ["tool_calls"]  # no tag text leaked
-    assert [(n, json.loads(a)) for n, a in stream_calls] == calls
+    answers = streamed(client, n=2, **kwargs)  # a parser per choice
+    assert len(answers) == 2
+    for content, _, stream_calls, finishes, ids in answers:
+        assert content and "".join(content) == "Let me check." and finishes == ["tool_calls"]  # no tag text leaked
+        assert [(n, json.loads(a)) for n, a in stream_calls] == calls
+        assert ids == choice.model_extra["token_ids"]  # every token's chunk was sent
 
 
 def test_tool_choice_none_named_and_no_tools(client, prompt_of):
@@ -121,7 +127,7 @@ def test_malformed_call_is_plain_content(client):
     choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.message.content == '<tool_call>{"name": oops}</tool_call>' and not choice.message.tool_calls
     assert choice.finish_reason == "stop"
-    content, _, calls, finishes = streamed(client, **kwargs)
+    [(content, _, calls, finishes, _)] = streamed(client, **kwargs)
     assert "".join(content) == choice.message.content and not calls and finishes == ["stop"]
 
 
@@ -139,7 +145,7 @@ def test_reasoning_content_whole_and_streamed(client):
     kwargs = dict(messages=user("Hi<|think|>"), **GREEDY)
     msg = client.chat.completions.create(**kwargs).choices[0].message
     assert msg.model_extra["reasoning_content"] == "The user wants a greeting." and msg.content == "Hello there!"
-    content, reasoning, _, finishes = streamed(client, **kwargs)
+    [(content, reasoning, _, finishes, _)] = streamed(client, **kwargs)
     assert "".join(reasoning) == "The user wants a greeting." and "".join(content) == "Hello there!"
     assert finishes == ["stop"] and len(reasoning) > 1  # streamed as it came, not held to the end
 
@@ -158,6 +164,6 @@ def test_reasoning_then_tool_call(client):
     msg = choice.message
     assert msg.model_extra["reasoning_content"] == "I should call get_weather." and msg.content is None
     assert [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] == [("get_weather", {"city": "Rome"})]
-    content, reasoning, calls, finishes = streamed(client, **kwargs)
+    [(content, reasoning, calls, finishes, _)] = streamed(client, **kwargs)
     assert not content and "".join(reasoning) == "I should call get_weather." and finishes == ["tool_calls"]
     assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Rome"})]
