@@ -17,7 +17,7 @@ from megatron_async.models.chat_template import ChatTemplate, ChatTemplateError
 from megatron_async.serve import openai_protocol as proto
 from megatron_async.serve import responses as resp
 from megatron_async.serve import tool_calls
-from megatron_async.serve.chat_output import ChatOutputFormat, chunk_deltas
+from megatron_async.serve.chat_output import ChatOutputFormat, chunk_choices
 from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission
 from megatron_async.serve.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -149,11 +149,8 @@ def create_app(state: ServerState) -> FastAPI:
             if upd is not None and upd.new_tokens and upd.new_log_probs is not None:
                 lp = resp.chat_logprobs(upd.new_tokens, upd.new_log_probs, upd.new_top_n_logprobs, text_of)
             deltas = streams[i].feed(text) + (streams[i].finish() if finish else [])
-            deltas = chunk_deltas(deltas, first, finish is not None)
             finish = streams[i].finish_reason(finish) if finish else None
-            return [head.body([resp.chat_chunk_choice(i, d, finish if k == len(deltas) - 1 else None,
-                                                      tokens if k == 0 or tokens is None else [], lp if k == 0 else None)])
-                    for k, d in enumerate(deltas)]
+            return [head.body([c]) for c in chunk_choices(i, deltas, first, finish, tokens, lp)]
 
         def whole(outs: list[RequestOutput]) -> dict:
             body = [resp.chat_choice(i, o, text_of, req.return_token_ids) for i, o in enumerate(outs)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_async.serve.reasoning import reasoning_stream
+from megatron_async.serve.responses import chat_chunk_choice
 from megatron_async.serve.tool_calls import HermesToolCalls, new_call_id
 
 
@@ -106,11 +107,16 @@ class ChatOutputFormat:
         return msg, s.finish_reason(engine_reason)
 
 
-def chunk_deltas(deltas: list[dict], first: bool, final: bool) -> list[dict]:
-    """The deltas one stream chunk call sends: at least one (an empty content delta keeps a
-    token's chunk, for its token ids and log-probs), the first of a choice with its role."""
+def chunk_choices(index: int, deltas: list[dict], first: bool, finish: str | None, tokens: list[int] | None,
+                  logprobs: dict | None) -> list[dict]:
+    """The stream chunk choices of one update: one per delta and at least one (an empty content
+    delta still carries its tokens' ids and log-probs). The first of a choice's stream has its
+    role; the update's token ids and log-probs ride on the first, the finish reason on the last."""
     if not deltas:
-        deltas = [{} if final and not first else {"content": ""}]
+        deltas = [{} if finish and not first else {"content": ""}]
     if first:
         deltas[0] = {"role": "assistant", **deltas[0]}
-    return deltas
+    rest_tokens = None if tokens is None else []
+    last = len(deltas) - 1
+    return [chat_chunk_choice(index, d, finish if k == last else None, rest_tokens if k else tokens,
+                              None if k else logprobs) for k, d in enumerate(deltas)]
