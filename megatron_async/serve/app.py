@@ -125,11 +125,12 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(req.model)
         if state.chat_template is None:
             raise proto.BadRequest(f"{state.model_name} has no chat template; use /v1/completions")
-        messages = [m.as_template_message() for m in req.messages]
         tools = tool_calls.template_tools(req)
-        template_kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
+        if tools is not None:  # the template sees them as one more variable
+            req.chat_template_kwargs = {**(req.chat_template_kwargs or {}), "tools": tools}
+        messages = [m.as_template_message() for m in req.messages]
         try:
-            text = state.chat_template.render(messages, req.add_generation_prompt, **template_kwargs)
+            text = state.chat_template.render(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise proto.BadRequest(str(e), "messages") from None
         prompt = _tokens(text, add_special_tokens=False)
