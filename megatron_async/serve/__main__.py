@@ -12,6 +12,8 @@ import socket
 import sys
 from pathlib import Path
 
+from megatron_async.serve.reasoning import REASONING_PARSERS
+from megatron_async.serve.tool_calls import TOOL_CALL_PARSERS, choose_parser
 from megatron_async.tools import cli
 
 log = logging.getLogger("megatron_async.serve")
@@ -34,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seeds the per-request seeds of requests that give none")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log level")
+    g.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *TOOL_CALL_PARSERS],
+                   help="reads tool calls out of chat answers to requests with tools (hermes: "
+                        "<tool_call>{json}</tool_call>); auto: hermes when the chat template mentions <tool_call>")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="splits a chat answer's <think>...</think> section into reasoning_content")
     return p
 
 
@@ -61,11 +68,14 @@ def build_state(llm, args: argparse.Namespace):
     name = served_name(args)
     metrics = ServerMetrics(name)
     kv_tokens = llm.context.allocator.capacity * llm.config.block_size_tokens
-    return ServerState(
+    state = ServerState(
         engine_loop=EngineLoop(llm.engine, metrics, llm.communicator), metrics=metrics, model_name=name, tokenizer=llm.tokenizer,
         chat_template=load_chat_template(args.model) if args.model else None,
         max_model_len=min(llm.config.max_sequence_length, kv_tokens),
     )
+    state.tool_call_parser = choose_parser(args.tool_call_parser, state.chat_template)
+    state.reasoning_parser = args.reasoning_parser
+    return state
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,8 @@ from megatron_async.inference.request import InvalidRequestError, RequestOutput,
 from megatron_async.models.chat_template import ChatTemplate, ChatTemplateError
 from megatron_async.serve import openai_protocol as proto
 from megatron_async.serve import responses as resp
+from megatron_async.serve import tool_calls
+from megatron_async.serve.chat_output import ChatOutputFormat, chunk_choices
 from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission
 from megatron_async.serve.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -31,6 +33,10 @@ class ServerState:
     chat_template: ChatTemplate | None
     max_model_len: int
     """Most tokens (prompt + output) a request can reach: max_sequence_length capped by the KV pool."""
+    tool_call_parser: str | None = None
+    """Parses tool calls out of chat answers to requests with tools (None: they stay text)."""
+    reasoning_parser: str | None = None
+    """Splits chat answers' reasoning sections into ``reasoning_content`` (None: left in content)."""
 
 
 async def _client_disconnect(request: Request) -> None:
@@ -119,6 +125,9 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(req.model)
         if state.chat_template is None:
             raise proto.BadRequest(f"{state.model_name} has no chat template; use /v1/completions")
+        tools = tool_calls.template_tools(req)
+        if tools is not None:  # the template sees them as one more variable
+            req.chat_template_kwargs = {**(req.chat_template_kwargs or {}), "tools": tools}
         messages = [m.as_template_message() for m in req.messages]
         try:
             text = state.chat_template.render(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
@@ -132,17 +141,22 @@ def create_app(state: ServerState) -> FastAPI:
         choices = [Choice(prompt, _params(req, max_tokens, logprobs, i)) for i in range(req.n)]
         head = resp.ResponseHead("chat.completion.chunk" if req.stream else "chat.completion", state.model_name,
                                  resp.new_id("chatcmpl"))
+        output = ChatOutputFormat(state.reasoning_parser, state.tool_call_parser if tools is not None else None, text)
+        streams = [output.stream() for _ in choices]
 
         def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool,
-                  upd: RequestUpdate | None = None) -> dict:
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text or not finish else {})
+                  upd: RequestUpdate | None = None) -> list[dict]:
             lp = None
             if upd is not None and upd.new_tokens and upd.new_log_probs is not None:
                 lp = resp.chat_logprobs(upd.new_tokens, upd.new_log_probs, upd.new_top_n_logprobs, text_of)
-            return head.body([resp.chat_chunk_choice(i, delta, finish, tokens, lp)])
+            deltas = streams[i].feed(text) + (streams[i].finish() if finish else [])
+            finish = streams[i].finish_reason(finish) if finish else None
+            return [head.body([c]) for c in chunk_choices(i, deltas, first, finish, tokens, lp)]
 
         def whole(outs: list[RequestOutput]) -> dict:
             body = [resp.chat_choice(i, o, text_of, req.return_token_ids) for i, o in enumerate(outs)]
+            for c, o in zip(body, outs):
+                c["message"], c["finish_reason"] = output.message(o.generated_text or "", o.finish_reason)
             return head.body(body, usage=_usage([prompt], outs))
 
         return await _respond(request, req, choices, head, chunk, whole, [prompt])

@@ -4,9 +4,10 @@
 a token count."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from megatron_async.inference.request import SamplingParams
 
@@ -70,21 +71,83 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """The arguments' JSON schema."""
+    strict: bool | None = None
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+    """The arguments as a JSON string."""
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+    def as_template_call(self) -> dict[str, Any]:
+        """As transformers' templates take it: arguments that are a JSON object become a dict
+        (templates write ``arguments | tojson``); anything else stays the string it was."""
+        try:
+            args = json.loads(self.function.arguments)
+        except (ValueError, RecursionError):
+            args = None
+        arguments = args if isinstance(args, dict) else self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """Assistant messages: the calls it made (their results follow as "tool" messages)."""
+    tool_call_id: str | None = None
+    """Tool messages: the call this is the result of."""
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("tool messages, and only they, need a tool_call_id")
+        return self
 
     def as_template_message(self) -> dict[str, Any]:
         content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
         msg = {"role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [c.as_template_call() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[FunctionTool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)

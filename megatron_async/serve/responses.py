@@ -15,8 +15,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sse(data: dict | str) -> str:
-    """One server-sent event (``data: [DONE]`` for the end marker)."""
+def sse(data: dict | str | list[dict]) -> str:
+    """One server-sent event (``data: [DONE]`` for the end marker); a list: one event per body."""
+    if isinstance(data, list):
+        return "".join(sse(d) for d in data)
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
