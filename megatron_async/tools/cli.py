@@ -149,7 +149,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--num-tokens-to-generate", type=POSITIVE_INT, default=None,
                    help="tokens per request (most, when EOS / stop words end it earlier); "
-                        "default: drawn from --output-len-min..max")
+                        "default: drawn from --output-len-min..max; text prompts without those run to EOS, "
+                        "at most 1,024 tokens or what max_sequence_length leaves")
     g.add_argument("--temperature", type=checked(float, 0.0), default=1.0, help="0 = greedy")
     g.add_argument("--top-k", type=NON_NEGATIVE_INT, default=0, help="0 = off; 1 = greedy")
     g.add_argument("--top-p", type=checked(float, 0.0, 1.0), default=0.0, help="0 = off")
@@ -181,7 +182,10 @@ def resolve_device_args(args: argparse.Namespace) -> None:
         args.dtype = "bfloat16" if kind == "cuda" else "float32"
     if getattr(args, "default_model", None) is None:
         args.default_model = "qwen3-0.6b" if kind == "cuda" else "tiny"
+    text = has_text_prompts(args)
     for name, value in WORKLOAD_DEFAULTS.get(kind, WORKLOAD_DEFAULTS["cpu"]).items():
+        if text and name.startswith("output_len"):  # text prompts run to EOS (text_prompts.TEXT_MAX_TOKENS)
+            continue
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     for name, value in ENGINE_DEFAULTS.get(kind, ENGINE_DEFAULTS["cpu"]).items():

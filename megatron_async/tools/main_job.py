@@ -80,7 +80,7 @@ def build_workload(llm: LLM, args: argparse.Namespace) -> list[WorkloadRequest]:
         if template is None:
             raise ValueError(f"--chat: {args.model or 'the built-in model'} has no chat template "
                              "(chat_template.jinja or tokenizer_config.json's chat_template)")
-    return text_workload(texts, workload_tokenizer(llm, args), spec, template)
+    return text_workload(texts, workload_tokenizer(llm, args), spec, template, llm.config.max_sequence_length)
 
 
 def print_answers(requests: list[WorkloadRequest], run: WorkloadRun, tokenizer, limit: int = 8) -> None:

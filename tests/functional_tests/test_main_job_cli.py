@@ -35,6 +35,17 @@ def test_text_prompts_honour_termination_id_and_stop_words(tmp_path, capsys):
     assert word not in stopped[1]["generated_text"]
 
 
+def test_text_prompts_without_a_length_run_to_eos_under_the_cap(tmp_path):
+    from megatron_async.tools.text_prompts import TEXT_MAX_TOKENS
+
+    _, reqs = _run(tmp_path, "--prompts", "hi there", "--max-sequence-length", "40", "--ignore-eos")
+    room = 40 - len(reqs[0]["prompt_tokens"])
+    assert room < TEXT_MAX_TOKENS and len(reqs[0]["generated_tokens"]) == room  # not a synthetic 16-32
+    _, reqs = _run(tmp_path, "--prompts", "hi there", "--max-sequence-length", "40", "--output-len-max", "5",
+                   "--ignore-eos", name="ranged.json")
+    assert 1 <= len(reqs[0]["generated_tokens"]) <= 5  # an explicit range still draws
+
+
 def test_synthetic_workloads_keep_exact_lengths_and_top_n_logprobs(tmp_path):
     summary, reqs = _run(tmp_path, "--num-requests", "4", "--num-tokens-to-generate", "7", "--termination-id", "3",
                          "--top-n-logprobs", "3", "--return-log-probs")
