@@ -1,0 +1,129 @@
+"""Log-probabilities of the raw logits without a [R, V] float32 copy or [R, V] sort keys.
+
+``sampling.log_probs_of`` is the definition; this computes the same values from one read of
+the logits (bf16 / fp16 read as float32 in registers, which is exact):
+- a (rows x chunks) pass: per chunk, the max and the sum of ``exp(x - max)`` (an online
+  log-sum-exp), and, when top-n is asked, the chunk's n best sort keys;
+- a per-row pass: the log-sum-exp from the chunks (in chunk order: a row's value does not
+  depend on the batch), the chosen token's ``x - lse``, and the n best of the chunks' keys.
+A sort key is ``top_ids_lowest_first``'s int64: the value's order-preserving float32 bits
+above the inverted id, so the ids are exactly the reference's (ties to the lowest id, -0 ==
++0); the reported values are ``x[id] - lse``.
+Batch-invariant mode keeps the reference's values bit for bit: the log-sum-exp is
+``triton_log_softmax``'s one-program-per-row reduction, and the keys are those of
+``x - lse``. Shapes come from tensor metadata, nothing syncs: CUDA-graph safe."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_async.kernels.triton_log_softmax import row_lse
+from megatron_async.kernels.triton_threshold import exp_, key_of, log_
+
+MAX_TOP_N = 32
+"""Top-n above this: the torch reference (the per-chunk extraction costs n reductions)."""
+_EXACT = os.environ.get("TRITON_INTERPRET", "0") != "1"
+_NEG_INF = tl.constexpr(float("-inf"))
+_POS_INF = tl.constexpr(float("inf"))
+_NO_KEY = tl.constexpr(-(2**63))  # below every key
+
+
+@triton.jit
+def _chunk_kernel(x_ptr, stride, V, lse_ptr, pmax_ptr, psum_ptr, key_ptr, NS, CHUNK: tl.constexpr,
+                  BLOCK: tl.constexpr, TOP_N: tl.constexpr, SHIFT: tl.constexpr, EXACT: tl.constexpr):
+    """Per chunk: max and sum of exp(x - max) (not SHIFT), and the TOP_N best keys of x (of
+    x - lse when SHIFT); TOP_N > 0 needs BLOCK == CHUNK (one tile holds the chunk)."""
+    row, c = tl.program_id(0), tl.program_id(1)
+    base = x_ptr + row.to(tl.int64) * stride
+    offs = tl.arange(0, BLOCK)
+    m = tl.full((), _NEG_INF, tl.float32)
+    s = tl.zeros((), tl.float32)
+    for off in range(0, CHUNK, BLOCK):
+        idx = c * CHUNK + off + offs
+        valid = idx < V
+        x = tl.load(base + idx, mask=valid, other=_NEG_INF).to(tl.float32)
+        if not SHIFT:
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            m_use = tl.where(m_new == _NEG_INF, 0.0, m_new)  # only -inf so far: sum stays 0
+            s = s * exp_(m - m_use, EXACT) + tl.sum(exp_(x - m_use, EXACT), axis=0)
+            m = m_new
+        if TOP_N > 0:
+            if SHIFT:
+                x = x - tl.load(lse_ptr + row)
+            keys = (key_of(x).to(tl.int64) << 32) | (V - 1 - idx).to(tl.int64)
+            keys = tl.where(valid, keys, _NO_KEY)
+            out = key_ptr + (row * NS + c).to(tl.int64) * TOP_N
+            for t in tl.static_range(TOP_N):
+                k = tl.max(keys, axis=0)
+                tl.store(out + t, k)
+                keys = tl.where(keys == k, _NO_KEY, keys)
+    if not SHIFT:
+        tl.store(pmax_ptr + row * NS + c, m)
+        tl.store(psum_ptr + row * NS + c, s)
+
+
+@triton.jit
+def _row_kernel(x_ptr, stride, V, tok_ptr, lse_ptr, pmax_ptr, psum_ptr, key_ptr, chosen_ptr, top_val_ptr,
+                top_id_ptr, NS, NS_BLOCK: tl.constexpr, TOP_N: tl.constexpr, KEY_BLOCK: tl.constexpr,
+                SHIFT: tl.constexpr, EXACT: tl.constexpr):
+    """Per row: lse (from the chunks unless SHIFT: given), chosen x - lse, the TOP_N best keys."""
+    row = tl.program_id(0)
+    base = x_ptr + row.to(tl.int64) * stride
+    if SHIFT:
+        lse = tl.load(lse_ptr + row)
+    else:
+        ns = tl.arange(0, NS_BLOCK)
+        pm = tl.load(pmax_ptr + row * NS + ns, mask=ns < NS, other=_NEG_INF)
+        ps = tl.load(psum_ptr + row * NS + ns, mask=ns < NS, other=0.0)
+        m = tl.max(pm, axis=0)
+        m_use = tl.where((m == _NEG_INF) | (m == _POS_INF), 0.0, m)
+        lse = m_use + log_(tl.sum(ps * exp_(pm - m_use, EXACT), axis=0), EXACT)
+        lse = tl.where(m == _POS_INF, _POS_INF, lse)  # as torch.logsumexp
+    tok = tl.load(tok_ptr + row)
+    tl.store(chosen_ptr + row, tl.load(base + tok).to(tl.float32) - lse)
+    if TOP_N > 0:
+        j = tl.arange(0, KEY_BLOCK)
+        keys = tl.load(key_ptr + row.to(tl.int64) * NS * TOP_N + j, mask=j < NS * TOP_N, other=_NO_KEY)
+        for t in tl.static_range(TOP_N):
+            k = tl.max(keys, axis=0)
+            keys = tl.where(keys == k, _NO_KEY, keys)
+            idx = V - 1 - (k - ((k >> 32) << 32))  # the low 32 bits hold V - 1 - id
+            tl.store(top_id_ptr + row * TOP_N + t, idx)
+            tl.store(top_val_ptr + row * TOP_N + t, tl.load(base + idx).to(tl.float32) - lse)
+
+
+def log_probs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, batch_invariant: bool = False,
+              chunk: int = 4096, num_warps: int = 8):
+    """``sampling.log_probs_of`` for [R, V] logits (float32, bf16 or fp16) and [R] int64 tokens:
+    (chosen [R] float32, top values [R, n] float32, top ids [R, n] int64), or (chosen, None,
+    None) when top_n is 0. ``top_n`` <= ``MAX_TOP_N``. Default launch: docs/PERFORMANCE.md,
+    "Kernel choices" (``scripts/gpu_check.py log-probs``)."""
+    assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert tokens.dtype == torch.int64 and 0 <= top_n <= min(MAX_TOP_N, logits.shape[1])
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    R, V = logits.shape
+    dev = logits.device
+    ns = triton.cdiv(V, chunk)
+    chosen = torch.empty(R, dtype=torch.float32, device=dev)
+    top_vals = torch.empty(R, top_n, dtype=torch.float32, device=dev) if top_n else None
+    top_ids = torch.empty(R, top_n, dtype=torch.int64, device=dev) if top_n else None
+    if R == 0:
+        return chosen, top_vals, top_ids
+    lse = row_lse(logits) if batch_invariant else chosen  # chosen: an unread pointer
+    pmax = torch.empty(R, ns, dtype=torch.float32, device=dev)
+    psum = torch.empty_like(pmax)
+    keys = torch.empty(R, ns, max(top_n, 1), dtype=torch.int64, device=dev)
+    if top_n or not batch_invariant:
+        _chunk_kernel[(R, ns)](logits, logits.stride(0), V, lse, pmax, psum, keys, ns, CHUNK=chunk,
+                               BLOCK=chunk if top_n else min(chunk, 4096), TOP_N=top_n, SHIFT=batch_invariant,
+                               EXACT=_EXACT, num_warps=num_warps)
+    _row_kernel[(R,)](logits, logits.stride(0), V, tokens, lse, pmax, psum, keys, chosen,
+                      chosen if top_vals is None else top_vals, tokens if top_ids is None else top_ids, ns,
+                      NS_BLOCK=max(2, triton.next_power_of_2(ns)), TOP_N=top_n,
+                      KEY_BLOCK=max(2, triton.next_power_of_2(ns * top_n)), SHIFT=batch_invariant, EXACT=_EXACT,
+                      num_warps=4)
+    return chosen, top_vals, top_ids
