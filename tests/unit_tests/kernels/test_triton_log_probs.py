@@ -33,11 +33,11 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("top_n", [0, 1, 5, 20])
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_equals_the_reference(dtype, top_n, batch_invariant):
-    R, V = 7, 1000
+    R, V = 6, 700
     x = _logits(R, V, seed=top_n + 100 * batch_invariant, dtype=dtype)
     tokens = torch.randint(0, V, (R,), generator=torch.Generator().manual_seed(top_n)).to(DEV)
     ref = log_probs_of(x, tokens, top_n, batch_invariant)
-    got = triton_log_probs.log_probs(x, tokens, top_n, batch_invariant, chunk=128)
+    got = triton_log_probs.log_probs(x, tokens, top_n, batch_invariant, chunk=256)
     if batch_invariant:
         assert _same(got[0], ref[0])
     else:
@@ -62,9 +62,29 @@ def test_one_chunk_and_a_ragged_last_chunk_agree():
     x = _logits(6, 777, seed=9, dtype=torch.float32)
     tokens = torch.arange(6, device=DEV) * 100
     one = triton_log_probs.log_probs(x, tokens, 5, chunk=1024)
-    many = triton_log_probs.log_probs(x, tokens, 5, chunk=64)
+    many = triton_log_probs.log_probs(x, tokens, 5, chunk=triton_log_probs.GROUP)
     assert torch.equal(one[2], many[2])
     torch.testing.assert_close(one[0], many[0], atol=1e-5, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_top_n_in_one_group_and_spread_over_many(batch_invariant):
+    """Rows with more groups than n, so the per-row bound skips chunks: the n best logits in one
+    group (its chunk extracts n keys), one per group, in the last ragged group, and ties at the bound."""
+    R, V, n = 5, 40 * triton_log_probs.GROUP + 17, 20
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(R, V, generator=g)
+    x[0, 300:300 + 2 * n] = 10 + torch.rand(2 * n, generator=g)  # more than n candidates in one group
+    x[1, :: triton_log_probs.GROUP] = 10.0  # one per group, all tied
+    x[2, V - 10:] = 10 + torch.arange(10.0)  # in the ragged last group
+    x[3, :] = torch.round(x[3] * 2) / 2  # heavy ties at every bound
+    x = x.to(DEV)
+    tokens = torch.arange(R, device=DEV)
+    ref = log_probs_of(x, tokens, n, batch_invariant)
+    got = triton_log_probs.log_probs(x, tokens, n, batch_invariant, chunk=2 * triton_log_probs.GROUP)
+    assert torch.equal(got[2], ref[2])
+    torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=0)
+    assert torch.equal(got[2][1], torch.arange(n, device=DEV) * triton_log_probs.GROUP)
 
 
 def test_dispatch_takes_the_kernel_up_to_its_limit(monkeypatch):
