@@ -94,7 +94,8 @@ def times(rows: int) -> None:
 
 def sweep(rows: int) -> None:
     sets = [_inputs(rows, seed=rows + i) for i in range(4)]
-    print(f"\n| log-probs launch [{rows}, {VOCAB}]: chunk / warps | top-0 us | top-5 us | top-20 us |\n|---|---:|---:|---:|")
+    print(f"\n| log-probs launch [{rows}, {VOCAB}]: chunk / warps | top-0 us | top-5 us | top-20 us |")
+    print("|---|---:|---:|---:|")
     ref = triton_log_probs.log_probs(*sets[0], 20)
     for chunk in (2048, 4096, 8192):
         for warps in (4, 8, 16):

@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      "--ignore-eos", "--quiet", "--output-path", str(path)], path.with_suffix(".log"), args.timeout)
                 cells.setdefault((wl, opt), []).append(json.loads(path.read_text())["summary"])
     rows = []
-    print(f"\n| workload | option | out tok/s | decode ms | tok/s vs plain |  ({args.default_model or 'default model'}, "
-          f"{args.repeats} process(es) per cell, median)")
+    model = args.default_model or "default model"
+    print(f"\n| workload | option | out tok/s | decode ms | tok/s vs plain |  ({model}, {args.repeats} process(es) "
+          "per cell, median)")
     print("|---|---|---:|---:|---:|")
     for wl in ("greedy", "sampled"):
         plain = statistics.median(s["output_tokens_per_s"] for s in cells[(wl, "plain")])
