@@ -1,9 +1,9 @@
 """The Triton log-probs (kernels/triton_log_probs.py) against the torch reference
 (``sampling.log_probs_of``) on fresh random logits: float32 and bf16, heavy ties, -0.0,
--inf entries and all -inf rows, top-n 0 / 1 / 5 / 20 / 32. Top-n ids must be exactly the
-reference's (ties to the lowest id); values agree to float32 rounding of the log-sum-exp, and
-bit for bit in batch-invariant mode. Interpreter on CPU (small chunks, so rows span several
-chunks and the last one is ragged)."""
+-inf entries and all -inf rows, top-n 0 / 1 / 5 / 20 (the kernels always compute the top 20
+and return its head). Top-n ids must be exactly the reference's (ties to the lowest id);
+values agree to float32 rounding of the log-sum-exp, and bit for bit in batch-invariant mode.
+Interpreter on CPU (small chunks, so rows span several chunks and the last one is ragged)."""
 import pytest
 import torch
 
@@ -98,3 +98,10 @@ def test_dispatch_takes_the_kernel_up_to_its_limit(monkeypatch):
         got = log_probs_of(x, tokens, n, triton=True)
         assert torch.equal(got[2], log_probs_of(x, tokens, n)[2])
     assert calls == [3, limit]  # beyond the limit: the torch reference
+
+
+def test_kernels_compute_the_log_prob_graphs_top_n():
+    """The one build warm-up makes (its log-prob graphs' top-n) must serve every eager step too."""
+    from megatron_async.inference.text_generation_controllers.graph_plan import GRAPH_TOP_N
+
+    assert triton_log_probs.MAX_TOP_N == GRAPH_TOP_N
