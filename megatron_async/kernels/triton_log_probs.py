@@ -152,7 +152,7 @@ def log_probs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, batch_inva
     (chosen [R] float32, top values [R, n] float32, top ids [R, n] int64), or (chosen, None,
     None) when top_n is 0 (views of the top ``MAX_TOP_N`` lists). ``top_n`` <= ``MAX_TOP_N``;
     ``chunk`` a multiple of ``GROUP``.
-    Default launch: docs/PERFORMANCE.md, "Kernel choices" (``scripts/gpu_check.py log-probs``)."""
+    ``scripts/gpu_check.py log-probs --sweep`` times the launch settings against each other."""
     assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
     assert tokens.dtype == torch.int64 and 0 <= top_n <= min(MAX_TOP_N, logits.shape[1]) and chunk % GROUP == 0
     if logits.stride(1) != 1:
