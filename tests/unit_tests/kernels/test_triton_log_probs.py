@@ -105,3 +105,14 @@ def test_kernels_compute_the_log_prob_graphs_top_n():
     from megatron_async.inference.text_generation_controllers.graph_plan import GRAPH_TOP_N
 
     assert triton_log_probs.MAX_TOP_N == GRAPH_TOP_N
+
+
+def test_a_row_gives_the_same_bits_alone_and_in_a_batch():
+    """Every reduction runs inside one row in a fixed order, in both modes."""
+    x = _logits(6, 700, seed=21, dtype=torch.bfloat16)
+    tokens = torch.arange(6, device=DEV) * 7
+    for inv in (False, True):
+        full = triton_log_probs.log_probs(x, tokens, 5, inv, chunk=256)
+        for lo, hi in ((0, 1), (2, 5)):
+            part = triton_log_probs.log_probs(x[lo:hi], tokens[lo:hi], 5, inv, chunk=256)
+            assert all(_same(p, f[lo:hi]) for p, f in zip(part, full))
