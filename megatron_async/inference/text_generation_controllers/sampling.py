@@ -135,12 +135,22 @@ def apply_penalties_reference(logits: torch.Tensor, pen: PenaltyRows) -> torch.T
     return out.masked_fill(pen.stop_mask[pen.slot] & pen.suppress_stop[:, None], float("-inf"))
 
 
-def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, batch_invariant: bool = False):
+def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, batch_invariant: bool = False,
+                 triton: bool = False):
     """Log-probabilities of the RAW model distribution (no penalties, temperature or
     filters, as vLLM's default raw log-probs): of the sampled tokens [R], and the top-n
     (values [R, n], ids [R, n]) when top_n > 0. ``batch_invariant``: the log-sum-exp of the
     one-program-per-row Triton log-softmax (torch's reductions pick their split, and so
-    their summation order, from the whole [R, V] shape)."""
+    their summation order, from the whole [R, V] shape). ``triton``: the same values from
+    ``kernels/triton_log_probs.py`` (one read of the logits in their own dtype, no [R, V]
+    copy; the log-sum-exp rounds differently outside batch-invariant mode), for top_n up to
+    its ``MAX_TOP_N``. Logits of any float dtype: this path reads them as float32."""
+    if triton:
+        from megatron_async.kernels import triton_log_probs
+
+        if top_n <= triton_log_probs.MAX_TOP_N:
+            return triton_log_probs.log_probs(logits, tokens, top_n, batch_invariant)
+    logits = logits.float()
     if batch_invariant:
         from megatron_async.kernels.triton_log_softmax import log_softmax
 

@@ -191,8 +191,8 @@ class TextGenerationController:
             self.last_samples[:S].copy_(tokens)
             log_probs = top_vals = top_ids = None
             if shape.any_log_probs or shape.max_top_n > 0:
-                log_probs, top_vals, top_ids = sampling.log_probs_of(logits.float(), tokens, shape.max_top_n,
-                                                                     self.batch_invariant)
+                log_probs, top_vals, top_ids = sampling.log_probs_of(
+                    logits, tokens, shape.max_top_n, self.batch_invariant, triton=self.sampler.reads_model_dtype)
         if spec:
             with nvtx_range("speculative_verify"):
                 out = self.spec.verify(g, R, input_ids, tokens, hidden, batch, self.accepted)

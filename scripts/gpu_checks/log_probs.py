@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""Log-probs of a step's logits at the vocabulary of Qwen3 (bf16, CUDA): the Triton kernels
+(kernels/triton_log_probs.py) against the torch reference (a float32 copy, logsumexp, int64
+sort keys + topk), checked first (top-n ids equal, values to float32 rounding, batch-invariant
+mode bit-equal), then us per call in a CUDA graph, with the sampler's own passes for scale.
+
+    python scripts/gpu_check.py log-probs [--rows 1 64 128] [--sweep]
+
+``--sweep`` also times the kernel's launch settings (chunk / warps) at the largest row count."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megatron_async.inference.text_generation_controllers.sampling import log_probs_of  # noqa: E402
+from megatron_async.kernels import triton_log_probs, triton_sampling  # noqa: E402
+from megatron_async.tools.cuda_timing import graph_call_us  # noqa: E402
+
+VOCAB = 151936
+DT = torch.bfloat16
+TOP_N = (0, 5, 20)
+
+
+def _inputs(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (3 * torch.randn(rows, VOCAB, device="cuda", generator=g)).to(DT)  # bf16: many ties
+    x[:, 100:110] = x.max()  # a tie at the top: the lowest ids first
+    x[0, ::2] = float("-inf")
+    tokens = torch.randint(0, VOCAB, (rows,), device="cuda", generator=g)
+    return x, tokens
+
+
+def _same(a, b) -> bool:
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def check(rows: int) -> None:
+    x, tokens = _inputs(rows, seed=rows)
+    for n in TOP_N:
+        for inv in (False, True):
+            ref = log_probs_of(x, tokens, n, inv)
+            got = log_probs_of(x, tokens, n, inv, triton=True)
+            close = _same if inv else (lambda a, b: torch.allclose(a, b, atol=2e-5, rtol=0, equal_nan=True))
+            assert close(got[0], ref[0]), f"rows {rows} top-{n} invariant={inv}: chosen log-probs differ"
+            if n:
+                assert torch.equal(got[2], ref[2]), f"rows {rows} top-{n} invariant={inv}: top ids differ"
+                assert close(got[1], ref[1]), f"rows {rows} top-{n} invariant={inv}: top values differ"
+
+
+def _sampler_passes(rows: int, sets) -> dict:
+    """The sampler's passes of the variants a log-prob step replays, for scale: a GREEDY graph
+    argmaxes; a FULL graph (any log-probs) applies penalties (rows without any read the shared
+    padding slot) and runs the filtered draw, here with every filter off per row."""
+    ones = torch.ones(rows, device="cuda")
+    zero, t08, p095 = 0 * ones, 0.8 * ones, 0.95 * ones
+    zeros_i = torch.zeros(rows, dtype=torch.int64, device="cuda")
+    ids = torch.arange(rows, device="cuda")
+    slot = torch.full((rows,), rows, dtype=torch.int64, device="cuda")
+    counts = torch.zeros(rows + 1, VOCAB, dtype=torch.int32, device="cuda")
+    masks = torch.zeros(rows + 1, VOCAB, dtype=torch.bool, device="cuda")
+    no_flag = torch.zeros(rows, dtype=torch.bool, device="cuda")
+
+    def full(x, temperature):
+        pen = triton_sampling.apply_penalties(x, slot, counts, masks, masks, zero, zero, ones, no_flag)
+        return triton_sampling.sample(pen, temperature, zeros_i, zero, zero, ids, ids, True)
+
+    return {"argmax (GREEDY graph)": [lambda s=s: triton_sampling.argmax(s[0]) for s in sets],
+            "top-p 0.95 draw (FILTERED graph)": [
+                lambda s=s: triton_sampling.sample(s[0], t08, zeros_i, p095, zero, ids, ids, (False, True, False))
+                for s in sets],
+            "penalties + filtered draw, greedy rows (FULL graph)": [lambda s=s: full(s[0], zero) for s in sets],
+            "penalties + filtered draw, t 0.8 (FULL graph)": [lambda s=s: full(s[0], t08) for s in sets]}
+
+
+def times(rows: int) -> None:
+    sets = [_inputs(rows, seed=rows + i) for i in range(4)]
+    base = _sampler_passes(rows, sets)
+    print(f"\n| [{rows}, {VOCAB}] bf16 | reference us | Triton us | reference / Triton |\n|---|---:|---:|---:|")
+    for n in TOP_N:
+        for inv in (False, True):
+            old = graph_call_us([lambda s=s, n=n, inv=inv: log_probs_of(s[0], s[1], n, inv) for s in sets], 4)
+            new = graph_call_us([lambda s=s, n=n, inv=inv: log_probs_of(s[0], s[1], n, inv, triton=True)
+                                for s in sets], 8)
+            label = f"log-probs top-{n}" + (" batch-invariant" if inv else "")
+            print(f"| {label} | {old:.1f} | {new:.1f} | {old / new:.1f}x |")
+    for name, fns in base.items():
+        print(f"| sampler: {name} | | {graph_call_us(fns, 4):.1f} | |")
+
+
+def sweep(rows: int) -> None:
+    """The kernels always compute the top 20 (MAX_TOP_N): one time per launch setting."""
+    sets = [_inputs(rows, seed=rows + i) for i in range(4)]
+    print(f"\n| log-probs launch [{rows}, {VOCAB}]: chunk / warps | us |\n|---|---:|")
+    ref = triton_log_probs.log_probs(*sets[0], 20)
+    for chunk in (2048, 4096, 8192):
+        for warps in (4, 8, 16):
+            kw = dict(chunk=chunk, num_warps=warps)
+            got = triton_log_probs.log_probs(*sets[0], 20, **kw)
+            assert torch.equal(got[2], ref[2]) and torch.allclose(got[0], ref[0], atol=2e-5, rtol=0, equal_nan=True)
+            us = graph_call_us([lambda s=s: triton_log_probs.log_probs(*s, 20, **kw) for s in sets], 8)
+            print(f"| {chunk} / {warps} | {us:.1f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 64, 128])
+    p.add_argument("--sweep", action="store_true")
+    args = p.parse_args()
+    print(torch.cuda.get_device_name())
+    for r in args.rows:
+        check(r)
+    print(f"checked: rows {args.rows}, top-n {TOP_N}, default and batch-invariant: equal to the reference")
+    for r in args.rows:
+        times(r)
+    if args.sweep:
+        sweep(max(args.rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""The engine's log-probs with the Triton sampler backend (kernels/triton_log_probs.py, run by
+the interpreter on CPU) equal the torch backend's: the same tokens, chosen log-probs to float32
+rounding of the log-sum-exp, and the same top-n ids."""
+import os
+
+import pytest
+import torch
+
+from megatron_async import SamplingParams
+from megatron_async.testing.engine_harness import make_llm, random_prompts
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU engine with the interpreted Triton kernels (TRITON_INTERPRET=1, set by conftest)")
+def test_triton_log_probs_in_the_engine_equal_torch(qwen3_ckpt, monkeypatch):
+    from megatron_async.kernels import triton_log_probs
+
+    calls = []
+    kernel = triton_log_probs.log_probs
+    monkeypatch.setattr(triton_log_probs, "log_probs", lambda *a, **k: calls.append(a[2]) or kernel(*a, **k))
+    prompts = random_prompts(3, 3, 10, 256, seed=31)
+    params = [SamplingParams(top_k=1, num_tokens_to_generate=4, return_log_probs=True, top_n_logprobs=5),
+              SamplingParams(temperature=0.9, seed=3, num_tokens_to_generate=4, return_log_probs=True),
+              SamplingParams(temperature=1.0, top_p=0.8, seed=4, num_tokens_to_generate=4, top_n_logprobs=20)]
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = make_llm(qwen3_ckpt, sampling_backend=backend)
+        outs[backend] = llm.generate(prompts, params)
+        assert llm.engine.controller.sampler.backend.value == backend
+    assert calls and max(calls) == 20  # the kernel served every step asking for log-probs
+    for ref, got, sp in zip(outs["torch"], outs["triton"], params):
+        assert got.generated_tokens == ref.generated_tokens
+        if sp.return_log_probs:
+            torch.testing.assert_close(torch.tensor(got.generated_log_probs), torch.tensor(ref.generated_log_probs),
+                                       atol=1e-5, rtol=0)
+        if sp.top_n_logprobs:
+            assert len(got.generated_top_n_logprobs) == len(ref.generated_top_n_logprobs) == 4
+            for g, r in zip(got.generated_top_n_logprobs, ref.generated_top_n_logprobs):
+                assert list(g) == list(r) and len(g) == sp.top_n_logprobs
+                torch.testing.assert_close(torch.tensor(list(g.values())), torch.tensor(list(r.values())),
+                                           atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_log_probs_in_graphs_and_launch_ahead_equal_torch(qwen3_ckpt):
+    """CUDA, float32 weights: the Triton log-probs replayed inside the log-prob graphs, launch-ahead
+    on and off, against the torch backend run eager; no host sync in decode steps asking for them."""
+    from megatron_async import LLM
+    from megatron_async.testing.engine_harness import decode_steps_without_host_sync
+
+    prompts = random_prompts(8, 5, 40, 256, seed=32)
+    params = [SamplingParams(top_k=1, num_tokens_to_generate=12, return_log_probs=True, top_n_logprobs=5),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=5, num_tokens_to_generate=12, return_log_probs=True),
+              SamplingParams(temperature=0.8, seed=6, num_tokens_to_generate=12, top_n_logprobs=20)]
+    params = [params[i % 3] for i in range(len(prompts))]
+
+    def run(backend, graphs, async_):
+        cfg = make_llm(qwen3_ckpt, sampling_backend=backend, cuda_graphs=graphs, async_scheduling=async_).config
+        llm = LLM(model=str(qwen3_ckpt), device="cuda", dtype="float32", inference_config=cfg)
+        outs = llm.generate(prompts, params)
+        if graphs:
+            assert llm.engine.controller.graphs.num_replays > 0
+        return outs, llm
+
+    ref, _ = run("torch", False, False)
+    for graphs, async_ in ((True, True), (True, False), (False, True)):
+        got, llm = run("triton", graphs, async_)
+        for r, g, sp in zip(ref, got, params):
+            assert g.generated_tokens == r.generated_tokens
+            if sp.return_log_probs:
+                torch.testing.assert_close(torch.tensor(g.generated_log_probs), torch.tensor(r.generated_log_probs),
+                                           atol=2e-5, rtol=0)
+            if sp.top_n_logprobs:
+                for a, b in zip(g.generated_top_n_logprobs, r.generated_top_n_logprobs):
+                    assert list(a) == list(b)
+    eng = llm.engine  # launch-ahead, eager: prefilled within the warm steps, then decode only
+    for i, p in enumerate(random_prompts(8, 3, 12, 256, seed=33)):
+        eng.add_request(p, SamplingParams(temperature=1.0, seed=i, return_log_probs=True, top_n_logprobs=5,
+                                          num_tokens_to_generate=30))
+    assert decode_steps_without_host_sync(eng, 16) == 16
