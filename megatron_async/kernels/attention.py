@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from megatron_async.config import AttentionBackend
-from megatron_async.inference.contexts.metadata import AttentionMetadata
+from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels import attention_torch
 
 _backend: AttentionBackend = AttentionBackend.TORCH

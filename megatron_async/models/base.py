@@ -7,7 +7,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from megatron_async.inference.contexts.metadata import ForwardBatch
+from megatron_async.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from megatron_async.inference.contexts.metadata import ForwardBatch
+from megatron_async.forward_batch import ForwardBatch
 from megatron_async.kernels import mamba_window_ops
 from megatron_async.models.base import CausalLM, KVCacheSpec, MambaStateSpec
 from megatron_async.models.hybrid_config import MambaConfig

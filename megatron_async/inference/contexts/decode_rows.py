@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_async.forward_batch import longest_first
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK
-from megatron_async.inference.contexts.metadata import longest_first
 from megatron_async.inference.contexts.step_shape import StepShape
 from megatron_async.inference.request import DynamicInferenceRequest
 

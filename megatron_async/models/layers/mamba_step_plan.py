@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_async.inference.contexts.metadata import MambaMetadata
+from megatron_async.forward_batch import MambaMetadata
 from megatron_async.kernels.mamba_varlen_ops import PaddedRows, VarlenRows, padded_rows, varlen_rows
 
 

@@ -93,7 +93,7 @@ def test_decode_row_order_changes_launch_order_only(num_splits):
     """With ``meta.row_order`` (any permutation: longest first, reversed), and with rows or KV
     heads fastest in the grid, every row gets the bits it gets in row order: the order only
     decides which programs start first."""
-    from megatron_async.inference.contexts.metadata import longest_first
+    from megatron_async.forward_batch import longest_first
 
     case = _case(DECODE_ROWS, group=2, head_dim=16, block_size=4, seed=5)
     append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)

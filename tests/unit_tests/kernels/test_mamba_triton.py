@@ -10,7 +10,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from megatron_async.config import MambaBackend  # noqa: E402
-from megatron_async.inference.contexts.metadata import MambaMetadata  # noqa: E402
+from megatron_async.forward_batch import MambaMetadata  # noqa: E402
 from megatron_async.kernels import mamba_ops  # noqa: E402
 from megatron_async.kernels.conv1d_torch import causal_conv1d, causal_conv1d_step  # noqa: E402
 from megatron_async.kernels.ssd_torch import ssd_chunked, ssd_sequential, ssd_step  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from megatron_async.config import MambaBackend  # noqa: E402
-from megatron_async.inference.contexts.metadata import MambaMetadata  # noqa: E402
+from megatron_async.forward_batch import MambaMetadata  # noqa: E402
 from megatron_async.kernels import mamba_ops, mamba_window_ops  # noqa: E402
 from megatron_async.models.layers.mamba_step_plan import MambaStepPlan  # noqa: E402
 from tests.unit_tests.kernels.test_mamba_triton import DEVICE, _mixer, _randn  # noqa: E402
