@@ -22,9 +22,9 @@ from megatron_async.inference.contexts.mamba_states import MambaStateManager, wi
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
 from megatron_async.inference.contexts.spec_state import SpecState
 from megatron_async.inference.contexts.step_errors import RequestStepError
-from megatron_async.inference.contexts.step_shape import StepShape
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest, Status
+from megatron_async.step_shape import StepShape
 
 if TYPE_CHECKING:  # type-only: engines and models import contexts, not the reverse
     from megatron_async.inference.engines.step_plan import StepPlan

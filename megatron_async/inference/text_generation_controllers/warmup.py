@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_async.inference import triton_builds
-from megatron_async.inference.contexts.dynamic_context import StepShape
 from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant, variant_flags
+from megatron_async.step_shape import StepShape
 
 
 @dataclass
