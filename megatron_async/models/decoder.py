@@ -150,16 +150,6 @@ class DecoderModel(CausalLM):
                              "num_nextn_predict_layers / mtp_num_hidden_layers in config.json)")
         self.mtp_enabled = True
 
-    def build_mtp_drafter(self, config):
-        """The MTP drafter of speculative decoding (None: no heads); gives the heads their KV
-        layers, so call it before the KV pool is built."""
-        if self.mtp is None:
-            return None
-        from megatron_async.inference.speculative.mtp_drafter import MTPDrafter
-
-        self.enable_mtp()
-        return MTPDrafter(self, config.max_sequence_length)
-
     def mtp_forward(self, depth: int, next_ids: torch.Tensor, hidden: torch.Tensor,
                     batch: ForwardBatch) -> torch.Tensor:
         """One MTP depth over the tokens of ``batch`` (its positions and KV slots): ``hidden``
