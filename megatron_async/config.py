@@ -47,8 +47,9 @@ class MambaBackend(str, Enum):
 
     TORCH = "torch"  # pure-torch reference (CPU and CUDA)
     TRITON = "triton"  # in-repo Triton kernels (CUDA, or CPU with TRITON_INTERPRET=1)
-    MAMBA_SSM = "mamba_ssm"  # the optional mamba_ssm + causal_conv1d packages (CUDA)
-    AUTO = "auto"  # CUDA: mamba_ssm when importable, else triton; CPU: torch
+    MAMBA_SSM = "mamba_ssm"  # only on request: needs the mamba_ssm + causal_conv1d packages (CUDA); runs the
+    # in-repo Triton kernels (the engine calls no op of those packages)
+    AUTO = "auto"  # CUDA: triton when importable, else torch; CPU: torch
 
 
 class SpeculativeMethod(str, Enum):

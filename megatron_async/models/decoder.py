@@ -161,7 +161,7 @@ class DecoderModel(CausalLM):
         if self.rope is not None:
             self.rope.reserve(batch.attn.max_kv_len)
             rope = self.rope(batch.attn.positions[:T])
-        step = StepInputs(batch, rope, None, batch.ep_num_tokens)
+        step = StepInputs(batch, rope, None, batch.ep_num_tokens, self.kernels)
         return self.mtp(depth, self.embed_tokens(next_ids), hidden, step)
 
     def _mixers(self, kind: type[nn.Module]) -> list[nn.Module]:
@@ -178,8 +178,9 @@ class DecoderModel(CausalLM):
         if self.rope is not None:
             self.rope.reserve(batch.attn.max_kv_len)  # a host int: growing the table never syncs
             rope = self.rope(batch.attn.positions[:T])
-        plan = MambaStepPlan.build(batch.mamba) if self.num_blocks_of[LayerKind.MAMBA] else None
-        step = StepInputs(batch, rope, plan, batch.ep_num_tokens)
+        kernels = self.kernels
+        plan = MambaStepPlan.build(batch.mamba, kernels.triton_mamba) if self.num_blocks_of[LayerKind.MAMBA] else None
+        step = StepInputs(batch, rope, plan, batch.ep_num_tokens, kernels)
         x, residual = self.embed_tokens(input_ids), None
         if self.spec.residual_in_fp32:
             x = x.float()
@@ -187,8 +188,8 @@ class DecoderModel(CausalLM):
             x, residual = block(x, residual, step)
         inv = batch.batch_invariant
         if residual is None:
-            return self.final_norm(self.final_norm.in_dtype(x), inv)
-        return self.final_norm.add_and_norm(x, residual, inv)[0]
+            return self.final_norm(self.final_norm.in_dtype(x), inv, kernels.fused)
+        return self.final_norm.add_and_norm(x, residual, inv, kernels.fused)[0]
 
     def commit_speculative(self, out) -> None:
         """Mamba layers: each verify row's slot takes the state after its accepted drafts from
@@ -202,7 +203,7 @@ class DecoderModel(CausalLM):
         mamba_window_ops.commit_window_states(
             b.conv_states + b.ssm_states, b.conv_window_states + b.ssm_window_states,
             b.mamba.state_slots[: out.num_rows], out.accepted,
-            rows=None if b.mamba.window_tokens else out.num_drafts > 0,
+            rows=None if b.mamba.window_tokens else out.num_drafts > 0, triton=self.kernels.triton_mamba,
         )
 
     @property
