@@ -10,7 +10,7 @@ CPU_BUFFER_SIZE_GB = 1.0
 
 class AttentionBackend(str, Enum):
     """Which attention implementation the model layers call. It also picks the MoE experts'
-    kernels (``kernels/moe.py``): TRITON = the fused Triton MoE, TORCH = the reference loop."""
+    kernels (``kernels/moe_experts.py``): TRITON = the fused Triton MoE, TORCH = the reference loop."""
 
     TORCH = "torch"  # pure-torch reference (CPU and CUDA)
     TRITON = "triton"  # Triton paged kernels (CUDA, or CPU with TRITON_INTERPRET=1)

@@ -18,7 +18,7 @@ from torch import nn
 
 from megatron_async.kernels import fused_ops
 from megatron_async.kernels.backends import KernelBackends
-from megatron_async.kernels.moe import fused_experts
+from megatron_async.kernels.moe_experts import fused_experts
 from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.layers.mlp import ReluSquaredMLP
 from megatron_async.models.layers.moe_router import TopKRouter
