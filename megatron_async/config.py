@@ -10,7 +10,7 @@ CPU_BUFFER_SIZE_GB = 1.0
 
 class AttentionBackend(str, Enum):
     """Which attention implementation the model layers call. It also picks the MoE experts'
-    kernels (``kernels/moe.py``): TRITON = the fused Triton MoE, TORCH = the reference loop."""
+    kernels (``kernels/moe_experts.py``): TRITON = the fused Triton MoE, TORCH = the reference loop."""
 
     TORCH = "torch"  # pure-torch reference (CPU and CUDA)
     TRITON = "triton"  # Triton paged kernels (CUDA, or CPU with TRITON_INTERPRET=1)
@@ -47,8 +47,9 @@ class MambaBackend(str, Enum):
 
     TORCH = "torch"  # pure-torch reference (CPU and CUDA)
     TRITON = "triton"  # in-repo Triton kernels (CUDA, or CPU with TRITON_INTERPRET=1)
-    MAMBA_SSM = "mamba_ssm"  # the optional mamba_ssm + causal_conv1d packages (CUDA)
-    AUTO = "auto"  # CUDA: mamba_ssm when importable, else triton; CPU: torch
+    MAMBA_SSM = "mamba_ssm"  # only on request: needs the mamba_ssm + causal_conv1d packages (CUDA); runs the
+    # in-repo Triton kernels (the engine calls no op of those packages)
+    AUTO = "auto"  # CUDA: triton when importable, else torch; CPU: torch
 
 
 class SpeculativeMethod(str, Enum):

@@ -20,8 +20,7 @@ from megatron_async.inference.memory_planning import GiB, CudaMemoryReader, Memo
 from megatron_async.inference.memory_profiling import builtin_weight_bytes, profile_memory_plan
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, SamplingParams
 from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
-from megatron_async.kernels.attention import set_attention_backend
-from megatron_async.kernels.mamba_ops import set_mamba_backend
+from megatron_async.kernels.backends import KernelBackends
 from megatron_async.parallel.p2p_all_reduce import with_p2p_all_reduce
 from megatron_async.parallel.p2p_exchange import with_p2p_exchange
 from megatron_async.parallel.state import ParallelState
@@ -111,12 +110,13 @@ class LLM:
         from megatron_async.models.eos_ids import checkpoint_eos_ids
 
         nvtx.set_enabled(self.config.nvtx_ranges)
-        self.attention_backend = set_attention_backend(self.config.attention_backend, self.device)
-        self.mamba_backend = set_mamba_backend(self.config.mamba_backend, self.device)
+        kernels = KernelBackends.resolve(self.config.attention_backend, self.config.mamba_backend, self.device)
+        self.attention_backend, self.mamba_backend = kernels.attention, kernels.mamba
         reader = CudaMemoryReader(self.device) if self.device.type == "cuda" else None
         allocated_before = reader.read().allocated if reader else 0
         self._load_model(model, default_model, seed, reader)
         self.model.eval()
+        self.model.kernels = kernels  # this model's kernels, not the process's
         if self.config.batch_invariant:
             _check_batch_invariant(self.model, self.device)
         self._fit_max_sequence_length()
@@ -173,12 +173,10 @@ class LLM:
         sized for max_sequence_length). Expert parallelism: a
         collective runner (greedy decode graphs only, captured by every rank at once in the
         warm-up; see ``CudaGraphRunner``)."""
-        from megatron_async.config import AttentionBackend
         from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
-        from megatron_async.kernels.mamba_varlen_ops import uses_kernels
 
-        triton_attention = self.attention_backend == AttentionBackend.TRITON or self.config.batch_invariant
-        mamba_ok = self.context.mamba is None or uses_kernels()
+        triton_attention = self.model.kernels.triton_attention or self.config.batch_invariant
+        mamba_ok = self.context.mamba is None or self.model.kernels.triton_mamba
         mixed = self.config.cuda_graph_mixed_steps and mamba_ok and triton_attention
         return CudaGraphRunner(self.controller, self.config, mixed=mixed, collective=self.parallel.ep_size > 1,
                                verify=triton_attention)

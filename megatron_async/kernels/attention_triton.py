@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_async.inference.contexts.metadata import AttentionMetadata
+from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels.triton_decode_attention import decode_attention
 from megatron_async.kernels.triton_kv_append import append_kv
 from megatron_async.kernels.triton_prefill_attention import prefill_attention

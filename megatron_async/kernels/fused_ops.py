@@ -2,9 +2,9 @@
 elementwise work (RMSNorm, residual add + RMSNorm, q/k norm + RoPE, SiLU-and-mul, MoE
 softmax top-k routing, a step's input ids) and the SwiGLU gate_up projection with its activation.
 
-A layer asks ``use_fused(x)`` and, when true, calls the op here; otherwise it runs its own
-torch code, which stays the numerical reference. Fused ops run only on CUDA tensors (never
-on CPU by default), when triton imports and the process-wide switch is on. Kernel modules
+A layer asks ``use_fused(x, enabled)`` (``enabled``: its model's ``KernelBackends.fused``)
+and, when true, calls the op here; otherwise it runs its own torch code, which stays the
+numerical reference. Fused ops run only on CUDA tensors, when triton imports. Kernel modules
 are imported on first use, so that a test can set ``TRITON_INTERPRET=1`` before they are
 decorated. The kernels take shapes only from tensor metadata: CUDA-graph safe."""
 from __future__ import annotations
@@ -12,19 +12,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
-_enabled = True
-
-
-def set_enabled(enabled: bool) -> None:
-    """Turn the fused kernels on or off process-wide (A/B tests); on by default."""
-    global _enabled
-    _enabled = enabled
-
-
-def is_enabled() -> bool:
-    return _enabled
-
 
 @functools.cache
 def _triton_importable() -> bool:
@@ -35,9 +22,9 @@ def _triton_importable() -> bool:
     return True
 
 
-def use_fused(x: torch.Tensor) -> bool:
-    """Whether the layers should run the fused kernels on x."""
-    return _enabled and x.is_cuda and _triton_importable()
+def use_fused(x: torch.Tensor, enabled: bool = True) -> bool:
+    """Whether a layer whose model enables the fused kernels (``enabled``) runs them on x."""
+    return enabled and x.is_cuda and _triton_importable()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_before_weight: bool = True) -> torch.Tensor:

@@ -2,10 +2,11 @@
 row after row), each row starting from its slot's state and leaving its final state there.
 
 Every table comes from the step snapshot on the device (``VarlenRows``); nothing is read on the
-host and no host data is copied, so the same code runs inside a CUDA graph. Backends:
-- TRITON / MAMBA_SSM: the packed-layout kernels of ``triton_mamba_varlen`` (grids from the
-  padded token / row counts only);
-- TORCH (the reference): ``scan_rows`` run the chunked reference over a [M, max_len] layout built
+host and no host data is copied, so the same code runs inside a CUDA graph. ``VarlenRows.triton``
+(the model's ``KernelBackends.triton_mamba``) picks the path:
+- True: the packed-layout kernels of ``triton_mamba_varlen`` (grids from the padded token / row
+  counts only);
+- False (the reference): ``scan_rows`` run the chunked reference over a [M, max_len] layout built
   on the device from ``cu_query_lens``, the remaining rows (one token each) the recurrent step.
   M and max_len are host ints of the step (a graph's: every row, its padded token count).
 """
@@ -15,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_async.config import MambaBackend
 from megatron_async.kernels import conv1d_torch, mamba_ops, ssd_torch
 
 
@@ -52,22 +52,23 @@ class VarlenRows:
     has_initial_state: torch.Tensor  # [R] bool
     cu_query_lens: torch.Tensor  # [R + 1] int32
     token_to_row: torch.Tensor  # [T] int32
-    scan: PaddedRows | None = None  # TORCH backend: rows of several tokens
-    single_rows: torch.Tensor | None = None  # TORCH backend: [S] int64 the other rows ...
+    triton: bool = False  # the kernels (else the torch reference)
+    scan: PaddedRows | None = None  # torch reference: rows of several tokens
+    single_rows: torch.Tensor | None = None  # torch reference: [S] int64 the other rows ...
     single_tokens: torch.Tensor | None = None  # ... and their token
 
 
 def varlen_rows(slots: torch.Tensor, has_init: torch.Tensor, cu: torch.Tensor, token_to_row: torch.Tensor,
                 row_order: torch.Tensor, num_scan_rows: int, max_len: int,
-                skip_rows: torch.Tensor | None = None) -> VarlenRows:
+                skip_rows: torch.Tensor | None = None, triton: bool = False) -> VarlenRows:
     """``row_order``: the rows to run, those of several tokens first; the first ``num_scan_rows``
-    of it take the scan on the TORCH backend (the kernels of the other backends run every row of
-    the step). ``skip_rows``: rows left out (their slot reads -1: no state read or kept; their
+    of it take the scan on the torch reference (``triton``: the kernels run every row of the
+    step). ``skip_rows``: rows left out (their slot reads -1: no state read or kept; their
     outputs are garbage for the caller to overwrite)."""
     if skip_rows is not None:
         slots = slots.index_fill(0, skip_rows, -1)
-    rows = VarlenRows(slots, has_init, cu, token_to_row)
-    if not uses_kernels():
+    rows = VarlenRows(slots, has_init, cu, token_to_row, triton)
+    if not triton:
         T = token_to_row.shape[0]
         rows.scan = padded_rows(row_order[:num_scan_rows], cu, T, max_len) if num_scan_rows else None
         rows.single_rows = row_order[num_scan_rows:]
@@ -75,14 +76,10 @@ def varlen_rows(slots: torch.Tensor, has_init: torch.Tensor, cu: torch.Tensor, t
     return rows
 
 
-def uses_kernels() -> bool:
-    return mamba_ops.get_mamba_backend() in (MambaBackend.TRITON, MambaBackend.MAMBA_SSM)
-
-
 def conv1d_varlen_inplace(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_pool: torch.Tensor,
                           rows: VarlenRows) -> torch.Tensor:
     """x [T, c] packed -> silu(conv) [T, c]; each row's state advanced in ``conv_pool`` in place."""
-    if uses_kernels():
+    if rows.triton:
         from megatron_async.kernels.triton_mamba_varlen import causal_conv1d_varlen
 
         return causal_conv1d_varlen(x, weight, bias, conv_pool, rows.slots, rows.has_initial_state,
@@ -110,7 +107,7 @@ def ssd_varlen_inplace(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
                        D: torch.Tensor | None, ssm_pool: torch.Tensor, rows: VarlenRows, chunk_size: int) -> torch.Tensor:
     """x [T, h, p], dt [T, h] final step sizes, B / C [T, g, n] -> y [T, h, p] float32; each
     row's state advanced in ``ssm_pool`` in place. ``chunk_size``: the TORCH reference's chunk."""
-    if uses_kernels():
+    if rows.triton:
         from megatron_async.kernels.triton_mamba_varlen import ssd_scan_varlen
 
         return ssd_scan_varlen(x, dt, A, B, C, D, ssm_pool, rows.slots, rows.has_initial_state, rows.cu_query_lens)

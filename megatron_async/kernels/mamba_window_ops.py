@@ -6,20 +6,15 @@ per-slot scratch ``scratch[slot, t]``. Once the accepted counts are known on the
 ``commit_window_states`` copies ``scratch[slot, accepted]`` into each row's slot; a rejected
 tail costs nothing to undo, since the slot was never touched.
 
-Backends follow ``mamba_ops``: TORCH runs the reference (T sequential single-token steps,
-obviously equal to T decode steps), TRITON and MAMBA_SSM this repo's window kernels.
+``triton`` as in ``mamba_ops``: False runs the reference (T sequential single-token steps,
+obviously equal to T decode steps), True this repo's window kernels.
 """
 from __future__ import annotations
 
 import torch
 
-from megatron_async.config import MambaBackend
 from megatron_async.kernels import conv1d_torch, ssd_torch
-from megatron_async.kernels.mamba_ops import final_step_size, gather_states, get_mamba_backend
-
-
-def _use_triton() -> bool:
-    return get_mamba_backend() in (MambaBackend.TRITON, MambaBackend.MAMBA_SSM)
+from megatron_async.kernels.mamba_ops import final_step_size, gather_states
 
 
 def conv1d_window(
@@ -30,11 +25,12 @@ def conv1d_window(
     conv_scratch: torch.Tensor,
     slots: torch.Tensor,
     has_initial_state: torch.Tensor,
+    triton: bool = False,
 ) -> torch.Tensor:
     """x [b, T, c] -> silu(conv) [b, T, c]. Row r starts from ``conv_pool[slots[r]]`` ([S, c,
     K-1]; zeros without an initial state) and leaves the state after token t in
     ``conv_scratch[slots[r], t]`` ([S, >= T, c, K-1]); the pool is only read."""
-    if _use_triton():
+    if triton:
         from megatron_async.kernels.triton_mamba_window import causal_conv1d_window
 
         return causal_conv1d_window(x, weight, bias, conv_pool, conv_scratch, slots, has_initial_state)
@@ -61,11 +57,12 @@ def ssd_window(
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] | None = None,
+    triton: bool = False,
 ) -> torch.Tensor:
     """x [b, T, h, p], dt [b, T, h], B / C [b, T, g, n] -> y [b, T, h, p] fp32. Row r starts from
     ``ssm_pool[slots[r]]`` and leaves the state after token t in ``ssm_scratch[slots[r], t]``
     ([S, >= T, h, p, n] fp32); the pool is only read. dt as in ``mamba_ops.ssd_decode_inplace``."""
-    if _use_triton():
+    if triton:
         from megatron_async.kernels.triton_mamba_window import selective_state_window
 
         return selective_state_window(
@@ -84,13 +81,13 @@ def ssd_window(
 
 def commit_window_states(
     pools: list[torch.Tensor], scratches: list[torch.Tensor], slots: torch.Tensor, accepted: torch.Tensor,
-    rows: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None, triton: bool = False,
 ) -> None:
     """For every row r (where ``rows[r]``, when given) and every (pool, scratch) pair:
     ``pool[slots[r]] = scratch[slots[r], accepted[r]]``. ``accepted`` [R] is a device tensor
     (drafts accepted, 0..T-1: the state after the last sampled token plus that many drafts);
     nothing reads it on the host, and only the rows' slots are written, never the whole pool."""
-    if _use_triton():
+    if triton:
         from megatron_async.kernels.triton_mamba_window import commit_window_state
 
         for pool, scratch in zip(pools, scratches, strict=True):

@@ -17,7 +17,7 @@ def expert_activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
 
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                         topk_weights: torch.Tensor, gated: bool) -> torch.Tensor:
-    """See ``kernels.moe.fused_experts``."""
+    """See ``kernels.moe_experts.fused_experts``."""
     num_experts = w13.shape[0]
     out = torch.zeros((x.shape[0], w2.shape[1]), dtype=torch.float32, device=x.device)
     for e in range(num_experts):

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_async.inference.contexts.metadata import AttentionMetadata
+from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels.triton_paged_common import check_cache, dot_args, kv_tile_rows, load_kv, num_compute_units
 
 _LOG2E = 1.4426950408889634

@@ -220,7 +220,7 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, gated: bool, gate_up_tiles: GemmTiles | None = None,
                   down_tiles: GemmTiles | None = None) -> torch.Tensor:
-    """See ``kernels.moe.fused_experts``. ``gate_up_tiles`` / ``down_tiles`` override the two
+    """See ``kernels.moe_experts.fused_experts``. ``gate_up_tiles`` / ``down_tiles`` override the two
     GEMMs' launch settings (``gpu_check.py fused-moe --sweep``)."""
     M, K = x.shape
     E, N, _ = w13.shape

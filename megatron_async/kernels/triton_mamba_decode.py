@@ -4,9 +4,8 @@ selective (SSM) state update, with the semantics of ``conv1d_torch.causal_conv1d
 
 State protocol (both kernels): row r reads its state at ``state[slots[r]]`` (``state[r]``
 when slots is None), or starts from zeros when ``has_initial_state[r]`` is False (then the
-pool is not read at all, so a fresh slot may hold anything), and writes the new state to
-``out_state[slots[r]]``. With ``out_state`` left None this is ``state`` itself: the pools
-are updated in place, no gather / scatter copies. In place is race-free because every
+pool is not read at all, so a fresh slot may hold anything), and writes the new state back
+there: the pools are updated in place, no gather / scatter copies. In place is race-free because every
 element is loaded and stored by the same thread of the same program (same tile layout for
 load and store) and distinct rows use distinct slots.
 
@@ -44,11 +43,10 @@ def _row_state_args(dummy: torch.Tensor, slots: torch.Tensor | None, has_init: t
 
 @triton.jit
 def _conv_update_kernel(
-    x_ptr, w_ptr, bias_ptr, state_ptr, out_state_ptr, out_ptr, slots_ptr, has_init_ptr,
+    x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, slots_ptr, has_init_ptr,
     channels,
     stride_xb, stride_xc, stride_wc, stride_wk,
     stride_sb, stride_sc, stride_sk,
-    stride_ob, stride_oc, stride_ok,
     stride_yb,
     K: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
@@ -66,15 +64,14 @@ def _conv_update_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)
     s_row = state_ptr + slot * stride_sb + offs_c * stride_sc
-    o_row = out_state_ptr + slot * stride_ob + offs_c * stride_oc
     for k in tl.static_range(K - 1):
         # Through x's dtype first, as the reference concatenates the state onto x.
         old = tl.load(s_row + k * stride_sk, mask=old_mask, other=0.0).to(x_ptr.dtype.element_ty)
         acc += tl.load(w_ptr + offs_c * stride_wc + k * stride_wk, mask=c_mask, other=0.0).to(tl.float32) * old.to(tl.float32)
         if k > 0:  # new state_{k-1} = old state_k
-            tl.store(o_row + (k - 1) * stride_ok, old.to(out_state_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(s_row + (k - 1) * stride_sk, old.to(state_ptr.dtype.element_ty), mask=c_mask)
     acc += tl.load(w_ptr + offs_c * stride_wc + (K - 1) * stride_wk, mask=c_mask, other=0.0).to(tl.float32) * x.to(tl.float32)
-    tl.store(o_row + (K - 2) * stride_ok, x.to(out_state_ptr.dtype.element_ty), mask=c_mask)
+    tl.store(s_row + (K - 2) * stride_sk, x.to(state_ptr.dtype.element_ty), mask=c_mask)
     out = acc / (1.0 + tl.exp(-acc))  # SiLU
     tl.store(out_ptr + row.to(tl.int64) * stride_yb + offs_c, out.to(out_ptr.dtype.element_ty), mask=c_mask)
 
@@ -84,29 +81,27 @@ def causal_conv1d_update(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     state: torch.Tensor,
-    out_state: torch.Tensor | None = None,
     slots: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [b, c], weight [c, K], state pool [S, c, K - 1] -> silu(conv) [b, c] in x's dtype.
 
-    Row r's window is its old state (or zeros) then x[r]; the shifted window is written to
-    ``out_state`` (default: ``state``, in place) at the row's slot, in that tensor's dtype."""
+    Row r's window is its old state (or zeros) then x[r]; the shifted window is written back
+    to the row's slot of ``state``, in its dtype."""
     b, c = x.shape
     k = weight.shape[1]
-    out_state = state if out_state is None else out_state
-    if k < 2 or state.shape[1:] != (c, k - 1) or out_state.shape[1:] != (c, k - 1):
-        raise ValueError(f"conv state must be [slots, {c}, {k - 1}], got {tuple(state.shape)} / {tuple(out_state.shape)}")
+    if k < 2 or state.shape[1:] != (c, k - 1):
+        raise ValueError(f"conv state must be [slots, {c}, {k - 1}], got {tuple(state.shape)}")
     out = torch.empty(b, c, dtype=x.dtype, device=x.device)
     if b == 0:
         return out
     block_c = min(256, triton.next_power_of_2(c))
     _conv_update_kernel[(b, triton.cdiv(c, block_c))](
-        x, weight, x if bias is None else bias, state, out_state, out,
+        x, weight, x if bias is None else bias, state, out,
         *_row_state_args(x, slots, has_initial_state),
         c,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        *state.stride(), *out_state.stride(), out.stride(0),
+        *state.stride(), out.stride(0),
         K=k, BLOCK_C=block_c,
         HAS_BIAS=bias is not None, HAS_SLOTS=slots is not None, HAS_INIT_FLAGS=has_initial_state is not None,
     )
@@ -145,14 +140,13 @@ def ssm_launch_sizes(x_heads: int, head_dim: int, B: torch.Tensor, *pools: torch
 @triton.jit
 def _state_update_kernel(
     x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr,
-    state_ptr, out_state_ptr, y_ptr, slots_ptr, has_init_ptr,
+    state_ptr, y_ptr, slots_ptr, has_init_ptr,
     heads_per_group, head_dim, d_state, dt_min, dt_max,
     stride_xb, stride_xh, stride_xp,
     stride_dtb, stride_dth,
     stride_Bb, stride_Bg, stride_Bn,
     stride_Cb, stride_Cg, stride_Cn,
     stride_sb, stride_sh, stride_sp, stride_sn,
-    stride_ob, stride_oh, stride_op, stride_on,
     stride_yb, stride_yh,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
@@ -181,8 +175,7 @@ def _state_update_kernel(
     old_mask = (offs_p[:, None] < head_dim * read_old) & n_mask[None, :]  # no state: read nothing, start from 0
     old = tl.load(state_ptr + slot * stride_sb + head * stride_sh + tile, mask=old_mask, other=0.0)
     new = old.to(tl.float32) * decay + (x * dt)[:, None] * Bv[None, :]
-    out_tile = offs_p[:, None] * stride_op + offs_n[None, :] * stride_on
-    tl.store(out_state_ptr + slot * stride_ob + head * stride_oh + out_tile, new, mask=mask)
+    tl.store(state_ptr + slot * stride_sb + head * stride_sh + tile, new, mask=mask)
 
     y = tl.sum(new * Cv[None, :], axis=1)
     if HAS_D:
@@ -198,7 +191,6 @@ def selective_state_update(
     C: torch.Tensor,
     D: torch.Tensor | None,
     state: torch.Tensor,
-    out_state: torch.Tensor | None = None,
     slots: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
@@ -206,25 +198,24 @@ def selective_state_update(
     dt_limit: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """One SSM step per row: x [b, h, p], dt [b, h], A [h], B / C [b, g, n], D [h] or None,
-    state pool [S, h, p, n] float32 -> y [b, h, p] float32; the new state goes to
-    ``out_state`` (default: ``state``, in place) at the row's slot.
+    state pool [S, h, p, n] float32 -> y [b, h, p] float32; the new state goes back to the
+    row's slot of ``state``, in place.
 
     dt is used as given unless asked: ``dt_bias`` added, then softplus, then clamped to
     ``dt_limit`` (the mixer's order), all in float32."""
     b, h, p = x.shape
-    out_state = state if out_state is None else out_state
-    block_p, block_n = ssm_launch_sizes(h, p, B, state, out_state)
+    block_p, block_n = ssm_launch_sizes(h, p, B, state)
     y = torch.empty(b, h, p, dtype=torch.float32, device=x.device)
     if b == 0:
         return y
     lo, hi = dt_limit if dt_limit is not None else (0.0, 0.0)
     _state_update_kernel[(b, h, triton.cdiv(p, block_p))](
         x, dt, x if dt_bias is None else dt_bias, A, B, C, x if D is None else D,
-        state, out_state, y,
+        state, y,
         *_row_state_args(x, slots, has_initial_state),
         h // B.shape[1], p, B.shape[2], float(lo), float(hi),
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
-        *state.stride(), *out_state.stride(), y.stride(0), y.stride(1),
+        *state.stride(), y.stride(0), y.stride(1),
         BLOCK_P=block_p, BLOCK_N=block_n,
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
         HAS_DT_LIMIT=dt_limit is not None, HAS_SLOTS=slots is not None, HAS_INIT_FLAGS=has_initial_state is not None,

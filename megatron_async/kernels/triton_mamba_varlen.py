@@ -21,7 +21,30 @@ import triton
 import triton.language as tl
 
 from megatron_async.kernels.triton_paged_common import dot_args
-from megatron_async.kernels.triton_ssd_prefill import ssd_chunk
+
+
+@triton.jit
+def ssd_chunk(x, dt, Bc, Cc, state, A, D, causal, HAS_D: tl.constexpr, CB_DTYPE: tl.constexpr,
+              CB_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One chunk of the scan for one head: x [BLOCK_T, BLOCK_P] fp32, dt [BLOCK_T] fp32 (0 past
+    the row's end: identity steps), B / C [BLOCK_T, BLOCK_N] in their dtype, the entering state
+    [BLOCK_P, BLOCK_N] fp32 -> (y [BLOCK_T, BLOCK_P] fp32, the state after the chunk)."""
+    cum = tl.cumsum(dt * A, axis=0)  # log-decay from the chunk start to each token (<= 0)
+    xdt = x * dt[:, None]
+    # Intra-chunk: y_i = sum_{j <= i} exp(cum_i - cum_j) (C_i . B_j) dt_j x_j.
+    decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
+    # C . B in the inputs' dtype: 16-bit products are exact in the fp32 accumulator.
+    scores = tl.dot(Cc.to(CB_DTYPE), tl.trans(Bc.to(CB_DTYPE)), input_precision=CB_PRECISION) * decay
+    y = tl.dot(scores, xdt, input_precision=DOT_PRECISION)
+    # The state entering the chunk, decayed to each token and read out through C.
+    y += tl.dot(Cc.to(tl.float32), tl.trans(state), input_precision=DOT_PRECISION) * tl.exp(cum)[:, None]
+    if HAS_D:
+        y += D * x
+    # Advance the state past the whole chunk.
+    total = tl.sum(dt * A, axis=0)
+    to_end = tl.exp(total - cum)  # [BLOCK_T] decay from each token to the chunk's end
+    state = state * tl.exp(total) + tl.dot(tl.trans(xdt * to_end[:, None]), Bc.to(tl.float32), input_precision=DOT_PRECISION)
+    return y, state
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one build for every (padded) token count
@@ -188,7 +211,8 @@ def ssd_scan_varlen(
     """Packed rows: x [T, h, p], dt [T, h] (final step sizes), A [h], B / C [T, g, n], D [h] or
     None, pool [S, h, p, n] float32 -> y [T, h, p] float32; row r starts from
     ``ssm_pool[slots[r]]`` (zeros when it has no initial state) and leaves its final state there.
-    Tiles as ``triton_ssd_prefill.ssd_scan`` (16 for fp32 inputs, 32 for 16-bit ones)."""
+    Tiles of 16 tokens for fp32 inputs, 32 for 16-bit ones (no register spills at d_state 128
+    on sm_90; exact-fp32 matmuls need far more registers)."""
     T, h, p = x.shape
     g, n = B.shape[1:]
     R = slots.shape[0]

@@ -7,7 +7,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from megatron_async.inference.contexts.metadata import ForwardBatch
+from megatron_async.forward_batch import ForwardBatch
+from megatron_async.kernels.backends import KernelBackends
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class CausalLM(nn.Module):
     max_position_embeddings: int
     supports_batch_invariant: bool = False
     """Honours ``ForwardBatch.batch_invariant`` and ``compute_logits(batch_invariant=True)``."""
+    kernels: KernelBackends = KernelBackends()
+    """The kernels this model's layers run (``LLM`` sets it from ``InferenceConfig``): this
+    model's own choice, whatever other models of the process run."""
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [T] int64 -> final hidden states [T, hidden] (after the final norm).

@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from megatron_async.inference.contexts.metadata import ForwardBatch
+from megatron_async.forward_batch import ForwardBatch
 from megatron_async.kernels import mamba_window_ops
 from megatron_async.models.base import CausalLM, KVCacheSpec, MambaStateSpec
 from megatron_async.models.hybrid_config import MambaConfig
@@ -150,16 +150,6 @@ class DecoderModel(CausalLM):
                              "num_nextn_predict_layers / mtp_num_hidden_layers in config.json)")
         self.mtp_enabled = True
 
-    def build_mtp_drafter(self, config):
-        """The MTP drafter of speculative decoding (None: no heads); gives the heads their KV
-        layers, so call it before the KV pool is built."""
-        if self.mtp is None:
-            return None
-        from megatron_async.inference.speculative.mtp_drafter import MTPDrafter
-
-        self.enable_mtp()
-        return MTPDrafter(self, config.max_sequence_length)
-
     def mtp_forward(self, depth: int, next_ids: torch.Tensor, hidden: torch.Tensor,
                     batch: ForwardBatch) -> torch.Tensor:
         """One MTP depth over the tokens of ``batch`` (its positions and KV slots): ``hidden``
@@ -171,7 +161,7 @@ class DecoderModel(CausalLM):
         if self.rope is not None:
             self.rope.reserve(batch.attn.max_kv_len)
             rope = self.rope(batch.attn.positions[:T])
-        step = StepInputs(batch, rope, None, batch.ep_num_tokens)
+        step = StepInputs(batch, rope, None, batch.ep_num_tokens, self.kernels)
         return self.mtp(depth, self.embed_tokens(next_ids), hidden, step)
 
     def _mixers(self, kind: type[nn.Module]) -> list[nn.Module]:
@@ -188,8 +178,9 @@ class DecoderModel(CausalLM):
         if self.rope is not None:
             self.rope.reserve(batch.attn.max_kv_len)  # a host int: growing the table never syncs
             rope = self.rope(batch.attn.positions[:T])
-        plan = MambaStepPlan.build(batch.mamba) if self.num_blocks_of[LayerKind.MAMBA] else None
-        step = StepInputs(batch, rope, plan, batch.ep_num_tokens)
+        kernels = self.kernels
+        plan = MambaStepPlan.build(batch.mamba, kernels.triton_mamba) if self.num_blocks_of[LayerKind.MAMBA] else None
+        step = StepInputs(batch, rope, plan, batch.ep_num_tokens, kernels)
         x, residual = self.embed_tokens(input_ids), None
         if self.spec.residual_in_fp32:
             x = x.float()
@@ -197,8 +188,8 @@ class DecoderModel(CausalLM):
             x, residual = block(x, residual, step)
         inv = batch.batch_invariant
         if residual is None:
-            return self.final_norm(self.final_norm.in_dtype(x), inv)
-        return self.final_norm.add_and_norm(x, residual, inv)[0]
+            return self.final_norm(self.final_norm.in_dtype(x), inv, kernels.fused)
+        return self.final_norm.add_and_norm(x, residual, inv, kernels.fused)[0]
 
     def commit_speculative(self, out) -> None:
         """Mamba layers: each verify row's slot takes the state after its accepted drafts from
@@ -212,7 +203,7 @@ class DecoderModel(CausalLM):
         mamba_window_ops.commit_window_states(
             b.conv_states + b.ssm_states, b.conv_window_states + b.ssm_window_states,
             b.mamba.state_slots[: out.num_rows], out.accepted,
-            rows=None if b.mamba.window_tokens else out.num_drafts > 0,
+            rows=None if b.mamba.window_tokens else out.num_drafts > 0, triton=self.kernels.triton_mamba,
         )
 
     @property

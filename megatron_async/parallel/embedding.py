@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_async.kernels.linear import linear
+from megatron_async.kernels.linear_op import linear
 from megatron_async.parallel.communication import tp_all_gather_last_dim, tp_all_reduce
 from megatron_async.parallel.sharding import Sharding, sharded_param
 from megatron_async.parallel.state import ParallelState

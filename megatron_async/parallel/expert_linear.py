@@ -7,7 +7,7 @@ one FULL Hugging Face expert tensor (e.g. ``experts.5.gate_proj.weight``), skips
 other EP ranks and cuts this rank's TP slice through ``Sharding``. ``param.hf_names`` lists
 every HF tensor of the parameter (relative to the module's parent), so checkpoint loading
 (``models/weight_loading.py``) needs no expert-specific code. The layers hold weights only: the
-grouped GEMMs run in ``kernels/moe.py`` over tokens exchanged across the EP group."""
+grouped GEMMs run in ``kernels/moe_experts.py`` over tokens exchanged across the EP group."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -6,7 +6,7 @@ communication). Row-parallel: the input features are split and the partial produ
 summed over the TP group; the bias is added once after the sum. At tp_size 1 every layer is
 exactly ``F.linear`` with no collective, so single-GPU numerics are unchanged. Every forward
 takes ``batch_invariant`` (the step's ``ForwardBatch.batch_invariant``): the fixed-tile Triton
-matmul and the rank-ordered TP sum instead (see kernels/linear.py).
+matmul and the rank-ordered TP sum instead (see kernels/linear_op.py).
 
 Expert parallelism extends ``ParallelLinear``: an expert-sharded linear holds
 [num_local_experts, out, in] weights for the experts of ``parallel.ep_rank`` and its
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_async.kernels.linear import linear
+from megatron_async.kernels.linear_op import linear
 from megatron_async.parallel.communication import PendingSum, tp_all_reduce
 from megatron_async.parallel.sharding import REPLICATED, Sharding, ShardId, sharded_param
 from megatron_async.parallel.state import ParallelState

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch, MambaMetadata
+from megatron_async.forward_batch import AttentionMetadata, ForwardBatch, MambaMetadata
 from megatron_async.models.base import CausalLM
 
 

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async.config import ExpertExchange  # noqa: E402
-from megatron_async.kernels.attention import set_attention_backend  # noqa: E402
+from megatron_async.kernels.backends import KernelBackends  # noqa: E402
 from megatron_async.models.layers.block import StepInputs  # noqa: E402
 from megatron_async.models.layers.moe import MoEMixer  # noqa: E402
 from megatron_async.parallel.state import ParallelState  # noqa: E402
@@ -46,7 +46,6 @@ def _layer(parallel: ParallelState) -> MoEMixer:
 @torch.no_grad()
 def _worker(rank: int, world: int, tokens: list[int], iters: int) -> list[dict]:
     torch.cuda.set_device(rank)
-    set_attention_backend("triton", "cuda")
     base = ParallelState.from_torchrun(1, "cuda", expert_parallel_size=world)
     try:
         layers = {e: _layer(dataclasses.replace(base, ep_exchange=e)) for e in ExpertExchange}
@@ -54,7 +53,7 @@ def _worker(rank: int, world: int, tokens: list[int], iters: int) -> list[dict]:
         rows = []
         for T in tokens:
             x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
-            step = StepInputs(None, None, None, ep_num_tokens=T)
+            step = StepInputs(None, None, None, ep_num_tokens=T, kernels=KernelBackends(attention="triton"))
             gather, a2a = layers[ExpertExchange.ALL_GATHER], layers[ExpertExchange.ALL_TO_ALL]
             row = {"tokens": T,
                    "all_gather_eager": 1e3 * median_ms(lambda: gather(x, step), iters),
@@ -63,7 +62,7 @@ def _worker(rank: int, world: int, tokens: list[int], iters: int) -> list[dict]:
             torch.distributed.barrier()
             if single is not None:  # one GPU with the whole batch of all ranks (the same global work)
                 x_all = torch.randn(world * T, HIDDEN, device="cuda", dtype=DTYPE)
-                row["ep1_graph"] = 1e3 * median_ms(graph_replay(lambda: single(x_all)), iters)
+                row["ep1_graph"] = 1e3 * median_ms(graph_replay(lambda: single(x_all, StepInputs(None, None, None, kernels=step.kernels))), iters)
             torch.distributed.barrier()
             rows.append(row)
         return rows

@@ -94,15 +94,14 @@ def _mixed_stage(rank: int, world: int) -> float:
 
 
 def _layer_stage(rank: int, world: int) -> float:
-    from megatron_async.kernels.attention import set_attention_backend
+    from megatron_async.kernels.backends import KernelBackends
     from megatron_async.models.layers.block import StepInputs
     from megatron_async.testing.moe_layers import MOE_CONFIGS, build_moe_layer
     par = _group(rank, world)
     try:
-        set_attention_backend("triton", "cuda")
         layer = build_moe_layer(MOE_CONFIGS["softmax"], 64, par, device="cuda")
         x = torch.randn(5, 64, device="cuda")
-        step = StepInputs(None, None, None, ep_num_tokens=8)
+        step = StepInputs(None, None, None, ep_num_tokens=8, kernels=KernelBackends(attention="triton"))
         graph, out = capture(lambda: layer(x, step), error_mode="thread_local")
         x.copy_(torch.randn(5, 64, device="cuda"))
         graph.replay()

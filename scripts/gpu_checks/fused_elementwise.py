@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_async.kernels import attention, fused_ops  # noqa: E402
+from megatron_async.kernels import fused_ops  # noqa: E402
+from megatron_async.kernels.backends import KernelBackends  # noqa: E402
 from megatron_async.models.gpt import build_gpt  # noqa: E402
 from megatron_async.models.layers.norm import RMSNorm  # noqa: E402
 from megatron_async.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
@@ -39,12 +40,11 @@ def _outputs(fn: Ops) -> list[torch.Tensor]:
     return list(out) if isinstance(out, tuple) else [out]
 
 
-def compare(name: str, T: int, run: Ops, iters: int) -> None:
-    """``run`` executes the layers' code; the switch picks torch or fused."""
-    fused_ops.set_enabled(False)
-    ref, torch_dev, torch_host = _outputs(run), device_us(run, iters), host_us(run, iters)
-    fused_ops.set_enabled(True)
-    out, fused_dev, fused_host = _outputs(run), device_us(run, iters), host_us(run, iters)
+def compare(name: str, T: int, run, iters: int) -> None:
+    """``run(fused)`` executes the layers' code, torch or fused."""
+    unfused, fused = (lambda: run(False)), (lambda: run(True))
+    ref, torch_dev, torch_host = _outputs(unfused), device_us(unfused, iters), host_us(unfused, iters)
+    out, fused_dev, fused_host = _outputs(fused), device_us(fused, iters), host_us(fused, iters)
     max_abs = max(float((o.float() - r.float()).abs().max()) for o, r in zip(out, ref, strict=True))
     differ = sum(int((o != r).sum()) for o, r in zip(out, ref, strict=True)) / sum(r.numel() for r in ref)
     print(f"{name:<16}{T:>6}{max_abs:>11.2e}{differ:>10.2e}"
@@ -70,36 +70,37 @@ def check_ops(tokens: list[int], iters: int) -> None:
         k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(T, KV_HEADS, HEAD_DIM)
         cos, sin = rope(torch.randint(0, MAX_POS, (T,), generator=gen, device="cuda"))
 
-        def qk_norm_rope() -> tuple[torch.Tensor, torch.Tensor]:
-            if fused_ops.use_fused(q):
+        def qk_norm_rope(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            if fused_ops.use_fused(q, fused):
                 return fused_ops.rope_qk(q, k, cos, sin, q_norm.weight, k_norm.weight, EPS)
-            return apply_rotary(q_norm(q), cos, sin), apply_rotary(k_norm(k), cos, sin)
+            return apply_rotary(q_norm(q, fused=False), cos, sin), apply_rotary(k_norm(k, fused=False), cos, sin)
 
-        def rope_only() -> tuple[torch.Tensor, torch.Tensor]:
-            if fused_ops.use_fused(q):
+        def rope_only(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            if fused_ops.use_fused(q, fused):
                 return fused_ops.rope_qk(q, k, cos, sin)
             return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-        def silu_mul() -> torch.Tensor:
-            if fused_ops.use_fused(gate_up):
+        def silu_mul(fused: bool) -> torch.Tensor:
+            if fused_ops.use_fused(gate_up, fused):
                 return fused_ops.silu_and_mul(gate_up)
             gate, up = gate_up.split(INTER, dim=-1)
             return F.silu(gate) * up
 
-        compare("rms_norm", T, lambda: norm(x), iters)
-        compare("add_rms_norm", T, lambda: norm.add_and_norm(x, res), iters)
+        compare("rms_norm", T, lambda fused: norm(x, fused=fused), iters)
+        compare("add_rms_norm", T, lambda fused: norm.add_and_norm(x, res, fused=fused), iters)
         compare("q/k norm+rope", T, qk_norm_rope, iters)
         compare("rope q,k", T, rope_only, iters)
         compare("silu_and_mul", T, silu_mul, iters)
 
 
-def kernels_per_step(num_layers: int, batch: int) -> int:
+def kernels_per_step(num_layers: int, batch: int, fused: bool) -> int:
     """CUDA kernels of one decode step of ``batch`` rows of a Qwen3-0.6B-shaped model."""
     cfg = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": HIDDEN, "intermediate_size": INTER,
            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
            "num_hidden_layers": num_layers, "rms_norm_eps": EPS, "rope_theta": THETA,
            "max_position_embeddings": MAX_POS, "vocab_size": 1024, "tie_word_embeddings": True}
     model = build_gpt(cfg, DTYPE, "cuda")
+    model.kernels = KernelBackends.resolve("auto", "torch", "cuda", fused=fused)
     for p in model.parameters():
         p.normal_(0.0, 0.02)
     session = SimpleSession(model, max_seqs=batch, max_len=64, block_size=16)
@@ -114,11 +115,9 @@ def kernels_per_step(num_layers: int, batch: int) -> int:
 
 def check_kernel_counts(batch: int) -> None:
     for enabled in (False, True):
-        fused_ops.set_enabled(enabled)
-        one, three = kernels_per_step(1, batch), kernels_per_step(3, batch)
+        one, three = kernels_per_step(1, batch, enabled), kernels_per_step(3, batch, enabled)
         print(f"{'fused' if enabled else 'torch'}: {(three - one) / 2:.0f} CUDA kernels per decoder layer "
               f"(decode step of {batch} rows; 1-layer step {one} kernels)")
-    fused_ops.set_enabled(True)
 
 
 def main() -> None:
@@ -129,7 +128,6 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
-    attention.set_attention_backend("auto", "cuda")
     torch.manual_seed(0)
     with torch.no_grad():
         check_ops(args.tokens, args.iters)

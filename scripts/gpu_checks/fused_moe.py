@@ -18,8 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_async.kernels import attention, triton_fused_moe  # noqa: E402
+from megatron_async.kernels import triton_fused_moe  # noqa: E402
+from megatron_async.kernels.backends import KernelBackends  # noqa: E402
 from megatron_async.kernels.moe_torch import fused_experts_torch  # noqa: E402
+from megatron_async.models.layers.block import StepInputs  # noqa: E402
 from megatron_async.models.layers.moe import MoEMixer  # noqa: E402
 from megatron_async.models.moe_config import MoEConfig, RouterScore  # noqa: E402
 from megatron_async.parallel.state import ParallelState  # noqa: E402
@@ -27,6 +29,7 @@ from megatron_async.tools.cuda_timing import graph_replay, median_ms  # noqa: E4
 
 HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
 DTYPE = torch.bfloat16
+TRITON = StepInputs(None, None, None, kernels=KernelBackends(attention="triton"))  # the fused MoE experts
 CFG = MoEConfig(EXPERTS, TOP_K, INTER, gated=True, score=RouterScore.SOFTMAX, norm_topk_prob=True,
                 hf_gate="gate_proj", hf_up="up_proj", hf_down="down_proj", weights_in_model_dtype=True)
 
@@ -63,7 +66,7 @@ def sweep(layer: MoEMixer, tokens: list[int], iters: int, tiles: bool) -> None:
         x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
         ids, weights = layer.gate.route(x)
         print(f"\n{T} tokens: the layer by kernel (us per call in a graph)")
-        for name, us in kernel_table(lambda: layer(x), iters):
+        for name, us in kernel_table(lambda: layer(x, TRITON), iters):
             print(f"  {us:8.1f}  {name[:100]}")
         if not tiles:
             continue
@@ -106,30 +109,25 @@ def main() -> None:
           f"expert {expert_bytes / 1e6:.2f} MB  all experts {EXPERTS * expert_bytes / 1e9:.2f} GB")
     print(f"{'tokens':>6}{'active':>8}{'MB':>9}{'floor_us':>10}{'layer_graph':>13}{'x_floor':>9}"
           f"{'fused_us':>10}{'ref_us':>10}{'err':>10}")
-    previous = attention.get_attention_backend()
-    attention.set_attention_backend("triton", "cuda")
-    try:
-        with torch.no_grad():
-            if args.sweep or args.by_kernel:
-                sweep(layer, args.tokens, args.iters, tiles=args.sweep)
-                return
-            for T in args.tokens:
-                x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
-                ids, weights = layer.gate.route(x)
-                active = int(torch.unique(ids).numel())
-                nbytes = active * expert_bytes + layer.gate.weight.numel() * 2
-                floor_us = nbytes / (bw * 1e9) * 1e6
-                layer_us = 1e3 * median_ms(graph_replay(lambda: layer(x)), args.iters)
-                fused = lambda: triton_fused_moe.fused_experts(x, w13, w2, ids, weights, True)  # noqa: E731
-                ref = lambda: fused_experts_torch(x, w13, w2, ids, weights, True)  # noqa: E731
-                out, expect = fused(), ref()
-                err = float((out.float() - expect.float()).abs().max() / expect.float().abs().max())
-                fused_us = 1e3 * median_ms(fused, args.iters)
-                ref_us = 1e3 * median_ms(ref, max(3, args.iters // 5))
-                print(f"{T:>6}{active:>8}{nbytes / 1e6:>9.1f}{floor_us:>10.1f}{layer_us:>13.1f}"
-                      f"{layer_us / floor_us:>9.2f}{fused_us:>10.1f}{ref_us:>10.1f}{err:>10.2e}")
-    finally:
-        attention.set_attention_backend(previous, "cuda")
+    with torch.no_grad():
+        if args.sweep or args.by_kernel:
+            sweep(layer, args.tokens, args.iters, tiles=args.sweep)
+            return
+        for T in args.tokens:
+            x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+            ids, weights = layer.gate.route(x)
+            active = int(torch.unique(ids).numel())
+            nbytes = active * expert_bytes + layer.gate.weight.numel() * 2
+            floor_us = nbytes / (bw * 1e9) * 1e6
+            layer_us = 1e3 * median_ms(graph_replay(lambda: layer(x, TRITON)), args.iters)
+            fused = lambda: triton_fused_moe.fused_experts(x, w13, w2, ids, weights, True)  # noqa: E731
+            ref = lambda: fused_experts_torch(x, w13, w2, ids, weights, True)  # noqa: E731
+            out, expect = fused(), ref()
+            err = float((out.float() - expect.float()).abs().max() / expect.float().abs().max())
+            fused_us = 1e3 * median_ms(fused, args.iters)
+            ref_us = 1e3 * median_ms(ref, max(3, args.iters // 5))
+            print(f"{T:>6}{active:>8}{nbytes / 1e6:>9.1f}{floor_us:>10.1f}{layer_us:>13.1f}"
+                  f"{layer_us / floor_us:>9.2f}{fused_us:>10.1f}{ref_us:>10.1f}{err:>10.2e}")
 
 
 if __name__ == "__main__":

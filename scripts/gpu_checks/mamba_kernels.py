@@ -4,10 +4,9 @@ time (CUDA events after warm-up, median).
 Shapes are NemotronH-like: 128 heads of 64, d_state 128, 8 groups, conv kernel 4, bf16
 activations, fp32 SSM states. Decode: batches of 1..256 rows on slot pools; "torch" is the
 reference as the mixer runs it (gather the rows' states, step, scatter back), "triton" the
-in-place slot kernels, also replayed from a CUDA graph (checked equal to eager). Prefill:
-4096 tokens as 1, 4 or 16 (ragged) rows. Mixed steps: decode rows + a prefill chunk through the
-packed (varlen) conv + scan, eager and from a CUDA graph, vs the split route (decode kernels +
-padded scan). Then a small tile sweep of the SSD scan.
+in-place slot kernels, also replayed from a CUDA graph (checked equal to eager). Mixed steps:
+decode rows + a prefill chunk through the packed (varlen) conv + scan, eager and from a CUDA
+graph, vs the torch reference.
 
     python scripts/gpu_check.py mamba-kernels [--iters 10]
 """
@@ -22,10 +21,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_async.kernels.conv1d_torch import causal_conv1d, causal_conv1d_step  # noqa: E402
-from megatron_async.kernels.ssd_torch import ssd_chunked, ssd_step  # noqa: E402
+from megatron_async.kernels.conv1d_torch import causal_conv1d_step  # noqa: E402
+from megatron_async.kernels.ssd_torch import ssd_step  # noqa: E402
 from megatron_async.kernels.triton_mamba_decode import causal_conv1d_update, selective_state_update  # noqa: E402
-from megatron_async.kernels.triton_ssd_prefill import causal_conv1d_prefill, ssd_scan  # noqa: E402
 from megatron_async.tools.cuda_timing import median_ms
 
 H, P, N, G, K = 128, 64, 128, 8, 4
@@ -94,43 +92,11 @@ def check_decode(batch: int, iters: int) -> str:
             f"  graph {t_graph:7.3f} ms ({state_gb / t_graph * 1e3:6.0f} GB/s state)  graph==eager {graph_ok}")
 
 
-def prefill_inputs(lengths: list[int]) -> tuple[torch.Tensor, ...]:
-    b, L = len(lengths), max(lengths)
-    x, B, C = (torch.randn(b, L, *s, device=DEV, dtype=BF16) for s in ((H, P), (G, N), (G, N)))
-    dt = F.softplus(torch.randn(b, L, H, device=DEV) - 2)
-    for r, n in enumerate(lengths):
-        dt[r, n:] = 0
-    A, D = -torch.rand(H, device=DEV) * 4 - 0.5, torch.randn(H, device=DEV)
-    return x, dt, A, B, C, D, torch.randn(b, H, P, N, device=DEV)
-
-
-def check_prefill(lengths: list[int], iters: int) -> str:
-    x, dt, A, B, C, D, init = prefill_inputs(lengths)
-    ref = ssd_chunked(x, dt, A, B, C, 128, D, init)
-    fast = ssd_scan(x, dt, A, B, C, D, init)
-    err = max(rel_err(fast[0], ref[0]), rel_err(fast[1], ref[1]))
-    t_ref = median_ms(lambda: ssd_chunked(x, dt, A, B, C, 128, D, init), iters)
-    t_fast = median_ms(lambda: ssd_scan(x, dt, A, B, C, D, init), iters)
-
-    b, L = len(lengths), max(lengths)
-    cx, w, bias = (torch.randn(*s, device=DEV, dtype=BF16) for s in ((b, L, CONV_DIM), (CONV_DIM, K), (CONV_DIM,)))
-    cinit, lens = torch.randn(b, CONV_DIM, K - 1, device=DEV, dtype=BF16), torch.tensor(lengths, device=DEV)
-    cref, cfast = causal_conv1d(cx, w, bias, cinit, lens), causal_conv1d_prefill(cx, w, bias, cinit, lens)
-    cerr = max(rel_err(cfast[0], cref[0]), rel_err(cfast[1], cref[1]))
-    tc_ref = median_ms(lambda: causal_conv1d(cx, w, bias, cinit, lens), iters)
-    tc_fast = median_ms(lambda: causal_conv1d_prefill(cx, w, bias, cinit, lens), iters)
-    name = f"{b}x{L}" if len(set(lengths)) == 1 else f"{b} ragged, max {L}"
-    return (f"prefill {name:<18s} ssd: err {err:.1e} torch {t_ref:7.2f} ms triton {t_fast:7.2f} ms | "
-            f"conv: err {cerr:.1e} torch {tc_ref:6.2f} ms triton {tc_fast:6.2f} ms")
-
-
 def check_mixed(num_decode: int, chunk: int, iters: int) -> str:
-    """A mixed step: ``num_decode`` decode rows + one prefill chunk. "packed": the varlen conv +
-    scan of mixed steps (what a mixed CUDA graph replays), vs "split": the decode kernels for the
-    one-token rows plus the padded conv + scan for the chunk (the mixer's route before). Error vs
-    the torch reference (per row, as the TORCH backend runs it)."""
-    from megatron_async.config import MambaBackend
-    from megatron_async.kernels import mamba_ops, mamba_varlen_ops
+    """A mixed step: ``num_decode`` decode rows + one prefill chunk through the varlen conv + scan
+    of mixed steps (what a mixed CUDA graph replays). Error vs the torch reference (per row, as
+    the mixer runs it without the kernels)."""
+    from megatron_async.kernels import mamba_varlen_ops
 
     lengths = [1] * num_decode + [chunk]
     R, T = len(lengths), sum(lengths)
@@ -145,58 +111,28 @@ def check_mixed(num_decode: int, chunk: int, iters: int) -> str:
     conv_pool = torch.randn(R + 16, CONV_DIM, K - 1, device=DEV, dtype=BF16)
     ssm_pool = torch.randn(R + 16, H, P, N, device=DEV)
 
-    def packed(pools):
-        rows = mamba_varlen_ops.varlen_rows(slots, has_init, cu, tok_row, order, 1, chunk)
+    def packed(pools, triton=True):
+        rows = mamba_varlen_ops.varlen_rows(slots, has_init, cu, tok_row, order, 1, chunk, triton=triton)
         out = mamba_varlen_ops.conv1d_varlen_inplace(xbc, w, bias, pools[0], rows)
         xs, B, C = out.split([H * P, G * N, G * N], dim=-1)
         return mamba_varlen_ops.ssd_varlen_inplace(xs.unflatten(-1, (H, P)), dt, A, B.unflatten(-1, (G, N)),
                                                    C.unflatten(-1, (G, N)), D, pools[1], rows, 128)
 
-    def split(pools):
-        d = slice(0, num_decode)
-        out = causal_conv1d_update(xbc[d], w, bias, pools[0], slots=slots[d], has_initial_state=has_init[d])
-        xs, B, C = out.split([H * P, G * N, G * N], dim=-1)
-        y = selective_state_update(xs.unflatten(-1, (H, P)), dt[d], A, B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N)), D,
-                                   pools[1], slots=slots[d], has_initial_state=has_init[d])
-        c_out, c_fin = causal_conv1d_prefill(xbc[None, num_decode:], w, bias, pools[0][slots[-1:]])
-        xs, B, C = c_out.split([H * P, G * N, G * N], dim=-1)
-        y2, s_fin = ssd_scan(xs.unflatten(-1, (H, P)), dt[None, num_decode:], A, B.unflatten(-1, (G, N)),
-                             C.unflatten(-1, (G, N)), D, pools[1][slots[-1:]])
-        pools[0][slots[-1]] = c_fin[0]
-        pools[1][slots[-1]] = s_fin[0]
-        return torch.cat([y, y2[0]])
-
     pools = lambda: (conv_pool.clone(), ssm_pool.clone())  # noqa: E731
     ref_pools = pools()
-    saved = mamba_ops.get_mamba_backend()
-    try:
-        mamba_ops.set_mamba_backend(MambaBackend.TORCH, DEV)
-        ref = packed(ref_pools)
-        mamba_ops.set_mamba_backend(MambaBackend.TRITON, DEV)
-        got_pools = pools()
-        got = packed(got_pools)
-        err = max(rel_err(got, ref), rel_err(got_pools[1][slots], ref_pools[1][slots]))
-        p1, p2 = pools(), pools()
-        t_packed = median_ms(lambda: packed(p1), iters)
-        t_split = median_ms(lambda: split(p2), iters)
-        graph, p3 = torch.cuda.CUDAGraph(), pools()
+    ref = packed(ref_pools, triton=False)
+    got_pools = pools()
+    got = packed(got_pools)
+    err = max(rel_err(got, ref), rel_err(got_pools[1][slots], ref_pools[1][slots]))
+    p1 = pools()
+    t_packed = median_ms(lambda: packed(p1), iters)
+    graph, p3 = torch.cuda.CUDAGraph(), pools()
+    packed(p3)
+    with torch.cuda.graph(graph):
         packed(p3)
-        with torch.cuda.graph(graph):
-            packed(p3)
-        t_graph = median_ms(graph.replay, iters)
-    finally:
-        mamba_ops.set_mamba_backend(saved, DEV)
+    t_graph = median_ms(graph.replay, iters)
     return (f"mixed {num_decode:>3d} decode rows + {chunk:>4d}-token chunk: err {err:.1e} packed {t_packed:6.2f} ms "
-            f"(graph {t_graph:6.2f} ms) split {t_split:6.2f} ms")
-
-
-def sweep_scan(iters: int) -> list[str]:
-    x, dt, A, B, C, D, init = prefill_inputs([4096])
-    lines = []
-    for block_t, block_p, warps in [(16, 32, 4), (32, 32, 4), (32, 32, 8), (16, 64, 4), (32, 64, 8)]:
-        ms = median_ms(lambda: ssd_scan(x, dt, A, B, C, D, init, block_t=block_t, block_p=block_p, num_warps=warps), iters)
-        lines.append(f"  ssd_scan 1x4096 block_t={block_t:<3d} block_p={block_p:<3d} warps={warps}: {ms:7.2f} ms")
-    return lines
+            f"(graph {t_graph:6.2f} ms)")
 
 
 def main() -> None:
@@ -209,12 +145,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: heads {H}, head_dim {P}, d_state {N}, groups {G}, bf16 activations")
     for batch in (1, 8, 64, 256):
         print(check_decode(batch, args.iters))
-    ragged = [700, 40, 1500, 256, 1, 300, 120, 900, 2, 77, 60, 33, 11, 64, 30, 2]  # 4096 tokens
-    for lengths in ([4096], [1024] * 4, ragged):
-        print(check_prefill(lengths, args.iters))
     for num_decode, chunk in ((127, 1024), (127, 64), (16, 2048)):
         print(check_mixed(num_decode, chunk, args.iters))
-    print("\n".join(sweep_scan(args.iters)))
 
 
 if __name__ == "__main__":

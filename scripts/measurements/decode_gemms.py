@@ -18,7 +18,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from megatron_async.kernels.linear import _invariant_linear
+from megatron_async.kernels.linear_op import _invariant_linear
 from megatron_async.kernels.triton_act import silu_and_mul
 from megatron_async.tools.cuda_timing import graph_call_us
 from megatron_async.tools.roofline import measure_copy_bandwidth

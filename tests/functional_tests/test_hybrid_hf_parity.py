@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_async.inference.contexts.metadata import MambaMetadata
+from megatron_async.forward_batch import MambaMetadata
 from megatron_async.models.checkpoint import load_checkpoint, read_hf_config
 from megatron_async.models.hybrid import build_hybrid
 from megatron_async.testing.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint

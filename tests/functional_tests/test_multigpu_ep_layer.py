@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_async.config import ExpertExchange
-from megatron_async.kernels.attention import set_attention_backend
+from megatron_async.kernels.backends import KernelBackends
 from megatron_async.models.layers.block import StepInputs
 from megatron_async.parallel.state import ParallelState
 from megatron_async.testing.moe_layers import MOE_CONFIGS, build_moe_layer
@@ -21,11 +21,11 @@ pytestmark = pytest.mark.multigpu
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 HIDDEN = 64
+TRITON = KernelBackends(attention="triton")  # the fused MoE kernels (the torch loop syncs: not capturable)
 
 
 def _worker(rank: int, world: int) -> dict:
     torch.cuda.set_device(rank)
-    set_attention_backend("triton", "cuda")  # the fused MoE kernels (the torch loop syncs: not capturable)
     base = ParallelState.from_torchrun(1, "cuda", expert_parallel_size=world)
     try:
         errors = {}
@@ -33,15 +33,16 @@ def _worker(rank: int, world: int) -> dict:
         for kind, cfg in MOE_CONFIGS.items():
             full = build_moe_layer(cfg, HIDDEN, ParallelState(), device="cuda")
             x = torch.randn(counts[rank], HIDDEN, device="cuda", generator=torch.Generator("cuda").manual_seed(rank))
-            step = StepInputs(None, None, None, ep_num_tokens=max(counts))
+            step = StepInputs(None, None, None, ep_num_tokens=max(counts), kernels=TRITON)
+            full_step = StepInputs(None, None, None, kernels=TRITON)
             for exchange in ExpertExchange:
                 layer = build_moe_layer(cfg, HIDDEN, dataclasses.replace(base, ep_exchange=exchange), device="cuda")
                 out = layer(x, step)
-                errors[f"{kind}_{exchange.value}"] = float((out - full(x)).abs().max()) if x.numel() else 0.0
+                errors[f"{kind}_{exchange.value}"] = float((out - full(x, full_step)).abs().max()) if x.numel() else 0.0
         # graph replay of the all-gather layer: capture on every rank, new tokens, replay
         layer = build_moe_layer(MOE_CONFIGS["softmax"], HIDDEN, base, device="cuda")
         x = torch.zeros(max(counts), HIDDEN, device="cuda")
-        step = StepInputs(None, None, None, ep_num_tokens=max(counts))
+        step = StepInputs(None, None, None, ep_num_tokens=max(counts), kernels=TRITON)
         # thread_local: NCCL's watchdog thread polls events during the capture ("global" mode
         # would fail the capture on whichever rank it hits first, and the other rank would hang)
         graph, out = capture(lambda: layer(x, step), error_mode="thread_local")

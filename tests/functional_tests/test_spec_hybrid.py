@@ -31,8 +31,8 @@ def plan_kinds(monkeypatch):
     seen: set[str] = set()
     build = mamba_step_plan.MambaStepPlan.build.__func__
 
-    def spy(cls, meta):
-        plan = build(cls, meta)
+    def spy(cls, meta, triton=False):
+        plan = build(cls, meta, triton)
         if plan.window_only:
             seen.add("uniform")
         elif plan.window is not None:

@@ -97,9 +97,9 @@ def test_mtp_drafts_equal_dense_reference(ckpts, async_scheduling, monkeypatch):
     """Draft 1 of every row (and the whole chain where its KV blocks are reserved) equals the
     dense reference's greedy drafts from the final sequence: the teacher-forced MTP KV of every
     prefill chunk and verify window holds the true next tokens, rejected positions overwritten."""
-    from megatron_async.inference.speculative import mtp_drafter
+    from megatron_async.inference.speculative import factory
 
-    monkeypatch.setattr(mtp_drafter, "MTPDrafter", RecordingMTPDrafter)  # what the model's factory builds
+    monkeypatch.setattr(factory, "MTPDrafter", RecordingMTPDrafter)  # what the drafter factory builds
     path = ckpts["random"]
     llm = make_llm(path, num_speculative_tokens=K, async_scheduling=async_scheduling, **CFG)
     drafter = llm.context.spec.drafter

@@ -1,6 +1,11 @@
-"""Layering of the package, read from the source (runtime imports; ``if TYPE_CHECKING:`` blocks
-are annotations only): no import cycle between modules, none between the contexts, engines and
-controllers packages, and library code never imports ``megatron_async.testing``."""
+"""Layering of the package, read from the source: imports anywhere in a module (also inside
+functions); ``if TYPE_CHECKING:`` blocks are annotations only and count where a test says so.
+
+Dependencies point one way (``LAYERS``): the step's data types (``forward_batch``,
+``step_shape``) and ``config`` at the bottom, then ``kernels``, ``parallel``, ``models``, then
+``inference`` and the entry points (``llm``, ``serve``, ``tools``) above. No import cycle
+between modules (annotations included), none between the contexts, engines and controllers
+packages, and library code never imports ``megatron_async.testing``."""
 from __future__ import annotations
 
 import ast
@@ -8,17 +13,30 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_async"
 
+LAYERS = (
+    ("megatron_async.config", "megatron_async.forward_batch", "megatron_async.step_shape"),
+    ("megatron_async.kernels",),
+    ("megatron_async.parallel",),
+    ("megatron_async.models",),
+    ("megatron_async.inference",),
+)
+"""From the bottom up: a module imports only from its own layer or those below. Everything
+else (``llm``, ``serve``, ``tools``, ``testing``, the package itself) is the top layer."""
 
-def _runtime_imports(tree: ast.Module) -> set[str]:
+
+def _imports(tree: ast.Module, modules: set[str], annotations: bool = False) -> set[str]:
+    """Modules of the package ``tree`` imports (``from pkg import sub`` counts as ``pkg.sub``
+    when ``pkg.sub`` is a module)."""
     found = set()
 
     def visit(nodes) -> None:
         for node in nodes:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and not annotations:
                 visit(node.orelse)
                 continue
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megatron_async"):
-                found.add(node.module)
+                subs = {f"{node.module}.{a.name}" for a in node.names} & modules
+                found.update(subs or {node.module})
             elif isinstance(node, ast.Import):
                 found.update(a.name for a in node.names if a.name.startswith("megatron_async"))
             for field in ("body", "orelse", "finalbody", "handlers"):
@@ -28,12 +46,11 @@ def _runtime_imports(tree: ast.Module) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    graph = {}
-    for path in PACKAGE.rglob("*.py"):
-        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
-        graph[name] = _runtime_imports(ast.parse(path.read_text()))
-    return graph
+def import_graph(annotations: bool = False) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (``annotations``: TYPE_CHECKING imports too)."""
+    sources = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in PACKAGE.rglob("*.py")}
+    return {name: _imports(ast.parse(path.read_text()), set(sources), annotations) for name, path in sources.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -60,22 +77,75 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def _in(module: str, roots: tuple[str, ...]) -> bool:
+    return any(module == r or module.startswith(r + ".") for r in roots)
+
+
+def _rooms(graph: dict[str, set[str]], rooms: tuple[str, ...]) -> dict[str, set[str]]:
+    """The graph between ``rooms`` (packages or modules; a module belongs to the longest room
+    that holds it, modules of no room are left out)."""
+
+    def room(module: str) -> str | None:
+        return max((r for r in rooms if _in(module, (r,))), key=len, default=None)
+
+    out: dict[str, set[str]] = {r: set() for r in rooms}
+    for module, deps in graph.items():
+        if room(module):
+            out[room(module)].update(room(d) for d in deps if room(d) not in (None, room(module)))
+    return out
+
+
+def layer(module: str) -> int:
+    return next((i for i, rooms in enumerate(LAYERS) if _in(module, rooms)), len(LAYERS))
+
+
+def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Modules -> what they import from a layer above their own."""
+    found = {m: sorted(d for d in deps if layer(d) > layer(m)) for m, deps in graph.items()}
+    return {m: d for m, d in found.items() if d}
+
+
 def test_no_module_import_cycle():
     assert _cycle(import_graph()) is None
+
+
+def test_no_module_cycle_through_annotations():
+    """Type annotations are dependencies too: a TYPE_CHECKING import never closes a circle."""
+    assert _cycle(import_graph(annotations=True)) is None
+
+
+def test_layers_import_nothing_above():
+    """The step types, kernels/, parallel/, models/ and inference/ read nothing of a layer above
+    theirs (kernels/ and models/ nothing of inference/), also not lazily inside a function nor
+    for annotations."""
+    assert upward_imports(import_graph(annotations=True)) == {}
+
+
+def test_upward_import_detector_sees_a_planted_import():
+    """The check above fails on an upward import: one planted in kernels/ (inside a function,
+    where a lazy import would hide) and one in models/ for annotations only."""
+    graph = import_graph(annotations=True)
+    graph["megatron_async.kernels.attention"] = graph["megatron_async.kernels.attention"] | {
+        "megatron_async.inference.contexts.dynamic_context"}
+    sources = {"megatron_async.models.decoder", "megatron_async.inference.speculative.mtp_drafter"}
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                     "    from megatron_async.inference.speculative import mtp_drafter\n")
+    graph["megatron_async.models.decoder"] |= _imports(tree, sources, annotations=True)
+    assert upward_imports(graph) == {
+        "megatron_async.kernels.attention": ["megatron_async.inference.contexts.dynamic_context"],
+        "megatron_async.models.decoder": ["megatron_async.inference.speculative.mtp_drafter"]}
 
 
 def test_contexts_engines_controllers_are_layered():
     rooms = ("megatron_async.inference.contexts", "megatron_async.inference.engines",
              "megatron_async.inference.text_generation_controllers", "megatron_async.models")
+    assert _cycle(_rooms(import_graph(), rooms)) is None
 
-    def room(module: str) -> str | None:
-        return next((r for r in rooms if module == r or module.startswith(r + ".")), None)
 
-    graph: dict[str, set[str]] = {r: set() for r in rooms}
-    for module, deps in import_graph().items():
-        if room(module):
-            graph[room(module)].update(room(d) for d in deps if room(d) not in (None, room(module)))
-    assert _cycle(graph) is None
+def test_cycle_detector_finds_a_planted_cycle():
+    graph = import_graph()
+    graph["megatron_async.config"] = graph["megatron_async.config"] | {"megatron_async.llm"}
+    assert _cycle(graph) is not None
 
 
 def test_library_never_imports_testing():

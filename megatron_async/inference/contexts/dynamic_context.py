@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_async.config import InferenceConfig
+from megatron_async.forward_batch import AttentionMetadata, ForwardBatch, MambaMetadata
 from megatron_async.inference.contexts.bookkeeping_layout import BookkeepingLayout, FieldSpec
 from megatron_async.inference.contexts.decode_rows import DecodeRows
 from megatron_async.inference.contexts.general_rows import assemble_rows
@@ -20,11 +21,10 @@ from megatron_async.inference.contexts.kv_block_allocator import KVBlockAllocato
 from megatron_async.inference.contexts.mamba_states import MambaStateManager, window_rows
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
 from megatron_async.inference.contexts.spec_state import SpecState
-from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch, MambaMetadata
 from megatron_async.inference.contexts.step_errors import RequestStepError
-from megatron_async.inference.contexts.step_shape import StepShape
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest, Status
+from megatron_async.step_shape import StepShape
 
 if TYPE_CHECKING:  # type-only: engines and models import contexts, not the reverse
     from megatron_async.inference.engines.step_plan import StepPlan

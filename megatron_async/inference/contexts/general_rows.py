@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_async.forward_batch import longest_first, mamba_row_order
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK
-from megatron_async.inference.contexts.metadata import longest_first, mamba_row_order
 from megatron_async.inference.contexts.step_errors import RequestStepError, RowUndo, row_of_bad_value
-from megatron_async.inference.contexts.step_shape import StepShape
 from megatron_async.inference.request import DynamicInferenceRequest
+from megatron_async.step_shape import StepShape
 
 if TYPE_CHECKING:
     from megatron_async.inference.engines.step_plan import StepPlan

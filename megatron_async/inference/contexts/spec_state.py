@@ -15,15 +15,22 @@ tokens then) and freed at release / eviction; rows that sample nothing, and padd
 point at the extra padding slot, whose contents are never read for a real row."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest
 
-if TYPE_CHECKING:  # contexts never import the drafters at runtime
-    from megatron_async.inference.speculative.drafter import Drafter
+
+class SlotDrafter(Protocol):
+    """What the slots need of the engine's drafter (a ``speculative.drafter.Drafter``: the
+    drafters sit above the contexts, which never import them): per-slot state allocated once,
+    then filled whenever a request gets a slot."""
+
+    def bind(self, spec: SpecState) -> None: ...
+
+    def on_admit(self, req: DynamicInferenceRequest, slot: int) -> None: ...
 
 
 class SpecState:
@@ -38,14 +45,14 @@ class SpecState:
         self.shortfall = torch.zeros(n, dtype=torch.int64, device=dev)
         self.drafts = torch.zeros(n, K, dtype=torch.int64, device=dev)
         self._free = list(range(max_requests - 1, -1, -1))
-        self.drafter: Drafter | None = None
+        self.drafter: SlotDrafter | None = None
 
     @property
     def num_slots(self) -> int:
         """Slots including the padding slot (the drafters size their per-slot state by it)."""
         return self.padding_slot + 1
 
-    def set_drafter(self, drafter: Drafter) -> None:
+    def set_drafter(self, drafter: SlotDrafter) -> None:
         drafter.bind(self)
         self.drafter = drafter
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from megatron_async.inference.contexts.metadata import ForwardBatch
+    from megatron_async.forward_batch import ForwardBatch
     from megatron_async.inference.contexts.spec_state import SpecState
     from megatron_async.inference.device import DeviceFacade
     from megatron_async.inference.request import DynamicInferenceRequest

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_async.inference.contexts.metadata import AttentionMetadata, ForwardBatch
+from megatron_async.forward_batch import AttentionMetadata, ForwardBatch
 from megatron_async.inference.contexts.spec_state import SpecState
 from megatron_async.inference.request import DynamicInferenceRequest
 from megatron_async.inference.speculative.drafter import Drafter, TokenHistory, VerifyOutputs

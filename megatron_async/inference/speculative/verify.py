@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_async.inference.contexts.metadata import ForwardBatch
+from megatron_async.forward_batch import ForwardBatch
 from megatron_async.inference.contexts.spec_state import SpecState
 from megatron_async.inference.speculative.drafter import VerifyOutputs
 

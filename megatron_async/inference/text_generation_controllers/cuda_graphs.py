@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from megatron_async.config import InferenceConfig
-from megatron_async.inference.contexts.dynamic_context import StepShape
 from megatron_async.inference.text_generation_controllers.graph_plan import (
     GraphKey, GraphPlan, SamplingVariant, variant_flags, variant_index, variant_of_params,
 )
+from megatron_async.step_shape import StepShape
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext, StepShape
+from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.engines.async_pipeline import PendingLaunch, reconcile
 from megatron_async.inference.engines.step_plan import StepPlan
 from megatron_async.inference.nvtx import nvtx_range
@@ -28,6 +28,7 @@ from megatron_async.inference.text_generation_controllers.sampler import Sampler
 from megatron_async.inference.text_generation_controllers.warmup import WarmupReport, run_warmup
 from megatron_async.kernels import fused_ops
 from megatron_async.models.base import CausalLM
+from megatron_async.step_shape import StepShape
 
 
 @dataclass

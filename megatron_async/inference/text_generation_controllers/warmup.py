@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_async.inference import triton_builds
-from megatron_async.inference.contexts.dynamic_context import StepShape
 from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant, variant_flags
+from megatron_async.step_shape import StepShape
 
 
 @dataclass
@@ -114,11 +114,8 @@ def eager_shapes(controller) -> list[tuple[StepShape, int]]:
 
 def _decode_split_count(controller):
     """The Triton decode kernel's split count as a function of rows (None: another backend)."""
-    from megatron_async.config import AttentionBackend
-    from megatron_async.kernels.attention import get_attention_backend
-
     ctx = controller.context
-    if get_attention_backend() != AttentionBackend.TRITON or not ctx.device.is_cuda:
+    if not controller.model.kernels.triton_attention or not ctx.device.is_cuda:
         return None
     from megatron_async.kernels.triton_decode_attention import choose_num_splits
 

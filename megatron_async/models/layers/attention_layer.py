@@ -41,13 +41,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         T = x.shape[0]
-        inv = step.batch.batch_invariant
+        inv, kernels = step.batch.batch_invariant, step.kernels
         q, k, v = self.qkv_proj(x, inv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         kv_cache = step.batch.kv_caches[self.kv_index]
-        if step.rope is not None and (inv or fused_ops.use_fused(q)):  # q/k norm + rope of q and k, per token
+        if step.rope is not None and (inv or fused_ops.use_fused(q, kernels.fused)):  # q/k norm + rope of q and k, per token
             norm = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             # the same kernel stores k and v in the paged cache (attend then skips its append)
             q, k = fused_ops.rope_qk(q, k, *step.rope, *norm, v=v, kv_cache=kv_cache,
@@ -55,8 +55,8 @@ class Attention(nn.Module):
             v = None
         else:
             if self.q_norm is not None:
-                q, k = self.q_norm(q, inv), self.k_norm(k, inv)
+                q, k = self.q_norm(q, inv, kernels.fused), self.k_norm(k, inv, kernels.fused)
             if step.rope is not None:
                 q, k = self._rotate(q, *step.rope), self._rotate(k, *step.rope)
-        out = attend(q, k, v, kv_cache, step.batch.attn, self.head_dim**-0.5, inv)
+        out = attend(q, k, v, kv_cache, step.batch.attn, self.head_dim**-0.5, inv, kernels.attention)
         return self.o_proj(out.reshape(T, self.q_size), inv)

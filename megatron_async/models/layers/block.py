@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megatron_async.inference.contexts.metadata import ForwardBatch
+from megatron_async.forward_batch import ForwardBatch
+from megatron_async.kernels.backends import KernelBackends
 from megatron_async.models.layers.mamba_step_plan import MambaStepPlan
 from megatron_async.models.layers.norm import RMSNorm
 from megatron_async.parallel.linear import RowParallelLinear
@@ -38,6 +39,8 @@ class StepInputs:
     ep_num_tokens: int | None = None
     """Expert parallelism: the agreed per-rank padded token count of the MoE token exchange
     (``ForwardBatch.ep_num_tokens``); None without expert parallelism."""
+    kernels: KernelBackends = KernelBackends()
+    """The model's kernels (``CausalLM.kernels``)."""
 
 
 class Block(nn.Module):
@@ -55,9 +58,9 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous mixer's output (maybe a ``PendingSum``), or the embeddings when
         ``residual`` is None. Returns (this mixer's output, the residual stream before it)."""
-        inv = step.batch.batch_invariant
+        inv, fused = step.batch.batch_invariant, step.kernels.fused
         if residual is None:
-            h, residual = self.norm(self.norm.in_dtype(x), inv), x
+            h, residual = self.norm(self.norm.in_dtype(x), inv, fused), x
         else:
-            h, residual = self.norm.add_and_norm(x, residual, inv)
+            h, residual = self.norm.add_and_norm(x, residual, inv, fused)
         return self.mixer(h, step), residual

@@ -100,15 +100,16 @@ class Mamba2Mixer(nn.Module):
 
     def _step_rows(
         self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor,
-        conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
+        conv_pool: torch.Tensor, ssm_pool: torch.Tensor, triton: bool,
     ) -> torch.Tensor:
         """One token per row: xbc [S, conv_dim], dt [S, H] -> y [S, H, P] float32. The rows'
         states are advanced in place in their slots (distinct per real row)."""
         conv_out = mamba_ops.conv1d_decode_inplace(
-            xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_pool, slots, has_init
+            xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_pool, slots, has_init, triton=triton
         )
         xs, B, C = self._split_xbc(conv_out)
-        return mamba_ops.ssd_decode_inplace(xs, dt, self._A(), B, C, self.D.float(), ssm_pool, slots, has_init)
+        return mamba_ops.ssd_decode_inplace(xs, dt, self._A(), B, C, self.D.float(), ssm_pool, slots, has_init,
+                                            triton=triton)
 
     def _varlen_rows(self, xbc: torch.Tensor, dt: torch.Tensor, rows: VarlenRows, conv_pool: torch.Tensor,
                      ssm_pool: torch.Tensor) -> torch.Tensor:
@@ -122,17 +123,19 @@ class Mamba2Mixer(nn.Module):
     def _window_rows(
         self, xbc: torch.Tensor, dt: torch.Tensor, w: PaddedRows | None, T: int, slots: torch.Tensor,
         has_init: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
-        conv_scratch: torch.Tensor, ssm_scratch: torch.Tensor,
+        conv_scratch: torch.Tensor, ssm_scratch: torch.Tensor, triton: bool,
     ) -> torch.Tensor:
         """Verification windows: rows laid out [W, T] (``w``'s padded gather, or a plain reshape
         when ``w`` is None: every token is a window token) -> y [W * T, H, P] float32."""
         xbc_w = xbc.view(-1, T, self.conv_dim) if w is None else xbc[w.gather]
         dt_w = dt.view(-1, T, self.num_heads) if w is None else dt[w.gather]
         conv_out = mamba_window_ops.conv1d_window(
-            xbc_w, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_pool, conv_scratch, slots, has_init
+            xbc_w, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_pool, conv_scratch, slots, has_init,
+            triton=triton,
         )
         xs, B, C = self._split_xbc(conv_out)
-        y = mamba_window_ops.ssd_window(xs, dt_w, self._A(), B, C, self.D.float(), ssm_pool, ssm_scratch, slots, has_init)
+        y = mamba_window_ops.ssd_window(xs, dt_w, self._A(), B, C, self.D.float(), ssm_pool, ssm_scratch, slots,
+                                        has_init, triton=triton)
         return y.flatten(0, 1)
 
     def _A(self) -> torch.Tensor:
@@ -158,15 +161,17 @@ class Mamba2Mixer(nn.Module):
         if (plan.window_only or plan.window is not None) and window_scratch is None:
             raise ValueError("a step with speculative verification rows needs the Mamba window scratch")
         if plan.window_only:
-            y = self._window_rows(xbc, dt, None, plan.window_only, plan.slots, plan.has_initial_state, *pools, *window_scratch)
+            y = self._window_rows(xbc, dt, None, plan.window_only, plan.slots, plan.has_initial_state, *pools,
+                                  *window_scratch, plan.triton)
         elif plan.identity_order:
-            y = self._step_rows(xbc, dt, plan.slots, plan.has_initial_state, *pools)
+            y = self._step_rows(xbc, dt, plan.slots, plan.has_initial_state, *pools, plan.triton)
         else:
             y = self._varlen_rows(xbc, dt, plan.varlen, *pools)
             w = plan.window
             if w is not None:  # verification windows beside other rows (eager speculative steps)
                 T_w = w.gather.shape[1]
-                y_w = self._window_rows(xbc, dt, w, T_w, plan.slots[w.rows], plan.has_initial_state[w.rows], *pools, *window_scratch)
+                y_w = self._window_rows(xbc, dt, w, T_w, plan.slots[w.rows], plan.has_initial_state[w.rows], *pools,
+                                        *window_scratch, plan.triton)
                 y_ext = torch.cat([y, y.new_empty(1, *y.shape[1:])])  # y_ext[T] takes the pads
                 w.scatter(y_ext, y_w.unflatten(0, (-1, T_w)))
                 y = y_ext[:T]

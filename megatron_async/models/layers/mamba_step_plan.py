@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_async.inference.contexts.metadata import MambaMetadata
+from megatron_async.forward_batch import MambaMetadata
 from megatron_async.kernels.mamba_varlen_ops import PaddedRows, VarlenRows, padded_rows, varlen_rows
 
 
@@ -33,17 +33,20 @@ class MambaStepPlan:
     window_only: int = 0
     """T > 0: every row is a verification window of exactly T tokens, so tokens reshape to
     [R, T] with no gather or scatter."""
+    triton: bool = False
+    """The mixers run the Triton kernels (the model's ``KernelBackends.triton_mamba``), else the
+    torch reference."""
 
     @classmethod
-    def build(cls, meta: MambaMetadata) -> MambaStepPlan:
+    def build(cls, meta: MambaMetadata, triton: bool = False) -> MambaStepPlan:
         R, W = meta.num_rows, meta.num_window_rows
         slots, has_init = meta.state_slots[:R], meta.has_initial_state[:R]
         if meta.window_tokens:
-            return cls(slots, has_init, window_only=meta.window_tokens)
+            return cls(slots, has_init, window_only=meta.window_tokens, triton=triton)
         if meta.is_decode_only and not W:
-            return cls(slots, has_init, identity_order=True)
+            return cls(slots, has_init, identity_order=True, triton=triton)
         order, cu = meta.row_order[:R], meta.cu_query_lens[: R + 1]
         rows = varlen_rows(slots, has_init, cu, meta.token_to_row, order[W:], meta.num_scan_rows, meta.max_query_len,
-                           skip_rows=order[:W] if W else None)
+                           skip_rows=order[:W] if W else None, triton=triton)
         window = padded_rows(order[:W], cu, meta.token_to_row.shape[0], meta.max_window_len) if W else None
-        return cls(slots, has_init, varlen=rows, window=window)
+        return cls(slots, has_init, varlen=rows, window=window, triton=triton)

@@ -25,12 +25,13 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor:
         inv = step is not None and step.batch.batch_invariant
-        if not inv and fused_ops.use_fused(x) and x.dim() == 2:
+        fused = step is None or step.kernels.fused
+        if not inv and fused_ops.use_fused(x, fused) and x.dim() == 2:
             act = fused_ops.swiglu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if act is not None:
                 return self.down_proj(act, inv)
         gate_up = self.gate_up_proj(x, inv)
-        if (inv or fused_ops.use_fused(gate_up)) and gate_up.dim() == 2:
+        if (inv or fused_ops.use_fused(gate_up, fused)) and gate_up.dim() == 2:
             act = fused_ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)

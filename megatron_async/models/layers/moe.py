@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_async.kernels import fused_ops
-from megatron_async.kernels.moe import fused_experts
+from megatron_async.kernels.backends import KernelBackends
+from megatron_async.kernels.moe_experts import fused_experts
 from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.layers.mlp import ReluSquaredMLP
 from megatron_async.models.layers.moe_router import TopKRouter
@@ -78,23 +79,26 @@ class RoutedExperts(nn.Module):
     def input_proj(self) -> ExpertColumnParallelLinear:
         return self.gate_up_proj if self.gated else self.up_proj
 
-    def _compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, self.input_proj.weight, self.down_proj.weight, ids, weights, self.gated)
+    def _compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 kernels: KernelBackends) -> torch.Tensor:
+        return fused_experts(x, self.input_proj.weight, self.down_proj.weight, ids, weights, self.gated,
+                             kernels.triton_moe)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                ep_num_tokens: int | None) -> torch.Tensor:
-        """x [n, in]; ids [n, k] global expert ids (int32); weights [n, k] float32 -> [n, in]."""
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ep_num_tokens: int | None,
+                kernels: KernelBackends = KernelBackends()) -> torch.Tensor:
+        """x [n, in]; ids [n, k] global expert ids (int32); weights [n, k] float32 -> [n, in].
+        ``kernels``: the model's (``KernelBackends.triton_moe`` picks the experts' kernel)."""
         p = self.parallel
         if p.ep_size == 1:
-            out = self._compute(x, ids, weights)
+            out = self._compute(x, ids, weights, kernels)
         elif p.ep_exchange == ExpertExchange.ALL_TO_ALL:
-            out = self._all_to_all(x, ids, weights)
+            out = self._all_to_all(x, ids, weights, kernels)
         else:
-            out = self._exchange(x, ids, weights, ep_num_tokens)
+            out = self._exchange(x, ids, weights, ep_num_tokens, kernels)
         return tp_all_reduce(out, p)
 
     def _exchange(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  ep_num_tokens: int | None) -> torch.Tensor:
+                  ep_num_tokens: int | None, kernels: KernelBackends) -> torch.Tensor:
         n = x.shape[0]
         if ep_num_tokens is None or ep_num_tokens < n:
             raise ValueError(f"MoE under expert parallelism needs the agreed padded token count of the step "
@@ -105,14 +109,15 @@ class RoutedExperts(nn.Module):
         h, k = x.shape[1], ids.shape[1]
         ids, weights = ids.to(torch.int32), weights.to(torch.float32)  # the bit layout below (no-ops as routed)
         # on CUDA one launch each way instead of pads + cat and two copies + a subtraction
-        pack, unpack = ((fused_ops.ep_pack, fused_ops.ep_unpack) if fused_ops.use_fused(x)
+        pack, unpack = ((fused_ops.ep_pack, fused_ops.ep_unpack) if fused_ops.use_fused(x, kernels.fused)
                         else (pack_exchange_rows, unpack_exchange_rows))
         packed = ep_all_gather(pack(x, ids, weights, ep_num_tokens, self.num_experts), self.parallel)
         local_ids, weights_all = unpack(packed, h, k, self.first_expert)
-        out_all = self._compute(packed[:, :h], local_ids, weights_all)
+        out_all = self._compute(packed[:, :h], local_ids, weights_all, kernels)
         return ep_reduce_scatter(out_all, self.parallel)[:n]
 
-    def _all_to_all(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _all_to_all(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    kernels: KernelBackends) -> torch.Tensor:
         """Each token goes once to every rank owning one of its experts (with ids local to that
         rank); the partial outputs come back the same way and are summed per token. Sizes are
         read on the host: eager only, and no agreed token count is needed."""
@@ -127,7 +132,7 @@ class RoutedExperts(nn.Module):
         routing = torch.cat([local, weights[token].view(torch.int32)], dim=1)
         x_recv = ep_all_to_all(x[token], send, recv_counts, p)
         routing_recv = ep_all_to_all(routing, send, recv_counts, p)
-        y = self._compute(x_recv, routing_recv[:, :k], routing_recv[:, k:].contiguous().view(torch.float32))
+        y = self._compute(x_recv, routing_recv[:, :k], routing_recv[:, k:].contiguous().view(torch.float32), kernels)
         y_back = ep_all_to_all(y, recv_counts, send, p)
         out = torch.zeros((n, y.shape[1]), dtype=torch.float32, device=x.device)
         return out.index_add_(0, token, y_back.float()).to(x.dtype)
@@ -152,9 +157,10 @@ class MoEMixer(nn.Module):
                                                  parallel, dtype, device)
 
     def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor:
-        ids, weights = self.gate.route(x)
+        kernels = KernelBackends() if step is None else step.kernels
+        ids, weights = self.gate.route(x, kernels.fused)
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
-        out = self.experts(h, ids, weights, None if step is None else step.ep_num_tokens)
+        out = self.experts(h, ids, weights, None if step is None else step.ep_num_tokens, kernels)
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         if self.shared_experts is not None:

@@ -24,10 +24,11 @@ class TopKRouter(ReplicatedLinear):
         if cfg.score_correction_bias:
             self.e_score_correction_bias = sharded_param((cfg.num_experts,), REPLICATED, torch.float32, device)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [n, hidden] -> (expert ids [n, k] int32, weights [n, k] float32)."""
+    def route(self, x: torch.Tensor, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, hidden] -> (expert ids [n, k] int32, weights [n, k] float32). ``fused``: the
+        model's ``KernelBackends.fused``."""
         cfg = self.cfg
-        if cfg.score == RouterScore.SOFTMAX and fused_ops.use_fused(x):  # one kernel after the router GEMM
+        if cfg.score == RouterScore.SOFTMAX and fused_ops.use_fused(x, fused):  # one kernel after the router GEMM
             round_to = x.dtype if cfg.weights_in_model_dtype else None
             return fused_ops.softmax_topk(F.linear(x, self.weight), cfg.top_k, cfg.norm_topk_prob, round_to)
         if cfg.score == RouterScore.SOFTMAX:

@@ -43,10 +43,10 @@ class MTPHeads(nn.Module):
     def forward(self, depth: int, embeds: torch.Tensor, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
         """embeds [T, H] (of the next tokens), hidden [T, H] -> normed output [T, H] (feed it to
         the LM head, or as ``hidden`` of the next chained step)."""
-        inv = step.batch.batch_invariant
-        e = self.pre_fc_norm_embedding(self.pre_fc_norm_embedding.in_dtype(embeds), inv)
-        h = self.pre_fc_norm_hidden(self.pre_fc_norm_hidden.in_dtype(hidden), inv)
+        inv, fused = step.batch.batch_invariant, step.kernels.fused
+        e = self.pre_fc_norm_embedding(self.pre_fc_norm_embedding.in_dtype(embeds), inv, fused)
+        h = self.pre_fc_norm_hidden(self.pre_fc_norm_hidden.in_dtype(hidden), inv, fused)
         x, residual = self.fc(torch.cat([e, h], dim=-1), inv), None
         for block in self.layers[depth]:
             x, residual = block(x, residual, step)
-        return self.norm.add_and_norm(x, residual, inv)[0]
+        return self.norm.add_and_norm(x, residual, inv, fused)[0]

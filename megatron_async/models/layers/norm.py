@@ -24,15 +24,16 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
-    def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False, fused: bool = True) -> torch.Tensor:
+        """``fused``: the model's ``KernelBackends.fused`` (the Triton kernel on CUDA tensors)."""
         # The Triton kernel reduces each row in one program, alone: batch-invariant mode
         # always takes it (torch's reductions pick their split from the whole tensor).
-        if (batch_invariant or fused_ops.use_fused(x)) and x.dtype == self.weight.dtype:
+        if (batch_invariant or fused_ops.use_fused(x, fused)) and x.dtype == self.weight.dtype:
             return fused_ops.rms_norm(x, self.weight, self.eps, self.cast_before_weight)
         return self._torch(x)
 
-    def add_and_norm(self, x: torch.Tensor | PendingSum, residual: torch.Tensor,
-                     batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor | PendingSum, residual: torch.Tensor, batch_invariant: bool = False,
+                     fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the pre-norm residual step, one kernel when fused.
         The sum is rounded to the residual stream's dtype (float32 for Mamba2's
         ``residual_in_fp32``), then cast to the weight's dtype and normalised. ``x`` may be a
@@ -43,10 +44,10 @@ class RMSNorm(nn.Module):
             if fused is not None:
                 return fused
             x = x.reduce()
-        if (batch_invariant or fused_ops.use_fused(x)) and x.dtype == residual.dtype == self.weight.dtype:
+        if (batch_invariant or fused_ops.use_fused(x, fused)) and x.dtype == residual.dtype == self.weight.dtype:
             return fused_ops.add_rms_norm(x, residual, self.weight, self.eps, self.cast_before_weight)
         residual = x + residual
-        return self(self.in_dtype(residual), batch_invariant), residual
+        return self(self.in_dtype(residual), batch_invariant, fused), residual
 
     def in_dtype(self, x: torch.Tensor) -> torch.Tensor:
         """x in the weight's dtype (a float32 residual stream is cast down before the norm)."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_async import InferenceConfig, SamplingParams
-from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext, StepShape
+from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
 from megatron_async.inference.request import DynamicInferenceRequest
@@ -16,6 +16,7 @@ from megatron_async.inference.text_generation_controllers.graph_plan import (
 )
 from megatron_async.inference.text_generation_controllers.warmup import decode_row_counts, mixed_token_counts
 from megatron_async.models import build_default_model
+from megatron_async.step_shape import StepShape
 
 CFG = dict(block_size_tokens=4, num_kv_blocks=400, max_requests=6, max_tokens=40, max_sequence_length=64)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from megatron_async.config import InferenceConfig
+from megatron_async.forward_batch import mamba_row_order
 from megatron_async.inference.contexts.mamba_states import MambaStateManager, window_rows
-from megatron_async.inference.contexts.metadata import mamba_row_order
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.models.base import MambaStateSpec
 

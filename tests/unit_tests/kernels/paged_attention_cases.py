@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_async.inference.contexts.metadata import AttentionMetadata
+from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels import attention_torch
 
 

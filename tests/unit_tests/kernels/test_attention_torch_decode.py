@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from megatron_async.config import AttentionBackend
 from megatron_async.kernels import attention, attention_torch
 
 from paged_attention_cases import make_case  # noqa: E402
@@ -49,23 +50,19 @@ def test_decode_path_low_precision_computes_in_float32(dtype):
 
 def test_attend_dispatches_decode_steps_to_the_lean_path(monkeypatch):
     """Torch backend: decode-only steps take decode_attention, other steps the reference."""
-    previous = attention.get_attention_backend()
-    attention.set_attention_backend("torch", "cpu")
     calls = []
     for name in ("decode_attention", "paged_attention"):
         real = getattr(attention_torch, name)
         monkeypatch.setattr(attention_torch, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
-    try:
-        decode = _decode_case(3, group=3, head_dim=16, block_size=4, unused=0.0)
-        ref_out, ref_cache = decode.reference()
-        calls.clear()
-        out = attention.attend(decode.q, decode.k, decode.v, decode.kv_cache.nan_to_num(0.0), decode.meta, decode.scale)
-        assert calls == ["decode_attention"]
-        torch.testing.assert_close(out, ref_out, **FP32_TOL)
-        mixed = make_case([(0, 5), (3, 1), (9, 2)], num_heads=6, num_kv_heads=2, head_dim=16, block_size=4, unused=0.0)
-        assert not mixed.meta.is_decode_only
-        calls.clear()
-        attention.attend(mixed.q, mixed.k, mixed.v, mixed.kv_cache, mixed.meta, mixed.scale)
-        assert calls == ["paged_attention"]
-    finally:
-        attention.set_attention_backend(previous, "cpu")
+    decode = _decode_case(3, group=3, head_dim=16, block_size=4, unused=0.0)
+    ref_out, ref_cache = decode.reference()
+    calls.clear()
+    out = attention.attend(decode.q, decode.k, decode.v, decode.kv_cache.nan_to_num(0.0), decode.meta, decode.scale,
+                           backend=AttentionBackend.TORCH)
+    assert calls == ["decode_attention"]
+    torch.testing.assert_close(out, ref_out, **FP32_TOL)
+    mixed = make_case([(0, 5), (3, 1), (9, 2)], num_heads=6, num_kv_heads=2, head_dim=16, block_size=4, unused=0.0)
+    assert not mixed.meta.is_decode_only
+    calls.clear()
+    attention.attend(mixed.q, mixed.k, mixed.v, mixed.kv_cache, mixed.meta, mixed.scale, backend=AttentionBackend.TORCH)
+    assert calls == ["paged_attention"]

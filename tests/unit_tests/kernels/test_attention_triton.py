@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from megatron_async.config import AttentionBackend  # noqa: E402
 from megatron_async.kernels import attention, attention_torch, attention_triton  # noqa: E402
 from megatron_async.kernels.triton_decode_attention import decode_attention  # noqa: E402
 from megatron_async.kernels.triton_kv_append import append_kv  # noqa: E402
@@ -93,7 +94,7 @@ def test_decode_row_order_changes_launch_order_only(num_splits):
     """With ``meta.row_order`` (any permutation: longest first, reversed), and with rows or KV
     heads fastest in the grid, every row gets the bits it gets in row order: the order only
     decides which programs start first."""
-    from megatron_async.inference.contexts.metadata import longest_first
+    from megatron_async.forward_batch import longest_first
 
     case = _case(DECODE_ROWS, group=2, head_dim=16, block_size=4, seed=5)
     append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
@@ -181,12 +182,7 @@ def test_backend_dispatch_runs_triton(monkeypatch):
 
     monkeypatch.setattr(attention_torch, "write_kv", fail)
     monkeypatch.setattr(attention_torch, "paged_attention", fail)
-    previous = attention.get_attention_backend()
-    attention.set_attention_backend("triton", DEVICE)
-    try:
-        out = attention.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)
-    finally:
-        attention.set_attention_backend(previous, DEVICE)
+    out = attention.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale, backend=AttentionBackend.TRITON)
     torch.testing.assert_close(out, ref_out, **FP32_TOL)
     assert torch.equal(torch.nan_to_num(case.kv_cache, nan=0.0), ref_cache)
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from megatron_async.inference.contexts.metadata import AttentionMetadata  # noqa: E402
+from megatron_async.forward_batch import AttentionMetadata  # noqa: E402
 from megatron_async.inference.text_generation_controllers import sampling  # noqa: E402
 from megatron_async.kernels import triton_rmsnorm  # noqa: E402
 from megatron_async.kernels.attention import attend  # noqa: E402

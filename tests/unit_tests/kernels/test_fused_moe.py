@@ -90,7 +90,8 @@ def test_no_tokens_and_all_dropped():
 
 
 def test_moe_layer_runs_the_fused_kernel_under_the_triton_backend(monkeypatch):
-    from megatron_async.kernels import attention
+    from megatron_async.kernels.backends import KernelBackends
+    from megatron_async.models.layers.block import StepInputs
     from megatron_async.parallel.state import ParallelState
     from megatron_async.testing.moe_layers import MOE_CONFIGS, build_moe_layer
 
@@ -99,15 +100,9 @@ def test_moe_layer_runs_the_fused_kernel_under_the_triton_backend(monkeypatch):
     monkeypatch.setattr(triton_fused_moe, "fused_experts", lambda *a: calls.append(1) or real(*a))
     layer = build_moe_layer(MOE_CONFIGS["softmax"], 32, ParallelState(), device=DEVICE)
     x = torch.randn(6, 32, device=DEVICE)
-    previous = attention.get_attention_backend()
-    try:
-        attention.set_attention_backend("torch", DEVICE)
-        ref = layer(x)
-        assert not calls
-        attention.set_attention_backend("triton", DEVICE)
-        out = layer(x)
-    finally:
-        attention.set_attention_backend(previous, DEVICE)
+    ref = layer(x, StepInputs(None, None, None, kernels=KernelBackends(attention="torch")))
+    assert not calls
+    out = layer(x, StepInputs(None, None, None, kernels=KernelBackends(attention="triton")))
     assert calls
     assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
 

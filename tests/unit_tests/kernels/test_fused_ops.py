@@ -13,19 +13,13 @@ import torch
 pytest.importorskip("triton")
 
 from megatron_async.kernels import fused_ops, triton_act, triton_rmsnorm, triton_rope, triton_step_inputs  # noqa: E402
+from megatron_async.kernels.backends import KernelBackends  # noqa: E402
 from megatron_async.models.layers.norm import NemotronRMSNorm, RMSNorm  # noqa: E402
 from megatron_async.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 from megatron_async.models.model_config import RopeScaling  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@pytest.fixture(autouse=True)
-def _torch_references():
-    fused_ops.set_enabled(False)
-    yield
-    fused_ops.set_enabled(True)
 
 
 def _randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -64,7 +58,7 @@ def test_rms_norm_matches_torch(dtype, shape):
     torch.manual_seed(0)
     x = 3 * _randn(*shape, dtype=dtype)
     norm = _norm(shape[-1], dtype)
-    _check(triton_rmsnorm.rms_norm(x, norm.weight, norm.eps), norm(x), dtype)
+    _check(triton_rmsnorm.rms_norm(x, norm.weight, norm.eps), norm(x, fused=False), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -72,7 +66,7 @@ def test_rms_norm_weight_first_matches_nemotron(dtype):
     torch.manual_seed(1)
     x = _randn(6, 48, dtype=dtype)
     norm = _norm(48, dtype, NemotronRMSNorm, eps=1e-5)
-    _check(triton_rmsnorm.rms_norm(x, norm.weight, norm.eps, cast_before_weight=False), norm(x), dtype)
+    _check(triton_rmsnorm.rms_norm(x, norm.weight, norm.eps, cast_before_weight=False), norm(x, fused=False), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -86,7 +80,7 @@ def test_per_head_norm_of_strided_q(dtype):
     norm = _norm(D, dtype)
     out = triton_rmsnorm.rms_norm(q, norm.weight, norm.eps)
     assert out.is_contiguous()
-    _check(out, norm(q), dtype)
+    _check(out, norm(q, fused=False), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -95,7 +89,7 @@ def test_add_rms_norm_rounds_the_sum_first(dtype):
     x, res = _randn(5, 40, dtype=dtype), 4 * _randn(5, 80, dtype=dtype)[:, ::2]  # strided residual
     norm = _norm(40, dtype)
     out, new_res = triton_rmsnorm.add_rms_norm(x, res, norm.weight, norm.eps)
-    ref_out, ref_res = norm.add_and_norm(x, res)
+    ref_out, ref_res = norm.add_and_norm(x, res, fused=False)
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         _check(new_res, ref_res, dtype)
     else:
@@ -151,8 +145,8 @@ def test_rope_qk_with_per_head_norm_matches_layers(dtype):
     q_norm, k_norm = _norm(D, dtype), _norm(D, dtype)
     cos, sin = rope(torch.randint(0, 70_000, (T,), device=DEVICE))
     q_out, k_out = triton_rope.rope_qk(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
-    _check(q_out, apply_rotary(q_norm(q), cos, sin), dtype)
-    _check(k_out, apply_rotary(k_norm(k), cos, sin), dtype)
+    _check(q_out, apply_rotary(q_norm(q, fused=False), cos, sin), dtype)
+    _check(k_out, apply_rotary(k_norm(k, fused=False), cos, sin), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -225,15 +219,11 @@ def test_empty_batches():
 
 
 def test_dispatch_switch():
-    assert not fused_ops.is_enabled()  # the module fixture turned it off
-    fused_ops.set_enabled(True)
-    assert fused_ops.is_enabled()
-    assert not fused_ops.use_fused(torch.randn(2, 8))  # CPU tensors always take the torch path
+    assert not fused_ops.use_fused(torch.randn(2, 8), True)  # CPU tensors always take the torch path
     if torch.cuda.is_available():
         x = torch.randn(2, 8, device="cuda")
-        assert fused_ops.use_fused(x)
-        fused_ops.set_enabled(False)
-        assert not fused_ops.use_fused(x)
+        assert fused_ops.use_fused(x, True)
+        assert not fused_ops.use_fused(x, False)  # a model with KernelBackends(fused=False)
 
 
 MODEL_CASES = {
@@ -249,8 +239,8 @@ def _model_logits(path, dtype: torch.dtype, fused: bool) -> torch.Tensor:
     from megatron_async.models import load_checkpoint
     from megatron_async.testing.simple_session import SimpleSession
 
-    fused_ops.set_enabled(fused)
     model, _ = load_checkpoint(path, DEVICE, dtype)
+    model.kernels = KernelBackends(fused=fused)
     session = SimpleSession(model, max_seqs=2, max_len=16)
     prefill = session.step([(0, [5, 17, 3, 99, 42]), (1, [7, 8])])
     decode = session.step([(1, [11]), (0, [12])])
@@ -267,7 +257,7 @@ def test_models_fused_path_matches_torch_path(case, dtype, tmp_path, monkeypatch
     else:
         from megatron_async.testing.hf_models import make_tiny_checkpoint as make
     path = make(arch, tmp_path, **overrides)
-    monkeypatch.setattr(fused_ops, "use_fused", lambda x: fused_ops.is_enabled())  # also on CPU
+    monkeypatch.setattr(fused_ops, "use_fused", lambda x, enabled=True: enabled)  # also on CPU
     ref = _model_logits(path, dtype, fused=False)
     out = _model_logits(path, dtype, fused=True)
     err = float((out - ref).abs().max() / ref.abs().max())

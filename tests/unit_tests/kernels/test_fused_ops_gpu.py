@@ -7,21 +7,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from megatron_async.kernels import fused_ops, triton_act, triton_rmsnorm, triton_rope  # noqa: E402
+from megatron_async.kernels import triton_act, triton_rmsnorm, triton_rope  # noqa: E402
 from megatron_async.models.layers.norm import RMSNorm  # noqa: E402
 from megatron_async.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS = 1024, 16, 8, 128, 3072, 1e-6
-
-
-@pytest.fixture
-def torch_path():
-    """Run the layers' own torch code on CUDA (the reference), restoring the switch after."""
-    fused_ops.set_enabled(False)
-    yield
-    fused_ops.set_enabled(True)
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -63,14 +55,14 @@ def _cos_sin(T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("T", [1, 8, 2048])
-def test_real_shapes_match_torch_path(T, dtype, torch_path):
+def test_real_shapes_match_torch_path(T, dtype):
     torch.manual_seed(T)
     x, res = torch.randn(T, HIDDEN, dtype=dtype, device="cuda"), torch.randn(T, HIDDEN, dtype=dtype, device="cuda")
     norm, q_norm, k_norm = _norm(HIDDEN, dtype), _norm(HEAD_DIM, dtype), _norm(HEAD_DIM, dtype)
-    _close(triton_rmsnorm.rms_norm(x, norm.weight, EPS), norm(x))
+    _close(triton_rmsnorm.rms_norm(x, norm.weight, EPS), norm(x, fused=False))  # the layer's torch code
 
     out, new_res = triton_rmsnorm.add_rms_norm(x, res, norm.weight, EPS)
-    ref_out, ref_res = norm.add_and_norm(x, res)
+    ref_out, ref_res = norm.add_and_norm(x, res, fused=False)
     assert torch.equal(new_res, ref_res)
     _close(out, ref_out)
 
@@ -82,8 +74,8 @@ def test_real_shapes_match_torch_path(T, dtype, torch_path):
     _close_rope(q_out, apply_rotary(q, cos, sin))
     _close_rope(k_out, apply_rotary(k, cos, sin))
     q_out, k_out = triton_rope.rope_qk(q, k, cos, sin, q_norm.weight, k_norm.weight, EPS)
-    _close_rope(q_out, apply_rotary(q_norm(q), cos, sin))
-    _close_rope(k_out, apply_rotary(k_norm(k), cos, sin))
+    _close_rope(q_out, apply_rotary(q_norm(q, fused=False), cos, sin))
+    _close_rope(k_out, apply_rotary(k_norm(k, fused=False), cos, sin))
 
     gate_up = 3 * torch.randn(T, 2 * INTER, dtype=dtype, device="cuda")
     gate, up = gate_up.split(INTER, dim=-1)

@@ -1,6 +1,6 @@
 """In-repo Triton Mamba2 kernels vs the torch reference ops (interpreter on CPU, compiled on
-CUDA): decode conv / state updates on slot pools, prefill conv and SSD scan on ragged padded
-rows, the dispatcher's TRITON backend, and the mixer run end to end on both backends."""
+CUDA): decode conv / state updates on slot pools, the decode ops on both paths, backend
+selection, and the mixer run end to end on both backends."""
 from __future__ import annotations
 
 import pytest
@@ -10,12 +10,11 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from megatron_async.config import MambaBackend  # noqa: E402
-from megatron_async.inference.contexts.metadata import MambaMetadata  # noqa: E402
-from megatron_async.kernels import mamba_ops  # noqa: E402
-from megatron_async.kernels.conv1d_torch import causal_conv1d, causal_conv1d_step  # noqa: E402
-from megatron_async.kernels.ssd_torch import ssd_chunked, ssd_sequential, ssd_step  # noqa: E402
+from megatron_async.forward_batch import MambaMetadata  # noqa: E402
+from megatron_async.kernels import backends, mamba_ops  # noqa: E402
+from megatron_async.kernels.conv1d_torch import causal_conv1d_step  # noqa: E402
+from megatron_async.kernels.ssd_torch import ssd_step  # noqa: E402
 from megatron_async.kernels.triton_mamba_decode import causal_conv1d_update, selective_state_update  # noqa: E402
-from megatron_async.kernels.triton_ssd_prefill import causal_conv1d_prefill, ssd_scan  # noqa: E402
 from megatron_async.models.hybrid_config import MambaConfig  # noqa: E402
 from megatron_async.models.layers.mamba2_mixer import Mamba2Mixer, MambaStepPlan  # noqa: E402
 from megatron_async.parallel.state import ParallelState  # noqa: E402
@@ -53,12 +52,6 @@ def exact_cudnn_conv():
     torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cudnn.allow_tf32 = saved
-
-
-@pytest.fixture
-def triton_backend():
-    yield mamba_ops.set_mamba_backend(MambaBackend.TRITON, DEVICE)
-    mamba_ops.set_mamba_backend(MambaBackend.TORCH, "cpu")
 
 
 # Rows read slots 4, 0, 2 of a 6-slot pool; row 1 has no initial state, its slot holds junk.
@@ -117,84 +110,10 @@ def test_state_update_strided_inputs_without_D():
     x, B, C = x.unflatten(-1, (h, p)), B.unflatten(-1, (grp, n)), C.unflatten(-1, (grp, n))
     dt, A, state = 0.1 + _rand(g, 2, h), -_rand(g, h), _randn(g, 2, h, p, n)
     ref_y, ref_state = ssd_step(x, dt, A, B, C, state)
-    new_state = torch.empty_like(state)
-    y = selective_state_update(x, dt, A, B, C, None, state, out_state=new_state)
+    new_state = state.clone()  # rows are their slots (no slot table): updated in place
+    y = selective_state_update(x, dt, A, B, C, None, new_state)
     torch.testing.assert_close(y, ref_y, **TOL)
     torch.testing.assert_close(new_state, ref_state, **TOL)
-
-
-def test_conv_prefill_ragged_rows():
-    """Rows shorter than K - 1 keep part of their initial state; pads are never read."""
-    g = _gen(4)
-    b, l, c, k = 3, 37, 10, 4
-    x, w, bias, state = _randn(g, b, l, c), _randn(g, c, k), _randn(g, c), _randn(g, b, c, k - 1)
-    for lengths in (torch.tensor([37, 2, 20], device=DEVICE), None):
-        ref_out, ref_final = causal_conv1d(x, w, bias, state, lengths)
-        out, final = causal_conv1d_prefill(x, w, bias, state, lengths)
-        torch.testing.assert_close(out, ref_out, **TOL)
-        assert torch.equal(final, ref_final)
-
-
-def _ssd_inputs(g: torch.Generator, b: int, l: int, h: int, p: int, grp: int, n: int) -> list[torch.Tensor]:
-    return [_randn(g, b, l, h, p), 0.05 + 0.5 * _rand(g, b, l, h), -(0.1 + _rand(g, h)),
-            _randn(g, b, l, grp, n), _randn(g, b, l, grp, n), _randn(g, h), _randn(g, b, h, p, n)]
-
-
-@pytest.mark.parametrize("groups, block_t, dtype", [(1, 16, torch.float32), (2, 32, torch.float32),
-                                                    (4, None, torch.float32), (2, None, torch.bfloat16)])
-def test_ssd_scan_matches_chunked_reference(groups, block_t, dtype):
-    """37 tokens: a partial last tile. bf16 x / B / C (fp32 math on the same values) take the
-    16-bit path: C . B in bf16, the other matmuls in tf32 on CUDA."""
-    x, dt, A, B, C, D, init = _ssd_inputs(_gen(groups), 2, 37, 4, 5, groups, 6)
-    x, B, C = x.to(dtype), B.to(dtype), C.to(dtype)
-    ref_y, ref_final = ssd_chunked(x, dt, A, B, C, 8, D, init)
-    y, final = ssd_scan(x, dt, A, B, C, D, init, block_t=block_t)
-    if dtype == torch.float32 or DEVICE == "cpu":  # the interpreter's matmuls are exact fp32
-        torch.testing.assert_close(y, ref_y, **TOL)
-        torch.testing.assert_close(final, ref_final, **TOL)
-    else:
-        assert _rel_err(y, ref_y) < 5e-3 and _rel_err(final, ref_final) < 5e-3
-
-
-def test_ssd_scan_ragged_rows_padded_with_zero_dt():
-    """The mixer's layout: each row's final state is its state after its last real token."""
-    x, dt, A, B, C, D, init = _ssd_inputs(_gen(7), 3, 40, 2, 4, 2, 6)
-    lengths = [40, 3, 17]
-    for r, n_real in enumerate(lengths):
-        dt[r, n_real:] = 0
-        x[r, n_real:] = 0
-    init[1] = 0  # a fresh row among continuing ones
-    y, final = ssd_scan(x, dt, A, B, C, D, init)
-    for r, n_real in enumerate(lengths):
-        sl = slice(r, r + 1)
-        ref_y, ref_final = ssd_sequential(x[sl, :n_real], dt[sl, :n_real], A, B[sl, :n_real], C[sl, :n_real], D, init[sl])
-        torch.testing.assert_close(y[sl, :n_real], ref_y, **TOL)
-        torch.testing.assert_close(final[sl], ref_final, **TOL)
-
-
-def test_dispatcher_triton_matches_torch(triton_backend):
-    assert triton_backend == MambaBackend.TRITON and mamba_ops.get_mamba_backend() == MambaBackend.TRITON
-    g = _gen(8)
-    x, dt, A, B, C, D, init = _ssd_inputs(g, 2, 19, 4, 3, 2, 5)
-    cx, w, bias, cstate = _randn(g, 2, 19, 8), _randn(g, 8, 4), _randn(g, 8), _randn(g, 2, 8, 3)
-    lengths = torch.tensor([19, 6], device=DEVICE)
-
-    def run_all():
-        return (
-            mamba_ops.ssd_prefill(x, dt, A, B, C, 8, D, init),
-            mamba_ops.ssd_decode(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D, init),
-            mamba_ops.conv1d_prefill(cx, w, bias, cstate, lengths),
-            mamba_ops.conv1d_decode(cx[:, 0], w, bias, cstate),
-        )
-
-    states_before = (init.clone(), cstate.clone())
-    fast = run_all()
-    assert torch.equal(init, states_before[0]) and torch.equal(cstate, states_before[1])  # inputs untouched
-    mamba_ops.set_mamba_backend(MambaBackend.TORCH, DEVICE)
-    ref = run_all()
-    for (f_out, f_state), (r_out, r_state) in zip(fast, ref):
-        torch.testing.assert_close(f_out, r_out, **TOL)
-        torch.testing.assert_close(f_state, r_state, **TOL)
 
 
 @pytest.mark.parametrize("backend", [MambaBackend.TORCH, MambaBackend.TRITON])
@@ -209,26 +128,29 @@ def test_inplace_decode_ops_agree_across_backends(backend):
     ref_conv_out, ref_conv = causal_conv1d_step(cx, w, bias, _gathered(conv_pool, slots, has_init))
     dt_final = F.softplus(dt + dt_bias).clamp(0.0, 0.5)
     ref_y, ref_ssm = ssd_step(x, dt_final, A, B, C, _gathered(ssm_pool, slots, has_init), D)
-    try:
-        mamba_ops.set_mamba_backend(backend, DEVICE)
-        conv_out = mamba_ops.conv1d_decode_inplace(cx, w, bias, conv_pool, slots, has_init)
-        y = mamba_ops.ssd_decode_inplace(
-            x, dt, A, B, C, D, ssm_pool, slots, has_init, dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, 0.5)
-        )
-    finally:
-        mamba_ops.set_mamba_backend(MambaBackend.TORCH, "cpu")
+    triton = backend == MambaBackend.TRITON
+    conv_out = mamba_ops.conv1d_decode_inplace(cx, w, bias, conv_pool, slots, has_init, triton=triton)
+    y = mamba_ops.ssd_decode_inplace(
+        x, dt, A, B, C, D, ssm_pool, slots, has_init, dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, 0.5),
+        triton=triton,
+    )
     torch.testing.assert_close(conv_out, ref_conv_out, **TOL)
     torch.testing.assert_close(conv_pool[slots], ref_conv, **TOL)
     torch.testing.assert_close(y, ref_y, **TOL)
     torch.testing.assert_close(ssm_pool[slots], ref_ssm, **TOL)
 
 
-def test_backend_selection():
-    assert mamba_ops.set_mamba_backend(MambaBackend.AUTO, "cpu") == MambaBackend.TORCH
-    assert mamba_ops.set_mamba_backend("torch", "cpu") == MambaBackend.TORCH
+def test_backend_selection(monkeypatch):
+    resolve = backends.resolve_mamba_backend
+    assert resolve(MambaBackend.AUTO, "cpu") == MambaBackend.TORCH
+    assert resolve("torch", "cpu") == MambaBackend.TORCH
     with pytest.raises(ValueError, match="MAMBA_SSM"):
-        mamba_ops.set_mamba_backend(MambaBackend.MAMBA_SSM, "cpu")
-    assert mamba_ops.get_mamba_backend() == MambaBackend.TORCH
+        resolve(MambaBackend.MAMBA_SSM, "cpu")
+    # where the mamba_ssm packages import, AUTO still takes the Triton kernels; MAMBA_SSM only on request
+    monkeypatch.setattr(backends, "_mamba_ssm_importable", lambda: True)
+    monkeypatch.setattr(backends, "_triton_mamba_usable", lambda on_cuda: True)
+    assert resolve(MambaBackend.AUTO, "cuda") == MambaBackend.TRITON
+    assert resolve(MambaBackend.MAMBA_SSM, "cuda") == MambaBackend.MAMBA_SSM
 
 
 def _mixer(seed: int, parallel: ParallelState = ParallelState()) -> Mamba2Mixer:
@@ -257,13 +179,9 @@ def test_mixer_mixed_step_same_on_both_backends(tp_rank):
     conv_shape, ssm_shape = mixer.state_shapes()  # this rank's channels and heads
     pools = (_randn(g, 8, *conv_shape), _randn(g, 8, *ssm_shape))
     results = []
-    for backend in (MambaBackend.TORCH, MambaBackend.TRITON):
+    for triton in (False, True):
         conv_pool, ssm_pool = (t.clone() for t in pools)
-        try:
-            mamba_ops.set_mamba_backend(backend, DEVICE)
-            out = mixer.mix(x, conv_pool, ssm_pool, MambaStepPlan.build(meta))
-        finally:
-            mamba_ops.set_mamba_backend(MambaBackend.TORCH, "cpu")
+        out = mixer.mix(x, conv_pool, ssm_pool, MambaStepPlan.build(meta, triton))
         results.append((out, conv_pool, ssm_pool))
     for ref, fast in zip(*results):
         torch.testing.assert_close(fast, ref, **TOL)
@@ -293,20 +211,3 @@ def test_realistic_sizes_on_gpu():
     ref_out, ref_cstate = causal_conv1d_step(cx, w, bias, _gathered(cpool, slots, has_init))
     out = causal_conv1d_update(cx, w, bias, cpool, slots=slots, has_initial_state=has_init)
     assert _rel_err(out, ref_out) < 1e-2 and torch.equal(cpool[slots], ref_cstate)
-
-    lengths = [1000, 17, 300]
-    L = max(lengths)
-    xs, Bs, Cs = _randn(g, 3, L, h, p, dtype=bf16), _randn(g, 3, L, grp, n, dtype=bf16), _randn(g, 3, L, grp, n, dtype=bf16)
-    dts = F.softplus(_randn(g, 3, L, h) - 2)
-    for r, n_real in enumerate(lengths):
-        dts[r, n_real:] = 0
-    init = _randn(g, 3, h, p, n)
-    ref_y, ref_final = ssd_chunked(xs, dts, A, Bs, Cs, 128, D, init)
-    y, final = ssd_scan(xs, dts, A, Bs, Cs, D, init)
-    assert _rel_err(y, ref_y) < 5e-3 and _rel_err(final, ref_final) < 5e-3
-
-    cxs, cinit = _randn(g, 3, L, c, dtype=bf16), _randn(g, 3, c, k - 1, dtype=bf16)
-    lens = torch.tensor(lengths, device=DEVICE)
-    ref_out, ref_cfinal = causal_conv1d(cxs, w, bias, cinit, lens)
-    out, cfinal = causal_conv1d_prefill(cxs, w, bias, cinit, lens)
-    assert _rel_err(out, ref_out) < 1e-2 and torch.equal(cfinal, ref_cfinal)

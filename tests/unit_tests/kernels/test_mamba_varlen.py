@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from megatron_async.config import MambaBackend  # noqa: E402
-from megatron_async.kernels import mamba_ops, mamba_varlen_ops  # noqa: E402
+from megatron_async.kernels import mamba_varlen_ops  # noqa: E402
 from megatron_async.kernels.conv1d_torch import causal_conv1d  # noqa: E402
 from megatron_async.kernels.ssd_torch import ssd_sequential  # noqa: E402
 from tests.unit_tests.kernels.test_mamba_triton import DEVICE, _gen, _rand, _randn  # noqa: E402
@@ -21,13 +21,13 @@ PAD_SLOT = 9
 
 
 @pytest.fixture(params=[MambaBackend.TORCH, MambaBackend.TRITON])
-def backend(request):
-    yield mamba_ops.set_mamba_backend(request.param, DEVICE)
-    mamba_ops.set_mamba_backend(MambaBackend.TORCH, "cpu")
+def backend(request) -> bool:
+    """Whether the ops run the Triton kernels (TRITON) or the torch reference (TORCH)."""
+    return request.param == MambaBackend.TRITON
 
 
 def _rows(lengths: list[int], slots: list[int], has_init: list[bool], num_real: int, max_len: int,
-          skipped: tuple[int, ...] = ()):
+          skipped: tuple[int, ...] = (), triton: bool = False):
     """VarlenRows of a step as the plan lays it out: ``skipped`` rows (verification windows) first
     in the order and left out, then several-token real rows, then the rest."""
     cu = [0]
@@ -44,7 +44,7 @@ def _rows(lengths: list[int], slots: list[int], has_init: list[bool], num_real: 
     order_t = dev(order)
     return cu, mamba_varlen_ops.varlen_rows(dev(slots), dev(has_init, torch.bool), dev(cu, torch.int32),
                                             dev(tok_row, torch.int32), order_t[W:], num_scan, max_len,
-                                            skip_rows=order_t[:W] if W else None)
+                                            skip_rows=order_t[:W] if W else None, triton=triton)
 
 
 CASES = {
@@ -62,7 +62,7 @@ def test_varlen_ops_equal_per_row_reference(backend, case, dtype):
     g = _gen(3)
     T, c, k = sum(lengths), 24, 4
     h, p, grp, n = 4, 8, 2, 16
-    cu, rows = _rows(lengths, slots, has_init, num_real, max(lengths), skipped)
+    cu, rows = _rows(lengths, slots, has_init, num_real, max(lengths), skipped, backend)
     # x as the mixer passes it: a strided slice of a wider projection
     wide = _randn(g, T, c + 5, dtype=dtype)
     x = wide[:, 2 : 2 + c]

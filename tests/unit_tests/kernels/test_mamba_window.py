@@ -31,9 +31,9 @@ def _randn(g: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) 
 
 
 @pytest.fixture(params=[MambaBackend.TORCH, MambaBackend.TRITON])
-def backend(request):
-    yield mamba_ops.set_mamba_backend(request.param, DEVICE)
-    mamba_ops.set_mamba_backend(MambaBackend.TORCH, "cpu")
+def backend(request) -> bool:
+    """Whether the ops run the Triton kernels (TRITON) or the torch reference (TORCH)."""
+    return request.param == MambaBackend.TRITON
 
 
 def _rows():
@@ -61,15 +61,13 @@ def test_conv_window_equals_sequential_decodes(backend, T, k, dtype):
     x, w, bias, pool = _conv_case(T * 10 + k, T, k, dtype)
     slots, has_init = _rows()
     seq_pool, outs, states = pool.clone(), [], []
-    mamba_ops.set_mamba_backend(MambaBackend.TORCH, DEVICE)  # the ground truth: today's decode step
     for t in range(T):
         outs.append(mamba_ops.conv1d_decode_inplace(x[:, t], w, bias, seq_pool, slots, has_init if t == 0 else torch.ones_like(has_init)))
         states.append(seq_pool[slots].clone())
-    mamba_ops.set_mamba_backend(backend, DEVICE)
 
     scratch = torch.full((7, T + 1, *pool.shape[1:]), 7.0, dtype=dtype, device=DEVICE)
     win_pool = pool.clone()
-    out = mamba_window_ops.conv1d_window(x, w, bias, win_pool, scratch, slots, has_init)
+    out = mamba_window_ops.conv1d_window(x, w, bias, win_pool, scratch, slots, has_init, triton=backend)
     tol = FP32 if dtype == torch.float32 else BF16
     torch.testing.assert_close(out.float(), torch.stack(outs, 1).float(), **tol)
     torch.testing.assert_close(scratch[slots, :T].float(), torch.stack(states, 1).float(), **tol)
@@ -86,16 +84,14 @@ def test_ssd_window_equals_sequential_decodes(backend, T, dt_opts):
     kw = dict(dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.01, 2.0)) if dt_opts else {}
     dt = dt_raw if dt_opts else torch.nn.functional.softplus(dt_raw)
     seq_pool, ys, states = pool.clone(), [], []
-    mamba_ops.set_mamba_backend(MambaBackend.TORCH, DEVICE)
     for t in range(T):
         init = has_init if t == 0 else torch.ones_like(has_init)
         ys.append(mamba_ops.ssd_decode_inplace(x[:, t], dt[:, t], A, B[:, t], C[:, t], D, seq_pool, slots, init, **kw))
         states.append(seq_pool[slots].clone())
-    mamba_ops.set_mamba_backend(backend, DEVICE)
 
     scratch = torch.full((7, T, *pool.shape[1:]), 7.0, device=DEVICE)
     win_pool = pool.clone()
-    y = mamba_window_ops.ssd_window(x, dt, A, B, C, D, win_pool, scratch, slots, has_init, **kw)
+    y = mamba_window_ops.ssd_window(x, dt, A, B, C, D, win_pool, scratch, slots, has_init, **kw, triton=backend)
     torch.testing.assert_close(y, torch.stack(ys, 1), **FP32)
     torch.testing.assert_close(scratch[slots], torch.stack(states, 1), **FP32)
     assert torch.equal(win_pool, pool)
@@ -108,7 +104,6 @@ def test_ssd_window_bf16_inputs():
     dt = torch.nn.functional.softplus(dt_raw)
     xb, Bb, Cb = x.bfloat16(), B.bfloat16(), C.bfloat16()
     scratch_ref, scratch = torch.zeros(7, 3, *pool.shape[1:], device=DEVICE), torch.zeros(7, 3, *pool.shape[1:], device=DEVICE)
-    mamba_ops.set_mamba_backend(MambaBackend.TORCH, DEVICE)
     ref = mamba_window_ops.ssd_window(xb, dt, A, Bb, Cb, D, pool, scratch_ref, slots, has_init)
     y = selective_state_window(xb, dt, A, Bb, Cb, D, pool, scratch, slots, has_init)
     torch.testing.assert_close(y, ref, **FP32)
@@ -147,7 +142,8 @@ def test_commit_picks_the_accepted_state(backend, k):
     accepted = torch.tensor([a for a in range(T) for _ in range(2)], device=DEVICE)  # each count twice
     slots = torch.randperm(S, generator=g)[: accepted.numel()].to(DEVICE)
     before = (conv_pool.clone(), ssm_pool.clone(), conv_scratch.clone(), ssm_scratch.clone())
-    mamba_window_ops.commit_window_states([conv_pool, ssm_pool], [conv_scratch, ssm_scratch], slots, accepted)
+    mamba_window_ops.commit_window_states([conv_pool, ssm_pool], [conv_scratch, ssm_scratch], slots, accepted,
+                                          triton=backend)
     for r, (s, a) in enumerate(zip(slots.tolist(), accepted.tolist())):
         assert torch.equal(conv_pool[s], before[2][s, a]) and torch.equal(ssm_pool[s], before[3][s, a]), (r, s, a)
     others = [s for s in range(S) if s not in slots.tolist()]
@@ -163,7 +159,7 @@ def test_commit_leaves_rows_outside_the_mask_alone(backend):
     before = pool.clone()
     slots, accepted = torch.tensor([2, 0, 4], device=DEVICE), torch.tensor([1, 1, 0], device=DEVICE)
     rows = torch.tensor([True, False, True], device=DEVICE)
-    mamba_window_ops.commit_window_states([pool], [scratch], slots, accepted, rows)
+    mamba_window_ops.commit_window_states([pool], [scratch], slots, accepted, rows, triton=backend)
     assert torch.equal(pool[2], scratch[2, 1]) and torch.equal(pool[4], scratch[4, 0])
     assert torch.equal(pool[[0, 1, 3]], before[[0, 1, 3]])
 
@@ -189,7 +185,6 @@ def test_window_realistic_sizes_on_gpu():
     has_init = torch.rand(rows, generator=g).to(DEVICE) > 0.2
     kw = dict(dt_bias=dt_bias, dt_softplus=True, dt_limit=(1e-3, float("inf")))
     scratch_ref, scratch = (torch.zeros(rows + 8, T, h, p, n, device=DEVICE) for _ in range(2))
-    mamba_ops.set_mamba_backend(MambaBackend.TORCH, DEVICE)
     ref = mamba_window_ops.ssd_window(x, dt, A, B, C, D, pool, scratch_ref, slots, has_init, **kw)
     y = selective_state_window(x, dt, A, B, C, D, pool, scratch, slots, has_init, **kw)
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)

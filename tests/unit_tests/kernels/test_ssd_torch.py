@@ -3,8 +3,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_async.config import MambaBackend
-from megatron_async.kernels import mamba_ops
 from megatron_async.kernels.conv1d_torch import causal_conv1d, causal_conv1d_step
 from megatron_async.kernels.ssd_torch import ssd_chunked, ssd_sequential, ssd_step
 
@@ -116,30 +114,3 @@ def test_conv_lengths_take_each_rows_final_state():
         torch.testing.assert_close(out[b : b + 1, :n], o_b)
         torch.testing.assert_close(final[b : b + 1], f_b)
 
-
-@pytest.mark.gpu
-def test_fast_backend_matches_reference():
-    pytest.importorskip("mamba_ssm")
-    pytest.importorskip("causal_conv1d")
-    x, dt, A, Bm, Cm, D, init = _inputs(5, length=37, device="cuda")
-    cx, w, bias, state = (t.cuda() for t in _conv_inputs(5, length=37, c=64))
-    lengths = torch.tensor([37, 5], device="cuda")
-    ref = (
-        mamba_ops.ssd_prefill(x, dt, A, Bm, Cm, 16, D, init),
-        mamba_ops.ssd_decode(x[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], D, init),
-        mamba_ops.conv1d_prefill(cx, w, bias, state, lengths),
-        mamba_ops.conv1d_decode(cx[:, 0], w, bias, state),
-    )
-    try:
-        mamba_ops.set_mamba_backend(MambaBackend.MAMBA_SSM, "cuda")
-        fast = (
-            mamba_ops.ssd_prefill(x, dt, A, Bm, Cm, 16, D, init),
-            mamba_ops.ssd_decode(x[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], D, init),
-            mamba_ops.conv1d_prefill(cx, w, bias, state, lengths),
-            mamba_ops.conv1d_decode(cx[:, 0], w, bias, state),
-        )
-    finally:
-        mamba_ops.set_mamba_backend(MambaBackend.TORCH, "cpu")
-    for (r_out, r_state), (f_out, f_state) in zip(ref, fast):
-        torch.testing.assert_close(f_out, r_out, rtol=1e-3, atol=1e-3)
-        torch.testing.assert_close(f_state, r_state, rtol=1e-3, atol=1e-3)

@@ -70,8 +70,12 @@ def test_row_buckets_follow_the_measured_crossover():
 
 
 def test_mlp_routes_through_the_fused_kernel(monkeypatch):
-    """The layer takes the kernel when the fused switch says so, the unfused kernels otherwise,
+    """The layer takes the kernel when its model's kernels are fused, the unfused kernels otherwise,
     with the same result; a row count the kernel does not pay off at stays unfused."""
+    from types import SimpleNamespace
+
+    from megatron_async.kernels.backends import KernelBackends
+    from megatron_async.models.layers.block import StepInputs
     from megatron_async.models.layers.mlp import SwiGLUMLP
     from megatron_async.parallel.state import ParallelState
 
@@ -82,18 +86,15 @@ def test_mlp_routes_through_the_fused_kernel(monkeypatch):
     calls = []
     real = triton_swiglu_matmul._launch
     monkeypatch.setattr(triton_swiglu_matmul, "_launch", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    monkeypatch.setattr(fused_ops, "use_fused", lambda x: fused_ops.is_enabled())  # also on CPU
+    monkeypatch.setattr(fused_ops, "use_fused", lambda x, enabled=True: enabled)  # also on CPU
     x = torch.randn(9, 32, device=DEVICE)
     fused = mlp(x)
     assert calls == [9]
     monkeypatch.setattr(triton_swiglu_matmul, "pays_off", lambda m, k: False)
     unfused = mlp(x)
     assert calls == [9]
-    fused_ops.set_enabled(False)
-    try:
-        reference = mlp(x)
-    finally:
-        fused_ops.set_enabled(True)
+    unfused_model = StepInputs(SimpleNamespace(batch_invariant=False), None, None, kernels=KernelBackends(fused=False))
+    reference = mlp(x, unfused_model)  # the layer's torch code
     assert calls == [9]
     _assert_close(fused, reference)
     _assert_close(unfused, reference)

@@ -1,4 +1,6 @@
-"""Per-step metadata handed to the model: views into the GPU bookkeeping snapshot.
+"""What a model's forward reads besides its input ids: the step's attention and Mamba metadata
+and caches. These types sit below ``models/`` and ``kernels/`` (which import nothing from
+``inference/``); the engine's context above fills them.
 
 Everything here is built by ``DynamicInferenceContext`` on the CPU and reaches the
 device in the single H2D copy of ``ContextGPUView``; the tensors below are slices of

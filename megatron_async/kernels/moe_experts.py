@@ -1,27 +1,24 @@
 """Routed-experts interface: every MoE layer calls ``fused_experts`` and nothing else.
 
-The kernel follows the attention backend setting (``InferenceConfig.attention_backend``,
-``kernels.attention.set_attention_backend``): TRITON runs the fused Triton MoE (tokens sorted
-by expert into expert-aligned blocks, grouped GEMMs with the SiLU-mul and routing weights
-fused, graph-safe shapes), TORCH the reference loop."""
+``triton`` (the model's ``KernelBackends.triton_moe``: it follows the attention backend) runs
+the fused Triton MoE (tokens sorted by expert into expert-aligned blocks, grouped GEMMs with the
+SiLU-mul and routing weights fused, graph-safe shapes); else the torch reference loop."""
 from __future__ import annotations
 
 import torch
 
-from megatron_async.config import AttentionBackend
-from megatron_async.kernels.attention import get_attention_backend
 from megatron_async.kernels.moe_torch import fused_experts_torch
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor, gated: bool) -> torch.Tensor:
+                  topk_weights: torch.Tensor, gated: bool, triton: bool = False) -> torch.Tensor:
     """sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x) for every token.
 
     x [M, K]; w13 [E, N, K] the experts' input projections (gated: N = 2 I rows [gate | up],
     else N = I); w2 [E, H, I]; topk_ids [M, k] int32, where an id outside [0, E) means "no
     expert here" (EP: another rank's expert, or a padding row); topk_weights [M, k] float32.
     Returns [M, H] in x's dtype, accumulated in float32."""
-    if get_attention_backend() == AttentionBackend.TRITON:
+    if triton:
         from megatron_async.kernels import triton_fused_moe
 
         return triton_fused_moe.fused_experts(x, w13, w2, topk_ids, topk_weights, gated)

@@ -1,0 +1,94 @@
+"""Which kernels a model's layers run: one ``KernelBackends`` per model (``CausalLM.kernels``),
+read by its layers at every forward and passed to the kernel entry points as arguments. No
+process-wide switch: two models in one process may run different kernels.
+
+The defaults are the pure-torch references, with the fused elementwise Triton kernels on CUDA
+tensors; ``resolve`` turns ``InferenceConfig``'s AUTO choices into concrete ones for a device."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_async.config import AttentionBackend, MambaBackend
+
+
+@dataclass(frozen=True)
+class KernelBackends:
+    attention: AttentionBackend = AttentionBackend.TORCH
+    """TORCH or TRITON (never AUTO). The MoE experts follow it: TRITON = the fused Triton MoE."""
+    mamba: MambaBackend = MambaBackend.TORCH
+    """TORCH, TRITON or MAMBA_SSM (never AUTO); MAMBA_SSM runs the Triton kernels too."""
+    fused: bool = True
+    """The fused Triton kernels for per-layer elementwise work (``fused_ops``), on CUDA tensors."""
+
+    @property
+    def triton_attention(self) -> bool:
+        return self.attention == AttentionBackend.TRITON
+
+    @property
+    def triton_moe(self) -> bool:
+        """The routed experts' kernel: the fused Triton MoE with Triton attention, else the torch loop."""
+        return self.attention == AttentionBackend.TRITON
+
+    @property
+    def triton_mamba(self) -> bool:
+        """The Mamba mixers run this repo's Triton kernels (else the torch reference)."""
+        return self.mamba in (MambaBackend.TRITON, MambaBackend.MAMBA_SSM)
+
+    @classmethod
+    def resolve(cls, attention: AttentionBackend | str, mamba: MambaBackend | str,
+                device: torch.device | str, fused: bool = True) -> KernelBackends:
+        return cls(resolve_attention_backend(attention, device), resolve_mamba_backend(mamba, device), fused)
+
+
+def resolve_attention_backend(backend: AttentionBackend | str, device: torch.device | str) -> AttentionBackend:
+    """AUTO: Triton on CUDA when importable, else torch."""
+    backend = AttentionBackend(backend)
+    if backend != AttentionBackend.AUTO:
+        return backend
+    if torch.device(device).type == "cuda":
+        try:
+            import triton  # noqa: F401
+
+            from megatron_async.kernels import attention_triton  # noqa: F401
+
+            return AttentionBackend.TRITON
+        except ImportError:
+            pass
+    return AttentionBackend.TORCH
+
+
+def _mamba_ssm_importable() -> bool:
+    try:
+        import causal_conv1d  # noqa: F401
+        import mamba_ssm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_mamba_usable(on_cuda: bool) -> bool:
+    """Triton imports and its kernels can run here: compiled on CUDA, interpreted on CPU (only
+    when TRITON_INTERPRET=1 was set before the kernels were decorated)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        from megatron_async.kernels import triton_mamba_decode
+    except ImportError:
+        return False
+    return on_cuda or isinstance(triton_mamba_decode._state_update_kernel, InterpretedFunction)
+
+
+def resolve_mamba_backend(backend: MambaBackend | str, device: torch.device | str) -> MambaBackend:
+    """AUTO: TRITON on CUDA when triton imports, else TORCH. MAMBA_SSM is never picked by AUTO:
+    only on request, where its packages import."""
+    backend = MambaBackend(backend)
+    on_cuda = torch.device(device).type == "cuda"
+    if backend == MambaBackend.AUTO:
+        return MambaBackend.TRITON if on_cuda and _triton_mamba_usable(on_cuda) else MambaBackend.TORCH
+    if backend == MambaBackend.MAMBA_SSM and not (on_cuda and _mamba_ssm_importable()):
+        raise ValueError("MambaBackend.MAMBA_SSM needs CUDA and the mamba_ssm + causal_conv1d packages")
+    if backend == MambaBackend.TRITON and not _triton_mamba_usable(on_cuda):
+        raise ValueError("MambaBackend.TRITON needs triton on CUDA, or TRITON_INTERPRET=1 set before import on CPU")
+    return backend
