@@ -15,6 +15,7 @@ from pathlib import Path
 from megatron_async.tools import cli
 
 log = logging.getLogger("megatron_async.serve")
+DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 GRACEFUL_SHUTDOWN_S = 5
 """On SIGTERM / Ctrl-C, requests in flight get this long to finish before their connections close."""
 
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None, help="default: the checkpoint directory's name")
     g.add_argument("--seed", type=cli.checked(int, 0, 2**63 - 1), default=0,
                    help="seeds the per-request seeds of requests that give none")
+    g.add_argument("--max-request-bytes", type=cli.checked(int, 1, name="max-request-bytes"),
+                   default=DEFAULT_MAX_REQUEST_BYTES, help="largest request body taken (HTTP 413 beyond it)")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log level")
     return p
@@ -64,7 +67,8 @@ def build_state(llm, args: argparse.Namespace):
     return ServerState(
         engine_loop=EngineLoop(llm.engine, metrics, llm.communicator), metrics=metrics, model_name=name, tokenizer=llm.tokenizer,
         chat_template=load_chat_template(args.model) if args.model else None,
-        max_model_len=min(llm.config.max_sequence_length, kv_tokens),
+        max_model_len=min(llm.config.max_sequence_length, kv_tokens), max_requests=llm.config.max_requests,
+        max_request_bytes=args.max_request_bytes,
     )
 
 

@@ -21,7 +21,7 @@ def sse(data: dict | str) -> str:
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
-    kind = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "server_error")
+    kind = "not_found_error" if status == 404 else "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 

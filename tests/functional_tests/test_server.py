@@ -184,7 +184,7 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, client):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="tiny-chat", **kwargs)
         assert e.value.status_code == 400 and e.value.message
-    with pytest.raises(openai.BadRequestError, match="not served"):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="other-model", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny-chat", messages=[{"role": "wizard", "content": "hi"}])
