@@ -1,10 +1,9 @@
 """The server (a real process on loopback) against hostile bodies: every answer is < 500 with
 OpenAI's JSON error object where it is an error (400 bad input, 404 unknown model, 413 too large,
 415 not JSON), for hand-picked bodies that once got a 500 and for random JSON (hypothesis) at both
-endpoints, streaming or not; a 5 MB prompt stalls nobody; the server keeps answering."""
+endpoints, streaming or not; the server keeps answering."""
 import http.client
 import json
-import threading
 import time
 from urllib.parse import urlparse
 
@@ -21,7 +20,7 @@ from megatron_async.serve.process import ServerProcess  # noqa: E402
 from megatron_async.testing.chat_templates import save_chat_template  # noqa: E402
 from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
 
-MAX_REQUEST_BYTES = 6_000_000  # over the 5 MB prompts, so that the prompt's length is what refuses them
+MAX_REQUEST_BYTES = 1_000_000
 MAX_REQUESTS = 8
 SERVER_FLAGS = ["--num-kv-blocks", "64", "--block-size", "16", "--max-requests", str(MAX_REQUESTS),
                 "--max-sequence-length", "64", "--max-request-bytes", str(MAX_REQUEST_BYTES)]
@@ -139,33 +138,6 @@ def test_status_codes_of_the_transport(server):
     created = json.loads(raw)["data"][0]["created"]
     assert status == 200 and time.time() - 3600 < created <= time.time()  # the server's start
     still_serves(server)
-
-
-def test_a_5mb_prompt_stalls_neither_health_nor_streams(server):
-    """A 5 MB prompt (completions text, then a chat message) is refused while /health keeps
-    answering and a running stream keeps its pace."""
-    big = [("/v1/completions", {"prompt": "word " * 1_000_000, "max_tokens": 2}),
-           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1_000_000}]})]
-    results, done = [], threading.Event()
-
-    def refuse_big():
-        for path, body in big:
-            results.append(post(server, path, body))
-        done.set()
-
-    health = []
-    worker = threading.Thread(target=refuse_big)
-    worker.start()
-    while not done.is_set():
-        t = time.perf_counter()
-        assert send(server, "GET", "/health", timeout=30)[0] == 200
-        health.append(time.perf_counter() - t)
-        time.sleep(0.005)
-    worker.join()
-    assert len(results) == 2 and len(health) >= 2
-    for status, raw in results:
-        assert "characters" in assert_error(status, raw, 400)["message"]  # refused before tokenizing
-    assert max(health) < 0.5, sorted(health)[-5:]
 
 
 # ------------------------------------------------------------------ random JSON (hypothesis)
