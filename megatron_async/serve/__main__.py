@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -72,6 +73,19 @@ def build_state(llm, args: argparse.Namespace):
     )
 
 
+def _uvicorn_server(config):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            # shut down gracefully and return: uvicorn would re-raise the signal once serving
+            # ends, killing the process before the engine thread and the model are closed
+            getattr(self, "_captured_signals", []).clear()
+
+    return Server(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cli.resolve_device_args(args)
@@ -95,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
             return 1
         port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False,
+        server = _uvicorn_server(uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False,
                                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         state.engine_loop.start()
         print(f"megatron_async.serve: serving {state.model_name} on http://{args.host}:{port}", flush=True)
@@ -109,4 +123,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # all is closed: skip the interpreter's teardown of torch, which takes seconds
