@@ -147,14 +147,18 @@ def create_app(state: ServerState) -> FastAPI:
         head = resp.ResponseHead("text_completion", state.model_name, resp.new_id("cmpl"))
 
         text_offsets = [0] * len(choices)  # per choice: text of the tokens streamed so far
+        text_only = [resp.JsonTemplate(head.body([resp.completion_chunk_choice(i, resp.TEXT_SLOT, None, None)]))
+                     for i in range(len(choices))] if req.stream else []
 
         def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool,
-                  upd: RequestUpdate | None = None) -> dict:
+                  upd: RequestUpdate | None = None) -> dict | str:
             lp = None
             if upd is not None and upd.new_tokens and upd.new_log_probs is not None:
                 lp = resp.completion_logprobs(upd.new_tokens, upd.new_log_probs, upd.new_top_n_logprobs, text_of,
                                               text_offsets[i])
                 text_offsets[i] += sum(len(t) for t in lp["tokens"])
+            if lp is None and finish is None and tokens is None:
+                return text_only[i](text)  # the common chunk: only its text is encoded
             return head.body([resp.completion_chunk_choice(i, text, finish, tokens, lp)])
 
         def whole(outs: list[RequestOutput]) -> dict:
@@ -299,29 +303,39 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def _stream(sub: Submission, head: resp.ResponseHead, chunk: Callable, usage_prompts: list[list[int]] | None,
                       token_ids: bool) -> AsyncIterator[str]:
-        """SSE chunks as the engine produces them (the response aborts what is left when it ends)."""
+        """SSE chunks as the engine produces them (the response aborts what is left when it ends).
+        The events waiting for this request go out in one write: a busy event loop catches up
+        with a few large writes instead of one per token."""
         n = len(sub.choices)
-        started, finished, generated = [False] * n, 0, 0
-        while finished < n:
-            ev = await sub.events.get()
-            upd, out = ev.update, ev.output
-            error = ev.error or (out.error or "request failed" if out is not None and out.finish_reason == "error" else None)
-            if error is not None:  # end the stream; _SSEResponse aborts the other choices
-                yield resp.sse(resp.error_body(error, 500))
-                break
-            if upd is not None and (upd.new_tokens or upd.new_text or not started[ev.index]):
-                text = upd.new_text or ""
-                generated += len(upd.new_tokens)
-                tokens = list(upd.new_tokens) if token_ids else None
-                yield resp.sse(chunk(ev.index, text, None, tokens, not started[ev.index], upd))
-                started[ev.index] = True
-            if out is not None:
-                tokens = [] if token_ids else None
-                yield resp.sse(chunk(ev.index, "", out.finish_reason, tokens, not started[ev.index]))
-                started[ev.index] = True
-                finished += 1
+        started, finished, generated, failed = [False] * n, 0, 0, False
+        while finished < n and not failed:
+            events, parts = [await sub.events.get()], []
+            while not sub.events.empty():
+                events.append(sub.events.get_nowait())
+            for ev in events:
+                upd, out = ev.update, ev.output
+                error = ev.error or (out.error or "request failed" if out is not None and out.finish_reason == "error"
+                                     else None)
+                if error is not None:  # end the stream; _SSEResponse aborts the other choices
+                    parts.append(resp.sse(resp.error_body(error, 500)))
+                    failed = True
+                    break
+                if upd is not None and (upd.new_tokens or upd.new_text or not started[ev.index]):
+                    text = upd.new_text or ""
+                    generated += len(upd.new_tokens)
+                    tokens = list(upd.new_tokens) if token_ids else None
+                    parts.append(resp.sse(chunk(ev.index, text, None, tokens, not started[ev.index], upd)))
+                    started[ev.index] = True
+                if out is not None:
+                    tokens = [] if token_ids else None
+                    parts.append(resp.sse(chunk(ev.index, "", out.finish_reason, tokens, not started[ev.index])))
+                    started[ev.index] = True
+                    finished += 1
+            if parts:
+                yield "".join(parts)
+        tail = [resp.sse("[DONE]")]
         if usage_prompts is not None:
-            yield resp.sse(head.body([], usage=resp.usage(sum(len(p) for p in usage_prompts), generated)))
-        yield resp.sse("[DONE]")
+            tail.insert(0, resp.sse(head.body([], usage=resp.usage(sum(len(p) for p in usage_prompts), generated))))
+        yield "".join(tail)
 
     return app
