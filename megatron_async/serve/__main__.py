@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seeds the per-request seeds of requests that give none")
     g.add_argument("--max-request-bytes", type=cli.checked(int, 1, name="max-request-bytes"),
                    default=DEFAULT_MAX_REQUEST_BYTES, help="largest request body taken (HTTP 413 beyond it)")
+    g.add_argument("--gil-switch-interval-ms", type=cli.checked(float, 0.01, 100.0, name="gil-switch-interval-ms"),
+                   default=None, help="how long the engine thread may hold the GIL while the event loop waits to "
+                   "send (Python's sys.setswitchinterval; default: Python's 5 ms). Every socket write releases "
+                   "the GIL and waits up to this long to get it back while the engine thread runs Python")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log level")
     return p
@@ -102,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
             follow_rank0(llm.engine, llm.communicator)
             return 0
+        if args.gil_switch_interval_ms is not None:
+            sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
         state = build_state(llm, args)
         try:
             sock = bind(args.host, args.port)
