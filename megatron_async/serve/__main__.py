@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from megatron_async.serve.tool_calls import TOOL_CALL_PARSERS, choose_parser
 from megatron_async.tools import cli
 
 log = logging.getLogger("megatron_async.serve")
+DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 GRACEFUL_SHUTDOWN_S = 5
 """On SIGTERM / Ctrl-C, requests in flight get this long to finish before their connections close."""
 
@@ -34,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None, help="default: the checkpoint directory's name")
     g.add_argument("--seed", type=cli.checked(int, 0, 2**63 - 1), default=0,
                    help="seeds the per-request seeds of requests that give none")
+    g.add_argument("--max-request-bytes", type=cli.checked(int, 1, name="max-request-bytes"),
+                   default=DEFAULT_MAX_REQUEST_BYTES, help="largest request body taken (HTTP 413 beyond it)")
+    g.add_argument("--gil-switch-interval-ms", type=cli.checked(float, 0.01, 100.0, name="gil-switch-interval-ms"),
+                   default=None, help="how long the engine thread may hold the GIL while the event loop waits to "
+                   "send (Python's sys.setswitchinterval; default: Python's 5 ms). Every socket write releases "
+                   "the GIL and waits up to this long to get it back while the engine thread runs Python")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log level")
     g.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *TOOL_CALL_PARSERS],
@@ -71,11 +79,25 @@ def build_state(llm, args: argparse.Namespace):
     state = ServerState(
         engine_loop=EngineLoop(llm.engine, metrics, llm.communicator), metrics=metrics, model_name=name, tokenizer=llm.tokenizer,
         chat_template=load_chat_template(args.model) if args.model else None,
-        max_model_len=min(llm.config.max_sequence_length, kv_tokens),
+        max_model_len=min(llm.config.max_sequence_length, kv_tokens), max_requests=llm.config.max_requests,
+        max_request_bytes=args.max_request_bytes,
     )
     state.tool_call_parser = choose_parser(args.tool_call_parser, state.chat_template)
     state.reasoning_parser = args.reasoning_parser
     return state
+
+
+def _uvicorn_server(config):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            # shut down gracefully and return: uvicorn would re-raise the signal once serving
+            # ends, killing the process before the engine thread and the model are closed
+            getattr(self, "_captured_signals", []).clear()
+
+    return Server(config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
             follow_rank0(llm.engine, llm.communicator)
             return 0
+        if args.gil_switch_interval_ms is not None:
+            sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
         state = build_state(llm, args)
         try:
             sock = bind(args.host, args.port)
@@ -101,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
             return 1
         port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False,
+        server = _uvicorn_server(uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False,
                                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         state.engine_loop.start()
         print(f"megatron_async.serve: serving {state.model_name} on http://{args.host}:{port}", flush=True)
@@ -115,4 +139,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # all is closed: skip the interpreter's teardown of torch, which takes seconds

@@ -1,20 +1,30 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE when
 ``stream``), /v1/models, /health, /metrics. Handlers turn a body into engine choices, hand them to
-the engine thread (engine_loop.py) and read their events back; a bad request is HTTP 400 with the
-reason, and a client that goes away has its requests aborted."""
+the engine thread (engine_loop.py) and read their events back. Every error is OpenAI's JSON error
+object (400 bad input, 404 unknown model, 413 body too large, 415 not JSON), and a client that
+goes away has its requests aborted. Work that grows with the input (decoding a big body, rendering
+the chat template, tokenizing) runs on a thread pool, off the event loop, so that a huge prompt
+delays no other request; a text prompt longer than any ``max_model_len`` tokens can hold is
+refused before it is tokenized."""
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate
 from megatron_async.models.chat_template import ChatTemplate, ChatTemplateError
 from megatron_async.serve import openai_protocol as proto
+from megatron_async.serve import request_body
 from megatron_async.serve import responses as resp
 from megatron_async.serve import tool_calls
 from megatron_async.serve.chat_output import ChatOutputFormat, chunk_choices
@@ -22,6 +32,12 @@ from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission
 from megatron_async.serve.metrics import CONTENT_TYPE, ServerMetrics
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+OFF_LOOP_BYTES = 64 * 2**10
+"""Bodies, prompts and chat messages over this size are decoded, rendered and tokenized on the
+thread pool; smaller ones inline (a thread hop costs more than their work)."""
+MAX_COMPOSED_CHARS = 4
+"""A tokenizer's normalizer (NFC / NFKC) may compose up to 3 characters into one before tokenizing."""
+log = logging.getLogger("megatron_async.serve")
 
 
 @dataclass
@@ -33,10 +49,26 @@ class ServerState:
     chat_template: ChatTemplate | None
     max_model_len: int
     """Most tokens (prompt + output) a request can reach: max_sequence_length capped by the KV pool."""
+    max_requests: int
+    """Requests the engine runs at once: the most choices (``n``) one request may ask for."""
+    max_request_bytes: int
+    """Largest body taken (413 beyond it)."""
+    created: int = field(default_factory=lambda: int(time.time()))
+    """Server start (Unix seconds): /v1/models' ``created``."""
     tool_call_parser: str | None = None
     """Parses tool calls out of chat answers to requests with tools (None: they stay text)."""
     reasoning_parser: str | None = None
     """Splits chat answers' reasoning sections into ``reasoning_content`` (None: left in content)."""
+
+
+def max_token_chars(tokenizer) -> int:
+    """The longest text one token of the vocabulary decodes to, in characters."""
+    return max((len(tokenizer.decode([i])) for i in range(tokenizer.vocab_size)), default=1)
+
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """More characters than this cannot tokenize into ``max_model_len`` tokens or fewer."""
+    return max_model_len * max(1, max_token_chars(tokenizer)) * MAX_COMPOSED_CHARS
 
 
 async def _client_disconnect(request: Request) -> None:
@@ -66,17 +98,34 @@ class _SSEResponse(StreamingResponse):
             self._on_close()  # aborts what is still running; a no-op for finished requests
 
 
-def _error(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
-    return JSONResponse(resp.error_body(message, status, param), status_code=status)
+def _error(message: str, status: int = 400, param: str | None = None) -> Response:
+    # ASCII JSON: a message quoting the request (a lone surrogate included) always encodes
+    return Response(json.dumps(resp.error_body(message, status, param)), status_code=status,
+                    media_type="application/json")
 
 
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="megatron_async", docs_url=None, redoc_url=None)
     text_of = resp.TokenText(state.tokenizer)
+    pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="megatron-async-input")
+    prompt_chars = max_prompt_chars(state.tokenizer, state.max_model_len) if state.tokenizer is not None else 0
 
     @app.exception_handler(proto.BadRequest)
     async def _bad_request(_: Request, e: proto.BadRequest):
-        return _error(str(e), 400, e.param)
+        return _error(str(e), e.status, e.param)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, e: HTTPException):  # unknown route, wrong method
+        return _error(str(e.detail), e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        return _error(str(e), 400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception):
+        log.exception("request failed unexpectedly")
+        return _error(f"internal error: {type(e).__name__}", 500)
 
     @app.get("/health")
     async def health():
@@ -84,7 +133,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "megatron_async",
+        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "megatron_async",
                 "max_model_len": state.max_model_len}
         return {"object": "list", "data": [card]}
 
@@ -94,23 +143,28 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = proto.parse_body(proto.CompletionRequest, await _json_body(request))
+        req = await _parse(request, proto.CompletionRequest)
         _check_model(req.model)
+        _check_n(req.n)
         proto.check_completion_options(req)
-        prompts = [_tokens(p) for p in proto.completion_prompts(req)]
+        prompts = await _tokens(proto.completion_prompts(req))
         max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         choices = [Choice(p, _params(req, max_tokens, req.logprobs, i)) for p in prompts for i in range(req.n)]
         head = resp.ResponseHead("text_completion", state.model_name, resp.new_id("cmpl"))
 
         text_offsets = [0] * len(choices)  # per choice: text of the tokens streamed so far
+        text_only = [resp.JsonTemplate(head.body([resp.completion_chunk_choice(i, resp.TEXT_SLOT, None, None)]))
+                     for i in range(len(choices))] if req.stream else []
 
         def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool,
-                  upd: RequestUpdate | None = None) -> dict:
+                  upd: RequestUpdate | None = None) -> dict | str:
             lp = None
             if upd is not None and upd.new_tokens and upd.new_log_probs is not None:
                 lp = resp.completion_logprobs(upd.new_tokens, upd.new_log_probs, upd.new_top_n_logprobs, text_of,
                                               text_offsets[i])
                 text_offsets[i] += sum(len(t) for t in lp["tokens"])
+            if lp is None and finish is None and tokens is None:
+                return text_only[i](text)  # the common chunk: only its text is encoded
             return head.body([resp.completion_chunk_choice(i, text, finish, tokens, lp)])
 
         def whole(outs: list[RequestOutput]) -> dict:
@@ -121,19 +175,19 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req = proto.parse_body(proto.ChatCompletionRequest, await _json_body(request))
+        req = await _parse(request, proto.ChatCompletionRequest)
         _check_model(req.model)
+        _check_n(req.n)
         if state.chat_template is None:
             raise proto.BadRequest(f"{state.model_name} has no chat template; use /v1/completions")
         tools = tool_calls.template_tools(req)
         if tools is not None:  # the template sees them as one more variable
             req.chat_template_kwargs = {**(req.chat_template_kwargs or {}), "tools": tools}
         messages = [m.as_template_message() for m in req.messages]
-        try:
-            text = state.chat_template.render(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
-        except ChatTemplateError as e:
-            raise proto.BadRequest(str(e), "messages") from None
-        prompt = _tokens(text, add_special_tokens=False)
+        add_generation_prompt, template_kwargs = proto.chat_template_kwargs(req)
+        big = sum(len(m.get("content") or "") for m in messages) > OFF_LOOP_BYTES
+        text = await _off_loop(big, _render, messages, add_generation_prompt, template_kwargs)
+        [prompt] = await _tokens([text], add_special_tokens=False)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, state.max_model_len - len(prompt))
         if req.top_logprobs and not req.logprobs:
             raise proto.BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
@@ -162,22 +216,47 @@ def create_app(state: ServerState) -> FastAPI:
         return await _respond(request, req, choices, head, chunk, whole, [prompt])
 
     # ------------------------------------------------------------------ helpers
-    async def _json_body(request: Request):
-        try:
-            return json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise proto.BadRequest(f"request body is not valid JSON: {e}") from None
+    async def _off_loop(big: bool, fn: Callable, *args):
+        """``fn(*args)`` on the thread pool when its input is big, else right here."""
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args) if big else fn(*args)
+
+    async def _parse(request: Request, model: type):
+        """The body as ``model``: content type, size, JSON and fields checked (see request_body.py)."""
+        request_body.check_content_type(request.headers.get("content-type"))
+        request_body.check_content_length(request.headers.get("content-length"), state.max_request_bytes)
+        raw = await request_body.read_limited(request.stream(), state.max_request_bytes)
+        return await _off_loop(len(raw) > OFF_LOOP_BYTES, lambda: proto.parse_body(model, request_body.decode_json(raw)))
 
     def _check_model(name: str | None) -> None:
         if name is not None and name != state.model_name:
-            raise proto.BadRequest(f"model {name!r} is not served here; this server serves {state.model_name!r}", "model")
+            raise proto.NotFound(f"model {name!r} does not exist; this server serves {state.model_name!r}", "model")
 
-    def _tokens(prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if state.tokenizer is None:
+    def _check_n(n: int) -> None:
+        if n > state.max_requests:
+            raise proto.BadRequest(f"n={n} is more than the {state.max_requests} requests this engine runs at once "
+                                   "(--max-requests)", "n")
+
+    def _render(messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
+        try:
+            return state.chat_template.render(messages, add_generation_prompt, **kwargs)
+        except ChatTemplateError as e:
+            raise proto.BadRequest(str(e), "messages") from None
+
+    async def _tokens(prompts: list[str | list[int]], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each prompt; text longer than any prompt that fits is refused untokenized."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        if texts and state.tokenizer is None:
             raise proto.BadRequest("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
-        return state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        for t in texts:
+            if len(t) > prompt_chars:
+                raise proto.BadRequest(f"the prompt is {len(t)} characters: more than {state.max_model_len} tokens "
+                                       "(the most a request may hold) can cover", "prompt")
+
+        def encode() -> list[list[int]]:
+            return [state.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str)
+                    else list(p) for p in prompts]
+
+        return await _off_loop(sum(len(t) for t in texts) > OFF_LOOP_BYTES, encode)
 
     def _params(req, max_tokens: int, logprobs: int | None, i: int):
         sp = proto.sampling_params(req, max_tokens, logprobs)
@@ -238,29 +317,39 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def _stream(sub: Submission, head: resp.ResponseHead, chunk: Callable, usage_prompts: list[list[int]] | None,
                       token_ids: bool) -> AsyncIterator[str]:
-        """SSE chunks as the engine produces them (the response aborts what is left when it ends)."""
+        """SSE chunks as the engine produces them (the response aborts what is left when it ends).
+        The events waiting for this request go out in one write: a busy event loop catches up
+        with a few large writes instead of one per token."""
         n = len(sub.choices)
-        started, finished, generated = [False] * n, 0, 0
-        while finished < n:
-            ev = await sub.events.get()
-            upd, out = ev.update, ev.output
-            error = ev.error or (out.error or "request failed" if out is not None and out.finish_reason == "error" else None)
-            if error is not None:  # end the stream; _SSEResponse aborts the other choices
-                yield resp.sse(resp.error_body(error, 500))
-                break
-            if upd is not None and (upd.new_tokens or upd.new_text or not started[ev.index]):
-                text = upd.new_text or ""
-                generated += len(upd.new_tokens)
-                tokens = list(upd.new_tokens) if token_ids else None
-                yield resp.sse(chunk(ev.index, text, None, tokens, not started[ev.index], upd))
-                started[ev.index] = True
-            if out is not None:
-                tokens = [] if token_ids else None
-                yield resp.sse(chunk(ev.index, "", out.finish_reason, tokens, not started[ev.index]))
-                started[ev.index] = True
-                finished += 1
+        started, finished, generated, failed = [False] * n, 0, 0, False
+        while finished < n and not failed:
+            events, parts = [await sub.events.get()], []
+            while not sub.events.empty():
+                events.append(sub.events.get_nowait())
+            for ev in events:
+                upd, out = ev.update, ev.output
+                error = ev.error or (out.error or "request failed" if out is not None and out.finish_reason == "error"
+                                     else None)
+                if error is not None:  # end the stream; _SSEResponse aborts the other choices
+                    parts.append(resp.sse(resp.error_body(error, 500)))
+                    failed = True
+                    break
+                if upd is not None and (upd.new_tokens or upd.new_text or not started[ev.index]):
+                    text = upd.new_text or ""
+                    generated += len(upd.new_tokens)
+                    tokens = list(upd.new_tokens) if token_ids else None
+                    parts.append(resp.sse(chunk(ev.index, text, None, tokens, not started[ev.index], upd)))
+                    started[ev.index] = True
+                if out is not None:
+                    tokens = [] if token_ids else None
+                    parts.append(resp.sse(chunk(ev.index, "", out.finish_reason, tokens, not started[ev.index])))
+                    started[ev.index] = True
+                    finished += 1
+            if parts:
+                yield "".join(parts)
+        tail = [resp.sse("[DONE]")]
         if usage_prompts is not None:
-            yield resp.sse(head.body([], usage=resp.usage(sum(len(p) for p in usage_prompts), generated)))
-        yield resp.sse("[DONE]")
+            tail.insert(0, resp.sse(head.body([], usage=resp.usage(sum(len(p) for p in usage_prompts), generated))))
+        yield "".join(tail)
 
     return app

@@ -102,6 +102,11 @@ class EngineLoop:
         self._failed_steps = 0
         self._thread = threading.Thread(target=self._run, name="megatron-async-engine", daemon=True)
         self.steps = 0
+        # read when /metrics is scraped, so that they are current even while a long step runs
+        # (lengths of the engine's containers: single reads, safe from another thread)
+        metrics.running.set_function(lambda: len(self.engine.context.active))
+        metrics.waiting.set_function(lambda: len(self.engine.scheduler.waiting) + self._inbox.qsize())
+        metrics.kv_usage.set_function(self._kv_usage)
 
     # ---------------------------------------------------------------- event-loop side
     def start(self) -> None:
@@ -224,13 +229,12 @@ class EngineLoop:
         if self._comm is not None:
             self._comm.broadcast_object(command)
 
+    def _kv_usage(self) -> float:
+        alloc = self.engine.context.allocator
+        return 1.0 - alloc.num_available / alloc.capacity if alloc.capacity else 0.0
+
     def _observe_engine(self) -> None:
-        ctx, m = self.engine.context, self.metrics
-        m.running.set(len(ctx.active))
-        m.waiting.set(len(self.engine.scheduler.waiting) + self._inbox.qsize())
-        alloc = ctx.allocator
-        m.kv_usage.set(1.0 - alloc.num_available / alloc.capacity if alloc.capacity else 0.0)
-        st = self.engine.stats
+        m, st = self.metrics, self.engine.stats
         m.overlap_ratio.set(st.overlap_ratio)
         m.decode_steps.set(st.decode_steps)
         m.overlapped_decode_steps.set(st.overlapped_decode_steps)

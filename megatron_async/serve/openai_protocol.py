@@ -5,6 +5,7 @@ a token count."""
 from __future__ import annotations
 
 import json
+import reprlib
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -15,11 +16,36 @@ TokenIds = list[int]
 
 
 class BadRequest(ValueError):
-    """A request the server answers with HTTP 400; ``param`` names the offending field."""
+    """A request the server answers with HTTP ``status`` (400 here, other 4xx in the subclasses)
+    and OpenAI's error object; ``param`` names the offending field."""
+
+    status = 400
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class NotFound(BadRequest):
+    status = 404
+
+
+class PayloadTooLarge(BadRequest):
+    status = 413
+
+
+class UnsupportedMediaType(BadRequest):
+    status = 415
+
+
+def _short_repr() -> reprlib.Repr:
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother, r.maxlong = 2, 80, 80, 80
+    return r
+
+
+_brief = _short_repr().repr
+"""A short repr of any decoded JSON value (deeply nested or huge ones included) for messages."""
 
 
 class _Strict(BaseModel):
@@ -38,7 +64,7 @@ class _SamplingFields(_Strict):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = Field(default=1, ge=1)  # at most the engine's max_requests (checked by the app)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -155,6 +181,24 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+_TEMPLATE_RESERVED = ("messages", "self")
+"""Names ChatTemplate.render takes itself; ``add_generation_prompt`` may be overridden (vLLM's rule)."""
+
+
+def chat_template_kwargs(req: ChatCompletionRequest) -> tuple[bool, dict[str, Any]]:
+    """(add_generation_prompt, the other template variables) of a chat request: its
+    ``chat_template_kwargs`` override the request's own ``add_generation_prompt``."""
+    extra = dict(req.chat_template_kwargs or {})
+    add_generation_prompt = extra.pop("add_generation_prompt", req.add_generation_prompt)
+    if not isinstance(add_generation_prompt, bool):
+        raise BadRequest("chat_template_kwargs.add_generation_prompt must be a boolean",
+                         "chat_template_kwargs.add_generation_prompt")
+    for name in _TEMPLATE_RESERVED:
+        if name in extra:
+            raise BadRequest(f"chat_template_kwargs may not set {name!r}", f"chat_template_kwargs.{name}")
+    return add_generation_prompt, extra
+
+
 def _is_union_branch(part: Any) -> bool:
     """pydantic names the union member it tried in an error's location ('str', 'list[int]', ...)."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part or "-" in part)
@@ -169,7 +213,7 @@ def parse_body(model: type[_Strict], body: Any) -> Any:
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"] if not _is_union_branch(p))
-        raise BadRequest(f"{loc or 'body'}: {err['msg']} (got {err.get('input')!r:.80})", loc or None) from None
+        raise BadRequest(f"{loc or 'body'}: {err['msg']} (got {_brief(err.get('input'))})", loc or None) from None
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:

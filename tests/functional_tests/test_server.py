@@ -184,7 +184,7 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, client):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="tiny-chat", **kwargs)
         assert e.value.status_code == 400 and e.value.message
-    with pytest.raises(openai.BadRequestError, match="not served"):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="other-model", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny-chat", messages=[{"role": "wizard", "content": "hi"}])
@@ -305,3 +305,22 @@ def test_vllm_sampling_fields_reach_the_engine(client, llm, field, value):
     assert got.choices[0].model_extra["token_ids"] == want
     if field.endswith("penalty"):  # the penalty really changed the greedy answer
         assert want != reference(llm, [prompt], 10)[0]
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_idle_shutdown_is_prompt_and_clean(sig):
+    """SIGTERM / Ctrl-C on an idle server that has served: it stops its engine, closes the model
+    and exits 0 within a second (no signal re-raised before the engine is closed, no
+    interpreter teardown of torch)."""
+    import signal
+
+    with ServerProcess(["--default-model", "tiny", "--device", "cpu", "--max-requests", "4"]) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        assert len(list(client.completions.create(model=srv.model_name, prompt=[1, 2, 3], max_tokens=3,
+                                                  stream=True))) >= 2  # a keep-alive connection stays open
+        t = time.perf_counter()
+        srv.proc.send_signal(getattr(signal, sig))
+        code = srv.proc.wait(30)
+        took = time.perf_counter() - t
+        client.close()
+    assert code == 0 and took < 1.0, (code, took, srv.output())

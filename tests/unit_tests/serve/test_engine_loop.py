@@ -80,3 +80,45 @@ def test_events_failures_and_recovery():
     assert not llm.engine.has_unfinished_requests() and len(llm.context.active) == 0
     alloc = llm.context.allocator
     assert alloc.num_available == alloc.capacity  # the aborted request's blocks came back
+
+
+def test_gauges_are_current_while_a_step_runs():
+    """/metrics is scraped while the engine thread is inside a long step: the request the step
+    runs counts as running (the gauges are read at scrape time, not after the step)."""
+    import threading
+
+    llm = LLM(inference_config=CONFIG)
+    metrics = ServerMetrics("t")
+    loop = EngineLoop(llm.engine, metrics)
+    real_step, inside, release = llm.engine.step, threading.Event(), threading.Event()
+
+    def long_step():
+        res = real_step()  # schedules the request: it now holds KV blocks
+        llm.engine.step = real_step
+        inside.set()
+        release.wait(30)
+        return res
+
+    def gauge(name: str) -> float:
+        return metrics.registry.get_sample_value(f"megatron_async_{name}", {"model_name": "t"})
+
+    llm.engine.step = long_step
+    loop.start()
+    try:
+        async def main():
+            sub = Submission([Choice([1, 2, 3], greedy(3))], asyncio.get_running_loop())
+            loop.submit(sub)
+            assert await asyncio.to_thread(inside.wait, 30)  # (admission is reported after the step)
+            during = gauge("num_requests_running"), gauge("num_requests_waiting"), gauge("kv_cache_usage_perc")
+            release.set()
+            await sub.admitted
+            while (await asyncio.wait_for(sub.events.get(), 30)).output is None:
+                pass
+            return during
+
+        running, waiting, kv = asyncio.run(main())
+        assert (running, waiting) == (1, 0) and kv > 0
+        assert gauge("num_requests_running") == 0 and gauge("kv_cache_usage_perc") == 0
+    finally:
+        release.set()
+        loop.stop()

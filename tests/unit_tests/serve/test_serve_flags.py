@@ -28,8 +28,16 @@ def test_bind_listens_on_a_free_port():
         sock.close()
 
 
-@pytest.mark.parametrize("flags", [["--port", "70000"], ["--port", "x"], ["--max-requests", "0"], ["--seed", "-1"]])
+@pytest.mark.parametrize("flags", [["--port", "70000"], ["--port", "x"], ["--max-requests", "0"], ["--seed", "-1"],
+                                   ["--max-request-bytes", "0"], ["--gil-switch-interval-ms", "0"]])
 def test_bad_flags_are_argparse_errors(flags, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(flags)
     assert e.value.code == 2 and flags[0] in capsys.readouterr().err
+
+
+def test_server_flags_parse():
+    args = build_parser().parse_args(["--max-request-bytes", "1000", "--gil-switch-interval-ms", "0.5"])
+    assert args.max_request_bytes == 1000 and args.gil_switch_interval_ms == 0.5
+    args = build_parser().parse_args([])
+    assert args.max_request_bytes == 32 * 2**20 and args.gil_switch_interval_ms is None

@@ -1,0 +1,18 @@
+"""Response bodies: a stream chunk built from its precomputed JSON template is byte for byte the
+chunk ``json.dumps`` writes from the whole body."""
+import json
+
+import pytest
+
+from megatron_async.serve import responses as resp
+
+
+@pytest.mark.parametrize("text", ["", " hello", 'a "quoted" \\ back\nslash', "日本語 ✓", "\x00\x1f", resp.TEXT_SLOT,
+                                  "\ufffd", "}, {"])
+def test_json_template_equals_json_dumps(text):
+    head = resp.ResponseHead("text_completion", "m", resp.new_id("cmpl"))
+    for i in (0, 3):
+        template = resp.JsonTemplate(head.body([resp.completion_chunk_choice(i, resp.TEXT_SLOT, None, None)]))
+        whole = head.body([resp.completion_chunk_choice(i, text, None, None)])
+        assert template(text) == json.dumps(whole, ensure_ascii=False)
+        assert resp.sse(template(text)) == resp.sse(whole)
