@@ -170,6 +170,9 @@ class DynamicInferenceRequest:
     num_streamed_tokens: int = 0
     """Generated tokens already reported in a RequestUpdate."""
 
+    max_generated_tokens: int = 0
+    """The length limit (stop_conditions.generation_limit), set when the request is queued."""
+
     # -- scheduling state (CPU truth) --
     num_computed_tokens: int = 0
     """Positions whose KV is computed or enqueued (in flight included)."""

@@ -127,9 +127,9 @@ class DecodeRows:
         self._constant.pop(buffer, None)
 
     def assemble(self, plan: StepPlan, v: dict[str, np.ndarray], buffer: int, mamba: bool) -> StepShape | None:
-        """Fill host views ``v`` (of ring buffer ``buffer``) for a decode-only ``plan`` and
-        advance its requests as the general path does; None (nothing written or advanced) when
-        the plan is not covered."""
+        """Fill host views ``v`` (of ring buffer ``buffer``) for a decode-only ``plan``; None
+        (nothing written) when the plan is not covered. Like the general path, it changes no
+        request (the request book commits the step)."""
         rows = plan.rows
         R = len(rows)
         if R == 0 or not all(row.num_tokens == 1 and row.samples for row in rows):
@@ -178,11 +178,6 @@ class DecodeRows:
             meta = np.take(self.meta, slots, axis=0)
             has_slot = v["sampling_slot"][:R] != self.padding_sampling_slot
             v["suppress_stop"][:R] = has_slot & (positions1 - meta[:, _PROMPT_LEN] < meta[:, _MIN_TOKENS])
-        for r, q in enumerate(reqs):  # what the general path advances (RowUndo restores the same)
-            q.num_computed_tokens += 1
-            q.num_inflight += 1
-            q.inflight_row = r
-            q.num_inflight_drafts = 0
         self.assembled += 1
         bits = constant.bits
         filters = (bool(bits & _TOP_K), bool(bits & _TOP_P), bool(bits & _MIN_P))
