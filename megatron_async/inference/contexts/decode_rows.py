@@ -26,15 +26,14 @@ import numpy as np
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK
 from megatron_async.inference.contexts.metadata import longest_first
 from megatron_async.inference.contexts.step_shape import StepShape
-from megatron_async.inference.request import DynamicInferenceRequest
+from megatron_async.inference.request import LOG_PROBS, MIN_P, SAMPLED, TOP_K, TOP_P, DynamicInferenceRequest
 
 if TYPE_CHECKING:
     from megatron_async.inference.engines.step_plan import StepPlan
 
-# Per slot, besides: prompt length, min_tokens, StepShape flag bits (sampled, top-k, top-p,
-# min-p, log-probs: a step's are the OR over its rows) and top-n log-probs (the step's: max).
+# Per slot, besides: prompt length, min_tokens, the request's sampling features
+# (SamplingParams.features: a step's are the OR over its rows) and top-n log-probs (the step's: max).
 _PROMPT_LEN, _MIN_TOKENS, _FLAG_BITS, _TOP_N = range(4)
-_SAMPLED, _TOP_K, _TOP_P, _MIN_P, _LOG_PROBS = (1 << i for i in range(5))
 # Snapshot fields whose per-row value is the request's, constant while it is active: kept
 # per slot in the snapshot's own dtype and gathered straight into the host buffer.
 GATHERED = ("seed", "temperature", "top_k", "top_p", "state_slots", "sampling_slot", "min_p", "presence_penalty",
@@ -77,7 +76,6 @@ class DecodeRows:
         if not self._free or req.request_id in self.slot_of:
             return
         sp, s = req.sampling_params, self._free[-1]
-        greedy = sp.is_greedy
         temperature, top_k, top_p, min_p = sp.row_filters()
         values = {  # what the general path writes for the request's sampling row
             "seed": req.seed, "temperature": temperature, "top_k": top_k, "top_p": top_p,
@@ -88,8 +86,7 @@ class DecodeRows:
         }
         if self.spec:
             values.update(spec_slot=req.spec_slot, spec_owner_slot=req.spec_slot)
-        bits = 0 if greedy else (_SAMPLED | _TOP_K * (top_k > 1) | _TOP_P * (0 < top_p < 1) | _MIN_P * (min_p > 0))
-        bits |= _LOG_PROBS * bool(sp.return_log_probs)
+        bits = sp.features()
         try:
             for name, value in values.items():
                 m, j = self.column[name]
@@ -180,10 +177,10 @@ class DecodeRows:
             v["suppress_stop"][:R] = has_slot & (positions1 - meta[:, _PROMPT_LEN] < meta[:, _MIN_TOKENS])
         self.assembled += 1
         bits = constant.bits
-        filters = (bool(bits & _TOP_K), bool(bits & _TOP_P), bool(bits & _MIN_P))
+        filters = (bool(bits & TOP_K), bool(bits & TOP_P), bool(bits & MIN_P))
         spec = self.spec
-        return StepShape(R, R, 1, int(positions1.max()), True, bool(bits & _SAMPLED), any(filters), constant.top_n,
-                         bool(bits & _LOG_PROBS), any_penalties=constant.any_penalties, filters=filters,
+        return StepShape(R, R, 1, int(positions1.max()), True, bool(bits & SAMPLED), any(filters), constant.top_n,
+                         bool(bits & LOG_PROBS), any_penalties=constant.any_penalties, filters=filters,
                          num_samples=R, sample_base=list(range(R)) if spec else None,
                          num_drafts=[0] * R if spec else None, num_multi_rows=0 if mamba else -1)
 

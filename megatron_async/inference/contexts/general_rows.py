@@ -12,7 +12,7 @@ from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK
 from megatron_async.inference.contexts.metadata import longest_first, mamba_row_order
 from megatron_async.inference.contexts.step_errors import RequestStepError, row_of_bad_value
 from megatron_async.inference.contexts.step_shape import StepShape
-from megatron_async.inference.request import DynamicInferenceRequest
+from megatron_async.inference.request import LOG_PROBS, MIN_P, SAMPLED, TOP_K, TOP_P, DynamicInferenceRequest
 
 if TYPE_CHECKING:
     from megatron_async.inference.engines.step_plan import StepPlan
@@ -31,9 +31,7 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
     spec_slot, spec_owner, spec_inflight, num_drafts, sample_base = [], [], [], [], []
     pen = _PenaltyColumns(sampling_padding_slot)
     max_q = max_kv = 0
-    any_sampling = any_lp = False
-    use_k = use_p = use_mp = False
-    max_top_n = 0
+    bits = max_top_n = 0  # the sampling rows' features (SamplingParams.features), OR-ed
     bt = v["block_table"]
     r = 0
     if verify_width and not spec:
@@ -77,7 +75,6 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
             cu.append(cu[-1] + n + pad)
             kv_lens.append(start + n)
             sp = req.sampling_params
-            greedy = sp.is_greedy
             temperature, top_k, top_p, min_p = sp.row_filters()
             if spec:
                 spec_slot.append(req.spec_slot if row.samples else spec_padding_slot)
@@ -104,12 +101,8 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
                 topp.append(0.0)
                 pen.add(req, False, 0.0, start + n)
             if row.samples:
-                any_sampling |= not greedy
-                use_k |= top_k > 1
-                use_p |= 0 < top_p < 1
-                any_lp |= sp.return_log_probs
+                bits |= sp.features()
                 max_top_n = max(max_top_n, sp.top_n_logprobs)
-                use_mp |= min_p > 0
             state_slots.append(req.state_slot)
             has_init.append(start > 0)
             nb = len(req.block_ids)
@@ -138,7 +131,8 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
         bad = plan.rows[r if r is not None else -1].request
         raise RequestStepError(bad, e) from e
     T, R = len(ids), len(plan.rows)
-    filters = (use_k, use_p, use_mp)
+    filters = (bool(bits & TOP_K), bool(bits & TOP_P), bool(bits & MIN_P))
+    any_sampling, any_lp = bool(bits & SAMPLED), bool(bits & LOG_PROBS)
     decode_only = plan.is_decode_only and not verify_width
     return StepShape(T, R, max_q, max_kv, decode_only, any_sampling, any(filters), max_top_n, any_lp,
                      any_penalties=pen.any, filters=filters, num_samples=len(sample_idx),
