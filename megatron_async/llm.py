@@ -141,8 +141,7 @@ class LLM:
         self.context = DynamicInferenceContext(self.config, self.model, facade, self.dtype)
         if self.context.spec is not None:
             self.context.spec.set_drafter(drafter)
-        self.controller = ModelRunner(self.model, self.context, eos_ids)
-        self.controller.expert_parallel = self.parallel.ep_size > 1
+        self.controller = ModelRunner(self.model, self.context, eos_ids, expert_parallel=self.parallel.ep_size > 1)
         if self.config.cuda_graphs and facade.is_cuda:
             self.controller.graphs = self._graph_runner()
         engine_cls = DataParallelEngine if self.parallel.dp_size > 1 else DynamicInferenceEngine

@@ -215,9 +215,9 @@ def _step_kinds(llm: LLM, prompts, params) -> dict:
     launch, wait_host = eng.launch_plan, dev.wait_host
     cur = {"kind": None, "wait": 0.0}
 
-    def logged(plan, step_id, overlapped, timed):
+    def logged(plan, step_id, overlapped, timed, *agreed):
         before = ctl.spec_steps.plain_steps if ctl.spec_steps is not None else 0
-        pending = launch(plan, step_id, overlapped, timed)
+        pending = launch(plan, step_id, overlapped, timed, *agreed)
         if not plan.is_all_decode:
             kind = "mixed"
         elif any(r.num_drafts for r in plan.rows):

@@ -90,11 +90,11 @@ class ScheduleRecorder:
             shapes.append(shape)
             return shape
 
-        def launch_wrapper(plan, step_id, overlapped, timed):
+        def launch_wrapper(plan, step_id, overlapped, timed, *agreed):
             self._plan_rows = list(plan.rows)
             shapes.clear()
             snap = self._snapshot(engine, plan, overlapped)  # before this launch's samples count as in flight
-            pending = launch_plan(plan, step_id, overlapped, timed)
+            pending = launch_plan(plan, step_id, overlapped, timed, *agreed)
             self.launches.append(snap)
             for fn in self.after_launch:
                 fn(engine, plan, shapes[-1], pending)

@@ -34,6 +34,7 @@ from megatron_async.inference.engines.engine_stats import EngineStats
 from megatron_async.inference.engines.request_book import RequestBook
 from megatron_async.inference.engines.request_validation import RequestValidator, ValidRequest
 from megatron_async.inference.engines.scheduler import Scheduler
+from megatron_async.inference.engines.step_plan import ALONE, StepAgreement
 from megatron_async.inference.engines.step_consensus import Agreement, NewRequest, StepConsensus
 from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.speculative.policy import SpecPolicy
@@ -329,9 +330,10 @@ class DynamicInferenceEngine:
             if launched is not None:
                 return launched
 
-    def _try_launch(self, plan, overlapped: bool, out: StepResult) -> PendingLaunch | None:
+    def _try_launch(self, plan, overlapped: bool, out: StepResult, agreed: StepAgreement = ALONE
+                    ) -> PendingLaunch | None:
         try:
-            return self._launch(plan, overlapped)
+            return self._launch(plan, overlapped, agreed)
         except RequestStepError as e:  # the context undid the plan's host state
             log.error("request %d failed while preparing a step: %s", e.request.request_id, e.message)
             self._end(e.request, FinishReason.ERROR, out, error=e.message)
@@ -361,20 +363,22 @@ class DynamicInferenceEngine:
             return "admission_blocked"
         return "other"
 
-    def _launch(self, plan, overlapped: bool) -> PendingLaunch:
+    def _launch(self, plan, overlapped: bool, agreed: StepAgreement) -> PendingLaunch:
         step_id = self._launches + 1
         interval = self.config.logging_step_interval
         timed = interval > 0 and step_id % interval == 0
-        launched = self.launch_plan(plan, step_id, overlapped, timed)
+        launched = self.launch_plan(plan, step_id, overlapped, timed, agreed)
         self._launches = step_id
         self.stats.overlapped_steps += overlapped
         return launched
 
-    def launch_plan(self, plan, step_id: int, overlapped: bool, timed: bool) -> PendingLaunch:
+    def launch_plan(self, plan, step_id: int, overlapped: bool, timed: bool, agreed: StepAgreement = ALONE
+                    ) -> PendingLaunch:
         """One launch: the context assembles ``plan`` (RequestStepError: nothing changed), the
-        book commits it, the runner launches it. (Tools that trace launches wrap this.)"""
+        book commits it, the runner launches it. ``agreed``: data-parallel ranks' agreement on
+        the step. (Tools that trace launches wrap this.)"""
         runner = self.controller
-        step = runner.prepare(plan)
+        step = runner.prepare(plan, agreed)
         self.book.commit(plan, step.speculative if runner.spec_steps is not None else None)
         return runner.launch(step, step_id, overlapped, timed)
 

@@ -18,7 +18,7 @@ import torch
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext, StepShape
 from megatron_async.inference.engines.async_pipeline import PendingLaunch
 from megatron_async.inference.engines.request_book import HostSamples
-from megatron_async.inference.engines.step_plan import StepPlan
+from megatron_async.inference.engines.step_plan import ALONE, StepAgreement, StepPlan
 from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.speculative.plain_steps import PlainStepSelector
 from megatron_async.inference.speculative.policy import SpecPolicy
@@ -40,10 +40,15 @@ class PreparedStep:
     """The CUDA graph it replays (None: eager)."""
     speculative: bool
     """It runs speculative decoding's machinery (spec inputs, acceptance, the drafter)."""
+    dp_num_tokens: int = 0
+    """Data-parallel ranks: what this step's MoE exchanges pad to (``StepAgreement.max_tokens``)."""
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, context: DynamicInferenceContext, eos_ids: tuple[int, ...] = ()):
+    def __init__(self, model: CausalLM, context: DynamicInferenceContext, eos_ids: tuple[int, ...] = (),
+                 expert_parallel: bool = False):
+        """``expert_parallel``: MoE layers exchange tokens across EP ranks, so every forward
+        carries ``ep_num_tokens`` (from the step's ``StepAgreement``)."""
         self.model = model
         self.context = context
         self.device = context.device
@@ -65,15 +70,7 @@ class ModelRunner:
         self._host_ring = [self._host_buffers(S, R) for _ in range(3)]
         self._ring = 0
         self.graphs = None  # CudaGraphRunner, when enabled
-        # Data-parallel engines (EP): set per step from the ranks' agreement before launching.
-        self.expert_parallel = False
-        """MoE layers exchange tokens across EP ranks: every forward carries ``ep_num_tokens``."""
-        self.dp_num_tokens = 0
-        """The most tokens any rank launches in this step: what MoE exchanges pad to."""
-        self.force_eager = False
-        """Some rank cannot replay a graph in this step: none does."""
-        self.dp_variant = 0
-        """The sampling variant every rank replays in this step (the largest any rank needs)."""
+        self.expert_parallel = expert_parallel
         self._dummy_snapshot: torch.Tensor | None = None
         self.sampler = SampleLauncher(context.config.sampling_backend, dev, context.sampling_state)
 
@@ -93,11 +90,12 @@ class ModelRunner:
             self.spec_steps = PlainStepSelector(policy)
 
     # ------------------------------------------------------------------ device side
-    def prepare(self, plan: StepPlan) -> PreparedStep:
+    def prepare(self, plan: StepPlan, agreed: StepAgreement = ALONE) -> PreparedStep:
         """The context assembles ``plan`` into the next step buffer (raises RequestStepError for
-        a request whose values break it: nothing changed); the graph it replays, padded for."""
+        a request whose values break it: nothing changed); the graph it replays, padded for.
+        ``agreed``: the data-parallel ranks' agreement on this step."""
         ctx = self.context
-        use_graphs = self.graphs is not None and not self.force_eager
+        use_graphs = self.graphs is not None and not agreed.eager
         spec = self.spec_steps is not None and (self.spec_steps.speculative(plan) or self.expert_parallel)
         # verify steps that may replay a verify graph are laid out uniformly (its width per row)
         width = self.graphs.plan.verify_width(plan) if use_graphs else 0
@@ -105,14 +103,14 @@ class ModelRunner:
             shape = ctx.initialize_attention_state(plan, verify_width=width)
         graph = None
         if use_graphs:
-            graph = self.graphs.lookup(shape, min_rows=self.dp_num_tokens, min_variant=self.dp_variant, spec=spec)
+            graph = self.graphs.lookup(shape, min_rows=agreed.max_tokens, min_variant=agreed.variant, spec=spec)
         if graph is not None:
             k = graph.key
             spec |= k.spec  # a graph with the machinery runs it (correct for any step's layout)
             ctx.pad_for_graph(shape.num_tokens, shape.num_rows, k.num_tokens, k.num_rows, k.verify_width)
         if self.spec_steps is not None:
             self.spec_steps.launched(plan, spec)
-        return PreparedStep(plan, shape, graph, spec)
+        return PreparedStep(plan, shape, graph, spec, agreed.max_tokens)
 
     @torch.inference_mode()
     def launch(self, step: PreparedStep, step_id: int, overlapped: bool, timed: bool) -> PendingLaunch:
@@ -131,7 +129,7 @@ class ModelRunner:
             tokens, log_probs, top_vals, top_ids = graph.outputs(shape.num_samples, shape.any_log_probs,
                                                                  shape.max_top_n)
         else:
-            tokens, log_probs, top_vals, top_ids = self.compute_step(shape, spec)
+            tokens, log_probs, top_vals, top_ids = self.compute_step(shape, spec, step.dp_num_tokens)
         if ctx.mamba is not None:
             ctx.mamba.after_forward()
         self._ring = (self._ring + 1) % len(self._host_ring)
@@ -164,17 +162,19 @@ class ModelRunner:
             host_accepted=h_acc, sample_base=shape.sample_base,
         )
 
-    def compute_step(self, shape: StepShape, spec: bool | None = None):
+    def compute_step(self, shape: StepShape, spec: bool | None = None, dp_num_tokens: int = 0):
         """Forward + sample of one assembled step, reading only the GPU view.
 
         Also the body that CUDA graphs capture (with padded decode and mixed shapes).
         ``spec``: speculative decoding's machinery (spec inputs, acceptance, drafter) runs;
-        False: the plain engine's step (plain_steps.py); None: whenever speculation is on."""
+        False: the plain engine's step (plain_steps.py); None: whenever speculation is on.
+        ``dp_num_tokens``: expert parallelism, the fewest tokens MoE exchanges pad to (a graph
+        capture: 0, so its own padded tokens)."""
         ctx, g = self.context, self.context.gpu_view
         spec = self.spec is not None if spec is None else spec and self.spec is not None
         T, R, S = shape.num_tokens, shape.num_rows, shape.num_samples
         batch = ctx.forward_batch(shape)
-        batch.ep_num_tokens = max(T, self.dp_num_tokens) if self.expert_parallel else None
+        batch.ep_num_tokens = max(T, dp_num_tokens) if self.expert_parallel else None
         prev = g.prev_sample_idx[:T]
         input_ids = fused_ops.resolve_input_ids(prev, self.last_samples, g.input_ids[:T])
         if spec:  # positions corrected in the view before the forward reads them
@@ -201,17 +201,17 @@ class ModelRunner:
         return self.last_samples[:S], log_probs, top_vals, top_ids
 
     @torch.inference_mode()
-    def dummy_forward(self) -> None:
+    def dummy_forward(self, agreed: StepAgreement) -> None:
         """Data parallel: a forward with nothing to compute, so this rank's collectives match
         the ranks that launch real work. Padding rows only, writing only to the dummy KV block
         and the padding Mamba slot; the samples of a launch in flight stay intact. Its MoE
-        layers pad to ``dp_num_tokens``. In a step the ranks replay graphs it replays the
+        layers pad to ``agreed.max_tokens``. In a step the ranks replay graphs it replays the
         agreed graph too (NCCL: captured or not must match across ranks), else one eager row.
         Speculative decoding: a verify step's MoE exchanges pad to the same agreed count (drafts
         included), and the drafter's own collectives are matched too (``match_collectives``)."""
         ctx = self.context
-        replay = self.graphs is not None and not self.force_eager
-        rows = self.graphs.padded_rows(max(1, self.dp_num_tokens)) if replay else 1
+        replay = self.graphs is not None and not agreed.eager
+        rows = self.graphs.padded_rows(max(1, agreed.max_tokens)) if replay else 1
         if self._dummy_snapshot is None or self._dummy_rows != rows:
             snap = ctx.padding_snapshot(rows)
             self._dummy_snapshot = snap.pin_memory() if self.device.is_cuda else snap
@@ -220,14 +220,14 @@ class ModelRunner:
         if replay:
             saved = self.last_samples.clone()  # the graph samples its padding rows into last_samples
             with nvtx_range("dummy_forward"):
-                self.graphs.replay_padding(rows, self.dp_variant)
+                self.graphs.replay_padding(rows, agreed.variant)
             self.last_samples.copy_(saved)
             return
         shape = StepShape(num_tokens=rows, num_rows=rows, max_query_len=1, max_kv_len=1, is_decode_only=True,
                           any_sampling=False, any_top_k_top_p=False, max_top_n=0, any_log_probs=False)
         with nvtx_range("dummy_forward"):
             batch = ctx.forward_batch(shape)
-            batch.ep_num_tokens = max(rows, self.dp_num_tokens) if self.expert_parallel else None
+            batch.ep_num_tokens = max(rows, agreed.max_tokens) if self.expert_parallel else None
             input_ids = ctx.gpu_view.input_ids[:rows]
             hidden = self.model(input_ids, batch)
             if self.spec is not None:  # the drafter's own collectives (MTP heads' MoE layers)
