@@ -39,6 +39,14 @@ _PROMPT_LEN, _MIN_TOKENS, _FLAG_BITS, _TOP_N = range(4)
 GATHERED = ("seed", "temperature", "top_k", "top_p", "state_slots", "sampling_slot", "min_p", "presence_penalty",
             "frequency_penalty", "repetition_penalty")
 SPEC_GATHERED = ("spec_slot", "spec_owner_slot")  # speculative engines: a sampling row's slot is its request's
+# The rest of what a decode-only step writes: per step (from the rows' positions), and per set
+# of requests in the rows (``_write_constant``). With GATHERED these declare every snapshot
+# field this path fills; ``DecodeRows`` refuses a layout with any other field, so a field added
+# to the snapshot (which the general path writes) cannot be left stale here.
+PER_STEP = ("input_ids", "prev_sample_idx", "positions", "slot_mapping", "kv_lens", "attention_row_order",
+            "sample_position", "has_initial_state", "block_table", "suppress_stop")
+PER_ROW_SET = ("token_to_row", "sample_token_idx", "cu_query_lens", "mamba_row_order")
+SPEC_PER_STEP = ("spec_inflight", "spec_src", "num_drafts", "sample_base", "sample_to_row")
 
 
 class DecodeRows:
@@ -50,6 +58,11 @@ class DecodeRows:
         self.padding_sampling_slot = padding_sampling_slot
         self.spec = "spec_slot" in views
         """The snapshot has speculative decoding's columns."""
+        written = GATHERED + PER_STEP + PER_ROW_SET + (SPEC_GATHERED + SPEC_PER_STEP if self.spec else ())
+        unknown = sorted(set(views) - set(written))
+        if unknown:
+            raise ValueError(f"the decode-only snapshot path does not write the snapshot fields {unknown}: "
+                             "declare and write them in contexts/decode_rows.py (the general path writes every field)")
         n = max_requests
         self.table = np.full((n, views["block_table"].shape[1]), DUMMY_BLOCK, dtype=views["block_table"].dtype)
         self.num_blocks = np.zeros(n, dtype=np.int64)

@@ -247,3 +247,20 @@ def test_request_without_a_row_takes_the_general_path():
     assert outs[bad].finish_reason == "error" and "OverflowError" in outs[bad].error
     assert outs[good].finish_reason == "length" and len(outs[good].generated_tokens) == 5
     assert not eng.context._decode_rows.slot_of  # every row given back
+
+
+def test_a_snapshot_field_the_decode_path_does_not_write_is_refused():
+    """The decode path declares the fields it writes; a layout with one more field (which the
+    general path would write) fails at construction instead of leaving that field stale."""
+    import numpy as np
+
+    from megatron_async.inference.contexts.decode_rows import DecodeRows
+    from megatron_async.inference.contexts.dynamic_context import bookkeeping_fields
+
+    for spec, mamba in ((False, False), (True, True)):
+        views = {f.name: np.zeros(f.shape, dtype=np.dtype(str(f.dtype).replace("torch.", "")))
+                 for f in bookkeeping_fields(16, 5, 4, 8, speculative=spec, mamba=mamba)}
+        DecodeRows(4, 4, 0, views)  # every field declared
+        with pytest.raises(ValueError, match=r"does not write the snapshot fields \['new_field'\]"):
+            DecodeRows(4, 4, 0, {**views, "new_field": np.zeros(5, dtype=np.int64)})
+
