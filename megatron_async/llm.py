@@ -1,4 +1,4 @@
-"""LLM: the offline API. Builds model, context, controller and engine; ``generate`` runs them."""
+"""LLM: the offline API. Builds model, context, model runner (``controller``) and engine; ``generate`` runs them."""
 from __future__ import annotations
 
 import gc
@@ -19,7 +19,7 @@ from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngi
 from megatron_async.inference.memory_planning import GiB, CudaMemoryReader, MemoryPlan, MemoryPlanError, check_weights_fit
 from megatron_async.inference.memory_profiling import builtin_weight_bytes, profile_memory_plan
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, SamplingParams
-from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
 from megatron_async.kernels.backends import KernelBackends
 from megatron_async.parallel.p2p_all_reduce import with_p2p_all_reduce
 from megatron_async.parallel.p2p_exchange import with_p2p_exchange
@@ -143,8 +143,7 @@ class LLM:
         self.context = DynamicInferenceContext(self.config, self.model, facade, self.dtype)
         if self.context.spec is not None:
             self.context.spec.set_drafter(drafter)
-        self.controller = TextGenerationController(self.model, self.context, eos_ids)
-        self.controller.expert_parallel = self.parallel.ep_size > 1
+        self.controller = ModelRunner(self.model, self.context, eos_ids, expert_parallel=self.parallel.ep_size > 1)
         if self.config.cuda_graphs and facade.is_cuda:
             self.controller.graphs = self._graph_runner()
         engine_cls = DataParallelEngine if self.parallel.dp_size > 1 else DynamicInferenceEngine

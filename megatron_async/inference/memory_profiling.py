@@ -18,7 +18,7 @@ from megatron_async.inference.contexts.dynamic_context import DynamicInferenceCo
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.memory_planning import DeviceMemoryReader, MemoryPlan, plan_kv_pool
 from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant
-from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
 from megatron_async.inference.text_generation_controllers.warmup import _shape as warmup_shape
 
 log = logging.getLogger("megatron_async")
@@ -29,7 +29,7 @@ the step's peak is taken as this share of the device memory instead."""
 
 
 @torch.inference_mode()
-def measure_peak_step(controller: TextGenerationController, reader: DeviceMemoryReader) -> int:
+def measure_peak_step(controller: ModelRunner, reader: DeviceMemoryReader) -> int:
     """Bytes the largest step allocates above the tensors that stay."""
     ctx = controller.context
     cfg = ctx.config
@@ -50,7 +50,7 @@ def profile_memory_plan(config: InferenceConfig, model, facade: DeviceFacade, dt
     probe = DynamicInferenceContext(replace(config, num_kv_blocks=2), model, facade, dtype)
     if probe.spec is not None:
         probe.spec.set_drafter(drafter)
-    controller = TextGenerationController(model, probe, ())
+    controller = ModelRunner(model, probe, ())
     probe.sampling_state.ensure_allocated()
     probe_kv = sum(t.nbytes for t in probe.kv_caches)
     resident = reader.read().allocated - probe_kv - weights

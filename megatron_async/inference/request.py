@@ -10,6 +10,11 @@ if TYPE_CHECKING:
     from megatron_async.inference.text_stream import TextStream
 
 
+# What sampling work a row needs (``SamplingParams.features``); a step needs the OR over its
+# sampling rows (StepShape flags, the CUDA-graph sampling variant).
+SAMPLED, TOP_K, TOP_P, MIN_P, LOG_PROBS, PENALTIES = (1 << i for i in range(6))
+
+
 class InvalidRequestError(ValueError):
     """A request that can never be served (bad prompt, bad sampling params, too long, too big)."""
 
@@ -82,6 +87,16 @@ class SamplingParams:
         if self.is_greedy:
             return 0.0, 1, 0.0, 0.0
         return float(self.temperature), self.top_k, self.top_p, self.min_p
+
+    def features(self) -> int:
+        """The sampling work a row of this request needs, as bits (SAMPLED, TOP_K, TOP_P, MIN_P,
+        LOG_PROBS, PENALTIES): a greedy row draws nothing and filters nothing. The one rule the
+        snapshot builders and the graph plan follow."""
+        bits = LOG_PROBS * bool(self.return_log_probs) | PENALTIES * self.has_penalties
+        if self.is_greedy:
+            return bits
+        return (bits | SAMPLED | TOP_K * (self.top_k > 1) | TOP_P * (0 < self.top_p < 1)
+                | MIN_P * (self.min_p > 0))
 
     def validate(self, vocab_size: int) -> None:
         """Range checks (types are checked before, in request_validation.check_types)."""
@@ -169,6 +184,9 @@ class DynamicInferenceRequest:
     """Incremental detokenizer + string stop words (None without a tokenizer)."""
     num_streamed_tokens: int = 0
     """Generated tokens already reported in a RequestUpdate."""
+
+    max_generated_tokens: int = 0
+    """The length limit (stop_conditions.generation_limit), set when the request is queued."""
 
     # -- scheduling state (CPU truth) --
     num_computed_tokens: int = 0

@@ -2,10 +2,17 @@
 launch-ahead row of a request that stopped here is discarded by reconcile like any finish."""
 from __future__ import annotations
 
-from megatron_async.inference.request import DynamicInferenceRequest, FinishReason
+from megatron_async.inference.request import DynamicInferenceRequest, FinishReason, SamplingParams
 
 
-def finish_reason(req: DynamicInferenceRequest, max_sequence_length: int) -> FinishReason | None:
+def generation_limit(sp: SamplingParams, prompt_len: int, max_sequence_length: int) -> int:
+    """The length limit: the most tokens a request may generate (its own cap, and the
+    sequence length). Fixed at admission (``DynamicInferenceRequest.max_generated_tokens``);
+    the scheduler and the stop check compare against it."""
+    return min(sp.num_tokens_to_generate, max_sequence_length - prompt_len)
+
+
+def finish_reason(req: DynamicInferenceRequest) -> FinishReason | None:
     """Check the request's newest generated token (already appended) and feed its text.
 
     EOS stops before its text is decoded, so the EOS text is never in the output. Before
@@ -24,8 +31,6 @@ def finish_reason(req: DynamicInferenceRequest, max_sequence_length: int) -> Fin
     for seq in req.stop_sequences if stops_armed else ():
         if len(gen) >= len(seq) and gen[-len(seq):] == seq:
             return FinishReason.STOP
-    if len(gen) >= sp.num_tokens_to_generate:
-        return FinishReason.LENGTH
-    if req.num_known_tokens >= max_sequence_length:
+    if len(gen) >= req.max_generated_tokens:
         return FinishReason.LENGTH
     return None

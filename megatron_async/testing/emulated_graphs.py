@@ -46,7 +46,6 @@ class EmulatedGraphRunner(CudaGraphRunner):
         self.captures.append(key)
         if self.capture_shape(key).any_penalties:
             ctx.sampling_state.ensure_allocated()
-        ctl.dp_num_tokens = 0  # as the real capture: MoE exchanges pad to the graph's rows
         saved_samples, saved_view = ctl.last_samples.clone(), ctx.gpu_view.buffer.clone()
         ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens, key.verify_width))
         self.mode = f"capture{key}"

@@ -123,16 +123,15 @@ def profile_run(engine, run: Callable[[], object], trace_path: str | None = None
     chrome trace (open in https://ui.perfetto.dev)."""
     if not engine.context.device.is_cuda:
         return run(), None
-    controller = engine.controller
-    launch_step = controller.launch_step
+    launch_plan = engine.launch_plan
     decode_only: list[bool] = []
 
     def recording_launch(*a, **kw):
-        pending = launch_step(*a, **kw)
+        pending = launch_plan(*a, **kw)
         decode_only.append(pending.is_decode_only)
         return pending
 
-    controller.launch_step = recording_launch  # this instance only, for this run only
+    engine.launch_plan = recording_launch  # this instance only, for this run only
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
@@ -140,7 +139,7 @@ def profile_run(engine, run: Callable[[], object], trace_path: str | None = None
                 result = run()
                 torch.cuda.synchronize()
     finally:
-        del controller.launch_step
+        del engine.launch_plan
     if trace_path is None:
         fd, path = tempfile.mkstemp(suffix=".json")
         os.close(fd)

@@ -1,6 +1,6 @@
 """Record what an engine launched, step by step, without touching the engine's code.
 
-``ScheduleRecorder.install(engine)`` wraps the controller's ``launch_step`` (and, optionally,
+``ScheduleRecorder.install(engine)`` wraps the engine's ``launch_plan`` (and, optionally,
 the model's ``compute_logits``) on that one instance: an engine without a recorder runs the
 unwrapped methods, so there is no cost when unused. Used by scripts/measure.py async-vs-serial
 to find the first launch where serial and launch-ahead schedules differ, and the first
@@ -81,7 +81,7 @@ class ScheduleRecorder:
 
     def install(self, engine: DynamicInferenceEngine) -> ScheduleRecorder:
         controller, ctx = engine.controller, engine.context
-        launch_step = controller.launch_step
+        launch_plan = engine.launch_plan
         init_state = ctx.initialize_attention_state
         shapes: list = []
 
@@ -90,18 +90,18 @@ class ScheduleRecorder:
             shapes.append(shape)
             return shape
 
-        def launch_wrapper(plan, step_id, overlapped, timed):
+        def launch_wrapper(plan, step_id, overlapped, timed, *agreed):
             self._plan_rows = list(plan.rows)
             shapes.clear()
             snap = self._snapshot(engine, plan, overlapped)  # before this launch's samples count as in flight
-            pending = launch_step(plan, step_id, overlapped, timed)
+            pending = launch_plan(plan, step_id, overlapped, timed, *agreed)
             self.launches.append(snap)
             for fn in self.after_launch:
                 fn(engine, plan, shapes[-1], pending)
             return pending
 
         ctx.initialize_attention_state = init_wrapper
-        controller.launch_step = launch_wrapper
+        engine.launch_plan = launch_wrapper
         if self.record_logits:
             compute_logits = controller.model.compute_logits
 
@@ -136,7 +136,7 @@ class ScheduleRecorder:
         digests = bit_digest(sel)
         vals, ids = torch.topk(sel.float(), min(TOP_N, sel.shape[1]), dim=1)
         vals, ids = vals.tolist(), ids.tolist()
-        launch = len(self.launches)  # this launch is appended once launch_step returns
+        launch = len(self.launches)  # this launch is appended once launch_plan returns
         for k, i in enumerate(idx):
             r = rows[i]
             key = (r.request.request_id, r.start + r.num_tokens)

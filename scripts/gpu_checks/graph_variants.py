@@ -1,7 +1,7 @@
 """What the nested graph sampling variants cost (graph_plan.py): a step replays the smallest
 variant covering it, so a top-p step runs the FILTERED graph (top-k and min-p passes launched,
 every row skipping their work) and a greedy step with log-probs runs FULL (penalties, draw,
-log-probs with top-20). Each path is the engine's Sampler (+ log-probs) captured in a CUDA
+log-probs with top-20). Each path is the engine's SampleLauncher (+ log-probs) captured in a CUDA
 graph at [rows, 151,936] float32 logits; median of replays between CUDA events.
 
     python scripts/gpu_check.py graph-variants [--rows 128] [--iters 40]"""
@@ -21,7 +21,7 @@ from megatron_async.inference.device import DeviceFacade  # noqa: E402
 from megatron_async.inference.text_generation_controllers.graph_plan import (  # noqa: E402
     SamplingVariant, variant_flags,
 )
-from megatron_async.inference.text_generation_controllers.sampler import Sampler  # noqa: E402
+from megatron_async.inference.text_generation_controllers.sample_launcher import SampleLauncher  # noqa: E402
 from megatron_async.inference.text_generation_controllers.sampling import log_probs_of  # noqa: E402
 from megatron_async.tools.cuda_timing import graph_replay, median_ms  # noqa: E402
 
@@ -45,7 +45,7 @@ def main() -> None:
     logits = (0.3 * torch.randn(R, V, generator=gen, device="cuda")).to(torch.bfloat16).float()
     state = SamplingStateSlots(R, V, DeviceFacade(dev))
     state.ensure_allocated()
-    sampler = Sampler("triton", dev, state)
+    sampler = SampleLauncher("triton", dev, state)
     print(f"rows {R}, vocab {V}: ms per step, sampler (+ log-probs) in a CUDA graph")
     print(f"{'case':<22}{'exact flags':>12}" + "".join(f"{v.value:>13}" for v in SamplingVariant))
     for case, (t, k, p, exact) in ROWS.items():

@@ -212,12 +212,12 @@ def _step_kinds(llm: LLM, prompts, params) -> dict:
     ctl, eng, dev = llm.controller, llm.engine, llm.controller.device
     st = eng.stats
     kinds: dict[int, str] = {}
-    launch, wait_host = ctl.launch_step, dev.wait_host
+    launch, wait_host = eng.launch_plan, dev.wait_host
     cur = {"kind": None, "wait": 0.0}
 
-    def logged(plan, step_id, overlapped, timed):
+    def logged(plan, step_id, overlapped, timed, *agreed):
         before = ctl.spec_steps.plain_steps if ctl.spec_steps is not None else 0
-        pending = launch(plan, step_id, overlapped, timed)
+        pending = launch(plan, step_id, overlapped, timed, *agreed)
         if not plan.is_all_decode:
             kind = "mixed"
         elif any(r.num_drafts for r in plan.rows):
@@ -244,7 +244,7 @@ def _step_kinds(llm: LLM, prompts, params) -> dict:
             gc_time["ms"] += 1e3 * (time.perf_counter() - gc_time["start"])
             gc_time["full"] += info["generation"] == 2
 
-    ctl.launch_step, dev.wait_host = logged, waited
+    eng.launch_plan, dev.wait_host = logged, waited
     gc.callbacks.append(on_gc)
     off0 = dict(st.spec_off_rows)
     before = (st.graph_captures_after_warmup, st.triton_builds_after_warmup, st.fast_decode_snapshots,
@@ -271,7 +271,7 @@ def _step_kinds(llm: LLM, prompts, params) -> dict:
                 k["host"].append(1e3 * (wall - cur["wait"]))
         wall = time.perf_counter() - t0
     finally:
-        del ctl.launch_step, dev.wait_host  # back to the class's methods
+        del eng.launch_plan, dev.wait_host  # back to the class's methods
         gc.callbacks.remove(on_gc)
     after = (st.graph_captures_after_warmup, st.triton_builds_after_warmup, st.fast_decode_snapshots,
              st.fast_landings, st.steps)

@@ -8,12 +8,12 @@ launch and launch a decode step are counted (the prefill steps are left out). St
 
 - schedule: ``Scheduler.schedule``
 - init_attn: ``DynamicInferenceContext.initialize_attention_state``
-- land: ``TextGenerationController.bookkeep_step`` (tokens appended, stops, blocks)
+- land: ``ModelRunner.collect`` + ``RequestBook.land`` (samples to host lists; tokens appended, stops, blocks)
 - text_updates: ``DynamicInferenceRequest.take_update`` (new tokens and text deltas per request)
 - engine_rest: the rest of ``DynamicInferenceEngine._bookkeep`` (stats, finished outputs)
 - h2d: ``transfer_bookkeeping_to_gpu``
-- launch_rest: the rest of ``TextGenerationController.launch_step`` (sample copies, the
-  PendingLaunch record), the forward excluded
+- launch_rest: the rest of ``DynamicInferenceEngine.launch_plan`` (the book's commit, graph
+  choice, sample copies, the PendingLaunch record), the forward excluded
 - host total: ``engine.step`` minus the forward (``compute_step``)
 
 Times are this thread's CPU time by default (``--clock cpu``): on a shared box, wall time also
@@ -50,7 +50,8 @@ from megatron_async.inference.contexts import dynamic_context as dc  # noqa: E40
 from megatron_async.inference.engines import dynamic_engine as de  # noqa: E402
 from megatron_async.inference.engines import scheduler as sch  # noqa: E402
 from megatron_async.inference.speculative.oracle import OracleDrafter  # noqa: E402
-from megatron_async.inference.text_generation_controllers import text_generation_controller as tgc  # noqa: E402
+from megatron_async.inference.engines import request_book as rb  # noqa: E402
+from megatron_async.inference.text_generation_controllers import model_runner as mr  # noqa: E402
 
 STAGES = ["schedule", "init_attn", "h2d", "launch_rest", "land", "text_updates", "engine_rest"]
 
@@ -90,9 +91,10 @@ class StageTimer:
         self.wrap(sch.Scheduler, "schedule", "schedule")
         self.wrap(dc.DynamicInferenceContext, "initialize_attention_state", "init_attn", after=self._note_shape)
         self.wrap(dc.DynamicInferenceContext, "transfer_bookkeeping_to_gpu", "h2d")
-        self.wrap(tgc.TextGenerationController, "bookkeep_step", "land")
-        self.wrap(tgc.TextGenerationController, "compute_step", "forward")
-        self.wrap(tgc.TextGenerationController, "launch_step", "launch")
+        self.wrap(mr.ModelRunner, "collect", "land")
+        self.wrap(rb.RequestBook, "land", "land")
+        self.wrap(mr.ModelRunner, "compute_step", "forward")
+        self.wrap(de.DynamicInferenceEngine, "launch_plan", "launch")
         self.wrap(de.DynamicInferenceEngine, "_bookkeep", "bookkeep")
         self.wrap(rq.DynamicInferenceRequest, "take_update", "text_updates")
         step = de.DynamicInferenceEngine.step
@@ -119,9 +121,9 @@ class StageTimer:
     def _note_shape(self, shape):
         self.launched_decode &= shape.is_decode_only
 
-    def tag_kinds(self, controller) -> None:
+    def tag_kinds(self, engine) -> None:
         """Label each step by the kind of decode step it launched (plain / drafter / verify)."""
-        launch = controller.launch_step
+        controller, launch = engine.controller, engine.launch_plan
 
         def tagged(plan, *a, **k):
             before = controller.spec_steps.plain_steps if controller.spec_steps is not None else 0
@@ -136,8 +138,8 @@ class StageTimer:
                 self.cur["kind:drafter"] = 1
             return res
 
-        controller.launch_step = tagged
-        self._undo.append((controller, "launch_step", launch))
+        engine.launch_plan = tagged
+        self._undo.append((engine, "launch_plan", launch))
 
     def uninstall(self):
         for cls, name, f in reversed(self._undo):
@@ -201,7 +203,7 @@ def run(rows: int, sampled: bool, tokens: int, repeats: int, stream: bool, clock
         timer = StageTimer(clock)
         timer.install()
         if spec or kinds:
-            timer.tag_kinds(llm.controller)
+            timer.tag_kinds(llm.engine)
         try:
             _stream(llm, prompts, sp) if stream else llm.generate(prompts, sp)
         finally:

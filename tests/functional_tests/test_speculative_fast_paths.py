@@ -1,6 +1,6 @@
 """The plain engine's host fast paths in a speculative engine (issue 11: batch 128 / 0 %): decode
 steps without drafts take the numpy snapshot (contexts/decode_rows.py) and launches without
-drafts land in one pass (landing.py). Outputs stay equal to plain decoding, token for token,
+drafts land one sample per row (RequestBook.land). Outputs stay equal to plain decoding, token for token,
 finish reasons and log-probs, greedy and seeded sampling, serial and launch-ahead, with the
 oracle drafter at 0 % and at an intermediate acceptance; the counters show the fast paths ran.
 And new requests start from the engine's recent acceptance: at 0 % a second batch pays no
@@ -40,10 +40,10 @@ def test_spec_equals_plain_with_fast_paths(qwen3_ckpt, async_scheduling, corrupt
     assert_same_outputs(plain, spec, log_prob_tol=1e-5)
     st = llm.engine.stats
     assert st.spec_plain_steps > 0 and st.spec_off_rows["acceptance"] > 0, st.as_dict()
-    # the fast paths ran: every plain step assembled by decode_rows, more launches landed in one pass
+    # the fast paths ran: every plain step assembled by decode_rows, more launches landed without drafts
     assert st.fast_decode_snapshots >= st.spec_plain_steps > 0, st.as_dict()
     assert st.fast_landings > st.spec_plain_steps, st.as_dict()
-    assert st.fast_landings < st.steps  # verify steps still land through the general loop
+    assert st.fast_landings < st.steps  # verify steps land with their drafts
     if corrupt == 1.0:
         assert st.spec_accepted_tokens == 0 and st.spec_plain_steps > 0.5 * st.decode_steps, st.as_dict()
     else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
+from megatron_async.inference.engines.step_plan import StepAgreement
 from megatron_async.inference.speculative.oracle import OracleDrafter
 from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
 from megatron_async.testing.hf_models import make_tiny_checkpoint
@@ -174,8 +175,7 @@ def test_dummy_forward_runs_the_mtp_heads_k_times_on_padding_only(gpt_mtp, monke
     monkeypatch.setattr(model, "mtp_forward", lambda d, *a: depths.append(d) or real_mtp_forward(d, *a))
     kv = [c[:, 1:].clone() for c in llm.context.kv_caches]  # every block but the dummy block 0
     history = llm.context.spec.drafter.history.tokens.clone()
-    llm.controller.dp_num_tokens = 5
-    llm.controller.dummy_forward()
+    llm.controller.dummy_forward(StepAgreement(max_tokens=5))
     assert depths == [0, 1, 1]
     assert all(c[:, 1:].equal(before) for c, before in zip(llm.context.kv_caches, kv))
     assert llm.context.spec.drafter.history.tokens.equal(history)

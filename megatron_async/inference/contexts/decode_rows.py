@@ -25,21 +25,28 @@ import numpy as np
 
 from megatron_async.forward_batch import longest_first
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK
-from megatron_async.inference.request import DynamicInferenceRequest
+from megatron_async.inference.request import LOG_PROBS, MIN_P, SAMPLED, TOP_K, TOP_P, DynamicInferenceRequest
 from megatron_async.step_shape import StepShape
 
 if TYPE_CHECKING:
     from megatron_async.inference.engines.step_plan import StepPlan
 
-# Per slot, besides: prompt length, min_tokens, StepShape flag bits (sampled, top-k, top-p,
-# min-p, log-probs: a step's are the OR over its rows) and top-n log-probs (the step's: max).
+# Per slot, besides: prompt length, min_tokens, the request's sampling features
+# (SamplingParams.features: a step's are the OR over its rows) and top-n log-probs (the step's: max).
 _PROMPT_LEN, _MIN_TOKENS, _FLAG_BITS, _TOP_N = range(4)
-_SAMPLED, _TOP_K, _TOP_P, _MIN_P, _LOG_PROBS = (1 << i for i in range(5))
 # Snapshot fields whose per-row value is the request's, constant while it is active: kept
 # per slot in the snapshot's own dtype and gathered straight into the host buffer.
 GATHERED = ("seed", "temperature", "top_k", "top_p", "state_slots", "sampling_slot", "min_p", "presence_penalty",
             "frequency_penalty", "repetition_penalty")
 SPEC_GATHERED = ("spec_slot", "spec_owner_slot")  # speculative engines: a sampling row's slot is its request's
+# The rest of what a decode-only step writes: per step (from the rows' positions), and per set
+# of requests in the rows (``_write_constant``). With GATHERED these declare every snapshot
+# field this path fills; ``DecodeRows`` refuses a layout with any other field, so a field added
+# to the snapshot (which the general path writes) cannot be left stale here.
+PER_STEP = ("input_ids", "prev_sample_idx", "positions", "slot_mapping", "kv_lens", "attention_row_order",
+            "sample_position", "has_initial_state", "block_table", "suppress_stop")
+PER_ROW_SET = ("token_to_row", "sample_token_idx", "cu_query_lens", "mamba_row_order")
+SPEC_PER_STEP = ("spec_inflight", "spec_src", "num_drafts", "sample_base", "sample_to_row")
 
 
 class DecodeRows:
@@ -51,6 +58,11 @@ class DecodeRows:
         self.padding_sampling_slot = padding_sampling_slot
         self.spec = "spec_slot" in views
         """The snapshot has speculative decoding's columns."""
+        written = GATHERED + PER_STEP + PER_ROW_SET + (SPEC_GATHERED + SPEC_PER_STEP if self.spec else ())
+        unknown = sorted(set(views) - set(written))
+        if unknown:
+            raise ValueError(f"the decode-only snapshot path does not write the snapshot fields {unknown}: "
+                             "declare and write them in contexts/decode_rows.py (the general path writes every field)")
         n = max_requests
         self.table = np.full((n, views["block_table"].shape[1]), DUMMY_BLOCK, dtype=views["block_table"].dtype)
         self.num_blocks = np.zeros(n, dtype=np.int64)
@@ -77,7 +89,6 @@ class DecodeRows:
         if not self._free or req.request_id in self.slot_of:
             return
         sp, s = req.sampling_params, self._free[-1]
-        greedy = sp.is_greedy
         temperature, top_k, top_p, min_p = sp.row_filters()
         values = {  # what the general path writes for the request's sampling row
             "seed": req.seed, "temperature": temperature, "top_k": top_k, "top_p": top_p,
@@ -88,8 +99,7 @@ class DecodeRows:
         }
         if self.spec:
             values.update(spec_slot=req.spec_slot, spec_owner_slot=req.spec_slot)
-        bits = 0 if greedy else (_SAMPLED | _TOP_K * (top_k > 1) | _TOP_P * (0 < top_p < 1) | _MIN_P * (min_p > 0))
-        bits |= _LOG_PROBS * bool(sp.return_log_probs)
+        bits = sp.features()
         try:
             for name, value in values.items():
                 m, j = self.column[name]
@@ -127,9 +137,9 @@ class DecodeRows:
         self._constant.pop(buffer, None)
 
     def assemble(self, plan: StepPlan, v: dict[str, np.ndarray], buffer: int, mamba: bool) -> StepShape | None:
-        """Fill host views ``v`` (of ring buffer ``buffer``) for a decode-only ``plan`` and
-        advance its requests as the general path does; None (nothing written or advanced) when
-        the plan is not covered."""
+        """Fill host views ``v`` (of ring buffer ``buffer``) for a decode-only ``plan``; None
+        (nothing written) when the plan is not covered. Like the general path, it changes no
+        request (the request book commits the step)."""
         rows = plan.rows
         R = len(rows)
         if R == 0 or not all(row.num_tokens == 1 and row.samples for row in rows):
@@ -178,17 +188,12 @@ class DecodeRows:
             meta = np.take(self.meta, slots, axis=0)
             has_slot = v["sampling_slot"][:R] != self.padding_sampling_slot
             v["suppress_stop"][:R] = has_slot & (positions1 - meta[:, _PROMPT_LEN] < meta[:, _MIN_TOKENS])
-        for r, q in enumerate(reqs):  # what the general path advances (RowUndo restores the same)
-            q.num_computed_tokens += 1
-            q.num_inflight += 1
-            q.inflight_row = r
-            q.num_inflight_drafts = 0
         self.assembled += 1
         bits = constant.bits
-        filters = (bool(bits & _TOP_K), bool(bits & _TOP_P), bool(bits & _MIN_P))
+        filters = (bool(bits & TOP_K), bool(bits & TOP_P), bool(bits & MIN_P))
         spec = self.spec
-        return StepShape(R, R, 1, int(positions1.max()), True, bool(bits & _SAMPLED), any(filters), constant.top_n,
-                         bool(bits & _LOG_PROBS), any_penalties=constant.any_penalties, filters=filters,
+        return StepShape(R, R, 1, int(positions1.max()), True, bool(bits & SAMPLED), any(filters), constant.top_n,
+                         bool(bits & LOG_PROBS), any_penalties=constant.any_penalties, filters=filters,
                          num_samples=R, sample_base=list(range(R)) if spec else None,
                          num_drafts=[0] * R if spec else None, num_multi_rows=0 if mamba else -1)
 

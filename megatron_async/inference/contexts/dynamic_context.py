@@ -270,9 +270,9 @@ class DynamicInferenceContext:
 
     # ------------------------------------------------------------------ step assembly
     def initialize_attention_state(self, plan: StepPlan, verify_width: int = 0) -> StepShape:
-        """Fill the next host buffer of the ring with the step's tables and advance the
-        planned rows' computed positions (in-flight samples counted). Raises
-        RequestStepError, with the rows' state undone, when one request's values break it.
+        """Fill the next host buffer of the ring with the step's tables (no request changes:
+        ``RequestBook.commit`` advances the rows once the step is assembled). Raises
+        RequestStepError, nothing committed, when one request's values break it.
 
         ``verify_width`` (speculative decoding, a step of decode rows only; the layout verify
         CUDA graphs replay): every row is laid out as ``verify_width`` tokens and as many
@@ -286,9 +286,6 @@ class DynamicInferenceContext:
             shape = self._decode_rows.assemble(plan, self._host_views[nxt], nxt, self.mamba is not None)
             if shape is not None:
                 self._ring ^= 1
-                if self.allocator.enable_prefix_caching:
-                    for row in plan.rows:
-                        self.register_complete_blocks(row.request)
                 return shape
         return self._assemble_general(plan, verify_width)
 
@@ -308,8 +305,6 @@ class DynamicInferenceContext:
         except RequestStepError:
             self._ring ^= 1  # the buffer was not used: keep the ring's order
             raise
-        for row in plan.rows:
-            self.register_complete_blocks(row.request)
         return shape
 
     def pad_for_graph(self, num_tokens: int, num_rows: int, padded_tokens: int, padded_rows: int,

@@ -1,6 +1,7 @@
 """The general step snapshot: any step (prefill chunks, verify rows, mixed), its tables written
 row by row into one host buffer of the context's ring. Decode-only steps usually take the numpy
-path instead (decode_rows.py), which a test compares byte for byte with this one."""
+path instead (decode_rows.py), which a test compares byte for byte with this one. Assembly only
+writes the buffer: the request book commits the step (positions, in-flight counts) after it."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -9,8 +10,8 @@ import numpy as np
 
 from megatron_async.forward_batch import longest_first, mamba_row_order
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK
-from megatron_async.inference.contexts.step_errors import RequestStepError, RowUndo, row_of_bad_value
-from megatron_async.inference.request import DynamicInferenceRequest
+from megatron_async.inference.contexts.step_errors import RequestStepError, row_of_bad_value
+from megatron_async.inference.request import LOG_PROBS, MIN_P, SAMPLED, TOP_K, TOP_P, DynamicInferenceRequest
 from megatron_async.step_shape import StepShape
 
 if TYPE_CHECKING:
@@ -19,9 +20,8 @@ if TYPE_CHECKING:
 
 def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_width: int,
                   spec_padding_slot: int | None, sampling_padding_slot: int, has_mamba: bool) -> StepShape:
-    """Write ``plan``'s tables into host views ``v`` (block size ``bs``) and advance its rows'
-    computed positions (in-flight samples counted). ``spec_padding_slot`` is None without
-    speculative decoding. Raises RequestStepError, with every row's state undone, when one
+    """Write ``plan``'s tables into host views ``v`` (block size ``bs``); no request changes.
+    ``spec_padding_slot`` is None without speculative decoding. Raises RequestStepError when one
     request's values break the step (see ``DynamicInferenceContext.initialize_attention_state``
     for ``verify_width``)."""
     spec = spec_padding_slot is not None
@@ -31,11 +31,8 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
     spec_slot, spec_owner, spec_inflight, num_drafts, sample_base = [], [], [], [], []
     pen = _PenaltyColumns(sampling_padding_slot)
     max_q = max_kv = 0
-    any_sampling = any_lp = False
-    use_k = use_p = use_mp = False
-    max_top_n = 0
+    bits = max_top_n = 0  # the sampling rows' features (SamplingParams.features), OR-ed
     bt = v["block_table"]
-    undo: list[RowUndo] = []
     r = 0
     if verify_width and not spec:
         raise ValueError("a uniform verify layout needs speculative decoding")
@@ -43,7 +40,6 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
         for r, row in enumerate(plan.rows):
             req, start, n, k = row.request, row.start, row.num_tokens, row.num_drafts
             assert start == req.num_computed_tokens
-            undo.append(RowUndo.of(req))
             # a row's input token comes from the spec state when its predecessor in flight verified drafts
             inflight = spec and row.prev_row >= 0 and plan.inflight_verified
             if not spec and k == 0:  # a plain row (the prefill chunks): its columns by slices, not per token
@@ -79,7 +75,6 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
             cu.append(cu[-1] + n + pad)
             kv_lens.append(start + n)
             sp = req.sampling_params
-            greedy = sp.is_greedy
             temperature, top_k, top_p, min_p = sp.row_filters()
             if spec:
                 spec_slot.append(req.spec_slot if row.samples else spec_padding_slot)
@@ -106,23 +101,14 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
                 topp.append(0.0)
                 pen.add(req, False, 0.0, start + n)
             if row.samples:
-                any_sampling |= not greedy
-                use_k |= top_k > 1
-                use_p |= 0 < top_p < 1
-                any_lp |= sp.return_log_probs
+                bits |= sp.features()
                 max_top_n = max(max_top_n, sp.top_n_logprobs)
-                use_mp |= min_p > 0
             state_slots.append(req.state_slot)
             has_init.append(start > 0)
             nb = len(req.block_ids)
             bt[r, :nb] = req.block_ids
             bt[r, nb:] = DUMMY_BLOCK
             max_q, max_kv = max(max_q, n + pad), max(max_kv, start + n)
-            req.num_computed_tokens = start + n
-            if row.samples:
-                req.num_inflight += 1
-                req.inflight_row = r
-                req.num_inflight_drafts = k
         r = None
         columns = {
             "input_ids": ids, "prev_sample_idx": prev, "positions": pos, "slot_mapping": slots,
@@ -140,14 +126,13 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
         for name, values in columns.items():
             v[name][: len(values)] = values
     except Exception as e:
-        for u in reversed(undo):
-            u.apply()
         if r is None:
             r = row_of_bad_value(v, columns, tok_row)
         bad = plan.rows[r if r is not None else -1].request
         raise RequestStepError(bad, e) from e
     T, R = len(ids), len(plan.rows)
-    filters = (use_k, use_p, use_mp)
+    filters = (bool(bits & TOP_K), bool(bits & TOP_P), bool(bits & MIN_P))
+    any_sampling, any_lp = bool(bits & SAMPLED), bool(bits & LOG_PROBS)
     decode_only = plan.is_decode_only and not verify_width
     return StepShape(T, R, max_q, max_kv, decode_only, any_sampling, any(filters), max_top_n, any_lp,
                      any_penalties=pen.any, filters=filters, num_samples=len(sample_idx),

@@ -1,13 +1,11 @@
-"""When preparing a step raises for one request: undo the step's host state and name the request.
+"""When preparing a step raises for one request: name the request.
 
 Per-request values enter the step in ``initialize_attention_state``; a value that slipped
 past validation (or a bug tied to one request) must fail that request alone, not leave it
-queued to break every later step. The undo restores exactly what the assembly advanced
-(computed positions and in-flight counts), so the plan's other requests are scheduled
-again as if this launch never happened (the blocks it reserved stay theirs)."""
+queued to break every later step. Assembly changes no request (the request book commits a
+step only once it is assembled), so the plan's other requests are scheduled again as if this
+launch never happened (the blocks it reserved stay theirs)."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from megatron_async.inference.request import DynamicInferenceRequest
 
@@ -15,30 +13,12 @@ TOKEN_FIELDS = ("input_ids", "prev_sample_idx", "positions", "slot_mapping", "to
 
 
 class RequestStepError(RuntimeError):
-    """Preparing a step raised for ``request``; the step's host state was undone."""
+    """Preparing a step raised for ``request``; nothing of the step was committed."""
 
     def __init__(self, request: DynamicInferenceRequest, cause: BaseException):
         self.request = request
         self.message = f"preparing a step raised {type(cause).__name__}: {cause}"
         super().__init__(f"request {request.request_id}: {self.message}")
-
-
-@dataclass
-class RowUndo:
-    request: DynamicInferenceRequest
-    num_computed_tokens: int
-    num_inflight: int
-    inflight_row: int
-    num_inflight_drafts: int = 0
-
-    @classmethod
-    def of(cls, req: DynamicInferenceRequest) -> RowUndo:
-        return cls(req, req.num_computed_tokens, req.num_inflight, req.inflight_row, req.num_inflight_drafts)
-
-    def apply(self) -> None:
-        r = self.request
-        r.num_computed_tokens, r.num_inflight, r.inflight_row = self.num_computed_tokens, self.num_inflight, self.inflight_row
-        r.num_inflight_drafts = self.num_inflight_drafts
 
 
 def row_of_bad_value(views: dict, columns: dict[str, list], token_to_row: list[int]) -> int | None:

@@ -1,11 +1,12 @@
-"""Launch-ahead state: what a launched-but-not-bookkept step assumed, and reconciling it.
+"""Launch-ahead state: what a launched-but-not-bookkept step assumed.
 
 A ``PendingLaunch`` records the row order the device computes for, which rows sample, and
 where their results will land on the host. When step N's bookkeeping finishes requests
-that also have a row in the in-flight step N+1, those rows' results are simply dropped:
-the speculative token of a finished request is never appended, and its KV slot belongs
-to blocks the request already gave back (stream order makes reuse safe). Rows of live
-requests are kept. Pause/evict decisions are taken at scheduling time and never touch a
+that also have a row in the in-flight step N+1, those rows' results are simply dropped
+(``RequestBook.land`` reconciles: a row of a FINISHED request is discarded): the speculative
+token of a finished request is never appended, and its KV slot belongs to blocks the request
+already gave back (stream order makes reuse safe). Rows of live requests (paused and evicted
+ones too) are kept. Pause/evict decisions are taken at scheduling time and never touch a
 launched row, so no launch needs rolling back."""
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_async.inference.engines.step_plan import RowPlan
-from megatron_async.inference.request import DynamicInferenceRequest, Status
 
 
 @dataclass
@@ -44,25 +44,3 @@ class PendingLaunch:
     @property
     def request_ids(self) -> list[int]:
         return [r.request.request_id for r in self.rows]
-
-
-@dataclass(frozen=True)
-class Reconciliation:
-    keep: list[int]
-    """Row indices whose samples are appended."""
-    discard: list[int]
-    """Row indices whose samples are dropped (their request finished before they landed)."""
-
-
-def reconcile(rows: list[RowPlan]) -> Reconciliation:
-    """Split a landed launch's sampling rows into kept and discarded ones (pure)."""
-    keep, discard = [], []
-    for i, row in enumerate(rows):
-        if not row.samples:
-            continue
-        (keep if row_is_live(row.request) else discard).append(i)
-    return Reconciliation(keep, discard)
-
-
-def row_is_live(req: DynamicInferenceRequest) -> bool:
-    return req.status != Status.FINISHED

@@ -16,6 +16,7 @@ import time
 
 from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine, StepResult
 from megatron_async.inference.engines.step_consensus import StepConsensus
+from megatron_async.inference.engines.step_plan import StepAgreement
 from megatron_async.inference.nvtx import nvtx_range
 
 
@@ -74,10 +75,10 @@ class DataParallelEngine(DynamicInferenceEngine):
         eager = bool(plan) and variant is None
         agreed = self._agree(from_step=True, out=out, num_tokens=plan.num_tokens if plan else 0, eager=eager,
                              upload=self._upload(), variant=variant or 0, take_uploads=False)
-        ctl.dp_num_tokens, ctl.force_eager, ctl.dp_variant = agreed.max_tokens, agreed.eager, agreed.variant
-        launched = self._try_launch(plan, not first, out) if plan else None
+        step = StepAgreement(agreed.max_tokens, agreed.eager, agreed.variant)
+        launched = self._try_launch(plan, not first, out, step) if plan else None
         if launched is None and agreed.max_tokens > 0:
-            ctl.dummy_forward()
+            ctl.dummy_forward(step)
             self.stats.dummy_steps += 1
         if first:
             self._pending = launched

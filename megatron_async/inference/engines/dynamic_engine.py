@@ -1,5 +1,9 @@
 """DynamicInferenceEngine: the waiting queue, ``step()``, serial vs launch-ahead routing, logging.
 
+One launch reads one way: the scheduler plans, the context assembles (``ModelRunner.prepare``),
+the request book commits, the runner launches; later the runner collects, the book lands (the
+context takes back what finished requests held), and the engine reports a ``StepResult``.
+
 Request lifecycle at the API: ``add_request`` validates and freezes a request (only
 ``InvalidRequestError`` leaves it); ``step()`` reports every request that gained tokens as a
 ``RequestUpdate`` and every request that ended as a ``RequestOutput``; ``abort_request`` ends a
@@ -27,10 +31,13 @@ from megatron_async.inference.contexts.dynamic_context import DynamicInferenceCo
 from megatron_async.inference.contexts.step_errors import RequestStepError
 from megatron_async.inference.engines.async_pipeline import PendingLaunch
 from megatron_async.inference.engines.engine_stats import EngineStats
+from megatron_async.inference.engines.request_book import RequestBook
 from megatron_async.inference.engines.request_validation import RequestValidator, ValidRequest
 from megatron_async.inference.engines.scheduler import Scheduler
+from megatron_async.inference.engines.step_plan import ALONE, StepAgreement
 from megatron_async.inference.engines.step_consensus import Agreement, NewRequest, StepConsensus
 from megatron_async.inference.nvtx import nvtx_range
+from megatron_async.inference.speculative.policy import SpecPolicy
 from megatron_async.inference.request import (
     DynamicInferenceRequest, FinishReason, InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams, Status,
 )
@@ -38,7 +45,7 @@ from megatron_async.inference.text_stream import TextStream
 
 if TYPE_CHECKING:  # type-only: the engine depends on contexts, never the reverse, and not at import on controllers
     from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
-    from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+    from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
 
 log = logging.getLogger("megatron_async")
 _DIGEST_MOD = (1 << 61) - 1  # a Mersenne prime: digests stay small ints for the max-reduce
@@ -63,7 +70,7 @@ class StepResult:
 class DynamicInferenceEngine:
     def __init__(
         self,
-        controller: TextGenerationController,
+        controller: ModelRunner,
         context: DynamicInferenceContext,
         config: InferenceConfig,
         tokenizer=None,
@@ -71,12 +78,13 @@ class DynamicInferenceEngine:
     ):
         """``communicator``: tensor parallelism. Only rank 0 accepts ``add_request`` and
         ``abort_request``; every rank (rank 0 too) admits them at the next per-step exchange
-        (see step_consensus.py)."""
+        (see step_consensus.py). ``controller``: the model runner (the attribute keeps its name)."""
         self.controller = controller
         self.context = context
         self.config = config
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config, context)
+        self.book = RequestBook(context, SpecPolicy(config))
+        self.scheduler = Scheduler(config, context, self.book)
         controller.bind_spec_policy(self.scheduler.spec)
         self.validator = RequestValidator(config, context, controller.model.vocab_size, controller.eos_ids, tokenizer)
         self.stats = EngineStats()
@@ -322,9 +330,10 @@ class DynamicInferenceEngine:
             if launched is not None:
                 return launched
 
-    def _try_launch(self, plan, overlapped: bool, out: StepResult) -> PendingLaunch | None:
+    def _try_launch(self, plan, overlapped: bool, out: StepResult, agreed: StepAgreement = ALONE
+                    ) -> PendingLaunch | None:
         try:
-            return self._launch(plan, overlapped)
+            return self._launch(plan, overlapped, agreed)
         except RequestStepError as e:  # the context undid the plan's host state
             log.error("request %d failed while preparing a step: %s", e.request.request_id, e.message)
             self._end(e.request, FinishReason.ERROR, out, error=e.message)
@@ -354,14 +363,24 @@ class DynamicInferenceEngine:
             return "admission_blocked"
         return "other"
 
-    def _launch(self, plan, overlapped: bool) -> PendingLaunch:
+    def _launch(self, plan, overlapped: bool, agreed: StepAgreement) -> PendingLaunch:
         step_id = self._launches + 1
         interval = self.config.logging_step_interval
         timed = interval > 0 and step_id % interval == 0
-        launched = self.controller.launch_step(plan, step_id, overlapped, timed)
+        launched = self.launch_plan(plan, step_id, overlapped, timed, agreed)
         self._launches = step_id
         self.stats.overlapped_steps += overlapped
         return launched
+
+    def launch_plan(self, plan, step_id: int, overlapped: bool, timed: bool, agreed: StepAgreement = ALONE
+                    ) -> PendingLaunch:
+        """One launch: the context assembles ``plan`` (RequestStepError: nothing changed), the
+        book commits it, the runner launches it. ``agreed``: data-parallel ranks' agreement on
+        the step. (Tools that trace launches wrap this.)"""
+        runner = self.controller
+        step = runner.prepare(plan, agreed)
+        self.book.commit(plan, step.speculative if runner.spec_steps is not None else None)
+        return runner.launch(step, step_id, overlapped, timed)
 
     # ------------------------------------------------------------------ endings
     def _apply_aborts(self, out: StepResult) -> None:
@@ -376,8 +395,7 @@ class DynamicInferenceEngine:
         has in flight is discarded when that launch lands (reconcile: it is FINISHED)."""
         if req.status == Status.WAITING and req in self.scheduler.waiting:
             self.scheduler.remove_waiting(req)
-        self.context.release(req)  # blocks and state slot back (nothing held while waiting)
-        req.finish_reason, req.error = reason, error
+        self.book.finish(req, reason, error)  # blocks and state slot back (nothing held while waiting)
         if reason == FinishReason.ABORT:
             self.stats.aborted_requests += 1
         else:
@@ -394,7 +412,9 @@ class DynamicInferenceEngine:
         out.finished.append(req.to_output())
 
     def _bookkeep(self, pending: PendingLaunch, out: StepResult) -> None:
-        res = self.controller.bookkeep_step(pending)
+        samples = self.controller.collect(pending)
+        with nvtx_range("update_requests"):
+            res = self.book.land(pending, samples)
         if self._sync is not None and self._sync.checks_replicas:  # what replicas must have landed alike
             step = int(pending.host_tokens.sum()) * 31 + len(pending.host_tokens)
             if pending.host_accepted is not None:
@@ -404,7 +424,7 @@ class DynamicInferenceEngine:
         st.steps += 1
         st.discarded_rows += res.num_discarded
         st.fast_decode_snapshots = self.context.fast_decode_snapshots
-        st.fast_landings = self.controller.fast_landings
+        st.fast_landings = self.book.fast_landings
         self._count_graph_use()
         st.paused = self.scheduler.num_paused_events
         st.evicted = self.scheduler.num_evicted_events
@@ -428,13 +448,14 @@ class DynamicInferenceEngine:
             self._report_finished(req, out)
         text, quiet = self.config.stream_text, self._quiet
         out.updates.extend(req.take_update(text) for req in res.updated if req.request_id not in quiet)
-        if res.step_time is not None and pending.timing_events:
+        step_time = samples.step_time
+        if step_time is not None and pending.timing_events:
             st.timed_steps += 1
-            st.timed_device_time += res.step_time
+            st.timed_device_time += step_time
         if self.config.logging_step_interval and pending.step_id % self.config.logging_step_interval == 0:
-            self._log(pending, res.step_time)
+            self._log(pending, step_time)
         out.step_id, out.num_rows, out.is_decode_only = pending.step_id, len(pending.rows), pending.is_decode_only
-        out.overlapped, out.step_time = pending.overlapped, res.step_time
+        out.overlapped, out.step_time = pending.overlapped, step_time
 
     def _count_speculation(self, res) -> None:
         st = self.stats

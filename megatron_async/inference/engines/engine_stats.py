@@ -99,8 +99,8 @@ class EngineStats:
     """Decode steps whose host snapshot came from the per-request rows (contexts/decode_rows.py)
     instead of the general row-by-row assembly; in a speculative engine, its steps without drafts."""
     fast_landings: int = 0
-    """Launches without drafts landed by the one-pass loop (text_generation_controllers/landing.py);
-    every launch of a plain engine, those without drafts of a speculative engine."""
+    """Launches landed without drafts, one sample per row (engines/request_book.py): every
+    launch of a plain engine, those without drafts of a speculative engine."""
     warmup_seconds: float = 0.0
     """Wall time of ``engine.warmup()`` (Triton builds + graph captures before serving)."""
     warmup_memory_bytes: int = 0

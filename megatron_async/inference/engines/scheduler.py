@@ -13,24 +13,29 @@ from collections import deque
 
 from megatron_async.config import InferenceConfig
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron_async.inference.engines.request_book import RequestBook
 from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
 from megatron_async.inference.request import DynamicInferenceRequest, Status
 from megatron_async.inference.speculative.policy import SpecPolicy
 
 
 class Scheduler:
-    def __init__(self, config: InferenceConfig, context: DynamicInferenceContext):
+    def __init__(self, config: InferenceConfig, context: DynamicInferenceContext, book: RequestBook | None = None):
+        """``book``: the engine's (None: a book of its own, with this scheduler's policy). Every
+        change of a request's state it decides (queued, released ahead, evicted) goes through it."""
         self.config = config
         self.ctx = context
         self.waiting: deque[DynamicInferenceRequest] = deque()
         self.num_paused_events = 0
         self.num_evicted_events = 0
         self.prefix_hit_tokens = 0
-        self.spec = SpecPolicy(config)
+        self.spec = book.spec_policy if book is not None and book.spec_policy is not None else SpecPolicy(config)
+        self.book = book if book is not None else RequestBook(context, self.spec)
         self._by_age: list[DynamicInferenceRequest] = []
         self._by_age_version = -1  # ctx.active_version the list was sorted at
 
     def add(self, req: DynamicInferenceRequest) -> None:
+        self.book.admit(req)
         if self.spec.enabled:
             self.spec.admit(req)
         self.waiting.append(req)
@@ -47,12 +52,9 @@ class Scheduler:
         return self.token_room(req) > 0
 
     def token_room(self, req: DynamicInferenceRequest) -> int:
-        """Tokens the request may still gain beyond the most its in-flight launch brings."""
-        # (tokens_budgeted and num_known_tokens spelled out: this runs for every row every step)
-        generated = len(req.generated_tokens)
-        in_flight = req.num_inflight + req.num_inflight_drafts
-        return min(req.sampling_params.num_tokens_to_generate - generated - in_flight,
-                   self.config.max_sequence_length - len(req.prompt_tokens) - generated - in_flight)
+        """Tokens the request may still gain beyond the most its in-flight launch brings (the
+        length limit less ``tokens_budgeted``, spelled out: this runs for every row every step)."""
+        return req.max_generated_tokens - len(req.generated_tokens) - req.num_inflight - req.num_inflight_drafts
 
     def _spec_decode_rows(self, by_age: list[DynamicInferenceRequest], rows: list[RowPlan], budget: int
                           ) -> tuple[int, list[DynamicInferenceRequest], bool]:
@@ -63,7 +65,6 @@ class Scheduler:
         computed; the rest of its known tokens, if any, are prefilled. Then each decoding request
         gets its row with drafts from the tokens to spare (``_reserve_decode``), or is paused.
         Returns (how many requests decode, unfinished prefills, whether any request is paused)."""
-        limit = self.config.max_sequence_length
         decoding, rooms, prefilling, any_paused = [], [], [], False
         active, paused = Status.ACTIVE, Status.PAUSED
         for req in by_age:
@@ -72,8 +73,7 @@ class Scheduler:
                 generated = len(req.generated_tokens)
                 known = len(req.prompt_tokens) + generated
                 in_flight = req.num_inflight
-                room = (min(req.sampling_params.num_tokens_to_generate - generated, limit - known)
-                        - in_flight - req.num_inflight_drafts)
+                room = req.max_generated_tokens - generated - in_flight - req.num_inflight_drafts
                 pending = known - req.num_computed_tokens  # known tokens whose KV is not computed
                 if room <= 0:
                     if pending > 0:
@@ -115,7 +115,7 @@ class Scheduler:
         pass reaches it equals sorting first: whether a request decodes depends only on its own
         state, and rows reserve blocks in the same (age) order. Returns (unfinished prefills,
         whether any request is paused)."""
-        ctx, bs, limit = self.ctx, self.ctx.block_size, self.config.max_sequence_length
+        ctx, bs = self.ctx, self.ctx.block_size
         prefilling, any_paused = [], False
         active, paused = Status.ACTIVE, Status.PAUSED
         for req in by_age:
@@ -128,8 +128,8 @@ class Scheduler:
                     prefilling.append(req)
                     continue
                 in_flight = req.num_inflight
-                if (min(req.sampling_params.num_tokens_to_generate - generated, limit - known)
-                        <= in_flight + req.num_inflight_drafts or in_flight and req.inflight_row < 0):
+                if (req.max_generated_tokens - generated <= in_flight + req.num_inflight_drafts
+                        or in_flight and req.inflight_row < 0):
                     continue
                 if start < len(req.block_ids) * bs or ctx.reserve(req, 1):
                     rows.append(RowPlan(req, start, 1, True, req.inflight_row if in_flight else -1))
@@ -216,7 +216,7 @@ class Scheduler:
             hit = ctx.admit(req)
             used = self._schedule_prefill(req, budget, plan)
             if used == 0:
-                ctx.evict(req)  # undo the admission: back to waiting, prefix refs dropped
+                self.book.evict(req)  # undo the admission: back to waiting, prefix refs dropped
                 break
             self.waiting.popleft()
             self.prefix_hit_tokens += hit
@@ -226,7 +226,7 @@ class Scheduler:
         # held by requests that cannot grow; recompute the newest one later and retry.
         if not plan and not has_inflight and ctx.active:
             victim = max(ctx.active.values(), key=lambda r: r.arrival_order)
-            ctx.evict(victim)
+            self.book.evict(victim)
             self.num_evicted_events += 1
             self.requeue_front(victim)
             return self.schedule(has_inflight)
@@ -247,15 +247,12 @@ class Scheduler:
         different bf16 rounding, and different greedy tokens). Stream order keeps N's KV writes
         before any next owner's. Finishes by EOS / stop words cannot be foreseen: after one,
         launch-ahead still schedules one step with the request's blocks held."""
-        limit = self.config.max_sequence_length
         done = []
-        for r in self.ctx.active.values():  # (tokens_certain and num_known_tokens spelled out: every row, every step)
-            if r.num_inflight and r.status == Status.ACTIVE:
-                certain = len(r.generated_tokens) + r.num_inflight
-                if certain >= r.sampling_params.num_tokens_to_generate or len(r.prompt_tokens) + certain >= limit:
-                    done.append(r)
+        for r in self.ctx.active.values():  # (tokens_certain spelled out: every row, every step)
+            if r.num_inflight and r.status == Status.ACTIVE and len(r.generated_tokens) + r.num_inflight >= r.max_generated_tokens:
+                done.append(r)
         for req in done:
-            self.ctx.release_ahead(req)
+            self.book.release_ahead(req)
 
     def _whole_prompt_only(self, req: DynamicInferenceRequest) -> bool:
         # A recompute after eviction may exceed max_tokens although its prompt did not:

@@ -1,4 +1,5 @@
-"""What the scheduler hands the context for one step: rows in launch order."""
+"""What the scheduler hands the context for one step (rows in launch order), and what
+data-parallel ranks agreed on for it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -50,3 +51,20 @@ class StepPlan:
 
     def __bool__(self) -> bool:
         return bool(self.rows)
+
+
+@dataclass(frozen=True)
+class StepAgreement:
+    """What data-parallel ranks agreed on for one step (step_consensus.py), handed to the model
+    runner with the step; the default is a rank on its own."""
+
+    max_tokens: int = 0
+    """The most tokens any rank launches in this step: what MoE exchanges (and padded decode
+    graphs) pad to."""
+    eager: bool = False
+    """Some rank cannot replay a graph in this step: none does."""
+    variant: int = 0
+    """The sampling variant every rank replays in this step (the largest any rank needs)."""
+
+
+ALONE = StepAgreement()

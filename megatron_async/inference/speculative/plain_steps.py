@@ -41,8 +41,7 @@ class PlainStepSelector:
         return self.policy.may_any_draft_next([r.request for r in rows])
 
     def launched(self, plan: StepPlan, speculative: bool) -> None:
-        """``plan``'s step was launched (``speculative``: with the drafter)."""
-        for row in plan.rows:
-            row.request.spec_drafts_fresh = speculative
+        """``plan``'s step was launched (``speculative``: with the drafter; the request book
+        marks its rows' drafts fresh or stale, ``RequestBook.commit``)."""
         self.inflight_verified = speculative and any(r.num_drafts for r in plan.rows)
         self.plain_steps += not speculative

@@ -214,7 +214,6 @@ class CudaGraphRunner:
         # Capture runs on a padding-only snapshot (dummy block, padding slot); the samples of
         # the launch in flight are kept aside because warm-up runs overwrite them.
         torch.cuda.synchronize()
-        ctl.dp_num_tokens = 0  # MoE exchanges pad to the graph's rows (a stale agreement must not leak in)
         saved_samples = ctl.last_samples.clone()
         saved_view = ctx.gpu_view.buffer.clone()
         ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens, key.verify_width))

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from megatron_async.config import InferenceConfig
+from megatron_async.inference.request import LOG_PROBS, MIN_P, PENALTIES, SAMPLED, TOP_K, TOP_P
 
 GRAPH_TOP_N = 20
 """Top-n log-probs a FULL graph computes (OpenAI's limit); steps asking for more run eager."""
@@ -86,13 +87,14 @@ def variant_of(shape) -> SamplingVariant | None:
 
 
 def variant_of_params(params) -> SamplingVariant | None:
-    """``variant_of`` a step from its rows' SamplingParams, before the step is assembled (the
-    flags ``DynamicInferenceContext`` derives: greedy rows need no filter)."""
-    params = list(params)
-    drawn = [sp for sp in params if not sp.is_greedy]
-    return _covering(max((sp.top_n_logprobs for sp in params), default=0),
-                     any(sp.has_penalties or sp.return_log_probs for sp in params),
-                     any(sp.top_k > 1 or 0 < sp.top_p < 1 or sp.min_p > 0 for sp in drawn), bool(drawn))
+    """``variant_of`` a step from its rows' SamplingParams, before the step is assembled (their
+    ``SamplingParams.features``, as the snapshot builders derive the step's flags)."""
+    bits = top_n = 0
+    for sp in params:
+        bits |= sp.features()
+        top_n = max(top_n, sp.top_n_logprobs)
+    return _covering(top_n, bool(bits & (PENALTIES | LOG_PROBS)), bool(bits & (TOP_K | TOP_P | MIN_P)),
+                     bool(bits & SAMPLED))
 
 
 def variant_index(variant: SamplingVariant) -> int:

@@ -1,5 +1,6 @@
-"""The decode-only fast path (contexts/decode_rows.py) writes the same host bytes, the same
-StepShape and the same request state as initialize_attention_state's general path.
+"""The decode-only fast path (contexts/decode_rows.py) writes the same host bytes and the same
+StepShape as initialize_attention_state's general path, and neither changes a request (the
+request book commits the step after it is assembled).
 
 Every step of real engine runs (staggered ragged prompts, greedy and sampled rows, penalties,
 min_tokens, log-probs, a small KV pool that pauses and evicts, prefix caching, serial and
@@ -23,7 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
-from megatron_async.inference.contexts.step_errors import RequestStepError, RowUndo  # noqa: E402
+from megatron_async.inference.contexts.step_errors import RequestStepError  # noqa: E402
 from megatron_async.testing.engine_harness import Arrival, run_arrivals, sampling_mix  # noqa: E402
 
 JUNK = 0xA5
@@ -48,10 +49,9 @@ def compare_both_paths(ctx, seen: Counter, seed: int = 0) -> None:
 
     rows.assemble = spy
 
-    def run(fn, plan, verify_width, undo, ring, junk: bool):
+    def run(fn, plan, verify_width, before, ring, junk: bool):
         """``fn`` from the state before the step; returns (shape, bytes, request state)."""
-        for u in reversed(undo):
-            u.apply()
+        assert [_state(r.request) for r in plan.rows] == before  # assembly changes no request
         ctx._ring = ring
         buf = ctx._host_buffers[ring ^ 1]
         if junk:
@@ -63,14 +63,14 @@ def compare_both_paths(ctx, seen: Counter, seed: int = 0) -> None:
     def both(plan, verify_width=0):
         ring = ctx._ring
         nxt = ring ^ 1
-        undo = [RowUndo.of(r.request) for r in plan.rows]
+        undo = [_state(r.request) for r in plan.rows]  # what every assembly must leave as it was
         general_first = rng.random() < 0.5
         fast_used.clear()
         if general_first:
             try:
                 ref = run(general, plan, verify_width, undo, ring, junk=True)
             except RequestStepError:
-                return dispatch(plan, verify_width)  # it raises the same (the state was undone)
+                return dispatch(plan, verify_width)  # it raises the same (nothing was changed)
             got = run(dispatch, plan, verify_width, undo, ring, junk=True)
         else:
             prior = rows._constant.get(nxt)
@@ -87,7 +87,7 @@ def compare_both_paths(ctx, seen: Counter, seed: int = 0) -> None:
             return got[0]
         assert torch.equal(got[1], ref[1]), _first_difference(ctx, got[1], ref[1])
         assert got[0] == ref[0]
-        assert got[2] == ref[2]
+        assert got[2] == ref[2] == undo
         seen["fast"] += 1
         for row in plan.rows:
             sp = row.request.sampling_params
@@ -247,3 +247,20 @@ def test_request_without_a_row_takes_the_general_path():
     assert outs[bad].finish_reason == "error" and "OverflowError" in outs[bad].error
     assert outs[good].finish_reason == "length" and len(outs[good].generated_tokens) == 5
     assert not eng.context._decode_rows.slot_of  # every row given back
+
+
+def test_a_snapshot_field_the_decode_path_does_not_write_is_refused():
+    """The decode path declares the fields it writes; a layout with one more field (which the
+    general path would write) fails at construction instead of leaving that field stale."""
+    import numpy as np
+
+    from megatron_async.inference.contexts.decode_rows import DecodeRows
+    from megatron_async.inference.contexts.dynamic_context import bookkeeping_fields
+
+    for spec, mamba in ((False, False), (True, True)):
+        views = {f.name: np.zeros(f.shape, dtype=np.dtype(str(f.dtype).replace("torch.", "")))
+                 for f in bookkeeping_fields(16, 5, 4, 8, speculative=spec, mamba=mamba)}
+        DecodeRows(4, 4, 0, views)  # every field declared
+        with pytest.raises(ValueError, match=r"does not write the snapshot fields \['new_field'\]"):
+            DecodeRows(4, 4, 0, {**views, "new_field": np.zeros(5, dtype=np.int64)})
+

@@ -11,6 +11,7 @@ from megatron_async import InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext  # noqa: E402
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK  # noqa: E402
 from megatron_async.inference.device import DeviceFacade  # noqa: E402
+from megatron_async.inference.engines.request_book import RequestBook  # noqa: E402
 from megatron_async.inference.engines.step_plan import RowPlan, StepPlan  # noqa: E402
 from megatron_async.inference.request import DynamicInferenceRequest, Status  # noqa: E402
 from megatron_async.models import build_default_model  # noqa: E402
@@ -34,12 +35,20 @@ def make_req(rid, prompt, **sp) -> DynamicInferenceRequest:
                                    arrival_order=rid)
 
 
+def assemble_and_commit(ctx, plan: StepPlan) -> None:
+    """What a launch does on the host: the context assembles, the request book commits."""
+    before = [(r.request.num_computed_tokens, r.request.num_inflight) for r in plan.rows]
+    ctx.initialize_attention_state(plan)
+    assert [(r.request.num_computed_tokens, r.request.num_inflight) for r in plan.rows] == before  # assembly only writes
+    RequestBook(ctx).commit(plan)
+
+
 def run_prefill(ctx, req, n=None) -> None:
-    """Reserve and assemble one prefill chunk of ``n`` tokens (default: the rest)."""
+    """Reserve, assemble and commit one prefill chunk of ``n`` tokens (default: the rest)."""
     n = req.num_known_tokens - req.num_computed_tokens if n is None else n
     assert ctx.reserve(req, n)
     samples = req.num_computed_tokens + n == req.num_known_tokens
-    ctx.initialize_attention_state(StepPlan([RowPlan(req, req.num_computed_tokens, n, samples)]))
+    assemble_and_commit(ctx, StepPlan([RowPlan(req, req.num_computed_tokens, n, samples)]))
 
 
 def land(req, token) -> None:
@@ -93,7 +102,7 @@ def test_reserve_is_all_or_nothing_across_block_boundaries(model):
     assert req.block_ids == [] and ctx.allocator.num_available == 3
     assert ctx.reserve(req, 5)  # 2 blocks
     assert len(req.block_ids) == 2 and ctx.allocator.num_available == 1
-    ctx.initialize_attention_state(StepPlan([RowPlan(req, 0, 5, samples=False)]))
+    assemble_and_commit(ctx, StepPlan([RowPlan(req, 0, 5, samples=False)]))
     assert ctx.reservable_tokens(req) == 3 + 4  # slack in block 2 + one free block
     assert ctx.reserve(req, 3) and len(req.block_ids) == 2  # fits in the slack: no new block
     assert not ctx.reserve(req, 8)
@@ -155,7 +164,7 @@ def test_register_only_publishes_blocks_known_and_computed(model):
     assert req.num_hashed_blocks == 2
     # launch-ahead decode of the in-flight sample: position 11 computed, its token unknown
     assert ctx.reserve(req, 1)
-    ctx.initialize_attention_state(StepPlan([RowPlan(req, 11, 1, samples=True, prev_row=0)]))
+    assemble_and_commit(ctx, StepPlan([RowPlan(req, 11, 1, samples=True, prev_row=0)]))
     assert req.num_computed_tokens == 12 and req.num_known_tokens == 11
     assert req.num_hashed_blocks == 2  # block 3 waits for its last token
     land(req, 42)
@@ -220,7 +229,9 @@ def test_initialize_attention_state_tables(model):
         nb = len(req.block_ids)
         assert v["block_table"][r, :nb].tolist() == req.block_ids
         assert v["block_table"][r, nb:].tolist() == [DUMMY_BLOCK] * (width - nb)
-    # computed positions advanced; sampling rows are now in flight at their row
+    # committed by the book: computed positions advanced; sampling rows now in flight at their row
+    assert (a.num_computed_tokens, b.num_computed_tokens, c.num_computed_tokens) == (6, 3, 0)  # assembly only writes
+    RequestBook(ctx).commit(plan)
     assert (a.num_computed_tokens, b.num_computed_tokens, c.num_computed_tokens) == (7, 4, 5)
     assert (a.num_inflight, a.inflight_row, b.num_inflight, b.inflight_row) == (1, 0, 2, 1)
     assert c.num_inflight == 0
@@ -353,6 +364,7 @@ def test_uniform_verify_layout_and_its_graph_padding(model):
     pad_slot = ctx.sampling_state.padding_slot
     assert v["sampling_slot"][3] == reqs[1].sampling_slot != pad_slot
     assert v["sampling_slot"][4:6].tolist() == [pad_slot] * 2 and v["top_k"][4:6].tolist() == [1, 1]
+    RequestBook(ctx).commit(plan)
     assert reqs[0].num_computed_tokens == 6 and reqs[1].num_computed_tokens == 4  # real tokens only
     ctx.pad_for_graph(6, 2, 12, 4, verify_width=3)
     assert v["cu_query_lens"][:5].tolist() == [0, 3, 6, 9, 12]
@@ -364,7 +376,7 @@ def test_uniform_verify_layout_and_its_graph_padding(model):
     reqs[0].generated_tokens += [9, 9, 9]  # as if its drafts had landed: position 6 is known
     with pytest.raises(Exception, match="uniform verify layout of 3 tokens per row cannot hold a row of 4"):
         ctx.initialize_attention_state(StepPlan([RowPlan(reqs[0], 6, 4, True, num_drafts=3)]), verify_width=3)
-    assert reqs[0].num_computed_tokens == 6  # the row's state undone
+    assert reqs[0].num_computed_tokens == 6  # nothing committed
 
 
 def test_hybrid_snapshot_carries_the_mamba_row_layout():

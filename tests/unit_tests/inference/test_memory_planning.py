@@ -11,7 +11,7 @@ from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.memory_planning import GiB, MemoryPlanError, MemoryReading, check_weights_fit, plan_kv_pool
 from megatron_async.inference.memory_profiling import profile_memory_plan
 from megatron_async.inference.request import SamplingParams
-from megatron_async.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
 from megatron_async.models import build_default_model
 
 # Qwen3-30B-A3B in bf16 on an 80 GB H100: 48 layers x 4 KV heads x 128 dims, 16-token blocks
@@ -84,8 +84,8 @@ def test_profile_runs_the_largest_step_and_plans_from_the_readings(monkeypatch, 
     model = build_default_model("tiny", "cpu", torch.float32)
     cfg = InferenceConfig(block_size_tokens=4, max_requests=4, max_tokens=48, max_sequence_length=64, cuda_graphs=graphs)
     steps = []
-    real = TextGenerationController.compute_step
-    monkeypatch.setattr(TextGenerationController, "compute_step",
+    real = ModelRunner.compute_step
+    monkeypatch.setattr(ModelRunner, "compute_step",
                         lambda self, shape, spec=None: steps.append(shape) or real(self, shape, spec))
     weights = 3 * GiB
     reader = FakeReader(total=16 * GiB, free=10 * GiB, allocated=weights + GiB, reserved=5 * GiB, step=GiB // 4)

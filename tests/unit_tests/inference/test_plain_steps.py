@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from megatron_async import InferenceConfig, SamplingParams
+from megatron_async.inference.engines.request_book import RequestBook
 from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
 from megatron_async.inference.speculative.plain_steps import PlainStepSelector
 from megatron_async.inference.speculative.policy import SpecPolicy
@@ -18,7 +19,18 @@ CFG = InferenceConfig(max_requests=8, max_tokens=32, num_speculative_tokens=3, s
 
 def req(acceptance: float = 0.0, fresh: bool = True, params: SamplingParams = GREEDY):
     return SimpleNamespace(sampling_params=params, prompt_tokens=[1], spec_acceptance=acceptance,
-                           spec_drafts_fresh=fresh)
+                           spec_drafts_fresh=fresh, num_computed_tokens=5, num_inflight=0, inflight_row=-1,
+                           num_inflight_drafts=0)
+
+
+BOOK = RequestBook(SimpleNamespace(config=CFG, spec=None, allocator=SimpleNamespace(enable_prefix_caching=False)))
+
+
+def launched(sel: PlainStepSelector, p: StepPlan, speculative: bool) -> None:
+    """What a launch does with the selector's decision: the selector records it, the request
+    book marks the rows' drafts fresh or stale."""
+    sel.launched(p, speculative)
+    BOOK.commit(p, speculative)
 
 
 def plan(*rows: tuple, **kw) -> StepPlan:
@@ -49,14 +61,14 @@ def test_which_steps_run_the_speculative_machinery():
     prefill = StepPlan([RowPlan(on, start=0, num_tokens=4, samples=True)])
     assert sel.speculative(prefill) is True  # prefill chunks: the drafter fills its state
     # rows continuing a launch in flight that verified drafts read the spec state
-    sel.launched(plan((off, 1, -1), (on, 0, -1)), True)
+    launched(sel, plan((off, 1, -1), (on, 0, -1)), True)
     assert sel.inflight_verified and off.spec_drafts_fresh and on.spec_drafts_fresh
     p = plan((off, 0, 0))
     assert sel.speculative(p) is True and p.inflight_verified
-    sel.launched(p, True)  # no drafts in it: its successors read its samples as plain rows do
+    launched(sel, p, True)  # no drafts in it: its successors read its samples as plain rows do
     p = plan((off, 0, 0))
     assert sel.speculative(p) is False and not p.inflight_verified
-    sel.launched(p, False)
+    launched(sel, p, False)
     assert not off.spec_drafts_fresh and sel.plain_steps == 1
     assert PlainStepSelector(None).speculative(plan((off, 0, -1))) is True  # no policy bound: always
 

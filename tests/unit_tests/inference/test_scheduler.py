@@ -1,5 +1,5 @@
 """Scheduler policy, driven without a model: plans are assembled by the real context and
-samples "land" the way the controller's bookkeeping appends them."""
+committed by the real request book, and samples "land" the way the book appends them."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -46,6 +46,7 @@ class Driver:
         plan = self.sched.schedule(has_inflight)
         assert plan.num_tokens <= self.max_tokens
         self.ctx.initialize_attention_state(plan)
+        self.sched.book.commit(plan)
         return plan
 
     def land(self, plan: StepPlan) -> list[DynamicInferenceRequest]:

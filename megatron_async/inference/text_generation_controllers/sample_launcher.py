@@ -1,4 +1,5 @@
-"""The device side of sampling in a step: penalties, the draw, the penalty-count update.
+"""The device side of sampling in a step: penalties, the draw, the penalty-count update
+(``SampleLauncher``: it enqueues the sampling.py / Triton ops a step runs).
 
 Chooses the backend once (torch reference or sort-free Triton; same tokens) and reads only
 fixed-address tensors (the step snapshot and the sampling-state rows), so the whole thing
@@ -30,7 +31,7 @@ def _triton_sampling():
     return triton_sampling
 
 
-class Sampler:
+class SampleLauncher:
     def __init__(self, backend: SamplingBackend | str, device: torch.device, state: SamplingStateSlots):
         self.backend = resolve_backend(backend, device)
         self.state = state

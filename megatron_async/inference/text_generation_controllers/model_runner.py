@@ -1,10 +1,13 @@
-"""TextGenerationController: ``launch_step`` enqueues all device work of a step,
-``bookkeep_step`` does its CPU work once the samples have landed.
+"""ModelRunner: the device side of a step. It never changes a request.
 
-Serial = launch then bookkeep. Launch-ahead = launch N+1, then bookkeep N while the
-device runs N+1. Within a launch the only device->host traffic is the asynchronous copy
-of the samples into a pinned buffer followed by an event; decode input ids of the next
-launch are gathered on the device from ``last_samples``, never via the host."""
+``prepare`` has the context assemble a planned step into the step buffer and picks its CUDA
+graph; ``launch`` enqueues all device work of it (H2D of the buffer, forward, sampling, the
+D2H copy of the samples); ``collect`` waits for a launch's samples and hands them over as
+plain host lists, which the request book lands. Serial = launch then collect. Launch-ahead =
+launch N+1, then collect N while the device runs N+1. Within a launch the only device->host
+traffic is the asynchronous copy of the samples into a pinned buffer followed by an event;
+decode input ids of the next launch are gathered on the device from ``last_samples``, never
+via the host."""
 from __future__ import annotations
 
 import time
@@ -13,18 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
-from megatron_async.inference.engines.async_pipeline import PendingLaunch, reconcile
-from megatron_async.inference.engines.step_plan import StepPlan
+from megatron_async.inference.engines.async_pipeline import PendingLaunch
+from megatron_async.inference.engines.request_book import HostSamples
+from megatron_async.inference.engines.step_plan import ALONE, StepAgreement, StepPlan
 from megatron_async.inference.nvtx import nvtx_range
-from megatron_async.inference.request import DynamicInferenceRequest
-from megatron_async.inference.speculative.acceptance import emitted_tokens
 from megatron_async.inference.speculative.plain_steps import PlainStepSelector
 from megatron_async.inference.speculative.policy import SpecPolicy
 from megatron_async.inference.speculative.verify import SpecVerifier
-from megatron_async.inference.stop_conditions import finish_reason
 from megatron_async.inference.text_generation_controllers import sampling
-from megatron_async.inference.text_generation_controllers.landing import land_plain_rows
-from megatron_async.inference.text_generation_controllers.sampler import Sampler
+from megatron_async.inference.text_generation_controllers.sample_launcher import SampleLauncher
 from megatron_async.inference.text_generation_controllers.warmup import WarmupReport, run_warmup
 from megatron_async.kernels import fused_ops
 from megatron_async.models.base import CausalLM
@@ -32,24 +32,24 @@ from megatron_async.step_shape import StepShape
 
 
 @dataclass
-class BookkeepResult:
-    finished: list[DynamicInferenceRequest]
-    updated: list[DynamicInferenceRequest]
-    """Requests that gained a token in this step (finished ones included), in row order."""
-    num_discarded: int
-    step_time: float | None  # device time of the step, on timed (logging) steps only
-    num_tokens: int = 0
-    """Tokens appended to requests."""
-    drafted: list[int] | None = None
-    """Speculative decoding: verify rows with at least d + 1 drafts, at index d (kept rows only)."""
-    accepted: list[int] | None = None
-    """Of those, rows whose draft d + 1 was accepted (index d)."""
-    truncated: int = 0
-    """Rows whose request finished before their last emitted token (the rest was dropped)."""
+class PreparedStep:
+    """A planned step assembled in the step buffer, ready to launch (``ModelRunner.prepare``)."""
+
+    plan: StepPlan
+    shape: StepShape
+    graph: object | None
+    """The CUDA graph it replays (None: eager)."""
+    speculative: bool
+    """It runs speculative decoding's machinery (spec inputs, acceptance, the drafter)."""
+    dp_num_tokens: int = 0
+    """Data-parallel ranks: what this step's MoE exchanges pad to (``StepAgreement.max_tokens``)."""
 
 
-class TextGenerationController:
-    def __init__(self, model: CausalLM, context: DynamicInferenceContext, eos_ids: tuple[int, ...] = ()):
+class ModelRunner:
+    def __init__(self, model: CausalLM, context: DynamicInferenceContext, eos_ids: tuple[int, ...] = (),
+                 expert_parallel: bool = False):
+        """``expert_parallel``: MoE layers exchange tokens across EP ranks, so every forward
+        carries ``ep_num_tokens`` (from the step's ``StepAgreement``)."""
         self.model = model
         self.context = context
         self.device = context.device
@@ -65,27 +65,15 @@ class TextGenerationController:
         self.spec = SpecVerifier(context.spec, context.block_size) if context.spec is not None else None
         self.spec_steps = PlainStepSelector() if self.spec is not None else None
         """Speculative decoding: which steps run the plain engine's step (``bind_spec_policy``)."""
-        self.spec_policy = SpecPolicy(context.config)
-        """Speculative decoding: the policy told every bookkept verify row (the scheduler's: ``bind_spec_policy``)."""
-        self.fast_landings = 0
-        """Launches without drafts landed by the one-pass loop (landing.py; EngineStats.fast_landings)."""
         self.accepted = torch.zeros(context.max_rows, dtype=torch.int64, device=dev)
         """Speculative decoding: drafts accepted per row of the latest launch (fixed address;
         a graph's spare padding row writes one too)."""
         self._host_ring = [self._host_buffers(S, R) for _ in range(3)]
         self._ring = 0
         self.graphs = None  # CudaGraphRunner, when enabled
-        # Data-parallel engines (EP): set per step from the ranks' agreement before launching.
-        self.expert_parallel = False
-        """MoE layers exchange tokens across EP ranks: every forward carries ``ep_num_tokens``."""
-        self.dp_num_tokens = 0
-        """The most tokens any rank launches in this step: what MoE exchanges pad to."""
-        self.force_eager = False
-        """Some rank cannot replay a graph in this step: none does."""
-        self.dp_variant = 0
-        """The sampling variant every rank replays in this step (the largest any rank needs)."""
+        self.expert_parallel = expert_parallel
         self._dummy_snapshot: torch.Tensor | None = None
-        self.sampler = Sampler(context.config.sampling_backend, dev, context.sampling_state)
+        self.sampler = SampleLauncher(context.config.sampling_backend, dev, context.sampling_state)
 
     def _host_buffers(self, S: int, R: int) -> dict[str, torch.Tensor]:
         pin = self.device.is_cuda
@@ -99,34 +87,41 @@ class TextGenerationController:
         """Speculative decoding: steps where no row drafts now or (by ``policy``) next run the
         plain engine's step. Not under expert parallelism: every rank runs the drafter's
         collectives in every step."""
-        self.spec_policy = policy
         if self.spec_steps is not None:
             self.spec_steps = PlainStepSelector(policy)
 
     # ------------------------------------------------------------------ device side
-    @torch.inference_mode()
-    def launch_step(self, plan: StepPlan, step_id: int, overlapped: bool, timed: bool) -> PendingLaunch:
+    def prepare(self, plan: StepPlan, agreed: StepAgreement = ALONE) -> PreparedStep:
+        """The context assembles ``plan`` into the next step buffer (raises RequestStepError for
+        a request whose values break it: nothing changed); the graph it replays, padded for.
+        ``agreed``: the data-parallel ranks' agreement on this step."""
         ctx = self.context
-        use_graphs = self.graphs is not None and not self.force_eager
+        use_graphs = self.graphs is not None and not agreed.eager
         spec = self.spec_steps is not None and (self.spec_steps.speculative(plan) or self.expert_parallel)
         # verify steps that may replay a verify graph are laid out uniformly (its width per row)
         width = self.graphs.plan.verify_width(plan) if use_graphs else 0
         with nvtx_range("initialize_attention_state"):
             shape = ctx.initialize_attention_state(plan, verify_width=width)
-        start_ev = end_ev = None
-        if timed and self.device.is_cuda:
-            start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start_ev.record()
-        t0 = time.perf_counter()
         graph = None
         if use_graphs:
-            graph = self.graphs.lookup(shape, min_rows=self.dp_num_tokens, min_variant=self.dp_variant, spec=spec)
+            graph = self.graphs.lookup(shape, min_rows=agreed.max_tokens, min_variant=agreed.variant, spec=spec)
         if graph is not None:
             k = graph.key
             spec |= k.spec  # a graph with the machinery runs it (correct for any step's layout)
             ctx.pad_for_graph(shape.num_tokens, shape.num_rows, k.num_tokens, k.num_rows, k.verify_width)
         if self.spec_steps is not None:
             self.spec_steps.launched(plan, spec)
+        return PreparedStep(plan, shape, graph, spec, agreed.max_tokens)
+
+    @torch.inference_mode()
+    def launch(self, step: PreparedStep, step_id: int, overlapped: bool, timed: bool) -> PendingLaunch:
+        """Enqueue the device work of a prepared (and committed) step."""
+        ctx, plan, shape, graph, spec = self.context, step.plan, step.shape, step.graph, step.speculative
+        start_ev = end_ev = None
+        if timed and self.device.is_cuda:
+            start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start_ev.record()
+        t0 = time.perf_counter()
         with nvtx_range("transfer_bookkeeping_to_gpu"):
             ctx.transfer_bookkeeping_to_gpu()
         if graph is not None:
@@ -135,7 +130,7 @@ class TextGenerationController:
             tokens, log_probs, top_vals, top_ids = graph.outputs(shape.num_samples, shape.any_log_probs,
                                                                  shape.max_top_n)
         else:
-            tokens, log_probs, top_vals, top_ids = self.compute_step(shape, spec)
+            tokens, log_probs, top_vals, top_ids = self.compute_step(shape, spec, step.dp_num_tokens)
         if ctx.mamba is not None:
             ctx.mamba.after_forward()
         self._ring = (self._ring + 1) % len(self._host_ring)
@@ -168,17 +163,19 @@ class TextGenerationController:
             host_accepted=h_acc, sample_base=shape.sample_base,
         )
 
-    def compute_step(self, shape: StepShape, spec: bool | None = None):
+    def compute_step(self, shape: StepShape, spec: bool | None = None, dp_num_tokens: int = 0):
         """Forward + sample of one assembled step, reading only the GPU view.
 
         Also the body that CUDA graphs capture (with padded decode and mixed shapes).
         ``spec``: speculative decoding's machinery (spec inputs, acceptance, drafter) runs;
-        False: the plain engine's step (plain_steps.py); None: whenever speculation is on."""
+        False: the plain engine's step (plain_steps.py); None: whenever speculation is on.
+        ``dp_num_tokens``: expert parallelism, the fewest tokens MoE exchanges pad to (a graph
+        capture: 0, so its own padded tokens)."""
         ctx, g = self.context, self.context.gpu_view
         spec = self.spec is not None if spec is None else spec and self.spec is not None
         T, R, S = shape.num_tokens, shape.num_rows, shape.num_samples
         batch = ctx.forward_batch(shape)
-        batch.ep_num_tokens = max(T, self.dp_num_tokens) if self.expert_parallel else None
+        batch.ep_num_tokens = max(T, dp_num_tokens) if self.expert_parallel else None
         prev = g.prev_sample_idx[:T]
         input_ids = fused_ops.resolve_input_ids(prev, self.last_samples, g.input_ids[:T])
         if spec:  # positions corrected in the view before the forward reads them
@@ -205,17 +202,17 @@ class TextGenerationController:
         return self.last_samples[:S], log_probs, top_vals, top_ids
 
     @torch.inference_mode()
-    def dummy_forward(self) -> None:
+    def dummy_forward(self, agreed: StepAgreement) -> None:
         """Data parallel: a forward with nothing to compute, so this rank's collectives match
         the ranks that launch real work. Padding rows only, writing only to the dummy KV block
         and the padding Mamba slot; the samples of a launch in flight stay intact. Its MoE
-        layers pad to ``dp_num_tokens``. In a step the ranks replay graphs it replays the
+        layers pad to ``agreed.max_tokens``. In a step the ranks replay graphs it replays the
         agreed graph too (NCCL: captured or not must match across ranks), else one eager row.
         Speculative decoding: a verify step's MoE exchanges pad to the same agreed count (drafts
         included), and the drafter's own collectives are matched too (``match_collectives``)."""
         ctx = self.context
-        replay = self.graphs is not None and not self.force_eager
-        rows = self.graphs.padded_rows(max(1, self.dp_num_tokens)) if replay else 1
+        replay = self.graphs is not None and not agreed.eager
+        rows = self.graphs.padded_rows(max(1, agreed.max_tokens)) if replay else 1
         if self._dummy_snapshot is None or self._dummy_rows != rows:
             snap = ctx.padding_snapshot(rows)
             self._dummy_snapshot = snap.pin_memory() if self.device.is_cuda else snap
@@ -224,14 +221,14 @@ class TextGenerationController:
         if replay:
             saved = self.last_samples.clone()  # the graph samples its padding rows into last_samples
             with nvtx_range("dummy_forward"):
-                self.graphs.replay_padding(rows, self.dp_variant)
+                self.graphs.replay_padding(rows, agreed.variant)
             self.last_samples.copy_(saved)
             return
         shape = StepShape(num_tokens=rows, num_rows=rows, max_query_len=1, max_kv_len=1, is_decode_only=True,
                           any_sampling=False, any_top_k_top_p=False, max_top_n=0, any_log_probs=False)
         with nvtx_range("dummy_forward"):
             batch = ctx.forward_batch(shape)
-            batch.ep_num_tokens = max(rows, self.dp_num_tokens) if self.expert_parallel else None
+            batch.ep_num_tokens = max(rows, agreed.max_tokens) if self.expert_parallel else None
             input_ids = ctx.gpu_view.input_ids[:rows]
             hidden = self.model(input_ids, batch)
             if self.spec is not None:  # the drafter's own collectives (MTP heads' MoE layers)
@@ -243,8 +240,9 @@ class TextGenerationController:
         return run_warmup(self, eager=not self.expert_parallel)
 
     # ------------------------------------------------------------------ host side
-    def bookkeep_step(self, pending: PendingLaunch) -> BookkeepResult:
-        ctx = self.context
+    def collect(self, pending: PendingLaunch) -> HostSamples:
+        """Wait for ``pending``'s samples and hand them over as host lists (the request book
+        lands them)."""
         self.device.wait_host(pending.event)
         step_time = None
         if pending.timing_events:
@@ -254,73 +252,10 @@ class TextGenerationController:
         elif pending.launch_time and not self.device.is_cuda:
             step_time = time.perf_counter() - pending.launch_time
         with nvtx_range("active_request_mask"):
-            tokens = pending.host_tokens.tolist()
-            lps = pending.host_log_probs.tolist() if pending.host_log_probs is not None else None
-            tvs = pending.host_top_n_vals.tolist() if pending.host_top_n_vals is not None else None
-            tis = pending.host_top_n_ids.tolist() if pending.host_top_n_ids is not None else None
-        if ctx.spec is None or not any(r.num_drafts for r in pending.rows):
-            # one sample per row, no drafts (a speculative engine's launch without drafts
-            # accepted nothing and corrects nothing: the general loop below would do the same)
-            with nvtx_range("update_requests"):
-                finished, updated, discarded = land_plain_rows(ctx, pending.rows, tokens, lps, tis, tvs)
-            self.fast_landings += 1
-            K = ctx.config.num_speculative_tokens if ctx.spec is not None else 0
-            none = ([0] * K, [0] * K) if K else (None, None)
-            return BookkeepResult(finished, updated, discarded, step_time, len(updated), *none)
-        with nvtx_range("active_request_mask"):
-            rec = reconcile(pending.rows)
-        accepted = pending.host_accepted.tolist() if pending.host_accepted is not None else None
-        base = pending.sample_base
-        K = ctx.config.num_speculative_tokens
-        drafted_d, accepted_d = ([0] * K, [0] * K) if K else (None, None)
-        finished, updated = [], []
-        max_len = ctx.config.max_sequence_length
-        num_tokens = truncated = 0
-        with nvtx_range("update_requests"):
-            for i in rec.keep:
-                row = pending.rows[i]
-                req = row.request
-                req.num_inflight -= 1
-                if req.num_inflight == 0:  # else a later launch holds its newest sample
-                    req.inflight_row = -1
-                    req.num_inflight_drafts = 0
-                a = accepted[i] if accepted is not None else 0
-                first = base[i] if base is not None else i
-                if row.num_drafts:
-                    self.spec_policy.observe(req, row.num_drafts, a)
-                    for d in range(row.num_drafts):
-                        drafted_d[d] += 1
-                        accepted_d[d] += d < a
-                updated.append(req)
-                emitted = emitted_tokens(first, a)
-                reason, last = _append_tokens(req, emitted, tokens, lps, tis, tvs, max_len)
-                num_tokens += last - first + 1
-                if reason is not None:
-                    truncated += last != emitted[-1]
-                    req.finish_reason = reason
-                    ctx.release(req)
-                    finished.append(req)
-                else:
-                    ctx.correct_speculation(req, row.num_drafts - a)
-                    ctx.register_complete_blocks(req)
-        return BookkeepResult(finished, updated, len(rec.discard), step_time, num_tokens, drafted_d, accepted_d,
-                              truncated)
-
-
-
-def _append_tokens(req: DynamicInferenceRequest, samples: range, tokens, lps, tis, tvs, max_len: int):
-    """Append the samples a row emits (log-probs too) up to the first that finishes the
-    request. Returns (finish reason or None, the last sample appended)."""
-    sp = req.sampling_params
-    reason, last = None, samples[0]
-    for last in samples:
-        req.generated_tokens.append(tokens[last])
-        if sp.return_log_probs:
-            req.generated_log_probs.append(lps[last])
-        if sp.top_n_logprobs > 0:
-            n = sp.top_n_logprobs
-            req.generated_top_n_logprobs.append(dict(zip(tis[last][:n], tvs[last][:n])))
-        reason = finish_reason(req, max_len)
-        if reason is not None:
-            break
-    return reason, last
+            return HostSamples(
+                pending.host_tokens.tolist(),
+                pending.host_log_probs.tolist() if pending.host_log_probs is not None else None,
+                pending.host_top_n_ids.tolist() if pending.host_top_n_ids is not None else None,
+                pending.host_top_n_vals.tolist() if pending.host_top_n_vals is not None else None,
+                pending.host_accepted.tolist() if pending.host_accepted is not None else None,
+                step_time)

@@ -1,0 +1,170 @@
+"""RequestBook: the one owner of a request's state once it is admitted.
+
+Every change to a ``DynamicInferenceRequest`` after admission goes through here: a launched
+step is committed (computed positions, in-flight counts), its samples land (tokens, log-probs,
+stop conditions, acceptance of drafts), and a request finishes (its blocks and slots go back to
+the context). The context assembles the step buffer and owns the resources (blocks, slots), the
+runner launches and collects, the scheduler plans; none of them changes a request's progress.
+
+``land`` runs for every row of every step: one loop for every launch (with or without drafts),
+a row without drafts taking one pass of its inner loop."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_async.inference.request import DynamicInferenceRequest, FinishReason, Status
+from megatron_async.inference.speculative.acceptance import emitted_tokens
+from megatron_async.inference.stop_conditions import finish_reason, generation_limit
+
+if TYPE_CHECKING:
+    from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
+    from megatron_async.inference.engines.async_pipeline import PendingLaunch
+    from megatron_async.inference.engines.step_plan import StepPlan
+    from megatron_async.inference.speculative.policy import SpecPolicy
+
+
+@dataclass
+class HostSamples:
+    """What a landed launch brought to the host, as plain Python lists (``ModelRunner.collect``)."""
+
+    tokens: list[int]
+    """Sample i's token (row i's without drafts; ``PendingLaunch.sample_base`` maps rows to samples)."""
+    log_probs: list[float] | None
+    top_n_ids: list[list[int]] | None
+    top_n_vals: list[list[float]] | None
+    accepted: list[int] | None
+    """Speculative decoding: drafts accepted per row (None: a step that verified nothing)."""
+    step_time: float | None
+    """Device time of the step, on timed (logging) steps only; host time on CPU."""
+
+
+@dataclass
+class Landing:
+    finished: list[DynamicInferenceRequest]
+    updated: list[DynamicInferenceRequest]
+    """Requests that gained a token in this step (finished ones included), in row order."""
+    num_discarded: int
+    num_tokens: int = 0
+    """Tokens appended to requests."""
+    drafted: list[int] | None = None
+    """Speculative decoding: verify rows with at least d + 1 drafts, at index d (kept rows only)."""
+    accepted: list[int] | None = None
+    """Of those, rows whose draft d + 1 was accepted (index d)."""
+    truncated: int = 0
+    """Rows whose request finished before their last emitted token (the rest was dropped)."""
+
+
+class RequestBook:
+    def __init__(self, context: DynamicInferenceContext, spec_policy: SpecPolicy | None = None):
+        """``spec_policy``: speculative decoding's, told every landed verify row (the scheduler's)."""
+        self.ctx = context
+        self.spec_policy = spec_policy
+        self.max_sequence_length = context.config.max_sequence_length
+        self.num_speculative_tokens = context.config.num_speculative_tokens if context.spec is not None else 0
+        self.fast_landings = 0
+        """Launches that landed without drafts, one sample per row (EngineStats.fast_landings)."""
+
+    # ------------------------------------------------------------------ admission / endings
+    def admit(self, req: DynamicInferenceRequest) -> None:
+        """A request enters the queue: its length limit, fixed for its life."""
+        req.max_generated_tokens = generation_limit(req.sampling_params, len(req.prompt_tokens),
+                                                    self.max_sequence_length)
+
+    def finish(self, req: DynamicInferenceRequest, reason: FinishReason, error: str | None = None) -> None:
+        """End ``req`` (any state): its blocks and slots go back; a row it has in flight is
+        discarded when that launch lands."""
+        req.finish_reason, req.error = reason, error
+        self.ctx.release(req)
+
+    def release_ahead(self, req: DynamicInferenceRequest) -> None:
+        """Its in-flight sample surely finishes it by length (Scheduler.release_finishing):
+        its blocks and slots go back now, ``land`` finishes it."""
+        self.ctx.release_ahead(req)
+
+    def evict(self, req: DynamicInferenceRequest) -> None:
+        """Back to waiting, every block and slot given back: it recomputes later."""
+        self.ctx.evict(req)
+
+    # ------------------------------------------------------------------ launch
+    def commit(self, plan: StepPlan, speculative: bool | None = None) -> None:
+        """``plan``'s step was assembled and is about to launch: its rows' positions count as
+        computed, sampling rows as in flight, and blocks whose KV it completes are published.
+        ``speculative`` (speculative engines): the step runs the drafter, so each row's spec
+        slot will hold fresh drafts for its next row."""
+        register = self.ctx.allocator.enable_prefix_caching
+        for r, row in enumerate(plan.rows):
+            req = row.request
+            req.num_computed_tokens = row.start + row.num_tokens
+            if row.samples:
+                req.num_inflight += 1
+                req.inflight_row = r
+                req.num_inflight_drafts = row.num_drafts
+            if speculative is not None:
+                req.spec_drafts_fresh = speculative
+            if register:
+                self.ctx.register_complete_blocks(req)
+
+    # ------------------------------------------------------------------ landing
+    def land(self, pending: PendingLaunch, samples: HostSamples) -> Landing:
+        """Append each live sampling row's emitted samples to its request, up to the first that
+        finishes it; release finished requests; correct verify rows for rejected drafts; publish
+        complete prefix blocks. Rows of requests that finished after the launch are discarded."""
+        ctx, rows = self.ctx, pending.rows
+        tokens, lps, tis, tvs = samples.tokens, samples.log_probs, samples.top_n_ids, samples.top_n_vals
+        accepted, base = samples.accepted, pending.sample_base
+        K = self.num_speculative_tokens
+        drafted_d, accepted_d = ([0] * K, [0] * K) if K else (None, None)
+        finished, updated = [], []
+        discarded = num_tokens = truncated = 0
+        register = ctx.allocator.enable_prefix_caching
+        finished_status = Status.FINISHED
+        reason = None
+        for i, row in enumerate(rows):
+            if not row.samples:
+                continue
+            req = row.request
+            if req.status == finished_status:  # finished (or aborted) after this launch: drop its sample
+                discarded += 1
+                continue
+            req.num_inflight -= 1
+            if req.num_inflight == 0:  # else a later launch holds its newest sample
+                req.inflight_row = -1
+                req.num_inflight_drafts = 0
+            updated.append(req)
+            first = i if base is None else base[i]
+            k = row.num_drafts
+            if k:  # a verify row: its accepted drafts, then the bonus sample
+                a = accepted[i]
+                self.spec_policy.observe(req, k, a)
+                for d in range(k):
+                    drafted_d[d] += 1
+                    accepted_d[d] += d < a
+                emitted = emitted_tokens(first, a)
+            else:
+                a, emitted = 0, (first,)
+            sp = req.sampling_params
+            gen = req.generated_tokens
+            for last in emitted:  # up to the first sample that finishes the request
+                gen.append(tokens[last])
+                if sp.return_log_probs:
+                    req.generated_log_probs.append(lps[last])
+                if sp.top_n_logprobs > 0:
+                    n = sp.top_n_logprobs
+                    req.generated_top_n_logprobs.append(dict(zip(tis[last][:n], tvs[last][:n])))
+                reason = finish_reason(req)
+                if reason is not None:
+                    break
+            num_tokens += last - first + 1
+            if reason is not None:
+                truncated += last != first + a
+                req.finish_reason = reason
+                ctx.release(req)
+                finished.append(req)
+                continue
+            if k:
+                ctx.correct_speculation(req, k - a)
+            if register:
+                ctx.register_complete_blocks(req)
+        self.fast_landings += not K or not any(r.num_drafts for r in rows)
+        return Landing(finished, updated, discarded, num_tokens, drafted_d, accepted_d, truncated)
