@@ -48,11 +48,11 @@ def test_decode_path_low_precision_computes_in_float32(dtype):
 
 
 def test_attend_dispatches_decode_steps_to_the_lean_path(monkeypatch):
-    """Torch backend: decode-only steps take decode_attention, other steps the reference."""
+    """Torch backend: decode-only steps take decode_attention, other steps mixed_attention."""
     previous = attention.get_attention_backend()
     attention.set_attention_backend("torch", "cpu")
     calls = []
-    for name in ("decode_attention", "paged_attention"):
+    for name in ("decode_attention", "mixed_attention"):
         real = getattr(attention_torch, name)
         monkeypatch.setattr(attention_torch, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     try:
@@ -66,6 +66,6 @@ def test_attend_dispatches_decode_steps_to_the_lean_path(monkeypatch):
         assert not mixed.meta.is_decode_only
         calls.clear()
         attention.attend(mixed.q, mixed.k, mixed.v, mixed.kv_cache, mixed.meta, mixed.scale)
-        assert calls == ["paged_attention"]
+        assert calls == ["mixed_attention"]
     finally:
         attention.set_attention_backend(previous, "cpu")
