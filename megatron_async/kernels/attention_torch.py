@@ -84,50 +84,46 @@ def _single_query_rows(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
 
 def mixed_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """``paged_attention`` of a step with prefill rows (the KV already written), row by row with
-    torch's fused attention instead of one padded [R, H, Q, K] score tensor (which on the CPU cost
-    ~3x HF's forward: scores, mask, softmax and copies of the padding, every layer):
+    """``paged_attention`` of a step with prefill rows (the KV already written), through torch's
+    fused attention instead of one padded [R, H, Q, K] score tensor (whose scores, mask, softmax
+    and padding copies cost ~3x HF's forward on the CPU). What the step's host sizes tell apart,
+    without reading a tensor on the host (forward reads nothing back):
 
-    - a fresh prefill row (its KV is exactly its new tokens) attends causally over this step's
-      contiguous k / v: no gather at all;
-    - a row with earlier context (a later chunk, a prefix hit) gathers its own blocks once (all
-      heads), and its queries, the last ones of its KV, see keys up to their own position;
-    - the one-query rows (decode) go together through the decode path.
+    - one fresh prompt alone (one row whose KV is this step's tokens): causal attention over the
+      step's contiguous k / v, no gather at all;
+    - one row of several tokens beside one-token rows (a prefill chunk while others decode, or a
+      later chunk alone): the one-token rows go through the decode path, the long row gathers its
+      own blocks once (all heads) and its queries see the keys up to their positions;
+    - several rows of several tokens: the padded reference.
 
     Query head h reads KV head h // (H / KVH) (``enable_gqa``: no repeated K/V). Float32, like the
-    reference; equal to it up to float32 rounding. CPU only: the row bounds are read on the host
-    (on CUDA that would sync every layer and break graph capture, so CUDA keeps the reference)."""
-    if not q.is_cpu:
+    reference, and equal to it up to float32 rounding."""
+    T, R, n = meta.num_tokens, meta.num_rows, meta.max_query_len
+    if R == 1 and meta.max_kv_len == T and k is not None:
+        q4, k4, v4 = (t[None, :T].transpose(1, 2).float() for t in (q, k.to(kv_cache.dtype), v.to(kv_cache.dtype)))
+        return _to_tokens(F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
+                                                         enable_gqa=k4.shape[1] != q4.shape[1]), q.dtype)
+    if T - n != R - 1:
         return paged_attention(q, kv_cache, meta, scale)
-    R, bs = meta.num_rows, meta.block_size
-    T, H, D = q.shape
-    kvh = kv_cache.shape[3]
-    cu = meta.cu_query_lens[: R + 1].tolist()
-    kv_lens = meta.kv_lens[:R].tolist()
+    H, D = q.shape[1:]
+    bs, kvh = meta.block_size, kv_cache.shape[3]
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
-    single = [r for r in range(R) if cu[r + 1] - cu[r] == 1]
-    if single:
-        rows = torch.tensor(single, device=q.device)
-        tokens = meta.cu_query_lens[rows].long()
-        out[tokens] = _single_query_rows(q[tokens], kv_cache, meta.block_table[rows], meta.kv_lens[rows],
-                                         max(kv_lens[r] for r in single), bs, scale)
-    for r in range(R):
-        start, end, kv_len = cu[r], cu[r + 1], kv_lens[r]
-        n = end - start
-        if n <= 1:
-            continue
-        qr = q[None, start:end].transpose(1, 2).float()  # [1, H, n, D]: CPU's fused kernel wants 4-d
-        if kv_len == n and k is not None:  # fresh prefill: its KV is this step's k / v
-            kr = k[None, start:end].to(kv_cache.dtype).transpose(1, 2).float()
-            vr = v[None, start:end].to(kv_cache.dtype).transpose(1, 2).float()
-            o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=kvh != H)
-        else:
-            nblk = (kv_len + bs - 1) // bs
-            kv = kv_cache.index_select(1, meta.block_table[r, :nblk].long()).reshape(2, nblk * bs, kvh, D)
-            kr, vr = kv[:, None, :kv_len].transpose(2, 3).float()  # [1, KVH, K, D] each
-            # queries are the last n positions of the KV: query i sees keys 0 .. kv_len - n + i
-            visible = (torch.arange(kv_len, device=q.device)[None, :]
-                       <= torch.arange(kv_len - n, kv_len, device=q.device)[:, None])
-            o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=visible, scale=scale, enable_gqa=kvh != H)
-        out[start:end] = o[0].transpose(0, 1)
-    return out
+    cu = meta.cu_query_lens[: R + 1].long()
+    if R > 1:  # every row's last token (the long row's too: overwritten below) as a decode query
+        last = cu[1:] - 1
+        out.index_copy_(0, last, _single_query_rows(q.index_select(0, last), kv_cache, meta.block_table[:R],
+                                                    meta.kv_lens[:R], meta.max_kv_len, bs, scale))
+    long_row = (cu[1:] - cu[:-1]).argmax().view(1)
+    tokens = cu.index_select(0, long_row) + torch.arange(n, device=q.device)
+    nblk = (meta.max_kv_len + bs - 1) // bs
+    blocks = meta.block_table.index_select(0, long_row)[0, :nblk].long()
+    kr, vr = kv_cache.index_select(1, blocks).reshape(2, 1, nblk * bs, kvh, D).transpose(2, 3).float()
+    visible = torch.arange(nblk * bs, device=q.device) <= meta.positions.index_select(0, tokens)[:, None]  # [n, K]
+    o = F.scaled_dot_product_attention(q.index_select(0, tokens)[None].transpose(1, 2).float(), kr, vr,
+                                       attn_mask=visible, scale=scale, enable_gqa=kvh != H)
+    return out.index_copy_(0, tokens, _to_tokens(o, q.dtype))
+
+
+def _to_tokens(o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA's [1, H, n, D] back to tokens [n, H, D]."""
+    return o[0].transpose(0, 1).to(dtype)
