@@ -3,7 +3,7 @@
 and the decode streams' inter-token gaps while a long prompt is prefilled in chunks.
 
     python scripts/bench_cpu_prefill.py prefill                 # 1,500 and 2,048 tokens
-    python scripts/bench_cpu_prefill.py itl --chunks 2048,512,256   # 8 streams + one 1,500-token prompt
+    python scripts/bench_cpu_prefill.py itl --chunks 2048,512,256  # 8 streams + one 1,500-token prompt
 
 Without ``--model``, a random SmolLM2-135M-shaped Llama checkpoint (30 layers, hidden 576, 9 heads /
 3 KV heads, vocab 49152, tied embeddings, float32) is built with transformers' ``save_pretrained``
@@ -90,34 +90,40 @@ def bench_prefill(args, ckpt: Path) -> None:
         print(f"{n:>7} {e:>8.2f} {last:>8.2f} {full:>8.2f} {e / last:>12.2f} {e / full:>11.2f}")
 
 
-def stream_gaps(llm, vocab: int, args, chunk: int, with_long: bool) -> tuple[list[float], float | None]:
+def clock() -> np.ndarray:
+    """(wall, process CPU) seconds now: the CPU part is what a step costs on an unshared core."""
+    return np.array([time.perf_counter(), time.process_time()])
+
+
+def stream_gaps(llm, vocab: int, args, chunk: int, with_long: bool) -> tuple[np.ndarray, np.ndarray | None]:
     """``args.streams`` streams decode; after ``args.warm_steps`` steps, a ``args.long``-token prompt
-    arrives (``with_long``). Returns the streams' inter-token gaps (s) from its arrival until it
-    got its first token plus ``args.after_steps`` steps (or as many steps without it), and its TTFT."""
+    arrives (``with_long``). Returns the streams' inter-token gaps ([n, 2]: wall and CPU seconds)
+    from its arrival until it got its first token plus ``args.after_steps`` steps (without it: as
+    many steps as that would take), and its time to first token (wall, CPU)."""
     from megatron_async import SamplingParams
 
     eng = llm.engine
     params = SamplingParams(num_tokens_to_generate=1_000, top_k=1, ignore_eos=True)
     streams = {eng.add_request(prompt(args.stream_prompt, vocab, 100 + s), params) for s in range(args.streams)}
-    last: dict[int, float] = {}
+    last: dict[int, np.ndarray] = {}
     for _ in range(args.warm_steps):
         for u in eng.step().updates:
-            last[u.request_id] = time.perf_counter()
-    gaps: list[float] = []
-    t_arrive, ttft, long_id, after = time.perf_counter(), None, None, 0
+            last[u.request_id] = clock()
+    gaps: list[np.ndarray] = []
+    arrival, ttft, long_id, after = clock(), None, None, 0
     if with_long:
         long_id = eng.add_request(prompt(args.long, vocab, 7), SamplingParams(num_tokens_to_generate=1, top_k=1))
-    expected_steps = -(-args.long // max(1, chunk - args.streams)) + args.after_steps
-    for _ in range(expected_steps if not with_long else 10_000):
+    steps = 10_000 if with_long else -(-args.long // max(1, chunk - args.streams)) + args.after_steps
+    for _ in range(steps):
         res = eng.step()
-        now = time.perf_counter()
+        now = clock()
         for u in res.updates:
             if u.request_id in streams:
                 if u.request_id in last:
                     gaps.append(now - last[u.request_id])
                 last[u.request_id] = now
         if with_long and ttft is None and any(o.request_id == long_id for o in res.finished):
-            ttft = now - t_arrive
+            ttft = now - arrival
         if ttft is not None:
             after += 1
             if after > args.after_steps:
@@ -126,15 +132,14 @@ def stream_gaps(llm, vocab: int, args, chunk: int, with_long: bool) -> tuple[lis
         eng.abort_request(rid)
     while eng.has_unfinished_requests():
         eng.step()
-    return gaps, ttft
+    return np.array(gaps), ttft
 
 
 def bench_itl(args, ckpt: Path) -> None:
     from megatron_async import LLM, InferenceConfig
 
-    chunks = [int(c) for c in args.chunks.split(",")]
     rows = []
-    for chunk in chunks:
+    for chunk in (int(c) for c in args.chunks.split(",")):
         llm = LLM(str(ckpt), device="cpu", inference_config=InferenceConfig(
             max_tokens=chunk, max_requests=args.streams + 1, max_sequence_length=4096,
             num_kv_blocks=(args.long + args.streams * (args.stream_prompt + 1_000)) // 16 + 16))
@@ -142,14 +147,18 @@ def bench_itl(args, ckpt: Path) -> None:
         stream_gaps(llm, vocab, args, chunk, with_long=False)  # warm-up
         base, _ = stream_gaps(llm, vocab, args, chunk, with_long=False)
         mixed, ttft = stream_gaps(llm, vocab, args, chunk, with_long=True)
-        rows.append((chunk, np.array(base), np.array(mixed), ttft))
-        print(f"  chunk {chunk}: alone p50 {np.median(base):.3f} max {max(base):.3f}; "
-              f"with the long prompt p50 {np.median(mixed):.3f} max {max(mixed):.3f}; TTFT {ttft:.2f}", flush=True)
-    print(f"\n{args.streams} greedy streams, a {args.long}-token prompt arriving; inter-token gaps of the streams (s)")
-    print(f"{'max_tokens':>10} {'alone p50':>10} {'p99':>7} {'long p50':>9} {'p99':>7} {'max':>7} {'long TTFT':>10}")
-    for chunk, base, mixed, ttft in rows:
-        print(f"{chunk:>10} {np.percentile(base, 50):>10.3f} {np.percentile(base, 99):>7.3f} "
-              f"{np.percentile(mixed, 50):>9.3f} {np.percentile(mixed, 99):>7.3f} {mixed.max():>7.3f} {ttft:>10.2f}")
+        rows.append((chunk, base, mixed, ttft))
+        print(f"  max_tokens {chunk}: gaps alone p50 {np.median(base[:, 0]):.3f} max {base[:, 0].max():.3f}; with the "
+              f"long prompt p50 {np.median(mixed[:, 0]):.3f} max {mixed[:, 0].max():.3f}; its TTFT {ttft[0]:.2f} (wall s)",
+              flush=True)
+    for col, unit in ((0, "wall"), (1, "CPU")):
+        print(f"\n{args.streams} greedy streams, a {args.long}-token prompt arriving: the streams' inter-token gaps "
+              f"and the prompt's TTFT ({unit} s)")
+        print(f"{'max_tokens':>10} {'alone p50':>10} {'p99':>7} {'long p50':>9} {'p99':>7} {'max':>7} {'long TTFT':>10}")
+        for chunk, base, mixed, ttft in rows:
+            b, m = base[:, col], mixed[:, col]
+            print(f"{chunk:>10} {np.percentile(b, 50):>10.3f} {np.percentile(b, 99):>7.3f} {np.percentile(m, 50):>9.3f} "
+                  f"{np.percentile(m, 99):>7.3f} {m.max():>7.3f} {ttft[col]:>10.2f}")
 
 
 def main() -> None:
@@ -160,7 +169,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--lengths", default="1500,2048", help="prefill: prompt lengths")
-    p.add_argument("--chunks", default="2048,512,256", help="itl: max_tokens values to compare")
+    p.add_argument("--chunks", default="2048,512,256,128", help="itl: max_tokens values to compare")
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--stream-prompt", type=int, default=32)
     p.add_argument("--long", type=int, default=1500, help="itl: tokens of the prompt that arrives")
