@@ -94,7 +94,7 @@ def mixed_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     - one row of several tokens beside one-token rows (a prefill chunk while others decode, or a
       later chunk alone): the one-token rows go through the decode path, the long row gathers its
       own blocks once (all heads) and its queries see the keys up to their positions;
-    - several rows of several tokens: the padded reference.
+    - several rows of several tokens: padded to the longest, as the reference, but fused.
 
     Query head h reads KV head h // (H / KVH) (``enable_gqa``: no repeated K/V). Float32, like the
     reference, and equal to it up to float32 rounding."""
@@ -104,7 +104,7 @@ def mixed_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
         return _to_tokens(F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
                                                          enable_gqa=k4.shape[1] != q4.shape[1]), q.dtype)
     if T - n != R - 1:
-        return paged_attention(q, kv_cache, meta, scale)
+        return _padded_rows(q, kv_cache, meta, scale)
     H, D = q.shape[1:]
     bs, kvh = meta.block_size, kv_cache.shape[3]
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
@@ -122,6 +122,25 @@ def mixed_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     o = F.scaled_dot_product_attention(q.index_select(0, tokens)[None].transpose(1, 2).float(), kr, vr,
                                        attn_mask=visible, scale=scale, enable_gqa=kvh != H)
     return out.index_copy_(0, tokens, _to_tokens(o, q.dtype))
+
+
+def _padded_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """``paged_attention``'s padding and mask, with the fused kernel in place of its float32 score
+    tensor, softmax and masking passes (padded queries see no key; their outputs are dropped)."""
+    T, H, D = q.shape
+    R, n, bs, kvh = meta.num_rows, meta.max_query_len, meta.block_size, kv_cache.shape[3]
+    nblk = (meta.max_kv_len + bs - 1) // bs
+    kv = gather_blocks(kv_cache, meta, R, nblk).view(2, R, nblk * bs, kvh, D).transpose(2, 3).float()
+    rows = meta.token_to_row[:T].long()
+    within = torch.arange(T, device=q.device) - meta.cu_query_lens[:R].long()[rows]
+    qp = q.new_zeros(R, n, H, D, dtype=torch.float32)
+    qp[rows, within] = q.float()
+    pos = torch.full((R, n), -1, dtype=torch.long, device=q.device)
+    pos[rows, within] = meta.positions[:T]
+    visible = torch.arange(nblk * bs, device=q.device) <= pos[:, :, None]  # [R, n, K]; pos < kv_len
+    o = F.scaled_dot_product_attention(qp.transpose(1, 2), kv[0], kv[1], attn_mask=visible[:, None], scale=scale,
+                                       enable_gqa=kvh != H)
+    return o.transpose(1, 2)[rows, within].to(q.dtype)
 
 
 def _to_tokens(o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The torch backend's fused path for steps with prefill rows (``attention_torch.mixed_attention``)
 against the padded reference (``paged_attention``): a fresh prompt alone, a later chunk alone, one
-chunk (fresh or later) beside decode rows, several prefill rows (the reference itself), GQA and
+chunk (fresh or later) beside decode rows, several prefill rows, GQA and
 plain multi-head, with and without this step's k / v; and it reads nothing back to the host."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from megatron_async.testing.engine_harness import HOST_DATA, HOST_READS
 from paged_attention_cases import make_case  # noqa: E402
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
-FUSED = ("fresh", "chunked", "chunk_with_decodes")
+KINDS = ("fresh", "chunked", "chunk_with_decodes", "several")
 
 
 def _rows(kind: str, rnd: random.Random, block_size: int) -> list[tuple[int, int]]:
@@ -47,7 +47,7 @@ def no_host_reads(monkeypatch):
     return guard
 
 
-@pytest.mark.parametrize("kind", [*FUSED, "several"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("seed", range(3))
@@ -58,8 +58,7 @@ def test_mixed_path_equals_reference(kind, group, block_size, seed, monkeypatch,
     assert not case.meta.is_decode_only
     ref_out, cache = case.reference()
     calls = []
-    if kind in FUSED:  # the fused path, not the padded reference
-        monkeypatch.setattr(attention_torch, "paged_attention", lambda *a: calls.append(a))
+    monkeypatch.setattr(attention_torch, "paged_attention", lambda *a: calls.append(a))  # never the reference
     no_host_reads()
     # k / v None: the KV is read from the cache only
     outs = [attention_torch.mixed_attention(case.q, k, v, cache, case.meta, case.scale)
