@@ -1,4 +1,6 @@
-"""Pure-torch reference paged attention (CPU and CUDA): the ground truth for faster backends."""
+"""Pure-torch paged attention (CPU and CUDA): ``paged_attention``, the padded reference and ground
+truth for faster backends, and the paths the torch backend runs on torch's fused attention
+(``decode_attention`` for decode-only steps, ``mixed_attention`` for steps with prefill rows)."""
 from __future__ import annotations
 
 import torch
