@@ -91,20 +91,17 @@ def mixed_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     and padding copies cost ~3x HF's forward on the CPU). What the step's host sizes tell apart,
     without reading a tensor on the host (forward reads nothing back):
 
-    - one fresh prompt alone (one row whose KV is this step's tokens): causal attention over the
-      step's contiguous k / v, no gather at all;
-    - one row of several tokens beside one-token rows (a prefill chunk while others decode, or a
-      later chunk alone): the one-token rows go through the decode path, the long row gathers its
-      own blocks once (all heads) and its queries see the keys up to their positions;
+    - one row of several tokens, alone or beside one-token rows (a prefill chunk while others
+      decode): the one-token rows go through the decode path. The long row, found with tensor ops,
+      attends causally over this step's k / v when it is a fresh prompt no other row outgrows
+      (the step's longest KV is its query length: no gather at all); otherwise (a later chunk,
+      or k / v already stored) it gathers its own blocks once (all heads) and its queries see
+      the keys up to their positions;
     - several rows of several tokens: padded to the longest, as the reference, but fused.
 
     Query head h reads KV head h // (H / KVH) (``enable_gqa``: no repeated K/V). Float32, like the
     reference, and equal to it up to float32 rounding."""
     T, R, n = meta.num_tokens, meta.num_rows, meta.max_query_len
-    if R == 1 and meta.max_kv_len == T and k is not None:
-        q4, k4, v4 = (t[None, :T].transpose(1, 2).float() for t in (q, k.to(kv_cache.dtype), v.to(kv_cache.dtype)))
-        return _to_tokens(F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
-                                                         enable_gqa=k4.shape[1] != q4.shape[1]), q.dtype)
     if T - n != R - 1:
         return _padded_rows(q, kv_cache, meta, scale)
     H, D = q.shape[1:]
@@ -117,12 +114,16 @@ def mixed_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
                                                     meta.kv_lens[:R], meta.max_kv_len, bs, scale))
     long_row = (cu[1:] - cu[:-1]).argmax().view(1)
     tokens = cu.index_select(0, long_row) + torch.arange(n, device=q.device)
-    nblk = (meta.max_kv_len + bs - 1) // bs
-    blocks = meta.block_table.index_select(0, long_row)[0, :nblk].long()
-    kr, vr = kv_cache.index_select(1, blocks).reshape(2, 1, nblk * bs, kvh, D).transpose(2, 3).float()
-    visible = torch.arange(nblk * bs, device=q.device) <= meta.positions.index_select(0, tokens)[:, None]  # [n, K]
-    o = F.scaled_dot_product_attention(q.index_select(0, tokens)[None].transpose(1, 2).float(), kr, vr,
-                                       attn_mask=visible, scale=scale, enable_gqa=kvh != H)
+    qr = q.index_select(0, tokens)[None].transpose(1, 2).float()  # [1, H, n, D]
+    if meta.max_kv_len == n and k is not None:  # fresh: its KV is its n new tokens
+        kr, vr = (t.index_select(0, tokens).to(kv_cache.dtype)[None].transpose(1, 2).float() for t in (k, v))
+        o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=kvh != H)
+    else:
+        nblk = (meta.max_kv_len + bs - 1) // bs
+        blocks = meta.block_table.index_select(0, long_row)[0, :nblk].long()
+        kr, vr = kv_cache.index_select(1, blocks).reshape(2, 1, nblk * bs, kvh, D).transpose(2, 3).float()
+        visible = torch.arange(nblk * bs, device=q.device) <= meta.positions.index_select(0, tokens)[:, None]
+        o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=visible, scale=scale, enable_gqa=kvh != H)
     return out.index_copy_(0, tokens, _to_tokens(o, q.dtype))
 
 

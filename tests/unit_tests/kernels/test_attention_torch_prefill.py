@@ -70,13 +70,15 @@ def test_mixed_path_equals_reference(kind, group, block_size, seed, monkeypatch,
         torch.testing.assert_close(out, ref_out, **FP32_TOL)
 
 
-def test_fresh_prompt_alone_reads_this_steps_kv_not_the_cache():
-    """A fresh prompt alone attends over the step's own k / v: a cache of NaN gives the same output
-    (in the engine the step's KV is written first, so both hold the same keys)."""
-    case = make_case([(0, 37)], num_heads=6, num_kv_heads=2, head_dim=16, block_size=8, seed=1)
+@pytest.mark.parametrize("rows", [[(0, 37)], [(3, 1), (0, 37), (20, 1)]], ids=["alone", "beside_decodes"])
+def test_fresh_prompt_reads_this_steps_kv_not_the_cache(rows):
+    """A fresh prompt no other row outgrows attends over the step's own k / v: NaN in its cache
+    slots gives the same output (in the engine the step's KV is written first: the same keys)."""
+    case = make_case(rows, num_heads=6, num_kv_heads=2, head_dim=16, block_size=8, seed=1)
     ref_out, cache = case.reference()
-    out = attention_torch.mixed_attention(case.q, case.k, case.v, torch.full_like(cache, float("nan")), case.meta,
-                                          case.scale)
+    fresh_row = [n for _, n in rows].index(37)
+    cache.view(2, -1, 2, 16)[:, case.meta.slot_mapping[case.meta.token_to_row == fresh_row]] = float("nan")
+    out = attention_torch.mixed_attention(case.q, case.k, case.v, cache, case.meta, case.scale)
     torch.testing.assert_close(out, ref_out, **FP32_TOL)
 
 
