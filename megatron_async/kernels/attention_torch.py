@@ -39,22 +39,30 @@ def paged_attention(
         k = k.repeat_interleave(H // kvh, dim=2)
         v = v.repeat_interleave(H // kvh, dim=2)
 
-    rows = meta.token_to_row[:T].long()
-    within = torch.arange(T, device=q.device) - meta.cu_query_lens[:R].long()[rows]
-    qp = q.new_zeros(R, meta.max_query_len, H, D)
-    qp[rows, within] = q
-    pos = torch.full((R, meta.max_query_len), -1, dtype=torch.long, device=q.device)
-    pos[rows, within] = meta.positions[:T]
-
+    qp, pos, rows, within = _pad_queries(q, meta)
     key_pos = torch.arange(nblk * bs, device=q.device)
     visible = (key_pos[None, None, :] <= pos[:, :, None]) & (
         key_pos[None, None, :] < meta.kv_lens[:R].long()[:, None, None]
     )  # [R, Q, K]
-    scores = torch.einsum("rqhd,rkhd->rhqk", qp.float(), k.float()) * scale
+    scores = torch.einsum("rqhd,rkhd->rhqk", qp, k.float()) * scale
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded queries see nothing
     out = torch.einsum("rhqk,rkhd->rqhd", probs, v.float())
     return out[rows, within].to(q.dtype)
+
+
+def _pad_queries(q: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+    """Packed queries [T, H, D] padded per row: (queries [R, Q, H, D] float32, positions [R, Q]
+    with -1 at padding, then each token's row and index within it, to unpad with [rows, within])."""
+    T, H, D = q.shape
+    R, n = meta.num_rows, meta.max_query_len
+    rows = meta.token_to_row[:T].long()
+    within = torch.arange(T, device=q.device) - meta.cu_query_lens[:R].long()[rows]
+    qp = q.new_zeros(R, n, H, D, dtype=torch.float32)
+    qp[rows, within] = q.float()
+    pos = torch.full((R, n), -1, dtype=torch.long, device=q.device)
+    pos[rows, within] = meta.positions[:T]
+    return qp, pos, rows, within
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -130,16 +138,11 @@ def mixed_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
 def _padded_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """``paged_attention``'s padding and mask, with the fused kernel in place of its float32 score
     tensor, softmax and masking passes (padded queries see no key; their outputs are dropped)."""
-    T, H, D = q.shape
-    R, n, bs, kvh = meta.num_rows, meta.max_query_len, meta.block_size, kv_cache.shape[3]
+    H, D = q.shape[1:]
+    R, bs, kvh = meta.num_rows, meta.block_size, kv_cache.shape[3]
     nblk = (meta.max_kv_len + bs - 1) // bs
     kv = gather_blocks(kv_cache, meta, R, nblk).view(2, R, nblk * bs, kvh, D).transpose(2, 3).float()
-    rows = meta.token_to_row[:T].long()
-    within = torch.arange(T, device=q.device) - meta.cu_query_lens[:R].long()[rows]
-    qp = q.new_zeros(R, n, H, D, dtype=torch.float32)
-    qp[rows, within] = q.float()
-    pos = torch.full((R, n), -1, dtype=torch.long, device=q.device)
-    pos[rows, within] = meta.positions[:T]
+    qp, pos, rows, within = _pad_queries(q, meta)
     visible = torch.arange(nblk * bs, device=q.device) <= pos[:, :, None]  # [R, n, K]; pos < kv_len
     o = F.scaled_dot_product_attention(qp.transpose(1, 2), kv[0], kv[1], attn_mask=visible[:, None], scale=scale,
                                        enable_gqa=kvh != H)
