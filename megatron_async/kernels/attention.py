@@ -32,4 +32,4 @@ def attend(
         attention_torch.write_kv(kv_cache, k, v, meta.slot_mapping[: meta.num_tokens])
     if meta.is_decode_only:
         return attention_torch.decode_attention(q, kv_cache, meta, scale)
-    return attention_torch.paged_attention(q, kv_cache, meta, scale)
+    return attention_torch.mixed_attention(q, k, v, kv_cache, meta, scale)

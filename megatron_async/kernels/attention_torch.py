@@ -1,4 +1,6 @@
-"""Pure-torch reference paged attention (CPU and CUDA): the ground truth for faster backends."""
+"""Pure-torch paged attention (CPU and CUDA): ``paged_attention``, the padded reference and ground
+truth for faster backends, and the paths the torch backend runs on torch's fused attention
+(``decode_attention`` for decode-only steps, ``mixed_attention`` for steps with prefill rows)."""
 from __future__ import annotations
 
 import torch
@@ -37,22 +39,30 @@ def paged_attention(
         k = k.repeat_interleave(H // kvh, dim=2)
         v = v.repeat_interleave(H // kvh, dim=2)
 
-    rows = meta.token_to_row[:T].long()
-    within = torch.arange(T, device=q.device) - meta.cu_query_lens[:R].long()[rows]
-    qp = q.new_zeros(R, meta.max_query_len, H, D)
-    qp[rows, within] = q
-    pos = torch.full((R, meta.max_query_len), -1, dtype=torch.long, device=q.device)
-    pos[rows, within] = meta.positions[:T]
-
+    qp, pos, rows, within = _pad_queries(q, meta)
     key_pos = torch.arange(nblk * bs, device=q.device)
     visible = (key_pos[None, None, :] <= pos[:, :, None]) & (
         key_pos[None, None, :] < meta.kv_lens[:R].long()[:, None, None]
     )  # [R, Q, K]
-    scores = torch.einsum("rqhd,rkhd->rhqk", qp.float(), k.float()) * scale
+    scores = torch.einsum("rqhd,rkhd->rhqk", qp, k.float()) * scale
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded queries see nothing
     out = torch.einsum("rhqk,rkhd->rqhd", probs, v.float())
     return out[rows, within].to(q.dtype)
+
+
+def _pad_queries(q: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+    """Packed queries [T, H, D] padded per row: (queries [R, Q, H, D] float32, positions [R, Q]
+    with -1 at padding, then each token's row and index within it, to unpad with [rows, within])."""
+    T, H, D = q.shape
+    R, n = meta.num_rows, meta.max_query_len
+    rows = meta.token_to_row[:T].long()
+    within = torch.arange(T, device=q.device) - meta.cu_query_lens[:R].long()[rows]
+    qp = q.new_zeros(R, n, H, D, dtype=torch.float32)
+    qp[rows, within] = q.float()
+    pos = torch.full((R, n), -1, dtype=torch.long, device=q.device)
+    pos[rows, within] = meta.positions[:T]
+    return qp, pos, rows, within
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -62,12 +72,83 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
     copy), and one row's query sees its whole KV, so the only mask is the row's length. Torch's
     fused attention (float32, like the reference) does the rest: equal to ``paged_attention`` up
     to float32 rounding (its softmax is computed block by block)."""
+    R = meta.num_rows
+    return _single_query_rows(q, kv_cache, meta.block_table[:R], meta.kv_lens[:R], meta.max_kv_len,
+                              meta.block_size, scale)
+
+
+def _single_query_rows(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_lens: torch.Tensor,
+                       max_kv_len: int, block_size: int, scale: float) -> torch.Tensor:
+    """Rows of one query each (q [R, H, D], the row's last position) over their whole paged KV."""
     R, H, D = q.shape
-    bs, kvh = meta.block_size, kv_cache.shape[3]
-    nblk = (meta.max_kv_len + bs - 1) // bs
-    kv = gather_blocks(kv_cache, meta, R, nblk).reshape(2, R, nblk * bs, kvh, D).transpose(2, 3)  # [2, R, KVH, K, D]
-    visible = torch.arange(nblk * bs, device=q.device) < meta.kv_lens[:R, None]  # [R, K]
+    kvh = kv_cache.shape[3]
+    nblk = (max_kv_len + block_size - 1) // block_size
+    blocks = block_table[:, :nblk].reshape(-1).long()
+    kv = kv_cache.index_select(1, blocks).reshape(2, R, nblk * block_size, kvh, D).transpose(2, 3)  # [2, R, KVH, K, D]
+    visible = torch.arange(nblk * block_size, device=q.device) < kv_lens[:, None]  # [R, K]
     qg = q.reshape(R, kvh, H // kvh, D).float()  # query head h reads KV head h // (H / KVH), as repeat_interleave
     out = F.scaled_dot_product_attention(qg, kv[0].float(), kv[1].float(), attn_mask=visible[:, None, None, :],
                                          scale=scale)
     return out.reshape(R, H, D).to(q.dtype)  # CUDA SDPA may return it non-contiguous
+
+
+def mixed_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """``paged_attention`` of a step with prefill rows (the KV already written), through torch's
+    fused attention instead of one padded [R, H, Q, K] score tensor (whose scores, mask, softmax
+    and padding copies cost ~3x HF's forward on the CPU). What the step's host sizes tell apart,
+    without reading a tensor on the host (forward reads nothing back):
+
+    - one row of several tokens, alone or beside one-token rows (a prefill chunk while others
+      decode): the one-token rows go through the decode path. The long row, found with tensor ops,
+      attends causally over this step's k / v when it is a fresh prompt no other row outgrows
+      (the step's longest KV is its query length: no gather at all); otherwise (a later chunk,
+      or k / v already stored) it gathers its own blocks once (all heads) and its queries see
+      the keys up to their positions;
+    - several rows of several tokens: padded to the longest, as the reference, but fused.
+
+    Query head h reads KV head h // (H / KVH) (``enable_gqa``: no repeated K/V). Float32, like the
+    reference, and equal to it up to float32 rounding."""
+    T, R, n = meta.num_tokens, meta.num_rows, meta.max_query_len
+    if T - n != R - 1:
+        return _padded_rows(q, kv_cache, meta, scale)
+    H, D = q.shape[1:]
+    bs, kvh = meta.block_size, kv_cache.shape[3]
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    cu = meta.cu_query_lens[: R + 1].long()
+    if R > 1:  # every row's last token (the long row's too: overwritten below) as a decode query
+        last = cu[1:] - 1
+        out.index_copy_(0, last, _single_query_rows(q.index_select(0, last), kv_cache, meta.block_table[:R],
+                                                    meta.kv_lens[:R], meta.max_kv_len, bs, scale))
+    long_row = (cu[1:] - cu[:-1]).argmax().view(1)
+    tokens = cu.index_select(0, long_row) + torch.arange(n, device=q.device)
+    qr = q.index_select(0, tokens)[None].transpose(1, 2).float()  # [1, H, n, D]
+    if meta.max_kv_len == n and k is not None:  # fresh: its KV is its n new tokens
+        kr, vr = (t.index_select(0, tokens).to(kv_cache.dtype)[None].transpose(1, 2).float() for t in (k, v))
+        o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=kvh != H)
+    else:
+        nblk = (meta.max_kv_len + bs - 1) // bs
+        blocks = meta.block_table.index_select(0, long_row)[0, :nblk].long()
+        kr, vr = kv_cache.index_select(1, blocks).reshape(2, 1, nblk * bs, kvh, D).transpose(2, 3).float()
+        visible = torch.arange(nblk * bs, device=q.device) <= meta.positions.index_select(0, tokens)[:, None]
+        o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=visible, scale=scale, enable_gqa=kvh != H)
+    return out.index_copy_(0, tokens, _to_tokens(o, q.dtype))
+
+
+def _padded_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """``paged_attention``'s padding and mask, with the fused kernel in place of its float32 score
+    tensor, softmax and masking passes (padded queries see no key; their outputs are dropped)."""
+    H, D = q.shape[1:]
+    R, bs, kvh = meta.num_rows, meta.block_size, kv_cache.shape[3]
+    nblk = (meta.max_kv_len + bs - 1) // bs
+    kv = gather_blocks(kv_cache, meta, R, nblk).view(2, R, nblk * bs, kvh, D).transpose(2, 3).float()
+    qp, pos, rows, within = _pad_queries(q, meta)
+    visible = torch.arange(nblk * bs, device=q.device) <= pos[:, :, None]  # [R, n, K]; pos < kv_len
+    o = F.scaled_dot_product_attention(qp.transpose(1, 2), kv[0], kv[1], attn_mask=visible[:, None], scale=scale,
+                                       enable_gqa=kvh != H)
+    return o.transpose(1, 2)[rows, within].to(q.dtype)
+
+
+def _to_tokens(o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA's [1, H, n, D] back to tokens [n, H, D]."""
+    return o[0].transpose(0, 1).to(dtype)

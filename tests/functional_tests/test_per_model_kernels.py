@@ -38,20 +38,20 @@ def _tokens(llm: LLM) -> list[list[int]]:
 
 
 def test_two_llms_run_their_own_attention_kernels(monkeypatch):
-    calls = _count_calls(monkeypatch, [(attention_torch, "paged_attention"), (attention_torch, "decode_attention"),
+    calls = _count_calls(monkeypatch, [(attention_torch, "mixed_attention"), (attention_torch, "decode_attention"),
                                        (attention_triton, "attend")])
     torch_llm = LLM(inference_config=InferenceConfig(attention_backend="torch", **CFG))
     triton_llm = LLM(inference_config=InferenceConfig(attention_backend="triton", **CFG))  # built last
     assert torch_llm.model.kernels.attention == AttentionBackend.TORCH
     assert triton_llm.model.kernels.attention == AttentionBackend.TRITON
     ref = _tokens(torch_llm)
-    assert calls["attend"] == 0 and calls["paged_attention"] > 0 and calls["decode_attention"] > 0
+    assert calls["attend"] == 0 and calls["mixed_attention"] > 0 and calls["decode_attention"] > 0
     calls.clear()
     assert _tokens(triton_llm) == ref
-    assert calls["attend"] > 0 and calls["paged_attention"] == calls["decode_attention"] == 0
+    assert calls["attend"] > 0 and calls["mixed_attention"] == calls["decode_attention"] == 0
     calls.clear()
     assert _tokens(torch_llm) == ref  # the model built first still runs its own kernels
-    assert calls["attend"] == 0 and calls["paged_attention"] > 0
+    assert calls["attend"] == 0 and calls["mixed_attention"] > 0
 
 
 def test_two_hybrid_llms_run_their_own_mamba_kernels(monkeypatch, tmp_path):

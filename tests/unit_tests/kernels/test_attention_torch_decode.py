@@ -49,9 +49,9 @@ def test_decode_path_low_precision_computes_in_float32(dtype):
 
 
 def test_attend_dispatches_decode_steps_to_the_lean_path(monkeypatch):
-    """Torch backend: decode-only steps take decode_attention, other steps the reference."""
+    """Torch backend: decode-only steps take decode_attention, other steps mixed_attention."""
     calls = []
-    for name in ("decode_attention", "paged_attention"):
+    for name in ("decode_attention", "mixed_attention"):
         real = getattr(attention_torch, name)
         monkeypatch.setattr(attention_torch, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     decode = _decode_case(3, group=3, head_dim=16, block_size=4, unused=0.0)
@@ -65,4 +65,4 @@ def test_attend_dispatches_decode_steps_to_the_lean_path(monkeypatch):
     assert not mixed.meta.is_decode_only
     calls.clear()
     attention.attend(mixed.q, mixed.k, mixed.v, mixed.kv_cache, mixed.meta, mixed.scale, backend=AttentionBackend.TORCH)
-    assert calls == ["paged_attention"]
+    assert calls == ["mixed_attention"]

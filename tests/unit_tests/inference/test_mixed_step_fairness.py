@@ -1,0 +1,36 @@
+"""A long prompt arriving while streams decode shares every step with them: each step of its
+chunked prefill carries every decoding stream's row (one token per stream per step), and the
+prefill takes only the tokens the decode rows leave of max_tokens."""
+import pytest
+
+from megatron_async import LLM, InferenceConfig, SamplingParams
+
+STREAMS, MAX_TOKENS = 8, 24
+CFG = dict(block_size_tokens=4, num_kv_blocks=256, max_requests=STREAMS + 1, max_tokens=MAX_TOKENS,
+           max_sequence_length=512)
+LONG = [(7 * i) % 1000 + 3 for i in range(200)]
+GREEDY = dict(top_k=1, ignore_eos=True)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_every_mixed_step_carries_every_decode_row(async_scheduling):
+    eng = LLM(inference_config=InferenceConfig(**CFG, async_scheduling=async_scheduling)).engine
+    streams = [eng.add_request([5 + s, 6, 7], SamplingParams(num_tokens_to_generate=200, **GREEDY))
+               for s in range(STREAMS)]
+    for _ in range(4):  # every stream prefilled and decoding
+        eng.step()
+    long = eng.add_request(LONG, SamplingParams(num_tokens_to_generate=2, **GREEDY))
+    prefill_steps, prefill_tokens = eng.stats.prefill_steps, eng.stats.prefill_tokens
+    mixed = 0
+    while eng.stats.prefill_tokens - prefill_tokens < len(LONG):  # until its last chunk landed
+        assert mixed < 100, "the long prompt's prefill made no progress"
+        res = eng.step()
+        got = [u.request_id for u in res.updates if u.request_id != long]
+        assert sorted(got) == streams, "a step skipped a decoding stream"
+        assert all(len(u.new_tokens) == 1 for u in res.updates if u.request_id != long)
+        mixed += 1
+    per_chunk = MAX_TOKENS - STREAMS
+    assert eng.stats.prefill_tokens - prefill_tokens == len(LONG)
+    # each chunk took what the decode rows left (async: the first step landed a decode step
+    # launched ahead before the prompt came)
+    assert eng.stats.prefill_steps - prefill_steps == -(-len(LONG) // per_chunk) == mixed - async_scheduling
