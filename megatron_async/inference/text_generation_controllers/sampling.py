@@ -144,8 +144,10 @@ def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, batch_i
     their summation order, from the whole [R, V] shape). ``triton``: the same values from
     ``kernels/triton_log_probs.py`` (one read of the logits in their own dtype, no [R, V]
     copy; the log-sum-exp rounds differently outside batch-invariant mode), for top_n up to
-    its ``MAX_TOP_N``. Logits of any float dtype: this path reads them as float32."""
-    if triton:
+    its ``MAX_TOP_N``; not in batch-invariant mode, where the CUDA check (``scripts/gpu_check.py
+    log-probs``) found its chosen log-probs off the reference's bits at 64 rows. Logits of any
+    float dtype: this path reads them as float32."""
+    if triton and not batch_invariant:
         from megatron_async.kernels import triton_log_probs
 
         if top_n <= triton_log_probs.MAX_TOP_N:
