@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
@@ -75,6 +76,23 @@ def decode_steps_without_host_sync(engine, steps: int, warm_steps: int = 4) -> i
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def count_replays_by_variant(runner) -> Counter:
+    """From now on, count the steps that replay a graph of ``runner`` (a CudaGraphRunner) by the
+    graph's sampling variant ("greedy", ..., "full"): captured keys alone say nothing about
+    which graphs served steps."""
+    counts: Counter = Counter()
+    lookup = runner.lookup
+
+    def counting_lookup(*args, **kwargs):
+        step = lookup(*args, **kwargs)
+        if step is not None:
+            counts[step.key.variant.value] += 1
+        return step
+
+    runner.lookup = counting_lookup
+    return counts
 
 
 def tokens_of(outs: dict[int, object]) -> dict[int, list[int]]:
