@@ -95,6 +95,39 @@ def count_replays_by_variant(runner) -> Counter:
     return counts
 
 
+def prefix_agreement(expected: list[list[int]], got: list[list[int]]) -> float:
+    """Mean over requests of the share of tokens two runs agree on before their first
+    difference (of the longer list): 1.0 when equal, about 0 for another model's tokens."""
+    shares = []
+    for a, b in zip(expected, got, strict=True):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        shares.append(same / max(len(a), len(b), 1))
+    return sum(shares) / max(len(shares), 1)
+
+
+def assert_outputs_close(expected: list[tuple], got: list[tuple], what: str, min_agreement: float,
+                         log_prob_atol: float) -> None:
+    """Runs whose reduction order differs (bf16 under tensor parallelism), each output
+    ``(tokens, finish_reason, log_probs)``: the tokens agree on at least ``min_agreement``
+    (``prefix_agreement``), log-probs within ``log_prob_atol`` wherever the tokens agree, and
+    requests with equal tokens finish for the same reason."""
+    share = prefix_agreement([o[0] for o in expected], [o[0] for o in got])
+    assert share >= min_agreement, (what, share)
+    for i, ((tok_a, fin_a, lp_a), (tok_b, fin_b, lp_b)) in enumerate(zip(expected, got)):
+        same = next((j for j, (x, y) in enumerate(zip(tok_a, tok_b)) if x != y), min(len(tok_a), len(tok_b)))
+        if tok_a == tok_b:
+            assert fin_a == fin_b, (what, i, fin_a, fin_b)
+        diffs = [abs(x - y) for x, y in zip(lp_a[:same], lp_b[:same])]
+        assert not diffs or max(diffs) <= log_prob_atol, (what, i, max(diffs))
+
+
+def most_frequent_token(outputs: list[list[int]]) -> int:
+    """The token the runs generated most often (lowest id on ties): an EOS id that ends some
+    requests early and lets others run to their length."""
+    counts = Counter(t for toks in outputs for t in toks)
+    return min(counts, key=lambda t: (-counts[t], t))
+
+
 def tokens_of(outs: dict[int, object]) -> dict[int, list[int]]:
     return {i: o.generated_tokens for i, o in outs.items()}
 
