@@ -61,13 +61,20 @@ def run_leader_arrivals(llm: LLM, rank: int, arrivals: list[tuple[int, list[int]
 def decode_steps_without_host_sync(engine, steps: int, warm_steps: int = 4) -> int:
     """CUDA: ``warm_steps`` steps (prefill into steady decode), then ``steps`` more under torch's
     sync debug mode "error" (any device-to-host sync raises). Returns how many of those were
-    decode-only."""
+    decode-only. The detector is checked first on a deliberate sync."""
     import torch
 
     for _ in range(warm_steps):
         engine.step()
+    probe = torch.ones(1, device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
+        try:  # the detector itself: a deliberate sync must raise, or the check proves nothing
+            probe.item()
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("sync debug mode 'error' let a device-to-host sync through")
         return sum(engine.step().is_decode_only for _ in range(steps))
     finally:
         torch.cuda.set_sync_debug_mode("default")
