@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from megatron_async.testing.hf_models import make_tiny_checkpoint
-from megatron_async.testing.chat_templates import save_chat_template
+from tests.helpers.chat_templates import save_chat_template
 from megatron_async.tools.main_job import build_parser, cli_main, main
 
 BASE = ["--device", "cpu", "--quiet", "--top-k", "1"]

@@ -18,7 +18,7 @@ from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.models.chat_template import load_chat_template  # noqa: E402
 from megatron_async.serve.process import ServerProcess  # noqa: E402
 from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
-from megatron_async.testing.chat_templates import save_chat_template  # noqa: E402
+from tests.helpers.chat_templates import save_chat_template  # noqa: E402
 from megatron_async.tools.load_test import prompt_for, run_load_test  # noqa: E402
 from tests.functional_tests.server_client import concurrent_greedy_streams  # noqa: E402
 

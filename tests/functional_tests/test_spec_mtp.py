@@ -13,7 +13,7 @@ from megatron_async import SamplingParams  # noqa: E402
 from megatron_async.inference.speculative.mtp_drafter import MTPDrafter  # noqa: E402
 from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
 from megatron_async.testing.mtp_heads import add_mtp_heads  # noqa: E402
-from megatron_async.testing.mtp_reference import MTPReference  # noqa: E402
+from tests.helpers.mtp_reference import MTPReference  # noqa: E402
 from megatron_async.testing.engine_harness import make_llm, random_prompts  # noqa: E402
 
 torch.set_num_threads(1)
@@ -130,7 +130,7 @@ def test_mtp_method_needs_heads(ckpts):
 
 def test_mtp_heads_of_a_moe_model(tmp_path):
     """Qwen3-MoE: the MTP layer's MLP is a mixture of experts (mtp.layers.0.mlp.experts.*)."""
-    from megatron_async.testing.hf_moe_models import make_tiny_moe_checkpoint
+    from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint
 
     base = make_tiny_moe_checkpoint("Qwen3MoeForCausalLM", tmp_path / "moe", seed=1)
     path = add_mtp_heads(base, tmp_path / "moe_mtp", init="copy_next", scale_layers=0.01)

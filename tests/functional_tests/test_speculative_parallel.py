@@ -17,7 +17,7 @@ from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.inference.speculative.oracle import OracleDrafter
 from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
 from megatron_async.testing.hf_models import make_tiny_checkpoint
-from megatron_async.testing.hf_moe_models import make_tiny_moe_checkpoint
+from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint
 from megatron_async.testing.mtp_heads import add_mtp_heads
 from megatron_async.testing.multiprocess import run_ranks
 

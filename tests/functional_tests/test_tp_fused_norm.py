@@ -29,7 +29,7 @@ GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=5, ignore_eos=True)
 
 def _worker(rank: int, world: int, ckpt: str, fused: bool) -> dict:
     import megatron_async.llm as llm_module
-    from megatron_async.testing.gathered_peers_reducer import attach_gathered_peers_reducer
+    from tests.helpers.gathered_peers_reducer import attach_gathered_peers_reducer
 
     llm_module.with_p2p_all_reduce = attach_gathered_peers_reducer
     llm = LLM(ckpt, inference_config=InferenceConfig(**CONFIG, tp_fused_norm=fused), tensor_parallel_size=world)
