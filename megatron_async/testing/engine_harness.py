@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
@@ -60,13 +61,20 @@ def run_leader_arrivals(llm: LLM, rank: int, arrivals: list[tuple[int, list[int]
 def decode_steps_without_host_sync(engine, steps: int, warm_steps: int = 4) -> int:
     """CUDA: ``warm_steps`` steps (prefill into steady decode), then ``steps`` more under torch's
     sync debug mode "error" (any device-to-host sync raises). Returns how many of those were
-    decode-only."""
+    decode-only. The detector is checked first on a deliberate sync."""
     import torch
 
     for _ in range(warm_steps):
         engine.step()
+    probe = torch.ones(1, device="cuda")
     torch.cuda.set_sync_debug_mode("error")
     try:
+        try:  # the detector itself: a deliberate sync must raise, or the check proves nothing
+            probe.item()
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("sync debug mode 'error' let a device-to-host sync through")
         return sum(engine.step().is_decode_only for _ in range(steps))
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -75,6 +83,56 @@ def decode_steps_without_host_sync(engine, steps: int, warm_steps: int = 4) -> i
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def count_replays_by_variant(runner) -> Counter:
+    """From now on, count the steps that replay a graph of ``runner`` (a CudaGraphRunner) by the
+    graph's sampling variant ("greedy", ..., "full"): captured keys alone say nothing about
+    which graphs served steps."""
+    counts: Counter = Counter()
+    lookup = runner.lookup
+
+    def counting_lookup(*args, **kwargs):
+        step = lookup(*args, **kwargs)
+        if step is not None:
+            counts[step.key.variant.value] += 1
+        return step
+
+    runner.lookup = counting_lookup
+    return counts
+
+
+def prefix_agreement(expected: list[list[int]], got: list[list[int]]) -> float:
+    """Mean over requests of the share of tokens two runs agree on before their first
+    difference (of the longer list): 1.0 when equal, about 0 for another model's tokens."""
+    shares = []
+    for a, b in zip(expected, got, strict=True):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        shares.append(same / max(len(a), len(b), 1))
+    return sum(shares) / max(len(shares), 1)
+
+
+def assert_outputs_close(expected: list[tuple], got: list[tuple], what: str, min_agreement: float,
+                         log_prob_atol: float) -> None:
+    """Runs whose reduction order differs (bf16 under tensor parallelism), each output
+    ``(tokens, finish_reason, log_probs)``: the tokens agree on at least ``min_agreement``
+    (``prefix_agreement``), log-probs within ``log_prob_atol`` wherever the tokens agree, and
+    requests with equal tokens finish for the same reason."""
+    share = prefix_agreement([o[0] for o in expected], [o[0] for o in got])
+    assert share >= min_agreement, (what, share)
+    for i, ((tok_a, fin_a, lp_a), (tok_b, fin_b, lp_b)) in enumerate(zip(expected, got)):
+        same = next((j for j, (x, y) in enumerate(zip(tok_a, tok_b)) if x != y), min(len(tok_a), len(tok_b)))
+        if tok_a == tok_b:
+            assert fin_a == fin_b, (what, i, fin_a, fin_b)
+        diffs = [abs(x - y) for x, y in zip(lp_a[:same], lp_b[:same])]
+        assert not diffs or max(diffs) <= log_prob_atol, (what, i, max(diffs))
+
+
+def most_frequent_token(outputs: list[list[int]]) -> int:
+    """The token the runs generated most often (lowest id on ties): an EOS id that ends some
+    requests early and lets others run to their length."""
+    counts = Counter(t for toks in outputs for t in toks)
+    return min(counts, key=lambda t: (-counts[t], t))
 
 
 def tokens_of(outs: dict[int, object]) -> dict[int, list[int]]:

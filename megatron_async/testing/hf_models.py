@@ -85,7 +85,7 @@ def make_tiny_checkpoint(
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(root, **kwargs)
     if with_tokenizer:
-        from megatron_async.testing.tiny_tokenizer import save_tiny_tokenizer
+        from megatron_async.models.tiny_tokenizer import save_tiny_tokenizer
 
         save_tiny_tokenizer(root, vocab_size=config.vocab_size)
     return root

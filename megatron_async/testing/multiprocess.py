@@ -1,4 +1,4 @@
-"""Run a function on N spawned local "ranks" with a torchrun-like environment, with a hard
+"""Run a function on N local "ranks" (processes) with a torchrun-like environment, with a hard
 deadline, so that multi-rank tests can neither hang nor hide a child's traceback."""
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
+from multiprocessing import reduction
 from typing import Any, Callable
 
 
@@ -18,12 +20,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PRELOAD = ["torch", "megatron_async.llm"]
+"""Modules the fork server imports once, so that a rank starts in milliseconds instead of
+importing torch (seconds on a small CPU). Nothing that reads the environment at import time
+(Triton reads TRITON_INTERPRET) belongs here: a rank gets the caller's environment of the moment."""
+
+
+def _context():
+    """Ranks are forked from a server process that imported ``PRELOAD`` and nothing else (no
+    CUDA context, no threads of the caller): as clean as a spawned process, without its imports."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+class _CallerFd:
+    """The caller's file descriptor ``fd`` as it is at launch (pytest redirects stdout / stderr
+    per test), handed to a rank: the fork server's own would be those of its start."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received_fd, (reduction.DupFd(self.fd),)  # pickled while the rank is launched
+
+
+def _received_fd(dup) -> int:
+    return dup.detach()
+
+
 def _child(fn: Callable, rank: int, world_size: int, env: dict[str, str], args: tuple, results: mp.Queue,
-           dump_at: float) -> None:
+           dump_at: float, streams: tuple[int, int]) -> None:
+    for target, fd in zip((1, 2), streams):  # the caller's stdout / stderr, as a spawned process has them
+        os.dup2(fd, target)
+        os.close(fd)
     # A rank still running 2 s before the deadline (wall clock) prints every thread's Python
     # stack to stderr (pytest shows it), so a hang names where it waits (a collective, a sync).
     faulthandler.dump_traceback_later(max(0.5, dump_at - time.time()), exit=False)
+    os.environ.clear()  # the caller's environment now, as a spawned process would have it
     os.environ.update(env)
+    if env.get("OMP_NUM_THREADS") and "torch" in sys.modules:  # torch was imported before this setting
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
     try:
         results.put((rank, True, fn(rank, world_size, *args)))
@@ -37,12 +74,13 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 30.0
     by name); returns the results by rank. Raises RuntimeError with the child's traceback
     if one raises (or exits without a result), and TimeoutError (after killing them all) if
     any is still running after ``timeout_s``."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", **(env or {})}
     dump_at = time.time() + max(1.0, timeout_s - 2.0)
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, env, args, results, dump_at), daemon=True)
+    streams = (_CallerFd(1), _CallerFd(2))
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, env, args, results, dump_at, streams), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

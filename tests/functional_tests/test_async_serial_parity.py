@@ -22,6 +22,8 @@ def both_modes(path, arrivals, **cfg):
     assert tokens_of(results[True][0]) == tokens_of(results[False][0])
     serial, asyn = results[False][1], results[True][1]
     assert serial.overlapped_steps == 0
+    if max(len(o.generated_tokens) for o in results[True][0].values()) > 1:  # a step could launch ahead
+        assert asyn.overlapped_decode_steps > 0, asyn.as_dict()
     return results[False][0], results[True][0], serial, asyn
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from megatron_async import SamplingParams
 from megatron_async.testing.hf_models import hf_greedy, load_hf_reference
-from megatron_async.testing.hf_moe_models import MOE_ARCHS, make_tiny_moe_checkpoint
+from tests.helpers.hf_moe_models import MOE_ARCHS, make_tiny_moe_checkpoint
 from megatron_async.testing.engine_harness import decode_steps_without_host_sync, random_prompts
 from tests.functional_tests.test_gpu_engine import cuda_llm
 

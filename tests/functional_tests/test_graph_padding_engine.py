@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # before any kernel module is imported: the T
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner  # noqa: E402
-from megatron_async.testing.engine_harness import Arrival, run_arrivals, sampling_mix  # noqa: E402
+from megatron_async.testing.engine_harness import Arrival, count_replays_by_variant, run_arrivals, sampling_mix  # noqa: E402
 
 CFG = dict(block_size_tokens=4, num_kv_blocks=256, max_requests=6, max_tokens=24, max_sequence_length=96)
 N = 8
@@ -37,6 +37,7 @@ def _run(arrivals, graphs: bool, async_scheduling: bool, warmup: bool = True, ba
         llm.controller.graphs.warmup()
     elif warmup:
         llm.engine.warmup()
+    llm.replays = count_replays_by_variant(llm.controller.graphs) if graphs else None
     outs = run_arrivals(llm, arrivals)
     return {i: (o.generated_tokens, o.generated_log_probs, o.generated_top_n_logprobs) for i, o in outs.items()}, llm
 
@@ -68,6 +69,7 @@ def test_padded_graph_steps_equal_eager_steps(async_scheduling, backend):
         assert st.graph_replays < st.steps  # the top-n 25 request's steps ran eager
     assert st.graph_captures_after_warmup == 0 and len(runner.graphs) == len(runner.plan.keys())
     assert {k.variant for k in runner.graphs} == {"greedy", "temperature", "filtered", "full"}
+    assert llm.replays["full"] > 0 and sum(llm.replays.values()) == st.graph_replays, llm.replays  # penalties replayed
     if async_scheduling:
         assert st.overlapped_decode_steps > 0
 

@@ -10,7 +10,7 @@ from megatron_async import SamplingParams
 from megatron_async.models import load_checkpoint
 from megatron_async.models.model_config import LayerKind
 from megatron_async.testing.hf_models import hf_greedy, hf_logits, load_hf_reference
-from megatron_async.testing.hf_moe_models import make_tiny_moe_checkpoint
+from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint
 from megatron_async.testing.simple_session import SimpleSession
 from megatron_async.testing.engine_harness import make_llm, random_prompts
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_async.testing.hf_moe_models import make_tiny_moe_checkpoint
+from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint
 from tests.functional_tests.test_tensor_parallel import _check_tp
 
 MOE_CASES = {

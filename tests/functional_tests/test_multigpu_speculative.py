@@ -6,15 +6,17 @@ ranks agree on graph vs eager, and an idle rank replays or runs the agreed dummy
 - float32 EP=2, a MoE checkpoint whose MTP head is a MoE layer: equal one engine without it,
   including a long request alone (the other rank matches its launches with dummy forwards);
 - bfloat16 TP=2: the two ranks agree exactly (they must: a disagreement on accepted counts would
-  desynchronise their schedules) and every request finishes like TP=1 without speculation
-  (tokens may differ: a verify row's logits round differently from a 1-token row's).
+  desynchronise their schedules), drafts are accepted, and the tokens match TP=1 without
+  speculation on most of each request, log-probs close where they agree, requests ending at an
+  EOS (a verify row's logits round differently from a 1-token row's: a near tie may flip).
 Each prints a VERDICT line (run with -s)."""
 from __future__ import annotations
 
 import pytest
 
+from megatron_async.testing.engine_harness import assert_outputs_close, most_frequent_token
 from megatron_async.testing.hf_models import make_tiny_checkpoint
-from megatron_async.testing.hf_moe_models import make_tiny_moe_checkpoint
+from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint
 from megatron_async.testing.mtp_heads import add_mtp_heads
 from megatron_async.testing.multiprocess import run_ranks
 from tests.functional_tests.test_speculative_parallel import _worker, check_parallel, reference
@@ -25,6 +27,9 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 # requests whose drafts land less than half the time decode plainly for a while: those steps replay graphs
 GPU = dict(block_size_tokens=16, num_kv_blocks=64, speculative_min_acceptance=0.5)
 LOG_PROB_TOL = 1e-3  # float32 GEMMs / attention kernels of other shapes on the GPU
+# bf16 speculative TP=2 vs plain TP=1: share of tokens before the first difference, log-prob closeness
+# there (on the CPU: 0.9 or more; bf16 vs float32 of such models 0.77, 0.11; another model 0.01)
+BF16_AGREEMENT, BF16_LOG_PROB = 0.6, 0.25
 
 
 def _verdict(name: str, ranks: list[dict], same: str) -> None:
@@ -59,19 +64,23 @@ def test_fp32_ep2_mtp_speculation_equals_one_engine_plain(tmp_path):
     _verdict("fp32 EP=2 mtp (MoE head) + graphs == EP=1 plain", ranks, "tokens, finish reasons, log-probs equal")
 
 
-def test_bf16_tp2_ranks_agree_and_finish_like_tp1(gpt_mtp):
-    expected = reference(gpt_mtp, 1, "cuda", "bfloat16", GPU)
-    ranks = run_ranks(_worker, 2, gpt_mtp, 2, 1, "mtp", None, "cuda", "bfloat16", True, GPU, timeout_s=180,
+def test_bf16_tp2_ranks_agree_and_match_tp1(gpt_mtp):
+    probe = reference(gpt_mtp, 1, "cuda", "bfloat16", GPU)
+    eos = most_frequent_token([o[0] for case in ("async_greedy", "async_seeded") for o in probe[case]])
+    expected = reference(gpt_mtp, 1, "cuda", "bfloat16", GPU, eos)
+    assert any(o[1] == "stop" for case, outs in expected.items() if case != "stats" for o in outs)
+    ranks = run_ranks(_worker, 2, gpt_mtp, 2, 1, "mtp", None, "cuda", "bfloat16", True, GPU, eos, timeout_s=180,
                       env=NCCL_ENV)
     assert ranks[0] == ranks[1]  # tokens, log-probs and every counter: the ranks are replicas
+    st = ranks[0]["stats"]
+    assert 0 < st["accepted"] < st["drafted"], st  # drafts accepted and rejected
     same = total = 0
     for case, outs in expected.items():
         if case == "stats":
             continue
         got = ranks[0][case]
-        assert [o[1] for o in got] == [o[1] for o in outs], case  # finish reasons
-        assert [len(o[0]) for o in got] == [len(o[0]) for o in outs], case
+        assert_outputs_close(outs, got, case, min_agreement=BF16_AGREEMENT, log_prob_atol=BF16_LOG_PROB)
         same += sum(a[0] == b[0] for a, b in zip(outs, got))
         total += len(outs)
-    _verdict("bf16 TP=2 mtp + graphs", ranks, f"ranks identical, finish like TP=1; token-equal to TP=1 plain "
+    _verdict("bf16 TP=2 mtp + graphs", ranks, f"ranks identical, close to TP=1; token-equal to TP=1 plain "
              f"{same}/{total} requests")

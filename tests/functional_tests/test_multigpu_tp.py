@@ -2,16 +2,20 @@
 devices; ``scripts/multigpu_validation.sh`` runs them on the multi-GPU machine).
 
 float32: TP=N tokens equal TP=1 token for token for a GPT and a hybrid checkpoint, greedy and
-seeded sampling, launch-ahead and serial (the same batches through both). bfloat16: the TP runs
-finish the same requests with the same finish reasons (reduction order changes tokens). CUDA
+seeded sampling, launch-ahead and serial (the same batches through both). bfloat16: the ranks
+agree exactly, and with TP=1 on most tokens and on log-probs where the tokens agree (reduction
+order may flip a near tie), requests ending at an EOS. CUDA
 graphs under TP (captured NCCL all-reduces) equal TP=1 eager. Tiny models, few requests: cheap."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from dataclasses import replace
+
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
+from megatron_async.testing.engine_harness import assert_outputs_close, most_frequent_token
 from megatron_async.testing.hf_models import make_tiny_checkpoint
 from megatron_async.testing.multiprocess import run_ranks
 
@@ -22,6 +26,10 @@ PROMPTS = [[3, 17, 42, 9, 100, 7], [25, 1, 2], [5] * 23, [60, 61, 62, 63, 64, 65
 GREEDY = [SamplingParams(top_k=1, num_tokens_to_generate=n, ignore_eos=True) for n in (6, 9, 4, 7, 5)]
 SAMPLED = [SamplingParams(temperature=0.9, top_p=0.8, num_tokens_to_generate=8, ignore_eos=True, seed=1000 + i)
            for i in range(len(PROMPTS))]
+# bf16 TP vs TP=1: share of tokens before the first difference (prefix_agreement) and log-prob
+# closeness there. On the CPU, TP=2 vs TP=1 in bf16 agree on 0.92 or more, bf16 vs float32 (a
+# larger perturbation) on 0.77 with log-probs within 0.11; another random model on 0.01
+BF16_AGREEMENT, BF16_LOG_PROB = 0.6, 0.25
 # no NVLink multicast in any process: it can take the shared host down
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # sizes that divide by 4: heads, KV heads, Mamba heads and groups, vocabulary, MLP width
@@ -33,24 +41,32 @@ CHECKPOINTS = {
 }
 
 
-def run(llm: LLM) -> dict:
-    """Launch-ahead, then the same batches serially (the engine reads the mode at every step)."""
+def with_eos(params: list[SamplingParams], eos: int) -> list[SamplingParams]:
+    """16 tokens that end at ``eos`` (with log-probs): runs that may differ are compared on them."""
+    return [replace(p, ignore_eos=False, termination_id=eos, num_tokens_to_generate=16, return_log_probs=True)
+            for p in params]
+
+
+def run(llm: LLM, eos: int | None = None) -> dict:
+    """Launch-ahead, then the same batches serially (the engine reads the mode at every step).
+    ``eos``: the batches of ``with_eos``, outputs with their log-probs."""
     prompts = [[t % llm.model.vocab_size for t in p] for p in PROMPTS]
     outs = {}
     for mode in ("async", "serial"):
         llm.config.async_scheduling = mode == "async"
         for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
-            got = llm.generate(prompts, params)
-            outs[f"{mode}_{name}"] = [(o.generated_tokens, o.finish_reason) for o in got]
+            got = llm.generate(prompts, params if eos is None else with_eos(params, eos))
+            outs[f"{mode}_{name}"] = [(o.generated_tokens, o.finish_reason) + ((o.generated_log_probs,) if eos else ())
+                                      for o in got]
     outs["overlapped_steps"] = llm.engine.stats.overlapped_steps
     return outs
 
 
-def _worker(rank: int, world: int, ckpt: str, dtype: str) -> dict:
+def _worker(rank: int, world: int, ckpt: str, dtype: str, eos: int | None = None) -> dict:
     llm = LLM(ckpt, device="cuda", dtype=dtype, inference_config=InferenceConfig(**CONFIG), tensor_parallel_size=world)
     try:
         assert llm.device == torch.device("cuda", rank) and llm.parallel.tp_size == world
-        return run(llm)
+        return run(llm, eos)
     finally:
         llm.close()
 
@@ -72,16 +88,20 @@ def test_fp32_tp_tokens_equal_tp1(checkpoint, tp):
         assert got == expected, f"rank {rank}"
 
 
-def test_bf16_tp_runs_finish_like_tp1(checkpoint):
+def test_bf16_tp_tokens_and_log_probs_match_tp1(checkpoint):
+    """bf16 sums in another order under TP: a near tie may flip a token, and the request then
+    goes its own way. The tokens of TP=1 must still be matched on most of each request (another
+    model's would not be), log-probs close where tokens agree, the same finish where they all do."""
     _, ckpt = checkpoint
-    expected = run(LLM(ckpt, device="cuda", dtype="bfloat16", inference_config=InferenceConfig(**CONFIG)))
-    ranks = run_ranks(_worker, 2, ckpt, "bfloat16", timeout_s=240, env=NCCL_ENV)
+    llm = LLM(ckpt, device="cuda", dtype="bfloat16", inference_config=InferenceConfig(**CONFIG))
+    eos = most_frequent_token([t for case in ("async_greedy", "async_sampled") for t, _ in run(llm)[case]])
+    expected = run(llm, eos)
+    assert any(f == "stop" for case, outs in expected.items() if case != "overlapped_steps" for _, f, _ in outs)
+    ranks = run_ranks(_worker, 2, ckpt, "bfloat16", eos, timeout_s=240, env=NCCL_ENV)
     assert ranks[0] == ranks[1]  # the ranks agree exactly with each other
     for case, outs in expected.items():
         if case != "overlapped_steps":
-            got = ranks[0][case]
-            assert len(got) == len(outs) and [r for _, r in got] == [r for _, r in outs], case
-            assert [len(t) for t, _ in got] == [len(t) for t, _ in outs], case
+            assert_outputs_close(outs, ranks[0][case], case, min_agreement=BF16_AGREEMENT, log_prob_atol=BF16_LOG_PROB)
 
 
 def _graph_worker(rank: int, world: int, ckpt: str) -> dict:

@@ -293,18 +293,27 @@ def test_load_test_script_starts_a_builtin_model_server(tmp_path):
     assert report["processes"] == 2 and 0 < report["client_cpu_busy"] < 1.5  # both processes' requests merged
 
 
-@pytest.mark.parametrize("field, value", [("min_tokens", 6), ("min_p", 0.1), ("presence_penalty", 1.5),
+@pytest.mark.parametrize("field, value", [("min_tokens", 6), ("min_p", 0.3), ("presence_penalty", 1.5),
                                           ("frequency_penalty", 1.5), ("repetition_penalty", 1.8)])
 def test_vllm_sampling_fields_reach_the_engine(client, llm, field, value):
-    """Greedy with the field through HTTP == LLM.generate with the same SamplingParams field."""
+    """The field through HTTP == LLM.generate with the same SamplingParams field, and the field
+    changed the answer: penalties change a greedy one; min_p a seeded draw (greedy keeps the top
+    token whatever min_p is); min_tokens holds back a stop string the answer would stop on at once."""
     prompt = "The quick brown fox jumps over the lazy dog"
-    want = llm.generate([prompt], SamplingParams(temperature=0.0, num_tokens_to_generate=10, ignore_eos=True,
-                                                 **{field: value}))[0].generated_tokens
-    got = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=10, temperature=0.0,
+    base = dict(temperature=0.0, num_tokens_to_generate=10, ignore_eos=True)
+    if field == "min_p":
+        base.update(temperature=1.0, seed=7)
+    if field == "min_tokens":  # the answer's first character stops it within its first tokens
+        base["stop_words"] = [llm.generate([prompt], SamplingParams(**base))[0].generated_text.strip()[0]]
+    without = llm.generate([prompt], SamplingParams(**base))[0].generated_tokens
+    want = llm.generate([prompt], SamplingParams(**base, **{field: value}))[0].generated_tokens
+    got = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=10, temperature=base["temperature"],
+                                    seed=base.get("seed"), stop=base.get("stop_words"),
                                     extra_body={field: value, "ignore_eos": True, "return_token_ids": True})
     assert got.choices[0].model_extra["token_ids"] == want
-    if field.endswith("penalty"):  # the penalty really changed the greedy answer
-        assert want != reference(llm, [prompt], 10)[0]
+    assert want != without  # the field really changed the answer
+    if field == "min_tokens":
+        assert len(without) < value <= len(want)
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])

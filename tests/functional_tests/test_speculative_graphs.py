@@ -180,3 +180,19 @@ def test_triton_kernels_on_the_padded_verify_layout(qwen3_ckpt, hybrid_ckpt, mod
     assert_same_outputs(plain, run_arrivals(llm, arrivals), log_prob_tol=1e-5)
     st = llm.engine.stats
     assert st.spec_graph_replays > 0 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens, st.as_dict()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_cuda_verify_steps_replay_captured_graphs(qwen3_ckpt, async_scheduling):
+    """Real CUDA graphs (float32): verify steps replay captured verify graphs, and speculative
+    decoding still equals plain eager decoding token for token (log-probs up to other GEMM shapes)."""
+    arrivals = _arrivals(256, seed=31)
+    plain = run_arrivals(make_llm(qwen3_ckpt, device="cuda", async_scheduling=async_scheduling, **CFG), arrivals)
+    llm = make_llm(qwen3_ckpt, oracle_for(plain, arrivals, 0.3), device="cuda", async_scheduling=async_scheduling,
+                   num_speculative_tokens=K, speculative_min_acceptance=0.0, cuda_graphs=True, **CFG)
+    assert_same_outputs(plain, run_arrivals(llm, arrivals), log_prob_tol=1e-3)
+    st = llm.engine.stats
+    assert st.spec_graph_replays > 0 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens, st.as_dict()
+    assert st.graph_captures_after_warmup == 0, st.as_dict()

@@ -9,6 +9,8 @@ request, also while one rank idles for many steps: its dummy forwards must match
 step's MoE exchanges, and with MTP heads (a MoE layer of their own) the drafter's too."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
@@ -16,7 +18,7 @@ from megatron_async.inference.engines.step_plan import StepAgreement
 from megatron_async.inference.speculative.oracle import OracleDrafter
 from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
 from megatron_async.testing.hf_models import make_tiny_checkpoint
-from megatron_async.testing.hf_moe_models import make_tiny_moe_checkpoint
+from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint
 from megatron_async.testing.mtp_heads import add_mtp_heads
 from megatron_async.testing.multiprocess import run_ranks
 
@@ -36,14 +38,19 @@ def _outputs(outs) -> list[tuple]:
     return [(o.generated_tokens, o.finish_reason, o.generated_log_probs) for o in outs]
 
 
-def run_cases(llm: LLM, idle: bool) -> dict:
+def with_eos(params: list[SamplingParams], eos: int | None) -> list[SamplingParams]:
+    """``params`` ending at ``eos`` (None: as they are)."""
+    return params if eos is None else [replace(p, ignore_eos=False, termination_id=eos) for p in params]
+
+
+def run_cases(llm: LLM, idle: bool, eos: int | None = None) -> dict:
     """Greedy and seeded batches, launch-ahead then serial; ``idle``: then one long request
-    alone (data-parallel engines: the other rank idles)."""
+    alone (data-parallel engines: the other rank idles). ``eos``: the batches end at it."""
     result = {}
     for mode in ("async", "serial"):
         llm.config.async_scheduling = mode == "async"
-        result[f"{mode}_greedy"] = _outputs(llm.generate(PROMPTS, GREEDY))
-        result[f"{mode}_seeded"] = _outputs(llm.generate(PROMPTS, SEEDED))
+        result[f"{mode}_greedy"] = _outputs(llm.generate(PROMPTS, with_eos(GREEDY, eos)))
+        result[f"{mode}_seeded"] = _outputs(llm.generate(PROMPTS, with_eos(SEEDED, eos)))
     llm.config.async_scheduling = True
     st = llm.engine.stats
     dummy_before = st.dummy_steps
@@ -58,13 +65,13 @@ def run_cases(llm: LLM, idle: bool) -> dict:
 
 
 def _worker(rank: int, world: int, ckpt: str, tp: int, ep: int, method: str, drafter=None, device: str = "cpu",
-            dtype: str = "float32", graphs: bool = False, overrides: dict | None = None) -> dict:
+            dtype: str = "float32", graphs: bool = False, overrides: dict | None = None, eos: int | None = None) -> dict:
     cfg = InferenceConfig(**{**CONFIG, **(overrides or {})}, num_speculative_tokens=K, speculative_method=method,
                           cuda_graphs=graphs)
     llm = LLM(ckpt, device=device, dtype=dtype, inference_config=cfg, tensor_parallel_size=tp,
               expert_parallel_size=ep, drafter=drafter)
     try:
-        return run_cases(llm, idle=ep > 1)
+        return run_cases(llm, idle=ep > 1, eos=eos)
     finally:
         llm.close()
 
@@ -80,10 +87,11 @@ def assert_same(expected: list[tuple], got: list[tuple], what: str, log_prob_tol
         assert len(lp_a) == len(lp_b) and max(abs(x - y) for x, y in zip(lp_a, lp_b)) <= log_prob_tol, (what, i)
 
 
-def reference(ckpt: str, ep: int, device: str = "cpu", dtype: str = "float32", overrides: dict | None = None) -> dict:
+def reference(ckpt: str, ep: int, device: str = "cpu", dtype: str = "float32", overrides: dict | None = None,
+              eos: int | None = None) -> dict:
     """One process, no speculation."""
     cfg = InferenceConfig(**{**CONFIG, **(overrides or {})})
-    return run_cases(LLM(ckpt, device=device, dtype=dtype, inference_config=cfg), idle=ep > 1)
+    return run_cases(LLM(ckpt, device=device, dtype=dtype, inference_config=cfg), idle=ep > 1, eos=eos)
 
 
 def check_parallel(ckpt: str, tp: int, ep: int, method: str, drafter=None, device: str = "cpu",

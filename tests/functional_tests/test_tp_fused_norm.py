@@ -1,5 +1,5 @@
 """The fused TP all-reduce + residual add + RMSNorm wired end to end on CPU: 2 gloo ranks whose
-reducer is the gathered-peers stand-in (megatron_async/testing/gathered_peers_reducer.py: the
+reducer is the gathered-peers stand-in (tests/helpers/gathered_peers_reducer.py: the
 real Triton kernel in the interpreter, peers' buffers = all-gathered partials). float32 greedy
 tokens equal the single-process model's, the fused kernel really ran (attention, MLP and Mamba2
 output projections), and ``tp_fused_norm=False`` never calls it. The GPU version (real P2P
@@ -29,7 +29,7 @@ GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=5, ignore_eos=True)
 
 def _worker(rank: int, world: int, ckpt: str, fused: bool) -> dict:
     import megatron_async.llm as llm_module
-    from megatron_async.testing.gathered_peers_reducer import attach_gathered_peers_reducer
+    from tests.helpers.gathered_peers_reducer import attach_gathered_peers_reducer
 
     llm_module.with_p2p_all_reduce = attach_gathered_peers_reducer
     llm = LLM(ckpt, inference_config=InferenceConfig(**CONFIG, tp_fused_norm=fused), tensor_parallel_size=world)

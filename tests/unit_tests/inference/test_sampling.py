@@ -199,13 +199,22 @@ def test_top_n_ties_go_to_the_lowest_id_whatever_n():
     assert torch.equal(ids, ref[5:, :3]) and torch.allclose(vals, torch.log_softmax(x[5:], -1).gather(-1, ids))
 
 
-@pytest.mark.parametrize("top_k", [0, 4])
-def test_filtered_tokens_get_no_mass_even_with_extreme_noise(top_k):
-    # a huge logit gap outside the filter must not leak through
+@pytest.mark.parametrize("keep_four", [dict(top_k=4), dict(top_p=0.1), dict(min_p=0.9)])
+def test_filtered_tokens_get_no_mass_even_with_extreme_noise(keep_four):
+    # Each filter keeps only the four tokens at 50; the other 28 sit one logit below, so at
+    # temperature 5 (ratio 0.82) an unfiltered draw lands on them 85 % of the time.
+    logits = torch.full((300, V), 49.0)
+    logits[:, :4] = 50.0
+    drawn = _draw(logits, temperature=5.0, **keep_four)
+    assert (drawn < 4).all()
+    assert set(drawn.tolist()) == {0, 1, 2, 3}
+    assert (_draw(logits, temperature=5.0) >= 4).float().mean() > 0.7  # the filter is what held them
+
+
+def test_noise_never_overturns_a_huge_logit_gap():
     logits = torch.zeros(300, V)
     logits[:, -1] = 50.0  # best token
-    drawn = _draw(logits, top_k=top_k)
-    assert (drawn == V - 1).all()
+    assert (_draw(logits) == V - 1).all()
 
 
 def test_min_p_never_samples_below_the_threshold():

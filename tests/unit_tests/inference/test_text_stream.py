@@ -5,7 +5,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from megatron_async.inference.text_stream import REPLACEMENT_CHAR, TextStream
 from megatron_async.models import Tokenizer
-from megatron_async.testing.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
+from megatron_async.models.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

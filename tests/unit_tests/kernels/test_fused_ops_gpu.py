@@ -1,5 +1,8 @@
-"""Compiled fused elementwise kernels vs the layers' torch code at Qwen3-0.6B shapes on CUDA,
-bit-for-bit where only roundings are involved, and under CUDA-graph capture."""
+"""Compiled fused elementwise kernels vs the layers' torch code at Qwen3-0.6B shapes on CUDA:
+the residual sum bit-for-bit; in bf16 the normed and activated outputs within one ulp (two for
+SiLU-and-mul, whose rounded SiLU feeds a rounded product) on under 1 % of the elements (a
+float32 sum order or exp approximation flips a rounding), RoPE to bf16 rounding of the scale;
+under CUDA-graph capture bit-for-bit."""
 from __future__ import annotations
 
 import pytest
@@ -16,15 +19,24 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS = 1024, 16, 8, 128, 3072, 1e-6
 
 
-def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units of the last place of two 16-bit float tensors (bit patterns ordered
+    through zero, so -0.0 and 0.0 are 0 apart)."""
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.contiguous().view(torch.int16).int()
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, max_ulps: int = 1) -> None:
     """Equal up to rare last-ulp flips from the float32 sum order / exp approximation."""
     assert out.dtype == ref.dtype and out.shape == ref.shape
     if out.dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     else:
-        # a flipped ulp of a rotary input can meet cancellation: bound the error by the scale
         assert (out != ref).float().mean() < 0.01
-        torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2 * float(ref.abs().max()))
+        assert int(_ulps(out, ref).max()) <= max_ulps
 
 
 def _norm(dim: int, dtype: torch.dtype) -> RMSNorm:
@@ -79,7 +91,7 @@ def test_real_shapes_match_torch_path(T, dtype):
 
     gate_up = 3 * torch.randn(T, 2 * INTER, dtype=dtype, device="cuda")
     gate, up = gate_up.split(INTER, dim=-1)
-    _close(triton_act.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    _close(triton_act.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, max_ulps=2)
 
 
 def test_cuda_graph_replay_matches_eager():

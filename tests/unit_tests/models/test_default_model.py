@@ -4,7 +4,7 @@ import torch
 from megatron_async.models import DEFAULT_CONFIGS, build_default_model
 from megatron_async.models.gpt import build_gpt
 from megatron_async.testing.simple_session import SimpleSession
-from megatron_async.testing.tiny_tokenizer import train_tiny_tokenizer
+from megatron_async.models.tiny_tokenizer import train_tiny_tokenizer
 
 
 def test_tiny_is_seeded_and_runs():

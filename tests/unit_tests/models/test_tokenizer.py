@@ -3,7 +3,7 @@ import json
 import pytest
 
 from megatron_async.models import load_tokenizer
-from megatron_async.testing.tiny_tokenizer import EOS_TOKEN, EOS_TOKEN_ID, save_tiny_tokenizer, train_tiny_tokenizer
+from megatron_async.models.tiny_tokenizer import EOS_TOKEN, EOS_TOKEN_ID, save_tiny_tokenizer, train_tiny_tokenizer
 
 
 def test_tiny_tokenizer_roundtrip_and_eos(tmp_path):

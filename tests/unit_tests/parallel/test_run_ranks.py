@@ -21,8 +21,8 @@ def _hang_or_fail(rank: int, world: int) -> None:
 
 def test_a_hung_rank_times_out_with_its_stack_and_the_first_failure(capfd):
     with pytest.raises(TimeoutError) as err:
-        run_ranks(_hang_or_fail, 2, timeout_s=15)
+        run_ranks(_hang_or_fail, 2, timeout_s=8)
     msg = str(err.value)
-    assert "ranks [1] still running after 15 s" in msg
+    assert "ranks [1] still running after 8 s" in msg
     assert "rank 0 failed first" in msg and "ValueError: rank 0 broke first" in msg
     assert "_wait_in_a_named_collective" in capfd.readouterr().err

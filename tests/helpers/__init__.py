@@ -1,0 +1,1 @@
+"""Helpers only tests use (tiny checkpoints of other families, references, chat templates)."""
