@@ -22,8 +22,11 @@ WORKLOAD_DEFAULTS = {
 }
 # InferenceConfig defaults that differ on a GPU (None = the dataclass default).
 # On CUDA, large prefill chunks amortise the eager (launch-bound) mixed steps; vLLM also
-# defaults to 8192 batched tokens.
-ENGINE_DEFAULTS = {"cpu": {"max_requests": None}, "cuda": {"max_requests": 128, "max_tokens": 8192}}
+# defaults to 8192 batched tokens. On a CPU a step's time grows with its tokens, and every
+# running stream waits for the step: 256-token chunks keep a stream's longest gap under ~1.5 s
+# on a 2-core machine while a long prompt prefills (docs/PERFORMANCE.md, "CPU"), at little cost
+# to that prompt's TTFT. Never below max_requests (every decode row fits one step).
+ENGINE_DEFAULTS = {"cpu": {"max_requests": None, "max_tokens": 256}, "cuda": {"max_requests": 128, "max_tokens": 8192}}
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -190,6 +193,8 @@ def resolve_device_args(args: argparse.Namespace) -> None:
             setattr(args, name, value)
     for name, value in ENGINE_DEFAULTS.get(kind, ENGINE_DEFAULTS["cpu"]).items():
         if getattr(args, name, None) is None:
+            if name == "max_tokens" and args.max_requests is not None:
+                value = max(value, args.max_requests)
             setattr(args, name, value)
 
 

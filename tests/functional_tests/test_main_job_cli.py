@@ -178,3 +178,15 @@ def test_graph_and_memory_flags_reach_the_config(flags, graphs):
     assert (cfg.gpu_memory_utilization, cfg.buffer_size_gb, cfg.num_kv_blocks) == (0.8, None, None)
     with pytest.raises(SystemExit):
         build_parser("t").parse_args(["--eager", "--cuda-graphs"])
+
+
+@pytest.mark.parametrize("flags, max_tokens", [([], 256), (["--max-requests", "512"], 512),
+                                               (["--max-tokens", "64", "--max-requests", "8"], 64)])
+def test_cpu_default_chunk_keeps_streams_moving(flags, max_tokens):
+    """On a CPU the main job and the server take 256-token steps (a long prompt's chunks stall
+    running streams for at most one such step), never fewer than max_requests, unless given."""
+    from megatron_async.tools import cli
+
+    args = build_parser("t").parse_args(["--device", "cpu", *flags])
+    cli.resolve_device_args(args)
+    assert cli.inference_config_from_args(args).max_tokens == max_tokens
