@@ -2,8 +2,8 @@
 """CPU prefill of the engine against Hugging Face's SDPA forward on the same weights, one thread,
 and the decode streams' inter-token gaps while a long prompt is prefilled in chunks.
 
-    python scripts/bench_cpu_prefill.py prefill                 # 1,500 and 2,048 tokens
-    python scripts/bench_cpu_prefill.py itl --chunks 2048,512,256  # 8 streams + one 1,500-token prompt
+    python scripts/measure.py cpu-prefill prefill                 # 1,500 and 2,048 tokens
+    python scripts/measure.py cpu-prefill itl --chunks 2048,512,256  # 8 streams + one 1,500-token prompt
 
 Without ``--model``, a random SmolLM2-135M-shaped Llama checkpoint (30 layers, hidden 576, 9 heads /
 3 KV heads, vocab 49152, tied embeddings, float32) is built with transformers' ``save_pretrained``
@@ -165,7 +165,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=["prefill", "itl"])
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: a random SmolLM2-shaped one)")
-    p.add_argument("--workdir", default="/tmp/bench_cpu_prefill")
+    p.add_argument("--workdir", default="/tmp/cpu_prefill")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--lengths", default="1500,2048", help="prefill: prompt lengths")

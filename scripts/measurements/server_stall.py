@@ -4,8 +4,8 @@ another: 5 MB completions text, a 5 MB chat message (both over any prompt the mo
 and a --tokenized-kb text prompt (tokenized, then refused as too long unless the model holds it).
 Prints /health latency and the streams' inter-chunk gaps (p50 / p99 / max) per phase.
 
-    python scripts/bench_server_stall.py --model CKPT [--streams 4] [-- server flags]
-    python scripts/bench_server_stall.py --url http://127.0.0.1:8000
+    python scripts/measure.py server-stall --model CKPT [--streams 4] [-- server flags]
+    python scripts/measure.py server-stall --url http://127.0.0.1:8000
 Without --model / --url it serves a tiny random checkpoint (with a tokenizer) built in a temp dir.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 class Probe:
