@@ -106,6 +106,8 @@ class DynamicInferenceEngine:
         """Ids whose ``RequestUpdate``s nobody reads (``run_requests`` returns whole outputs):
         no update is built for them, so their text is decoded once, when they finish."""
         self._builds_at_warmup: int | None = None  # the process's Triton build count after warm-up
+        self.weight_version = 0
+        """The version of the model's weights (``set_weight_version``), recorded on every launch."""
 
     def _make_consensus(self, communicator: ZMQCommunicator) -> StepConsensus:
         return StepConsensus(communicator)
@@ -380,7 +382,17 @@ class DynamicInferenceEngine:
         runner = self.controller
         step = runner.prepare(plan, agreed)
         self.book.commit(plan, step.speculative if runner.spec_steps is not None else None)
-        return runner.launch(step, step_id, overlapped, timed)
+        launched = runner.launch(step, step_id, overlapped, timed)
+        launched.weight_version = self.weight_version
+        return launched
+
+    # ------------------------------------------------------------------ weights
+    def set_weight_version(self, version: int) -> None:
+        """The model's weights were updated in place (``LLM.update_weights``): launches from now
+        on record ``version`` on their tokens (a launch enqueued before ran on the old weights:
+        same stream), and KV / Mamba states cached before are never hit again."""
+        self.weight_version = version
+        self.context.weights_changed()
 
     # ------------------------------------------------------------------ endings
     def _apply_aborts(self, out: StepResult) -> None:
