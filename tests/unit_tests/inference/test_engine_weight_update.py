@@ -83,6 +83,29 @@ def test_tokens_carry_the_version_of_their_launch(checkpoints, references, async
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "serial"])
+def test_partial_rollouts_across_a_paused_update(checkpoints, references, async_scheduling):
+    old, new = checkpoints
+    llm = _llm(old, async_scheduling)
+    eng = llm.engine
+    rids = [eng.add_request(p, GREEDY) for p in PROMPTS]
+    outs = {}
+    for _ in range(4):
+        outs.update((o.request_id, o) for o in eng.step().finished)
+    eng.pause_generation("keep")
+    eng.step()  # the in-flight launch lands
+    assert eng._pending is None and eng.step().step_id == -1
+    done = {rid: len(eng._requests[rid].generated_tokens) for rid in rids}
+    assert any(0 < n < 8 for n in done.values())  # some requests span the update
+    assert llm.update_weights(new) == 1
+    eng.resume_generation()
+    outs.update(drive(eng)[0])
+    for i, rid in enumerate(rids):
+        n = done[rid]
+        assert outs[rid].weight_versions == [0] * n + [1] * (8 - n)
+        assert outs[rid].generated_tokens[:n] == references[0][i][:n]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "serial"])
 def test_prefix_cache_is_not_hit_across_an_update(checkpoints, references, async_scheduling):
     old, new = checkpoints
     llm = _llm(old, async_scheduling, enable_prefix_caching=True)
