@@ -241,6 +241,27 @@ class LLM:
             self.communicator = None
         self.parallel.destroy()
 
+    def update_weights(self, weights, version: int | None = None) -> int:
+        """Copy ``weights`` into the model in place and return the new weight version.
+
+        ``weights``: (HF name, full tensor) pairs (a trainer's named parameters; any subset of
+        the checkpoint's tensors) or a checkpoint directory; under TP / EP every rank calls this
+        with the full tensors and keeps its shard. Everything is checked before anything is
+        copied (``WeightUpdateError``, nothing changed). Parameter storage stays where it is, so
+        captured CUDA graphs replay the new values. ``version``: an int >= 0 (None: the current
+        version + 1; it is 0 after loading); each generated token records the version that
+        produced it (``RequestOutput.weight_versions``). Prefix-cache entries computed before
+        are never hit again. Call it between ``step()``s, e.g. while ``pause_generation("keep")``."""
+        from megatron_async.models.weight_update import update_weights_in_place
+
+        if version is not None and (isinstance(version, bool) or not isinstance(version, numbers.Integral)
+                                    or version < 0):
+            raise ValueError(f"version must be an int >= 0 or None, got {version!r}")
+        update_weights_in_place(self.model, weights)
+        new = self.engine.weight_version + 1 if version is None else int(version)
+        self.engine.set_weight_version(new)
+        return new
+
     def generate(
         self,
         prompts: str | list[int] | list[str | list[int]],

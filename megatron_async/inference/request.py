@@ -139,6 +139,8 @@ class RequestOutput:
     generated_top_n_logprobs: list[dict[int, float]] | None = None
     error: str | None = None
     """Set (with finish_reason "error") when the request was rejected at admission or failed."""
+    weight_versions: list[int] | None = None
+    """One per generated token: the weight version (``LLM.update_weights``) that produced it."""
 
 
 class RequestUpdate(NamedTuple):
@@ -184,6 +186,12 @@ class DynamicInferenceRequest:
     """Incremental detokenizer + string stop words (None without a tokenizer)."""
     num_streamed_tokens: int = 0
     """Generated tokens already reported in a RequestUpdate."""
+    weight_version_runs: list[tuple[int, int]] = field(default_factory=list)
+    """(first generated index, weight version) at each change of version: run-length, so landing
+    a token costs one comparison (``weight_versions`` expands it)."""
+    weights_epoch: int = -1
+    """The context's weights epoch when the request was last admitted (-1: never admitted): its
+    KV holds those weights' values, so it publishes prefix blocks only while they are current."""
 
     max_generated_tokens: int = 0
     """The length limit (stop_conditions.generation_limit), set when the request is queued."""
@@ -276,4 +284,13 @@ class DynamicInferenceRequest:
             generated_log_probs=list(self.generated_log_probs) if sp.return_log_probs else None,
             generated_top_n_logprobs=list(self.generated_top_n_logprobs) if sp.top_n_logprobs > 0 else None,
             error=self.error,
+            weight_versions=self.weight_versions(),
         )
+
+    def weight_versions(self) -> list[int]:
+        """The weight version of each generated token, expanded from ``weight_version_runs``."""
+        runs, out = self.weight_version_runs, []
+        for i, (start, version) in enumerate(runs):
+            end = runs[i + 1][0] if i + 1 < len(runs) else len(self.generated_tokens)
+            out += [version] * (end - start)
+        return out

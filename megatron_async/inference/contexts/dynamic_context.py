@@ -102,7 +102,10 @@ class DynamicInferenceContext:
             for _ in range(spec.num_layers)
         ]
         # One model per engine; the key keeps identities apart should pools ever be shared.
-        self.allocator = KVBlockAllocator(num_blocks, config.enable_prefix_caching, type(model).__name__.encode())
+        self._model_key = type(model).__name__.encode()
+        self.allocator = KVBlockAllocator(num_blocks, config.enable_prefix_caching, self._model_key)
+        self.weights_epoch = 0
+        """Weight updates so far: part of every block identity (``weights_changed``)."""
         self.mamba = MambaStateManager.create(model, config, device, dtype)
         if self.mamba is not None:
             self.allocator.on_reclaim = lambda block, block_hash: self.mamba.on_kv_block_reclaimed(block_hash)
@@ -148,6 +151,7 @@ class DynamicInferenceContext:
         req.status = Status.ACTIVE
         req.num_computed_tokens = 0
         req.num_hashed_blocks, req.last_block_hash = 0, None
+        req.weights_epoch = self.weights_epoch
         self.active[req.request_id] = req
         self.active_version += 1
         if self.mamba is not None:
@@ -254,9 +258,17 @@ class DynamicInferenceContext:
             del req.block_ids[keep:]
             self._decode_rows.sync_blocks(req)  # its row must not keep the given-back blocks
 
+    def weights_changed(self) -> None:
+        """The model's weights were updated: KV and Mamba states cached before are never hit
+        again (every block identity is rooted in a key naming the weights), and requests
+        admitted before stop publishing blocks (theirs hold old-weight KV)."""
+        self.weights_epoch += 1
+        self.allocator.hash_key = self._model_key + b"\0weights:%d" % self.weights_epoch
+
     def register_complete_blocks(self, req: DynamicInferenceRequest) -> None:
-        """Publish blocks whose tokens are all known and whose KV is enqueued."""
-        if not self.allocator.enable_prefix_caching:
+        """Publish blocks whose tokens are all known and whose KV is enqueued (computed with
+        the current weights from the request's admission on)."""
+        if not self.allocator.enable_prefix_caching or req.weights_epoch != self.weights_epoch:
             return
         full = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size
         bs = self.block_size

@@ -106,6 +106,9 @@ class DynamicInferenceEngine:
         """Ids whose ``RequestUpdate``s nobody reads (``run_requests`` returns whole outputs):
         no update is built for them, so their text is decoded once, when they finish."""
         self._builds_at_warmup: int | None = None  # the process's Triton build count after warm-up
+        self.weight_version = 0
+        """The version of the model's weights (``set_weight_version``), recorded on every launch."""
+        self._pause: str | None = None  # pause_generation's mode while paused
 
     def _make_consensus(self, communicator: ZMQCommunicator) -> StepConsensus:
         return StepConsensus(communicator)
@@ -286,10 +289,13 @@ class DynamicInferenceEngine:
             else:
                 self._agree(from_step=True, out=out)
         self._apply_aborts(out)
+        if self._pause is not None and self._pause != "wait":
+            return self._step_paused(out, t0)
         with nvtx_range("schedule"):
             if self._pending is None:
                 self._pending = self._launch_first(out)
                 if self._pending is None:
+                    self.stats.paused_steps += self._pause is not None
                     return out
             nxt = None
             if self.config.async_scheduling:
@@ -318,7 +324,7 @@ class DynamicInferenceEngine:
         while True:
             plan = self.scheduler.schedule(has_inflight=False)
             if not plan:
-                if self._requests:  # nothing in flight, nothing admissible: would spin forever
+                if self._requests and self._pause is None:  # nothing in flight, nothing admissible: would spin forever
                     head = self.scheduler.waiting[0] if self.scheduler.waiting else None
                     raise RuntimeError(
                         f"engine cannot make progress: {len(self._requests)} unfinished requests, "
@@ -380,7 +386,54 @@ class DynamicInferenceEngine:
         runner = self.controller
         step = runner.prepare(plan, agreed)
         self.book.commit(plan, step.speculative if runner.spec_steps is not None else None)
-        return runner.launch(step, step_id, overlapped, timed)
+        launched = runner.launch(step, step_id, overlapped, timed)
+        launched.weight_version = self.weight_version
+        return launched
+
+    # ------------------------------------------------------------------ weights and pausing
+    def set_weight_version(self, version: int) -> None:
+        """The model's weights were updated in place (``LLM.update_weights``): launches from now
+        on record ``version`` on their tokens (a launch enqueued before ran on the old weights:
+        same stream), and KV / Mamba states cached before are never hit again."""
+        self.weight_version = version
+        self.context.weights_changed()
+
+    @property
+    def is_paused(self) -> bool:
+        return self._pause is not None
+
+    def pause_generation(self, mode: str = "keep") -> None:
+        """Stop generating until ``resume_generation``. ``"abort"``: every unfinished request
+        ends with finish_reason "abort" (outputs in the next ``step()``); ``"wait"``: no new
+        admissions, running requests (evicted ones too) run to their end; ``"keep"``: the
+        in-flight launch lands at the next ``step()``, then nothing runs; requests keep their KV
+        and continue, token-identically, after resuming. While paused ``add_request`` still
+        queues, and a ``step()`` with nothing to land does no device work and returns an empty
+        result (``EngineStats.paused_steps``)."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"unknown pause mode {mode!r}: use 'abort', 'wait' or 'keep'")
+        if self._sync is not None:
+            raise NotImplementedError("pause_generation is not supported under tensor / expert parallelism yet "
+                                      "(every rank would have to agree on the step it takes effect)")
+        if mode == "abort":
+            for rid in self._requests:
+                self._mark_abort(rid)
+        self._pause = mode
+        self.scheduler.admits_new = mode != "wait"
+
+    def resume_generation(self) -> None:
+        """Generate again after ``pause_generation`` (no-op when not paused)."""
+        self._pause = None
+        self.scheduler.admits_new = True
+
+    def _step_paused(self, out: StepResult, t0: float) -> StepResult:
+        """``step()`` paused ("keep" / "abort"): the in-flight launch lands, nothing launches."""
+        if self._pending is None:
+            self.stats.paused_steps += 1
+            return out
+        pending, self._pending = self._pending, None
+        self._land(pending, out, t0)
+        return out
 
     # ------------------------------------------------------------------ endings
     def _apply_aborts(self, out: StepResult) -> None:
@@ -491,8 +544,15 @@ class DynamicInferenceEngine:
     def run_until_done(self) -> list[RequestOutput]:
         outs = []
         while self.has_unfinished_requests():
-            outs.extend(self.step().finished)
+            res = self.step()
+            self._check_not_stuck(res)
+            outs.extend(res.finished)
         return outs
+
+    def _check_not_stuck(self, res: StepResult) -> None:
+        """A loop stepping until requests finish would wait forever on a paused engine."""
+        if self._pause is not None and res.step_id == -1 and not res.finished and not res.updates:
+            raise RuntimeError("generation is paused and nothing can run: resume_generation() first")
 
     def run_requests(self, request_ids: list[int],
                      feed: Callable[[], tuple[list[int], bool]] | None = None) -> dict[int, RequestOutput]:
@@ -515,6 +575,7 @@ class DynamicInferenceEngine:
                         continue
                     break
                 res = self.step()
+                self._check_not_stuck(res)
                 for o in res.finished:
                     if o.request_id in own:
                         got[o.request_id] = o

@@ -28,6 +28,9 @@ class EngineStats:
     """Bookkept launches that had no successor enqueued while unfinished requests remained
     after them: the device went idle until the host launched again. Serial mode drains at
     every step but the last; launch-ahead only where it could not launch ahead."""
+    paused_steps: int = 0
+    """``step()`` calls while generation was paused (``pause_generation``) that launched and
+    landed nothing."""
     discarded_rows: int = 0
     """Launch-ahead rows dropped because their request finished one step earlier."""
     paused: int = 0

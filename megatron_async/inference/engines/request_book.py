@@ -120,6 +120,7 @@ class RequestBook:
         register = ctx.allocator.enable_prefix_caching
         finished_status = Status.FINISHED
         reason = None
+        version = pending.weight_version
         for i, row in enumerate(rows):
             if not row.samples:
                 continue
@@ -145,6 +146,9 @@ class RequestBook:
                 a, emitted = 0, (first,)
             sp = req.sampling_params
             gen = req.generated_tokens
+            runs = req.weight_version_runs
+            if not runs or runs[-1][1] != version:
+                runs.append((len(gen), version))
             for last in emitted:  # up to the first sample that finishes the request
                 gen.append(tokens[last])
                 if sp.return_log_probs:

@@ -29,6 +29,9 @@ class Scheduler:
         self.num_paused_events = 0
         self.num_evicted_events = 0
         self.prefix_hit_tokens = 0
+        self.admits_new = True
+        """False (``pause_generation("wait")``): only requests admitted before (evicted ones) are
+        admitted again, so the running ones can finish."""
         self.spec = book.spec_policy if book is not None and book.spec_policy is not None else SpecPolicy(config)
         self.book = book if book is not None else RequestBook(context, self.spec)
         self._by_age: list[DynamicInferenceRequest] = []
@@ -213,6 +216,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_inflight:
                 break  # an evicted request whose last sample has not landed yet
+            if not self.admits_new and req.weights_epoch < 0:
+                break  # never admitted
             hit = ctx.admit(req)
             used = self._schedule_prefill(req, budget, plan)
             if used == 0:
