@@ -4,10 +4,15 @@ points), also after the other one was built, and give the same tokens."""
 from __future__ import annotations
 
 import collections
+import os
 
 import pytest
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the engines run on the CPU: the Triton backends need the interpreter (tests/conftest.py sets it "
+           "without CUDA; on a CUDA box the GPU tests cover the compiled kernels)")
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.config import AttentionBackend, MambaBackend  # noqa: E402
