@@ -227,8 +227,8 @@ def _trace(rank: int, world: int) -> list[tuple[int, bool, int]]:
         graphs.warmup()
         eng, records, agree = llm.engine, [], llm.engine.ranks.agree
 
-        def recorded(from_step, out, num_tokens=0, eager=False, upload=None):
-            got = agree(from_step, out, num_tokens, eager, upload)
+        def recorded(from_step, out, num_tokens=0, eager=False, upload=None, **rest):
+            got = agree(from_step, out, num_tokens, eager, upload, **rest)
             if from_step:
                 records.append((num_tokens, got.eager, len(got.news)))
             return got
