@@ -16,8 +16,8 @@ step body and is given one of these roles, which answers what differs between
   step N+1 runs while the device runs step N. Rank r's results reach rank 0 with r's next
   exchange; rank 0 takes them at the end of that step, after its launch.
 
-The role reads and changes the engine's request state only through the engine's own methods
-(``_admit``, ``_mark_abort``, ``_has_local_work``)."""
+A role reads the engine it is bound to (its requests, the launch in flight, its stats) and
+changes the engine's requests only through the engine's own ``_admit`` and ``_mark_abort``."""
 from __future__ import annotations
 
 import numbers
