@@ -14,8 +14,8 @@ from megatron_async.inference import nvtx
 from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.device import DeviceFacade
-from megatron_async.inference.engines.data_parallel_engine import DataParallelEngine
 from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine
+from megatron_async.inference.engines.rank_roles import rank_role
 from megatron_async.inference.memory_planning import GiB, CudaMemoryReader, MemoryPlan, MemoryPlanError, check_weights_fit
 from megatron_async.inference.memory_profiling import builtin_weight_bytes, profile_memory_plan
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, SamplingParams
@@ -146,8 +146,8 @@ class LLM:
         self.controller = ModelRunner(self.model, self.context, eos_ids, expert_parallel=self.parallel.ep_size > 1)
         if self.config.cuda_graphs and facade.is_cuda:
             self.controller.graphs = self._graph_runner()
-        engine_cls = DataParallelEngine if self.parallel.dp_size > 1 else DynamicInferenceEngine
-        self.engine = engine_cls(self.controller, self.context, self.config, self.tokenizer, self.communicator)
+        ranks = rank_role(self.communicator, self.parallel.dp_size, self.parallel.tp_size)
+        self.engine = DynamicInferenceEngine(self.controller, self.context, self.config, self.tokenizer, ranks=ranks)
         if facade.is_cuda and (self.config.startup_warmup or self.parallel.ep_size > 1 and self.config.cuda_graphs):
             # Expert parallelism always captures here: every rank at once (collectives inside).
             try:

@@ -116,7 +116,7 @@ def _engine(rank: int, world: int, parallel: str, shared_memory: bool, tokens: i
               default_model=name, **sizes)
     try:
         eng, comm = llm.engine, llm.communicator
-        busy, in_flight, agree = [], [], eng._agree
+        busy, in_flight, agree = [], [], eng.ranks.agree
 
         def watched(*a, **kw):
             got = agree(*a, **kw)
@@ -126,7 +126,7 @@ def _engine(rank: int, world: int, parallel: str, shared_memory: bool, tokens: i
                 busy.append(not pending.event.query())  # no sync: is the device still on that launch?
             return got
 
-        eng._agree = watched
+        eng.ranks.agree = watched
         prompts = [[(7 * i + j) % 1000 + 1 for j in range(16 + 4 * i)] for i in range(8 * world)]
         llm.generate(prompts[:2 * world], SP(top_k=1, num_tokens_to_generate=8, ignore_eos=True))  # warm-up
         st = eng.stats
@@ -225,15 +225,15 @@ def _trace(rank: int, world: int) -> list[tuple[int, bool, int]]:
     try:
         graphs = llm.controller.graphs = EmulatedGraphRunner(llm.controller, llm.config, collective=True)
         graphs.warmup()
-        eng, records, agree = llm.engine, [], llm.engine._agree
+        eng, records, agree = llm.engine, [], llm.engine.ranks.agree
 
-        def recorded(from_step, out, num_tokens=0, eager=False, upload=None):
-            got = agree(from_step, out, num_tokens, eager, upload)
+        def recorded(from_step, out, num_tokens=0, eager=False, upload=None, **rest):
+            got = agree(from_step, out, num_tokens, eager, upload, **rest)
             if from_step:
                 records.append((num_tokens, got.eager, len(got.news)))
             return got
 
-        eng._agree = recorded
+        eng.ranks.agree = recorded
         rng = random.Random(0)  # irregular arrivals (mean gap 2 steps), the same on every rank
         at = [sum(rng.choice((0, 1, 1, 2, 3, 5)) for _ in range(i + 1)) for i in range(12 * world)]
         greedy = [SP(top_k=1, num_tokens_to_generate=8 + 4 * (i % 5), ignore_eos=True) for i in range(12 * world)]
@@ -259,7 +259,7 @@ def _cold(rank: int, world: int) -> dict:
     llm = LLM(None, inference_config=cfg, default_model="tiny-moe", expert_parallel_size=world)
     try:
         llm.generate([[1, 2, 3]] * 2 * world, SP(top_k=1, num_tokens_to_generate=4, ignore_eos=True))
-        sync, x, out = llm.engine._sync, torch.randn(256, 256), {}
+        sync, x, out = llm.engine.ranks.consensus, torch.randn(256, 256), {}
         between = {"nothing": None, "20 matmuls 256x256": lambda: [x @ x for _ in range(20)],
                    "3000 small dicts": lambda: [dict(a=i) for i in range(3000)], "2 ms sleep": lambda: time.sleep(2e-3)}
         for name, work in between.items():

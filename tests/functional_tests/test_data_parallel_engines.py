@@ -52,7 +52,7 @@ def _count_handed_up(llm: LLM) -> dict[str, int]:
     """Updates this rank hands up to rank 0, inside ``generate`` (rank 0 reads none of them
     there) and elsewhere (``step()`` callers read them)."""
     eng, handed, where = llm.engine, {"generate": 0, "step": 0}, ["step"]
-    upload, generate = eng._upload, llm.generate
+    upload, generate = eng.ranks._upload, llm.generate
 
     def counted():
         up = upload()
@@ -67,7 +67,7 @@ def _count_handed_up(llm: LLM) -> dict[str, int]:
         finally:
             where[0] = "step"
 
-    eng._upload, llm.generate = counted, generating
+    eng.ranks._upload, llm.generate = counted, generating
     return handed
 
 

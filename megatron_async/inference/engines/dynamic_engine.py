@@ -20,7 +20,6 @@ import numbers
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,15 +30,17 @@ from megatron_async.inference.contexts.dynamic_context import DynamicInferenceCo
 from megatron_async.inference.contexts.step_errors import RequestStepError
 from megatron_async.inference.engines.async_pipeline import PendingLaunch
 from megatron_async.inference.engines.engine_stats import EngineStats
+from megatron_async.inference.engines.rank_roles import SingleRank, rank_role
 from megatron_async.inference.engines.request_book import RequestBook
 from megatron_async.inference.engines.request_validation import RequestValidator, ValidRequest
 from megatron_async.inference.engines.scheduler import Scheduler
+from megatron_async.inference.engines.step_consensus import NewRequest
 from megatron_async.inference.engines.step_plan import ALONE, StepAgreement
-from megatron_async.inference.engines.step_consensus import Agreement, NewRequest, StepConsensus
+from megatron_async.inference.engines.step_result import StepResult
 from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.speculative.policy import SpecPolicy
 from megatron_async.inference.request import (
-    DynamicInferenceRequest, FinishReason, InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams, Status,
+    DynamicInferenceRequest, FinishReason, InvalidRequestError, RequestOutput, SamplingParams, Status,
 )
 from megatron_async.inference.text_stream import TextStream
 
@@ -48,23 +49,6 @@ if TYPE_CHECKING:  # type-only: the engine depends on contexts, never the revers
     from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
 
 log = logging.getLogger("megatron_async")
-_DIGEST_MOD = (1 << 61) - 1  # a Mersenne prime: digests stay small ints for the max-reduce
-
-
-@dataclass
-class StepResult:
-    finished: list[RequestOutput] = field(default_factory=list)
-    """Requests that ended (length, stop, abort, error), in the order they ended."""
-    updates: list[RequestUpdate] = field(default_factory=list)
-    """One entry per request that gained tokens or ended in this call."""
-    step_id: int = -1
-    """Id of the launch bookkept by this call (-1: nothing ran; 0: data-parallel engines only,
-    this call launched without bookkeeping, or took part in the ranks' step with a dummy forward)."""
-    num_rows: int = 0
-    is_decode_only: bool = False
-    overlapped: bool = False
-    step_time: float | None = None
-    """Device seconds of the bookkept step (logging steps on CUDA; host time on CPU)."""
 
 
 class DynamicInferenceEngine:
@@ -75,10 +59,11 @@ class DynamicInferenceEngine:
         config: InferenceConfig,
         tokenizer=None,
         communicator: ZMQCommunicator | None = None,
+        ranks: SingleRank | None = None,
     ):
-        """``communicator``: tensor parallelism. Only rank 0 accepts ``add_request`` and
-        ``abort_request``; every rank (rank 0 too) admits them at the next per-step exchange
-        (see step_consensus.py). ``controller``: the model runner (the attribute keeps its name)."""
+        """``ranks``: how this rank shares steps with others (rank_roles.py: alone, tensor-parallel
+        replicas or data-parallel ranks); None: tensor-parallel replicas over ``communicator``
+        if one is given, else alone. ``controller``: the model runner (the attribute keeps its name)."""
         self.controller = controller
         self.context = context
         self.config = config
@@ -96,12 +81,8 @@ class DynamicInferenceEngine:
         self._held = StepResult()  # produced while generate() ran, handed out by the next step()
         self._pending: PendingLaunch | None = None
         self._launches = 0
-        self._leader_waiting = False
-        self._sync = self._make_consensus(communicator) if communicator is not None else None
-        self._landed_digest = 0
-        """Tensor-parallel replicas: a running digest of the tokens (and accepted counts) landed."""
-        self._live: dict[int, None] = {}  # rank 0 under a consensus: accepted ids not reported finished
-        self._aborting: set[int] = set()
+        self.ranks = rank_role(communicator) if ranks is None else ranks
+        self.ranks.bind(self)
         self._quiet: set[int] = set()
         """Ids whose ``RequestUpdate``s nobody reads (``run_requests`` returns whole outputs):
         no update is built for them, so their text is decoded once, when they finish."""
@@ -110,23 +91,15 @@ class DynamicInferenceEngine:
         """The version of the model's weights (``set_weight_version``), recorded on every launch."""
         self._pause: str | None = None  # pause_generation's mode while paused
 
-    def _make_consensus(self, communicator: ZMQCommunicator) -> StepConsensus:
-        return StepConsensus(communicator)
-
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_tokens: list[int] | str, sampling_params: SamplingParams | None = None,
                     request_id: int | None = None) -> int:
         """Queue a request; raises InvalidRequestError (nothing queued) when it can never be
         served. ``request_id``: None (the engine picks) or an id never used in this engine
         (ids only grow: it must be >= every id used so far)."""
-        if self._sync is not None:
-            self._sync.check_can_add()
+        self.ranks.check_can_add()
         new = self._accept(prompt_tokens, sampling_params, request_id)
-        if self._sync is None:
-            self._admit(new)
-        else:  # admitted by every rank (this one too) at the next exchange
-            self._sync.send(NewRequest(new.valid, new.request_id, new.seed, self._sync.route()))
-            self._live[new.request_id] = None
+        self.ranks.accept(new)
         return new.request_id
 
     def _accept(self, prompt_tokens, sampling_params, request_id) -> NewRequest:
@@ -173,14 +146,7 @@ class DynamicInferenceEngine:
         """End an unfinished request at the next ``step()``: its output comes in that step's
         ``finished`` with finish_reason "abort", its KV blocks and state slot are freed.
         Returns False (and does nothing) for an unknown, finished or already aborted id."""
-        if self._sync is None:
-            return self._mark_abort(request_id)
-        self._sync.check_can_add()
-        if not isinstance(request_id, numbers.Integral) or request_id not in self._live or request_id in self._aborting:
-            return False
-        self._aborting.add(int(request_id))
-        self._sync.send_abort(int(request_id))  # every rank marks it at the next exchange
-        return True
+        return self.ranks.abort(request_id)
 
     def _mark_abort(self, request_id: int) -> bool:
         if not isinstance(request_id, numbers.Integral) or request_id not in self._requests or request_id in self._aborts:
@@ -201,7 +167,7 @@ class DynamicInferenceEngine:
         ``max_requests`` requests and ``max_tokens`` tokens, so a queue holding either (twice the
         tokens, for prefix hits that shorten chunks) loses no admission. Always true under TP /
         EP, where requests reach every rank at the per-step exchange."""
-        if self._sync is not None:
+        if not self.ranks.admits_at_once:
             return True
         waiting = self.scheduler.waiting
         if len(waiting) >= self.config.max_requests:
@@ -212,45 +178,7 @@ class DynamicInferenceEngine:
         """Requests not yet reported finished. Under TP / EP a collective: every rank gets the
         same answer (and must call it together). It reuses the latest per-step agreement while
         that said "work" (a stale yes costs at most one empty step), else exchanges afresh."""
-        if self._sync is None:
-            return self._has_local_work()
-        return self._agreed("any_work")
-
-    def _agreed(self, flag: str) -> bool:
-        if not self._sync.said(flag):
-            self._agree(from_step=False, out=self._held)
-        return getattr(self._sync.last, flag)
-
-    def _agree(self, from_step: bool, out: StepResult, num_tokens: int = 0, eager: bool = False,
-               upload: StepResult | None = None, variant: int = 0, take_uploads: bool = True) -> Agreement:
-        """The per-step exchange; admits the new requests and marks the aborts it brings.
-        ``take_uploads`` False: the caller takes the other ranks' results later (``_take_uploads``)."""
-        sync = self._sync
-        with nvtx_range("consensus"):
-            got = sync.exchange(self._has_local_work(), num_tokens, eager, leader_waiting=self._leader_waiting,
-                                load=len(self._requests), upload=upload, from_step=from_step, variant=variant,
-                                digest=self._landed_digest, quiet=self._quiet)
-        sync.record(self.stats, in_flight=self._pending is not None)
-        for new in got.news:
-            self._admit(new)
-        if got.quiet and not sync.is_leader:  # rank 0 reads no updates of these: build none
-            self._quiet.update(got.quiet)
-            if len(self._quiet) > 2 * len(self._requests) + 64:
-                self._quiet.intersection_update(self._requests)
-        for rid in got.aborts:
-            self._mark_abort(rid)
-        if take_uploads:
-            self._take_uploads(out)
-        return got
-
-    def _take_uploads(self, out: StepResult) -> None:
-        """Rank 0 of data-parallel engines: the other ranks' results, handed up at exchanges."""
-        for up in self._sync.take_uploads():
-            out.finished.extend(up.finished)
-            out.updates.extend(up.updates)
-            for o in up.finished:
-                self._live.pop(o.request_id, None)
-                self._aborting.discard(o.request_id)
+        return self.ranks.has_unfinished_requests()
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self):
@@ -280,30 +208,31 @@ class DynamicInferenceEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> StepResult:
-        """Bookkeep one launch (launching the next one first in async mode)."""
+        """Bookkeep one launch (launching the next one first in async mode). Ranks that share
+        steps agree on each launch through ``self.ranks``; data-parallel ranks launch once per
+        call, so a chain's first launch is bookkept by the next call."""
         t0 = time.perf_counter()
         out, self._held = self._held, StepResult()
-        if self._sync is not None:  # tensor parallel: one exchange per step, before scheduling
-            if self._sync.fresh:  # has_unfinished_requests exchanged and nothing ran since
-                self._sync.fresh = False
-            else:
-                self._agree(from_step=True, out=out)
+        ranks = self.ranks
+        ranks.open_step(out)
         self._apply_aborts(out)
         if self._pause is not None and self._pause != "wait":
             return self._step_paused(out, t0)
-        with nvtx_range("schedule"):
+        if self._pending is None:
+            with nvtx_range("schedule"):
+                self._pending = self._launch_slot(out, first=True)
             if self._pending is None:
-                self._pending = self._launch_first(out)
-                if self._pending is None:
-                    self.stats.paused_steps += self._pause is not None
-                    return out
-            nxt = None
-            if self.config.async_scheduling:
-                with nvtx_range("launch_ahead"):
-                    nxt = self._launch_ahead(out)
+                self.stats.paused_steps += self._pause is not None
+                return ranks.close_step(out, landed=False)
+            if self.config.async_scheduling and ranks.one_launch_per_call:
+                return ranks.close_step(out, landed=False)
+        nxt = None
+        if self.config.async_scheduling:
+            with nvtx_range("launch_ahead"):
+                nxt = self._launch_slot(out, first=False)
         pending, self._pending = self._pending, nxt
         self._land(pending, out, t0)
-        return out
+        return ranks.close_step(out, landed=True)
 
     def _land(self, pending: PendingLaunch, out: StepResult, t0: float) -> None:
         """Bookkeep ``pending`` (the launch ahead of it, if any, is ``self._pending``)."""
@@ -319,22 +248,31 @@ class DynamicInferenceEngine:
             self.stats.drains += 1  # the device idles until the host launches again
         self._account_time(pending, time.perf_counter() - t0)
 
-    def _launch_first(self, out: StepResult) -> PendingLaunch | None:
-        """Schedule and launch with nothing in flight (retrying without a request that failed)."""
+    def _launch_slot(self, out: StepResult, first: bool) -> PendingLaunch | None:
+        """Schedule and launch one step (``first``: nothing in flight). Where ranks share steps
+        they agree on the launch first, and a rank with nothing to launch while others launch
+        runs a dummy forward of the agreed size. Alone, a first launch whose request failed is
+        scheduled again without it."""
         while True:
-            plan = self.scheduler.schedule(has_inflight=False)
-            if not plan:
-                if self._requests and self._pause is None:  # nothing in flight, nothing admissible: would spin forever
-                    head = self.scheduler.waiting[0] if self.scheduler.waiting else None
-                    raise RuntimeError(
-                        f"engine cannot make progress: {len(self._requests)} unfinished requests, "
-                        f"{len(self.context.active)} active, head of queue {head and head.request_id} "
-                        f"({head and head.num_known_tokens} tokens) cannot be scheduled"
-                    )
-                return None
-            launched = self._try_launch(plan, False, out)
-            if launched is not None:
-                return launched
+            plan = self.scheduler.schedule(has_inflight=not first)
+            if first and not plan and self._requests and self._pause is None:  # nothing in flight, nothing admissible: would spin forever
+                head = self.scheduler.waiting[0] if self.scheduler.waiting else None
+                raise RuntimeError(
+                    f"engine cannot make progress: {len(self._requests)} unfinished requests, "
+                    f"{len(self.context.active)} active, head of queue {head and head.request_id} "
+                    f"({head and head.num_known_tokens} tokens) cannot be scheduled"
+                )
+            agreed = self.ranks.agree_on_launch(plan, out)
+            launched = self._try_launch(plan, not first, out, agreed) if plan else None
+            if launched is None and agreed.max_tokens > 0:
+                self.controller.dummy_forward(agreed)
+                self.stats.dummy_steps += 1
+            if launched is not None or not plan or not first or self.ranks.one_launch_per_call:
+                break
+        if launched is None and not first and self._requests:
+            self.stats.rejected_launches += 1
+            self.stats.rejected_causes[self._rejection_cause()] += 1
+        return launched
 
     def _try_launch(self, plan, overlapped: bool, out: StepResult, agreed: StepAgreement = ALONE
                     ) -> PendingLaunch | None:
@@ -344,17 +282,6 @@ class DynamicInferenceEngine:
             log.error("request %d failed while preparing a step: %s", e.request.request_id, e.message)
             self._end(e.request, FinishReason.ERROR, out, error=e.message)
             return None
-
-    def _launch_ahead(self, out: StepResult) -> PendingLaunch | None:
-        plan = self.scheduler.schedule(has_inflight=True)
-        if plan:
-            launched = self._try_launch(plan, True, out)
-            if launched is not None:
-                return launched
-        if self._requests:
-            self.stats.rejected_launches += 1
-            self.stats.rejected_causes[self._rejection_cause()] += 1
-        return None
 
     def _rejection_cause(self) -> str:
         active = list(self.context.active.values())
@@ -412,7 +339,7 @@ class DynamicInferenceEngine:
         result (``EngineStats.paused_steps``)."""
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"unknown pause mode {mode!r}: use 'abort', 'wait' or 'keep'")
-        if self._sync is not None:
+        if not self.ranks.admits_at_once:  # requests and aborts go through the ranks' exchange
             raise NotImplementedError("pause_generation is not supported under tensor / expert parallelism yet "
                                       "(every rank would have to agree on the step it takes effect)")
         if mode == "abort":
@@ -458,8 +385,7 @@ class DynamicInferenceEngine:
 
     def _report_finished(self, req: DynamicInferenceRequest, out: StepResult) -> None:
         self._requests.pop(req.request_id, None)
-        self._live.pop(req.request_id, None)
-        self._aborting.discard(req.request_id)
+        self.ranks.forget(req.request_id)
         if req.text is not None:
             req.text.finish()
         out.finished.append(req.to_output())
@@ -468,11 +394,7 @@ class DynamicInferenceEngine:
         samples = self.controller.collect(pending)
         with nvtx_range("update_requests"):
             res = self.book.land(pending, samples)
-        if self._sync is not None and self._sync.checks_replicas:  # what replicas must have landed alike
-            step = int(pending.host_tokens.sum()) * 31 + len(pending.host_tokens)
-            if pending.host_accepted is not None:
-                step = step * 131 + int(pending.host_accepted.sum())
-            self._landed_digest = (self._landed_digest * 1_000_003 + step) % _DIGEST_MOD
+        self.ranks.landed(pending)
         st = self.stats
         st.steps += 1
         st.discarded_rows += res.num_discarded
@@ -570,7 +492,7 @@ class DynamicInferenceEngine:
                     own.update(new)
                     want.update(new)
                     self._quiet.update(new)
-                if not self._still_waiting(want):
+                if not self.ranks.still_waiting(want):
                     if more:
                         continue
                     break
@@ -585,9 +507,5 @@ class DynamicInferenceEngine:
                 self._held.updates.extend(u for u in res.updates if u.request_id not in own)
         finally:
             self._quiet -= own
-        self._leader_waiting = False
+        self.ranks.leader_waiting = False
         return got
-
-    def _still_waiting(self, want: set[int]) -> bool:
-        """Tensor-parallel ranks are replicas: every rank's ``want`` is the same."""
-        return bool(want)

@@ -125,6 +125,8 @@ def test_bad_mode_and_distributed_engines_refused():
     with pytest.raises(ValueError, match="unknown pause mode"):
         eng.pause_generation("stop")
     assert not eng.is_paused
-    eng._sync = object()  # stands for a TP / EP consensus
+    from megatron_async.inference.engines.rank_roles import TensorParallelReplicas
+
+    eng.ranks = object.__new__(TensorParallelReplicas)  # stands for TP / EP ranks (no exchange is made)
     with pytest.raises(NotImplementedError):
         eng.pause_generation("keep")

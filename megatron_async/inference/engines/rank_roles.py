@@ -1,0 +1,239 @@
+"""How the ranks serving one model share ``DynamicInferenceEngine.step()``: the engine has one
+step body and is given one of these roles, which answers what differs between
+
+- ``SingleRank``: one engine alone. Requests are admitted at once; nothing is exchanged.
+- ``TensorParallelReplicas``: every rank runs the same steps over the same requests. Only rank 0
+  accepts ``add_request`` / ``abort_request``; every rank admits them at the one per-step
+  exchange (step_consensus.py), which sits at the start of ``step()``, before scheduling, so
+  identical bookkeeping yields identical batches and graph choices.
+- ``DataParallelRanks`` (expert parallelism, attention data parallel): every rank runs its own
+  requests; rank 0 routes each new one to the least loaded rank and returns every rank's
+  outputs. Each rank schedules first, then the exchange agrees on the launch (anyone
+  launching? the largest token count? graph or eager? which sampling variant?), and a rank
+  with nothing to launch while others launch runs a dummy forward of the agreed size, so the
+  MoE collectives pair up. One launch per call (the ranks' launch counts stay equal): the
+  first launch of a chain is bookkept by the next call. Under launch-ahead the exchange for
+  step N+1 runs while the device runs step N. Rank r's results reach rank 0 with r's next
+  exchange; rank 0 takes them at the end of that step, after its launch.
+
+A role reads the engine it is bound to (its requests, the launch in flight, its stats) and
+changes the engine's requests only through the engine's own ``_admit`` and ``_mark_abort``."""
+from __future__ import annotations
+
+import numbers
+from typing import TYPE_CHECKING
+
+from megatron_async.inference.engines.async_pipeline import PendingLaunch
+from megatron_async.inference.engines.step_consensus import Agreement, NewRequest, StepConsensus
+from megatron_async.inference.engines.step_plan import ALONE, StepAgreement, StepPlan
+from megatron_async.inference.engines.step_result import StepResult
+from megatron_async.inference.nvtx import nvtx_range
+
+if TYPE_CHECKING:
+    from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
+
+_DIGEST_MOD = (1 << 61) - 1  # a Mersenne prime: digests stay small ints for the max-reduce
+
+
+class SingleRank:
+    consensus: StepConsensus | None = None
+    admits_at_once = True
+    """``add_request`` admits into this engine's queue (else at the next exchange)."""
+    one_launch_per_call = False
+    """A call may launch a chain's first step and the one ahead of it (else one launch per call)."""
+    leader_waiting = False
+    """Rank 0 is inside ``run_requests`` waiting for some of its requests (data parallel)."""
+
+    def bind(self, engine) -> None:
+        """``engine``: the DynamicInferenceEngine this role serves (not annotated: the engine
+        imports this module)."""
+        self.engine = engine
+
+    def check_can_add(self) -> None:
+        """Raises where this rank may not accept requests or aborts."""
+
+    def accept(self, new: NewRequest) -> None:
+        self.engine._admit(new)
+
+    def abort(self, request_id) -> bool:
+        return self.engine._mark_abort(request_id)
+
+    def forget(self, request_id: int) -> None:
+        """``request_id`` was reported finished."""
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine._has_local_work()
+
+    def still_waiting(self, want: set[int]) -> bool:
+        return bool(want)
+
+    def open_step(self, out: StepResult) -> None:
+        """At the start of ``step()``, before the aborts and scheduling."""
+
+    def agree_on_launch(self, plan: StepPlan, out: StepResult) -> StepAgreement:
+        """What every rank launches in this slot (``plan``: this rank's, maybe empty)."""
+        return ALONE
+
+    def landed(self, pending: PendingLaunch) -> None:
+        """``pending`` was bookkept."""
+
+    def close_step(self, out: StepResult, landed: bool) -> StepResult:
+        """What ``step()`` returns (``landed``: this call bookkept a launch)."""
+        return out
+
+
+class TensorParallelReplicas(SingleRank):
+    admits_at_once = False
+
+    def __init__(self, communicator: ZMQCommunicator, consensus: StepConsensus | None = None):
+        self.consensus = StepConsensus(communicator) if consensus is None else consensus
+        self.landed_digest = 0
+        """Where ranks are replicas: a running digest of the tokens (and accepted counts) landed."""
+        self._live: dict[int, None] = {}  # rank 0: accepted ids not reported finished
+        self._aborting: set[int] = set()
+
+    def check_can_add(self) -> None:
+        self.consensus.check_can_add()
+
+    def accept(self, new: NewRequest) -> None:
+        # admitted by every rank (this one too) at the next exchange
+        sync = self.consensus
+        sync.send(NewRequest(new.valid, new.request_id, new.seed, sync.route()))
+        self._live[new.request_id] = None
+
+    def abort(self, request_id) -> bool:
+        self.consensus.check_can_add()
+        if not isinstance(request_id, numbers.Integral) or request_id not in self._live or request_id in self._aborting:
+            return False
+        self._aborting.add(int(request_id))
+        self.consensus.send_abort(int(request_id))  # every rank marks it at the next exchange
+        return True
+
+    def forget(self, request_id: int) -> None:
+        self._live.pop(request_id, None)
+        self._aborting.discard(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """A collective: every rank gets the same answer (and must call it together). It reuses
+        the latest agreement while that said "work" (a stale yes costs at most one empty step),
+        else exchanges afresh."""
+        return self.agreed("any_work")
+
+    def agreed(self, flag: str) -> bool:
+        if not self.consensus.said(flag):
+            self.agree(from_step=False, out=self.engine._held, upload=self._upload())
+        return getattr(self.consensus.last, flag)
+
+    def _upload(self) -> StepResult | None:
+        return None  # replicas hand nothing up
+
+    def _has_work(self) -> bool:
+        return self.engine._has_local_work()
+
+    def agree(self, from_step: bool, out: StepResult, num_tokens: int = 0, eager: bool = False,
+              upload: StepResult | None = None, variant: int = 0, take_uploads: bool = True) -> Agreement:
+        """The per-step exchange; admits the new requests and marks the aborts it brings.
+        ``take_uploads`` False: the caller takes the other ranks' results later."""
+        sync, eng = self.consensus, self.engine
+        with nvtx_range("consensus"):
+            got = sync.exchange(self._has_work(), num_tokens, eager, leader_waiting=self.leader_waiting,
+                                load=len(eng._requests), upload=upload, from_step=from_step, variant=variant,
+                                digest=self.landed_digest, quiet=eng._quiet)
+        sync.record(eng.stats, in_flight=eng._pending is not None)
+        for new in got.news:
+            eng._admit(new)
+        if got.quiet and not sync.is_leader:  # rank 0 reads no updates of these: build none
+            eng._quiet.update(got.quiet)
+            if len(eng._quiet) > 2 * len(eng._requests) + 64:
+                eng._quiet.intersection_update(eng._requests)
+        for rid in got.aborts:
+            eng._mark_abort(rid)
+        if take_uploads:
+            self._take_uploads(out)
+        return got
+
+    def _take_uploads(self, out: StepResult) -> None:
+        """Rank 0 of data-parallel ranks: the other ranks' results, handed up at exchanges."""
+        for up in self.consensus.take_uploads():
+            out.finished.extend(up.finished)
+            out.updates.extend(up.updates)
+            for o in up.finished:
+                self.forget(o.request_id)
+
+    def open_step(self, out: StepResult) -> None:
+        sync = self.consensus
+        if sync.fresh:  # has_unfinished_requests exchanged and nothing ran since
+            sync.fresh = False
+        else:
+            self.agree(from_step=True, out=out)
+
+    def landed(self, pending: PendingLaunch) -> None:
+        if self.consensus.checks_replicas:  # what replicas must have landed alike
+            step = int(pending.host_tokens.sum()) * 31 + len(pending.host_tokens)
+            if pending.host_accepted is not None:
+                step = step * 131 + int(pending.host_accepted.sum())
+            self.landed_digest = (self.landed_digest * 1_000_003 + step) % _DIGEST_MOD
+
+
+class DataParallelRanks(TensorParallelReplicas):
+    one_launch_per_call = True
+
+    def __init__(self, communicator: ZMQCommunicator, tensor_parallel_size: int = 1):
+        """TP x EP: each data-parallel rank is a TP group whose ranks are replicas (same
+        requests, same steps); only its TP rank 0 hands results up."""
+        super().__init__(communicator, StepConsensus(communicator, data_parallel=True,
+                                                     tensor_parallel_size=tensor_parallel_size))
+        self._outgoing = StepResult()
+        """Non-leader ranks: results not yet handed up to rank 0."""
+
+    def _has_work(self) -> bool:
+        eng = self.engine
+        return eng._has_local_work() or eng._pending is not None or bool(self._outgoing.finished)
+
+    def _upload(self) -> StepResult | None:
+        sync = self.consensus
+        if sync.is_leader or sync.tp_rank != 0 or not (self._outgoing.finished or self._outgoing.updates):
+            return None
+        up, self._outgoing = self._outgoing, StepResult()
+        return up
+
+    def still_waiting(self, want: set[int]) -> bool:
+        """Only rank 0 knows which of its requests are still out: every exchange carries its flag."""
+        self.leader_waiting = bool(want) and self.consensus.is_leader
+        return self.agreed("leader_waiting")
+
+    def open_step(self, out: StepResult) -> None:
+        self.consensus.fresh = False  # the step exchanges after scheduling
+
+    def agree_on_launch(self, plan: StepPlan, out: StepResult) -> StepAgreement:
+        graphs = self.engine.controller.graphs
+        variant = graphs.replay_variant(plan) if plan and graphs is not None else None
+        agreed = self.agree(from_step=True, out=out, num_tokens=plan.num_tokens if plan else 0,
+                            eager=bool(plan) and variant is None, upload=self._upload(), variant=variant or 0,
+                            take_uploads=False)
+        return StepAgreement(agreed.max_tokens, agreed.eager, agreed.variant)
+
+    def close_step(self, out: StepResult, landed: bool) -> StepResult:
+        """Rank 0 returns everyone's results (the others', handed up at this step's exchange,
+        taken only now: after the launch); the others keep theirs for the next exchange."""
+        sync = self.consensus
+        if (landed or sync.last.any_work) and out.step_id < 0:
+            out.step_id = 0
+        if sync.is_leader:
+            self._take_uploads(out)
+            return out
+        if sync.tp_rank == 0:  # other TP ranks hold copies of the same results
+            self._outgoing.finished.extend(out.finished)
+            self._outgoing.updates.extend(out.updates)
+        return StepResult(step_id=out.step_id, num_rows=out.num_rows, is_decode_only=out.is_decode_only,
+                          overlapped=out.overlapped, step_time=out.step_time)
+
+
+def rank_role(communicator: ZMQCommunicator | None, dp_size: int = 1, tp_size: int = 1) -> SingleRank:
+    """The role of this rank: alone, a tensor-parallel replica, or one of ``dp_size`` data-parallel
+    ranks (each a TP group of ``tp_size``)."""
+    if communicator is None:
+        return SingleRank()
+    if dp_size > 1:
+        return DataParallelRanks(communicator, tp_size)
+    return TensorParallelReplicas(communicator)
