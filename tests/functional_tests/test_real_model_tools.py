@@ -8,7 +8,6 @@ pytest.importorskip("pydantic")
 from megatron_async.models.chat_template import load_chat_template  # noqa: E402
 from megatron_async.serve.openai_protocol import ChatCompletionRequest, parse_body  # noqa: E402
 from megatron_async.serve.tool_calls import choose_parser, template_tools  # noqa: E402
-from megatron_async.testing.smollm2 import FetchError, build_smollm2_checkpoint, default_checkpoint_dir  # noqa: E402
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -19,14 +18,6 @@ BODY = {"tools": [WEATHER], "messages": [
     {"role": "assistant", "content": "Let me check.", "tool_calls": [CALL]},
     {"role": "tool", "tool_call_id": "call_1", "content": "12 C"},
 ]}
-
-
-@pytest.fixture(scope="module")
-def smollm2_ckpt():
-    try:
-        return build_smollm2_checkpoint(default_checkpoint_dir())
-    except FetchError as e:
-        pytest.skip(f"SmolLM2 checkpoint unavailable: {e}")
 
 
 def test_tool_conversation_renders_as_transformers_does(smollm2_ckpt):
