@@ -195,7 +195,8 @@ def create_app(state: ServerState) -> FastAPI:
         choices = [Choice(prompt, _params(req, max_tokens, logprobs, i)) for i in range(req.n)]
         head = resp.ResponseHead("chat.completion.chunk" if req.stream else "chat.completion", state.model_name,
                                  resp.new_id("chatcmpl"))
-        output = ChatOutputFormat(state.reasoning_parser, state.tool_call_parser if tools is not None else None, text)
+        output = ChatOutputFormat(state.reasoning_parser, state.tool_call_parser if tools is not None else None, text,
+                                  max_tool_calls=1 if req.parallel_tool_calls is False else None)
         streams = [output.stream() for _ in choices]
 
         def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool,

@@ -25,13 +25,15 @@ class ChatOutputStream:
     A tool call takes two deltas, as OpenAI streams them: its index, id and function name (empty
     arguments), then its arguments."""
 
-    def __init__(self, reasoning_parser: str | None, tool_call_parser: str | None, prompt: str, new_id=new_call_id):
+    def __init__(self, reasoning_parser: str | None, tool_call_parser: str | None, prompt: str, new_id=new_call_id,
+                 max_tool_calls: int | None = None):
         self._reasoning = reasoning_stream(reasoning_parser, prompt) if reasoning_parser else None
         self._tools = HermesToolCalls(new_id) if tool_call_parser else None
+        self._max_calls = max_tool_calls
 
     @property
     def tool_calls(self) -> list[dict]:
-        return self._tools.calls if self._tools is not None else []
+        return self._tools.calls[: self._max_calls] if self._tools is not None else []
 
     def _content(self, deltas: list[dict], text: str) -> None:
         if self._tools is None:
@@ -45,6 +47,8 @@ class ChatOutputStream:
                 _add(deltas, "content", value)
                 continue
             index, call = value, self._tools.calls[value]
+            if self._max_calls is not None and index >= self._max_calls:
+                continue  # parallel_tool_calls false: only the first call is returned
             fn = call["function"]
             deltas.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
                                            "function": {"name": fn["name"], "arguments": ""}}]})
@@ -88,9 +92,11 @@ class ChatOutputFormat:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     prompt: str = ""
+    max_tool_calls: int | None = None
+    """1 for a request with ``parallel_tool_calls: false`` (later calls are dropped); None: all."""
 
     def stream(self, new_id=new_call_id) -> ChatOutputStream:
-        return ChatOutputStream(self.reasoning_parser, self.tool_call_parser, self.prompt, new_id)
+        return ChatOutputStream(self.reasoning_parser, self.tool_call_parser, self.prompt, new_id, self.max_tool_calls)
 
     def message(self, text: str, engine_reason: str, new_id=new_call_id) -> tuple[dict, str]:
         """(the whole answer's message, its finish_reason)."""

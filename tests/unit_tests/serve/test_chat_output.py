@@ -156,3 +156,15 @@ def test_well_formed_answers_stream_exactly(reasoning, content, names, cuts):
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls", [])] == \
         [(n, {"i": i}) for i, n in enumerate(names)]
     assert reason == ("tool_calls" if names else "stop")
+
+
+def test_parallel_tool_calls_false_keeps_only_the_first_call():
+    two = f"<tool_call>{CALL}</tool_call>\n<tool_call>{CALL.replace('Paris', 'Oslo')}</tool_call>"
+    fmt = ChatOutputFormat(None, "hermes")
+    msg, reason = message(fmt, two)
+    assert len(msg["tool_calls"]) == 2 and reason == "tool_calls"
+    one = ChatOutputFormat(None, "hermes", max_tool_calls=1)
+    msg, reason = message(one, two)
+    assert [json.loads(c["function"]["arguments"])["city"] for c in msg["tool_calls"]] == ["Paris"]
+    assert reason == "tool_calls" and msg["content"] is None
+    assert streamed(one, [two[:30], two[30:95], two[95:]]) == (msg, reason)  # the stream drops it too
