@@ -19,7 +19,7 @@ from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.memory_planning import DeviceMemoryReader, MemoryPlan, plan_kv_pool
 from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant
 from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
-from megatron_async.inference.text_generation_controllers.warmup import _shape as warmup_shape
+from megatron_async.inference.text_generation_controllers.warmup import warmup_shape
 
 log = logging.getLogger("megatron_async")
 

@@ -65,7 +65,9 @@ def mixed_token_counts(max_tokens: int) -> list[int]:
     return sorted(c for c in counts if 2 <= c <= max_tokens)
 
 
-def _shape(tokens: int, rows: int, decode: bool, variant: SamplingVariant, vocab: int) -> StepShape:
+def warmup_shape(tokens: int, rows: int, decode: bool, variant: SamplingVariant, vocab: int) -> StepShape:
+    """The shape of a padded step of ``tokens`` over ``rows`` sampling ``variant``: what the warm-up
+    runs and captures, and memory profiling's largest step."""
     f = variant_flags(variant, vocab)
     return StepShape(num_tokens=tokens, num_rows=rows, max_query_len=tokens - rows + 1, max_kv_len=1,
                      is_decode_only=decode, any_sampling=f.any_sampling, any_top_k_top_p=any(f.filters),
@@ -76,7 +78,7 @@ def _shape(tokens: int, rows: int, decode: bool, variant: SamplingVariant, vocab
 def _verify_shape(rows: int, width: int, drafts: list[int], vocab: int, uniform: bool) -> StepShape:
     """``rows`` rows of ``width`` tokens and samples each (the padding snapshot of that width);
     ``drafts``: the drafts each row verifies; ``uniform``: the verify-graph layout."""
-    shape = _shape(rows * width, rows, False, SamplingVariant.GREEDY, vocab)
+    shape = warmup_shape(rows * width, rows, False, SamplingVariant.GREEDY, vocab)
     shape.max_query_len = width
     shape.num_samples, shape.sample_base, shape.num_drafts = rows * width, list(range(0, rows * width, width)), drafts
     shape.verify_width = width if uniform else 0
@@ -105,10 +107,10 @@ def eager_shapes(controller) -> list[tuple[StepShape, int]]:
     ctx, vocab = controller.context, controller.model.vocab_size
     cfg = ctx.config
     split = _decode_split_count(controller)
-    shapes = [_shape(r, r, True, SamplingVariant.GREEDY, vocab) for r in decode_row_counts(cfg.max_requests, split)]
-    shapes += [_shape(t, 1, t == 1, SamplingVariant.GREEDY, vocab) for t in mixed_token_counts(cfg.max_tokens)]
+    shapes = [warmup_shape(r, r, True, SamplingVariant.GREEDY, vocab) for r in decode_row_counts(cfg.max_requests, split)]
+    shapes += [warmup_shape(t, 1, t == 1, SamplingVariant.GREEDY, vocab) for t in mixed_token_counts(cfg.max_tokens)]
     for v in list(SamplingVariant)[1:]:
-        shapes += [_shape(2, 2, True, v, vocab), _shape(3, 2, False, v, vocab)]
+        shapes += [warmup_shape(2, 2, True, v, vocab), warmup_shape(3, 2, False, v, vocab)]
     return [(s, 0) for s in shapes] + verify_shapes(controller, split)
 
 
