@@ -1,4 +1,4 @@
-"""LLM: the offline API. Builds model, context, model runner (``controller``) and engine; ``generate`` runs them."""
+"""LLM: the offline API. Builds model, context, model runner (``runner``) and engine; ``generate`` runs them."""
 from __future__ import annotations
 
 import gc
@@ -143,11 +143,11 @@ class LLM:
         self.context = DynamicInferenceContext(self.config, self.model, facade, self.dtype)
         if self.context.spec is not None:
             self.context.spec.set_drafter(drafter)
-        self.controller = ModelRunner(self.model, self.context, eos_ids, expert_parallel=self.parallel.ep_size > 1)
+        self.runner = ModelRunner(self.model, self.context, eos_ids, expert_parallel=self.parallel.ep_size > 1)
         if self.config.cuda_graphs and facade.is_cuda:
-            self.controller.graphs = self._graph_runner()
+            self.runner.graphs = self._graph_runner()
         ranks = rank_role(self.communicator, self.parallel.dp_size, self.parallel.tp_size)
-        self.engine = DynamicInferenceEngine(self.controller, self.context, self.config, self.tokenizer, ranks=ranks)
+        self.engine = DynamicInferenceEngine(self.runner, self.context, self.config, self.tokenizer, ranks=ranks)
         if facade.is_cuda and (self.config.startup_warmup or self.parallel.ep_size > 1 and self.config.cuda_graphs):
             # Expert parallelism always captures here: every rank at once (collectives inside).
             try:
@@ -177,7 +177,7 @@ class LLM:
         triton_attention = self.model.kernels.triton_attention or self.config.batch_invariant
         mamba_ok = self.context.mamba is None or self.model.kernels.triton_mamba
         mixed = self.config.cuda_graph_mixed_steps and mamba_ok and triton_attention
-        return CudaGraphRunner(self.controller, self.config, mixed=mixed, collective=self.parallel.ep_size > 1,
+        return CudaGraphRunner(self.runner, self.config, mixed=mixed, collective=self.parallel.ep_size > 1,
                                verify=triton_attention)
 
     def _load_model(self, model: str | None, default_model: str, seed: int, reader: CudaMemoryReader | None) -> None:
@@ -232,10 +232,10 @@ class LLM:
         """Leave the TP / EP group (no-op without). CUDA graphs go first: a graph that captured
         NCCL collectives holds a reference on the communicator, and destroying the process group
         (ncclCommDestroy) waits for every such graph to be destroyed, i.e. forever."""
-        controller = getattr(self, "controller", None)
-        if controller is not None and controller.graphs is not None:
-            controller.graphs.release()
-            controller.graphs = None
+        runner = getattr(self, "runner", None)
+        if runner is not None and runner.graphs is not None:
+            runner.graphs.release()
+            runner.graphs = None
         if self.communicator is not None:
             self.communicator.close()
             self.communicator = None

@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
                                   top_p=args.top_p, seed=args.seed + next(i), num_tokens_to_generate=r.output_len,
                                   ignore_eos=True)
 
-        if llm.controller.graphs is not None:
-            llm.controller.graphs.warmup()
+        if llm.runner.graphs is not None:
+            llm.runner.graphs.warmup()
         run_workload(llm.engine, twin_workload(reqs, llm.model.vocab_size, args.seed), params)  # compiles, captures
         trace = out / f"trace_{mode}.json"
         run, idle = profile_run(llm.engine, lambda: run_workload(llm.engine, reqs, params), str(trace))

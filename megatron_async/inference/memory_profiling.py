@@ -29,16 +29,16 @@ the step's peak is taken as this share of the device memory instead."""
 
 
 @torch.inference_mode()
-def measure_peak_step(controller: ModelRunner, reader: DeviceMemoryReader) -> int:
+def measure_peak_step(runner: ModelRunner, reader: DeviceMemoryReader) -> int:
     """Bytes the largest step allocates above the tensors that stay."""
-    ctx = controller.context
+    ctx = runner.context
     cfg = ctx.config
     rows = min(cfg.max_requests, cfg.max_tokens)
-    shape = warmup_shape(cfg.max_tokens, rows, False, SamplingVariant.FULL, controller.model.vocab_size)
+    shape = warmup_shape(cfg.max_tokens, rows, False, SamplingVariant.FULL, runner.model.vocab_size)
     ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(rows, cfg.max_tokens).to(ctx.device.device))
     reader.reset_peak()
     before = reader.read().allocated
-    controller.compute_step(shape)
+    runner.compute_step(shape)
     return reader.read().peak_allocated - before
 
 
@@ -50,16 +50,16 @@ def profile_memory_plan(config: InferenceConfig, model, facade: DeviceFacade, dt
     probe = DynamicInferenceContext(replace(config, num_kv_blocks=2), model, facade, dtype)
     if probe.spec is not None:
         probe.spec.set_drafter(drafter)
-    controller = ModelRunner(model, probe, ())
+    runner = ModelRunner(model, probe, ())
     probe.sampling_state.ensure_allocated()
     probe_kv = sum(t.nbytes for t in probe.kv_caches)
     resident = reader.read().allocated - probe_kv - weights
     if ep_size == 1:
-        peak = measure_peak_step(controller, reader)
+        peak = measure_peak_step(runner, reader)
     else:
         peak = int(EP_PEAK_SHARE * reader.read().total)
     bytes_per_block = probe_kv // probe.num_kv_blocks
-    del controller, probe
+    del runner, probe
     reader.release_cached()
     now = reader.read()
     plan = plan_kv_pool(

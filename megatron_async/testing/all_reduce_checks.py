@@ -256,6 +256,6 @@ def engine_worker(rank: int, world: int, ckpt: str, backend: str, fused_norm: bo
     try:
         reducer = llm.parallel.tp_reducer
         return {"outputs": engine_outputs(llm), "p2p_calls": dict(reducer.calls) if reducer else {},
-                "graph_replays": llm.controller.graphs.num_replays}
+                "graph_replays": llm.runner.graphs.num_replays}
     finally:
         llm.close()

@@ -25,7 +25,7 @@ class EmulatedStep:
     def replay(self) -> None:
         self.runner.mode = f"graph{self.key}"
         try:
-            self.out = self.runner.controller.compute_step(self.runner.capture_shape(self.key), self.key.spec)
+            self.out = self.runner.model_runner.compute_step(self.runner.capture_shape(self.key), self.key.spec)
         finally:
             self.runner.mode = "eager"
 
@@ -42,7 +42,7 @@ class EmulatedGraphRunner(CudaGraphRunner):
     def _capture(self, key: GraphKey) -> EmulatedStep:
         """Like the real capture: two eager warm-up runs on padding rows (their collectives are
         real), the samples and the view restored afterwards."""
-        ctl, ctx = self.controller, self.controller.context
+        ctl, ctx = self.model_runner, self.model_runner.context
         self.captures.append(key)
         if self.capture_shape(key).any_penalties:
             ctx.sampling_state.ensure_allocated()

@@ -280,7 +280,7 @@ class Benchmark:
     def _one_timed_run(self, llm: LLM, mode: str, wl: str, make, warm_s: float, startup: dict) -> ModeResult:
         gc.collect()  # earlier runs' garbage (a profiled run's) is collected here, not as a stall in this run
         window = StatsWindow(llm.engine)
-        with CompileCounter(llm.controller.graphs) as compiles:
+        with CompileCounter(llm.runner.graphs) as compiles:
             run = run_workload(llm.engine, self.requests, make, deadline=self.deadline)
         summary = summarize(run, window.stats(), self.device)
         floor = decode_floor(llm.model, self.dtype, run.mean_decode_batch, self.info["mean_context"], self.bandwidth)

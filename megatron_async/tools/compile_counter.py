@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 @dataclass
 class CompileCounter:
     graphs: object | None = None
-    """The controller's CudaGraphRunner (its captured-graph count is read), or None."""
+    """The runner's CudaGraphRunner (its captured-graph count is read), or None."""
     triton_builds: int = 0
     graph_captures: int = 0
     kernels: list[str] = field(default_factory=list)

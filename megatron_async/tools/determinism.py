@@ -1,7 +1,7 @@
 """Is every kernel deterministic? Re-run one engine step on identical inputs and compare bits,
 kernel by kernel; and does a row's result depend on how many rows share the launch?
 
-``repeat_step`` reruns ``controller.compute_step(shape)`` twice on the step's GPU view (the
+``repeat_step`` reruns ``runner.compute_step(shape)`` twice on the step's GPU view (the
 same inputs and shapes as the launch the engine just made: KV writes and ``last_samples``
 get the same values again, so the engine's state is unchanged) with taps on the functions
 the model calls (GEMMs, attention, norms, RoPE, activation, LM head), and reports, per
@@ -93,14 +93,14 @@ class RepeatReport:
 
 @torch.inference_mode()
 def repeat_step(engine, shape, pending, launch: int) -> RepeatReport:
-    controller = engine.controller
+    runner = engine.runner
     engine.context.device.synchronize()
     engine_tokens = pending.host_tokens.clone()
     runs = []
     for _ in range(2):
         calls: list = []
-        with tapped(controller.model, calls):
-            tokens = controller.compute_step(shape)[0].clone()
+        with tapped(runner.model, calls):
+            tokens = runner.compute_step(shape)[0].clone()
         runs.append((calls, tokens))
     (a, ta), (b, tb) = runs
     rep = RepeatReport(launch, "decode" if shape.is_decode_only else "mixed", shape.num_rows, shape.num_tokens, len(a))

@@ -80,7 +80,7 @@ class ScheduleRecorder:
     _plan_rows: list | None = None
 
     def install(self, engine: DynamicInferenceEngine) -> ScheduleRecorder:
-        controller, ctx = engine.controller, engine.context
+        runner, ctx = engine.runner, engine.context
         launch_plan = engine.launch_plan
         init_state = ctx.initialize_attention_state
         shapes: list = []
@@ -103,14 +103,14 @@ class ScheduleRecorder:
         ctx.initialize_attention_state = init_wrapper
         engine.launch_plan = launch_wrapper
         if self.record_logits:
-            compute_logits = controller.model.compute_logits
+            compute_logits = runner.model.compute_logits
 
             def logits_wrapper(hidden, **kwargs):  # kwargs: e.g. batch_invariant
                 logits = compute_logits(hidden, **kwargs)
                 self._keep_logits(logits)
                 return logits
 
-            controller.model.compute_logits = logits_wrapper
+            runner.model.compute_logits = logits_wrapper
         return self
 
     def _snapshot(self, engine: DynamicInferenceEngine, plan, overlapped: bool) -> LaunchRecord:

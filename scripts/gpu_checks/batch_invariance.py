@@ -63,8 +63,8 @@ def run_mode(args, requests: list[WorkloadRequest], sampling: str, invariant: bo
                           buffer_size_gb=None if device.type == "cuda" else 0.05, seed=args.seed)
     llm = LLM(None, args.device, "bfloat16" if device.type == "cuda" else "float32", cfg, default_model=args.model,
               seed=args.seed)
-    if llm.controller.graphs is not None:
-        llm.controller.graphs.warmup()
+    if llm.runner.graphs is not None:
+        llm.runner.graphs.warmup()
     make = SAMPLING[sampling]
     # full-length prompts first: Triton kernels compile outside the timed run
     run_workload(llm.engine, [WorkloadRequest(r.prompt, 8) for r in requests[: 1 if args.smoke else 4]], make)

@@ -127,7 +127,7 @@ def _engine_stage(rank: int, world: int) -> dict:
               default_model="tiny-moe", expert_parallel_size=world)
     try:
         outs = engine_outputs(llm)
-        g, st = llm.controller.graphs, llm.engine.stats
+        g, st = llm.runner.graphs, llm.engine.stats
         outs["counts"] = dict(replays=g.num_replays, padding_replays=g.num_padding_replays, dummy=st.dummy_steps)
         return outs
     finally:

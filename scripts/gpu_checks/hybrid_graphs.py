@@ -57,8 +57,8 @@ def run_mode(path: str, work, graphs: bool, mixed: bool, async_scheduling: bool,
     if graphs and device != "cuda":
         from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
 
-        llm.controller.graphs = CudaGraphRunner(llm.controller, llm.config, mixed=mixed, emulate=True)
-        llm.controller.graphs.warmup()
+        llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config, mixed=mixed, emulate=True)
+        llm.runner.graphs.warmup()
     build_s = time.perf_counter() - t0
     eng, pending, ids, outs, steps = llm.engine, list(work), {}, {}, 0
     while pending or eng.has_unfinished_requests():
@@ -69,7 +69,7 @@ def run_mode(path: str, work, graphs: bool, mixed: bool, async_scheduling: bool,
             outs[ids[o.request_id]] = o.generated_tokens
         steps += 1
     st = eng.stats
-    runner = llm.controller.graphs
+    runner = llm.runner.graphs
     return dict(tokens=outs, stats=st, build_s=build_s, mixed_keys=sum(not k.decode_only for k in runner.graphs) if runner else 0)
 
 

@@ -45,7 +45,7 @@ K = 3
 def _with_graphs(llm: LLM) -> LLM:
     """On the CPU (dry run): emulated graphs, so the graph checks still mean something."""
     if DEVICE == "cpu" and llm.config.cuda_graphs:
-        llm.controller.graphs = CudaGraphRunner(llm.controller, llm.config, mixed=llm.context.mamba is None,
+        llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config, mixed=llm.context.mamba is None,
                                                 emulate=True)
         llm.engine.warmup()
     return llm
@@ -209,7 +209,7 @@ def _step_kinds(llm: LLM, prompts, params) -> dict:
     step it launched (KINDS; the first call launches two) with its wall, its wait for the device (``wait_host``) and, from
     the step's CUDA events, the device period of that launch. Also tok/s, the run's graph
     captures and Triton builds, and the fast-path counters."""
-    ctl, eng, dev = llm.controller, llm.engine, llm.controller.device
+    ctl, eng, dev = llm.runner, llm.engine, llm.runner.device
     st = eng.stats
     kinds: dict[int, str] = {}
     launch, wait_host = eng.launch_plan, dev.wait_host

@@ -123,16 +123,16 @@ class StageTimer:
 
     def tag_kinds(self, engine) -> None:
         """Label each step by the kind of decode step it launched (plain / drafter / verify)."""
-        controller, launch = engine.controller, engine.launch_plan
+        runner, launch = engine.runner, engine.launch_plan
 
         def tagged(plan, *a, **k):
-            before = controller.spec_steps.plain_steps if controller.spec_steps is not None else 0
+            before = runner.spec_steps.plain_steps if runner.spec_steps is not None else 0
             res = launch(plan, *a, **k)
             if not plan.is_all_decode:
                 self.cur["kind:mixed"] = 1
             elif any(r.num_drafts for r in plan.rows):
                 self.cur["kind:verify"] = 1
-            elif controller.spec_steps is None or controller.spec_steps.plain_steps > before:
+            elif runner.spec_steps is None or runner.spec_steps.plain_steps > before:
                 self.cur["kind:plain"] = 1
             else:
                 self.cur["kind:drafter"] = 1

@@ -123,7 +123,7 @@ def _worker(args: argparse.Namespace) -> None:
                 reducer.max_bytes = p2p_bytes if backend.startswith("p2p") else 0
                 reducer.fused_max_bytes = fused_bytes if backend == "p2p+fused" else 0
             if cuda:  # graphs keep the all-reduce path they captured: capture anew for this backend
-                llm.controller.graphs = CudaGraphRunner(llm.controller, llm.config)
+                llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config)
             for batch in args.batches:  # captures this step's graph at every batch size before timing
                 llm.generate(prompts[:batch], SamplingParams(top_k=1, num_tokens_to_generate=3, ignore_eos=True))
             tokens = tokens_by_backend[backend] = {}

@@ -93,7 +93,7 @@ def test_busy_batch_modes_identical(workload, reference, max_tokens, async_sched
     if async_scheduling:
         assert st.overlapped_steps > 0
     if graphs:
-        assert llm.controller.graphs.num_replays > 0
+        assert llm.runner.graphs.num_replays > 0
     if prefix:
         assert st.prefix_hit_tokens > 0
     del llm
@@ -110,4 +110,4 @@ def test_alone_equals_busy(workload, reference):
     for i in picks:
         (out,) = llm.generate([prompts[i]], [params[i]])
         assert _bits([out])[0] == reference[i], f"request {i} differs alone"
-    assert llm.controller.graphs.num_replays > 0
+    assert llm.runner.graphs.num_replays > 0

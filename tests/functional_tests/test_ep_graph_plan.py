@@ -43,7 +43,7 @@ def workload(llm: LLM, rank: int, log: CollectiveLog | None) -> dict:
 def _worker(rank: int, world: int) -> dict:
     llm = LLM(None, inference_config=InferenceConfig(**CONFIG), default_model="tiny-moe", expert_parallel_size=world)
     try:
-        graphs = llm.controller.graphs = EmulatedGraphRunner(llm.controller, llm.config, collective=True)
+        graphs = llm.runner.graphs = EmulatedGraphRunner(llm.runner, llm.config, collective=True)
         graphs.warmup()  # every rank at once, as LLM does on CUDA
         log = CollectiveLog(graphs)
         result = workload(llm, rank, log)

@@ -52,7 +52,7 @@ def test_cuda_graphs_equal_eager(ckpt, sampling):
         if o.generated_log_probs is not None:
             assert res[True][0][i].generated_log_probs == pytest.approx(o.generated_log_probs, abs=1e-4), i
     assert sampling == "greedy" or all(o.generated_log_probs for o in res[True][0].values())
-    runner = res[True][1].controller.graphs
+    runner = res[True][1].runner.graphs
     assert runner is not None and runner.num_replays > 0 and len(runner.graphs) > 0
 
 
@@ -82,4 +82,4 @@ def test_hybrid_cuda_matches_hf_async_and_graphs(hybrid_ckpt):
         outs = llm.generate(prompts, SamplingParams(top_k=1, num_tokens_to_generate=NEW, ignore_eos=True))
         assert [o.generated_tokens for o in outs] == expected, (async_scheduling, graphs)
         if graphs:
-            assert llm.controller.graphs.num_replays > 0
+            assert llm.runner.graphs.num_replays > 0

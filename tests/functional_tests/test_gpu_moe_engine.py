@@ -29,7 +29,7 @@ def test_moe_cuda_matches_hf_serial_async_and_graphs(moe_ckpt):
         outs = llm.generate(prompts, GREEDY)
         assert [o.generated_tokens for o in outs] == expected, (async_scheduling, graphs)
         if graphs:
-            assert llm.controller.graphs.num_replays > 0
+            assert llm.runner.graphs.num_replays > 0
 
 
 def test_moe_steady_async_decode_makes_no_host_sync(moe_ckpt):

@@ -32,7 +32,7 @@ def _run(ckpt, graphs: bool):
     cfg = make_llm(ckpt, cuda_graphs=graphs, attention_backend="triton", max_sequence_length=256).config
     llm = LLM(model=str(ckpt), device="cuda", dtype="float32", inference_config=cfg)  # warms up at build
     st = llm.engine.stats
-    assert st.warmup_seconds > 0 and st.warmup_graphs == (len(llm.controller.graphs.plan.keys()) if graphs else 0)
+    assert st.warmup_seconds > 0 and st.warmup_graphs == (len(llm.runner.graphs.plan.keys()) if graphs else 0)
     outs = run_arrivals(llm, _arrivals())
     return {i: o.generated_tokens for i, o in outs.items()}, st
 

@@ -32,12 +32,12 @@ def _run(arrivals, graphs: bool, async_scheduling: bool, warmup: bool = True, ba
     cfg = InferenceConfig(**CFG, async_scheduling=async_scheduling, attention_backend=backend)
     llm = LLM(None, inference_config=cfg)
     if graphs:
-        llm.controller.graphs = CudaGraphRunner(llm.controller, llm.config, mixed=True, emulate=True)
+        llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config, mixed=True, emulate=True)
     if warmup and backend == "triton":  # the interpreter is slow: the graph plan only, no eager pass
-        llm.controller.graphs.warmup()
+        llm.runner.graphs.warmup()
     elif warmup:
         llm.engine.warmup()
-    llm.replays = count_replays_by_variant(llm.controller.graphs) if graphs else None
+    llm.replays = count_replays_by_variant(llm.runner.graphs) if graphs else None
     outs = run_arrivals(llm, arrivals)
     return {i: (o.generated_tokens, o.generated_log_probs, o.generated_top_n_logprobs) for i, o in outs.items()}, llm
 
@@ -63,7 +63,7 @@ def test_padded_graph_steps_equal_eager_steps(async_scheduling, backend):
         if ref[i][2] is not None:  # a row's top-n: the head of the graph's sorted top-20
             for a, b in zip(got[i][2], ref[i][2]):
                 assert list(a) == list(b) and list(a.values()) == pytest.approx(list(b.values()), abs=1e-5)
-    st, runner = llm.engine.stats, llm.controller.graphs
+    st, runner = llm.engine.stats, llm.runner.graphs
     assert st.mixed_graph_replays > 0 and st.graph_replays > st.mixed_graph_replays  # both kinds ran
     if any(a.params.top_n_logprobs > 20 for a in arrivals):
         assert st.graph_replays < st.steps  # the top-n 25 request's steps ran eager
@@ -91,4 +91,4 @@ def test_warmup_leaves_the_engine_state_intact():
 def test_lazy_captures_are_counted_without_warmup():
     got, llm = _run(_arrivals(seed=3)[:4], graphs=True, async_scheduling=True, warmup=False)
     st = llm.engine.stats
-    assert st.graph_replays > 0 and st.graph_captures_after_warmup == len(llm.controller.graphs.graphs) > 0
+    assert st.graph_replays > 0 and st.graph_captures_after_warmup == len(llm.runner.graphs.graphs) > 0

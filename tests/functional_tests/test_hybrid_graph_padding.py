@@ -46,8 +46,8 @@ def _run(path, arrivals, graphs: bool, async_scheduling: bool, backend: str = "t
                           attention_backend=backend, mamba_backend=backend)
     llm = LLM(str(path), inference_config=cfg)
     if graphs:
-        llm.controller.graphs = CudaGraphRunner(llm.controller, llm.config, mixed=True, emulate=True)
-        llm.controller.graphs.warmup()  # the plan only: the eager compile pass has nothing to build on CPU
+        llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config, mixed=True, emulate=True)
+        llm.runner.graphs.warmup()  # the plan only: the eager compile pass has nothing to build on CPU
     outs = run_arrivals(llm, arrivals)
     return {i: (o.generated_tokens, o.generated_log_probs, o.generated_top_n_logprobs) for i, o in outs.items()}, llm
 
@@ -69,7 +69,7 @@ def test_hybrid_padded_graph_steps_equal_eager_steps(ckpt, async_scheduling):
     ref, ref_llm = _run(ckpt, arrivals, graphs=False, async_scheduling=async_scheduling)
     got, llm = _run(ckpt, arrivals, graphs=True, async_scheduling=async_scheduling)
     _assert_same(got, ref)
-    st, runner = llm.engine.stats, llm.controller.graphs
+    st, runner = llm.engine.stats, llm.runner.graphs
     assert st.mixed_graph_replays > 0 and st.graph_replays > st.mixed_graph_replays, st.as_dict()
     assert st.graph_captures_after_warmup == 0
     assert st.prefix_hit_tokens > 0 and st.mamba_states_restored > 0, st.as_dict()

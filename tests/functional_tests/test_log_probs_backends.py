@@ -26,7 +26,7 @@ def test_triton_log_probs_in_the_engine_equal_torch(qwen3_ckpt, monkeypatch):
     for backend in ("torch", "triton"):
         llm = make_llm(qwen3_ckpt, sampling_backend=backend)
         outs[backend] = llm.generate(prompts, params)
-        assert llm.engine.controller.sampler.backend.value == backend
+        assert llm.engine.runner.sampler.backend.value == backend
     assert calls and max(calls) == 20  # the kernel served every step asking for log-probs
     for ref, got, sp in zip(outs["torch"], outs["triton"], params):
         assert got.generated_tokens == ref.generated_tokens
@@ -60,7 +60,7 @@ def test_cuda_log_probs_in_graphs_and_launch_ahead_equal_torch(qwen3_ckpt):
         llm = LLM(model=str(qwen3_ckpt), device="cuda", dtype="float32", inference_config=cfg)
         outs = llm.generate(prompts, params)
         if graphs:
-            assert llm.engine.controller.graphs.num_replays > 0
+            assert llm.engine.runner.graphs.num_replays > 0
         return outs, llm
 
     ref, _ = run("torch", False, False)

@@ -39,7 +39,7 @@ def _worker(rank: int, world: int, graphs: bool) -> dict:
         outs = run(llm)
         st = llm.engine.stats
         outs["served"], outs["dummy"] = st.finished_requests, st.dummy_steps
-        graphs = llm.controller.graphs
+        graphs = llm.runner.graphs
         outs["replays"] = graphs.num_replays if graphs is not None else 0
         outs["padding_replays"] = graphs.num_padding_replays if graphs is not None else 0
         p2p = llm.parallel.ep_exchanger  # the default exchange on one host: CUDA P2P kernels, not NCCL

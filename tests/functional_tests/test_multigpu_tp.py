@@ -109,7 +109,7 @@ def _graph_worker(rank: int, world: int, ckpt: str) -> dict:
     llm = LLM(ckpt, device="cuda", dtype="float32", inference_config=cfg, tensor_parallel_size=world)
     try:
         outs = run(llm)
-        outs["replays"] = llm.controller.graphs.num_replays
+        outs["replays"] = llm.runner.graphs.num_replays
         outs["rounds_per_step"] = llm.engine.stats.consensus_rounds / max(1, llm.engine.stats.steps)
         return outs
     finally:

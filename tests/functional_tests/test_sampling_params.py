@@ -155,7 +155,7 @@ def test_triton_sampler_in_the_engine_equals_torch(qwen3_ckpt, monkeypatch):
     for backend in ("torch", "triton"):
         llm = make_llm(qwen3_ckpt, sampling_backend=backend)
         outs[backend] = [o.generated_tokens for o in llm.generate(prompts, params) + llm.generate(prompts, greedy)]
-        assert llm.engine.controller.sampler.backend.value == backend
+        assert llm.engine.runner.sampler.backend.value == backend
     assert outs["torch"] == outs["triton"]
     assert argmax_calls  # the all-greedy steps took the chunked argmax
 
@@ -176,10 +176,10 @@ def test_cuda_penalties_graphs_async_serial_and_backends_agree(qwen3_ckpt):
         backend, graphs, async_ = key
         llm = _cuda_llm(qwen3_ckpt, sampling_backend=backend, cuda_graphs=graphs, async_scheduling=async_,
                         attention_backend="triton")
-        replays = count_replays_by_variant(llm.engine.controller.graphs) if graphs else None
+        replays = count_replays_by_variant(llm.engine.runner.graphs) if graphs else None
         res[key] = tokens_of(run_arrivals(llm, arr))
         if graphs:
-            assert llm.engine.controller.graphs.num_replays > 0
+            assert llm.engine.runner.graphs.num_replays > 0
             assert replays["full"] > 0, replays  # a penalties graph ran
         if async_:
             assert llm.engine.stats.overlap_ratio > 0.8

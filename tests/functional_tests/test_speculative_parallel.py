@@ -60,7 +60,7 @@ def run_cases(llm: LLM, idle: bool, eos: int | None = None) -> dict:
                            accepted_per_depth=list(st.spec_accepted_tokens_per_depth),
                            overlapped=st.overlapped_steps, dummy=st.dummy_steps, idle_dummy=st.dummy_steps - dummy_before,
                            served=st.finished_requests, off_rows=sum(st.spec_off_rows.values()), graph_replays=st.graph_replays,
-                           padding_replays=graphs.num_padding_replays if (graphs := llm.controller.graphs) else 0)
+                           padding_replays=graphs.num_padding_replays if (graphs := llm.runner.graphs) else 0)
     return result
 
 
@@ -183,7 +183,7 @@ def test_dummy_forward_runs_the_mtp_heads_k_times_on_padding_only(gpt_mtp, monke
     monkeypatch.setattr(model, "mtp_forward", lambda d, *a: depths.append(d) or real_mtp_forward(d, *a))
     kv = [c[:, 1:].clone() for c in llm.context.kv_caches]  # every block but the dummy block 0
     history = llm.context.spec.drafter.history.tokens.clone()
-    llm.controller.dummy_forward(StepAgreement(max_tokens=5))
+    llm.runner.dummy_forward(StepAgreement(max_tokens=5))
     assert depths == [0, 1, 1]
     assert all(c[:, 1:].equal(before) for c, before in zip(llm.context.kv_caches, kv))
     assert llm.context.spec.drafter.history.tokens.equal(history)

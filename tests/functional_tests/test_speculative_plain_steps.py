@@ -69,7 +69,7 @@ def test_zero_acceptance_oracle_runs_plain_steps(qwen3_ckpt, hybrid_ckpt, model,
     llm = make_llm(path, oracle_for(plain, arr, 1.0, vocab=vocab), num_speculative_tokens=3, **OFF, **cfg)
     keys = []
     if graphs:
-        runner = llm.controller.graphs = CudaGraphRunner(llm.controller, llm.config, mixed=model == "gpt",
+        runner = llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config, mixed=model == "gpt",
                                                          emulate=True)
         llm.engine.warmup()
         lookup = runner.lookup

@@ -189,15 +189,15 @@ def _diverging_worker(rank: int, world: int) -> str:
     differ at the next exchange, and every rank fails naming it, rather than running on."""
     llm = LLM(None, inference_config=InferenceConfig(**CONFIG), tensor_parallel_size=world)
     if rank == 1:
-        sample, calls = llm.controller.sampler.__call__, []
+        sample, calls = llm.runner.sampler.__call__, []
 
         def bumped(logits, *a, **kw):
             tokens = sample(logits, *a, **kw)
             calls.append(1)
             return tokens + 1 if len(calls) == 4 else tokens
 
-        llm.controller.sampler = type("Bumped", (), {"__call__": staticmethod(bumped),
-                                                     "reads_model_dtype": llm.controller.sampler.reads_model_dtype})()
+        llm.runner.sampler = type("Bumped", (), {"__call__": staticmethod(bumped),
+                                                     "reads_model_dtype": llm.runner.sampler.reads_model_dtype})()
     try:
         llm.generate(PROMPTS[:2], GREEDY[:2])
     except Exception as e:  # noqa: BLE001 -- the message is what the test checks

@@ -54,7 +54,7 @@ log = logging.getLogger("megatron_async")
 class DynamicInferenceEngine:
     def __init__(
         self,
-        controller: ModelRunner,
+        runner: ModelRunner,
         context: DynamicInferenceContext,
         config: InferenceConfig,
         tokenizer=None,
@@ -63,15 +63,15 @@ class DynamicInferenceEngine:
     ):
         """``ranks``: how this rank shares steps with others (rank_roles.py: alone, tensor-parallel
         replicas or data-parallel ranks); None: tensor-parallel replicas over ``communicator``
-        if one is given, else alone. ``controller``: the model runner (the attribute keeps its name)."""
-        self.controller = controller
+        if one is given, else alone. ``runner``: the model runner."""
+        self.runner = runner
         self.context = context
         self.config = config
         self.tokenizer = tokenizer
         self.book = RequestBook(context, SpecPolicy(config))
         self.scheduler = Scheduler(config, context, self.book)
-        controller.bind_spec_policy(self.scheduler.spec)
-        self.validator = RequestValidator(config, context, controller.model.vocab_size, controller.eos_ids, tokenizer)
+        runner.bind_spec_policy(self.scheduler.spec)
+        self.validator = RequestValidator(config, context, runner.model.vocab_size, runner.eos_ids, tokenizer)
         self.stats = EngineStats()
         self._gen = torch.Generator().manual_seed(config.seed)
         self._next_id = 0
@@ -185,10 +185,10 @@ class DynamicInferenceEngine:
         """Build every Triton kernel variant and capture every CUDA graph this engine can use,
         so serving never compiles or captures (``LLM`` calls it at build on CUDA unless
         ``InferenceConfig.startup_warmup`` is off). Call with nothing in flight. Returns the
-        controller's ``WarmupReport``; the stats' ``warmup_*`` fields hold it too."""
+        runner's ``WarmupReport``; the stats' ``warmup_*`` fields hold it too."""
         if self._pending is not None:
             raise RuntimeError("engine.warmup() needs an idle engine: a launch is in flight")
-        report = self.controller.warmup()
+        report = self.runner.warmup()
         st = self.stats
         st.warmup_seconds += report.seconds
         st.warmup_memory_bytes += report.memory_bytes
@@ -198,7 +198,7 @@ class DynamicInferenceEngine:
         return report
 
     def _count_graph_use(self) -> None:
-        graphs, st = self.controller.graphs, self.stats
+        graphs, st = self.runner.graphs, self.stats
         if graphs is not None:
             st.graph_replays, st.mixed_graph_replays = graphs.num_replays, graphs.num_mixed_replays
             st.spec_graph_replays = graphs.num_verify_replays
@@ -265,7 +265,7 @@ class DynamicInferenceEngine:
             agreed = self.ranks.agree_on_launch(plan, out)
             launched = self._try_launch(plan, not first, out, agreed) if plan else None
             if launched is None and agreed.max_tokens > 0:
-                self.controller.dummy_forward(agreed)
+                self.runner.dummy_forward(agreed)
                 self.stats.dummy_steps += 1
             if launched is not None or not plan or not first or self.ranks.one_launch_per_call:
                 break
@@ -310,7 +310,7 @@ class DynamicInferenceEngine:
         """One launch: the context assembles ``plan`` (RequestStepError: nothing changed), the
         book commits it, the runner launches it. ``agreed``: data-parallel ranks' agreement on
         the step. (Tools that trace launches wrap this.)"""
-        runner = self.controller
+        runner = self.runner
         step = runner.prepare(plan, agreed)
         self.book.commit(plan, step.speculative if runner.spec_steps is not None else None)
         launched = runner.launch(step, step_id, overlapped, timed)
@@ -391,7 +391,7 @@ class DynamicInferenceEngine:
         out.finished.append(req.to_output())
 
     def _bookkeep(self, pending: PendingLaunch, out: StepResult) -> None:
-        samples = self.controller.collect(pending)
+        samples = self.runner.collect(pending)
         with nvtx_range("update_requests"):
             res = self.book.land(pending, samples)
         self.ranks.landed(pending)
@@ -445,7 +445,7 @@ class DynamicInferenceEngine:
         st.spec_verify_rows += res.drafted[0] if res.drafted else 0
         st.spec_truncated_rows += res.truncated
         st.spec_off_rows = Counter(self.scheduler.spec.off_rows)
-        st.spec_plain_steps = self.controller.spec_steps.plain_steps
+        st.spec_plain_steps = self.runner.spec_steps.plain_steps
 
     def _account_time(self, pending: PendingLaunch, wall: float) -> None:
         if pending.is_decode_only:

@@ -206,7 +206,7 @@ class DataParallelRanks(TensorParallelReplicas):
         self.consensus.fresh = False  # the step exchanges after scheduling
 
     def agree_on_launch(self, plan: StepPlan, out: StepResult) -> StepAgreement:
-        graphs = self.engine.controller.graphs
+        graphs = self.engine.runner.graphs
         variant = graphs.replay_variant(plan) if plan and graphs is not None else None
         agreed = self.agree(from_step=True, out=out, num_tokens=plan.num_tokens if plan else 0,
                             eager=bool(plan) and variant is None, upload=self._upload(), variant=variant or 0,

@@ -37,7 +37,7 @@ class CapturedStep:
     graph: torch.cuda.CUDAGraph | None
     shape: StepShape
     out: tuple | None = None
-    runner: object | None = None  # emulation: the controller whose compute_step a replay runs
+    runner: object | None = None  # emulation: the model runner whose compute_step a replay runs
 
     @property
     def num_rows(self) -> int:
@@ -83,7 +83,7 @@ def decode_key(rows: int, variant: SamplingVariant = SamplingVariant.GREEDY, spe
 
 
 class CudaGraphRunner:
-    def __init__(self, controller, config: InferenceConfig, mixed: bool = False,
+    def __init__(self, model_runner, config: InferenceConfig, mixed: bool = False,
                  variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), emulate: bool = False,
                  collective: bool = False, verify: bool = True):
         """``collective``: data-parallel engines (expert parallelism). The graphs hold MoE
@@ -97,12 +97,12 @@ class CudaGraphRunner:
         ``verify``: verify graphs when speculative decoding is on. Speculative engines also
         capture plain decode graphs (speculative/plain_steps.py), except data-parallel ones
         (every rank runs the drafter's collectives in every step)."""
-        self.controller = controller
+        self.model_runner = model_runner
         self.config = config
         self.collective = collective
         if collective:
             mixed, verify = False, False
-        self.plan = GraphPlan(config, controller.model.vocab_size, mixed, variants, verify, plain_steps=not collective)
+        self.plan = GraphPlan(config, model_runner.model.vocab_size, mixed, variants, verify, plain_steps=not collective)
         self.graphs: dict[GraphKey, CapturedStep] = {}
         self.emulate = emulate
         self._pool = None
@@ -162,7 +162,7 @@ class CudaGraphRunner:
         """Data-parallel engines, a rank with nothing to launch in a step the others replay:
         replay the graph those ranks replay (padded size of ``num_rows``, the agreed sampling
         variant) on padding rows, so its collectives are graph-captured like theirs. The
-        controller has already put a padding snapshot in the view; the graph's samples are
+        model runner has already put a padding snapshot in the view; the graph's samples are
         discarded. Returns the rows."""
         b = self.padded_rows(num_rows)
         kind = list(SamplingVariant)[variant]
@@ -202,10 +202,10 @@ class CudaGraphRunner:
 
     def capture_shape(self, key: GraphKey) -> StepShape:
         """The StepShape a graph of ``key`` is captured with."""
-        return graph_shape(key, self.config.max_sequence_length, self.controller.model.vocab_size)
+        return graph_shape(key, self.config.max_sequence_length, self.model_runner.model.vocab_size)
 
     def _capture(self, key: GraphKey) -> CapturedStep:
-        ctl, ctx = self.controller, self.controller.context
+        ctl, ctx = self.model_runner, self.model_runner.context
         shape = self.capture_shape(key)
         if shape.any_penalties:
             ctx.sampling_state.ensure_allocated()

@@ -139,7 +139,7 @@ def default_token_counts(max_tokens: int) -> list[int]:
 
 class GraphPlan:
     """The graphs a configuration can replay. ``mixed``: mixed-step graphs are possible (the
-    controller decides from the model and backends); ``variants``: the sampling variants that
+    runner decides from the model and backends); ``variants``: the sampling variants that
     may be captured."""
 
     def __init__(self, config: InferenceConfig, vocab_size: int, mixed: bool,
@@ -171,7 +171,7 @@ class GraphPlan:
         """The row width of the verify graph ``plan`` (a StepPlan) replays, 0 when its step
         cannot replay one: the step must be decode rows only (one token plus drafts each), some
         with drafts, few enough for a verify size of a width holding the most drafted row. The
-        controller then lays the step out uniformly at that width."""
+        runner then lays the step out uniformly at that width."""
         rows = plan.rows
         if not self.verify_sizes or not plan.is_all_decode:
             return 0

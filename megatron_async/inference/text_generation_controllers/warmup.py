@@ -86,9 +86,9 @@ def _verify_shape(rows: int, width: int, drafts: list[int], vocab: int, uniform:
     return shape
 
 
-def verify_shapes(controller, split=None) -> list[tuple[StepShape, int]]:
+def verify_shapes(runner, split=None) -> list[tuple[StepShape, int]]:
     """Speculative decoding's eager shapes, each with the width of its padding snapshot."""
-    ctx, vocab = controller.context, controller.model.vocab_size
+    ctx, vocab = runner.context, runner.model.vocab_size
     K = ctx.config.num_speculative_tokens
     if K == 0:
         return []
@@ -96,58 +96,58 @@ def verify_shapes(controller, split=None) -> list[tuple[StepShape, int]]:
     out = [(_verify_shape(1, k + 1, [k], vocab, False), k + 1) for k in range(1, K + 1)]
     if 2 * W <= ctx.config.max_tokens:  # a window beside a multi-token row that verifies nothing
         out.append((_verify_shape(2, W, [K, 0], vocab, False), W))
-    widths = controller.graphs.plan.verify_sizes if controller.graphs is not None else {}
+    widths = runner.graphs.plan.verify_sizes if runner.graphs is not None else {}
     for w, sizes in widths.items():  # the verify graphs' layouts, also run eager (a variant without a graph)
         out += [(_verify_shape(r, w, [w - 1] * r, vocab, True), w) for r in decode_row_counts(sizes[-1], split)]
     return out
 
 
-def eager_shapes(controller) -> list[tuple[StepShape, int]]:
+def eager_shapes(runner) -> list[tuple[StepShape, int]]:
     """(shape, verify width of its padding snapshot: 0 = one token per row, the rest to the last)."""
-    ctx, vocab = controller.context, controller.model.vocab_size
+    ctx, vocab = runner.context, runner.model.vocab_size
     cfg = ctx.config
-    split = _decode_split_count(controller)
+    split = _decode_split_count(runner)
     shapes = [warmup_shape(r, r, True, SamplingVariant.GREEDY, vocab) for r in decode_row_counts(cfg.max_requests, split)]
     shapes += [warmup_shape(t, 1, t == 1, SamplingVariant.GREEDY, vocab) for t in mixed_token_counts(cfg.max_tokens)]
     for v in list(SamplingVariant)[1:]:
         shapes += [warmup_shape(2, 2, True, v, vocab), warmup_shape(3, 2, False, v, vocab)]
-    return [(s, 0) for s in shapes] + verify_shapes(controller, split)
+    return [(s, 0) for s in shapes] + verify_shapes(runner, split)
 
 
-def _decode_split_count(controller):
+def _decode_split_count(runner):
     """The Triton decode kernel's split count as a function of rows (None: another backend)."""
-    ctx = controller.context
-    if not controller.model.kernels.triton_attention or not ctx.device.is_cuda:
+    ctx = runner.context
+    if not runner.model.kernels.triton_attention or not ctx.device.is_cuda:
         return None
     from megatron_async.kernels.triton_decode_attention import choose_num_splits
 
-    spec = controller.model.kv_cache_spec()
+    spec = runner.model.kv_cache_spec()
     dev = ctx.device.device
     return lambda r: choose_num_splits(r, spec.num_kv_heads, ctx.max_blocks_per_request, ctx.block_size, dev)
 
 
 @torch.inference_mode()
-def run_warmup(controller, graphs: bool = True, eager: bool = True) -> WarmupReport:
-    """Warm ``controller`` up (nothing may be in flight). ``eager``: the eager compile pass;
-    ``graphs``: capture the graph runner's plan (when the controller has one)."""
-    ctx, dev = controller.context, controller.device
+def run_warmup(runner, graphs: bool = True, eager: bool = True) -> WarmupReport:
+    """Warm ``runner`` up (nothing may be in flight). ``eager``: the eager compile pass;
+    ``graphs``: capture the graph runner's plan (when the runner has one)."""
+    ctx, dev = runner.context, runner.device
     triton_builds.install()
     builds0, t0 = triton_builds.builds(), time.perf_counter()
     mem0 = torch.cuda.memory_reserved(dev.device) if dev.is_cuda else 0
     n_eager = 0
     if eager:
-        saved = controller.last_samples.clone()
-        for shape, width in eager_shapes(controller):
+        saved = runner.last_samples.clone()
+        for shape, width in eager_shapes(runner):
             if shape.any_penalties:
                 ctx.sampling_state.ensure_allocated()
             snapshot = ctx.padding_snapshot(shape.num_rows, shape.num_tokens, width)
             ctx.gpu_view.buffer.copy_(snapshot.to(dev.device))
-            controller.compute_step(shape)
+            runner.compute_step(shape)
             n_eager += 1
-        controller.last_samples.copy_(saved)
+        runner.last_samples.copy_(saved)
     captured = 0
-    if graphs and controller.graphs is not None:
-        captured = controller.graphs.warmup()
+    if graphs and runner.graphs is not None:
+        captured = runner.graphs.warmup()
     if dev.is_cuda:
         torch.cuda.synchronize(dev.device)
     mem = torch.cuda.memory_reserved(dev.device) - mem0 if dev.is_cuda else 0

@@ -134,19 +134,19 @@ def test_verify_keys_pad_rows_to_a_decode_size_at_the_narrowest_width():
     assert r.lookup(verify_shape(2, 3, uniform=False)) is None  # compact layout: eager
     assert r.lookup(verify_shape(2, 3)) is None  # not a captured width
     assert r.num_verify_replays == 3 and r.num_mixed_replays == 0
-    # the width the controller lays a plan out at (0: compact, eager or a plain decode graph)
+    # the width the runner lays a plan out at (0: compact, eager or a plain decode graph)
     assert r.plan.verify_width(verify_plan(3, 1, 0)) == 4
     assert r.plan.verify_width(verify_plan(2, 1, 0)) == 4  # no width 3: the next one up
     assert r.plan.verify_width(verify_plan(1, 0, 1)) == 2  # probes only: the narrow graphs
     assert r.plan.verify_width(verify_plan(*[1] * 5)) == 2 and r.plan.verify_width(verify_plan(*[3] * 5)) == 0
     assert r.plan.verify_width(verify_plan(0, 0)) == 0  # no drafts: a plain decode graph
     assert r.plan.verify_width(verify_plan(3, 1, prefill=True)) == 0
-    every = CudaGraphRunner(r.controller, replace(cfg, cuda_graph_verify_widths=(2, 3)), mixed=True)
+    every = CudaGraphRunner(r.model_runner, replace(cfg, cuda_graph_verify_widths=(2, 3)), mixed=True)
     assert list(every.plan.verify_sizes) == [2, 3, 4] and every.plan.verify_width(verify_plan(2, 1)) == 3
-    off = CudaGraphRunner(r.controller, InferenceConfig(max_requests=8, max_tokens=24), mixed=True)
+    off = CudaGraphRunner(r.model_runner, InferenceConfig(max_requests=8, max_tokens=24), mixed=True)
     assert off.plan.verify_sizes == {} and not any(k.verify_width for k in off.plan.keys())
     assert off.plan.verify_width(verify_plan(3)) == 0
-    no_verify = CudaGraphRunner(r.controller, cfg, mixed=True, verify=False)
+    no_verify = CudaGraphRunner(r.model_runner, cfg, mixed=True, verify=False)
     assert no_verify.plan.verify_width(verify_plan(3)) == 0 and no_verify.lookup(verify_shape(1, 4)) is None
     with pytest.raises(ValueError, match="cuda_graph_verify_widths must lie in 2 .. num_speculative_tokens"):
         InferenceConfig(num_speculative_tokens=3, cuda_graph_verify_widths=(5,)).validate()
@@ -161,9 +161,9 @@ def test_llm_close_destroys_graphs_before_the_process_group():
     order = []
     r = runner(True)
     r.release = lambda: (order.append("graphs released"), CudaGraphRunner.release(r))
-    llm.controller.graphs = r
+    llm.runner.graphs = r
     left = lambda: order.append(f"process group destroyed, graphs left: {len(r.graphs)}")  # noqa: E731
     llm.parallel = SimpleNamespace(destroy=left)
     llm.close()
     assert order == ["graphs released", "process group destroyed, graphs left: 0"]
-    assert llm.controller.graphs is None
+    assert llm.runner.graphs is None

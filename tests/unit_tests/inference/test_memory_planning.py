@@ -129,7 +129,7 @@ def test_cpu_runs_are_unchanged_by_the_graph_default():
     outs = {}
     for name, extra in {"default": {}, "eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True}}.items():
         llm = LLM(inference_config=InferenceConfig(**sizes, **extra))
-        assert llm.controller.graphs is None and llm.memory_plan is None
+        assert llm.runner.graphs is None and llm.memory_plan is None
         assert llm.config.cuda_graphs is extra.get("cuda_graphs", False)
         spec = llm.model.kv_cache_spec()
         block = 2 * 4 * spec.num_kv_heads * spec.head_dim * 4 * spec.num_layers

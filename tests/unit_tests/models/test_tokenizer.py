@@ -49,7 +49,7 @@ def test_engine_stops_on_the_tokenizer_eos_ids(tmp_path):
     (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [11, 12, 13]}))
     llm = LLM(str(ckpt), inference_config=InferenceConfig(max_sequence_length=64, num_kv_blocks=16))
     assert len(llm.tokenizer.eos_token_ids) == 4 and set(llm.tokenizer.eos_token_ids[1:]) == {11, 12, 13}
-    assert llm.controller.eos_ids == llm.tokenizer.eos_token_ids
+    assert llm.runner.eos_ids == llm.tokenizer.eos_token_ids
     assert llm.engine.validator.eos_ids == frozenset(llm.tokenizer.eos_token_ids)
 
 
@@ -64,7 +64,7 @@ def test_eos_ids_beyond_the_vocabulary_are_dropped_and_requests_still_run(tmp_pa
     (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [11, vocab + 5]}))
     with caplog.at_level("WARNING", logger="megatron_async"):
         llm = LLM(str(ckpt), inference_config=InferenceConfig(max_sequence_length=64, num_kv_blocks=16))
-    assert 11 in llm.controller.eos_ids and vocab + 5 not in llm.controller.eos_ids
+    assert 11 in llm.runner.eos_ids and vocab + 5 not in llm.runner.eos_ids
     assert any("outside the vocabulary" in r.message for r in caplog.records)
     params = SamplingParams(temperature=0.8, seed=3, min_tokens=4, repetition_penalty=1.2, num_tokens_to_generate=6)
     (out,) = llm.generate([[5, 6, 7]], params)
