@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_async.config import InferenceConfig
+from megatron_async.config import CacheSizing
 from megatron_async.forward_batch import AttentionMetadata, ForwardBatch, MambaMetadata
 from megatron_async.inference.contexts.bookkeeping_layout import BookkeepingLayout, FieldSpec
 from megatron_async.inference.contexts.decode_rows import DecodeRows
@@ -83,8 +83,15 @@ def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samp
 
 
 class DynamicInferenceContext:
-    def __init__(self, config: InferenceConfig, model: CausalLM, device: DeviceFacade, dtype: torch.dtype):
-        self.config = config
+    def __init__(self, config: CacheSizing, model: CausalLM, device: DeviceFacade, dtype: torch.dtype,
+                 batch_invariant: bool = False):
+        """``batch_invariant``: every forward batch asks for batch-invariant kernels."""
+        self.batch_invariant = batch_invariant
+        # the sizes the tables hold (read by the book, the runner and warm-up)
+        self.max_requests = config.max_requests
+        self.max_tokens = config.max_tokens
+        self.max_sequence_length = config.max_sequence_length
+        self.num_speculative_tokens = config.num_speculative_tokens
         self.device = device
         self.block_size = config.block_size_tokens
         self.max_blocks_per_request = -(-config.max_sequence_length // self.block_size)
@@ -362,7 +369,7 @@ class DynamicInferenceContext:
             token_to_row=g.token_to_row[:T], cu_query_lens=g.cu_query_lens[: R + 1], kv_lens=g.kv_lens[:R],
             block_table=g.block_table[:R], block_size=self.block_size, row_order=g.attention_row_order[:R],
         )
-        batch = ForwardBatch(attn=attn, kv_caches=self.kv_caches, batch_invariant=self.config.batch_invariant)
+        batch = ForwardBatch(attn=attn, kv_caches=self.kv_caches, batch_invariant=self.batch_invariant)
         if self.mamba is not None:
             batch.mamba = MambaMetadata(
                 state_slots=g.state_slots[:R], has_initial_state=g.has_initial_state[:R],

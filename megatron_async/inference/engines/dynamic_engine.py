@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_async.config import InferenceConfig
+from megatron_async.config import Scheduling, Speculation
 from megatron_async.inference import triton_builds
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.contexts.step_errors import RequestStepError
@@ -56,19 +56,23 @@ class DynamicInferenceEngine:
         self,
         runner: ModelRunner,
         context: DynamicInferenceContext,
-        config: InferenceConfig,
+        config: Scheduling,
+        speculation: Speculation,
         tokenizer=None,
         communicator: ZMQCommunicator | None = None,
         ranks: SingleRank | None = None,
     ):
         """``ranks``: how this rank shares steps with others (rank_roles.py: alone, tensor-parallel
         replicas or data-parallel ranks); None: tensor-parallel replicas over ``communicator``
-        if one is given, else alone. ``runner``: the model runner."""
+        if one is given, else alone. ``runner``: the model runner. ``speculation``: the one
+        speculative policy's settings (the scheduler drafts by it, the book and runner read it)."""
         self.runner = runner
         self.context = context
         self.config = config
+        self.async_scheduling = config.async_scheduling
+        """Launch-ahead on (read at every step: a test may switch one engine between modes)."""
         self.tokenizer = tokenizer
-        self.book = RequestBook(context, SpecPolicy(config))
+        self.book = RequestBook(context, SpecPolicy(speculation))
         self.scheduler = Scheduler(config, context, self.book)
         runner.bind_spec_policy(self.scheduler.spec)
         self.validator = RequestValidator(config, context, runner.model.vocab_size, runner.eos_ids, tokenizer)
@@ -224,10 +228,10 @@ class DynamicInferenceEngine:
             if self._pending is None:
                 self.stats.paused_steps += self._pause is not None
                 return ranks.close_step(out, landed=False)
-            if self.config.async_scheduling and ranks.one_launch_per_call:
+            if self.async_scheduling and ranks.one_launch_per_call:
                 return ranks.close_step(out, landed=False)
         nxt = None
-        if self.config.async_scheduling:
+        if self.async_scheduling:
             with nvtx_range("launch_ahead"):
                 nxt = self._launch_slot(out, first=False)
         pending, self._pending = self._pending, nxt

@@ -60,8 +60,8 @@ class RequestBook:
         """``spec_policy``: speculative decoding's, told every landed verify row (the scheduler's)."""
         self.ctx = context
         self.spec_policy = spec_policy
-        self.max_sequence_length = context.config.max_sequence_length
-        self.num_speculative_tokens = context.config.num_speculative_tokens if context.spec is not None else 0
+        self.max_sequence_length = context.max_sequence_length
+        self.num_speculative_tokens = context.num_speculative_tokens if context.spec is not None else 0
         self.fast_landings = 0
         """Launches that landed without drafts, one sample per row (EngineStats.fast_landings)."""
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_async.config import InferenceConfig
+from megatron_async.config import GraphSizing
 from megatron_async.inference.text_generation_controllers.graph_plan import (
     GraphKey, GraphPlan, SamplingVariant, variant_flags, variant_index, variant_of_params,
 )
@@ -83,7 +83,7 @@ def decode_key(rows: int, variant: SamplingVariant = SamplingVariant.GREEDY, spe
 
 
 class CudaGraphRunner:
-    def __init__(self, model_runner, config: InferenceConfig, mixed: bool = False,
+    def __init__(self, model_runner, config: GraphSizing, mixed: bool = False,
                  variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), emulate: bool = False,
                  collective: bool = False, verify: bool = True):
         """``collective``: data-parallel engines (expert parallelism). The graphs hold MoE

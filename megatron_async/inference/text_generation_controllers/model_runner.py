@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_async.config import KernelChoice
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.engines.async_pipeline import PendingLaunch
 from megatron_async.inference.engines.request_book import HostSamples
@@ -46,17 +47,17 @@ class PreparedStep:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, context: DynamicInferenceContext, eos_ids: tuple[int, ...] = (),
-                 expert_parallel: bool = False):
-        """``expert_parallel``: MoE layers exchange tokens across EP ranks, so every forward
+    def __init__(self, model: CausalLM, context: DynamicInferenceContext, kernels: KernelChoice,
+                 eos_ids: tuple[int, ...] = (), expert_parallel: bool = False):
+        """``kernels``: the sampling backend and batch-invariant mode. ``expert_parallel``: MoE layers exchange tokens across EP ranks, so every forward
         carries ``ep_num_tokens`` (from the step's ``StepAgreement``)."""
         self.model = model
         self.context = context
         self.device = context.device
         self.eos_ids = tuple(eos_ids)
         """Token ids that end a request without its own termination_id (all of them stop)."""
-        self.batch_invariant = context.config.batch_invariant
-        R = context.config.max_requests
+        self.batch_invariant = kernels.batch_invariant
+        R = context.max_requests
         S = context.max_samples  # config.max_samples, and the graphs' spare padding row
         dev = self.device.device
         # Samples of the latest launch, read by the next launch's decode rows (fixed address);
@@ -73,7 +74,7 @@ class ModelRunner:
         self.graphs = None  # CudaGraphRunner, when enabled
         self.expert_parallel = expert_parallel
         self._dummy_snapshot: torch.Tensor | None = None
-        self.sampler = SampleLauncher(context.config.sampling_backend, dev, context.sampling_state)
+        self.sampler = SampleLauncher(kernels.sampling_backend, dev, context.sampling_state)
 
     def _host_buffers(self, S: int, R: int) -> dict[str, torch.Tensor]:
         pin = self.device.is_cuda
