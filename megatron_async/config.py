@@ -141,6 +141,12 @@ class InferenceConfig:
     (``EngineStats.triton_builds_after_warmup`` / ``graph_captures_after_warmup`` count any
     that still happen). Takes seconds; False = compile and capture lazily on first use."""
 
+    enable_suspend: bool = False
+    """Allocate the weights, the KV / Mamba state pools and the CUDA graph pools so that
+    ``engine.suspend`` can free them and ``engine.resume`` bring them back at the same addresses
+    (graphs stay valid). CUDA needs the ``torch-memory-saver`` package (and the process started with
+    its preload library in ``LD_PRELOAD`` to free graph pools too); CPU emulates it."""
+
     attention_backend: AttentionBackend = AttentionBackend.AUTO
     """Attention kernels to use (and the MoE experts' kernels: Triton fused MoE or the torch loop)."""
 

@@ -1,6 +1,7 @@
 """LLM: the offline API. Builds model, context, model runner (``runner``) and engine; ``generate`` runs them."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import numbers
@@ -18,6 +19,7 @@ from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngi
 from megatron_async.inference.engines.rank_roles import rank_role
 from megatron_async.inference.memory_planning import GiB, CudaMemoryReader, MemoryPlan, MemoryPlanError, check_weights_fit
 from megatron_async.inference.memory_profiling import builtin_weight_bytes, profile_memory_plan
+from megatron_async.inference.memory_suspend import WEIGHTS, make_suspend_backend
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, SamplingParams
 from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
 from megatron_async.kernels.backends import KernelBackends
@@ -116,7 +118,9 @@ class LLM:
         self.attention_backend, self.mamba_backend = kernels.attention, kernels.mamba
         reader = CudaMemoryReader(self.device) if self.device.type == "cuda" else None
         allocated_before = reader.read().allocated if reader else 0
-        self._load_model(model, default_model, seed, reader)
+        suspend = make_suspend_backend(self.device) if self.config.enable_suspend else None
+        with suspend.region(WEIGHTS) if suspend else contextlib.nullcontext():  # engine.suspend frees them
+            self._load_model(model, default_model, seed, reader)
         self.model.eval()
         self.model.kernels = kernels  # this model's kernels, not the process's
         if choice.batch_invariant:
@@ -131,7 +135,7 @@ class LLM:
         else:
             eos_ids = tok_eos if self.tokenizer is not None else checkpoint_eos_ids(model)
         eos_ids = _in_vocab_eos_ids(eos_ids, self.model.vocab_size)
-        facade = DeviceFacade(self.device)
+        facade = DeviceFacade(self.device, suspend)
         if self.config.num_speculative_tokens > 0:  # before the context: MTP heads add KV layers to the pool
             drafter = self._drafter(drafter)
         elif drafter is not None:
@@ -261,6 +265,7 @@ class LLM:
         if version is not None and (isinstance(version, bool) or not isinstance(version, numbers.Integral)
                                     or version < 0):
             raise ValueError(f"version must be an int >= 0 or None, got {version!r}")
+        self.engine.memory.check_can_update_weights()
         update_weights_in_place(self.model, weights)
         new = self.engine.weight_version + 1 if version is None else int(version)
         self.engine.set_weight_version(new)

@@ -104,16 +104,18 @@ class DynamicInferenceContext:
             num_blocks = config.max_requests * self.max_blocks_per_request + 1
         else:
             num_blocks = max(2, int(config.kv_budget_gb * 1e9 // bytes_per_block) + 1)
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device.device)
-            for _ in range(spec.num_layers)
-        ]
+        with device.memory_region("kv_cache"):  # engine.suspend frees it
+            self.kv_caches = [
+                torch.zeros(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device.device)
+                for _ in range(spec.num_layers)
+            ]
         # One model per engine; the key keeps identities apart should pools ever be shared.
         self._model_key = type(model).__name__.encode()
         self.allocator = KVBlockAllocator(num_blocks, config.enable_prefix_caching, self._model_key)
         self.weights_epoch = 0
         """Weight updates so far: part of every block identity (``weights_changed``)."""
-        self.mamba = MambaStateManager.create(model, config, device, dtype)
+        with device.memory_region("kv_cache"):  # live states, prefix-state pool, window scratch
+            self.mamba = MambaStateManager.create(model, config, device, dtype)
         if self.mamba is not None:
             self.allocator.on_reclaim = lambda block, block_hash: self.mamba.on_kv_block_reclaimed(block_hash)
         self.sampling_state = SamplingStateSlots(config.max_requests, model.vocab_size, device)

@@ -232,7 +232,7 @@ class CudaGraphRunner:
         try:
             # thread_local: NCCL's watchdog thread keeps polling events while a TP / EP graph with
             # collectives is captured; "global" mode would turn those polls into capture errors.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with ctx.device.graph_capture(graph, self._pool, "thread_local"):  # suspendable pool if enabled
                 out = ctl.compute_step(shape, key.spec)
         finally:
             if gc_on:
