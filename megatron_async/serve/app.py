@@ -27,6 +27,7 @@ from megatron_async.serve import openai_protocol as proto
 from megatron_async.serve import request_body
 from megatron_async.serve import responses as resp
 from megatron_async.serve import tool_calls
+from megatron_async.serve.admin_routes import add_admin_routes
 from megatron_async.serve.chat_output import ChatOutputFormat, chunk_choices
 from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission
 from megatron_async.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -59,6 +60,8 @@ class ServerState:
     """Parses tool calls out of chat answers to requests with tools (None: they stay text)."""
     reasoning_parser: str | None = None
     """Splits chat answers' reasoning sections into ``reasoning_content`` (None: left in content)."""
+    admin_update_weights: Callable[..., int] | None = None
+    """Set (the LLM's ``update_weights``) to serve the admin endpoints (admin_routes.py); None: 404."""
 
 
 def max_token_chars(tokenizer) -> int:
@@ -126,6 +129,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def _unexpected(_: Request, e: Exception):
         log.exception("request failed unexpectedly")
         return _error(f"internal error: {type(e).__name__}", 500)
+
+    if state.admin_update_weights is not None:
+        add_admin_routes(app, state.engine_loop, state.admin_update_weights)
 
     @app.get("/health")
     async def health():
