@@ -142,7 +142,8 @@ class LLM:
             raise ValueError("a drafter needs InferenceConfig.num_speculative_tokens > 0")
         if reader and self._plans_memory():
             weights = reader.read().allocated - allocated_before
-            self.memory_plan = profile_memory_plan(self.config, self.model, facade, self.dtype, weights, reader,
+            probe = DeviceFacade(self.device)  # the probe's pools stay out of the suspendable regions
+            self.memory_plan = profile_memory_plan(self.config, self.model, probe, self.dtype, weights, reader,
                                                    self.parallel.ep_size, drafter)
             self.config = replace(self.config, num_kv_blocks=self.memory_plan.num_blocks)
             log.info("%s", self.memory_plan.describe())
