@@ -15,6 +15,7 @@ from megatron_async.serve.__main__ import build_parser, build_state  # noqa: E40
 from megatron_async.serve.app import create_app  # noqa: E402
 from megatron_async.serve.engine_loop import Choice, Submission  # noqa: E402
 from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
+from megatron_async.tools.cli import inference_config_from_args  # noqa: E402
 
 CONFIG = dict(max_sequence_length=64, num_kv_blocks=64, max_requests=4, max_tokens=32, enable_suspend=True)
 PROMPT, PARAMS = [3, 4, 5, 6, 7], SamplingParams(top_k=1, num_tokens_to_generate=40, ignore_eos=True)
@@ -47,8 +48,12 @@ def ckpt(tmp_path_factory):
 
 
 def _server(ckpt, *flags):
-    llm = LLM(str(ckpt), inference_config=InferenceConfig(**CONFIG))
-    state = build_state(llm, build_parser().parse_args(["--model", str(ckpt), *flags]))
+    args = build_parser().parse_args(["--model", str(ckpt), "--max-sequence-length", "64", "--num-kv-blocks", "64",
+                                      "--max-requests", "4", "--max-tokens", "32", *flags])
+    config = inference_config_from_args(args)
+    assert config.enable_suspend == ("--enable-suspend" in flags)
+    llm = LLM(str(ckpt), inference_config=config)
+    state = build_state(llm, args)
     return llm, state, create_app(state)
 
 
@@ -60,7 +65,7 @@ def test_admin_endpoints_are_off_by_default(ckpt):
 
 def test_rl_driver_order_over_http(ckpt):
     want = LLM(str(ckpt), inference_config=InferenceConfig(**CONFIG)).generate(PROMPT, PARAMS)[0].generated_tokens
-    llm, state, app = _server(ckpt, "--enable-admin-endpoints")
+    llm, state, app = _server(ckpt, "--enable-admin-endpoints", "--enable-suspend")
     loop = state.engine_loop
     loop.start()
     try:
