@@ -350,6 +350,8 @@ class DynamicInferenceEngine:
         if not self.ranks.admits_at_once:  # requests and aborts go through the ranks' exchange
             raise NotImplementedError("pause_generation is not supported under tensor / expert parallelism yet "
                                       "(every rank would have to agree on the step it takes effect)")
+        if mode == "wait":  # running requests would step on suspended memory
+            self.memory.check_can_generate()
         if mode == "abort":
             for rid in self._requests:
                 self._mark_abort(rid)

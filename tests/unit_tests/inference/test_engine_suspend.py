@@ -150,6 +150,9 @@ def test_wrong_orders_are_refused_and_nothing_is_lost(checkpoints, tmp_path):
         eng.resume(("kv_cache",))
     with pytest.raises(SuspendError, match="suspended"):
         eng.resume_generation()
+    with pytest.raises(SuspendError, match="suspended"):
+        eng.pause_generation("wait")  # would run the requests
+    assert eng.step().step_id == -1
     eng.resume(BOTH)
     eng.resume_generation()
     outs.update(drive(eng)[0])
