@@ -15,8 +15,10 @@ host memory before ``release`` and back after ``restore`` by the caller (engines
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -85,6 +87,39 @@ def preload_library() -> str:
     return str(get_binary_path_from_package("torch_memory_saver_hook_mode_preload"))
 
 
+def _cudart_dir() -> str | None:
+    """The folder of the CUDA runtime torch loaded (pip wheels keep it in site-packages, off the
+    loader's path, and the preload library needs it before torch loads it)."""
+    torch.cuda.is_available()  # loads the runtime
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if "/libcudart.so" in path:
+                    return os.path.dirname(path)
+    except OSError:
+        pass
+    for root in sys.path:  # not loaded (yet): the nvidia-cuda-runtime wheel's folder
+        found = sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libcudart.so.*")))
+        if found:
+            return os.path.dirname(found[-1])
+    return None
+
+
+def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) for a child process whose CUDA graph pools can be
+    suspended: the preload library in ``LD_PRELOAD`` and the CUDA runtime's folder in
+    ``LD_LIBRARY_PATH``. ``python -m megatron_async.inference.memory_suspend`` prints them as
+    shell exports."""
+    env = dict(os.environ if env is None else env)
+    if "torch_memory_saver" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(filter(None, [preload_library(), env.get("LD_PRELOAD")]))
+    cudart = _cudart_dir()
+    if cudart:
+        env["LD_LIBRARY_PATH"] = ":".join(filter(None, [cudart, env.get("LD_LIBRARY_PATH")]))
+    return env
+
+
 class TorchMemorySaverBackend(SuspendBackend):
     """CUDA virtual memory through torch-memory-saver (its process-wide singleton)."""
 
@@ -108,8 +143,8 @@ class TorchMemorySaverBackend(SuspendBackend):
             return self._tms.cuda_graph(graph, pool=pool, capture_error_mode=capture_error_mode, tag=tag)
         if not self._warned:
             self._warned = True
-            log.warning("suspend: CUDA graph pools stay resident (start the process with LD_PRELOAD=%s to "
-                        "release them too)", preload_library())
+            log.warning("suspend: CUDA graph pools stay resident; to release them too, start the process with "
+                        "the exports `python -m megatron_async.inference.memory_suspend` prints")
         return super().graph_capture(graph, pool, capture_error_mode, tag)
 
     def release(self, tag: str, tensors: Iterable[torch.Tensor]) -> None:
@@ -125,3 +160,10 @@ class TorchMemorySaverBackend(SuspendBackend):
 def make_suspend_backend(device: torch.device) -> SuspendBackend:
     """The backend for ``device``: torch-memory-saver on CUDA (a clear error without it), else emulated."""
     return TorchMemorySaverBackend() if device.type == "cuda" else EmulatedBackend()
+
+
+if __name__ == "__main__":
+    child = preload_env()
+    for key in ("LD_PRELOAD", "LD_LIBRARY_PATH"):
+        if key in child:
+            print(f"export {key}={child[key]}")

@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     if not args.no_preload:
-        from megatron_async.inference.memory_suspend import preload_library
+        from megatron_async.inference.memory_suspend import preload_env
 
-        env["LD_PRELOAD"] = ":".join(filter(None, [preload_library(), env.get("LD_PRELOAD")]))
+        env = preload_env(env)
     report = out / "suspend.json"
     with (out / "suspend.log").open("w") as log:
         done = subprocess.run([sys.executable, "-m", "megatron_async.testing.suspend_cycle", "--default-model",

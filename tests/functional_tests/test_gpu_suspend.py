@@ -4,7 +4,6 @@ bytes as mem_get_info sees them, requests paused across a suspend (weights kept)
 with the weights dropped and refilled by update_weights end with the tokens of an uninterrupted
 run, and the captured graphs replay after each resume without any recapture."""
 import json
-import os
 import subprocess
 import sys
 
@@ -15,9 +14,9 @@ pytestmark = pytest.mark.gpu
 
 def test_suspend_cycle_frees_memory_and_graphs_replay(tmp_path):
     pytest.importorskip("torch_memory_saver")
-    from megatron_async.inference.memory_suspend import preload_library
+    from megatron_async.inference.memory_suspend import preload_env
 
-    env = {**os.environ, "LD_PRELOAD": preload_library()}
+    env = preload_env()
     path = tmp_path / "cycle.json"
     subprocess.run([sys.executable, "-m", "megatron_async.testing.suspend_cycle", "--default-model", "tiny",
                     "--dtype", "float32", "--num-requests", "8", "--buffer-size-gb", "1", "--json", str(path)],

@@ -24,3 +24,12 @@ def test_missing_package_names_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_memory_saver", None)  # import fails
     with pytest.raises(ImportError, match=f"pip install {PIP_PACKAGE}"):
         TorchMemorySaverBackend()
+
+
+def test_preload_env_adds_the_library_once():
+    pytest.importorskip("torch_memory_saver")
+    from megatron_async.inference.memory_suspend import preload_env
+
+    env = preload_env({"LD_PRELOAD": "/x/other.so"})
+    assert env["LD_PRELOAD"].count("torch_memory_saver") == 1 and env["LD_PRELOAD"].endswith(":/x/other.so")
+    assert preload_env(env)["LD_PRELOAD"] == env["LD_PRELOAD"]
