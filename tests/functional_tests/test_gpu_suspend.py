@@ -6,6 +6,7 @@ run, and the captured graphs replay after each resume without any recapture."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +21,7 @@ def test_suspend_cycle_frees_memory_and_graphs_replay(tmp_path):
     path = tmp_path / "cycle.json"
     subprocess.run([sys.executable, "-m", "megatron_async.testing.suspend_cycle", "--default-model", "tiny",
                     "--dtype", "float32", "--num-requests", "8", "--buffer-size-gb", "1", "--json", str(path)],
-                   env=env, check=True, timeout=600)
+                   env=env, cwd=Path(__file__).resolve().parents[2], check=True, timeout=600)
     rep = json.loads(path.read_text())
     assert rep["kept_requests"] > 0 and rep["graph_pool_bytes"] > 0, rep
     assert rep["freed_fraction"] >= 0.9, rep
