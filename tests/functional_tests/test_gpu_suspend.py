@@ -1,4 +1,4 @@
-"""CUDA: engine.suspend / resume with torch-memory-saver and CUDA graphs, in a process started
+"""CUDA: engine.suspend / resume with torch-memory-saver and CUDA graphs. In a process started
 with its preload library (so graph pools are released too): suspend frees >= 90 % of the tagged
 bytes as mem_get_info sees them, requests paused across a suspend (weights kept) and across one
 with the weights dropped and refilled by update_weights end with the tokens of an uninterrupted
@@ -28,3 +28,15 @@ def test_suspend_cycle_frees_memory_and_graphs_replay(tmp_path):
     assert rep["tokens_equal"], rep
     first, second, end = rep["graph_replays"]
     assert first < second < end and rep["graph_captures_after_warmup"] == 0, rep
+
+
+def test_suspend_in_process_without_preload():
+    """Without the preload library (torch-memory-saver's allocator mode) the weights and the KV
+    pool are freed and restored; graph pools stay resident; tokens are unchanged."""
+    pytest.importorskip("torch_memory_saver")
+    from megatron_async.testing.suspend_cycle import run_cycle
+
+    rep = run_cycle("tiny", num_requests=8, dtype="float32", buffer_size_gb=1.0)
+    assert rep.kept_requests > 0 and rep.tokens_equal, rep
+    assert rep.freed_bytes >= 0.9 * (rep.weight_bytes + rep.kv_bytes), rep
+    assert rep.graph_captures_after_warmup == 0, rep
