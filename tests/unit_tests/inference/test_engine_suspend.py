@@ -67,22 +67,22 @@ def test_running_requests_continue_token_identically(checkpoints, model, async_s
     for p, sp in zip(PROMPTS, params):
         eng.add_request(p, sp)
     reference, _ = drive(eng)
-    for pause_at in (2, 5):
-        _, eng = _engine(checkpoints[model], async_scheduling)
-        outs = _run_to(eng, params, pause_at)
-        running = [r for r in eng.context.active.values() if r.block_ids]
-        assert running, "requests must hold KV at suspend"
-        if model == "hybrid":
-            assert all(r.state_slot >= 0 for r in running)
-        eng.suspend(BOTH)
-        assert _released(eng) and eng.memory.suspended == set(BOTH)
-        assert eng.step().step_id == -1  # paused and suspended: no device work
-        eng.resume(("weights",))
-        eng.resume(("kv_cache",))
-        eng.resume_generation()
-        rest, _ = drive(eng)
-        outs.update(rest)
-        assert _tokens(outs) == _tokens(reference), f"suspended at step {pause_at}"
+    pause_at = 5 if sampled else 2  # mid-prefill of the chunked prompt / decoding, the third one waiting
+    _, eng = _engine(checkpoints[model], async_scheduling)
+    outs = _run_to(eng, params, pause_at)
+    running = [r for r in eng.context.active.values() if r.block_ids]
+    assert running, "requests must hold KV at suspend"
+    if model == "hybrid":
+        assert all(r.state_slot >= 0 for r in running)
+    eng.suspend(BOTH)
+    assert _released(eng) and eng.memory.suspended == set(BOTH)
+    assert eng.step().step_id == -1  # paused and suspended: no device work
+    eng.resume(("weights",))
+    eng.resume(("kv_cache",))
+    eng.resume_generation()
+    rest, _ = drive(eng)
+    outs.update(rest)
+    assert _tokens(outs) == _tokens(reference), f"suspended at step {pause_at}"
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "serial"])
