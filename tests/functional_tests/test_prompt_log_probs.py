@@ -66,9 +66,13 @@ def test_async_equals_serial_exactly(qwen3):
     assert results[True][0][2] is not None and results[True][1][2] is None
 
 
-def test_scoring_only_and_top_n(qwen3):
+def test_scoring_only_and_top_n(qwen3, monkeypatch):
     """num_tokens_to_generate=0 scores the prompt and generates nothing; top-n has the shape and
-    format of the generated tokens' top-n, and its best entry is the HF argmax."""
+    format of the generated tokens' top-n, and its best entry is the HF argmax. Sub-chunks of 3
+    positions (a 151k vocabulary's size, scaled to this one's)."""
+    from megatron_async.inference.text_generation_controllers import prompt_scoring
+
+    monkeypatch.setattr(prompt_scoring, "SUBCHUNK_BYTES", VOCAB * 32 * 3)
     path, ref = qwen3
     prompts = random_prompts(2, 5, 20, VOCAB, seed=5) + [[7]]
     llm = make_llm(path, max_tokens=8, max_requests=4)
@@ -102,6 +106,21 @@ def test_prefix_cache_hits_do_not_leave_holes(qwen3):
     assert_matches_hf(ref, scored)
     llm.generate([prompts[2]], plain)
     assert llm.engine.stats.prefix_hit_tokens >= hits + 24  # the cache really held the prefix
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_evicted_requests_rescore_without_holes(qwen3, async_scheduling):
+    """A pool too small for the batch pauses and evicts scoring requests mid-prompt; their
+    recompute (prefix hits allowed up to what they had scored) rewrites the same entries."""
+    path, ref = qwen3
+    prompts = random_prompts(6, 30, 45, VOCAB, seed=10)
+    llm = make_llm(path, num_kv_blocks=21, max_tokens=32, enable_prefix_caching=True,
+                   async_scheduling=async_scheduling)
+    sp = SamplingParams(top_k=1, num_tokens_to_generate=6, return_prompt_log_probs=True)
+    for o in llm.generate(prompts, sp):
+        assert_matches_hf(ref, o)
+    st = llm.engine.stats
+    assert st.evicted > 0, st.as_dict()
 
 
 def test_hybrid_model_matches_hf(tmp_path):

@@ -20,8 +20,9 @@ from megatron_async.inference.engines.prompt_log_probs import PromptRowScores
 from megatron_async.inference.engines.step_plan import StepPlan
 from megatron_async.inference.text_generation_controllers import sampling
 
-SUBCHUNK_BYTES = 1 << 27
-"""Float32 logits (and the top-n keys) of one sub-chunk of scored positions stay under ~128 MiB."""
+SUBCHUNK_BYTES = 1 << 28
+"""What one sub-chunk of scored positions may hold at once (logits and their temporaries):
+[220, 151k] without top-n, [55, 151k] with it."""
 
 
 def wants_prompt_scoring(plan: StepPlan) -> bool:
@@ -70,7 +71,7 @@ class PromptScoring:
         idx = self._host_idx.to(dev, non_blocking=True)
         targets = self._host_targets.to(dev, non_blocking=True)
         M, n = self.num_positions, self.top_n
-        per_row = vocab_size * 4 * (3 if n else 1)  # float32 logits, plus int64 top-n keys
+        per_row = vocab_size * (32 if n else 8)  # float32 logits and a temporary; the top-n's int64 keys
         step = max(1, SUBCHUNK_BYTES // per_row)
         lps, vals, ids = [], [], []
         for s in range(0, M, step):
