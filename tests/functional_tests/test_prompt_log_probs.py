@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_async import SamplingParams
-from megatron_async.testing.engine_harness import make_llm, random_prompts
+from megatron_async.testing.engine_harness import Arrival, make_llm, random_prompts, run_arrivals
 from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
 from megatron_async.testing.hf_models import hf_logits, load_hf_reference, make_tiny_checkpoint
 
@@ -144,19 +144,32 @@ def test_bad_top_n_is_the_request_error(qwen3):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_speculative_decoding_on(qwen3, async_scheduling):
-    """Repetitive prompts make the n-gram drafter draft; scoring rows ride in its steps."""
+def test_speculative_decoding_on(qwen3, async_scheduling, monkeypatch):
+    """A repetitive request decodes with n-gram drafts while scoring requests arrive and prefill
+    in the same steps: their prompt log-probs and everyone's tokens are plain decoding's."""
+    from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
+
     path, ref = qwen3
-    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7]
     sp = SamplingParams(top_k=1, num_tokens_to_generate=12, return_prompt_log_probs=True, return_log_probs=True)
-    plain = make_llm(path, max_tokens=16, async_scheduling=async_scheduling).generate(prompts, sp)
+    arrivals = [Arrival(0, [5, 6, 7, 8] * 6, sp), Arrival(3, random_prompts(1, 40, 40, VOCAB, seed=12)[0], sp),
+                Arrival(4, [9, 10, 11] * 7, sp)]
+    plain = run_arrivals(make_llm(path, max_tokens=16, async_scheduling=async_scheduling), arrivals)
+    spec_scoring_steps = []
+    compute_step = ModelRunner.compute_step
+
+    def watched(self, shape, spec=None, dp_num_tokens=0, scoring=None):
+        spec_scoring_steps.append(bool(spec) and scoring is not None)
+        return compute_step(self, shape, spec, dp_num_tokens, scoring)
+
+    monkeypatch.setattr(ModelRunner, "compute_step", watched)
     llm = make_llm(path, max_tokens=16, async_scheduling=async_scheduling, num_speculative_tokens=2,
                    speculative_method="ngram", speculative_min_acceptance=0.0)
-    spec = llm.generate(prompts, sp)
-    assert llm.engine.stats.spec_draft_tokens > 0
-    for a, b in zip(plain, spec):
-        assert a.generated_tokens == b.generated_tokens and a.prompt_log_probs == b.prompt_log_probs
-        assert_matches_hf(ref, b)
+    spec = run_arrivals(llm, arrivals)
+    assert llm.engine.stats.spec_draft_tokens > 0 and any(spec_scoring_steps)
+    for i in range(len(arrivals)):
+        assert plain[i].generated_tokens == spec[i].generated_tokens
+        assert plain[i].prompt_log_probs == pytest.approx(spec[i].prompt_log_probs, abs=1e-6)
+        assert_matches_hf(ref, spec[i])
 
 
 def _tp_worker(rank: int, world: int, ckpt: str, prompts: list[list[int]]) -> list:
