@@ -80,7 +80,8 @@ def test_bf16_prompt_log_probs_against_hf_float32(tmp_path):
     rng = random.Random(1)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(20, 200))] for _ in range(8)]
     llm = LLM(str(path), device="cuda", dtype="bfloat16", inference_config=InferenceConfig(
-        max_requests=8, max_tokens=128, max_sequence_length=512, async_scheduling=True, cuda_graphs=True))
+        max_requests=8, max_tokens=128, max_sequence_length=512, num_kv_blocks=1024, async_scheduling=True,
+        cuda_graphs=True))
     outs = llm.generate(prompts, SamplingParams(top_k=1, num_tokens_to_generate=4, return_prompt_log_probs=True))
     diff = 0.0
     for p, o in zip(prompts, outs):
