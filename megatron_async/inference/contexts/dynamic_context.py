@@ -177,7 +177,7 @@ class DynamicInferenceContext:
             return 0
         bs = self.block_size
         # Leave at least one known token to compute: its logits give the next token.
-        limit = (req.num_known_tokens - 1) // bs
+        limit = min(req.num_known_tokens - 1, req.max_prefix_hit) // bs
         hashes, blocks, parent = [], [], None
         for i in range(limit):
             h = self.allocator.block_hash(parent, req.tokens_between(i * bs, (i + 1) * bs))

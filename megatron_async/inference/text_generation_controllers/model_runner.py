@@ -25,6 +25,7 @@ from megatron_async.inference.speculative.plain_steps import PlainStepSelector
 from megatron_async.inference.speculative.policy import SpecPolicy
 from megatron_async.inference.speculative.verify import SpecVerifier
 from megatron_async.inference.text_generation_controllers import sampling
+from megatron_async.inference.text_generation_controllers.prompt_scoring import PromptScoring, wants_prompt_scoring
 from megatron_async.inference.text_generation_controllers.sample_launcher import SampleLauncher
 from megatron_async.inference.text_generation_controllers.warmup import WarmupReport, run_warmup
 from megatron_async.kernels import fused_ops
@@ -44,6 +45,8 @@ class PreparedStep:
     """It runs speculative decoding's machinery (spec inputs, acceptance, the drafter)."""
     dp_num_tokens: int = 0
     """Data-parallel ranks: what this step's MoE exchanges pad to (``StepAgreement.max_tokens``)."""
+    prompt_scoring: PromptScoring | None = None
+    """Rows scoring their prompt (prompt_scoring.py): the step runs eager."""
 
 
 class ModelRunner:
@@ -103,7 +106,9 @@ class ModelRunner:
         width = self.graphs.plan.verify_width(plan) if use_graphs else 0
         with nvtx_range("initialize_attention_state"):
             shape = ctx.initialize_attention_state(plan, verify_width=width)
-        graph = None
+        graph = scoring = None
+        if not shape.is_decode_only and wants_prompt_scoring(plan):  # never a decode-only step
+            scoring, use_graphs = PromptScoring(plan), False
         if use_graphs:
             graph = self.graphs.lookup(shape, min_rows=agreed.max_tokens, min_variant=agreed.variant, spec=spec)
         if graph is not None:
@@ -112,7 +117,7 @@ class ModelRunner:
             ctx.pad_for_graph(shape.num_tokens, shape.num_rows, k.num_tokens, k.num_rows, k.verify_width)
         if self.spec_steps is not None:
             self.spec_steps.launched(plan, spec)
-        return PreparedStep(plan, shape, graph, spec, agreed.max_tokens)
+        return PreparedStep(plan, shape, graph, spec, agreed.max_tokens, scoring)
 
     @torch.inference_mode()
     def launch(self, step: PreparedStep, step_id: int, overlapped: bool, timed: bool) -> PendingLaunch:
@@ -131,7 +136,8 @@ class ModelRunner:
             tokens, log_probs, top_vals, top_ids = graph.outputs(shape.num_samples, shape.any_log_probs,
                                                                  shape.max_top_n)
         else:
-            tokens, log_probs, top_vals, top_ids = self.compute_step(shape, spec, step.dp_num_tokens)
+            tokens, log_probs, top_vals, top_ids = self.compute_step(shape, spec, step.dp_num_tokens,
+                                                                     step.prompt_scoring)
         if ctx.mamba is not None:
             ctx.mamba.after_forward()
         self._ring = (self._ring + 1) % len(self._host_ring)
@@ -152,6 +158,8 @@ class ModelRunner:
                 h_ti = torch.empty(top_ids.shape, dtype=top_ids.dtype, pin_memory=self.device.is_cuda)
                 h_tv.copy_(top_vals, non_blocking=True)
                 h_ti.copy_(top_ids, non_blocking=True)
+            if step.prompt_scoring is not None:
+                step.prompt_scoring.copy_to_host(self.device.is_cuda)
             event = self.device.event()
             self.device.record(event)
         if end_ev is not None:
@@ -161,17 +169,19 @@ class ModelRunner:
             num_tokens=shape.num_tokens, overlapped=overlapped, host_tokens=host["tokens"][:S],
             host_log_probs=h_lp, host_top_n_vals=h_tv, host_top_n_ids=h_ti, event=event,
             launch_time=t0, timing_events=(start_ev, end_ev) if start_ev is not None else (),
-            host_accepted=h_acc, sample_base=shape.sample_base,
+            host_accepted=h_acc, sample_base=shape.sample_base, prompt_scoring=step.prompt_scoring,
         )
 
-    def compute_step(self, shape: StepShape, spec: bool | None = None, dp_num_tokens: int = 0):
+    def compute_step(self, shape: StepShape, spec: bool | None = None, dp_num_tokens: int = 0,
+                     scoring: PromptScoring | None = None):
         """Forward + sample of one assembled step, reading only the GPU view.
 
         Also the body that CUDA graphs capture (with padded decode and mixed shapes).
         ``spec``: speculative decoding's machinery (spec inputs, acceptance, drafter) runs;
         False: the plain engine's step (plain_steps.py); None: whenever speculation is on.
         ``dp_num_tokens``: expert parallelism, the fewest tokens MoE exchanges pad to (a graph
-        capture: 0, so its own padded tokens)."""
+        capture: 0, so its own padded tokens). ``scoring``: an eager step's prompt positions
+        to score from the hidden states."""
         ctx, g = self.context, self.context.gpu_view
         spec = self.spec is not None if spec is None else spec and self.spec is not None
         T, R, S = shape.num_tokens, shape.num_rows, shape.num_samples
@@ -185,6 +195,9 @@ class ModelRunner:
             hidden = self.model(input_ids, batch)
             logits = self.model.compute_logits(hidden[g.sample_token_idx[:S]], batch_invariant=self.batch_invariant,
                                                float32=not self.sampler.reads_model_dtype)
+            if scoring is not None:
+                scoring.compute(self.model, hidden, self.context.sampling_state.vocab_size, self.batch_invariant,
+                                self.sampler.reads_model_dtype)
         with nvtx_range("sampling"):
             tokens = self.sampler(logits, g, S, shape.any_sampling, shape.filters, shape.any_penalties)
             self.last_samples[:S].copy_(tokens)
@@ -259,4 +272,5 @@ class ModelRunner:
                 pending.host_top_n_ids.tolist() if pending.host_top_n_ids is not None else None,
                 pending.host_top_n_vals.tolist() if pending.host_top_n_vals is not None else None,
                 pending.host_accepted.tolist() if pending.host_accepted is not None else None,
-                step_time)
+                step_time,
+                prompt_scores=pending.prompt_scoring.collect() if pending.prompt_scoring is not None else None)
