@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
+from megatron_async.inference.routed_experts import routed_experts_of
+
 if TYPE_CHECKING:
     from megatron_async.inference.text_stream import TextStream
 
@@ -69,6 +71,8 @@ class SamplingParams:
     """Subtracted from a token's logit once per occurrence in the output so far."""
     repetition_penalty: float = 1.0
     """Tokens of the prompt or output: positive logits divided by it, negative multiplied; 1 = off."""
+    return_routed_experts: bool = False
+    """MoE models: ``RequestOutput.routed_experts`` (routing replay; the request skips prefix-cache hits)."""
 
     @property
     def has_penalties(self) -> bool:
@@ -141,6 +145,9 @@ class RequestOutput:
     """Set (with finish_reason "error") when the request was rejected at admission or failed."""
     weight_versions: list[int] | None = None
     """One per generated token: the weight version (``LLM.update_weights``) that produced it."""
+    routed_experts: list[list[list[int]]] | None = None
+    """``return_routed_experts``: [token][moe_layer] -> the token's top-k global expert ids, for
+    every prompt token and every generated token but the last (inference/routed_experts.py)."""
 
 
 class RequestUpdate(NamedTuple):
@@ -189,6 +196,8 @@ class DynamicInferenceRequest:
     weight_version_runs: list[tuple[int, int]] = field(default_factory=list)
     """(first generated index, weight version) at each change of version: run-length, so landing
     a token costs one comparison (``weight_versions`` expands it)."""
+    routed_experts: list = field(default_factory=list)
+    """Routing replay: [position][moe_layer] -> top-k expert ids, as landed (routed_experts.py)."""
     weights_epoch: int = -1
     """The context's weights epoch when the request was last admitted (-1: never admitted): its
     KV holds those weights' values, so it publishes prefix blocks only while they are current."""
@@ -285,6 +294,7 @@ class DynamicInferenceRequest:
             generated_top_n_logprobs=list(self.generated_top_n_logprobs) if sp.top_n_logprobs > 0 else None,
             error=self.error,
             weight_versions=self.weight_versions(),
+            routed_experts=routed_experts_of(self),
         )
 
     def weight_versions(self) -> list[int]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatron_async.inference.request import DynamicInferenceRequest, FinishReason, Status
+from megatron_async.inference.routed_experts import land_routing
 from megatron_async.inference.speculative.acceptance import emitted_tokens
 from megatron_async.inference.stop_conditions import finish_reason, generation_limit
 
@@ -37,6 +38,8 @@ class HostSamples:
     """Speculative decoding: drafts accepted per row (None: a step that verified nothing)."""
     step_time: float | None
     """Device time of the step, on timed (logging) steps only; host time on CPU."""
+    routed_experts: object | None = None
+    """Routing replay: ``routed_experts.StepRouting`` of the rows that asked (None: none did)."""
 
 
 @dataclass
@@ -121,6 +124,8 @@ class RequestBook:
         finished_status = Status.FINISHED
         reason = None
         version = pending.weight_version
+        if samples.routed_experts is not None:  # every row (prefill chunks too), before any finishes
+            land_routing(rows, samples.routed_experts, accepted, finished_status)
         for i, row in enumerate(rows):
             if not row.samples:
                 continue

@@ -1,0 +1,109 @@
+"""Routing replay: the top-k experts each token of a request was routed to
+(``SamplingParams.return_routed_experts`` -> ``RequestOutput.routed_experts[token][moe_layer]``).
+
+Device side (``RoutingRecorder``, held by the model runner): every MoE layer of the model writes
+its tokens' global expert ids (routing happens before any expert-parallel exchange) into one
+static int16 buffer [max_tokens, num_moe_layers, top_k] at a fixed address, so a CUDA graph
+writes it too. Graphs always record (the softmax router's kernel stores the ids in the same
+program, no extra launch); eager steps record only when a row asked. A step with rows that
+asked copies the tokens from the first to the last of those rows to pinned host memory, on the
+stream after the forward and before the samples' event: the host reads them with the samples.
+
+Host side (``land_routing``, called by the request book for every landed launch): each asking
+row's tokens land at their positions in its request's ``routed_experts``; a verify row keeps
+its input token and its accepted drafts only. A position computed again (after an eviction)
+is overwritten. Requests that ask skip prefix-cache hits: a cached prompt part is not run.
+
+Coverage (``routed_experts_of``): one entry per token the model ran for the request: every
+prompt token and every generated token except the last, which is returned but never fed
+back (len(prompt) + len(generated) - 1 entries; len(prompt) when nothing was generated).
+A request that ended early (abort, error) returns the entries of the tokens that ran."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_async.step_shape import StepShape
+
+RING = 3
+"""Host buffers in rotation: a launch in flight, the one being landed, the next one."""
+
+
+@dataclass
+class StepRouting:
+    """A launch's routing on the host (valid once its samples' event completed)."""
+
+    host: torch.Tensor
+    """[tokens, num_moe_layers, top_k] int16: step tokens ``first_token`` onwards."""
+    first_token: int
+    row_tokens: list[int]
+    """Each row's first token in the step."""
+
+
+def asks(request) -> bool:
+    return request.sampling_params.return_routed_experts
+
+
+class RoutingRecorder:
+    """The static device buffer MoE layers record into, and its copies to the host."""
+
+    def __init__(self, num_moe_layers: int, top_k: int, max_tokens: int, device):
+        """``device``: the engine's ``DeviceFacade``; ``max_tokens``: the most tokens a step
+        runs, graph padding included."""
+        self.device = device
+        self.buffer = torch.zeros((max_tokens, num_moe_layers, top_k), dtype=torch.int16, device=device.device)
+        self._host: list[torch.Tensor] = []  # allocated by the first step that asks
+        self._next = 0
+
+    @classmethod
+    def for_model(cls, model, max_tokens: int, device) -> RoutingRecorder | None:
+        """None for a model without MoE layers."""
+        shape = model.routed_experts_shape()
+        return None if shape is None else cls(*shape, max_tokens, device)
+
+    @staticmethod
+    def asked(rows) -> bool:
+        return any(asks(r.request) for r in rows)
+
+    def copy_to_host(self, rows, shape: StepShape) -> StepRouting:
+        """Enqueue the D2H copy of the asking rows' span of tokens (call after the forward,
+        before the samples' event is recorded)."""
+        width = shape.verify_width
+        starts, t = [], 0
+        for r, row in enumerate(rows):
+            starts.append(r * width if width else t)
+            t += row.num_tokens
+        asking = [r for r, row in enumerate(rows) if asks(row.request)]
+        lo, hi = starts[asking[0]], starts[asking[-1]] + rows[asking[-1]].num_tokens
+        if not self._host:
+            pin = self.device.is_cuda
+            self._host = [torch.empty(self.buffer.shape, dtype=torch.int16, pin_memory=pin) for _ in range(RING)]
+        self._next = (self._next + 1) % RING
+        host = self._host[self._next][:hi - lo]
+        host.copy_(self.buffer[lo:hi], non_blocking=True)
+        return StepRouting(host, lo, starts)
+
+
+def land_routing(rows, routing: StepRouting, accepted: list[int] | None, finished) -> None:
+    """Store each asking row's routing at its positions (rows of requests already ``finished``
+    status are dropped; a verify row keeps its input token and ``accepted[i]`` drafts)."""
+    for i, row in enumerate(rows):
+        req = row.request
+        if not asks(req) or req.status == finished:
+            continue
+        n = 1 + accepted[i] if row.num_drafts else row.num_tokens
+        first = routing.row_tokens[i] - routing.first_token
+        store, pos = req.routed_experts, row.start
+        if pos > len(store):  # never for a run from position 0; kept visible rather than shifted
+            store.extend([None] * (pos - len(store)))
+        store[pos:pos + n] = routing.host[first:first + n].tolist()
+
+
+def routed_experts_of(req) -> list[list[list[int]]] | None:
+    """``RequestOutput.routed_experts``: [token][moe_layer] -> top-k expert ids (see the
+    module docstring for which tokens); None unless the request asked."""
+    if not asks(req):
+        return None
+    ran = len(req.prompt_tokens) + max(len(req.generated_tokens) - 1, 0)
+    return req.routed_experts[:ran]
