@@ -11,7 +11,9 @@ stream after the forward and before the samples' event: the host reads them with
 
 Host side (``land_routing``, called by the request book for every landed launch): each asking
 row's tokens land at their positions in its request's ``routed_experts``; a verify row keeps
-its input token and its accepted drafts only. A position computed again (after an eviction)
+its input token and its accepted drafts only, at the position the request reached (a
+launch-ahead row's planned start assumes the drafts in flight were all accepted). A position
+computed again (after an eviction)
 is overwritten. Requests that ask skip prefix-cache hits: a cached prompt part is not run.
 
 Coverage (``routed_experts_of``): one entry per token the model ran for the request: every
@@ -94,7 +96,10 @@ def land_routing(rows, routing: StepRouting, accepted: list[int] | None, finishe
             continue
         n = 1 + accepted[i] if row.num_drafts else row.num_tokens
         first = routing.row_tokens[i] - routing.first_token
-        store, pos = req.routed_experts, row.start
+        store = req.routed_experts
+        # a decode row's input is the request's last token so far: its planned start assumed
+        # every draft of a verify row in flight was accepted
+        pos = len(req.prompt_tokens) + len(req.generated_tokens) - 1 if row.is_decode else row.start
         if pos > len(store):  # never for a run from position 0; kept visible rather than shifted
             store.extend([None] * (pos - len(store)))
         store[pos:pos + n] = routing.host[first:first + n].tolist()
