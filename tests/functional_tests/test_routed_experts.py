@@ -2,22 +2,19 @@
 CPU: each token's top-k experts per MoE layer equal the ones Hugging Face's router picks when it
 runs the whole sequence (prompt + generated tokens but the last), through chunked prefill,
 launch-ahead (async == serial), evictions, speculative decoding (accepted tokens only),
-emulated CUDA graphs and prefix caching; requests that do not ask get None and cost nothing; a
+emulated CUDA graphs, expert parallelism (global ids) and prefix caching; requests that do not ask get None and cost nothing; a
 dense model refuses the request alone."""
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # before any kernel module is imported: the Triton variant interprets
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
-from megatron_async.inference.speculative.oracle import OracleDrafter  # noqa: E402
-from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner  # noqa: E402
-from megatron_async.testing.engine_harness import count_replays_by_variant, make_llm, random_prompts  # noqa: E402
-from megatron_async.testing.hf_models import load_hf_reference  # noqa: E402
-from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint  # noqa: E402
+from megatron_async import LLM, InferenceConfig, SamplingParams
+from megatron_async.inference.speculative.oracle import OracleDrafter
+from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
+from megatron_async.testing.emulated_graphs import EmulatedGraphRunner
+from megatron_async.testing.engine_harness import count_replays_by_variant, make_llm, random_prompts
+from megatron_async.testing.hf_models import load_hf_reference
+from megatron_async.testing.multiprocess import run_ranks
+from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint
 
 NEW = 6
 ASK = dict(num_tokens_to_generate=NEW, ignore_eos=True, return_routed_experts=True)
@@ -25,18 +22,27 @@ GREEDY = SamplingParams(top_k=1, **ASK)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, **ASK)
 
 
-@pytest.fixture(scope="module", params=["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
+@pytest.fixture(scope="module", params=["Qwen3MoeForCausalLM", "MixtralForCausalLM", "NemotronHForCausalLM"])
 def ckpt(request, tmp_path_factory):
-    """Qwen3-MoE: MoE layers 0 and 2 around a dense layer 1 (the MoE index skips it)."""
+    """Qwen3-MoE: MoE layers 0 and 2 around a dense layer 1 (the MoE index skips it); NemotronH:
+    Mamba, MoE (sigmoid, grouped top-k: the torch router's path), attention, MoE."""
     return make_tiny_moe_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def hf_routing(ref, seq: list[int]) -> list[list[list[int]]]:
-    """[token][moe_layer] -> the experts HF's router picks (sorted) for ``seq`` run at once."""
-    with torch.no_grad():
-        logits = ref(torch.tensor([seq]), output_router_logits=True).router_logits
-    k = ref.config.num_experts_per_tok
-    return [[sorted(layer[t].topk(k).indices.tolist()) for layer in logits] for t in range(len(seq))]
+    """[token][moe_layer] -> the experts HF's routers (``*Router`` modules, in layer order)
+    pick, sorted, for ``seq`` run at once."""
+    picked = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: picked.append(out[2].view(len(seq), -1)))
+             for m in ref.modules() if type(m).__name__.endswith("Router")]
+    try:
+        with torch.no_grad():
+            ref(torch.tensor([seq]))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert picked
+    return [[sorted(layer[t].tolist()) for layer in picked] for t in range(len(seq))]
 
 
 def as_sets(routed) -> list[list[list[int]]]:
@@ -137,3 +143,31 @@ def test_a_dense_model_refuses_the_request_alone():
     outs = llm.generate([[1, 2, 3], [4, 5, 6]], [GREEDY, SamplingParams(top_k=1, num_tokens_to_generate=NEW)])
     assert outs[0].finish_reason == "error" and "mixture-of-experts" in outs[0].error
     assert len(outs[1].generated_tokens) == NEW and outs[1].routed_experts is None
+
+
+EP_PARAMS = [GREEDY, SEEDED, SamplingParams(top_k=1, num_tokens_to_generate=NEW), GREEDY, SEEDED]
+
+
+def _ep_worker(rank: int, world: int) -> dict:
+    cfg = InferenceConfig(block_size_tokens=4, num_kv_blocks=128, max_requests=4, max_tokens=16,
+                          max_sequence_length=96)
+    llm = LLM(None, inference_config=cfg, default_model="tiny-moe", expert_parallel_size=world)
+    try:
+        graphs = llm.runner.graphs = EmulatedGraphRunner(llm.runner, llm.config, collective=True)
+        graphs.warmup()
+        outs = llm.generate(PROMPTS, EP_PARAMS)
+        return dict(routed=[o.routed_experts for o in outs], tokens=[o.generated_tokens for o in outs],
+                    served=llm.engine.stats.finished_requests, replays=graphs.num_replays)
+    finally:
+        llm.close()
+
+
+def test_expert_parallel_ranks_report_global_ids_through_emulated_graphs():
+    """EP=2 (gloo): each rank routes its own requests' tokens before the exchange, so the ids are
+    global (experts 4-7 live on rank 1); rank 0 reports every request as one engine does."""
+    one = _graph_llm(graphs=False, max_tokens=16, max_requests=4).generate(PROMPTS, EP_PARAMS)
+    r0, r1 = run_ranks(_ep_worker, 2, timeout_s=240)
+    assert r0["served"] > 0 and r1["served"] > 0 and r0["replays"] > 0 and r1["replays"] > 0
+    assert r0["tokens"] == [o.generated_tokens for o in one]
+    assert r0["routed"] == [o.routed_experts for o in one]
+    assert any(i >= 4 for o in one for token in o.routed_experts or () for layer in token for i in layer)
