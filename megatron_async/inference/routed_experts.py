@@ -57,6 +57,7 @@ class RoutingRecorder:
         self.buffer = torch.zeros((max_tokens, num_moe_layers, top_k), dtype=torch.int16, device=device.device)
         self._host: list[torch.Tensor] = []  # allocated by the first step that asks
         self._next = 0
+        self._active_version, self._any_active = -1, False
 
     @classmethod
     def for_model(cls, model, max_tokens: int, device) -> RoutingRecorder | None:
@@ -64,9 +65,13 @@ class RoutingRecorder:
         shape = model.routed_experts_shape()
         return None if shape is None else cls(*shape, max_tokens, device)
 
-    @staticmethod
-    def asked(rows) -> bool:
-        return any(asks(r.request) for r in rows)
+    def asked(self, rows, active: dict, active_version: int) -> bool:
+        """Some row asks. ``active``: the context's active requests (every row's among them) and
+        their version: re-read only when it changes, so steps of requests that never ask cost one
+        comparison, not a pass over the rows."""
+        if active_version != self._active_version:
+            self._active_version, self._any_active = active_version, any(map(asks, active.values()))
+        return self._any_active and any(asks(r.request) for r in rows)
 
     def copy_to_host(self, rows, shape: StepShape) -> StepRouting:
         """Enqueue the D2H copy of the asking rows' span of tokens (call after the forward,

@@ -120,7 +120,7 @@ class ModelRunner:
     def launch(self, step: PreparedStep, step_id: int, overlapped: bool, timed: bool) -> PendingLaunch:
         """Enqueue the device work of a prepared (and committed) step."""
         ctx, plan, shape, graph, spec = self.context, step.plan, step.shape, step.graph, step.speculative
-        routing = self.routing is not None and self.routing.asked(plan.rows)
+        routing = self.routing is not None and self.routing.asked(plan.rows, ctx.active, ctx.active_version)
         start_ev = end_ev = None
         if timed and self.device.is_cuda:
             start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

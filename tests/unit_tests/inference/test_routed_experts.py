@@ -83,3 +83,12 @@ def test_outputs_cover_the_prompt_and_every_generated_token_but_the_last():
     assert routed_experts_of(req) == [_ids(t) for t in range(3)]  # scoring only: the whole prompt
     assert routed_experts_of(_req(3, params=SamplingParams())) is None
 
+
+
+def test_the_asking_check_reads_the_active_requests_only_when_they_change():
+    rec, plain, asking = _recorder(4), _req(3, params=SamplingParams()), _req(3)
+    rows = [RowPlan(plain, 0, 3, True)]
+    assert not rec.asked(rows, {0: plain}, 1)
+    assert not rec.asked(rows + [RowPlan(asking, 0, 3, True)], {0: plain}, 1)  # same version: not re-read
+    assert rec.asked(rows + [RowPlan(asking, 0, 3, True)], {0: plain, 1: asking}, 2)
+    assert not rec.asked(rows, {0: plain, 1: asking}, 2)  # an asking request without a row here
