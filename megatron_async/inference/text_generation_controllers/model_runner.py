@@ -120,7 +120,7 @@ class ModelRunner:
     def launch(self, step: PreparedStep, step_id: int, overlapped: bool, timed: bool) -> PendingLaunch:
         """Enqueue the device work of a prepared (and committed) step."""
         ctx, plan, shape, graph, spec = self.context, step.plan, step.shape, step.graph, step.speculative
-        routing = self.routing is not None and self.routing.asked(plan.rows, ctx.active, ctx.active_version)
+        asked = self.routing is not None and self.routing.asked(plan.rows, ctx.active, ctx.active_version)
         start_ev = end_ev = None
         if timed and self.device.is_cuda:
             start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -134,7 +134,7 @@ class ModelRunner:
             tokens, log_probs, top_vals, top_ids = graph.outputs(shape.num_samples, shape.any_log_probs,
                                                                  shape.max_top_n)
         else:
-            tokens, log_probs, top_vals, top_ids = self.compute_step(shape, spec, step.dp_num_tokens, routing)
+            tokens, log_probs, top_vals, top_ids = self.compute_step(shape, spec, step.dp_num_tokens, asked)
         if ctx.mamba is not None:
             ctx.mamba.after_forward()
         self._ring = (self._ring + 1) % len(self._host_ring)
@@ -155,7 +155,7 @@ class ModelRunner:
                 h_ti = torch.empty(top_ids.shape, dtype=top_ids.dtype, pin_memory=self.device.is_cuda)
                 h_tv.copy_(top_vals, non_blocking=True)
                 h_ti.copy_(top_ids, non_blocking=True)
-            routing = self.routing.copy_to_host(plan.rows, shape) if routing else None
+            routing = self.routing.copy_to_host(plan.rows, shape) if asked else None
             event = self.device.event()
             self.device.record(event)
         if end_ev is not None:
