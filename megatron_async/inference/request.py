@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from megatron_async.inference.routed_experts import routed_experts_of
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from megatron_async.inference.text_stream import TextStream
 
 
@@ -145,9 +147,9 @@ class RequestOutput:
     """Set (with finish_reason "error") when the request was rejected at admission or failed."""
     weight_versions: list[int] | None = None
     """One per generated token: the weight version (``LLM.update_weights``) that produced it."""
-    routed_experts: list[list[list[int]]] | None = None
-    """``return_routed_experts``: [token][moe_layer] -> the token's top-k global expert ids, for
-    every prompt token and every generated token but the last (inference/routed_experts.py)."""
+    routed_experts: np.ndarray | None = None
+    """``return_routed_experts``: int16 [token, moe_layer, k], each token's top-k global expert
+    ids, for every prompt token and every generated token but the last (routed_experts.py)."""
 
 
 class RequestUpdate(NamedTuple):
@@ -196,8 +198,8 @@ class DynamicInferenceRequest:
     weight_version_runs: list[tuple[int, int]] = field(default_factory=list)
     """(first generated index, weight version) at each change of version: run-length, so landing
     a token costs one comparison (``weight_versions`` expands it)."""
-    routed_experts: list = field(default_factory=list)
-    """Routing replay: [position][moe_layer] -> top-k expert ids, as landed (routed_experts.py)."""
+    routed_experts: np.ndarray | None = None
+    """Routing replay: int16 [position, moe_layer, k] as landed, -1 where none yet (routed_experts.py)."""
     weights_epoch: int = -1
     """The context's weights epoch when the request was last admitted (-1: never admitted): its
     KV holds those weights' values, so it publishes prefix blocks only while they are current."""

@@ -2,6 +2,7 @@
 uniform verify layout), where each row's routing lands (prefill chunks, decode rows at the
 position their request reached, verify rows keeping accepted tokens only, finished requests
 dropped, recomputed positions overwritten) and which tokens an output covers."""
+import numpy as np
 import torch
 
 from megatron_async.inference.device import DeviceFacade
@@ -17,7 +18,7 @@ L, K = 2, 3
 def _req(prompt_len: int, generated: int = 0, params: SamplingParams = ASK) -> DynamicInferenceRequest:
     req = DynamicInferenceRequest(0, list(range(prompt_len)), params, seed=0)
     req.generated_tokens = list(range(100, 100 + generated))
-    req.status = Status.ACTIVE
+    req.status, req.max_generated_tokens = Status.ACTIVE, 8
     return req
 
 
@@ -58,12 +59,12 @@ def test_rows_land_at_their_positions():
     req = _req(5)
     _landed([RowPlan(req, 0, 3, False)])  # a first chunk
     _landed([RowPlan(req, 3, 2, True)])  # the last chunk samples
-    assert req.routed_experts == [_ids(0), _ids(1), _ids(2), _ids(0), _ids(1)]
+    assert req.routed_experts[:5].tolist() == [_ids(0), _ids(1), _ids(2), _ids(0), _ids(1)]
     req.generated_tokens = [100]
     _landed([RowPlan(req, 99, 1, True)])  # a decode row's input is the request's last token: position 5
-    assert len(req.routed_experts) == 6 and req.routed_experts[5] == _ids(0)
+    assert req.routed_experts[5].tolist() == _ids(0)
     _landed([RowPlan(req, 0, 2, False)])  # recomputed after an eviction: overwritten in place
-    assert len(req.routed_experts) == 6 and req.routed_experts[:2] == [_ids(0), _ids(1)]
+    assert req.routed_experts[:2].tolist() == [_ids(0), _ids(1)] and req.routed_experts[2].tolist() == _ids(2)
 
 
 def test_verify_rows_keep_accepted_tokens_and_finished_requests_drop():
@@ -71,17 +72,18 @@ def test_verify_rows_keep_accepted_tokens_and_finished_requests_drop():
     done.status = Status.FINISHED
     rows = [RowPlan(done, 3, 3, True, num_drafts=2), RowPlan(plain, 3, 1, True), RowPlan(req, 3, 3, True, num_drafts=2)]
     _landed(rows, accepted=[2, 0, 1])
-    assert req.routed_experts == [None] * 3 + [_ids(4), _ids(5)]  # its input token and one accepted draft
-    assert done.routed_experts == [] and plain.routed_experts == []
+    assert req.routed_experts.tolist()[:6] == [[[-1] * K] * L] * 3 + [_ids(4), _ids(5), [[-1] * K] * L]  # input + 1 draft
+    assert done.routed_experts is None and plain.routed_experts is None
 
 
 def test_outputs_cover_the_prompt_and_every_generated_token_but_the_last():
     req = _req(3, generated=2)
-    req.routed_experts = [_ids(t) for t in range(6)]  # a launch-ahead row past the end landed too
-    assert routed_experts_of(req) == [_ids(t) for t in range(4)]
+    req.routed_experts = np.array([_ids(t) for t in range(6)], dtype=np.int16)  # a launch-ahead row past the end too
+    assert routed_experts_of(req).tolist() == [_ids(t) for t in range(4)]
     req.generated_tokens = []
-    assert routed_experts_of(req) == [_ids(t) for t in range(3)]  # scoring only: the whole prompt
+    assert routed_experts_of(req).tolist() == [_ids(t) for t in range(3)]  # scoring only: the whole prompt
     assert routed_experts_of(_req(3, params=SamplingParams())) is None
+    assert routed_experts_of(_req(3)) is None  # nothing ran
 
 
 
