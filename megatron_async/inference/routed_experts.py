@@ -3,7 +3,7 @@
 
 Device side (``RoutingRecorder``, held by the model runner): every MoE layer of the model writes
 its tokens' global expert ids (routing happens before any expert-parallel exchange) into one
-static int16 buffer [max_tokens, num_moe_layers, top_k] at a fixed address, so a CUDA graph
+static int16 buffer [max_tokens, num_moe_layers, top_k] (ids below 32768) at a fixed address, so a CUDA graph
 writes it too. Graphs always record (the softmax router's kernel stores the ids in the same
 program, no extra launch); eager steps record only when a row asked. A step with rows that
 asked copies the tokens from the first to the last of those rows to pinned host memory, on the
@@ -13,8 +13,8 @@ Host side (``land_routing``, called by the request book for every landed launch)
 row's tokens land at their positions in its request's ``routed_experts``; a verify row keeps
 its input token and its accepted drafts only, at the position the request reached (a
 launch-ahead row's planned start assumes the drafts in flight were all accepted). A position
-computed again (after an eviction)
-is overwritten. Requests that ask skip prefix-cache hits: a cached prompt part is not run.
+computed again (after an eviction) is overwritten. Requests that ask skip prefix-cache hits: a
+cached prompt part is not run.
 
 Output (``routed_experts_of``): an int16 numpy array [tokens, num_moe_layers, top_k] (as vLLM
 returns it: a nested Python list costs ~0.1 ms per token of a 48-layer top-8 model), one entry
