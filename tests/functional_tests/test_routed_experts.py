@@ -65,10 +65,10 @@ def test_routing_equals_hf_with_chunked_prefill_and_evictions(ckpt, async_schedu
     ref = load_hf_reference(ckpt)
     prompts = random_prompts(5, 3, 30, ref.config.vocab_size, seed=2)
     params = [GREEDY, SEEDED, SamplingParams(top_k=1, num_tokens_to_generate=NEW, ignore_eos=True)] * 2
-    llm = make_llm(ckpt, max_tokens=16, num_kv_blocks=24, async_scheduling=async_scheduling)
+    llm = make_llm(ckpt, max_tokens=16, num_kv_blocks=16, async_scheduling=async_scheduling)
     outs = llm.generate(prompts, params[:len(prompts)])
     st = llm.engine.stats
-    assert st.prefill_steps >= 2 and st.evicted + st.paused > 0, st.as_dict()  # chunks and pressure happened
+    assert max(map(len, prompts)) > 16 and st.evicted > 0, st.as_dict()  # chunked prompts, recomputed ones
     if async_scheduling:
         assert st.overlapped_steps > 0, st.as_dict()
     for p, o in zip(params, outs):
