@@ -133,6 +133,9 @@ class ForwardBatch:
     the EP group). None: no expert parallelism."""
     batch_invariant: bool = False
     """Run the batch-invariant kernels (``InferenceConfig.batch_invariant``)."""
+    routed_experts: torch.Tensor | None = None
+    """Routing replay: [>= T, num_moe_layers, top_k] int16 at a fixed address; MoE layer l writes
+    token t's top-k global expert ids to ``[t, l]``. None: nothing is recorded."""
 
 
 def mamba_row_order(cu: list[int], is_window: list[bool] | None) -> tuple[list[int], int]:

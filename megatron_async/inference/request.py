@@ -6,7 +6,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
+from megatron_async.inference.routed_experts import routed_experts_of
+
 if TYPE_CHECKING:
+    import numpy as np
+
     from megatron_async.inference.text_stream import TextStream
 
 
@@ -72,6 +76,8 @@ class SamplingParams:
     """Subtracted from a token's logit once per occurrence in the output so far."""
     repetition_penalty: float = 1.0
     """Tokens of the prompt or output: positive logits divided by it, negative multiplied; 1 = off."""
+    return_routed_experts: bool = False
+    """MoE models: ``RequestOutput.routed_experts`` (routing replay; the request skips prefix-cache hits)."""
 
     @property
     def has_penalties(self) -> bool:
@@ -149,6 +155,9 @@ class RequestOutput:
     """``return_prompt_log_probs``: len(prompt) - 1 values, log P(prompt[i] | prompt[:i]) for i >= 1."""
     prompt_top_n_logprobs: list[dict[int, float]] | None = None
     """With ``top_n_logprobs`` > 0 too: one {token id: log-prob} per value of ``prompt_log_probs``."""
+    routed_experts: np.ndarray | None = None
+    """``return_routed_experts``: int16 [token, moe_layer, k], each token's top-k global expert
+    ids, for every prompt token and every generated token but the last (routed_experts.py)."""
 
 
 class RequestUpdate(NamedTuple):
@@ -200,6 +209,8 @@ class DynamicInferenceRequest:
     weight_version_runs: list[tuple[int, int]] = field(default_factory=list)
     """(first generated index, weight version) at each change of version: run-length, so landing
     a token costs one comparison (``weight_versions`` expands it)."""
+    routed_experts: np.ndarray | None = None
+    """Routing replay: int16 [position, moe_layer, k] as landed, -1 where none yet (routed_experts.py)."""
     weights_epoch: int = -1
     """The context's weights epoch when the request was last admitted (-1: never admitted): its
     KV holds those weights' values, so it publishes prefix blocks only while they are current."""
@@ -309,6 +320,7 @@ class DynamicInferenceRequest:
             prompt_log_probs=list(self.prompt_log_probs) if sp.return_prompt_log_probs else None,
             prompt_top_n_logprobs=(list(self.prompt_top_n_logprobs)
                                    if sp.return_prompt_log_probs and sp.top_n_logprobs > 0 else None),
+            routed_experts=routed_experts_of(self),
         )
 
     def weight_versions(self) -> list[int]:

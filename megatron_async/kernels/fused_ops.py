@@ -59,12 +59,12 @@ def rope_qk(
     return triton_rope.rope_qk(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, kv_cache, slot_mapping)
 
 
-def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool,
-                 round_to: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool, round_to: torch.dtype | None = None,
+                 record: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See ``triton_moe_router.softmax_topk``: MoE routing ids (int32) and weights (float32)."""
     from megatron_async.kernels import triton_moe_router
 
-    return triton_moe_router.softmax_topk(logits, top_k, norm, round_to)
+    return triton_moe_router.softmax_topk(logits, top_k, norm, round_to, record)
 
 
 def ep_pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, rows: int, num_experts: int) -> torch.Tensor:

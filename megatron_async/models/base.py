@@ -56,6 +56,11 @@ class CausalLM(nn.Module):
     def mamba_state_spec(self) -> MambaStateSpec | None:
         return None
 
+    def routed_experts_shape(self) -> tuple[int, int] | None:
+        """(MoE layers, experts per token) of what ``ForwardBatch.routed_experts`` records per
+        token; None: the model has no MoE layer (nothing to record)."""
+        return None
+
     def commit_speculative(self, out) -> None:
         """Speculative decoding, after each step's acceptance (``speculative.drafter.VerifyOutputs``,
         on the device, no host reads): models with per-request recurrent state keep the state

@@ -76,9 +76,10 @@ class DecoderSpec:
     """Multi-token-prediction depths the checkpoint carries (``mtp.*`` tensors, see mtp_weights.py)."""
 
 
-def _mixer(kind: LayerKind, spec: DecoderSpec, index: int, parallel: ParallelState, dtype: torch.dtype,
+def _mixer(kind: LayerKind, spec: DecoderSpec, index: int | None, parallel: ParallelState, dtype: torch.dtype,
            device: torch.device | str) -> nn.Module:
-    """``index``: the block's number among the blocks of its kind (its cache / state slot)."""
+    """``index``: the block's number among the blocks of its kind (its cache / state slot, its
+    routing-replay layer); None for an MTP head's MoE (it records no routing)."""
     if kind == LayerKind.ATTENTION:
         return Attention(spec.hidden_size, spec.attention, index, parallel, dtype, device)
     if kind == LayerKind.MAMBA:
@@ -86,7 +87,7 @@ def _mixer(kind: LayerKind, spec: DecoderSpec, index: int, parallel: ParallelSta
     if kind == LayerKind.MLP:
         return build_mlp(spec.hidden_size, spec.mlp, parallel, dtype, device)
     if kind == LayerKind.MOE:
-        return MoEMixer(spec.hidden_size, spec.moe, parallel, dtype, device)
+        return MoEMixer(spec.hidden_size, spec.moe, parallel, dtype, device, moe_layer=index)
     raise ValueError(f"{spec.name}: {kind.name} layers are not supported")
 
 
@@ -134,7 +135,7 @@ class DecoderModel(CausalLM):
         for d in range(spec.mtp_depths):
             kinds = [kind for kind, _, _ in mtp_layer_blocks(d, self._mtp_mlp_kind())]
             layers.append([Block(norm_cls(spec.hidden_size, spec.norm_eps, dtype, device),
-                                 _mixer(kind, spec, num_attention + d if kind == LayerKind.ATTENTION else 0,
+                                 _mixer(kind, spec, num_attention + d if kind == LayerKind.ATTENTION else None,
                                         parallel, dtype, device)) for kind in kinds])
         return MTPHeads(spec.hidden_size, lambda: norm_cls(spec.hidden_size, spec.norm_eps, dtype, device),
                         layers, parallel, dtype, device)
@@ -164,6 +165,10 @@ class DecoderModel(CausalLM):
         step = StepInputs(batch, rope, None, batch.ep_num_tokens, self.kernels)
         return self.mtp(depth, self.embed_tokens(next_ids), hidden, step)
 
+    def routed_experts_shape(self) -> tuple[int, int] | None:
+        num_moe = self.num_blocks_of[LayerKind.MOE]
+        return (num_moe, self.spec.moe.top_k) if num_moe else None
+
     def _mixers(self, kind: type[nn.Module]) -> list[nn.Module]:
         return [b.mixer for b in self.blocks if isinstance(b.mixer, kind)]
 
@@ -180,7 +185,7 @@ class DecoderModel(CausalLM):
             rope = self.rope(batch.attn.positions[:T])
         kernels = self.kernels
         plan = MambaStepPlan.build(batch.mamba, kernels.triton_mamba) if self.num_blocks_of[LayerKind.MAMBA] else None
-        step = StepInputs(batch, rope, plan, batch.ep_num_tokens, kernels)
+        step = StepInputs(batch, rope, plan, batch.ep_num_tokens, kernels, batch.routed_experts)
         x, residual = self.embed_tokens(input_ids), None
         if self.spec.residual_in_fp32:
             x = x.float()

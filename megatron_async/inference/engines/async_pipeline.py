@@ -40,6 +40,8 @@ class PendingLaunch:
     """Speculative decoding: host int64 [R] drafts accepted per row (same event as the tokens)."""
     sample_base: list[int] | None = None
     """Speculative decoding: each row's first sample in ``host_tokens`` (None: sample i is row i)."""
+    routed_experts: object | None = None
+    """Routing replay: the launch's ``routed_experts.StepRouting`` (None: no row asked)."""
     weight_version: int = 0
     """The weights this launch ran with (set when launched: a weight update enqueued after it
     runs after it on the device), recorded on the tokens it lands."""

@@ -76,7 +76,8 @@ class DynamicInferenceEngine:
         self.book = RequestBook(context, SpecPolicy(speculation))
         self.scheduler = Scheduler(config, context, self.book)
         runner.bind_spec_policy(self.scheduler.spec)
-        self.validator = RequestValidator(config, context, runner.model.vocab_size, runner.eos_ids, tokenizer)
+        self.validator = RequestValidator(config, context, runner.model.vocab_size, runner.eos_ids, tokenizer,
+                                          routes_experts=runner.routing is not None)
         self.stats = EngineStats()
         self._gen = torch.Generator().manual_seed(config.seed)
         self._next_id = 0

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from megatron_async.inference.engines.prompt_log_probs import PromptRowScores, land_prompt_scores
 from megatron_async.inference.request import DynamicInferenceRequest, FinishReason, Status
+from megatron_async.inference.routed_experts import land_routing
 from megatron_async.inference.speculative.acceptance import emitted_tokens
 from megatron_async.inference.stop_conditions import finish_reason, generation_limit
 
@@ -40,6 +41,8 @@ class HostSamples:
     """Device time of the step, on timed (logging) steps only; host time on CPU."""
     prompt_scores: list[PromptRowScores] | None = None
     """Rows that scored prompt positions (``return_prompt_log_probs``)."""
+    routed_experts: object | None = None
+    """Routing replay: ``routed_experts.StepRouting`` of the rows that asked (None: none did)."""
 
 
 @dataclass
@@ -126,6 +129,8 @@ class RequestBook:
         version = pending.weight_version
         if samples.prompt_scores:
             land_prompt_scores(rows, samples.prompt_scores)
+        if samples.routed_experts is not None:  # every row (prefill chunks too), before any finishes
+            land_routing(rows, samples.routed_experts, accepted, finished_status)
         for i, row in enumerate(rows):
             if not row.samples:
                 continue

@@ -115,8 +115,10 @@ def normalized_params(sp: SamplingParams) -> dict:
 
 class RequestValidator:
     def __init__(self, config: Scheduling, context: DynamicInferenceContext, vocab_size: int,
-                 eos_ids: tuple[int, ...], tokenizer):
+                 eos_ids: tuple[int, ...], tokenizer, routes_experts: bool = False):
+        """``routes_experts``: the model has MoE layers (``return_routed_experts`` is valid)."""
         self.config, self.context, self.vocab_size = config, context, vocab_size
+        self.routes_experts = routes_experts
         self.eos_ids, self.tokenizer = frozenset(eos_ids), tokenizer
 
     def check(self, prompt, sp: SamplingParams) -> ValidRequest:
@@ -140,6 +142,8 @@ class RequestValidator:
         frozen = sp.frozen_copy(**values)
         frozen.validate(self.vocab_size)
         check_sampling_extensions(frozen)
+        if frozen.return_routed_experts and not self.routes_experts:
+            raise InvalidRequestError("return_routed_experts needs a mixture-of-experts model; this one has no MoE layer")
         tokens = self._tokens(prompt)
         if not tokens:
             raise InvalidRequestError("empty prompt")

@@ -21,6 +21,7 @@ from megatron_async.inference.engines.async_pipeline import PendingLaunch
 from megatron_async.inference.engines.request_book import HostSamples
 from megatron_async.inference.engines.step_plan import ALONE, StepAgreement, StepPlan
 from megatron_async.inference.nvtx import nvtx_range
+from megatron_async.inference.routed_experts import RoutingRecorder
 from megatron_async.inference.speculative.plain_steps import PlainStepSelector
 from megatron_async.inference.speculative.policy import SpecPolicy
 from megatron_async.inference.speculative.verify import SpecVerifier
@@ -78,6 +79,8 @@ class ModelRunner:
         self.expert_parallel = expert_parallel
         self._dummy_snapshot: torch.Tensor | None = None
         self.sampler = SampleLauncher(kernels.sampling_backend, dev, context.sampling_state)
+        self.routing = RoutingRecorder.for_model(model, context.gpu_view.input_ids.shape[0], self.device)
+        """MoE models: where the layers record routing (graphs always, eager steps when a row asks)."""
 
     def _host_buffers(self, S: int, R: int) -> dict[str, torch.Tensor]:
         pin = self.device.is_cuda
@@ -123,6 +126,7 @@ class ModelRunner:
     def launch(self, step: PreparedStep, step_id: int, overlapped: bool, timed: bool) -> PendingLaunch:
         """Enqueue the device work of a prepared (and committed) step."""
         ctx, plan, shape, graph, spec = self.context, step.plan, step.shape, step.graph, step.speculative
+        asked = self.routing is not None and self.routing.asked(plan.rows, ctx.active, ctx.active_version)
         start_ev = end_ev = None
         if timed and self.device.is_cuda:
             start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -137,7 +141,7 @@ class ModelRunner:
                                                                  shape.max_top_n)
         else:
             tokens, log_probs, top_vals, top_ids = self.compute_step(shape, spec, step.dp_num_tokens,
-                                                                     step.prompt_scoring)
+                                                                     step.prompt_scoring, record_routing=asked)
         if ctx.mamba is not None:
             ctx.mamba.after_forward()
         self._ring = (self._ring + 1) % len(self._host_ring)
@@ -160,6 +164,7 @@ class ModelRunner:
                 h_ti.copy_(top_ids, non_blocking=True)
             if step.prompt_scoring is not None:
                 step.prompt_scoring.copy_to_host(self.device.is_cuda)
+            routing = self.routing.copy_to_host(plan.rows, shape) if asked else None
             event = self.device.event()
             self.device.record(event)
         if end_ev is not None:
@@ -170,10 +175,11 @@ class ModelRunner:
             host_log_probs=h_lp, host_top_n_vals=h_tv, host_top_n_ids=h_ti, event=event,
             launch_time=t0, timing_events=(start_ev, end_ev) if start_ev is not None else (),
             host_accepted=h_acc, sample_base=shape.sample_base, prompt_scoring=step.prompt_scoring,
+            routed_experts=routing,
         )
 
     def compute_step(self, shape: StepShape, spec: bool | None = None, dp_num_tokens: int = 0,
-                     scoring: PromptScoring | None = None):
+                     scoring: PromptScoring | None = None, record_routing: bool = True):
         """Forward + sample of one assembled step, reading only the GPU view.
 
         Also the body that CUDA graphs capture (with padded decode and mixed shapes).
@@ -181,12 +187,15 @@ class ModelRunner:
         False: the plain engine's step (plain_steps.py); None: whenever speculation is on.
         ``dp_num_tokens``: expert parallelism, the fewest tokens MoE exchanges pad to (a graph
         capture: 0, so its own padded tokens). ``scoring``: an eager step's prompt positions
-        to score from the hidden states."""
+        to score from the hidden states. ``record_routing``: MoE layers write the routing
+        buffer (graphs always do; an eager step only when a row asked)."""
         ctx, g = self.context, self.context.gpu_view
         spec = self.spec is not None if spec is None else spec and self.spec is not None
         T, R, S = shape.num_tokens, shape.num_rows, shape.num_samples
         batch = ctx.forward_batch(shape)
         batch.ep_num_tokens = max(T, dp_num_tokens) if self.expert_parallel else None
+        if record_routing and self.routing is not None:
+            batch.routed_experts = self.routing.buffer
         prev = g.prev_sample_idx[:T]
         input_ids = fused_ops.resolve_input_ids(prev, self.last_samples, g.input_ids[:T])
         if spec:  # positions corrected in the view before the forward reads them
@@ -272,5 +281,5 @@ class ModelRunner:
                 pending.host_top_n_ids.tolist() if pending.host_top_n_ids is not None else None,
                 pending.host_top_n_vals.tolist() if pending.host_top_n_vals is not None else None,
                 pending.host_accepted.tolist() if pending.host_accepted is not None else None,
-                step_time,
+                step_time, routed_experts=pending.routed_experts,
                 prompt_scores=pending.prompt_scoring.collect() if pending.prompt_scoring is not None else None)

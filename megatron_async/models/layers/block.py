@@ -41,6 +41,8 @@ class StepInputs:
     (``ForwardBatch.ep_num_tokens``); None without expert parallelism."""
     kernels: KernelBackends = KernelBackends()
     """The model's kernels (``CausalLM.kernels``)."""
+    routed_experts: torch.Tensor | None = None
+    """``ForwardBatch.routed_experts`` for the model's own layers (None in MTP heads)."""
 
 
 class Block(nn.Module):

@@ -142,8 +142,11 @@ class MoEMixer(nn.Module):
     """HF ``mlp`` (Qwen3-MoE) / ``block_sparse_moe`` (Mixtral) / ``mixer`` (NemotronH)."""
 
     def __init__(self, hidden: int, cfg: MoEConfig, parallel: ParallelState, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, moe_layer: int | None = None):
+        """``moe_layer``: this layer's index among the model's MoE layers, where it records its
+        routing (``StepInputs.routed_experts``); None: it never records (MTP heads)."""
         super().__init__()
+        self.moe_layer = moe_layer
         self.gate = TopKRouter(hidden, cfg, parallel, dtype, device)
         expert_dim = cfg.latent_size or hidden
         self.fc1_latent_proj = self.fc2_latent_proj = None
@@ -158,7 +161,10 @@ class MoEMixer(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor:
         kernels = KernelBackends() if step is None else step.kernels
-        ids, weights = self.gate.route(x, kernels.fused)
+        record = None
+        if step is not None and step.routed_experts is not None and self.moe_layer is not None:
+            record = step.routed_experts[:x.shape[0], self.moe_layer]  # global ids, before any EP exchange
+        ids, weights = self.gate.route(x, kernels.fused, record)
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
         out = self.experts(h, ids, weights, None if step is None else step.ep_num_tokens, kernels)
         if self.fc2_latent_proj is not None:

@@ -24,19 +24,23 @@ class TopKRouter(ReplicatedLinear):
         if cfg.score_correction_bias:
             self.e_score_correction_bias = sharded_param((cfg.num_experts,), REPLICATED, torch.float32, device)
 
-    def route(self, x: torch.Tensor, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, fused: bool = True,
+              record: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, hidden] -> (expert ids [n, k] int32, weights [n, k] float32). ``fused``: the
-        model's ``KernelBackends.fused``."""
+        model's ``KernelBackends.fused``. ``record`` [n, k] int16: also gets the (global) ids,
+        for routing replay (``ForwardBatch.routed_experts``)."""
         cfg = self.cfg
         if cfg.score == RouterScore.SOFTMAX and fused_ops.use_fused(x, fused):  # one kernel after the router GEMM
             round_to = x.dtype if cfg.weights_in_model_dtype else None
-            return fused_ops.softmax_topk(F.linear(x, self.weight), cfg.top_k, cfg.norm_topk_prob, round_to)
+            return fused_ops.softmax_topk(F.linear(x, self.weight), cfg.top_k, cfg.norm_topk_prob, round_to, record)
         if cfg.score == RouterScore.SOFTMAX:
             weights, ids = self._softmax_topk(x)
         else:
             weights, ids = self._sigmoid_grouped_topk(x)
         if cfg.weights_in_model_dtype:
             weights = weights.to(x.dtype).float()
+        if record is not None:
+            record.copy_(ids)
         return ids.to(torch.int32), weights
 
     def _softmax_topk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

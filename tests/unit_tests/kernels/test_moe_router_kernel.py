@@ -49,3 +49,16 @@ def test_ties_go_to_the_lower_expert_and_rows_are_independent():
     assert softmax_topk(logits[:0], 3, norm=True)[0].shape == (0, 3)
     with pytest.raises(ValueError):
         softmax_topk(logits, 6, norm=True)
+
+
+def test_record_gets_the_ids_in_a_strided_routing_buffer():
+    """Routing replay: the kernel also stores the ids (int16) into layer 1 of a [T, L, k] buffer,
+    leaving the other layers and the tokens past n untouched."""
+    n, E, k = 5, 16, 3
+    logits = torch.randn(n, E, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    buf = torch.full((8, 2, k), -1, dtype=torch.int16, device=DEVICE)
+    ids, _ = softmax_topk(logits, k, norm=True, record=buf[:n, 1])
+    assert torch.equal(buf[:n, 1].int(), ids)
+    assert (buf[:, 0] == -1).all() and (buf[n:] == -1).all()
+    with pytest.raises(ValueError):
+        softmax_topk(logits, k, norm=True, record=buf[:n, 1].int())
