@@ -157,9 +157,9 @@ def test_speculative_decoding_on(qwen3, async_scheduling, monkeypatch):
     spec_scoring_steps = []
     compute_step = ModelRunner.compute_step
 
-    def watched(self, shape, spec=None, dp_num_tokens=0, scoring=None):
+    def watched(self, shape, spec=None, dp_num_tokens=0, scoring=None, **kwargs):
         spec_scoring_steps.append(bool(spec) and scoring is not None)
-        return compute_step(self, shape, spec, dp_num_tokens, scoring)
+        return compute_step(self, shape, spec, dp_num_tokens, scoring, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "compute_step", watched)
     llm = make_llm(path, max_tokens=16, async_scheduling=async_scheduling, num_speculative_tokens=2,
