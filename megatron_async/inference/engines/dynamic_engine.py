@@ -318,10 +318,21 @@ class DynamicInferenceEngine:
         return launched
 
     # ------------------------------------------------------------------ weights and pausing
-    def set_weight_version(self, version: int) -> None:
+    def set_weight_version(self, version: int, recompute_kv: bool = True) -> None:
         """The model's weights were updated in place (``LLM.update_weights``): launches from now
         on record ``version`` on their tokens (a launch enqueued before ran on the old weights:
-        same stream), and KV / Mamba states cached before are never hit again."""
+        same stream), and KV / Mamba states cached before are never hit again. ``recompute_kv``:
+        the launch in flight lands now (its results come with the next ``step()``) and every
+        request holding KV gives it back and recomputes it with the new weights (prompt and tokens
+        so far, as after an eviction) before its next token; False: they keep the old weights' KV."""
+        if recompute_kv:
+            if self._pending is not None:
+                pending, self._pending = self._pending, None
+                self._land(pending, self._held, time.perf_counter())
+            for req in sorted(self.context.active.values(), key=lambda r: r.arrival_order, reverse=True):
+                self.book.evict(req)  # the oldest ends first in the queue
+                self.scheduler.requeue_front(req)
+                self.stats.recomputed_after_update += 1
         self.weight_version = version
         self.context.weights_changed()
 
