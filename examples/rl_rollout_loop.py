@@ -15,8 +15,9 @@ Every iteration:
      checkpoint) on them: a policy-gradient loss with importance ratios against the rollout
      log-probs (tokens of an older version are off-policy);
   5. ``llm.update_weights(trainer.named_parameters())`` copies the new weights into the engine
-     in place, and ``engine.resume_generation()``: the requests still running continue with them,
-     so their tokens carry two versions (partial rollouts).
+     in place (the requests still running recompute their KV with them, so every later token is
+     exactly what the new weights give), and ``engine.resume_generation()``: their tokens carry
+     two versions (partial rollouts).
 After the last iteration the requests still running finish and are checked too. The job exits
 with code 1 if a log-prob differs by more than ``--tolerance`` or a version is not as expected.
 """
@@ -77,7 +78,7 @@ def load_trainer(path: str, device: str, dtype: torch.dtype):
 
 
 # ---------------------------------------------------------------------------- rollouts
-def submit(llm: LLM, args: argparse.Namespace, rng: random.Random, iteration: int) -> dict[int, int]:
+def submit(llm: LLM, args: argparse.Namespace, rng: random.Random) -> dict[int, int]:
     """Add N prompts x k samples; -> {request id: the weight version when it was added}."""
     eng, vocab = llm.engine, llm.model.vocab_size
     added = {}
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for it in range(args.iterations):
             t0 = time.perf_counter()
-            new = submit(llm, args, rng, it)
+            new = submit(llm, args, rng)
             added.update(new)
             want = math.ceil(args.pause_after * len(new))
             while len(finished) < want:  # rollouts until enough finished
