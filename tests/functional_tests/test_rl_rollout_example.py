@@ -53,3 +53,15 @@ def test_fails_when_tokens_do_not_record_their_version(example, monkeypatch, cap
     monkeypatch.setattr(DynamicInferenceRequest, "weight_versions", lambda self: [0] * len(self.generated_tokens))
     assert example.main(ARGS) == 1
     assert "FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tolerance", [("bfloat16", "0.25"), ("float32", "1e-3")])
+def test_rollout_loop_qwen3_0_6b_on_gpu(example, capsys, dtype, tolerance):
+    """The built-in Qwen3-0.6B shape on CUDA (graphs, launch-ahead); the table shows the measured
+    difference (different kernels on each side: a looser bound than CPU float32's)."""
+    args = ["--default-model", "qwen3-0.6b", "--device", "cuda", "--dtype", dtype, "--tolerance", tolerance,
+            "--num-prompts", "8", "--samples", "4", "--prompt-len", "64", "--max-new-tokens", "96"]
+    code = example.main(args)
+    print(capsys.readouterr().out)
+    assert code == 0
