@@ -3,7 +3,7 @@ spawned ranks). Rank 0 pauses and resumes; every rank applies it at the same ste
 in flight, then runs nothing. pause("keep") / resume gives the tokens of an uninterrupted run;
 update_weights on every rank (full tensors, each keeps its shard) makes the engine equal to a
 fresh one loaded from the new checkpoint; tokens record their weight version; "abort" ends every
-request on every rank. After an update the tokens are those the new weights continue the
+request on every rank; "wait" lets the running ones finish and admits none. After an update the tokens are those the new weights continue the
 sequence with (the KV is recomputed)."""
 from __future__ import annotations
 
@@ -90,6 +90,32 @@ def abort_everything(llm: LLM, rank: int) -> list[str]:
     return reasons
 
 
+def wait_for_running(llm: LLM, rank: int) -> dict:
+    """pause("wait"): the running requests finish, one added after the pause waits until resumed."""
+    eng, outs = llm.engine, {}
+
+    def steps(n: int) -> None:  # the same count on every rank (only rank 0 of data-parallel ranks reports)
+        for _ in range(n):
+            outs.update((o.request_id, o.finish_reason) for o in eng.step().finished)
+
+    if rank == 0:
+        for prompt, params in zip(PROMPTS[:3], PARAMS[:3]):
+            eng.add_request(prompt, params)
+    steps(4)
+    if rank == 0:
+        eng.pause_generation("wait")
+        eng.add_request(PROMPTS[3], PARAMS[3])
+    steps(20)
+    finished_while_paused, ran = dict(outs), eng.stats.steps
+    steps(2)
+    idle = eng.stats.steps == ran
+    if rank == 0:
+        eng.resume_generation()
+    while eng.has_unfinished_requests():
+        steps(1)
+    return {"while_paused": sorted(finished_while_paused.values()), "idle": idle, "all": sorted(outs.values())}
+
+
 def _worker(rank: int, world: int, old: str, new: str, tp: int, ep: int) -> dict:
     llm = LLM(old, inference_config=InferenceConfig(**CONFIG), tensor_parallel_size=tp, expert_parallel_size=ep)
     try:
@@ -100,7 +126,8 @@ def _worker(rank: int, world: int, old: str, new: str, tp: int, ep: int) -> dict
                   "kept": drive_with_pause(llm, rank, None),
                   "updated": drive_with_pause(llm, rank, new),
                   "after_update": _tokens(llm.generate(PROMPTS, PARAMS)),
-                  "aborted": abort_everything(llm, rank)}
+                  "aborted": abort_everything(llm, rank),
+                  "waited": wait_for_running(llm, rank)}
         result["recomputed"] = llm.engine.stats.recomputed_after_update
         return result
     finally:
@@ -117,6 +144,8 @@ def _check_common(got: dict, ref_old: list, ref_new: list, new: str, rank: int, 
         assert [t for t, _ in got["kept"]["outs"]] == ref_old, f"rank {rank}: pause / resume changed tokens"
         _check_continuations(got["updated"]["outs"], ref_old, new)
         assert got["aborted"] == ["abort"] * len(PROMPTS)
+        assert got["waited"]["while_paused"] == ["length"] * 3 and got["waited"]["all"] == ["length"] * 4
+    assert got["waited"]["idle"], f"rank {rank} ran steps while paused with only a new request queued"
     assert got["updated"]["version"] == 1
     assert got["after_update"] == ref_new, f"rank {rank}: the updated engine differs from a fresh load"
 
