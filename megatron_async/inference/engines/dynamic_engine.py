@@ -338,6 +338,7 @@ class DynamicInferenceEngine:
 
     @property
     def is_paused(self) -> bool:
+        """Generation is paused on this rank (under TP / EP the same on every rank between steps)."""
         return self._pause is not None
 
     def pause_generation(self, mode: str = "keep") -> None:
@@ -351,7 +352,7 @@ class DynamicInferenceEngine:
 
         Under TP / EP only rank 0 calls it; every rank applies it at the same per-step exchange
         (the next ``step()``'s, or an idle check's), and ``is_paused`` turns True on every rank
-        there; the ``step()`` after that lands what is still in flight."""
+        there; what is in flight has landed when the ``step()`` after that returns."""
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"unknown pause mode {mode!r}: use 'abort', 'wait' or 'keep'")
         self.ranks.pause(mode)
