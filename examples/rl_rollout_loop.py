@@ -8,7 +8,7 @@
 Every iteration:
   1. rollouts: N prompts x k seeded samples with the log-prob of every generated token;
   2. once part of them finished, ``engine.pause_generation("keep")``: the launch in flight lands,
-     then nothing runs and the unfinished requests keep their KV cache;
+     then nothing runs and the unfinished requests wait;
   3. check the finished rollouts: their log-probs against the trainer's recomputation of the same
      sequences with the weights that produced each token (``RequestOutput.weight_versions``);
   4. one optimizer step of the trainer (a Hugging Face ``transformers`` copy of the same
@@ -37,7 +37,8 @@ import torch
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.inference.request import RequestOutput
 
-# Measured on CPU with the tiny model in float32: max |engine - trainer| log-prob ~5e-6 (bf16 / fp16: GPU defaults).
+# float32: measured on CPU with the tiny model, max |engine - trainer| log-prob up to 8e-6. bf16 / fp16:
+# loose bounds for GPU runs, where each side runs its own kernels.
 DEFAULT_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 0.25, torch.float16: 0.1}
 
 
@@ -185,9 +186,9 @@ class Row:
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'iteration':>9} {'requests':>8} {'tokens':>6}  {'tokens per version':<22} {'max |Δlogprob|':>14} {'seconds':>7}")
+    print(f"{'iteration':>9} {'requests':>8} {'tokens':>6}  {'tokens per version':<28} {'max |Δlogprob|':>14} {'seconds':>7}")
     for r in rows:
-        print(f"{r.iteration:>9} {r.requests:>8} {r.tokens:>6}  {r.per_version:<22} {r.max_diff:>14.2e} {r.seconds:>7.2f}")
+        print(f"{r.iteration:>9} {r.requests:>8} {r.tokens:>6}  {r.per_version:<28} {r.max_diff:>14.2e} {r.seconds:>7.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
