@@ -14,7 +14,7 @@ Every iteration:
   4. one optimizer step of the trainer (a Hugging Face ``transformers`` copy of the same
      checkpoint) on them: a policy-gradient loss with importance ratios against the rollout
      log-probs (tokens of an older version are off-policy);
-  5. ``llm.update_weights(trainer.named_parameters())`` copies the new weights into the engine
+  5. ``llm.update_weights(checkpoint_names(trainer.named_parameters()))`` copies the new weights into the engine
      in place (the requests still running recompute their KV with them, so every later token is
      exactly what the new weights give), and ``engine.resume_generation()``: their tokens carry
      two versions (partial rollouts).
@@ -76,6 +76,24 @@ def load_trainer(path: str, device: str, dtype: torch.dtype):
 
     hf_logging.set_verbosity_error()
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+
+
+def checkpoint_names(named_parameters):
+    """The trainer's tensors under the checkpoint's names (what ``update_weights`` takes):
+    transformers fuses each MoE layer's experts into [experts, ...] tensors, checkpoints name
+    every expert's matrices. Views, no copies."""
+    for name, tensor in named_parameters:
+        if name.endswith(".mlp.experts.gate_up_proj"):  # [E, 2 * inter, hidden]: gate rows, then up rows
+            base = name[:-len("gate_up_proj")]
+            for e, (gate, up) in enumerate(zip(*tensor.chunk(2, dim=1))):
+                yield f"{base}{e}.gate_proj.weight", gate
+                yield f"{base}{e}.up_proj.weight", up
+        elif name.endswith(".mlp.experts.down_proj"):  # [E, hidden, inter]
+            base = name[:-len("down_proj")]
+            for e, down in enumerate(tensor):
+                yield f"{base}{e}.down_proj.weight", down
+        else:
+            yield name, tensor
 
 
 # ---------------------------------------------------------------------------- rollouts
@@ -234,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             batch, finished = finished, []
             report(str(it), batch, t0)
             train_step(trainer, optimizer, batch, args.device)
-            version = llm.update_weights(trainer.named_parameters())  # in place; every rank under TP / EP
+            version = llm.update_weights(checkpoint_names(trainer.named_parameters()))  # every rank under TP / EP
             if version != it + 1:
                 raise CheckFailed(f"update_weights returned version {version}, expected {it + 1}")
             snapshots[version] = {n: p.detach().clone() for n, p in trainer.named_parameters()}

@@ -27,8 +27,9 @@ def example():
     return module
 
 
-def test_rollout_loop_checks_pass(example, capsys):
-    assert example.main(ARGS) == 0
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])  # MoE: the trainer's fused experts, renamed per expert
+def test_rollout_loop_checks_pass(example, capsys, model):
+    assert example.main(ARGS + ["--default-model", model]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["iteration", "requests", "tokens"]
