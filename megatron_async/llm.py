@@ -250,7 +250,7 @@ class LLM:
             self.communicator = None
         self.parallel.destroy()
 
-    def update_weights(self, weights, version: int | None = None) -> int:
+    def update_weights(self, weights, version: int | None = None, recompute_kv: bool = True) -> int:
         """Copy ``weights`` into the model in place and return the new weight version.
 
         ``weights``: (HF name, full tensor) pairs (a trainer's named parameters; any subset of
@@ -260,7 +260,11 @@ class LLM:
         captured CUDA graphs replay the new values. ``version``: an int >= 0 (None: the current
         version + 1; it is 0 after loading); each generated token records the version that
         produced it (``RequestOutput.weight_versions``). Prefix-cache entries computed before
-        are never hit again. Call it between ``step()``s, e.g. while ``pause_generation("keep")``."""
+        are never hit again. Call it between ``step()``s, e.g. while ``pause_generation("keep")``.
+        ``recompute_kv`` (default): requests holding KV computed with the old weights recompute it
+        before their next token (the launch in flight lands first), so every later token is exactly
+        what the new weights give; False keeps their KV (no recompute; later tokens then attend to
+        old-weight keys and values)."""
         from megatron_async.models.weight_update import update_weights_in_place
 
         if version is not None and (isinstance(version, bool) or not isinstance(version, numbers.Integral)
@@ -269,7 +273,7 @@ class LLM:
         self.engine.memory.check_can_update_weights()
         update_weights_in_place(self.model, weights)
         new = self.engine.weight_version + 1 if version is None else int(version)
-        self.engine.set_weight_version(new)
+        self.engine.set_weight_version(new, recompute_kv)
         return new
 
     def generate(

@@ -35,7 +35,7 @@ from megatron_async.inference.engines.request_book import RequestBook
 from megatron_async.inference.engines.request_validation import RequestValidator, ValidRequest
 from megatron_async.inference.engines.scheduler import Scheduler
 from megatron_async.inference.engines.step_consensus import NewRequest
-from megatron_async.inference.engines.step_plan import ALONE, StepAgreement
+from megatron_async.inference.engines.step_plan import ALONE, StepAgreement, StepPlan
 from megatron_async.inference.engines.step_result import StepResult
 from megatron_async.inference.engines.suspend import MemorySuspender, SuspendError
 from megatron_async.inference.nvtx import nvtx_range
@@ -326,16 +326,28 @@ class DynamicInferenceEngine:
         return launched
 
     # ------------------------------------------------------------------ weights and pausing
-    def set_weight_version(self, version: int) -> None:
+    def set_weight_version(self, version: int, recompute_kv: bool = True) -> None:
         """The model's weights were updated in place (``LLM.update_weights``): launches from now
         on record ``version`` on their tokens (a launch enqueued before ran on the old weights:
-        same stream), and KV / Mamba states cached before are never hit again."""
+        same stream), and KV / Mamba states cached before are never hit again. ``recompute_kv``:
+        the launch in flight lands now (its results come with the next ``step()``) and every
+        request holding KV gives it back and recomputes it with the new weights (prompt and tokens
+        so far, as after an eviction) before its next token; False: they keep the old weights' KV."""
+        if recompute_kv:
+            if self._pending is not None:
+                pending, self._pending = self._pending, None
+                self._land(pending, self._held, time.perf_counter())
+            for req in sorted(self.context.active.values(), key=lambda r: r.arrival_order, reverse=True):
+                self.book.evict(req)  # the oldest ends first in the queue
+                self.scheduler.requeue_front(req)
+                self.stats.recomputed_after_update += 1
         self.weight_version = version
         self.context.weights_changed()
         self.memory.weights_updated()
 
     @property
     def is_paused(self) -> bool:
+        """Generation is paused on this rank (under TP / EP the same on every rank between steps)."""
         return self._pause is not None
 
     def pause_generation(self, mode: str = "keep") -> None:
@@ -345,25 +357,26 @@ class DynamicInferenceEngine:
         in-flight launch lands at the next ``step()``, then nothing runs; requests keep their KV
         and continue, token-identically, after resuming. While paused ``add_request`` still
         queues, and a ``step()`` with nothing to land does no device work and returns an empty
-        result (``EngineStats.paused_steps``)."""
+        result (``EngineStats.paused_steps``).
+
+        Under TP / EP only rank 0 calls it; every rank applies it at the same per-step exchange
+        (the next ``step()``'s, or an idle check's), and ``is_paused`` turns True on every rank
+        there; what is in flight has landed when the ``step()`` after that returns."""
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"unknown pause mode {mode!r}: use 'abort', 'wait' or 'keep'")
-        if not self.ranks.admits_at_once:  # requests and aborts go through the ranks' exchange
-            raise NotImplementedError("pause_generation is not supported under tensor / expert parallelism yet "
-                                      "(every rank would have to agree on the step it takes effect)")
         if mode == "wait":  # running requests would step on suspended memory
             self.memory.check_can_generate()
-        if mode == "abort":
-            for rid in self._requests:
-                self._mark_abort(rid)
-        self._pause = mode
-        self.scheduler.admits_new = mode != "wait"
+        self.ranks.pause(mode)
 
     def resume_generation(self) -> None:
-        """Generate again after ``pause_generation`` (no-op when not paused)."""
+        """Generate again after ``pause_generation`` (no-op when not paused). Under TP / EP, as
+        ``pause_generation``: rank 0 calls it, every rank applies it at the next exchange."""
         self.memory.check_can_generate()
-        self._pause = None
-        self.scheduler.admits_new = True
+        self.ranks.pause(None)
+
+    def _set_pause(self, mode: str | None) -> None:
+        self._pause = mode
+        self.scheduler.admits_new = mode != "wait"
 
     def suspend(self, tags=("weights", "kv_cache"), keep_weights_on_host: bool = True) -> None:
         """Free device memory by tag ("weights": the parameters; "kv_cache": the KV pool, the
@@ -387,13 +400,16 @@ class DynamicInferenceEngine:
         self.memory.resume(tags)
 
     def _step_paused(self, out: StepResult, t0: float) -> StepResult:
-        """``step()`` paused ("keep" / "abort"): the in-flight launch lands, nothing launches."""
-        if self._pending is None:
-            self.stats.paused_steps += 1
-            return out
+        """``step()`` paused ("keep" / "abort"): the in-flight launch lands, nothing launches.
+        Data-parallel ranks still exchange (all of them are paused: nobody forwards), so rank 0's
+        resume, requests and aborts reach them and their results reach rank 0."""
         pending, self._pending = self._pending, None
-        self._land(pending, out, t0)
-        return out
+        if pending is None:
+            self.stats.paused_steps += 1
+        else:
+            self._land(pending, out, t0)
+        self.ranks.agree_on_launch(StepPlan(), out)
+        return self.ranks.close_step(out, landed=pending is not None)
 
     # ------------------------------------------------------------------ endings
     def _apply_aborts(self, out: StepResult) -> None:
@@ -515,6 +531,8 @@ class DynamicInferenceEngine:
         other requests produced meanwhile are not lost: the next ``step()`` returns them.
         ``feed`` (single-rank engines): called before every step, it adds requests and returns
         (their ids, whether it holds more); their outputs are returned too."""
+        if self._pause is not None and request_ids:  # (the same answer on every rank: applied at one exchange)
+            raise RuntimeError("generation is paused: new requests cannot run until resume_generation()")
         own, want, got = set(request_ids), set(request_ids), {}
         self._quiet |= own  # their updates would be dropped below: do not build them
         more = feed is not None

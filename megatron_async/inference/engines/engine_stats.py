@@ -35,6 +35,8 @@ class EngineStats:
     """Launch-ahead rows dropped because their request finished one step earlier."""
     paused: int = 0
     evicted: int = 0
+    recomputed_after_update: int = 0
+    """Requests that gave back their KV at a weight update to recompute it with the new weights."""
     prefix_hit_tokens: int = 0
     mamba_states_stored: int = 0
     mamba_states_restored: int = 0

@@ -16,15 +16,20 @@ step body and is given one of these roles, which answers what differs between
   step N+1 runs while the device runs step N. Rank r's results reach rank 0 with r's next
   exchange; rank 0 takes them at the end of that step, after its launch.
 
+``pause_generation`` / ``resume_generation``: alone, at once; where ranks share steps, rank 0's
+call rides every exchange (``Agreement.pause``) and every rank applies it at the same one, so all
+stop and resume launching at the same step ("abort" sends an abort for every live request too).
+
 A role reads the engine it is bound to (its requests, the launch in flight, its stats) and
-changes the engine's requests only through the engine's own ``_admit`` and ``_mark_abort``."""
+changes the engine's requests only through the engine's own ``_admit``, ``_mark_abort`` and
+``_set_pause``."""
 from __future__ import annotations
 
 import numbers
 from typing import TYPE_CHECKING
 
 from megatron_async.inference.engines.async_pipeline import PendingLaunch
-from megatron_async.inference.engines.step_consensus import Agreement, NewRequest, StepConsensus
+from megatron_async.inference.engines.step_consensus import PAUSE_MODES, Agreement, NewRequest, StepConsensus
 from megatron_async.inference.engines.step_plan import ALONE, StepAgreement, StepPlan
 from megatron_async.inference.engines.step_result import StepResult
 from megatron_async.inference.nvtx import nvtx_range
@@ -57,6 +62,14 @@ class SingleRank:
 
     def abort(self, request_id) -> bool:
         return self.engine._mark_abort(request_id)
+
+    def pause(self, mode: str | None) -> None:
+        """``pause_generation(mode)`` (None: ``resume_generation``)."""
+        eng = self.engine
+        if mode == "abort":
+            for rid in eng._requests:
+                eng._mark_abort(rid)
+        eng._set_pause(mode)
 
     def forget(self, request_id: int) -> None:
         """``request_id`` was reported finished."""
@@ -109,6 +122,14 @@ class TensorParallelReplicas(SingleRank):
         self.consensus.send_abort(int(request_id))  # every rank marks it at the next exchange
         return True
 
+    def pause(self, mode: str | None) -> None:
+        """Rank 0: every rank applies ``mode`` at the next exchange (the aborts it needs ride it too)."""
+        self.consensus.check_can_add()
+        if mode == "abort":
+            for rid in list(self._live):
+                self.abort(rid)
+        self.consensus.pause_wanted = PAUSE_MODES.index(mode)
+
     def forget(self, request_id: int) -> None:
         self._live.pop(request_id, None)
         self._aborting.discard(request_id)
@@ -148,6 +169,8 @@ class TensorParallelReplicas(SingleRank):
                 eng._quiet.intersection_update(eng._requests)
         for rid in got.aborts:
             eng._mark_abort(rid)
+        if PAUSE_MODES[got.pause] != eng._pause:
+            eng._set_pause(PAUSE_MODES[got.pause])
         if take_uploads:
             self._take_uploads(out)
         return got

@@ -66,13 +66,19 @@ class Agreement(NamedTuple):
     quiet: tuple[int, ...] | list[int] = ()
     """Ids among the news whose streaming updates nobody reads (rank 0 waits for their whole
     outputs in ``run_requests``): the serving rank builds and hands up no update for them."""
+    pause: int = 0
+    """Rank 0's pause state (an index into ``PAUSE_MODES``): every rank applies it at this exchange."""
+
+
+PAUSE_MODES = (None, "wait", "keep", "abort")
+"""``pause_generation`` modes as they ride the exchange (None: generating)."""
 
 
 def _encode_upload(result) -> bytes:
     return upload_codec.encode(result.finished, result.updates)
 
 
-_HEAD = 5  # any_work, max_tokens, eager, leader_waiting, variant; then one load per rank (data parallel),
+_HEAD = 6  # any_work, max_tokens, eager, leader_waiting, variant, pause; then one load per rank (data parallel),
 # then, where ranks are replicas (TP groups), (digest, -digest) per group; last, the rank's arrival time
 _NOBODY = -(2**62)  # a group slot this rank does not write: below every digest and negated digest
 
@@ -98,6 +104,8 @@ class StepConsensus:
         self._group = self.dp_rank if data_parallel else 0
         self._outbox: list[NewRequest] = []
         self._aborts: list[int] = []
+        self.pause_wanted = 0
+        """Rank 0: the pause state (index into ``PAUSE_MODES``) every exchange carries to all ranks."""
         self.last: Agreement | None = None
         self.fresh = False
         """The latest exchange came from has_unfinished / run_requests and no step used it yet."""
@@ -132,7 +140,7 @@ class StepConsensus:
         if not self.is_leader:
             kind = "data-parallel" if self.data_parallel else "tensor-parallel"
             raise RuntimeError(
-                f"{kind} rank {self.rank} cannot add requests or abort them: only rank 0 does, and "
+                f"{kind} rank {self.rank} cannot add requests, abort them or pause generation: only rank 0 does, and "
                 "the others receive them at the next step()"
             )
 
@@ -177,6 +185,7 @@ class StepConsensus:
         rec = self._record
         rec[0] = 1 if has_work or upload is not None or self._outbox or self._aborts else 0  # handing up is work
         rec[1], rec[2], rec[3], rec[4] = num_tokens, 1 if eager else 0, 1 if leader_waiting else 0, variant
+        rec[5] = self.pause_wanted if self.is_leader else 0
         if self._load_at >= 0:
             rec[self._load_at] = load
         if self._digest_at >= 0:
@@ -197,13 +206,13 @@ class StepConsensus:
                 f"exchange #{self.rounds + 1}): their device results were not identical")
         if payload is None:
             last = Agreement(result[0] != 0, result[1], result[2] != 0, result[4], result[3] != 0,
-                             tuple(result[self._loads]))
+                             tuple(result[self._loads]), pause=result[5])
         else:
             news, aborts, quiet_ids = payload
             if self.data_parallel:
                 news = [n for n in news if n.rank == self.dp_rank]
             last = Agreement(result[0] != 0, result[1], result[2] != 0, result[4], result[3] != 0,
-                             tuple(result[self._loads]), news, aborts, quiet_ids)
+                             tuple(result[self._loads]), news, aborts, quiet_ids, result[5])
         if self.data_parallel:
             self._routed_since = [0] * self.dp_size
         self.last = last

@@ -127,7 +127,7 @@ def test_prefix_cache_is_not_hit_across_an_update(checkpoints, references, async
     assert hit == cached and out.generated_tokens == references[1][0]
 
 
-def test_requests_spanning_an_update_stop_publishing_blocks(checkpoints):
+def test_requests_keeping_old_kv_stop_publishing_blocks(checkpoints):
     old, new = checkpoints
     llm = _llm(old, enable_prefix_caching=True)
     eng, allocator = llm.engine, llm.engine.context.allocator
@@ -136,7 +136,7 @@ def test_requests_spanning_an_update_stop_publishing_blocks(checkpoints):
         eng.step()
     published = len(allocator._block_of)
     assert published >= 3
-    llm.update_weights(new)
+    llm.update_weights(new, recompute_kv=False)  # it keeps its old-weight KV
     out = drive(eng)[0][rid]
     assert len(out.generated_tokens) == 20  # it completed several more blocks, all holding old-weight KV
     assert len(allocator._block_of) == published
@@ -161,3 +161,28 @@ def test_hybrid_prefix_states_are_not_restored_across_an_update(tmp_path):
     expected = _tokens(_llm(new).generate([prompt], GREEDY))[0]
     assert restores() == (0, expected)  # recomputed with the new weights
     assert restores() == (1, expected)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "serial"])
+def test_requests_recompute_their_kv_with_the_new_weights(checkpoints, async_scheduling):
+    """The default: tokens after an update are those of the new weights over the whole sequence so
+    far (the KV is recomputed), as a fresh engine on the new checkpoint continues it; keeping the
+    old KV gives other tokens."""
+    old, new = checkpoints
+    outs = {}
+    for recompute in (True, False):
+        llm = _llm(old, async_scheduling)
+        eng = llm.engine
+        rid = eng.add_request(PROMPTS[0], GREEDY)
+        while len(eng._requests[rid].generated_tokens) < 3:
+            eng.step()
+        llm.update_weights(new, recompute_kv=recompute)
+        assert eng.stats.recomputed_after_update == recompute
+        outs[recompute] = drive(eng)[0][rid]
+    out = outs[True]
+    n = out.weight_versions.count(0)
+    assert 3 <= n < 8
+    fresh = _llm(new).generate([PROMPTS[0] + out.generated_tokens[:n]],
+                               SamplingParams(top_k=1, num_tokens_to_generate=8 - n, ignore_eos=True))[0]
+    assert out.generated_tokens[n:] == fresh.generated_tokens
+    assert outs[False].generated_tokens[n:] != fresh.generated_tokens

@@ -120,13 +120,8 @@ def test_wait_finishes_running_requests_and_admits_none(async_scheduling):
     assert len(rest[rids[2]].generated_tokens) == 10
 
 
-def test_bad_mode_and_distributed_engines_refused():
+def test_bad_mode_refused():
     eng = _llm(True).engine
     with pytest.raises(ValueError, match="unknown pause mode"):
         eng.pause_generation("stop")
     assert not eng.is_paused
-    from megatron_async.inference.engines.rank_roles import TensorParallelReplicas
-
-    eng.ranks = object.__new__(TensorParallelReplicas)  # stands for TP / EP ranks (no exchange is made)
-    with pytest.raises(NotImplementedError):
-        eng.pause_generation("keep")
