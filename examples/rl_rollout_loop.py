@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         print_table(rows)
         print(f"FAILED: {e}")
         return 1
+    finally:
+        llm.close()  # graphs first: a caller running the loop again gets the device back
     print_table(rows)
     print(f"ok: {spanned} requests spanned an update; max |Δlogprob| {max(r.max_diff for r in rows):.2e} "
           f"<= {tolerance:g} ({dtype}, {args.device})")

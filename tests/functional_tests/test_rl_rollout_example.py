@@ -4,6 +4,7 @@ recomputation with the weights of each token's version. It must fail when the en
 are not the trainer's, or when tokens do not say which version produced them."""
 from __future__ import annotations
 
+import gc
 import importlib.util
 import sys
 from pathlib import Path
@@ -63,6 +64,8 @@ def test_rollout_loop_qwen3_0_6b_on_gpu(example, capsys, dtype, tolerance):
     difference (different kernels on each side: a looser bound than CPU float32's)."""
     args = ["--default-model", "qwen3-0.6b", "--device", "cuda", "--dtype", dtype, "--tolerance", tolerance,
             "--num-prompts", "8", "--samples", "4", "--prompt-len", "64", "--max-new-tokens", "96"]
+    gc.collect()  # the other dtype's engine and trainer (graphs hold reference cycles) leave the device
+    torch.cuda.empty_cache()
     code = example.main(args)
     print(capsys.readouterr().out)
     assert code == 0
