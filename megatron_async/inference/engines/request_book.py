@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from megatron_async.inference.engines.step_plan import StepPlan
     from megatron_async.inference.speculative.policy import SpecPolicy
 
+_LIVE = (Status.ACTIVE, Status.PAUSED)  # states that hold blocks
+
 
 @dataclass
 class HostSamples:
@@ -70,24 +72,46 @@ class RequestBook:
 
     # ------------------------------------------------------------------ admission / endings
     def admit(self, req: DynamicInferenceRequest) -> None:
-        """A request enters the queue: its length limit, fixed for its life."""
+        """A request enters the queue: its length limit, fixed for its life, and (speculative
+        decoding) its starting acceptance."""
         req.max_generated_tokens = generation_limit(req.sampling_params, len(req.prompt_tokens),
                                                     self.max_sequence_length)
+        if self.spec_policy is not None and self.spec_policy.enabled:
+            self.spec_policy.admit(req)
+
+    def activate(self, req: DynamicInferenceRequest) -> int:
+        """A waiting request becomes active with its slots; the positions of the cached prefix
+        blocks the context matched count as computed. Returns those prefix tokens."""
+        hit = self.ctx.admit(req)
+        req.status = Status.ACTIVE
+        req.num_computed_tokens = hit
+        return hit
+
+    def pause(self, req: DynamicInferenceRequest) -> None:
+        """No KV block for its next token: it keeps its blocks and waits for one."""
+        req.status = Status.PAUSED
+
+    def resume(self, req: DynamicInferenceRequest) -> None:
+        req.status = Status.ACTIVE
 
     def finish(self, req: DynamicInferenceRequest, reason: FinishReason, error: str | None = None) -> None:
         """End ``req`` (any state): its blocks and slots go back; a row it has in flight is
         discarded when that launch lands."""
         req.finish_reason, req.error = reason, error
         self.ctx.release(req)
+        req.status = Status.FINISHED
 
     def release_ahead(self, req: DynamicInferenceRequest) -> None:
         """Its in-flight sample surely finishes it by length (Scheduler.release_finishing):
         its blocks and slots go back now, ``land`` finishes it."""
-        self.ctx.release_ahead(req)
+        assert req.num_inflight > 0
+        self.ctx.release(req)
 
     def evict(self, req: DynamicInferenceRequest) -> None:
         """Back to waiting, every block and slot given back: it recomputes later."""
-        self.ctx.evict(req)
+        self.ctx.release(req)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
 
     # ------------------------------------------------------------------ launch
     def commit(self, plan: StepPlan, speculative: bool | None = None) -> None:
@@ -174,10 +198,12 @@ class RequestBook:
                 truncated += last != first + a
                 req.finish_reason = reason
                 ctx.release(req)
+                req.status = finished_status
                 finished.append(req)
                 continue
-            if k:
-                ctx.correct_speculation(req, k - a)
+            if k != a and req.status in _LIVE:  # take back the rejected drafts (evicted: recomputes anyway)
+                req.num_computed_tokens -= k - a
+                ctx.trim_blocks(req)
             if register:
                 ctx.register_complete_blocks(req)
         self.fast_landings += not K or not any(r.num_drafts for r in rows)
