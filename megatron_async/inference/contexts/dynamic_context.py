@@ -27,7 +27,7 @@ from megatron_async.inference.request import DynamicInferenceRequest, Status
 from megatron_async.step_shape import StepShape
 
 if TYPE_CHECKING:  # type-only: engines and models import contexts, not the reverse
-    from megatron_async.inference.engines.step_plan import StepPlan
+    from megatron_async.inference.step_plan import StepPlan
     from megatron_async.models.base import CausalLM
 
 

@@ -13,35 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_async.inference.engines.prompt_log_probs import PromptRowScores, land_prompt_scores
+from megatron_async.inference.engines.prompt_log_probs import land_prompt_scores
 from megatron_async.inference.request import DynamicInferenceRequest, FinishReason, Status
 from megatron_async.inference.speculative.acceptance import emitted_tokens
 from megatron_async.inference.stop_conditions import finish_reason, generation_limit
 
 if TYPE_CHECKING:
+    from megatron_async.inference.async_pipeline import HostSamples, PendingLaunch
     from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
-    from megatron_async.inference.engines.async_pipeline import PendingLaunch
-    from megatron_async.inference.engines.step_plan import StepPlan
     from megatron_async.inference.speculative.policy import SpecPolicy
+    from megatron_async.inference.step_plan import StepPlan
 
 _LIVE = (Status.ACTIVE, Status.PAUSED)  # states that hold blocks
-
-
-@dataclass
-class HostSamples:
-    """What a landed launch brought to the host, as plain Python lists (``ModelRunner.collect``)."""
-
-    tokens: list[int]
-    """Sample i's token (row i's without drafts; ``PendingLaunch.sample_base`` maps rows to samples)."""
-    log_probs: list[float] | None
-    top_n_ids: list[list[int]] | None
-    top_n_vals: list[list[float]] | None
-    accepted: list[int] | None
-    """Speculative decoding: drafts accepted per row (None: a step that verified nothing)."""
-    step_time: float | None
-    """Device time of the step, on timed (logging) steps only; host time on CPU."""
-    prompt_scores: list[PromptRowScores] | None = None
-    """Rows that scored prompt positions (``return_prompt_log_probs``)."""
 
 
 @dataclass

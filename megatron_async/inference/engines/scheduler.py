@@ -14,8 +14,8 @@ from collections import deque
 from megatron_async.config import Scheduling
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.engines.request_book import RequestBook
-from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
 from megatron_async.inference.request import DynamicInferenceRequest, Status
+from megatron_async.inference.step_plan import RowPlan, StepPlan
 
 
 class Scheduler:

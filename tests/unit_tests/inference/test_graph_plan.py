@@ -10,8 +10,8 @@ from megatron_async import InferenceConfig, SamplingParams
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.engines.request_book import RequestBook
-from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
 from megatron_async.inference.request import DynamicInferenceRequest
+from megatron_async.inference.step_plan import RowPlan, StepPlan
 from megatron_async.inference.text_generation_controllers.graph_plan import (
     GRAPH_TOP_N, GraphPlan, SamplingVariant, default_token_counts, variant_flags, variant_of, variant_of_params,
 )

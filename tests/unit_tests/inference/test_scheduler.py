@@ -12,9 +12,9 @@ from megatron_async.inference.contexts.dynamic_context import DynamicInferenceCo
 from megatron_async.inference.device import DeviceFacade  # noqa: E402
 from megatron_async.inference.engines.request_book import RequestBook  # noqa: E402
 from megatron_async.inference.engines.scheduler import Scheduler  # noqa: E402
-from megatron_async.inference.engines.step_plan import StepPlan  # noqa: E402
 from megatron_async.inference.request import DynamicInferenceRequest, FinishReason, Status  # noqa: E402
 from megatron_async.inference.speculative.policy import SpecPolicy  # noqa: E402
+from megatron_async.inference.step_plan import StepPlan  # noqa: E402
 from megatron_async.models import build_default_model  # noqa: E402
 
 BS = 4
