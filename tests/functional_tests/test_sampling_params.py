@@ -124,9 +124,9 @@ def test_penalised_requests_survive_pause_evict_and_batching(qwen3_ckpt):
     arr = [Arrival(i, p, PENALISED[i % len(PENALISED)]) for i, p in enumerate(prompts)]
     for mode in (False, True):
         llm = make_llm(qwen3_ckpt, num_kv_blocks=24, max_tokens=32, async_scheduling=mode)
-        ctx, evicted = llm.engine.context, []
-        evict = ctx.evict
-        ctx.evict = lambda req: (evicted.append((req.sampling_params.has_penalties, len(req.generated_tokens))),
+        book, evicted = llm.engine.book, []
+        evict = book.evict
+        book.evict = lambda req: (evicted.append((req.sampling_params.has_penalties, len(req.generated_tokens))),
                                  evict(req))
         busy = tokens_of(run_arrivals(llm, arr))
         st = llm.engine.stats

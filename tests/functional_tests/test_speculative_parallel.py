@@ -14,8 +14,8 @@ from dataclasses import replace
 import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.inference.engines.step_plan import StepAgreement
 from megatron_async.inference.speculative.oracle import OracleDrafter
+from megatron_async.inference.step_plan import StepAgreement
 from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
 from megatron_async.testing.hf_models import make_tiny_checkpoint
 from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint

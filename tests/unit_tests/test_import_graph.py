@@ -4,8 +4,8 @@ functions); ``if TYPE_CHECKING:`` blocks are annotations only and count where a 
 Dependencies point one way (``LAYERS``): the step's data types (``forward_batch``,
 ``step_shape``) and ``config`` at the bottom, then ``kernels``, ``parallel``, ``models``, then
 ``inference`` and the entry points (``llm``, ``serve``, ``tools``) above. No import cycle
-between modules (annotations included), none between the contexts, engines and controllers
-packages, and library code never imports ``megatron_async.testing``."""
+between modules (annotations included), none between the subpackages (and modules) of
+``inference``, and library code never imports ``megatron_async.testing``."""
 from __future__ import annotations
 
 import ast
@@ -140,6 +140,27 @@ def test_contexts_engines_controllers_are_layered():
     rooms = ("megatron_async.inference.contexts", "megatron_async.inference.engines",
              "megatron_async.inference.text_generation_controllers", "megatron_async.models")
     assert _cycle(_rooms(import_graph(), rooms)) is None
+
+
+def inference_rooms(graph: dict[str, set[str]]) -> tuple[str, ...]:
+    """The subpackages and modules directly under ``megatron_async.inference``."""
+    prefix = "megatron_async.inference."
+    return tuple(sorted({prefix + m[len(prefix):].split(".")[0] for m in graph if m.startswith(prefix)}))
+
+
+def test_inference_subpackages_form_no_cycle():
+    """contexts/, engines/, text_generation_controllers/, speculative/, communication/ and the
+    modules beside them (the step types step_plan.py and async_pipeline.py among them) import
+    each other one way only, annotations included."""
+    graph = import_graph(annotations=True)
+    assert _cycle(_rooms(graph, inference_rooms(graph))) is None
+
+
+def test_inference_room_cycle_detector_sees_a_planted_import():
+    """A context reading the step plan from engines/ (where it used to live) closes a circle."""
+    graph = import_graph(annotations=True)
+    graph["megatron_async.inference.contexts.general_rows"] |= {"megatron_async.inference.engines.scheduler"}
+    assert _cycle(_rooms(graph, inference_rooms(graph))) is not None
 
 
 def test_cycle_detector_finds_a_planted_cycle():

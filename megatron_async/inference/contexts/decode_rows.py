@@ -29,7 +29,7 @@ from megatron_async.inference.request import LOG_PROBS, MIN_P, SAMPLED, TOP_K, T
 from megatron_async.step_shape import StepShape
 
 if TYPE_CHECKING:
-    from megatron_async.inference.engines.step_plan import StepPlan
+    from megatron_async.inference.step_plan import StepPlan
 
 # Per slot, besides: prompt length, min_tokens, the request's sampling features
 # (SamplingParams.features: a step's are the OR over its rows) and top-n log-probs (the step's: max).

@@ -27,7 +27,7 @@ from megatron_async.inference.request import DynamicInferenceRequest, Status
 from megatron_async.step_shape import StepShape
 
 if TYPE_CHECKING:  # type-only: engines and models import contexts, not the reverse
-    from megatron_async.inference.engines.step_plan import StepPlan
+    from megatron_async.inference.step_plan import StepPlan
     from megatron_async.models.base import CausalLM
 
 
@@ -152,13 +152,11 @@ class DynamicInferenceContext:
     def can_ever_fit(self, total_tokens: int) -> bool:
         return self.blocks_for(total_tokens) <= self.allocator.capacity
 
-    # ------------------------------------------------------------------ transitions
+    # ------------------------------------------------------------------ resources (the book changes the status)
     def admit(self, req: DynamicInferenceRequest) -> int:
-        """Make a waiting request active: take matching cached prefix blocks and a state
-        slot. Returns the prefix tokens whose prefill is skipped."""
+        """Give a waiting request its slots and the matching cached prefix blocks. Returns the
+        prefix tokens those blocks hold (their prefill is skipped; the book counts them computed)."""
         assert req.status == Status.WAITING and not req.block_ids and req.num_inflight == 0
-        req.status = Status.ACTIVE
-        req.num_computed_tokens = 0
         req.num_hashed_blocks, req.last_block_hash = 0, None
         req.weights_epoch = self.weights_epoch
         self.active[req.request_id] = req
@@ -194,12 +192,11 @@ class DynamicInferenceContext:
             self.allocator.acquire_cached(block)
             req.block_ids.append(block)
         if depth:
-            req.num_computed_tokens = depth * bs
             req.num_hashed_blocks, req.last_block_hash = depth, hashes[depth - 1]
             if self.mamba is not None:
                 self.mamba.restore_prefix_state(req, hashes[depth - 1])
         if self.mamba is not None:
-            req.mamba_store_points = self.mamba.store_points(req, kv_depth)
+            req.mamba_store_points = self.mamba.store_points(req, kv_depth, depth * bs)
         return depth * bs
 
     def reserve(self, req: DynamicInferenceRequest, num_tokens: int) -> bool:
@@ -218,30 +215,10 @@ class DynamicInferenceContext:
         slack = len(req.block_ids) * self.block_size - req.num_computed_tokens
         return slack + self.allocator.num_available * self.block_size
 
-    def pause(self, req: DynamicInferenceRequest) -> None:
-        req.status = Status.PAUSED
-
-    def resume(self, req: DynamicInferenceRequest) -> None:
-        req.status = Status.ACTIVE
-
-    def evict(self, req: DynamicInferenceRequest) -> None:
-        """Give back all KV blocks and the state slot; the request recomputes later."""
-        self._release_resources(req)
-        req.status = Status.WAITING
-        req.num_computed_tokens = 0
-
     def release(self, req: DynamicInferenceRequest) -> None:
-        """Free a finished request's blocks (complete hashed ones stay cached) and slot."""
-        self._release_resources(req)
-        req.status = Status.FINISHED
-
-    def release_ahead(self, req: DynamicInferenceRequest) -> None:
-        """Free the blocks and slot of a request that will finish by length when its in-flight
-        sample lands (see Scheduler.release_finishing); ``release`` completes it then."""
-        assert req.num_inflight > 0
-        self._release_resources(req)
-
-    def _release_resources(self, req: DynamicInferenceRequest) -> None:
+        """Free a request's blocks (complete hashed ones stay cached) and slots, and drop it
+        from ``active``: it finished, or was evicted (it recomputes later). Its status is the
+        book's to change."""
         self.allocator.release(req.block_ids)
         req.block_ids = []
         self._decode_rows.free(req)
@@ -253,14 +230,11 @@ class DynamicInferenceContext:
         self.active.pop(req.request_id, None)
         self.active_version += 1
 
-    def correct_speculation(self, req: DynamicInferenceRequest, num_rejected: int) -> None:
-        """A landed verify row of ``req`` rejected ``num_rejected`` drafts the host had counted
-        as computed: take them back, and give back blocks only they needed. Positions beyond
-        the corrected count hold stale KV that later steps overwrite; a launch in flight had
-        the same correction applied on the device (verify.py), so its writes stay in range."""
-        if num_rejected == 0 or req.status not in (Status.ACTIVE, Status.PAUSED):
-            return  # evicted (recomputes from scratch) or finished (released)
-        req.num_computed_tokens -= num_rejected
+    def trim_blocks(self, req: DynamicInferenceRequest) -> None:
+        """Give back the blocks beyond ``req.num_computed_tokens`` (the book took back drafts a
+        verify row rejected: only they needed them). Positions beyond the computed count hold
+        stale KV that later steps overwrite; a launch in flight had the same correction applied
+        on the device (verify.py), so its writes stay in range."""
         keep = self.blocks_for(req.num_computed_tokens)
         if len(req.block_ids) > keep:
             self.allocator.release(req.block_ids[keep:])

@@ -15,7 +15,7 @@ from megatron_async.inference.request import LOG_PROBS, MIN_P, SAMPLED, TOP_K, T
 from megatron_async.step_shape import StepShape
 
 if TYPE_CHECKING:
-    from megatron_async.inference.engines.step_plan import StepPlan
+    from megatron_async.inference.step_plan import StepPlan
 
 
 def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_width: int,

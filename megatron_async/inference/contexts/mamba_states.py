@@ -112,15 +112,16 @@ class MambaStateManager:
         if self.prefix_cache is not None:
             self.prefix_cache.invalidate(block_hash)
 
-    def store_points(self, req: DynamicInferenceRequest, kv_depth: int) -> list[int]:
-        """Positions where a prefill chunk must end so their states get cached: the last
-        block boundary a later identical prompt may skip to, and the end of a KV match that
-        had no state (so the next request with this prefix can skip all of it)."""
+    def store_points(self, req: DynamicInferenceRequest, kv_depth: int, computed: int) -> list[int]:
+        """Positions (beyond ``computed``, the prefix the request skips) where a prefill chunk
+        must end so their states get cached: the last block boundary a later identical prompt
+        may skip to, and the end of a KV match that had no state (so the next request with this
+        prefix can skip all of it)."""
         if self.prefix_cache is None:
             return []
         bs = self.block_size
         points = {(len(req.prompt_tokens) - 1) // bs * bs, kv_depth * bs}
-        return sorted(p for p in points if p > req.num_computed_tokens)
+        return sorted(p for p in points if p > computed)
 
 
 def window_rows(num_drafts: list[int], num_tokens: int) -> tuple[list[bool] | None, int]:

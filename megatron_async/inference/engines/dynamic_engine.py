@@ -26,20 +26,20 @@ import torch
 
 from megatron_async.config import Scheduling, Speculation
 from megatron_async.inference import triton_builds
+from megatron_async.inference.async_pipeline import PendingLaunch
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.contexts.step_errors import RequestStepError
-from megatron_async.inference.engines.async_pipeline import PendingLaunch
 from megatron_async.inference.engines.engine_stats import EngineStats
 from megatron_async.inference.engines.rank_roles import SingleRank, rank_role
 from megatron_async.inference.engines.request_book import RequestBook
 from megatron_async.inference.engines.request_validation import RequestValidator, ValidRequest
 from megatron_async.inference.engines.scheduler import Scheduler
 from megatron_async.inference.engines.step_consensus import NewRequest
-from megatron_async.inference.engines.step_plan import ALONE, StepAgreement, StepPlan
 from megatron_async.inference.engines.step_result import StepResult
 from megatron_async.inference.engines.suspend import MemorySuspender, SuspendError
 from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.speculative.policy import SpecPolicy
+from megatron_async.inference.step_plan import ALONE, StepAgreement, StepPlan
 from megatron_async.inference.request import (
     DynamicInferenceRequest, FinishReason, InvalidRequestError, RequestOutput, SamplingParams, Status,
 )

@@ -5,20 +5,9 @@ an eviction rewrites the same entries and the list never has a hole (a request s
 prompt takes no prefix-cache hit past what it holds: ``DynamicInferenceRequest.max_prefix_hit``)."""
 from __future__ import annotations
 
-from typing import NamedTuple
-
-from megatron_async.inference.engines.step_plan import RowPlan
+from megatron_async.inference.async_pipeline import PromptRowScores
 from megatron_async.inference.request import Status
-
-
-class PromptRowScores(NamedTuple):
-    row: int
-    """The row of the launch."""
-    start: int
-    """Its first scored position p (entry p: log P(prompt[p + 1] | prompt[:p + 1]))."""
-    log_probs: list[float]
-    top_n_ids: list[list[int]] | None
-    top_n_vals: list[list[float]] | None
+from megatron_async.inference.step_plan import RowPlan
 
 
 def land_prompt_scores(rows: list[RowPlan], scores: list[PromptRowScores]) -> None:

@@ -28,11 +28,11 @@ from __future__ import annotations
 import numbers
 from typing import TYPE_CHECKING
 
-from megatron_async.inference.engines.async_pipeline import PendingLaunch
+from megatron_async.inference.async_pipeline import PendingLaunch
 from megatron_async.inference.engines.step_consensus import PAUSE_MODES, Agreement, NewRequest, StepConsensus
-from megatron_async.inference.engines.step_plan import ALONE, StepAgreement, StepPlan
 from megatron_async.inference.engines.step_result import StepResult
 from megatron_async.inference.nvtx import nvtx_range
+from megatron_async.inference.step_plan import ALONE, StepAgreement, StepPlan
 
 if TYPE_CHECKING:
     from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator

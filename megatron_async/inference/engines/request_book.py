@@ -13,36 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_async.inference.engines.prompt_log_probs import PromptRowScores, land_prompt_scores
+from megatron_async.inference.engines.prompt_log_probs import land_prompt_scores
 from megatron_async.inference.request import DynamicInferenceRequest, FinishReason, Status
 from megatron_async.inference.routed_experts import land_routing
 from megatron_async.inference.speculative.acceptance import emitted_tokens
 from megatron_async.inference.stop_conditions import finish_reason, generation_limit
 
 if TYPE_CHECKING:
+    from megatron_async.inference.async_pipeline import HostSamples, PendingLaunch
     from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
-    from megatron_async.inference.engines.async_pipeline import PendingLaunch
-    from megatron_async.inference.engines.step_plan import StepPlan
     from megatron_async.inference.speculative.policy import SpecPolicy
+    from megatron_async.inference.step_plan import StepPlan
 
-
-@dataclass
-class HostSamples:
-    """What a landed launch brought to the host, as plain Python lists (``ModelRunner.collect``)."""
-
-    tokens: list[int]
-    """Sample i's token (row i's without drafts; ``PendingLaunch.sample_base`` maps rows to samples)."""
-    log_probs: list[float] | None
-    top_n_ids: list[list[int]] | None
-    top_n_vals: list[list[float]] | None
-    accepted: list[int] | None
-    """Speculative decoding: drafts accepted per row (None: a step that verified nothing)."""
-    step_time: float | None
-    """Device time of the step, on timed (logging) steps only; host time on CPU."""
-    prompt_scores: list[PromptRowScores] | None = None
-    """Rows that scored prompt positions (``return_prompt_log_probs``)."""
-    routed_experts: object | None = None
-    """Routing replay: ``routed_experts.StepRouting`` of the rows that asked (None: none did)."""
+_LIVE = (Status.ACTIVE, Status.PAUSED)  # states that hold blocks
 
 
 @dataclass
@@ -73,24 +56,46 @@ class RequestBook:
 
     # ------------------------------------------------------------------ admission / endings
     def admit(self, req: DynamicInferenceRequest) -> None:
-        """A request enters the queue: its length limit, fixed for its life."""
+        """A request enters the queue: its length limit, fixed for its life, and (speculative
+        decoding) its starting acceptance."""
         req.max_generated_tokens = generation_limit(req.sampling_params, len(req.prompt_tokens),
                                                     self.max_sequence_length)
+        if self.spec_policy is not None and self.spec_policy.enabled:
+            self.spec_policy.admit(req)
+
+    def activate(self, req: DynamicInferenceRequest) -> int:
+        """A waiting request becomes active with its slots; the positions of the cached prefix
+        blocks the context matched count as computed. Returns those prefix tokens."""
+        hit = self.ctx.admit(req)
+        req.status = Status.ACTIVE
+        req.num_computed_tokens = hit
+        return hit
+
+    def pause(self, req: DynamicInferenceRequest) -> None:
+        """No KV block for its next token: it keeps its blocks and waits for one."""
+        req.status = Status.PAUSED
+
+    def resume(self, req: DynamicInferenceRequest) -> None:
+        req.status = Status.ACTIVE
 
     def finish(self, req: DynamicInferenceRequest, reason: FinishReason, error: str | None = None) -> None:
         """End ``req`` (any state): its blocks and slots go back; a row it has in flight is
         discarded when that launch lands."""
         req.finish_reason, req.error = reason, error
         self.ctx.release(req)
+        req.status = Status.FINISHED
 
     def release_ahead(self, req: DynamicInferenceRequest) -> None:
         """Its in-flight sample surely finishes it by length (Scheduler.release_finishing):
         its blocks and slots go back now, ``land`` finishes it."""
-        self.ctx.release_ahead(req)
+        assert req.num_inflight > 0
+        self.ctx.release(req)
 
     def evict(self, req: DynamicInferenceRequest) -> None:
         """Back to waiting, every block and slot given back: it recomputes later."""
-        self.ctx.evict(req)
+        self.ctx.release(req)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
 
     # ------------------------------------------------------------------ launch
     def commit(self, plan: StepPlan, speculative: bool | None = None) -> None:
@@ -179,10 +184,12 @@ class RequestBook:
                 truncated += last != first + a
                 req.finish_reason = reason
                 ctx.release(req)
+                req.status = finished_status
                 finished.append(req)
                 continue
-            if k:
-                ctx.correct_speculation(req, k - a)
+            if k != a and req.status in _LIVE:  # take back the rejected drafts (evicted: recomputes anyway)
+                req.num_computed_tokens -= k - a
+                ctx.trim_blocks(req)
             if register:
                 ctx.register_complete_blocks(req)
         self.fast_landings += not K or not any(r.num_drafts for r in rows)

@@ -14,8 +14,8 @@ from collections import deque
 from megatron_async.config import Scheduling
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.engines.request_book import RequestBook
-from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
 from megatron_async.inference.request import DynamicInferenceRequest, Status
+from megatron_async.inference.step_plan import RowPlan, StepPlan
 
 
 class Scheduler:
@@ -38,8 +38,6 @@ class Scheduler:
 
     def add(self, req: DynamicInferenceRequest) -> None:
         self.book.admit(req)
-        if self.spec.enabled:
-            self.spec.admit(req)
         self.waiting.append(req)
 
     def requeue_front(self, req: DynamicInferenceRequest) -> None:
@@ -100,7 +98,7 @@ class Scheduler:
             if k and start + 1 + k > owned and not ctx.reserve(req, 1 + k):
                 k = 0
             if k == 0 and start + 1 > owned and not ctx.reserve(req, 1):
-                ctx.pause(req)
+                self.book.pause(req)
                 self.num_paused_events += 1
                 any_paused = True
                 continue
@@ -136,7 +134,7 @@ class Scheduler:
                 if start < len(req.block_ids) * bs or ctx.reserve(req, 1):
                     rows.append(RowPlan(req, start, 1, True, req.inflight_row if in_flight else -1))
                 else:
-                    ctx.pause(req)
+                    self.book.pause(req)
                     self.num_paused_events += 1
                     any_paused = True
             elif status == paused:
@@ -186,7 +184,7 @@ class Scheduler:
                 break
             used = self._schedule_prefill(req, budget, plan)
             if used == 0 and self._blocked_on_memory(req):
-                ctx.pause(req)
+                self.book.pause(req)
                 self.num_paused_events += 1
                 any_paused = True
             budget -= used
@@ -200,10 +198,10 @@ class Scheduler:
             if req.is_prefilling:
                 used = self._schedule_prefill(req, budget, plan)
                 if used:
-                    ctx.resume(req)
+                    self.book.resume(req)
                     budget -= used
             elif (row := self._reserve_decode(req, num_decoding, budget - 1)) is not None:
-                ctx.resume(req)
+                self.book.resume(req)
                 plan.rows.append(row)
                 budget -= row.num_tokens
 
@@ -217,7 +215,7 @@ class Scheduler:
                 break  # an evicted request whose last sample has not landed yet
             if not self.admits_new and req.weights_epoch < 0:
                 break  # never admitted
-            hit = ctx.admit(req)
+            hit = self.book.activate(req)
             used = self._schedule_prefill(req, budget, plan)
             if used == 0:
                 self.book.evict(req)  # undo the admission: back to waiting, prefix refs dropped

@@ -14,8 +14,8 @@ import torch
 
 from megatron_async.inference.contexts.spec_state import SpecState
 from megatron_async.inference.request import DynamicInferenceRequest
+from megatron_async.inference.sample_keys import mix32, row_keys
 from megatron_async.inference.speculative.drafter import Drafter, VerifyOutputs, upload
-from megatron_async.inference.text_generation_controllers.sampling import _mix32, row_keys
 
 _M24 = 1 << 24
 
@@ -64,7 +64,7 @@ class OracleDrafter(Drafter):
         valid = (gen >= 0) & (gen < self.known_len[slots][:, None])
         true = self.table[slots[:, None].expand_as(gen), gen.clamp(0, self.max_generated)]
         true = torch.where(valid, true, torch.zeros_like(true))
-        h = _mix32(row_keys(self.key[slots][:, None].expand_as(q), q) ^ 0x5BD1E995)
+        h = mix32(row_keys(self.key[slots][:, None].expand_as(q), q) ^ 0x5BD1E995)
         corrupt = (h >> 8).to(torch.float64) < self.rate
         shift = 1 + (h % max(self.vocab_size - 1, 1))
         return torch.where(corrupt, (true + shift) % self.vocab_size, true)

@@ -16,8 +16,8 @@ and a request whose latest launch was plain drafts nothing in its next row (the 
 ``SpecPolicy.may_draft_next`` costs time, never a token."""
 from __future__ import annotations
 
-from megatron_async.inference.engines.step_plan import StepPlan
 from megatron_async.inference.speculative.policy import SpecPolicy
+from megatron_async.inference.step_plan import StepPlan
 
 
 class PlainStepSelector:

@@ -16,15 +16,14 @@ from dataclasses import dataclass
 import torch
 
 from megatron_async.config import KernelChoice
+from megatron_async.inference.async_pipeline import HostSamples, PendingLaunch
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
-from megatron_async.inference.engines.async_pipeline import PendingLaunch
-from megatron_async.inference.engines.request_book import HostSamples
-from megatron_async.inference.engines.step_plan import ALONE, StepAgreement, StepPlan
 from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.routed_experts import RoutingRecorder
 from megatron_async.inference.speculative.plain_steps import PlainStepSelector
 from megatron_async.inference.speculative.policy import SpecPolicy
 from megatron_async.inference.speculative.verify import SpecVerifier
+from megatron_async.inference.step_plan import ALONE, StepAgreement, StepPlan
 from megatron_async.inference.text_generation_controllers import sampling
 from megatron_async.inference.text_generation_controllers.prompt_scoring import PromptScoring, wants_prompt_scoring
 from megatron_async.inference.text_generation_controllers.sample_launcher import SampleLauncher

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_async.inference.engines.prompt_log_probs import PromptRowScores
-from megatron_async.inference.engines.step_plan import StepPlan
+from megatron_async.inference.async_pipeline import PromptRowScores
+from megatron_async.inference.step_plan import StepPlan
 from megatron_async.inference.text_generation_controllers import sampling
 
 SUBCHUNK_BYTES = 1 << 28

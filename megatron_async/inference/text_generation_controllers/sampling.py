@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-_M32 = 0xFFFFFFFF
+from megatron_async.inference.sample_keys import M32, mix32, row_keys
+
 GREEDY_TEMPERATURE = 1e-5
 MASS_SCALE = 4294967296.0  # 2**32: top-p weight units per unit of exp(s - max)
 
@@ -57,26 +58,10 @@ class PenaltyRows:
     stop_mask: torch.Tensor  # [slots + 1, V] bool
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (xorshift-multiply) on int64 tensors holding values < 2**32.
-
-    Products may wrap past int64; masking keeps the correct low 32 bits."""
-    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _M32
-    x = ((x ^ (x >> 15)) * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
-def row_keys(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """[R] int64 seeds and positions -> [R] 32-bit keys."""
-    h = _mix32((seed & _M32) ^ 0x9E3779B9)
-    h = _mix32(h ^ ((seed >> 32) & _M32))
-    return _mix32(h ^ (position & _M32))
-
-
 def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[R] keys -> [R, V] float32 uniforms in (0, 1), one per (row, token id)."""
-    tok = _mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64) * 0x27D4EB2F & _M32)
-    bits = _mix32(keys[:, None] ^ tok[None, :]) >> 8  # 24 random bits: exact in float32
+    tok = mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64) * 0x27D4EB2F & M32)
+    bits = mix32(keys[:, None] ^ tok[None, :]) >> 8  # 24 random bits: exact in float32
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 

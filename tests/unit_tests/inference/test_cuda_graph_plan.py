@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_async import InferenceConfig, SamplingParams
-from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
+from megatron_async.inference.step_plan import RowPlan, StepPlan
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner, decode_key
 from megatron_async.inference.text_generation_controllers.graph_plan import GraphKey, SamplingVariant
 from megatron_async.step_shape import StepShape

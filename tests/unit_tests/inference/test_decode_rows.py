@@ -137,14 +137,14 @@ def _run(model, arrivals, async_scheduling: bool, num_kv_blocks: int, seen: Coun
 
 def _count_blocks_given_back(ctx, seen: Counter) -> None:
     """Speculative decoding: rejected drafts that give back blocks (the per-request rows must follow)."""
-    correct = ctx.correct_speculation
+    trim = ctx.trim_blocks
 
-    def counted(req, num_rejected):
+    def counted(req):
         before = len(req.block_ids)
-        correct(req, num_rejected)
+        trim(req)
         seen["blocks_given_back"] += len(req.block_ids) < before
 
-    ctx.correct_speculation = counted
+    ctx.trim_blocks = counted
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -1,5 +1,5 @@
-"""DynamicInferenceContext transitions (admit / reserve / pause / resume / evict / release),
-prefix-block publication and the step tables written by initialize_attention_state."""
+"""DynamicInferenceContext resources through the request book's transitions (activate / reserve /
+pause / resume / evict / finish), prefix-block publication and the step tables written by initialize_attention_state."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -12,8 +12,8 @@ from megatron_async.inference.contexts.dynamic_context import DynamicInferenceCo
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK  # noqa: E402
 from megatron_async.inference.device import DeviceFacade  # noqa: E402
 from megatron_async.inference.engines.request_book import RequestBook  # noqa: E402
-from megatron_async.inference.engines.step_plan import RowPlan, StepPlan  # noqa: E402
-from megatron_async.inference.request import DynamicInferenceRequest, Status  # noqa: E402
+from megatron_async.inference.request import DynamicInferenceRequest, FinishReason, Status  # noqa: E402
+from megatron_async.inference.step_plan import RowPlan, StepPlan  # noqa: E402
 from megatron_async.models import build_default_model  # noqa: E402
 
 BS = 4
@@ -67,7 +67,7 @@ def host(ctx) -> dict:
 def test_admit_without_cache_hit(model):
     ctx = make_ctx(model)
     req = make_req(0, range(10))
-    assert ctx.admit(req) == 0
+    assert RequestBook(ctx).activate(req) == 0
     assert req.status == Status.ACTIVE and ctx.active == {0: req}
     assert req.num_computed_tokens == 0 and req.block_ids == []
 
@@ -75,20 +75,20 @@ def test_admit_without_cache_hit(model):
 def test_prefix_hit_skips_cached_blocks_but_leaves_a_token_to_compute(model):
     ctx = make_ctx(model)
     a = make_req(0, range(12))  # 3 complete blocks
-    ctx.admit(a)
+    RequestBook(ctx).activate(a)
     run_prefill(ctx, a)
     assert a.num_hashed_blocks == 3
     cached = list(a.block_ids)
-    ctx.release(a)
+    RequestBook(ctx).finish(a, FinishReason.LENGTH)
     assert ctx.allocator.num_available == 8  # cached blocks stay obtainable
 
     same = make_req(1, range(12))  # fully cached: the last block is recomputed for its logits
-    assert ctx.admit(same) == 8
+    assert RequestBook(ctx).activate(same) == 8
     assert same.num_computed_tokens == 8 and same.block_ids == cached[:2]
     longer = make_req(2, list(range(12)) + [50])
-    assert ctx.admit(longer) == 12 and longer.block_ids == cached
+    assert RequestBook(ctx).activate(longer) == 12 and longer.block_ids == cached
     diverging = make_req(3, [0, 1, 2, 3, 99, 5, 6, 7, 8])
-    assert ctx.admit(diverging) == 4
+    assert RequestBook(ctx).activate(diverging) == 4
     assert ctx.allocator.ref_count(same.block_ids[0]) == 3  # first block shared three ways
     assert diverging.block_ids == cached[:1] and ctx.allocator.ref_count(cached[2]) == 1
 
@@ -96,7 +96,7 @@ def test_prefix_hit_skips_cached_blocks_but_leaves_a_token_to_compute(model):
 def test_reserve_is_all_or_nothing_across_block_boundaries(model):
     ctx = make_ctx(model, num_kv_blocks=4, prefix_caching=False)  # 3 usable blocks
     req = make_req(0, range(20))
-    ctx.admit(req)
+    RequestBook(ctx).activate(req)
     assert ctx.reservable_tokens(req) == 12
     assert not ctx.reserve(req, 13)  # needs 4 blocks
     assert req.block_ids == [] and ctx.allocator.num_available == 3
@@ -112,12 +112,12 @@ def test_reserve_is_all_or_nothing_across_block_boundaries(model):
 def test_pause_and_resume_keep_blocks(model):
     ctx = make_ctx(model)
     req = make_req(0, range(6))
-    ctx.admit(req)
+    RequestBook(ctx).activate(req)
     run_prefill(ctx, req)
     blocks, avail = list(req.block_ids), ctx.allocator.num_available
-    ctx.pause(req)
+    RequestBook(ctx).pause(req)
     assert req.status == Status.PAUSED and req.block_ids == blocks and 0 in ctx.active
-    ctx.resume(req)
+    RequestBook(ctx).resume(req)
     assert req.status == Status.ACTIVE and req.block_ids == blocks
     assert ctx.allocator.num_available == avail and req.num_computed_tokens == 6
 
@@ -125,25 +125,25 @@ def test_pause_and_resume_keep_blocks(model):
 def test_evict_frees_blocks_and_resets_computed_tokens(model):
     ctx = make_ctx(model, prefix_caching=False)
     req = make_req(0, range(6))
-    ctx.admit(req)
+    RequestBook(ctx).activate(req)
     run_prefill(ctx, req)
     land(req, 7)
-    ctx.evict(req)
+    RequestBook(ctx).evict(req)
     assert req.status == Status.WAITING and req.block_ids == [] and req.num_computed_tokens == 0
     assert ctx.active == {} and ctx.allocator.num_available == ctx.allocator.capacity
     assert req.generated_tokens == [7]  # kept: recomputed as part of the prefix later
-    assert ctx.admit(req) == 0 and req.num_known_tokens == 7
+    assert RequestBook(ctx).activate(req) == 0 and req.num_known_tokens == 7
 
 
 def test_release_keeps_complete_hashed_blocks_cached(model):
     ctx = make_ctx(model)
     req = make_req(0, range(6))  # one complete block + a partial one
-    ctx.admit(req)
+    RequestBook(ctx).activate(req)
     run_prefill(ctx, req)
     full, partial = req.block_ids
     h = ctx.allocator.block_hash(None, (0, 1, 2, 3))
     assert ctx.allocator.lookup(h) == full
-    ctx.release(req)
+    RequestBook(ctx).finish(req, FinishReason.LENGTH)
     assert req.status == Status.FINISHED and ctx.active == {}
     assert ctx.allocator.ref_count(full) == ctx.allocator.ref_count(partial) == 0
     assert ctx.allocator.lookup(h) == full  # still findable
@@ -155,7 +155,7 @@ def test_release_keeps_complete_hashed_blocks_cached(model):
 def test_register_only_publishes_blocks_known_and_computed(model):
     ctx = make_ctx(model)
     req = make_req(0, range(11))
-    ctx.admit(req)
+    RequestBook(ctx).activate(req)
     run_prefill(ctx, req, 5)  # computed 5 of 11 known
     assert req.num_hashed_blocks == 1
     run_prefill(ctx, req, 2)  # computed 7: block 2 is still incomplete
@@ -178,7 +178,7 @@ def test_register_only_publishes_blocks_known_and_computed(model):
 def test_register_is_a_no_op_without_prefix_caching(model):
     ctx = make_ctx(model, prefix_caching=False)
     req = make_req(0, range(8))
-    ctx.admit(req)
+    RequestBook(ctx).activate(req)
     run_prefill(ctx, req)
     assert req.num_hashed_blocks == 0
     assert ctx.allocator.lookup(ctx.allocator.block_hash(None, (0, 1, 2, 3))) is None
@@ -191,7 +191,7 @@ def test_initialize_attention_state_tables(model):
     b = make_req(1, [20, 21, 22])  # decode row whose input is an in-flight sample
     c = make_req(2, [30, 31, 32, 33, 34, 35, 36, 37, 38], temperature=0.7, top_k=5, top_p=0.9)  # chunk
     for r in (a, b, c):
-        ctx.admit(r)
+        RequestBook(ctx).activate(r)
     run_prefill(ctx, a)
     land(a, 16)
     run_prefill(ctx, b)  # b now has one sample in flight at row 0
@@ -242,7 +242,7 @@ def test_greedy_rows_get_canonical_params_and_flags(model):
     g = make_req(0, [1, 2], temperature=0.0, top_k=7, top_p=0.5)
     s = make_req(1, [3, 4], temperature=0.5, top_k=3, return_log_probs=True, top_n_logprobs=2)
     for r in (g, s):
-        ctx.admit(r)
+        RequestBook(ctx).activate(r)
         ctx.reserve(r, 2)
     shape = ctx.initialize_attention_state(StepPlan([RowPlan(g, 0, 2, True), RowPlan(s, 0, 2, True)]))
     v = host(ctx)
@@ -254,7 +254,7 @@ def test_greedy_rows_get_canonical_params_and_flags(model):
 def test_ring_alternates_host_buffers(model):
     ctx = make_ctx(model)
     req = make_req(0, range(8))
-    ctx.admit(req)
+    RequestBook(ctx).activate(req)
     run_prefill(ctx, req, 4)
     first = ctx._ring
     run_prefill(ctx, req, 4)
@@ -267,7 +267,7 @@ def test_pad_for_graph_decode_rows(model):
     ctx = make_ctx(model)
     reqs = [make_req(i, [i + 1]) for i in range(2)]
     for r in reqs:
-        ctx.admit(r)
+        RequestBook(ctx).activate(r)
         ctx.reserve(r, 1)
     shape = ctx.initialize_attention_state(StepPlan([RowPlan(r, 0, 1, True) for r in reqs]))
     assert shape.is_decode_only
@@ -298,7 +298,7 @@ def test_pad_for_graph_mixed_step(model):
     ctx = make_ctx(model)
     a, b = make_req(0, [5]), make_req(1, range(6))
     for r, n in ((a, 1), (b, 6)):
-        ctx.admit(r)
+        RequestBook(ctx).activate(r)
         ctx.reserve(r, n)
     shape = ctx.initialize_attention_state(StepPlan([RowPlan(a, 0, 1, True), RowPlan(b, 0, 6, True)]))
     assert not shape.is_decode_only and (shape.num_tokens, shape.num_rows) == (7, 2)
@@ -322,7 +322,7 @@ def test_pad_for_graph_mixed_step(model):
 def test_transfer_makes_forward_batch_views_of_the_snapshot(model):
     ctx = make_ctx(model)
     req = make_req(0, range(6))
-    ctx.admit(req)
+    RequestBook(ctx).activate(req)
     ctx.reserve(req, 6)
     shape = ctx.initialize_attention_state(StepPlan([RowPlan(req, 0, 6, True)]))
     ctx.transfer_bookkeeping_to_gpu()
@@ -342,7 +342,7 @@ def test_uniform_verify_layout_and_its_graph_padding(model):
     ctx = DynamicInferenceContext(cfg.cache_sizing(), model, DeviceFacade("cpu"), torch.float32)
     reqs = [make_req(i, [1, 2, 3], presence_penalty=0.5 * i) for i in range(2)]
     for r in reqs:
-        ctx.admit(r)
+        RequestBook(ctx).activate(r)
         run_prefill(ctx, r)
         r.num_inflight, r.inflight_row = 0, -1
         r.generated_tokens.append(7 + r.request_id)
@@ -390,7 +390,7 @@ def test_hybrid_snapshot_carries_the_mamba_row_layout():
     ctx = make_ctx(hybrid, num_kv_blocks=16)
     a, b, c = make_req(0, [5]), make_req(1, range(6)), make_req(2, range(9))
     for r, n in ((a, 1), (b, 6), (c, 9)):
-        ctx.admit(r)
+        RequestBook(ctx).activate(r)
         ctx.reserve(r, n)
     c.num_computed_tokens = 4  # c continues a state (a later prefill chunk)
     shape = ctx.initialize_attention_state(StepPlan([RowPlan(a, 0, 1, True), RowPlan(b, 0, 6, True),

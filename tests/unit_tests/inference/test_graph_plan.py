@@ -9,8 +9,9 @@ import torch
 from megatron_async import InferenceConfig, SamplingParams
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.device import DeviceFacade
-from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
+from megatron_async.inference.engines.request_book import RequestBook
 from megatron_async.inference.request import DynamicInferenceRequest
+from megatron_async.inference.step_plan import RowPlan, StepPlan
 from megatron_async.inference.text_generation_controllers.graph_plan import (
     GRAPH_TOP_N, GraphPlan, SamplingVariant, default_token_counts, variant_flags, variant_of, variant_of_params,
 )
@@ -55,7 +56,7 @@ def _step_shape(model, features: tuple[str, str], prefill: bool) -> StepShape:
     for rid, name in enumerate(features):
         req = DynamicInferenceRequest(rid, list(range(1, 12)), SamplingParams(**FEATURES[name]), seed=rid,
                                       arrival_order=rid, eos_ids=(0,))
-        ctx.admit(req)
+        RequestBook(ctx).activate(req)
         if not (prefill and rid == 1):  # a decode row: its prompt is computed already
             req.num_computed_tokens = 10
         n = 11 - req.num_computed_tokens

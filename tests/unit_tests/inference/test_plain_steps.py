@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 from megatron_async import InferenceConfig, SamplingParams
 from megatron_async.inference.engines.request_book import RequestBook
-from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
 from megatron_async.inference.speculative.plain_steps import PlainStepSelector
 from megatron_async.inference.speculative.policy import SpecPolicy
+from megatron_async.inference.step_plan import RowPlan, StepPlan
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner, decode_key
 from megatron_async.inference.text_generation_controllers.graph_plan import GraphKey, SamplingVariant
 

@@ -3,10 +3,10 @@ appends; RequestBook.commit: what a launched step counts as computed and in flig
 from types import SimpleNamespace
 
 from megatron_async import SamplingParams
-from megatron_async.inference.engines.async_pipeline import PendingLaunch
-from megatron_async.inference.engines.request_book import HostSamples, RequestBook
-from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
+from megatron_async.inference.async_pipeline import HostSamples, PendingLaunch
+from megatron_async.inference.engines.request_book import RequestBook
 from megatron_async.inference.request import DynamicInferenceRequest, FinishReason, Status
+from megatron_async.inference.step_plan import RowPlan, StepPlan
 
 
 class _Context:

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from megatron_async.inference.device import DeviceFacade
-from megatron_async.inference.engines.step_plan import RowPlan
+from megatron_async.inference.step_plan import RowPlan
 from megatron_async.inference.request import DynamicInferenceRequest, SamplingParams, Status
 from megatron_async.inference.routed_experts import RoutingRecorder, land_routing, routed_experts_of
 from megatron_async.step_shape import StepShape

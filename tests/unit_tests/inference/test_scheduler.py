@@ -12,9 +12,9 @@ from megatron_async.inference.contexts.dynamic_context import DynamicInferenceCo
 from megatron_async.inference.device import DeviceFacade  # noqa: E402
 from megatron_async.inference.engines.request_book import RequestBook  # noqa: E402
 from megatron_async.inference.engines.scheduler import Scheduler  # noqa: E402
-from megatron_async.inference.engines.step_plan import StepPlan  # noqa: E402
-from megatron_async.inference.request import DynamicInferenceRequest, Status  # noqa: E402
+from megatron_async.inference.request import DynamicInferenceRequest, FinishReason, Status  # noqa: E402
 from megatron_async.inference.speculative.policy import SpecPolicy  # noqa: E402
+from megatron_async.inference.step_plan import StepPlan  # noqa: E402
 from megatron_async.models import build_default_model  # noqa: E402
 
 BS = 4
@@ -62,7 +62,7 @@ class Driver:
                 req.inflight_row = -1
             req.generated_tokens.append(7)
             if len(req.generated_tokens) >= req.sampling_params.num_tokens_to_generate:
-                self.ctx.release(req)
+                self.sched.book.finish(req, FinishReason.LENGTH)
                 finished.append(req)
         return finished
 
@@ -197,7 +197,7 @@ def test_no_admission_while_something_is_paused(model):
     d = Driver(model, num_kv_blocks=16)
     a, b = d.add(4), d.add(2)
     first = d.step()  # both sample; tokens in flight
-    d.ctx.pause(a)  # as if a's launch-ahead row had found no block
+    d.sched.book.pause(a)  # as if a's launch-ahead row had found no block
     w = d.add(2)
     plan = d.step(has_inflight=True)
     assert rows(plan) == [(1, 2, 1)]  # a cannot resume before its sample lands; w must wait

@@ -7,14 +7,16 @@ that also have a row in the in-flight step N+1, those rows' results are simply d
 token of a finished request is never appended, and its KV slot belongs to blocks the request
 already gave back (stream order makes reuse safe). Rows of live requests (paused and evicted
 ones too) are kept. Pause/evict decisions are taken at scheduling time and never touch a
-launched row, so no launch needs rolling back."""
+launched row, so no launch needs rolling back. ``HostSamples`` is what a launch brings back
+when it lands."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from megatron_async.inference.engines.step_plan import RowPlan
+from megatron_async.inference.step_plan import RowPlan
 
 
 @dataclass
@@ -51,3 +53,34 @@ class PendingLaunch:
     @property
     def request_ids(self) -> list[int]:
         return [r.request.request_id for r in self.rows]
+
+
+class PromptRowScores(NamedTuple):
+    """One launch row's scored prompt positions (``SamplingParams.return_prompt_log_probs``)."""
+
+    row: int
+    """The row of the launch."""
+    start: int
+    """Its first scored position p (entry p: log P(prompt[p + 1] | prompt[:p + 1]))."""
+    log_probs: list[float]
+    top_n_ids: list[list[int]] | None
+    top_n_vals: list[list[float]] | None
+
+
+@dataclass
+class HostSamples:
+    """What a landed launch brought to the host, as plain Python lists (``ModelRunner.collect``)."""
+
+    tokens: list[int]
+    """Sample i's token (row i's without drafts; ``PendingLaunch.sample_base`` maps rows to samples)."""
+    log_probs: list[float] | None
+    top_n_ids: list[list[int]] | None
+    top_n_vals: list[list[float]] | None
+    accepted: list[int] | None
+    """Speculative decoding: drafts accepted per row (None: a step that verified nothing)."""
+    step_time: float | None
+    """Device time of the step, on timed (logging) steps only; host time on CPU."""
+    prompt_scores: list[PromptRowScores] | None = None
+    """Rows that scored prompt positions (``return_prompt_log_probs``)."""
+    routed_experts: object | None = None
+    """Routing replay: ``routed_experts.StepRouting`` of the rows that asked (None: none did)."""
