@@ -27,11 +27,13 @@ RESOURCE_OWNERS = {
     "spec_slot": {"inference/contexts/spec_state.py"},
     "spec_drafts_fresh": {"inference/contexts/spec_state.py", BOOK},  # a new slot holds no drafts
     "spec_acceptance": {"inference/speculative/policy.py"},  # the policy's average, told by the book
+    "routed_experts": {BOOK, "inference/routed_experts.py"},  # land_routing: called by the book's land()
 }
 """Fields the context (or a component the book calls) keeps on the request for its resources."""
 
-OTHER_OBJECTS = {("inference/engines/dynamic_engine.py", "st.generated_tokens")}
-"""Same-named attributes of other objects (EngineStats.generated_tokens)."""
+OTHER_OBJECTS = {("inference/engines/dynamic_engine.py", "st.generated_tokens"),
+                 ("inference/text_generation_controllers/model_runner.py", "batch.routed_experts")}
+"""Same-named attributes of other objects (EngineStats.generated_tokens, ForwardBatch.routed_experts)."""
 
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "update"}
 
