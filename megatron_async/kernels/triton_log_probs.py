@@ -15,8 +15,8 @@ A sort key is ``top_ids_lowest_first``'s int64: the value's order-preserving flo
 above the inverted id, so the ids are exactly the reference's (ties to the lowest id, -0 ==
 +0); the reported values are ``x[id] - lse``.
 Batch-invariant mode keeps the reference's values bit for bit: the log-sum-exp is
-``triton_log_softmax``'s one-program-per-row reduction, and the keys are those of
-``x - lse``. Shapes come from tensor metadata, nothing syncs: CUDA-graph safe."""
+``triton_log_softmax.row_lse`` of the logits as given (the reference's too: on CUDA its bits
+depend on the input dtype), and the keys are those of ``x - lse``. Shapes come from tensor metadata, nothing syncs: CUDA-graph safe."""
 from __future__ import annotations
 
 import os
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels.triton_log_softmax import row_lse
+from megatron_async.kernels import triton_log_softmax
 from megatron_async.kernels.triton_threshold import exp_, key_of, log_
 
 MAX_TOP_N = 20
@@ -165,7 +165,7 @@ def log_probs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, batch_inva
     top_vals = torch.empty(R, n, dtype=torch.float32, device=dev)
     top_ids = torch.empty(R, n, dtype=torch.int64, device=dev)
     if R > 0:
-        lse = row_lse(logits) if batch_invariant else chosen  # chosen: an unread pointer
+        lse = triton_log_softmax.row_lse(logits) if batch_invariant else chosen  # chosen: an unread pointer
         pmax = torch.empty(R, ns, dtype=torch.float32, device=dev)
         psum = torch.empty_like(pmax)
         gmax = torch.empty(R, ng, dtype=torch.int32, device=dev)
