@@ -2,9 +2,9 @@
 plain, with ``--return-log-probs`` and with top-5 log-probs, each a fresh process (its own
 startup warm-up), interleaved so that drift hits every option alike. Prints one markdown table:
 output tok/s, decode step ms and tok/s against the first option (plain) on the same workload.
-``full-variant`` (``--min-tokens 1``: no token changes, no log-probs) replays the same graphs as
-a log-prob step (graph_plan.py's FULL: penalties and every filter stage), so it separates what
-that variant costs from what the log-prob kernels cost.
+``full-variant`` (``--min-tokens 1``: no token changes, no log-probs) replays graph_plan.py's
+FULL graphs (penalties and every filter stage), which a decode step asking for log-probs does
+not replay (it replays its own variant's log-prob twin): what that variant alone costs.
 
     python scripts/measure.py log-prob-cost [--out DIR] [--default-model qwen3-8b] [--repeats 2]
     python scripts/measure.py log-prob-cost --options plain log-probs      # a subset

@@ -44,10 +44,11 @@ def test_triton_log_probs_in_the_engine_equal_torch(qwen3_ckpt, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_log_probs_in_graphs_and_launch_ahead_equal_torch(qwen3_ckpt):
-    """CUDA, float32 weights: the Triton log-probs replayed inside the log-prob graphs, launch-ahead
-    on and off, against the torch backend run eager; no host sync in decode steps asking for them."""
+    """CUDA, float32 weights: the Triton log-probs replayed inside the log-prob graphs (decode
+    steps: the FILTERED variant's log-prob twin, not FULL), launch-ahead on and off, against the
+    torch backend run eager; no host sync in decode steps asking for them."""
     from megatron_async import LLM
-    from megatron_async.testing.engine_harness import decode_steps_without_host_sync
+    from megatron_async.testing.engine_harness import count_replays_by_variant, decode_steps_without_host_sync
 
     prompts = random_prompts(8, 5, 40, 256, seed=32)
     params = [SamplingParams(top_k=1, num_tokens_to_generate=12, return_log_probs=True, top_n_logprobs=5),
@@ -58,9 +59,11 @@ def test_cuda_log_probs_in_graphs_and_launch_ahead_equal_torch(qwen3_ckpt):
     def run(backend, graphs, async_):
         cfg = make_llm(qwen3_ckpt, sampling_backend=backend, cuda_graphs=graphs, async_scheduling=async_).config
         llm = LLM(model=str(qwen3_ckpt), device="cuda", dtype="float32", inference_config=cfg)
+        replays = count_replays_by_variant(llm.engine.runner.graphs) if graphs else None
         outs = llm.generate(prompts, params)
         if graphs:
-            assert llm.engine.runner.graphs.num_replays > 0
+            st = llm.engine.stats
+            assert replays["filtered+log_probs"] > 0 and replays["full"] == st.mixed_graph_replays, replays
         return outs, llm
 
     ref, _ = run("torch", False, False)
