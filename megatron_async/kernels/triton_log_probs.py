@@ -16,7 +16,8 @@ above the inverted id, so the ids are exactly the reference's (ties to the lowes
 +0); the reported values are ``x[id] - lse``.
 Batch-invariant mode keeps the reference's values bit for bit: the log-sum-exp is
 ``triton_log_softmax.row_lse`` of the logits as given (the reference's too: on CUDA its bits
-depend on the input dtype), and the keys are those of ``x - lse``. Shapes come from tensor metadata, nothing syncs: CUDA-graph safe."""
+depend on the input dtype), and the keys are those of ``x - lse``. Shapes come from tensor
+metadata, nothing syncs: CUDA-graph safe."""
 from __future__ import annotations
 
 import os
