@@ -23,7 +23,6 @@ from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.speculative.plain_steps import PlainStepSelector
 from megatron_async.inference.speculative.policy import SpecPolicy
 from megatron_async.inference.speculative.verify import SpecVerifier
-from megatron_async.inference.text_generation_controllers import sampling
 from megatron_async.inference.text_generation_controllers.sample_launcher import SampleLauncher
 from megatron_async.inference.text_generation_controllers.warmup import WarmupReport, run_warmup
 from megatron_async.kernels import fused_ops
@@ -185,12 +184,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[g.sample_token_idx[:S]], batch_invariant=self.batch_invariant,
                                                float32=not self.sampler.reads_model_dtype)
         with nvtx_range("sampling"):
-            tokens = self.sampler(logits, g, S, shape.any_sampling, shape.filters, shape.any_penalties)
+            tokens, log_probs, top_vals, top_ids = self.sampler.sample_with_log_probs(logits, g, S, shape,
+                                                                                     self.batch_invariant)
             self.last_samples[:S].copy_(tokens)
-            log_probs = top_vals = top_ids = None
-            if shape.any_log_probs or shape.max_top_n > 0:
-                log_probs, top_vals, top_ids = sampling.log_probs_of(
-                    logits, tokens, shape.max_top_n, self.batch_invariant, triton=self.sampler.reads_model_dtype)
         if spec:
             with nvtx_range("speculative_verify"):
                 out = self.spec.verify(g, R, input_ids, tokens, hidden, batch, self.accepted)

@@ -160,3 +160,21 @@ def test_cuda_batch_invariant_log_probs_equal_the_reference_bits(rows):
             assert torch.equal(got[2], ref[2]) and _same(got[1], ref[1]), f"top-{n}"
         alone = triton_log_probs.log_probs(x[-1:], tokens[-1:], n, True)
         assert _same(alone[0], got[0][-1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_negative_token_asks_for_the_rows_greedy_token(dtype):
+    """Greedy rows take their token from the log-prob pass (first index of the largest logit,
+    as argmax, ties, -0.0 and -inf rows included), written back; other rows keep theirs."""
+    R, V = 6, 700
+    x = _logits(R, V, seed=41, dtype=dtype)
+    x[0, 10], x[0, 20] = 50.0, 50.0  # a tie at the top: the lower id
+    x[1, 5], x[1, 3] = 7.0, 7.0  # ties of the few distinct values, lowest first
+    given = torch.tensor([-1, -1, 9, -1, -1, 4], device=DEV)
+    tokens = given.clone()
+    got = triton_log_probs.log_probs(x, tokens, 5, chunk=256)
+    want = torch.where(given < 0, x.float().argmax(-1), given)
+    assert torch.equal(tokens, want) and tokens[0] == 10 and tokens[1] == 3
+    ref = log_probs_of(x, want, 5)
+    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=0, equal_nan=True)
+    assert torch.equal(got[2], ref[2])
