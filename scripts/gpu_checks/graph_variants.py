@@ -2,7 +2,7 @@
 step replays the smallest variant covering it, so a top-p step runs the FILTERED graph (top-k
 and min-p passes launched, every row skipping their work) and a greedy step with log-probs runs
 GREEDY's log-prob twin (argmax, log-probs with top-20), not FULL (penalties, draw, log-probs).
-Each path is the engine's SampleLauncher (+ the Triton log-probs) captured in a CUDA graph at
+Each path is the engine's ``SampleLauncher.sample_with_log_probs`` captured in a CUDA graph at
 [rows, 151,936] bf16 logits (the Triton sampler reads the model dtype); median of replays
 between CUDA events. A column a case cannot replay prints "-".
 
@@ -24,7 +24,6 @@ from megatron_async.inference.text_generation_controllers.graph_plan import (  #
     SamplingVariant, variant_flags,
 )
 from megatron_async.inference.text_generation_controllers.sample_launcher import SampleLauncher  # noqa: E402
-from megatron_async.inference.text_generation_controllers.sampling import log_probs_of  # noqa: E402
 from megatron_async.tools.cuda_timing import graph_replay, median_ms  # noqa: E402
 
 V = 151_936
@@ -66,11 +65,11 @@ def main() -> None:
         base = sampler(logits, g, R, *exact[:2], False)
 
         def timed(any_random, filters, pen, lp, top_n):
-            def step():
-                tokens = sampler(logits, g, R, any_random, filters, pen)
-                if lp:
-                    log_probs_of(logits, tokens, top_n, triton=True)
-                return tokens
+            shape = SimpleNamespace(any_sampling=any_random, filters=filters, any_penalties=pen, any_log_probs=lp,
+                                    max_top_n=top_n)
+
+            def step():  # the engine's step: greedy + log-probs takes its tokens from the log-prob pass
+                return sampler.sample_with_log_probs(logits, g, R, shape, False)[0]
             assert torch.equal(step(), base), case  # a larger variant draws the same tokens
             return median_ms(graph_replay(step), args.iters)
 
