@@ -17,6 +17,8 @@ setup(
         "real": REAL,
         "test": ["pytest", "hypothesis", "transformers>=4.50", "triton", "openai", *SERVE, *REAL],
         "gpu": ["triton"],
+        # engine.suspend / resume on CUDA (InferenceConfig.enable_suspend): device memory by tag.
+        "suspend": ["torch-memory-saver>=0.0.10"],
         "bench": ["matplotlib", "transformers>=4.50"],
     },
 )

@@ -1,7 +1,7 @@
 """InferenceConfig: every knob of the engine, one documented field each."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from enum import Enum
 
 CPU_BUFFER_SIZE_GB = 1.0
@@ -141,6 +141,12 @@ class InferenceConfig:
     (``EngineStats.triton_builds_after_warmup`` / ``graph_captures_after_warmup`` count any
     that still happen). Takes seconds; False = compile and capture lazily on first use."""
 
+    enable_suspend: bool = False
+    """Allocate the weights, the KV / Mamba state pools and the CUDA graph pools so that
+    ``engine.suspend`` can free them and ``engine.resume`` bring them back at the same addresses
+    (graphs stay valid). CUDA needs the ``torch-memory-saver`` package (and the process started with
+    its preload library in ``LD_PRELOAD`` to free graph pools too); CPU emulates it."""
+
     attention_backend: AttentionBackend = AttentionBackend.AUTO
     """Attention kernels to use (and the MoE experts' kernels: Triton fused MoE or the torch loop)."""
 
@@ -247,8 +253,13 @@ class InferenceConfig:
     """Steps with more decode rows than this run without drafts (verify costs more than it
     saves once the forward is compute bound); 0 = no limit."""
 
+    def __post_init__(self):
+        # str values of the enum fields (CLI, JSON) become their enums; ValueError on unknown ones
+        for name, enum in _ENUM_FIELDS.items():
+            setattr(self, name, enum(getattr(self, name)))
+
     def validate(self) -> None:
-        """Raise ValueError on settings that cannot work."""
+        """Raise ValueError on settings that cannot work (changes nothing)."""
         for name in ("block_size_tokens", "max_requests", "max_tokens", "max_sequence_length"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"InferenceConfig.{name} must be positive, got {getattr(self, name)}")
@@ -263,15 +274,12 @@ class InferenceConfig:
             raise ValueError(
                 f"InferenceConfig.max_tokens ({self.max_tokens}) must be >= max_requests ({self.max_requests})"
             )
-        self.attention_backend = AttentionBackend(self.attention_backend)
-        self.mamba_backend = MambaBackend(self.mamba_backend)
-        self.sampling_backend = SamplingBackend(self.sampling_backend)
-        self.tp_all_reduce = AllReduceBackend(self.tp_all_reduce)
+        for name, enum in _ENUM_FIELDS.items():  # a value assigned after construction
+            enum(getattr(self, name))
         if self.p2p_all_reduce_max_bytes < 0:
             raise ValueError(f"InferenceConfig.p2p_all_reduce_max_bytes must be >= 0, got {self.p2p_all_reduce_max_bytes}")
         if self.consensus_spin_us is not None and self.consensus_spin_us < 0:
             raise ValueError(f"InferenceConfig.consensus_spin_us must be >= 0 or None, got {self.consensus_spin_us}")
-        self.speculative_method = SpeculativeMethod(self.speculative_method)
         if self.num_speculative_tokens < 0:
             raise ValueError(f"InferenceConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.speculative_ngram_max < 1:
@@ -306,3 +314,110 @@ class InferenceConfig:
     def max_samples(self) -> int:
         """Most sampled positions in one step: every row one, plus its drafts."""
         return min(self.max_tokens, self.max_requests * (1 + self.num_speculative_tokens))
+
+    # ------------------------------------------------------------------ the parts components read
+    def cache_sizing(self) -> CacheSizing:
+        """What the context (KV pool, request tables, Mamba states) is sized by."""
+        return _part(CacheSizing, self)
+
+    def scheduling(self) -> Scheduling:
+        """What the engine, its scheduler and request validation read."""
+        return _part(Scheduling, self)
+
+    def speculation(self) -> Speculation:
+        """What the speculative policy and the drafter read."""
+        return _part(Speculation, self)
+
+    def graph_sizing(self) -> GraphSizing:
+        """What the CUDA graph plan and runner read."""
+        return _part(GraphSizing, self)
+
+    def kernels(self) -> KernelChoice:
+        """Which kernels the model, the model runner and the forward batches use."""
+        return _part(KernelChoice, self)
+
+    def communication(self) -> Communication:
+        """How tensor / expert parallel ranks exchange activations and agree on steps."""
+        return _part(Communication, self)
+
+
+_ENUM_FIELDS = {"attention_backend": AttentionBackend, "mamba_backend": MambaBackend,
+                "sampling_backend": SamplingBackend, "tp_all_reduce": AllReduceBackend,
+                "speculative_method": SpeculativeMethod}
+
+
+def _part(cls, config: InferenceConfig):
+    """``cls`` filled from the same-named fields (or properties) of ``config``; enums normalized."""
+    values = {f.name: getattr(config, f.name) for f in fields(cls)}
+    for name, enum in _ENUM_FIELDS.items():
+        if name in values:
+            values[name] = enum(values[name])
+    return cls(**values)
+
+
+# Each component receives only the part of InferenceConfig it reads (field meanings: InferenceConfig;
+# no defaults here: a part is only made by InferenceConfig's methods, whose defaults hold).
+@dataclass(frozen=True)
+class CacheSizing:
+    block_size_tokens: int
+    num_kv_blocks: int | None
+    kv_budget_gb: float
+    max_requests: int
+    max_tokens: int
+    max_sequence_length: int
+    max_samples: int
+    enable_prefix_caching: bool
+    prefix_caching_mamba_gb: float
+    num_speculative_tokens: int
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    max_requests: int
+    max_tokens: int
+    max_sequence_length: int
+    enable_chunked_prefill: bool
+    async_scheduling: bool
+    stream_text: bool
+    logging_step_interval: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class Speculation:
+    num_speculative_tokens: int
+    speculative_method: SpeculativeMethod
+    speculative_ngram_max: int
+    speculative_min_acceptance: float
+    speculative_probe_interval: int
+    speculative_max_batch_size: int
+    max_sequence_length: int
+
+
+@dataclass(frozen=True)
+class GraphSizing:
+    max_requests: int
+    max_tokens: int
+    max_sequence_length: int
+    num_speculative_tokens: int
+    cuda_graph_batch_sizes: tuple[int, ...] | None
+    cuda_graph_token_counts: tuple[int, ...] | None
+    cuda_graph_verify_widths: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    attention_backend: AttentionBackend
+    mamba_backend: MambaBackend
+    sampling_backend: SamplingBackend
+    batch_invariant: bool
+
+
+@dataclass(frozen=True)
+class Communication:
+    tp_all_reduce: AllReduceBackend
+    tp_fused_norm: bool
+    p2p_all_reduce_max_bytes: int
+    ep_p2p_exchange: bool
+    consensus_shared_memory: bool
+    consensus_spin_us: float | None

@@ -1,6 +1,7 @@
 """LLM: the offline API. Builds model, context, model runner (``runner``) and engine; ``generate`` runs them."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import numbers
@@ -18,6 +19,7 @@ from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngi
 from megatron_async.inference.engines.rank_roles import rank_role
 from megatron_async.inference.memory_planning import GiB, CudaMemoryReader, MemoryPlan, MemoryPlanError, check_weights_fit
 from megatron_async.inference.memory_profiling import builtin_weight_bytes, profile_memory_plan
+from megatron_async.inference.memory_suspend import WEIGHTS, make_suspend_backend
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, SamplingParams
 from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
 from megatron_async.kernels.backends import KernelBackends
@@ -93,14 +95,15 @@ class LLM:
                 torch.cuda.set_device(self.device)
             self.parallel = ParallelState.from_torchrun(tensor_parallel_size, self.device, expert_parallel_size)
         try:
-            self.parallel = with_p2p_all_reduce(self.parallel, self.config.tp_all_reduce,
-                                                self.config.p2p_all_reduce_max_bytes, self.device,
-                                                fused_norm=self.config.tp_fused_norm)
-            self.parallel = with_p2p_exchange(self.parallel, self.config.ep_p2p_exchange, self.device)
+            comm = self.config.communication()
+            self.parallel = with_p2p_all_reduce(self.parallel, comm.tp_all_reduce,
+                                                comm.p2p_all_reduce_max_bytes, self.device,
+                                                fused_norm=comm.tp_fused_norm)
+            self.parallel = with_p2p_exchange(self.parallel, comm.ep_p2p_exchange, self.device)
             if self.parallel.is_distributed:
                 self.communicator = ZMQCommunicator.from_rendezvous(
                     self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size,
-                    shared_memory=self.config.consensus_shared_memory, spin_us=self.config.consensus_spin_us)
+                    shared_memory=comm.consensus_shared_memory, spin_us=comm.consensus_spin_us)
             self._build(model, default_model, seed, drafter)
         except BaseException:
             self.close()  # every rank fails the same way at load (a shape that does not divide): leave cleanly
@@ -110,14 +113,17 @@ class LLM:
         from megatron_async.models.eos_ids import checkpoint_eos_ids
 
         nvtx.set_enabled(self.config.nvtx_ranges)
-        kernels = KernelBackends.resolve(self.config.attention_backend, self.config.mamba_backend, self.device)
+        choice = self.config.kernels()
+        kernels = KernelBackends.resolve(choice.attention_backend, choice.mamba_backend, self.device)
         self.attention_backend, self.mamba_backend = kernels.attention, kernels.mamba
         reader = CudaMemoryReader(self.device) if self.device.type == "cuda" else None
         allocated_before = reader.read().allocated if reader else 0
-        self._load_model(model, default_model, seed, reader)
+        suspend = make_suspend_backend(self.device) if self.config.enable_suspend else None
+        with suspend.region(WEIGHTS) if suspend else contextlib.nullcontext():  # engine.suspend frees them
+            self._load_model(model, default_model, seed, reader)
         self.model.eval()
         self.model.kernels = kernels  # this model's kernels, not the process's
-        if self.config.batch_invariant:
+        if choice.batch_invariant:
             _check_batch_invariant(self.model, self.device)
         self._fit_max_sequence_length()
         self.model.reserve_positions(self.config.max_sequence_length)
@@ -129,25 +135,28 @@ class LLM:
         else:
             eos_ids = tok_eos if self.tokenizer is not None else checkpoint_eos_ids(model)
         eos_ids = _in_vocab_eos_ids(eos_ids, self.model.vocab_size)
-        facade = DeviceFacade(self.device)
+        facade = DeviceFacade(self.device, suspend)
         if self.config.num_speculative_tokens > 0:  # before the context: MTP heads add KV layers to the pool
             drafter = self._drafter(drafter)
         elif drafter is not None:
             raise ValueError("a drafter needs InferenceConfig.num_speculative_tokens > 0")
         if reader and self._plans_memory():
             weights = reader.read().allocated - allocated_before
-            self.memory_plan = profile_memory_plan(self.config, self.model, facade, self.dtype, weights, reader,
+            probe = DeviceFacade(self.device)  # the probe's pools stay out of the suspendable regions
+            self.memory_plan = profile_memory_plan(self.config, self.model, probe, self.dtype, weights, reader,
                                                    self.parallel.ep_size, drafter)
             self.config = replace(self.config, num_kv_blocks=self.memory_plan.num_blocks)
             log.info("%s", self.memory_plan.describe())
-        self.context = DynamicInferenceContext(self.config, self.model, facade, self.dtype)
+        self.context = DynamicInferenceContext(self.config.cache_sizing(), self.model, facade, self.dtype,
+                                               choice.batch_invariant)
         if self.context.spec is not None:
             self.context.spec.set_drafter(drafter)
-        self.runner = ModelRunner(self.model, self.context, eos_ids, expert_parallel=self.parallel.ep_size > 1)
+        self.runner = ModelRunner(self.model, self.context, choice, eos_ids, expert_parallel=self.parallel.ep_size > 1)
         if self.config.cuda_graphs and facade.is_cuda:
             self.runner.graphs = self._graph_runner()
         ranks = rank_role(self.communicator, self.parallel.dp_size, self.parallel.tp_size)
-        self.engine = DynamicInferenceEngine(self.runner, self.context, self.config, self.tokenizer, ranks=ranks)
+        self.engine = DynamicInferenceEngine(self.runner, self.context, self.config.scheduling(),
+                                             self.config.speculation(), self.tokenizer, ranks=ranks)
         if facade.is_cuda and (self.config.startup_warmup or self.parallel.ep_size > 1 and self.config.cuda_graphs):
             # Expert parallelism always captures here: every rank at once (collectives inside).
             try:
@@ -177,7 +186,7 @@ class LLM:
         triton_attention = self.model.kernels.triton_attention or self.config.batch_invariant
         mamba_ok = self.context.mamba is None or self.model.kernels.triton_mamba
         mixed = self.config.cuda_graph_mixed_steps and mamba_ok and triton_attention
-        return CudaGraphRunner(self.runner, self.config, mixed=mixed, collective=self.parallel.ep_size > 1,
+        return CudaGraphRunner(self.runner, self.config.graph_sizing(), mixed=mixed, collective=self.parallel.ep_size > 1,
                                verify=triton_attention)
 
     def _load_model(self, model: str | None, default_model: str, seed: int, reader: CudaMemoryReader | None) -> None:
@@ -211,7 +220,7 @@ class LLM:
     def _drafter(self, drafter):
         from megatron_async.inference.speculative.factory import build_drafter
 
-        return drafter if drafter is not None else build_drafter(self.config, self.model)
+        return drafter if drafter is not None else build_drafter(self.config.speculation(), self.model)
 
     def _fit_max_sequence_length(self) -> None:
         """A model cannot attend beyond its ``max_position_embeddings``: a larger
@@ -257,6 +266,7 @@ class LLM:
         if version is not None and (isinstance(version, bool) or not isinstance(version, numbers.Integral)
                                     or version < 0):
             raise ValueError(f"version must be an int >= 0 or None, got {version!r}")
+        self.engine.memory.check_can_update_weights()
         update_weights_in_place(self.model, weights)
         new = self.engine.weight_version + 1 if version is None else int(version)
         self.engine.set_weight_version(new)

@@ -1,13 +1,28 @@
 """The one place that knows CUDA from CPU: pinned memory, events, streams degrade to no-ops on CPU."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
 class DeviceFacade:
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, suspend_backend=None):
+        """``suspend_backend``: a ``memory_suspend.SuspendBackend`` when the engine may suspend
+        (``InferenceConfig.enable_suspend``); its regions then hold the KV and state pools."""
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
+        self.suspend_backend = suspend_backend
+
+    def memory_region(self, tag: str):
+        """Context manager: device memory allocated inside can be suspended under ``tag``."""
+        return self.suspend_backend.region(tag) if self.suspend_backend is not None else contextlib.nullcontext()
+
+    def graph_capture(self, graph, pool, capture_error_mode: str):
+        """``torch.cuda.graph``, its pool suspendable with the KV cache when suspend is enabled."""
+        if self.suspend_backend is not None:
+            return self.suspend_backend.graph_capture(graph, pool, capture_error_mode)
+        return torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode)
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         """A host byte buffer; pinned on CUDA so non-blocking copies are really asynchronous."""

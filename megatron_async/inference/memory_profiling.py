@@ -32,10 +32,9 @@ the step's peak is taken as this share of the device memory instead."""
 def measure_peak_step(runner: ModelRunner, reader: DeviceMemoryReader) -> int:
     """Bytes the largest step allocates above the tensors that stay."""
     ctx = runner.context
-    cfg = ctx.config
-    rows = min(cfg.max_requests, cfg.max_tokens)
-    shape = warmup_shape(cfg.max_tokens, rows, False, SamplingVariant.FULL, runner.model.vocab_size)
-    ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(rows, cfg.max_tokens).to(ctx.device.device))
+    rows = min(ctx.max_requests, ctx.max_tokens)
+    shape = warmup_shape(ctx.max_tokens, rows, False, SamplingVariant.FULL, runner.model.vocab_size)
+    ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(rows, ctx.max_tokens).to(ctx.device.device))
     reader.reset_peak()
     before = reader.read().allocated
     runner.compute_step(shape)
@@ -47,10 +46,12 @@ def profile_memory_plan(config: InferenceConfig, model, facade: DeviceFacade, dt
     """The KV pool for ``config`` (neither ``num_kv_blocks`` nor ``buffer_size_gb`` set) on the
     device ``reader`` reads, given ``weights`` bytes already allocated for the model.
     Distributed runs: every rank calls it; all take the smallest pool (TP ranks share one schedule)."""
-    probe = DynamicInferenceContext(replace(config, num_kv_blocks=2), model, facade, dtype)
+    kernels = config.kernels()
+    probe = DynamicInferenceContext(replace(config, num_kv_blocks=2).cache_sizing(), model, facade, dtype,
+                                    kernels.batch_invariant)
     if probe.spec is not None:
         probe.spec.set_drafter(drafter)
-    runner = ModelRunner(model, probe, ())
+    runner = ModelRunner(model, probe, kernels)
     probe.sampling_state.ensure_allocated()
     probe_kv = sum(t.nbytes for t in probe.kv_caches)
     resident = reader.read().allocated - probe_kv - weights

@@ -50,6 +50,9 @@ class SamplingParams:
     seed: int | None = None  # None = drawn from the engine's seeded generator at add_request
     return_log_probs: bool = False
     top_n_logprobs: int = 0
+    return_prompt_log_probs: bool = False
+    """Score the prompt: ``RequestOutput.prompt_log_probs`` (and ``prompt_top_n_logprobs`` with
+    ``top_n_logprobs`` > 0). With it ``num_tokens_to_generate`` may be 0 (scoring only)."""
     stop_words: str | list[str | list[int]] | None = None
     """Strings match the decoded text (also across token boundaries); lists of ids match
     the generated ids. A single string is one stop word."""
@@ -106,8 +109,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in [0, 1], got {self.top_p}")
-        if self.num_tokens_to_generate < 1:
-            raise InvalidRequestError(f"num_tokens_to_generate must be >= 1, got {self.num_tokens_to_generate}")
+        least = 0 if self.return_prompt_log_probs else 1  # 0: score the prompt only
+        if self.num_tokens_to_generate < least:
+            raise InvalidRequestError(f"num_tokens_to_generate must be >= {least}, got {self.num_tokens_to_generate}")
         if self.top_n_logprobs < 0 or self.top_n_logprobs > vocab_size:
             raise InvalidRequestError(f"top_n_logprobs must be in [0, {vocab_size}], got {self.top_n_logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
@@ -141,6 +145,10 @@ class RequestOutput:
     """Set (with finish_reason "error") when the request was rejected at admission or failed."""
     weight_versions: list[int] | None = None
     """One per generated token: the weight version (``LLM.update_weights``) that produced it."""
+    prompt_log_probs: list[float] | None = None
+    """``return_prompt_log_probs``: len(prompt) - 1 values, log P(prompt[i] | prompt[:i]) for i >= 1."""
+    prompt_top_n_logprobs: list[dict[int, float]] | None = None
+    """With ``top_n_logprobs`` > 0 too: one {token id: log-prob} per value of ``prompt_log_probs``."""
 
 
 class RequestUpdate(NamedTuple):
@@ -180,6 +188,9 @@ class DynamicInferenceRequest:
     generated_tokens: list[int] = field(default_factory=list)
     generated_log_probs: list[float] = field(default_factory=list)
     generated_top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_log_probs: list[float] = field(default_factory=list)
+    """Entry p: log P(prompt[p + 1] | prompt[:p + 1]), landed chunk by chunk (prompt_log_probs.py)."""
+    prompt_top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
     text: TextStream | None = None
@@ -245,6 +256,16 @@ class DynamicInferenceRequest:
         return self.prompt_tokens[start:] + self.generated_tokens[: end - n]
 
     @property
+    def max_prefix_hit(self) -> int:
+        """Positions a prefix-cache hit may skip: a request scoring its prompt skips only those
+        whose log-probs it already holds (a fresh one recomputes its whole prompt), so its
+        prompt log-probs never have a hole."""
+        scored = len(self.prompt_log_probs)
+        if self.sampling_params.return_prompt_log_probs and scored < len(self.prompt_tokens) - 1:
+            return scored
+        return self.num_known_tokens
+
+    @property
     def is_prefilling(self) -> bool:
         """Known tokens remain whose KV is not computed (prompt, or recompute after eviction)."""
         return self.num_computed_tokens < self.num_known_tokens
@@ -285,6 +306,9 @@ class DynamicInferenceRequest:
             generated_top_n_logprobs=list(self.generated_top_n_logprobs) if sp.top_n_logprobs > 0 else None,
             error=self.error,
             weight_versions=self.weight_versions(),
+            prompt_log_probs=list(self.prompt_log_probs) if sp.return_prompt_log_probs else None,
+            prompt_top_n_logprobs=(list(self.prompt_top_n_logprobs)
+                                   if sp.return_prompt_log_probs and sp.top_n_logprobs > 0 else None),
         )
 
     def weight_versions(self) -> list[int]:

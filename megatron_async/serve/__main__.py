@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *TOOL_CALL_PARSERS],
                    help="reads tool calls out of chat answers to requests with tools (hermes: "
                         "<tool_call>{json}</tool_call>); auto: hermes when the chat template mentions <tool_call>")
+    g.add_argument("--enable-admin-endpoints", action="store_true",
+                   help="serve POST /pause_generation, /resume_generation, /update_weights, /suspend, /resume "
+                        "(for an RL driver; anyone who can reach the port can call them)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="splits a chat answer's <think>...</think> section into reasoning_content")
     return p
@@ -84,6 +87,8 @@ def build_state(llm, args: argparse.Namespace):
     )
     state.tool_call_parser = choose_parser(args.tool_call_parser, state.chat_template)
     state.reasoning_parser = args.reasoning_parser
+    if getattr(args, "enable_admin_endpoints", False):
+        state.admin_update_weights = llm.update_weights
     return state
 
 

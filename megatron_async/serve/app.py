@@ -23,10 +23,12 @@ from starlette.exceptions import HTTPException
 
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate
 from megatron_async.models.chat_template import ChatTemplate, ChatTemplateError
+from megatron_async.serve import echo
 from megatron_async.serve import openai_protocol as proto
 from megatron_async.serve import request_body
 from megatron_async.serve import responses as resp
 from megatron_async.serve import tool_calls
+from megatron_async.serve.admin_routes import add_admin_routes
 from megatron_async.serve.chat_output import ChatOutputFormat, chunk_choices
 from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission
 from megatron_async.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -59,6 +61,8 @@ class ServerState:
     """Parses tool calls out of chat answers to requests with tools (None: they stay text)."""
     reasoning_parser: str | None = None
     """Splits chat answers' reasoning sections into ``reasoning_content`` (None: left in content)."""
+    admin_update_weights: Callable[..., int] | None = None
+    """Set (the LLM's ``update_weights``) to serve the admin endpoints (admin_routes.py); None: 404."""
 
 
 def max_token_chars(tokenizer) -> int:
@@ -127,6 +131,9 @@ def create_app(state: ServerState) -> FastAPI:
         log.exception("request failed unexpectedly")
         return _error(f"internal error: {type(e).__name__}", 500)
 
+    if state.admin_update_weights is not None:
+        add_admin_routes(app, state.engine_loop, state.admin_update_weights)
+
     @app.get("/health")
     async def health():
         return Response(status_code=200 if state.engine_loop.is_alive() else 503)
@@ -147,9 +154,13 @@ def create_app(state: ServerState) -> FastAPI:
         _check_model(req.model)
         _check_n(req.n)
         proto.check_completion_options(req)
-        prompts = await _tokens(proto.completion_prompts(req))
-        max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-        choices = [Choice(p, _params(req, max_tokens, req.logprobs, i)) for p in prompts for i in range(req.n)]
+        echo.check_echo_options(req)
+        raw_prompts = proto.completion_prompts(req)
+        prompts = await _tokens(raw_prompts)
+        echoed = echo.prompt_texts(raw_prompts, prompts, state.tokenizer) if req.echo else None
+        max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        choices = [Choice(p, echo.with_prompt_scoring(req, _params(req, max_tokens, req.logprobs, i)))
+                   for p in prompts for i in range(req.n)]
         head = resp.ResponseHead("text_completion", state.model_name, resp.new_id("cmpl"))
 
         text_offsets = [0] * len(choices)  # per choice: text of the tokens streamed so far
@@ -159,6 +170,8 @@ def create_app(state: ServerState) -> FastAPI:
         def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool,
                   upd: RequestUpdate | None = None) -> dict | str:
             lp = None
+            if first and echoed is not None:
+                text = echoed[i // req.n] + text
             if upd is not None and upd.new_tokens and upd.new_log_probs is not None:
                 lp = resp.completion_logprobs(upd.new_tokens, upd.new_log_probs, upd.new_top_n_logprobs, text_of,
                                               text_offsets[i])
@@ -169,6 +182,9 @@ def create_app(state: ServerState) -> FastAPI:
 
         def whole(outs: list[RequestOutput]) -> dict:
             body = [resp.completion_choice(i, o, text_of, req.return_token_ids) for i, o in enumerate(outs)]
+            if echoed is not None or echo.wants_prompt_scores(req):
+                body = [echo.echo_choice(c, req, o, echoed[i // req.n] if echoed else "", text_of)
+                        for i, (c, o) in enumerate(zip(body, outs))]
             return head.body(body, usage=_usage(prompts, outs))
 
         return await _respond(request, req, choices, head, chunk, whole, prompts)

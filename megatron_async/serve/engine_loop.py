@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, SamplingParams
 from megatron_async.serve.metrics import ServerMetrics
@@ -100,6 +100,8 @@ class EngineLoop:
         self._live: dict[int, _Live] = {}
         self._outbox: list[tuple[Submission, str, Any]] = []
         self._failed_steps = 0
+        self._paused_idle = False
+        """Generation is paused and the last step did nothing: wait for commands, do not spin."""
         self._thread = threading.Thread(target=self._run, name="megatron-async-engine", daemon=True)
         self.steps = 0
         # read when /metrics is scraped, so that they are current even while a long step runs
@@ -118,6 +120,11 @@ class EngineLoop:
     def abort(self, sub: Submission) -> None:
         self._inbox.put(("abort", sub))
 
+    def call(self, job: Callable[[], None]) -> None:
+        """Run ``job()`` on the engine thread between two steps (admin operations: the engine is
+        never called from two threads); it reports its own result."""
+        self._inbox.put(("call", job))
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -133,7 +140,8 @@ class EngineLoop:
         while True:
             commands = []
             try:  # idle: sleep until a command arrives; busy: take only what is already there
-                commands.append(self._inbox.get(block=not self._live, timeout=None if self._live else idle_timeout))
+                busy = self._live and not self._paused_idle
+                commands.append(self._inbox.get(block=not busy, timeout=None if busy else idle_timeout))
                 while True:
                     commands.append(self._inbox.get_nowait())
             except queue.Empty:
@@ -143,7 +151,8 @@ class EngineLoop:
                     self._tell_ranks("stop")
                     self._flush()
                     return
-                (self._admit if kind == "add" else self._abort)(sub)
+                self._paused_idle = False
+                {"add": self._admit, "abort": self._abort, "call": lambda job: job()}[kind](sub)
             self._tell_ranks("step" if self._live else "idle")
             if self._live:
                 self._step()
@@ -182,6 +191,9 @@ class EngineLoop:
             self._fail_all(f"engine step failed: {type(e).__name__}: {e}", forget=self._failed_steps >= MAX_FAILED_STEPS)
             return
         self._failed_steps = 0
+        if res.step_id < 0 and not res.finished and not res.updates and self.engine.is_paused:
+            self._paused_idle = True  # paused with nothing to land: sleep until a command comes
+            return
         if res.step_id < 0 and not res.finished and not res.updates:  # the engine holds no request
             self._fail_all("the engine dropped this request", forget=True)  # never spin on requests it lost
             return

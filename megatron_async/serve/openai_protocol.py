@@ -86,8 +86,10 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, TokenIds, list[str], list[TokenIds]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: score the prompt only (serve/echo.py)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's extra
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
 
@@ -252,8 +254,6 @@ def completion_prompts(req: CompletionRequest) -> list[str | TokenIds]:
 
 
 def check_completion_options(req: CompletionRequest) -> None:
-    if req.echo:
-        raise BadRequest("echo is not supported", "echo")
     if req.suffix:
         raise BadRequest("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:

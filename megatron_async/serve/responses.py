@@ -88,7 +88,8 @@ def completion_logprobs(tokens, log_probs, tops, text_of: TokenText, offset: int
     return {
         "tokens": texts,
         "token_logprobs": list(log_probs),
-        "top_logprobs": [{text_of(t): lp for t, lp in top.items()} for top in tops] if tops is not None else None,
+        "top_logprobs": ([{text_of(t): lp for t, lp in top.items()} if top is not None else None for top in tops]
+                         if tops is not None else None),
         "text_offset": offsets,
     }
 

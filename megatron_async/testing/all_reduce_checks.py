@@ -240,7 +240,7 @@ def engine_outputs(llm) -> dict:
                for i in range(len(ENGINE_PROMPTS))]
     outs = {}
     for mode in ("async", "serial"):
-        llm.config.async_scheduling = mode == "async"
+        llm.engine.async_scheduling = mode == "async"
         for name, params in (("greedy", greedy), ("sampled", sampled)):
             outs[f"{mode}_{name}"] = [o.generated_tokens for o in llm.generate(ENGINE_PROMPTS, params)]
     return outs

@@ -46,7 +46,8 @@ class ModeResult:
     """Throughput of the profiled second run (shows how much the profiler perturbed it)."""
     idle_profile: dict | None = None
     same_tokens_as_serial: float | None = None
-    """Share of requests whose tokens equal the serial engine's on the same workload."""
+    """Share of requests whose tokens equal the serial engine's on the same workload (graph modes:
+    the serial graphs mode's; other modes: the eager serial one's)."""
     first_step_ms: float | None = None
     max_step_ms: float | None = None
     slow_steps: int = 0

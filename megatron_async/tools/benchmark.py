@@ -168,7 +168,7 @@ class Benchmark:
             "mean_prompt_len": round(sum(prompt_lens) / len(prompt_lens)),
             "warmup_requests": len(self.warmup),
         }
-        self.serial_tokens: dict[str, list[list[int] | None]] = {}
+        self.serial_tokens: dict[tuple[str, str], list[list[int] | None]] = {}
 
     def time_left(self) -> bool:
         return time.perf_counter() < self.deadline
@@ -229,7 +229,7 @@ class Benchmark:
         res = ModeResult(mode, wl, "timed_out" if run.timed_out else "ok", settings=settings, output_tokens=run.output_tokens,
                          wall_time_s=run.wall_time, output_tokens_per_s=run.output_tokens / run.wall_time)
         if sampling.greedy:  # HF samples from one generator: its sampled tokens cannot match per-request draws
-            res.same_tokens_as_serial = self._match_serial(wl, run.outputs)
+            res.same_tokens_as_serial = self._match_serial(wl, mode, run.outputs)
         res.summary = {"peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None}
         return res
 
@@ -306,13 +306,15 @@ class Benchmark:
             res.mixed_floor_ms = 1e3 * flops / st.prefill_steps / self.matmul_flops
             res.mixed_over_floor = res.mean_mixed_step_ms / res.mixed_floor_ms
         tokens = [o.generated_tokens if o is not None else None for o in run.outputs]
-        if mode == "serial":
-            self.serial_tokens[wl] = tokens
-        res.same_tokens_as_serial = self._match_serial(wl, tokens)
+        if mode in ("serial", "serial_graphs"):
+            self.serial_tokens[(wl, mode)] = tokens
+        res.same_tokens_as_serial = self._match_serial(wl, mode, tokens)
         return res
 
-    def _match_serial(self, wl: str, tokens: list[list[int] | None]) -> float | None:
-        ref = self.serial_tokens.get(wl)
+    def _match_serial(self, wl: str, mode: str, tokens: list[list[int] | None]) -> float | None:
+        """Share of requests whose tokens equal the serial engine's: with graphs (``*_graphs``,
+        where padding shapes differ from eager) the serial graphs mode's, else the eager one's."""
+        ref = self.serial_tokens.get((wl, "serial_graphs" if mode.endswith("_graphs") else "serial"))
         if ref is None:
             return None
         pairs = [(a, b) for a, b in zip(tokens, ref) if a is not None and b is not None]

@@ -124,6 +124,9 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
                             help="no CUDA graphs: every step runs eager, nothing is captured at startup")
     g.add_argument("--no-warmup", action="store_true",
                    help="CUDA: skip the startup warm-up (Triton builds and graph captures then happen while serving)")
+    g.add_argument("--enable-suspend", action="store_true",
+                   help="allocate weights, KV cache and graph pools so engine.suspend can free device memory "
+                        "(InferenceConfig.enable_suspend; CUDA needs torch-memory-saver)")
     g.add_argument("--logging-step-interval", type=NON_NEGATIVE_INT, default=0, help="log (and time) every N steps")
     g.add_argument("--nvtx", action="store_true", help="NVTX ranges around engine stages (for nsys)")
 
@@ -218,6 +221,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "async_scheduling": not getattr(args, "serial", False),
         "cuda_graphs": getattr(args, "cuda_graphs", None),
         "startup_warmup": not args.no_warmup,
+        "enable_suspend": getattr(args, "enable_suspend", False),
         "logging_step_interval": args.logging_step_interval,
         "nvtx_ranges": args.nvtx,
         "attention_backend": args.attention_backend,

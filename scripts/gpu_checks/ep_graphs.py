@@ -116,7 +116,7 @@ def _layer_stage(rank: int, world: int) -> float:
 def engine_outputs(llm: LLM) -> dict:
     outs = {}
     for mode in ("async", "serial"):
-        llm.config.async_scheduling = mode == "async"
+        llm.engine.async_scheduling = mode == "async"
         outs[f"{mode}_idle"] = llm.generate([LONG[0]], LONG[1])[0].generated_tokens
         outs[f"{mode}_mixed"] = [o.generated_tokens for o in llm.generate(MIXED_PROMPTS, MIXED)]
     return outs

@@ -57,7 +57,7 @@ def run_mode(path: str, work, graphs: bool, mixed: bool, async_scheduling: bool,
     if graphs and device != "cuda":
         from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
 
-        llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config, mixed=mixed, emulate=True)
+        llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config.graph_sizing(), mixed=mixed, emulate=True)
         llm.runner.graphs.warmup()
     build_s = time.perf_counter() - t0
     eng, pending, ids, outs, steps = llm.engine, list(work), {}, {}, 0

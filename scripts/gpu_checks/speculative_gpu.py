@@ -45,7 +45,7 @@ K = 3
 def _with_graphs(llm: LLM) -> LLM:
     """On the CPU (dry run): emulated graphs, so the graph checks still mean something."""
     if DEVICE == "cpu" and llm.config.cuda_graphs:
-        llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config, mixed=llm.context.mamba is None,
+        llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config.graph_sizing(), mixed=llm.context.mamba is None,
                                                 emulate=True)
         llm.engine.warmup()
     return llm

@@ -57,6 +57,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeat-launches", default="auto",
                    help="serial launches rerun for the determinism check: comma list, 'auto' (first mixed + first decode) or 'none'")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--against", choices=("async", "serial"), default="async",
+                   help="the second run: launch-ahead, or the serial engine again (is the serial run deterministic?)")
+    p.add_argument("--graphs", choices=("default", "off", "decode"), default="default",
+                   help="CUDA graphs for both modes: the device default (on with CUDA), off, or decode steps only")
     p.add_argument("--no-old-async", action="store_true",
                    help="skip the second async run with Scheduler.release_finishing disabled (the engine before the fix)")
     p.add_argument("--output", default=None, help="write the full records as JSON")
@@ -74,7 +78,8 @@ def build_config(args: argparse.Namespace, async_scheduling: bool) -> InferenceC
     return InferenceConfig(block_size_tokens=args.block_size, num_kv_blocks=args.num_kv_blocks,
                            buffer_size_gb=args.buffer_size_gb, max_requests=args.max_requests, max_tokens=args.max_tokens,
                            max_sequence_length=args.max_sequence_length, async_scheduling=async_scheduling,
-                           seed=args.seed)
+                           seed=args.seed, cuda_graphs=None if args.graphs == "default" else args.graphs == "decode",
+                           cuda_graph_mixed_steps=args.graphs != "decode")
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -128,8 +133,13 @@ def main(argv: list[str] | None = None) -> dict:
     from megatron_async.models.default_model import DEFAULT_CONFIGS
 
     prompts = workload(args, DEFAULT_CONFIGS[args.default_model]["vocab_size"])
+    if args.repeat_launches != "none" and args.device.startswith("cuda") and args.graphs != "off":
+        # a repeat runs the step eagerly and rewrites the KV its graph wrote with eager bits: the
+        # serial run would no longer be the serial engine's
+        print("launch repeats skipped: with CUDA graphs they would change the serial run (use --graphs off)")
+        args.repeat_launches = "none"
     print(f"diagnose: {args.num_requests} requests, prompts {args.prompt_len_min}-{args.prompt_len_max}, "
-          f"{args.output_len} greedy tokens, {args.default_model} {args.dtype} on {args.device}, max_tokens "
+          f"{args.output_len} greedy tokens, {args.default_model} {args.dtype} on {args.device}, graphs {args.graphs}, max_tokens "
           f"{args.max_tokens}, KV pool {args.num_kv_blocks or f'{args.buffer_size_gb:.2f} GB'}", flush=True)
     serial = run_mode(args, prompts, False, args.repeat_launches)
     print(f"serial stats {serial['stats']}")
@@ -140,8 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"   batch invariance probe: row 0 alone vs inside M rows, bits differ for: {', '.join(variant) or 'none'}")
     report = {"kv_blocks": serial["num_kv_blocks"], "serial_stats": serial["stats"],
               "repeats": [asdict(r) for r in serial["repeats"]], "batch_variant": variant}
-    runs = {"async": run_mode(args, prompts, True, "none")}
-    if not args.no_old_async:
+    runs = {args.against: run_mode(args, prompts, args.against == "async", "none")}
+    if not args.no_old_async and args.against == "async":
         runs["async_without_release_ahead"] = run_mode(args, prompts, True, "none", release_ahead=False)
     for name, other in runs.items():
         report[name] = compare(serial, other, name)
@@ -157,6 +167,11 @@ def main(argv: list[str] | None = None) -> dict:
 def compare(serial: dict, other: dict, name: str) -> dict:
     """Tokens, first schedule difference and first logits difference of one mode against serial."""
     same = [a == b for a, b in zip(serial["tokens"], other["tokens"])]
+    first = [next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) if a != b and len(a) == len(b) else None
+             for a, b in zip(serial["tokens"], other["tokens"])]
+    if not all(same):
+        print(f"   differing requests (index: first differing output position): "
+              f"{', '.join(f'{i}: {f}' for i, f in enumerate(first) if not same[i])}")
     rep = {"requests_equal": sum(same), "requests": len(same), "stats": other["stats"],
            "same_weights": serial["weights_checksum"] == other["weights_checksum"]}
     print(f"== {name}: tokens equal serial for {sum(same)}/{len(same)} requests (same weights: {rep['same_weights']}, "

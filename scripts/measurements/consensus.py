@@ -223,7 +223,7 @@ def _trace(rank: int, world: int) -> list[tuple[int, bool, int]]:
                           max_sequence_length=256)
     llm = LLM(None, inference_config=cfg, default_model="tiny-moe", expert_parallel_size=world)
     try:
-        graphs = llm.runner.graphs = EmulatedGraphRunner(llm.runner, llm.config, collective=True)
+        graphs = llm.runner.graphs = EmulatedGraphRunner(llm.runner, llm.config.graph_sizing(), collective=True)
         graphs.warmup()
         eng, records, agree = llm.engine, [], llm.engine.ranks.agree
 

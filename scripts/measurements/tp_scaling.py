@@ -123,12 +123,12 @@ def _worker(args: argparse.Namespace) -> None:
                 reducer.max_bytes = p2p_bytes if backend.startswith("p2p") else 0
                 reducer.fused_max_bytes = fused_bytes if backend == "p2p+fused" else 0
             if cuda:  # graphs keep the all-reduce path they captured: capture anew for this backend
-                llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config)
+                llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config.graph_sizing())
             for batch in args.batches:  # captures this step's graph at every batch size before timing
                 llm.generate(prompts[:batch], SamplingParams(top_k=1, num_tokens_to_generate=3, ignore_eos=True))
             tokens = tokens_by_backend[backend] = {}
             for mode in args.modes:
-                llm.config.async_scheduling = mode == "async"
+                llm.engine.async_scheduling = mode == "async"
                 for batch in args.batches:
                     llm.engine.stats = st = EngineStats()
                     calls = dict(reducer.calls) if reducer is not None else {}
@@ -154,7 +154,7 @@ def _worker(args: argparse.Namespace) -> None:
                               f"(own cost {r['latency_p50_us']:.0f} us)", flush=True)
                         Path(args.worker_out).write_text(json.dumps(result))  # partial results survive a timeout
             if args.idle and cuda:  # every rank profiles its own device; rank 0 reports
-                llm.config.async_scheduling = True
+                llm.engine.async_scheduling = True
                 batch = max(args.batches)
                 _, rep = profile_run(llm.engine, lambda: llm.generate(prompts[:batch], params))
                 result["idle"].append({"backend": backend, "batch": batch, "decode_idle": rep.decode_idle_share,

@@ -37,11 +37,11 @@ def run_all(llm: LLM, rank: int) -> dict:
     stats = llm.engine.stats
     result = {}
     for mode in ("async", "serial"):
-        llm.config.async_scheduling = mode == "async"
+        llm.engine.async_scheduling = mode == "async"
         result[f"{mode}_greedy"] = [o.generated_tokens for o in llm.generate(PROMPTS, GREEDY)]
         seeded = llm.generate(PROMPTS, SAMPLED)
         result[f"{mode}_seeded"] = [o.generated_tokens for i, o in enumerate(seeded) if SAMPLED[i].seed is not None]
-    llm.config.async_scheduling = True
+    llm.engine.async_scheduling = True
     result["staggered"] = staggered(llm, rank)
     result["served"] = stats.finished_requests
     result["overlapped"] = stats.overlapped_steps

@@ -31,7 +31,7 @@ ARRIVALS = [(0, [5] * 11, GREEDY(12)), (1, [250, 1, 2], GREEDY(5)), (2, [60, 61,
 def workload(llm: LLM, rank: int, log: CollectiveLog | None) -> dict:
     result, marks = {}, []
     for mode in ("async", "serial"):
-        llm.config.async_scheduling = mode == "async"
+        llm.engine.async_scheduling = mode == "async"
         start = len(log.calls) if log else 0
         result[f"{mode}_idle"] = llm.generate([LONG[0]], LONG[1])[0].generated_tokens
         marks.append((f"{mode}_idle", start, len(log.calls) if log else 0))
@@ -43,7 +43,7 @@ def workload(llm: LLM, rank: int, log: CollectiveLog | None) -> dict:
 def _worker(rank: int, world: int) -> dict:
     llm = LLM(None, inference_config=InferenceConfig(**CONFIG), default_model="tiny-moe", expert_parallel_size=world)
     try:
-        graphs = llm.runner.graphs = EmulatedGraphRunner(llm.runner, llm.config, collective=True)
+        graphs = llm.runner.graphs = EmulatedGraphRunner(llm.runner, llm.config.graph_sizing(), collective=True)
         graphs.warmup()  # every rank at once, as LLM does on CUDA
         log = CollectiveLog(graphs)
         result = workload(llm, rank, log)

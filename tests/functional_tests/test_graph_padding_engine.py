@@ -32,7 +32,7 @@ def _run(arrivals, graphs: bool, async_scheduling: bool, warmup: bool = True, ba
     cfg = InferenceConfig(**CFG, async_scheduling=async_scheduling, attention_backend=backend)
     llm = LLM(None, inference_config=cfg)
     if graphs:
-        llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config, mixed=True, emulate=True)
+        llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config.graph_sizing(), mixed=True, emulate=True)
     if warmup and backend == "triton":  # the interpreter is slow: the graph plan only, no eager pass
         llm.runner.graphs.warmup()
     elif warmup:

@@ -46,7 +46,7 @@ def _run(path, arrivals, graphs: bool, async_scheduling: bool, backend: str = "t
                           attention_backend=backend, mamba_backend=backend)
     llm = LLM(str(path), inference_config=cfg)
     if graphs:
-        llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config, mixed=True, emulate=True)
+        llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config.graph_sizing(), mixed=True, emulate=True)
         llm.runner.graphs.warmup()  # the plan only: the eager compile pass has nothing to build on CPU
     outs = run_arrivals(llm, arrivals)
     return {i: (o.generated_tokens, o.generated_log_probs, o.generated_top_n_logprobs) for i, o in outs.items()}, llm

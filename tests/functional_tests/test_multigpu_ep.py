@@ -26,7 +26,7 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 def run(llm: LLM) -> dict:
     outs = {}
     for mode in ("async", "serial"):
-        llm.config.async_scheduling = mode == "async"
+        llm.engine.async_scheduling = mode == "async"
         for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
             outs[f"{mode}_{name}"] = [o.generated_tokens for o in llm.generate(PROMPTS, params)]
     return outs

@@ -53,7 +53,7 @@ def run(llm: LLM, eos: int | None = None) -> dict:
     prompts = [[t % llm.model.vocab_size for t in p] for p in PROMPTS]
     outs = {}
     for mode in ("async", "serial"):
-        llm.config.async_scheduling = mode == "async"
+        llm.engine.async_scheduling = mode == "async"
         for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
             got = llm.generate(prompts, params if eos is None else with_eos(params, eos))
             outs[f"{mode}_{name}"] = [(o.generated_tokens, o.finish_reason) + ((o.generated_log_probs,) if eos else ())

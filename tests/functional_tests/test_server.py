@@ -92,6 +92,38 @@ def test_completions_greedy_equal_llm_generate_streamed_or_not(server, client, l
         assert text == choice.text  # the streamed deltas add up to the whole answer
 
 
+def test_echo_and_prompt_logprobs(server, client, llm):
+    """echo returns the prompt text before the completion; with logprobs the prompt tokens'
+    log-probs (first null) equal the engine's prompt scores; max_tokens 0 scores only; vLLM's
+    prompt_logprobs extra comes back in its shape."""
+    prompt = "The quick brown fox"
+    ids = llm.tokenizer.encode(prompt)
+    (ref,) = llm.generate([ids], SamplingParams(top_k=1, num_tokens_to_generate=4, ignore_eos=True,
+                                                return_prompt_log_probs=True))
+    scored = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    choice = scored.choices[0]
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(ref.prompt_log_probs, abs=1e-5)
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    both = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=4, echo=True, logprobs=1,
+                                     extra_body={"prompt_logprobs": 3, "ignore_eos": True}, temperature=0.0)
+    choice = both.choices[0]
+    assert choice.text == prompt + ref.generated_text and len(choice.logprobs.tokens) == len(ids) + 4
+    vllm = choice.model_extra["prompt_logprobs"]
+    assert len(vllm) == len(ids) and vllm[0] is None
+    for token, lp_ref, entry in zip(ids[1:], ref.prompt_log_probs, vllm[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(lp_ref, abs=1e-5)
+        assert sorted(e["rank"] for e in entry.values() if e["rank"] is not None) == [1, 2, 3]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny-chat", prompt=prompt, max_tokens=4, echo=True, stream=True, **GREEDY))
+    assert streamed == prompt + ref.generated_text
+    for bad in ({"max_tokens": 0}, {"max_tokens": 2, "stream": True, "extra_body": {"prompt_logprobs": 1}}):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="tiny-chat", prompt=prompt, **bad)
+
+
 def test_chat_uses_the_checkpoint_template(server, client, llm, ckpt):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
     prompt = llm.tokenizer.encode(load_chat_template(ckpt).render(messages), add_special_tokens=False)

@@ -43,7 +43,7 @@ def _arrivals(vocab: int, seed: int) -> list[Arrival]:
 
 def _spec_llm_with_graphs(path, drafter, async_scheduling: bool, mixed: bool, **cfg):
     llm = make_llm(path, drafter, async_scheduling=async_scheduling, num_speculative_tokens=K, **CFG, **cfg)
-    runner = llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config, mixed=mixed, emulate=True)
+    runner = llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config.graph_sizing(), mixed=mixed, emulate=True)
     llm.engine.warmup()  # eager pass + every key, on padding: the speculative state stays intact
     lookups = []
     lookup = runner.lookup
@@ -176,7 +176,7 @@ def test_triton_kernels_on_the_padded_verify_layout(qwen3_ckpt, hybrid_ckpt, mod
     plain = run_arrivals(make_llm(ckpt, **cfg), arrivals)
     llm = make_llm(ckpt, oracle_for(plain, arrivals, 0.3, vocab=vocab), num_speculative_tokens=K,
                    speculative_min_acceptance=0.0, **cfg)
-    llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config, mixed=False, emulate=True)
+    llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config.graph_sizing(), mixed=False, emulate=True)
     assert_same_outputs(plain, run_arrivals(llm, arrivals), log_prob_tol=1e-5)
     st = llm.engine.stats
     assert st.spec_graph_replays > 0 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens, st.as_dict()

@@ -48,10 +48,10 @@ def run_cases(llm: LLM, idle: bool, eos: int | None = None) -> dict:
     alone (data-parallel engines: the other rank idles). ``eos``: the batches end at it."""
     result = {}
     for mode in ("async", "serial"):
-        llm.config.async_scheduling = mode == "async"
+        llm.engine.async_scheduling = mode == "async"
         result[f"{mode}_greedy"] = _outputs(llm.generate(PROMPTS, with_eos(GREEDY, eos)))
         result[f"{mode}_seeded"] = _outputs(llm.generate(PROMPTS, with_eos(SEEDED, eos)))
-    llm.config.async_scheduling = True
+    llm.engine.async_scheduling = True
     st = llm.engine.stats
     dummy_before = st.dummy_steps
     if idle:

@@ -69,7 +69,7 @@ def test_zero_acceptance_oracle_runs_plain_steps(qwen3_ckpt, hybrid_ckpt, model,
     llm = make_llm(path, oracle_for(plain, arr, 1.0, vocab=vocab), num_speculative_tokens=3, **OFF, **cfg)
     keys = []
     if graphs:
-        runner = llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config, mixed=model == "gpt",
+        runner = llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config.graph_sizing(), mixed=model == "gpt",
                                                          emulate=True)
         llm.engine.warmup()
         lookup = runner.lookup
@@ -85,7 +85,7 @@ def test_zero_acceptance_oracle_runs_plain_steps(qwen3_ckpt, hybrid_ckpt, model,
     _assert_mostly_plain(st)
     assert st.spec_accepted_tokens == 0 and llm.context.gpu_view.num_copies == st.steps
     if graphs:  # plain steps replayed a plain engine's decode graphs (the same keys)
-        plain_plan = GraphPlan(replace(llm.config, num_speculative_tokens=0), vocab, mixed=model == "gpt")
+        plain_plan = GraphPlan(replace(llm.config, num_speculative_tokens=0).graph_sizing(), vocab, mixed=model == "gpt")
         plain_decode = [k for k in keys if k is not None and k.decode_only and not k.spec]
         assert len(plain_decode) == st.spec_plain_steps and set(plain_decode) <= set(plain_plan.keys())
         assert any(k is not None and k.spec and k.decode_only for k in keys)  # steps before probes

@@ -46,11 +46,11 @@ def run_all(llm: LLM, rank: int) -> dict:
               "sampled": [o.generated_tokens for o in llm.generate(prompts, SAMPLED)],
               "staggered": staggered(llm, rank)}
     overlapped = stats.overlapped_steps
-    llm.config.async_scheduling = False  # read at every step: the same engine now runs serially
+    llm.engine.async_scheduling = False  # read at every step: the same engine now runs serially
     result["serial_greedy"] = [o.generated_tokens for o in llm.generate(prompts, GREEDY)]
     result["serial_sampled"] = [o.generated_tokens for o in llm.generate(prompts, SAMPLED)]
     result["overlapped"] = (overlapped, stats.overlapped_steps - overlapped)
-    llm.config.async_scheduling = True
+    llm.engine.async_scheduling = True
     return result
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_async.config import InferenceConfig
+from megatron_async.config import CacheSizing
 from megatron_async.forward_batch import AttentionMetadata, ForwardBatch, MambaMetadata
 from megatron_async.inference.contexts.bookkeeping_layout import BookkeepingLayout, FieldSpec
 from megatron_async.inference.contexts.decode_rows import DecodeRows
@@ -83,8 +83,15 @@ def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samp
 
 
 class DynamicInferenceContext:
-    def __init__(self, config: InferenceConfig, model: CausalLM, device: DeviceFacade, dtype: torch.dtype):
-        self.config = config
+    def __init__(self, config: CacheSizing, model: CausalLM, device: DeviceFacade, dtype: torch.dtype,
+                 batch_invariant: bool = False):
+        """``batch_invariant``: every forward batch asks for batch-invariant kernels."""
+        self.batch_invariant = batch_invariant
+        # the sizes the tables hold (read by the book, the runner and warm-up)
+        self.max_requests = config.max_requests
+        self.max_tokens = config.max_tokens
+        self.max_sequence_length = config.max_sequence_length
+        self.num_speculative_tokens = config.num_speculative_tokens
         self.device = device
         self.block_size = config.block_size_tokens
         self.max_blocks_per_request = -(-config.max_sequence_length // self.block_size)
@@ -97,16 +104,18 @@ class DynamicInferenceContext:
             num_blocks = config.max_requests * self.max_blocks_per_request + 1
         else:
             num_blocks = max(2, int(config.kv_budget_gb * 1e9 // bytes_per_block) + 1)
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device.device)
-            for _ in range(spec.num_layers)
-        ]
+        with device.memory_region("kv_cache"):  # engine.suspend frees it
+            self.kv_caches = [
+                torch.zeros(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device.device)
+                for _ in range(spec.num_layers)
+            ]
         # One model per engine; the key keeps identities apart should pools ever be shared.
         self._model_key = type(model).__name__.encode()
         self.allocator = KVBlockAllocator(num_blocks, config.enable_prefix_caching, self._model_key)
         self.weights_epoch = 0
         """Weight updates so far: part of every block identity (``weights_changed``)."""
-        self.mamba = MambaStateManager.create(model, config, device, dtype)
+        with device.memory_region("kv_cache"):  # live states, prefix-state pool, window scratch
+            self.mamba = MambaStateManager.create(model, config, device, dtype)
         if self.mamba is not None:
             self.allocator.on_reclaim = lambda block, block_hash: self.mamba.on_kv_block_reclaimed(block_hash)
         self.sampling_state = SamplingStateSlots(config.max_requests, model.vocab_size, device)
@@ -168,7 +177,7 @@ class DynamicInferenceContext:
             return 0
         bs = self.block_size
         # Leave at least one known token to compute: its logits give the next token.
-        limit = (req.num_known_tokens - 1) // bs
+        limit = min(req.num_known_tokens - 1, req.max_prefix_hit) // bs
         hashes, blocks, parent = [], [], None
         for i in range(limit):
             h = self.allocator.block_hash(parent, req.tokens_between(i * bs, (i + 1) * bs))
@@ -362,7 +371,7 @@ class DynamicInferenceContext:
             token_to_row=g.token_to_row[:T], cu_query_lens=g.cu_query_lens[: R + 1], kv_lens=g.kv_lens[:R],
             block_table=g.block_table[:R], block_size=self.block_size, row_order=g.attention_row_order[:R],
         )
-        batch = ForwardBatch(attn=attn, kv_caches=self.kv_caches, batch_invariant=self.config.batch_invariant)
+        batch = ForwardBatch(attn=attn, kv_caches=self.kv_caches, batch_invariant=self.batch_invariant)
         if self.mamba is not None:
             batch.mamba = MambaMetadata(
                 state_slots=g.state_slots[:R], has_initial_state=g.has_initial_state[:R],

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_async.config import InferenceConfig
+from megatron_async.config import CacheSizing
 from megatron_async.inference.contexts.kv_block_allocator import BlockKey
 from megatron_async.inference.contexts.mamba_prefix_cache import MambaPrefixCache
 from megatron_async.inference.device import DeviceFacade
@@ -42,7 +42,7 @@ class MambaStateManager:
         self.ssm_window_states: list[torch.Tensor] = []
 
     @classmethod
-    def create(cls, model: CausalLM, config: InferenceConfig, device: DeviceFacade, dtype: torch.dtype):
+    def create(cls, model: CausalLM, config: CacheSizing, device: DeviceFacade, dtype: torch.dtype):
         spec = model.mamba_state_spec()
         if spec is None or spec.num_layers == 0:
             return None

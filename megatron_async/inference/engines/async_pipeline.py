@@ -43,6 +43,8 @@ class PendingLaunch:
     weight_version: int = 0
     """The weights this launch ran with (set when launched: a weight update enqueued after it
     runs after it on the device), recorded on the tokens it lands."""
+    prompt_scoring: object | None = None
+    """Rows scoring their prompt: their host copies (``PromptScoring``; None for most steps)."""
 
     @property
     def request_ids(self) -> list[int]:

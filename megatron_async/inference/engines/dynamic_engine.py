@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_async.config import InferenceConfig
+from megatron_async.config import Scheduling, Speculation
 from megatron_async.inference import triton_builds
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.contexts.step_errors import RequestStepError
@@ -37,6 +37,7 @@ from megatron_async.inference.engines.scheduler import Scheduler
 from megatron_async.inference.engines.step_consensus import NewRequest
 from megatron_async.inference.engines.step_plan import ALONE, StepAgreement
 from megatron_async.inference.engines.step_result import StepResult
+from megatron_async.inference.engines.suspend import MemorySuspender, SuspendError
 from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.speculative.policy import SpecPolicy
 from megatron_async.inference.request import (
@@ -56,19 +57,23 @@ class DynamicInferenceEngine:
         self,
         runner: ModelRunner,
         context: DynamicInferenceContext,
-        config: InferenceConfig,
+        config: Scheduling,
+        speculation: Speculation,
         tokenizer=None,
         communicator: ZMQCommunicator | None = None,
         ranks: SingleRank | None = None,
     ):
         """``ranks``: how this rank shares steps with others (rank_roles.py: alone, tensor-parallel
         replicas or data-parallel ranks); None: tensor-parallel replicas over ``communicator``
-        if one is given, else alone. ``runner``: the model runner."""
+        if one is given, else alone. ``runner``: the model runner. ``speculation``: the one
+        speculative policy's settings (the scheduler drafts by it, the book and runner read it)."""
         self.runner = runner
         self.context = context
         self.config = config
+        self.async_scheduling = config.async_scheduling
+        """Launch-ahead on (read at every step: a test may switch one engine between modes)."""
         self.tokenizer = tokenizer
-        self.book = RequestBook(context, SpecPolicy(config))
+        self.book = RequestBook(context, SpecPolicy(speculation))
         self.scheduler = Scheduler(config, context, self.book)
         runner.bind_spec_policy(self.scheduler.spec)
         self.validator = RequestValidator(config, context, runner.model.vocab_size, runner.eos_ids, tokenizer)
@@ -90,6 +95,8 @@ class DynamicInferenceEngine:
         self.weight_version = 0
         """The version of the model's weights (``set_weight_version``), recorded on every launch."""
         self._pause: str | None = None  # pause_generation's mode while paused
+        self.memory = MemorySuspender(getattr(context.device, "suspend_backend", None), context, runner.model)
+        """Device memory handed out and taken back by tag (``suspend`` / ``resume``)."""
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_tokens: list[int] | str, sampling_params: SamplingParams | None = None,
@@ -224,10 +231,10 @@ class DynamicInferenceEngine:
             if self._pending is None:
                 self.stats.paused_steps += self._pause is not None
                 return ranks.close_step(out, landed=False)
-            if self.config.async_scheduling and ranks.one_launch_per_call:
+            if self.async_scheduling and ranks.one_launch_per_call:
                 return ranks.close_step(out, landed=False)
         nxt = None
-        if self.config.async_scheduling:
+        if self.async_scheduling:
             with nvtx_range("launch_ahead"):
                 nxt = self._launch_slot(out, first=False)
         pending, self._pending = self._pending, nxt
@@ -324,6 +331,7 @@ class DynamicInferenceEngine:
         same stream), and KV / Mamba states cached before are never hit again."""
         self.weight_version = version
         self.context.weights_changed()
+        self.memory.weights_updated()
 
     @property
     def is_paused(self) -> bool:
@@ -342,6 +350,8 @@ class DynamicInferenceEngine:
         if not self.ranks.admits_at_once:  # requests and aborts go through the ranks' exchange
             raise NotImplementedError("pause_generation is not supported under tensor / expert parallelism yet "
                                       "(every rank would have to agree on the step it takes effect)")
+        if mode == "wait":  # running requests would step on suspended memory
+            self.memory.check_can_generate()
         if mode == "abort":
             for rid in self._requests:
                 self._mark_abort(rid)
@@ -350,8 +360,30 @@ class DynamicInferenceEngine:
 
     def resume_generation(self) -> None:
         """Generate again after ``pause_generation`` (no-op when not paused)."""
+        self.memory.check_can_generate()
         self._pause = None
         self.scheduler.admits_new = True
+
+    def suspend(self, tags=("weights", "kv_cache"), keep_weights_on_host: bool = True) -> None:
+        """Free device memory by tag ("weights": the parameters; "kv_cache": the KV pool, the
+        Mamba state pools and the CUDA graph pools) for a colocated trainer; needs
+        ``InferenceConfig.enable_suspend`` and ``pause_generation("keep")`` (or "abort") with the
+        in-flight launch landed. Running requests keep their KV (copied to host memory) and
+        continue token-identically after ``resume``. ``keep_weights_on_host=False`` drops the
+        weights: refill them with ``update_weights`` after ``resume(("weights",))`` and before
+        ``resume(("kv_cache",))``. Wrong orders raise ``SuspendError`` and change nothing
+        (engines/suspend.py)."""
+        self.memory.check_enabled()
+        if self._pause not in ("keep", "abort"):
+            raise SuspendError("suspend while generating: pause_generation('keep') first")
+        if self._pending is not None:
+            raise SuspendError("a launch is in flight: step() once after pause_generation to land it, then suspend")
+        self.memory.suspend(tags, keep_weights_on_host)
+
+    def resume(self, tags=("weights", "kv_cache")) -> None:
+        """Give back the device memory of ``tags`` freed by ``suspend`` (same addresses: captured
+        graphs replay as before); then ``resume_generation()``."""
+        self.memory.resume(tags)
 
     def _step_paused(self, out: StepResult, t0: float) -> StepResult:
         """``step()`` paused ("keep" / "abort"): the in-flight launch lands, nothing launches."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megatron_async.inference.engines.prompt_log_probs import PromptRowScores, land_prompt_scores
 from megatron_async.inference.request import DynamicInferenceRequest, FinishReason, Status
 from megatron_async.inference.speculative.acceptance import emitted_tokens
 from megatron_async.inference.stop_conditions import finish_reason, generation_limit
@@ -37,6 +38,8 @@ class HostSamples:
     """Speculative decoding: drafts accepted per row (None: a step that verified nothing)."""
     step_time: float | None
     """Device time of the step, on timed (logging) steps only; host time on CPU."""
+    prompt_scores: list[PromptRowScores] | None = None
+    """Rows that scored prompt positions (``return_prompt_log_probs``)."""
 
 
 @dataclass
@@ -60,8 +63,8 @@ class RequestBook:
         """``spec_policy``: speculative decoding's, told every landed verify row (the scheduler's)."""
         self.ctx = context
         self.spec_policy = spec_policy
-        self.max_sequence_length = context.config.max_sequence_length
-        self.num_speculative_tokens = context.config.num_speculative_tokens if context.spec is not None else 0
+        self.max_sequence_length = context.max_sequence_length
+        self.num_speculative_tokens = context.num_speculative_tokens if context.spec is not None else 0
         self.fast_landings = 0
         """Launches that landed without drafts, one sample per row (EngineStats.fast_landings)."""
 
@@ -121,6 +124,8 @@ class RequestBook:
         finished_status = Status.FINISHED
         reason = None
         version = pending.weight_version
+        if samples.prompt_scores:
+            land_prompt_scores(rows, samples.prompt_scores)
         for i, row in enumerate(rows):
             if not row.samples:
                 continue
@@ -133,6 +138,11 @@ class RequestBook:
                 req.inflight_row = -1
                 req.num_inflight_drafts = 0
             updated.append(req)
+            if not req.max_generated_tokens:  # scoring only: its prefill's sample is not kept
+                req.finish_reason = FinishReason.LENGTH
+                ctx.release(req)
+                finished.append(req)
+                continue
             first = i if base is None else base[i]
             k = row.num_drafts
             if k:  # a verify row: its accepted drafts, then the bonus sample

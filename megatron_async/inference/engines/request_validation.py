@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_async.config import InferenceConfig
+from megatron_async.config import Scheduling
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.request import InvalidRequestError, SamplingParams
 
@@ -114,7 +114,7 @@ def normalized_params(sp: SamplingParams) -> dict:
 
 
 class RequestValidator:
-    def __init__(self, config: InferenceConfig, context: DynamicInferenceContext, vocab_size: int,
+    def __init__(self, config: Scheduling, context: DynamicInferenceContext, vocab_size: int,
                  eos_ids: tuple[int, ...], tokenizer):
         self.config, self.context, self.vocab_size = config, context, vocab_size
         self.eos_ids, self.tokenizer = frozenset(eos_ids), tokenizer

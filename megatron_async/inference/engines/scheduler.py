@@ -11,18 +11,17 @@ from __future__ import annotations
 
 from collections import deque
 
-from megatron_async.config import InferenceConfig
+from megatron_async.config import Scheduling
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.engines.request_book import RequestBook
 from megatron_async.inference.engines.step_plan import RowPlan, StepPlan
 from megatron_async.inference.request import DynamicInferenceRequest, Status
-from megatron_async.inference.speculative.policy import SpecPolicy
 
 
 class Scheduler:
-    def __init__(self, config: InferenceConfig, context: DynamicInferenceContext, book: RequestBook | None = None):
-        """``book``: the engine's (None: a book of its own, with this scheduler's policy). Every
-        change of a request's state it decides (queued, released ahead, evicted) goes through it."""
+    def __init__(self, config: Scheduling, context: DynamicInferenceContext, book: RequestBook):
+        """``book``: the engine's; its speculative policy decides the drafts. Every change of a
+        request's state the scheduler decides (queued, released ahead, evicted) goes through it."""
         self.config = config
         self.ctx = context
         self.waiting: deque[DynamicInferenceRequest] = deque()
@@ -32,8 +31,8 @@ class Scheduler:
         self.admits_new = True
         """False (``pause_generation("wait")``): only requests admitted before (evicted ones) are
         admitted again, so the running ones can finish."""
-        self.spec = book.spec_policy if book is not None and book.spec_policy is not None else SpecPolicy(config)
-        self.book = book if book is not None else RequestBook(context, self.spec)
+        self.spec = book.spec_policy
+        self.book = book
         self._by_age: list[DynamicInferenceRequest] = []
         self._by_age_version = -1  # ctx.active_version the list was sorted at
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from megatron_async.config import InferenceConfig
+from megatron_async.config import Speculation
 from megatron_async.inference.request import DynamicInferenceRequest
 
 _EMA = 0.25  # weight of the newest draft in a request's acceptance average
@@ -36,7 +36,7 @@ _ENGINE_EMA = 1 / 16  # in the engine average (new requests start from it): ~40 
 
 
 class SpecPolicy:
-    def __init__(self, config: InferenceConfig):
+    def __init__(self, config: Speculation):
         self.k = config.num_speculative_tokens
         self.min_acceptance = config.speculative_min_acceptance
         self.probe_interval = config.speculative_probe_interval

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_async.config import InferenceConfig
+from megatron_async.config import GraphSizing
 from megatron_async.inference.text_generation_controllers.graph_plan import (
     GraphKey, GraphPlan, SamplingVariant, variant_flags, variant_index, variant_of_params,
 )
@@ -83,7 +83,7 @@ def decode_key(rows: int, variant: SamplingVariant = SamplingVariant.GREEDY, spe
 
 
 class CudaGraphRunner:
-    def __init__(self, model_runner, config: InferenceConfig, mixed: bool = False,
+    def __init__(self, model_runner, config: GraphSizing, mixed: bool = False,
                  variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), emulate: bool = False,
                  collective: bool = False, verify: bool = True):
         """``collective``: data-parallel engines (expert parallelism). The graphs hold MoE
@@ -234,7 +234,7 @@ class CudaGraphRunner:
         try:
             # thread_local: NCCL's watchdog thread keeps polling events while a TP / EP graph with
             # collectives is captured; "global" mode would turn those polls into capture errors.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with ctx.device.graph_capture(graph, self._pool, "thread_local"):  # suspendable pool if enabled
                 out = ctl.compute_step(shape, key.spec)
         finally:
             if gc_on:

@@ -47,7 +47,7 @@ import bisect
 from dataclasses import dataclass
 from enum import Enum
 
-from megatron_async.config import InferenceConfig
+from megatron_async.config import GraphSizing
 from megatron_async.inference.request import LOG_PROBS, MIN_P, PENALTIES, SAMPLED, TOP_K, TOP_P
 
 GRAPH_TOP_N = 20
@@ -178,7 +178,7 @@ class GraphPlan:
     runner decides from the model and backends); ``variants``: the sampling variants that
     may be captured."""
 
-    def __init__(self, config: InferenceConfig, vocab_size: int, mixed: bool,
+    def __init__(self, config: GraphSizing, vocab_size: int, mixed: bool,
                  variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), verify: bool = False,
                  plain_steps: bool = False, log_prob_twins: bool = True):
         """``verify``: verify graphs for speculative decoding (``num_speculative_tokens`` > 0).

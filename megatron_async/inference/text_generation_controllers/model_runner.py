@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_async.config import KernelChoice
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.engines.async_pipeline import PendingLaunch
 from megatron_async.inference.engines.request_book import HostSamples
@@ -23,6 +24,7 @@ from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.speculative.plain_steps import PlainStepSelector
 from megatron_async.inference.speculative.policy import SpecPolicy
 from megatron_async.inference.speculative.verify import SpecVerifier
+from megatron_async.inference.text_generation_controllers.prompt_scoring import PromptScoring, wants_prompt_scoring
 from megatron_async.inference.text_generation_controllers.sample_launcher import SampleLauncher
 from megatron_async.inference.text_generation_controllers.warmup import WarmupReport, run_warmup
 from megatron_async.kernels import fused_ops
@@ -42,20 +44,22 @@ class PreparedStep:
     """It runs speculative decoding's machinery (spec inputs, acceptance, the drafter)."""
     dp_num_tokens: int = 0
     """Data-parallel ranks: what this step's MoE exchanges pad to (``StepAgreement.max_tokens``)."""
+    prompt_scoring: PromptScoring | None = None
+    """Rows scoring their prompt (prompt_scoring.py): the step runs eager."""
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, context: DynamicInferenceContext, eos_ids: tuple[int, ...] = (),
-                 expert_parallel: bool = False):
-        """``expert_parallel``: MoE layers exchange tokens across EP ranks, so every forward
+    def __init__(self, model: CausalLM, context: DynamicInferenceContext, kernels: KernelChoice,
+                 eos_ids: tuple[int, ...] = (), expert_parallel: bool = False):
+        """``kernels``: the sampling backend and batch-invariant mode. ``expert_parallel``: MoE layers exchange tokens across EP ranks, so every forward
         carries ``ep_num_tokens`` (from the step's ``StepAgreement``)."""
         self.model = model
         self.context = context
         self.device = context.device
         self.eos_ids = tuple(eos_ids)
         """Token ids that end a request without its own termination_id (all of them stop)."""
-        self.batch_invariant = context.config.batch_invariant
-        R = context.config.max_requests
+        self.batch_invariant = kernels.batch_invariant
+        R = context.max_requests
         S = context.max_samples  # config.max_samples, and the graphs' spare padding row
         dev = self.device.device
         # Samples of the latest launch, read by the next launch's decode rows (fixed address);
@@ -72,7 +76,7 @@ class ModelRunner:
         self.graphs = None  # CudaGraphRunner, when enabled
         self.expert_parallel = expert_parallel
         self._dummy_snapshot: torch.Tensor | None = None
-        self.sampler = SampleLauncher(context.config.sampling_backend, dev, context.sampling_state)
+        self.sampler = SampleLauncher(kernels.sampling_backend, dev, context.sampling_state)
 
     def _host_buffers(self, S: int, R: int) -> dict[str, torch.Tensor]:
         pin = self.device.is_cuda
@@ -101,7 +105,9 @@ class ModelRunner:
         width = self.graphs.plan.verify_width(plan) if use_graphs else 0
         with nvtx_range("initialize_attention_state"):
             shape = ctx.initialize_attention_state(plan, verify_width=width)
-        graph = None
+        graph = scoring = None
+        if not shape.is_decode_only and wants_prompt_scoring(plan):  # never a decode-only step
+            scoring, use_graphs = PromptScoring(plan), False
         if use_graphs:
             graph = self.graphs.lookup(shape, min_rows=agreed.max_tokens, min_variant=agreed.variant, spec=spec)
         if graph is not None:
@@ -110,7 +116,7 @@ class ModelRunner:
             ctx.pad_for_graph(shape.num_tokens, shape.num_rows, k.num_tokens, k.num_rows, k.verify_width)
         if self.spec_steps is not None:
             self.spec_steps.launched(plan, spec)
-        return PreparedStep(plan, shape, graph, spec, agreed.max_tokens)
+        return PreparedStep(plan, shape, graph, spec, agreed.max_tokens, scoring)
 
     @torch.inference_mode()
     def launch(self, step: PreparedStep, step_id: int, overlapped: bool, timed: bool) -> PendingLaunch:
@@ -129,7 +135,8 @@ class ModelRunner:
             tokens, log_probs, top_vals, top_ids = graph.outputs(shape.num_samples, shape.any_log_probs,
                                                                  shape.max_top_n)
         else:
-            tokens, log_probs, top_vals, top_ids = self.compute_step(shape, spec, step.dp_num_tokens)
+            tokens, log_probs, top_vals, top_ids = self.compute_step(shape, spec, step.dp_num_tokens,
+                                                                     step.prompt_scoring)
         if ctx.mamba is not None:
             ctx.mamba.after_forward()
         self._ring = (self._ring + 1) % len(self._host_ring)
@@ -150,6 +157,8 @@ class ModelRunner:
                 h_ti = torch.empty(top_ids.shape, dtype=top_ids.dtype, pin_memory=self.device.is_cuda)
                 h_tv.copy_(top_vals, non_blocking=True)
                 h_ti.copy_(top_ids, non_blocking=True)
+            if step.prompt_scoring is not None:
+                step.prompt_scoring.copy_to_host(self.device.is_cuda)
             event = self.device.event()
             self.device.record(event)
         if end_ev is not None:
@@ -159,17 +168,19 @@ class ModelRunner:
             num_tokens=shape.num_tokens, overlapped=overlapped, host_tokens=host["tokens"][:S],
             host_log_probs=h_lp, host_top_n_vals=h_tv, host_top_n_ids=h_ti, event=event,
             launch_time=t0, timing_events=(start_ev, end_ev) if start_ev is not None else (),
-            host_accepted=h_acc, sample_base=shape.sample_base,
+            host_accepted=h_acc, sample_base=shape.sample_base, prompt_scoring=step.prompt_scoring,
         )
 
-    def compute_step(self, shape: StepShape, spec: bool | None = None, dp_num_tokens: int = 0):
+    def compute_step(self, shape: StepShape, spec: bool | None = None, dp_num_tokens: int = 0,
+                     scoring: PromptScoring | None = None):
         """Forward + sample of one assembled step, reading only the GPU view.
 
         Also the body that CUDA graphs capture (with padded decode and mixed shapes).
         ``spec``: speculative decoding's machinery (spec inputs, acceptance, drafter) runs;
         False: the plain engine's step (plain_steps.py); None: whenever speculation is on.
         ``dp_num_tokens``: expert parallelism, the fewest tokens MoE exchanges pad to (a graph
-        capture: 0, so its own padded tokens)."""
+        capture: 0, so its own padded tokens). ``scoring``: an eager step's prompt positions
+        to score from the hidden states."""
         ctx, g = self.context, self.context.gpu_view
         spec = self.spec is not None if spec is None else spec and self.spec is not None
         T, R, S = shape.num_tokens, shape.num_rows, shape.num_samples
@@ -183,6 +194,9 @@ class ModelRunner:
             hidden = self.model(input_ids, batch)
             logits = self.model.compute_logits(hidden[g.sample_token_idx[:S]], batch_invariant=self.batch_invariant,
                                                float32=not self.sampler.reads_model_dtype)
+            if scoring is not None:
+                scoring.compute(self.model, hidden, self.context.sampling_state.vocab_size, self.batch_invariant,
+                                self.sampler.reads_model_dtype)
         with nvtx_range("sampling"):
             tokens, log_probs, top_vals, top_ids = self.sampler.sample_with_log_probs(logits, g, S, shape,
                                                                                      self.batch_invariant)
@@ -254,4 +268,5 @@ class ModelRunner:
                 pending.host_top_n_ids.tolist() if pending.host_top_n_ids is not None else None,
                 pending.host_top_n_vals.tolist() if pending.host_top_n_vals is not None else None,
                 pending.host_accepted.tolist() if pending.host_accepted is not None else None,
-                step_time)
+                step_time,
+                prompt_scores=pending.prompt_scoring.collect() if pending.prompt_scoring is not None else None)

@@ -89,12 +89,12 @@ def _verify_shape(rows: int, width: int, drafts: list[int], vocab: int, uniform:
 def verify_shapes(runner, split=None) -> list[tuple[StepShape, int]]:
     """Speculative decoding's eager shapes, each with the width of its padding snapshot."""
     ctx, vocab = runner.context, runner.model.vocab_size
-    K = ctx.config.num_speculative_tokens
+    K = ctx.num_speculative_tokens
     if K == 0:
         return []
     W = K + 1
     out = [(_verify_shape(1, k + 1, [k], vocab, False), k + 1) for k in range(1, K + 1)]
-    if 2 * W <= ctx.config.max_tokens:  # a window beside a multi-token row that verifies nothing
+    if 2 * W <= ctx.max_tokens:  # a window beside a multi-token row that verifies nothing
         out.append((_verify_shape(2, W, [K, 0], vocab, False), W))
     widths = runner.graphs.plan.verify_sizes if runner.graphs is not None else {}
     for w, sizes in widths.items():  # the verify graphs' layouts, also run eager (a variant without a graph)
@@ -105,10 +105,9 @@ def verify_shapes(runner, split=None) -> list[tuple[StepShape, int]]:
 def eager_shapes(runner) -> list[tuple[StepShape, int]]:
     """(shape, verify width of its padding snapshot: 0 = one token per row, the rest to the last)."""
     ctx, vocab = runner.context, runner.model.vocab_size
-    cfg = ctx.config
     split = _decode_split_count(runner)
-    shapes = [warmup_shape(r, r, True, SamplingVariant.GREEDY, vocab) for r in decode_row_counts(cfg.max_requests, split)]
-    shapes += [warmup_shape(t, 1, t == 1, SamplingVariant.GREEDY, vocab) for t in mixed_token_counts(cfg.max_tokens)]
+    shapes = [warmup_shape(r, r, True, SamplingVariant.GREEDY, vocab) for r in decode_row_counts(ctx.max_requests, split)]
+    shapes += [warmup_shape(t, 1, t == 1, SamplingVariant.GREEDY, vocab) for t in mixed_token_counts(ctx.max_tokens)]
     for v in list(SamplingVariant)[1:]:
         shapes += [warmup_shape(2, 2, True, v, vocab), warmup_shape(3, 2, False, v, vocab)]
     return [(s, 0) for s in shapes] + verify_shapes(runner, split)

@@ -18,7 +18,7 @@ from megatron_async.step_shape import StepShape
 
 def runner(collective: bool) -> CudaGraphRunner:
     ctl = SimpleNamespace(model=SimpleNamespace(vocab_size=64))
-    r = CudaGraphRunner(ctl, InferenceConfig(max_requests=8), mixed=True, collective=collective)
+    r = CudaGraphRunner(ctl, InferenceConfig(max_requests=8).graph_sizing(), mixed=True, collective=collective)
     if collective:
         # decode only (no mixed), every sampling variant
         assert r.plan.keys() == [decode_key(b, v) for b in (8, 4, 2, 1) for v in SamplingVariant]
@@ -142,7 +142,7 @@ def test_verify_keys_pad_rows_to_a_decode_size_at_the_narrowest_width():
     holding its most drafted row; a step laid out compactly (rows next to a prefill chunk), of
     another width or beyond the largest size runs eager; without speculation no verify key."""
     cfg = InferenceConfig(max_requests=8, max_tokens=24, num_speculative_tokens=3)
-    r = CudaGraphRunner(SimpleNamespace(model=SimpleNamespace(vocab_size=64)), cfg, mixed=True)
+    r = CudaGraphRunner(SimpleNamespace(model=SimpleNamespace(vocab_size=64)), cfg.graph_sizing(), mixed=True)
     r._capture = lambda key: SimpleNamespace(num_rows=key.num_rows, key=key)
     assert r.plan.verify_sizes == {2: [1, 2, 4, 8], 4: [1, 2, 4]}
     verify_keys = [k for k in r.plan.keys() if k.verify_width]
@@ -162,12 +162,12 @@ def test_verify_keys_pad_rows_to_a_decode_size_at_the_narrowest_width():
     assert r.plan.verify_width(verify_plan(*[1] * 5)) == 2 and r.plan.verify_width(verify_plan(*[3] * 5)) == 0
     assert r.plan.verify_width(verify_plan(0, 0)) == 0  # no drafts: a plain decode graph
     assert r.plan.verify_width(verify_plan(3, 1, prefill=True)) == 0
-    every = CudaGraphRunner(r.model_runner, replace(cfg, cuda_graph_verify_widths=(2, 3)), mixed=True)
+    every = CudaGraphRunner(r.model_runner, replace(cfg, cuda_graph_verify_widths=(2, 3)).graph_sizing(), mixed=True)
     assert list(every.plan.verify_sizes) == [2, 3, 4] and every.plan.verify_width(verify_plan(2, 1)) == 3
-    off = CudaGraphRunner(r.model_runner, InferenceConfig(max_requests=8, max_tokens=24), mixed=True)
+    off = CudaGraphRunner(r.model_runner, InferenceConfig(max_requests=8, max_tokens=24).graph_sizing(), mixed=True)
     assert off.plan.verify_sizes == {} and not any(k.verify_width for k in off.plan.keys())
     assert off.plan.verify_width(verify_plan(3)) == 0
-    no_verify = CudaGraphRunner(r.model_runner, cfg, mixed=True, verify=False)
+    no_verify = CudaGraphRunner(r.model_runner, cfg.graph_sizing(), mixed=True, verify=False)
     assert no_verify.plan.verify_width(verify_plan(3)) == 0 and no_verify.lookup(verify_shape(1, 4)) is None
     with pytest.raises(ValueError, match="cuda_graph_verify_widths must lie in 2 .. num_speculative_tokens"):
         InferenceConfig(num_speculative_tokens=3, cuda_graph_verify_widths=(5,)).validate()

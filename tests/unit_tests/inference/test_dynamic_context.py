@@ -27,7 +27,7 @@ def model():
 def make_ctx(model, num_kv_blocks=9, prefix_caching=True, max_requests=4, max_tokens=32) -> DynamicInferenceContext:
     cfg = InferenceConfig(block_size_tokens=BS, num_kv_blocks=num_kv_blocks, max_requests=max_requests,
                           max_tokens=max_tokens, max_sequence_length=32, enable_prefix_caching=prefix_caching)
-    return DynamicInferenceContext(cfg, model, DeviceFacade("cpu"), torch.float32)
+    return DynamicInferenceContext(cfg.cache_sizing(), model, DeviceFacade("cpu"), torch.float32)
 
 
 def make_req(rid, prompt, **sp) -> DynamicInferenceRequest:
@@ -339,7 +339,7 @@ def test_uniform_verify_layout_and_its_graph_padding(model):
     block and spec_src -2, their samples no sampling slot; then two padding rows of 3."""
     cfg = InferenceConfig(block_size_tokens=BS, num_kv_blocks=9, max_requests=4, max_tokens=32,
                           max_sequence_length=32, num_speculative_tokens=2)
-    ctx = DynamicInferenceContext(cfg, model, DeviceFacade("cpu"), torch.float32)
+    ctx = DynamicInferenceContext(cfg.cache_sizing(), model, DeviceFacade("cpu"), torch.float32)
     reqs = [make_req(i, [1, 2, 3], presence_penalty=0.5 * i) for i in range(2)]
     for r in reqs:
         ctx.admit(r)

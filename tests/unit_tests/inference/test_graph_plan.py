@@ -51,7 +51,7 @@ def _covers(key, shape: StepShape, vocab: int) -> bool:
 
 def _step_shape(model, features: tuple[str, str], prefill: bool) -> StepShape:
     """A real step of two requests with these features: both decoding, or one prefilling."""
-    ctx = DynamicInferenceContext(InferenceConfig(**CFG), model, DeviceFacade("cpu"), torch.float32)
+    ctx = DynamicInferenceContext(InferenceConfig(**CFG).cache_sizing(), model, DeviceFacade("cpu"), torch.float32)
     rows = []
     for rid, name in enumerate(features):
         req = DynamicInferenceRequest(rid, list(range(1, 12)), SamplingParams(**FEATURES[name]), seed=rid,
@@ -67,7 +67,7 @@ def _step_shape(model, features: tuple[str, str], prefill: bool) -> StepShape:
 
 @pytest.mark.parametrize("prefill", [False, True])
 def test_every_sampling_combination_replays_a_planned_graph_that_covers_it(model, prefill):
-    plan = GraphPlan(InferenceConfig(**CFG), model.vocab_size, mixed=True)
+    plan = GraphPlan(InferenceConfig(**CFG).graph_sizing(), model.vocab_size, mixed=True)
     planned = set(plan.keys())
     for pair in itertools.combinations_with_replacement(FEATURES, 2):
         shape = _step_shape(model, pair, prefill)
@@ -98,7 +98,7 @@ def _shape(tokens, rows, variant, vocab, log_probs=False):
 @pytest.mark.parametrize("max_requests,max_tokens", [(6, 40), (16, 300), (128, 8192)])
 def test_keys_serving_can_request_equal_the_keys_warmup_captures(model, max_requests, max_tokens):
     cfg = InferenceConfig(**{**CFG, "max_requests": max_requests, "max_tokens": max_tokens})
-    plan = GraphPlan(cfg, model.vocab_size, mixed=True)
+    plan = GraphPlan(cfg.graph_sizing(), model.vocab_size, mixed=True)
     requested = set()
     for variant, lp in itertools.product(SamplingVariant, (False, True)):
         for rows in range(1, max_requests + 1):  # decode steps
@@ -125,10 +125,10 @@ def test_keys_serving_can_request_equal_the_keys_warmup_captures(model, max_requ
 
 def test_plan_without_mixed_graphs_or_with_greedy_only(model):
     cfg = InferenceConfig(**CFG)
-    decode_only = GraphPlan(cfg, model.vocab_size, mixed=False)
+    decode_only = GraphPlan(cfg.graph_sizing(), model.vocab_size, mixed=False)
     assert all(k.decode_only for k in decode_only.keys())
     assert decode_only.key(_shape(7, 2, SamplingVariant.GREEDY, model.vocab_size)) is None
-    greedy = GraphPlan(cfg, model.vocab_size, mixed=False, variants=(SamplingVariant.GREEDY,))
+    greedy = GraphPlan(cfg.graph_sizing(), model.vocab_size, mixed=False, variants=(SamplingVariant.GREEDY,))
     assert greedy.key(_shape(3, 3, SamplingVariant.TEMPERATURE, model.vocab_size)) is None
     assert greedy.key(_shape(3, 3, SamplingVariant.GREEDY, model.vocab_size), min_rows=5).num_rows == 6
     assert {k.variant for k in greedy.keys()} == {SamplingVariant.GREEDY}

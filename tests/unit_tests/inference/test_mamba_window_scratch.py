@@ -42,7 +42,7 @@ def test_scratch_follows_the_config():
         def mamba_state_spec(self):
             return MambaStateSpec(num_layers=1, conv_shape=(2, 1), ssm_shape=(1, 1, 2))
 
-    off = MambaStateManager.create(Model(), InferenceConfig(max_requests=3), DeviceFacade("cpu"), torch.float32)
-    on = MambaStateManager.create(Model(), InferenceConfig(max_requests=3, num_speculative_tokens=2), DeviceFacade("cpu"), torch.float32)
+    off = MambaStateManager.create(Model(), InferenceConfig(max_requests=3).cache_sizing(), DeviceFacade("cpu"), torch.float32)
+    on = MambaStateManager.create(Model(), InferenceConfig(max_requests=3, num_speculative_tokens=2).cache_sizing(), DeviceFacade("cpu"), torch.float32)
     assert off.window_tokens == 0 and not off.conv_window_states
     assert on.window_tokens == 3 and on.ssm_window_states[0].shape == (4, 3, 1, 1, 2)

@@ -23,7 +23,7 @@ def req(acceptance: float = 0.0, fresh: bool = True, params: SamplingParams = GR
                            num_inflight_drafts=0)
 
 
-BOOK = RequestBook(SimpleNamespace(config=CFG, spec=None, allocator=SimpleNamespace(enable_prefix_caching=False)))
+BOOK = RequestBook(SimpleNamespace(max_sequence_length=CFG.max_sequence_length, spec=None, allocator=SimpleNamespace(enable_prefix_caching=False)))
 
 
 def launched(sel: PlainStepSelector, p: StepPlan, speculative: bool) -> None:
@@ -45,7 +45,7 @@ def at_step(policy: SpecPolicy, step: int) -> SpecPolicy:
 
 
 def test_which_steps_run_the_speculative_machinery():
-    policy = SpecPolicy(CFG)
+    policy = SpecPolicy(CFG.speculation())
     sel = PlainStepSelector(policy)
     off, on = req(0.0), req(0.9)
     at_step(policy, 1)  # the next step (2) is no probe step
@@ -74,7 +74,7 @@ def test_which_steps_run_the_speculative_machinery():
 
 
 def test_a_request_without_fresh_drafts_does_not_draft():
-    policy = at_step(SpecPolicy(CFG), 4)  # a probe step
+    policy = at_step(SpecPolicy(CFG.speculation()), 4)  # a probe step
     assert policy.drafts_for(req(0.9), 2, room=10) == 3 and policy.drafts_for(req(0.0), 2, room=10) == 1
     assert policy.drafts_for(req(0.9, fresh=False), 2, room=10) == 0
     assert policy.drafts_for(req(0.0, fresh=False), 2, room=10) == 0
@@ -86,8 +86,8 @@ def test_a_request_without_fresh_drafts_does_not_draft():
 
 def test_speculative_engines_capture_plain_decode_graphs_under_plain_keys():
     ctl = SimpleNamespace(model=SimpleNamespace(vocab_size=64))
-    spec = CudaGraphRunner(ctl, CFG, mixed=True)
-    plain = CudaGraphRunner(ctl, InferenceConfig(max_requests=8, max_tokens=32), mixed=True)
+    spec = CudaGraphRunner(ctl, CFG.graph_sizing(), mixed=True)
+    plain = CudaGraphRunner(ctl, InferenceConfig(max_requests=8, max_tokens=32).graph_sizing(), mixed=True)
     spec_keys, plain_keys = set(spec.plan.keys()), set(plain.plan.keys())
     plain_decode = {k for k in plain_keys if k.decode_only}
     assert plain_decode and plain_decode <= spec_keys  # a plain engine's decode keys, spec=False
@@ -99,7 +99,7 @@ def test_speculative_engines_capture_plain_decode_graphs_under_plain_keys():
     assert spec.plan.key(shape, spec=False) == plain.plan.key(shape) == decode_key(4)
     assert spec.plan.key(shape, spec=True) == spec.plan.key(shape) == decode_key(4, spec=True)
     # data-parallel engines run the drafter in every step: decode graphs with the machinery only
-    dp = CudaGraphRunner(ctl, CFG, mixed=True, collective=True)
+    dp = CudaGraphRunner(ctl, CFG.graph_sizing(), mixed=True, collective=True)
     assert dp.plan.keys() == [decode_key(b, v, True) for b in (8, 4, 2, 1) for v in SamplingVariant]
     assert dp.plan.key(shape, spec=False) == decode_key(4, spec=True)
 

@@ -12,7 +12,8 @@ from megatron_async.inference.request import DynamicInferenceRequest, FinishReas
 class _Context:
     """What the book asks of a context (no blocks, no prefix cache)."""
 
-    config = SimpleNamespace(max_sequence_length=64, num_speculative_tokens=0)
+    max_sequence_length = 64
+    num_speculative_tokens = 0
     spec = None
     allocator = SimpleNamespace(enable_prefix_caching=False)
 

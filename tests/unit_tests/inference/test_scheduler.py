@@ -10,9 +10,11 @@ import torch  # noqa: E402
 from megatron_async import InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext  # noqa: E402
 from megatron_async.inference.device import DeviceFacade  # noqa: E402
+from megatron_async.inference.engines.request_book import RequestBook  # noqa: E402
 from megatron_async.inference.engines.scheduler import Scheduler  # noqa: E402
 from megatron_async.inference.engines.step_plan import StepPlan  # noqa: E402
 from megatron_async.inference.request import DynamicInferenceRequest, Status  # noqa: E402
+from megatron_async.inference.speculative.policy import SpecPolicy  # noqa: E402
 from megatron_async.models import build_default_model  # noqa: E402
 
 BS = 4
@@ -29,8 +31,8 @@ class Driver:
     def __init__(self, model, num_kv_blocks=64, max_requests=4, max_tokens=8, chunked=True):
         cfg = InferenceConfig(block_size_tokens=BS, num_kv_blocks=num_kv_blocks, max_requests=max_requests,
                               max_tokens=max_tokens, max_sequence_length=64, enable_chunked_prefill=chunked)
-        self.ctx = DynamicInferenceContext(cfg, model, DeviceFacade("cpu"), torch.float32)
-        self.sched = Scheduler(cfg, self.ctx)
+        self.ctx = DynamicInferenceContext(cfg.cache_sizing(), model, DeviceFacade("cpu"), torch.float32)
+        self.sched = Scheduler(cfg.scheduling(), self.ctx, RequestBook(self.ctx, SpecPolicy(cfg.speculation())))
         self.max_tokens = max_tokens
         self._arrivals = 0
 

@@ -94,7 +94,7 @@ def test_ngram_proposes_what_followed_the_latest_match():
 
 def test_policy_switches_off_and_counts():
     pol = SpecPolicy(InferenceConfig(num_speculative_tokens=3, speculative_min_acceptance=0.5,
-                                     speculative_probe_interval=3, speculative_max_batch_size=8))
+                                     speculative_probe_interval=3, speculative_max_batch_size=8).speculation())
     req = DynamicInferenceRequest(0, [1], SamplingParams(), seed=0)
     req.spec_drafts_fresh = True  # its latest launch ran the drafter
     assert pol.drafts_for(req, 4, room=2) == 2 and pol.drafts_for(req, 4, room=0) == 0

@@ -14,7 +14,8 @@ from megatron_async.serve.openai_protocol import (  # noqa: E402
     ({"prompt": "x", "temperature": "0.5"}, "temperature"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "temperature": float("nan")}, "temperature"),
     ({"prompt": "x", "stop": [5]}, "stop"),
     ({"prompt": [1, "a"]}, "prompt"),
@@ -60,8 +61,8 @@ def test_sampling_mapping_uses_engine_conventions():
         sampling_params(parse_body(CompletionRequest, {"prompt": "x", "logit_bias": {"1": 2.0}}), 4, None)
     with pytest.raises(BadRequest, match="stop"):
         sampling_params(parse_body(CompletionRequest, {"prompt": "x", "stop": [""]}), 4, None)
-    for field in ("echo", "suffix", "best_of"):
-        value = {"echo": True, "suffix": "s", "best_of": 3}[field]
+    for field in ("suffix", "best_of"):
+        value = {"suffix": "s", "best_of": 3}[field]
         with pytest.raises(BadRequest, match=field):
             check_completion_options(parse_body(CompletionRequest, {"prompt": "x", field: value}))
 
@@ -76,3 +77,24 @@ def test_chat_messages():
                 {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]}):
         with pytest.raises(BadRequest):
             parse_body(ChatCompletionRequest, bad)
+
+
+def test_echo_options():
+    """max_tokens 0 scores the prompt (echo or prompt_logprobs); prompt log-probs are not streamed."""
+    from megatron_async.serve.echo import check_echo_options, with_prompt_scoring
+
+    def parsed(**body):
+        return parse_body(CompletionRequest, {"prompt": "x", **body})
+
+    for bad, param in (({"max_tokens": 0}, "max_tokens"), ({"stream": True, "prompt_logprobs": 1}, "stream"),
+                       ({"stream": True, "echo": True, "logprobs": 1}, "stream")):
+        with pytest.raises(BadRequest) as e:
+            check_echo_options(parsed(**bad))
+        assert e.value.param == param
+    check_echo_options(parsed(max_tokens=0, echo=True))
+    check_echo_options(parsed(stream=True, echo=True))
+    req = parsed(max_tokens=3, echo=True, logprobs=1, prompt_logprobs=4)
+    sp = with_prompt_scoring(req, sampling_params(req, 3, 1))
+    assert sp.return_prompt_log_probs and sp.top_n_logprobs == 4
+    req = parsed(echo=True)
+    assert not with_prompt_scoring(req, sampling_params(req, 3, None)).return_prompt_log_probs
