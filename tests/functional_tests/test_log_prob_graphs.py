@@ -31,7 +31,7 @@ def _run(params: SamplingParams, graphs: bool, async_scheduling: bool):
     llm = LLM(None, inference_config=InferenceConfig(**CFG, async_scheduling=async_scheduling))
     replays = None
     if graphs:
-        llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config, mixed=True, emulate=True)
+        llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config.graph_sizing(), mixed=True, emulate=True)
         llm.runner.graphs.warmup()
         replays = count_replays_by_variant(llm.runner.graphs)
     outs = run_arrivals(llm, arrivals)

@@ -118,7 +118,7 @@ def test_keys_serving_can_request_equal_the_keys_warmup_captures(model, max_requ
     assert len(plan.keys()) == 7 * n_decode + 4 * n_mixed
     if max_requests == 128:  # workload A's plan
         assert (n_decode, n_mixed, len(plan.keys())) == (12, 25, 184)
-    untwinned = GraphPlan(cfg, model.vocab_size, mixed=True, log_prob_twins=False)
+    untwinned = GraphPlan(cfg.graph_sizing(), model.vocab_size, mixed=True, log_prob_twins=False)
     assert len(untwinned.keys()) == 4 * (n_decode + n_mixed) and not any(k.log_probs for k in untwinned.keys())
     assert untwinned.key(_shape(3, 3, SamplingVariant.GREEDY, model.vocab_size, True)).variant == SamplingVariant.FULL
 
