@@ -19,7 +19,7 @@ log-prob twin (``GraphKey.log_probs``) that runs that variant's sampling plus th
 statistics and the top ``GRAPH_TOP_N``, so a greedy or temperature step asking for log-probs
 does not pay for penalties and filter stages it does not use (the FULL variant's penalty pass
 reads and writes the [R, V] logits and count rows; the log-prob kernels read the logits once).
-The twins cost 3 decode graphs per decode size (workload A's plan: 148 -> 184 graphs, small
+The twins cost 3 decode graphs per decode size (workload A's plan: 36 of its 184 graphs, small
 ones). Mixed and verify steps asking for log-probs replay FULL (their sampling is a small part
 of the step), and so do data-parallel engines' steps (the ranks agree on one chain index).
 
