@@ -15,8 +15,9 @@ A sort key is ``top_ids_lowest_first``'s int64: the value's order-preserving flo
 above the inverted id, so the ids are exactly the reference's (ties to the lowest id, -0 ==
 +0); the reported values are ``x[id] - lse``.
 Batch-invariant mode keeps the reference's values bit for bit: the log-sum-exp is
-``triton_log_softmax``'s one-program-per-row reduction, and the keys are those of
-``x - lse``. Shapes come from tensor metadata, nothing syncs: CUDA-graph safe."""
+``triton_log_softmax.row_lse`` of the logits as given (the reference's too: on CUDA its bits
+depend on the input dtype), and the keys are those of ``x - lse``. Shapes come from tensor
+metadata, nothing syncs: CUDA-graph safe."""
 from __future__ import annotations
 
 import os
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels.triton_log_softmax import row_lse
+from megatron_async.kernels import triton_log_softmax
 from megatron_async.kernels.triton_threshold import exp_, key_of, log_
 
 MAX_TOP_N = 20
@@ -117,7 +118,8 @@ def _top_kernel(x_ptr, stride, V, lse_ptr, gmax_ptr, bound_ptr, key_ptr, NS, NG,
 def _row_kernel(x_ptr, stride, V, tok_ptr, lse_ptr, pmax_ptr, psum_ptr, key_ptr, chosen_ptr, top_val_ptr,
                 top_id_ptr, NS, NS_BLOCK: tl.constexpr, TOP_N: tl.constexpr, KEY_BLOCK: tl.constexpr,
                 SHIFT: tl.constexpr, EXACT: tl.constexpr):
-    """Per row: lse (from the chunks unless SHIFT: given), chosen x - lse, the TOP_N best keys."""
+    """Per row: lse (from the chunks unless SHIFT: given), the TOP_N best keys, chosen x - lse
+    (a token < 0: the row's best id, written back)."""
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride
     if SHIFT:
@@ -130,16 +132,22 @@ def _row_kernel(x_ptr, stride, V, tok_ptr, lse_ptr, pmax_ptr, psum_ptr, key_ptr,
         m_use = tl.where((m == _NEG_INF) | (m == _POS_INF), 0.0, m)
         lse = m_use + log_(tl.sum(ps * exp_(pm - m_use, EXACT), axis=0), EXACT)
         lse = tl.where(m == _POS_INF, _POS_INF, lse)  # as torch.logsumexp
-    tok = tl.load(tok_ptr + row)
-    tl.store(chosen_ptr + row, tl.load(base + tok).to(tl.float32) - lse)
     j = tl.arange(0, KEY_BLOCK)
     keys = tl.load(key_ptr + row.to(tl.int64) * NS * TOP_N + j, mask=j < NS * TOP_N, other=_NO_KEY)
+    best = tl.zeros((), tl.int64)
     for t in tl.static_range(TOP_N):
         k = tl.max(keys, axis=0)
         keys = tl.where(keys == k, _NO_KEY, keys)
         idx = V - 1 - (k - ((k >> 32) << 32))  # the low 32 bits hold V - 1 - id
+        if t == 0:
+            best = idx
         tl.store(top_id_ptr + row * TOP_N + t, idx)
         tl.store(top_val_ptr + row * TOP_N + t, tl.load(base + idx).to(tl.float32) - lse)
+    tok = tl.load(tok_ptr + row)
+    if tok < 0:  # a greedy row: its first largest logit (keys tie to the lowest id, -0 == +0)
+        tok = best
+        tl.store(tok_ptr + row, tok)
+    tl.store(chosen_ptr + row, tl.load(base + tok).to(tl.float32) - lse)
 
 
 def _pow2(n: int) -> int:
@@ -151,7 +159,10 @@ def log_probs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, batch_inva
     """``sampling.log_probs_of`` for [R, V] logits (float32, bf16 or fp16) and [R] int64 tokens:
     (chosen [R] float32, top values [R, n] float32, top ids [R, n] int64), or (chosen, None,
     None) when top_n is 0 (views of the top ``MAX_TOP_N`` lists). ``top_n`` <= ``MAX_TOP_N``;
-    ``chunk`` a multiple of ``GROUP``.
+    ``chunk`` a multiple of ``GROUP``. A token < 0 asks for the row's greedy token (the
+    first index of its largest logit, as ``argmax``), written into ``tokens``: a greedy step
+    then reads its logits once for both (not in batch-invariant mode, whose keys order
+    ``x - lse``, where rounding can tie logits that argmax separates).
     ``scripts/gpu_check.py log-probs --sweep`` times the launch settings against each other."""
     assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
     assert tokens.dtype == torch.int64 and 0 <= top_n <= min(MAX_TOP_N, logits.shape[1]) and chunk % GROUP == 0
@@ -165,7 +176,7 @@ def log_probs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, batch_inva
     top_vals = torch.empty(R, n, dtype=torch.float32, device=dev)
     top_ids = torch.empty(R, n, dtype=torch.int64, device=dev)
     if R > 0:
-        lse = row_lse(logits) if batch_invariant else chosen  # chosen: an unread pointer
+        lse = triton_log_softmax.row_lse(logits) if batch_invariant else chosen  # chosen: an unread pointer
         pmax = torch.empty(R, ns, dtype=torch.float32, device=dev)
         psum = torch.empty_like(pmax)
         gmax = torch.empty(R, ng, dtype=torch.int32, device=dev)

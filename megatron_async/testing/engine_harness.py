@@ -87,15 +87,15 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list
 
 def count_replays_by_variant(runner) -> Counter:
     """From now on, count the steps that replay a graph of ``runner`` (a CudaGraphRunner) by the
-    graph's sampling variant ("greedy", ..., "full"): captured keys alone say nothing about
-    which graphs served steps."""
+    graph's sampling (``GraphKey.label``: "greedy", ..., "full", "greedy+log_probs", ...):
+    captured keys alone say nothing about which graphs served steps."""
     counts: Counter = Counter()
     lookup = runner.lookup
 
     def counting_lookup(*args, **kwargs):
         step = lookup(*args, **kwargs)
         if step is not None:
-            counts[step.key.variant.value] += 1
+            counts[step.key.label] += 1
         return step
 
     runner.lookup = counting_lookup

@@ -53,8 +53,9 @@ def check(rows: int) -> None:
 
 
 def _sampler_passes(rows: int, sets) -> dict:
-    """The sampler's passes of the variants a log-prob step replays, for scale: a GREEDY graph
-    argmaxes; a FULL graph (any log-probs) applies penalties (rows without any read the shared
+    """The sampler's passes, for scale: a GREEDY graph argmaxes (its log-prob twin does not:
+    the log-prob pass gives the tokens); a FILTERED graph (or its twin) draws with top-p; a
+    FULL graph (penalties with log-probs) applies penalties (rows without any read the shared
     padding slot) and runs the filtered draw, here with every filter off per row."""
     ones = torch.ones(rows, device="cuda")
     zero, t08, p095 = 0 * ones, 0.8 * ones, 0.95 * ones

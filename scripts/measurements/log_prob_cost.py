@@ -1,10 +1,11 @@
 """What log-probs cost a run: the main job on workload A with CUDA graphs, greedy and sampled,
 plain, with ``--return-log-probs`` and with top-5 log-probs, each a fresh process (its own
 startup warm-up), interleaved so that drift hits every option alike. Prints one markdown table:
-output tok/s, decode step ms and tok/s against the first option (plain) on the same workload.
-``full-variant`` (``--min-tokens 1``: no token changes, no log-probs) replays the same graphs as
-a log-prob step (graph_plan.py's FULL: penalties and every filter stage), so it separates what
-that variant costs from what the log-prob kernels cost.
+output tok/s, decode step ms, tok/s against the first option (plain) on the same workload,
+and the startup warm-up (seconds, graphs captured).
+``full-variant`` (``--min-tokens 1``: no token changes, no log-probs) replays graph_plan.py's
+FULL graphs (penalties and every filter stage), which a decode step asking for log-probs does
+not replay (it replays its own variant's log-prob twin): what that variant alone costs.
 
     python scripts/measure.py log-prob-cost [--out DIR] [--default-model qwen3-8b] [--repeats 2]
     python scripts/measure.py log-prob-cost --options plain log-probs      # a subset
@@ -47,21 +48,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 path = out / f"{wl}_{opt}_{rep}.json"
                 run([sys.executable, "examples/gpt_dynamic_inference.py", *flags, *sampling_flags(wl), *extra,
                      "--ignore-eos", "--quiet", "--output-path", str(path)], path.with_suffix(".log"), args.timeout)
-                cells.setdefault((wl, opt), []).append(json.loads(path.read_text())["summary"])
+                result = json.loads(path.read_text())
+                cells.setdefault((wl, opt), []).append({**result["summary"], **_warmup(result["stats"])})
     rows = []
     model = args.default_model or "default model"
-    print(f"\n| workload | option | out tok/s | decode ms | tok/s vs first |  ({model}, {args.repeats} process(es) "
-          "per cell, median)")
-    print("|---|---|---:|---:|---:|")
+    print(f"\n| workload | option | out tok/s | decode ms | tok/s vs first | warm-up s (graphs) |  ({model}, "
+          f"{args.repeats} process(es) per cell, median)")
+    print("|---|---|---:|---:|---:|---:|")
     for wl in ("greedy", "sampled"):
         base = statistics.median(s["output_tokens_per_s"] for s in cells[(wl, args.options[0])])
         for opt in args.options:
             tok_s = statistics.median(s["output_tokens_per_s"] for s in cells[(wl, opt)])
             decode = statistics.median(s["mean_decode_step_ms"] or 0.0 for s in cells[(wl, opt)])
-            rows.append({"workload": wl, "option": opt, "tok_s": tok_s, "decode_ms": decode, "vs_first": tok_s / base})
-            print(f"| {wl} | {opt} | {tok_s:,.0f} | {decode:.2f} | {100 * (tok_s / base - 1):+.1f} % |")
+            warm = statistics.median(s["warmup_seconds"] for s in cells[(wl, opt)])
+            graphs = cells[(wl, opt)][0]["warmup_graphs"]
+            rows.append({"workload": wl, "option": opt, "tok_s": tok_s, "decode_ms": decode, "vs_first": tok_s / base,
+                         "warmup_s": warm, "graphs": graphs})
+            print(f"| {wl} | {opt} | {tok_s:,.0f} | {decode:.2f} | {100 * (tok_s / base - 1):+.1f} % "
+                  f"| {warm:.1f} ({graphs}) |")
     (out / "log_prob_cost.json").write_text(json.dumps(rows, indent=1))
     return rows
+
+
+def _warmup(stats: dict) -> dict:
+    return {"warmup_seconds": stats.get("warmup_seconds") or 0.0, "warmup_graphs": stats.get("warmup_graphs") or 0}
 
 
 if __name__ == "__main__":

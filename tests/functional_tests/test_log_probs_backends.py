@@ -41,13 +41,43 @@ def test_triton_log_probs_in_the_engine_equal_torch(qwen3_ckpt, monkeypatch):
                                            atol=1e-5, rtol=0)
 
 
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU engine with the interpreted Triton kernels (TRITON_INTERPRET=1, set by conftest)")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_log_prob_steps_take_their_tokens_from_the_log_prob_pass(qwen3_ckpt, monkeypatch, async_scheduling):
+    """All-greedy steps asking for log-probs read the logits once on the Triton backend: the
+    log-prob pass gives the argmax tokens (no argmax kernel runs), equal to the torch backend's."""
+    from megatron_async.kernels import triton_sampling
+
+    argmax_calls = []
+    argmax = triton_sampling.argmax
+    monkeypatch.setattr(triton_sampling, "argmax", lambda x: argmax_calls.append(x.shape[0]) or argmax(x))
+    prompts = random_prompts(3, 3, 10, 256, seed=35)
+    params = [SamplingParams(top_k=1, num_tokens_to_generate=3, return_log_probs=True, top_n_logprobs=n)
+              for n in (0, 2, 20)]
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = make_llm(qwen3_ckpt, sampling_backend=backend, async_scheduling=async_scheduling)
+        outs[backend] = llm.generate(prompts, params)
+    assert argmax_calls == []  # every step asked for log-probs
+    for ref, got, sp in zip(outs["torch"], outs["triton"], params):
+        assert got.generated_tokens == ref.generated_tokens and len(got.generated_tokens) == 3
+        torch.testing.assert_close(torch.tensor(got.generated_log_probs), torch.tensor(ref.generated_log_probs),
+                                   atol=1e-5, rtol=0)
+        for i, (g, r) in enumerate(zip(got.generated_top_n_logprobs or [], ref.generated_top_n_logprobs or [])):
+            assert list(g) == list(r) and len(g) == sp.top_n_logprobs
+            assert next(iter(g)) == got.generated_tokens[i]  # greedy: the token is the top-1
+            assert g[got.generated_tokens[i]] == got.generated_log_probs[i]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_log_probs_in_graphs_and_launch_ahead_equal_torch(qwen3_ckpt):
-    """CUDA, float32 weights: the Triton log-probs replayed inside the log-prob graphs, launch-ahead
-    on and off, against the torch backend run eager; no host sync in decode steps asking for them."""
+    """CUDA, float32 weights: the Triton log-probs replayed inside the log-prob graphs (decode
+    steps: the FILTERED variant's log-prob twin, not FULL), launch-ahead on and off, against the
+    torch backend run eager; no host sync in decode steps asking for them."""
     from megatron_async import LLM
-    from megatron_async.testing.engine_harness import decode_steps_without_host_sync
+    from megatron_async.testing.engine_harness import count_replays_by_variant, decode_steps_without_host_sync
 
     prompts = random_prompts(8, 5, 40, 256, seed=32)
     params = [SamplingParams(top_k=1, num_tokens_to_generate=12, return_log_probs=True, top_n_logprobs=5),
@@ -58,9 +88,11 @@ def test_cuda_log_probs_in_graphs_and_launch_ahead_equal_torch(qwen3_ckpt):
     def run(backend, graphs, async_):
         cfg = make_llm(qwen3_ckpt, sampling_backend=backend, cuda_graphs=graphs, async_scheduling=async_).config
         llm = LLM(model=str(qwen3_ckpt), device="cuda", dtype="float32", inference_config=cfg)
+        replays = count_replays_by_variant(llm.engine.runner.graphs) if graphs else None
         outs = llm.generate(prompts, params)
         if graphs:
-            assert llm.engine.runner.graphs.num_replays > 0
+            st = llm.engine.stats
+            assert replays["filtered+log_probs"] > 0 and replays["full"] == st.mixed_graph_replays, replays
         return outs, llm
 
     ref, _ = run("torch", False, False)

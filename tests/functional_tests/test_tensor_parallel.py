@@ -189,15 +189,14 @@ def _diverging_worker(rank: int, world: int) -> str:
     differ at the next exchange, and every rank fails naming it, rather than running on."""
     llm = LLM(None, inference_config=InferenceConfig(**CONFIG), tensor_parallel_size=world)
     if rank == 1:
-        sample, calls = llm.runner.sampler.__call__, []
+        sample, calls = llm.runner.sampler.sample_with_log_probs, []
 
-        def bumped(logits, *a, **kw):
-            tokens = sample(logits, *a, **kw)
+        def bumped(*a, **kw):
+            tokens, *log_probs = sample(*a, **kw)
             calls.append(1)
-            return tokens + 1 if len(calls) == 4 else tokens
+            return tokens + 1 if len(calls) == 4 else tokens, *log_probs
 
-        llm.runner.sampler = type("Bumped", (), {"__call__": staticmethod(bumped),
-                                                     "reads_model_dtype": llm.runner.sampler.reads_model_dtype})()
+        llm.runner.sampler.sample_with_log_probs = bumped
     try:
         llm.generate(PROMPTS[:2], GREEDY[:2])
     except Exception as e:  # noqa: BLE001 -- the message is what the test checks

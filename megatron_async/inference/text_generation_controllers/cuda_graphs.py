@@ -63,7 +63,7 @@ class CapturedStep:
 
 def graph_shape(key: GraphKey, max_sequence_length: int, vocab_size: int) -> StepShape:
     """The StepShape a key's graph is captured with (upper bounds for the length fields)."""
-    f = variant_flags(key.variant, vocab_size)
+    f = variant_flags(key.variant, vocab_size, key.log_probs)
     W, R = key.verify_width, key.num_rows
     verify = dict(num_samples=R * W, sample_base=list(range(0, R * W, W)), num_drafts=[W - 1] * R,
                   verify_width=W) if W else {}
@@ -91,9 +91,10 @@ class CudaGraphRunner:
         vs eager to be the same on every rank of a launch, with graphs of one joint capture: so
         the plan is decode steps only (no mixed steps, no verify graphs), every rank replays the
         agreed size and the largest sampling variant any rank needs (``replay_variant``; a larger
-        variant draws the same tokens), only the graphs ``warmup`` captured on every rank at once
-        are replayed, a missing one is an error (never a capture on one rank alone), and a rank
-        with nothing to launch replays the agreed graph on padding rows (``replay_padding``).
+        variant draws the same tokens; no log-prob twins: a log-prob step replays FULL), only
+        the graphs ``warmup`` captured on every rank at once are replayed, a missing one is an
+        error (never a capture on one rank alone), and a rank with nothing to launch replays the
+        agreed graph on padding rows (``replay_padding``).
         ``verify``: verify graphs when speculative decoding is on. Speculative engines also
         capture plain decode graphs (speculative/plain_steps.py), except data-parallel ones
         (every rank runs the drafter's collectives in every step)."""
@@ -102,7 +103,8 @@ class CudaGraphRunner:
         self.collective = collective
         if collective:
             mixed, verify = False, False
-        self.plan = GraphPlan(config, model_runner.model.vocab_size, mixed, variants, verify, plain_steps=not collective)
+        self.plan = GraphPlan(config, model_runner.model.vocab_size, mixed, variants, verify,
+                              plain_steps=not collective, log_prob_twins=not collective)
         self.graphs: dict[GraphKey, CapturedStep] = {}
         self.emulate = emulate
         self._pool = None

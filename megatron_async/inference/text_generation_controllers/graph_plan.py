@@ -14,6 +14,15 @@ sizes x 4 instead of sizes x every flag combination:
 - FULL: + penalties / min_tokens and log-probs with the top ``GRAPH_TOP_N`` (a row's own
   top-n is the head of that sorted list).
 
+Log-probs are a second, orthogonal dimension for decode graphs: each variant below FULL has a
+log-prob twin (``GraphKey.log_probs``) that runs that variant's sampling plus the log-prob
+statistics and the top ``GRAPH_TOP_N``, so a greedy or temperature step asking for log-probs
+does not pay for penalties and filter stages it does not use (the FULL variant's penalty pass
+reads and writes the [R, V] logits and count rows; the log-prob kernels read the logits once).
+The twins cost 3 decode graphs per decode size (workload A's plan: 36 of its 184 graphs, small
+ones). Mixed and verify steps asking for log-probs replay FULL (their sampling is a small part
+of the step), and so do data-parallel engines' steps (the ranks agree on one chain index).
+
 Mixed steps (any row with more than one token: prefill chunks) pad their tokens to a bucket
 of ``token_counts``; their rows pad to ``min(max_requests, padded tokens) + 1``, one spare row
 at least, which takes the padding tokens (see ``DynamicInferenceContext.pad_for_graph``).
@@ -63,27 +72,46 @@ class VariantFlags:
     any_penalties: bool
 
 
-def variant_flags(variant: SamplingVariant, vocab_size: int) -> VariantFlags:
+def variant_flags(variant: SamplingVariant, vocab_size: int, log_probs: bool = False) -> VariantFlags:
+    """``log_probs``: the variant's log-prob twin (FULL computes log-probs either way)."""
     order = list(SamplingVariant).index(variant)
     full = variant == SamplingVariant.FULL
-    return VariantFlags(any_sampling=order >= 1, filters=(order >= 2,) * 3, any_log_probs=full,
-                        max_top_n=min(GRAPH_TOP_N, vocab_size) if full else 0, any_penalties=full)
+    lp = full or log_probs
+    return VariantFlags(any_sampling=order >= 1, filters=(order >= 2,) * 3, any_log_probs=lp,
+                        max_top_n=min(GRAPH_TOP_N, vocab_size) if lp else 0, any_penalties=full)
 
 
-def _covering(max_top_n: int, full: bool, filtered: bool, sampled: bool) -> SamplingVariant | None:
+def _needs(max_top_n: int, penalties: bool, log_probs: bool, filtered: bool,
+           sampled: bool) -> tuple[SamplingVariant, bool] | None:
+    """(the smallest variant covering the sampling, log-probs apart; whether log-probs are
+    needed), None when no graph computes that many top log-probs."""
     if max_top_n > GRAPH_TOP_N:
         return None
-    if full or max_top_n > 0:
-        return SamplingVariant.FULL
-    if filtered:
-        return SamplingVariant.FILTERED
-    return SamplingVariant.TEMPERATURE if sampled else SamplingVariant.GREEDY
+    if penalties:
+        variant = SamplingVariant.FULL
+    elif filtered:
+        variant = SamplingVariant.FILTERED
+    else:
+        variant = SamplingVariant.TEMPERATURE if sampled else SamplingVariant.GREEDY
+    return variant, log_probs or max_top_n > 0
+
+
+def sampling_needs(shape) -> tuple[SamplingVariant, bool] | None:
+    """A step's (variant without log-probs, needs log-probs); None: no graph covers it."""
+    return _needs(shape.max_top_n, shape.any_penalties, shape.any_log_probs, any(shape.filters), shape.any_sampling)
+
+
+def _chain(needs: tuple[SamplingVariant, bool] | None) -> SamplingVariant | None:
+    """The smallest variant of the chain alone (log-probs: FULL) covering ``needs``."""
+    if needs is None:
+        return None
+    return SamplingVariant.FULL if needs[1] else needs[0]
 
 
 def variant_of(shape) -> SamplingVariant | None:
-    """The smallest variant covering a step's sampling needs (None: no graph can, run eager)."""
-    return _covering(shape.max_top_n, shape.any_penalties or shape.any_log_probs, any(shape.filters),
-                     shape.any_sampling)
+    """The smallest chain variant covering a step's sampling needs (None: no graph can, run
+    eager); log-probs need FULL here (no twins)."""
+    return _chain(sampling_needs(shape))
 
 
 def variant_of_params(params) -> SamplingVariant | None:
@@ -93,8 +121,8 @@ def variant_of_params(params) -> SamplingVariant | None:
     for sp in params:
         bits |= sp.features()
         top_n = max(top_n, sp.top_n_logprobs)
-    return _covering(top_n, bool(bits & (PENALTIES | LOG_PROBS)), bool(bits & (TOP_K | TOP_P | MIN_P)),
-                     bool(bits & SAMPLED))
+    return _chain(_needs(top_n, bool(bits & PENALTIES), bool(bits & LOG_PROBS), bool(bits & (TOP_K | TOP_P | MIN_P)),
+                         bool(bits & SAMPLED)))
 
 
 def variant_index(variant: SamplingVariant) -> int:
@@ -115,6 +143,14 @@ class GraphKey:
     spec: bool = False
     """The step runs speculative decoding's machinery (spec inputs, acceptance, the drafter);
     False: a plain engine's step (also a speculative engine's plain decode steps)."""
+    log_probs: bool = False
+    """A decode graph's log-prob twin: its variant's sampling plus the log-probs and the top
+    ``GRAPH_TOP_N`` (never set on FULL, which computes them anyway)."""
+
+    @property
+    def label(self) -> str:
+        """The sampling the graph runs: the variant's name, "+log_probs" for a twin."""
+        return self.variant.value + "+log_probs" * self.log_probs
 
 
 def default_batch_sizes(max_requests: int) -> list[int]:
@@ -144,10 +180,12 @@ class GraphPlan:
 
     def __init__(self, config: GraphSizing, vocab_size: int, mixed: bool,
                  variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), verify: bool = False,
-                 plain_steps: bool = False):
+                 plain_steps: bool = False, log_prob_twins: bool = True):
         """``verify``: verify graphs for speculative decoding (``num_speculative_tokens`` > 0).
         ``plain_steps``: a speculative engine's decode steps may run plain (decode graphs of
-        both kinds)."""
+        both kinds). ``log_prob_twins``: decode graphs of the variants below FULL have
+        log-prob twins (off: every log-prob step replays FULL)."""
+        self.log_prob_twins = log_prob_twins
         self.config = config
         self.speculative = config.num_speculative_tokens > 0
         """Every graph but the plain decode graphs runs the speculative machinery."""
@@ -192,13 +230,18 @@ class GraphPlan:
         the step runs the speculative machinery (None: whenever speculation is on); only
         decode steps of a plan with ``plain_steps`` can run without it."""
         spec = self.speculative if spec is None or not self.plain_steps else spec
-        variant = variant_of(shape)
-        if variant is None:
+        needs = sampling_needs(shape)
+        if needs is None:
             return None
+        variant, log_probs = needs
         variant = list(SamplingVariant)[max(variant_index(variant), min_variant)]
+        verify = bool(shape.verify_width) or shape.num_samples > shape.num_rows
+        twin = log_probs and variant != SamplingVariant.FULL
+        if twin and not (self.log_prob_twins and shape.is_decode_only and not verify):
+            variant, twin = SamplingVariant.FULL, False
         if variant not in self.variants:
             return None
-        if shape.verify_width or shape.num_samples > shape.num_rows:  # speculative verify rows
+        if verify:  # speculative verify rows
             W = shape.verify_width
             if W not in self.verify_sizes or min_rows:
                 return None  # not a uniform layout of a captured width (a prefill chunk beside them: eager)
@@ -210,7 +253,7 @@ class GraphPlan:
             if rows > self.decode_sizes[-1]:
                 return None
             padded = self.decode_sizes[bisect.bisect_left(self.decode_sizes, rows)]
-            return GraphKey(padded, padded, True, variant, spec=spec)
+            return GraphKey(padded, padded, True, variant, spec=spec, log_probs=twin)
         if not self.token_counts or shape.num_tokens > self.token_counts[-1] or min_rows:
             return None
         tokens = self.token_counts[bisect.bisect_left(self.token_counts, shape.num_tokens)]
@@ -226,6 +269,10 @@ class GraphPlan:
         verify = [GraphKey(b * w, b, False, v, w, True) for w in reversed(self.verify_sizes)
                   for b in reversed(self.verify_sizes[w]) for v in self.variants]
         kinds = (True, False) if self.plain_steps else (spec,)
-        decode = [GraphKey(b, b, True, v, spec=k) for b in reversed(self.decode_sizes) for k in kinds
-                  for v in self.variants]
+        decode = [GraphKey(b, b, True, v, spec=k, log_probs=lp) for b in reversed(self.decode_sizes) for k in kinds
+                  for v in self.variants for lp in self._twins(v)]
         return mixed + verify + decode
+
+    def _twins(self, variant: SamplingVariant) -> tuple[bool, ...]:
+        """The ``GraphKey.log_probs`` values a decode graph of ``variant`` is planned with."""
+        return (False, True) if self.log_prob_twins and variant != SamplingVariant.FULL else (False,)

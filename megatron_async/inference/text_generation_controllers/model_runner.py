@@ -24,7 +24,6 @@ from megatron_async.inference.speculative.plain_steps import PlainStepSelector
 from megatron_async.inference.speculative.policy import SpecPolicy
 from megatron_async.inference.speculative.verify import SpecVerifier
 from megatron_async.inference.step_plan import ALONE, StepAgreement, StepPlan
-from megatron_async.inference.text_generation_controllers import sampling
 from megatron_async.inference.text_generation_controllers.prompt_scoring import PromptScoring, wants_prompt_scoring
 from megatron_async.inference.text_generation_controllers.sample_launcher import SampleLauncher
 from megatron_async.inference.text_generation_controllers.warmup import WarmupReport, run_warmup
@@ -207,12 +206,9 @@ class ModelRunner:
                 scoring.compute(self.model, hidden, self.context.sampling_state.vocab_size, self.batch_invariant,
                                 self.sampler.reads_model_dtype)
         with nvtx_range("sampling"):
-            tokens = self.sampler(logits, g, S, shape.any_sampling, shape.filters, shape.any_penalties)
+            tokens, log_probs, top_vals, top_ids = self.sampler.sample_with_log_probs(logits, g, S, shape,
+                                                                                     self.batch_invariant)
             self.last_samples[:S].copy_(tokens)
-            log_probs = top_vals = top_ids = None
-            if shape.any_log_probs or shape.max_top_n > 0:
-                log_probs, top_vals, top_ids = sampling.log_probs_of(
-                    logits, tokens, shape.max_top_n, self.batch_invariant, triton=self.sampler.reads_model_dtype)
         if spec:
             with nvtx_range("speculative_verify"):
                 out = self.spec.verify(g, R, input_ids, tokens, hidden, batch, self.accepted)

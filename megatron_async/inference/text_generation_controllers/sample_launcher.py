@@ -1,5 +1,5 @@
-"""The device side of sampling in a step: penalties, the draw, the penalty-count update
-(``SampleLauncher``: it enqueues the sampling.py / Triton ops a step runs).
+"""The device side of sampling in a step: penalties, the draw, the penalty-count update and
+the raw log-probs (``SampleLauncher``: it enqueues the sampling.py / Triton ops a step runs).
 
 Chooses the backend once (torch reference or sort-free Triton; same tokens) and reads only
 fixed-address tensors (the step snapshot and the sampling-state rows), so the whole thing
@@ -31,6 +31,12 @@ def _triton_sampling():
     return triton_sampling
 
 
+def _triton_log_probs():
+    from megatron_async.kernels import triton_log_probs
+
+    return triton_log_probs
+
+
 class SampleLauncher:
     def __init__(self, backend: SamplingBackend | str, device: torch.device, state: SamplingStateSlots):
         self.backend = resolve_backend(backend, device)
@@ -41,6 +47,22 @@ class SampleLauncher:
         """The Triton kernels read bf16 / fp16 logits as float32 in registers (exact), so the
         step skips the [R, V] float32 copy: ~50 us and half the sampler's reads at 128 rows."""
         return self.backend == SamplingBackend.TRITON
+
+    def sample_with_log_probs(self, logits: torch.Tensor, g, R: int, shape, batch_invariant: bool):
+        """A step's samples: tokens [R] int64 and, when ``shape`` (its StepShape) asks for them,
+        the raw log-probs and top-n (``sampling.log_probs_of``; else None, None, None). A greedy
+        step without penalties on the Triton backend takes its tokens from the log-prob pass
+        (the first index of each row's largest logit, as argmax): one read of the logits, not
+        two (not in batch-invariant mode: its top-n keys order ``x - lse``)."""
+        if not (shape.any_log_probs or shape.max_top_n > 0):
+            return self(logits, g, R, shape.any_sampling, shape.filters, shape.any_penalties), None, None, None
+        if (self.backend == SamplingBackend.TRITON and not (shape.any_sampling or shape.any_penalties or batch_invariant)
+                and shape.max_top_n <= _triton_log_probs().MAX_TOP_N):
+            tokens = torch.full((R,), -1, dtype=torch.int64, device=logits.device)  # -1: the row's best id
+            return tokens, *_triton_log_probs().log_probs(logits, tokens, shape.max_top_n)
+        tokens = self(logits, g, R, shape.any_sampling, shape.filters, shape.any_penalties)
+        return tokens, *sampling.log_probs_of(logits, tokens, shape.max_top_n, batch_invariant,
+                                              triton=self.reads_model_dtype)
 
     def penalties(self, g, R: int) -> PenaltyRows:
         st = self.state

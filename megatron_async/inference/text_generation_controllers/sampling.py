@@ -124,34 +124,31 @@ def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, batch_i
                  triton: bool = False):
     """Log-probabilities of the RAW model distribution (no penalties, temperature or
     filters, as vLLM's default raw log-probs): of the sampled tokens [R], and the top-n
-    (values [R, n], ids [R, n]) when top_n > 0. ``batch_invariant``: the log-sum-exp of the
-    one-program-per-row Triton log-softmax (torch's reductions pick their split, and so
-    their summation order, from the whole [R, V] shape). ``triton``: the same values from
+    (values [R, n], ids [R, n]) when top_n > 0. ``batch_invariant``: the log-sum-exp is
+    ``triton_log_softmax.row_lse`` of the logits in their own dtype (one program per row, in
+    a fixed order; torch's reductions pick their split, and so their summation order, from
+    the whole [R, V] shape). Its bits depend on the input dtype on CUDA (the reduction order
+    follows the register layout, which follows the load width), so every path takes it from
+    the logits as given, never from a float32 copy. ``triton``: the same values from
     ``kernels/triton_log_probs.py`` (one read of the logits in their own dtype, no [R, V]
-    copy; the log-sum-exp rounds differently outside batch-invariant mode), for top_n up to
-    its ``MAX_TOP_N``; not in batch-invariant mode, where the CUDA check (``scripts/gpu_check.py
-    log-probs``) found its chosen log-probs off the reference's bits at 64 rows. Logits of any
-    float dtype: this path reads them as float32."""
-    if triton and not batch_invariant:
+    copy; outside batch-invariant mode its log-sum-exp rounds differently), for top_n up to
+    its ``MAX_TOP_N``. Logits of any float dtype: this path reads them as float32."""
+    if triton:
         from megatron_async.kernels import triton_log_probs
 
         if top_n <= triton_log_probs.MAX_TOP_N:
             return triton_log_probs.log_probs(logits, tokens, top_n, batch_invariant)
-    logits = logits.float()
+    x = logits.float()
     if batch_invariant:
-        from megatron_async.kernels.triton_log_softmax import log_softmax
+        from megatron_async.kernels import triton_log_softmax
 
-        lp = log_softmax(logits)
-        chosen = lp.gather(-1, tokens[:, None])[:, 0]
-        if top_n > 0:
-            ids = top_ids_lowest_first(lp, top_n)
-            return chosen, lp.gather(-1, ids), ids
-        return chosen, None, None
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    chosen = (logits.gather(-1, tokens[:, None]) - lse)[:, 0]
-    if top_n > 0:
-        ids = top_ids_lowest_first(logits, top_n)
-        return chosen, logits.gather(-1, ids) - lse, ids
+        lse = triton_log_softmax.row_lse(logits)[:, None]  # of the logits as given (see above)
+    else:
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    chosen = (x.gather(-1, tokens[:, None]) - lse)[:, 0]
+    if top_n > 0:  # batch-invariant: the order of x - lse, whose rounding ties values x separates
+        ids = top_ids_lowest_first(x - lse if batch_invariant else x, top_n)
+        return chosen, x.gather(-1, ids) - lse, ids
     return chosen, None, None
 
 

@@ -102,6 +102,27 @@ def test_a_single_engine_runner_captures_lazily():
     assert r.lookup(prefill) is None  # no mixed graphs: eager
 
 
+def test_log_prob_decode_steps_replay_their_variants_twin():
+    """A decode step asking for log-probs (and top-n up to GRAPH_TOP_N) replays the log-prob twin
+    of its own sampling variant, not FULL; penalties, mixed and data-parallel steps replay FULL."""
+    r = runner(False)
+    r._capture = lambda key: SimpleNamespace(num_rows=key.num_rows, key=key)
+    greedy_lp = StepShape(3, 3, 1, 9, True, False, False, 0, True)
+    top5 = StepShape(3, 3, 1, 9, True, True, False, 5, False)
+    filtered_top20 = StepShape(3, 3, 1, 9, True, True, True, 20, True, filters=(False, True, False))
+    assert r.lookup(greedy_lp).key == GraphKey(4, 4, True, SamplingVariant.GREEDY, log_probs=True)
+    assert r.lookup(top5).key == GraphKey(4, 4, True, SamplingVariant.TEMPERATURE, log_probs=True)
+    assert r.lookup(filtered_top20).key == GraphKey(4, 4, True, SamplingVariant.FILTERED, log_probs=True)
+    assert r.lookup(top5).key.label == "temperature+log_probs"
+    penalties_lp = StepShape(3, 3, 1, 9, True, False, False, 0, True, any_penalties=True)
+    assert r.lookup(penalties_lp).key == GraphKey(4, 4, True, SamplingVariant.FULL)
+    prefill_lp = StepShape(6, 2, 5, 9, False, False, False, 0, True)
+    assert r.lookup(prefill_lp).key == GraphKey(16, 9, False, SamplingVariant.FULL)
+    dp = runner(True)  # the ranks agree on one chain index: log-probs replay FULL, no twins captured
+    assert not any(k.log_probs for k in dp.plan.keys())
+    assert dp.lookup(greedy_lp).key == decode_key(4, SamplingVariant.FULL)
+
+
 def verify_plan(*drafts: int, prefill: bool = False) -> StepPlan:
     rows = [RowPlan(SimpleNamespace(sampling_params=GREEDY, prompt_tokens=[1]), start=5, num_tokens=1 + k,
                     samples=True, num_drafts=k) for k in drafts]

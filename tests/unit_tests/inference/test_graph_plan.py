@@ -13,7 +13,8 @@ from megatron_async.inference.engines.request_book import RequestBook
 from megatron_async.inference.request import DynamicInferenceRequest
 from megatron_async.inference.step_plan import RowPlan, StepPlan
 from megatron_async.inference.text_generation_controllers.graph_plan import (
-    GRAPH_TOP_N, GraphPlan, SamplingVariant, default_token_counts, variant_flags, variant_of, variant_of_params,
+    GRAPH_TOP_N, GraphPlan, SamplingVariant, default_token_counts, sampling_needs, variant_flags, variant_of,
+    variant_of_params,
 )
 from megatron_async.inference.text_generation_controllers.warmup import decode_row_counts, mixed_token_counts
 from megatron_async.models import build_default_model
@@ -43,7 +44,7 @@ def model():
 
 
 def _covers(key, shape: StepShape, vocab: int) -> bool:
-    f = variant_flags(key.variant, vocab)
+    f = variant_flags(key.variant, vocab, key.log_probs)
     return ((f.any_sampling or not shape.any_sampling) and all(a or not b for a, b in zip(f.filters, shape.filters))
             and (f.any_penalties or not shape.any_penalties) and (f.any_log_probs or not shape.any_log_probs)
             and f.max_top_n >= shape.max_top_n)
@@ -80,11 +81,17 @@ def test_every_sampling_combination_replays_a_planned_graph_that_covers_it(model
             continue
         assert key in planned, pair
         assert _covers(key, shape, model.vocab_size), (pair, key)
+        # the smallest graph that covers it: a decode step's log-probs replay its own variant's twin
+        variant, log_probs = sampling_needs(shape)
+        if prefill:
+            assert (key.variant, key.log_probs) == (variant_of(shape), False), (pair, key)
+        else:
+            assert (key.variant, key.log_probs) == (variant, log_probs and variant != SamplingVariant.FULL), (pair, key)
         assert key.num_tokens >= shape.num_tokens and key.num_rows > shape.num_rows - key.decode_only
 
 
-def _shape(tokens, rows, variant, vocab):
-    f = variant_flags(variant, vocab)
+def _shape(tokens, rows, variant, vocab, log_probs=False):
+    f = variant_flags(variant, vocab, log_probs)
     return StepShape(tokens, rows, tokens - rows + 1, 1, tokens == rows, f.any_sampling, any(f.filters), f.max_top_n,
                      f.any_log_probs, any_penalties=f.any_penalties, filters=f.filters)
 
@@ -94,19 +101,27 @@ def test_keys_serving_can_request_equal_the_keys_warmup_captures(model, max_requ
     cfg = InferenceConfig(**{**CFG, "max_requests": max_requests, "max_tokens": max_tokens})
     plan = GraphPlan(cfg.graph_sizing(), model.vocab_size, mixed=True)
     requested = set()
-    for variant in SamplingVariant:
+    for variant, lp in itertools.product(SamplingVariant, (False, True)):
         for rows in range(1, max_requests + 1):  # decode steps
-            requested.add(plan.key(_shape(rows, rows, variant, model.vocab_size)))
+            requested.add(plan.key(_shape(rows, rows, variant, model.vocab_size, lp)))
         step = max(1, max_tokens // 300)
         for tokens in range(2, max_tokens + 1, step):  # mixed steps (some row has 2+ tokens)
             most = min(tokens - 1, max_requests)
             for rows in {1, 2, most - 1, most} - {0, tokens}:
-                key = plan.key(_shape(tokens, rows, variant, model.vocab_size))
+                key = plan.key(_shape(tokens, rows, variant, model.vocab_size, lp))
                 assert not key.decode_only and key.num_tokens >= tokens and key.num_rows > rows
                 requested.add(key)
-        requested.add(plan.key(_shape(max_tokens, 1, variant, model.vocab_size)))
+        requested.add(plan.key(_shape(max_tokens, 1, variant, model.vocab_size, lp)))
     assert requested == set(plan.keys())
     assert len(plan.keys()) == len(set(plan.keys()))
+    # decode graphs: the 4 variants and 3 log-prob twins per size; mixed graphs: the 4 variants
+    n_decode, n_mixed = len(plan.decode_sizes), len(plan.token_counts)
+    assert len(plan.keys()) == 7 * n_decode + 4 * n_mixed
+    if max_requests == 128:  # workload A's plan
+        assert (n_decode, n_mixed, len(plan.keys())) == (12, 25, 184)
+    untwinned = GraphPlan(cfg.graph_sizing(), model.vocab_size, mixed=True, log_prob_twins=False)
+    assert len(untwinned.keys()) == 4 * (n_decode + n_mixed) and not any(k.log_probs for k in untwinned.keys())
+    assert untwinned.key(_shape(3, 3, SamplingVariant.GREEDY, model.vocab_size, True)).variant == SamplingVariant.FULL
 
 
 def test_plan_without_mixed_graphs_or_with_greedy_only(model):

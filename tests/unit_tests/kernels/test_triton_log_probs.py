@@ -116,3 +116,65 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_batch():
         for lo, hi in ((0, 1), (2, 5)):
             part = triton_log_probs.log_probs(x[lo:hi], tokens[lo:hi], 5, inv, chunk=256)
             assert all(_same(p, f[lo:hi]) for p, f in zip(part, full))
+
+
+def test_batch_invariant_paths_take_one_lse_of_the_logits_as_given(monkeypatch):
+    """On CUDA the lse kernel's summation order follows its register layout, which follows the
+    load width of the input dtype: an lse of a float32 copy of bf16 logits differs in the last
+    bit from the lse of the bf16 logits (the reference once took it from a float32 copy and
+    the kernel from the bf16 logits: 64-row steps differed). The interpreter sums the same way
+    for every dtype, so here the lse's bits are made to depend on the dtype: both paths must
+    still agree bit for bit, and with the engine's dispatch (``triton=True``)."""
+    from megatron_async.kernels import triton_log_softmax
+
+    real = triton_log_softmax.row_lse
+    monkeypatch.setattr(triton_log_softmax, "row_lse",
+                        lambda x: real(x) + (2.0**-12 if x.dtype != torch.float32 else 0.0))
+    x = _logits(6, 700, seed=33, dtype=torch.bfloat16)
+    tokens = torch.arange(6, device=DEV) * 5
+    ref = log_probs_of(x, tokens, 5, batch_invariant=True)
+    got = log_probs_of(x, tokens, 5, batch_invariant=True, triton=True)
+    kernel = triton_log_probs.log_probs(x, tokens, 5, True, chunk=256)
+    assert all(_same(a, b) and _same(a, c) for a, b, c in zip(ref, got, kernel))
+    finite = ref[0].isfinite()
+    assert _same(ref[0][finite], (x.float().gather(-1, tokens[:, None])[:, 0] - (real(x) + 2.0**-12))[finite])
+
+
+VOCAB = 151936  # Qwen3's
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled layouts)")
+@pytest.mark.parametrize("rows", [1, 64, 128])
+def test_cuda_batch_invariant_log_probs_equal_the_reference_bits(rows):
+    """bf16 logits at Qwen3's vocabulary, the engine's step sizes: the kernel equals the
+    reference bit for bit in batch-invariant mode, and a row alone equals it in the batch."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = (3 * torch.randn(rows, VOCAB, device="cuda", generator=g)).to(torch.bfloat16)
+    tokens = torch.randint(0, VOCAB, (rows,), device="cuda", generator=g)
+    for n in (0, 5, 20):
+        ref = log_probs_of(x, tokens, n, batch_invariant=True)
+        got = triton_log_probs.log_probs(x, tokens, n, True)
+        assert _same(got[0], ref[0]), f"chosen log-probs, top-{n}"
+        if n:
+            assert torch.equal(got[2], ref[2]) and _same(got[1], ref[1]), f"top-{n}"
+        alone = triton_log_probs.log_probs(x[-1:], tokens[-1:], n, True)
+        assert _same(alone[0], got[0][-1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_negative_token_asks_for_the_rows_greedy_token(dtype):
+    """Greedy rows take their token from the log-prob pass (first index of the largest logit,
+    as argmax, ties, -0.0 and -inf rows included), written back; other rows keep theirs."""
+    R, V = 6, 700
+    x = _logits(R, V, seed=41, dtype=dtype)
+    x[0, 10], x[0, 20] = 50.0, 50.0  # a tie at the top: the lower id
+    x[1, 5], x[1, 3] = 7.0, 7.0  # ties of the few distinct values, lowest first
+    given = torch.tensor([-1, -1, 9, -1, -1, 4], device=DEV)
+    tokens = given.clone()
+    got = triton_log_probs.log_probs(x, tokens, 5, chunk=256)
+    want = torch.where(given < 0, x.float().argmax(-1), given)
+    assert torch.equal(tokens, want) and tokens[0] == 10 and tokens[1] == 3
+    ref = log_probs_of(x, want, 5)
+    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=0, equal_nan=True)
+    assert torch.equal(got[2], ref[2])
