@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ! python3 -c "import fastapi, uvicorn, openai, zmq" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+if ! python3 -c "import fastapi, uvicorn, openai, zmq, uvloop, httptools" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi

@@ -73,8 +73,7 @@ def main() -> int:
     from megatron_async.tools.main_job import load_llm
 
     sargs = build_parser().parse_args(server_argv)
-    if sargs.gil_switch_interval_ms is not None:
-        sys.setswitchinterval(sargs.gil_switch_interval_ms / 1000)
+    sys.setswitchinterval(sargs.gil_switch_interval_ms / 1000)  # as the server does
     if args.stub_step_ms is not None:
         from _server_stub import StubEngine
 
@@ -114,8 +113,10 @@ def main() -> int:
                                                args.max_tokens, args.prompt_len, token_prompts=True)
 
             load(args.client_processes, warm)
+            steps0 = state.engine_loop.steps
             with StageSampler(state.engine_loop._thread, main_thread) as sampler:
                 report = load(args.client_processes, args.requests)
+            results["steps"] = state.engine_loop.steps - steps0
             results["server"] = report
             results["breakdown"] = sampler.result
             if not args.skip_client_check:
@@ -137,7 +138,10 @@ def main() -> int:
     if "error" in results:
         raise results["error"]
     rep, more = results["server"], results.get("server_more_clients")
-    print(results["breakdown"].format(rep.output_tokens))
+    bd = results["breakdown"]
+    print(bd.format(rep.output_tokens))
+    print(f"engine steps: {results['steps']}, {1e3 * rep.wall_s / max(1, results['steps']):.2f} ms apart, "
+          f"{rep.output_tokens / max(1, results['steps']):.1f} tokens each")
     print(rep.format())
     rows = [("offline engine", offline, None), (f"server, {rep.processes} client processes", rep.output_tokens_per_s,
                                                 rep.client_cpu_busy)]
