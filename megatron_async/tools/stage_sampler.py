@@ -17,10 +17,12 @@ ENGINE_STAGES = ("engine step", "detokenize", "server hand-off", "idle")
 """Engine thread: the engine's own step (model, scheduling, bookkeeping); the incremental
 detokenization it does for streamed text; the server's per-step work around it (events,
 metrics, the call to the event loop); waiting for requests."""
-LOOP_STAGES = ("deliver", "SSE chunks + JSON", "HTTP send (ASGI, uvicorn)", "request handling", "idle / loop I/O")
+LOOP_STAGES = ("deliver", "SSE chunks + JSON", "HTTP send (ASGI, uvicorn)", "request handling", "asyncio callbacks",
+               "idle / loop I/O")
 """Event loop thread: handing a step's events to the streams; building each stream's chunks;
-the ASGI / HTTP layers down to the socket write; parsing and admitting new requests; the event
-loop polling or in its own C code (uvloop)."""
+the ASGI / HTTP layers down to the socket write; parsing and admitting new requests; asyncio's
+own Python callbacks (task wake-ups, transports); the event loop polling or in its own C code
+(uvloop)."""
 
 _HTTP_PACKAGES = ("/starlette/", "/uvicorn/", "/fastapi/", "/anyio/", "/h11/", "/httptools/")
 _CHUNK_FILES = ("serve/responses.py", "serve/chat_output.py", "serve/tool_calls.py", "serve/reasoning.py",
@@ -39,18 +41,29 @@ def engine_stage(frames: list[tuple[str, str]]) -> str:
     return "server hand-off"
 
 
+_LOOP_ENTRIES = {("asyncio/base_events.py", "_run_once"), ("asyncio/base_events.py", "run_forever"),
+                 ("asyncio/base_events.py", "run_until_complete"), ("asyncio/runners.py", "run")}
+"""Where the event loop itself runs: frames inside it are callbacks (work); none: it polls, or
+runs its own C code (uvloop's reads and writes)."""
+
+
 def loop_stage(frames: list[tuple[str, str]]) -> str:
     """The stage of an event-loop-thread stack (innermost first)."""
-    if any(fn == "_deliver" for _, fn in frames):
+    entry = next((k for k, (f, fn) in enumerate(frames) if any(f.endswith(e) and fn == n for e, n in _LOOP_ENTRIES)),
+                 len(frames))
+    inner = [(f, fn) for f, fn in frames[:entry] if not f.endswith("selectors.py")]
+    if not inner:
+        return "idle / loop I/O"
+    if any(fn == "_deliver" for _, fn in inner):
         return "deliver"
-    for f, fn in frames:  # the innermost frame outside the standard library decides
+    for f, fn in inner:  # the innermost frame outside the standard library decides
         if any(p in f for p in _HTTP_PACKAGES):
             return "HTTP send (ASGI, uvicorn)"
         if any(f.endswith(c) for c in _CHUNK_FILES) or (f.endswith("serve/app.py") and fn in ("_stream", "chunk")):
             return "SSE chunks + JSON"
         if "/megatron_async/" in f:
             return "request handling"
-    return "idle / loop I/O"
+    return "asyncio callbacks"
 
 
 @dataclass

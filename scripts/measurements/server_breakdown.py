@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async.inference.request import SamplingParams  # noqa: E402
-from megatron_async.tools.load_test import run_load_test_processes, token_prompt_for  # noqa: E402
+from megatron_async.tools.load_test import LoadShape, run_load_test_processes, token_prompt_for  # noqa: E402
 from megatron_async.tools.stage_sampler import StageSampler  # noqa: E402
 
 
@@ -110,7 +110,7 @@ def main() -> int:
 
             def load(processes: int, requests: int):
                 return run_load_test_processes(url, state.model_name, processes, args.clients, requests,
-                                               args.max_tokens, args.prompt_len, token_prompts=True)
+                                               LoadShape(args.max_tokens, args.prompt_len, token_prompts=True))
 
             load(args.client_processes, warm)
             steps0 = state.engine_loop.steps
