@@ -22,7 +22,8 @@ DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 GRACEFUL_SHUTDOWN_S = 5
 DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
 """With Python's 5 ms, an engine thread that waited for a device step then waits for the GIL
-behind a busy event loop: its steps came 1.5-2x further apart than at 0.5 ms (gil-switch)."""
+behind a busy event loop: scripts/measure.py gil-switch (2-core CPU) put its steps 1.6-1.9x
+their ideal period apart at 5 ms, 1.1-1.2x at 0.5 ms."""
 """On SIGTERM / Ctrl-C, requests in flight get this long to finish before their connections close."""
 
 
