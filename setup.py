@@ -1,6 +1,6 @@
 from setuptools import find_packages, setup
 
-SERVE = ["fastapi", "uvicorn", "prometheus-client", "jinja2"]
+SERVE = ["fastapi", "uvicorn", "prometheus-client", "jinja2", "uvloop", "httptools"]  # uvicorn uses the last two when present
 REAL = ["gguf", "accelerate", "transformers>=4.50"]
 
 setup(

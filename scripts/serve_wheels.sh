@@ -12,7 +12,7 @@ WHEELS=(
   pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
   annotated-doc==0.0.7 opentelemetry-api==1.45.2 typing-extensions==4.16.0 anyio==4.16.0 idna==3.20
   openai==3.54.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1
-  pyzmq==27.3.0 torch-memory-saver==0.0.10
+  pyzmq==27.3.0 torch-memory-saver==0.0.10 uvloop==0.23.0 httptools==0.9.0
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \

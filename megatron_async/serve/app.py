@@ -30,7 +30,7 @@ from megatron_async.serve import responses as resp
 from megatron_async.serve import tool_calls
 from megatron_async.serve.admin_routes import add_admin_routes
 from megatron_async.serve.chat_output import ChatOutputFormat, chunk_choices
-from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission
+from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission, merge_events
 from megatron_async.serve.metrics import CONTENT_TYPE, ServerMetrics
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -164,7 +164,9 @@ def create_app(state: ServerState) -> FastAPI:
         head = resp.ResponseHead("text_completion", state.model_name, resp.new_id("cmpl"))
 
         text_offsets = [0] * len(choices)  # per choice: text of the tokens streamed so far
-        text_only = [resp.JsonTemplate(head.body([resp.completion_chunk_choice(i, resp.TEXT_SLOT, None, None)]))
+        ids = resp.TOKENS_SLOT if req.return_token_ids else None
+        templates = [resp.JsonTemplate(head.body([resp.completion_chunk_choice(i, resp.TEXT_SLOT, None, ids)]),
+                                       (resp.TEXT_SLOT, resp.TOKENS_SLOT) if ids else (resp.TEXT_SLOT,))
                      for i in range(len(choices))] if req.stream else []
 
         def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool,
@@ -176,8 +178,8 @@ def create_app(state: ServerState) -> FastAPI:
                 lp = resp.completion_logprobs(upd.new_tokens, upd.new_log_probs, upd.new_top_n_logprobs, text_of,
                                               text_offsets[i])
                 text_offsets[i] += sum(len(t) for t in lp["tokens"])
-            if lp is None and finish is None and tokens is None:
-                return text_only[i](text)  # the common chunk: only its text is encoded
+            if lp is None and finish is None:  # the common chunk: only its text (and ids) are encoded
+                return templates[i](text) if tokens is None else templates[i](text, tokens)
             return head.body([resp.completion_chunk_choice(i, text, finish, tokens, lp)])
 
         def whole(outs: list[RequestOutput]) -> dict:
@@ -214,12 +216,19 @@ def create_app(state: ServerState) -> FastAPI:
         output = ChatOutputFormat(state.reasoning_parser, state.tool_call_parser if tools is not None else None, text,
                                   max_tool_calls=1 if req.parallel_tool_calls is False else None)
         streams = [output.stream() for _ in choices]
+        ids = resp.TOKENS_SLOT if req.return_token_ids else None
+        plain = req.stream and not (output.reasoning_parser or output.tool_call_parser)  # content deltas only
+        templates = [resp.JsonTemplate(head.body([resp.chat_chunk_choice(i, {"content": resp.TEXT_SLOT}, None, ids)]),
+                                       (resp.TEXT_SLOT, resp.TOKENS_SLOT) if ids else (resp.TEXT_SLOT,))
+                     for i in range(len(choices))] if plain else []
 
         def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool,
                   upd: RequestUpdate | None = None) -> list[dict]:
             lp = None
             if upd is not None and upd.new_tokens and upd.new_log_probs is not None:
                 lp = resp.chat_logprobs(upd.new_tokens, upd.new_log_probs, upd.new_top_n_logprobs, text_of)
+            if templates and lp is None and not finish and not first:  # the common chunk: its text (and ids)
+                return [templates[i](text) if tokens is None else templates[i](text, tokens)]
             deltas = streams[i].feed(text) + (streams[i].finish() if finish else [])
             finish = streams[i].finish_reason(finish) if finish else None
             return [head.body([c]) for c in chunk_choices(i, deltas, first, finish, tokens, lp)]
@@ -335,33 +344,32 @@ def create_app(state: ServerState) -> FastAPI:
     async def _stream(sub: Submission, head: resp.ResponseHead, chunk: Callable, usage_prompts: list[list[int]] | None,
                       token_ids: bool) -> AsyncIterator[str]:
         """SSE chunks as the engine produces them (the response aborts what is left when it ends).
-        The events waiting for this request go out in one write: a busy event loop catches up
-        with a few large writes instead of one per token."""
+        Everything waiting for this request goes out in one write, with one chunk per choice
+        for all its new tokens (``merge_updates``): an event loop that falls behind the engine
+        catches up with fewer, larger chunks instead of one per token."""
         n = len(sub.choices)
-        started, finished, generated, failed = [False] * n, 0, 0, False
-        while finished < n and not failed:
-            events, parts = [await sub.events.get()], []
+        started, finished, generated = [False] * n, 0, 0
+        while finished < n:
+            events = [await sub.events.get()]
             while not sub.events.empty():
                 events.append(sub.events.get_nowait())
-            for ev in events:
-                upd, out = ev.update, ev.output
-                error = ev.error or (out.error or "request failed" if out is not None and out.finish_reason == "error"
-                                     else None)
-                if error is not None:  # end the stream; _SSEResponse aborts the other choices
-                    parts.append(resp.sse(resp.error_body(error, 500)))
-                    failed = True
-                    break
-                if upd is not None and (upd.new_tokens or upd.new_text or not started[ev.index]):
-                    text = upd.new_text or ""
+            error, updates, outputs = merge_events(events)
+            parts = []
+            for i, upd in updates.items():
+                if upd.new_tokens or upd.new_text or not started[i]:
                     generated += len(upd.new_tokens)
                     tokens = list(upd.new_tokens) if token_ids else None
-                    parts.append(resp.sse(chunk(ev.index, text, None, tokens, not started[ev.index], upd)))
-                    started[ev.index] = True
-                if out is not None:
-                    tokens = [] if token_ids else None
-                    parts.append(resp.sse(chunk(ev.index, "", out.finish_reason, tokens, not started[ev.index])))
-                    started[ev.index] = True
-                    finished += 1
+                    parts.append(resp.sse(chunk(i, upd.new_text or "", None, tokens, not started[i], upd)))
+                    started[i] = True
+            for i, out in outputs.items():
+                tokens = [] if token_ids else None
+                parts.append(resp.sse(chunk(i, "", out.finish_reason, tokens, not started[i])))
+                started[i] = True
+                finished += 1
+            if error is not None:  # end the stream; _SSEResponse aborts the other choices
+                parts.append(resp.sse(resp.error_body(error, 500)))
+                yield "".join(parts)
+                return
             if parts:
                 yield "".join(parts)
         tail = [resp.sse("[DONE]")]

@@ -13,9 +13,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
-from megatron_async.inference.request import InvalidRequestError, RequestOutput, SamplingParams
+from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams
 from megatron_async.serve.metrics import ServerMetrics
 
 log = logging.getLogger("megatron_async.serve")
@@ -29,12 +29,12 @@ class Choice:
     params: SamplingParams
 
 
-@dataclass(frozen=True)
-class ChoiceEvent:
-    """What a step gave one choice: an update (new tokens / text), its final output, or an error."""
+class ChoiceEvent(NamedTuple):
+    """What a step gave one choice: an update (new tokens / text), its final output, or an error.
+    A NamedTuple: one is built per request per step."""
 
     index: int
-    update: Any = None
+    update: RequestUpdate | None = None
     """A ``StepResult.updates`` entry."""
     output: RequestOutput | None = None
     """Set once, when the engine request ended (finished, stopped, aborted)."""
@@ -44,6 +44,34 @@ class ChoiceEvent:
     @property
     def is_last(self) -> bool:
         return self.output is not None or self.error is not None
+
+
+def merge_updates(a: RequestUpdate, b: RequestUpdate) -> RequestUpdate:
+    """One update holding ``a`` then ``b`` (two steps of one request), as if one step made both."""
+    text = None if a.new_text is None and b.new_text is None else (a.new_text or "") + (b.new_text or "")
+    lps = None if a.new_log_probs is None else a.new_log_probs + (b.new_log_probs or ())
+    tops = None if a.new_top_n_logprobs is None else a.new_top_n_logprobs + (b.new_top_n_logprobs or ())
+    return RequestUpdate(a.request_id, a.new_tokens + b.new_tokens, text, b.finished, b.finish_reason, lps, tops)
+
+
+def merge_events(events: list[ChoiceEvent]) -> tuple[str | None, dict[int, RequestUpdate], dict[int, RequestOutput]]:
+    """A stream's waiting events, in order, as (the first error, if any; each choice's updates
+    merged into one; each choice's final output). Events after an error are dropped: the stream
+    ends there."""
+    updates: dict[int, RequestUpdate] = {}
+    outputs: dict[int, RequestOutput] = {}
+    for ev in events:
+        out = ev.output
+        if ev.error is not None:
+            return ev.error, updates, outputs
+        if out is not None and out.finish_reason == "error":
+            return out.error or "request failed", updates, outputs
+        if ev.update is not None:
+            prev = updates.get(ev.index)
+            updates[ev.index] = ev.update if prev is None else merge_updates(prev, ev.update)
+        if out is not None:
+            outputs[ev.index] = out
+    return None, updates, outputs
 
 
 @dataclass
@@ -200,8 +228,9 @@ class EngineLoop:
         self.steps += 1
         self.metrics.engine_steps.inc()
         now = time.perf_counter()
+        lives, outbox, itl, tokens = self._live, self._outbox, self.metrics.itl, 0
         for upd in res.updates:
-            live = self._live.get(upd.request_id)
+            live = lives.get(upd.request_id)
             if live is None or live.failed:
                 continue
             n = len(upd.new_tokens)
@@ -210,11 +239,13 @@ class EngineLoop:
                     self.metrics.ttft.observe(now - live.submission.arrival)
                 else:
                     for _ in range(n):
-                        self.metrics.itl.observe((now - live.last_token_at) / n)
+                        itl.observe((now - live.last_token_at) / n)
                 live.last_token_at = now
                 live.num_tokens += n
-                self.metrics.generation_tokens.inc(n)
-            self._outbox.append((live.submission, "event", ChoiceEvent(live.index, update=upd)))
+                tokens += n
+            outbox.append((live.submission, "event", ChoiceEvent(live.index, upd)))
+        if tokens:
+            self.metrics.generation_tokens.inc(tokens)
         for out in res.finished:
             live = self._live.pop(out.request_id, None)
             if live is None or live.failed:

@@ -23,18 +23,33 @@ def sse(data: dict | str | list[dict]) -> str:
 
 
 TEXT_SLOT = "\x00text\x00"
-"""A placeholder text for JsonTemplate (its JSON form, with escaped NULs, cannot occur elsewhere)."""
+TOKENS_SLOT = "\x00tokens\x00"
+"""Placeholders for JsonTemplate's variable fields (their JSON forms, with escaped NULs, cannot
+occur elsewhere in a body)."""
 
 
 class JsonTemplate:
-    """``json.dumps`` of a body whose one string field varies (a stream chunk's text): the rest is
-    encoded once, so each chunk costs one string encoding instead of the whole body's."""
+    """``json.dumps`` of a body whose few fields vary from chunk to chunk (a stream chunk's text,
+    its token ids): the rest is encoded once, so each chunk costs the encoding of its variable
+    values only. ``slots``: the placeholders the body holds, in the order ``__call__`` takes
+    their values."""
 
-    def __init__(self, body: dict):
-        self._before, self._after = json.dumps(body, ensure_ascii=False).split(json.dumps(TEXT_SLOT), 1)
+    def __init__(self, body: dict, slots: tuple[str, ...] = (TEXT_SLOT,)):
+        text = json.dumps(body, ensure_ascii=False)
+        marks = sorted((text.index(json.dumps(s)), k, json.dumps(s)) for k, s in enumerate(slots))
+        self._parts, self._order, at = [], [], 0
+        for pos, k, mark in marks:
+            self._parts.append(text[at:pos])
+            self._order.append(k)
+            at = pos + len(mark)
+        self._parts.append(text[at:])
 
-    def __call__(self, text: str) -> str:
-        return self._before + json.dumps(text, ensure_ascii=False) + self._after
+    def __call__(self, *values) -> str:
+        out = [self._parts[0]]
+        for part, k in zip(self._parts[1:], self._order):
+            out.append(json.dumps(values[k], ensure_ascii=False))
+            out.append(part)
+        return "".join(out)
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:

@@ -35,6 +35,8 @@ class StreamRecord:
     last_token_s: float | None = None
     gaps_s: list[float] = field(default_factory=list)
     error: str | None = None
+    disconnected: bool = False
+    """The client closed the stream mid-way on purpose (``LoadShape.disconnects``)."""
 
 
 @dataclass
@@ -63,13 +65,18 @@ class LoadTestReport:
     """Per request: (last token - first token) / (tokens - 1); percentiles over requests."""
     tpot_p99_ms: float | None
     errors: list[str] = field(default_factory=list)
+    disconnected: int = 0
+    """Requests whose client left mid-stream on purpose (not counted in ``requests``)."""
+    kv_leaked: bool | None = None
+    """After the run: the server still held requests or KV blocks (None: not checked)."""
     processes: int = 1
     client_cpu_busy: float | None = None
     """CPU time / wall time of the busiest client process (near 1.0: the client is the bottleneck)."""
 
     @property
     def ok(self) -> bool:
-        return self.completed == self.requests and not (self.failed or self.lost or self.duplicated or self.wrong_length)
+        return self.completed == self.requests and not (self.failed or self.lost or self.duplicated or self.wrong_length
+                                                        or self.kv_leaked)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -80,7 +87,9 @@ class LoadTestReport:
 
         return (f"{self.completed}/{self.requests} requests completed by {self.clients} clients in {self.wall_s:.1f} s "
                 f"({self.requests_per_s:.1f} req/s, {self.output_tokens_per_s:.0f} tok/s); failed {self.failed}, "
-                f"lost {self.lost}, duplicated {self.duplicated}, wrong length {self.wrong_length}\n"
+                f"lost {self.lost}, duplicated {self.duplicated}, wrong length {self.wrong_length}"
+                + (f"; {self.disconnected} left mid-stream" if self.disconnected else "")
+                + ("" if self.kv_leaked is None else f"; KV {'LEAKED' if self.kv_leaked else 'all freed'}") + "\n"
                 f"TTFT p50 {ms(self.ttft_p50_ms)} p99 {ms(self.ttft_p99_ms)}; "
                 f"inter-token p50 {ms(self.itl_p50_ms)} p99 {ms(self.itl_p99_ms)}; "
                 f"TPOT p50 {ms(self.tpot_p50_ms)} p99 {ms(self.tpot_p99_ms)}"
@@ -102,13 +111,36 @@ def token_prompt_for(index: int, num_tokens: int) -> list[int]:
     return [1 + (index * 7919 + k * 104729 + k * k) % (TOKEN_PROMPT_VOCAB - 1) for k in range(num_tokens)]
 
 
-async def _one(client, model: str, rec: StreamRecord, max_tokens: int, prompt_words: int, token_prompts: bool) -> None:
+@dataclass(frozen=True)
+class LoadShape:
+    """What each request of a load run asks for, decided by its index (every process agrees)."""
+
+    max_tokens: int = 32
+    prompt_words: int = 12
+    token_prompts: bool = False
+    disconnect_fraction: float = 0.0
+    """This share of requests closes its stream after a third of its tokens (an abort mid-stream)."""
+    long_prompt_every: int = 0
+    """Every this many requests (0: none) sends a prompt of ``long_prompt_words`` instead."""
+    long_prompt_words: int = 8192
+
+    def disconnects(self, index: int) -> bool:
+        return (index * 37) % 100 < round(100 * self.disconnect_fraction)
+
+    def prompt(self, index: int) -> str | list[int]:
+        long = self.long_prompt_every and index % self.long_prompt_every == self.long_prompt_every - 1
+        n = self.long_prompt_words if long else self.prompt_words
+        return token_prompt_for(index, n) if self.token_prompts else prompt_for(index, n)
+
+
+async def _one(client, model: str, rec: StreamRecord, work: LoadShape) -> None:
     t0 = time.perf_counter()
     last = None
-    prompt = token_prompt_for(rec.index, prompt_words) if token_prompts else prompt_for(rec.index, prompt_words)
+    max_tokens = work.max_tokens
+    leave_after = max(1, max_tokens // 3) if work.disconnects(rec.index) else None
     try:
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+            model=model, prompt=work.prompt(rec.index), max_tokens=max_tokens, temperature=0.0,
             stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
         async for chunk in stream:
             now = time.perf_counter()
@@ -129,18 +161,22 @@ async def _one(client, model: str, rec: StreamRecord, max_tokens: int, prompt_wo
                     if rec.finish_reason is not None:
                         raise RuntimeError("two final chunks")
                     rec.finish_reason = choice.finish_reason
+            if leave_after is not None and len(rec.token_ids) >= leave_after and rec.finish_reason is None:
+                rec.disconnected = True
+                await stream.close()  # the server sees the connection go and aborts the request
+                return
     except Exception as e:  # noqa: BLE001 -- counted and reported, the test goes on
         rec.error = f"{type(e).__name__}: {e}"
 
 
-async def _collect(base_url: str, model: str | None, indices: list[int], clients: int, max_tokens: int,
-                   prompt_words: int, timeout_s: float, token_prompts: bool):
+async def _collect(base_url: str, model: str | None, indices: list[int], clients: int, work: LoadShape,
+                   timeout_s: float):
     """``clients`` workers share a queue of request ``indices``. Returns (records, wall s, CPU s)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
-    if not model:  # the server's one model
-        model = (await client.models.list()).data[0].id
+    served = (await client.models.list()).data[0].id  # also loads what the client loads lazily, before the clock
+    model = model or served
     todo: asyncio.Queue[int] = asyncio.Queue()
     for i in indices:
         todo.put_nowait(i)
@@ -150,7 +186,7 @@ async def _collect(base_url: str, model: str | None, indices: list[int], clients
         while not todo.empty():
             rec = StreamRecord(todo.get_nowait())
             records[rec.index].append(rec)
-            await _one(client, model, rec, max_tokens, prompt_words, token_prompts)
+            await _one(client, model, rec, work)
 
     t0, c0 = time.perf_counter(), time.process_time()
     await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(clients))), timeout_s)
@@ -159,14 +195,12 @@ async def _collect(base_url: str, model: str | None, indices: list[int], clients
     return records, wall, cpu
 
 
-async def run_load_test(base_url: str, model: str | None, clients: int = 64, requests: int = 500, max_tokens: int = 32,
-                        prompt_words: int = 12, timeout_s: float = 600.0, token_prompts: bool = False) -> LoadTestReport:
+async def run_load_test(base_url: str, model: str | None, clients: int = 64, requests: int = 500,
+                        work: LoadShape = LoadShape(), timeout_s: float = 600.0) -> LoadTestReport:
     """One client process: ``clients`` workers send ``requests`` requests; each asks for exactly
-    ``max_tokens`` tokens (EOS ignored) so that a short or long answer shows. ``token_prompts``:
-    prompts of ``prompt_words`` token ids instead of text (a server without a tokenizer)."""
-    records, wall, cpu = await _collect(base_url, model, list(range(requests)), clients, max_tokens, prompt_words,
-                                        timeout_s, token_prompts)
-    report = _report(records, clients, max_tokens, wall)
+    ``work.max_tokens`` tokens (EOS ignored) so that a short or long answer shows."""
+    records, wall, cpu = await _collect(base_url, model, list(range(requests)), clients, work, timeout_s)
+    report = _report(records, clients, work.max_tokens, wall)
     report.client_cpu_busy = cpu / wall if wall else None
     return report
 
@@ -176,20 +210,18 @@ def _process_part(args: tuple) -> tuple:
 
 
 def run_load_test_processes(base_url: str, model: str | None, processes: int, clients: int = 64, requests: int = 500,
-                            max_tokens: int = 32, prompt_words: int = 12, timeout_s: float = 600.0,
-                            token_prompts: bool = False) -> LoadTestReport:
+                            work: LoadShape = LoadShape(), timeout_s: float = 600.0) -> LoadTestReport:
     """``run_load_test`` with the clients and requests dealt round-robin over ``processes``
     client processes (spawned), started together; the wall time is the slowest one's."""
     if processes <= 1:
-        return asyncio.run(run_load_test(base_url, model, clients, requests, max_tokens, prompt_words, timeout_s,
-                                         token_prompts))
-    parts = [(base_url, model, list(range(p, requests, processes)), len(range(p, clients, processes)), max_tokens,
-              prompt_words, timeout_s, token_prompts) for p in range(processes)]
+        return asyncio.run(run_load_test(base_url, model, clients, requests, work, timeout_s))
+    parts = [(base_url, model, list(range(p, requests, processes)), len(range(p, clients, processes)), work,
+              timeout_s) for p in range(processes)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         results = pool.map(_process_part, parts)
     records = {i: recs for part, _, _ in results for i, recs in part.items()}
     wall = max(w for _, w, _ in results)
-    report = _report(dict(sorted(records.items())), clients, max_tokens, wall)
+    report = _report(dict(sorted(records.items())), clients, work.max_tokens, wall)
     report.processes = processes
     report.client_cpu_busy = max(c / w for _, w, c in results if w)
     return report
@@ -199,8 +231,9 @@ def _report(records: dict[int, list[StreamRecord]], clients: int, max_tokens: in
     flat = [r for recs in records.values() for r in recs]
     ids = [r.response_id for r in flat if r.response_id]
     failed = [r for r in flat if r.error is not None]
+    left = [r for r in flat if r.disconnected and r.error is None]
     ended = [r for r in flat if r.error is None and r.finish_reason is not None]
-    lost = sum(1 for recs in records.values() if not any(r.finish_reason for r in recs))
+    lost = sum(1 for recs in records.values() if not any(r.finish_reason or r.disconnected for r in recs))
     duplicated = (len(ids) - len(set(ids))) + sum(1 for recs in records.values() if len(recs) > 1)
     wrong = [r for r in ended if len(r.token_ids) != max_tokens]
     ttft = [r.ttft_s for r in ended if r.ttft_s is not None]
@@ -214,7 +247,8 @@ def _report(records: dict[int, list[StreamRecord]], clients: int, max_tokens: in
         return None if p is None else 1e3 * p
 
     return LoadTestReport(
-        clients=clients, requests=len(records), completed=len(ended) - len(wrong), failed=len(failed), lost=lost,
+        clients=clients, requests=len(records) - len(left), completed=len(ended) - len(wrong), failed=len(failed),
+        lost=lost, disconnected=len(left),
         duplicated=duplicated, wrong_length=len(wrong), output_tokens=tokens, wall_s=wall,
         requests_per_s=len(ended) / wall if wall else 0.0, output_tokens_per_s=tokens / wall if wall else 0.0,
         ttft_p50_ms=ms(ttft, 50), ttft_p99_ms=ms(ttft, 99), itl_p50_ms=ms(gaps, 50), itl_p99_ms=ms(gaps, 99),
@@ -223,16 +257,38 @@ def _report(records: dict[int, list[StreamRecord]], clients: int, max_tokens: in
     )
 
 
-def server_side_summary(base_url: str) -> str:
-    """The server's own view from ``/metrics`` (cumulative since it started, warm-up included):
-    mean TTFT and inter-token latency as the engine thread saw them, and the launch-ahead share."""
+def server_metrics(base_url: str) -> dict[str, float]:
+    """The server's ``/metrics`` samples by name (those without labels other than the model's)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as r:
         text = r.read().decode()
-    v = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels.keys() - {"model_name"}}
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if not s.labels.keys() - {"model_name"}}
+
+
+def kv_leaked(base_url: str, settle_s: float = 30.0) -> bool:
+    """Whether the server still holds requests or KV blocks ``settle_s`` after its clients are
+    done (an abort frees its blocks at the next step, so it gets a moment)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        v = server_metrics(base_url)
+        held = [v.get(f"megatron_async_{n}", 0.0) for n in ("num_requests_running", "num_requests_waiting",
+                                                             "kv_cache_usage_perc")]
+        if not any(held):
+            return False
+        if time.monotonic() > deadline:
+            print(f"server still holds: running {held[0]:.0f}, waiting {held[1]:.0f}, KV usage {held[2]:.3f}")
+            return True
+        time.sleep(0.2)
+
+
+def server_side_summary(base_url: str) -> str:
+    """The server's own view from ``/metrics`` (cumulative since it started, warm-up included):
+    mean TTFT and inter-token latency as the engine thread saw them, and the launch-ahead share."""
+    v = server_metrics(base_url)
 
     def mean_ms(name: str) -> str:
         n = v.get(f"megatron_async_{name}_count", 0.0)
@@ -261,6 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=POSITIVE_INT, default=32, help="tokens per request (EOS ignored)")
     p.add_argument("--prompt-words", type=POSITIVE_INT, default=12, help="prompt length (words, or ids with --token-prompts)")
     p.add_argument("--token-prompts", action="store_true", help="token-id prompts (a model without a tokenizer)")
+    p.add_argument("--disconnect-fraction", type=float, default=0.0,
+                   help="share of requests whose client closes the stream after a third of its tokens")
+    p.add_argument("--long-prompt-every", type=NON_NEGATIVE_INT, default=0,
+                   help="every N-th request sends a --long-prompt-words prompt instead (0: none)")
+    p.add_argument("--long-prompt-words", type=POSITIVE_INT, default=8192)
+    p.add_argument("--no-kv-check", action="store_true",
+                   help="skip the check that the server holds no request or KV block after the run "
+                        "(a server that others use too)")
     p.add_argument("--warmup-requests", type=NON_NEGATIVE_INT, default=0, help="an unreported load run first")
     p.add_argument("--start-timeout", type=POSITIVE_INT, default=300, help="seconds the server may take to start")
     p.add_argument("--output-path", default=None, help="write the report as JSON")
@@ -272,9 +336,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warm-up: {warm.format().splitlines()[0]}", flush=True)
         return load(url, model, args.requests)
 
+    work = LoadShape(args.max_tokens, args.prompt_words, args.token_prompts, args.disconnect_fraction,
+                    args.long_prompt_every, args.long_prompt_words)
+
     def load(url: str, model: str | None, requests: int) -> LoadTestReport:
-        return run_load_test_processes(url, model, args.client_processes, args.clients, requests, args.max_tokens,
-                                       args.prompt_words, token_prompts=args.token_prompts)
+        report = run_load_test_processes(url, model, args.client_processes, args.clients, requests, work)
+        if not args.no_kv_check:
+            report.kv_leaked = kv_leaked(url)
+        return report
 
     if args.url:
         report = run(args.url.rstrip("/"), args.served_model_name)

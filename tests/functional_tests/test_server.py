@@ -19,7 +19,7 @@ from megatron_async.models.chat_template import load_chat_template  # noqa: E402
 from megatron_async.serve.process import ServerProcess  # noqa: E402
 from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
 from megatron_async.testing.chat_templates import save_chat_template  # noqa: E402
-from megatron_async.tools.load_test import prompt_for, run_load_test  # noqa: E402
+from megatron_async.tools.load_test import LoadShape, kv_leaked, prompt_for, run_load_test  # noqa: E402
 from tests.functional_tests.server_client import concurrent_greedy_streams  # noqa: E402
 
 ENGINE = {"num_kv_blocks": 160, "block_size_tokens": 16, "max_requests": 32, "max_sequence_length": 256}
@@ -293,10 +293,22 @@ def test_metrics_parse_as_prometheus_text(server):
 
 
 def test_small_load_test_loses_and_duplicates_nothing(server):
-    report = asyncio.run(run_load_test(server.url, "tiny-chat", clients=24, requests=72, max_tokens=8))
+    report = asyncio.run(run_load_test(server.url, "tiny-chat", clients=24, requests=72, work=LoadShape(max_tokens=8)))
     assert report.ok, report.format()
     assert report.completed == 72 and report.output_tokens == 72 * 8
     assert report.ttft_p50_ms is not None and report.itl_p99_ms is not None
+
+
+def test_load_with_disconnects_and_long_prompts_frees_every_block(server):
+    """The CPU load test: 16 streams, 100 requests, 10 % leaving mid-stream, every 10th with a
+    prompt near the longest the server takes; nothing lost, and afterwards no request or KV
+    block is left in the engine."""
+    shape = LoadShape(max_tokens=9, prompt_words=16, token_prompts=True, disconnect_fraction=0.1,
+                      long_prompt_every=10, long_prompt_words=240)
+    report = asyncio.run(run_load_test(server.url, "tiny-chat", clients=16, requests=100, work=shape))
+    report.kv_leaked = kv_leaked(server.url, settle_s=10)
+    assert report.disconnected == sum(shape.disconnects(i) for i in range(100)) == 10, report.format()
+    assert report.ok and report.completed == 90, report.format()
 
 
 def test_load_test_script_starts_a_builtin_model_server(tmp_path):

@@ -147,7 +147,8 @@ def test_reasoning_content_whole_and_streamed(client):
     assert msg.model_extra["reasoning_content"] == "The user wants a greeting." and msg.content == "Hello there!"
     [(content, reasoning, _, finishes, _)] = streamed(client, **kwargs)
     assert "".join(reasoning) == "The user wants a greeting." and "".join(content) == "Hello there!"
-    assert finishes == ["stop"] and len(reasoning) > 1  # streamed as it came, not held to the end
+    # one delta or several: events waiting for a stream go out merged (incremental: test_chat_output.py)
+    assert finishes == ["stop"] and len(reasoning) >= 1
 
 
 def test_reasoning_opened_by_the_template(client, prompt_of):

@@ -91,6 +91,14 @@ def test_reasoning_section_is_split_off():
     assert cut == {"role": "assistant", "content": None, "reasoning_content": "still thinking"}
 
 
+def test_reasoning_streams_as_it_comes():
+    """Reasoning text goes out with the feed that brought it, not held until its section ends."""
+    s = ChatOutputFormat(reasoning_parser="qwen3").stream()
+    first, second = s.feed("<think>\nThe user"), s.feed(" greets.")
+    assert "".join(d.get("reasoning_content", "") for d in first) == "The user"
+    assert "".join(d.get("reasoning_content", "") for d in second) == " greets."
+
+
 def test_reasoning_opened_by_the_prompt():
     prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
     assert starts_inside(prompt) and not starts_inside("<think>\n\n</think>\n\n")

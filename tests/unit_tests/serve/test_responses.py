@@ -16,3 +16,18 @@ def test_json_template_equals_json_dumps(text):
         whole = head.body([resp.completion_chunk_choice(i, text, None, None)])
         assert template(text) == json.dumps(whole, ensure_ascii=False)
         assert resp.sse(template(text)) == resp.sse(whole)
+
+
+@pytest.mark.parametrize("text", ["", " hi", 'q"\\', "日本"])
+def test_json_template_with_token_ids_equals_json_dumps(text):
+    head = resp.ResponseHead("chat.completion.chunk", "m", resp.new_id("chatcmpl"))
+    slots = (resp.TEXT_SLOT, resp.TOKENS_SLOT)
+    for tokens in ([], [5], [1, 2, 3]):
+        completion = resp.JsonTemplate(head.body([resp.completion_chunk_choice(1, resp.TEXT_SLOT, None,
+                                                                                resp.TOKENS_SLOT)]), slots)
+        assert completion(text, tokens) == json.dumps(head.body([resp.completion_chunk_choice(1, text, None, tokens)]),
+                                                      ensure_ascii=False)
+        chat = resp.JsonTemplate(head.body([resp.chat_chunk_choice(0, {"content": resp.TEXT_SLOT}, None,
+                                                                   resp.TOKENS_SLOT)]), slots)
+        assert chat(text, tokens) == json.dumps(head.body([resp.chat_chunk_choice(0, {"content": text}, None, tokens)]),
+                                                ensure_ascii=False)

@@ -40,4 +40,4 @@ def test_server_flags_parse():
     args = build_parser().parse_args(["--max-request-bytes", "1000", "--gil-switch-interval-ms", "0.5"])
     assert args.max_request_bytes == 1000 and args.gil_switch_interval_ms == 0.5
     args = build_parser().parse_args([])
-    assert args.max_request_bytes == 32 * 2**20 and args.gil_switch_interval_ms is None
+    assert args.max_request_bytes == 32 * 2**20 and args.gil_switch_interval_ms == 0.5  # DEFAULT_GIL_SWITCH_INTERVAL_MS

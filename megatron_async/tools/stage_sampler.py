@@ -1,0 +1,142 @@
+"""Where a running server's two busy threads spend their time: a sampling profiler inside the
+process (no py-spy needed, so it runs on any machine). A daemon thread looks at the engine
+thread's and the event loop thread's Python stacks every ``interval_s`` and files each sample
+under one stage; the shares of those stages are the breakdown. A thread waiting for the GIL is
+filed where it waits (its stack does not change), so a stage's share is its wall time, not
+only its CPU time; ``cpu_busy`` (the thread's CPU clock over the wall time) says how much of it
+was computing."""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+ENGINE_STAGES = ("engine step", "detokenize", "server hand-off", "idle")
+"""Engine thread: the engine's own step (model, scheduling, bookkeeping); the incremental
+detokenization it does for streamed text; the server's per-step work around it (events,
+metrics, the call to the event loop); waiting for requests."""
+LOOP_STAGES = ("deliver", "SSE chunks + JSON", "HTTP send (ASGI, uvicorn)", "request handling", "asyncio callbacks",
+               "idle / loop I/O")
+"""Event loop thread: handing a step's events to the streams; building each stream's chunks;
+the ASGI / HTTP layers down to the socket write; parsing and admitting new requests; asyncio's
+own Python callbacks (task wake-ups, transports); the event loop polling or in its own C code
+(uvloop)."""
+
+_HTTP_PACKAGES = ("/starlette/", "/uvicorn/", "/fastapi/", "/anyio/", "/h11/", "/httptools/")
+_CHUNK_FILES = ("serve/responses.py", "serve/chat_output.py", "serve/tool_calls.py", "serve/reasoning.py",
+                "serve/tag_stream.py")
+
+
+def engine_stage(frames: list[tuple[str, str]]) -> str:
+    """The stage of an engine-thread stack (``frames``: (file, function), innermost first)."""
+    files = [f for f, _ in frames]
+    if any(f.endswith("text_stream.py") for f in files) or any(fn == "take_update" for _, fn in frames):
+        return "detokenize"
+    if any("/megatron_async/inference/" in f or "/megatron_async/models/" in f or "/torch/" in f for f in files):
+        return "engine step"
+    if frames and (frames[0][1] == "_run" or frames[0][1] in ("get", "wait") and any(fn == "_run" for _, fn in frames)):
+        return "idle"  # in the inbox's get (C code under _run): no request to step
+    return "server hand-off"
+
+
+_LOOP_ENTRIES = {("asyncio/base_events.py", "_run_once"), ("asyncio/base_events.py", "run_forever"),
+                 ("asyncio/base_events.py", "run_until_complete"), ("asyncio/runners.py", "run")}
+"""Where the event loop itself runs: frames inside it are callbacks (work); none: it polls, or
+runs its own C code (uvloop's reads and writes)."""
+
+
+def loop_stage(frames: list[tuple[str, str]]) -> str:
+    """The stage of an event-loop-thread stack (innermost first)."""
+    entry = next((k for k, (f, fn) in enumerate(frames) if any(f.endswith(e) and fn == n for e, n in _LOOP_ENTRIES)),
+                 len(frames))
+    inner = [(f, fn) for f, fn in frames[:entry] if not f.endswith("selectors.py")]
+    if not inner:
+        return "idle / loop I/O"
+    if any(fn == "_deliver" for _, fn in inner):
+        return "deliver"
+    for f, fn in inner:  # the innermost frame outside the standard library decides
+        if any(p in f for p in _HTTP_PACKAGES):
+            return "HTTP send (ASGI, uvicorn)"
+        if any(f.endswith(c) for c in _CHUNK_FILES) or (f.endswith("serve/app.py") and fn in ("_stream", "chunk")):
+            return "SSE chunks + JSON"
+        if "/megatron_async/" in f:
+            return "request handling"
+    return "asyncio callbacks"
+
+
+@dataclass
+class StageBreakdown:
+    samples: dict[str, Counter] = field(default_factory=lambda: {"engine": Counter(), "loop": Counter()})
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds each thread used while sampled (load on other processes does not change it)."""
+    wall_s: float = 0.0
+
+    @property
+    def cpu_busy(self) -> dict[str, float]:
+        return {n: c / self.wall_s for n, c in self.cpu_s.items()} if self.wall_s else {}
+
+    def shares(self, thread: str) -> dict[str, float]:
+        c = self.samples[thread]
+        total = sum(c.values()) or 1
+        stages = ENGINE_STAGES if thread == "engine" else LOOP_STAGES
+        return {s: c[s] / total for s in stages}
+
+    def format(self, tokens: int = 0) -> str:
+        """``tokens``: streamed in the sampled time, to print each thread's CPU time per token."""
+        lines = []
+        for thread, title in (("engine", "engine thread"), ("loop", "event loop thread")):
+            busy = self.cpu_busy.get(thread)
+            per_token = f", {1e6 * self.cpu_s[thread] / tokens:.1f} us CPU per token" if tokens and busy else ""
+            lines.append(f"{title} ({sum(self.samples[thread].values())} samples"
+                         + ("" if busy is None else f", {busy:.0%} CPU-busy") + per_token + "):")
+            lines += [f"  {s:<28} {v:6.1%}" for s, v in self.shares(thread).items()]
+        return "\n".join(lines)
+
+
+class StageSampler:
+    """``with StageSampler(engine_thread, loop_thread) as s: ...; s.result`` (a StageBreakdown)."""
+
+    def __init__(self, engine_thread: threading.Thread, loop_thread: threading.Thread, interval_s: float = 0.002):
+        self._threads = {"engine": engine_thread, "loop": loop_thread}
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._run, name="stage-sampler", daemon=True)
+        self.result = StageBreakdown()
+
+    def _cpu(self) -> dict[str, float]:
+        out = {}
+        for name, t in self._threads.items():
+            try:
+                out[name] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except (AttributeError, OSError, TypeError):  # not on this platform, or the thread ended
+                pass
+        return out
+
+    def _run(self) -> None:
+        ids = {t.ident: name for name, t in self._threads.items()}
+        classify = {"engine": engine_stage, "loop": loop_stage}
+        while not self._stop.wait(self._interval):
+            for ident, frame in sys._current_frames().items():
+                name = ids.get(ident)
+                if name is None:
+                    continue
+                frames = []
+                while frame is not None:
+                    frames.append((frame.f_code.co_filename.replace("\\", "/"), frame.f_code.co_name))
+                    frame = frame.f_back
+                self.result.samples[name][classify[name](frames)] += 1
+
+    def __enter__(self) -> StageSampler:
+        self._t0, self._cpu0 = time.perf_counter(), self._cpu()
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._sampler.join()
+        wall = time.perf_counter() - self._t0
+        cpu1 = self._cpu()
+        self.result.wall_s = wall
+        self.result.cpu_s = {n: cpu1[n] - self._cpu0[n] for n in cpu1 if n in self._cpu0}

@@ -1,0 +1,163 @@
+"""Server throughput against the offline engine, and where the server's time goes. In one
+process: the engine alone runs the workload (offline tok/s), then the same engine serves it over
+HTTP on a loopback port to streaming openai clients spread over --client-processes processes
+(server tok/s), and again with twice the processes (when that changes the server's tok/s, the
+clients were the bottleneck). During the first server run a sampler files the engine thread's and
+the event loop's stacks under stages (megatron_async/tools/stage_sampler.py) and prints their shares.
+
+    python scripts/measure.py server-breakdown                          # CPU: tiny model, small shape
+    python scripts/measure.py server-breakdown --requests 500 --prompt-len 512 --max-tokens 128 \\
+        --clients 256 --client-processes 8 -- --default-model qwen3-0.6b --device cuda --cuda-graphs --max-requests 256
+Flags after ``--`` are the server's (python -m megatron_async.serve); --model CKPT works too.
+``--stub-step-ms MS`` serves an engine stand-in instead (each step sleeps MS and gives every
+running request a token; scripts/measurements/_server_stub.py): the HTTP path alone at GPU-like
+step rates, on any machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from megatron_async.inference.request import SamplingParams  # noqa: E402
+from megatron_async.tools.load_test import LoadShape, run_load_test_processes, token_prompt_for  # noqa: E402
+from megatron_async.tools.stage_sampler import StageSampler  # noqa: E402
+
+
+def offline_tok_s(engine, requests: int, prompt_len: int, max_tokens: int, offset: int = 0) -> float:
+    """The engine alone, every request added at once (the server's clients would all be waiting)."""
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=max_tokens, ignore_eos=True)
+    ids = {engine.add_request(token_prompt_for(offset + i, prompt_len), params) for i in range(requests)}
+    tokens, t0 = 0, time.perf_counter()
+    while ids:
+        res = engine.step()
+        for out in res.finished:
+            if out.request_id in ids:
+                ids.discard(out.request_id)
+                tokens += len(out.generated_tokens)
+    return tokens / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    server_argv = argv[argv.index("--") + 1:] if "--" in argv else ["--default-model", "tiny", "--device", "cpu",
+                                                                    "--max-requests", "16"]
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt token ids per request")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (EOS ignored)")
+    p.add_argument("--clients", type=int, default=16, help="concurrent streams")
+    p.add_argument("--client-processes", type=int, default=2)
+    p.add_argument("--warmup-requests", type=int, default=None, help="default: --clients")
+    p.add_argument("--skip-client-check", action="store_true", help="no second server run with twice the processes")
+    p.add_argument("--stub-step-ms", type=float, default=None,
+                   help="serve an engine stand-in whose steps take this long (no model)")
+    p.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
+                   help="uvicorn's HTTP implementation (auto: httptools when installed)")
+    p.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+                   help="uvicorn's event loop (auto: uvloop when installed)")
+    p.add_argument("--output-path", default=None, help="write the numbers as JSON")
+    args = p.parse_args(argv)
+
+    import uvicorn
+
+    from megatron_async.serve.__main__ import build_parser, build_state
+    from megatron_async.serve.app import create_app
+    from megatron_async.tools import cli
+    from megatron_async.tools.main_job import load_llm
+
+    sargs = build_parser().parse_args(server_argv)
+    sys.setswitchinterval(sargs.gil_switch_interval_ms / 1000)  # as the server does
+    if args.stub_step_ms is not None:
+        from _server_stub import StubEngine
+
+        from megatron_async.serve.app import ServerState
+        from megatron_async.serve.engine_loop import EngineLoop
+        from megatron_async.serve.metrics import ServerMetrics
+
+        engine, llm = StubEngine(sargs.max_requests or 256, args.stub_step_ms / 1000), None
+    else:
+        cli.resolve_device_args(sargs)
+        llm = load_llm(sargs, stream_text=True)
+        engine = llm.engine
+    warm = args.warmup_requests if args.warmup_requests is not None else args.clients
+    offline_tok_s(engine, warm, args.prompt_len, args.max_tokens, offset=10**6)  # compiles, graph captures
+    offline = offline_tok_s(engine, args.requests, args.prompt_len, args.max_tokens)
+    print(f"offline engine: {offline:.0f} tok/s", flush=True)
+
+    if llm is None:
+        metrics = ServerMetrics("stub")
+        state = ServerState(EngineLoop(engine, metrics), metrics, "stub", None, None, max_model_len=1 << 20,
+                            max_requests=engine.max_requests, max_request_bytes=1 << 25)
+    else:
+        state = build_state(llm, sargs)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning",
+                                           access_log=False, http=args.http, loop=args.loop))
+    results: dict = {"offline_tok_s": offline}
+
+    def drive() -> None:
+        try:
+            while not server.started:
+                time.sleep(0.05)
+            port = server.servers[0].sockets[0].getsockname()[1]
+            url = f"http://127.0.0.1:{port}"
+
+            def load(processes: int, requests: int):
+                return run_load_test_processes(url, state.model_name, processes, args.clients, requests,
+                                               LoadShape(args.max_tokens, args.prompt_len, token_prompts=True))
+
+            load(args.client_processes, warm)
+            steps0 = state.engine_loop.steps
+            with StageSampler(state.engine_loop._thread, main_thread) as sampler:
+                report = load(args.client_processes, args.requests)
+            results["steps"] = state.engine_loop.steps - steps0
+            results["server"] = report
+            results["breakdown"] = sampler.result
+            if not args.skip_client_check:
+                results["server_more_clients"] = load(2 * args.client_processes, args.requests)
+        except BaseException as e:  # noqa: BLE001 -- reported by the main thread
+            results["error"] = e
+        finally:
+            server.should_exit = True
+
+    main_thread = threading.current_thread()
+    state.engine_loop.start()
+    threading.Thread(target=drive, daemon=True).start()
+    try:
+        server.run()  # uvicorn's loop factory: uvloop when installed, unless --loop asyncio
+    finally:
+        state.engine_loop.stop()
+        if llm is not None:
+            llm.close()
+    if "error" in results:
+        raise results["error"]
+    rep, more = results["server"], results.get("server_more_clients")
+    bd = results["breakdown"]
+    print(bd.format(rep.output_tokens))
+    print(f"engine steps: {results['steps']}, {1e3 * rep.wall_s / max(1, results['steps']):.2f} ms apart, "
+          f"{rep.output_tokens / max(1, results['steps']):.1f} tokens each")
+    print(rep.format())
+    rows = [("offline engine", offline, None), (f"server, {rep.processes} client processes", rep.output_tokens_per_s,
+                                                rep.client_cpu_busy)]
+    if more is not None:
+        rows.append((f"server, {more.processes} client processes", more.output_tokens_per_s, more.client_cpu_busy))
+    print(f"\n{'run':<32} {'tok/s':>9} {'of offline':>10} {'busiest client':>15}")
+    for name, tok_s, busy in rows:
+        print(f"{name:<32} {tok_s:>9.0f} {tok_s / offline:>10.0%} {'' if busy is None else f'{busy:.0%} CPU':>15}")
+    ok = rep.ok and (more is None or more.ok)
+    if args.output_path:
+        out = {"offline_tok_s": offline, "server": rep.as_dict(), "server_more_clients": more and more.as_dict(),
+               "breakdown": {t: results["breakdown"].shares(t) for t in ("engine", "loop")},
+               "cpu_busy": results["breakdown"].cpu_busy, "cpu_s": results["breakdown"].cpu_s}
+        Path(args.output_path).write_text(json.dumps(out, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
