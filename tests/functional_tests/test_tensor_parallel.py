@@ -277,7 +277,7 @@ def _abort_worker(rank: int, world: int, ckpt: str) -> dict:
                 if rank == 0:
                     assert eng.abort_request(1)
                 else:
-                    with pytest.raises(RuntimeError, match="cannot add requests or abort them"):
+                    with pytest.raises(RuntimeError, match="cannot add requests, abort them or pause generation"):
                         eng.abort_request(1)
             for o in eng.step().finished:
                 outs[o.request_id] = (o.finish_reason, o.generated_tokens, steps)
