@@ -15,7 +15,7 @@ setup(
         "serve": SERVE,
         # The real-model checkpoint builder (scripts/fetch_smollm2.py): transformers reads GGUF.
         "real": REAL,
-        "test": ["pytest", "hypothesis", "transformers>=4.50", "triton", "openai", *SERVE, *REAL],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "transformers>=4.50", "triton", "openai", *SERVE, *REAL],
         "gpu": ["triton"],
         # engine.suspend / resume on CUDA (InferenceConfig.enable_suspend): device memory by tag.
         "suspend": ["torch-memory-saver>=0.0.10"],
