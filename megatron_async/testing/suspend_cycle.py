@@ -12,11 +12,13 @@ library, so graph pools are released too):
    captured again.
 
     python -m megatron_async.testing.suspend_cycle --default-model qwen3-0.6b [--json PATH]
+    torchrun --nproc-per-node 2 -m megatron_async.testing.suspend_cycle --tensor-parallel-size 2
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -82,21 +84,31 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def _pause(eng, outs: dict, steps: int) -> None:
+def _pause(eng, outs: dict, steps: int, leader: bool) -> None:
+    """Every rank steps alike; rank 0 pauses, each rank lands its in-flight launch once paused."""
     for _ in range(steps):
         outs.update((o.request_id, o) for o in eng.step().finished)
-    eng.pause_generation("keep")
+    if leader:
+        eng.pause_generation("keep")
+    while not eng.is_paused:
+        outs.update((o.request_id, o) for o in eng.step().finished)
     outs.update((o.request_id, o) for o in eng.step().finished)  # the in-flight launch lands
 
 
 def run_cycle(default_model: str = "qwen3-0.6b", num_requests: int = 32, prompt_len: int = 128,
-              output_len: int = 64, dtype: str = "bfloat16", device: str = "cuda", **config) -> SuspendCycle:
+              output_len: int = 64, dtype: str = "bfloat16", device: str = "cuda", tensor_parallel_size: int = 1,
+              expert_parallel_size: int = 1, **config) -> SuspendCycle:
+    """Under torchrun (TP / EP) every rank runs it: rank 0 adds, pauses and resumes generation,
+    every rank suspends and resumes its own memory; the report is this rank's (``tokens_equal``:
+    rank 0's view, which holds every request's outputs)."""
     from megatron_async import LLM, InferenceConfig, SamplingParams
     from megatron_async.models.default_model import DEFAULT_CONFIGS, random_hf_weights
 
     llm = LLM(None, device=device, dtype=dtype, default_model=default_model,
-              inference_config=InferenceConfig(enable_suspend=True, cuda_graphs=device == "cuda", **config))
+              inference_config=InferenceConfig(enable_suspend=True, cuda_graphs=device == "cuda", **config),
+              tensor_parallel_size=tensor_parallel_size, expert_parallel_size=expert_parallel_size)
     eng, st = llm.engine, llm.engine.stats
+    leader = llm.parallel.global_rank == 0
     gen = torch.Generator().manual_seed(0)
     vocab = llm.model.vocab_size
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num_requests)]
@@ -105,18 +117,19 @@ def run_cycle(default_model: str = "qwen3-0.6b", num_requests: int = 32, prompt_
 
     rep = SuspendCycle(default_model, eng.memory.tagged_bytes("weights"), eng.memory.tagged_bytes("kv_cache"),
                        graph_pool_bytes(llm))
-    rids = [eng.add_request(p, params) for p in prompts]
+    rids = [eng.add_request(p, params) for p in prompts] if leader else []
     outs: dict = {}
-    _pause(eng, outs, 4)
+    _pause(eng, outs, 4, leader)
     rep.kept_requests = sum(bool(r.block_ids) for r in eng.context.active.values())
     rep.graph_replays.append(st.graph_replays)
     before = _free()
     rep.suspend_s = _timed(lambda: eng.suspend(BOTH))
     rep.freed_bytes = _free() - before
     rep.full_resume_s = _timed(lambda: eng.resume(BOTH))
-    eng.resume_generation()
+    if leader:
+        eng.resume_generation()
 
-    _pause(eng, outs, output_len // 3)
+    _pause(eng, outs, output_len // 3, leader)
     rep.graph_replays.append(st.graph_replays)
     eng.suspend(BOTH, keep_weights_on_host=False)
     rep.resume_weights_dropped_s = _timed(lambda: eng.resume(("weights",)))
@@ -125,12 +138,13 @@ def run_cycle(default_model: str = "qwen3-0.6b", num_requests: int = 32, prompt_
     rep.update_weights_s = _timed(lambda: llm.update_weights(weights))
     del weights
     rep.resume_kv_s = _timed(lambda: eng.resume(("kv_cache",)))
-    eng.resume_generation()
+    if leader:
+        eng.resume_generation()
     while eng.has_unfinished_requests():
         outs.update((o.request_id, o) for o in eng.step().finished)
     rep.graph_replays.append(st.graph_replays)
     rep.graph_captures_after_warmup = st.graph_captures_after_warmup
-    rep.tokens_equal = [outs[r].generated_tokens for r in rids] == reference
+    rep.tokens_equal = [outs[r].generated_tokens for r in rids] == reference if leader else True
     llm.close()
     return rep
 
@@ -144,14 +158,17 @@ def main(argv: list[str] | None = None) -> SuspendCycle:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the logic (no memory numbers)")
     p.add_argument("--buffer-size-gb", type=float, default=None, help="KV pool (default: what memory planning gives)")
-    p.add_argument("--json", default=None, help="also write the report here")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="under torchrun")
+    p.add_argument("--expert-parallel-size", type=int, default=1, help="under torchrun")
+    p.add_argument("--json", default=None, help="also write the report here (rank 0's)")
     args = p.parse_args(argv)
     config = {} if args.buffer_size_gb is None else {"buffer_size_gb": args.buffer_size_gb}
     rep = run_cycle(args.default_model, args.num_requests, args.prompt_len, args.output_len, args.dtype, args.device,
-                    **config)
+                    args.tensor_parallel_size, args.expert_parallel_size, **config)
     body = {**asdict(rep), "tagged_bytes": rep.tagged_bytes, "freed_fraction": rep.freed_fraction}
-    print(json.dumps(body))
-    if args.json:
+    rank = int(os.environ.get("RANK", 0))
+    print(json.dumps({"rank": rank, **body}))
+    if args.json and rank == 0:
         with open(args.json, "w") as f:
             json.dump(body, f, indent=1)
     return rep

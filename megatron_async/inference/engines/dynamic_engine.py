@@ -226,6 +226,7 @@ class DynamicInferenceEngine:
         self._apply_aborts(out)
         if self._pause is not None and self._pause != "wait":
             return self._step_paused(out, t0)
+        self.memory.check_can_generate()  # under TP / EP rank 0's resume may reach a suspended rank
         if self._pending is None:
             with nvtx_range("schedule"):
                 self._pending = self._launch_slot(out, first=True)
@@ -386,7 +387,9 @@ class DynamicInferenceEngine:
         continue token-identically after ``resume``. ``keep_weights_on_host=False`` drops the
         weights: refill them with ``update_weights`` after ``resume(("weights",))`` and before
         ``resume(("kv_cache",))``. Wrong orders raise ``SuspendError`` and change nothing
-        (engines/suspend.py)."""
+        (engines/suspend.py). Under TP / EP every rank calls it (and ``resume``), like
+        ``update_weights``: each frees its own memory, once ``is_paused`` and the step after it
+        landed the in-flight launch there; paused exchanges are host-only."""
         self.memory.check_enabled()
         if self._pause not in ("keep", "abort"):
             raise SuspendError("suspend while generating: pause_generation('keep') first")

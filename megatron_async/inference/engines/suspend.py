@@ -13,7 +13,8 @@ for a caller that refills them with ``update_weights``; module buffers (rope tab
 
 Order an RL driver follows: suspend(("weights", "kv_cache")), train, resume(("weights",)),
 update_weights(...), resume(("kv_cache",)), resume_generation(). Every other order that would
-lose something is refused with ``SuspendError`` and changes nothing."""
+lose something is refused with ``SuspendError`` and changes nothing. Under TP / EP each rank
+suspends and resumes its own memory (no collective); paused steps exchange on the host only."""
 from __future__ import annotations
 
 from collections.abc import Iterable
