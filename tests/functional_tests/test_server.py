@@ -145,13 +145,16 @@ def test_streamed_prompt_logprobs_add_up_to_the_whole_answer(server, client):
     (prompt entries first, the first null), scoring only (max_tokens 0) too; vLLM's
     prompt_logprobs comes once, in the first chunk, equal to the whole answer's."""
     prompt = "The quick brown fox"
-    for extra in ({"max_tokens": 5, "logprobs": 2}, {"max_tokens": 0, "logprobs": 1}, {"max_tokens": 3, "logprobs": 0}):
+    for extra in ({"max_tokens": 5, "logprobs": 2, "n": 2}, {"max_tokens": 0, "logprobs": 1},
+                  {"max_tokens": 3, "logprobs": 0}):
         ask = dict(model="tiny-chat", prompt=prompt, echo=True, temperature=0.0, extra_body={"ignore_eos": True}, **extra)
-        whole = client.completions.create(**ask).choices[0]
-        chunks = [c.choices[0] for c in client.completions.create(stream=True, **ask) if c.choices]
-        assert "".join(c.text for c in chunks) == whole.text
-        assert chunks[0].logprobs is not None and chunks[0].logprobs.token_logprobs[0] is None
-        assert joined_logprobs([c.logprobs for c in chunks]) == joined_logprobs([whole.logprobs])
+        wholes = client.completions.create(**ask).choices
+        streamed = [c for chunk in client.completions.create(stream=True, **ask) for c in chunk.choices]
+        for whole in wholes:
+            chunks = [c for c in streamed if c.index == whole.index]
+            assert "".join(c.text for c in chunks) == whole.text
+            assert chunks[0].logprobs is not None and chunks[0].logprobs.token_logprobs[0] is None
+            assert joined_logprobs([c.logprobs for c in chunks]) == joined_logprobs([whole.logprobs])
     body = {"model": "tiny-chat", "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
             "logprobs": 1, "prompt_logprobs": 3}
     whole = client.completions.create(**{k: body[k] for k in ("model", "prompt", "max_tokens", "temperature",
