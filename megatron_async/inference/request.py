@@ -178,6 +178,11 @@ class RequestUpdate(NamedTuple):
     ``generated_log_probs``."""
     new_top_n_logprobs: tuple[dict[int, float], ...] | None = None
     """One {token id: log-prob} per new token (``top_n_logprobs`` > 0)."""
+    prompt_log_probs: tuple[float, ...] | None = None
+    """``return_prompt_log_probs``: the whole prompt's log-probs, in the request's first update
+    that has tokens or finishes it (the prefill has landed them all by then), else None."""
+    prompt_top_n_logprobs: tuple[dict[int, float], ...] | None = None
+    """With ``prompt_log_probs`` and ``top_n_logprobs`` > 0: one {token id: log-prob} per entry."""
 
 
 @dataclass
@@ -303,6 +308,9 @@ class DynamicInferenceRequest:
         sp = self.sampling_params
         lps = tuple(self.generated_log_probs[start:]) if sp.return_log_probs else None
         tops = tuple(self.generated_top_n_logprobs[start:]) if sp.top_n_logprobs > 0 else None
+        if start == 0 and sp.return_prompt_log_probs and (new or finished):
+            return RequestUpdate(self.request_id, new, text, finished, reason, lps, tops, tuple(self.prompt_log_probs),
+                                 tuple(self.prompt_top_n_logprobs) if sp.top_n_logprobs > 0 else None)
         return RequestUpdate(self.request_id, new, text, finished, reason, lps, tops)
 
     def to_output(self) -> RequestOutput:

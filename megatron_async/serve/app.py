@@ -164,6 +164,7 @@ def create_app(state: ServerState) -> FastAPI:
         head = resp.ResponseHead("text_completion", state.model_name, resp.new_id("cmpl"))
 
         text_offsets = [0] * len(choices)  # per choice: text of the tokens streamed so far
+        scored = echo.wants_prompt_scores(req)
         ids = resp.TOKENS_SLOT if req.return_token_ids else None
         templates = [resp.JsonTemplate(head.body([resp.completion_chunk_choice(i, resp.TEXT_SLOT, None, ids)]),
                                        (resp.TEXT_SLOT, resp.TOKENS_SLOT) if ids else (resp.TEXT_SLOT,))
@@ -171,20 +172,26 @@ def create_app(state: ServerState) -> FastAPI:
 
         def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool,
                   upd: RequestUpdate | None = None) -> dict | str:
-            lp = None
+            lp = prompt_lp = None
             if first and echoed is not None:
                 text = echoed[i // req.n] + text
-            if upd is not None and upd.new_tokens and upd.new_log_probs is not None:
+            if scored and upd is not None:  # prompt log-probs in the chunk after the prefill (serve/echo.py)
+                lp, prompt_lp = echo.stream_logprobs(req, choices[i].prompt_tokens, upd, text_of, text_offsets[i])
+            elif upd is not None and upd.new_tokens and upd.new_log_probs is not None:
                 lp = resp.completion_logprobs(upd.new_tokens, upd.new_log_probs, upd.new_top_n_logprobs, text_of,
                                               text_offsets[i])
+            if lp is not None:
                 text_offsets[i] += sum(len(t) for t in lp["tokens"])
-            if lp is None and finish is None:  # the common chunk: only its text (and ids) are encoded
+            if lp is None and prompt_lp is None and finish is None:  # the common chunk: only its text (and ids)
                 return templates[i](text) if tokens is None else templates[i](text, tokens)
-            return head.body([resp.completion_chunk_choice(i, text, finish, tokens, lp)])
+            body = resp.completion_chunk_choice(i, text, finish, tokens, lp)
+            if prompt_lp is not None:
+                body["prompt_logprobs"] = prompt_lp
+            return head.body([body])
 
         def whole(outs: list[RequestOutput]) -> dict:
             body = [resp.completion_choice(i, o, text_of, req.return_token_ids) for i, o in enumerate(outs)]
-            if echoed is not None or echo.wants_prompt_scores(req):
+            if echoed is not None or scored:
                 body = [echo.echo_choice(c, req, o, echoed[i // req.n] if echoed else "", text_of)
                         for i, (c, o) in enumerate(zip(body, outs))]
             return head.body(body, usage=_usage(prompts, outs))

@@ -6,11 +6,13 @@
 prompt only. vLLM's extra ``prompt_logprobs: k`` adds ``choices[i].prompt_logprobs``: ``null``
 for the first token, then per token a dict of token id -> {logprob, rank, decoded_token} holding
 the prompt's own token and the top k (rank: 1 for the best; the prompt token's rank is given
-when it is among the top k, else null). Streams echo the prompt text in the first chunk; prompt
-log-probs come whole only (a stream asking for them is refused)."""
+when it is among the top k, else null). Streams echo the prompt text in the first chunk, and
+the prompt's log-probs (legacy ``logprobs`` entries before the tokens', or ``prompt_logprobs``)
+in the first chunk after the prefill (the one with the first token, or the end with max_tokens
+0): the chunks concatenate to the whole response."""
 from __future__ import annotations
 
-from megatron_async.inference.request import RequestOutput, SamplingParams
+from megatron_async.inference.request import RequestOutput, RequestUpdate, SamplingParams
 from megatron_async.serve.openai_protocol import BadRequest, CompletionRequest
 from megatron_async.serve.responses import TokenText, completion_logprobs
 
@@ -18,9 +20,6 @@ from megatron_async.serve.responses import TokenText, completion_logprobs
 def check_echo_options(req: CompletionRequest) -> None:
     if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
         raise BadRequest("max_tokens 0 needs echo or prompt_logprobs (it scores the prompt only)", "max_tokens")
-    if req.stream and (req.prompt_logprobs is not None or req.echo and req.logprobs is not None):
-        raise BadRequest("prompt log-probs (echo with logprobs, prompt_logprobs) are not streamed; use stream false",
-                         "stream")
 
 
 def wants_prompt_scores(req: CompletionRequest) -> bool:
@@ -45,30 +44,54 @@ def _top(tops: list[dict[int, float]] | None, k: int | None) -> list[dict[int, f
     return [dict(list(t.items())[:k]) for t in tops] if tops is not None and k else None
 
 
+def _entries(req: CompletionRequest, prompt_tokens, prompt_log_probs, prompt_top_n, tokens, log_probs, top_n):
+    """(tokens, log-probs, top entries cut to ``logprobs``) of the legacy object: with echo and the
+    prompt's log-probs given, the prompt's entries (the first null) before the tokens'."""
+    k = req.logprobs
+    tokens, log_probs, tops = list(tokens), list(log_probs or ()), _top(top_n, k)
+    if req.echo and prompt_log_probs is not None:
+        prompt_tops = _top(prompt_top_n, k)
+        tokens, log_probs = list(prompt_tokens) + tokens, [None, *prompt_log_probs, *log_probs]
+        tops = [None, *prompt_tops, *tops] if prompt_tops is not None else None
+    return tokens, log_probs, tops
+
+
 def echo_choice(choice: dict, req: CompletionRequest, out: RequestOutput, prompt_text: str, text_of: TokenText) -> dict:
     """A whole completion choice (``responses.completion_choice``) with the echo / prompt
     log-prob parts this request asked for."""
-    k = req.logprobs
     if req.echo:
         choice["text"] = prompt_text + choice["text"]
-    if k is not None:
-        gen = (out.generated_tokens, out.generated_log_probs, _top(out.generated_top_n_logprobs, k))
-        if req.echo:
-            prompt_tops = _top(out.prompt_top_n_logprobs, k)
-            lps = [None, *out.prompt_log_probs, *gen[1]]
-            tops = [None, *prompt_tops, *gen[2]] if prompt_tops is not None else None
-            choice["logprobs"] = completion_logprobs(out.prompt_tokens + gen[0], lps, tops, text_of)
-        else:
-            choice["logprobs"] = completion_logprobs(*gen, text_of)
+    if req.logprobs is not None:
+        choice["logprobs"] = completion_logprobs(*_entries(req, out.prompt_tokens, out.prompt_log_probs,
+                                                           out.prompt_top_n_logprobs, out.generated_tokens,
+                                                           out.generated_log_probs, out.generated_top_n_logprobs),
+                                                 text_of)
     if req.prompt_logprobs is not None:
-        choice["prompt_logprobs"] = vllm_prompt_logprobs(out, req.prompt_logprobs, text_of)
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_tokens, out.prompt_log_probs,
+                                                         out.prompt_top_n_logprobs, req.prompt_logprobs, text_of)
     return choice
 
 
-def vllm_prompt_logprobs(out: RequestOutput, k: int, text_of: TokenText) -> list[dict | None]:
-    tops = out.prompt_top_n_logprobs or [{}] * len(out.prompt_log_probs)
+def stream_logprobs(req: CompletionRequest, prompt_tokens: list[int], upd: RequestUpdate, text_of: TokenText,
+                    offset: int) -> tuple[dict | None, list[dict | None] | None]:
+    """A streamed chunk's legacy ``logprobs`` (``offset``: the text before it) and
+    ``prompt_logprobs``, None where the chunk has none. The update carrying the prompt's
+    log-probs puts them, with echo, before its own tokens' (as ``echo_choice`` does)."""
+    prompt, lp = upd.prompt_log_probs, None
+    if req.logprobs is not None:
+        entries = _entries(req, prompt_tokens, prompt, upd.prompt_top_n_logprobs, upd.new_tokens, upd.new_log_probs,
+                           upd.new_top_n_logprobs)
+        lp = completion_logprobs(*entries, text_of, offset) if entries[0] else None
+    plp = None
+    if req.prompt_logprobs is not None and prompt is not None:
+        plp = vllm_prompt_logprobs(prompt_tokens, prompt, upd.prompt_top_n_logprobs, req.prompt_logprobs, text_of)
+    return lp, plp
+
+
+def vllm_prompt_logprobs(prompt_tokens: list[int], log_probs, top_n, k: int, text_of: TokenText) -> list[dict | None]:
+    tops = top_n or [{}] * len(log_probs)
     result: list[dict | None] = [None]
-    for token, lp, top in zip(out.prompt_tokens[1:], out.prompt_log_probs, tops):
+    for token, lp, top in zip(prompt_tokens[1:], log_probs, tops):
         best = list(top.items())[:k]
         entry = {str(t): {"logprob": v, "rank": r, "decoded_token": text_of(t)} for r, (t, v) in enumerate(best, 1)}
         if str(token) not in entry:

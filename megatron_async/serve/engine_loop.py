@@ -51,7 +51,9 @@ def merge_updates(a: RequestUpdate, b: RequestUpdate) -> RequestUpdate:
     text = None if a.new_text is None and b.new_text is None else (a.new_text or "") + (b.new_text or "")
     lps = None if a.new_log_probs is None else a.new_log_probs + (b.new_log_probs or ())
     tops = None if a.new_top_n_logprobs is None else a.new_top_n_logprobs + (b.new_top_n_logprobs or ())
-    return RequestUpdate(a.request_id, a.new_tokens + b.new_tokens, text, b.finished, b.finish_reason, lps, tops)
+    prompt = a if a.prompt_log_probs is not None else b
+    return RequestUpdate(a.request_id, a.new_tokens + b.new_tokens, text, b.finished, b.finish_reason, lps, tops,
+                         prompt.prompt_log_probs, prompt.prompt_top_n_logprobs)
 
 
 def merge_events(events: list[ChoiceEvent]) -> tuple[str | None, dict[int, RequestUpdate], dict[int, RequestOutput]]:

@@ -92,6 +92,39 @@ def test_scoring_only_and_top_n(qwen3, monkeypatch):
     assert bad.finish_reason == "error" and "num_tokens_to_generate" in bad.error
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_streamed_updates_carry_the_whole_prompt_once(qwen3, async_scheduling):
+    """Streaming: the first update with tokens (or the one that ends a scoring-only request)
+    carries the whole prompt's log-probs and top-n, equal to the final output's; prompts span
+    several prefill chunks, and a request without prompt scoring gets none."""
+    path, _ = qwen3
+    llm = make_llm(path, max_tokens=16, async_scheduling=async_scheduling)
+    eng = llm.engine
+    scored = SamplingParams(top_k=1, num_tokens_to_generate=4, return_prompt_log_probs=True, top_n_logprobs=2)
+    asks = [(p, scored) for p in random_prompts(3, 20, 45, VOCAB, seed=11)]
+    asks += [(asks[0][0], SamplingParams(top_k=1, num_tokens_to_generate=0, return_prompt_log_probs=True)),
+             (asks[1][0], SamplingParams(top_k=1, num_tokens_to_generate=3))]
+    ids = [eng.add_request(p, sp) for p, sp in asks]
+    updates, outs = {i: [] for i in ids}, {}
+    while eng.has_unfinished_requests():
+        res = eng.step()
+        for u in res.updates:
+            updates[u.request_id].append(u)
+        outs.update((o.request_id, o) for o in res.finished)
+    for (prompt, sp), rid in zip(asks, ids):
+        carrying = [k for k, u in enumerate(updates[rid]) if u.prompt_log_probs is not None]
+        if not sp.return_prompt_log_probs:
+            assert carrying == [] and all(u.prompt_top_n_logprobs is None for u in updates[rid])
+            continue
+        first = next(k for k, u in enumerate(updates[rid]) if u.new_tokens or u.finished)
+        assert carrying == [first], (carrying, first)
+        u, out = updates[rid][first], outs[rid]
+        assert len(u.prompt_log_probs) == len(prompt) - 1 and list(u.prompt_log_probs) == out.prompt_log_probs
+        tops = None if u.prompt_top_n_logprobs is None else list(u.prompt_top_n_logprobs)
+        assert tops == out.prompt_top_n_logprobs and (tops is not None) == (sp.top_n_logprobs > 0)
+    assert eng.stats.prefill_steps > len(asks)  # prompts did span several chunks
+
+
 def test_prefix_cache_hits_do_not_leave_holes(qwen3):
     """A request scoring its prompt recomputes what the prefix cache holds (others hit it)."""
     path, ref = qwen3

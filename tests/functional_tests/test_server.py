@@ -119,9 +119,54 @@ def test_echo_and_prompt_logprobs(server, client, llm):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="tiny-chat", prompt=prompt, max_tokens=4, echo=True, stream=True, **GREEDY))
     assert streamed == prompt + ref.generated_text
-    for bad in ({"max_tokens": 0}, {"max_tokens": 2, "stream": True, "extra_body": {"prompt_logprobs": 1}}):
+    for bad in ({"max_tokens": 0}, {"max_tokens": 0, "stream": True}):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="tiny-chat", prompt=prompt, **bad)
+
+
+def sse_chunks(server, body: dict) -> list[dict]:
+    """A streamed /v1/completions answer, parsed by hand (fields the client does not know kept)."""
+    req = urllib.request.Request(f"{server.url}/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        events = [line[len(b"data: "):] for line in r.read().splitlines() if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def joined_logprobs(parts: list) -> dict:
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {k: sum((getattr(p, k) or [] for p in parts if p is not None), []) for k in keys}
+
+
+def test_streamed_prompt_logprobs_add_up_to_the_whole_answer(server, client):
+    """A stream asking for prompt log-probs gets them in the chunk after the prefill: with echo and
+    logprobs the streamed chunks' legacy logprobs and text concatenate to the whole answer's
+    (prompt entries first, the first null), scoring only (max_tokens 0) too; vLLM's
+    prompt_logprobs comes once, in the first chunk, equal to the whole answer's."""
+    prompt = "The quick brown fox"
+    for extra in ({"max_tokens": 5, "logprobs": 2, "n": 2}, {"max_tokens": 0, "logprobs": 1},
+                  {"max_tokens": 3, "logprobs": 0}):
+        ask = dict(model="tiny-chat", prompt=prompt, echo=True, temperature=0.0, extra_body={"ignore_eos": True}, **extra)
+        wholes = client.completions.create(**ask).choices
+        streamed = [c for chunk in client.completions.create(stream=True, **ask) for c in chunk.choices]
+        for whole in wholes:
+            chunks = [c for c in streamed if c.index == whole.index]
+            assert "".join(c.text for c in chunks) == whole.text
+            assert chunks[0].logprobs is not None and chunks[0].logprobs.token_logprobs[0] is None
+            assert joined_logprobs([c.logprobs for c in chunks]) == joined_logprobs([whole.logprobs])
+    body = {"model": "tiny-chat", "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+            "logprobs": 1, "prompt_logprobs": 3}
+    whole = client.completions.create(**{k: body[k] for k in ("model", "prompt", "max_tokens", "temperature",
+                                                                "logprobs")},
+                                      extra_body={"ignore_eos": True, "prompt_logprobs": 3}).choices[0]
+    chunks = [c["choices"][0] for c in sse_chunks(server, body)]
+    carrying = [k for k, c in enumerate(chunks) if "prompt_logprobs" in c]
+    assert carrying == [0] and chunks[0]["prompt_logprobs"] == whole.model_extra["prompt_logprobs"]
+    streamed = [c["logprobs"] for c in chunks if c["logprobs"] is not None]
+    assert all(len(t) == 1 for lp in streamed for t in lp["top_logprobs"])  # logprobs 1, not prompt_logprobs' 3
+    assert sum((lp["token_logprobs"] for lp in streamed), []) == whole.logprobs.token_logprobs
+    assert "".join(c["text"] for c in chunks) == whole.text
 
 
 def test_chat_uses_the_checkpoint_template(server, client, llm, ckpt):

@@ -151,6 +151,7 @@ class RequestBook:
             if not req.max_generated_tokens:  # scoring only: its prefill's sample is not kept
                 req.finish_reason = FinishReason.LENGTH
                 ctx.release(req)
+                req.status = finished_status  # its update says finished, as every other ending's does
                 finished.append(req)
                 continue
             first = i if base is None else base[i]

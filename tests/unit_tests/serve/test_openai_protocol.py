@@ -80,19 +80,20 @@ def test_chat_messages():
 
 
 def test_echo_options():
-    """max_tokens 0 scores the prompt (echo or prompt_logprobs); prompt log-probs are not streamed."""
+    """max_tokens 0 scores the prompt (echo or prompt_logprobs), streamed or not; alone it is refused."""
     from megatron_async.serve.echo import check_echo_options, with_prompt_scoring
 
     def parsed(**body):
         return parse_body(CompletionRequest, {"prompt": "x", **body})
 
-    for bad, param in (({"max_tokens": 0}, "max_tokens"), ({"stream": True, "prompt_logprobs": 1}, "stream"),
-                       ({"stream": True, "echo": True, "logprobs": 1}, "stream")):
+    for bad, param in (({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 0, "stream": True}, "max_tokens")):
         with pytest.raises(BadRequest) as e:
             check_echo_options(parsed(**bad))
         assert e.value.param == param
     check_echo_options(parsed(max_tokens=0, echo=True))
-    check_echo_options(parsed(stream=True, echo=True))
+    for good in ({"stream": True, "echo": True}, {"stream": True, "prompt_logprobs": 1},
+                 {"stream": True, "echo": True, "logprobs": 1, "max_tokens": 0}):
+        check_echo_options(parsed(**good))
     req = parsed(max_tokens=3, echo=True, logprobs=1, prompt_logprobs=4)
     sp = with_prompt_scoring(req, sampling_params(req, 3, 1))
     assert sp.return_prompt_log_probs and sp.top_n_logprobs == 4

@@ -34,6 +34,16 @@ def test_merged_updates_equal_their_concatenation():
             assert merged.new_log_probs is None and merged.new_top_n_logprobs is None
 
 
+def test_merged_updates_keep_the_prompt_log_probs_of_whichever_carried_them():
+    prompt = ((-0.5, -1.5), ({3: -0.5}, {4: -1.5}))
+    first = RequestUpdate(7, (1,), "a", False, None, (-0.1,), None, *prompt)
+    later = RequestUpdate(7, (2,), "b", True, "length", (-0.2,), None)
+    for a, b in ((first, later), (RequestUpdate(7, (), "", False, None, (), None), first)):
+        merged = merge_updates(a, b)
+        assert (merged.prompt_log_probs, merged.prompt_top_n_logprobs) == prompt
+    assert merge_updates(later, later).prompt_log_probs is None
+
+
 def test_merge_events_groups_by_choice_and_stops_at_an_error():
     a = [RequestUpdate(1, (i,), f"a{i}", False, None) for i in range(3)]
     b = [RequestUpdate(2, (10 + i,), None, False, None) for i in range(2)]
