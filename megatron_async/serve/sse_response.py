@@ -38,26 +38,30 @@ class SSEResponse(Response):
             self._on_close()  # aborts what is still running; a no-op for finished requests
 
     async def __call__(self, scope, receive, send) -> None:
-        task = asyncio.current_task()
+        # The chunks go out from a task of its own: each wake-up then resumes a short stack, not
+        # the whole chain of ASGI middleware frames that called this response.
+        stream = asyncio.ensure_future(self._send_all(send))
 
         def client_gone(watcher: asyncio.Future) -> None:
             if not watcher.cancelled() and not self._closed:
                 self._close()
-                task.cancel()
+                stream.cancel()
 
         gone = asyncio.ensure_future(client_disconnect(receive))
         gone.add_done_callback(client_gone)
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for body in self._events:
-                await send({"type": "http.response.body", "body": body.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await stream
         except asyncio.CancelledError:
-            if not (gone.done() and not gone.cancelled() and self._closed):
-                raise  # cancelled from outside (server shutdown), not because the client left
-            task.uncancel()  # the client left: the response simply ends
+            if asyncio.current_task().cancelling():
+                raise  # cancelled from outside (server shutdown; the stream with it), not because the client left
         except OSError:  # a server that reports a closed connection on send
             pass
         finally:
             gone.cancel()
             self._close()
+
+    async def _send_all(self, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async for body in self._events:
+            await send({"type": "http.response.body", "body": body.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
