@@ -18,7 +18,7 @@ from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate
@@ -32,6 +32,7 @@ from megatron_async.serve.admin_routes import add_admin_routes
 from megatron_async.serve.chat_output import ChatOutputFormat, chunk_choices
 from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission, merge_events
 from megatron_async.serve.metrics import CONTENT_TYPE, ServerMetrics
+from megatron_async.serve.sse_response import SSEResponse, client_disconnect
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 OFF_LOOP_BYTES = 64 * 2**10
@@ -75,31 +76,8 @@ def max_prompt_chars(tokenizer, max_model_len: int) -> int:
     return max_model_len * max(1, max_token_chars(tokenizer)) * MAX_COMPOSED_CHARS
 
 
-async def _client_disconnect(request: Request) -> None:
-    """Returns when the client closes the connection (the request body was already read, so
-    the next ASGI message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 class _ClientGone(Exception):
     pass
-
-
-class _SSEResponse(StreamingResponse):
-    """Server-sent events that call ``on_close`` however the response ends: all sent, a choice
-    failed, or the client went away (Starlette then cancels the stream, possibly before the
-    generator ever started, so a ``finally`` inside it would not be enough)."""
-
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()  # aborts what is still running; a no-op for finished requests
 
 
 def _error(message: str, status: int = 400, param: str | None = None) -> Response:
@@ -313,7 +291,7 @@ def create_app(state: ServerState) -> FastAPI:
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             events = _stream(sub, head, chunk, prompts if include_usage else None, req.return_token_ids)
-            return _SSEResponse(events, on_close=lambda: state.engine_loop.abort(sub))
+            return SSEResponse(events, on_close=lambda: state.engine_loop.abort(sub))
         try:
             outs = await _collect(request, sub)
         except _ClientGone:
@@ -327,7 +305,7 @@ def create_app(state: ServerState) -> FastAPI:
         (a watcher waits for the ASGI disconnect message: no polling interval to race with)."""
         outs: list[RequestOutput | None] = [None] * len(sub.choices)
         done = 0
-        gone = asyncio.ensure_future(_client_disconnect(request))
+        gone = asyncio.ensure_future(client_disconnect(request.receive))
         try:
             while done < len(outs):
                 nxt = asyncio.ensure_future(sub.events.get())
@@ -373,7 +351,7 @@ def create_app(state: ServerState) -> FastAPI:
                 parts.append(resp.sse(chunk(i, "", out.finish_reason, tokens, not started[i])))
                 started[i] = True
                 finished += 1
-            if error is not None:  # end the stream; _SSEResponse aborts the other choices
+            if error is not None:  # end the stream; SSEResponse aborts the other choices
                 parts.append(resp.sse(resp.error_body(error, 500)))
                 yield "".join(parts)
                 return
