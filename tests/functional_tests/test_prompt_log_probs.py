@@ -235,3 +235,36 @@ def test_tensor_parallel_two_ranks(tmp_path):
         expected = hf_prompt_log_probs(ref, p)
         assert (torch.tensor(lps) - expected).abs().max().item() < 1e-5
         assert len(tops) == len(p) - 1 and all(len(t) == 2 for t in tops)
+
+
+def _ep_worker(rank: int, world: int, prompts: list[list[int]]) -> list:
+    from megatron_async import LLM, InferenceConfig
+
+    config = InferenceConfig(block_size_tokens=4, num_kv_blocks=128, max_requests=4, max_tokens=16,
+                             max_sequence_length=96)
+    llm = LLM(None, inference_config=config, default_model="tiny-moe", expert_parallel_size=world)
+    try:  # every rank generates; each serves its share and rank 0 reports every request
+        sp = SamplingParams(top_k=1, num_tokens_to_generate=3, return_prompt_log_probs=True, top_n_logprobs=2)
+        outs = llm.generate(prompts, sp)
+        return [(o.prompt_log_probs, o.prompt_top_n_logprobs, llm.engine.stats.prefill_steps) for o in outs]
+    finally:
+        llm.close()
+
+
+def test_expert_parallel_two_ranks_equal_one_engine():
+    """EP=2 (gloo, the built-in tiny MoE): prompt positions scored in steps whose MoE layers
+    exchange tokens between ranks give one engine's prompt log-probs and top-n."""
+    from megatron_async import LLM, InferenceConfig
+    from megatron_async.testing.multiprocess import run_ranks
+
+    prompts = random_prompts(4, 10, 40, 256, seed=11)
+    got = run_ranks(_ep_worker, 2, prompts, timeout_s=240)[0]
+    one = LLM(None, inference_config=InferenceConfig(block_size_tokens=4, num_kv_blocks=128, max_requests=4,
+                                                      max_tokens=16, max_sequence_length=96), default_model="tiny-moe")
+    ref = one.generate(prompts, SamplingParams(top_k=1, num_tokens_to_generate=3, return_prompt_log_probs=True,
+                                               top_n_logprobs=2))
+    assert max(map(len, prompts)) > 16 and got[0][2] >= 2  # a prompt longer than a step's 16 tokens: chunked
+    for p, (lps, tops, _), r in zip(prompts, got, ref):
+        assert len(lps) == len(p) - 1 and len(tops) == len(p) - 1
+        assert lps == pytest.approx(r.prompt_log_probs, abs=1e-5)
+        assert [sorted(t) for t in tops] == [sorted(t) for t in r.prompt_top_n_logprobs]
