@@ -31,10 +31,13 @@ class ModeResult:
     """The engine's startup warm-up: seconds, memory_gib, graphs, triton_builds."""
     mean_decode_batch: float | None = None
     decode_floor_ms: float | None = None
+    decode_expert_share: float | None = None
+    """MoE: the share of routed experts' weights the decode floor counts, measured by routing
+    replay for a step of ``mean_decode_batch`` rows (``tools/active_experts.py``)."""
     step_over_floor: float | None = None
     mixed_floor_ms: float | None = None
     """Least FLOPs of a mean mixed step (its prefill tokens' matmuls and causal attention) at the
-    measured matmul rate (``roofline.prefill_flops``); None for MoE models."""
+    measured matmul rate (``roofline.prefill_flops``; MoE: each token through its top-k experts)."""
     mixed_over_floor: float | None = None
     latency_ms: dict[str, float | None] = field(default_factory=dict)
     """ttft_p50_ms, ttft_p99_ms, itl_p50_ms, itl_p99_ms (engine modes)."""
@@ -125,7 +128,16 @@ def format_table(results: list[ModeResult]) -> str:
             lines.append("-" * len(lines[0]))
     settings = sorted({(r.mode, r.settings) for r in results if r.settings})
     lines += ["", "settings:"] + [f"  {m}: {s}" for m, s in settings]
+    floors = [_floor_line(r) for r in results if r.decode_floor_ms]
+    if floors:
+        lines += ["", "floors:"] + floors
     return "\n".join(lines)
+
+
+def _floor_line(r: ModeResult) -> str:
+    experts = "" if r.decode_expert_share is None else f", {r.decode_expert_share:.1%} of routed experts' weights read"
+    mixed = "" if r.mixed_floor_ms is None else f"; mixed step {r.mixed_floor_ms:.2f} ms"
+    return f"  {r.mode} {r.workload}: decode step {r.decode_floor_ms:.2f} ms at batch {r.mean_decode_batch:.1f}{experts}{mixed}"
 
 
 def plot_step_times(results: list[ModeResult], path: Path) -> str:

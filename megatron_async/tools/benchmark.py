@@ -28,6 +28,7 @@ from megatron_async.tools.bench_report import HF_PEERS, ModeResult, add_ratios, 
 from megatron_async.tools.compile_counter import CompileCounter
 from megatron_async.tools.driver import StatsWindow, WorkloadRun, run_workload
 from megatron_async.tools.gpu_idle import profile_run
+from megatron_async.tools.active_experts import decode_expert_share
 from megatron_async.tools.roofline import (
     decode_floor, mean_context_per_output_token, measure_copy_bandwidth, measure_matmul_flops, prefill_flops,
 )
@@ -169,6 +170,7 @@ class Benchmark:
             "warmup_requests": len(self.warmup),
         }
         self.serial_tokens: dict[tuple[str, str], list[list[int] | None]] = {}
+        self.expert_shares: dict[int, float | None] = {}
 
     def time_left(self) -> bool:
         return time.perf_counter() < self.deadline
@@ -282,8 +284,11 @@ class Benchmark:
         window = StatsWindow(llm.engine)
         with CompileCounter(llm.runner.graphs) as compiles:
             run = run_workload(llm.engine, self.requests, make, deadline=self.deadline)
-        summary = summarize(run, window.stats(), self.device)
-        floor = decode_floor(llm.model, self.dtype, run.mean_decode_batch, self.info["mean_context"], self.bandwidth)
+        st = window.stats()
+        summary = summarize(run, st, self.device)
+        share = self._expert_share(llm, run.mean_decode_batch)  # after the window: it runs requests
+        floor = decode_floor(llm.model, self.dtype, run.mean_decode_batch, self.info["mean_context"], self.bandwidth,
+                             1.0 if share is None else share)
         first, worst, slow = step_outliers(run)
         res = ModeResult(
             mode, wl, "timed_out" if run.timed_out else "ok",
@@ -292,7 +297,7 @@ class Benchmark:
             startup_warmup=startup, mean_mixed_step_ms=summary.mean_prefill_step_ms or None,
             output_tokens=run.output_tokens, wall_time_s=run.wall_time, output_tokens_per_s=summary.output_tokens_per_s,
             mean_decode_step_ms=summary.mean_decode_step_ms, mean_decode_batch=run.mean_decode_batch,
-            decode_floor_ms=1e3 * floor.seconds, latency_ms=run.latency_ms(), summary=summary.as_dict(),
+            decode_floor_ms=1e3 * floor.seconds, decode_expert_share=share, latency_ms=run.latency_ms(), summary=summary.as_dict(),
             first_step_ms=first, max_step_ms=worst, slow_steps=slow,
             triton_builds=compiles.triton_builds if compiles._knobs is not None else None,
             graph_captures=compiles.graph_captures, built_kernels=compiles.kernels,
@@ -300,9 +305,8 @@ class Benchmark:
         )
         if res.mean_decode_step_ms:
             res.step_over_floor = res.mean_decode_step_ms / res.decode_floor_ms
-        st = window.stats()
         flops = prefill_flops(llm.model, [len(r.prompt) for r in self.requests], st.prefill_tokens)
-        if flops is not None and st.prefill_steps and res.mean_mixed_step_ms:
+        if st.prefill_steps and res.mean_mixed_step_ms:
             res.mixed_floor_ms = 1e3 * flops / st.prefill_steps / self.matmul_flops
             res.mixed_over_floor = res.mean_mixed_step_ms / res.mixed_floor_ms
         tokens = [o.generated_tokens if o is not None else None for o in run.outputs]
@@ -310,6 +314,16 @@ class Benchmark:
             self.serial_tokens[(wl, mode)] = tokens
         res.same_tokens_as_serial = self._match_serial(wl, mode, tokens)
         return res
+
+    def _expert_share(self, llm: LLM, batch: float | None) -> float | None:
+        """MoE: the share of routed experts a decode step of this many rows of the workload reads
+        (measured once per batch size); None for dense models or without decode steps."""
+        if not batch:
+            return None
+        rows = max(1, round(batch))
+        if rows not in self.expert_shares:
+            self.expert_shares[rows] = decode_expert_share(llm, [r.prompt for r in self.requests], rows)
+        return self.expert_shares[rows]
 
     def _match_serial(self, wl: str, mode: str, tokens: list[list[int] | None]) -> float | None:
         """Share of requests whose tokens equal the serial engine's: with graphs (``*_graphs``,
@@ -321,11 +335,14 @@ class Benchmark:
         return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
 
 
-def _prepare_checkpoint(args: argparse.Namespace, tmp: str) -> tuple[str | None, list[str]]:
-    """The checkpoint both sides load, and notes. Without transformers (and no --model) the
-    engine runs its own built-in model and the HF modes are skipped."""
+def _prepare_checkpoint(args: argparse.Namespace, tmp: str, hf_modes: list[str]) -> tuple[str | None, list[str]]:
+    """The checkpoint both sides load, and notes. Without HF modes or without transformers (and
+    no --model) the engine runs its own built-in model (the same weights a written checkpoint
+    holds), and the HF modes are skipped."""
     if args.model:
         return args.model, []
+    if not hf_modes:
+        return None, []
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -341,7 +358,7 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_modes = [m for m in args.modes if m in HF_PEERS]
     with tempfile.TemporaryDirectory(prefix="megatron_async_bench_") as tmp:
-        checkpoint, notes = _prepare_checkpoint(args, tmp)
+        checkpoint, notes = _prepare_checkpoint(args, tmp, hf_modes)
         bench = Benchmark(args, checkpoint)
         print(f"benchmark: {checkpoint or 'built-in ' + args.default_model} on {args.device} ({args.dtype}); "
               f"{len(bench.requests)} requests, prompts {args.prompt_len_min}-{args.prompt_len_max}, outputs "

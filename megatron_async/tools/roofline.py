@@ -1,6 +1,6 @@
 """Floors of a step. Decode: every weight and every cached K/V (and Mamba state) a step needs is
-read once, at the bandwidth a plain device copy reaches. Mixed (prefill) steps: their least
-FLOPs at the rate a large matmul reaches."""
+read once, at the bandwidth a plain device copy reaches; an MoE step reads only the experts its
+rows route to. Mixed (prefill) steps: their least FLOPs at the rate a large matmul reaches."""
 from __future__ import annotations
 
 import time
@@ -49,6 +49,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def expert_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the routed experts' stacked weights (the 3-D parameters, [experts, out, in])."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 3)
+
+
 def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
     spec = model.kv_cache_spec()
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=dtype).element_size()
@@ -74,7 +79,8 @@ def mean_context_per_output_token(prompt_lens: list[int], output_lens: list[int]
 
 @dataclass(frozen=True)
 class DecodeFloor:
-    weight_bytes: int
+    weight_bytes: float
+    """Bytes of the weights the step reads (MoE: the routed experts at the step's share)."""
     kv_bytes: float
     state_bytes: float
     bandwidth: float
@@ -85,11 +91,14 @@ class DecodeFloor:
         return (self.weight_bytes + self.kv_bytes + self.state_bytes) / self.bandwidth
 
 
-def decode_floor(model: CausalLM, dtype: torch.dtype, batch: float, mean_context: float, bandwidth: float) -> DecodeFloor:
+def decode_floor(model: CausalLM, dtype: torch.dtype, batch: float, mean_context: float, bandwidth: float,
+                 expert_share: float = 1.0) -> DecodeFloor:
     """Floor of one decode step over ``batch`` rows of ``mean_context`` cached tokens each;
-    Mamba states are read and written back."""
+    Mamba states are read and written back. ``expert_share``: the share of the routed experts'
+    weights the step reads (``active_experts.decode_expert_share`` measures it; 1.0: all)."""
+    experts = expert_weight_bytes(model)
     return DecodeFloor(
-        weight_bytes=weight_bytes(model),
+        weight_bytes=weight_bytes(model) - experts + expert_share * experts,
         kv_bytes=batch * mean_context * kv_bytes_per_token(model, dtype),
         state_bytes=2 * batch * state_bytes_per_request(model, dtype),
         bandwidth=bandwidth,
@@ -106,20 +115,23 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None
     return 2 * n**3 * iters / _seconds(lambda: a @ b, device, iters)
 
 
-def prefill_flops(model: CausalLM, prompt_lens: list[int], prefilled_tokens: int) -> float | None:
+def prefill_flops(model: CausalLM, prompt_lens: list[int], prefilled_tokens: int) -> float:
     """Least FLOPs of prefilling ``prefilled_tokens`` tokens of these prompts: every token through
-    every 2-D weight but the embedding and LM head (logits are only taken at a chunk's end), and
-    causal attention over its prefix (QK^T and PV) in every attention layer; the prompts' pairs
-    are scaled by the share of their tokens prefilled. Mamba scans and norms are left out (it is a
-    floor). None for MoE models, whose active weights per token depend on the routing."""
+    every 2-D weight but the embedding and LM head (logits are only taken at a chunk's end) and,
+    in an MoE layer, through its top-k experts' weights, and causal attention over its prefix
+    (QK^T and PV) in every attention layer; the prompts' pairs are scaled by the share of their
+    tokens prefilled. Mamba scans and norms are left out (it is a floor)."""
     from megatron_async.models.layers.attention_layer import Attention
+    from megatron_async.models.layers.moe import MoEMixer
 
-    matmul_params = 0
+    matmul_params = 0.0
     for name, p in model.named_parameters():
-        if p.dim() == 3:  # expert-stacked weights
-            return None
         if p.dim() == 2 and "embed" not in name and "lm_head" not in name:
             matmul_params += p.numel()
+    for m in model.modules():
+        if isinstance(m, MoEMixer):
+            per_expert = sum(p.numel() for p in m.experts.parameters() if p.dim() == 3) / m.experts.num_local
+            matmul_params += m.gate.cfg.top_k * per_expert
     attn_width = sum(m.num_heads * m.head_dim for m in model.modules() if isinstance(m, Attention))
     total = sum(prompt_lens)
     pairs = sum(n * (n + 1) / 2 for n in prompt_lens) * (prefilled_tokens / total if total else 0.0)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from megatron_async.models.default_model import DEFAULT_CONFIGS, build_default_model
-from megatron_async.tools.roofline import measure_matmul_flops, prefill_flops
+from megatron_async.tools.roofline import (decode_floor, expert_weight_bytes, measure_matmul_flops, prefill_flops,
+                                            weight_bytes)
 
 
 def test_prefill_flops_counts_every_linear_token_and_causal_pair():
@@ -21,7 +22,25 @@ def test_prefill_flops_counts_every_linear_token_and_causal_pair():
     assert prefill_flops(model, prompts, 4) == 2 * layers * per_layer * 4 + 4 * width * pairs / 2
 
 
-def test_prefill_flops_declines_moe_and_matmul_rate_is_positive():
-    assert prefill_flops(build_default_model("tiny-moe"), [4], 4) is None
+def test_prefill_flops_count_each_token_through_its_top_k_experts():
+    cfg = DEFAULT_CONFIGS["tiny-moe"]
+    h, heads, kv, d, inter, layers = (cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                       "head_dim", "intermediate_size", "num_hidden_layers"))
+    experts, k, moe_inter = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    attention = h * heads * d + 2 * h * kv * d + heads * d * h
+    dense_layers = len(cfg["mlp_only_layers"])
+    moe = h * experts + k * 3 * h * moe_inter  # router, then gate, up, down of k experts
+    params = layers * attention + dense_layers * 3 * h * inter + (layers - dense_layers) * moe
+    width = layers * heads * d
+    assert prefill_flops(build_default_model("tiny-moe"), [4], 4) == 2 * params * 4 + 4 * width * 10
     assert measure_matmul_flops(torch.device("cpu"), torch.float32, n=64, iters=2) > 0
 
+
+def test_moe_decode_floor_reads_the_routed_share_of_expert_weights():
+    model = build_default_model("tiny-moe")
+    experts = expert_weight_bytes(model)
+    assert experts == sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n) > 0
+    full = decode_floor(model, torch.float32, batch=1, mean_context=0.0, bandwidth=1.0)
+    quarter = decode_floor(model, torch.float32, batch=1, mean_context=0.0, bandwidth=1.0, expert_share=0.25)
+    assert full.weight_bytes == weight_bytes(model)
+    assert full.weight_bytes - quarter.weight_bytes == 0.75 * experts
