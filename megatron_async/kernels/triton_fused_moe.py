@@ -205,6 +205,30 @@ GEMMs at 1 and 128 tokens (Qwen3-30B-A3B layer): gate_up 23.2 -> 19.4 us at 1 to
 (not swept; deeper K tiles there would need more shared memory per stage)."""
 
 
+_PREFILL_TILES = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3)
+"""Blocks of 64 pairs (prefill-size batches): wide output tiles keep the tensor cores fed where
+each expert has hundreds of pairs; the best of a joint sweep of block_m / block_n / block_k /
+warps / stages at 2,048 and 8,192 tokens of a Qwen3-30B-A3B layer (docs/PERFORMANCE.md, "Kernel
+choices"). Taken where the device's shared memory holds its stages."""
+
+
+def _fits_shared_memory(tiles: GemmTiles, block_m: int, operands: int, device: torch.device) -> bool:
+    """Whether ``num_stages`` stages of the A tile and ``operands`` B tiles (bf16/fp16) fit the
+    device's opt-in shared memory per block (no limit off CUDA: the interpreter)."""
+    if device.type != "cuda":
+        return True
+    need = tiles.num_stages * (block_m * tiles.block_k + operands * tiles.block_k * tiles.block_n) * 2
+    return need <= torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def _default_tiles(block_m: int, gated: bool, device: torch.device) -> GemmTiles:
+    if block_m == 16:
+        return _DECODE_TILES
+    if block_m == 64 and _fits_shared_memory(_PREFILL_TILES, block_m, 2 if gated else 1, device):
+        return _PREFILL_TILES
+    return GemmTiles()
+
+
 def _fit(tiles: GemmTiles, n: int, k: int) -> tuple[int, int]:
     """The tile clamped to small dims (tl.dot needs >= 16)."""
     return (min(tiles.block_n, max(16, triton.next_power_of_2(n))),
@@ -239,7 +263,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     sorted_pairs, block_expert = align_by_expert_triton(ids, E, block_m)
     num_blocks = block_expert.shape[0]
     dots = dot_args(_gate_up_kernel, x.dtype)
-    default = _DECODE_TILES if block_m == 16 else GemmTiles()
+    default = _default_tiles(block_m, gated, x.device)
     tiles = gate_up_tiles or default
     block_n, block_k = _fit(tiles, I, K)
     h = torch.empty((num_pairs, I), dtype=x.dtype, device=x.device)
