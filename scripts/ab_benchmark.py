@@ -33,7 +33,9 @@ METRICS = {"output_tokens_per_s": "tok/s", "mean_decode_step_ms": "decode ms", "
            "first_step_end_ms": "first step ends, ms"}
 _RUNNER = ("import os, sys; sys.path.insert(0, os.environ['AB_ROOT']); import megatron_async; "
            "print('ab: package', megatron_async.__file__, file=sys.stderr); "
-           "from megatron_async.tools.benchmark import main; main(sys.argv[1:])")
+           "from importlib.util import find_spec; "
+           "name = 'side_by_side' if find_spec('megatron_async.tools.side_by_side') else 'benchmark'; "  # older trees
+           "__import__('megatron_async.tools.' + name, fromlist=['main']).main(sys.argv[1:])")
 
 
 def run_side(root: Path, bench_args: list[str], out_dir: Path) -> list[dict]:

@@ -13,7 +13,7 @@ first and is not reported. Exit code 1 when a request is lost, duplicated, faile
 """
 import sys
 
-from megatron_async.tools.load_test import main
+from megatron_async.tools.server_load import main
 
 if __name__ == "__main__":
     sys.exit(main())

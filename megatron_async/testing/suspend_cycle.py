@@ -1,5 +1,5 @@
 """One RL-style suspend cycle on a built-in model on CUDA, measured (the GPU test and
-``scripts/measure.py suspend`` run it in a process started with torch-memory-saver's preload
+``scripts/measure.py suspend-resume`` run it in a process started with torch-memory-saver's preload
 library, so graph pools are released too):
 
 1. an uninterrupted greedy run of the prompts (the reference tokens);

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None, description: str = "megatron_async main 
     or a model that cannot be loaded; ``cli_main`` turns failed requests into the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--benchmark" in argv:
-        from megatron_async.tools.benchmark import main as benchmark_main
+        from megatron_async.tools.side_by_side import main as benchmark_main
 
         argv.remove("--benchmark")
         benchmark_main(argv)

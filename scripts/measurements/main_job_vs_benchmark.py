@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from megatron_async.tools.benchmark import WORKLOADS  # noqa: E402
+from megatron_async.tools.side_by_side import WORKLOADS  # noqa: E402
 
 
 def sampling_flags(workload: str) -> list[str]:

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async.inference.request import SamplingParams  # noqa: E402
-from megatron_async.tools.load_test import LoadShape, run_load_test_processes, token_prompt_for  # noqa: E402
+from megatron_async.tools.server_load import LoadShape, run_load_test_processes, token_prompt_for  # noqa: E402
 from megatron_async.tools.stage_sampler import StageSampler  # noqa: E402
 
 

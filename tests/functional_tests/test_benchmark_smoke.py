@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_async import LLM, InferenceConfig
-from megatron_async.tools.benchmark import main as benchmark_main
+from megatron_async.tools.side_by_side import main as benchmark_main
 from megatron_async import SamplingParams
 from megatron_async.tools.driver import run_workload
 from megatron_async.tools.gpu_idle import device_events, device_intervals, idle_report, idle_share, profile_run, union_length

@@ -4,7 +4,7 @@ uninterrupted run (megatron_async/testing/suspend_cycle.py), in a process starte
 preload library so CUDA graph pools are released too. Needs torch-memory-saver (scripts/serve_wheels.sh
 carries its wheel in .whl/).
 
-    python scripts/measure.py suspend [--default-model qwen3-0.6b] [--out DIR] [--no-preload]
+    python scripts/measure.py suspend-resume [--default-model qwen3-0.6b] [--out DIR] [--no-preload]
 """
 from __future__ import annotations
 

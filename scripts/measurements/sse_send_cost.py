@@ -3,8 +3,8 @@ serve/sse_response.py's SSEResponse, each behind the same FastAPI route, called 
 server (no socket) whose stream wakes up once per chunk. Small --chunks shows the per-response
 cost (task group, disconnect listener) spread over a short answer; large, the per-chunk cost.
 
-    python scripts/measure.py sse-response                 # 32 chunks per response, uvloop if installed
-    python scripts/measure.py sse-response --chunks 50000 --responses 1
+    python scripts/measure.py sse-send-cost                 # 32 chunks per response, uvloop if installed
+    python scripts/measure.py sse-send-cost --chunks 50000 --responses 1
 """
 from __future__ import annotations
 
