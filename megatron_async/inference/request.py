@@ -273,9 +273,12 @@ class DynamicInferenceRequest:
 
     @property
     def max_prefix_hit(self) -> int:
-        """Positions a prefix-cache hit may skip: a request scoring its prompt skips only those
-        whose log-probs it already holds (a fresh one recomputes its whole prompt), so its
-        prompt log-probs never have a hole."""
+        """Positions a prefix-cache hit may skip: none under routing replay (a skipped position's
+        routing is never computed); a request scoring its prompt skips only those whose
+        log-probs it already holds (a fresh one recomputes its whole prompt), so its prompt
+        log-probs never have a hole."""
+        if self.sampling_params.return_routed_experts:
+            return 0
         scored = len(self.prompt_log_probs)
         if self.sampling_params.return_prompt_log_probs and scored < len(self.prompt_tokens) - 1:
             return scored

@@ -171,8 +171,8 @@ class DynamicInferenceContext:
         return hit
 
     def _match_prefix(self, req: DynamicInferenceRequest) -> int:
-        if not self.allocator.enable_prefix_caching or req.sampling_params.return_routed_experts:
-            return 0  # routing replay: a cached prompt part would not be run, so its routing unknown
+        if not self.allocator.enable_prefix_caching:
+            return 0
         bs = self.block_size
         # Leave at least one known token to compute: its logits give the next token.
         limit = min(req.num_known_tokens - 1, req.max_prefix_hit) // bs
