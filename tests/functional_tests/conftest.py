@@ -2,6 +2,7 @@ import pytest
 
 from megatron_async.testing.hf_models import make_tiny_checkpoint
 from megatron_async.testing.smollm2 import FetchError, build_smollm2_checkpoint, default_checkpoint_dir
+from tests.helpers.hf_moe_models import MOE_ARCHS, make_tiny_moe_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -12,6 +13,12 @@ def qwen3_ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_ckpt(tmp_path_factory):
     return make_tiny_checkpoint("LlamaForCausalLM", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="session", params=MOE_ARCHS)
+def hf_moe_ckpt(request, tmp_path_factory):
+    """A tiny checkpoint of each HF MoE architecture (its own class, written by transformers)."""
+    return make_tiny_moe_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ import pytest
 
 from megatron_async import SamplingParams
 from megatron_async.testing.hf_models import hf_greedy, load_hf_reference
-from tests.helpers.hf_moe_models import MOE_ARCHS, make_tiny_moe_checkpoint
 from megatron_async.testing.engine_harness import decode_steps_without_host_sync, random_prompts
 from tests.functional_tests.test_gpu_engine import cuda_llm
 
@@ -14,17 +13,13 @@ NEW = 12
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=NEW, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=MOE_ARCHS)
-def moe_ckpt(request, tmp_path_factory):
-    return make_tiny_moe_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
-
-def test_moe_cuda_matches_hf_serial_async_and_graphs(moe_ckpt):
-    ref = load_hf_reference(moe_ckpt)
+def test_moe_cuda_matches_hf_serial_async_and_graphs(hf_moe_ckpt):
+    ref = load_hf_reference(hf_moe_ckpt)
     prompts = random_prompts(8, 2, 30, ref.config.vocab_size, seed=1)
     expected = [hf_greedy(ref, p, NEW) for p in prompts]
     for async_scheduling, graphs in ((False, False), (True, False), (True, True)):
-        llm = cuda_llm(moe_ckpt, max_tokens=16, num_kv_blocks=40, attention_backend="triton",
+        llm = cuda_llm(hf_moe_ckpt, max_tokens=16, num_kv_blocks=40, attention_backend="triton",
                        async_scheduling=async_scheduling, cuda_graphs=graphs)
         outs = llm.generate(prompts, GREEDY)
         assert [o.generated_tokens for o in outs] == expected, (async_scheduling, graphs)
@@ -32,8 +27,8 @@ def test_moe_cuda_matches_hf_serial_async_and_graphs(moe_ckpt):
             assert llm.runner.graphs.num_replays > 0
 
 
-def test_moe_steady_async_decode_makes_no_host_sync(moe_ckpt):
-    llm = cuda_llm(moe_ckpt, attention_backend="triton", max_requests=16, cuda_graphs=False)
+def test_moe_steady_async_decode_makes_no_host_sync(hf_moe_ckpt):
+    llm = cuda_llm(hf_moe_ckpt, attention_backend="triton", max_requests=16, cuda_graphs=False)
     eng = llm.engine
     for p in random_prompts(8, 5, 20, 128, seed=4):
         eng.add_request(p, SamplingParams(temperature=1.0, top_k=20, seed=1, num_tokens_to_generate=40))

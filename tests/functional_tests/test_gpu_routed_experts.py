@@ -8,26 +8,21 @@ from megatron_async import SamplingParams
 from megatron_async.testing.engine_harness import decode_steps_without_host_sync, random_prompts
 from megatron_async.testing.hf_models import load_hf_reference
 from tests.functional_tests.test_gpu_engine import cuda_llm
-from tests.functional_tests.test_routed_experts import as_sets, covered, hf_routing
-from tests.helpers.hf_moe_models import MOE_ARCHS, make_tiny_moe_checkpoint
+from tests.functional_tests.test_routed_experts_engine import as_sets, covered, hf_routing
 
 pytestmark = pytest.mark.gpu
 NEW = 10
 ASK = SamplingParams(top_k=1, num_tokens_to_generate=NEW, ignore_eos=True, return_routed_experts=True)
 
 
-@pytest.fixture(scope="module", params=MOE_ARCHS)
-def moe_ckpt(request, tmp_path_factory):
-    return make_tiny_moe_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
-
-def test_routing_on_cuda_equals_hf_serial_async_and_graphs(moe_ckpt):
-    ref = load_hf_reference(moe_ckpt)
+def test_routing_on_cuda_equals_hf_serial_async_and_graphs(hf_moe_ckpt):
+    ref = load_hf_reference(hf_moe_ckpt)
     prompts = random_prompts(8, 2, 30, ref.config.vocab_size, seed=1)
     params = [ASK if i % 3 else SamplingParams(top_k=1, num_tokens_to_generate=NEW, ignore_eos=True)
               for i in range(len(prompts))]
     for async_scheduling, graphs in ((False, False), (True, False), (True, True)):
-        llm = cuda_llm(moe_ckpt, max_tokens=16, num_kv_blocks=40, attention_backend="triton",
+        llm = cuda_llm(hf_moe_ckpt, max_tokens=16, num_kv_blocks=40, attention_backend="triton",
                        async_scheduling=async_scheduling, cuda_graphs=graphs)
         outs = llm.generate(prompts, params)
         if graphs:
@@ -40,8 +35,8 @@ def test_routing_on_cuda_equals_hf_serial_async_and_graphs(moe_ckpt):
             assert as_sets(o.routed_experts) == hf_routing(ref, covered(o)), (async_scheduling, graphs)
 
 
-def test_steady_async_decode_asking_for_routing_makes_no_host_sync(moe_ckpt):
-    llm = cuda_llm(moe_ckpt, attention_backend="triton", max_requests=16, cuda_graphs=True)
+def test_steady_async_decode_asking_for_routing_makes_no_host_sync(hf_moe_ckpt):
+    llm = cuda_llm(hf_moe_ckpt, attention_backend="triton", max_requests=16, cuda_graphs=True)
     eng = llm.engine
     for p in random_prompts(8, 5, 20, 128, seed=4):
         eng.add_request(p, SamplingParams(temperature=1.0, top_k=20, seed=1, num_tokens_to_generate=40,
