@@ -1,16 +1,18 @@
 """A bounded load test of a running server: C concurrent streaming clients (the official
-``openai`` client) send N completions between them; every request must end exactly once with
+``openai`` client, or the lighter ``raw`` one: tools/load_clients.py) send N completions between them; every request must end exactly once with
 all its tokens (none lost, none duplicated); TTFT and inter-token latency percentiles.
 
 The clients can be spread over P processes: one Python process parsing thousands of SSE chunks
 a second through the client's models saturates its core, falls behind the server and then
 reads buffered chunks back to back, which shows as huge TTFTs and near-zero inter-token gaps
 that the server never caused. ``client_cpu_busy`` (the busiest process's CPU time over its
-wall time) says when that is happening: near 100 %, the client figures measure the client."""
+wall time) says when that is happening: near 100 %, the client figures measure the client;
+``client_cpu_us_per_chunk`` compares the clients."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import sys
@@ -19,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 from megatron_async.serve.process import ServerProcess
 from megatron_async.tools.cli import NON_NEGATIVE_INT, POSITIVE_INT, HelpFormatter
+from megatron_async.tools.load_clients import CLIENTS, make_client
 from megatron_async.tools.summary import percentile
 
 WORDS = ("the quick brown fox jumps over a lazy dog while engines batch many requests and decode "
@@ -34,6 +37,7 @@ class StreamRecord:
     ttft_s: float | None = None
     last_token_s: float | None = None
     gaps_s: list[float] = field(default_factory=list)
+    chunks: int = 0
     error: str | None = None
     disconnected: bool = False
     """The client closed the stream mid-way on purpose (``LoadShape.disconnects``)."""
@@ -72,6 +76,16 @@ class LoadTestReport:
     processes: int = 1
     client_cpu_busy: float | None = None
     """CPU time / wall time of the busiest client process (near 1.0: the client is the bottleneck)."""
+    client: str = "openai"
+    """The HTTP client (tools/load_clients.py): ``openai`` or the lighter ``raw``."""
+    chunks: int = 0
+    """SSE chunks received, over all processes."""
+    client_cpu_s: float | None = None
+    """CPU time of all client processes together."""
+
+    @property
+    def client_cpu_us_per_chunk(self) -> float | None:
+        return None if self.client_cpu_s is None or not self.chunks else 1e6 * self.client_cpu_s / self.chunks
 
     @property
     def ok(self) -> bool:
@@ -79,7 +93,7 @@ class LoadTestReport:
                                                         or self.kv_leaked)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "client_cpu_us_per_chunk": self.client_cpu_us_per_chunk}
 
     def format(self) -> str:
         def ms(x: float | None) -> str:
@@ -94,7 +108,9 @@ class LoadTestReport:
                 f"inter-token p50 {ms(self.itl_p50_ms)} p99 {ms(self.itl_p99_ms)}; "
                 f"TPOT p50 {ms(self.tpot_p50_ms)} p99 {ms(self.tpot_p99_ms)}"
                 + ("" if self.client_cpu_busy is None else
-                   f"; client processes {self.processes}, busiest {self.client_cpu_busy:.0%} CPU-busy"))
+                   f"; {self.client} client processes {self.processes}, busiest {self.client_cpu_busy:.0%} CPU-busy"
+                   + ("" if self.client_cpu_us_per_chunk is None else
+                      f", {self.client_cpu_us_per_chunk:.0f} us CPU per chunk")))
 
 
 def prompt_for(index: int, num_words: int) -> str:
@@ -133,49 +149,51 @@ class LoadShape:
         return token_prompt_for(index, n) if self.token_prompts else prompt_for(index, n)
 
 
+def take_chunk(rec: StreamRecord, t: float, response_id: str, choices: list[tuple[list[int], str | None]]) -> None:
+    """Files one streamed chunk, received ``t`` s after its request was sent, into ``rec``: one
+    response id per stream, at most one final chunk, TTFT and per-token gaps. Both clients call this."""
+    rec.chunks += 1
+    rec.response_id = rec.response_id or response_id
+    if response_id != rec.response_id:
+        raise RuntimeError(f"chunks of two responses in one stream: {rec.response_id} and {response_id}")
+    for ids, finish_reason in choices:
+        if ids:
+            if rec.last_token_s is None:
+                rec.ttft_s = t
+            else:
+                rec.gaps_s.extend([(t - rec.last_token_s) / len(ids)] * len(ids))
+            rec.last_token_s = t
+            rec.token_ids.extend(ids)
+        if finish_reason is not None:
+            if rec.finish_reason is not None:
+                raise RuntimeError("two final chunks")
+            rec.finish_reason = finish_reason
+
+
+def request_body(model: str, index: int, work: LoadShape) -> dict:
+    return {"model": model, "prompt": work.prompt(index), "max_tokens": work.max_tokens, "temperature": 0.0,
+            "stream": True, "ignore_eos": True, "return_token_ids": True}
+
+
 async def _one(client, model: str, rec: StreamRecord, work: LoadShape) -> None:
+    leave_after = max(1, work.max_tokens // 3) if work.disconnects(rec.index) else None
     t0 = time.perf_counter()
-    last = None
-    max_tokens = work.max_tokens
-    leave_after = max(1, max_tokens // 3) if work.disconnects(rec.index) else None
     try:
-        stream = await client.completions.create(
-            model=model, prompt=work.prompt(rec.index), max_tokens=max_tokens, temperature=0.0,
-            stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
-        async for chunk in stream:
-            now = time.perf_counter()
-            rec.response_id = rec.response_id or chunk.id
-            if chunk.id != rec.response_id:
-                raise RuntimeError(f"chunks of two responses in one stream: {rec.response_id} and {chunk.id}")
-            for choice in chunk.choices:
-                ids = (choice.model_extra or {}).get("token_ids") or []
-                if ids:
-                    if last is None:
-                        rec.ttft_s = now - t0
-                    else:
-                        rec.gaps_s.extend([(now - last) / len(ids)] * len(ids))
-                    last = now
-                    rec.last_token_s = now - t0
-                    rec.token_ids.extend(ids)
-                if choice.finish_reason is not None:
-                    if rec.finish_reason is not None:
-                        raise RuntimeError("two final chunks")
-                    rec.finish_reason = choice.finish_reason
-            if leave_after is not None and len(rec.token_ids) >= leave_after and rec.finish_reason is None:
-                rec.disconnected = True
-                await stream.close()  # the server sees the connection go and aborts the request
-                return
+        async with contextlib.aclosing(client.chunks(request_body(model, rec.index, work))) as chunks:
+            async for response_id, choices in chunks:
+                take_chunk(rec, time.perf_counter() - t0, response_id, choices)
+                if leave_after is not None and len(rec.token_ids) >= leave_after and rec.finish_reason is None:
+                    rec.disconnected = True  # closing the stream: the server sees the connection go and aborts
+                    return
     except Exception as e:  # noqa: BLE001 -- counted and reported, the test goes on
         rec.error = f"{type(e).__name__}: {e}"
 
 
 async def _collect(base_url: str, model: str | None, indices: list[int], clients: int, work: LoadShape,
-                   timeout_s: float):
+                   timeout_s: float, client_kind: str = "openai"):
     """``clients`` workers share a queue of request ``indices``. Returns (records, wall s, CPU s)."""
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
-    served = (await client.models.list()).data[0].id  # also loads what the client loads lazily, before the clock
+    client = make_client(client_kind, base_url, timeout_s)
+    served = await client.served_model()  # also loads what the client loads lazily, before the clock
     model = model or served
     todo: asyncio.Queue[int] = asyncio.Queue()
     for i in indices:
@@ -196,11 +214,14 @@ async def _collect(base_url: str, model: str | None, indices: list[int], clients
 
 
 async def run_load_test(base_url: str, model: str | None, clients: int = 64, requests: int = 500,
-                        work: LoadShape = LoadShape(), timeout_s: float = 600.0) -> LoadTestReport:
+                        work: LoadShape = LoadShape(), timeout_s: float = 600.0,
+                        client: str = "openai") -> LoadTestReport:
     """One client process: ``clients`` workers send ``requests`` requests; each asks for exactly
-    ``work.max_tokens`` tokens (EOS ignored) so that a short or long answer shows."""
-    records, wall, cpu = await _collect(base_url, model, list(range(requests)), clients, work, timeout_s)
+    ``work.max_tokens`` tokens (EOS ignored) so that a short or long answer shows. ``client``:
+    ``openai`` or ``raw`` (tools/load_clients.py)."""
+    records, wall, cpu = await _collect(base_url, model, list(range(requests)), clients, work, timeout_s, client)
     report = _report(records, clients, work.max_tokens, wall)
+    report.client, report.client_cpu_s = client, cpu
     report.client_cpu_busy = cpu / wall if wall else None
     return report
 
@@ -210,19 +231,20 @@ def _process_part(args: tuple) -> tuple:
 
 
 def run_load_test_processes(base_url: str, model: str | None, processes: int, clients: int = 64, requests: int = 500,
-                            work: LoadShape = LoadShape(), timeout_s: float = 600.0) -> LoadTestReport:
+                            work: LoadShape = LoadShape(), timeout_s: float = 600.0,
+                            client: str = "openai") -> LoadTestReport:
     """``run_load_test`` with the clients and requests dealt round-robin over ``processes``
     client processes (spawned), started together; the wall time is the slowest one's."""
     if processes <= 1:
-        return asyncio.run(run_load_test(base_url, model, clients, requests, work, timeout_s))
+        return asyncio.run(run_load_test(base_url, model, clients, requests, work, timeout_s, client))
     parts = [(base_url, model, list(range(p, requests, processes)), len(range(p, clients, processes)), work,
-              timeout_s) for p in range(processes)]
+              timeout_s, client) for p in range(processes)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         results = pool.map(_process_part, parts)
     records = {i: recs for part, _, _ in results for i, recs in part.items()}
     wall = max(w for _, w, _ in results)
     report = _report(dict(sorted(records.items())), clients, work.max_tokens, wall)
-    report.processes = processes
+    report.processes, report.client, report.client_cpu_s = processes, client, sum(c for _, _, c in results)
     report.client_cpu_busy = max(c / w for _, w, c in results if w)
     return report
 
@@ -252,7 +274,7 @@ def _report(records: dict[int, list[StreamRecord]], clients: int, max_tokens: in
         duplicated=duplicated, wrong_length=len(wrong), output_tokens=tokens, wall_s=wall,
         requests_per_s=len(ended) / wall if wall else 0.0, output_tokens_per_s=tokens / wall if wall else 0.0,
         ttft_p50_ms=ms(ttft, 50), ttft_p99_ms=ms(ttft, 99), itl_p50_ms=ms(gaps, 50), itl_p99_ms=ms(gaps, 99),
-        tpot_p50_ms=ms(tpot, 50), tpot_p99_ms=ms(tpot, 99),
+        tpot_p50_ms=ms(tpot, 50), tpot_p99_ms=ms(tpot, 99), chunks=sum(r.chunks for r in flat),
         errors=sorted({r.error for r in failed})[:5],
     )
 
@@ -313,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=POSITIVE_INT, default=64)
     p.add_argument("--client-processes", type=POSITIVE_INT, default=1,
                    help="spread the clients over this many processes (one process saturates at a few thousand chunks/s)")
+    p.add_argument("--client", choices=CLIENTS, default="openai",
+                   help="openai: the official client; raw: the same requests over httpx2 with json.loads per SSE "
+                        "line (less client CPU per chunk)")
     p.add_argument("--requests", type=POSITIVE_INT, default=500)
     p.add_argument("--max-tokens", type=POSITIVE_INT, default=32, help="tokens per request (EOS ignored)")
     p.add_argument("--prompt-words", type=POSITIVE_INT, default=12, help="prompt length (words, or ids with --token-prompts)")
@@ -340,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.long_prompt_every, args.long_prompt_words)
 
     def load(url: str, model: str | None, requests: int) -> LoadTestReport:
-        report = run_load_test_processes(url, model, args.client_processes, args.clients, requests, work)
+        report = run_load_test_processes(url, model, args.client_processes, args.clients, requests, work,
+                                         client=args.client)
         if not args.no_kv_check:
             report.kv_leaked = kv_leaked(url)
         return report

@@ -54,6 +54,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (EOS ignored)")
     p.add_argument("--clients", type=int, default=16, help="concurrent streams")
     p.add_argument("--client-processes", type=int, default=2)
+    p.add_argument("--client", default="openai", choices=["openai", "raw"],
+                   help="load generator: the openai client, or raw httpx2 + json.loads (less CPU per chunk)")
     p.add_argument("--warmup-requests", type=int, default=None, help="default: --clients")
     p.add_argument("--skip-client-check", action="store_true", help="no second server run with twice the processes")
     p.add_argument("--stub-step-ms", type=float, default=None,
@@ -110,7 +112,8 @@ def main() -> int:
 
             def load(processes: int, requests: int):
                 return run_load_test_processes(url, state.model_name, processes, args.clients, requests,
-                                               LoadShape(args.max_tokens, args.prompt_len, token_prompts=True))
+                                               LoadShape(args.max_tokens, args.prompt_len, token_prompts=True),
+                                               client=args.client)
 
             load(args.client_processes, warm)
             steps0 = state.engine_loop.steps
@@ -143,13 +146,13 @@ def main() -> int:
     print(f"engine steps: {results['steps']}, {1e3 * rep.wall_s / max(1, results['steps']):.2f} ms apart, "
           f"{rep.output_tokens / max(1, results['steps']):.1f} tokens each")
     print(rep.format())
-    rows = [("offline engine", offline, None), (f"server, {rep.processes} client processes", rep.output_tokens_per_s,
-                                                rep.client_cpu_busy)]
-    if more is not None:
-        rows.append((f"server, {more.processes} client processes", more.output_tokens_per_s, more.client_cpu_busy))
-    print(f"\n{'run':<32} {'tok/s':>9} {'of offline':>10} {'busiest client':>15}")
-    for name, tok_s, busy in rows:
-        print(f"{name:<32} {tok_s:>9.0f} {tok_s / offline:>10.0%} {'' if busy is None else f'{busy:.0%} CPU':>15}")
+    rows = [("offline engine", offline, None)] + [
+        (f"server, {r.processes} {r.client} client processes", r.output_tokens_per_s, r) for r in (rep, more) if r]
+    print(f"\n{'run':<40} {'tok/s':>9} {'of offline':>10} {'busiest client':>15} {'client us/chunk':>16}")
+    for name, tok_s, r in rows:
+        busy = "" if r is None or r.client_cpu_busy is None else f"{r.client_cpu_busy:.0%} CPU"
+        per_chunk = "" if r is None or r.client_cpu_us_per_chunk is None else f"{r.client_cpu_us_per_chunk:.0f}"
+        print(f"{name:<40} {tok_s:>9.0f} {tok_s / offline:>10.0%} {busy:>15} {per_chunk:>16}")
     ok = rep.ok and (more is None or more.ok)
     if args.output_path:
         out = {"offline_tok_s": offline, "server": rep.as_dict(), "server_more_clients": more and more.as_dict(),
