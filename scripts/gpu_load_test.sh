@@ -8,6 +8,8 @@
 #        streams from 8 client processes): offline engine tok/s and server tok/s in one process, the server
 #        again with 16 client processes (unchanged tok/s: the clients are not the bottleneck), and where the
 #        engine thread and the event loop spend their time (scripts/measure.py server-breakdown)
+#   bash scripts/gpu_load_test.sh throughput-raw  # throughput with the openai client, then with the raw one
+#        (httpx2 + json.loads, less client CPU per chunk), each also with 16 processes; a table last
 #   bash scripts/gpu_load_test.sh compare     # throughput with asyncio + h11 and Python's 5 ms GIL switch
 #        interval, with uvloop + httptools at 5 ms, and as served by default; a table last
 #   bash scripts/gpu_load_test.sh all         # load, then compare
@@ -30,7 +32,7 @@ mkdir -p "$out"
 python3 -c "import fastapi, uvicorn, openai" || { echo "fastapi/uvicorn/openai missing: run scripts/serve_wheels.sh and carry .whl"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 mode=load
-case "${1:-}" in load|throughput|compare|all) mode="$1"; shift ;; esac
+case "${1:-}" in load|throughput|throughput-raw|compare|all) mode="$1"; shift ;; esac
 model="${MODEL_FLAGS:---default-model qwen3-0.6b --device cuda --dtype bfloat16}"
 
 load() {
@@ -58,14 +60,15 @@ table() {
   python3 - "$out" "$@" <<'EOF'
 import json, sys
 out, names = sys.argv[1], sys.argv[2:]
-print(f"\n{'server configuration':<34} {'offline':>8} {'server':>8} {'share':>6} {'2x procs':>9} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'loop us/tok':>11}")
+print(f"\n{'server configuration':<34} {'offline':>8} {'server':>8} {'share':>6} {'2x procs':>9} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'loop us/tok':>11} {'client CPU 1x/2x':>17} {'us/chunk':>8}")
 for name in names:
     r = json.load(open(f"{out}/throughput_{name}.json"))
     s, m = r["server"], r.get("server_more_clients")
     loop = r["cpu_s"].get("loop", 0) / max(1, s["output_tokens"]) * 1e6
     print(f"{name:<34} {r['offline_tok_s']:>8.0f} {s['output_tokens_per_s']:>8.0f} "
           f"{s['output_tokens_per_s'] / r['offline_tok_s']:>6.0%} {m['output_tokens_per_s'] if m else float('nan'):>9.0f} "
-          f"{s['ttft_p50_ms']:>7.0f}/{s['ttft_p99_ms']:<8.0f} {s['itl_p50_ms']:>6.1f}/{s['itl_p99_ms']:<8.1f} {loop:>11.1f}")
+          f"{s['ttft_p50_ms']:>7.0f}/{s['ttft_p99_ms']:<8.0f} {s['itl_p50_ms']:>6.1f}/{s['itl_p99_ms']:<8.1f} {loop:>11.1f} "
+          f"{s['client_cpu_busy']:>8.0%}/{m['client_cpu_busy'] if m else float('nan'):<8.0%} {s['client_cpu_us_per_chunk']:>8.0f}")
 EOF
 }
 
@@ -82,6 +85,8 @@ status=0
 case "$mode" in
   load) load "$@" || status=$? ;;
   throughput) throughput default "$@" || status=$?; table default ;;
+  throughput-raw) throughput openai-client --client openai "$@" || status=$?
+    throughput raw-client --client raw "$@" || status=$?; table openai-client raw-client ;;
   compare) compare "$@" || status=$? ;;
   all) load "$@" || status=$?; compare || status=$? ;;
 esac
