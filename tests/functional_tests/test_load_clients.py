@@ -2,7 +2,12 @@
 tiny checkpoint: nothing lost, token counts right, disconnects abort and free every KV block,
 and the same token ids as the openai client for the same greedy requests."""
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -64,3 +69,16 @@ def test_take_chunk_rejects_a_second_response_or_final_chunk():
         take_chunk(rec, 0.4, "a", [([], "stop")])
     with pytest.raises(RuntimeError, match="two responses"):
         take_chunk(rec, 0.5, "b", [([8], None)])
+
+
+def test_load_test_script_takes_the_raw_client(server, tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "load_test.py"), "--url", server.url, "--client", "raw",
+         "--clients", "4", "--requests", "8", "--max-tokens", "5", "--token-prompts", "--output-path", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["client"] == "raw" and report["completed"] == 8 and report["output_tokens"] == 40
+    assert report["client_cpu_us_per_chunk"] > 0 and "us CPU per chunk" in proc.stdout
