@@ -18,8 +18,9 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("httpx2")
 
 from megatron_async.serve.process import ServerProcess  # noqa: E402
-from megatron_async.tools.server_load import (LoadShape, StreamRecord, _collect, kv_leaked,  # noqa: E402
+from megatron_async.tools.server_load import (LoadShape, StreamRecord, _collect,  # noqa: E402
                                               run_load_test, take_chunk)
+from megatron_async.tools.server_metrics import kv_leaked  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ from megatron_async.models.chat_template import load_chat_template  # noqa: E402
 from megatron_async.serve.process import ServerProcess  # noqa: E402
 from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
 from megatron_async.testing.chat_templates import save_chat_template  # noqa: E402
-from megatron_async.tools.server_load import LoadShape, kv_leaked, prompt_for, run_load_test  # noqa: E402
+from megatron_async.tools.server_load import LoadShape, prompt_for, run_load_test  # noqa: E402
+from megatron_async.tools.server_metrics import kv_leaked  # noqa: E402
 from tests.functional_tests.server_client import concurrent_greedy_streams  # noqa: E402
 
 ENGINE = {"num_kv_blocks": 160, "block_size_tokens": 16, "max_requests": 32, "max_sequence_length": 256}
