@@ -117,8 +117,8 @@ def test_suspend_resume_on_every_rank(checkpoints, tp, ep, model):
 
 
 def test_resumed_generation_on_suspended_memory_is_refused(checkpoints):
-    """A rank told to generate (by rank 0's resume_generation, at an exchange) while its memory
-    is suspended raises before any device work, instead of launching on freed memory."""
+    """Alone, a step told to generate (as an exchange applies rank 0's resume_generation) while
+    the memory is suspended raises before any device work, instead of launching on freed memory."""
     eng = LLM(checkpoints["tiny"], inference_config=InferenceConfig(**CONFIG)).engine
     eng.add_request(PROMPTS[0], PARAMS[0])
     eng.step()

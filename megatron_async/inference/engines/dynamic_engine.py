@@ -372,7 +372,8 @@ class DynamicInferenceEngine:
 
     def resume_generation(self) -> None:
         """Generate again after ``pause_generation`` (no-op when not paused). Under TP / EP, as
-        ``pause_generation``: rank 0 calls it, every rank applies it at the next exchange."""
+        ``pause_generation``: rank 0 calls it, every rank applies it at the next exchange; while
+        any rank's memory is still suspended, every rank's ``step()`` raises ``SuspendError``."""
         self.memory.check_can_generate()
         self.ranks.pause(None)
 
