@@ -3,8 +3,11 @@ backend frees the tensors' storages, so any device read while suspended fails). 
 with "keep"; every rank, once paused with nothing in flight, suspends and resumes its own memory;
 idle exchanges while suspended are host-only; running requests continue token-identically. The
 RL order with dropped weights (resume weights, update_weights from the same checkpoint, resume
-kv_cache) gives the same tokens; a wrong order raises SuspendError on that rank."""
+kv_cache) gives the same tokens; a wrong order raises SuspendError on that rank, and rank 0
+resuming generation while another rank is still suspended raises it on every rank at once."""
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -36,10 +39,11 @@ def _released(eng) -> bool:
     return all(s.nbytes() == 0 for s in storages)
 
 
-def suspend_cycle(llm: LLM, rank: int, path: str, keep: bool) -> list:
-    """Every rank runs this; rank 0 adds, pauses and resumes generation. ``keep`` False: the
-    weights are dropped and refilled from ``path`` by update_weights."""
-    eng, outs = llm.engine, {}
+def run_then_pause(eng, rank: int, outs: dict):
+    """Every rank runs this: rank 0 adds the requests, every rank steps a few times (suspending is
+    refused while generating, and with a launch in flight), rank 0 pauses with "keep", and every
+    rank steps until paused with the in-flight launch landed. Returns the step function (it
+    collects finished tokens into ``outs``)."""
 
     def step():
         outs.update((o.request_id, o.generated_tokens) for o in eng.step().finished)
@@ -60,6 +64,14 @@ def suspend_cycle(llm: LLM, rank: int, path: str, keep: bool) -> list:
             eng.suspend(BOTH)
     step()  # lands what is in flight
     assert eng._pending is None and eng.context.active  # requests hold KV across the suspend
+    return step
+
+
+def suspend_cycle(llm: LLM, rank: int, path: str, keep: bool) -> list:
+    """Every rank runs this; rank 0 adds, pauses and resumes generation. ``keep`` False: the
+    weights are dropped and refilled from ``path`` by update_weights."""
+    eng, outs = llm.engine, {}
+    step = run_then_pause(eng, rank, outs)
     eng.suspend(BOTH, keep_weights_on_host=keep)
     assert _released(eng)
     steps = eng.stats.steps
@@ -105,8 +117,8 @@ def test_suspend_resume_on_every_rank(checkpoints, tp, ep, model):
 
 
 def test_resumed_generation_on_suspended_memory_is_refused(checkpoints):
-    """A rank told to generate (by rank 0's resume_generation, at an exchange) while its memory
-    is suspended raises before any device work, instead of launching on freed memory."""
+    """Alone, a step told to generate (as an exchange applies rank 0's resume_generation) while
+    the memory is suspended raises before any device work, instead of launching on freed memory."""
     eng = LLM(checkpoints["tiny"], inference_config=InferenceConfig(**CONFIG)).engine
     eng.add_request(PROMPTS[0], PARAMS[0])
     eng.step()
@@ -118,3 +130,54 @@ def test_resumed_generation_on_suspended_memory_is_refused(checkpoints):
         eng.step()
     eng.resume(BOTH)
     assert eng.run_until_done()[0].generated_tokens
+
+
+def _resume_while_rank1_suspended(rank: int, world: int, path: str, tp: int, ep: int) -> dict:
+    """Every rank suspends; rank 0 resumes its memory and generation while rank 1 stays suspended."""
+    llm = LLM(path, inference_config=InferenceConfig(**CONFIG), tensor_parallel_size=tp, expert_parallel_size=ep)
+    try:
+        ref = [o.generated_tokens for o in llm.generate(PROMPTS, PARAMS)]
+        eng, outs = llm.engine, {}
+        step = run_then_pause(eng, rank, outs)
+        eng.suspend(BOTH)
+        if rank == 0:
+            eng.resume(BOTH)
+            eng.resume_generation()
+        steps, errors, calls = eng.stats.steps, [], 0
+        while len(errors) < 2 and calls < 4:  # the first raise, then again while rank 1 stays suspended
+            calls += 1
+            t0 = time.monotonic()
+            try:
+                step()
+            except SuspendError as e:
+                errors.append((calls, str(e), time.monotonic() - t0))
+        launched = eng.stats.steps - steps
+        if rank == 1:
+            eng.resume(BOTH)
+        while eng.has_unfinished_requests():
+            step()
+        return {"ref": ref, "errors": errors, "launched": launched, "tokens": [outs[rid] for rid in sorted(outs)]}
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("tp,ep,model", [(2, 1, "tiny"), (1, 2, "tiny-moe")], ids=["tp2", "ep2"])
+def test_generation_resumed_while_a_rank_is_suspended_fails_every_rank(checkpoints, tp, ep, model):
+    """Rank 1's suspended bit rides the per-step exchange: every rank raises the same SuspendError
+    at the same step() (the one applying rank 0's resume under TP, the next under EP) within
+    seconds, not after an exchange timeout; nothing launched, and once rank 1 resumes the
+    requests finish with the tokens of an uninterrupted run."""
+    ranks = run_ranks(_resume_while_rank1_suspended, 2, checkpoints[model], tp, ep, timeout_s=240)
+    first_call = 1 if tp > 1 else 2  # data-parallel ranks apply rank 0's resume in a paused step
+    for rank, got in enumerate(ranks):
+        assert [call for call, _, _ in got["errors"]] == [first_call, first_call + 1], f"rank {rank}: {got['errors']}"
+        for _, message, seconds in got["errors"]:
+            assert "rank 1 is still suspended (weights, kv_cache)" in message, message
+            assert seconds < 10, f"rank {rank} raised after {seconds:.1f} s"
+        assert got["launched"] == 0, f"rank {rank} launched while rank 1 was suspended"
+    assert [e[1] for e in ranks[0]["errors"]] == [e[1] for e in ranks[1]["errors"]]
+    ref = ranks[0]["ref"]
+    assert len(ref) == len(PROMPTS) and all(ref)
+    reporting = ranks if tp > 1 else ranks[:1]  # data-parallel ranks: rank 0 reports every rank's outputs
+    for rank, got in enumerate(reporting):
+        assert got["tokens"] == ref, f"rank {rank}: tokens differ from an uninterrupted run"

@@ -220,13 +220,14 @@ class DynamicInferenceEngine:
         steps agree on each launch through ``self.ranks``; data-parallel ranks launch once per
         call, so a chain's first launch is bookkept by the next call."""
         t0 = time.perf_counter()
-        out, self._held = self._held, StepResult()
-        ranks = self.ranks
+        out, ranks = self._held, self.ranks
         ranks.open_step(out)
+        if self._pause in (None, "wait"):  # every rank alike: no rank generates while one is suspended
+            ranks.check_can_generate()  # raises with ``out`` still held and nothing changed
+        self._held = StepResult()
         self._apply_aborts(out)
         if self._pause is not None and self._pause != "wait":
             return self._step_paused(out, t0)
-        self.memory.check_can_generate()  # under TP / EP rank 0's resume may reach a suspended rank
         if self._pending is None:
             with nvtx_range("schedule"):
                 self._pending = self._launch_slot(out, first=True)
@@ -371,7 +372,8 @@ class DynamicInferenceEngine:
 
     def resume_generation(self) -> None:
         """Generate again after ``pause_generation`` (no-op when not paused). Under TP / EP, as
-        ``pause_generation``: rank 0 calls it, every rank applies it at the next exchange."""
+        ``pause_generation``: rank 0 calls it, every rank applies it at the next exchange; while
+        any rank's memory is still suspended, every rank's ``step()`` raises ``SuspendError``."""
         self.memory.check_can_generate()
         self.ranks.pause(None)
 

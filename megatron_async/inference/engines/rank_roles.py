@@ -19,6 +19,9 @@ step body and is given one of these roles, which answers what differs between
 ``pause_generation`` / ``resume_generation``: alone, at once; where ranks share steps, rank 0's
 call rides every exchange (``Agreement.pause``) and every rank applies it at the same one, so all
 stop and resume launching at the same step ("abort" sends an abort for every live request too).
+Each rank suspends its own memory, so every exchange also carries whether a rank's memory is
+suspended (``Agreement.blocked``): a step that would generate while any rank is suspended raises
+the same ``SuspendError`` on every rank before any launch (``check_can_generate``).
 
 A role reads the engine it is bound to (its requests, the launch in flight, its stats) and
 changes the engine's requests only through the engine's own ``_admit``, ``_mark_abort`` and
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING
 from megatron_async.inference.async_pipeline import PendingLaunch
 from megatron_async.inference.engines.step_consensus import PAUSE_MODES, Agreement, NewRequest, StepConsensus
 from megatron_async.inference.engines.step_result import StepResult
+from megatron_async.inference.engines.suspend import check_ranks_can_generate
 from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.step_plan import ALONE, StepAgreement, StepPlan
 
@@ -73,6 +77,11 @@ class SingleRank:
 
     def forget(self, request_id: int) -> None:
         """``request_id`` was reported finished."""
+
+    def check_can_generate(self) -> None:
+        """After ``open_step``, in a step that would generate: raises ``SuspendError`` where some
+        rank's memory is suspended (on every rank alike where ranks share steps)."""
+        self.engine.memory.check_can_generate()
 
     def has_unfinished_requests(self) -> bool:
         return self.engine._has_local_work()
@@ -130,6 +139,9 @@ class TensorParallelReplicas(SingleRank):
                 self.abort(rid)
         self.consensus.pause_wanted = PAUSE_MODES.index(mode)
 
+    def check_can_generate(self) -> None:
+        check_ranks_can_generate(self.consensus.last.blocked)  # this step's exchange: the same on every rank
+
     def forget(self, request_id: int) -> None:
         self._live.pop(request_id, None)
         self._aborting.discard(request_id)
@@ -159,7 +171,8 @@ class TensorParallelReplicas(SingleRank):
         with nvtx_range("consensus"):
             got = sync.exchange(self._has_work(), num_tokens, eager, leader_waiting=self.leader_waiting,
                                 load=len(eng._requests), upload=upload, from_step=from_step, variant=variant,
-                                digest=self.landed_digest, quiet=eng._quiet)
+                                digest=self.landed_digest, quiet=eng._quiet,
+                                blocked=eng.memory.blocking_code(sync.rank))
         sync.record(eng.stats, in_flight=eng._pending is not None)
         for new in got.news:
             eng._admit(new)
@@ -227,6 +240,17 @@ class DataParallelRanks(TensorParallelReplicas):
 
     def open_step(self, out: StepResult) -> None:
         self.consensus.fresh = False  # the step exchanges after scheduling
+
+    def check_can_generate(self) -> None:
+        """The step exchanges only after scheduling, so the latest agreement is the previous
+        step's: where it said a rank was suspended, every rank asks afresh (that rank may have
+        resumed since, or rank 0 paused again) before scheduling anything."""
+        if self.consensus.last is not None and self.consensus.last.blocked:
+            eng = self.engine
+            self.agree(from_step=True, out=eng._held, upload=self._upload())
+            if eng._pause not in (None, "wait"):  # rank 0 paused again: nothing launches
+                return
+        super().check_can_generate()
 
     def agree_on_launch(self, plan: StepPlan, out: StepResult) -> StepAgreement:
         graphs = self.engine.runner.graphs

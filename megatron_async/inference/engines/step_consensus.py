@@ -68,6 +68,9 @@ class Agreement(NamedTuple):
     outputs in ``run_requests``): the serving rank builds and hands up no update for them."""
     pause: int = 0
     """Rank 0's pause state (an index into ``PAUSE_MODES``): every rank applies it at this exchange."""
+    blocked: int = 0
+    """The max over ranks of ``MemorySuspender.blocking_code`` (0: no rank's memory is suspended):
+    every rank learns at the same exchange that some rank cannot generate, and which."""
 
 
 PAUSE_MODES = (None, "wait", "keep", "abort")
@@ -78,8 +81,8 @@ def _encode_upload(result) -> bytes:
     return upload_codec.encode(result.finished, result.updates)
 
 
-_HEAD = 6  # any_work, max_tokens, eager, leader_waiting, variant, pause; then one load per rank (data parallel),
-# then, where ranks are replicas (TP groups), (digest, -digest) per group; last, the rank's arrival time
+_HEAD = 7  # any_work, max_tokens, eager, leader_waiting, variant, pause, blocked; then one load per rank
+# (data parallel), then, where ranks are replicas (TP groups), (digest, -digest) per group; last, the arrival time
 _NOBODY = -(2**62)  # a group slot this rank does not write: below every digest and negated digest
 
 
@@ -170,11 +173,12 @@ class StepConsensus:
     # ------------------------------------------------------------------ the exchange
     def exchange(self, has_work: bool, num_tokens: int = 0, eager: bool = False, leader_waiting: bool = False,
                  load: int = 0, upload: Any = None, from_step: bool = True, variant: int = 0,
-                 digest: int = 0, quiet: set[int] | frozenset[int] = frozenset()) -> Agreement:
+                 digest: int = 0, quiet: set[int] | frozenset[int] = frozenset(), blocked: int = 0) -> Agreement:
         """Collective: one round trip. Returns the agreement, with the news and aborts this
         rank must apply (rank 0's included: it applies its own outbox only here, like the rest).
         ``digest``: of the steps this rank has landed (must match across a replica group).
         ``quiet`` (rank 0): ids whose updates nobody reads; those among the news say so.
+        ``blocked``: this rank's ``MemorySuspender.blocking_code`` (0: its memory is all there).
 
         The common step (nothing to send down, nothing to hand up) moves only this rank's record
         of ints: no pickling anywhere (``comm.plain_rounds`` counts those rounds)."""
@@ -185,7 +189,7 @@ class StepConsensus:
         rec = self._record
         rec[0] = 1 if has_work or upload is not None or self._outbox or self._aborts else 0  # handing up is work
         rec[1], rec[2], rec[3], rec[4] = num_tokens, 1 if eager else 0, 1 if leader_waiting else 0, variant
-        rec[5] = self.pause_wanted if self.is_leader else 0
+        rec[5], rec[6] = self.pause_wanted if self.is_leader else 0, blocked
         if self._load_at >= 0:
             rec[self._load_at] = load
         if self._digest_at >= 0:
@@ -206,13 +210,13 @@ class StepConsensus:
                 f"exchange #{self.rounds + 1}): their device results were not identical")
         if payload is None:
             last = Agreement(result[0] != 0, result[1], result[2] != 0, result[4], result[3] != 0,
-                             tuple(result[self._loads]), pause=result[5])
+                             tuple(result[self._loads]), pause=result[5], blocked=result[6])
         else:
             news, aborts, quiet_ids = payload
             if self.data_parallel:
                 news = [n for n in news if n.rank == self.dp_rank]
             last = Agreement(result[0] != 0, result[1], result[2] != 0, result[4], result[3] != 0,
-                             tuple(result[self._loads]), news, aborts, quiet_ids, result[5])
+                             tuple(result[self._loads]), news, aborts, quiet_ids, result[5], result[6])
         if self.data_parallel:
             self._routed_since = [0] * self.dp_size
         self.last = last

@@ -14,7 +14,10 @@ for a caller that refills them with ``update_weights``; module buffers (rope tab
 Order an RL driver follows: suspend(("weights", "kv_cache")), train, resume(("weights",)),
 update_weights(...), resume(("kv_cache",)), resume_generation(). Every other order that would
 lose something is refused with ``SuspendError`` and changes nothing. Under TP / EP each rank
-suspends and resumes its own memory (no collective); paused steps exchange on the host only."""
+suspends and resumes its own memory (no collective); paused steps exchange on the host only, and
+every exchange carries each rank's ``blocking_code`` so that, once rank 0 resumes generation
+while some rank is still suspended, every rank raises the same ``SuspendError`` at the same step
+(``check_ranks_can_generate``) instead of one raising and the others waiting for it."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -27,6 +30,25 @@ from megatron_async.inference.memory_suspend import KV_CACHE, TAGS, WEIGHTS, Sus
 
 class SuspendError(RuntimeError):
     """A suspend / resume / weight update in an order that would lose memory contents; nothing changed."""
+
+
+_TAG_BITS = {WEIGHTS: 1, KV_CACHE: 2}
+_DROPPED = 4  # weights dropped at suspend and not refilled
+_REASON_BITS = 3
+
+
+def check_ranks_can_generate(code: int) -> None:
+    """Raise where the max over ranks of ``MemorySuspender.blocking_code`` says some rank cannot
+    generate; it names the highest such rank (a max-reduce keeps one) and why."""
+    if not code:
+        return
+    rank, bits = (code >> _REASON_BITS) - 1, code & ((1 << _REASON_BITS) - 1)
+    tags = [tag for tag, bit in _TAG_BITS.items() if bits & bit]
+    if tags:
+        raise SuspendError(f"rank {rank} is still suspended ({', '.join(tags)}): every rank must resume "
+                           "its memory before generation resumes")
+    raise SuspendError(f"rank {rank}'s weights were dropped at suspend: refill them with update_weights on "
+                       "every rank before generation resumes")
 
 
 @dataclass
@@ -104,6 +126,14 @@ class MemorySuspender:
             raise SuspendError(f"cannot generate while {sorted(self.suspended)} are suspended: resume them first")
         if self.weights_missing:
             raise SuspendError("the weights were dropped at suspend: refill them with update_weights first")
+
+    def blocking_code(self, rank: int) -> int:
+        """This rank's "cannot generate" state as one int for the per-step max-reduce (0: it can):
+        the rank above the reason bits, so the max names the highest rank that cannot."""
+        if not (self.suspended or self.weights_missing):  # every step's case: keep it cheap
+            return 0
+        bits = sum(_TAG_BITS[tag] for tag in self.suspended) | (_DROPPED if self.weights_missing else 0)
+        return (rank + 1) << _REASON_BITS | bits
 
     def check_can_update_weights(self) -> None:
         if WEIGHTS in self.suspended:
