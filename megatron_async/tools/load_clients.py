@@ -4,7 +4,7 @@ as ``(response id, [(token ids, finish reason) per choice])``; closing it early 
 stream, which the server takes as a disconnect) and ``close()``.
 
 ``openai``: the official client, as users drive the server; it validates every SSE chunk into
-pydantic models, a few tens of microseconds of client CPU per chunk. ``raw``: the same request
+pydantic models (about twice the raw client's CPU per chunk: docs/PERFORMANCE.md, "Serving"). ``raw``: the same request
 body over a streaming POST with ``httpx2`` (the HTTP library the openai client is built on), each
 ``data:`` line parsed with ``json.loads``: the lighter load generator, to show whether the
 client bounds a server measurement."""
