@@ -183,15 +183,20 @@ def _stream(llm: LLM, prompts, sp) -> None:
     assert chars > 0
 
 
+LOG_PROBS = {"off": {}, "log-probs": {"return_log_probs": True},
+             "top-5": {"return_log_probs": True, "top_n_logprobs": 5}}
+
+
 def run(rows: int, sampled: bool, tokens: int, repeats: int, stream: bool, clock, spec: int = 0,
-        kinds: bool = False) -> dict[str, float]:
+        kinds: bool = False, log_probs: str = "off") -> dict[str, float]:
     cfg = InferenceConfig(max_requests=rows, max_tokens=4096, num_kv_blocks=rows * 40, async_scheduling=True)
     rng = random.Random(0)
     prompts = [[rng.randrange(5, 1000) for _ in range(rng.randrange(8, 16))] for _ in range(rows)]
     if sampled:
-        sp = SamplingParams(num_tokens_to_generate=tokens, temperature=0.8, top_p=0.95, ignore_eos=True, seed=1)
+        sp = SamplingParams(num_tokens_to_generate=tokens, temperature=0.8, top_p=0.95, ignore_eos=True, seed=1,
+                            **LOG_PROBS[log_probs])
     else:
-        sp = SamplingParams(num_tokens_to_generate=tokens, top_k=1, ignore_eos=True)
+        sp = SamplingParams(num_tokens_to_generate=tokens, top_k=1, ignore_eos=True, **LOG_PROBS[log_probs])
     llm = LLM(None, inference_config=cfg)
     if spec:  # every draft wrong: the oracle corrupts each true next token
         cont = {tuple(p): o.generated_tokens for p, o in zip(prompts, llm.generate(prompts, sp))}
@@ -224,6 +229,8 @@ def main():
                     help="a speculative engine, k = K, oracle drafter at 0%% acceptance (host time by step kind too)")
     ap.add_argument("--kinds", action="store_true", help="print the host time by step kind (implied by --spec)")
     ap.add_argument("--greedy-only", action="store_true", help="skip the sampled runs")
+    ap.add_argument("--log-probs", nargs="+", choices=list(LOG_PROBS), default=["off"],
+                    help="what each request asks for: no log-probs, its tokens' log-probs, or those and the top 5")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                     help="cpu: this thread's CPU time (time.thread_time: what the host works, whatever else "
                          "runs on the box); wall: perf_counter")
@@ -232,10 +239,11 @@ def main():
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     results = []
     for rows in args.rows:
-        for sampled in (False,) if args.greedy_only else (False, True):
-            s = run(rows, sampled, args.tokens, args.repeats, args.stream, clock, args.spec, args.kinds)
-            results.append((rows, "sampled" if sampled else "greedy", s))
-            print(f"rows={rows} {'sampled' if sampled else 'greedy'}: host {s['host']:.3f} ms/step "
+        for sampled, lp in [(x, lp) for x in ((False,) if args.greedy_only else (False, True)) for lp in args.log_probs]:
+            s = run(rows, sampled, args.tokens, args.repeats, args.stream, clock, args.spec, args.kinds, lp)
+            mode = ("sampled" if sampled else "greedy") + ("" if lp == "off" else f" + {lp}")
+            results.append((rows, mode, s))
+            print(f"rows={rows} {mode}: host {s['host']:.3f} ms/step "
                   f"(mean {s['host_mean']:.3f}; forward {s['forward']:.1f} ms, {s['steps']} decode steps; host of the "
                   f"whole run {s['run_host']:.1f} ms; by kind (calls, ms): {s['run_by_kind']})", flush=True)
     print()
