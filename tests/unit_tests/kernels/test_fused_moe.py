@@ -55,6 +55,7 @@ CASES = [  # M, K, I, H, E, k, gated, dropped
     (9, 48, 16, 32, 8, 3, True, 0.3),
     (12, 32, 40, 24, 6, 2, False, 0.2),
     (70, 64, 32, 64, 8, 2, True, 0.0),
+    (160, 32, 32, 32, 4, 2, True, 0.1),  # 80 pairs per expert: prefill-size blocks of 64 and their tiles
 ]
 
 
@@ -117,3 +118,17 @@ def test_triton_alignment_equals_the_torch_alignment(M, E, k, block_m):
     assert torch.equal(blocks, ref_blocks)
     live = (blocks < E).repeat_interleave(block_m)  # rows of blocks past the end are never read
     assert torch.equal(pairs[live], ref_pairs[live])
+
+
+def test_tiles_follow_the_block_size_and_the_shared_memory(monkeypatch):
+    assert triton_fused_moe._block_m(320, 4) == 64 and triton_fused_moe._block_m(16, 8) == 16
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert triton_fused_moe._default_tiles(16, True, cpu) == triton_fused_moe._DECODE_TILES
+    assert triton_fused_moe._default_tiles(64, True, cpu) == triton_fused_moe._PREFILL_TILES
+    assert triton_fused_moe._default_tiles(32, True, cpu) == triton_fused_moe.GemmTiles()
+    # 3 stages of a 64 x 64 A tile and two 64 x 256 B tiles: 216 KiB, over a 163 KiB opt-in (A100), under 227 (H100)
+    monkeypatch.setattr(triton_fused_moe, "_shared_memory_optin", lambda index: 163 * 1024)
+    assert triton_fused_moe._default_tiles(64, True, cuda) == triton_fused_moe.GemmTiles()
+    assert triton_fused_moe._default_tiles(64, False, cuda) == triton_fused_moe._PREFILL_TILES  # one B tile: 120 KiB
+    monkeypatch.setattr(triton_fused_moe, "_shared_memory_optin", lambda index: 227 * 1024)
+    assert triton_fused_moe._default_tiles(64, True, cuda) == triton_fused_moe._PREFILL_TILES
