@@ -149,9 +149,7 @@ class RequestBook:
                 req.num_inflight_drafts = 0
             updated.append(req)
             if not req.max_generated_tokens:  # scoring only: its prefill's sample is not kept
-                req.finish_reason = FinishReason.LENGTH
-                ctx.release(req)
-                req.status = finished_status  # its update says finished, as every other ending's does
+                self.finish(req, FinishReason.LENGTH)  # its update says finished, as every other ending's does
                 finished.append(req)
                 continue
             first = i if base is None else base[i]
@@ -183,9 +181,7 @@ class RequestBook:
             num_tokens += last - first + 1
             if reason is not None:
                 truncated += last != first + a
-                req.finish_reason = reason
-                ctx.release(req)
-                req.status = finished_status
+                self.finish(req, reason)
                 finished.append(req)
                 continue
             if k != a and req.status in _LIVE:  # take back the rejected drafts (evicted: recomputes anyway)
