@@ -6,6 +6,14 @@ import contextlib
 import torch
 
 
+def copy_to_host(t: torch.Tensor) -> torch.Tensor:
+    """Enqueue a copy of ``t`` into a new host tensor (pinned when ``t`` is on CUDA, so the copy is
+    really asynchronous); read it after an event recorded later has passed."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 class DeviceFacade:
     def __init__(self, device: torch.device | str, suspend_backend=None):
         """``suspend_backend``: a ``memory_suspend.SuspendBackend`` when the engine may suspend

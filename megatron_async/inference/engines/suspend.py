@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_async.inference.device import copy_to_host
 from megatron_async.inference.memory_suspend import KV_CACHE, TAGS, WEIGHTS, SuspendBackend
 
 
@@ -59,12 +60,6 @@ class _KeptKV:
     kv: list[torch.Tensor] = field(default_factory=list)  # per layer [2, n, block, heads, dim]
     slots: torch.Tensor | None = None  # Mamba state slots
     states: list[torch.Tensor] = field(default_factory=list)  # per tensor [n, ...] (conv then ssm)
-
-
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-    host.copy_(t, non_blocking=True)
-    return host
 
 
 def check_tags(tags) -> tuple[str, ...]:
@@ -172,8 +167,8 @@ class MemorySuspender:
 
     def _suspend_weights(self, keep: bool) -> None:
         params, buffers = self._params(), self._buffers()
-        self._weights_host = [_host_copy(p) for p in params] if keep else None
-        self._buffers_host = [_host_copy(b) for b in buffers]
+        self._weights_host = [copy_to_host(p) for p in params] if keep else None
+        self._buffers_host = [copy_to_host(b) for b in buffers]
         self._sync()
         self.backend.release(WEIGHTS, params + buffers)
         self.suspended.add(WEIGHTS)
@@ -202,14 +197,14 @@ class MemorySuspender:
         kept = _KeptKV(torch.tensor(blocks, dtype=torch.long))
         if blocks and ctx.kv_caches:
             idx = kept.blocks.to(dev)
-            kept.kv = [_host_copy(t.index_select(1, idx)) for t in ctx.kv_caches]
+            kept.kv = [copy_to_host(t.index_select(1, idx)) for t in ctx.kv_caches]
         m = ctx.mamba
         if m is not None:
             slots = sorted(r.state_slot for r in active if r.state_slot >= 0)
             kept.slots = torch.tensor(slots, dtype=torch.long)
             if slots:
                 idx = kept.slots.to(m.conv_states[0].device)
-                kept.states = [_host_copy(t.index_select(0, idx)) for t in (*m.conv_states, *m.ssm_states)]
+                kept.states = [copy_to_host(t.index_select(0, idx)) for t in (*m.conv_states, *m.ssm_states)]
         self._sync()
         self.backend.release(KV_CACHE, self._kv_tensors())
         self._kept_kv = kept

@@ -18,6 +18,7 @@ import torch
 from megatron_async.config import KernelChoice
 from megatron_async.inference.async_pipeline import HostSamples, PendingLaunch
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron_async.inference.device import copy_to_host
 from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.routed_experts import RoutingRecorder
 from megatron_async.inference.speculative.plain_steps import PlainStepSelector
@@ -156,12 +157,9 @@ class ModelRunner:
                 h_lp = host["log_probs"][:S]
                 h_lp.copy_(log_probs, non_blocking=True)
             if top_vals is not None:
-                h_tv = torch.empty(top_vals.shape, dtype=top_vals.dtype, pin_memory=self.device.is_cuda)
-                h_ti = torch.empty(top_ids.shape, dtype=top_ids.dtype, pin_memory=self.device.is_cuda)
-                h_tv.copy_(top_vals, non_blocking=True)
-                h_ti.copy_(top_ids, non_blocking=True)
+                h_tv, h_ti = copy_to_host(top_vals), copy_to_host(top_ids)
             if step.prompt_scoring is not None:
-                step.prompt_scoring.copy_to_host(self.device.is_cuda)
+                step.prompt_scoring.copy_to_host()
             routing = self.routing.copy_to_host(plan.rows, shape) if asked else None
             event = self.device.event()
             self.device.record(event)

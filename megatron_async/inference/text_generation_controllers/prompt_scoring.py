@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from megatron_async.inference.async_pipeline import PromptRowScores
+from megatron_async.inference.device import copy_to_host
 from megatron_async.inference.step_plan import StepPlan
 from megatron_async.inference.text_generation_controllers import sampling
 
@@ -86,16 +87,10 @@ class PromptScoring:
         if n:
             self.top_vals, self.top_ids = torch.cat(vals), torch.cat(ids)
 
-    def copy_to_host(self, pin: bool) -> None:
+    def copy_to_host(self) -> None:
         """Enqueue the D2H copies (before the step's event is recorded)."""
-        def host(t):
-            if t is None:
-                return None
-            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            h.copy_(t, non_blocking=True)
-            return h
-
-        self.log_probs, self.top_vals, self.top_ids = host(self.log_probs), host(self.top_vals), host(self.top_ids)
+        self.log_probs, self.top_vals, self.top_ids = (None if t is None else copy_to_host(t)
+                                                       for t in (self.log_probs, self.top_vals, self.top_ids))
 
     def collect(self) -> list[PromptRowScores]:
         """After the step's event: per-row plain lists."""
