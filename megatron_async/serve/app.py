@@ -144,8 +144,7 @@ def create_app(state: ServerState) -> FastAPI:
         text_offsets = [0] * len(choices)  # per choice: text of the tokens streamed so far
         scored = echo.wants_prompt_scores(req)
         ids = resp.TOKENS_SLOT if req.return_token_ids else None
-        templates = [resp.JsonTemplate(head.body([resp.completion_chunk_choice(i, resp.TEXT_SLOT, None, ids)]),
-                                       (resp.TEXT_SLOT, resp.TOKENS_SLOT) if ids else (resp.TEXT_SLOT,))
+        templates = [resp.chunk_template(head.body([resp.completion_chunk_choice(i, resp.TEXT_SLOT, None, ids)]))
                      for i in range(len(choices))] if req.stream else []
 
         def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool,
@@ -203,8 +202,7 @@ def create_app(state: ServerState) -> FastAPI:
         streams = [output.stream() for _ in choices]
         ids = resp.TOKENS_SLOT if req.return_token_ids else None
         plain = req.stream and not (output.reasoning_parser or output.tool_call_parser)  # content deltas only
-        templates = [resp.JsonTemplate(head.body([resp.chat_chunk_choice(i, {"content": resp.TEXT_SLOT}, None, ids)]),
-                                       (resp.TEXT_SLOT, resp.TOKENS_SLOT) if ids else (resp.TEXT_SLOT,))
+        templates = [resp.chunk_template(head.body([resp.chat_chunk_choice(i, {"content": resp.TEXT_SLOT}, None, ids)]))
                      for i in range(len(choices))] if plain else []
 
         def chunk(i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool,

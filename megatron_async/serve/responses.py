@@ -52,6 +52,13 @@ class JsonTemplate:
         return "".join(out)
 
 
+def chunk_template(body: dict) -> JsonTemplate:
+    """A stream chunk built with ``TEXT_SLOT`` for its text and, with ``return_token_ids``,
+    ``TOKENS_SLOT`` for its ids: called with the text, then the ids where the body holds them."""
+    slots = (TEXT_SLOT, TOKENS_SLOT) if json.dumps(TOKENS_SLOT) in json.dumps(body) else (TEXT_SLOT,)
+    return JsonTemplate(body, slots)
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     kind = "not_found_error" if status == 404 else "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
