@@ -140,7 +140,11 @@ class TensorParallelReplicas(SingleRank):
         self.consensus.pause_wanted = PAUSE_MODES.index(mode)
 
     def check_can_generate(self) -> None:
-        check_ranks_can_generate(self.consensus.last.blocked)  # this step's exchange: the same on every rank
+        last = self.consensus.last  # this step's exchange: the same on every rank
+        if last is None:  # none yet (data-parallel ranks exchange after scheduling): this rank's own memory
+            super().check_can_generate()
+        else:
+            check_ranks_can_generate(last.blocked)
 
     def forget(self, request_id: int) -> None:
         self._live.pop(request_id, None)
