@@ -83,6 +83,10 @@ class LoadTestReport:
     """SSE chunks received, over all processes."""
     client_cpu_s: float | None = None
     """CPU time of all client processes together."""
+    started_at: float | None = None
+    """``time.perf_counter()`` when the first requests were sent (with ``ended_at``: the window a
+    server-side sampler restricts itself to)."""
+    ended_at: float | None = None
 
     @property
     def client_cpu_us_per_chunk(self) -> float | None:
@@ -192,7 +196,10 @@ async def _one(client, model: str, rec: StreamRecord, work: LoadShape) -> None:
 
 async def _collect(base_url: str, model: str | None, indices: list[int], clients: int, work: LoadShape,
                    timeout_s: float, client_kind: str = "openai"):
-    """``clients`` workers share a queue of request ``indices``. Returns (records, wall s, CPU s)."""
+    """``clients`` workers share a queue of request ``indices``. Returns (records, start, end, CPU s):
+    ``start`` / ``end`` are ``time.perf_counter()`` readings (the system's monotonic clock on
+    Linux, so those of several processes compare). With several processes, every one waits at
+    ``_START`` after loading its client, so that all send their first requests together."""
     client = make_client(client_kind, base_url, timeout_s)
     served = await client.served_model()  # also loads what the client loads lazily, before the clock
     model = model or served
@@ -207,11 +214,13 @@ async def _collect(base_url: str, model: str | None, indices: list[int], clients
             records[rec.index].append(rec)
             await _one(client, model, rec, work)
 
+    if _START is not None:
+        _START.wait(timeout_s)
     t0, c0 = time.perf_counter(), time.process_time()
     await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(clients))), timeout_s)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    end, cpu = time.perf_counter(), time.process_time() - c0
     await client.close()
-    return records, wall, cpu
+    return records, t0, end, cpu
 
 
 async def run_load_test(base_url: str, model: str | None, clients: int = 64, requests: int = 500,
@@ -220,11 +229,22 @@ async def run_load_test(base_url: str, model: str | None, clients: int = 64, req
     """One client process: ``clients`` workers send ``requests`` requests; each asks for exactly
     ``work.max_tokens`` tokens (EOS ignored) so that a short or long answer shows. ``client``:
     ``openai`` or ``raw`` (tools/load_clients.py)."""
-    records, wall, cpu = await _collect(base_url, model, list(range(requests)), clients, work, timeout_s, client)
+    records, start, end, cpu = await _collect(base_url, model, list(range(requests)), clients, work, timeout_s, client)
+    wall = end - start
     report = _report(records, clients, work.max_tokens, wall)
+    report.started_at, report.ended_at = start, end
     report.client, report.client_cpu_s = client, cpu
     report.client_cpu_busy = cpu / wall if wall else None
     return report
+
+
+_START = None
+"""The barrier every client process waits at before its first request (set in each process)."""
+
+
+def _set_start(barrier) -> None:
+    global _START
+    _START = barrier
 
 
 def _process_part(args: tuple) -> tuple:
@@ -235,18 +255,22 @@ def run_load_test_processes(base_url: str, model: str | None, processes: int, cl
                             work: LoadShape = LoadShape(), timeout_s: float = 600.0,
                             client: str = "openai") -> LoadTestReport:
     """``run_load_test`` with the clients and requests dealt round-robin over ``processes``
-    client processes (spawned), started together; the wall time is the slowest one's."""
+    client processes (spawned). They start together (a barrier after each has imported and
+    loaded its client: otherwise the first would run alone while the last still imports); the
+    wall time runs from that start to the last request's end."""
     if processes <= 1:
         return asyncio.run(run_load_test(base_url, model, clients, requests, work, timeout_s, client))
     parts = [(base_url, model, list(range(p, requests, processes)), len(range(p, clients, processes)), work,
               timeout_s, client) for p in range(processes)]
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        results = pool.map(_process_part, parts)
-    records = {i: recs for part, _, _ in results for i, recs in part.items()}
-    wall = max(w for _, w, _ in results)
-    report = _report(dict(sorted(records.items())), clients, work.max_tokens, wall)
-    report.processes, report.client, report.client_cpu_s = processes, client, sum(c for _, _, c in results)
-    report.client_cpu_busy = max(c / w for _, w, c in results if w)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(processes, initializer=_set_start, initargs=(ctx.Barrier(processes),)) as pool:
+        results = pool.map(_process_part, parts, chunksize=1)
+    records = {i: recs for part, _, _, _ in results for i, recs in part.items()}
+    start, end = min(r[1] for r in results), max(r[2] for r in results)
+    report = _report(dict(sorted(records.items())), clients, work.max_tokens, end - start)
+    report.processes, report.client, report.client_cpu_s = processes, client, sum(r[3] for r in results)
+    report.client_cpu_busy = max(c / (e - s) for _, s, e, c in results if e > s)
+    report.started_at, report.ended_at = start, end
     return report
 
 

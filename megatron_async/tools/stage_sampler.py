@@ -96,13 +96,17 @@ class StageBreakdown:
 
 
 class StageSampler:
-    """``with StageSampler(engine_thread, loop_thread) as s: ...; s.result`` (a StageBreakdown)."""
+    """``with StageSampler(engine_thread, loop_thread) as s: ...; s.result`` (a StageBreakdown of
+    the whole time; ``s.between(t0, t1)``: of a window of ``time.perf_counter()`` readings, e.g.
+    the load test's own start and end, so that its set-up is not filed as idle)."""
 
     def __init__(self, engine_thread: threading.Thread, loop_thread: threading.Thread, interval_s: float = 0.002):
         self._threads = {"engine": engine_thread, "loop": loop_thread}
         self._interval = interval_s
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._run, name="stage-sampler", daemon=True)
+        self._ticks: list[tuple[float, dict[str, float], dict[str, str]]] = []
+        """(time, each thread's CPU clock, each thread's stage) per sample."""
         self.result = StageBreakdown()
 
     def _cpu(self) -> dict[str, float]:
@@ -118,6 +122,7 @@ class StageSampler:
         ids = {t.ident: name for name, t in self._threads.items()}
         classify = {"engine": engine_stage, "loop": loop_stage}
         while not self._stop.wait(self._interval):
+            stages = {}
             for ident, frame in sys._current_frames().items():
                 name = ids.get(ident)
                 if name is None:
@@ -126,17 +131,28 @@ class StageSampler:
                 while frame is not None:
                     frames.append((frame.f_code.co_filename.replace("\\", "/"), frame.f_code.co_name))
                     frame = frame.f_back
-                self.result.samples[name][classify[name](frames)] += 1
+                stages[name] = classify[name](frames)
+            self._ticks.append((time.perf_counter(), self._cpu(), stages))
+
+    def between(self, t0: float | None = None, t1: float | None = None) -> StageBreakdown:
+        """The samples taken in [t0, t1] (None: from the first / to the last)."""
+        ticks = [k for k in self._ticks if (t0 is None or k[0] >= t0) and (t1 is None or k[0] <= t1)]
+        out = StageBreakdown()
+        if len(ticks) < 2:
+            return out
+        for _, _, stages in ticks:
+            for name, stage in stages.items():
+                out.samples[name][stage] += 1
+        first, last = ticks[0], ticks[-1]
+        out.wall_s = last[0] - first[0]
+        out.cpu_s = {n: last[1][n] - first[1][n] for n in last[1] if n in first[1]}
+        return out
 
     def __enter__(self) -> StageSampler:
-        self._t0, self._cpu0 = time.perf_counter(), self._cpu()
         self._sampler.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._sampler.join()
-        wall = time.perf_counter() - self._t0
-        cpu1 = self._cpu()
-        self.result.wall_s = wall
-        self.result.cpu_s = {n: cpu1[n] - self._cpu0[n] for n in cpu1 if n in self._cpu0}
+        self.result = self.between()

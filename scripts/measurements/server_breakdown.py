@@ -29,18 +29,20 @@ from megatron_async.tools.server_load import LoadShape, run_load_test_processes,
 from megatron_async.tools.stage_sampler import StageSampler  # noqa: E402
 
 
-def offline_tok_s(engine, requests: int, prompt_len: int, max_tokens: int, offset: int = 0) -> float:
-    """The engine alone, every request added at once (the server's clients would all be waiting)."""
+def offline_run(engine, requests: int, prompt_len: int, max_tokens: int, offset: int = 0) -> tuple[float, int]:
+    """The engine alone, every request added at once (the server's clients would all be waiting):
+    (tok/s, steps)."""
     params = SamplingParams(temperature=0.0, num_tokens_to_generate=max_tokens, ignore_eos=True)
     ids = {engine.add_request(token_prompt_for(offset + i, prompt_len), params) for i in range(requests)}
-    tokens, t0 = 0, time.perf_counter()
+    tokens, steps, t0 = 0, 0, time.perf_counter()
     while ids:
         res = engine.step()
+        steps += 1
         for out in res.finished:
             if out.request_id in ids:
                 ids.discard(out.request_id)
                 tokens += len(out.generated_tokens)
-    return tokens / (time.perf_counter() - t0)
+    return tokens / (time.perf_counter() - t0), steps
 
 
 def main() -> int:
@@ -89,9 +91,11 @@ def main() -> int:
         llm = load_llm(sargs, stream_text=True)
         engine = llm.engine
     warm = args.warmup_requests if args.warmup_requests is not None else args.clients
-    offline_tok_s(engine, warm, args.prompt_len, args.max_tokens, offset=10**6)  # compiles, graph captures
-    offline = offline_tok_s(engine, args.requests, args.prompt_len, args.max_tokens)
-    print(f"offline engine: {offline:.0f} tok/s", flush=True)
+    offline_run(engine, warm, args.prompt_len, args.max_tokens, offset=10**6)  # compiles, graph captures
+    offline, offline_steps = offline_run(engine, args.requests, args.prompt_len, args.max_tokens)
+    tokens = args.requests * args.max_tokens
+    print(f"offline engine: {offline:.0f} tok/s; steps: {offline_steps}, {1e3 * tokens / offline / offline_steps:.2f} ms "
+          f"apart, {tokens / offline_steps:.1f} tokens each", flush=True)
 
     if llm is None:
         metrics = ServerMetrics("stub")
@@ -101,7 +105,7 @@ def main() -> int:
         state = build_state(llm, sargs)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning",
                                            access_log=False, http=args.http, loop=args.loop))
-    results: dict = {"offline_tok_s": offline}
+    results: dict = {}
 
     def drive() -> None:
         try:
@@ -121,7 +125,7 @@ def main() -> int:
                 report = load(args.client_processes, args.requests)
             results["steps"] = state.engine_loop.steps - steps0
             results["server"] = report
-            results["breakdown"] = sampler.result
+            results["breakdown"] = sampler.between(report.started_at, report.ended_at)
             if not args.skip_client_check:
                 results["server_more_clients"] = load(2 * args.client_processes, args.requests)
         except BaseException as e:  # noqa: BLE001 -- reported by the main thread
@@ -155,7 +159,8 @@ def main() -> int:
         print(f"{name:<40} {tok_s:>9.0f} {tok_s / offline:>10.0%} {busy:>15} {per_chunk:>16}")
     ok = rep.ok and (more is None or more.ok)
     if args.output_path:
-        out = {"offline_tok_s": offline, "server": rep.as_dict(), "server_more_clients": more and more.as_dict(),
+        out = {"offline_tok_s": offline, "offline_steps": offline_steps, "server_steps": results["steps"],
+               "server": rep.as_dict(), "server_more_clients": more and more.as_dict(),
                "breakdown": {t: results["breakdown"].shares(t) for t in ("engine", "loop")},
                "cpu_busy": results["breakdown"].cpu_busy, "cpu_s": results["breakdown"].cpu_s}
         Path(args.output_path).write_text(json.dumps(out, indent=1))

@@ -52,7 +52,7 @@ def test_raw_and_openai_clients_see_the_same_tokens(server):
     shape = LoadShape(max_tokens=7, prompt_words=10, token_prompts=True)
 
     def tokens(client: str) -> dict[int, list[int]]:
-        records, _, _ = asyncio.run(_collect(server.url, None, list(range(12)), 6, shape, 60.0, client))
+        records, *_ = asyncio.run(_collect(server.url, None, list(range(12)), 6, shape, 60.0, client))
         assert all(len(recs) == 1 and recs[0].error is None and recs[0].finish_reason for recs in records.values())
         return {i: recs[0].token_ids for i, recs in records.items()}
 
