@@ -66,11 +66,18 @@ def combine_slots(y: torch.Tensor, row_of_pair: torch.Tensor, topk_ids: torch.Te
                   num_experts: int, out_dtype: torch.dtype) -> torch.Tensor:
     """out[t] = sum over t's routed slots j, in slot order, of topk_weights[t, j] * y[row of
     pair t * k + j], in float32, rounded once to ``out_dtype``. Rows of no expert are never
-    read: they may hold anything (the grouped GEMM leaves rows past its groups unwritten)."""
+    read: they may hold anything (the grouped GEMM leaves rows past its groups unwritten). One
+    Triton kernel on CUDA (``triton_moe_combine``), else ``combine_slots_torch``."""
     if fused_ops.use_fused(y):
         from megatron_async.kernels import triton_moe_combine
 
         return triton_moe_combine.combine_slots(y, row_of_pair, topk_ids, topk_weights, num_experts, out_dtype)
+    return combine_slots_torch(y, row_of_pair, topk_ids, topk_weights, num_experts, out_dtype)
+
+
+def combine_slots_torch(y: torch.Tensor, row_of_pair: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor, num_experts: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``combine_slots`` in torch ops (the CPU path and the Triton kernel's reference)."""
     M, top_k = topk_ids.shape
     routed = (topk_ids >= 0) & (topk_ids < num_experts)
     rows = torch.where(routed.reshape(-1), row_of_pair, 0)

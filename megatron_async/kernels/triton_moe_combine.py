@@ -29,7 +29,7 @@ def _combine_kernel(y_ptr, rows_ptr, ids_ptr, weights_ptr, out_ptr, stride_y, H:
 
 def combine_slots(y: torch.Tensor, row_of_pair: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   num_experts: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """See ``moe_grouped_mm.combine_slots`` (its torch reference)."""
+    """See ``moe_grouped_mm.combine_slots`` (torch reference: ``combine_slots_torch``)."""
     M, top_k = topk_ids.shape
     H = y.shape[1]
     if y.stride(1) != 1:

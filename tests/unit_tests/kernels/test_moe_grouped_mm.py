@@ -86,11 +86,12 @@ def test_plan_puts_every_routed_pair_once_in_its_experts_aligned_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_combine_kernel_matches_its_torch_reference(dtype):
-    """The Triton kernel (interpreted on CPU) against the torch ops, over rows full of NaN where
-    no pair points (as the grouped GEMM leaves them)."""
+    """The Triton kernel (interpreted on CPU, compiled on CUDA) against the torch ops, over rows
+    full of NaN where no pair points (as the grouped GEMM leaves them)."""
     pytest.importorskip("triton")
     from megatron_async.kernels import triton_moe_combine
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(2)
     M, k, E, H = 7, 3, 5, 40
     ids = torch.randint(-2, E + 2, (M, k), generator=g).to(torch.int32)
@@ -99,7 +100,8 @@ def test_combine_kernel_matches_its_torch_reference(dtype):
     y = torch.full((M * k + E * moe_grouped_mm.ROW_ALIGN, H), float("nan"), dtype=dtype)
     routed = row_of_pair < y.shape[0]
     y[row_of_pair[routed]] = torch.randn(int(routed.sum()), H, generator=g).to(dtype)
-    ref = moe_grouped_mm.combine_slots(y, row_of_pair, ids, w, E, dtype)
+    y, row_of_pair, ids, w = y.to(device), row_of_pair.to(device), ids.to(device), w.to(device)
+    ref = moe_grouped_mm.combine_slots_torch(y, row_of_pair, ids, w, E, dtype)
     out = triton_moe_combine.combine_slots(y, row_of_pair, ids, w, E, dtype)
     assert torch.isfinite(ref).all()
     assert float((out.float() - ref.float()).abs().max()) <= (1e-6 if dtype == torch.float32 else 1e-2)
