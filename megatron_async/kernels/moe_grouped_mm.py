@@ -102,10 +102,15 @@ def fused_experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     if M == 0 or topk_ids.shape[1] == 0:
         return torch.zeros((M, H), dtype=x.dtype, device=x.device)
     row_of_pair, token_of_row, offs = plan_rows(topk_ids, E)
-    h = torch._grouped_mm(x.index_select(0, token_of_row), w13.transpose(1, 2), offs=offs)
-    act = fused_ops.silu_and_mul(h) if gated and fused_ops.use_fused(h) else expert_activation(h, gated)
+    act = _activation(torch._grouped_mm(x.index_select(0, token_of_row), w13.transpose(1, 2), offs=offs), gated)
     y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    del act  # each [rows, *] buffer lives only while the next step reads it: the step's peak memory
     return combine_slots(y, row_of_pair, topk_ids, topk_weights, E, x.dtype)
+
+
+def _activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
+    """``expert_activation`` (one Triton kernel for SwiGLU on CUDA, rounding as the torch ops)."""
+    return fused_ops.silu_and_mul(h) if gated and fused_ops.use_fused(h) else expert_activation(h, gated)
 
 
 def use_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
@@ -119,14 +124,15 @@ def use_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
 
 
 def grouped_mm_suits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
-    """bf16 x and weights with 16-byte-aligned rows (K, I multiples of 8, unit last strides),
-    fewer than 1,024 experts, more than ``MIN_PAIRS_PER_EXPERT`` (token, slot) pairs per expert,
-    and ``SWITCH`` not 0."""
+    """bf16 x and weights with 16-byte-aligned rows (K, I multiples of 8, unit last strides,
+    16-byte-aligned weight pointers), fewer than 1,024 experts, more than
+    ``MIN_PAIRS_PER_EXPERT`` (token, slot) pairs per expert, and ``SWITCH`` not 0."""
     E, I = w13.shape[0], w2.shape[2]
     pairs = topk_ids.numel()
     return (os.environ.get(SWITCH, "1") != "0" and x.dtype == w13.dtype == w2.dtype == torch.bfloat16
             and x.shape[1] % 8 == 0 and I % 8 == 0 and w13.stride(2) == 1 and w2.stride(2) == 1
             and w13.stride(1) % 8 == 0 and w2.stride(1) % 8 == 0 and E < 1024
+            and w13.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0
             and pairs > MIN_PAIRS_PER_EXPERT * min(E, pairs))
 
 

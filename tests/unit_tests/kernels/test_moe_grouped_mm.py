@@ -119,6 +119,8 @@ def test_dispatch_takes_prefill_sized_bf16_batches_with_aligned_rows(monkeypatch
     assert not suits(x=x.float(), w13=w13.float(), w2=w2.float())
     assert not suits(x=x[:, :20], w13=w13[:, :, :20].contiguous())  # K = 20: rows of 40 bytes
     assert not suits(w13=w13.transpose(1, 2).contiguous().transpose(1, 2))  # K-major copies: no unit last stride
+    shifted = torch.empty(w2.numel() + 8, dtype=w2.dtype)[1:1 + w2.numel()].view_as(w2)
+    assert suits(w2=shifted.new_empty(w2.shape)) and not suits(w2=shifted)  # starts 2 bytes off 16
     monkeypatch.setenv(moe_grouped_mm.SWITCH, "0")
     assert not suits()
 
