@@ -124,6 +124,9 @@ def grouped_mm(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
     print("|---:|---|---:|---:|---:|---:|")
     for T, name, eager, graph, tflops, err in rows:
         print(f"| {T} | {name} | {eager:.3f} | {graph:.3f} | {tflops:.0f} | {err:.2e} |")
+    graph_ms = {(T, name): graph for T, name, _, graph, _, _ in rows}
+    print("per step of 48 such layers, grouped_mm saves (graph ms): " + ", ".join(
+        f"{T} tokens {48 * (graph_ms[T, 'triton'] - graph_ms[T, 'grouped_mm']):.1f}" for T in tokens))
     return ok
 
 
