@@ -48,15 +48,18 @@ def plan_rows(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     E, dev = num_experts, topk_ids.device
     n, P = M * top_k, M * top_k + num_experts * ROW_ALIGN
     flat = topk_ids.reshape(-1)
-    key = torch.where((flat >= 0) & (flat < E), flat, E).to(torch.int64)  # E: pairs of no expert sort last
+    # int32 keys (half the radix passes of int64); E: pairs of no expert sort last
+    key = torch.where((flat >= 0) & (flat < E), flat, E).to(torch.int32)
     order = torch.argsort(key, stable=True)
     sorted_key = key[order]
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    rows = (counts[:E].clamp(min=1) + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+    experts = torch.arange(E, dtype=torch.int32, device=dev)
+    # each expert's pairs in the sorted order, found in the sorted keys (no atomics)
+    sorted_start = torch.searchsorted(sorted_key, experts)
+    sorted_end = torch.searchsorted(sorted_key, experts, right=True)
+    rows = ((sorted_end - sorted_start).clamp(min=1) + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
     ends = rows.cumsum(0)
-    rank_in_expert = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[sorted_key]
-    start = (ends - rows)[sorted_key.clamp(max=E - 1)]
-    dest = torch.where(sorted_key < E, start + rank_in_expert, P)
+    e = sorted_key.clamp(max=E - 1)
+    dest = torch.where(sorted_key < E, (ends - rows)[e] + torch.arange(n, device=dev) - sorted_start[e], P)
     row_of_pair = torch.empty_like(dest).scatter_(0, order, dest)
     token_of_row = torch.zeros(P + 1, dtype=torch.int64, device=dev).scatter_(0, dest, order // top_k)[:P]
     return row_of_pair, token_of_row, ends.to(torch.int32)
