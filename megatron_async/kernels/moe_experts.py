@@ -2,11 +2,14 @@
 
 ``triton`` (the model's ``KernelBackends.triton_moe``: it follows the attention backend) runs
 the fused Triton MoE (tokens sorted by expert into expert-aligned blocks, grouped GEMMs with the
-SiLU-mul and routing weights fused, graph-safe shapes); else the torch reference loop."""
+SiLU-mul and routing weights fused, graph-safe shapes), or for prefill-size batches on Hopper
+torch's CUTLASS grouped GEMM (``moe_grouped_mm.use_grouped_mm`` decides from shapes and the
+device; ``MEGATRON_ASYNC_MOE_GROUPED_MM=0`` turns it off); else the torch reference loop."""
 from __future__ import annotations
 
 import torch
 
+from megatron_async.kernels.moe_grouped_mm import fused_experts_grouped_mm, use_grouped_mm
 from megatron_async.kernels.moe_torch import fused_experts_torch
 
 
@@ -18,6 +21,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     else N = I); w2 [E, H, I]; topk_ids [M, k] int32, where an id outside [0, E) means "no
     expert here" (EP: another rank's expert, or a padding row); topk_weights [M, k] float32.
     Returns [M, H] in x's dtype, accumulated in float32."""
+    if triton and use_grouped_mm(x, w13, w2, topk_ids):
+        return fused_experts_grouped_mm(x, w13, w2, topk_ids, topk_weights, gated)
     if triton:
         from megatron_async.kernels import triton_fused_moe
 
