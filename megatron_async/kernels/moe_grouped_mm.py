@@ -2,7 +2,8 @@
 batches on Hopper, where the fused Triton MoE's GEMMs reach about a third of the tensor cores'
 rate (``scripts/gpu_check.py fused-moe --grouped-mm`` times both).
 
-1. ``plan_rows`` (torch ops, nothing read on the host): the (token, slot) pairs sorted by expert
+1. ``plan_rows`` (one Triton kernel on CUDA, ``triton_moe_plan``; torch ops elsewhere; nothing
+   read on the host): the (token, slot) pairs sorted by expert
    (stable: pair order within an expert), each expert's rows padded to a multiple of
    ``ROW_ALIGN`` and to at least ``ROW_ALIGN`` rows (the device-side checks of some torch
    versions' grouped GEMM; no empty group), in a buffer of the static ``pairs + E * ROW_ALIGN``
@@ -41,9 +42,19 @@ SWITCH = "MEGATRON_ASYNC_MOE_GROUPED_MM"
 
 
 def plan_rows(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """topk_ids [M, k] (ids outside [0, E) = no expert) -> (row_of_pair [M * k] int64: each pair's
-    row, P for a pair of no expert; token_of_row [P] int64: the token each row reads, 0 on
-    padding rows; offs [E] int32: each expert's cumulative row end), P = M * k + E * ROW_ALIGN."""
+    """topk_ids [M, k] (ids outside [0, E) = no expert) -> (row_of_pair [M * k]: each pair's row,
+    P for a pair of no expert; token_of_row [P]: the token each row reads, 0 on padding rows;
+    offs [E] int32: each expert's cumulative row end), P = M * k + E * ROW_ALIGN. Rows and
+    tokens are int32 from the kernel (CUDA), int64 from ``plan_rows_torch``."""
+    if fused_ops.use_fused(topk_ids):
+        from megatron_async.kernels import triton_moe_plan
+
+        return triton_moe_plan.plan_rows(topk_ids, num_experts, ROW_ALIGN)
+    return plan_rows_torch(topk_ids, num_experts)
+
+
+def plan_rows_torch(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``plan_rows`` in torch ops (the CPU path and the kernel's reference)."""
     M, top_k = topk_ids.shape
     E, dev = num_experts, topk_ids.device
     n, P = M * top_k, M * top_k + num_experts * ROW_ALIGN
