@@ -116,10 +116,19 @@ def fused_experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     if M == 0 or topk_ids.shape[1] == 0:
         return torch.zeros((M, H), dtype=x.dtype, device=x.device)
     row_of_pair, token_of_row, offs = plan_rows(topk_ids, E)
-    act = _activation(torch._grouped_mm(x.index_select(0, token_of_row), w13.transpose(1, 2), offs=offs), gated)
+    act = _activation(torch._grouped_mm(_gather(x, token_of_row, offs), w13.transpose(1, 2), offs=offs), gated)
     y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
     del act  # each [rows, *] buffer lives only while the next step reads it: the step's peak memory
     return combine_slots(y, row_of_pair, topk_ids, topk_weights, E, x.dtype)
+
+
+def _gather(x: torch.Tensor, token_of_row: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x's rows in the plan's order (one Triton kernel on CUDA; rows past the groups unwritten)."""
+    if fused_ops.use_fused(x) and x.stride(1) == 1:
+        from megatron_async.kernels import triton_moe_plan
+
+        return triton_moe_plan.gather_rows(x, token_of_row, offs)
+    return x.index_select(0, token_of_row)
 
 
 def _activation(h: torch.Tensor, gated: bool) -> torch.Tensor:

@@ -46,8 +46,10 @@ def _plan_kernel(ids_ptr, row_of_pair_ptr, token_of_row_ptr, offs_ptr, n, P, E: 
             tl.store(token_of_row_ptr + offs, 0, mask=offs < P)
 
 
-def plan_rows(topk_ids: torch.Tensor, num_experts: int, align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See ``moe_grouped_mm.plan_rows`` (its torch form is the reference); int32 rows and tokens."""
+def plan_rows(topk_ids: torch.Tensor, num_experts: int, align: int, block: int = 4096,
+              num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See ``moe_grouped_mm.plan_rows`` (its torch form is the reference); int32 rows and tokens.
+    ``block``: ids per loop iteration (each program loops twice over all ids)."""
     M, top_k = topk_ids.shape
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     n, E = ids.numel(), num_experts
@@ -55,7 +57,35 @@ def plan_rows(topk_ids: torch.Tensor, num_experts: int, align: int) -> tuple[tor
     row_of_pair = torch.empty(n, dtype=torch.int32, device=ids.device)
     token_of_row = torch.empty(P, dtype=torch.int32, device=ids.device)
     offs = torch.empty(E, dtype=torch.int32, device=ids.device)
-    block = min(1024, max(16, triton.next_power_of_2(max(n, 1))))
+    block = min(block, max(16, triton.next_power_of_2(max(n, 1))))
     _plan_kernel[(E,)](ids, row_of_pair, token_of_row, offs, n, P, E=E, BINS=triton.next_power_of_2(E + 1),
-                       TOP_K=top_k, ALIGN=align, BLOCK=block, num_warps=4)
+                       TOP_K=top_k, ALIGN=align, BLOCK=block, num_warps=num_warps)
     return row_of_pair, token_of_row, offs
+
+
+@triton.jit
+def _gather_kernel(x_ptr, token_of_row_ptr, offs_ptr, out_ptr, stride_x, P, E: tl.constexpr, K: tl.constexpr,
+                   ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[r] = x[token_of_row[r]] for the rows of the experts' groups (r < offs[E - 1]); rows
+    past the last group are left unwritten (the grouped GEMM never reads them)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    end = tl.load(offs_ptr + E - 1)
+    live = rows < end
+    tok = tl.load(token_of_row_ptr + rows, mask=live, other=0).to(tl.int64)
+    mask = live[:, None] & (cols[None, :] < K)
+    vals = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], vals, mask=mask)
+
+
+def gather_rows(x: torch.Tensor, token_of_row: torch.Tensor, offs: torch.Tensor, rows: int = 16,
+                block_k: int = 512, num_warps: int = 4) -> torch.Tensor:
+    """x's rows in the plan's order, [P, K] (``x.index_select(0, token_of_row)`` where the rows
+    belong to a group; one read of each needed row, 16-byte accesses)."""
+    P, K = token_of_row.shape[0], x.shape[1]
+    out = torch.empty((P, K), dtype=x.dtype, device=x.device)
+    block_k = min(block_k, triton.next_power_of_2(K))
+    _gather_kernel[(triton.cdiv(P, rows), triton.cdiv(K, block_k))](
+        x, token_of_row, offs, out, x.stride(0), P, E=offs.shape[0], K=K, ROWS=rows, BLOCK_K=block_k,
+        num_warps=num_warps)
+    return out

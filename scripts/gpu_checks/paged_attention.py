@@ -241,7 +241,8 @@ def sweep_prefill(iters: int, tokens: int, min_len: int, max_len: int) -> None:
     print(f"\nprefill sweep: {case.meta.num_tokens} tokens in {len(rows)} rows, {flops / 1e9:.1f} GFLOP")
     print("| block_q | block_n | warps | stages | graph us | TFLOP/s | max abs diff vs default |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
-    for block_q in (32, 64, 128):
+    group = 1 << (HEADS // KV_HEADS - 1).bit_length()  # a program's matrix rows: block_q x its GQA group
+    for block_q in (max(1, 64 // group), max(1, 128 // group), max(1, 256 // group)):
         for block_n in (32, 64, 128):
             for warps in (4, 8):
                 for stages in (2, 3, 4):

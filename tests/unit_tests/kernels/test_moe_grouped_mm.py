@@ -101,6 +101,21 @@ def test_plan_kernel_matches_its_torch_reference(M, k, E):
         assert torch.equal(a.long(), b.cpu().long())
 
 
+def test_gather_kernel_copies_the_rows_of_the_groups():
+    pytest.importorskip("triton")
+    from megatron_async.kernels import triton_moe_plan
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(4)
+    M, k, E, K = 9, 3, 5, 40
+    ids = torch.randint(-1, E, (M, k), generator=g).to(torch.int32)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    _, token_of_row, offs = moe_grouped_mm.plan_rows_torch(ids, E)
+    out = triton_moe_plan.gather_rows(x.to(device), token_of_row.to(device), offs.to(device), rows=4, block_k=16)
+    end = int(offs[-1])
+    assert torch.equal(out[:end].cpu(), x.index_select(0, token_of_row)[:end])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_combine_kernel_matches_its_torch_reference(dtype):
     """The Triton kernel (interpreted on CPU, compiled on CUDA) against the torch ops, over rows
