@@ -141,13 +141,14 @@ def test_combine_kernel_matches_its_torch_reference(dtype):
 
 def test_dispatch_takes_prefill_sized_bf16_batches_with_aligned_rows(monkeypatch):
     x, w13, w2, ids, _ = _inputs(300, 32, 16, 32, 8, 2, torch.bfloat16, True, seed=1)  # 75 pairs per expert
+    assert moe_grouped_mm.MIN_PAIRS_PER_EXPERT == 32
 
     def suits(**kw):
         return moe_grouped_mm.grouped_mm_suits(**{"x": x, "w13": w13, "w2": w2, "topk_ids": ids, **kw})
 
     assert suits()
     assert not moe_grouped_mm.use_grouped_mm(x, w13, w2, ids)  # on CPU (and in the interpreter): never
-    assert not suits(topk_ids=ids[:256])  # 512 pairs: 64 per expert, where decode-size blocks serve
+    assert suits(topk_ids=ids[:132]) and not suits(topk_ids=ids[:128])  # 33 / 32 pairs per expert
     assert not suits(x=x.float(), w13=w13.float(), w2=w2.float())
     assert not suits(x=x[:, :20], w13=w13[:, :, :20].contiguous())  # K = 20: rows of 40 bytes
     assert not suits(w13=w13.transpose(1, 2).contiguous().transpose(1, 2))  # K-major copies: no unit last stride
