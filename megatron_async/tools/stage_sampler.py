@@ -87,6 +87,8 @@ class StageBreakdown:
         """``tokens``: streamed in the sampled time, to print each thread's CPU time per token."""
         lines = []
         for thread, title in (("engine", "engine thread"), ("loop", "event loop thread")):
+            if not self.samples[thread]:
+                continue
             busy = self.cpu_busy.get(thread)
             per_token = f", {1e6 * self.cpu_s[thread] / tokens:.1f} us CPU per token" if tokens and busy else ""
             lines.append(f"{title} ({sum(self.samples[thread].values())} samples"
@@ -100,8 +102,9 @@ class StageSampler:
     the whole time; ``s.between(t0, t1)``: of a window of ``time.perf_counter()`` readings, e.g.
     the load test's own start and end, so that its set-up is not filed as idle)."""
 
-    def __init__(self, engine_thread: threading.Thread, loop_thread: threading.Thread, interval_s: float = 0.002):
-        self._threads = {"engine": engine_thread, "loop": loop_thread}
+    def __init__(self, engine_thread: threading.Thread, loop_thread: threading.Thread | None, interval_s: float = 0.002):
+        """``loop_thread`` None: the event loops run in other processes; only the engine is sampled."""
+        self._threads = {"engine": engine_thread, **({"loop": loop_thread} if loop_thread is not None else {})}
         self._interval = interval_s
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._run, name="stage-sampler", daemon=True)
