@@ -80,6 +80,8 @@ def test_two_frontends_serve_every_stream_once_and_survive_one_killed():
     with ServerProcess([*FLAGS, "--api-server-count", "2"]) as srv:
         pids = frontend_pids(srv)
         assert len(pids) == 2
+        with open(f"/proc/{pids[0]}/maps") as f:
+            assert "libtorch" not in f.read()  # a front-end starts without importing torch
         shape = LoadShape(max_tokens=8, prompt_words=12, token_prompts=True)
         report = asyncio.run(run_load_test(srv.url, srv.model_name, clients=24, requests=72, work=shape))
         report.kv_leaked = kv_leaked(srv.url, settle_s=10)
