@@ -21,6 +21,7 @@ from megatron_async.serve import ipc
 from megatron_async.serve.engine_loop import Choice, EngineLoop
 
 log = logging.getLogger("megatron_async.serve")
+POLL_S = 0.5
 
 
 class FrontendSink:
@@ -94,6 +95,8 @@ class Bridge:
         self._wake.connect(f"inproc://bridge-wake-{id(self)}")
         self._pidfds: dict[int, int] = {}
         """pidfd (readable once the process exited) -> front-end index."""
+        self._polled: dict[int, Any] = {}
+        """Front-end index -> its process, where pidfds are missing (checked every ``POLL_S``)."""
         self._ready: set[int] = set()
         self._ready_event = threading.Event()
         self._stopping = False
@@ -107,9 +110,12 @@ class Bridge:
         sock.bind(address)
         return sock
 
-    def watch(self, index: int, pid: int) -> None:
-        """Before ``start``: abort front-end ``index``'s requests when process ``pid`` exits."""
-        self._pidfds[os.pidfd_open(pid)] = index
+    def watch(self, index: int, process) -> None:
+        """Before ``start``: abort front-end ``index``'s requests when ``process`` (a Popen) exits."""
+        try:
+            self._pidfds[os.pidfd_open(process.pid)] = index
+        except (AttributeError, OSError):  # not Linux >= 5.3
+            self._polled[index] = process
 
     def start(self) -> None:
         self._thread.start()
@@ -146,7 +152,7 @@ class Bridge:
         for fd in self._pidfds:
             poller.register(fd, zmq.POLLIN)
         while True:
-            ready = dict(poller.poll())
+            ready = dict(poller.poll(1000 * POLL_S if self._polled else None))
             if self._wake_in in ready:
                 return
             if self._router in ready:
@@ -154,6 +160,9 @@ class Bridge:
             for fd in [fd for fd in ready if isinstance(fd, int)]:
                 poller.unregister(fd)
                 self._gone(self._pidfds[fd])
+            for index in [i for i, p in self._polled.items() if p.poll() is not None]:
+                del self._polled[index]
+                self._gone(index)
 
     def _take_messages(self) -> None:
         while True:

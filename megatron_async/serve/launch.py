@@ -72,7 +72,7 @@ class Serving:
         self._bridge = Bridge(self.state.engine_loop, self._endpoints, self.api_server_count, self._on_all_gone)
         for i in range(self.api_server_count):
             self.frontends.append(self._spawn(i))
-            self._bridge.watch(i, self.frontends[-1].pid)
+            self._bridge.watch(i, self.frontends[-1])
         self._bridge.start()
         if not self._bridge.wait_ready(FRONTEND_START_TIMEOUT_S, lambda: all(p.poll() is None for p in self.frontends)):
             codes = [p.poll() for p in self.frontends]

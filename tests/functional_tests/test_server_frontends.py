@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from urllib.parse import urlparse
 
@@ -76,8 +77,17 @@ def wait_for(check, timeout_s: float = 30.0):
         time.sleep(0.1)
 
 
+def post(url: str, path: str, body: bytes = b"{}") -> tuple[int, dict]:
+    req = urllib.request.Request(f"{url}{path}", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def test_two_frontends_serve_every_stream_once_and_survive_one_killed():
-    with ServerProcess([*FLAGS, "--api-server-count", "2"]) as srv:
+    with ServerProcess([*FLAGS, "--api-server-count", "2", "--enable-admin-endpoints"]) as srv:
         pids = frontend_pids(srv)
         assert len(pids) == 2
         with open(f"/proc/{pids[0]}/maps") as f:
@@ -89,6 +99,15 @@ def test_two_frontends_serve_every_stream_once_and_survive_one_killed():
         m = metrics(srv.url)
         assert m[("megatron_async_request_success_total", "length")] == 72
         assert m[("megatron_async_generation_tokens_total", None)] == 72 * 8
+
+        # admin operations: bodies checked in the front-end, run on the engine thread, same answers
+        assert post(srv.url, "/pause_generation", b'{"mode": "keep"}') == (
+            200, {"paused": True, "suspended": [], "weight_version": 0})
+        assert post(srv.url, "/resume_generation")[1]["paused"] is False
+        for path, body, code in [("/pause_generation", b'{"mode": "stop"}', 400), ("/update_weights", b"{}", 400),
+                                 ("/resume", b"{not json", 400), ("/suspend", b"{}", 409)]:
+            status, answer = post(srv.url, path, body)
+            assert status == code and answer["error"]["code"] == code, (path, answer)
 
         # long streams over both front-ends; the one holding more connections is killed
         before = {p: open_sockets(p) for p in pids}
