@@ -44,11 +44,11 @@ class FrontendSink:
                 self.live.pop(target.sid, None)
             entries.append((target.sid, kind, payload))
         if self.gone:
+            if not self.sock.closed:
+                self.sock.close(0)
             return
-        try:  # never blocks: no send limit; with no peer (the process exited) zmq says Again
-            self.sock.send(ipc.encode_entries(entries), zmq.NOBLOCK)
-        except zmq.Again:
-            self.gone = True
+        # never blocks (no send limit); sent before the front-end's socket is up, it waits in ZMQ's queue
+        self.sock.send(ipc.encode_entries(entries))
 
 
 @dataclass(eq=False)
@@ -87,8 +87,14 @@ class Bridge:
         self.engine_loop = engine_loop
         self._on_all_gone = on_all_gone
         self._ctx = zmq.Context()
-        self._router = self._socket(zmq.ROUTER, endpoints.bridge)
-        self.sinks = [FrontendSink(i, self._socket(zmq.PUSH, endpoints.events(i))) for i in range(count)]
+        self._router = self._socket(zmq.ROUTER)
+        self._router.bind(endpoints.bridge)
+        self.sinks = []
+        for i in range(count):  # connected, not bound: a message waits until front-end i binds its end
+            sock = self._socket(zmq.PUSH)
+            sock.setsockopt(zmq.RECONNECT_IVL, 10)
+            sock.connect(endpoints.events(i))
+            self.sinks.append(FrontendSink(i, sock))
         self._wake_in = self._ctx.socket(zmq.PAIR)
         self._wake_in.bind(f"inproc://bridge-wake-{id(self)}")
         self._wake = self._ctx.socket(zmq.PAIR)
@@ -102,12 +108,11 @@ class Bridge:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="megatron-async-bridge", daemon=True)
 
-    def _socket(self, kind: int, address: str) -> zmq.Socket:
+    def _socket(self, kind: int) -> zmq.Socket:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # a slow front-end buffers; the engine thread never blocks
         sock.setsockopt(zmq.RCVHWM, 0)
-        sock.bind(address)
         return sock
 
     def watch(self, index: int, process) -> None:
@@ -139,7 +144,8 @@ class Bridge:
             self._wake.send(b"")
             self._thread.join(10)
         for sock in (self._router, self._wake, self._wake_in, *(s.sock for s in self.sinks)):
-            sock.close(0)
+            if not sock.closed:
+                sock.close(0)
         for fd in self._pidfds:
             os.close(fd)
         self._ctx.term()

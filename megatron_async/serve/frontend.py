@@ -69,7 +69,7 @@ class RemoteEngineLoop:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
         self._out.connect(endpoints.bridge)
-        self._events.connect(endpoints.events(index))
+        self._events.bind(endpoints.events(index))
         self._ids = itertools.count()
         self._subs: dict[int, list] = {}
         """sid -> [submission, choices without their last event]."""

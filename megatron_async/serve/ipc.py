@@ -7,7 +7,8 @@ Front-end -> engine process (one DEALER per front-end, the bridge's ROUTER), pic
 query with ``("reply", sid, value)``. ``sid``: a number the front-end gives each submission,
 admin call and query.
 
-Engine thread -> front-end (one PUSH per front-end): ONE message per engine step holding every
+Engine thread -> front-end (a PUSH per front-end, connected to the PULL the front-end binds, so
+that what is sent before the front-end is up waits in ZMQ's queue): ONE message per engine step holding every
 entry of that front-end's submissions, in order, each ``(sid, kind, payload)`` as the engine
 loop's outbox has it ("admitted", "rejected", "event", and "admin" outcomes). The entry of every
 token of every stream, an event holding only an update, is sent flat as ``(sid, choice index,

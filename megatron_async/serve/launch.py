@@ -6,7 +6,7 @@ thread (one GIL for both). N >= 1: N front-end processes (frontend.py) each run 
 app on the one listening socket bound here, and a bridge thread (bridge.py) connects them to the
 engine loop; this process keeps only the engine thread busy. Stop (SIGTERM / Ctrl-C, or
 ``request_stop``): the front-ends stop taking requests and give those in flight
-``GRACEFUL_SHUTDOWN_S``; then the bridge and the engine loop stop."""
+``GRACEFUL_SHUTDOWN_S``; then the engine loop and the bridge stop."""
 from __future__ import annotations
 
 import logging
@@ -149,10 +149,10 @@ class Serving:
     def close(self) -> None:
         """Stop everything (also after a failed ``start``): front-ends, bridge, engine loop."""
         self._stop_frontends()
-        if self._bridge is not None:
-            self._bridge.stop()
         if self.state.engine_loop.is_alive():
             self.state.engine_loop.stop()
+        if self._bridge is not None:  # after the engine thread, the last user of the sinks' sockets
+            self._bridge.stop()
         if self._endpoints is not None:
             self._endpoints.remove()
         if self._sock is not None:

@@ -1,6 +1,7 @@
 """HTTP front-end processes (--api-server-count): two of them on one port answer many concurrent
 streams, each exactly once, /metrics (asked of either) counts them all and every KV block comes
-back; a front-end killed mid-stream has its requests aborted while the other keeps serving; and
+back; admin operations answer as in process; a front-end killed mid-stream has its requests
+aborted while the other keeps serving; SIGTERM lets a stream in flight finish; and
 --api-server-count 0 (the event loop in the engine's process) still serves."""
 import asyncio
 import http.client
@@ -132,7 +133,14 @@ def test_two_frontends_serve_every_stream_once_and_survive_one_killed():
         assert again == {"tokens": 5, "end": "done"}
         with urllib.request.urlopen(f"{srv.url}/health", timeout=10) as r:
             assert r.status == 200
+        # SIGTERM: the stream in flight still runs to its end, then every process exits
+        late = {}
+        thread = threading.Thread(target=stream, args=(srv.url, [4, 5, 6], 80, late))
+        thread.start()
+        assert wait_for(lambda: metrics(srv.url)[("megatron_async_num_requests_running", None)] == 1)
         srv.proc.send_signal(signal.SIGTERM)
+        thread.join(60)
+        assert late == {"tokens": 80, "end": "done"}
         assert srv.proc.wait(30) == 0
     assert "HTTP front-end" in srv.output() and "exited; aborting" in srv.output()
 
