@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams
+from megatron_async.serve.admin_ops import run_admin_op
 from megatron_async.serve.metrics import ServerMetrics
 
 log = logging.getLogger("megatron_async.serve")
@@ -191,8 +192,6 @@ class EngineLoop:
     def run_admin(self, op: str, args: dict, reply: Callable[[tuple[int, dict]], None]) -> None:
         """Run the admin operation ``op`` (admin_ops.py) on the engine thread between two steps;
         ``reply(status, body)`` is called there with its outcome."""
-        from megatron_async.serve.admin_ops import run_admin_op
-
         self.call(lambda: reply(run_admin_op(self.engine, self._update_weights, op, args)))
 
     async def admin(self, op: str, args: dict) -> tuple[int, dict]:

@@ -115,9 +115,6 @@ class RemoteEngineLoop:
     async def metrics_text(self) -> bytes:
         return await asyncio.wait_for(self._ask("query", "metrics"), QUERY_TIMEOUT_S)
 
-    def is_alive(self) -> bool:
-        return not self._out.closed
-
     # ---------------------------------------------------------------- sockets
     async def _ask(self, kind: str, *args):
         sid = next(self._ids)

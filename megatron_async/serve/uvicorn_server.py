@@ -3,14 +3,14 @@ run it: on a socket bound beforehand, shut down gracefully on SIGTERM / Ctrl-C, 
 afterwards instead of re-raising the signal."""
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+from typing import Callable
 
 GRACEFUL_SHUTDOWN_S = 5
 """On SIGTERM / Ctrl-C, requests in flight get this long to finish before their connections close."""
 
 
 def uvicorn_server(app, log_level: str, http: str = "auto", loop: str = "auto",
-                   on_started: Callable[[], Awaitable[None] | None] | None = None):
+                   on_started: Callable[[], None] | None = None):
     """A uvicorn server of ``app``; ``on_started`` runs on its event loop once it listens."""
     import uvicorn
 
