@@ -143,35 +143,42 @@ class RemoteEngineLoop:
 
     def _take_events(self) -> None:
         """Every step message waiting (all of them: the socket signals only a new edge)."""
-        subs = self._subs
         while True:
             try:
                 message = self._events.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            for sid, kind, payload in ipc.decode_entries(message):
-                if kind == "admin":
-                    done = self._waiting.get(sid)
-                    if done is not None and not done.done():
-                        done.set_result(payload)
-                    continue
-                entry = subs.get(sid)
-                if entry is None:
-                    continue
-                sub = entry[0]
-                if kind == "event":
-                    sub.events.put_nowait(payload)
-                    if payload.is_last:
-                        entry[1] -= 1
-                        if entry[1] <= 0:
-                            del subs[sid]
-                elif kind == "admitted":
-                    if not sub.admitted.done():
-                        sub.admitted.set_result(payload)
-                else:  # rejected
-                    del subs[sid]
-                    if not sub.admitted.done():
-                        sub.admitted.set_exception(payload)
+            try:
+                self._file(ipc.decode_entries(message))
+            except Exception:  # noqa: BLE001 -- keep reading: the next messages must not wait for a new edge
+                log.exception("a step message from the engine could not be filed")
+
+    def _file(self, entries: list) -> None:
+        """One step's entries into their submissions (and admin calls), in order."""
+        subs = self._subs
+        for sid, kind, payload in entries:
+            if kind == "admin":
+                done = self._waiting.get(sid)
+                if done is not None and not done.done():
+                    done.set_result(payload)
+                continue
+            entry = subs.get(sid)
+            if entry is None:
+                continue
+            sub = entry[0]
+            if kind == "event":
+                sub.events.put_nowait(payload)
+                if payload.is_last:
+                    entry[1] -= 1
+                    if entry[1] <= 0:
+                        del subs[sid]
+            elif kind == "admitted":
+                if not sub.admitted.done():
+                    sub.admitted.set_result(payload)
+            else:  # rejected
+                del subs[sid]
+                if not sub.admitted.done():
+                    sub.admitted.set_exception(payload)
 
 
 def _watch_parent(server, parent_pid: int) -> None:
