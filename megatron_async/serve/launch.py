@@ -77,6 +77,9 @@ class Serving:
         if not self._bridge.wait_ready(FRONTEND_START_TIMEOUT_S, lambda: all(p.poll() is None for p in self.frontends)):
             codes = [p.poll() for p in self.frontends]
             raise RuntimeError(f"the HTTP front-end processes did not start (exit codes {codes})")
+        # the front-ends hold the listening socket now: once they have all closed it, new
+        # connections are refused rather than left waiting in a backlog nobody accepts from
+        self._sock.close()
         return self.url
 
     def _spawn(self, index: int) -> subprocess.Popen:
