@@ -9,7 +9,7 @@
 #        python -m megatron_async.serve runs it), the server again with 16 client processes (unchanged tok/s:
 #        the clients are not the bottleneck), where the engine thread spends its time and how busy the HTTP side
 #        is (scripts/measure.py server-breakdown); with --api-server-count 0 (the event loop in the engine's
-#        process), 1 and 2 (front-end processes); a table last
+#        process), 1 and 2 (front-end processes; API_SERVER_COUNTS="0 2 4" picks others); a table last
 #   bash scripts/gpu_load_test.sh throughput-raw  # throughput with the openai client, then with the raw one
 #        (httpx2 + json.loads, less client CPU per chunk), each also with 16 processes; a table last
 #   bash scripts/gpu_load_test.sh compare     # throughput with asyncio + h11 and Python's 5 ms GIL switch
@@ -90,8 +90,12 @@ compare() {  # [server-breakdown flags]
 status=0
 case "$mode" in
   load) load "$@" || status=$? ;;
-  throughput) for n in 0 1 2; do throughput "api-server-count-$n" --client raw "$@" -- --api-server-count "$n" || status=$?; done
-    table api-server-count-0 api-server-count-1 api-server-count-2 ;;
+  throughput) names=()
+    for n in ${API_SERVER_COUNTS:-0 1 2}; do
+      throughput "api-server-count-$n" --client raw "$@" -- --api-server-count "$n" || status=$?
+      names+=("api-server-count-$n")
+    done
+    table "${names[@]}" ;;
   throughput-raw) throughput openai-client --client openai "$@" || status=$?
     throughput raw-client --client raw "$@" || status=$?; table openai-client raw-client ;;
   compare) compare "$@" || status=$? ;;
