@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 = a free port (printed at start)")
     g.add_argument("--api-server-count", type=cli.checked(int, 0, 64, name="api-server-count"), default=1,
                    help="HTTP front-end processes (uvicorn and the OpenAI API each, on the one port) that hand "
-                        "requests to the engine in this process; 0: serve HTTP from this process's event loop, "
-                        "beside the engine thread")
+                        "requests to the engine in this process (default 1); 0: serve HTTP from this process's event "
+                        "loop, beside the engine thread")
     g.add_argument("--served-model-name", default=None, help="default: the checkpoint directory's name")
     g.add_argument("--seed", type=cli.checked(int, 0, 2**63 - 1), default=0,
                    help="seeds the per-request seeds of requests that give none")
