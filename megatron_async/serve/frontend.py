@@ -212,7 +212,8 @@ def main() -> int:
         remote.attach(loop)
         _watch_parent(server, config.parent_pid)
 
-    server = uvicorn_server(create_app(state), config.log_level, config.http, config.loop, on_started=started)
+    server = uvicorn_server(create_app(state), config.log_level, config.http, config.loop, on_started=started,
+                            stop_on_sigint=False)
     try:
         server.run(sockets=[sock])
     finally:

@@ -117,10 +117,10 @@ class Serving:
         try:
             while not self._stop.wait(0.5):
                 pass
+            self._stop_frontends()  # a second Ctrl-C while they finish changes nothing here
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        self._stop_frontends()
         return 1 if self._all_gone else 0
 
     def request_stop(self) -> None:

@@ -10,8 +10,13 @@ GRACEFUL_SHUTDOWN_S = 5
 
 
 def uvicorn_server(app, log_level: str, http: str = "auto", loop: str = "auto",
-                   on_started: Callable[[], None] | None = None):
-    """A uvicorn server of ``app``; ``on_started`` runs on its event loop once it listens."""
+                   on_started: Callable[[], None] | None = None, stop_on_sigint: bool = True):
+    """A uvicorn server of ``app``; ``on_started`` runs on its event loop once it listens.
+    ``stop_on_sigint`` False: only SIGTERM stops it (a front-end process: Ctrl-C reaches the whole
+    process group, and the engine's process passes it on as a SIGTERM; taking both would turn
+    the second into uvicorn's forced exit)."""
+    import signal
+
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -21,6 +26,8 @@ def uvicorn_server(app, log_level: str, http: str = "auto", loop: str = "auto",
                 on_started()
 
         def handle_exit(self, sig, frame) -> None:
+            if sig == signal.SIGINT and not stop_on_sigint:
+                return
             super().handle_exit(sig, frame)
             # shut down gracefully and return: uvicorn would re-raise the signal once serving
             # ends, killing the process before the engine thread and the model are closed
