@@ -16,6 +16,7 @@ import os
 import pickle
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,9 @@ from megatron_async.serve import ipc
 from megatron_async.serve.engine_loop import Submission
 
 log = logging.getLogger("megatron_async.serve")
+STAGE_SAMPLES_ENV = "MEGATRON_ASYNC_FRONTEND_STAGE_SAMPLES"
+"""Set to a directory: the process samples its event loop's stages (tools/stage_sampler.py) and
+writes the samples there at exit, as ``frontend-INDEX.pkl`` (scripts/measurements/server_breakdown.py)."""
 QUERY_TIMEOUT_S = 5.0
 """/health answers 503 when the engine's process does not answer within this long."""
 PARENT_CHECK_S = 1.0
@@ -214,10 +218,20 @@ def main() -> int:
 
     server = uvicorn_server(create_app(state), config.log_level, config.http, config.loop, on_started=started,
                             stop_on_sigint=False)
+    samples_dir = os.environ.get(STAGE_SAMPLES_ENV)
+    sampler = None
+    if samples_dir:
+        from megatron_async.tools.stage_sampler import StageSampler
+
+        sampler = StageSampler(None, threading.current_thread()).__enter__()
     try:
         server.run(sockets=[sock])
     finally:
         remote.close()
+        if sampler is not None:
+            sampler.__exit__()
+            with open(os.path.join(samples_dir, f"frontend-{config.index}.pkl"), "wb") as f:
+                pickle.dump(sampler.ticks, f)
     return 0
 
 

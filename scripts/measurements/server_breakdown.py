@@ -22,7 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async.inference.request import SamplingParams  # noqa: E402
 from megatron_async.tools.server_load import LoadShape, run_load_test_processes, token_prompt_for  # noqa: E402
-from megatron_async.tools.stage_sampler import StageSampler  # noqa: E402
+from megatron_async.serve.frontend import STAGE_SAMPLES_ENV  # noqa: E402
+from megatron_async.tools.stage_sampler import StageSampler, breakdown_of  # noqa: E402
 
 
 def offline_run(engine, requests: int, prompt_len: int, max_tokens: int, offset: int = 0) -> tuple[float, int]:
@@ -113,6 +117,8 @@ def main() -> int:
     else:
         state = build_state(llm, sargs)
     serving = Serving(state, "127.0.0.1", 0, sargs.api_server_count, "warning", http=args.http, loop=args.loop)
+    samples_dir = tempfile.mkdtemp(prefix="frontend-stages-")
+    os.environ[STAGE_SAMPLES_ENV] = samples_dir  # each front-end samples its event loop, written at its exit
     results: dict = {}
 
     def drive() -> None:
@@ -150,9 +156,17 @@ def main() -> int:
             llm.close()
     if "error" in results:
         raise results["error"]
+    frontend_ticks = []
+    for i in range(len(serving.frontends)):
+        with open(Path(samples_dir) / f"frontend-{i}.pkl", "rb") as f:
+            frontend_ticks.append(pickle.load(f))
+    shutil.rmtree(samples_dir, ignore_errors=True)
     rep, more = results["server"], results.get("server_more_clients")
     bd, fe_cpu = results["breakdown"], results["frontend_cpu_s"]
     print(bd.format(rep.output_tokens))
+    fe_bds = [breakdown_of(ticks, rep.started_at, rep.ended_at) for ticks in frontend_ticks]
+    for i, fb in enumerate(fe_bds):
+        print(f"front-end process {i} " + fb.format())
     if fe_cpu:
         print(f"{len(fe_cpu)} HTTP front-end processes: "
               + ", ".join(f"{c / rep.wall_s:.0%}" for c in fe_cpu) + " CPU-busy"
@@ -174,7 +188,8 @@ def main() -> int:
                "breakdown": {t: results["breakdown"].shares(t) for t in ("engine", "loop")},
                "cpu_busy": results["breakdown"].cpu_busy, "cpu_s": results["breakdown"].cpu_s,
                "api_server_count": sargs.api_server_count, "frontend_cpu_s": fe_cpu,
-               "frontend_cpu_busy": [c / rep.wall_s for c in fe_cpu]}
+               "frontend_cpu_busy": [c / rep.wall_s for c in fe_cpu],
+               "frontend_breakdown": [fb.shares("loop") for fb in fe_bds]}
         Path(args.output_path).write_text(json.dumps(out, indent=1))
     return 0 if ok else 1
 
