@@ -4,9 +4,10 @@ port exactly as ``python -m megatron_async.serve`` does (serve/launch.py: ``--ap
 front-end processes, or 0: the event loop in this process) to streaming clients spread over
 --client-processes processes (server tok/s), and again with twice the processes (when that
 changes the server's tok/s, the clients were the bottleneck). During the first server run a
-sampler files the engine thread's stacks (and with --api-server-count 0 the event loop's) under
-stages (megatron_async/tools/stage_sampler.py) and prints their shares; each front-end process's
-CPU-busy share comes from /proc.
+sampler files the engine thread's stacks and the event loop's (in this process with
+--api-server-count 0, else in each front-end process) under stages
+(megatron_async/tools/stage_sampler.py) and prints their shares; each front-end process's CPU-busy
+share comes from /proc.
 
     python scripts/measure.py server-breakdown                          # CPU: tiny model, small shape
     python scripts/measure.py server-breakdown --requests 500 --prompt-len 512 --max-tokens 128 \\
