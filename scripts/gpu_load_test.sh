@@ -5,9 +5,11 @@
 #        every 50th with an 8k-token prompt; fails (exit 1) if a request is lost, duplicated, failed or short,
 #        or if the server still holds a request or KV block afterwards (/metrics); prints TTFT / ITL p50 / p99
 #   bash scripts/gpu_load_test.sh throughput  # the serving shape (500 prompts x 512 ids in, 128 out, 256
-#        streams from 8 client processes): offline engine tok/s and server tok/s in one process, the server
-#        again with 16 client processes (unchanged tok/s: the clients are not the bottleneck), and where the
-#        engine thread and the event loop spend their time (scripts/measure.py server-breakdown)
+#        streams from 8 raw-client processes): offline engine tok/s and server tok/s (the server as
+#        python -m megatron_async.serve runs it), the server again with 16 client processes (unchanged tok/s:
+#        the clients are not the bottleneck), where the engine thread spends its time and how busy the HTTP side
+#        is (scripts/measure.py server-breakdown); with --api-server-count 0 (the event loop in the engine's
+#        process), 1 and 2 (front-end processes; API_SERVER_COUNTS="0 2 4" picks others); a table last
 #   bash scripts/gpu_load_test.sh throughput-raw  # throughput with the openai client, then with the raw one
 #        (httpx2 + json.loads, less client CPU per chunk), each also with 16 processes; a table last
 #   bash scripts/gpu_load_test.sh compare     # throughput with asyncio + h11 and Python's 5 ms GIL switch
@@ -56,18 +58,22 @@ throughput() {  # NAME [server-breakdown flags] [-- extra server flags]
   return "${PIPESTATUS[0]}"
 }
 
-table() {
+table() {  # engine: the engine thread's CPU-busy share; HTTP: the event loop's (api-server-count 0) or the
+  # busiest front-end process's; HTTP us/tok: their CPU time (all front-ends together) per streamed token
   python3 - "$out" "$@" <<'EOF'
 import json, sys
 out, names = sys.argv[1], sys.argv[2:]
-print(f"\n{'server configuration':<34} {'offline':>8} {'server':>8} {'share':>6} {'2x procs':>9} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'loop us/tok':>11} {'client CPU 1x/2x':>17} {'us/chunk':>8}")
+print(f"\n{'server configuration':<28} {'offline':>8} {'server':>8} {'share':>6} {'2x procs':>9} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} {'engine':>6} {'HTTP':>5} {'HTTP us/tok':>11} {'client CPU 1x/2x':>17} {'us/chunk':>8}")
 for name in names:
     r = json.load(open(f"{out}/throughput_{name}.json"))
     s, m = r["server"], r.get("server_more_clients")
-    loop = r["cpu_s"].get("loop", 0) / max(1, s["output_tokens"]) * 1e6
-    print(f"{name:<34} {r['offline_tok_s']:>8.0f} {s['output_tokens_per_s']:>8.0f} "
+    fe = r.get("frontend_cpu_s") or []
+    http_s = sum(fe) if fe else r["cpu_s"].get("loop", 0)
+    http_busy = max(r.get("frontend_cpu_busy") or [r["cpu_busy"].get("loop", 0)])
+    print(f"{name:<28} {r['offline_tok_s']:>8.0f} {s['output_tokens_per_s']:>8.0f} "
           f"{s['output_tokens_per_s'] / r['offline_tok_s']:>6.0%} {m['output_tokens_per_s'] if m else float('nan'):>9.0f} "
-          f"{s['ttft_p50_ms']:>7.0f}/{s['ttft_p99_ms']:<8.0f} {s['itl_p50_ms']:>6.1f}/{s['itl_p99_ms']:<8.1f} {loop:>11.1f} "
+          f"{s['ttft_p50_ms']:>7.0f}/{s['ttft_p99_ms']:<8.0f} {s['itl_p50_ms']:>6.1f}/{s['itl_p99_ms']:<8.1f} "
+          f"{r['cpu_busy'].get('engine', 0):>6.0%} {http_busy:>5.0%} {http_s / max(1, s['output_tokens']) * 1e6:>11.1f} "
           f"{s['client_cpu_busy']:>8.0%}/{m['client_cpu_busy'] if m else float('nan'):<8.0%} {s['client_cpu_us_per_chunk']:>8.0f}")
 EOF
 }
@@ -84,7 +90,12 @@ compare() {  # [server-breakdown flags]
 status=0
 case "$mode" in
   load) load "$@" || status=$? ;;
-  throughput) throughput default "$@" || status=$?; table default ;;
+  throughput) names=()
+    for n in ${API_SERVER_COUNTS:-0 1 2}; do
+      throughput "api-server-count-$n" --client raw "$@" -- --api-server-count "$n" || status=$?
+      names+=("api-server-count-$n")
+    done
+    table "${names[@]}" ;;
   throughput-raw) throughput openai-client --client openai "$@" || status=$?
     throughput raw-client --client raw "$@" || status=$?; table openai-client raw-client ;;
   compare) compare "$@" || status=$? ;;

@@ -6,8 +6,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
-from megatron_async.inference.routed_experts import routed_experts_of
-
 if TYPE_CHECKING:
     import numpy as np
 
@@ -317,6 +315,8 @@ class DynamicInferenceRequest:
         return RequestUpdate(self.request_id, new, text, finished, reason, lps, tops)
 
     def to_output(self) -> RequestOutput:
+        from megatron_async.inference.routed_experts import routed_experts_of  # torch: not for the server's front-ends
+
         sp = self.sampling_params
         return RequestOutput(
             request_id=self.request_id,

@@ -1,30 +1,31 @@
 """python -m megatron_async.serve --model CKPT [--host H] [--port P] [the main job's engine and model flags]
 
 Serves the checkpoint over an OpenAI-compatible HTTP API (see app.py). ``--port 0`` picks a free
-port; the line ``megatron_async.serve: serving NAME on http://HOST:PORT`` on stdout says which.
-Tensor parallelism: ``torchrun --nproc-per-node T -m megatron_async.serve --tensor-parallel-size T
-...``; rank 0 serves HTTP and the other ranks follow its engine steps."""
+port; the line ``megatron_async.serve: serving NAME on http://HOST:PORT`` on stdout says which,
+once the server takes requests. The engine runs on a thread of this process; HTTP is served by
+``--api-server-count`` front-end processes on this process's listening socket (launch.py), or
+with 0 by this process's own event loop. Tensor parallelism: ``torchrun --nproc-per-node T -m
+megatron_async.serve --tensor-parallel-size T ...``; rank 0 serves HTTP and the other ranks
+follow its engine steps."""
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 
+from megatron_async.serve.launch import bind
 from megatron_async.serve.reasoning import REASONING_PARSERS
 from megatron_async.serve.tool_calls import TOOL_CALL_PARSERS, choose_parser
 from megatron_async.tools import cli
 
 log = logging.getLogger("megatron_async.serve")
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
-GRACEFUL_SHUTDOWN_S = 5
 DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
 """With Python's 5 ms, an engine thread that waited for a device step then waits for the GIL
 behind a busy event loop: scripts/measure.py gil-switch (2-core CPU) put its steps 1.6-1.9x
 their ideal period apart at 5 ms, 1.1-1.2x at 0.5 ms."""
-"""On SIGTERM / Ctrl-C, requests in flight get this long to finish before their connections close."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: all)")
     g.add_argument("--port", type=cli.checked(int, 0, 65535, name="port"), default=8000,
                    help="0 = a free port (printed at start)")
+    g.add_argument("--api-server-count", type=cli.checked(int, 0, 64, name="api-server-count"), default=1,
+                   help="HTTP front-end processes (uvicorn and the OpenAI API each, on the one port) that hand "
+                        "requests to the engine in this process (default 1); 0: serve HTTP from this process's event "
+                        "loop, beside the engine thread")
     g.add_argument("--served-model-name", default=None, help="default: the checkpoint directory's name")
     g.add_argument("--seed", type=cli.checked(int, 0, 2**63 - 1), default=0,
                    help="seeds the per-request seeds of requests that give none")
@@ -66,15 +71,6 @@ def served_name(args: argparse.Namespace) -> str:
     return Path(args.model).resolve().name if args.model else args.default_model
 
 
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)  # connections made after the ready line queue until uvicorn accepts them
-    return sock
-
-
 def build_state(llm, args: argparse.Namespace):
     from megatron_async.models.chat_template import load_chat_template
     from megatron_async.serve.app import ServerState
@@ -82,41 +78,23 @@ def build_state(llm, args: argparse.Namespace):
     from megatron_async.serve.metrics import ServerMetrics
 
     name = served_name(args)
-    metrics = ServerMetrics(name)
     kv_tokens = llm.context.allocator.capacity * llm.config.block_size_tokens
     state = ServerState(
-        engine_loop=EngineLoop(llm.engine, metrics, llm.communicator), metrics=metrics, model_name=name, tokenizer=llm.tokenizer,
-        chat_template=load_chat_template(args.model) if args.model else None,
+        engine_loop=EngineLoop(llm.engine, ServerMetrics(name), llm.communicator, update_weights=llm.update_weights),
+        model_name=name, tokenizer=llm.tokenizer, chat_template=load_chat_template(args.model) if args.model else None,
         max_model_len=min(llm.config.max_sequence_length, kv_tokens), max_requests=llm.config.max_requests,
-        max_request_bytes=args.max_request_bytes,
+        max_request_bytes=args.max_request_bytes, admin_endpoints=args.enable_admin_endpoints,
     )
     state.tool_call_parser = choose_parser(args.tool_call_parser, state.chat_template)
     state.reasoning_parser = args.reasoning_parser
-    if getattr(args, "enable_admin_endpoints", False):
-        state.admin_update_weights = llm.update_weights
     return state
-
-
-def _uvicorn_server(config):
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            super().handle_exit(sig, frame)
-            # shut down gracefully and return: uvicorn would re-raise the signal once serving
-            # ends, killing the process before the engine thread and the model are closed
-            getattr(self, "_captured_signals", []).clear()
-
-    return Server(config)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cli.resolve_device_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    import uvicorn
-
-    from megatron_async.serve.app import create_app
+    from megatron_async.serve.launch import Serving
     from megatron_async.tools.main_job import load_llm
 
     llm = load_llm(args, stream_text=True)  # SSE deltas come from RequestUpdate.new_text
@@ -127,24 +105,22 @@ def main(argv: list[str] | None = None) -> int:
             follow_rank0(llm.engine, llm.communicator)
             return 0
         sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
-        state = build_state(llm, args)
+        serving = Serving(build_state(llm, args), args.host, args.port, args.api_server_count, args.log_level)
         try:
-            sock = bind(args.host, args.port)
-        except OSError as e:
-            print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-            return 1
-        port = sock.getsockname()[1]
-        server = _uvicorn_server(uvicorn.Config(create_app(state), log_level=args.log_level, access_log=False,
-                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-        state.engine_loop.start()
-        print(f"megatron_async.serve: serving {state.model_name} on http://{args.host}:{port}", flush=True)
-        try:
-            server.run(sockets=[sock])
+            try:
+                serving.start()
+            except OSError as e:
+                print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+                return 1
+            except RuntimeError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            print(f"megatron_async.serve: serving {serving.state.model_name} on {serving.url}", flush=True)
+            return serving.run()
         finally:
-            state.engine_loop.stop()
+            serving.close()
     finally:
         llm.close()
-    return 0
 
 
 if __name__ == "__main__":

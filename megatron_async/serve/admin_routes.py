@@ -7,24 +7,20 @@ generation, update the weights from a checkpoint directory, suspend and resume d
     POST /suspend            {"tags": ["weights", "kv_cache"], "keep_weights_on_host": true}
     POST /resume             {"tags": ["weights", "kv_cache"]}
 
-Each runs on the engine thread between two steps (``EngineLoop.call``) and answers JSON with
-the engine's state; bad input is a 400, an operation the engine's state refuses (wrong order,
-generation not paused) a 409, both as OpenAI error objects."""
+The body is checked here (in whichever process serves HTTP); the operation runs on the engine
+thread between two steps (admin_ops.py) and answers JSON with the engine's state; bad input is a
+400, an operation the engine's state refuses (wrong order, generation not paused) a 409, both as
+OpenAI error objects."""
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import numbers
-from typing import Any, Callable
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from megatron_async.inference.memory_suspend import TAGS
 from megatron_async.serve import responses as resp
-
-log = logging.getLogger("megatron_async.serve")
 
 
 class _BadBody(ValueError):
@@ -35,98 +31,75 @@ def _json(body: dict, status: int = 200) -> Response:
     return Response(json.dumps(body), status_code=status, media_type="application/json")
 
 
-def _status(engine) -> dict:
-    return {"paused": engine.is_paused, "suspended": sorted(engine.memory.suspended),
-            "weight_version": engine.weight_version}
+async def _body(request: Request) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        raise _BadBody(f"the body is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise _BadBody("the body must be a JSON object")
+    return obj
 
 
-def add_admin_routes(app: FastAPI, engine_loop, update_weights: Callable[..., int]) -> None:
-    """``update_weights``: the LLM's (path, version) -> new version."""
-    engine = engine_loop.engine
+def _tags(obj: dict) -> dict:
+    """{"tags": a tuple of strings} (the engine checks the names), or {} for the engine's default."""
+    if "tags" not in obj:
+        return {}
+    tags = obj["tags"]
+    if isinstance(tags, str):
+        tags = [tags]
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise _BadBody("tags must be a list of strings (weights, kv_cache)")
+    return {"tags": tuple(tags)}
 
-    async def run(job: Callable[[], Any]) -> Response:
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
 
-        def on_engine_thread() -> None:
-            try:
-                job()
-                result, error = _status(engine), None
-            except Exception as e:  # noqa: BLE001 -- reported to the caller, the loop keeps serving
-                result, error = None, e
+def _pause(obj: dict) -> dict:
+    mode = obj.get("mode", "keep")
+    if not isinstance(mode, str):
+        raise _BadBody("mode must be 'keep', 'wait' or 'abort'")
+    return {"mode": mode}
 
-            def deliver() -> None:
-                if not done.done():
-                    done.set_exception(error) if error is not None else done.set_result(result)
 
-            loop.call_soon_threadsafe(deliver)
+def _update(obj: dict) -> dict:
+    path, version = obj.get("path"), obj.get("version")
+    if not isinstance(path, str) or not path:
+        raise _BadBody("path (a checkpoint directory) is required")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, numbers.Integral)):
+        raise _BadBody(f"version must be an integer or null, got {version!r}")
+    return {"path": path, "version": None if version is None else int(version)}
 
-        engine_loop.call(on_engine_thread)
-        try:
-            return _json(await done)
-        except (ValueError, TypeError) as e:  # bad input (WeightUpdateError is a ValueError)
-            return _json(resp.error_body(str(e), 400), 400)
-        except Exception as e:  # noqa: BLE001 -- refused in this state (wrong order, not paused): never a 5xx
-            if not isinstance(e, (RuntimeError, NotImplementedError)):
-                log.exception("admin operation failed")
-            return _json(resp.error_body(f"{type(e).__name__}: {e}", 409), 409)
 
-    async def body(request: Request) -> dict:
-        raw = await request.body()
-        if not raw.strip():
-            return {}
-        try:
-            obj = json.loads(raw)
-        except ValueError as e:
-            raise _BadBody(f"the body is not JSON: {e}") from None
-        if not isinstance(obj, dict):
-            raise _BadBody("the body must be a JSON object")
-        return obj
+def _suspend(obj: dict) -> dict:
+    keep = obj.get("keep_weights_on_host", True)
+    if not isinstance(keep, bool):
+        raise _BadBody("keep_weights_on_host must be true or false")
+    return {**_tags(obj), "keep_weights_on_host": keep}
 
-    def tags_of(obj: dict) -> tuple[str, ...]:
-        tags = obj.get("tags", list(TAGS))
-        if isinstance(tags, str):
-            tags = [tags]
-        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-            raise _BadBody(f"tags must be a list of strings among {list(TAGS)}")
-        return tuple(tags)
 
-    def route(path: str, make_job: Callable[[dict], Callable[[], Any]]) -> None:
+VALIDATORS: dict[str, Callable[[dict], dict]] = {
+    "pause_generation": _pause, "resume_generation": lambda obj: {}, "update_weights": _update,
+    "suspend": _suspend, "resume": _tags,
+}
+"""Operation (admin_ops.py) -> its body checked into the arguments it runs with (_BadBody: a 400)."""
+
+
+def add_admin_routes(app: FastAPI, engine_loop) -> None:
+    """``engine_loop``: an EngineLoop, or a front-end's stand-in for it (frontend.py); its
+    ``admin(op, args)`` runs the operation on the engine thread and returns (status, body)."""
+
+    def route(op: str, validate: Callable[[dict], dict]) -> None:
         async def handler(request: Request) -> Response:
             try:
-                job = make_job(await body(request))
+                args = validate(await _body(request))
             except _BadBody as e:
                 return _json(resp.error_body(str(e), 400), 400)
-            return await run(job)
+            status, body = await engine_loop.admin(op, args)
+            return _json(body, status)
 
-        app.add_api_route(path, handler, methods=["POST"])
+        app.add_api_route(f"/{op}", handler, methods=["POST"])
 
-    def pause(obj: dict):
-        mode = obj.get("mode", "keep")
-        if not isinstance(mode, str):
-            raise _BadBody("mode must be 'keep', 'wait' or 'abort'")
-        return lambda: engine.pause_generation(mode)
-
-    def update(obj: dict):
-        path, version = obj.get("path"), obj.get("version")
-        if not isinstance(path, str) or not path:
-            raise _BadBody("path (a checkpoint directory) is required")
-        if version is not None and (isinstance(version, bool) or not isinstance(version, numbers.Integral)):
-            raise _BadBody(f"version must be an integer or null, got {version!r}")
-        return lambda: update_weights(path, version=version)
-
-    def suspend(obj: dict):
-        tags, keep = tags_of(obj), obj.get("keep_weights_on_host", True)
-        if not isinstance(keep, bool):
-            raise _BadBody("keep_weights_on_host must be true or false")
-        return lambda: engine.suspend(tags, keep_weights_on_host=keep)
-
-    def resume(obj: dict):
-        tags = tags_of(obj)
-        return lambda: engine.resume(tags)
-
-    route("/pause_generation", pause)
-    route("/resume_generation", lambda obj: engine.resume_generation)
-    route("/update_weights", update)
-    route("/suspend", suspend)
-    route("/resume", resume)
+    for op, validate in VALIDATORS.items():
+        route(op, validate)

@@ -31,7 +31,7 @@ from megatron_async.serve import tool_calls
 from megatron_async.serve.admin_routes import add_admin_routes
 from megatron_async.serve.chat_output import ChatOutputFormat, chunk_choices
 from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission, merge_events
-from megatron_async.serve.metrics import CONTENT_TYPE, ServerMetrics
+from megatron_async.serve.metrics import CONTENT_TYPE
 from megatron_async.serve.sse_response import SSEResponse, client_disconnect
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -46,7 +46,7 @@ log = logging.getLogger("megatron_async.serve")
 @dataclass
 class ServerState:
     engine_loop: EngineLoop
-    metrics: ServerMetrics
+    """The engine thread (engine_loop.py), or in a front-end process its stand-in (frontend.py)."""
     model_name: str
     tokenizer: object | None
     chat_template: ChatTemplate | None
@@ -62,8 +62,8 @@ class ServerState:
     """Parses tool calls out of chat answers to requests with tools (None: they stay text)."""
     reasoning_parser: str | None = None
     """Splits chat answers' reasoning sections into ``reasoning_content`` (None: left in content)."""
-    admin_update_weights: Callable[..., int] | None = None
-    """Set (the LLM's ``update_weights``) to serve the admin endpoints (admin_routes.py); None: 404."""
+    admin_endpoints: bool = False
+    """Serve the admin endpoints (admin_routes.py); off: 404."""
 
 
 def max_token_chars(tokenizer) -> int:
@@ -109,12 +109,12 @@ def create_app(state: ServerState) -> FastAPI:
         log.exception("request failed unexpectedly")
         return _error(f"internal error: {type(e).__name__}", 500)
 
-    if state.admin_update_weights is not None:
-        add_admin_routes(app, state.engine_loop, state.admin_update_weights)
+    if state.admin_endpoints:
+        add_admin_routes(app, state.engine_loop)
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if state.engine_loop.is_alive() else 503)
+        return Response(status_code=200 if await state.engine_loop.healthy() else 503)
 
     @app.get("/v1/models")
     async def models():
@@ -124,7 +124,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await state.engine_loop.metrics_text(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

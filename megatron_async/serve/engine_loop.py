@@ -3,8 +3,10 @@
 The engine thread never waits for HTTP: handlers put commands (add / abort) into a thread-safe
 inbox, and the thread takes them all at each step boundary, so requests join a running batch
 between two ``engine.step()`` calls and launch-ahead keeps going. What a step produced
-(``StepResult.updates`` and ``.finished``) goes back to the event loop in one
-``call_soon_threadsafe`` per step, into one asyncio queue per HTTP request."""
+(``StepResult.updates`` and ``.finished``) goes back to each submission's sink in one call per
+step and sink: a ``LoopSink`` hands it to an event loop of this process (one
+``call_soon_threadsafe``, into one asyncio queue per HTTP request); a front-end process's sink
+(bridge.py) sends it over its socket."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams
+from megatron_async.serve.admin_ops import run_admin_op
 from megatron_async.serve.metrics import ServerMetrics
 
 log = logging.getLogger("megatron_async.serve")
@@ -76,6 +79,29 @@ def merge_events(events: list[ChoiceEvent]) -> tuple[str | None, dict[int, Reque
     return None, updates, outputs
 
 
+class LoopSink:
+    """Where the engine thread sends the results of submissions made on ``loop`` (an event loop
+    of this process). Sinks of one loop are equal: a step's batch for a loop is one call."""
+
+    __slots__ = ("loop",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, LoopSink) and other.loop is self.loop
+
+    def __hash__(self) -> int:
+        return id(self.loop)
+
+    def deliver(self, batch: list[tuple[Submission, str, Any]]) -> None:
+        """On the engine thread: ``batch`` = (submission, kind, payload) entries, in order."""
+        try:
+            self.loop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:  # the event loop closed (shutdown): nobody is waiting any more
+            pass
+
+
 @dataclass
 class Submission:
     """One HTTP request's choices, and the asyncio side the engine thread reports to."""
@@ -91,6 +117,7 @@ class Submission:
         """Resolves to the request ids; raises InvalidRequestError (a bad request) or
         RuntimeError (the engine failed) when admission did not happen."""
         self.events: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
+        self.sink = LoopSink(self.loop)
 
 
 @dataclass
@@ -113,6 +140,11 @@ def _deliver(batch: list[tuple[Submission, str, Any]]) -> None:
             (sub.admitted.set_result if kind == "admitted" else sub.admitted.set_exception)(payload)
 
 
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
 MAX_FAILED_STEPS = 3
 """Consecutive failed steps after which the loop stops stepping for the requests it failed."""
 TP_HEARTBEAT_S = 30.0
@@ -120,12 +152,14 @@ TP_HEARTBEAT_S = 30.0
 
 
 class EngineLoop:
-    def __init__(self, engine, metrics: ServerMetrics, communicator=None):
+    def __init__(self, engine, metrics: ServerMetrics, communicator=None, update_weights: Callable | None = None):
         """``communicator``: tensor parallelism; this loop runs on rank 0 and tells the other
-        ranks (``follow_rank0``) at each iteration whether to step, wait or stop."""
+        ranks (``follow_rank0``) at each iteration whether to step, wait or stop.
+        ``update_weights``: the LLM's, for the admin operation of that name (admin_ops.py)."""
         self.engine = engine
         self.metrics = metrics
         self._comm = communicator
+        self._update_weights = update_weights
         self._inbox: queue.SimpleQueue[tuple[str, Submission | None]] = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}
         self._outbox: list[tuple[Submission, str, Any]] = []
@@ -155,8 +189,28 @@ class EngineLoop:
         never called from two threads); it reports its own result."""
         self._inbox.put(("call", job))
 
+    def run_admin(self, op: str, args: dict, reply: Callable[[tuple[int, dict]], None]) -> None:
+        """Run the admin operation ``op`` (admin_ops.py) on the engine thread between two steps;
+        ``reply(status, body)`` is called there with its outcome."""
+        self.call(lambda: reply(run_admin_op(self.engine, self._update_weights, op, args)))
+
+    async def admin(self, op: str, args: dict) -> tuple[int, dict]:
+        """``run_admin`` from an event loop of this process: (HTTP status, JSON body)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self.run_admin(op, args, lambda outcome: loop.call_soon_threadsafe(_set_result, done, outcome))
+        return await done
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    async def healthy(self) -> bool:
+        """/health: the engine thread runs."""
+        return self.is_alive()
+
+    async def metrics_text(self) -> bytes:
+        """/metrics: the registry rendered (its gauges read the engine's state now)."""
+        return self.metrics.render()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._inbox.put(("stop", None))
@@ -288,13 +342,15 @@ class EngineLoop:
         if not self._outbox:
             return
         batch, self._outbox = self._outbox, []
-        loops = {id(sub.loop): sub.loop for sub, _, _ in batch}
-        for loop in loops.values():
-            mine = [b for b in batch if b[0].loop is loop]
-            try:
-                loop.call_soon_threadsafe(_deliver, mine)
-            except RuntimeError:  # the event loop closed (shutdown): nobody is waiting any more
-                pass
+        first = batch[0][0].sink
+        if all(entry[0].sink == first for entry in batch):  # the usual case: one event loop or front-end
+            first.deliver(batch)
+            return
+        by_sink: dict[Any, list] = {}
+        for entry in batch:
+            by_sink.setdefault(entry[0].sink, []).append(entry)
+        for sink, mine in by_sink.items():
+            sink.deliver(mine)
 
 
 def follow_rank0(engine, communicator) -> None:

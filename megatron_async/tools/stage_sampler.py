@@ -54,8 +54,8 @@ def loop_stage(frames: list[tuple[str, str]]) -> str:
     inner = [(f, fn) for f, fn in frames[:entry] if not f.endswith("selectors.py")]
     if not inner:
         return "idle / loop I/O"
-    if any(fn == "_deliver" for _, fn in inner):
-        return "deliver"
+    if any(fn == "_deliver" or (f.endswith("serve/frontend.py") and fn == "_take_events") for f, fn in inner):
+        return "deliver"  # a step's events into the streams' queues (in a front-end process: off its socket)
     for f, fn in inner:  # the innermost frame outside the standard library decides
         if any(p in f for p in _HTTP_PACKAGES):
             return "HTTP send (ASGI, uvicorn)"
@@ -87,6 +87,8 @@ class StageBreakdown:
         """``tokens``: streamed in the sampled time, to print each thread's CPU time per token."""
         lines = []
         for thread, title in (("engine", "engine thread"), ("loop", "event loop thread")):
+            if not self.samples[thread]:
+                continue
             busy = self.cpu_busy.get(thread)
             per_token = f", {1e6 * self.cpu_s[thread] / tokens:.1f} us CPU per token" if tokens and busy else ""
             lines.append(f"{title} ({sum(self.samples[thread].values())} samples"
@@ -100,8 +102,11 @@ class StageSampler:
     the whole time; ``s.between(t0, t1)``: of a window of ``time.perf_counter()`` readings, e.g.
     the load test's own start and end, so that its set-up is not filed as idle)."""
 
-    def __init__(self, engine_thread: threading.Thread, loop_thread: threading.Thread, interval_s: float = 0.002):
-        self._threads = {"engine": engine_thread, "loop": loop_thread}
+    def __init__(self, engine_thread: threading.Thread | None, loop_thread: threading.Thread | None,
+                 interval_s: float = 0.002):
+        """A thread given as None is not sampled (the server's event loops may run in front-end
+        processes, each sampling only its own loop)."""
+        self._threads = {name: t for name, t in (("engine", engine_thread), ("loop", loop_thread)) if t is not None}
         self._interval = interval_s
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._run, name="stage-sampler", daemon=True)
@@ -134,19 +139,14 @@ class StageSampler:
                 stages[name] = classify[name](frames)
             self._ticks.append((time.perf_counter(), self._cpu(), stages))
 
+    @property
+    def ticks(self) -> list[tuple[float, dict[str, float], dict[str, str]]]:
+        """The raw samples (picklable: another process can take ``breakdown_of`` them)."""
+        return self._ticks
+
     def between(self, t0: float | None = None, t1: float | None = None) -> StageBreakdown:
         """The samples taken in [t0, t1] (None: from the first / to the last)."""
-        ticks = [k for k in self._ticks if (t0 is None or k[0] >= t0) and (t1 is None or k[0] <= t1)]
-        out = StageBreakdown()
-        if len(ticks) < 2:
-            return out
-        for _, _, stages in ticks:
-            for name, stage in stages.items():
-                out.samples[name][stage] += 1
-        first, last = ticks[0], ticks[-1]
-        out.wall_s = last[0] - first[0]
-        out.cpu_s = {n: last[1][n] - first[1][n] for n in last[1] if n in first[1]}
-        return out
+        return breakdown_of(self._ticks, t0, t1)
 
     def __enter__(self) -> StageSampler:
         self._sampler.start()
@@ -156,3 +156,19 @@ class StageSampler:
         self._stop.set()
         self._sampler.join()
         self.result = self.between()
+
+
+def breakdown_of(ticks: list[tuple[float, dict[str, float], dict[str, str]]], t0: float | None = None,
+                 t1: float | None = None) -> StageBreakdown:
+    """The StageBreakdown of a sampler's ``ticks`` taken in [t0, t1] (None: from the first / to the last)."""
+    ticks = [k for k in ticks if (t0 is None or k[0] >= t0) and (t1 is None or k[0] <= t1)]
+    out = StageBreakdown()
+    if len(ticks) < 2:
+        return out
+    for _, _, stages in ticks:
+        for name, stage in stages.items():
+            out.samples[name][stage] += 1
+    first, last = ticks[0], ticks[-1]
+    out.wall_s = last[0] - first[0]
+    out.cpu_s = {n: last[1][n] - first[1][n] for n in last[1] if n in first[1]}
+    return out

@@ -1,13 +1,18 @@
-"""Server throughput against the offline engine, and where the server's time goes. In one
-process: the engine alone runs the workload (offline tok/s), then the same engine serves it over
-HTTP on a loopback port to streaming openai clients spread over --client-processes processes
-(server tok/s), and again with twice the processes (when that changes the server's tok/s, the
-clients were the bottleneck). During the first server run a sampler files the engine thread's and
-the event loop's stacks under stages (megatron_async/tools/stage_sampler.py) and prints their shares.
+"""Server throughput against the offline engine, and where the server's time goes. The engine
+alone runs the workload (offline tok/s), then the same engine serves it over HTTP on a loopback
+port exactly as ``python -m megatron_async.serve`` does (serve/launch.py: ``--api-server-count``
+front-end processes, or 0: the event loop in this process) to streaming clients spread over
+--client-processes processes (server tok/s), and again with twice the processes (when that
+changes the server's tok/s, the clients were the bottleneck). During the first server run a
+sampler files the engine thread's stacks and the event loop's (in this process with
+--api-server-count 0, else in each front-end process) under stages
+(megatron_async/tools/stage_sampler.py) and prints their shares; each front-end process's CPU-busy
+share comes from /proc.
 
     python scripts/measure.py server-breakdown                          # CPU: tiny model, small shape
     python scripts/measure.py server-breakdown --requests 500 --prompt-len 512 --max-tokens 128 \\
-        --clients 256 --client-processes 8 -- --default-model qwen3-0.6b --device cuda --cuda-graphs --max-requests 256
+        --clients 256 --client-processes 8 -- --default-model qwen3-0.6b --device cuda --max-requests 256 \\
+        --api-server-count 2
 Flags after ``--`` are the server's (python -m megatron_async.serve); --model CKPT works too.
 ``--stub-step-ms MS`` serves an engine stand-in instead (each step sleeps MS and gives every
 running request a token; scripts/measurements/_server_stub.py): the HTTP path alone at GPU-like
@@ -17,7 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pickle
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async.inference.request import SamplingParams  # noqa: E402
 from megatron_async.tools.server_load import LoadShape, run_load_test_processes, token_prompt_for  # noqa: E402
-from megatron_async.tools.stage_sampler import StageSampler  # noqa: E402
+from megatron_async.serve.frontend import STAGE_SAMPLES_ENV  # noqa: E402
+from megatron_async.tools.stage_sampler import StageSampler, breakdown_of  # noqa: E402
 
 
 def offline_run(engine, requests: int, prompt_len: int, max_tokens: int, offset: int = 0) -> tuple[float, int]:
@@ -43,6 +53,13 @@ def offline_run(engine, requests: int, prompt_len: int, max_tokens: int, offset:
                 ids.discard(out.request_id)
                 tokens += len(out.generated_tokens)
     return tokens / (time.perf_counter() - t0), steps
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:
@@ -69,10 +86,8 @@ def main() -> int:
     p.add_argument("--output-path", default=None, help="write the numbers as JSON")
     args = p.parse_args(argv)
 
-    import uvicorn
-
     from megatron_async.serve.__main__ import build_parser, build_state
-    from megatron_async.serve.app import create_app
+    from megatron_async.serve.launch import Serving
     from megatron_async.tools import cli
     from megatron_async.tools.main_job import load_llm
 
@@ -98,31 +113,29 @@ def main() -> int:
           f"apart, {tokens / offline_steps:.1f} tokens each", flush=True)
 
     if llm is None:
-        metrics = ServerMetrics("stub")
-        state = ServerState(EngineLoop(engine, metrics), metrics, "stub", None, None, max_model_len=1 << 20,
+        state = ServerState(EngineLoop(engine, ServerMetrics("stub")), "stub", None, None, max_model_len=1 << 20,
                             max_requests=engine.max_requests, max_request_bytes=1 << 25)
     else:
         state = build_state(llm, sargs)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning",
-                                           access_log=False, http=args.http, loop=args.loop))
+    serving = Serving(state, "127.0.0.1", 0, sargs.api_server_count, "warning", http=args.http, loop=args.loop)
+    samples_dir = tempfile.mkdtemp(prefix="frontend-stages-")
+    os.environ[STAGE_SAMPLES_ENV] = samples_dir  # each front-end samples its event loop, written at its exit
     results: dict = {}
 
     def drive() -> None:
         try:
-            while not server.started:
-                time.sleep(0.05)
-            port = server.servers[0].sockets[0].getsockname()[1]
-            url = f"http://127.0.0.1:{port}"
-
             def load(processes: int, requests: int):
-                return run_load_test_processes(url, state.model_name, processes, args.clients, requests,
+                return run_load_test_processes(serving.url, state.model_name, processes, args.clients, requests,
                                                LoadShape(args.max_tokens, args.prompt_len, token_prompts=True),
                                                client=args.client)
 
             load(args.client_processes, warm)
             steps0 = state.engine_loop.steps
-            with StageSampler(state.engine_loop._thread, main_thread) as sampler:
+            loop_thread = main_thread if sargs.api_server_count == 0 else None  # uvicorn runs on this one
+            cpu0 = [process_cpu_s(p.pid) for p in serving.frontends]
+            with StageSampler(state.engine_loop._thread, loop_thread) as sampler:
                 report = load(args.client_processes, args.requests)
+            results["frontend_cpu_s"] = [process_cpu_s(p.pid) - c for p, c in zip(serving.frontends, cpu0)]
             results["steps"] = state.engine_loop.steps - steps0
             results["server"] = report
             results["breakdown"] = sampler.between(report.started_at, report.ended_at)
@@ -131,22 +144,34 @@ def main() -> int:
         except BaseException as e:  # noqa: BLE001 -- reported by the main thread
             results["error"] = e
         finally:
-            server.should_exit = True
+            serving.request_stop()
 
     main_thread = threading.current_thread()
-    state.engine_loop.start()
-    threading.Thread(target=drive, daemon=True).start()
     try:
-        server.run()  # uvicorn's loop factory: uvloop when installed, unless --loop asyncio
+        serving.start()
+        threading.Thread(target=drive, daemon=True).start()
+        serving.run()  # uvicorn's loop factory: uvloop when installed, unless --loop asyncio
     finally:
-        state.engine_loop.stop()
+        serving.close()
         if llm is not None:
             llm.close()
     if "error" in results:
         raise results["error"]
+    frontend_ticks = []
+    for i in range(len(serving.frontends)):
+        with open(Path(samples_dir) / f"frontend-{i}.pkl", "rb") as f:
+            frontend_ticks.append(pickle.load(f))
+    shutil.rmtree(samples_dir, ignore_errors=True)
     rep, more = results["server"], results.get("server_more_clients")
-    bd = results["breakdown"]
+    bd, fe_cpu = results["breakdown"], results["frontend_cpu_s"]
     print(bd.format(rep.output_tokens))
+    fe_bds = [breakdown_of(ticks, rep.started_at, rep.ended_at) for ticks in frontend_ticks]
+    for i, fb in enumerate(fe_bds):
+        print(f"front-end process {i} " + fb.format())
+    if fe_cpu:
+        print(f"{len(fe_cpu)} HTTP front-end processes: "
+              + ", ".join(f"{c / rep.wall_s:.0%}" for c in fe_cpu) + " CPU-busy"
+              + f", {1e6 * sum(fe_cpu) / max(1, rep.output_tokens):.1f} us CPU per token together")
     print(f"engine steps: {results['steps']}, {1e3 * rep.wall_s / max(1, results['steps']):.2f} ms apart, "
           f"{rep.output_tokens / max(1, results['steps']):.1f} tokens each")
     print(rep.format())
@@ -162,7 +187,10 @@ def main() -> int:
         out = {"offline_tok_s": offline, "offline_steps": offline_steps, "server_steps": results["steps"],
                "server": rep.as_dict(), "server_more_clients": more and more.as_dict(),
                "breakdown": {t: results["breakdown"].shares(t) for t in ("engine", "loop")},
-               "cpu_busy": results["breakdown"].cpu_busy, "cpu_s": results["breakdown"].cpu_s}
+               "cpu_busy": results["breakdown"].cpu_busy, "cpu_s": results["breakdown"].cpu_s,
+               "api_server_count": sargs.api_server_count, "frontend_cpu_s": fe_cpu,
+               "frontend_cpu_busy": [c / rep.wall_s for c in fe_cpu],
+               "frontend_breakdown": [fb.shares("loop") for fb in fe_bds]}
         Path(args.output_path).write_text(json.dumps(out, indent=1))
     return 0 if ok else 1
 

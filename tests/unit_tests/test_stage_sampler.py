@@ -26,6 +26,8 @@ def test_loop_stages():
     assert loop_stage([("/usr/lib/python3.11/selectors.py", "select"), (f"{ASYNCIO}/base_events.py", "_run_once"),
                        runner]) == "idle / loop I/O"
     assert loop_stage([("/x/megatron_async/serve/engine_loop.py", "_deliver"), runner]) == "deliver"
+    assert loop_stage([("/x/megatron_async/serve/ipc.py", "decode_entries"),
+                       ("/x/megatron_async/serve/frontend.py", "_take_events"), runner]) == "deliver"  # a front-end
     assert loop_stage([("/usr/lib/python3.11/json/encoder.py", "encode"), ("/x/megatron_async/serve/responses.py", "sse"),
                        ("/x/megatron_async/serve/app.py", "_stream"), (f"{SITE}/starlette/responses.py", "stream_response"),
                        runner]) == "SSE chunks + JSON"

@@ -29,7 +29,8 @@ def test_bind_listens_on_a_free_port():
 
 
 @pytest.mark.parametrize("flags", [["--port", "70000"], ["--port", "x"], ["--max-requests", "0"], ["--seed", "-1"],
-                                   ["--max-request-bytes", "0"], ["--gil-switch-interval-ms", "0"]])
+                                   ["--max-request-bytes", "0"], ["--gil-switch-interval-ms", "0"],
+                                   ["--api-server-count", "-1"]])
 def test_bad_flags_are_argparse_errors(flags, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(flags)
@@ -41,3 +42,4 @@ def test_server_flags_parse():
     assert args.max_request_bytes == 1000 and args.gil_switch_interval_ms == 0.5
     args = build_parser().parse_args([])
     assert args.max_request_bytes == 32 * 2**20 and args.gil_switch_interval_ms == 0.5  # DEFAULT_GIL_SWITCH_INTERVAL_MS
+    assert args.api_server_count == 1 and build_parser().parse_args(["--api-server-count", "0"]).api_server_count == 0

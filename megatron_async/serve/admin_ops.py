@@ -1,0 +1,51 @@
+"""The admin operations (admin_routes.py), run on the engine thread between two steps: each
+takes the engine, the LLM's ``update_weights`` and the arguments admin_routes.py validated, and
+its outcome is an HTTP status and a JSON body (the engine's state, or an OpenAI error object).
+Plain names and arguments, so that a front-end process can ask for one (bridge.py)."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from megatron_async.serve import responses as resp
+
+log = logging.getLogger("megatron_async.serve")
+
+
+def _suspend(engine, _, args: dict) -> None:
+    tags = args.get("tags")
+    engine.suspend(*(() if tags is None else (tags,)), keep_weights_on_host=args.get("keep_weights_on_host", True))
+
+
+def _resume(engine, _, args: dict) -> None:
+    tags = args.get("tags")
+    engine.resume(*(() if tags is None else (tags,)))
+
+
+ADMIN_OPS: dict[str, Callable[[Any, Callable[..., int] | None, dict], Any]] = {
+    "pause_generation": lambda engine, _, args: engine.pause_generation(args.get("mode", "keep")),
+    "resume_generation": lambda engine, _, args: engine.resume_generation(),
+    "update_weights": lambda _, update_weights, args: update_weights(args["path"], version=args.get("version")),
+    "suspend": _suspend,
+    "resume": _resume,
+}
+"""Operation name (also its route: POST /NAME) -> what it runs."""
+
+
+def engine_status(engine) -> dict:
+    return {"paused": engine.is_paused, "suspended": sorted(engine.memory.suspended),
+            "weight_version": engine.weight_version}
+
+
+def run_admin_op(engine, update_weights: Callable[..., int] | None, op: str, args: dict) -> tuple[int, dict]:
+    """(200, the engine's state) once ``op`` ran; 400 for bad input (WeightUpdateError is a
+    ValueError), 409 for an operation the engine's state refuses (wrong order, not paused)."""
+    try:
+        ADMIN_OPS[op](engine, update_weights, args)
+        return 200, engine_status(engine)
+    except (ValueError, TypeError) as e:
+        return 400, resp.error_body(str(e), 400)
+    except Exception as e:  # noqa: BLE001 -- reported to the caller, the loop keeps serving: never a 5xx
+        if not isinstance(e, (RuntimeError, NotImplementedError)):
+            log.exception("admin operation failed")
+        return 409, resp.error_body(f"{type(e).__name__}: {e}", 409)

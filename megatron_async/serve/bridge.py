@@ -1,0 +1,220 @@
+"""The engine process's side of its HTTP front-end processes (frontend.py): a thread that takes
+their messages (ipc.py) and turns them into the engine loop's commands, and one sink per
+front-end through which the engine thread sends each step's results.
+
+The bridge thread never waits for a step: it answers /metrics and /health queries itself (the
+gauges read the engine's state at that moment) and only puts adds, aborts and admin operations
+into the engine loop's inbox. It watches every front-end process; when one exits it aborts
+that front-end's requests (their KV blocks come back) and the others keep serving."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from megatron_async.serve import ipc
+from megatron_async.serve.engine_loop import Choice, EngineLoop
+
+log = logging.getLogger("megatron_async.serve")
+POLL_S = 0.5
+
+
+class FrontendSink:
+    """Where the engine thread sends the results of one front-end's submissions: one message
+    per step (``deliver``, on the engine thread, which alone uses ``sock``)."""
+
+    def __init__(self, index: int, sock: zmq.Socket):
+        self.index = index
+        self.sock = sock
+        self.live: dict[int, RemoteSubmission] = {}
+        """This front-end's submissions not yet ended, by sid (the bridge adds, the engine thread
+        removes at a submission's last event; single dict operations, safe between threads)."""
+        self.gone = False
+        """The front-end process exited: nothing more is sent."""
+
+    def deliver(self, batch: list[tuple[Any, str, Any]]) -> None:
+        entries = []
+        for target, kind, payload in batch:
+            if kind == "rejected" or (kind == "event" and payload.is_last and target.ended_choice()):
+                self.live.pop(target.sid, None)
+            entries.append((target.sid, kind, payload))
+        if self.gone:
+            if not self.sock.closed:
+                self.sock.close(0)
+            return
+        # never blocks (no send limit); sent before the front-end's socket is up, it waits in ZMQ's queue
+        self.sock.send(ipc.encode_entries(entries))
+
+
+@dataclass(eq=False)
+class RemoteSubmission:
+    """A front-end's submission as the engine loop sees it (what engine_loop.Submission is to
+    an event loop of this process)."""
+
+    sid: int
+    choices: list[Choice]
+    arrival: float
+    sink: FrontendSink
+    request_ids: list[int] = field(default_factory=list)
+    open_choices: int = 0
+
+    def __post_init__(self):
+        self.open_choices = len(self.choices)
+
+    def ended_choice(self) -> bool:
+        """One choice had its last event; True when it was the last open one."""
+        self.open_choices -= 1
+        return self.open_choices <= 0
+
+
+@dataclass(frozen=True)
+class _AdminCall:
+    sid: int
+    sink: FrontendSink
+
+
+class Bridge:
+    """``Bridge(engine_loop, endpoints, count)``: binds the sockets of ``count`` front-ends;
+    ``watch(i, pid)`` each one's process; ``start()``; ``wait_ready()``; ``stop()``."""
+
+    def __init__(self, engine_loop: EngineLoop, endpoints: ipc.Endpoints, count: int,
+                 on_all_gone: Callable[[], None] | None = None):
+        self.engine_loop = engine_loop
+        self._on_all_gone = on_all_gone
+        self._ctx = zmq.Context()
+        self._router = self._socket(zmq.ROUTER)
+        self._router.bind(endpoints.bridge)
+        self.sinks = []
+        for i in range(count):  # connected, not bound: a message waits until front-end i binds its end
+            sock = self._socket(zmq.PUSH)
+            sock.setsockopt(zmq.RECONNECT_IVL, 10)
+            sock.connect(endpoints.events(i))
+            self.sinks.append(FrontendSink(i, sock))
+        self._wake_in = self._ctx.socket(zmq.PAIR)
+        self._wake_in.bind(f"inproc://bridge-wake-{id(self)}")
+        self._wake = self._ctx.socket(zmq.PAIR)
+        self._wake.connect(f"inproc://bridge-wake-{id(self)}")
+        self._pidfds: dict[int, int] = {}
+        """pidfd (readable once the process exited) -> front-end index."""
+        self._polled: dict[int, Any] = {}
+        """Front-end index -> its process, where pidfds are missing (checked every ``POLL_S``)."""
+        self._ready: set[int] = set()
+        self._ready_event = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="megatron-async-bridge", daemon=True)
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)  # a slow front-end buffers; the engine thread never blocks
+        sock.setsockopt(zmq.RCVHWM, 0)
+        return sock
+
+    def watch(self, index: int, process) -> None:
+        """Before ``start``: abort front-end ``index``'s requests when ``process`` (a Popen) exits."""
+        try:
+            self._pidfds[os.pidfd_open(process.pid)] = index
+        except (AttributeError, OSError):  # not Linux >= 5.3
+            self._polled[index] = process
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float, alive: Callable[[], bool]) -> bool:
+        """Until every front-end said it serves (True), one exited (``alive()`` False) or the time is up."""
+        deadline = time.monotonic() + timeout
+        while not self._ready_event.wait(0.05):
+            if not alive() or time.monotonic() > deadline:
+                return False
+        return True
+
+    def expect_exits(self) -> None:
+        """The front-ends are told to stop: their exits are no failure (their requests are still aborted)."""
+        self._stopping = True
+
+    def stop(self) -> None:
+        """After the front-ends exited: the thread ends, the sockets close."""
+        self._stopping = True
+        if self._thread.is_alive():
+            self._wake.send(b"")
+            self._thread.join(10)
+        for sock in (self._router, self._wake, self._wake_in, *(s.sock for s in self.sinks)):
+            if not sock.closed:
+                sock.close(0)
+        for fd in self._pidfds:
+            os.close(fd)
+        self._ctx.term()
+
+    # ---------------------------------------------------------------- bridge thread
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
+        for fd in self._pidfds:
+            poller.register(fd, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(1000 * POLL_S if self._polled else None))
+            if self._wake_in in ready:
+                return
+            if self._router in ready:
+                self._take_messages()
+            for fd in [fd for fd in ready if isinstance(fd, int)]:
+                poller.unregister(fd)
+                self._gone(self._pidfds[fd])
+            for index in [i for i, p in self._polled.items() if p.poll() is not None]:
+                del self._polled[index]
+                self._gone(index)
+
+    def _take_messages(self) -> None:
+        while True:
+            try:
+                identity, raw = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(identity, ipc.decode(raw))
+            except Exception:  # noqa: BLE001 -- one bad message must not end the bridge
+                log.exception("front-end message failed")
+
+    def _handle(self, identity: bytes, msg: tuple) -> None:
+        sink = self.sinks[int(identity)]
+        kind = msg[0]
+        if sink.gone:
+            return
+        if kind == "add":
+            _, sid, choices, arrival = msg
+            sub = RemoteSubmission(sid, choices, arrival, sink)
+            sink.live[sid] = sub
+            self.engine_loop.submit(sub)
+        elif kind == "abort":
+            sub = sink.live.get(msg[1])
+            if sub is not None:
+                self.engine_loop.abort(sub)
+        elif kind == "query":
+            _, sid, what = msg
+            value = self.engine_loop.metrics.render() if what == "metrics" else self.engine_loop.is_alive()
+            self._router.send_multipart([identity, ipc.encode(("reply", sid, value))])
+        elif kind == "admin":
+            _, sid, op, args = msg
+            target = _AdminCall(sid, sink)
+            self.engine_loop.run_admin(op, args, lambda outcome: sink.deliver([(target, "admin", outcome)]))
+        elif kind == "ready":
+            self._ready.add(sink.index)
+            if len(self._ready) == len(self.sinks):
+                self._ready_event.set()
+
+    def _gone(self, index: int) -> None:
+        sink = self.sinks[index]
+        sink.gone = True
+        subs = list(sink.live.values())
+        if not self._stopping:
+            log.error("HTTP front-end %d exited; aborting its %d requests", index, len(subs))
+        for sub in subs:
+            self.engine_loop.abort(sub)
+        if all(s.gone for s in self.sinks) and self._on_all_gone is not None and not self._stopping:
+            self._on_all_gone()

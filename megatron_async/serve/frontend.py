@@ -1,0 +1,243 @@
+"""An HTTP front-end process (``--api-server-count N``): uvicorn and the app (app.py) on the
+listening socket the engine's process bound, with ``RemoteEngineLoop`` in place of the engine
+loop. The engine's process starts it as ``python -m megatron_async.serve.frontend`` and writes a
+pickled ``FrontendConfig`` to its stdin; it answers ``("ready",)`` once it listens.
+
+A handler submits, aborts and asks exactly as it would in the engine's process; the stand-in
+sends those as messages (ipc.py) and files each step's message from the engine thread into the
+same ``Submission`` objects (the admitted future, the events queue). Both sockets are read from
+the event loop itself (``add_reader``): no thread of its own competes for this process's GIL."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from megatron_async.serve import ipc
+from megatron_async.serve.engine_loop import Submission
+
+log = logging.getLogger("megatron_async.serve")
+STAGE_SAMPLES_ENV = "MEGATRON_ASYNC_FRONTEND_STAGE_SAMPLES"
+"""Set to a directory: the process samples its event loop's stages (tools/stage_sampler.py) and
+writes the samples there at exit, as ``frontend-INDEX.pkl`` (scripts/measurements/server_breakdown.py)."""
+QUERY_TIMEOUT_S = 5.0
+"""/health answers 503 when the engine's process does not answer within this long."""
+PARENT_CHECK_S = 1.0
+
+
+@dataclass
+class FrontendConfig:
+    """What a front-end process needs, sent by the engine's process (picklable)."""
+
+    index: int
+    endpoints: ipc.Endpoints
+    fd: int
+    """The listening socket, inherited."""
+    parent_pid: int
+    model_name: str
+    tokenizer: Any
+    chat_template: tuple[str, dict] | None
+    """(source, special tokens) of the ChatTemplate (the compiled template does not pickle)."""
+    max_model_len: int
+    max_requests: int
+    max_request_bytes: int
+    created: int
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    admin_endpoints: bool
+    log_level: str = "warning"
+    http: str = "auto"
+    loop: str = "auto"
+
+
+class RemoteEngineLoop:
+    """The engine loop's interface as app.py uses it (submit / abort / admin / healthy /
+    metrics_text), for an engine in another process. ``attach`` on the serving event loop."""
+
+    def __init__(self, endpoints: ipc.Endpoints, index: int):
+        self._ctx = zmq.Context()
+        self._out = self._ctx.socket(zmq.DEALER)
+        self._out.setsockopt(zmq.IDENTITY, str(index).encode())
+        self._events = self._ctx.socket(zmq.PULL)
+        for sock in (self._out, self._events):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+        self._out.connect(endpoints.bridge)
+        self._events.bind(endpoints.events(index))
+        self._ids = itertools.count()
+        self._subs: dict[int, list] = {}
+        """sid -> [submission, choices without their last event]."""
+        self._waiting: dict[int, asyncio.Future] = {}
+        """sid of an admin call or query -> its future."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        loop.add_reader(self._events.getsockopt(zmq.FD), self._take_events)
+        loop.add_reader(self._out.getsockopt(zmq.FD), self._take_replies)
+        self._send(("ready",))
+
+    def close(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            for sock in (self._events, self._out):
+                self._loop.remove_reader(sock.getsockopt(zmq.FD))
+        self._events.close(0)
+        self._out.close(0)
+        self._ctx.term()
+
+    # ---------------------------------------------------------------- what app.py calls
+    def submit(self, sub: Submission) -> None:
+        sid = next(self._ids)
+        sub.sid = sid
+        self._subs[sid] = [sub, len(sub.choices)]
+        self._send(("add", sid, sub.choices, sub.arrival))
+
+    def abort(self, sub: Submission) -> None:
+        sid = getattr(sub, "sid", None)
+        if sid in self._subs:  # a no-op for an ended submission (every stream's end calls it)
+            self._send(("abort", sid))
+
+    async def admin(self, op: str, args: dict) -> tuple[int, dict]:
+        return await self._ask("admin", op, args)
+
+    async def healthy(self) -> bool:
+        try:
+            return bool(await asyncio.wait_for(self._ask("query", "health"), QUERY_TIMEOUT_S))
+        except asyncio.TimeoutError:
+            return False
+
+    async def metrics_text(self) -> bytes:
+        return await asyncio.wait_for(self._ask("query", "metrics"), QUERY_TIMEOUT_S)
+
+    # ---------------------------------------------------------------- sockets
+    async def _ask(self, kind: str, *args):
+        sid = next(self._ids)
+        done = self._waiting[sid] = asyncio.get_running_loop().create_future()
+        self._send((kind, sid, *args))
+        try:
+            return await done
+        finally:
+            self._waiting.pop(sid, None)
+
+    def _send(self, message: tuple) -> None:
+        self._out.send(ipc.encode(message))
+        # a send can take the socket's readable edge: read what came in, or it waits for the next edge
+        if self._loop is not None and self._out.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._loop.call_soon(self._take_replies)
+
+    def _take_replies(self) -> None:
+        while True:
+            try:
+                _, sid, value = ipc.decode(self._out.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            done = self._waiting.get(sid)
+            if done is not None and not done.done():
+                done.set_result(value)
+
+    def _take_events(self) -> None:
+        """Every step message waiting (all of them: the socket signals only a new edge)."""
+        while True:
+            try:
+                message = self._events.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._file(ipc.decode_entries(message))
+            except Exception:  # noqa: BLE001 -- keep reading: the next messages must not wait for a new edge
+                log.exception("a step message from the engine could not be filed")
+
+    def _file(self, entries: list) -> None:
+        """One step's entries into their submissions (and admin calls), in order."""
+        subs = self._subs
+        for sid, kind, payload in entries:
+            if kind == "admin":
+                done = self._waiting.get(sid)
+                if done is not None and not done.done():
+                    done.set_result(payload)
+                continue
+            entry = subs.get(sid)
+            if entry is None:
+                continue
+            sub = entry[0]
+            if kind == "event":
+                sub.events.put_nowait(payload)
+                if payload.is_last:
+                    entry[1] -= 1
+                    if entry[1] <= 0:
+                        del subs[sid]
+            elif kind == "admitted":
+                if not sub.admitted.done():
+                    sub.admitted.set_result(payload)
+            else:  # rejected
+                del subs[sid]
+                if not sub.admitted.done():
+                    sub.admitted.set_exception(payload)
+
+
+def _watch_parent(server, parent_pid: int) -> None:
+    """The engine's process is gone (killed): its requests are dead, stop at once."""
+    if os.getppid() != parent_pid:
+        log.error("the engine's process exited; this front-end stops")
+        server.should_exit = server.force_exit = True
+        return
+    asyncio.get_running_loop().call_later(PARENT_CHECK_S, _watch_parent, server, parent_pid)
+
+
+def main() -> int:
+    config: FrontendConfig = pickle.load(sys.stdin.buffer)
+    logging.basicConfig(level=config.log_level.upper(),
+                        format=f"%(asctime)s %(name)s[front-end {config.index}] %(levelname)s %(message)s")
+    from megatron_async.models.chat_template import ChatTemplate
+    from megatron_async.serve.app import ServerState, create_app
+    from megatron_async.serve.uvicorn_server import uvicorn_server
+
+    sock = socket.socket(fileno=config.fd)
+    remote = RemoteEngineLoop(config.endpoints, config.index)
+    state = ServerState(
+        engine_loop=remote, model_name=config.model_name, tokenizer=config.tokenizer,
+        chat_template=ChatTemplate(*config.chat_template) if config.chat_template else None,
+        max_model_len=config.max_model_len, max_requests=config.max_requests,
+        max_request_bytes=config.max_request_bytes, created=config.created, tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser, admin_endpoints=config.admin_endpoints)
+
+    def started() -> None:
+        loop = asyncio.get_running_loop()
+        remote.attach(loop)
+        _watch_parent(server, config.parent_pid)
+
+    server = uvicorn_server(create_app(state), config.log_level, config.http, config.loop, on_started=started,
+                            stop_on_sigint=False)
+    samples_dir = os.environ.get(STAGE_SAMPLES_ENV)
+    sampler = None
+    if samples_dir:
+        from megatron_async.tools.stage_sampler import StageSampler
+
+        sampler = StageSampler(None, threading.current_thread()).__enter__()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        remote.close()
+        if sampler is not None:
+            sampler.__exit__()
+            with open(os.path.join(samples_dir, f"frontend-{config.index}.pkl"), "wb") as f:
+                pickle.dump(sampler.ticks, f)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,162 @@
+"""Start, run and stop the HTTP side of a server whose engine runs in this process (``python -m
+megatron_async.serve``, and scripts/measurements/server_breakdown.py, which serves the same way).
+
+``api_server_count`` 0: uvicorn and the app on this process's event loop, beside the engine
+thread (one GIL for both). N >= 1: N front-end processes (frontend.py) each run uvicorn and the
+app on the one listening socket bound here, and a bridge thread (bridge.py) connects them to the
+engine loop; this process keeps only the engine thread busy. Stop (SIGTERM / Ctrl-C, or
+``request_stop``): the front-ends stop taking requests and give those in flight
+``GRACEFUL_SHUTDOWN_S``; then the engine loop and the bridge stop."""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from megatron_async.serve import ipc
+from megatron_async.serve.uvicorn_server import GRACEFUL_SHUTDOWN_S, uvicorn_server
+
+log = logging.getLogger("megatron_async.serve")
+FRONTEND_START_TIMEOUT_S = 120.0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # connections made after the ready line queue until uvicorn accepts them
+    return sock
+
+
+class Serving:
+    """``s = Serving(state, host, port, api_server_count)``; ``url = s.start()``; ``s.run()``
+    (blocks until stopped); ``s.close()``. ``state``: app.py's ServerState with the engine loop."""
+
+    def __init__(self, state, host: str, port: int, api_server_count: int = 1, log_level: str = "warning",
+                 http: str = "auto", loop: str = "auto"):
+        self.state, self.host, self.port = state, host, port
+        self.api_server_count = api_server_count
+        self.log_level, self.http, self.loop = log_level, http, loop
+        self.frontends: list[subprocess.Popen] = []
+        self.url = ""
+        self._sock: socket.socket | None = None
+        self._server = None
+        self._bridge = None
+        self._endpoints: ipc.Endpoints | None = None
+        self._stop = threading.Event()
+        self._all_gone = False
+
+    # ---------------------------------------------------------------- start
+    def start(self) -> str:
+        """Listen, start the engine loop and the front-ends (waiting until each listens);
+        the server's URL. OSError: the address cannot be bound; RuntimeError: a front-end failed."""
+        self._sock = bind(self.host, self.port)
+        self.url = f"http://{self.host}:{self._sock.getsockname()[1]}"
+        self.state.engine_loop.start()
+        if self.api_server_count == 0:
+            from megatron_async.serve.app import create_app
+
+            self._server = uvicorn_server(create_app(self.state), self.log_level, self.http, self.loop)
+            return self.url
+        from megatron_async.serve.bridge import Bridge
+
+        self._endpoints = ipc.Endpoints.create()
+        self._bridge = Bridge(self.state.engine_loop, self._endpoints, self.api_server_count, self._on_all_gone)
+        for i in range(self.api_server_count):
+            self.frontends.append(self._spawn(i))
+            self._bridge.watch(i, self.frontends[-1])
+        self._bridge.start()
+        if not self._bridge.wait_ready(FRONTEND_START_TIMEOUT_S, lambda: all(p.poll() is None for p in self.frontends)):
+            codes = [p.poll() for p in self.frontends]
+            raise RuntimeError(f"the HTTP front-end processes did not start (exit codes {codes})")
+        # the front-ends hold the listening socket now: once they have all closed it, new
+        # connections are refused rather than left waiting in a backlog nobody accepts from
+        self._sock.close()
+        return self.url
+
+    def _spawn(self, index: int) -> subprocess.Popen:
+        from megatron_async.serve.frontend import FrontendConfig
+
+        st = self.state
+        template = st.chat_template
+        config = FrontendConfig(
+            index=index, endpoints=self._endpoints, fd=self._sock.fileno(), parent_pid=os.getpid(),
+            model_name=st.model_name, tokenizer=st.tokenizer,
+            chat_template=(template.source, template.special_tokens) if template is not None else None,
+            max_model_len=st.max_model_len, max_requests=st.max_requests, max_request_bytes=st.max_request_bytes,
+            created=st.created, tool_call_parser=st.tool_call_parser, reasoning_parser=st.reasoning_parser,
+            admin_endpoints=st.admin_endpoints, log_level=self.log_level, http=self.http, loop=self.loop)
+        root = str(Path(__file__).resolve().parents[2])  # this tree's package, whatever the caller's sys.path
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_async.serve.frontend"], stdin=subprocess.PIPE,
+                                pass_fds=(self._sock.fileno(),), env=env)
+        proc.stdin.write(pickle.dumps(config, protocol=pickle.HIGHEST_PROTOCOL))
+        proc.stdin.close()
+        return proc
+
+    # ---------------------------------------------------------------- run and stop
+    def run(self) -> int:
+        """Serve until SIGTERM / Ctrl-C (on the main thread) or ``request_stop``; 1 when every
+        front-end process exited on its own, else 0."""
+        if self._server is not None:
+            self._server.run(sockets=[self._sock])
+            return 0
+        on_main = threading.current_thread() is threading.main_thread()
+        previous = {}
+        if on_main:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, lambda *_: self._stop.set())
+        try:
+            while not self._stop.wait(0.5):
+                pass
+            self._stop_frontends()  # a second Ctrl-C while they finish changes nothing here
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return 1 if self._all_gone else 0
+
+    def request_stop(self) -> None:
+        """From any thread: ``run`` returns after the graceful shutdown."""
+        if self._server is not None:
+            self._server.should_exit = True
+        self._stop.set()
+
+    def _on_all_gone(self) -> None:
+        log.error("every HTTP front-end process exited; the server stops")
+        self._all_gone = True
+        self._stop.set()
+
+    def _stop_frontends(self) -> None:
+        if self._bridge is not None:
+            self._bridge.expect_exits()
+        for p in self.frontends:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + GRACEFUL_SHUTDOWN_S + 5
+        for p in self.frontends:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error("HTTP front-end %d did not stop; killed", p.pid)
+                p.kill()
+                p.wait()
+
+    def close(self) -> None:
+        """Stop everything (also after a failed ``start``): front-ends, bridge, engine loop."""
+        self._stop_frontends()
+        if self.state.engine_loop.is_alive():
+            self.state.engine_loop.stop()
+        if self._bridge is not None:  # after the engine thread, the last user of the sinks' sockets
+            self._bridge.stop()
+        if self._endpoints is not None:
+            self._endpoints.remove()
+        if self._sock is not None:
+            self._sock.close()

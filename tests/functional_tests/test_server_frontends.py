@@ -1,0 +1,154 @@
+"""HTTP front-end processes (--api-server-count): two of them on one port answer many concurrent
+streams, each exactly once, /metrics (asked of either) counts them all and every KV block comes
+back; admin operations answer as in process; a front-end killed mid-stream has its requests
+aborted while the other keeps serving; SIGTERM lets a stream in flight finish; and
+--api-server-count 0 (the event loop in the engine's process) still serves."""
+import asyncio
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from urllib.parse import urlparse
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("zmq")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from megatron_async.serve.process import ServerProcess  # noqa: E402
+from megatron_async.tools.server_load import LoadShape, run_load_test  # noqa: E402
+from megatron_async.tools.server_metrics import kv_leaked  # noqa: E402
+
+FLAGS = ["--default-model", "tiny", "--device", "cpu", "--max-requests", "16", "--num-kv-blocks", "128"]
+ABORTED = ("megatron_async_request_success_total", "abort")
+
+
+def metrics(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            values[(s.name, s.labels.get("finished_reason"))] = s.value
+    return values
+
+
+def frontend_pids(server: ServerProcess) -> list[int]:
+    with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def open_sockets(pid: int) -> int:
+    return sum(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+
+
+def stream(url: str, prompt: list[int], max_tokens: int, result: dict) -> None:
+    """One streamed completion over http.client; ``result``: tokens seen and how it ended."""
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "return_token_ids": True}
+    result.update(tokens=0, end=None)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        for line in resp:
+            if line.startswith(b"data: [DONE]"):
+                result["end"] = "done"
+                return
+            if line.startswith(b"data: "):
+                result["tokens"] += sum(len(c.get("token_ids") or []) for c in json.loads(line[6:])["choices"])
+        result["end"] = "cut"
+    except (OSError, http.client.HTTPException):
+        result["end"] = "cut"
+    finally:
+        conn.close()
+
+
+def wait_for(check, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
+
+
+def post(url: str, path: str, body: bytes = b"{}") -> tuple[int, dict]:
+    req = urllib.request.Request(f"{url}{path}", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_two_frontends_serve_every_stream_once_and_survive_one_killed():
+    with ServerProcess([*FLAGS, "--api-server-count", "2", "--enable-admin-endpoints"]) as srv:
+        pids = frontend_pids(srv)
+        assert len(pids) == 2
+        with open(f"/proc/{pids[0]}/maps") as f:
+            assert "libtorch" not in f.read()  # a front-end starts without importing torch
+        shape = LoadShape(max_tokens=8, prompt_words=12, token_prompts=True)
+        report = asyncio.run(run_load_test(srv.url, srv.model_name, clients=24, requests=72, work=shape))
+        report.kv_leaked = kv_leaked(srv.url, settle_s=10)
+        assert report.ok and report.completed == 72 and report.output_tokens == 72 * 8, report.format()
+        m = metrics(srv.url)
+        assert m[("megatron_async_request_success_total", "length")] == 72
+        assert m[("megatron_async_generation_tokens_total", None)] == 72 * 8
+
+        # admin operations: bodies checked in the front-end, run on the engine thread, same answers
+        assert post(srv.url, "/pause_generation", b'{"mode": "keep"}') == (
+            200, {"paused": True, "suspended": [], "weight_version": 0})
+        assert post(srv.url, "/resume_generation")[1]["paused"] is False
+        for path, body, code in [("/pause_generation", b'{"mode": "stop"}', 400), ("/update_weights", b"{}", 400),
+                                 ("/resume", b"{not json", 400), ("/suspend", b"{}", 409)]:
+            status, answer = post(srv.url, path, body)
+            assert status == code and answer["error"]["code"] == code, (path, answer)
+
+        # long streams over both front-ends; the one holding more connections is killed
+        before = {p: open_sockets(p) for p in pids}
+        results = [{} for _ in range(8)]
+        threads = [threading.Thread(target=stream, args=(srv.url, [1 + i, 2, 3], 200, r)) for i, r in enumerate(results)]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: metrics(srv.url)[("megatron_async_num_requests_running", None)] == 8)
+        victim = max(pids, key=lambda p: open_sockets(p) - before[p])
+        os.kill(victim, signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        cut = [r for r in results if r["end"] == "cut"]
+        done = [r for r in results if r["end"] == "done"]
+        assert cut and len(cut) + len(done) == 8, results
+        assert all(r["tokens"] == 200 for r in done) and all(r["tokens"] < 200 for r in cut)
+        # the engine ended the killed front-end's requests and freed their blocks
+        assert wait_for(lambda: metrics(srv.url).get(ABORTED, 0) == len(cut)), metrics(srv.url)
+        assert not kv_leaked(srv.url, settle_s=10)
+        again = {}
+        stream(srv.url, [9, 9, 9], 5, again)  # served by the front-end left
+        assert again == {"tokens": 5, "end": "done"}
+        with urllib.request.urlopen(f"{srv.url}/health", timeout=10) as r:
+            assert r.status == 200
+        # SIGTERM: the stream in flight still runs to its end, then every process exits
+        late = {}
+        thread = threading.Thread(target=stream, args=(srv.url, [4, 5, 6], 80, late))
+        thread.start()
+        assert wait_for(lambda: metrics(srv.url)[("megatron_async_num_requests_running", None)] == 1)
+        srv.proc.send_signal(signal.SIGTERM)
+        thread.join(60)
+        assert late == {"tokens": 80, "end": "done"}
+        assert srv.proc.wait(30) == 0
+    assert "HTTP front-end" in srv.output() and "exited; aborting" in srv.output()
+
+
+def test_api_server_count_0_serves_from_the_engine_process():
+    with ServerProcess([*FLAGS, "--api-server-count", "0"]) as srv:
+        assert frontend_pids(srv) == []
+        result = {}
+        stream(srv.url, [1, 2, 3], 6, result)
+        assert result == {"tokens": 6, "end": "done"}
+        assert metrics(srv.url)[("megatron_async_generation_tokens_total", None)] == 6
