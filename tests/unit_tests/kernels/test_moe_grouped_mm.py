@@ -96,9 +96,10 @@ def test_plan_kernel_matches_its_torch_reference(M, k, E):
     ids = torch.randint(-2, E + 1, (M, k), generator=g).to(torch.int32)
     ids[ids == E - 1] = 0  # one expert left without pairs
     ref = moe_grouped_mm.plan_rows_torch(ids, E)
-    out = triton_moe_plan.plan_rows(ids.to(device), E, moe_grouped_mm.ROW_ALIGN)
-    for a, b in zip(ref, out):
-        assert torch.equal(a.long(), b.cpu().long())
+    for seg, block in ((4096, 1024), (16, 16), (32, 16)):  # one segment, and several (counts carried over)
+        out = triton_moe_plan.plan_rows(ids.to(device), E, moe_grouped_mm.ROW_ALIGN, seg, block)
+        for a, b in zip(ref, out):
+            assert torch.equal(a.long(), b.cpu().long())
 
 
 def test_gather_kernel_copies_the_rows_of_the_groups():
