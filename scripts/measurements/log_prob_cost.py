@@ -101,14 +101,16 @@ def in_process(args) -> list[dict]:
                                                                 "--ignore-eos", "--quiet"])
             cli.resolve_device_args(cell)
             cells[(wl, opt)] = cli.sampling_factory(cell)
-    results: dict[tuple[str, str], list[tuple[float, float]]] = {k: [] for k in cells}
+    results: dict[tuple[str, str], list[tuple[float, float, int]]] = {k: [] for k in cells}
     stats = llm.engine.stats
 
-    def timed(make) -> tuple[float, float]:
+    def timed(make) -> tuple[float, float, int]:
+        """(tok/s, decode ms, answers that came with log-probs: the cell asked what it says)."""
         wall0, steps0 = stats.decode_wall_time, stats.decode_steps
         run = run_workload(llm.engine, copy.deepcopy(requests), make)
         decode = 1e3 * (stats.decode_wall_time - wall0) / max(1, stats.decode_steps - steps0)
-        return run.output_tokens / run.wall_time, decode
+        with_log_probs = sum(o is not None and o.generated_log_probs is not None for o in run.outputs)
+        return run.output_tokens / run.wall_time, decode, with_log_probs
 
     for wl in ("greedy", "sampled"):  # untimed: every variant's kernels built, graphs replayed once
         for opt in args.options:
@@ -123,10 +125,10 @@ def in_process(args) -> list[dict]:
     print("|---|---|---:|---:|---:|---:|")
     for wl in ("greedy", "sampled"):
         first = results[(wl, args.options[0])]
-        base_tok, base_ms = statistics.median(t for t, _ in first), statistics.median(d for _, d in first)
+        base_tok, base_ms = statistics.median(r[0] for r in first), statistics.median(r[1] for r in first)
         for opt in args.options:
-            tok = statistics.median(t for t, _ in results[(wl, opt)])
-            ms = statistics.median(d for _, d in results[(wl, opt)])
+            tok = statistics.median(r[0] for r in results[(wl, opt)])
+            ms = statistics.median(r[1] for r in results[(wl, opt)])
             rows.append({"workload": wl, "option": opt, "tok_s": tok, "decode_ms": ms,
                          "runs": results[(wl, opt)]})
             print(f"| {wl} | {opt} | {tok:,.0f} | {ms:.3f} | {100 * (tok / base_tok - 1):+.1f} % "
