@@ -342,11 +342,7 @@ class EngineLoop:
         if not self._outbox:
             return
         batch, self._outbox = self._outbox, []
-        first = batch[0][0].sink
-        if all(entry[0].sink == first for entry in batch):  # the usual case: one event loop or front-end
-            first.deliver(batch)
-            return
-        by_sink: dict[Any, list] = {}
+        by_sink: dict[Any, list] = {}  # one call per event loop or front-end, entries in order
         for entry in batch:
             by_sink.setdefault(entry[0].sink, []).append(entry)
         for sink, mine in by_sink.items():
