@@ -7,10 +7,13 @@ query heads of one KV head: its BLOCK_M = BLOCK_Q * BLOCK_G matrix rows are
 ``tl.dot`` gets >= 16 rows even for a decode row. Key j is visible to a query at
 position p when j <= p and j < kv_len (the row's KV starts at position 0).
 
-Tiles are numbered so that row r's tiles start at ``cu_query_lens[r] // BLOCK_Q + r``;
-this bounds the tile count by ``num_tokens // BLOCK_Q + num_rows`` without reading any
-lengths on the host, and a program finds its row by binary search over cu_query_lens.
-The grid depends only on num_tokens and num_rows (graph-safe, like the decode kernel).
+Row r's tiles take slots ``cu_query_lens[r] // BLOCK_Q + r`` on; this bounds the tile count
+by ``num_tokens // BLOCK_Q + num_rows`` without reading any lengths on the host, so the grid
+depends only on num_tokens and num_rows (graph-safe, like the decode kernel). Once per step
+(``tile_schedule``, shared by every layer) the slots are listed most keys first, each as
+(row, first query), and empty slots last: program i runs the i-th, so the longest tiles
+start first and the short ones fill the tail. The order changes no bits: each tile's
+arithmetic is its own.
 """
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ def _attend_keys(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_rows"])  # one binary for any row count (batch-invariant mode)
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -62,8 +65,8 @@ def _prefill_kernel(
     kv_lens_ptr,
     positions_ptr,
     cu_q_ptr,
+    schedule_ptr,
     out_ptr,
-    num_rows,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -92,21 +95,13 @@ def _prefill_kernel(
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
 
-    # Row of this tile: the last r with cu_query_lens[r] // BLOCK_Q + r <= tile.
-    lo = tile * 0  # int32 loop-carried values (num_rows may arrive as a constexpr 1)
-    hi = lo + num_rows
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if tl.load(cu_q_ptr + mid) // BLOCK_Q + mid <= tile:
-            lo = mid
-        else:
-            hi = mid
-    row = lo
+    entry = tl.load(schedule_ptr + tile)
+    if entry < 0:  # an empty slot (the schedule lists them last)
+        return
+    row = (entry >> 32).to(tl.int32)
+    q_first = (entry & 0x7FFFFFFF).to(tl.int32)  # first query of the tile, within the row
     q_begin = tl.load(cu_q_ptr + row)
     q_len = tl.load(cu_q_ptr + row + 1) - q_begin
-    q_first = (tile - (q_begin // BLOCK_Q + row)) * BLOCK_Q  # first query of the tile, within the row
-    if q_first >= q_len:
-        return
 
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G
     offs_m = tl.arange(0, BLOCK_M)
@@ -148,14 +143,67 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
 
 
+@triton.jit
+def _schedule_kernel(cu_q_ptr, kv_lens_ptr, work_ptr, entry_ptr, num_rows, num_slots, search_steps,
+                     BLOCK_Q: tl.constexpr, BLOCK: tl.constexpr):
+    """Per tile slot: its (row, first query) packed as ``row << 32 | q_first`` and its keys (the
+    last query's position + 1), or -1 / -1 for an empty slot."""
+    slot = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = slot < num_slots
+    # the slot's row: the last r with cu_query_lens[r] // BLOCK_Q + r <= slot (binary search)
+    lo = tl.zeros([BLOCK], tl.int32)
+    hi = lo + num_rows
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        go = hi - lo > 1
+        right = (tl.load(cu_q_ptr + mid, mask=go, other=0) // BLOCK_Q + mid) <= slot
+        lo = tl.where(go & right, mid, lo)
+        hi = tl.where(go & ~right, mid, hi)
+    q_begin = tl.load(cu_q_ptr + lo, mask=in_range, other=0)
+    q_len = tl.load(cu_q_ptr + lo + 1, mask=in_range, other=0) - q_begin
+    q_first = (slot - (q_begin // BLOCK_Q + lo)) * BLOCK_Q
+    live = in_range & (q_first < q_len)
+    kv_len = tl.load(kv_lens_ptr + lo, mask=in_range, other=0)
+    keys = kv_len - q_len + tl.minimum(q_first + BLOCK_Q, q_len)  # a row's queries end at position kv_len - 1
+    tl.store(work_ptr + slot, tl.where(live, keys, -1), mask=in_range)
+    tl.store(entry_ptr + slot, tl.where(live, (lo.to(tl.int64) << 32) | q_first.to(tl.int64), -1), mask=in_range)
+
+
+def tile_schedule(meta: AttentionMetadata, block_q: int, num_slots: int) -> torch.Tensor:
+    """int64 [num_slots]: the step's tiles as ``row << 32 | first query``, most keys first, -1
+    for empty slots (last). Computed by the first layer that asks and kept on ``meta`` (one
+    step's metadata) for the others; a few launches, inside the step's graph when captured."""
+    key = ("prefill_schedule", block_q, num_slots)
+    if key not in meta.scratch:
+        dev = meta.cu_query_lens.device
+        work = torch.empty(num_slots, dtype=torch.int32, device=dev)
+        entry = torch.empty(num_slots, dtype=torch.int64, device=dev)
+        block = 1024
+        _schedule_kernel[(triton.cdiv(num_slots, block),)](
+            meta.cu_query_lens, meta.kv_lens, work, entry, meta.num_rows, num_slots, meta.num_rows.bit_length(),
+            BLOCK_Q=block_q, BLOCK=block)
+        meta.scratch[key] = entry[torch.argsort(work, descending=True)]
+    return meta.scratch[key]
+
+
 def prefill_tiles(group: int, device: torch.device, fixed_order: bool = False) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_N): ~64 matrix rows per program on GPU; small tiles on CPU so tiny
     test shapes still cross tile boundaries. ``fixed_order`` (batch-invariant mode, where
     decode rows run here too): 16 matrix rows, the decode kernel's size, so a decode row
-    (one token: GROUP real rows) does not pay for 64."""
+    (one token: GROUP real rows) does not pay for 64. Keys: 32 per tile on GPU (64 with
+    ``fixed_order``), see ``max_registers``."""
     block_g = max(1, triton.next_power_of_2(group))
     rows = 16 if device.type == "cpu" or fixed_order else 64
-    return max(1, rows // block_g), 16 if device.type == "cpu" else 64
+    return max(1, rows // block_g), 16 if device.type == "cpu" else (64 if fixed_order else 32)
+
+
+def max_registers(head_dim: int, device: torch.device, fixed_order: bool = False) -> int | None:
+    """Registers per thread the compiler may use (None: its choice). Capped at 128 for 64-row
+    tiles of 32 keys and head_dim <= 128, four programs fit an H100 SM instead of two (its
+    choice: 232 registers): 1.2x on a 30B-A3B / 8B / 0.6B-shaped mixed step of 8,192 tokens
+    (``gpu_check.py paged-attention --sweep-prefill``). Larger heads keep the compiler's choice
+    (the accumulator alone would take the cap)."""
+    return 128 if device.type == "cuda" and not fixed_order and head_dim <= 128 else None
 
 
 def prefill_attention(
@@ -169,12 +217,13 @@ def prefill_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     heads_fastest: bool = True,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] (rows as in ``meta``) over each row's
     paged KV (already appended). Returns [T, H, D] in q's dtype.
 
-    ``block_q`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the query-token and key
-    tile sizes and launch settings (tests, ``gpu_check.py paged-attention --sweep-prefill``).
+    ``block_q`` / ``block_n`` / ``num_warps`` / ``num_stages`` / ``maxnreg`` override the
+    query-token and key tile sizes and launch settings (tests, ``gpu_check.py paged-attention --sweep-prefill``).
     ``fixed_order``: every key tile takes the same masked update (batch-invariant mode).
     ``heads_fastest``: the grid's first axis is the KV head, so the programs of one query tile
     start together (7 % faster than tiles first on a mixed step: the heads' K/V of a token
@@ -192,13 +241,15 @@ def prefill_attention(
     block_n = block_n or default_n
     if block_q * block_g < 16:
         block_q = triton.cdiv(16, block_g)  # tl.dot needs >= 16 rows on GPU
+    if maxnreg is None:  # 0: the compiler's choice
+        maxnreg = max_registers(head_dim, q.device, fixed_order)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     tiles = num_tokens // block_q + meta.num_rows
+    schedule = tile_schedule(meta, block_q, tiles)
     heads_fastest = heads_fastest and tiles < 65536  # the grid's 2nd axis holds at most 65,535
     grid = (num_kv_heads, tiles) if heads_fastest else (tiles, num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens, out,
-        meta.num_rows,
+        q, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens, schedule, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
         scale * _LOG2E,
@@ -206,5 +257,6 @@ def prefill_attention(
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
         **dot_args(_prefill_kernel, kv_cache.dtype), FIXED_ORDER=fixed_order,
         HEADS_FASTEST=heads_fastest, num_warps=num_warps, num_stages=num_stages,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out

@@ -167,6 +167,45 @@ def test_prefill_grid_order_changes_launch_order_only():
     torch.testing.assert_close(heads_first, ref_out, **FP32_TOL)
 
 
+def test_prefill_schedule_lists_every_tile_once_most_keys_first():
+    """The step's tile schedule: each (row, first query) of every row's query tiles exactly once,
+    by descending keys (the tile's last query position + 1), empty slots (-1) last."""
+    from megatron_async.kernels.triton_prefill_attention import tile_schedule
+
+    rows = DECODE_ROWS + MIXED_ROWS + [(0, 0), (30, 17)]  # a row with no query tokens too
+    case = _case(rows, group=2, head_dim=16, block_size=4, seed=3)
+    meta, block_q = case.meta, 4
+    slots = meta.num_tokens // block_q + meta.num_rows
+    entries = tile_schedule(meta, block_q, slots).tolist()
+    assert tile_schedule(meta, block_q, slots) is tile_schedule(meta, block_q, slots)  # once per step
+    live = [e for e in entries if e >= 0]
+    assert entries[len(live):] == [-1] * (slots - len(live))
+    want = {(r, q0): cached + min(q0 + block_q, new)
+            for r, (cached, new) in enumerate(rows) for q0 in range(0, new, block_q)}
+    got = [(e >> 32, e & 0x7FFFFFFF) for e in live]
+    assert sorted(got) == sorted(want)
+    keys = [want[t] for t in got]
+    assert keys == sorted(keys, reverse=True)
+
+
+def test_prefill_schedule_order_changes_no_bits():
+    """Programs take tiles in the schedule's order: any order of the same tiles gives the same bits."""
+    from megatron_async.kernels.triton_prefill_attention import tile_schedule
+
+    case = _case(MIXED_ROWS, group=2, head_dim=16, block_size=4, seed=9)
+    ref_out, _ = case.reference()
+    append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
+    block_q = 8  # 16 matrix rows with the group of 2: the launch keeps it
+    slots = case.meta.num_tokens // block_q + case.meta.num_rows
+    out = prefill_attention(case.q, case.kv_cache, case.meta, case.scale, block_q=block_q)
+    (key,) = case.meta.scratch
+    assert key == ("prefill_schedule", block_q, slots)
+    case.meta.scratch[key] = tile_schedule(case.meta, block_q, slots).flip(0)  # empty slots first, shortest tiles next
+    flipped = prefill_attention(case.q, case.kv_cache, case.meta, case.scale, block_q=block_q)
+    assert torch.equal(out, flipped)
+    torch.testing.assert_close(out, ref_out, **FP32_TOL)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows", [DECODE_ROWS, MIXED_ROWS], ids=["decode", "mixed"])
 def test_low_precision(dtype, rows):
