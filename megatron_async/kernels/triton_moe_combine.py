@@ -93,6 +93,7 @@ def combine_add_rms_norm(y: torch.Tensor, row_of_pair: torch.Tensor, topk_ids: t
     _combine_norm_kernel[(M,)](
         y, row_of_pair.contiguous(), topk_ids.contiguous(), topk_weights.contiguous().float(), residual, weight, out,
         res_out, y.stride(0), residual.stride(0), eps, H=H, E=num_experts, TOP_K=top_k, BLOCK=block,
+        # the norm kernel's warps for the same row width: its row sum then adds in the same order
         CAST_BEFORE_WEIGHT=cast_before_weight, num_warps=triton_rmsnorm.num_warps(block))
     return out, res_out
 
