@@ -150,8 +150,8 @@ class MoEMixer(nn.Module):
     """HF ``mlp`` (Qwen3-MoE) / ``block_sparse_moe`` (Mixtral) / ``mixer`` (NemotronH)."""
 
     defer_reduction = False
-    """Set by ``Block``, whose next norm takes a ``DeferredSum``: the output may be one where
-    nothing else touches it after the routed experts (``defers_combine``)."""
+    """Set by ``Block`` (its output goes to a norm, which takes a ``DeferredSum``): the output
+    may then be one, where ``defers_combine`` says."""
 
     def __init__(self, hidden: int, cfg: MoEConfig, parallel: ParallelState, dtype: torch.dtype,
                  device: torch.device | str, moe_layer: int | None = None):
