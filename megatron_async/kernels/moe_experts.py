@@ -4,25 +4,29 @@
 the fused Triton MoE (tokens sorted by expert into expert-aligned blocks, grouped GEMMs with the
 SiLU-mul and routing weights fused, graph-safe shapes), or for prefill-size batches on Hopper
 torch's CUTLASS grouped GEMM (``moe_grouped_mm.use_grouped_mm`` decides from shapes and the
-device; ``MEGATRON_ASYNC_MOE_GROUPED_MM=0`` turns it off); else the torch reference loop."""
+device; ``MEGATRON_ASYNC_MOE_GROUPED_MM=0`` turns it off); else the torch reference loop.
+The grouped GEMM may leave its last sum to the next block's norm (``defer_combine``)."""
 from __future__ import annotations
 
 import torch
 
+from megatron_async.kernels.deferred_sum import DeferredSum
 from megatron_async.kernels.moe_grouped_mm import fused_experts_grouped_mm, use_grouped_mm
 from megatron_async.kernels.moe_torch import fused_experts_torch
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor, gated: bool, triton: bool = False) -> torch.Tensor:
+                  topk_weights: torch.Tensor, gated: bool, triton: bool = False,
+                  defer_combine: bool = False) -> torch.Tensor | DeferredSum:
     """sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x) for every token.
 
     x [M, K]; w13 [E, N, K] the experts' input projections (gated: N = 2 I rows [gate | up],
     else N = I); w2 [E, H, I]; topk_ids [M, k] int32, where an id outside [0, E) means "no
     expert here" (EP: another rank's expert, or a padding row); topk_weights [M, k] float32.
-    Returns [M, H] in x's dtype, accumulated in float32."""
+    Returns [M, H] in x's dtype, accumulated in float32; with ``defer_combine``, where the
+    grouped GEMM takes the batch, a ``DeferredSum`` of it for the next block's norm."""
     if triton and use_grouped_mm(x, w13, w2, topk_ids):
-        return fused_experts_grouped_mm(x, w13, w2, topk_ids, topk_weights, gated)
+        return fused_experts_grouped_mm(x, w13, w2, topk_ids, topk_weights, gated, defer_combine)
     if triton:
         from megatron_async.kernels import triton_fused_moe
 

@@ -13,7 +13,9 @@ rate (``scripts/gpu_check.py fused-moe --grouped-mm`` times both).
    grouped GEMM with the down weights (bf16 out, as ``F.linear``). Rows past ``offs[-1]`` are
    gathered but never computed, and never read.
 3. ``combine_slots``: each token's routed slots read back from their rows, times the routing
-   weights, added in slot order in float32, rounded once (one Triton kernel on CUDA).
+   weights, added in slot order in float32, rounded once (one Triton kernel on CUDA). Or, when
+   the output goes straight into the next block's norm, left to it (``PendingCombine``): one
+   kernel sums the slots, adds the residual and normalises, and the [T, H] sum is never stored.
 
 Graph-safe: every shape comes from tensor shapes; the grouped GEMM reads ``offs`` on the
 device (its sm90 / sm100 path; others fall back to a per-group loop that syncs, so
@@ -22,10 +24,12 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
 from megatron_async.kernels import fused_ops
+from megatron_async.kernels.deferred_sum import DeferredSum
 from megatron_async.kernels.moe_torch import expert_activation
 
 ROW_ALIGN = 8
@@ -104,10 +108,46 @@ def combine_slots_torch(y: torch.Tensor, row_of_pair: torch.Tensor, topk_ids: to
     return out.to(out_dtype)
 
 
+@dataclass(frozen=True)
+class PendingCombine(DeferredSum):
+    """``combine_slots``' arguments, its sum left to the next block's norm: on CUDA one kernel
+    (``triton_moe_combine.combine_add_rms_norm``) sums the slots, adds the residual and
+    normalises, bit for bit as ``combine_slots`` then ``fused_ops.add_rms_norm``."""
+
+    y: torch.Tensor
+    row_of_pair: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    num_experts: int
+    out_dtype: torch.dtype
+
+    def reduce(self) -> torch.Tensor:
+        return combine_slots(self.y, self.row_of_pair, self.topk_ids, self.topk_weights, self.num_experts,
+                             self.out_dtype)
+
+    def add_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     cast_before_weight: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not combine_fuses_norm(self, residual, weight):
+            return None
+        from megatron_async.kernels import triton_moe_combine
+
+        return triton_moe_combine.combine_add_rms_norm(self.y, self.row_of_pair, self.topk_ids, self.topk_weights,
+                                                       self.num_experts, residual, weight, eps, cast_before_weight)
+
+
+def combine_fuses_norm(pending: PendingCombine, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the one-kernel slot sum + add + norm takes these tensors: CUDA, and the sum, the
+    residual stream and the norm weight in one dtype (a float32 residual stream reduces first)."""
+    return (fused_ops.use_fused(pending.y) and pending.out_dtype == residual.dtype == weight.dtype
+            and residual.shape == (pending.topk_ids.shape[0], pending.y.shape[1]))
+
+
 def fused_experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                             topk_weights: torch.Tensor, gated: bool) -> torch.Tensor:
+                             topk_weights: torch.Tensor, gated: bool,
+                             defer_combine: bool = False) -> torch.Tensor | PendingCombine:
     """See ``kernels.moe_experts.fused_experts``. Takes the dtypes ``torch._grouped_mm`` takes on
-    the device (bf16 on CUDA, with K and I multiples of 8)."""
+    the device (bf16 on CUDA, with K and I multiples of 8). ``defer_combine``: return the last
+    step as a ``PendingCombine`` for the next block's norm."""
     M, K = x.shape
     E, N, _ = w13.shape
     H, I = w2.shape[1], w2.shape[2]
@@ -120,6 +160,8 @@ def fused_experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     act = _activation(torch._grouped_mm(_gather(x, token_of_row, offs), w13.transpose(1, 2), offs=offs), gated)
     y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
     del act  # each [rows, *] buffer lives only while the next step reads it: the step's peak memory
+    if defer_combine:
+        return PendingCombine(y, row_of_pair, topk_ids, topk_weights, E, x.dtype)
     return combine_slots(y, row_of_pair, topk_ids, topk_weights, E, x.dtype)
 
 

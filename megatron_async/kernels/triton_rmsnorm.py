@@ -15,6 +15,24 @@ MAX_HIDDEN = 16384  # one row lives in registers; wider rows would spill
 
 
 @triton.jit
+def add_norm_row(x, r, w_ptr, out_ptr, res_out_ptr, row, offs, mask, eps, N: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr):
+    """One row: with ``HAS_RESIDUAL`` x + r rounded to res_out's dtype (stored there), then its
+    RMSNorm stored in ``out`` (contiguous rows of N). x is the row in the activation dtype; the
+    kernels that make x differently (``triton_moe_combine``) share these roundings through it."""
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * N + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    y = xf * rstd
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if CAST_BEFORE_WEIGHT:
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,
@@ -40,17 +58,10 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
     x = tl.load(x_ptr + i0 * stride_x0 + i1 * stride_x1 + offs, mask=mask, other=0.0)
+    r = x
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + i0 * stride_r0 + i1 * stride_r1 + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * N + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    y = xf * rstd
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if CAST_BEFORE_WEIGHT:
-        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    add_norm_row(x, r, w_ptr, out_ptr, res_out_ptr, row, offs, mask, eps, N, HAS_RESIDUAL, CAST_BEFORE_WEIGHT)
 
 
 def num_warps(block: int) -> int:

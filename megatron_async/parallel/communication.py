@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_async.kernels.deferred_sum import DeferredSum
 from megatron_async.parallel.state import ParallelState
 
 # torch >= 2.12 renames the one-tensor all-gather (the old name warns there; older torch lacks the new one)
@@ -53,11 +54,11 @@ def tp_all_reduce(x: torch.Tensor, parallel: ParallelState, batch_invariant: boo
 
 
 @dataclass(frozen=True)
-class PendingSum:
+class PendingSum(DeferredSum):
     """A row-parallel layer's partial product whose sum over the TP group is left to the next
     block's norm (``RMSNorm.add_and_norm``), which sums, adds the residual and normalises in
     one kernel (``tp_reducer.add_rms_norm``) or, when that kernel does not take its tensors,
-    calls ``reduce`` first. Deliberately not a tensor: any other consumer fails loudly."""
+    calls ``reduce`` first."""
 
     partial: torch.Tensor
     parallel: ParallelState
@@ -67,7 +68,6 @@ class PendingSum:
 
     def add_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                      cast_before_weight: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(norm(sum + residual), sum + residual), or None: not fused for these tensors."""
         return self.parallel.tp_reducer.add_rms_norm(self.partial, residual, weight, eps, cast_before_weight)
 
 

@@ -13,7 +13,15 @@ fused / reference: eager time of the routed experts alone; err: max |fused - ref
 ``--grouped-mm``: the routed experts alone through the fused Triton MoE and through torch's
 grouped GEMM (``moe_grouped_mm``), eager and replayed in a graph, at prefill token counts: ms per
 call, TFLOP/s of the routed FLOPs (2 * tokens * k * (N * K + H * I)), max error against the torch
-reference; the grouped path by kernel at the largest count first, the table last. Exits 1 when an error is over 3e-2."""
+reference; the grouped path by kernel at the largest count first, the table last. Exits 1 when an error is over 3e-2.
+
+``--combine-norm``: the grouped GEMM's last step and the next block's residual add + RMSNorm,
+as ``combine_slots`` then ``add_rms_norm`` (two kernels) against the one kernel of a deferred
+combine (``moe_grouped_mm.PendingCombine``): equal bits (both norm orders), then us per call
+in a CUDA graph of 48 calls (one per layer) at each --tokens (default 2048 8192), the table
+last. Exits 1 when a bit differs.
+
+    python scripts/gpu_check.py fused-moe --combine-norm [--tokens 2048 8192]"""
 from __future__ import annotations
 
 import argparse
@@ -24,14 +32,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_async.kernels import moe_grouped_mm, triton_fused_moe  # noqa: E402
+from megatron_async.kernels import fused_ops, moe_grouped_mm, triton_fused_moe  # noqa: E402
 from megatron_async.kernels.backends import KernelBackends  # noqa: E402
 from megatron_async.kernels.moe_torch import fused_experts_torch  # noqa: E402
 from megatron_async.models.layers.block import StepInputs  # noqa: E402
 from megatron_async.models.layers.moe import MoEMixer  # noqa: E402
 from megatron_async.models.moe_config import MoEConfig, RouterScore  # noqa: E402
 from megatron_async.parallel.state import ParallelState  # noqa: E402
-from megatron_async.tools.cuda_timing import graph_replay, median_ms  # noqa: E402
+from megatron_async.tools.cuda_timing import graph_call_us, graph_replay, median_ms  # noqa: E402
 
 HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
 DTYPE = torch.bfloat16
@@ -130,26 +138,65 @@ def grouped_mm(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
     return ok
 
 
+def combine_norm(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
+    """Two kernels (combine, add + norm) against the deferred combine's one: True when the bits agree."""
+    w13, w2 = layer.experts.gate_up_proj.weight, layer.experts.down_proj.weight
+    rows, ok = [], True
+    for T in tokens:
+        x = torch.randn(T, HIDDEN, device=w13.device, dtype=DTYPE)
+        residual = torch.randn(T, HIDDEN, device=w13.device, dtype=DTYPE)
+        weight = (1 + 0.1 * torch.randn(HIDDEN, device=w13.device)).to(DTYPE)
+        ids, weights = layer.gate.route(x)
+        pending = moe_grouped_mm.fused_experts_grouped_mm(x, w13, w2, ids, weights, True, defer_combine=True)
+        assert isinstance(pending, moe_grouped_mm.PendingCombine)
+        same = True
+        for cast_before_weight in (True, False):
+            two = fused_ops.add_rms_norm(pending.reduce(), residual, weight, 1e-6, cast_before_weight)
+            one = pending.add_rms_norm(residual, weight, 1e-6, cast_before_weight)
+            same &= all(torch.equal(a, b) for a, b in zip(one, two))
+        ok &= same
+        fns = {"combine + add_rms_norm": lambda: fused_ops.add_rms_norm(pending.reduce(), residual, weight, 1e-6),
+               "combine_add_rms_norm": lambda: pending.add_rms_norm(residual, weight, 1e-6, True)}
+        for name, fn in fns.items():
+            rows.append((T, name, graph_call_us([fn], 48, replays=max(3, iters // 6)), same))
+    print(f"\n{torch.cuda.get_device_name()}: one Qwen3-30B-A3B MoE layer's slot sum and the next norm "
+          f"(H {HIDDEN}, k {TOP_K}, bf16), us per call in a graph of 48 calls")
+    print("| tokens | kernels | us per layer | same bits |")
+    print("|---:|---|---:|---|")
+    for T, name, us, same in rows:
+        print(f"| {T} | {name} | {us:.1f} | {same} |")
+    us = {(T, name): v for T, name, v, _ in rows}
+    print("per step of 48 layers, the fused kernel saves (ms): " + ", ".join(
+        f"{T} tokens {48e-3 * (us[T, 'combine + add_rms_norm'] - us[T, 'combine_add_rms_norm']):.2f}"
+        for T in tokens))
+    return ok
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=None,
-                        help="default 1 8 32 128 512 2048; 512 1024 2048 8192 with --grouped-mm")
+                        help="default 1 8 32 128 512 2048; 512 1024 2048 8192 with --grouped-mm; "
+                             "2048 8192 with --combine-norm")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--sweep", action="store_true",
                         help="per-kernel table and the grouped GEMMs' tile settings at each --tokens")
     parser.add_argument("--by-kernel", action="store_true", help="only the per-kernel table at each --tokens")
     parser.add_argument("--grouped-mm", action="store_true",
                         help="the fused Triton MoE against torch's grouped GEMM at each --tokens")
+    parser.add_argument("--combine-norm", action="store_true",
+                        help="the slot sum + next norm, two kernels against the deferred combine's one")
     args = parser.parse_args()
-    args.tokens = args.tokens or ([512, 1024, 2048, 8192] if args.grouped_mm else [1, 8, 32, 128, 512, 2048])
+    args.tokens = args.tokens or ([512, 1024, 2048, 8192] if args.grouped_mm else [2048, 8192] if args.combine_norm
+                                  else [1, 8, 32, 128, 512, 2048])
     torch.manual_seed(0)
     layer = MoEMixer(HIDDEN, CFG, ParallelState(), DTYPE, "cuda").eval()
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, 0.02)
-    if args.grouped_mm:
+    if args.grouped_mm or args.combine_norm:
         with torch.no_grad():
-            sys.exit(0 if grouped_mm(layer, args.tokens, args.iters) else 1)
+            ok = (grouped_mm if args.grouped_mm else combine_norm)(layer, args.tokens, args.iters)
+        sys.exit(0 if ok else 1)
     w13, w2 = layer.experts.gate_up_proj.weight, layer.experts.down_proj.weight
     bw = copy_bandwidth_gbs()
     expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()

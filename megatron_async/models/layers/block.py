@@ -5,7 +5,10 @@ Each residual add is fused with the next block's norm (``RMSNorm.add_and_norm``:
 on CUDA), so a block takes the previous mixer's output and the residual stream before it,
 and the sums round exactly as ``h = h + mixer(norm(h))`` does. Under tensor parallelism the
 mixer's output projection (row-parallel) may leave its all-reduce to that norm too
-(``PendingSum``): one kernel sums the ranks' partials, adds the residual and normalises."""
+(``PendingSum``): one kernel sums the ranks' partials, adds the residual and normalises. A
+MoE mixer may leave its experts' slot sum the same way (``PendingCombine``). Both are
+``DeferredSum``s: every consumer of a block's output is a norm (the next block's, the final
+norm, an MTP head's), and anything else must call ``reduce()``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,7 +26,8 @@ OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "out_proj")
 """Names of the mixers' last layer (attention, MLP, Mamba2) when it is row-parallel and the
 mixer returns its output unchanged: such an output may stay a ``PendingSum`` until the next
 norm. A mixer that post-processes that output must not use these names (a PendingSum is not
-a tensor: misuse fails loudly). MoE mixers sum their experts themselves: not deferred."""
+a tensor: misuse fails loudly). A mixer with a ``defer_reduction`` flag of its own (MoE)
+decides itself when its output may stay deferred."""
 
 
 @dataclass
@@ -54,11 +58,13 @@ class Block(nn.Module):
             proj = getattr(mixer, name, None)
             if type(proj) is RowParallelLinear:
                 proj.defer_reduction = True
+        if hasattr(mixer, "defer_reduction"):
+            mixer.defer_reduction = True
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous mixer's output (maybe a ``PendingSum``), or the embeddings when
+        """x: the previous mixer's output (maybe a ``DeferredSum``), or the embeddings when
         ``residual`` is None. Returns (this mixer's output, the residual stream before it)."""
         inv, fused = step.batch.batch_invariant, step.kernels.fused
         if residual is None:

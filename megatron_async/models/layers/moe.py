@@ -9,7 +9,12 @@ all of them (ids of other ranks' experts mean "skip") and reduce-scatters the pa
 back, so each rank receives the full MoE output of its own tokens. Padding rows are routed to
 no expert. With TP inside, the expert outputs are then summed over the TP group. The optional
 all-to-all exchange (``ParallelState.ep_exchange``) sends each token only to the ranks of its
-experts, at the cost of a host sync per layer."""
+experts, at the cost of a host sync per layer.
+
+Where nothing stands between the routed experts and the next block's norm (TP and EP size 1,
+no latent projections, no shared expert), a block's MoE mixer returns the grouped-GEMM
+experts' last sum undone (``moe_grouped_mm.PendingCombine``): the norm sums the slots, adds
+the residual and normalises in one kernel."""
 from __future__ import annotations
 
 import torch
@@ -18,6 +23,7 @@ from torch import nn
 
 from megatron_async.kernels import fused_ops
 from megatron_async.kernels.backends import KernelBackends
+from megatron_async.kernels.deferred_sum import DeferredSum
 from megatron_async.kernels.moe_experts import fused_experts
 from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.layers.mlp import ReluSquaredMLP
@@ -80,17 +86,19 @@ class RoutedExperts(nn.Module):
         return self.gate_up_proj if self.gated else self.up_proj
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 kernels: KernelBackends) -> torch.Tensor:
+                 kernels: KernelBackends, defer_combine: bool = False) -> torch.Tensor | DeferredSum:
         return fused_experts(x, self.input_proj.weight, self.down_proj.weight, ids, weights, self.gated,
-                             kernels.triton_moe)
+                             kernels.triton_moe, defer_combine)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ep_num_tokens: int | None,
-                kernels: KernelBackends = KernelBackends()) -> torch.Tensor:
+                kernels: KernelBackends = KernelBackends(), defer_combine: bool = False) -> torch.Tensor | DeferredSum:
         """x [n, in]; ids [n, k] global expert ids (int32); weights [n, k] float32 -> [n, in].
-        ``kernels``: the model's (``KernelBackends.triton_moe`` picks the experts' kernel)."""
+        ``kernels``: the model's (``KernelBackends.triton_moe`` picks the experts' kernel).
+        ``defer_combine`` (TP and EP size 1 only): the grouped-GEMM experts may return a
+        ``DeferredSum`` for the next block's norm."""
         p = self.parallel
         if p.ep_size == 1:
-            out = self._compute(x, ids, weights, kernels)
+            out = self._compute(x, ids, weights, kernels, defer_combine)
         elif p.ep_exchange == ExpertExchange.ALL_TO_ALL:
             out = self._all_to_all(x, ids, weights, kernels)
         else:
@@ -141,6 +149,10 @@ class RoutedExperts(nn.Module):
 class MoEMixer(nn.Module):
     """HF ``mlp`` (Qwen3-MoE) / ``block_sparse_moe`` (Mixtral) / ``mixer`` (NemotronH)."""
 
+    defer_reduction = False
+    """Set by ``Block`` (its output goes to a norm, which takes a ``DeferredSum``): the output
+    may then be one, where ``defers_combine`` says."""
+
     def __init__(self, hidden: int, cfg: MoEConfig, parallel: ParallelState, dtype: torch.dtype,
                  device: torch.device | str, moe_layer: int | None = None):
         """``moe_layer``: this layer's index among the model's MoE layers, where it records its
@@ -159,16 +171,25 @@ class MoEMixer(nn.Module):
             self.shared_experts = ReluSquaredMLP(hidden, cfg.shared_expert_intermediate_size, cfg.mlp_bias,
                                                  parallel, dtype, device)
 
-    def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor | DeferredSum:
         kernels = KernelBackends() if step is None else step.kernels
         record = None
         if step is not None and step.routed_experts is not None and self.moe_layer is not None:
             record = step.routed_experts[:x.shape[0], self.moe_layer]  # global ids, before any EP exchange
         ids, weights = self.gate.route(x, kernels.fused, record)
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
-        out = self.experts(h, ids, weights, None if step is None else step.ep_num_tokens, kernels)
+        out = self.experts(h, ids, weights, None if step is None else step.ep_num_tokens, kernels,
+                           self.defers_combine(kernels))
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def defers_combine(self, kernels: KernelBackends) -> bool:
+        """Whether the routed experts may leave their slot sum to the next block's norm: a block's
+        mixer whose experts' output is its own (no latent projection, no shared expert, TP and
+        EP size 1) and whose norm runs the fused kernels (else it keeps the torch reference)."""
+        p = self.experts.parallel
+        return (self.defer_reduction and kernels.fused and p.tp_size == 1 and p.ep_size == 1
+                and self.fc2_latent_proj is None and self.shared_experts is None)

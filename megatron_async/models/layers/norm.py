@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from megatron_async.kernels import fused_ops
-from megatron_async.parallel.communication import PendingSum
+from megatron_async.kernels.deferred_sum import DeferredSum
 
 
 class RMSNorm(nn.Module):
@@ -32,17 +32,17 @@ class RMSNorm(nn.Module):
             return fused_ops.rms_norm(x, self.weight, self.eps, self.cast_before_weight)
         return self._torch(x)
 
-    def add_and_norm(self, x: torch.Tensor | PendingSum, residual: torch.Tensor, batch_invariant: bool = False,
+    def add_and_norm(self, x: torch.Tensor | DeferredSum, residual: torch.Tensor, batch_invariant: bool = False,
                      fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the pre-norm residual step, one kernel when fused.
         The sum is rounded to the residual stream's dtype (float32 for Mamba2's
         ``residual_in_fp32``), then cast to the weight's dtype and normalised. ``x`` may be a
-        row-parallel layer's ``PendingSum``: its TP all-reduce then joins the same kernel where
-        the reducer takes these tensors, else it is reduced first."""
-        if isinstance(x, PendingSum):
-            fused = x.add_rms_norm(residual, self.weight, self.eps, self.cast_before_weight)
-            if fused is not None:
-                return fused
+        mixer's ``DeferredSum`` (a row-parallel layer's TP all-reduce, the MoE slot sum): its
+        sum then joins the same kernel where one takes these tensors, else it is reduced first."""
+        if isinstance(x, DeferredSum):
+            done = x.add_rms_norm(residual, self.weight, self.eps, self.cast_before_weight)
+            if done is not None:
+                return done
             x = x.reduce()
         if (batch_invariant or fused_ops.use_fused(x, fused)) and x.dtype == residual.dtype == self.weight.dtype:
             return fused_ops.add_rms_norm(x, residual, self.weight, self.eps, self.cast_before_weight)

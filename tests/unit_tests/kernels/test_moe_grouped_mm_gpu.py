@@ -72,3 +72,34 @@ def test_grouped_mm_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(out, moe_grouped_mm.fused_experts_grouped_mm(x, w13, w2, ids, w, True))
     assert _rel_err(out, fused_experts_torch(x, w13, w2, ids, w, True)) < 2e-2
+
+
+@pytest.mark.parametrize("M, dropped", [(2048, 0.0), (700, 0.3)])
+def test_deferred_combine_norm_has_the_bits_of_combine_then_add_rms_norm(M, dropped):
+    """The one-kernel slot sum + residual add + RMSNorm (``PendingCombine``) against
+    ``combine_slots`` then ``add_rms_norm``, compiled, at the 30B layer width; and replayed in
+    a CUDA graph on new rows."""
+    from megatron_async.kernels import fused_ops
+
+    x, w13, w2, ids, w = _inputs(M, seed=M + 5, dropped=dropped)
+    pending = moe_grouped_mm.fused_experts_grouped_mm(x, w13, w2, ids, w, True, defer_combine=True)
+    assert isinstance(pending, moe_grouped_mm.PendingCombine)
+    g = torch.Generator(device="cuda").manual_seed(M)
+    residual = torch.randn(M, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(HIDDEN, device="cuda", generator=g)).to(torch.bfloat16)
+    for cast_before_weight in (True, False):
+        one = pending.add_rms_norm(residual, weight, 1e-6, cast_before_weight)
+        two = fused_ops.add_rms_norm(pending.reduce(), residual, weight, 1e-6, cast_before_weight)
+        assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out, res_out = pending.add_rms_norm(residual, weight, 1e-6, True)
+    torch.cuda.current_stream().wait_stream(stream)
+    pending.y.normal_()
+    residual.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    two = fused_ops.add_rms_norm(pending.reduce(), residual, weight, 1e-6, True)
+    assert torch.equal(out, two[0]) and torch.equal(res_out, two[1])
