@@ -61,13 +61,15 @@ def _place_kernel(ids_ptr, counts_ptr, row_of_pair_ptr, token_of_row_ptr, offs_p
                   SEG: tl.constexpr, LOG_SEG: tl.constexpr, TABLE_ROWS: tl.constexpr):
     s = tl.program_id(0)
     experts = tl.arange(0, BINS)
-    totals = tl.zeros((BINS,), dtype=tl.int32)
-    before = tl.zeros((BINS,), dtype=tl.int32)  # each expert's pairs in segments before s
-    for t in range(0, num_segs, TABLE_ROWS):
+    totals = tl.zeros((TABLE_ROWS, BINS), dtype=tl.int32)
+    before = tl.zeros((TABLE_ROWS, BINS), dtype=tl.int32)  # each expert's pairs in segments before s
+    for t in range(0, num_segs, TABLE_ROWS):  # summed across rows once, after the loop
         segs = t + tl.arange(0, TABLE_ROWS)
         table = tl.load(counts_ptr + segs[:, None] * BINS + experts[None, :], mask=segs[:, None] < num_segs, other=0)
-        totals += tl.sum(table, axis=0)
-        before += tl.sum(tl.where(segs[:, None] < s, table, 0), axis=0)
+        totals += table
+        before += tl.where(segs[:, None] < s, table, 0)
+    totals = tl.sum(totals, axis=0)
+    before = tl.sum(before, axis=0)
     mine = tl.load(counts_ptr + s * BINS + experts)
     # each expert's rows: its pairs rounded up to ALIGN, at least ALIGN (no empty group)
     rows = tl.where(experts < E, (tl.maximum(totals, 1) + ALIGN - 1) // ALIGN * ALIGN, 0)
