@@ -2,7 +2,8 @@
 on CUDA) against its torch reference ``moe_grouped_mm.plan_rows_torch``, bit for bit: the
 Qwen3-30B-A3B prefill shape (65,536 pairs, 128 experts) with ids of no expert mixed in, tiny
 batches, pair counts that are not a multiple of the segment, expert counts that are not a power
-of two, experts with no pair, several segments per expert (counts carried between programs)."""
+of two, experts with no pair, several segments per expert (counts carried between programs),
+segments cut in 1 to 8 slices."""
 from __future__ import annotations
 
 import pytest
@@ -34,27 +35,26 @@ def _ids(M, k, E, seed, skewed=False, empty=None):
     return ids.to(torch.int32)
 
 
-def _check(ids, E, seg=None):
+def _check(ids, E, seg=None, warps=8):
     ref = moe_grouped_mm.plan_rows_torch(ids, E)
-    out = triton_moe_plan.plan_rows(ids.to(DEVICE), E, moe_grouped_mm.ROW_ALIGN, seg)
+    out = triton_moe_plan.plan_rows(ids.to(DEVICE), E, moe_grouped_mm.ROW_ALIGN, seg, warps)
     for name, a, b in zip(("row_of_pair", "token_of_row", "offs"), ref, out):
         assert b.dtype == torch.int32 and torch.equal(a.long(), b.cpu().long()), name
 
 
 @pytest.mark.parametrize("M, k, E, empty", [(0, 2, 4, None), (1, 8, 128, None), (23, 3, 6, 5), (40, 2, 5, 0),
                                              (9, 1, 127, 126), (17, 4, 3, None)])
-@pytest.mark.parametrize("seg", [None, 16, 32])
-def test_small_plans_match_the_reference(M, k, E, empty, seg):
-    _check(_ids(M, k, E, seed=M + 31 * E, empty=empty), E, seg)
+@pytest.mark.parametrize("seg, warps", [(None, 8), (16, 4), (32, 1)])  # one segment, several; slices of 4 to 32 ids
+def test_small_plans_match_the_reference(M, k, E, empty, seg, warps):
+    _check(_ids(M, k, E, seed=M + 31 * E, empty=empty), E, seg, warps)
 
 
-@pytest.mark.parametrize("M, seg, skewed", [(8192, None, False), (8192, None, True), (1000, None, True),
-                                            (700, 256, False)])
-def test_prefill_plans_match_the_reference(M, seg, skewed):
-    """30B-A3B shapes: 65,536 pairs (64 programs of 1,024), 8,000 (not a multiple of the segment)."""
+@pytest.mark.parametrize("M, seg, warps, skewed", [(8192, None, 8, True), (1000, None, 4, True), (700, 256, 2, False)])
+def test_prefill_plans_match_the_reference(M, seg, warps, skewed):
+    """30B-A3B shapes: 65,536 pairs (64 programs of 1,024 in 8 slices), 8,000 (not a multiple of the segment)."""
     ids = _ids(M, 8, 128, seed=M, skewed=skewed)
     assert (ids < 0).any() and (ids >= 128).any()
-    _check(ids, 128, seg)
+    _check(ids, 128, seg, warps)
 
 
 def test_segment_size_aims_for_enough_programs_within_bounds():
