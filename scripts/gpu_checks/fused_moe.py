@@ -188,8 +188,8 @@ def plan(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
         ids = layer.gate.route(x)[0]
         dropped = torch.where(torch.rand(ids.shape, device="cuda") < 0.1, ids + EXPERTS, ids)  # EP: other ranks'
         n, default = ids.numel(), triton_moe_plan.segment_size(ids.numel())
-        sweep = [(s, w) for s in (128, 256, 512, 1024, 2048) for w in (4, 8) if (s, w) != (default, 4)]
-        for seg, warps in [(default, 4)] + sweep:
+        sweep = [(s, w) for s in (128, 256, 512, 1024, 2048) for w in (4, 8) if (s, w) != (default, 8)]
+        for seg, warps in [(default, 8)] + sweep:
             def fn(i=ids, seg=seg, warps=warps):
                 return triton_moe_plan.plan_rows(i, EXPERTS, moe_grouped_mm.ROW_ALIGN, seg, warps)
 
@@ -200,7 +200,7 @@ def plan(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
             count, place = (next((us for k, us in kernels.items() if name in k), 0.0) for name in ("_count", "_place"))
             rows.append((n, seg, warps, graph_call_us([fn], 48, replays=max(3, iters // 6)), count, place, same))
     print(f"\n{torch.cuda.get_device_name()}: the grouped GEMM's row plan (E {EXPERTS}, k {TOP_K}), "
-          f"us per plan in a graph of 48; the first row of each pair count is the default segment")
+          f"us per plan in a graph of 48; the first row of each pair count is the default")
     print("| pairs | seg | warps | us per plan | count kernel us | place kernel us | same bits |")
     print("|---:|---:|---:|---:|---:|---:|---|")
     for n, seg, warps, us, count, place, same in rows:
