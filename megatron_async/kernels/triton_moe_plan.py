@@ -138,7 +138,9 @@ def plan_rows(topk_ids: torch.Tensor, num_experts: int, align: int, seg: int | N
     token_of_row = torch.empty(P, dtype=torch.int32, device=ids.device)
     offs = torch.empty(E, dtype=torch.int32, device=ids.device)
     _count_kernel[(segs,)](ids, counts, slice_counts, n, E=E, BINS=bins, SEG=seg, SLICES=slices, num_warps=4)
-    table_rows = min(triton.next_power_of_2(segs), max(1, 4096 // bins))  # counts read per loop step
+    # counts read per loop step: 64 a thread (64 segments of 256 bins in one step with 8 warps,
+    # all loads in flight at once; the loop's steps run one after another)
+    table_rows = min(triton.next_power_of_2(segs), max(1, 64 * 32 * num_warps // bins))
     _place_kernel[(segs,)](ids, counts, slice_counts, row_of_pair, token_of_row, offs, n, P, segs, E=E, BINS=bins,
                            TOP_K=top_k, ALIGN=align, SEG=seg, SLICES=slices, LOG_WIDTH=(seg // slices).bit_length() - 1,
                            TABLE_ROWS=table_rows, num_warps=num_warps)
