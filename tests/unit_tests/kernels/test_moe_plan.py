@@ -49,12 +49,14 @@ def test_small_plans_match_the_reference(M, k, E, empty, seg, warps):
     _check(_ids(M, k, E, seed=M + 31 * E, empty=empty), E, seg, warps)
 
 
-@pytest.mark.parametrize("M, seg, warps, skewed", [(8192, None, 8, True), (1000, None, 4, True), (700, 256, 2, False)])
-def test_prefill_plans_match_the_reference(M, seg, warps, skewed):
-    """30B-A3B shapes: 65,536 pairs (64 programs of 1,024 in 8 slices), 8,000 (not a multiple of the segment)."""
-    ids = _ids(M, 8, 128, seed=M, skewed=skewed)
-    assert (ids < 0).any() and (ids >= 128).any()
-    _check(ids, 128, seg, warps)
+@pytest.mark.parametrize("M, E, seg, warps, skewed", [(8192, 128, None, 8, True), (1000, 128, None, 4, True),
+                                                    (700, 128, 256, 2, False), (300, 384, None, 8, False)])
+def test_prefill_plans_match_the_reference(M, E, seg, warps, skewed):
+    """30B-A3B shapes: 65,536 pairs (64 programs of 1,024 in 8 slices), 8,000 (not a multiple of
+    the segment); 384 experts (512 bins)."""
+    ids = _ids(M, 8, E, seed=M, skewed=skewed)
+    assert (ids < 0).any() and (ids >= E).any()
+    _check(ids, E, seg, warps)
 
 
 def test_segment_size_aims_for_enough_programs_within_bounds():
