@@ -9,11 +9,12 @@ A segment of SEG ids is cut into SLICES slices of WIDTH = SEG / SLICES ids (one 
 2. ``_place_kernel``, one program per segment, all experts at once: the column sums of
    ``counts`` give every expert's total (hence its padded rows and where its group starts) and
    its pairs in earlier segments; ``slice_counts`` its pairs in earlier slices of the segment.
-   Each slice's keys ``expert * WIDTH + position`` (unique), sorted in registers within the
-   slice's warp (no barrier), list the slice's pairs by expert and, within one, in pair order:
-   sorted position minus the expert's first position in the slice is the pair's rank there.
-   Each pair's row, the token each row reads; program 0 also writes the offsets and the padding
-   rows, every program a part of the rows past the last group.
+   Each slice's keys ``expert * WIDTH + position`` (unique), sorted in the registers and lanes
+   of the slice's warp (no exchange between warps while WIDTH <= 128), list the slice's pairs
+   by expert and, within one, in pair order: sorted position minus the expert's first position
+   in the slice is the pair's rank there. Each pair's row, the token each row reads; program 0
+   also writes the offsets and the padding rows, every program a part of the rows past the
+   last group.
 Graph-safe: grids and bounds come from shapes. Work per pair is a sort of WIDTH keys
 (log^2 compare-swaps in registers and lanes) plus a read of the segments x BINS counts per
 program."""
