@@ -21,7 +21,15 @@ combine (``moe_grouped_mm.PendingCombine``): equal bits (both norm orders), then
 in a CUDA graph of 48 calls (one per layer) at each --tokens (default 2048 8192), the table
 last. Exits 1 when a bit differs.
 
-    python scripts/gpu_check.py fused-moe --combine-norm [--tokens 2048 8192]"""
+    python scripts/gpu_check.py fused-moe --combine-norm [--tokens 2048 8192]
+
+``--plan``: the grouped GEMM's row plan (``triton_moe_plan.plan_rows``, two kernels) at 4,096,
+16,384 and 65,536 pairs (512, 2,048, 8,192 tokens of the layer's router; ``--tokens`` to change):
+equal bits to ``plan_rows_torch`` (router ids, and with ids of no expert mixed in), us per plan in
+a graph of 48 (one per layer) and each kernel's device time, at the default segment size then at
+each segment size and warp count, the table last. Exits 1 when a bit differs.
+
+    python scripts/gpu_check.py fused-moe --plan"""
 from __future__ import annotations
 
 import argparse
@@ -32,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_async.kernels import fused_ops, moe_grouped_mm, triton_fused_moe  # noqa: E402
+from megatron_async.kernels import fused_ops, moe_grouped_mm, triton_fused_moe, triton_moe_plan  # noqa: E402
 from megatron_async.kernels.backends import KernelBackends  # noqa: E402
 from megatron_async.kernels.moe_torch import fused_experts_torch  # noqa: E402
 from megatron_async.models.layers.block import StepInputs  # noqa: E402
@@ -172,11 +180,39 @@ def combine_norm(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
     return ok
 
 
+def plan(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
+    """The row plan at each --tokens and segment size: True when every plan has the reference's bits."""
+    rows, ok = [], True
+    for T in tokens:
+        x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+        ids = layer.gate.route(x)[0]
+        dropped = torch.where(torch.rand(ids.shape, device="cuda") < 0.1, ids + EXPERTS, ids)  # EP: other ranks'
+        n, default = ids.numel(), triton_moe_plan.segment_size(ids.numel())
+        sweep = [(s, w) for s in (128, 256, 512, 1024, 2048) for w in (4, 8) if (s, w) != (default, 8)]
+        for seg, warps in [(default, 8)] + sweep:
+            def fn(i=ids, seg=seg, warps=warps):
+                return triton_moe_plan.plan_rows(i, EXPERTS, moe_grouped_mm.ROW_ALIGN, seg, warps)
+
+            same = all(torch.equal(a.long(), b.long()) for i in (ids, dropped) for a, b in
+                       zip(moe_grouped_mm.plan_rows_torch(i, EXPERTS), fn(i)))
+            ok &= same
+            kernels = dict(kernel_table(fn, iters))
+            count, place = (next((us for k, us in kernels.items() if name in k), 0.0) for name in ("_count", "_place"))
+            rows.append((n, seg, warps, graph_call_us([fn], 48, replays=max(3, iters // 6)), count, place, same))
+    print(f"\n{torch.cuda.get_device_name()}: the grouped GEMM's row plan (E {EXPERTS}, k {TOP_K}), "
+          f"us per plan in a graph of 48; the first row of each pair count is the default")
+    print("| pairs | seg | warps | us per plan | count kernel us | place kernel us | same bits |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for n, seg, warps, us, count, place, same in rows:
+        print(f"| {n} | {seg} | {warps} | {us:.1f} | {count:.1f} | {place:.1f} | {same} |")
+    return ok
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=None,
                         help="default 1 8 32 128 512 2048; 512 1024 2048 8192 with --grouped-mm; "
-                             "2048 8192 with --combine-norm")
+                             "2048 8192 with --combine-norm; 512 2048 8192 with --plan")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--sweep", action="store_true",
                         help="per-kernel table and the grouped GEMMs' tile settings at each --tokens")
@@ -185,17 +221,19 @@ def main() -> None:
                         help="the fused Triton MoE against torch's grouped GEMM at each --tokens")
     parser.add_argument("--combine-norm", action="store_true",
                         help="the slot sum + next norm, two kernels against the deferred combine's one")
+    parser.add_argument("--plan", action="store_true", help="the grouped GEMM's row plan: equal bits, us per layer")
     args = parser.parse_args()
     args.tokens = args.tokens or ([512, 1024, 2048, 8192] if args.grouped_mm else [2048, 8192] if args.combine_norm
-                                  else [1, 8, 32, 128, 512, 2048])
+                                  else [512, 2048, 8192] if args.plan else [1, 8, 32, 128, 512, 2048])
     torch.manual_seed(0)
     layer = MoEMixer(HIDDEN, CFG, ParallelState(), DTYPE, "cuda").eval()
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, 0.02)
-    if args.grouped_mm or args.combine_norm:
+    if args.grouped_mm or args.combine_norm or args.plan:
         with torch.no_grad():
-            ok = (grouped_mm if args.grouped_mm else combine_norm)(layer, args.tokens, args.iters)
+            ok = (grouped_mm if args.grouped_mm else combine_norm if args.combine_norm else plan)(
+                layer, args.tokens, args.iters)
         sys.exit(0 if ok else 1)
     w13, w2 = layer.experts.gate_up_proj.weight, layer.experts.down_proj.weight
     bw = copy_bandwidth_gbs()

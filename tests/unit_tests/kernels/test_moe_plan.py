@@ -1,0 +1,86 @@
+"""The row plan's two Triton kernels (``triton_moe_plan.plan_rows``; interpreted on CPU, compiled
+on CUDA) against its torch reference ``moe_grouped_mm.plan_rows_torch``, bit for bit: the
+Qwen3-30B-A3B prefill shape (65,536 pairs, 128 experts) with ids of no expert mixed in, tiny
+batches, pair counts that are not a multiple of the segment, expert counts that are not a power
+of two, experts with no pair, several segments per expert (counts carried between programs),
+segments cut in 1 to 8 slices."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megatron_async.kernels import moe_grouped_mm, triton_moe_plan  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(monkeypatch):
+    """The kernels' outputs start as -7, not whatever memory held: a row left unwritten shows."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *shape, **kw: empty(*shape, **kw).fill_(-7))
+
+
+def _ids(M, k, E, seed, skewed=False, empty=None):
+    """Random routing with ids of no expert (negative, E and beyond) and expert ``empty`` (default
+    E // 2) left without pairs; ``skewed``: most pairs on a few experts (some groups span many
+    segments, others get none)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-2, E + 3, (M, k), generator=g)
+    if skewed:
+        ids = torch.where(torch.rand(M, k, generator=g) < 0.7, ids % 3, ids)
+    ids[ids == (E // 2 if empty is None else empty)] = 0
+    return ids.to(torch.int32)
+
+
+def _check(ids, E, seg=None, warps=8):
+    ref = moe_grouped_mm.plan_rows_torch(ids, E)
+    out = triton_moe_plan.plan_rows(ids.to(DEVICE), E, moe_grouped_mm.ROW_ALIGN, seg, warps)
+    for name, a, b in zip(("row_of_pair", "token_of_row", "offs"), ref, out):
+        assert b.dtype == torch.int32 and torch.equal(a.long(), b.cpu().long()), name
+
+
+@pytest.mark.parametrize("M, k, E, empty", [(0, 2, 4, None), (1, 8, 128, None), (23, 3, 6, 5), (40, 2, 5, 0),
+                                             (9, 1, 127, 126), (17, 4, 3, None)])
+@pytest.mark.parametrize("seg, warps", [(None, 8), (16, 4), (32, 1)])  # one segment, several; slices of 4 to 32 ids
+def test_small_plans_match_the_reference(M, k, E, empty, seg, warps):
+    _check(_ids(M, k, E, seed=M + 31 * E, empty=empty), E, seg, warps)
+
+
+@pytest.mark.parametrize("M, E, seg, warps, skewed", [(8192, 128, None, 8, True), (1000, 128, None, 4, True),
+                                                    (700, 128, 256, 2, False), (300, 384, None, 8, False)])
+def test_prefill_plans_match_the_reference(M, E, seg, warps, skewed):
+    """30B-A3B shapes: 65,536 pairs (64 programs of 1,024 in 8 slices), 8,000 (not a multiple of
+    the segment); 384 experts (512 bins)."""
+    ids = _ids(M, 8, E, seed=M, skewed=skewed)
+    assert (ids < 0).any() and (ids >= E).any()
+    _check(ids, E, seg, warps)
+
+
+def test_segment_size_aims_for_enough_programs_within_bounds():
+    assert triton_moe_plan.segment_size(65536) == 1024 and triton_moe_plan.segment_size(16384) == 256
+    assert triton_moe_plan.segment_size(4096) == triton_moe_plan.segment_size(0) == triton_moe_plan.MIN_SEG
+    assert triton_moe_plan.segment_size(1 << 20) == triton_moe_plan.MAX_SEG
+
+
+def test_bad_segment_is_a_clear_error():
+    with pytest.raises(ValueError, match="powers of two"):
+        triton_moe_plan.plan_rows(torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), 4, 8, seg=48)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_plan_replays_in_a_cuda_graph_on_new_routing():
+    """Captured once at the 30B prefill shape, replayed on new ids (some of no expert): the
+    reference's bits (grids and bounds from shapes, nothing read on the host)."""
+    ids = _ids(8192, 8, 128, seed=1).cuda()
+    triton_moe_plan.plan_rows(ids, 128, moe_grouped_mm.ROW_ALIGN)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_moe_plan.plan_rows(ids, 128, moe_grouped_mm.ROW_ALIGN)
+    ids.copy_(_ids(8192, 8, 128, seed=2, skewed=True).cuda())
+    graph.replay()
+    for a, b in zip(moe_grouped_mm.plan_rows_torch(ids, 128), out):
+        assert torch.equal(a.long(), b.long())
