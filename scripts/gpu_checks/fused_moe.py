@@ -188,8 +188,8 @@ def plan(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
         ids = layer.gate.route(x)[0]
         dropped = torch.where(torch.rand(ids.shape, device="cuda") < 0.1, ids + EXPERTS, ids)  # EP: other ranks'
         n, default = ids.numel(), triton_moe_plan.segment_size(ids.numel())
-        sweep = [(s, w) for s in (128, 256, 512, 1024, 2048) for w in (4, 8) if (s, w) != (default, 8)]
-        for seg, warps in [(default, 8)] + sweep:
+        sweep = [(s, w) for s in (128, 256, 512, 1024, 2048) for w in (4, 8) if (s, w) != (default, 4)]
+        for seg, warps in [(default, 4)] + sweep:
             def fn(i=ids, seg=seg, warps=warps):
                 return triton_moe_plan.plan_rows(i, EXPERTS, moe_grouped_mm.ROW_ALIGN, seg, warps)
 

@@ -35,24 +35,25 @@ def _ids(M, k, E, seed, skewed=False, empty=None):
     return ids.to(torch.int32)
 
 
-def _check(ids, E, seg=None, warps=8):
+def _check(ids, E, seg=None, warps=None):
     ref = moe_grouped_mm.plan_rows_torch(ids, E)
-    out = triton_moe_plan.plan_rows(ids.to(DEVICE), E, moe_grouped_mm.ROW_ALIGN, seg, warps)
+    kw = {} if warps is None else {"num_warps": warps}  # None: the default
+    out = triton_moe_plan.plan_rows(ids.to(DEVICE), E, moe_grouped_mm.ROW_ALIGN, seg, **kw)
     for name, a, b in zip(("row_of_pair", "token_of_row", "offs"), ref, out):
         assert b.dtype == torch.int32 and torch.equal(a.long(), b.cpu().long()), name
 
 
 @pytest.mark.parametrize("M, k, E, empty", [(0, 2, 4, None), (1, 8, 128, None), (23, 3, 6, 5), (40, 2, 5, 0),
                                              (9, 1, 127, 126), (17, 4, 3, None)])
-@pytest.mark.parametrize("seg, warps", [(None, 8), (16, 4), (32, 1)])  # one segment, several; slices of 4 to 32 ids
+@pytest.mark.parametrize("seg, warps", [(None, None), (None, 8), (16, 4), (32, 1)])  # one segment, several; slices of 4 to 32 ids
 def test_small_plans_match_the_reference(M, k, E, empty, seg, warps):
     _check(_ids(M, k, E, seed=M + 31 * E, empty=empty), E, seg, warps)
 
 
-@pytest.mark.parametrize("M, E, seg, warps, skewed", [(8192, 128, None, 8, True), (1000, 128, None, 4, True),
+@pytest.mark.parametrize("M, E, seg, warps, skewed", [(8192, 128, None, None, True), (8192, 128, 1024, 8, True), (1000, 128, None, 4, True),
                                                     (700, 128, 256, 2, False), (300, 384, None, 8, False)])
 def test_prefill_plans_match_the_reference(M, E, seg, warps, skewed):
-    """30B-A3B shapes: 65,536 pairs (64 programs of 1,024 in 8 slices), 8,000 (not a multiple of
+    """30B-A3B shapes: 65,536 pairs (128 programs of 512 in 4 slices; 64 of 1,024 in 8), 8,000 (not a multiple of
     the segment); 384 experts (512 bins)."""
     ids = _ids(M, 8, E, seed=M, skewed=skewed)
     assert (ids < 0).any() and (ids >= E).any()
@@ -60,7 +61,7 @@ def test_prefill_plans_match_the_reference(M, E, seg, warps, skewed):
 
 
 def test_segment_size_aims_for_enough_programs_within_bounds():
-    assert triton_moe_plan.segment_size(65536) == 1024 and triton_moe_plan.segment_size(16384) == 256
+    assert triton_moe_plan.segment_size(65536) == 512 and triton_moe_plan.segment_size(16384) == 512
     assert triton_moe_plan.segment_size(4096) == triton_moe_plan.segment_size(0) == triton_moe_plan.MIN_SEG
     assert triton_moe_plan.segment_size(1 << 20) == triton_moe_plan.MAX_SEG
 
