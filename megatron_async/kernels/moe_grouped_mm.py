@@ -2,7 +2,7 @@
 batches on Hopper, where the fused Triton MoE's GEMMs reach about a third of the tensor cores'
 rate (``scripts/gpu_check.py fused-moe --grouped-mm`` times both).
 
-1. ``plan_rows`` (one Triton kernel on CUDA, ``triton_moe_plan``; torch ops elsewhere; nothing
+1. ``plan_rows`` (two Triton kernels on CUDA, ``triton_moe_plan``; torch ops elsewhere; nothing
    read on the host): the (token, slot) pairs sorted by expert
    (stable: pair order within an expert), each expert's rows padded to a multiple of
    ``ROW_ALIGN`` and to at least ``ROW_ALIGN`` rows (the device-side checks of some torch
