@@ -22,13 +22,12 @@ device (its sm90 / sm100 path; others fall back to a per-group loop that syncs, 
 ``use_grouped_mm`` takes those devices out)."""
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
 import torch
 
-from megatron_async.kernels import fused_ops
+from megatron_async.kernels import cuda_device, fused_ops
 from megatron_async.kernels.deferred_sum import DeferredSum
 from megatron_async.kernels.moe_torch import expert_activation
 
@@ -186,7 +185,7 @@ def use_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     the path its capture took."""
     if not (x.is_cuda and hasattr(torch, "_grouped_mm") and grouped_mm_suits(x, w13, w2, topk_ids)):
         return False
-    return _capability_major(x.device.index if x.device.index is not None else torch.cuda.current_device()) in (9, 10)
+    return cuda_device.capability(x.device)[0] in (9, 10)
 
 
 def grouped_mm_suits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
@@ -201,8 +200,3 @@ def grouped_mm_suits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
             and w13.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0
             and pairs > MIN_PAIRS_PER_EXPERT * min(E, pairs))
 
-
-@functools.lru_cache(maxsize=None)
-def _capability_major(index: int) -> int:
-    """CUDA device ``index``'s compute capability major (asked once: every MoE layer asks)."""
-    return torch.cuda.get_device_capability(index)[0]

@@ -15,13 +15,13 @@
 Graph-safe: every shape and grid comes from tensor shapes."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from megatron_async.kernels import cuda_device
 from megatron_async.kernels.triton_paged_common import dot_args
 
 
@@ -219,14 +219,7 @@ def _fits_shared_memory(tiles: GemmTiles, block_m: int, operands: int, device: t
     if device.type != "cuda":
         return True
     need = tiles.num_stages * (block_m * tiles.block_k + operands * tiles.block_k * tiles.block_n) * 2
-    return need <= _shared_memory_optin(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_memory_optin(index: int) -> int:
-    """Opt-in shared memory per block of CUDA device ``index`` (asked once: every MoE layer of
-    every prefill-size step picks its tiles)."""
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    return need <= cuda_device.shared_memory_optin(device)
 
 
 def _default_tiles(block_m: int, gated: bool, device: torch.device) -> GemmTiles:

@@ -16,7 +16,6 @@ accumulation order), as any two GEMM implementations do; the kernel's bits do no
 on the launch (tiles are a function of the row count only)."""
 from __future__ import annotations
 
-import functools
 import dataclasses
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from megatron_async.kernels import cuda_device
 from megatron_async.kernels.triton_act import silu_mul
 from megatron_async.kernels.triton_invariant_matmul import grouped_tile
 from megatron_async.kernels.triton_paged_common import dot_args, num_compute_units
@@ -108,15 +108,10 @@ def pays_off(m: int, k: int) -> bool:
     return k <= 2048 and (m <= 128 or m >= 2048)
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``swiglu_linear`` takes these operands: Hopper or newer (TMA) or the CPU
     interpreter, float types, K > 0, 16-byte aligned bases and row strides, unit stride along K."""
-    if x.is_cuda and _capability(x.device)[0] < 9:
+    if x.is_cuda and cuda_device.capability(x.device)[0] < 9:
         return False
     return (x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)

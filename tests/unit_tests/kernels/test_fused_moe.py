@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from megatron_async.kernels import triton_fused_moe  # noqa: E402
+from megatron_async.kernels import cuda_device, triton_fused_moe  # noqa: E402
 from megatron_async.kernels.moe_torch import fused_experts_torch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -127,8 +127,8 @@ def test_tiles_follow_the_block_size_and_the_shared_memory(monkeypatch):
     assert triton_fused_moe._default_tiles(64, True, cpu) == triton_fused_moe._PREFILL_TILES
     assert triton_fused_moe._default_tiles(32, True, cpu) == triton_fused_moe.GemmTiles()
     # 3 stages of a 64 x 64 A tile and two 64 x 256 B tiles: 216 KiB, over a 163 KiB opt-in (A100), under 227 (H100)
-    monkeypatch.setattr(triton_fused_moe, "_shared_memory_optin", lambda index: 163 * 1024)
+    monkeypatch.setattr(cuda_device, "shared_memory_optin", lambda device: 163 * 1024)
     assert triton_fused_moe._default_tiles(64, True, cuda) == triton_fused_moe.GemmTiles()
     assert triton_fused_moe._default_tiles(64, False, cuda) == triton_fused_moe._PREFILL_TILES  # one B tile: 120 KiB
-    monkeypatch.setattr(triton_fused_moe, "_shared_memory_optin", lambda index: 227 * 1024)
+    monkeypatch.setattr(cuda_device, "shared_memory_optin", lambda device: 227 * 1024)
     assert triton_fused_moe._default_tiles(64, True, cuda) == triton_fused_moe._PREFILL_TILES
