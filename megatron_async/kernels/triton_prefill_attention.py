@@ -143,7 +143,7 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_slots", "search_steps"])  # one binary for any step
 def _schedule_kernel(cu_q_ptr, kv_lens_ptr, work_ptr, entry_ptr, num_rows, num_slots, search_steps,
                      BLOCK_Q: tl.constexpr, BLOCK: tl.constexpr):
     """Per tile slot: its (row, first query) packed as ``row << 32 | q_first`` and its keys (the
