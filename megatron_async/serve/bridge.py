@@ -29,7 +29,7 @@ class FrontendSink:
     per step (``deliver``, on the engine thread, which alone uses ``sock``)."""
 
     def __init__(self, index: int, sock: zmq.Socket):
-        self.index = index
+        self.index = self.batch_key = index  # batch_key: see engine_loop.LoopSink
         self.sock = sock
         self.live: dict[int, RemoteSubmission] = {}
         """This front-end's submissions not yet ended, by sid (the bridge adds, the engine thread

@@ -81,18 +81,14 @@ def merge_events(events: list[ChoiceEvent]) -> tuple[str | None, dict[int, Reque
 
 class LoopSink:
     """Where the engine thread sends the results of submissions made on ``loop`` (an event loop
-    of this process). Sinks of one loop are equal: a step's batch for a loop is one call."""
+    of this process). A step's entries for one loop go in one call: ``EngineLoop._flush``
+    groups them by ``batch_key``, the loop (a plain attribute: the grouping hashes each entry
+    of each step)."""
 
-    __slots__ = ("loop",)
+    __slots__ = ("loop", "batch_key")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, LoopSink) and other.loop is self.loop
-
-    def __hash__(self) -> int:
-        return id(self.loop)
+        self.loop = self.batch_key = loop
 
     def deliver(self, batch: list[tuple[Submission, str, Any]]) -> None:
         """On the engine thread: ``batch`` = (submission, kind, payload) entries, in order."""
@@ -342,10 +338,11 @@ class EngineLoop:
         if not self._outbox:
             return
         batch, self._outbox = self._outbox, []
-        by_sink: dict[Any, list] = {}  # one call per event loop or front-end, entries in order
+        by_key: dict[Any, tuple[Any, list]] = {}  # one call per event loop or front-end, entries in order
         for entry in batch:
-            by_sink.setdefault(entry[0].sink, []).append(entry)
-        for sink, mine in by_sink.items():
+            sink = entry[0].sink
+            by_key.setdefault(sink.batch_key, (sink, []))[1].append(entry)
+        for sink, mine in by_key.values():
             sink.deliver(mine)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 
 from megatron_async.serve import ipc
-from megatron_async.serve.engine_loop import Submission
+from megatron_async.serve.engine_loop import Submission, _deliver, _set_result
 
 log = logging.getLogger("megatron_async.serve")
 STAGE_SAMPLES_ENV = "MEGATRON_ASYNC_FRONTEND_STAGE_SAMPLES"
@@ -141,9 +141,8 @@ class RemoteEngineLoop:
                 _, sid, value = ipc.decode(self._out.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            done = self._waiting.get(sid)
-            if done is not None and not done.done():
-                done.set_result(value)
+            if sid in self._waiting:
+                _set_result(self._waiting[sid], value)
 
     def _take_events(self) -> None:
         """Every step message waiting (all of them: the socket signals only a new edge)."""
@@ -158,31 +157,25 @@ class RemoteEngineLoop:
                 log.exception("a step message from the engine could not be filed")
 
     def _file(self, entries: list) -> None:
-        """One step's entries into their submissions (and admin calls), in order."""
-        subs = self._subs
+        """One step's entries into their submissions (``engine_loop._deliver``, in order) and
+        admin calls; a submission is forgotten at its rejection or its last choice's end."""
+        subs, batch = self._subs, []
         for sid, kind, payload in entries:
             if kind == "admin":
-                done = self._waiting.get(sid)
-                if done is not None and not done.done():
-                    done.set_result(payload)
+                if sid in self._waiting:
+                    _set_result(self._waiting[sid], payload)
                 continue
             entry = subs.get(sid)
             if entry is None:
                 continue
-            sub = entry[0]
-            if kind == "event":
-                sub.events.put_nowait(payload)
-                if payload.is_last:
-                    entry[1] -= 1
-                    if entry[1] <= 0:
-                        del subs[sid]
-            elif kind == "admitted":
-                if not sub.admitted.done():
-                    sub.admitted.set_result(payload)
-            else:  # rejected
+            batch.append((entry[0], kind, payload))
+            if kind == "rejected":
                 del subs[sid]
-                if not sub.admitted.done():
-                    sub.admitted.set_exception(payload)
+            elif kind == "event" and payload.is_last:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del subs[sid]
+        _deliver(batch)
 
 
 def _watch_parent(server, parent_pid: int) -> None:
