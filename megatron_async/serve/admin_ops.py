@@ -12,24 +12,15 @@ from megatron_async.serve import responses as resp
 log = logging.getLogger("megatron_async.serve")
 
 
-def _suspend(engine, _, args: dict) -> None:
-    tags = args.get("tags")
-    engine.suspend(*(() if tags is None else (tags,)), keep_weights_on_host=args.get("keep_weights_on_host", True))
-
-
-def _resume(engine, _, args: dict) -> None:
-    tags = args.get("tags")
-    engine.resume(*(() if tags is None else (tags,)))
-
-
 ADMIN_OPS: dict[str, Callable[[Any, Callable[..., int] | None, dict], Any]] = {
-    "pause_generation": lambda engine, _, args: engine.pause_generation(args.get("mode", "keep")),
+    "pause_generation": lambda engine, _, args: engine.pause_generation(**args),
     "resume_generation": lambda engine, _, args: engine.resume_generation(),
     "update_weights": lambda _, update_weights, args: update_weights(args["path"], version=args.get("version")),
-    "suspend": _suspend,
-    "resume": _resume,
+    "suspend": lambda engine, _, args: engine.suspend(**args),
+    "resume": lambda engine, _, args: engine.resume(**args),
 }
-"""Operation name (also its route: POST /NAME) -> what it runs."""
+"""Operation name (also its route: POST /NAME) -> what it runs. admin_routes.py's checks give
+the engine methods' keyword arguments (a missing one: the engine's default)."""
 
 
 def engine_status(engine) -> dict:
