@@ -87,11 +87,11 @@ class Bridge:
         self.engine_loop = engine_loop
         self._on_all_gone = on_all_gone
         self._ctx = zmq.Context()
-        self._router = self._socket(zmq.ROUTER)
+        self._router = ipc.socket(self._ctx, zmq.ROUTER)
         self._router.bind(endpoints.bridge)
         self.sinks = []
         for i in range(count):  # connected, not bound: a message waits until front-end i binds its end
-            sock = self._socket(zmq.PUSH)
+            sock = ipc.socket(self._ctx, zmq.PUSH)
             sock.setsockopt(zmq.RECONNECT_IVL, 10)
             sock.connect(endpoints.events(i))
             self.sinks.append(FrontendSink(i, sock))
@@ -107,13 +107,6 @@ class Bridge:
         self._ready_event = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="megatron-async-bridge", daemon=True)
-
-    def _socket(self, kind: int) -> zmq.Socket:
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)  # a slow front-end buffers; the engine thread never blocks
-        sock.setsockopt(zmq.RCVHWM, 0)
-        return sock
 
     def watch(self, index: int, process) -> None:
         """Before ``start``: abort front-end ``index``'s requests when ``process`` (a Popen) exits."""

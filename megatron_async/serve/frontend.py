@@ -65,13 +65,9 @@ class RemoteEngineLoop:
 
     def __init__(self, endpoints: ipc.Endpoints, index: int):
         self._ctx = zmq.Context()
-        self._out = self._ctx.socket(zmq.DEALER)
+        self._out = ipc.socket(self._ctx, zmq.DEALER)
         self._out.setsockopt(zmq.IDENTITY, str(index).encode())
-        self._events = self._ctx.socket(zmq.PULL)
-        for sock in (self._out, self._events):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
+        self._events = ipc.socket(self._ctx, zmq.PULL)
         self._out.connect(endpoints.bridge)
         self._events.bind(endpoints.events(index))
         self._ids = itertools.count()

@@ -22,6 +22,8 @@ import shutil
 import tempfile
 from typing import Any
 
+import zmq
+
 from megatron_async.inference.request import RequestUpdate
 from megatron_async.serve.engine_loop import ChoiceEvent
 
@@ -46,6 +48,16 @@ def decode_entries(message: bytes) -> list[tuple[int, str, Any]]:
         else:
             out.append((sid, kind, payload))
     return out
+
+
+def socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    """A socket of either side: no send or receive limit (a slow front-end buffers; the engine
+    thread never blocks on it), nothing kept at close."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    return sock
 
 
 def encode(message: tuple) -> bytes:
