@@ -15,7 +15,6 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_async.serve.launch import bind
 from megatron_async.serve.reasoning import REASONING_PARSERS
 from megatron_async.serve.tool_calls import TOOL_CALL_PARSERS, choose_parser
 from megatron_async.tools import cli

@@ -3,7 +3,8 @@ import socket
 
 import pytest
 
-from megatron_async.serve.__main__ import bind, build_parser, served_name
+from megatron_async.serve.__main__ import build_parser, served_name
+from megatron_async.serve.launch import bind
 
 
 def test_served_name_is_the_checkpoint_dir_unless_given(tmp_path):
