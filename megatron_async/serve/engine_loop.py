@@ -180,15 +180,11 @@ class EngineLoop:
     def abort(self, sub: Submission) -> None:
         self._inbox.put(("abort", sub))
 
-    def call(self, job: Callable[[], None]) -> None:
-        """Run ``job()`` on the engine thread between two steps (admin operations: the engine is
-        never called from two threads); it reports its own result."""
-        self._inbox.put(("call", job))
-
     def run_admin(self, op: str, args: dict, reply: Callable[[tuple[int, dict]], None]) -> None:
-        """Run the admin operation ``op`` (admin_ops.py) on the engine thread between two steps;
-        ``reply(status, body)`` is called there with its outcome."""
-        self.call(lambda: reply(run_admin_op(self.engine, self._update_weights, op, args)))
+        """Run the admin operation ``op`` (admin_ops.py) on the engine thread between two steps
+        (the engine is never called from two threads); ``reply(status, body)`` is called there
+        with its outcome."""
+        self._inbox.put(("call", lambda: reply(run_admin_op(self.engine, self._update_weights, op, args))))
 
     async def admin(self, op: str, args: dict) -> tuple[int, dict]:
         """``run_admin`` from an event loop of this process: (HTTP status, JSON body)."""
