@@ -44,7 +44,13 @@ def frontend_pids(server: ServerProcess) -> list[int]:
 
 
 def open_sockets(pid: int) -> int:
-    return sum(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except FileNotFoundError:  # closed since the listing (the process keeps serving)
+            pass
+    return count
 
 
 def stream(url: str, prompt: list[int], max_tokens: int, result: dict) -> None:
