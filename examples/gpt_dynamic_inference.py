@@ -9,7 +9,7 @@
 """
 import sys
 
-from megatron_async.tools.main_job import cli_main
+from megatron_async.cli.main_job import cli_main
 
 if __name__ == "__main__":
     sys.exit(cli_main(__doc__.splitlines()[0]))

@@ -31,22 +31,22 @@ for stage in $stages; do
       done ;;
     bench)  # the NOTES.md reference workload: 128 requests, prompts 100-1024, 128 output tokens; greedy
             # and sampled, every engine mode and HF peer (batch = max_requests), twin warm-up for all
-      timeout 560 python scripts/benchmark.py --num-requests 128 --output-len-min 128 --output-len-max 128 \
+      timeout 560 python -m benchmarks side-by-side --num-requests 128 --output-len-min 128 --output-len-max 128 \
         --max-requests 128 --max-minutes 8.5 --output-dir "$out/bench128" > "$out/bench128.log" 2>&1
       tail -32 "$out/bench128.log" ;;
     bench-poisson)  # the same workload arriving as a Poisson process (requests per second): TTFT / ITL under load
-      timeout 300 python scripts/benchmark.py --modes serial_graphs,async_graphs --num-requests 128 \
+      timeout 300 python -m benchmarks side-by-side --modes serial_graphs,async_graphs --num-requests 128 \
         --output-len-min 128 --output-len-max 128 --max-requests 128 --request-rate 80 --no-idle-profile \
         --max-minutes 4 --output-dir "$out/poisson" > "$out/poisson.log" 2>&1
       tail -14 "$out/poisson.log" ;;
     warmup-graphs)  # timed right after the startup warm-up (no twin run): builds /
                     # captures while serving, mixed steps in graphs (async_graphs) vs eager (async_graphs_decode),
                     # all at once and as Poisson arrivals; then what the nested sampling variants cost
-      timeout 110 python scripts/benchmark.py --modes async_graphs,async_graphs_decode --num-requests 128 \
+      timeout 110 python -m benchmarks side-by-side --modes async_graphs,async_graphs_decode --num-requests 128 \
         --output-len-min 128 --output-len-max 128 --max-requests 128 --no-twin-warmup --no-idle-profile \
         --max-minutes 1.6 --output-dir "$out/wg_all" > "$out/wg_all.log" 2>&1
       tail -14 "$out/wg_all.log"
-      timeout 60 python scripts/benchmark.py --modes async_graphs --num-requests 128 --output-len-min 128 \
+      timeout 60 python -m benchmarks side-by-side --modes async_graphs --num-requests 128 --output-len-min 128 \
         --output-len-max 128 --max-requests 128 --request-rate 80 --no-twin-warmup --no-idle-profile \
         --max-minutes 0.9 --output-dir "$out/wg_poisson" > "$out/wg_poisson.log" 2>&1
       tail -10 "$out/wg_poisson.log"
@@ -54,14 +54,14 @@ for stage in $stages; do
       tail -8 "$out/variants.log" ;;
     main-job)  # the main job as a user runs it (fresh process, own startup warm-up) against the
                # benchmark's async_graphs mode on workload A, greedy and sampled (~3 min on an H100)
-      timeout 420 python scripts/measure.py main-job-vs-benchmark --out "$out/main_job" > "$out/main_job.log" 2>&1
+      timeout 420 python -m benchmarks main-job-vs-benchmark --out "$out/main_job" > "$out/main_job.log" 2>&1
       tail -6 "$out/main_job.log" ;;
     diagnose)  # async vs serial at long context (16k-token prompts)
-      timeout 300 python scripts/measure.py async-vs-serial --device cuda --num-requests 32 --prompt-len-min 8192 \
+      timeout 300 python -m benchmarks async-vs-serial --device cuda --num-requests 32 --prompt-len-min 8192 \
         --prompt-len-max 16384 --output-len 64 --max-sequence-length 16500 --output "$out/diag.json" > "$out/diag.log" 2>&1
       cut -c1-600 "$out/diag.log" ;;
     bench-long)  # workload B (256 requests, outputs 100-1024): engine modes only
-      timeout 540 python scripts/benchmark.py --modes serial,async,serial_graphs,async_graphs \
+      timeout 540 python -m benchmarks side-by-side --modes serial,async,serial_graphs,async_graphs \
         --max-requests 256 --max-minutes 8 --output-dir "$out/bench256" > "$out/bench256.log" 2>&1
       tail -20 "$out/bench256.log" ;;
   esac

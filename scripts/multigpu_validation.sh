@@ -7,8 +7,8 @@
 #       ranks and compiles its kernels (~30-130 s): pass a file or -k selection per 10-minute call.
 #   bash scripts/multigpu_validation.sh fused-norm [WORLD]   # the TP all-reduce fused with the residual
 #       add + RMSNorm: its checks and us per decoder layer against the unfused P2P path
-#       (scripts/measure.py all-reduce), then the Qwen3-8B-shape decode step at TP=WORLD, async +
-#       graphs, P2P unfused vs fused (scripts/measure.py tp-scaling); < 4 minutes on 2 GPUs.
+#       (python -m benchmarks all-reduce), then the Qwen3-8B-shape decode step at TP=WORLD, async +
+#       graphs, P2P unfused vs fused (python -m benchmarks tp-scaling); < 4 minutes on 2 GPUs.
 #   bash scripts/multigpu_validation.sh tp-invariance        # batch-invariant mode under TP=2: the main
 #       job (torchrun, built-in qwen3-0.6b bf16, sampled with log-probs) twice with different schedules
 #       (serial, 512-token steps, 64 requests per step; launch-ahead, 8192-token steps, 16): every
@@ -36,10 +36,10 @@ cd "$root"
 
 fused_norm() {
   local world="${1:-$(python -c 'import torch; print(min(4, torch.cuda.device_count()))')}"
-  timeout 100 python scripts/measure.py all-reduce --world "$world" --groups "$world" --sizes-kb 8 1024 --iters 20 \
+  timeout 100 python -m benchmarks all-reduce --world "$world" --groups "$world" --sizes-kb 8 1024 --iters 20 \
     --fused-rows 1 16 64 128 > "$out/fused_all_reduce.log" 2>&1
   local rc1=$?
-  timeout 200 python scripts/measure.py tp-scaling --tp "$world" --batches 1 64 128 --backends p2p p2p+fused \
+  timeout 200 python -m benchmarks tp-scaling --tp "$world" --batches 1 64 128 --backends p2p p2p+fused \
     --output-len 24 --modes async --launch-timeout 190 > "$out/fused_tp_scaling.log" 2>&1
   local rc2=$?
   grep -E "^group|^\| GPUs|^\|---|^\| [0-9]|CHECKS" "$out/fused_all_reduce.log"

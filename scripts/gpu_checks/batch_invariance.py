@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
+from megatron_async.cli.driver import StatsWindow, run_workload
+from megatron_async.cli.summary import summarize
+from megatron_async.cli.workload import WorkloadRequest, WorkloadSpec, synthetic_workload
 from megatron_async.models.default_model import DEFAULT_CONFIGS
-from megatron_async.tools.driver import StatsWindow, run_workload
-from megatron_async.tools.summary import summarize
-from megatron_async.tools.workload import WorkloadRequest, WorkloadSpec, synthetic_workload
 
 SAMPLING = {
     "greedy": lambda r: SamplingParams(top_k=1, num_tokens_to_generate=r.output_len, ignore_eos=True),

@@ -21,13 +21,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.cuda_timing import graph_replay, median_ms  # noqa: E402
 from megatron_async.config import ExpertExchange  # noqa: E402
 from megatron_async.kernels.backends import KernelBackends  # noqa: E402
 from megatron_async.models.layers.block import StepInputs  # noqa: E402
 from megatron_async.models.layers.moe import MoEMixer  # noqa: E402
 from megatron_async.parallel.state import ParallelState  # noqa: E402
-from megatron_async.testing.multiprocess import run_ranks  # noqa: E402
-from megatron_async.tools.cuda_timing import graph_replay, median_ms  # noqa: E402
+from tests.helpers.multiprocess import run_ranks  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fused_moe import CFG, DTYPE, HIDDEN  # noqa: E402

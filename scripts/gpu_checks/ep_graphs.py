@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.cuda_timing import capture  # noqa: E402
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
-from megatron_async.testing.multiprocess import run_ranks  # noqa: E402
-from megatron_async.tools.cuda_timing import capture  # noqa: E402
+from tests.helpers.multiprocess import run_ranks  # noqa: E402
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
             "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
@@ -96,7 +96,7 @@ def _mixed_stage(rank: int, world: int) -> float:
 def _layer_stage(rank: int, world: int) -> float:
     from megatron_async.kernels.backends import KernelBackends
     from megatron_async.models.layers.block import StepInputs
-    from megatron_async.testing.moe_layers import MOE_CONFIGS, build_moe_layer
+    from tests.helpers.moe_layers import MOE_CONFIGS, build_moe_layer
     par = _group(rank, world)
     try:
         layer = build_moe_layer(MOE_CONFIGS["softmax"], 64, par, device="cuda")

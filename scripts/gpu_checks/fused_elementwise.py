@@ -17,13 +17,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.cuda_timing import host_us, median_ms
 from megatron_async.kernels import fused_ops  # noqa: E402
 from megatron_async.kernels.backends import KernelBackends  # noqa: E402
 from megatron_async.models.gpt import build_gpt  # noqa: E402
 from megatron_async.models.layers.norm import RMSNorm  # noqa: E402
 from megatron_async.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
-from megatron_async.testing.simple_session import SimpleSession  # noqa: E402
-from megatron_async.tools.cuda_timing import host_us, median_ms
+from tests.helpers.simple_session import SimpleSession  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS, THETA, MAX_POS = 1024, 16, 8, 128, 3072, 1e-6, 1e6, 40960
 DTYPE = torch.bfloat16

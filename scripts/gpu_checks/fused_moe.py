@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.cuda_timing import graph_call_us, graph_replay, median_ms  # noqa: E402
 from megatron_async.kernels import fused_ops, moe_grouped_mm, triton_fused_moe, triton_moe_plan  # noqa: E402
 from megatron_async.kernels.backends import KernelBackends  # noqa: E402
 from megatron_async.kernels.moe_torch import fused_experts_torch  # noqa: E402
@@ -47,7 +48,6 @@ from megatron_async.models.layers.block import StepInputs  # noqa: E402
 from megatron_async.models.layers.moe import MoEMixer  # noqa: E402
 from megatron_async.models.moe_config import MoEConfig, RouterScore  # noqa: E402
 from megatron_async.parallel.state import ParallelState  # noqa: E402
-from megatron_async.tools.cuda_timing import graph_call_us, graph_replay, median_ms  # noqa: E402
 
 HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
 DTYPE = torch.bfloat16

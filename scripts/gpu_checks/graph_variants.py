@@ -18,13 +18,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.cuda_timing import graph_replay, median_ms  # noqa: E402
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots  # noqa: E402
 from megatron_async.inference.device import DeviceFacade  # noqa: E402
 from megatron_async.inference.text_generation_controllers.graph_plan import (  # noqa: E402
     SamplingVariant, variant_flags,
 )
 from megatron_async.inference.text_generation_controllers.sample_launcher import SampleLauncher  # noqa: E402
-from megatron_async.tools.cuda_timing import graph_replay, median_ms  # noqa: E402
 
 V = 151_936
 NO_FILTER = (False, False, False)

@@ -16,7 +16,7 @@ import tempfile
 import time
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint
 
 SIZES = {
     # launch-bound on purpose (the regime where mixed-step graphs matter): 8 layers, 4 Mamba2

@@ -17,9 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.cuda_timing import graph_call_us  # noqa: E402
 from megatron_async.inference.text_generation_controllers.sampling import log_probs_of  # noqa: E402
 from megatron_async.kernels import triton_log_probs, triton_sampling  # noqa: E402
-from megatron_async.tools.cuda_timing import graph_call_us  # noqa: E402
 
 VOCAB = 151936
 DT = torch.bfloat16

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.cuda_timing import median_ms
 from megatron_async.kernels.conv1d_torch import causal_conv1d_step  # noqa: E402
 from megatron_async.kernels.ssd_torch import ssd_step  # noqa: E402
 from megatron_async.kernels.triton_mamba_decode import causal_conv1d_update, selective_state_update  # noqa: E402
-from megatron_async.tools.cuda_timing import median_ms
 
 H, P, N, G, K = 128, 64, 128, 8, 4
 CONV_DIM = H * P + 2 * G * N

@@ -19,8 +19,8 @@ import torch
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.models.default_model import DEFAULT_CONFIGS
-from megatron_async.testing.hf_models import make_tiny_checkpoint
-from megatron_async.testing.mtp_heads import add_mtp_heads
+from tests.helpers.hf_models import make_tiny_checkpoint
+from tests.helpers.mtp_heads import add_mtp_heads
 
 
 DEVICE = "cuda"

@@ -24,7 +24,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "unit_tests" / "kernels")]
 from megatron_async.kernels import attention_torch, attention_triton  # noqa: E402
 from megatron_async.kernels.triton_decode_attention import choose_num_splits, decode_attention  # noqa: E402
 from paged_attention_cases import PagedCase, make_case  # noqa: E402
-from megatron_async.tools.cuda_timing import host_us, median_ms
+from benchmarks.cuda_timing import host_us, median_ms
 
 HEADS, KV_HEADS, HEAD_DIM, MAX_LEN = 16, 8, 128, 2048
 

@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.cuda_timing import graph_replay, median_ms  # noqa: E402
 from megatron_async.inference.text_generation_controllers import sampling as ref  # noqa: E402
 from megatron_async.kernels import triton_sampling  # noqa: E402
-from megatron_async.tools.cuda_timing import graph_replay, median_ms  # noqa: E402
 
 V = 151_936
 CASES = {  # name: (temperature, top_k, top_p, min_p, penalties)

@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.cuda_timing import graph_call_us  # noqa: E402
 from megatron_async.kernels import triton_rmsnorm, triton_rope, triton_sampling  # noqa: E402
-from megatron_async.tools.cuda_timing import graph_call_us  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, BLOCK_SIZE = 1024, 16, 8, 128, 151936, 16
 DT = torch.bfloat16

@@ -31,12 +31,12 @@ import torch
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.inference.speculative.oracle import OracleDrafter
-from megatron_async.models.default_model import DEFAULT_CONFIGS
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
-from megatron_async.testing.hf_models import make_tiny_checkpoint
-from megatron_async.testing.engine_harness import Arrival, make_llm, random_prompts, run_arrivals
-from megatron_async.testing.spec_harness import oracle_for
+from megatron_async.models.default_model import DEFAULT_CONFIGS
+from tests.helpers.engine_harness import Arrival, make_llm, random_prompts, run_arrivals
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint
+from tests.helpers.hf_models import make_tiny_checkpoint
+from tests.helpers.spec_harness import oracle_for
 
 DEVICE = os.environ.get("SPEC_CHECK_DEVICE", "cuda")  # "cpu": a dry run of this script
 K = 3

@@ -14,9 +14,9 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from benchmarks.cuda_timing import graph_call_us
 from megatron_async.kernels.triton_act import silu_and_mul
 from megatron_async.kernels.triton_swiglu_matmul import SwigluTiles, swiglu_linear, swiglu_tiles
-from megatron_async.tools.cuda_timing import graph_call_us
 
 LAYERS = 28
 

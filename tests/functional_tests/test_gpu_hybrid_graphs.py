@@ -12,7 +12,7 @@ SCRIPT = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "g
 
 
 def test_hybrid_mixed_graphs_equal_eager_without_captures_after_warmup(tmp_path):
-    from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
+    from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint
 
     path = str(make_tiny_hybrid_checkpoint("NemotronHForCausalLM", tmp_path / "nh"))
     work = SCRIPT["arrivals"](24, 128)

@@ -16,8 +16,8 @@ if not torch.cuda.is_available():  # before any kernel module is imported: the T
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner  # noqa: E402
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
-from megatron_async.testing.engine_harness import Arrival, forbid_host_traffic, run_arrivals, sampling_mix  # noqa: E402
+from tests.helpers.engine_harness import Arrival, forbid_host_traffic, run_arrivals, sampling_mix  # noqa: E402
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
 
 CFG = dict(block_size_tokens=4, max_requests=6, max_tokens=24, max_sequence_length=96, enable_prefix_caching=True,
            prefix_caching_mamba_gb=1e-3)

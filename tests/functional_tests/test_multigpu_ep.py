@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.testing.multiprocess import run_ranks
+from tests.helpers.multiprocess import run_ranks
 
 pytestmark = pytest.mark.multigpu
 

@@ -9,13 +9,13 @@ import dataclasses
 import pytest
 import torch
 
+from benchmarks.cuda_timing import capture
 from megatron_async.config import ExpertExchange
 from megatron_async.kernels.backends import KernelBackends
 from megatron_async.models.layers.block import StepInputs
 from megatron_async.parallel.state import ParallelState
-from megatron_async.testing.moe_layers import MOE_CONFIGS, build_moe_layer
-from megatron_async.testing.multiprocess import run_ranks
-from megatron_async.tools.cuda_timing import capture
+from tests.helpers.moe_layers import MOE_CONFIGS, build_moe_layer
+from tests.helpers.multiprocess import run_ranks
 
 pytestmark = pytest.mark.multigpu
 

@@ -11,10 +11,10 @@ import torch  # noqa: E402
 
 from megatron_async import SamplingParams  # noqa: E402
 from megatron_async.inference.speculative.mtp_drafter import MTPDrafter  # noqa: E402
-from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
-from megatron_async.testing.mtp_heads import add_mtp_heads  # noqa: E402
+from tests.helpers.engine_harness import make_llm, random_prompts  # noqa: E402
+from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
+from tests.helpers.mtp_heads import add_mtp_heads  # noqa: E402
 from tests.helpers.mtp_reference import MTPReference  # noqa: E402
-from megatron_async.testing.engine_harness import make_llm, random_prompts  # noqa: E402
 
 torch.set_num_threads(1)
 K = 3
@@ -148,8 +148,8 @@ def test_mtp_through_pauses_evictions_and_prefix_hits(ckpts, case):
     """The drafter's per-slot state survives the lifecycle: evicted requests are re-admitted
     with their generated tokens (on_admit refills the history), prefix hits skip prefill (the
     MTP KV of the shared blocks comes from the cache)."""
-    from megatron_async.testing.engine_harness import Arrival
-    from megatron_async.testing.spec_harness import run_plain_and_spec
+    from tests.helpers.engine_harness import Arrival
+    from tests.helpers.spec_harness import run_plain_and_spec
 
     if case == "small_pool":
         arr = [Arrival(i, p, SamplingParams(top_k=1, num_tokens_to_generate=24))

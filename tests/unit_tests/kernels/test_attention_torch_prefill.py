@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_async.kernels import attention_torch
-from megatron_async.testing.engine_harness import HOST_DATA, HOST_READS
+from tests.helpers.engine_harness import HOST_DATA, HOST_READS
 
 from paged_attention_cases import make_case  # noqa: E402
 

@@ -116,7 +116,7 @@ def test_real_shapes_on_gpu(dtype, m):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper (TMA) GPU")
 def test_graph_replay_matches_eager_on_gpu():
-    from megatron_async.tools.cuda_timing import capture
+    from benchmarks.cuda_timing import capture
 
     torch.manual_seed(0)
     x = torch.randn(96, 1024, dtype=torch.bfloat16, device="cuda")
