@@ -1,5 +1,5 @@
-"""Random paged-attention problems for comparing attention backends (CPU tests and the
-GPU check script).
+"""Random paged-attention problems for comparing attention backends (the kernel tests and
+``python -m benchmarks kernel-times paged-attention``).
 
 Each row has ``cached`` tokens already in the cache and ``new`` query tokens this step.
 Rows get shuffled block ids, so tiles gather from scattered blocks. Every cache slot that
@@ -13,6 +13,27 @@ import torch
 
 from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels import attention_torch
+
+
+QWEN3_06B_HEADS = dict(num_heads=16, num_kv_heads=8, head_dim=128)
+"""Qwen3-0.6B's attention shape per rank: the real shape of the GPU tests and timings."""
+
+MIXED_PREFILL = [(0, 512), (1024, 512), (300, 256), (0, 128)]
+"""A mixed step's prefill chunks: fresh prompts and chunks continuing a cached prefix."""
+
+
+def decode_rows(batch: int, max_len: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    """A decode step: one new token per row, KV lengths uniform in [max_len / 2, max_len] (a
+    single row gets max_len)."""
+    if batch == 1:
+        return [(max_len - 1, 1)]
+    lens = torch.randint(max_len // 2, max_len + 1, (batch,), generator=gen).tolist()
+    return [(n - 1, 1) for n in lens]
+
+
+def mixed_rows(max_len: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    """A mixed step: ``MIXED_PREFILL``'s chunks plus 64 decode rows."""
+    return MIXED_PREFILL + decode_rows(64, max_len, gen)
 
 
 @dataclass
