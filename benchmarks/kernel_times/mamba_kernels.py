@@ -1,30 +1,24 @@
-"""In-repo Triton Mamba2 kernels vs the torch reference at real shapes on CUDA: accuracy and
-time (CUDA events after warm-up, median).
+"""In-repo Triton Mamba2 kernels against the torch reference at NemotronH-like shapes on CUDA (128
+heads of 64, d_state 128, 8 groups, conv kernel 4, bf16 activations, fp32 SSM states): time per
+call (CUDA events after warm-up, median). Decode: batches of 1-256 rows on slot pools; "torch" is
+the reference as the mixer runs it (gather the rows' states, step, scatter back), "triton" the
+in-place slot kernels, also replayed from a CUDA graph (with the state bandwidth). Mixed steps:
+decode rows and a prefill chunk through the packed (varlen) conv + scan, eager and from a CUDA
+graph. Errors and graph == eager for orientation: the assertions are
+tests/unit_tests/kernels/test_mamba_triton.py's and test_mamba_varlen.py's.
 
-Shapes are NemotronH-like: 128 heads of 64, d_state 128, 8 groups, conv kernel 4, bf16
-activations, fp32 SSM states. Decode: batches of 1..256 rows on slot pools; "torch" is the
-reference as the mixer runs it (gather the rows' states, step, scatter back), "triton" the
-in-place slot kernels, also replayed from a CUDA graph (checked equal to eager). Mixed steps:
-decode rows + a prefill chunk through the packed (varlen) conv + scan, eager and from a CUDA
-graph, vs the torch reference.
-
-    python scripts/gpu_check.py mamba-kernels [--iters 10]
-"""
+    python -m benchmarks kernel-times mamba-kernels [--iters 10]"""
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from benchmarks.cuda_timing import median_ms
-from megatron_async.kernels.conv1d_torch import causal_conv1d_step  # noqa: E402
-from megatron_async.kernels.ssd_torch import ssd_step  # noqa: E402
-from megatron_async.kernels.triton_mamba_decode import causal_conv1d_update, selective_state_update  # noqa: E402
+from megatron_async.kernels.conv1d_torch import causal_conv1d_step
+from megatron_async.kernels.ssd_torch import ssd_step
+from megatron_async.kernels.triton_mamba_decode import causal_conv1d_update, selective_state_update
 
 H, P, N, G, K = 128, 64, 128, 8, 4
 CONV_DIM = H * P + 2 * G * N
@@ -41,7 +35,7 @@ def gathered(pool: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) ->
     return torch.where(has_init.view(-1, *([1] * (pool.dim() - 1))), states, torch.zeros_like(states))
 
 
-def check_decode(batch: int, iters: int) -> str:
+def decode_times(batch: int, iters: int) -> str:
     x, B, C = (torch.randn(batch, *s, device=DEV, dtype=BF16) for s in ((H, P), (G, N), (G, N)))
     dt = F.softplus(torch.randn(batch, H, device=DEV) - 2)
     A, D = -torch.rand(H, device=DEV) * 4 - 0.5, torch.randn(H, device=DEV)
@@ -92,7 +86,7 @@ def check_decode(batch: int, iters: int) -> str:
             f"  graph {t_graph:7.3f} ms ({state_gb / t_graph * 1e3:6.0f} GB/s state)  graph==eager {graph_ok}")
 
 
-def check_mixed(num_decode: int, chunk: int, iters: int) -> str:
+def mixed_times(num_decode: int, chunk: int, iters: int) -> str:
     """A mixed step: ``num_decode`` decode rows + one prefill chunk through the varlen conv + scan
     of mixed steps (what a mixed CUDA graph replays). Error vs the torch reference (per row, as
     the mixer runs it without the kernels)."""
@@ -135,19 +129,14 @@ def check_mixed(num_decode: int, chunk: int, iters: int) -> str:
             f"(graph {t_graph:6.2f} ms)")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=10)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs CUDA")
+
+
+def run(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}: heads {H}, head_dim {P}, d_state {N}, groups {G}, bf16 activations")
+    print(f"heads {H}, head_dim {P}, d_state {N}, groups {G}, bf16 activations")
     for batch in (1, 8, 64, 256):
-        print(check_decode(batch, args.iters))
+        print(decode_times(batch, args.iters))
     for num_decode, chunk in ((127, 1024), (127, 64), (16, 2048)):
-        print(check_mixed(num_decode, chunk, args.iters))
-
-
-if __name__ == "__main__":
-    main()
+        print(mixed_times(num_decode, chunk, args.iters))
