@@ -1,29 +1,25 @@
-"""Fused elementwise Triton kernels vs the layers' torch code on CUDA at Qwen3-0.6B shapes
-(bf16): accuracy, device time and host time per call, and CUDA kernels per decoder layer.
+"""Fused elementwise Triton kernels (RMSNorm, add + RMSNorm, q/k norm + rope, rope, SiLU-and-mul)
+against the layers' torch code on CUDA at Qwen3-0.6B shapes (bf16): device and host time per
+call, and CUDA kernels per decoder layer of a decode step, fused and not. The error columns (max
+|fused - torch| and the share of elements that differ at all) are for orientation: the
+assertions are tests/unit_tests/kernels/test_fused_ops_gpu.py's. Well under 30 s.
 
-    python scripts/gpu_check.py fused-elementwise [--tokens 8 128 2048] [--iters 50]
-
-Errors are max |fused - torch| and the share of elements that differ at all (expected 0
-for rope and the residual sum, rare last-ulp flips elsewhere). Runs in well under 30 s."""
+    python -m benchmarks kernel-times fused-elementwise [--tokens 8 128 2048] [--iters 50] [--batch 8]"""
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from benchmarks.cuda_timing import host_us, median_ms
-from megatron_async.kernels import fused_ops  # noqa: E402
-from megatron_async.kernels.backends import KernelBackends  # noqa: E402
-from megatron_async.models.gpt import build_gpt  # noqa: E402
-from megatron_async.models.layers.norm import RMSNorm  # noqa: E402
-from megatron_async.models.layers.rope import RotaryEmbedding, apply_rotary  # noqa: E402
-from tests.helpers.simple_session import SimpleSession  # noqa: E402
+from megatron_async.kernels import fused_ops
+from megatron_async.kernels.backends import KernelBackends
+from megatron_async.models.gpt import build_gpt
+from megatron_async.models.layers.norm import RMSNorm
+from megatron_async.models.layers.rope import RotaryEmbedding, apply_rotary
+from tests.helpers.simple_session import SimpleSession
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS, THETA, MAX_POS = 1024, 16, 8, 128, 3072, 1e-6, 1e6, 40960
 DTYPE = torch.bfloat16
@@ -51,7 +47,7 @@ def compare(name: str, T: int, run, iters: int) -> None:
           f"{torch_dev:>10.1f}{fused_dev:>10.1f}{torch_host:>10.1f}{fused_host:>10.1f}")
 
 
-def check_ops(tokens: list[int], iters: int) -> None:
+def op_times(tokens: list[int], iters: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -113,26 +109,21 @@ def kernels_per_step(num_layers: int, batch: int, fused: bool) -> int:
     return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def check_kernel_counts(batch: int) -> None:
+def kernel_counts(batch: int) -> None:
     for enabled in (False, True):
         one, three = kernels_per_step(1, batch, enabled), kernels_per_step(3, batch, enabled)
         print(f"{'fused' if enabled else 'torch'}: {(three - one) / 2:.0f} CUDA kernels per decoder layer "
               f"(decode step of {batch} rows; 1-layer step {one} kernels)")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[8, 128, 2048])
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--batch", type=int, default=8, help="decode rows for the kernel count")
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs CUDA")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8, 128, 2048])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--batch", type=int, default=8, help="decode rows for the kernel count")
+
+
+def run(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     with torch.no_grad():
-        check_ops(args.tokens, args.iters)
-        check_kernel_counts(args.batch)
-
-
-if __name__ == "__main__":
-    main()
+        op_times(args.tokens, args.iters)
+        kernel_counts(args.batch)
