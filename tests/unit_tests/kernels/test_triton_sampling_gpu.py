@@ -10,6 +10,9 @@ import torch
 pytest.importorskip("triton")
 
 from megatron_async.kernels import triton_sampling  # noqa: E402
+from tests.helpers.sampler_cases import (  # noqa: E402
+    CASES, KINDS, TUNINGS, case_filters, fast, make_logits, penalty_rows, reference, row_params, step_flags,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -35,3 +38,42 @@ def test_argmax_is_torchs_first_largest_index(rows):
 def test_argmax_launch_settings_keep_the_answer(chunk, block, warps):
     for x in _logits(128, seed=chunk + block + warps, count=2):
         assert torch.equal(triton_sampling.argmax(x, chunk=chunk, block=block, num_warps=warps), x.argmax(-1))
+
+
+def _draws_equal_the_reference(R: int, V: int, kind: str, name: str, seed: int, device: str, **launch) -> None:
+    """Fresh logits and parameters (odd seeds: every row its own): the Triton sampler draws the
+    reference's tokens with every filter stage launched, with the step's own filter flags (as
+    the engine launches it: no top-k row, top-p draws first), and from the bf16 logits the
+    engine hands it (exact in float32)."""
+    gen = torch.Generator(device=device).manual_seed(seed + 7919 * R + 104729 * KINDS.index(kind))
+    logits = make_logits(R, V, kind, gen)
+    params = row_params(R, CASES[name], gen, mixed=seed % 2 == 1)
+    pen = penalty_rows(R, V, gen) if CASES[name][4] else None
+    expected = reference(logits, params, pen, True)
+    assert torch.equal(fast(logits, params, pen, True, **launch), expected), "all filter stages"
+    flags = step_flags(params, V)
+    assert torch.equal(fast(logits, params, pen, flags, **launch), expected), f"step flags {flags}"
+    assert torch.equal(fast(logits.to(torch.bfloat16), params, pen, True, **launch), expected), "bf16 logits"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [128, 256])
+def test_sampler_draws_the_references_tokens(rows, kind, case):
+    for seed in range(3):
+        _draws_equal_the_reference(rows, VOCAB, kind, case, seed, "cuda")
+
+
+@pytest.mark.parametrize("tuning", TUNINGS, ids=lambda t: "-".join(map(str, t)))
+def test_launch_variants_draw_the_references_tokens(tuning):
+    """The fast path's launch variants (chunk, histogram block, pivots, candidate cap, warps) at 128 rows."""
+    chunk, hist_block, pivots, cap, warps = tuning
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for name in ("temperature", "top_k=50", "top_p=0.95", "k+p+min_p"):
+        for kind in ("spread", "flat"):
+            logits = make_logits(128, VOCAB, kind, gen)
+            params = row_params(128, CASES[name], gen, mixed=False)
+            filters = case_filters(CASES[name])
+            got = fast(logits, params, None, filters, chunk=chunk, hist_block=hist_block, pivots=pivots, cap=cap,
+                       num_warps=warps)
+            assert torch.equal(got, reference(logits, params, None, any(filters))), (name, kind)
