@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-NAMES = ["paged-attention", "mamba-kernels", "fused-elementwise", "small-kernels", "sampler-kernels", "log-probs"]
+NAMES = ["paged-attention", "mamba-kernels", "fused-elementwise", "small-kernels", "sampler-kernels", "log-probs", "swiglu-matmul"]
 
 
 def module(name: str) -> ModuleType:
