@@ -1,10 +1,12 @@
-"""Fused Triton MoE vs the torch reference on CUDA for a Qwen3-30B-A3B-shaped MoE layer (hidden
-2048, 128 experts, top-8, moe_intermediate 768, bf16): accuracy, time per call, and the whole
-MoE layer (router + experts) in a CUDA graph against its floor: reading the weights of the
-experts the batch activates at the device's copy bandwidth.
+"""Fused Triton MoE against the torch reference on CUDA for a Qwen3-30B-A3B MoE layer (hidden 2048,
+128 experts, top-8, moe_intermediate 768, bf16; tests/helpers/moe_layers.py): time per call, and
+the whole MoE layer (router + experts) in a CUDA graph against its floor: reading the weights of
+the experts the batch activates at the device's copy bandwidth. Errors and same-bits columns are
+for orientation: the assertions are tests/unit_tests/kernels/test_fused_moe_gpu.py's,
+test_moe_grouped_mm_gpu.py's and test_moe_plan.py's.
 
-    python scripts/gpu_check.py fused-moe [--tokens 1 8 32 128 512 2048] [--iters 30]
-    python scripts/gpu_check.py fused-moe --grouped-mm [--tokens 512 1024 2048 8192]
+    python -m benchmarks kernel-times fused-moe [--tokens 1 8 32 128 512 2048] [--iters 30] [--sweep | --by-kernel]
+    python -m benchmarks kernel-times fused-moe --grouped-mm [--tokens 512 1024 2048 8192]
 
 Columns: tokens; active experts; their weights in MB; floor us (weights / copy bandwidth);
 layer_graph us (router + align + 2 grouped GEMMs, replayed graph) and its ratio to the floor;
@@ -13,47 +15,40 @@ fused / reference: eager time of the routed experts alone; err: max |fused - ref
 ``--grouped-mm``: the routed experts alone through the fused Triton MoE and through torch's
 grouped GEMM (``moe_grouped_mm``), eager and replayed in a graph, at prefill token counts: ms per
 call, TFLOP/s of the routed FLOPs (2 * tokens * k * (N * K + H * I)), max error against the torch
-reference; the grouped path by kernel at the largest count first, the table last. Exits 1 when an error is over 3e-2.
+reference; the grouped path by kernel at the largest count first, the table last.
 
 ``--combine-norm``: the grouped GEMM's last step and the next block's residual add + RMSNorm,
 as ``combine_slots`` then ``add_rms_norm`` (two kernels) against the one kernel of a deferred
 combine (``moe_grouped_mm.PendingCombine``): equal bits (both norm orders), then us per call
 in a CUDA graph of 48 calls (one per layer) at each --tokens (default 2048 8192), the table
-last. Exits 1 when a bit differs.
+last.
 
-    python scripts/gpu_check.py fused-moe --combine-norm [--tokens 2048 8192]
+    python -m benchmarks kernel-times fused-moe --combine-norm [--tokens 2048 8192]
 
 ``--plan``: the grouped GEMM's row plan (``triton_moe_plan.plan_rows``, two kernels) at 4,096,
 16,384 and 65,536 pairs (512, 2,048, 8,192 tokens of the layer's router; ``--tokens`` to change):
 equal bits to ``plan_rows_torch`` (router ids, and with ids of no expert mixed in), us per plan in
 a graph of 48 (one per layer) and each kernel's device time, at the default segment size then at
-each segment size and warp count, the table last. Exits 1 when a bit differs.
+each segment size and warp count, the table last.
 
-    python scripts/gpu_check.py fused-moe --plan"""
+    python -m benchmarks kernel-times fused-moe --plan"""
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.cuda_timing import graph_call_us, graph_replay, median_ms
+from megatron_async.kernels import fused_ops, moe_grouped_mm, triton_fused_moe, triton_moe_plan
+from megatron_async.kernels.backends import KernelBackends
+from megatron_async.kernels.moe_torch import fused_experts_torch
+from megatron_async.models.layers.block import StepInputs
+from megatron_async.models.layers.moe import MoEMixer
+from tests.helpers.moe_layers import QWEN3_30B_HIDDEN as HIDDEN, QWEN3_30B_MOE, qwen3_30b_moe_layer
 
-from benchmarks.cuda_timing import graph_call_us, graph_replay, median_ms  # noqa: E402
-from megatron_async.kernels import fused_ops, moe_grouped_mm, triton_fused_moe, triton_moe_plan  # noqa: E402
-from megatron_async.kernels.backends import KernelBackends  # noqa: E402
-from megatron_async.kernels.moe_torch import fused_experts_torch  # noqa: E402
-from megatron_async.models.layers.block import StepInputs  # noqa: E402
-from megatron_async.models.layers.moe import MoEMixer  # noqa: E402
-from megatron_async.models.moe_config import MoEConfig, RouterScore  # noqa: E402
-from megatron_async.parallel.state import ParallelState  # noqa: E402
-
-HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
+EXPERTS, TOP_K, INTER = QWEN3_30B_MOE.num_experts, QWEN3_30B_MOE.top_k, QWEN3_30B_MOE.intermediate_size
 DTYPE = torch.bfloat16
 TRITON = StepInputs(None, None, None, kernels=KernelBackends(attention="triton"))  # the fused MoE experts
-CFG = MoEConfig(EXPERTS, TOP_K, INTER, gated=True, score=RouterScore.SOFTMAX, norm_topk_prob=True,
-                hf_gate="gate_proj", hf_up="up_proj", hf_down="down_proj", weights_in_model_dtype=True)
 
 
 def copy_bandwidth_gbs() -> float:
@@ -111,12 +106,11 @@ def sweep(layer: MoEMixer, tokens: list[int], iters: int, tiles: bool) -> None:
                               f"{torch.equal(fn(), base)} |")
 
 
-def grouped_mm(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
-    """The Triton and grouped-GEMM paths of the routed experts side by side; True when both match
-    the reference within 3e-2 (the bf16 tolerance of the kernel tests)."""
+def grouped_mm(layer: MoEMixer, tokens: list[int], iters: int) -> None:
+    """The Triton and grouped-GEMM paths of the routed experts side by side."""
     w13, w2 = layer.experts.gate_up_proj.weight, layer.experts.down_proj.weight
     flops_per_pair = 2 * (w13.shape[1] * w13.shape[2] + w2.shape[1] * w2.shape[2])
-    rows, ok = [], True
+    rows = []
     for T in tokens:
         x = torch.randn(T, HIDDEN, device=w13.device, dtype=DTYPE)
         ids, weights = layer.gate.route(x)
@@ -131,7 +125,6 @@ def grouped_mm(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
                 print(f"  {us:8.1f}  {name[:100]}")
         for name, fn in paths.items():
             err = float((fn().float() - expect).abs().max() / expect.abs().max())
-            ok &= err < 3e-2
             eager, graph = median_ms(fn, iters), median_ms(graph_replay(fn), iters)
             rows.append((T, name, eager, graph, flops / (graph * 1e-3) / 1e12, err))
     print(f"\n{torch.cuda.get_device_name()}: routed experts of one Qwen3-30B-A3B layer "
@@ -143,13 +136,12 @@ def grouped_mm(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
     graph_ms = {(T, name): graph for T, name, _, graph, _, _ in rows}
     print("per step of 48 such layers, grouped_mm saves (graph ms): " + ", ".join(
         f"{T} tokens {48 * (graph_ms[T, 'triton'] - graph_ms[T, 'grouped_mm']):.1f}" for T in tokens))
-    return ok
 
 
-def combine_norm(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
-    """Two kernels (combine, add + norm) against the deferred combine's one: True when the bits agree."""
+def combine_norm(layer: MoEMixer, tokens: list[int], iters: int) -> None:
+    """Two kernels (combine, add + norm) against the deferred combine's one."""
     w13, w2 = layer.experts.gate_up_proj.weight, layer.experts.down_proj.weight
-    rows, ok = [], True
+    rows = []
     for T in tokens:
         x = torch.randn(T, HIDDEN, device=w13.device, dtype=DTYPE)
         residual = torch.randn(T, HIDDEN, device=w13.device, dtype=DTYPE)
@@ -162,7 +154,6 @@ def combine_norm(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
             two = fused_ops.add_rms_norm(pending.reduce(), residual, weight, 1e-6, cast_before_weight)
             one = pending.add_rms_norm(residual, weight, 1e-6, cast_before_weight)
             same &= all(torch.equal(a, b) for a, b in zip(one, two))
-        ok &= same
         fns = {"combine + add_rms_norm": lambda: fused_ops.add_rms_norm(pending.reduce(), residual, weight, 1e-6),
                "combine_add_rms_norm": lambda: pending.add_rms_norm(residual, weight, 1e-6, True)}
         for name, fn in fns.items():
@@ -177,12 +168,11 @@ def combine_norm(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
     print("per step of 48 layers, the fused kernel saves (ms): " + ", ".join(
         f"{T} tokens {48e-3 * (us[T, 'combine + add_rms_norm'] - us[T, 'combine_add_rms_norm']):.2f}"
         for T in tokens))
-    return ok
 
 
-def plan(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
-    """The row plan at each --tokens and segment size: True when every plan has the reference's bits."""
-    rows, ok = [], True
+def plan(layer: MoEMixer, tokens: list[int], iters: int) -> None:
+    """The row plan at each --tokens and segment size (with whether it has the reference's bits)."""
+    rows = []
     for T in tokens:
         x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
         ids = layer.gate.route(x)[0]
@@ -195,7 +185,6 @@ def plan(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
 
             same = all(torch.equal(a.long(), b.long()) for i in (ids, dropped) for a, b in
                        zip(moe_grouped_mm.plan_rows_torch(i, EXPERTS), fn(i)))
-            ok &= same
             kernels = dict(kernel_table(fn, iters))
             count, place = (next((us for k, us in kernels.items() if name in k), 0.0) for name in ("_count", "_place"))
             rows.append((n, seg, warps, graph_call_us([fn], 48, replays=max(3, iters // 6)), count, place, same))
@@ -205,11 +194,9 @@ def plan(layer: MoEMixer, tokens: list[int], iters: int) -> bool:
     print("|---:|---:|---:|---:|---:|---:|---|")
     for n, seg, warps, us, count, place, same in rows:
         print(f"| {n} | {seg} | {warps} | {us:.1f} | {count:.1f} | {place:.1f} | {same} |")
-    return ok
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=None,
                         help="default 1 8 32 128 512 2048; 512 1024 2048 8192 with --grouped-mm; "
                              "2048 8192 with --combine-norm; 512 2048 8192 with --plan")
@@ -222,19 +209,18 @@ def main() -> None:
     parser.add_argument("--combine-norm", action="store_true",
                         help="the slot sum + next norm, two kernels against the deferred combine's one")
     parser.add_argument("--plan", action="store_true", help="the grouped GEMM's row plan: equal bits, us per layer")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
     args.tokens = args.tokens or ([512, 1024, 2048, 8192] if args.grouped_mm else [2048, 8192] if args.combine_norm
                                   else [512, 2048, 8192] if args.plan else [1, 8, 32, 128, 512, 2048])
     torch.manual_seed(0)
-    layer = MoEMixer(HIDDEN, CFG, ParallelState(), DTYPE, "cuda").eval()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0.0, 0.02)
+    layer = qwen3_30b_moe_layer()
     if args.grouped_mm or args.combine_norm or args.plan:
         with torch.no_grad():
-            ok = (grouped_mm if args.grouped_mm else combine_norm if args.combine_norm else plan)(
-                layer, args.tokens, args.iters)
-        sys.exit(0 if ok else 1)
+            (grouped_mm if args.grouped_mm else combine_norm if args.combine_norm else plan)(layer, args.tokens,
+                                                                                             args.iters)
+        return
     w13, w2 = layer.experts.gate_up_proj.weight, layer.experts.down_proj.weight
     bw = copy_bandwidth_gbs()
     expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
@@ -262,6 +248,3 @@ def main() -> None:
             print(f"{T:>6}{active:>8}{nbytes / 1e6:>9.1f}{floor_us:>10.1f}{layer_us:>13.1f}"
                   f"{layer_us / floor_us:>9.2f}{fused_us:>10.1f}{ref_us:>10.1f}{err:>10.2e}")
 
-
-if __name__ == "__main__":
-    main()
