@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-NAMES = ["hybrid-graphs"]
+NAMES = ["hybrid-graphs", "speculative-gpu"]
 
 
 def module(name: str) -> ModuleType:
