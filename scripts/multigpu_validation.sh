@@ -3,12 +3,17 @@
 # Logs go to ${OUT:-gpu_out}.
 #   bash scripts/multigpu_validation.sh [PYTEST ARGS]   # `pytest -m multigpu`: fp32 TP=2/4 tokens == TP=1
 #       on NCCL for GPT and hybrid checkpoints, speculative decoding under TP=2 / EP=2 (`-k
-#       multigpu_speculative -s` prints VERDICT lines), bf16 TP runs against TP=1. Each test spawns its
-#       ranks and compiles its kernels (~30-130 s): pass a file or -k selection per 10-minute call.
+#       multigpu_speculative -s` prints VERDICT lines), bf16 TP runs against TP=1, EP=2/4 engines with
+#       and without graphs against EP=1 (test_multigpu_ep.py), the EP MoE layer on NCCL at tiny and
+#       Qwen3-30B-A3B shapes and NCCL collectives in CUDA graphs (test_multigpu_ep_layer.py). Each test
+#       spawns its ranks and compiles its kernels (~30-130 s): pass a file or -k selection per 10-minute call.
 #   bash scripts/multigpu_validation.sh fused-norm [WORLD]   # the TP all-reduce fused with the residual
 #       add + RMSNorm: its checks and us per decoder layer against the unfused P2P path
 #       (python -m benchmarks all-reduce), then the Qwen3-8B-shape decode step at TP=WORLD, async +
 #       graphs, P2P unfused vs fused (python -m benchmarks tp-scaling); < 4 minutes on 2 GPUs.
+#   bash scripts/multigpu_validation.sh ep-exchange [EP ...]  # the EP MoE layer (Qwen3-30B-A3B shape) timed
+#       with the all-gather (eager, graph) and all-to-all exchange against EP=1 on the same global batch
+#       (python -m benchmarks kernel-times ep-exchange; default EP 2 4); < 3 minutes.
 #   bash scripts/multigpu_validation.sh tp-invariance        # batch-invariant mode under TP=2: the main
 #       job (torchrun, built-in qwen3-0.6b bf16, sampled with log-probs) twice with different schedules
 #       (serial, 512-token steps, 64 requests per step; launch-ahead, 8192-token steps, 16): every
@@ -68,6 +73,12 @@ PY
 
 case "${1:-}" in
   fused-norm) shift; fused_norm "$@" ;;
+  ep-exchange) shift
+    [ $# -gt 0 ] || set -- 2 4
+    timeout 500 python -m benchmarks kernel-times ep-exchange --ep "$@" > "$out/ep_exchange.log" 2>&1
+    rc=$?
+    tail -12 "$out/ep_exchange.log"
+    exit $rc ;;
   tp-invariance) tp_invariance ;;
   *)
     timeout 560 python -m pytest -q -p no:cacheprovider -m multigpu tests -rs "$@" > "$out/multigpu_tests.log" 2>&1

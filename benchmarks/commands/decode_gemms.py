@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The decode GEMMs of the built-in qwen3-0.6b shape, alone, inside CUDA graphs: device time
 per call of ``F.linear`` (cuBLAS; gate_up followed by the SiLU-mul kernel, the model's path
-before the fused gate_up + SwiGLU kernel, which ``scripts/gpu_check.py swiglu-matmul`` compares with it)
+before the fused gate_up + SwiGLU kernel, which ``python -m benchmarks kernel-times swiglu-matmul`` compares with it)
 and of the batch-invariant Triton matmul, then one decode step's GEMM sequence (28 layers of
 qkv, o_proj, gate_up + SiLU-mul, down, then the LM head) against its weight-read floor.
 

@@ -32,3 +32,17 @@ def test_a_subcommand_gets_the_remaining_arguments():
     assert "--rows" in out.stdout and "usage: host_step.py" in out.stdout
     bad = _run("no-such-thing")
     assert bad.returncode == 2 and "host-step" in bad.stderr
+
+
+def test_kernel_times_and_engine_times_take_every_module():
+    """kernel-times / engine-times: one argument per module of benchmarks/kernel_times/ and
+    benchmarks/engine_times/, each module importable with its options."""
+    import argparse
+
+    from benchmarks import engine_times, kernel_times
+
+    for package in (kernel_times, engine_times):
+        modules = sorted(p.stem.replace("_", "-") for p in Path(package.__file__).parent.glob("[!_]*.py"))
+        assert sorted(package.NAMES) == modules
+        for name in package.NAMES:
+            package.module(name).add_arguments(argparse.ArgumentParser())
