@@ -24,8 +24,6 @@ MAX_REASONS_PRINTED = 10
 
 def build_parser(description: str, require_model: bool = False) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=flags.HelpFormatter)
-    p.add_argument("--benchmark", action="store_true",
-                   help="run python -m benchmarks side-by-side (the side-by-side benchmark) with the remaining flags")
     flags.add_model_args(p, require_model)
     flags.add_parallel_args(p)
     flags.add_engine_args(p)
@@ -137,16 +135,10 @@ def load_llm(args: argparse.Namespace, **config_overrides) -> LLM:
         raise SystemExit(1) from None
 
 
-def main(argv: list[str] | None = None, description: str = "megatron_async main job", require_model: bool = False) -> RunSummary | None:
-    """Run the job and return its summary (None for --benchmark). Exits (SystemExit) on bad flags
+def main(argv: list[str] | None = None, description: str = "megatron_async main job", require_model: bool = False) -> RunSummary:
+    """Run the job and return its summary. Exits (SystemExit) on bad flags
     or a model that cannot be loaded; ``cli_main`` turns failed requests into the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--benchmark" in argv:
-        from benchmarks.side_by_side import main as benchmark_main
-
-        argv.remove("--benchmark")
-        benchmark_main(argv)
-        return None
     parser = build_parser(description, require_model)
     args = parse_args(parser, argv)
     flags.resolve_device_args(args)

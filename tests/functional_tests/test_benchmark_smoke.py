@@ -69,11 +69,8 @@ def test_smoke_report_json(smoke):
         ("hf_generate", "greedy"), ("hf_generate_static", "greedy"), ("hf_generate_batch", "greedy")]
 
 
-def test_mode_subset_time_guard_and_main_job_dispatch(tmp_path, capsys):
-    from megatron_async.cli.main_job import main as job_main
-
-    assert job_main(["--benchmark", "--smoke", "--modes", "serial", "--max-minutes", "0",
-                     "--output-dir", str(tmp_path)]) is None
+def test_mode_subset_and_time_guard(tmp_path, capsys):
+    benchmark_main(["--smoke", "--modes", "serial", "--max-minutes", "0", "--output-dir", str(tmp_path)])
     report = json.loads((tmp_path / "benchmark.json").read_text())
     assert [(m["mode"], m["workload"], m["status"]) for m in report["modes"]] == [
         ("serial", "greedy", "skipped"), ("serial", "sampled", "skipped")]
