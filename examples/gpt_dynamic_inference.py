@@ -5,11 +5,10 @@
     python examples/gpt_dynamic_inference.py --model CKPT --prompt-file prompts.txt --output-path out.json
     python examples/gpt_dynamic_inference.py --model CKPT --chat --prompts "What is the capital of France?" \
         --num-tokens-to-generate 64 --top-k 1                  # CKPT=$(python scripts/fetch_smollm2.py)
-    python examples/gpt_dynamic_inference.py --benchmark --smoke  # the side-by-side benchmark
 """
 import sys
 
-from megatron_async.tools.main_job import cli_main
+from megatron_async.cli.main_job import cli_main
 
 if __name__ == "__main__":
     sys.exit(cli_main(__doc__.splitlines()[0]))

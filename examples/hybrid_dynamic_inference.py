@@ -7,7 +7,7 @@ Same flags as gpt_dynamic_inference.py, but --model is required: there is no bui
 """
 import sys
 
-from megatron_async.tools.main_job import cli_main
+from megatron_async.cli.main_job import cli_main
 
 if __name__ == "__main__":
     sys.exit(cli_main(__doc__.splitlines()[0], require_model=True))

@@ -65,7 +65,7 @@ def checkpoint_dir(args: argparse.Namespace, dtype: torch.dtype, tmp: str) -> st
     """The directory both sides load: ``--model``, or the built-in model written as an HF checkpoint."""
     if args.model:
         return args.model
-    from megatron_async.tools.hf_peers import save_default_checkpoint
+    from megatron_async.models.default_checkpoint import save_default_checkpoint
 
     return str(save_default_checkpoint(args.default_model, tmp, torch.device(args.device), dtype, seed=args.seed))
 

@@ -4,8 +4,12 @@ and benchmarks of speculative decoding with speculative_method="mtp":
 "random" heads draft badly; "copy_next" heads draft lm_head(final_norm(embed(token))), which
 is often right on a model whose layers add little (--scale-layers 0.05 makes one)."""
 import argparse
+import sys
+from pathlib import Path
 
-from megatron_async.testing.mtp_heads import INITS, add_mtp_heads
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's root, for tests.helpers
+
+from tests.helpers.mtp_heads import INITS, add_mtp_heads  # noqa: E402
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

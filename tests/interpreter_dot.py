@@ -5,7 +5,8 @@ x86 kernels (AVX2 at least) round an output row differently depending on where i
 tile: permuting a tile's rows changes their bits. A GPU's MMA computes each output element
 from its own row and column only, which is what the batch-invariant kernels and their tests
 rely on. ``np.einsum`` (no BLAS) sums each element's products in K order, whatever its
-neighbours: the tests and the CPU batch-invariance check use it through this patch.
+neighbours: the tests and `python -m benchmarks engine-times batch-invariance --smoke` use it through
+this patch.
 
 Imports nothing of megatron_async: it runs before TRITON_INTERPRET is set for the kernel
 modules, which choose interpreted or compiled when they are imported."""

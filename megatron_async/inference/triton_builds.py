@@ -3,7 +3,7 @@
 Triton calls ``knobs.runtime.jit_cache_hook`` when a kernel meets a specialization it has
 not built in this process; a build inside serving is a step of hundreds of milliseconds. The
 hook is Triton's one global, so the count is the process's (every engine in it), installed
-once and chained to any hook set before (``tools/compile_counter.py`` chains to it in turn).
+once and chained to any hook set before (``benchmarks/compile_counter.py`` chains to it in turn).
 Returning a false value lets Triton build as usual."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Routed experts as torch's CUTLASS grouped GEMM (``torch._grouped_mm``), for prefill-size
 batches on Hopper, where the fused Triton MoE's GEMMs reach about a third of the tensor cores'
-rate (``scripts/gpu_check.py fused-moe --grouped-mm`` times both).
+rate (``python -m benchmarks kernel-times fused-moe --grouped-mm`` times both).
 
 1. ``plan_rows`` (two Triton kernels on CUDA, ``triton_moe_plan``; torch ops elsewhere; nothing
    read on the host): the (token, slot) pairs sorted by expert
@@ -38,7 +38,7 @@ each group's rows are a multiple of 16 bytes of bf16; a few padding rows per exp
 MIN_PAIRS_PER_EXPERT = 32
 """``use_grouped_mm`` takes batches with more (token, slot) pairs per expert than this; smaller
 batches stay on the fused Triton MoE, whose small blocks suit decode. On an H100, one
-Qwen3-30B-A3B layer (``gpu_check.py fused-moe --grouped-mm``): 512 tokens (32 per expert) tie,
+Qwen3-30B-A3B layer (``kernel-times fused-moe --grouped-mm``): 512 tokens (32 per expert) tie,
 0.52 ms either way; 1,024 tokens 0.56 against 0.63 ms; 8,192 tokens 1.63 against 2.28 ms."""
 
 SWITCH = "MEGATRON_ASYNC_MOE_GROUPED_MM"

@@ -169,7 +169,7 @@ def choose_num_splits(num_rows: int, num_kv_heads: int, max_blocks_per_row: int,
     capped so a full-length row (the block table's width) keeps >= _MIN_TOKENS_PER_SPLIT
     keys per split. A step whose rows already come within 5 % of two fills keeps one split:
     256 programs on 132 SMs ran 4-25 % faster unsplit, without the merge kernel
-    (``gpu_check.py paged-attention --heads H KVH --sweep``: 32 x 8 and 64 x 4 rows x KV
+    (``kernel-times paged-attention --heads H KVH --sweep``: 32 x 8 and 64 x 4 rows x KV
     heads). Depends on shapes only (graph-safe, see the module docstring)."""
     programs, fill = max(1, num_rows * num_kv_heads), 2 * num_compute_units(device)
     want = 1 if programs >= 0.95 * fill else triton.cdiv(fill, programs)
@@ -193,7 +193,7 @@ def decode_attention(
 
     ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the split count,
     key-tile size and launch settings, ``heads_fastest=False`` puts rows first in the grid (tests,
-    ``gpu_check.py paged-attention --sweep``)."""
+    ``kernel-times paged-attention --sweep``)."""
     check_cache(kv_cache, q)
     num_rows, num_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -202,7 +202,7 @@ def decode_attention(
         return out
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, meta.block_table.shape[1], block_size, q.device)
-    # 128-key tiles, 3 stages: the fastest of `gpu_check.py paged-attention --sweep R 100 L --sweep-heads-first` on an
+    # 128-key tiles, 3 stages: the fastest of `kernel-times paged-attention --sweep R 100 L --sweep-heads-first` on an
     # both 128 rows x 100-1,152 keys (123.3 us; 32-key tiles 120.2 there but 137.5 at 64 rows) and
     # 64 rows x 100-2,048 (109.7 us); wider heads keep the smaller tile (shared memory)
     wide = head_dim > 128

@@ -200,7 +200,7 @@ class GemmTiles:
 
 
 _DECODE_TILES = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
-"""Blocks of 16 pairs (decode-size batches): the best of ``gpu_check.py fused-moe --sweep`` for both
+"""Blocks of 16 pairs (decode-size batches): the best of ``kernel-times fused-moe --sweep`` for both
 GEMMs at 1 and 128 tokens (Qwen3-30B-A3B layer): gate_up 23.2 -> 19.4 us at 1 token,
 285 -> 271 us at 128; down 11.7 -> 11.2 / 147.6 -> 144.1. Larger blocks keep the defaults
 (not swept; deeper K tiles there would need more shared memory per stage)."""
@@ -246,7 +246,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
                   topk_weights: torch.Tensor, gated: bool, gate_up_tiles: GemmTiles | None = None,
                   down_tiles: GemmTiles | None = None) -> torch.Tensor:
     """See ``kernels.moe_experts.fused_experts``. ``gate_up_tiles`` / ``down_tiles`` override the two
-    GEMMs' launch settings (``gpu_check.py fused-moe --sweep``)."""
+    GEMMs' launch settings (``kernel-times fused-moe --sweep``)."""
     M, K = x.shape
     E, N, _ = w13.shape
     H, I = w2.shape[1], w2.shape[2]

@@ -163,7 +163,7 @@ def log_probs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, batch_inva
     first index of its largest logit, as ``argmax``), written into ``tokens``: a greedy step
     then reads its logits once for both (not in batch-invariant mode, whose keys order
     ``x - lse``, where rounding can tie logits that argmax separates).
-    ``scripts/gpu_check.py log-probs --sweep`` times the launch settings against each other."""
+    ``python -m benchmarks kernel-times log-probs --sweep`` times the launch settings against each other."""
     assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
     assert tokens.dtype == torch.int64 and 0 <= top_n <= min(MAX_TOP_N, logits.shape[1]) and chunk % GROUP == 0
     if logits.stride(1) != 1:

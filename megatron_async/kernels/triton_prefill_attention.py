@@ -201,7 +201,7 @@ def max_registers(head_dim: int, device: torch.device, fixed_order: bool = False
     """Registers per thread the compiler may use (None: its choice). Capped at 128 for 64-row
     tiles of 32 keys and head_dim <= 128, four programs fit an H100 SM instead of two (its
     choice: 232 registers): 1.2x on a 30B-A3B / 8B / 0.6B-shaped mixed step of 8,192 tokens
-    (``gpu_check.py paged-attention --sweep-prefill``). Larger heads keep the compiler's choice
+    (``kernel-times paged-attention --sweep-prefill``). Larger heads keep the compiler's choice
     (the accumulator alone would take the cap)."""
     return 128 if device.type == "cuda" and not fixed_order and head_dim <= 128 else None
 
@@ -223,11 +223,11 @@ def prefill_attention(
     paged KV (already appended). Returns [T, H, D] in q's dtype.
 
     ``block_q`` / ``block_n`` / ``num_warps`` / ``num_stages`` / ``maxnreg`` override the
-    query-token and key tile sizes and launch settings (tests, ``gpu_check.py paged-attention --sweep-prefill``).
+    query-token and key tile sizes and launch settings (tests, ``kernel-times paged-attention --sweep-prefill``).
     ``fixed_order``: every key tile takes the same masked update (batch-invariant mode).
     ``heads_fastest``: the grid's first axis is the KV head, so the programs of one query tile
     start together (7 % faster than tiles first on a mixed step: the heads' K/V of a token
-    share one record in the cache, see ``gpu_check.py paged-attention --grid-order``); same bits."""
+    share one record in the cache, see ``kernel-times paged-attention --grid-order``); same bits."""
     check_cache(kv_cache, q)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape

@@ -65,7 +65,7 @@ def _rms_norm_kernel(
 
 
 def num_warps(block: int) -> int:
-    """Warps per row program (a function so ``scripts/gpu_check.py small-kernels`` can sweep it)."""
+    """Warps per row program (a function so ``python -m benchmarks kernel-times small-kernels`` can sweep it)."""
     return min(max(block // 512, 1), 16)
 
 

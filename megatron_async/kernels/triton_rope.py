@@ -135,7 +135,7 @@ def _rope_qk_kernel(
 
 
 def num_warps(num_q_heads: int, block_half: int) -> int:
-    """Warps per program (a function so ``scripts/gpu_check.py small-kernels`` can sweep it)."""
+    """Warps per program (a function so ``python -m benchmarks kernel-times small-kernels`` can sweep it)."""
     return 4 if num_q_heads * block_half >= 1024 else 1
 
 

@@ -157,7 +157,7 @@ def argmax(logits: torch.Tensor, chunk: int = 8192, block: int = 4096, num_warps
     """[R, V] logits -> [R] int64: each row's first largest index, as ``logits.argmax(-1)``
     (which reads a row per program; this reads (rows x chunks) programs: the whole GPU).
     A NaN counts as +inf, so a row holding both picks the first of either. Graph-safe.
-    Default launch: the fastest of ``gpu_check.py small-kernels --argmax-sweep 128`` at 128 x
+    Default launch: the fastest of ``kernel-times small-kernels --argmax-sweep 128`` at 128 x
     151,936 bf16 (docs/PERFORMANCE.md, "Kernel choices")."""
     assert logits.dim() == 2 and chunk % block == 0
     if logits.stride(1) != 1:
@@ -188,7 +188,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     per-row candidate buffer of the threshold search; ``probe`` (tests) collects each
     stage's row phases. ``candidate_first``: draw first and search top-p thresholds only
     for rows whose draw falls outside the nucleus (``triton_top_p_candidate``; the same tokens).
-    Defaults: docs/PERFORMANCE.md, "Kernel choices" (scripts/gpu_check.py sampler-kernels)."""
+    Defaults: docs/PERFORMANCE.md, "Kernel choices" (python -m benchmarks kernel-times sampler-kernels)."""
     assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1
     assert temperature.dtype == top_p.dtype == min_p.dtype == torch.float32 and chunk % block == 0
     assert top_k.dtype == seed.dtype == position.dtype == torch.int64

@@ -86,7 +86,7 @@ class SwigluTiles:
 def swiglu_tiles(m: int, dtype: torch.dtype, device: torch.device) -> SwigluTiles:
     """Launch settings by row count (one compiled variant per bucket; M itself is not
     specialised, so a CUDA graph of any size reuses them). The sweep:
-    ``scripts/gpu_check.py swiglu-matmul --sweep``. 4-byte types take half the K depth (the
+    ``python -m benchmarks kernel-times swiglu-matmul --sweep``. 4-byte types take half the K depth (the
     same shared memory)."""
     if device.type != "cuda":  # interpreter: tiles that tiny test shapes still cross
         return SwigluTiles(16, 16, 16, 1, 1)
@@ -98,7 +98,7 @@ def swiglu_tiles(m: int, dtype: torch.dtype, device: torch.device) -> SwigluTile
 
 def pays_off(m: int, k: int) -> bool:
     """Whether the fused kernel should beat cuBLAS + the SiLU-mul kernel for m rows and a
-    hidden size k: at qwen3-0.6b's k = 1,024 (``gpu_check.py swiglu-matmul --sweep``,
+    hidden size k: at qwen3-0.6b's k = 1,024 (``kernel-times swiglu-matmul --sweep``,
     docs/PERFORMANCE.md "Kernel choices") faster at <= 128 and >= 2,048 rows, slower at 256-1,024
     (cuBLAS's tiles fit the waves better). What the fusion saves,
     the SiLU round trip of the [m, 2I] projection, shrinks against the GEMM as 1 / k (~1/3 of the

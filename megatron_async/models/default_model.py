@@ -83,7 +83,7 @@ DEFAULT_CONFIGS: dict[str, dict] = {
         "tie_word_embeddings": True,
     },
     # The shape of Qwen/Qwen3-8B (~8.2B parameters, 16.4 GB in bf16): a size where tensor
-    # parallelism pays (scripts/measure.py tp-scaling).
+    # parallelism pays (python -m benchmarks tp-scaling).
     "qwen3-8b": {
         **_QWEN3_COMMON,
         "hidden_size": 4096,

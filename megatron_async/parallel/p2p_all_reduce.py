@@ -44,13 +44,13 @@ log = logging.getLogger("megatron_async")
 ONE_SHOT_MAX_BYTES = 512 << 10
 """Messages up to this size use one-shot, larger ones two-shot (a bandwidth trade: one-shot
 reads world_size x the message per rank). The crossover vLLM's custom all-reduce uses on NVLink;
-not measured here yet: ``scripts/measure.py all-reduce`` times both at every size."""
+not measured here yet: ``python -m benchmarks all-reduce`` times both at every size."""
 
 FUSED_NORM_MAX_BYTES = 2 << 20
 """Largest partial product the fused all-reduce + add + RMSNorm takes (also at most max_bytes /
 world_size; its buffer holds two halves of world_size messages, one pushed by every rank);
 larger ones (prefill) are reduced first, then normed as before.
-``scripts/measure.py all-reduce --fused`` times both paths per size."""
+``python -m benchmarks all-reduce --fused`` times both paths per size."""
 
 FUSED_MAX_PROGRAMS = 128
 """Grid cap of the fused kernel (each program owns rows and one flag slot per rank); lower

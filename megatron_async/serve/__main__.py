@@ -15,42 +15,42 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_async.cli import flags
 from megatron_async.serve.reasoning import REASONING_PARSERS
 from megatron_async.serve.tool_calls import TOOL_CALL_PARSERS, choose_parser
-from megatron_async.tools import cli
 
 log = logging.getLogger("megatron_async.serve")
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
 DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
 """With Python's 5 ms, an engine thread that waited for a device step then waits for the GIL
-behind a busy event loop: scripts/measure.py gil-switch (2-core CPU) put its steps 1.6-1.9x
+behind a busy event loop: python -m benchmarks gil-switch (2-core CPU) put its steps 1.6-1.9x
 their ideal period apart at 5 ms, 1.1-1.2x at 0.5 ms."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_async.serve", description=__doc__.splitlines()[0],
-                                formatter_class=cli.HelpFormatter)
-    cli.add_model_args(p)
-    cli.add_parallel_args(p)
-    cli.add_engine_args(p)
+                                formatter_class=flags.HelpFormatter)
+    flags.add_model_args(p)
+    flags.add_parallel_args(p)
+    flags.add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: all)")
-    g.add_argument("--port", type=cli.checked(int, 0, 65535, name="port"), default=8000,
+    g.add_argument("--port", type=flags.checked(int, 0, 65535, name="port"), default=8000,
                    help="0 = a free port (printed at start)")
-    g.add_argument("--api-server-count", type=cli.checked(int, 0, 64, name="api-server-count"), default=1,
+    g.add_argument("--api-server-count", type=flags.checked(int, 0, 64, name="api-server-count"), default=1,
                    help="HTTP front-end processes (uvicorn and the OpenAI API each, on the one port) that hand "
                         "requests to the engine in this process (default 1); 0: serve HTTP from this process's event "
                         "loop, beside the engine thread")
     g.add_argument("--served-model-name", default=None, help="default: the checkpoint directory's name")
-    g.add_argument("--seed", type=cli.checked(int, 0, 2**63 - 1), default=0,
+    g.add_argument("--seed", type=flags.checked(int, 0, 2**63 - 1), default=0,
                    help="seeds the per-request seeds of requests that give none")
-    g.add_argument("--max-request-bytes", type=cli.checked(int, 1, name="max-request-bytes"),
+    g.add_argument("--max-request-bytes", type=flags.checked(int, 1, name="max-request-bytes"),
                    default=DEFAULT_MAX_REQUEST_BYTES, help="largest request body taken (HTTP 413 beyond it)")
-    g.add_argument("--gil-switch-interval-ms", type=cli.checked(float, 0.01, 100.0, name="gil-switch-interval-ms"),
+    g.add_argument("--gil-switch-interval-ms", type=flags.checked(float, 0.01, 100.0, name="gil-switch-interval-ms"),
                    default=DEFAULT_GIL_SWITCH_INTERVAL_MS, help="how long one thread may hold the GIL while "
                    "another waits for it (Python's sys.setswitchinterval; Python's own default is 5 ms). The engine "
                    "thread waits up to this long for the GIL after each step it waited for on the device, while "
-                   "a busy event loop writes chunks; scripts/measure.py gil-switch measures the effect")
+                   "a busy event loop writes chunks; python -m benchmarks gil-switch measures the effect")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log level")
     g.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *TOOL_CALL_PARSERS],
@@ -91,10 +91,10 @@ def build_state(llm, args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cli.resolve_device_args(args)
+    flags.resolve_device_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from megatron_async.cli.main_job import load_llm
     from megatron_async.serve.launch import Serving
-    from megatron_async.tools.main_job import load_llm
 
     llm = load_llm(args, stream_text=True)  # SSE deltas come from RequestUpdate.new_text
     try:

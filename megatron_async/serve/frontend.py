@@ -10,13 +10,14 @@ the event loop itself (``add_reader``): no thread of its own competes for this p
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import itertools
 import logging
 import os
 import pickle
 import socket
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +27,10 @@ from megatron_async.serve import ipc
 from megatron_async.serve.engine_loop import Submission, _deliver, _set_result
 
 log = logging.getLogger("megatron_async.serve")
-STAGE_SAMPLES_ENV = "MEGATRON_ASYNC_FRONTEND_STAGE_SAMPLES"
-"""Set to a directory: the process samples its event loop's stages (tools/stage_sampler.py) and
-writes the samples there at exit, as ``frontend-INDEX.pkl`` (scripts/measurements/server_breakdown.py)."""
+PROFILER_ENV = "MEGATRON_ASYNC_FRONTEND_PROFILER"
+"""``module:function``: the process imports it and runs its event loop inside ``function(index)``, a
+context manager (a profiler of the front-end's own, e.g. ``python -m benchmarks server-breakdown``'s
+stage sampler); the module must be importable from the front-end's working directory."""
 QUERY_TIMEOUT_S = 5.0
 """/health answers 503 when the engine's process does not answer within this long."""
 PARENT_CHECK_S = 1.0
@@ -207,21 +209,21 @@ def main() -> int:
 
     server = uvicorn_server(create_app(state), config.log_level, config.http, config.loop, on_started=started,
                             stop_on_sigint=False)
-    samples_dir = os.environ.get(STAGE_SAMPLES_ENV)
-    sampler = None
-    if samples_dir:
-        from megatron_async.tools.stage_sampler import StageSampler
-
-        sampler = StageSampler(None, threading.current_thread()).__enter__()
     try:
-        server.run(sockets=[sock])
+        with _profiler(config.index):
+            server.run(sockets=[sock])
     finally:
         remote.close()
-        if sampler is not None:
-            sampler.__exit__()
-            with open(os.path.join(samples_dir, f"frontend-{config.index}.pkl"), "wb") as f:
-                pickle.dump(sampler.ticks, f)
     return 0
+
+
+def _profiler(index: int):
+    """The context manager ``PROFILER_ENV`` names, or one that does nothing."""
+    spec = os.environ.get(PROFILER_ENV)
+    if not spec:
+        return contextlib.nullcontext()
+    module, _, function = spec.partition(":")
+    return getattr(importlib.import_module(module), function)(index)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Start, run and stop the HTTP side of a server whose engine runs in this process (``python -m
-megatron_async.serve``, and scripts/measurements/server_breakdown.py, which serves the same way).
+megatron_async.serve``, and benchmarks/commands/server_breakdown.py, which serves the same way).
 
 ``api_server_count`` 0: uvicorn and the app on this process's event loop, beside the engine
 thread (one GIL for both). N >= 1: N front-end processes (frontend.py) each run uvicorn and the

@@ -1,7 +1,7 @@
 """A lean ASGI response for server-sent events: each string the stream yields (everything ready
 for the stream at that moment) goes out in one ``send``. Starlette's StreamingResponse starts an
 anyio task group per response (the stream and a disconnect listener) and iterates per chunk; this
-class costs about half its CPU per chunk on 32-chunk answers (``scripts/measure.py sse-send-cost``)."""
+class costs about half its CPU per chunk on 32-chunk answers (``python -m benchmarks sse-send-cost``)."""
 from __future__ import annotations
 
 import asyncio

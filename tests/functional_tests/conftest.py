@@ -1,8 +1,8 @@
 import pytest
 
-from megatron_async.testing.hf_models import make_tiny_checkpoint
-from megatron_async.testing.smollm2 import FetchError, build_smollm2_checkpoint, default_checkpoint_dir
+from tests.helpers.hf_models import make_tiny_checkpoint
 from tests.helpers.hf_moe_models import MOE_ARCHS, make_tiny_moe_checkpoint
+from tests.helpers.smollm2 import FetchError, build_smollm2_checkpoint, default_checkpoint_dir
 
 
 @pytest.fixture(scope="session")

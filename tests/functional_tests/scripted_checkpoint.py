@@ -15,8 +15,8 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken
 
-from megatron_async.testing.hf_models import make_tiny_checkpoint
 from megatron_async.models.tiny_tokenizer import EOS_TOKEN, EOS_TOKEN_ID, train_tiny_tokenizer
+from tests.helpers.hf_models import make_tiny_checkpoint
 
 BASE_VOCAB = 512
 HIDDEN = 128  # one direction per trigger and piece

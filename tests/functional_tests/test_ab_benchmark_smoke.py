@@ -1,4 +1,4 @@
-"""scripts/ab_benchmark.py on CPU: each side's benchmark runs in its own process on its own copy
+"""python -m benchmarks ab on CPU: each side's benchmark runs in its own process on its own copy
 of the package (the logs name the package file each imported), and the summary pairs them."""
 import json
 import runpy
@@ -15,7 +15,7 @@ def test_ab_benchmark_runs_each_side_on_its_own_tree(tmp_path):
     before = tmp_path / "before"
     shutil.copytree(ROOT / "megatron_async", before / "megatron_async", ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path / "ab"
-    ab = runpy.run_path(str(ROOT / "scripts" / "ab_benchmark.py"))
+    ab = runpy.run_path(str(ROOT / "benchmarks" / "commands" / "ab.py"))
     rows = ab["main"](["--before", str(before), "--rounds", "1", "--output-dir", str(out), "--",
                        "--smoke", "--modes", "async", "--workloads", "greedy", "--num-requests", "4"])
     by_metric = {r["metric"]: r for r in rows if (r["mode"], r["workload"]) == ("async", "greedy")}

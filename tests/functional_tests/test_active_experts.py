@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from benchmarks.active_experts import decode_expert_share, moe_expert_counts
 from megatron_async import LLM, InferenceConfig
 from megatron_async.models.default_model import DEFAULT_CONFIGS
-from megatron_async.tools.active_experts import decode_expert_share, moe_expert_counts
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_async import SamplingParams
-from megatron_async.testing.engine_harness import Arrival, make_llm, random_prompts, run_arrivals, tokens_of
+from tests.helpers.engine_harness import Arrival, make_llm, random_prompts, run_arrivals, tokens_of
 
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=12)
 

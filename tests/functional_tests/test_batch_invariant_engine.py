@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU inter
 
 from megatron_async import SamplingParams  # noqa: E402
 
-from megatron_async.testing.engine_harness import Arrival, make_llm, run_arrivals  # noqa: E402
+from tests.helpers.engine_harness import Arrival, make_llm, run_arrivals  # noqa: E402
 
 VOCAB = 256
 rng = random.Random(5)

@@ -1,7 +1,10 @@
 """Batch-invariant mode on the GPU (bf16, built-in qwen3-0.6b shape): 100% of requests give
 identical tokens and log-probs across serial / launch-ahead / launch-ahead + CUDA graphs,
 per-step token budgets 512 / 2048 / 8192, prefix caching on / off, and a request alone vs
-inside a busy batch of 128, with prompts up to 16k tokens.
+inside a busy batch of 128, with prompts up to 16k tokens; and on the benchmark's workload (128
+requests, prompts 100-1,024, outputs 100-256, async + graphs, 8,192-token steps) requests re-run
+alone give their batch run's tokens, greedy and sampled. The cost of the mode is ``python -m
+benchmarks engine-times batch-invariance``.
 
     python -m pytest -q -m gpu tests/functional_tests/test_batch_invariant_gpu.py
 
@@ -15,6 +18,8 @@ import pytest
 import torch
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
+from megatron_async.cli.driver import run_workload
+from megatron_async.cli.workload import WorkloadSpec, synthetic_workload
 
 pytestmark = pytest.mark.gpu
 
@@ -111,3 +116,28 @@ def test_alone_equals_busy(workload, reference):
         (out,) = llm.generate([prompts[i]], [params[i]])
         assert _bits([out])[0] == reference[i], f"request {i} differs alone"
     assert llm.runner.graphs.num_replays > 0
+
+
+BENCHMARK_SAMPLING = {
+    "greedy": lambda r: SamplingParams(top_k=1, num_tokens_to_generate=r.output_len, ignore_eos=True),
+    "sampled": lambda r: SamplingParams(temperature=0.8, top_p=0.95, num_tokens_to_generate=r.output_len,
+                                        ignore_eos=True, seed=len(r.prompt)),
+}
+
+
+@pytest.mark.parametrize("sampling", list(BENCHMARK_SAMPLING))
+def test_benchmark_workload_alone_equals_batch(sampling):
+    """Every request of the batch run finishes at its length; its first four, re-run alone on the
+    same engine (graphs of batch 1), give the batch run's tokens."""
+    requests = synthetic_workload(WorkloadSpec(128, 100, 1024, 100, 256, 0.0, 0), VOCAB)
+    make = BENCHMARK_SAMPLING[sampling]
+    llm = _llm(max_tokens=8192, max_sequence_length=2048, cuda_graphs=True)
+    batch = run_workload(llm.engine, requests, make).outputs
+    assert [len(o.generated_tokens) if o else None for o in batch] == [r.output_len for r in requests]
+    for i in range(4):
+        alone = run_workload(llm.engine, [requests[i]], make).outputs[0]
+        assert alone.generated_tokens == batch[i].generated_tokens, f"request {i} differs alone"
+    assert llm.runner.graphs.num_replays > 0
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -1,4 +1,4 @@
-"""scripts/measure.py moe-ep --smoke: EP=1 and EP=2 (gloo) through the same workload on the CPU,
+"""python -m benchmarks moe-ep --smoke: EP=1 and EP=2 (gloo) through the same workload on the CPU,
 greedy and sampled; float32, so EP=2's tokens equal EP=1's for every request."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib
 import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "measurements"
+SCRIPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "commands"
 
 
 def test_bench_moe_ep_smoke(capsys):

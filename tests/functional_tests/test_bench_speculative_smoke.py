@@ -1,9 +1,9 @@
-"""scripts/measure.py speculative --smoke on the CPU: every row ran, every speculative run's
+"""python -m benchmarks speculative --smoke on the CPU: every row ran, every speculative run's
 tokens equal plain decoding's, and the oracle's acceptance is what was asked."""
 import json
 import re
 
-from megatron_async.tools.bench_speculative import main
+from benchmarks.bench_speculative import main
 
 
 def test_smoke(tmp_path, capsys):

@@ -1,11 +1,11 @@
-"""scripts/measure.py tp-scaling --smoke: torchrun jobs of TP=1 and TP=2 on CPU (gloo, the tiny
+"""python -m benchmarks tp-scaling --smoke: torchrun jobs of TP=1 and TP=2 on CPU (gloo, the tiny
 model) through the same code the GPU run uses; every row measured, consensus recorded per step
 under TP only, launch-ahead tokens equal serial ones, and the table printed."""
 import json
 import runpy
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "measurements" / "tp_scaling.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "commands" / "tp_scaling.py"
 
 
 def test_smoke_measures_every_size_mode_and_batch(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The benchmark's checkpoint of a built-in model (hf_peers.save_default_checkpoint), written
+"""The benchmark's checkpoint of a built-in model (megatron_async.models.default_checkpoint), written
 shard by shard: transformers loads every tensor of it (no missing or unexpected names) and
 gives the engine's logits, and the engine loads exactly its built-in weights from it."""
 import json
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megatron_async.models import build_default_model, load_checkpoint
-from megatron_async.testing.hf_models import hf_logits
-from megatron_async.testing.simple_session import SimpleSession
-from megatron_async.tools.hf_peers import save_default_checkpoint
+from megatron_async.models.default_checkpoint import save_default_checkpoint
+from tests.helpers.hf_models import hf_logits
+from tests.helpers.simple_session import SimpleSession
 
 pytest.importorskip("transformers")
 

@@ -6,14 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_async import LLM, InferenceConfig
-from megatron_async.tools.side_by_side import main as benchmark_main
-from megatron_async import SamplingParams
-from megatron_async.tools.driver import run_workload
-from megatron_async.tools.gpu_idle import device_events, device_intervals, idle_report, idle_share, profile_run, union_length
-from megatron_async.tools.workload import WorkloadRequest
-from megatron_async.tools.roofline import (
+from benchmarks.gpu_idle import device_events, device_intervals, idle_report, idle_share, profile_run, union_length
+from benchmarks.roofline import (
     decode_floor, kv_bytes_per_token, mean_context_per_output_token, measure_copy_bandwidth, weight_bytes)
+from benchmarks.side_by_side import main as benchmark_main
+from megatron_async import LLM, InferenceConfig
+from megatron_async import SamplingParams
+from megatron_async.cli.driver import run_workload
+from megatron_async.cli.workload import WorkloadRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,11 +69,8 @@ def test_smoke_report_json(smoke):
         ("hf_generate", "greedy"), ("hf_generate_static", "greedy"), ("hf_generate_batch", "greedy")]
 
 
-def test_mode_subset_time_guard_and_main_job_dispatch(tmp_path, capsys):
-    from megatron_async.tools.main_job import main as job_main
-
-    assert job_main(["--benchmark", "--smoke", "--modes", "serial", "--max-minutes", "0",
-                     "--output-dir", str(tmp_path)]) is None
+def test_mode_subset_and_time_guard(tmp_path, capsys):
+    benchmark_main(["--smoke", "--modes", "serial", "--max-minutes", "0", "--output-dir", str(tmp_path)])
     report = json.loads((tmp_path / "benchmark.json").read_text())
     assert [(m["mode"], m["workload"], m["status"]) for m in report["modes"]] == [
         ("serial", "greedy", "skipped"), ("serial", "sampled", "skipped")]
@@ -85,7 +82,7 @@ def test_mode_subset_time_guard_and_main_job_dispatch(tmp_path, capsys):
 
 
 def test_repeats_report_the_median_run_and_the_range(tmp_path):
-    from megatron_async.tools.bench_report import format_table
+    from benchmarks.bench_report import format_table
 
     results = benchmark_main(["--smoke", "--modes", "async", "--workloads", "greedy", "--repeats", "3",
                               "--output-dir", str(tmp_path)])
@@ -164,7 +161,7 @@ def test_roofline_arithmetic():
 def test_profile_step_script_runs_every_mode(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["profile_step.py", "--device", "cpu", "--steps", "3", "--batch", "2",
                                      "--prompt-len", "4", "--num-kv-blocks", "32", "--output-dir", str(tmp_path)])
-    runpy.run_path(str(ROOT / "scripts" / "profile_step.py"), run_name="__main__")
+    runpy.run_path(str(ROOT / "benchmarks" / "commands" / "profile_step.py"), run_name="__main__")
     report = json.loads((tmp_path / "profile.json").read_text())
     assert set(report) == {"serial", "async"}
     for mode in report:
@@ -174,7 +171,7 @@ def test_profile_step_script_runs_every_mode(tmp_path, monkeypatch):
 def test_compile_counter_counts_builds_and_captures_and_restores_the_hook():
     from types import SimpleNamespace
 
-    from megatron_async.tools.compile_counter import CompileCounter
+    from benchmarks.compile_counter import CompileCounter
 
     knobs = pytest.importorskip("triton.knobs")
     seen = []
@@ -193,8 +190,8 @@ def test_compile_counter_counts_builds_and_captures_and_restores_the_hook():
 
 def test_roofline_counts_the_ssm_state_in_float32(tmp_path):
     """The engine keeps the SSM state in float32 whatever the model dtype (conv state: model dtype)."""
-    from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
-    from megatron_async.tools.roofline import state_bytes_per_request
+    from benchmarks.roofline import state_bytes_per_request
+    from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint
 
     path = make_tiny_hybrid_checkpoint("NemotronHForCausalLM", tmp_path / "nh")
     llm = LLM(str(path), dtype="bfloat16", inference_config=InferenceConfig(num_kv_blocks=8, max_requests=2))

@@ -1,9 +1,9 @@
-"""scripts/measure.py main-job-vs-benchmark --smoke on the CPU: the benchmark and the main job each ran in a
+"""python -m benchmarks main-job-vs-benchmark --smoke on the CPU: the benchmark and the main job each ran in a
 fresh process on the same workload, greedy and sampled, and the table compares them."""
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "measurements" / "main_job_vs_benchmark.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "commands" / "main_job_vs_benchmark.py"
 
 
 def test_smoke(tmp_path, capsys):

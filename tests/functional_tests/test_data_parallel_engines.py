@@ -14,9 +14,9 @@ import os
 import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.testing.multiprocess import run_ranks
-from megatron_async.testing.engine_harness import run_leader_arrivals
-from megatron_async.tools.main_job import main
+from megatron_async.cli.main_job import main
+from tests.helpers.engine_harness import run_leader_arrivals
+from tests.helpers.multiprocess import run_ranks
 
 CONFIG = dict(block_size_tokens=4, num_kv_blocks=128, max_requests=4, max_tokens=16, max_sequence_length=128)
 PROMPTS = [[3, 17, 42, 9, 100, 7], [250, 1, 2], [5] * 11, [60, 61, 62, 63, 64, 65, 66, 67, 68], [8, 9],

@@ -1,4 +1,4 @@
-"""scripts/measure.py async-vs-serial on CPU: under KV-pool pressure with chunked prefill, the
+"""python -m benchmarks async-vs-serial on CPU: under KV-pool pressure with chunked prefill, the
 launch-ahead engine builds exactly the serial engine's schedules (Scheduler.release_finishing);
 without it the first differing launch is found and explained, and logits differ from there."""
 import runpy
@@ -13,7 +13,7 @@ PRESSURE = ["--smoke", "--num-requests", "8", "--prompt-len-min", "60", "--promp
 
 @pytest.fixture(scope="module")
 def diagnose():
-    return runpy.run_path(str(ROOT / "scripts" / "measurements" / "async_vs_serial.py"))["main"]
+    return runpy.run_path(str(ROOT / "benchmarks" / "commands" / "async_vs_serial.py"))["main"]
 
 
 def test_launch_ahead_keeps_the_serial_schedule_under_memory_pressure(diagnose, tmp_path):

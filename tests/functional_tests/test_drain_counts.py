@@ -1,7 +1,7 @@
 """EngineStats.drains counts real drains (the device idle behind the host: a launch landed with
 no successor enqueued while work remained), not launch-ahead rejections."""
 from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.testing.engine_harness import random_prompts
+from tests.helpers.engine_harness import random_prompts
 
 
 def _run(async_scheduling: bool, lengths: list[int], **cfg):

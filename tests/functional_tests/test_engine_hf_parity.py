@@ -2,8 +2,8 @@
 import pytest
 
 from megatron_async import SamplingParams
-from megatron_async.testing.hf_models import GPT_ARCHS, hf_greedy, load_hf_reference, make_tiny_checkpoint
-from megatron_async.testing.engine_harness import make_llm, random_prompts
+from tests.helpers.engine_harness import make_llm, random_prompts
+from tests.helpers.hf_models import GPT_ARCHS, hf_greedy, load_hf_reference, make_tiny_checkpoint
 
 NEW = 10
 

@@ -13,9 +13,9 @@ import pytest
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.inference.text_generation_controllers.cuda_graphs import decode_key
 from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant
-from megatron_async.testing.emulated_graphs import CollectiveLog, EmulatedGraphRunner
-from megatron_async.testing.multiprocess import run_ranks
-from megatron_async.testing.engine_harness import run_leader_arrivals
+from tests.helpers.emulated_graphs import CollectiveLog, EmulatedGraphRunner
+from tests.helpers.engine_harness import run_leader_arrivals
+from tests.helpers.multiprocess import run_ranks
 
 CONFIG = dict(block_size_tokens=4, num_kv_blocks=128, max_requests=4, max_tokens=16, max_sequence_length=96)
 LONG = ([3, 17, 42, 9, 100, 7], SamplingParams(top_k=1, num_tokens_to_generate=24, ignore_eos=True))

@@ -9,8 +9,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_async.models import load_checkpoint  # noqa: E402
-from megatron_async.testing.hf_models import hf_greedy, hf_logits, load_hf_reference, make_tiny_checkpoint  # noqa: E402
-from megatron_async.testing.simple_session import SimpleSession  # noqa: E402
+from tests.helpers.hf_models import hf_greedy, hf_logits, load_hf_reference, make_tiny_checkpoint  # noqa: E402
+from tests.helpers.simple_session import SimpleSession  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from megatron_async import SamplingParams
-from megatron_async.testing.hf_models import GPT_ARCHS, hf_greedy, load_hf_reference, make_tiny_checkpoint
-from megatron_async.testing.engine_harness import (Arrival, decode_steps_without_host_sync, make_llm, random_prompts,
+from tests.helpers.engine_harness import (Arrival, decode_steps_without_host_sync, make_llm, random_prompts,
                                                     run_arrivals, tokens_of)
+from tests.helpers.hf_models import GPT_ARCHS, hf_greedy, load_hf_reference, make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 NEW = 12
@@ -67,7 +67,7 @@ def test_no_host_sync_in_steady_async_decode(ckpt):
 
 @pytest.fixture(scope="module", params=["NemotronHForCausalLM", "BambaForCausalLM"])
 def hybrid_ckpt(request, tmp_path_factory):
-    from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
+    from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint
 
     return make_tiny_hybrid_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 

@@ -1,25 +1,29 @@
-"""CUDA: mixed-step graphs of a hybrid model (tiny NemotronH, float32, Triton attention and Mamba
-kernels) under staggered arrivals with chunked prefill: tokens equal eager (serial and
-launch-ahead), mixed graphs replay, 0 builds / captures after the startup warm-up. The timing
-table is scripts/gpu_check.py hybrid-graphs (this test runs its functions). Skipped without a GPU."""
-import runpy
-from pathlib import Path
-
+"""CUDA: CUDA graphs of a hybrid model (NemotronH-shaped, float32, Triton attention and Mamba
+kernels) under staggered arrivals with chunked prefill, in every graph mode (decode graphs only,
+mixed-step graphs serial and launch-ahead, and eager launch-ahead): tokens equal eager serial's,
+mixed graphs replay, 0 builds / captures after the startup warm-up. The tiny CPU-test model, and
+the 8-layer launch-bound one at 48 requests and 256-token steps. The timing table is ``python -m
+benchmarks engine-times hybrid-graphs``. Skipped without a GPU."""
 import pytest
 
+from tests.helpers.hybrid_graph_runs import MODES, REFERENCE, arrivals, checkpoint, failures, run_mode, vocab_size
+
 pytestmark = pytest.mark.gpu
-SCRIPT = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "gpu_checks" / "hybrid_graphs.py"))
+SIZES = {"tiny": dict(requests=24, max_tokens=64), "small": dict(requests=48, max_tokens=256)}
 
 
-def test_hybrid_mixed_graphs_equal_eager_without_captures_after_warmup(tmp_path):
-    from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
+@pytest.fixture(scope="module", params=list(SIZES))
+def eager(request, tmp_path_factory):
+    """(checkpoint, workload, step budget, the eager serial run)."""
+    size = request.param
+    path = checkpoint(size, tmp_path_factory.mktemp(f"nh_{size}"))
+    work = arrivals(SIZES[size]["requests"], vocab_size(size))
+    max_tokens = SIZES[size]["max_tokens"]
+    return path, work, max_tokens, run_mode(path, work, *MODES[REFERENCE], max_tokens=max_tokens)
 
-    path = str(make_tiny_hybrid_checkpoint("NemotronHForCausalLM", tmp_path / "nh"))
-    work = SCRIPT["arrivals"](24, 128)
-    eager = SCRIPT["run_mode"](path, work, graphs=False, mixed=False, async_scheduling=False, max_tokens=64)
-    for async_scheduling in (False, True):
-        got = SCRIPT["run_mode"](path, work, graphs=True, mixed=True, async_scheduling=async_scheduling, max_tokens=64)
-        st = got["stats"]
-        assert got["tokens"] == eager["tokens"]
-        assert st.mixed_graph_replays > 0 and got["mixed_keys"] > 0, st.as_dict()
-        assert st.graph_captures_after_warmup == 0 and st.triton_builds_after_warmup == 0, st.as_dict()
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != REFERENCE])
+def test_graph_modes_equal_eager_without_captures_after_warmup(eager, mode):
+    path, work, max_tokens, reference = eager
+    got = run_mode(path, work, *MODES[mode], max_tokens=max_tokens)
+    assert not failures(mode, got, reference), got["stats"].as_dict()

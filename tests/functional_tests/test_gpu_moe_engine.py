@@ -4,9 +4,9 @@ and steady launch-ahead decode makes no host sync. Skipped without a GPU."""
 import pytest
 
 from megatron_async import SamplingParams
-from megatron_async.testing.hf_models import hf_greedy, load_hf_reference
-from megatron_async.testing.engine_harness import decode_steps_without_host_sync, random_prompts
 from tests.functional_tests.test_gpu_engine import cuda_llm
+from tests.helpers.engine_harness import decode_steps_without_host_sync, random_prompts
+from tests.helpers.hf_models import hf_greedy, load_hf_reference
 
 pytestmark = pytest.mark.gpu
 NEW = 12

@@ -5,10 +5,10 @@ steady launch-ahead decode of asking requests makes no host sync. Skipped withou
 import pytest
 
 from megatron_async import SamplingParams
-from megatron_async.testing.engine_harness import decode_steps_without_host_sync, random_prompts
-from megatron_async.testing.hf_models import load_hf_reference
 from tests.functional_tests.test_gpu_engine import cuda_llm
 from tests.functional_tests.test_routed_experts_engine import as_sets, covered, hf_routing
+from tests.helpers.engine_harness import decode_steps_without_host_sync, random_prompts
+from tests.helpers.hf_models import load_hf_reference
 
 pytestmark = pytest.mark.gpu
 NEW = 10

@@ -19,7 +19,7 @@ def test_suspend_cycle_frees_memory_and_graphs_replay(tmp_path):
 
     env = preload_env()
     path = tmp_path / "cycle.json"
-    subprocess.run([sys.executable, "-m", "megatron_async.testing.suspend_cycle", "--default-model", "tiny",
+    subprocess.run([sys.executable, "-m", "tests.helpers.suspend_cycle", "--default-model", "tiny",
                     "--dtype", "float32", "--num-requests", "8", "--buffer-size-gb", "1", "--json", str(path)],
                    env=env, cwd=Path(__file__).resolve().parents[2], check=True, timeout=600)
     rep = json.loads(path.read_text())
@@ -34,7 +34,7 @@ def test_suspend_in_process_without_preload():
     """Without the preload library (torch-memory-saver's allocator mode) the weights and the KV
     pool are freed and restored; graph pools stay resident; tokens are unchanged."""
     pytest.importorskip("torch_memory_saver")
-    from megatron_async.testing.suspend_cycle import run_cycle
+    from tests.helpers.suspend_cycle import run_cycle
 
     rep = run_cycle("tiny", num_requests=8, dtype="float32", buffer_size_gb=1.0)
     assert rep.kept_requests > 0 and rep.tokens_equal, rep

@@ -6,8 +6,8 @@ import random
 import pytest
 
 from megatron_async import LLM
-from megatron_async.testing.hf_models import make_tiny_checkpoint
-from megatron_async.testing.engine_harness import Arrival, make_llm, run_arrivals, sampling_mix
+from tests.helpers.engine_harness import Arrival, make_llm, run_arrivals, sampling_mix
+from tests.helpers.hf_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 N = 12

@@ -5,7 +5,7 @@ rollouts with the old version before it and the new after. Skipped without a GPU
 import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.testing.hf_models import make_tiny_checkpoint
+from tests.helpers.hf_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 CFG = dict(block_size_tokens=16, num_kv_blocks=64, max_requests=8, max_tokens=64, max_sequence_length=128,

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # before any kernel module is imported: the T
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner  # noqa: E402
-from megatron_async.testing.engine_harness import Arrival, count_replays_by_variant, run_arrivals, sampling_mix  # noqa: E402
+from tests.helpers.engine_harness import Arrival, count_replays_by_variant, run_arrivals, sampling_mix  # noqa: E402
 
 CFG = dict(block_size_tokens=4, num_kv_blocks=256, max_requests=6, max_tokens=24, max_sequence_length=96)
 N = 8

@@ -3,9 +3,9 @@ Mamba prefix caching (hits, LRU eviction, invalidation on KV eviction, fully mat
 import pytest
 
 from megatron_async import SamplingParams
-from megatron_async.testing.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
-from megatron_async.testing.hf_models import hf_greedy, load_hf_reference
-from megatron_async.testing.engine_harness import Arrival, make_llm, random_prompts, run_arrivals, tokens_of
+from tests.helpers.engine_harness import Arrival, make_llm, random_prompts, run_arrivals, tokens_of
+from tests.helpers.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
+from tests.helpers.hf_models import hf_greedy, load_hf_reference
 
 NEW = 8
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=NEW, ignore_eos=True)  # HF reference ignores EOS

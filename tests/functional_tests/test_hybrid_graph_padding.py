@@ -16,8 +16,8 @@ if not torch.cuda.is_available():  # before any kernel module is imported: the T
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner  # noqa: E402
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
-from megatron_async.testing.engine_harness import Arrival, forbid_host_traffic, run_arrivals, sampling_mix  # noqa: E402
+from tests.helpers.engine_harness import Arrival, forbid_host_traffic, run_arrivals, sampling_mix  # noqa: E402
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
 
 CFG = dict(block_size_tokens=4, max_requests=6, max_tokens=24, max_sequence_length=96, enable_prefix_caching=True,
            prefix_caching_mamba_gb=1e-3)
@@ -108,11 +108,13 @@ def test_hybrid_one_copy_per_step(ckpt, async_scheduling, monkeypatch):
     assert llm.context.gpu_view.num_copies == st.steps == len(forwards)
 
 
-def test_gpu_check_script_smoke_on_cpu(capsys):
-    """scripts/gpu_check.py hybrid-graphs (the lead's GPU check) runs end to end on the CPU (emulated graphs)."""
-    import runpy
-    from pathlib import Path
+def test_every_graph_mode_equals_eager_on_cpu(tmp_path):
+    """The GPU test's modes (test_gpu_hybrid_graphs.py) on the CPU with emulated graphs: six short
+    staggered requests of the tiny model, tokens equal eager serial's in every mode, mixed graphs
+    replayed, nothing built after the warm-up."""
+    from tests.helpers import hybrid_graph_runs as runs
 
-    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "gpu_checks" / "hybrid_graphs.py"))
-    assert script["main"](["--device", "cpu", "--size", "tiny", "--requests", "6", "--output-len", "3"]) == 0
-    assert "VERDICT: PASS" in capsys.readouterr().out
+    path = runs.checkpoint("tiny", tmp_path / "nh")
+    work = runs.arrivals(6, runs.vocab_size("tiny"), new=3)
+    done = {mode: runs.run_mode(path, work, *flags, device="cpu") for mode, flags in runs.MODES.items()}
+    assert not [f for mode, run in done.items() for f in runs.failures(mode, run, done[runs.REFERENCE])]

@@ -7,10 +7,10 @@ from safetensors.torch import load_file
 from megatron_async.forward_batch import MambaMetadata
 from megatron_async.models.checkpoint import load_checkpoint, read_hf_config
 from megatron_async.models.hybrid import build_hybrid
-from megatron_async.testing.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
-from megatron_async.testing.hf_models import hf_greedy, hf_logits, load_hf_reference
-from megatron_async.testing.simple_session import SimpleSession
-from megatron_async.testing.engine_harness import forbid_host_traffic
+from tests.helpers.engine_harness import forbid_host_traffic
+from tests.helpers.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
+from tests.helpers.hf_models import hf_greedy, hf_logits, load_hf_reference
+from tests.helpers.simple_session import SimpleSession
 
 VOCAB = 128  # the tiny checkpoints' vocabulary
 

@@ -17,10 +17,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("httpx2")
 
-from megatron_async.serve.process import ServerProcess  # noqa: E402
-from megatron_async.tools.server_load import (LoadShape, StreamRecord, _collect,  # noqa: E402
+from benchmarks.server_load import (LoadShape, StreamRecord, _collect,  # noqa: E402
                                               run_load_test, take_chunk)
-from megatron_async.tools.server_metrics import kv_leaked  # noqa: E402
+from benchmarks.server_metrics import kv_leaked  # noqa: E402
+from megatron_async.serve.process import ServerProcess  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_load_test_script_takes_the_raw_client(server, tmp_path):
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, str(root / "scripts" / "load_test.py"), "--url", server.url, "--client", "raw",
+        [sys.executable, "-m", "benchmarks", "load-test", "--url", server.url, "--client", "raw",
          "--clients", "4", "--requests", "8", "--max-tokens", "5", "--token-prompts", "--output-path", str(out)],
         capture_output=True, text=True, timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,10 +1,10 @@
-"""scripts/measure.py log-prob-cost --in-process --smoke on the CPU: every cell ran on one engine,
+"""python -m benchmarks log-prob-cost --in-process --smoke on the CPU: every cell ran on one engine,
 interleaved, and each asked what its name says (log-probs only where the option asks for them)."""
 import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "measurements" / "log_prob_cost.py"
+SCRIPT = ROOT / "benchmarks" / "commands" / "log_prob_cost.py"
 
 
 def test_in_process_smoke(tmp_path, capsys, monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
-from megatron_async.testing.engine_harness import Arrival, count_replays_by_variant, run_arrivals
+from tests.helpers.engine_harness import Arrival, count_replays_by_variant, run_arrivals
 
 CFG = dict(block_size_tokens=4, num_kv_blocks=256, max_requests=6, max_tokens=24, max_sequence_length=96)
 N = 6

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_async import SamplingParams
-from megatron_async.testing.engine_harness import make_llm, random_prompts
+from tests.helpers.engine_harness import make_llm, random_prompts
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
@@ -77,7 +77,7 @@ def test_cuda_log_probs_in_graphs_and_launch_ahead_equal_torch(qwen3_ckpt):
     steps: the FILTERED variant's log-prob twin, not FULL), launch-ahead on and off, against the
     torch backend run eager; no host sync in decode steps asking for them."""
     from megatron_async import LLM
-    from megatron_async.testing.engine_harness import count_replays_by_variant, decode_steps_without_host_sync
+    from tests.helpers.engine_harness import count_replays_by_variant, decode_steps_without_host_sync
 
     prompts = random_prompts(8, 5, 40, 256, seed=32)
     params = [SamplingParams(top_k=1, num_tokens_to_generate=12, return_log_probs=True, top_n_logprobs=5),

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.tools.driver import StatsWindow, run_workload
-from megatron_async.tools.main_job import main
-from megatron_async.tools.progress import ProgressBar
-from megatron_async.tools.workload import WorkloadRequest, WorkloadSpec, arrival_steps, file_workload, synthetic_workload
+from megatron_async.cli.driver import StatsWindow, run_workload
+from megatron_async.cli.main_job import main
+from megatron_async.cli.progress import ProgressBar
+from megatron_async.cli.workload import WorkloadRequest, WorkloadSpec, arrival_steps, file_workload, synthetic_workload
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--num-requests", "6", "--prompt-len-min", "4", "--prompt-len-max", "12", "--output-len-min", "3",
@@ -127,7 +127,7 @@ def test_prompt_file_needs_a_tokenizer(tmp_path):
 
 
 def test_hybrid_example_runs_a_hybrid_checkpoint(tmp_path):
-    from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
+    from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint
 
     ckpt = make_tiny_hybrid_checkpoint("nemotron_h", tmp_path / "hybrid")
     summary = main(SMALL + ["--model", str(ckpt)], require_model=True)
@@ -154,20 +154,20 @@ def test_torchrun_launcher_world_size_one():  # NPROC=2 (TP=2) is tested in test
     assert "6/6 finished" in proc.stdout
 
 
-@pytest.mark.parametrize("script", ["examples/gpt_dynamic_inference.py", "scripts/benchmark.py"])
-def test_help_renders(script):
+@pytest.mark.parametrize("command", [["examples/gpt_dynamic_inference.py"], ["-m", "benchmarks", "side-by-side"]])
+def test_help_renders(command):
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, str(root / script), "--help"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode == 0, out.stderr
     assert "--buffer-size-gb" in out.stdout
 
 
 def test_wall_clock_poisson_arrivals_and_latency_percentiles():
-    from megatron_async.tools.workload import arrival_times
+    from megatron_async.cli.workload import arrival_times
 
     t = arrival_times(400, 50.0, np.random.default_rng(2))
     assert t[0] == 0.0 and t == sorted(t) and 6.0 <= t[-1] <= 10.0  # ~8 s for 400 requests at 50/s

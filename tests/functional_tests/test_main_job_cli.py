@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from megatron_async.testing.hf_models import make_tiny_checkpoint
-from megatron_async.testing.chat_templates import save_chat_template
-from megatron_async.tools.main_job import build_parser, cli_main, main
+from megatron_async.cli.main_job import build_parser, cli_main, main
+from tests.helpers.chat_templates import save_chat_template
+from tests.helpers.hf_models import make_tiny_checkpoint
 
 BASE = ["--device", "cpu", "--quiet", "--top-k", "1"]
 PROMPTS = ["--prompts", "Hello world! How are you today?", "The quick brown fox"]
@@ -36,7 +36,7 @@ def test_text_prompts_honour_termination_id_and_stop_words(tmp_path, capsys):
 
 
 def test_text_prompts_without_a_length_run_to_eos_under_the_cap(tmp_path):
-    from megatron_async.tools.text_prompts import TEXT_MAX_TOKENS
+    from megatron_async.cli.text_prompts import TEXT_MAX_TOKENS
 
     _, reqs = _run(tmp_path, "--prompts", "hi there", "--max-sequence-length", "40", "--ignore-eos")
     room = 40 - len(reqs[0]["prompt_tokens"])
@@ -84,7 +84,7 @@ def test_bad_flags_are_argparse_errors(flags, needle, capsys):
 
 @pytest.mark.parametrize("which", ["main_job", "benchmark"])
 def test_help_states_each_default_once(which):
-    from megatron_async.tools import side_by_side
+    from benchmarks import side_by_side
 
     text = (build_parser("x") if which == "main_job" else side_by_side.build_parser()).format_help()
     assert "(default: None)" not in text and "default: False" not in text
@@ -143,8 +143,8 @@ def test_every_text_prompt_runs_unless_num_requests_caps_them(tmp_path):
 
 
 def test_request_timing_percentiles():
-    from megatron_async.tools.driver import RequestTiming
-    from megatron_async.tools.summary import percentile
+    from megatron_async.cli.driver import RequestTiming
+    from megatron_async.cli.summary import percentile
 
     t = RequestTiming(arrival=1.0)
     for n, when in ((0, 1.5), (1, 2.0), (1, 2.5), (2, 3.5)):
@@ -168,7 +168,7 @@ def test_penalty_flags_reach_the_engine(tmp_path):
 @pytest.mark.parametrize("flags, graphs", [([], None), (["--cuda-graphs"], True), (["--eager"], False)])
 def test_graph_and_memory_flags_reach_the_config(flags, graphs):
     """No flag leaves CUDA graphs to the device (on for CUDA); --eager turns them off."""
-    from megatron_async.tools import cli
+    from megatron_async.cli import flags as cli
 
     args = build_parser("t").parse_args(["--device", "cuda", *flags, "--gpu-memory-utilization", "0.8"])
     cli.resolve_device_args(args)
@@ -185,7 +185,7 @@ def test_graph_and_memory_flags_reach_the_config(flags, graphs):
 def test_cpu_default_chunk_keeps_streams_moving(flags, max_tokens):
     """On a CPU the main job and the server take 256-token steps (a long prompt's chunks stall
     running streams for at most one such step), never fewer than max_requests, unless given."""
-    from megatron_async.tools import cli
+    from megatron_async.cli import flags as cli
 
     args = build_parser("t").parse_args(["--device", "cpu", *flags])
     cli.resolve_device_args(args)

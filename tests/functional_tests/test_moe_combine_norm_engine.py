@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.kernels import moe_experts, moe_grouped_mm, triton_moe_combine  # noqa: E402
 from megatron_async.models.layers.moe import MoEMixer  # noqa: E402
-from megatron_async.testing.engine_harness import random_prompts  # noqa: E402
+from tests.helpers.engine_harness import random_prompts  # noqa: E402
 from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint  # noqa: E402
 
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=4, ignore_eos=True)

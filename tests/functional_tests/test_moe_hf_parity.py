@@ -9,10 +9,10 @@ import torch
 from megatron_async import SamplingParams
 from megatron_async.models import load_checkpoint
 from megatron_async.models.model_config import LayerKind
-from megatron_async.testing.hf_models import hf_greedy, hf_logits, load_hf_reference
+from tests.helpers.engine_harness import make_llm, random_prompts
+from tests.helpers.hf_models import hf_greedy, hf_logits, load_hf_reference
 from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint
-from megatron_async.testing.simple_session import SimpleSession
-from megatron_async.testing.engine_harness import make_llm, random_prompts
+from tests.helpers.simple_session import SimpleSession
 
 NEW = 8
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=NEW, ignore_eos=True)

@@ -15,10 +15,10 @@ from safetensors import safe_open  # noqa: E402
 
 from megatron_async.models import load_checkpoint  # noqa: E402
 from megatron_async.models.mtp_weights import mtp_depths  # noqa: E402
-from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
-from megatron_async.testing.mtp_heads import add_mtp_heads  # noqa: E402
+from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
+from tests.helpers.mtp_heads import add_mtp_heads  # noqa: E402
 from tests.helpers.mtp_reference import MTPReference  # noqa: E402
-from megatron_async.testing.simple_session import SimpleSession  # noqa: E402
+from tests.helpers.simple_session import SimpleSession  # noqa: E402
 
 torch.set_num_threads(1)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

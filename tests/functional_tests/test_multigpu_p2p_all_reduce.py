@@ -6,17 +6,17 @@ all-reduce fused with add + RMSNorm equals the unfused path (fp32 within 1e-6, t
 bit for bit; bf16 within rounding), identical on every rank, and replays in a graph; and the
 engine under TP with CUDA graphs on P2P (fused norm on and off) gives TP=1's tokens (fp32), with
 P2P and fused calls counted.
-``scripts/measure.py all-reduce`` runs the same checks before timing."""
+``python -m benchmarks all-reduce`` runs the same checks before timing."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from megatron_async import LLM, InferenceConfig
-from megatron_async.testing.all_reduce_checks import (
+from tests.helpers.all_reduce_checks import (
     ENGINE_CONFIG, NO_MULTICAST_ENV, all_reduce_worker, assert_group_report, engine_outputs, engine_worker)
-from megatron_async.testing.hf_models import make_tiny_checkpoint
-from megatron_async.testing.multiprocess import run_ranks
+from tests.helpers.hf_models import make_tiny_checkpoint
+from tests.helpers.multiprocess import run_ranks
 
 pytestmark = pytest.mark.multigpu
 

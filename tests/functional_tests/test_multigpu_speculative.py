@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_async.testing.engine_harness import assert_outputs_close, most_frequent_token
-from megatron_async.testing.hf_models import make_tiny_checkpoint
-from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint
-from megatron_async.testing.mtp_heads import add_mtp_heads
-from megatron_async.testing.multiprocess import run_ranks
 from tests.functional_tests.test_speculative_parallel import _worker, check_parallel, reference
+from tests.helpers.engine_harness import assert_outputs_close, most_frequent_token
+from tests.helpers.hf_models import make_tiny_checkpoint
+from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint
+from tests.helpers.mtp_heads import add_mtp_heads
+from tests.helpers.multiprocess import run_ranks
 
 pytestmark = pytest.mark.multigpu
 

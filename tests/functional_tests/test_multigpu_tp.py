@@ -14,10 +14,10 @@ import torch
 from dataclasses import replace
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
-from megatron_async.testing.engine_harness import assert_outputs_close, most_frequent_token
-from megatron_async.testing.hf_models import make_tiny_checkpoint
-from megatron_async.testing.multiprocess import run_ranks
+from tests.helpers.engine_harness import assert_outputs_close, most_frequent_token
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint
+from tests.helpers.hf_models import make_tiny_checkpoint
+from tests.helpers.multiprocess import run_ranks
 
 pytestmark = pytest.mark.multigpu
 

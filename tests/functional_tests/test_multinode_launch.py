@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_async.testing.multiprocess import free_port
-from megatron_async.tools.main_job import main
+from megatron_async.cli.main_job import main
+from tests.helpers.multiprocess import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB_ARGS = ["--num-requests", "5", "--prompt-len-min", "4", "--prompt-len-max", "10", "--output-len-min", "3",

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.testing.multiprocess import run_ranks
-from megatron_async.tools.hf_peers import save_default_checkpoint
+from megatron_async.models.default_checkpoint import save_default_checkpoint
+from tests.helpers.multiprocess import run_ranks
 
 CONFIG = dict(block_size_tokens=4, num_kv_blocks=128, max_requests=4, max_tokens=16, max_sequence_length=128)
 PROMPTS = [[3, 17, 42, 9, 100, 7], [250, 1, 2], [5] * 11, [60, 61, 62, 63, 64, 65, 66, 67, 68]]

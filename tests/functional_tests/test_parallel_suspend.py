@@ -14,8 +14,8 @@ import torch
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.inference.engines.suspend import SuspendError
-from megatron_async.testing.multiprocess import run_ranks
-from megatron_async.tools.hf_peers import save_default_checkpoint
+from megatron_async.models.default_checkpoint import save_default_checkpoint
+from tests.helpers.multiprocess import run_ranks
 
 CONFIG = dict(block_size_tokens=4, num_kv_blocks=64, max_requests=4, max_tokens=16, max_sequence_length=64,
               enable_suspend=True)

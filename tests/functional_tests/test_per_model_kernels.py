@@ -23,7 +23,7 @@ from megatron_async.kernels import (  # noqa: E402
     triton_mamba_decode,
     triton_mamba_varlen,
 )
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
 
 CFG = dict(max_requests=4, max_tokens=32, num_kv_blocks=32, max_sequence_length=64, async_scheduling=False)
 PARAMS = SamplingParams(top_k=1, num_tokens_to_generate=3, ignore_eos=True)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from megatron_async import SamplingParams
-from megatron_async.testing.engine_harness import Arrival, make_llm, random_prompts, run_arrivals
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
-from megatron_async.testing.hf_models import hf_logits, load_hf_reference, make_tiny_checkpoint
+from tests.helpers.engine_harness import Arrival, make_llm, random_prompts, run_arrivals
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint
+from tests.helpers.hf_models import hf_logits, load_hf_reference, make_tiny_checkpoint
 
 VOCAB = 256  # the tiny GPT checkpoints' vocabulary
 
@@ -225,7 +225,7 @@ def _tp_worker(rank: int, world: int, ckpt: str, prompts: list[list[int]]) -> li
 
 def test_tensor_parallel_two_ranks(tmp_path):
     """Vocab-parallel logits (TP=2, gloo): the same prompt log-probs as HF."""
-    from megatron_async.testing.multiprocess import run_ranks
+    from tests.helpers.multiprocess import run_ranks
 
     ckpt = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "ckpt", num_attention_heads=4, num_key_value_heads=2)
     ref = load_hf_reference(ckpt)
@@ -255,7 +255,7 @@ def test_expert_parallel_two_ranks_equal_one_engine():
     """EP=2 (gloo, the built-in tiny MoE): prompt positions scored in steps whose MoE layers
     exchange tokens between ranks give one engine's prompt log-probs and top-n."""
     from megatron_async import LLM, InferenceConfig
-    from megatron_async.testing.multiprocess import run_ranks
+    from tests.helpers.multiprocess import run_ranks
 
     prompts = random_prompts(4, 10, 40, 256, seed=11)
     got = run_ranks(_ep_worker, 2, prompts, timeout_s=240)[0]

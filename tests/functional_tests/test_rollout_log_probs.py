@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU inter
 
 from megatron_async import SamplingParams  # noqa: E402
 
-from megatron_async.testing.engine_harness import make_llm, random_prompts  # noqa: E402
-from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
+from tests.helpers.engine_harness import make_llm, random_prompts  # noqa: E402
+from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
 
 VOCAB = 256
 

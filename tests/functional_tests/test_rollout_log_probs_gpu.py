@@ -73,7 +73,7 @@ def test_default_mode_largest_difference():
 def test_bf16_prompt_log_probs_against_hf_float32(tmp_path):
     """The bf16 engine's prompt log-probs against HF's float32 teacher-forced log_softmax of the
     same (tiny, random) checkpoint: prints the largest difference."""
-    from megatron_async.testing.hf_models import hf_logits, load_hf_reference, make_tiny_checkpoint
+    from tests.helpers.hf_models import hf_logits, load_hf_reference, make_tiny_checkpoint
 
     path = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "ckpt")
     ref = load_hf_reference(path)

@@ -11,11 +11,11 @@ import torch
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.inference.speculative.oracle import OracleDrafter
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
-from megatron_async.testing.emulated_graphs import EmulatedGraphRunner
-from megatron_async.testing.engine_harness import count_replays_by_variant, make_llm, random_prompts
-from megatron_async.testing.hf_models import load_hf_reference
-from megatron_async.testing.multiprocess import run_ranks
+from tests.helpers.emulated_graphs import EmulatedGraphRunner
+from tests.helpers.engine_harness import count_replays_by_variant, make_llm, random_prompts
+from tests.helpers.hf_models import load_hf_reference
 from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint
+from tests.helpers.multiprocess import run_ranks
 
 NEW = 6
 ASK = dict(num_tokens_to_generate=NEW, ignore_eos=True, return_routed_experts=True)

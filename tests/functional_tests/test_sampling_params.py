@@ -14,9 +14,9 @@ import torch
 
 from megatron_async import SamplingParams
 from megatron_async.inference.text_generation_controllers.sampling import gumbel_noise, row_keys
-from megatron_async.testing.hf_models import hf_logits, load_hf_reference
-from megatron_async.testing.engine_harness import (Arrival, count_replays_by_variant, decode_steps_without_host_sync,
+from tests.helpers.engine_harness import (Arrival, count_replays_by_variant, decode_steps_without_host_sync,
                                                     make_llm, random_prompts, run_arrivals, tokens_of)
+from tests.helpers.hf_models import hf_logits, load_hf_reference
 
 
 def _penalised(logits: list[float], prompt: list[int], out: list[int], sp: SamplingParams, stop: set[int]):

@@ -14,14 +14,14 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from benchmarks.server_load import LoadShape, prompt_for, run_load_test  # noqa: E402
+from benchmarks.server_metrics import kv_leaked  # noqa: E402
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.models.chat_template import load_chat_template  # noqa: E402
 from megatron_async.serve.process import ServerProcess  # noqa: E402
-from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
-from megatron_async.testing.chat_templates import save_chat_template  # noqa: E402
-from megatron_async.tools.server_load import LoadShape, prompt_for, run_load_test  # noqa: E402
-from megatron_async.tools.server_metrics import kv_leaked  # noqa: E402
 from tests.functional_tests.server_client import concurrent_greedy_streams  # noqa: E402
+from tests.helpers.chat_templates import save_chat_template  # noqa: E402
+from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
 
 ENGINE = {"num_kv_blocks": 160, "block_size_tokens": 16, "max_requests": 32, "max_sequence_length": 256}
 SERVER_FLAGS = ["--num-kv-blocks", "160", "--block-size", "16", "--max-requests", "32", "--max-sequence-length", "256"]
@@ -358,7 +358,7 @@ def test_load_with_disconnects_and_long_prompts_frees_every_block(server):
 
 
 def test_load_test_script_starts_a_builtin_model_server(tmp_path):
-    """scripts/load_test.py as the GPU wrapper runs it (built-in model, token-id prompts, warm-up,
+    """python -m benchmarks load-test as the GPU wrapper runs it (built-in model, token-id prompts, warm-up,
     clients spread over processes), small: it starts its own server, reports, and exits 0 only
     when nothing was lost."""
     import os
@@ -370,7 +370,7 @@ def test_load_test_script_starts_a_builtin_model_server(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, str(root / "scripts" / "load_test.py"), "--clients", "8", "--client-processes", "2",
+        [sys.executable, "-m", "benchmarks", "load-test", "--clients", "8", "--client-processes", "2",
          "--requests", "24", "--max-tokens", "6",
          "--prompt-words", "10", "--token-prompts", "--warmup-requests", "8", "--output-path", str(out),
          "--", "--default-model", "tiny", "--device", "cpu", "--max-requests", "8"],

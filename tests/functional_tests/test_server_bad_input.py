@@ -17,8 +17,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from megatron_async.serve import openai_protocol as proto  # noqa: E402
 from megatron_async.serve.process import ServerProcess  # noqa: E402
-from megatron_async.testing.chat_templates import save_chat_template  # noqa: E402
-from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
+from tests.helpers.chat_templates import save_chat_template  # noqa: E402
+from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
 
 MAX_REQUEST_BYTES = 1_000_000
 MAX_REQUESTS = 8

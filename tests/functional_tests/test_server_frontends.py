@@ -20,9 +20,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("zmq")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from benchmarks.server_load import LoadShape, run_load_test  # noqa: E402
+from benchmarks.server_metrics import kv_leaked  # noqa: E402
 from megatron_async.serve.process import ServerProcess  # noqa: E402
-from megatron_async.tools.server_load import LoadShape, run_load_test  # noqa: E402
-from megatron_async.tools.server_metrics import kv_leaked  # noqa: E402
 
 FLAGS = ["--default-model", "tiny", "--device", "cpu", "--max-requests", "16", "--num-kv-blocks", "128"]
 ABORTED = ("megatron_async_request_success_total", "abort")

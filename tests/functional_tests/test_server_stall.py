@@ -13,8 +13,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from megatron_async.serve.process import ServerProcess  # noqa: E402
-from megatron_async.testing.chat_templates import save_chat_template  # noqa: E402
-from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
+from tests.helpers.chat_templates import save_chat_template  # noqa: E402
+from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
 
 # max_model_len 16,384: a 600 KB prompt is under the character bound and gets tokenized (seconds)
 SERVER_FLAGS = ["--num-kv-blocks", "1100", "--block-size", "16", "--max-requests", "4",

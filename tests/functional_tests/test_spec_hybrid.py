@@ -11,9 +11,9 @@ import pytest
 
 from megatron_async import SamplingParams
 from megatron_async.models.layers import mamba_step_plan
-from megatron_async.testing.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
-from megatron_async.testing.engine_harness import Arrival, forbid_host_traffic, make_llm, random_prompts, run_arrivals
-from megatron_async.testing.spec_harness import assert_partial_acceptance, assert_same_outputs, oracle_for
+from tests.helpers.engine_harness import Arrival, forbid_host_traffic, make_llm, random_prompts, run_arrivals
+from tests.helpers.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
+from tests.helpers.spec_harness import assert_partial_acceptance, assert_same_outputs, oracle_for
 
 K = 3
 

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU inter
 
 from megatron_async import SamplingParams  # noqa: E402
 
-from megatron_async.testing.engine_harness import Arrival, make_llm, random_prompts, run_arrivals  # noqa: E402
-from megatron_async.testing.spec_harness import oracle_for  # noqa: E402
+from tests.helpers.engine_harness import Arrival, make_llm, random_prompts, run_arrivals  # noqa: E402
+from tests.helpers.spec_harness import oracle_for  # noqa: E402
 
 
 def test_log_probs_bit_identical(qwen3_ckpt):

@@ -8,8 +8,8 @@ wide verify rows."""
 import pytest
 
 from megatron_async import SamplingParams
-from megatron_async.testing.engine_harness import Arrival, make_llm, random_prompts, run_arrivals
-from megatron_async.testing.spec_harness import assert_partial_acceptance, assert_same_outputs, oracle_for
+from tests.helpers.engine_harness import Arrival, make_llm, random_prompts, run_arrivals
+from tests.helpers.spec_harness import assert_partial_acceptance, assert_same_outputs, oracle_for
 
 N = 40
 PARAMS = [

@@ -16,9 +16,9 @@ if not torch.cuda.is_available():  # before any kernel module is imported: the T
 
 from megatron_async import SamplingParams  # noqa: E402
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner  # noqa: E402
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
-from megatron_async.testing.engine_harness import Arrival, make_llm, random_prompts, run_arrivals  # noqa: E402
-from megatron_async.testing.spec_harness import assert_same_outputs, oracle_for  # noqa: E402
+from tests.helpers.engine_harness import Arrival, make_llm, random_prompts, run_arrivals  # noqa: E402
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
+from tests.helpers.spec_harness import assert_same_outputs, oracle_for  # noqa: E402
 
 K = 2
 CFG = dict(max_requests=6, max_tokens=32)
@@ -124,8 +124,8 @@ def test_mtp_drafts_inside_verify_graphs_equal_eager_drafts(tmp_path):
     """The MTP heads' teacher-forced pass and chained drafts run inside the verify graph, over
     the padded layout: tokens equal plain decoding's and the drafts equal the eager speculative
     run's (same acceptance, step for step: serial mode, same schedules)."""
-    from megatron_async.testing.hf_models import make_tiny_checkpoint
-    from megatron_async.testing.mtp_heads import add_mtp_heads
+    from tests.helpers.hf_models import make_tiny_checkpoint
+    from tests.helpers.mtp_heads import add_mtp_heads
 
     base = make_tiny_checkpoint("LlamaForCausalLM", tmp_path / "base", seed=1)
     ckpt = add_mtp_heads(base, tmp_path / "mtp", init="copy_next", scale_layers=0.01)

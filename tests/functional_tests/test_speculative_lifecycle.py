@@ -3,8 +3,8 @@ finishes inside an accepted run, KV block boundaries inside the draft window, sm
 with pauses and evictions, prefix caching, penalties, and speculation switching itself off.
 Each case asserts that its event happened (EngineStats) and that outputs equal plain decoding."""
 from megatron_async import SamplingParams
-from megatron_async.testing.engine_harness import Arrival, make_llm, random_prompts
-from megatron_async.testing.spec_harness import assert_partial_acceptance, run_plain_and_spec
+from tests.helpers.engine_harness import Arrival, make_llm, random_prompts
+from tests.helpers.spec_harness import assert_partial_acceptance, run_plain_and_spec
 
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=14)
 

@@ -16,11 +16,11 @@ import pytest
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.inference.speculative.oracle import OracleDrafter
 from megatron_async.inference.step_plan import StepAgreement
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
-from megatron_async.testing.hf_models import make_tiny_checkpoint
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint
+from tests.helpers.hf_models import make_tiny_checkpoint
 from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint
-from megatron_async.testing.mtp_heads import add_mtp_heads
-from megatron_async.testing.multiprocess import run_ranks
+from tests.helpers.mtp_heads import add_mtp_heads
+from tests.helpers.multiprocess import run_ranks
 
 K = 3
 CONFIG = dict(block_size_tokens=4, num_kv_blocks=160, max_requests=4, max_tokens=24, max_sequence_length=96,

@@ -2,8 +2,8 @@
 launch-ahead; greedy and seeded sampling; n-gram and oracle drafters. Each case asserts that
 drafts really were accepted and rejected (EngineStats)."""
 from megatron_async import SamplingParams
-from megatron_async.testing.engine_harness import Arrival, random_prompts
-from megatron_async.testing.spec_harness import assert_partial_acceptance, run_plain_and_spec
+from tests.helpers.engine_harness import Arrival, random_prompts
+from tests.helpers.spec_harness import assert_partial_acceptance, run_plain_and_spec
 
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=16, return_log_probs=True)
 SAMPLED = [
@@ -50,7 +50,7 @@ def test_refusals(qwen3_ckpt):
     import pytest
 
     from megatron_async.inference.speculative.oracle import OracleDrafter
-    from megatron_async.testing.engine_harness import make_llm
+    from tests.helpers.engine_harness import make_llm
 
     with pytest.raises(ValueError, match="MTP heads"):
         make_llm(qwen3_ckpt, num_speculative_tokens=2)  # default method "mtp", no heads

@@ -18,11 +18,11 @@ if not torch.cuda.is_available():  # before any kernel module is imported: the T
 from megatron_async import SamplingParams  # noqa: E402
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner  # noqa: E402
 from megatron_async.inference.text_generation_controllers.graph_plan import GraphPlan  # noqa: E402
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
-from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
-from megatron_async.testing.mtp_heads import add_mtp_heads  # noqa: E402
-from megatron_async.testing.engine_harness import Arrival, make_llm, random_prompts, run_arrivals  # noqa: E402
-from megatron_async.testing.spec_harness import assert_same_outputs, oracle_for  # noqa: E402
+from tests.helpers.engine_harness import Arrival, make_llm, random_prompts, run_arrivals  # noqa: E402
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
+from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
+from tests.helpers.mtp_heads import add_mtp_heads  # noqa: E402
+from tests.helpers.spec_harness import assert_same_outputs, oracle_for  # noqa: E402
 
 N = 48  # tokens per request: several probe intervals
 PARAMS = [

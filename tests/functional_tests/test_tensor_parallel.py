@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
-from megatron_async.testing.hf_models import make_tiny_checkpoint
-from megatron_async.testing.multiprocess import run_ranks
-from megatron_async.testing.engine_harness import run_leader_arrivals
-from megatron_async.tools.main_job import main
+from megatron_async.cli.main_job import main
+from tests.helpers.engine_harness import run_leader_arrivals
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint
+from tests.helpers.hf_models import make_tiny_checkpoint
+from tests.helpers.multiprocess import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = dict(block_size_tokens=4, num_kv_blocks=128, max_requests=4, max_tokens=16, max_sequence_length=128,

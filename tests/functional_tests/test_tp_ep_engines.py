@@ -6,8 +6,8 @@ requests, steps, dummy forwards); a replica left idle runs dummy forwards on bot
 from __future__ import annotations
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.testing.multiprocess import run_ranks
 from tests.functional_tests.test_data_parallel_engines import CONFIG, PROMPTS, run_all
+from tests.helpers.multiprocess import run_ranks
 
 LONG = SamplingParams(top_k=1, num_tokens_to_generate=12, ignore_eos=True)
 

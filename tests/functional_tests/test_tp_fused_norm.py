@@ -18,9 +18,9 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter test; on GPUs see *_multigpu_*")
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
-from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
-from megatron_async.testing.multiprocess import run_ranks  # noqa: E402
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
+from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
+from tests.helpers.multiprocess import run_ranks  # noqa: E402
 
 CONFIG = dict(block_size_tokens=4, num_kv_blocks=64, max_requests=4, max_tokens=16, max_sequence_length=64)
 PROMPTS = [[3, 17, 42, 9, 100, 7], [25, 1, 2], [60, 61, 62, 63, 64, 65, 66, 67, 68]]

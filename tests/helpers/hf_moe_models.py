@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_async.testing.hf_hybrid_models import _redraw_mamba_params, make_tiny_hybrid_config
-from megatron_async.testing.hf_models import perturb_norms_and_biases
+from tests.helpers.hf_hybrid_models import _redraw_mamba_params, make_tiny_hybrid_config
+from tests.helpers.hf_models import perturb_norms_and_biases
 
 MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "NemotronHForCausalLM")
 

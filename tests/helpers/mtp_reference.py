@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_async.models.checkpoint import iter_safetensors, read_hf_config, safetensors_files
-from megatron_async.testing.hf_models import load_hf_reference
+from tests.helpers.hf_models import load_hf_reference
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

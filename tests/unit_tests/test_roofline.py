@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_async.models.default_model import DEFAULT_CONFIGS, build_default_model
-from megatron_async.tools.roofline import (decode_floor, expert_weight_bytes, measure_matmul_flops, prefill_flops,
+from benchmarks.roofline import (decode_floor, expert_weight_bytes, measure_matmul_flops, prefill_flops,
                                             weight_bytes)
+from megatron_async.models.default_model import DEFAULT_CONFIGS, build_default_model
 
 
 def test_prefill_flops_counts_every_linear_token_and_causal_pair():

@@ -3,7 +3,7 @@ sees a busy thread as busy and a blocked one as idle."""
 import threading
 import time
 
-from megatron_async.tools.stage_sampler import StageSampler, engine_stage, loop_stage
+from benchmarks.stage_sampler import StageSampler, engine_stage, loop_stage
 
 SITE = "/usr/lib/python3/site-packages"
 ASYNCIO = "/usr/lib/python3.11/asyncio"

@@ -1,7 +1,7 @@
 """Debug probe: where a consensus round's host time goes, phase by phase.
 
 Off by default (``ZMQCommunicator.probe`` / ``StepConsensus.probe`` None: one ``is None`` test
-per phase boundary). ``scripts/measure.py consensus --breakdown`` turns it on. A round is one
+per phase boundary). ``python -m benchmarks consensus --breakdown`` turns it on. A round is one
 ``StepConsensus.exchange`` (or one ``take_uploads``, kept apart as its own kind): ``start``, then
 ``mark(phase)`` at the end of each phase (the time since the previous mark goes to that phase),
 then ``end``."""

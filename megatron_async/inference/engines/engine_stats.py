@@ -132,7 +132,7 @@ class EngineStats:
     """Event-to-event time of logging steps (CUDA events recorded before the step's H2D copy and
     after its sample copy): a step period, not device busy time, since it also holds any wait
     behind the previous launch and host enqueue time. Device idle is measured from profiler
-    intervals (megatron_async/tools/gpu_idle.py)."""
+    intervals (benchmarks/gpu_idle.py)."""
 
     @property
     def mean_decode_step_ms(self) -> float:

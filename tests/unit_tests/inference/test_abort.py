@@ -6,7 +6,7 @@ import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.inference.request import Status
-from megatron_async.testing.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
+from tests.helpers.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
 from tests.unit_tests.inference.engine_driver import drive
 
 # 13 usable blocks of 4 tokens for 4 requests that grow to ~20-46 tokens: pauses and evictions;

@@ -9,7 +9,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from megatron_async import LLM, InferenceConfig, InvalidRequestError, SamplingParams  # noqa: E402
-from megatron_async.testing.hf_models import make_tiny_checkpoint  # noqa: E402
+from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
 
 VOCAB = 256  # the tiny HF checkpoint (it has no tokenizer)
 GOOD = [[5, 6, 7], [8, 9, 10, 11, 12]]

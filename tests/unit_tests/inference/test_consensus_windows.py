@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_async.tools.consensus_windows import TraceStep, window_costs
+from benchmarks.consensus_windows import TraceStep, window_costs
 
 TRACE = [TraceStep((4, 0), True, admitted=2), TraceStep((1, 2), False), TraceStep((1, 1), False, admitted=1),
          TraceStep((0, 0), False), TraceStep((3, 1), False), TraceStep((1, 0), False, admitted=1)]

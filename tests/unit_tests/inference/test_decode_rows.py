@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.inference.contexts.step_errors import RequestStepError  # noqa: E402
-from megatron_async.testing.engine_harness import Arrival, run_arrivals, sampling_mix  # noqa: E402
+from tests.helpers.engine_harness import Arrival, run_arrivals, sampling_mix  # noqa: E402
 
 JUNK = 0xA5
 
@@ -191,7 +191,7 @@ def test_fast_path_equals_general_path_speculative(async_scheduling, policy):
 
 @pytest.fixture(scope="module")
 def hybrid_ckpt(tmp_path_factory):
-    from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
+    from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint
 
     return make_tiny_hybrid_checkpoint("NemotronHForCausalLM", tmp_path_factory.mktemp("nemotron"))
 

@@ -384,7 +384,7 @@ def test_hybrid_snapshot_carries_the_mamba_row_layout():
     fresh-or-continued flags per row; graph padding rows take the padding slot, start fresh and
     follow in order; the Mamba metadata are views of the snapshot with host sizes only."""
     from megatron_async.models.hybrid import build_hybrid
-    from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_config
+    from tests.helpers.hf_hybrid_models import make_tiny_hybrid_config
 
     hybrid = build_hybrid(make_tiny_hybrid_config("NemotronHForCausalLM").to_dict(), torch.float32, "cpu")
     ctx = make_ctx(hybrid, num_kv_blocks=16)

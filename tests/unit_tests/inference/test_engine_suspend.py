@@ -7,8 +7,8 @@ import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.inference.engines.suspend import SuspendError
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
-from megatron_async.testing.hf_models import make_tiny_checkpoint
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint
+from tests.helpers.hf_models import make_tiny_checkpoint
 from tests.unit_tests.inference.engine_driver import drive
 
 # max_requests 2 keeps the third prompt waiting at first; max_tokens 8 chunks the 14-token prompt.

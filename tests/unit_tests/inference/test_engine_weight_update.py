@@ -5,8 +5,8 @@ import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.models.weight_update import WeightUpdateError
-from megatron_async.testing.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
-from megatron_async.testing.hf_models import load_hf_reference, make_tiny_checkpoint
+from tests.helpers.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
+from tests.helpers.hf_models import load_hf_reference, make_tiny_checkpoint
 from tests.unit_tests.inference.engine_driver import drive
 
 CFG = dict(block_size_tokens=4, num_kv_blocks=64, max_requests=4, max_tokens=16, max_sequence_length=64)

@@ -9,9 +9,9 @@ import random
 import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
+from megatron_async.cli.driver import run_workload
+from megatron_async.cli.workload import WorkloadRequest
 from megatron_async.inference.request import RequestOutput
-from megatron_async.tools.driver import run_workload
-from megatron_async.tools.workload import WorkloadRequest
 
 CFG = dict(max_requests=6, max_tokens=48, max_sequence_length=128)
 

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_async.inference.communication.shm_slots import supported
 from megatron_async.inference.communication.zmq_communicator import CommunicatorError, ZMQCommunicator
-from megatron_async.testing.multiprocess import free_port, run_ranks
+from tests.helpers.multiprocess import free_port, run_ranks
 
 pytestmark = pytest.mark.skipif(not supported(), reason="shared slots need x86 store ordering")
 

@@ -12,7 +12,7 @@ from megatron_async.inference.engines.dynamic_engine import StepResult
 from megatron_async.inference.engines.request_validation import ValidRequest
 from megatron_async.inference.engines.step_consensus import NewRequest, StepConsensus
 from megatron_async.inference.request import RequestOutput, RequestUpdate, SamplingParams
-from megatron_async.testing.multiprocess import free_port, run_ranks
+from tests.helpers.multiprocess import free_port, run_ranks
 
 pytestmark = pytest.mark.skipif(not supported(), reason="shared slots need x86 store ordering")
 ROUNDS = 40

@@ -9,7 +9,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
-from megatron_async.testing.hf_models import hf_logits, load_hf_reference, make_tiny_checkpoint  # noqa: E402
+from tests.helpers.hf_models import hf_logits, load_hf_reference, make_tiny_checkpoint  # noqa: E402
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28], [8, 41]]
 NEW = 8

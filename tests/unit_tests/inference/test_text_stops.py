@@ -8,7 +8,7 @@ import pytest
 
 from megatron_async import LLM, InferenceConfig, InvalidRequestError, SamplingParams
 from megatron_async.inference.text_stream import REPLACEMENT_CHAR
-from megatron_async.testing.hf_models import make_tiny_checkpoint
+from tests.helpers.hf_models import make_tiny_checkpoint
 from tests.unit_tests.inference.engine_driver import drive
 
 CFG = dict(block_size_tokens=4, num_kv_blocks=128, max_requests=4, max_tokens=32, max_sequence_length=96)

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from megatron_async.inference.communication.zmq_communicator import CommunicatorError, ZMQCommunicator
-from megatron_async.testing.multiprocess import free_port, run_ranks
+from tests.helpers.multiprocess import free_port, run_ranks
 
 
 def _collectives(rank: int, world: int, port: int):

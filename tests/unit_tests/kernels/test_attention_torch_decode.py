@@ -11,7 +11,7 @@ import torch
 from megatron_async.config import AttentionBackend
 from megatron_async.kernels import attention, attention_torch
 
-from paged_attention_cases import make_case  # noqa: E402
+from tests.helpers.paged_attention_cases import make_case  # noqa: E402
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 

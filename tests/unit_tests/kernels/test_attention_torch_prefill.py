@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megatron_async.kernels import attention_torch
-from megatron_async.testing.engine_harness import HOST_DATA, HOST_READS
+from tests.helpers.engine_harness import HOST_DATA, HOST_READS
 
-from paged_attention_cases import make_case  # noqa: E402
+from tests.helpers.paged_attention_cases import make_case  # noqa: E402
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 KINDS = ("fresh", "chunked", "chunk_with_decodes", "several")

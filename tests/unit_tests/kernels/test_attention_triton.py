@@ -15,7 +15,7 @@ from megatron_async.kernels.triton_decode_attention import decode_attention  # n
 from megatron_async.kernels.triton_kv_append import append_kv  # noqa: E402
 from megatron_async.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
 
-from paged_attention_cases import PagedCase, make_case  # noqa: E402
+from tests.helpers.paged_attention_cases import PagedCase, make_case  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_TOL = dict(rtol=1e-4, atol=1e-5)

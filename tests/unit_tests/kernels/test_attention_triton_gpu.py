@@ -1,4 +1,7 @@
-"""Compiled Triton paged attention vs the torch reference at real (Qwen3-0.6B-like) shapes."""
+"""Compiled Triton paged attention vs the torch reference at real (Qwen3-0.6B-like) shapes: decode
+steps of 1 to 256 rows with KV lengths up to 2,048, mixed steps (prefill chunks, some continuing a
+cached prefix, beside decode rows), KV blocks of 16 and 64 tokens; the decode kernel replayed from
+a CUDA graph. Times: ``python -m benchmarks kernel-times paged-attention``."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,32 +13,62 @@ pytest.importorskip("triton")
 
 from megatron_async.kernels import attention_triton  # noqa: E402
 
-from paged_attention_cases import make_case  # noqa: E402
+from megatron_async.kernels.triton_decode_attention import decode_attention  # noqa: E402
+from tests.helpers.paged_attention_cases import QWEN3_06B_HEADS, decode_rows, make_case, mixed_rows  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+MAX_LEN = 2048
+
+
 def _rows(kind: str) -> list[tuple[int, int]]:
+    """decode-N: N rows with KV lengths in [1,024, 2,048] (the engine's decode steps; decode-128:
+    lengths 1-2,048); mixed: short prefill chunks and 32 decode rows; mixed-64: MIXED_PREFILL's
+    512-token chunks and 64 decode rows."""
     gen = torch.Generator().manual_seed(0)
-    decode = [(n - 1, 1) for n in torch.randint(1, 2049, (128,), generator=gen).tolist()]
-    if kind == "decode-1":
-        return [(2047, 1)]
     if kind == "decode-128":
-        return decode
-    return [(0, 300), (1000, 200), (17, 64)] + decode[:32]
+        return [(n - 1, 1) for n in torch.randint(1, MAX_LEN + 1, (128,), generator=gen).tolist()]
+    if kind == "mixed":
+        return [(0, 300), (1000, 200), (17, 64)] + _rows("decode-128")[:32]
+    if kind == "mixed-64":
+        return mixed_rows(MAX_LEN, gen)
+    return decode_rows(int(kind.split("-")[1]), MAX_LEN, gen)
+
+
+KINDS = ["decode-1", "decode-8", "decode-64", "decode-128", "decode-256", "mixed", "mixed-64"]
 
 
 @pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("kind", ["decode-1", "decode-128", "mixed"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_real_shapes_match_reference(kind, block_size, dtype):
-    case = make_case(_rows(kind), num_heads=16, num_kv_heads=8, head_dim=128, block_size=block_size,
-                     dtype=dtype, device="cuda", seed=block_size)
+    case = make_case(_rows(kind), block_size=block_size, dtype=dtype, device="cuda", seed=block_size,
+                     **QWEN3_06B_HEADS)
     ref_out, ref_cache = case.reference()
     out = attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
     torch.testing.assert_close(out, ref_out, **tol)
     assert torch.equal(torch.nan_to_num(case.kv_cache, nan=0.0), ref_cache)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("batch", [1, 64, 256])
+def test_decode_kernel_replays_its_eager_bits(batch, block_size):
+    """The decode kernel alone (keys appended first), captured in a CUDA graph: a replay gives the
+    eager call's bits."""
+    case = make_case(_rows(f"decode-{batch}"), block_size=block_size, dtype=torch.bfloat16, device="cuda",
+                     seed=batch, **QWEN3_06B_HEADS)
+    attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the keys
+    eager = decode_attention(case.q, case.kv_cache, case.meta, case.scale)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(case.q, case.kv_cache, case.meta, case.scale)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
 
 
 @pytest.mark.parametrize("block_size", [16, 64])

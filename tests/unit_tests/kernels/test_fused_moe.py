@@ -94,7 +94,7 @@ def test_moe_layer_runs_the_fused_kernel_under_the_triton_backend(monkeypatch):
     from megatron_async.kernels.backends import KernelBackends
     from megatron_async.models.layers.block import StepInputs
     from megatron_async.parallel.state import ParallelState
-    from megatron_async.testing.moe_layers import MOE_CONFIGS, build_moe_layer
+    from tests.helpers.moe_layers import MOE_CONFIGS, build_moe_layer
 
     calls = []
     real = triton_fused_moe.fused_experts

@@ -237,7 +237,7 @@ MODEL_CASES = {
 
 def _model_logits(path, dtype: torch.dtype, fused: bool) -> torch.Tensor:
     from megatron_async.models import load_checkpoint
-    from megatron_async.testing.simple_session import SimpleSession
+    from tests.helpers.simple_session import SimpleSession
 
     model, _ = load_checkpoint(path, DEVICE, dtype)
     model.kernels = KernelBackends(fused=fused)
@@ -253,9 +253,9 @@ def test_models_fused_path_matches_torch_path(case, dtype, tmp_path, monkeypatch
     """Whole models with every layer routed through the (interpreted) fused kernels."""
     arch, overrides = MODEL_CASES[case]
     if arch in ("BambaForCausalLM", "NemotronHForCausalLM"):
-        from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint as make
+        from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint as make
     else:
-        from megatron_async.testing.hf_models import make_tiny_checkpoint as make
+        from tests.helpers.hf_models import make_tiny_checkpoint as make
     path = make(arch, tmp_path, **overrides)
     monkeypatch.setattr(fused_ops, "use_fused", lambda x, enabled=True: enabled)  # also on CPU
     ref = _model_logits(path, dtype, fused=False)

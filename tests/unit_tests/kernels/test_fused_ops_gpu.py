@@ -2,7 +2,9 @@
 the residual sum bit-for-bit; in bf16 the normed and activated outputs within one ulp (two for
 SiLU-and-mul, whose rounded SiLU feeds a rounded product) on under 1 % of the elements (a
 float32 sum order or exp approximation flips a rounding), RoPE to bf16 rounding of the scale;
-under CUDA-graph capture bit-for-bit."""
+under CUDA-graph capture bit-for-bit; the layers' fused path (``fused=True``) runs exactly these
+kernels; and a launch's warp count never changes the bits (add + RMSNorm; q/k norm + rope + K/V
+store). Times: ``python -m benchmarks kernel-times fused-elementwise`` / ``small-kernels``."""
 from __future__ import annotations
 
 import pytest
@@ -66,17 +68,19 @@ def _cos_sin(T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("T", [1, 8, 2048])
+@pytest.mark.parametrize("T", [1, 8, 128, 2048])
 def test_real_shapes_match_torch_path(T, dtype):
     torch.manual_seed(T)
     x, res = torch.randn(T, HIDDEN, dtype=dtype, device="cuda"), torch.randn(T, HIDDEN, dtype=dtype, device="cuda")
     norm, q_norm, k_norm = _norm(HIDDEN, dtype), _norm(HEAD_DIM, dtype), _norm(HEAD_DIM, dtype)
     _close(triton_rmsnorm.rms_norm(x, norm.weight, EPS), norm(x, fused=False))  # the layer's torch code
+    assert torch.equal(norm(x, fused=True), triton_rmsnorm.rms_norm(x, norm.weight, EPS))  # the layer's fused path
 
     out, new_res = triton_rmsnorm.add_rms_norm(x, res, norm.weight, EPS)
     ref_out, ref_res = norm.add_and_norm(x, res, fused=False)
     assert torch.equal(new_res, ref_res)
     _close(out, ref_out)
+    assert all(torch.equal(a, b) for a, b in zip(norm.add_and_norm(x, res, fused=True), (out, new_res)))
 
     q, k = _qk(T, dtype)
     cos, sin = _cos_sin(T, dtype)
@@ -121,3 +125,32 @@ def test_cuda_graph_replay_matches_eager():
     torch.cuda.synchronize()
     for out, ref in zip(captured, step(), strict=True):
         assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("T", [1, 64, 128, 256])
+def test_launch_warps_keep_the_bits(T, monkeypatch):
+    """add + RMSNorm [T, 1024] and q/k norm + rope + K/V store (bf16, KV blocks of 16) at 1, 2, 4
+    and 8 warps per program: the default launch's bits, outputs and cache."""
+    torch.manual_seed(T)
+    dtype, block_size = torch.bfloat16, 16
+    x, res = torch.randn(T, HIDDEN, dtype=dtype, device="cuda"), torch.randn(T, HIDDEN, dtype=dtype, device="cuda")
+    weight = torch.rand(HIDDEN, dtype=dtype, device="cuda")
+    blocks = max(64, 4 * T)
+    cache = torch.zeros(2, blocks, block_size, KV_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
+    qkv = torch.randn(T, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=dtype, device="cuda")
+    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    angle = torch.rand(T, HEAD_DIM // 2, device="cuda") * 6.28
+    rope_args = (q.view(T, HEADS, HEAD_DIM), k.view(T, KV_HEADS, HEAD_DIM), angle.cos().to(dtype),
+                 angle.sin().to(dtype), torch.rand(HEAD_DIM, dtype=dtype, device="cuda"),
+                 torch.rand(HEAD_DIM, dtype=dtype, device="cuda"), EPS, v.view(T, KV_HEADS, HEAD_DIM), cache,
+                 torch.randperm(blocks * block_size, device="cuda")[:T])
+    norm_ref = triton_rmsnorm.add_rms_norm(x, res, weight, EPS)
+    rope_ref = triton_rope.rope_qk(*rope_args)[0], cache.clone()
+    for warps in (1, 2, 4, 8):
+        monkeypatch.setattr(triton_rmsnorm, "num_warps", lambda block, w=warps: w)
+        monkeypatch.setattr(triton_rope, "num_warps", lambda heads, block, w=warps: w)
+        got = triton_rmsnorm.add_rms_norm(x, res, weight, EPS)
+        assert all(torch.equal(a, b) for a, b in zip(got, norm_ref)), f"add + RMSNorm, {warps} warps"
+        cache.zero_()
+        assert torch.equal(triton_rope.rope_qk(*rope_args)[0], rope_ref[0]), f"rope, {warps} warps"
+        assert torch.equal(cache, rope_ref[1]), f"K/V store, {warps} warps"

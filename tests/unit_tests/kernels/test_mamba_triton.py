@@ -189,10 +189,13 @@ def test_mixer_mixed_step_same_on_both_backends(tp_rank):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_realistic_sizes_on_gpu():
-    """NemotronH-like: 128 heads of 64, d_state 128, 8 groups, bf16 activations, fp32 states."""
-    g = _gen(13)
-    h, p, grp, n, k, rows = 128, 64, 8, 128, 4, 64
+@pytest.mark.parametrize("rows", [1, 8, 64, 256])
+def test_realistic_sizes_on_gpu(rows):
+    """NemotronH-like: 128 heads of 64, d_state 128, 8 groups, bf16 activations, fp32 states;
+    decode batches of 1-256 rows on slot pools. Both in-place updates captured in one CUDA graph
+    and replayed from the same starting pools give the eager call's bits."""
+    g = _gen(13 + rows)
+    h, p, grp, n, k = 128, 64, 8, 128, 4
     c = h * p + 2 * grp * n
     bf16 = torch.bfloat16
     x, B, C = _randn(g, rows, h, p, dtype=bf16), _randn(g, rows, grp, n, dtype=bf16), _randn(g, rows, grp, n, dtype=bf16)
@@ -200,14 +203,28 @@ def test_realistic_sizes_on_gpu():
     pool = _randn(g, rows + 8, h, p, n)
     slots = torch.randperm(rows + 8, generator=g)[:rows].to(DEVICE)
     has_init = _rand(g, rows) > 0.2
-    dt_final = F.softplus(dt + dt_bias).clamp(1e-3, float("inf"))
-    ref_y, ref_state = ssd_step(x, dt_final, A, B, C, _gathered(pool, slots, has_init), D)
-    y = selective_state_update(x, dt, A, B, C, D, pool, slots=slots, has_initial_state=has_init,
-                               dt_bias=dt_bias, dt_softplus=True, dt_limit=(1e-3, float("inf")))
-    assert _rel_err(y, ref_y) < 1e-5 and _rel_err(pool[slots], ref_state) < 1e-5
-
     cx, w, bias = _randn(g, rows, c, dtype=bf16), _randn(g, c, k, dtype=bf16), _randn(g, c, dtype=bf16)
     cpool = _randn(g, rows + 8, c, k - 1, dtype=bf16)
+    start = (pool.clone(), cpool.clone())
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        y = selective_state_update(x, dt, A, B, C, D, pool, slots=slots, has_initial_state=has_init,
+                                   dt_bias=dt_bias, dt_softplus=True, dt_limit=(1e-3, float("inf")))
+        return y, causal_conv1d_update(cx, w, bias, cpool, slots=slots, has_initial_state=has_init)
+
+    dt_final = F.softplus(dt + dt_bias).clamp(1e-3, float("inf"))
+    ref_y, ref_state = ssd_step(x, dt_final, A, B, C, _gathered(pool, slots, has_init), D)
     ref_out, ref_cstate = causal_conv1d_step(cx, w, bias, _gathered(cpool, slots, has_init))
-    out = causal_conv1d_update(cx, w, bias, cpool, slots=slots, has_initial_state=has_init)
+    y, out = step()
+    assert _rel_err(y, ref_y) < 1e-5 and _rel_err(pool[slots], ref_state) < 1e-5
     assert _rel_err(out, ref_out) < 1e-2 and torch.equal(cpool[slots], ref_cstate)
+
+    eager = (y, out, pool[slots], cpool[slots])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    pool.copy_(start[0]), cpool.copy_(start[1])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip((*captured, pool[slots], cpool[slots]), eager))

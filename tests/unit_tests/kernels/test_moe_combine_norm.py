@@ -18,7 +18,7 @@ from megatron_async.kernels.moe_grouped_mm import PendingCombine, combine_slots_
 from megatron_async.models.layers.block import Block, StepInputs  # noqa: E402
 from megatron_async.models.layers.norm import NemotronRMSNorm, RMSNorm  # noqa: E402
 from megatron_async.parallel.state import ParallelState  # noqa: E402
-from megatron_async.testing.moe_layers import SIGMOID_MOE, SOFTMAX_MOE, build_moe_layer  # noqa: E402
+from tests.helpers.moe_layers import SIGMOID_MOE, SOFTMAX_MOE, build_moe_layer  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

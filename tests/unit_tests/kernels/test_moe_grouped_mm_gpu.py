@@ -1,6 +1,8 @@
 """Grouped-GEMM routed experts on CUDA at the Qwen3-30B-A3B layer shape (hidden 2048, 128
 experts, top-8, moe_intermediate 768, bf16) vs the torch reference and the fused Triton MoE,
-deterministic, and under CUDA-graph capture (no host syncs, fixed shapes) replayed on new inputs."""
+deterministic, through the layer's own router at prefill token counts (both paths), and under
+CUDA-graph capture (no host syncs, fixed shapes) replayed on new inputs. Times: ``python -m
+benchmarks kernel-times fused-moe --grouped-mm`` / ``--combine-norm``."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +12,7 @@ pytest.importorskip("triton")
 
 from megatron_async.kernels import moe_experts, moe_grouped_mm, triton_fused_moe  # noqa: E402
 from megatron_async.kernels.moe_torch import fused_experts_torch  # noqa: E402
+from tests.helpers.moe_layers import qwen3_30b_moe_layer  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm")]
@@ -47,6 +50,21 @@ def test_grouped_mm_matches_the_reference_and_the_triton_moe(M, gated, top_k, dr
     assert torch.equal(out, moe_grouped_mm.fused_experts_grouped_mm(x, w13, w2, ids, w, gated))
 
 
+@pytest.mark.parametrize("tokens", [512, 1024, 2048, 8192])
+def test_both_paths_on_the_layers_routing_at_prefill_counts(tokens):
+    """The layer's weights (N(0, 0.02)) and routing: the fused Triton MoE and the grouped GEMM each
+    within 3e-2 of the largest reference output."""
+    layer = qwen3_30b_moe_layer()
+    w13, w2 = layer.experts.gate_up_proj.weight, layer.experts.down_proj.weight
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=torch.Generator("cuda").manual_seed(tokens))
+    with torch.no_grad():
+        x = x.to(torch.bfloat16)
+        ids, w = layer.gate.route(x)
+        ref = fused_experts_torch(x, w13, w2, ids, w, True)
+        assert _rel_err(triton_fused_moe.fused_experts(x, w13, w2, ids, w, True), ref) < 3e-2
+        assert _rel_err(moe_grouped_mm.fused_experts_grouped_mm(x, w13, w2, ids, w, True), ref) < 3e-2
+
+
 def test_dispatch_takes_prefill_batches_on_hopper():
     if torch.cuda.get_device_capability()[0] not in (9, 10):
         pytest.skip("the grouped GEMM's device-side offsets need sm90 / sm100")
@@ -74,7 +92,7 @@ def test_grouped_mm_replays_in_a_cuda_graph():
     assert _rel_err(out, fused_experts_torch(x, w13, w2, ids, w, True)) < 2e-2
 
 
-@pytest.mark.parametrize("M, dropped", [(2048, 0.0), (700, 0.3)])
+@pytest.mark.parametrize("M, dropped", [(2048, 0.0), (8192, 0.0), (700, 0.3)])
 def test_deferred_combine_norm_has_the_bits_of_combine_then_add_rms_norm(M, dropped):
     """The one-kernel slot sum + residual add + RMSNorm (``PendingCombine``) against
     ``combine_slots`` then ``add_rms_norm``, compiled, at the 30B layer width; and replayed in

@@ -85,3 +85,24 @@ def test_plan_replays_in_a_cuda_graph_on_new_routing():
     graph.replay()
     for a, b in zip(moe_grouped_mm.plan_rows_torch(ids, 128), out):
         assert torch.equal(a.long(), b.long())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [512, 2048, 8192])
+@pytest.mark.parametrize("seg", [None, 128, 256, 512, 1024, 2048])
+def test_plans_of_the_layers_routing_at_every_segment_size(tokens, seg):
+    """The Qwen3-30B-A3B layer's router on fresh tokens (4,096 / 16,384 / 65,536 pairs), alone
+    and with a tenth of its ids moved to other ranks' experts, at every segment size and 4 or 8
+    warps: the reference's bits."""
+    from tests.helpers.moe_layers import QWEN3_30B_HIDDEN, qwen3_30b_moe_layer
+
+    layer = qwen3_30b_moe_layer()
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    with torch.no_grad():
+        x = torch.randn(tokens, QWEN3_30B_HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+        ids = layer.gate.route(x)[0]
+    dropped = torch.where(torch.rand(ids.shape, device="cuda", generator=g) < 0.1, ids + 128, ids)
+    for warps in (4, 8):
+        for routing in (ids, dropped):
+            _check(routing.cpu(), 128, seg, warps)

@@ -143,23 +143,48 @@ def test_batch_invariant_paths_take_one_lse_of_the_logits_as_given(monkeypatch):
 VOCAB = 151936  # Qwen3's
 
 
+def _step_logits(rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 logits of a step (many ties) with a 10-way tie at the top of every row and every
+    other entry of row 0 -inf, and a token per row."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = (3 * torch.randn(rows, vocab, device=DEV, generator=g)).to(torch.bfloat16)
+    x[:, 100:110] = x.max()  # a tie at the top: the lowest ids first
+    x[0, ::2] = float("-inf")
+    return x, torch.randint(0, vocab, (rows,), device=DEV, generator=g)
+
+
+def _equal_the_reference(x: torch.Tensor, tokens: torch.Tensor, **launch) -> None:
+    """Top-n 0 / 5 / 20, default and batch-invariant: top-n ids equal, values to float32
+    rounding of the log-sum-exp (2e-5), bit for bit in batch-invariant mode; a row alone gives
+    its bits in the batch."""
+    for n in (0, 5, 20):
+        for inv in (False, True):
+            ref = log_probs_of(x, tokens, n, inv)
+            got = triton_log_probs.log_probs(x, tokens, n, inv, **launch)
+            close = _same if inv else (lambda a, b: torch.allclose(a, b, atol=2e-5, rtol=0, equal_nan=True))
+            assert close(got[0], ref[0]), f"chosen log-probs, top-{n}, batch_invariant={inv}"
+            if n:
+                assert torch.equal(got[2], ref[2]), f"top ids, top-{n}, batch_invariant={inv}"
+                assert close(got[1], ref[1]), f"top values, top-{n}, batch_invariant={inv}"
+            alone = triton_log_probs.log_probs(x[-1:], tokens[-1:], n, inv, **launch)
+            assert _same(alone[0], got[0][-1:])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled layouts)")
 @pytest.mark.parametrize("rows", [1, 64, 128])
-def test_cuda_batch_invariant_log_probs_equal_the_reference_bits(rows):
-    """bf16 logits at Qwen3's vocabulary, the engine's step sizes: the kernel equals the
-    reference bit for bit in batch-invariant mode, and a row alone equals it in the batch."""
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    x = (3 * torch.randn(rows, VOCAB, device="cuda", generator=g)).to(torch.bfloat16)
-    tokens = torch.randint(0, VOCAB, (rows,), device="cuda", generator=g)
-    for n in (0, 5, 20):
-        ref = log_probs_of(x, tokens, n, batch_invariant=True)
-        got = triton_log_probs.log_probs(x, tokens, n, True)
-        assert _same(got[0], ref[0]), f"chosen log-probs, top-{n}"
-        if n:
-            assert torch.equal(got[2], ref[2]) and _same(got[1], ref[1]), f"top-{n}"
-        alone = triton_log_probs.log_probs(x[-1:], tokens[-1:], n, True)
-        assert _same(alone[0], got[0][-1:])
+def test_cuda_log_probs_equal_the_reference(rows):
+    """bf16 logits at Qwen3's vocabulary, the engine's step sizes, in both modes."""
+    _equal_the_reference(*_step_logits(rows, VOCAB, seed=rows))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled layouts)")
+@pytest.mark.parametrize("chunk", [2048, 4096, 8192])
+@pytest.mark.parametrize("warps", [4, 8, 16])
+def test_cuda_launch_settings_equal_the_reference(chunk, warps):
+    """Every chunk / warps launch at 128 rows (the kernels always compute the top 20)."""
+    _equal_the_reference(*_step_logits(128, VOCAB, seed=chunk + warps), chunk=chunk, num_warps=warps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

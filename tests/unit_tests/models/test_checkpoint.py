@@ -5,8 +5,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_async.models import load_checkpoint
-from megatron_async.testing.hf_models import make_tiny_checkpoint
-from megatron_async.testing.simple_session import SimpleSession
+from tests.helpers.hf_models import make_tiny_checkpoint
+from tests.helpers.simple_session import SimpleSession
 
 ARCH = "Qwen3ForCausalLM"
 

@@ -3,8 +3,8 @@ import torch
 
 from megatron_async.models import DEFAULT_CONFIGS, build_default_model
 from megatron_async.models.gpt import build_gpt
-from megatron_async.testing.simple_session import SimpleSession
 from megatron_async.models.tiny_tokenizer import train_tiny_tokenizer
+from tests.helpers.simple_session import SimpleSession
 
 
 def test_tiny_is_seeded_and_runs():

@@ -8,7 +8,7 @@ import torch
 from megatron_async.models.base import KVCacheSpec
 from megatron_async.models.hybrid import build_hybrid
 from megatron_async.models.hybrid_config import HybridFamily, LayerKind, parse_hybrid_config
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_config
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_config
 
 M, A, MLP = LayerKind.MAMBA, LayerKind.ATTENTION, LayerKind.MLP
 

@@ -4,7 +4,7 @@ import torch
 from megatron_async.models.layers.norm import RMSNorm
 from megatron_async.models.layers.rope import RotaryEmbedding, apply_rotary
 from megatron_async.models.model_config import parse_gpt_config
-from megatron_async.testing.hf_models import make_tiny_config
+from tests.helpers.hf_models import make_tiny_config
 
 ROPE_CASES = {
     "default": None,

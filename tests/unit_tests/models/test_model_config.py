@@ -84,7 +84,7 @@ def test_yarn_original_defaults_to_max_positions():
 
 
 def test_parses_what_transformers_writes():
-    from megatron_async.testing.hf_models import make_tiny_config
+    from tests.helpers.hf_models import make_tiny_config
 
     hf = make_tiny_config(
         "LlamaForCausalLM",

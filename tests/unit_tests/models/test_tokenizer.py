@@ -43,7 +43,7 @@ def test_eos_ids_keep_every_listed_id(tmp_path):
 def test_engine_stops_on_the_tokenizer_eos_ids(tmp_path):
     """The LLM's engine and its tokenizer agree on the EOS set (a list in generation_config.json)."""
     from megatron_async import LLM, InferenceConfig
-    from megatron_async.testing.hf_models import make_tiny_checkpoint
+    from tests.helpers.hf_models import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint("LlamaForCausalLM", tmp_path, with_tokenizer=True)
     (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [11, 12, 13]}))
@@ -57,7 +57,7 @@ def test_eos_ids_beyond_the_vocabulary_are_dropped_and_requests_still_run(tmp_pa
     """A config listing an EOS id the model cannot emit: dropped with a warning; requests that
     use the device-side stop masks (min_tokens, penalties) still run."""
     from megatron_async import LLM, InferenceConfig, SamplingParams
-    from megatron_async.testing.hf_models import make_tiny_checkpoint
+    from tests.helpers.hf_models import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint("LlamaForCausalLM", tmp_path, with_tokenizer=True)
     vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]

@@ -12,8 +12,8 @@ from megatron_async.models.gpt import GPTModel
 from megatron_async.models.hybrid import build_hybrid
 from megatron_async.models.model_config import parse_gpt_config
 from megatron_async.parallel.state import ParallelState
-from megatron_async.testing.hf_hybrid_models import make_tiny_hybrid_checkpoint
-from megatron_async.testing.hf_models import make_tiny_checkpoint
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint
+from tests.helpers.hf_models import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

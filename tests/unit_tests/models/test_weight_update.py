@@ -6,7 +6,7 @@ import torch
 from megatron_async.models import load_checkpoint
 from megatron_async.models.weight_update import WeightUpdateError, update_weights_in_place
 from megatron_async.parallel.sharding import full_shape
-from megatron_async.testing.hf_models import load_hf_reference, make_tiny_checkpoint
+from tests.helpers.hf_models import load_hf_reference, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

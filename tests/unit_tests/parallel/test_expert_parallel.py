@@ -15,8 +15,8 @@ from megatron_async.config import ExpertExchange  # noqa: E402
 
 from megatron_async.models.layers.block import StepInputs  # noqa: E402
 from megatron_async.parallel.state import ParallelState  # noqa: E402
-from megatron_async.testing.moe_layers import MOE_CONFIGS, build_moe_layer  # noqa: E402
-from megatron_async.testing.multiprocess import run_ranks  # noqa: E402
+from tests.helpers.moe_layers import MOE_CONFIGS, build_moe_layer  # noqa: E402
+from tests.helpers.multiprocess import run_ranks  # noqa: E402
 
 HIDDEN = 16
 

@@ -17,7 +17,7 @@ from megatron_async.parallel.linear import (
 )
 from megatron_async.parallel.sharding import full_shape
 from megatron_async.parallel.state import ParallelState
-from megatron_async.testing.multiprocess import run_ranks
+from tests.helpers.multiprocess import run_ranks
 
 F32 = torch.float32
 

@@ -18,7 +18,7 @@ from megatron_async.config import AllReduceBackend  # noqa: E402
 from megatron_async.parallel.communication import tp_all_reduce  # noqa: E402
 from megatron_async.parallel.p2p_all_reduce import P2PAllReduceUnavailable, with_p2p_all_reduce  # noqa: E402
 from megatron_async.parallel.state import ParallelState  # noqa: E402
-from megatron_async.testing.multiprocess import run_ranks  # noqa: E402
+from tests.helpers.multiprocess import run_ranks  # noqa: E402
 
 
 class _CountingReducer:

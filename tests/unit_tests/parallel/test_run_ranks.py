@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from megatron_async.testing.multiprocess import run_ranks
+from tests.helpers.multiprocess import run_ranks
 
 
 def _wait_in_a_named_collective():

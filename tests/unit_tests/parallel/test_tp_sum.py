@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_async.testing.multiprocess import run_ranks
+from tests.helpers.multiprocess import run_ranks
 
 
 def _partial(rank: int, rows: int) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""The subcommands of ``python -m benchmarks``, one module each."""

@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""The decode GEMMs of the built-in qwen3-0.6b shape, alone, inside CUDA graphs: device time
+per call of ``F.linear`` (cuBLAS; gate_up followed by the SiLU-mul kernel, the model's path
+before the fused gate_up + SwiGLU kernel, which ``python -m benchmarks kernel-times swiglu-matmul`` compares with it)
+and of the batch-invariant Triton matmul, then one decode step's GEMM sequence (28 layers of
+qkv, o_proj, gate_up + SiLU-mul, down, then the LM head) against its weight-read floor.
+
+Every measurement cycles through 28 distinct weights per shape (as the 28 layers do), so the
+weights come from DRAM, not from L2 as they would if one weight were called 50 times. A
+split-K Triton matmul with the SwiGLU epilogue and programmatic dependent launch was tried
+against these numbers and removed (no gain).
+
+    python -m benchmarks decode-gemms --rows 64 128 256"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.cuda_timing import graph_call_us
+from benchmarks.roofline import measure_copy_bandwidth
+from megatron_async.kernels.linear_op import _invariant_linear
+from megatron_async.kernels.triton_act import silu_and_mul
+
+LAYERS = 28
+SHAPES = {  # name: (weight rows, in features K, gated), qwen3-0.6b
+    "qkv": (4096, 1024, False), "o_proj": (1024, 2048, False), "gate_up": (6144, 1024, True),
+    "down": (1024, 3072, False), "lm_head": (151936, 1024, False),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
+    args = p.parse_args()
+    torch.manual_seed(0)
+    bw = measure_copy_bandwidth(torch.device("cuda")) / 1e9  # GB/s, as the benchmark's floor uses
+    print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:,.0f} GB/s; bf16; us per call (GB/s of weight read)")
+    inv = _invariant_linear()
+    weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                      for _ in range(1 if name == "lm_head" else LAYERS)] for name, (n, k, _) in SHAPES.items()}
+    print("| GEMM | rows | floor us | cuBLAS (+SiLU-mul) | Triton invariant |\n|---|---:|---:|---:|---:|")
+    for name, (n, k, gated) in SHAPES.items():
+        ws = weights[name]
+        calls = len(ws) * (1 if name == "lm_head" else 2)
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x, ws[0])
+            assert torch.allclose(inv(x, ws[0], None), ref, atol=2e-2, rtol=2e-2)
+            cols = [graph_call_us([lambda w=w: silu_and_mul(F.linear(x, w)) if gated else F.linear(x, w) for w in ws], calls),
+                    graph_call_us([lambda w=w: inv(x, w, None) for w in ws], calls)]
+            print(f"| {name} | {m} | {n * k * 2 / bw / 1e3:.1f} | "
+                  + " | ".join(f"{us:.1f} ({n * k * 2 / us / 1e3:,.0f})" for us in cols) + " |")
+
+    print(f"\nper decode step ({LAYERS} layers x qkv, o_proj, gate_up + SiLU-mul, down; then the LM head), us:")
+    print("| rows | floor | cuBLAS | Triton invariant |\n|---:|---:|---:|---:|")
+    floor = sum(n * k * 2 * len(weights[name]) for name, (n, k, _) in SHAPES.items()) / bw / 1e3
+    for m in args.rows:
+        xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for name, (_, k, _) in SHAPES.items()}
+
+        def step(mm) -> None:
+            for layer in range(LAYERS):
+                for name in ("qkv", "o_proj", "gate_up", "down"):
+                    y = mm(xs[name], weights[name][layer])
+                    if SHAPES[name][2]:
+                        silu_and_mul(y)
+            mm(xs["lm_head"], weights["lm_head"][0])
+
+        cells = [graph_call_us([lambda mm=mm: step(mm)], 1, replays=20) for mm in (F.linear, lambda x, w: inv(x, w, None))]
+        print(f"| {m} | {floor:.0f} | " + " | ".join(f"{us:.0f}" for us in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The end-of-run throughput summary shared by the main job and the benchmark."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import torch
+
+from megatron_async.cli.driver import WorkloadRun
+from megatron_async.inference.engines.engine_stats import EngineStats
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    requests: int
+    finished_requests: int
+    failed_requests: int
+    output_tokens: int
+    wall_time_s: float
+    output_tokens_per_s: float
+    mean_prefill_step_ms: float
+    mean_decode_step_ms: float
+    steps: int
+    decode_steps: int
+    mean_decode_batch: float
+    overlap_ratio: float
+    drains: int
+    paused: int
+    evicted: int
+    prefix_hit_tokens: int
+    peak_gpu_memory_gb: float | None
+    """None on CPU."""
+    timed_out: bool
+    ttft_p50_ms: float | None = None
+    """Time to first token (from add_request to the end of the step that delivered it), median."""
+    ttft_p99_ms: float | None = None
+    tpot_p50_ms: float | None = None
+    """Time per output token after the first, per request, median over requests."""
+    tpot_p99_ms: float | None = None
+    itl_p50_ms: float | None = None
+    """Gap between consecutive tokens of a request on the host; p50 / p99 over all gaps."""
+    itl_p99_ms: float | None = None
+    spec_draft_tokens: int = 0
+    """Speculative decoding: drafts verified, and accepted."""
+    spec_accepted_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between ranks; None when empty."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def peak_gpu_memory_gb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def summarize(run: WorkloadRun, stats: EngineStats, device: torch.device) -> RunSummary:
+    done = [o for o in run.outputs if o is not None]
+    failed = sum(o.finish_reason == "error" for o in done)
+    return RunSummary(
+        requests=len(run.outputs),
+        finished_requests=len(done) - failed,
+        failed_requests=failed,
+        output_tokens=run.output_tokens,
+        wall_time_s=run.wall_time,
+        output_tokens_per_s=run.output_tokens / run.wall_time if run.wall_time > 0 else 0.0,
+        mean_prefill_step_ms=stats.mean_prefill_step_ms,
+        mean_decode_step_ms=stats.mean_decode_step_ms,
+        steps=stats.steps,
+        decode_steps=stats.decode_steps,
+        mean_decode_batch=run.mean_decode_batch,
+        overlap_ratio=stats.overlap_ratio,
+        drains=stats.drains,
+        paused=stats.paused,
+        evicted=stats.evicted,
+        prefix_hit_tokens=stats.prefix_hit_tokens,
+        peak_gpu_memory_gb=peak_gpu_memory_gb(device),
+        timed_out=run.timed_out,
+        spec_draft_tokens=stats.spec_draft_tokens,
+        spec_accepted_tokens=stats.spec_accepted_tokens,
+        **run.latency_ms(),
+    )
+
+
+def _p50_p99(p50: float | None, p99: float | None) -> str:
+    return "n/a" if p50 is None else f"p50 {p50:.1f} ms, p99 {p99:.1f} ms"
+
+
+def format_summary(s: RunSummary) -> str:
+    mem = f"{s.peak_gpu_memory_gb:.2f} GiB" if s.peak_gpu_memory_gb is not None else "n/a (cpu)"
+    failed = f" ({s.failed_requests} rejected)" if s.failed_requests else ""
+    rows = [
+        ("requests", f"{s.finished_requests}/{s.requests} finished{failed}" + (" [TIMED OUT]" if s.timed_out else "")),
+        ("output tokens", f"{s.output_tokens}"),
+        ("wall time", f"{s.wall_time_s:.2f} s"),
+        ("output tokens/s", f"{s.output_tokens_per_s:,.1f}"),
+        ("TTFT", _p50_p99(s.ttft_p50_ms, s.ttft_p99_ms)),
+        ("TPOT", _p50_p99(s.tpot_p50_ms, s.tpot_p99_ms)),
+        ("inter-token latency", _p50_p99(s.itl_p50_ms, s.itl_p99_ms)),
+        ("mean prefill step", f"{s.mean_prefill_step_ms:.2f} ms"),
+        ("mean decode step", f"{s.mean_decode_step_ms:.2f} ms (mean batch {s.mean_decode_batch:.1f})"),
+        ("steps", f"{s.steps} ({s.decode_steps} decode-only)"),
+        ("overlap ratio", f"{s.overlap_ratio:.1%} of decode steps launched ahead ({s.drains} drains)"),
+        ("paused / evicted", f"{s.paused} / {s.evicted}"),
+        ("prefix hit tokens", f"{s.prefix_hit_tokens}"),
+        ("peak GPU memory", mem),
+    ]
+    if s.spec_draft_tokens:
+        rate = s.spec_accepted_tokens / s.spec_draft_tokens
+        rows.insert(-1, ("speculative drafts", f"{s.spec_accepted_tokens}/{s.spec_draft_tokens} accepted ({rate:.1%})"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
