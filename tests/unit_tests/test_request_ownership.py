@@ -31,7 +31,7 @@ RESOURCE_OWNERS = {
 }
 """Fields the context (or a component the book calls) keeps on the request for its resources."""
 
-OTHER_OBJECTS = {("inference/engines/dynamic_engine.py", "st.generated_tokens"),
+OTHER_OBJECTS = {("inference/engines/step_accounting.py", "st.generated_tokens"),
                  ("inference/text_generation_controllers/model_runner.py", "batch.routed_experts")}
 """Same-named attributes of other objects (EngineStats.generated_tokens, ForwardBatch.routed_experts)."""
 
@@ -106,4 +106,4 @@ def test_the_check_sees_each_kind_of_change():
         "a.finish_reason", "b.error", "req.generated_tokens", "req.num_inflight", "req.seed", "req.status",
         "st.generated_tokens"]
     assert sorted(violations(BOOK, tree, fields)) == ["req.block_ids", "req.seed"]
-    assert violations("inference/engines/dynamic_engine.py", ast.parse("st.generated_tokens += 1"), fields) == []
+    assert violations("inference/engines/step_accounting.py", ast.parse("st.generated_tokens += 1"), fields) == []
