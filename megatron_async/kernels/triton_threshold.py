@@ -144,6 +144,76 @@ def _stage_init_kernel(temp_ptr, k_ptr, p_ptr, pmax_ptr, pmin_ptr, NS, V, floor_
 
 
 @triton.jit
+def _histogram_chunk(base, row, c, V, NS, offs, pj, inv_t, m, minp, floor, vlo0, inv0, hvlo, hinv, sel0, part_c_ptr,
+                     part_w_ptr, MASS: tl.constexpr, NLEV: tl.constexpr, EXACT: tl.constexpr, CHUNK: tl.constexpr,
+                     BLOCK: tl.constexpr, P: tl.constexpr, SHIFT: tl.constexpr):
+    """Chunk ``c`` of the row: the counts (and, for top-p, the weights) of its in-play elements
+    in each of the P buckets spread by (``hvlo``, ``hinv``), those of level 1 only over the
+    members of the level-0 bucket ``sel0``; stored at the chunk's place in the partials
+    (``offs``: 0 .. BLOCK - 1, ``pj``: 0 .. P - 1)."""
+    # int32 tiles: weight = hi * 2**16 + lo; lo's tile also counts, in bits SHIFT and up
+    acc_a = tl.zeros((BLOCK, P), tl.int32)
+    acc_b = tl.zeros((BLOCK, P), tl.int32)
+    col = offs[:, None]  # [BLOCK, 1] elements: each thread then owns whole tile rows
+    for off in range(0, CHUNK, BLOCK):
+        idx = c * CHUNK + off + col
+        valid = idx < V
+        x = tl.load(base + idx, mask=valid, other=_NEG_INF).to(tl.float32)
+        s, key, w, play = _element(x, valid, inv_t, m, minp, floor, MASS, EXACT)
+        if NLEV >= 1:
+            play = play & (_bucket(s, vlo0, inv0, P) == sel0)
+        hit = tl.where(play, _bucket(s, hvlo, hinv, P), -1) == pj[None, :]
+        if MASS:
+            wh = tl.floor(w * (1.0 / 65536.0))
+            wl = (w - wh * 65536.0).to(tl.int32) + (1 << SHIFT)
+            acc_a += tl.where(hit, wh.to(tl.int32), 0)
+            acc_b += tl.where(hit, wl, 0)
+        else:
+            acc_b += hit.to(tl.int32)
+    out = (row * NS + c) * P + pj
+    if MASS:
+        cnt = tl.sum(acc_b >> SHIFT, axis=0)
+        lo = tl.sum(acc_b & ((1 << SHIFT) - 1), axis=0)
+        hi = tl.sum(acc_a, axis=0)
+        tl.store(part_w_ptr + out, hi.to(tl.float64) * 65536.0 + lo.to(tl.float64))
+    else:
+        cnt = tl.sum(acc_b, axis=0)
+    tl.store(part_c_ptr + out, cnt)
+
+
+@triton.jit
+def _compact_chunk(base, row, c, V, NS, offs, inv_t, m, minp, floor, vlo0, inv0, vlo1, inv1, sel0, sel1, part_c_ptr,
+                   buf_key_ptr, buf_w_ptr, MASS: tl.constexpr, NLEV: tl.constexpr, EXACT: tl.constexpr,
+                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr, NS_BLOCK: tl.constexpr,
+                   CAP: tl.constexpr):
+    """Chunk ``c``'s members of the chosen buckets (of levels < NLEV), copied in order into the
+    row's buffer after those of the earlier chunks (at most CAP in all; ``offs``: 0 .. BLOCK - 1)."""
+    # this chunk's offset in the row's buffer: the chosen bucket's counts of earlier chunks
+    sel = sel0
+    if NLEV == 2:
+        sel = sel1
+    ns = tl.arange(0, NS_BLOCK)
+    pos = tl.sum(tl.load(part_c_ptr + (row * NS + ns) * P + sel, mask=ns < c, other=0), axis=0)
+    for off in range(0, CHUNK, BLOCK):
+        idx = c * CHUNK + off + offs
+        valid = idx < V
+        x = tl.load(base + idx, mask=valid, other=_NEG_INF).to(tl.float32)
+        s, key, w, play = _element(x, valid, inv_t, m, minp, floor, MASS, EXACT)
+        play = play & (_bucket(s, vlo0, inv0, P) == sel0)
+        if NLEV == 2:
+            play = play & (_bucket(s, vlo1, inv1, P) == sel1)
+        mi = play.to(tl.int32)
+        n_in = tl.sum(mi, axis=0)
+        if n_in > 0:  # most blocks hold no candidate: skip the scan
+            at = pos + tl.cumsum(mi, axis=0) - mi
+            keep = play & (at < CAP)
+            tl.store(buf_key_ptr + row * CAP + at, key, mask=keep)
+            if MASS:
+                tl.store(buf_w_ptr + row * CAP + at, w, mask=keep)
+        pos += n_in
+
+
+@triton.jit
 def _level_pass_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, floor_ptr,
                        phase_ptr, vlo_ptr, inv_ptr, sel_ptr, part_c_ptr, part_w_ptr, buf_key_ptr, buf_w_ptr,
                        MASS: tl.constexpr, NLEV: tl.constexpr, HIST: tl.constexpr, EXACT: tl.constexpr,
@@ -180,58 +250,11 @@ def _level_pass_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, 
             if NLEV == 1:
                 hvlo = vlo1
                 hinv = inv1
-            # int32 tiles: weight = hi * 2**16 + lo; lo's tile also counts, in bits SHIFT and up
-            acc_a = tl.zeros((BLOCK, P), tl.int32)
-            acc_b = tl.zeros((BLOCK, P), tl.int32)
-            col = offs[:, None]  # [BLOCK, 1] elements: each thread then owns whole tile rows
-            for off in range(0, CHUNK, BLOCK):
-                idx = c * CHUNK + off + col
-                valid = idx < V
-                x = tl.load(base + idx, mask=valid, other=_NEG_INF).to(tl.float32)
-                s, key, w, play = _element(x, valid, inv_t, m, minp, floor, MASS, EXACT)
-                if NLEV >= 1:
-                    play = play & (_bucket(s, vlo0, inv0, P) == sel0)
-                hit = tl.where(play, _bucket(s, hvlo, hinv, P), -1) == pj[None, :]
-                if MASS:
-                    wh = tl.floor(w * (1.0 / 65536.0))
-                    wl = (w - wh * 65536.0).to(tl.int32) + (1 << SHIFT)
-                    acc_a += tl.where(hit, wh.to(tl.int32), 0)
-                    acc_b += tl.where(hit, wl, 0)
-                else:
-                    acc_b += hit.to(tl.int32)
-            out = (row * NS + c) * P + pj
-            if MASS:
-                cnt = tl.sum(acc_b >> SHIFT, axis=0)
-                lo = tl.sum(acc_b & ((1 << SHIFT) - 1), axis=0)
-                hi = tl.sum(acc_a, axis=0)
-                tl.store(part_w_ptr + out, hi.to(tl.float64) * 65536.0 + lo.to(tl.float64))
-            else:
-                cnt = tl.sum(acc_b, axis=0)
-            tl.store(part_c_ptr + out, cnt)
+            _histogram_chunk(base, row, c, V, NS, offs, pj, inv_t, m, minp, floor, vlo0, inv0, hvlo, hinv, sel0,
+                             part_c_ptr, part_w_ptr, MASS, NLEV, EXACT, CHUNK, BLOCK, P, SHIFT)
         else:
-            # this chunk's offset in the row's buffer: the chosen bucket's counts of earlier chunks
-            sel = sel0
-            if NLEV == 2:
-                sel = sel1
-            ns = tl.arange(0, NS_BLOCK)
-            pos = tl.sum(tl.load(part_c_ptr + (row * NS + ns) * P + sel, mask=ns < c, other=0), axis=0)
-            for off in range(0, CHUNK, BLOCK):
-                idx = c * CHUNK + off + offs
-                valid = idx < V
-                x = tl.load(base + idx, mask=valid, other=_NEG_INF).to(tl.float32)
-                s, key, w, play = _element(x, valid, inv_t, m, minp, floor, MASS, EXACT)
-                play = play & (_bucket(s, vlo0, inv0, P) == sel0)
-                if NLEV == 2:
-                    play = play & (_bucket(s, vlo1, inv1, P) == sel1)
-                mi = play.to(tl.int32)
-                n_in = tl.sum(mi, axis=0)
-                if n_in > 0:  # most blocks hold no candidate: skip the scan
-                    at = pos + tl.cumsum(mi, axis=0) - mi
-                    keep = play & (at < CAP)
-                    tl.store(buf_key_ptr + row * CAP + at, key, mask=keep)
-                    if MASS:
-                        tl.store(buf_w_ptr + row * CAP + at, w, mask=keep)
-                pos += n_in
+            _compact_chunk(base, row, c, V, NS, offs, inv_t, m, minp, floor, vlo0, inv0, vlo1, inv1, sel0, sel1,
+                           part_c_ptr, buf_key_ptr, buf_w_ptr, MASS, NLEV, EXACT, CHUNK, BLOCK, P, NS_BLOCK, CAP)
 
 
 @triton.jit
