@@ -11,7 +11,6 @@ import numbers
 import torch
 
 from megatron_async.config import Scheduling
-from megatron_async.inference.engines.engine_stats import EngineStats
 from megatron_async.inference.engines.request_validation import RequestValidator, ValidRequest
 from megatron_async.inference.engines.scheduler import Scheduler
 from megatron_async.inference.engines.step_consensus import NewRequest
@@ -20,15 +19,12 @@ from megatron_async.inference.text_stream import TextStream
 
 
 class Admission:
-    def __init__(self, config: Scheduling, validator: RequestValidator, scheduler: Scheduler, stats: EngineStats,
-                 tokenizer=None):
+    def __init__(self, config: Scheduling, validator: RequestValidator, scheduler: Scheduler, tokenizer=None):
         """``validator``: decides what a valid request is; ``scheduler``: queues the admitted
-        ones; ``stats``: counts the refused ones; ``tokenizer``: None, or it streams each
-        request's text (``TextStream``)."""
+        ones; ``tokenizer``: None, or it streams each request's text (``TextStream``)."""
         self.config = config
         self.validator = validator
         self.scheduler = scheduler
-        self.stats = stats
         self.tokenizer = tokenizer
         self._seeds = torch.Generator().manual_seed(config.seed)
         """Draws the seed of every request that brings none (``InferenceConfig.seed``)."""
@@ -40,13 +36,9 @@ class Admission:
     def accept(self, prompt_tokens: list[int] | str, sampling_params: SamplingParams | None,
                request_id: int | None) -> NewRequest:
         """Validate, and give the request its id and seed. InvalidRequestError: refused, and
-        nothing changed but ``EngineStats.rejected_requests``."""
-        try:
-            valid = self.validator.check(prompt_tokens, SamplingParams() if sampling_params is None else sampling_params)
-            rid = self._check_id(request_id)
-        except InvalidRequestError:
-            self.stats.rejected_requests += 1
-            raise
+        nothing changed."""
+        valid = self.validator.check(prompt_tokens, SamplingParams() if sampling_params is None else sampling_params)
+        rid = self._check_id(request_id)
         self.next_id = rid + 1
         sp = valid.sampling_params
         seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))

@@ -43,7 +43,7 @@ from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.speculative.policy import SpecPolicy
 from megatron_async.inference.step_plan import ALONE, StepAgreement
 from megatron_async.inference.request import (
-    DynamicInferenceRequest, FinishReason, RequestOutput, SamplingParams, Status,
+    DynamicInferenceRequest, FinishReason, InvalidRequestError, RequestOutput, SamplingParams, Status,
 )
 
 if TYPE_CHECKING:  # type-only: the engine depends on contexts, never the reverse, and not at import on controllers
@@ -79,9 +79,8 @@ class DynamicInferenceEngine:
         runner.bind_spec_policy(self.scheduler.spec)
         self.validator = RequestValidator(config, context, runner.model.vocab_size, runner.eos_ids, tokenizer,
                                           routes_experts=runner.routing is not None)
-        self.stats = EngineStats()
-        self.admission = Admission(config, self.validator, self.scheduler, self.stats, tokenizer)
-        self.accounting = StepAccounting(self.stats, config, context, self.scheduler, self.book, runner)
+        self.admission = Admission(config, self.validator, self.scheduler, tokenizer)
+        self.accounting = StepAccounting(config, context, self.scheduler, self.book, runner)
         self._requests: dict[int, DynamicInferenceRequest] = {}  # unfinished, by id
         self._aborts: dict[int, None] = {}  # ids to end at the next step, in call order
         self._held = StepResult()  # produced while generate() ran, handed out by the next step()
@@ -99,6 +98,16 @@ class DynamicInferenceEngine:
         """Device memory handed out and taken back by tag (``suspend`` / ``resume``)."""
         self.control = GenerationControl(self)
 
+    @property
+    def stats(self) -> EngineStats:
+        """What this engine did (its counting room's ``EngineStats``)."""
+        return self.accounting.stats
+
+    @stats.setter
+    def stats(self, stats: EngineStats) -> None:
+        """A fresh ``EngineStats`` counts from now on (a measured window)."""
+        self.accounting.stats = stats
+
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_tokens: list[int] | str, sampling_params: SamplingParams | None = None,
                     request_id: int | None = None) -> int:
@@ -106,7 +115,11 @@ class DynamicInferenceEngine:
         served. ``request_id``: None (the engine picks) or an id never used in this engine
         (ids only grow: it must be >= every id used so far)."""
         self.ranks.check_can_add()
-        new = self.admission.accept(prompt_tokens, sampling_params, request_id)
+        try:
+            new = self.admission.accept(prompt_tokens, sampling_params, request_id)
+        except InvalidRequestError:
+            self.stats.rejected_requests += 1
+            raise
         self.ranks.accept(new)
         return new.request_id
 

@@ -1,7 +1,8 @@
 """What the engine counts: the ``EngineStats`` of every landed launch (steps, tokens, speculation,
 graph replays, the scheduler's and caches' counters), of launches not made, of host wall time,
 of the warm-up, and the log line of every ``logging_step_interval``-th step. It reads the
-engine's rooms and writes only the stats."""
+engine's rooms and writes only the stats, which it holds: ``engine.stats`` is its ``stats``
+(a caller that puts a fresh ``EngineStats`` there counts a window from then on)."""
 from __future__ import annotations
 
 import logging
@@ -24,9 +25,9 @@ log = logging.getLogger("megatron_async")
 
 
 class StepAccounting:
-    def __init__(self, stats: EngineStats, config: Scheduling, context: DynamicInferenceContext,
-                 scheduler: Scheduler, book: RequestBook, runner: ModelRunner):
-        self.stats = stats
+    def __init__(self, config: Scheduling, context: DynamicInferenceContext, scheduler: Scheduler, book: RequestBook,
+                 runner: ModelRunner):
+        self.stats = EngineStats()
         self.config = config
         self.context = context
         self.scheduler = scheduler
