@@ -12,7 +12,8 @@ discarded like a finished request's). A request whose host-side step preparation
 failed alone (finish_reason "error") and the engine keeps serving the others.
 
 The engine steps; the rooms beside it admit (admission.py), pause, suspend and switch weights
-(generation_control.py), and count and log (step_accounting.py).
+(generation_control.py), count and log (step_accounting.py), and step it until requests end
+(run_to_end.py).
 
 The engine is single-threaded: a server calls add_request / abort_request / step from one
 thread (its engine loop), handing requests over through a queue."""
@@ -28,6 +29,7 @@ from megatron_async.config import Scheduling, Speculation
 from megatron_async.inference.async_pipeline import PendingLaunch
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.contexts.step_errors import RequestStepError
+from megatron_async.inference.engines import run_to_end
 from megatron_async.inference.engines.admission import Admission
 from megatron_async.inference.engines.engine_stats import EngineStats
 from megatron_async.inference.engines.generation_control import GenerationControl
@@ -343,52 +345,13 @@ class DynamicInferenceEngine:
             req.text.finish()
         out.finished.append(req.to_output())
 
-    # ------------------------------------------------------------------ stepping to the end
+    # ------------------------------------------------------------------ stepping to the end (run_to_end.py)
     def run_until_done(self) -> list[RequestOutput]:
-        outs = []
-        while self.has_unfinished_requests():
-            res = self.step()
-            self._check_not_stuck(res)
-            outs.extend(res.finished)
-        return outs
-
-    def _check_not_stuck(self, res: StepResult) -> None:
-        """A loop stepping until requests finish would wait forever on a paused engine."""
-        if self._pause is not None and res.step_id == -1 and not res.finished and not res.updates:
-            raise RuntimeError("generation is paused and nothing can run: resume_generation() first")
+        """Step until no request is unfinished; every output."""
+        return run_to_end.run_until_done(self)
 
     def run_requests(self, request_ids: list[int],
                      feed: Callable[[], tuple[list[int], bool]] | None = None) -> dict[int, RequestOutput]:
-        """Step until these requests finish and return their outputs. Outputs and updates of
-        other requests produced meanwhile are not lost: the next ``step()`` returns them.
-        ``feed`` (single-rank engines): called before every step, it adds requests and returns
-        (their ids, whether it holds more); their outputs are returned too."""
-        if self._pause is not None and request_ids:  # (the same answer on every rank: applied at one exchange)
-            raise RuntimeError("generation is paused: new requests cannot run until resume_generation()")
-        own, want, got = set(request_ids), set(request_ids), {}
-        self._quiet |= own  # their updates would be dropped below: do not build them
-        more = feed is not None
-        try:
-            while True:
-                if more:
-                    new, more = feed()
-                    own.update(new)
-                    want.update(new)
-                    self._quiet.update(new)
-                if not self.ranks.still_waiting(want):
-                    if more:
-                        continue
-                    break
-                res = self.step()
-                self._check_not_stuck(res)
-                for o in res.finished:
-                    if o.request_id in own:
-                        got[o.request_id] = o
-                        want.discard(o.request_id)
-                    else:
-                        self._held.finished.append(o)
-                self._held.updates.extend(u for u in res.updates if u.request_id not in own)
-        finally:
-            self._quiet -= own
-        self.ranks.leader_waiting = False
-        return got
+        """Step until these requests (and those ``feed`` adds) finish and return their outputs;
+        other requests' outputs and updates wait for the next ``step()``."""
+        return run_to_end.run_requests(self, request_ids, feed)
