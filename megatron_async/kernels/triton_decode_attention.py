@@ -35,6 +35,59 @@ _MIN_TOKENS_PER_SPLIT = 128
 
 
 @triton.jit
+def _attend_split(
+    q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask, start, end, scale_log2,
+    stride_cb, stride_cs, stride_ch,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The fp32 online softmax of the group's queries over the split's keys [start, end):
+    (un-normalised output, sum of exponentials, running max), scores in log2 units."""
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        rows = kv_tile_rows(table_ptr, n0, end, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N)
+        k = load_kv(k_cache_ptr, rows, offs_d, n_mask, d_mask)
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        # Every iteration has >= 1 visible key, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_kv(v_cache_ptr, rows, offs_d, n_mask, d_mask)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _store_split(
+    acc, l_i, m_i, row, heads, split, offs_d, g_mask, d_mask, out_ptr, part_out_ptr, part_lse_ptr,
+    stride_ot, stride_oh, num_heads, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """The split's normalised output: the row's output itself when it is the only split, else a
+    partial output plus its log-sum-exp (log2) for the merge kernel."""
+    has_keys = l_i > 0.0  # an empty split (or an empty row) contributes nothing
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+    else:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        part = (row.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
+                 mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -97,39 +150,11 @@ def _decode_split_kernel(
     ).to(DOT_DTYPE)
 
     table_ptr = block_table_ptr + row.to(tl.int64) * stride_bt
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        rows = kv_tile_rows(table_ptr, n0, end, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N)
-        k = load_kv(k_cache_ptr, rows, offs_d, n_mask, d_mask)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        # Every iteration has >= 1 visible key, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv(v_cache_ptr, rows, offs_d, n_mask, d_mask)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    has_keys = l_i > 0.0  # an empty split (or an empty row) contributes nothing
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(
-            out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=g_mask[:, None] & d_mask[None, :],
-        )
-    else:
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        part = (row.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
-        tl.store(part_lse_ptr + part, lse, mask=g_mask)
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
-                 mask=g_mask[:, None] & d_mask[None, :])
+    acc, l_i, m_i = _attend_split(q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask, start, end, scale_log2,
+                                  stride_cb, stride_cs, stride_ch, BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_DTYPE,
+                                  DOT_PRECISION)
+    _store_split(acc, l_i, m_i, row, heads, split, offs_d, g_mask, d_mask, out_ptr, part_out_ptr, part_lse_ptr,
+                 stride_ot, stride_oh, num_heads, HEAD_DIM, NUM_SPLITS)
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from megatron_async.kernels import triton_log_softmax
-from megatron_async.kernels.triton_threshold import exp_, key_of, log_
+from megatron_async.kernels.triton_sampling_common import exp_, key_of, log_
 
 MAX_TOP_N = 20
 """The kernels always compute this many top entries (a smaller n is their head), so the one

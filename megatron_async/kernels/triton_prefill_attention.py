@@ -57,6 +57,23 @@ def _attend_keys(
 
 
 @triton.jit
+def _key_ranges(kv_len, pos, m_valid, BLOCK_N: tl.constexpr, FIXED_ORDER: tl.constexpr):
+    """(end of the keys every query of the tile sees, end of the keys any query sees): the first
+    range runs unmasked, whole tiles only, the rest with the causal mask."""
+    # Keys below every query's position (and kv_len) need no mask; the rest do.
+    no_mask_end = tl.minimum(kv_len, tl.min(tl.where(m_valid, pos, kv_len), 0) + 1)
+    no_mask_end = no_mask_end // BLOCK_N * BLOCK_N  # whole tiles only: the unmasked pass has no tail mask
+    if FIXED_ORDER:
+        # Where the unmasked pass ends depends on the tile's other queries, and the two passes
+        # may round differently (the compiler may contract the scaled score into an FMA only
+        # when no mask sits between). One masked pass from key 0: a tile wholly invisible to
+        # a query is an exact no-op for it (alpha 1, p 0).
+        no_mask_end = no_mask_end * 0
+    end = tl.minimum(kv_len, tl.max(pos, 0) + 1)
+    return no_mask_end, end
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -117,16 +134,7 @@ def _prefill_kernel(
     pos = tl.load(positions_ptr + tok, mask=m_valid, other=-1).to(tl.int64)
 
     kv_len = tl.load(kv_lens_ptr + row).to(tl.int64)
-    # Keys below every query's position (and kv_len) need no mask; the rest do.
-    no_mask_end = tl.minimum(kv_len, tl.min(tl.where(m_valid, pos, kv_len), 0) + 1)
-    no_mask_end = no_mask_end // BLOCK_N * BLOCK_N  # whole tiles only: the unmasked pass has no tail mask
-    if FIXED_ORDER:
-        # Where the unmasked pass ends depends on the tile's other queries, and the two passes
-        # may round differently (the compiler may contract the scaled score into an FMA only
-        # when no mask sits between). One masked pass from key 0: a tile wholly invisible to
-        # a query is an exact no-op for it (alpha 1, p 0).
-        no_mask_end = no_mask_end * 0
-    end = tl.minimum(kv_len, tl.max(pos, 0) + 1)
+    no_mask_end, end = _key_ranges(kv_len, pos, m_valid, BLOCK_N, FIXED_ORDER)
 
     table_ptr = block_table_ptr + row.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

@@ -24,9 +24,8 @@ import triton
 import triton.language as tl
 
 from megatron_async.kernels.triton_top_p_candidate import candidate_done
-from megatron_async.kernels.triton_threshold import (
-    KEY_MIN, StageLaunch, exp_, inv_temperature, key_of, log_, row_filters, threshold,
-)
+from megatron_async.kernels.triton_sampling_common import exp_, inv_temperature, key_of, log_, row_filters
+from megatron_async.kernels.triton_threshold import KEY_MIN, StageLaunch, threshold
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _NEG_INF = tl.constexpr(float("-inf"))

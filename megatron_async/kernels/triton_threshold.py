@@ -23,67 +23,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+from megatron_async.kernels.triton_sampling_common import (
+    element, inv_temperature, key_of, row_filters, row_max, value_of,
+)
 
 KEY_MIN = -(2**31)  # at or below every key: "keep everything"
 _NEG_INF = tl.constexpr(float("-inf"))
 _POS_INF = tl.constexpr(float("inf"))
-_GREEDY = tl.constexpr(1e-5)  # sampling.GREEDY_TEMPERATURE
 # row phases of a stage
 _SEARCH, _COMPACT, _BUFFERED, _IDLE = 0, 1, 2, 3
-
-
-@triton.jit
-def exp_(x, EXACT: tl.constexpr):
-    if EXACT:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
-def log_(x, EXACT: tl.constexpr):
-    if EXACT:
-        return libdevice.log(x)
-    else:
-        return tl.log(x)
-
-
-@triton.jit
-def key_of(s):
-    """float32 -> int32 key with the same order (-0 == +0)."""
-    s = tl.where(s == 0.0, 0.0, s)
-    b = s.to(tl.int32, bitcast=True)
-    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
-
-
-@triton.jit
-def value_of(k):
-    """int32 key -> its float32."""
-    b = tl.where(k >= 0, k, k ^ 0x7FFFFFFF)
-    return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def inv_temperature(t):
-    """sampling.inverse_temperature for one row: (1 / t rounded to nearest, greedy)."""
-    greedy = t < _GREEDY
-    return tl.math.div_rn(1.0, tl.where(greedy, 1.0, t)), greedy
-
-
-@triton.jit
-def row_max(pmax_ptr, row, NS, NS_BLOCK: tl.constexpr):
-    ns = tl.arange(0, NS_BLOCK)
-    return tl.max(tl.load(pmax_ptr + row * NS + ns, mask=ns < NS, other=_NEG_INF), axis=0)
-
-
-@triton.jit
-def row_filters(pmax_ptr, minp_ptr, floor_ptr, row, NS, NS_BLOCK: tl.constexpr, USED: tl.constexpr):
-    """(row max of s, min-p, key floor) where a filter is applied, else zeros."""
-    if USED:
-        return row_max(pmax_ptr, row, NS, NS_BLOCK), tl.load(minp_ptr + row), tl.load(floor_ptr + row)
-    else:
-        return 0.0, 0.0, 0
 
 
 @triton.jit
@@ -92,22 +41,6 @@ def _bucket(s, vlo, inv, P: tl.constexpr):
     t = tl.where(t > 0.0, t, 0.0)  # NaN (-inf * 0) -> 0
     t = tl.where(t < P - 1.0, t, P - 1.0)
     return t.to(tl.int32)
-
-
-@triton.jit
-def _element(x, valid, inv_t, m, minp, floor, MASS: tl.constexpr, EXACT: tl.constexpr):
-    """-> (s, key, fixed-point weight as float32, in play). Top-k counts every element;
-    top-p weighs the min-p and top-k survivors (zero weights never move the boundary)."""
-    s = x * inv_t
-    key = key_of(s)
-    if MASS:
-        e = exp_(s - m, EXACT)
-        w = tl.floor(e * 4294967296.0)
-        play = valid & (key >= floor) & (e >= minp) & (w > 0.0)
-    else:
-        w = tl.full(s.shape, 1.0, tl.float32)
-        play = valid
-    return s, key, w, play
 
 
 @triton.jit
@@ -141,6 +74,76 @@ def _stage_init_kernel(temp_ptr, k_ptr, p_ptr, pmax_ptr, pmin_ptr, NS, V, floor_
     tl.store(target_ptr + row, target.to(tl.float64))
     tl.store(vlo_ptr + 2 * row, vlo)
     tl.store(inv_ptr + 2 * row, tl.where(width > 0, P / width, 0.0))
+
+
+@triton.jit
+def _histogram_chunk(base, row, c, V, NS, offs, pj, inv_t, m, minp, floor, vlo0, inv0, hvlo, hinv, sel0, part_c_ptr,
+                     part_w_ptr, MASS: tl.constexpr, NLEV: tl.constexpr, EXACT: tl.constexpr, CHUNK: tl.constexpr,
+                     BLOCK: tl.constexpr, P: tl.constexpr, SHIFT: tl.constexpr):
+    """Chunk ``c`` of the row: the counts (and, for top-p, the weights) of its in-play elements
+    in each of the P buckets spread by (``hvlo``, ``hinv``), those of level 1 only over the
+    members of the level-0 bucket ``sel0``; stored at the chunk's place in the partials
+    (``offs``: 0 .. BLOCK - 1, ``pj``: 0 .. P - 1)."""
+    # int32 tiles: weight = hi * 2**16 + lo; lo's tile also counts, in bits SHIFT and up
+    acc_a = tl.zeros((BLOCK, P), tl.int32)
+    acc_b = tl.zeros((BLOCK, P), tl.int32)
+    col = offs[:, None]  # [BLOCK, 1] elements: each thread then owns whole tile rows
+    for off in range(0, CHUNK, BLOCK):
+        idx = c * CHUNK + off + col
+        valid = idx < V
+        x = tl.load(base + idx, mask=valid, other=_NEG_INF).to(tl.float32)
+        s, key, w, play = element(x, valid, inv_t, m, minp, floor, MASS, EXACT)
+        if NLEV >= 1:
+            play = play & (_bucket(s, vlo0, inv0, P) == sel0)
+        hit = tl.where(play, _bucket(s, hvlo, hinv, P), -1) == pj[None, :]
+        if MASS:
+            wh = tl.floor(w * (1.0 / 65536.0))
+            wl = (w - wh * 65536.0).to(tl.int32) + (1 << SHIFT)
+            acc_a += tl.where(hit, wh.to(tl.int32), 0)
+            acc_b += tl.where(hit, wl, 0)
+        else:
+            acc_b += hit.to(tl.int32)
+    out = (row * NS + c) * P + pj
+    if MASS:
+        cnt = tl.sum(acc_b >> SHIFT, axis=0)
+        lo = tl.sum(acc_b & ((1 << SHIFT) - 1), axis=0)
+        hi = tl.sum(acc_a, axis=0)
+        tl.store(part_w_ptr + out, hi.to(tl.float64) * 65536.0 + lo.to(tl.float64))
+    else:
+        cnt = tl.sum(acc_b, axis=0)
+    tl.store(part_c_ptr + out, cnt)
+
+
+@triton.jit
+def _compact_chunk(base, row, c, V, NS, offs, inv_t, m, minp, floor, vlo0, inv0, vlo1, inv1, sel0, sel1, part_c_ptr,
+                   buf_key_ptr, buf_w_ptr, MASS: tl.constexpr, NLEV: tl.constexpr, EXACT: tl.constexpr,
+                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr, NS_BLOCK: tl.constexpr,
+                   CAP: tl.constexpr):
+    """Chunk ``c``'s members of the chosen buckets (of levels < NLEV), copied in order into the
+    row's buffer after those of the earlier chunks (at most CAP in all; ``offs``: 0 .. BLOCK - 1)."""
+    # this chunk's offset in the row's buffer: the chosen bucket's counts of earlier chunks
+    sel = sel0
+    if NLEV == 2:
+        sel = sel1
+    ns = tl.arange(0, NS_BLOCK)
+    pos = tl.sum(tl.load(part_c_ptr + (row * NS + ns) * P + sel, mask=ns < c, other=0), axis=0)
+    for off in range(0, CHUNK, BLOCK):
+        idx = c * CHUNK + off + offs
+        valid = idx < V
+        x = tl.load(base + idx, mask=valid, other=_NEG_INF).to(tl.float32)
+        s, key, w, play = element(x, valid, inv_t, m, minp, floor, MASS, EXACT)
+        play = play & (_bucket(s, vlo0, inv0, P) == sel0)
+        if NLEV == 2:
+            play = play & (_bucket(s, vlo1, inv1, P) == sel1)
+        mi = play.to(tl.int32)
+        n_in = tl.sum(mi, axis=0)
+        if n_in > 0:  # most blocks hold no candidate: skip the scan
+            at = pos + tl.cumsum(mi, axis=0) - mi
+            keep = play & (at < CAP)
+            tl.store(buf_key_ptr + row * CAP + at, key, mask=keep)
+            if MASS:
+                tl.store(buf_w_ptr + row * CAP + at, w, mask=keep)
+        pos += n_in
 
 
 @triton.jit
@@ -180,58 +183,11 @@ def _level_pass_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, 
             if NLEV == 1:
                 hvlo = vlo1
                 hinv = inv1
-            # int32 tiles: weight = hi * 2**16 + lo; lo's tile also counts, in bits SHIFT and up
-            acc_a = tl.zeros((BLOCK, P), tl.int32)
-            acc_b = tl.zeros((BLOCK, P), tl.int32)
-            col = offs[:, None]  # [BLOCK, 1] elements: each thread then owns whole tile rows
-            for off in range(0, CHUNK, BLOCK):
-                idx = c * CHUNK + off + col
-                valid = idx < V
-                x = tl.load(base + idx, mask=valid, other=_NEG_INF).to(tl.float32)
-                s, key, w, play = _element(x, valid, inv_t, m, minp, floor, MASS, EXACT)
-                if NLEV >= 1:
-                    play = play & (_bucket(s, vlo0, inv0, P) == sel0)
-                hit = tl.where(play, _bucket(s, hvlo, hinv, P), -1) == pj[None, :]
-                if MASS:
-                    wh = tl.floor(w * (1.0 / 65536.0))
-                    wl = (w - wh * 65536.0).to(tl.int32) + (1 << SHIFT)
-                    acc_a += tl.where(hit, wh.to(tl.int32), 0)
-                    acc_b += tl.where(hit, wl, 0)
-                else:
-                    acc_b += hit.to(tl.int32)
-            out = (row * NS + c) * P + pj
-            if MASS:
-                cnt = tl.sum(acc_b >> SHIFT, axis=0)
-                lo = tl.sum(acc_b & ((1 << SHIFT) - 1), axis=0)
-                hi = tl.sum(acc_a, axis=0)
-                tl.store(part_w_ptr + out, hi.to(tl.float64) * 65536.0 + lo.to(tl.float64))
-            else:
-                cnt = tl.sum(acc_b, axis=0)
-            tl.store(part_c_ptr + out, cnt)
+            _histogram_chunk(base, row, c, V, NS, offs, pj, inv_t, m, minp, floor, vlo0, inv0, hvlo, hinv, sel0,
+                             part_c_ptr, part_w_ptr, MASS, NLEV, EXACT, CHUNK, BLOCK, P, SHIFT)
         else:
-            # this chunk's offset in the row's buffer: the chosen bucket's counts of earlier chunks
-            sel = sel0
-            if NLEV == 2:
-                sel = sel1
-            ns = tl.arange(0, NS_BLOCK)
-            pos = tl.sum(tl.load(part_c_ptr + (row * NS + ns) * P + sel, mask=ns < c, other=0), axis=0)
-            for off in range(0, CHUNK, BLOCK):
-                idx = c * CHUNK + off + offs
-                valid = idx < V
-                x = tl.load(base + idx, mask=valid, other=_NEG_INF).to(tl.float32)
-                s, key, w, play = _element(x, valid, inv_t, m, minp, floor, MASS, EXACT)
-                play = play & (_bucket(s, vlo0, inv0, P) == sel0)
-                if NLEV == 2:
-                    play = play & (_bucket(s, vlo1, inv1, P) == sel1)
-                mi = play.to(tl.int32)
-                n_in = tl.sum(mi, axis=0)
-                if n_in > 0:  # most blocks hold no candidate: skip the scan
-                    at = pos + tl.cumsum(mi, axis=0) - mi
-                    keep = play & (at < CAP)
-                    tl.store(buf_key_ptr + row * CAP + at, key, mask=keep)
-                    if MASS:
-                        tl.store(buf_w_ptr + row * CAP + at, w, mask=keep)
-                pos += n_in
+            _compact_chunk(base, row, c, V, NS, offs, inv_t, m, minp, floor, vlo0, inv0, vlo1, inv1, sel0, sel1,
+                           part_c_ptr, buf_key_ptr, buf_w_ptr, MASS, NLEV, EXACT, CHUNK, BLOCK, P, NS_BLOCK, CAP)
 
 
 @triton.jit
@@ -323,7 +279,7 @@ def _finish_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, floo
                         w = (i < n).to(tl.float64)
                 else:
                     x = tl.load(base + i, mask=i < n, other=_NEG_INF).to(tl.float32)
-                    sv, k, wf, play = _element(x, i < n, inv_t, m, minp, floor, MASS, EXACT)
+                    sv, k, wf, play = element(x, i < n, inv_t, m, minp, floor, MASS, EXACT)
                     w = tl.where(play, wf, 0.0).to(tl.float64)
                 k = k.to(tl.int64)
                 w = tl.where(k < hi, w, 0.0)  # the weight at or above hi is in whi

@@ -5,7 +5,7 @@ top-k and min-p survivors (top-p not applied) gives a candidate c. When c is in 
 the draw over the nucleus: the nucleus is a subset, c maximises the same scores over the
 superset, and the first-index tie rule carries over. Membership needs one pass: the threshold
 is the largest key x with W(key >= x) >= target (W: the fixed-point masses of
-``triton_threshold._element``, integer-valued float64 sums, exact in any order; target: p x the
+``triton_sampling_common.element``, integer-valued float64 sums, exact in any order; target: p x the
 survivors' mass, computed as the search computes it), so c is kept iff W(key > key_c) < target.
 
 A Gumbel-max draw follows softmax, so c falls in the nucleus with probability >= p: at p = 0.95
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels.triton_threshold import _element, inv_temperature, key_of, row_max
+from megatron_async.kernels.triton_sampling_common import element, inv_temperature, key_of, row_max
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _candidate_mass_kernel(logits_ptr, stride, V, temp_ptr, p_ptr, pmax_ptr, NS,
             idx = c * CHUNK + off + offs
             valid = idx < V
             x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32)
-            _s, key, w, play = _element(x, valid, inv_t, m, minp, floor, True, EXACT)
+            _s, key, w, play = element(x, valid, inv_t, m, minp, floor, True, EXACT)
             w = tl.where(play, w, 0.0).to(tl.float64)
             tot += tl.sum(w, axis=0)
             above += tl.sum(tl.where(key > key_c, w, 0.0), axis=0)

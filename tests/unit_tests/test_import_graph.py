@@ -1,14 +1,21 @@
-"""Layering of the package, read from the source: imports anywhere in a module (also inside
-functions); ``if TYPE_CHECKING:`` blocks are annotations only and count where a test says so.
+"""Layering of the package, read from the source: every spelling of an import counts, wherever it
+sits in a module: ``import a.b``, ``from a import b``, relative ``from ..a import b``, inside a
+function, a class, a ``match`` case or a ``try``, and the dynamic ones (``importlib.import_module``,
+``__import__``, ``runpy.run_module`` with a literal name, relative ones with a literal
+``package``; with a computed name, every module named by a string constant of the module, as the
+lazy exports of ``megatron_async/__init__.py`` and the model registry are). ``if TYPE_CHECKING:``
+blocks are annotations only and count where a test says so.
 
 Dependencies point one way (``LAYERS``): the step's data types (``forward_batch``,
 ``step_shape``) and ``config`` at the bottom, then ``kernels``, ``parallel``, ``models``, then
 ``inference`` and the entry points (``llm``, ``serve``, ``tools``) above. No import cycle
 between modules (annotations included), none between the subpackages (and modules) of
-``inference``, and library code never imports ``megatron_async.testing``."""
+``inference``, and library code never imports measurement or test code: ``benchmarks``,
+``tests``, ``scripts``, ``megatron_async.testing``, ``megatron_async.tools``."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_async"
@@ -23,34 +30,150 @@ LAYERS = (
 """From the bottom up: a module imports only from its own layer or those below. Everything
 else (``llm``, ``serve``, ``tools``, ``testing``, the package itself) is the top layer."""
 
+NOT_LIBRARY = ("benchmarks", "tests", "scripts", "megatron_async.testing", "megatron_async.tools")
+"""What the library never imports, by any spelling: measurement and test code."""
 
-def _imports(tree: ast.Module, modules: set[str], annotations: bool = False) -> set[str]:
-    """Modules of the package ``tree`` imports (``from pkg import sub`` counts as ``pkg.sub``
-    when ``pkg.sub`` is a module)."""
-    found = set()
+LEAVING_THE_PACKAGE = ("megatron_async.testing", "megatron_async.tools")
+"""Measurement code and test fixtures that move out of the package: their own modules are not
+library code (they may import each other). An entry whose package is gone fails the test:
+delete it."""
 
-    def visit(nodes) -> None:
-        for node in nodes:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and not annotations:
-                visit(node.orelse)
-                continue
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megatron_async"):
-                subs = {f"{node.module}.{a.name}" for a in node.names} & modules
-                found.update(subs or {node.module})
-            elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names if a.name.startswith("megatron_async"))
-            for field in ("body", "orelse", "finalbody", "handlers"):
-                visit(getattr(node, field, []) if isinstance(getattr(node, field, None), list) else [])
+TOOLS_STILL_IMPORTED = {
+    "megatron_async.serve.__main__": ("megatron_async.tools.cli", "megatron_async.tools.main_job"),
+    "megatron_async.serve.frontend": ("megatron_async.tools.stage_sampler",),
+}
+"""Library modules still importing these modules of ``tools/`` (the command-line plumbing the
+server shares with the examples, and the front-ends' stage sampler) until they leave it. An entry
+no longer needed fails the test: delete it."""
 
-    visit(tree.body)
+_DYNAMIC_IMPORTS = {"import_module", "__import__", "run_module"}
+"""Calls that import the module they name (importlib.import_module, __import__, runpy.run_module)."""
+_PATH_LOADERS = {"run_path", "spec_from_file_location", "SourceFileLoader"}
+"""Calls that load a module from a file path (runpy.run_path, importlib.util's loaders)."""
+_MODULE_NAME = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\.?(?::[A-Za-z_]\w*)?")
+"""A string constant that names a module: ``pkg.mod``, ``pkg.mod:attr`` or a prefix ``pkg.``."""
+_TOP_FOLDERS = ("benchmarks", "tests", "scripts")
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _annotation_only(tree: ast.Module) -> set[int]:
+    """ids of the nodes inside ``if TYPE_CHECKING:`` bodies."""
+    return {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
+            for stmt in node.body for n in ast.walk(stmt)}
+
+
+def _absolute(name: str, level: int, package: str) -> str | None:
+    """``name`` imported with ``level`` leading dots from a module of ``package`` (None: above the top)."""
+    if level == 0:
+        return name
+    parts = package.split(".")
+    if level - 1 >= len(parts):
+        return None
+    base = parts[: len(parts) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def _literal(node: ast.AST | None) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _call_name(func: ast.expr) -> str | None:
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+
+
+def _dynamic_target(call: ast.Call, package: str) -> str | None | bool:
+    """The module a dynamic import call names: a name, None (above the top), or False (computed)."""
+    name = _literal(call.args[0]) if call.args else _literal(next((k.value for k in call.keywords if k.arg == "name"), None))
+    if name is None:
+        return False
+    level = len(name) - len(name.lstrip("."))
+    if level:
+        pkg = _literal(call.args[1]) if len(call.args) > 1 else _literal(
+            next((k.value for k in call.keywords if k.arg == "package"), None))
+        return _absolute(name[level:], level, pkg or package)
+    return name
+
+
+def _path_target(call: ast.Call) -> str | None:
+    """A literal ``.py`` path loaded by ``call``, as a dotted module name from its first folder
+    that is a top-level one of the repository (``../benchmarks/run.py`` -> ``benchmarks.run``)."""
+    for arg in [*call.args, *(k.value for k in call.keywords)]:
+        path = _literal(arg)
+        if path is not None and path.endswith(".py"):
+            parts = [p for p in Path(path.removesuffix(".py")).parts if p not in (".", "..", "/")]
+            tops = [i for i, p in enumerate(parts) if p in (*_TOP_FOLDERS, "megatron_async")]
+            return ".".join(parts[tops[0] if tops else 0:])
+    return None
+
+
+def import_statements(tree: ast.Module, module: str, is_package: bool = False,
+                      annotations: bool = False) -> list[tuple[str, tuple[str, ...], bool]]:
+    """(base, names, certain) of every import in ``tree``, made absolute (``module``: the dotted
+    name of its source; ``is_package``: it is a package's ``__init__``): ``from base import
+    names`` or ``import base`` (names empty). ``certain`` is False for the string constants of a
+    module that imports a computed name (any of them may be imported). ``annotations``: ``if
+    TYPE_CHECKING:`` imports too."""
+    package = module if is_package else module.rpartition(".")[0]
+    skip = set() if annotations else _annotation_only(tree)
+    found: list[tuple[str, tuple[str, ...], bool]] = []
+    computed = False
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(a.name, (), True) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(node.module or "", node.level, package)
+            if base is not None:
+                found.append((base, tuple(a.name for a in node.names if a.name != "*"), True))
+        elif isinstance(node, ast.Call) and _call_name(node.func) in _DYNAMIC_IMPORTS:
+            target = _dynamic_target(node, package)
+            computed |= target is False
+            if target:
+                found.append((target, (), True))
+        elif isinstance(node, ast.Call) and _call_name(node.func) in _PATH_LOADERS:
+            if target := _path_target(node):
+                found.append((target, (), True))
+    if computed:
+        for node in ast.walk(tree):
+            if (s := _literal(node)) is not None and (m := _MODULE_NAME.fullmatch(s)) and m.group(1) != module:
+                found.append((m.group(1), (), False))
     return found
+
+
+def imported_names(tree: ast.Module, module: str, is_package: bool = False, annotations: bool = True) -> set[str]:
+    """Every dotted name ``tree`` may import: each base, and ``base.name`` for each name taken from it."""
+    return {n for base, names, _ in import_statements(tree, module, is_package, annotations)
+            for n in (base, *(f"{base}.{a}" for a in names))}
+
+
+def _imports(tree: ast.Module, modules: set[str], module: str, is_package: bool = False,
+             annotations: bool = False) -> set[str]:
+    """Modules of the package ``tree`` imports (``from pkg import sub`` counts as ``pkg.sub``
+    when ``pkg.sub`` is a module, else as ``pkg``; a string constant only when it names a module)."""
+    found = set()
+    for base, names, certain in import_statements(tree, module, is_package, annotations):
+        if certain:
+            found.update({f"{base}.{a}" for a in names} & modules or {base})
+        elif base in modules:
+            found.add(base)
+    return {m for m in found if _in(m, ("megatron_async",))}
+
+
+def _sources() -> dict[str, Path]:
+    return {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in PACKAGE.rglob("*.py")}
 
 
 def import_graph(annotations: bool = False) -> dict[str, set[str]]:
     """Module -> the package's modules it imports (``annotations``: TYPE_CHECKING imports too)."""
-    sources = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
-               for p in PACKAGE.rglob("*.py")}
-    return {name: _imports(ast.parse(path.read_text()), set(sources), annotations) for name, path in sources.items()}
+    sources = _sources()
+    return {name: _imports(ast.parse(path.read_text()), set(sources), name, path.name == "__init__.py", annotations)
+            for name, path in sources.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -105,6 +228,22 @@ def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
     return {m: d for m, d in found.items() if d}
 
 
+def not_library_imports(sources: dict[str, tuple[ast.Module, bool]]) -> dict[str, list[str]]:
+    """Library module -> the measurement or test code it imports (``sources``: module -> (syntax
+    tree, is a package's ``__init__``); modules leaving the package are not library code)."""
+    found = {}
+    for module, (tree, is_package) in sources.items():
+        if not _in(module, LEAVING_THE_PACKAGE):
+            bad = sorted(n for n in imported_names(tree, module, is_package) if _in(n, NOT_LIBRARY))
+            if bad:
+                found[module] = bad
+    return found
+
+
+def _library_trees() -> dict[str, tuple[ast.Module, bool]]:
+    return {name: (ast.parse(path.read_text()), path.name == "__init__.py") for name, path in _sources().items()}
+
+
 def test_no_module_import_cycle():
     assert _cycle(import_graph()) is None
 
@@ -119,21 +258,6 @@ def test_layers_import_nothing_above():
     theirs (kernels/ and models/ nothing of inference/), also not lazily inside a function nor
     for annotations."""
     assert upward_imports(import_graph(annotations=True)) == {}
-
-
-def test_upward_import_detector_sees_a_planted_import():
-    """The check above fails on an upward import: one planted in kernels/ (inside a function,
-    where a lazy import would hide) and one in models/ for annotations only."""
-    graph = import_graph(annotations=True)
-    graph["megatron_async.kernels.attention"] = graph["megatron_async.kernels.attention"] | {
-        "megatron_async.inference.contexts.dynamic_context"}
-    sources = {"megatron_async.models.decoder", "megatron_async.inference.speculative.mtp_drafter"}
-    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                     "    from megatron_async.inference.speculative import mtp_drafter\n")
-    graph["megatron_async.models.decoder"] |= _imports(tree, sources, annotations=True)
-    assert upward_imports(graph) == {
-        "megatron_async.kernels.attention": ["megatron_async.inference.contexts.dynamic_context"],
-        "megatron_async.models.decoder": ["megatron_async.inference.speculative.mtp_drafter"]}
 
 
 def test_contexts_engines_controllers_are_layered():
@@ -156,20 +280,123 @@ def test_inference_subpackages_form_no_cycle():
     assert _cycle(_rooms(graph, inference_rooms(graph))) is None
 
 
+def test_library_imports_no_measurement_or_test_code():
+    """Nothing under megatron_async/ imports benchmarks, tests, scripts, megatron_async.testing
+    or megatron_async.tools, by any spelling (annotations included)."""
+    found = not_library_imports(_library_trees())
+    for module, allowed in TOOLS_STILL_IMPORTED.items():
+        still = [n for n in found.get(module, []) if _in(n, ("megatron_async.tools",))]
+        assert still, f"{module} imports no megatron_async.tools module any more: delete it from TOOLS_STILL_IMPORTED"
+        assert all(_in(n, allowed) or n == "megatron_async.tools" for n in still), (module, still)
+        found[module] = [n for n in found[module] if n not in still]
+    assert {m: d for m, d in found.items() if d} == {}
+
+
+def test_exemptions_name_packages_that_exist():
+    gone = [p for p in LEAVING_THE_PACKAGE if p not in _sources()]
+    assert not gone, f"delete from LEAVING_THE_PACKAGE, they have left the package: {gone}"
+
+
+# ---------------------------------------------------------------------------- the checks themselves
+def _plant(graph: dict[str, set[str]], module: str, source: str, annotations: bool = False) -> None:
+    """Add to ``graph`` what ``source`` imports, as if written in ``module``."""
+    modules = set(graph)
+    graph[module] = graph[module] | _imports(ast.parse(source), modules, module, module in _packages(), annotations)
+
+
+def _packages() -> set[str]:
+    return {name for name, path in _sources().items() if path.name == "__init__.py"}
+
+
+def test_every_spelling_of_an_import_is_seen():
+    modules = {"megatron_async.llm", "megatron_async.inference", "megatron_async.inference.engines",
+               "megatron_async.inference.engines.scheduler", "megatron_async.kernels.attention"}
+    here = "megatron_async.kernels.attention"
+    spellings = {
+        "import megatron_async.llm": "megatron_async.llm",
+        "from megatron_async import llm": "megatron_async.llm",
+        "from ..inference.engines import scheduler": "megatron_async.inference.engines.scheduler",
+        "from ..inference import engines": "megatron_async.inference.engines",
+        "from .. import llm": "megatron_async.llm",
+        "def f():\n    from ..inference.engines import scheduler": "megatron_async.inference.engines.scheduler",
+        "class A:\n    def f(self):\n        with x:\n            import megatron_async.llm": "megatron_async.llm",
+        "match a:\n    case 1:\n        import megatron_async.llm": "megatron_async.llm",
+        "try:\n    pass\nexcept* E:\n    import megatron_async.llm": "megatron_async.llm",
+        "import importlib\nimportlib.import_module('megatron_async.llm')": "megatron_async.llm",
+        "from importlib import import_module\nimport_module('..llm', package='megatron_async.kernels')":
+            "megatron_async.llm",
+        "import_module('.engines.scheduler', 'megatron_async.inference')": "megatron_async.inference.engines.scheduler",
+        "x = __import__('megatron_async.llm')": "megatron_async.llm",
+        "import runpy\nrunpy.run_module('megatron_async.llm')": "megatron_async.llm",
+        "_LAZY = {'LLM': 'megatron_async.llm:LLM'}\ndef load(n):\n    return importlib.import_module(_LAZY[n])":
+            "megatron_async.llm",
+    }
+    for source, target in spellings.items():
+        assert target in _imports(ast.parse(source), modules, here), source
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..inference.engines import scheduler\n"
+    assert _imports(ast.parse(typed), modules, here) == set()
+    assert _imports(ast.parse(typed), modules, here, annotations=True) == {"megatron_async.inference.engines.scheduler"}
+    # a package's __init__: one dot is the package itself
+    assert _imports(ast.parse("from .engines import scheduler"), modules, "megatron_async.inference", True) == {
+        "megatron_async.inference.engines.scheduler"}
+
+
+def test_upward_import_detector_sees_a_planted_import():
+    """The layering check fails on an upward import: a relative one in kernels/ inside a function
+    (where a lazy import would hide), a literal importlib one in parallel/, and one in models/ for
+    annotations only."""
+    graph = import_graph(annotations=True)
+    _plant(graph, "megatron_async.kernels.attention",
+           "def backend():\n    from ..inference.contexts import dynamic_context\n")
+    _plant(graph, "megatron_async.parallel.state",
+           "import importlib\nSERVE = importlib.import_module('megatron_async.serve.app')\n")
+    _plant(graph, "megatron_async.models.decoder", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                   "    from megatron_async.inference.speculative import mtp_drafter\n",
+           annotations=True)
+    assert upward_imports(graph) == {
+        "megatron_async.kernels.attention": ["megatron_async.inference.contexts.dynamic_context"],
+        "megatron_async.parallel.state": ["megatron_async.serve.app"],
+        "megatron_async.models.decoder": ["megatron_async.inference.speculative.mtp_drafter"]}
+
+
 def test_inference_room_cycle_detector_sees_a_planted_import():
     """A context reading the step plan from engines/ (where it used to live) closes a circle."""
     graph = import_graph(annotations=True)
-    graph["megatron_async.inference.contexts.general_rows"] |= {"megatron_async.inference.engines.scheduler"}
+    _plant(graph, "megatron_async.inference.contexts.general_rows", "from ..engines import scheduler\n")
     assert _cycle(_rooms(graph, inference_rooms(graph))) is not None
 
 
 def test_cycle_detector_finds_a_planted_cycle():
-    graph = import_graph()
-    graph["megatron_async.config"] = graph["megatron_async.config"] | {"megatron_async.llm"}
-    assert _cycle(graph) is not None
+    """config -> llm closes a circle, whether config's part imports it relatively or its
+    package's __init__ does lazily."""
+    for module, source in (("megatron_async.config.parts", "from ..llm import LLM\n"),
+                           ("megatron_async.config", "def llm():\n    from .. import llm\n    return llm\n")):
+        graph = import_graph()
+        assert _cycle(graph) is None
+        _plant(graph, module, source)
+        assert _cycle(graph) is not None, source
 
 
-def test_library_never_imports_testing():
-    offenders = {m: sorted(d for d in deps if d.startswith("megatron_async.testing"))
-                 for m, deps in import_graph().items() if not m.startswith("megatron_async.testing")}
-    assert {m: d for m, d in offenders.items() if d} == {}
+def test_not_library_detector_sees_every_spelling():
+    plants = {
+        "import benchmarks": "benchmarks",
+        "from benchmarks.serving import run": "benchmarks.serving",
+        "import tests.unit_tests.helpers": "tests.unit_tests.helpers",
+        "from scripts import measure": "scripts",
+        "from ..testing import multiprocess": "megatron_async.testing",
+        "from .. import tools": "megatron_async.tools",
+        "def main():\n    from megatron_async.tools.cli import parse\n": "megatron_async.tools.cli",
+        "if TYPE_CHECKING:\n    from tests.helpers import Fake\n": "tests.helpers",
+        "importlib.import_module('benchmarks.cli')": "benchmarks.cli",
+        "importlib.import_module('.tools.cli', package='megatron_async')": "megatron_async.tools.cli",
+        "__import__('scripts.measure')": "scripts.measure",
+        "_RUN = 'benchmarks.main:run'\ndef run():\n    return importlib.import_module(_RUN.split(':')[0])":
+            "benchmarks.main",
+        "runpy.run_path('benchmarks/serving.py')": "benchmarks.serving",
+    }
+    for source, name in plants.items():
+        found = not_library_imports({"megatron_async.serve.app": (ast.parse(source), False)})
+        assert name in found.get("megatron_async.serve.app", []), source
+    fine = "import benchmarking_lib\nfrom megatron_async.tooling import x\nfrom .tests_data import y\n"
+    assert not_library_imports({"megatron_async.serve.app": (ast.parse(fine), False)}) == {}
+    assert not_library_imports({"megatron_async.tools.cli": (ast.parse("import benchmarks"), False)}) == {}

@@ -1,18 +1,15 @@
 """A small CPU communicator among the ranks of a tensor-parallel group, over ZMQ.
 
-Rank 0 binds a ROUTER socket; every other rank connects a DEALER named after its rank.
 Collectives are star-shaped through rank 0, which is plenty for the few small Python
 objects the engine exchanges per step: ``exchange`` is the engine's one per-step round trip
 (every rank's ints max-reduced, the others' uploads gathered at rank 0, rank 0's payload sent
-back). Rank 0 binds an ephemeral port on the interface that reaches the rendezvous host and
-publishes the address through the torch.distributed store (``from_rendezvous``), so ranks on
-other nodes find it without localhost or fixed-port assumptions. It also binds a Unix-domain
-(``ipc://``) endpoint: ranks on its host use that one (about half the round-trip time of TCP
-loopback; the exchange is on every step's path), the others TCP. Every message carries the collective's sequence
-number and kind, so ranks that call different collectives fail loudly instead of
-silently pairing the wrong messages; every receive has a timeout so a silent peer raises
-instead of hanging, and a peer whose connection drops (its process died) makes the waiting
-ranks raise at once. Payloads are pickled: only for ranks of one trusted job.
+back). This module holds the collectives; the sockets, how ranks find each other (through the
+torch.distributed store: ``from_rendezvous``) and liveness are the transport's
+(zmq_transport.py), and what a message is made of is wire.py's. Every message carries the
+collective's sequence number and kind, so ranks that call different collectives fail loudly
+instead of silently pairing the wrong messages; every receive has a timeout so a silent peer
+raises instead of hanging, and a peer whose connection drops (its process died) makes the
+waiting ranks raise at once.
 
 Ranks all on one host (decided together at construction) run ``exchange`` through shared memory
 instead (shm_slots.py: a slot per rank, every rank takes the max itself, no root hop, no I/O
@@ -23,24 +20,14 @@ needs them (``take_uploads``); either goes over ZMQ when larger than the segment
 from __future__ import annotations
 
 import os
-import pickle
-import socket
-import tempfile
-import time
-import uuid
 from typing import Any, Callable
 
-import zmq
-from zmq.utils.monitor import recv_monitor_message
-
+from megatron_async.inference.communication import wire
 from megatron_async.inference.communication.shm_slots import SharedSlots, SlotsError, join_slots
+from megatron_async.inference.communication.zmq_transport import CommunicatorError, ZMQTransport, address_towards
 
 JOIN_TIMEOUT_S = 60.0
 """The longest wait for the peers while joining (at least the per-message timeout)."""
-
-
-class CommunicatorError(RuntimeError):
-    """A peer timed out or answered a different collective (the ranks have diverged)."""
 
 
 class ZMQCommunicator:
@@ -56,16 +43,12 @@ class ZMQCommunicator:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of size {world_size}")
         self.rank, self.world_size = rank, world_size
-        self._timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
         self._seq = 0
-        self._ctx: zmq.Context | None = None
-        self._ipc_path: str | None = None
-        self._sock: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None
+        self.transport: ZMQTransport | None = None
+        """The sockets (None for a world of one, and once closed)."""
         self._slots: SharedSlots | None = None
         self._early: list[tuple[int, bytes]] = []  # rank 0: (peer, message) of a later collective
         self._carry: list[Any] = []  # rank 0: uploads received, not yet taken
-        self._lost: str | None = None  # the endpoint of a dropped connection, once the monitor reported one
         self._posting: tuple[int, list[int]] | None = None  # rank 0: (exchange, ranks) whose uploads are posted
         self.upload_codec: tuple[Callable[[Any], bytes], Callable[[bytes], Any]] | None = None
         """(encode, decode) turning uploads into bytes and back, used instead of pickle (the
@@ -80,39 +63,19 @@ class ZMQCommunicator:
         """How ``exchange`` moves its ints: "shared_memory", "zmq", or "local" (one rank)."""
         if world_size == 1:
             return
-        self._ctx = zmq.Context()
-        if rank == 0:
-            self._sock = self._ctx.socket(zmq.ROUTER)
-            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to an unknown peer raises
-            if port is None:
-                bound = self._sock.bind_to_random_port(f"tcp://{host}")
-                self._ipc_path = _ipc_path()
-                self._sock.bind(f"ipc://{self._ipc_path}")
-                publish(f"tcp://{host}:{bound} ipc://{self._ipc_path} {socket.gethostname()}")
-            else:
-                self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            self._sock = self._ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.IDENTITY, self._identity(rank))
-            self._sock.connect(_pick_endpoint(lookup()) if port is None else f"tcp://{host}:{port}")
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # Dropped connections (a peer process that died) are reported here, so waits end at once.
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
+        step_timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
+        self.transport = ZMQTransport(rank, world_size, host, port, step_timeout_ms, publish, lookup)
         # Handshake: rank 0 learns every peer's identity before it routes anything to it. Ranks
         # start at different times (process spawn, imports, model build on a loaded host), so
         # joining waits up to JOIN_TIMEOUT_S even when the per-message timeout is shorter.
-        step_timeout_ms = self._timeout_ms
         if step_timeout_ms is not None:
-            self._timeout_ms = max(step_timeout_ms, int(JOIN_TIMEOUT_S * 1000))
+            self.transport.timeout_ms = max(step_timeout_ms, int(JOIN_TIMEOUT_S * 1000))
         try:
             self.barrier()
             self._slots = join_slots(self.rank, self.world_size, shared_memory, self.broadcast_object,
                                      self.all_reduce_max, timeout_s, spin_us)
         finally:
-            self._timeout_ms = step_timeout_ms
+            self.transport.timeout_ms = step_timeout_ms
         if self._slots is not None:
             self.exchange_path = "shared_memory"
 
@@ -148,7 +111,7 @@ class ZMQCommunicator:
         numbered, so a store that outlives one engine never hands out a stale address."""
         ZMQCommunicator._joined += 1
         key = f"megatron_async/zmq/{ZMQCommunicator._joined}"
-        host = _address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")) if rank == 0 else ""
+        host = address_towards(os.environ.get("MASTER_ADDR", "127.0.0.1")) if rank == 0 else ""
         publish = lambda endpoint: store.set(key, endpoint)  # noqa: E731
         lookup = lambda: store.get(key).decode()  # noqa: E731  (store.get blocks until it is set)
         return cls(rank, world_size, host, None, timeout_s, publish=publish, lookup=lookup, shared_memory=shared_memory,
@@ -167,7 +130,7 @@ class ZMQCommunicator:
         if self.world_size == 1:
             return values, payload
         if self.rank != 0:
-            self._sock.send(pickle.dumps((seq, "exchange", (values, self._encode(upload)))))
+            self.transport.send_to_root(wire.pack(seq, "exchange", (values, self._encode(upload))))
             return self._recv_from_root(seq, "exchange")
         result = values
         for peer, (theirs, up) in sorted(self._gather_at_root(seq, "exchange").items()):
@@ -176,9 +139,7 @@ class ZMQCommunicator:
             result = [max(a, b) for a, b in zip(result, theirs)]
             if up is not None:
                 self._carry.append(self._decode(up))
-        msg = pickle.dumps((seq, "exchange", (result, payload)))
-        for peer in range(1, self.world_size):
-            self._sock.send_multipart([self._identity(peer), msg])
+        self.transport.send_to_peers(wire.pack(seq, "exchange", (result, payload)))
         return result, payload
 
     def take_uploads(self) -> list[Any]:
@@ -196,12 +157,10 @@ class ZMQCommunicator:
         posted after its rank's ints are published (into the byte area, or over ZMQ), so no rank
         waits for it in the round."""
         leader, probe = self.rank == 0, self.probe
-        blob = None if payload is None else pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = None if payload is None else wire.dumps(payload)
         code = 0 if blob is None else 1 if len(blob) <= self._slots.blob_bytes - 8 else -1
         if leader and code < 0:
-            msg = pickle.dumps((seq, "exchange", payload))
-            for peer in range(1, self.world_size):
-                self._sock.send_multipart([self._identity(peer), msg])
+            self.transport.send_to_peers(wire.pack(seq, "exchange", payload))
         if not leader:
             code = int(upload is not None)
         if probe is not None:
@@ -210,12 +169,12 @@ class ZMQCommunicator:
         def post() -> None:
             data = self._encode(upload)
             if len(data) > self._slots.blob_bytes - 8:
-                self._sock.send(pickle.dumps((seq, "upload", data)))
+                self.transport.send_to_root(wire.pack(seq, "upload", data))
                 data = None
             self._slots.post(data)
 
         try:
-            flat, slices = self._slots.gather((*values, code), self._alive, blob if leader and code > 0 else None,
+            flat, slices = self._slots.gather((*values, code), self.transport.alive, blob if leader and code > 0 else None,
                                               post if not leader and upload is not None else None)
         except SlotsError as e:
             raise CommunicatorError(f"{e} (exchange #{seq})") from None
@@ -232,7 +191,7 @@ class ZMQCommunicator:
         if codes[0] == 0:
             self.plain_rounds += upload is None
             return result, None
-        got = self._recv_from_root(seq, "exchange") if codes[0] < 0 else pickle.loads(self._slots.blob(0))
+        got = self._recv_from_root(seq, "exchange") if codes[0] < 0 else wire.loads(self._slots.blob(0))
         if probe is not None:
             probe.mark("deserialise")
         return result, got
@@ -245,7 +204,7 @@ class ZMQCommunicator:
         got, over_zmq = [], []
         for r in ranks:
             try:
-                data = self._slots.wait_posted(r, self._alive)
+                data = self._slots.wait_posted(r, self.transport.alive)
             except SlotsError as e:
                 raise CommunicatorError(f"{e} (uploads of exchange #{seq})") from None
             if self.probe is not None:
@@ -263,20 +222,10 @@ class ZMQCommunicator:
     def _encode(self, upload: Any) -> bytes | None:
         if upload is None:
             return None
-        return self.upload_codec[0](upload) if self.upload_codec else pickle.dumps(upload, pickle.HIGHEST_PROTOCOL)
+        return self.upload_codec[0](upload) if self.upload_codec else wire.dumps(upload)
 
     def _decode(self, data: bytes) -> Any:
-        return self.upload_codec[1](data) if self.upload_codec else pickle.loads(data)
-
-    def _alive(self) -> None:
-        """Raises if the monitor reported a dropped connection (rank 0 hears of every peer, the
-        others of rank 0; a rank that raises while waiting poisons the slots for the rest).
-        Sticky: a peer that published its last round and exited is reported at the next wait."""
-        if self._lost is None and self._monitor.poll(0):
-            self._lost = recv_monitor_message(self._monitor)["endpoint"].decode()
-        if self._lost is not None:
-            raise CommunicatorError(f"rank {self.rank}: lost the connection to a peer ({self._lost}) "
-                                    "while waiting in shared memory: a rank exited or died")
+        return self.upload_codec[1](data) if self.upload_codec else wire.loads(data)
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (the others' arguments are ignored)."""
@@ -284,9 +233,7 @@ class ZMQCommunicator:
         if self.world_size == 1:
             return obj
         if self.rank == 0:
-            msg = pickle.dumps((seq, "broadcast", obj))
-            for peer in range(1, self.world_size):
-                self._sock.send_multipart([self._identity(peer), msg])
+            self.transport.send_to_peers(wire.pack(seq, "broadcast", obj))
             return obj
         return self._recv_from_root(seq, "broadcast")
 
@@ -297,7 +244,7 @@ class ZMQCommunicator:
         if self.world_size == 1:
             return values
         if self.rank != 0:
-            self._sock.send(pickle.dumps((seq, "all_reduce_max", values)))
+            self.transport.send_to_root(wire.pack(seq, "all_reduce_max", values))
             return self._recv_from_root(seq, "all_reduce_max")
         result = values
         for peer, theirs in self._gather_at_root(seq, "all_reduce_max").items():
@@ -306,9 +253,7 @@ class ZMQCommunicator:
                     f"all_reduce_max #{seq}: rank {peer} sent {len(theirs)} values, rank 0 {len(result)}"
                 )
             result = [max(a, b) for a, b in zip(result, theirs)]
-        msg = pickle.dumps((seq, "all_reduce_max", result))
-        for peer in range(1, self.world_size):
-            self._sock.send_multipart([self._identity(peer), msg])
+        self.transport.send_to_peers(wire.pack(seq, "all_reduce_max", result))
         return result
 
     def barrier(self) -> None:
@@ -318,44 +263,25 @@ class ZMQCommunicator:
         if self._slots is not None:
             self._slots.close()
             self._slots = None
-        if self._sock is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._sock.close(linger=0)
-            self._ctx.term()
-            self._sock = self._monitor = self._ctx = None
-        if self._ipc_path is not None and os.path.exists(self._ipc_path):
-            os.unlink(self._ipc_path)  # ZMQ leaves a bound socket's file behind
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
 
-    # ------------------------------------------------------------------ plumbing
-    @staticmethod
-    def _identity(rank: int) -> bytes:
-        return f"rank{rank}".encode()
-
+    # ------------------------------------------------------------------ messages
     def _next_seq(self) -> int:
-        if self.world_size > 1 and self._sock is None:
+        if self.world_size > 1 and self.transport is None:
             raise CommunicatorError("communicator is closed")
         if self._posting is not None:  # before any other collective: uploads of the round nobody took
             self._carry.extend(self._take_posted())
         self._seq += 1
         return self._seq
 
-    def _poll(self, seq: int, kind: str) -> None:
-        t0 = time.perf_counter_ns()
-        ready = dict(self._poller.poll(self._timeout_ms))
-        self.waited_ns += time.perf_counter_ns() - t0
-        if self._sock in ready:  # a message sent before its sender died is still delivered
-            return
-        if self._monitor in ready:
-            event = recv_monitor_message(self._monitor)
-            raise CommunicatorError(
-                f"rank {self.rank}: lost the connection to a peer ({event['endpoint'].decode()}) in {kind} #{seq}: "
-                "a rank exited or died"
-            )
-        raise CommunicatorError(f"rank {self.rank}: no message within {self._timeout_ms} ms in {kind} #{seq}")
+    def _wait(self, seq: int, kind: str) -> None:
+        self.waited_ns += self.transport.wait(f"{kind} #{seq}")
 
-    def _check(self, got: tuple, seq: int, kind: str, sender: str) -> Any:
-        got_seq, got_kind, payload = got
+    def _check(self, msg: bytes, seq: int, kind: str, sender: str) -> Any:
+        """The payload of ``msg``, which must be of collective ``seq`` of kind ``kind``."""
+        got_seq, got_kind, payload = wire.unpack(msg)
         if (got_seq, got_kind) != (seq, kind):
             raise CommunicatorError(
                 f"rank {self.rank} is in {kind} #{seq} but {sender} sent {got_kind} #{got_seq}: the ranks diverged"
@@ -363,8 +289,8 @@ class ZMQCommunicator:
         return payload
 
     def _recv_from_root(self, seq: int, kind: str) -> Any:
-        self._poll(seq, kind)
-        return self._check(pickle.loads(self._sock.recv()), seq, kind, "rank 0")
+        self._wait(seq, kind)
+        return self._check(self.transport.recv_from_root(), seq, kind, "rank 0")
 
     def _gather_at_root(self, seq: int, kind: str, peers: set[int] | None = None) -> dict[int, Any]:
         """One message from each of ``peers`` (default: every other rank). With shared memory a
@@ -376,16 +302,15 @@ class ZMQCommunicator:
 
         def take(peer: int, msg: bytes) -> None:
             if peer in want and peer not in got:
-                got[peer] = self._check(pickle.loads(msg), seq, kind, f"rank {peer}")
+                got[peer] = self._check(msg, seq, kind, f"rank {peer}")
             else:
                 self._early.append((peer, msg))
 
         for peer, msg in early:
             take(peer, msg)
         while len(got) < len(want):
-            self._poll(seq, kind)
-            identity, msg = self._sock.recv_multipart()
-            take(int(identity.decode().removeprefix("rank")), msg)
+            self._wait(seq, kind)
+            take(*self.transport.recv_from_peer())
         return got
 
     def __enter__(self) -> "ZMQCommunicator":
@@ -394,25 +319,3 @@ class ZMQCommunicator:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _ipc_path() -> str:
-    """A fresh Unix socket path (short: the limit is ~107 bytes)."""
-    return os.path.join(tempfile.gettempdir(), f"ma-zmq-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-
-
-def _pick_endpoint(published: str) -> str:
-    """Rank 0's IPC endpoint when this rank runs on its host (same host name and the socket
-    file is visible here), else its TCP one."""
-    tcp, ipc, host = published.split(" ")
-    same_host = host == socket.gethostname() and os.path.exists(ipc.removeprefix("ipc://"))
-    return ipc if same_host else tcp
-
-
-def _address_towards(peer_host: str) -> str:
-    """This host's IP on the interface that routes to ``peer_host`` (no packet is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(peer_host), 9))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"

@@ -25,119 +25,187 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
     request's values break the step (see ``DynamicInferenceContext.initialize_attention_state``
     for ``verify_width``)."""
     spec = spec_padding_slot is not None
-    ids, prev, pos, slots, tok_row, src = [], [], [], [], [], []
-    cu, kv_lens, sample_idx, sample_pos, sample_row = [0], [], [], [], []
-    seeds, temps, topk, topp, state_slots, has_init = [], [], [], [], [], []
-    spec_slot, spec_owner, spec_inflight, num_drafts, sample_base = [], [], [], [], []
-    pen = _PenaltyColumns(sampling_padding_slot)
-    max_q = max_kv = 0
-    bits = max_top_n = 0  # the sampling rows' features (SamplingParams.features), OR-ed
-    bt = v["block_table"]
-    r = 0
     if verify_width and not spec:
         raise ValueError("a uniform verify layout needs speculative decoding")
+    tokens, rows = _TokenColumns(bs, spec), _RowColumns(v["block_table"])
+    samples = _SampleColumns(sampling_padding_slot)
+    spec_rows = _SpecRowColumns(spec_padding_slot) if spec else None
+    r = 0
     try:
         for r, row in enumerate(plan.rows):
-            req, start, n, k = row.request, row.start, row.num_tokens, row.num_drafts
-            assert start == req.num_computed_tokens
+            assert row.start == row.request.num_computed_tokens
             # a row's input token comes from the spec state when its predecessor in flight verified drafts
             inflight = spec and row.prev_row >= 0 and plan.inflight_verified
-            if not spec and k == 0:  # a plain row (the prefill chunks): its columns by slices, not per token
-                _plain_row_tokens(req, start, n, row.prev_row, r, bs, ids, prev, pos, slots, tok_row)
-            else:
-                for p in range(start, start + n):
-                    j = p - start
-                    if j == 0 and row.prev_row >= 0 and not inflight:
-                        ids.append(0)
-                        prev.append(row.prev_row)
-                    elif j > 0 and j <= k or j == 0 and inflight:
-                        ids.append(0)
-                        prev.append(-1)
-                    else:
-                        ids.append(req.token_at(p))
-                        prev.append(-1)
-                    if spec:
-                        src.append(j if j <= k and (j > 0 or inflight) else -1)
-                    pos.append(p)
-                    slots.append(req.block_ids[p // bs] * bs + p % bs)
-                    tok_row.append(r)
-            pad = verify_width - n if verify_width else 0
-            if pad < 0 or pad and not row.samples:
-                raise ValueError(f"a uniform verify layout of {verify_width} tokens per row cannot hold a row "
-                                 f"of {n} tokens (samples: {row.samples})")
-            ids += [0] * pad
-            prev += [-1] * pad
-            src += [-2] * pad
-            pos += [start + n - 1] * pad
-            slots += [DUMMY_BLOCK * bs] * pad
-            tok_row += [r] * pad
-            row_first = cu[-1]
-            cu.append(cu[-1] + n + pad)
-            kv_lens.append(start + n)
-            sp = req.sampling_params
-            temperature, top_k, top_p, min_p = sp.row_filters()
-            if spec:
-                spec_slot.append(req.spec_slot if row.samples else spec_padding_slot)
-                spec_owner.append(req.spec_slot)
-                spec_inflight.append(inflight)
-                num_drafts.append(k)
-                sample_base.append(len(sample_idx))
-            for j in range(k, -1, -1):  # the row's sampled positions: one, or one per draft plus one
-                sample_idx.append(row_first + n - 1 - j)
-                sample_pos.append(start + n - j)
-                sample_row.append(r)
-                seeds.append(req.seed)
-                temps.append(temperature)
-                topk.append(top_k)
-                topp.append(top_p)
-                pen.add(req, row.samples, min_p, start + n - j)
-            for q in range(pad):  # padding samples: greedy, no sampling slot, never read
-                sample_idx.append(row_first + n + q)
-                sample_pos.append(start + n)
-                sample_row.append(r)
-                seeds.append(0)
-                temps.append(0.0)
-                topk.append(1)
-                topp.append(0.0)
-                pen.add(req, False, 0.0, start + n)
-            if row.samples:
-                bits |= sp.features()
-                max_top_n = max(max_top_n, sp.top_n_logprobs)
-            state_slots.append(req.state_slot)
-            has_init.append(start > 0)
-            nb = len(req.block_ids)
-            bt[r, :nb] = req.block_ids
-            bt[r, nb:] = DUMMY_BLOCK
-            max_q, max_kv = max(max_q, n + pad), max(max_kv, start + n)
+            tokens.add(row, r, inflight)
+            pad = _verify_padding(row, verify_width)
+            tokens.pad(row, r, pad)
+            row_first = rows.cu[-1]
+            if spec_rows is not None:
+                spec_rows.add(row, inflight, len(samples.idx))
+            samples.add(row, r, row_first, pad)
+            rows.add(row, r, pad)
         r = None
-        columns = {
-            "input_ids": ids, "prev_sample_idx": prev, "positions": pos, "slot_mapping": slots,
-            "token_to_row": tok_row, "cu_query_lens": cu, "kv_lens": kv_lens, "attention_row_order": longest_first(kv_lens),
-            "sample_token_idx": sample_idx,
-            "sample_position": sample_pos, "seed": seeds, "temperature": temps, "top_k": topk, "top_p": topp,
-            "state_slots": state_slots, "has_initial_state": has_init, **pen.columns(),
-        }
+        columns = _columns(tokens, rows, samples)
         num_multi = -1
         if has_mamba:
-            columns["mamba_row_order"], num_multi = mamba_row_order(cu, [k > 0 for k in num_drafts] if spec else None)
+            columns["mamba_row_order"], num_multi = mamba_row_order(
+                rows.cu, [k > 0 for k in spec_rows.num_drafts] if spec else None)
         if spec:
-            columns.update(spec_src=src, spec_slot=spec_slot, spec_owner_slot=spec_owner, spec_inflight=spec_inflight,
-                           num_drafts=num_drafts, sample_base=sample_base, sample_to_row=sample_row)
+            columns.update(spec_src=tokens.src, spec_slot=spec_rows.slot, spec_owner_slot=spec_rows.owner,
+                           spec_inflight=spec_rows.inflight, num_drafts=spec_rows.num_drafts,
+                           sample_base=spec_rows.sample_base, sample_to_row=samples.row)
         for name, values in columns.items():
             v[name][: len(values)] = values
     except Exception as e:
         if r is None:
-            r = row_of_bad_value(v, columns, tok_row)
+            r = row_of_bad_value(v, columns, tokens.tok_row)
         bad = plan.rows[r if r is not None else -1].request
         raise RequestStepError(bad, e) from e
-    T, R = len(ids), len(plan.rows)
+    bits = samples.bits
     filters = (bool(bits & TOP_K), bool(bits & TOP_P), bool(bits & MIN_P))
     any_sampling, any_lp = bool(bits & SAMPLED), bool(bits & LOG_PROBS)
     decode_only = plan.is_decode_only and not verify_width
-    return StepShape(T, R, max_q, max_kv, decode_only, any_sampling, any(filters), max_top_n, any_lp,
-                     any_penalties=pen.any, filters=filters, num_samples=len(sample_idx),
-                     sample_base=sample_base if spec else None, num_drafts=num_drafts if spec else None,
-                     num_multi_rows=num_multi, verify_width=verify_width)
+    return StepShape(len(tokens.ids), len(plan.rows), rows.max_q, rows.max_kv, decode_only, any_sampling, any(filters),
+                     samples.max_top_n, any_lp, any_penalties=samples.pen.any, filters=filters,
+                     num_samples=len(samples.idx), sample_base=spec_rows.sample_base if spec else None,
+                     num_drafts=spec_rows.num_drafts if spec else None, num_multi_rows=num_multi,
+                     verify_width=verify_width)
+
+
+def _columns(tokens: _TokenColumns, rows: _RowColumns, samples: _SampleColumns) -> dict[str, list]:
+    """Snapshot field name -> the step's values, for every step (the spec and Mamba columns aside)."""
+    return {
+        "input_ids": tokens.ids, "prev_sample_idx": tokens.prev, "positions": tokens.pos,
+        "slot_mapping": tokens.slots, "token_to_row": tokens.tok_row, "cu_query_lens": rows.cu,
+        "kv_lens": rows.kv_lens, "attention_row_order": longest_first(rows.kv_lens), "sample_token_idx": samples.idx,
+        "sample_position": samples.pos, "seed": samples.seeds, "temperature": samples.temps, "top_k": samples.topk,
+        "top_p": samples.topp, "state_slots": rows.state_slots, "has_initial_state": rows.has_init,
+        **samples.pen.columns(),
+    }
+
+
+def _verify_padding(row, verify_width: int) -> int:
+    """Tokens that pad ``row`` to the uniform verify layout's ``verify_width`` (0 without one)."""
+    pad = verify_width - row.num_tokens if verify_width else 0
+    if pad < 0 or pad and not row.samples:
+        raise ValueError(f"a uniform verify layout of {verify_width} tokens per row cannot hold a row "
+                         f"of {row.num_tokens} tokens (samples: {row.samples})")
+    return pad
+
+
+class _TokenColumns:
+    """The per-token columns: input ids, where an id comes from (the launch in flight, a draft),
+    positions, KV slots, rows."""
+
+    def __init__(self, bs: int, spec: bool):
+        self.bs, self.spec = bs, spec
+        self.ids, self.prev, self.pos, self.slots, self.tok_row, self.src = [], [], [], [], [], []
+
+    def add(self, row, r: int, inflight: bool) -> None:
+        """Row ``r``'s tokens (``inflight``: its first token comes from the spec state)."""
+        req, start, n, k, bs = row.request, row.start, row.num_tokens, row.num_drafts, self.bs
+        if not self.spec and k == 0:  # a plain row (the prefill chunks): its columns by slices, not per token
+            _plain_row_tokens(req, start, n, row.prev_row, r, bs, self.ids, self.prev, self.pos, self.slots,
+                              self.tok_row)
+        else:
+            ids, prev, src, spec = self.ids, self.prev, self.src, self.spec
+            pos, slots, tok_row = self.pos, self.slots, self.tok_row
+            for p in range(start, start + n):
+                j = p - start
+                if j == 0 and row.prev_row >= 0 and not inflight:
+                    ids.append(0)
+                    prev.append(row.prev_row)
+                elif j > 0 and j <= k or j == 0 and inflight:
+                    ids.append(0)
+                    prev.append(-1)
+                else:
+                    ids.append(req.token_at(p))
+                    prev.append(-1)
+                if spec:
+                    src.append(j if j <= k and (j > 0 or inflight) else -1)
+                pos.append(p)
+                slots.append(req.block_ids[p // bs] * bs + p % bs)
+                tok_row.append(r)
+
+    def pad(self, row, r: int, pad: int) -> None:
+        """``pad`` padding tokens after row ``r`` (never read: they write the dummy block)."""
+        self.ids += [0] * pad
+        self.prev += [-1] * pad
+        self.src += [-2] * pad
+        self.pos += [row.start + row.num_tokens - 1] * pad
+        self.slots += [DUMMY_BLOCK * self.bs] * pad
+        self.tok_row += [r] * pad
+
+
+class _RowColumns:
+    """The per-row columns: query and KV extents, state slots, the block table (written in place)."""
+
+    def __init__(self, block_table: np.ndarray):
+        self.block_table = block_table
+        self.cu, self.kv_lens, self.state_slots, self.has_init = [0], [], [], []
+        self.max_q = self.max_kv = 0
+
+    def add(self, row, r: int, pad: int) -> None:
+        req, start, n = row.request, row.start, row.num_tokens
+        self.cu.append(self.cu[-1] + n + pad)
+        self.kv_lens.append(start + n)
+        self.state_slots.append(req.state_slot)
+        self.has_init.append(start > 0)
+        nb = len(req.block_ids)
+        self.block_table[r, :nb] = req.block_ids
+        self.block_table[r, nb:] = DUMMY_BLOCK
+        self.max_q, self.max_kv = max(self.max_q, n + pad), max(self.max_kv, start + n)
+
+
+class _SpecRowColumns:
+    """The per-row columns of speculative decoding: spec-state slots, drafts, where samples start."""
+
+    def __init__(self, padding_slot: int):
+        self.padding_slot = padding_slot
+        self.slot, self.owner, self.inflight, self.num_drafts, self.sample_base = [], [], [], [], []
+
+    def add(self, row, inflight: bool, sample_base: int) -> None:
+        req = row.request
+        self.slot.append(req.spec_slot if row.samples else self.padding_slot)
+        self.owner.append(req.spec_slot)
+        self.inflight.append(inflight)
+        self.num_drafts.append(row.num_drafts)
+        self.sample_base.append(sample_base)
+
+
+class _SampleColumns:
+    """The per-sample columns (one sample per row, or one per draft plus one) and the sampling
+    features the step needs."""
+
+    def __init__(self, padding_slot: int):
+        self.idx, self.pos, self.row, self.seeds, self.temps, self.topk, self.topp = [], [], [], [], [], [], []
+        self.pen = _PenaltyColumns(padding_slot)
+        self.bits = self.max_top_n = 0  # the sampling rows' features (SamplingParams.features), OR-ed
+
+    def add(self, row, r: int, row_first: int, pad: int) -> None:
+        """Row ``r``'s samples (its tokens start at ``row_first``), then one greedy sample per
+        padding token (no sampling slot, never read)."""
+        req, start, n, k = row.request, row.start, row.num_tokens, row.num_drafts
+        sp = req.sampling_params
+        temperature, top_k, top_p, min_p = sp.row_filters()
+        for j in range(k, -1, -1):  # the row's sampled positions: one, or one per draft plus one
+            self._add(row_first + n - 1 - j, start + n - j, r, req.seed, temperature, top_k, top_p)
+            self.pen.add(req, row.samples, min_p, start + n - j)
+        for q in range(pad):
+            self._add(row_first + n + q, start + n, r, 0, 0.0, 1, 0.0)
+            self.pen.add(req, False, 0.0, start + n)
+        if row.samples:
+            self.bits |= sp.features()
+            self.max_top_n = max(self.max_top_n, sp.top_n_logprobs)
+
+    def _add(self, idx: int, pos: int, r: int, seed: int, temperature: float, top_k: int, top_p: float) -> None:
+        self.idx.append(idx)
+        self.pos.append(pos)
+        self.row.append(r)
+        self.seeds.append(seed)
+        self.temps.append(temperature)
+        self.topk.append(top_k)
+        self.topp.append(top_p)
 
 
 def _plain_row_tokens(req: DynamicInferenceRequest, start: int, n: int, prev_row: int, r: int, bs: int,

@@ -124,9 +124,9 @@ def _rendezvous(rank: int, world: int, port: int):
 
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=20))
     comm = ZMQCommunicator.from_rendezvous(store, rank, world, timeout_s=10)
-    endpoint = comm._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    endpoint = comm.transport.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     got = comm.all_reduce_max([rank])
-    path = comm._ipc_path
+    path = comm.transport.ipc_path
     comm.barrier()
     comm.close()
     return endpoint, got, path, path is not None and __import__("os").path.exists(path)
@@ -143,10 +143,10 @@ def test_endpoint_choice():
     import socket
     import tempfile
 
-    from megatron_async.inference.communication.zmq_communicator import _pick_endpoint
+    from megatron_async.inference.communication.zmq_transport import pick_endpoint
 
     with tempfile.NamedTemporaryFile() as f:
         here = socket.gethostname()
-        assert _pick_endpoint(f"tcp://10.0.0.1:5 ipc://{f.name} {here}") == f"ipc://{f.name}"
-        assert _pick_endpoint(f"tcp://10.0.0.1:5 ipc://{f.name} other-host") == "tcp://10.0.0.1:5"
-    assert _pick_endpoint(f"tcp://10.0.0.1:5 ipc://{f.name} {here}") == "tcp://10.0.0.1:5"  # not visible here
+        assert pick_endpoint(f"tcp://10.0.0.1:5 ipc://{f.name} {here}") == f"ipc://{f.name}"
+        assert pick_endpoint(f"tcp://10.0.0.1:5 ipc://{f.name} other-host") == "tcp://10.0.0.1:5"
+    assert pick_endpoint(f"tcp://10.0.0.1:5 ipc://{f.name} {here}") == "tcp://10.0.0.1:5"  # not visible here

@@ -2,61 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from enum import Enum
+
+from megatron_async.config.modes import (
+    AllReduceBackend, AttentionBackend, MambaBackend, SamplingBackend, SpeculativeMethod,
+)
+from megatron_async.config.parts import CacheSizing, Communication, GraphSizing, KernelChoice, Scheduling, Speculation
 
 CPU_BUFFER_SIZE_GB = 1.0
 """KV pool budget on CPU (and of a context built from an unresolved config) when none is given."""
-
-
-class AttentionBackend(str, Enum):
-    """Which attention implementation the model layers call. It also picks the MoE experts'
-    kernels (``kernels/moe_experts.py``): TRITON = the fused Triton MoE, TORCH = the reference loop."""
-
-    TORCH = "torch"  # pure-torch reference (CPU and CUDA)
-    TRITON = "triton"  # Triton paged kernels (CUDA, or CPU with TRITON_INTERPRET=1)
-    AUTO = "auto"  # triton on CUDA when importable, else torch
-
-
-class SamplingBackend(str, Enum):
-    """Which sampler draws the tokens (both give the same tokens; see sampling.py)."""
-
-    TORCH = "torch"  # the pure-torch reference (full-vocabulary sorts when filtering)
-    TRITON = "triton"  # sort-free Triton kernels (CUDA, or CPU with TRITON_INTERPRET=1)
-    AUTO = "auto"  # triton on CUDA when importable, else torch
-
-
-class ExpertExchange(str, Enum):
-    """How MoE layers move tokens to the experts of other expert-parallel ranks."""
-
-    ALL_GATHER = "all_gather"  # every rank's padded tokens to all, reduce-scatter back: no host sync, graph-safe
-    ALL_TO_ALL = "all_to_all"  # each token only to the ranks of its experts: fewer bytes at large EP, but the
-    # split sizes come back to the host (one sync per MoE layer): eager only
-
-
-class AllReduceBackend(str, Enum):
-    """How the tensor-parallel all-reduce of activations runs on GPUs (``parallel/p2p_all_reduce.py``)."""
-
-    AUTO = "auto"  # P2P for messages up to p2p_all_reduce_max_bytes when the TP group's GPUs can map each
-    # other's memory (CUDA, fp32 / bf16), NCCL otherwise; CPU (gloo) always uses the process group
-    NCCL = "nccl"  # always the process group's collective (NCCL on CUDA, gloo on CPU)
-    P2P = "p2p"  # like AUTO, but an error at load when the P2P buffers cannot be set up
-
-
-class MambaBackend(str, Enum):
-    """Which SSM / conv1d implementation the Mamba mixers call."""
-
-    TORCH = "torch"  # pure-torch reference (CPU and CUDA)
-    TRITON = "triton"  # in-repo Triton kernels (CUDA, or CPU with TRITON_INTERPRET=1)
-    MAMBA_SSM = "mamba_ssm"  # only on request: needs the mamba_ssm + causal_conv1d packages (CUDA); runs the
-    # in-repo Triton kernels (the engine calls no op of those packages)
-    AUTO = "auto"  # CUDA: triton when importable, else torch; CPU: torch
-
-
-class SpeculativeMethod(str, Enum):
-    """Where speculative decoding's draft tokens come from (docs/SPECULATIVE.md)."""
-
-    MTP = "mtp"  # multi-token-prediction heads of the checkpoint
-    NGRAM = "ngram"  # prompt lookup: the tokens that followed the latest earlier match of the last n tokens
 
 
 @dataclass
@@ -353,71 +306,3 @@ def _part(cls, config: InferenceConfig):
         if name in values:
             values[name] = enum(values[name])
     return cls(**values)
-
-
-# Each component receives only the part of InferenceConfig it reads (field meanings: InferenceConfig;
-# no defaults here: a part is only made by InferenceConfig's methods, whose defaults hold).
-@dataclass(frozen=True)
-class CacheSizing:
-    block_size_tokens: int
-    num_kv_blocks: int | None
-    kv_budget_gb: float
-    max_requests: int
-    max_tokens: int
-    max_sequence_length: int
-    max_samples: int
-    enable_prefix_caching: bool
-    prefix_caching_mamba_gb: float
-    num_speculative_tokens: int
-
-
-@dataclass(frozen=True)
-class Scheduling:
-    max_requests: int
-    max_tokens: int
-    max_sequence_length: int
-    enable_chunked_prefill: bool
-    async_scheduling: bool
-    stream_text: bool
-    logging_step_interval: int
-    seed: int
-
-
-@dataclass(frozen=True)
-class Speculation:
-    num_speculative_tokens: int
-    speculative_method: SpeculativeMethod
-    speculative_ngram_max: int
-    speculative_min_acceptance: float
-    speculative_probe_interval: int
-    speculative_max_batch_size: int
-    max_sequence_length: int
-
-
-@dataclass(frozen=True)
-class GraphSizing:
-    max_requests: int
-    max_tokens: int
-    max_sequence_length: int
-    num_speculative_tokens: int
-    cuda_graph_batch_sizes: tuple[int, ...] | None
-    cuda_graph_token_counts: tuple[int, ...] | None
-    cuda_graph_verify_widths: tuple[int, ...] | None
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    attention_backend: AttentionBackend
-    mamba_backend: MambaBackend
-    sampling_backend: SamplingBackend
-    batch_invariant: bool
-
-
-@dataclass(frozen=True)
-class Communication:
-    tp_all_reduce: AllReduceBackend
-    tp_fused_norm: bool
-    p2p_all_reduce_max_bytes: int
-    ep_p2p_exchange: bool
-    consensus_shared_memory: bool
-    consensus_spin_us: float | None

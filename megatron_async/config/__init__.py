@@ -1,0 +1,14 @@
+"""The engine's configuration: ``InferenceConfig`` (every knob, one documented field each,
+inference_config.py), the ``str`` enums of its modes (modes.py) and the frozen part of it each
+component is given (parts.py)."""
+from megatron_async.config.inference_config import CPU_BUFFER_SIZE_GB, InferenceConfig
+from megatron_async.config.modes import (
+    AllReduceBackend, AttentionBackend, ExpertExchange, MambaBackend, SamplingBackend, SpeculativeMethod,
+)
+from megatron_async.config.parts import CacheSizing, Communication, GraphSizing, KernelChoice, Scheduling, Speculation
+
+__all__ = [
+    "CPU_BUFFER_SIZE_GB", "InferenceConfig",
+    "AllReduceBackend", "AttentionBackend", "ExpertExchange", "MambaBackend", "SamplingBackend", "SpeculativeMethod",
+    "CacheSizing", "Communication", "GraphSizing", "KernelChoice", "Scheduling", "Speculation",
+]

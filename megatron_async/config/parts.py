@@ -1,0 +1,77 @@
+"""The frozen parts of ``InferenceConfig`` that components are given: each receives only what
+it reads (``InferenceConfig.cache_sizing()``, ``scheduling()``, ``speculation()``,
+``graph_sizing()``, ``kernels()``, ``communication()``). Field meanings: ``InferenceConfig``'s
+docstrings. No defaults here: a part is only made by InferenceConfig's methods, whose defaults
+hold."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_async.config.modes import (
+    AllReduceBackend, AttentionBackend, MambaBackend, SamplingBackend, SpeculativeMethod,
+)
+
+@dataclass(frozen=True)
+class CacheSizing:
+    block_size_tokens: int
+    num_kv_blocks: int | None
+    kv_budget_gb: float
+    max_requests: int
+    max_tokens: int
+    max_sequence_length: int
+    max_samples: int
+    enable_prefix_caching: bool
+    prefix_caching_mamba_gb: float
+    num_speculative_tokens: int
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    max_requests: int
+    max_tokens: int
+    max_sequence_length: int
+    enable_chunked_prefill: bool
+    async_scheduling: bool
+    stream_text: bool
+    logging_step_interval: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class Speculation:
+    num_speculative_tokens: int
+    speculative_method: SpeculativeMethod
+    speculative_ngram_max: int
+    speculative_min_acceptance: float
+    speculative_probe_interval: int
+    speculative_max_batch_size: int
+    max_sequence_length: int
+
+
+@dataclass(frozen=True)
+class GraphSizing:
+    max_requests: int
+    max_tokens: int
+    max_sequence_length: int
+    num_speculative_tokens: int
+    cuda_graph_batch_sizes: tuple[int, ...] | None
+    cuda_graph_token_counts: tuple[int, ...] | None
+    cuda_graph_verify_widths: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    attention_backend: AttentionBackend
+    mamba_backend: MambaBackend
+    sampling_backend: SamplingBackend
+    batch_invariant: bool
+
+
+@dataclass(frozen=True)
+class Communication:
+    tp_all_reduce: AllReduceBackend
+    tp_fused_norm: bool
+    p2p_all_reduce_max_bytes: int
+    ep_p2p_exchange: bool
+    consensus_shared_memory: bool
+    consensus_spin_us: float | None
