@@ -30,6 +30,8 @@ own Python callbacks (task wake-ups, transports); the event loop polling or in i
 _HTTP_PACKAGES = ("/starlette/", "/uvicorn/", "/fastapi/", "/anyio/", "/h11/", "/httptools/")
 _CHUNK_FILES = ("serve/responses.py", "serve/chat_output.py", "serve/tool_calls.py", "serve/reasoning.py",
                 "serve/tag_stream.py")
+_CHUNK_FUNCTION_FILES = ("serve/responder.py", "serve/completion_routes.py", "serve/chat_routes.py")
+"""Where the streams' own ``_stream`` and the routes' ``chunk`` builders live."""
 
 
 def engine_stage(frames: list[tuple[str, str]]) -> str:
@@ -62,7 +64,7 @@ def loop_stage(frames: list[tuple[str, str]]) -> str:
     for f, fn in inner:  # the innermost frame outside the standard library decides
         if any(p in f for p in _HTTP_PACKAGES):
             return "HTTP send (ASGI, uvicorn)"
-        if any(f.endswith(c) for c in _CHUNK_FILES) or (f.endswith("serve/app.py") and fn in ("_stream", "chunk")):
+        if any(f.endswith(c) for c in _CHUNK_FILES) or (f.endswith(_CHUNK_FUNCTION_FILES) and fn in ("_stream", "chunk")):
             return "SSE chunks + JSON"
         if "/megatron_async/" in f:
             return "request handling"

@@ -14,11 +14,6 @@ PACKAGE = ROOT / "megatron_async"
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 80
 
-LEAVING_THE_PACKAGE = {"megatron_async/tools/side_by_side.py"}
-"""Measurement code that moves out of the package (to the top-level benchmarks/), not held to the
-rule while it is still here. An entry whose file no longer exists fails the test: delete it."""
-
-
 def file_lines(source: str) -> int:
     return len(source.splitlines())
 
@@ -43,9 +38,7 @@ def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> dict[str, in
 
 def _library_sources():
     for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(ROOT).as_posix()
-        if rel not in LEAVING_THE_PACKAGE:
-            yield rel, path.read_text()
+        yield path.relative_to(ROOT).as_posix(), path.read_text()
 
 
 def test_no_library_file_over_400_lines():
@@ -56,11 +49,6 @@ def test_no_library_file_over_400_lines():
 def test_no_library_function_over_80_lines():
     long = {f"{rel}:{name}": n for rel, src in _library_sources() for name, n in long_functions(src).items()}
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them into steps with a meaning): {long}"
-
-
-def test_exemptions_name_files_that_exist():
-    gone = sorted(rel for rel in LEAVING_THE_PACKAGE if not (ROOT / rel).exists())
-    assert not gone, f"remove these from LEAVING_THE_PACKAGE, they have left: {gone}"
 
 
 def _function(name: str, body_lines: int, indent: str = "") -> str:

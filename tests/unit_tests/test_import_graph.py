@@ -33,19 +33,6 @@ else (``llm``, ``serve``, ``tools``, ``testing``, the package itself) is the top
 NOT_LIBRARY = ("benchmarks", "tests", "scripts", "megatron_async.testing", "megatron_async.tools")
 """What the library never imports, by any spelling: measurement and test code."""
 
-LEAVING_THE_PACKAGE = ("megatron_async.testing", "megatron_async.tools")
-"""Measurement code and test fixtures that move out of the package: their own modules are not
-library code (they may import each other). An entry whose package is gone fails the test:
-delete it."""
-
-TOOLS_STILL_IMPORTED = {
-    "megatron_async.serve.__main__": ("megatron_async.tools.cli", "megatron_async.tools.main_job"),
-    "megatron_async.serve.frontend": ("megatron_async.tools.stage_sampler",),
-}
-"""Library modules still importing these modules of ``tools/`` (the command-line plumbing the
-server shares with the examples, and the front-ends' stage sampler) until they leave it. An entry
-no longer needed fails the test: delete it."""
-
 _DYNAMIC_IMPORTS = {"import_module", "__import__", "run_module"}
 """Calls that import the module they name (importlib.import_module, __import__, runpy.run_module)."""
 _PATH_LOADERS = {"run_path", "spec_from_file_location", "SourceFileLoader"}
@@ -233,10 +220,9 @@ def not_library_imports(sources: dict[str, tuple[ast.Module, bool]]) -> dict[str
     tree, is a package's ``__init__``); modules leaving the package are not library code)."""
     found = {}
     for module, (tree, is_package) in sources.items():
-        if not _in(module, LEAVING_THE_PACKAGE):
-            bad = sorted(n for n in imported_names(tree, module, is_package) if _in(n, NOT_LIBRARY))
-            if bad:
-                found[module] = bad
+        bad = sorted(n for n in imported_names(tree, module, is_package) if _in(n, NOT_LIBRARY))
+        if bad:
+            found[module] = bad
     return found
 
 
@@ -283,18 +269,7 @@ def test_inference_subpackages_form_no_cycle():
 def test_library_imports_no_measurement_or_test_code():
     """Nothing under megatron_async/ imports benchmarks, tests, scripts, megatron_async.testing
     or megatron_async.tools, by any spelling (annotations included)."""
-    found = not_library_imports(_library_trees())
-    for module, allowed in TOOLS_STILL_IMPORTED.items():
-        still = [n for n in found.get(module, []) if _in(n, ("megatron_async.tools",))]
-        assert still, f"{module} imports no megatron_async.tools module any more: delete it from TOOLS_STILL_IMPORTED"
-        assert all(_in(n, allowed) or n == "megatron_async.tools" for n in still), (module, still)
-        found[module] = [n for n in found[module] if n not in still]
-    assert {m: d for m, d in found.items() if d} == {}
-
-
-def test_exemptions_name_packages_that_exist():
-    gone = [p for p in LEAVING_THE_PACKAGE if p not in _sources()]
-    assert not gone, f"delete from LEAVING_THE_PACKAGE, they have left the package: {gone}"
+    assert not_library_imports(_library_trees()) == {}
 
 
 # ---------------------------------------------------------------------------- the checks themselves
@@ -399,4 +374,3 @@ def test_not_library_detector_sees_every_spelling():
         assert name in found.get("megatron_async.serve.app", []), source
     fine = "import benchmarking_lib\nfrom megatron_async.tooling import x\nfrom .tests_data import y\n"
     assert not_library_imports({"megatron_async.serve.app": (ast.parse(fine), False)}) == {}
-    assert not_library_imports({"megatron_async.tools.cli": (ast.parse("import benchmarks"), False)}) == {}
