@@ -6,12 +6,13 @@ import gc
 import logging
 import numbers
 import os
+import time
 from dataclasses import replace
 
 import torch
 
 from megatron_async.config import InferenceConfig
-from megatron_async.inference import nvtx
+from megatron_async.inference import nvtx, triton_builds
 from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.device import DeviceFacade
@@ -21,6 +22,7 @@ from megatron_async.inference.memory_planning import GiB, CudaMemoryReader, Memo
 from megatron_async.inference.memory_profiling import builtin_weight_bytes, profile_memory_plan
 from megatron_async.inference.memory_suspend import WEIGHTS, make_suspend_backend
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, SamplingParams
+from megatron_async.inference.startup_profile import StartupProfile
 from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
 from megatron_async.kernels.backends import KernelBackends
 from megatron_async.parallel.p2p_all_reduce import with_p2p_all_reduce
@@ -78,6 +80,9 @@ class LLM:
         results; ``generate`` returns all outputs, in prompt order, on every rank. Both > 1:
         T x E ranks, ``expert_parallel_size`` data-parallel engines each run by a TP group of
         ``tensor_parallel_size`` ranks (replicas of one engine)."""
+        t0 = time.perf_counter()
+        self.startup = StartupProfile(cache_dir=triton_builds.cache_dir() if triton_builds.install() else None)
+        """Where the start-up went (phases, Triton builds; startup_profile.py)."""
         self.config = inference_config or InferenceConfig()
         self.config.validate()
         self.dtype = parse_dtype(dtype)
@@ -105,6 +110,7 @@ class LLM:
                     self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size,
                     shared_memory=comm.consensus_shared_memory, spin_us=comm.consensus_spin_us)
             self._build(model, default_model, seed, drafter)
+            self.startup.total_seconds = time.perf_counter() - t0
         except BaseException:
             self.close()  # every rank fails the same way at load (a shape that does not divide): leave cleanly
             raise
@@ -119,8 +125,8 @@ class LLM:
         reader = CudaMemoryReader(self.device) if self.device.type == "cuda" else None
         allocated_before = reader.read().allocated if reader else 0
         suspend = make_suspend_backend(self.device) if self.config.enable_suspend else None
-        with suspend.region(WEIGHTS) if suspend else contextlib.nullcontext():  # engine.suspend frees them
-            self._load_model(model, default_model, seed, reader)
+        with suspend.region(WEIGHTS) if suspend else contextlib.nullcontext(), self.startup.phase("load"):
+            self._load_model(model, default_model, seed, reader)  # engine.suspend frees the weights
         self.model.eval()
         self.model.kernels = kernels  # this model's kernels, not the process's
         if choice.batch_invariant:
@@ -143,10 +149,12 @@ class LLM:
         if reader and self._plans_memory():
             weights = reader.read().allocated - allocated_before
             probe = DeviceFacade(self.device)  # the probe's pools stay out of the suspendable regions
-            self.memory_plan = profile_memory_plan(self.config, self.model, probe, self.dtype, weights, reader,
+            with self.startup.phase("memory profile"):
+                self.memory_plan = profile_memory_plan(self.config, self.model, probe, self.dtype, weights, reader,
                                                    self.parallel.ep_size, drafter)
             self.config = replace(self.config, num_kv_blocks=self.memory_plan.num_blocks)
             log.info("%s", self.memory_plan.describe())
+        self.startup.begin("engine")
         self.context = DynamicInferenceContext(self.config.cache_sizing(), self.model, facade, self.dtype,
                                                choice.batch_invariant)
         if self.context.spec is not None:
@@ -157,6 +165,7 @@ class LLM:
         ranks = rank_role(self.communicator, self.parallel.dp_size, self.parallel.tp_size)
         self.engine = DynamicInferenceEngine(self.runner, self.context, self.config.scheduling(),
                                              self.config.speculation(), self.tokenizer, ranks=ranks)
+        self.startup.end()
         if facade.is_cuda and (self.config.startup_warmup or self.parallel.ep_size > 1 and self.config.cuda_graphs):
             # Expert parallelism always captures here: every rank at once (collectives inside).
             try:
@@ -166,6 +175,7 @@ class LLM:
                     raise
                 raise MemoryPlanError(f"CUDA out of memory in the startup warm-up: the planned {self.memory_plan.describe()} "
                                       "left too little; lower gpu_memory_utilization or max_tokens") from None
+            self.startup.add_warmup(rep)
             log.info("warm-up: %.1f s, %d eager steps, %d CUDA graphs, %d Triton builds, %.2f GiB reserved",
                      rep.seconds, rep.eager_steps, rep.graphs_captured, rep.triton_builds, rep.memory_bytes / 2**30)
             # startup's garbage goes now, not as a full collection inside the first serving steps

@@ -89,6 +89,12 @@ class WorkloadRun:
         return sum(rows) / len(rows) if rows else 0.0
 
     @property
+    def first_token_s(self) -> float | None:
+        """Seconds from the run's start to the first token of any request."""
+        firsts = [t.first_token for t in self.timings if t is not None and t.first_token is not None]
+        return min(firsts) if firsts else None
+
+    @property
     def ttft(self) -> list[float]:
         """Seconds from each request's arrival (its ``add_request``) to its first token on the host."""
         return [t.ttft for t in self.timings if t is not None and t.ttft is not None]

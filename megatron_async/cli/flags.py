@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Callable
 
 import torch
@@ -124,6 +125,12 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
                             help="no CUDA graphs: every step runs eager, nothing is captured at startup")
     g.add_argument("--no-warmup", action="store_true",
                    help="CUDA: skip the startup warm-up (Triton builds and graph captures then happen while serving)")
+    g.add_argument("--startup-build-threads", type=NON_NEGATIVE_INT, default=None,
+                   help="threads that build the warm-up's Triton kernels at once (default: the cores, at most 16; "
+                        "0: one by one; InferenceConfig.startup_build_threads)")
+    g.add_argument("--kernel-cache-dir", default=None,
+                   help="Triton's on-disk kernel cache (sets TRITON_CACHE_DIR; default ~/.triton/cache): a later "
+                        "process loads the kernels built there instead of compiling them")
     g.add_argument("--enable-suspend", action="store_true",
                    help="allocate weights, KV cache and graph pools so engine.suspend can free device memory "
                         "(InferenceConfig.enable_suspend; CUDA needs torch-memory-saver)")
@@ -181,7 +188,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_device_args(args: argparse.Namespace) -> None:
-    """Fill device-dependent defaults in place: device, dtype, default model, workload sizes."""
+    """Fill device-dependent defaults in place: device, dtype, default model, workload sizes;
+    point Triton at ``--kernel-cache-dir`` (before anything is built)."""
+    if getattr(args, "kernel_cache_dir", None):
+        os.environ["TRITON_CACHE_DIR"] = os.path.abspath(os.path.expanduser(args.kernel_cache_dir))
     args.device = args.device or default_device()
     kind = torch.device(args.device).type
     if args.dtype is None:
@@ -221,6 +231,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "async_scheduling": not getattr(args, "serial", False),
         "cuda_graphs": getattr(args, "cuda_graphs", None),
         "startup_warmup": not args.no_warmup,
+        "startup_build_threads": getattr(args, "startup_build_threads", None),
         "enable_suspend": getattr(args, "enable_suspend", False),
         "logging_step_interval": args.logging_step_interval,
         "nvtx_ranges": args.nvtx,

@@ -13,7 +13,9 @@ from megatron_async import LLM
 from megatron_async.cli import flags
 from megatron_async.cli.driver import WorkloadRun, run_workload
 from megatron_async.cli.progress import ProgressBar
-from megatron_async.cli.summary import RunSummary, format_summary, summarize
+from megatron_async.cli.summary import (
+    RunSummary, StartupTimes, format_startup, format_summary, seconds_since_process_start, summarize,
+)
 from megatron_async.cli.text_prompts import read_prompt_file, text_workload
 from megatron_async.cli.workload import WorkloadRequest, synthetic_workload
 from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine
@@ -138,6 +140,7 @@ def load_llm(args: argparse.Namespace, **config_overrides) -> LLM:
 def main(argv: list[str] | None = None, description: str = "megatron_async main job", require_model: bool = False) -> RunSummary:
     """Run the job and return its summary. Exits (SystemExit) on bad flags
     or a model that cannot be loaded; ``cli_main`` turns failed requests into the exit code."""
+    entered = seconds_since_process_start()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(description, require_model)
     args = parse_args(parser, argv)
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None, description: str = "megatron_async main 
     t0 = time.perf_counter()
     llm = load_llm(args, stream_text=False)  # texts are decoded once, at the end
     try:
-        return _run(args, llm, t0)
+        return _run(args, llm, t0, entered)
     finally:
         llm.close()
 
@@ -171,7 +174,7 @@ def report_failures(requests: list[WorkloadRequest], run: WorkloadRun) -> None:
         print(f"rejected: ... and {len(failed) - MAX_REASONS_PRINTED} more (see --output-path)", file=sys.stderr)
 
 
-def _run(args: argparse.Namespace, llm: LLM, t0: float) -> RunSummary:
+def _run(args: argparse.Namespace, llm: LLM, t0: float, entered: float | None = None) -> RunSummary:
     """Every TP rank runs the same (seeded) workload through the driver; only rank 0 reports."""
     try:
         requests = build_workload(llm, args)
@@ -190,17 +193,23 @@ def _run(args: argparse.Namespace, llm: LLM, t0: float) -> RunSummary:
             print(llm.memory_plan.describe(), file=sys.stderr)
     progress = ProgressBar(len(requests), enabled=not args.quiet and llm.is_leader)
     engine = llm.engine if llm.is_leader else FollowerEngine(llm.engine)
+    ready = seconds_since_process_start()
     run = run_workload(engine, requests, flags.sampling_factory(args), progress)
+    first = run.first_token_s
+    times = StartupTimes(entered, ready, ready + first if ready is not None and first is not None else None)
     summary = summarize(run, llm.engine.stats, llm.device)
     if not llm.is_leader:  # data-parallel followers hand their outputs to rank 0: their summary is partial
         return summary if llm.parallel.dp_size == 1 else None
     if flags.has_text_prompts(args):
         print_answers(requests, run, workload_tokenizer(llm, args))
     print(format_summary(summary))
+    print(format_startup(times, llm.startup))
     report_failures(requests, run)
     if args.output_path:
         path = Path(args.output_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results_json(args, requests, run, llm, summary), indent=1))
+        results = results_json(args, requests, run, llm, summary)
+        results["startup"] = {**vars(times), **llm.startup.as_dict()}
+        path.write_text(json.dumps(results, indent=1))
         print(f"wrote {path}", file=sys.stderr)
     return summary

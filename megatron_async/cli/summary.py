@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
@@ -120,3 +121,40 @@ def format_summary(s: RunSummary) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
+
+
+def seconds_since_process_start() -> float | None:
+    """Wall seconds since this process started (Linux /proc, 10 ms ticks); None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in ticks since boot
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+@dataclass(frozen=True)
+class StartupTimes:
+    """The main job's start-up on the host clock, from the process's start."""
+
+    entered_s: float | None
+    """The job's code starts (Python and its imports before it)."""
+    ready_s: float | None
+    """The engine is built and warmed up."""
+    first_token_s: float | None
+    """The first request's first token (requests arrive when the engine is ready)."""
+
+
+def format_startup(times: StartupTimes, profile) -> str:
+    """The start-up profile (``LLM.startup``) under the times from the process's start."""
+    def at(x):
+        return "n/a" if x is None else f"{x:.1f} s"
+
+    rows = [("process start to", f"job code {at(times.entered_s)}, engine ready {at(times.ready_s)}, "
+                                  f"first token {at(times.first_token_s)}"),
+            ("engine built in", f"{profile.total_seconds:.2f} s (Triton cache {profile.cache_dir or 'n/a'})")]
+    rows += [(f"  {name}", value) for name, value in profile.rows()]
+    width = max(len(k) for k, _ in rows)
+    return "start-up:\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

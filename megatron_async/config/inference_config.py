@@ -94,6 +94,13 @@ class InferenceConfig:
     (``EngineStats.triton_builds_after_warmup`` / ``graph_captures_after_warmup`` count any
     that still happen). Takes seconds; False = compile and capture lazily on first use."""
 
+    startup_build_threads: int | None = None
+    """Threads that build the warm-up's Triton kernels at once (CUDA). The warm-up first finds
+    every kernel specialization its steps need without running them (each step captured into a
+    CUDA graph that is thrown away, its unbuilt kernels skipped), then builds them all on this
+    many threads, loading each from Triton's on-disk cache when a process built it before. None:
+    the usable cores, at most 16; 0: build each kernel when a warm-up step first meets it."""
+
     enable_suspend: bool = False
     """Allocate the weights, the KV / Mamba state pools and the CUDA graph pools so that
     ``engine.suspend`` can free them and ``engine.resume`` bring them back at the same addresses
@@ -244,6 +251,8 @@ class InferenceConfig:
         if self.cuda_graph_verify_widths is not None and not all(2 <= w <= K + 1 for w in self.cuda_graph_verify_widths):
             raise ValueError(f"InferenceConfig.cuda_graph_verify_widths must lie in 2 .. num_speculative_tokens + 1 "
                              f"({K + 1}), got {self.cuda_graph_verify_widths}")
+        if self.startup_build_threads is not None and self.startup_build_threads < 0:
+            raise ValueError(f"InferenceConfig.startup_build_threads must be >= 0, got {self.startup_build_threads}")
         if self.speculative_probe_interval < 1 or self.speculative_max_batch_size < 0:
             raise ValueError("InferenceConfig.speculative_probe_interval must be >= 1 and "
                              "speculative_max_batch_size >= 0")

@@ -65,6 +65,7 @@ class KernelChoice:
     mamba_backend: MambaBackend
     sampling_backend: SamplingBackend
     batch_invariant: bool
+    startup_build_threads: int | None = None
 
 
 @dataclass(frozen=True)

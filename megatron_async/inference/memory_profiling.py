@@ -19,7 +19,8 @@ from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.memory_planning import DeviceMemoryReader, MemoryPlan, plan_kv_pool
 from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant
 from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
-from megatron_async.inference.text_generation_controllers.warmup import warmup_shape
+from megatron_async.inference.text_generation_controllers.kernel_prebuild import prebuild
+from megatron_async.inference.text_generation_controllers.warmup import can_prebuild, warmup_shape
 
 log = logging.getLogger("megatron_async")
 
@@ -34,6 +35,8 @@ def measure_peak_step(runner: ModelRunner, reader: DeviceMemoryReader) -> int:
     ctx = runner.context
     rows = min(ctx.max_requests, ctx.max_tokens)
     shape = warmup_shape(ctx.max_tokens, rows, False, SamplingVariant.FULL, runner.model.vocab_size)
+    if can_prebuild(runner, runner.build_threads):  # its kernels built at once, not one by one
+        prebuild(runner, [(shape, 0)], runner.build_threads)
     ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(rows, ctx.max_tokens).to(ctx.device.device))
     reader.reset_peak()
     before = reader.read().allocated

@@ -1,16 +1,41 @@
-"""A process-wide count of Triton kernel builds (compile, or load from the on-disk cache).
+"""A process-wide count of Triton kernel builds (compile, or load from the on-disk cache), and
+the deferral that lets start-up build many kernels at once.
 
 Triton calls ``knobs.runtime.jit_cache_hook`` when a kernel meets a specialization it has
 not built in this process; a build inside serving is a step of hundreds of milliseconds. The
 hook is Triton's one global, so the count is the process's (every engine in it), installed
 once and chained to any hook set before (``benchmarks/compile_counter.py`` chains to it in turn).
-Returning a false value lets Triton build as usual."""
+Returning a false value lets Triton build as usual.
+
+``deferring()``: while it is open, a build the hook sees is not done (a true return value:
+Triton then neither builds nor launches that kernel) but recorded with its specialization data
+(Triton's serialized signature, constants and options), once per specialization; ``build_all``
+then builds the recorded ones on a thread pool (``JITFunction.preload`` under Triton's
+``AsyncCompileMode``: most of a build is LLVM and ptxas, which run without the GIL). Deferred
+specializations are not counted as builds; their later builds are.
+
+Where the builds go on disk: Triton's cache directory (``cache_dir()``: ``TRITON_CACHE_DIR``,
+default ``~/.triton/cache``); a later process finds a kernel there and loads it instead of
+compiling it (a build that takes tens of milliseconds instead of seconds)."""
 from __future__ import annotations
 
-_state = {"installed": False, "builds": 0, "prev": None, "names": []}
+import contextlib
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+_state = {"installed": False, "builds": 0, "prev": None, "names": [], "deferred": None, "deferring_thread": None}
 
 
 def _hook(*args, **kwargs):
+    deferred = _state["deferred"]
+    if deferred is not None and threading.get_ident() == _state["deferring_thread"]:
+        fn, data = kwargs.get("fn"), (kwargs.get("compile") or {}).get("specialization_data")
+        jit = getattr(fn, "jit_function", None)
+        if jit is not None and data is not None:
+            deferred.setdefault((id(jit), data), (jit, data))
+            return True  # Triton skips this build and this launch
     _state["builds"] += 1
     fn = kwargs.get("fn")
     if len(_state["names"]) < 200:
@@ -44,3 +69,77 @@ def builds() -> int:
 def built_names(since: int = 0) -> list[str]:
     """Names of the kernels built, from the ``since``-th build on (the first 200 builds only)."""
     return list(_state["names"][since:])
+
+
+def cache_dir() -> str | None:
+    """Triton's on-disk kernel cache (None without Triton)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    return knobs.cache.dir
+
+
+@contextlib.contextmanager
+def deferring():
+    """Record instead of build (see the module doc), in the calling thread only; yields the
+    list the recorded (JITFunction, specialization data) pairs are in after the block."""
+    if not install():
+        yield []
+        return
+    if _state["deferred"] is not None:
+        raise RuntimeError("triton_builds.deferring() is already open")
+    found: dict = {}
+    out: list = []
+    _state["deferred"], _state["deferring_thread"] = found, threading.get_ident()
+    try:
+        yield out
+    finally:
+        _state["deferred"] = _state["deferring_thread"] = None
+        out.extend(found.values())
+
+
+def default_threads() -> int:
+    """Build threads when none are asked for: the cores this process may use, at most 16."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(16, cores))
+
+
+@dataclass
+class BuildReport:
+    kernels: int
+    """Specializations built (each a compile, or a load from the on-disk cache)."""
+    threads: int
+    seconds: float
+
+
+def build_all(specs: list, threads: int) -> BuildReport:
+    """Build ``specs`` (from ``deferring``) on ``threads`` threads, then load each binary onto
+    the current device (outside any graph capture). Each lands in its kernel's in-memory cache,
+    so the first launch of that specialization finds it built."""
+    t0 = time.perf_counter()
+    if not specs:
+        return BuildReport(0, 0, 0.0)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    threads = max(1, min(threads, len(specs)))
+    kernels = []
+    with ThreadPoolExecutor(threads, thread_name_prefix="triton-build") as pool:
+        with AsyncCompileMode(pool, ignore_errors=True):  # a failed one is built when first launched
+            for jit, data in specs:
+                with contextlib.suppress(Exception):
+                    kernels.append(jit.preload(data))
+    built = 0
+    for kernel in kernels:
+        wait = getattr(kernel, "result", None)  # a FutureKernel, finished when AsyncCompileMode closed
+        compiled = wait(True) if callable(wait) else kernel
+        init = getattr(compiled, "_init_handles", None)
+        if init is not None:  # load the binary now: its first launch may be inside a graph capture
+            init()
+            built += 1
+    return BuildReport(built, threads, time.perf_counter() - t0)

@@ -44,3 +44,31 @@ def test_no_builds_or_captures_after_startup_warmup_and_mixed_graphs_equal_eager
     assert st_g.triton_builds_after_warmup == 0 and st_g.graph_captures_after_warmup == 0
     assert st_g.mixed_graph_replays > 0 and st_g.graph_replays == st_g.steps  # every step replayed a graph
     assert graphs == eager
+
+
+def test_kernels_built_at_once_from_dry_captures_serve_the_same_tokens(tmp_path):
+    """Shapes no other test uses (vocabulary 328, hidden 96, 3 query heads): the first engine
+    meets unbuilt kernels, finds them all by dry captures (no shape left to run eagerly) and
+    builds them on threads; then neither it nor a second engine built one kernel at a time
+    builds anything while serving, and their tokens are equal (the dry pass left no buffer
+    unwritten)."""
+    path = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "odd", vocab_size=328, hidden_size=96,
+                                num_attention_heads=3, num_key_value_heads=1, head_dim=48)
+    outs = []
+    for threads, graphs in ((4, True), (0, False)):
+        cfg = make_llm(path, cuda_graphs=graphs, attention_backend="triton", max_sequence_length=256,
+                       startup_build_threads=threads).config
+        llm = LLM(model=str(path), device="cuda", dtype="float32", inference_config=cfg)
+        phases = llm.startup.phases
+        if threads:
+            assert phases["kernel builds"].builds > 0 and "0 steps" not in phases["kernel builds"].note
+            assert phases["eager steps"].note == "0 steps"  # every eager shape was captured dry
+            assert phases["graph captures"].builds == 0  # the dry shapes covered what the graphs launch
+        else:
+            assert "kernel builds" not in phases
+        arrivals = [Arrival(0, [(7 * i + j) % 328 for j in range(5 + 9 * i)], PARAMS[i % len(PARAMS)]) for i in range(8)]
+        res = run_arrivals(llm, arrivals)
+        assert llm.engine.stats.triton_builds_after_warmup == 0
+        outs.append({i: o.generated_tokens for i, o in res.items()})
+        llm.close()
+    assert outs[0] == outs[1]

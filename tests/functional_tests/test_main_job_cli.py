@@ -63,6 +63,21 @@ def test_summary_shows_ttft_and_tpot(capsys):
     assert "TTFT" in out and "TPOT" in out and "inter-token latency" in out and "p99" in out
 
 
+def test_startup_profile_from_the_process_start_is_printed_and_written(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "before"))  # restored after: the flag sets it
+    out = tmp_path / "out.json"
+    main(BASE + ["--num-requests", "2", "--num-tokens-to-generate", "3", "--kernel-cache-dir", str(tmp_path / "kc"),
+                 "--output-path", str(out)])
+    text = capsys.readouterr().out
+    assert "start-up:" in text and "first token" in text and str(tmp_path / "kc") in text
+    startup = json.loads(out.read_text())["startup"]
+    assert startup["cache_dir"] == str(tmp_path / "kc")
+    assert 0 < startup["entered_s"] <= startup["ready_s"] <= startup["first_token_s"]
+    phases = startup["phases"]
+    assert {"load", "engine"} <= set(phases) and all(p["seconds"] >= 0 for p in phases.values())
+    assert sum(p["seconds"] for p in phases.values()) <= startup["total_seconds"] + 1e-6
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--temperature", "-1"], "--temperature"),
     (["--temperature", "nan"], "--temperature"),

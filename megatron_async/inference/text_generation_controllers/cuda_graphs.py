@@ -221,9 +221,8 @@ class CudaGraphRunner:
         ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens, key.verify_width))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                ctl.compute_step(shape, key.spec)
+        with torch.cuda.stream(side):  # once: builds and loads what the step needs, outside the capture
+            ctl.compute_step(shape, key.spec)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # No cyclic GC inside a capture: collecting an earlier engine's CUDA graphs there frees

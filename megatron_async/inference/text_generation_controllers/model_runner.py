@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_async.config import KernelChoice
+from megatron_async.inference import triton_builds
 from megatron_async.inference.async_pipeline import HostSamples, PendingLaunch
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.device import copy_to_host
@@ -60,6 +61,9 @@ class ModelRunner:
         self.eos_ids = tuple(eos_ids)
         """Token ids that end a request without its own termination_id (all of them stop)."""
         self.batch_invariant = kernels.batch_invariant
+        n = kernels.startup_build_threads
+        self.build_threads = triton_builds.default_threads() if n is None else n
+        """Threads that build the warm-up's Triton kernels at once (0: one by one as steps meet them)."""
         R = context.max_requests
         S = context.max_samples  # config.max_samples, and the graphs' spare padding row
         dev = self.device.device
@@ -253,7 +257,7 @@ class ModelRunner:
     def warmup(self) -> WarmupReport:
         """Build every reachable Triton kernel variant and capture every planned graph (warmup.py).
         Expert parallelism: only the graphs (decode, every variant, every rank together), no eager pass."""
-        return run_warmup(self, eager=not self.expert_parallel)
+        return run_warmup(self, eager=not self.expert_parallel, build_threads=self.build_threads)
 
     # ------------------------------------------------------------------ host side
     def collect(self, pending: PendingLaunch) -> HostSamples:

@@ -17,7 +17,12 @@ as the token count T and the row count R, so eager warm-up runs steps on padding
   verify steps (every row W tokens and samples, the verify graphs' layout) of each captured
   width W at the decode row counts.
 Then the graph runner captures its whole plan (graph_plan.py). Under expert parallelism only
-the greedy decode graphs are captured (every rank at once: collectives inside)."""
+the greedy decode graphs are captured (every rank at once: collectives inside).
+
+With ``build_threads`` (CUDA, Triton), the eager shapes are first captured dry and their kernels
+built on that many threads (kernel_prebuild.py); only shapes that could not be captured dry then
+run eagerly: the captures' own warm-up runs execute every graph's step once before capturing it,
+and every kernel an eager step can meet is built and loaded."""
 from __future__ import annotations
 
 import time
@@ -27,6 +32,7 @@ import torch
 
 from megatron_async.inference import triton_builds
 from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant, variant_flags
+from megatron_async.inference.text_generation_controllers.kernel_prebuild import PrebuildReport, prebuild
 from megatron_async.step_shape import StepShape
 
 
@@ -39,6 +45,14 @@ class WarmupReport:
     """Kernel builds during warm-up (0 where Triton has no build hook, e.g. the CPU interpreter)."""
     memory_bytes: int
     """Growth of the device memory the caching allocator reserved (graph pools, sampler state)."""
+    prebuild: PrebuildReport | None = None
+    """The threaded build of the eager shapes' kernels (None: not done)."""
+    eager_seconds: float = 0.0
+    """The eager steps (with the kernel builds they made)."""
+    capture_seconds: float = 0.0
+    """The graph captures (each with one eager run of its step first)."""
+    capture_builds: int = 0
+    """Triton builds during the captures (kernels no eager shape reached)."""
 
 
 def _next_pow2(n: int) -> int:
@@ -125,29 +139,46 @@ def _decode_split_count(runner):
     return lambda r: choose_num_splits(r, spec.num_kv_heads, ctx.max_blocks_per_request, ctx.block_size, dev)
 
 
-@torch.inference_mode()
-def run_warmup(runner, graphs: bool = True, eager: bool = True) -> WarmupReport:
-    """Warm ``runner`` up (nothing may be in flight). ``eager``: the eager compile pass;
-    ``graphs``: capture the graph runner's plan (when the runner has one)."""
+def _run_eager(runner, shapes: list) -> None:
     ctx, dev = runner.context, runner.device
+    saved = runner.last_samples.clone()
+    for shape, width in shapes:
+        if shape.any_penalties:
+            ctx.sampling_state.ensure_allocated()
+        snapshot = ctx.padding_snapshot(shape.num_rows, shape.num_tokens, width)
+        ctx.gpu_view.buffer.copy_(snapshot.to(dev.device))
+        runner.compute_step(shape)
+    runner.last_samples.copy_(saved)
+
+
+def can_prebuild(runner, build_threads: int) -> bool:
+    """Threaded builds need CUDA and a Triton with build hooks."""
+    return bool(build_threads) and runner.device.is_cuda and triton_builds.install()
+
+
+@torch.inference_mode()
+def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: int = 0) -> WarmupReport:
+    """Warm ``runner`` up (nothing may be in flight). ``eager``: the eager compile pass (with
+    ``build_threads``: its kernels built at once, kernel_prebuild.py); ``graphs``: capture the
+    graph runner's plan (when the runner has one)."""
+    dev = runner.device
     triton_builds.install()
     builds0, t0 = triton_builds.builds(), time.perf_counter()
     mem0 = torch.cuda.memory_reserved(dev.device) if dev.is_cuda else 0
-    n_eager = 0
-    if eager:
-        saved = runner.last_samples.clone()
-        for shape, width in eager_shapes(runner):
-            if shape.any_penalties:
-                ctx.sampling_state.ensure_allocated()
-            snapshot = ctx.padding_snapshot(shape.num_rows, shape.num_tokens, width)
-            ctx.gpu_view.buffer.copy_(snapshot.to(dev.device))
-            runner.compute_step(shape)
-            n_eager += 1
-        runner.last_samples.copy_(saved)
+    shapes = eager_shapes(runner) if eager else []
+    pre = None
+    if shapes and can_prebuild(runner, build_threads):
+        pre = prebuild(runner, shapes, build_threads)
+        shapes = pre.left
+    t_eager = time.perf_counter()
+    _run_eager(runner, shapes)
+    t_capture, builds_capture = time.perf_counter(), triton_builds.builds()
     captured = 0
     if graphs and runner.graphs is not None:
         captured = runner.graphs.warmup()
     if dev.is_cuda:
         torch.cuda.synchronize(dev.device)
+    t_end = time.perf_counter()
     mem = torch.cuda.memory_reserved(dev.device) - mem0 if dev.is_cuda else 0
-    return WarmupReport(time.perf_counter() - t0, n_eager, captured, triton_builds.builds() - builds0, mem)
+    return WarmupReport(t_end - t0, len(shapes), captured, triton_builds.builds() - builds0, mem, pre,
+                        t_capture - t_eager, t_end - t_capture, triton_builds.builds() - builds_capture)

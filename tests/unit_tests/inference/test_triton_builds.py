@@ -50,3 +50,70 @@ def test_a_real_build_counts_once_per_specialization():
     scale[(1,)](x, 100, FACTOR=5, BLOCK=128)  # a new constexpr is a new specialization
     assert triton_builds.builds() == before + 2
     assert torch.equal(x, torch.full_like(x, 45.0))
+
+
+class _Jit:
+    """Stands in for a JITFunction: ``preload`` is what build_all calls on each recorded one."""
+
+    def __init__(self):
+        self.preloaded, self.loaded = [], []
+
+    def preload(self, data):
+        self.preloaded.append(data)
+        jit = self
+
+        class Compiled:
+            def _init_handles(self):
+                jit.loaded.append(data)
+
+        return Compiled()
+
+
+def _hook_call(jit, data):
+    from triton import knobs
+
+    class Info:
+        name = "k"
+        jit_function = jit
+
+    return knobs.runtime.jit_cache_hook(fn=Info(), key=data, compile={"specialization_data": data},
+                                        is_manual_warmup=False, already_compiled=False)
+
+
+def test_deferring_records_each_specialization_once_skips_it_and_counts_no_build():
+    assert triton_builds.install()
+    jit, before = _Jit(), triton_builds.builds()
+    with triton_builds.deferring() as specs:
+        assert _hook_call(jit, "a") is True  # Triton then neither builds nor launches
+        assert _hook_call(jit, "a") is True
+        assert _hook_call(jit, "b") is True
+        assert specs == []  # filled when the block closes
+    assert sorted(d for _, d in specs) == ["a", "b"] and all(j is jit for j, _ in specs)
+    assert triton_builds.builds() == before
+    assert not _hook_call(jit, "c")  # closed: builds count again
+    assert triton_builds.builds() == before + 1
+
+
+def test_deferring_is_the_opening_threads_only():
+    import threading
+
+    jit, answers = _Jit(), []
+    with triton_builds.deferring() as specs:
+        t = threading.Thread(target=lambda: answers.append(_hook_call(jit, "other")))
+        t.start()
+        t.join()
+    assert specs == [] and not answers[0]
+
+
+def test_build_all_preloads_and_loads_every_recorded_specialization():
+    jit = _Jit()
+    report = triton_builds.build_all([(jit, "a"), (jit, "b"), (jit, "c")], threads=8)
+    assert sorted(jit.preloaded) == ["a", "b", "c"] and sorted(jit.loaded) == ["a", "b", "c"]
+    assert report.kernels == 3 and report.threads == 3
+    assert triton_builds.build_all([], threads=8).kernels == 0
+
+
+def test_cache_dir_follows_triton_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert triton_builds.cache_dir() == str(tmp_path)
+    assert 1 <= triton_builds.default_threads() <= 16

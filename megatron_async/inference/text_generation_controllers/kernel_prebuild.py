@@ -1,0 +1,106 @@
+"""Build a warm-up's Triton kernels at once instead of one after another.
+
+A kernel is built the first time a step launches it with a new specialization, so running the
+warm-up's steps builds them in sequence: ~40 builds of 0.3-2 s each on a fresh machine. Most
+of a build is LLVM and ptxas, which run without the GIL, so threads build them side by side;
+what they need is the list of specializations before any step runs. A step's specializations
+depend only on host values (its shape, the tensors' dtypes, strides and alignment), never on
+what earlier kernels computed, so the list comes from steps that do not run: each warm-up shape
+is captured into a CUDA graph that is then thrown away (nothing in a capture executes), with
+Triton's build hook deferring every unbuilt kernel (``triton_builds.deferring``: not built, not
+launched, recorded). ``triton_builds.build_all`` then builds the recorded ones on a thread pool
+and loads them onto the device.
+
+A capture only records: writes to the engine's buffers (samples, drafts, the dummy KV block) do
+not happen, and a tensor that compute_step would keep beyond the step would be left unwritten.
+The engine keeps no such tensor (its buffers are allocated up front, graph-safe); the device
+memory allocated before and after each capture is compared, and a shape whose capture keeps
+memory, or fails to capture (a step that needs the host mid-way), ends the dry pass: those
+shapes and the rest run for real, as without prebuilding."""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_async.inference import triton_builds
+
+log = logging.getLogger("megatron_async")
+
+
+@dataclass
+class PrebuildReport:
+    kernels: int = 0
+    """Specializations built on the thread pool (compiled, or loaded from Triton's disk cache)."""
+    threads: int = 0
+    seconds: float = 0.0
+    """Wall time: the dry captures plus the builds."""
+    build_seconds: float = 0.0
+    """Of which the threaded builds."""
+    shapes: int = 0
+    """Warm-up shapes captured dry."""
+    left: list = field(default_factory=list)
+    """Shapes that must still run for real: from the first that failed to capture dry on."""
+
+
+def _dry_capture(runner, shape, width: int, stream, pool, kept: int | None) -> int | None:
+    """Capture ``shape`` into a graph that is dropped at once. Returns the device memory
+    allocated after it, None when it cannot be captured or kept more than ``kept`` (the memory
+    after the first dry capture, which may keep cuBLAS's workspace for the capture stream)."""
+    ctx = runner.context
+    if shape.any_penalties:
+        ctx.sampling_state.ensure_allocated()
+    ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(shape.num_rows, shape.num_tokens, width))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    ok = True
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            runner.compute_step(shape)  # outputs dropped at once
+    except Exception as e:  # noqa: BLE001 -- any capture failure: the shape runs for real
+        log.info("start-up build: a %d-token step cannot be captured dry (%s); it runs for real", shape.num_tokens, e)
+        ok = False
+    del graph
+    now = torch.cuda.memory_allocated()
+    if ok and kept is not None and now > kept:
+        log.warning("start-up build: a dry %d-token step kept %d bytes of device memory; the rest of the warm-up runs "
+                    "for real", shape.num_tokens, now - kept)
+        ok = False
+    return now if ok else None
+
+
+@torch.inference_mode()
+def prebuild(runner, shapes: list, threads: int) -> PrebuildReport:
+    """Find the Triton specializations of ``shapes`` (``(StepShape, verify width)`` pairs, as
+    ``warmup.eager_shapes``) without running them and build them on ``threads`` threads.
+    Nothing may be in flight. The view and the latest samples are as before."""
+    t0 = time.perf_counter()
+    ctx = runner.context
+    saved_view, saved_samples = ctx.gpu_view.buffer.clone(), runner.last_samples.clone()
+    stream, pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+    gc.collect()  # no collection of earlier engines' graphs inside a capture
+    gc_on = gc.isenabled()
+    gc.disable()
+    done, kept = 0, None
+    try:
+        with triton_builds.deferring() as specs:
+            for shape, width in shapes:
+                kept = _dry_capture(runner, shape, width, stream, pool, kept)
+                if kept is None:
+                    break
+                done += 1
+    finally:
+        if gc_on:
+            gc.enable()
+    ctx.gpu_view.buffer.copy_(saved_view)
+    runner.last_samples.copy_(saved_samples)
+    torch.cuda.synchronize()
+    del pool
+    gc.collect()
+    torch.cuda.empty_cache()  # the dry captures' pool: nothing in it is kept
+    built = triton_builds.build_all(specs, threads)
+    return PrebuildReport(built.kernels, built.threads, time.perf_counter() - t0, built.seconds, done,
+                          list(shapes[done:]))
