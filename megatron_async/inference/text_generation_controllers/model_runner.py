@@ -76,6 +76,11 @@ class ModelRunner:
         self.accepted = torch.zeros(context.max_rows, dtype=torch.int64, device=dev)
         """Speculative decoding: drafts accepted per row of the latest launch (fixed address;
         a graph's spare padding row writes one too)."""
+        self.host_wait: str | None = None
+        """How ``collect`` waits for a launch's samples: "spin" (a core polls, the host wakes at
+        once), "block" (the thread sleeps until the device signals) or None: block on launches
+        made ahead of the previous step's bookkeeping (a launch is then queued behind the one
+        waited for, so waking a little later idles nothing), spin on the others."""
         self._host_ring = [self._host_buffers(S, R) for _ in range(3)]
         self._ring = 0
         self.graphs = None  # CudaGraphRunner, when enabled
@@ -165,7 +170,7 @@ class ModelRunner:
             if step.prompt_scoring is not None:
                 step.prompt_scoring.copy_to_host()
             routing = self.routing.copy_to_host(plan.rows, shape) if asked else None
-            event = self.device.event()
+            event = self.device.event(blocking=overlapped if self.host_wait is None else self.host_wait == "block")
             self.device.record(event)
         if end_ev is not None:
             end_ev.record()
