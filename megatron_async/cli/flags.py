@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from megatron_async.cli.workload import WorkloadRequest, WorkloadSpec
-from megatron_async.config import AllReduceBackend, AttentionBackend, InferenceConfig
+from megatron_async.config import AllReduceBackend, AttentionBackend, DpRouting, InferenceConfig
 from megatron_async.inference.request import SamplingParams
 from megatron_async.models.default_model import DEFAULT_CONFIGS
 
@@ -88,6 +88,11 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-parallel-size", type=int, default=1,
                    help="data-parallel engines (MoE experts split across them); > 1 needs a torchrun launch "
                         "of that many processes, e.g. NPROC=2 EP=1 bash examples/run_torchrun.sh")
+    g.add_argument("--dp-routing", choices=[r.value for r in DpRouting], default=None,
+                   help="engines behind a coordinator: which engine a new request goes to (by free slots, or by "
+                        "what each engine's prefix cache holds; InferenceConfig.dp_routing, default load_balanced)")
+    g.add_argument("--dp-routing-alpha", type=checked(float, 0.0, 1.0), default=None,
+                   help="--dp-routing scored: weight of prefix affinity against free capacity (default 0.5)")
 
 
 def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None:
@@ -237,6 +242,8 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "nvtx_ranges": args.nvtx,
         "attention_backend": args.attention_backend,
         "seed": args.seed,
+        "dp_routing": getattr(args, "dp_routing", None),
+        "dp_routing_alpha": getattr(args, "dp_routing_alpha", None),
     }
     cfg = InferenceConfig(**{k: v for k, v in fields.items() if v is not None})
     if cfg.max_tokens < cfg.max_requests and args.max_tokens is None:

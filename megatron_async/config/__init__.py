@@ -3,12 +3,12 @@ inference_config.py), the ``str`` enums of its modes (modes.py) and the frozen p
 component is given (parts.py)."""
 from megatron_async.config.inference_config import CPU_BUFFER_SIZE_GB, InferenceConfig
 from megatron_async.config.modes import (
-    AllReduceBackend, AttentionBackend, ExpertExchange, MambaBackend, SamplingBackend, SpeculativeMethod,
+    AllReduceBackend, AttentionBackend, DpRouting, ExpertExchange, MambaBackend, SamplingBackend, SpeculativeMethod,
 )
 from megatron_async.config.parts import CacheSizing, Communication, GraphSizing, KernelChoice, Scheduling, Speculation
 
 __all__ = [
     "CPU_BUFFER_SIZE_GB", "InferenceConfig",
-    "AllReduceBackend", "AttentionBackend", "ExpertExchange", "MambaBackend", "SamplingBackend", "SpeculativeMethod",
+    "AllReduceBackend", "AttentionBackend", "DpRouting", "ExpertExchange", "MambaBackend", "SamplingBackend", "SpeculativeMethod",
     "CacheSizing", "Communication", "GraphSizing", "KernelChoice", "Scheduling", "Speculation",
 ]

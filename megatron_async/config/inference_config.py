@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from megatron_async.config.modes import (
-    AllReduceBackend, AttentionBackend, MambaBackend, SamplingBackend, SpeculativeMethod,
+    AllReduceBackend, AttentionBackend, DpRouting, MambaBackend, SamplingBackend, SpeculativeMethod,
 )
 from megatron_async.config.parts import CacheSizing, Communication, GraphSizing, KernelChoice, Scheduling, Speculation
 
@@ -185,6 +185,18 @@ class InferenceConfig:
     yielding spinner waits behind every other runnable task, while a sleeper woken by its peer
     preempts them (measured on 2 loaded cores: ~1.3 ms vs ~0.24 ms to notice the last rank)."""
 
+    dp_routing: DpRouting = DpRouting.LOAD_BALANCED
+    """Data-parallel engines behind a coordinator (``LLM(..., listen=...)``, ``python -m
+    megatron_async.coordinator``): which engine a new request goes to. ``load_balanced``: the
+    most free request slots; ``first_prefix_block`` / ``longest_prefix``: the engine whose prefix
+    cache holds the prompt's first block / the most leading blocks (then the most free);
+    ``scored``: ``dp_routing_alpha`` x the held share of the prompt's blocks + (1 - alpha) x the
+    free share of the slots. What an engine holds is known from what was routed to it and what it
+    reports evicted; the prefix policies need ``enable_prefix_caching`` on the engines."""
+
+    dp_routing_alpha: float = 0.5
+    """``dp_routing`` "scored": the weight of prefix affinity against free capacity, in [0, 1]."""
+
     seed: int = 1234
     """Seed of the engine's generator that gives seeds to requests that bring none."""
 
@@ -240,6 +252,8 @@ class InferenceConfig:
             raise ValueError(f"InferenceConfig.p2p_all_reduce_max_bytes must be >= 0, got {self.p2p_all_reduce_max_bytes}")
         if self.consensus_spin_us is not None and self.consensus_spin_us < 0:
             raise ValueError(f"InferenceConfig.consensus_spin_us must be >= 0 or None, got {self.consensus_spin_us}")
+        if not 0.0 <= self.dp_routing_alpha <= 1.0:
+            raise ValueError(f"InferenceConfig.dp_routing_alpha must be in [0, 1], got {self.dp_routing_alpha}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"InferenceConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.speculative_ngram_max < 1:
@@ -305,7 +319,7 @@ class InferenceConfig:
 
 _ENUM_FIELDS = {"attention_backend": AttentionBackend, "mamba_backend": MambaBackend,
                 "sampling_backend": SamplingBackend, "tp_all_reduce": AllReduceBackend,
-                "speculative_method": SpeculativeMethod}
+                "speculative_method": SpeculativeMethod, "dp_routing": DpRouting}
 
 
 def _part(cls, config: InferenceConfig):

@@ -54,3 +54,13 @@ class SpeculativeMethod(str, Enum):
 
     MTP = "mtp"  # multi-token-prediction heads of the checkpoint
     NGRAM = "ngram"  # prompt lookup: the tokens that followed the latest earlier match of the last n tokens
+
+
+class DpRouting(str, Enum):
+    """How the data-parallel coordinator picks the engine of a new request (docs/PARALLEL.md,
+    "Engines behind a coordinator"). Every tie goes to the engine registered first."""
+
+    LOAD_BALANCED = "load_balanced"  # most free request slots (as a share of the engine's max_requests)
+    FIRST_PREFIX_BLOCK = "first_prefix_block"  # among engines holding the prompt's first block, the most free
+    LONGEST_PREFIX = "longest_prefix"  # among engines holding the most leading blocks of the prompt, the most free
+    SCORED = "scored"  # best alpha * held share of the prompt's blocks + (1 - alpha) * free share of its slots

@@ -42,12 +42,34 @@ class BlockKey:
         return f"BlockKey({self.digest[:6].hex()}...)"
 
 
+def root_digest(key: bytes) -> bytes:
+    """The digest a first block chains from: ``key`` separates models / adapters (and weight
+    versions) that must never share KV."""
+    return _digest(b"megatron_async.kv\0" + key)
+
+
 def chain_hash(parent: BlockKey | None, tokens: Sequence[int], key: bytes = b"") -> BlockKey:
     """Identity of a complete block given its parent block's (None for the first block);
     ``key`` separates models / adapters that must never share KV."""
-    head = parent.digest if parent is not None else _digest(b"megatron_async.kv\0" + key)
+    head = parent.digest if parent is not None else root_digest(key)
     content = head + array("q", tokens).tobytes()
     return BlockKey(_digest(content), content)
+
+
+def prefix_digests(tokens: Sequence[int], block_size: int, key: bytes, num_blocks: int | None = None) -> list[bytes]:
+    """``chain_hash``'s digests of the first ``num_blocks`` whole blocks of ``tokens`` (None: the
+    blocks a request with this prompt can hit, ``(len(tokens) - 1) // block_size``: its last
+    token is always computed), in one pass: one byte conversion, one SHA-256 per block, no key
+    objects. The data-parallel coordinator routes on them (the same bytes ``chain_hash`` gives)."""
+    n = (len(tokens) - 1) // block_size if num_blocks is None else num_blocks
+    if n <= 0:
+        return []
+    raw = memoryview(array("q", tokens[:n * block_size]).tobytes())
+    step, head, out = 8 * block_size, root_digest(key), []
+    for start in range(0, n * step, step):
+        head = _digest(head + raw[start:start + step])
+        out.append(head)
+    return out
 
 
 class KVBlockAllocator:
@@ -65,6 +87,9 @@ class KVBlockAllocator:
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks with ref 0, oldest first
         self.on_reclaim = None  # callback(block_id, block_hash) when a cached block loses its hash
         self.hash_key = hash_key
+        self.evicted_digests: list[bytes] | None = None
+        """A list: the digest of every cached block reclaimed since its owner last took them
+        (an engine behind the data-parallel coordinator reports them); None: not recorded."""
 
     def block_hash(self, parent: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
         return chain_hash(parent, tokens, self.hash_key)
@@ -124,5 +149,7 @@ class KVBlockAllocator:
         h = self._hash_of.pop(block, None)
         if h is not None:
             del self._block_of[h]
+            if self.evicted_digests is not None:
+                self.evicted_digests.append(h.digest)
             if self.on_reclaim is not None:
                 self.on_reclaim(block, h)

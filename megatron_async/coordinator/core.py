@@ -1,0 +1,327 @@
+"""What the coordinator does with each message, independent of sockets: routes requests to
+engines, hands engines' updates and outputs to the clients that asked, re-routes or ends the
+requests of an engine that died, aborts those of a client that left, and collates control
+operations. Its only way out is an ``Outbox`` (the transport's; a test's list).
+
+Messages out (``Outbox.to_engine(slot, kind, *fields)`` / ``to_client(client, kind, *fields)``):
+- engine: ``submit`` (rid, submission number, prompt, sampling, stream), ``abort`` (rid),
+  ``control`` (op id, op, args), ``drain`` ();
+- client: ``info`` (dict: block_size, hash_key, key_epoch, engines), ``stream`` ([RequestUpdate]),
+  ``finished`` ([RequestOutput]), ``rejected`` (client rid, message), ``control_done`` (op id,
+  status, body).
+Ids the clients see are their own request ids; engines see the coordinator's."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from megatron_async.config.modes import DpRouting
+from megatron_async.coordinator.controls import CONTROL_OPS, ControlBook, PendingControl
+from megatron_async.coordinator.engines import EngineInfo, EngineSlot, EngineState, EngineTable
+from megatron_async.coordinator.requests import OpenRequest, RequestTable
+from megatron_async.coordinator.routing import PrefixView, place, routing_keys
+from megatron_async.inference.request import RequestOutput, RequestUpdate
+
+log = logging.getLogger("megatron_async.coordinator")
+UNROUTED_TIMEOUT_S = 60.0
+"""How long a request waits for an engine that takes requests (none registered, all draining)."""
+
+
+class Outbox(Protocol):
+    def to_engine(self, slot: EngineSlot, kind: str, *fields: Any) -> None: ...
+    def to_client(self, client: Any, kind: str, *fields: Any) -> None: ...
+
+
+class CoordinatorCore:
+    def __init__(self, outbox: Outbox, policy: DpRouting | str = DpRouting.LOAD_BALANCED, alpha: float = 0.5,
+                 unrouted_timeout_s: float = UNROUTED_TIMEOUT_S):
+        self.outbox = outbox
+        self.policy, self.alpha = DpRouting(policy), float(alpha)
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"dp_routing_alpha must be in [0, 1], got {alpha}")
+        self.unrouted_timeout_s = unrouted_timeout_s
+        self.view = PrefixView()
+        self.engines = EngineTable(self.view)
+        self.requests = RequestTable()
+        self.controls = ControlBook()
+        self.clients: set[Any] = set()
+        self.pause_mode: str | None = None
+        """The pause mode clients set last (None: generating): an engine that joins is told it."""
+        self.generation_epoch: int | None = None
+        self.stopping = False
+        """A shutdown is under way: the transport exits once ``done``."""
+        self.done = False
+        self._shutdown_reply: tuple[Any, int] | None = None
+        self.counts: Counter[str] = Counter()
+        """routed, rerouted, failed_by_death, aborted_for_client, evicted_keys, stale_keys, ..."""
+
+    # ------------------------------------------------------------------ clients
+    def client_joined(self, client: Any) -> None:
+        self.clients.add(client)
+        self.outbox.to_client(client, "info", self.info())
+
+    def info(self) -> dict:
+        e = self.engines
+        return {"block_size": e.block_size or 0, "hash_key": e.hash_key or b"", "key_epoch": e.key_epoch,
+                "engines": len(e.live()), "policy": self.policy.value}
+
+    def submit(self, client: Any, client_rid: int, prompt: Any, samplings: Sequence[Any], stream: bool,
+               keys: list[int] | None = None, key_epoch: int = -1) -> None:
+        """``len(samplings)`` requests of one prompt (client ids ``client_rid`` on), placed
+        together when one engine has room for them all. ``keys``: the prompt's routing keys as
+        the client computed them with the key of ``key_epoch`` (None or stale: computed here)."""
+        keys = self._keys(prompt, keys, key_epoch)
+        group = []
+        for i, sampling in enumerate(samplings):
+            req = self.requests.add(client, client_rid + i, prompt, sampling, stream, keys)
+            if req is None:
+                self.outbox.to_client(client, "rejected", client_rid + i, "a request with this id is still open")
+            else:
+                group.append(req)
+        self._route(group)
+
+    def _keys(self, prompt: Any, keys: list[int] | None, key_epoch: int) -> list[int]:
+        e = self.engines
+        if keys is not None and key_epoch == e.key_epoch:
+            return keys
+        if isinstance(prompt, str) or e.block_size is None or not e.slots:
+            return []
+        self.counts["hashed_here"] += 1
+        return routing_keys(prompt, e.block_size, e.hash_key)
+
+    def _route(self, group: list[OpenRequest]) -> None:
+        if not group:
+            return
+        slots = place(self.policy, group[0].keys, self.engines.routable(), self.view, self.alpha, len(group))
+        if not slots:
+            now = time.monotonic()
+            for req in group:
+                req.queued_at = now
+                self.requests.unrouted[req.rid] = req
+            return
+        previous = None
+        for req, slot in zip(group, slots):
+            self._send(req, slot, assign=slot is not previous)
+            previous = slot
+
+    def _send(self, req: OpenRequest, slot: EngineSlot, assign: bool = True) -> None:
+        slot.pending += 1
+        slot.submitted += 1
+        req.engine = slot
+        req.placements += 1
+        self.counts["routed"] += 1
+        if assign and slot.affinity and req.keys:
+            self.view.assign(slot.index, req.keys, slot.submitted)
+        self.outbox.to_engine(slot, "submit", req.rid, slot.submitted, req.prompt, req.sampling, req.stream)
+
+    def abort(self, client: Any, client_rid: int) -> None:
+        req = self.requests.of_client(client, client_rid)
+        if req is None:
+            return
+        if req.engine is None:  # still waiting for an engine: it ends here
+            self.requests.end(req.rid)
+            self._tell(req, "finished", [req.partial_output("abort", None)])
+        else:  # its engine ends it; its final output comes back as any other
+            self.outbox.to_engine(req.engine, "abort", req.rid)
+
+    def abort_all(self, client: Any) -> None:
+        for req in self.requests.all_of_client(client):
+            self.abort(client, req.client_rid)
+
+    def client_lost(self, client: Any) -> None:
+        """Its connection closed: its requests are aborted on their engines (their KV comes
+        back), and nothing more is sent to it."""
+        self.clients.discard(client)
+        for req in self.requests.all_of_client(client):
+            self.counts["aborted_for_client"] += 1
+            self.abort(client, req.client_rid)
+        self.requests.forget_client(client)
+        self.controls.client_gone(client)
+
+    def _tell(self, req: OpenRequest, kind: str, *fields: Any) -> None:
+        if req.client in self.clients:
+            self.outbox.to_client(req.client, kind, *fields)
+
+    # ------------------------------------------------------------------ engines
+    def engine_registered(self, peer: Any, info: EngineInfo) -> EngineSlot:
+        """A new engine (RegistrationError: it cannot join): it gets the current pause mode and
+        generation epoch, then the requests waiting for an engine."""
+        slot = self.engines.register(info, peer)
+        log.info("engine %d (%s) registered: %d request slots", slot.index, info.name, info.max_requests)
+        self.counts["registered"] += 1
+        if self.generation_epoch is not None:
+            self._internal_control(slot, "set_generation_epoch", {"epoch": self.generation_epoch})
+        if self.pause_mode is not None:
+            self._internal_control(slot, "pause_generation", {"mode": self.pause_mode})
+        if len(self.engines.slots) == 1:
+            for client in self.clients:  # the key space is known now
+                self.outbox.to_client(client, "info", self.info())
+        self._route_unrouted()
+        return slot
+
+    def _route_unrouted(self) -> None:
+        waiting = list(self.requests.unrouted.values())
+        self.requests.unrouted.clear()
+        for req in waiting:
+            if not req.keys and not isinstance(req.prompt, str) and self.engines.block_size:
+                req.keys = routing_keys(req.prompt, self.engines.block_size, self.engines.hash_key)
+            self._route([req])
+
+    def engine_heartbeat(self, slot: EngineSlot, load: int) -> None:
+        slot.last_heard, slot.load = time.monotonic(), load
+
+    def engine_outputs(self, slot: EngineSlot, seen_seq: int, updates: Sequence[RequestUpdate],
+                       finished: Sequence[RequestOutput], rejected: Sequence[tuple[int, str]] = (),
+                       evicted: Sequence[int] = (), load: int = 0, hash_key: bytes | None = None) -> None:
+        """One message of an engine: its step's updates and final outputs, requests it refused,
+        the keys of the blocks its cache reclaimed (having received submissions up to
+        ``seen_seq``), its unfinished request count, and its cache's key when that changed."""
+        slot.last_heard, slot.load = time.monotonic(), load
+        if evicted:
+            self.counts["evicted_keys"] += len(evicted)
+            self.view.evict(slot.index, evicted, seen_seq)
+        if hash_key is not None and self.engines.key_changed(slot, hash_key):
+            for client in self.clients:
+                self.outbox.to_client(client, "info", self.info())
+        streams: dict[Any, list[RequestUpdate]] = {}
+        get = self.requests.get
+        for upd in updates:
+            req = get(upd.request_id)
+            if req is None or req.engine is not slot:
+                continue
+            req.land(upd)
+            if req.stream and req.client in self.clients:
+                streams.setdefault(req.client, []).append(upd._replace(request_id=req.client_rid))
+        for client, batch in streams.items():
+            self.outbox.to_client(client, "stream", batch)
+        self._finish(slot, finished)
+        for rid, message in rejected:
+            req = get(rid)
+            if req is not None and req.engine is slot:
+                self.requests.end(rid)
+                self._tell(req, "rejected", req.client_rid, message)
+
+    def _finish(self, slot: EngineSlot, finished: Sequence[RequestOutput]) -> None:
+        done: dict[Any, list[RequestOutput]] = {}
+        for out in finished:
+            req = self.requests.get(out.request_id)
+            if req is None or req.engine is not slot:
+                continue
+            self.requests.end(req.rid)
+            out.request_id = req.client_rid
+            if req.client in self.clients:
+                done.setdefault(req.client, []).append(out)
+        for client, outs in done.items():
+            self.outbox.to_client(client, "finished", outs)
+
+    def engine_left(self, slot: EngineSlot) -> None:
+        """It drained (or stopped) and said so: gone, nothing lost."""
+        self._remove(slot, died=False)
+
+    def engine_lost(self, slot: EngineSlot) -> None:
+        """Its connection closed (its process died or was killed)."""
+        if slot.state is not EngineState.GONE:
+            log.error("engine %d (%s) lost: %d requests on it", slot.index, slot.name,
+                      len(self.requests.on_engine(slot)))
+            self._remove(slot, died=True)
+
+    def _remove(self, slot: EngineSlot, died: bool) -> None:
+        """Each request still on it: routed again if it produced nothing yet, else ended with
+        "error" and its partial output."""
+        self.engines.remove(slot)
+        message = f"engine {slot.index} ({slot.name}) {'died' if died else 'left'} while this request ran"
+        again = []
+        for req in self.requests.on_engine(slot):
+            if req.tokens:
+                self.counts["failed_by_death"] += 1
+                self.requests.end(req.rid)
+                self._tell(req, "finished", [req.partial_output("error", message)])
+            else:
+                self.counts["rerouted"] += 1
+                self.requests.unplace(req)
+                again.append(req)
+        for req in again:
+            self._route([req])
+        for pc in self.controls.engine_gone(slot.index, died):
+            self._answer(pc)
+        for client, op_id in self.controls.drains.pop(slot.index, []):
+            if client in self.clients:
+                self.outbox.to_client(client, "control_done", op_id, 200,
+                                      {"index": slot.index, "left": not died, "died": died})
+        self._check_stopped()
+
+    # ------------------------------------------------------------------ control
+    def control(self, client: Any, op_id: int, op: str, args: dict) -> None:
+        """``op`` on every live engine; the client is answered once all did."""
+        if op not in CONTROL_OPS:
+            self.outbox.to_client(client, "control_done", op_id, 400, {"error": f"unknown operation {op!r}"})
+            return
+        if op == "pause_generation":
+            self.pause_mode = args.get("mode", "keep")
+        elif op == "resume_generation":
+            self.pause_mode = None
+        elif op == "set_generation_epoch":
+            self.generation_epoch = args.get("epoch")
+        self._broadcast(client, op_id, op, args)
+
+    def _broadcast(self, client: Any, op_id: int, op: str, args: dict) -> None:
+        live = self.engines.live()
+        if not live:
+            self._answer(PendingControl(client, op_id, op, set()))
+            return
+        internal, _ = self.controls.open(client, op_id, op, [s.index for s in live])
+        for slot in live:
+            self.outbox.to_engine(slot, "control", internal, op, args)
+
+    def _internal_control(self, slot: EngineSlot, op: str, args: dict) -> None:
+        internal, _ = self.controls.open(None, -1, op, [slot.index])
+        self.outbox.to_engine(slot, "control", internal, op, args)
+
+    def engine_control_done(self, slot: EngineSlot, internal: int, status: int, body: Any) -> None:
+        pc = self.controls.answer(internal, slot.index, status, body)
+        if pc is not None:
+            self._answer(pc)
+
+    def _answer(self, pc: PendingControl) -> None:
+        if pc.client is not None and pc.client in self.clients:
+            self.outbox.to_client(pc.client, "control_done", pc.op_id, pc.status, {"engines": pc.answers})
+
+    def drain(self, client: Any, op_id: int, index: int) -> None:
+        """Route nothing more to engine ``index``; answered once it left (its requests ended)."""
+        slot = self.engines.drain(index)
+        if slot is None:
+            self.outbox.to_client(client, "control_done", op_id, 404, {"error": f"no engine {index}"})
+            return
+        self.controls.drains.setdefault(index, []).append((client, op_id))
+        self.outbox.to_engine(slot, "drain")
+
+    def shutdown(self, client: Any, op_id: int) -> None:
+        """Stop every engine, answer, then the coordinator exits (``done``)."""
+        self.stopping = True
+        self._shutdown_reply = (client, op_id)
+        live = self.engines.live()
+        for slot in live:
+            slot.state = EngineState.DRAINING
+        self._broadcast("coordinator", -1, "stop", {})
+        self._check_stopped()
+
+    def _check_stopped(self) -> None:
+        if self.stopping and not self.engines.live() and not self.done:
+            self.done = True
+            client, op_id = self._shutdown_reply
+            if client in self.clients:
+                self.outbox.to_client(client, "control_done", op_id, 200, {"stopped": True})
+
+    # ------------------------------------------------------------------ time
+    def tick(self, now: float | None = None) -> None:
+        """Requests that waited too long for an engine end with "error"."""
+        now = time.monotonic() if now is None else now
+        for req in list(self.requests.unrouted.values()):
+            if now - req.queued_at > self.unrouted_timeout_s:
+                self.requests.end(req.rid)
+                self.counts["unrouted_timeouts"] += 1
+                self._tell(req, "finished", [req.partial_output(
+                    "error", f"no engine took requests within {self.unrouted_timeout_s:.0f} s")])
