@@ -1,5 +1,4 @@
-"""The data-parallel coordinator: one process that engines register with and clients talk to.
-It routes each request to an engine by load and prefix affinity (routing.py), hands each
-engine's outputs to the client that asked, and survives engines that join, drain, leave or die
-(core.py). ``python -m megatron_async.coordinator`` runs one; ``megatron_async.client`` talks to it.
+"""The data-parallel coordinator: what engines register with and clients talk to. It routes
+each request to an engine by load and prefix affinity (routing.py), hands each engine's outputs
+to the client that asked, and survives engines that join, drain, leave or die (core.py).
 Imports no torch."""
