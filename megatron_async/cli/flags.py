@@ -110,6 +110,9 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--max-sequence-length", type=POSITIVE_INT, default=None)
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--prefix-caching", action="store_true")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default=None,
+                   help="KV pool element type: auto = the model's dtype; fp8 = e4m3, twice the KV tokens "
+                        "(InferenceConfig.kv_cache_dtype; default auto)")
     g.add_argument("--batch-invariant", action="store_true", help="batch-invariant numerics (InferenceConfig.batch_invariant)")
     g.add_argument("--tp-all-reduce", choices=[b.value for b in AllReduceBackend], default=None,
                    help="small TP all-reduces: P2P symmetric memory (auto: when the GPUs allow) or NCCL "
@@ -228,6 +231,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "max_sequence_length": args.max_sequence_length,
         "enable_chunked_prefill": not args.no_chunked_prefill,
         "enable_prefix_caching": args.prefix_caching,
+        "kv_cache_dtype": getattr(args, "kv_cache_dtype", None),
         "batch_invariant": args.batch_invariant,
         "tp_all_reduce": args.tp_all_reduce,
         "tp_fused_norm": not getattr(args, "no_tp_fused_norm", False),

@@ -8,6 +8,9 @@ from megatron_async.config.modes import (
 )
 from megatron_async.config.parts import CacheSizing, Communication, GraphSizing, KernelChoice, Scheduling, Speculation
 
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
+"""Accepted ``InferenceConfig.kv_cache_dtype`` values ("fp8" is "fp8_e4m3")."""
+
 CPU_BUFFER_SIZE_GB = 1.0
 """KV pool budget on CPU (and of a context built from an unresolved config) when none is given."""
 
@@ -57,6 +60,14 @@ class InferenceConfig:
 
     prefix_caching_mamba_gb: float = 0.0
     """Budget of the cached Mamba state pool for hybrid prefix caching; <= 0 disables it."""
+
+    kv_cache_dtype: str = "auto"
+    """Element type of the paged KV pool: "auto" = the model's dtype; "fp8_e4m3" (or "fp8") =
+    float8 e4m3, half of bf16's bytes, so twice the KV tokens in the same memory and half the
+    bytes attention reads per key. Each layer stores x / scale per KV head with a fixed
+    power-of-two scale of 1.0 (values beyond +-448 saturate), read back in registers by the
+    attention kernels; prefix caching, chunked prefill, eviction, speculative verify and
+    suspend / resume work unchanged. Costs accuracy (docs/PERFORMANCE.md, "FP8")."""
 
     async_scheduling: bool = True
     """Launch-ahead: step N+1 is enqueued on the device before step N's CPU bookkeeping."""
@@ -248,6 +259,9 @@ class InferenceConfig:
             )
         for name, enum in _ENUM_FIELDS.items():  # a value assigned after construction
             enum(getattr(self, name))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"InferenceConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.p2p_all_reduce_max_bytes < 0:
             raise ValueError(f"InferenceConfig.p2p_all_reduce_max_bytes must be >= 0, got {self.p2p_all_reduce_max_bytes}")
         if self.consensus_spin_us is not None and self.consensus_spin_us < 0:

@@ -23,6 +23,7 @@ class CacheSizing:
     enable_prefix_caching: bool
     prefix_caching_mamba_gb: float
     num_speculative_tokens: int
+    kv_cache_dtype: str
 
 
 @dataclass(frozen=True)

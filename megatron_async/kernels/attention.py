@@ -17,19 +17,21 @@ def attend(
     scale: float,
     batch_invariant: bool = False,
     backend: AttentionBackend = AttentionBackend.TORCH,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Append this step's k/v ([T, KVH, D]) to the paged cache, then attend q ([T, H, D]).
     k and v None: already stored (``fused_ops.rope_qk`` with the cache).
 
     ``backend``: the model's (``KernelBackends.attention``; TORCH or TRITON). ``batch_invariant``:
-    the Triton fixed-order path whatever the backend (see ``attention_triton.attend``). Returns
-    [T, H, D] in q's dtype."""
+    the Triton fixed-order path whatever the backend (see ``attention_triton.attend``).
+    ``kv_scale`` [2, KVH] float32: the layer's key / value scales when the cache is e4m3
+    (``kv_cache_fp8``). Returns [T, H, D] in q's dtype."""
     if batch_invariant or backend == AttentionBackend.TRITON:
         from megatron_async.kernels import attention_triton
 
-        return attention_triton.attend(q, k, v, kv_cache, meta, scale, fixed_order=batch_invariant)
+        return attention_triton.attend(q, k, v, kv_cache, meta, scale, fixed_order=batch_invariant, kv_scale=kv_scale)
     if k is not None:
-        attention_torch.write_kv(kv_cache, k, v, meta.slot_mapping[: meta.num_tokens])
+        attention_torch.write_kv(kv_cache, k, v, meta.slot_mapping[: meta.num_tokens], kv_scale)
     if meta.is_decode_only:
-        return attention_torch.decode_attention(q, kv_cache, meta, scale)
-    return attention_torch.mixed_attention(q, k, v, kv_cache, meta, scale)
+        return attention_torch.decode_attention(q, kv_cache, meta, scale, kv_scale)
+    return attention_torch.mixed_attention(q, k, v, kv_cache, meta, scale, kv_scale)

@@ -25,6 +25,7 @@ def attend(
     meta: AttentionMetadata,
     scale: float,
     fixed_order: bool = False,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Append k/v ([T, KVH, D]; None: already in the cache) at ``meta.slot_mapping[:T]``, then attend q ([T, H, D]) over
     each row's paged KV. Returns [T, H, D] in q's dtype.
@@ -35,9 +36,12 @@ def attend(
     bits then depend only on its position and the K/V it reads back from the cache (the new
     tokens too are read after the append, never from the un-stored k/v), not on the step's
     batch, on how its prompt was chunked, or on decode vs prefill. No split-K: a long row is
-    one program per (query tile, KV head)."""
+    one program per (query tile, KV head).
+
+    An e4m3 cache: ``kv_scale`` [2, KVH] (keys, values) quantizes the append and is folded into
+    the kernels' softmax scale and output."""
     if k is not None:  # None: the rope kernel stored them already
-        append_kv(kv_cache, k, v, meta.slot_mapping)
+        append_kv(kv_cache, k, v, meta.slot_mapping, kv_scale)
     if meta.is_decode_only and not fixed_order:
-        return decode_attention(q, kv_cache, meta, scale)
-    return prefill_attention(q, kv_cache, meta, scale, fixed_order=fixed_order)
+        return decode_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
+    return prefill_attention(q, kv_cache, meta, scale, fixed_order=fixed_order, kv_scale=kv_scale)

@@ -52,11 +52,12 @@ def rope_qk(
     v: torch.Tensor | None = None,
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """See ``triton_rope.rope_qk``: with ``kv_cache`` k and v go to the cache and k comes back None."""
     from megatron_async.kernels import triton_rope
 
-    return triton_rope.rope_qk(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, kv_cache, slot_mapping)
+    return triton_rope.rope_qk(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, kv_cache, slot_mapping, kv_scale)
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool, round_to: torch.dtype | None = None,

@@ -18,6 +18,10 @@ the chunk size is derived from it there, and ``num_splits`` comes only from the 
 of rows, the KV head count, the device and ``block_table.shape[1]`` (the longest a row
 can ever be), never from ``meta.max_kv_len``. So a graph captured once with an upper
 bound for ``max_kv_len`` replays correctly for any kv_lens that fit the block table.
+
+An e4m3 cache (``KV_FP8``): K/V tiles widen to the queries' dtype exactly, the KV head's key
+scale is folded into the softmax scale and its value scale multiplies the output (see
+kv_cache_fp8).
 """
 from __future__ import annotations
 
@@ -26,7 +30,9 @@ import triton
 import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
-from megatron_async.kernels.triton_paged_common import check_cache, dot_args, kv_tile_rows, load_kv, num_compute_units
+from megatron_async.kernels.triton_paged_common import (
+    check_cache, dot_args, kv_scale_args, kv_tile_rows, load_kv, num_compute_units,
+)
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -109,6 +115,8 @@ def _decode_split_kernel(
     stride_bt,
     num_heads,
     scale_log2,
+    kv_scale_ptr,
+    num_kv_heads,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -120,6 +128,7 @@ def _decode_split_kernel(
     HEADS_FASTEST: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     if HEADS_FASTEST:  # a row's KV heads side by side in the grid: they read the same tokens' cache lines
         kv_head = tl.program_id(0)
@@ -150,9 +159,13 @@ def _decode_split_kernel(
     ).to(DOT_DTYPE)
 
     table_ptr = block_table_ptr + row.to(tl.int64) * stride_bt
+    if KV_FP8:  # the key scale folded into the softmax scale (powers of two: exact)
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
     acc, l_i, m_i = _attend_split(q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask, start, end, scale_log2,
                                   stride_cb, stride_cs, stride_ch, BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_DTYPE,
                                   DOT_PRECISION)
+    if KV_FP8:  # the value scale, once per output
+        acc = acc * tl.load(kv_scale_ptr + num_kv_heads + kv_head)
     _store_split(acc, l_i, m_i, row, heads, split, offs_d, g_mask, d_mask, out_ptr, part_out_ptr, part_lse_ptr,
                  stride_ot, stride_oh, num_heads, HEAD_DIM, NUM_SPLITS)
 
@@ -212,9 +225,11 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int | None = None,
     heads_fastest: bool = True,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per row (q: [R, H, D], row r = token r) over the row's paged
     KV (already appended). ``meta.max_kv_len`` is not used. Returns [R, H, D] in q's dtype.
+    ``kv_scale`` [2, KVH]: an e4m3 cache's key / value scales.
 
     ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the split count,
     key-tile size and launch settings, ``heads_fastest=False`` puts rows first in the grid (tests,
@@ -243,6 +258,7 @@ def decode_attention(
     else:  # unused by the kernel
         part_out = part_lse = out
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
     heads_fastest = heads_fastest and num_rows < 65536  # the grid's 2nd axis holds at most 65,535
     grid = (num_kv_heads, num_rows, num_splits) if heads_fastest else (num_rows, num_kv_heads, num_splits)
     _decode_split_kernel[grid](
@@ -251,11 +267,11 @@ def decode_attention(
         out, part_out, part_lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
-        num_heads, scale * _LOG2E,
+        num_heads, scale * _LOG2E, scale_ptr, num_kv_heads, KV_FP8=fp8,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, ORDERED=meta.row_order is not None,
-        HEADS_FASTEST=heads_fastest, **dot_args(_decode_split_kernel, kv_cache.dtype),
+        HEADS_FASTEST=heads_fastest, **dot_args(_decode_split_kernel, kv_cache.dtype, q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -51,18 +51,33 @@ def load_kv(cache_ptr, rows, offs_d, n_mask, d_mask):
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def dot_args(kernel: object, cache_dtype: torch.dtype) -> dict[str, object]:
+def dot_args(kernel: object, cache_dtype: torch.dtype, q_dtype: torch.dtype | None = None) -> dict[str, object]:
     """Constexprs DOT_DTYPE (operand type of every ``tl.dot``) and DOT_PRECISION.
 
     Operands are fed in the cache dtype (tensor cores for bf16/fp16); fp32 must not be
-    rounded to tf32, the reference is exact fp32. Triton's CPU interpreter multiplies
+    rounded to tf32, the reference is exact fp32. An e4m3 cache computes in the queries'
+    dtype ``q_dtype`` (e4m3 widens to it exactly). Triton's CPU interpreter multiplies
     bf16 as raw uint16 bits, so there bf16 operands are widened to fp32 first."""
+    if cache_dtype == torch.float8_e4m3fn and q_dtype is not None:
+        cache_dtype = q_dtype
     if cache_dtype not in _TL_DTYPES:
         raise TypeError(f"unsupported KV cache dtype {cache_dtype}")
     dot_dtype = _TL_DTYPES[cache_dtype]
     if cache_dtype == torch.bfloat16 and isinstance(kernel, InterpretedFunction):
         dot_dtype = tl.float32
     return {"DOT_DTYPE": dot_dtype, "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32"}
+
+
+def kv_scale_args(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None,
+                  unused: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(the kernels' ``kv_scale_ptr``, their KV_FP8 constexpr): an e4m3 cache needs its layer's
+    scales [2, KVH] float32 (keys, values; powers of two); other caches pass ``unused`` (never read)."""
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if fp8 and (kv_scale is None or tuple(kv_scale.shape) != (2, kv_cache.shape[3])
+                or kv_scale.dtype != torch.float32 or not kv_scale.is_contiguous()):
+        raise ValueError(f"an e4m3 KV cache needs kv_scale [2, {kv_cache.shape[3]}] float32, got "
+                         f"{None if kv_scale is None else (tuple(kv_scale.shape), kv_scale.dtype)}")
+    return (kv_scale if fp8 else unused), fp8
 
 
 def check_cache(kv_cache: torch.Tensor, q: torch.Tensor) -> None:

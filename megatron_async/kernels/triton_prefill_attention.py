@@ -14,6 +14,9 @@ depends only on num_tokens and num_rows (graph-safe, like the decode kernel). On
 (row, first query), and empty slots last: program i runs the i-th, so the longest tiles
 start first and the short ones fill the tail. The order changes no bits: each tile's
 arithmetic is its own.
+
+An e4m3 cache (``KV_FP8``): as in the decode kernel, the key scale is folded into the softmax
+scale and the value scale into the output (see kv_cache_fp8).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import triton
 import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
-from megatron_async.kernels.triton_paged_common import check_cache, dot_args, kv_tile_rows, load_kv
+from megatron_async.kernels.triton_paged_common import check_cache, dot_args, kv_scale_args, kv_tile_rows, load_kv
 
 _LOG2E = 1.4426950408889634
 
@@ -92,7 +95,7 @@ def _prefill_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
-    scale_log2,
+    scale_log2, kv_scale_ptr, num_kv_heads,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -104,6 +107,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     FIXED_ORDER: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     if HEADS_FASTEST:  # a tile's KV heads run side by side: they read the same tokens' K/V records
         kv_head = tl.program_id(0)
@@ -137,6 +141,8 @@ def _prefill_kernel(
     no_mask_end, end = _key_ranges(kv_len, pos, m_valid, BLOCK_N, FIXED_ORDER)
 
     table_ptr = block_table_ptr + row.to(tl.int64) * stride_bt
+    if KV_FP8:  # the key scale folded into the softmax scale (powers of two: exact)
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -147,6 +153,8 @@ def _prefill_kernel(
                                  no_mask_end, end, kv_len, scale_log2, stride_cb, stride_cs, stride_ch,
                                  BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, DOT_PRECISION)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a query with no visible key gets 0
+    if KV_FP8:  # the value scale, once per output
+        o = o * tl.load(kv_scale_ptr + num_kv_heads + kv_head)
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
 
@@ -226,6 +234,7 @@ def prefill_attention(
     num_stages: int = 2,
     heads_fastest: bool = True,
     maxnreg: int | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] (rows as in ``meta``) over each row's
     paged KV (already appended). Returns [T, H, D] in q's dtype.
@@ -235,7 +244,8 @@ def prefill_attention(
     ``fixed_order``: every key tile takes the same masked update (batch-invariant mode).
     ``heads_fastest``: the grid's first axis is the KV head, so the programs of one query tile
     start together (7 % faster than tiles first on a mixed step: the heads' K/V of a token
-    share one record in the cache, see ``kernel-times paged-attention --grid-order``); same bits."""
+    share one record in the cache, see ``kernel-times paged-attention --grid-order``); same bits.
+    ``kv_scale`` [2, KVH]: an e4m3 cache's key / value scales."""
     check_cache(kv_cache, q)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -252,6 +262,7 @@ def prefill_attention(
     if maxnreg is None:  # 0: the compiler's choice
         maxnreg = max_registers(head_dim, q.device, fixed_order)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
     tiles = num_tokens // block_q + meta.num_rows
     schedule = tile_schedule(meta, block_q, tiles)
     heads_fastest = heads_fastest and tiles < 65536  # the grid's 2nd axis holds at most 65,535
@@ -260,11 +271,11 @@ def prefill_attention(
         q, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens, schedule, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
-        scale * _LOG2E,
+        scale * _LOG2E, scale_ptr, num_kv_heads,
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        **dot_args(_prefill_kernel, kv_cache.dtype), FIXED_ORDER=fixed_order,
-        HEADS_FASTEST=heads_fastest, num_warps=num_warps, num_stages=num_stages,
+        **dot_args(_prefill_kernel, kv_cache.dtype, q.dtype), FIXED_ORDER=fixed_order,
+        HEADS_FASTEST=heads_fastest, KV_FP8=fp8, num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out

@@ -5,14 +5,17 @@ activation dtype before its weight multiply and after it, and each rotary produc
 (``x1 * cos - x2 * sin``, HF's rotate_half convention) is rounded as the bf16 torch ops
 round it; products of two bf16 values are exact in float32, so the result is bit-identical
 to the torch path for rope without norm. Only the first ``rot_dim`` dims of a head rotate
-(partial rotary); the rest are copied."""
+(partial rotary); the rest are copied. Storing k and v into an e4m3 cache, each value is
+rounded to the activation dtype as above, then quantized as ``triton_kv_append`` does (times the
+reciprocal of the KV head's power-of-two scale, round to nearest even, saturating)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels.triton_paged_common import check_cache
+from megatron_async.kernels.triton_fp8_common import emulate, pow2_reciprocal, to_e4m3
+from megatron_async.kernels.triton_paged_common import check_cache, kv_scale_args
 
 
 @triton.jit
@@ -29,6 +32,7 @@ def _rotate_heads(
     c,
     s,
     eps,
+    inv,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr,
@@ -37,9 +41,12 @@ def _rotate_heads(
     BLOCK_PASS: tl.constexpr,
     HAS_NORM: tl.constexpr,
     CHECK_KEEP: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     """Head h of token ``tok`` goes to ``dst_ptr + dst_off + h * dst_stride_h`` (an output row, or
-    the token's paged-cache slot), rounded to the activation dtype first; nothing when not ``keep``."""
+    the token's paged-cache slot), rounded to the activation dtype first (with ``KV_FP8``, then
+    times ``inv[h]`` to e4m3); nothing when not ``keep``."""
     HALF: tl.constexpr = ROT_DIM // 2
     dt = src_ptr.dtype.element_ty
     out_dt = dst_ptr.dtype.element_ty
@@ -59,14 +66,23 @@ def _rotate_heads(
         x2 = (w2[None, :] * (x2 * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     o1 = (x1 * c[None, :]).to(dt).to(tl.float32) - (x2 * s[None, :]).to(dt).to(tl.float32)
     o2 = (x2 * c[None, :]).to(dt).to(tl.float32) + (x1 * s[None, :]).to(dt).to(tl.float32)
-    tl.store(dst, o1.to(dt).to(out_dt), mask=store_mask)
-    tl.store(dst + HALF, o2.to(dt).to(out_dt), mask=store_mask)
+    tl.store(dst, _out(o1.to(dt), inv, out_dt, KV_FP8, EMULATE), mask=store_mask)
+    tl.store(dst + HALF, _out(o2.to(dt), inv, out_dt, KV_FP8, EMULATE), mask=store_mask)
     if ROT_DIM < HEAD_DIM:
         offs_p = tl.arange(0, BLOCK_PASS)
         pmask = (offs_h[:, None] < NUM_HEADS) & (offs_p[None, :] < HEAD_DIM - ROT_DIM)
         src_p = src_ptr + tok * stride_t + offs_h[:, None] * stride_h + ROT_DIM + offs_p[None, :]
         dst_p = dst_ptr + dst_off + offs_h[:, None] * dst_stride_h + ROT_DIM + offs_p[None, :]
-        tl.store(dst_p, tl.load(src_p, mask=pmask, other=0.0).to(out_dt), mask=pmask & keep if CHECK_KEEP else pmask)
+        tl.store(dst_p, _out(tl.load(src_p, mask=pmask, other=0.0), inv, out_dt, KV_FP8, EMULATE),
+                 mask=pmask & keep if CHECK_KEEP else pmask)
+
+
+@triton.jit
+def _out(x, inv, out_dt, KV_FP8: tl.constexpr, EMULATE: tl.constexpr):
+    """x (activation dtype, [heads, dims]) as stored: cast, or quantized with the heads' reciprocal scales."""
+    if KV_FP8:
+        return to_e4m3(x.to(tl.float32) * inv[:, None], EMULATE)
+    return x.to(out_dt)
 
 
 @triton.jit
@@ -94,6 +110,7 @@ def _rope_qk_kernel(
     stride_cs,
     stride_ch,
     eps,
+    kv_scale_ptr,
     NUM_Q_HEADS: tl.constexpr,
     NUM_K_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -106,6 +123,8 @@ def _rope_qk_kernel(
     HAS_NORM: tl.constexpr,
     TO_CACHE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     # Per token, program (tok, 0) rotates the q heads and (tok, 1) the k heads (and stores v):
     # two short dependent chains per token instead of one long one (decode runs few tokens).
@@ -116,22 +135,31 @@ def _rope_qk_kernel(
     s = tl.load(sin_ptr + tok * stride_sin + offs_d, mask=dmask, other=0.0).to(tl.float32)
     if tl.program_id(1) == 0:
         _rotate_heads(q_ptr, q_out_ptr, qw_ptr, tok, stride_qt, stride_qh, tok * (NUM_Q_HEADS * HEAD_DIM), HEAD_DIM,
-                      0, c, s, eps, NUM_Q_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, HAS_NORM, False)
+                      0, c, s, eps, c, NUM_Q_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, HAS_NORM,
+                      False, False, EMULATE)
     elif TO_CACHE:  # k and v straight into the token's paged-cache slot (the attention reads them there)
         slot = tl.load(slot_ptr + tok)
         keep = (tl.zeros([1, 1], dtype=tl.int64) + slot) >= 0  # padded token (graph filler): store nothing
         cache_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-        _rotate_heads(k_ptr, k_out_ptr, kw_ptr, tok, stride_kt, stride_kh, cache_off, stride_ch, keep, c, s, eps,
-                      NUM_K_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, HAS_NORM, True)
         offs_h = tl.arange(0, BLOCK_HK)
+        k_inv = tl.zeros([BLOCK_HK], tl.float32) + 1.0
+        v_inv = k_inv
+        if KV_FP8:  # 1 / scale per KV head (powers of two: exact)
+            h_mask = offs_h < NUM_K_HEADS
+            k_inv = pow2_reciprocal(tl.load(kv_scale_ptr + offs_h, mask=h_mask, other=1.0))
+            v_inv = pow2_reciprocal(tl.load(kv_scale_ptr + NUM_K_HEADS + offs_h, mask=h_mask, other=1.0))
+        _rotate_heads(k_ptr, k_out_ptr, kw_ptr, tok, stride_kt, stride_kh, cache_off, stride_ch, keep, c, s, eps,
+                      k_inv, NUM_K_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, HAS_NORM, True,
+                      KV_FP8, EMULATE)
         offs_v = tl.arange(0, BLOCK_D)
         vmask = (offs_h[:, None] < NUM_K_HEADS) & (offs_v[None, :] < HEAD_DIM)
         v = tl.load(v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :], mask=vmask)
         tl.store(v_out_ptr + cache_off + offs_h[:, None] * stride_ch + offs_v[None, :],
-                 v.to(v_out_ptr.dtype.element_ty), mask=vmask & keep)
+                 _out(v, v_inv, v_out_ptr.dtype.element_ty, KV_FP8, EMULATE), mask=vmask & keep)
     else:
         _rotate_heads(k_ptr, k_out_ptr, kw_ptr, tok, stride_kt, stride_kh, tok * (NUM_K_HEADS * HEAD_DIM), HEAD_DIM,
-                      0, c, s, eps, NUM_K_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, HAS_NORM, False)
+                      0, c, s, eps, c, NUM_K_HEADS, HEAD_DIM, ROT_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, HAS_NORM,
+                      False, False, EMULATE)
 
 
 def num_warps(num_q_heads: int, block_half: int) -> int:
@@ -150,6 +178,7 @@ def rope_qk(
     v: torch.Tensor | None = None,
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate q [T, H, D] and k [T, KVH, D] (unit last stride, any token/head strides) by
     cos/sin [T, R/2] (R <= D the rotary dims; the model's table rows at each token's position).
@@ -160,7 +189,7 @@ def rope_qk(
     With ``kv_cache`` (one layer's ``[2, blocks, block_size, KVH, D]``), ``v`` and
     ``slot_mapping``, the rotated k and v are stored at the tokens' flat slots instead (what
     ``triton_kv_append.append_kv`` would store, negative slots skipped): one kernel fewer per
-    attention layer; returns (q, None)."""
+    attention layer; returns (q, None). An e4m3 cache quantizes with ``kv_scale`` [2, KVH]."""
     num_tokens, hq, d = q.shape
     hk, rot, dtype = k.shape[1], 2 * cos.shape[-1], q.dtype
     has_norm = q_norm_weight is not None
@@ -190,16 +219,18 @@ def rope_qk(
     block_half = triton.next_power_of_2(rot // 2)
     vv = v if to_cache else k
     cache_strides = (k_out.stride(0), k_out.stride(1), k_out.stride(2)) if to_cache else (0, 0, 0)
+    scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q) if to_cache else (q, False)
     _rope_qk_kernel[(num_tokens, 2)](
         q, k, vv, cos, sin,
         q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
         q_out, k_out, v_out, slot_mapping if to_cache else q_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
-        cos.stride(0), sin.stride(0), *cache_strides, eps,
+        cos.stride(0), sin.stride(0), *cache_strides, eps, scale_ptr,
         NUM_Q_HEADS=hq, NUM_K_HEADS=hk, HEAD_DIM=d, ROT_DIM=rot,
         BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=block_half,
         BLOCK_PASS=triton.next_power_of_2(max(d - rot, 1)), BLOCK_D=triton.next_power_of_2(d), HAS_NORM=has_norm,
-        TO_CACHE=to_cache, BLOCK_SIZE=kv_cache.shape[2] if to_cache else 1,
+        TO_CACHE=to_cache, BLOCK_SIZE=kv_cache.shape[2] if to_cache else 1, KV_FP8=fp8,
+        EMULATE=emulate(_rope_qk_kernel),
         num_warps=num_warps(hq, block_half),
         # no mul+add -> FMA contraction: it skips the rounding of each product to the activation
         # dtype that the torch ops do (22 % of fp16 / bf16 elements 1 ulp off with it on)

@@ -24,6 +24,7 @@ from megatron_async.inference.contexts.spec_state import SpecState
 from megatron_async.inference.contexts.step_errors import RequestStepError
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest, Status
+from megatron_async.kernels.kv_cache_fp8 import pool_dtype
 from megatron_async.step_shape import StepShape
 
 if TYPE_CHECKING:  # type-only: engines and models import contexts, not the reverse
@@ -96,7 +97,8 @@ class DynamicInferenceContext:
         self.block_size = config.block_size_tokens
         self.max_blocks_per_request = -(-config.max_sequence_length // self.block_size)
         spec = model.kv_cache_spec()
-        elt = torch.empty((), dtype=dtype).element_size()
+        kv_dtype = pool_dtype(config.kv_cache_dtype, dtype)
+        elt = torch.empty((), dtype=kv_dtype).element_size()
         bytes_per_block = 2 * self.block_size * spec.num_kv_heads * spec.head_dim * elt * spec.num_layers
         if config.num_kv_blocks:
             num_blocks = config.num_kv_blocks
@@ -106,7 +108,8 @@ class DynamicInferenceContext:
             num_blocks = max(2, int(config.kv_budget_gb * 1e9 // bytes_per_block) + 1)
         with device.memory_region("kv_cache"):  # engine.suspend frees it
             self.kv_caches = [
-                torch.zeros(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device.device)
+                torch.zeros(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim, dtype=kv_dtype,
+                            device=device.device)
                 for _ in range(spec.num_layers)
             ]
         # One model per engine; the key keeps identities apart should pools ever be shared.

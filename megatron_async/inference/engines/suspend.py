@@ -27,6 +27,7 @@ import torch
 
 from megatron_async.inference.device import copy_to_host
 from megatron_async.inference.memory_suspend import KV_CACHE, TAGS, WEIGHTS, SuspendBackend
+from megatron_async.kernels.kv_cache_fp8 import byte_view
 
 
 class SuspendError(RuntimeError):
@@ -197,7 +198,7 @@ class MemorySuspender:
         kept = _KeptKV(torch.tensor(blocks, dtype=torch.long))
         if blocks and ctx.kv_caches:
             idx = kept.blocks.to(dev)
-            kept.kv = [copy_to_host(t.index_select(1, idx)) for t in ctx.kv_caches]
+            kept.kv = [copy_to_host(byte_view(t).index_select(1, idx)) for t in ctx.kv_caches]  # e4m3 as bytes
         m = ctx.mamba
         if m is not None:
             slots = sorted(r.state_slot for r in active if r.state_slot >= 0)
@@ -221,7 +222,7 @@ class MemorySuspender:
         if kept.kv:
             idx = kept.blocks.to(ctx.kv_caches[0].device)
             for t, h in zip(ctx.kv_caches, kept.kv):
-                t.index_copy_(1, idx, h.to(t.device, non_blocking=True))
+                byte_view(t).index_copy_(1, idx, h.to(t.device, non_blocking=True))
         m = ctx.mamba
         if kept.states:
             idx = kept.slots.to(m.conv_states[0].device)

@@ -1,6 +1,10 @@
 """Self-attention mixer of GPT and hybrid models: fused qkv projection (column-parallel by
 heads), optional per-head q/k norm, RoPE on the first ``rotary_dim`` dims of each head (none
-when 0), paged attention over this rank's heads, row-parallel output projection."""
+when 0), paged attention over this rank's heads, row-parallel output projection.
+
+``kv_scale`` [2, KV heads of this rank] float32 (keys, values): the scales of an e4m3 KV cache
+(``kernels/kv_cache_fp8.py``), powers of two, 1.0 (values beyond +-448 saturate). A buffer, not
+a checkpoint tensor: read only when the cache is e4m3."""
 from __future__ import annotations
 
 import torch
@@ -32,6 +36,8 @@ class Attention(nn.Module):
         has_norm = cfg.qk_norm_eps is not None
         self.q_norm = RMSNorm(cfg.head_dim, cfg.qk_norm_eps, dtype, device) if has_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.qk_norm_eps, dtype, device) if has_norm else None
+        self.register_buffer("kv_scale", torch.ones(2, self.num_kv_heads, dtype=torch.float32, device=device),
+                             persistent=False)
 
     def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.cfg.rotary_dim
@@ -51,12 +57,12 @@ class Attention(nn.Module):
             norm = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             # the same kernel stores k and v in the paged cache (attend then skips its append)
             q, k = fused_ops.rope_qk(q, k, *step.rope, *norm, v=v, kv_cache=kv_cache,
-                                     slot_mapping=step.batch.attn.slot_mapping)
+                                     slot_mapping=step.batch.attn.slot_mapping, kv_scale=self.kv_scale)
             v = None
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q, inv, kernels.fused), self.k_norm(k, inv, kernels.fused)
             if step.rope is not None:
                 q, k = self._rotate(q, *step.rope), self._rotate(k, *step.rope)
-        out = attend(q, k, v, kv_cache, step.batch.attn, self.head_dim**-0.5, inv, kernels.attention)
+        out = attend(q, k, v, kv_cache, step.batch.attn, self.head_dim**-0.5, inv, kernels.attention, self.kv_scale)
         return self.o_proj(out.reshape(T, self.q_size), inv)
