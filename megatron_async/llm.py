@@ -260,31 +260,27 @@ class LLM:
             self.communicator = None
         self.parallel.destroy()
 
-    def update_weights(self, weights, version: int | None = None, recompute_kv: bool = True) -> int:
+    def update_weights(self, weights, version: int | None = None, recompute_kv: bool = True, *,
+                       weights_format: str | None = None) -> int:
         """Copy ``weights`` into the model in place and return the new weight version.
 
         ``weights``: (HF name, full tensor) pairs (a trainer's named parameters; any subset of
-        the checkpoint's tensors) or a checkpoint directory; under TP / EP every rank calls this
-        with the full tensors and keeps its shard. Everything is checked before anything is
-        copied (``WeightUpdateError``, nothing changed). Parameter storage stays where it is, so
-        captured CUDA graphs replay the new values. ``version``: an int >= 0 (None: the current
-        version + 1; it is 0 after loading); each generated token records the version that
-        produced it (``RequestOutput.weight_versions``). Prefix-cache entries computed before
-        are never hit again. Call it between ``step()``s, e.g. while ``pause_generation("keep")``.
-        ``recompute_kv`` (default): requests holding KV computed with the old weights recompute it
-        before their next token (the launch in flight lands first), so every later token is exactly
-        what the new weights give; False keeps their KV (no recompute; later tokens then attend to
-        old-weight keys and values)."""
-        from megatron_async.models.weight_update import update_weights_in_place
-
-        if version is not None and (isinstance(version, bool) or not isinstance(version, numbers.Integral)
-                                    or version < 0):
-            raise ValueError(f"version must be an int >= 0 or None, got {version!r}")
-        self.engine.memory.check_can_update_weights()
-        update_weights_in_place(self.model, weights)
-        new = self.engine.weight_version + 1 if version is None else int(version)
-        self.engine.set_weight_version(new, recompute_kv)
-        return new
+        the checkpoint's tensors), a checkpoint directory, or Megatron-Core tensors: (name,
+        tensor) pairs of a Megatron-Core model's ``named_parameters()`` / ``state_dict()`` (fused
+        layouts: ``linear_qkv``, ``linear_fc1``, ...) or (name, tensor, ``Shard``) triples of its
+        TP / EP / PP shards (``megatron_async.weight_transfer.Shard``), every rank's shards
+        together. ``weights_format``: "hf", "megatron" or None (detected from the names). Under
+        TP / EP every rank calls this with the same weights and keeps its part. Everything is
+        checked before anything is copied (``WeightUpdateError``, nothing changed). Parameter
+        storage stays where it is, so captured CUDA graphs replay the new values. ``version``: an
+        int >= 0 (None: the current version + 1; it is 0 after loading); each generated token
+        records the version that produced it (``RequestOutput.weight_versions``). Prefix-cache
+        entries computed before are never hit again. Call it between ``step()``s, e.g. while
+        ``pause_generation("keep")``. ``recompute_kv`` (default): requests holding KV computed
+        with the old weights recompute it before their next token (the launch in flight lands
+        first), so every later token is exactly what the new weights give; False keeps their KV
+        (no recompute; later tokens then attend to old-weight keys and values)."""
+        return self.engine.weights.update(weights, version, recompute_kv, weights_format)
 
     def generate(
         self,

@@ -22,6 +22,7 @@ from megatron_async.models.layers.mamba_step_plan import MambaStepPlan
 from megatron_async.models.layers.mlp import build_mlp
 from megatron_async.models.layers.moe import MoEMixer
 from megatron_async.models.layers.mtp import MTPHeads
+from megatron_async.models.megatron_layouts import Dims
 from megatron_async.models.layers.norm import NemotronRMSNorm, RMSNorm
 from megatron_async.models.layers.rope import RotaryEmbedding
 from megatron_async.models.model_config import AttentionConfig, LayerKind, MLPConfig
@@ -252,6 +253,17 @@ class DecoderModel(CausalLM):
         """The full (unsharded) shape of every HF tensor this model needs, in a fixed order."""
         return {name: full_shape(param, shard_id) for name, (param, shard_id) in self.hf_targets().items()}
 
+    def megatron_dims(self) -> Dims:
+        """The full sizes Megatron-Core's fused layouts of this model need (``megatron_layouts``)."""
+        spec, att, mamba, moe = self.spec, self.spec.attention, self.spec.mamba, self.spec.moe
+        return Dims(vocab=spec.vocab_size, hidden=spec.hidden_size,
+                    heads=att.num_heads if att else 0, groups=att.num_kv_heads if att else 0,
+                    head_dim=att.head_dim if att else 0, ffn=spec.mlp.intermediate_size if spec.mlp else 0,
+                    moe_ffn=moe.intermediate_size if moe else 0, experts=moe.num_experts if moe else 0,
+                    shared_ffn=moe.shared_expert_intermediate_size if moe else 0,
+                    mamba_inner=mamba.intermediate_size if mamba else 0,
+                    mamba_bc=mamba.n_groups * mamba.d_state if mamba else 0, mamba_heads=mamba.num_heads if mamba else 0)
+
     def canonical_name(self, name: str) -> str:
         """Map an accepted alternative spelling onto the name transformers saves."""
         return name
@@ -266,8 +278,9 @@ class DecoderModel(CausalLM):
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.mtp is None:
-            load_hf_weights(self.hf_targets(), weights, self.skips_hf_name, self.canonical_name, what=self.spec.name)
-        elif not load_main_and_mtp(self.hf_targets(), weights, self.skips_hf_name, self.canonical_name, self.spec.name):
+            load_hf_weights(self.hf_targets(), weights, self.skips_hf_name, self.canonical_name, self.spec.name, self)
+        elif not load_main_and_mtp(self.hf_targets(), weights, self.skips_hf_name, self.canonical_name, self.spec.name,
+                                   self):
             log.warning("%s: config.json declares %d MTP depths but the checkpoint has no mtp.* tensors: "
                         "loaded without MTP heads", self.spec.name, self.mtp.num_depths)
             self.mtp = None

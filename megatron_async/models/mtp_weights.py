@@ -54,7 +54,7 @@ def mtp_hf_prefixes(num_depths: int, mlp_kind: LayerKind) -> dict[str, str]:
 
 
 def load_main_and_mtp(targets: dict[str, HFTarget], weights: Iterable[tuple[str, torch.Tensor]],
-                      skip: Callable[[str], bool], canonical: Callable[[str], str], what: str) -> bool:
+                      skip: Callable[[str], bool], canonical: Callable[[str], str], what: str, model=None) -> bool:
     """Load a checkpoint whose config declares MTP heads. The ``mtp.*`` tensors (small) are set
     aside while the main model streams in, then loaded; returns False, loading nothing more,
     when the checkpoint has none at all (a config that declares heads its weights lack: the
@@ -69,9 +69,9 @@ def load_main_and_mtp(targets: dict[str, HFTarget], weights: Iterable[tuple[str,
                 yield name, tensor
 
     load_hf_weights({n: t for n, t in targets.items() if not n.startswith(MTP_PREFIX)}, main_only(weights), skip,
-                    canonical, what)
+                    canonical, what, model)
     if not heads:
         return False
     load_hf_weights({n: t for n, t in targets.items() if n.startswith(MTP_PREFIX)}, heads, skip, canonical,
-                    f"{what} MTP heads")
+                    f"{what} MTP heads", model)
     return True

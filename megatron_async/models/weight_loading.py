@@ -1,6 +1,8 @@
-"""One checkpoint-loading path for every model: the model maps each Hugging Face tensor name
-to (parameter, shard_id), and that parameter's ``weight_loader`` cuts this rank's slice out of
-the full tensor. Errors name every missing, unexpected, duplicated or mis-shaped tensor."""
+"""The Hugging Face name mapping of every model: each HF tensor name -> (parameter, shard_id),
+declared by the model's module paths (``hf_prefixes``) and ``STACKED_PARAMS``; checkpoints load
+through the one slab loader (``slab_loading.py``), which cuts this rank's boxes out of each full
+tensor. Errors name every missing, unexpected, duplicated or mis-shaped tensor. The Megatron-Core
+names of the same tensors are declared beside this, per architecture (``megatron_tables.py``)."""
 from __future__ import annotations
 
 from typing import Callable, Hashable, Iterable
@@ -8,7 +10,7 @@ from typing import Callable, Hashable, Iterable
 import torch
 from torch import nn
 
-from megatron_async.parallel.sharding import default_weight_loader
+from megatron_async.models.slab_loading import Slab, WeightPlan
 
 HFTarget = tuple[nn.Parameter, Hashable]
 """(parameter, shard_id): where one HF tensor goes."""
@@ -19,11 +21,6 @@ STACKED_PARAMS: dict[str, tuple[tuple[str, Hashable], ...]] = {
 }
 """Our fused module name -> the HF modules stacked into it, with their shard ids (nano-vllm's
 ``packed_modules_mapping``). Every other module keeps its HF name."""
-
-
-def name_list(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return shown if len(names) <= limit else f"{shown}, ... ({len(names)} in all)"
 
 
 def hf_targets(model: nn.Module, hf_prefixes: dict[str, str]) -> dict[str, HFTarget]:
@@ -62,34 +59,13 @@ def load_hf_weights(
     skip: Callable[[str], bool],
     canonical: Callable[[str], str] = lambda name: name,
     what: str = "checkpoint",
+    model: nn.Module | None = None,
 ) -> None:
-    """Fill ``targets`` from (HF name, full tensor) pairs. ``skip(name)`` drops tensors the model
-    does not need (checked on the stored name); ``canonical`` maps accepted spellings onto the
-    target names."""
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    for name, tensor in weights:
-        if skip(name):
-            continue
-        name = canonical(name)
-        target = targets.get(name)
-        if target is None:
-            unexpected.append(name)
-            continue
-        if name in loaded:
-            raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
-        param, shard_id = target
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        try:
-            loader(param, tensor, shard_id)
-        except ValueError as e:
-            raise ValueError(f"tensor {name!r} {e}") from None
-        loaded.add(name)
-    problems = []
-    missing = sorted(set(targets) - loaded)
-    if missing:
-        problems.append(f"missing tensors: {name_list(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {name_list(sorted(unexpected))}")
-    if problems:
-        raise ValueError(f"{what}: " + "; ".join(problems))
+    """Fill ``targets`` from (HF name, full tensor) pairs, one at a time, through the slab
+    loader (``slab_loading.WeightPlan.stream``). ``skip(name)`` drops tensors the model does
+    not need (checked on the stored name); ``canonical`` maps accepted spellings onto the
+    target names. ``model``: for the loader's hooks (``check_weight_names``, ``finalize_weights``).
+    Raises ValueError naming every missing, unexpected, duplicated or mis-shaped tensor."""
+    plan = WeightPlan(model, require_all=True, what=what, targets=targets, skip=skip, canonical=canonical)
+    copied = plan.stream(Slab.full(name, tensor) for name, tensor in weights)
+    plan.finish(copied)

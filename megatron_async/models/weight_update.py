@@ -1,117 +1,159 @@
-"""Weights updated in place from full Hugging Face tensors (an RL trainer's named parameters, or
-a checkpoint directory), through the same per-parameter loaders as loading.
+"""Weights updated in place: an RL trainer's tensors under Hugging Face names (full tensors) or
+Megatron-Core names (its fused layouts, whole or as TP / EP / PP shards), or a checkpoint
+directory; all through the one slab loader (``slab_loading.py``), as loading is.
 
-Everything is checked before anything is copied (names, duplicates, shapes; a checkpoint's from
-its safetensors headers), so a bad update changes nothing. Values are copied into the existing
-parameter storage: device addresses stay, and captured CUDA graphs replay the new values."""
+Everything is checked before anything is copied (names, shapes, dtypes, pieces given twice,
+coverage of this rank's part of each touched tensor; a checkpoint's from its safetensors
+headers), so a bad update changes nothing. Values are copied into the existing parameter
+storage: device addresses stay, and captured CUDA graphs replay the new values. A
+``CopyPlanCache`` keeps the checked plan and its copy program for updates whose metadata repeats
+(the same names, shapes, dtypes and shards each RL step): such an update costs a key compare and
+one multi-tensor copy."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
 from pathlib import Path
-from typing import Hashable, Iterable, Iterator
+from typing import Iterable, Iterator, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from megatron_async.models.checkpoint import safetensors_files
-from megatron_async.models.weight_loading import name_list
-from megatron_async.parallel.sharding import default_weight_loader, full_shape
+from megatron_async.models.megatron_layouts import NameMap, Shard, detect_format, megatron_slabs
+from megatron_async.models.slab_loading import CopyProgram, Slab, WeightPlan, WeightUpdateError
+
+__all__ = ["CopyPlanCache", "WeightUpdateError", "update_weights_in_place", "weight_slabs"]
+
+FORMATS = ("hf", "megatron")
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+"""safetensors dtype names -> torch's; any other (integers) reads as uint8: not a weight."""
 
 
-class WeightUpdateError(ValueError):
-    """An update that cannot be applied; nothing was copied."""
-
-
-@dataclass(frozen=True)
-class _Staged:
-    name: str
-    param: nn.Parameter
-    shard_id: Hashable
-
-
-def _checkpoint_headers(path: Path) -> Iterator[tuple[str, tuple[int, ...], tuple[Path, str]]]:
-    """(stored name, shape, (file, stored name)) of every tensor, read from the headers only."""
+def _checkpoint_headers(path: Path) -> Iterator[tuple[Slab, tuple[Path, str]]]:
+    """A metadata slab of every tensor, with (file, stored name), read from the headers only."""
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, tuple(f.get_slice(name).get_shape()), (file, name)
+                    sl = f.get_slice(name)
+                    shape = tuple(sl.get_shape())
+                    dtype = getattr(torch, _ST_DTYPES.get(sl.get_dtype(), "uint8"))
+                    yield Slab(name, (0,) * len(shape), shape, shape, None, dtype), (file, name)
         except SafetensorError as e:
             raise WeightUpdateError(f"{file} is not a readable safetensors file: {e}") from e
 
 
-def _stage(model: nn.Module, named_shapes: Iterable[tuple[str, tuple[int, ...], object]]
-           ) -> list[tuple[_Staged, object]]:
-    """Match (HF name, full shape, source) to the model's parameters; raise on any problem."""
-    targets = model.hf_targets()
-    staged: list[tuple[_Staged, object]] = []
-    seen: set[str] = set()
-    unknown, duplicated, misshaped = [], [], []
-    for name, shape, source in named_shapes:
-        if model.skips_hf_name(name):
-            continue
-        canonical = model.canonical_name(name)
-        target = targets.get(canonical)
-        if target is None:
-            unknown.append(name)
-            continue
-        if canonical in seen:
-            duplicated.append(name)
-            continue
-        seen.add(canonical)
-        param, shard_id = target
-        expected = full_shape(param, shard_id)
-        if shape != expected:
-            misshaped.append(f"{name} {shape} (expected {expected})")
-            continue
-        staged.append((_Staged(canonical, param, shard_id), source))
-    problems = []
-    if unknown:
-        problems.append(f"unknown tensors: {name_list(sorted(unknown))}")
-    if duplicated:
-        problems.append(f"tensors given twice: {name_list(sorted(duplicated))}")
-    if misshaped:
-        problems.append(f"wrong shapes: {name_list(misshaped)}")
-    if problems:
-        raise WeightUpdateError("weight update refused, nothing was changed: " + "; ".join(problems))
-    return staged
+def _normalise(weights) -> list[tuple]:
+    """(name, tensor) pairs / (name, tensor, Shard) triples / a mapping -> a list of tuples."""
+    items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) in (2, 3) and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor) and (len(item) == 2 or isinstance(item[2], Shard))):
+            got = tuple(type(x).__name__ for x in item) if isinstance(item, tuple) else type(item).__name__
+            raise WeightUpdateError(f"weights must be (name, tensor) pairs or (name, tensor, Shard) triples, got {got}")
+    return items
+
+
+def weight_slabs(model: nn.Module, metas: Iterable[tuple], weights_format: str | None) -> tuple[list[Slab], list[int]]:
+    """Metadata slabs of (name, shape, dtype[, Shard]) inputs and the input index of each slab:
+    HF names give one full slab, Megatron-Core names the slabs of their layout and shard."""
+    metas = list(metas)
+    fmt = weights_format or detect_format(m[0] for m in metas)
+    if fmt not in FORMATS:
+        raise WeightUpdateError(f"weights_format must be one of {FORMATS} or None, got {weights_format!r}")
+    slabs, inputs = [], []
+    if fmt == "hf":
+        for i, (name, shape, dtype, *shard) in enumerate(metas):
+            if shard and shard[0] is not None:
+                raise WeightUpdateError(f"{name}: shards are given with Megatron-Core names (weights_format='megatron')")
+            slabs.append(Slab(name, (0,) * len(shape), tuple(shape), tuple(shape), None, dtype))
+            inputs.append(i)
+        return slabs, inputs
+    names, dims = NameMap.for_arch(model.spec.name), model.megatron_dims()
+    for i, (name, shape, dtype, *shard) in enumerate(metas):
+        for slab in megatron_slabs(names, dims, name, tuple(shape), None, shard[0] if shard and shard[0] else Shard(),
+                                   dtype=dtype):
+            slabs.append(slab)
+            inputs.append(i)
+    return slabs, inputs
+
+
+class CopyPlanCache:
+    """The checked plans and copy programs of the last few updates, keyed by their metadata
+    (names, shapes, dtypes, shards). An entry holds views of the parameters: it is used only
+    while every parameter it touches still has the same storage."""
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self._entries: OrderedDict[tuple, tuple[WeightPlan, CopyProgram, tuple]] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, model: nn.Module, key: tuple, build) -> tuple[WeightPlan, CopyProgram]:
+        """The (plan, program) of ``key``; ``build()`` makes and checks them on a miss (and raises
+        ``WeightUpdateError`` for a bad update, which is not cached)."""
+        entry = self._entries.get(key)
+        if entry is not None and all(p.data_ptr() == ptr for p, ptr in entry[2]):
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry[0], entry[1]
+        self.misses += 1
+        plan, program = build()
+        params = {id(t.param): t.param for t in plan.touched.values()}.values()
+        self._entries[key] = (plan, program, tuple((p, p.data_ptr()) for p in params))
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return plan, program
+
+
+def _plan(model: nn.Module, metas: list[tuple], weights_format: str | None) -> tuple[WeightPlan, CopyProgram]:
+    slabs, inputs = weight_slabs(model, metas, weights_format)
+    plan = WeightPlan(model, require_all=False)
+    plan.check(slabs)
+    plan.verify()
+    return plan, plan.program(slabs, inputs, len(metas))
 
 
 @torch.no_grad()
-def update_weights_in_place(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] | str | Path) -> int:
-    """Copy ``weights`` ((HF name, full tensor) pairs, or a checkpoint directory) into ``model``'s
-    parameters, each rank keeping its shard. Partial updates are allowed (any subset of the
-    model's tensors). Returns the number of tensors copied; raises ``WeightUpdateError`` (and
-    copies nothing) on an unknown name, a duplicate, a wrong shape or a non-floating tensor."""
+def update_weights_in_place(model: nn.Module, weights, *, weights_format: str | None = None,
+                            cache: CopyPlanCache | None = None) -> int:
+    """Copy ``weights`` into ``model``'s parameters, each rank keeping its part: (HF name, full
+    tensor) pairs, (Megatron-Core name, tensor[, Shard]) tuples (a trainer rank's shards; every
+    element of a touched tensor must arrive once, from this call), a mapping, or a checkpoint
+    directory. ``weights_format``: "hf", "megatron" or None (detected from the names). Any subset
+    of the model's tensors. Returns the number of HF tensors updated; raises
+    ``WeightUpdateError`` (and copies nothing) on an unknown name, a wrong shape, a piece given
+    twice, an incomplete tensor or a non-floating tensor."""
     if isinstance(weights, (str, Path)):
-        try:
-            headers = list(_checkpoint_headers(Path(weights)))
-        except ValueError as e:
-            raise WeightUpdateError(str(e)) from None
-        staged = _stage(model, headers)
-        by_file: dict[Path, list[tuple[_Staged, str]]] = {}
-        for entry, (file, stored) in staged:
-            by_file.setdefault(file, []).append((entry, stored))
-        for file, entries in by_file.items():  # one tensor in host memory at a time
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for entry, stored in entries:
-                    _copy(entry, f.get_tensor(stored))
-        return len(staged)
-    pairs = list(weights)
-    for name, tensor in pairs:
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise WeightUpdateError(f"weights must be (name, tensor) pairs, got ({type(name).__name__}, "
-                                    f"{type(tensor).__name__})")
-        if not tensor.is_floating_point():
-            raise WeightUpdateError(f"weight update refused, nothing was changed: {name} is {tensor.dtype}, "
-                                    "not a floating-point tensor")
-    staged = _stage(model, ((name, tuple(t.shape), t) for name, t in pairs))
-    for entry, tensor in staged:
-        _copy(entry, tensor)
-    return len(staged)
+        return _update_from_checkpoint(model, Path(weights))
+    items = _normalise(weights)
+    metas = [(item[0], tuple(item[1].shape), item[1].dtype, *item[2:]) for item in items]
+    key = (weights_format, tuple(metas))
+    build = lambda: _plan(model, metas, weights_format)  # noqa: E731
+    plan, program = build() if cache is None else cache.get(model, key, build)
+    program.begin()
+    copied = program.run((i, item[1]) for i, item in enumerate(items))
+    plan.finish(copied)
+    return len(plan.touched)
 
 
-def _copy(entry: _Staged, tensor: torch.Tensor) -> None:
-    loader = getattr(entry.param, "weight_loader", default_weight_loader)
-    loader(entry.param, tensor, entry.shard_id)
+def _update_from_checkpoint(model: nn.Module, path: Path) -> int:
+    try:
+        headers = list(_checkpoint_headers(path))
+    except ValueError as e:
+        raise WeightUpdateError(str(e)) from None
+    plan = WeightPlan(model, require_all=False)
+    plan.check(slab for slab, _ in headers)
+    plan.verify()
+    by_file: dict[Path, list[tuple[Slab, str]]] = {}
+    for slab, (file, stored) in headers:
+        if plan.resolve(slab) is not None:
+            by_file.setdefault(file, []).append((slab, stored))
+    copied = 0
+    for file, entries in by_file.items():  # one tensor in host memory at a time
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for slab, stored in entries:
+                copied += plan.program([slab]).run([(0, f.get_tensor(stored))])
+    plan.finish(copied)
+    return len(plan.touched)

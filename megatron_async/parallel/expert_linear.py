@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_async.parallel.linear import ParallelLinear
-from megatron_async.parallel.sharding import Sharding, ShardId
+from megatron_async.parallel.sharding import Destination, Sharding, ShardId
 from megatron_async.parallel.state import ParallelState
 
 
@@ -44,14 +44,20 @@ class ExpertSharding:
     def is_local(self, expert: int) -> bool:
         return self.first_expert <= expert < self.first_expert + self.num_local
 
+    def destinations(self, target: torch.Tensor, shard_id: ShardId = None) -> list[Destination]:
+        """This rank's boxes of expert ``shard_id[0]``'s full HF tensor; [] for another EP rank's expert."""
+        expert, part = self._expert(shard_id)
+        if not self.is_local(expert):
+            return []
+        return self.inner.destinations(target[expert - self.first_expert], part)
+
     @torch.no_grad()
     def load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        expert, part = self._expert(shard_id)
         expected = self.full_shape(tuple(param.shape), shard_id)
         if tuple(loaded.shape) != expected:
             raise ValueError(f"has shape {tuple(loaded.shape)}, the model expects {expected}")
-        if self.is_local(expert):  # other EP ranks' experts: checked, not kept
-            self.inner.load(param[expert - self.first_expert], loaded, part)
+        for dest in self.destinations(param.data, shard_id):  # other EP ranks' experts: checked, not kept
+            dest.view.copy_(loaded[tuple(slice(a, b) for a, b in zip(dest.box.lo, dest.box.hi))])
 
 
 class ExpertParallelLinear(ParallelLinear):

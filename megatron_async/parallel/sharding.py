@@ -7,11 +7,17 @@ v of a fused qkv, gate / up of a fused MLP; None = the parameter's whole full te
 loader keeps this rank's slice and raises ValueError on a mis-shaped tensor. A parameter
 along whose ``dim`` several parts are concatenated holds, in part order, this rank's equal
 slice of every part: that is how q/k/v heads, gate/up columns and Mamba's z/x/B/C/dt
-channels stay aligned on each rank."""
+channels stay aligned on each rank.
+
+Every load is a box copy: ``Sharding.destinations(target, shard_id)`` gives the boxes of the
+full HF tensor this rank holds (one per part for a fused tensor loaded whole) and the views of
+the parameter they land in; ``weight_loader`` copies the intersection of a full tensor with
+each, and the slab loader (``models/slab_loading.py``) does the same for pieces of a tensor
+(Megatron TP shards, transfer buckets). One geometry, whatever the source."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Any, Hashable
 
 import torch
 from torch import nn
@@ -19,6 +25,42 @@ from torch import nn
 from megatron_async.parallel.state import ParallelState
 
 ShardId = Hashable
+
+
+@dataclass(frozen=True)
+class Box:
+    """Rows [lo, hi) of each dim of a full tensor."""
+
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+
+    @classmethod
+    def of(cls, offset: tuple[int, ...], extent: tuple[int, ...]) -> Box:
+        return cls(tuple(offset), tuple(o + e for o, e in zip(offset, extent)))
+
+    def intersect(self, other: Box) -> Box | None:
+        lo = tuple(max(a, b) for a, b in zip(self.lo, other.lo))
+        hi = tuple(min(a, b) for a, b in zip(self.hi, other.hi))
+        return Box(lo, hi) if all(a < b for a, b in zip(lo, hi)) else None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for a, b in zip(self.lo, self.hi):
+            n *= b - a
+        return n
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where this rank keeps its part of one full HF tensor: ``box`` of the full tensor lands
+    in ``view`` (a view of the parameter, of the box's shape). ``sink``: None = a plain copy;
+    else the object that writes pieces into ``view`` itself (a transform such as quantization,
+    staging; see ``models/slab_loading.py`` for the protocol)."""
+
+    box: Box
+    view: torch.Tensor
+    sink: Any = None
 
 
 @dataclass(frozen=True)
@@ -57,23 +99,33 @@ class Sharding:
         shape[self.dim] = sum(self.full_sizes) if part is None else self.full_sizes[part]
         return tuple(shape)
 
+    def destinations(self, target: torch.Tensor, shard_id: ShardId = None) -> list[Destination]:
+        """This rank's boxes of the full HF tensor that fills ``shard_id`` of ``target`` (the
+        parameter's data) and the views they land in: one, or one per part for a fused tensor
+        loaded whole (``shard_id`` None of a multi-part parameter)."""
+        full = self.full_shape(tuple(target.shape), shard_id)
+        if self.dim is None:
+            return [Destination(Box((0,) * len(full), full), target)]
+        part = self._part(shard_id)
+        parts = range(len(self.full_sizes)) if part is None else [part]
+        out = []
+        for i in parts:
+            local = self.full_sizes[i] // self.tp_size
+            local_offset = sum(size // self.tp_size for size in self.full_sizes[:i])
+            lo, hi = [0] * len(full), list(full)
+            lo[self.dim] = (0 if part is not None else sum(self.full_sizes[:i])) + self.tp_rank * local
+            hi[self.dim] = lo[self.dim] + local
+            out.append(Destination(Box(tuple(lo), tuple(hi)), target.narrow(self.dim, local_offset, local)))
+        return out
+
     @torch.no_grad()
     def load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        """The ``weight_loader``: copy this rank's slice(s) of ``loaded`` into ``param``."""
+        """The ``weight_loader``: copy this rank's box(es) of the full tensor ``loaded`` into ``param``."""
         expected = self.full_shape(tuple(param.shape), shard_id)
         if tuple(loaded.shape) != expected:
             raise ValueError(f"has shape {tuple(loaded.shape)}, the model expects {expected}")
-        if self.dim is None:
-            param.copy_(loaded)
-            return
-        part = self._part(shard_id)
-        parts = range(len(self.full_sizes)) if part is None else [part]
-        full_offsets = [sum(self.full_sizes[:i]) for i in range(len(self.full_sizes))]
-        local_offsets = [o // self.tp_size for o in full_offsets]
-        for i in parts:
-            local = self.full_sizes[i] // self.tp_size
-            src_start = (0 if part is not None else full_offsets[i]) + self.tp_rank * local
-            param.narrow(self.dim, local_offsets[i], local).copy_(loaded.narrow(self.dim, src_start, local))
+        for dest in self.destinations(param.data, shard_id):
+            dest.view.copy_(loaded[tuple(slice(a, b) for a, b in zip(dest.box.lo, dest.box.hi))])
 
 
 REPLICATED = Sharding(None)
@@ -89,10 +141,9 @@ def sharded_param(shape: tuple[int, ...], sharding: Sharding, dtype: torch.dtype
     return param
 
 
-@torch.no_grad()
-def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-    """Loader of plain (replicated) parameters such as norm weights."""
-    REPLICATED.load(param, loaded, shard_id)
+def destinations(param: torch.Tensor, shard_id: ShardId = None) -> list[Destination]:
+    """``param.sharding.destinations`` (replicated if it has no sharding): [] = not on this rank."""
+    return getattr(param, "sharding", REPLICATED).destinations(param.data, shard_id)
 
 
 def full_shape(param: torch.Tensor, shard_id: ShardId = None) -> tuple[int, ...]:

@@ -41,6 +41,7 @@ from megatron_async.inference.engines.step_accounting import StepAccounting
 from megatron_async.inference.engines.step_consensus import NewRequest
 from megatron_async.inference.engines.step_result import StepResult
 from megatron_async.inference.engines.suspend import MemorySuspender
+from megatron_async.inference.engines.weight_receiver import WeightReceiver
 from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.speculative.policy import SpecPolicy
 from megatron_async.inference.step_plan import ALONE, StepAgreement
@@ -99,6 +100,8 @@ class DynamicInferenceEngine:
         self.memory = MemorySuspender(getattr(context.device, "suspend_backend", None), context, runner.model)
         """Device memory handed out and taken back by tag (``suspend`` / ``resume``)."""
         self.control = GenerationControl(self)
+        self.weights = WeightReceiver(self)
+        """Weight updates (``LLM.update_weights``, transfers from a trainer: weight_receiver.py)."""
 
     @property
     def stats(self) -> EngineStats:

@@ -1,0 +1,337 @@
+"""The one weight loader: checkpoint loading and every weight update end here.
+
+Every source of weights becomes ``Slab``s: a slab is a box of one full Hugging Face tensor
+(``offset``, ``extent`` within ``full_shape``) and, once its data is there, the tensor holding
+that box. A full HF tensor is the slab with offset 0; a Megatron-Core TP shard becomes the slabs
+its fused layout maps it to (``megatron_layouts.py``: views of the shard, never a full tensor); a
+piece of a transfer bucket or of a storage shared over IPC is a slab over that buffer. Each
+parameter says which box of which HF tensor this rank keeps (``Sharding.destinations``), and a
+load is the copy of every (slab ∩ destination).
+
+Two steps, so that a bad update changes nothing:
+  ``WeightPlan.check(slabs)``   metadata only (``tensor`` may be None): names known, full shapes
+                                equal, dtypes accepted, no element given twice; then ``verify()``:
+                                every touched tensor's part on this rank covered exactly once
+                                (``require_all``: every tensor of the model touched).
+  ``WeightPlan.program(slabs)`` the copy geometry (destination view, source slice) per slab;
+  ``CopyProgram.run``           ``torch._foreach_copy_`` over the pairs (a few multi-tensor launches
+                                on a GPU, dtype conversion included) and the elements copied,
+                                which ``finish`` compares with the plan (a piece applied twice or
+                                skipped fails). ``CopyPlanCache`` keeps plan and program for an
+                                update whose metadata repeats (RL refits): one tuple compare.
+Streaming loads (a checkpoint read one tensor at a time) check and copy each tensor as it
+arrives and verify coverage at the end (``load_stream``).
+
+Extension points (a transform at load such as block quantization builds on these; plain
+weights use none of them):
+  * Multi-tensor targets: ``model.hf_targets()`` may map several HF names (``X.weight``,
+    ``X.weight_scale_inv``, ``k_scale``) to several parameters that one transform reads together;
+    ``model.check_weight_names(names)`` (optional) is called with the HF names an update touches,
+    after the metadata checks, to refuse an incomplete group (a weight without its scales)
+    before anything is copied.
+  * A transform per destination: a parameter's ``sharding.destinations`` may return
+    ``Destination``s with a ``sink``. A sink receives the pieces instead of a plain copy:
+    ``sink.accepts(dtype)`` (plan time: which source dtypes it takes; plain destinations take
+    floating-point tensors only), ``sink.write(dst, src, box)`` (``dst`` the part of the
+    destination view, ``src`` the matching source piece, ``box`` its box of the full tensor).
+  * Staging of pieces that do not cover whole blocks: a sink may buffer what ``write`` gives it;
+    ``sink.complete()`` is called once the destination's whole box has arrived in this load or
+    update (the plan knows each destination's element count), so a staged buffer is transformed
+    then, whatever order and size the pieces came in.
+  * Post-load finalize: ``model.finalize_weights(names)`` (optional) runs after a load or an
+    update completed, with the HF names it touched (refresh derived tensors in place).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from megatron_async.parallel.sharding import Box, Destination, destinations, full_shape
+
+
+class WeightUpdateError(ValueError):
+    """A load or update refused before anything was copied (or, for a piece applied twice or
+    skipped after the plan, one whose weights must be replaced)."""
+
+
+@dataclass(frozen=True)
+class Slab:
+    """Box ``offset`` .. ``offset + extent`` of the full HF tensor ``hf_name`` (``full_shape``);
+    ``tensor`` holds exactly that box (None: metadata only)."""
+
+    hf_name: str
+    offset: tuple[int, ...]
+    extent: tuple[int, ...]
+    full_shape: tuple[int, ...]
+    tensor: torch.Tensor | None = None
+    dtype: torch.dtype | None = None
+    """The source dtype (the tensor's when given)."""
+    origin: tuple[int, ...] | None = None
+    """Where the box starts in the tensor the caller gives (a Megatron shard whose slab is a
+    view of it; None: at 0, the slab's own tensor): ``CopyProgram`` slices that tensor."""
+
+    @classmethod
+    def full(cls, name: str, tensor: torch.Tensor) -> Slab:
+        shape = tuple(tensor.shape)
+        return cls(name, (0,) * len(shape), shape, shape, tensor, tensor.dtype)
+
+    @property
+    def box(self) -> Box:
+        return Box.of(self.offset, self.extent)
+
+    @property
+    def source_dtype(self) -> torch.dtype | None:
+        return self.tensor.dtype if self.tensor is not None else self.dtype
+
+
+def plain_dtype(dtype: torch.dtype) -> bool:
+    """Source dtypes a plain destination takes: 16- to 64-bit floating point (a value copy;
+    8-bit floats carry scales only a transform knows, integers are no weights)."""
+    return dtype.is_floating_point and dtype.itemsize >= 2
+
+
+def name_list(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, ... ({len(names)} in all)"
+
+
+@dataclass
+class _Target:
+    """One HF tensor of the model touched by a plan."""
+
+    param: nn.Parameter
+    shard_id: object
+    dests: list[Destination]
+    boxes: list[Box] = field(default_factory=list)
+
+    @property
+    def need(self) -> int:
+        return sum(d.box.numel for d in self.dests)
+
+
+class WeightPlan:
+    """One load or update of ``model`` (see the module docstring). ``targets`` / ``skip`` /
+    ``canonical`` default to the model's ``hf_targets()``, ``skips_hf_name``, ``canonical_name``."""
+
+    def __init__(self, model: nn.Module | None, *, require_all: bool, what: str = "",
+                 targets: dict | None = None, skip: Callable[[str], bool] | None = None,
+                 canonical: Callable[[str], str] | None = None):
+        self.model, self.require_all = model, require_all
+        self.what = what or "weight update refused, nothing was changed"
+        self.targets = targets if targets is not None else model.hf_targets()
+        self.skip = skip or getattr(model, "skips_hf_name", lambda name: False)
+        self.canonical = canonical or getattr(model, "canonical_name", lambda name: name)
+        self.touched: dict[str, _Target] = {}
+        self.unknown: list[str] = []
+        self.misshaped: list[str] = []
+        self.refused_dtypes: list[str] = []
+        self.overlaps: list[str] = []
+
+    def resolve(self, slab: Slab) -> _Target | None:
+        """The touched target of ``slab`` (None: a skipped name); call after ``check``."""
+        if self.skip(slab.hf_name):
+            return None
+        return self.touched[self.canonical(slab.hf_name)]
+
+    def check(self, slabs: Iterable[Slab]) -> None:
+        """Record the metadata of ``slabs``; problems are collected (``verify`` raises them)."""
+        for slab in slabs:
+            if self.skip(slab.hf_name):
+                continue
+            name = self.canonical(slab.hf_name)
+            target = self.touched.get(name)
+            if target is None:
+                if name not in self.targets:
+                    self.unknown.append(slab.hf_name)
+                    continue
+                param, shard_id = self.targets[name]
+                expected = full_shape(param, shard_id)
+                if tuple(slab.full_shape) != expected:
+                    self.misshaped.append(f"'{slab.hf_name}' has shape {tuple(slab.full_shape)}, "
+                                          f"the model expects {expected}")
+                    continue
+                target = self.touched[name] = _Target(param, shard_id, destinations(param, shard_id))
+            elif tuple(slab.full_shape) != full_shape(target.param, target.shard_id):
+                self.misshaped.append(f"'{slab.hf_name}' has shape {tuple(slab.full_shape)}, "
+                                      f"the model expects {full_shape(target.param, target.shard_id)}")
+                continue
+            self._check_dtype(slab, target)
+            box = slab.box
+            if not all(0 <= a < b <= n for a, b, n in zip(box.lo, box.hi, slab.full_shape)):
+                self.misshaped.append(f"'{slab.hf_name}' piece {box.lo}..{box.hi} lies outside {slab.full_shape}")
+                continue
+            if any(box.intersect(b) is not None for b in target.boxes):
+                self.overlaps.append(name)
+            target.boxes.append(box)
+
+    def _check_dtype(self, slab: Slab, target: _Target) -> None:
+        dtype = slab.source_dtype
+        if dtype is None:
+            return
+        sinks = [d.sink for d in target.dests if d.sink is not None]
+        ok = all(s.accepts(dtype) for s in sinks) if sinks else plain_dtype(dtype)
+        if not ok:
+            self.refused_dtypes.append(f"{slab.hf_name} is {dtype}")
+
+    def problems(self, coverage: bool = True) -> list[str]:
+        out = []
+        for what, items in (("unexpected tensors" if self.require_all else "unknown tensors", self.unknown), ("wrong shapes", self.misshaped),
+                            ("refused dtypes", self.refused_dtypes), ("tensors given twice", self.overlaps)):
+            if items:
+                out.append(f"{what}: {name_list(sorted(set(items)))}")
+        if not coverage:
+            return out
+        incomplete = []
+        for name, t in self.touched.items():
+            got = sum(both.numel for d in t.dests for b in t.boxes if (both := d.box.intersect(b)) is not None)
+            if got != t.need:
+                incomplete.append(f"{name} ({got} of {t.need} elements)")
+        if incomplete:
+            out.append(f"incomplete tensors: {name_list(sorted(incomplete))}")
+        if self.require_all:
+            missing = sorted(set(self.targets) - set(self.touched))
+            if missing:
+                out.append(f"missing tensors: {name_list(missing)}")
+        return out
+
+    def verify(self) -> None:
+        """Raise ``WeightUpdateError`` naming every problem found so far (coverage included)."""
+        found = self.problems()
+        if not found:
+            check_names = getattr(self.model, "check_weight_names", None)
+            if check_names is not None:
+                try:
+                    check_names(set(self.touched))
+                except ValueError as e:
+                    found = [str(e)]
+        if found:
+            raise WeightUpdateError(f"{self.what}: " + "; ".join(found))
+
+    @property
+    def expected(self) -> int:
+        """Elements this rank copies when every checked slab is applied once."""
+        return sum(t.need for t in self.touched.values())
+
+    def stream(self, weights: Iterable[Slab]) -> int:
+        """Check and copy slabs one at a time as they arrive (a checkpoint read tensor by
+        tensor: one in host memory at a time); a slab with a problem is not copied. Raises at
+        the end, naming every problem (coverage and missing tensors included)."""
+        program = CopyProgram([], 0)
+        copied = 0
+        for slab in weights:
+            self.check([slab])
+            if self.skip(slab.hf_name) or self.unknown or self.misshaped or self.refused_dtypes or self.overlaps:
+                continue  # reported at the end; nothing more is copied once the load failed
+            program.pairs.append(_slab_pairs(self.resolve(slab), slab))
+            copied += program.run([(len(program.pairs) - 1, slab.tensor)])
+            program.pairs[-1] = []
+        self.verify()
+        return copied
+
+    def program(self, slabs: list[Slab], inputs: list[int] | None = None, num_inputs: int = 0) -> CopyProgram:
+        """The copy geometry of the checked ``slabs`` (metadata suffices), by input: slab i
+        is a box of input ``inputs[i]`` (default i) at ``slab.origin``, so ``CopyProgram.run``
+        takes the caller's tensors (a Megatron shard, a bucket's view) as they are; inputs
+        without slabs (another rank's copy of a replicated tensor) copy nothing."""
+        inputs = list(range(len(slabs))) if inputs is None else inputs
+        pairs: list[list[Pair]] = [[] for _ in range(max(max(inputs, default=-1) + 1, num_inputs))]
+        for index, slab in zip(inputs, slabs):
+            pairs[index] += _slab_pairs(self.resolve(slab), slab, slab.origin)
+        return CopyProgram(pairs, self.expected)
+
+    def finish(self, copied: int) -> None:
+        """After the copies: the elements copied must be the plan's; then the model's finalize."""
+        if copied != self.expected:
+            raise WeightUpdateError(f"{copied} elements were copied where the plan expects {self.expected}: "
+                                    "a piece was applied twice or skipped; the weights are incomplete")
+        finalize = getattr(self.model, "finalize_weights", None)
+        if finalize is not None:
+            finalize(set(self.touched))
+
+
+Pair = tuple[torch.Tensor, tuple[slice, ...], Destination]
+"""(destination view piece, the source slice of the slab's tensor, its destination)."""
+
+
+def _slab_pairs(target: _Target | None, slab: Slab, origin: tuple[int, ...] | None = None) -> list[Pair]:
+    if target is None:
+        return []
+    out = []
+    box = slab.box
+    base = [o - (g or 0) for o, g in zip(slab.offset, origin or (0,) * len(slab.offset))]
+    for dest in target.dests:
+        both = dest.box.intersect(box)
+        if both is None:
+            continue
+        dst = dest.view[tuple(slice(a - lo, b - lo) for a, b, lo in zip(both.lo, both.hi, dest.box.lo))]
+        src = tuple(slice(a - o, b - o) for a, b, o in zip(both.lo, both.hi, base))
+        out.append((dst, src, dest))
+    return out
+
+
+class CopyProgram:
+    """The pairs of a plan by input index; ``run`` copies the inputs' data through them."""
+
+    def __init__(self, pairs: list[list[Pair]], expected: int):
+        self.pairs, self.expected = pairs, expected
+        self._arrived: dict[int, int] = {}
+
+    def begin(self) -> None:
+        """Forget partly arrived destinations (call at the start of each load or update)."""
+        self._arrived.clear()
+
+    def run(self, items: Iterable[tuple[int, torch.Tensor]]) -> int:
+        """Copy (input index, that input's tensor) items; returns the elements copied. Sinks get
+        their pieces and, once a destination's box is complete, ``complete()``."""
+        dsts, srcs = [], []
+        copied = 0
+        with torch.no_grad():
+            for index, tensor in items:
+                for dst, src, dest in self.pairs[index]:
+                    copied += dst.numel()
+                    if dest.sink is None:
+                        dsts.append(dst)
+                        srcs.append(tensor[src])
+                        continue
+                    dest.sink.write(dst, tensor[src], dest.box)
+                    done = self._arrived.get(id(dest), 0) + dst.numel()
+                    self._arrived[id(dest)] = done
+                    if done == dest.box.numel:
+                        self._arrived.pop(id(dest))
+                        dest.sink.complete()
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+        return copied
+
+    def bind(self, tensors: list[torch.Tensor]) -> BoundCopy:
+        """The pairs with their sources resolved, for sources that stay where they are (a
+        transfer buffer, storages opened over IPC): a repeated copy is one multi-tensor copy."""
+        dsts, srcs, rest = [], [], []
+        for index, tensor in enumerate(tensors):
+            if any(dest.sink is not None for _, _, dest in self.pairs[index]):
+                rest.append((index, tensor))
+                continue
+            for dst, src, _ in self.pairs[index]:
+                dsts.append(dst)
+                srcs.append(tensor[src])
+        return BoundCopy(self, dsts, srcs, rest)
+
+
+@dataclass
+class BoundCopy:
+    """``CopyProgram.bind``'s result: ``run()`` copies everything again from the same sources."""
+
+    program: CopyProgram
+    dsts: list[torch.Tensor]
+    srcs: list[torch.Tensor]
+    with_sinks: list[tuple[int, torch.Tensor]]
+
+    def run(self) -> int:
+        copied = sum(d.numel() for d in self.dsts)
+        with torch.no_grad():
+            if self.dsts:
+                torch._foreach_copy_(self.dsts, self.srcs)
+        return copied + self.program.run(self.with_sinks)
