@@ -5,7 +5,9 @@ the fused Triton MoE (tokens sorted by expert into expert-aligned blocks, groupe
 SiLU-mul and routing weights fused, graph-safe shapes), or for prefill-size batches on Hopper
 torch's CUTLASS grouped GEMM (``moe_grouped_mm.use_grouped_mm`` decides from shapes and the
 device; ``MEGATRON_ASYNC_MOE_GROUPED_MM=0`` turns it off); else the torch reference loop.
-The grouped GEMM may leave its last sum to the next block's norm (``defer_combine``)."""
+The grouped GEMM may leave its last sum to the next block's norm (``defer_combine``).
+FP8 experts (e4m3 weights with block scales): the FP8 fused Triton MoE (``triton_fp8_moe``; no
+grouped GEMM: torch has no block-scaled grouped GEMM for Hopper) or the emulated torch loop."""
 from __future__ import annotations
 
 import torch
@@ -17,14 +19,24 @@ from megatron_async.kernels.moe_torch import fused_experts_torch
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, gated: bool, triton: bool = False,
-                  defer_combine: bool = False) -> torch.Tensor | DeferredSum:
+                  defer_combine: bool = False, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None,
+                  scale_block_n: tuple[int, int] = (128, 128)) -> torch.Tensor | DeferredSum:
     """sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x) for every token.
 
     x [M, K]; w13 [E, N, K] the experts' input projections (gated: N = 2 I rows [gate | up],
     else N = I); w2 [E, H, I]; topk_ids [M, k] int32, where an id outside [0, E) means "no
     expert here" (EP: another rank's expert, or a padding row); topk_weights [M, k] float32.
     Returns [M, H] in x's dtype, accumulated in float32; with ``defer_combine``, where the
-    grouped GEMM takes the batch, a ``DeferredSum`` of it for the next block's norm."""
+    grouped GEMM takes the batch, a ``DeferredSum`` of it for the next block's norm.
+    ``w13_scale`` / ``w2_scale``: the FP8 experts' block scales (weights e4m3; ``scale_block_n``:
+    (w13's, w2's) weight rows per scale row)."""
+    fp8 = w13_scale is not None
+    if triton and fp8:
+        from megatron_async.kernels import triton_fp8_moe
+
+        return triton_fp8_moe.fused_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, gated,
+                                                scale_block_n)
     if triton and use_grouped_mm(x, w13, w2, topk_ids):
         return fused_experts_grouped_mm(x, w13, w2, topk_ids, topk_weights, gated, defer_combine)
     if triton:
@@ -34,4 +46,4 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("the torch MoE reference reads expert token counts on the host and cannot run in a "
                            "CUDA graph: use attention_backend 'triton' (or 'auto') with cuda_graphs")
-    return fused_experts_torch(x, w13, w2, topk_ids, topk_weights, gated)
+    return fused_experts_torch(x, w13, w2, topk_ids, topk_weights, gated, w13_scale, w2_scale, scale_block_n)

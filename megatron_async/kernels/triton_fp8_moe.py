@@ -1,0 +1,164 @@
+"""The fused Triton MoE (``triton_fused_moe``) with FP8 experts (W8A8, block-scaled, see fp8_quant).
+
+Experts' weights are e4m3 with 128 x 128 block scales: w13 [E, N, K] (N = 2I rows [gate | up] or I)
+with ws13 [E, ceil(N / SB), ceil(K / 128)], w2 [E, H, I] with ws2 [E, ceil(H / SB), ceil(I / 128)],
+SB (``scale_block_n``, one per GEMM) 128, or 1 for one scale row per weight row (I % 128 != 0, or a TP shard of I
+that does not start on a block boundary). The router stays bf16 (it is a ReplicatedLinear outside
+this file); alignment (``align_by_expert_triton``) and the slot sum are the bf16 path's kernels.
+
+1. gate_up: per block of pairs, the x rows of its tokens are quantized per 1 x 128 group in registers
+   (a token routed to k experts is quantized k times, to the same bits), e4m3 dots per group with
+   float32 promotion, SiLU(gate) * up rounded as the bf16 path rounds it, then the EPILOGUE
+   quantizes the activation tile (BLOCK_N = 128 = one group per row) and writes e4m3 h + one scale
+   per (pair, group): the down GEMM's input is never written in bf16 nor re-read to be quantized.
+2. down: h (pre-quantized) @ w2 per group, times the routing weight, float32 per pair.
+3. the slot sum (bf16 path's ``_sum_slots_kernel``)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
+from megatron_async.kernels.triton_fused_moe import _block_m, _sum_slots_kernel, align_by_expert_triton
+
+
+@triton.jit
+def _gate_up_fp8_kernel(x_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, pairs_ptr, block_expert_ptr, num_pairs,
+                        stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsg, stride_hsm,
+                        K: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr,
+                        GATED: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                        EMULATE: tl.constexpr):
+    BLOCK_N: tl.constexpr = 128  # one activation group per output tile: the epilogue quantizes it whole
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= E:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + offs_m)
+    mask_m = pair < num_pairs
+    token = (pair // TOP_K).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    s_base = ws_ptr + expert.to(tl.int64) * stride_wse
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(0, tl.cdiv(K, 128)):
+        offs_k = g * 128 + tl.arange(0, 128)
+        mask_k = offs_k < K
+        a = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0).to(tl.float32)
+        a_q, a_s = quantize_groups(a, EMULATE)
+        if EMULATE:
+            a_q = a_q.to(tl.float32)
+        wmask = mask_k[:, None] & mask_n[None, :]
+        wg = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
+        sg = tl.load(s_base + (offs_n // SCALE_BLOCK_N) * stride_wsn + g * stride_wsg, mask=mask_n, other=0.0)
+        if EMULATE:
+            wg = wg.to(tl.float32)
+        acc_g += tl.dot(a_q, wg) * (a_s[:, None] * sg[None, :])
+        if GATED:
+            wu = tl.load(w_base + (I + offs_n)[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
+            su = tl.load(s_base + ((I + offs_n) // SCALE_BLOCK_N) * stride_wsn + g * stride_wsg, mask=mask_n,
+                         other=0.0)
+            if EMULATE:
+                wu = wu.to(tl.float32)
+            acc_u += tl.dot(a_q, wu) * (a_s[:, None] * su[None, :])
+    dt = x_ptr.dtype.element_ty
+    if GATED:  # rounds like F.silu(gate) * up on projections in the activation dtype
+        gr = acc_g.to(dt).to(tl.float32)
+        act = (gr / (1.0 + tl.exp(-gr))).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
+    else:
+        r = tl.maximum(acc_g.to(dt).to(tl.float32), 0.0)
+        act = r * r
+    # the activation as the bf16 path would store it, then quantized like any GEMM input
+    act = tl.where(mask_n[None, :], act.to(dt).to(tl.float32), 0.0)
+    h_q, h_s = quantize_groups(act, EMULATE)
+    row = pair.to(tl.int64)
+    tl.store(h_ptr + row[:, None] * I + offs_n[None, :], h_q, mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(hs_ptr + row * stride_hsm + pid_n, h_s, mask=mask_m)
+
+
+@triton.jit
+def _down_fp8_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs,
+                     stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsg,
+                     I: tl.constexpr, H: tl.constexpr, E: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= E:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + offs_m)
+    mask_m = pair < num_pairs
+    row = pair.to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    s_base = ws_ptr + expert.to(tl.int64) * stride_wse
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(0, tl.cdiv(I, 128)):
+        offs_k = g * 128 + tl.arange(0, 128)
+        mask_k = offs_k < I
+        a_q = tl.load(h_ptr + row[:, None] * I + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a_s = tl.load(hs_ptr + row * stride_hsm + g, mask=mask_m, other=0.0)
+        w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
+                    other=0.0)
+        s = tl.load(s_base + (offs_n // SCALE_BLOCK_N) * stride_wsn + g * stride_wsg, mask=mask_n, other=0.0)
+        if EMULATE:
+            part = tl.dot(a_q.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(a_q, w)
+        acc += part * (a_s[:, None] * s[None, :])
+    weight = tl.load(weights_ptr + row, mask=mask_m, other=0.0)
+    tl.store(out_ptr + row[:, None] * H + offs_n[None, :], acc * weight[:, None], mask=mask_m[:, None] & mask_n[None, :])
+
+
+def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2: torch.Tensor, ws2: torch.Tensor,
+                      topk_ids: torch.Tensor, topk_weights: torch.Tensor, gated: bool,
+                      scale_block_n: tuple[int, int] = (128, 128), block_n: int | None = None) -> torch.Tensor:
+    """``kernels.moe_experts.fused_experts`` with e4m3 expert weights and their block scales:
+    ws13 [E, ceil(N / sb13), ceil(K / 128)], ws2 [E, ceil(H / sb2), ceil(I / 128)] with
+    ``scale_block_n`` = (sb13, sb2), each 128 or 1."""
+    sb13, sb2 = scale_block_n
+    M, K = x.shape
+    E, N, _ = w13.shape
+    H, I = w2.shape[1], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    if N != (2 * I if gated else I) or w13.shape[2] != K or w2.shape[0] != E:
+        raise ValueError(f"fused_experts_fp8: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}")
+    if gated and sb13 != 1 and I % sb13:
+        raise ValueError("fused_experts_fp8: [gate | up] on one 128-row grid needs I % 128 == 0 (else sb13 = 1)")
+    num_pairs = M * top_k
+    if num_pairs == 0:
+        return torch.zeros((M, H), dtype=x.dtype, device=x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cpu = x.device.type == "cpu"
+    block_m = 16 if cpu else _block_m(num_pairs, E)
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    sorted_pairs, block_expert = align_by_expert_triton(ids, E, block_m)
+    num_blocks = block_expert.shape[0]
+    groups_i = triton.cdiv(I, 128)
+    h = torch.empty((num_pairs, I), dtype=torch.float8_e4m3fn, device=x.device)
+    hs = torch.empty((num_pairs, groups_i), dtype=torch.float32, device=x.device)
+    em = emulate(_gate_up_fp8_kernel)
+    warps = 1 if cpu else 4
+    _gate_up_fp8_kernel[(num_blocks, groups_i)](
+        x, w13, ws13, h, hs, sorted_pairs, block_expert, num_pairs,
+        x.stride(0), w13.stride(0), w13.stride(1), ws13.stride(0), ws13.stride(1), ws13.stride(2), hs.stride(0),
+        K=K, I=I, TOP_K=top_k, E=E, GATED=gated, SCALE_BLOCK_N=sb13, BLOCK_M=block_m, EMULATE=em,
+        num_warps=warps, num_stages=1 if cpu else 3)
+    pair_out = torch.empty((num_pairs, H), dtype=torch.float32, device=x.device)
+    bn = block_n or (32 if cpu else 64)
+    _down_fp8_kernel[(num_blocks, triton.cdiv(H, bn))](
+        h, hs, w2, ws2, topk_weights.contiguous().float(), pair_out, sorted_pairs, block_expert, num_pairs,
+        hs.stride(0), w2.stride(0), w2.stride(1), ws2.stride(0), ws2.stride(1), ws2.stride(2),
+        I=I, H=H, E=E, SCALE_BLOCK_N=sb2, BLOCK_M=block_m, BLOCK_N=bn, EMULATE=em,
+        num_warps=warps, num_stages=1 if cpu else 3)
+    out = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(H))
+    _sum_slots_kernel[(M, triton.cdiv(H, block))](pair_out, ids, out, H=H, E=E, TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out

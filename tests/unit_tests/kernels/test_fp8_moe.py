@@ -1,0 +1,63 @@
+"""The FP8 fused MoE (triton_fp8_moe; interpreter on CPU, compiled on CUDA) against the emulated torch
+loop (moe_torch with scales): SwiGLU and relu^2 experts, top-k 2 / 3, EP "no expert" ids, an
+intermediate size that is not a multiple of 128 (one scale row per weight row)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megatron_async.kernels import fp8_quant as fq  # noqa: E402
+from megatron_async.kernels.moe_experts import fused_experts  # noqa: E402
+from megatron_async.kernels.moe_torch import fused_experts_torch  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def experts(E, H, I, gated, g):
+    """FP8 experts as a checkpoint stores them (gate / up each on its own grid), stacked: one
+    128-row grid when I % 128 == 0, else one scale row per weight row. -> (w13, s13, w2, s2, sbn)."""
+    parts = [torch.randn(E, I, H, generator=g) * 0.05 for _ in range(2 if gated else 1)]
+    quantized = [fq.quantize_weight(p) for p in parts]
+    q2, s2 = fq.quantize_weight(torch.randn(E, H, I, generator=g) * 0.05)
+    q13 = torch.cat([q for q, _ in quantized], dim=1)
+    if I % 128 == 0:
+        return q13, torch.cat([s for _, s in quantized], dim=1), q2, s2, (128, 128)
+    s13 = torch.cat([fq.row_scales(s, I) for _, s in quantized], dim=1)
+    return q13, s13, q2, s2, (1, 128)
+
+
+def routing(M, E, k, g, drop_some=False):
+    w, ids = torch.softmax(torch.randn(M, E, generator=g), -1).topk(k, dim=-1)
+    ids = ids.to(torch.int32)
+    if drop_some:  # EP: ids outside [0, E) mean "another rank's expert"
+        ids[::3, 0] = E + 1
+    return ids, w.float()
+
+
+@pytest.mark.parametrize("M,E,H,I,k,gated", [(1, 4, 256, 128, 2, True), (7, 4, 200, 256, 2, True),
+                                             (33, 8, 128, 128, 3, False), (9, 3, 256, 130, 2, True)])
+def test_fused_moe_fp8_against_emulated_loop(M, E, H, I, k, gated):
+    g = torch.Generator().manual_seed(M * 10 + E)
+    q13, s13, q2, s2, sbn = experts(E, H, I, gated, g)
+    x = torch.randn(M, H, generator=g) * 2
+    ids, w = routing(M, E, k, g, drop_some=M > 5)
+    ref = fused_experts_torch(x, q13, w2=q2, topk_ids=ids, topk_weights=w, gated=gated, w13_scale=s13,
+                              w2_scale=s2, scale_block_n=sbn)
+    dev = [t.to(DEVICE) for t in (x, q13, q2, ids, w, s13, s2)]
+    out = fused_experts(*dev[:5], gated, triton=True, w13_scale=dev[5], w2_scale=dev[6], scale_block_n=sbn)
+    err, scale = (out.cpu() - ref).abs().max(), ref.abs().max()
+    assert err <= (1e-5 if DEVICE == "cpu" else 1e-2) * scale, f"max err {err:.3g} of max |out| {scale:.3g}"
+
+
+def test_a_wrong_expert_scale_is_seen():
+    g = torch.Generator().manual_seed(2)
+    q13, s13, q2, s2, sbn = experts(4, 128, 128, True, g)
+    s13 = s13 * torch.tensor([1.0, 4.0, 0.25, 2.0])[:, None, None]
+    x = torch.randn(6, 128, generator=g)
+    ids, w = routing(6, 4, 2, g)
+    ref = fused_experts_torch(x, q13, q2, ids, w, True, s13, s2, sbn)
+    dev = [t.to(DEVICE) for t in (x, q13, q2, ids, w, s13.roll(1, dims=0), s2)]
+    bad = fused_experts(*dev[:5], True, triton=True, w13_scale=dev[5], w2_scale=dev[6], scale_block_n=sbn)
+    assert (bad.cpu() - ref).abs().max() > 1e-3 * ref.abs().max()
