@@ -38,7 +38,8 @@ class BenchRow:
     target_acceptance: float | None
     """Oracle per-token acceptance (None: plain decoding or the n-gram drafter)."""
     policy: str
-    """"forced" (min acceptance 0: always drafts) or "auto" (the default switch-off policy)."""
+    """"forced" (min acceptance 0, not adaptive: always drafts) or "auto" (the default policy: on
+    CUDA the adaptive per-step rule, speculative/policy.py)."""
     tokens_per_s: float
     plain_tokens_per_s: float
     speedup: float
@@ -100,6 +101,8 @@ class SpecBench:
         self.ngram = None if args.quick else self._llm(
             InferenceConfig(**common, num_speculative_tokens=K, speculative_method="ngram"))
         self.rows: list[BenchRow] = []
+        self._measured: set[int] = set()
+        """Batches at which the speculative engine's adaptive policy has measured its step costs."""
 
     def _llm(self, cfg: InferenceConfig, drafter=None) -> LLM:
         return LLM(None, self.device, self.dtype, cfg, default_model=self.model, drafter=drafter)
@@ -140,7 +143,7 @@ class SpecBench:
             prompts = self.prompts(B, False, seed=B)
             outs = self.plain.generate(prompts, params)
             self._set_oracle(prompts, outs, 0.0, max(self.args.ks))
-            self.spec.engine.scheduler.spec.min_acceptance = 0.3
+            self._set_policy(self.spec, "auto")
             self.spec.generate(prompts, params)
             return
         params = SamplingParams(top_k=1, num_tokens_to_generate=8, ignore_eos=True)
@@ -154,6 +157,13 @@ class SpecBench:
         cont = {tuple(p): o.generated_tokens for p, o in zip(prompts, plain_outs)}
         self.spec.context.spec.drafter.configure(cont, 1.0 - acceptance)  # in place: graphs captured it
         self.spec.engine.scheduler.spec.k = k
+
+    @staticmethod
+    def _set_policy(llm, policy: str) -> None:
+        """"forced": every row drafts; "auto": the engine's default policy."""
+        spec = llm.engine.scheduler.spec
+        spec.min_acceptance = 0.0 if policy == "forced" else 0.3
+        spec.adaptive = policy == "auto" and llm.config.speculative_adaptive and spec.k > 0
 
     def _params(self) -> SamplingParams:
         return SamplingParams(top_k=1, num_tokens_to_generate=self.args.output_len, ignore_eos=True)
@@ -174,7 +184,7 @@ class SpecBench:
         self.add(self._row("oracle", batch, 0, None, "plain", plain, wall, steps, plain, plain_tps, None))
         self._set_oracle(prompts, plain, 0.0, k)
         policy, st = self.spec.engine.scheduler.spec, self.spec.engine.stats
-        policy.min_acceptance = 0.3
+        self._set_policy(self.spec, "auto")
         prior, before = policy.recent_acceptance, (st.graph_captures_after_warmup, st.spec_verify_rows,
                                                     (st.spec_draft_tokens_per_depth or [0])[-1])
         self._spec_run(self.spec, "oracle", batch, k, 0.0, "auto", prompts, params, plain, plain_tps)
@@ -201,9 +211,11 @@ class SpecBench:
                         self._replain(first, batch, prompts, params, plain_tps)
                         return self.rows
                     self._set_oracle(prompts, plain, acc, k)
-                    policies = ["forced", "auto"] if acc == 0.0 else ["forced"]
-                    for policy in policies:
-                        self.spec.engine.scheduler.spec.min_acceptance = 0.0 if policy == "forced" else 0.3
+                    for policy in ("forced", "auto"):
+                        self._set_policy(self.spec, policy)
+                        if policy == "auto" and batch not in self._measured:  # its step costs, untimed
+                            self._measured.add(batch)
+                            self.spec.generate(prompts, params)
                         self._spec_run(self.spec, "oracle", batch, k, acc, policy, prompts, params, plain, plain_tps)
             self._replain(first, batch, prompts, params, plain_tps)
             if self.time_left():
@@ -234,7 +246,7 @@ class SpecBench:
         prompts = self.prompts(batch, False, seed=batch)
         plain = self.plain.generate(prompts, params)
         self._set_oracle(prompts, plain, 0.8, k)
-        self.spec.engine.scheduler.spec.min_acceptance = 0.0
+        self._set_policy(self.spec, "forced")
         _, rep = profile_run(self.spec.engine, lambda: self.spec.generate(prompts, params))
         if rep is None:
             return None
@@ -248,6 +260,7 @@ class SpecBench:
         plain, wall, _ = self.timed(self.plain, prompts, params)
         plain_tps = sum(len(o.generated_tokens) for o in plain) / wall
         K = max(self.args.ks)
+        self.ngram.generate(prompts, params)  # untimed: the policy measures its step costs at this batch
         self._spec_run(self.ngram, "ngram-repetitive", batch, K, None, "auto", prompts, params, plain, plain_tps)
 
     def _spec_run(self, llm, workload, batch, k, acc, policy, prompts, params, plain, plain_tps) -> None:

@@ -87,6 +87,11 @@ class LLM:
         self.config.validate()
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
+        if tensor_parallel_size > 1 or expert_parallel_size > 1:  # ranks must schedule alike: no decisions from own timings
+            if self.config.speculative_adaptive:
+                raise ValueError("speculative_adaptive decides from each rank's own step times: not under tensor / "
+                                 "expert parallelism")
+            self.config = replace(self.config, speculative_adaptive=False)
         self.config = self.config.for_device(self.device.type)  # a copy where a default depends on the device
         self.memory_plan: MemoryPlan | None = None
         """How the KV pool was sized on CUDA when the config gives no size (see memory_planning.py)."""

@@ -227,7 +227,8 @@ class InferenceConfig:
     speculative_min_acceptance: float = 0.3
     """A request whose recent draft acceptance (moving average of accepted / drafted) falls
     below this decodes without drafts, probing again with one draft every
-    ``speculative_probe_interval`` steps; 0 = never switch off by acceptance."""
+    ``speculative_probe_interval`` steps; 0 = never switch off by acceptance. Not with
+    ``speculative_adaptive`` (its per-step rule switches drafting off where it does not pay)."""
 
     speculative_probe_interval: int = 16
     """Decode rows a request runs without drafts, once switched off, before it probes again."""
@@ -235,6 +236,14 @@ class InferenceConfig:
     speculative_max_batch_size: int = 0
     """Steps with more decode rows than this run without drafts (verify costs more than it
     saves once the forward is compute bound); 0 = no limit."""
+
+    speculative_adaptive: bool | None = None
+    """Decide per step, from measured step costs, whether drafting pays: a step verifies drafts
+    at width W only when the rows' expected tokens per row (from their acceptance) exceed what a
+    W-wide verify step costs over a plain step at this batch size (speculative/policy.py). None:
+    on for CUDA, off on CPU (where step time follows the token count and the tests exercise the
+    drafting itself) and under tensor / expert parallelism (ranks schedule alike; their timings
+    differ); False: rows draft whenever their acceptance allows."""
 
     def __post_init__(self):
         # str values of the enum fields (CLI, JSON) become their enums; ValueError on unknown ones
@@ -287,10 +296,13 @@ class InferenceConfig:
 
     def for_device(self, device_type: str) -> InferenceConfig:
         """This config with the device-dependent defaults filled in (a copy; self unchanged when
-        nothing is None): ``cuda_graphs`` on for CUDA only, and on CPU a 1 GB KV budget."""
+        nothing is None): ``cuda_graphs`` and ``speculative_adaptive`` on for CUDA only, and on
+        CPU a 1 GB KV budget."""
         changes = {}
         if self.cuda_graphs is None:
             changes["cuda_graphs"] = device_type == "cuda"
+        if self.speculative_adaptive is None:
+            changes["speculative_adaptive"] = device_type == "cuda"
         if device_type != "cuda" and self.buffer_size_gb is None:
             changes["buffer_size_gb"] = CPU_BUFFER_SIZE_GB
         return replace(self, **changes) if changes else self

@@ -47,6 +47,8 @@ class Speculation:
     speculative_probe_interval: int
     speculative_max_batch_size: int
     max_sequence_length: int
+    speculative_adaptive: bool | None = False
+    cuda_graph_verify_widths: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -243,7 +243,8 @@ class DynamicInferenceRequest:
     spec_slot: int = -1
     """Speculative decoding: row of this request's device draft state (-1 = none)."""
     spec_acceptance: float = 1.0
-    """Moving average of accepted / drafted tokens of its verify rows (host, bookkept)."""
+    """Moving average of its drafts' acceptance over its verify rows (host, bookkept): accepted /
+    drafted, or per position in the adaptive speculative policy (speculative/policy.py)."""
     spec_drafts_fresh: bool = False
     """Its latest launched row ran the drafter, so its spec slot holds drafts for its next row
     (a plain step of a speculative engine leaves them stale; speculative/plain_steps.py)."""

@@ -196,7 +196,8 @@ def test_cuda_mtp_speculation_equals_plain_decoding(qwen3_mtp_ckpt, kind, async_
     def llm(k: int) -> LLM:
         cfg = InferenceConfig(max_requests=64, max_tokens=64, max_sequence_length=512, num_kv_blocks=4096,
                               block_size_tokens=16, num_speculative_tokens=k, speculative_method="mtp",
-                              speculative_min_acceptance=0.0, cuda_graphs=graphs, async_scheduling=async_scheduling)
+                              speculative_min_acceptance=0.0, speculative_adaptive=False, cuda_graphs=graphs,
+                              async_scheduling=async_scheduling)
         return LLM(model=str(qwen3_mtp_ckpt), device="cuda", dtype="float32", inference_config=cfg)
 
     plain = llm(0).generate(prompts, params)

@@ -90,6 +90,7 @@ class Scheduler:
             elif status == paused:
                 any_paused = True
         spare, n = budget - len(decoding), len(decoding)
+        self.spec.plan_step(decoding)  # the most drafts a row may verify in this step (what pays)
         drafts_for, ctx, bs = self.spec.drafts_for, self.ctx, self.ctx.block_size
         for req, room in zip(decoding, rooms):  # _reserve_decode, spelled out
             k = drafts_for(req, n, min(spare, room - 1))

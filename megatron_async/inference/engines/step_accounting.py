@@ -79,9 +79,13 @@ class StepAccounting:
         self.stats.rejected_causes[self._rejection_cause()] += 1
 
     def wall_time(self, pending: PendingLaunch, wall: float) -> None:
-        """Host seconds of the ``step()`` that landed ``pending``."""
+        """Host seconds of the ``step()`` that landed ``pending``; a decode step tells the
+        speculative policy what it cost."""
         if pending.is_decode_only:
             self.stats.decode_wall_time += wall
+            spec = self.scheduler.spec
+            if spec.adaptive:
+                spec.observe_step(len(pending.rows), max((r.num_drafts for r in pending.rows), default=0), wall)
         else:
             self.stats.prefill_wall_time += wall
 

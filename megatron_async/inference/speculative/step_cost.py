@@ -1,0 +1,76 @@
+"""What a decode step costs, measured: the wall time of the engine's steps per (batch bucket,
+row width), for the speculative policy's per-step choice (policy.py).
+
+Width 1 is a plain decode step; width W > 1 a verify step whose widest row holds W - 1 drafts
+(rows are padded to the verify graph's width, so its cost depends on the batch and W, not on
+how many rows draft). A step's cost is the host wall time of the ``engine.step()`` that landed
+it: in steady launch-ahead the device runs steps back to back and that time is the device step
+(when the host is the bottleneck it is the host's time, which is then what bounds throughput;
+serial steps: host and device one after the other).
+Each (bucket, width) keeps a moving average and the scheduler step it was last measured at.
+
+Buckets: 1, 2, 4 and 8 rows by the next power of two, then multiples of 16 (the decode graphs'
+sizes). The cost ratio R(B, W) = cost(B, W) / cost(B, 1) of a bucket without both measured is
+bounded by its neighbours: verify work grows with the batch while a plain step's barely does
+(memory bound), so R does not fall as B grows; the smaller buckets' ratios bound it from below,
+the larger ones' from above."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_EMA = 0.2  # weight of the newest step in a cell's average
+
+
+def bucket(rows: int) -> int:
+    if rows <= 8:
+        return 1 << max(0, rows - 1).bit_length()
+    return -(-rows // 16) * 16
+
+
+@dataclass
+class Cell:
+    seconds: float
+    step: int
+    """The policy's step count when last measured."""
+
+
+class StepCosts:
+    def __init__(self):
+        self.cells: dict[tuple[int, int], Cell] = {}
+
+    def observe(self, rows: int, width: int, seconds: float, step: int) -> None:
+        """A landed decode step of ``rows`` rows, widest row ``width`` tokens, took ``seconds``."""
+        if rows <= 0 or seconds <= 0:
+            return
+        key = (bucket(rows), width)
+        cell = self.cells.get(key)
+        if cell is None:
+            self.cells[key] = Cell(seconds, step)
+        else:
+            cell.seconds += _EMA * (seconds - cell.seconds)
+            cell.step = step
+
+    def cell(self, rows: int, width: int) -> Cell | None:
+        return self.cells.get((bucket(rows), width))
+
+    def ratio(self, rows: int, width: int) -> float | None:
+        """cost(B, W) / cost(B, 1) where both are measured at ``rows``' bucket."""
+        b = bucket(rows)
+        wide, plain = self.cells.get((b, width)), self.cells.get((b, 1))
+        return wide.seconds / plain.seconds if wide is not None and plain is not None else None
+
+    def ratio_bounds(self, rows: int, width: int) -> tuple[float, float]:
+        """(lowest, highest) R(B, W) that the other buckets' measured ratios allow (1 and
+        infinity without any)."""
+        b, lo, hi = bucket(rows), 1.0, float("inf")
+        for (other, w) in self.cells:
+            if w != width or other == b:
+                continue
+            r = self.ratio(other, width)
+            if r is None:
+                continue
+            if other < b:
+                lo = max(lo, r)
+            else:
+                hi = min(hi, r)
+        return lo, max(lo, hi)
