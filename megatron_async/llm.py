@@ -91,7 +91,9 @@ class LLM:
             if self.config.speculative_adaptive:
                 raise ValueError("speculative_adaptive decides from each rank's own step times: not under tensor / "
                                  "expert parallelism")
-            self.config = replace(self.config, speculative_adaptive=False)
+            # kernels built one by one unless asked (dry captures of collectives are not tried on several ranks)
+            self.config = replace(self.config, speculative_adaptive=False,
+                                  startup_build_threads=self.config.startup_build_threads or 0)
         self.config = self.config.for_device(self.device.type)  # a copy where a default depends on the device
         self.memory_plan: MemoryPlan | None = None
         """How the KV pool was sized on CUDA when the config gives no size (see memory_planning.py)."""
