@@ -61,7 +61,7 @@ def test_kernels_built_at_once_from_dry_captures_serve_the_same_tokens(tmp_path)
         llm = LLM(model=str(path), device="cuda", dtype="float32", inference_config=cfg)
         phases = llm.startup.phases
         if threads:
-            assert phases["kernel builds"].builds > 0 and "0 steps" not in phases["kernel builds"].note
+            assert phases["kernel builds"].builds > 0 and not phases["kernel builds"].note.startswith("0 ")
             assert phases["eager steps"].note == "0 steps"  # every eager shape was captured dry
             assert phases["graph captures"].builds == 0  # the dry shapes covered what the graphs launch
         else:
