@@ -24,6 +24,10 @@ from megatron_async.models.megatron_tables import IGNORED_SUFFIXES, MEGATRON_PRE
 from megatron_async.models.slab_loading import Slab, WeightUpdateError
 
 
+class UnknownTensorError(WeightUpdateError):
+    """A Megatron-Core name no rule of the architecture accepts."""
+
+
 @dataclass(frozen=True)
 class Dims:
     """The full (unsharded) sizes the layouts need (``DecoderModel.megatron_dims``)."""
@@ -187,7 +191,7 @@ def _resolve(names: NameMap, dims: Dims, name: str, shard: Shard) -> tuple[Rule,
     """(rule, global layer, global expert, split rank, split size) of a Megatron tensor name."""
     found = names.match(name)
     if found is None:
-        raise WeightUpdateError(f"unknown Megatron-Core tensor {name!r} for {names.arch}")
+        raise UnknownTensorError(f"unknown Megatron-Core tensor {name!r} for {names.arch}")
     rule, fields = found
     layer = fields.get("layer")
     layer = None if layer is None else layer + shard.layer_offset

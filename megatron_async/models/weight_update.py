@@ -20,8 +20,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from megatron_async.models.checkpoint import safetensors_files
-from megatron_async.models.megatron_layouts import NameMap, Shard, detect_format, megatron_slabs
-from megatron_async.models.slab_loading import CopyProgram, Slab, WeightPlan, WeightUpdateError
+from megatron_async.models.megatron_layouts import NameMap, Shard, UnknownTensorError, detect_format, megatron_slabs
+from megatron_async.models.slab_loading import CopyProgram, Slab, WeightPlan, WeightUpdateError, name_list
 
 __all__ = ["CopyPlanCache", "WeightUpdateError", "update_weights_in_place", "weight_slabs"]
 
@@ -57,26 +57,38 @@ def _normalise(weights) -> list[tuple]:
 
 
 def weight_slabs(model: nn.Module, metas: Iterable[tuple], weights_format: str | None) -> tuple[list[Slab], list[int]]:
-    """Metadata slabs of (name, shape, dtype[, Shard]) inputs and the input index of each slab:
-    HF names give one full slab, Megatron-Core names the slabs of their layout and shard."""
-    metas = list(metas)
+    """Metadata slabs of (name, shape, dtype[, Shard[, rows]]) inputs and the input index of each
+    slab: an HF name gives one full slab (or the rows [start, stop) of dim 0 a piece holds), a
+    Megatron-Core name the slabs of its layout and shard."""
+    metas = [(*m, None, None)[:5] for m in metas]
     fmt = weights_format or detect_format(m[0] for m in metas)
     if fmt not in FORMATS:
         raise WeightUpdateError(f"weights_format must be one of {FORMATS} or None, got {weights_format!r}")
     slabs, inputs = [], []
-    if fmt == "hf":
-        for i, (name, shape, dtype, *shard) in enumerate(metas):
-            if shard and shard[0] is not None:
-                raise WeightUpdateError(f"{name}: shards are given with Megatron-Core names (weights_format='megatron')")
-            slabs.append(Slab(name, (0,) * len(shape), tuple(shape), tuple(shape), None, dtype))
-            inputs.append(i)
-        return slabs, inputs
-    names, dims = NameMap.for_arch(model.spec.name), model.megatron_dims()
-    for i, (name, shape, dtype, *shard) in enumerate(metas):
-        for slab in megatron_slabs(names, dims, name, tuple(shape), None, shard[0] if shard and shard[0] else Shard(),
-                                   dtype=dtype):
-            slabs.append(slab)
-            inputs.append(i)
+    names = dims = None
+    if fmt == "megatron":
+        names, dims = NameMap.for_arch(model.spec.name), model.megatron_dims()
+    unknown = []
+    for i, (name, shape, dtype, shard, rows) in enumerate(metas):
+        shape = tuple(shape)
+        if fmt == "megatron":
+            try:
+                found = megatron_slabs(names, dims, name, shape, None, shard or Shard(), rows, dtype)
+            except UnknownTensorError:
+                unknown.append(name)
+                continue
+        elif shard is not None and shard != Shard():
+            raise WeightUpdateError(f"{name}: shards are given with Megatron-Core names (weights_format='megatron')")
+        elif rows is not None:
+            found = [Slab(name, (rows[0], *[0] * (len(shape) - 1)), (rows[1] - rows[0], *shape[1:]), shape, None, dtype,
+                          (0,) * len(shape))]
+        else:
+            found = [Slab(name, (0,) * len(shape), shape, shape, None, dtype)]
+        slabs += found
+        inputs += [i] * len(found)
+    if unknown:
+        raise WeightUpdateError(f"weight update refused, nothing was changed: unknown Megatron-Core tensors for "
+                                f"{names.arch}: {name_list(sorted(set(unknown)))}")
     return slabs, inputs
 
 

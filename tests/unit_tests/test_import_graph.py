@@ -7,7 +7,7 @@ lazy exports of ``megatron_async/__init__.py`` and the model registry are). ``if
 blocks are annotations only and count where a test says so.
 
 Dependencies point one way (``LAYERS``): the step's data types (``forward_batch``,
-``step_shape``) and ``config`` at the bottom, then ``kernels``, ``parallel``, ``models``, then
+``step_shape``) and ``config`` at the bottom, then ``kernels``, ``parallel``, ``models``, ``weight_transfer``, then
 ``inference`` and the entry points (``llm``, ``serve``, ``tools``) above. No import cycle
 between modules (annotations included), none between the subpackages (and modules) of
 ``inference``, and library code never imports measurement or test code: ``benchmarks``,
@@ -25,6 +25,7 @@ LAYERS = (
     ("megatron_async.kernels",),
     ("megatron_async.parallel",),
     ("megatron_async.models",),
+    ("megatron_async.weight_transfer",),
     ("megatron_async.inference",),
 )
 """From the bottom up: a module imports only from its own layer or those below. Everything

@@ -320,6 +320,24 @@ class DynamicInferenceEngine:
         """Give back the device memory of ``tags`` freed by ``suspend``; then ``resume_generation()``."""
         self.control.resume(tags)
 
+    # ------------------------------------------------------------------ weights from a trainer (weight_receiver.py)
+    def init_weight_transfer(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                             backend: str | None = None, timeout_s: float = 300.0) -> int:
+        """Join a trainer's transfer group (``megatron_async.weight_transfer``) as rank ``rank_offset``
+        + this rank's global rank (returned); ``backend``: "nccl" / "gloo" (None: by device)."""
+        return self.weights.init_transfer(master_address, master_port, rank_offset, world_size, backend, timeout_s)
+
+    def update_weights_from_distributed(self, metadata, version: int | None = None, recompute_kv: bool = True) -> int:
+        """Receive the bucketed update a trainer broadcasts (``metadata``: its manifest); the new weight version."""
+        return self.weights.from_distributed(metadata, version, recompute_kv)
+
+    def update_weights_from_ipc(self, handles, version: int | None = None, recompute_kv: bool = True) -> int:
+        """Copy a colocated trainer's weights from its shared storages (``weight_transfer.ipc``); the new version."""
+        return self.weights.from_ipc(handles, version, recompute_kv)
+
+    def destroy_weight_transfer(self) -> None:
+        self.weights.destroy()
+
     # ------------------------------------------------------------------ endings
     def _apply_aborts(self, out: StepResult) -> None:
         aborts, self._aborts = self._aborts, {}

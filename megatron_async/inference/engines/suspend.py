@@ -121,7 +121,8 @@ class MemorySuspender:
         if self.suspended:
             raise SuspendError(f"cannot generate while {sorted(self.suspended)} are suspended: resume them first")
         if self.weights_missing:
-            raise SuspendError("the weights were dropped at suspend: refill them with update_weights first")
+            raise SuspendError("the weights were dropped at suspend or left incomplete by a failed transfer: refill "
+                               "them with update_weights first")
 
     def blocking_code(self, rank: int) -> int:
         """This rank's "cannot generate" state as one int for the per-step max-reduce (0: it can):

@@ -1,14 +1,33 @@
 """The engine's weight updates: every way new weights arrive ends in the one slab loader
-(``models/slab_loading.py``) with the same rules: the weights must be resident
+(``models/slab_loading.py``) under the same rules: the weights must be resident
 (``MemorySuspender.check_can_update_weights``), everything is checked before anything is copied,
 and a completed update sets the weight version and the KV recompute rule (``set_weight_version``).
-The receiver keeps the copy plans of recent updates (``CopyPlanCache``), so an RL loop that sends
-the same tensors every step pays for planning once."""
+
+  ``update``            in-process tensors (HF or Megatron-Core names) or a checkpoint directory
+  ``init_transfer``     join a transfer group with a trainer (``megatron_async.weight_transfer``)
+  ``from_distributed``  a bucketed broadcast described by a manifest, copied bucket by bucket
+  ``from_ipc``          a colocated trainer's storages (CUDA IPC / shared memory), copied directly
+
+The receiver keeps the copy plans of recent updates (``CopyPlanCache``) and the storages and copy
+lists of the last IPC payload, so an RL loop that sends the same tensors every step pays for
+planning once. A transfer that fails after its first byte moved leaves the weights incomplete:
+generation is refused (``weights_missing``) until an update completes."""
 from __future__ import annotations
 
+import logging
 import numbers
 
-from megatron_async.models.weight_update import CopyPlanCache, update_weights_in_place
+import torch
+
+from megatron_async.models.megatron_layouts import Shard
+from megatron_async.models.slab_loading import WeightPlan, WeightUpdateError
+from megatron_async.models.weight_update import CopyPlanCache, update_weights_in_place, weight_slabs
+from megatron_async.weight_transfer import ipc
+from megatron_async.weight_transfer.group import TransferFailed, check_group_args, init_transfer_group
+from megatron_async.weight_transfer.manifest import _SHARD_FIELDS, DTYPES, Manifest, ManifestError
+from megatron_async.weight_transfer.receiver import Refused, plan_manifest, receive
+
+log = logging.getLogger("megatron_async")
 
 
 def check_version(version) -> None:
@@ -18,12 +37,15 @@ def check_version(version) -> None:
 
 
 class WeightReceiver:
-    """One per engine: ``update`` (in-process tensors or a checkpoint directory)."""
-
     def __init__(self, engine):
         self.engine = engine
         self.model = engine.runner.model
         self.plans = CopyPlanCache()
+        self.group = None
+        self.last_receive = None
+        """``ReceiveStats`` of the last distributed update on this rank."""
+        self._storages = ipc.IpcStorages()
+        self._bound = None  # (program, BoundCopy) of the last IPC payload
 
     def commit(self, version: int | None, recompute_kv: bool) -> int:
         """The update completed: the new version (None: the current one + 1)."""
@@ -38,3 +60,99 @@ class WeightReceiver:
         self.engine.memory.check_can_update_weights()
         update_weights_in_place(self.model, weights, weights_format=weights_format, cache=self.plans)
         return self.commit(version, recompute_kv)
+
+    # ------------------------------------------------------------------ transfer group
+    def init_transfer(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                      backend: str | None = None, timeout_s: float = 300.0) -> int:
+        """Join the trainer's transfer group as rank ``rank_offset`` + this engine rank's global
+        rank (returned); ``backend`` None: NCCL on CUDA, gloo on CPU. Blocks until every rank joined."""
+        check_group_args(master_address, master_port, rank_offset, world_size, backend)
+        if self.group is not None:
+            raise ValueError("a weight transfer group is already set up: destroy_weight_transfer() first")
+        device = next(self.model.parameters()).device
+        rank = rank_offset + self.model.parallel.global_rank
+        if rank >= world_size:
+            raise ValueError(f"engine rank {rank} (rank_offset + global rank) is outside world_size {world_size}")
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        self.group = init_transfer_group(master_address, master_port, rank, world_size, backend, timeout_s,
+                                         device if device.type == "cuda" else None)
+        return rank
+
+    def destroy(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group = None
+
+    def from_distributed(self, metadata, version: int | None = None, recompute_kv: bool = True) -> int:
+        """Receive the update ``metadata`` (a ``Manifest``, its dict or JSON) describes. A bad
+        manifest or a state that forbids updates is refused in the begin frame (the trainer's
+        ``send`` fails, nothing is copied) and raised here; ``TransferFailed`` after that."""
+        if self.group is None:
+            raise ValueError("no weight transfer group: call init_weight_transfer first")
+        manifest, error = None, None
+        try:
+            check_version(version)
+            manifest = Manifest.from_json(metadata)
+            if version is None and manifest.version is not None:
+                version = manifest.version
+        except (ManifestError, ValueError) as e:
+            error = e
+
+        def prepare():
+            if error is not None:
+                raise error
+            self.engine.memory.check_can_update_weights()
+            return plan_manifest(self.model, manifest, self.plans)
+
+        try:
+            self.last_receive = receive(self.group, manifest, prepare)
+        except Refused as r:
+            raise r.error from None
+        except TransferFailed:
+            self.engine.memory.weights_missing = True
+            log.error("weight transfer failed after it began: generation is refused until an update completes")
+            raise
+        return self.commit(version, recompute_kv)
+
+    # ------------------------------------------------------------------ IPC
+    def from_ipc(self, handles, version: int | None = None, recompute_kv: bool = True) -> int:
+        """Copy from a colocated trainer's shared storages (``weight_transfer.ipc`` payloads: one
+        or a list, one per trainer rank). Everything is validated before any storage is mapped."""
+        check_version(version)
+        self.engine.memory.check_can_update_weights()
+        fmt, storages, tensors = ipc.parse(handles)
+        key = ("ipc", fmt, tuple(ipc.storage_key(s) for s in storages),
+               tuple((t["name"], t["storage"], t["dtype"], tuple(t["shape"]), tuple(t["stride"]),
+                      t["storage_offset"], *(t.get(k) for k in _SHARD_FIELDS)) for t in tensors))
+
+        def build():
+            metas = [(t["name"], tuple(t["shape"]), DTYPES[t["dtype"]], _shard(t)) for t in tensors]
+            slabs, inputs = weight_slabs(self.model, metas, fmt)
+            plan = WeightPlan(self.model, require_all=False)
+            plan.check(slabs)
+            plan.verify()
+            return plan, plan.program(slabs, inputs, len(tensors))
+
+        plan, program = self.plans.get(self.model, key, build)
+        opened = self._storages.open(storages)
+        if self._bound is None or self._bound[0] is not program:  # same program: same storages, same views
+            self._bound = (program, program.bind(ipc.views(opened, tensors)))
+        program.begin()
+        copied = self._bound[1].run()
+        if any(st.device.type == "cuda" for st in opened):
+            torch.cuda.current_stream(opened[0].device).synchronize()  # done reading before the trainer moves on
+        plan.finish(copied)
+        return self.commit(version, recompute_kv)
+
+    def release_ipc(self) -> None:
+        """Unmap the trainer's storages kept from the last IPC update."""
+        self._storages.release()
+        self._bound = None
+
+
+def _shard(t: dict) -> Shard:
+    fields = {k: t[k] for k in _SHARD_FIELDS if k in t}
+    try:
+        return Shard(**fields)
+    except ValueError as e:
+        raise WeightUpdateError(str(e)) from None

@@ -1,0 +1,92 @@
+"""The transfer group: a process group of its own between a trainer's sending ranks and every
+engine rank (ranks [0, rank_offset) send, rank_offset + r is engine rank r). It is built from a
+``TCPStore`` directly (``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on GPUs) and never
+becomes the default group, so it lives beside the engine's TP / EP group and the trainer's own
+Megatron-Core groups. Rank 0 hosts the store.
+
+A transfer is framed by two all-gathers of ``int64[2]`` (``frame``): begin ``[status, manifest
+digest]`` (every rank checked the manifest before any byte moves; a refusal, or manifests that
+differ, stops everyone with nothing copied) and end ``[status, elements copied]`` (each engine
+rank reports whether it copied exactly what its plan expects)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+STORE_PREFIX = "megatron_async_weight_transfer"
+BACKENDS = ("gloo", "nccl")
+
+
+class TransferFailed(RuntimeError):
+    """A transfer that some rank refused or did not complete (the message says which)."""
+
+
+@dataclass
+class TransferGroup:
+    pg: object
+    rank: int
+    world_size: int
+    device: torch.device
+    """Where collectives' tensors live: CPU for gloo, this process's GPU for NCCL."""
+    store: object = None
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        self.pg.broadcast([t], opts).wait()
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        self.pg.allgather([out], [t]).wait()
+        return out
+
+    def frame(self, status: int, value: int) -> list[tuple[int, int]]:
+        """Every rank's (status, value)."""
+        mine = torch.tensor([status, value], dtype=torch.int64, device=self.device)
+        return [tuple(int(x) for x in t.tolist()) for t in self.all_gather(mine)]
+
+    def close(self) -> None:
+        shutdown = getattr(self.pg, "shutdown", None) or getattr(self.pg, "_shutdown", None)
+        if shutdown is not None and self.device.type == "cuda":
+            shutdown()
+        self.pg = self.store = None
+
+
+def check_group_args(master_address, master_port, rank_offset, world_size, backend) -> None:
+    """ValueError naming the first bad argument of ``init_weight_transfer``."""
+    if not isinstance(master_address, str) or not master_address:
+        raise ValueError(f"master_address must be a host name or address, got {master_address!r}")
+    for name, value, low in (("master_port", master_port, 1), ("rank_offset", rank_offset, 0),
+                             ("world_size", world_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if master_port > 65535:
+        raise ValueError(f"master_port must be <= 65535, got {master_port}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+
+
+def init_transfer_group(master_address: str, master_port: int, rank: int, world_size: int,
+                        backend: str = "gloo", timeout_s: float = 300.0,
+                        device: torch.device | None = None) -> TransferGroup:
+    """Join a transfer group as ``rank`` of ``world_size`` (blocks until every rank joined).
+    ``device`` (NCCL): this rank's GPU (default: the current one)."""
+    check_group_args(master_address, master_port, 0, world_size, backend)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside [0, {world_size})")
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=timeout)
+    prefixed = dist.PrefixStore(STORE_PREFIX, store)
+    if backend == "gloo":
+        return TransferGroup(dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), rank, world_size,
+                             torch.device("cpu"), store)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (lent machines refuse it)
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    return TransferGroup(pg, rank, world_size, device, store)

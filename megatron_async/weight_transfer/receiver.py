@@ -1,0 +1,97 @@
+"""The engine's side of a bucketed transfer: plan the whole manifest once (the one slab loader:
+names, shapes, dtypes, shards, coverage, all before any byte moves), then copy each bucket into
+place as it arrives, through one bucket buffer (never a second copy of the weights)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatron_async.models.slab_loading import CopyProgram, WeightPlan
+from megatron_async.models.weight_update import CopyPlanCache, weight_slabs
+from megatron_async.weight_transfer.group import TransferFailed, TransferGroup
+from megatron_async.weight_transfer.manifest import Manifest
+
+
+@dataclass
+class ReceiveStats:
+    buckets: int = 0
+    elements_copied: int = 0
+    buffer_bytes: int = 0
+    """Bytes the receive allocated beyond the model (its one bucket buffer)."""
+
+
+def plan_manifest(model: nn.Module, manifest: Manifest, cache: CopyPlanCache | None = None
+                  ) -> tuple[WeightPlan, CopyProgram]:
+    """The checked plan and copy program of ``manifest`` (input i = the i-th tensor entry);
+    ``WeightUpdateError`` for a manifest this model cannot take."""
+    entries = manifest.entries()
+
+    def build():
+        metas = [(e.name, e.shape, e.torch_dtype, e.shard, e.rows) for e in entries]
+        slabs, inputs = weight_slabs(model, metas, manifest.weights_format)
+        plan = WeightPlan(model, require_all=False)
+        plan.check(slabs)
+        plan.verify()
+        return plan, plan.program(slabs, inputs, len(entries))
+
+    if cache is None:
+        return build()
+    return cache.get(model, ("manifest", manifest.to_json()), build)
+
+
+class Refused(Exception):
+    """Why this engine rank refused an update at the begin frame (the caller's error to raise)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+def receive(group: TransferGroup, manifest: Manifest | None, prepare) -> ReceiveStats:
+    """Take part in one transfer. ``prepare()`` returns (plan, program) or raises to refuse (a
+    ``manifest`` of None is refused too: this rank joins the begin frame with its refusal, so no
+    sender waits for it); a refusal raises ``Refused(error)`` after the begin frame, nothing
+    copied. After the begin frame a failure on any rank raises ``TransferFailed`` (this rank
+    keeps receiving until the end frame, so the group stays in step)."""
+    error, plan, program = None, None, None
+    try:
+        if manifest is None:
+            raise ValueError("no manifest")
+        plan, program = prepare()
+    except Exception as e:  # noqa: BLE001 -- reported to every rank by the begin frame
+        error = e
+    begin = group.frame(1 if error else 0, 0 if manifest is None else manifest.digest())
+    if error is not None:
+        raise Refused(error)
+    if any(status for status, _ in begin) or len({h for _, h in begin}) != 1:
+        raise TransferFailed(f"refused before any bucket moved (rank: (status, manifest digest)): {dict(enumerate(begin))}")
+    stats = ReceiveStats(buffer_bytes=manifest.max_bucket_bytes)
+    buf = torch.empty(manifest.max_bucket_bytes, dtype=torch.uint8, device=group.device)
+    program.begin()
+    failure, index = None, 0
+    for b in manifest.buckets:
+        view = buf[: b.nbytes]
+        group.broadcast(view, b.src)
+        if failure is None:
+            try:
+                items = [(index + i, view[e.offset: e.offset + e.nbytes].view(e.torch_dtype).view(e.piece_shape))
+                         for i, e in enumerate(b.tensors)]
+                stats.elements_copied += program.run(items)
+                stats.buckets += 1
+            except Exception as e:  # noqa: BLE001 -- reported at the end frame
+                failure = e
+        index += len(b.tensors)
+    del buf
+    try:
+        if failure is None:
+            plan.finish(stats.elements_copied)
+    except Exception as e:  # noqa: BLE001
+        failure = e
+    end = group.frame(0 if failure is None else 1, stats.elements_copied)
+    if failure is not None:
+        raise TransferFailed(f"this engine rank did not complete the update ({failure}); its weights are incomplete")
+    if any(status for status, _ in end):
+        raise TransferFailed(f"another engine rank did not complete the update: {dict(enumerate(end))}")
+    return stats
