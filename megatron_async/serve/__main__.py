@@ -57,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reads tool calls out of chat answers to requests with tools (hermes: "
                         "<tool_call>{json}</tool_call>); auto: hermes when the chat template mentions <tool_call>")
     g.add_argument("--enable-admin-endpoints", action="store_true",
-                   help="serve POST /pause_generation, /resume_generation, /update_weights, /suspend, /resume "
-                        "(for an RL driver; anyone who can reach the port can call them)")
+                   help="serve POST /pause_generation, /resume_generation, /update_weights, /suspend, /resume, "
+                        "/init_weight_transfer, /update_weights_from_distributed, /update_weights_from_ipc, "
+                        "/destroy_weight_transfer, /abort_requests (for an RL driver; anyone who can reach the "
+                        "port can call them)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="splits a chat answer's <think>...</think> section into reasoning_content")
     return p
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         if not llm.is_leader:  # tensor parallelism: rank 0 serves, this rank follows its steps
             from megatron_async.serve.engine_loop import follow_rank0
 
-            follow_rank0(llm.engine, llm.communicator)
+            follow_rank0(llm.engine, llm.communicator, llm.update_weights)
             return 0
         sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
         serving = Serving(build_state(llm, args), args.host, args.port, args.api_server_count, args.log_level)

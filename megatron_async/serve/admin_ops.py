@@ -8,6 +8,7 @@ import logging
 from typing import Any, Callable
 
 from megatron_async.serve import responses as resp
+from megatron_async.serve.refit_ops import REFIT_OPS
 
 log = logging.getLogger("megatron_async.serve")
 
@@ -18,6 +19,7 @@ ADMIN_OPS: dict[str, Callable[[Any, Callable[..., int] | None, dict], Any]] = {
     "update_weights": lambda _, update_weights, args: update_weights(args["path"], version=args.get("version")),
     "suspend": lambda engine, _, args: engine.suspend(**args),
     "resume": lambda engine, _, args: engine.resume(**args),
+    **REFIT_OPS,
 }
 """Operation name (also its route: POST /NAME) -> what it runs. admin_routes.py's checks give
 the engine methods' keyword arguments (a missing one: the engine's default)."""

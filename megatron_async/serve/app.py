@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from megatron_async.serve import openai_protocol as proto
 from megatron_async.serve import responses as resp
 from megatron_async.serve.admin_routes import add_admin_routes
+from megatron_async.serve.refit_routes import add_refit_routes
 from megatron_async.serve.chat_routes import chat_router
 from megatron_async.serve.completion_routes import completions_router
 from megatron_async.serve.metrics import CONTENT_TYPE
@@ -32,6 +33,7 @@ def create_app(state: ServerState) -> FastAPI:
     _add_error_handlers(app)
     if state.admin_endpoints:
         add_admin_routes(app, state.engine_loop)
+        add_refit_routes(app, state.engine_loop)
     app.include_router(_info_router(state))
     inputs, text_of = RequestInput(state), resp.TokenText(state.tokenizer)
     app.include_router(completions_router(inputs, text_of))

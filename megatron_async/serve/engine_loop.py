@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams
 from megatron_async.serve.admin_ops import run_admin_op
 from megatron_async.serve.metrics import ServerMetrics
+from megatron_async.serve.refit_ops import EVERY_RANK_OPS
 
 log = logging.getLogger("megatron_async.serve")
 
@@ -184,7 +185,12 @@ class EngineLoop:
         """Run the admin operation ``op`` (admin_ops.py) on the engine thread between two steps
         (the engine is never called from two threads); ``reply(status, body)`` is called there
         with its outcome."""
-        self._inbox.put(("call", lambda: reply(run_admin_op(self.engine, self._update_weights, op, args))))
+        def job():
+            if op in EVERY_RANK_OPS:
+                self._tell_ranks(("admin", op, args))  # the other TP ranks run it too (follow_rank0)
+            reply(run_admin_op(self.engine, self._update_weights, op, args))
+
+        self._inbox.put(("call", job))
 
     async def admin(self, op: str, args: dict) -> tuple[int, dict]:
         """``run_admin`` from an event loop of this process: (HTTP status, JSON body)."""
@@ -342,12 +348,18 @@ class EngineLoop:
             sink.deliver(mine)
 
 
-def follow_rank0(engine, communicator) -> None:
+def follow_rank0(engine, communicator, update_weights: Callable | None = None) -> None:
     """A tensor-parallel rank > 0 of the server: step whenever rank 0's loop steps (the engine
-    receives rank 0's new requests and aborts inside ``step``), until rank 0 says stop."""
+    receives rank 0's new requests and aborts inside ``step``), run the admin operations every
+    rank runs (``EVERY_RANK_OPS``: weight updates, transfers, suspend / resume) when rank 0 does,
+    until rank 0 says stop."""
     while True:
         command = communicator.broadcast_object(None)
         if command == "stop":
             return
         if command == "step":
             engine.step()
+        elif isinstance(command, tuple) and command[0] == "admin":
+            status, body = run_admin_op(engine, update_weights, command[1], command[2])
+            if status != 200:
+                log.warning("admin operation %s on this rank: %s", command[1], body)

@@ -138,6 +138,11 @@ class DynamicInferenceEngine:
         Returns False (and does nothing) for an unknown, finished or already aborted id."""
         return self.ranks.abort(request_id)
 
+    def abort_requests(self, request_ids: list[int] | None = None) -> int:
+        """``abort_request`` for each id (None or empty: every unfinished request); how many were aborted."""
+        ids = request_ids or sorted(set(self._requests) | set(getattr(self.ranks, "_live", ())))
+        return sum(bool(self.abort_request(rid)) for rid in ids)
+
     def _mark_abort(self, request_id: int) -> bool:
         if not isinstance(request_id, numbers.Integral) or request_id not in self._requests or request_id in self._aborts:
             return False

@@ -92,6 +92,10 @@ class WeightReceiver:
         manifest, error = None, None
         try:
             check_version(version)
+            if not isinstance(recompute_kv, bool):
+                raise ValueError(f"recompute_kv must be True or False, got {recompute_kv!r}")
+            if metadata is None:
+                raise ManifestError("no manifest was given")
             manifest = Manifest.from_json(metadata)
             if version is None and manifest.version is not None:
                 version = manifest.version
@@ -119,6 +123,8 @@ class WeightReceiver:
         """Copy from a colocated trainer's shared storages (``weight_transfer.ipc`` payloads: one
         or a list, one per trainer rank). Everything is validated before any storage is mapped."""
         check_version(version)
+        if not isinstance(recompute_kv, bool):
+            raise ValueError(f"recompute_kv must be True or False, got {recompute_kv!r}")
         self.engine.memory.check_can_update_weights()
         fmt, storages, tensors = ipc.parse(handles)
         key = ("ipc", fmt, tuple(ipc.storage_key(s) for s in storages),

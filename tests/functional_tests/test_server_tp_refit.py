@@ -1,0 +1,53 @@
+"""Refit admin operations under tensor parallelism (torchrun, 2 CPU ranks): rank 0 serves HTTP and
+tells rank 1 to run each weight operation too, so after /update_weights_from_ipc (a trainer's
+Megatron-Core shards in shared memory) and /update_weights (a checkpoint directory) both ranks hold
+the new weights: greedy streams equal a single-process engine updated in-process."""
+import json
+import shutil
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
+from megatron_async.serve.process import ServerProcess  # noqa: E402
+from megatron_async.weight_transfer import ipc  # noqa: E402
+from tests.functional_tests.server_client import concurrent_greedy_streams  # noqa: E402
+from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
+from tests.helpers.refit_engine import new_hf, trainer_items  # noqa: E402
+
+pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+FLAGS = ["--num-kv-blocks", "96", "--block-size", "16", "--max-requests", "8", "--max-sequence-length", "192",
+         "--device", "cpu", "--tensor-parallel-size", "2", "--enable-admin-endpoints"]
+PROMPTS = ["Hello world! How are you", "The quick brown fox"]
+GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=10, ignore_eos=True)
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_weight_operations_reach_every_tp_rank(tmp_path):
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    old = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "tp-model", with_tokenizer=True, vocab_size=512)
+    new = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "new", seed=1, with_tokenizer=True, vocab_size=512)
+    cfg = InferenceConfig(num_kv_blocks=96, block_size_tokens=16, max_requests=8, max_sequence_length=192)
+    llm = LLM(str(old), inference_config=cfg)
+    m = llm.model
+    items = trainer_items(m.hf_shapes(), 7, 2, m.megatron_dims(), m.spec.name)
+    for _, t, _ in items:
+        t.share_memory_()
+    llm.update_weights(new_hf(llm, 7))
+    want_ipc = [o.generated_tokens for o in llm.generate(PROMPTS, GREEDY)]
+    want_ckpt = [o.generated_tokens for o in LLM(str(new), inference_config=cfg).generate(PROMPTS, GREEDY)]
+    launcher = ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2"]
+    with ServerProcess(["--model", str(old), *FLAGS], launcher=launcher) as srv:
+        assert _post(f"{srv.url}/update_weights_from_ipc", {"handles": ipc.share(items)})["weight_version"] == 1
+        assert concurrent_greedy_streams(srv.url, "tp-model", PROMPTS, 10) == want_ipc
+        assert _post(f"{srv.url}/update_weights", {"path": str(new)})["weight_version"] == 2
+        assert concurrent_greedy_streams(srv.url, "tp-model", PROMPTS, 10) == want_ckpt
