@@ -20,5 +20,8 @@ setup(
         # engine.suspend / resume on CUDA (InferenceConfig.enable_suspend): device memory by tag.
         "suspend": ["torch-memory-saver>=0.0.10"],
         "bench": ["matplotlib", "transformers>=4.50"],
+        # Megatron-Core as the reference of the refit tests (tests/functional_tests/test_megatron_reference.py);
+        # it runs on CPU without Transformer-Engine (install with --no-deps where its pins clash with torch).
+        "megatron": ["megatron-core==0.16.1", "einops"],
     },
 )

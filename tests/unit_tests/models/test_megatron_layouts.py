@@ -149,3 +149,15 @@ def test_shards_of_a_touched_tensor_must_all_arrive():
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     with pytest.raises(WeightUpdateError, match="given twice"):
         update_weights_in_place(model, shards[0] + shards[1] + shards[1][2:3])
+
+
+def test_unknown_megatron_names_are_all_named_and_nothing_changes():
+    hf = hf_weights("dense")
+    model = build("dense")
+    before = params(model)
+    items = [item for rank in trainer_shards("dense", hf, 1) for item in rank]
+    items += [("decoder.layers.0.self_attention.nope.weight", torch.ones(2)), ("decoder.extra.weight", torch.ones(2))]
+    with pytest.raises(WeightUpdateError, match="nothing was changed: unknown Megatron-Core tensors for Qwen3ForCausalLM: "
+                                                "decoder.extra.weight, decoder.layers.0.self_attention.nope.weight"):
+        update_weights_in_place(model, items)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
