@@ -175,10 +175,12 @@ class CoordinatorCore:
 
     def engine_outputs(self, slot: EngineSlot, seen_seq: int, updates: Sequence[RequestUpdate],
                        finished: Sequence[RequestOutput], rejected: Sequence[tuple[int, str]] = (),
-                       evicted: Sequence[int] = (), load: int = 0, hash_key: bytes | None = None) -> None:
+                       failed: Sequence[tuple[int, str]] = (), evicted: Sequence[int] = (), load: int = 0,
+                       hash_key: bytes | None = None) -> None:
         """One message of an engine: its step's updates and final outputs, requests it refused,
-        the keys of the blocks its cache reclaimed (having received submissions up to
-        ``seen_seq``), its unfinished request count, and its cache's key when that changed."""
+        requests it failed (a step raised: they end with their partial output), the keys of the
+        blocks its cache reclaimed (having received submissions up to ``seen_seq``), its
+        unfinished request count, and its cache's key when that changed."""
         slot.last_heard, slot.load = time.monotonic(), load
         if evicted:
             self.counts["evicted_keys"] += len(evicted)
@@ -203,6 +205,11 @@ class CoordinatorCore:
             if req is not None and req.engine is slot:
                 self.requests.end(rid)
                 self._tell(req, "rejected", req.client_rid, message)
+        for rid, message in failed:
+            req = get(rid)
+            if req is not None and req.engine is slot:
+                self.requests.end(rid)
+                self._tell(req, "finished", [req.partial_output("error", message)])
 
     def _finish(self, slot: EngineSlot, finished: Sequence[RequestOutput]) -> None:
         done: dict[Any, list[RequestOutput]] = {}
@@ -314,6 +321,41 @@ class CoordinatorCore:
             client, op_id = self._shutdown_reply
             if client in self.clients:
                 self.outbox.to_client(client, "control_done", op_id, 200, {"stopped": True})
+
+    # ------------------------------------------------------------------ messages, by kind
+    def engine_message(self, slot: EngineSlot, kind: str, fields: Sequence[Any]) -> None:
+        """A decoded message of a registered engine (engine_link.py's kinds)."""
+        if kind == "outputs":
+            self.engine_outputs(slot, *fields)
+        elif kind == "heartbeat":
+            self.engine_heartbeat(slot, *fields)
+        elif kind == "control_done":
+            self.engine_control_done(slot, *fields)
+        elif kind == "leave":
+            self.engine_left(slot)
+        else:
+            raise ValueError(f"engines do not send {kind!r}")
+
+    def client_message(self, client: Any, kind: str, fields: Sequence[Any]) -> None:
+        """A decoded message of a client (client/ kinds): submit, abort, abort_all, control, drain,
+        shutdown, engines (a query answered at once)."""
+        if kind == "submit":
+            self.submit(client, *fields)
+        elif kind == "abort":
+            self.abort(client, *fields)
+        elif kind == "abort_all":
+            self.abort_all(client)
+        elif kind == "control":
+            self.control(client, *fields)
+        elif kind == "drain":
+            self.drain(client, *fields)
+        elif kind == "shutdown":
+            self.shutdown(client, *fields)
+        elif kind == "engines":
+            self.outbox.to_client(client, "control_done", fields[0], 200,
+                                  {"engines": self.engines.describe(), "counts": dict(self.counts)})
+        else:
+            raise ValueError(f"clients do not send {kind!r}")
 
     # ------------------------------------------------------------------ time
     def tick(self, now: float | None = None) -> None:

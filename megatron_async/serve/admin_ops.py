@@ -33,8 +33,39 @@ def engine_status(engine) -> dict:
 def run_admin_op(engine, update_weights: Callable[..., int] | None, op: str, args: dict) -> tuple[int, dict]:
     """(200, the engine's state) once ``op`` ran; 400 for bad input (WeightUpdateError is a
     ValueError), 409 for an operation the engine's state refuses (wrong order, not paused)."""
+    return run_guarded(engine, lambda: ADMIN_OPS[op](engine, update_weights, args))
+
+
+WEIGHT_TRANSFER_METHODS = ("init_weight_transfer", "update_weights_from_distributed", "update_weights_from_ipc")
+"""What a data-parallel coordinator's ``update_weights`` may name instead of a checkpoint path
+(``{"method": NAME, "args": {...}}``), called on the LLM when it has them (the refit path)."""
+
+
+def run_engine_op(engine, op: str, args: dict, update_weights: Callable[..., int] | None = None,
+                  weights_owner=None) -> tuple[int, dict]:
+    """A coordinator's control operation (coordinator/controls.py) on this engine: the admin
+    operations, ``set_generation_epoch`` ({"epoch": n}: the version stamped on every token from
+    now on, ``engine.set_weight_version`` keeping the KV of running requests) and
+    ``update_weights`` by a weight-transfer method of ``weights_owner`` (the LLM)."""
+    if op == "set_generation_epoch":
+        epoch = args.get("epoch")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            return 400, resp.error_body(f"epoch must be an int >= 0, got {epoch!r}", 400)
+        return run_guarded(engine, lambda: engine.set_weight_version(epoch, recompute_kv=False))
+    if op == "update_weights" and "method" in args:
+        method = getattr(weights_owner, str(args["method"]), None)
+        if args["method"] not in WEIGHT_TRANSFER_METHODS or method is None:
+            return 400, resp.error_body(f"no weight-transfer method {args['method']!r} here", 400)
+        return run_guarded(engine, lambda: method(**dict(args.get("args") or {})))
+    if op not in ADMIN_OPS:
+        return 400, resp.error_body(f"unknown operation {op!r}", 400)
+    return run_admin_op(engine, update_weights, op, args)
+
+
+def run_guarded(engine, action: Callable[[], Any]) -> tuple[int, dict]:
+    """``action()``'s outcome as (status, body): see ``run_admin_op``."""
     try:
-        ADMIN_OPS[op](engine, update_weights, args)
+        action()
         return 200, engine_status(engine)
     except (ValueError, TypeError) as e:
         return 400, resp.error_body(str(e), 400)

@@ -1,0 +1,241 @@
+"""An engine serving a data-parallel coordinator: one thread owns the engine and its channel to
+the coordinator, takes what arrived (submissions, aborts, control operations, drain) at each
+step boundary, steps, and sends that step's updates and final outputs in one message, with the
+keys of the prefix-cache blocks the step reclaimed, the engine's load, and its cache's key when
+new weights changed it.
+
+Ids: the coordinator's request ids travel on the channel; the engine numbers its requests itself
+(its ids only grow, and a request the coordinator re-routes after another engine died keeps its
+id). Control operations (``coordinator/controls.py``) run here between two steps; "stop" aborts
+every request, and once they ended the engine leaves, as after "drain" (without aborting). If the
+coordinator goes away, every request is aborted and the loop ends: nobody is left to read them.
+
+Messages in (``channel.poll``): ``submit`` (rid, submission number, prompt, SamplingParams,
+stream), ``abort`` (rid), ``control`` (op id, op, args), ``drain`` (). Out (``channel.send``):
+``outputs`` (last submission number received, [RequestUpdate], [RequestOutput], rejected
+[(rid, message)], failed [(rid, message)], evicted keys, load, new cache key | None),
+``heartbeat`` (load), ``control_done`` (op id, status, body), ``leave`` ()."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Protocol
+
+from megatron_async.coordinator.engines import EngineInfo
+from megatron_async.coordinator.routing import keys_of
+from megatron_async.inference.request import InvalidRequestError
+from megatron_async.serve.admin_ops import run_engine_op
+
+log = logging.getLogger("megatron_async.serve")
+HEARTBEAT_S = 1.0
+"""An idle engine says it is there (and its load) this often."""
+MAX_FAILED_STEPS = 3
+"""Consecutive failed steps after which the link stops stepping for the requests it failed."""
+
+
+class EngineChannel(Protocol):
+    lost: bool
+    """The coordinator's connection closed."""
+
+    def poll(self, timeout_s: float) -> list[tuple[str, tuple]]: ...
+    def send(self, kind: str, *fields: Any) -> None: ...
+
+
+class EngineLink:
+    def __init__(self, engine, channel: EngineChannel, max_requests: int, name: str = "engine",
+                 update_weights: Callable | None = None, weight_methods: Any = None, communicator=None):
+        """``update_weights``: the LLM's (control op "update_weights" with a checkpoint ``path``);
+        ``weight_methods``: an object whose ``init_weight_transfer`` / ``update_weights_from_*``
+        methods the op may name (``{"method": ..., "args": {...}}``); ``communicator``: tensor
+        parallelism: this link runs on rank 0 and tells the other ranks (``follow_rank0``) to step."""
+        self.engine, self.channel = engine, channel
+        self.max_requests, self.name = max_requests, name
+        self._update_weights, self._weight_methods, self._comm = update_weights, weight_methods, communicator
+        alloc = engine.context.allocator
+        self._alloc = alloc
+        if alloc.enable_prefix_caching:
+            alloc.evicted_digests = []
+        self._key = alloc.hash_key
+        self._rid_of: dict[int, int] = {}  # engine id -> coordinator rid, until its final output
+        self._engine_id: dict[int, int] = {}  # coordinator rid -> engine id
+        self._orphans: set[int] = set()  # engine ids failed here, stepped until the engine ends them
+        self._seen_seq = 0
+        self._rejected: list[tuple[int, str]] = []
+        self._failed: list[tuple[int, str]] = []
+        self._failed_steps = 0
+        self._leaving: str | None = None  # "drain" | "stop"
+        self._stop_reply: tuple[int, tuple[int, Any]] | None = None
+        self._paused_idle = False
+        self._last_sent = time.monotonic()
+        self._thread: threading.Thread | None = None
+        self.ended: str | None = None
+        """Why ``run`` returned: "left" (drained or stopped) or "coordinator lost"."""
+
+    def info(self) -> EngineInfo:
+        alloc = self._alloc
+        return EngineInfo(self.name, self.max_requests, alloc.capacity, self.engine.context.block_size, alloc.hash_key,
+                          alloc.enable_prefix_caching)
+
+    # ---------------------------------------------------------------- messages in
+    def handle(self, kind: str, fields: tuple) -> None:
+        self._paused_idle = False
+        if kind == "submit":
+            self._submit(*fields)
+        elif kind == "abort":
+            local = self._engine_id.get(fields[0])
+            if local is not None:
+                self.engine.abort_request(local)
+        elif kind == "control":
+            self._control(*fields)
+        elif kind == "drain":
+            self._leaving = self._leaving or "drain"
+
+    def _submit(self, rid: int, seq: int, prompt, params, stream: bool) -> None:
+        self._seen_seq = max(self._seen_seq, seq)
+        if self._leaving == "stop":
+            self._rejected.append((rid, "the engine is stopping"))
+            return
+        try:
+            local = self.engine.add_request(prompt, params)
+        except InvalidRequestError as e:
+            self._rejected.append((rid, str(e)))
+            return
+        except Exception as e:  # noqa: BLE001 -- refused alone; the engine keeps serving the others
+            log.exception("add_request failed unexpectedly")
+            self._rejected.append((rid, f"the engine could not admit this request: {type(e).__name__}: {e}"))
+            return
+        self._rid_of[local], self._engine_id[rid] = rid, local
+
+    def _control(self, op_id: int, op: str, args: dict) -> None:
+        if op == "stop":
+            self._leaving = "stop"
+            for local in list(self._rid_of):
+                self.engine.abort_request(local)
+            self._stop_reply = (op_id, (200, {"stopped": True}))
+            return
+        status, body = run_engine_op(self.engine, op, args, self._update_weights, self._weight_methods)
+        self.channel.send("control_done", op_id, status, body)
+        self._last_sent = time.monotonic()
+
+    # ---------------------------------------------------------------- the loop
+    def busy(self) -> bool:
+        return bool(self._rid_of or self._orphans)
+
+    def run(self, stop: threading.Event | None = None) -> str:
+        """Serve until drained / stopped ("left") or the coordinator is gone ("coordinator lost")."""
+        while stop is None or not stop.is_set():
+            ended = self.turn()
+            if ended is not None:
+                return ended
+        return self._end("left")
+
+    def turn(self, wait: bool = True) -> str | None:
+        """One turn of the loop: take what arrived (waiting up to ``HEARTBEAT_S`` when idle and
+        ``wait``), step if there is work, send. Returns why the loop ends, or None."""
+        idle = not self.busy() or self._paused_idle
+        for kind, fields in self.channel.poll(HEARTBEAT_S if idle and wait else 0.0):
+            self.handle(kind, fields)
+        if self.channel.lost:
+            return self._end("coordinator lost")
+        if self.busy() and not self._paused_idle:
+            self._tell_ranks("step")
+            self._step()
+            return None
+        self._tell_ranks("idle")
+        self._send_outputs([], [])  # rejections, evicted keys (an abort while paused)
+        if self._leaving is not None and not self.busy():
+            return self._end("left")
+        if time.monotonic() - self._last_sent >= HEARTBEAT_S:
+            self.channel.send("heartbeat", len(self._rid_of))
+            self._last_sent = time.monotonic()
+        return None
+
+    def _step(self) -> None:
+        try:
+            res = self.engine.step()
+        except Exception as e:  # noqa: BLE001 -- fail the requests in flight, keep serving
+            log.exception("engine step failed; failing %d requests", len(self._rid_of))
+            self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+            return
+        self._failed_steps = 0
+        if res.step_id < 0 and not res.finished and not res.updates and self.engine.is_paused:
+            self._paused_idle = True  # paused with nothing to land: wait for a message
+        updates, finished, rid_of = [], [], self._rid_of
+        for upd in res.updates:
+            rid = rid_of.get(upd.request_id)
+            if rid is not None:
+                updates.append(upd._replace(request_id=rid))
+        for out in res.finished:
+            self._orphans.discard(out.request_id)
+            rid = rid_of.pop(out.request_id, None)
+            if rid is not None:
+                del self._engine_id[rid]
+                out.request_id = rid
+                finished.append(out)
+        self._send_outputs(updates, finished)
+
+    def _fail_all(self, message: str) -> None:
+        self._failed_steps += 1
+        for local, rid in list(self._rid_of.items()):
+            self._failed.append((rid, message))
+            self._orphans.add(local)
+            try:
+                self.engine.abort_request(local)
+            except Exception:  # noqa: BLE001 -- best effort: the request is failed either way
+                log.exception("abort of request %d failed", local)
+        self._rid_of.clear()
+        self._engine_id.clear()
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            self._orphans.clear()  # never spin on an engine that keeps failing
+        self._send_outputs([], [])
+
+    def _send_outputs(self, updates: list, finished: list) -> None:
+        evicted = self._alloc.evicted_digests
+        key = self._alloc.hash_key
+        new_key = key if key != self._key else None
+        if not (updates or finished or self._rejected or self._failed or evicted or new_key is not None):
+            return
+        keys = keys_of(evicted) if evicted else []
+        if evicted:
+            evicted.clear()
+        self._key = key
+        rejected, failed, self._rejected, self._failed = self._rejected, self._failed, [], []
+        self.channel.send("outputs", self._seen_seq, updates, finished, rejected, failed, keys, len(self._rid_of),
+                          new_key)
+        self._last_sent = time.monotonic()
+
+    def _end(self, why: str) -> str:
+        if why == "coordinator lost":
+            log.error("the coordinator is gone: aborting %d requests", len(self._rid_of))
+            for local in list(self._rid_of):
+                self.engine.abort_request(local)
+            for _ in range(MAX_FAILED_STEPS):  # land the aborts: their blocks come back
+                if not self.engine.has_unfinished_requests():
+                    break
+                self._tell_ranks("step")
+                self.engine.step()
+        else:
+            if self._stop_reply is not None:
+                self.channel.send("control_done", self._stop_reply[0], *self._stop_reply[1])
+            self.channel.send("leave")
+        self._tell_ranks("stop")
+        self.ended = why
+        return why
+
+    def _tell_ranks(self, command: str) -> None:
+        if self._comm is not None:
+            self._comm.broadcast_object(command)
+
+    # ---------------------------------------------------------------- on a thread
+    def start(self) -> None:
+        """``run`` on a daemon thread (``LLM(..., listen=...)``)."""
+        self._stop_event = threading.Event()
+        self._thread = threading.Thread(target=self.run, args=(self._stop_event,), name="megatron-async-engine-link",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._stop_event.set()
+            self._thread.join(timeout)
