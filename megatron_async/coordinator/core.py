@@ -170,18 +170,18 @@ class CoordinatorCore:
                 req.keys = routing_keys(req.prompt, self.engines.block_size, self.engines.hash_key)
             self._route([req])
 
-    def engine_heartbeat(self, slot: EngineSlot, load: int) -> None:
-        slot.last_heard, slot.load = time.monotonic(), load
+    def engine_heartbeat(self, slot: EngineSlot, load: int, free_blocks: int = 0) -> None:
+        slot.last_heard, slot.load, slot.free_blocks = time.monotonic(), load, free_blocks
 
     def engine_outputs(self, slot: EngineSlot, seen_seq: int, updates: Sequence[RequestUpdate],
                        finished: Sequence[RequestOutput], rejected: Sequence[tuple[int, str]] = (),
                        failed: Sequence[tuple[int, str]] = (), evicted: Sequence[int] = (), load: int = 0,
-                       hash_key: bytes | None = None) -> None:
+                       free_blocks: int = 0, hash_key: bytes | None = None) -> None:
         """One message of an engine: its step's updates and final outputs, requests it refused,
         requests it failed (a step raised: they end with their partial output), the keys of the
         blocks its cache reclaimed (having received submissions up to ``seen_seq``), its
-        unfinished request count, and its cache's key when that changed."""
-        slot.last_heard, slot.load = time.monotonic(), load
+        unfinished request count and obtainable KV blocks, and its cache's key when that changed."""
+        slot.last_heard, slot.load, slot.free_blocks = time.monotonic(), load, free_blocks
         if evicted:
             self.counts["evicted_keys"] += len(evicted)
             self.view.evict(slot.index, evicted, seen_seq)

@@ -61,6 +61,8 @@ class EngineSlot:
     last_heard: float = field(default_factory=time.monotonic)
     load: int = 0
     """Unfinished requests it reported last (its own count, aborted ones it still steps included)."""
+    free_blocks: int = 0
+    """KV blocks it could hand out when it last said (free plus reclaimable cached ones)."""
 
     @property
     def max_requests(self) -> int:
@@ -145,5 +147,6 @@ class EngineTable:
     def describe(self) -> list[dict]:
         """The engines as plain values (what a client's ``engines()`` gets)."""
         return [{"index": s.index, "name": s.name, "state": s.state.value, "pending": s.pending, "load": s.load,
-                 "max_requests": s.max_requests, "affinity": s.affinity, "cached_keys": self.view.num_keys(s.index)}
+                 "max_requests": s.max_requests, "affinity": s.affinity, "cached_keys": self.view.num_keys(s.index),
+                 "free_blocks": s.free_blocks, "capacity_blocks": s.info.capacity_blocks, "submitted": s.submitted}
                 for s in self.slots.values()]

@@ -12,7 +12,8 @@ LEADING keys it holds: a block whose parent is gone cannot be hit.
 
 Policies, over the candidates (engines that take requests; among them those with room for the
 request, or all of them when none has):
-- ``load_balanced``: the most free request slots, as a share of the engine's ``max_requests``;
+- ``load_balanced``: the most free request slots, as a share of the engine's ``max_requests``
+  (below 0 when more requests than slots were routed to it: queued there);
 - ``first_prefix_block``: among the holders of the first key the most free, else load_balanced;
 - ``longest_prefix``: among the deepest matches (depth > 0) the most free, else load_balanced;
 - ``scored``: the best ``alpha * depth / len(keys) + (1 - alpha) * free share``.
@@ -141,8 +142,10 @@ def _bits(mask: int):
         mask ^= low
 
 
-def _free(e: EngineSlot, extra: int = 0) -> float:
-    return max(0, e.max_requests - e.pending - extra) / e.max_requests
+def _free(e: EngineSlot) -> float:
+    """The share of its request slots that is free; below 0 when more than fill them are routed
+    to it (every engine full: the least overfull one queues the next request)."""
+    return 1.0 - e.pending / e.max_requests
 
 
 def _most_free(cands: Sequence[EngineSlot]) -> EngineSlot:

@@ -6,7 +6,13 @@ once the server takes requests. The engine runs on a thread of this process; HTT
 ``--api-server-count`` front-end processes on this process's listening socket (launch.py), or
 with 0 by this process's own event loop. Tensor parallelism: ``torchrun --nproc-per-node T -m
 megatron_async.serve --tensor-parallel-size T ...``; rank 0 serves HTTP and the other ranks
-follow its engine steps."""
+follow its engine steps.
+
+Engines behind a data-parallel coordinator (docs/PARALLEL.md): ``--listen tcp://HOST:PORT``
+starts a coordinator there and serves this engine through it, ``--join ADDR`` serves this engine
+through a running one (either way no HTTP here: clients use ``megatron_async.client``); ``--engine
+ADDR`` serves HTTP over the engines of the coordinator at ADDR, with no engine in this process
+(``--model`` then names the checkpoint for its tokenizer and chat template only)."""
 from __future__ import annotations
 
 import argparse
@@ -63,6 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "port can call them)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="splits a chat answer's <think>...</think> section into reasoning_content")
+    c = p.add_argument_group("data-parallel coordinator")
+    where = c.add_mutually_exclusive_group()
+    where.add_argument("--listen", default=None, metavar="ADDR",
+                       help="tcp://HOST:PORT (loopback unless MEGATRON_ASYNC_CLIENT_SECRET is set) or ipc://PATH: start "
+                            "a coordinator there and serve this engine through it (no HTTP here)")
+    where.add_argument("--join", default=None, metavar="ADDR",
+                       help="serve this engine through the running coordinator at ADDR (no HTTP here)")
+    where.add_argument("--engine", default=None, metavar="ADDR",
+                       help="serve HTTP over the engines behind the coordinator at ADDR (no engine in this process)")
+    c.add_argument("--engine-name", default=None, help="how the coordinator calls this engine (default host:pid)")
     return p
 
 
@@ -98,7 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_async.cli.main_job import load_llm
     from megatron_async.serve.launch import Serving
 
+    if args.engine:
+        from megatron_async.serve.client_loop import serve_over_client
+
+        return serve_over_client(args, served_name(args))
     llm = load_llm(args, stream_text=True)  # SSE deltas come from RequestUpdate.new_text
+    if args.listen or args.join:
+        from megatron_async.serve.engine_join import serve_engine
+
+        return serve_engine(llm, args)
     try:
         if not llm.is_leader:  # tensor parallelism: rank 0 serves, this rank follows its steps
             from megatron_async.serve.engine_loop import follow_rank0

@@ -13,8 +13,8 @@ coordinator goes away, every request is aborted and the loop ends: nobody is lef
 Messages in (``channel.poll``): ``submit`` (rid, submission number, prompt, SamplingParams,
 stream), ``abort`` (rid), ``control`` (op id, op, args), ``drain`` (). Out (``channel.send``):
 ``outputs`` (last submission number received, [RequestUpdate], [RequestOutput], rejected
-[(rid, message)], failed [(rid, message)], evicted keys, load, new cache key | None),
-``heartbeat`` (load), ``control_done`` (op id, status, body), ``leave`` ()."""
+[(rid, message)], failed [(rid, message)], evicted keys, load, free KV blocks, new cache key |
+None), ``heartbeat`` (load, free KV blocks), ``control_done`` (op id, status, body), ``leave`` ()."""
 from __future__ import annotations
 
 import logging
@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from megatron_async.coordinator.engines import EngineInfo
+from megatron_async.coordinator.messages import sampling_params
 from megatron_async.coordinator.routing import keys_of
 from megatron_async.inference.request import InvalidRequestError
 from megatron_async.serve.admin_ops import run_engine_op
@@ -97,6 +98,12 @@ class EngineLink:
             self._rejected.append((rid, "the engine is stopping"))
             return
         try:
+            if isinstance(params, dict):  # as it travels (messages.sampling_map)
+                params = sampling_params(params)
+        except (TypeError, ValueError) as e:
+            self._rejected.append((rid, f"bad sampling parameters: {e}"))
+            return
+        try:
             local = self.engine.add_request(prompt, params)
         except InvalidRequestError as e:
             self._rejected.append((rid, str(e)))
@@ -147,7 +154,7 @@ class EngineLink:
         if self._leaving is not None and not self.busy():
             return self._end("left")
         if time.monotonic() - self._last_sent >= HEARTBEAT_S:
-            self.channel.send("heartbeat", len(self._rid_of))
+            self.channel.send("heartbeat", len(self._rid_of), self._alloc.num_available)
             self._last_sent = time.monotonic()
         return None
 
@@ -202,7 +209,7 @@ class EngineLink:
         self._key = key
         rejected, failed, self._rejected, self._failed = self._rejected, self._failed, [], []
         self.channel.send("outputs", self._seen_seq, updates, finished, rejected, failed, keys, len(self._rid_of),
-                          new_key)
+                          self._alloc.num_available, new_key)
         self._last_sent = time.monotonic()
 
     def _end(self, why: str) -> str:

@@ -47,6 +47,9 @@ def test_load_overrides_affinity_at_low_alpha():
     assert choose(P.LOAD_BALANCED, keys, eng, view).index == 0
     eng[1].pending = 8  # full: affinity cannot place it there at any alpha
     assert choose(P.LONGEST_PREFIX, keys, eng, view).index == 0
+    eng[0].pending, eng[1].pending = 9, 8  # every engine full: the least overfull queues it
+    for policy in P:
+        assert choose(policy, keys, eng, view, alpha=0.5).index == 1
 
 
 def test_eviction_reports_remove_affinity():

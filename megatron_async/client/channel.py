@@ -1,0 +1,69 @@
+"""The client's connection to the coordinator on an asyncio event loop: authenticated once
+(off the loop: the handshake blocks), then read from the loop itself (``add_reader`` on the
+socket's descriptor: no thread of its own). ZMQ's descriptor signals edges, so every wake-up
+reads everything waiting, and a send that took the readable edge schedules a read."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import zmq
+
+from megatron_async.coordinator.transport import PeerSocket
+from megatron_async.coordinator.trust import peer_secret
+
+
+class ClientChannel:
+    def __init__(self, peer: PeerSocket, client):
+        self.peer, self.client = peer, client
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._fds: list[int] = []
+        client.info = peer.welcome
+
+    @classmethod
+    def connect(cls, address: str, secret, timeout_s: float, client) -> ClientChannel:
+        """Authenticate now (blocking); ``attach`` to a loop before use."""
+        name = f"{socket.gethostname()}:{os.getpid()}"
+        return cls(PeerSocket(address, peer_secret(address, secret), "client", name, timeout_s), client)
+
+    @classmethod
+    async def open(cls, address: str, secret, timeout_s: float, client) -> ClientChannel:
+        loop = asyncio.get_running_loop()
+        channel = await loop.run_in_executor(None, cls.connect, address, secret, timeout_s, client)
+        channel.attach(loop)
+        return channel
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        for sock in (self.peer.sock, self.peer.monitor):
+            fd = sock.getsockopt(zmq.FD)
+            loop.add_reader(fd, self._read)
+            self._fds.append(fd)
+        loop.call_soon(self._read)  # what arrived before
+
+    def send(self, kind: str, *fields) -> None:
+        if self.peer.lost:
+            return
+        self.peer.send(kind, *fields)
+        if self.loop is not None and self.peer.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self.loop.call_soon(self._read)
+
+    def _read(self) -> None:
+        if self.peer.sock.closed:
+            return
+        for kind, fields in self.peer.take():
+            self.client.receive(kind, fields)
+        if self.peer.lost:
+            self._detach()
+            self.client.coordinator_lost(f"lost the coordinator at {self.peer.address}: it exited or died")
+
+    def _detach(self) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            for fd in self._fds:
+                self.loop.remove_reader(fd)
+        self._fds = []
+
+    def close(self) -> None:
+        self._detach()
+        self.peer.close()

@@ -1,0 +1,136 @@
+"""An engine joins a data-parallel coordinator: its connection (``CoordinatorChannel``), its
+registration, and the coordinator process an engine job starts for itself (``--listen``,
+``LLM(..., listen=...)``); the serving itself is engine_link.py's."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megatron_async.config.modes import DpRouting
+from megatron_async.coordinator.engines import EngineInfo, RegistrationError
+from megatron_async.coordinator.transport import PeerSocket
+from megatron_async.coordinator.trust import peer_secret
+
+COORDINATOR_START_TIMEOUT_S = 60.0
+
+
+class CoordinatorChannel:
+    """engine_link.EngineChannel over an authenticated connection to the coordinator."""
+
+    def __init__(self, address: str, name: str, secret: bytes | str | None = None, timeout_s: float = 30.0):
+        self.peer = PeerSocket(address, peer_secret(address, secret), "engine", name, timeout_s)
+        self._early: list[tuple[str, list]] = []
+        self.index: int | None = None
+
+    @property
+    def lost(self) -> bool:
+        return self.peer.lost
+
+    def register(self, info: EngineInfo, timeout_s: float = 30.0) -> int:
+        """This engine's index at the coordinator (RegistrationError: refused)."""
+        self.peer.send("register", info)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.peer.lost:
+            self.peer.wait(0.1)
+            for kind, fields in self.peer.take():
+                if kind == "info" and self.index is None:
+                    self.index = fields[0]["index"]
+                    return self.index
+                if kind == "rejected":
+                    raise RegistrationError(f"the coordinator at {self.peer.address} refused this engine: {fields[1]}")
+                self._early.append((kind, fields))  # told the pause mode / epoch before the answer
+        raise RegistrationError(f"the coordinator at {self.peer.address} did not answer this engine's registration")
+
+    def poll(self, timeout_s: float) -> list[tuple[str, list]]:
+        early, self._early = self._early, []
+        got = self.peer.take()
+        if not got and not early and timeout_s > 0:
+            self.peer.wait(timeout_s)
+            got = self.peer.take()
+        return early + got
+
+    def send(self, kind: str, *fields) -> None:
+        if not self.peer.lost:
+            self.peer.send(kind, *fields)
+
+    def close(self) -> None:
+        self.peer.close()
+
+
+def join(llm, address: str, name: str | None = None, secret: bytes | str | None = None):
+    """An ``EngineLink`` serving ``llm``'s engine to the coordinator at ``address``, registered
+    (not yet running: ``run()`` here, or ``start()`` on a thread)."""
+    from megatron_async.serve.engine_link import EngineLink
+
+    name = name or f"{socket.gethostname()}:{os.getpid()}"
+    channel = CoordinatorChannel(address, name, secret)
+    try:
+        link = EngineLink(llm.engine, channel, llm.config.max_requests, name, llm.update_weights, llm,
+                          llm.communicator if llm.tensor_parallel_size > 1 else None)
+        channel.register(link.info())
+    except BaseException:
+        channel.close()
+        raise
+    return link
+
+
+def spawn_coordinator(listen: str, policy: str = "load_balanced", alpha: float = 0.5) -> tuple[subprocess.Popen, str]:
+    """``python -m megatron_async.coordinator`` listening on ``listen``: (its process, its address)."""
+    from megatron_async.coordinator.__main__ import READY_LINE
+
+    root = str(Path(__file__).resolve().parents[2])  # this tree's package, whatever the caller's sys.path
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "megatron_async.coordinator", "--listen", listen, "--dp-routing", DpRouting(policy).value,
+           "--dp-routing-alpha", str(alpha)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + COORDINATOR_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(READY_LINE):
+            return proc, line[len(READY_LINE):].strip()
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"the coordinator did not start on {listen} (exit code {proc.poll()})")
+
+
+def serve_engine(llm, args) -> int:
+    """``python -m megatron_async.serve --listen ADDR | --join ADDR``: serve ``llm``'s engine to
+    the coordinator (started here with ``--listen``) until it is stopped or drained, SIGTERM, or
+    the coordinator is gone. Tensor parallelism: rank 0 serves, the other ranks follow its steps."""
+    import signal
+    import threading
+
+    from megatron_async.coordinator.trust import SecretError
+    from megatron_async.serve.engine_loop import follow_rank0
+
+    proc = None
+    try:
+        if not llm.is_leader:
+            follow_rank0(llm.engine, llm.communicator)
+            return 0
+        address = args.join
+        if args.listen:
+            proc, address = spawn_coordinator(args.listen, llm.config.dp_routing, llm.config.dp_routing_alpha)
+        try:
+            link = join(llm, address, args.engine_name)
+        except (SecretError, RegistrationError, RuntimeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        stop = threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: stop.set())
+        print(f"megatron_async.serve: engine {link.channel.index} of the coordinator at {address}", flush=True)
+        why = link.run(stop)
+        link.channel.close()
+        return 0 if why == "left" else 1
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+        llm.close()

@@ -1,0 +1,69 @@
+"""The OpenAI server in its own process over the engines behind a coordinator
+(``python -m megatron_async.serve --engine ADDR``): completions (whole and streamed) equal one
+engine's tokens, a bad request is a 400, the admin routes pause and resume every engine."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from megatron_async import LLM, InferenceConfig, SamplingParams
+from tests.helpers.coordinator_procs import ROOT, Cluster, _env, _wait_line
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 9, 10, 11, 99], [300, 301, 302]]
+
+
+@pytest.fixture(scope="module")
+def url():
+    c = Cluster("longest_prefix")
+    server = None
+    try:
+        for i in range(2):
+            c.start_engine(f"e{i}", "--prefix-caching", "--block-size", "4")
+        for i in range(2):
+            c.wait_engine(f"e{i}")
+        server = subprocess.Popen([sys.executable, "-m", "megatron_async.serve", "--engine", c.address, "--default-model",
+                                   "tiny", "--device", "cpu", "--port", "0", "--enable-admin-endpoints"],
+                                  stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+        yield _wait_line(server, "megatron_async.serve: serving tiny on ", 120).split()[0]
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait(10)
+        c.close()
+
+
+def post(url: str, path: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_completions_over_the_coordinator_equal_one_engines(url):
+    ref = LLM(None, "cpu", "float32", InferenceConfig(block_size_tokens=4, num_kv_blocks=256))
+    want = [o.generated_tokens for o in ref.generate(PROMPTS, SamplingParams(top_k=1, num_tokens_to_generate=6))]
+    status, body = post(url, "/v1/completions", {"prompt": PROMPTS, "max_tokens": 6, "temperature": 0,
+                                                 "return_token_ids": True})
+    assert status == 200
+    assert [c["token_ids"] for c in sorted(json.loads(body)["choices"], key=lambda c: c["index"])] == want
+    status, body = post(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0,
+                                                 "stream": True, "return_token_ids": True})
+    chunks = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    assert status == 200 and sum((c["choices"][0].get("token_ids") or [] for c in chunks), []) == want[0]
+
+
+def test_bad_requests_and_admin_routes(url):
+    status, body = post(url, "/v1/completions", {"prompt": [5000], "max_tokens": 2})
+    assert status == 400 and "outside the vocab" in body
+    status, body = post(url, "/pause_generation", {"mode": "keep"})
+    assert status == 200 and all(e["paused"] for e in json.loads(body)["engines"].values())
+    status, body = post(url, "/resume_generation", {})
+    assert status == 200 and not any(e["paused"] for e in json.loads(body)["engines"].values())
+    assert urllib.request.urlopen(url + "/health", timeout=30).status == 200

@@ -1,0 +1,96 @@
+"""The control plane's trust rules: loopback by default, a non-loopback address only with a
+configured secret, a client or engine without the secret refused and changing nothing, a
+stranger's frames dropped and counted; messages round-trip without pickle."""
+from __future__ import annotations
+
+import threading
+
+import msgpack
+import pytest
+import zmq
+
+from megatron_async.coordinator import messages
+from megatron_async.coordinator.engines import EngineInfo
+from megatron_async.coordinator.server import CoordinatorServer
+from megatron_async.coordinator.transport import AuthError, PeerSocket
+from megatron_async.coordinator.trust import ENV_SECRET, SecretError, is_local, peer_secret, secret_file
+from megatron_async.inference.request import RequestOutput, RequestUpdate, SamplingParams
+
+
+@pytest.fixture
+def server(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv(ENV_SECRET, raising=False)
+    s = CoordinatorServer("tcp://127.0.0.1:0")
+    stop = threading.Event()
+    t = threading.Thread(target=s.serve, args=(stop,), daemon=True)
+    t.start()
+    yield s
+    stop.set()
+    t.join(5)
+    s.close()
+
+
+def test_same_user_clients_connect_and_others_are_refused_changing_nothing(server):
+    path = secret_file(server.address)
+    assert path.stat().st_mode & 0o777 == 0o600
+    peer = PeerSocket(server.address, peer_secret(server.address), "client", "me", 5)
+    assert peer.welcome["policy"] == "load_balanced"
+    peer.close()
+    with pytest.raises(AuthError, match="does not hold this secret"):
+        PeerSocket(server.address, b"not the secret, long enough", "engine", "intruder", 5)
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)  # goes on regardless: a made-up proof
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(server.address)
+    raw.send(messages.encode("hello", 1, "engine", "intruder", b"n" * 32))
+    assert raw.poll(5000) and messages.decode(raw.recv())[0] == "challenge"
+    raw.send(messages.encode("proof", b"m" * 32))
+    raw.send(messages.encode("register", EngineInfo("intruder", 8, 100, 16, b"k", True)))
+    peer = PeerSocket(server.address, peer_secret(server.address), "client", "me", 5)  # a round trip later
+    peer.close()
+    raw.close()
+    assert not server.core.engines.slots
+    assert server.listener.counts["refused"] == 1 and server.listener.counts["unauthenticated"] == 1
+
+
+def test_a_stranger_changes_nothing(server):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(server.address)
+    for frame in (b"\x00" * 3, msgpack.packb([64, ["x", 1, 1, 8, b"k", True]]), b"\x93" + b"\xff" * 600,
+                  messages.encode("submit", 0, [1, 2], [{}], False, None, -1)):
+        s.send(frame)
+    peer = PeerSocket(server.address, peer_secret(server.address), "client", "me", 5)  # served as ever
+    peer.close()
+    s.close()
+    assert not server.core.engines.slots and not server.core.requests.open
+    assert sum(v for k, v in server.listener.counts.items() if k.startswith("pre-auth")) >= 2
+
+
+def test_a_non_loopback_address_needs_a_configured_secret(monkeypatch):
+    monkeypatch.delenv(ENV_SECRET, raising=False)
+    with pytest.raises(SecretError, match=ENV_SECRET):
+        CoordinatorServer("tcp://0.0.0.0:0")
+    assert is_local("ipc:///tmp/x") and is_local("tcp://localhost:1") and not is_local("tcp://10.1.2.3:5")
+    monkeypatch.setenv(ENV_SECRET, "a shared secret of some length")
+    s = CoordinatorServer("tcp://0.0.0.0:0")
+    s.close()
+
+
+def test_messages_round_trip_without_pickle():
+    upd = RequestUpdate(3, (1, 2), "ab", True, "stop", (-0.5, -1.0), ({1: -0.5}, {2: -1.0}), (-2.0,), ({7: -2.0},))
+    out = RequestOutput(3, [9, 8], [1, 2], "ab", "stop", [-0.5, -1.0], [{1: -0.5}, {2: -1.0}], None, [0, 1],
+                        [-2.0], [{7: -2.0}])
+    kind, fields = messages.decode(messages.encode("outputs", 4, [upd], [out], [], [(5, "x")], [11], 2, 30, None))
+    assert kind == "outputs" and fields[1] == [upd] and fields[2] == [out] and fields[4] == [(5, "x")]
+    info = EngineInfo("e", 8, 100, 16, b"key", True)
+    assert messages.decode(messages.encode("register", info))[1] == [info]
+    sp = SamplingParams(top_k=1, stop_words=["a", [1, 2]], seed=3)
+    assert messages.sampling_params(messages.sampling_map(sp)) == sp
+    with pytest.raises(TypeError):
+        messages.sampling_params({"no_such_field": 1})
+    for bad in (b"", b"\xc1", msgpack.packb([999]), msgpack.packb([36, 1, 2]), msgpack.packb({"a": 1})):
+        with pytest.raises(messages.MessageError):
+            messages.decode(bad)
