@@ -68,8 +68,16 @@ class LLM:
         tensor_parallel_size: int = 1,
         expert_parallel_size: int = 1,
         drafter=None,
+        listen: str | None = None,
+        join: str | None = None,
     ):
-        """``tensor_parallel_size`` > 1: run as one rank of a torchrun job of that many
+        """``listen`` (``tcp://HOST:PORT``, loopback unless MEGATRON_ASYNC_CLIENT_SECRET is set, or
+        ``ipc://PATH``): start a data-parallel coordinator there and serve this engine through it;
+        ``join``: serve it through the coordinator at that address. Either way the engine runs on a
+        thread of its own and takes requests from ``megatron_async.client.InferenceClient``s (not
+        ``generate``); ``coordinator`` holds the service, ``close()`` ends it.
+
+        ``tensor_parallel_size`` > 1: run as one rank of a torchrun job of that many
         processes. Every rank builds its shard of the model (GPT or hybrid) and its share of the
         KV cache / Mamba states; rank 0 alone accepts requests (``engine.add_request``) and
         ``generate`` returns the same outputs on every rank.
@@ -118,6 +126,11 @@ class LLM:
                     shared_memory=comm.consensus_shared_memory, spin_us=comm.consensus_spin_us)
             self._build(model, default_model, seed, drafter)
             self.startup.total_seconds = time.perf_counter() - t0
+            self.coordinator = None
+            if listen is not None or join is not None:
+                from megatron_async.serve.engine_join import CoordinatorService
+
+                self.coordinator = CoordinatorService(self, listen, join)
         except BaseException:
             self.close()  # every rank fails the same way at load (a shape that does not divide): leave cleanly
             raise
@@ -258,6 +271,9 @@ class LLM:
         """Leave the TP / EP group (no-op without). CUDA graphs go first: a graph that captured
         NCCL collectives holds a reference on the communicator, and destroying the process group
         (ncclCommDestroy) waits for every such graph to be destroyed, i.e. forever."""
+        if getattr(self, "coordinator", None) is not None:
+            self.coordinator.close()
+            self.coordinator = None
         runner = getattr(self, "runner", None)
         if runner is not None and runner.graphs is not None:
             runner.graphs.release()

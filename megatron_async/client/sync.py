@@ -45,6 +45,12 @@ class SyncInferenceClient:
         fut = self._on_loop(self.client.add_request, prompt, sampling_params)
         return asyncio.run_coroutine_threadsafe(_await(fut), self._loop)
 
+    def add_group(self, prompt: str | Sequence[int], sampling_params: Sequence[SamplingParams]
+                  ) -> list[concurrent.futures.Future]:
+        """Requests of one prompt placed together (``InferenceClient.add_group``): a future each."""
+        futures = self._on_loop(self.client.add_group, prompt, list(sampling_params))
+        return [asyncio.run_coroutine_threadsafe(_await(f), self._loop) for f in futures]
+
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run the prompts to completion through the engines; ``outs[i]`` belongs to ``prompts[i]``.

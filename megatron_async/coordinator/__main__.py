@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--dp-routing scored: weight of prefix affinity against free capacity, in [0, 1]")
     p.add_argument("--unrouted-timeout-s", type=float, default=UNROUTED_TIMEOUT_S,
                    help="a request that finds no engine taking requests for this long ends with an error")
+    p.add_argument("--seed", type=int, default=0, help="seeds the seeds of requests that bring none")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         server = CoordinatorServer(args.listen, args.dp_routing, args.dp_routing_alpha,
-                                   unrouted_timeout_s=args.unrouted_timeout_s)
+                                   unrouted_timeout_s=args.unrouted_timeout_s, seed=args.seed)
     except (SecretError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

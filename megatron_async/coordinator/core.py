@@ -13,6 +13,7 @@ Ids the clients see are their own request ids; engines see the coordinator's."""
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -37,8 +38,12 @@ class Outbox(Protocol):
 
 class CoordinatorCore:
     def __init__(self, outbox: Outbox, policy: DpRouting | str = DpRouting.LOAD_BALANCED, alpha: float = 0.5,
-                 unrouted_timeout_s: float = UNROUTED_TIMEOUT_S):
+                 unrouted_timeout_s: float = UNROUTED_TIMEOUT_S, seed: int = 0):
+        """``seed``: of the seeds given to requests that bring none (sampling maps without "seed"),
+        so that their draws do not depend on the engine they land on (engines started alike would
+        draw the same seeds) and a request routed again draws the same tokens."""
         self.outbox = outbox
+        self._seeds = random.Random(seed)
         self.policy, self.alpha = DpRouting(policy), float(alpha)
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"dp_routing_alpha must be in [0, 1], got {alpha}")
@@ -76,6 +81,8 @@ class CoordinatorCore:
         keys = self._keys(prompt, keys, key_epoch)
         group = []
         for i, sampling in enumerate(samplings):
+            if isinstance(sampling, dict) and sampling.get("seed") is None:
+                sampling = {**sampling, "seed": self._seeds.randrange(2**63)}
             req = self.requests.add(client, client_rid + i, prompt, sampling, stream, keys)
             if req is None:
                 self.outbox.to_client(client, "rejected", client_rid + i, "a request with this id is still open")

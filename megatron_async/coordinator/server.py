@@ -66,9 +66,9 @@ def check_client_message(kind: str, fields: list) -> list:
 
 class CoordinatorServer:
     def __init__(self, address: str, policy: str = "load_balanced", alpha: float = 0.5, secret: bytes | str | None = None,
-                 unrouted_timeout_s: float = UNROUTED_TIMEOUT_S, ctx: zmq.Context | None = None):
+                 unrouted_timeout_s: float = UNROUTED_TIMEOUT_S, seed: int = 0, ctx: zmq.Context | None = None):
         """Bind ``address`` (loopback or ipc unless a secret is configured: trust.py)."""
-        self.core = CoordinatorCore(self, policy, alpha, unrouted_timeout_s)
+        self.core = CoordinatorCore(self, policy, alpha, unrouted_timeout_s, seed)
         self.listener = Listener(address, self._welcome, ctx)
         self.address = self.listener.bound
         try:

@@ -273,7 +273,8 @@ class PeerSocket:
         poller.poll(int(timeout_s * 1000))
 
     def close(self) -> None:
+        """What was sent still goes out (up to a second) unless the coordinator is gone."""
         if not self.sock.closed:
             self.sock.disable_monitor()
             self.monitor.close(0)
-            self.sock.close(0)
+            self.sock.close(0 if self.lost else 1000)

@@ -134,3 +134,50 @@ def serve_engine(llm, args) -> int:
             proc.terminate()
             proc.wait(10)
         llm.close()
+
+
+class CoordinatorService:
+    """What ``LLM(..., listen=ADDR)`` / ``LLM(..., join=ADDR)`` runs beside the engine: the
+    coordinator process it started (``listen``), and its engine served to the coordinator on a
+    thread (rank 0; under tensor parallelism the other ranks follow rank 0's steps on a thread)."""
+
+    def __init__(self, llm, listen: str | None, join_address: str | None):
+        self.process: subprocess.Popen | None = None
+        self.link = None
+        self._follower = None
+        self.address = join_address
+        if not llm.is_leader:
+            import threading
+
+            from megatron_async.serve.engine_loop import follow_rank0
+
+            self._follower = threading.Thread(target=follow_rank0, args=(llm.engine, llm.communicator), daemon=True,
+                                              name="megatron-async-follower")
+            self._follower.start()
+            return
+        try:
+            if listen is not None:
+                self.process, self.address = spawn_coordinator(listen, llm.config.dp_routing, llm.config.dp_routing_alpha)
+            self.link = join(llm, self.address)
+            self.link.start()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def index(self) -> int | None:
+        """This engine's index at the coordinator (rank 0)."""
+        return self.link.channel.index if self.link is not None else None
+
+    def close(self) -> None:
+        """The engine leaves (its requests end first) and a coordinator started here stops."""
+        if self.link is not None:
+            self.link.stop()
+            self.link.channel.close()
+            self.link = None
+        if self._follower is not None:
+            self._follower.join(10)
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
+            self.process = None
