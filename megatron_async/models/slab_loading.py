@@ -26,14 +26,16 @@ Extension points (a transform at load such as block quantization builds on these
 weights use none of them):
   * Multi-tensor targets: ``model.hf_targets()`` may map several HF names (``X.weight``,
     ``X.weight_scale_inv``, ``k_scale``) to several parameters that one transform reads together;
-    ``model.check_weight_names(names)`` (optional) is called with the HF names an update touches,
-    after the metadata checks, to refuse an incomplete group (a weight without its scales)
-    before anything is copied.
+    ``model.check_weight_names(names)`` (optional) is called with the HF names an update touches
+    (a dict: name -> the source dtype of its first piece, None when unknown), after the metadata
+    checks, to refuse an incomplete group (a weight without its scales) before anything is
+    copied. ``model.optional_hf_name(name)`` (optional): targets a full load does not require
+    (scales of weights that may arrive in float and be quantized).
   * A transform per destination: a parameter's ``sharding.destinations`` may return
     ``Destination``s with a ``sink``. A sink receives the pieces instead of a plain copy:
     ``sink.accepts(dtype)`` (plan time: which source dtypes it takes; plain destinations take
     floating-point tensors only), ``sink.write(dst, src, box)`` (``dst`` the part of the
-    destination view, ``src`` the matching source piece, ``box`` its box of the full tensor).
+    destination view, ``src`` the matching source piece, ``box`` the piece's box of the full tensor).
   * Staging of pieces that do not cover whole blocks: a sink may buffer what ``write`` gives it;
     ``sink.complete()`` is called once the destination's whole box has arrived in this load or
     update (the plan knows each destination's element count), so a staged buffer is transformed
@@ -106,6 +108,8 @@ class _Target:
     shard_id: object
     dests: list[Destination]
     boxes: list[Box] = field(default_factory=list)
+    dtype: torch.dtype | None = None
+    """The source dtype of the first piece (None: not given)."""
 
     @property
     def need(self) -> int:
@@ -124,6 +128,7 @@ class WeightPlan:
         self.targets = targets if targets is not None else model.hf_targets()
         self.skip = skip or getattr(model, "skips_hf_name", lambda name: False)
         self.canonical = canonical or getattr(model, "canonical_name", lambda name: name)
+        self.optional = getattr(model, "optional_hf_name", lambda name: False)
         self.touched: dict[str, _Target] = {}
         self.unknown: list[str] = []
         self.misshaped: list[str] = []
@@ -171,6 +176,7 @@ class WeightPlan:
         dtype = slab.source_dtype
         if dtype is None:
             return
+        target.dtype = target.dtype or dtype
         sinks = [d.sink for d in target.dests if d.sink is not None]
         ok = all(s.accepts(dtype) for s in sinks) if sinks else plain_dtype(dtype)
         if not ok:
@@ -192,7 +198,7 @@ class WeightPlan:
         if incomplete:
             out.append(f"incomplete tensors: {name_list(sorted(incomplete))}")
         if self.require_all:
-            missing = sorted(set(self.targets) - set(self.touched))
+            missing = sorted(n for n in set(self.targets) - set(self.touched) if not self.optional(n))
             if missing:
                 out.append(f"missing tensors: {name_list(missing)}")
         return out
@@ -204,7 +210,7 @@ class WeightPlan:
             check_names = getattr(self.model, "check_weight_names", None)
             if check_names is not None:
                 try:
-                    check_names(set(self.touched))
+                    check_names({name: t.dtype for name, t in self.touched.items()})
                 except ValueError as e:
                     found = [str(e)]
         if found:
@@ -252,8 +258,8 @@ class WeightPlan:
             finalize(set(self.touched))
 
 
-Pair = tuple[torch.Tensor, tuple[slice, ...], Destination]
-"""(destination view piece, the source slice of the slab's tensor, its destination)."""
+Pair = tuple[torch.Tensor, tuple[slice, ...], Destination, Box]
+"""(destination view piece, the source slice of the slab's tensor, its destination, the piece's box)."""
 
 
 def _slab_pairs(target: _Target | None, slab: Slab, origin: tuple[int, ...] | None = None) -> list[Pair]:
@@ -268,7 +274,7 @@ def _slab_pairs(target: _Target | None, slab: Slab, origin: tuple[int, ...] | No
             continue
         dst = dest.view[tuple(slice(a - lo, b - lo) for a, b, lo in zip(both.lo, both.hi, dest.box.lo))]
         src = tuple(slice(a - o, b - o) for a, b, o in zip(both.lo, both.hi, base))
-        out.append((dst, src, dest))
+        out.append((dst, src, dest, both))
     return out
 
 
@@ -290,13 +296,13 @@ class CopyProgram:
         copied = 0
         with torch.no_grad():
             for index, tensor in items:
-                for dst, src, dest in self.pairs[index]:
+                for dst, src, dest, box in self.pairs[index]:
                     copied += dst.numel()
                     if dest.sink is None:
                         dsts.append(dst)
                         srcs.append(tensor[src])
                         continue
-                    dest.sink.write(dst, tensor[src], dest.box)
+                    dest.sink.write(dst, tensor[src], box)
                     done = self._arrived.get(id(dest), 0) + dst.numel()
                     self._arrived[id(dest)] = done
                     if done == dest.box.numel:
@@ -311,10 +317,10 @@ class CopyProgram:
         transfer buffer, storages opened over IPC): a repeated copy is one multi-tensor copy."""
         dsts, srcs, rest = [], [], []
         for index, tensor in enumerate(tensors):
-            if any(dest.sink is not None for _, _, dest in self.pairs[index]):
+            if any(dest.sink is not None for _, _, dest, _ in self.pairs[index]):
                 rest.append((index, tensor))
                 continue
-            for dst, src, _ in self.pairs[index]:
+            for dst, src, _, _ in self.pairs[index]:
                 dsts.append(dst)
                 srcs.append(tensor[src])
         return BoundCopy(self, dsts, srcs, rest)
