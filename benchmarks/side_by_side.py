@@ -246,7 +246,8 @@ class Benchmark:
             return [ModeResult(mode, w, "skipped", "time budget (--max-minutes) spent") for w in wls]
         _free_device()
         cfg = flags.inference_config_from_args(self.args, **ENGINE_MODES[mode])
-        llm = LLM(self.checkpoint, self.args.device, self.dtype, cfg, default_model=self.args.default_model)
+        llm = LLM(self.checkpoint, self.args.device, self.dtype, cfg, default_model=self.args.default_model,
+                  quantization=self.args.quantization)
         st = llm.engine.stats  # the startup warm-up (CUDA) ran inside LLM(): every build and capture
         startup = {"seconds": st.warmup_seconds, "memory_gib": st.warmup_memory_bytes / 2**30,
                    "graphs": st.warmup_graphs, "triton_builds": st.warmup_triton_builds}

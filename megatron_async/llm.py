@@ -70,6 +70,7 @@ class LLM:
         drafter=None,
         listen: str | None = None,
         join: str | None = None,
+        quantization: str | None = None,  # "fp8": FP8 linears at load (models/quantization.py)
     ):
         """``listen`` (``tcp://HOST:PORT``, loopback unless MEGATRON_ASYNC_CLIENT_SECRET is set, or
         ``ipc://PATH``): start a data-parallel coordinator there and serve this engine through it;
@@ -87,7 +88,7 @@ class LLM:
         and routes each to the least loaded rank; its ``engine.step()`` returns every rank's
         results; ``generate`` returns all outputs, in prompt order, on every rank. Both > 1:
         T x E ranks, ``expert_parallel_size`` data-parallel engines each run by a TP group of
-        ``tensor_parallel_size`` ranks (replicas of one engine)."""
+        ``tensor_parallel_size`` ranks (replicas of one engine). FP8 checkpoints load in FP8 as they are."""
         t0 = time.perf_counter()
         self.startup = StartupProfile(cache_dir=triton_builds.cache_dir() if triton_builds.install() else None)
         """Where the start-up went (phases, Triton builds; startup_profile.py)."""
@@ -103,6 +104,7 @@ class LLM:
             self.config = replace(self.config, speculative_adaptive=False,
                                   startup_build_threads=self.config.startup_build_threads or 0)
         self.config = self.config.for_device(self.device.type)  # a copy where a default depends on the device
+        self.quantization = quantization  # checked when the model is built (Fp8Config.resolve)
         self.memory_plan: MemoryPlan | None = None
         """How the KV pool was sized on CUDA when the config gives no size (see memory_planning.py)."""
         self.tensor_parallel_size = tensor_parallel_size
@@ -228,8 +230,10 @@ class LLM:
         try:
             if model is None:
                 if now:
-                    check_weights_fit(builtin_weight_bytes(default_model, self.dtype, self.parallel), now.total, now.free)
-                self.model = build_default_model(default_model, self.device, self.dtype, seed=seed, parallel=self.parallel)
+                    check_weights_fit(builtin_weight_bytes(default_model, self.dtype, self.parallel, self.quantization),
+                                      now.total, now.free)
+                self.model = build_default_model(default_model, self.device, self.dtype, seed=seed, parallel=self.parallel,
+                                                 quantization=self.quantization)
                 self.tokenizer = None
                 if default_model.startswith("tiny"):  # sized to the in-process tiny BPE: text prompts work
                     from megatron_async.models import Tokenizer
@@ -237,7 +241,7 @@ class LLM:
 
                     self.tokenizer = Tokenizer(train_tiny_tokenizer(), EOS_TOKEN_ID)
             else:
-                self.model, _ = load_checkpoint(model, self.device, self.dtype, self.parallel)
+                self.model, _ = load_checkpoint(model, self.device, self.dtype, self.parallel, self.quantization)
                 self.tokenizer = load_tokenizer(model)
         except torch.OutOfMemoryError:
             raise MemoryPlanError(f"model does not fit: CUDA out of memory while loading its weights (device had "

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
         if mode not in MODES:
             p.error(f"unknown mode {mode!r}")
         llm = LLM(args.model, args.device, args.dtype, flags.inference_config_from_args(args, **MODES[mode]),
-                  default_model=args.default_model)
+                  default_model=args.default_model, quantization=args.quantization)
         rng = np.random.default_rng(args.seed)
         reqs = [WorkloadRequest(rng.integers(0, llm.model.vocab_size, size=args.prompt_len).tolist(), args.steps)
                 for _ in range(args.batch)]

@@ -78,6 +78,9 @@ def add_model_args(p: argparse.ArgumentParser, require_model: bool = False) -> N
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: bfloat16 on cuda, float32 on cpu)")
     g.add_argument("--attention-backend", default="auto", choices=[b.value for b in AttentionBackend])
+    g.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: the linears' weights in FP8 (e4m3, 128 x 128 block scales), quantized at load; a "
+                        "checkpoint with an FP8 quantization_config loads in FP8 without it (LLM(quantization=...))")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:

@@ -130,7 +130,7 @@ def load_llm(args: argparse.Namespace, **config_overrides) -> LLM:
     try:
         return LLM(args.model, args.device, args.dtype, flags.inference_config_from_args(args, **config_overrides),
                    default_model=args.default_model, tensor_parallel_size=args.tensor_parallel_size,
-                   expert_parallel_size=args.expert_parallel_size)
+                   expert_parallel_size=args.expert_parallel_size, quantization=getattr(args, "quantization", None))
     except Exception as e:  # noqa: BLE001 -- any loader failure is reported the same way
         what = f"model {args.model}" if args.model else f"built-in model {args.default_model}"
         print(f"error: cannot load {what}: {e}", file=sys.stderr)

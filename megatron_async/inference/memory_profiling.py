@@ -84,12 +84,13 @@ def _agree(plan: MemoryPlan) -> MemoryPlan:
     return replace(plan, num_blocks=int(n.item()))
 
 
-def builtin_weight_bytes(name: str, dtype: torch.dtype, parallel=None) -> int:
+def builtin_weight_bytes(name: str, dtype: torch.dtype, parallel=None, quantization: str | None = None) -> int:
     """Bytes of a built-in model's weights and buffers on this rank, from a build on the meta device."""
     from megatron_async.models.default_model import DEFAULT_CONFIGS
     from megatron_async.models.gpt import build_gpt
+    from megatron_async.models.quantization import Fp8Config
 
     if name not in DEFAULT_CONFIGS:
         return 0  # build_default_model names the choices
-    model = build_gpt(DEFAULT_CONFIGS[name], dtype, torch.device("meta"), parallel)
+    model = build_gpt(DEFAULT_CONFIGS[name], dtype, torch.device("meta"), parallel, Fp8Config.resolve(quantization, None))
     return sum(t.nbytes for t in (*model.parameters(), *model.buffers()))

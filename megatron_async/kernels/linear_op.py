@@ -2,7 +2,10 @@
 matmul when the step asks for batch-invariant numerics (``ForwardBatch.batch_invariant``).
 
 The mode is an argument, never process state: the same model serves both modes, and the
-default path is exactly ``F.linear`` (one bool test of overhead)."""
+default path is exactly ``F.linear`` (one bool test of overhead).
+
+FP8 weights (e4m3 with ``scale``: 128 x 128 block scales, see fp8_quant): the W8A8 Triton GEMM on
+CUDA (and in batch-invariant mode, interpreted on CPU), else the emulated float32 math."""
 from __future__ import annotations
 
 import functools
@@ -12,9 +15,18 @@ import torch.nn.functional as F
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           batch_invariant: bool = False) -> torch.Tensor:
+           batch_invariant: bool = False, scale: torch.Tensor | None = None, scale_block_n: int = 128) -> torch.Tensor:
     """``x @ weight.T + bias``. ``batch_invariant``: each row's bits are independent of how
-    many rows ``x`` has (fixed tiles, fixed K order; see triton_invariant_matmul)."""
+    many rows ``x`` has (fixed tiles, fixed K order; see triton_invariant_matmul). ``scale``:
+    the block scales of an e4m3 ``weight`` (``scale_block_n`` weight rows per scale row)."""
+    if scale is not None:
+        if x.is_cuda or batch_invariant:
+            from megatron_async.kernels.triton_fp8_gemm import fp8_linear
+
+            return fp8_linear(x, weight, scale, bias, scale_block_n, batch_invariant)
+        from megatron_async.kernels.fp8_quant import fp8_linear_reference
+
+        return fp8_linear_reference(x, weight, scale, bias, scale_block_n)
     if not batch_invariant:
         return F.linear(x, weight, bias)
     return _invariant_linear()(x, weight, bias)

@@ -10,6 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from megatron_async.models.registry import get_builder
 from megatron_async.models.base import CausalLM
+from megatron_async.models.quantization import Fp8Config
 from megatron_async.parallel.state import ParallelState
 
 SINGLE_FILE = "model.safetensors"
@@ -82,11 +83,13 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_checkpoint(
     path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None,
-    parallel: ParallelState | None = None,
+    parallel: ParallelState | None = None, quantization: str | None = None,
 ) -> tuple[CausalLM, dict]:
     """Build the model named by ``config.json``'s ``architectures[0]`` on ``device`` in ``dtype``
     (None: the checkpoint's dtype) and fill it from the checkpoint's safetensors: under tensor
-    parallelism, this rank's shard (``parallel``; None = a single process).
+    parallelism, this rank's shard (``parallel``; None = a single process). FP8: a checkpoint
+    with an FP8 ``quantization_config`` loads as it is; ``quantization="fp8"`` quantizes a float
+    checkpoint's linears at load (models/quantization.py).
 
     Returns (model in eval mode, the config.json dict)."""
     hf_config = read_hf_config(path)
@@ -95,7 +98,9 @@ def load_checkpoint(
         raise ValueError(f"{Path(path) / 'config.json'} has no 'architectures' entry")
     files = safetensors_files(path)
     builder = get_builder(archs[0])
-    model = builder(hf_config, resolve_dtype(dtype, hf_config), torch.device(device), parallel or ParallelState())
+    quant = Fp8Config.resolve(quantization, hf_config)
+    model = builder(hf_config, resolve_dtype(dtype, hf_config), torch.device(device), parallel or ParallelState(),
+                    quant=quant)
     try:
         model.load_hf_weights(iter_safetensors(files))
     except ValueError as e:

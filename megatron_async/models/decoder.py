@@ -28,8 +28,10 @@ from megatron_async.models.layers.rope import RotaryEmbedding
 from megatron_async.models.model_config import AttentionConfig, LayerKind, MLPConfig
 from megatron_async.models.moe_config import MoEConfig
 from megatron_async.models.mtp_weights import MTP_PREFIX, load_main_and_mtp, mtp_hf_prefixes, mtp_layer_blocks
+from megatron_async.models.quantization import Fp8Config, QuantScope
 from megatron_async.models.weight_loading import HFTarget, hf_targets, load_hf_weights
 from megatron_async.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
+from megatron_async.parallel.fp8_sharding import check_fp8_pairs
 from megatron_async.parallel.sharding import full_shape
 from megatron_async.parallel.state import ParallelState
 
@@ -78,24 +80,27 @@ class DecoderSpec:
 
 
 def _mixer(kind: LayerKind, spec: DecoderSpec, index: int | None, parallel: ParallelState, dtype: torch.dtype,
-           device: torch.device | str) -> nn.Module:
+           device: torch.device | str, quant: QuantScope) -> nn.Module:
     """``index``: the block's number among the blocks of its kind (its cache / state slot, its
-    routing-replay layer); None for an MTP head's MoE (it records no routing)."""
+    routing-replay layer); None for an MTP head's MoE (it records no routing). ``quant``: the FP8
+    config seen from the mixer's HF path."""
     if kind == LayerKind.ATTENTION:
-        return Attention(spec.hidden_size, spec.attention, index, parallel, dtype, device)
+        return Attention(spec.hidden_size, spec.attention, index, parallel, dtype, device, quant)
     if kind == LayerKind.MAMBA:
-        return Mamba2Mixer(spec.hidden_size, spec.mamba, index, parallel, dtype, device)
+        return Mamba2Mixer(spec.hidden_size, spec.mamba, index, parallel, dtype, device, quant)
     if kind == LayerKind.MLP:
-        return build_mlp(spec.hidden_size, spec.mlp, parallel, dtype, device)
+        return build_mlp(spec.hidden_size, spec.mlp, parallel, dtype, device, quant)
     if kind == LayerKind.MOE:
-        return MoEMixer(spec.hidden_size, spec.moe, parallel, dtype, device, moe_layer=index)
+        return MoEMixer(spec.hidden_size, spec.moe, parallel, dtype, device, moe_layer=index, quant=quant)
     raise ValueError(f"{spec.name}: {kind.name} layers are not supported")
 
 
 class DecoderModel(CausalLM):
-    def __init__(self, spec: DecoderSpec, parallel: ParallelState, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, spec: DecoderSpec, parallel: ParallelState, dtype: torch.dtype, device: torch.device | str,
+                 quant: Fp8Config | None = None):
+        """``quant``: FP8 weights for the linears it names (None: every weight in ``dtype``)."""
         super().__init__()
-        self.spec, self.parallel, self.dtype = spec, parallel, dtype
+        self.spec, self.parallel, self.dtype, self.quant = spec, parallel, dtype, quant
         self.vocab_size = spec.vocab_size
         self.eos_token_id = spec.eos_token_id
         self.max_position_embeddings = spec.max_position_embeddings
@@ -104,7 +109,7 @@ class DecoderModel(CausalLM):
         counts = {kind: 0 for kind in LayerKind}
         blocks = []
         for b in spec.blocks:
-            mixer = _mixer(b.kind, spec, counts[b.kind], parallel, dtype, device)
+            mixer = _mixer(b.kind, spec, counts[b.kind], parallel, dtype, device, QuantScope(quant, b.hf_mixer))
             blocks.append(Block(norm_cls(spec.hidden_size, spec.norm_eps, dtype, device), mixer))
             counts[b.kind] += 1
         self.blocks = nn.ModuleList(blocks)
@@ -134,10 +139,11 @@ class DecoderModel(CausalLM):
             raise ValueError(f"{spec.name}: MTP heads need the model's attention and MLP configs")
         layers = []
         for d in range(spec.mtp_depths):
-            kinds = [kind for kind, _, _ in mtp_layer_blocks(d, self._mtp_mlp_kind())]
+            kinds = [(kind, mixer) for kind, _, mixer in mtp_layer_blocks(d, self._mtp_mlp_kind())]
             layers.append([Block(norm_cls(spec.hidden_size, spec.norm_eps, dtype, device),
                                  _mixer(kind, spec, num_attention + d if kind == LayerKind.ATTENTION else None,
-                                        parallel, dtype, device)) for kind in kinds])
+                                        parallel, dtype, device, QuantScope(self.quant, mixer)))
+                           for kind, mixer in kinds])
         return MTPHeads(spec.hidden_size, lambda: norm_cls(spec.hidden_size, spec.norm_eps, dtype, device),
                         layers, parallel, dtype, device)
 
@@ -267,6 +273,14 @@ class DecoderModel(CausalLM):
     def canonical_name(self, name: str) -> str:
         """Map an accepted alternative spelling onto the name transformers saves."""
         return name
+
+    def optional_hf_name(self, name: str) -> bool:
+        """Tensors a load does not require: FP8 block scales (a float weight is quantized at load)."""
+        return name.endswith(".weight_scale_inv")
+
+    def check_weight_names(self, dtypes: dict) -> None:
+        """Before a load or update copies anything: FP8 weights and their scales come in pairs."""
+        check_fp8_pairs(self.hf_targets(), dtypes)
 
     def skips_hf_name(self, name: str) -> bool:
         """Whether a checkpoint tensor of this name is not needed (loading and updates ignore it)."""

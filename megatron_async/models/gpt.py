@@ -7,6 +7,7 @@ import torch
 from megatron_async.models.decoder import BlockSpec, DecoderModel, DecoderSpec
 from megatron_async.models.model_config import GPTConfig, LayerKind, parse_gpt_config
 from megatron_async.models.mtp_weights import mtp_depths
+from megatron_async.models.quantization import Fp8Config
 from megatron_async.parallel.state import ParallelState
 
 
@@ -31,12 +32,14 @@ def gpt_spec(cfg: GPTConfig, mtp_depths: int = 0) -> DecoderSpec:
 
 class GPTModel(DecoderModel):
     def __init__(self, cfg: GPTConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device | str,
-                 mtp_depths: int = 0):
-        super().__init__(gpt_spec(cfg, mtp_depths), parallel, dtype, device)
+                 mtp_depths: int = 0, quant: Fp8Config | None = None):
+        super().__init__(gpt_spec(cfg, mtp_depths), parallel, dtype, device, quant)
         self.config = cfg
 
 
 def build_gpt(hf_config: dict, dtype: torch.dtype, device: torch.device | str,
-              parallel: ParallelState | None = None) -> GPTModel:
-    """A GPTModel (this rank's shard) with uninitialised weights (fill them with ``load_hf_weights``)."""
-    return GPTModel(parse_gpt_config(hf_config), parallel or ParallelState(), dtype, device, mtp_depths(hf_config))
+              parallel: ParallelState | None = None, quant: Fp8Config | None = None) -> GPTModel:
+    """A GPTModel (this rank's shard) with uninitialised weights (fill them with ``load_hf_weights``);
+    ``quant``: its FP8 linears."""
+    return GPTModel(parse_gpt_config(hf_config), parallel or ParallelState(), dtype, device, mtp_depths(hf_config),
+                    quant)

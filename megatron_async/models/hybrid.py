@@ -10,6 +10,7 @@ import torch
 
 from megatron_async.models.decoder import BlockSpec, DecoderModel, DecoderSpec
 from megatron_async.models.hybrid_config import HybridConfig, HybridFamily, LayerKind, parse_hybrid_config
+from megatron_async.models.quantization import Fp8Config
 from megatron_async.parallel.state import ParallelState
 
 
@@ -42,8 +43,9 @@ def hybrid_spec(cfg: HybridConfig) -> DecoderSpec:
 
 
 class HybridModel(DecoderModel):
-    def __init__(self, cfg: HybridConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device | str):
-        super().__init__(hybrid_spec(cfg), parallel, dtype, device)
+    def __init__(self, cfg: HybridConfig, parallel: ParallelState, dtype: torch.dtype, device: torch.device | str,
+                 quant: Fp8Config | None = None):
+        super().__init__(hybrid_spec(cfg), parallel, dtype, device, quant)
         self.config = cfg
 
     def canonical_name(self, name: str) -> str:
@@ -56,6 +58,7 @@ class HybridModel(DecoderModel):
 
 
 def build_hybrid(hf_config: dict, dtype: torch.dtype, device: torch.device | str,
-                 parallel: ParallelState | None = None) -> HybridModel:
-    """A HybridModel (this rank's shard) with uninitialised weights (fill them with ``load_hf_weights``)."""
-    return HybridModel(parse_hybrid_config(hf_config), parallel or ParallelState(), dtype, device)
+                 parallel: ParallelState | None = None, quant: Fp8Config | None = None) -> HybridModel:
+    """A HybridModel (this rank's shard) with uninitialised weights (fill them with ``load_hf_weights``);
+    ``quant``: its FP8 linears."""
+    return HybridModel(parse_hybrid_config(hf_config), parallel or ParallelState(), dtype, device, quant)

@@ -61,19 +61,24 @@ class ExpertSharding:
 
 
 class ExpertParallelLinear(ParallelLinear):
-    """``weight`` [num_local_experts, out_local, in_local]; no bias (no supported family has one)."""
+    """``weight`` [num_local_experts, out_local, in_local]; no bias (no supported family has one).
+    FP8: e4m3 weights and ``weight_scale_inv`` [num_local_experts, scale rows, in_local / 128]."""
 
     def __init__(self, num_experts: int, inner: Sharding, local_shape: tuple[int, int], hf_parts: tuple[str, ...],
                  part_ids: tuple[ShardId, ...], parallel: ParallelState, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, fp8: bool = False):
         self.num_local_experts = parallel.ep_divide(num_experts, "the number of routed experts")
         self.first_expert = parallel.ep_rank * self.num_local_experts
         sharding = ExpertSharding(inner, num_experts, self.first_expert, self.num_local_experts)
-        super().__init__((self.num_local_experts, *local_shape), sharding, None, sharding, parallel, dtype, device)
+        loads = tuple((self.first_expert, part) for part in part_ids) if fp8 else None
+        super().__init__((self.num_local_experts, *local_shape), sharding, None, sharding, parallel, dtype, device,
+                         loads)
         # every HF tensor of this parameter, e.g. ("5.gate_proj.weight", (5, 0)): all experts are
         # named (other ranks' are read and skipped) so a missing one is still reported
-        self.weight.hf_names = tuple((f"{e}.{name}.weight", (e, part)) for e in range(num_experts)
-                                     for name, part in zip(hf_parts, part_ids))
+        for param, suffix in ((self.weight, "weight"), (self.weight_scale_inv, "weight_scale_inv")):
+            if param is not None:
+                param.hf_names = tuple((f"{e}.{name}.{suffix}", (e, part)) for e in range(num_experts)
+                                       for name, part in zip(hf_parts, part_ids))
 
 
 class ExpertColumnParallelLinear(ExpertParallelLinear):
@@ -81,13 +86,13 @@ class ExpertColumnParallelLinear(ExpertParallelLinear):
     split over TP, so this rank holds [gate_local | up_local] rows per expert."""
 
     def __init__(self, num_experts: int, in_features: int, output_sizes: list[int], hf_parts: tuple[str, ...],
-                 parallel: ParallelState, dtype: torch.dtype, device: torch.device | str):
+                 parallel: ParallelState, dtype: torch.dtype, device: torch.device | str, fp8: bool = False):
         ids = tuple(range(len(output_sizes))) if len(output_sizes) > 1 else (None,)
         inner = Sharding.split(0, tuple(output_sizes), parallel, "moe_intermediate_size",
                                ids if len(output_sizes) > 1 else ())
         self.output_sizes = [s // parallel.tp_size for s in output_sizes]
         super().__init__(num_experts, inner, (sum(self.output_sizes), in_features), hf_parts, ids,
-                         parallel, dtype, device)
+                         parallel, dtype, device, fp8)
 
 
 class ExpertRowParallelLinear(ExpertParallelLinear):
@@ -95,7 +100,7 @@ class ExpertRowParallelLinear(ExpertParallelLinear):
     outputs over the TP group after the EP exchange)."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, hf_part: str,
-                 parallel: ParallelState, dtype: torch.dtype, device: torch.device | str):
+                 parallel: ParallelState, dtype: torch.dtype, device: torch.device | str, fp8: bool = False):
         inner = Sharding.split(1, in_features, parallel, "moe_intermediate_size")
         super().__init__(num_experts, inner, (out_features, in_features // parallel.tp_size), (hf_part,), (None,),
-                         parallel, dtype, device)
+                         parallel, dtype, device, fp8)

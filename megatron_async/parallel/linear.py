@@ -13,7 +13,12 @@ Expert parallelism extends ``ParallelLinear``: an expert-sharded linear holds
 ``weight_loader(param, loaded, shard_id=(expert_id, part))`` keeps only local experts (and,
 with TP inside, their column / row slices through ``Sharding``); the model's stacked-params
 mapping emits one (param, (expert, part)) target per HF expert tensor, so checkpoint loading
-needs no new code path."""
+needs no new code path.
+
+FP8 (``fp8=True``): ``weight`` is e4m3 and ``weight_scale_inv`` holds its 128 x 128 block scales
+(``parallel/fp8_sharding.py``: they load from e4m3 checkpoints with their grids, or quantize float
+tensors on arrival); the forward is the W8A8 block-scaled linear (kernels/linear_op.py). The bias,
+if any, stays in the model dtype."""
 from __future__ import annotations
 
 import torch
@@ -21,19 +26,32 @@ from torch import nn
 
 from megatron_async.kernels.linear_op import linear
 from megatron_async.parallel.communication import PendingSum, tp_all_reduce
+from megatron_async.parallel.fp8_sharding import fp8_params
 from megatron_async.parallel.sharding import REPLICATED, Sharding, ShardId, sharded_param
 from megatron_async.parallel.state import ParallelState
 
 
 class ParallelLinear(nn.Module):
-    """Base: ``weight`` [out_local, in_local] and optional ``bias``, each with its weight_loader."""
+    """Base: ``weight`` [out_local, in_local] and optional ``bias``, each with its weight_loader;
+    FP8: ``weight`` e4m3 and ``weight_scale_inv`` (``fp8_shard_ids``: every shard_id the weight
+    loads with, which decide where its scale blocks fall)."""
 
     def __init__(self, weight_shape: tuple[int, ...], weight_sharding: Sharding, bias_shape: tuple[int, ...] | None,
-                 bias_sharding: Sharding, parallel: ParallelState, dtype: torch.dtype, device: torch.device | str):
+                 bias_sharding: Sharding, parallel: ParallelState, dtype: torch.dtype, device: torch.device | str,
+                 fp8_shard_ids: tuple[ShardId, ...] | None = None):
         super().__init__()
         self.parallel = parallel
-        self.weight = sharded_param(weight_shape, weight_sharding, dtype, device)
+        self.weight_scale_inv, self.scale_block_n = None, 0
+        if fp8_shard_ids is None:
+            self.weight = sharded_param(weight_shape, weight_sharding, dtype, device)
+        else:
+            self.weight, self.weight_scale_inv, self.scale_block_n = fp8_params(weight_sharding, weight_shape,
+                                                                                fp8_shard_ids, device)
         self.bias = None if bias_shape is None else sharded_param(bias_shape, bias_sharding, dtype, device)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, batch_invariant: bool) -> torch.Tensor:
+        """``x @ weight.T + bias`` (this rank's part) in either precision."""
+        return linear(x, self.weight, bias, batch_invariant, self.weight_scale_inv, self.scale_block_n)
 
 
 class ReplicatedLinear(ParallelLinear):
@@ -45,7 +63,7 @@ class ReplicatedLinear(ParallelLinear):
                          parallel, dtype, device)
 
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, batch_invariant)
+        return self.matmul(x, self.bias, batch_invariant)
 
 
 class MergedColumnParallelLinear(ParallelLinear):
@@ -56,23 +74,24 @@ class MergedColumnParallelLinear(ParallelLinear):
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, parallel: ParallelState,
                  dtype: torch.dtype, device: torch.device | str, what: str = "output features",
-                 shard_ids: tuple[ShardId, ...] | None = None):
+                 shard_ids: tuple[ShardId, ...] | None = None, fp8: bool = False):
         ids = tuple(range(len(output_sizes))) if shard_ids is None else tuple(shard_ids)
         w = Sharding.split(0, tuple(output_sizes), parallel, what, ids)
         self.output_sizes = [s // parallel.tp_size for s in output_sizes]
         out = sum(self.output_sizes)
-        super().__init__((out, in_features), w, (out,) if bias else None, w, parallel, dtype, device)
+        loads = tuple(dict.fromkeys((*ids, None))) if fp8 else None  # by part, or stacked whole
+        super().__init__((out, in_features), w, (out,) if bias else None, w, parallel, dtype, device, loads)
 
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, batch_invariant)
+        return self.matmul(x, self.bias, batch_invariant)
 
 
 class ColumnParallelLinear(MergedColumnParallelLinear):
     """One column-parallel output (this rank's ``out_features / tp`` rows)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelState,
-                 dtype: torch.dtype, device: torch.device | str, what: str = "output features"):
-        super().__init__(in_features, [out_features], bias, parallel, dtype, device, what, shard_ids=(None,))
+                 dtype: torch.dtype, device: torch.device | str, what: str = "output features", fp8: bool = False):
+        super().__init__(in_features, [out_features], bias, parallel, dtype, device, what, shard_ids=(None,), fp8=fp8)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -80,12 +99,13 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     GQA: KV heads must divide the TP size (no KV-head replication)."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 parallel: ParallelState, dtype: torch.dtype, device: torch.device | str):
+                 parallel: ParallelState, dtype: torch.dtype, device: torch.device | str, fp8: bool = False):
         self.num_heads = parallel.tp_divide(num_heads, "num_attention_heads")
         self.num_kv_heads = parallel.tp_divide(num_kv_heads, "num_key_value_heads")
         self.head_dim = head_dim
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden, sizes, bias, parallel, dtype, device, "attention heads", shard_ids=("q", "k", "v"))
+        super().__init__(hidden, sizes, bias, parallel, dtype, device, "attention heads", shard_ids=("q", "k", "v"),
+                         fp8=fp8)
 
 
 class RowParallelLinear(ParallelLinear):
@@ -99,16 +119,16 @@ class RowParallelLinear(ParallelLinear):
     defer_reduction = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelState,
-                 dtype: torch.dtype, device: torch.device | str, what: str = "input features"):
+                 dtype: torch.dtype, device: torch.device | str, what: str = "input features", fp8: bool = False):
         w = Sharding.split(1, in_features, parallel, what)
         local_in = in_features // parallel.tp_size
         super().__init__((out_features, local_in), w, (out_features,) if bias else None, REPLICATED,
-                         parallel, dtype, device)
+                         parallel, dtype, device, (None,) if fp8 else None)
 
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         if self.parallel.tp_size == 1:
-            return linear(x, self.weight, self.bias, batch_invariant)
-        partial = linear(x, self.weight, None, batch_invariant)
+            return self.matmul(x, self.bias, batch_invariant)
+        partial = self.matmul(x, None, batch_invariant)
         reducer = self.parallel.tp_reducer
         if (self.defer_reduction and self.bias is None and not batch_invariant and reducer is not None
                 and reducer.fuses_norm(partial)):

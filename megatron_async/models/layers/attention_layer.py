@@ -16,23 +16,25 @@ from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.layers.norm import RMSNorm
 from megatron_async.models.layers.rope import apply_rotary
 from megatron_async.models.model_config import AttentionConfig
+from megatron_async.models.quantization import NO_QUANT, QuantScope
 from megatron_async.parallel.linear import QKVParallelLinear, RowParallelLinear
 from megatron_async.parallel.state import ParallelState
 
 
 class Attention(nn.Module):
     def __init__(self, hidden: int, cfg: AttentionConfig, kv_index: int, parallel: ParallelState,
-                 dtype: torch.dtype, device: torch.device | str):
-        """``kv_index``: this layer's KV cache among the model's attention layers."""
+                 dtype: torch.dtype, device: torch.device | str, quant: QuantScope = NO_QUANT):
+        """``kv_index``: this layer's KV cache among the model's attention layers; ``quant``: which
+        of its projections are FP8."""
         super().__init__()
         self.cfg, self.kv_index = cfg, kv_index
         self.qkv_proj = QKVParallelLinear(hidden, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias,
-                                          parallel, dtype, device)
+                                          parallel, dtype, device, quant.fp8("q_proj", "k_proj", "v_proj"))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, hidden, cfg.o_bias, parallel, dtype, device,
-                                        "num_attention_heads * head_dim")
+                                        "num_attention_heads * head_dim", quant.fp8("o_proj"))
         has_norm = cfg.qk_norm_eps is not None
         self.q_norm = RMSNorm(cfg.head_dim, cfg.qk_norm_eps, dtype, device) if has_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.qk_norm_eps, dtype, device) if has_norm else None

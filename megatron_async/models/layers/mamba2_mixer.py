@@ -12,6 +12,7 @@ from torch import nn
 from megatron_async.kernels import mamba_ops, mamba_varlen_ops, mamba_window_ops
 from megatron_async.kernels.mamba_varlen_ops import PaddedRows, VarlenRows
 from megatron_async.models.hybrid_config import MambaConfig
+from megatron_async.models.quantization import NO_QUANT, QuantScope
 from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.layers.mamba_step_plan import MambaStepPlan
 from megatron_async.parallel.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -68,8 +69,9 @@ class Mamba2Mixer(nn.Module):
     row-parallel. A local head's group is still ``head // (heads per group)``."""
 
     def __init__(self, hidden_size: int, cfg: MambaConfig, state_index: int, parallel: ParallelState,
-                 dtype: torch.dtype, device: torch.device | str):
-        """``state_index``: this layer's conv / SSM state pools among the model's Mamba layers."""
+                 dtype: torch.dtype, device: torch.device | str, quant: QuantScope = NO_QUANT):
+        """``state_index``: this layer's conv / SSM state pools among the model's Mamba layers;
+        ``quant``: whether in_proj / out_proj are FP8 (conv, A, D, dt and the norm never are)."""
         super().__init__()
         self.cfg, self.state_index = cfg, state_index
         self.num_heads = parallel.tp_divide(cfg.num_heads, "Mamba num_heads")
@@ -79,14 +81,16 @@ class Mamba2Mixer(nn.Module):
         self.conv_dim = self.intermediate + 2 * self.group_dim
         I, GN, H = cfg.intermediate_size, cfg.n_groups * cfg.d_state, cfg.num_heads
         self.in_proj = MergedColumnParallelLinear(hidden_size, [I, I, GN, GN, H], cfg.proj_bias, parallel, dtype,
-                                                  device, "Mamba in_proj parts", shard_ids=("z", "x", "B", "C", "dt"))
+                                                  device, "Mamba in_proj parts", shard_ids=("z", "x", "B", "C", "dt"),
+                                                  fp8=quant.fp8("in_proj"))
         self.conv1d = MambaConv1d(cfg, parallel, dtype, device)
         per_head = Sharding.split(0, H, parallel, "Mamba num_heads")
         self.dt_bias = sharded_param((self.num_heads,), per_head, dtype, device)
         self.A_log = sharded_param((self.num_heads,), per_head, dtype, device)
         self.D = sharded_param((self.num_heads,), per_head, dtype, device)
         self.norm = GatedGroupRMSNorm(cfg, parallel, dtype, device)
-        self.out_proj = RowParallelLinear(I, hidden_size, cfg.proj_bias, parallel, dtype, device, "Mamba heads * head_dim")
+        self.out_proj = RowParallelLinear(I, hidden_size, cfg.proj_bias, parallel, dtype, device, "Mamba heads * head_dim",
+                                          quant.fp8("out_proj"))
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """This rank's (conv state, SSM state) shape per slot."""

@@ -9,24 +9,26 @@ from torch import nn
 from megatron_async.kernels import fused_ops
 from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.model_config import MLPConfig
+from megatron_async.models.quantization import NO_QUANT, QuantScope
 from megatron_async.parallel.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from megatron_async.parallel.state import ParallelState
 
 
 class SwiGLUMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool, parallel: ParallelState, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, quant: QuantScope = NO_QUANT):
         super().__init__()
         # this rank's rows: [gate_local | up_local] (HF gate_proj = shard 0, up_proj = shard 1)
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias, parallel, dtype, device,
-                                                       "intermediate_size")
+                                                       "intermediate_size", fp8=quant.fp8("gate_proj", "up_proj"))
         self.intermediate = self.gate_up_proj.output_sizes[0]
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias, parallel, dtype, device, "intermediate_size")
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, parallel, dtype, device, "intermediate_size",
+                                           quant.fp8("down_proj"))
 
     def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor:
         inv = step is not None and step.batch.batch_invariant
         fused = step is None or step.kernels.fused
-        if not inv and fused_ops.use_fused(x, fused) and x.dim() == 2:
+        if not inv and fused_ops.use_fused(x, fused) and x.dim() == 2 and self.gate_up_proj.weight_scale_inv is None:
             act = fused_ops.swiglu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if act is not None:
                 return self.down_proj(act, inv)
@@ -41,10 +43,12 @@ class SwiGLUMLP(nn.Module):
 
 class ReluSquaredMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool, parallel: ParallelState, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, quant: QuantScope = NO_QUANT):
         super().__init__()
-        self.up_proj = ColumnParallelLinear(hidden, intermediate, bias, parallel, dtype, device, "intermediate_size")
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias, parallel, dtype, device, "intermediate_size")
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, bias, parallel, dtype, device, "intermediate_size",
+                                            quant.fp8("up_proj"))
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, parallel, dtype, device, "intermediate_size",
+                                           quant.fp8("down_proj"))
 
     def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor:
         inv = step is not None and step.batch.batch_invariant
@@ -52,6 +56,6 @@ class ReluSquaredMLP(nn.Module):
 
 
 def build_mlp(hidden: int, cfg: MLPConfig, parallel: ParallelState, dtype: torch.dtype,
-              device: torch.device | str) -> nn.Module:
+              device: torch.device | str, quant: QuantScope = NO_QUANT) -> nn.Module:
     cls = SwiGLUMLP if cfg.gated else ReluSquaredMLP
-    return cls(hidden, cfg.intermediate_size, cfg.bias, parallel, dtype, device)
+    return cls(hidden, cfg.intermediate_size, cfg.bias, parallel, dtype, device, quant)

@@ -29,6 +29,7 @@ from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.layers.mlp import ReluSquaredMLP
 from megatron_async.models.layers.moe_router import TopKRouter
 from megatron_async.models.moe_config import MoEConfig
+from megatron_async.models.quantization import NO_QUANT, QuantScope
 from megatron_async.config import ExpertExchange
 from megatron_async.parallel.communication import (
     ep_all_gather,
@@ -67,17 +68,20 @@ class RoutedExperts(nn.Module):
     ``down_proj``, with the EP token exchange around the grouped GEMMs."""
 
     def __init__(self, in_features: int, cfg: MoEConfig, parallel: ParallelState, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, quant: QuantScope = NO_QUANT):
+        """``quant``: the experts' scope (FP8 experts: all of them, as the first expert's projections say)."""
         super().__init__()
         self.parallel, self.gated, self.num_experts = parallel, cfg.gated, cfg.num_experts
         I = cfg.intermediate_size
         if cfg.gated:
             self.gate_up_proj = ExpertColumnParallelLinear(cfg.num_experts, in_features, [I, I],
-                                                           (cfg.hf_gate, cfg.hf_up), parallel, dtype, device)
+                                                           (cfg.hf_gate, cfg.hf_up), parallel, dtype, device,
+                                                           quant.fp8(f"0.{cfg.hf_gate}", f"0.{cfg.hf_up}"))
         else:
             self.up_proj = ExpertColumnParallelLinear(cfg.num_experts, in_features, [I], (cfg.hf_up,),
-                                                      parallel, dtype, device)
-        self.down_proj = ExpertRowParallelLinear(cfg.num_experts, I, in_features, cfg.hf_down, parallel, dtype, device)
+                                                      parallel, dtype, device, quant.fp8(f"0.{cfg.hf_up}"))
+        self.down_proj = ExpertRowParallelLinear(cfg.num_experts, I, in_features, cfg.hf_down, parallel, dtype, device,
+                                                 quant.fp8(f"0.{cfg.hf_down}"))
         self.num_local = self.down_proj.num_local_experts
         self.first_expert = self.down_proj.first_expert
 
@@ -87,8 +91,9 @@ class RoutedExperts(nn.Module):
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  kernels: KernelBackends, defer_combine: bool = False) -> torch.Tensor | DeferredSum:
-        return fused_experts(x, self.input_proj.weight, self.down_proj.weight, ids, weights, self.gated,
-                             kernels.triton_moe, defer_combine)
+        up, down = self.input_proj, self.down_proj
+        return fused_experts(x, up.weight, down.weight, ids, weights, self.gated, kernels.triton_moe, defer_combine,
+                             up.weight_scale_inv, down.weight_scale_inv, (up.scale_block_n, down.scale_block_n))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ep_num_tokens: int | None,
                 kernels: KernelBackends = KernelBackends(), defer_combine: bool = False) -> torch.Tensor | DeferredSum:
@@ -154,7 +159,7 @@ class MoEMixer(nn.Module):
     may then be one, where ``defers_combine`` says."""
 
     def __init__(self, hidden: int, cfg: MoEConfig, parallel: ParallelState, dtype: torch.dtype,
-                 device: torch.device | str, moe_layer: int | None = None):
+                 device: torch.device | str, moe_layer: int | None = None, quant: QuantScope = NO_QUANT):
         """``moe_layer``: this layer's index among the model's MoE layers, where it records its
         routing (``StepInputs.routed_experts``); None: it never records (MTP heads)."""
         super().__init__()
@@ -165,11 +170,11 @@ class MoEMixer(nn.Module):
         if cfg.latent_size is not None:
             self.fc1_latent_proj = ReplicatedLinear(hidden, expert_dim, cfg.mlp_bias, parallel, dtype, device)
             self.fc2_latent_proj = ReplicatedLinear(expert_dim, hidden, cfg.mlp_bias, parallel, dtype, device)
-        self.experts = RoutedExperts(expert_dim, cfg, parallel, dtype, device)
+        self.experts = RoutedExperts(expert_dim, cfg, parallel, dtype, device, quant.child("experts"))
         self.shared_experts = None
         if cfg.shared_expert_intermediate_size:
             self.shared_experts = ReluSquaredMLP(hidden, cfg.shared_expert_intermediate_size, cfg.mlp_bias,
-                                                 parallel, dtype, device)
+                                                 parallel, dtype, device, quant.child("shared_experts"))
 
     def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor | DeferredSum:
         kernels = KernelBackends() if step is None else step.kernels

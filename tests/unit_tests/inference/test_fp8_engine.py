@@ -1,0 +1,75 @@
+"""The engine with FP8 weights (quantized at load) on CPU: launch-ahead == serial token for token
+(with the e4m3 KV cache too, staggered arrivals, sampling); batch-invariant mode keeps a request's
+tokens and log-probs whatever shares its steps; MoE experts and Mamba projections in FP8 run;
+a bad quantization setting is refused at construction."""
+import pytest
+
+from megatron_async import LLM, InferenceConfig, SamplingParams
+from tests.helpers.engine_harness import Arrival, run_arrivals
+from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint
+from tests.helpers.hf_models import make_tiny_checkpoint
+
+CFG = dict(block_size_tokens=4, num_kv_blocks=96, max_requests=4, max_tokens=16, max_sequence_length=96)
+PROMPTS = [[3, 17, 42, 9, 100, 7], [25, 1, 2], [5] * 11, [60, 61, 62, 63, 64, 65, 66, 67, 68], [8, 9]]
+
+
+def _params(i: int) -> SamplingParams:
+    if i % 2:
+        return SamplingParams(temperature=0.9, top_p=0.8, seed=100 + i, num_tokens_to_generate=9, ignore_eos=True,
+                              return_log_probs=True)
+    return SamplingParams(top_k=1, num_tokens_to_generate=7 + i, ignore_eos=True, return_log_probs=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path_factory.mktemp("fp8_engine") / "m", seed=0,
+                                hidden_size=192, intermediate_size=320, head_dim=32)
+
+
+def _run(ckpt, **cfg):
+    llm = LLM(str(ckpt), inference_config=InferenceConfig(**{**CFG, **cfg}), quantization="fp8")
+    arrivals = [Arrival(step, p, _params(i)) for i, (step, p) in enumerate(zip([0, 0, 2, 5, 9], PROMPTS))]
+    outs = run_arrivals(llm, arrivals)
+    return [(outs[i].generated_tokens, outs[i].generated_log_probs) for i in range(len(PROMPTS))], llm.engine.stats
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_async_equals_serial(ckpt, kv_cache_dtype):
+    """Tokens equal; log-probs to float32 rounding (CPU matmuls round by row count)."""
+    launched, stats = _run(ckpt, kv_cache_dtype=kv_cache_dtype)
+    serial, _ = _run(ckpt, kv_cache_dtype=kv_cache_dtype, async_scheduling=False)
+    assert [t for t, _ in launched] == [t for t, _ in serial]
+    for (_, a), (_, b) in zip(launched, serial):
+        assert a == pytest.approx(b, abs=1e-5)
+    assert stats.overlapped_decode_steps > 0
+
+
+def test_batch_invariant_with_fp8_weights(ckpt):
+    """A request alone and beside others (different batch sizes, chunking, decode mixes): the same bits."""
+    cfg = InferenceConfig(**CFG, batch_invariant=True)
+    llm = LLM(str(ckpt), inference_config=cfg, quantization="fp8")
+    assert llm.model.blocks[0].mixer.qkv_proj.weight_scale_inv is not None
+    sp = SamplingParams(top_k=1, num_tokens_to_generate=6, ignore_eos=True, return_log_probs=True)
+    together = llm.generate(PROMPTS, [sp] * len(PROMPTS))
+    for i in (0, 3):
+        alone = llm.generate([PROMPTS[i]], sp)[0]
+        assert alone.generated_tokens == together[i].generated_tokens
+        assert alone.generated_log_probs == together[i].generated_log_probs
+
+
+def test_moe_and_mamba_projections_run_in_fp8(tmp_path):
+    sp = SamplingParams(top_k=1, num_tokens_to_generate=6, ignore_eos=True)
+    cfg = InferenceConfig(**CFG)
+    moe = LLM(default_model="tiny-moe", inference_config=cfg, quantization="fp8")
+    assert moe.model.blocks[1].mixer.experts.gate_up_proj.weight.element_size() == 1
+    hybrid = LLM(str(make_tiny_hybrid_checkpoint("NemotronHForCausalLM", tmp_path / "h")), inference_config=cfg,
+                 quantization="fp8")
+    assert hybrid.model.blocks[0].mixer.in_proj.weight.element_size() == 1
+    for llm in (moe, hybrid):
+        outs = llm.generate(PROMPTS[:2], sp)
+        assert all(len(o.generated_tokens) == 6 for o in outs)
+
+
+def test_bad_quantization_is_refused():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(inference_config=InferenceConfig(**CFG), quantization="int8")
