@@ -1,45 +1,19 @@
-"""Megatron-Core (0.16.x) on CPU for reference tests: tiny Qwen3-shaped GPTModels (dense, MoE) with
-the local layer spec and CPU initialization, in a gloo world, and the engine checkpoint of the
-same shape.
-
-Megatron-Core assumes CUDA in three spots even with ``use_cpu_initialization=True``; they are
-patched only inside ``cpu_patches()``: ``torch.cuda.current_device()`` is used as a device (rotary
-table, router weights, MoE counters) and returns "cpu" there; attention enters the CUDA RNG
-tracker's ``fork()``, a no-op there; without Transformer-Engine ``moe_utils.te_general_gemm`` is
-left undefined (the router reads it), set to None. The default causal mask is built on "cuda":
-``mcore_logits`` passes an explicit boolean mask instead. Not run here (no CPU build): the
-Transformer-Engine modules and the grouped-GEMM experts; their names are renamed aliases
-(``te_names``) of the local spec's, as their source documents."""
+"""Megatron-Core (0.16.x) on CPU for the reference tests: tiny Qwen3-shaped GPTModels (dense, MoE;
+the builder and its CPU workarounds are examples/megatron_gpt.py's) in a gloo world, and an engine
+checkpoint of the same shape. Not run here (no CPU build): the Transformer-Engine modules and the
+grouped-GEMM experts; their names are renamed aliases (``te_names``) of the local spec's, as their
+source documents."""
 from __future__ import annotations
 
-import contextlib
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
-warnings.filterwarnings("ignore")
-
-
-@contextlib.contextmanager
-def cpu_patches():
-    from megatron.core.tensor_parallel import random as mc_random
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    saved_dev, saved_fork = torch.cuda.current_device, mc_random.CudaRNGStatesTracker.fork
-    torch.cuda.current_device = lambda: "cpu"
-    mc_random.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
-    try:
-        yield
-    finally:
-        torch.cuda.current_device, mc_random.CudaRNGStatesTracker.fork = saved_dev, saved_fork
+from examples import megatron_gpt
 
 
 def init_world(rank: int, world_size: int, tp: int = 1, ep: int = 1) -> None:
@@ -71,7 +45,7 @@ class TinyShape:
                    hidden_size=self.hidden_size, intermediate_size=self.ffn_hidden_size, num_hidden_layers=self.num_layers,
                    num_attention_heads=self.num_heads, num_key_value_heads=self.num_query_groups, head_dim=self.head_dim,
                    rms_norm_eps=self.eps, rope_theta=self.rope_theta, tie_word_embeddings=self.tied,
-                   max_position_embeddings=128, dtype="float32")
+                   max_position_embeddings=128, initializer_range=0.2, dtype="float32")
         if self.num_experts:
             cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=self.num_experts,
                        moe_intermediate_size=self.moe_ffn_hidden_size, num_experts_per_tok=self.top_k,
@@ -80,47 +54,13 @@ class TinyShape:
 
 
 def build_mcore(s: TinyShape, seed: int = 0):
-    """This rank's shard of a Megatron-Core GPTModel (local spec), seeded on the CPU: with one
-    seed every TP size's shards are slices of the same full tensors."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    kw = dict(num_layers=s.num_layers, hidden_size=s.hidden_size, ffn_hidden_size=s.ffn_hidden_size,
-              num_attention_heads=s.num_heads, num_query_groups=s.num_query_groups, kv_channels=s.head_dim,
-              normalization="RMSNorm", layernorm_epsilon=s.eps, qk_layernorm=True, gated_linear_unit=True,
-              activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, attention_dropout=0.0,
-              hidden_dropout=0.0, init_method_std=0.2, use_cpu_initialization=True, params_dtype=torch.float32,
-              pipeline_dtype=torch.float32, bias_dropout_fusion=False, apply_rope_fusion=False,
-              masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-              tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
-    if s.num_experts:
-        kw.update(num_moe_experts=s.num_experts, moe_ffn_hidden_size=s.moe_ffn_hidden_size, moe_router_topk=s.top_k,
-                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather",
-                  moe_router_pre_softmax=False, expert_model_parallel_size=ps.get_expert_model_parallel_world_size())
-    spec = get_gpt_layer_local_spec(num_experts=s.num_experts, qk_layernorm=True, normalization="RMSNorm")
-    torch.manual_seed(seed)
-    with cpu_patches():
-        model = GPTModel(config=TransformerConfig(**kw), transformer_layer_spec=spec, vocab_size=s.vocab_size,
-                         max_sequence_length=128, position_embedding_type="rope", rotary_base=int(s.rope_theta),
-                         share_embeddings_and_output_weights=s.tied, parallel_output=False)
-    g = torch.Generator().manual_seed(seed + 1)  # norms away from 1 (the same on every rank) so a mis-mapped one shows
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith(("layernorm.weight", "layer_norm_weight")):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-    return model.eval()
+    """This rank's shard of a Megatron-Core GPTModel of ``s`` (see examples/megatron_gpt.py)."""
+    return megatron_gpt.build_gpt(s.hf_config(), seed).eval()
 
 
-@torch.no_grad()
 def mcore_logits(model, ids: list[int]) -> torch.Tensor:
-    """Full-vocabulary fp32 logits [s, vocab] of one sequence."""
-    t = torch.tensor([ids])
-    pos = torch.arange(len(ids)).unsqueeze(0)
-    mask = torch.triu(torch.ones(1, 1, len(ids), len(ids), dtype=torch.bool), diagonal=1)
-    with cpu_patches():
-        return model(t, pos, mask)[0].float()
+    with torch.no_grad():
+        return megatron_gpt.logits(model, ids)
 
 
 def te_names(items: list[tuple]) -> list[tuple]:
