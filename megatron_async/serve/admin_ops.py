@@ -38,7 +38,7 @@ def run_admin_op(engine, update_weights: Callable[..., int] | None, op: str, arg
 
 WEIGHT_TRANSFER_METHODS = ("init_weight_transfer", "update_weights_from_distributed", "update_weights_from_ipc")
 """What a data-parallel coordinator's ``update_weights`` may name instead of a checkpoint path
-(``{"method": NAME, "args": {...}}``), called on the LLM when it has them (the refit path)."""
+(``{"method": NAME, "args": {...}}``), called on the engine (the refit path: docs/REFIT.md)."""
 
 
 def run_engine_op(engine, op: str, args: dict, update_weights: Callable[..., int] | None = None,
@@ -46,7 +46,7 @@ def run_engine_op(engine, op: str, args: dict, update_weights: Callable[..., int
     """A coordinator's control operation (coordinator/controls.py) on this engine: the admin
     operations, ``set_generation_epoch`` ({"epoch": n}: the version stamped on every token from
     now on, ``engine.set_weight_version`` keeping the KV of running requests) and
-    ``update_weights`` by a weight-transfer method of ``weights_owner`` (the LLM)."""
+    ``update_weights`` by a weight-transfer method of ``weights_owner`` (the engine)."""
     if op == "set_generation_epoch":
         epoch = args.get("epoch")
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:

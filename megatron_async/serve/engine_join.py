@@ -69,7 +69,7 @@ def join(llm, address: str, name: str | None = None, secret: bytes | str | None 
     name = name or f"{socket.gethostname()}:{os.getpid()}"
     channel = CoordinatorChannel(address, name, secret)
     try:
-        link = EngineLink(llm.engine, channel, llm.config.max_requests, name, llm.update_weights, llm,
+        link = EngineLink(llm.engine, channel, llm.config.max_requests, name, llm.update_weights, llm.engine,
                           llm.communicator if llm.tensor_parallel_size > 1 else None)
         channel.register(link.info())
     except BaseException:
