@@ -86,9 +86,10 @@ VALIDATORS: dict[str, Callable[[dict], dict]] = {
 """Operation (admin_ops.py) -> its body checked into the arguments it runs with (_BadBody: a 400)."""
 
 
-def add_admin_routes(app: FastAPI, engine_loop) -> None:
+def add_admin_routes(app: FastAPI, engine_loop, validators: dict[str, Callable[[dict], dict]] | None = None) -> None:
     """``engine_loop``: an EngineLoop, or a front-end's stand-in for it (frontend.py); its
-    ``admin(op, args)`` runs the operation on the engine thread and returns (status, body)."""
+    ``admin(op, args)`` runs the operation on the engine thread and returns (status, body).
+    ``validators``: the routes to add (default ``VALIDATORS``; refit_routes.py adds its own)."""
 
     def route(op: str, validate: Callable[[dict], dict]) -> None:
         async def handler(request: Request) -> Response:
@@ -101,5 +102,5 @@ def add_admin_routes(app: FastAPI, engine_loop) -> None:
 
         app.add_api_route(f"/{op}", handler, methods=["POST"])
 
-    for op, validate in VALIDATORS.items():
+    for op, validate in (VALIDATORS if validators is None else validators).items():
         route(op, validate)

@@ -23,8 +23,7 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from megatron_async.serve import responses as resp
-from megatron_async.serve.admin_routes import _BadBody, _body, _json
+from megatron_async.serve.admin_routes import _BadBody, _body, _json, add_admin_routes
 
 def _int(obj: dict, key: str, low: int, default: Any = ...) -> Any:
     value = obj.get(key, default)
@@ -87,20 +86,7 @@ VALIDATORS: dict[str, Callable[[dict], dict]] = {
 
 def add_refit_routes(app: FastAPI, engine_loop) -> None:
     """The routes above (``engine_loop``: as in ``admin_routes.add_admin_routes``)."""
-
-    def route(op: str, validate: Callable[[dict], dict]) -> None:
-        async def handler(request: Request) -> Response:
-            try:
-                args = validate(await _body(request))
-            except _BadBody as e:
-                return _json(resp.error_body(str(e), 400), 400)
-            status, body = await engine_loop.admin(op, args)
-            return _json(body, status)
-
-        app.add_api_route(f"/{op}", handler, methods=["POST"])
-
-    for op, validate in VALIDATORS.items():
-        route(op, validate)
+    add_admin_routes(app, engine_loop, VALIDATORS)
 
     async def distributed(request: Request) -> Response:
         try:

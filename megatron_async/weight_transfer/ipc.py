@@ -27,7 +27,7 @@ from typing import Iterable, Mapping
 import torch
 
 from megatron_async.models.megatron_layouts import Shard
-from megatron_async.weight_transfer.manifest import _SHARD_FIELDS, DTYPES, FORMATS
+from megatron_async.weight_transfer.manifest import _SHARD_FIELDS, DTYPES, FORMATS, check_int
 
 _B64_FIELDS = {"cuda": ("handle", "ref_counter_handle", "event_handle"), "cpu_shm": ("manager", "handle")}
 _TENSOR_FIELDS = {"name", "storage", "dtype", "shape", "stride", "storage_offset", *_SHARD_FIELDS}
@@ -51,11 +51,7 @@ def _unb64(s, what: str) -> bytes:
 
 
 def _int(x, what: str, optional: bool = False) -> int | None:
-    if optional and x is None:
-        return None
-    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
-        raise IpcHandleError(f"{what} must be an int >= 0, got {x!r}")
-    return x
+    return check_int(x, what, optional, IpcHandleError)
 
 
 def device_uuid(index: int) -> str:

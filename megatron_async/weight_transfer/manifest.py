@@ -115,12 +115,16 @@ class Manifest:
             raise ManifestError(f"malformed manifest: {e!r}") from None
 
 
-def _int(x, what: str, optional: bool = False) -> int | None:
+def check_int(x, what: str, optional: bool = False, error: type[ValueError] = ManifestError) -> int | None:
+    """``x`` if it is an int >= 0 (or None when ``optional``); else ``error`` naming ``what``."""
     if optional and x is None:
         return None
     if not isinstance(x, int) or isinstance(x, bool) or x < 0:
-        raise ManifestError(f"{what} must be an int >= 0, got {x!r}")
+        raise error(f"{what} must be an int >= 0, got {x!r}")
     return x
+
+
+_int = check_int
 
 
 def _entry(t: Mapping, nbytes: int) -> TensorEntry:
