@@ -10,6 +10,7 @@ import socket
 
 import zmq
 
+from megatron_async.coordinator.messages import encode
 from megatron_async.coordinator.transport import PeerSocket
 from megatron_async.coordinator.trust import peer_secret
 
@@ -19,6 +20,7 @@ class ClientChannel:
         self.peer, self.client = peer, client
         self.loop: asyncio.AbstractEventLoop | None = None
         self._fds: list[int] = []
+        self._queued: list[bytes] = []
         client.info = peer.welcome
 
     @classmethod
@@ -43,11 +45,22 @@ class ClientChannel:
         loop.call_soon(self._read)  # what arrived before
 
     def send(self, kind: str, *fields) -> None:
+        """Queued: what is sent in one turn of the event loop leaves as one message."""
         if self.peer.lost:
             return
-        self.peer.send(kind, *fields)
-        if self.loop is not None and self.peer.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self.loop.call_soon(self._read)
+        if self.loop is None:
+            self.peer.send(kind, *fields)
+            return
+        if not self._queued:
+            self.loop.call_soon(self._flush)
+        self._queued.append(encode(kind, *fields))
+
+    def _flush(self) -> None:
+        frames, self._queued = self._queued, []
+        if frames and not self.peer.lost and not self.peer.sock.closed:
+            self.peer.send_frames(frames)
+            if self.peer.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # the send took the readable edge
+                self._read()
 
     def _read(self) -> None:
         if self.peer.sock.closed:
@@ -65,5 +78,6 @@ class ClientChannel:
         self._fds = []
 
     def close(self) -> None:
+        self._flush()
         self._detach()
         self.peer.close()

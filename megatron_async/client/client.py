@@ -29,8 +29,10 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from megatron_async.coordinator.controls import WEIGHT_TRANSFER_OPS
 from megatron_async.coordinator.messages import sampling_map
-from megatron_async.coordinator.routing import routing_keys
+from megatron_async.coordinator.routing import packed_keys
+from megatron_async.inference.contexts.kv_block_allocator import prefix_digests
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams
 
 
@@ -193,7 +195,7 @@ class InferenceClient:
         keys, epoch = None, -1
         bs = self.info.get("block_size")
         if bs and not isinstance(prompt, str):
-            keys, epoch = routing_keys(prompt, bs, self.info["hash_key"]), self.info["key_epoch"]
+            keys, epoch = packed_keys(prefix_digests(prompt, bs, self.info["hash_key"])), self.info["key_epoch"]
         first = next(self._ids)
         for _ in range(len(params) - 1):
             next(self._ids)
@@ -254,10 +256,14 @@ class InferenceClient:
 
     async def update_weights(self, path: str | None = None, version: int | None = None, method: str | None = None,
                              args: dict | None = None) -> dict:
-        """``LLM.update_weights(path, version)`` on every engine, or a weight-transfer ``method``
-        of the LLM (``update_weights_from_distributed``, ...) with ``args``."""
-        body = {"path": path, "version": version} if method is None else {"method": method, "args": args or {}}
-        return await self._control("control", "update_weights", "update_weights", body)
+        """``LLM.update_weights(path, version)`` on every engine, or the refit path's ``method``
+        (``init_weight_transfer``, ``update_weights_from_distributed``, ``update_weights_from_ipc``,
+        ``destroy_weight_transfer``: the engine's method of that name) with ``args``."""
+        if method is None:
+            return await self._control("control", "update_weights", "update_weights", {"path": path, "version": version})
+        if method not in WEIGHT_TRANSFER_OPS:
+            raise ValueError(f"method must be one of {WEIGHT_TRANSFER_OPS}, got {method!r}")
+        return await self._control("control", method, method, dict(args or {}))
 
     async def stop_engines(self) -> dict:
         """Every engine aborts its requests and leaves (the coordinator keeps running)."""
@@ -266,6 +272,10 @@ class InferenceClient:
     async def drain_engine(self, index: int) -> dict:
         """Route nothing more to engine ``index``; returns once its requests ended and it left."""
         return await self._control("drain", "drain", int(index))
+
+    async def engine_stats(self) -> dict:
+        """Each engine's ``EngineStats`` counters, by index (``{"engines": {"0": {...}}}``)."""
+        return await self._control("control", "stats", "stats", {})
 
     async def engines(self) -> dict:
         """The coordinator's engines (index, name, state, load, ...) and its counters."""

@@ -95,6 +95,9 @@ class SyncInferenceClient:
     def drain_engine(self, index: int) -> dict:
         return self._call(self.client.drain_engine(index))
 
+    def engine_stats(self) -> dict:
+        return self._call(self.client.engine_stats())
+
     def engines(self) -> dict:
         return self._call(self.client.engines())
 

@@ -97,7 +97,10 @@ class CoordinatorCore:
         if isinstance(prompt, str) or e.block_size is None or not e.slots:
             return []
         self.counts["hashed_here"] += 1
-        return routing_keys(prompt, e.block_size, e.hash_key)
+        try:
+            return routing_keys(prompt, e.block_size, e.hash_key)
+        except (TypeError, OverflowError):  # not token ids: the engine refuses it
+            return []
 
     def _route(self, group: list[OpenRequest]) -> None:
         if not group:
@@ -173,8 +176,8 @@ class CoordinatorCore:
         waiting = list(self.requests.unrouted.values())
         self.requests.unrouted.clear()
         for req in waiting:
-            if not req.keys and not isinstance(req.prompt, str) and self.engines.block_size:
-                req.keys = routing_keys(req.prompt, self.engines.block_size, self.engines.hash_key)
+            if not req.keys:
+                req.keys = self._keys(req.prompt, None, -1)
             self._route([req])
 
     def engine_heartbeat(self, slot: EngineSlot, load: int, free_blocks: int = 0) -> None:

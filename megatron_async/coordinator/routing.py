@@ -44,7 +44,19 @@ class EngineSlot(Protocol):
 
 def keys_of(digests: Sequence[bytes]) -> list[int]:
     """The routing key of each block digest."""
-    return list(struct.unpack(f"<{len(digests)}q", b"".join(d[:8] for d in digests))) if digests else []
+    return keys_from_bytes(packed_keys(digests))
+
+
+def packed_keys(digests: Sequence[bytes]) -> bytes:
+    """The routing keys of ``digests`` as they travel: little-endian int64s, one per block."""
+    return b"".join(d[:8] for d in digests)
+
+
+def keys_from_bytes(raw: bytes) -> list[int]:
+    """``packed_keys`` back (ValueError when the length is not a whole number of keys)."""
+    if len(raw) % 8:
+        raise ValueError("routing keys are 8 bytes each")
+    return list(struct.unpack(f"<{len(raw) // 8}q", raw))
 
 
 def routing_keys(tokens: Sequence[int], block_size: int, hash_key: bytes) -> list[int]:

@@ -18,6 +18,7 @@ import zmq
 from megatron_async.coordinator.core import UNROUTED_TIMEOUT_S, CoordinatorCore
 from megatron_async.coordinator.engines import EngineInfo, EngineSlot, RegistrationError
 from megatron_async.coordinator.messages import encode
+from megatron_async.coordinator.routing import keys_from_bytes
 from megatron_async.coordinator.transport import Listener, Peer
 from megatron_async.coordinator.trust import listener_secret, remove_secret_file
 
@@ -46,12 +47,17 @@ def check_client_message(kind: str, fields: list) -> list:
             fields = [*fields, -1]
         first, prompt, samplings, stream, keys, epoch = fields
         _int(first), _int(epoch)
-        if not isinstance(prompt, str) and not (isinstance(prompt, list) and all(type(t) is int for t in prompt)):
+        if not isinstance(prompt, (str, list)):  # (its tokens are the engine's to check)
             raise BadFields("a prompt is text or a list of token ids")
         if not isinstance(samplings, list) or not samplings or not all(isinstance(s, dict) for s in samplings):
             raise BadFields("sampling parameters are a non-empty list of maps")
-        if keys is not None and not (isinstance(keys, list) and all(type(k) is int for k in keys)):
-            raise BadFields("routing keys are a list of ints")
+        if keys is not None:
+            if type(keys) is not bytes:
+                raise BadFields("routing keys are int64 bytes")
+            try:
+                keys = keys_from_bytes(keys)
+            except ValueError as e:
+                raise BadFields(str(e)) from None
         return [first, prompt, samplings, bool(stream), keys, epoch]
     if kind in ("abort", "shutdown", "engines"):
         return [_int(fields[0])]
@@ -104,6 +110,7 @@ class CoordinatorServer:
             for peer in self.listener.lost():  # after the frames it sent before closing
                 self._lost(peer)
             self.core.tick()
+            self.listener.flush()
 
     def _dispatch(self, peer: Peer, kind: str, fields: list) -> None:
         try:
@@ -127,6 +134,7 @@ class CoordinatorServer:
                 self._slots[peer] = slot = self.core.engine_registered(peer, info)
             except RegistrationError as e:
                 self.listener.send(peer, encode("rejected", -1, str(e)))
+                self.listener.flush()
                 return
             self.listener.send(peer, encode("info", {"index": slot.index, **self.core.info()}))
         elif slot is None or kind not in ENGINE_KINDS:

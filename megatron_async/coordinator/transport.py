@@ -87,6 +87,7 @@ class Listener:
         self._refused: OrderedDict[bytes, None] = OrderedDict()
         self._generation: dict[int, int] = {}
         self._lost: list[Peer] = []
+        self._out: dict[Peer, list[bytes]] = {}
         self.counts: Counter[str] = Counter()
         """Frames dropped by reason, handshakes refused, strangers' disconnects."""
 
@@ -120,33 +121,43 @@ class Listener:
         """Every frame waiting (non-blocking): handshakes handled here, strangers' frames dropped,
         the authenticated peers' messages returned in arrival order."""
         out, sock = [], self.sock
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # (cheaper than a receive that raises Again)
             parts = sock.recv_multipart(copy=False)
-            if len(parts) != 2:
-                self.counts["malformed"] += 1
-                continue
-            rid, frame = parts[0].bytes, parts[1]
+            rid = parts[0].bytes
             peer = self.peers.get(rid)
             if peer is None:
-                self._handshake(rid, frame)
+                if len(parts) == 2:
+                    self._handshake(rid, parts[1])
+                else:
+                    self.counts["malformed"] += 1
                 continue
-            try:
-                kind, fields = decode(frame.bytes)
-            except MessageError as e:
-                self.counts[str(e)] += 1
-                continue
-            out.append((peer, kind, fields))
+            for frame in parts[1:]:  # a peer may send several messages as one (one wake-up here)
+                try:
+                    kind, fields = decode(frame.bytes)
+                except MessageError as e:
+                    self.counts[str(e)] += 1
+                    continue
+                out.append((peer, kind, fields))
         self._expire()
         return out
 
     def send(self, peer: Peer, frame: bytes) -> bool:
-        """False when the peer is gone (its departure is reported by ``lost``)."""
-        try:
-            self.sock.send_multipart([peer.routing_id, frame], zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError:
-            self.counts["undeliverable"] += 1
-            return False
+        """Queue ``frame`` for ``peer``: ``flush`` sends each peer's frames as one message."""
+        out = self._out.get(peer)
+        if out is None:
+            self._out[peer] = [frame]
+        else:
+            out.append(frame)
+        return True
+
+    def flush(self) -> None:
+        """Send what was queued; a peer that is gone is reported by ``lost``."""
+        queued, self._out = self._out, {}
+        for peer, frames in queued.items():
+            try:
+                self.sock.send_multipart([peer.routing_id, *frames], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self.counts["undeliverable"] += 1
 
     def _handshake(self, rid: bytes, frame: zmq.Frame) -> None:
         if rid in self._refused:
@@ -222,6 +233,9 @@ class PeerSocket:
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)
         self.lost = False
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self.monitor, zmq.POLLIN)
         try:
             self.welcome = self._authenticate(derive_key(secret, role), role, name, timeout_s)
         except BaseException:
@@ -252,14 +266,19 @@ class PeerSocket:
     def send(self, kind: str, *fields: Any) -> None:
         self.sock.send(encode(kind, *fields))
 
+    def send_frames(self, frames: list[bytes]) -> None:
+        """Several encoded messages as one (the coordinator reads them in order)."""
+        self.sock.send_multipart(frames)
+
     def take(self) -> list[tuple[str, list]]:
         """Every message waiting (non-blocking); marks ``lost`` when the connection closed."""
-        out = []
-        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            try:
-                out.append(decode(self.sock.recv()))
-            except MessageError:
-                continue
+        out, sock = [], self.sock
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # (cheaper than a receive that raises Again)
+            for frame in sock.recv_multipart():
+                try:
+                    out.append(decode(frame))
+                except MessageError:
+                    continue
         if self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             recv_monitor_message(self.monitor)
             self.lost = True
@@ -267,10 +286,7 @@ class PeerSocket:
 
     def wait(self, timeout_s: float) -> None:
         """Until a message or the connection's end arrives, or ``timeout_s``."""
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
-        poller.poll(int(timeout_s * 1000))
+        self._poller.poll(int(timeout_s * 1000))
 
     def close(self) -> None:
         """What was sent still goes out (up to a second) unless the coordinator is gone."""

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     flags.resolve_device_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from megatron_async.cli.main_job import load_llm
-    from megatron_async.serve.launch import Serving
+    from megatron_async.serve.launch import Serving, serve_until_stopped
 
     if args.engine:
         from megatron_async.serve.client_loop import serve_over_client
@@ -131,19 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         sys.setswitchinterval(args.gil_switch_interval_ms / 1000)
         serving = Serving(build_state(llm, args), args.host, args.port, args.api_server_count, args.log_level)
-        try:
-            try:
-                serving.start()
-            except OSError as e:
-                print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-                return 1
-            except RuntimeError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 1
-            print(f"megatron_async.serve: serving {serving.state.model_name} on {serving.url}", flush=True)
-            return serving.run()
-        finally:
-            serving.close()
+        return serve_until_stopped(serving, args.host, args.port)
     finally:
         llm.close()
 

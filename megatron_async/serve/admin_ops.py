@@ -4,6 +4,7 @@ its outcome is an HTTP status and a JSON body (the engine's state, or an OpenAI 
 Plain names and arguments, so that a front-end process can ask for one (bridge.py)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -19,6 +20,7 @@ ADMIN_OPS: dict[str, Callable[[Any, Callable[..., int] | None, dict], Any]] = {
     "update_weights": lambda _, update_weights, args: update_weights(args["path"], version=args.get("version")),
     "suspend": lambda engine, _, args: engine.suspend(**args),
     "resume": lambda engine, _, args: engine.resume(**args),
+    "set_generation_epoch": lambda engine, _, args: _set_generation_epoch(engine, args),
     **REFIT_OPS,
 }
 """Operation name (also its route: POST /NAME) -> what it runs. admin_routes.py's checks give
@@ -36,30 +38,29 @@ def run_admin_op(engine, update_weights: Callable[..., int] | None, op: str, arg
     return run_guarded(engine, lambda: ADMIN_OPS[op](engine, update_weights, args))
 
 
-WEIGHT_TRANSFER_METHODS = ("init_weight_transfer", "update_weights_from_distributed", "update_weights_from_ipc")
-"""What a data-parallel coordinator's ``update_weights`` may name instead of a checkpoint path
-(``{"method": NAME, "args": {...}}``), called on the engine (the refit path: docs/REFIT.md)."""
-
-
-def run_engine_op(engine, op: str, args: dict, update_weights: Callable[..., int] | None = None,
-                  weights_owner=None) -> tuple[int, dict]:
-    """A coordinator's control operation (coordinator/controls.py) on this engine: the admin
-    operations, ``set_generation_epoch`` ({"epoch": n}: the version stamped on every token from
-    now on, ``engine.set_weight_version`` keeping the KV of running requests) and
-    ``update_weights`` by a weight-transfer method of ``weights_owner`` (the engine)."""
-    if op == "set_generation_epoch":
-        epoch = args.get("epoch")
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            return 400, resp.error_body(f"epoch must be an int >= 0, got {epoch!r}", 400)
-        return run_guarded(engine, lambda: engine.set_weight_version(epoch, recompute_kv=False))
-    if op == "update_weights" and "method" in args:
-        method = getattr(weights_owner, str(args["method"]), None)
-        if args["method"] not in WEIGHT_TRANSFER_METHODS or method is None:
-            return 400, resp.error_body(f"no weight-transfer method {args['method']!r} here", 400)
-        return run_guarded(engine, lambda: method(**dict(args.get("args") or {})))
+def run_engine_op(engine, op: str, args: dict, update_weights: Callable[..., int] | None = None) -> tuple[int, dict]:
+    """A data-parallel coordinator's control operation (coordinator/controls.py) on this engine:
+    the admin operations (the refit ones included), and ``stats`` (its ``EngineStats`` counters)."""
+    if op == "stats":
+        return 200, engine_counters(engine)
     if op not in ADMIN_OPS:
         return 400, resp.error_body(f"unknown operation {op!r}", 400)
     return run_admin_op(engine, update_weights, op, args)
+
+
+def _set_generation_epoch(engine, args: dict) -> None:
+    """The version stamped on every token from now on (the KV of running requests is kept)."""
+    epoch = args.get("epoch")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+    engine.set_weight_version(epoch, recompute_kv=False)
+
+
+def engine_counters(engine) -> dict:
+    """The engine's ``EngineStats`` counters (its scalar fields) as plain values."""
+    stats = engine.stats
+    return {f.name: v for f in dataclasses.fields(stats)
+            if isinstance(v := getattr(stats, f.name), (int, float)) and not isinstance(v, bool)}
 
 
 def run_guarded(engine, action: Callable[[], Any]) -> tuple[int, dict]:

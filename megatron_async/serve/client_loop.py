@@ -129,7 +129,7 @@ def serve_over_client(args, model_name: str) -> int:
     from megatron_async.coordinator.transport import AuthError
     from megatron_async.coordinator.trust import SecretError
     from megatron_async.models.chat_template import load_chat_template
-    from megatron_async.serve.launch import Serving
+    from megatron_async.serve.launch import Serving, serve_until_stopped
     from megatron_async.serve.server_state import ServerState
     from megatron_async.serve.tool_calls import choose_parser
 
@@ -146,17 +146,7 @@ def serve_over_client(args, model_name: str) -> int:
     state.tool_call_parser = choose_parser(args.tool_call_parser, state.chat_template)
     state.reasoning_parser = args.reasoning_parser
     serving = Serving(state, args.host, args.port, api_server_count=0, log_level=args.log_level)
-    try:
-        try:
-            serving.start()
-        except OSError as e:
-            print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-            return 1
-        print(f"megatron_async.serve: serving {model_name} on {serving.url} over the engines at {args.engine}",
-              flush=True)
-        return serving.run()
-    finally:
-        serving.close()
+    return serve_until_stopped(serving, args.host, args.port, f" over the engines at {args.engine}")
 
 
 def _tokenizer(args):

@@ -69,7 +69,7 @@ def join(llm, address: str, name: str | None = None, secret: bytes | str | None 
     name = name or f"{socket.gethostname()}:{os.getpid()}"
     channel = CoordinatorChannel(address, name, secret)
     try:
-        link = EngineLink(llm.engine, channel, llm.config.max_requests, name, llm.update_weights, llm.engine,
+        link = EngineLink(llm.engine, channel, llm.config.max_requests, name, llm.update_weights,
                           llm.communicator if llm.tensor_parallel_size > 1 else None)
         channel.register(link.info())
     except BaseException:
@@ -111,7 +111,7 @@ def serve_engine(llm, args) -> int:
     proc = None
     try:
         if not llm.is_leader:
-            follow_rank0(llm.engine, llm.communicator)
+            follow_rank0(llm.engine, llm.communicator, llm.update_weights)
             return 0
         address = args.join
         if args.listen:
@@ -151,8 +151,8 @@ class CoordinatorService:
 
             from megatron_async.serve.engine_loop import follow_rank0
 
-            self._follower = threading.Thread(target=follow_rank0, args=(llm.engine, llm.communicator), daemon=True,
-                                              name="megatron-async-follower")
+            self._follower = threading.Thread(target=follow_rank0, args=(llm.engine, llm.communicator, llm.update_weights),
+                                              daemon=True, name="megatron-async-follower")
             self._follower.start()
             return
         try:

@@ -27,6 +27,7 @@ from megatron_async.coordinator.messages import sampling_params
 from megatron_async.coordinator.routing import keys_of
 from megatron_async.inference.request import InvalidRequestError
 from megatron_async.serve.admin_ops import run_engine_op
+from megatron_async.serve.refit_ops import EVERY_RANK_OPS
 
 log = logging.getLogger("megatron_async.serve")
 HEARTBEAT_S = 1.0
@@ -45,14 +46,13 @@ class EngineChannel(Protocol):
 
 class EngineLink:
     def __init__(self, engine, channel: EngineChannel, max_requests: int, name: str = "engine",
-                 update_weights: Callable | None = None, weight_methods: Any = None, communicator=None):
+                 update_weights: Callable | None = None, communicator=None):
         """``update_weights``: the LLM's (control op "update_weights" with a checkpoint ``path``);
-        ``weight_methods``: an object whose ``init_weight_transfer`` / ``update_weights_from_*``
-        methods the op may name (``{"method": ..., "args": {...}}``); ``communicator``: tensor
-        parallelism: this link runs on rank 0 and tells the other ranks (``follow_rank0``) to step."""
+        ``communicator``: tensor parallelism: this link runs on rank 0 and tells the other ranks
+        (``follow_rank0``) to step, and to run the operations every rank runs."""
         self.engine, self.channel = engine, channel
         self.max_requests, self.name = max_requests, name
-        self._update_weights, self._weight_methods, self._comm = update_weights, weight_methods, communicator
+        self._update_weights, self._comm = update_weights, communicator
         alloc = engine.context.allocator
         self._alloc = alloc
         if alloc.enable_prefix_caching:
@@ -61,6 +61,7 @@ class EngineLink:
         self._rid_of: dict[int, int] = {}  # engine id -> coordinator rid, until its final output
         self._engine_id: dict[int, int] = {}  # coordinator rid -> engine id
         self._orphans: set[int] = set()  # engine ids failed here, stepped until the engine ends them
+        self._quiet: set[int] = set()  # engine ids of requests nobody streams: no update in the step that ends them
         self._seen_seq = 0
         self._rejected: list[tuple[int, str]] = []
         self._failed: list[tuple[int, str]] = []
@@ -113,6 +114,8 @@ class EngineLink:
             self._rejected.append((rid, f"the engine could not admit this request: {type(e).__name__}: {e}"))
             return
         self._rid_of[local], self._engine_id[rid] = rid, local
+        if not stream:
+            self._quiet.add(local)
 
     def _control(self, op_id: int, op: str, args: dict) -> None:
         if op == "stop":
@@ -121,7 +124,9 @@ class EngineLink:
                 self.engine.abort_request(local)
             self._stop_reply = (op_id, (200, {"stopped": True}))
             return
-        status, body = run_engine_op(self.engine, op, args, self._update_weights, self._weight_methods)
+        if op in EVERY_RANK_OPS:
+            self._tell_ranks(("admin", op, args))  # the other TP ranks run it too (follow_rank0)
+        status, body = run_engine_op(self.engine, op, args, self._update_weights)
         self.channel.send("control_done", op_id, status, body)
         self._last_sent = time.monotonic()
 
@@ -168,13 +173,14 @@ class EngineLink:
         self._failed_steps = 0
         if res.step_id < 0 and not res.finished and not res.updates and self.engine.is_paused:
             self._paused_idle = True  # paused with nothing to land: wait for a message
-        updates, finished, rid_of = [], [], self._rid_of
-        for upd in res.updates:
+        updates, finished, rid_of, quiet = [], [], self._rid_of, self._quiet
+        for upd in res.updates:  # the coordinator keeps them (a dead engine's partial outputs)
             rid = rid_of.get(upd.request_id)
-            if rid is not None:
+            if rid is not None and not (upd.finished and upd.request_id in quiet):  # (its output says it all)
                 updates.append(upd._replace(request_id=rid))
         for out in res.finished:
             self._orphans.discard(out.request_id)
+            quiet.discard(out.request_id)
             rid = rid_of.pop(out.request_id, None)
             if rid is not None:
                 del self._engine_id[rid]
@@ -193,6 +199,7 @@ class EngineLink:
                 log.exception("abort of request %d failed", local)
         self._rid_of.clear()
         self._engine_id.clear()
+        self._quiet.clear()
         if self._failed_steps >= MAX_FAILED_STEPS:
             self._orphans.clear()  # never spin on an engine that keeps failing
         self._send_outputs([], [])

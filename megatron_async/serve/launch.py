@@ -36,6 +36,24 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def serve_until_stopped(serving: Serving, host: str, port: int, also: str = "") -> int:
+    """Start ``serving``, print ``megatron_async.serve: serving NAME on URL`` (+ ``also``) once it
+    takes requests, run it until stopped and close it: the exit code (1: it could not start)."""
+    try:
+        try:
+            serving.start()
+        except OSError as e:
+            print(f"error: cannot listen on {host}:{port}: {e}", file=sys.stderr)
+            return 1
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(f"megatron_async.serve: serving {serving.state.model_name} on {serving.url}{also}", flush=True)
+        return serving.run()
+    finally:
+        serving.close()
+
+
 class Serving:
     """``s = Serving(state, host, port, api_server_count)``; ``url = s.start()``; ``s.run()``
     (blocks until stopped); ``s.close()``. ``state``: app.py's ServerState with the engine loop."""

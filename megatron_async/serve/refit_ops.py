@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 EVERY_RANK_OPS = frozenset({"update_weights", "suspend", "resume", "init_weight_transfer",
-                            "update_weights_from_distributed", "update_weights_from_ipc", "destroy_weight_transfer"})
+                            "update_weights_from_distributed", "update_weights_from_ipc", "destroy_weight_transfer",
+                            "set_generation_epoch"})
 """Admin operations every TP rank runs (each holds its own shard and memory); pause / resume and
 aborts reach the other ranks through the engine's per-step exchange."""
 

@@ -49,10 +49,13 @@ class Cluster:
              "--dp-routing-alpha", str(alpha), *extra], stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
         self.address = _wait_line(self.coordinator, "megatron_async.coordinator: listening on ", timeout_s)
 
-    def start_engine(self, name: str, *flags: str) -> subprocess.Popen:
-        """Start an engine process (``add_engine`` waits for it)."""
+    def start_engine(self, name: str, *flags: str, model: tuple[str, ...] = TINY_ENGINE,
+                     env: dict | None = None) -> subprocess.Popen:
+        """Start an engine process (``add_engine`` waits for it): ``model`` flags (the tiny model
+        on the CPU), then ``flags``; ``env``: more environment (CUDA_VISIBLE_DEVICES)."""
         proc = subprocess.Popen([sys.executable, "-m", "megatron_async.serve", "--join", self.address, "--engine-name",
-                                 name, *TINY_ENGINE, *flags], stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+                                 name, *model, *flags], stdout=subprocess.PIPE, text=True, env={**_env(), **(env or {})},
+                                cwd=ROOT)
         self.engines[name] = proc
         return proc
 
@@ -61,9 +64,16 @@ class Cluster:
         line = _wait_line(self.engines[name], "megatron_async.serve: engine ", self.timeout_s)
         return int(line.split()[0])
 
-    def add_engine(self, name: str, *flags: str) -> int:
-        self.start_engine(name, *flags)
+    def add_engine(self, name: str, *flags: str, **kw) -> int:
+        self.start_engine(name, *flags, **kw)
         return self.wait_engine(name)
+
+    def start_server(self, *flags: str) -> tuple[subprocess.Popen, str]:
+        """``python -m megatron_async.serve --engine ADDR`` on a free port: (its process, its URL)."""
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_async.serve", "--engine", self.address, "--port", "0",
+                                 *flags], stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+        self.engines[f"server{len(self.engines)}"] = proc
+        return proc, _wait_line(proc, "megatron_async.serve: serving ", self.timeout_s).split()[2]
 
     def close(self) -> None:
         for proc in [*self.engines.values(), self.coordinator]:

@@ -36,7 +36,7 @@ class Hub:
 
     def add_engine(self, llm, name):
         pipe = Pipe()
-        link = EngineLink(llm.engine, pipe, llm.config.max_requests, name, llm.update_weights, llm)
+        link = EngineLink(llm.engine, pipe, llm.config.max_requests, name, llm.update_weights)
         slot = self.core.engine_registered(name, link.info())
         self.pipes[name], self.links[name], self.slots[name] = pipe, link, slot
         return slot

@@ -126,7 +126,7 @@ def test_ipc_and_distributed_updates_over_http():
 
 
 def test_a_coordinators_update_weights_by_transfer_method_reaches_the_engine():
-    """serve/engine_join.py gives the engine as the owner of the weight-transfer methods."""
+    """A coordinator's refit operation (client.update_weights(method=...)) runs the engine's method."""
     from megatron_async.serve.admin_ops import run_engine_op
 
     torch.multiprocessing.set_sharing_strategy("file_system")
@@ -134,8 +134,8 @@ def test_a_coordinators_update_weights_by_transfer_method_reaches_the_engine():
     items = _items(llm)
     for _, t, _ in items:
         t.share_memory_()
-    args = {"method": "update_weights_from_ipc", "args": {"handles": ipc.share(items), "version": 6}}
-    status, body = run_engine_op(llm.engine, "update_weights", args, llm.update_weights, llm.engine)
+    args = {"handles": ipc.share(items), "version": 6}
+    status, body = run_engine_op(llm.engine, "update_weights_from_ipc", args, llm.update_weights)
     assert status == 200 and body["weight_version"] == 6, body
-    status, body = run_engine_op(llm.engine, "update_weights", {"method": "generate", "args": {}}, None, llm.engine)
+    status, body = run_engine_op(llm.engine, "generate", {}, None)
     assert status == 400

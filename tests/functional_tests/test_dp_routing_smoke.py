@@ -1,0 +1,21 @@
+"""python -m benchmarks dp-routing --smoke: both tables print, affinity keeps one engine's hits
+where spreading the turns loses them."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.coordinator_procs import ROOT, _env
+
+
+@pytest.mark.slow
+def test_dp_routing_smoke():
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "dp-routing", "--smoke", "--engines", "2"],
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|") for line in done.stdout.splitlines() if line.startswith("| ")}
+    share = {name: int(cells[3].strip().rstrip(" %")) for name, cells in rows.items() if cells[3].strip().endswith("%")}
+    assert share["longest_prefix"] >= 90 and share["scored (alpha 0.9)"] >= 90 and share["load_balanced"] < 90
+    assert "requests/s" in done.stdout
