@@ -4,9 +4,13 @@ back, and the byte moves the pool needs.
 Layout unchanged: one layer's pool is [2, num_blocks, block_size, num_kv_heads, head_dim], in
 float8_e4m3fn (half of bf16's bytes). Each attention layer owns ``kv_scale`` [2, num_kv_heads]
 float32 (row 0 keys, row 1 values): stored = e4m3(x / scale) (round to nearest even, saturating at
-+-448), read = stored * scale. Scales are powers of two, 1.0 unless set otherwise, and fixed for
-the life of the model: a cached block's bytes mean the same to every later reader (prefix
-caching, chunked prefill, eviction and recompute, speculative verify, suspend / resume).
++-448), read = stored * scale. Scales are powers of two, 1.0, and fixed for the life of the model:
+a cached block's bytes mean the same to every later reader (prefix caching, chunked prefill,
+eviction and recompute, speculative verify, suspend / resume). Not calibrated from a first
+prefill: that would make every later token depend on which request came first (and a restart
+or another rank would calibrate differently). Post-RoPE K and V of the models measured sit well
+inside e4m3's range at 1.0 (SmolLM2-135M: |K| <= 24, |V| <= 10 on English text), and scales
+calibrated with 4x headroom moved its perplexity by 0.02 of the 0.8 that FP8 costs there.
 
 The Triton kernels never build a dequantized tile: e4m3 -> bf16 is exact, so the key scale is
 folded into the softmax scale and the value scale multiplies the normalised output once (with

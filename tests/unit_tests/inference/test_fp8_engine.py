@@ -73,3 +73,18 @@ def test_moe_and_mamba_projections_run_in_fp8(tmp_path):
 def test_bad_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(inference_config=InferenceConfig(**CFG), quantization="int8")
+
+
+def test_suspend_and_resume_keep_the_fp8_weights(ckpt):
+    sp = SamplingParams(top_k=1, num_tokens_to_generate=6, ignore_eos=True)
+    llm = LLM(str(ckpt), inference_config=InferenceConfig(**CFG, enable_suspend=True, kv_cache_dtype="fp8_e4m3"),
+              quantization="fp8")
+    before = llm.generate(PROMPTS[:2], sp)
+    eng = llm.engine
+    eng.pause_generation("keep")
+    eng.suspend(("weights", "kv_cache"))
+    assert llm.model.blocks[0].mixer.qkv_proj.weight.untyped_storage().nbytes() == 0
+    eng.resume(("weights", "kv_cache"))
+    eng.resume_generation()
+    after = llm.generate(PROMPTS[:2], sp)
+    assert [o.generated_tokens for o in after] == [o.generated_tokens for o in before]
