@@ -186,3 +186,36 @@ def test_an_engine_that_dies_loses_no_request(llms):
     for rid in list(llms[0].engine._requests):
         llms[0].engine.abort_request(rid)
     llms[0].engine.run_until_done()
+
+
+def test_hybrid_engines_route_on_the_same_keys(tmp_path):
+    """Mamba states are cached at block boundaries: affinity on the same keys gives a hybrid
+    engine its hits, with one engine's tokens."""
+    from tests.helpers.engine_harness import make_llm
+    from tests.helpers.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
+
+    path = make_tiny_hybrid_checkpoint(HYBRID_ARCHS[0], tmp_path / "hybrid")
+
+    def hybrid():
+        return make_llm(path, enable_prefix_caching=True, prefix_caching_mamba_gb=1e-3, max_requests=4)
+
+    first = [[t % 127 + 1 for t in p] for p in prompts(2, seed=9)]  # (its vocabulary: 128)
+    ps = first + [first[i // 2] + [5 + i, 6, 7, 8, 9, 10] for i in range(4)]  # later turns extend the first ones
+    one = hybrid()
+    reference = [o.generated_tokens for o in one.generate(ps[:2], GREEDY) + one.generate(ps[2:], GREEDY)]
+    hub = Hub()
+    engines = [hybrid() for _ in range(2)]
+    for i, llm in enumerate(engines):
+        hub.add_engine(llm, f"h{i}")
+    for i, p in enumerate(ps[:2]):
+        hub.core.submit("c", i, p, [GREEDY], stream=False)
+    hub.run()
+    for i, p in enumerate(ps[2:], 2):
+        hub.core.submit("c", i, p, [GREEDY], stream=False)
+    hub.run()
+    outs = hub.finished()
+    assert [outs[i].generated_tokens for i in range(6)] == reference
+    stats = [llm.engine.stats for llm in engines]
+    assert all(st.prefix_hit_tokens > 0 and st.mamba_states_restored > 0 for st in stats), [
+        (s.prefix_hit_tokens, s.mamba_states_stored, s.mamba_states_restored) for s in stats]
+    assert sum(st.prefix_hit_tokens for st in stats) == one.engine.stats.prefix_hit_tokens == 4 * 16
