@@ -63,9 +63,13 @@ def test_refused_update_keeps_the_version(checkpoints):
     assert _tokens(llm.generate(PROMPTS, GREEDY)) == _tokens(_llm(old).generate(PROMPTS, GREEDY))
 
 
+@pytest.mark.parametrize("recompute_kv", [True, False], ids=["recompute", "keep_kv"])
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "serial"])
-def test_tokens_carry_the_version_of_their_launch(checkpoints, references, async_scheduling):
-    """An update between steps: a launch already enqueued ran on the old weights, and its tokens say so."""
+def test_tokens_carry_the_version_of_their_launch(checkpoints, references, async_scheduling, recompute_kv):
+    """An update between steps: a launch already enqueued ran on the old weights, and its tokens
+    say so. With ``recompute_kv=False`` nothing lands the launch in flight before the version
+    changes: its token lands after the update and must still say 0 (stamped at launch, not at
+    landing): [0, 0, 0, 0, 1, ...] in async mode, not [0, 0, 0, 1, ...]."""
     old, new = checkpoints
     llm = _llm(old, async_scheduling)
     eng = llm.engine
@@ -75,8 +79,12 @@ def test_tokens_carry_the_version_of_their_launch(checkpoints, references, async
     req = eng._requests[rid]
     in_flight = req.num_inflight  # launch-ahead: one more token already launched on the old weights
     assert in_flight == async_scheduling
-    old_tokens = len(req.generated_tokens) + in_flight
-    llm.update_weights(new)
+    landed = len(req.generated_tokens)
+    old_tokens = landed + in_flight
+    llm.update_weights(new, recompute_kv=recompute_kv)
+    if not recompute_kv:  # the launch is still in flight after the update: it lands with the next step
+        assert eng._pending is not None if async_scheduling else eng._pending is None
+        assert len(req.generated_tokens) == landed
     out = drive(eng)[0][rid]
     assert out.weight_versions == [0] * old_tokens + [1] * (8 - old_tokens)
     assert out.generated_tokens[:old_tokens] == references[0][0][:old_tokens]
