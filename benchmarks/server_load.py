@@ -144,6 +144,9 @@ class LoadShape:
     long_prompt_every: int = 0
     """Every this many requests (0: none) sends a prompt of ``long_prompt_words`` instead."""
     long_prompt_words: int = 8192
+    disconnect_max_tokens: int = 0
+    """What the requests that leave mid-stream ask for (0: ``max_tokens``): far more than they
+    wait for, so that only the server's abort frees them before the load ends."""
 
     def disconnects(self, index: int) -> bool:
         return (index * 37) % 100 < round(100 * self.disconnect_fraction)
@@ -176,7 +179,8 @@ def take_chunk(rec: StreamRecord, t: float, response_id: str, choices: list[tupl
 
 
 def request_body(model: str, index: int, work: LoadShape) -> dict:
-    return {"model": model, "prompt": work.prompt(index), "max_tokens": work.max_tokens, "temperature": 0.0,
+    max_tokens = work.disconnect_max_tokens if work.disconnect_max_tokens and work.disconnects(index) else work.max_tokens
+    return {"model": model, "prompt": work.prompt(index), "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "ignore_eos": True, "return_token_ids": True}
 
 

@@ -345,16 +345,24 @@ def test_small_load_test_loses_and_duplicates_nothing(server):
     assert report.ttft_p50_ms is not None and report.itl_p99_ms is not None
 
 
+def _finished(server, reason: str) -> float:
+    return metrics(server).get(f'megatron_async_request_success_total{{"finished_reason": "{reason}"}}', 0.0)
+
+
 def test_load_with_disconnects_and_long_prompts_frees_every_block(server):
-    """The CPU load test: 16 streams, 100 requests, 10 % leaving mid-stream, every 10th with a
+    """The CPU load test: 16 streams, 100 requests, 10 % leaving mid-stream, every 7th with a
     prompt near the longest the server takes; nothing lost, and afterwards no request or KV
-    block is left in the engine."""
+    block is left in the engine. The requests that leave ask for 230 tokens and leave after 3:
+    each ends as an abort (the server's counters say so), not by running to its length."""
     shape = LoadShape(max_tokens=9, prompt_words=16, token_prompts=True, disconnect_fraction=0.1,
-                      long_prompt_every=10, long_prompt_words=240)
+                      long_prompt_every=7, long_prompt_words=240, disconnect_max_tokens=230)
+    assert not any(shape.disconnects(i) and i % 7 == 6 for i in range(100))  # 16 + 230 tokens fit in 256
+    aborts, lengths = _finished(server, "abort"), _finished(server, "length")
     report = asyncio.run(run_load_test(server.url, "tiny-chat", clients=16, requests=100, work=shape))
     report.kv_leaked = kv_leaked(server.url, settle_s=10)
     assert report.disconnected == sum(shape.disconnects(i) for i in range(100)) == 10, report.format()
     assert report.ok and report.completed == 90, report.format()
+    assert _finished(server, "abort") - aborts == 10 and _finished(server, "length") - lengths == 90
 
 
 def test_load_test_script_starts_a_builtin_model_server(tmp_path):
