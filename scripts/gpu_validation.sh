@@ -8,6 +8,19 @@
 set -uo pipefail
 export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 out="${OUT:-gpu_out}"; mkdir -p "$out"
+root="$(cd "$(dirname "$0")/.." && pwd)"
+# torch-memory-saver (engine.suspend on CUDA) from the carried wheels (bash scripts/serve_wheels.sh, then
+# carry .whl): here the suspend tests must run, so a missing package fails them instead of skipping them
+if ! python -c "import torch_memory_saver" 2>/dev/null; then
+  tms=$(ls "$root"/.whl/torch_memory_saver-*.whl 2>/dev/null | head -1)
+  if [ -n "$tms" ]; then python -m pip install -q --no-deps "$tms"
+  else echo "gpu_validation: no torch-memory-saver wheel under .whl: the suspend tests will fail"; fi
+fi
+export MEGATRON_ASYNC_TEST_REQUIRES=torch_memory_saver
+report() {  # a test stage's counts (passed, failed, skipped) and why each skipped test skipped
+  echo "$1: $(grep -E '^[0-9]+ (passed|failed|skipped|error|deselected)' "$out/$1.log" | tail -1)"
+  grep '^SKIPPED' "$out/$1.log"
+}
 stages="${*:-tests kernels bench}"
 # the engine-level GPU tests at real sizes, a stage of their own (tests-engine), and batch invariance
 # on the qwen3-0.6b shape (tests-invariance); tests-functional runs the other functional GPU tests
@@ -22,25 +35,25 @@ for stage in $stages; do
     # timeout); tests-functional, tests-engine, tests-invariance, tests-unit and tests-kernels run one
     # part each, so each fits a 10-minute call
     tests|tests-functional)
-      timeout 590 python -m pytest -q -p no:cacheprovider -m gpu tests/functional_tests "${ignored[@]}" 2>&1 \
+      timeout 590 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/functional_tests "${ignored[@]}" 2>&1 \
         | tail -40 > "$out/gpu_functional_tests.log"
-      tail -3 "$out/gpu_functional_tests.log" ;;&
+      report gpu_functional_tests ;;&
     tests|tests-engine)  # speculative == plain, MTP, hybrid graph modes
-      timeout 590 python -m pytest -q -p no:cacheprovider -m gpu "${engine_tests[@]}" 2>&1 | tail -40 \
+      timeout 590 python -m pytest -q -rs -p no:cacheprovider -m gpu "${engine_tests[@]}" 2>&1 | tail -40 \
         > "$out/gpu_engine_tests.log"
-      tail -3 "$out/gpu_engine_tests.log" ;;&
+      report gpu_engine_tests ;;&
     tests|tests-invariance)
-      timeout 590 python -m pytest -q -p no:cacheprovider -m gpu "${invariance_tests[@]}" 2>&1 | tail -40 \
+      timeout 590 python -m pytest -q -rs -p no:cacheprovider -m gpu "${invariance_tests[@]}" 2>&1 | tail -40 \
         > "$out/gpu_invariance_tests.log"
-      tail -3 "$out/gpu_invariance_tests.log" ;;&
+      report gpu_invariance_tests ;;&
     tests|tests-unit)  # the kernels against their references at real shapes, and the other GPU unit tests
-      timeout 560 python -m pytest -q -p no:cacheprovider -m gpu tests/unit_tests 2>&1 | tail -40 \
+      timeout 560 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/unit_tests 2>&1 | tail -40 \
         > "$out/gpu_unit_tests.log"
-      tail -3 "$out/gpu_unit_tests.log" ;;&
+      report gpu_unit_tests ;;&
     tests|tests-kernels)  # the unmarked kernel tests: their CUDA branches (bf16 bit-exact checks) skip on CPU
-      timeout 300 python -m pytest -q -p no:cacheprovider -m "not gpu and not multigpu" tests/unit_tests/kernels 2>&1 \
+      timeout 300 python -m pytest -q -rs -p no:cacheprovider -m "not gpu and not multigpu" tests/unit_tests/kernels 2>&1 \
         | tail -40 > "$out/kernel_tests.log"
-      tail -3 "$out/kernel_tests.log" ;;
+      report kernel_tests ;;
     kernels)  # times only: the kernels' assertions are tests-unit's
       for k in paged-attention mamba-kernels fused-elementwise sampler-kernels fused-moe; do
         timeout 120 python -m benchmarks kernel-times "$k" > "$out/$k.log" 2>&1

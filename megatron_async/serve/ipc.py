@@ -13,7 +13,7 @@ entry of that front-end's submissions, in order, each ``(sid, kind, payload)`` a
 loop's outbox has it ("admitted", "rejected", "event", and "admin" outcomes). The entry of every
 token of every stream, an event holding only an update, is sent flat as ``(sid, choice index,
 the update's fields)``: pickling plain tuples costs a tenth of pickling NamedTuples
-(``encode_entries``; tests/unit_tests/serve/test_ipc.py measures a 256-update step)."""
+(``encode_entries``; python -m benchmarks ipc-encode measures a step)."""
 from __future__ import annotations
 
 import os

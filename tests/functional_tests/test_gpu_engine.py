@@ -1,7 +1,6 @@
 """CUDA: reference parity, async == serial, graphs == eager, and no host sync in steady
 launch-ahead decode. Skipped without a GPU (run through the device tool)."""
 import pytest
-import torch
 
 from megatron_async import SamplingParams
 from tests.helpers.engine_harness import (Arrival, decode_steps_without_host_sync, make_llm, random_prompts,
@@ -18,16 +17,14 @@ def ckpt(request, tmp_path_factory):
 
 
 def cuda_llm(path, **cfg):
-    llm = make_llm(path, **cfg)
-    # make_llm builds on CPU; rebuild on CUDA with the same settings
-    from megatron_async import LLM
-
-    return LLM(model=str(path), device="cuda", dtype="float32", inference_config=llm.config)
+    """An LLM on CUDA (float32); what ``cfg`` leaves out is CUDA's default (graphs on)."""
+    return make_llm(path, device="cuda", **cfg)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_cuda_matches_hf(ckpt, backend, async_scheduling):
+    """The default GPU mode (CUDA graphs on, nothing said about them) against HF."""
     ref = load_hf_reference(ckpt)
     prompts = random_prompts(8, 2, 40, 256, seed=1)
     expected = [hf_greedy(ref, p, NEW) for p in prompts]
@@ -35,6 +32,7 @@ def test_cuda_matches_hf(ckpt, backend, async_scheduling):
     outs = llm.generate(prompts, SamplingParams(top_k=1, num_tokens_to_generate=NEW))
     assert [o.generated_tokens for o in outs] == expected
     assert llm.engine.stats.paused > 0
+    assert llm.config.cuda_graphs and llm.runner.graphs is not None and llm.runner.graphs.num_replays > 0
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.requirements import need
+
 pytestmark = pytest.mark.gpu
 
 
 def test_suspend_cycle_frees_memory_and_graphs_replay(tmp_path):
-    pytest.importorskip("torch_memory_saver")
+    need("torch_memory_saver")
     from megatron_async.inference.memory_suspend import preload_env
 
     env = preload_env()
@@ -33,7 +35,7 @@ def test_suspend_cycle_frees_memory_and_graphs_replay(tmp_path):
 def test_suspend_in_process_without_preload():
     """Without the preload library (torch-memory-saver's allocator mode) the weights and the KV
     pool are freed and restored; graph pools stay resident; tokens are unchanged."""
-    pytest.importorskip("torch_memory_saver")
+    need("torch_memory_saver")
     from tests.helpers.suspend_cycle import run_cycle
 
     rep = run_cycle("tiny", num_requests=8, dtype="float32", buffer_size_gb=1.0)

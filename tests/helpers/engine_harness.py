@@ -15,13 +15,14 @@ class Arrival:
     params: SamplingParams
 
 
-def make_llm(path, drafter=None, device: str = "cpu", **cfg) -> LLM:
-    """``drafter``: speculative decoding's drafter (needs ``num_speculative_tokens`` in ``cfg``)."""
+def make_llm(path, drafter=None, device: str = "cpu", dtype: str = "float32", **cfg) -> LLM:
+    """``drafter``: speculative decoding's drafter (needs ``num_speculative_tokens`` in ``cfg``).
+    Settings ``cfg`` leaves out take the device's defaults (on CUDA: graphs on)."""
     base = dict(block_size_tokens=4, num_kv_blocks=256, max_requests=16, max_tokens=64, max_sequence_length=256)
     if cfg.get("num_speculative_tokens"):  # the drafting itself under test: drafts whether or not they pay
         base["speculative_adaptive"] = False  # (the adaptive rule has its own tests)
     base.update(cfg)
-    return LLM(model=str(path), device=device, inference_config=InferenceConfig(**base), drafter=drafter)
+    return LLM(model=str(path), device=device, dtype=dtype, inference_config=InferenceConfig(**base), drafter=drafter)
 
 
 def run_arrivals(llm: LLM, arrivals: list[Arrival], max_steps: int = 5000) -> dict[int, object]:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_async.inference.memory_suspend import PIP_PACKAGE, EmulatedBackend, TorchMemorySaverBackend
+from tests.helpers.requirements import need
 
 
 def test_emulated_backend_frees_and_restores_the_same_tensors():
@@ -27,7 +28,7 @@ def test_missing_package_names_it(monkeypatch):
 
 
 def test_preload_env_adds_the_library_once():
-    pytest.importorskip("torch_memory_saver")
+    need("torch_memory_saver")
     from megatron_async.inference.memory_suspend import preload_env
 
     env = preload_env({"LD_PRELOAD": "/x/other.so"})

@@ -1,7 +1,7 @@
 """The engine -> front-end step message (serve/ipc.py): every kind of entry comes back equal and
-in order; updates travel as flat tuples (a 256-update step encodes in well under a millisecond)."""
+in order; updates travel as flat tuples, smaller than the entries pickled as they are (what they
+cost per step: python -m benchmarks ipc-encode)."""
 import pickle
-import time
 
 import pytest
 
@@ -28,12 +28,8 @@ def test_step_entries_round_trip_in_order():
     assert type(back[1][2].update) is RequestUpdate
 
 
-def test_a_step_of_256_updates_is_cheap_to_encode():
+def test_a_step_of_256_updates_travels_flat():
     entries = [(i, "event", ChoiceEvent(0, RequestUpdate(i, (1234,), " word", False, None))) for i in range(256)]
     message = ipc.encode_entries(entries)
-    assert len(message) < len(pickle.dumps(entries))  # flat tuples, not pickled NamedTuples
-    t = time.perf_counter()
-    for _ in range(20):
-        ipc.encode_entries(entries)
-    assert (time.perf_counter() - t) / 20 < 2e-3  # ~0.1 ms on a loaded 2-core CI machine
+    assert len(message) < 0.7 * len(pickle.dumps(entries))  # flat tuples, not pickled NamedTuples
     assert ipc.decode_entries(message) == entries

@@ -1,0 +1,25 @@
+"""Optional packages of a test: skipped where missing, except where the run says it must have
+them (``MEGATRON_ASYNC_TEST_REQUIRES=torch_memory_saver,...``, as scripts/gpu_validation.sh
+sets after installing them): there a missing one fails the test instead of hiding it."""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+REQUIRES_ENV = "MEGATRON_ASYNC_TEST_REQUIRES"
+
+
+def required_modules() -> set[str]:
+    return {m.strip() for m in os.environ.get(REQUIRES_ENV, "").split(",") if m.strip()}
+
+
+def need(module: str):
+    """The module, imported; a skip where it is missing, a failure where the run requires it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if module in required_modules():
+            pytest.fail(f"{module} is required here ({REQUIRES_ENV}) but cannot be imported: {e}", pytrace=False)
+        pytest.skip(f"could not import {module!r}: {e}")
