@@ -2,6 +2,8 @@ from setuptools import find_packages, setup
 
 SERVE = ["fastapi", "uvicorn", "prometheus-client", "jinja2", "uvloop", "httptools"]  # uvicorn uses the last two when present
 REAL = ["gguf", "accelerate", "transformers>=4.50"]
+# Grammar libraries of SamplingParams.structured_outputs (xgrammar reads tokenizers through transformers).
+STRUCTURED = ["xgrammar==0.2.8", "llguidance==1.9.1", "transformers>=4.50"]
 
 setup(
     name="megatron_async",
@@ -15,7 +17,10 @@ setup(
         "serve": SERVE,
         # The real-model checkpoint builder (scripts/fetch_smollm2.py): transformers reads GGUF.
         "real": REAL,
-        "test": ["pytest", "pytest-xdist", "hypothesis", "transformers>=4.50", "triton", "openai", *SERVE, *REAL],
+        # Structured outputs (JSON schema, regex, choice, grammar): optional; without them such requests are refused.
+        "structured": STRUCTURED,
+        "test": ["pytest", "pytest-xdist", "hypothesis", "transformers>=4.50", "triton", "openai", "jsonschema", *SERVE,
+                 *REAL, *STRUCTURED],
         "gpu": ["triton"],
         # engine.suspend / resume on CUDA (InferenceConfig.enable_suspend): device memory by tag.
         "suspend": ["torch-memory-saver>=0.0.10"],

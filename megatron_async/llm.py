@@ -212,14 +212,18 @@ class LLM:
         on Triton attention (the torch path would gather every row's whole KV table in a graph,
         sized for max_sequence_length). Expert parallelism: a
         collective runner (greedy decode graphs only, captured by every rank at once in the
-        warm-up; see ``CudaGraphRunner``)."""
+        warm-up; see ``CudaGraphRunner``). Logits-only graphs for steps with grammar rows when a
+        grammar library is installed and structured outputs are not off."""
         from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
 
         triton_attention = self.model.kernels.triton_attention or self.config.batch_invariant
         mamba_ok = self.context.mamba is None or self.model.kernels.triton_mamba
         mixed = self.config.cuda_graph_mixed_steps and mamba_ok and triton_attention
+        from megatron_async.inference.structured.grammars import any_installed
+
+        logits_only = self.config.structured_outputs_backend != "off" and any_installed()  # steps with grammar rows
         return CudaGraphRunner(self.runner, self.config.graph_sizing(), mixed=mixed, collective=self.parallel.ep_size > 1,
-                               verify=triton_attention)
+                               verify=triton_attention, logits_only=logits_only)
 
     def _load_model(self, model: str | None, default_model: str, seed: int, reader: CudaMemoryReader | None) -> None:
         """The model and tokenizer. On CUDA a model whose weights cannot fit fails with the

@@ -10,6 +10,7 @@ from megatron_async.config.parts import CacheSizing, Communication, GraphSizing,
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
 """Accepted ``InferenceConfig.kv_cache_dtype`` values ("fp8" is "fp8_e4m3")."""
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance", "off")
 
 CPU_BUFFER_SIZE_GB = 1.0
 """KV pool budget on CPU (and of a context built from an unresolved config) when none is given."""
@@ -209,6 +210,16 @@ class InferenceConfig:
     dp_routing_alpha: float = 0.5
     """``dp_routing`` "scored": the weight of prefix affinity against free capacity, in [0, 1]."""
 
+    structured_outputs_backend: str = "auto"
+    """Grammar library of ``SamplingParams.structured_outputs``: "auto" (xgrammar, and llguidance for
+    what xgrammar serves badly: length-bounded JSON strings, long counted repetitions, Lark
+    grammars), "xgrammar", "guidance" (llguidance) or "off" (such requests are refused, and no
+    logits-only CUDA graphs are captured). The libraries are optional: ``pip install
+    'megatron_async[structured]'``; a request whose library is missing is refused, naming it."""
+
+    grammar_threads: int = 4
+    """Threads each grammar library fills a step's token masks with."""
+
     seed: int = 1234
     """Seed of the engine's generator that gives seeds to requests that bring none."""
 
@@ -291,6 +302,11 @@ class InferenceConfig:
                              f"({K + 1}), got {self.cuda_graph_verify_widths}")
         if self.startup_build_threads is not None and self.startup_build_threads < 0:
             raise ValueError(f"InferenceConfig.startup_build_threads must be >= 0, got {self.startup_build_threads}")
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"InferenceConfig.structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
+                             f"got {self.structured_outputs_backend!r}")
+        if self.grammar_threads < 1:
+            raise ValueError(f"InferenceConfig.grammar_threads must be >= 1, got {self.grammar_threads}")
         if self.speculative_probe_interval < 1 or self.speculative_max_batch_size < 0:
             raise ValueError("InferenceConfig.speculative_probe_interval must be >= 1 and "
                              "speculative_max_batch_size >= 0")

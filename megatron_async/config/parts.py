@@ -36,6 +36,8 @@ class Scheduling:
     stream_text: bool
     logging_step_interval: int
     seed: int
+    structured_outputs_backend: str
+    grammar_threads: int
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ class PendingLaunch:
     num_tokens: int
     overlapped: bool
     """Launched while an earlier launch was still un-bookkept."""
-    host_tokens: torch.Tensor
-    """Host (pinned on CUDA) int64 [R] the sampled tokens land in."""
+    host_tokens: torch.Tensor | None
+    """Host (pinned on CUDA) int64 [R] the sampled tokens land in (None while ``awaiting_masks``)."""
     host_log_probs: torch.Tensor | None
     host_top_n_vals: torch.Tensor | None
     host_top_n_ids: torch.Tensor | None
@@ -49,6 +49,9 @@ class PendingLaunch:
     runs after it on the device), recorded on the tokens it lands."""
     prompt_scoring: object | None = None
     """Rows scoring their prompt: their host copies (``PromptScoring``; None for most steps)."""
+    awaiting_masks: object | None = None
+    """A launch with grammar rows whose forward is enqueued and whose sampling waits for the
+    host's token masks (``ModelRunner.finish_launch`` enqueues it and clears this)."""
 
     @property
     def request_ids(self) -> list[int]:

@@ -6,15 +6,19 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
+from megatron_async.inference.structured.spec import StructuredOutputs
+
 if TYPE_CHECKING:
     import numpy as np
 
+    from megatron_async.inference.structured.request_grammar import BaseGrammar
     from megatron_async.inference.text_stream import TextStream
 
 
 # What sampling work a row needs (``SamplingParams.features``); a step needs the OR over its
-# sampling rows (StepShape flags, the CUDA-graph sampling variant).
-SAMPLED, TOP_K, TOP_P, MIN_P, LOG_PROBS, PENALTIES = (1 << i for i in range(6))
+# sampling rows (StepShape flags, the CUDA-graph sampling variant). GRAMMAR: a token mask from
+# the host (the step's sampling waits for it).
+SAMPLED, TOP_K, TOP_P, MIN_P, LOG_PROBS, PENALTIES, GRAMMAR = (1 << i for i in range(7))
 
 
 class InvalidRequestError(ValueError):
@@ -76,6 +80,10 @@ class SamplingParams:
     """Tokens of the prompt or output: positive logits divided by it, negative multiplied; 1 = off."""
     return_routed_experts: bool = False
     """MoE models: ``RequestOutput.routed_experts`` (routing replay; the request skips prefix-cache hits)."""
+    structured_outputs: StructuredOutputs | None = None
+    """What the generated text must match (a JSON schema, any JSON object, a regex, a choice, a
+    grammar): every sampled token is one the grammar allows, and the request ends with "stop" when
+    the grammar is complete. Not with ``ignore_eos`` or ``min_tokens`` (they keep the end away)."""
 
     @property
     def has_penalties(self) -> bool:
@@ -97,9 +105,10 @@ class SamplingParams:
 
     def features(self) -> int:
         """The sampling work a row of this request needs, as bits (SAMPLED, TOP_K, TOP_P, MIN_P,
-        LOG_PROBS, PENALTIES): a greedy row draws nothing and filters nothing. The one rule the
+        LOG_PROBS, PENALTIES, GRAMMAR): a greedy row draws nothing and filters nothing. The one rule the
         snapshot builders and the graph plan follow."""
-        bits = LOG_PROBS * bool(self.return_log_probs) | PENALTIES * self.has_penalties
+        bits = (LOG_PROBS * bool(self.return_log_probs) | PENALTIES * self.has_penalties
+                | GRAMMAR * (self.structured_outputs is not None))
         if self.is_greedy:
             return bits
         return (bits | SAMPLED | TOP_K * (self.top_k > 1) | TOP_P * (0 < self.top_p < 1)
@@ -245,6 +254,8 @@ class DynamicInferenceRequest:
     spec_acceptance: float = 1.0
     """Moving average of its drafts' acceptance over its verify rows (host, bookkept): accepted /
     drafted, or per position in the adaptive speculative policy (speculative/policy.py)."""
+    grammar: BaseGrammar | None = None
+    """``structured_outputs``: the grammar state of the generated tokens (engines/grammar_masks.py)."""
     spec_drafts_fresh: bool = False
     """Its latest launched row ran the drafter, so its spec slot holds drafts for its next row
     (a plain step of a speculative engine leaves them stale; speculative/plain_steps.py)."""

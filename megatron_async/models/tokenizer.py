@@ -46,6 +46,11 @@ class Tokenizer:
         return cls(tok, checkpoint_eos_ids(root, eos))
 
     @property
+    def backend_tokenizer(self) -> tokenizers.Tokenizer:
+        """The ``tokenizers.Tokenizer`` itself (the grammar libraries read its vocabulary)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

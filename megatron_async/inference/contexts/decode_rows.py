@@ -25,7 +25,7 @@ import numpy as np
 
 from megatron_async.forward_batch import longest_first
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK
-from megatron_async.inference.request import LOG_PROBS, MIN_P, SAMPLED, TOP_K, TOP_P, DynamicInferenceRequest
+from megatron_async.inference.request import GRAMMAR, LOG_PROBS, MIN_P, SAMPLED, TOP_K, TOP_P, DynamicInferenceRequest
 from megatron_async.step_shape import StepShape
 
 if TYPE_CHECKING:
@@ -195,7 +195,8 @@ class DecodeRows:
         return StepShape(R, R, 1, int(positions1.max()), True, bool(bits & SAMPLED), any(filters), constant.top_n,
                          bool(bits & LOG_PROBS), any_penalties=constant.any_penalties, filters=filters,
                          num_samples=R, sample_base=list(range(R)) if spec else None,
-                         num_drafts=[0] * R if spec else None, num_multi_rows=0 if mamba else -1)
+                         num_drafts=[0] * R if spec else None, num_multi_rows=0 if mamba else -1,
+                         any_grammar=bool(bits & GRAMMAR))
 
     def _write_constant(self, v: dict[str, np.ndarray], buffer: int, slots: np.ndarray) -> _Constant:
         """The columns that depend only on which requests sit in which rows (their sampling

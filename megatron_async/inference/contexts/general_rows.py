@@ -11,7 +11,7 @@ import numpy as np
 from megatron_async.forward_batch import longest_first, mamba_row_order
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK
 from megatron_async.inference.contexts.step_errors import RequestStepError, row_of_bad_value
-from megatron_async.inference.request import LOG_PROBS, MIN_P, SAMPLED, TOP_K, TOP_P, DynamicInferenceRequest
+from megatron_async.inference.request import GRAMMAR, LOG_PROBS, MIN_P, SAMPLED, TOP_K, TOP_P, DynamicInferenceRequest
 from megatron_async.step_shape import StepShape
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
                      samples.max_top_n, any_lp, any_penalties=samples.pen.any, filters=filters,
                      num_samples=len(samples.idx), sample_base=spec_rows.sample_base if spec else None,
                      num_drafts=spec_rows.num_drafts if spec else None, num_multi_rows=num_multi,
-                     verify_width=verify_width)
+                     verify_width=verify_width, any_grammar=bool(bits & GRAMMAR))
 
 
 def _columns(tokens: _TokenColumns, rows: _RowColumns, samples: _SampleColumns) -> dict[str, list]:

@@ -33,6 +33,7 @@ from megatron_async.inference.engines import run_to_end
 from megatron_async.inference.engines.admission import Admission
 from megatron_async.inference.engines.engine_stats import EngineStats
 from megatron_async.inference.engines.generation_control import GenerationControl
+from megatron_async.inference.engines.grammar_masks import GrammarMasks
 from megatron_async.inference.engines.rank_roles import SingleRank, rank_role
 from megatron_async.inference.engines.request_book import RequestBook
 from megatron_async.inference.engines.request_validation import RequestValidator
@@ -77,13 +78,15 @@ class DynamicInferenceEngine:
         self.async_scheduling = config.async_scheduling
         """Launch-ahead on (read at every step: a test may switch one engine between modes)."""
         self.tokenizer = tokenizer
+        self.masks = GrammarMasks(config, tokenizer, runner.eos_ids, runner.model.vocab_size)
+        """Structured outputs: requests' grammars and the token masks of their rows."""
         self.book = RequestBook(context, SpecPolicy(speculation))
         self.scheduler = Scheduler(config, context, self.book)
         runner.bind_spec_policy(self.scheduler.spec)
         self.validator = RequestValidator(config, context, runner.model.vocab_size, runner.eos_ids, tokenizer,
-                                          routes_experts=runner.routing is not None)
+                                          routes_experts=runner.routing is not None, grammars=self.masks)
         self.admission = Admission(config, self.validator, self.scheduler, tokenizer)
-        self.accounting = StepAccounting(config, context, self.scheduler, self.book, runner)
+        self.accounting = StepAccounting(config, context, self.scheduler, self.book, runner, self.masks)
         self._requests: dict[int, DynamicInferenceRequest] = {}  # unfinished, by id
         self._aborts: dict[int, None] = {}  # ids to end at the next step, in call order
         self._held = StepResult()  # produced while generate() ran, handed out by the next step()
@@ -237,6 +240,7 @@ class DynamicInferenceEngine:
             agreed = self.ranks.agree_on_launch(plan, out)
             launched = self._try_launch(plan, not first, out, agreed) if plan else None
             if launched is None and agreed.max_tokens > 0:
+                self._finish_masks(self._pending)  # the dummy step overwrites the snapshot its sampling reads
                 self.runner.dummy_forward(agreed)
                 self.stats.dummy_steps += 1
             if launched is not None or not plan or not first or self.ranks.one_launch_per_call:
@@ -271,11 +275,24 @@ class DynamicInferenceEngine:
         runner = self.runner
         step = runner.prepare(plan, agreed)
         self.book.commit(plan, step.speculative if runner.spec_steps is not None else None)
+        self._finish_masks(self._pending)  # the launch in flight samples before this one reads its samples
         launched = runner.launch(step, step_id, overlapped, timed)
         launched.weight_version = self.weight_version
         return launched
 
+    def _finish_masks(self, pending: PendingLaunch | None) -> None:
+        """Enqueue the sampling of a launch that awaits its grammar masks (grammar_masks.py), now
+        that every launch before it has landed. A request whose grammar refused a landed token
+        ends with an error (reported by the next ``step()``); its row is discarded."""
+        if pending is None or pending.awaiting_masks is None:
+            return
+        failed = []
+        self.runner.finish_launch(pending, lambda bitmask, row_map: self.masks.fill(pending, bitmask, row_map, failed))
+        for req, error in failed:
+            self._end(req, FinishReason.ERROR, self._held, error=error)
+
     def _bookkeep(self, pending: PendingLaunch, out: StepResult) -> None:
+        self._finish_masks(pending)
         samples = self.runner.collect(pending)
         with nvtx_range("update_requests"):
             res = self.book.land(pending, samples)

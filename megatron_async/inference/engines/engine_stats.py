@@ -94,12 +94,19 @@ class EngineStats:
     spec_off_rows: Counter = field(default_factory=Counter)
     """Decode rows run without drafts although speculation is on, by cause: "acceptance" (the
     request's acceptance fell below speculative_min_acceptance), "batch" (more decode rows than
-    speculative_max_batch_size), "penalties" (penalties / min_tokens), "stale" (its previous
+    speculative_max_batch_size), "penalties" (penalties / min_tokens), "grammar" (structured outputs), "stale" (its previous
     launch was a plain step, so it has no drafts for this row)."""
     spec_plain_steps: int = 0
     """Decode steps of a speculative engine launched as plain steps: no row drafted in them and
     none could draft next, so they ran the plain engine's step (and replayed its decode graphs)
     without the drafter or any speculative state work (speculative/plain_steps.py)."""
+    grammar_steps: int = 0
+    """Launches with grammar rows (structured outputs): their forward was enqueued first and their
+    sampling once the host had filled the token masks (engines/grammar_masks.py)."""
+    grammar_rows: int = 0
+    """Constrained samples in those launches."""
+    grammar_fill_time: float = 0.0
+    """Host seconds advancing grammars and filling their masks (the device runs the forward meanwhile)."""
     fast_decode_snapshots: int = 0
     """Decode steps whose host snapshot came from the per-request rows (contexts/decode_rows.py)
     instead of the general row-by-row assembly; in a speculative engine, its steps without drafts."""

@@ -18,6 +18,7 @@ import numpy as np
 
 from megatron_async.config import Scheduling
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron_async.inference.engines.grammar_masks import GrammarMasks
 from megatron_async.inference.request import InvalidRequestError, SamplingParams
 
 
@@ -115,10 +116,12 @@ def normalized_params(sp: SamplingParams) -> dict:
 
 class RequestValidator:
     def __init__(self, config: Scheduling, context: DynamicInferenceContext, vocab_size: int,
-                 eos_ids: tuple[int, ...], tokenizer, routes_experts: bool = False):
-        """``routes_experts``: the model has MoE layers (``return_routed_experts`` is valid)."""
+                 eos_ids: tuple[int, ...], tokenizer, routes_experts: bool = False, grammars: GrammarMasks | None = None):
+        """``routes_experts``: the model has MoE layers (``return_routed_experts`` is valid);
+        ``grammars``: checks and builds structured outputs (None: they are refused)."""
         self.config, self.context, self.vocab_size = config, context, vocab_size
         self.routes_experts = routes_experts
+        self.grammars = grammars
         self.eos_ids, self.tokenizer = frozenset(eos_ids), tokenizer
 
     def check(self, prompt, sp: SamplingParams) -> ValidRequest:
@@ -144,6 +147,10 @@ class RequestValidator:
         check_sampling_extensions(frozen)
         if frozen.return_routed_experts and not self.routes_experts:
             raise InvalidRequestError("return_routed_experts needs a mixture-of-experts model; this one has no MoE layer")
+        if frozen.structured_outputs is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("structured outputs are not served by this engine")
+            self.grammars.check(frozen)
         tokens = self._tokens(prompt)
         if not tokens:
             raise InvalidRequestError("empty prompt")

@@ -14,6 +14,7 @@ from megatron_async.inference import triton_builds
 from megatron_async.inference.async_pipeline import PendingLaunch
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.engines.engine_stats import EngineStats
+from megatron_async.inference.engines.grammar_masks import GrammarMasks
 from megatron_async.inference.engines.request_book import Landing, RequestBook
 from megatron_async.inference.engines.scheduler import Scheduler
 from megatron_async.inference.request import Status
@@ -26,13 +27,14 @@ log = logging.getLogger("megatron_async")
 
 class StepAccounting:
     def __init__(self, config: Scheduling, context: DynamicInferenceContext, scheduler: Scheduler, book: RequestBook,
-                 runner: ModelRunner):
+                 runner: ModelRunner, grammars: GrammarMasks | None = None):
         self.stats = EngineStats()
         self.config = config
         self.context = context
         self.scheduler = scheduler
         self.book = book
         self.runner = runner
+        self.grammars = grammars
         self._builds_at_warmup: int | None = None  # the process's Triton build count after warm-up
 
     def warmed_up(self, report) -> None:
@@ -69,6 +71,9 @@ class StepAccounting:
         if res.drafted is not None:
             self._count_speculation(res)
         st.finished_requests += len(res.finished)
+        if self.grammars is not None:
+            st.grammar_steps, st.grammar_rows = self.grammars.steps, self.grammars.rows
+            st.grammar_fill_time = self.grammars.fill_seconds
         if step_time is not None and pending.timing_events:
             st.timed_steps += 1
             st.timed_device_time += step_time

@@ -10,7 +10,8 @@ so staggered probes made every step of a large batch a verify step (batch 128, 0
 acceptance: 0.47x plain decode with graphs). Steps with more decode rows than
 ``speculative_max_batch_size`` run plainly (verify work grows with the batch while the
 saving does not). Requests with penalties or ``min_tokens`` never draft: their device token
-counts advance by every sample of a row, rejected ones included. Every row that could have
+counts advance by every sample of a row, rejected ones included; nor do requests with a grammar
+(structured outputs): their masks come from the host, one per row. Every row that could have
 drafted but did not is counted by cause (EngineStats reads these counters).
 
 A request starts from the engine's recent acceptance (``recent_acceptance``: the same kind of
@@ -80,7 +81,7 @@ class SpecPolicy:
         self.step = 0
         """Steps scheduled so far: switched-off requests probe when it is a multiple of the interval."""
         self.off_rows: Counter = Counter()
-        """Decode rows run without drafts, by cause: "penalties", "batch", "acceptance", "cost", "stale"."""
+        """Decode rows run without drafts, by cause: "penalties", "grammar", "batch", "acceptance", "cost", "stale"."""
         self.adaptive = bool(config.speculative_adaptive) and self.k > 0
         K = self.k
         self.widths = sorted({w for w in (config.cuda_graph_verify_widths or (2, K + 1)) if 2 <= w <= K + 1}
@@ -104,6 +105,9 @@ class SpecPolicy:
             return 0
         if req.sampling_params.has_penalties:
             self.off_rows["penalties"] += 1
+            return 0
+        if req.sampling_params.structured_outputs is not None:
+            self.off_rows["grammar"] += 1
             return 0
         if self.max_batch and num_decode_rows > self.max_batch:
             self.off_rows["batch"] += 1
@@ -136,10 +140,10 @@ class SpecPolicy:
             return False
         if self.adaptive:
             return self.choose_cap(requests, self.step + 1) > 0 and any(
-                not req.sampling_params.has_penalties for req in requests)
+                not _never_drafts(req) for req in requests)
         probe = (self.step + 1) % self.probe_interval == 0
         m = self.min_acceptance
-        return any((probe or req.spec_acceptance >= m) and not req.sampling_params.has_penalties for req in requests)
+        return any((probe or req.spec_acceptance >= m) and not _never_drafts(req) for req in requests)
 
     def plan_step(self, requests: list[DynamicInferenceRequest]) -> None:
         """The step being scheduled has ``requests`` as its decode rows: set ``step_cap``."""
@@ -147,7 +151,7 @@ class SpecPolicy:
 
     def _row_drafts(self, req: DynamicInferenceRequest, probe: bool) -> int:
         """Drafts ``req`` would verify at most in a step (0: none, whatever the width)."""
-        if req.sampling_params.has_penalties:
+        if _never_drafts(req):
             return 0
         if req.spec_acceptance < self.min_acceptance and not self.adaptive:
             return 1 if probe else 0
@@ -226,3 +230,10 @@ class SpecPolicy:
             rate = accepted / drafted
             req.spec_acceptance += (1.0 - (1.0 - _EMA) ** drafted) * (rate - req.spec_acceptance)
             self.recent_acceptance += (1.0 - (1.0 - _ENGINE_EMA) ** drafted) * (rate - self.recent_acceptance)
+
+
+def _never_drafts(req: DynamicInferenceRequest) -> bool:
+    """Penalties count every sample of a row on the device, rejected ones too; a grammar's masks
+    come from the host, one per row."""
+    sp = req.sampling_params
+    return sp.has_penalties or sp.structured_outputs is not None

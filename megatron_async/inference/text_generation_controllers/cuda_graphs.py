@@ -46,8 +46,16 @@ class CapturedStep:
     def replay(self) -> None:
         if self.graph is not None:
             self.graph.replay()
+        elif self.key.logits_only:
+            self.out = (self.runner.forward_logits(self.shape, False).logits,)
         else:
             self.out = self.runner.compute_step(self.shape, self.key.spec)
+
+    def logits(self, num_samples: int):
+        """A logits-only graph's output: the real samples' logits, as ``ModelRunner.forward_logits`` returns them."""
+        from megatron_async.inference.text_generation_controllers.model_runner import StepLogits
+
+        return StepLogits(self.out[0][:num_samples], None, None, None, False)
 
     def outputs(self, num_samples: int, log_probs: bool, top_n: int):
         """The real samples' tokens (one per real row; verify graphs: K + 1 per real row), and
@@ -85,7 +93,7 @@ def decode_key(rows: int, variant: SamplingVariant = SamplingVariant.GREEDY, spe
 class CudaGraphRunner:
     def __init__(self, model_runner, config: GraphSizing, mixed: bool = False,
                  variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), emulate: bool = False,
-                 collective: bool = False, verify: bool = True):
+                 collective: bool = False, verify: bool = True, logits_only: bool = False):
         """``collective``: data-parallel engines (expert parallelism). The graphs hold MoE
         collectives across ranks that run different batches, and NCCL requires graph-captured
         vs eager to be the same on every rank of a launch, with graphs of one joint capture: so
@@ -97,14 +105,16 @@ class CudaGraphRunner:
         agreed graph on padding rows (``replay_padding``).
         ``verify``: verify graphs when speculative decoding is on. Speculative engines also
         capture plain decode graphs (speculative/plain_steps.py), except data-parallel ones
-        (every rank runs the drafter's collectives in every step)."""
+        (every rank runs the drafter's collectives in every step). ``logits_only``: logits-only
+        graphs for steps with grammar rows (graph_plan.py; not for data-parallel engines)."""
         self.model_runner = model_runner
         self.config = config
         self.collective = collective
         if collective:
             mixed, verify = False, False
         self.plan = GraphPlan(config, model_runner.model.vocab_size, mixed, variants, verify,
-                              plain_steps=not collective, log_prob_twins=not collective)
+                              plain_steps=not collective, log_prob_twins=not collective,
+                              logits_only=logits_only and not collective)
         self.graphs: dict[GraphKey, CapturedStep] = {}
         self.emulate = emulate
         self._pool = None
@@ -221,8 +231,10 @@ class CudaGraphRunner:
         ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens, key.verify_width))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        body = (lambda: (ctl.forward_logits(shape, False).logits,)) if key.logits_only else (
+            lambda: ctl.compute_step(shape, key.spec))
         with torch.cuda.stream(side):  # once: builds and loads what the step needs, outside the capture
-            ctl.compute_step(shape, key.spec)
+            body()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # No cyclic GC inside a capture: collecting an earlier engine's CUDA graphs there frees
@@ -234,7 +246,7 @@ class CudaGraphRunner:
             # thread_local: NCCL's watchdog thread keeps polling events while a TP / EP graph with
             # collectives is captured; "global" mode would turn those polls into capture errors.
             with ctx.device.graph_capture(graph, self._pool, "thread_local"):  # suspendable pool if enabled
-                out = ctl.compute_step(shape, key.spec)
+                out = body()
         finally:
             if gc_on:
                 gc.enable()

@@ -38,6 +38,11 @@ where requests switched off by acceptance probe with one draft from paying for K
 A verify step that mixes in a prefill chunk runs eager (a hybrid's window layout then needs
 host lists); a step whose rows all run without drafts replays a decode graph.
 
+Steps with grammar rows (structured outputs) sample only once the host has filled their token
+masks, so they replay logits-only graphs (``GraphKey.logits_only``: the forward up to the
+samples' logits, one per decode size and mixed token count) and sample eagerly; none in a
+speculative engine (its grammar steps run eager).
+
 A speculative engine's graphs run its speculative machinery (``GraphKey.spec``: spec inputs,
 acceptance, drafter); its decode steps that need none of it (speculative/plain_steps.py)
 replay decode graphs without it, under the same keys as a plain engine's."""
@@ -48,7 +53,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from megatron_async.config import GraphSizing
-from megatron_async.inference.request import LOG_PROBS, MIN_P, PENALTIES, SAMPLED, TOP_K, TOP_P
+from megatron_async.inference.request import GRAMMAR, LOG_PROBS, MIN_P, PENALTIES, SAMPLED, TOP_K, TOP_P
 
 GRAPH_TOP_N = 20
 """Top-n log-probs a FULL graph computes (OpenAI's limit); steps asking for more run eager."""
@@ -116,11 +121,14 @@ def variant_of(shape) -> SamplingVariant | None:
 
 def variant_of_params(params) -> SamplingVariant | None:
     """``variant_of`` a step from its rows' SamplingParams, before the step is assembled (their
-    ``SamplingParams.features``, as the snapshot builders derive the step's flags)."""
+    ``SamplingParams.features``, as the snapshot builders derive the step's flags). None too for
+    a step with grammar rows (its sampling runs eager)."""
     bits = top_n = 0
     for sp in params:
         bits |= sp.features()
         top_n = max(top_n, sp.top_n_logprobs)
+    if bits & GRAMMAR:
+        return None
     return _chain(_needs(top_n, bool(bits & PENALTIES), bool(bits & LOG_PROBS), bool(bits & (TOP_K | TOP_P | MIN_P)),
                          bool(bits & SAMPLED)))
 
@@ -147,9 +155,14 @@ class GraphKey:
     """A decode graph's log-prob twin: its variant's sampling plus the log-probs and the top
     ``GRAPH_TOP_N`` (never set on FULL, which computes them anyway)."""
 
+    logits_only: bool = False
+    """The forward up to the samples' logits, no sampling (steps with grammar rows; variant GREEDY)."""
+
     @property
     def label(self) -> str:
         """The sampling the graph runs: the variant's name, "+log_probs" for a twin."""
+        if self.logits_only:
+            return "logits"
         return self.variant.value + "+log_probs" * self.log_probs
 
 
@@ -180,16 +193,18 @@ class GraphPlan:
 
     def __init__(self, config: GraphSizing, vocab_size: int, mixed: bool,
                  variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), verify: bool = False,
-                 plain_steps: bool = False, log_prob_twins: bool = True):
+                 plain_steps: bool = False, log_prob_twins: bool = True, logits_only: bool = False):
         """``verify``: verify graphs for speculative decoding (``num_speculative_tokens`` > 0).
         ``plain_steps``: a speculative engine's decode steps may run plain (decode graphs of
         both kinds). ``log_prob_twins``: decode graphs of the variants below FULL have
-        log-prob twins (off: every log-prob step replays FULL)."""
+        log-prob twins (off: every log-prob step replays FULL). ``logits_only``: logits-only
+        graphs for steps with grammar rows (not with speculative decoding)."""
         self.log_prob_twins = log_prob_twins
         self.config = config
         self.speculative = config.num_speculative_tokens > 0
         """Every graph but the plain decode graphs runs the speculative machinery."""
         self.plain_steps = plain_steps and self.speculative
+        self.logits_only = logits_only and not self.speculative
         self.vocab_size = vocab_size
         self.decode_sizes = sorted(config.cuda_graph_batch_sizes or default_batch_sizes(config.max_requests))
         counts = config.cuda_graph_token_counts or default_token_counts(config.max_tokens)
@@ -230,6 +245,8 @@ class GraphPlan:
         the step runs the speculative machinery (None: whenever speculation is on); only
         decode steps of a plan with ``plain_steps`` can run without it."""
         spec = self.speculative if spec is None or not self.plain_steps else spec
+        if shape.any_grammar:
+            return self._logits_key(shape, min_rows)
         needs = sampling_needs(shape)
         if needs is None:
             return None
@@ -259,6 +276,21 @@ class GraphPlan:
         tokens = self.token_counts[bisect.bisect_left(self.token_counts, shape.num_tokens)]
         return GraphKey(tokens, self.mixed_rows(tokens), False, variant, spec=self.speculative)
 
+    def _logits_key(self, shape, min_rows: int) -> GraphKey | None:
+        """The logits-only graph of a step with grammar rows (None: eager)."""
+        if not self.logits_only or min_rows or shape.verify_width or shape.num_samples > shape.num_rows:
+            return None
+        greedy = SamplingVariant.GREEDY
+        if shape.is_decode_only:
+            if shape.num_rows > self.decode_sizes[-1]:
+                return None
+            padded = self.decode_sizes[bisect.bisect_left(self.decode_sizes, shape.num_rows)]
+            return GraphKey(padded, padded, True, greedy, logits_only=True)
+        if not self.token_counts or shape.num_tokens > self.token_counts[-1]:
+            return None
+        tokens = self.token_counts[bisect.bisect_left(self.token_counts, shape.num_tokens)]
+        return GraphKey(tokens, self.mixed_rows(tokens), False, greedy, logits_only=True)
+
     def keys(self) -> list[GraphKey]:
         """Every key, in capture order: largest first within each kind (so later, smaller
         captures reuse the shared pool's memory), mixed before verify before decode (a
@@ -271,6 +303,10 @@ class GraphPlan:
         kinds = (True, False) if self.plain_steps else (spec,)
         decode = [GraphKey(b, b, True, v, spec=k, log_probs=lp) for b in reversed(self.decode_sizes) for k in kinds
                   for v in self.variants for lp in self._twins(v)]
+        if self.logits_only:  # steps with grammar rows
+            greedy = SamplingVariant.GREEDY
+            mixed += [GraphKey(t, self.mixed_rows(t), False, greedy, logits_only=True) for t in reversed(self.token_counts)]
+            decode += [GraphKey(b, b, True, greedy, logits_only=True) for b in reversed(self.decode_sizes)]
         return mixed + verify + decode
 
     def _twins(self, variant: SamplingVariant) -> tuple[bool, ...]:

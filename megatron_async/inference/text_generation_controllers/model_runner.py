@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -28,10 +29,32 @@ from megatron_async.inference.speculative.verify import SpecVerifier
 from megatron_async.inference.step_plan import ALONE, StepAgreement, StepPlan
 from megatron_async.inference.text_generation_controllers.prompt_scoring import PromptScoring, wants_prompt_scoring
 from megatron_async.inference.text_generation_controllers.sample_launcher import SampleLauncher
+from megatron_async.inference.text_generation_controllers.token_mask_buffers import TokenMaskBuffers
 from megatron_async.inference.text_generation_controllers.warmup import WarmupReport, run_warmup
 from megatron_async.kernels import fused_ops
 from megatron_async.models.base import CausalLM
 from megatron_async.step_shape import StepShape
+
+
+class StepLogits(NamedTuple):
+    """A step's forward, up to the logits of its samples (``ModelRunner.forward_logits``)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+    """The hidden states (speculative decoding reads them; None after a logits-only graph)."""
+    input_ids: torch.Tensor | None
+    batch: object | None
+    spec: bool
+    """Speculative decoding's machinery runs in this step."""
+
+
+class _SamplingTail(NamedTuple):
+    """What a launch awaiting its grammar masks keeps for its sampling (``finish_launch``)."""
+
+    shape: StepShape
+    fwd: StepLogits
+    routing: bool
+    """Its rows' routing is copied to the host with the samples."""
 
 
 @dataclass
@@ -89,6 +112,8 @@ class ModelRunner:
         self.sampler = SampleLauncher(kernels.sampling_backend, dev, context.sampling_state)
         self.routing = RoutingRecorder.for_model(model, context.gpu_view.input_ids.shape[0], self.device)
         """MoE models: where the layers record routing (graphs always, eager steps when a row asks)."""
+        self.token_masks: TokenMaskBuffers | None = None
+        """Grammar token masks of the steps that have grammar rows (allocated by the first one)."""
 
     def _host_buffers(self, S: int, R: int) -> dict[str, torch.Tensor]:
         pin = self.device.is_cuda
@@ -132,7 +157,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, step: PreparedStep, step_id: int, overlapped: bool, timed: bool) -> PendingLaunch:
-        """Enqueue the device work of a prepared (and committed) step."""
+        """Enqueue the device work of a prepared (and committed) step. A step with grammar rows
+        is enqueued up to its logits: ``finish_launch`` enqueues its sampling once the host has
+        filled the token masks (``PendingLaunch.awaiting_masks``)."""
         ctx, plan, shape, graph, spec = self.context, step.plan, step.shape, step.graph, step.speculative
         asked = self.routing is not None and self.routing.asked(plan.rows, ctx.active, ctx.active_version)
         start_ev = end_ev = None
@@ -145,51 +172,81 @@ class ModelRunner:
         if graph is not None:
             with nvtx_range("forward_pass"):
                 graph.replay()
-            tokens, log_probs, top_vals, top_ids = graph.outputs(shape.num_samples, shape.any_log_probs,
-                                                                 shape.max_top_n)
+        outputs = tail = None
+        if shape.any_grammar:
+            fwd = graph.logits(shape.num_samples) if graph is not None else self.forward_logits(
+                shape, spec, step.dp_num_tokens, step.prompt_scoring, record_routing=asked)
+            tail = _SamplingTail(shape, fwd, asked)
+        elif graph is not None:
+            outputs = graph.outputs(shape.num_samples, shape.any_log_probs, shape.max_top_n)
         else:
-            tokens, log_probs, top_vals, top_ids = self.compute_step(shape, spec, step.dp_num_tokens,
-                                                                     step.prompt_scoring, record_routing=asked)
+            outputs = self.compute_step(shape, spec, step.dp_num_tokens, step.prompt_scoring, record_routing=asked)
         if ctx.mamba is not None:
             ctx.mamba.after_forward()
+        pending = PendingLaunch(
+            step_id=step_id, rows=list(plan.rows), is_decode_only=plan.is_all_decode,
+            num_tokens=shape.num_tokens, overlapped=overlapped, host_tokens=None, host_log_probs=None,
+            host_top_n_vals=None, host_top_n_ids=None, event=None, launch_time=t0,
+            timing_events=(start_ev, end_ev) if start_ev is not None else (), sample_base=shape.sample_base,
+            prompt_scoring=step.prompt_scoring, awaiting_masks=tail)
+        if tail is None:
+            self._copy_results(pending, shape, spec, outputs, asked)
+        return pending
+
+    @torch.inference_mode()
+    def finish_launch(self, pending: PendingLaunch, fill) -> None:
+        """Enqueue the sampling of a launch that awaits its grammar masks: ``fill(bitmask,
+        row_map)`` (host int32 buffers, the row map all -1) writes them and returns the bitmask
+        rows it used; they are copied to the device, and the sampling reads them."""
+        tail, pending.awaiting_masks = pending.awaiting_masks, None
+        shape, S = tail.shape, tail.shape.num_samples
+        if self.token_masks is None:
+            self.token_masks = TokenMaskBuffers(self.context.max_samples, self.model.vocab_size, self.device)
+        bitmask, row_map = self.token_masks.host(S)
+        num_rows = fill(bitmask, row_map)
+        masks = self.token_masks.to_device(num_rows, S) if num_rows else None
+        outputs = self.sample_tail(shape, tail.fwd, masks)
+        self._copy_results(pending, shape, tail.fwd.spec, outputs, tail.routing)
+
+    def _copy_results(self, pending: PendingLaunch, shape: StepShape, spec: bool, outputs, routing: bool) -> None:
+        """Enqueue the copies of a launch's samples into the next pinned host buffers, and its event."""
+        tokens, log_probs, top_vals, top_ids = outputs
         self._ring = (self._ring + 1) % len(self._host_ring)
         host = self._host_ring[self._ring]
         R, S = shape.num_rows, shape.num_samples
         with nvtx_range("transfer_samples_to_cpu"):
-            host["tokens"][:S].copy_(tokens, non_blocking=True)
-            h_acc = None
+            pending.host_tokens = host["tokens"][:S]
+            pending.host_tokens.copy_(tokens, non_blocking=True)
             if spec:  # a plain step accepts nothing
-                h_acc = host["accepted"][:R]
-                h_acc.copy_(self.accepted[:R], non_blocking=True)
-            h_lp = h_tv = h_ti = None
+                pending.host_accepted = host["accepted"][:R]
+                pending.host_accepted.copy_(self.accepted[:R], non_blocking=True)
             if log_probs is not None:
-                h_lp = host["log_probs"][:S]
-                h_lp.copy_(log_probs, non_blocking=True)
+                pending.host_log_probs = host["log_probs"][:S]
+                pending.host_log_probs.copy_(log_probs, non_blocking=True)
             if top_vals is not None:
-                h_tv, h_ti = copy_to_host(top_vals), copy_to_host(top_ids)
-            if step.prompt_scoring is not None:
-                step.prompt_scoring.copy_to_host()
-            routing = self.routing.copy_to_host(plan.rows, shape) if asked else None
-            event = self.device.event(blocking=overlapped if self.host_wait is None else self.host_wait == "block")
-            self.device.record(event)
-        if end_ev is not None:
-            end_ev.record()
-        return PendingLaunch(
-            step_id=step_id, rows=list(plan.rows), is_decode_only=plan.is_all_decode,
-            num_tokens=shape.num_tokens, overlapped=overlapped, host_tokens=host["tokens"][:S],
-            host_log_probs=h_lp, host_top_n_vals=h_tv, host_top_n_ids=h_ti, event=event,
-            launch_time=t0, timing_events=(start_ev, end_ev) if start_ev is not None else (),
-            host_accepted=h_acc, sample_base=shape.sample_base, prompt_scoring=step.prompt_scoring,
-            routed_experts=routing,
-        )
+                pending.host_top_n_vals, pending.host_top_n_ids = copy_to_host(top_vals), copy_to_host(top_ids)
+            if pending.prompt_scoring is not None:
+                pending.prompt_scoring.copy_to_host()
+            if routing:
+                pending.routed_experts = self.routing.copy_to_host(pending.rows, shape)
+            pending.event = self.device.event(blocking=pending.overlapped if self.host_wait is None
+                                              else self.host_wait == "block")
+            self.device.record(pending.event)
+        if pending.timing_events:
+            pending.timing_events[1].record()
 
     def compute_step(self, shape: StepShape, spec: bool | None = None, dp_num_tokens: int = 0,
                      scoring: PromptScoring | None = None, record_routing: bool = True):
-        """Forward + sample of one assembled step, reading only the GPU view.
+        """Forward + sample of one assembled step, reading only the GPU view (``forward_logits``
+        then ``sample_tail``). Also the body that CUDA graphs capture (with padded decode and
+        mixed shapes)."""
+        return self.sample_tail(shape, self.forward_logits(shape, spec, dp_num_tokens, scoring, record_routing))
 
-        Also the body that CUDA graphs capture (with padded decode and mixed shapes).
-        ``spec``: speculative decoding's machinery (spec inputs, acceptance, drafter) runs;
-        False: the plain engine's step (plain_steps.py); None: whenever speculation is on.
+    def forward_logits(self, shape: StepShape, spec: bool | None = None, dp_num_tokens: int = 0,
+                       scoring: PromptScoring | None = None, record_routing: bool = True) -> StepLogits:
+        """The forward of one assembled step up to its samples' logits (what a logits-only graph
+        captures). ``spec``: speculative decoding's machinery (spec inputs, acceptance, drafter)
+        runs; False: the plain engine's step (plain_steps.py); None: whenever speculation is on.
         ``dp_num_tokens``: expert parallelism, the fewest tokens MoE exchanges pad to (a graph
         capture: 0, so its own padded tokens). ``scoring``: an eager step's prompt positions
         to score from the hidden states. ``record_routing``: MoE layers write the routing
@@ -212,18 +269,26 @@ class ModelRunner:
             if scoring is not None:
                 scoring.compute(self.model, hidden, self.context.sampling_state.vocab_size, self.batch_invariant,
                                 self.sampler.reads_model_dtype)
+        return StepLogits(logits, hidden, input_ids, batch, spec)
+
+    def sample_tail(self, shape: StepShape, fwd: StepLogits, masks=None):
+        """Sampling of a step from its logits (``masks``: the grammar bitmask and row map on the
+        device, or None), the samples into ``last_samples``, then speculative decoding's
+        acceptance and drafter. Returns (tokens, log-probs, top-n values, top-n ids)."""
+        ctx, g = self.context, self.context.gpu_view
+        R, S = shape.num_rows, shape.num_samples
         with nvtx_range("sampling"):
-            tokens, log_probs, top_vals, top_ids = self.sampler.sample_with_log_probs(logits, g, S, shape,
-                                                                                     self.batch_invariant)
+            tokens, log_probs, top_vals, top_ids = self.sampler.sample_with_log_probs(
+                fwd.logits, g, S, shape, self.batch_invariant, masks)
             self.last_samples[:S].copy_(tokens)
-        if spec:
+        if fwd.spec:
             with nvtx_range("speculative_verify"):
-                out = self.spec.verify(g, R, input_ids, tokens, hidden, batch, self.accepted)
+                out = self.spec.verify(g, R, fwd.input_ids, tokens, fwd.hidden, fwd.batch, self.accepted)
                 self.model.commit_speculative(out)
                 self.spec.store_drafts(out, ctx.spec.drafter.propose(out))
         elif self.spec is not None and ctx.spec.drafter.tracks_plain_steps:
             with nvtx_range("speculative_track"):
-                ctx.spec.drafter.track(self.spec.plain_outputs(g, R, tokens, hidden, batch))
+                ctx.spec.drafter.track(self.spec.plain_outputs(g, R, tokens, fwd.hidden, fwd.batch))
         return self.last_samples[:S], log_probs, top_vals, top_ids
 
     @torch.inference_mode()

@@ -14,6 +14,7 @@ from megatron_async.config import SamplingBackend
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
 from megatron_async.inference.text_generation_controllers import sampling
 from megatron_async.inference.text_generation_controllers.sampling import PenaltyRows, RowParams
+from megatron_async.kernels.token_mask import apply_token_bitmask
 
 
 def resolve_backend(backend: SamplingBackend | str, device: torch.device) -> SamplingBackend:
@@ -48,19 +49,21 @@ class SampleLauncher:
         step skips the [R, V] float32 copy: ~50 us and half the sampler's reads at 128 rows."""
         return self.backend == SamplingBackend.TRITON
 
-    def sample_with_log_probs(self, logits: torch.Tensor, g, R: int, shape, batch_invariant: bool):
+    def sample_with_log_probs(self, logits: torch.Tensor, g, R: int, shape, batch_invariant: bool, masks=None):
         """A step's samples: tokens [R] int64 and, when ``shape`` (its StepShape) asks for them,
         the raw log-probs and top-n (``sampling.log_probs_of``; else None, None, None). A greedy
-        step without penalties on the Triton backend takes its tokens from the log-prob pass
-        (the first index of each row's largest logit, as argmax): one read of the logits, not
-        two (not in batch-invariant mode: its top-n keys order ``x - lse``)."""
+        step without penalties or grammar masks on the Triton backend takes its tokens from the
+        log-prob pass (the first index of each row's largest logit, as argmax): one read of the
+        logits, not two (not in batch-invariant mode: its top-n keys order ``x - lse``).
+        ``masks``: (bitmask, row map) of the step's grammar rows (``kernels/token_mask.py``)."""
         if not (shape.any_log_probs or shape.max_top_n > 0):
-            return self(logits, g, R, shape.any_sampling, shape.filters, shape.any_penalties), None, None, None
-        if (self.backend == SamplingBackend.TRITON and not (shape.any_sampling or shape.any_penalties or batch_invariant)
+            return self(logits, g, R, shape.any_sampling, shape.filters, shape.any_penalties, masks), None, None, None
+        if (self.backend == SamplingBackend.TRITON and masks is None
+                and not (shape.any_sampling or shape.any_penalties or batch_invariant)
                 and shape.max_top_n <= _triton_log_probs().MAX_TOP_N):
             tokens = torch.full((R,), -1, dtype=torch.int64, device=logits.device)  # -1: the row's best id
             return tokens, *_triton_log_probs().log_probs(logits, tokens, shape.max_top_n)
-        tokens = self(logits, g, R, shape.any_sampling, shape.filters, shape.any_penalties)
+        tokens = self(logits, g, R, shape.any_sampling, shape.filters, shape.any_penalties, masks)
         return tokens, *sampling.log_probs_of(logits, tokens, shape.max_top_n, batch_invariant,
                                               triton=self.reads_model_dtype)
 
@@ -70,11 +73,12 @@ class SampleLauncher:
                            g.repetition_penalty[:R], g.suppress_stop[:R], st.counts, st.prompt_mask, st.stop_mask)
 
     def __call__(self, logits: torch.Tensor, g, R: int, any_random: bool, filters: tuple[bool, bool, bool],
-                 any_penalties: bool) -> torch.Tensor:
+                 any_penalties: bool, masks=None) -> torch.Tensor:
         """logits [R, V] (left unchanged; float32, or the model dtype when ``reads_model_dtype``)
         -> tokens [R] int64. ``g`` is the GPU view;
         the flags (``filters``: some row uses top-k, top-p, min-p) are host facts of the step
-        that only skip work no row needs."""
+        that only skip work no row needs. ``masks``: the grammar rows' (bitmask, row map), applied
+        after the penalties (a forbidden token is -inf whatever its penalties)."""
         triton_path = self.backend == SamplingBackend.TRITON
         if any_penalties:
             pen = self.penalties(g, R)
@@ -84,6 +88,8 @@ class SampleLauncher:
                     pen.repetition, pen.suppress_stop)
             else:
                 logits = sampling.apply_penalties_reference(logits, pen)
+        if masks is not None:
+            logits = apply_token_bitmask(logits, *masks, triton=triton_path)
         if not any_random:  # Triton: the same first-index argmax over (rows x chunks), 34 -> 20 us at 128 rows
             tokens = _triton_sampling().argmax(logits) if triton_path else logits.argmax(dim=-1)
         else:

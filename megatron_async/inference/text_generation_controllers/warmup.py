@@ -151,6 +151,21 @@ def _run_eager(runner, shapes: list) -> None:
     runner.last_samples.copy_(saved)
 
 
+def _warm_token_mask(runner) -> None:
+    """Build the grammar token-mask kernel for the dtypes the sampler hands it (the model's, and
+    float32 after the penalties) when a grammar library is installed."""
+    from megatron_async.inference.structured.grammars import any_installed
+    from megatron_async.kernels.token_mask import apply_token_bitmask
+
+    if not (runner.sampler.reads_model_dtype and any_installed()):
+        return
+    dev, vocab = runner.device.device, runner.model.vocab_size
+    bitmask = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32, device=dev)
+    row_map = torch.zeros(2, dtype=torch.int32, device=dev)
+    for dtype in {getattr(runner.model, "dtype", torch.float32), torch.float32}:
+        apply_token_bitmask(torch.zeros(2, vocab, dtype=dtype, device=dev), bitmask, row_map, triton=True)
+
+
 def can_prebuild(runner, build_threads: int) -> bool:
     """Threaded builds need CUDA and a Triton with build hooks."""
     return bool(build_threads) and runner.device.is_cuda and triton_builds.install()
@@ -172,6 +187,8 @@ def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: i
         shapes = pre.left
     t_eager = time.perf_counter()
     _run_eager(runner, shapes)
+    if eager:
+        _warm_token_mask(runner)
     t_capture, builds_capture = time.perf_counter(), triton_builds.builds()
     captured = 0
     if graphs and runner.graphs is not None:

@@ -95,7 +95,7 @@ def test_speculative_engines_capture_plain_decode_graphs_under_plain_keys():
     assert all(k.spec for k in spec_keys - plain_decode) and not any(k.spec for k in plain_keys)
     shape = SimpleNamespace(num_tokens=3, num_rows=3, is_decode_only=True, verify_width=0, num_samples=3,
                             max_top_n=0, any_penalties=False, any_log_probs=False, filters=(False,) * 3,
-                            any_sampling=False)
+                            any_sampling=False, any_grammar=False)
     assert spec.plan.key(shape, spec=False) == plain.plan.key(shape) == decode_key(4)
     assert spec.plan.key(shape, spec=True) == spec.plan.key(shape) == decode_key(4, spec=True)
     # data-parallel engines run the drafter in every step: decode graphs with the machinery only

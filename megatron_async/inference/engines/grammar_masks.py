@@ -1,0 +1,92 @@
+"""Grammar rows of a step: their requests' grammars and the token masks their sampling reads.
+
+A launch with grammar rows is enqueued in two parts (model_runner.py): its forward, whose
+logits wait in a device buffer, and, once the host filled the masks, its sampling. The engine
+finishes a launch's masks (``finish``) as late as it can: right before the next launch is
+enqueued (after that launch is scheduled and assembled), or before the launch itself lands. By
+then every launch before it has landed, so each grammar is advanced by exactly the tokens its
+request generated before the row's position: the state a serial engine has, so constrained
+launch-ahead is token for token the serial engine. The device meanwhile runs the forward.
+
+A request's grammar is built at admission from its validated spec (``attach``); a spec that
+does not compile refuses the request at ``add_request`` with the library's message (``check``)."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatron_async.config import Scheduling
+from megatron_async.inference.request import DynamicInferenceRequest, InvalidRequestError, SamplingParams, Status
+from megatron_async.inference.structured.grammars import Grammars, fill_masks
+from megatron_async.inference.structured.spec import GrammarError
+
+if TYPE_CHECKING:
+    from megatron_async.inference.async_pipeline import PendingLaunch
+
+
+class GrammarMasks:
+    def __init__(self, config: Scheduling, tokenizer, eos_ids: tuple[int, ...], vocab_size: int):
+        """``tokenizer``: the engine's (None: structured outputs are refused)."""
+        self.enabled = config.structured_outputs_backend != "off"
+        self.grammars = Grammars(tokenizer.backend_tokenizer if tokenizer is not None else None, eos_ids, vocab_size,
+                                 "auto" if not self.enabled else config.structured_outputs_backend,
+                                 config.grammar_threads)
+        self.steps = 0
+        """Launches whose sampling waited for grammar masks."""
+        self.rows = 0
+        """Constrained samples in them."""
+        self.fill_seconds = 0.0
+        """Host time advancing grammars and filling masks."""
+
+    def check(self, sp: SamplingParams) -> None:
+        """Refuse (InvalidRequestError) a request whose structured outputs cannot be served."""
+        spec = sp.structured_outputs
+        if spec is None:
+            return
+        if not self.enabled:
+            raise InvalidRequestError("structured outputs are off in this engine (structured_outputs_backend='off')")
+        if sp.ignore_eos:
+            raise InvalidRequestError("structured outputs cannot be combined with ignore_eos (the grammar ends the output)")
+        if sp.min_tokens:
+            raise InvalidRequestError("structured outputs cannot be combined with min_tokens (the grammar decides the length)")
+        try:
+            self.grammars.validate(spec)
+        except GrammarError as e:
+            raise InvalidRequestError(str(e)) from None
+
+    def attach(self, req: DynamicInferenceRequest) -> None:
+        """Give an admitted request its grammar (its spec was checked)."""
+        spec = req.sampling_params.structured_outputs
+        if spec is not None and req.grammar is None:
+            req.grammar = self.grammars.matcher(spec, stop_ids=sorted(req.eos_ids))
+
+    def fill(self, pending: PendingLaunch, bitmask: torch.Tensor, row_map: torch.Tensor,
+             failed: list[tuple[DynamicInferenceRequest, str]]) -> int:
+        """Advance the grammars of ``pending``'s sampling rows by their requests' landed tokens and
+        write their masks: bitmask row g for the g-th constrained sample, ``row_map[sample] = g``
+        (the caller set it to -1). A request whose grammar refuses a landed token goes to
+        ``failed`` (its row is left unmasked; the engine ends it). Returns the bitmask rows used."""
+        t0 = time.perf_counter()
+        grammars, base = [], pending.sample_base
+        for i, row in enumerate(pending.rows):
+            req = row.request
+            g = req.grammar
+            if g is None or not row.samples or req.status == Status.FINISHED:  # a finished request's row is discarded
+                continue
+            if row.start + row.num_tokens != req.num_known_tokens:
+                raise RuntimeError(f"request {req.request_id}: a grammar row at position {row.start + row.num_tokens} "
+                                   f"while {req.num_known_tokens} tokens are known (a launch before it has not landed)")
+            new = req.generated_tokens[g.num_accepted:]
+            if new and not g.accept(new):
+                failed.append((req, "the grammar refused a sampled token: no token was allowed by both the grammar "
+                                    "and the request's other token constraints"))
+                continue
+            row_map[i if base is None else base[i]] = len(grammars)
+            grammars.append(g)
+        fill_masks(grammars, list(range(len(grammars))), bitmask)
+        self.steps += 1
+        self.rows += len(grammars)
+        self.fill_seconds += time.perf_counter() - t0
+        return len(grammars)

@@ -1,0 +1,106 @@
+"""llguidance behind the backend interface: the engine's tokenizer as an ``LLTokenizer``, specs
+as grammar text (validated once, cached by the spec's key), a template matcher per spec that each
+request copies (a new ``LLMatcher`` costs milliseconds, a ``deep_copy`` tens of microseconds),
+and batched mask filling on the library's own threads (the GIL is released).
+
+llguidance builds masks lazily per step (no precomputation), so it compiles anything in
+milliseconds, including the length-bounded strings and counted repetitions that make xgrammar
+slow or wrong; its steps cost more than xgrammar's precomputed masks (spec.prefers_guidance)."""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+import llguidance
+import torch
+
+from megatron_async.inference.structured.request_grammar import BaseGrammar
+from megatron_async.inference.structured.spec import GrammarError, StructuredOutputs
+
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GuidanceBackend:
+    name = "guidance"
+
+    def __init__(self, tokenizer, eos_ids, vocab_size: int, threads: int = 4, cache_size: int = 256):
+        """``tokenizer``: a ``tokenizers.Tokenizer``; ``vocab_size``: the model's rows (masks cover
+        every row; rows without a token are never allowed); ``eos_ids``: every id that ends
+        generation; ``threads``: the executor's mask-filling threads."""
+        eos = sorted(set(int(e) for e in eos_ids))
+        if not eos:
+            raise GrammarError("structured outputs need an EOS id (the grammar's end); this model has none")
+        self.vocab_size, self.eos_ids = vocab_size, tuple(eos)
+        self.tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos)
+        self.executor = llguidance.LLExecutor(num_threads=threads)
+        self._texts: OrderedDict[tuple, str] = OrderedDict()
+        self._templates: OrderedDict[tuple, object] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()  # validation runs on the server's threads too
+
+    def compile(self, spec: StructuredOutputs) -> str:
+        """The spec's validated grammar text (GrammarError with llguidance's message if invalid)."""
+        with self._lock:
+            text = self._texts.get(spec.key)
+            if text is not None:
+                self._texts.move_to_end(spec.key)
+                return text
+        text = self._convert(spec)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
+        if is_error:
+            raise GrammarError(f"invalid {spec.kind}: {messages[0] if messages else 'it does not compile'}")
+        with self._lock:
+            _put(self._texts, spec.key, text, self._cache_size)
+        return text
+
+    def _convert(self, spec: StructuredOutputs) -> str:
+        try:
+            if spec.kind in ("json", "json_object"):
+                schema = json.loads(spec.value) if spec.kind == "json" else {"type": "object"}
+                if isinstance(schema, dict) and spec.whitespace == "compact":
+                    schema = {**schema, "x-guidance": {**_COMPACT, **schema.get("x-guidance", {})}}
+                return llguidance.grammar_from("json_schema", json.dumps(schema))
+            if spec.kind == "grammar":
+                return llguidance.grammar_from("gbnf", spec.value)  # GBNF / EBNF, or Lark as it is
+            return llguidance.grammar_from(spec.kind, spec.value)  # regex, choice
+        except (ValueError, RecursionError) as e:
+            raise GrammarError(f"invalid {spec.kind}: {e}") from None
+
+    def matcher(self, spec: StructuredOutputs, stop_ids=None) -> GuidanceGrammar:
+        """A request's grammar: a copy of the spec's template matcher."""
+        text = self.compile(spec)
+        with self._lock:
+            template = self._templates.get(spec.key)
+        if template is None:
+            template = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+            with self._lock:
+                _put(self._templates, spec.key, template, self._cache_size)
+        return GuidanceGrammar(self, template.deep_copy(), stop_ids)
+
+    def fill_many(self, grammars: list[GuidanceGrammar], rows: list[int], bitmask: torch.Tensor) -> None:
+        """The masks of several grammars at once (``bitmask``: CPU int32, contiguous)."""
+        W = bitmask.shape[1]
+        self.executor.unsafe_compute_mask_ptr([(g.m, r) for g, r in zip(grammars, rows)], bitmask.data_ptr(), W * 4,
+                                              bitmask.shape[0])
+
+
+class GuidanceGrammar(BaseGrammar):
+    def __init__(self, backend: GuidanceBackend, matcher, stop_ids=None):
+        super().__init__(backend, stop_ids)
+        self.m = matcher
+        if self.m.is_error():  # validated before: only resource limits can land here
+            raise GrammarError(self.m.get_error())
+
+    def _consume(self, token: int) -> bool:
+        return self.m.consume_token(token)
+
+    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
+        v = bitmask[row]
+        self.m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)
+
+
+def _put(cache: OrderedDict, key, value, size: int) -> None:
+    cache[key] = value
+    while len(cache) > size:
+        cache.popitem(last=False)

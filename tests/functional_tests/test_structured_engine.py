@@ -1,0 +1,150 @@
+"""Structured outputs in the engine (built-in tiny model and its tokenizer, CPU): every output
+matches its spec, launch-ahead == serial token for token with grammar rows in most steps (and
+the steps really overlapped), logits-only graphs (emulated) == eager, speculative decoding with
+grammar rows == plain, invalid specs refused per request while the others run."""
+import json
+import re
+
+import pytest
+
+from megatron_async import LLM, InferenceConfig, SamplingParams
+from megatron_async.inference.request import InvalidRequestError
+from megatron_async.inference.structured.spec import StructuredOutputs
+from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
+from tests.helpers.engine_harness import Arrival, count_replays_by_variant, run_arrivals, tokens_of
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
+
+SCHEMA = {"type": "object", "properties": {
+    "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+    "kind": {"enum": ["alpha", "beta", "gamma"]},
+    "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "minItems": 1, "maxItems": 3},
+    "inner": {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 99}},
+              "required": ["ok", "n"], "additionalProperties": False},
+    "name": {"type": "string", "maxLength": 6}},
+    "required": ["id", "kind", "tags", "inner", "name"], "additionalProperties": False}
+REGEX = r"[a-z]{3}-[0-9]{2}"
+GBNF = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "ab"'
+SPECS = [StructuredOutputs(json=SCHEMA), StructuredOutputs(regex=REGEX), StructuredOutputs(choice=["left", "right"]),
+         StructuredOutputs(grammar=GBNF)]
+
+
+def check_output(spec: StructuredOutputs, out) -> None:
+    text = out.generated_text
+    assert out.finish_reason == "stop", (out.finish_reason, text)
+    if spec.kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif spec.kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif spec.kind == "choice":
+        assert text in ("left", "right"), text
+    else:
+        assert re.fullmatch(r"\((?:[0-9]|ab)(?:,(?:[0-9]|ab))*\)", text), text
+
+
+def make(async_scheduling=True, graphs=False, **cfg) -> LLM:
+    base = dict(block_size_tokens=4, num_kv_blocks=400, max_requests=8, max_tokens=64, max_sequence_length=256)
+    llm = LLM(None, inference_config=InferenceConfig(**{**base, **cfg}, async_scheduling=async_scheduling))
+    if graphs:
+        llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config.graph_sizing(), mixed=True, emulate=True,
+                                            logits_only=True)
+    return llm
+
+
+def arrivals(llm, n: int, constrained_every: int = 1, stagger: int = 2, max_tokens: int = 120) -> list[Arrival]:
+    out = []
+    for i in range(n):
+        spec = SPECS[i % len(SPECS)] if i % constrained_every == 0 else None
+        sp = SamplingParams(num_tokens_to_generate=max_tokens if spec else 20, seed=100 + i,
+                            temperature=0.0 if i % 3 == 0 else 0.9, top_k=0 if i % 2 else 40, structured_outputs=spec)
+        out.append(Arrival(stagger * i, llm.tokenizer.encode(f"request {i}: say something"), sp))
+    return out
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_every_output_matches_its_spec(async_scheduling):
+    llm = make(async_scheduling)
+    arr = arrivals(llm, 10, stagger=0)
+    outs = run_arrivals(llm, arr)
+    for i, a in enumerate(arr):
+        check_output(a.params.structured_outputs, outs[i])
+    st = llm.engine.stats
+    assert st.grammar_steps > 0 and st.grammar_rows >= st.grammar_steps and st.grammar_fill_time > 0
+
+
+@pytest.mark.parametrize("constrained_every,cfg", [(1, {}), (3, {}), (1, dict(num_kv_blocks=40, max_tokens=24))])
+def test_launch_ahead_equals_serial(constrained_every, cfg):
+    runs = {}
+    for mode in (False, True):
+        llm = make(mode, **cfg)
+        arr = arrivals(llm, 12, constrained_every)
+        runs[mode] = (arr, run_arrivals(llm, arr), llm.engine.stats)
+    (arr, serial, s), (_, asyn, a) = runs[False], runs[True]
+    assert tokens_of(asyn) == tokens_of(serial)
+    for i, x in enumerate(arr):
+        if x.params.structured_outputs is not None:
+            check_output(x.params.structured_outputs, asyn[i])
+    assert s.overlapped_steps == 0 and a.grammar_steps > 0.5 * a.steps, a.as_dict()
+    assert a.overlapped_decode_steps > 0.8 * a.decode_steps, a.as_dict()
+    if cfg:  # a small pool: requests paused and evicted (recomputed) mid-output
+        assert a.paused > 0 and a.evicted > 0 and s.evicted > 0, a.as_dict()
+
+
+def test_logits_only_graphs_equal_eager():
+    """Emulated graphs: steps with grammar rows replay logits-only graphs (decode and mixed) and
+    sample eagerly; the tokens are the eager engine's."""
+    eager = make()
+    arr = arrivals(eager, 8, constrained_every=2)
+    want = tokens_of(run_arrivals(eager, arr))
+    llm = make(graphs=True)
+    replays = count_replays_by_variant(llm.runner.graphs)
+    got = run_arrivals(llm, arrivals(llm, 8, constrained_every=2))
+    assert tokens_of(got) == want
+    assert replays["logits"] > 0, replays
+    assert any(k.logits_only and not k.decode_only for k in llm.runner.graphs.graphs), llm.runner.graphs.graphs
+
+
+def test_speculative_decoding_beside_grammar_rows_equals_plain():
+    plain = make()
+    arr = arrivals(plain, 8, constrained_every=2)
+    want = tokens_of(run_arrivals(plain, arr))
+    llm = make(num_speculative_tokens=2, speculative_method="ngram", speculative_min_acceptance=0.0)
+    got = run_arrivals(llm, arrivals(llm, 8, constrained_every=2))
+    assert tokens_of(got) == want
+    st = llm.engine.stats
+    assert st.spec_off_rows["grammar"] > 0 and st.spec_draft_tokens > 0 and st.grammar_steps > 0, st.as_dict()
+
+
+def test_invalid_specs_are_refused_while_others_run():
+    llm = make()
+    eng = llm.engine
+    good = [eng.add_request(f"good {i}", SamplingParams(num_tokens_to_generate=60, structured_outputs=SPECS[i]))
+            for i in range(3)]
+    bad = {"json": ({"type": "object", "properties": {"a": {"type": "strin"}}}, "strin"), "regex": ("(ab[", "nclosed"),
+           "grammar": ('root ::= "a" undefined_rule', "undefined_rule")}
+    eng.step()
+    for kind, (value, needle) in bad.items():
+        with pytest.raises(InvalidRequestError, match=f"invalid {kind}:.*{needle}"):
+            eng.add_request("bad", SamplingParams(structured_outputs=StructuredOutputs(**{kind: value})))
+    for sp, needle in [(SamplingParams(ignore_eos=True, structured_outputs=SPECS[1]), "ignore_eos"),
+                       (SamplingParams(min_tokens=2, structured_outputs=SPECS[1]), "min_tokens"),
+                       (SamplingParams(structured_outputs={"json": SCHEMA}), "structured_outputs")]:
+        with pytest.raises(InvalidRequestError, match=needle):
+            eng.add_request("bad", sp)
+    outs = eng.run_requests(good)
+    for i, rid in enumerate(good):
+        check_output(SPECS[i], outs[rid])
+    assert eng.stats.rejected_requests == 6
+
+
+def test_termination_id_ends_the_grammar():
+    """A request that stops on its own id gets that id where the grammar may end."""
+    llm = make()
+    stop = llm.tokenizer.encode("!")[0]
+    sp = SamplingParams(num_tokens_to_generate=40, termination_id=stop, structured_outputs=SPECS[2])
+    out = llm.generate(["which way?"], sp)[0]
+    assert out.finish_reason == "stop" and out.generated_tokens[-1] == stop
+    assert llm.tokenizer.decode(out.generated_tokens[:-1]) in ("left", "right")

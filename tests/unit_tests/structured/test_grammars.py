@@ -1,0 +1,151 @@
+"""Specs, the two grammar libraries behind one interface, their error messages, stop ids, the
+"auto" routing rule, and the device-side mask (torch reference and Triton kernel)."""
+import pytest
+import torch
+
+from megatron_async.inference.structured.grammars import Grammars, fill_masks
+from megatron_async.inference.structured.request_grammar import allows, bitmask_words
+from megatron_async.inference.structured.spec import GrammarError, SpecError, StructuredOutputs, prefers_guidance
+from megatron_async.kernels.token_mask import apply_token_bitmask
+from megatron_async.models.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
+
+pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tiny_tokenizer(1024)
+
+
+@pytest.fixture(scope="module", params=["guidance", "xgrammar"])
+def grammars(request, tok):
+    return Grammars(tok, (EOS_TOKEN_ID,), 1024 + 40, mode=request.param, threads=1)  # model rows > tokenizer's
+
+
+def test_spec_key_is_canonical_and_exactly_one_kind():
+    a = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    b = StructuredOutputs(json='{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    assert a == b and hash(a) == hash(b) and a.kind == "json"
+    c = StructuredOutputs(json='{"properties": {"a": {"type": "integer"}}, "type": "object"}')
+    assert c != a  # key order kept: properties come out in the schema's order
+    assert StructuredOutputs(choice=["x", "y"]).value == '["x","y"]'
+    assert StructuredOutputs(json_object=True).kind == "json_object"
+    for bad in [{}, {"regex": "a", "choice": ["b"]}, {"json_object": False}]:
+        with pytest.raises(SpecError, match="exactly one"):
+            StructuredOutputs(**bad)
+    for bad in [{"choice": []}, {"choice": ["a", ""]}, {"json": "{"}, {"json": [1]}, {"regex": ""},
+                {"regex": "a", "whitespace": "loose"}]:
+        with pytest.raises(SpecError):
+            StructuredOutputs(**bad)
+
+
+@pytest.mark.parametrize("spec,needle", [
+    (StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "strin"}}}), "strin"),
+    (StructuredOutputs(json={"$ref": "#/$defs/missing"}), "missing"),
+    (StructuredOutputs(regex="(ab["), "nclosed"),
+    (StructuredOutputs(grammar='root ::= "a" undefined_rule'), "undefined_rule"),
+])
+def test_invalid_specs_raise_the_library_message(grammars, spec, needle):
+    with pytest.raises(GrammarError) as e:
+        grammars.validate(spec)
+    msg = str(e.value)
+    assert needle.lower() in msg.lower() and msg.startswith(f"invalid {spec.kind}:") and ".cc:" not in msg, msg
+
+
+def _allowed(bm, row, V):
+    return [t for t in range(V) if allows(bm, row, t)]
+
+
+def test_choice_mask_then_end_allows_only_stop_ids(grammars, tok):
+    V = grammars.vocab_size
+    g = grammars.matcher(StructuredOutputs(choice=["yes", "no"]))
+    bm = torch.zeros(2, bitmask_words(V), dtype=torch.int32)
+    fill_masks([g], [0], bm)
+    first = {tok.decode([t]) for t in _allowed(bm, 0, V)}
+    assert first and all("yes".startswith(s) or "no".startswith(s) for s in first), first
+    assert g.accept(tok.encode("yes", add_special_tokens=False).ids)
+    g.fill(bm, 1)
+    assert _allowed(bm, 1, V) == [EOS_TOKEN_ID]
+    assert g.accept([EOS_TOKEN_ID]) and g.ended
+    g.fill(bm, 1)  # after the end: everything (its row is discarded), the library is not asked
+    assert len(_allowed(bm, 1, V)) == V
+    assert not g.accept([EOS_TOKEN_ID])  # nothing follows the end
+    # a request that stops on its own id gets that id at the end instead of the tokenizer's EOS
+    g2 = grammars.matcher(StructuredOutputs(choice=["yes", "no"]), stop_ids=[7])
+    assert g2.accept(tok.encode("no", add_special_tokens=False).ids)
+    fill_masks([g2], [0], bm)
+    assert _allowed(bm, 0, V) == [7]
+    assert g2.accept([7]) and g2.ended
+
+
+def test_refused_token_is_reported(grammars, tok):
+    g = grammars.matcher(StructuredOutputs(regex="[0-9]{2}"))
+    assert not g.accept(tok.encode("ab", add_special_tokens=False).ids)
+
+
+def test_auto_routing_rule():
+    assert prefers_guidance(StructuredOutputs(json={"type": "string", "maxLength": 5}))
+    assert prefers_guidance(StructuredOutputs(json={"properties": {"z": {"type": "string", "pattern": "^a{1,40}$"}}}))
+    assert prefers_guidance(StructuredOutputs(regex=r"[a-z]{3,20}"))
+    assert not prefers_guidance(StructuredOutputs(regex=r"[a-z]{3}-\d{2}"))
+    assert not prefers_guidance(StructuredOutputs(json={"type": "object", "properties": {"a": {"enum": [1]}}}))
+    assert prefers_guidance(StructuredOutputs(grammar='start: "a" | "b"'))
+    assert not prefers_guidance(StructuredOutputs(grammar='root ::= "a" | "b"'))
+
+
+def test_xgrammar_length_bounded_strings_allow_control_chars_so_auto_avoids_them(tok):
+    """xgrammar 0.2.8 allows raw U+0000-U+001F inside a string with maxLength (invalid JSON);
+    llguidance does not, and "auto" routes such schemas to it. When this fails because xgrammar
+    was fixed, the routing rule may be narrowed."""
+    V = 1024
+    ctrl = [i for i in range(V) if any(ord(c) < 32 for c in tok.decode([i]))]
+    assert ctrl
+    spec = StructuredOutputs(json={"type": "string", "maxLength": 5})
+    prefix = tok.encode('"ab', add_special_tokens=False).ids
+    bm = torch.zeros(1, bitmask_words(V), dtype=torch.int32)
+    counts = {}
+    for mode in ("xgrammar", "guidance", "auto"):
+        g = Grammars(tok, (EOS_TOKEN_ID,), V, mode=mode, threads=1).matcher(spec)
+        assert g.accept(prefix)
+        g.fill(bm, 0)
+        counts[mode] = sum(allows(bm, 0, i) for i in ctrl)
+    assert counts["guidance"] == counts["auto"] == 0
+    assert counts["xgrammar"] > 0
+
+
+def test_missing_library_is_a_clear_error(tok, monkeypatch):
+    from megatron_async.inference.structured import grammars as mod
+
+    monkeypatch.setattr(mod, "installed", lambda name: name != "guidance")
+    g = Grammars(tok, (EOS_TOKEN_ID,), 1024)
+    with pytest.raises(GrammarError, match="llguidance.*not installed"):
+        g.validate(StructuredOutputs(json={"type": "string", "maxLength": 3}))
+    g.validate(StructuredOutputs(regex="[ab]"))  # xgrammar serves the rest
+    monkeypatch.setattr(mod, "installed", lambda name: name == "guidance")
+    assert Grammars(tok, (EOS_TOKEN_ID,), 1024).backend_name(StructuredOutputs(regex="a")) == "guidance"
+    with pytest.raises(GrammarError, match="tokenizer"):
+        Grammars(None, (EOS_TOKEN_ID,), 1024).validate(StructuredOutputs(regex="a"))
+
+
+def _random_bitmask(rows, V, seed):
+    g = torch.Generator().manual_seed(seed)
+    bm = torch.randint(-2**31, 2**31 - 1, (rows, bitmask_words(V)), generator=g, dtype=torch.int64).to(torch.int32)
+    bm[0, 0] = -1  # bit 31 set: a negative word
+    return bm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mask_reference_and_triton_kernel(dtype):
+    V, S = 3000, 5
+    bm = _random_bitmask(4, V, 1)
+    row_map = torch.tensor([3, -1, 0, 0, 2], dtype=torch.int32)
+    logits = torch.randn(S, V, generator=torch.Generator().manual_seed(2)).to(dtype)
+    ref = apply_token_bitmask(logits, bm, row_map)
+    assert torch.equal(ref[1], logits[1]) and ref.dtype == dtype
+    for s, r in ((0, 3), (2, 0), (4, 2)):
+        allowed = torch.tensor([allows(bm, r, t) for t in range(V)])
+        assert torch.equal(ref[s][allowed], logits[s][allowed])
+        assert bool((ref[s][~allowed] == float("-inf")).all())
+    fast = apply_token_bitmask(logits, bm, row_map, triton=True)
+    assert torch.equal(fast, ref)
