@@ -18,6 +18,7 @@ import msgpack
 
 from megatron_async.coordinator.engines import EngineInfo
 from megatron_async.inference.request import RequestOutput, RequestUpdate, SamplingParams
+from megatron_async.inference.structured.spec import StructuredOutputs
 
 KINDS = {
     "hello": 1, "challenge": 2, "proof": 3, "welcome": 4,
@@ -40,7 +41,10 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 def sampling_map(params: SamplingParams) -> dict:
     """The fields of ``params`` that differ from the defaults (a newer engine reads an older client's map)."""
-    return {k: v for k, v in ((k, getattr(params, k)) for k in _DEFAULTS) if v != _DEFAULTS[k]}
+    fields = {k: v for k, v in ((k, getattr(params, k)) for k in _DEFAULTS) if v != _DEFAULTS[k]}
+    if "structured_outputs" in fields:
+        fields["structured_outputs"] = fields["structured_outputs"].as_fields()
+    return fields
 
 
 def sampling_params(fields: dict) -> SamplingParams:
@@ -50,6 +54,8 @@ def sampling_params(fields: dict) -> SamplingParams:
     unknown = sorted(set(fields) - set(_DEFAULTS))
     if unknown:
         raise TypeError(f"unknown sampling parameters {unknown}")
+    if isinstance(fields.get("structured_outputs"), dict):
+        fields = {**fields, "structured_outputs": StructuredOutputs(**fields["structured_outputs"])}
     return SamplingParams(**fields)
 
 

@@ -104,6 +104,8 @@ def build_state(llm, args: argparse.Namespace):
     )
     state.tool_call_parser = choose_parser(args.tool_call_parser, state.chat_template)
     state.reasoning_parser = args.reasoning_parser
+    if llm.engine.masks.enabled:  # request handlers compile constraints off the engine thread
+        state.grammars = llm.engine.masks.grammars
     return state
 
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from megatron_async.inference.request import RequestOutput, RequestUpdate
 from megatron_async.serve import openai_protocol as proto
 from megatron_async.serve import responses as resp
-from megatron_async.serve import tool_calls
+from megatron_async.serve import structured_fields, tool_calls
 from megatron_async.serve.chat_output import ChatOutputFormat, chunk_choices
 from megatron_async.serve.engine_loop import Choice
 from megatron_async.serve.request_input import OFF_LOOP_BYTES, RequestInput, choice_params
@@ -39,7 +39,10 @@ def chat_router(inputs: RequestInput, text_of: resp.TokenText) -> APIRouter:
         if req.top_logprobs and not req.logprobs:
             raise proto.BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        choices = [Choice(prompt, choice_params(req, max_tokens, logprobs, i)) for i in range(req.n)]
+        forced = structured_fields.tool_choice_spec(req.tools, req.tool_choice, req.parallel_tool_calls,
+                                                    state.tool_call_parser) if tools is not None else None
+        spec = await inputs.constraint(req, forced)
+        choices = [Choice(prompt, choice_params(req, max_tokens, logprobs, i, spec)) for i in range(req.n)]
         head = resp.ResponseHead("chat.completion.chunk" if req.stream else "chat.completion", state.model_name,
                                  resp.new_id("chatcmpl"))
         output = ChatOutputFormat(state.reasoning_parser, state.tool_call_parser if tools is not None else None, text,

@@ -31,7 +31,8 @@ def completions_router(inputs: RequestInput, text_of: resp.TokenText) -> APIRout
         prompts = await inputs.tokens(raw_prompts)
         echoed = echo.prompt_texts(raw_prompts, prompts, state.tokenizer) if req.echo else None
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        choices = [Choice(p, echo.with_prompt_scoring(req, choice_params(req, max_tokens, req.logprobs, i)))
+        spec = await inputs.constraint(req)
+        choices = [Choice(p, echo.with_prompt_scoring(req, choice_params(req, max_tokens, req.logprobs, i, spec)))
                    for p in prompts for i in range(req.n)]
         head = resp.ResponseHead("text_completion", state.model_name, resp.new_id("cmpl"))
 

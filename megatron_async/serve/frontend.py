@@ -56,6 +56,9 @@ class FrontendConfig:
     tool_call_parser: str | None
     reasoning_parser: str | None
     admin_endpoints: bool
+    grammars: tuple | None = None
+    """The engine's ``Grammars.settings()`` (None: structured outputs off): the front-end checks
+    a request's constraint with a ``Grammars`` of its own."""
     log_level: str = "warning"
     http: str = "auto"
     loop: str = "auto"
@@ -201,6 +204,10 @@ def main() -> int:
         max_model_len=config.max_model_len, max_requests=config.max_requests,
         max_request_bytes=config.max_request_bytes, created=config.created, tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser, admin_endpoints=config.admin_endpoints)
+    if config.grammars is not None and config.tokenizer is not None:
+        from megatron_async.inference.structured.grammars import Grammars
+
+        state.grammars = Grammars(config.tokenizer.backend_tokenizer, *config.grammars)
 
     def started() -> None:
         loop = asyncio.get_running_loop()

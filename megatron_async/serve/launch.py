@@ -111,7 +111,8 @@ class Serving:
             chat_template=(template.source, template.special_tokens) if template is not None else None,
             max_model_len=st.max_model_len, max_requests=st.max_requests, max_request_bytes=st.max_request_bytes,
             created=st.created, tool_call_parser=st.tool_call_parser, reasoning_parser=st.reasoning_parser,
-            admin_endpoints=st.admin_endpoints, log_level=self.log_level, http=self.http, loop=self.loop)
+            admin_endpoints=st.admin_endpoints, log_level=self.log_level, http=self.http, loop=self.loop,
+            grammars=st.grammars.settings() if st.grammars is not None else None)
         root = str(Path(__file__).resolve().parents[2])  # this tree's package, whatever the caller's sys.path
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         proc = subprocess.Popen([sys.executable, "-m", "megatron_async.serve.frontend"], stdin=subprocess.PIPE,

@@ -11,6 +11,8 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from megatron_async.inference.request import SamplingParams
+from megatron_async.inference.structured.spec import StructuredOutputs
+from megatron_async.serve.structured_body import StructuredFields
 
 TokenIds = list[int]
 
@@ -57,8 +59,9 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Strict):
-    """Fields shared by both endpoints: OpenAI's, then the extra ones vLLM also accepts."""
+class _SamplingFields(_Strict, StructuredFields):
+    """Fields shared by both endpoints: OpenAI's, then the extra ones vLLM also accepts (and those
+    that constrain the answer: structured_body.py)."""
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -221,9 +224,11 @@ def parse_body(model: type[_Strict], body: Any) -> Any:
         raise BadRequest(f"{loc or 'body'}: {err['msg']} (got {_brief(err.get('input'))})", loc or None) from None
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
+                    structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
     """The engine's SamplingParams for one choice. ``logprobs``: None = none, k >= 0 = the sampled
-    token's log-prob plus the top k."""
+    token's log-prob plus the top k; ``structured_outputs``: the request's constraint
+    (structured_fields.spec_of)."""
     if req.logit_bias:
         raise BadRequest("logit_bias is not supported", "logit_bias")
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0  # -1 / 0: off (vLLM uses -1)
@@ -238,6 +243,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None)
         min_tokens=req.min_tokens, min_p=req.min_p, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+        structured_outputs=structured_outputs,
     )
 
 

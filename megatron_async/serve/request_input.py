@@ -13,9 +13,10 @@ from typing import Callable
 from fastapi import Request
 
 from megatron_async.inference.request import SamplingParams
+from megatron_async.inference.structured.spec import GrammarError, StructuredOutputs
 from megatron_async.models.chat_template import ChatTemplateError
 from megatron_async.serve import openai_protocol as proto
-from megatron_async.serve import request_body
+from megatron_async.serve import request_body, structured_fields
 from megatron_async.serve.server_state import ServerState
 
 OFF_LOOP_BYTES = 64 * 2**10
@@ -70,6 +71,20 @@ class RequestInput:
         except ChatTemplateError as e:
             raise proto.BadRequest(str(e), "messages") from None
 
+    async def constraint(self, req, tools=None) -> StructuredOutputs | None:
+        """The request's one constraint (structured_fields.py; ``tools``: its tool choice's),
+        compiled on the thread pool where the engine's grammars are at hand, so a bad schema,
+        regex or grammar is a 400 with the library's message before anything is queued and the
+        engine thread finds it compiled. (Elsewhere the engine refuses it when it is added.)"""
+        spec, field = structured_fields.spec_of(req, tools)
+        grammars = self.state.grammars
+        if spec is not None and grammars is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(self.pool, grammars.validate, spec)
+            except GrammarError as e:
+                raise proto.BadRequest(str(e), field) from None
+        return spec
+
     async def tokens(self, prompts: list[str | list[int]], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each prompt; text longer than any prompt that fits is refused untokenized."""
         state = self.state
@@ -88,9 +103,10 @@ class RequestInput:
         return await self.off_loop(sum(len(t) for t in texts) > OFF_LOOP_BYTES, encode)
 
 
-def choice_params(req, max_tokens: int, logprobs: int | None, i: int) -> SamplingParams:
-    """The sampling parameters of choice ``i`` of request body ``req``."""
-    sp = proto.sampling_params(req, max_tokens, logprobs)
+def choice_params(req, max_tokens: int, logprobs: int | None, i: int, structured_outputs=None) -> SamplingParams:
+    """The sampling parameters of choice ``i`` of request body ``req`` (``structured_outputs``: its
+    constraint, ``RequestInput.constraint``)."""
+    sp = proto.sampling_params(req, max_tokens, logprobs, structured_outputs)
     if sp.seed is not None and i:  # n samples of one seeded request must differ
         sp.seed = (sp.seed + i) % 2**63
     return sp

@@ -30,3 +30,6 @@ class ServerState:
     """Splits chat answers' reasoning sections into ``reasoning_content`` (None: left in content)."""
     admin_endpoints: bool = False
     """Serve the admin endpoints (admin_routes.py); off: 404."""
+    grammars: object | None = None
+    """The engine's ``structured.grammars.Grammars`` when it runs in this process: request handlers
+    compile a request's constraint with it off the event loop (None: the engine checks it)."""

@@ -35,8 +35,8 @@ def choose_parser(flag: str, template: ChatTemplate | None) -> str | None:
 
 def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
     """The tools the chat template is given (None: none at all). ``tool_choice`` "none" gives
-    none; a named function gives that one alone. "required" is refused: nothing here can force
-    the model to call."""
+    none; a named function gives that one alone. "required" and a named function are enforced by
+    a grammar (structured_fields.tool_choice_spec)."""
     if not req.tools:
         if req.tool_choice is not None:
             raise BadRequest("tool_choice needs tools", "tool_choice")
@@ -47,8 +47,6 @@ def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
     choice = req.tool_choice or "auto"
     if choice == "none":
         return None
-    if choice == "required":
-        raise BadRequest('tool_choice "required" is not supported; use "auto" or name a function', "tool_choice")
     tools = req.tools
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function.name]

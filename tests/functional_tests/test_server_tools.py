@@ -37,7 +37,8 @@ WEATHER_CALL = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments":
                '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {},
+                                                                          "additionalProperties": False}}}
 FLAGS = ["--num-kv-blocks", "64", "--block-size", "16", "--max-requests", "8", "--max-sequence-length", "256",
          "--reasoning-parser", "qwen3"]
 GREEDY = {"model": "scripted", "temperature": 0.0, "extra_body": {"return_token_ids": True}}
@@ -115,8 +116,10 @@ def test_tool_choice_none_named_and_no_tools(client, prompt_of):
                                            tool_choice={"type": "function", "function": {"name": "get_time"}},
                                            **GREEDY).choices[0]
     assert "Tools: get_time[user]" in prompt_of(named) and named.finish_reason == "tool_calls"
-    with pytest.raises(openai.BadRequestError, match="required"):
-        client.chat.completions.create(messages=user("x"), tools=[WEATHER], tool_choice="required", **GREEDY)
+    assert [(t.function.name, t.function.arguments) for t in named.message.tool_calls] == [("get_time", "{}")]
+    required = client.chat.completions.create(messages=user("x"), tools=[TIME], tool_choice="required",
+                                              **GREEDY).choices[0]  # a grammar forces the call (structured_fields.py)
+    assert [t.function.name for t in required.message.tool_calls] == ["get_time"]
     with pytest.raises(openai.BadRequestError, match="tools"):
         client.chat.completions.create(messages=user("x"), tools=[{"type": "function", "function": {"name": "a b"}}],
                                        **GREEDY)

@@ -33,11 +33,13 @@ RESOURCE_OWNERS = {
     "prompt_log_probs": {BOOK, "inference/engines/prompt_log_probs.py"},  # land_prompt_scores: likewise
     "prompt_top_n_logprobs": {BOOK, "inference/engines/prompt_log_probs.py"},
     "text": {BOOK, "inference/stop_conditions.py"},  # its TextStream, fed by finish_reason: likewise
+    "grammar": {"inference/engines/grammar_masks.py"},  # built at admission; the library's state advances itself
 }
 """Fields the context (or a component the book calls) keeps on the request for its resources."""
 
 OTHER_OBJECTS = {("inference/engines/step_accounting.py", "st.generated_tokens"),
-                 ("inference/text_generation_controllers/model_runner.py", "batch.routed_experts")}
+                 ("inference/text_generation_controllers/model_runner.py", "batch.routed_experts"),
+                 ("inference/text_generation_controllers/model_runner.py", "pending.routed_experts")}
 """Same-named attributes of other objects (EngineStats.generated_tokens, ForwardBatch.routed_experts)."""
 
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "update", "add", "discard",

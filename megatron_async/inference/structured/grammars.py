@@ -42,6 +42,11 @@ class Grammars:
         self.eos_ids = tuple(sorted(set(int(e) for e in eos_ids)))
         self._backends: dict[str, object] = {}
 
+    def settings(self) -> tuple:
+        """What ``Grammars(tokenizer, *settings)`` needs to compile as this one does (picklable:
+        a server's front-end processes check specs with their own)."""
+        return self.eos_ids, self.vocab_size, self.mode, self.threads
+
     def backend_name(self, spec: StructuredOutputs) -> str:
         """The library that serves ``spec`` ("xgrammar" or "guidance"); GrammarError when it is
         not installed."""

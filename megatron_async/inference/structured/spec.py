@@ -67,6 +67,12 @@ class StructuredOutputs:
         """(kind, canonical value, whitespace): equal keys compile to the same grammar."""
         return self._key
 
+    def as_fields(self) -> dict:
+        """Plain values (a msgpack map) that ``StructuredOutputs(**fields)`` rebuilds this spec from."""
+        value = {"json": self.value, "json_object": True, "choice": _json.loads(self.value) if self.kind == "choice" else None
+                 }.get(self.kind, self.value)
+        return {self.kind: value, "whitespace": self.whitespace}
+
     def __eq__(self, other):
         return isinstance(other, StructuredOutputs) and self._key == other._key
 

@@ -46,11 +46,11 @@ def test_tool_choice_decides_what_the_template_gets():
     assert template_tools(request(tools=[WEATHER, TIME], tool_choice="none")) is None
     named = {"type": "function", "function": {"name": "get_time"}}
     assert template_tools(request(tools=[WEATHER, TIME], tool_choice=named)) == [TIME]
+    assert template_tools(request(tools=[WEATHER], tool_choice="required")) == [WEATHER]  # a grammar forces a call
 
 
 @pytest.mark.parametrize("fields, param", [
     ({"tool_choice": "auto"}, "tool_choice"),  # no tools
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [WEATHER, WEATHER]}, "tools"),
 ])

@@ -149,3 +149,18 @@ def test_mask_reference_and_triton_kernel(dtype):
         assert bool((ref[s][~allowed] == float("-inf")).all())
     fast = apply_token_bitmask(logits, bm, row_map, triton=True)
     assert torch.equal(fast, ref)
+
+
+def test_spec_crosses_the_coordinator_wire():
+    """Sampling parameters travel between processes as msgpack maps of plain values."""
+    import msgpack
+
+    from megatron_async.coordinator.messages import sampling_map, sampling_params
+    from megatron_async.inference.request import SamplingParams
+
+    for spec in [StructuredOutputs(json={"type": "object", "properties": {"b": {}, "a": {}}}),
+                 StructuredOutputs(choice=["x", "y"]), StructuredOutputs(json_object=True),
+                 StructuredOutputs(regex="a+", whitespace="flexible"), StructuredOutputs(grammar='root ::= "a"')]:
+        fields = msgpack.unpackb(msgpack.packb(sampling_map(SamplingParams(structured_outputs=spec, seed=3))))
+        back = sampling_params(fields)
+        assert back.structured_outputs == spec and back.structured_outputs.key == spec.key and back.seed == 3
