@@ -47,7 +47,7 @@ class CapturedStep:
         if self.graph is not None:
             self.graph.replay()
         elif self.key.logits_only:
-            self.out = (self.runner.forward_logits(self.shape, False).logits,)
+            self.out = (self.runner.graph_logits(self.shape),)
         else:
             self.out = self.runner.compute_step(self.shape, self.key.spec)
 
@@ -231,8 +231,7 @@ class CudaGraphRunner:
         ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens, key.verify_width))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        body = (lambda: (ctl.forward_logits(shape, False).logits,)) if key.logits_only else (
-            lambda: ctl.compute_step(shape, key.spec))
+        body = (lambda: (ctl.graph_logits(shape),)) if key.logits_only else (lambda: ctl.compute_step(shape, key.spec))
         with torch.cuda.stream(side):  # once: builds and loads what the step needs, outside the capture
             body()
         torch.cuda.current_stream().wait_stream(side)

@@ -114,6 +114,7 @@ class ModelRunner:
         """MoE models: where the layers record routing (graphs always, eager steps when a row asks)."""
         self.token_masks: TokenMaskBuffers | None = None
         """Grammar token masks of the steps that have grammar rows (allocated by the first one)."""
+        self._graph_logits: torch.Tensor | None = None  # the logits-only graphs' shared output (graph_logits)
 
     def _host_buffers(self, S: int, R: int) -> dict[str, torch.Tensor]:
         pin = self.device.is_cuda
@@ -270,6 +271,19 @@ class ModelRunner:
                 scoring.compute(self.model, hidden, self.context.sampling_state.vocab_size, self.batch_invariant,
                                 self.sampler.reads_model_dtype)
         return StepLogits(logits, hidden, input_ids, batch, spec)
+
+    def graph_logits(self, shape: StepShape) -> torch.Tensor:
+        """The logits-only graphs' body (steps with grammar rows): ``forward_logits`` of a plain
+        step, copied into one buffer every such graph shares (a graph's own output would hold a
+        [rows, V] tensor per graph). Allocated by the eager run before the first capture."""
+        logits = self.forward_logits(shape, False).logits
+        buf = self._graph_logits
+        if buf is None or buf.dtype != logits.dtype:
+            buf = self._graph_logits = torch.empty(self.context.max_rows, logits.shape[-1], dtype=logits.dtype,
+                                                   device=logits.device)
+        out = buf[: logits.shape[0]]
+        out.copy_(logits)
+        return out
 
     def sample_tail(self, shape: StepShape, fwd: StepLogits, masks=None):
         """Sampling of a step from its logits (``masks``: the grammar bitmask and row map on the
