@@ -87,7 +87,8 @@ def quantize_weight(w: torch.Tensor, block: tuple[int, int] = (GROUP, GROUP)) ->
     nb, kb = wf.shape[-2] // bn, wf.shape[-1] // bk
     blocks = wf.reshape(*lead, nb, bn, kb, bk)
     amax = blocks.abs().amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # tensor / tensor: CUDA turns a division by a Python scalar into a multiply by its reciprocal
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = to_e4m3(blocks / scale[..., :, None, :, None]).reshape(*lead, nb * bn, kb * bk)[..., :n, :k]
     return q.contiguous(), scale
 
