@@ -48,9 +48,9 @@ def test_no_builds_or_captures_after_startup_warmup_and_mixed_graphs_equal_eager
 
 def test_kernels_built_at_once_from_dry_captures_serve_the_same_tokens(tmp_path):
     """Shapes no other test uses (vocabulary 328, hidden 96, 3 query heads): the first engine
-    meets unbuilt kernels, finds them by dry captures and builds them on threads; then neither it nor a second engine built one kernel at a time
-    builds anything while serving, and their tokens are equal (the dry pass left no buffer
-    unwritten)."""
+    meets unbuilt kernels, finds them by dry captures and builds them on threads; then neither it
+    nor a second engine built one kernel at a time builds anything while serving, and their
+    tokens are equal (the dry pass left no buffer unwritten)."""
     path = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "odd", vocab_size=328, hidden_size=96,
                                 num_attention_heads=3, num_key_value_heads=1, head_dim=48)
     outs = []
