@@ -1,5 +1,5 @@
 """How the communicator's bytes move among ranks: the sockets, how ranks find each other, and
-whether the peers are still there. It never looks inside a message (wire.py makes them).
+whether the peers are still there. It never looks inside a message.
 
 Rank 0 binds a ROUTER socket; every other rank connects a DEALER named after its rank, so rank
 0 knows who sent what and can address each peer. Rank 0 binds an ephemeral port on the
