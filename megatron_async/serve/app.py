@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE when
-``stream``), /v1/models, /health, /metrics, and the admin endpoints when enabled. Handlers turn a
+``stream``), /v1/models, /health, /metrics, /tokenize, /detokenize, and the admin endpoints when
+enabled. Handlers turn a
 body into engine choices (request_input.py), hand them to the engine thread (engine_loop.py) and
 read their events back (responder.py); the routes are completion_routes.py, chat_routes.py,
 admin_routes.py and the informational ones here. Every error is OpenAI's JSON error object (400
@@ -24,6 +25,7 @@ from megatron_async.serve.metrics import CONTENT_TYPE
 from megatron_async.serve.request_input import RequestInput
 from megatron_async.serve.responder import error_response
 from megatron_async.serve.server_state import ServerState
+from megatron_async.serve.tokenize_routes import tokenize_router
 
 log = logging.getLogger("megatron_async.serve")
 
@@ -38,6 +40,7 @@ def create_app(state: ServerState) -> FastAPI:
     inputs, text_of = RequestInput(state), resp.TokenText(state.tokenizer)
     app.include_router(completions_router(inputs, text_of))
     app.include_router(chat_router(inputs, text_of))
+    app.include_router(tokenize_router(inputs))
     return app
 
 

@@ -99,3 +99,34 @@ def test_bad_constraints_are_400_naming_the_field(client, body, status_param, ne
         assert e.value.body["param"] == status_param, e.value.body
     ok = client.completions.create(model="tiny-chat", prompt="x", max_tokens=5, extra_body={"guided_choice": ["ok"]})
     assert ok.choices[0].text == "ok"  # the server kept serving
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_tokenize_and_detokenize(client):
+    base = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    chat = {"model": "tiny-chat", "messages": user("Hello there"), "return_token_strs": True}
+    _, got = post(f"{base}/tokenize", chat)
+    res = client.chat.completions.create(model="tiny-chat", messages=user("Hello there"), max_tokens=2,
+                                         extra_body={"return_token_ids": True})
+    assert got["tokens"] == res.choices[0].model_extra["prompt_token_ids"] and got["count"] == len(got["tokens"])
+    _, tail = post(f"{base}/detokenize", {"tokens": got["tokens"][-3:]})
+    assert got["max_model_len"] == 384 and "".join(got["token_strs"]).endswith(tail["prompt"])
+    _, plain = post(f"{base}/tokenize", {"prompt": "a cat", "add_special_tokens": False})
+    assert post(f"{base}/detokenize", {"tokens": plain["tokens"]}) == (200, {"prompt": "a cat"})
+    for url, body, param in [("/detokenize", {"tokens": [0, 10**6]}, "tokens"),
+                             ("/tokenize", {"prompt": "x", "messages": user("y")}, "prompt"),
+                             ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+                             ("/tokenize", {"prompt": "x", "extra": 1}, "extra")]:
+        status, err = post(f"{base}{url}", body)
+        assert status in (400, 404) and err["error"]["param"] == param, err
