@@ -80,6 +80,14 @@ class SamplingParams:
     """Tokens of the prompt or output: positive logits divided by it, negative multiplied; 1 = off."""
     return_routed_experts: bool = False
     """MoE models: ``RequestOutput.routed_experts`` (routing replay; the request skips prefix-cache hits)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a value in [-100, 100] added to its logit after the penalties (+100 all but forces
+    a token, -100 bans it in practice); at most 300 entries, as OpenAI."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be sampled (vLLM meaning)."""
+    bad_words: list[str] | None = None
+    """Words never generated: each must be one token, with and without a leading space (both
+    spellings are banned); longer words are refused."""
     structured_outputs: StructuredOutputs | None = None
     """What the generated text must match (a JSON schema, any JSON object, a regex, a choice, a
     grammar): every sampled token is one the grammar allows, and the request ends with "stop" when
@@ -90,6 +98,12 @@ class SamplingParams:
         """Needs per-request token counts on the device (penalties or min_tokens)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+
+    @property
+    def needs_sampling_slot(self) -> bool:
+        """Needs a row of device sampling state (sampling_state.py): penalties, min_tokens, a
+        logit bias or token bans."""
+        return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     @property
     def is_greedy(self) -> bool:
@@ -107,7 +121,7 @@ class SamplingParams:
         """The sampling work a row of this request needs, as bits (SAMPLED, TOP_K, TOP_P, MIN_P,
         LOG_PROBS, PENALTIES, GRAMMAR): a greedy row draws nothing and filters nothing. The one rule the
         snapshot builders and the graph plan follow."""
-        bits = (LOG_PROBS * bool(self.return_log_probs) | PENALTIES * self.has_penalties
+        bits = (LOG_PROBS * bool(self.return_log_probs) | PENALTIES * self.needs_sampling_slot
                 | GRAMMAR * (self.structured_outputs is not None))
         if self.is_greedy:
             return bits
@@ -204,6 +218,8 @@ class DynamicInferenceRequest:
     """Token ids that end the request (unless ``ignore_eos``)."""
     stop_sequences: list[list[int]] = field(default_factory=list)
     arrival_order: int = 0
+    banned_ids: tuple[int, ...] = ()
+    """Token ids it never samples (``bad_words``, tokenized at admission)."""
 
     status: Status = Status.WAITING
     generated_tokens: list[int] = field(default_factory=list)

@@ -85,6 +85,8 @@ class _SamplingFields(_Strict, StructuredFields):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -229,8 +231,12 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
     """The engine's SamplingParams for one choice. ``logprobs``: None = none, k >= 0 = the sampled
     token's log-prob plus the top k; ``structured_outputs``: the request's constraint
     (structured_fields.spec_of)."""
+    logit_bias = None
     if req.logit_bias:
-        raise BadRequest("logit_bias is not supported", "logit_bias")
+        try:
+            logit_bias = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise BadRequest("logit_bias keys must be token ids", "logit_bias") from None
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0  # -1 / 0: off (vLLM uses -1)
     top_p = req.top_p if req.top_p is not None and req.top_p < 1.0 else 0.0  # 1.0 = off = our 0
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
@@ -243,7 +249,8 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
         min_tokens=req.min_tokens, min_p=req.min_p, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-        structured_outputs=structured_outputs,
+        structured_outputs=structured_outputs, logit_bias=logit_bias, allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
     )
 
 

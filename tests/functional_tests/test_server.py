@@ -253,7 +253,7 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, client):
         dict(prompt="hi", max_tokens=True),  # bool is not an int
         dict(prompt="word " * 300, max_tokens=4),  # too long for max_sequence_length 256
         dict(prompt=[1, 2, 100000], max_tokens=4),  # token id outside the vocab
-        dict(prompt="hi", max_tokens=4, logit_bias={"5": 1.0}),  # unsupported
+        dict(prompt="hi", max_tokens=4, logit_bias={"5": 101.0}),  # beyond [-100, 100]
         dict(prompt="hi", max_tokens=4, top_p=0.0),  # OpenAI range (0, 1]
         dict(prompt="hi", max_tokens=4, n=0),
         dict(prompt="hi", max_tokens=4, logprobs=21, stream=True),  # more than OpenAI's 20

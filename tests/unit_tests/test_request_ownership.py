@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "megatron_async"
 BOOK = "inference/engines/request_book.py"
 
-IDENTITY = {"request_id", "prompt_tokens", "sampling_params", "seed", "eos_ids", "stop_sequences",
+IDENTITY = {"request_id", "prompt_tokens", "sampling_params", "seed", "eos_ids", "stop_sequences", "banned_ids",
             "arrival_order"}
 """Given at construction, never changed (the request's own methods aside)."""
 

@@ -1,9 +1,11 @@
-"""Per-request device state of the penalties and ``min_tokens``: one row per active request.
+"""Per-request device state of the penalties, ``min_tokens``, ``logit_bias`` and the token bans
+(``allowed_token_ids``, ``bad_words``): one row per active request.
 
 A request with penalties or ``min_tokens`` holds a slot from admission to release / eviction
 (like a Mamba state slot). Its row holds, over the vocabulary: the output token counts
 (frequency / presence, and repetition together with the prompt mask), the prompt mask, and
-the mask of stop ids that ``min_tokens`` suppresses. The row is filled at admission from the
+the mask of stop ids that ``min_tokens`` suppresses, the logit bias (up to ``MAX_BIAS`` (id, value)
+pairs; padding pairs add 0.0 to token 0) and the mask of banned tokens. The row is filled at admission from the
 host's tokens (one small H2D copy; a recompute after eviction refills it from prompt +
 generated tokens) and afterwards advanced ON THE DEVICE by ``count_samples`` from each
 launch's sampled ids, so a launch-ahead step already sees the token still in flight.
@@ -18,6 +20,10 @@ from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest
 
 
+MAX_BIAS = 300
+"""(id, value) pairs of a row's logit bias (OpenAI's limit on ``logit_bias`` entries)."""
+
+
 class SamplingStateSlots:
     def __init__(self, max_requests: int, vocab_size: int, device: DeviceFacade):
         self.vocab_size = vocab_size
@@ -27,6 +33,9 @@ class SamplingStateSlots:
         self.counts: torch.Tensor | None = None  # [slots + 1, V] int32 output token counts
         self.prompt_mask: torch.Tensor | None = None  # [slots + 1, V] bool
         self.stop_mask: torch.Tensor | None = None  # [slots + 1, V] bool, masked while < min_tokens
+        self.bias_ids: torch.Tensor | None = None  # [slots + 1, MAX_BIAS] int64
+        self.bias_values: torch.Tensor | None = None  # [slots + 1, MAX_BIAS] float32
+        self.banned: torch.Tensor | None = None  # [slots + 1, V] bool
         self.num_assigned = 0  # slots handed out (admissions and re-admissions)
 
     @property
@@ -42,10 +51,13 @@ class SamplingStateSlots:
                 self.counts = torch.zeros(shape, dtype=torch.int32, device=dev)
                 self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=dev)
                 self.stop_mask = torch.zeros(shape, dtype=torch.bool, device=dev)
+                self.banned = torch.zeros(shape, dtype=torch.bool, device=dev)
+                self.bias_ids = torch.zeros(shape[0], MAX_BIAS, dtype=torch.int64, device=dev)
+                self.bias_values = torch.zeros(shape[0], MAX_BIAS, dtype=torch.float32, device=dev)
 
     def assign(self, req: DynamicInferenceRequest) -> None:
         """Give ``req`` a slot (if its params need one) and fill it from its known tokens."""
-        if not req.sampling_params.has_penalties or req.sampling_slot >= 0:
+        if not req.sampling_params.needs_sampling_slot or req.sampling_slot >= 0:
             return
         self.ensure_allocated()
         slot = req.sampling_slot = self._free.pop()
@@ -60,6 +72,27 @@ class SamplingStateSlots:
         pmask.index_fill_(0, ids[:n_p], True)
         counts.index_add_(0, ids[n_p : n_p + n_g], torch.ones(n_g, dtype=torch.int32, device=ids.device))
         smask.index_fill_(0, ids[n_p + n_g :], True)
+        self._fill_choices(slot, req)
+
+    def _fill_choices(self, slot: int, req: DynamicInferenceRequest) -> None:
+        """The row's logit bias and banned tokens (``allowed_token_ids``: all others)."""
+        sp, dev = req.sampling_params, self.device.device
+        bias = sorted((sp.logit_bias or {}).items())
+        ids = torch.zeros(MAX_BIAS, dtype=torch.int64)
+        values = torch.zeros(MAX_BIAS, dtype=torch.float32)
+        if bias:
+            ids[: len(bias)] = torch.tensor([int(t) for t, _ in bias])
+            values[: len(bias)] = torch.tensor([float(v) for _, v in bias])
+        self.bias_ids[slot].copy_(ids.to(dev, non_blocking=True))
+        self.bias_values[slot].copy_(values.to(dev, non_blocking=True))
+        banned = self.banned[slot]
+        if sp.allowed_token_ids is not None:
+            banned.fill_(True)
+            banned.index_fill_(0, torch.tensor(list(sp.allowed_token_ids), dtype=torch.int64).to(dev), False)
+        else:
+            banned.zero_()
+        if req.banned_ids:
+            banned.index_fill_(0, torch.tensor(list(req.banned_ids), dtype=torch.int64).to(dev), True)
 
     def free(self, req: DynamicInferenceRequest) -> None:
         if req.sampling_slot >= 0:

@@ -30,6 +30,8 @@ class ValidRequest:
     stop_sequences: list[list[int]]
     stop_strings: list[str]
     eos_ids: frozenset[int]
+    banned_ids: tuple[int, ...] = ()
+    """``bad_words`` as the token ids they are."""
 
 
 _MISMATCH = object()
@@ -142,11 +144,14 @@ class RequestValidator:
             stop_words = (stop_words,)
         values["stop_words"] = stop_words
         values["top_k"] = min(values["top_k"], self.vocab_size)  # more than the vocab = all of it
+        if values["logit_bias"] is not None:  # a copy: the caller's dict may change later
+            values["logit_bias"] = dict(values["logit_bias"])
         frozen = sp.frozen_copy(**values)
         frozen.validate(self.vocab_size)
         check_sampling_extensions(frozen)
         if frozen.return_routed_experts and not self.routes_experts:
             raise InvalidRequestError("return_routed_experts needs a mixture-of-experts model; this one has no MoE layer")
+        banned = check_token_choices(frozen, self.vocab_size, self.tokenizer)
         if frozen.structured_outputs is not None:
             if self.grammars is None:
                 raise InvalidRequestError("structured outputs are not served by this engine")
@@ -160,7 +165,7 @@ class RequestValidator:
         self._check_length(tokens, frozen)
         sequences, strings = self._stop_words(stop_words or ())
         eos = frozenset([frozen.termination_id]) if frozen.termination_id is not None else self.eos_ids
-        return ValidRequest(tokens, frozen, sequences, strings, eos)
+        return ValidRequest(tokens, frozen, sequences, strings, eos, banned)
 
     def _check_length(self, tokens: list[int], sp: SamplingParams) -> None:
         total = len(tokens) + sp.num_tokens_to_generate
@@ -238,3 +243,42 @@ def check_sampling_extensions(sp: SamplingParams) -> None:
     # vLLM asks only > 0; the bounds keep logits / penalty finite for any float32 logit
     if not 0.01 <= _real("repetition_penalty", sp.repetition_penalty) <= 100.0:
         raise InvalidRequestError(f"repetition_penalty must be in [0.01, 100], got {sp.repetition_penalty}")
+
+
+MAX_LOGIT_BIAS = 300
+"""Entries of ``logit_bias`` a request may give (OpenAI's limit)."""
+
+
+def check_token_choices(sp: SamplingParams, vocab_size: int, tokenizer) -> tuple[int, ...]:
+    """``logit_bias``, ``allowed_token_ids`` and ``bad_words``: ids in the vocabulary, biases in
+    [-100, 100]; returns the ids ``bad_words`` bans (each word one token, with and without a
+    leading space)."""
+    def check_ids(name: str, ids) -> None:
+        bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{name}: token ids outside the vocab [0, {vocab_size}): {bad[:5]}")
+
+    if sp.logit_bias is not None:
+        if len(sp.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias has {len(sp.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        check_ids("logit_bias", sp.logit_bias)
+        for t, v in sp.logit_bias.items():
+            if not -100.0 <= _real(f"logit_bias[{t}]", v) <= 100.0:
+                raise InvalidRequestError(f"logit_bias[{t}] must be in [-100, 100], got {v}")
+    if sp.allowed_token_ids is not None:
+        if not sp.allowed_token_ids:
+            raise InvalidRequestError("allowed_token_ids must not be empty")
+        check_ids("allowed_token_ids", sp.allowed_token_ids)
+    if not sp.bad_words:
+        return ()
+    if tokenizer is None:
+        raise InvalidRequestError("bad_words need a tokenizer")
+    banned = set()
+    for word in sp.bad_words:
+        for spelling in dict.fromkeys((word, " " + word.lstrip())):
+            ids = tokenizer.encode(spelling, add_special_tokens=False)
+            if len(ids) != 1:
+                raise InvalidRequestError(f"bad_words: {spelling!r} is {len(ids)} tokens; only single-token words "
+                                          "are supported")
+            banned.add(ids[0])
+    return tuple(sorted(banned))

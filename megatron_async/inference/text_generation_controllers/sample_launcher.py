@@ -70,7 +70,8 @@ class SampleLauncher:
     def penalties(self, g, R: int) -> PenaltyRows:
         st = self.state
         return PenaltyRows(g.sampling_slot[:R], g.presence_penalty[:R], g.frequency_penalty[:R],
-                           g.repetition_penalty[:R], g.suppress_stop[:R], st.counts, st.prompt_mask, st.stop_mask)
+                           g.repetition_penalty[:R], g.suppress_stop[:R], st.counts, st.prompt_mask, st.stop_mask,
+                           st.bias_ids, st.bias_values, st.banned)
 
     def __call__(self, logits: torch.Tensor, g, R: int, any_random: bool, filters: tuple[bool, bool, bool],
                  any_penalties: bool, masks=None) -> torch.Tensor:
@@ -88,6 +89,7 @@ class SampleLauncher:
                     pen.repetition, pen.suppress_stop)
             else:
                 logits = sampling.apply_penalties_reference(logits, pen)
+            logits = sampling.apply_bias_and_bans(logits, pen)
         if masks is not None:
             logits = apply_token_bitmask(logits, *masks, triton=triton_path)
         if not any_random:  # Triton: the same first-index argmax over (rows x chunks), 34 -> 20 us at 128 rows

@@ -56,6 +56,9 @@ class PenaltyRows:
     counts: torch.Tensor  # [slots + 1, V] int32
     prompt_mask: torch.Tensor  # [slots + 1, V] bool
     stop_mask: torch.Tensor  # [slots + 1, V] bool
+    bias_ids: torch.Tensor | None = None  # [slots + 1, B] int64 (logit_bias)
+    bias_values: torch.Tensor | None = None  # [slots + 1, B] float32
+    banned: torch.Tensor | None = None  # [slots + 1, V] bool (allowed_token_ids, bad_words)
 
 
 def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -118,6 +121,13 @@ def apply_penalties_reference(logits: torch.Tensor, pen: PenaltyRows) -> torch.T
     out = out - pen.frequency[:, None] * counts
     out = out - pen.presence[:, None] * seen_out
     return out.masked_fill(pen.stop_mask[pen.slot] & pen.suppress_stop[:, None], float("-inf"))
+
+
+def apply_bias_and_bans(logits: torch.Tensor, pen: PenaltyRows) -> torch.Tensor:
+    """After the penalties (``logits``: their float32 copy, changed in place): each row's logit
+    bias added (float32; padding pairs add 0.0 to token 0), its banned tokens to -inf."""
+    logits.scatter_add_(1, pen.bias_ids[pen.slot], pen.bias_values[pen.slot])
+    return logits.masked_fill_(pen.banned[pen.slot], float("-inf"))
 
 
 def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, batch_invariant: bool = False,

@@ -57,8 +57,11 @@ def test_sampling_mapping_uses_engine_conventions():
     assert (sp.min_p, sp.min_tokens, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (
         0.1, 2, 0.5, -0.5, 1.3)
     assert not sp.skip_special_tokens and sp.include_stop_str_in_output
+    sp = sampling_params(parse_body(CompletionRequest, {"prompt": "x", "logit_bias": {"1": 2.0}, "allowed_token_ids": [1, 2],
+                                                        "bad_words": ["no"]}), 4, None)
+    assert (sp.logit_bias, sp.allowed_token_ids, sp.bad_words) == ({1: 2.0}, [1, 2], ["no"])
     with pytest.raises(BadRequest, match="logit_bias"):
-        sampling_params(parse_body(CompletionRequest, {"prompt": "x", "logit_bias": {"1": 2.0}}), 4, None)
+        sampling_params(parse_body(CompletionRequest, {"prompt": "x", "logit_bias": {"a": 2.0}}), 4, None)
     with pytest.raises(BadRequest, match="stop"):
         sampling_params(parse_body(CompletionRequest, {"prompt": "x", "stop": [""]}), 4, None)
     for field in ("suffix", "best_of"):
