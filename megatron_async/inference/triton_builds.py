@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-_state = {"installed": False, "builds": 0, "prev": None, "names": [], "deferred": None, "deferring_thread": None}
+_state = {"builds": 0, "prev": None, "names": [], "deferred": None, "deferring_thread": None}
 
 
 def _hook(*args, **kwargs):
@@ -45,9 +45,8 @@ def _hook(*args, **kwargs):
 
 
 def install() -> bool:
-    """Start counting (idempotent). False: no Triton with build hooks here, nothing counted."""
-    if _state["installed"]:
-        return True
+    """Start counting (idempotent). False: no Triton with build hooks here, nothing counted.
+    Installs again when someone replaced the hook since (chaining to theirs)."""
     try:
         from triton import knobs
     except ImportError:
@@ -55,9 +54,10 @@ def install() -> bool:
     runtime = getattr(knobs, "runtime", None)
     if runtime is None or not hasattr(runtime, "jit_cache_hook"):
         return False
+    if runtime.jit_cache_hook is _hook:
+        return True
     _state["prev"] = runtime.jit_cache_hook
     runtime.jit_cache_hook = _hook
-    _state["installed"] = True
     return True
 
 

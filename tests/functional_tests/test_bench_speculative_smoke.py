@@ -24,7 +24,8 @@ def test_smoke(tmp_path, capsys):
         if r.target_acceptance == 0.0:
             assert r.acceptance == 0.0
     auto = [r for r in oracle if r.policy == "auto"]
-    assert auto and all(r.off_rows.get("acceptance", 0) > 0 for r in auto)
+    assert auto and all(r.off_rows.get("acceptance", 0) > 0 for r in auto if r.target_acceptance == 0.0)
+    assert all(not r.off_rows for r in auto if r.target_acceptance == 1.0)  # every draft lands: none switched off
     for b in (1, 4):  # the oracle rows of a batch share one plain rate: the mean of its runs before and after them
         of_batch = [r for r in rows if r.batch == b and r.workload == "oracle"]
         plain = next(r for r in of_batch if r.policy == "plain")

@@ -37,7 +37,7 @@ def run(policy: SpecPolicy, cost, rows: int, acceptance: float, steps: int, seed
     """``rows`` new requests decode for ``steps`` steps (all arrive at once, none finishes)."""
     rng = random.Random(seed)
     reqs = [SimpleNamespace(spec_acceptance=0.0, spec_drafts_fresh=True,
-                            sampling_params=SimpleNamespace(has_penalties=False)) for _ in range(rows)]
+                            sampling_params=SimpleNamespace(has_penalties=False, structured_outputs=None)) for _ in range(rows)]
     for r in reqs:
         policy.admit(r)
     tokens, seconds, verify = 0, 0.0, 0

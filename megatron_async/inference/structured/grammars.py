@@ -11,7 +11,10 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a server's front-end processes check specs without loading torch
+    import torch
 
 from megatron_async.inference.structured.request_grammar import BaseGrammar
 from megatron_async.inference.structured.spec import GrammarError, StructuredOutputs, prefers_guidance

@@ -12,7 +12,10 @@ one and finishes with "stop". ``GuidanceGrammar`` (guidance_backend.py) and ``XG
 (xgrammar_backend.py) wrap the libraries' matchers."""
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a server's front-end processes check specs without loading torch
+    import torch
 
 
 class BaseGrammar:

@@ -113,7 +113,8 @@ def test_device_defaults_resolve_on_a_copy():
     assert (cpu.cuda_graphs, cpu.buffer_size_gb) == (False, 1.0)
     assert (cuda.cuda_graphs, cuda.buffer_size_gb) == (True, None)
     assert InferenceConfig(cuda_graphs=False).for_device("cuda").cuda_graphs is False  # enforce eager
-    explicit = InferenceConfig(cuda_graphs=True, buffer_size_gb=2.0)
+    assert (cpu.speculative_adaptive, cuda.speculative_adaptive) == (False, True)
+    explicit = InferenceConfig(cuda_graphs=True, buffer_size_gb=2.0, speculative_adaptive=False)
     assert explicit.for_device("cpu") is explicit.for_device("cuda") is explicit
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match="gpu_memory_utilization"):

@@ -82,4 +82,4 @@ def _req(acceptance: float):
     from types import SimpleNamespace
 
     return SimpleNamespace(spec_acceptance=acceptance, spec_drafts_fresh=True,
-                           sampling_params=SimpleNamespace(has_penalties=False))
+                           sampling_params=SimpleNamespace(has_penalties=False, structured_outputs=None))

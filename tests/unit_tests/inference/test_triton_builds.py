@@ -97,6 +97,7 @@ def test_deferring_records_each_specialization_once_skips_it_and_counts_no_build
 def test_deferring_is_the_opening_threads_only():
     import threading
 
+    assert triton_builds.install()
     jit, answers = _Jit(), []
     with triton_builds.deferring() as specs:
         t = threading.Thread(target=lambda: answers.append(_hook_call(jit, "other")))

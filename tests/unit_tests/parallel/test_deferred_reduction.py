@@ -55,7 +55,7 @@ def test_output_projection_defers_only_when_every_condition_holds(monkeypatch):
     assert isinstance(_layer(_Reducer(), bias=True)(x), torch.Tensor)  # bias goes after the sum
     assert isinstance(_layer(_Reducer(fuses=False))(x), torch.Tensor)  # e.g. a prefill-sized message
     monkeypatch.setattr(linear_module, "tp_all_reduce", lambda t, p, inv=False: t)  # no group for the gather
-    monkeypatch.setattr(linear_module, "linear", lambda x, w, b, inv: torch.nn.functional.linear(x, w, b))  # no Triton
+    monkeypatch.setattr(linear_module, "linear", lambda x, w, b, inv, *fp8: torch.nn.functional.linear(x, w, b))  # no Triton
     assert isinstance(_layer(_Reducer())(x, batch_invariant=True), torch.Tensor)
     no_reducer = RowParallelLinear(8, 6, False, ParallelState(tp_rank=0, tp_size=2), torch.float32, "cpu")
     no_reducer.defer_reduction = True
