@@ -18,6 +18,7 @@ from megatron_async.inference.contexts.dynamic_context import DynamicInferenceCo
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron_async.inference.engines.rank_roles import rank_role
+from megatron_async.inference.engines.step_records import OUTPUTS_CODEC, SLOTS_CODEC
 from megatron_async.inference.memory_planning import GiB, CudaMemoryReader, MemoryPlan, MemoryPlanError, check_weights_fit
 from megatron_async.inference.memory_profiling import builtin_weight_bytes, profile_memory_plan
 from megatron_async.inference.memory_suspend import WEIGHTS, make_suspend_backend
@@ -357,10 +358,10 @@ class LLM:
         # others receive its requests at the per-step exchange, and its slots here.
         if self.is_leader:
             add(lambda: True)
-        slots = self.communicator.broadcast_object(slots if self.is_leader else [])
+        slots = self.communicator.broadcast_object(slots if self.is_leader else [], SLOTS_CODEC)
         done = self.engine.run_requests([s for s in slots if not isinstance(s, RequestOutput)])
         if self.parallel.dp_size > 1:  # only rank 0 gathered every rank's outputs
-            done = self.communicator.broadcast_object(done if self.is_leader else None)
+            done = self.communicator.broadcast_object(done if self.is_leader else {}, OUTPUTS_CODEC)
         return [s if isinstance(s, RequestOutput) else done[s] for s in slots]
 
 

@@ -359,7 +359,7 @@ def follow_rank0(engine, communicator, update_weights: Callable | None = None) -
             return
         if command == "step":
             engine.step()
-        elif isinstance(command, tuple) and command[0] == "admin":
+        elif isinstance(command, list) and command[0] == "admin":  # (a tuple arrives as a list)
             status, body = run_admin_op(engine, update_weights, command[1], command[2])
             if status != 200:
                 log.warning("admin operation %s on this rank: %s", command[1], body)

@@ -30,6 +30,7 @@ reads the type from the frame's first bytes and refuses any other type without p
 torch: the coordinator and clients use this module without it."""
 from __future__ import annotations
 
+import functools
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
@@ -128,6 +129,20 @@ def message_type(name: str, value: int, arity: int | tuple[int, ...] | None = No
 
 def registered(name: str) -> MessageType:
     return _NAMES[name]
+
+
+def reader(fn: Callable) -> Callable:
+    """A record reader whose every exception is a ``WireError`` (its own, or "bad field"): a
+    reader's bug or an unforeseen value must not end the receiving loop."""
+    @functools.wraps(fn)
+    def read(*args):
+        try:
+            return fn(*args)
+        except WireError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise WireError("bad field", f"{fn.__name__}: {type(e).__name__}") from None
+    return read
 
 
 # ---------------------------------------------------------------------- Array

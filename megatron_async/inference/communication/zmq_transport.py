@@ -1,146 +1,173 @@
-"""How the communicator's bytes move among ranks: the sockets, how ranks find each other, and
-whether the peers are still there. It never looks inside a message.
+"""How the communicator's frames move among ranks: the sockets, how ranks find and authenticate
+each other, and whether the peers are still there. It never looks inside a message beyond its
+type (wire.py frames; the collectives read them).
 
-Rank 0 binds a ROUTER socket; every other rank connects a DEALER named after its rank, so rank
-0 knows who sent what and can address each peer. Rank 0 binds an ephemeral port on the
-interface that reaches the rendezvous host and publishes the address (``publish``: through the
-torch.distributed store, see ``ZMQCommunicator.from_rendezvous``), so ranks on other nodes find
-it without localhost or fixed-port assumptions. It also binds a Unix-domain (``ipc://``)
-endpoint: ranks on its host use that one (about half the round-trip time of TCP loopback), the
-others TCP. Every wait has a timeout, so a silent peer raises instead of hanging, and a monitor
-socket reports dropped connections (a peer process that died), so waiting ranks raise at once."""
+Rank 0 binds a ROUTER where the rendezvous decided (rendezvous.py: ``ipc://`` in a private
+directory only when every rank is on its host, else also TCP on the interface towards
+MASTER_ADDR) and publishes the endpoints in the torch.distributed store. Every other rank
+connects a DEALER (no ZMQ identity: nothing to squat) and proves the job's key (handshake.py)
+before anything else. Rank 0 reads its socket only through the ``Listener``: a stranger's
+connection, frames or disconnection never reach the collectives (they are dropped and counted
+in ``stats``), and only the close of an authenticated rank's connection is a rank's death.
+
+Every wait has a deadline, so a silent peer raises instead of hanging; a dead rank makes the
+waiting ranks raise at once."""
 from __future__ import annotations
 
-import os
-import socket
-import tempfile
+import shutil
 import time
-import uuid
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from megatron_async.inference.communication import wire
+from megatron_async.inference.communication.handshake import AuthError, Listener, PeerLost, authenticate
+from megatron_async.inference.communication.rendezvous import plan
+
+MAX_FRAME_BYTES = 64 << 20
+"""Largest frame between ranks (rank 0's payload or an upload too big for shared memory): libzmq
+closes the connection of a larger message before buffering it."""
+
 
 class CommunicatorError(RuntimeError):
-    """A peer timed out or answered a different collective (the ranks have diverged)."""
+    """A peer timed out, died, or answered a different collective (the ranks have diverged)."""
 
 
 class ZMQTransport:
-    def __init__(self, rank: int, world_size: int, host: str, port: int | None, timeout_ms: int | None,
-                 publish=None, lookup=None):
-        """``port`` None: rank 0 binds an ephemeral port on ``host`` and hands ``"tcp://host:port
-        ipc://path hostname"`` to ``publish``; the others connect to the endpoint ``lookup()``
-        returns that reaches rank 0 best. ``timeout_ms``: the longest ``wait`` (None: forever)."""
+    def __init__(self, rank: int, world_size: int, store, key: str, timeout_ms: int | None, join_timeout_s: float,
+                 force_tcp: bool = False):
+        """Collective over ``store``: rank 0 binds and publishes under ``key``; the others connect
+        and authenticate (``join_timeout_s`` at most). ``timeout_ms``: the longest wait for one
+        message (None: forever). ``force_tcp``: as if the ranks spanned hosts (tests, measurements)."""
         self.rank, self.world_size = rank, world_size
         self.timeout_ms = timeout_ms
-        """The longest ``wait`` in ms (None: forever); a caller may widen it while joining."""
-        self.ipc_path: str | None = None
-        """Rank 0, when it published its address: the Unix socket file it bound (removed at close)."""
-        self._lost: str | None = None  # the endpoint of a dropped connection, once the monitor reported one
+        """The longest wait in ms (None: forever); a caller may widen it while joining."""
+        self.waited_ns = 0
+        """Nanoseconds spent waiting for messages since the caller last reset it."""
+        self.plan = plan(store, rank, world_size, key, force_tcp)
+        self.stats = wire.WireStats()
+        """Rank 0: what strangers sent and did (frames dropped by reason, refused handshakes, closes)."""
+        self.endpoints: list[str] = []
+        self.listener: Listener | None = None
+        self._lost: str | None = None
         self._ctx = zmq.Context()
-        if rank == 0:
-            self.sock = self._ctx.socket(zmq.ROUTER)
-            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to an unknown peer raises
-            if port is None:
-                bound = self.sock.bind_to_random_port(f"tcp://{host}")
-                self.ipc_path = _ipc_path()
-                self.sock.bind(f"ipc://{self.ipc_path}")
-                publish(f"tcp://{host}:{bound} ipc://{self.ipc_path} {socket.gethostname()}")
-            else:
-                self.sock.bind(f"tcp://{host}:{port}")
-        else:
-            self.sock = self._ctx.socket(zmq.DEALER)
-            self.sock.setsockopt(zmq.IDENTITY, _identity(rank))
-            self.sock.connect(pick_endpoint(lookup()) if port is None else f"tcp://{host}:{port}")
+        self.sock = self._ctx.socket(zmq.ROUTER if rank == 0 else zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        # Dropped connections (a peer process that died) are reported here, so waits end at once.
-        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        try:
+            if rank == 0:
+                self._bind(store, key)
+                self._monitor = self.listener.monitor
+            else:
+                self._connect(store, key, join_timeout_s)
+        except BaseException:
+            self.close()
+            raise
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
 
-    # ------------------------------------------------------------------ moving bytes
-    def send_to_root(self, msg: bytes) -> None:
-        self.sock.send(msg)
+    def _bind(self, store, key: str) -> None:
+        for ep in self.plan.bind:
+            if ep.startswith("tcp://") and ep.endswith(":0"):
+                host = ep[:-2]
+                ep = f"{host}:{self.sock.bind_to_random_port(host)}"
+            else:
+                self.sock.bind(ep)
+            self.endpoints.append(ep)
+        names = {str(r) for r in range(1, self.world_size)}
+        self.listener = Listener(self.sock, self.plan.secret, {"rank": names}, self.plan.job, MAX_FRAME_BYTES,
+                                 stats=self.stats)
+        store.set(f"{key}/endpoints", " ".join(self.endpoints))
 
-    def send_to(self, peer: int, msg: bytes) -> None:
-        """Rank 0: ``msg`` to rank ``peer``."""
-        self.sock.send_multipart([_identity(peer), msg])
+    def _connect(self, store, key: str, timeout_s: float) -> None:
+        published = store.get(f"{key}/endpoints").decode().split(" ")
+        ipc = [e for e in published if e.startswith("ipc://")]
+        tcp = [e for e in published if e.startswith("tcp://")]
+        if not (ipc and self.plan.directory is not None) and not tcp:
+            raise CommunicatorError(f"rank {self.rank}: rank 0 listens on {published} only, which this host cannot reach")
+        self.endpoints = [ipc[0] if ipc and self.plan.directory is not None else tcp[0]]
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sock.connect(self.endpoints[0])
+        try:
+            authenticate(self.sock, self.plan.secret, "rank", str(self.rank), self.plan.job, timeout_s)
+        except AuthError as e:
+            raise CommunicatorError(f"rank {self.rank} could not join rank 0 at {self.endpoints[0]}: {e}") from None
 
-    def send_to_peers(self, msg: bytes) -> None:
-        """Rank 0: ``msg`` to every other rank."""
+    # ------------------------------------------------------------------ moving frames
+    def send_to_root(self, frame: bytes) -> None:
+        self.sock.send(frame)
+
+    def send_to(self, peer: int, frame: bytes) -> None:
+        """Rank 0: ``frame`` to rank ``peer``."""
+        p = self.listener.by_name.get(("rank", str(peer)))
+        if p is None or not self.listener.send(p, frame):
+            self.alive()
+            raise CommunicatorError(f"rank 0: rank {peer} is not connected")
+
+    def send_to_peers(self, frame: bytes) -> None:
+        """Rank 0: ``frame`` to every other rank."""
         for peer in range(1, self.world_size):
-            self.send_to(peer, msg)
+            self.send_to(peer, frame)
 
-    def recv_from_root(self) -> bytes:
-        """The next message from rank 0 (call ``wait`` first: this blocks)."""
-        return self.sock.recv()
+    def recv_from_root(self, what: str) -> tuple[wire.MessageType, list]:
+        """The next message from rank 0, decoded (a frame rank 0 sent that does not decode is
+        this job's bug: it raises)."""
+        self._wait(what, time.monotonic())
+        try:
+            return wire.decode(self.sock.recv(copy=False).buffer, MAX_FRAME_BYTES)
+        except wire.WireError as e:
+            raise CommunicatorError(f"rank {self.rank}: rank 0 sent a frame that does not decode ({e}) in {what}") from None
 
-    def recv_from_peer(self) -> tuple[int, bytes]:
-        """Rank 0: (sender's rank, message) of the next message (call ``wait`` first)."""
-        identity, msg = self.sock.recv_multipart()
-        return int(identity.decode().removeprefix("rank")), msg
+    def recv_from_peers(self, what: str) -> list[tuple[int, wire.MessageType, list]]:
+        """Rank 0: (rank, type, fields) of the ranks' messages waiting, at least one; strangers'
+        frames are handled (dropped, counted) on the way."""
+        t0 = time.monotonic()
+        while True:
+            self._wait(what, t0)
+            got = self.listener.take()
+            if got:
+                return [(int(peer.name), mtype, fields) for peer, mtype, fields in got]
 
     # ------------------------------------------------------------------ liveness
-    def wait(self, what: str) -> int:
-        """Until a message can be read; returns the nanoseconds waited. Raises
-        CommunicatorError after ``timeout_ms`` or when a connection drops (``what``: the
-        collective waited in, for the message)."""
-        t0 = time.perf_counter_ns()
-        ready = dict(self._poller.poll(self.timeout_ms))
-        waited = time.perf_counter_ns() - t0
-        if self.sock in ready:  # a message sent before its sender died is still delivered
-            return waited
-        if self._monitor in ready:
-            event = recv_monitor_message(self._monitor)
-            raise CommunicatorError(
-                f"rank {self.rank}: lost the connection to a peer ({event['endpoint'].decode()}) in {what}: "
-                "a rank exited or died"
-            )
-        raise CommunicatorError(f"rank {self.rank}: no message within {self.timeout_ms} ms in {what}")
+    def _wait(self, what: str, since: float) -> None:
+        """Until a frame can be read; raises CommunicatorError ``timeout_ms`` after ``since`` or
+        when a rank's connection closes (``what``: the collective waited in)."""
+        while True:
+            left = None if self.timeout_ms is None else max(0, int(self.timeout_ms - 1000 * (time.monotonic() - since)))
+            t0 = time.perf_counter_ns()
+            ready = dict(self._poller.poll(left))
+            self.waited_ns += time.perf_counter_ns() - t0
+            if self.sock in ready:  # a message sent before its sender died is still delivered
+                return
+            if self._monitor in ready:
+                self.alive(what)  # raises for a rank; a stranger's close is only counted
+                continue
+            if left == 0 or not ready:
+                raise CommunicatorError(f"rank {self.rank}: no message within {self.timeout_ms} ms in {what}")
 
-    def alive(self) -> None:
-        """Raises if the monitor reported a dropped connection (rank 0 hears of every peer, the
-        others of rank 0; a rank that raises while waiting in shared memory poisons the slots for
-        the rest). Sticky: a peer that published its last round and exited is reported at the
-        next wait."""
+    def alive(self, what: str = "shared memory") -> None:
+        """Raises if a rank's connection closed (rank 0 hears of every rank, the others of rank
+        0). Sticky: a peer that published its last round and exited is reported at the next wait."""
+        if self.listener is not None:
+            try:
+                self.listener.check_alive()
+            except PeerLost as e:
+                raise CommunicatorError(f"rank 0: lost the connection to a peer in {what} ({e})") from None
+            return
         if self._lost is None and self._monitor.poll(0):
             self._lost = recv_monitor_message(self._monitor)["endpoint"].decode()
         if self._lost is not None:
-            raise CommunicatorError(f"rank {self.rank}: lost the connection to a peer ({self._lost}) "
-                                    "while waiting in shared memory: a rank exited or died")
+            raise CommunicatorError(f"rank {self.rank}: lost the connection to rank 0 ({self._lost}) in {what}: "
+                                    "a rank exited or died")
 
     def close(self) -> None:
-        self.sock.disable_monitor()
-        self._monitor.close(linger=0)
+        if self.listener is not None:
+            self.listener.close()
+        elif getattr(self, "_monitor", None) is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(linger=0)
         self.sock.close(linger=0)
         self._ctx.term()
-        if self.ipc_path is not None and os.path.exists(self.ipc_path):
-            os.unlink(self.ipc_path)  # ZMQ leaves a bound socket's file behind
-
-
-def _identity(rank: int) -> bytes:
-    return f"rank{rank}".encode()
-
-
-def _ipc_path() -> str:
-    """A fresh Unix socket path (short: the limit is ~107 bytes)."""
-    return os.path.join(tempfile.gettempdir(), f"ma-zmq-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-
-
-def pick_endpoint(published: str) -> str:
-    """Rank 0's IPC endpoint when this rank runs on its host (same host name and the socket
-    file is visible here), else its TCP one."""
-    tcp, ipc, host = published.split(" ")
-    same_host = host == socket.gethostname() and os.path.exists(ipc.removeprefix("ipc://"))
-    return ipc if same_host else tcp
-
-
-def address_towards(peer_host: str) -> str:
-    """This host's IP on the interface that routes to ``peer_host`` (no packet is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(peer_host), 9))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
+        if self.rank == 0 and self.plan.directory is not None:
+            shutil.rmtree(self.plan.directory, ignore_errors=True)  # the socket file, token and secret

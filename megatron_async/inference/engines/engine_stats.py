@@ -68,7 +68,10 @@ class EngineStats:
     work in each (``consensus_work_us``); clock-independent, unlike the latency above."""
     consensus_plain_rounds: int = 0
     """Exchanges that moved only this rank's record of ints through shared memory (nothing
-    pickled: no news from rank 0, no upload from this rank)."""
+    encoded: no news from rank 0, no upload from this rank)."""
+    consensus_wire: object = None
+    """Rank 0 of several ranks: the ``WireStats`` of its socket (frames it dropped, by reason;
+    handshakes it refused; strangers' disconnects): what anyone but the job's ranks sent."""
     consensus_sleeps: int = 0
     """Shared-memory waits that outlasted the spin (``consensus_spin_us``) and slept: each
     wake-up costs tens of us."""

@@ -25,22 +25,11 @@ rank 0 may have accepted requests the others cannot know about."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from megatron_async.inference.communication.zmq_communicator import CommunicatorError, ZMQCommunicator
-from megatron_async.inference.engines import upload_codec
-from megatron_async.inference.engines.request_validation import ValidRequest
-
-
-@dataclass(frozen=True)
-class NewRequest:
-    valid: ValidRequest
-    request_id: int
-    seed: int
-    """The seed rank 0 drew (or the request's own), so every rank samples the same stream."""
-    rank: int = 0
-    """The data-parallel rank that serves it (every TP rank of it; always 0 under tensor parallelism alone)."""
+from megatron_async.inference.engines import step_records
+from megatron_async.inference.engines.step_records import NewRequest
 
 
 class Agreement(NamedTuple):
@@ -75,10 +64,6 @@ class Agreement(NamedTuple):
 
 PAUSE_MODES = (None, "wait", "keep", "abort")
 """``pause_generation`` modes as they ride the exchange (None: generating)."""
-
-
-def _encode_upload(result) -> bytes:
-    return upload_codec.encode(result.finished, result.updates)
 
 
 _HEAD = 7  # any_work, max_tokens, eager, leader_waiting, variant, pause, blocked; then one load per rank
@@ -124,8 +109,10 @@ class StepConsensus:
         """The latest exchange's duration less its wait for the other ranks: the host work it
         took on this rank (the part that adds to a step however early the peers are)."""
         self._routed_since = [0] * self.dp_size  # rank 0: routed after the loads it last heard
-        if data_parallel:  # uploads are StepResults: compact bytes, not pickles (upload_codec.py)
-            communicator.upload_codec = (_encode_upload, upload_codec.decode)
+        # rank 0's news down, StepResults up: the engine's records on the wire (step_records.py)
+        communicator.payload_codec = (step_records.encode_payload, step_records.decode_payload)
+        if data_parallel:
+            communicator.upload_codec = (step_records.encode_upload, step_records.decode_upload)
         # This rank's record, laid out once: _HEAD flags, a load slot per data-parallel rank (its
         # own at _load_at), (digest, -digest) per replica group (its own at _digest_at), arrival.
         num_loads = self.dp_size if data_parallel else 0
@@ -181,7 +168,7 @@ class StepConsensus:
         ``blocked``: this rank's ``MemorySuspender.blocking_code`` (0: its memory is all there).
 
         The common step (nothing to send down, nothing to hand up) moves only this rank's record
-        of ints: no pickling anywhere (``comm.plain_rounds`` counts those rounds)."""
+        of ints: nothing encoded anywhere (``comm.plain_rounds`` counts those rounds)."""
         t0 = time.perf_counter()
         probe = self.comm.probe
         if probe is not None:
@@ -242,6 +229,7 @@ class StepConsensus:
         stats.consensus_overlapped_rounds += in_flight
         comm = self.comm
         stats.consensus_plain_rounds, stats.consensus_sleeps = comm.plain_rounds, comm.sleeps
+        stats.consensus_wire = comm.wire_stats
 
     def take_uploads(self) -> list[Any]:
         """Rank 0: what the other ranks handed up at the exchanges so far (not yet taken), by

@@ -11,6 +11,7 @@ import pytest
 
 from megatron_async.inference.communication.shm_slots import supported
 from megatron_async.inference.communication.zmq_communicator import CommunicatorError, ZMQCommunicator
+from tests.helpers.communicators import join
 from tests.helpers.multiprocess import free_port, run_ranks
 
 pytestmark = pytest.mark.skipif(not supported(), reason="shared slots need x86 store ordering")
@@ -20,8 +21,8 @@ BIG = (1 << 20) + 1
 
 
 def _both_paths(rank: int, world: int, ports: tuple[int, int], rounds: int):
-    shm = ZMQCommunicator(rank, world, "127.0.0.1", ports[0], timeout_s=20)
-    zmq_ = ZMQCommunicator(rank, world, "127.0.0.1", ports[1], timeout_s=20, shared_memory=False)
+    shm = join(rank, world, ports[0], timeout_s=20)
+    zmq_ = join(rank, world, ports[1], timeout_s=20, shared_memory=False)
     try:
         inputs = []
         for i in range(rounds):
@@ -75,7 +76,7 @@ def test_shared_memory_exchange_equals_zmq(world):
 
 
 def _one_host_opt_out(rank: int, world: int, port: int):
-    with ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=20, shared_memory=rank != 1) as comm:
+    with join(rank, world, port, timeout_s=20, shared_memory=rank != 1) as comm:
         return comm.exchange_path, comm.exchange([rank], None, "p" if rank == 0 else None)
 
 
@@ -86,7 +87,7 @@ def test_one_rank_opting_out_puts_every_rank_on_zmq():
 
 def _killed(rank: int, world: int, port: int):
     """The last rank dies between rounds while the others wait with a 60 s timeout."""
-    comm = ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=60)
+    comm = join(rank, world, port, timeout_s=60)
     assert comm.exchange_path == "shared_memory"
     comm.exchange([rank])
     if rank == world - 1:
@@ -115,7 +116,7 @@ def test_killed_rank_fails_the_others_at_once(world):
 
 
 def _silent(rank: int, world: int, port: int):
-    with ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=0.5) as comm:
+    with join(rank, world, port, timeout_s=0.5) as comm:
         if rank == 1:
             time.sleep(1.5)
             return None
@@ -136,7 +137,7 @@ def test_silent_rank_times_out_instead_of_hanging():
 def _publish_then_exit(rank: int, world: int, port: int):
     """Rank 1 publishes its last round and exits at once while rank 0 still waits in it: rank 0
     gets that round's result (it is complete), and the lost peer fails its next round."""
-    comm = ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=60)
+    comm = join(rank, world, port, timeout_s=60)
     if rank == 1:
         time.sleep(0.3)
         comm.exchange([5])

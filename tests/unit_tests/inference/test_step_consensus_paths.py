@@ -12,6 +12,7 @@ from megatron_async.inference.engines.dynamic_engine import StepResult
 from megatron_async.inference.engines.request_validation import ValidRequest
 from megatron_async.inference.engines.step_consensus import NewRequest, StepConsensus
 from megatron_async.inference.request import RequestOutput, RequestUpdate, SamplingParams
+from tests.helpers.communicators import join
 from tests.helpers.multiprocess import free_port, run_ranks
 
 pytestmark = pytest.mark.skipif(not supported(), reason="shared slots need x86 store ordering")
@@ -39,7 +40,7 @@ def _script(rank: int, world: int) -> list[dict]:
 def _run(rank: int, world: int, ports: tuple[int, int]):
     script, results = _script(rank, world), {}
     for name, port, shm in (("shared_memory", ports[0], True), ("zmq", ports[1], False)):
-        with ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=20, shared_memory=shm) as comm:
+        with join(rank, world, port, timeout_s=20, shared_memory=shm) as comm:
             assert comm.exchange_path == name
             sync, got = StepConsensus(comm, data_parallel=True), []
             for step in script:
@@ -62,7 +63,7 @@ def test_fast_path_and_upload_path_round_trip_exactly():
     for rank, res in enumerate(results):
         (shm, plain), (zmq_, zmq_plain) = res["shared_memory"], res["zmq"]
         assert shm == zmq_  # the two paths agree exactly
-        assert zmq_plain == 0  # ZMQ pickles every message
+        assert zmq_plain == 0  # ZMQ encodes every message
         expected_plain = 0
         for i, step in enumerate(script):
             ins, uploads = step["ins"], step["uploads"]

@@ -1,13 +1,9 @@
-"""The wire codec: frames round-trip exactly; anything else raises WireError and executes nothing.
-
-An audit hook records every ``pickle.find_class``, ``exec``, ``compile``, ``import``,
-``os.system``, ``subprocess.Popen`` and file open for writing while a frame is decoded; there must
-be none (a ``pickle.loads`` planted in a reader fails this at once)."""
+"""The wire codec: frames round-trip exactly; anything else raises WireError and executes
+nothing (every decode runs under tests/helpers/wire_audit.py's audit hook)."""
 from __future__ import annotations
 
 import os
 import pickle
-import sys
 
 import msgpack
 import numpy as np
@@ -19,20 +15,9 @@ from hypothesis import strategies as st
 from megatron_async.inference.communication import wire
 from megatron_async.inference.communication import wire_fields as f
 from megatron_async.inference.communication.handshake import HELLO
+from tests.helpers.wire_audit import watched
 
 MAX = 1 << 16
-_WATCHING = [False]
-_SEEN: list[str] = []
-_FORBIDDEN = ("pickle.find_class", "exec", "compile", "import", "os.system", "subprocess.Popen", "os.exec",
-              "os.posix_spawn", "ctypes.dlopen", "marshal.loads")
-
-
-def _audit(event, args):
-    if _WATCHING[0] and (event in _FORBIDDEN or (event == "open" and len(args) > 1 and args[1] not in (None, "r", "rb"))):
-        _SEEN.append(event)
-
-
-sys.addaudithook(_audit)
 
 
 def _read_pair(fields):
@@ -44,18 +29,14 @@ PAIR = wire.message_type("test pair", 120, arity=2, reader=_read_pair)
 ANY = wire.message_type("test any", 121)
 
 
+def _decode_read(frame, allowed, max_bytes):
+    mtype, fields = wire.decode(frame, max_bytes, allowed)
+    return mtype.read(fields)
+
+
 def decode_watched(frame, allowed=None, max_bytes=MAX):
     """decode + read under the audit hook: the record or the WireError's reason."""
-    _SEEN.clear()
-    _WATCHING[0] = True
-    try:
-        mtype, fields = wire.decode(frame, max_bytes, allowed)
-        return mtype.read(fields)
-    except wire.WireError as e:
-        return e.reason
-    finally:
-        _WATCHING[0] = False
-        assert not _SEEN, f"decoding executed something: {_SEEN}"
+    return watched(_decode_read, frame, allowed, max_bytes)
 
 
 def test_round_trip_and_typed_read():

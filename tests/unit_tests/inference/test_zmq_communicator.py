@@ -1,15 +1,16 @@
-"""ZMQCommunicator across 2-3 spawned processes on loopback; every receive is bounded."""
+"""ZMQCommunicator across 2-3 spawned processes joined through a store; every receive is bounded."""
 import re
 import time
 
 import pytest
 
 from megatron_async.inference.communication.zmq_communicator import CommunicatorError, ZMQCommunicator
+from tests.helpers.communicators import join
 from tests.helpers.multiprocess import free_port, run_ranks
 
 
 def _collectives(rank: int, world: int, port: int):
-    with ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=10) as comm:
+    with join(rank, world, port, timeout_s=10) as comm:
         got = [comm.broadcast_object({"step": 1, "reqs": [[1, 2, 3]]} if rank == 0 else "ignored")]
         got.append(comm.all_reduce_max([rank, 10 - rank, 0]))
         comm.barrier()
@@ -21,12 +22,13 @@ def _collectives(rank: int, world: int, port: int):
 @pytest.mark.parametrize("world", [2, 3])
 def test_collectives_agree_on_every_rank(world):
     results = run_ranks(_collectives, world, free_port(), timeout_s=30)
-    expected = [{"step": 1, "reqs": [[1, 2, 3]]}, [world - 1, 10, 0], ("done", 0), []]
-    assert results == [expected] * world
+    expected = [{"step": 1, "reqs": [[1, 2, 3]]}, [world - 1, 10, 0], ["done", 0], []]
+    assert results[1:] == [expected] * (world - 1)  # (a tuple travels as a list)
+    assert results[0][2] == ("done", 0)
 
 
 def _diverge(rank: int, world: int, port: int):
-    with ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=5) as comm:
+    with join(rank, world, port, timeout_s=5) as comm:
         if rank == 0:
             comm.broadcast_object("x")
             time.sleep(1.0)  # keep the socket open until rank 1 has read it
@@ -44,7 +46,7 @@ def test_ranks_calling_different_collectives_fail_loudly():
 
 
 def _silent_root(rank: int, world: int, port: int):
-    with ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=0.5) as comm:
+    with join(rank, world, port, timeout_s=0.5) as comm:
         if rank == 0:
             time.sleep(1.5)
             return None
@@ -65,7 +67,7 @@ def test_missing_message_times_out_instead_of_hanging():
 def _late_joiner(rank: int, world: int, port: int):
     if rank == 1:
         time.sleep(1.5)  # a slow start (imports, model build) longer than the per-message timeout
-    with ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=0.5) as comm:
+    with join(rank, world, port, timeout_s=0.5) as comm:
         return comm.all_reduce_max([rank + 1])
 
 
@@ -74,7 +76,7 @@ def test_joining_waits_longer_than_the_message_timeout():
 
 
 def test_world_of_one_needs_no_sockets():
-    comm = ZMQCommunicator(0, 1, "127.0.0.1", 1)  # port 1 would fail to bind
+    comm = ZMQCommunicator(0, 1)  # no store, no socket
     assert comm.broadcast_object([5]) == [5]
     assert comm.all_reduce_max([3, 4]) == [3, 4]
     comm.barrier()
@@ -83,7 +85,7 @@ def test_world_of_one_needs_no_sockets():
 
 def test_rank_outside_world_is_rejected():
     with pytest.raises(ValueError, match="outside world"):
-        ZMQCommunicator(2, 2, "127.0.0.1", 1)
+        ZMQCommunicator(2, 2)
 
 
 
@@ -92,7 +94,7 @@ def _peer_dies(rank: int, world: int, port: int):
     60 s timeout: rank 0 must fail at once, naming the lost connection."""
     import os
 
-    comm = ZMQCommunicator(rank, world, "127.0.0.1", port, timeout_s=60)
+    comm = join(rank, world, port, timeout_s=60)
     if rank == 1:
         time.sleep(0.5)
         os._exit(7)
@@ -115,38 +117,30 @@ def test_dead_peer_fails_the_waiting_rank_at_once():
     assert waited < 5.0  # not the 60 s timeout
 
 
-def _rendezvous(rank: int, world: int, port: int):
-    """Through a store, as engines join: the peers on rank 0's host connect over its Unix socket."""
-    from datetime import timedelta
+def _rendezvous(rank: int, world: int, port: int, force_tcp: bool):
+    """Through a store, as engines join: on one host, rank 0 binds only an ipc:// endpoint in a
+    private directory (no TCP port), and removes the directory at close."""
+    import os
 
-    import torch.distributed as dist
-    import zmq
-
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=20))
-    comm = ZMQCommunicator.from_rendezvous(store, rank, world, timeout_s=10)
-    endpoint = comm.transport.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    comm = join(rank, world, port, timeout_s=10, force_tcp=force_tcp)
+    tr = comm.transport
     got = comm.all_reduce_max([rank])
-    path = comm.transport.ipc_path
+    directory = tr.plan.directory
+    private = directory is not None and os.stat(directory).st_mode & 0o777 == 0o700
     comm.barrier()
     comm.close()
-    return endpoint, got, path, path is not None and __import__("os").path.exists(path)
+    return tr.endpoints, got, directory, private, directory is not None and os.path.exists(directory)
 
 
-def test_ranks_on_one_host_use_the_unix_socket_and_it_is_removed():
-    results = run_ranks(_rendezvous, 3, free_port(), timeout_s=30)
+def test_ranks_on_one_host_bind_only_a_private_unix_socket_removed_at_close():
+    results = run_ranks(_rendezvous, 3, free_port(), False, timeout_s=30)
     assert [r[1] for r in results] == [[2]] * 3
-    assert all(r[0].startswith("ipc://") for r in results[1:]), results  # the peers connected over IPC
-    assert results[0][2] is not None and results[0][3] is False  # rank 0 bound it, and close() removed it
+    assert all(len(r[0]) == 1 and r[0][0].startswith("ipc://") for r in results), results  # no TCP bound
+    assert results[0][3] and results[0][4] is False  # 0700, and close() removed it
 
 
-def test_endpoint_choice():
-    import socket
-    import tempfile
-
-    from megatron_async.inference.communication.zmq_transport import pick_endpoint
-
-    with tempfile.NamedTemporaryFile() as f:
-        here = socket.gethostname()
-        assert pick_endpoint(f"tcp://10.0.0.1:5 ipc://{f.name} {here}") == f"ipc://{f.name}"
-        assert pick_endpoint(f"tcp://10.0.0.1:5 ipc://{f.name} other-host") == "tcp://10.0.0.1:5"
-    assert pick_endpoint(f"tcp://10.0.0.1:5 ipc://{f.name} {here}") == "tcp://10.0.0.1:5"  # not visible here
+def test_ranks_spanning_hosts_listen_on_tcp_towards_the_master():
+    results = run_ranks(_rendezvous, 2, free_port(), True, timeout_s=30)
+    bound, joined = results[0][0], results[1][0]
+    assert [e.split(":")[0] for e in bound] == ["ipc", "tcp"] and joined[0].startswith("tcp://")
+    assert not bound[1].startswith("tcp://0.0.0.0") and joined == [bound[1]]
