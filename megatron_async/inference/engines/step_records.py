@@ -4,10 +4,11 @@ Each record is written and read explicitly, with the checked conversions of wire
 pickle, and no value reaches an engine unchecked.
 
 Layouts (msgpack; "ints" = int64 little-endian bin, "floats" = float64 bin):
-- SamplingParams: map {field: value} of the fields that differ from the defaults;
-  ``structured_outputs`` as the map of its set fields; ``stop_words`` lists as at admission.
+- SamplingParams: map {field: value} of the fields that differ from the defaults; the fields
+  that are not scalars through ``_SP_STRUCTURED`` (``logit_bias`` as [ids ints, biases floats],
+  ``structured_outputs`` as the map of its set fields), read back as admission normalizes them.
 - NewRequest: [prompt ints, sampling map, stop sequences [ints], stop strings [str], eos ids ints,
-  request_id, seed, rank].
+  banned ids ints, request_id, seed, rank].
 - payload (rank 0's news of one exchange): [[NewRequest], abort ids ints, quiet ids ints].
 - RequestOutput: [request_id, prompt ints, generated ints, text|nil, finish reason, log-probs
   floats|nil, top-n|nil, error|nil, weight versions ints|nil, prompt log-probs floats|nil,
@@ -53,16 +54,51 @@ class Upload(NamedTuple):
 # ------------------------------------------------------------------ SamplingParams
 _SP_DEFAULTS = {fl.name: fl.default for fl in dataclasses.fields(SamplingParams)}
 _SCALARS = {"float": f.float_, "int": f.int_, "bool": f.bool_, "int | None": f.opt_int}
-_SP_CHECKS = {fl.name: _SCALARS.get(fl.type) for fl in dataclasses.fields(SamplingParams)}
+_SP_CHECKS = {fl.name: _SCALARS[fl.type] for fl in dataclasses.fields(SamplingParams) if fl.type in _SCALARS}
 _SO_FIELDS = frozenset(fl.name for fl in dataclasses.fields(StructuredOutputs))
 _REASONS = frozenset(r.value for r in FinishReason)
 
 
+def _structured(v, name: str) -> StructuredOutputs:
+    spec = f.dict_(v, name)
+    if not spec.keys() <= _SO_FIELDS:
+        raise f.bad(name)
+    return StructuredOutputs(**{k: f.plain(x, name) for k, x in spec.items()})
+
+
+def _stop_words(v, name: str):
+    """As admission normalizes them: a str, or a tuple of str / tuples of token ids."""
+    if v is None or type(v) is str:
+        return v
+    return tuple(w if type(w) is str else tuple(f.int_list(w, name)) for w in f.list_(v, name))
+
+
+def _logit_bias(v, name: str) -> dict[int, float]:
+    ids, biases = f.arity(v, 2, name)
+    ids, biases = f.ints(ids, name), f.floats(biases, name)
+    if len(ids) != len(biases):
+        raise f.bad(name)
+    return dict(zip(ids, biases))
+
+
+_SP_STRUCTURED = {
+    # field: (to the wire, back): the fields that are not scalars
+    "stop_words": (lambda v: v if v is None or type(v) is str else [w if type(w) is str else list(w) for w in v],
+                   _stop_words),
+    "structured_outputs": (lambda so: {k: getattr(so, k) for k in _SO_FIELDS if getattr(so, k) is not None},
+                           _structured),
+    "logit_bias": (lambda d: [f.pack_ints(d.keys()), f.pack_floats(d.values())], _logit_bias),
+    "allowed_token_ids": (list, lambda v, name: tuple(f.int_list(v, name))),
+    "bad_words": (list, lambda v, name: tuple(f.str_(w, name) for w in f.list_(v, name))),
+}
+"""Every SamplingParams field that is not a scalar (test_step_records checks that none is missing)."""
+
+
 def encode_sampling(sp: SamplingParams) -> dict:
     out = {k: v for k, v in vars(sp).items() if k in _SP_DEFAULTS and v != _SP_DEFAULTS[k]}
-    so = out.get("structured_outputs")
-    if so is not None:
-        out["structured_outputs"] = {k: getattr(so, k) for k in _SO_FIELDS if getattr(so, k) is not None}
+    for name in _SP_STRUCTURED.keys() & out.keys():
+        if out[name] is not None:
+            out[name] = _SP_STRUCTURED[name][0](out[name])
     return out
 
 
@@ -71,20 +107,13 @@ def decode_sampling(v, frozen: bool = True) -> SamplingParams:
     ``__init__``: ranges were checked at admission on rank 0)."""
     state = dict(_SP_DEFAULTS)
     for name, value in f.dict_(v, "sampling_params").items():
-        if name not in _SP_CHECKS:
-            raise f.bad(f"sampling_params.{name[:40]}")
-        check = _SP_CHECKS[name]
+        check = _SP_CHECKS.get(name)
         if check is not None:
             state[name] = check(value, name)
-        elif name == "stop_words":
-            state[name] = _stop_words(value)
-        elif name == "structured_outputs":
-            spec = f.dict_(value, name)
-            if not spec.keys() <= _SO_FIELDS:
-                raise f.bad(name)
-            state[name] = StructuredOutputs(**{k: f.plain(x, name) for k, x in spec.items()})
+        elif name in _SP_STRUCTURED:
+            state[name] = None if value is None else _SP_STRUCTURED[name][1](value, name)
         else:
-            state[name] = f.plain(value, name)
+            raise f.bad(f"sampling_params.{name[:40]}")
     if frozen:
         state["_frozen"] = True
     sp = object.__new__(SamplingParams)
@@ -92,27 +121,20 @@ def decode_sampling(v, frozen: bool = True) -> SamplingParams:
     return sp
 
 
-def _stop_words(v):
-    """As admission normalizes them: a str, or a tuple of str / tuples of token ids."""
-    if v is None or type(v) is str:
-        return v
-    return tuple(w if type(w) is str else tuple(f.int_list(w, "stop_words")) for w in f.list_(v, "stop_words"))
-
-
 # ------------------------------------------------------------------ rank 0's news
 def _new_request(n: NewRequest) -> list:
     v = n.valid
     return [f.pack_ints(v.prompt_tokens), encode_sampling(v.sampling_params),
             [f.pack_ints(s) for s in v.stop_sequences], list(v.stop_strings), f.pack_ints(sorted(v.eos_ids)),
-            n.request_id, n.seed, n.rank]
+            f.pack_ints(v.banned_ids), n.request_id, n.seed, n.rank]
 
 
 def _read_new_request(v) -> NewRequest:
-    prompt, sp, seqs, strs, eos, rid, seed, rank = f.arity(v, 8, "new_request")
+    prompt, sp, seqs, strs, eos, banned, rid, seed, rank = f.arity(v, 9, "new_request")
     valid = ValidRequest(f.ints(prompt, "prompt_tokens"), decode_sampling(sp),
                          [f.ints(s, "stop_sequences") for s in f.list_(seqs, "stop_sequences")],
                          [f.str_(s, "stop_strings") for s in f.list_(strs, "stop_strings")],
-                         frozenset(f.ints(eos, "eos_ids")))
+                         frozenset(f.ints(eos, "eos_ids")), tuple(f.ints(banned, "banned_ids")))
     return NewRequest(valid, f.int_(rid, "request_id"), f.int_(seed, "seed", 0), f.int_(rank, "rank", 0, 1 << 20))
 
 

@@ -64,7 +64,10 @@ def sampling(draw):
                         num_tokens_to_generate=draw(st.integers(1, 64)), seed=draw(st.none() | st.integers(0, 2**62)),
                         stop_words=draw(st.none() | st.text(max_size=4) | st.lists(
                             st.text(max_size=3) | st.lists(st.integers(0, 100), max_size=3).map(tuple), max_size=3).map(tuple)),
-                        ignore_eos=draw(st.booleans()), return_log_probs=draw(st.booleans()))
+                        ignore_eos=draw(st.booleans()), return_log_probs=draw(st.booleans()),
+                        logit_bias=draw(st.none() | st.dictionaries(st.integers(0, 999), st.floats(-100, 100), max_size=3)),
+                        allowed_token_ids=draw(st.none() | st.lists(st.integers(0, 999), max_size=3).map(tuple)),
+                        bad_words=draw(st.none() | st.lists(st.text(max_size=3), max_size=2).map(tuple)))
     if draw(st.booleans()):
         sp.structured_outputs = draw(st.sampled_from([StructuredOutputs(choice=["a", "b"]), StructuredOutputs(regex="[0-9]+"),
                                                       StructuredOutputs(json={"type": "object"}, whitespace="flexible")]))
@@ -77,7 +80,8 @@ def payloads(draw):
     for _ in range(draw(st.integers(0, 3))):
         valid = ValidRequest(draw(st.lists(st.integers(0, 2**31), max_size=20)), draw(sampling()),
                              draw(st.lists(st.lists(st.integers(0, 99), min_size=1, max_size=3), max_size=2)),
-                             draw(st.lists(st.text(max_size=4), max_size=2)), frozenset(draw(st.sets(st.integers(0, 99), max_size=3))))
+                             draw(st.lists(st.text(max_size=4), max_size=2)), frozenset(draw(st.sets(st.integers(0, 99), max_size=3))),
+                             tuple(draw(st.lists(st.integers(0, 99), max_size=3))))
         news.append(r.NewRequest(valid, draw(st.integers(0, 2**40)), draw(st.integers(0, 2**62)), draw(st.integers(0, 7))))
     return news, draw(st.lists(st.integers(0, 2**40), max_size=3)), draw(st.lists(st.integers(0, 9), max_size=3))
 
@@ -110,6 +114,28 @@ def test_generate_slots_and_outputs_round_trip(outs, ids):
     done = {o.request_id: o for o in outs}
     back = watched(r.decode_outputs, r.encode_outputs(done))
     assert back.keys() == done.keys() and all(_same_output(back[k], done[k]) for k in done)
+
+
+EVERY_FIELD = dict(temperature=0.5, top_k=3, top_p=0.9, num_tokens_to_generate=7, termination_id=2, ignore_eos=True,
+                   seed=5, return_log_probs=True, top_n_logprobs=2, return_prompt_log_probs=True,
+                   stop_words=("a", (1, 2)), skip_special_tokens=False, include_stop_str_in_output=True,
+                   min_tokens=1, min_p=0.1, presence_penalty=0.2, frequency_penalty=0.3, repetition_penalty=1.1,
+                   return_routed_experts=True, logit_bias={3: -1.5}, allowed_token_ids=(1, 2, 3), bad_words=("x",),
+                   structured_outputs=StructuredOutputs(choice=["a", "b"]))
+
+
+def test_every_field_of_the_records_travels():
+    """A field added to SamplingParams, ValidRequest, RequestOutput or RequestUpdate fails here
+    until the records carry it."""
+    import dataclasses
+
+    assert set(EVERY_FIELD) == {fl.name for fl in dataclasses.fields(SamplingParams)}
+    sp = SamplingParams(**EVERY_FIELD).frozen_copy()
+    assert watched(r.decode_sampling, r.encode_sampling(sp)) == sp
+    assert len(dataclasses.fields(ValidRequest)) + 3 == len(r._new_request(r.NewRequest(
+        ValidRequest([1], sp, [], [], frozenset()), 1, 2)))
+    assert len(dataclasses.fields(RequestOutput)) == len(r.encode_output(RequestOutput(1, [], [], None, "stop")))
+    assert len(RequestUpdate._fields) == 9  # encode_updates unpacks exactly these columns
 
 
 def test_decode_steps_with_log_probs_on_some_requests_only():
