@@ -62,6 +62,12 @@ class InferenceConfig:
     prefix_caching_mamba_gb: float = 0.0
     """Budget of the cached Mamba state pool for hybrid prefix caching; <= 0 disables it."""
 
+    share_prompt_prefill: bool = True
+    """Requests with the same prompt (the n samples of one prompt) prefill it once: the others wait
+    for the first one's prefill, take its complete KV blocks and compute only the last partial
+    block, with or without prefix caching (hybrid models: only with prefix caching and a Mamba
+    state pool). Counted in ``EngineStats.prompt_shares`` / ``shared_prompt_tokens``."""
+
     kv_cache_dtype: str = "auto"
     """Element type of the paged KV pool: "auto" = the model's dtype; "fp8_e4m3" (or "fp8") =
     float8 e4m3, half of bf16's bytes, so twice the KV tokens in the same memory and half the

@@ -22,6 +22,7 @@ class CacheSizing:
     max_samples: int
     enable_prefix_caching: bool
     prefix_caching_mamba_gb: float
+    share_prompt_prefill: bool
     num_speculative_tokens: int
     kv_cache_dtype: str
 

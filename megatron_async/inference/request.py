@@ -272,6 +272,10 @@ class DynamicInferenceRequest:
     drafted, or per position in the adaptive speculative policy (speculative/policy.py)."""
     grammar: BaseGrammar | None = None
     """``structured_outputs``: the grammar state of the generated tokens (engines/grammar_masks.py)."""
+    share_key: tuple[bytes, bytes] | None = None
+    """(block hash key, digest of its last shareable prompt block) (contexts/prompt_sharing.py)."""
+    waited_for_prompt: bool = False
+    """It waits for another request prefilling the same prompt (contexts/prompt_sharing.py)."""
     spec_drafts_fresh: bool = False
     """Its latest launched row ran the drafter, so its spec slot holds drafts for its next row
     (a plain step of a speculative engine leaves them stale; speculative/plain_steps.py)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from megatron_async.inference.request import RequestOutput, RequestUpdate
-from megatron_async.serve import echo
+from megatron_async.serve import best_of, echo
 from megatron_async.serve import openai_protocol as proto
 from megatron_async.serve import responses as resp
 from megatron_async.serve.engine_loop import Choice
@@ -24,16 +24,18 @@ def completions_router(inputs: RequestInput, text_of: resp.TokenText) -> APIRout
     async def completions(request: Request):
         req = await inputs.parse(request, proto.CompletionRequest)
         inputs.check_model(req.model)
-        inputs.check_n(req.n)
         proto.check_completion_options(req)
+        k = best_of.samples_per_prompt(req)  # samples per prompt: n, or best_of of which n are kept
+        inputs.check_n(k)
         echo.check_echo_options(req)
         raw_prompts = proto.completion_prompts(req)
         prompts = await inputs.tokens(raw_prompts)
         echoed = echo.prompt_texts(raw_prompts, prompts, state.tokenizer) if req.echo else None
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
         spec = await inputs.constraint(req)
-        choices = [Choice(p, echo.with_prompt_scoring(req, choice_params(req, max_tokens, req.logprobs, i, spec)))
-                   for p in prompts for i in range(req.n)]
+        logprobs = best_of.engine_logprobs(req, k)
+        choices = [Choice(p, echo.with_prompt_scoring(req, choice_params(req, max_tokens, logprobs, i, spec)))
+                   for p in prompts for i in range(k)]
         head = resp.ResponseHead("text_completion", state.model_name, resp.new_id("cmpl"))
 
         text_offsets = [0] * len(choices)  # per choice: text of the tokens streamed so far
@@ -62,10 +64,11 @@ def completions_router(inputs: RequestInput, text_of: resp.TokenText) -> APIRout
             return head.body([body])
 
         def whole(outs: list[RequestOutput]) -> dict:
-            body = [resp.completion_choice(i, o, text_of, req.return_token_ids) for i, o in enumerate(outs)]
+            kept = best_of.select(req, outs, k)
+            body = [resp.completion_choice(i, o, text_of, req.return_token_ids) for i, o in enumerate(kept)]
             if echoed is not None or scored:
                 body = [echo.echo_choice(c, req, o, echoed[i // req.n] if echoed else "", text_of)
-                        for i, (c, o) in enumerate(zip(body, outs))]
+                        for i, (c, o) in enumerate(zip(body, kept))]
             return head.body(body, usage=usage(prompts, outs))
 
         return await respond(state.engine_loop, request, req, choices, head, chunk, whole, prompts)

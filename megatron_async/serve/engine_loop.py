@@ -335,6 +335,8 @@ class EngineLoop:
         m.overlap_ratio.set(st.overlap_ratio)
         m.decode_steps.set(st.decode_steps)
         m.overlapped_decode_steps.set(st.overlapped_decode_steps)
+        m.prefill_tokens.set(st.prefill_tokens)
+        m.shared_prompt_tokens.set(st.shared_prompt_tokens)
 
     def _flush(self) -> None:
         if not self._outbox:

@@ -32,6 +32,9 @@ class ServerMetrics:
         self.decode_steps = gauge("engine_decode_steps", "Decode-only engine steps so far.")
         self.overlapped_decode_steps = gauge("engine_overlapped_decode_steps",
                                              "Decode-only steps launched ahead (while the previous one was in flight).")
+        self.prefill_tokens = gauge("engine_prefill_tokens", "Prompt tokens the engine computed so far.")
+        self.shared_prompt_tokens = gauge("engine_shared_prompt_tokens",
+                                          "Prompt tokens not prefilled because a request with the same prompt did.")
         self.ttft = histogram("time_to_first_token_seconds", "From HTTP arrival to the first generated token.")
         self.itl = histogram("inter_token_latency_seconds", "Between successive generated tokens of a request.")
         self.e2e = histogram("e2e_request_latency_seconds", "From HTTP arrival to the request's end.")

@@ -269,5 +269,3 @@ def completion_prompts(req: CompletionRequest) -> list[str | TokenIds]:
 def check_completion_options(req: CompletionRequest) -> None:
     if req.suffix:
         raise BadRequest("suffix is not supported", "suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise BadRequest("best_of other than n is not supported", "best_of")

@@ -19,6 +19,7 @@ from megatron_async.inference.contexts.gpu_view import ContextGPUView
 from megatron_async.inference.contexts.graph_padding import PaddingSlots, fill_padding, fill_verify_padding
 from megatron_async.inference.contexts.kv_block_allocator import KVBlockAllocator
 from megatron_async.inference.contexts.mamba_states import MambaStateManager, window_rows
+from megatron_async.inference.contexts.prompt_sharing import PromptSharing
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
 from megatron_async.inference.contexts.spec_state import SpecState
 from megatron_async.inference.contexts.step_errors import RequestStepError
@@ -114,11 +115,13 @@ class DynamicInferenceContext:
             ]
         # One model per engine; the key keeps identities apart should pools ever be shared.
         self._model_key = type(model).__name__.encode()
-        self.allocator = KVBlockAllocator(num_blocks, config.enable_prefix_caching, self._model_key)
-        self.weights_epoch = 0
-        """Weight updates so far: part of every block identity (``weights_changed``)."""
         with device.memory_region("kv_cache"):  # live states, prefix-state pool, window scratch
             self.mamba = MambaStateManager.create(model, config, device, dtype)
+        share = config.share_prompt_prefill and (self.mamba is None or self.mamba.prefix_cache is not None)
+        self.allocator = KVBlockAllocator(num_blocks, config.enable_prefix_caching, self._model_key, share_live=share)
+        self.sharing = PromptSharing(self.allocator, self.block_size, share)
+        self.weights_epoch = 0
+        """Weight updates so far: part of every block identity (``weights_changed``)."""
         if self.mamba is not None:
             self.allocator.on_reclaim = lambda block, block_hash: self.mamba.on_kv_block_reclaimed(block_hash)
         self.sampling_state = SamplingStateSlots(config.max_requests, model.vocab_size, device)
@@ -171,10 +174,11 @@ class DynamicInferenceContext:
             self.spec.assign(req)
         hit = self._match_prefix(req)
         self._decode_rows.assign(req)
+        self.sharing.admitted(req, hit)
         return hit
 
     def _match_prefix(self, req: DynamicInferenceRequest) -> int:
-        if not self.allocator.enable_prefix_caching:
+        if not self.allocator.publishes:
             return 0
         bs = self.block_size
         # Leave at least one known token to compute: its logits give the next token.
@@ -189,6 +193,8 @@ class DynamicInferenceContext:
             blocks.append(block)
             parent = h
         kv_depth = depth = len(blocks)
+        if not self.allocator.enable_prefix_caching and depth < limit:
+            return 0  # without prefix caching only a whole prompt's blocks are shared (prompt_sharing.py)
         if self.mamba is not None:  # a hybrid skips only as deep as a cached state exists
             depth = self.mamba.matched_depth(hashes)
         for block in blocks[:depth]:
@@ -224,6 +230,7 @@ class DynamicInferenceContext:
         book's to change."""
         self.allocator.release(req.block_ids)
         req.block_ids = []
+        self.sharing.released(req)
         self._decode_rows.free(req)
         if self.mamba is not None:
             self.mamba.free_slot(req)
@@ -254,9 +261,10 @@ class DynamicInferenceContext:
     def register_complete_blocks(self, req: DynamicInferenceRequest) -> None:
         """Publish blocks whose tokens are all known and whose KV is enqueued (computed with
         the current weights from the request's admission on)."""
-        if not self.allocator.enable_prefix_caching or req.weights_epoch != self.weights_epoch:
+        if not self.allocator.publishes or req.weights_epoch != self.weights_epoch:
             return
-        full = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size
+        known = req.num_known_tokens if self.allocator.enable_prefix_caching else len(req.prompt_tokens)
+        full = min(req.num_computed_tokens, known) // self.block_size
         bs = self.block_size
         while req.num_hashed_blocks < full:
             i = req.num_hashed_blocks

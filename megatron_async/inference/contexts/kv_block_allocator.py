@@ -73,13 +73,19 @@ def prefix_digests(tokens: Sequence[int], block_size: int, key: bytes, num_block
 
 
 class KVBlockAllocator:
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool, hash_key: bytes = b""):
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool, hash_key: bytes = b"", share_live: bool = False):
         """``hash_key``: names the model / adapter whose KV these blocks hold (part of every
-        block identity, so differently keyed pools never match each other's prefixes)."""
+        block identity, so differently keyed pools never match each other's prefixes);
+        ``share_live``: without prefix caching, complete blocks are still findable while a
+        request holds them (prompts shared by requests running at once), and freed, hash
+        dropped, when the last holder lets go."""
         if num_blocks < 2:
             raise ValueError("need at least 2 KV blocks (block 0 is the dummy)")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.publishes = enable_prefix_caching or share_live
+        """Complete blocks are registered and looked up (cached beyond their holders only with
+        prefix caching)."""
         self._free: list[int] = list(range(num_blocks - 1, DUMMY_BLOCK, -1))  # pop() gives 1, 2, ...
         self._ref = [0] * num_blocks
         self._hash_of: dict[int, BlockKey] = {}  # block -> hash
@@ -121,20 +127,22 @@ class KVBlockAllocator:
             self._ref[b] -= 1
             assert self._ref[b] >= 0, f"block {b} released more often than held"
             if self._ref[b] == 0:
-                if b in self._hash_of:
+                if b in self._hash_of and self.enable_prefix_caching:
                     self._lru[b] = None
                 else:
+                    if b in self._hash_of:  # shared while held only
+                        self._drop_hash(b)
                     self._free.append(b)
 
     def register(self, block: int, block_hash: BlockKey) -> None:
         """Make a complete, computed block findable by its prefix hash."""
-        if not self.enable_prefix_caching or block in self._hash_of or block_hash in self._block_of:
+        if not self.publishes or block in self._hash_of or block_hash in self._block_of:
             return
         self._hash_of[block] = block_hash
         self._block_of[block_hash] = block
 
     def lookup(self, block_hash: BlockKey) -> int | None:
-        return self._block_of.get(block_hash) if self.enable_prefix_caching else None
+        return self._block_of.get(block_hash) if self.publishes else None
 
     def acquire_cached(self, block: int) -> None:
         """Take a reference on a cached block found by ``lookup``."""

@@ -38,6 +38,12 @@ class EngineStats:
     recomputed_after_update: int = 0
     """Requests that gave back their KV at a weight update to recompute it with the new weights."""
     prefix_hit_tokens: int = 0
+    """Prompt tokens whose prefill was skipped: prefix-cache hits and prompts shared while held."""
+    prompt_shares: int = 0
+    """Requests that waited at admission for another request prefilling the same prompt
+    (``InferenceConfig.share_prompt_prefill``)."""
+    shared_prompt_tokens: int = 0
+    """Prompt tokens those requests took from it instead of prefilling them (prefill tokens saved)."""
     mamba_states_stored: int = 0
     mamba_states_restored: int = 0
     mamba_states_evicted: int = 0

@@ -103,7 +103,7 @@ class RequestBook:
         computed, sampling rows as in flight, and blocks whose KV it completes are published.
         ``speculative`` (speculative engines): the step runs the drafter, so each row's spec
         slot will hold fresh drafts for its next row."""
-        register = self.ctx.allocator.enable_prefix_caching
+        register = self.ctx.allocator.publishes
         for r, row in enumerate(plan.rows):
             req = row.request
             req.num_computed_tokens = row.start + row.num_tokens
@@ -128,7 +128,7 @@ class RequestBook:
         drafted_d, accepted_d = ([0] * K, [0] * K) if K else (None, None)
         finished, updated = [], []
         discarded = num_tokens = truncated = 0
-        register = ctx.allocator.enable_prefix_caching
+        register = ctx.allocator.publishes
         finished_status = Status.FINISHED
         reason = None
         version = pending.weight_version

@@ -206,24 +206,8 @@ class Scheduler:
                 plan.rows.append(row)
                 budget -= row.num_tokens
 
-        # 4. admissions, FIFO, only while nothing is paused
-        while (
-            self.waiting and budget > 0 and len(ctx.active) < self.config.max_requests
-            and not (any_paused and any(r.status == Status.PAUSED for r in ctx.active.values()))
-        ):
-            req = self.waiting[0]
-            if req.num_inflight:
-                break  # an evicted request whose last sample has not landed yet
-            if not self.admits_new and req.weights_epoch < 0:
-                break  # never admitted
-            hit = self.book.activate(req)
-            used = self._schedule_prefill(req, budget, plan)
-            if used == 0:
-                self.book.evict(req)  # undo the admission: back to waiting, prefix refs dropped
-                break
-            self.waiting.popleft()
-            self.prefix_hit_tokens += hit
-            budget -= used
+        # 4. admissions
+        self._admit_waiting(plan, budget, any_paused)
 
         # 5. progress guarantee: nothing could move and nothing is in flight, so the pool is
         # held by requests that cannot grow; recompute the newest one later and retry.
@@ -234,6 +218,32 @@ class Scheduler:
             self.requeue_front(victim)
             return self.schedule(has_inflight)
         return plan
+
+    def _admit_waiting(self, plan: StepPlan, budget: int, any_paused: bool) -> None:
+        """Admissions, FIFO, only while nothing is paused; a request whose prompt another is
+        prefilling right now waits for its blocks (contexts/prompt_sharing.py), the next ones go on."""
+        ctx = self.ctx
+        i, sharing = 0, ctx.sharing
+        while (
+            i < len(self.waiting) and budget > 0 and len(ctx.active) < self.config.max_requests
+            and not (any_paused and any(r.status == Status.PAUSED for r in ctx.active.values()))
+        ):
+            req = self.waiting[i]
+            if req.num_inflight:
+                break  # an evicted request whose last sample has not landed yet
+            if not self.admits_new and req.weights_epoch < 0:
+                break  # never admitted
+            if sharing.enabled and sharing.waits(req):
+                i += 1
+                continue
+            hit = self.book.activate(req)
+            used = self._schedule_prefill(req, budget, plan)
+            if used == 0:
+                self.book.evict(req)  # undo the admission: back to waiting, prefix refs dropped
+                break
+            del self.waiting[i]
+            self.prefix_hit_tokens += hit
+            budget -= used
 
     def _active_by_age(self) -> list[DynamicInferenceRequest]:
         """The active requests, oldest first; sorted again only when the set changed."""

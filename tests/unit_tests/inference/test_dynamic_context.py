@@ -24,9 +24,11 @@ def model():
     return build_default_model("tiny", "cpu", torch.float32)
 
 
-def make_ctx(model, num_kv_blocks=9, prefix_caching=True, max_requests=4, max_tokens=32) -> DynamicInferenceContext:
+def make_ctx(model, num_kv_blocks=9, prefix_caching=True, max_requests=4, max_tokens=32,
+             share=True) -> DynamicInferenceContext:
     cfg = InferenceConfig(block_size_tokens=BS, num_kv_blocks=num_kv_blocks, max_requests=max_requests,
-                          max_tokens=max_tokens, max_sequence_length=32, enable_prefix_caching=prefix_caching)
+                          max_tokens=max_tokens, max_sequence_length=32, enable_prefix_caching=prefix_caching,
+                          share_prompt_prefill=share)
     return DynamicInferenceContext(cfg.cache_sizing(), model, DeviceFacade("cpu"), torch.float32)
 
 
@@ -175,13 +177,32 @@ def test_register_only_publishes_blocks_known_and_computed(model):
     assert ctx.allocator.lookup(h3) == req.block_ids[2] and req.last_block_hash == h3
 
 
-def test_register_is_a_no_op_without_prefix_caching(model):
-    ctx = make_ctx(model, prefix_caching=False)
+def test_register_is_a_no_op_without_prefix_caching_or_sharing(model):
+    ctx = make_ctx(model, prefix_caching=False, share=False)
     req = make_req(0, range(8))
     RequestBook(ctx).activate(req)
     run_prefill(ctx, req)
     assert req.num_hashed_blocks == 0
     assert ctx.allocator.lookup(ctx.allocator.block_hash(None, (0, 1, 2, 3))) is None
+
+
+def test_without_prefix_caching_whole_prompts_are_shared_while_held(model):
+    ctx = make_ctx(model, prefix_caching=False)
+    book = RequestBook(ctx)
+    owner = make_req(0, range(9))  # two complete blocks a copy may take
+    book.activate(owner)
+    run_prefill(ctx, owner)
+    land(owner, 50)
+    run_prefill(ctx, owner)  # a decode row: generated tokens' blocks are never published
+    assert owner.num_hashed_blocks == 2
+    same, partial = make_req(1, range(9)), make_req(2, [0, 1, 2, 3, 9, 9, 9, 9, 9])
+    assert book.activate(same) == 8 and book.activate(partial) == 0  # only a whole prompt's blocks
+    assert same.block_ids == owner.block_ids[:2]
+    first = owner.block_ids[0]
+    for r in (owner, same, partial):
+        ctx.release(r)
+    assert ctx.allocator.lookup(ctx.allocator.block_hash(None, (0, 1, 2, 3))) is None  # not cached
+    assert ctx.allocator.ref_count(first) == 0 and ctx.allocator.num_available == 8
 
 
 # ---------------------------------------------------------------- step tables

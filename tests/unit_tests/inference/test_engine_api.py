@@ -134,7 +134,8 @@ def test_a_step_that_raises_for_one_request_fails_only_it(async_scheduling, wher
     params = [SamplingParams(temperature=0.9, seed=i, num_tokens_to_generate=10, ignore_eos=True) for i in range(3)]
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]]
     reference = [o.generated_tokens for o in _llm(async_scheduling).generate(prompts, params)]
-    llm = _llm(async_scheduling)
+    # no block hashing at admission (prompt sharing reads the tokens there): the fault hits the row
+    llm = _llm(async_scheduling, share_prompt_prefill=False)
     eng = llm.engine
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     victim = eng._requests[rids[1]]

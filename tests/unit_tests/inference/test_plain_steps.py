@@ -23,7 +23,7 @@ def req(acceptance: float = 0.0, fresh: bool = True, params: SamplingParams = GR
                            num_inflight_drafts=0)
 
 
-BOOK = RequestBook(SimpleNamespace(max_sequence_length=CFG.max_sequence_length, spec=None, allocator=SimpleNamespace(enable_prefix_caching=False)))
+BOOK = RequestBook(SimpleNamespace(max_sequence_length=CFG.max_sequence_length, spec=None, allocator=SimpleNamespace(enable_prefix_caching=False, publishes=False)))
 
 
 def launched(sel: PlainStepSelector, p: StepPlan, speculative: bool) -> None:

@@ -15,7 +15,7 @@ class _Context:
     max_sequence_length = 64
     num_speculative_tokens = 0
     spec = None
-    allocator = SimpleNamespace(enable_prefix_caching=False)
+    allocator = SimpleNamespace(enable_prefix_caching=False, publishes=False)
 
     def __init__(self):
         self.released = []
