@@ -10,7 +10,7 @@ import time
 import pytest
 
 from megatron_async.inference.communication.shm_slots import supported
-from megatron_async.inference.communication.zmq_communicator import CommunicatorError, ZMQCommunicator
+from megatron_async.inference.communication.zmq_communicator import CommunicatorError
 from tests.helpers.communicators import join
 from tests.helpers.multiprocess import free_port, run_ranks
 

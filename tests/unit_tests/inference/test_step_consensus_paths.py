@@ -7,7 +7,6 @@ import random
 import pytest
 
 from megatron_async.inference.communication.shm_slots import supported
-from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
 from megatron_async.inference.engines.dynamic_engine import StepResult
 from megatron_async.inference.engines.request_validation import ValidRequest
 from megatron_async.inference.engines.step_consensus import NewRequest, StepConsensus
