@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_async.coordinator.controls import WEIGHT_TRANSFER_OPS
-from megatron_async.coordinator.messages import sampling_map
 from megatron_async.coordinator.routing import packed_keys
 from megatron_async.inference.contexts.kv_block_allocator import prefix_digests
+from megatron_async.inference.records import encode_sampling
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams
 
 
@@ -196,10 +196,14 @@ class InferenceClient:
         bs = self.info.get("block_size")
         if bs and not isinstance(prompt, str):
             keys, epoch = packed_keys(prefix_digests(prompt, bs, self.info["hash_key"])), self.info["key_epoch"]
+        try:
+            maps = [encode_sampling(p) for p in params]
+        except (TypeError, ValueError, OverflowError) as e:  # e.g. logit_bias keys that are not token ids
+            raise InvalidRequestError(f"sampling parameters that cannot be sent: {type(e).__name__}: {e}") from None
         first = next(self._ids)
         for _ in range(len(params) - 1):
             next(self._ids)
-        self._channel.send("submit", first, prompt, [sampling_map(p) for p in params], stream, keys, epoch)
+        self._channel.send("submit", first, prompt, maps, stream, keys, epoch)
         return first
 
     def abort_request(self, request_id: int) -> None:

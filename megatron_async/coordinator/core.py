@@ -4,7 +4,7 @@ requests of an engine that died, aborts those of a client that left, and collate
 operations. Its only way out is an ``Outbox`` (the transport's; a test's list).
 
 Messages out (``Outbox.to_engine(slot, kind, *fields)`` / ``to_client(client, kind, *fields)``):
-- engine: ``submit`` (rid, submission number, prompt, sampling, stream), ``abort`` (rid),
+- engine: ``route`` (rid, submission number, prompt, sampling, stream), ``abort`` (rid),
   ``control`` (op id, op, args), ``drain`` ();
 - client: ``info`` (dict: block_size, hash_key, key_epoch, engines), ``stream`` ([RequestUpdate]),
   ``finished`` ([RequestOutput]), ``rejected`` (client rid, message), ``control_done`` (op id,
@@ -17,7 +17,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from megatron_async.config.modes import DpRouting
 from megatron_async.coordinator.controls import CONTROL_OPS, ControlBook, PendingControl
@@ -56,6 +56,8 @@ class CoordinatorCore:
         self.pause_mode: str | None = None
         """The pause mode clients set last (None: generating): an engine that joins is told it."""
         self.generation_epoch: int | None = None
+        self.wire: Callable[[], dict] = dict
+        """What the transport dropped and refused (the server's listener counters)."""
         self.stopping = False
         """A shutdown is under way: the transport exits once ``done``."""
         self.done = False
@@ -125,7 +127,7 @@ class CoordinatorCore:
         self.counts["routed"] += 1
         if assign and slot.affinity and req.keys:
             self.view.assign(slot.index, req.keys, slot.submitted)
-        self.outbox.to_engine(slot, "submit", req.rid, slot.submitted, req.prompt, req.sampling, req.stream)
+        self.outbox.to_engine(slot, "route", req.rid, slot.submitted, req.prompt, req.sampling, req.stream)
 
     def abort(self, client: Any, client_rid: int) -> None:
         req = self.requests.of_client(client, client_rid)
@@ -363,7 +365,7 @@ class CoordinatorCore:
             self.shutdown(client, *fields)
         elif kind == "engines":
             self.outbox.to_client(client, "control_done", fields[0], 200,
-                                  {"engines": self.engines.describe(), "counts": dict(self.counts)})
+                                  {"engines": self.engines.describe(), "counts": dict(self.counts), "wire": self.wire()})
         else:
             raise ValueError(f"clients do not send {kind!r}")
 

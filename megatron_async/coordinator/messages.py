@@ -1,160 +1,161 @@
-"""What the coordinator, its engines and its clients say to each other, as bytes: every message
-is one msgpack array ``[kind, field, ...]`` (no pickle anywhere: a frame can build only msgpack's
-plain values). ``kind`` is an int from ``KINDS``; the fields of the kinds that carry engine
-records (sampling parameters, updates, outputs, an engine's registration) are converted here,
-the others are plain values already (a client sends its sampling parameters as
-``sampling_map``s).
+"""What the coordinator, its engines and its clients say to each other: message types of the one
+wire (communication/wire.py, the control plane's values 32-127), each with its writer and its
+checked reader here. Engine records (sampling parameters, updates, outputs) are records.py's.
 
-``decode`` raises ``MessageError`` for anything that is not a well-formed message of a known kind
-(undecodable bytes, an unknown kind, fields of the wrong shape): the receiver drops it. Sampling
-parameters travel as the map of their non-default fields and are rebuilt (and range-checked)
-only by the engine that admits them."""
+    frame = encode("abort", rid)                    # a name of ``TYPES``, the fields as below
+    name, fields = read(mtype, raw_fields)          # checked fields; WireError: drop and count
+
+A reader raises ``WireError`` for a field of the wrong kind (the receiver drops the message and
+counts it); values an engine must judge (a client's sampling parameters, its prompt's tokens)
+are checked for kind here and for range by the engine that admits them, which refuses that
+request alone. Who sends what (``ENGINE_SENDS``, ``CLIENT_SENDS``, ``COORDINATOR_SENDS``) is
+checked by the receiver: anything else is dropped as "wrong role".
+
+Fields after the type (ids are ints; "ints" = int64 little-endian bin):
+- client -> coordinator: submit [first id, prompt (str | ints), [sampling map], stream, routing
+  keys ints | nil, key epoch], abort [id], abort_all [], control [op id, op, args map], drain
+  [op id, engine index], shutdown [op id], engines [op id].
+- coordinator -> engine: route [rid, submission number, prompt, sampling map, stream], abort
+  [rid], control [op id, op, args], drain [], rejected [-1, message] (registration refused),
+  info [map].
+- engine -> coordinator: register [[name, max requests, KV capacity in blocks, block size, cache
+  key, prefix caching]], outputs [last submission seen, updates, [output], rejected [[rid,
+  message]], failed [[rid, message]], evicted keys ints, load, free blocks, new cache key | nil],
+  heartbeat [load, free blocks], control_done [op id, status, body map], leave [].
+- coordinator -> client: info [map], stream [updates], finished [[output]], rejected [id,
+  message], control_done [op id, status, body]."""
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
-import msgpack
+from typing import Any, Callable
 
 from megatron_async.coordinator.engines import EngineInfo
-from megatron_async.inference.request import RequestOutput, RequestUpdate, SamplingParams
-from megatron_async.inference.structured.spec import StructuredOutputs
+from megatron_async.inference import records
+from megatron_async.inference.communication import wire
+from megatron_async.inference.communication import wire_fields as f
 
-KINDS = {
-    "hello": 1, "challenge": 2, "proof": 3, "welcome": 4,
-    "submit": 32, "rejected": 34, "outputs": 35, "stream": 36, "finished": 37, "abort": 38, "abort_all": 39,
-    "control": 48, "shutdown": 55, "control_done": 56, "info": 57, "engines": 58,
-    "register": 64, "heartbeat": 65, "drain": 66, "leave": 67,
-}
-"""Message kind -> its value on the wire (values never reused)."""
-_NAMES = {v: k for k, v in KINDS.items()}
 MAX_FRAME_BYTES = 64 << 20
+MAX_ARGS_DEPTH = 8
+"""Nesting of a control operation's arguments or answer (an engine's counters are nested maps)."""
+
+_WRITERS: dict[str, tuple[wire.MessageType, Callable | None]] = {}
+TYPES: dict[str, wire.MessageType] = {}
 
 
-class MessageError(ValueError):
-    """Bytes that are not a message this side takes."""
+def _type(name: str, value: int, arity, reader: Callable[[list], list] | None = None,
+          writer: Callable[..., list] | None = None) -> None:
+    TYPES[name] = mt = wire.message_type(name, value, arity, reader)
+    _WRITERS[name] = (mt, writer)
 
 
-# ---------------------------------------------------------------------- records
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+def encode(name: str, *fields: Any) -> bytes:
+    mt, writer = _WRITERS[name]
+    return wire.encode(mt, *(writer(*fields) if writer else fields))
 
 
-def sampling_map(params: SamplingParams) -> dict:
-    """The fields of ``params`` that differ from the defaults (a newer engine reads an older client's map)."""
-    fields = {k: v for k, v in ((k, getattr(params, k)) for k in _DEFAULTS) if v != _DEFAULTS[k]}
-    if "structured_outputs" in fields:
-        fields["structured_outputs"] = fields["structured_outputs"].as_fields()
-    return fields
+def read(mtype: wire.MessageType, fields: list) -> tuple[str, list]:
+    """(name, checked fields) of a decoded message (``WireError`` for a bad one)."""
+    return mtype.name, mtype.read(fields)
 
 
-def sampling_params(fields: dict) -> SamplingParams:
-    """The engine side: raises TypeError / ValueError for a field it does not know (the request is refused)."""
-    if not isinstance(fields, dict):
-        raise TypeError("sampling parameters must be a map")
-    unknown = sorted(set(fields) - set(_DEFAULTS))
-    if unknown:
-        raise TypeError(f"unknown sampling parameters {unknown}")
-    if isinstance(fields.get("structured_outputs"), dict):
-        fields = {**fields, "structured_outputs": StructuredOutputs(**fields["structured_outputs"])}
-    return SamplingParams(**fields)
+def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> tuple[str, list]:
+    """``read`` of one frame (``WireError`` for anything that is not a message of a known type)."""
+    return read(*wire.decode(frame, max_bytes))
 
 
-def _top_n(entries) -> list | None:
-    return None if entries is None else [[list(d), list(d.values())] for d in entries]
+# ---------------------------------------------------------------------- fields
+def _id(v, name: str = "id") -> int:
+    return f.int_(v, name)
 
 
-def _top_n_back(entries) -> tuple | None:
-    return None if entries is None else tuple(dict(zip(ids, lps)) for ids, lps in entries)
+def _prompt(v):
+    """Text, or token ids (ints bin): their values are the engine's to check."""
+    return v if type(v) is str else f.ints(v, "prompt")
 
 
-def update_fields(u: RequestUpdate) -> list:
-    return [u.request_id, list(u.new_tokens), u.new_text, u.finished, u.finish_reason,
-            None if u.new_log_probs is None else list(u.new_log_probs), _top_n(u.new_top_n_logprobs),
-            None if u.prompt_log_probs is None else list(u.prompt_log_probs), _top_n(u.prompt_top_n_logprobs)]
+def _prompt_out(p) -> str | bytes:
+    return p if isinstance(p, str) else f.pack_ints(p)
 
 
-def update_of(f: list) -> RequestUpdate:
-    return RequestUpdate(f[0], tuple(f[1]), f[2], f[3], f[4], None if f[5] is None else tuple(f[5]), _top_n_back(f[6]),
-                         None if f[7] is None else tuple(f[7]), _top_n_back(f[8]))
+def _args(v, name: str) -> dict:
+    return f.plain(f.dict_(v, name), name, MAX_ARGS_DEPTH)
 
 
-def output_fields(o: RequestOutput) -> list:
-    experts = None
-    if o.routed_experts is not None:
-        arr = o.routed_experts
-        experts = [arr.astype("<i2").tobytes(), list(arr.shape)]
-    top, ptop = _top_n(o.generated_top_n_logprobs), _top_n(o.prompt_top_n_logprobs)
-    return [o.request_id, list(o.prompt_tokens), list(o.generated_tokens), o.generated_text, o.finish_reason,
-            o.generated_log_probs, top, o.error, o.weight_versions, o.prompt_log_probs, ptop, experts]
+def _messages(v, name: str) -> list[tuple[int, str]]:
+    return [(f.int_(rid, name), f.str_(msg, name)) for rid, msg in (f.arity(p, 2, name) for p in f.list_(v, name))]
 
 
-def output_of(f: list) -> RequestOutput:
-    experts = None
-    if f[11] is not None:
-        import numpy as np
-
-        experts = np.frombuffer(f[11][0], dtype="<i2").reshape(f[11][1]).copy()
-    top, ptop = _top_n_back(f[6]), _top_n_back(f[10])
-    return RequestOutput(f[0], f[1], f[2], f[3], f[4], f[5], None if top is None else list(top), f[7], f[8], f[9],
-                         None if ptop is None else list(ptop), experts)
+def _sampling_map(v) -> dict:
+    """A client's sampling parameters as it sent them (records.encode_sampling's map): kinds are
+    checked by the engine (records.sampling_fields), which refuses that request alone."""
+    return f.plain(f.dict_(v, "sampling_params"), "sampling_params")
 
 
-def info_fields(i: EngineInfo) -> list:
-    return [i.name, i.max_requests, i.capacity_blocks, i.block_size, i.hash_key, i.prefix_caching]
+# ---------------------------------------------------------------------- client -> coordinator
+def _read_submit(v: list) -> list:
+    first, prompt, samplings, stream, keys, epoch = v
+    samplings = [_sampling_map(s) for s in f.list_(samplings, "sampling_params")]
+    if not samplings:
+        raise f.bad("sampling_params")
+    return [_id(first), _prompt(prompt), samplings, f.bool_(stream, "stream"),
+            None if keys is None else f.ints(keys, "routing_keys"), f.int_(epoch, "key_epoch")]
 
 
-# ---------------------------------------------------------------------- per kind
-def _enc_outputs(seen, updates, finished, rejected, failed, evicted, load, free, key):
-    return [seen, [update_fields(u) for u in updates], [output_fields(o) for o in finished], rejected, failed,
-            list(evicted), load, free, key]
+_type("submit", 32, 6, _read_submit,
+      lambda first, prompt, samplings, stream, keys, epoch: [first, _prompt_out(prompt), samplings, stream, keys, epoch])
+_type("abort", 38, 1, lambda v: [_id(v[0])])
+_type("abort_all", 39, 0)
+_type("control", 48, 3, lambda v: [_id(v[0]), f.str_(v[1], "op", 64), _args(v[2], "args")])
+_type("drain", 66, (0, 2), lambda v: [_id(x) for x in v])
+_type("shutdown", 55, 1, lambda v: [_id(v[0])])
+_type("engines", 58, 1, lambda v: [_id(v[0])])
 
 
-def _dec_outputs(f):
-    seen, updates, finished, rejected, failed, evicted, load, free, key = f
-    return [seen, [update_of(u) for u in updates], [output_of(o) for o in finished], [tuple(r) for r in rejected],
-            [tuple(r) for r in failed], evicted, load, free, key]
+# ---------------------------------------------------------------------- coordinator -> engine / client
+def _read_route(v: list) -> list:
+    rid, seq, prompt, sampling, stream = v
+    return [_id(rid), _id(seq), _prompt(prompt), _sampling_map(sampling), f.bool_(stream, "stream")]
 
 
-_ENCODE = {
-    "outputs": _enc_outputs,
-    "stream": lambda updates: [[update_fields(u) for u in updates]],
-    "finished": lambda outputs: [[output_fields(o) for o in outputs]],
-    "register": lambda info: [info_fields(info)],
-}
-_DECODE = {
-    "outputs": _dec_outputs,
-    "stream": lambda f: [[update_of(u) for u in f[0]]],
-    "finished": lambda f: [[output_of(o) for o in f[0]]],
-    "register": lambda f: [EngineInfo(*f[0])],
-}
-_ARITY = {"hello": 4, "challenge": 2, "proof": 1, "welcome": 1, "submit": (5, 6), "rejected": 2, "outputs": 9,
-          "stream": 1, "finished": 1, "abort": 1, "abort_all": 0, "control": 3, "shutdown": 1, "control_done": 3,
-          "info": 1, "engines": 1, "register": 1, "heartbeat": 2, "drain": (0, 2), "leave": 0}
+_type("route", 33, 5, _read_route,
+      lambda rid, seq, prompt, sampling, stream: [rid, seq, _prompt_out(prompt), sampling, stream])
+_type("rejected", 34, 2, lambda v: [_id(v[0]), f.str_(v[1], "message")])
+_type("info", 57, 1, lambda v: [_args(v[0], "info")])
+_type("stream", 36, 1, lambda v: [records.decode_updates(v[0])], lambda updates: [records.encode_updates(updates)])
+_type("finished", 37, 1, lambda v: [[records.decode_output(o) for o in f.list_(v[0], "finished")]],
+      lambda outputs: [[records.encode_output(o) for o in outputs]])
+_type("control_done", 56, 3, lambda v: [_id(v[0]), f.int_(v[1], "status"), f.plain(v[2], "body", MAX_ARGS_DEPTH)])
 
 
-def encode(kind: str, *fields: Any) -> bytes:
-    enc = _ENCODE.get(kind)
-    return msgpack.packb([KINDS[kind], *(enc(*fields) if enc else fields)], use_bin_type=True)
+# ---------------------------------------------------------------------- engine -> coordinator
+def _read_register(v: list) -> list:
+    name, max_requests, capacity, block_size, key, caching = f.arity(v[0], 6, "register")
+    return [EngineInfo(f.str_(name, "name", 256), f.int_(max_requests, "max_requests", 1),
+                       f.int_(capacity, "capacity_blocks", 0), f.int_(block_size, "block_size", 1),
+                       f.bytes_(key, "hash_key"), f.bool_(caching, "prefix_caching"))]
 
 
-def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES, allowed: frozenset[str] | None = None) -> tuple[str, list]:
-    """(kind, fields) of a frame; ``allowed``: the only kinds taken (others raise before the body is built)."""
-    if len(frame) > max_bytes:
-        raise MessageError("oversized")
-    try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)  # lengths bounded by the frame
-    except Exception:  # noqa: BLE001 -- any failure of the unpacker is one kind of bad frame
-        raise MessageError("undecodable") from None
-    if not isinstance(msg, list) or not msg or type(msg[0]) is not int or msg[0] not in _NAMES:
-        raise MessageError("unknown kind")
-    kind, fields = _NAMES[msg[0]], msg[1:]
-    if allowed is not None and kind not in allowed:
-        raise MessageError(f"unexpected {kind}")
-    arity = _ARITY[kind]
-    if len(fields) not in (arity if isinstance(arity, tuple) else (arity,)):
-        raise MessageError(f"{kind} with {len(fields)} fields")
-    dec = _DECODE.get(kind)
-    try:
-        return kind, dec(fields) if dec else fields
-    except Exception as e:  # noqa: BLE001 -- a record of the wrong shape
-        raise MessageError(f"bad {kind}: {type(e).__name__}") from None
+def _write_register(i: EngineInfo) -> list:
+    return [[i.name, i.max_requests, i.capacity_blocks, i.block_size, i.hash_key, i.prefix_caching]]
+
+
+def _read_outputs(v: list) -> list:
+    seen, updates, finished, rejected, failed, evicted, load, free, key = v
+    return [_id(seen), records.decode_updates(updates), [records.decode_output(o) for o in f.list_(finished, "finished")],
+            _messages(rejected, "rejected"), _messages(failed, "failed"), f.ints(evicted, "evicted"),
+            f.int_(load, "load", 0), f.int_(free, "free_blocks"), None if key is None else f.bytes_(key, "hash_key")]
+
+
+def _write_outputs(seen, updates, finished, rejected, failed, evicted, load, free, key) -> list:
+    return [seen, records.encode_updates(updates), [records.encode_output(o) for o in finished],
+            [list(r) for r in rejected], [list(r) for r in failed], f.pack_ints(evicted), load, free, key]
+
+
+_type("register", 64, 1, _read_register, _write_register)
+_type("outputs", 35, 9, _read_outputs, _write_outputs)
+_type("heartbeat", 65, 2, lambda v: [f.int_(v[0], "load", 0), f.int_(v[1], "free_blocks")])
+_type("leave", 67, 0)
+
+CLIENT_SENDS = frozenset({"submit", "abort", "abort_all", "control", "drain", "shutdown", "engines"})
+ENGINE_SENDS = frozenset({"register", "outputs", "heartbeat", "control_done", "leave"})
+COORDINATOR_SENDS = frozenset({"route", "abort", "control", "drain", "rejected", "info", "stream", "finished",
+                               "control_done"})

@@ -1,7 +1,7 @@
 """The coordinator's event loop: one listening socket (transport.py) for engines and clients,
 the core (core.py) behind it. Each message is checked for its sender's role and its fields'
-kinds before the core sees it; a bad one is dropped and counted (``Listener.counts``), never an
-error of the loop. A peer whose connection closed is an engine lost (its requests routed again
+kinds before the core sees it (messages.py's readers); a bad one is dropped and counted
+(``listener.stats``), never an error of the loop. A peer whose connection closed is an engine lost (its requests routed again
 or ended) or a client gone (its requests aborted).
 
 Placement: its own process (``python -m megatron_async.coordinator``, or spawned by
@@ -18,56 +18,11 @@ import zmq
 from megatron_async.coordinator.core import UNROUTED_TIMEOUT_S, CoordinatorCore
 from megatron_async.coordinator.engines import EngineInfo, EngineSlot, RegistrationError
 from megatron_async.coordinator.messages import encode
-from megatron_async.coordinator.routing import keys_from_bytes
-from megatron_async.coordinator.transport import Listener, Peer
+from megatron_async.coordinator.transport import ControlListener, Peer
 from megatron_async.coordinator.trust import listener_secret, remove_secret_file
 
 log = logging.getLogger("megatron_async.coordinator")
 TICK_S = 1.0
-
-ENGINE_KINDS = frozenset({"register", "outputs", "heartbeat", "control_done", "leave"})
-CLIENT_KINDS = frozenset({"submit", "abort", "abort_all", "control", "drain", "shutdown", "engines"})
-
-
-class BadFields(ValueError):
-    pass
-
-
-def _int(x: Any) -> int:
-    if type(x) is not int:
-        raise BadFields(f"expected an int, got {type(x).__name__}")
-    return x
-
-
-def check_client_message(kind: str, fields: list) -> list:
-    """The fields of a client's message, checked (``BadFields``): ids are ints, a prompt is text or
-    a list of token ids, sampling parameters are maps (the engine checks their values)."""
-    if kind == "submit":
-        if len(fields) == 5:
-            fields = [*fields, -1]
-        first, prompt, samplings, stream, keys, epoch = fields
-        _int(first), _int(epoch)
-        if not isinstance(prompt, (str, list)):  # (its tokens are the engine's to check)
-            raise BadFields("a prompt is text or a list of token ids")
-        if not isinstance(samplings, list) or not samplings or not all(isinstance(s, dict) for s in samplings):
-            raise BadFields("sampling parameters are a non-empty list of maps")
-        if keys is not None:
-            if type(keys) is not bytes:
-                raise BadFields("routing keys are int64 bytes")
-            try:
-                keys = keys_from_bytes(keys)
-            except ValueError as e:
-                raise BadFields(str(e)) from None
-        return [first, prompt, samplings, bool(stream), keys, epoch]
-    if kind in ("abort", "shutdown", "engines"):
-        return [_int(fields[0])]
-    if kind == "control":
-        if not isinstance(fields[1], str) or not isinstance(fields[2], dict):
-            raise BadFields("a control operation is (id, name, map)")
-        return [_int(fields[0]), fields[1], fields[2]]
-    if kind == "drain":
-        return [_int(fields[0]), _int(fields[1])]
-    return fields
 
 
 class CoordinatorServer:
@@ -75,7 +30,7 @@ class CoordinatorServer:
                  unrouted_timeout_s: float = UNROUTED_TIMEOUT_S, seed: int = 0, ctx: zmq.Context | None = None):
         """Bind ``address`` (loopback or ipc unless a secret is configured: trust.py)."""
         self.core = CoordinatorCore(self, policy, alpha, unrouted_timeout_s, seed)
-        self.listener = Listener(address, self._welcome, ctx)
+        self.listener = ControlListener(address, self._welcome, ctx)
         self.address = self.listener.bound
         try:
             self.listener.use_secret(listener_secret(self.address, secret))
@@ -83,6 +38,13 @@ class CoordinatorServer:
             self.listener.close()
             raise
         self._slots: dict[Peer, EngineSlot] = {}
+        self.core.wire = self.wire_counts
+
+    def wire_counts(self) -> dict:
+        """The listener's counters (client.engines()["wire"]): frames dropped by reason, handshakes."""
+        st = self.listener.stats
+        return {"frames": st.frames, "dropped": dict(st.dropped), "authenticated": st.authenticated,
+                "auth_failed": st.auth_failed, "stranger_disconnects": st.stranger_disconnects}
 
     def _welcome(self, peer: Peer) -> dict:
         if peer.role == "client":
@@ -116,15 +78,11 @@ class CoordinatorServer:
         try:
             if peer.role == "engine":
                 self._from_engine(peer, kind, fields)
-            elif kind in CLIENT_KINDS:
-                self.core.client_message(peer, kind, check_client_message(kind, fields))
             else:
-                self.listener.counts["wrong role"] += 1
-        except BadFields:
-            self.listener.counts["bad field"] += 1
+                self.core.client_message(peer, kind, fields)
         except Exception:  # noqa: BLE001 -- one message must not end the coordinator
             log.exception("a %s message from %s %s failed", kind, peer.role, peer.name)
-            self.listener.counts["failed"] += 1
+            self.listener.stats.drop("failed")
 
     def _from_engine(self, peer: Peer, kind: str, fields: list) -> None:
         slot = self._slots.get(peer)
@@ -137,8 +95,8 @@ class CoordinatorServer:
                 self.listener.flush()
                 return
             self.listener.send(peer, encode("info", {"index": slot.index, **self.core.info()}))
-        elif slot is None or kind not in ENGINE_KINDS:
-            self.listener.counts["wrong role"] += 1
+        elif slot is None or kind == "register":
+            self.listener.stats.drop("unregistered")
         else:
             self.core.engine_message(slot, kind, fields)
             if kind == "leave":

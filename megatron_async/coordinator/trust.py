@@ -18,12 +18,11 @@ import stat
 from hashlib import sha256
 from pathlib import Path
 
+from megatron_async.inference.communication.rendezvous import MIN_SECRET_BYTES, SecretError, secret_from_env
+
+__all__ = ["ENV_SECRET", "ENV_SECRET_FILE", "SecretError", "is_local", "listener_secret", "peer_secret", "secret_file"]
 ENV_SECRET = "MEGATRON_ASYNC_CLIENT_SECRET"
 ENV_SECRET_FILE = "MEGATRON_ASYNC_CLIENT_SECRET_FILE"
-
-
-class SecretError(RuntimeError):
-    """No usable secret for this address (what to set is in the message)."""
 
 
 def split_tcp(address: str) -> tuple[str, int] | None:
@@ -70,15 +69,13 @@ def _read_private(path: Path) -> bytes:
 
 
 def configured_secret(secret: bytes | str | None = None) -> bytes | None:
-    """The caller's, or the environment's; None when neither gives one."""
+    """The caller's, or the environment's (rendezvous.secret_from_env's rules); None when neither gives one."""
     if secret is None:
-        secret = os.environ.get(ENV_SECRET) or None
-    if secret is None and os.environ.get(ENV_SECRET_FILE):
-        secret = _read_private(Path(os.environ[ENV_SECRET_FILE]))
-    if isinstance(secret, str):
-        secret = secret.encode()
-    if secret is not None and len(secret) < 16:
-        raise SecretError("the control plane's secret must be at least 16 bytes")
+        env = secret_from_env(ENV_SECRET, ENV_SECRET_FILE)
+        return None if env is None else env[0]
+    secret = secret.encode() if isinstance(secret, str) else secret
+    if len(secret) < MIN_SECRET_BYTES:
+        raise SecretError(f"the control plane's secret must be at least {MIN_SECRET_BYTES} bytes")
     return secret
 
 

@@ -10,8 +10,8 @@ id). Control operations (``coordinator/controls.py``) run here between two steps
 every request, and once they ended the engine leaves, as after "drain" (without aborting). If the
 coordinator goes away, every request is aborted and the loop ends: nobody is left to read them.
 
-Messages in (``channel.poll``): ``submit`` (rid, submission number, prompt, SamplingParams,
-stream), ``abort`` (rid), ``control`` (op id, op, args), ``drain`` (). Out (``channel.send``):
+Messages in (``channel.poll``; coordinator/messages.py): ``route`` (rid, submission number, prompt,
+sampling map, stream), ``abort`` (rid), ``control`` (op id, op, args), ``drain`` (). Out (``channel.send``):
 ``outputs`` (last submission number received, [RequestUpdate], [RequestOutput], rejected
 [(rid, message)], failed [(rid, message)], evicted keys, load, free KV blocks, new cache key |
 None), ``heartbeat`` (load, free KV blocks), ``control_done`` (op id, status, body), ``leave`` ()."""
@@ -23,9 +23,10 @@ import time
 from typing import Any, Callable, Protocol
 
 from megatron_async.coordinator.engines import EngineInfo
-from megatron_async.coordinator.messages import sampling_params
 from megatron_async.coordinator.routing import keys_of
-from megatron_async.inference.request import InvalidRequestError
+from megatron_async.inference.communication.wire import WireError
+from megatron_async.inference.records import sampling_fields
+from megatron_async.inference.request import InvalidRequestError, SamplingParams
 from megatron_async.serve.admin_ops import run_engine_op
 from megatron_async.serve.refit_ops import EVERY_RANK_OPS
 
@@ -82,7 +83,7 @@ class EngineLink:
     # ---------------------------------------------------------------- messages in
     def handle(self, kind: str, fields: tuple) -> None:
         self._paused_idle = False
-        if kind == "submit":
+        if kind == "route":
             self._submit(*fields)
         elif kind == "abort":
             local = self._engine_id.get(fields[0])
@@ -99,9 +100,9 @@ class EngineLink:
             self._rejected.append((rid, "the engine is stopping"))
             return
         try:
-            if isinstance(params, dict):  # as it travels (messages.sampling_map)
-                params = sampling_params(params)
-        except (TypeError, ValueError) as e:
+            if isinstance(params, dict):  # as it travels (records.encode_sampling's map)
+                params = SamplingParams(**sampling_fields(params))
+        except (WireError, TypeError, ValueError) as e:
             self._rejected.append((rid, f"bad sampling parameters: {e}"))
             return
         try:

@@ -101,15 +101,18 @@ class _Pending:
 
 
 class Listener:
-    def __init__(self, sock: zmq.Socket, secret: bytes, roles: dict[str, Collection[str] | None], job: bytes = b"",
+    def __init__(self, sock: zmq.Socket, secret: bytes | None, roles: dict[str, Collection[str] | None], job: bytes = b"",
                  max_frame_bytes: int = 64 << 20, welcome: Callable[[Peer], Any] | None = None,
                  stats: wire.WireStats | None = None):
-        """The authenticating side of a bound ROUTER ``sock``. ``roles``: role -> the names a peer
-        of it may take (each bound at most once; None: any name, not unique). ``welcome(peer)``:
-        what an authenticated peer is told (a plain value; None by default)."""
+        """The authenticating side of ROUTER ``sock`` (made before it binds, so that the monitor
+        sees every connection). ``roles``: role -> the names a peer of it may take (each bound at
+        most once; None: any name, not unique). ``secret``: None until ``use_secret`` (no peer is
+        welcome before). ``welcome(peer)``: what an authenticated peer is told (a plain value)."""
         self.sock, self.job, self.max_frame_bytes = sock, job, max_frame_bytes
-        self.keys = {role: derive_key(secret, role) for role in roles}
         self.names = {role: None if names is None else frozenset(names) for role, names in roles.items()}
+        self.keys: dict[str, bytes] = {}
+        if secret is not None:
+            self.use_secret(secret)
         self.stats = stats if stats is not None else wire.WireStats()
         self._welcome = welcome or (lambda peer: None)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -121,6 +124,9 @@ class Listener:
         self._refused: OrderedDict[bytes, None] = OrderedDict()
         self._generation: dict[int, int] = {}  # fd -> accepts seen on it
         self._lost: list[Peer] = []
+
+    def use_secret(self, secret: bytes) -> None:
+        self.keys = {role: derive_key(secret, role) for role in self.names}
 
     # ------------------------------------------------------------------ liveness
     def _drain_monitor(self) -> None:
@@ -160,28 +166,34 @@ class Listener:
         out, sock, stats = [], self.sock, self.stats
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # (cheaper than a recv that raises Again)
             parts = sock.recv_multipart(copy=False)
-            stats.frames += 1
-            if len(parts) != 2:
-                stats.drop("malformed")
-                continue
-            rid, frame = parts[0].bytes, parts[1]
+            rid = parts[0].bytes
             peer = self.peers.get(rid)
             if peer is None:
-                self._handshake(rid, frame)
+                stats.frames += 1
+                if len(parts) == 2:
+                    self._handshake(rid, parts[1])
+                else:
+                    stats.drop("malformed")
                 continue
-            try:
-                mtype, fields = wire.decode(frame.buffer, self.max_frame_bytes)
-            except wire.WireError as e:
-                stats.drop(e.reason)
-                continue
-            out.append((peer, mtype, fields))
+            for frame in parts[1:]:  # an authenticated peer may send several messages as one
+                stats.frames += 1
+                try:
+                    mtype, fields = wire.decode(frame.buffer, self.max_frame_bytes)
+                except wire.WireError as e:
+                    stats.drop(e.reason)
+                    continue
+                out.append((peer, mtype, fields))
         self._expire()
         return out
 
     def send(self, peer: Peer, frame: bytes, block: bool = True) -> bool:
         """``frame`` to ``peer``; False when it is gone (its loss is reported by ``lost``)."""
+        return self.send_many(peer, [frame], block)
+
+    def send_many(self, peer: Peer, frames: list[bytes], block: bool = True) -> bool:
+        """Several messages as one ZMQ message (one wake-up of the peer), in order."""
         try:
-            self.sock.send_multipart([peer.routing_id, frame], 0 if block else zmq.NOBLOCK)
+            self.sock.send_multipart([peer.routing_id, *frames], 0 if block else zmq.NOBLOCK)
             return True
         except zmq.ZMQError:
             self.stats.drop("undeliverable")

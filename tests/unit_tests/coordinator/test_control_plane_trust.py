@@ -1,9 +1,11 @@
 """The control plane's trust rules: loopback by default, a non-loopback address only with a
 configured secret, a client or engine without the secret refused and changing nothing, a
-stranger's frames dropped and counted; messages round-trip without pickle."""
+stranger's frames dropped and counted; messages round-trip without pickle, and a message
+of the wrong kind for its sender is dropped."""
 from __future__ import annotations
 
 import threading
+import time
 
 import msgpack
 import pytest
@@ -14,6 +16,9 @@ from megatron_async.coordinator.engines import EngineInfo
 from megatron_async.coordinator.server import CoordinatorServer
 from megatron_async.coordinator.transport import AuthError, PeerSocket
 from megatron_async.coordinator.trust import ENV_SECRET, SecretError, is_local, peer_secret, secret_file
+from megatron_async.inference.communication import wire
+from megatron_async.inference.communication.handshake import HELLO, PROOF
+from megatron_async.inference.records import encode_sampling, sampling_fields
 from megatron_async.inference.request import RequestOutput, RequestUpdate, SamplingParams
 
 
@@ -37,21 +42,23 @@ def test_same_user_clients_connect_and_others_are_refused_changing_nothing(serve
     peer = PeerSocket(server.address, peer_secret(server.address), "client", "me", 5)
     assert peer.welcome["policy"] == "load_balanced"
     peer.close()
-    with pytest.raises(AuthError, match="does not hold this secret"):
+    with pytest.raises(AuthError, match="does not hold this engine's key"):
         PeerSocket(server.address, b"not the secret, long enough", "engine", "intruder", 5)
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.DEALER)  # goes on regardless: a made-up proof
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(server.address)
-    raw.send(messages.encode("hello", 1, "engine", "intruder", b"n" * 32))
-    assert raw.poll(5000) and messages.decode(raw.recv())[0] == "challenge"
-    raw.send(messages.encode("proof", b"m" * 32))
+    raw.send(wire.encode(HELLO, 1, "engine", "intruder", b"n" * 32))
+    assert raw.poll(5000) and wire.decode(raw.recv(), 512)[0].name == "challenge"
+    raw.send(wire.encode(PROOF, b"m" * 32))
     raw.send(messages.encode("register", EngineInfo("intruder", 8, 100, 16, b"k", True)))
     peer = PeerSocket(server.address, peer_secret(server.address), "client", "me", 5)  # a round trip later
     peer.close()
     raw.close()
     assert not server.core.engines.slots
-    assert server.listener.counts["refused"] == 1 and server.listener.counts["unauthenticated"] == 1
+    st = server.listener.stats
+    # the made-up proof refused, the register after it unread (the wrong secret stopped at the challenge)
+    assert st.auth_failed == 1 and st.dropped["unauthenticated"] == 1
 
 
 def test_a_stranger_changes_nothing(server):
@@ -66,7 +73,12 @@ def test_a_stranger_changes_nothing(server):
     peer.close()
     s.close()
     assert not server.core.engines.slots and not server.core.requests.open
-    assert sum(v for k, v in server.listener.counts.items() if k.startswith("pre-auth")) >= 2
+    st = server.listener.stats
+    deadline = time.monotonic() + 5
+    while st.total_dropped < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # no [type, ...] header; types other than the handshake's before a proof; over the pre-auth size
+    assert st.dropped == {"malformed": 1, "unauthenticated": 2, "oversized": 1} and st.authenticated == 1
 
 
 def test_a_non_loopback_address_needs_a_configured_secret(monkeypatch):
@@ -87,10 +99,29 @@ def test_messages_round_trip_without_pickle():
     assert kind == "outputs" and fields[1] == [upd] and fields[2] == [out] and fields[4] == [(5, "x")]
     info = EngineInfo("e", 8, 100, 16, b"key", True)
     assert messages.decode(messages.encode("register", info))[1] == [info]
-    sp = SamplingParams(top_k=1, stop_words=["a", [1, 2]], seed=3)
-    assert messages.sampling_params(messages.sampling_map(sp)) == sp
-    with pytest.raises(TypeError):
-        messages.sampling_params({"no_such_field": 1})
-    for bad in (b"", b"\xc1", msgpack.packb([999]), msgpack.packb([36, 1, 2]), msgpack.packb({"a": 1})):
-        with pytest.raises(messages.MessageError):
+    sp = SamplingParams(top_k=1, stop_words=["a", [1, 2]], seed=3, logit_bias={5: -1.0})
+    back = SamplingParams(**sampling_fields(encode_sampling(sp)))
+    assert back.stop_words == ("a", (1, 2)) and back.logit_bias == {5: -1.0} and (back.top_k, back.seed) == (1, 3)
+    with pytest.raises(wire.WireError):
+        sampling_fields({"no_such_field": 1})
+    for bad in (b"", b"\xc1", msgpack.packb([999]), msgpack.packb([36, 1, 2]), msgpack.packb({"a": 1}),
+                msgpack.packb([64, ["e", "8", 100, 16, b"k", True]]), msgpack.packb([38, "1"])):
+        with pytest.raises(wire.WireError):
             messages.decode(bad)
+
+
+def test_a_message_of_the_wrong_role_is_dropped(server):
+    """A client cannot register an engine or send outputs; an engine cannot submit."""
+    client = PeerSocket(server.address, peer_secret(server.address), "client", "me", 5)
+    client.send("register", EngineInfo("fake", 8, 100, 16, b"k", True))
+    client.send("heartbeat", 1, 1)
+    engine = PeerSocket(server.address, peer_secret(server.address), "engine", "e", 5)
+    engine.send("submit", 0, [1, 2], [{}], False, None, -1)
+    client.close()
+    engine.close()
+    st = server.listener.stats
+    deadline = time.monotonic() + 5
+    while st.dropped["wrong role"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert st.dropped["wrong role"] == 3 and not server.core.engines.slots and not server.core.requests.open
+    assert server.wire_counts()["dropped"] == {"wrong role": 3}  # what client.engines()["wire"] reports

@@ -44,7 +44,7 @@ def setup(num_engines=2, policy=DpRouting.LONGEST_PREFIX, **kw):
 
 def submits(msgs):
     """(engine index, rid) of each submit."""
-    return [(m[0], m[2]) for m in msgs if m[1] == "submit"]
+    return [(m[0], m[2]) for m in msgs if m[1] == "route"]
 
 
 def output(rid, tokens, reason="length"):
@@ -181,11 +181,11 @@ def test_engines_of_another_block_size_are_refused_and_unrouted_requests_time_ou
 def test_requests_without_a_seed_get_one_from_the_coordinator():
     core, box, _ = setup(policy=DpRouting.LOAD_BALANCED)
     core.submit("c", 1, [1, 2, 3], [{"top_k": 5}, {"top_k": 5}, {"seed": 7}], stream=False)
-    maps = [m[5] for m in box.take()[0] if m[1] == "submit"]
+    maps = [m[5] for m in box.take()[0] if m[1] == "route"]
     assert maps[0]["seed"] != maps[1]["seed"] and maps[2] == {"seed": 7} and maps[0]["top_k"] == 5
     again, box2, _ = setup(policy=DpRouting.LOAD_BALANCED)
     again.submit("c", 1, [1, 2, 3], [{"top_k": 5}, {"top_k": 5}, {"seed": 7}], stream=False)
-    assert [m[5] for m in box2.take()[0] if m[1] == "submit"] == maps  # the same arrivals draw the same seeds
+    assert [m[5] for m in box2.take()[0] if m[1] == "route"] == maps  # the same arrivals draw the same seeds
 
 
 def test_shutdown_stops_every_engine_then_answers():

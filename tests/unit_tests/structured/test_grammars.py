@@ -153,14 +153,13 @@ def test_mask_reference_and_triton_kernel(dtype):
 
 def test_spec_crosses_the_coordinator_wire():
     """Sampling parameters travel between processes as msgpack maps of plain values."""
-    import msgpack
-
-    from megatron_async.coordinator.messages import sampling_map, sampling_params
+    from megatron_async.inference.communication import wire
+    from megatron_async.inference.records import encode_sampling, sampling_fields
     from megatron_async.inference.request import SamplingParams
 
     for spec in [StructuredOutputs(json={"type": "object", "properties": {"b": {}, "a": {}}}),
                  StructuredOutputs(choice=["x", "y"]), StructuredOutputs(json_object=True),
                  StructuredOutputs(regex="a+", whitespace="flexible"), StructuredOutputs(grammar='root ::= "a"')]:
-        fields = msgpack.unpackb(msgpack.packb(sampling_map(SamplingParams(structured_outputs=spec, seed=3))))
-        back = sampling_params(fields)
+        fields = wire.unpack(wire.pack(encode_sampling(SamplingParams(structured_outputs=spec, seed=3))), 1 << 20)
+        back = SamplingParams(**sampling_fields(fields))
         assert back.structured_outputs == spec and back.structured_outputs.key == spec.key and back.seed == 3
