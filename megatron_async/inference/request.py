@@ -86,8 +86,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     """Only these tokens may be sampled (vLLM meaning)."""
     bad_words: list[str] | None = None
-    """Words never generated: each must be one token, with and without a leading space (both
-    spellings are banned); longer words are refused."""
+    """Words never generated, with and without a leading space (both spellings are banned): a
+    one-token spelling is never sampled; the last token of a longer one (up to 8 tokens, 16 such
+    spellings) is not sampled right after its other tokens were generated (vLLM's rule)."""
     structured_outputs: StructuredOutputs | None = None
     """What the generated text must match (a JSON schema, any JSON object, a regex, a choice, a
     grammar): every sampled token is one the grammar allows, and the request ends with "stop" when
@@ -220,6 +221,8 @@ class DynamicInferenceRequest:
     arrival_order: int = 0
     banned_ids: tuple[int, ...] = ()
     """Token ids it never samples (``bad_words``, tokenized at admission)."""
+    banned_sequences: tuple[tuple[int, ...], ...] = ()
+    """``bad_words`` of several tokens (contexts/sampling_state.py)."""
 
     status: Status = Status.WAITING
     generated_tokens: list[int] = field(default_factory=list)

@@ -55,6 +55,6 @@ def test_bad_values_are_refused():
     for sp, needle in [(greedy(logit_bias={5: 101.0}), "in \\[-100, 100\\]"), (greedy(logit_bias={10**6: 1.0}), "vocab"),
                        (greedy(logit_bias={i: 1.0 for i in range(301)}), "at most 300"),
                        (greedy(allowed_token_ids=[]), "empty"), (greedy(allowed_token_ids=[-1]), "vocab"),
-                       (greedy(bad_words=["extraordinarily"]), "single-token")]:
+                       (greedy(bad_words=["".join(chr(0x4E00 + i) for i in range(12))]), "1 to 8")]:
         with pytest.raises(InvalidRequestError, match=needle):
             eng.add_request("x", sp)

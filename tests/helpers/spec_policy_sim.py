@@ -36,7 +36,7 @@ def make_policy(k: int = 3, **cfg) -> SpecPolicy:
 def run(policy: SpecPolicy, cost, rows: int, acceptance: float, steps: int, seed: int = 0) -> SimRun:
     """``rows`` new requests decode for ``steps`` steps (all arrive at once, none finishes)."""
     rng = random.Random(seed)
-    reqs = [SimpleNamespace(spec_acceptance=0.0, spec_drafts_fresh=True,
+    reqs = [SimpleNamespace(spec_acceptance=0.0, spec_drafts_fresh=True, banned_sequences=(),
                             sampling_params=SimpleNamespace(has_penalties=False, structured_outputs=None)) for _ in range(rows)]
     for r in reqs:
         policy.admit(r)

@@ -50,7 +50,7 @@ class Admission:
         self.next_id = max(self.next_id, rid + 1)
         req = DynamicInferenceRequest(rid, valid.prompt_tokens, valid.sampling_params, new.seed, valid.eos_ids,
                                       valid.stop_sequences, arrival_order=self.arrivals, text=self._text_stream(valid),
-                                      banned_ids=valid.banned_ids)
+                                      banned_ids=valid.banned_ids, banned_sequences=valid.banned_sequences)
         if self.validator.grammars is not None:
             self.validator.grammars.attach(req)
         self.arrivals += 1

@@ -18,6 +18,7 @@ import numpy as np
 
 from megatron_async.config import Scheduling
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron_async.inference.contexts.sampling_state import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from megatron_async.inference.engines.grammar_masks import GrammarMasks
 from megatron_async.inference.request import InvalidRequestError, SamplingParams
 
@@ -31,7 +32,9 @@ class ValidRequest:
     stop_strings: list[str]
     eos_ids: frozenset[int]
     banned_ids: tuple[int, ...] = ()
-    """``bad_words`` as the token ids they are."""
+    """``bad_words`` of one token, as the token ids they are."""
+    banned_sequences: tuple[tuple[int, ...], ...] = ()
+    """``bad_words`` of several tokens, as their token ids."""
 
 
 _MISMATCH = object()
@@ -151,7 +154,7 @@ class RequestValidator:
         check_sampling_extensions(frozen)
         if frozen.return_routed_experts and not self.routes_experts:
             raise InvalidRequestError("return_routed_experts needs a mixture-of-experts model; this one has no MoE layer")
-        banned = check_token_choices(frozen, self.vocab_size, self.tokenizer)
+        banned, banned_sequences = check_token_choices(frozen, self.vocab_size, self.tokenizer)
         if frozen.structured_outputs is not None:
             if self.grammars is None:
                 raise InvalidRequestError("structured outputs are not served by this engine")
@@ -165,7 +168,7 @@ class RequestValidator:
         self._check_length(tokens, frozen)
         sequences, strings = self._stop_words(stop_words or ())
         eos = frozenset([frozen.termination_id]) if frozen.termination_id is not None else self.eos_ids
-        return ValidRequest(tokens, frozen, sequences, strings, eos, banned)
+        return ValidRequest(tokens, frozen, sequences, strings, eos, banned, banned_sequences)
 
     def _check_length(self, tokens: list[int], sp: SamplingParams) -> None:
         total = len(tokens) + sp.num_tokens_to_generate
@@ -249,10 +252,12 @@ MAX_LOGIT_BIAS = 300
 """Entries of ``logit_bias`` a request may give (OpenAI's limit)."""
 
 
-def check_token_choices(sp: SamplingParams, vocab_size: int, tokenizer) -> tuple[int, ...]:
+def check_token_choices(sp: SamplingParams, vocab_size: int, tokenizer
+                        ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
     """``logit_bias``, ``allowed_token_ids`` and ``bad_words``: ids in the vocabulary, biases in
-    [-100, 100]; returns the ids ``bad_words`` bans (each word one token, with and without a
-    leading space)."""
+    [-100, 100]; returns what ``bad_words`` bans (each word with and without a leading space): the
+    ids of one-token spellings, and the spellings of several tokens (at most ``MAX_BAD_WORDS`` of
+    up to ``MAX_BAD_WORD_TOKENS`` tokens)."""
     def check_ids(name: str, ids) -> None:
         bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < vocab_size]
         if bad:
@@ -270,15 +275,20 @@ def check_token_choices(sp: SamplingParams, vocab_size: int, tokenizer) -> tuple
             raise InvalidRequestError("allowed_token_ids must not be empty")
         check_ids("allowed_token_ids", sp.allowed_token_ids)
     if not sp.bad_words:
-        return ()
+        return (), ()
     if tokenizer is None:
         raise InvalidRequestError("bad_words need a tokenizer")
-    banned = set()
+    banned, sequences = set(), {}
     for word in sp.bad_words:
         for spelling in dict.fromkeys((word, " " + word.lstrip())):
             ids = tokenizer.encode(spelling, add_special_tokens=False)
-            if len(ids) != 1:
-                raise InvalidRequestError(f"bad_words: {spelling!r} is {len(ids)} tokens; only single-token words "
-                                          "are supported")
-            banned.add(ids[0])
-    return tuple(sorted(banned))
+            if not ids or len(ids) > MAX_BAD_WORD_TOKENS:
+                raise InvalidRequestError(f"bad_words: {spelling!r} is {len(ids)} tokens; a word may have 1 to "
+                                          f"{MAX_BAD_WORD_TOKENS}")
+            if len(ids) == 1:
+                banned.add(ids[0])
+            else:
+                sequences[tuple(ids)] = None
+    if len(sequences) > MAX_BAD_WORDS:
+        raise InvalidRequestError(f"bad_words: {len(sequences)} spellings of several tokens; at most {MAX_BAD_WORDS}")
+    return tuple(sorted(banned)), tuple(sequences)

@@ -6,7 +6,7 @@ pickle, and no value reaches an engine unchecked.
 Layouts (msgpack; "ints" = int64 little-endian bin; sampling parameters, outputs and updates
 as records.py writes them):
 - NewRequest: [prompt ints, sampling map, stop sequences [ints], stop strings [str], eos ids ints,
-  banned ids ints, request_id, seed, rank].
+  banned ids ints, banned sequences [ints], request_id, seed, rank].
 - payload (rank 0's news of one exchange): [[NewRequest], abort ids ints, quiet ids ints].
 - upload: [updates, [RequestOutput]]; generate's slots: [request_id | RequestOutput]; its
   outputs: [RequestOutput]."""
@@ -47,15 +47,16 @@ def _new_request(n: NewRequest) -> list:
     v = n.valid
     return [f.pack_ints(v.prompt_tokens), encode_sampling(v.sampling_params),
             [f.pack_ints(s) for s in v.stop_sequences], list(v.stop_strings), f.pack_ints(sorted(v.eos_ids)),
-            f.pack_ints(v.banned_ids), n.request_id, n.seed, n.rank]
+            f.pack_ints(v.banned_ids), [f.pack_ints(s) for s in v.banned_sequences], n.request_id, n.seed, n.rank]
 
 
 def _read_new_request(v) -> NewRequest:
-    prompt, sp, seqs, strs, eos, banned, rid, seed, rank = f.arity(v, 9, "new_request")
+    prompt, sp, seqs, strs, eos, banned, words, rid, seed, rank = f.arity(v, 10, "new_request")
     valid = ValidRequest(f.ints(prompt, "prompt_tokens"), decode_sampling(sp),
                          [f.ints(s, "stop_sequences") for s in f.list_(seqs, "stop_sequences")],
                          [f.str_(s, "stop_strings") for s in f.list_(strs, "stop_strings")],
-                         frozenset(f.ints(eos, "eos_ids")), tuple(f.ints(banned, "banned_ids")))
+                         frozenset(f.ints(eos, "eos_ids")), tuple(f.ints(banned, "banned_ids")),
+                         tuple(tuple(f.ints(w, "banned_sequences")) for w in f.list_(words, "banned_sequences")))
     return NewRequest(valid, f.int_(rid, "request_id"), f.int_(seed, "seed", 0), f.int_(rank, "rank", 0, 1 << 20))
 
 

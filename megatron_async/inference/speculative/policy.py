@@ -109,6 +109,9 @@ class SpecPolicy:
         if req.sampling_params.structured_outputs is not None:
             self.off_rows["grammar"] += 1
             return 0
+        if req.banned_sequences:  # its bans follow its newest tokens, one at a time
+            self.off_rows["bad_words"] += 1
+            return 0
         if self.max_batch and num_decode_rows > self.max_batch:
             self.off_rows["batch"] += 1
             return 0

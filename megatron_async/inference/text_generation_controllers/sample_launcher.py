@@ -71,7 +71,7 @@ class SampleLauncher:
         st = self.state
         return PenaltyRows(g.sampling_slot[:R], g.presence_penalty[:R], g.frequency_penalty[:R],
                            g.repetition_penalty[:R], g.suppress_stop[:R], st.counts, st.prompt_mask, st.stop_mask,
-                           st.bias_ids, st.bias_values, st.banned)
+                           st.bias_ids, st.bias_values, st.banned, st.history, st.word_prefix, st.word_last)
 
     def __call__(self, logits: torch.Tensor, g, R: int, any_random: bool, filters: tuple[bool, bool, bool],
                  any_penalties: bool, masks=None) -> torch.Tensor:

@@ -59,6 +59,9 @@ class PenaltyRows:
     bias_ids: torch.Tensor | None = None  # [slots + 1, B] int64 (logit_bias)
     bias_values: torch.Tensor | None = None  # [slots + 1, B] float32
     banned: torch.Tensor | None = None  # [slots + 1, V] bool (allowed_token_ids, bad_words)
+    history: torch.Tensor | None = None  # [slots + 1, W] int64 newest generated tokens (bad_words of several tokens)
+    word_prefix: torch.Tensor | None = None  # [slots + 1, M, W] int64
+    word_last: torch.Tensor | None = None  # [slots + 1, M] int64
 
 
 def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -125,8 +128,14 @@ def apply_penalties_reference(logits: torch.Tensor, pen: PenaltyRows) -> torch.T
 
 def apply_bias_and_bans(logits: torch.Tensor, pen: PenaltyRows) -> torch.Tensor:
     """After the penalties (``logits``: their float32 copy, changed in place): each row's logit
-    bias added (float32; padding pairs add 0.0 to token 0), its banned tokens to -inf."""
+    bias added (float32; padding pairs add 0.0 to token 0), its banned tokens to -inf, and the last
+    token of each of its several-token ``bad_words`` whose other tokens are the newest generated
+    ones (vLLM's rule; prefix entries -1 match anything, a word padded with -2 never matches)."""
     logits.scatter_add_(1, pen.bias_ids[pen.slot], pen.bias_values[pen.slot])
+    if pen.word_last is not None:
+        prefix = pen.word_prefix[pen.slot]  # [R, M, W]
+        hit = ((prefix == pen.history[pen.slot][:, None, :]) | (prefix == -1)).all(dim=-1)
+        logits.scatter_add_(1, pen.word_last[pen.slot], torch.zeros_like(hit, dtype=logits.dtype).masked_fill_(hit, float("-inf")))
     return logits.masked_fill_(pen.banned[pen.slot], float("-inf"))
 
 

@@ -18,7 +18,7 @@ CFG = InferenceConfig(max_requests=8, max_tokens=32, num_speculative_tokens=3, s
 
 
 def req(acceptance: float = 0.0, fresh: bool = True, params: SamplingParams = GREEDY):
-    return SimpleNamespace(sampling_params=params, prompt_tokens=[1], spec_acceptance=acceptance,
+    return SimpleNamespace(sampling_params=params, prompt_tokens=[1], banned_sequences=(), spec_acceptance=acceptance,
                            spec_drafts_fresh=fresh, num_computed_tokens=5, num_inflight=0, inflight_row=-1,
                            num_inflight_drafts=0)
 

@@ -81,5 +81,5 @@ def test_buckets_and_counts():
 def _req(acceptance: float):
     from types import SimpleNamespace
 
-    return SimpleNamespace(spec_acceptance=acceptance, spec_drafts_fresh=True,
+    return SimpleNamespace(spec_acceptance=acceptance, spec_drafts_fresh=True, banned_sequences=(),
                            sampling_params=SimpleNamespace(has_penalties=False, structured_outputs=None))

@@ -134,6 +134,8 @@ def test_every_field_of_the_records_travels():
     assert watched(r.decode_sampling, r.encode_sampling(sp)) == sp
     assert len(dataclasses.fields(ValidRequest)) + 3 == len(r._new_request(r.NewRequest(
         ValidRequest([1], sp, [], [], frozenset()), 1, 2)))
+    valid = ValidRequest([1], sp, [[4, 5]], ["a"], frozenset([2]), (7,), ((8, 9), (10, 11, 12)))
+    assert r._read_new_request(r._new_request(r.NewRequest(valid, 1, 2))).valid == valid
     assert len(dataclasses.fields(RequestOutput)) == len(r.encode_output(RequestOutput(1, [], [], None, "stop")))
     assert len(RequestUpdate._fields) == 9  # encode_updates unpacks exactly these columns
 
