@@ -1,8 +1,10 @@
-"""The FP8 engine on the GPU: weights quantized at load on the GPU are the CPU's bits and its Triton
-kernels give the CPU emulation's log-probs (float32, a tiny checkpoint); with FP8 weights (and the
-e4m3 KV cache) launch-ahead == serial token for token with CUDA graphs on and off; in
-batch-invariant mode eager, launch-ahead and graphs give the same bits, and a request alone those
-it gets in a busy batch (built-in qwen3-0.6b shape, bf16).
+"""The FP8 engine on the GPU (float32, a tiny checkpoint): weights quantized at load on the GPU are
+the CPU's bits; every FP8 linear the engine runs gives, on the engine's own activations, the CPU
+emulation's activation bits and its output within the FP8 tensor core's accumulation; the log-probs
+stay near the emulation's (a loose bound, see there). With FP8 weights (and the e4m3 KV cache)
+launch-ahead == serial token for token with CUDA graphs on and off; in batch-invariant mode eager,
+launch-ahead and graphs give the same bits, and a request alone those it gets in a busy batch
+(built-in qwen3-0.6b shape, bf16).
 
     python -m pytest -q -m gpu tests/functional_tests/test_fp8_gpu_engine.py"""
 from __future__ import annotations
@@ -14,6 +16,8 @@ import pytest
 import torch
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
+from megatron_async.kernels import triton_fp8_gemm
+from tests.helpers.fp8_checks import Fp8CallChecks
 from tests.helpers.hf_models import make_tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -21,29 +25,57 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 VOCAB = 151936
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
              vocab_size=512)
+PROMPTS = [[rng.randrange(512) for _ in range(40 + 30 * i)] for i, rng in enumerate(map(random.Random, range(4)))]
+TINY = dict(block_size_tokens=16, num_kv_blocks=64, max_requests=4, max_sequence_length=256)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).cpu()
 
 
-def test_gpu_kernels_match_the_cpu_emulation(tmp_path):
+def test_engine_fp8_linears_match_the_emulation_call_by_call(tmp_path, monkeypatch):
+    """Eager (graph replays run no Python), all prompts in one 340-row step (activations quantized
+    in their own pass), then decode rows (quantized in the GEMM). The bound is the kernel tests':
+    half a float32 ulp plus 2^-11 of sum |terms| (the FP8 tensor core's accumulation in a group)."""
     ckpt = str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "m", **SHAPE))
-    cfg = dict(block_size_tokens=16, num_kv_blocks=64, max_requests=4, max_tokens=256, max_sequence_length=256)
-    prompts = [[random.Random(i).randrange(512) for _ in range(40 + 30 * i)] for i in range(4)]
+    checks = Fp8CallChecks(ulps=0.5, slack=2.0 ** -11)
+    monkeypatch.setattr(triton_fp8_gemm, "fp8_linear", checks)
+    cfg = InferenceConfig(**TINY, max_tokens=512, cuda_graphs=False)
+    llm = LLM(ckpt, device="cuda", dtype="float32", inference_config=cfg, quantization="fp8")
+    sp = SamplingParams(top_k=1, num_tokens_to_generate=8, ignore_eos=True)
+    assert all(len(o.generated_tokens) == 8 for o in llm.generate(PROMPTS, sp))
+    assert checks.failures == []
+    assert max(checks.rows) > triton_fp8_gemm.DECODE_M_MAX and min(checks.rows) <= 4
+
+
+def test_gpu_log_probs_stay_near_the_cpu_emulation(tmp_path):
+    """End to end the two cannot agree to float32 rounding: an activation within one rounding
+    error of an e4m3 midpoint rounds to the other neighbour (a step of 1/16 of it), and this
+    checkpoint (initializer_range 0.2: logits spread ~10) turns one such step into up to ~0.2 of
+    log-prob. Measured on CPU with the same prompts (336 positions): the Triton kernels
+    interpreted (each call within 2e-7 of the emulation) already differ by up to 0.01 (0.2 with
+    test_fp8_engine.py's call-by-call checkpoint); the emulation
+    with the tensor core's partial sums kept to 16 / 14 / 12 bits per 32 K: mean |difference| 0.09
+    / 0.12 / 0.17, max 0.47 / 0.55 / 0.83. For scale: FP8 weights vs float32 ones, mean 0.44;
+    each activation group given its neighbour's scale, mean 1.7. The call-by-call test above is
+    the exact check; this one bounds the mean at 0.3 and says the numbers."""
+    ckpt = str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "m", **SHAPE))
     sp = SamplingParams(top_k=1, num_tokens_to_generate=16, ignore_eos=True, return_log_probs=True,
                         return_prompt_log_probs=True)
     runs = {}
     for device in ("cpu", "cuda"):
-        llm = LLM(ckpt, device=device, dtype="float32", inference_config=InferenceConfig(**cfg), quantization="fp8")
-        runs[device] = ({n: _bits(p) for n, p in llm.model.named_parameters()}, llm.generate(prompts, [sp] * 4))
+        cfg = InferenceConfig(**TINY, max_tokens=256)
+        llm = LLM(ckpt, device=device, dtype="float32", inference_config=cfg, quantization="fp8")
+        runs[device] = ({n: _bits(p) for n, p in llm.model.named_parameters()}, llm.generate(PROMPTS, [sp] * 4))
         del llm
     for name, bits in runs["cpu"][0].items():
         assert torch.equal(runs["cuda"][0][name], bits), name
-    for a, b in zip(runs["cpu"][1], runs["cuda"][1]):
-        assert a.prompt_log_probs == pytest.approx(b.prompt_log_probs, abs=2e-3)
-        same = next((i for i, (x, y) in enumerate(zip(a.generated_tokens, b.generated_tokens)) if x != y), 16)
-        assert same >= 8 and a.generated_log_probs[:same] == pytest.approx(b.generated_log_probs[:same], abs=2e-3)
+    diffs = [abs(a - b) for x, y in zip(runs["cpu"][1], runs["cuda"][1])
+             for a, b in zip(x.prompt_log_probs, y.prompt_log_probs)]
+    mean = sum(diffs) / len(diffs)
+    print(f"FP8 GPU vs CPU emulation, prompt log-probs over {len(diffs)} positions: "
+          f"mean |difference| {mean:.4f}, max {max(diffs):.4f}")
+    assert len(diffs) == 336 and mean <= 0.3, (mean, max(diffs))
 
 
 def _workload(n: int = 48):

@@ -19,3 +19,47 @@ def check_gemm(out: torch.Tensor, x: torch.Tensor, q: torch.Tensor, s: torch.Ten
     err = (out.float().cpu() - ref).abs()
     assert bool((err <= tol).all()), f"max err {err.max():.3g}, worst ratio {(err / tol).max():.3g}"
     return err
+
+
+class Fp8CallChecks:
+    """A stand-in for ``triton_fp8_gemm.fp8_linear`` (monkeypatch it in before the engine is built)
+    that checks every call the engine makes, outside CUDA-graph capture, on the engine's own
+    activations: the quantize kernel gives the emulation's bits (``fp8_quant.quantize_activation``),
+    the other way of getting the A operand (quantized in the GEMM vs pre-quantized, the same tiles)
+    gives the same output bits (so the GEMM's in-register quantization is that kernel's too), and
+    the output is within ``check_gemm``'s bound of the float32 emulation. Failures are collected
+    (``failures``), not raised inside the engine's step; ``rows`` / ``scale_block_ns`` say what ran."""
+
+    def __init__(self, ulps: float = 1.0, slack: float = 2.0 ** -20):
+        from megatron_async.kernels import triton_fp8_gemm
+
+        self.kernels, self.ulps, self.slack = triton_fp8_gemm, ulps, slack
+        self.fp8_linear = triton_fp8_gemm.fp8_linear
+        self.rows: list[int] = []
+        self.scale_block_ns: set[int] = set()
+        self.failures: list[str] = []
+
+    def __call__(self, x, weight, weight_scale, bias=None, scale_block_n=128, batch_invariant=False, tiles=None,
+                 prequantize=None):
+        out = self.fp8_linear(x, weight, weight_scale, bias, scale_block_n, batch_invariant, tiles, prequantize)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return out
+        a = x.reshape(-1, x.shape[-1])
+        m, n = a.shape[0], weight.shape[0]
+        what = f"{m} x {a.shape[1]} -> {n} (scale_block_n {scale_block_n})"
+        self.rows.append(m)
+        self.scale_block_ns.add(scale_block_n)
+        tiles = tiles or self.kernels.fp8_tiles(m, n, a.shape[1], x.device, batch_invariant)
+        pre = (not batch_invariant and m > self.kernels.DECODE_M_MAX) if prequantize is None else prequantize
+        other = self.fp8_linear(x, weight, weight_scale, bias, scale_block_n, batch_invariant, tiles, not pre)
+        if not torch.equal(other, out):
+            self.failures.append(f"{what}: quantized in the GEMM != pre-quantized")
+        q, s = self.kernels.quantize_activation(a)
+        rq, rs = fq.quantize_activation(a.cpu())
+        if not (torch.equal(q.view(torch.uint8).cpu(), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)):
+            self.failures.append(f"{what}: activation bits differ from the emulation's")
+        try:
+            check_gemm(out.reshape(m, n), a, weight, weight_scale, scale_block_n, bias, self.ulps, self.slack)
+        except AssertionError as e:
+            self.failures.append(f"{what}: {e}")
+        return out

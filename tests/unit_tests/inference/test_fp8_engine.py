@@ -88,3 +88,27 @@ def test_suspend_and_resume_keep_the_fp8_weights(ckpt):
     eng.resume_generation()
     after = llm.generate(PROMPTS[:2], sp)
     assert [o.generated_tokens for o in after] == [o.generated_tokens for o in before]
+
+
+def test_triton_fp8_linears_match_the_emulation_call_by_call(tmp_path, monkeypatch):
+    """Batch-invariant mode runs the FP8 linears through the Triton kernels (the CUDA path,
+    interpreted here): every call the engine makes, on its own activations, gives the emulation's
+    activation bits and its output to float32 rounding (``Fp8CallChecks``). q/k/v of 192/64/64
+    rows (one scale row per weight row), K of 192, 256 and 320 (a partial last
+    group, a ragged K split), prefill chunks and decode rows. Log-probs are not compared end to end: a float32 ulp that tips one activation
+    across an e4m3 rounding midpoint moves this checkpoint's log-probs by up to ~0.2."""
+    from megatron_async.kernels import triton_fp8_gemm
+    from tests.helpers.fp8_checks import Fp8CallChecks
+
+    ckpt = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "m", hidden_size=256, intermediate_size=320,
+                                num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=1, head_dim=64,
+                                vocab_size=512)
+    checks = Fp8CallChecks()
+    monkeypatch.setattr(triton_fp8_gemm, "fp8_linear", checks)
+    cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=16, max_requests=2, max_tokens=16,
+                          max_sequence_length=64, batch_invariant=True)
+    sp = SamplingParams(top_k=1, num_tokens_to_generate=3, ignore_eos=True)
+    outs = LLM(str(ckpt), inference_config=cfg, quantization="fp8").generate([PROMPTS[2], PROMPTS[3]], sp)
+    assert all(len(o.generated_tokens) == 3 for o in outs)
+    assert checks.failures == []
+    assert {1, 2, 16} <= set(checks.rows) and checks.scale_block_ns == {1, 128}
