@@ -8,6 +8,7 @@ Prints one table: output tok/s, mean decode / prefill step, ratio to the default
 
     python -m benchmarks engine-times batch-invariance            # 256 requests, prompts 100-1024, outputs 100-1024
     python -m benchmarks engine-times batch-invariance --quick    # 128 requests, outputs 100-256
+    python -m benchmarks engine-times batch-invariance --long --workloads greedy  # 32 requests, prompts 8k-16k, 64 out
     python -m benchmarks engine-times batch-invariance --smoke    # CPU (Triton interpreter), tiny model: plumbing only"""
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ ALONE_CHECKS = 4
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="128 requests, outputs 100-256")
+    p.add_argument("--long", action="store_true",
+                   help="long context: 32 requests, prompts 8,192-16,384 tokens, 64 outputs (16,448-token sequences)")
+    p.add_argument("--workloads", default="greedy,sampled", help="comma-separated: greedy, sampled")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, tiny model, 3 short requests, no graphs: checks the plumbing (interpreter: minutes)")
     p.add_argument("--model", default="qwen3-0.6b", choices=sorted(DEFAULT_CONFIGS))
@@ -55,7 +59,8 @@ def setup(args: argparse.Namespace) -> None:
 
 def run_mode(args, requests: list[WorkloadRequest], sampling: str, invariant: bool) -> dict:
     device = torch.device(args.device)
-    cfg = InferenceConfig(max_requests=128, max_tokens=8192, max_sequence_length=2048, async_scheduling=True,
+    cfg = InferenceConfig(max_requests=128, max_tokens=8192, max_sequence_length=16448 if args.long else 2048,
+                          async_scheduling=True,
                           cuda_graphs=not args.no_graphs, batch_invariant=invariant,
                           buffer_size_gb=None if device.type == "cuda" else 0.05, seed=args.seed)
     llm = LLM(None, args.device, "bfloat16" if device.type == "cuda" else "float32", cfg, default_model=args.model,
@@ -89,6 +94,8 @@ def run(args: argparse.Namespace) -> None:
         sys.exit("batch-invariance measures GPU throughput: no CUDA device (--smoke runs on CPU)")
     if args.smoke:
         spec = WorkloadSpec(3, 4, 12, 2, 4, 0.0, args.seed)
+    elif args.long:
+        spec = WorkloadSpec(32, 8192, 16384, 64, 64, 0.0, args.seed)
     else:
         spec = WorkloadSpec(128 if args.quick else 256, 100, 1024, 100, 256 if args.quick else 1024, 0.0, args.seed)
     requests = synthetic_workload(spec, DEFAULT_CONFIGS[args.model]["vocab_size"])
@@ -98,7 +105,11 @@ def run(args: argparse.Namespace) -> None:
           f"{spec.prompt_len_min}-{spec.prompt_len_max}, outputs {spec.output_len_min}-{spec.output_len_max}",
           file=sys.stderr)
     rows = []
-    for sampling in SAMPLING:
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = sorted(set(workloads) - set(SAMPLING))
+    if unknown or not workloads:
+        sys.exit(f"--workloads: unknown {unknown}, choose from {sorted(SAMPLING)}")
+    for sampling in workloads:
         for invariant in (False, True):
             print(f"  {sampling} {'batch_invariant' if invariant else 'default'} ...", file=sys.stderr)
             rows.append(run_mode(args, requests, sampling, invariant))

@@ -13,6 +13,7 @@ import torch
 
 from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels.triton_decode_attention import decode_attention
+from megatron_async.kernels.triton_invariant_attention import invariant_attention
 from megatron_async.kernels.triton_kv_append import append_kv
 from megatron_async.kernels.triton_prefill_attention import prefill_attention
 
@@ -31,17 +32,18 @@ def attend(
     each row's paged KV. Returns [T, H, D] in q's dtype.
 
     ``fixed_order`` (batch-invariant mode): every row, decode or prefill chunk, goes through
-    the one varlen kernel in its fixed-order mode, which walks the row's keys from position 0
-    in BLOCK_N tiles with the same masked online-softmax update for every tile. A query's
-    bits then depend only on its position and the K/V it reads back from the cache (the new
-    tokens too are read after the append, never from the un-stored k/v), not on the step's
-    batch, on how its prompt was chunked, or on decode vs prefill. No split-K: a long row is
-    one program per (query tile, KV head).
+    ``triton_invariant_attention``: splits fixed in absolute key positions, each walked with
+    the same masked online-softmax update for every key tile, merged in split order. A
+    query's bits then depend only on its position and the K/V it reads back from the cache
+    (the new tokens too are read after the append, never from the un-stored k/v), not on the
+    step's batch, on how its prompt was chunked, or on decode vs prefill.
 
     An e4m3 cache: ``kv_scale`` [2, KVH] (keys, values) quantizes the append and is folded into
     the kernels' softmax scale and output."""
     if k is not None:  # None: the rope kernel stored them already
         append_kv(kv_cache, k, v, meta.slot_mapping, kv_scale)
-    if meta.is_decode_only and not fixed_order:
+    if fixed_order:
+        return invariant_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
+    if meta.is_decode_only:
         return decode_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
-    return prefill_attention(q, kv_cache, meta, scale, fixed_order=fixed_order, kv_scale=kv_scale)
+    return prefill_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels.triton_paged_common import dot_args
+from megatron_async.kernels.triton_paged_common import dot_args, num_compute_units
 
 
 @triton.jit
@@ -35,6 +35,22 @@ def grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
     first_m = (tile // per_group) * GROUP_M
     group_rows = tl.minimum(num_m - first_m, GROUP_M)
     return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
+@triton.jit
+def _k_range(a_rows, w_cols, offs_k, m_mask, n_mask, k_lo, k_end, stride_ak, stride_wk,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The float32 sum over k in [k_lo, k_end) of one output tile, from zero, BLOCK_K at a time."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_end, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < k_end
+        # Out-of-range rows / k load 0: they add exact zeros to the real rows' sums.
+        a = tl.load(a_rows + k[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_cols + k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -54,6 +70,7 @@ def _matmul_kernel(
     stride_cm,
     K_PER_SPLIT: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    IN_PROGRAM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -62,9 +79,7 @@ def _matmul_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    split = tl.program_id(1)
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -72,22 +87,25 @@ def _matmul_kernel(
     n_mask = offs_n < N
     a_rows = a_ptr + offs_m[:, None] * stride_am
     w_cols = w_ptr + offs_n[None, :] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_end = tl.minimum(K, (split + 1) * K_PER_SPLIT)
-    for k0 in range(split * K_PER_SPLIT, k_end, BLOCK_K):
-        k = k0 + offs_k
-        k_mask = k < k_end
-        # Out-of-range rows / k load 0: they add exact zeros to the real rows' sums.
-        a = tl.load(a_rows + k[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_cols + k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
+    if IN_PROGRAM:  # every K range here, added in range order: the split-sum kernel's arithmetic
+        acc = _k_range(a_rows, w_cols, offs_k, m_mask, n_mask, 0, tl.minimum(K, K_PER_SPLIT), stride_ak, stride_wk,
+                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
+        for s in tl.static_range(1, SPLIT_K):
+            acc += _k_range(a_rows, w_cols, offs_k, m_mask, n_mask, s * K_PER_SPLIT,
+                            tl.minimum(K, (s + 1) * K_PER_SPLIT), stride_ak, stride_wk,
+                            BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
+    else:
+        split = tl.program_id(1)
+        acc = _k_range(a_rows, w_cols, offs_k, m_mask, n_mask, split * K_PER_SPLIT,
+                       tl.minimum(K, (split + 1) * K_PER_SPLIT), stride_ak, stride_wk,
+                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION)
+    if SPLIT_K == 1 or IN_PROGRAM:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
     else:  # float32 partial of this K range; _split_sum_kernel adds them in split order
-        tl.store(ws_ptr + (split * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+        tl.store(ws_ptr + (tl.program_id(1) * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -134,9 +152,20 @@ def tile_config(n: int, k: int, device: torch.device) -> TileConfig:
     return TileConfig(64, 64 if narrow else 128, 64, split, 4, 4)
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def splits_in_program(m: int, n: int, cfg: TileConfig, device: torch.device) -> bool:
+    """Whether one program runs all K ranges of its tile (adding them in range order, as the split-sum
+    kernel does: the same bits) instead of a program per range plus the sum kernel. Yes once the
+    output tiles alone fill the device twice (a prefill step: no float32 partials through memory,
+    ~0.5 GB a layer of the 0.6B at 8,192 rows); decode batches keep a program per range."""
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return cfg.split_k > 1 and tiles >= 2 * num_compute_units(device)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     in_program: bool | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with row-count-independent numerics (see the module
-    docstring). x: [..., K]; weight: [N, K]; bias: [N] or None. Returns [..., N] in x's dtype."""
+    docstring). x: [..., K]; weight: [N, K]; bias: [N] or None. Returns [..., N] in x's dtype.
+    ``in_program``: force where the K ranges are added (tests), else ``splits_in_program``."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"invariant_linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
     if x.dtype != weight.dtype or (bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype)):
@@ -154,17 +183,20 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     cfg = tile_config(n, k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
-    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    if in_program is None:
+        in_program = splits_in_program(m, n, cfg, x.device)
+    in_program = in_program and split > 1
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 and not in_program else out
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), 1 if in_program else split)
     bias_arg = weight if bias is None else bias
     _matmul_kernel[grid](
         a, weight, bias_arg, out, ws,
         m, n, k, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
-        K_PER_SPLIT=k_per_split, SPLIT_K=split,
+        K_PER_SPLIT=k_per_split, SPLIT_K=split, IN_PROGRAM=in_program,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, HAS_BIAS=bias is not None,
         **dot_args(_matmul_kernel, x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1:
+    if split > 1 and not in_program:
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](ws, bias_arg, out, m, n, out.stride(0), SPLIT_K=split,
                                                        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)

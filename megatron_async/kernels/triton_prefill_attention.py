@@ -26,6 +26,7 @@ import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels.triton_paged_common import check_cache, dot_args, kv_scale_args, kv_tile_rows, load_kv
+from megatron_async.kernels.triton_tile_schedule import tile_schedule
 
 _LOG2E = 1.4426950408889634
 
@@ -60,18 +61,12 @@ def _attend_keys(
 
 
 @triton.jit
-def _key_ranges(kv_len, pos, m_valid, BLOCK_N: tl.constexpr, FIXED_ORDER: tl.constexpr):
+def _key_ranges(kv_len, pos, m_valid, BLOCK_N: tl.constexpr):
     """(end of the keys every query of the tile sees, end of the keys any query sees): the first
     range runs unmasked, whole tiles only, the rest with the causal mask."""
     # Keys below every query's position (and kv_len) need no mask; the rest do.
     no_mask_end = tl.minimum(kv_len, tl.min(tl.where(m_valid, pos, kv_len), 0) + 1)
     no_mask_end = no_mask_end // BLOCK_N * BLOCK_N  # whole tiles only: the unmasked pass has no tail mask
-    if FIXED_ORDER:
-        # Where the unmasked pass ends depends on the tile's other queries, and the two passes
-        # may round differently (the compiler may contract the scaled score into an FMA only
-        # when no mask sits between). One masked pass from key 0: a tile wholly invisible to
-        # a query is an exact no-op for it (alpha 1, p 0).
-        no_mask_end = no_mask_end * 0
     end = tl.minimum(kv_len, tl.max(pos, 0) + 1)
     return no_mask_end, end
 
@@ -105,7 +100,6 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FIXED_ORDER: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
@@ -138,7 +132,7 @@ def _prefill_kernel(
     pos = tl.load(positions_ptr + tok, mask=m_valid, other=-1).to(tl.int64)
 
     kv_len = tl.load(kv_lens_ptr + row).to(tl.int64)
-    no_mask_end, end = _key_ranges(kv_len, pos, m_valid, BLOCK_N, FIXED_ORDER)
+    no_mask_end, end = _key_ranges(kv_len, pos, m_valid, BLOCK_N)
 
     table_ptr = block_table_ptr + row.to(tl.int64) * stride_bt
     if KV_FP8:  # the key scale folded into the softmax scale (powers of two: exact)
@@ -159,67 +153,21 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_slots", "search_steps"])  # one binary for any step
-def _schedule_kernel(cu_q_ptr, kv_lens_ptr, work_ptr, entry_ptr, num_rows, num_slots, search_steps,
-                     BLOCK_Q: tl.constexpr, BLOCK: tl.constexpr):
-    """Per tile slot: its (row, first query) packed as ``row << 32 | q_first`` and its keys (the
-    last query's position + 1), or -1 / -1 for an empty slot."""
-    slot = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_range = slot < num_slots
-    # the slot's row: the last r with cu_query_lens[r] // BLOCK_Q + r <= slot (binary search)
-    lo = tl.zeros([BLOCK], tl.int32)
-    hi = lo + num_rows
-    for _ in range(search_steps):
-        mid = (lo + hi) // 2
-        go = hi - lo > 1
-        right = (tl.load(cu_q_ptr + mid, mask=go, other=0) // BLOCK_Q + mid) <= slot
-        lo = tl.where(go & right, mid, lo)
-        hi = tl.where(go & ~right, mid, hi)
-    q_begin = tl.load(cu_q_ptr + lo, mask=in_range, other=0)
-    q_len = tl.load(cu_q_ptr + lo + 1, mask=in_range, other=0) - q_begin
-    q_first = (slot - (q_begin // BLOCK_Q + lo)) * BLOCK_Q
-    live = in_range & (q_first < q_len)
-    kv_len = tl.load(kv_lens_ptr + lo, mask=in_range, other=0)
-    keys = kv_len - q_len + tl.minimum(q_first + BLOCK_Q, q_len)  # a row's queries end at position kv_len - 1
-    tl.store(work_ptr + slot, tl.where(live, keys, -1), mask=in_range)
-    tl.store(entry_ptr + slot, tl.where(live, (lo.to(tl.int64) << 32) | q_first.to(tl.int64), -1), mask=in_range)
-
-
-def tile_schedule(meta: AttentionMetadata, block_q: int, num_slots: int) -> torch.Tensor:
-    """int64 [num_slots]: the step's tiles as ``row << 32 | first query``, most keys first, -1
-    for empty slots (last). Computed by the first layer that asks and kept on ``meta`` (one
-    step's metadata) for the others; a few launches, inside the step's graph when captured."""
-    key = ("prefill_schedule", block_q, num_slots)
-    if key not in meta.scratch:
-        dev = meta.cu_query_lens.device
-        work = torch.empty(num_slots, dtype=torch.int32, device=dev)
-        entry = torch.empty(num_slots, dtype=torch.int64, device=dev)
-        block = 1024
-        _schedule_kernel[(triton.cdiv(num_slots, block),)](
-            meta.cu_query_lens, meta.kv_lens, work, entry, meta.num_rows, num_slots, meta.num_rows.bit_length(),
-            BLOCK_Q=block_q, BLOCK=block)
-        meta.scratch[key] = entry[torch.argsort(work, descending=True)]
-    return meta.scratch[key]
-
-
-def prefill_tiles(group: int, device: torch.device, fixed_order: bool = False) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_N): ~64 matrix rows per program on GPU; small tiles on CPU so tiny
-    test shapes still cross tile boundaries. ``fixed_order`` (batch-invariant mode, where
-    decode rows run here too): 16 matrix rows, the decode kernel's size, so a decode row
-    (one token: GROUP real rows) does not pay for 64. Keys: 32 per tile on GPU (64 with
-    ``fixed_order``), see ``max_registers``."""
+def prefill_tiles(group: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_N): ~64 matrix rows per program on GPU, 32 keys per tile (see
+    ``max_registers``); small tiles on CPU so tiny test shapes still cross tile boundaries."""
     block_g = max(1, triton.next_power_of_2(group))
-    rows = 16 if device.type == "cpu" or fixed_order else 64
-    return max(1, rows // block_g), 16 if device.type == "cpu" else (64 if fixed_order else 32)
+    rows = 16 if device.type == "cpu" else 64
+    return max(1, rows // block_g), 16 if device.type == "cpu" else 32
 
 
-def max_registers(head_dim: int, device: torch.device, fixed_order: bool = False) -> int | None:
+def max_registers(head_dim: int, device: torch.device) -> int | None:
     """Registers per thread the compiler may use (None: its choice). Capped at 128 for 64-row
     tiles of 32 keys and head_dim <= 128, four programs fit an H100 SM instead of two (its
     choice: 232 registers): 1.2x on a 30B-A3B / 8B / 0.6B-shaped mixed step of 8,192 tokens
     (``kernel-times paged-attention --sweep-prefill``). Larger heads keep the compiler's choice
     (the accumulator alone would take the cap)."""
-    return 128 if device.type == "cuda" and not fixed_order and head_dim <= 128 else None
+    return 128 if device.type == "cuda" and head_dim <= 128 else None
 
 
 def prefill_attention(
@@ -241,11 +189,16 @@ def prefill_attention(
 
     ``block_q`` / ``block_n`` / ``num_warps`` / ``num_stages`` / ``maxnreg`` override the
     query-token and key tile sizes and launch settings (tests, ``kernel-times paged-attention --sweep-prefill``).
-    ``fixed_order``: every key tile takes the same masked update (batch-invariant mode).
+    ``fixed_order``: the batch-invariant kernel instead (``triton_invariant_attention``; the
+    tile arguments do not apply).
     ``heads_fastest``: the grid's first axis is the KV head, so the programs of one query tile
     start together (7 % faster than tiles first on a mixed step: the heads' K/V of a token
     share one record in the cache, see ``kernel-times paged-attention --grid-order``); same bits.
     ``kv_scale`` [2, KVH]: an e4m3 cache's key / value scales."""
+    if fixed_order:
+        from megatron_async.kernels.triton_invariant_attention import invariant_attention
+
+        return invariant_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
     check_cache(kv_cache, q)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -254,13 +207,13 @@ def prefill_attention(
         return out
     group = num_heads // num_kv_heads
     block_g = max(1, triton.next_power_of_2(group))
-    default_q, default_n = prefill_tiles(group, q.device, fixed_order)
+    default_q, default_n = prefill_tiles(group, q.device)
     block_q = block_q or default_q
     block_n = block_n or default_n
     if block_q * block_g < 16:
         block_q = triton.cdiv(16, block_g)  # tl.dot needs >= 16 rows on GPU
     if maxnreg is None:  # 0: the compiler's choice
-        maxnreg = max_registers(head_dim, q.device, fixed_order)
+        maxnreg = max_registers(head_dim, q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
     tiles = num_tokens // block_q + meta.num_rows
@@ -274,7 +227,7 @@ def prefill_attention(
         scale * _LOG2E, scale_ptr, num_kv_heads,
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        **dot_args(_prefill_kernel, kv_cache.dtype, q.dtype), FIXED_ORDER=fixed_order,
+        **dot_args(_prefill_kernel, kv_cache.dtype, q.dtype),
         HEADS_FASTEST=heads_fastest, KV_FP8=fp8, num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )

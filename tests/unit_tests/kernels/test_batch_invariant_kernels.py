@@ -47,9 +47,24 @@ def test_matmul_rows_invariant_and_correct(k, n, bias):
     w, x = _randn(n, k, seed=1), _randn(64, k, seed=2)
     b = _randn(n, seed=3) if bias else None
     _assert_rows_invariant(lambda t: invariant_linear(t, w, b), x)
+    if k == 1100:  # the K ranges added in one program (large batches) or by the sum kernel: same bits
+        assert torch.equal(invariant_linear(x, w, b, in_program=True), invariant_linear(x, w, b, in_program=False))
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
     tol = dict(rtol=1e-4, atol=1e-3) if DTYPE == torch.float32 else dict(rtol=2e-2, atol=2e-1)
     torch.testing.assert_close(invariant_linear(x, w, b).float(), ref, **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("n,k", [(1024, 2048), (1024, 3072), (4096, 1024)])
+def test_gpu_matmul_prefill_rows_equal_decode_rows(n, k):
+    """The 0.6B's o_proj / down_proj / qkv shapes: rows of an 8,192-row prefill GEMM (K ranges added
+    in one program) equal the same rows in 1- and 64-row GEMMs (a program per K range)."""
+    w, x, b = _randn(n, k, seed=1), _randn(8192, k, seed=2), _randn(n, seed=3)
+    full = invariant_linear(x, w, b)
+    for start, rows in ((0, 1), (100, 64), (8192 - 64, 64)):
+        assert torch.equal(invariant_linear(x[start:start + rows], w, b), full[start:start + rows]), (start, rows)
+    torch.testing.assert_close(full.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-1)
 
 
 def test_rmsnorm_and_fused_add_rows_invariant():
