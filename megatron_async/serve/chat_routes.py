@@ -25,16 +25,19 @@ def chat_router(inputs: RequestInput, text_of: resp.TokenText) -> APIRouter:
         req = await inputs.parse(request, proto.ChatCompletionRequest)
         inputs.check_model(req.model)
         inputs.check_n(req.n)
-        if state.chat_template is None:
+        if state.chat_template is None and req.prompt_token_ids is None:
             raise proto.BadRequest(f"{state.model_name} has no chat template; use /v1/completions")
         tools = tool_calls.template_tools(req)
-        if tools is not None:  # the template sees them as one more variable
-            req.chat_template_kwargs = {**(req.chat_template_kwargs or {}), "tools": tools}
-        messages = [m.as_template_message() for m in req.messages]
-        add_generation_prompt, template_kwargs = proto.chat_template_kwargs(req)
-        big = sum(len(m.get("content") or "") for m in messages) > OFF_LOOP_BYTES
-        text = await inputs.off_loop(big, inputs.render, messages, add_generation_prompt, template_kwargs)
-        [prompt] = await inputs.tokens([text], add_special_tokens=False)
+        if req.prompt_token_ids is not None:
+            text, prompt = await token_prompt(inputs, req)
+        else:
+            if tools is not None:  # the template sees them as one more variable
+                req.chat_template_kwargs = {**(req.chat_template_kwargs or {}), "tools": tools}
+            messages = [m.as_template_message() for m in req.messages]
+            add_generation_prompt, template_kwargs = proto.chat_template_kwargs(req)
+            big = sum(len(m.get("content") or "") for m in messages) > OFF_LOOP_BYTES
+            text = await inputs.off_loop(big, inputs.render, messages, add_generation_prompt, template_kwargs)
+            [prompt] = await inputs.tokens([text], add_special_tokens=False)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, state.max_model_len - len(prompt))
         if req.top_logprobs and not req.logprobs:
             raise proto.BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
@@ -62,14 +65,28 @@ def chat_router(inputs: RequestInput, text_of: resp.TokenText) -> APIRouter:
                 return [templates[i](text) if tokens is None else templates[i](text, tokens)]
             deltas = streams[i].feed(text) + (streams[i].finish() if finish else [])
             finish = streams[i].finish_reason(finish) if finish else None
-            return [head.body([c]) for c in chunk_choices(i, deltas, first, finish, tokens, lp)]
+            extra = {"prompt_token_ids": prompt} if first and req.return_token_ids else {}
+            return [head.body([c], **extra) for c in chunk_choices(i, deltas, first, finish, tokens, lp)]
 
         def whole(outs: list[RequestOutput]) -> dict:
             body = [resp.chat_choice(i, o, text_of, req.return_token_ids) for i, o in enumerate(outs)]
             for c, o in zip(body, outs):
                 c["message"], c["finish_reason"] = output.message(o.generated_text or "", o.finish_reason)
-            return head.body(body, usage=usage([prompt], outs))
+            extra = {"prompt_token_ids": prompt} if req.return_token_ids else {}
+            return head.body(body, usage=usage([prompt], outs), **extra)
 
         return await respond(state.engine_loop, request, req, choices, head, chunk, whole, [prompt])
 
     return router
+
+
+async def token_prompt(inputs: RequestInput, req: proto.ChatCompletionRequest) -> tuple[str, list[int]]:
+    """(its text, the ids) of a request whose prompt is ``prompt_token_ids``: nothing rendered (the
+    engine checks the ids against its vocabulary); fields only the template would read are refused."""
+    for name in ("messages", "chat_template_kwargs"):
+        if getattr(req, name):
+            raise proto.BadRequest(f"prompt_token_ids is the whole prompt: {name} cannot be given with it", name)
+    [prompt] = await inputs.tokens([req.prompt_token_ids])
+    tokenizer = inputs.state.tokenizer
+    text = await inputs.off_loop(len(prompt) > OFF_LOOP_BYTES // 8, tokenizer.decode, prompt) if tokenizer else ""
+    return text, prompt

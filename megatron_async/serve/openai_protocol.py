@@ -76,6 +76,7 @@ class _SamplingFields(_Strict, StructuredFields):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    metadata: dict[str, str] | None = None  # accepted and ignored, as OpenAI does without stored completions
     # extras (vLLM names)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -178,7 +179,11 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(default_factory=list)
+    """At least one, unless ``prompt_token_ids`` is the prompt."""
+    prompt_token_ids: TokenIds | None = Field(default=None, min_length=1)
+    """The prompt as token ids, the chat template not rendered (a multi-turn rollout sends its
+    earlier turns as the ids they were, never re-tokenized); instead of ``messages``."""
     tools: list[FunctionTool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
@@ -189,6 +194,12 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _a_prompt(self):
+        if not self.messages and self.prompt_token_ids is None:
+            raise ValueError("messages: at least one (or prompt_token_ids)")
+        return self
 
 
 _TEMPLATE_RESERVED = ("messages", "self")

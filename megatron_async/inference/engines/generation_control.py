@@ -50,8 +50,10 @@ class GenerationControl:
     def suspend(self, tags, keep_weights_on_host: bool) -> None:
         """Free device memory by tag ("weights": the parameters; "kv_cache": the KV pool, the
         Mamba state pools and the CUDA graph pools) for a colocated trainer; needs
-        ``InferenceConfig.enable_suspend`` and ``pause_generation("keep")`` (or "abort") with the
-        in-flight launch landed. Running requests keep their KV (copied to host memory) and
+        ``InferenceConfig.enable_suspend``, and while requests are unfinished
+        ``pause_generation("keep")`` (or "abort") with the in-flight launch landed. An idle engine
+        needs no pause (``step()`` then raises ``SuspendError`` until ``resume``: a request added
+        meanwhile waits only under a pause). Running requests keep their KV (copied to host memory) and
         continue token-identically after ``resume``. ``keep_weights_on_host=False`` drops the
         weights: refill them with ``update_weights`` after ``resume(("weights",))`` and before
         ``resume(("kv_cache",))``. Wrong orders raise ``SuspendError`` and change nothing
@@ -60,8 +62,9 @@ class GenerationControl:
         landed the in-flight launch there; paused exchanges are host-only."""
         eng = self.engine
         eng.memory.check_enabled()
-        if eng._pause not in ("keep", "abort"):
-            raise SuspendError("suspend while generating: pause_generation('keep') first")
+        if eng._pause not in ("keep", "abort") and (eng._requests or eng._pending is not None):
+            raise SuspendError(f"suspend while generating ({len(eng._requests)} unfinished requests): "
+                               "pause_generation('keep') first")
         if eng._pending is not None:
             raise SuspendError("a launch is in flight: step() once after pause_generation to land it, then suspend")
         eng.memory.suspend(tags, keep_weights_on_host)

@@ -178,6 +178,32 @@ def test_prefix_cache_is_not_hit_after_the_kv_cache_was_released(checkpoints):
     assert _tokens(again) == _tokens(first)
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "serial"])
+def test_an_idle_engine_suspends_without_a_pause(checkpoints, async_scheduling):
+    """Idle (every request reported finished, nothing in flight): suspend needs no pause, the
+    memory is released, and after resume the next requests are those of an engine never
+    suspended. A request still queued or running refuses it; with one added while suspended,
+    step() says to resume first and the request runs afterwards."""
+    params = _params(True)
+    llm, eng = _engine(checkpoints["gpt"], async_scheduling)
+    reference = [o.generated_tokens for o in _engine(checkpoints["gpt"], async_scheduling)[0].generate(PROMPTS, params)]
+    first = [o.generated_tokens for o in llm.generate(PROMPTS, params)]
+    eng.suspend(BOTH)
+    assert _released(eng) and not eng.is_paused
+    eng.resume(BOTH)
+    assert first == reference and [o.generated_tokens for o in llm.generate(PROMPTS, params)] == reference
+    eng.add_request(PROMPTS[0], params[0])  # queued, not admitted: not idle
+    with pytest.raises(SuspendError, match="while generating"):
+        eng.suspend(BOTH)
+    out = drive(eng)[0]
+    eng.suspend(("kv_cache",))
+    rid = eng.add_request(PROMPTS[0], params[0])
+    with pytest.raises(SuspendError, match="resume them first"):
+        eng.step()
+    eng.resume(("kv_cache",))
+    assert drive(eng)[0][rid].generated_tokens == reference[0] == next(iter(out.values())).generated_tokens
+
+
 def test_suspend_needs_the_config_flag(checkpoints):
     llm = LLM(str(checkpoints["gpt"]), inference_config=InferenceConfig(**CFG))
     llm.engine.pause_generation("keep")
