@@ -56,6 +56,10 @@ class InferenceConfig:
     """Split prompts longer than the per-step token budget over several steps.
     Off: a prompt must fit ``max_tokens`` whole, else it is rejected."""
 
+    priority_aging: int = 16
+    """``SamplingParams.priority``: a waiting request moves up one class for every this many
+    requests admitted while it waits, so a low class still progresses."""
+
     enable_prefix_caching: bool = False
     """Share complete KV blocks between requests with equal prefixes and skip their prefill."""
 
@@ -270,7 +274,7 @@ class InferenceConfig:
 
     def validate(self) -> None:
         """Raise ValueError on settings that cannot work (changes nothing)."""
-        for name in ("block_size_tokens", "max_requests", "max_tokens", "max_sequence_length"):
+        for name in ("block_size_tokens", "max_requests", "max_tokens", "max_sequence_length", "priority_aging"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"InferenceConfig.{name} must be positive, got {getattr(self, name)}")
         if self.buffer_size_gb is not None and self.buffer_size_gb < 0:

@@ -33,6 +33,7 @@ class Scheduling:
     max_tokens: int
     max_sequence_length: int
     enable_chunked_prefill: bool
+    priority_aging: int
     async_scheduling: bool
     stream_text: bool
     logging_step_interval: int

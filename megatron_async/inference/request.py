@@ -89,6 +89,9 @@ class SamplingParams:
     """Words never generated, with and without a leading space (both spellings are banned): a
     one-token spelling is never sampled; the last token of a longer one (up to 8 tokens, 16 such
     spellings) is not sampled right after its other tokens were generated (vLLM's rule)."""
+    priority: int = 0
+    """Scheduling class: waiting requests of a lower class are admitted first (FIFO within one); a
+    request moves up one class per ``InferenceConfig.priority_aging`` admissions while it waits."""
     structured_outputs: StructuredOutputs | None = None
     """What the generated text must match (a JSON schema, any JSON object, a regex, a choice, a
     grammar): every sampled token is one the grammar allows, and the request ends with "stop" when
@@ -142,6 +145,8 @@ class SamplingParams:
             raise InvalidRequestError(f"num_tokens_to_generate must be >= {least}, got {self.num_tokens_to_generate}")
         if self.top_n_logprobs < 0 or self.top_n_logprobs > vocab_size:
             raise InvalidRequestError(f"top_n_logprobs must be in [0, {vocab_size}], got {self.top_n_logprobs}")
+        if not -(2**31) <= self.priority < 2**31:
+            raise InvalidRequestError(f"priority must be in [-2**31, 2**31), got {self.priority}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.termination_id is not None and not 0 <= self.termination_id < vocab_size:
@@ -277,6 +282,8 @@ class DynamicInferenceRequest:
     """``structured_outputs``: the grammar state of the generated tokens (engines/grammar_masks.py)."""
     share_key: tuple[bytes, bytes] | None = None
     """(block hash key, digest of its last shareable prompt block) (contexts/prompt_sharing.py)."""
+    queued_after: int = 0
+    """Requests the scheduler had admitted when this one was queued (``SamplingParams.priority``)."""
     waited_for_prompt: bool = False
     """It waits for another request prefilling the same prompt (contexts/prompt_sharing.py)."""
     spec_drafts_fresh: bool = False

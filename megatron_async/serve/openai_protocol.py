@@ -77,6 +77,7 @@ class _SamplingFields(_Strict, StructuredFields):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None  # accepted and ignored, as OpenAI does without stored completions
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)  # vLLM's: lower is admitted first
     # extras (vLLM names)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -261,7 +262,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
         structured_outputs=structured_outputs, logit_bias=logit_bias, allowed_token_ids=req.allowed_token_ids,
-        bad_words=req.bad_words,
+        bad_words=req.bad_words, priority=req.priority,
     )
 
 

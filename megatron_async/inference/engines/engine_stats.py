@@ -39,6 +39,9 @@ class EngineStats:
     """Requests that gave back their KV at a weight update to recompute it with the new weights."""
     prefix_hit_tokens: int = 0
     """Prompt tokens whose prefill was skipped: prefix-cache hits and prompts shared while held."""
+    admitted_out_of_order: int = 0
+    """Admissions that passed a request queued before them (``SamplingParams.priority``, or one
+    waiting for a shared prompt)."""
     prompt_shares: int = 0
     """Requests that waited at admission for another request prefilling the same prompt
     (``InferenceConfig.share_prompt_prefill``)."""

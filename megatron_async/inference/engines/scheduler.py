@@ -9,10 +9,12 @@ the engine always makes progress. Requests with a sample still in flight are sch
 only from the launch that made it (their input is gathered on the device)."""
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 from megatron_async.config import Scheduling
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron_async.inference.engines.admission_order import admission_order
 from megatron_async.inference.engines.request_book import RequestBook
 from megatron_async.inference.request import DynamicInferenceRequest, Status
 from megatron_async.inference.step_plan import RowPlan, StepPlan
@@ -28,6 +30,13 @@ class Scheduler:
         self.num_paused_events = 0
         self.num_evicted_events = 0
         self.prefix_hit_tokens = 0
+        self.admissions = 0
+        """Requests admitted so far (re-admissions after eviction included)."""
+        self.out_of_order = 0
+        """Admissions that passed a request queued before (a lower class, or one waiting for a
+        shared prompt)."""
+        self._prioritized: set[int] = set()
+        """Ids of waiting, never admitted requests with a priority other than 0."""
         self.admits_new = True
         """False (``pause_generation("wait")``): only requests admitted before (evicted ones) are
         admitted again, so the running ones can finish."""
@@ -38,6 +47,9 @@ class Scheduler:
 
     def add(self, req: DynamicInferenceRequest) -> None:
         self.book.admit(req)
+        req.queued_after = self.admissions
+        if req.sampling_params.priority:
+            self._prioritized.add(req.request_id)
         self.waiting.append(req)
 
     def requeue_front(self, req: DynamicInferenceRequest) -> None:
@@ -45,6 +57,7 @@ class Scheduler:
 
     def remove_waiting(self, req: DynamicInferenceRequest) -> None:
         self.waiting.remove(req)
+        self._prioritized.discard(req.request_id)
 
     def wants_token(self, req: DynamicInferenceRequest) -> bool:
         """More tokens may be sampled without passing a length limit known on the CPU
@@ -220,30 +233,44 @@ class Scheduler:
         return plan
 
     def _admit_waiting(self, plan: StepPlan, budget: int, any_paused: bool) -> None:
-        """Admissions, FIFO, only while nothing is paused; a request whose prompt another is
-        prefilling right now waits for its blocks (contexts/prompt_sharing.py), the next ones go on."""
-        ctx = self.ctx
-        i, sharing = 0, ctx.sharing
-        while (
-            i < len(self.waiting) and budget > 0 and len(ctx.active) < self.config.max_requests
-            and not (any_paused and any(r.status == Status.PAUSED for r in ctx.active.values()))
-        ):
-            req = self.waiting[i]
+        """Admissions in queue order (by class with priorities: admission_order.py), only while
+        nothing is paused; a request whose prompt another is prefilling right now waits for its
+        blocks (contexts/prompt_sharing.py), the next ones go on."""
+        ctx, waiting, sharing = self.ctx, self.waiting, self.ctx.sharing
+        order = admission_order(waiting, self.admissions, self.config.priority_aging) if self._prioritized else None
+        admitted = []
+        for n in range(len(waiting)):
+            if not (budget > 0 and len(ctx.active) < self.config.max_requests
+                    and not (any_paused and any(r.status == Status.PAUSED for r in ctx.active.values()))):
+                break
+            i = n if order is None else order[n]
+            req = waiting[i]
             if req.num_inflight:
                 break  # an evicted request whose last sample has not landed yet
             if not self.admits_new and req.weights_epoch < 0:
                 break  # never admitted
             if sharing.enabled and sharing.waits(req):
-                i += 1
                 continue
             hit = self.book.activate(req)
             used = self._schedule_prefill(req, budget, plan)
             if used == 0:
                 self.book.evict(req)  # undo the admission: back to waiting, prefix refs dropped
                 break
-            del self.waiting[i]
+            admitted.append(i)
             self.prefix_hit_tokens += hit
             budget -= used
+        self._dequeue(admitted)
+
+    def _dequeue(self, admitted: list[int]) -> None:
+        """Take the requests at queue indices ``admitted`` (in admission order) off the queue."""
+        self.admissions += len(admitted)
+        taken: list[int] = []
+        for i in admitted:
+            self.out_of_order += bisect.bisect_left(taken, i) < i  # one queued before it still waits
+            bisect.insort(taken, i)
+        for i in sorted(admitted, reverse=True):
+            self._prioritized.discard(self.waiting[i].request_id)
+            del self.waiting[i]
 
     def _active_by_age(self) -> list[DynamicInferenceRequest]:
         """The active requests, oldest first; sorted again only when the set changed."""

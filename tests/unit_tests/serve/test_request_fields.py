@@ -1,0 +1,41 @@
+"""README's table of request fields names exactly the fields the request models accept, and a
+field outside them is a 400 naming it."""
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_async.serve.openai_protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse_body
+
+README = Path(__file__).resolve().parents[3] / "README.md"
+
+
+def table_fields() -> set[str]:
+    text = README.read_text()
+    section = text.split("### Request fields", 1)[1].split("\n## ", 1)[0]
+    names = set()
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        first = line.split("|")[1]
+        for name in re.findall(r"`([^`]+)`", first):
+            name = name.split(".")[0].split(" ")[0]
+            names.add("guided" + name if name.startswith("_") else name)
+    return names
+
+
+def model_fields() -> set[str]:
+    return {f.alias or name for m in (CompletionRequest, ChatCompletionRequest) for name, f in m.model_fields.items()}
+
+
+def test_the_table_lists_every_accepted_field():
+    assert table_fields() == model_fields()
+
+
+@pytest.mark.parametrize("field", ["use_beam_search", "length_penalty", "truncate_prompt_tokens", "functions", "store"])
+def test_other_fields_are_refused_by_name(field):
+    for model, body in ((CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": [
+            {"role": "user", "content": "x"}]})):
+        with pytest.raises(BadRequest) as e:
+            parse_body(model, {**body, field: 1})
+        assert e.value.param == field
