@@ -213,6 +213,7 @@ class ZMQCommunicator:
         if leader:
             self._posting = (seq, [r for r in range(1, self.world_size) if codes[r]])
             self.plain_rounds += blob is None
+            self._early += self.transport.take_waiting()  # for their collectives; strangers' frames dropped
             return result, payload
         if codes[0] == 0:
             self.plain_rounds += upload is None

@@ -125,9 +125,15 @@ class ZMQTransport:
         t0 = time.monotonic()
         while True:
             self._wait(what, t0)
-            got = self.listener.take()
+            got = self.take_waiting()
             if got:
-                return [(int(peer.name), mtype, fields) for peer, mtype, fields in got]
+                return got
+
+    def take_waiting(self) -> list[tuple[int, wire.MessageType, list]]:
+        """Rank 0: (rank, type, fields) of the ranks' messages waiting now (non-blocking); strangers'
+        frames are dropped and counted on the way (the shared-memory path calls it every round,
+        so they never pile up unread)."""
+        return [(int(peer.name), mtype, fields) for peer, mtype, fields in self.listener.take()]
 
     # ------------------------------------------------------------------ liveness
     def _wait(self, what: str, since: float) -> None:

@@ -33,3 +33,21 @@ def test_a_step_of_256_updates_travels_flat():
     message = ipc.encode_entries(entries)
     assert len(message) < 0.7 * len(pickle.dumps(entries))  # flat tuples, not pickled NamedTuples
     assert ipc.decode_entries(message) == entries
+
+
+def test_the_front_ends_sockets_live_in_a_directory_only_this_user_enters():
+    """The front-end <-> engine messages are pickled: only this user's processes may reach them."""
+    import os
+    import stat
+
+    from megatron_async.inference.communication.rendezvous import private_dir_ok
+
+    ends = ipc.Endpoints.create()
+    try:
+        st = os.stat(ends.directory)
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid() and private_dir_ok(ends.directory)
+        for ep in (ends.bridge, ends.events(3)):
+            assert ep.startswith("ipc://") and os.path.dirname(ep[len("ipc://"):]) == ends.directory
+    finally:
+        ends.remove()
+    assert not os.path.exists(ends.directory)
