@@ -7,6 +7,7 @@ import logging
 import numbers
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
