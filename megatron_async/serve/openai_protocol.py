@@ -57,6 +57,13 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    """vLLM's usage in every chunk: not served, so ``true`` is refused rather than ignored."""
+
+    @model_validator(mode="after")
+    def _no_per_chunk_usage(self):
+        if self.continuous_usage_stats:
+            raise ValueError("continuous_usage_stats is not supported (include_usage gives a last chunk with usage)")
+        return self
 
 
 class _SamplingFields(_Strict, StructuredFields):

@@ -39,3 +39,10 @@ def test_other_fields_are_refused_by_name(field):
         with pytest.raises(BadRequest) as e:
             parse_body(model, {**body, field: 1})
         assert e.value.param == field
+
+
+def test_per_chunk_usage_is_refused_not_ignored():
+    body = {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    with pytest.raises(BadRequest, match="continuous_usage_stats"):
+        parse_body(CompletionRequest, body)
+    parse_body(CompletionRequest, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": False}})
