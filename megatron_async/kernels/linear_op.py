@@ -32,6 +32,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _invariant_linear()(x, weight, bias)
 
 
+def invariant_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Batch-invariant ``silu(gate) * up`` of a [gate | up] weight in one kernel, bit-equal to
+    ``linear(..., batch_invariant=True)`` then the SiLU-mul; None where that kernel does not take
+    the weight (see triton_invariant_matmul.invariant_swiglu)."""
+    from megatron_async.kernels.triton_invariant_matmul import invariant_swiglu as fused
+
+    return fused(x, weight, bias)
+
+
 @functools.cache
 def _invariant_linear():
     # imported on first use: tests set TRITON_INTERPRET before the kernels are decorated

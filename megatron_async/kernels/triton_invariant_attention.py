@@ -5,11 +5,16 @@ other rows, on how its prompt was chunked, or on decode vs prefill.
 Split-KV with split boundaries in absolute key positions. A query at position p sees keys
 [0, L), L = min(p + 1, kv_len); they fall into ``n = cdiv(L, S)`` splits [s S, (s + 1) S)
 of the fixed size S (``split_size``: a function of the block table's width only). For each
-split the query gets the fp32 online softmax of its keys, walked from s S in BLOCK_N tiles
-with the same masked update for every tile (a tile wholly invisible to the query is an
-exact no-op for it: alpha 1, p 0), normalised to (o_s, lse_s). With n == 1 the query's
-output is o_0; otherwise a second kernel merges o_0 .. o_{n-1} in split order. Neither the
-partials nor the merge depend on the batch: a long decode row is cut into the same splits
+split the query gets the fp32 online softmax of its keys, walked from s S in BLOCK_N tiles in
+key order, normalised to (o_s, lse_s). Tiles below every query of the program's tile run
+without the causal mask, the rest with it (a tile wholly invisible to a query is an exact
+no-op for it: alpha 1, p 0); where that line falls depends on the tile's other queries, so
+the kernel is compiled without FMA contraction (``enable_fp_fusion=False``): the masked
+update's select would otherwise keep the scaled score out of the FMA the unmasked one forms
+(sm_90 SASS: 18 FFMA per unmasked tile with contraction, none without), and a key tile gives
+a query the same bits in either loop. With n == 1 the query's output is o_0; otherwise a
+second kernel merges o_0 .. o_{n-1} in split order. Neither the partials nor the merge depend
+on the batch: a long decode row is cut into the same splits
 as the prefill tokens of a long prompt, and every split is its own program, so a decode
 step of a few long rows still fills the device (flash-decoding, with the splits fixed in
 absolute positions as batch-invariant modes elsewhere fix them).
@@ -33,7 +38,7 @@ import triton
 import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
-from megatron_async.kernels.triton_paged_common import check_cache, dot_args, kv_scale_args, kv_tile_rows, load_kv
+from megatron_async.kernels.triton_paged_common import attend_keys, check_cache, dot_args, kv_scale_args
 from megatron_async.kernels.triton_tile_schedule import tile_schedule
 
 _LOG2E = 1.4426950408889634
@@ -67,21 +72,6 @@ def _rows(q_begin, q_len, first, kv_head, GROUP: tl.constexpr, BLOCK_G: tl.const
     q_idx = first + offs_m // BLOCK_G
     g = offs_m % BLOCK_G
     return (q_begin + q_idx).to(tl.int64), kv_head * GROUP + g, (q_idx < q_len) & (g < GROUP)
-
-
-@triton.jit
-def _update(acc, l_i, m_i, q, pos, k_t, v, offs_n, kv_len, scale_log2,
-            DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The masked online-softmax update of one sub-tile with one K/V tile (scores in log2 units)."""
-    s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where((offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < kv_len), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet shift by 0
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
 
 
 @triton.jit
@@ -144,13 +134,18 @@ def _split_kernel(
     m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N)
-        k_t = tl.trans(load_kv(k_cache_ptr, rows, offs_d, n_mask, d_mask).to(DOT_DTYPE))
-        v = load_kv(v_cache_ptr, rows, offs_d, n_mask, d_mask).to(DOT_DTYPE)
-        acc, l_i, m_i = _update(acc, l_i, m_i, q, pos, k_t, v, offs_n, kv_len, scale_log2, DOT_DTYPE, DOT_PRECISION)
+    # Keys below every query's position need no mask (whole tiles from the split's start); the
+    # rest get it. Which of the two loops takes a key tile depends on the tile's other queries,
+    # so both must give a query the same bits: the kernel is built without FMA contraction (the
+    # masked loop's select would otherwise keep the scaled score out of an FMA the other forms).
+    lowest = tl.min(tl.where(valid, pos, kv_len), 0)
+    free_end = tl.maximum(lo, tl.minimum(tl.minimum(kv_len, lowest + 1), hi)) // BLOCK_N * BLOCK_N  # (provably whole tiles: one load predicate per tile)
+    acc, l_i, m_i = attend_keys(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask, lo,
+                          free_end, kv_len, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, False,
+                          DOT_DTYPE, DOT_PRECISION)
+    acc, l_i, m_i = attend_keys(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+                          free_end, hi, kv_len, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, True,
+                          DOT_DTYPE, DOT_PRECISION)
     _finish(acc, l_i, m_i, split, pos, kv_len, tok, heads, valid, offs_d, d_mask, vscale, out_ptr, part_ptr, lse_ptr,
             stride_ot, stride_oh, num_heads, SPLIT, MAX_SPLITS, HEAD_DIM, KV_FP8)
 
@@ -224,6 +219,7 @@ def invariant_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         GROUP=group, BLOCK_G=max(1, triton.next_power_of_2(group)), BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, MAX_SPLITS=max_splits,
         **dot_args(_split_kernel, kv_cache.dtype, q.dtype), KV_FP8=fp8, num_warps=4, num_stages=2,
+        enable_fp_fusion=False,
         **({"maxnreg": 128} if q.device.type == "cuda" and head_dim <= 128 else {}),
     )
     if max_splits > 1:

@@ -25,39 +25,10 @@ import triton
 import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
-from megatron_async.kernels.triton_paged_common import check_cache, dot_args, kv_scale_args, kv_tile_rows, load_kv
+from megatron_async.kernels.triton_paged_common import attend_keys, check_cache, dot_args, kv_scale_args
 from megatron_async.kernels.triton_tile_schedule import tile_schedule
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _attend_keys(
-    acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
-    lo, hi, kv_len, scale_log2, stride_cb, stride_cs, stride_ch,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Online-softmax update with keys [lo, hi); per-key masking only when CAUSAL_MASK."""
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N)
-        k = load_kv(k_cache_ptr, rows, offs_d, n_mask, d_mask)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2
-        if CAUSAL_MASK:
-            visible = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < kv_len)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Matrix rows with no visible key yet (padding) keep m = -inf: shift by 0 instead.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv(v_cache_ptr, rows, offs_d, n_mask, d_mask)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        m_i = m_new
-    return acc, l_i, m_i
 
 
 @triton.jit
@@ -140,10 +111,10 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+    acc, l_i, m_i = attend_keys(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
                                  0, no_mask_end, kv_len, scale_log2, stride_cb, stride_cs, stride_ch,
                                  BLOCK_SIZE, BLOCK_N, False, DOT_DTYPE, DOT_PRECISION)
-    acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+    acc, l_i, m_i = attend_keys(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
                                  no_mask_end, end, kv_len, scale_log2, stride_cb, stride_cs, stride_ch,
                                  BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, DOT_PRECISION)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a query with no visible key gets 0

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_async.kernels import fused_ops
+from megatron_async.kernels import fused_ops, linear_op
 from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.model_config import MLPConfig
 from megatron_async.models.quantization import NO_QUANT, QuantScope
@@ -30,6 +30,10 @@ class SwiGLUMLP(nn.Module):
         fused = step is None or step.kernels.fused
         if not inv and fused_ops.use_fused(x, fused) and x.dim() == 2 and self.gate_up_proj.weight_scale_inv is None:
             act = fused_ops.swiglu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+            if act is not None:
+                return self.down_proj(act, inv)
+        if inv and x.dim() == 2 and self.gate_up_proj.weight_scale_inv is None:
+            act = linear_op.invariant_swiglu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if act is not None:
                 return self.down_proj(act, inv)
         gate_up = self.gate_up_proj(x, inv)

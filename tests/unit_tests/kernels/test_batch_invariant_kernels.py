@@ -67,6 +67,38 @@ def test_gpu_matmul_prefill_rows_equal_decode_rows(n, k):
     torch.testing.assert_close(full.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-1)
 
 
+@pytest.mark.parametrize("m,inter,k,bias", [(64, 48, 40, True), (37, 40, 96, False)])
+def test_swiglu_equals_matmul_then_silu_mul(m, inter, k, bias):
+    """The fused gate_up + SiLU-mul kernel: the unfused mode's bits (matmul, then silu_and_mul), rows
+    invariant; a weight whose tiles cut K is left to the unfused path."""
+    from megatron_async.kernels.triton_act import silu_and_mul
+    from megatron_async.kernels.triton_invariant_matmul import invariant_swiglu
+
+    w, x = _randn(2 * inter, k, seed=11), _randn(m, k, seed=12)
+    b = _randn(2 * inter, seed=13) if bias else None
+    assert tile_config(2 * inter, k, torch.device(DEVICE)).split_k == 1
+    fused = invariant_swiglu(x, w, b)
+    assert fused.shape == (m, inter) and torch.equal(fused, silu_and_mul(invariant_linear(x, w, b)))
+    _assert_rows_invariant(lambda t: invariant_swiglu(t, w, b), x)
+    if DEVICE == "cpu":  # the CPU tiles cut K of a narrow weight with K > 32
+        assert invariant_swiglu(_randn(4, 100, seed=14), _randn(64, 100, seed=15)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+def test_gpu_swiglu_prefill_rows_equal_decode_rows():
+    """The 0.6B's gate_up [6,144, 1,024]: fused rows of an 8,192-row step equal the unfused path and
+    the same rows in 1- and 64-row steps."""
+    from megatron_async.kernels.triton_act import silu_and_mul
+    from megatron_async.kernels.triton_invariant_matmul import invariant_swiglu
+
+    w, x = _randn(6144, 1024, seed=1), _randn(8192, 1024, seed=2)
+    full = invariant_swiglu(x, w)
+    assert torch.equal(full, silu_and_mul(invariant_linear(x, w)))
+    for start, rows in ((0, 1), (100, 64), (8192 - 64, 64)):
+        assert torch.equal(invariant_swiglu(x[start:start + rows], w), full[start:start + rows]), (start, rows)
+
+
 def test_rmsnorm_and_fused_add_rows_invariant():
     w = _randn(48, seed=4)
     x, r = _randn(64, 48, seed=5), _randn(64, 48, seed=6)

@@ -1,8 +1,8 @@
-"""The batch-invariant attention's kernels (split + merge) and the invariant matmul with its K
-ranges added in one program, compiled ahead of time for an H100 (sm_90) with the installed
+"""The batch-invariant attention's kernels (split + merge), the invariant matmul with its K ranges
+added in one program and the fused invariant SwiGLU, compiled ahead of time for an H100 (sm_90) with the installed
 Triton, on any machine: the interpreter tests cannot see a compile failure. The split kernel's
 64-row tile must use Hopper's wgmma (the tensor-core instruction the speed of prefill in the mode
-rests on). A subprocess without TRITON_INTERPRET; skipped where Triton has no CUDA backend."""
+rests on), built without FMA contraction as the launch asks. A subprocess without TRITON_INTERPRET; skipped where Triton has no CUDA backend."""
 from __future__ import annotations
 
 import json
@@ -35,7 +35,7 @@ def build(fn, types, consts, **opts):
         asm = triton.compile(ASTSource(fn, sig, consts), target=target, options=dict(num_warps=4, **opts)).asm
     except (KeyError, FileNotFoundError) as e:  # no CUDA backend / ptxas in this Triton
         print(json.dumps({"skip": f"{type(e).__name__}: {e}"})); sys.exit(0)
-    return {"cubin": "cubin" in asm, "wgmma": "wgmma.mma_async" in asm["ptx"]}
+    return {"cubin": "cubin" in asm, "wgmma": "wgmma.mma_async" in asm["ptx"], "fma": "fma.rn.f32" in asm["ptx"]}
 
 i32 = "i32"
 attn = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
@@ -51,7 +51,11 @@ for group, fp8 in ((2, False), (4, False), (2, True)):
     block_q, block_n = ia.tiles(group, __import__("torch").device("cuda"))
     out[f"split_g{group}_fp8{fp8}"] = build(ia._split_kernel, types, dict(
         GROUP=group, BLOCK_G=group, BLOCK_Q=block_q, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=block_n,
-        SPLIT=4096, MAX_SPLITS=5, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", KV_FP8=fp8), num_stages=2, maxnreg=128)
+        SPLIT=4096, MAX_SPLITS=5, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", KV_FP8=fp8), num_stages=2, maxnreg=128,
+        enable_fp_fusion=False)
+out["split_with_fusion"] = build(ia._split_kernel, dict(attn, kv_scale_ptr="*fp32"), dict(
+    GROUP=2, BLOCK_G=2, BLOCK_Q=32, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=32, SPLIT=4096, MAX_SPLITS=5,
+    DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", KV_FP8=False), num_stages=2, maxnreg=128, enable_fp_fusion=True)
 out["merge"] = build(ia._merge_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", positions_ptr="*i64",
                                            kv_lens_ptr="*i32", token_to_row_ptr="*i32", stride_ot=i32, stride_oh=i32,
                                            num_heads=i32),
@@ -60,7 +64,12 @@ out["matmul_in_program"] = build(im._matmul_kernel, dict(
     a_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", c_ptr="*bf16", ws_ptr="*bf16", M=i32, N=i32, K=i32,
     stride_am=i32, stride_ak=i32, stride_wn=i32, stride_wk=i32, stride_cm=i32),
     dict(K_PER_SPLIT=768, SPLIT_K=4, IN_PROGRAM=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8,
-         HAS_BIAS=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32"), num_stages=4)
+         HAS_BIAS=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", EVEN_K=True), num_stages=4)
+out["swiglu"] = build(im._swiglu_kernel, dict(
+    a_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", c_ptr="*bf16", M=i32, I=i32, K=i32,
+    stride_am=i32, stride_ak=i32, stride_wn=i32, stride_wk=i32, stride_cm=i32),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, HAS_BIAS=True, DOT_DTYPE=tl.bfloat16,
+         DOT_PRECISION="tf32", EVEN_K=True), num_stages=4)
 print(json.dumps(out))
 '''
 
@@ -75,3 +84,7 @@ def test_invariant_kernels_compile_for_sm90():
         pytest.skip(out["skip"])
     assert all(v["cubin"] for v in out.values()), out
     assert all(out[k]["wgmma"] for k in out if k.startswith("split")), out
+    # built as the launch builds it, no float FMA: the unmasked and masked key loops round alike
+    # (contraction on, the same source forms FMAs: what the launch option prevents)
+    assert not any(out[k]["fma"] for k in out if k.startswith("split_g")), out
+    assert out["split_with_fusion"]["fma"], out
