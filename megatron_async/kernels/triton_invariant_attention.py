@@ -105,9 +105,14 @@ def _split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     MAX_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
 ):
-    kv_head, split = tl.program_id(0), tl.program_id(2)
-    entry = tl.load(schedule_ptr + tl.program_id(1))
+    if HEADS_FASTEST:  # a tile's KV heads run side by side: they read the same tokens' K/V records
+        kv_head, tile = tl.program_id(0), tl.program_id(1)
+    else:
+        tile, kv_head = tl.program_id(0), tl.program_id(1)
+    split = tl.program_id(2)
+    entry = tl.load(schedule_ptr + tile)
     if entry < 0:  # an empty slot (the schedule lists them last)
         return
     row = (entry >> 32).to(tl.int32)
@@ -183,11 +188,13 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, positions_ptr, kv_lens_ptr, token_
 
 
 def invariant_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                        kv_scale: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
+                        kv_scale: torch.Tensor | None = None, split: int | None = None,
+                        heads_fastest: bool = True) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] (rows as in ``meta``) over each row's paged KV
     (already appended), batch-invariant (module docstring). Returns [T, H, D] in q's dtype.
     ``kv_scale`` [2, KVH]: an e4m3 cache's key / value scales. ``split``: keys per split (tests;
-    a multiple of the key tile), else ``split_size`` of the block table."""
+    a multiple of the key tile), else ``split_size`` of the block table. ``heads_fastest``: KV heads on
+    the grid's first axis (forced off past 65,535 query tiles; tests); same bits either way."""
     check_cache(kv_cache, q)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -211,14 +218,17 @@ def invariant_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    _split_kernel[(num_kv_heads, slots, max_splits)](
+    heads_fastest = heads_fastest and slots < 65536  # the grid's 2nd axis holds at most 65,535
+    grid = (num_kv_heads, slots, max_splits) if heads_fastest else (slots, num_kv_heads, max_splits)
+    _split_kernel[grid](
         q, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens, schedule,
         out, part, lse, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
         num_heads, scale * _LOG2E, scale_ptr, num_kv_heads,
         GROUP=group, BLOCK_G=max(1, triton.next_power_of_2(group)), BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, MAX_SPLITS=max_splits,
-        **dot_args(_split_kernel, kv_cache.dtype, q.dtype), KV_FP8=fp8, num_warps=4, num_stages=2,
+        **dot_args(_split_kernel, kv_cache.dtype, q.dtype), KV_FP8=fp8, HEADS_FASTEST=heads_fastest,
+        num_warps=4, num_stages=2,
         enable_fp_fusion=False,
         **({"maxnreg": 128} if q.device.type == "cuda" and head_dim <= 128 else {}),
     )
