@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from megatron_async.cli import flags
+from megatron_async.serve.http_flags import add_http_args, policy_from_args, refusal
 from megatron_async.serve.reasoning import REASONING_PARSERS
 from megatron_async.serve.tool_calls import TOOL_CALL_PARSERS, choose_parser
 
@@ -65,10 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-admin-endpoints", action="store_true",
                    help="serve POST /pause_generation, /resume_generation, /update_weights, /suspend, /resume, "
                         "/init_weight_transfer, /update_weights_from_distributed, /update_weights_from_ipc, "
-                        "/destroy_weight_transfer, /abort_requests (for an RL driver; anyone who can reach the "
-                        "port can call them)")
+                        "/destroy_weight_transfer, /abort_requests (for an RL driver; guarded by --admin-api-key, "
+                        "which a host other than loopback needs)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="splits a chat answer's <think>...</think> section into reasoning_content")
+    add_http_args(p)
     c = p.add_argument_group("data-parallel coordinator")
     where = c.add_mutually_exclusive_group()
     where.add_argument("--listen", default=None, metavar="ADDR",
@@ -101,6 +103,7 @@ def build_state(llm, args: argparse.Namespace):
         model_name=name, tokenizer=llm.tokenizer, chat_template=load_chat_template(args.model) if args.model else None,
         max_model_len=min(llm.config.max_sequence_length, kv_tokens), max_requests=llm.config.max_requests,
         max_request_bytes=args.max_request_bytes, admin_endpoints=args.enable_admin_endpoints,
+        policy=policy_from_args(args),
     )
     state.tool_call_parser = choose_parser(args.tool_call_parser, state.chat_template)
     state.reasoning_parser = args.reasoning_parser
@@ -111,6 +114,9 @@ def build_state(llm, args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if why := refusal(args, policy_from_args(args)):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     flags.resolve_device_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from megatron_async.cli.main_job import load_llm

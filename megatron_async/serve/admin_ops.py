@@ -68,7 +68,7 @@ def run_guarded(engine, action: Callable[[], Any]) -> tuple[int, dict]:
     try:
         action()
         return 200, engine_status(engine)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OSError) as e:  # OSError: a checkpoint path that cannot be read
         return 400, resp.error_body(str(e), 400)
     except Exception as e:  # noqa: BLE001 -- reported to the caller, the loop keeps serving: never a 5xx
         if not isinstance(e, (RuntimeError, NotImplementedError)):

@@ -7,41 +7,73 @@ generation, update the weights from a checkpoint directory, suspend and resume d
     POST /suspend            {"tags": ["weights", "kv_cache"], "keep_weights_on_host": true}
     POST /resume             {"tags": ["weights", "kv_cache"]}
 
-The body is checked here (in whichever process serves HTTP); the operation runs on the engine
-thread between two steps (admin_ops.py) and answers JSON with the engine's state; bad input is a
-400, an operation the engine's state refuses (wrong order, generation not paused) a 409, both as
-OpenAI error objects."""
+The body is checked here (in whichever process serves HTTP) as strictly as the OpenAI routes'
+(the size, timeout and key checks of http_guard.py, then: a JSON media type when the body is not
+empty, else 415; JSON that Python can hold; only the route's own fields); a path is a directory
+under ``--allowed-weights-dir`` (outside it: 403). The operation runs on the engine thread between
+two steps (admin_ops.py) and answers JSON with the engine's state; bad input is a 400, an
+operation the engine's state refuses (wrong order, generation not paused) a 409, both as OpenAI
+error objects, never a 5xx."""
 from __future__ import annotations
 
 import json
 import numbers
+import os
 from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from megatron_async.serve import request_body
 from megatron_async.serve import responses as resp
+from megatron_async.serve.openai_protocol import BadRequest
 
 
 class _BadBody(ValueError):
-    pass
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 def _json(body: dict, status: int = 200) -> Response:
     return Response(json.dumps(body), status_code=status, media_type="application/json")
 
 
-async def _body(request: Request) -> dict:
+def _refused(e: _BadBody) -> Response:
+    return _json(resp.error_body(str(e), e.status), e.status)
+
+
+async def _body(request: Request, fields: frozenset[str]) -> dict:
+    """The body as a JSON object holding only ``fields`` (an empty body: {})."""
     raw = await request.body()
     if not raw.strip():
         return {}
     try:
-        obj = json.loads(raw)
-    except ValueError as e:
-        raise _BadBody(f"the body is not JSON: {e}") from None
+        request_body.check_content_type(request.headers.get("content-type"))
+        obj = request_body.decode_json(raw)
+    except BadRequest as e:
+        raise _BadBody(str(e), e.status) from None
     if not isinstance(obj, dict):
         raise _BadBody("the body must be a JSON object")
+    unknown = sorted(k[:40] for k in obj if k not in fields)
+    if unknown:
+        raise _BadBody(f"unknown field(s) {unknown[:5]}: this route takes {sorted(fields) or 'no field'}")
     return obj
+
+
+def weights_path(path: str, allowed: str | None) -> str:
+    """``path`` resolved (``..`` and symlinks followed): 403 outside ``allowed`` (itself resolved),
+    400 when it is not a directory or cannot be a path at all."""
+    try:
+        real = os.path.realpath(path)
+        is_dir = os.path.isdir(real)
+    except (OSError, ValueError) as e:  # ValueError: a NUL in it
+        raise _BadBody(f"path is not a usable path: {e}") from None
+    if allowed is not None and os.path.commonpath([real, allowed]) != allowed:
+        raise _BadBody("path resolves outside --allowed-weights-dir", 403)
+    if not is_dir:
+        raise _BadBody(f"path {path[:200]!r} is not a checkpoint directory")
+    return real
 
 
 def _tags(obj: dict) -> dict:
@@ -69,7 +101,7 @@ def _update(obj: dict) -> dict:
         raise _BadBody("path (a checkpoint directory) is required")
     if version is not None and (isinstance(version, bool) or not isinstance(version, numbers.Integral)):
         raise _BadBody(f"version must be an integer or null, got {version!r}")
-    return {"path": path, "version": None if version is None else int(version)}
+    return {"path": path, "version": None if version is None else int(version)}  # the path: checked by the route
 
 
 def _suspend(obj: dict) -> dict:
@@ -83,20 +115,32 @@ VALIDATORS: dict[str, Callable[[dict], dict]] = {
     "pause_generation": _pause, "resume_generation": lambda obj: {}, "update_weights": _update,
     "suspend": _suspend, "resume": _tags,
 }
-"""Operation (admin_ops.py) -> its body checked into the arguments it runs with (_BadBody: a 400)."""
+"""Operation (admin_ops.py) -> its body checked into the arguments it runs with (_BadBody: a 4xx)."""
+FIELDS: dict[str, frozenset[str]] = {
+    "pause_generation": frozenset({"mode"}), "resume_generation": frozenset(),
+    "update_weights": frozenset({"path", "version"}), "suspend": frozenset({"tags", "keep_weights_on_host"}),
+    "resume": frozenset({"tags"}),
+}
+"""Operation -> the fields its body may hold (any other: 400)."""
 
 
-def add_admin_routes(app: FastAPI, engine_loop, validators: dict[str, Callable[[dict], dict]] | None = None) -> None:
+def add_admin_routes(app: FastAPI, engine_loop, validators: dict[str, Callable[[dict], dict]] | None = None,
+                     fields: dict[str, frozenset[str]] | None = None, allowed_weights_dir: str | None = None) -> None:
     """``engine_loop``: an EngineLoop, or a front-end's stand-in for it (frontend.py); its
     ``admin(op, args)`` runs the operation on the engine thread and returns (status, body).
-    ``validators``: the routes to add (default ``VALIDATORS``; refit_routes.py adds its own)."""
+    ``validators`` / ``fields``: the routes to add and the fields each body may hold (default
+    ``VALIDATORS`` / ``FIELDS``; refit_routes.py adds its own). ``allowed_weights_dir``: a
+    ``path`` argument must resolve under it (None: anywhere)."""
+    fields = FIELDS if fields is None else fields
 
     def route(op: str, validate: Callable[[dict], dict]) -> None:
         async def handler(request: Request) -> Response:
             try:
-                args = validate(await _body(request))
+                args = validate(await _body(request, fields[op]))
+                if "path" in args:
+                    args["path"] = weights_path(args["path"], allowed_weights_dir)
             except _BadBody as e:
-                return _json(resp.error_body(str(e), 400), 400)
+                return _refused(e)
             status, body = await engine_loop.admin(op, args)
             return _json(body, status)
 

@@ -13,6 +13,7 @@ import logging
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 
 from megatron_async.serve import openai_protocol as proto
@@ -21,6 +22,7 @@ from megatron_async.serve.admin_routes import add_admin_routes
 from megatron_async.serve.refit_routes import add_refit_routes
 from megatron_async.serve.chat_routes import chat_router
 from megatron_async.serve.completion_routes import completions_router
+from megatron_async.serve.http_guard import HttpGuard
 from megatron_async.serve.metrics import CONTENT_TYPE
 from megatron_async.serve.request_input import RequestInput
 from megatron_async.serve.responder import error_response
@@ -31,10 +33,14 @@ log = logging.getLogger("megatron_async.serve")
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="megatron_async", docs_url=None, redoc_url=None)
+    app = FastAPI(title="megatron_async", docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
+    app.add_middleware(HttpGuard, policy=state.policy, max_request_bytes=state.max_request_bytes)
+    if state.policy.allowed_origins:  # outermost: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.policy.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])
     if state.admin_endpoints:
-        add_admin_routes(app, state.engine_loop)
+        add_admin_routes(app, state.engine_loop, allowed_weights_dir=state.policy.allowed_weights_dir)
         add_refit_routes(app, state.engine_loop)
     app.include_router(_info_router(state))
     inputs, text_of = RequestInput(state), resp.TokenText(state.tokenizer)

@@ -29,6 +29,7 @@ def completions_router(inputs: RequestInput, text_of: resp.TokenText) -> APIRout
         inputs.check_n(k)
         echo.check_echo_options(req)
         raw_prompts = proto.completion_prompts(req)
+        inputs.check_body_size(len(raw_prompts), req.n)
         prompts = await inputs.tokens(raw_prompts)
         echoed = echo.prompt_texts(raw_prompts, prompts, state.tokenizer) if req.echo else None
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS

@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from megatron_async.serve import ipc
+from megatron_async.serve.http_guard import HttpPolicy
 from megatron_async.serve.engine_loop import Submission, _deliver, _set_result
 
 log = logging.getLogger("megatron_async.serve")
@@ -59,6 +60,8 @@ class FrontendConfig:
     grammars: tuple | None = None
     """The engine's ``Grammars.settings()`` (None: structured outputs off): the front-end checks
     a request's constraint with a ``Grammars`` of its own."""
+    policy: HttpPolicy = HttpPolicy()
+    """Keys (the API and admin keys travel in this pipe, never on a command line), limits, TLS."""
     log_level: str = "warning"
     http: str = "auto"
     loop: str = "auto"
@@ -203,7 +206,7 @@ def main() -> int:
         chat_template=ChatTemplate(*config.chat_template) if config.chat_template else None,
         max_model_len=config.max_model_len, max_requests=config.max_requests,
         max_request_bytes=config.max_request_bytes, created=config.created, tool_call_parser=config.tool_call_parser,
-        reasoning_parser=config.reasoning_parser, admin_endpoints=config.admin_endpoints)
+        reasoning_parser=config.reasoning_parser, admin_endpoints=config.admin_endpoints, policy=config.policy)
     if config.grammars is not None and config.tokenizer is not None:
         from megatron_async.inference.structured.grammars import Grammars
 
@@ -215,7 +218,7 @@ def main() -> int:
         _watch_parent(server, config.parent_pid)
 
     server = uvicorn_server(create_app(state), config.log_level, config.http, config.loop, on_started=started,
-                            stop_on_sigint=False)
+                            stop_on_sigint=False, policy=config.policy)
     try:
         with _profiler(config.index):
             server.run(sockets=[sock])

@@ -77,12 +77,14 @@ class Serving:
         """Listen, start the engine loop and the front-ends (waiting until each listens);
         the server's URL. OSError: the address cannot be bound; RuntimeError: a front-end failed."""
         self._sock = bind(self.host, self.port)
-        self.url = f"http://{self.host}:{self._sock.getsockname()[1]}"
+        scheme = "https" if self.state.policy.ssl_certfile else "http"
+        self.url = f"{scheme}://{self.host}:{self._sock.getsockname()[1]}"
         self.state.engine_loop.start()
         if self.api_server_count == 0:
             from megatron_async.serve.app import create_app
 
-            self._server = uvicorn_server(create_app(self.state), self.log_level, self.http, self.loop)
+            self._server = uvicorn_server(create_app(self.state), self.log_level, self.http, self.loop,
+                                          policy=self.state.policy)
             return self.url
         from megatron_async.serve.bridge import Bridge
 
@@ -111,8 +113,8 @@ class Serving:
             chat_template=(template.source, template.special_tokens) if template is not None else None,
             max_model_len=st.max_model_len, max_requests=st.max_requests, max_request_bytes=st.max_request_bytes,
             created=st.created, tool_call_parser=st.tool_call_parser, reasoning_parser=st.reasoning_parser,
-            admin_endpoints=st.admin_endpoints, log_level=self.log_level, http=self.http, loop=self.loop,
-            grammars=st.grammars.settings() if st.grammars is not None else None)
+            admin_endpoints=st.admin_endpoints, policy=st.policy, log_level=self.log_level, http=self.http,
+            loop=self.loop, grammars=st.grammars.settings() if st.grammars is not None else None)
         root = str(Path(__file__).resolve().parents[2])  # this tree's package, whatever the caller's sys.path
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         proc = subprocess.Popen([sys.executable, "-m", "megatron_async.serve.frontend"], stdin=subprocess.PIPE,

@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 
-_READY = re.compile(r"megatron_async\.serve: serving (\S+) on (http://\S+)")
+_READY = re.compile(r"megatron_async\.serve: serving (\S+) on (https?://\S+)")
 
 
 class ServerProcess:
@@ -17,9 +17,11 @@ class ServerProcess:
     ``python -m megatron_async.serve ARGS --port 0`` and waits for its ready line."""
 
     def __init__(self, args: list[str], host: str = "127.0.0.1", start_timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None, launcher: list[str] | None = None):
+                 env: dict[str, str] | None = None, launcher: list[str] | None = None, log_path: str | None = None):
         """``launcher``: runs ``-m megatron_async.serve ARGS`` (default: this Python), e.g.
-        ``["torchrun", "--standalone", "--nproc-per-node", "2"]`` for tensor parallelism."""
+        ``["torchrun", "--standalone", "--nproc-per-node", "2"]`` for tensor parallelism.
+        ``log_path``: every line the server prints is also written there."""
+        self.log_path = log_path
         self.launcher = launcher or [sys.executable]
         self.args = [*args, "--host", host, "--port", "0"]
         self.start_timeout_s = start_timeout_s
@@ -34,9 +36,14 @@ class ServerProcess:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         ready = threading.Event()
 
+        log = open(self.log_path, "a") if self.log_path else None
+
         def pump():  # keep reading so the child never blocks on a full pipe
             for line in self.proc.stdout:
                 self._lines.append(line.rstrip("\n"))
+                if log is not None:
+                    log.write(line)
+                    log.flush()
                 m = _READY.search(line)
                 if m and not ready.is_set():
                     self.model_name, self.url = m.group(1), m.group(2)

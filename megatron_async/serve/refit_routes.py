@@ -82,15 +82,24 @@ VALIDATORS: dict[str, Callable[[dict], dict]] = {
     "init_weight_transfer": _init, "update_weights_from_ipc": _ipc, "destroy_weight_transfer": lambda obj: {},
     "abort_requests": _abort,
 }
+_VERSION_FIELDS = frozenset({"version", "recompute_kv"})
+FIELDS: dict[str, frozenset[str]] = {
+    "init_weight_transfer": frozenset({"master_address", "master_port", "rank_offset", "world_size", "backend",
+                                       "timeout_s"}),
+    "update_weights_from_ipc": frozenset({"handles"}) | _VERSION_FIELDS, "destroy_weight_transfer": frozenset(),
+    "abort_requests": frozenset({"request_ids"}),
+    "update_weights_from_distributed": frozenset({"manifest"}) | _VERSION_FIELDS,
+}
+"""Operation -> the fields its body may hold (any other: 400)."""
 
 
 def add_refit_routes(app: FastAPI, engine_loop) -> None:
     """The routes above (``engine_loop``: as in ``admin_routes.add_admin_routes``)."""
-    add_admin_routes(app, engine_loop, VALIDATORS)
+    add_admin_routes(app, engine_loop, VALIDATORS, FIELDS)
 
     async def distributed(request: Request) -> Response:
         try:
-            args = _distributed_args(await _body(request))
+            args = _distributed_args(await _body(request, FIELDS["update_weights_from_distributed"]))
         except _BadBody as e:  # still joins the transfer's begin frame, refusing (the trainer must not wait)
             args = {"metadata": None, "body_error": str(e)}
         status, body = await engine_loop.admin("update_weights_from_distributed", args)

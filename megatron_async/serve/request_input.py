@@ -65,6 +65,14 @@ class RequestInput:
             raise proto.BadRequest(f"n={n} is more than the {self.state.max_requests} requests this engine runs at once "
                                    "(--max-requests)", "n")
 
+    def check_body_size(self, prompts: int, n: int) -> None:
+        """One body may not hold more than ``prompts_per_body`` engine requests: nothing it asks for
+        is queued without bound (a 400 naming the limit and its flag)."""
+        limit = self.state.prompts_per_body
+        if prompts * n > limit:
+            raise proto.BadRequest(f"this body asks for {prompts * n} completions ({prompts} prompts x n={n}); this "
+                                   f"server takes at most {limit} per body (--max-prompts-per-body)", "prompt")
+
     def render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
         try:
             return self.state.chat_template.render(messages, add_generation_prompt, **kwargs)

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from megatron_async.models.chat_template import ChatTemplate
 from megatron_async.serve.engine_loop import EngineLoop
+from megatron_async.serve.http_guard import HttpPolicy
+
+
+PROMPTS_PER_BODY_FACTOR = 4
 
 
 @dataclass
@@ -33,3 +37,10 @@ class ServerState:
     grammars: object | None = None
     """The engine's ``structured.grammars.Grammars`` when it runs in this process: request handlers
     compile a request's constraint with it off the event loop (None: the engine checks it)."""
+    policy: HttpPolicy = field(default_factory=HttpPolicy)
+    """Keys, CORS, body timeout and the other checks every route gets (http_guard.py)."""
+
+    @property
+    def prompts_per_body(self) -> int:
+        """Most engine requests (prompts x ``n``) one body may ask for; more is a 400."""
+        return self.policy.max_prompts_per_body or PROMPTS_PER_BODY_FACTOR * self.max_requests

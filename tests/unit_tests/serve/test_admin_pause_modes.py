@@ -12,7 +12,8 @@ pytest.importorskip("prometheus_client")
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.serve.engine_loop import Choice, Submission  # noqa: E402
-from tests.unit_tests.serve.test_admin_routes import CONFIG, _server, ckpt, post  # noqa: E402,F401
+from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
+from tests.unit_tests.serve.test_admin_routes import CONFIG, _server, post  # noqa: E402
 
 PROMPTS = [[3, 4, 5, 6, 7], [9, 8, 7]]
 PARAMS = SamplingParams(top_k=1, num_tokens_to_generate=40, ignore_eos=True)
@@ -21,7 +22,12 @@ QUIET_S = 1.0
 
 
 @pytest.fixture(scope="module")
-def served(ckpt):  # noqa: F811
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path_factory.mktemp("pause") / "qwen3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def served(ckpt):
     want = [o.generated_tokens for o in LLM(str(ckpt), inference_config=InferenceConfig(**CONFIG)).generate(PROMPTS, PARAMS)]
     llm, state, app = _server(ckpt, "--enable-admin-endpoints")
     state.engine_loop.start()

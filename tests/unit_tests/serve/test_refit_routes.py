@@ -117,7 +117,7 @@ def test_ipc_and_distributed_updates_over_http():
         status, body = asyncio.run(post(app, "/update_weights_from_distributed", {"manifest": manifest.to_json()}))
         assert status == 200 and body["weight_version"] == 9, body
         status, body = asyncio.run(post(app, "/update_weights_from_distributed", b"{broken"))
-        assert status == 400 and "not JSON" in body["error"]["message"]
+        assert status == 400 and "not valid JSON" in body["error"]["message"]
         thread.join(30)
         assert sent and "refused before any bucket moved" in sent[0]
         assert asyncio.run(post(app, "/destroy_weight_transfer", {}))[0] == 200
