@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,19 @@ class ChatTemplate:
             raise
         except (TemplateError, TypeError, KeyError, AttributeError) as e:
             raise ChatTemplateError(f"chat template failed on these messages: {e}") from e
+
+    @cached_property
+    def renders_tools(self) -> bool:
+        """Whether the template shows the model the ``tools`` it is given: a conversation rendered
+        with a probe tool differs from the same one without it (a template that never reads
+        ``tools``, or fails with them, does not)."""
+        messages = [{"role": "user", "content": "What is 2 + 2?"}]
+        tool = {"type": "function", "function": {"name": "probe_function", "description": "a probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        try:
+            return self.render(messages, True, tools=[tool]) != self.render(messages, True)
+        except ChatTemplateError:
+            return False
 
 
 def load_chat_template(path: str | Path) -> ChatTemplate | None:

@@ -27,7 +27,7 @@ def chat_router(inputs: RequestInput, text_of: resp.TokenText) -> APIRouter:
         inputs.check_n(req.n)
         if state.chat_template is None and req.prompt_token_ids is None:
             raise proto.BadRequest(f"{state.model_name} has no chat template; use /v1/completions")
-        tools = tool_calls.template_tools(req)
+        tools = tool_calls.template_tools(req, state.chat_template if req.prompt_token_ids is None else None)
         if req.prompt_token_ids is not None:
             text, prompt = await token_prompt(inputs, req)
         else:

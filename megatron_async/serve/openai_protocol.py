@@ -8,7 +8,7 @@ import json
 import reprlib
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from megatron_async.inference.request import SamplingParams
 from megatron_async.inference.structured.spec import StructuredOutputs
@@ -56,14 +56,9 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    """A last chunk (no choices) with the whole request's usage."""
     continuous_usage_stats: bool = False
-    """vLLM's usage in every chunk: not served, so ``true`` is refused rather than ignored."""
-
-    @model_validator(mode="after")
-    def _no_per_chunk_usage(self):
-        if self.continuous_usage_stats:
-            raise ValueError("continuous_usage_stats is not supported (include_usage gives a last chunk with usage)")
-        return self
+    """With ``include_usage``: every chunk also carries its choice's usage so far (vLLM's field)."""
 
 
 class _SamplingFields(_Strict, StructuredFields):
@@ -96,6 +91,15 @@ class _SamplingFields(_Strict, StructuredFields):
     return_token_ids: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_a_stream(cls, options, info):
+        if options is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed with stream: true")
+        if options is not None and options.continuous_usage_stats and not options.include_usage:
+            raise ValueError("continuous_usage_stats needs include_usage")
+        return options
 
 
 class CompletionRequest(_SamplingFields):

@@ -13,7 +13,8 @@ from fastapi.responses import Response
 
 from megatron_async.inference.request import InvalidRequestError, RequestOutput
 from megatron_async.serve import responses as resp
-from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission, merge_events
+from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission
+from megatron_async.serve.stream_events import merge_events
 from megatron_async.serve.sse_response import SSEResponse, client_disconnect
 
 
@@ -44,8 +45,10 @@ async def respond(engine_loop: EngineLoop, request: Request, req, choices: list[
     except RuntimeError as e:
         return error_response(str(e), 500)
     if req.stream:
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        events = _stream(sub, head, chunk, prompts if include_usage else None, req.return_token_ids)
+        options = req.stream_options
+        include_usage = options is not None and options.include_usage
+        events = _stream(sub, head, chunk, prompts if include_usage else None, req.return_token_ids,
+                         include_usage and options.continuous_usage_stats)
         return SSEResponse(events, on_close=lambda: engine_loop.abort(sub))
     try:
         outs = await _collect(engine_loop, request, sub)
@@ -84,13 +87,20 @@ async def _collect(engine_loop: EngineLoop, request: Request, sub: Submission) -
 
 
 async def _stream(sub: Submission, head: resp.ResponseHead, chunk: Callable, usage_prompts: list[list[int]] | None,
-                  token_ids: bool) -> AsyncIterator[str]:
+                  token_ids: bool, continuous: bool = False) -> AsyncIterator[str]:
     """SSE chunks as the engine produces them (the response aborts what is left when it ends).
     Everything waiting for this request goes out in one write, with one chunk per choice
     for all its new tokens (``merge_updates``): an event loop that falls behind the engine
-    catches up with fewer, larger chunks instead of one per token."""
+    catches up with fewer, larger chunks instead of one per token. ``continuous``: each chunk
+    carries its choice's usage so far."""
     n = len(sub.choices)
-    started, finished, generated = [False] * n, 0, 0
+    started, finished, generated, counts = [False] * n, 0, 0, [0] * n
+
+    def counted(i: int, body):
+        if not continuous:
+            return body
+        return resp.with_usage(body, resp.usage(len(sub.choices[i].prompt_tokens), counts[i]))
+
     while finished < n:
         events = [await sub.events.get()]
         while not sub.events.empty():
@@ -100,12 +110,13 @@ async def _stream(sub: Submission, head: resp.ResponseHead, chunk: Callable, usa
         for i, upd in updates.items():
             if upd.new_tokens or upd.new_text or not started[i]:
                 generated += len(upd.new_tokens)
+                counts[i] += len(upd.new_tokens)
                 tokens = list(upd.new_tokens) if token_ids else None
-                parts.append(resp.sse(chunk(i, upd.new_text or "", None, tokens, not started[i], upd)))
+                parts.append(resp.sse(counted(i, chunk(i, upd.new_text or "", None, tokens, not started[i], upd))))
                 started[i] = True
         for i, out in outputs.items():
             tokens = [] if token_ids else None
-            parts.append(resp.sse(chunk(i, "", out.finish_reason, tokens, not started[i])))
+            parts.append(resp.sse(counted(i, chunk(i, "", out.finish_reason, tokens, not started[i]))))
             started[i] = True
             finished += 1
         if error is not None:  # end the stream; SSEResponse aborts the other choices

@@ -69,6 +69,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def with_usage(chunk: dict | str | list, counts: dict) -> dict | str | list:
+    """A stream chunk (a body, its JSON text from a template, or a list of bodies) carrying
+    ``usage`` = ``counts`` (``stream_options.continuous_usage_stats``)."""
+    if isinstance(chunk, list):
+        return [with_usage(c, counts) for c in chunk]
+    if isinstance(chunk, str):  # a JSON object's text: the field goes in before its closing brace
+        return f'{chunk[:-1]}, "usage": {json.dumps(counts)}}}'
+    return {**chunk, "usage": counts}
+
+
 @dataclass
 class ResponseHead:
     """What every body and chunk of one HTTP request repeats."""

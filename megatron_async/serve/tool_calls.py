@@ -33,10 +33,11 @@ def choose_parser(flag: str, template: ChatTemplate | None) -> str | None:
     return flag
 
 
-def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
+def template_tools(req: ChatCompletionRequest, template: ChatTemplate | None = None) -> list[dict] | None:
     """The tools the chat template is given (None: none at all). ``tool_choice`` "none" gives
     none; a named function gives that one alone. "required" and a named function are enforced by
-    a grammar (structured_fields.tool_choice_spec)."""
+    a grammar (structured_fields.tool_choice_spec). Tools for a ``template`` that does not render
+    them are refused (the model would never see them): a 400 naming ``tools``."""
     if not req.tools:
         if req.tool_choice is not None:
             raise BadRequest("tool_choice needs tools", "tool_choice")
@@ -52,6 +53,8 @@ def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
         tools = [t for t in tools if t.function.name == choice.function.name]
         if not tools:
             raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not among tools", "tool_choice")
+    if template is not None and not template.renders_tools:
+        raise BadRequest("this model's chat template does not render tools: the model would never see them", "tools")
     return [t.model_dump(exclude_none=True) for t in tools]
 
 

@@ -184,6 +184,12 @@ def test_chat_uses_the_checkpoint_template(server, client, llm, ckpt):
     assert "".join(d.choices[0].delta.content or "" for d in deltas if d.choices) == choice.message.content
     assert [d.choices[0].finish_reason for d in deltas if d.choices and d.choices[0].finish_reason] == ["length"]
     assert deltas[-1].usage.completion_tokens == 10 and not deltas[-1].choices
+    counted = list(client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=10, stream=True,
+                                                  stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                                  **GREEDY))  # every chunk: its choice's usage so far
+    so_far = [d.usage.completion_tokens for d in counted if d.choices]
+    assert so_far == sorted(so_far) and so_far[-1] == 10 and len(so_far) >= 2
+    assert {d.usage.prompt_tokens for d in counted} == {len(prompt)}
 
 
 def test_concurrent_streams_keep_launch_ahead_beside_bad_requests(server, llm):

@@ -100,3 +100,27 @@ def test_echo_options():
     assert sp.return_prompt_log_probs and sp.top_n_logprobs == 4
     req = parsed(echo=True)
     assert not with_prompt_scoring(req, sampling_params(req, 3, None)).return_prompt_log_probs
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "only allowed with stream"),
+    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, "needs include_usage"),
+])
+def test_stream_options_that_would_be_ignored_are_refused(body, message):
+    with pytest.raises(BadRequest) as e:
+        parse_body(CompletionRequest, body)
+    assert e.value.param == "stream_options" and message in str(e.value)
+
+
+def test_every_chunk_can_carry_its_usage():
+    """continuous_usage_stats: a body, a template's JSON text and a list of bodies each get it."""
+    import json
+
+    from megatron_async.serve import responses as resp
+
+    counts = resp.usage(5, 2)
+    template = resp.chunk_template({"id": "c", "choices": [{"index": 0, "text": resp.TEXT_SLOT}]})
+    assert json.loads(resp.with_usage(template("hi"), counts)) == {"id": "c", "choices": [{"index": 0, "text": "hi"}],
+                                                                    "usage": counts}
+    assert resp.with_usage({"a": 1}, counts) == {"a": 1, "usage": counts}
+    assert resp.with_usage([{"a": 1}, {"b": 2}], counts) == [{"a": 1, "usage": counts}, {"b": 2, "usage": counts}]

@@ -41,8 +41,9 @@ def test_other_fields_are_refused_by_name(field):
         assert e.value.param == field
 
 
-def test_per_chunk_usage_is_refused_not_ignored():
+def test_per_chunk_usage_needs_include_usage():
+    """Served with include_usage (every chunk carries usage); without it it would be ignored: 400."""
     body = {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}
     with pytest.raises(BadRequest, match="continuous_usage_stats"):
         parse_body(CompletionRequest, body)
-    parse_body(CompletionRequest, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": False}})
+    parse_body(CompletionRequest, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})

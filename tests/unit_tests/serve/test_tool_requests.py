@@ -100,3 +100,19 @@ def test_parser_flags(capsys):
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args([flag, "nope"])
         assert e.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_tools_for_a_template_that_cannot_render_them_are_refused():
+    """The model would never see them: 400 naming ``tools`` (the template renders nothing else
+    with a probe tool than without it); a template that shows them takes them."""
+    from tests.helpers.chat_templates import TINY_CHAT_TEMPLATE
+
+    blind = ChatTemplate(TINY_CHAT_TEMPLATE, {"eos_token": "</s>"})
+    shows = ChatTemplate("{% if tools %}tools: {{ tools | tojson }}\n{% endif %}" + TINY_CHAT_TEMPLATE,
+                         {"eos_token": "</s>"})
+    assert not blind.renders_tools and shows.renders_tools
+    with pytest.raises(BadRequest) as e:
+        template_tools(request(tools=[WEATHER]), blind)
+    assert e.value.param == "tools" and "does not render tools" in str(e.value)
+    assert template_tools(request(tools=[WEATHER]), shows) == [WEATHER]
+    assert template_tools(request(tools=[WEATHER], tool_choice="none"), blind) is None  # nothing to render
