@@ -22,6 +22,8 @@ class StubEngine:
         self._requests: dict[int, list] = {}
         self.context = SimpleNamespace(active=self.active, allocator=SimpleNamespace(num_available=1, capacity=1))
         self.scheduler = SimpleNamespace(waiting=self.waiting)
+        self.config = SimpleNamespace(max_requests=max_requests)
+        self.validator = SimpleNamespace(check=lambda prompt_tokens, params: None)
         self.stats = SimpleNamespace(overlap_ratio=1.0, decode_steps=0, overlapped_decode_steps=0)
         self._aborted: set[int] = set()
 

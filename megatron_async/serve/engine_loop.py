@@ -19,6 +19,7 @@ from typing import Any, Callable, NamedTuple
 
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams
 from megatron_async.serve.admin_ops import run_admin_op
+from megatron_async.serve.fair_feed import FairFeed
 from megatron_async.serve.metrics import ServerMetrics
 from megatron_async.serve.refit_ops import EVERY_RANK_OPS
 
@@ -124,6 +125,8 @@ class EngineLoop:
         ranks (``follow_rank0``) at each iteration whether to step, wait or stop.
         ``update_weights``: the LLM's, for the admin operation of that name (admin_ops.py)."""
         self.engine = engine
+        self.feed = FairFeed(engine.config.max_requests)
+        """The order in which submissions' choices reach the engine (fair_feed.py)."""
         self.metrics = metrics
         self._comm = communicator
         self._update_weights = update_weights
@@ -138,7 +141,7 @@ class EngineLoop:
         # read when /metrics is scraped, so that they are current even while a long step runs
         # (lengths of the engine's containers: single reads, safe from another thread)
         metrics.running.set_function(lambda: len(self.engine.context.active))
-        metrics.waiting.set_function(lambda: len(self.engine.scheduler.waiting) + self._inbox.qsize())
+        metrics.waiting.set_function(lambda: len(self.engine.scheduler.waiting) + self._inbox.qsize() + self.feed.pending)
         metrics.kv_usage.set_function(self._kv_usage)
 
     # ---------------------------------------------------------------- event-loop side
@@ -192,7 +195,7 @@ class EngineLoop:
         while True:
             commands = []
             try:  # idle: sleep until a command arrives; busy: take only what is already there
-                busy = self._live and not self._paused_idle
+                busy = (self._live or self.feed.pending) and not self._paused_idle
                 commands.append(self._inbox.get(block=not busy, timeout=None if busy else idle_timeout))
                 while True:
                     commands.append(self._inbox.get_nowait())
@@ -205,6 +208,7 @@ class EngineLoop:
                     return
                 self._paused_idle = False
                 {"add": self._admit, "abort": self._abort, "call": lambda job: job()}[kind](sub)
+            self._feed()
             self._tell_ranks("step" if self._live else "idle")
             if self._live:
                 self._step()
@@ -212,10 +216,17 @@ class EngineLoop:
             self._flush()
 
     def _admit(self, sub: Submission) -> None:
-        """All of a submission's choices join, or none (a bad one aborts those already added)."""
+        """All of a submission's choices are taken, or none (a bad one: rejected). They join the
+        engine now when they fit (a bad one aborts those already added), else they are checked
+        now and join in the fair order of fair_feed.py (request id -1 until then)."""
+        n = len(sub.choices)
         try:
-            for choice in sub.choices:
-                sub.request_ids.append(self.engine.add_request(choice.prompt_tokens, choice.params))
+            if self.feed.fits(n):
+                for choice in sub.choices:
+                    sub.request_ids.append(self.engine.add_request(choice.prompt_tokens, choice.params))
+            else:
+                for choice in sub.choices:
+                    self.engine.validator.check(choice.prompt_tokens, choice.params)  # as add_request does
         except Exception as e:  # noqa: BLE001 -- InvalidRequestError is a 400; anything else must not kill the loop
             if not isinstance(e, InvalidRequestError):
                 log.exception("add_request failed unexpectedly")
@@ -224,12 +235,39 @@ class EngineLoop:
                 self.engine.abort_request(rid)
             self._outbox.append((sub, "rejected", e))
             return
-        for i, (rid, choice) in enumerate(zip(sub.request_ids, sub.choices)):
-            self._live[rid] = _Live(sub, i)
-            self.metrics.prompt_tokens.inc(len(choice.prompt_tokens))
+        if sub.request_ids:
+            self.feed.place(sub, n)
+            for i, rid in enumerate(sub.request_ids):
+                self._joined(sub, i, rid)
+        else:
+            sub.request_ids.extend([-1] * n)
+            self.feed.add(sub, sub.choices[0].params.priority)
         self._outbox.append((sub, "admitted", list(sub.request_ids)))
 
+    def _feed(self) -> None:
+        """Choices waiting in the feed join the engine while it has places."""
+        for sub, i in self.feed.take():
+            choice = sub.choices[i]
+            try:
+                rid = self.engine.add_request(choice.prompt_tokens, choice.params)
+            except Exception as e:  # noqa: BLE001 -- it was checked at admission: fail this choice, keep serving
+                log.exception("add_request failed for a checked request")
+                self.feed.ended(sub)
+                self._outbox.append((sub, "event", ChoiceEvent(i, error=f"{type(e).__name__}: {e}")))
+                continue
+            sub.request_ids[i] = rid
+            self._joined(sub, i, rid)
+
+    def _joined(self, sub: Submission, index: int, rid: int) -> None:
+        self._live[rid] = _Live(sub, index)
+        self.metrics.prompt_tokens.inc(len(sub.choices[index].prompt_tokens))
+
     def _abort(self, sub: Submission) -> None:
+        """Its choices in the engine are aborted there; those that never joined end here."""
+        for i in self.feed.drop(sub):
+            self.metrics.finished("abort")
+            out = RequestOutput(-1, sub.choices[i].prompt_tokens, [], "", "abort")
+            self._outbox.append((sub, "event", ChoiceEvent(i, output=out)))
         for rid in sub.request_ids:
             if rid in self._live:
                 self.engine.abort_request(rid)
@@ -272,6 +310,8 @@ class EngineLoop:
             self.metrics.generation_tokens.inc(tokens)
         for out in res.finished:
             live = self._live.pop(out.request_id, None)
+            if live is not None:
+                self.feed.ended(live.submission)
             if live is None or live.failed:
                 continue
             self.metrics.e2e.observe(now - live.submission.arrival)
@@ -290,6 +330,8 @@ class EngineLoop:
                 except Exception:  # noqa: BLE001 -- best effort: the request is failed either way
                     log.exception("abort of request %d failed", rid)
         if forget:
+            for live in self._live.values():
+                self.feed.ended(live.submission)
             self._live.clear()
 
     def _tell_ranks(self, command: str) -> None:

@@ -231,7 +231,7 @@ class DynamicInferenceEngine:
         while True:
             plan = self.scheduler.schedule(has_inflight=not first)
             if first and not plan and self._requests and self._pause is None:  # nothing in flight, nothing admissible: would spin forever
-                head = self.scheduler.waiting[0] if self.scheduler.waiting else None
+                head = self.scheduler.waiting.head()
                 raise RuntimeError(
                     f"engine cannot make progress: {len(self._requests)} unfinished requests, "
                     f"{len(self.context.active)} active, head of queue {head and head.request_id} "
@@ -300,8 +300,7 @@ class DynamicInferenceEngine:
         step_time = samples.step_time
         self.accounting.landed(pending, res, step_time)
         for req in res.finished:
-            if req in self.scheduler.waiting:  # evicted, then finished by its last in-flight sample
-                self.scheduler.remove_waiting(req)
+            self.scheduler.remove_waiting(req)  # evicted, then finished by its last in-flight sample
             self._report_finished(req, out)
         text, quiet = self.config.stream_text, self._quiet
         out.updates.extend(req.take_update(text) for req in res.updated if req.request_id not in quiet)
@@ -371,7 +370,7 @@ class DynamicInferenceEngine:
     def _end(self, req: DynamicInferenceRequest, reason: FinishReason, out: StepResult, error: str | None = None) -> None:
         """End a request outside normal bookkeeping (abort, failure), in any state. A row it
         has in flight is discarded when that launch lands (reconcile: it is FINISHED)."""
-        if req.status == Status.WAITING and req in self.scheduler.waiting:
+        if req.status == Status.WAITING:
             self.scheduler.remove_waiting(req)
         self.book.finish(req, reason, error)  # blocks and state slot back (nothing held while waiting)
         if reason == FinishReason.ABORT:

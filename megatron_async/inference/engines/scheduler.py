@@ -2,6 +2,8 @@
 
 Order of service (oldest request first within each class): decode rows, unfinished
 prefills, paused requests resuming, then new admissions (only while nothing is paused).
+While requests wait for a free place, unfinished prefills leave the step's tokens their
+prompts need (at most half the step): a long prompt's chunks never hold admissions back.
 A decode row that cannot get a block for its next token is paused (it keeps its blocks).
 If a step would otherwise schedule nothing while requests are paused, the newest paused
 requests are evicted (blocks released, recomputed later) until the oldest can move, so
@@ -10,12 +12,13 @@ only from the launch that made it (their input is gathered on the device)."""
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from itertools import islice
 
 from megatron_async.config import Scheduling
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.engines.admission_order import admission_order
 from megatron_async.inference.engines.request_book import RequestBook
+from megatron_async.inference.engines.waiting_queue import WaitingQueue
 from megatron_async.inference.request import DynamicInferenceRequest, Status
 from megatron_async.inference.step_plan import RowPlan, StepPlan
 
@@ -26,7 +29,7 @@ class Scheduler:
         request's state the scheduler decides (queued, released ahead, evicted) goes through it."""
         self.config = config
         self.ctx = context
-        self.waiting: deque[DynamicInferenceRequest] = deque()
+        self.waiting = WaitingQueue()
         self.num_paused_events = 0
         self.num_evicted_events = 0
         self.prefix_hit_tokens = 0
@@ -55,9 +58,10 @@ class Scheduler:
     def requeue_front(self, req: DynamicInferenceRequest) -> None:
         self.waiting.appendleft(req)
 
-    def remove_waiting(self, req: DynamicInferenceRequest) -> None:
-        self.waiting.remove(req)
+    def remove_waiting(self, req: DynamicInferenceRequest) -> bool:
+        """Take ``req`` out of the queue if it waits there (O(1)); whether it did."""
         self._prioritized.discard(req.request_id)
+        return self.waiting.discard(req)
 
     def wants_token(self, req: DynamicInferenceRequest) -> bool:
         """More tokens may be sampled without passing a length limit known on the CPU
@@ -124,8 +128,10 @@ class Scheduler:
                            ) -> tuple[list[DynamicInferenceRequest], bool]:
         """Step 1 without speculative decoding, in one pass (it runs for every row, every step,
         so ``wants_token`` / ``_reserve_decode`` are spelled out): a decoding request (wants a
-        token, nothing left to prefill, no prefill sample in flight) gets a one-token row, or is
-        paused when its position starts a block and none is free. Deciding each request as the
+        token, nothing left to prefill but its newest token, no prefill sample in flight) gets a
+        one-token row, or is paused when its position starts a block and none is free; a newest
+        token landed with nothing launched ahead (serial steps) decodes too, never queued behind
+        older prompts' prefill chunks. Deciding each request as the
         pass reaches it equals sorting first: whether a request decodes depends only on its own
         state, and rows reserve blocks in the same (age) order. Returns (unfinished prefills,
         whether any request is paused)."""
@@ -138,7 +144,8 @@ class Scheduler:
                 generated = len(req.generated_tokens)
                 known = len(req.prompt_tokens) + generated
                 start = req.num_computed_tokens
-                if start < known:
+                if start < known and (start + 1 < known or not generated or req.num_inflight
+                                      or req.max_generated_tokens <= generated):
                     prefilling.append(req)
                     continue
                 in_flight = req.num_inflight
@@ -192,11 +199,13 @@ class Scheduler:
             num_decoding, prefilling, any_paused = self._spec_decode_rows(by_age, rows, budget)
         budget -= sum(r.num_tokens for r in rows) if self.spec.enabled else len(rows)
 
-        # 2. unfinished prefills; no block -> paused
+        # 2. unfinished prefills; no block -> paused. They leave the waiting requests that can be
+        # admitted their share of the step, so a long prompt's chunks do not hold them back.
+        kept = self._admission_share(budget) if prefilling and not any_paused else 0
         for req in prefilling:
-            if budget <= 0:
+            if budget - kept <= 0:
                 break
-            used = self._schedule_prefill(req, budget, plan)
+            used = self._schedule_prefill(req, budget - kept, plan)
             if used == 0 and self._blocked_on_memory(req):
                 self.book.pause(req)
                 self.num_paused_events += 1
@@ -235,16 +244,16 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, budget: int, any_paused: bool) -> None:
         """Admissions in queue order (by class with priorities: admission_order.py), only while
         nothing is paused; a request whose prompt another is prefilling right now waits for its
-        blocks (contexts/prompt_sharing.py), the next ones go on."""
+        blocks (contexts/prompt_sharing.py), the next ones go on. Without priorities the queue is
+        walked from its head only as far as admission goes."""
         ctx, waiting, sharing = self.ctx, self.waiting, self.ctx.sharing
-        order = admission_order(waiting, self.admissions, self.config.priority_aging) if self._prioritized else None
-        admitted = []
-        for n in range(len(waiting)):
+        live = list(waiting) if self._prioritized else None
+        order = admission_order(live, self.admissions, self.config.priority_aging) if live is not None else None
+        admitted: list[tuple[int, DynamicInferenceRequest]] = []
+        for i, req in enumerate(waiting) if order is None else ((i, live[i]) for i in order):
             if not (budget > 0 and len(ctx.active) < self.config.max_requests
                     and not (any_paused and any(r.status == Status.PAUSED for r in ctx.active.values()))):
                 break
-            i = n if order is None else order[n]
-            req = waiting[i]
             if req.num_inflight:
                 break  # an evicted request whose last sample has not landed yet
             if not self.admits_new and req.weights_epoch < 0:
@@ -256,21 +265,33 @@ class Scheduler:
             if used == 0:
                 self.book.evict(req)  # undo the admission: back to waiting, prefix refs dropped
                 break
-            admitted.append(i)
+            admitted.append((i, req))
             self.prefix_hit_tokens += hit
             budget -= used
         self._dequeue(admitted)
 
-    def _dequeue(self, admitted: list[int]) -> None:
-        """Take the requests at queue indices ``admitted`` (in admission order) off the queue."""
+    def _dequeue(self, admitted: list[tuple[int, DynamicInferenceRequest]]) -> None:
+        """Take the ``admitted`` requests (queue index, request; in admission order) off the queue."""
         self.admissions += len(admitted)
         taken: list[int] = []
-        for i in admitted:
+        for i, req in admitted:
             self.out_of_order += bisect.bisect_left(taken, i) < i  # one queued before it still waits
             bisect.insort(taken, i)
-        for i in sorted(admitted, reverse=True):
-            self._prioritized.discard(self.waiting[i].request_id)
-            del self.waiting[i]
+            self.remove_waiting(req)
+
+    def _admission_share(self, budget: int) -> int:
+        """Step tokens kept from unfinished prefills for admissions: what the prompts at the head
+        of the queue need, as many of them as there are free places, at most half of ``budget``
+        (the prefills in progress keep at least the other half). 0 when none can be admitted."""
+        free = self.config.max_requests - len(self.ctx.active)
+        if free <= 0 or not self.waiting or not self.admits_new:
+            return 0
+        need = 0
+        for req in islice(self.waiting, free):
+            need += req.num_known_tokens - req.num_computed_tokens
+            if need >= budget // 2:
+                return budget // 2
+        return need
 
     def _active_by_age(self) -> list[DynamicInferenceRequest]:
         """The active requests, oldest first; sorted again only when the set changed."""

@@ -34,3 +34,24 @@ def test_every_mixed_step_carries_every_decode_row(async_scheduling):
     # each chunk took what the decode rows left (async: the first step landed a decode step
     # launched ahead before the prompt came)
     assert eng.stats.prefill_steps - prefill_steps == -(-len(LONG) // per_chunk) == mixed - async_scheduling
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_a_request_sent_during_a_long_prefill_starts_at_once(async_scheduling):
+    """A short request sent while a long prompt is prefilled in chunks is admitted at the next
+    step and answers long before the prefill ends (the chunks leave it its 3 tokens); the long
+    prompt keeps the rest of every step."""
+    eng = LLM(inference_config=InferenceConfig(**{**CFG, "max_requests": 4}, async_scheduling=async_scheduling)).engine
+    long = eng.add_request(LONG, SamplingParams(num_tokens_to_generate=2, **GREEDY))
+    eng.step()
+    eng.step()  # the long prompt's prefill is under way
+    assert eng.context.active and eng.stats.prefill_tokens < len(LONG)
+    short = eng.add_request([5, 6, 7], SamplingParams(num_tokens_to_generate=2, **GREEDY))
+    done, steps, prefilled = {}, 0, eng.stats.prefill_tokens
+    while eng.has_unfinished_requests():
+        steps += 1
+        done.update((o.request_id, steps) for o in eng.step().finished)
+        assert steps < 100
+    assert done[short] <= 4 < done[long]
+    chunks = -(-(len(LONG) - prefilled + 3) // MAX_TOKENS)  # the fewest steps: every token of every step used
+    assert done[long] <= chunks + 3
