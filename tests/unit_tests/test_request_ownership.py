@@ -34,13 +34,18 @@ RESOURCE_OWNERS = {
     "prompt_top_n_logprobs": {BOOK, "inference/engines/prompt_log_probs.py"},
     "text": {BOOK, "inference/stop_conditions.py"},  # its TextStream, fed by finish_reason: likewise
     "grammar": {"inference/engines/grammar_masks.py"},  # built at admission; the library's state advances itself
+    "share_key": {"inference/contexts/prompt_sharing.py"},  # identical prompts: which holder's blocks to wait for
+    "waited_for_prompt": {"inference/contexts/prompt_sharing.py"},
+    "queued_after": {"inference/engines/scheduler.py"},  # the admission count when queued (priority aging)
 }
 """Fields the context (or a component the book calls) keeps on the request for its resources."""
 
 OTHER_OBJECTS = {("inference/engines/step_accounting.py", "st.generated_tokens"),
                  ("inference/text_generation_controllers/model_runner.py", "batch.routed_experts"),
-                 ("inference/text_generation_controllers/model_runner.py", "pending.routed_experts")}
-"""Same-named attributes of other objects (EngineStats.generated_tokens, ForwardBatch.routed_experts)."""
+                 ("inference/text_generation_controllers/model_runner.py", "pending.routed_experts"),
+                 ("inference/records.py", "sp.__dict__")}
+"""Same-named attributes of other objects (EngineStats.generated_tokens, ForwardBatch.routed_experts, a
+decoded SamplingParams' fields)."""
 
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "update", "add", "discard",
             "setdefault", "popitem", "appendleft", "extendleft", "popleft", "fill", "put", "resize", "itemset"}
