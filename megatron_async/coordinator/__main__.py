@@ -16,7 +16,7 @@ import sys
 import threading
 
 from megatron_async.config.modes import DpRouting
-from megatron_async.coordinator.core import UNROUTED_TIMEOUT_S
+from megatron_async.coordinator.core import ENGINE_TIMEOUT_S, UNROUTED_TIMEOUT_S
 
 READY_LINE = "megatron_async.coordinator: listening on "
 
@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--dp-routing scored: weight of prefix affinity against free capacity, in [0, 1]")
     p.add_argument("--unrouted-timeout-s", type=float, default=UNROUTED_TIMEOUT_S,
                    help="a request that finds no engine taking requests for this long ends with an error")
+    p.add_argument("--engine-timeout-s", type=float, default=ENGINE_TIMEOUT_S,
+                   help="an engine that sent nothing for this long (hung, its connection open) is dead: its requests "
+                        "are routed again or end with an error, and it must join again (engines send a heartbeat "
+                        "every second, also during a step)")
     p.add_argument("--seed", type=int, default=0, help="seeds the seeds of requests that bring none")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
@@ -44,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         server = CoordinatorServer(args.listen, args.dp_routing, args.dp_routing_alpha,
-                                   unrouted_timeout_s=args.unrouted_timeout_s, seed=args.seed)
+                                   unrouted_timeout_s=args.unrouted_timeout_s, seed=args.seed,
+                                   engine_timeout_s=args.engine_timeout_s)
     except (SecretError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

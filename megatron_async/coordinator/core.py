@@ -29,6 +29,10 @@ from megatron_async.inference.request import RequestOutput, RequestUpdate
 log = logging.getLogger("megatron_async.coordinator")
 UNROUTED_TIMEOUT_S = 60.0
 """How long a request waits for an engine that takes requests (none registered, all draining)."""
+ENGINE_TIMEOUT_S = 30.0
+"""An engine that sent nothing for this long is dead (hung with its connection open), as if its
+connection had closed. Engines send a heartbeat every second from a thread of their own, also
+while a step runs (serve/engine_link.py)."""
 
 
 class Outbox(Protocol):
@@ -38,7 +42,8 @@ class Outbox(Protocol):
 
 class CoordinatorCore:
     def __init__(self, outbox: Outbox, policy: DpRouting | str = DpRouting.LOAD_BALANCED, alpha: float = 0.5,
-                 unrouted_timeout_s: float = UNROUTED_TIMEOUT_S, seed: int = 0):
+                 unrouted_timeout_s: float = UNROUTED_TIMEOUT_S, seed: int = 0,
+                 engine_timeout_s: float = ENGINE_TIMEOUT_S):
         """``seed``: of the seeds given to requests that bring none (sampling maps without "seed"),
         so that their draws do not depend on the engine they land on (engines started alike would
         draw the same seeds) and a request routed again draws the same tokens."""
@@ -48,6 +53,9 @@ class CoordinatorCore:
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"dp_routing_alpha must be in [0, 1], got {alpha}")
         self.unrouted_timeout_s = unrouted_timeout_s
+        if not engine_timeout_s > 0:
+            raise ValueError(f"engine_timeout_s must be positive, got {engine_timeout_s}")
+        self.engine_timeout_s = float(engine_timeout_s)
         self.view = PrefixView()
         self.engines = EngineTable(self.view)
         self.requests = RequestTable()
@@ -63,7 +71,7 @@ class CoordinatorCore:
         self.done = False
         self._shutdown_reply: tuple[Any, int] | None = None
         self.counts: Counter[str] = Counter()
-        """routed, rerouted, failed_by_death, aborted_for_client, evicted_keys, stale_keys, ..."""
+        """routed, rerouted, failed_by_death, aborted_for_client, evicted_keys, timed_out, ..."""
 
     # ------------------------------------------------------------------ clients
     def client_joined(self, client: Any) -> None:
@@ -184,6 +192,7 @@ class CoordinatorCore:
 
     def engine_heartbeat(self, slot: EngineSlot, load: int, free_blocks: int = 0) -> None:
         slot.last_heard, slot.load, slot.free_blocks = time.monotonic(), load, free_blocks
+        self.counts["heartbeats"] += 1
 
     def engine_outputs(self, slot: EngineSlot, seen_seq: int, updates: Sequence[RequestUpdate],
                        finished: Sequence[RequestOutput], rejected: Sequence[tuple[int, str]] = (),
@@ -247,11 +256,23 @@ class CoordinatorCore:
                       len(self.requests.on_engine(slot)))
             self._remove(slot, died=True)
 
-    def _remove(self, slot: EngineSlot, died: bool) -> None:
+    def engine_timed_out(self, slot: EngineSlot, silent_s: float) -> None:
+        """It sent nothing for ``silent_s`` (> ``engine_timeout_s``) with its connection open: dead,
+        as if the connection had closed. It is told so (``rejected`` -1: it must join again); what
+        it sends later is dropped and counted by the transport."""
+        if slot.state is EngineState.GONE:
+            return
+        log.error("engine %d (%s) silent for %.1f s: declared dead with %d requests on it", slot.index, slot.name,
+                  silent_s, len(self.requests.on_engine(slot)))
+        self.counts["timed_out"] += 1
+        self.outbox.to_engine(slot, "rejected", -1, f"declared dead after {silent_s:.1f} s without a message")
+        self._remove(slot, died=True, why=f" (no message from it for {silent_s:.0f} s)")
+
+    def _remove(self, slot: EngineSlot, died: bool, why: str = "") -> None:
         """Each request still on it: routed again if it produced nothing yet, else ended with
         "error" and its partial output."""
         self.engines.remove(slot)
-        message = f"engine {slot.index} ({slot.name}) {'died' if died else 'left'} while this request ran"
+        message = f"engine {slot.index} ({slot.name}) {'died' if died else 'left'}{why} while this request ran"
         again = []
         for req in self.requests.on_engine(slot):
             if req.tokens:
@@ -335,44 +356,36 @@ class CoordinatorCore:
                 self.outbox.to_client(client, "control_done", op_id, 200, {"stopped": True})
 
     # ------------------------------------------------------------------ messages, by kind
+    _ENGINE_KINDS = {"outputs": "engine_outputs", "heartbeat": "engine_heartbeat", "control_done": "engine_control_done",
+                     "leave": "engine_left"}
+    _CLIENT_KINDS = {k: k for k in ("submit", "abort", "abort_all", "control", "drain", "shutdown")} | {"engines": "engines_query"}
+
     def engine_message(self, slot: EngineSlot, kind: str, fields: Sequence[Any]) -> None:
-        """A decoded message of a registered engine (engine_link.py's kinds)."""
-        if kind == "outputs":
-            self.engine_outputs(slot, *fields)
-        elif kind == "heartbeat":
-            self.engine_heartbeat(slot, *fields)
-        elif kind == "control_done":
-            self.engine_control_done(slot, *fields)
-        elif kind == "leave":
-            self.engine_left(slot)
-        else:
+        """A decoded message of a registered engine (engine_link.py's kinds): any of them says it is alive."""
+        if kind not in self._ENGINE_KINDS:
             raise ValueError(f"engines do not send {kind!r}")
+        slot.last_heard = time.monotonic()
+        getattr(self, self._ENGINE_KINDS[kind])(slot, *fields)
 
     def client_message(self, client: Any, kind: str, fields: Sequence[Any]) -> None:
         """A decoded message of a client (client/ kinds): submit, abort, abort_all, control, drain,
         shutdown, engines (a query answered at once)."""
-        if kind == "submit":
-            self.submit(client, *fields)
-        elif kind == "abort":
-            self.abort(client, *fields)
-        elif kind == "abort_all":
-            self.abort_all(client)
-        elif kind == "control":
-            self.control(client, *fields)
-        elif kind == "drain":
-            self.drain(client, *fields)
-        elif kind == "shutdown":
-            self.shutdown(client, *fields)
-        elif kind == "engines":
-            self.outbox.to_client(client, "control_done", fields[0], 200,
-                                  {"engines": self.engines.describe(), "counts": dict(self.counts), "wire": self.wire()})
-        else:
+        if kind not in self._CLIENT_KINDS:
             raise ValueError(f"clients do not send {kind!r}")
+        getattr(self, self._CLIENT_KINDS[kind])(client, *fields)
+
+    def engines_query(self, client: Any, op_id: int) -> None:
+        self.outbox.to_client(client, "control_done", op_id, 200,
+                              {"engines": self.engines.describe(), "counts": dict(self.counts), "wire": self.wire()})
 
     # ------------------------------------------------------------------ time
     def tick(self, now: float | None = None) -> None:
-        """Requests that waited too long for an engine end with "error"."""
+        """Engines silent for longer than ``engine_timeout_s`` are dead; requests that waited too
+        long for an engine end with "error"."""
         now = time.monotonic() if now is None else now
+        for slot in self.engines.live():
+            if now - slot.last_heard > self.engine_timeout_s:
+                self.engine_timed_out(slot, now - slot.last_heard)
         for req in list(self.requests.unrouted.values()):
             if now - req.queued_at > self.unrouted_timeout_s:
                 self.requests.end(req.rid)

@@ -16,7 +16,7 @@ Fields after the type (ids are ints; "ints" = int64 little-endian bin):
   keys ints | nil, key epoch], abort [id], abort_all [], control [op id, op, args map], drain
   [op id, engine index], shutdown [op id], engines [op id].
 - coordinator -> engine: route [rid, submission number, prompt, sampling map, stream], abort
-  [rid], control [op id, op, args], drain [], rejected [-1, message] (registration refused),
+  [rid], control [op id, op, args], drain [], rejected [-1, message] (registration refused, or declared dead),
   info [map].
 - engine -> coordinator: register [[name, max requests, KV capacity in blocks, block size, cache
   key, prefix caching]], outputs [last submission seen, updates, [output], rejected [[rid,

@@ -2,7 +2,9 @@
 the core (core.py) behind it. Each message is checked for its sender's role and its fields'
 kinds before the core sees it (messages.py's readers); a bad one is dropped and counted
 (``listener.stats``), never an error of the loop. A peer whose connection closed is an engine lost (its requests routed again
-or ended) or a client gone (its requests aborted).
+or ended) or a client gone (its requests aborted). An engine silent for ``engine_timeout_s``
+with its connection open (hung) is lost the same way; whatever it sends afterwards is dropped
+and counted ("dead engine"): it must join again, from a new connection.
 
 Placement: its own process (``python -m megatron_async.coordinator``, or spawned by
 ``LLM(..., listen=...)``), so that it survives engines that die and competes with no engine for
@@ -15,8 +17,8 @@ from typing import Any
 
 import zmq
 
-from megatron_async.coordinator.core import UNROUTED_TIMEOUT_S, CoordinatorCore
-from megatron_async.coordinator.engines import EngineInfo, EngineSlot, RegistrationError
+from megatron_async.coordinator.core import ENGINE_TIMEOUT_S, UNROUTED_TIMEOUT_S, CoordinatorCore
+from megatron_async.coordinator.engines import EngineInfo, EngineSlot, EngineState, RegistrationError
 from megatron_async.coordinator.messages import encode
 from megatron_async.coordinator.transport import ControlListener, Peer
 from megatron_async.coordinator.trust import listener_secret, remove_secret_file
@@ -27,9 +29,11 @@ TICK_S = 1.0
 
 class CoordinatorServer:
     def __init__(self, address: str, policy: str = "load_balanced", alpha: float = 0.5, secret: bytes | str | None = None,
-                 unrouted_timeout_s: float = UNROUTED_TIMEOUT_S, seed: int = 0, ctx: zmq.Context | None = None):
-        """Bind ``address`` (loopback or ipc unless a secret is configured: trust.py)."""
-        self.core = CoordinatorCore(self, policy, alpha, unrouted_timeout_s, seed)
+                 unrouted_timeout_s: float = UNROUTED_TIMEOUT_S, seed: int = 0, ctx: zmq.Context | None = None,
+                 engine_timeout_s: float = ENGINE_TIMEOUT_S):
+        """Bind ``address`` (loopback or ipc unless a secret is configured: trust.py).
+        ``engine_timeout_s``: an engine that sent nothing for this long is dead."""
+        self.core = CoordinatorCore(self, policy, alpha, unrouted_timeout_s, seed, engine_timeout_s)
         self.listener = ControlListener(address, self._welcome, ctx)
         self.address = self.listener.bound
         try:
@@ -86,7 +90,9 @@ class CoordinatorServer:
 
     def _from_engine(self, peer: Peer, kind: str, fields: list) -> None:
         slot = self._slots.get(peer)
-        if kind == "register" and slot is None:
+        if slot is not None and slot.state is EngineState.GONE:  # declared dead while connected
+            self.listener.stats.drop("dead engine")
+        elif kind == "register" and slot is None:
             info: EngineInfo = fields[0]
             try:
                 self._slots[peer] = slot = self.core.engine_registered(peer, info)

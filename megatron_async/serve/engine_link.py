@@ -8,7 +8,14 @@ Ids: the coordinator's request ids travel on the channel; the engine numbers its
 (its ids only grow, and a request the coordinator re-routes after another engine died keeps its
 id). Control operations (``coordinator/controls.py``) run here between two steps; "stop" aborts
 every request, and once they ended the engine leaves, as after "drain" (without aborting). If the
-coordinator goes away, every request is aborted and the loop ends: nobody is left to read them.
+coordinator goes away, or says this engine was declared dead (``rejected`` -1: it was silent for
+its timeout), every request is aborted and the loop ends: nobody is left to read them.
+
+Liveness: the coordinator declares an engine that sent nothing for ``--engine-timeout-s`` dead.
+Between steps the loop sends a ``heartbeat`` when it sent nothing for ``HEARTBEAT_S``; while it
+is inside a step or a control operation (a long prefill, a weight update) a thread of its own
+sends them, for at most ``step_watchdog_s`` of one step: a loop thread stuck longer than that
+stops vouching for the engine, and the coordinator moves its requests.
 
 Messages in (``channel.poll``; coordinator/messages.py): ``route`` (rid, submission number, prompt,
 sampling map, stream), ``abort`` (rid), ``control`` (op id, op, args), ``drain`` (). Out (``channel.send``):
@@ -20,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from typing import Any, Callable, Protocol
 
 from megatron_async.coordinator.engines import EngineInfo
@@ -32,7 +40,9 @@ from megatron_async.serve.refit_ops import EVERY_RANK_OPS
 
 log = logging.getLogger("megatron_async.serve")
 HEARTBEAT_S = 1.0
-"""An idle engine says it is there (and its load) this often."""
+"""An engine says it is there (and its load) when it sent nothing for this long."""
+STEP_WATCHDOG_S = 600.0
+"""Longest step (or control operation) during which the heartbeat thread still vouches for the engine."""
 MAX_FAILED_STEPS = 3
 """Consecutive failed steps after which the link stops stepping for the requests it failed."""
 
@@ -47,10 +57,11 @@ class EngineChannel(Protocol):
 
 class EngineLink:
     def __init__(self, engine, channel: EngineChannel, max_requests: int, name: str = "engine",
-                 update_weights: Callable | None = None, communicator=None):
+                 update_weights: Callable | None = None, communicator=None, step_watchdog_s: float = STEP_WATCHDOG_S):
         """``update_weights``: the LLM's (control op "update_weights" with a checkpoint ``path``);
         ``communicator``: tensor parallelism: this link runs on rank 0 and tells the other ranks
-        (``follow_rank0``) to step, and to run the operations every rank runs."""
+        (``follow_rank0``) to step, and to run the operations every rank runs. ``step_watchdog_s``:
+        heartbeats stop once one step or operation has run this long (the engine is hung)."""
         self.engine, self.channel = engine, channel
         self.max_requests, self.name = max_requests, name
         self._update_weights, self._comm = update_weights, communicator
@@ -71,9 +82,14 @@ class EngineLink:
         self._stop_reply: tuple[int, tuple[int, Any]] | None = None
         self._paused_idle = False
         self._last_sent = time.monotonic()
+        self.step_watchdog_s = step_watchdog_s
+        self._lock = threading.Lock()  # the channel is the heartbeat thread's while _working_since is set
+        self._working_since: float | None = None
+        self._beat = (0, alloc.num_available)  # load and free blocks a heartbeat reports
+        self._declared_dead: str | None = None
         self._thread: threading.Thread | None = None
         self.ended: str | None = None
-        """Why ``run`` returned: "left" (drained or stopped) or "coordinator lost"."""
+        """Why ``run`` returned: "left" (drained or stopped), "coordinator lost" or "declared dead"."""
 
     def info(self) -> EngineInfo:
         alloc = self._alloc
@@ -93,6 +109,8 @@ class EngineLink:
             self._control(*fields)
         elif kind == "drain":
             self._leaving = self._leaving or "drain"
+        elif kind == "rejected":
+            self._declared_dead = fields[1]
 
     def _submit(self, rid: int, seq: int, prompt, params, stream: bool) -> None:
         self._seen_seq = max(self._seen_seq, seq)
@@ -125,9 +143,10 @@ class EngineLink:
                 self.engine.abort_request(local)
             self._stop_reply = (op_id, (200, {"stopped": True}))
             return
-        if op in EVERY_RANK_OPS:
-            self._tell_ranks(("admin", op, args))  # the other TP ranks run it too (follow_rank0)
-        status, body = run_engine_op(self.engine, op, args, self._update_weights)
+        with self._working():
+            if op in EVERY_RANK_OPS:
+                self._tell_ranks(("admin", op, args))  # the other TP ranks run it too (follow_rank0)
+            status, body = run_engine_op(self.engine, op, args, self._update_weights)
         self.channel.send("control_done", op_id, status, body)
         self._last_sent = time.monotonic()
 
@@ -136,12 +155,47 @@ class EngineLink:
         return bool(self._rid_of or self._orphans)
 
     def run(self, stop: threading.Event | None = None) -> str:
-        """Serve until drained / stopped ("left") or the coordinator is gone ("coordinator lost")."""
-        while stop is None or not stop.is_set():
-            ended = self.turn()
-            if ended is not None:
-                return ended
-        return self._end("left")
+        """Serve until drained / stopped ("left"), the coordinator is gone ("coordinator lost") or
+        it declared this engine dead ("declared dead")."""
+        done = threading.Event()
+        beats = threading.Thread(target=self._heartbeats, args=(done,), name="megatron-async-heartbeat", daemon=True)
+        beats.start()
+        try:
+            while stop is None or not stop.is_set():
+                ended = self.turn()
+                if ended is not None:
+                    return ended
+            return self._end("left")
+        finally:
+            done.set()
+            beats.join()
+
+    @contextmanager
+    def _working(self):
+        """A step or an operation runs on this thread: the heartbeat thread owns the channel meanwhile."""
+        with self._lock:
+            self._working_since = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._working_since = None
+
+    def _heartbeats(self, done: threading.Event) -> None:
+        """While ``run`` runs: a heartbeat when nothing was sent for ``HEARTBEAT_S`` and the loop is
+        inside a step that has not yet run for ``step_watchdog_s`` (between steps the loop sends them)."""
+        stuck = None
+        while not done.wait(HEARTBEAT_S / 4):
+            with self._lock:
+                since, now = self._working_since, time.monotonic()
+                if since is None or now - self._last_sent < HEARTBEAT_S:
+                    continue
+                if now - since <= self.step_watchdog_s:
+                    self.channel.send("heartbeat", *self._beat)
+                    self._last_sent = now
+                elif stuck != since:
+                    stuck = since
+                    log.error("one step has run for %.0f s: no more heartbeats until it returns", now - since)
 
     def turn(self, wait: bool = True) -> str | None:
         """One turn of the loop: take what arrived (waiting up to ``HEARTBEAT_S`` when idle and
@@ -151,25 +205,32 @@ class EngineLink:
             self.handle(kind, fields)
         if self.channel.lost:
             return self._end("coordinator lost")
+        if self._declared_dead is not None:
+            return self._end("declared dead")
         if self.busy() and not self._paused_idle:
-            self._tell_ranks("step")
             self._step()
-            return None
-        self._tell_ranks("idle")
-        self._send_outputs([], [])  # rejections, evicted keys (an abort while paused)
-        if self._leaving is not None and not self.busy():
-            return self._end("left")
-        if time.monotonic() - self._last_sent >= HEARTBEAT_S:
-            self.channel.send("heartbeat", len(self._rid_of), self._alloc.num_available)
+        else:
+            self._tell_ranks("idle")
+            self._send_outputs([], [])  # rejections, evicted keys (an abort while paused)
+            if self._leaving is not None and not self.busy():
+                return self._end("left")
+        if time.monotonic() - self._last_sent >= HEARTBEAT_S:  # (steps without outputs: a long prompt's chunks)
+            self._beat = (len(self._rid_of), self._alloc.num_available)
+            self.channel.send("heartbeat", *self._beat)
             self._last_sent = time.monotonic()
         return None
 
     def _step(self) -> None:
-        try:
-            res = self.engine.step()
-        except Exception as e:  # noqa: BLE001 -- fail the requests in flight, keep serving
-            log.exception("engine step failed; failing %d requests", len(self._rid_of))
-            self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+        failure = None
+        with self._working():
+            self._tell_ranks("step")
+            try:
+                res = self.engine.step()
+            except Exception as e:  # noqa: BLE001 -- fail the requests in flight, keep serving
+                failure = e
+        if failure is not None:
+            log.error("engine step failed; failing %d requests", len(self._rid_of), exc_info=failure)
+            self._fail_all(f"engine step failed: {type(failure).__name__}: {failure}")
             return
         self._failed_steps = 0
         if res.step_id < 0 and not res.finished and not res.updates and self.engine.is_paused:
@@ -216,13 +277,14 @@ class EngineLink:
             evicted.clear()
         self._key = key
         rejected, failed, self._rejected, self._failed = self._rejected, self._failed, [], []
-        self.channel.send("outputs", self._seen_seq, updates, finished, rejected, failed, keys, len(self._rid_of),
-                          self._alloc.num_available, new_key)
+        self._beat = (len(self._rid_of), self._alloc.num_available)
+        self.channel.send("outputs", self._seen_seq, updates, finished, rejected, failed, keys, *self._beat, new_key)
         self._last_sent = time.monotonic()
 
     def _end(self, why: str) -> str:
-        if why == "coordinator lost":
-            log.error("the coordinator is gone: aborting %d requests", len(self._rid_of))
+        if why != "left":
+            log.error("%s: aborting %d requests", "the coordinator is gone" if why == "coordinator lost" else
+                      f"the coordinator declared this engine dead ({self._declared_dead})", len(self._rid_of))
             for local in list(self._rid_of):
                 self.engine.abort_request(local)
             for _ in range(MAX_FAILED_STEPS):  # land the aborts: their blocks come back
