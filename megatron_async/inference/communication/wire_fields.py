@@ -88,40 +88,39 @@ def int_list(v, name: str, max_len: int = 1 << 16) -> list[int]:
     return v
 
 
-def ints(v, name: str) -> list[int]:
-    """int64 little-endian bin -> list of ints."""
+def _unpack(v, name: str, code: str) -> list:
     if type(v) is not bytes or len(v) % 8:
         raise bad(name)
-    a = array("q")
+    a = array(code)
     a.frombytes(v)
     if _SWAP:
         a.byteswap()
     return a.tolist()
+
+
+def _pack(xs, code: str) -> bytes:
+    a = array(code, xs)
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+def ints(v, name: str) -> list[int]:
+    """int64 little-endian bin -> list of ints."""
+    return _unpack(v, name, "q")
 
 
 def floats(v, name: str) -> list[float]:
     """float64 little-endian bin -> list of floats."""
-    if type(v) is not bytes or len(v) % 8:
-        raise bad(name)
-    a = array("d")
-    a.frombytes(v)
-    if _SWAP:
-        a.byteswap()
-    return a.tolist()
+    return _unpack(v, name, "d")
 
 
 def pack_ints(xs) -> bytes:
-    a = array("q", xs)
-    if _SWAP:
-        a.byteswap()
-    return a.tobytes()
+    return _pack(xs, "q")
 
 
 def pack_floats(xs) -> bytes:
-    a = array("d", xs)
-    if _SWAP:
-        a.byteswap()
-    return a.tobytes()
+    return _pack(xs, "d")
 
 
 def arr(v, name: str, dtypes: tuple[str, ...] | None = None, ndim: int | None = None) -> Array:
