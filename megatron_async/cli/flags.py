@@ -96,6 +96,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "what each engine's prefix cache holds; InferenceConfig.dp_routing, default load_balanced)")
     g.add_argument("--dp-routing-alpha", type=checked(float, 0.0, 1.0), default=None,
                    help="--dp-routing scored: weight of prefix affinity against free capacity (default 0.5)")
+    g.add_argument("--engine-timeout-s", type=checked(float, 1.0), default=None, dest="dp_engine_timeout_s",
+                   help="--listen: the coordinator started here declares an engine that sent nothing for this long "
+                        "dead; engines heartbeat every second (InferenceConfig.dp_engine_timeout_s, default 30)")
 
 
 def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None:
@@ -251,6 +254,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "seed": args.seed,
         "dp_routing": getattr(args, "dp_routing", None),
         "dp_routing_alpha": getattr(args, "dp_routing_alpha", None),
+        "dp_engine_timeout_s": getattr(args, "dp_engine_timeout_s", None),
     }
     cfg = InferenceConfig(**{k: v for k, v in fields.items() if v is not None})
     if cfg.max_tokens < cfg.max_requests and args.max_tokens is None:

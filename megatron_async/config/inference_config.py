@@ -12,6 +12,8 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
 """Accepted ``InferenceConfig.kv_cache_dtype`` values ("fp8" is "fp8_e4m3")."""
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance", "off")
 
+DP_ENGINE_TIMEOUT_S = 30.0
+"""Default of ``InferenceConfig.dp_engine_timeout_s`` and of the coordinator's ``--engine-timeout-s``."""
 CPU_BUFFER_SIZE_GB = 1.0
 """KV pool budget on CPU (and of a context built from an unresolved config) when none is given."""
 
@@ -220,6 +222,11 @@ class InferenceConfig:
     dp_routing_alpha: float = 0.5
     """``dp_routing`` "scored": the weight of prefix affinity against free capacity, in [0, 1]."""
 
+    dp_engine_timeout_s: float = DP_ENGINE_TIMEOUT_S
+    """The coordinator an engine job starts (``LLM(..., listen=...)``, ``serve --listen``) declares
+    an engine that sent nothing for this long dead (hung with its connection open): its requests
+    are routed again or end with an error. Engines heartbeat every second, also during a step."""
+
     structured_outputs_backend: str = "auto"
     """Grammar library of ``SamplingParams.structured_outputs``: "auto" (xgrammar, and llguidance for
     what xgrammar serves badly: length-bounded JSON strings, long counted repetitions, Lark
@@ -299,6 +306,8 @@ class InferenceConfig:
             raise ValueError(f"InferenceConfig.consensus_spin_us must be >= 0 or None, got {self.consensus_spin_us}")
         if not 0.0 <= self.dp_routing_alpha <= 1.0:
             raise ValueError(f"InferenceConfig.dp_routing_alpha must be in [0, 1], got {self.dp_routing_alpha}")
+        if not self.dp_engine_timeout_s > 0:
+            raise ValueError(f"InferenceConfig.dp_engine_timeout_s must be > 0, got {self.dp_engine_timeout_s}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"InferenceConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.speculative_ngram_max < 1:

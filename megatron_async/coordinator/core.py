@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Callable, Protocol
 
+from megatron_async.config.inference_config import DP_ENGINE_TIMEOUT_S
 from megatron_async.config.modes import DpRouting
 from megatron_async.coordinator.controls import CONTROL_OPS, ControlBook, PendingControl
 from megatron_async.coordinator.engines import EngineInfo, EngineSlot, EngineState, EngineTable
@@ -29,7 +30,7 @@ from megatron_async.inference.request import RequestOutput, RequestUpdate
 log = logging.getLogger("megatron_async.coordinator")
 UNROUTED_TIMEOUT_S = 60.0
 """How long a request waits for an engine that takes requests (none registered, all draining)."""
-ENGINE_TIMEOUT_S = 30.0
+ENGINE_TIMEOUT_S = DP_ENGINE_TIMEOUT_S
 """An engine that sent nothing for this long is dead (hung with its connection open), as if its
 connection had closed. Engines send a heartbeat every second from a thread of their own, also
 while a step runs (serve/engine_link.py)."""

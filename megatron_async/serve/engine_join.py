@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_async.config.inference_config import DP_ENGINE_TIMEOUT_S
 from megatron_async.config.modes import DpRouting
 from megatron_async.coordinator.engines import EngineInfo, RegistrationError
 from megatron_async.coordinator.transport import PeerSocket
@@ -78,14 +79,15 @@ def join(llm, address: str, name: str | None = None, secret: bytes | str | None 
     return link
 
 
-def spawn_coordinator(listen: str, policy: str = "load_balanced", alpha: float = 0.5) -> tuple[subprocess.Popen, str]:
+def spawn_coordinator(listen: str, policy: str = "load_balanced", alpha: float = 0.5,
+                      engine_timeout_s: float = DP_ENGINE_TIMEOUT_S) -> tuple[subprocess.Popen, str]:
     """``python -m megatron_async.coordinator`` listening on ``listen``: (its process, its address)."""
     from megatron_async.coordinator.__main__ import READY_LINE
 
     root = str(Path(__file__).resolve().parents[2])  # this tree's package, whatever the caller's sys.path
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", "megatron_async.coordinator", "--listen", listen, "--dp-routing", DpRouting(policy).value,
-           "--dp-routing-alpha", str(alpha)]
+           "--dp-routing-alpha", str(alpha), "--engine-timeout-s", str(engine_timeout_s)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + COORDINATOR_START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -96,6 +98,12 @@ def spawn_coordinator(listen: str, policy: str = "load_balanced", alpha: float =
             break
     proc.kill()
     raise RuntimeError(f"the coordinator did not start on {listen} (exit code {proc.poll()})")
+
+
+def spawn_configured_coordinator(listen: str, config) -> tuple[subprocess.Popen, str]:
+    """``spawn_coordinator`` with an engine's ``InferenceConfig`` settings (dp_routing,
+    dp_routing_alpha, dp_engine_timeout_s)."""
+    return spawn_coordinator(listen, config.dp_routing, config.dp_routing_alpha, config.dp_engine_timeout_s)
 
 
 def serve_engine(llm, args) -> int:
@@ -115,7 +123,7 @@ def serve_engine(llm, args) -> int:
             return 0
         address = args.join
         if args.listen:
-            proc, address = spawn_coordinator(args.listen, llm.config.dp_routing, llm.config.dp_routing_alpha)
+            proc, address = spawn_configured_coordinator(args.listen, llm.config)
         try:
             link = join(llm, address, args.engine_name)
         except (SecretError, RegistrationError, RuntimeError) as e:
@@ -157,7 +165,7 @@ class CoordinatorService:
             return
         try:
             if listen is not None:
-                self.process, self.address = spawn_coordinator(listen, llm.config.dp_routing, llm.config.dp_routing_alpha)
+                self.process, self.address = spawn_configured_coordinator(listen, llm.config)
             self.link = join(llm, self.address)
             self.link.start()
         except BaseException:

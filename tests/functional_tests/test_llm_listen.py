@@ -1,12 +1,25 @@
 """``LLM(..., listen=ADDR)`` starts a coordinator and serves its engine through it;
 ``LLM(..., join=ADDR)`` adds another engine; a client reaches both; ``close()`` lets each engine
-leave and stops the coordinator it started."""
+leave and stops the coordinator it started. The coordinator started so (and by ``serve
+--listen``) takes its engine timeout from the engine job's settings."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import time
+
+import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.client import InferenceClient
+from megatron_async.coordinator.engines import EngineInfo
+from megatron_async.coordinator.transport import PeerSocket
+from megatron_async.coordinator.trust import ENV_SECRET, peer_secret
+from tests.helpers.coordinator_procs import ROOT, TINY_ENGINE, _env, _wait_line
+
+ENGINE_TIMEOUT_S = 2.0
+"""Far below the default (30 s): a coordinator that did not get the setting keeps a silent engine."""
 
 
 def test_llm_listen_and_join():
@@ -34,3 +47,69 @@ def test_llm_listen_and_join():
         process = first.coordinator.process
         first.close()
     assert process.poll() is not None
+
+
+@pytest.fixture
+def own_secrets(monkeypatch, tmp_path):
+    """The coordinators' same-user secret files (trust.secret_file) under this test's directory."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv(ENV_SECRET, raising=False)
+
+
+def silent_engine_declared_dead_after(address: str) -> float:
+    """An engine (4-token blocks, as the job's) registers at ``address``, then sends nothing: seconds until the coordinator
+    tells it it was declared dead (``rejected`` -1)."""
+    p = PeerSocket(address, peer_secret(address), "engine", "silent", 10)
+    try:
+        p.send("register", EngineInfo("silent", 8, 100, 4, b"k", True))
+        deadline, registered_at = time.monotonic() + 4 * ENGINE_TIMEOUT_S + 10, None
+        while time.monotonic() < deadline:
+            p.wait(0.05)
+            for kind, fields in p.take():
+                if kind == "info" and registered_at is None:
+                    registered_at = time.monotonic()
+                elif kind == "rejected":
+                    assert registered_at is not None and fields[0] == -1, fields  # not refused at registration
+                    return time.monotonic() - registered_at
+        raise AssertionError(f"the silent engine was not declared dead within {4 * ENGINE_TIMEOUT_S + 10} s")
+    finally:
+        p.close()
+
+
+def assert_declared_dead_in_time(address: str) -> None:
+    """Within the timeout plus the coordinator's once-a-second check and a loaded machine's slack;
+    the engine job's own engine keeps beating and stays."""
+    assert ENGINE_TIMEOUT_S < silent_engine_declared_dead_after(address) < ENGINE_TIMEOUT_S + 3.0
+
+    async def listing():
+        client = await InferenceClient(address).start()
+        try:
+            return await client.engines()
+        finally:
+            client.close()
+
+    got = asyncio.run(listing())
+    assert got["counts"]["timed_out"] == 1
+    assert [(e["index"], e["state"]) for e in got["engines"]] == [(0, "active")]  # "silent" was engine 1
+
+
+def test_llm_listen_passes_the_engine_timeout_to_its_coordinator(own_secrets):
+    cfg = InferenceConfig(block_size_tokens=4, num_kv_blocks=64, max_requests=4, dp_engine_timeout_s=ENGINE_TIMEOUT_S)
+    llm = LLM(None, "cpu", inference_config=cfg, listen="tcp://127.0.0.1:0")
+    try:
+        assert_declared_dead_in_time(llm.coordinator.address)
+    finally:
+        llm.close()
+
+
+def test_serve_listen_passes_the_engine_timeout_to_its_coordinator(own_secrets):
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_async.serve", "--listen", "tcp://127.0.0.1:0",
+                             "--engine-timeout-s", str(ENGINE_TIMEOUT_S), "--block-size", "4", *TINY_ENGINE],
+                            stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    try:
+        address = _wait_line(proc, "megatron_async.serve: engine ", 120).split()[-1]
+        assert_declared_dead_in_time(address)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        proc.stdout.close()
