@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from megatron_async.forward_batch import AttentionMetadata  # noqa: E402
-from megatron_async.kernels import attention_triton  # noqa: E402
+from megatron_async.kernels import attention_torch, attention_triton  # noqa: E402
 from megatron_async.kernels.triton_invariant_attention import invariant_attention, split_size  # noqa: E402
 
 from tests.helpers.paged_attention_cases import QWEN3_06B_HEADS, make_case  # noqa: E402
@@ -18,9 +18,9 @@ from tests.helpers.paged_attention_cases import QWEN3_06B_HEADS, make_case  # no
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _case(rows, dtype=torch.float32, device=DEVICE, seed=0, **shape):
+def _case(rows, dtype=torch.float32, device=DEVICE, seed=0, rows_per_reference=None, **shape):
     case = make_case(rows, dtype=dtype, device=device, seed=seed, **shape)
-    ref_out, _ = case.reference()
+    ref_out = case.reference()[0] if rows_per_reference is None else _reference_in_parts(case, rows_per_reference)
     out = attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale, fixed_order=True)
     return case, out, ref_out
 
@@ -41,6 +41,20 @@ def _meta(case, picks: list[tuple[int, int]]) -> AttentionMetadata:
                                              torch.tensor([n for _, n in picks], device=dev)),
         cu_query_lens=cu, kv_lens=m.kv_lens[rows], block_table=m.block_table[rows].contiguous(),
         block_size=m.block_size)
+
+
+def _reference_in_parts(case, rows_per_call: int) -> torch.Tensor:
+    """The torch reference a few rows at a time: it pads every row to the longest query and key
+    count of its call, which for 66 rows of up to 16k keys at once would be ~45 GiB."""
+    cache = torch.nan_to_num(case.kv_cache, nan=0.0)
+    attention_torch.write_kv(cache, case.k, case.v, case.meta.slot_mapping[: case.meta.num_tokens])
+    cu = case.meta.cu_query_lens.tolist()
+    parts = []
+    for lo in range(0, case.meta.num_rows, rows_per_call):
+        hi = min(lo + rows_per_call, case.meta.num_rows)
+        meta = _meta(case, [(r, cu[r + 1] - cu[r]) for r in range(lo, hi)])
+        parts.append(attention_torch.paged_attention(case.q[cu[lo]:cu[hi]], cache, meta, case.scale))
+    return torch.cat(parts)
 
 
 def _last_query_of(case, picks, probe_q, split=None) -> list[torch.Tensor]:
@@ -81,6 +95,8 @@ def _check_invariance(case, probes: list[int], fillers: list[int], chunk: int, s
 ROWS = [(0, 1), (31, 1), (32, 1), (70, 1), (120, 1), (20, 30), (0, 45), (64, 1), (90, 40), (3, 5)]
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="32-key splits exist only in the interpreter; on CUDA the "
+                    "long-row test below crosses 4,096-key splits")
 @pytest.mark.parametrize("group,head_dim,block_size", [(2, 16, 4), (1, 32, 16), (4, 24, 8), (3, 16, 4)])
 def test_matches_reference_across_splits(group, head_dim, block_size):
     case, out, ref = _case(ROWS, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, block_size=block_size,
@@ -101,8 +117,10 @@ def test_split_size_is_fixed_by_the_table():
     assert split_size(256, torch.device("cpu")) == 32
 
 
-@pytest.mark.parametrize("split", [None, 16])
+@pytest.mark.parametrize("split", [None, "small"])
 def test_query_bits_independent_of_step(split):
+    if split == "small":  # rows of up to 130 keys cross several splits (a multiple of the key tile)
+        split = 64 if DEVICE == "cuda" else 16
     rows = [(c - 1, 1) for c in (130, 97, 64, 33, 20, 5, 47)]
     case, _, _ = _case(rows, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, table_width=64)
     _check_invariance(case, probes=[0, 1, 2, 3], fillers=[4, 5, 6], chunk=37, split=split)
@@ -124,7 +142,7 @@ def test_gpu_long_rows_match_reference_and_keep_their_bits(block_size):
     rows = [(n - 1, 1) for n in LONG] + short + [(0, 700), (5000, 300)]
     width = -(-16500 // block_size)
     case, out, ref = _case(rows, dtype=torch.bfloat16, device="cuda", table_width=width, block_size=block_size,
-                           **QWEN3_06B_HEADS)
+                           rows_per_reference=4, **QWEN3_06B_HEADS)
     assert split_size(width * block_size, out.device) == 4096
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=1e-2)
     for chunk in (1, 300, 2000):
