@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_async.config import AllReduceBackend
+from megatron_async.parallel.plain_gather import all_gather_plain
 from megatron_async.parallel.state import ParallelState
 
 log = logging.getLogger("megatron_async")
@@ -298,9 +299,7 @@ def _all_agree(ok: bool, group, device: torch.device) -> bool:
 def group_problem(group, device: torch.device, local_problem: str | None) -> str | None:
     """Collective over ``group``: the first reason any rank cannot take part in a P2P
     collective (each rank's ``local_problem``, hosts, peer access), the same on every rank."""
-    infos: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(infos, (socket.gethostname(), device.index, local_problem), group=group)
-    return _group_problem(infos, device)
+    return _group_problem(all_gather_plain((socket.gethostname(), device.index, local_problem), group, device), device)
 
 
 def _group_problem(infos: list, device: torch.device) -> str | None:
