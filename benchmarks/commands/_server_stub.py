@@ -24,7 +24,9 @@ class StubEngine:
         self.scheduler = SimpleNamespace(waiting=self.waiting)
         self.config = SimpleNamespace(max_requests=max_requests)
         self.validator = SimpleNamespace(check=lambda prompt_tokens, params: None)
-        self.stats = SimpleNamespace(overlap_ratio=1.0, decode_steps=0, overlapped_decode_steps=0)
+        self.control = SimpleNamespace(generation_blocked=lambda: None)
+        self.stats = SimpleNamespace(overlap_ratio=1.0, decode_steps=0, overlapped_decode_steps=0, prefill_tokens=0,
+                                     shared_prompt_tokens=0)
         self._aborted: set[int] = set()
 
     def add_request(self, prompt_tokens, params) -> int:

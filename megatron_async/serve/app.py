@@ -4,7 +4,8 @@ enabled. Handlers turn a
 body into engine choices (request_input.py), hand them to the engine thread (engine_loop.py) and
 read their events back (responder.py); the routes are completion_routes.py, chat_routes.py,
 admin_routes.py and the informational ones here. Every error is OpenAI's JSON error object (400
-bad input, 404 unknown model or route, 413 body too large, 415 not JSON, 500 unexpected), and a
+bad input, 404 unknown model or route, 413 body too large, 415 not JSON, 503 the engine cannot
+generate now (suspended, not paused), 500 unexpected), and a
 client that goes away has its requests aborted."""
 from __future__ import annotations
 

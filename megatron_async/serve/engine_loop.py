@@ -26,6 +26,11 @@ from megatron_async.serve.refit_ops import EVERY_RANK_OPS
 log = logging.getLogger("megatron_async.serve")
 
 
+class GenerationBlockedError(RuntimeError):
+    """A request refused because the engine cannot generate now (its memory is suspended, or its
+    weights incomplete, and generation is not paused, so it would not wait either): HTTP 503."""
+
+
 @dataclass(frozen=True)
 class Choice:
     """One engine request of an HTTP request (a prompt, or one of its ``n`` samples)."""
@@ -220,6 +225,10 @@ class EngineLoop:
         engine now when they fit (a bad one aborts those already added), else they are checked
         now and join in the fair order of fair_feed.py (request id -1 until then)."""
         n = len(sub.choices)
+        if (why := self.engine.control.generation_blocked()) is not None:
+            self._outbox.append((sub, "rejected", GenerationBlockedError(
+                f"the engine cannot generate now: {why} (send it again once resumed; under a pause requests wait)")))
+            return
         try:
             if self.feed.fits(n):
                 for choice in sub.choices:
@@ -276,6 +285,10 @@ class EngineLoop:
         try:
             res = self.engine.step()
         except Exception as e:  # noqa: BLE001 -- fail the requests in flight, keep serving
+            if (why := self.engine.control.generation_blocked()) is not None:  # they wait for a resume
+                log.warning("%d requests wait until the engine resumes: %s", len(self._live), why)
+                self._paused_idle = True
+                return
             log.exception("engine step failed; failing %d requests", len(self._live))
             self._failed_steps += 1
             self._fail_all(f"engine step failed: {type(e).__name__}: {e}", forget=self._failed_steps >= MAX_FAILED_STEPS)

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from megatron_async.inference.request import InvalidRequestError, RequestOutput
 from megatron_async.serve import responses as resp
-from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission
+from megatron_async.serve.engine_loop import Choice, EngineLoop, GenerationBlockedError, Submission
 from megatron_async.serve.stream_events import merge_events
 from megatron_async.serve.sse_response import SSEResponse, client_disconnect
 
@@ -42,6 +42,8 @@ async def respond(engine_loop: EngineLoop, request: Request, req, choices: list[
         await sub.admitted
     except InvalidRequestError as e:
         return error_response(str(e), 400)
+    except GenerationBlockedError as e:
+        return error_response(str(e), 503)
     except RuntimeError as e:
         return error_response(str(e), 500)
     if req.stream:

@@ -47,6 +47,20 @@ class GenerationControl:
         self.engine.memory.check_can_generate()
         self.engine.ranks.pause(None)
 
+    def generation_blocked(self) -> str | None:
+        """Why a request added now would neither run nor wait (None: it runs, or waits under a
+        pause): the device memory is suspended, or the weights were dropped, while generation is
+        not paused in "keep" / "abort" (then ``step()`` raises ``SuspendError``). Under such a pause
+        requests queue until ``resume`` and ``resume_generation``. This rank's memory only: under
+        TP / EP every rank suspends and resumes together."""
+        if self.engine._pause in ("keep", "abort"):
+            return None
+        try:
+            self.engine.memory.check_can_generate()
+        except SuspendError as e:
+            return str(e)
+        return None
+
     def suspend(self, tags, keep_weights_on_host: bool) -> None:
         """Free device memory by tag ("weights": the parameters; "kv_cache": the KV pool, the
         Mamba state pools and the CUDA graph pools) for a colocated trainer; needs
