@@ -252,6 +252,9 @@ class LLM:
         except torch.OutOfMemoryError:
             raise MemoryPlanError(f"model does not fit: CUDA out of memory while loading its weights (device had "
                                   f"{now.free / GiB:.2f} GiB free of {now.total / GiB:.2f} GiB)") from None
+        if self.device.type == "cuda":  # before any capture, so graphs and eager steps take one path
+            from megatron_async.kernels.triton_fp8_gemm import settle_fp8_linears
+            settle_fp8_linears(self.model, self.device)
 
     def _plans_memory(self) -> bool:
         """CUDA without a KV size in the config: the pool is planned from measured memory."""

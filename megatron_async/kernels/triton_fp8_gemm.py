@@ -1,13 +1,16 @@
 """W8A8 block-scaled FP8 linear: y = x @ W.T (+ bias) with W e4m3 in 128 x 128 blocks
 (``weight_scale_inv``) and x quantized per token in 1 x 128 groups (scale amax / 448, see fp8_quant).
 
-One kernel, two ways to get the A operand:
-- fused (decode-size batches): each program loads its [BLOCK_M, 128] slice of x for the current K
-  group, takes the row maxima and rounds to e4m3 in registers, never writing the quantized
-  activations anywhere;
-- pre-quantized (``x_scale`` given; prefill-size batches): ``quantize_activation`` wrote e4m3 +
-  scales once, instead of every column tile redoing it.
-Both quantize with ``triton_fp8_common.quantize_groups``: the same bits either way.
+Who computes a call (``fp8_linear``; measured on an H100 at the Qwen3-8B linears,
+``python -m benchmarks fp8 kernels``):
+- up to ``SMALL_M`` rows (decode), the Triton kernel below with the activations quantized inside
+  it: each program loads its [16, 128] slice of x per K group, takes the row maxima and rounds to
+  e4m3 in registers, never writing the quantized activations anywhere;
+- up to ``TRITON_M_MAX`` rows, the same kernel over activations ``quantize_activation`` wrote once
+  (e4m3 + scales), instead of every column tile redoing it;
+- above, cuBLASLt's block-scaled recipe (``torch._scaled_mm``) where it takes the call, else this
+  kernel over pre-quantized activations.
+Both Triton ways quantize with ``triton_fp8_common.quantize_groups``: the same bits either way.
 
 Per K group (BLOCK_K = 128, the group size) the kernel takes a fresh e4m3 dot and adds it times
 (activation scale x weight scale) to a float32 accumulator: the scales of a group are constant
@@ -19,11 +22,12 @@ loads give zeros (the kernel pads in registers; nothing is rejected).
 weight row: stacked parts or TP shards that do not start on a 128-row boundary, e.g. SmolLM2's
 q/k/v of 576/192/192 rows). ``SPLIT_K``: K cut into fixed group-aligned ranges whose float32
 partials a second kernel adds in range order (decode with few column tiles). Tiles are a function
-of (N, K) and of M's bucket (<= ``DECODE_M_MAX`` rows or more) only, and of (N, K) alone with
-``batch_invariant``: a row's bits do not depend on the rows beside it, on CUDA-graph padding within
-a bucket, or on async vs serial. M is not specialised (one binary per bucket)."""
+of (N, K) and of M's bucket only, and of (N, K) alone with ``batch_invariant`` (always Triton): a
+row's bits do not depend on the rows beside it, on CUDA-graph padding within a bucket, or on
+async vs serial. M is not specialised (one binary per bucket)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +36,10 @@ import triton.language as tl
 
 from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
 from megatron_async.kernels.triton_invariant_matmul import _split_sum_kernel, grouped_tile
+from megatron_async.kernels.triton_paged_common import num_compute_units
 
 GROUP = 128
+log = logging.getLogger("megatron_async")
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -126,32 +132,97 @@ class Fp8Tiles:
     num_stages: int
 
 
+SMALL_M = 16
+"""Rows up to this (decode): 16-row tiles quantizing A in the GEMM; that costs no more than a
+separate quantize launch there (H100, Qwen3-8B linears, M = 1: 1.4-1.8x faster than cuBLAS bf16)."""
+TRITON_M_MAX = 64
+"""Rows above this go to cuBLASLt's block-scaled recipe where it takes the call
+(``scaled_mm_takes``): on an H100 it is 1.3-1.5x faster than bf16 for prefill-sized M and about
+bf16's speed from 128 rows, where this kernel (one dot per 128-K group scaled into a float32
+accumulator, no warp specialisation) reaches ~0.75x bf16. Between ``SMALL_M`` and here: 64-row
+tiles over pre-quantized activations (in-GEMM quantization of 64-row tiles is 2-3x slower)."""
 DECODE_M_MAX = 256
-"""Row counts up to this use the decode tiles (A quantized in the GEMM), which depend on (N, K)
-only: a CUDA graph padded to a captured size <= 256 computes every real row with the same bits
-as eager (and async == serial, batch 1 == batch 64). Hopper's FP8 wgmma is 64 rows deep anyway.
-Above, the activations are quantized once by ``quantize_activation`` and the GEMM reads e4m3."""
+"""Without cuBLASLt: rows up to this use split-K 64-row tiles, above it 128-row tiles."""
 
 
-def fp8_tiles(m: int, n: int, k: int, device: torch.device, batch_invariant: bool = False) -> Fp8Tiles:
-    """Launch settings: decode tiles fill the SMs with column tiles x K splits (bandwidth-bound);
-    prefill tiles are 128 x 128. CPU (interpreter): tiles tiny test shapes still cross, with a K split."""
+def _split_k(n: int, k: int, block_n: int, device: torch.device) -> int:
+    """K splits (a power of two <= 8, >= 4 groups each) so that column tiles x splits fill about
+    four waves of the GPU: the decode GEMM is bandwidth-bound and few column tiles leave SMs idle."""
+    want = max(1, min(8, triton.cdiv(k, GROUP) // 4, 4 * num_compute_units(device) // triton.cdiv(n, block_n)))
+    return 1 << (want.bit_length() - 1)
+
+
+def fp8_tiles(m: int, n: int, k: int, device: torch.device, batch_invariant: bool = False) -> tuple[Fp8Tiles, bool]:
+    """(tiles, prequantize) of the Triton GEMM. Tiles are a function of (N, K) and of M's bucket
+    (``SMALL_M``, ``TRITON_M_MAX``, ``DECODE_M_MAX``), and of (N, K) alone with ``batch_invariant``:
+    a row's bits do not depend on the rows beside it or on CUDA-graph padding within a bucket.
+    Quantizing A in the GEMM or before gives the same bits. CPU (interpreter): tiles tiny test
+    shapes still cross, with a K split."""
     if device.type != "cuda":
-        return Fp8Tiles(16, 32, 2 if k > GROUP else 1, 1, 1)
-    if batch_invariant or m <= DECODE_M_MAX:
-        groups = triton.cdiv(k, GROUP)
-        block_n = 64
-        split = max(1, min(4, groups // 8, triton.cdiv(2 * 132, triton.cdiv(n, block_n))))
-        return Fp8Tiles(64, block_n, split, 4, 4)
-    return Fp8Tiles(128, 128, 1, 8, 3)
+        return Fp8Tiles(16, 32, 2 if k > GROUP else 1, 1, 1), batch_invariant or m > SMALL_M
+    if batch_invariant:
+        split = max(1, min(4, triton.cdiv(k, GROUP) // 8, triton.cdiv(2 * 132, triton.cdiv(n, 64))))
+        return Fp8Tiles(64, 64, split, 4, 4), True
+    if m <= SMALL_M:
+        return Fp8Tiles(16, 64, _split_k(n, k, 64, device), 4, 3), False
+    if m <= DECODE_M_MAX:
+        split = _split_k(n, k, 64, device)
+        return Fp8Tiles(64, 64, split if m <= TRITON_M_MAX else min(2, split), 4, 4), True
+    return Fp8Tiles(128, 64, 1, 4, 3), True
+
+
+def scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, scale_block_n: int,
+                    batch_invariant: bool) -> bool:
+    """Whether ``fp8_linear`` hands this call to ``torch._scaled_mm``: more than ``TRITON_M_MAX``
+    rows of bf16 / fp16 on a GPU whose cuBLASLt runs the 1 x 128 / 128 x 128 recipe, the
+    checkpoint's 128-row scale grid, N a multiple of 128 and K of 512 (``scaled_mm_weight_scale``:
+    the weight scales are read in place, so an in-place weight update reaches them). Never in
+    batch-invariant mode (cuBLAS's kernel choice depends on M)."""
+    n, k = weight.shape
+    return (not batch_invariant and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and x.numel() > TRITON_M_MAX * k and scale_block_n == GROUP and n % GROUP == 0 and k % (4 * GROUP) == 0
+            and weight.stride(1) == 1 and weight_scale.is_contiguous() and scaled_mm_runs(x.device))
+
+
+_SCALED_MM_RUNS: dict[torch.device, bool] = {}
+
+
+def scaled_mm_runs(device: torch.device) -> bool:
+    """Whether cuBLASLt's block-scaled recipe runs on ``device`` (tried once, outside any CUDA-graph
+    capture, and logged when it does not; while capturing before it was tried: False). The trial
+    draws no random numbers: an engine's CUDA generator may be registered for graph capture."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    if device not in _SCALED_MM_RUNS:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        from megatron_async.kernels.fp8_quant import quantize_weight
+
+        try:
+            w = torch.linspace(-1.0, 1.0, 256 * 512, device=device).view(256, 512)
+            q, s = quantize_weight(w)
+            scaled_mm_linear(w[:8].to(torch.bfloat16), q, s)
+            _SCALED_MM_RUNS[device] = True
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+            log.warning("FP8: cuBLASLt's block-scaled recipe does not run on %s (%s: %s); the Triton GEMM computes "
+                        "every FP8 linear", device, type(e).__name__, str(e).splitlines()[0][:200])
+            _SCALED_MM_RUNS[device] = False
+    return _SCALED_MM_RUNS[device]
+
+
+def settle_fp8_linears(model: torch.nn.Module, device: torch.device) -> None:
+    """Decide now whether cuBLASLt takes the large FP8 calls of ``model`` (when it has FP8 weights):
+    a decision first asked for inside a CUDA-graph capture could not be tried there."""
+    if any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
+        scaled_mm_runs(device)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
                scale_block_n: int = GROUP, batch_invariant: bool = False, tiles: Fp8Tiles | None = None,
                prequantize: bool | None = None) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32), weight [N, K] e4m3, weight_scale [ceil(N / scale_block_n),
-    ceil(K / 128)] float32 -> [..., N] in x's dtype. ``prequantize`` (None: for more than
-    ``DECODE_M_MAX`` rows, never with ``batch_invariant``) quantizes x in its own pass first."""
+    ceil(K / 128)] float32 -> [..., N] in x's dtype. ``tiles`` / ``prequantize`` override
+    ``fp8_tiles``'s choice (and keep the call in Triton)."""
     lead, k = x.shape[:-1], x.shape[-1]
     a = x.reshape(-1, k)
     if a.stride(-1) != 1:
@@ -162,19 +233,28 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if tuple(weight_scale.shape) != (triton.cdiv(n, scale_block_n), triton.cdiv(k, GROUP)):
         raise ValueError(f"fp8_linear: weight_scale {tuple(weight_scale.shape)} is not the grid of {n} x {k} "
                          f"in {scale_block_n} x {GROUP} blocks")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return out.reshape(*lead, n)
-    t = tiles or fp8_tiles(m, n, k, x.device, batch_invariant)
-    if prequantize is None:
-        prequantize = not batch_invariant and m > DECODE_M_MAX
+        return torch.empty(*lead, n, dtype=x.dtype, device=x.device)
+    if tiles is None and prequantize is None and scaled_mm_takes(a, weight, weight_scale, scale_block_n,
+                                                                 batch_invariant):
+        out = scaled_mm_linear(a, weight, weight_scale)
+        return (out if bias is None else out + bias).reshape(*lead, n)
+    planned, pre = fp8_tiles(m, n, k, x.device, batch_invariant)
+    return _triton_linear(a, weight, weight_scale, bias, scale_block_n, tiles or planned,
+                          pre if prequantize is None else prequantize).reshape(*lead, n)
+
+
+def _triton_linear(a, weight, weight_scale, bias, scale_block_n: int, t: Fp8Tiles, prequantize: bool) -> torch.Tensor:
+    m, k = a.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     xs = weight_scale  # unused by the kernel when not pre-quantized
     if prequantize:
         a, xs = quantize_activation(a)
     groups = triton.cdiv(k, GROUP)
     per_split = triton.cdiv(groups, t.split_k)
     split = triton.cdiv(groups, per_split)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    part = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else out
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
     bias_arg = weight_scale if bias is None else bias
     _fp8_gemm_kernel[grid](
@@ -188,15 +268,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         block = 1024
         _split_sum_kernel[(triton.cdiv(m * n, block),)](part, bias_arg, out, m, n, out.stride(0), SPLIT_K=split,
                                                        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
-    return out.reshape(*lead, n)
+    return out
 
 
 def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """The same linear through cuBLASLt's block-scaled recipe (``torch._scaled_mm``, SM90, cuBLAS
-    >= 12.9): x quantized by ``quantize_activation`` (rows padded to 4), the weight grid padded to
-    a multiple of 4 columns and transposed (``scaled_mm_weight_scale``; PyTorch #166752: without
-    the padding, silently wrong results). K and N multiples of 128. For measurements and the GPU
-    tests; the engine runs ``fp8_linear``."""
+    >= 12.9): x quantized by ``quantize_activation`` (rows padded to 4, the scales' leading
+    dimension with them: PyTorch #166752, without the padding silently wrong results), the weight
+    grid transposed in place (``scaled_mm_weight_scale``). N a multiple of 128, K of 512.
+    ``fp8_linear`` calls it where ``scaled_mm_takes``."""
     m = x.shape[0]
     x_q, x_scale = quantize_activation(x, pad_rows_to=4)
     y = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=scaled_mm_weight_scale(weight_scale),
@@ -205,9 +285,11 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 
 
 def scaled_mm_weight_scale(weight_scale: torch.Tensor) -> torch.Tensor:
-    """[Nb, Kb] -> the [round_up(Kb, 4), Nb] view with strides (1, round_up(Kb, 4)) cuBLASLt reads."""
+    """[Nb, Kb] -> the [Kb, Nb] view (strides (1, Kb)) cuBLASLt reads: the grid itself, in place.
+    Kb must be a multiple of 4 (K of 512): torch 2.11 refuses every other layout we tried for
+    the 128 x 128 recipe ("Invalid scaling configuration")."""
     nb, kb = weight_scale.shape
-    kb4 = -(-kb // 4) * 4
-    padded = torch.ones(nb, kb4, dtype=torch.float32, device=weight_scale.device)
-    padded[:, :kb] = weight_scale
-    return padded.t()
+    if kb % 4 or not weight_scale.is_contiguous():
+        raise ValueError(f"scaled_mm_linear: a contiguous weight scale grid with a multiple of 4 K groups, not "
+                         f"{tuple(weight_scale.shape)}")
+    return weight_scale.t()

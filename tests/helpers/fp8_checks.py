@@ -28,7 +28,8 @@ class Fp8CallChecks:
     the other way of getting the A operand (quantized in the GEMM vs pre-quantized, the same tiles)
     gives the same output bits (so the GEMM's in-register quantization is that kernel's too), and
     the output is within ``check_gemm``'s bound of the float32 emulation. Failures are collected
-    (``failures``), not raised inside the engine's step; ``rows`` / ``scale_block_ns`` say what ran."""
+    (``failures``), not raised inside the engine's step; ``rows`` / ``scale_block_ns`` / ``cublas_rows``
+    (calls cuBLASLt took: there the A-operand check does not apply) say what ran."""
 
     def __init__(self, ulps: float = 1.0, slack: float = 2.0 ** -20):
         from megatron_async.kernels import triton_fp8_gemm
@@ -38,6 +39,7 @@ class Fp8CallChecks:
         self.rows: list[int] = []
         self.scale_block_ns: set[int] = set()
         self.failures: list[str] = []
+        self.cublas_rows: list[int] = []
 
     def __call__(self, x, weight, weight_scale, bias=None, scale_block_n=128, batch_invariant=False, tiles=None,
                  prequantize=None):
@@ -49,11 +51,16 @@ class Fp8CallChecks:
         what = f"{m} x {a.shape[1]} -> {n} (scale_block_n {scale_block_n})"
         self.rows.append(m)
         self.scale_block_ns.add(scale_block_n)
-        tiles = tiles or self.kernels.fp8_tiles(m, n, a.shape[1], x.device, batch_invariant)
-        pre = (not batch_invariant and m > self.kernels.DECODE_M_MAX) if prequantize is None else prequantize
-        other = self.fp8_linear(x, weight, weight_scale, bias, scale_block_n, batch_invariant, tiles, not pre)
-        if not torch.equal(other, out):
-            self.failures.append(f"{what}: quantized in the GEMM != pre-quantized")
+        cublas = tiles is None and prequantize is None and self.kernels.scaled_mm_takes(
+            a, weight, weight_scale, scale_block_n, batch_invariant)
+        if cublas:
+            self.cublas_rows.append(m)
+        else:  # the other way of getting the A operand, the same tiles: the same bits
+            planned, pre = self.kernels.fp8_tiles(m, n, a.shape[1], x.device, batch_invariant)
+            tiles, pre = tiles or planned, pre if prequantize is None else prequantize
+            other = self.fp8_linear(x, weight, weight_scale, bias, scale_block_n, batch_invariant, tiles, not pre)
+            if not torch.equal(other, out):
+                self.failures.append(f"{what}: quantized in the GEMM != pre-quantized")
         q, s = self.kernels.quantize_activation(a)
         rq, rs = fq.quantize_activation(a.cpu())
         if not (torch.equal(q.view(torch.uint8).cpu(), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)):

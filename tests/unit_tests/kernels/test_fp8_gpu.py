@@ -51,7 +51,7 @@ def test_quantizers_give_the_cpu_bits():
 
 
 @pytest.mark.parametrize("layer", list(QWEN3_8B))
-@pytest.mark.parametrize("m", [1, 7, 129, 4096])
+@pytest.mark.parametrize("m", [1, 7, 40, 129, 4096])  # each of fp8_linear's buckets
 def test_gemm_at_qwen3_8b_shapes(layer, m):
     n, k = QWEN3_8B[layer]
     q, s = _weight(n, k, seed=n + k)
@@ -72,28 +72,42 @@ def test_gemm_odd_shapes_and_row_scales():
 
 @pytest.mark.parametrize("layer", ["qkv", "down"])
 def test_rows_do_not_depend_on_the_batch(layer):
-    """Batch-invariant mode at every row count; the default mode within the decode bucket (M <= 256),
-    which is what a CUDA graph padded to a captured batch size computes."""
+    """Batch-invariant mode at every row count; the default mode within each Triton bucket (up to
+    ``SMALL_M`` and up to ``TRITON_M_MAX`` rows), which is what a CUDA graph padded to a captured
+    batch size inside the bucket computes."""
     n, k = QWEN3_8B[layer]
     q, s = _weight(n, k, seed=1)
     x = _x(512, k, seed=2)
     full = tg.fp8_linear(x, q, s, batch_invariant=True)
-    decode = tg.fp8_linear(x[:256], q, s)
     for rows in (slice(0, 1), slice(3, 10), slice(100, 229)):
         assert torch.equal(tg.fp8_linear(x[rows], q, s, batch_invariant=True), full[rows])
-        assert torch.equal(tg.fp8_linear(x[rows], q, s), decode[rows])
     perm = torch.randperm(512, device="cuda")
     assert torch.equal(tg.fp8_linear(x[perm], q, s, batch_invariant=True), full[perm])
+    for bucket, rows in ((tg.SMALL_M, (slice(0, 1), slice(3, 10))), (tg.TRITON_M_MAX, (slice(20, 37), slice(40, 64)))):
+        padded = tg.fp8_linear(x[:bucket], q, s)
+        for r in rows:
+            assert torch.equal(tg.fp8_linear(x[r], q, s), padded[r]), (bucket, r)
 
 
-def test_scaled_mm_recipe_agrees_where_it_runs():
+def test_scaled_mm_takes_the_large_calls_and_agrees():
+    """Above ``TRITON_M_MAX`` bf16 rows cuBLASLt's recipe computes the call (where it runs here),
+    within the same bound as the Triton GEMM; a K of 640 (5 groups: a scale grid cuBLASLt refuses)
+    stays with Triton."""
+    if not tg.scaled_mm_runs(torch.device("cuda")):
+        pytest.skip("torch._scaled_mm has no block-scaled recipe here")
     q, s = _weight(4096, 4096, seed=3)
     x = _x(256, 4096, seed=4)
-    try:
-        ref = tg.scaled_mm_linear(x, q, s)
-    except (RuntimeError, NotImplementedError) as e:
-        pytest.skip(f"torch._scaled_mm has no block-scaled recipe here: {e}")
-    check_gemm(ref, x, q, s, ulps=0.5, slack=2.0 ** -11)
+    assert tg.scaled_mm_takes(x, q, s, 128, False)
+    assert not tg.scaled_mm_takes(x, q, s, 128, True) and not tg.scaled_mm_takes(x[:64], q, s, 128, False)
+    out = tg.fp8_linear(x, q, s)
+    assert torch.equal(out, tg.scaled_mm_linear(x, q, s))
+    check_gemm(out, x, q, s, ulps=0.5, slack=2.0 ** -11)
+    q, s = _weight(1024, 640, seed=5)
+    x = _x(256, 640, seed=6)
+    assert not tg.scaled_mm_takes(x, q, s, 128, False)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        tg.scaled_mm_linear(x, q, s)
+    check_gemm(tg.fp8_linear(x, q, s), x, q, s, ulps=0.5, slack=2.0 ** -11)
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 128, 1000])
