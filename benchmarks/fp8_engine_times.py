@@ -5,12 +5,11 @@ its decode step against the weight + KV read floor and its mixed step against th
 and optionally the long-context workload (32 requests of 8-16k-token prompts)."""
 from __future__ import annotations
 
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
+from benchmarks.own_process import in_own_process
 from benchmarks.roofline import decode_floor, mean_context_per_output_token, measure_copy_bandwidth, prefill_flops
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.cli.driver import StatsWindow, run_workload
@@ -78,16 +77,6 @@ def run_config(name: str, args, workloads: dict, bandwidth: float, rates: dict) 
     return row
 
 
-def run_config_alone(name: str, args, workloads: dict, bandwidth: float, rates: dict) -> dict:
-    """On a GPU each configuration runs in a process of its own: the memory plan gives the first
-    engine most of the device, and nothing of it may still be held when the next one plans."""
-    if torch.device(args.device).type != "cuda":
-        return run_config(name, args, workloads, bandwidth, rates)
-    torch.cuda.empty_cache()  # the parent's measurement buffers
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(run_config, name, args, workloads, bandwidth, rates).result()
-
-
 def workloads(args) -> dict[str, list[WorkloadRequest]]:
     vocab = DEFAULT_CONFIGS[args.model]["vocab_size"]
     if args.smoke:
@@ -105,7 +94,7 @@ def run(args) -> list[dict]:
     bandwidth = measure_copy_bandwidth(device)
     rates = matmul_rates(device)
     loads = workloads(args)
-    rows = [run_config_alone(name, args, loads, bandwidth, rates) for name in args.configs]
+    rows = [in_own_process(args.device, run_config, name, args, loads, bandwidth, rates) for name in args.configs]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"\n{name}, built-in {args.model}; copy {bandwidth / 1e9:,.0f} GB/s; matmul 8192^3 bf16 "
           f"{rates['bf16'] / 1e12:,.0f} / fp8 {rates['fp8'] / 1e12:,.0f} TFLOP/s")

@@ -13,13 +13,13 @@ Prints one table: output tok/s, mean decode / prefill step, ratio to the default
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 from pathlib import Path
 
 import torch
 
+from benchmarks.own_process import in_own_process
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.cli.driver import StatsWindow, run_workload
 from megatron_async.cli.summary import summarize
@@ -81,10 +81,7 @@ def run_mode(args, requests: list[WorkloadRequest], sampling: str, invariant: bo
     same = sum(run_workload(llm.engine, [requests[i]], make).outputs[0].generated_tokens
                == run.outputs[i].generated_tokens for i in range(checks))
     row["alone"] = f"{same}/{checks}"
-    del llm, window
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    llm.close()
     return row
 
 
@@ -112,7 +109,7 @@ def run(args: argparse.Namespace) -> None:
     for sampling in workloads:
         for invariant in (False, True):
             print(f"  {sampling} {'batch_invariant' if invariant else 'default'} ...", file=sys.stderr)
-            rows.append(run_mode(args, requests, sampling, invariant))
+            rows.append(in_own_process(args.device, run_mode, args, requests, sampling, invariant))
     print(f"{'sampling':<8} {'mode':<16} {'out tok/s':>10} {'x default':>9} {'decode ms':>9} {'prefill ms':>10} "
           f"{'batch':>6} {'alone==batch':>12}")
     for r in rows:
