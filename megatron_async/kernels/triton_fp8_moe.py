@@ -6,8 +6,9 @@ SB (``scale_block_n``, one per GEMM) 128, or 1 for one scale row per weight row 
 that does not start on a block boundary). The router stays bf16 (it is a ReplicatedLinear outside
 this file); alignment (``align_by_expert_triton``) and the slot sum are the bf16 path's kernels.
 
-1. gate_up: per block of pairs, the x rows of its tokens are quantized per 1 x 128 group in registers
-   (a token routed to k experts is quantized k times, to the same bits), e4m3 dots per group with
+1. gate_up: per block of pairs, the x rows of its tokens quantized per 1 x 128 group (in registers
+   for a few tokens, where a token routed to k experts is quantized k times to the same bits;
+   above ``SMALL_M`` tokens once per token by ``quantize_activation``), e4m3 dots per group with
    float32 promotion, SiLU(gate) * up rounded as the bf16 path rounds it, then the EPILOGUE
    quantizes the activation tile (BLOCK_N = 128 = one group per row) and writes e4m3 h + one scale
    per (pair, group): the down GEMM's input is never written in bf16 nor re-read to be quantized.
@@ -20,15 +21,16 @@ import triton
 import triton.language as tl
 
 from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
+from megatron_async.kernels.triton_fp8_gemm import SMALL_M, quantize_activation
 from megatron_async.kernels.triton_fused_moe import _block_m, _sum_slots_kernel, align_by_expert_triton
 
 
 @triton.jit
-def _gate_up_fp8_kernel(x_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, pairs_ptr, block_expert_ptr, num_pairs,
-                        stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsg, stride_hsm,
-                        K: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr,
+def _gate_up_fp8_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, pairs_ptr, block_expert_ptr, num_pairs,
+                        stride_xm, stride_xqm, stride_xsm, stride_xsg, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsg,
+                        stride_hsm, K: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr,
                         GATED: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                        EMULATE: tl.constexpr):
+                        PREQUANT: tl.constexpr, EMULATE: tl.constexpr):
     BLOCK_N: tl.constexpr = 128  # one activation group per output tile: the epilogue quantizes it whole
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -48,9 +50,13 @@ def _gate_up_fp8_kernel(x_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, pairs_ptr, block_ex
     for g in range(0, tl.cdiv(K, 128)):
         offs_k = g * 128 + tl.arange(0, 128)
         mask_k = offs_k < K
-        a = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0).to(tl.float32)
-        a_q, a_s = quantize_groups(a, EMULATE)
+        a_mask = mask_m[:, None] & mask_k[None, :]
+        if PREQUANT:  # x quantized once per token (e4m3 + group scales), not per pair and column tile
+            a_q = tl.load(xq_ptr + token[:, None] * stride_xqm + offs_k[None, :], mask=a_mask, other=0.0)
+            a_s = tl.load(xs_ptr + token * stride_xsm + g * stride_xsg, mask=mask_m, other=0.0)
+        else:
+            a_q, a_s = quantize_groups(tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :], mask=a_mask,
+                                               other=0.0).to(tl.float32), EMULATE)
         if EMULATE:
             a_q = a_q.to(tl.float32)
         wmask = mask_k[:, None] & mask_n[None, :]
@@ -118,10 +124,13 @@ def _down_fp8_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, pairs_p
 
 def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2: torch.Tensor, ws2: torch.Tensor,
                       topk_ids: torch.Tensor, topk_weights: torch.Tensor, gated: bool,
-                      scale_block_n: tuple[int, int] = (128, 128), block_n: int | None = None) -> torch.Tensor:
+                      scale_block_n: tuple[int, int] = (128, 128), block_n: int | None = None,
+                      prequantize: bool | None = None) -> torch.Tensor:
     """``kernels.moe_experts.fused_experts`` with e4m3 expert weights and their block scales:
     ws13 [E, ceil(N / sb13), ceil(K / 128)], ws2 [E, ceil(H / sb2), ceil(I / 128)] with
-    ``scale_block_n`` = (sb13, sb2), each 128 or 1."""
+    ``scale_block_n`` = (sb13, sb2), each 128 or 1. ``prequantize`` (None: above ``SMALL_M``
+    tokens, as the dense FP8 linear) quantizes x once per token before the gate_up GEMM instead
+    of in it for every (pair, column tile): the same bits."""
     sb13, sb2 = scale_block_n
     M, K = x.shape
     E, N, _ = w13.shape
@@ -146,10 +155,13 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2
     hs = torch.empty((num_pairs, groups_i), dtype=torch.float32, device=x.device)
     em = emulate(_gate_up_fp8_kernel)
     warps = 1 if cpu else 4
+    prequant = M > SMALL_M if prequantize is None else prequantize
+    xq, xs = quantize_activation(x) if prequant else (x, hs)  # (x, hs): unused stand-ins
     _gate_up_fp8_kernel[(num_blocks, groups_i)](
-        x, w13, ws13, h, hs, sorted_pairs, block_expert, num_pairs,
-        x.stride(0), w13.stride(0), w13.stride(1), ws13.stride(0), ws13.stride(1), ws13.stride(2), hs.stride(0),
-        K=K, I=I, TOP_K=top_k, E=E, GATED=gated, SCALE_BLOCK_N=sb13, BLOCK_M=block_m, EMULATE=em,
+        x, xq, xs, w13, ws13, h, hs, sorted_pairs, block_expert, num_pairs,
+        x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1), w13.stride(0), w13.stride(1), ws13.stride(0),
+        ws13.stride(1), ws13.stride(2), hs.stride(0),
+        K=K, I=I, TOP_K=top_k, E=E, GATED=gated, SCALE_BLOCK_N=sb13, BLOCK_M=block_m, PREQUANT=prequant, EMULATE=em,
         num_warps=warps, num_stages=1 if cpu else 3)
     pair_out = torch.empty((num_pairs, H), dtype=torch.float32, device=x.device)
     bn = block_n or (32 if cpu else 64)

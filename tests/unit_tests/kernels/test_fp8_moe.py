@@ -61,3 +61,19 @@ def test_a_wrong_expert_scale_is_seen():
     dev = [t.to(DEVICE) for t in (x, q13, q2, ids, w, s13.roll(1, dims=0), s2)]
     bad = fused_experts(*dev[:5], True, triton=True, w13_scale=dev[5], w2_scale=dev[6], scale_block_n=sbn)
     assert (bad.cpu() - ref).abs().max() > 1e-3 * ref.abs().max()
+
+
+@pytest.mark.parametrize("M,E,H,I,k", [(20, 4, 200, 256, 2), (9, 3, 256, 130, 2)])
+def test_tokens_quantized_once_or_per_pair_give_the_same_bits(M, E, H, I, k):
+    """x quantized by its own pass (above SMALL_M tokens) or inside the gate_up GEMM for every pair
+    and column tile: one bit pattern, EP "no expert" ids included."""
+    from megatron_async.kernels.triton_fp8_moe import fused_experts_fp8
+
+    g = torch.Generator().manual_seed(M + I)
+    q13, s13, q2, s2, sbn = experts(E, H, I, True, g)
+    x = (torch.randn(M, H, generator=g) * torch.linspace(0.01, 20, H)).to(torch.bfloat16)
+    ids, w = routing(M, E, k, g, drop_some=True)
+    dev = [t.to(DEVICE) for t in (x, q13, s13, q2, s2, ids, w)]
+    once = fused_experts_fp8(*dev, True, sbn, prequantize=True)
+    per_pair = fused_experts_fp8(*dev, True, sbn, prequantize=False)
+    assert torch.equal(once, per_pair)
