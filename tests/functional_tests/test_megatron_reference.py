@@ -2,40 +2,51 @@
 weights in a Megatron-Core GPTModel's forward and in the engine after ``update_weights`` from the
 model's ``named_parameters()`` give the same log-probs (fp32, 1e-5): dense (untied, tied), MoE
 (local experts, and the Transformer-Engine / grouped-expert names), Megatron TP 2 (two processes,
-their shards reassembled by the engine) and expert parallelism 2."""
+their shards reassembled by the engine) and expert parallelism 2. In a world of one, a fresh engine
+loaded from the equivalent HF checkpoint gives the same log-probs and the same greedy tokens as the
+updated one. The comparison (``tests/helpers/mcore_reference.py``) is the GPU tests' too
+(``test_megatron_reference_gpu.py``), whose flows (``tests/helpers/mcore_gpu.py``: trainer and
+engine in one process; the trainer in another, shared-memory IPC) also run here in bf16."""
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("einops")
 
-from megatron_async import LLM, SamplingParams  # noqa: E402
+from megatron_async import LLM  # noqa: E402
 from tests.helpers.mcore_cpu import TinyShape, mcore_rank, write_engine_checkpoint  # noqa: E402
+from tests.helpers.mcore_gpu import colocated_rank, ipc_refit  # noqa: E402
+from tests.helpers.mcore_reference import BF16_TOL, PROMPT, against_fresh, log_probs_of, refit  # noqa: E402
 from tests.helpers.multiprocess import run_ranks  # noqa: E402
 
-PROMPT = [5, 17, 200, 3, 99, 42, 7, 128, 64, 1, 250, 33]
 TOL = 1e-5
-
-
-def _prompt_log_probs(llm) -> list[float]:
-    out = llm.generate([PROMPT], SamplingParams(num_tokens_to_generate=0, return_prompt_log_probs=True))[0]
-    return out.prompt_log_probs
 
 
 @pytest.mark.parametrize("shape,tp,ep,te", [
     (TinyShape(), 1, 1, False), (TinyShape(tied=True), 1, 1, False), (TinyShape(num_experts=4), 1, 1, False),
     (TinyShape(num_experts=4), 1, 1, True), (TinyShape(), 2, 1, False), (TinyShape(num_experts=4), 1, 2, False),
 ], ids=["dense", "tied", "moe", "moe-te-names", "tp2", "moe-ep2"])
-def test_engine_after_update_equals_megatron_core(tmp_path, shape, tp, ep, te):
+def test_engine_after_update_equals_megatron_core(request, tmp_path, shape, tp, ep, te):
     ranks = run_ranks(mcore_rank, tp * ep, shape, tp, ep, te, PROMPT, timeout_s=240)
-    items = [(n, torch.from_numpy(a), shard) for rank_items, _ in ranks for n, a, shard in rank_items]
-    logits = torch.from_numpy(ranks[0][1])
+    items = [(n, torch.from_numpy(a), shard) for rank_items, _, _ in ranks for n, a, shard in rank_items]
+    logits, hf = torch.from_numpy(ranks[0][1]), ranks[0][2]
     assert logits.shape == (len(PROMPT), shape.vocab_size)
-    want = torch.log_softmax(logits, -1)
-    want = [want[i - 1, PROMPT[i]].item() for i in range(1, len(PROMPT))]
+    want = log_probs_of(logits)
     llm = LLM(str(write_engine_checkpoint(shape, tmp_path / "engine")), dtype="float32")
-    before = _prompt_log_probs(llm)
-    assert max(abs(a - b) for a, b in zip(before, want)) > 1e-2  # unrelated weights before the update
-    assert llm.update_weights(items) == 1  # Megatron-Core names detected
-    got = _prompt_log_probs(llm)
-    assert max(abs(a - b) for a, b in zip(got, want)) < TOL
+    check = refit(llm, lambda: llm.update_weights(items), want)
+    if hf is not None:
+        fresh = LLM(str(write_engine_checkpoint(shape, tmp_path / "hf", tensors=hf)), dtype="float32")
+        against_fresh(check, llm, fresh, want)
+    print(check.row(request.node.callspec.id))
+    check.assert_within(TOL)
+
+
+@pytest.mark.parametrize("flow", ["colocated-moe-bf16", "ipc-moe-te-names-bf16"])
+def test_gpu_flows_in_bf16_on_cpu(request, tmp_path, flow):
+    shape = TinyShape(num_experts=4)
+    if flow == "colocated-moe-bf16":
+        check = run_ranks(colocated_rank, 1, shape, "bfloat16", False, tmp_path, "cpu", timeout_s=240)[0]
+    else:
+        check = ipc_refit(shape, True, tmp_path, device="cpu")
+    print(check.row(request.node.callspec.id))
+    check.assert_within(BF16_TOL)

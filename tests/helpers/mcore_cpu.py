@@ -1,8 +1,9 @@
 """Megatron-Core (0.16.x) on CPU for the reference tests: tiny Qwen3-shaped GPTModels (dense, MoE;
 the builder and its CPU workarounds are examples/megatron_gpt.py's) in a gloo world, and an engine
 checkpoint of the same shape. Not run here (no CPU build): the Transformer-Engine modules and the
-grouped-GEMM experts; their names are renamed aliases (``te_names``) of the local spec's, as their
-source documents."""
+grouped-GEMM experts; their names are renamed aliases (``mcore_reference.te_names``) of the local
+spec's, as their source documents. The comparison itself is ``mcore_reference``'s, shared with the
+GPU tests (``mcore_gpu``)."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from examples import megatron_gpt
+from tests.helpers.mcore_reference import hf_tensors, sent_items
 
 
 def init_world(rank: int, world_size: int, tp: int = 1, ep: int = 1) -> None:
@@ -63,43 +65,29 @@ def mcore_logits(model, ids: list[int]) -> torch.Tensor:
         return megatron_gpt.logits(model, ids)
 
 
-def te_names(items: list[tuple]) -> list[tuple]:
-    """The names a Transformer-Engine-spec trainer gives the same tensors: norms fused into the
-    next linear, grouped experts' ``experts.linear_fc1.weight{j}``."""
-    out = []
-    for name, *rest in items:
-        name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
-        name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
-        if ".local_experts." in name:
-            head, tail = name.split(".local_experts.")
-            j, part = tail.split(".", 1)
-            name = f"{head}.{part}{j}"
-        out.append((name, *rest))
-    return out
-
-
-def write_engine_checkpoint(s: TinyShape, path: Path, seed: int = 99) -> Path:
-    """An HF checkpoint of the same shape with unrelated random weights (config.json + safetensors)."""
+def write_engine_checkpoint(s: TinyShape, path: Path, seed: int = 99, tensors: dict | None = None) -> Path:
+    """An HF checkpoint of the same shape (config.json + safetensors): ``tensors`` (HF name ->
+    tensor or array, any device), or unrelated random weights."""
     from megatron_async.models.default_model import random_hf_tensors
     from megatron_async.models.gpt import build_gpt
 
     path.mkdir(parents=True, exist_ok=True)
     cfg = s.hf_config()
-    shapes = build_gpt(cfg, torch.float32, "meta").hf_shapes()
-    tensors = dict(random_hf_tensors(shapes, torch.float32, torch.device("cpu"), 0.2, seed))
+    if tensors is None:
+        shapes = build_gpt(cfg, torch.float32, "meta").hf_shapes()
+        tensors = dict(random_hf_tensors(shapes, torch.float32, torch.device("cpu"), 0.2, seed))
     (path / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    save_file({k: torch.as_tensor(v).detach().cpu().contiguous() for k, v in tensors.items()},
+              str(path / "model.safetensors"))
     return path
-
 
 
 def mcore_rank(rank: int, world: int, s: TinyShape, tp: int, ep: int, te: bool, prompt: list[int]):
     """One rank of a Megatron-Core job (run_ranks): its (name, array, Shard) items as
-    ``megatron_async.weight_transfer.megatron_tensors`` reads them, and its gathered logits
-    (numpy: they travel by value, the rank may exit before they are read)."""
-    from megatron_async.weight_transfer import megatron_tensors
-
+    ``mcore_reference.sent_items`` reads them, its gathered logits and, in a world of one, the
+    equivalent HF tensors (numpy: they travel by value, the rank may exit before they are read)."""
     init_world(rank, world, tp, ep)
     model = build_mcore(s, seed=3)
-    items = [(n, t.numpy().copy(), shard) for n, t, shard in megatron_tensors(model)]
-    return te_names(items) if te else items, mcore_logits(model, prompt).numpy()
+    items = [(n, t.numpy().copy(), shard) for n, t, shard in sent_items(model, te)]
+    hf = {n: t.numpy().copy() for n, t in hf_tensors(model).items()} if world == 1 else None
+    return items, mcore_logits(model, prompt).numpy(), hf
