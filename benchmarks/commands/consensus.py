@@ -24,6 +24,7 @@
     python -m benchmarks consensus --ranks 2 4 --iters 2000 [--skip-engine | --skip-bare] [--windows 1 2 4 8]
     python -m benchmarks consensus --ranks 2 --iters 2000 --device cuda --tokens 128   # a GPU host
     python -m benchmarks consensus --ranks 2 --cold   # why the engine's rounds cost more than bare ones
+    python -m benchmarks consensus --decode 8 64 --iters 20000   # rank 0's own work in a DP round, one process
 """
 from __future__ import annotations
 
@@ -60,21 +61,24 @@ def _bare(rank: int, world: int, store_port: int, iters: int, data_parallel: boo
           spin_us: float | None) -> dict:
     with _communicator(rank, world, store_port, shared_memory, spin_us) as comm:
         sync = StepConsensus(comm, data_parallel=data_parallel)
-        rounds, own = [], []
+        rounds, own, take = [], [], []
         for i in range(iters):
             if rank == 0 and i % 4 == 0:
                 sync.send(NEW)
             upload = StepResult(updates=list(UPDATES)) if data_parallel and rank else None
             sync.exchange(True, num_tokens=64, load=3, upload=upload)
+            t0 = time.perf_counter()
             sync.take_uploads()  # as the engine does, after each round (outside the timed exchange)
+            take.append(time.perf_counter() - t0)
             rounds.append(sync.round_seconds)
             own.append(sync.latency_seconds)
-        return {"round": rounds[iters // 10:], "own": own[iters // 10:], "path": comm.exchange_path}
+        skip = iters // 10
+        return {"round": rounds[skip:], "own": own[skip:], "take": take[skip:], "path": comm.exchange_path}
 
 
 def bare_table(ranks: list[int], iters: int, spin_us: float | None) -> None:
-    print("| ranks | mode | path | round p50 / p99 us | own cost p50 / p99 us |")
-    print("|---|---|---|---|---|")
+    print("| ranks | mode | path | round p50 / p99 us | own cost p50 / p99 us | rank 0's take_uploads p50 us |")
+    print("|---|---|---|---|---|---|")
     for world in ranks:
         for dp in (False, True):
             for name, shm in PATHS.items():
@@ -83,8 +87,8 @@ def bare_table(ranks: list[int], iters: int, spin_us: float | None) -> None:
                 rounds = [t for r in res for t in r["round"]]
                 own = [t for r in res for t in r["own"]]
                 print(f"| {world} | {'data parallel' if dp else 'tensor parallel'} | {name} "
-                      f"| {us(rounds, .5):.0f} / {us(rounds, .99):.0f} | {us(own, .5):.0f} / {us(own, .99):.0f} |",
-                      flush=True)
+                      f"| {us(rounds, .5):.0f} / {us(rounds, .99):.0f} | {us(own, .5):.0f} / {us(own, .99):.0f} "
+                      f"| {us(res[0]['take'], .5):.0f} |", flush=True)
 
 
 ENGINE_MODELS = {"cpu": {"tp": ("tiny", None), "ep": ("tiny-moe", None)},
@@ -322,7 +326,14 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="engine runs: one device per rank")
     p.add_argument("--zmq-engines", action="store_true", help="engine runs over ZMQ too (shared memory only else)")
     p.add_argument("--cold", action="store_true", help="only: the exchange with other work between rounds (CPU)")
+    p.add_argument("--decode", type=int, nargs="*", default=None,
+                   help="only: rank 0's reading of uploads of these many updates, in one process")
     args = p.parse_args()
+    if args.decode is not None:
+        from benchmarks.consensus_decode import decode_table
+
+        decode_table(args.ranks, args.decode or [8, 64], args.iters)
+        return
     if args.cold:
         cold_table(args.ranks[0])
         return

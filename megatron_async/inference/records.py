@@ -18,7 +18,7 @@ Layouts (msgpack; "ints" = int64 little-endian bin, "floats" = float64 bin):
 from __future__ import annotations
 
 import dataclasses
-from itertools import chain, repeat
+from itertools import accumulate, chain, compress, repeat
 
 from megatron_async.inference.communication import wire
 from megatron_async.inference.communication import wire_fields as f
@@ -30,6 +30,8 @@ _SP_DEFAULTS = {fl.name: fl.default for fl in dataclasses.fields(SamplingParams)
 _SCALARS = {"float": f.float_, "int": f.int_, "bool": f.bool_, "int | None": f.opt_int}
 _SP_CHECKS = {fl.name: _SCALARS[fl.type] for fl in dataclasses.fields(SamplingParams) if fl.type in _SCALARS}
 _REASONS = frozenset(r.value for r in FinishReason)
+_OPT_STR = frozenset({str, type(None)})
+_new_tuple = tuple.__new__
 
 
 def _structured(v, name: str) -> StructuredOutputs:
@@ -158,31 +160,46 @@ def encode_updates(updates: list[RequestUpdate]) -> list:
 
 
 def decode_updates(v) -> list[RequestUpdate]:
+    """Every column checked (kinds, lengths against ``n``, token and log-prob counts), then the
+    updates built without a Python call per update: their tuples come from C (``zip``, slices)
+    and each ``RequestUpdate`` from ``tuple.__new__`` (its generated ``__new__`` is Python)."""
     n, packed, done, texts, reasons, lps, tops, prompts = f.arity(v, 8, "updates")
     n, packed = f.int_(n, "updates", 0, 1 << 24), f.ints(packed, "updates")
     ids, counts, tokens = packed[:n], packed[n:2 * n], packed[2 * n:]
     if len(counts) != n or type(done) is not bytes or len(done) != n or min(counts, default=0) < 0 \
             or sum(counts) != len(tokens):
         raise f.bad("updates")
-    texts = [None] * n if texts is None else [f.opt_str(t, "new_text") for t in f.list_(texts, "texts", n)]
-    with_lp, lp = (bytes(n), []) if lps is None else f.arity(lps, 2, "new_log_probs")
-    lp = f.floats(lp, "new_log_probs") if lps is not None else lp
-    if len(texts) != n or type(with_lp) is not bytes or len(with_lp) != n \
-            or len(lp) != sum(c for c, w in zip(counts, with_lp) if w):
-        raise f.bad("updates")
-    if len(tokens) == n and counts.count(1) == n:  # decode steps: one token each, tuples built in C
-        it = zip(lp)
-        lp_of = repeat(None) if lps is None else [next(it) if w else None for w in with_lp]
-        out = list(map(RequestUpdate, ids, zip(tokens), texts, map(bool, done), repeat(None), lp_of))
+    if texts is None:
+        texts = repeat(None)
+    elif type(texts) is not list or len(texts) != n or not _OPT_STR.issuperset(map(type, texts)):
+        raise f.bad("new_text")
+    lp_of = repeat(None) if lps is None else _log_probs(lps, n, counts)
+    if len(tokens) == n and counts.count(1) == n:  # decode steps: one token each
+        toks = zip(tokens)
     else:
-        out, at, at_lp = [], 0, 0
-        for i in range(n):
-            c, lps_i = counts[i], None
-            if with_lp[i]:
-                lps_i, at_lp = tuple(lp[at_lp:at_lp + c]), at_lp + c
-            out.append(RequestUpdate(ids[i], tuple(tokens[at:at + c]), texts[i], done[i] != 0, None, lps_i))
+        at = list(accumulate(counts, initial=0))
+        toks = map(tuple(tokens).__getitem__, map(slice, at, at[1:]))
+    none = repeat(None)  # (RequestUpdate's 9 fields, in order)
+    out = list(map(_new_tuple, repeat(RequestUpdate),
+                   zip(ids, toks, texts, map(bool, done), none, lp_of, none, none, none)))
+    if not reasons == tops == prompts == []:  # (all three empty lists: nothing rare to read)
+        _read_rare(out, n, reasons, tops, prompts)
+    return out
+
+
+def _log_probs(lps, n: int, counts: list[int]) -> list[tuple[float, ...] | None]:
+    """Per update, its tokens' log-probs (None where its flag is 0): [flags bin, floats]."""
+    with_lp, lp = f.arity(lps, 2, "new_log_probs")
+    lp = f.floats(lp, "new_log_probs")
+    if type(with_lp) is not bytes or len(with_lp) != n or len(lp) != sum(compress(counts, with_lp)):
+        raise f.bad("updates")
+    lp, out, at = tuple(lp), [], 0
+    for c, w in zip(counts, with_lp):
+        if w:
+            out.append(lp[at:at + c])
             at += c
-    _read_rare(out, n, reasons, tops, prompts)
+        else:
+            out.append(None)
     return out
 
 

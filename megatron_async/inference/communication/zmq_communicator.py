@@ -2,7 +2,8 @@
 
 Collectives are star-shaped through rank 0, which is plenty for the few small records the
 engine exchanges per step: ``exchange`` is the engine's one per-step round trip (every rank's
-ints max-reduced, the others' uploads gathered at rank 0, rank 0's payload sent back). This
+ints max-reduced, the others' uploads gathered at rank 0 as bytes, read only when rank 0 takes
+them, rank 0's payload sent back). This
 module holds the collectives; the sockets, how ranks find and authenticate each other (through
 the torch.distributed store: ``from_rendezvous``) and liveness are the transport's
 (zmq_transport.py). Every message is a wire frame (wire.py) of one of the four types below,
@@ -68,7 +69,7 @@ class ZMQCommunicator:
         """The sockets (None for a world of one, and once closed)."""
         self._slots: SharedSlots | None = None
         self._early: list[tuple[int, wire.MessageType, list]] = []  # rank 0: messages of a later collective
-        self._carry: list[Any] = []  # rank 0: uploads received, not yet taken
+        self._carry: list[tuple[int, Any]] = []  # rank 0: (sender, upload bytes) received, not yet taken
         self._posting: tuple[int, list[int]] | None = None  # rank 0: (exchange, ranks) whose uploads are posted
         self.payload_codec: Codec = PLAIN
         """(encode, decode) of rank 0's ``exchange`` payloads; set on every rank alike."""
@@ -161,9 +162,9 @@ class ZMQCommunicator:
         for peer, (theirs, up) in sorted(self._gather_at_root(seq, EXCHANGE).items()):
             if type(theirs) is not list or len(theirs) != len(result):
                 raise CommunicatorError(f"exchange #{seq}: rank {peer} sent {theirs!r:.40} values, rank 0 {len(result)}")
-            result = [max(a, b) for a, b in zip(result, f.int_list(theirs, "values"))]
-            if up is not None:
-                self._carry.append(self._decode(self.upload_codec, up, peer))
+            result = [a if a > b else b for a, b in zip(result, f.int_list(theirs, "values"))]  # (4x max(a, b))
+            if up is not None:  # read at take_uploads, after the others have the result
+                self._carry.append((peer, up))
         self.transport.send_to_peers(wire.encode(EXCHANGE, seq, result, None if payload is None
                                                  else self.payload_codec[0](payload)))
         self.waited_ns = self.transport.waited_ns
@@ -172,9 +173,13 @@ class ZMQCommunicator:
     def take_uploads(self) -> list[Any]:
         """Rank 0: the uploads of the exchanges so far not taken, by round then rank. Call it
         when the results are needed (after launching the step, say); the next exchange keeps
-        any left untaken for the call after it."""
+        any left untaken for the call after it. Uploads are read (their records decoded and
+        checked) here, on either path, so that no round waits for it."""
         got, self._carry = self._carry + self._take_posted(), []
-        return got
+        out = [self._decode(self.upload_codec, data, peer) for peer, data in got]
+        if got and self.probe is not None:
+            self.probe.mark("deserialise")
+        return out
 
     def _exchange_shared(self, seq: int, values: list[int], upload: Any, payload: Any):
         """``exchange`` with the ints in shared memory. Rank 0's payload rides the segment's byte
@@ -224,8 +229,9 @@ class ZMQCommunicator:
             probe.mark("deserialise")
         return result, got
 
-    def _take_posted(self) -> list[Any]:
-        """Rank 0: the uploads posted in the latest shared-memory round (each at most once)."""
+    def _take_posted(self) -> list[tuple[int, Any]]:
+        """Rank 0: (sender, bytes) of the uploads posted in the latest shared-memory round (each
+        at most once), by rank."""
         if self._posting is None:
             return []
         (seq, ranks), self._posting = self._posting, None
@@ -240,13 +246,10 @@ class ZMQCommunicator:
             if data is None:
                 over_zmq.append(r)
             else:
-                got.append((r, self._decode(self.upload_codec, data, r)))
-                if self.probe is not None:
-                    self.probe.mark("deserialise")
+                got.append((r, data))
         if over_zmq:
-            got += [(r, self._decode(self.upload_codec, data, r))
-                    for r, (data,) in self._gather_at_root(seq, UPLOAD, set(over_zmq)).items()]
-        return [up for _, up in sorted(got, key=lambda x: x[0])]
+            got += [(r, data) for r, (data,) in self._gather_at_root(seq, UPLOAD, set(over_zmq)).items()]
+        return sorted(got, key=lambda x: x[0])
 
     def _encode(self, upload: Any) -> bytes | None:
         return None if upload is None else self.upload_codec[0](upload)

@@ -77,3 +77,34 @@ def test_fast_path_and_upload_path_round_trip_exactly():
                 assert ups == []
             expected_plain += not step["news"] and (rank == 0 or uploads[rank] is None)
         assert plain == expected_plain and 0 < plain < ROUNDS  # the fast path was taken, and only then
+
+
+def _bad_upload(rank: int, world: int, ports: tuple[int, int]):
+    """Rank 1 hands up bytes that are no upload record: the round itself completes on every rank
+    (uploads are read when taken), and rank 0's take_uploads refuses them, naming rank 1."""
+    from megatron_async.inference.communication.zmq_communicator import CommunicatorError
+
+    out = {}
+    for name, port, shm in (("shared_memory", ports[0], True), ("zmq", ports[1], False)):
+        with join(rank, world, port, timeout_s=20, shared_memory=shm) as comm:
+            sync = StepConsensus(comm, data_parallel=True)
+            good = sync.comm.upload_codec
+            if rank == 1:
+                comm.upload_codec = (lambda up: b"\xc1 not a record", good[1])
+            upload = StepResult(updates=[RequestUpdate(5, (6,), None, False, None)]) if rank else None
+            agreed = sync.exchange(True, 3, load=1, upload=upload)
+            try:
+                taken = sync.take_uploads()
+            except CommunicatorError as e:
+                taken = str(e)
+            comm.barrier()  # every rank got here: nothing hung or died
+            out[name] = (agreed.max_tokens, taken if rank == 0 else None)
+    return out
+
+
+def test_an_upload_that_does_not_decode_fails_at_take_on_both_paths():
+    results = run_ranks(_bad_upload, 3, (free_port(), free_port()), timeout_s=120)
+    for name in ("shared_memory", "zmq"):
+        assert all(r[name][0] == 3 for r in results), name
+        err = results[0][name][1]
+        assert isinstance(err, str) and "rank 1 sent a record that does not decode" in err, (name, err)

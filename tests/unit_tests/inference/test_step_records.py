@@ -177,3 +177,101 @@ def test_a_malicious_pickle_is_refused_and_runs_nothing(tmp_path):
         for decode in (r.decode_upload, r.decode_payload, r.decode_slots, r.decode_outputs):
             assert isinstance(watched(decode, data), str)
     assert not canary.exists()
+
+
+def _reference_updates(v) -> list[RequestUpdate]:
+    """records.decode_updates written plainly from its layout, one update at a time: what the
+    column-wise reader must equal on every input (the same updates, or a WireError)."""
+    from megatron_async.inference import records
+    from megatron_async.inference.communication import wire_fields as f
+
+    n, packed, done, texts, reasons, lps, tops, prompts = f.arity(v, 8, "updates")
+    n, packed = f.int_(n, "n", 0, 1 << 24), f.ints(packed, "packed")
+    ids, counts, tokens = packed[:n], packed[n:2 * n], packed[2 * n:]
+    if len(counts) != n or any(c < 0 for c in counts) or sum(counts) != len(tokens):
+        raise f.bad("counts")
+    if type(done) is not bytes or len(done) != n:
+        raise f.bad("done")
+    if texts is None:
+        texts = [None] * n
+    elif type(texts) is not list or len(texts) != n:
+        raise f.bad("texts")
+    lp_of = [None] * n
+    if lps is not None:
+        flags, floats = f.arity(lps, 2, "lps")
+        floats = f.floats(floats, "lps")
+        if type(flags) is not bytes or len(flags) != n:
+            raise f.bad("lps")
+        at = 0
+        for i in range(n):
+            if flags[i]:
+                lp_of[i] = tuple(floats[at:at + counts[i]])
+                at += counts[i]
+        if at != len(floats):
+            raise f.bad("lps")
+    out, at = [], 0
+    for i in range(n):
+        out.append(RequestUpdate(ids[i], tuple(tokens[at:at + counts[i]]), f.opt_str(texts[i], "text"), done[i] != 0,
+                                 None, lp_of[i]))
+        at += counts[i]
+    records._read_rare(out, n, reasons, tops, prompts)
+    return out
+
+
+_junk = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**40), st.floats(allow_nan=False), st.text(max_size=3),
+                  st.binary(max_size=40), st.lists(st.none() | st.text(max_size=2) | st.integers(0, 3), max_size=5),
+                  st.just([]))
+
+
+def _mutate(data, v: list) -> None:
+    """One column of an encoded updates record made subtly wrong (or left right): lengths off by
+    one, a negative or shifted token count, a text of another kind, log-prob flags or values
+    that do not add up, or a field replaced by a value of another kind."""
+    from megatron_async.inference.communication import wire_fields as f
+
+    n = v[0] if type(v[0]) is int and 0 <= v[0] < 64 else 0
+    d = data.draw(st.integers(-1, 1))
+    what = data.draw(st.sampled_from(["junk", "texts", "lps", "counts", "done", "none"]))
+    if what in ("lps", "counts") and (type(v[1]) is not bytes or len(v[1]) % 8 or len(v[1]) < 16 * n):
+        what = "junk"
+    if what == "junk":
+        v[data.draw(st.integers(0, 7))] = data.draw(_junk)
+    elif what == "texts":
+        v[3] = data.draw(st.lists(st.none() | st.text(max_size=2) | st.integers(0, 3) | st.binary(max_size=2),
+                                  min_size=max(0, n + d), max_size=max(0, n + d)))
+    elif what == "lps":
+        counts = f.ints(v[1], "x")[n:2 * n]
+        flags = data.draw(st.binary(min_size=max(0, n + d), max_size=max(0, n + d)))
+        k = sum(c for c, w in zip(counts, flags) if w) + data.draw(st.integers(-1, 1))
+        v[5] = [flags, f.pack_floats([0.5] * max(0, k))]
+    elif what == "counts" and n:
+        packed = f.ints(v[1], "x")
+        i, new = data.draw(st.integers(n, 2 * n - 1)), data.draw(st.integers(-2, 3))
+        extra = new - packed[i] if data.draw(st.booleans()) else 0  # keep the total right, or not
+        packed[i] = new
+        tokens = packed[2 * n:] + [7] * max(0, extra) if extra >= 0 else packed[2 * n:extra or None]
+        v[1] = f.pack_ints(packed[:2 * n] + tokens)
+    elif what == "done":
+        v[2] = data.draw(st.binary(min_size=max(0, n + d), max_size=max(0, n + d)))
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ups=updates(max_n=6), data=st.data())
+def test_update_columns_read_as_the_plain_reader_reads_them(ups, data):
+    """Valid columns, and columns made subtly wrong: the column-wise reader returns exactly what
+    the one-update-at-a-time reader returns, or both refuse."""
+    from megatron_async.inference import records
+
+    sent = wire.pack(records.encode_updates(ups))
+    v = wire.unpack(sent, 1 << 20)
+    for _ in range(data.draw(st.integers(0, 2))):
+        _mutate(data, v)
+    want = watched(_reference_updates, v)
+    got = watched(records.decode_updates, v)
+    if isinstance(want, str):
+        assert isinstance(got, str), (got, want)  # refused (its reason may name another field)
+    else:
+        assert got == want and all(type(u) is RequestUpdate and type(u.new_tokens) is tuple for u in got)
+        assert all(u.new_log_probs is None or type(u.new_log_probs) is tuple for u in got)
+    if wire.pack(v) == sent:
+        assert got == ups
