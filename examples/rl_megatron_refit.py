@@ -24,6 +24,7 @@ import json
 import os
 import socket
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -194,6 +195,20 @@ def engine_main(args, ports: dict, store) -> list[tuple[int, float, bool]]:
     return report
 
 
+def stop_trainers(procs: list, timeout: float) -> None:
+    """Wait for the trainers to exit (terminate those still running after ``timeout``). Polls the exit
+    status rather than ``join``: a trainer sharing CPU tensors starts torch_shm_manager, which inherits
+    the pipe ``join`` waits on and keeps it open for a minute after the trainer is gone."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        while p.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if p.is_alive():
+            p.terminate()  # its exit code stays None or becomes negative: main() reports it failed
+            while p.is_alive() and time.monotonic() < deadline + 5:
+                time.sleep(0.02)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     ports = {"trainer": free_port(), "transfer": free_port(), "store": free_port()}
@@ -206,16 +221,13 @@ def main(argv=None) -> int:
     try:
         report = engine_main(args, ports, store)
     finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.terminate()
+        stop_trainers(procs, timeout=60)
     print(f"trainer: {args.trainer} (TP {args.trainer_tp}), transport: {args.transport}, device: {args.device}")
     print("| step | max abs log-prob diff (engine vs trainer) | weight versions |")
     print("|---|---|---|")
     for step, diff, versions_ok in report:
         print(f"| {step} | {diff:.2e} | {'ok' if versions_ok else 'WRONG'} |")
-    failed = [r for r in report if r[1] > args.tolerance or not r[2]] or [p for p in procs if p.exitcode]
+    failed = [r for r in report if r[1] > args.tolerance or not r[2]] or [p for p in procs if p.exitcode != 0]
     if failed:
         print(f"FAILED: {failed} (tolerance {args.tolerance})")
         return 1
