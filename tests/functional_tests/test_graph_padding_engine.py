@@ -16,6 +16,7 @@ if not torch.cuda.is_available():  # before any kernel module is imported: the T
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner  # noqa: E402
 from tests.helpers.engine_harness import Arrival, count_replays_by_variant, run_arrivals, sampling_mix  # noqa: E402
+from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
 
 CFG = dict(block_size_tokens=4, num_kv_blocks=256, max_requests=6, max_tokens=24, max_sequence_length=96)
 N = 8
@@ -28,9 +29,16 @@ def _arrivals(seed: int, params: list[SamplingParams] = PARAMS, n: int = 12) -> 
                     params[i % len(params)]) for i in range(n)]
 
 
-def _run(arrivals, graphs: bool, async_scheduling: bool, warmup: bool = True, backend: str = "torch"):
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory):
+    """2 layers and 2 KV heads (the built-in model: 4 and 4): a quarter of the interpreter's programs."""
+    return str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path_factory.mktemp("graph_padding"), vocab_size=1024))
+
+
+def _run(arrivals, graphs: bool, async_scheduling: bool, warmup: bool = True, backend: str = "torch",
+         model: str | None = None):
     cfg = InferenceConfig(**CFG, async_scheduling=async_scheduling, attention_backend=backend)
-    llm = LLM(None, inference_config=cfg)
+    llm = LLM(model, inference_config=cfg)
     if graphs:
         llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config.graph_sizing(), mixed=True, emulate=True)
     if warmup and backend == "triton":  # the interpreter is slow: the graph plan only, no eager pass
@@ -43,18 +51,20 @@ def _run(arrivals, graphs: bool, async_scheduling: bool, warmup: bool = True, ba
 
 
 @pytest.mark.parametrize("async_scheduling,backend", [(False, "torch"), (True, "torch"), (True, "triton")])
-def test_padded_graph_steps_equal_eager_steps(async_scheduling, backend):
+def test_padded_graph_steps_equal_eager_steps(async_scheduling, backend, request):
     """``triton``: the varlen Triton attention (interpreted on CPU) reads the padded rows' spans
     from the snapshot, as a CUDA replay does (the sampler stays torch: the interpreter is slow)."""
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the engine runs on the CPU: needs the Triton interpreter (set before triton was imported; "
                     "on a CUDA box the GPU tests cover the compiled kernels)")
+    model = None  # the built-in tiny model
     if backend == "torch":
         arrivals = _arrivals(seed=7)
-    else:  # greedy, top-p + log-probs, penalty + top-3; 4 tokens: the interpreter is slow
+    else:  # greedy, top-p + log-probs, penalty + top-3; 4 tokens, a smaller model: the interpreter is slow
         arrivals = _arrivals(seed=7, params=[replace(PARAMS[i], num_tokens_to_generate=4) for i in (0, 2, 4)], n=4)
-    ref, _ = _run(arrivals, graphs=False, async_scheduling=async_scheduling, warmup=False, backend=backend)
-    got, llm = _run(arrivals, graphs=True, async_scheduling=async_scheduling, backend=backend)
+        model = request.getfixturevalue("small_ckpt")
+    ref, _ = _run(arrivals, graphs=False, async_scheduling=async_scheduling, warmup=False, backend=backend, model=model)
+    got, llm = _run(arrivals, graphs=True, async_scheduling=async_scheduling, backend=backend, model=model)
     assert set(got) == set(ref) == set(range(len(arrivals)))
     for i in ref:
         assert got[i][0] == ref[i][0], i
