@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU inter
 from megatron_async import SamplingParams  # noqa: E402
 
 from tests.helpers.engine_harness import Arrival, make_llm, run_arrivals  # noqa: E402
+from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
 
 VOCAB = 256
 rng = random.Random(5)
@@ -51,6 +52,14 @@ def _run(ckpt, arrivals: list[Arrival], **cfg):
 def _probe_results(outs, indices) -> list[tuple]:
     return [(o.generated_tokens, o.generated_log_probs, o.generated_top_n_logprobs)
             for o in (outs[i] for i in indices)]
+
+
+@pytest.fixture(scope="module")
+def qwen3_ckpt(tmp_path_factory):
+    """The suite's tiny Qwen3 with 2 query heads on 1 KV head (the same group of 2; half the
+    interpreted attention programs, which scale with KV heads)."""
+    return make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path_factory.mktemp("qwen3_narrow"), num_attention_heads=2,
+                                num_key_value_heads=1)
 
 
 @pytest.fixture(scope="module")
