@@ -16,10 +16,19 @@ pytest.importorskip("einops")
 from megatron_async import LLM  # noqa: E402
 from tests.helpers.mcore_cpu import TinyShape, mcore_rank, write_engine_checkpoint  # noqa: E402
 from tests.helpers.mcore_gpu import colocated_rank, ipc_refit  # noqa: E402
-from tests.helpers.mcore_reference import BF16_TOL, PROMPT, against_fresh, log_probs_of, refit  # noqa: E402
+from tests.helpers.mcore_reference import BF16_TOL, PROMPT, against_fresh, log_probs_of, refit, te_names  # noqa: E402
 from tests.helpers.multiprocess import run_ranks  # noqa: E402
 
 TOL = 1e-5
+ONE_RANK = [TinyShape(), TinyShape(tied=True), TinyShape(num_experts=4)]
+
+
+@pytest.fixture(scope="module")
+def one_rank_jobs():
+    """Every 1-rank case's Megatron-Core items, logits and HF tensors from one process (importing
+    Megatron-Core takes seconds), by shape; the TE-names case renames the MoE model's items."""
+    (jobs,) = run_ranks(mcore_rank, 1, ONE_RANK, 1, 1, PROMPT, timeout_s=240)
+    return dict(zip(ONE_RANK, jobs))
 
 
 @pytest.mark.parametrize("shape,tp,ep,te", [
@@ -27,8 +36,12 @@ TOL = 1e-5
     (TinyShape(num_experts=4), 1, 1, True), (TinyShape(), 2, 1, False), (TinyShape(num_experts=4), 1, 2, False),
 ], ids=["dense", "tied", "moe", "moe-te-names", "tp2", "moe-ep2"])
 def test_engine_after_update_equals_megatron_core(request, tmp_path, shape, tp, ep, te):
-    ranks = run_ranks(mcore_rank, tp * ep, shape, tp, ep, te, PROMPT, timeout_s=240)
-    items = [(n, torch.from_numpy(a), shard) for rank_items, _, _ in ranks for n, a, shard in rank_items]
+    if tp * ep == 1:
+        ranks = [request.getfixturevalue("one_rank_jobs")[shape]]
+    else:
+        ranks = [jobs[0] for jobs in run_ranks(mcore_rank, tp * ep, [shape], tp, ep, PROMPT, timeout_s=240)]
+    items = [(n, torch.from_numpy(a), shard) for rank_items, _, _ in ranks
+             for n, a, shard in (te_names(rank_items) if te else rank_items)]
     logits, hf = torch.from_numpy(ranks[0][1]), ranks[0][2]
     assert logits.shape == (len(PROMPT), shape.vocab_size)
     want = log_probs_of(logits)

@@ -82,12 +82,16 @@ def write_engine_checkpoint(s: TinyShape, path: Path, seed: int = 99, tensors: d
     return path
 
 
-def mcore_rank(rank: int, world: int, s: TinyShape, tp: int, ep: int, te: bool, prompt: list[int]):
-    """One rank of a Megatron-Core job (run_ranks): its (name, array, Shard) items as
+def mcore_rank(rank: int, world: int, shapes: list[TinyShape], tp: int, ep: int, prompt: list[int]) -> list[tuple]:
+    """One rank of a Megatron-Core job (run_ranks) building a model of each of ``shapes`` in turn (one
+    process imports Megatron-Core once: seconds). Per shape: its (name, array, Shard) items as
     ``mcore_reference.sent_items`` reads them, its gathered logits and, in a world of one, the
     equivalent HF tensors (numpy: they travel by value, the rank may exit before they are read)."""
     init_world(rank, world, tp, ep)
-    model = build_mcore(s, seed=3)
-    items = [(n, t.numpy().copy(), shard) for n, t, shard in sent_items(model, te)]
-    hf = {n: t.numpy().copy() for n, t in hf_tensors(model).items()} if world == 1 else None
-    return items, mcore_logits(model, prompt).numpy(), hf
+    out = []
+    for s in shapes:
+        model = build_mcore(s, seed=3)
+        items = [(n, t.numpy().copy(), shard) for n, t, shard in sent_items(model)]
+        hf = {n: t.numpy().copy() for n, t in hf_tensors(model).items()} if world == 1 else None
+        out.append((items, mcore_logits(model, prompt).numpy(), hf))
+    return out
