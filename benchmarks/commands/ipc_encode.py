@@ -1,6 +1,7 @@
-"""Cost of one engine -> front-end step message (serve/ipc.py): encoding and decoding a step of N
-streamed updates, against pickling the same entries as they are (NamedTuples), microseconds per
-message (best of --repeats rounds of --iters messages each).
+"""Cost of one engine -> front-end step message (serve/ipc.py): encoding (the engine thread) and
+decoding (the front-end) a decode step of N streamed updates, against pickling the same entries
+as they are (NamedTuples), microseconds of this thread's CPU per message (best of --repeats
+rounds of --iters messages each).
 
     python -m benchmarks ipc-encode                    # 64, 256 and 1024 updates per step
     python -m benchmarks ipc-encode --updates 256 --iters 200
@@ -26,12 +27,13 @@ def step_entries(n: int) -> list:
 
 
 def best_us(fn, iters: int, repeats: int) -> float:
+    """CPU time of this thread per call (a shared machine's waits for a core are not counted)."""
     best = float("inf")
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = time.thread_time()
         for _ in range(iters):
             fn()
-        best = min(best, (time.perf_counter() - t) / iters)
+        best = min(best, (time.thread_time() - t) / iters)
     return best * 1e6
 
 

@@ -1,5 +1,5 @@
 """What the coordinator, its engines and its clients say to each other: message types of the one
-wire (communication/wire.py, the control plane's values 32-127), each with its writer and its
+wire (communication/wire.py, the control plane's values 32-95), each with its writer and its
 checked reader here. Engine records (sampling parameters, updates, outputs) are records.py's.
 
     frame = encode("abort", rid)                    # a name of ``TYPES``, the fields as below

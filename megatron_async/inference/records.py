@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from itertools import accumulate, chain, compress, repeat
+from operator import itemgetter
 
 from megatron_async.inference.communication import wire
 from megatron_async.inference.communication import wire_fields as f
@@ -144,12 +145,17 @@ def decode_output(v) -> RequestOutput:
                          _read_top(ptop, "prompt_top_n_logprobs"), None if experts is None else experts.numpy().copy())
 
 
+_first = itemgetter(0)
+
+
 def encode_updates(updates: list[RequestUpdate]) -> list:
     n = len(updates)
     if not n:
         return [0, b"", b"", None, [], None, [], []]
     ids, toks, texts, done, reasons, lps, tops, plps, ptops = zip(*updates)  # columns, built in C
-    return [n, f.pack_ints([*ids, *map(len, toks), *chain.from_iterable(toks)]), bytes(done),
+    counts = [*map(len, toks)]
+    tokens = map(_first, toks) if counts.count(1) == n else chain.from_iterable(toks)  # decode steps: the first
+    return [n, f.pack_ints([*ids, *counts, *tokens]), bytes(done),
             None if texts.count(None) == n else list(texts),
             [[i, r] for i, r in enumerate(reasons) if r is not None] if reasons.count(None) < n else [],
             [bytes(x is not None for x in lps), f.pack_floats([x for lp in lps if lp is not None for x in lp])]

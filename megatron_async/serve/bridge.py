@@ -5,11 +5,18 @@ front-end through which the engine thread sends each step's results.
 The bridge thread never waits for a step: it answers /metrics and /health queries itself (the
 gauges read the engine's state at that moment) and only puts adds, aborts and admin operations
 into the engine loop's inbox. It watches every front-end process; when one exits it aborts
-that front-end's requests (their KV blocks come back) and the others keep serving."""
+that front-end's requests (their KV blocks come back) and the others keep serving.
+
+Its socket takes only front-ends that proved the server's secret (communication/handshake.py,
+role "frontend", names "0" .. "N-1", each bound once) and only the messages a front-end sends
+(``ipc.FRONTEND_SENDS``), each through its checked reader: any other frame is dropped and
+counted in ``wire_stats`` (``/metrics``: megatron_async_frontend_ipc_dropped_frames_total by
+reason) and the bridge goes on."""
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,8 +24,12 @@ from typing import Any, Callable
 
 import zmq
 
+from megatron_async.inference.communication import wire
+from megatron_async.inference.communication.handshake import Listener
+from megatron_async.inference.request import InvalidRequestError
 from megatron_async.serve import ipc
 from megatron_async.serve.engine_loop import Choice, EngineLoop
+from megatron_async.serve.responses import error_body
 
 log = logging.getLogger("megatron_async.serve")
 POLL_S = 0.5
@@ -73,22 +84,33 @@ class RemoteSubmission:
 
 
 @dataclass(frozen=True)
-class _AdminCall:
+class _Answer:
     sid: int
     sink: FrontendSink
 
 
 class Bridge:
-    """``Bridge(engine_loop, endpoints, count)``: binds the sockets of ``count`` front-ends;
-    ``watch(i, pid)`` each one's process; ``start()``; ``wait_ready()``; ``stop()``."""
+    """``Bridge(engine_loop, endpoints, count, max_frame_bytes)``: binds the sockets of ``count``
+    front-ends, which join with ``secret`` (random, one per server); ``watch(i, pid)`` each
+    one's process; ``start()``; ``wait_ready()``; ``stop()``."""
 
-    def __init__(self, engine_loop: EngineLoop, endpoints: ipc.Endpoints, count: int,
+    def __init__(self, engine_loop: EngineLoop, endpoints: ipc.Endpoints, count: int, max_frame_bytes: int,
                  on_all_gone: Callable[[], None] | None = None):
         self.engine_loop = engine_loop
         self._on_all_gone = on_all_gone
+        self.secret = secrets.token_bytes(32)
+        """What a front-end proves to join (it travels in the front-end's stdin)."""
+        self.wire_stats = wire.WireStats()
+        """Frames the bridge's socket received and dropped (every front-end's, and strangers')."""
+        engine_loop.metrics.count_dropped_frames("frontend_ipc", self.wire_stats)
         self._ctx = zmq.Context()
         self._router = ipc.socket(self._ctx, zmq.ROUTER)
+        self._listener = Listener(self._router, self.secret, {ipc.ROLE: [str(i) for i in range(count)]},
+                                  job=endpoints.job, max_frame_bytes=max_frame_bytes, stats=self.wire_stats)
         self._router.bind(endpoints.bridge)
+        self._handlers = {ipc.READY: self._ready_message, ipc.ADD: self._add, ipc.ABORT: self._abort,
+                          ipc.QUERY: self._query, ipc.ADMIN: self._admin}
+        """Message type -> its handler(sink, peer, *fields): ``ipc.FRONTEND_SENDS``."""
         self.sinks = []
         for i in range(count):  # connected, not bound: a message waits until front-end i binds its end
             sock = ipc.socket(self._ctx, zmq.PUSH)
@@ -136,6 +158,7 @@ class Bridge:
         if self._thread.is_alive():
             self._wake.send(b"")
             self._thread.join(10)
+        self._listener.close()
         for sock in (self._router, self._wake, self._wake_in, *(s.sock for s in self.sinks)):
             if not sock.closed:
                 sock.close(0)
@@ -147,6 +170,7 @@ class Bridge:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
+        poller.register(self._listener.monitor, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
         for fd in self._pidfds:
             poller.register(fd, zmq.POLLIN)
@@ -156,6 +180,8 @@ class Bridge:
                 return
             if self._router in ready:
                 self._take_messages()
+            if self._listener.monitor in ready:
+                self._listener.lost()  # (a front-end's exit is seen through its process)
             for fd in [fd for fd in ready if isinstance(fd, int)]:
                 poller.unregister(fd)
                 self._gone(self._pidfds[fd])
@@ -164,42 +190,60 @@ class Bridge:
                 self._gone(index)
 
     def _take_messages(self) -> None:
-        while True:
+        for peer, mtype, fields in self._listener.take():  # authenticated front-ends' decoded frames
+            handler = self._handlers.get(mtype)
+            if handler is None:
+                self.wire_stats.drop("wrong role")
+                continue
+            sink = self.sinks[int(peer.name)]
             try:
-                identity, raw = self._router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+                checked = mtype.read(fields)
+            except wire.WireError as e:
+                self.wire_stats.drop(e.reason)
+                self._refuse(sink, mtype, fields, e)
+                continue
+            if sink.gone:
+                continue
             try:
-                self._handle(identity, ipc.decode(raw))
+                handler(sink, peer, *checked)
             except Exception:  # noqa: BLE001 -- one bad message must not end the bridge
                 log.exception("front-end message failed")
 
-    def _handle(self, identity: bytes, msg: tuple) -> None:
-        sink = self.sinks[int(identity)]
-        kind = msg[0]
-        if sink.gone:
+    def _refuse(self, sink: FrontendSink, mtype: wire.MessageType, fields: list, e: wire.WireError) -> None:
+        """A front-end's add or admin call that its reader refused is answered (by the engine
+        thread, the sink's sender), so that its handler does not wait for ever."""
+        sid = fields[0] if fields and type(fields[0]) is int else None
+        if sid is None or mtype not in (ipc.ADD, ipc.ADMIN):
             return
-        if kind == "add":
-            _, sid, choices, arrival = msg
-            sub = RemoteSubmission(sid, choices, arrival, sink)
-            sink.live[sid] = sub
-            self.engine_loop.submit(sub)
-        elif kind == "abort":
-            sub = sink.live.get(msg[1])
-            if sub is not None:
-                self.engine_loop.abort(sub)
-        elif kind == "query":
-            _, sid, what = msg
-            value = self.engine_loop.metrics.render() if what == "metrics" else self.engine_loop.is_alive()
-            self._router.send_multipart([identity, ipc.encode(("reply", sid, value))])
-        elif kind == "admin":
-            _, sid, op, args = msg
-            target = _AdminCall(sid, sink)
-            self.engine_loop.run_admin(op, args, lambda outcome: sink.deliver([(target, "admin", outcome)]))
-        elif kind == "ready":
-            self._ready.add(sink.index)
-            if len(self._ready) == len(self.sinks):
-                self._ready_event.set()
+        target = _Answer(sid, sink)
+        if mtype is ipc.ADD:
+            answer = (target, "rejected", InvalidRequestError(f"the engine's process could not read this request: {e}"))
+        else:
+            answer = (target, "admin", (400, error_body(f"the engine's process could not read these arguments: {e}", 400)))
+        self.engine_loop.call(lambda: sink.deliver([answer]))
+
+    def _add(self, sink: FrontendSink, peer, sid: int, arrival: float, choices: list[Choice]) -> None:
+        sub = RemoteSubmission(sid, choices, arrival, sink)
+        sink.live[sid] = sub
+        self.engine_loop.submit(sub)
+
+    def _abort(self, sink: FrontendSink, peer, sid: int) -> None:
+        sub = sink.live.get(sid)
+        if sub is not None:
+            self.engine_loop.abort(sub)
+
+    def _query(self, sink: FrontendSink, peer, sid: int, what: str) -> None:
+        value = self.engine_loop.metrics.render() if what == "metrics" else self.engine_loop.is_alive()
+        self._listener.send(peer, wire.encode(ipc.REPLY, sid, value))
+
+    def _admin(self, sink: FrontendSink, peer, sid: int, op: str, args: dict) -> None:
+        target = _Answer(sid, sink)
+        self.engine_loop.run_admin(op, args, lambda outcome: sink.deliver([(target, "admin", outcome)]))
+
+    def _ready_message(self, sink: FrontendSink, peer) -> None:
+        self._ready.add(sink.index)
+        if len(self._ready) == len(self.sinks):
+            self._ready_event.set()
 
     def _gone(self, index: int) -> None:
         sink = self.sinks[index]

@@ -168,6 +168,10 @@ class EngineLoop:
                 self._tell_ranks(("admin", op, args))  # the other TP ranks run it too (follow_rank0)
             reply(run_admin_op(self.engine, self._update_weights, op, args))
 
+        self.call(job)
+
+    def call(self, job: Callable[[], None]) -> None:
+        """``job()`` on the engine thread between two steps."""
         self._inbox.put(("call", job))
 
     async def admin(self, op: str, args: dict) -> tuple[int, dict]:

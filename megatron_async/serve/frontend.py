@@ -1,12 +1,15 @@
 """An HTTP front-end process (``--api-server-count N``): uvicorn and the app (app.py) on the
 listening socket the engine's process bound, with ``RemoteEngineLoop`` in place of the engine
-loop. The engine's process starts it as ``python -m megatron_async.serve.frontend`` and writes a
-pickled ``FrontendConfig`` to its stdin; it answers ``("ready",)`` once it listens.
+loop. The engine's process starts it as ``python -m megatron_async.serve.frontend`` and writes its
+``FrontendConfig`` (frontend_config.py, JSON) to its stdin; it joins the engine process's bridge
+with the secret in it (the handshake) and says ``ready`` once it listens.
 
 A handler submits, aborts and asks exactly as it would in the engine's process; the stand-in
 sends those as messages (ipc.py) and files each step's message from the engine thread into the
 same ``Submission`` objects (the admitted future, the events queue). Both sockets are read from
-the event loop itself (``add_reader``): no thread of its own competes for this process's GIL."""
+the event loop itself (``add_reader``): no thread of its own competes for this process's GIL. A
+frame that is not a valid message of its socket is dropped and counted (``wire_stats``, and
+one warning per reason); a message too large for the bridge is refused here (400)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,17 +18,18 @@ import importlib
 import itertools
 import logging
 import os
-import pickle
 import socket
 import sys
-from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
+from megatron_async.inference.communication import wire
+from megatron_async.inference.communication.handshake import AuthError, authenticate
+from megatron_async.inference.request import InvalidRequestError
 from megatron_async.serve import ipc
-from megatron_async.serve.http_guard import HttpPolicy
+from megatron_async.serve import responses as resp
 from megatron_async.serve.engine_loop import Submission, _deliver, _set_result
+from megatron_async.serve.frontend_config import FrontendConfig
 
 log = logging.getLogger("megatron_async.serve")
 PROFILER_ENV = "MEGATRON_ASYNC_FRONTEND_PROFILER"
@@ -37,59 +41,37 @@ QUERY_TIMEOUT_S = 5.0
 PARENT_CHECK_S = 1.0
 
 
-@dataclass
-class FrontendConfig:
-    """What a front-end process needs, sent by the engine's process (picklable)."""
-
-    index: int
-    endpoints: ipc.Endpoints
-    fd: int
-    """The listening socket, inherited."""
-    parent_pid: int
-    model_name: str
-    tokenizer: Any
-    chat_template: tuple[str, dict] | None
-    """(source, special tokens) of the ChatTemplate (the compiled template does not pickle)."""
-    max_model_len: int
-    max_requests: int
-    max_request_bytes: int
-    created: int
-    tool_call_parser: str | None
-    reasoning_parser: str | None
-    admin_endpoints: bool
-    grammars: tuple | None = None
-    """The engine's ``Grammars.settings()`` (None: structured outputs off): the front-end checks
-    a request's constraint with a ``Grammars`` of its own."""
-    policy: HttpPolicy = HttpPolicy()
-    """Keys (the API and admin keys travel in this pipe, never on a command line), limits, TLS."""
-    log_level: str = "warning"
-    http: str = "auto"
-    loop: str = "auto"
-
-
 class RemoteEngineLoop:
     """The engine loop's interface as app.py uses it (submit / abort / admin / healthy /
     metrics_text), for an engine in another process. ``attach`` on the serving event loop."""
 
-    def __init__(self, endpoints: ipc.Endpoints, index: int):
+    def __init__(self, endpoints: ipc.Endpoints, index: int, secret: bytes, max_frame_bytes: int):
+        """Joins the bridge (``AuthError``: it does not hold ``secret``, or nobody answers)."""
         self._ctx = zmq.Context()
         self._out = ipc.socket(self._ctx, zmq.DEALER)
-        self._out.setsockopt(zmq.IDENTITY, str(index).encode())
         self._events = ipc.socket(self._ctx, zmq.PULL)
         self._out.connect(endpoints.bridge)
         self._events.bind(endpoints.events(index))
+        self.max_frame_bytes = max_frame_bytes
+        self.wire_stats = wire.WireStats()
+        """Frames from the engine's process (or anyone else) dropped by this front-end."""
         self._ids = itertools.count()
         self._subs: dict[int, list] = {}
         """sid -> [submission, choices without their last event]."""
         self._waiting: dict[int, asyncio.Future] = {}
         """sid of an admin call or query -> its future."""
         self._loop: asyncio.AbstractEventLoop | None = None
+        try:
+            authenticate(self._out, secret, ipc.ROLE, str(index), endpoints.job)
+        except AuthError:
+            self.close()
+            raise
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         loop.add_reader(self._events.getsockopt(zmq.FD), self._take_events)
         loop.add_reader(self._out.getsockopt(zmq.FD), self._take_replies)
-        self._send(("ready",))
+        self._send(wire.encode(ipc.READY))
 
     def close(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -103,38 +85,63 @@ class RemoteEngineLoop:
     def submit(self, sub: Submission) -> None:
         sid = next(self._ids)
         sub.sid = sid
+        frame = self._frame(ipc.encode_add, sid, sub.choices, sub.arrival)
+        if isinstance(frame, str):
+            sub.admitted.set_exception(InvalidRequestError(f"this request cannot be handed to the engine: {frame}"))
+            return
         self._subs[sid] = [sub, len(sub.choices)]
-        self._send(("add", sid, sub.choices, sub.arrival))
+        self._send(frame)
 
     def abort(self, sub: Submission) -> None:
         sid = getattr(sub, "sid", None)
         if sid in self._subs:  # a no-op for an ended submission (every stream's end calls it)
-            self._send(("abort", sid))
+            self._send(wire.encode(ipc.ABORT, sid))
 
     async def admin(self, op: str, args: dict) -> tuple[int, dict]:
-        return await self._ask("admin", op, args)
+        sid = next(self._ids)
+        frame = self._frame(wire.encode, ipc.ADMIN, sid, op, args)
+        if isinstance(frame, str):
+            return 400, resp.error_body(f"these arguments cannot be handed to the engine: {frame}", 400)
+        return await self._ask(sid, frame)
 
     async def healthy(self) -> bool:
         try:
-            return bool(await asyncio.wait_for(self._ask("query", "health"), QUERY_TIMEOUT_S))
+            sid = next(self._ids)
+            return bool(await asyncio.wait_for(self._ask(sid, wire.encode(ipc.QUERY, sid, "health")), QUERY_TIMEOUT_S))
         except asyncio.TimeoutError:
             return False
 
     async def metrics_text(self) -> bytes:
-        return await asyncio.wait_for(self._ask("query", "metrics"), QUERY_TIMEOUT_S)
+        sid = next(self._ids)
+        return await asyncio.wait_for(self._ask(sid, wire.encode(ipc.QUERY, sid, "metrics")), QUERY_TIMEOUT_S)
 
     # ---------------------------------------------------------------- sockets
-    async def _ask(self, kind: str, *args):
-        sid = next(self._ids)
+    def _frame(self, encode, *fields) -> bytes | str:
+        """``encode(*fields)``, or why the bridge would not take it (too large, or a value the
+        wire cannot carry): said here, so that no caller waits for an answer that never comes."""
+        try:
+            frame = encode(*fields)
+        except (TypeError, ValueError, OverflowError) as e:  # msgpack: nesting over its limit, ints over 64 bits
+            return f"{type(e).__name__}: {e}"
+        if len(frame) > self.max_frame_bytes:
+            return f"{len(frame)} bytes on the wire, over {self.max_frame_bytes}"
+        return frame
+
+    async def _ask(self, sid: int, frame: bytes):
         done = self._waiting[sid] = asyncio.get_running_loop().create_future()
-        self._send((kind, sid, *args))
+        self._send(frame)
         try:
             return await done
         finally:
             self._waiting.pop(sid, None)
 
-    def _send(self, message: tuple) -> None:
-        self._out.send(ipc.encode(message))
+    def _dropped(self, e: wire.WireError) -> None:
+        self.wire_stats.drop(e.reason)
+        if self.wire_stats.dropped[e.reason] == 1:
+            log.warning("dropped a frame that is not a valid message (%s); such frames are counted, not logged", e)
+
+    def _send(self, frame: bytes) -> None:
+        self._out.send(frame)
         # a send can take the socket's readable edge: read what came in, or it waits for the next edge
         if self._loop is not None and self._out.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._loop.call_soon(self._take_replies)
@@ -142,9 +149,17 @@ class RemoteEngineLoop:
     def _take_replies(self) -> None:
         while True:
             try:
-                _, sid, value = ipc.decode(self._out.recv(zmq.NOBLOCK))
+                frame = self._out.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            try:
+                mtype, fields = wire.decode(frame, self.max_frame_bytes)
+                if mtype is not ipc.REPLY:
+                    raise wire.WireError("wrong role", mtype.name)
+                sid, value = mtype.read(fields)
+            except wire.WireError as e:
+                self._dropped(e)
+                continue
             if sid in self._waiting:
                 _set_result(self._waiting[sid], value)
 
@@ -156,7 +171,12 @@ class RemoteEngineLoop:
             except zmq.Again:
                 return
             try:
-                self._file(ipc.decode_entries(message))
+                entries = ipc.decode_entries(message)
+            except wire.WireError as e:
+                self._dropped(e)
+                continue
+            try:
+                self._file(entries)
             except Exception:  # noqa: BLE001 -- keep reading: the next messages must not wait for a new edge
                 log.exception("a step message from the engine could not be filed")
 
@@ -192,7 +212,7 @@ def _watch_parent(server, parent_pid: int) -> None:
 
 
 def main() -> int:
-    config: FrontendConfig = pickle.load(sys.stdin.buffer)
+    config = FrontendConfig.from_json(sys.stdin.buffer.read())
     logging.basicConfig(level=config.log_level.upper(),
                         format=f"%(asctime)s %(name)s[front-end {config.index}] %(levelname)s %(message)s")
     from megatron_async.models.chat_template import ChatTemplate
@@ -200,7 +220,12 @@ def main() -> int:
     from megatron_async.serve.uvicorn_server import uvicorn_server
 
     sock = socket.socket(fileno=config.fd)
-    remote = RemoteEngineLoop(config.endpoints, config.index)
+    try:
+        remote = RemoteEngineLoop(ipc.Endpoints(config.directory), config.index, config.secret,
+                                  ipc.max_frame_bytes(config.max_request_bytes))
+    except AuthError as e:
+        log.error("cannot join the engine's process: %s", e)
+        return 1
     state = ServerState(
         engine_loop=remote, model_name=config.model_name, tokenizer=config.tokenizer,
         chat_template=ChatTemplate(*config.chat_template) if config.chat_template else None,

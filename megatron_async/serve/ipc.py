@@ -1,55 +1,210 @@
 """What the engine's process and its HTTP front-end processes say to each other (bridge.py,
-frontend.py), over ZMQ ipc:// sockets in a private directory.
+frontend.py): messages of the one wire (inference/communication/wire.py: a msgpack array of a
+registered type, the server front-ends' values 96-111, each read by a checked reader), over ZMQ
+ipc:// sockets in a private directory. A frame that is oversized, does not decode, has an
+unknown type or a type its socket does not carry is dropped and counted (``WireStats``), never
+unpickled.
 
-Front-end -> engine process (one DEALER per front-end, the bridge's ROUTER), pickled tuples:
-``("ready",)``, ``("add", sid, choices, arrival)``, ``("abort", sid)``,
-``("admin", sid, op, args)``, ``("query", sid, "metrics" | "health")``; the bridge answers a
-query with ``("reply", sid, value)``. ``sid``: a number the front-end gives each submission,
-admin call and query.
+Front-end -> engine process: one DEALER per front-end, connected to the bridge's ROUTER, which
+it joins through the handshake (communication/handshake.py, role "frontend", its index as the
+name, the server's per-run secret from its stdin) before it sends anything:
+- ready [];  abort [sid];  query [sid, "metrics" | "health"];  admin [sid, op, args map];
+- add [sid, arrival, prompts [ints], choices [[prompt index, sampling map]]] (a prompt that
+  several choices share travels once; sampling maps: records.encode_sampling).
+Bridge -> front-end (on its DEALER): reply [sid, bytes | bool].
+``sid``: a number the front-end gives each submission, admin call and query.
 
 Engine thread -> front-end (a PUSH per front-end, connected to the PULL the front-end binds, so
-that what is sent before the front-end is up waits in ZMQ's queue): ONE message per engine step holding every
-entry of that front-end's submissions, in order, each ``(sid, kind, payload)`` as the engine
-loop's outbox has it ("admitted", "rejected", "event", and "admin" outcomes). The entry of every
-token of every stream, an event holding only an update, is sent flat as ``(sid, choice index,
-the update's fields)``: pickling plain tuples costs a tenth of pickling NamedTuples
-(``encode_entries``; python -m benchmarks ipc-encode measures a step)."""
+that what is sent before the front-end is up waits in ZMQ's queue): ONE step message per engine
+step holding every entry of that front-end's submissions, in order, each ``(sid, kind,
+payload)`` as the engine loop's outbox has it ("admitted", "rejected", "event", "admin"):
+- step [sids ints, choice indices ints, updates, others]: the events that hold only an update
+  (every streamed token) as columns, ``updates`` in records.encode_updates' layout; every other
+  entry in ``others`` as [position among all entries, sid, kind, ...]: admitted [request ids
+  ints], rejected ["invalid" | "blocked" | "error", message], event [choice index, update
+  (records.encode_updates of one) | nil, output (records.encode_output) | nil, error | nil],
+  admin [status, body map]. python -m benchmarks ipc-encode measures a step."""
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import tempfile
+from itertools import repeat
 from typing import Any
 
 import zmq
 
-from megatron_async.inference.request import RequestUpdate
-from megatron_async.serve.engine_loop import ChoiceEvent
+from megatron_async.inference import records
+from megatron_async.inference.communication import wire
+from megatron_async.inference.communication import wire_fields as f
+from megatron_async.inference.request import InvalidRequestError, SamplingParams
+from megatron_async.serve.engine_loop import Choice, ChoiceEvent, GenerationBlockedError
+
+ROLE = "frontend"
+"""The handshake role of a front-end process (communication/handshake.py)."""
+MAX_ARGS_DEPTH = 8
+MAX_STEP_BYTES = 1 << 31
+"""A step message the front-end reads (its sender is the engine thread; outputs with prompt
+log-probs can be large)."""
+
+
+def max_frame_bytes(max_request_bytes: int) -> int:
+    """The largest message a front-end sends the engine's process: what a body of at most
+    ``max_request_bytes`` can become (a token is at least 1 body byte and travels as 8; a prompt
+    that several choices share travels once). A front-end refuses a larger one itself."""
+    return 16 * max_request_bytes + (1 << 20)
+
+
+# ---------------------------------------------------------------------- front-end -> engine
+@wire.reader
+def _read_add(v: list) -> list:
+    sid, arrival, prompts, choices = v
+    prompts = [f.ints(p, "prompt_tokens") for p in f.list_(prompts, "prompts")]
+    out = []
+    for pair in f.list_(choices, "choices"):
+        at, sampling = f.arity(pair, 2, "choice")
+        out.append(Choice(prompts[f.int_(at, "prompt index", 0, len(prompts) - 1)],
+                          SamplingParams(**records.sampling_fields(sampling))))
+    if not out:
+        raise f.bad("choices")
+    return [f.int_(sid, "sid"), f.float_(arrival, "arrival"), out]
+
+
+def _sid(v: list) -> list:
+    return [f.int_(v[0], "sid")]
+
+
+READY = wire.message_type("frontend ready", 96, arity=0, reader=lambda v: [])
+ADD = wire.message_type("frontend add", 97, arity=4, reader=_read_add)
+ABORT = wire.message_type("frontend abort", 98, arity=1, reader=_sid)
+ADMIN = wire.message_type("frontend admin", 99, arity=3, reader=lambda v: [
+    f.int_(v[0], "sid"), f.str_(v[1], "op", 64), f.plain(f.dict_(v[2], "args"), "args", MAX_ARGS_DEPTH)])
+QUERY = wire.message_type("frontend query", 100, arity=2, reader=lambda v: [
+    f.int_(v[0], "sid"), f.str_(v[1], "query", 16)])
+FRONTEND_SENDS = frozenset({READY, ADD, ABORT, ADMIN, QUERY})
+"""What the bridge takes from a front-end (anything else: dropped as "wrong role")."""
+
+
+def encode_add(sid: int, choices: list[Choice], arrival: float) -> bytes:
+    prompts, at = [], {}
+    for c in choices:
+        if id(c.prompt_tokens) not in at:
+            at[id(c.prompt_tokens)] = len(prompts)
+            prompts.append(f.pack_ints(c.prompt_tokens))
+    return wire.encode(ADD, sid, arrival, prompts,
+                       [[at[id(c.prompt_tokens)], records.encode_sampling(c.params)] for c in choices])
+
+
+# ---------------------------------------------------------------------- bridge -> front-end
+def _read_reply(v: list) -> list:
+    sid, value = v
+    if type(value) not in (bytes, bool):
+        raise f.bad("reply")
+    return [f.int_(sid, "sid"), value]
+
+
+REPLY = wire.message_type("frontend reply", 101, arity=2, reader=_read_reply)
+
+
+# ---------------------------------------------------------------------- engine thread -> front-end
+_REJECTIONS = {"invalid": InvalidRequestError, "blocked": GenerationBlockedError, "error": RuntimeError}
+
+
+def _rejection_kind(e: BaseException) -> str:
+    return "invalid" if isinstance(e, InvalidRequestError) else "blocked" if isinstance(e, GenerationBlockedError) \
+        else "error"
+
+
+def _write_other(pos: int, sid: int, kind: str, payload) -> list:
+    if kind == "admitted":
+        return [pos, sid, kind, f.pack_ints(payload)]
+    if kind == "rejected":
+        return [pos, sid, kind, _rejection_kind(payload), str(payload)]
+    if kind == "admin":
+        status, body = payload
+        return [pos, sid, kind, status, body]
+    index, update, output, error = payload
+    return [pos, sid, "event", index, None if update is None else records.encode_updates([update]),
+            None if output is None else records.encode_output(output), error]
+
+
+def _read_other(v) -> tuple[int, tuple[int, str, Any]]:
+    pos, sid, kind, *rest = f.list_(v, "entry")
+    pos, sid = f.int_(pos, "position", 0), f.int_(sid, "sid")
+    if kind == "admitted":
+        (ids,) = f.arity(rest, 1, kind)
+        return pos, (sid, kind, f.ints(ids, "request ids"))
+    if kind == "rejected":
+        why, message = f.arity(rest, 2, kind)
+        return pos, (sid, kind, _REJECTIONS[f.str_(why, "rejection")](f.str_(message, "message")))
+    if kind == "admin":
+        status, body = f.arity(rest, 2, kind)
+        return pos, (sid, kind, (f.int_(status, "status", 100, 599), f.plain(f.dict_(body, "body"), "body",
+                                                                               MAX_ARGS_DEPTH)))
+    if kind != "event":
+        raise f.bad("entry kind")
+    index, update, output, error = f.arity(rest, 4, kind)
+    if update is not None:
+        update = records.decode_updates(update)
+        if len(update) != 1:
+            raise f.bad("update")
+        update = update[0]
+    return pos, (sid, kind, ChoiceEvent(f.int_(index, "choice index", 0), update,
+                                        None if output is None else records.decode_output(output),
+                                        f.opt_str(error, "error")))
+
+
+_new = tuple.__new__  # a NamedTuple built in C, every field given
+
+
+@wire.reader
+def _read_step(v: list) -> list[tuple[int, str, Any]]:
+    sids, indices, updates, others = v
+    sids, indices, updates = f.ints(sids, "sids"), f.ints(indices, "choice indices"), records.decode_updates(updates)
+    if len(sids) != len(updates) or len(indices) != len(updates) or min(indices, default=0) < 0:
+        raise f.bad("step")
+    plain = list(zip(sids, repeat("event"), map(_new, repeat(ChoiceEvent), zip(indices, updates, repeat(None),
+                                                                               repeat(None)))))
+    if not others:
+        return plain
+    out, at = [], 0
+    for entry in f.list_(others, "entries"):
+        pos, entry = _read_other(entry)
+        take = pos - len(out)  # the updates before this entry (positions only grow)
+        if take < 0 or at + take > len(plain):
+            raise f.bad("position")
+        out += plain[at:at + take]
+        out.append(entry)
+        at += take
+    return out + plain[at:]
+
+
+STEP = wire.message_type("frontend step", 102, arity=4, reader=_read_step)
 
 
 def encode_entries(entries: list[tuple[int, str, Any]]) -> bytes:
-    """One step's ``(sid, kind, payload)`` entries for one front-end, as one message."""
-    wire = []
-    for sid, kind, payload in entries:
-        if kind == "event" and payload.output is None and payload.error is None and payload.update is not None:
-            wire.append((sid, payload.index, tuple(payload.update)))
+    """One step's ``(sid, kind, payload)`` entries for one front-end, as one step message."""
+    sids, indices, updates, others = [], [], [], []
+    for sid, kind, payload in entries:  # (one pass, nothing allocated per update)
+        if kind == "event" and payload[2] is None and payload[3] is None and payload[1] is not None:
+            sids.append(sid)
+            indices.append(payload[0])
+            updates.append(payload[1])
         else:
-            wire.append((sid, kind, payload))
-    return pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL)
+            others.append(_write_other(len(sids) + len(others), sid, kind, payload))
+    return wire.encode(STEP, f.pack_ints(sids), f.pack_ints(indices), records.encode_updates(updates), others)
 
 
-def decode_entries(message: bytes) -> list[tuple[int, str, Any]]:
-    """``encode_entries``' entries back, in order."""
-    out = []
-    for sid, kind, payload in pickle.loads(message):
-        if type(kind) is int:
-            out.append((sid, "event", ChoiceEvent(kind, RequestUpdate(*payload))))
-        else:
-            out.append((sid, kind, payload))
-    return out
+def decode_entries(message: bytes | memoryview, max_bytes: int = MAX_STEP_BYTES) -> list[tuple[int, str, Any]]:
+    """``encode_entries``' entries back, in order; ``WireError`` for any frame that is not a
+    valid step message (its ``reason`` names the counter it is dropped into)."""
+    mtype, fields = wire.decode(message, max_bytes)
+    if mtype is not STEP:
+        raise wire.WireError("wrong role", mtype.name)
+    return STEP.read(fields)
 
 
+# ---------------------------------------------------------------------- sockets
 def socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     """A socket of either side: no send or receive limit (a slow front-end buffers; the engine
     thread never blocks on it), nothing kept at close."""
@@ -60,16 +215,10 @@ def socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     return sock
 
 
-def encode(message: tuple) -> bytes:
-    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-decode = pickle.loads
-
-
 class Endpoints:
-    """The sockets' addresses: ipc:// paths in a directory of their own (``create`` makes one,
-    ``remove`` deletes it); picklable, so a front-end process is told them."""
+    """The sockets' addresses: ipc:// paths in a directory of their own, only this user may enter
+    (``create`` makes one with mkdtemp: 0700, ``remove`` deletes it); a front-end process is
+    told its ``directory``."""
 
     def __init__(self, directory: str):
         self.directory = directory
@@ -81,6 +230,11 @@ class Endpoints:
     @property
     def bridge(self) -> str:
         return f"ipc://{os.path.join(self.directory, 'bridge')}"
+
+    @property
+    def job(self) -> bytes:
+        """The handshake's listener id (not secret): this server's directory."""
+        return self.directory.encode()
 
     def events(self, frontend: int) -> str:
         return f"ipc://{os.path.join(self.directory, f'events-{frontend}')}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -89,7 +88,8 @@ class Serving:
         from megatron_async.serve.bridge import Bridge
 
         self._endpoints = ipc.Endpoints.create()
-        self._bridge = Bridge(self.state.engine_loop, self._endpoints, self.api_server_count, self._on_all_gone)
+        self._bridge = Bridge(self.state.engine_loop, self._endpoints, self.api_server_count,
+                              ipc.max_frame_bytes(self.state.max_request_bytes), self._on_all_gone)
         for i in range(self.api_server_count):
             self.frontends.append(self._spawn(i))
             self._bridge.watch(i, self.frontends[-1])
@@ -103,12 +103,13 @@ class Serving:
         return self.url
 
     def _spawn(self, index: int) -> subprocess.Popen:
-        from megatron_async.serve.frontend import FrontendConfig
+        from megatron_async.serve.frontend_config import FrontendConfig
 
         st = self.state
         template = st.chat_template
         config = FrontendConfig(
-            index=index, endpoints=self._endpoints, fd=self._sock.fileno(), parent_pid=os.getpid(),
+            index=index, directory=self._endpoints.directory, secret=self._bridge.secret, fd=self._sock.fileno(),
+            parent_pid=os.getpid(),
             model_name=st.model_name, tokenizer=st.tokenizer,
             chat_template=(template.source, template.special_tokens) if template is not None else None,
             max_model_len=st.max_model_len, max_requests=st.max_requests, max_request_bytes=st.max_request_bytes,
@@ -119,7 +120,7 @@ class Serving:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         proc = subprocess.Popen([sys.executable, "-m", "megatron_async.serve.frontend"], stdin=subprocess.PIPE,
                                 pass_fds=(self._sock.fileno(),), env=env)
-        proc.stdin.write(pickle.dumps(config, protocol=pickle.HIGHEST_PROTOCOL))
+        proc.stdin.write(config.to_json())
         proc.stdin.close()
         return proc
 

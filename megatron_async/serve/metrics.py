@@ -3,6 +3,7 @@ process in tests). The engine thread writes them; ``/metrics`` renders them."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -48,5 +49,26 @@ class ServerMetrics:
     def finished(self, reason: str) -> None:
         self._finished.labels(model_name=self._model_name, finished_reason=reason).inc()
 
+    def count_dropped_frames(self, name: str, stats) -> None:
+        """``megatron_async_{name}_dropped_frames_total{reason}``: what a socket's ``WireStats``
+        (communication/wire.py) dropped, read from ``stats`` whenever /metrics is rendered;
+        reason "auth failed": handshakes that did not prove the key."""
+        self.registry.register(_DroppedFrames(f"{PREFIX}_{name}_dropped_frames", self._model_name, stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _DroppedFrames:
+    """A collector of one ``WireStats``' dropped frames, by reason."""
+
+    def __init__(self, name: str, model_name: str, stats):
+        self.name, self.model_name, self.stats = name, model_name, stats
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, "Frames dropped (never read), by reason.",
+                                     labels=["model_name", "reason"])
+        counts = {**self.stats.dropped, "auth failed": self.stats.auth_failed}
+        for reason, n in sorted(counts.items()):
+            family.add_metric([self.model_name, reason], n)
+        yield family

@@ -1,12 +1,15 @@
 """HTTP front-end processes (--api-server-count): two of them on one port answer many concurrent
 streams, each exactly once, /metrics (asked of either) counts them all and every KV block comes
 back; admin operations answer as in process; a front-end killed mid-stream has its requests
-aborted while the other keeps serving; SIGTERM lets a stream in flight finish; and
---api-server-count 0 (the event loop in the engine's process) still serves."""
+aborted while the other keeps serving; SIGTERM lets a stream in flight finish; a stranger on the
+engine process's front-end socket (garbage, an unknown type, an oversized frame, a pickle, a
+submission without the handshake, a wrong proof) is dropped and counted on /metrics and changes
+nothing; and --api-server-count 0 (the event loop in the engine's process) still serves."""
 import asyncio
 import http.client
 import json
 import os
+import pickle
 import signal
 import threading
 import time
@@ -18,10 +21,15 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("zmq")
+import zmq  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from benchmarks.server_load import LoadShape, run_load_test  # noqa: E402
 from benchmarks.server_metrics import kv_leaked  # noqa: E402
+from megatron_async.inference.communication import handshake, wire  # noqa: E402
+from megatron_async.inference.request import SamplingParams  # noqa: E402
+from megatron_async.serve import ipc  # noqa: E402
+from megatron_async.serve.engine_loop import Choice  # noqa: E402
 from megatron_async.serve.process import ServerProcess  # noqa: E402
 
 FLAGS = ["--default-model", "tiny", "--device", "cpu", "--max-requests", "16", "--num-kv-blocks", "128"]
@@ -34,7 +42,7 @@ def metrics(url: str) -> dict:
     values = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            values[(s.name, s.labels.get("finished_reason"))] = s.value
+            values[(s.name, s.labels.get("finished_reason", s.labels.get("reason")))] = s.value
     return values
 
 
@@ -158,3 +166,57 @@ def test_api_server_count_0_serves_from_the_engine_process():
         stream(srv.url, [1, 2, 3], 6, result)
         assert result == {"tokens": 6, "end": "done"}
         assert metrics(srv.url)[("megatron_async_generation_tokens_total", None)] == 6
+
+
+def bridge_address(pid: int) -> str:
+    """The ipc:// address of the front-ends' socket that process ``pid`` (the engine's) listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    with open("/proc/net/unix") as f:
+        for line in f.read().splitlines()[1:]:
+            cols = line.split()
+            if len(cols) >= 8 and cols[6] in inodes and cols[7].endswith("/bridge"):
+                return f"ipc://{cols[7]}"
+    raise AssertionError("no front-end socket found")
+
+
+def test_a_stranger_on_the_engine_side_socket_is_dropped_counted_and_changes_nothing(tmp_path):
+    canary = tmp_path / "canary"
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {canary}",)
+
+    def add(prompt) -> bytes:
+        return ipc.encode_add(0, [Choice(list(prompt), SamplingParams(num_tokens_to_generate=50))], 0.0)
+
+    with ServerProcess([*FLAGS, "--api-server-count", "1"]) as srv:
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(bridge_address(srv.proc.pid))
+            for frame in (os.urandom(64), b"\x92\x7f\x01", pickle.dumps(Evil()), add(range(200)), add([1, 2, 3])):
+                sock.send(frame)  # garbage, an unknown type, a pickle, oversized (for a handshake), no handshake
+            sock.send(wire.encode(handshake.HELLO, handshake.VERSION, ipc.ROLE, "0", os.urandom(32)))
+            assert sock.poll(10_000)  # the challenge: answered with a proof made without the secret
+            sock.send(wire.encode(handshake.PROOF, os.urandom(32)))
+            sock.close(0)
+        finally:
+            ctx.term()
+        result = {}
+        stream(srv.url, [1, 2, 3], 6, result)
+        assert result == {"tokens": 6, "end": "done"}
+        dropped = "megatron_async_frontend_ipc_dropped_frames_total"
+        assert wait_for(lambda: metrics(srv.url).get((dropped, "auth failed")) == 1)
+        m = metrics(srv.url)
+        assert {r: m.get((dropped, r)) for r in ("malformed", "oversized", "unauthenticated")} == {
+            "malformed": 3, "oversized": 1, "unauthenticated": 1}
+        assert m[("megatron_async_request_success_total", "length")] == 1  # only the real request ran
+        assert m[("megatron_async_generation_tokens_total", None)] == 6
+    assert not canary.exists()

@@ -1,6 +1,7 @@
-"""Nothing that reaches a network socket is unpickled: no module of the package uses pickle, by
-any spelling, except the files of ``ALLOWED``, each with the reason its pickle never crosses a
-network socket. Read from the source like test_import_graph.py (whose import reader sees every
+"""Nothing that reaches a socket is unpickled: no module of the package uses pickle, by any
+spelling. ``ALLOWED`` is empty (the server's front-end processes and their engine process speak
+the wire too, and their settings travel as JSON); a file may join it only with the reason its
+pickle never crosses a socket. Read from the source like test_import_graph.py (whose import reader sees every
 spelling of an import: relative, lazy, ``importlib`` / ``__import__`` with a literal name).
 
 What counts as pickle: importing a module that unpickles (``pickle``, ``cloudpickle``, ``dill``,
@@ -12,9 +13,6 @@ project's sockets speak its own wire (inference/communication/wire.py: msgpack, 
 from __future__ import annotations
 
 import ast
-import os
-import stat
-from pathlib import Path
 
 from tests.unit_tests.test_import_graph import PACKAGE, imported_names
 
@@ -25,18 +23,7 @@ UNPICKLING_CALLS = frozenset({
     "scatter_object_list", "send_object_list", "recv_object_list", "read_pickle", "to_pickle"})
 TORCH_LOADS = ("torch.load", "torch.serialization.load")
 
-ALLOWED = {
-    # The HTTP front-end's settings (tokenizer, keys, limits) go to the front-end process this
-    # file starts, pickled into that child's stdin pipe: no socket, and only the parent writes it.
-    "serve/launch.py": "writes the FrontendConfig into a child's stdin pipe",
-    # ... and the child reads them from its stdin (the pipe above), once, before it serves.
-    "serve/frontend.py": "reads the FrontendConfig from its stdin pipe",
-    # The engine process and its HTTP front-ends (one host, one user) exchange pickled tuples over
-    # ZMQ ipc:// sockets (Unix domain, no network) inside a directory only this user may enter
-    # (mkdtemp: 0700; test_front_end_sockets_are_private below): another user or machine cannot
-    # connect to them.
-    "serve/ipc.py": "Unix-domain sockets in a private 0700 directory",
-}
+ALLOWED: dict[str, str] = {}
 """Files of megatron_async/ that may use pickle, and why their pickle never touches a network socket."""
 
 
@@ -108,18 +95,3 @@ def test_every_spelling_of_pickle_is_seen():
             "'''pickle is not used here'''\n# import pickle", "from .pickle_free import x", "import picklez")
     for source in safe:
         assert pickle_uses(ast.parse(source), module) == [], source
-
-
-def test_front_end_sockets_are_private():
-    """The premise of serve/ipc.py's place in ALLOWED: its sockets are ipc:// paths in a
-    directory that only this user can enter."""
-    from megatron_async.serve.ipc import Endpoints
-
-    ends = Endpoints.create()
-    try:
-        assert stat.S_IMODE(os.stat(ends.directory).st_mode) == 0o700
-        assert os.stat(ends.directory).st_uid == os.getuid()
-        for address in (ends.bridge, ends.events(0), ends.events(3)):
-            assert address.startswith("ipc://") and Path(address[len("ipc://"):]).parent == Path(ends.directory)
-    finally:
-        ends.remove()

@@ -39,8 +39,8 @@ from typing import Any, Callable
 
 import msgpack
 
-RANGES = {"handshake": range(1, 16), "ranks": range(16, 32), "control plane": range(32, 128),
-          "server front-ends": range(128, 144)}
+RANGES = {"handshake": range(1, 16), "ranks": range(16, 32), "control plane": range(32, 96),
+          "server front-ends": range(96, 112)}
 """Which concern registers which message type values."""
 
 EXT_ARRAY = 1

@@ -6,6 +6,7 @@ and other long int / float lists travel as little-endian int64 / float64 ``bin``
 ``pack_floats``: one C conversion each way); short int lists as msgpack arrays (``int_list``)."""
 from __future__ import annotations
 
+import struct
 import sys
 from array import array
 
@@ -99,10 +100,15 @@ def _unpack(v, name: str, code: str) -> list:
 
 
 def _pack(xs, code: str) -> bytes:
-    a = array(code, xs)
-    if _SWAP:
-        a.byteswap()
-    return a.tobytes()
+    if type(xs) is not list and type(xs) is not tuple:
+        xs = list(xs)
+    try:
+        return struct.pack(f"<{len(xs)}{code}", *xs)  # (3x faster than an array's conversion)
+    except struct.error:  # a value out of range or of the wrong kind: the array's error (OverflowError, TypeError)
+        a = array(code, xs)
+        if _SWAP:
+            a.byteswap()
+        return a.tobytes()
 
 
 def ints(v, name: str) -> list[int]:

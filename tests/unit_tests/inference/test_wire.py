@@ -70,7 +70,7 @@ def test_arrays_round_trip_every_dtype_without_copy():
     (b"\xc1", "undecodable"),
     (msgpack.packb({"a": 1}), "malformed"),
     (msgpack.packb([]), "malformed"),
-    (msgpack.packb([99, 1]), "unknown type"),
+    (msgpack.packb([127, 1]), "unknown type"),  # (no concern registers 112-127)
     (msgpack.packb([True, 1]), "unknown type"),
     (msgpack.packb([120, 1]), "malformed"),  # wrong arity
     (msgpack.packb([120, "x", b""]), "bad field"),
@@ -144,3 +144,18 @@ def test_plain_values_only():
     assert f.plain({"a": [1, {"b": None}]}, "x") == {"a": [1, {"b": None}]}
     with pytest.raises(wire.WireError):
         f.plain([[[[[1]]]]], "x")
+
+
+def test_packed_ints_and_floats_round_trip_and_refuse_what_they_cannot_hold():
+    """Senders rely on the errors (a client's prompt that is not token ids: TypeError / OverflowError)."""
+    for xs in ([], [0], [-(2**63), 2**63 - 1, 5], range(3), {7: 1}.keys(), (True, 2)):
+        assert f.ints(f.pack_ints(xs), "x") == [int(x) for x in xs]
+    assert f.floats(f.pack_floats([1, 2.5, -0.0, float("inf")]), "x") == [1.0, 2.5, -0.0, float("inf")]
+    for big in ([2**63], [-(2**63) - 1]):
+        with pytest.raises(OverflowError):
+            f.pack_ints(big)
+    for bad in (["1"], [1.5], [None]):
+        with pytest.raises(TypeError):
+            f.pack_ints(bad)
+    with pytest.raises(TypeError):
+        f.pack_floats(["x"])
