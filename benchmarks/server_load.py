@@ -21,9 +21,10 @@ from dataclasses import asdict, dataclass, field
 
 from benchmarks.load_clients import CLIENTS, make_client
 from benchmarks.server_metrics import kv_leaked, server_side_summary
-from megatron_async.cli.flags import NON_NEGATIVE_INT, POSITIVE_INT, HelpFormatter
-from megatron_async.cli.summary import percentile
 from megatron_async.serve.process import ServerProcess
+
+# megatron_async.cli (flags, summary) imports torch: imported where used, so that the spawned client
+# processes, which import this module, start in a fraction of a second
 
 WORDS = ("the quick brown fox jumps over a lazy dog while engines batch many requests and decode "
          "one token for each per step").split()
@@ -293,6 +294,8 @@ def _report(records: dict[int, list[StreamRecord]], clients: int, max_tokens: in
             if r.ttft_s is not None and r.last_token_s is not None and len(r.token_ids) > 1]
     tokens = sum(len(r.token_ids) for r in ended)
 
+    from megatron_async.cli.summary import percentile
+
     def ms(xs, q):
         p = percentile(xs, q)
         return None if p is None else 1e3 * p
@@ -313,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     server_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
+    from megatron_async.cli.flags import NON_NEGATIVE_INT, POSITIVE_INT, HelpFormatter
+
     p = argparse.ArgumentParser(description="Loopback load test of the OpenAI-compatible server", formatter_class=HelpFormatter)
     target = p.add_mutually_exclusive_group()
     target.add_argument("--model", help="checkpoint dir of the server to start (default: the server's built-in model)")
