@@ -6,6 +6,7 @@ everything), and the cost of the router and the client on null engines.
     python -m benchmarks dp-routing --part hits            # 64 conversations x 4 turns on DP=4
     python -m benchmarks dp-routing --part router --requests 20000 --clients 2
     python -m benchmarks dp-routing --smoke                # a small run of both
+    python -m benchmarks dp-routing --part hits --policies longest_prefix,scored:0.9
 
 Hits: every conversation's turn t is submitted at once (shuffled), each turn's prompt = the
 previous prompt + its answer (greedy, ``--answer`` tokens) + ``--question`` new tokens; engines
@@ -76,11 +77,24 @@ def run_turns(args, policy: str, alpha: float, engines: int) -> dict:
             "per_engine": [e["submitted"] for e in listing], "seconds": seconds}
 
 
+def parse_policies(text: str) -> list[tuple[str, float]]:
+    """``name`` or ``name:alpha``, comma-separated (alpha 0.5 where not given)."""
+    from megatron_async.config.modes import DpRouting
+
+    out = []
+    for item in text.split(","):
+        name, _, alpha = item.strip().partition(":")
+        if name not in {p.value for p in DpRouting}:
+            raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(p.value for p in DpRouting)}")
+        out.append((name, float(alpha) if alpha else 0.5))
+    return out
+
+
 def hits_table(args) -> list[str]:
     one = run_turns(args, "load_balanced", 0.5, 1)
     rows = [f"| one engine, {args.kv_blocks} blocks | {one['hits']:,} | 100 % | {one['per_engine'][0]} | - | "
             f"{one['seconds']:.1f} |"]
-    for policy, alpha in POLICIES:
+    for policy, alpha in args.policies:
         r = run_turns(args, policy, alpha, args.engines)
         name = f"{policy} (alpha {alpha})" if policy == "scored" else policy
         per = r["per_engine"]
@@ -176,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--part", choices=["hits", "router", "all"], default="all")
     p.add_argument("--smoke", action="store_true", help="a small run of each part (CPU, tens of seconds)")
     p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--policies", type=parse_policies, default=POLICIES,
+                   help="hits: routing policies to run, comma-separated name or name:alpha (default: all five rows)")
     p.add_argument("--conversations", type=int, default=64)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--first", type=int, default=48, help="tokens of a conversation's first prompt")

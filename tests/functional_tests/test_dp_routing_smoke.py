@@ -12,7 +12,9 @@ from tests.helpers.coordinator_procs import ROOT, _env
 
 @pytest.mark.slow
 def test_dp_routing_smoke():
-    done = subprocess.run([sys.executable, "-m", "benchmarks", "dp-routing", "--smoke", "--engines", "2"],
+    # the three policies asserted on (each engine process costs seconds; routing itself: test_dp_routing.py)
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "dp-routing", "--smoke", "--engines", "2",
+                           "--policies", "load_balanced,longest_prefix,scored:0.9"],
                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line.split("|") for line in done.stdout.splitlines() if line.startswith("| ")}
