@@ -120,7 +120,9 @@ async def sequential(address: str, n: int, prompt: list[int]) -> list[float]:
     return times
 
 
-async def windowed(address: str, n: int, window: int, prompt: list[int]) -> float:
+async def windowed(address: str, n: int, window: int, prompt: list[int]) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of ``n`` requests, ``window`` in flight."""
+    cpu0 = time.process_time()
     client = await InferenceClient(address).start()
     params, done, sent = SamplingParams(num_tokens_to_generate=1), 0, 0
     t0 = time.perf_counter()
@@ -132,7 +134,7 @@ async def windowed(address: str, n: int, window: int, prompt: list[int]) -> floa
         finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         done += len(finished)
     client.close()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - cpu0
 
 
 async def _await(fut):
@@ -163,13 +165,14 @@ def router_table(args) -> list[str]:
             _wait_line(p, "megatron_async.serve: engine ", 120)
         asyncio.run(sequential(cluster.address, 200, prompt))  # warm
         rtt = statistics.median(asyncio.run(sequential(cluster.address, args.sequential, prompt)))
-        cpu0 = cpu_seconds(cluster.coordinator.pid)
+        cpu0 = [cpu_seconds(p.pid) for p in (cluster.coordinator, *nulls)]
         per_client = args.requests // args.clients
         loaders = [subprocess.Popen([sys.executable, "-m", "benchmarks", "dp-routing", "--load-client",
                                      cluster.address, str(per_client), str(args.window), str(args.prompt_len)],
                                     stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT) for _ in range(args.clients)]
-        walls = [float(p.communicate(timeout=600)[0].split()[-1]) for p in loaders]
-        cpu = cpu_seconds(cluster.coordinator.pid) - cpu0
+        done = [p.communicate(timeout=600)[0].split()[-2:] for p in loaders]
+        walls, client_cpu = [float(w) for w, _ in done], sum(float(c) for _, c in done)
+        cpu = [cpu_seconds(p.pid) - c for p, c in zip((cluster.coordinator, *nulls), cpu0)]
     finally:
         for p in nulls:
             p.kill()
@@ -182,7 +185,10 @@ def router_table(args) -> list[str]:
             f"| client -> coordinator -> engine -> client, one at a time, median | {1e6 * rtt:.0f} us |",
             f"| added by routing and the round trip, median | {1e6 * (rtt - statistics.median(inproc)):.0f} us |",
             f"| throughput, {args.clients} clients x {args.window} in flight | {total / max(walls):,.0f} requests/s |",
-            f"| coordinator CPU per request | {1e6 * cpu / total:.1f} us |"]
+            f"| coordinator CPU per request | {1e6 * cpu[0] / total:.1f} us |",
+            f"| engines' CPU per request (null engines, their links) | {1e6 * sum(cpu[1:]) / total:.1f} us |",
+            f"| clients' CPU per request | {1e6 * client_cpu / total:.1f} us |",
+            f"| load average (1 min) after | {os.getloadavg()[0]:.2f} |"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.load_client:
         address, n, window, plen = args.load_client
-        print(asyncio.run(windowed(address, int(n), int(window), list(range(1, int(plen))))))
+        print(*asyncio.run(windowed(address, int(n), int(window), list(range(1, int(plen))))))
         return
     if args.smoke:
         args.conversations, args.turns, args.answer, args.question = 8, 2, 8, 8

@@ -191,7 +191,7 @@ class InferenceClient:
         if isinstance(prompt, str) and self.tokenizer is not None:
             prompt = self.tokenizer.encode(prompt)
         if not isinstance(prompt, str):
-            prompt = [int(t) for t in prompt]
+            prompt = list(map(int, prompt))
         keys, epoch = None, -1
         bs = self.info.get("block_size")
         if bs and not isinstance(prompt, str):

@@ -25,6 +25,7 @@ from megatron_async.coordinator.controls import CONTROL_OPS, ControlBook, Pendin
 from megatron_async.coordinator.engines import EngineInfo, EngineSlot, EngineState, EngineTable
 from megatron_async.coordinator.requests import OpenRequest, RequestTable
 from megatron_async.coordinator.routing import PrefixView, place, routing_keys
+from megatron_async.inference.records import CheckedOutput
 from megatron_async.inference.request import RequestOutput, RequestUpdate
 
 log = logging.getLogger("megatron_async.coordinator")
@@ -196,7 +197,7 @@ class CoordinatorCore:
         self.counts["heartbeats"] += 1
 
     def engine_outputs(self, slot: EngineSlot, seen_seq: int, updates: Sequence[RequestUpdate],
-                       finished: Sequence[RequestOutput], rejected: Sequence[tuple[int, str]] = (),
+                       finished: Sequence[RequestOutput | CheckedOutput], rejected: Sequence[tuple[int, str]] = (),
                        failed: Sequence[tuple[int, str]] = (), evicted: Sequence[int] = (), load: int = 0,
                        free_blocks: int = 0, hash_key: bytes | None = None) -> None:
         """One message of an engine: its step's updates and final outputs, requests it refused,
@@ -233,8 +234,10 @@ class CoordinatorCore:
                 self.requests.end(rid)
                 self._tell(req, "finished", [req.partial_output("error", message)])
 
-    def _finish(self, slot: EngineSlot, finished: Sequence[RequestOutput]) -> None:
-        done: dict[Any, list[RequestOutput]] = {}
+    def _finish(self, slot: EngineSlot, finished: Sequence[RequestOutput | CheckedOutput]) -> None:
+        """Only an output's ``request_id`` is read and set here: the engine's records pass on
+        to the clients as they came (messages read them as ``CheckedOutput``)."""
+        done: dict[Any, list[RequestOutput | CheckedOutput]] = {}
         for out in finished:
             req = self.requests.get(out.request_id)
             if req is None or req.engine is not slot:

@@ -19,7 +19,8 @@ Fields after the type (ids are ints; "ints" = int64 little-endian bin):
   [rid], control [op id, op, args], drain [], rejected [-1, message] (registration refused, or declared dead),
   info [map].
 - engine -> coordinator: register [[name, max requests, KV capacity in blocks, block size, cache
-  key, prefix caching]], outputs [last submission seen, updates, [output], rejected [[rid,
+  key, prefix caching]], outputs [last submission seen, updates, [output] (read as checked
+  records, ``records.CheckedOutput``: the coordinator renumbers them and passes them on), rejected [[rid,
   message]], failed [[rid, message]], evicted keys ints, load, free blocks, new cache key | nil],
   heartbeat [load, free blocks], control_done [op id, status, body map], leave [].
 - coordinator -> client: info [map], stream [updates], finished [[output]], rejected [id,
@@ -140,7 +141,7 @@ def _write_register(i: EngineInfo) -> list:
 
 def _read_outputs(v: list) -> list:
     seen, updates, finished, rejected, failed, evicted, load, free, key = v
-    return [_id(seen), records.decode_updates(updates), [records.decode_output(o) for o in f.list_(finished, "finished")],
+    return [_id(seen), records.decode_updates(updates), [records.check_output(o) for o in f.list_(finished, "finished")],
             _messages(rejected, "rejected"), _messages(failed, "failed"), f.ints(evicted, "evicted"),
             f.int_(load, "load", 0), f.int_(free, "free_blocks"), None if key is None else f.bytes_(key, "hash_key")]
 

@@ -122,7 +122,49 @@ def _opt(v, conv, name):
     return None if v is None else conv(v, name)
 
 
-def encode_output(o: RequestOutput) -> list:
+class CheckedOutput:
+    """A RequestOutput record as it travelled, every field checked as ``decode_output`` checks it
+    and none converted: what a relay (the coordinator) reads, renumbers and passes on
+    (``encode_output`` writes it back as it came). Its receiver decodes it."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, fields: list):
+        self.fields = fields
+
+    @property
+    def request_id(self) -> int:
+        return self.fields[0]
+
+    @request_id.setter
+    def request_id(self, rid: int) -> None:
+        self.fields[0] = rid
+
+
+def _check_top(v, name: str) -> None:
+    for pair in () if v is None else f.list_(v, name):
+        ids, lps = f.arity(pair, 2, name)
+        if len(f.packed(ids, name)) != len(f.packed(lps, name)):
+            raise f.bad(name)
+
+
+def check_output(v) -> CheckedOutput:
+    """``decode_output``'s checks, nothing built (``WireError`` exactly where it raises)."""
+    rid, prompt, gen, text, reason, lps, top, err, versions, plps, ptop, experts = f.arity(v, 12, "output")
+    if type(reason) is not str or reason not in _REASONS:
+        raise f.bad("finish_reason")
+    f.int_(rid, "request_id"), f.packed(prompt, "prompt_tokens"), f.packed(gen, "generated_tokens")
+    f.opt_str(text, "generated_text"), f.opt_str(err, "error")
+    for x, name in ((lps, "generated_log_probs"), (versions, "weight_versions"), (plps, "prompt_log_probs")):
+        _opt(x, f.packed, name)
+    _check_top(top, "generated_top_n_logprobs"), _check_top(ptop, "prompt_top_n_logprobs")
+    _opt(experts, lambda x, n: f.arr(x, n, ("int16", "int32", "int64")), "routed_experts")
+    return CheckedOutput(v)
+
+
+def encode_output(o: RequestOutput | CheckedOutput) -> list:
+    if type(o) is CheckedOutput:
+        return o.fields
     experts = o.routed_experts
     return [o.request_id, f.pack_ints(o.prompt_tokens), f.pack_ints(o.generated_tokens), o.generated_text,
             str(getattr(o.finish_reason, "value", o.finish_reason)),
@@ -146,12 +188,13 @@ def decode_output(v) -> RequestOutput:
 
 
 _first = itemgetter(0)
+_NO_UPDATES = [0, b"", b"", None, [], None, [], []]
 
 
 def encode_updates(updates: list[RequestUpdate]) -> list:
     n = len(updates)
     if not n:
-        return [0, b"", b"", None, [], None, [], []]
+        return [0, b"", b"", None, [], None, [], []]  # (== _NO_UPDATES)
     ids, toks, texts, done, reasons, lps, tops, plps, ptops = zip(*updates)  # columns, built in C
     counts = [*map(len, toks)]
     tokens = map(_first, toks) if counts.count(1) == n else chain.from_iterable(toks)  # decode steps: the first
@@ -169,6 +212,8 @@ def decode_updates(v) -> list[RequestUpdate]:
     """Every column checked (kinds, lengths against ``n``, token and log-prob counts), then the
     updates built without a Python call per update: their tuples come from C (``zip``, slices)
     and each ``RequestUpdate`` from ``tuple.__new__`` (its generated ``__new__`` is Python)."""
+    if type(v) is list and v == _NO_UPDATES and type(v[0]) is int and type(v[1]) is bytes is type(v[2]):
+        return []  # (encode_updates' record of none: every message of an engine's step without updates)
     n, packed, done, texts, reasons, lps, tops, prompts = f.arity(v, 8, "updates")
     n, packed = f.int_(n, "updates", 0, 1 << 24), f.ints(packed, "updates")
     ids, counts, tokens = packed[:n], packed[n:2 * n], packed[2 * n:]

@@ -111,6 +111,14 @@ def _pack(xs, code: str) -> bytes:
         return a.tobytes()
 
 
+def packed(v, name: str) -> bytes:
+    """An int64 / float64 bin as it travels: checked as ``ints`` and ``floats`` check it (every
+    8 bytes is a value), not converted (a relay passes it on as it came)."""
+    if type(v) is not bytes or len(v) % 8:
+        raise bad(name)
+    return v
+
+
 def ints(v, name: str) -> list[int]:
     """int64 little-endian bin -> list of ints."""
     return _unpack(v, name, "q")

@@ -10,6 +10,7 @@ request another's KV. The key object also keeps the hashed bytes and compares th
 even a digest collision at one level cannot alias two different blocks."""
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -42,9 +43,10 @@ class BlockKey:
         return f"BlockKey({self.digest[:6].hex()}...)"
 
 
+@functools.lru_cache(maxsize=256)
 def root_digest(key: bytes) -> bytes:
     """The digest a first block chains from: ``key`` separates models / adapters (and weight
-    versions) that must never share KV."""
+    versions) that must never share KV. (Cached: every prompt hashed starts from it.)"""
     return _digest(b"megatron_async.kv\0" + key)
 
 

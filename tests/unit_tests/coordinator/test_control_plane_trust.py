@@ -96,7 +96,11 @@ def test_messages_round_trip_without_pickle():
     out = RequestOutput(3, [9, 8], [1, 2], "ab", "stop", [-0.5, -1.0], [{1: -0.5}, {2: -1.0}], None, [0, 1],
                         [-2.0], [{7: -2.0}])
     kind, fields = messages.decode(messages.encode("outputs", 4, [upd], [out], [], [(5, "x")], [11], 2, 30, None))
-    assert kind == "outputs" and fields[1] == [upd] and fields[2] == [out] and fields[4] == [(5, "x")]
+    assert kind == "outputs" and fields[1] == [upd] and fields[4] == [(5, "x")]
+    relayed = fields[2][0]  # checked, passed on to its client as it came, under the client's id
+    relayed.request_id = 6
+    out.request_id = 6
+    assert fields[2] == [relayed] and messages.decode(messages.encode("finished", [relayed]))[1] == [[out]]
     info = EngineInfo("e", 8, 100, 16, b"key", True)
     assert messages.decode(messages.encode("register", info))[1] == [info]
     sp = SamplingParams(top_k=1, stop_words=["a", [1, 2]], seed=3, logit_bias={5: -1.0})

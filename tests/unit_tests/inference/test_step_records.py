@@ -275,3 +275,48 @@ def test_update_columns_read_as_the_plain_reader_reads_them(ups, data):
         assert all(u.new_log_probs is None or type(u.new_log_probs) is tuple for u in got)
     if wire.pack(v) == sent:
         assert got == ups
+
+
+def _mutate_output(data, v: list) -> None:
+    """One field of an encoded output made wrong (or left right): a value of another kind, a bin
+    that is not whole 8-byte values, a top-n entry whose ids and log-probs differ in count or that
+    is not a pair, an unknown finish reason, expert ids of a float dtype."""
+    i = data.draw(st.integers(0, 11))
+    what = data.draw(st.sampled_from(["junk", "bin", "top", "reason", "experts", "none"]))
+    if what == "junk":
+        v[i] = data.draw(_junk)
+    elif what == "bin" and type(v[i]) is bytes:
+        v[i] = v[i] + b"\0" * data.draw(st.integers(1, 9)) if data.draw(st.booleans()) else v[i][:-1]
+    elif what == "top":
+        pair = [b"\0" * 8 * data.draw(st.integers(0, 2)), b"\0" * 8 * data.draw(st.integers(0, 2))]
+        v[data.draw(st.sampled_from([6, 10]))] = [pair] if data.draw(st.booleans()) else [pair + [b""]]
+    elif what == "reason":
+        v[4] = data.draw(st.sampled_from(["stop", "finished", "", "LENGTH"]))
+    elif what == "experts":
+        dtype = data.draw(st.sampled_from(["int32", "float32", "bool"]))
+        v[11] = wire.Array(dtype, (1,), memoryview(bytes(wire.ITEMSIZE[dtype])))
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(o=outputs(), data=st.data())
+def test_a_relayed_output_is_checked_as_decoding_checks_it(o, data):
+    """What a relay reads without building it (``check_output``) is refused exactly when
+    ``decode_output`` refuses it, and passed on renumbered it decodes to the same output."""
+    from megatron_async.inference import records
+
+    sent = wire.pack(records.encode_output(o))
+    v = wire.unpack(sent, 1 << 20)
+    for _ in range(data.draw(st.integers(0, 2))):
+        _mutate_output(data, v)
+    want = watched(wire.reader(records.decode_output), list(v))  # (as message readers call them)
+    got = watched(wire.reader(records.check_output), list(v))
+    if isinstance(want, str):
+        assert isinstance(got, str), (got, want)
+        return
+    assert type(got) is records.CheckedOutput and got.request_id == want.request_id
+    got.request_id = want.request_id = 42
+    relayed = watched(records.decode_output, wire.unpack(wire.pack(records.encode_output(got)), 1 << 20))
+    assert _same_output(relayed, want)
+    if wire.pack(v) == sent:
+        o.request_id = 42
+        assert _same_output(relayed, o)
