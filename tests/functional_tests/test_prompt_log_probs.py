@@ -201,7 +201,9 @@ def test_speculative_decoding_on(qwen3, async_scheduling, monkeypatch):
     assert llm.engine.stats.spec_draft_tokens > 0 and any(spec_scoring_steps)
     for i in range(len(arrivals)):
         assert plain[i].generated_tokens == spec[i].generated_tokens
-        assert plain[i].prompt_log_probs == pytest.approx(spec[i].prompt_log_probs, abs=1e-6)
+        # float32 GEMMs of other row counts round differently on some CPUs (AVX-512 MKL kernels:
+        # 2e-6 seen at |log-prob| 7); a scoring error is orders of magnitude above this
+        assert plain[i].prompt_log_probs == pytest.approx(spec[i].prompt_log_probs, abs=1e-5)
         assert_matches_hf(ref, spec[i])
 
 
