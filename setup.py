@@ -4,6 +4,9 @@ SERVE = ["fastapi", "uvicorn", "prometheus-client", "jinja2", "uvloop", "httptoo
 REAL = ["gguf", "accelerate", "transformers>=4.50"]
 # Grammar libraries of SamplingParams.structured_outputs (xgrammar reads tokenizers through transformers).
 STRUCTURED = ["xgrammar==0.2.8", "llguidance==1.9.1", "transformers>=4.50"]
+# Megatron-Core as the reference of the refit tests (tests/functional_tests/test_megatron_reference.py,
+# the Megatron-Core trainer of examples/rl_megatron_refit.py): it runs on CPU without Transformer-Engine.
+MEGATRON = ["megatron-core==0.16.1", "einops"]
 
 setup(
     name="megatron_async",
@@ -20,13 +23,12 @@ setup(
         # Structured outputs (JSON schema, regex, choice, grammar): optional; without them such requests are refused.
         "structured": STRUCTURED,
         "test": ["pytest", "pytest-xdist", "hypothesis", "transformers>=4.50", "triton", "openai", "jsonschema", *SERVE,
-                 *REAL, *STRUCTURED],
+                 *REAL, *STRUCTURED, *MEGATRON],
         "gpu": ["triton"],
         # engine.suspend / resume on CUDA (InferenceConfig.enable_suspend): device memory by tag.
         "suspend": ["torch-memory-saver>=0.0.10"],
         "bench": ["matplotlib", "transformers>=4.50"],
-        # Megatron-Core as the reference of the refit tests (tests/functional_tests/test_megatron_reference.py);
-        # it runs on CPU without Transformer-Engine (install with --no-deps where its pins clash with torch).
-        "megatron": ["megatron-core==0.16.1", "einops"],
+        # install with --no-deps where its pins clash with torch
+        "megatron": MEGATRON,
     },
 )
