@@ -305,6 +305,7 @@ def test_data_parallel_routing_has_one_light_definition():
     graph = import_graph(annotations=True)
     assert routing_reaches_beyond(graph) == set()
     assert ROUTING in graph["megatron_async.coordinator.core"]
+    assert ROUTING in graph["megatron_async.inference.engines.rank_router"]
     assert routing_definitions(_library_trees()) == {}
 
 
