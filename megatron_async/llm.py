@@ -87,8 +87,8 @@ class LLM:
 
         ``expert_parallel_size`` > 1: as many data-parallel engines (one per rank, each with its
         own KV cache and requests; MoE experts split across them). Rank 0 alone accepts requests
-        and routes each to the least loaded rank; its ``engine.step()`` returns every rank's
-        results; ``generate`` returns all outputs, in prompt order, on every rank. Both > 1:
+        and routes each to a rank by ``InferenceConfig.dp_routing`` (load, prefix affinity); its
+        ``engine.step()`` returns every rank's results; ``generate`` returns all outputs, in prompt order, on every rank. Both > 1:
         T x E ranks, ``expert_parallel_size`` data-parallel engines each run by a TP group of
         ``tensor_parallel_size`` ranks (replicas of one engine). FP8 checkpoints load in FP8 as they are."""
         t0 = time.perf_counter()

@@ -92,8 +92,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="data-parallel engines (MoE experts split across them); > 1 needs a torchrun launch "
                         "of that many processes, e.g. NPROC=2 EP=1 bash examples/run_torchrun.sh")
     g.add_argument("--dp-routing", choices=[r.value for r in DpRouting], default=None,
-                   help="engines behind a coordinator: which engine a new request goes to (by free slots, or by "
-                        "what each engine's prefix cache holds; InferenceConfig.dp_routing, default load_balanced)")
+                   help="data-parallel engines (behind a coordinator, or the ranks of --expert-parallel-size): "
+                        "which engine a new request goes to (by free slots, or by what each engine's prefix cache "
+                        "holds; InferenceConfig.dp_routing, default load_balanced)")
     g.add_argument("--dp-routing-alpha", type=checked(float, 0.0, 1.0), default=None,
                    help="--dp-routing scored: weight of prefix affinity against free capacity (default 0.5)")
     g.add_argument("--engine-timeout-s", type=checked(float, 1.0), default=None, dest="dp_engine_timeout_s",

@@ -211,13 +211,18 @@ class InferenceConfig:
     preempts them (measured on 2 loaded cores: ~1.3 ms vs ~0.24 ms to notice the last rank)."""
 
     dp_routing: DpRouting = DpRouting.LOAD_BALANCED
-    """Data-parallel engines behind a coordinator (``LLM(..., listen=...)``, ``python -m
-    megatron_async.coordinator``): which engine a new request goes to. ``load_balanced``: the
-    most free request slots; ``first_prefix_block`` / ``longest_prefix``: the engine whose prefix
-    cache holds the prompt's first block / the most leading blocks (then the most free);
-    ``scored``: ``dp_routing_alpha`` x the held share of the prompt's blocks + (1 - alpha) x the
-    free share of the slots. What an engine holds is known from what was routed to it and what it
-    reports evicted; the prefix policies need ``enable_prefix_caching`` on the engines."""
+    """Which data-parallel engine a new request goes to, wherever there are several: engines behind
+    a coordinator (``LLM(..., listen=...)``, ``python -m megatron_async.coordinator``), and the ranks
+    of one job under ``expert_parallel_size`` > 1 (rank 0 routes; a TP x EP job routes to its
+    data-parallel ranks). ``load_balanced``: the most free request slots; ``first_prefix_block`` /
+    ``longest_prefix``: the engine whose prefix cache holds the prompt's first block / the most
+    leading blocks (then the most free); ``scored``: ``dp_routing_alpha`` x the held share of the
+    prompt's blocks + (1 - alpha) x the free share of the slots. Ties go to the lowest engine
+    index (registration order, or ``dp_rank``). What an engine holds is known from what was routed
+    to it and what it reports evicted; the prefix policies need ``enable_prefix_caching`` (without
+    it they route as ``load_balanced``). Multi-turn chat and GRPO groups (many requests sharing a
+    long prompt) keep their prefix hits with ``longest_prefix`` or ``scored``; routing never
+    changes a token."""
 
     dp_routing_alpha: float = 0.5
     """``dp_routing`` "scored": the weight of prefix affinity against free capacity, in [0, 1]."""

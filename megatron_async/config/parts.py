@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_async.config.modes import (
-    AllReduceBackend, AttentionBackend, MambaBackend, SamplingBackend, SpeculativeMethod,
+    AllReduceBackend, AttentionBackend, DpRouting, MambaBackend, SamplingBackend, SpeculativeMethod,
 )
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ class Scheduling:
     seed: int
     structured_outputs_backend: str
     grammar_threads: int
+    dp_routing: DpRouting
+    dp_routing_alpha: float
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from megatron_async.config.modes import DpRouting
 from megatron_async.coordinator.controls import CONTROL_OPS, ControlBook, PendingControl
 from megatron_async.coordinator.engines import EngineInfo, EngineSlot, EngineState, EngineTable
 from megatron_async.coordinator.requests import OpenRequest, RequestTable
-from megatron_async.coordinator.routing import PrefixView, place, routing_keys
+from megatron_async.inference.dp_routing import PrefixView, place, routing_keys
 from megatron_async.inference.records import CheckedOutput
 from megatron_async.inference.request import RequestOutput, RequestUpdate
 

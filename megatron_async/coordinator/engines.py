@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from megatron_async.coordinator.routing import PrefixView
+from megatron_async.inference.dp_routing import PrefixView
 
 
 class EngineState(str, Enum):

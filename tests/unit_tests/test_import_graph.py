@@ -11,7 +11,9 @@ Dependencies point one way (``LAYERS``): the step's data types (``forward_batch`
 ``inference`` and the entry points (``llm``, ``serve``, ``tools``) above. No import cycle
 between modules (annotations included), none between the subpackages (and modules) of
 ``inference``, and library code never imports measurement or test code: ``benchmarks``,
-``tests``, ``scripts``, ``megatron_async.testing``, ``megatron_async.tools``."""
+``tests``, ``scripts``, ``megatron_async.testing``, ``megatron_async.tools``. The data-parallel
+routing policies are one module (``inference/dp_routing.py``) that the coordinator and rank 0 of a
+job of data-parallel ranks both read, reaching only the config and the prefix cache's hashes."""
 from __future__ import annotations
 
 import ast
@@ -265,6 +267,54 @@ def test_inference_subpackages_form_no_cycle():
     each other one way only, annotations included."""
     graph = import_graph(annotations=True)
     assert _cycle(_rooms(graph, inference_rooms(graph))) is None
+
+
+ROUTING = "megatron_async.inference.dp_routing"
+ROUTING_NAMES = ("PrefixView", "choose", "place", "routing_keys", "keys_of", "packed_keys", "keys_from_bytes")
+"""The routing policies and the view of the engines' caches: defined in ``ROUTING`` only."""
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph.get(module, ())
+    return seen
+
+
+def routing_reaches_beyond(graph: dict[str, set[str]]) -> set[str]:
+    """What ``ROUTING`` imports, directly or not, beyond the config and the prefix cache's hashes."""
+    allowed = ("megatron_async.config", "megatron_async.inference.contexts.kv_block_allocator", ROUTING)
+    return {m for m in _reach(graph, ROUTING) if not _in(m, allowed)}
+
+
+def routing_definitions(trees: dict[str, tuple[ast.Module, bool]]) -> dict[str, str]:
+    """``ROUTING_NAMES`` defined at the top of a module other than ``ROUTING``: name -> module."""
+    return {node.name: module for module, (tree, _) in trees.items() if module != ROUTING for node in tree.body
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in ROUTING_NAMES}
+
+
+def test_data_parallel_routing_has_one_light_definition():
+    """Which engine a request goes to is decided by one module, inference/dp_routing.py, for the
+    coordinator (its own process, without torch: coordinator/core.py) and for rank 0 of a job of
+    data-parallel ranks (engines/rank_router.py) alike. It reaches nothing but the config and the
+    prefix cache's hashes (no engine, communicator, torch-importing module or coordinator), and no
+    other module defines its policies or keys."""
+    graph = import_graph(annotations=True)
+    assert routing_reaches_beyond(graph) == set()
+    assert ROUTING in graph["megatron_async.coordinator.core"]
+    assert ROUTING in graph["megatron_async.inference.engines.rank_router"]
+    assert routing_definitions(_library_trees()) == {}
+
+
+def test_routing_checks_see_a_planted_dependency_and_a_second_definition():
+    graph = import_graph(annotations=True)
+    _plant(graph, ROUTING, "def view():\n    from .engines import step_consensus\n")
+    assert "megatron_async.inference.engines.step_consensus" in routing_reaches_beyond(graph)
+    copy = {"megatron_async.inference.engines.rank_router": (ast.parse("def choose(x):\n    return x\n"), False)}
+    assert routing_definitions(copy) == {"choose": "megatron_async.inference.engines.rank_router"}
 
 
 def test_library_imports_no_measurement_or_test_code():

@@ -17,7 +17,7 @@ from megatron_async.inference.contexts.decode_rows import DecodeRows
 from megatron_async.inference.contexts.general_rows import assemble_rows
 from megatron_async.inference.contexts.gpu_view import ContextGPUView
 from megatron_async.inference.contexts.graph_padding import PaddingSlots, fill_padding, fill_verify_padding
-from megatron_async.inference.contexts.kv_block_allocator import KVBlockAllocator
+from megatron_async.inference.contexts.kv_block_allocator import BlockKey, KVBlockAllocator, known_digests
 from megatron_async.inference.contexts.mamba_states import MambaStateManager, window_rows
 from megatron_async.inference.contexts.prompt_sharing import PromptSharing
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
@@ -185,7 +185,7 @@ class DynamicInferenceContext:
         limit = min(req.num_known_tokens - 1, req.max_prefix_hit) // bs
         hashes, blocks, parent = [], [], None
         for i in range(limit):
-            h = self.allocator.block_hash(parent, req.tokens_between(i * bs, (i + 1) * bs))
+            h = self._block_hash(req, i, parent)
             block = self.allocator.lookup(h)
             if block is None:
                 break
@@ -207,6 +207,22 @@ class DynamicInferenceContext:
         if self.mamba is not None:
             req.mamba_store_points = self.mamba.store_points(req, kv_depth, depth * bs)
         return depth * bs
+
+    def adopt_prompt_digests(self, req: DynamicInferenceRequest, packed: bytes) -> None:
+        """``packed``: ``req``'s prompt block digests as the rank that took it computed them (to
+        route it; empty: none): read instead of hashing those blocks again, while they are this
+        cache's key's."""
+        if not packed:
+            return
+        key = self.allocator.hash_key
+        digests = known_digests(packed, req.prompt_tokens, self.block_size, key)
+        if digests is not None:
+            req.prompt_digests = (key, digests)
+
+    def _block_hash(self, req: DynamicInferenceRequest, i: int, parent: BlockKey | None) -> BlockKey:
+        known, bs = req.prompt_digests, self.block_size
+        digest = known[1][i] if known is not None and i < len(known[1]) and known[0] is self.allocator.hash_key else None
+        return self.allocator.block_hash(parent, req.tokens_between(i * bs, (i + 1) * bs), digest)
 
     def reserve(self, req: DynamicInferenceRequest, num_tokens: int) -> bool:
         """Own blocks for positions [num_computed, num_computed + num_tokens); all or nothing."""
@@ -265,10 +281,9 @@ class DynamicInferenceContext:
             return
         known = req.num_known_tokens if self.allocator.enable_prefix_caching else len(req.prompt_tokens)
         full = min(req.num_computed_tokens, known) // self.block_size
-        bs = self.block_size
         while req.num_hashed_blocks < full:
             i = req.num_hashed_blocks
-            h = self.allocator.block_hash(req.last_block_hash, req.tokens_between(i * bs, (i + 1) * bs))
+            h = self._block_hash(req, i, req.last_block_hash)
             self.allocator.register(req.block_ids[i], h)
             if self.mamba is not None:
                 self.mamba.on_block_registered(req, i, h)

@@ -50,12 +50,14 @@ def root_digest(key: bytes) -> bytes:
     return _digest(b"megatron_async.kv\0" + key)
 
 
-def chain_hash(parent: BlockKey | None, tokens: Sequence[int], key: bytes = b"") -> BlockKey:
+def chain_hash(parent: BlockKey | None, tokens: Sequence[int], key: bytes = b"", digest: bytes | None = None
+               ) -> BlockKey:
     """Identity of a complete block given its parent block's (None for the first block);
-    ``key`` separates models / adapters that must never share KV."""
+    ``key`` separates models / adapters that must never share KV. ``digest``: the block's
+    digest where it is known (``known_digests``): not computed again."""
     head = parent.digest if parent is not None else root_digest(key)
     content = head + array("q", tokens).tobytes()
-    return BlockKey(_digest(content), content)
+    return BlockKey(_digest(content) if digest is None else digest, content)
 
 
 def prefix_digests(tokens: Sequence[int], block_size: int, key: bytes, num_blocks: int | None = None) -> list[bytes]:
@@ -72,6 +74,17 @@ def prefix_digests(tokens: Sequence[int], block_size: int, key: bytes, num_block
         head = _digest(head + raw[start:start + step])
         out.append(head)
     return out
+
+
+def known_digests(packed: bytes, tokens: Sequence[int], block_size: int, key: bytes) -> list[bytes] | None:
+    """``prefix_digests`` of ``tokens`` as another rank computed them (``packed``: 32 bytes each,
+    ``tokens``' leading blocks), or None where they were computed with another key (other weights)
+    or do not fit ``tokens``: the first block is hashed here to tell (one SHA-256, not one a block)."""
+    n = len(packed) // 32
+    if not n or len(packed) % 32 or n * block_size > len(tokens):
+        return None
+    out = [packed[i:i + 32] for i in range(0, len(packed), 32)]
+    return out if prefix_digests(tokens, block_size, key, 1)[0] == out[0] else None
 
 
 class KVBlockAllocator:
@@ -99,8 +112,8 @@ class KVBlockAllocator:
         """A list: the digest of every cached block reclaimed since its owner last took them
         (an engine behind the data-parallel coordinator reports them); None: not recorded."""
 
-    def block_hash(self, parent: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
-        return chain_hash(parent, tokens, self.hash_key)
+    def block_hash(self, parent: BlockKey | None, tokens: Sequence[int], digest: bytes | None = None) -> BlockKey:
+        return chain_hash(parent, tokens, self.hash_key, digest)
 
     @property
     def capacity(self) -> int:

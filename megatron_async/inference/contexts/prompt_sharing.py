@@ -45,7 +45,11 @@ class PromptSharing:
         cached = req.share_key
         hash_key = self.allocator.hash_key
         if cached is None or cached[0] is not hash_key:
-            cached = req.share_key = (hash_key, prefix_digests(req.prompt_tokens, self.block_size, hash_key, n)[-1])
+            known = req.prompt_digests  # hashed where it arrived (data-parallel routing)
+            if known is not None and known[0] is hash_key and n <= len(known[1]):
+                cached = req.share_key = (hash_key, known[1][n - 1])
+            else:
+                cached = req.share_key = (hash_key, prefix_digests(req.prompt_tokens, self.block_size, hash_key, n)[-1])
         return cached[1]
 
     def waits(self, req: DynamicInferenceRequest) -> bool:

@@ -133,6 +133,7 @@ class DynamicInferenceEngine:
 
     def _admit(self, new: NewRequest) -> None:
         req = self.admission.admit(new)
+        self.context.adopt_prompt_digests(req, new.digests)  # where rank 0 hashed it to route it
         self._requests[req.request_id] = req
 
     def abort_request(self, request_id: int) -> bool:

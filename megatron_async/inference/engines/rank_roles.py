@@ -7,14 +7,15 @@ step body and is given one of these roles, which answers what differs between
   exchange (step_consensus.py), which sits at the start of ``step()``, before scheduling, so
   identical bookkeeping yields identical batches and graph choices.
 - ``DataParallelRanks`` (expert parallelism, attention data parallel): every rank runs its own
-  requests; rank 0 routes each new one to the least loaded rank and returns every rank's
-  outputs. Each rank schedules first, then the exchange agrees on the launch (anyone
-  launching? the largest token count? graph or eager? which sampling variant?), and a rank
-  with nothing to launch while others launch runs a dummy forward of the agreed size, so the
-  MoE collectives pair up. One launch per call (the ranks' launch counts stay equal): the
-  first launch of a chain is bookkept by the next call. Under launch-ahead the exchange for
-  step N+1 runs while the device runs step N. Rank r's results reach rank 0 with r's next
-  exchange; rank 0 takes them at the end of that step, after its launch.
+  requests; rank 0 routes each new one to a rank by ``InferenceConfig.dp_routing`` (load and
+  prefix affinity, rank_router.py: the other ranks report what their caches reclaimed with their
+  results) and returns every rank's outputs. Each rank schedules first, then the exchange agrees
+  on the launch (anyone launching? the largest token count? graph or eager? which sampling
+  variant?), and a rank with nothing to launch while others launch runs a dummy forward of the
+  agreed size, so the MoE collectives pair up. One launch per call (the ranks' launch counts
+  stay equal): the first launch of a chain is bookkept by the next call. Under launch-ahead the
+  exchange for step N+1 runs while the device runs step N. Rank r's results reach rank 0 with
+  r's next exchange; rank 0 takes them at the end of that step, after its launch.
 
 ``pause_generation`` / ``resume_generation``: alone, at once; where ranks share steps, rank 0's
 call rides every exchange (``Agreement.pause``) and every rank applies it at the same one, so all
@@ -32,7 +33,9 @@ import numbers
 from typing import TYPE_CHECKING
 
 from megatron_async.inference.async_pipeline import PendingLaunch
+from megatron_async.inference.engines.rank_router import RankRouter, record_evictions, routes_by_prefix, take_evicted
 from megatron_async.inference.engines.step_consensus import PAUSE_MODES, Agreement, NewRequest, StepConsensus
+from megatron_async.inference.engines.step_records import Upload
 from megatron_async.inference.engines.step_result import StepResult
 from megatron_async.inference.engines.suspend import check_ranks_can_generate
 from megatron_async.inference.nvtx import nvtx_range
@@ -119,9 +122,12 @@ class TensorParallelReplicas(SingleRank):
 
     def accept(self, new: NewRequest) -> None:
         # admitted by every rank (this one too) at the next exchange
-        sync = self.consensus
-        sync.send(NewRequest(new.valid, new.request_id, new.seed, sync.route()))
+        self.consensus.send(self._routed(new))
         self._live[new.request_id] = None
+
+    def _routed(self, new: NewRequest) -> NewRequest:
+        """``new`` with the rank that serves it (replicas: all of them, ``rank`` 0)."""
+        return new
 
     def abort(self, request_id) -> bool:
         self.consensus.check_can_add()
@@ -161,14 +167,14 @@ class TensorParallelReplicas(SingleRank):
             self.agree(from_step=False, out=self.engine._held, upload=self._upload())
         return getattr(self.consensus.last, flag)
 
-    def _upload(self) -> StepResult | None:
+    def _upload(self) -> Upload | None:
         return None  # replicas hand nothing up
 
     def _has_work(self) -> bool:
         return self.engine._has_local_work()
 
     def agree(self, from_step: bool, out: StepResult, num_tokens: int = 0, eager: bool = False,
-              upload: StepResult | None = None, variant: int = 0, take_uploads: bool = True) -> Agreement:
+              upload: Upload | None = None, variant: int = 0, take_uploads: bool = True) -> Agreement:
         """The per-step exchange; admits the new requests and marks the aborts it brings.
         ``take_uploads`` False: the caller takes the other ranks' results later."""
         sync, eng = self.consensus, self.engine
@@ -199,6 +205,10 @@ class TensorParallelReplicas(SingleRank):
             out.updates.extend(up.updates)
             for o in up.finished:
                 self.forget(o.request_id)
+            self._heard_evictions(up)
+
+    def _heard_evictions(self, up: Upload) -> None:
+        """What ``up``'s rank reported its prefix cache reclaimed (data parallel)."""
 
     def open_step(self, out: StepResult) -> None:
         sync = self.consensus
@@ -225,17 +235,49 @@ class DataParallelRanks(TensorParallelReplicas):
                                                      tensor_parallel_size=tensor_parallel_size))
         self._outgoing = StepResult()
         """Non-leader ranks: results not yet handed up to rank 0."""
+        self.router: RankRouter | None = None
+        """Rank 0: where each new request goes (rank_router.py)."""
+        self.received = 0
+        """Requests routed to this rank so far (its evictions are reported with this count)."""
+
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        sync, config, context = self.consensus, engine.config, engine.context
+        if routes_by_prefix(config.dp_routing, context.allocator) and sync.tp_rank == 0:
+            record_evictions(context.allocator)  # reported to rank 0's router (one TP rank per group)
+        if sync.is_leader:
+            self.router = RankRouter(config.dp_routing, config.dp_routing_alpha, sync.dp_size, config.max_requests,
+                                     context.allocator, context.block_size)
+
+    def _routed(self, new: NewRequest) -> NewRequest:
+        router = self.router
+        digests = router.digests(new.valid.prompt_tokens)
+        return NewRequest(new.valid, new.request_id, new.seed, router.route(digests), b"".join(digests))
+
+    def agree(self, from_step: bool, out: StepResult, num_tokens: int = 0, eager: bool = False,
+              upload: Upload | None = None, variant: int = 0, take_uploads: bool = True) -> Agreement:
+        got = super().agree(from_step, out, num_tokens, eager, upload, variant, take_uploads)
+        self.received += len(got.news)  # (this rank's news only)
+        if self.router is not None:
+            self.router.heard(got.loads)
+        return got
+
+    def _heard_evictions(self, up: Upload) -> None:
+        self.router.evicted(up.dp_rank, up.evicted, up.received)
 
     def _has_work(self) -> bool:
         eng = self.engine
         return eng._has_local_work() or eng._pending is not None or bool(self._outgoing.finished)
 
-    def _upload(self) -> StepResult | None:
+    def _upload(self) -> Upload | None:
         sync = self.consensus
-        if sync.is_leader or sync.tp_rank != 0 or not (self._outgoing.finished or self._outgoing.updates):
+        if sync.is_leader or sync.tp_rank != 0:
             return None
-        up, self._outgoing = self._outgoing, StepResult()
-        return up
+        out, evicted = self._outgoing, take_evicted(self.engine.context.allocator)
+        if not (out.finished or out.updates or evicted):
+            return None
+        self._outgoing = StepResult()
+        return Upload(out.finished, out.updates, sync.dp_rank, self.received, evicted)
 
     def still_waiting(self, want: set[int]) -> bool:
         """Only rank 0 knows which of its requests are still out: every exchange carries its flag."""
@@ -272,6 +314,7 @@ class DataParallelRanks(TensorParallelReplicas):
             out.step_id = 0
         if sync.is_leader:
             self._take_uploads(out)
+            self.router.take_own_evictions(self.received)
             return out
         if sync.tp_rank == 0:  # other TP ranks hold copies of the same results
             self._outgoing.finished.extend(out.finished)

@@ -108,7 +108,6 @@ class StepConsensus:
         self.work_seconds = 0.0
         """The latest exchange's duration less its wait for the other ranks: the host work it
         took on this rank (the part that adds to a step however early the peers are)."""
-        self._routed_since = [0] * self.dp_size  # rank 0: routed after the loads it last heard
         # rank 0's news down, StepResults up: the engine's records on the wire (step_records.py)
         communicator.payload_codec = (step_records.encode_payload, step_records.decode_payload)
         if data_parallel:
@@ -135,16 +134,6 @@ class StepConsensus:
             )
 
     # ------------------------------------------------------------------ rank 0's outbox
-    def route(self) -> int:
-        """Rank 0: the data-parallel rank a new request goes to (least loaded by the latest
-        agreement plus what was routed since; ties to the lowest). Always 0 under tensor parallelism."""
-        if not self.data_parallel:
-            return 0
-        loads = self.last.loads if self.last is not None and self.last.loads else (0,) * self.dp_size
-        rank = min(range(self.dp_size), key=lambda r: (loads[r] + self._routed_since[r], r))
-        self._routed_since[rank] += 1
-        return rank
-
     def send(self, new: NewRequest) -> None:
         self._outbox.append(new)
 
@@ -204,8 +193,6 @@ class StepConsensus:
                 news = [n for n in news if n.rank == self.dp_rank]
             last = Agreement(result[0] != 0, result[1], result[2] != 0, result[4], result[3] != 0,
                              tuple(result[self._loads]), news, aborts, quiet_ids, result[5], result[6])
-        if self.data_parallel:
-            self._routed_since = [0] * self.dp_size
         self.last = last
         self.fresh = not from_step
         self.rounds += 1

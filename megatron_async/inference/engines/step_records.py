@@ -6,10 +6,11 @@ pickle, and no value reaches an engine unchecked.
 Layouts (msgpack; "ints" = int64 little-endian bin; sampling parameters, outputs and updates
 as records.py writes them):
 - NewRequest: [prompt ints, sampling map, stop sequences [ints], stop strings [str], eos ids ints,
-  banned ids ints, banned sequences [ints], request_id, seed, rank].
+  banned ids ints, banned sequences [ints], request_id, seed, rank, prompt block digests bin
+  (32 bytes each, empty unless rank 0 hashed the prompt to route it)].
 - payload (rank 0's news of one exchange): [[NewRequest], abort ids ints, quiet ids ints].
-- upload: [updates, [RequestOutput]]; generate's slots: [request_id | RequestOutput]; its
-  outputs: [RequestOutput]."""
+- upload: [updates, [RequestOutput], dp_rank, requests received, evicted routing keys ints];
+  generate's slots: [request_id | RequestOutput]; its outputs: [RequestOutput]."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,13 +34,26 @@ class NewRequest:
     """The seed rank 0 drew (or the request's own), so every rank samples the same stream."""
     rank: int = 0
     """The data-parallel rank that serves it (every TP rank of it; always 0 under tensor parallelism alone)."""
+    digests: bytes = b""
+    """The chained digests of the prompt's blocks (``prefix_digests``, 32 bytes each) where rank 0
+    computed them to route it: the serving rank takes them instead of hashing the prompt again."""
+
+
+DIGEST_BYTES = 32
 
 
 class Upload(NamedTuple):
-    """One rank's results handed up in one exchange (``StepResult``'s two lists)."""
+    """One rank's results handed up in one exchange (``StepResult``'s two lists), and what its
+    prefix cache reclaimed (rank_router.py)."""
 
     finished: list[RequestOutput]
     updates: list[RequestUpdate]
+    dp_rank: int = 0
+    """The data-parallel rank it comes from."""
+    received: int = 0
+    """Requests routed to that rank it had received when it took ``evicted``."""
+    evicted: bytes = b""
+    """The routing keys (``dp_routing.packed_keys``, 8 bytes each) of the cached blocks it reclaimed."""
 
 
 # ------------------------------------------------------------------ rank 0's news
@@ -47,17 +61,22 @@ def _new_request(n: NewRequest) -> list:
     v = n.valid
     return [f.pack_ints(v.prompt_tokens), encode_sampling(v.sampling_params),
             [f.pack_ints(s) for s in v.stop_sequences], list(v.stop_strings), f.pack_ints(sorted(v.eos_ids)),
-            f.pack_ints(v.banned_ids), [f.pack_ints(s) for s in v.banned_sequences], n.request_id, n.seed, n.rank]
+            f.pack_ints(v.banned_ids), [f.pack_ints(s) for s in v.banned_sequences], n.request_id, n.seed, n.rank,
+            n.digests]
 
 
 def _read_new_request(v) -> NewRequest:
-    prompt, sp, seqs, strs, eos, banned, words, rid, seed, rank = f.arity(v, 10, "new_request")
-    valid = ValidRequest(f.ints(prompt, "prompt_tokens"), decode_sampling(sp),
+    prompt, sp, seqs, strs, eos, banned, words, rid, seed, rank, digests = f.arity(v, 11, "new_request")
+    prompt = f.ints(prompt, "prompt_tokens")
+    if type(digests) is not bytes or len(digests) % DIGEST_BYTES or len(digests) // DIGEST_BYTES > len(prompt):
+        raise f.bad("digests")
+    valid = ValidRequest(prompt, decode_sampling(sp),
                          [f.ints(s, "stop_sequences") for s in f.list_(seqs, "stop_sequences")],
                          [f.str_(s, "stop_strings") for s in f.list_(strs, "stop_strings")],
                          frozenset(f.ints(eos, "eos_ids")), tuple(f.ints(banned, "banned_ids")),
                          tuple(tuple(f.ints(w, "banned_sequences")) for w in f.list_(words, "banned_sequences")))
-    return NewRequest(valid, f.int_(rid, "request_id"), f.int_(seed, "seed", 0), f.int_(rank, "rank", 0, 1 << 20))
+    return NewRequest(valid, f.int_(rid, "request_id"), f.int_(seed, "seed", 0), f.int_(rank, "rank", 0, 1 << 20),
+                      digests)
 
 
 def encode_payload(payload: tuple) -> bytes:
@@ -73,15 +92,19 @@ def decode_payload(data) -> tuple[list[NewRequest], list[int], list[int]]:
 
 
 # ------------------------------------------------------------------ uploads
-def encode_upload(result) -> bytes:
-    """A ``StepResult`` (or ``Upload``): its finished outputs and updates."""
-    return wire.pack([encode_updates(result.updates), [encode_output(o) for o in result.finished]])
+def encode_upload(up) -> bytes:
+    """An ``Upload``, or a ``StepResult`` (its outputs and updates; nothing evicted)."""
+    rank, received, evicted = (up.dp_rank, up.received, up.evicted) if type(up) is Upload else (0, 0, b"")
+    return wire.pack([encode_updates(up.updates), [encode_output(o) for o in up.finished], rank, received, evicted])
 
 
 @wire.reader
 def decode_upload(data) -> Upload:
-    updates, finished = f.arity(wire.unpack(data, MAX_RECORD_BYTES), 2, "upload")
-    return Upload([decode_output(o) for o in f.list_(finished, "finished")], decode_updates(updates))
+    updates, finished, dp_rank, received, evicted = f.arity(wire.unpack(data, MAX_RECORD_BYTES), 5, "upload")
+    if type(evicted) is not bytes or len(evicted) % 8:
+        raise f.bad("evicted")
+    return Upload([decode_output(o) for o in f.list_(finished, "finished")], decode_updates(updates),
+                  f.int_(dp_rank, "dp_rank", 0, 1 << 20), f.int_(received, "received", 0), evicted)
 
 
 # ------------------------------------------------------------------ LLM.generate's slots and outputs

@@ -9,7 +9,7 @@ import pytest
 from megatron_async.config import DpRouting
 from megatron_async.coordinator.core import CoordinatorCore
 from megatron_async.coordinator.engines import EngineInfo, RegistrationError
-from megatron_async.coordinator.routing import routing_keys
+from megatron_async.inference.dp_routing import routing_keys
 from megatron_async.inference.request import RequestOutput, RequestUpdate
 
 

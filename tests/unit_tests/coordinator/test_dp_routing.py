@@ -9,7 +9,7 @@ import pytest
 
 from megatron_async.config import DpRouting
 from megatron_async.coordinator.engines import EngineInfo, EngineSlot
-from megatron_async.coordinator.routing import PrefixView, choose, keys_of, place, routing_keys
+from megatron_async.inference.dp_routing import PrefixView, choose, keys_of, place, routing_keys
 from megatron_async.inference.contexts.kv_block_allocator import KVBlockAllocator, chain_hash, prefix_digests
 
 P = DpRouting

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_async.inference.communication import wire
+from megatron_async.inference.dp_routing import keys_from_bytes
 from megatron_async.inference.engines import step_records as r
 from megatron_async.inference.engines.request_validation import ValidRequest
 from megatron_async.inference.request import RequestOutput, RequestUpdate, SamplingParams
@@ -82,16 +83,37 @@ def payloads(draw):
                              draw(st.lists(st.lists(st.integers(0, 99), min_size=1, max_size=3), max_size=2)),
                              draw(st.lists(st.text(max_size=4), max_size=2)), frozenset(draw(st.sets(st.integers(0, 99), max_size=3))),
                              tuple(draw(st.lists(st.integers(0, 99), max_size=3))))
-        news.append(r.NewRequest(valid, draw(st.integers(0, 2**40)), draw(st.integers(0, 2**62)), draw(st.integers(0, 7))))
+        digests = draw(st.binary(min_size=32, max_size=32)) * draw(st.integers(0, len(valid.prompt_tokens)))
+        news.append(r.NewRequest(valid, draw(st.integers(0, 2**40)), draw(st.integers(0, 2**62)), draw(st.integers(0, 7)),
+                                 digests))
     return news, draw(st.lists(st.integers(0, 2**40), max_size=3)), draw(st.lists(st.integers(0, 9), max_size=3))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ups=updates(), fin=st.lists(outputs(), max_size=3))
-def test_uploads_round_trip_exactly(ups, fin):
-    got = watched(r.decode_upload, r.encode_upload(r.Upload(fin, ups)))
+@given(ups=updates(), fin=st.lists(outputs(), max_size=3), rank=st.integers(0, 7), received=st.integers(0, 2**40),
+       evicted=st.lists(tok, max_size=5))
+def test_uploads_round_trip_exactly(ups, fin, rank, received, evicted):
+    packed = b"".join(k.to_bytes(8, "little", signed=True) for k in evicted)
+    got = watched(r.decode_upload, r.encode_upload(r.Upload(fin, ups, rank, received, packed)))
     assert got.updates == ups and all(type(u) is RequestUpdate and type(u.new_tokens) is tuple for u in got.updates)
     assert len(got.finished) == len(fin) and all(map(_same_output, got.finished, fin))
+    assert (got.dp_rank, got.received, keys_from_bytes(got.evicted)) == (rank, received, evicted)
+
+
+def test_routing_fields_that_do_not_fit_are_refused():
+    """Evicted keys come in whole 8-byte keys; a request's prompt digests in whole 32-byte
+    digests, at most one per prompt token; ranks and counts are non-negative."""
+    up = r.encode_upload(r.Upload([], [], 1, 2, b"k" * 8))
+    assert watched(r.decode_upload, up).evicted == b"k" * 8
+    for bad_up in ([[0, b"", b"", None, None, None, None, None], [], 1, 2, b"k" * 7],
+                   [[0, b"", b"", None, None, None, None, None], [], -1, 2, b""],
+                   [[0, b"", b"", None, None, None, None, None], [], 1, -2, b""],
+                   [[0, b"", b"", None, None, None, None, None], [], 1, 2, "keys"]):
+        assert watched(r.decode_upload, wire.pack(bad_up)) == "bad field", bad_up
+    new = r._new_request(r.NewRequest(ValidRequest([1, 2], SamplingParams(), [], [], frozenset()), 1, 2, 0, b"d" * 64))
+    assert watched(r.decode_payload, wire.pack([[new], b"", b""]))[0][0].digests == b"d" * 64
+    for digests in (b"d" * 31, b"d" * 96, [b"d" * 32]):
+        assert watched(r.decode_payload, wire.pack([[new[:-1] + [digests]], b"", b""])) == "bad field", digests
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -132,8 +154,8 @@ def test_every_field_of_the_records_travels():
     assert set(EVERY_FIELD) == {fl.name for fl in dataclasses.fields(SamplingParams)}
     sp = SamplingParams(**EVERY_FIELD).frozen_copy()
     assert watched(r.decode_sampling, r.encode_sampling(sp)) == sp
-    assert len(dataclasses.fields(ValidRequest)) + 3 == len(r._new_request(r.NewRequest(
-        ValidRequest([1], sp, [], [], frozenset()), 1, 2)))
+    assert len(dataclasses.fields(ValidRequest)) + len(dataclasses.fields(r.NewRequest)) - 1 == len(
+        r._new_request(r.NewRequest(ValidRequest([1], sp, [], [], frozenset()), 1, 2)))
     valid = ValidRequest([1], sp, [[4, 5]], ["a"], frozenset([2]), (7,), ((8, 9), (10, 11, 12)))
     assert r._read_new_request(r._new_request(r.NewRequest(valid, 1, 2))).valid == valid
     assert len(dataclasses.fields(RequestOutput)) == len(r.encode_output(RequestOutput(1, [], [], None, "stop")))
