@@ -67,8 +67,8 @@ class EngineLink:
         self._update_weights, self._comm = update_weights, communicator
         alloc = engine.context.allocator
         self._alloc = alloc
-        if alloc.enable_prefix_caching:
-            alloc.evicted_digests = []
+        self._evicted = alloc.record_evictions() if alloc.enable_prefix_caching else None
+        """Digests of the cached blocks the engine reclaimed, reported with the next outputs."""
         self._key = alloc.hash_key
         self._rid_of: dict[int, int] = {}  # engine id -> coordinator rid, until its final output
         self._engine_id: dict[int, int] = {}  # coordinator rid -> engine id
@@ -267,7 +267,7 @@ class EngineLink:
         self._send_outputs([], [])
 
     def _send_outputs(self, updates: list, finished: list) -> None:
-        evicted = self._alloc.evicted_digests
+        evicted = self._evicted
         key = self._alloc.hash_key
         new_key = key if key != self._key else None
         if not (updates or finished or self._rejected or self._failed or evicted or new_key is not None):

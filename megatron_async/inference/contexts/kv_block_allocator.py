@@ -108,9 +108,17 @@ class KVBlockAllocator:
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks with ref 0, oldest first
         self.on_reclaim = None  # callback(block_id, block_hash) when a cached block loses its hash
         self.hash_key = hash_key
-        self.evicted_digests: list[bytes] | None = None
-        """A list: the digest of every cached block reclaimed since its owner last took them
-        (an engine behind the data-parallel coordinator reports them); None: not recorded."""
+        self.eviction_sinks: list[list[bytes]] = []
+        """One list per reader (``record_evictions``) of the digests of the cached blocks reclaimed
+        since that reader last emptied it: data-parallel routers (rank 0's, a coordinator's
+        through the engine link) learn what an engine no longer holds."""
+
+    def record_evictions(self) -> list[bytes]:
+        """A new reader's list of reclaimed blocks' digests: from now on every reclaim is appended
+        to it (the reader empties it as it reads)."""
+        sink: list[bytes] = []
+        self.eviction_sinks.append(sink)
+        return sink
 
     def block_hash(self, parent: BlockKey | None, tokens: Sequence[int], digest: bytes | None = None) -> BlockKey:
         return chain_hash(parent, tokens, self.hash_key, digest)
@@ -172,7 +180,7 @@ class KVBlockAllocator:
         h = self._hash_of.pop(block, None)
         if h is not None:
             del self._block_of[h]
-            if self.evicted_digests is not None:
-                self.evicted_digests.append(h.digest)
+            for sink in self.eviction_sinks:
+                sink.append(h.digest)
             if self.on_reclaim is not None:
                 self.on_reclaim(block, h)

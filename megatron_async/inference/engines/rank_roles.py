@@ -33,7 +33,7 @@ import numbers
 from typing import TYPE_CHECKING
 
 from megatron_async.inference.async_pipeline import PendingLaunch
-from megatron_async.inference.engines.rank_router import RankRouter, record_evictions, routes_by_prefix, take_evicted
+from megatron_async.inference.engines.rank_router import RankRouter, routes_by_prefix, take_evicted
 from megatron_async.inference.engines.step_consensus import PAUSE_MODES, Agreement, NewRequest, StepConsensus
 from megatron_async.inference.engines.step_records import Upload
 from megatron_async.inference.engines.step_result import StepResult
@@ -239,12 +239,14 @@ class DataParallelRanks(TensorParallelReplicas):
         """Rank 0: where each new request goes (rank_router.py)."""
         self.received = 0
         """Requests routed to this rank so far (its evictions are reported with this count)."""
+        self._evictions: list[bytes] | None = None
+        """Other ranks' (TP rank 0 of a group): digests of the blocks its cache reclaimed, not yet reported."""
 
     def bind(self, engine) -> None:
         super().bind(engine)
         sync, config, context = self.consensus, engine.config, engine.context
-        if routes_by_prefix(config.dp_routing, context.allocator) and sync.tp_rank == 0:
-            record_evictions(context.allocator)  # reported to rank 0's router (one TP rank per group)
+        if routes_by_prefix(config.dp_routing, context.allocator) and sync.tp_rank == 0 and not sync.is_leader:
+            self._evictions = context.allocator.record_evictions()  # reported to rank 0's router (one TP rank per group)
         if sync.is_leader:
             self.router = RankRouter(config.dp_routing, config.dp_routing_alpha, sync.dp_size, config.max_requests,
                                      context.allocator, context.block_size)
@@ -273,7 +275,7 @@ class DataParallelRanks(TensorParallelReplicas):
         sync = self.consensus
         if sync.is_leader or sync.tp_rank != 0:
             return None
-        out, evicted = self._outgoing, take_evicted(self.engine.context.allocator)
+        out, evicted = self._outgoing, take_evicted(self._evictions)
         if not (out.finished or out.updates or evicted):
             return None
         self._outgoing = StepResult()

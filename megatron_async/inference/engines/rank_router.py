@@ -38,15 +38,9 @@ def routes_by_prefix(policy: DpRouting, allocator: KVBlockAllocator) -> bool:
     return DpRouting(policy) is not DpRouting.LOAD_BALANCED and allocator.enable_prefix_caching
 
 
-def record_evictions(allocator: KVBlockAllocator) -> None:
-    """``allocator`` lists the digests of the cached blocks it reclaims, to report them."""
-    if allocator.evicted_digests is None:
-        allocator.evicted_digests = []
-
-
-def take_evicted(allocator: KVBlockAllocator) -> bytes:
-    """The routing keys of the blocks ``allocator`` reclaimed since the last call (8 bytes each)."""
-    evicted = allocator.evicted_digests
+def take_evicted(evicted: list[bytes] | None) -> bytes:
+    """The routing keys of the digests in ``evicted`` (an allocator's ``record_evictions`` list,
+    or None: not recorded), 8 bytes each; the list is emptied."""
     if not evicted:
         return b""
     packed = packed_keys(evicted)
@@ -65,6 +59,7 @@ class RankRouter:
         for r in range(dp_size):
             self.view.add_engine(r, allocator.capacity)
         self._alloc, self._block_size, self._key = allocator, block_size, allocator.hash_key
+        self._own_evictions = allocator.record_evictions() if self.by_prefix else None
         self._loads: Sequence[int] = (0,) * dp_size
         self._since = [0] * dp_size  # routed after the latest exchange
         self.submitted = [0] * dp_size
@@ -111,4 +106,4 @@ class RankRouter:
 
     def take_own_evictions(self, received: int) -> None:
         """Rank 0's own cache's reclaimed blocks (it is data-parallel rank 0)."""
-        self.evicted(0, take_evicted(self._alloc), received)
+        self.evicted(0, take_evicted(self._own_evictions), received)

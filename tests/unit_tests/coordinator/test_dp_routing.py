@@ -129,18 +129,21 @@ def test_keys_are_the_prefix_caches_own_chain():
     assert alloc.block_hash(None, prompt[:16]).digest == h0.digest
 
 
-def test_the_allocator_reports_what_it_reclaims():
+def test_the_allocator_reports_what_it_reclaims_to_every_reader():
     alloc = KVBlockAllocator(3, True, b"m")  # 2 usable blocks
-    alloc.evicted_digests = []
+    link, router = alloc.record_evictions(), alloc.record_evictions()  # an engine link and rank 0's router
     h = [chain_hash(None, [1, 2], b"m")]
     h.append(chain_hash(h[0], [3, 4], b"m"))
     blocks = [alloc.allocate(), alloc.allocate()]
     for b, key in zip(blocks, h):
         alloc.register(b, key)
     alloc.release(blocks)
-    assert alloc.evicted_digests == []
+    assert link == [] and router == []
     alloc.allocate()  # reclaims the oldest cached block
-    assert alloc.evicted_digests == [h[0].digest]
+    assert link == [h[0].digest] and router == [h[0].digest]
+    link.clear()  # one reader taking its reports leaves the other's
+    alloc.allocate()
+    assert link == [h[1].digest] and router == [h[0].digest, h[1].digest]
 
 
 def simulate(policy: DpRouting, num_engines: int, alpha: float = 0.5, seed: int = 0) -> tuple[float, list[int]]:

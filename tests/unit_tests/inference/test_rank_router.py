@@ -8,7 +8,7 @@ from __future__ import annotations
 from megatron_async.config import DpRouting
 from megatron_async.inference.contexts.kv_block_allocator import KVBlockAllocator, chain_hash, prefix_digests
 from megatron_async.inference.dp_routing import keys_from_bytes, packed_keys
-from megatron_async.inference.engines.rank_router import RankRouter, record_evictions, take_evicted
+from megatron_async.inference.engines.rank_router import RankRouter, take_evicted
 
 P = [list(range(100, 117)), list(range(200, 217)), list(range(300, 317))]  # 4 hittable blocks of 4 each
 
@@ -72,14 +72,14 @@ def test_nothing_is_hashed_where_routing_does_not_read_the_caches():
 
 def test_a_rank_reports_the_keys_of_what_its_cache_reclaimed():
     alloc = KVBlockAllocator(3, True, b"m")  # 2 usable blocks
-    assert take_evicted(alloc) == b""  # not recording
-    record_evictions(alloc)
+    assert take_evicted(None) == b""  # not recording
+    evicted = alloc.record_evictions()
     h = chain_hash(None, [1, 2], b"m")
     block = alloc.allocate()
     alloc.register(block, h)
     alloc.release([block])
     alloc.allocate()
     alloc.allocate()  # reclaims the cached block
-    packed = take_evicted(alloc)
+    packed = take_evicted(evicted)
     assert keys_from_bytes(packed) == [int.from_bytes(h.digest[:8], "little", signed=True)]
-    assert take_evicted(alloc) == b"" and alloc.evicted_digests == []
+    assert take_evicted(evicted) == b"" and evicted == []
