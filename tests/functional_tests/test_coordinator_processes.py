@@ -75,7 +75,13 @@ def test_an_engine_killed_mid_generation_loses_no_request(cluster):
         tasks = [asyncio.ensure_future(follow(s)) for s in streams]
         before = (await engines(client))["engines"]
         assert [e["submitted"] for e in before] == [8, 8, 8]  # 4 running + 4 queued on each
-        while sum(1 for t in seen.values() if t) < 6:  # every engine is generating
+        # load_balanced, ties to the lowest index: request k went to engine k % 3, so each engine's
+        # running requests are known; kill once each engine has streamed tokens (under load one
+        # engine may start late, and a victim with no tokens would only re-route)
+        def generating(index: int) -> bool:
+            return any(seen[s.request_id] for s in streams[index::3])
+
+        while not all(generating(i) for i in range(3)):
             await asyncio.sleep(0.01)
         victim.kill()
         killed_at = time.monotonic()
