@@ -18,8 +18,8 @@ from typing import Any
 
 from megatron_async.client.client import ControlError, InferenceClient
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate
-from megatron_async.serve.engine_loop import ChoiceEvent, Submission
 from megatron_async.serve.metrics import ServerMetrics
+from megatron_async.serve.submission import ChoiceEvent, Submission
 
 HEALTH_TIMEOUT_S = 5.0
 

@@ -4,7 +4,7 @@ The engine thread never waits for HTTP: handlers put commands (add / abort) into
 inbox, and the thread takes them all at each step boundary, so requests join a running batch
 between two ``engine.step()`` calls and launch-ahead keeps going. What a step produced
 (``StepResult.updates`` and ``.finished``) goes back to each submission's sink in one call per
-step and sink: a ``LoopSink`` hands it to an event loop of this process (one
+step and sink: a ``LoopSink`` (submission.py) hands it to an event loop of this process (one
 ``call_soon_threadsafe``, into one asyncio queue per HTTP request); a front-end process's sink
 (bridge.py) sends it over its socket."""
 from __future__ import annotations
@@ -14,83 +14,17 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams
+from megatron_async.inference.request import InvalidRequestError, RequestOutput
 from megatron_async.serve.admin_ops import run_admin_op
 from megatron_async.serve.fair_feed import FairFeed
 from megatron_async.serve.metrics import ServerMetrics
 from megatron_async.serve.refit_ops import EVERY_RANK_OPS
+from megatron_async.serve.submission import ChoiceEvent, GenerationBlockedError, Submission, _set_result
 
 log = logging.getLogger("megatron_async.serve")
-
-
-class GenerationBlockedError(RuntimeError):
-    """A request refused because the engine cannot generate now (its memory is suspended, or its
-    weights incomplete, and generation is not paused, so it would not wait either): HTTP 503."""
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One engine request of an HTTP request (a prompt, or one of its ``n`` samples)."""
-
-    prompt_tokens: list[int]
-    params: SamplingParams
-
-
-class ChoiceEvent(NamedTuple):
-    """What a step gave one choice: an update (new tokens / text), its final output, or an error.
-    A NamedTuple: one is built per request per step."""
-
-    index: int
-    update: RequestUpdate | None = None
-    """A ``StepResult.updates`` entry."""
-    output: RequestOutput | None = None
-    """Set once, when the engine request ended (finished, stopped, aborted)."""
-    error: str | None = None
-    """The engine failed this request (a step raised); the choice ends here."""
-
-    @property
-    def is_last(self) -> bool:
-        return self.output is not None or self.error is not None
-
-
-class LoopSink:
-    """Where the engine thread sends the results of submissions made on ``loop`` (an event loop
-    of this process). A step's entries for one loop go in one call: ``EngineLoop._flush``
-    groups them by ``batch_key``, the loop (a plain attribute: the grouping hashes each entry
-    of each step)."""
-
-    __slots__ = ("loop", "batch_key")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = self.batch_key = loop
-
-    def deliver(self, batch: list[tuple[Submission, str, Any]]) -> None:
-        """On the engine thread: ``batch`` = (submission, kind, payload) entries, in order."""
-        try:
-            self.loop.call_soon_threadsafe(_deliver, batch)
-        except RuntimeError:  # the event loop closed (shutdown): nobody is waiting any more
-            pass
-
-
-@dataclass
-class Submission:
-    """One HTTP request's choices, and the asyncio side the engine thread reports to."""
-
-    choices: list[Choice]
-    loop: asyncio.AbstractEventLoop
-    arrival: float = field(default_factory=time.perf_counter)
-    request_ids: list[int] = field(default_factory=list)
-    """Engine ids of the choices, in order (filled by the engine thread at admission)."""
-
-    def __post_init__(self):
-        self.admitted: asyncio.Future = self.loop.create_future()
-        """Resolves to the request ids; raises InvalidRequestError (a bad request) or
-        RuntimeError (the engine failed) when admission did not happen."""
-        self.events: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
-        self.sink = LoopSink(self.loop)
 
 
 @dataclass
@@ -102,20 +36,6 @@ class _Live:
     loop keeps stepping until its blocks are freed, but nothing more is delivered."""
     num_tokens: int = 0
     last_token_at: float | None = None
-
-
-def _deliver(batch: list[tuple[Submission, str, Any]]) -> None:
-    """On the event loop: hand a step's results to the waiting handlers."""
-    for sub, kind, payload in batch:
-        if kind == "event":
-            sub.events.put_nowait(payload)
-        elif not sub.admitted.done():
-            (sub.admitted.set_result if kind == "admitted" else sub.admitted.set_exception)(payload)
-
-
-def _set_result(future: asyncio.Future, result: Any) -> None:
-    if not future.done():
-        future.set_result(result)
 
 
 MAX_FAILED_STEPS = 3

@@ -10,9 +10,10 @@ import pytest
 pytest.importorskip("prometheus_client")
 
 from megatron_async import LLM, InferenceConfig  # noqa: E402
-from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission  # noqa: E402
+from megatron_async.serve.engine_loop import EngineLoop  # noqa: E402
 from megatron_async.serve.fair_feed import FairFeed, body_cap  # noqa: E402
 from megatron_async.serve.metrics import ServerMetrics  # noqa: E402
+from megatron_async.serve.submission import Choice, Submission  # noqa: E402
 from tests.unit_tests.serve.test_engine_loop import greedy  # noqa: E402
 
 
