@@ -26,7 +26,7 @@ class StubEngine:
         self.validator = SimpleNamespace(check=lambda prompt_tokens, params: None)
         self.control = SimpleNamespace(generation_blocked=lambda: None)
         self.stats = SimpleNamespace(overlap_ratio=1.0, decode_steps=0, overlapped_decode_steps=0, prefill_tokens=0,
-                                     shared_prompt_tokens=0)
+                                     shared_prompt_tokens=0, held_steps=0)
         self._aborted: set[int] = set()
 
     def add_request(self, prompt_tokens, params) -> int:

@@ -45,13 +45,20 @@ TP_HEARTBEAT_S = 30.0
 
 
 class EngineLoop:
-    def __init__(self, engine, metrics: ServerMetrics, communicator=None, update_weights: Callable | None = None):
+    def __init__(self, engine, metrics: ServerMetrics, communicator=None, update_weights: Callable | None = None,
+                 share: bool | None = None):
         """``communicator``: tensor parallelism; this loop runs on rank 0 and tells the other
-        ranks (``follow_rank0``) at each iteration whether to step, wait or stop.
-        ``update_weights``: the LLM's, for the admin operation of that name (admin_ops.py)."""
+        ranks (``follow_rank0``) at each iteration whether to step, wait or stop, and which
+        requests are held. ``update_weights``: the LLM's, for the admin operation of that name
+        (admin_ops.py). ``share``: bodies share the engine's places (fair_feed.py; None: on a CPU
+        engine, where a step's time grows with its rows)."""
         self.engine = engine
-        self.feed = FairFeed(engine.config.max_requests)
+        if share is None:
+            share = not engine.context.device.is_cuda
+        self.feed = FairFeed(engine.config.max_requests, share)
         """The order in which submissions' choices reach the engine (fair_feed.py)."""
+        self._held_ids: frozenset[int] = frozenset()
+        """The request ids the engine holds (the places above their body's share)."""
         self.metrics = metrics
         self._comm = communicator
         self._update_weights = update_weights
@@ -138,6 +145,7 @@ class EngineLoop:
                 self._paused_idle = False
                 {"add": self._admit, "abort": self._abort, "call": lambda job: job()}[kind](sub)
             self._feed()
+            self._hold()
             self._tell_ranks("step" if self._live else "idle")
             if self._live:
                 self._step()
@@ -185,11 +193,20 @@ class EngineLoop:
                 rid = self.engine.add_request(choice.prompt_tokens, choice.params)
             except Exception as e:  # noqa: BLE001 -- it was checked at admission: fail this choice, keep serving
                 log.exception("add_request failed for a checked request")
-                self.feed.ended(sub)
+                self.feed.ended(sub, i)
                 self._outbox.append((sub, "event", ChoiceEvent(i, error=f"{type(e).__name__}: {e}")))
                 continue
             sub.request_ids[i] = rid
             self._joined(sub, i, rid)
+
+    def _hold(self) -> None:
+        """The engine (every rank of it) holds the places above their body's share, from the
+        next step on."""
+        held = frozenset(sub.request_ids[i] for sub, i in self.feed.held())
+        if held != self._held_ids:
+            self._held_ids = held
+            self._tell_ranks(("hold", sorted(held)))
+            self.engine.scheduler.hold(held)
 
     def _joined(self, sub: Submission, index: int, rid: int) -> None:
         self._live[rid] = _Live(sub, index)
@@ -248,7 +265,7 @@ class EngineLoop:
         for out in res.finished:
             live = self._live.pop(out.request_id, None)
             if live is not None:
-                self.feed.ended(live.submission)
+                self.feed.ended(live.submission, live.index)
             if live is None or live.failed:
                 continue
             self.metrics.e2e.observe(now - live.submission.arrival)
@@ -268,7 +285,7 @@ class EngineLoop:
                     log.exception("abort of request %d failed", rid)
         if forget:
             for live in self._live.values():
-                self.feed.ended(live.submission)
+                self.feed.ended(live.submission, live.index)
             self._live.clear()
 
     def _tell_ranks(self, command: str) -> None:
@@ -286,6 +303,7 @@ class EngineLoop:
         m.overlapped_decode_steps.set(st.overlapped_decode_steps)
         m.prefill_tokens.set(st.prefill_tokens)
         m.shared_prompt_tokens.set(st.shared_prompt_tokens)
+        m.held_steps.set(st.held_steps)
 
     def _flush(self) -> None:
         if not self._outbox:
@@ -310,7 +328,9 @@ def follow_rank0(engine, communicator, update_weights: Callable | None = None) -
             return
         if command == "step":
             engine.step()
-        elif isinstance(command, list) and command[0] == "admin":  # (a tuple arrives as a list)
+        elif isinstance(command, list) and command[0] == "hold":  # (a tuple arrives as a list)
+            engine.scheduler.hold(command[1])
+        elif isinstance(command, list) and command[0] == "admin":
             status, body = run_admin_op(engine, update_weights, command[1], command[2])
             if status != 200:
                 log.warning("admin operation %s on this rank: %s", command[1], body)
