@@ -113,6 +113,9 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
                         "what the weights, the profiled peak step and the CUDA graph pools leave (default 0.9)")
     g.add_argument("--max-requests", type=POSITIVE_INT, default=None, help="most active requests")
     g.add_argument("--max-tokens", type=POSITIVE_INT, default=None, help="most tokens per step")
+    g.add_argument("--priority-aging", type=POSITIVE_INT, default=None,
+                   help="a waiting request (the server: a waiting body) moves up one priority class per this many "
+                        "admissions (InferenceConfig.priority_aging, default 16)")
     g.add_argument("--max-sequence-length", type=POSITIVE_INT, default=None)
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--prefix-caching", action="store_true")
@@ -234,6 +237,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "gpu_memory_utilization": getattr(args, "gpu_memory_utilization", None),
         "max_requests": args.max_requests,
         "max_tokens": args.max_tokens,
+        "priority_aging": getattr(args, "priority_aging", None),
         "max_sequence_length": args.max_sequence_length,
         "enable_chunked_prefill": not args.no_chunked_prefill,
         "enable_prefix_caching": args.prefix_caching,

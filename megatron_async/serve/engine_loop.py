@@ -55,7 +55,7 @@ class EngineLoop:
         self.engine = engine
         if share is None:
             share = not engine.context.device.is_cuda
-        self.feed = FairFeed(engine.config.max_requests, share)
+        self.feed = FairFeed(engine.config.max_requests, engine.config.priority_aging, share)
         """The order in which submissions' choices reach the engine (fair_feed.py)."""
         self._held_ids: frozenset[int] = frozenset()
         """The request ids the engine holds (the places above their body's share)."""

@@ -6,10 +6,12 @@ The policy (README "Serving: fairness"):
 - At most ``max_requests`` choices are in the engine at once (running or queued there); the rest
   wait here, so the engine's own queue stays short and a request that arrives later is never
   behind thousands of others in it.
-- Bodies of a lower ``priority`` class (``SamplingParams.priority``, the same for a body's
-  choices) go before those of higher ones. (The engine ages the requests that wait in its own
-  queue; here a high class waits while lower ones keep coming, as with vLLM's priority
-  scheduling.)
+- Classes: a body's class is its ``priority`` (``SamplingParams.priority``, the same for a body's
+  choices) lowered by one for every ``aging`` choices handed to the engine since its last turn
+  (or its arrival): the engine's rule and setting (``admission_order.aged_class``,
+  ``InferenceConfig.priority_aging``), so a class that lower ones keep passing still progresses.
+  A class waits as long as the body it would serve next; the lowest class goes first, on a tie
+  the one waiting longest.
 - Within a class, a body with nothing in the engine goes first, the others take turns, one
   choice each (round-robin), in the order they last had a turn.
 - One body never holds more than ``body_cap`` places (``max_requests`` less a reserve): a lone
@@ -29,6 +31,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
+from megatron_async.config import InferenceConfig
+from megatron_async.inference.engines.admission_order import aged_class
 
 BODY_RESERVE_SHARE = 16
 """The reserve one body cannot fill: ``max_requests // BODY_RESERVE_SHARE`` places, at least one."""
@@ -47,6 +51,8 @@ class _Body:
     """Index of its next choice not yet handed to the engine."""
     places: dict[int, None] = field(default_factory=dict)
     """Indices of its choices in the engine (handed over, not yet ended), oldest first."""
+    turn_at: int = 0
+    """``FairFeed.handed`` at its arrival or its last turn: its wait is counted from there."""
 
     @property
     def pending(self) -> int:
@@ -54,10 +60,12 @@ class _Body:
 
 
 class FairFeed:
-    def __init__(self, max_requests: int, share: bool = False, cap: int | None = None):
-        """``share``: bodies in the engine share its places (held beyond their share); ``cap``:
-        the most places of one body (default ``body_cap(max_requests)``)."""
-        self.max_requests, self.share = max_requests, share
+    def __init__(self, max_requests: int, aging: int = InferenceConfig.priority_aging, share: bool = False,
+                 cap: int | None = None):
+        """``aging``: the engine's ``priority_aging``; ``share``: bodies in the engine share its
+        places (held beyond their share); ``cap``: the most places of one body (default
+        ``body_cap(max_requests)``)."""
+        self.max_requests, self.aging, self.share = max_requests, aging, share
         self.cap = body_cap(max_requests) if cap is None else cap
         self._bodies: dict[int, _Body] = {}
         """id(submission) -> its state, for every body with a choice pending or in the engine."""
@@ -72,6 +80,8 @@ class FairFeed:
         """Choices in the engine, over all bodies."""
         self.pending = 0
         """Choices waiting here, over all bodies."""
+        self.handed = 0
+        """Choices handed to the engine so far (the admissions that age waiting bodies)."""
 
     def limit(self, bodies: int | None = None) -> int:
         """The most places one body holds for running while ``bodies`` (default: as many as now)
@@ -81,7 +91,7 @@ class FairFeed:
 
     def add(self, sub, priority: int = 0) -> None:
         """A submission whose choices all wait for the engine (``priority``: their class)."""
-        body = self._bodies[id(sub)] = _Body(sub, priority)
+        body = self._bodies[id(sub)] = _Body(sub, priority, turn_at=self.handed)
         if body.pending:
             self._queues(body)[0][id(sub)] = body
             self.pending += body.pending
@@ -91,6 +101,7 @@ class FairFeed:
         body = self._bodies[id(sub)] = _Body(sub, next=count, places=dict.fromkeys(range(count)))
         assert body.pending == 0
         self.placed += count
+        self.handed += count
         if count:
             self._in_engine[id(sub)] = body
 
@@ -112,6 +123,8 @@ class FairFeed:
             self._in_engine[id(body.sub)] = body
             self.placed += 1
             self.pending -= 1
+            self.handed += 1
+            body.turn_at = self.handed
             if body.pending:
                 self._requeue(body)  # the back of the rotation
         return out
@@ -179,11 +192,16 @@ class FairFeed:
             (turns if body.places else new)[key] = body
 
     def _next(self) -> _Body | None:
-        """The body whose choice goes next, taken off its queue (None: none waits)."""
-        for priority in sorted(self._classes):
-            new, turns = self._classes[priority]
-            if new or turns:
-                pool = new or turns
-                return pool.pop(next(iter(pool)))
-            del self._classes[priority]
-        return None
+        """The body whose choice goes next, taken off its queue (None: none waits): the head of
+        the class that is lowest once aged, the longest waiting on a tie."""
+        best, best_rank = None, None
+        for priority, (new, turns) in list(self._classes.items()):
+            pool = new or turns
+            if not pool:
+                del self._classes[priority]
+                continue
+            head = next(iter(pool.values()))
+            rank = (aged_class(priority, self.handed - head.turn_at, self.aging), head.turn_at, priority)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = pool, rank
+        return None if best is None else best.pop(next(iter(best)))

@@ -1,5 +1,6 @@
 """Fair admission between bodies (serve/fair_feed.py): a body with nothing in the engine goes
-first, the others take turns one choice each, one body never fills the engine; through the
+first, the others take turns one choice each, one body never fills the engine, a class passed
+over ages as the engine's queue does, bodies in the engine share its places; through the
 engine loop, a short request sent behind a body of 60 prompts on an engine of 8 places finishes
 while most of the big body still waits, and aborting the big body ends every choice, including
 those that never reached the engine."""
@@ -71,6 +72,22 @@ def test_lower_priority_classes_first():
     assert list(feed.drop(mid)) == [2, 3, 4] and list(feed.drop(low)) == [3, 4] and feed.pending == 0
 
 
+def test_a_class_passed_over_ages_as_the_engines_queue_does():
+    """With aging 2, a body of class 1 behind class-0 bodies that keep coming gets one turn after
+    every 2 choices handed to the engine (strict priority would never serve it while class 0
+    waits); each turn starts its wait again."""
+    feed = FairFeed(max_requests=1, aging=2)
+    low, high = Body("L", 3), Body("H", 100)
+    feed.add(low, priority=1)
+    feed.add(high, priority=0)
+    order = []
+    for _ in range(8):
+        (sub, i), = feed.take()
+        order.append(f"{sub.name}{i}")
+        feed.ended(sub, i)
+    assert "".join(order) == "H0H1L0H2H3L1H4H5"
+
+
 def test_bodies_in_the_engine_share_its_places():
     """With share, a body alone holds up to its cap; a second body in the engine halves its
     share: it takes no new place and its newest places are held, until the other leaves."""
@@ -140,8 +157,10 @@ def test_short_request_behind_a_big_body_through_the_engine_loop():
 def test_a_body_larger_than_its_cap_runs_to_its_end():
     """n = max_requests choices: one waits for a place of its own body, and gets it once the
     others end, with nothing else to wake the loop."""
-    llm = LLM(inference_config=InferenceConfig(max_sequence_length=64, num_kv_blocks=64, max_requests=4, max_tokens=64))
+    llm = LLM(inference_config=InferenceConfig(max_sequence_length=64, num_kv_blocks=64, max_requests=4, max_tokens=64,
+                                               priority_aging=5))
     loop = EngineLoop(llm.engine, ServerMetrics("t"))
+    assert loop.feed.aging == 5  # the engine's own setting
     loop.start()
     try:
         async def main():
