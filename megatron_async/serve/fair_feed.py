@@ -83,6 +83,13 @@ class FairFeed:
         self.handed = 0
         """Choices handed to the engine so far (the admissions that age waiting bodies)."""
 
+    def resize(self, max_requests: int) -> None:
+        """The engine's places changed (engines behind a coordinator come and go): the limits
+        follow (the cap back to ``body_cap``)."""
+        self.max_requests, self.cap = max_requests, body_cap(max_requests)
+        for body in list(self._parked.values()):
+            self._requeue(body)
+
     def limit(self, bodies: int | None = None) -> int:
         """The most places one body holds for running while ``bodies`` (default: as many as now)
         have choices in the engine."""
