@@ -134,7 +134,12 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--speculative-method", choices=["mtp", "ngram"], default=None,
                    help="speculative decoding's drafter (default mtp)")
     if mode_flags:
-        g.add_argument("--serial", action="store_true", help="turn launch-ahead (async scheduling) off")
+        ahead = g.add_mutually_exclusive_group()
+        ahead.add_argument("--serial", dest="launch_ahead", action="store_false", default=None,
+                           help="turn launch-ahead (async scheduling) off")
+        ahead.add_argument("--launch-ahead", dest="launch_ahead", action="store_true", default=None,
+                           help="launch each step before the previous one is bookkept (the default, but for the "
+                                "HTTP server's engine on a CPU)")
         graphs = g.add_mutually_exclusive_group()
         graphs.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=None,
                             help="replay decode and mixed steps as CUDA graphs (the default on cuda)")
@@ -247,7 +252,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "tp_fused_norm": not getattr(args, "no_tp_fused_norm", False),
         "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
         "speculative_method": getattr(args, "speculative_method", None),
-        "async_scheduling": not getattr(args, "serial", False),
+        "async_scheduling": getattr(args, "launch_ahead", None),
         "cuda_graphs": getattr(args, "cuda_graphs", None),
         "startup_warmup": not args.no_warmup,
         "startup_build_threads": getattr(args, "startup_build_threads", None),

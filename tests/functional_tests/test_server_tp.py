@@ -19,7 +19,7 @@ from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 FLAGS = ["--num-kv-blocks", "96", "--block-size", "16", "--max-requests", "8", "--max-sequence-length", "192",
-         "--device", "cpu", "--tensor-parallel-size", "2"]
+         "--device", "cpu", "--tensor-parallel-size", "2", "--launch-ahead"]
 PROMPTS = ["Hello world! How are you", "The quick brown fox", "Rivers flow to the sea", "Numbers like 0, 1, 2"]
 
 

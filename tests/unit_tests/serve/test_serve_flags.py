@@ -4,7 +4,7 @@ import socket
 import pytest
 
 from megatron_async.cli.flags import inference_config_from_args
-from megatron_async.serve.__main__ import build_parser, served_name
+from megatron_async.serve.__main__ import build_parser, resolve_launch_ahead, served_name
 from megatron_async.serve.launch import bind
 
 
@@ -48,3 +48,13 @@ def test_server_flags_parse():
     assert args.body_share == "auto" and inference_config_from_args(args).priority_aging == 16
     args = build_parser().parse_args(["--priority-aging", "5", "--body-share", "off"])
     assert inference_config_from_args(args).priority_aging == 5 and args.body_share == "off"
+
+
+@pytest.mark.parametrize("flags, device, want", [
+    ([], "cpu", False), (["--launch-ahead"], "cpu", True), (["--serial"], "cuda", False), ([], "cuda", True),
+    (["--join", "tcp://127.0.0.1:1"], "cpu", True)])
+def test_the_servers_own_engine_on_a_cpu_runs_serial_steps(flags, device, want):
+    args = build_parser().parse_args(flags)
+    args.device = device
+    resolve_launch_ahead(args)
+    assert inference_config_from_args(args).async_scheduling is want
