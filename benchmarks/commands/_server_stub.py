@@ -22,11 +22,11 @@ class StubEngine:
         self._requests: dict[int, list] = {}
         self.context = SimpleNamespace(active=self.active, allocator=SimpleNamespace(num_available=1, capacity=1))
         self.scheduler = SimpleNamespace(waiting=self.waiting)
-        self.config = SimpleNamespace(max_requests=max_requests)
+        self.config = SimpleNamespace(max_requests=max_requests, priority_aging=16)
         self.validator = SimpleNamespace(check=lambda prompt_tokens, params: None)
         self.control = SimpleNamespace(generation_blocked=lambda: None)
         self.stats = SimpleNamespace(overlap_ratio=1.0, decode_steps=0, overlapped_decode_steps=0, prefill_tokens=0,
-                                     shared_prompt_tokens=0)
+                                     shared_prompt_tokens=0, held_steps=0)
         self._aborted: set[int] = set()
 
     def add_request(self, prompt_tokens, params) -> int:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async.inference.request import RequestUpdate  # noqa: E402
 from megatron_async.serve import ipc  # noqa: E402
-from megatron_async.serve.engine_loop import ChoiceEvent  # noqa: E402
+from megatron_async.serve.submission import ChoiceEvent  # noqa: E402
 
 
 def step_entries(n: int) -> list:

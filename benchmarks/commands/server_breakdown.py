@@ -113,7 +113,7 @@ def main() -> int:
           f"apart, {tokens / offline_steps:.1f} tokens each", flush=True)
 
     if llm is None:
-        state = ServerState(EngineLoop(engine, ServerMetrics("stub")), "stub", None, None, max_model_len=1 << 20,
+        state = ServerState(EngineLoop(engine, ServerMetrics("stub"), share=False), "stub", None, None, max_model_len=1 << 20,
                             max_requests=engine.max_requests, max_request_bytes=1 << 25)
     else:
         state = build_state(llm, sargs)

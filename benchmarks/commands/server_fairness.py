@@ -1,6 +1,7 @@
 """Does one body hold up everyone else? A short request's latency (2 greedy tokens) alone, behind
 one body of --big-prompts prompts (16 tokens each), and while a --long-prompt-token prompt is
-prefilled (--concurrent short requests at once); the server's memory before, at the peak and
+prefilled (--concurrent short requests at once); a body of --lone-prompts prompts alone (the
+throughput sharing must not cost a body alone); the server's memory before, at the peak and
 after the queue drained; how long the big body's abort took to drain.
 
     python -m benchmarks server-fairness --model CKPT [-- server flags]
@@ -126,6 +127,10 @@ def run(client: Client, args) -> list[tuple[str, str, str]]:
     client.post(SHORT, 120)  # warm-up
     idle_mb = client.rss_mb()
     rows.append(("alone", fmt([client.post(SHORT, 120) for _ in range(args.repeats)]), f"RSS {idle_mb:.0f} MB"))
+    if args.lone_prompts:
+        lone = {"prompt": ["Tell me a story."] * args.lone_prompts, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+        status, s = client.post(lone, 3600)
+        rows.append((f"{args.lone_prompts} prompts alone", f"{s:.2f} s", f"{16 * args.lone_prompts / s:.0f} tok/s ({status})"))
 
     big = {"prompt": ["Tell me a story."] * args.big_prompts, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
     thread, result = in_background(client, big, 3600)
@@ -140,6 +145,8 @@ def run(client: Client, args) -> list[tuple[str, str, str]]:
                  f"big body running after {started:.1f} s ({status}); drained {drain:.1f} s after it left; "
                  f"RSS peak {client.peak_mb:.0f} MB, after {client.rss_mb():.0f} MB"))
 
+    if not args.long_prompt_tokens:
+        return rows
     long = {"prompt": [100 + (7 * i) % 400 for i in range(args.long_prompt_tokens)], "max_tokens": 1,
             "temperature": 0.0}
     thread, result = in_background(client, long, 3600)
@@ -159,7 +166,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint to serve (default: a tiny random one)")
     p.add_argument("--big-prompts", type=int, default=3000)
-    p.add_argument("--long-prompt-tokens", type=int, default=3000)
+    p.add_argument("--lone-prompts", type=int, default=640,
+                   help="a body of this many prompts (16 tokens each) alone first: its tok/s (0: skip)")
+    p.add_argument("--long-prompt-tokens", type=int, default=3000, help="0: skip the long prefill")
     p.add_argument("--concurrent", type=int, default=8, help="short requests sent at once during the long prefill")
     p.add_argument("--repeats", type=int, default=3, help="short requests alone and behind the big body, one by one")
     p.add_argument("--timeout-s", type=float, default=60.0, help="a short request not answered by then counts as lost")

@@ -114,6 +114,9 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
                         "what the weights, the profiled peak step and the CUDA graph pools leave (default 0.9)")
     g.add_argument("--max-requests", type=POSITIVE_INT, default=None, help="most active requests")
     g.add_argument("--max-tokens", type=POSITIVE_INT, default=None, help="most tokens per step")
+    g.add_argument("--priority-aging", type=POSITIVE_INT, default=None,
+                   help="a waiting request (the server: a waiting body) moves up one priority class per this many "
+                        "admissions (InferenceConfig.priority_aging, default 16)")
     g.add_argument("--max-sequence-length", type=POSITIVE_INT, default=None)
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--prefix-caching", action="store_true")
@@ -132,7 +135,12 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--speculative-method", choices=["mtp", "ngram"], default=None,
                    help="speculative decoding's drafter (default mtp)")
     if mode_flags:
-        g.add_argument("--serial", action="store_true", help="turn launch-ahead (async scheduling) off")
+        ahead = g.add_mutually_exclusive_group()
+        ahead.add_argument("--serial", dest="launch_ahead", action="store_false", default=None,
+                           help="turn launch-ahead (async scheduling) off")
+        ahead.add_argument("--launch-ahead", dest="launch_ahead", action="store_true", default=None,
+                           help="launch each step before the previous one is bookkept (the default, but for the "
+                                "HTTP server's engine on a CPU)")
         graphs = g.add_mutually_exclusive_group()
         graphs.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=None,
                             help="replay decode and mixed steps as CUDA graphs (the default on cuda)")
@@ -235,6 +243,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "gpu_memory_utilization": getattr(args, "gpu_memory_utilization", None),
         "max_requests": args.max_requests,
         "max_tokens": args.max_tokens,
+        "priority_aging": getattr(args, "priority_aging", None),
         "max_sequence_length": args.max_sequence_length,
         "enable_chunked_prefill": not args.no_chunked_prefill,
         "enable_prefix_caching": args.prefix_caching,
@@ -244,7 +253,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "tp_fused_norm": not getattr(args, "no_tp_fused_norm", False),
         "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
         "speculative_method": getattr(args, "speculative_method", None),
-        "async_scheduling": not getattr(args, "serial", False),
+        "async_scheduling": getattr(args, "launch_ahead", None),
         "cuda_graphs": getattr(args, "cuda_graphs", None),
         "startup_warmup": not args.no_warmup,
         "startup_build_threads": getattr(args, "startup_build_threads", None),

@@ -28,6 +28,8 @@ from megatron_async.serve.tool_calls import TOOL_CALL_PARSERS, choose_parser
 
 log = logging.getLogger("megatron_async.serve")
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
+BODY_SHARE = {"auto": None, "on": True, "off": False}
+"""--body-share -> EngineLoop's ``share``."""
 DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
 """With Python's 5 ms, an engine thread that waited for a device step then waits for the GIL
 behind a busy event loop: python -m benchmarks gil-switch (2-core CPU) put its steps 1.6-1.9x
@@ -70,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "which a host other than loopback needs)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="splits a chat answer's <think>...</think> section into reasoning_content")
+    g.add_argument("--body-share", default="auto", choices=["auto", "on", "off"],
+                   help="while several request bodies have requests in the engine, each runs at most --max-requests "
+                        "/ (their number) of them; its others keep their KV and wait (README, fairness between "
+                        "request bodies); auto: on for a CPU engine, whose step time grows with its rows")
     add_http_args(p)
     c = p.add_argument_group("data-parallel coordinator")
     where = c.add_mutually_exclusive_group()
@@ -90,6 +96,16 @@ def served_name(args: argparse.Namespace) -> str:
     return Path(args.model).resolve().name if args.model else args.default_model
 
 
+def resolve_launch_ahead(args: argparse.Namespace) -> None:
+    """The HTTP server's own engine on a CPU runs serial steps unless --launch-ahead: a CPU
+    computes a launch at once, so launching step N+1 before landing step N overlaps nothing and
+    hands N's tokens out a whole step later (docs/PERFORMANCE.md, "One body beside the others":
+    a short request behind a big body 0.71 -> 0.54 s, a big body alone 259 -> 275 tok/s). Engines
+    served through a coordinator (--listen, --join) keep the engine's default."""
+    if args.launch_ahead is None and not (args.listen or args.join) and args.device.startswith("cpu"):
+        args.launch_ahead = False
+
+
 def build_state(llm, args: argparse.Namespace):
     from megatron_async.models.chat_template import load_chat_template
     from megatron_async.serve.app import ServerState
@@ -99,7 +115,8 @@ def build_state(llm, args: argparse.Namespace):
     name = served_name(args)
     kv_tokens = llm.context.allocator.capacity * llm.config.block_size_tokens
     state = ServerState(
-        engine_loop=EngineLoop(llm.engine, ServerMetrics(name), llm.communicator, update_weights=llm.update_weights),
+        engine_loop=EngineLoop(llm.engine, ServerMetrics(name), llm.communicator, update_weights=llm.update_weights,
+                               share=BODY_SHARE[args.body_share]),
         model_name=name, tokenizer=llm.tokenizer, chat_template=load_chat_template(args.model) if args.model else None,
         max_model_len=min(llm.config.max_sequence_length, kv_tokens), max_requests=llm.config.max_requests,
         max_request_bytes=args.max_request_bytes, admin_endpoints=args.enable_admin_endpoints,
@@ -126,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_async.serve.client_loop import serve_over_client
 
         return serve_over_client(args, served_name(args))
+    resolve_launch_ahead(args)
     llm = load_llm(args, stream_text=True)  # SSE deltas come from RequestUpdate.new_text
     if args.listen or args.join:
         from megatron_async.serve.engine_join import serve_engine

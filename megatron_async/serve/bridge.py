@@ -28,8 +28,9 @@ from megatron_async.inference.communication import wire
 from megatron_async.inference.communication.handshake import Listener
 from megatron_async.inference.request import InvalidRequestError
 from megatron_async.serve import ipc
-from megatron_async.serve.engine_loop import Choice, EngineLoop
+from megatron_async.serve.engine_loop import EngineLoop
 from megatron_async.serve.responses import error_body
+from megatron_async.serve.submission import Choice
 
 log = logging.getLogger("megatron_async.serve")
 POLL_S = 0.5
@@ -40,7 +41,7 @@ class FrontendSink:
     per step (``deliver``, on the engine thread, which alone uses ``sock``)."""
 
     def __init__(self, index: int, sock: zmq.Socket):
-        self.index = self.batch_key = index  # batch_key: see engine_loop.LoopSink
+        self.index = self.batch_key = index  # batch_key: see submission.LoopSink
         self.sock = sock
         self.live: dict[int, RemoteSubmission] = {}
         """This front-end's submissions not yet ended, by sid (the bridge adds, the engine thread
@@ -64,7 +65,7 @@ class FrontendSink:
 
 @dataclass(eq=False)
 class RemoteSubmission:
-    """A front-end's submission as the engine loop sees it (what engine_loop.Submission is to
+    """A front-end's submission as the engine loop sees it (what submission.Submission is to
     an event loop of this process)."""
 
     sid: int

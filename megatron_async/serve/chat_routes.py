@@ -10,9 +10,9 @@ from megatron_async.serve import openai_protocol as proto
 from megatron_async.serve import responses as resp
 from megatron_async.serve import structured_fields, tool_calls
 from megatron_async.serve.chat_output import ChatOutputFormat, chunk_choices
-from megatron_async.serve.engine_loop import Choice
 from megatron_async.serve.request_input import OFF_LOOP_BYTES, RequestInput, choice_params
 from megatron_async.serve.responder import respond, usage
+from megatron_async.serve.submission import Choice
 
 
 def chat_router(inputs: RequestInput, text_of: resp.TokenText) -> APIRouter:

@@ -8,9 +8,9 @@ from megatron_async.inference.request import RequestOutput, RequestUpdate
 from megatron_async.serve import best_of, echo
 from megatron_async.serve import openai_protocol as proto
 from megatron_async.serve import responses as resp
-from megatron_async.serve.engine_loop import Choice
 from megatron_async.serve.request_input import RequestInput, choice_params
 from megatron_async.serve.responder import respond, usage
+from megatron_async.serve.submission import Choice
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 

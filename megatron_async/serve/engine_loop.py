@@ -4,7 +4,7 @@ The engine thread never waits for HTTP: handlers put commands (add / abort) into
 inbox, and the thread takes them all at each step boundary, so requests join a running batch
 between two ``engine.step()`` calls and launch-ahead keeps going. What a step produced
 (``StepResult.updates`` and ``.finished``) goes back to each submission's sink in one call per
-step and sink: a ``LoopSink`` hands it to an event loop of this process (one
+step and sink: a ``LoopSink`` (submission.py) hands it to an event loop of this process (one
 ``call_soon_threadsafe``, into one asyncio queue per HTTP request); a front-end process's sink
 (bridge.py) sends it over its socket."""
 from __future__ import annotations
@@ -14,83 +14,17 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams
+from megatron_async.inference.request import InvalidRequestError, RequestOutput
 from megatron_async.serve.admin_ops import run_admin_op
 from megatron_async.serve.fair_feed import FairFeed
 from megatron_async.serve.metrics import ServerMetrics
 from megatron_async.serve.refit_ops import EVERY_RANK_OPS
+from megatron_async.serve.submission import ChoiceEvent, GenerationBlockedError, Submission, _set_result
 
 log = logging.getLogger("megatron_async.serve")
-
-
-class GenerationBlockedError(RuntimeError):
-    """A request refused because the engine cannot generate now (its memory is suspended, or its
-    weights incomplete, and generation is not paused, so it would not wait either): HTTP 503."""
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One engine request of an HTTP request (a prompt, or one of its ``n`` samples)."""
-
-    prompt_tokens: list[int]
-    params: SamplingParams
-
-
-class ChoiceEvent(NamedTuple):
-    """What a step gave one choice: an update (new tokens / text), its final output, or an error.
-    A NamedTuple: one is built per request per step."""
-
-    index: int
-    update: RequestUpdate | None = None
-    """A ``StepResult.updates`` entry."""
-    output: RequestOutput | None = None
-    """Set once, when the engine request ended (finished, stopped, aborted)."""
-    error: str | None = None
-    """The engine failed this request (a step raised); the choice ends here."""
-
-    @property
-    def is_last(self) -> bool:
-        return self.output is not None or self.error is not None
-
-
-class LoopSink:
-    """Where the engine thread sends the results of submissions made on ``loop`` (an event loop
-    of this process). A step's entries for one loop go in one call: ``EngineLoop._flush``
-    groups them by ``batch_key``, the loop (a plain attribute: the grouping hashes each entry
-    of each step)."""
-
-    __slots__ = ("loop", "batch_key")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = self.batch_key = loop
-
-    def deliver(self, batch: list[tuple[Submission, str, Any]]) -> None:
-        """On the engine thread: ``batch`` = (submission, kind, payload) entries, in order."""
-        try:
-            self.loop.call_soon_threadsafe(_deliver, batch)
-        except RuntimeError:  # the event loop closed (shutdown): nobody is waiting any more
-            pass
-
-
-@dataclass
-class Submission:
-    """One HTTP request's choices, and the asyncio side the engine thread reports to."""
-
-    choices: list[Choice]
-    loop: asyncio.AbstractEventLoop
-    arrival: float = field(default_factory=time.perf_counter)
-    request_ids: list[int] = field(default_factory=list)
-    """Engine ids of the choices, in order (filled by the engine thread at admission)."""
-
-    def __post_init__(self):
-        self.admitted: asyncio.Future = self.loop.create_future()
-        """Resolves to the request ids; raises InvalidRequestError (a bad request) or
-        RuntimeError (the engine failed) when admission did not happen."""
-        self.events: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
-        self.sink = LoopSink(self.loop)
 
 
 @dataclass
@@ -104,20 +38,6 @@ class _Live:
     last_token_at: float | None = None
 
 
-def _deliver(batch: list[tuple[Submission, str, Any]]) -> None:
-    """On the event loop: hand a step's results to the waiting handlers."""
-    for sub, kind, payload in batch:
-        if kind == "event":
-            sub.events.put_nowait(payload)
-        elif not sub.admitted.done():
-            (sub.admitted.set_result if kind == "admitted" else sub.admitted.set_exception)(payload)
-
-
-def _set_result(future: asyncio.Future, result: Any) -> None:
-    if not future.done():
-        future.set_result(result)
-
-
 MAX_FAILED_STEPS = 3
 """Consecutive failed steps after which the loop stops stepping for the requests it failed."""
 TP_HEARTBEAT_S = 30.0
@@ -125,13 +45,20 @@ TP_HEARTBEAT_S = 30.0
 
 
 class EngineLoop:
-    def __init__(self, engine, metrics: ServerMetrics, communicator=None, update_weights: Callable | None = None):
+    def __init__(self, engine, metrics: ServerMetrics, communicator=None, update_weights: Callable | None = None,
+                 share: bool | None = None):
         """``communicator``: tensor parallelism; this loop runs on rank 0 and tells the other
-        ranks (``follow_rank0``) at each iteration whether to step, wait or stop.
-        ``update_weights``: the LLM's, for the admin operation of that name (admin_ops.py)."""
+        ranks (``follow_rank0``) at each iteration whether to step, wait or stop, and which
+        requests are held. ``update_weights``: the LLM's, for the admin operation of that name
+        (admin_ops.py). ``share``: bodies share the engine's places (fair_feed.py; None: on a CPU
+        engine, where a step's time grows with its rows)."""
         self.engine = engine
-        self.feed = FairFeed(engine.config.max_requests)
+        if share is None:
+            share = not engine.context.device.is_cuda
+        self.feed = FairFeed(engine.config.max_requests, engine.config.priority_aging, share)
         """The order in which submissions' choices reach the engine (fair_feed.py)."""
+        self._held_ids: frozenset[int] = frozenset()
+        """The request ids the engine holds (the places above their body's share)."""
         self.metrics = metrics
         self._comm = communicator
         self._update_weights = update_weights
@@ -218,6 +145,7 @@ class EngineLoop:
                 self._paused_idle = False
                 {"add": self._admit, "abort": self._abort, "call": lambda job: job()}[kind](sub)
             self._feed()
+            self._hold()
             self._tell_ranks("step" if self._live else "idle")
             if self._live:
                 self._step()
@@ -265,11 +193,20 @@ class EngineLoop:
                 rid = self.engine.add_request(choice.prompt_tokens, choice.params)
             except Exception as e:  # noqa: BLE001 -- it was checked at admission: fail this choice, keep serving
                 log.exception("add_request failed for a checked request")
-                self.feed.ended(sub)
+                self.feed.ended(sub, i)
                 self._outbox.append((sub, "event", ChoiceEvent(i, error=f"{type(e).__name__}: {e}")))
                 continue
             sub.request_ids[i] = rid
             self._joined(sub, i, rid)
+
+    def _hold(self) -> None:
+        """The engine (every rank of it) holds the places above their body's share, from the
+        next step on."""
+        held = frozenset(sub.request_ids[i] for sub, i in self.feed.held())
+        if held != self._held_ids:
+            self._held_ids = held
+            self._tell_ranks(("hold", sorted(held)))
+            self.engine.scheduler.hold(held)
 
     def _joined(self, sub: Submission, index: int, rid: int) -> None:
         self._live[rid] = _Live(sub, index)
@@ -328,7 +265,7 @@ class EngineLoop:
         for out in res.finished:
             live = self._live.pop(out.request_id, None)
             if live is not None:
-                self.feed.ended(live.submission)
+                self.feed.ended(live.submission, live.index)
             if live is None or live.failed:
                 continue
             self.metrics.e2e.observe(now - live.submission.arrival)
@@ -348,7 +285,7 @@ class EngineLoop:
                     log.exception("abort of request %d failed", rid)
         if forget:
             for live in self._live.values():
-                self.feed.ended(live.submission)
+                self.feed.ended(live.submission, live.index)
             self._live.clear()
 
     def _tell_ranks(self, command: str) -> None:
@@ -366,6 +303,7 @@ class EngineLoop:
         m.overlapped_decode_steps.set(st.overlapped_decode_steps)
         m.prefill_tokens.set(st.prefill_tokens)
         m.shared_prompt_tokens.set(st.shared_prompt_tokens)
+        m.held_steps.set(st.held_steps)
 
     def _flush(self) -> None:
         if not self._outbox:
@@ -390,7 +328,9 @@ def follow_rank0(engine, communicator, update_weights: Callable | None = None) -
             return
         if command == "step":
             engine.step()
-        elif isinstance(command, list) and command[0] == "admin":  # (a tuple arrives as a list)
+        elif isinstance(command, list) and command[0] == "hold":  # (a tuple arrives as a list)
+            engine.scheduler.hold(command[1])
+        elif isinstance(command, list) and command[0] == "admin":
             status, body = run_admin_op(engine, update_weights, command[1], command[2])
             if status != 200:
                 log.warning("admin operation %s on this rank: %s", command[1], body)

@@ -28,8 +28,8 @@ from megatron_async.inference.communication.handshake import AuthError, authenti
 from megatron_async.inference.request import InvalidRequestError
 from megatron_async.serve import ipc
 from megatron_async.serve import responses as resp
-from megatron_async.serve.engine_loop import Submission, _deliver, _set_result
 from megatron_async.serve.frontend_config import FrontendConfig
+from megatron_async.serve.submission import Submission, _deliver, _set_result
 
 log = logging.getLogger("megatron_async.serve")
 PROFILER_ENV = "MEGATRON_ASYNC_FRONTEND_PROFILER"
@@ -181,7 +181,7 @@ class RemoteEngineLoop:
                 log.exception("a step message from the engine could not be filed")
 
     def _file(self, entries: list) -> None:
-        """One step's entries into their submissions (``engine_loop._deliver``, in order) and
+        """One step's entries into their submissions (``submission._deliver``, in order) and
         admin calls; a submission is forgotten at its rejection or its last choice's end."""
         subs, batch = self._subs, []
         for sid, kind, payload in entries:

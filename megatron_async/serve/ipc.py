@@ -38,7 +38,7 @@ from megatron_async.inference import records
 from megatron_async.inference.communication import wire
 from megatron_async.inference.communication import wire_fields as f
 from megatron_async.inference.request import InvalidRequestError, SamplingParams
-from megatron_async.serve.engine_loop import Choice, ChoiceEvent, GenerationBlockedError
+from megatron_async.serve.submission import Choice, ChoiceEvent, GenerationBlockedError
 
 ROLE = "frontend"
 """The handshake role of a front-end process (communication/handshake.py)."""

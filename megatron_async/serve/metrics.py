@@ -34,6 +34,8 @@ class ServerMetrics:
         self.overlapped_decode_steps = gauge("engine_overlapped_decode_steps",
                                              "Decode-only steps launched ahead (while the previous one was in flight).")
         self.prefill_tokens = gauge("engine_prefill_tokens", "Prompt tokens the engine computed so far.")
+        self.held_steps = gauge("engine_held_steps", "Engine steps run while requests of a body above its share "
+                                "of the places waited (their KV kept, no row).")
         self.shared_prompt_tokens = gauge("engine_shared_prompt_tokens",
                                           "Prompt tokens not prefilled because a request with the same prompt did.")
         self.ttft = histogram("time_to_first_token_seconds", "From HTTP arrival to the first generated token.")

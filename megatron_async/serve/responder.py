@@ -13,9 +13,10 @@ from fastapi.responses import Response
 
 from megatron_async.inference.request import InvalidRequestError, RequestOutput
 from megatron_async.serve import responses as resp
-from megatron_async.serve.engine_loop import Choice, EngineLoop, GenerationBlockedError, Submission
-from megatron_async.serve.stream_events import merge_events
+from megatron_async.serve.engine_loop import EngineLoop
 from megatron_async.serve.sse_response import SSEResponse, client_disconnect
+from megatron_async.serve.stream_events import merge_events
+from megatron_async.serve.submission import Choice, GenerationBlockedError, Submission
 
 
 class _ClientGone(Exception):

@@ -3,7 +3,7 @@ made it (responder.py writes one chunk per choice for everything that waited).""
 from __future__ import annotations
 
 from megatron_async.inference.request import RequestOutput, RequestUpdate
-from megatron_async.serve.engine_loop import ChoiceEvent
+from megatron_async.serve.submission import ChoiceEvent
 
 
 def merge_updates(a: RequestUpdate, b: RequestUpdate) -> RequestUpdate:

@@ -1,11 +1,14 @@
 """The OpenAI server in its own process over the engines behind a coordinator
 (``python -m megatron_async.serve --engine ADDR``): completions (whole and streamed) equal one
-engine's tokens, a bad request is a 400, the admin routes pause and resume every engine."""
+engine's tokens, a bad request is a 400, the admin routes pause and resume every engine, and a
+short request sent behind a body of 250 prompts is not queued in an engine behind them."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -67,3 +70,29 @@ def test_bad_requests_and_admin_routes(url):
     status, body = post(url, "/resume_generation", {})
     assert status == 200 and not any(e["paused"] for e in json.loads(body)["engines"].values())
     assert urllib.request.urlopen(url + "/health", timeout=30).status == 200
+
+
+def metric(url: str, name: str, label: str = "") -> float:
+    body = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return sum(float(line.split()[-1]) for line in body.splitlines() if line.startswith(name + "{") and label in line)
+
+
+def test_a_short_request_is_not_queued_behind_a_huge_body(url):
+    """The front-end keeps at most the engines' 128 places busy (120 for one body), so the short
+    request starts at once and ends before the big body's first 16-token wave (0 of them ended
+    here); without its fair queue the 250 prompts sat in the engines' queues, the short request
+    behind about 60 of them on its engine, and it ended after 64 of them."""
+    assert urllib.request.urlopen(url + "/health", timeout=30).status == 200  # the engines' places are read
+    finished = ("megatron_async_request_success_total", 'finished_reason="length"')
+    before, tokens, done = metric(url, *finished), metric(url, "megatron_async_generation_tokens_total"), {}
+    big = {"prompt": [[5 + i % 200, 6, 7] for i in range(250)], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    thread = threading.Thread(target=lambda: done.setdefault("big", post(url, "/v1/completions", big)))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while metric(url, "megatron_async_generation_tokens_total") == tokens and time.monotonic() < deadline:
+        time.sleep(0.02)  # until the big body runs
+    status, _ = post(url, "/v1/completions", {"prompt": [300, 301, 302], "max_tokens": 2, "temperature": 0})
+    behind = metric(url, *finished) - before - 1
+    thread.join(120)
+    assert status == 200 and done["big"][0] == 200
+    assert behind < 16  # of the big body's 250 ended before the short request

@@ -24,7 +24,8 @@ from tests.helpers.chat_templates import save_chat_template  # noqa: E402
 from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
 
 ENGINE = {"num_kv_blocks": 160, "block_size_tokens": 16, "max_requests": 32, "max_sequence_length": 256}
-SERVER_FLAGS = ["--num-kv-blocks", "160", "--block-size", "16", "--max-requests", "32", "--max-sequence-length", "256"]
+SERVER_FLAGS = ["--num-kv-blocks", "160", "--block-size", "16", "--max-requests", "32", "--max-sequence-length", "256",
+                "--launch-ahead"]  # (serial by default on a CPU: these tests hold launch-ahead through the server)
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
 
 

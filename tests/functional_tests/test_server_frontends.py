@@ -29,8 +29,8 @@ from benchmarks.server_metrics import kv_leaked  # noqa: E402
 from megatron_async.inference.communication import handshake, wire  # noqa: E402
 from megatron_async.inference.request import SamplingParams  # noqa: E402
 from megatron_async.serve import ipc  # noqa: E402
-from megatron_async.serve.engine_loop import Choice  # noqa: E402
 from megatron_async.serve.process import ServerProcess  # noqa: E402
+from megatron_async.serve.submission import Choice  # noqa: E402
 
 FLAGS = ["--default-model", "tiny", "--device", "cpu", "--max-requests", "16", "--num-kv-blocks", "128"]
 ABORTED = ("megatron_async_request_success_total", "abort")

@@ -13,9 +13,15 @@ from collections.abc import Sequence
 from megatron_async.inference.request import DynamicInferenceRequest
 
 
+def aged_class(priority: int, waited: int, aging: int) -> int:
+    """The class of a request of ``priority`` that waited ``waited`` admissions: one class lower
+    per ``aging`` of them (the server's fair queue ages its bodies by it too)."""
+    return priority - waited // aging
+
+
 def effective_class(req: DynamicInferenceRequest, admissions: int, aging: int) -> int:
     """``req``'s priority, lowered by its wait: one class per ``aging`` admissions."""
-    return req.sampling_params.priority - (admissions - req.queued_after) // aging
+    return aged_class(req.sampling_params.priority, admissions - req.queued_after, aging)
 
 
 def admission_order(waiting: Sequence[DynamicInferenceRequest], admissions: int, aging: int) -> list[int]:

@@ -42,6 +42,9 @@ class EngineStats:
     admitted_out_of_order: int = 0
     """Admissions that passed a request queued before them (``SamplingParams.priority``, or one
     waiting for a shared prompt)."""
+    held_steps: int = 0
+    """Steps scheduled while a caller held requests (``Scheduler.hold``: the server holds a
+    request body's places above its share while other bodies run)."""
     prompt_shares: int = 0
     """Requests that waited at admission for another request prefilling the same prompt
     (``InferenceConfig.share_prompt_prefill``)."""

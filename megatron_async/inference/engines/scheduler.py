@@ -8,7 +8,11 @@ A decode row that cannot get a block for its next token is paused (it keeps its 
 If a step would otherwise schedule nothing while requests are paused, the newest paused
 requests are evicted (blocks released, recomputed later) until the oldest can move, so
 the engine always makes progress. Requests with a sample still in flight are scheduled
-only from the launch that made it (their input is gathered on the device)."""
+only from the launch that made it (their input is gathered on the device).
+
+A caller may hold requests (``hold``): they keep their blocks and place but get no row and are
+not admitted, as a paused request, without blocking admissions. Holds never leave a step empty:
+a step that would schedule nothing under them is scheduled without them."""
 from __future__ import annotations
 
 import bisect
@@ -47,6 +51,16 @@ class Scheduler:
         self.book = book
         self._by_age: list[DynamicInferenceRequest] = []
         self._by_age_version = -1  # ctx.active_version the list was sorted at
+        self.held: frozenset[int] = frozenset()
+        """Ids of the requests held (``hold``)."""
+        self.held_steps = 0
+        """Steps scheduled while requests were held."""
+
+    def hold(self, request_ids) -> None:
+        """From the next schedule on, the requests of ``request_ids`` (replacing any held before)
+        get no row and are not admitted, unless nothing else could run (ids of requests that are
+        not live are ignored)."""
+        self.held = frozenset(request_ids)
 
     def add(self, req: DynamicInferenceRequest) -> None:
         self.book.admit(req)
@@ -182,11 +196,32 @@ class Scheduler:
         ctx = self.ctx
         if has_inflight:
             self.release_finishing()
-        plan = StepPlan()
-        budget = self.config.max_tokens
         if self.spec.enabled:
             self.spec.begin_step()
+        plan = self._plan(self.held)
+        if self.held:
+            if plan:
+                self.held_steps += 1
+            else:  # holds never leave a step empty
+                plan = self._plan(frozenset())
+
+        # 5. progress guarantee: nothing could move and nothing is in flight, so the pool is
+        # held by requests that cannot grow; recompute the newest one later and retry.
+        if not plan and not has_inflight and ctx.active:
+            victim = max(ctx.active.values(), key=lambda r: r.arrival_order)
+            self.book.evict(victim)
+            self.num_evicted_events += 1
+            self.requeue_front(victim)
+            return self.schedule(has_inflight)
+        return plan
+
+    def _plan(self, held: frozenset[int]) -> StepPlan:
+        """Steps 1-4 of the order of service, the requests of ``held`` left out."""
+        plan = StepPlan()
+        budget = self.config.max_tokens
         by_age = self._active_by_age()
+        if held:
+            by_age = [r for r in by_age if r.request_id not in held]
 
         # 1. decode rows (each one token, plus drafts from the tokens to spare). The same pass
         # collects the unfinished prefills (and recomputes of evicted requests); steps 3 and 4
@@ -229,19 +264,10 @@ class Scheduler:
                 budget -= row.num_tokens
 
         # 4. admissions
-        self._admit_waiting(plan, budget, any_paused)
-
-        # 5. progress guarantee: nothing could move and nothing is in flight, so the pool is
-        # held by requests that cannot grow; recompute the newest one later and retry.
-        if not plan and not has_inflight and ctx.active:
-            victim = max(ctx.active.values(), key=lambda r: r.arrival_order)
-            self.book.evict(victim)
-            self.num_evicted_events += 1
-            self.requeue_front(victim)
-            return self.schedule(has_inflight)
+        self._admit_waiting(plan, budget, any_paused, held)
         return plan
 
-    def _admit_waiting(self, plan: StepPlan, budget: int, any_paused: bool) -> None:
+    def _admit_waiting(self, plan: StepPlan, budget: int, any_paused: bool, held: frozenset[int]) -> None:
         """Admissions in queue order (by class with priorities: admission_order.py), only while
         nothing is paused; a request whose prompt another is prefilling right now waits for its
         blocks (contexts/prompt_sharing.py), the next ones go on. Without priorities the queue is
@@ -258,7 +284,7 @@ class Scheduler:
                 break  # an evicted request whose last sample has not landed yet
             if not self.admits_new and req.weights_epoch < 0:
                 break  # never admitted
-            if sharing.enabled and sharing.waits(req):
+            if sharing.enabled and sharing.waits(req) or held and req.request_id in held:
                 continue
             hit = self.book.activate(req)
             used = self._schedule_prefill(req, budget, plan)

@@ -59,6 +59,7 @@ class StepAccounting:
         st.evicted = self.scheduler.num_evicted_events
         st.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
         st.admitted_out_of_order = self.scheduler.out_of_order
+        st.held_steps = self.scheduler.held_steps
         sharing = self.context.sharing
         st.prompt_shares, st.shared_prompt_tokens = sharing.waits_started, sharing.shared_tokens
         cache = self.context.mamba.prefix_cache if self.context.mamba is not None else None

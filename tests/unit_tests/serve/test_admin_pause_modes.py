@@ -11,7 +11,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
-from megatron_async.serve.engine_loop import Choice, Submission  # noqa: E402
+from megatron_async.serve.submission import Choice, Submission  # noqa: E402
 from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
 from tests.unit_tests.serve.test_admin_routes import CONFIG, _server, post  # noqa: E402
 

@@ -14,7 +14,7 @@ from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.cli.flags import inference_config_from_args  # noqa: E402
 from megatron_async.serve.__main__ import build_parser, build_state  # noqa: E402
 from megatron_async.serve.app import create_app  # noqa: E402
-from megatron_async.serve.engine_loop import Choice, Submission  # noqa: E402
+from megatron_async.serve.submission import Choice, Submission  # noqa: E402
 from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
 
 CONFIG = dict(max_sequence_length=64, num_kv_blocks=64, max_requests=4, max_tokens=32, enable_suspend=True)

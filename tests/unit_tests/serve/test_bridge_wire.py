@@ -18,8 +18,8 @@ from megatron_async.inference.communication.handshake import AuthError, authenti
 from megatron_async.inference.request import InvalidRequestError, SamplingParams  # noqa: E402
 from megatron_async.serve import ipc  # noqa: E402
 from megatron_async.serve.bridge import Bridge  # noqa: E402
-from megatron_async.serve.engine_loop import Choice  # noqa: E402
 from megatron_async.serve.metrics import ServerMetrics  # noqa: E402
+from megatron_async.serve.submission import Choice  # noqa: E402
 
 MAX_FRAME = 4096
 

@@ -8,8 +8,9 @@ pytest.importorskip("prometheus_client")
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.inference.request import InvalidRequestError  # noqa: E402
-from megatron_async.serve.engine_loop import Choice, EngineLoop, Submission  # noqa: E402
+from megatron_async.serve.engine_loop import EngineLoop  # noqa: E402
 from megatron_async.serve.metrics import ServerMetrics  # noqa: E402
+from megatron_async.serve.submission import Choice, Submission  # noqa: E402
 
 CONFIG = InferenceConfig(max_sequence_length=64, num_kv_blocks=64, max_requests=8, max_tokens=64)
 

@@ -9,8 +9,9 @@ import pytest
 pytest.importorskip("prometheus_client")
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
-from megatron_async.serve.engine_loop import Choice, EngineLoop, GenerationBlockedError, Submission  # noqa: E402
+from megatron_async.serve.engine_loop import EngineLoop  # noqa: E402
 from megatron_async.serve.metrics import ServerMetrics  # noqa: E402
+from megatron_async.serve.submission import Choice, GenerationBlockedError, Submission  # noqa: E402
 
 PROMPT, PARAMS = [1, 2, 3], SamplingParams(top_k=1, num_tokens_to_generate=24, ignore_eos=True)
 

@@ -19,7 +19,7 @@ from megatron_async.inference.request import InvalidRequestError, RequestOutput,
 from megatron_async.inference.request import SamplingParams  # noqa: E402
 from megatron_async.inference.structured.spec import StructuredOutputs  # noqa: E402
 from megatron_async.serve import ipc  # noqa: E402
-from megatron_async.serve.engine_loop import Choice, ChoiceEvent, GenerationBlockedError  # noqa: E402
+from megatron_async.serve.submission import Choice, ChoiceEvent, GenerationBlockedError  # noqa: E402
 from tests.helpers.wire_audit import watched  # noqa: E402
 from tests.unit_tests.inference.test_step_records import _same_output, outputs, updates  # noqa: E402
 

@@ -15,7 +15,7 @@ from megatron_async import LLM, SamplingParams  # noqa: E402
 from megatron_async.cli.flags import inference_config_from_args  # noqa: E402
 from megatron_async.serve.__main__ import build_parser, build_state  # noqa: E402
 from megatron_async.serve.app import create_app  # noqa: E402
-from megatron_async.serve.engine_loop import Choice, Submission  # noqa: E402
+from megatron_async.serve.submission import Choice, Submission  # noqa: E402
 from megatron_async.weight_transfer import TransferFailed, build_manifest, init_transfer_group, ipc, send  # noqa: E402
 from tests.helpers.multiprocess import free_port  # noqa: E402
 from tests.helpers.refit_engine import trainer_items  # noqa: E402

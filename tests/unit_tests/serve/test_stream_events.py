@@ -3,8 +3,8 @@ tokens, text and log-probs of the steps they replace, in order; an error ends th
 import random
 
 from megatron_async.inference.request import RequestOutput, RequestUpdate
-from megatron_async.serve.engine_loop import ChoiceEvent
 from megatron_async.serve.stream_events import merge_events, merge_updates
+from megatron_async.serve.submission import ChoiceEvent
 
 
 def random_updates(rng: random.Random, steps: int, log_probs: bool) -> list[RequestUpdate]:
