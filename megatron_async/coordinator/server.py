@@ -73,6 +73,7 @@ class CoordinatorServer:
             poller.poll(TICK_S * 1000)
             for peer, kind, fields in self.listener.take():
                 self._dispatch(peer, kind, fields)
+            self.listener.flush()  # what the messages caused leaves first: the rest waits for nobody
             for peer in self.listener.lost():  # after the frames it sent before closing
                 self._lost(peer)
             self.core.tick()
