@@ -13,6 +13,7 @@ import zmq
 from megatron_async.coordinator.messages import encode
 from megatron_async.coordinator.transport import PeerSocket
 from megatron_async.coordinator.trust import peer_secret
+from megatron_async.inference.communication.handshake import EVENTS, POLLIN
 
 
 class ClientChannel:
@@ -59,7 +60,7 @@ class ClientChannel:
         frames, self._queued = self._queued, []
         if frames and not self.peer.lost and not self.peer.sock.closed:
             self.peer.send_frames(frames)
-            if self.peer.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # the send took the readable edge
+            if self.peer.sock.getsockopt(EVENTS) & POLLIN:  # the send took the readable edge
                 self._read()
 
     def _read(self) -> None:

@@ -19,7 +19,8 @@ from zmq.utils.monitor import recv_monitor_message
 from megatron_async.coordinator import messages
 from megatron_async.coordinator.trust import ENV_SECRET
 from megatron_async.inference.communication import wire
-from megatron_async.inference.communication.handshake import AuthError, Listener, Peer, authenticate
+from megatron_async.inference.communication.handshake import (EVENTS, POLLIN, SNDMORE, AuthError, Listener, Peer,
+                                                              authenticate)
 
 __all__ = ["AuthError", "ControlListener", "Peer", "PeerSocket"]
 ROLES = {"engine": None, "client": None}
@@ -117,24 +118,28 @@ class PeerSocket:
 
     def send_frames(self, frames: list[bytes]) -> None:
         """Several encoded messages as one (the coordinator reads them in order)."""
-        self.sock.send_multipart(frames)
+        send = self.sock.send
+        for frame in frames[:-1]:
+            send(frame, SNDMORE)
+        send(frames[-1])
 
     def take(self) -> list[tuple[str, list]]:
         """Every message waiting (non-blocking), checked; marks ``lost`` when the connection closed."""
-        out, sock = [], self.sock
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # (cheaper than a receive that raises Again)
-            for frame in sock.recv_multipart(copy=False):
-                self.stats.frames += 1
-                try:
-                    name, fields = messages.decode(frame.buffer)
-                except wire.WireError as e:
-                    self.stats.drop(e.reason)
-                    continue
-                if name in messages.COORDINATOR_SENDS:
-                    out.append((name, fields))
-                else:
-                    self.stats.drop("wrong role")
-        if self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        out, sock, stats = [], self.sock, self.stats
+        recv, get = sock.recv, sock.getsockopt
+        while get(EVENTS) & POLLIN:  # (cheaper than a receive that raises Again; true between a message's parts too)
+            frame = recv()  # each part is a message of its own
+            stats.frames += 1
+            try:
+                name, fields = messages.decode(frame)
+            except wire.WireError as e:
+                stats.drop(e.reason)
+                continue
+            if name in messages.COORDINATOR_SENDS:
+                out.append((name, fields))
+            else:
+                stats.drop("wrong role")
+        if self.monitor.getsockopt(EVENTS) & POLLIN:
             recv_monitor_message(self.monitor)
             self.lost = True
         return out
