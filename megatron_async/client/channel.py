@@ -17,7 +17,6 @@ import zmq
 from megatron_async.coordinator.messages import encode
 from megatron_async.coordinator.transport import PeerSocket
 from megatron_async.coordinator.trust import peer_secret
-from megatron_async.inference.communication.handshake import EVENTS, POLLIN
 
 
 class ClientChannel:
@@ -79,7 +78,7 @@ class ClientChannel:
         if self.peer.lost or self.peer.sock.closed:
             return False
         self.peer.send_frames(frames)
-        return bool(self.peer.sock.getsockopt(EVENTS) & POLLIN)
+        return self.peer.readable()
 
     def _read(self) -> None:
         if self.peer.sock.closed:

@@ -52,10 +52,18 @@ MAX_PENDING = 256
 HANDSHAKE_TIMEOUT_S = 10.0
 _REFUSED_MEMORY = 4096
 
-EVENTS, POLLIN, RCVMORE, SNDMORE, NOBLOCK = (int(c) for c in (zmq.EVENTS, zmq.POLLIN, zmq.RCVMORE, zmq.SNDMORE,
-                                                                  zmq.NOBLOCK))
-"""pyzmq's option and flag enums as plain ints, for the receive and send paths: an ``&`` or ``|``
-of its enums builds a new enum member in Python (~0.5 us each, several per message)."""
+POLLIN, SNDMORE, NOBLOCK = int(zmq.POLLIN), int(zmq.SNDMORE), int(zmq.NOBLOCK)
+"""pyzmq's flags as plain ints for the send and receive paths: an ``|`` of its enums builds an
+enum member in Python. Whether a socket has a message waiting is asked with ``zmq_poll(items, 0)``
+(``items = readable(sock)``), not ``getsockopt(EVENTS)``: pyzmq's getsockopt looks its option up
+as a ``SocketOption`` enum member in Python on every call (~0.6 us, several per message), and a
+message's further parts are told by the received frame's ``more``, not by ``RCVMORE``."""
+zmq_poll = zmq.zmq_poll
+
+
+def readable(sock: zmq.Socket) -> list:
+    """``zmq_poll(readable(sock), 0)`` is true while ``sock`` has a message (or a part) waiting."""
+    return [(sock, POLLIN)]
 
 HELLO = wire.message_type("hello", 1, arity=4)
 CHALLENGE = wire.message_type("challenge", 2, arity=2)
@@ -123,6 +131,7 @@ class Listener:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         """Poll it with the socket: an event may be a bound peer's loss (``check_alive``)."""
+        self._in, self._monitor_in = readable(sock), readable(self.monitor)
         self.peers: dict[bytes, Peer] = {}
         self.by_name: dict[tuple[str, str], Peer] = {}
         self._pending: OrderedDict[bytes, _Pending] = OrderedDict()
@@ -135,7 +144,7 @@ class Listener:
 
     # ------------------------------------------------------------------ liveness
     def _drain_monitor(self) -> None:
-        while self.monitor.getsockopt(EVENTS) & POLLIN:
+        while zmq_poll(self._monitor_in, 0):
             ev = recv_monitor_message(self.monitor)
             fd = int(ev["value"])
             if ev["event"] == zmq.EVENT_ACCEPTED:
@@ -169,12 +178,14 @@ class Listener:
         undecodable ones dropped and counted; the authenticated peers' messages are returned
         in arrival order as (peer, type, fields)."""
         out, sock, stats = [], self.sock, self.stats
-        recv, get = sock.recv, sock.getsockopt
-        while get(EVENTS) & POLLIN:  # (cheaper than a recv that raises Again)
+        recv, waiting = sock.recv, self._in
+        while zmq_poll(waiting, 0):  # (cheaper than a recv that raises Again)
             rid = recv()
-            parts = [recv(copy=False)]  # (a ROUTER's message: the routing id and at least one part)
-            while get(RCVMORE):
-                parts.append(recv(copy=False))
+            part = recv(copy=False)  # (a ROUTER's message: the routing id and at least one part)
+            parts = [part]
+            while part.more:
+                part = recv(copy=False)
+                parts.append(part)
             peer = self.peers.get(rid)
             if peer is None:
                 stats.frames += 1
