@@ -20,7 +20,7 @@ from megatron_async.coordinator import messages
 from megatron_async.coordinator.trust import ENV_SECRET
 from megatron_async.inference.communication import wire
 from megatron_async.inference.communication.handshake import (SNDMORE, AuthError, Listener, Peer, authenticate,
-                                                              readable, zmq_poll)
+                                                              readable, zmq_poll, zmq_send)
 
 __all__ = ["AuthError", "ControlListener", "Peer", "PeerSocket"]
 ROLES = {"engine": None, "client": None}
@@ -113,14 +113,14 @@ class PeerSocket:
             raise
 
     def send(self, name: str, *fields: Any) -> None:
-        self.sock.send(messages.encode(name, *fields))
+        zmq_send(self.sock, messages.encode(name, *fields), 0)
 
     def send_frames(self, frames: list[bytes]) -> None:
         """Several encoded messages as one (the coordinator reads them in order)."""
-        send = self.sock.send
+        sock = self.sock
         for frame in frames[:-1]:
-            send(frame, SNDMORE)
-        send(frames[-1])
+            zmq_send(sock, frame, SNDMORE)
+        zmq_send(sock, frames[-1], 0)
 
     def take(self) -> list[tuple[str, list]]:
         """Every message waiting (non-blocking), checked; marks ``lost`` when the connection closed."""

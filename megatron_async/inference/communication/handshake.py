@@ -59,6 +59,10 @@ enum member in Python. Whether a socket has a message waiting is asked with ``zm
 as a ``SocketOption`` enum member in Python on every call (~0.6 us, several per message), and a
 message's further parts are told by the received frame's ``more``, not by ``RCVMORE``."""
 zmq_poll = zmq.zmq_poll
+zmq_send = zmq.backend.Socket.send
+"""``zmq_send(sock, frame, flags)``: the Cython send under pyzmq's ``Socket.send``, a Python
+override (for draft sockets' routing_id and group, unused here) whose frames and keyword call
+cost every send."""
 
 
 def readable(sock: zmq.Socket) -> list:
@@ -212,12 +216,12 @@ class Listener:
 
     def send_many(self, peer: Peer, frames: list[bytes], block: bool = True) -> bool:
         """Several messages as one ZMQ message (one wake-up of the peer), in order."""
-        flags, send = 0 if block else NOBLOCK, self.sock.send
+        flags, sock = 0 if block else NOBLOCK, self.sock
         try:  # (pyzmq's send_multipart: a Python loop, an enum | and a type check per part)
-            send(peer.routing_id, flags | SNDMORE)
+            zmq_send(sock, peer.routing_id, flags | SNDMORE)
             for frame in frames[:-1]:
-                send(frame, flags | SNDMORE)
-            send(frames[-1], flags)
+                zmq_send(sock, frame, flags | SNDMORE)
+            zmq_send(sock, frames[-1], flags)
             return True
         except zmq.ZMQError:
             self.stats.drop("undeliverable")
