@@ -69,6 +69,7 @@ def readable(sock: zmq.Socket) -> list:
     """``zmq_poll(readable(sock), 0)`` is true while ``sock`` has a message (or a part) waiting."""
     return [(sock, POLLIN)]
 
+
 HELLO = wire.message_type("hello", 1, arity=4)
 CHALLENGE = wire.message_type("challenge", 2, arity=2)
 PROOF = wire.message_type("proof", 3, arity=1)
