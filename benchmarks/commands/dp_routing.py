@@ -13,9 +13,11 @@ previous prompt + its answer (greedy, ``--answer`` tokens) + ``--question`` new 
 cache prefixes (blocks of 16); the DP engines together hold as many KV blocks as the one engine.
 The hit share is the DP run's prefix-hit tokens over the one engine's. Router: the median round
 trip of one request at a time through client -> coordinator -> null engine (benchmarks/null_engine.py)
--> client, against the null engine's own add_request + step in process; then ``--clients``
-processes keep ``--window`` requests each in flight: requests per second through the
-coordinator, and the coordinator's CPU per request.
+-> client, against the null engine's own add_request + step in process and against the same 4
+hops over bare ZMQ on this host (benchmarks/bare_relay.py: a relay and an echo process, no
+Python work in the hops), measured in alternating chunks so that both see the same host; then
+``--clients`` processes keep ``--window`` requests each in flight: requests per second through
+the coordinator, and the coordinator's CPU per request.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.bare_relay import BareRelay  # noqa: E402
 from benchmarks.null_engine import NullEngine  # noqa: E402
 from megatron_async import SamplingParams  # noqa: E402
 from megatron_async.client import InferenceClient, SyncInferenceClient  # noqa: E402
@@ -109,15 +112,20 @@ def hits_table(args) -> list[str]:
 
 
 # ---------------------------------------------------------------------- router
-async def sequential(address: str, n: int, prompt: list[int]) -> list[float]:
+async def sequential(address: str, n: int, prompt: list[int], bare: BareRelay | None = None,
+                     chunk: int = 100) -> tuple[list[float], list[float]]:
+    """Round trips of one request at a time through the coordinator, and (``bare``) as many over
+    the bare relay, alternating every ``chunk``: seconds each."""
     client = await InferenceClient(address).start()
-    params, times = SamplingParams(num_tokens_to_generate=1), []
+    params, times, floor = SamplingParams(num_tokens_to_generate=1), [], []
     for i in range(n):
+        if bare is not None and i % chunk == 0:
+            floor += bare.round_trips(min(chunk, n - i))
         t0 = time.perf_counter()
         await client.add_request(prompt + [i % 1000], params)
         times.append(time.perf_counter() - t0)
     client.close()
-    return times
+    return times, floor
 
 
 async def windowed(address: str, n: int, window: int, prompt: list[int]) -> tuple[float, float]:
@@ -156,15 +164,17 @@ def router_table(args) -> list[str]:
         engine.step()
         inproc.append(time.perf_counter() - t0)
     cluster = Cluster("scored", 0.5)
-    nulls = []
+    nulls, bare = [], None
     try:
         for i in range(args.null_engines):
             nulls.append(subprocess.Popen([sys.executable, "-m", "benchmarks.null_engine", cluster.address, f"null{i}"],
                                           stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT))
         for p in nulls:
             _wait_line(p, "megatron_async.serve: engine ", 120)
+        bare = BareRelay()
         asyncio.run(sequential(cluster.address, 200, prompt))  # warm
-        rtt = statistics.median(asyncio.run(sequential(cluster.address, args.sequential, prompt)))
+        times, floor = asyncio.run(sequential(cluster.address, args.sequential, prompt, bare))
+        rtt, floor = statistics.median(times), statistics.median(floor)
         cpu0 = [cpu_seconds(p.pid) for p in (cluster.coordinator, *nulls)]
         per_client = args.requests // args.clients
         loaders = [subprocess.Popen([sys.executable, "-m", "benchmarks", "dp-routing", "--load-client",
@@ -177,6 +187,8 @@ def router_table(args) -> list[str]:
         for p in nulls:
             p.kill()
             p.wait(10)
+        if bare is not None:
+            bare.close()
         cluster.close()
     total = per_client * args.clients
     return [f"router: {args.null_engines} null engines, routing 'scored', prompts of {args.prompt_len} tokens:", "",
@@ -184,6 +196,8 @@ def router_table(args) -> list[str]:
             f"| in-process null add_request + step, median | {1e6 * statistics.median(inproc):.0f} us |",
             f"| client -> coordinator -> engine -> client, one at a time, median | {1e6 * rtt:.0f} us |",
             f"| added by routing and the round trip, median | {1e6 * (rtt - statistics.median(inproc)):.0f} us |",
+            f"| the same hops over bare ZMQ on this host (relay + echo processes), median | {1e6 * floor:.0f} us |",
+            f"| added above that floor, median | {1e6 * (rtt - floor):.0f} us |",
             f"| throughput, {args.clients} clients x {args.window} in flight | {total / max(walls):,.0f} requests/s |",
             f"| coordinator CPU per request | {1e6 * cpu[0] / total:.1f} us |",
             f"| engines' CPU per request (null engines, their links) | {1e6 * sum(cpu[1:]) / total:.1f} us |",

@@ -1,7 +1,11 @@
 """The client's connection to the coordinator on an asyncio event loop: authenticated once
 (off the loop: the handshake blocks), then read from the loop itself (``add_reader`` on the
 socket's descriptor: no thread of its own). ZMQ's descriptor signals edges, so every wake-up
-reads everything waiting, and a send that took the readable edge schedules a read."""
+reads everything waiting, and a send that took the readable edge schedules a read.
+
+Sending: the first message of a turn of the event loop leaves at once (one request at a time
+waits for no turn of the loop); what follows it in the same turn is queued and leaves as one
+message when the turn ends (a loaded client's many requests: one wake-up of the coordinator)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +25,7 @@ class ClientChannel:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._fds: list[int] = []
         self._queued: list[bytes] = []
+        self._turn_open = False  # a message left in this turn of the loop: the next ones wait for its end
         client.info = peer.welcome
 
     @classmethod
@@ -45,22 +50,35 @@ class ClientChannel:
         loop.call_soon(self._read)  # what arrived before
 
     def send(self, kind: str, *fields) -> None:
-        """Queued: what is sent in one turn of the event loop leaves as one message."""
+        """At once if it is this turn's first message, else queued until the turn ends."""
         if self.peer.lost:
             return
         if self.loop is None:
             self.peer.send(kind, *fields)
             return
-        if not self._queued:
-            self.loop.call_soon(self._flush)
-        self._queued.append(encode(kind, *fields))
+        if self._turn_open:
+            self._queued.append(encode(kind, *fields))
+            return
+        self._turn_open = True
+        self.loop.call_soon(self._end_turn)
+        if self._write([encode(kind, *fields)]):
+            self.loop.call_soon(self._read)  # (not from inside the caller's add_request)
+
+    def _end_turn(self) -> None:
+        self._turn_open = False
+        self._flush()
 
     def _flush(self) -> None:
         frames, self._queued = self._queued, []
-        if frames and not self.peer.lost and not self.peer.sock.closed:
-            self.peer.send_frames(frames)
-            if self.peer.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # the send took the readable edge
-                self._read()
+        if frames and self._write(frames):
+            self._read()
+
+    def _write(self, frames: list[bytes]) -> bool:
+        """``frames`` as one message; True when the send took the readable edge (read now)."""
+        if self.peer.lost or self.peer.sock.closed:
+            return False
+        self.peer.send_frames(frames)
+        return self.peer.readable()
 
     def _read(self) -> None:
         if self.peer.sock.closed:

@@ -22,6 +22,7 @@ from megatron_async.coordinator.engines import EngineInfo, EngineSlot, EngineSta
 from megatron_async.coordinator.messages import encode
 from megatron_async.coordinator.transport import ControlListener, Peer
 from megatron_async.coordinator.trust import listener_secret, remove_secret_file
+from megatron_async.inference.communication.handshake import readable, zmq_poll
 
 log = logging.getLogger("megatron_async.coordinator")
 TICK_S = 1.0
@@ -66,13 +67,12 @@ class CoordinatorServer:
     # ---------------------------------------------------------------- the loop
     def serve(self, stop: threading.Event | None = None) -> None:
         """Until a client's shutdown completed (or ``stop`` is set)."""
-        poller = zmq.Poller()
-        poller.register(self.listener.sock, zmq.POLLIN)
-        poller.register(self.listener.monitor, zmq.POLLIN)
+        items = readable(self.listener.sock) + readable(self.listener.monitor)
         while not self.core.done and (stop is None or not stop.is_set()):
-            poller.poll(TICK_S * 1000)
+            zmq_poll(items, int(TICK_S * 1000))
             for peer, kind, fields in self.listener.take():
                 self._dispatch(peer, kind, fields)
+            self.listener.flush()  # what the messages caused leaves first: the rest waits for nobody
             for peer in self.listener.lost():  # after the frames it sent before closing
                 self._lost(peer)
             self.core.tick()

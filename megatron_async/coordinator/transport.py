@@ -19,7 +19,8 @@ from zmq.utils.monitor import recv_monitor_message
 from megatron_async.coordinator import messages
 from megatron_async.coordinator.trust import ENV_SECRET
 from megatron_async.inference.communication import wire
-from megatron_async.inference.communication.handshake import AuthError, Listener, Peer, authenticate
+from megatron_async.inference.communication.handshake import (SNDMORE, AuthError, Listener, Peer, authenticate,
+                                                              readable, zmq_poll, zmq_send)
 
 __all__ = ["AuthError", "ControlListener", "Peer", "PeerSocket"]
 ROLES = {"engine": None, "client": None}
@@ -99,9 +100,8 @@ class PeerSocket:
         self.lost = False
         self.stats = wire.WireStats()
         """What the coordinator sent that did not decode (a newer coordinator's message types)."""
-        self._poller = zmq.Poller()
-        self._poller.register(self.sock, zmq.POLLIN)
-        self._poller.register(self.monitor, zmq.POLLIN)
+        self._in, self._monitor_in = readable(self.sock), readable(self.monitor)
+        self._either = self._in + self._monitor_in
         try:
             self.sock.connect(address)
             self.welcome = authenticate(self.sock, secret, role, name, b"", timeout_s)
@@ -113,35 +113,43 @@ class PeerSocket:
             raise
 
     def send(self, name: str, *fields: Any) -> None:
-        self.sock.send(messages.encode(name, *fields))
+        zmq_send(self.sock, messages.encode(name, *fields), 0)
 
     def send_frames(self, frames: list[bytes]) -> None:
         """Several encoded messages as one (the coordinator reads them in order)."""
-        self.sock.send_multipart(frames)
+        sock = self.sock
+        for frame in frames[:-1]:
+            zmq_send(sock, frame, SNDMORE)
+        zmq_send(sock, frames[-1], 0)
 
     def take(self) -> list[tuple[str, list]]:
         """Every message waiting (non-blocking), checked; marks ``lost`` when the connection closed."""
-        out, sock = [], self.sock
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # (cheaper than a receive that raises Again)
-            for frame in sock.recv_multipart(copy=False):
-                self.stats.frames += 1
-                try:
-                    name, fields = messages.decode(frame.buffer)
-                except wire.WireError as e:
-                    self.stats.drop(e.reason)
-                    continue
-                if name in messages.COORDINATOR_SENDS:
-                    out.append((name, fields))
-                else:
-                    self.stats.drop("wrong role")
-        if self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        out, sock, stats = [], self.sock, self.stats
+        recv, waiting = sock.recv, self._in
+        while zmq_poll(waiting, 0):  # (cheaper than a receive that raises Again; true between a message's parts too)
+            frame = recv()  # each part is a message of its own
+            stats.frames += 1
+            try:
+                name, fields = messages.decode(frame)
+            except wire.WireError as e:
+                stats.drop(e.reason)
+                continue
+            if name in messages.COORDINATOR_SENDS:
+                out.append((name, fields))
+            else:
+                stats.drop("wrong role")
+        if zmq_poll(self._monitor_in, 0):
             recv_monitor_message(self.monitor)
             self.lost = True
         return out
 
+    def readable(self) -> bool:
+        """A message is waiting (a send may take the descriptor's readable edge: ask after one)."""
+        return bool(zmq_poll(self._in, 0))
+
     def wait(self, timeout_s: float) -> None:
         """Until a message or the connection's end arrives, or ``timeout_s``."""
-        self._poller.poll(int(timeout_s * 1000))
+        zmq_poll(self._either, int(timeout_s * 1000))
 
     def close(self) -> None:
         """What was sent still goes out (up to a second: an engine's last "leave" reaches the

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import contextmanager
 from typing import Any, Callable, Protocol
 
 from megatron_async.coordinator.engines import EngineInfo
@@ -53,6 +52,23 @@ class EngineChannel(Protocol):
 
     def poll(self, timeout_s: float) -> list[tuple[str, tuple]]: ...
     def send(self, kind: str, *fields: Any) -> None: ...
+
+
+class _Working:
+    """``with link._working():`` (a class, not a generator: it wraps every step)."""
+
+    __slots__ = ("link",)
+
+    def __init__(self, link: EngineLink):
+        self.link = link
+
+    def __enter__(self) -> None:
+        with self.link._lock:
+            self.link._working_since = time.monotonic()
+
+    def __exit__(self, *exc) -> None:
+        with self.link._lock:
+            self.link._working_since = None
 
 
 class EngineLink:
@@ -170,16 +186,9 @@ class EngineLink:
             done.set()
             beats.join()
 
-    @contextmanager
-    def _working(self):
+    def _working(self) -> _Working:
         """A step or an operation runs on this thread: the heartbeat thread owns the channel meanwhile."""
-        with self._lock:
-            self._working_since = time.monotonic()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._working_since = None
+        return _Working(self)
 
     def _heartbeats(self, done: threading.Event) -> None:
         """While ``run`` runs: a heartbeat when nothing was sent for ``HEARTBEAT_S`` and the loop is

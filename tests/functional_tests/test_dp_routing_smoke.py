@@ -1,5 +1,6 @@
 """python -m benchmarks dp-routing --smoke: both tables print, affinity keeps one engine's hits
-where spreading the turns loses them."""
+where spreading the turns loses them, and the router's round trip is shown beside the same hops
+over bare ZMQ."""
 from __future__ import annotations
 
 import subprocess
@@ -21,3 +22,7 @@ def test_dp_routing_smoke():
     share = {name: int(cells[3].strip().rstrip(" %")) for name, cells in rows.items() if cells[3].strip().endswith("%")}
     assert share["longest_prefix"] >= 90 and share["scored (alpha 0.9)"] >= 90 and share["load_balanced"] < 90
     assert "requests/s" in done.stdout
+    us = {name: float(cells[2].strip().removesuffix(" us")) for name, cells in rows.items() if cells[2].strip().endswith(" us")}
+    rtt, floor = us["client -> coordinator -> engine -> client, one at a time, median"], \
+        us["the same hops over bare ZMQ on this host (relay + echo processes), median"]
+    assert 0 < floor < rtt and us["added above that floor, median"] == pytest.approx(rtt - floor, abs=1)

@@ -52,6 +52,24 @@ MAX_PENDING = 256
 HANDSHAKE_TIMEOUT_S = 10.0
 _REFUSED_MEMORY = 4096
 
+POLLIN, SNDMORE, NOBLOCK = int(zmq.POLLIN), int(zmq.SNDMORE), int(zmq.NOBLOCK)
+"""pyzmq's flags as plain ints for the send and receive paths: an ``|`` of its enums builds an
+enum member in Python. Whether a socket has a message waiting is asked with ``zmq_poll(items, 0)``
+(``items = readable(sock)``), not ``getsockopt(EVENTS)``: pyzmq's getsockopt looks its option up
+as a ``SocketOption`` enum member in Python on every call (~0.6 us, several per message), and a
+message's further parts are told by the received frame's ``more``, not by ``RCVMORE``."""
+zmq_poll = zmq.zmq_poll
+zmq_send = zmq.backend.Socket.send
+"""``zmq_send(sock, frame, flags)``: the Cython send under pyzmq's ``Socket.send``, a Python
+override (for draft sockets' routing_id and group, unused here) whose frames and keyword call
+cost every send."""
+
+
+def readable(sock: zmq.Socket) -> list:
+    """``zmq_poll(readable(sock), 0)`` is true while ``sock`` has a message (or a part) waiting."""
+    return [(sock, POLLIN)]
+
+
 HELLO = wire.message_type("hello", 1, arity=4)
 CHALLENGE = wire.message_type("challenge", 2, arity=2)
 PROOF = wire.message_type("proof", 3, arity=1)
@@ -118,6 +136,7 @@ class Listener:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         """Poll it with the socket: an event may be a bound peer's loss (``check_alive``)."""
+        self._in, self._monitor_in = readable(sock), readable(self.monitor)
         self.peers: dict[bytes, Peer] = {}
         self.by_name: dict[tuple[str, str], Peer] = {}
         self._pending: OrderedDict[bytes, _Pending] = OrderedDict()
@@ -130,7 +149,7 @@ class Listener:
 
     # ------------------------------------------------------------------ liveness
     def _drain_monitor(self) -> None:
-        while self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while zmq_poll(self._monitor_in, 0):
             ev = recv_monitor_message(self.monitor)
             fd = int(ev["value"])
             if ev["event"] == zmq.EVENT_ACCEPTED:
@@ -164,18 +183,23 @@ class Listener:
         undecodable ones dropped and counted; the authenticated peers' messages are returned
         in arrival order as (peer, type, fields)."""
         out, sock, stats = [], self.sock, self.stats
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # (cheaper than a recv that raises Again)
-            parts = sock.recv_multipart(copy=False)
-            rid = parts[0].bytes
+        recv, waiting = sock.recv, self._in
+        while zmq_poll(waiting, 0):  # (cheaper than a recv that raises Again)
+            rid = recv()
+            part = recv(copy=False)  # (a ROUTER's message: the routing id and at least one part)
+            parts = [part]
+            while part.more:
+                part = recv(copy=False)
+                parts.append(part)
             peer = self.peers.get(rid)
             if peer is None:
                 stats.frames += 1
-                if len(parts) == 2:
-                    self._handshake(rid, parts[1])
+                if len(parts) == 1:
+                    self._handshake(rid, parts[0])
                 else:
                     stats.drop("malformed")
                 continue
-            for frame in parts[1:]:  # an authenticated peer may send several messages as one
+            for frame in parts:  # an authenticated peer may send several messages as one
                 stats.frames += 1
                 try:
                     mtype, fields = wire.decode(frame.buffer, self.max_frame_bytes)
@@ -183,7 +207,8 @@ class Listener:
                     stats.drop(e.reason)
                     continue
                 out.append((peer, mtype, fields))
-        self._expire()
+        if self._pending:
+            self._expire()
         return out
 
     def send(self, peer: Peer, frame: bytes, block: bool = True) -> bool:
@@ -192,8 +217,12 @@ class Listener:
 
     def send_many(self, peer: Peer, frames: list[bytes], block: bool = True) -> bool:
         """Several messages as one ZMQ message (one wake-up of the peer), in order."""
-        try:
-            self.sock.send_multipart([peer.routing_id, *frames], 0 if block else zmq.NOBLOCK)
+        flags, sock = 0 if block else NOBLOCK, self.sock
+        try:  # (pyzmq's send_multipart: a Python loop, an enum | and a type check per part)
+            zmq_send(sock, peer.routing_id, flags | SNDMORE)
+            for frame in frames[:-1]:
+                zmq_send(sock, frame, flags | SNDMORE)
+            zmq_send(sock, frames[-1], flags)
             return True
         except zmq.ZMQError:
             self.stats.drop("undeliverable")
