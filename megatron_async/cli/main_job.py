@@ -183,7 +183,7 @@ def _run(args: argparse.Namespace, llm: LLM, t0: float, entered: float | None = 
         raise SystemExit(1) from None
     model_name = args.model or f"built-in {args.default_model}"
     if llm.is_leader:
-        mode = ("serial" if args.serial else "async") + (", CUDA graphs" if llm.config.cuda_graphs else ", eager")
+        mode = ("async" if llm.config.async_scheduling else "serial") + (", CUDA graphs" if llm.config.cuda_graphs else ", eager")
         st = llm.engine.stats
         warm = (f" (warm-up {st.warmup_seconds:.1f} s: {st.warmup_triton_builds} Triton builds, {st.warmup_graphs} CUDA "
                 f"graphs, {st.warmup_memory_bytes / 2**30:.2f} GiB)" if st.warmup_seconds else "")

@@ -93,7 +93,7 @@ class DynamicInferenceEngine:
         self._pending: PendingLaunch | None = None
         self._launches = 0
         self.ranks = rank_role(communicator) if ranks is None else ranks
-        self.ranks.bind(self)
+        self.ranks.bind(self, config)
         self._quiet: set[int] = set()
         """Ids whose ``RequestUpdate``s nobody reads (``run_requests`` returns whole outputs):
         no update is built for them, so their text is decoded once, when they finish."""

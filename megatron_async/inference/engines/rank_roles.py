@@ -42,6 +42,7 @@ from megatron_async.inference.nvtx import nvtx_range
 from megatron_async.inference.step_plan import ALONE, StepAgreement, StepPlan
 
 if TYPE_CHECKING:
+    from megatron_async.config import Scheduling
     from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
 
 _DIGEST_MOD = (1 << 61) - 1  # a Mersenne prime: digests stay small ints for the max-reduce
@@ -56,9 +57,9 @@ class SingleRank:
     leader_waiting = False
     """Rank 0 is inside ``run_requests`` waiting for some of its requests (data parallel)."""
 
-    def bind(self, engine) -> None:
+    def bind(self, engine, scheduling: Scheduling) -> None:
         """``engine``: the DynamicInferenceEngine this role serves (not annotated: the engine
-        imports this module)."""
+        imports this module); ``scheduling``: its part of the configuration."""
         self.engine = engine
 
     def check_can_add(self) -> None:
@@ -242,9 +243,9 @@ class DataParallelRanks(TensorParallelReplicas):
         self._evictions: list[bytes] | None = None
         """Other ranks' (TP rank 0 of a group): digests of the blocks its cache reclaimed, not yet reported."""
 
-    def bind(self, engine) -> None:
-        super().bind(engine)
-        sync, config, context = self.consensus, engine.config, engine.context
+    def bind(self, engine, scheduling: Scheduling) -> None:
+        super().bind(engine, scheduling)
+        sync, config, context = self.consensus, scheduling, engine.context
         if routes_by_prefix(config.dp_routing, context.allocator) and sync.tp_rank == 0 and not sync.is_leader:
             self._evictions = context.allocator.record_evictions()  # reported to rank 0's router (one TP rank per group)
         if sync.is_leader:
