@@ -43,7 +43,7 @@ class NullEngine:
         self._aborted: set[int] = set()
         self._next = 0
 
-    def add_request(self, prompt, params=None) -> int:
+    def add_request(self, prompt, params=None, prompt_digests: bytes = b"") -> int:
         rid, self._next = self._next, self._next + 1
         self._queued.append((rid, prompt if isinstance(prompt, list) else []))
         return rid

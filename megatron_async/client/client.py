@@ -16,8 +16,9 @@ Request ids are the client's own (``RequestFuture.request_id``, ``RequestOutput.
 A request ends exactly once: its output (finish_reason "length" / "stop" / "abort", or "error"
 with ``error`` set and the partial output when its engine died after it produced tokens), or
 ``InvalidRequestError`` when the engine refused it. Token-id prompts are hashed here into the
-prefix cache's routing keys (the coordinator says which block size and key), so the coordinator
-does not; text prompts are tokenized here when a tokenizer is given, else routed by load.
+prefix cache's block digests (the coordinator says which block size and key): the coordinator
+routes on them and the engine it picks reads them instead of hashing the prompt again; text
+prompts are tokenized here when a tokenizer is given, else routed by load.
 Control operations return once every engine answered, with each engine's answer
 (``ControlError`` when one refused). If the coordinator goes away every open request fails with
 ``CoordinatorLost`` and nothing waits forever. ``SyncInferenceClient`` (sync.py) is the same from
@@ -30,7 +31,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_async.coordinator.controls import WEIGHT_TRANSFER_OPS
-from megatron_async.coordinator.routing import packed_keys
 from megatron_async.inference.contexts.kv_block_allocator import prefix_digests
 from megatron_async.inference.records import encode_sampling
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate, SamplingParams
@@ -192,10 +192,10 @@ class InferenceClient:
             prompt = self.tokenizer.encode(prompt)
         if not isinstance(prompt, str):
             prompt = list(map(int, prompt))
-        keys, epoch = None, -1
+        digests, epoch = None, -1
         bs = self.info.get("block_size")
         if bs and not isinstance(prompt, str):
-            keys, epoch = packed_keys(prefix_digests(prompt, bs, self.info["hash_key"])), self.info["key_epoch"]
+            digests, epoch = b"".join(prefix_digests(prompt, bs, self.info["hash_key"])), self.info["key_epoch"]
         try:
             maps = [encode_sampling(p) for p in params]
         except (TypeError, ValueError, OverflowError) as e:  # e.g. logit_bias keys that are not token ids
@@ -203,7 +203,7 @@ class InferenceClient:
         first = next(self._ids)
         for _ in range(len(params) - 1):
             next(self._ids)
-        self._channel.send("submit", first, prompt, maps, stream, keys, epoch)
+        self._channel.send("submit", first, prompt, maps, stream, digests, epoch)
         return first
 
     def abort_request(self, request_id: int) -> None:

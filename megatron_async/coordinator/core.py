@@ -24,7 +24,8 @@ from megatron_async.config.modes import DpRouting
 from megatron_async.coordinator.controls import CONTROL_OPS, ControlBook, PendingControl
 from megatron_async.coordinator.engines import EngineInfo, EngineSlot, EngineState, EngineTable
 from megatron_async.coordinator.requests import OpenRequest, RequestTable
-from megatron_async.inference.dp_routing import PrefixView, place, routing_keys
+from megatron_async.inference.contexts.kv_block_allocator import prefix_digests
+from megatron_async.inference.dp_routing import PrefixView, place
 from megatron_async.inference.records import CheckedOutput
 from megatron_async.inference.request import RequestOutput, RequestUpdate
 
@@ -86,33 +87,34 @@ class CoordinatorCore:
                 "engines": len(e.live()), "policy": self.policy.value}
 
     def submit(self, client: Any, client_rid: int, prompt: Any, samplings: Sequence[Any], stream: bool,
-               keys: list[int] | None = None, key_epoch: int = -1) -> None:
+               digests: bytes | None = None, key_epoch: int = -1) -> None:
         """``len(samplings)`` requests of one prompt (client ids ``client_rid`` on), placed
-        together when one engine has room for them all. ``keys``: the prompt's routing keys as
-        the client computed them with the key of ``key_epoch`` (None or stale: computed here)."""
-        keys = self._keys(prompt, keys, key_epoch)
+        together when one engine has room for them all. ``digests``: the prompt's block digests as
+        the client computed them with the key of ``key_epoch`` (None or stale: computed here);
+        routed on, and passed to the engine so that it does not hash the prompt again."""
+        digests = self._digests(prompt, digests, key_epoch)
         group = []
         for i, sampling in enumerate(samplings):
             if isinstance(sampling, dict) and sampling.get("seed") is None:
                 sampling = {**sampling, "seed": self._seeds.randrange(2**63)}
-            req = self.requests.add(client, client_rid + i, prompt, sampling, stream, keys)
+            req = self.requests.add(client, client_rid + i, prompt, sampling, stream, digests)
             if req is None:
                 self.outbox.to_client(client, "rejected", client_rid + i, "a request with this id is still open")
             else:
                 group.append(req)
         self._route(group)
 
-    def _keys(self, prompt: Any, keys: list[int] | None, key_epoch: int) -> list[int]:
+    def _digests(self, prompt: Any, digests: bytes | None, key_epoch: int) -> bytes:
         e = self.engines
-        if keys is not None and key_epoch == e.key_epoch:
-            return keys
+        if digests is not None and key_epoch == e.key_epoch:
+            return digests
         if isinstance(prompt, str) or e.block_size is None or not e.slots:
-            return []
+            return b""
         self.counts["hashed_here"] += 1
         try:
-            return routing_keys(prompt, e.block_size, e.hash_key)
+            return b"".join(prefix_digests(prompt, e.block_size, e.hash_key))
         except (TypeError, OverflowError):  # not token ids: the engine refuses it
-            return []
+            return b""
 
     def _route(self, group: list[OpenRequest]) -> None:
         if not group:
@@ -137,7 +139,7 @@ class CoordinatorCore:
         self.counts["routed"] += 1
         if assign and slot.affinity and req.keys:
             self.view.assign(slot.index, req.keys, slot.submitted)
-        self.outbox.to_engine(slot, "route", req.rid, slot.submitted, req.prompt, req.sampling, req.stream)
+        self.outbox.to_engine(slot, "route", req.rid, slot.submitted, req.prompt, req.sampling, req.stream, req.digests)
 
     def abort(self, client: Any, client_rid: int) -> None:
         req = self.requests.of_client(client, client_rid)
@@ -189,7 +191,7 @@ class CoordinatorCore:
         self.requests.unrouted.clear()
         for req in waiting:
             if not req.keys:
-                req.keys = self._keys(req.prompt, None, -1)
+                req.hashed(self._digests(req.prompt, None, -1))
             self._route([req])
 
     def engine_heartbeat(self, slot: EngineSlot, load: int, free_blocks: int = 0) -> None:

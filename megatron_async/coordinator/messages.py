@@ -12,10 +12,11 @@ request alone. Who sends what (``ENGINE_SENDS``, ``CLIENT_SENDS``, ``COORDINATOR
 checked by the receiver: anything else is dropped as "wrong role".
 
 Fields after the type (ids are ints; "ints" = int64 little-endian bin):
-- client -> coordinator: submit [first id, prompt (str | ints), [sampling map], stream, routing
-  keys ints | nil, key epoch], abort [id], abort_all [], control [op id, op, args map], drain
+- client -> coordinator: submit [first id, prompt (str | ints), [sampling map], stream, prompt
+  block digests bin (32 bytes each) | nil, key epoch], abort [id], abort_all [], control [op id, op, args map], drain
   [op id, engine index], shutdown [op id], engines [op id].
-- coordinator -> engine: route [rid, submission number, prompt, sampling map, stream], abort
+- coordinator -> engine: route [rid, submission number, prompt, sampling map, stream, prompt block
+  digests bin (b"": none)], abort
   [rid], control [op id, op, args], drain [], rejected [-1, message] (registration refused, or declared dead),
   info [map].
 - engine -> coordinator: register [[name, max requests, KV capacity in blocks, block size, cache
@@ -33,6 +34,7 @@ from megatron_async.coordinator.engines import EngineInfo
 from megatron_async.inference import records
 from megatron_async.inference.communication import wire
 from megatron_async.inference.communication import wire_fields as f
+from megatron_async.inference.contexts.kv_block_allocator import DIGEST_BYTES
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_ARGS_DEPTH = 8
@@ -92,17 +94,26 @@ def _sampling_map(v) -> dict:
 
 
 # ---------------------------------------------------------------------- client -> coordinator
+def _digests(v) -> bytes:
+    """Block digests, 32 bytes each (their values are only ever compared: an engine still
+    compares a block's tokens, and reads digests only where the first one is its own)."""
+    if type(v) is not bytes or len(v) % DIGEST_BYTES:
+        raise f.bad("digests")
+    return v
+
+
 def _read_submit(v: list) -> list:
-    first, prompt, samplings, stream, keys, epoch = v
+    first, prompt, samplings, stream, digests, epoch = v
     samplings = [_sampling_map(s) for s in f.list_(samplings, "sampling_params")]
     if not samplings:
         raise f.bad("sampling_params")
     return [_id(first), _prompt(prompt), samplings, f.bool_(stream, "stream"),
-            None if keys is None else f.ints(keys, "routing_keys"), f.int_(epoch, "key_epoch")]
+            None if digests is None else _digests(digests), f.int_(epoch, "key_epoch")]
 
 
 _type("submit", 32, 6, _read_submit,
-      lambda first, prompt, samplings, stream, keys, epoch: [first, _prompt_out(prompt), samplings, stream, keys, epoch])
+      lambda first, prompt, samplings, stream, digests, epoch: [first, _prompt_out(prompt), samplings, stream,
+                                                                digests, epoch])
 _type("abort", 38, 1, lambda v: [_id(v[0])])
 _type("abort_all", 39, 0)
 _type("control", 48, 3, lambda v: [_id(v[0]), f.str_(v[1], "op", 64), _args(v[2], "args")])
@@ -113,12 +124,12 @@ _type("engines", 58, 1, lambda v: [_id(v[0])])
 
 # ---------------------------------------------------------------------- coordinator -> engine / client
 def _read_route(v: list) -> list:
-    rid, seq, prompt, sampling, stream = v
-    return [_id(rid), _id(seq), _prompt(prompt), _sampling_map(sampling), f.bool_(stream, "stream")]
+    rid, seq, prompt, sampling, stream, digests = v
+    return [_id(rid), _id(seq), _prompt(prompt), _sampling_map(sampling), f.bool_(stream, "stream"), _digests(digests)]
 
 
-_type("route", 33, 5, _read_route,
-      lambda rid, seq, prompt, sampling, stream: [rid, seq, _prompt_out(prompt), sampling, stream])
+_type("route", 33, 6, _read_route,
+      lambda rid, seq, prompt, sampling, stream, digests: [rid, seq, _prompt_out(prompt), sampling, stream, digests])
 _type("rejected", 34, 2, lambda v: [_id(v[0]), f.str_(v[1], "message")])
 _type("info", 57, 1, lambda v: [_args(v[0], "info")])
 _type("stream", 36, 1, lambda v: [records.decode_updates(v[0])], lambda updates: [records.encode_updates(updates)])

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_async.coordinator.engines import EngineSlot
+from megatron_async.inference.dp_routing import digest_keys
 from megatron_async.inference.request import RequestOutput, RequestUpdate
 
 
@@ -28,7 +29,10 @@ class OpenRequest:
     sampling: Any
     """The sampling parameters as the client sent them (passed through to the engine)."""
     stream: bool
-    keys: list[int]
+    digests: bytes
+    """The prompt's block digests (32 bytes each; b"": none), handed to its engine."""
+    keys: list[int] = field(default_factory=list)
+    """What routing reads of them (``digest_keys``)."""
     engine: EngineSlot | None = None
     tokens: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
@@ -37,6 +41,9 @@ class OpenRequest:
     """When it last waited for an engine (none took requests)."""
     placements: int = 0
     """Engines it was sent to (more than one: routed again after a death)."""
+
+    def hashed(self, digests: bytes) -> None:
+        self.digests, self.keys = digests, digest_keys(digests)
 
     def land(self, update: RequestUpdate) -> None:
         """What an update of its engine brought (kept until it ends)."""
@@ -64,12 +71,13 @@ class RequestTable:
         self._next_rid = 0
 
     def add(self, client: Any, client_rid: int, prompt: Any, sampling: Any, stream: bool,
-            keys: list[int]) -> OpenRequest | None:
+            digests: bytes) -> OpenRequest | None:
         """A new entry, or None when this client already has an open request with that id."""
         mine = self._of_client.setdefault(client, {})
         if client_rid in mine:
             return None
-        req = OpenRequest(self._next_rid, client, client_rid, prompt, sampling, stream, keys)
+        req = OpenRequest(self._next_rid, client, client_rid, prompt, sampling, stream, digests)
+        req.hashed(digests)
         self._next_rid += 1
         mine[client_rid] = req.rid
         self.open[req.rid] = req

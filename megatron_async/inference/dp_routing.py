@@ -63,6 +63,14 @@ def keys_from_bytes(raw: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(raw) // 8}q", raw))
 
 
+def digest_keys(packed: bytes) -> list[int]:
+    """The routing keys of block digests as they travel (32 bytes each, joined)."""
+    return [k for (k,) in _DIGEST_KEY.iter_unpack(packed)]
+
+
+_DIGEST_KEY = struct.Struct("<q24x")  # a digest's first 8 bytes, as routing reads them
+
+
 def routing_keys(tokens: Sequence[int], block_size: int, hash_key: bytes) -> list[int]:
     """The routing keys of the blocks a request with prompt ``tokens`` can hit."""
     return keys_of(prefix_digests(tokens, block_size, hash_key))

@@ -18,7 +18,7 @@ sends them, for at most ``step_watchdog_s`` of one step: a loop thread stuck lon
 stops vouching for the engine, and the coordinator moves its requests.
 
 Messages in (``channel.poll``; coordinator/messages.py): ``route`` (rid, submission number, prompt,
-sampling map, stream), ``abort`` (rid), ``control`` (op id, op, args), ``drain`` (). Out (``channel.send``):
+sampling map, stream, the prompt's block digests: the engine reads them instead of hashing it), ``abort`` (rid), ``control`` (op id, op, args), ``drain`` (). Out (``channel.send``):
 ``outputs`` (last submission number received, [RequestUpdate], [RequestOutput], rejected
 [(rid, message)], failed [(rid, message)], evicted keys, load, free KV blocks, new cache key |
 None), ``heartbeat`` (load, free KV blocks), ``control_done`` (op id, status, body), ``leave`` ()."""
@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from megatron_async.coordinator.engines import EngineInfo
-from megatron_async.coordinator.routing import keys_of
+from megatron_async.inference.dp_routing import keys_of
 from megatron_async.inference.communication.wire import WireError
 from megatron_async.inference.records import sampling_fields
 from megatron_async.inference.request import InvalidRequestError, SamplingParams
@@ -128,7 +128,7 @@ class EngineLink:
         elif kind == "rejected":
             self._declared_dead = fields[1]
 
-    def _submit(self, rid: int, seq: int, prompt, params, stream: bool) -> None:
+    def _submit(self, rid: int, seq: int, prompt, params, stream: bool, digests: bytes = b"") -> None:
         self._seen_seq = max(self._seen_seq, seq)
         if self._leaving == "stop":
             self._rejected.append((rid, "the engine is stopping"))
@@ -140,7 +140,7 @@ class EngineLink:
             self._rejected.append((rid, f"bad sampling parameters: {e}"))
             return
         try:
-            local = self.engine.add_request(prompt, params)
+            local = self.engine.add_request(prompt, params, prompt_digests=digests)
         except InvalidRequestError as e:
             self._rejected.append((rid, str(e)))
             return

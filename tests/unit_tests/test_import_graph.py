@@ -270,7 +270,8 @@ def test_inference_subpackages_form_no_cycle():
 
 
 ROUTING = "megatron_async.inference.dp_routing"
-ROUTING_NAMES = ("PrefixView", "choose", "place", "routing_keys", "keys_of", "packed_keys", "keys_from_bytes")
+ROUTING_NAMES = ("PrefixView", "choose", "place", "routing_keys", "keys_of", "packed_keys", "keys_from_bytes",
+                 "digest_keys")
 """The routing policies and the view of the engines' caches: defined in ``ROUTING`` only."""
 
 

@@ -19,6 +19,10 @@ from collections.abc import Sequence
 DUMMY_BLOCK = 0
 
 
+DIGEST_BYTES = 32
+"""A block digest's length (SHA-256)."""
+
+
 def _digest(message: bytes) -> bytes:
     return hashlib.sha256(message).digest()
 
@@ -80,10 +84,10 @@ def known_digests(packed: bytes, tokens: Sequence[int], block_size: int, key: by
     """``prefix_digests`` of ``tokens`` as another rank computed them (``packed``: 32 bytes each,
     ``tokens``' leading blocks), or None where they were computed with another key (other weights)
     or do not fit ``tokens``: the first block is hashed here to tell (one SHA-256, not one a block)."""
-    n = len(packed) // 32
-    if not n or len(packed) % 32 or n * block_size > len(tokens):
+    n = len(packed) // DIGEST_BYTES
+    if not n or len(packed) % DIGEST_BYTES or n * block_size > len(tokens):
         return None
-    out = [packed[i:i + 32] for i in range(0, len(packed), 32)]
+    out = [packed[i:i + DIGEST_BYTES] for i in range(0, len(packed), DIGEST_BYTES)]
     return out if prefix_digests(tokens, block_size, key, 1)[0] == out[0] else None
 
 

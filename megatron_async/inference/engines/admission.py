@@ -34,7 +34,7 @@ class Admission:
         """Requests admitted so far: the next one's ``arrival_order``."""
 
     def accept(self, prompt_tokens: list[int] | str, sampling_params: SamplingParams | None,
-               request_id: int | None) -> NewRequest:
+               request_id: int | None, digests: bytes = b"") -> NewRequest:
         """Validate, and give the request its id and seed. InvalidRequestError: refused, and
         nothing changed."""
         valid = self.validator.check(prompt_tokens, SamplingParams() if sampling_params is None else sampling_params)
@@ -42,7 +42,7 @@ class Admission:
         self.next_id = rid + 1
         sp = valid.sampling_params
         seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-        return NewRequest(valid, rid, seed)
+        return NewRequest(valid, rid, seed, digests=digests)
 
     def admit(self, new: NewRequest) -> DynamicInferenceRequest:
         """The request ``new`` describes, built and queued in the scheduler."""

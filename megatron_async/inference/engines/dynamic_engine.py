@@ -118,13 +118,13 @@ class DynamicInferenceEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_tokens: list[int] | str, sampling_params: SamplingParams | None = None,
-                    request_id: int | None = None) -> int:
-        """Queue a request; raises InvalidRequestError (nothing queued) when it can never be
-        served. ``request_id``: None (the engine picks) or an id never used in this engine
-        (ids only grow: it must be >= every id used so far)."""
+                    request_id: int | None = None, prompt_digests: bytes = b"") -> int:
+        """Queue a request; raises InvalidRequestError (nothing queued) when it can never be served.
+        ``request_id``: None (the engine picks) or an id never used in this engine (ids only grow: it must be
+        >= every id used so far). ``prompt_digests``: its prompt's block digests as a router computed them."""
         self.ranks.check_can_add()
         try:
-            new = self.admission.accept(prompt_tokens, sampling_params, request_id)
+            new = self.admission.accept(prompt_tokens, sampling_params, request_id, prompt_digests)
         except InvalidRequestError:
             self.stats.rejected_requests += 1
             raise

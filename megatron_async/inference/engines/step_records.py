@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from megatron_async.inference.communication import wire
 from megatron_async.inference.communication import wire_fields as f
+from megatron_async.inference.contexts.kv_block_allocator import DIGEST_BYTES
 from megatron_async.inference.engines.request_validation import ValidRequest
 from megatron_async.inference.records import decode_output, decode_sampling, decode_updates, encode_output, encode_sampling, encode_updates
 from megatron_async.inference.request import RequestOutput, RequestUpdate
@@ -36,10 +37,8 @@ class NewRequest:
     """The data-parallel rank that serves it (every TP rank of it; always 0 under tensor parallelism alone)."""
     digests: bytes = b""
     """The chained digests of the prompt's blocks (``prefix_digests``, 32 bytes each) where rank 0
-    computed them to route it: the serving rank takes them instead of hashing the prompt again."""
-
-
-DIGEST_BYTES = 32
+    (or a client of the coordinator) computed them to route it: the serving rank takes them instead
+    of hashing the prompt again."""
 
 
 class Upload(NamedTuple):

@@ -9,6 +9,7 @@ import pytest
 from megatron_async.config import DpRouting
 from megatron_async.coordinator.core import CoordinatorCore
 from megatron_async.coordinator.engines import EngineInfo, RegistrationError
+from megatron_async.inference.contexts.kv_block_allocator import prefix_digests
 from megatron_async.inference.dp_routing import routing_keys
 from megatron_async.inference.request import RequestOutput, RequestUpdate
 
@@ -149,19 +150,24 @@ def test_controls_are_collated_and_a_late_engine_is_told_the_pause_and_epoch():
     assert box.take()[1][-1][3] == 400
 
 
-def test_keys_from_a_stale_epoch_are_recomputed_and_new_weights_reset_the_view():
+def test_digests_from_a_stale_epoch_are_recomputed_and_new_weights_reset_the_view():
     core, box, (e0, e1) = setup()
     prompt = list(range(21))
+    digests = b"".join(prefix_digests(prompt, 4, b"m"))  # as the client hashes a token-id prompt
     keys = routing_keys(prompt, 4, b"m")
-    core.submit("c", 1, prompt, ["sp"], stream=False, keys=keys, key_epoch=core.engines.key_epoch)
+    core.submit("c", 1, prompt, ["sp"], stream=False, digests=digests, key_epoch=core.engines.key_epoch)
     assert core.counts["hashed_here"] == 0 and core.view.depths(keys, 0b11) == {0: 5}
+    to_engines, _ = box.take()
+    assert [m[7] for m in to_engines if m[1] == "route"] == [digests]  # the engine reads them, not hashing again
     core.engine_outputs(e0, 1, [], [], hash_key=b"m\0weights:1")
     _, told = box.take()
     assert [m[1] for m in told] == ["info"] and told[0][2]["hash_key"] == b"m\0weights:1"
     assert core.view.holders == {} and not e1.affinity and e0.affinity
-    core.submit("c", 2, prompt, ["sp"], stream=False, keys=keys, key_epoch=1)  # hashed with the old key
+    core.submit("c", 2, prompt, ["sp"], stream=False, digests=digests, key_epoch=1)  # hashed with the old key
     assert core.counts["hashed_here"] == 1
     assert core.requests.get(1).keys == routing_keys(prompt, 4, b"m\0weights:1")
+    fresh = b"".join(prefix_digests(prompt, 4, b"m\0weights:1"))
+    assert [m[7] for m in box.take()[0] if m[1] == "route"] == [fresh]
 
 
 def test_engines_of_another_block_size_are_refused_and_unrouted_requests_time_out():

@@ -115,6 +115,27 @@ def test_outputs_equal_one_engines_and_prefixes_stay_together(llms):
     assert any(kind == "stream" for kind, *_ in hub.client)
 
 
+def test_an_engine_reads_the_digests_it_is_routed_with(monkeypatch):
+    """The prompt is hashed where it arrives (the client, or the coordinator for it): the engine's
+    admission checks the first digest against its own key and hashes nothing else."""
+    from megatron_async.inference.contexts import kv_block_allocator as kv
+
+    count, digest = [0], kv._digest
+    monkeypatch.setattr(kv, "_digest", lambda m: (count.__setitem__(0, count[0] + 1), digest(m))[1])
+    prompt = prompts(1)[0] + list(range(100, 140))  # 57 tokens: 14 blocks of 4 a hit may skip
+    alone = tiny()
+    count[0] = 0
+    want = alone.generate([prompt], GREEDY)[0].generated_tokens
+    hashed_alone = count[0]
+    hub = Hub()
+    hub.add_engine(tiny(), "e0")
+    hub.core.submit("c", 0, prompt, [GREEDY], stream=False)  # hashed here, as a client would have
+    count[0] = 0
+    hub.run()
+    assert hub.finished()[0].generated_tokens == want
+    assert hashed_alone >= 14 and count[0] <= 2, (hashed_alone, count[0])
+
+
 def test_eviction_reports_reach_the_view():
     hub = Hub()
     slot = hub.add_engine(tiny(num_kv_blocks=12, max_requests=2), "small")
