@@ -45,13 +45,13 @@ weights use none of them):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
-from megatron_async.parallel.sharding import Box, Destination, destinations, full_shape
+from megatron_async.parallel.sharding import Box, BoxSet, Destination, destinations, full_shape
 
 
 class WeightUpdateError(ValueError):
@@ -107,7 +107,7 @@ class _Target:
     param: nn.Parameter
     shard_id: object
     dests: list[Destination]
-    boxes: list[Box] = field(default_factory=list)
+    pieces: BoxSet
     dtype: torch.dtype | None = None
     """The source dtype of the first piece (None: not given)."""
 
@@ -158,7 +158,7 @@ class WeightPlan:
                     self.misshaped.append(f"'{slab.hf_name}' has shape {tuple(slab.full_shape)}, "
                                           f"the model expects {expected}")
                     continue
-                target = self.touched[name] = _Target(param, shard_id, destinations(param, shard_id))
+                target = self.touched[name] = _Target(param, shard_id, destinations(param, shard_id), BoxSet(expected))
             elif tuple(slab.full_shape) != full_shape(target.param, target.shard_id):
                 self.misshaped.append(f"'{slab.hf_name}' has shape {tuple(slab.full_shape)}, "
                                       f"the model expects {full_shape(target.param, target.shard_id)}")
@@ -168,9 +168,8 @@ class WeightPlan:
             if not all(0 <= a < b <= n for a, b, n in zip(box.lo, box.hi, slab.full_shape)):
                 self.misshaped.append(f"'{slab.hf_name}' piece {box.lo}..{box.hi} lies outside {slab.full_shape}")
                 continue
-            if any(box.intersect(b) is not None for b in target.boxes):
+            if not target.pieces.add(box):
                 self.overlaps.append(name)
-            target.boxes.append(box)
 
     def _check_dtype(self, slab: Slab, target: _Target) -> None:
         dtype = slab.source_dtype
@@ -192,7 +191,7 @@ class WeightPlan:
             return out
         incomplete = []
         for name, t in self.touched.items():
-            got = sum(both.numel for d in t.dests for b in t.boxes if (both := d.box.intersect(b)) is not None)
+            got = sum(both.numel for d in t.dests for b in t.pieces.boxes if (both := d.box.intersect(b)) is not None)
             if got != t.need:
                 incomplete.append(f"{name} ({got} of {t.need} elements)")
         if incomplete:

@@ -16,6 +16,7 @@ each, and the slab loader (``models/slab_loading.py``) does the same for pieces 
 (Megatron TP shards, transfer buckets). One geometry, whatever the source."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -49,6 +50,48 @@ class Box:
         for a, b in zip(self.lo, self.hi):
             n *= b - a
         return n
+
+
+class BoxSet:
+    """Boxes of one full tensor, telling whether a new one overlaps any held (``add``) without
+    comparing it with all of them: they are kept sorted by their start along one dim (the first
+    box's cut dim), and only those that start within the longest extent seen before its end can
+    overlap it. Pieces of a tensor (TP shards, query groups, buckets) are cut along one dim, so
+    a check looks at a few neighbours instead of every box (a 0.6B plan: 4,148 box tests -> none)."""
+
+    def __init__(self, full_shape: tuple[int, ...]):
+        self.full_shape = tuple(full_shape)
+        self.boxes: list[Box] = []
+        self._dim = 0
+        self._starts: list[tuple[int, int]] = []  # (lo along _dim, index in boxes), sorted
+        self._longest = 0
+
+    def add(self, box: Box) -> bool:
+        """Keep ``box``; False where it overlaps a box already held (it is kept all the same)."""
+        if not self.boxes:
+            self._dim = next((d for d, (a, b, n) in enumerate(zip(box.lo, box.hi, self.full_shape)) if b - a < n), 0)
+        d, starts = self._dim, self._starts
+        lo, hi = box.lo[d], box.hi[d]
+        at = bisect.bisect_left(starts, (lo, -1))
+        clear = True
+        for i in range(at - 1, -1, -1):  # starting before it: only within the longest extent
+            start, k = starts[i]
+            if start <= lo - self._longest:
+                break
+            if box.intersect(self.boxes[k]) is not None:
+                clear = False
+                break
+        if clear:
+            for start, k in starts[at:]:  # starting at or after it, before its end
+                if start >= hi:
+                    break
+                if box.intersect(self.boxes[k]) is not None:
+                    clear = False
+                    break
+        starts.insert(at, (lo, len(self.boxes)))
+        self.boxes.append(box)
+        self._longest = max(self._longest, hi - lo)
+        return clear
 
 
 @dataclass(frozen=True)
