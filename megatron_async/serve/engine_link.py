@@ -18,7 +18,8 @@ sends them, for at most ``step_watchdog_s`` of one step: a loop thread stuck lon
 stops vouching for the engine, and the coordinator moves its requests.
 
 Messages in (``channel.poll``; coordinator/messages.py): ``route`` (rid, submission number, prompt,
-sampling map, stream, the prompt's block digests: the engine reads them instead of hashing it), ``abort`` (rid), ``control`` (op id, op, args), ``drain`` (). Out (``channel.send``):
+sampling map, stream, the prompt's block digests: the engine reads them instead of hashing it),
+``abort`` (rid), ``control`` (op id, op, args), ``drain`` (). Out (``channel.send``):
 ``outputs`` (last submission number received, [RequestUpdate], [RequestOutput], rejected
 [(rid, message)], failed [(rid, message)], evicted keys, load, free KV blocks, new cache key |
 None), ``heartbeat`` (load, free KV blocks), ``control_done`` (op id, status, body), ``leave`` ()."""

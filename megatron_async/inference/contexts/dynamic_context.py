@@ -17,7 +17,7 @@ from megatron_async.inference.contexts.decode_rows import DecodeRows
 from megatron_async.inference.contexts.general_rows import assemble_rows
 from megatron_async.inference.contexts.gpu_view import ContextGPUView
 from megatron_async.inference.contexts.graph_padding import PaddingSlots, fill_padding, fill_verify_padding
-from megatron_async.inference.contexts.kv_block_allocator import BlockKey, KVBlockAllocator, known_digests
+from megatron_async.inference.contexts.kv_block_allocator import BlockKey, KVBlockAllocator, adopted_digest, known_digests
 from megatron_async.inference.contexts.mamba_states import MambaStateManager, window_rows
 from megatron_async.inference.contexts.prompt_sharing import PromptSharing
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
@@ -220,8 +220,8 @@ class DynamicInferenceContext:
             req.prompt_digests = (key, digests)
 
     def _block_hash(self, req: DynamicInferenceRequest, i: int, parent: BlockKey | None) -> BlockKey:
-        known, bs = req.prompt_digests, self.block_size
-        digest = known[1][i] if known is not None and i < len(known[1]) and known[0] is self.allocator.hash_key else None
+        bs = self.block_size
+        digest = adopted_digest(req.prompt_digests, self.allocator.hash_key, i)
         return self.allocator.block_hash(parent, req.tokens_between(i * bs, (i + 1) * bs), digest)
 
     def reserve(self, req: DynamicInferenceRequest, num_tokens: int) -> bool:

@@ -91,6 +91,12 @@ def known_digests(packed: bytes, tokens: Sequence[int], block_size: int, key: by
     return out if prefix_digests(tokens, block_size, key, 1)[0] == out[0] else None
 
 
+def adopted_digest(known: tuple[bytes, list[bytes]] | None, key: bytes, i: int) -> bytes | None:
+    """Block ``i``'s digest from a request's adopted digests (``(key, digests)``: its
+    ``prompt_digests``), where they were computed with ``key`` and reach block ``i``; else None."""
+    return known[1][i] if known is not None and known[0] is key and i < len(known[1]) else None
+
+
 class KVBlockAllocator:
     def __init__(self, num_blocks: int, enable_prefix_caching: bool, hash_key: bytes = b"", share_live: bool = False):
         """``hash_key``: names the model / adapter whose KV these blocks hold (part of every

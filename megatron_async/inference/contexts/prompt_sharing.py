@@ -14,7 +14,7 @@ the scheduler's state when it plans a step, which is the same in serial and laun
 (blocks are published when their step is launched), so both build the same schedules."""
 from __future__ import annotations
 
-from megatron_async.inference.contexts.kv_block_allocator import KVBlockAllocator, prefix_digests
+from megatron_async.inference.contexts.kv_block_allocator import KVBlockAllocator, adopted_digest, prefix_digests
 from megatron_async.inference.request import DynamicInferenceRequest
 
 
@@ -45,11 +45,10 @@ class PromptSharing:
         cached = req.share_key
         hash_key = self.allocator.hash_key
         if cached is None or cached[0] is not hash_key:
-            known = req.prompt_digests  # hashed where it arrived (data-parallel routing)
-            if known is not None and known[0] is hash_key and n <= len(known[1]):
-                cached = req.share_key = (hash_key, known[1][n - 1])
-            else:
-                cached = req.share_key = (hash_key, prefix_digests(req.prompt_tokens, self.block_size, hash_key, n)[-1])
+            digest = adopted_digest(req.prompt_digests, hash_key, n - 1)  # hashed where it arrived (routing)
+            if digest is None:
+                digest = prefix_digests(req.prompt_tokens, self.block_size, hash_key, n)[-1]
+            cached = req.share_key = (hash_key, digest)
         return cached[1]
 
     def waits(self, req: DynamicInferenceRequest) -> bool:

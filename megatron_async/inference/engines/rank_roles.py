@@ -254,7 +254,7 @@ class DataParallelRanks(TensorParallelReplicas):
 
     def _routed(self, new: NewRequest) -> NewRequest:
         router = self.router
-        digests = router.digests(new.valid.prompt_tokens)
+        digests = router.digests(new.valid.prompt_tokens, new.digests)
         return NewRequest(new.valid, new.request_id, new.seed, router.route(digests), b"".join(digests) or new.digests)
 
     def agree(self, from_step: bool, out: StepResult, num_tokens: int = 0, eager: bool = False,

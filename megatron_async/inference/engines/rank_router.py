@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_async.config.modes import DpRouting
-from megatron_async.inference.contexts.kv_block_allocator import KVBlockAllocator, prefix_digests
+from megatron_async.inference.contexts.kv_block_allocator import KVBlockAllocator, known_digests, prefix_digests
 from megatron_async.inference.dp_routing import PrefixView, choose, keys_from_bytes, keys_of, packed_keys
 
 
@@ -67,8 +67,9 @@ class RankRouter:
         self.evicted_keys = 0
         """Keys the ranks reported evicted (rank 0's own included)."""
 
-    def digests(self, prompt: Sequence[int]) -> list[bytes]:
-        """The prompt's block digests where routing reads them (else []): its one hashing."""
+    def digests(self, prompt: Sequence[int], known: bytes = b"") -> list[bytes]:
+        """The prompt's block digests where routing reads them (else []): its one hashing, or
+        ``known`` (as a coordinator's client computed them) where they are this cache's key's."""
         if not self.by_prefix:
             return []
         key = self._alloc.hash_key
@@ -76,7 +77,8 @@ class RankRouter:
             self._key = key
             for slot in self.slots:
                 self.view.reset_engine(slot.index)
-        return prefix_digests(prompt, self._block_size, key)
+        return (known_digests(known, prompt, self._block_size, key) if known else None) or \
+            prefix_digests(prompt, self._block_size, key)
 
     def route(self, digests: Sequence[bytes]) -> int:
         """The data-parallel rank of a new request with these prompt digests (ties: lowest rank)."""

@@ -83,3 +83,17 @@ def test_a_rank_reports_the_keys_of_what_its_cache_reclaimed():
     packed = take_evicted(evicted)
     assert keys_from_bytes(packed) == [int.from_bytes(h.digest[:8], "little", signed=True)]
     assert take_evicted(evicted) == b"" and evicted == []
+
+
+def test_digests_a_coordinators_client_computed_are_read_not_computed_again(monkeypatch):
+    from megatron_async.inference.contexts import kv_block_allocator as kv
+
+    known = b"".join(prefix_digests(P[0], 4, b"m"))  # an expert-parallel job behind a coordinator
+    stale = b"".join(prefix_digests(P[0], 4, b"m\0weights:0"))  # hashed before the weights changed
+    count, digest = [0], kv._digest
+    monkeypatch.setattr(kv, "_digest", lambda m: (count.__setitem__(0, count[0] + 1), digest(m))[1])
+    r = router()
+    assert r.digests(P[0], known) == prefix_digests(P[0], 4, b"m")
+    assert count[0] == 1 + 4  # the first block checked here, then the reference
+    count[0] = 0
+    assert r.digests(P[0], stale) == prefix_digests(P[0], 4, b"m") and count[0] == 1 + 4 + 4  # hashed anew
