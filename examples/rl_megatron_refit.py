@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
+import threading
 import sys
 import time
 from datetime import timedelta
@@ -67,9 +69,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's usual ephemeral range (32768-): it is bound later, by another
+    process, and a port from ``bind(0)`` may meanwhile go to some outgoing connection."""
+    for port in random.SystemRandom().sample(range(20000, 32768), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 # ------------------------------------------------------------------------------ trainer side
@@ -195,6 +204,16 @@ def engine_main(args, ports: dict, store) -> list[tuple[int, float, bool]]:
     return report
 
 
+def watch_trainers(procs: list, done: threading.Event) -> None:
+    """A trainer that fails ends the run at once: the engine would otherwise wait for its weights
+    until the store's timeout."""
+    while not done.wait(0.2):
+        failed = [p for p in procs if p.exitcode not in (None, 0)]
+        if failed:
+            print(f"FAILED: trainer exit codes {[p.exitcode for p in failed]}", file=sys.stderr, flush=True)
+            os._exit(1)
+
+
 def stop_trainers(procs: list, timeout: float) -> None:
     """Wait for the trainers to exit (terminate those still running after ``timeout``). Polls the exit
     status rather than ``join``: a trainer sharing CPU tensors starts torch_shm_manager, which inherits
@@ -218,9 +237,12 @@ def main(argv=None) -> int:
              for r in range(args.trainer_tp if args.trainer == "megatron" else 1)]
     for p in procs:
         p.start()
+    done = threading.Event()
+    threading.Thread(target=watch_trainers, args=(procs, done), daemon=True).start()
     try:
         report = engine_main(args, ports, store)
     finally:
+        done.set()
         stop_trainers(procs, timeout=60)
     print(f"trainer: {args.trainer} (TP {args.trainer_tp}), transport: {args.transport}, device: {args.device}")
     print("| step | max abs log-prob diff (engine vs trainer) | weight versions |")

@@ -6,6 +6,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import sys
 import time
@@ -14,8 +15,30 @@ from multiprocessing import reduction
 from typing import Any, Callable
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on now, chosen below the kernel's ephemeral range: the port is bound
+    later by another process, and a port that ``bind(0)`` returns is one the kernel also hands to
+    outgoing connections (of every test running beside this one) in the meantime."""
+    lo, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, lo - 12000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range is taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -18,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.helpers.multiprocess import free_port
 
 SEED = 5
 
@@ -33,12 +34,6 @@ class IpcReport:
     plan_hits: int = 0
     change_arrived: bool = False
     tokens_equal: bool = False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hf_tensors(shapes: dict, device) -> dict:
@@ -86,7 +81,7 @@ def run(default_model: str, updates: int = 4) -> IpcReport:
     llm = LLM(default_model=default_model, device="cuda", dtype="bfloat16", inference_config=cfg)
     m = llm.model
     shapes, dims, arch = m.hf_shapes(), m.megatron_dims(), m.spec.name
-    port = _free_port()
+    port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=600))
     proc = mp.get_context("spawn").Process(target=_trainer, args=(port, shapes, dims, arch, updates), daemon=True)
     proc.start()

@@ -44,12 +44,16 @@ def _run(ckpt, **cfg):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_async_equals_serial(ckpt, kv_cache_dtype):
-    """Tokens equal; log-probs to float32 rounding (CPU matmuls round by row count)."""
+    """Tokens equal; log-probs to float32 rounding (CPU matmuls round by row count, and a step
+    launched ahead may carry other rows). Into an e4m3 KV pool a key or value one float32 ulp
+    apart can round to the neighbouring e4m3 value (1/8 of its leading bit), which moves a
+    log-prob by more than float32 rounding: 1.6e-5 seen on an AVX-512 CPU."""
     launched, stats = _run(ckpt, kv_cache_dtype=kv_cache_dtype)
     serial, _ = _run(ckpt, kv_cache_dtype=kv_cache_dtype, async_scheduling=False)
     assert [t for t, _ in launched] == [t for t, _ in serial]
+    tol = 1e-5 if kv_cache_dtype == "auto" else 1e-3
     for (_, a), (_, b) in zip(launched, serial):
-        assert a == pytest.approx(b, abs=1e-5)
+        assert a == pytest.approx(b, abs=tol)
     assert stats.overlapped_decode_steps > 0
 
 
