@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -67,16 +68,25 @@ class CoordinatorServer:
     # ---------------------------------------------------------------- the loop
     def serve(self, stop: threading.Event | None = None) -> None:
         """Until a client's shutdown completed (or ``stop`` is set)."""
-        items = readable(self.listener.sock) + readable(self.listener.monitor)
+        sock, listener = self.listener.sock, self.listener
+        items, next_tick = readable(sock) + readable(listener.monitor), 0.0
         while not self.core.done and (stop is None or not stop.is_set()):
-            zmq_poll(items, int(TICK_S * 1000))
-            for peer, kind, fields in self.listener.take():
+            waiting = events = False  # (what the poll found is not asked again)
+            for which, _ in zmq_poll(items, int(TICK_S * 1000)):
+                if which is sock:
+                    waiting = True
+                else:
+                    events = True
+            for peer, kind, fields in listener.take(waiting):
                 self._dispatch(peer, kind, fields)
-            self.listener.flush()  # what the messages caused leaves first: the rest waits for nobody
-            for peer in self.listener.lost():  # after the frames it sent before closing
+            listener.flush()  # what the messages caused leaves first: the rest waits for nobody
+            for peer in listener.lost(events):  # after the frames it sent before closing
                 self._lost(peer)
-            self.core.tick()
-            self.listener.flush()
+            now = time.monotonic()
+            if now >= next_tick:  # timeouts are whole seconds: not looked for at every message
+                self.core.tick(now)
+                next_tick = now + TICK_S / 4
+            listener.flush()
 
     def _dispatch(self, peer: Peer, kind: str, fields: list) -> None:
         try:

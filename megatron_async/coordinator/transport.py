@@ -55,22 +55,24 @@ class ControlListener:
     def use_secret(self, secret: bytes) -> None:
         self.listener.use_secret(secret)
 
-    def take(self) -> list[tuple[Peer, str, list]]:
-        """The authenticated peers' messages waiting (non-blocking), checked: (peer, type name, fields)."""
+    def take(self, waiting: bool | None = None) -> list[tuple[Peer, str, list]]:
+        """The authenticated peers' messages waiting (non-blocking), checked: (peer, type name,
+        fields). ``waiting``: what the caller's poll said of the socket (None: ask)."""
         out = []
-        for peer, mtype, fields in self.listener.take():
+        for peer, mtype, fields in self.listener.take(waiting):
             if mtype.name not in _SENDS[peer.role]:
                 self.stats.drop("wrong role")
                 continue
             try:
-                out.append((peer, *messages.read(mtype, fields)))
+                out.append((peer, mtype.name, mtype.read(fields)))  # (messages.read)
             except wire.WireError as e:
                 self.stats.drop(e.reason)
         return out
 
-    def lost(self) -> list[Peer]:
-        """Authenticated peers whose connection closed since the last call."""
-        return self.listener.lost()
+    def lost(self, drain: bool = True) -> list[Peer]:
+        """Authenticated peers whose connection closed since the last call (``drain=False``: the
+        caller's poll found no event of the monitor)."""
+        return self.listener.lost(drain)
 
     def send(self, peer: Peer, frame: bytes) -> None:
         """Queued: ``flush`` sends each peer's frames as one message."""
@@ -100,8 +102,8 @@ class PeerSocket:
         self.lost = False
         self.stats = wire.WireStats()
         """What the coordinator sent that did not decode (a newer coordinator's message types)."""
-        self._in, self._monitor_in = readable(self.sock), readable(self.monitor)
-        self._either = self._in + self._monitor_in
+        self._in = readable(self.sock)
+        self._either = self._in + readable(self.monitor)
         try:
             self.sock.connect(address)
             self.welcome = authenticate(self.sock, secret, role, name, b"", timeout_s)
@@ -122,11 +124,21 @@ class PeerSocket:
             zmq_send(sock, frame, SNDMORE)
         zmq_send(sock, frames[-1], 0)
 
-    def take(self) -> list[tuple[str, list]]:
-        """Every message waiting (non-blocking), checked; marks ``lost`` when the connection closed."""
+    def take(self, ready: list | None = None) -> list[tuple[str, list]]:
+        """Every message waiting (non-blocking), checked; marks ``lost`` when the connection closed.
+        ``ready``: what ``wait`` returned (the sockets' state is not asked again)."""
         out, sock, stats = [], self.sock, self.stats
-        recv, waiting = sock.recv, self._in
-        while zmq_poll(waiting, 0):  # (cheaper than a receive that raises Again; true between a message's parts too)
+        recv, poll_in = sock.recv, self._in
+        if ready is None:
+            ready = zmq_poll(self._either, 0)
+        known = ended = False
+        for which, _ in ready:
+            if which is sock:
+                known = True
+            else:
+                ended = True
+        while known or zmq_poll(poll_in, 0):  # (cheaper than a receive that raises Again; true between a message's parts too)
+            known = False
             frame = recv()  # each part is a message of its own
             stats.frames += 1
             try:
@@ -138,7 +150,7 @@ class PeerSocket:
                 out.append((name, fields))
             else:
                 stats.drop("wrong role")
-        if zmq_poll(self._monitor_in, 0):
+        if ended:
             recv_monitor_message(self.monitor)
             self.lost = True
         return out
@@ -147,9 +159,9 @@ class PeerSocket:
         """A message is waiting (a send may take the descriptor's readable edge: ask after one)."""
         return bool(zmq_poll(self._in, 0))
 
-    def wait(self, timeout_s: float) -> None:
-        """Until a message or the connection's end arrives, or ``timeout_s``."""
-        zmq_poll(self._either, int(timeout_s * 1000))
+    def wait(self, timeout_s: float) -> list:
+        """Until a message or the connection's end arrives, or ``timeout_s``: what is ready (for ``take``)."""
+        return zmq_poll(self._either, int(timeout_s * 1000))
 
     def close(self) -> None:
         """What was sent still goes out (up to a second: an engine's last "leave" reaches the

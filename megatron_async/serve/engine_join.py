@@ -48,11 +48,9 @@ class CoordinatorChannel:
 
     def poll(self, timeout_s: float) -> list[tuple[str, list]]:
         early, self._early = self._early, []
-        got = self.peer.take()
-        if not got and not early and timeout_s > 0:
-            self.peer.wait(timeout_s)
-            got = self.peer.take()
-        return early + got
+        if early or timeout_s <= 0:
+            return early + self.peer.take()
+        return self.peer.take(self.peer.wait(timeout_s))  # (the wait returns at once when a message waits)
 
     def send(self, kind: str, *fields) -> None:
         if not self.peer.lost:

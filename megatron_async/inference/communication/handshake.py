@@ -164,9 +164,11 @@ class Listener:
                 if not gone:
                     self.stats.stranger_disconnects += 1
 
-    def lost(self) -> list[Peer]:
-        """Authenticated peers whose connection closed since the last call."""
-        self._drain_monitor()
+    def lost(self, drain: bool = True) -> list[Peer]:
+        """Authenticated peers whose connection closed since the last call. ``drain=False``: the
+        caller's poll found the monitor empty (only losses already drained, by a handshake)."""
+        if drain:
+            self._drain_monitor()
         out, self._lost = self._lost, []
         return out
 
@@ -178,13 +180,16 @@ class Listener:
             raise PeerLost(f"{p.role} {p.name} lost its connection: its process exited or died")
 
     # ------------------------------------------------------------------ frames
-    def take(self) -> list[tuple[Peer, wire.MessageType, list]]:
+    def take(self, waiting: bool | None = None) -> list[tuple[Peer, wire.MessageType, list]]:
         """Every frame waiting (non-blocking): handshakes are handled here, strangers' frames and
         undecodable ones dropped and counted; the authenticated peers' messages are returned
-        in arrival order as (peer, type, fields)."""
+        in arrival order as (peer, type, fields). ``waiting``: what the caller's poll said of the
+        socket (None: ask; False: nothing is read)."""
         out, sock, stats = [], self.sock, self.stats
-        recv, waiting = sock.recv, self._in
-        while zmq_poll(waiting, 0):  # (cheaper than a recv that raises Again)
+        recv, poll_in = sock.recv, self._in
+        known = waiting is True
+        while waiting is not False and (known or zmq_poll(poll_in, 0)):  # (a poll: cheaper than a recv raising Again)
+            known = False
             rid = recv()
             part = recv(copy=False)  # (a ROUTER's message: the routing id and at least one part)
             parts = [part]
