@@ -23,7 +23,7 @@ from megatron_async.config.inference_config import DP_ENGINE_TIMEOUT_S
 from megatron_async.config.modes import DpRouting
 from megatron_async.coordinator.controls import CONTROL_OPS, ControlBook, PendingControl
 from megatron_async.coordinator.engines import EngineInfo, EngineSlot, EngineState, EngineTable
-from megatron_async.coordinator.requests import OpenRequest, RequestTable
+from megatron_async.coordinator.requests import OpenRequest, RequestTable, prompt_tokens
 from megatron_async.inference.contexts.kv_block_allocator import prefix_digests
 from megatron_async.inference.dp_routing import PrefixView, place
 from megatron_async.inference.records import CheckedOutput
@@ -112,7 +112,7 @@ class CoordinatorCore:
             return b""
         self.counts["hashed_here"] += 1
         try:
-            return b"".join(prefix_digests(prompt, e.block_size, e.hash_key))
+            return b"".join(prefix_digests(prompt_tokens(prompt), e.block_size, e.hash_key))
         except (TypeError, OverflowError):  # not token ids: the engine refuses it
             return b""
 

@@ -12,7 +12,8 @@ request alone. Who sends what (``ENGINE_SENDS``, ``CLIENT_SENDS``, ``COORDINATOR
 checked by the receiver: anything else is dropped as "wrong role".
 
 Fields after the type (ids are ints; "ints" = int64 little-endian bin):
-- client -> coordinator: submit [first id, prompt (str | ints), [sampling map], stream, prompt
+- client -> coordinator: submit [first id, prompt (str | ints: read as they travel, passed on
+  packed), [sampling map], stream, prompt
   block digests bin (32 bytes each) | nil, key epoch], abort [id], abort_all [], control [op id, op, args map], drain
   [op id, engine index], shutdown [op id], engines [op id].
 - coordinator -> engine: route [rid, submission number, prompt, sampling map, stream, prompt block
@@ -76,7 +77,14 @@ def _prompt(v):
 
 
 def _prompt_out(p) -> str | bytes:
-    return p if isinstance(p, str) else f.pack_ints(p)
+    """Token ids packed (a prompt read by the coordinator is already: passed on as it came)."""
+    return p if type(p) is str or type(p) is bytes else f.pack_ints(p)
+
+
+def _prompt_relayed(v) -> str | bytes:
+    """A submission's prompt as the coordinator keeps it: text, or its token ids as they travelled
+    (int64 bin, checked as ``ints`` checks it; ``requests.prompt_tokens`` unpacks it where read)."""
+    return v if type(v) is str else f.packed(v, "prompt")
 
 
 def _args(v, name: str) -> dict:
@@ -107,7 +115,7 @@ def _read_submit(v: list) -> list:
     samplings = [_sampling_map(s) for s in f.list_(samplings, "sampling_params")]
     if not samplings:
         raise f.bad("sampling_params")
-    return [_id(first), _prompt(prompt), samplings, f.bool_(stream, "stream"),
+    return [_id(first), _prompt_relayed(prompt), samplings, f.bool_(stream, "stream"),
             None if digests is None else _digests(digests), f.int_(epoch, "key_epoch")]
 
 
@@ -159,7 +167,8 @@ def _read_outputs(v: list) -> list:
 
 def _write_outputs(seen, updates, finished, rejected, failed, evicted, load, free, key) -> list:
     return [seen, records.encode_updates(updates), [records.encode_output(o) for o in finished],
-            [list(r) for r in rejected], [list(r) for r in failed], f.pack_ints(evicted), load, free, key]
+            [list(r) for r in rejected] if rejected else [], [list(r) for r in failed] if failed else [],
+            f.pack_ints(evicted) if evicted else b"", load, free, key]  # (a step's message: mostly empty)
 
 
 _type("register", 64, 1, _read_register, _write_register)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_async.coordinator.engines import EngineSlot
+from megatron_async.inference.communication.wire_fields import ints
 from megatron_async.inference.dp_routing import digest_keys
 from megatron_async.inference.request import RequestOutput, RequestUpdate
 
@@ -25,7 +27,7 @@ class OpenRequest:
     client: Any
     client_rid: int
     prompt: Any
-    """Token ids or text, as the engine takes it."""
+    """Text, or token ids (packed as they travelled, or a list: ``prompt_tokens``), as the engine takes it."""
     sampling: Any
     """The sampling parameters as the client sent them (passed through to the engine)."""
     stream: bool
@@ -57,9 +59,14 @@ class OpenRequest:
 
     def partial_output(self, reason: str, error: str | None) -> RequestOutput:
         """Its output so far, ended with ``reason`` (ids are the client's)."""
-        prompt = list(self.prompt) if not isinstance(self.prompt, str) else []
+        prompt = prompt_tokens(self.prompt) if not isinstance(self.prompt, str) else []
         return RequestOutput(self.client_rid, prompt, list(self.tokens), "".join(self.text) if self.text else None,
                              reason, generated_log_probs=self.log_probs, error=error)
+
+
+def prompt_tokens(prompt: bytes | Sequence[int]) -> list[int]:
+    """A token-id prompt as a list (the coordinator keeps a submitted one packed, as it came)."""
+    return ints(prompt, "prompt") if type(prompt) is bytes else list(prompt)
 
 
 class RequestTable:

@@ -66,11 +66,17 @@ _SP_STRUCTURED = {
 """Every SamplingParams field that is not a scalar (test_step_records checks that none is missing)."""
 
 
+_SP_DEFAULT_ITEMS = tuple(_SP_DEFAULTS.items())
+
+
 def encode_sampling(sp: SamplingParams) -> dict:
-    out = {k: v for k, v in vars(sp).items() if k in _SP_DEFAULTS and v != _SP_DEFAULTS[k]}
-    for name in _SP_STRUCTURED.keys() & out.keys():
-        if out[name] is not None:
-            out[name] = _SP_STRUCTURED[name][0](out[name])
+    """The fields that differ from the defaults, in field order (a client encodes one per request:
+    one pass over the defaults, no sets)."""
+    d = vars(sp)
+    out = {k: d[k] for k, default in _SP_DEFAULT_ITEMS if d[k] != default}
+    for name, (to_wire, _) in _SP_STRUCTURED.items():
+        if out.get(name) is not None:
+            out[name] = to_wire(out[name])
     return out
 
 

@@ -33,8 +33,8 @@ from typing import Any, Callable, Protocol
 from megatron_async.coordinator.engines import EngineInfo
 from megatron_async.inference.dp_routing import keys_of
 from megatron_async.inference.communication.wire import WireError
-from megatron_async.inference.records import sampling_fields
-from megatron_async.inference.request import InvalidRequestError, SamplingParams
+from megatron_async.inference.records import decode_sampling
+from megatron_async.inference.request import InvalidRequestError
 from megatron_async.serve.admin_ops import run_engine_op
 from megatron_async.serve.refit_ops import EVERY_RANK_OPS
 
@@ -135,8 +135,8 @@ class EngineLink:
             self._rejected.append((rid, "the engine is stopping"))
             return
         try:
-            if isinstance(params, dict):  # as it travels (records.encode_sampling's map)
-                params = SamplingParams(**sampling_fields(params))
+            if isinstance(params, dict):  # as it travels (records.encode_sampling's map): checked, built
+                params = decode_sampling(params, frozen=False)  # without 30 __setattr__ calls (admission copies it)
         except (WireError, TypeError, ValueError) as e:
             self._rejected.append((rid, f"bad sampling parameters: {e}"))
             return

@@ -170,6 +170,32 @@ def test_digests_from_a_stale_epoch_are_recomputed_and_new_weights_reset_the_vie
     assert [m[7] for m in box.take()[0] if m[1] == "route"] == [fresh]
 
 
+def test_a_submitted_prompt_travels_on_packed_and_is_unpacked_where_read():
+    """The listener reads a submission's token ids as they travelled (int64 bin, checked) and the
+    route passes them on unconverted; hashing here and a dead engine's partial output read them."""
+    from megatron_async.coordinator import messages
+    from megatron_async.inference.communication import wire
+    from megatron_async.inference.communication.wire import WireError
+
+    core, box, _ = setup(policy=DpRouting.LOAD_BALANCED)
+    prompt = list(range(1000, 1021))
+    frame = messages.encode("submit", 5, prompt, [{"seed": 1}], False, None, -1)  # no digests: hashed here
+    _, fields = messages.decode(frame)
+    assert type(fields[1]) is bytes
+    core.client_message("c", "submit", fields)
+    (route,) = [m for m in box.take()[0] if m[1] == "route"]
+    assert type(route[4]) is bytes and core.counts["hashed_here"] == 1
+    _, routed = messages.decode(messages.encode(*route[1:]))  # as the engine reads it
+    assert routed[2] == prompt and routed[5] == b"".join(prefix_digests(prompt, 4, b"m"))
+    slot = core.engines.slots[route[0]]
+    core.engine_outputs(slot, 1, [RequestUpdate(route[2], (7,), None, False, None)], [])
+    core.engine_lost(slot)  # it produced a token: its partial output ends it
+    (out,) = [o for m in box.take()[1] if m[1] == "finished" for o in m[2]]
+    assert out.prompt_tokens == prompt and out.generated_tokens == [7] and out.finish_reason == "error"
+    with pytest.raises(WireError, match="prompt"):  # not whole int64s: dropped at reading
+        messages.decode(wire.encode(messages.TYPES["submit"], 5, b"\1" * 7, [{"seed": 1}], False, None, -1))
+
+
 def test_engines_of_another_block_size_are_refused_and_unrouted_requests_time_out():
     box = Outbox()
     core = CoordinatorCore(box, "scored", alpha=0.3, unrouted_timeout_s=5)
