@@ -11,7 +11,8 @@ Its socket takes only front-ends that proved the server's secret (communication/
 role "frontend", names "0" .. "N-1", each bound once) and only the messages a front-end sends
 (``ipc.FRONTEND_SENDS``), each through its checked reader: any other frame is dropped and
 counted in ``wire_stats`` (``/metrics``: megatron_async_frontend_ipc_dropped_frames_total by
-reason) and the bridge goes on."""
+reason) and the bridge goes on. Each front-end's requests, handed over and running, are counted
+on ``/metrics`` too (``frontend`` label: its index): how evenly the front-ends share the load."""
 from __future__ import annotations
 
 import logging
@@ -48,6 +49,8 @@ class FrontendSink:
         removes at a submission's last event; single dict operations, safe between threads)."""
         self.gone = False
         """The front-end process exited: nothing more is sent."""
+        self.requests = 0
+        """Submissions it handed over (``/metrics``: megatron_async_frontend_requests_total)."""
 
     def deliver(self, batch: list[tuple[Any, str, Any]]) -> None:
         entries = []
@@ -118,6 +121,7 @@ class Bridge:
             sock.setsockopt(zmq.RECONNECT_IVL, 10)
             sock.connect(endpoints.events(i))
             self.sinks.append(FrontendSink(i, sock))
+        engine_loop.metrics.count_frontend_requests(self.sinks)
         self._wake_in = self._ctx.socket(zmq.PAIR)
         self._wake_in.bind(f"inproc://bridge-wake-{id(self)}")
         self._wake = self._ctx.socket(zmq.PAIR)
@@ -226,6 +230,7 @@ class Bridge:
     def _add(self, sink: FrontendSink, peer, sid: int, arrival: float, choices: list[Choice]) -> None:
         sub = RemoteSubmission(sid, choices, arrival, sink)
         sink.live[sid] = sub
+        sink.requests += 1
         self.engine_loop.submit(sub)
 
     def _abort(self, sink: FrontendSink, peer, sid: int) -> None:

@@ -3,7 +3,7 @@ process in tests). The engine thread writes them; ``/metrics`` renders them."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -57,6 +57,12 @@ class ServerMetrics:
         reason "auth failed": handshakes that did not prove the key."""
         self.registry.register(_DroppedFrames(f"{PREFIX}_{name}_dropped_frames", self._model_name, stats))
 
+    def count_frontend_requests(self, sinks) -> None:
+        """Per HTTP front-end process (bridge.py's ``FrontendSink``: label ``frontend``, its index):
+        ``megatron_async_frontend_requests_total`` handed to the engine and
+        ``megatron_async_frontend_requests_running``, read whenever /metrics is rendered."""
+        self.registry.register(_FrontendRequests(self._model_name, sinks))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -74,3 +80,21 @@ class _DroppedFrames:
         for reason, n in sorted(counts.items()):
             family.add_metric([self.model_name, reason], n)
         yield family
+
+
+class _FrontendRequests:
+    """A collector of each front-end's requests: how evenly the front-ends share the load."""
+
+    def __init__(self, model_name: str, sinks):
+        self.model_name, self.sinks = model_name, sinks
+
+    def collect(self):
+        total = CounterMetricFamily(f"{PREFIX}_frontend_requests", "Requests this HTTP front-end process handed "
+                                    "to the engine.", labels=["model_name", "frontend"])
+        running = GaugeMetricFamily(f"{PREFIX}_frontend_requests_running", "Requests of this HTTP front-end "
+                                    "process not yet ended.", labels=["model_name", "frontend"])
+        for sink in self.sinks:
+            total.add_metric([self.model_name, str(sink.index)], sink.requests)
+            running.add_metric([self.model_name, str(sink.index)], len(sink.live))
+        yield total
+        yield running

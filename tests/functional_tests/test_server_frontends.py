@@ -1,6 +1,6 @@
 """HTTP front-end processes (--api-server-count): two of them on one port answer many concurrent
-streams, each exactly once, /metrics (asked of either) counts them all and every KV block comes
-back; admin operations answer as in process; a front-end killed mid-stream has its requests
+streams, each exactly once, /metrics (asked of either) counts them all (and each front-end's) and
+every KV block comes back; admin operations answer as in process; a front-end killed mid-stream has its requests
 aborted while the other keeps serving; SIGTERM lets a stream in flight finish; a stranger on the
 engine process's front-end socket (garbage, an unknown type, an oversized frame, a pickle, a
 submission without the handshake, a wrong proof) is dropped and counted on /metrics and changes
@@ -42,7 +42,8 @@ def metrics(url: str) -> dict:
     values = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            values[(s.name, s.labels.get("finished_reason", s.labels.get("reason")))] = s.value
+            label = next((s.labels[k] for k in ("finished_reason", "reason", "frontend") if k in s.labels), None)
+            values[(s.name, label)] = s.value
     return values
 
 
@@ -114,6 +115,8 @@ def test_two_frontends_serve_every_stream_once_and_survive_one_killed():
         m = metrics(srv.url)
         assert m[("megatron_async_request_success_total", "length")] == 72
         assert m[("megatron_async_generation_tokens_total", None)] == 72 * 8
+        per_frontend = [m[("megatron_async_frontend_requests_total", str(i))] for i in range(2)]
+        assert sum(per_frontend) == 72, per_frontend
 
         # admin operations: bodies checked in the front-end, run on the engine thread, same answers
         assert post(srv.url, "/pause_generation", b'{"mode": "keep"}') == (
