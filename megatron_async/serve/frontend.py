@@ -1,8 +1,9 @@
 """An HTTP front-end process (``--api-server-count N``): uvicorn and the app (app.py) on the
-listening socket the engine's process bound, with ``RemoteEngineLoop`` in place of the engine
-loop. The engine's process starts it as ``python -m megatron_async.serve.frontend`` and writes its
-``FrontendConfig`` (frontend_config.py, JSON) to its stdin; it joins the engine process's bridge
-with the secret in it (the handshake) and says ``ready`` once it listens.
+listening socket the engine's process bound for it (launch.py's ``bind_group``), with
+``RemoteEngineLoop`` in place of the engine loop. The engine's process starts it as
+``python -m megatron_async.serve.frontend`` and writes its ``FrontendConfig`` (frontend_config.py,
+JSON) to its stdin; it joins the engine process's bridge with the secret in it (the handshake)
+and says ``ready`` once it listens.
 
 A handler submits, aborts and asks exactly as it would in the engine's process; the stand-in
 sends those as messages (ipc.py) and files each step's message from the engine thread into the

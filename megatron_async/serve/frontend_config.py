@@ -20,7 +20,7 @@ class FrontendConfig:
     secret: bytes
     """What the front-end proves to the engine process's bridge (communication/handshake.py)."""
     fd: int
-    """The listening socket, inherited."""
+    """Its listening socket, inherited (its own, or the one all front-ends share: launch.bind_group)."""
     parent_pid: int
     model_name: str
     tokenizer: Any

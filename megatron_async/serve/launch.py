@@ -3,12 +3,13 @@ megatron_async.serve``, and benchmarks/commands/server_breakdown.py, which serve
 
 ``api_server_count`` 0: uvicorn and the app on this process's event loop, beside the engine
 thread (one GIL for both). N >= 1: N front-end processes (frontend.py) each run uvicorn and the
-app on the one listening socket bound here, and a bridge thread (bridge.py) connects them to the
-engine loop; this process keeps only the engine thread busy. Stop (SIGTERM / Ctrl-C, or
-``request_stop``): the front-ends stop taking requests and give those in flight
-``GRACEFUL_SHUTDOWN_S``; then the engine loop and the bridge stop."""
+app on a listening socket of its own on the one port (``bind_group``), and a bridge thread
+(bridge.py) connects them to the engine loop; this process keeps only the engine thread busy.
+Stop (SIGTERM / Ctrl-C, or ``request_stop``): the front-ends stop taking requests and give those
+in flight ``GRACEFUL_SHUTDOWN_S``; then the engine loop and the bridge stop."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -24,14 +25,54 @@ from megatron_async.serve.uvicorn_server import GRACEFUL_SHUTDOWN_S, uvicorn_ser
 
 log = logging.getLogger("megatron_async.serve")
 FRONTEND_START_TIMEOUT_S = 120.0
+BACKLOG = 2048
+"""Connections made after the ready line queue until uvicorn accepts them."""
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind_group(host: str, port: int, count: int, share_port: bool = True) -> list[socket.socket]:
+    """``count`` listening sockets on one port, one per front-end process. On Linux they form an
+    SO_REUSEPORT group: the kernel deals each new connection to one of them by a hash of its
+    addresses, evenly whatever the processes do. Sharing one socket instead, whichever process
+    wakes first accepts every connection waiting, and keep-alive connections opened together stay
+    with it (docs/PERFORMANCE.md, "Serving": python -m benchmarks frontend-split). The first
+    socket allows the group only once bound, so a port another server holds is refused as before; only this user's sockets
+    can join. Elsewhere (other systems' SO_REUSEPORT does not balance), or ``share_port`` False:
+    one socket, ``count`` times. OSError: the port cannot be bound."""
+    first = _bound(host, port)
+    socks = [first]
+    if share_port and count > 1 and sys.platform.startswith("linux"):
+        try:
+            first.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            while len(socks) < count:
+                socks.append(_bound(host, first.getsockname()[1], reuse_port=True))
+        except OSError as e:
+            log.warning("the HTTP front-ends share one listening socket (SO_REUSEPORT: %s)", e)
+            for sock in socks[1:]:
+                sock.close()
+            socks = [first]
+            with contextlib.suppress(OSError):
+                first.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 0)
+    try:
+        for sock in socks:
+            sock.listen(BACKLOG)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks if len(socks) == count else socks * count
+
+
+def _bound(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)  # connections made after the ready line queue until uvicorn accepts them
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
@@ -58,13 +99,15 @@ class Serving:
     (blocks until stopped); ``s.close()``. ``state``: app.py's ServerState with the engine loop."""
 
     def __init__(self, state, host: str, port: int, api_server_count: int = 1, log_level: str = "warning",
-                 http: str = "auto", loop: str = "auto"):
+                 http: str = "auto", loop: str = "auto", share_port: bool = True):
+        """``share_port`` False: the front-ends share one listening socket (``bind_group``)."""
         self.state, self.host, self.port = state, host, port
-        self.api_server_count = api_server_count
+        self.api_server_count, self.share_port = api_server_count, share_port
         self.log_level, self.http, self.loop = log_level, http, loop
         self.frontends: list[subprocess.Popen] = []
         self.url = ""
-        self._sock: socket.socket | None = None
+        self._socks: list[socket.socket] = []
+        """The listening sockets, one per front-end (the same one each time where they share one)."""
         self._server = None
         self._bridge = None
         self._endpoints: ipc.Endpoints | None = None
@@ -75,9 +118,9 @@ class Serving:
     def start(self) -> str:
         """Listen, start the engine loop and the front-ends (waiting until each listens);
         the server's URL. OSError: the address cannot be bound; RuntimeError: a front-end failed."""
-        self._sock = bind(self.host, self.port)
+        self._socks = bind_group(self.host, self.port, max(1, self.api_server_count), self.share_port)
         scheme = "https" if self.state.policy.ssl_certfile else "http"
-        self.url = f"{scheme}://{self.host}:{self._sock.getsockname()[1]}"
+        self.url = f"{scheme}://{self.host}:{self._socks[0].getsockname()[1]}"
         self.state.engine_loop.start()
         if self.api_server_count == 0:
             from megatron_async.serve.app import create_app
@@ -97,9 +140,10 @@ class Serving:
         if not self._bridge.wait_ready(FRONTEND_START_TIMEOUT_S, lambda: all(p.poll() is None for p in self.frontends)):
             codes = [p.poll() for p in self.frontends]
             raise RuntimeError(f"the HTTP front-end processes did not start (exit codes {codes})")
-        # the front-ends hold the listening socket now: once they have all closed it, new
-        # connections are refused rather than left waiting in a backlog nobody accepts from
-        self._sock.close()
+        # the front-ends hold the listening sockets now: once one has closed its own, new
+        # connections go to the others' (once all have, they are refused) rather than waiting
+        # in a backlog nobody accepts from
+        self._close_sockets()
         return self.url
 
     def _spawn(self, index: int) -> subprocess.Popen:
@@ -108,8 +152,8 @@ class Serving:
         st = self.state
         template = st.chat_template
         config = FrontendConfig(
-            index=index, directory=self._endpoints.directory, secret=self._bridge.secret, fd=self._sock.fileno(),
-            parent_pid=os.getpid(),
+            index=index, directory=self._endpoints.directory, secret=self._bridge.secret,
+            fd=self._socks[index].fileno(), parent_pid=os.getpid(),
             model_name=st.model_name, tokenizer=st.tokenizer,
             chat_template=(template.source, template.special_tokens) if template is not None else None,
             max_model_len=st.max_model_len, max_requests=st.max_requests, max_request_bytes=st.max_request_bytes,
@@ -119,7 +163,7 @@ class Serving:
         root = str(Path(__file__).resolve().parents[2])  # this tree's package, whatever the caller's sys.path
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         proc = subprocess.Popen([sys.executable, "-m", "megatron_async.serve.frontend"], stdin=subprocess.PIPE,
-                                pass_fds=(self._sock.fileno(),), env=env)
+                                pass_fds=(self._socks[index].fileno(),), env=env)
         proc.stdin.write(config.to_json())
         proc.stdin.close()
         return proc
@@ -129,7 +173,7 @@ class Serving:
         """Serve until SIGTERM / Ctrl-C (on the main thread) or ``request_stop``; 1 when every
         front-end process exited on its own, else 0."""
         if self._server is not None:
-            self._server.run(sockets=[self._sock])
+            self._server.run(sockets=self._socks)
             return 0
         on_main = threading.current_thread() is threading.main_thread()
         previous = {}
@@ -180,5 +224,8 @@ class Serving:
             self._bridge.stop()
         if self._endpoints is not None:
             self._endpoints.remove()
-        if self._sock is not None:
-            self._sock.close()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in set(self._socks):
+            sock.close()

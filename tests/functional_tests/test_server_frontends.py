@@ -1,7 +1,8 @@
 """HTTP front-end processes (--api-server-count): two of them on one port answer many concurrent
 streams, each exactly once, /metrics (asked of either) counts them all (and each front-end's) and
-every KV block comes back; admin operations answer as in process; a front-end killed mid-stream has its requests
-aborted while the other keeps serving; SIGTERM lets a stream in flight finish; a stranger on the
+every KV block comes back; connections opened together split about evenly between them; admin
+operations answer as in process; a front-end killed mid-stream has its requests aborted while
+the other keeps serving; SIGTERM lets a stream in flight finish; a stranger on the
 engine process's front-end socket (garbage, an unknown type, an oversized frame, a pickle, a
 submission without the handshake, a wrong proof) is dropped and counted on /metrics and changes
 nothing; and --api-server-count 0 (the event loop in the engine's process) still serves."""
@@ -11,6 +12,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import threading
 import time
 import urllib.error
@@ -24,6 +26,7 @@ pytest.importorskip("zmq")
 import zmq  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from benchmarks.commands.frontend_split import connections  # noqa: E402
 from benchmarks.server_load import LoadShape, run_load_test  # noqa: E402
 from benchmarks.server_metrics import kv_leaked  # noqa: E402
 from megatron_async.inference.communication import handshake, wire  # noqa: E402
@@ -116,7 +119,21 @@ def test_two_frontends_serve_every_stream_once_and_survive_one_killed():
         assert m[("megatron_async_request_success_total", "length")] == 72
         assert m[("megatron_async_generation_tokens_total", None)] == 72 * 8
         per_frontend = [m[("megatron_async_frontend_requests_total", str(i))] for i in range(2)]
-        assert sum(per_frontend) == 72, per_frontend
+        assert sum(per_frontend) == 72 and min(per_frontend) > 0, per_frontend
+
+        # a listening socket per front-end: the kernel deals connections opened together about
+        # evenly (32 +- 4 of 64 each; all of them dealt to one front-end fails)
+        port = urlparse(srv.url).port
+        held = [socket.socket() for _ in range(64)]
+        for conn in held:  # all at once, as a load test's clients start
+            conn.setblocking(False)
+            conn.connect_ex(("127.0.0.1", port))
+        try:
+            split = wait_for(lambda: (lambda c: sum(c) == 64 and c)([connections(p, port) for p in pids]))
+            assert split and min(split) >= 16, split
+        finally:
+            for conn in held:
+                conn.close()
 
         # admin operations: bodies checked in the front-end, run on the engine thread, same answers
         assert post(srv.url, "/pause_generation", b'{"mode": "keep"}') == (

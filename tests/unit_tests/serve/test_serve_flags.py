@@ -1,11 +1,9 @@
-"""python -m megatron_async.serve flags: the served name, the listening socket, argparse errors."""
-import socket
+"""python -m megatron_async.serve flags: the served name, argparse errors."""
 
 import pytest
 
 from megatron_async.cli.flags import inference_config_from_args
 from megatron_async.serve.__main__ import build_parser, resolve_launch_ahead, served_name
-from megatron_async.serve.launch import bind
 
 
 def test_served_name_is_the_checkpoint_dir_unless_given(tmp_path):
@@ -17,17 +15,6 @@ def test_served_name_is_the_checkpoint_dir_unless_given(tmp_path):
     args = p.parse_args([])
     args.default_model = "tiny"
     assert served_name(args) == "tiny"
-
-
-def test_bind_listens_on_a_free_port():
-    sock = bind("127.0.0.1", 0)
-    try:
-        port = sock.getsockname()[1]
-        assert port > 0
-        with socket.create_connection(("127.0.0.1", port), timeout=5):
-            pass  # accepted into the backlog before any server loop runs
-    finally:
-        sock.close()
 
 
 @pytest.mark.parametrize("flags", [["--port", "70000"], ["--port", "x"], ["--max-requests", "0"], ["--seed", "-1"],
