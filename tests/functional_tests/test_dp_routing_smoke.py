@@ -26,3 +26,18 @@ def test_dp_routing_smoke():
     rtt, floor = us["client -> coordinator -> engine -> client, one at a time, median"], \
         us["the same hops over bare ZMQ on this host (relay + echo processes), median"]
     assert 0 < floor < rtt and us["added above that floor, median"] == pytest.approx(rtt - floor, abs=1)
+
+
+@pytest.mark.slow
+def test_router_stages_smoke():
+    """python -m benchmarks.router_stages: every stage of the request's path is found in most
+    requests, each a positive time, beside the bare relay's round trip."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.router_stages", "--requests", "300"],
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found, asked = (int(x) for x in done.stdout.split(" requests one at a time")[0].split(" of "))
+    assert asked == 300 and found >= 250, done.stdout
+    stages = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| ") and line.endswith(" us |")]
+    assert len(stages) == 9 and all(float(cells[2].strip().removesuffix(" us")) > 0 for cells in stages)
+    assert sum(cells[1].strip().startswith("hop:") for cells in stages) == 4
+    assert "bare ZMQ" in done.stdout
