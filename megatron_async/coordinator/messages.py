@@ -92,6 +92,8 @@ def _args(v, name: str) -> dict:
 
 
 def _messages(v, name: str) -> list[tuple[int, str]]:
+    if type(v) is list and not v:  # (a step's message: mostly none)
+        return v
     return [(f.int_(rid, name), f.str_(msg, name)) for rid, msg in (f.arity(p, 2, name) for p in f.list_(v, name))]
 
 
@@ -132,8 +134,12 @@ _type("engines", 58, 1, lambda v: [_id(v[0])])
 
 # ---------------------------------------------------------------------- coordinator -> engine / client
 def _read_route(v: list) -> list:
+    """The sampling map is the coordinator's copy of a client's, read there as ``_sampling_map``;
+    the engine's admission reads every field of it (``records.decode_sampling``) and refuses that
+    request alone: not walked a second time here."""
     rid, seq, prompt, sampling, stream, digests = v
-    return [_id(rid), _id(seq), _prompt(prompt), _sampling_map(sampling), f.bool_(stream, "stream"), _digests(digests)]
+    return [_id(rid), _id(seq), _prompt(prompt), f.dict_(sampling, "sampling_params"), f.bool_(stream, "stream"),
+            _digests(digests)]
 
 
 _type("route", 33, 6, _read_route,
@@ -161,7 +167,8 @@ def _write_register(i: EngineInfo) -> list:
 def _read_outputs(v: list) -> list:
     seen, updates, finished, rejected, failed, evicted, load, free, key = v
     return [_id(seen), records.decode_updates(updates), [records.check_output(o) for o in f.list_(finished, "finished")],
-            _messages(rejected, "rejected"), _messages(failed, "failed"), f.ints(evicted, "evicted"),
+            _messages(rejected, "rejected"), _messages(failed, "failed"),
+            [] if evicted == b"" and type(evicted) is bytes else f.ints(evicted, "evicted"),
             f.int_(load, "load", 0), f.int_(free, "free_blocks"), None if key is None else f.bytes_(key, "hash_key")]
 
 

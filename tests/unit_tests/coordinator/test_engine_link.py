@@ -240,3 +240,25 @@ def test_hybrid_engines_route_on_the_same_keys(tmp_path):
     assert all(st.prefix_hit_tokens > 0 and st.mamba_states_restored > 0 for st in stats), [
         (s.prefix_hit_tokens, s.mamba_states_stored, s.mamba_states_restored) for s in stats]
     assert sum(st.prefix_hit_tokens for st in stats) == one.engine.stats.prefix_hit_tokens == 4 * 16
+
+
+def test_a_route_with_bad_sampling_parameters_is_refused_alone():
+    """A route's sampling map is read field by field by the engine's admission (not walked by the
+    wire's reader as well): bad values end that request with "rejected", the others are served."""
+    from benchmarks.null_engine import NullEngine
+    from megatron_async.coordinator import messages
+
+    pipe = Pipe()
+    link = EngineLink(NullEngine(), pipe, 8)
+    maps = [{"top_k": "5"}, {"nonsense": 1}, {"stop_words": [[1, "x"]]}, {"logit_bias": [b"\0" * 8, b""]},
+            {"top_k": 2, "seed": 3}]
+    for rid, sampling in enumerate(maps):
+        frame = messages.encode("route", rid, rid + 1, [1, 2, 3], sampling, False, b"")
+        pipe.inbox.append(messages.decode(frame))  # as the engine's channel reads it
+    link.turn(wait=False)
+    (kind, fields), = pipe.sent
+    kind, fields = messages.decode(messages.encode(kind, *fields))  # as the coordinator reads it
+    assert kind == "outputs"
+    rejected, finished = dict(fields[3]), [o.request_id for o in fields[2]]
+    assert sorted(rejected) == [0, 1, 2, 3] and all(m.startswith("bad sampling parameters") for m in rejected.values())
+    assert finished == [4]
