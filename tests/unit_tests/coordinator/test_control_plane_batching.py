@@ -5,15 +5,11 @@ message; the coordinator and a peer read each part of a several-message message,
 from __future__ import annotations
 
 import asyncio
-import threading
-
-import pytest
 
 from megatron_async.client.channel import ClientChannel
 from megatron_async.coordinator import messages
-from megatron_async.coordinator.server import CoordinatorServer
 from megatron_async.coordinator.transport import PeerSocket
-from megatron_async.coordinator.trust import ENV_SECRET, peer_secret
+from megatron_async.coordinator.trust import peer_secret
 
 
 class Sock:
@@ -50,20 +46,6 @@ def test_a_turns_first_message_leaves_at_once_and_the_rest_of_the_turn_as_one():
         assert len(peer.sent) == 3
 
     asyncio.run(main())
-
-
-@pytest.fixture
-def server(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    monkeypatch.delenv(ENV_SECRET, raising=False)
-    s = CoordinatorServer("tcp://127.0.0.1:0")
-    stop = threading.Event()
-    t = threading.Thread(target=s.serve, args=(stop,), daemon=True)
-    t.start()
-    yield s
-    stop.set()
-    t.join(5)
-    s.close()
 
 
 def test_several_messages_in_one_are_each_read_and_answered_as_one(server):

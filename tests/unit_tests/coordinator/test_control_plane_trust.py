@@ -4,7 +4,6 @@ stranger's frames dropped and counted; messages round-trip without pickle, and a
 of the wrong kind for its sender is dropped."""
 from __future__ import annotations
 
-import threading
 import time
 
 import msgpack
@@ -20,20 +19,6 @@ from megatron_async.inference.communication import wire
 from megatron_async.inference.communication.handshake import HELLO, PROOF
 from megatron_async.inference.records import encode_sampling, sampling_fields
 from megatron_async.inference.request import RequestOutput, RequestUpdate, SamplingParams
-
-
-@pytest.fixture
-def server(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    monkeypatch.delenv(ENV_SECRET, raising=False)
-    s = CoordinatorServer("tcp://127.0.0.1:0")
-    stop = threading.Event()
-    t = threading.Thread(target=s.serve, args=(stop,), daemon=True)
-    t.start()
-    yield s
-    stop.set()
-    t.join(5)
-    s.close()
 
 
 def test_same_user_clients_connect_and_others_are_refused_changing_nothing(server):
