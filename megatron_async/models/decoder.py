@@ -280,7 +280,7 @@ class DecoderModel(CausalLM):
 
     def check_weight_names(self, dtypes: dict) -> None:
         """Before a load or update copies anything: FP8 weights and their scales come in pairs."""
-        check_fp8_pairs(self.hf_targets(), dtypes)
+        check_fp8_pairs(self.hf_targets, dtypes)
 
     def skips_hf_name(self, name: str) -> bool:
         """Whether a checkpoint tensor of this name is not needed (loading and updates ignore it)."""

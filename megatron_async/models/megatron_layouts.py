@@ -78,18 +78,21 @@ class Shard:
 
 
 _FIELD = {"layer": r"(?P<layer>\d+)", "expert": r"(?P<expert>\d+)"}
+_NUMBER = {"layer": r"(\d+)", "expert": r"(\d+)"}
 
 
-def _regex(pattern: str) -> re.Pattern:
+def _regex(pattern: str, fields: dict[str, str] = _FIELD) -> str:
     out, pos = "", 0
     for m in re.finditer(r"\{(layer|expert)\}", pattern):
-        out += re.escape(pattern[pos:m.start()]) + _FIELD[m.group(1)]
+        out += re.escape(pattern[pos:m.start()]) + fields[m.group(1)]
         pos = m.end()
-    return re.compile(out + re.escape(pattern[pos:]) + r"\Z")
+    return out + re.escape(pattern[pos:]) + r"\Z"
 
 
 class NameMap:
-    """The compiled rules of one architecture."""
+    """The compiled rules of one architecture: every spelling of every rule as one alternative of
+    one regex, tried in the rules' order (the first that matches names the rule), so a name is
+    matched by one scan in C instead of one Python call per spelling."""
 
     _cache: dict[str, NameMap] = {}
 
@@ -98,7 +101,14 @@ class NameMap:
             raise WeightUpdateError(f"no Megatron-Core name table for {arch!r} (have {', '.join(sorted(RULES))})")
         self.arch = arch
         self.rules = RULES[arch]
-        self._compiled = tuple((_regex(p), r) for r in self.rules for p in r.megatron)
+        alternatives, self._found, group = [], {}, 1
+        for rule in self.rules:
+            for pattern in rule.megatron:
+                fields = re.findall(r"\{(layer|expert)\}", pattern)
+                self._found[group] = (rule, [(f, group + 1 + i) for i, f in enumerate(fields)])
+                alternatives.append(f"({_regex(pattern, _NUMBER)})")
+                group += 1 + len(fields)
+        self._regex = re.compile("|".join(alternatives))
 
     @classmethod
     def for_arch(cls, arch: str) -> NameMap:
@@ -107,11 +117,11 @@ class NameMap:
         return cls._cache[arch]
 
     def match(self, name: str) -> tuple[Rule, dict[str, int]] | None:
-        for regex, rule in self._compiled:
-            m = regex.match(name)
-            if m:
-                return rule, {k: int(v) for k, v in m.groupdict().items()}
-        return None
+        m = self._regex.match(name)
+        if m is None:
+            return None
+        rule, fields = self._found[m.lastindex]
+        return rule, {f: int(m.group(g)) for f, g in fields}
 
 
 @dataclass(frozen=True)
@@ -222,6 +232,28 @@ def megatron_slabs(names: NameMap, dims: Dims, name: str, shape: tuple[int, ...]
     rule, layer, expert, rank, size = _resolve(names, dims, name, shard)
     if not owns(rule, shard):
         return []
+    key = (rule, dims, tuple(shape), rank, size, None if rows is None else tuple(rows))
+    boxes = _BOXES.get(key)
+    if boxes is None:
+        boxes = _slab_boxes(rule, dims, name, *key[2:])
+        if len(_BOXES) > 4096:  # geometries of the shapes seen; an update's layers share them
+            _BOXES.clear()
+        _BOXES[key] = boxes
+    hf = [p.format(layer=layer, expert=expert) for p in rule.hf]
+    if tensor is None:
+        return [Slab(hf[part], offset, extent, full_shape, None, dtype, origin)
+                for part, offset, extent, full_shape, origin, _, _, _ in boxes]
+    return [Slab(hf[part], offset, extent, full_shape, tensor.narrow(dim, src, n), tensor.dtype, origin)
+            for part, offset, extent, full_shape, origin, dim, src, n in boxes]
+
+
+_BOXES: dict[tuple, list[tuple]] = {}
+"""(rule, dims, shape, split rank, split size, rows) -> ``_slab_boxes``: the same for every layer."""
+
+
+def _slab_boxes(rule: Rule, dims: Dims, name: str, shape: tuple[int, ...], rank: int, size: int,
+                rows: tuple[int, int] | None) -> list[tuple]:
+    """(HF part, offset, extent, full shape, origin, split dim, first row, rows) of each slab."""
     dim = 1 if rule.split == Split.ROW else 0
     if len(shape) <= dim:
         raise WeightUpdateError(f"{name}: a tensor of shape {shape} has no dim {dim} to split")
@@ -236,19 +268,16 @@ def megatron_slabs(names: NameMap, dims: Dims, name: str, shape: tuple[int, ...]
     if rows is not None and dim == 0:
         runs = [_Run(lo - rows[0], hi - lo, r.part, r.dst + lo - r.src) for r in runs
                 if (lo := max(r.src, rows[0])) < (hi := min(r.src + r.n, rows[1]))]
-    slabs = []
+    out = []
     for r in runs:
         full_shape, offset, extent = list(shape), [0] * len(shape), list(shape)
         full_shape[dim], offset[dim], extent[dim] = part_rows[r.part], r.dst, r.n
         if rows is not None and dim != 0:  # a piece of a row-parallel / replicated tensor
             offset[0], extent[0] = rows[0], rows[1] - rows[0]
-        view = None if tensor is None else tensor.narrow(dim, r.src, r.n)
         origin = [0] * len(shape)
         origin[dim] = r.src
-        hf = rule.hf[r.part].format(layer=layer, expert=expert)
-        slabs.append(Slab(hf, tuple(offset), tuple(extent), tuple(full_shape), view,
-                          dtype if tensor is None else tensor.dtype, tuple(origin)))
-    return slabs
+        out.append((r.part, tuple(offset), tuple(extent), tuple(full_shape), tuple(origin), dim, r.src, r.n))
+    return out
 
 
 def detect_format(names: Iterable[str]) -> str:
@@ -294,7 +323,7 @@ def megatron_names_of(names: NameMap, hf_names: Iterable[str], dims: Dims, shard
     model of ``hf_names`` (its ``hf_targets()``): its EP rank's experts, numbered locally, and
     with ``num_layers`` its pipeline stage's layers [layer_offset, layer_offset + num_layers),
     numbered from 0. The trainer side of tests and the refit example."""
-    compiled = [(_regex(p), rule) for rule in names.rules for p in rule.hf]
+    compiled = [(re.compile(_regex(p)), rule) for rule in names.rules for p in rule.hf]
     local = dims.experts // shard.ep_size if dims.experts else 0
     out: dict[str, None] = {}
     for hf in hf_names:

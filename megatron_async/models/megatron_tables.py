@@ -44,7 +44,7 @@ class Split(str, Enum):
     """dim 0, contiguous over the PADDED vocabulary (rows >= the HF vocabulary are dropped)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Rule:
     megatron: tuple[str, ...]
     """Accepted Megatron names (patterns with {layer} / {expert}): the local-spec name first,

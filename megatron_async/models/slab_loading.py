@@ -19,6 +19,9 @@ Two steps, so that a bad update changes nothing:
                                 which ``finish`` compares with the plan (a piece applied twice or
                                 skipped fails). ``CopyPlanCache`` keeps plan and program for an
                                 update whose metadata repeats (RL refits): one tuple compare.
+What a plan asks of the model per piece (name lookups, destinations, where a piece of a given
+box meets them) is kept in a ``TargetTable`` (``weight_targets.py``): an engine builds its table
+at start, and pieces of equal geometry (every layer) are worked out once.
 Streaming loads (a checkpoint read one tensor at a time) check and copy each tensor as it
 arrives and verify coverage at the end (``load_stream``).
 
@@ -51,7 +54,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from megatron_async.parallel.sharding import Box, BoxSet, Destination, destinations, full_shape
+from megatron_async.models.weight_targets import SKIPPED, TargetInfo, TargetTable
+from megatron_async.parallel.sharding import Box, BoxSet, Destination
 
 
 class WeightUpdateError(ValueError):
@@ -59,10 +63,11 @@ class WeightUpdateError(ValueError):
     skipped after the plan, one whose weights must be replaced)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Slab:
     """Box ``offset`` .. ``offset + extent`` of the full HF tensor ``hf_name`` (``full_shape``);
-    ``tensor`` holds exactly that box (None: metadata only)."""
+    ``tensor`` holds exactly that box (None: metadata only). Not frozen: a plan makes one per
+    piece, and a frozen dataclass takes 4x as long to build; nothing changes a slab once made."""
 
     hf_name: str
     offset: tuple[int, ...]
@@ -89,45 +94,47 @@ class Slab:
         return self.tensor.dtype if self.tensor is not None else self.dtype
 
 
-def plain_dtype(dtype: torch.dtype) -> bool:
-    """Source dtypes a plain destination takes: 16- to 64-bit floating point (a value copy;
-    8-bit floats carry scales only a transform knows, integers are no weights)."""
-    return dtype.is_floating_point and dtype.itemsize >= 2
-
-
 def name_list(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown if len(names) <= limit else f"{shown}, ... ({len(names)} in all)"
 
 
-@dataclass
 class _Target:
-    """One HF tensor of the model touched by a plan."""
+    """One HF tensor of the model touched by a plan: the pieces given and the elements of this
+    rank's destinations they cover."""
 
-    param: nn.Parameter
-    shard_id: object
-    dests: list[Destination]
-    pieces: BoxSet
-    dtype: torch.dtype | None = None
-    """The source dtype of the first piece (None: not given)."""
+    __slots__ = ("info", "pieces", "dtype", "got")
+
+    def __init__(self, info: TargetInfo):
+        self.info, self.pieces, self.got = info, BoxSet(info.full_shape), 0
+        self.dtype: torch.dtype | None = None
+        """The source dtype of the first piece (None: not given)."""
+
+    @property
+    def param(self) -> nn.Parameter:
+        return self.info.param
+
+    @property
+    def dests(self) -> list[Destination]:
+        return self.info.dests
 
     @property
     def need(self) -> int:
-        return sum(d.box.numel for d in self.dests)
+        return self.info.need
 
 
 class WeightPlan:
     """One load or update of ``model`` (see the module docstring). ``targets`` / ``skip`` /
-    ``canonical`` default to the model's ``hf_targets()``, ``skips_hf_name``, ``canonical_name``."""
+    ``canonical`` default to the model's ``hf_targets()``, ``skips_hf_name``, ``canonical_name``;
+    ``table``: the model's ``TargetTable`` kept from an earlier plan (then those three are its)."""
 
     def __init__(self, model: nn.Module | None, *, require_all: bool, what: str = "",
                  targets: dict | None = None, skip: Callable[[str], bool] | None = None,
-                 canonical: Callable[[str], str] | None = None):
+                 canonical: Callable[[str], str] | None = None, table: TargetTable | None = None):
         self.model, self.require_all = model, require_all
         self.what = what or "weight update refused, nothing was changed"
-        self.targets = targets if targets is not None else model.hf_targets()
-        self.skip = skip or getattr(model, "skips_hf_name", lambda name: False)
-        self.canonical = canonical or getattr(model, "canonical_name", lambda name: name)
+        self.table = table or TargetTable(model, targets, skip, canonical)
+        self.targets, self.skip = self.table.targets, self.table.skip
         self.optional = getattr(model, "optional_hf_name", lambda name: False)
         self.touched: dict[str, _Target] = {}
         self.unknown: list[str] = []
@@ -137,49 +144,39 @@ class WeightPlan:
 
     def resolve(self, slab: Slab) -> _Target | None:
         """The touched target of ``slab`` (None: a skipped name); call after ``check``."""
-        if self.skip(slab.hf_name):
-            return None
-        return self.touched[self.canonical(slab.hf_name)]
+        info = self.table.lookup(slab.hf_name)
+        return None if info is SKIPPED else self.touched[info.name]
 
     def check(self, slabs: Iterable[Slab]) -> None:
         """Record the metadata of ``slabs``; problems are collected (``verify`` raises them)."""
+        lookup, piece_of, touched = self.table.lookup, self.table.piece, self.touched
         for slab in slabs:
-            if self.skip(slab.hf_name):
+            info = lookup(slab.hf_name)
+            if info is SKIPPED:
                 continue
-            name = self.canonical(slab.hf_name)
-            target = self.touched.get(name)
+            if info is None:
+                self.unknown.append(slab.hf_name)
+                continue
+            shape = tuple(slab.full_shape)
+            if shape != info.full_shape:
+                self.misshaped.append(f"'{slab.hf_name}' has shape {shape}, the model expects {info.full_shape}")
+                continue
+            target = touched.get(info.name)
             if target is None:
-                if name not in self.targets:
-                    self.unknown.append(slab.hf_name)
-                    continue
-                param, shard_id = self.targets[name]
-                expected = full_shape(param, shard_id)
-                if tuple(slab.full_shape) != expected:
-                    self.misshaped.append(f"'{slab.hf_name}' has shape {tuple(slab.full_shape)}, "
-                                          f"the model expects {expected}")
-                    continue
-                target = self.touched[name] = _Target(param, shard_id, destinations(param, shard_id), BoxSet(expected))
-            elif tuple(slab.full_shape) != full_shape(target.param, target.shard_id):
-                self.misshaped.append(f"'{slab.hf_name}' has shape {tuple(slab.full_shape)}, "
-                                      f"the model expects {full_shape(target.param, target.shard_id)}")
-                continue
-            self._check_dtype(slab, target)
-            box = slab.box
-            if not all(0 <= a < b <= n for a, b, n in zip(box.lo, box.hi, slab.full_shape)):
+                target = touched[info.name] = _Target(info)
+            dtype = slab.source_dtype
+            if dtype is not None:
+                target.dtype = target.dtype or dtype
+                if not info.accepts(dtype):
+                    self.refused_dtypes.append(f"{slab.hf_name} is {dtype}")
+            piece = piece_of(info, tuple(slab.offset), tuple(slab.extent), slab.origin)
+            if piece is None:
+                box = slab.box
                 self.misshaped.append(f"'{slab.hf_name}' piece {box.lo}..{box.hi} lies outside {slab.full_shape}")
                 continue
-            if not target.pieces.add(box):
-                self.overlaps.append(name)
-
-    def _check_dtype(self, slab: Slab, target: _Target) -> None:
-        dtype = slab.source_dtype
-        if dtype is None:
-            return
-        target.dtype = target.dtype or dtype
-        sinks = [d.sink for d in target.dests if d.sink is not None]
-        ok = all(s.accepts(dtype) for s in sinks) if sinks else plain_dtype(dtype)
-        if not ok:
-            self.refused_dtypes.append(f"{slab.hf_name} is {dtype}")
+            if not target.pieces.add(piece.box):
+                self.overlaps.append(info.name)
+            target.got += piece.elements
 
     def problems(self, coverage: bool = True) -> list[str]:
         out = []
@@ -189,11 +186,7 @@ class WeightPlan:
                 out.append(f"{what}: {name_list(sorted(set(items)))}")
         if not coverage:
             return out
-        incomplete = []
-        for name, t in self.touched.items():
-            got = sum(both.numel for d in t.dests for b in t.pieces.boxes if (both := d.box.intersect(b)) is not None)
-            if got != t.need:
-                incomplete.append(f"{name} ({got} of {t.need} elements)")
+        incomplete = [f"{name} ({t.got} of {t.need} elements)" for name, t in self.touched.items() if t.got != t.need]
         if incomplete:
             out.append(f"incomplete tensors: {name_list(sorted(incomplete))}")
         if self.require_all:
@@ -228,9 +221,10 @@ class WeightPlan:
         copied = 0
         for slab in weights:
             self.check([slab])
-            if self.skip(slab.hf_name) or self.unknown or self.misshaped or self.refused_dtypes or self.overlaps:
+            failed = self.unknown or self.misshaped or self.refused_dtypes or self.overlaps
+            if self.table.lookup(slab.hf_name) is SKIPPED or failed:
                 continue  # reported at the end; nothing more is copied once the load failed
-            program.pairs.append(_slab_pairs(self.resolve(slab), slab))
+            program.pairs.append(self._pairs(slab, None))
             copied += program.run([(len(program.pairs) - 1, slab.tensor)])
             program.pairs[-1] = []
         self.verify()
@@ -244,8 +238,19 @@ class WeightPlan:
         inputs = list(range(len(slabs))) if inputs is None else inputs
         pairs: list[list[Pair]] = [[] for _ in range(max(max(inputs, default=-1) + 1, num_inputs))]
         for index, slab in zip(inputs, slabs):
-            pairs[index] += _slab_pairs(self.resolve(slab), slab, slab.origin)
+            pairs[index] += self._pairs(slab, slab.origin)
         return CopyProgram(pairs, self.expected)
+
+    def _pairs(self, slab: Slab, origin: tuple[int, ...] | None) -> list[Pair]:
+        info = self.table.lookup(slab.hf_name)
+        if info is SKIPPED:
+            return []
+        dests = info.dests
+        out = []
+        for i, both, dst, src in self.table.piece(info, tuple(slab.offset), tuple(slab.extent), origin).meets:
+            dest = dests[i]
+            out.append((dest.view if dst is None else dest.view[dst], src, dest, both))
+        return out
 
     def finish(self, copied: int) -> None:
         """After the copies: the elements copied must be the plan's; then the model's finalize."""
@@ -259,22 +264,6 @@ class WeightPlan:
 
 Pair = tuple[torch.Tensor, tuple[slice, ...], Destination, Box]
 """(destination view piece, the source slice of the slab's tensor, its destination, the piece's box)."""
-
-
-def _slab_pairs(target: _Target | None, slab: Slab, origin: tuple[int, ...] | None = None) -> list[Pair]:
-    if target is None:
-        return []
-    out = []
-    box = slab.box
-    base = [o - (g or 0) for o, g in zip(slab.offset, origin or (0,) * len(slab.offset))]
-    for dest in target.dests:
-        both = dest.box.intersect(box)
-        if both is None:
-            continue
-        dst = dest.view[tuple(slice(a - lo, b - lo) for a, b, lo in zip(both.lo, both.hi, dest.box.lo))]
-        src = tuple(slice(a - o, b - o) for a, b, o in zip(both.lo, both.hi, base))
-        out.append((dst, src, dest, both))
-    return out
 
 
 class CopyProgram:

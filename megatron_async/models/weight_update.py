@@ -22,8 +22,9 @@ from torch import nn
 from megatron_async.models.checkpoint import safetensors_files
 from megatron_async.models.megatron_layouts import NameMap, Shard, UnknownTensorError, detect_format, megatron_slabs
 from megatron_async.models.slab_loading import CopyProgram, Slab, WeightPlan, WeightUpdateError, name_list
+from megatron_async.models.weight_targets import TargetTable
 
-__all__ = ["CopyPlanCache", "WeightUpdateError", "update_weights_in_place", "weight_slabs"]
+__all__ = ["CopyPlanCache", "WeightUpdateError", "plan_update", "update_weights_in_place", "weight_slabs"]
 
 FORMATS = ("hf", "megatron")
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -94,24 +95,32 @@ def weight_slabs(model: nn.Module, metas: Iterable[tuple], weights_format: str |
 
 class CopyPlanCache:
     """The checked plans and copy programs of the last few updates, keyed by their metadata
-    (names, shapes, dtypes, shards). An entry holds views of the parameters: it is used only
-    while every parameter it touches still has the same storage."""
+    (names, shapes, dtypes, shards), and the model's ``TargetTable`` (``table``: built once, at
+    engine start). An entry holds views of the parameters: it is used only while every parameter
+    it touches still has the same storage."""
 
     def __init__(self, size: int = 4):
         self.size = size
         self._entries: OrderedDict[tuple, tuple[WeightPlan, CopyProgram, tuple]] = OrderedDict()
+        self._table: TargetTable | None = None
         self.hits = self.misses = 0
 
-    def get(self, model: nn.Module, key: tuple, build) -> tuple[WeightPlan, CopyProgram]:
-        """The (plan, program) of ``key``; ``build()`` makes and checks them on a miss (and raises
-        ``WeightUpdateError`` for a bad update, which is not cached)."""
+    def table(self, model: nn.Module) -> TargetTable:
+        """``model``'s lookups, kept while its parameters stay where they are."""
+        if self._table is None or self._table.model is not model or not self._table.valid():
+            self._table = TargetTable(model).warm()
+        return self._table
+
+    def get(self, model: nn.Module, key: tuple, metas, weights_format: str | None) -> tuple[WeightPlan, CopyProgram]:
+        """The (plan, program) of ``key``: on a miss ``plan_update`` of ``metas`` (or of
+        ``metas()``, a callable), which raises ``WeightUpdateError`` for a bad update (not cached)."""
         entry = self._entries.get(key)
         if entry is not None and all(p.data_ptr() == ptr for p, ptr in entry[2]):
             self._entries.move_to_end(key)
             self.hits += 1
             return entry[0], entry[1]
         self.misses += 1
-        plan, program = build()
+        plan, program = plan_update(model, metas() if callable(metas) else metas, weights_format, self.table(model))
         params = {id(t.param): t.param for t in plan.touched.values()}.values()
         self._entries[key] = (plan, program, tuple((p, p.data_ptr()) for p in params))
         while len(self._entries) > self.size:
@@ -119,9 +128,12 @@ class CopyPlanCache:
         return plan, program
 
 
-def _plan(model: nn.Module, metas: list[tuple], weights_format: str | None) -> tuple[WeightPlan, CopyProgram]:
+def plan_update(model: nn.Module, metas: list[tuple], weights_format: str | None,
+                table: TargetTable | None = None) -> tuple[WeightPlan, CopyProgram]:
+    """The checked plan and copy program of an update of (name, shape, dtype[, Shard[, rows]])
+    ``metas`` (input i = ``metas[i]``); ``WeightUpdateError`` (nothing copied) for a bad one."""
     slabs, inputs = weight_slabs(model, metas, weights_format)
-    plan = WeightPlan(model, require_all=False)
+    plan = WeightPlan(model, require_all=False, table=table)
     plan.check(slabs)
     plan.verify()
     return plan, plan.program(slabs, inputs, len(metas))
@@ -141,9 +153,10 @@ def update_weights_in_place(model: nn.Module, weights, *, weights_format: str | 
         return _update_from_checkpoint(model, Path(weights))
     items = _normalise(weights)
     metas = [(item[0], tuple(item[1].shape), item[1].dtype, *item[2:]) for item in items]
-    key = (weights_format, tuple(metas))
-    build = lambda: _plan(model, metas, weights_format)  # noqa: E731
-    plan, program = build() if cache is None else cache.get(model, key, build)
+    if cache is None:
+        plan, program = plan_update(model, metas, weights_format)
+    else:
+        plan, program = cache.get(model, (weights_format, tuple(metas)), metas, weights_format)
     program.begin()
     copied = program.run((i, item[1]) for i, item in enumerate(items))
     plan.finish(copied)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -279,11 +280,14 @@ def fp8_params(inner, weight_shape: tuple[int, ...], shard_ids: tuple[ShardId, .
     return layout.weight, layout.scale, layout.scale_block_n
 
 
-def check_fp8_pairs(targets: dict, dtypes: dict) -> None:
+def check_fp8_pairs(targets: Callable[[], dict], dtypes: dict) -> None:
     """Refuse, before anything is copied, an e4m3 weight without its ``weight_scale_inv``, a scale
     without its e4m3 weight, or e4m3 for a weight that is not FP8 (``dtypes``: HF name -> source
-    dtype of the tensors a load or update touches)."""
+    dtype of the tensors a load or update touches; ``targets()``: the model's HF targets, asked
+    only when an e4m3 tensor came)."""
     problems = []
+    if FP8 in dtypes.values():
+        targets = targets()
     for name, dtype in dtypes.items():
         if name.endswith(".weight_scale_inv"):
             weight = name.removesuffix("_scale_inv")

@@ -56,8 +56,9 @@ class BoxSet:
     """Boxes of one full tensor, telling whether a new one overlaps any held (``add``) without
     comparing it with all of them: they are kept sorted by their start along one dim (the first
     box's cut dim), and only those that start within the longest extent seen before its end can
-    overlap it. Pieces of a tensor (TP shards, query groups, buckets) are cut along one dim, so
-    a check looks at a few neighbours instead of every box (a 0.6B plan: 4,148 box tests -> none)."""
+    overlap it; one that starts at or after every held box's end is clear at once (pieces in
+    order). Pieces of a tensor (TP shards, query groups, buckets) are cut along one dim, so a
+    check looks at a few neighbours instead of every box (a 0.6B plan: 4,148 box tests -> none)."""
 
     def __init__(self, full_shape: tuple[int, ...]):
         self.full_shape = tuple(full_shape)
@@ -65,6 +66,7 @@ class BoxSet:
         self._dim = 0
         self._starts: list[tuple[int, int]] = []  # (lo along _dim, index in boxes), sorted
         self._longest = 0
+        self._end = 0  # the largest end along _dim
 
     def add(self, box: Box) -> bool:
         """Keep ``box``; False where it overlaps a box already held (it is kept all the same)."""
@@ -72,6 +74,11 @@ class BoxSet:
             self._dim = next((d for d, (a, b, n) in enumerate(zip(box.lo, box.hi, self.full_shape)) if b - a < n), 0)
         d, starts = self._dim, self._starts
         lo, hi = box.lo[d], box.hi[d]
+        if lo >= self._end:  # past every held box along the dim (pieces in order): nothing to test
+            starts.append((lo, len(self.boxes)))
+            self.boxes.append(box)
+            self._longest, self._end = max(self._longest, hi - lo), hi
+            return True
         at = bisect.bisect_left(starts, (lo, -1))
         clear = True
         for i in range(at - 1, -1, -1):  # starting before it: only within the longest extent
@@ -90,7 +97,7 @@ class BoxSet:
                     break
         starts.insert(at, (lo, len(self.boxes)))
         self.boxes.append(box)
-        self._longest = max(self._longest, hi - lo)
+        self._longest, self._end = max(self._longest, hi - lo), max(self._end, hi)
         return clear
 
 

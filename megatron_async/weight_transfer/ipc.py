@@ -172,6 +172,14 @@ def storage_key(s: Mapping) -> str:
     return f"cpu_shm:{s['manager']}:{s['handle']}:{s['nbytes']}"
 
 
+def plan_key(weights_format: str, storages: list[dict], tensors: list[dict]) -> tuple:
+    """What an update's copy plan depends on (``parse``'s output): which storages, and each
+    tensor's name, place in them and shard."""
+    return ("ipc", weights_format, tuple(storage_key(s) for s in storages),
+            tuple((t["name"], t["storage"], t["dtype"], tuple(t["shape"]), tuple(t["stride"]),
+                   t["storage_offset"], *(t.get(k) for k in _SHARD_FIELDS)) for t in tensors))
+
+
 class IpcStorages:
     """The storages an engine rank mapped, kept for the next update that names them again."""
 

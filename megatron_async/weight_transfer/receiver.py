@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from megatron_async.models.slab_loading import CopyProgram, WeightPlan
-from megatron_async.models.weight_update import CopyPlanCache, weight_slabs
+from megatron_async.models.weight_update import CopyPlanCache, plan_update
 from megatron_async.weight_transfer.group import TransferFailed, TransferGroup
 from megatron_async.weight_transfer.manifest import Manifest
 
@@ -28,17 +28,12 @@ def plan_manifest(model: nn.Module, manifest: Manifest, cache: CopyPlanCache | N
     ``WeightUpdateError`` for a manifest this model cannot take."""
     entries = manifest.entries()
 
-    def build():
-        metas = [(e.name, e.shape, e.torch_dtype, e.shard, e.rows) for e in entries]
-        slabs, inputs = weight_slabs(model, metas, manifest.weights_format)
-        plan = WeightPlan(model, require_all=False)
-        plan.check(slabs)
-        plan.verify()
-        return plan, plan.program(slabs, inputs, len(entries))
+    def metas():
+        return [(e.name, e.shape, e.torch_dtype, e.shard, e.rows) for e in entries]
 
     if cache is None:
-        return build()
-    return cache.get(model, ("manifest", manifest.to_json()), build)
+        return plan_update(model, metas(), manifest.weights_format)
+    return cache.get(model, ("manifest", manifest.to_json()), metas, manifest.weights_format)
 
 
 class Refused(Exception):

@@ -20,8 +20,8 @@ import numbers
 import torch
 
 from megatron_async.models.megatron_layouts import Shard
-from megatron_async.models.slab_loading import WeightPlan, WeightUpdateError
-from megatron_async.models.weight_update import CopyPlanCache, update_weights_in_place, weight_slabs
+from megatron_async.models.slab_loading import WeightUpdateError
+from megatron_async.models.weight_update import CopyPlanCache, update_weights_in_place
 from megatron_async.weight_transfer import ipc
 from megatron_async.weight_transfer.group import TransferFailed, check_group_args, init_transfer_group
 from megatron_async.weight_transfer.manifest import _SHARD_FIELDS, DTYPES, Manifest, ManifestError
@@ -41,6 +41,7 @@ class WeightReceiver:
         self.engine = engine
         self.model = engine.runner.model
         self.plans = CopyPlanCache()
+        self.plans.table(self.model)  # the model's name lookups and views now, not at the first update
         self.group = None
         self.last_receive = None
         """``ReceiveStats`` of the last distributed update on this rank."""
@@ -127,19 +128,12 @@ class WeightReceiver:
             raise ValueError(f"recompute_kv must be True or False, got {recompute_kv!r}")
         self.engine.memory.check_can_update_weights()
         fmt, storages, tensors = ipc.parse(handles)
-        key = ("ipc", fmt, tuple(ipc.storage_key(s) for s in storages),
-               tuple((t["name"], t["storage"], t["dtype"], tuple(t["shape"]), tuple(t["stride"]),
-                      t["storage_offset"], *(t.get(k) for k in _SHARD_FIELDS)) for t in tensors))
+        key = ipc.plan_key(fmt, storages, tensors)
 
-        def build():
-            metas = [(t["name"], tuple(t["shape"]), DTYPES[t["dtype"]], _shard(t)) for t in tensors]
-            slabs, inputs = weight_slabs(self.model, metas, fmt)
-            plan = WeightPlan(self.model, require_all=False)
-            plan.check(slabs)
-            plan.verify()
-            return plan, plan.program(slabs, inputs, len(tensors))
+        def metas():
+            return [(t["name"], tuple(t["shape"]), DTYPES[t["dtype"]], _shard(t)) for t in tensors]
 
-        plan, program = self.plans.get(self.model, key, build)
+        plan, program = self.plans.get(self.model, key, metas, fmt)
         opened = self._storages.open(storages)
         if self._bound is None or self._bound[0] is not program:  # same program: same storages, same views
             self._bound = (program, program.bind(ipc.views(opened, tensors)))
