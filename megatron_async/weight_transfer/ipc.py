@@ -107,7 +107,16 @@ def _check_storage(s) -> None:
         _int(s.get("ref_counter_offset"), "ref_counter_offset")
 
 
+def _natural(x) -> bool:
+    return type(x) is int and x >= 0
+
+
+_VALID_SHARDS: set[tuple] = set()
+"""Shard fields already checked (a payload repeats a few shards in every tensor)."""
+
+
 def _check_tensor(t, storages: list) -> dict:
+    """``t`` checked (error texts are built only for a field that fails: a payload has thousands)."""
     if not isinstance(t, Mapping) or not isinstance(t.get("name"), str):
         raise IpcHandleError(f"a tensor entry needs a string 'name', got {t!r:.200}")
     name = t["name"]
@@ -115,24 +124,35 @@ def _check_tensor(t, storages: list) -> dict:
         raise IpcHandleError(f"{name}: unknown fields {sorted(set(t) - _TENSOR_FIELDS)}")
     if t.get("dtype") not in DTYPES:
         raise IpcHandleError(f"{name}: dtype must be one of {sorted(DTYPES)}, got {t.get('dtype')!r}")
-    sid = _int(t.get("storage"), f"{name}: storage")
+    sid = t.get("storage")
+    if not _natural(sid):
+        sid = _int(sid, f"{name}: storage")
     if sid >= len(storages):
         raise IpcHandleError(f"{name}: storage {sid} does not exist")
-    if not isinstance(t.get("shape"), list) or not isinstance(t.get("stride"), list):
+    shape, stride = t.get("shape"), t.get("stride")
+    if not isinstance(shape, list) or not isinstance(stride, list):
         raise IpcHandleError(f"{name}: shape and stride must be lists")
-    shape = [_int(x, f"{name}: shape") for x in t["shape"]]
-    stride = [_int(x, f"{name}: stride") for x in t["stride"]]
+    if not all(map(_natural, shape)):
+        shape = [_int(x, f"{name}: shape") for x in shape]
+    if not all(map(_natural, stride)):
+        stride = [_int(x, f"{name}: stride") for x in stride]
     if len(shape) != len(stride):
         raise IpcHandleError(f"{name}: shape and stride differ in length")
-    offset = _int(t.get("storage_offset"), f"{name}: storage_offset")
+    offset = t.get("storage_offset")
+    if not _natural(offset):
+        offset = _int(offset, f"{name}: storage_offset")
     end = offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1 if math.prod(shape) else offset
     if end * DTYPES[t["dtype"]].itemsize > storages[sid]["nbytes"]:
         raise IpcHandleError(f"{name}: reaches beyond its storage")
-    shard = {k: _int(t[k], f"{name}: {k}", k.startswith("etp")) for k in _SHARD_FIELDS if k in t}
-    try:
-        Shard(**shard)
-    except ValueError as e:
-        raise IpcHandleError(f"{name}: {e}") from None
+    shard = tuple((k, t[k]) for k in _SHARD_FIELDS if k in t)
+    if not (all(type(v) is int or v is None for _, v in shard) and shard in _VALID_SHARDS):
+        fields = {k: _int(v, f"{name}: {k}", k.startswith("etp")) for k, v in shard}
+        try:
+            Shard(**fields)
+        except ValueError as e:
+            raise IpcHandleError(f"{name}: {e}") from None
+        if len(_VALID_SHARDS) < 4096:
+            _VALID_SHARDS.add(shard)
     return {**t, "shape": shape, "stride": stride}
 
 
@@ -223,11 +243,15 @@ def _open_storage(s: Mapping) -> torch.UntypedStorage:
 
 
 def views(storages: list[torch.UntypedStorage], tensors: list[dict]) -> list[torch.Tensor]:
-    """The trainer's tensors as views of the mapped storages (no copy)."""
+    """The trainer's tensors as views of the mapped storages (no copy): one tensor over each
+    storage per dtype, and each view strided out of it."""
+    whole: dict[tuple[int, str], torch.Tensor] = {}
     out = []
     for t in tensors:
-        st = storages[t["storage"]]
-        v = torch.empty(0, dtype=DTYPES[t["dtype"]], device=st.device)
-        v.set_(st, t["storage_offset"], t["shape"], t["stride"])
-        out.append(v)
+        key = (t["storage"], t["dtype"])
+        flat = whole.get(key)
+        if flat is None:
+            st = storages[t["storage"]]
+            flat = whole[key] = torch.empty(0, dtype=DTYPES[t["dtype"]], device=st.device).set_(st)
+        out.append(flat.as_strided(t["shape"], t["stride"], t["storage_offset"]))
     return out

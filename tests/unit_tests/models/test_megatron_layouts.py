@@ -3,11 +3,14 @@ megatron-core: hand-built tensors in the documented layouts map onto the right H
 interleaved per query group, fc1 [gate; up] per TP rank, Mamba in_proj per part, row-parallel
 along dim 1, local experts, pipeline offsets, padded vocabulary), and an engine at TP 1 / 2 (and
 EP 2) updated from a trainer's shards at TP 1 / 2 / 4 equals the engine loaded from HF tensors."""
+import re
+
 import pytest
 import torch
 
 from megatron_async.models.megatron_layouts import (
-    Dims, NameMap, Shard, UnknownTensorError, detect_format, megatron_from_hf, megatron_names_of, megatron_slabs,
+    Dims, NameMap, Shard, UnknownTensorError, _regex, detect_format, megatron_from_hf, megatron_names_of,
+    megatron_slabs,
 )
 from megatron_async.models.slab_loading import WeightUpdateError
 from megatron_async.models.weight_update import update_weights_in_place
@@ -161,3 +164,25 @@ def test_unknown_megatron_names_are_all_named_and_nothing_changes():
                                                 "decoder.extra.weight, decoder.layers.0.self_attention.nope.weight"):
         update_weights_in_place(model, items)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                                  "NemotronHForCausalLM"])
+def test_one_regex_matches_as_each_spelling_tried_in_order(arch):
+    """NameMap tries every spelling as one regex's alternatives: the rule and fields it finds are
+    those of the first spelling whose own regex matches."""
+    names = NameMap.for_arch(arch)
+    spellings = [(re.compile(_regex(p)), rule) for rule in names.rules for p in rule.megatron]
+
+    def in_order(name):
+        for regex, rule in spellings:
+            if (m := regex.match(name)) is not None:
+                return rule, {k: int(v) for k, v in m.groupdict().items()}
+
+    tried = [p.format(layer=layer, expert=expert) for rule in names.rules for p in rule.megatron
+             for layer in (0, 7, 31) for expert in (0, 5, 127)]
+    tried += [n + "x" for n in tried[::7]] + [n[1:] for n in tried[::11]]
+    tried.append("decoder.layers.x.mlp.router.weight")
+    for name in tried:
+        want, got = in_order(name), names.match(name)
+        assert (got is None) if want is None else (got[0] is want[0] and got[1] == want[1]), name
