@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"| {r['model']} | {r['weight_bytes'] / 2**30:.2f} GiB | {r['first_ms']:.1f} ms | {hot:.1f} ms | "
               f"{floor:.1f} ms | <= {TARGET_MS.get(r['model'], float('nan')):.0f} ms | "
               f"{r['change_arrived']}; {r['tokens_equal']} |")
+    for r in reports:  # where the engine's host time went (WeightReceiver.last_ipc_ms)
+        for what in ("first", "hot"):
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in r.get(f"{what}_phases", {}).items())
+            print(f"{r['model']} {what} update, ms: {phases}")
     return reports
 
 

@@ -32,6 +32,10 @@ class IpcReport:
     hot_ms: list[float] = field(default_factory=list)
     """Later updates of the same tensors (plan cached, storage kept): copy only."""
     plan_hits: int = 0
+    first_phases: dict = field(default_factory=dict)
+    """The engine's host time of the first update by phase (``WeightReceiver.last_ipc_ms``)."""
+    hot_phases: dict = field(default_factory=dict)
+    """The same of the last update."""
     change_arrived: bool = False
     tokens_equal: bool = False
 
@@ -96,8 +100,10 @@ def run(default_model: str, updates: int = 4) -> IpcReport:
             ms = 1e3 * (time.perf_counter() - t0)
             if k == 0:
                 rep.first_ms, before = ms, probe.detach().clone()
+                rep.first_phases = dict(llm.engine.weights.last_ipc_ms)
             else:
                 rep.hot_ms.append(ms)
+                rep.hot_phases = dict(llm.engine.weights.last_ipc_ms)
             if k == 1:
                 rep.change_arrived = torch.equal(probe.float(), 2 * before.float())
                 tokens = [o.generated_tokens for o in llm.generate([[5, 17, 99, 3]], greedy)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import time
 
 import torch
 
@@ -28,6 +29,11 @@ from megatron_async.weight_transfer.manifest import _SHARD_FIELDS, DTYPES, Manif
 from megatron_async.weight_transfer.receiver import Refused, plan_manifest, receive
 
 log = logging.getLogger("megatron_async")
+
+IPC_PHASES = ("parse", "plan", "open", "bind", "launch", "sync", "finish")
+"""An IPC update's steps: the payload checked and keyed, the copy plan found or built, the storages
+mapped, the source views made (first time only), the copies launched, waited for, checked and the
+version set."""
 
 
 def check_version(version) -> None:
@@ -46,6 +52,8 @@ class WeightReceiver:
         self.last_receive = None
         """``ReceiveStats`` of the last distributed update on this rank."""
         self._storages = ipc.IpcStorages()
+        self.last_ipc_ms: dict[str, float] = {}
+        """Host time of the last IPC update by phase (``IPC_PHASES``), in ms."""
         self._bound = None  # (program, BoundCopy) of the last IPC payload
 
     def commit(self, version: int | None, recompute_kv: bool) -> int:
@@ -127,22 +135,32 @@ class WeightReceiver:
         if not isinstance(recompute_kv, bool):
             raise ValueError(f"recompute_kv must be True or False, got {recompute_kv!r}")
         self.engine.memory.check_can_update_weights()
+        times = [time.perf_counter()]
         fmt, storages, tensors = ipc.parse(handles)
         key = ipc.plan_key(fmt, storages, tensors)
+        times.append(time.perf_counter())
 
         def metas():
             return [(t["name"], tuple(t["shape"]), DTYPES[t["dtype"]], _shard(t)) for t in tensors]
 
         plan, program = self.plans.get(self.model, key, metas, fmt)
+        times.append(time.perf_counter())
         opened = self._storages.open(storages)
+        times.append(time.perf_counter())
         if self._bound is None or self._bound[0] is not program:  # same program: same storages, same views
             self._bound = (program, program.bind(ipc.views(opened, tensors)))
+        times.append(time.perf_counter())
         program.begin()
         copied = self._bound[1].run()
+        times.append(time.perf_counter())
         if any(st.device.type == "cuda" for st in opened):
             torch.cuda.current_stream(opened[0].device).synchronize()  # done reading before the trainer moves on
+        times.append(time.perf_counter())
         plan.finish(copied)
-        return self.commit(version, recompute_kv)
+        version = self.commit(version, recompute_kv)
+        times.append(time.perf_counter())
+        self.last_ipc_ms = {k: 1e3 * (b - a) for k, a, b in zip(IPC_PHASES, times, times[1:])}
+        return version
 
     def release_ipc(self) -> None:
         """Unmap the trainer's storages kept from the last IPC update."""
