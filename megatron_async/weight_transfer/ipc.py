@@ -115,8 +115,9 @@ _VALID_SHARDS: set[tuple] = set()
 """Shard fields already checked (a payload repeats a few shards in every tensor)."""
 
 
-def _check_tensor(t, storages: list) -> dict:
-    """``t`` checked (error texts are built only for a field that fails: a payload has thousands)."""
+def _check_tensor(t, storages: list, first: int) -> dict:
+    """``t`` checked, its storage numbered from ``first`` (error texts are built only for a field
+    that fails: a payload has thousands)."""
     if not isinstance(t, Mapping) or not isinstance(t.get("name"), str):
         raise IpcHandleError(f"a tensor entry needs a string 'name', got {t!r:.200}")
     name = t["name"]
@@ -153,7 +154,7 @@ def _check_tensor(t, storages: list) -> dict:
             raise IpcHandleError(f"{name}: {e}") from None
         if len(_VALID_SHARDS) < 4096:
             _VALID_SHARDS.add(shard)
-    return {**t, "shape": shape, "stride": stride}
+    return {**t, "shape": shape, "stride": stride, "storage": first + sid}
 
 
 def parse(handles) -> tuple[str, list[dict], list[dict]]:
@@ -176,8 +177,7 @@ def parse(handles) -> tuple[str, list[dict], list[dict]]:
         formats.add(p.get("weights_format", "megatron"))
         for s in p["storages"]:
             _check_storage(s)
-        checked = [_check_tensor(t, p["storages"]) for t in p["tensors"]]
-        tensors += [{**t, "storage": t["storage"] + len(storages)} for t in checked]
+        tensors += [_check_tensor(t, p["storages"], len(storages)) for t in p["tensors"]]
         storages += p["storages"]
     if len(formats) != 1:
         raise IpcHandleError("payloads of one update must share one weights_format")

@@ -168,9 +168,18 @@ class WeightReceiver:
         self._bound = None
 
 
+_SHARDS: dict[tuple, Shard] = {}
+"""Shards by their fields: a payload names a few in all its tensors."""
+
+
 def _shard(t: dict) -> Shard:
-    fields = {k: t[k] for k in _SHARD_FIELDS if k in t}
-    try:
-        return Shard(**fields)
-    except ValueError as e:
-        raise WeightUpdateError(str(e)) from None
+    fields = tuple((k, t[k]) for k in _SHARD_FIELDS if k in t)
+    shard = _SHARDS.get(fields)  # parse checked the fields: ints or None
+    if shard is None:
+        try:
+            shard = Shard(**dict(fields))
+        except ValueError as e:
+            raise WeightUpdateError(str(e)) from None
+        if len(_SHARDS) < 4096:
+            _SHARDS[fields] = shard
+    return shard
