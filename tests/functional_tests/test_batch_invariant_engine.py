@@ -57,9 +57,10 @@ def _probe_results(outs, indices) -> list[tuple]:
 @pytest.fixture(scope="module")
 def qwen3_ckpt(tmp_path_factory):
     """The suite's tiny Qwen3 with 2 query heads on 1 KV head (the same group of 2; half the
-    interpreted attention programs, which scale with KV heads)."""
+    interpreted attention programs, which scale with KV heads) and one layer (every kernel of a
+    layer runs once per step; a second layer runs the same ones again)."""
     return make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path_factory.mktemp("qwen3_narrow"), num_attention_heads=2,
-                                num_key_value_heads=1)
+                                num_key_value_heads=1, num_hidden_layers=1)
 
 
 @pytest.fixture(scope="module")
