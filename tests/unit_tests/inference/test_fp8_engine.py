@@ -29,10 +29,11 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def narrow_ckpt(tmp_path_factory):
     """Narrower projections for the Triton-interpreted FP8 GEMMs (their programs scale with the output
-    columns): hidden 160 and intermediate 160 still split K into a whole and a partial 128-group."""
+    columns): hidden 160 and intermediate 160 still split K into a whole and a partial 128-group.
+    One layer: a second runs the same GEMM shapes again."""
     return make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path_factory.mktemp("fp8_narrow") / "m", seed=0,
                                 hidden_size=160, intermediate_size=160, head_dim=32, num_attention_heads=2,
-                                num_key_value_heads=1)
+                                num_key_value_heads=1, num_hidden_layers=1)
 
 
 def _run(ckpt, **cfg):
