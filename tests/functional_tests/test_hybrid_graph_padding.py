@@ -28,6 +28,18 @@ def ckpt(request, tmp_path_factory):
     return make_tiny_hybrid_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
+TWO_LAYERS = {"NemotronHForCausalLM": dict(hybrid_override_pattern="M*"),
+              "BambaForCausalLM": dict(num_hidden_layers=2, attn_layer_indices=[1])}
+"""One Mamba layer, then one attention layer (the tiny models: 2 or 3 Mamba layers, whose interpreted
+scans are most of the Triton test's time; each runs the same kernels)."""
+
+
+@pytest.fixture(scope="module", params=list(TWO_LAYERS))
+def two_layer_ckpt(request, tmp_path_factory):
+    return make_tiny_hybrid_checkpoint(request.param, tmp_path_factory.mktemp(f"{request.param}-2"),
+                                       **TWO_LAYERS[request.param])
+
+
 def _arrivals(seed: int, n: int, new: int, kinds: tuple[int, ...] = tuple(range(6))) -> list[Arrival]:
     """Staggered ragged prompts; every third shares a 12-token prefix (prefix-cache hits)."""
     rng = random.Random(seed)
@@ -79,9 +91,10 @@ def test_hybrid_padded_graph_steps_equal_eager_steps(ckpt, async_scheduling):
         assert st.overlapped_decode_steps > 0
 
 
-def test_hybrid_padded_graph_steps_triton_kernels(ckpt):
+def test_hybrid_padded_graph_steps_triton_kernels(two_layer_ckpt):
     """The packed Triton conv / scan and varlen attention (interpreted): same tokens with and
-    without graph padding, launch-ahead; small: the interpreter is slow."""
+    without graph padding, launch-ahead; small (two layers, four requests): the interpreter is slow."""
+    ckpt = two_layer_ckpt
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the engine runs on the CPU: needs the Triton interpreter (set before triton was imported; "
                     "on a CUDA box the GPU tests cover the compiled kernels)")
