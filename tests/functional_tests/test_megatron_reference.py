@@ -14,7 +14,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("einops")
 
 from megatron_async import LLM  # noqa: E402
-from tests.helpers.mcore_cpu import TinyShape, mcore_rank, write_engine_checkpoint  # noqa: E402
+from tests.helpers.mcore_cpu import TinyShape, mcore_rank, mcore_rank_jobs, write_engine_checkpoint  # noqa: E402
 from tests.helpers.mcore_gpu import colocated_rank, ipc_refit  # noqa: E402
 from tests.helpers.mcore_reference import BF16_TOL, PROMPT, against_fresh, log_probs_of, refit, te_names  # noqa: E402
 from tests.helpers.multiprocess import run_ranks  # noqa: E402
@@ -31,6 +31,17 @@ def one_rank_jobs():
     return dict(zip(ONE_RANK, jobs))
 
 
+TWO_RANKS = [([TinyShape()], 2, 1), ([TinyShape(num_experts=4)], 1, 2)]
+
+
+@pytest.fixture(scope="module")
+def two_rank_jobs():
+    """The TP 2 and EP 2 cases' per-rank results, by (tp, ep), from one 2-rank world (Megatron-Core's
+    parallel state rebuilt between them): one start and import per rank instead of two."""
+    ranks = run_ranks(mcore_rank_jobs, 2, TWO_RANKS, PROMPT, timeout_s=240)
+    return {(tp, ep): [jobs[i][0] for jobs in ranks] for i, (_, tp, ep) in enumerate(TWO_RANKS)}
+
+
 @pytest.mark.parametrize("shape,tp,ep,te", [
     (TinyShape(), 1, 1, False), (TinyShape(tied=True), 1, 1, False), (TinyShape(num_experts=4), 1, 1, False),
     (TinyShape(num_experts=4), 1, 1, True), (TinyShape(), 2, 1, False), (TinyShape(num_experts=4), 1, 2, False),
@@ -39,7 +50,7 @@ def test_engine_after_update_equals_megatron_core(request, tmp_path, shape, tp, 
     if tp * ep == 1:
         ranks = [request.getfixturevalue("one_rank_jobs")[shape]]
     else:
-        ranks = [jobs[0] for jobs in run_ranks(mcore_rank, tp * ep, [shape], tp, ep, PROMPT, timeout_s=240)]
+        ranks = request.getfixturevalue("two_rank_jobs")[tp, ep]
     items = [(n, torch.from_numpy(a), shard) for rank_items, _, _ in ranks
              for n, a, shard in (te_names(rank_items) if te else rank_items)]
     logits, hf = torch.from_numpy(ranks[0][1]), ranks[0][2]

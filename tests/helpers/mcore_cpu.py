@@ -88,6 +88,25 @@ def mcore_rank(rank: int, world: int, shapes: list[TinyShape], tp: int, ep: int,
     ``mcore_reference.sent_items`` reads them, its gathered logits and, in a world of one, the
     equivalent HF tensors (numpy: they travel by value, the rank may exit before they are read)."""
     init_world(rank, world, tp, ep)
+    return _build_each(world, shapes, prompt)
+
+
+def mcore_rank_jobs(rank: int, world: int, jobs: list[tuple[list[TinyShape], int, int]],
+                    prompt: list[int]) -> list[list[tuple]]:
+    """``mcore_rank`` for each (shapes, tp, ep) of ``jobs`` in turn in one gloo world, Megatron-Core's
+    parallel state rebuilt for each: one process start and Megatron-Core import for them all."""
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = []
+    for shapes, tp, ep in jobs:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        out.append(_build_each(world, shapes, prompt))
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def _build_each(world: int, shapes: list[TinyShape], prompt: list[int]) -> list[tuple]:
     out = []
     for s in shapes:
         model = build_mcore(s, seed=3)
