@@ -47,7 +47,10 @@ class WeightReceiver:
         self.engine = engine
         self.model = engine.runner.model
         self.plans = CopyPlanCache()
-        self.plans.table(self.model)  # the model's name lookups and views now, not at the first update
+        try:  # the model's name lookups and views now, not at the first update
+            self.plans.table(self.model)
+        except Exception as e:  # noqa: BLE001 -- a model that cannot take updates still serves; an update says why
+            log.debug("weight update lookups not built at start: %s", e)
         self.group = None
         self.last_receive = None
         """``ReceiveStats`` of the last distributed update on this rank."""
