@@ -27,7 +27,7 @@ from megatron_async.inference.request import InvalidRequestError, RequestOutput,
 from megatron_async.inference.startup_profile import StartupProfile
 from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
 from megatron_async.kernels.backends import KernelBackends
-from megatron_async.parallel.p2p_all_reduce import with_p2p_all_reduce
+from megatron_async.parallel.p2p_all_reduce import check_p2p_possible, with_p2p_all_reduce
 from megatron_async.parallel.p2p_exchange import with_p2p_exchange
 from megatron_async.parallel.state import ParallelState
 
@@ -113,6 +113,7 @@ class LLM:
         self.expert_parallel_size = expert_parallel_size
         self.communicator: ZMQCommunicator | None = None
         self.parallel = ParallelState()
+        check_p2p_possible(self.config.communication().tp_all_reduce, tensor_parallel_size, self.device)
         if tensor_parallel_size > 1 or expert_parallel_size > 1:
             if self.device.type == "cuda":  # one GPU per rank
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -207,15 +208,14 @@ class LLM:
             gc.collect()
 
     def _graph_runner(self):
-        """Decode graphs always; mixed-step graphs on Triton attention (the varlen kernel reads
-        row lengths from the snapshot) and, for hybrid models, on the Mamba backends with packed
-        kernels (TRITON / MAMBA_SSM: their grids depend only on the padded sizes; the torch
-        reference would lay every row out to the padded token count); speculative verify graphs
-        on Triton attention (the torch path would gather every row's whole KV table in a graph,
-        sized for max_sequence_length). Expert parallelism: a
-        collective runner (greedy decode graphs only, captured by every rank at once in the
-        warm-up; see ``CudaGraphRunner``). Logits-only graphs for steps with grammar rows when a
-        grammar library is installed and structured outputs are not off."""
+        """Decode graphs always; mixed-step graphs on Triton attention (the varlen kernel reads row lengths
+        from the snapshot) and, for hybrid models, on the Mamba backends with packed kernels (TRITON /
+        MAMBA_SSM: their grids depend only on the padded sizes; the torch reference would lay every row out
+        to the padded token count); speculative verify graphs on Triton attention (the torch path would
+        gather every row's whole KV table in a graph, sized for max_sequence_length). Expert parallelism: a
+        collective runner (greedy decode graphs only, captured by every rank at once in the warm-up; see
+        ``CudaGraphRunner``). Logits-only graphs for steps with grammar rows when a grammar library is
+        installed and structured outputs are not off."""
         from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
 
         triton_attention = self.model.kernels.triton_attention or self.config.batch_invariant

@@ -84,6 +84,14 @@ def with_p2p_all_reduce(parallel: ParallelState, backend: AllReduceBackend | str
     return parallel if reducer is None else dataclasses.replace(parallel, tp_reducer=reducer)
 
 
+def check_p2p_possible(backend: AllReduceBackend | str, tp_size: int, device: torch.device) -> None:
+    """Raise P2PAllReduceUnavailable now, before any process group exists, when P2P is required
+    and this device can never take part: every rank decides alike, and no rank leaves while its
+    peers are still connecting (a rank that left mid-way failed their gloo set-up instead)."""
+    if AllReduceBackend(backend) is AllReduceBackend.P2P and tp_size > 1 and torch.device(device).type != "cuda":
+        _unavailable(_local_problem(torch.device(device)), required=True)
+
+
 def _local_problem(device: torch.device) -> str | None:
     """Why this rank cannot take part (None: it can)."""
     if device.type != "cuda":
