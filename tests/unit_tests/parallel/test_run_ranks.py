@@ -19,10 +19,17 @@ def _hang_or_fail(rank: int, world: int) -> None:
     _wait_in_a_named_collective()
 
 
+def _nothing(rank: int, world: int) -> None:
+    return None
+
+
 def test_a_hung_rank_times_out_with_its_stack_and_the_first_failure(capfd):
+    # The fork server up first (it imports torch: seconds on a busy box), so that the hung rank
+    # sleeps well before its stack is dumped, 2 s ahead of the deadline.
+    run_ranks(_nothing, 2)
     with pytest.raises(TimeoutError) as err:
-        run_ranks(_hang_or_fail, 2, timeout_s=8)
+        run_ranks(_hang_or_fail, 2, timeout_s=4)
     msg = str(err.value)
-    assert "ranks [1] still running after 8 s" in msg
+    assert "ranks [1] still running after 4 s" in msg
     assert "rank 0 failed first" in msg and "ValueError: rank 0 broke first" in msg
     assert "_wait_in_a_named_collective" in capfd.readouterr().err
