@@ -36,6 +36,14 @@ def hybrid_ckpt(tmp_path_factory):
     return make_tiny_hybrid_checkpoint("NemotronHForCausalLM", tmp_path_factory.mktemp("nemotron_h"))
 
 
+@pytest.fixture(scope="module")
+def two_layer_hybrid_ckpt(tmp_path_factory):
+    """One Mamba layer, then one attention layer (the tiny NemotronH: M*M-): the interpreted Mamba
+    kernels of the Triton case run once per step instead of twice."""
+    return make_tiny_hybrid_checkpoint("NemotronHForCausalLM", tmp_path_factory.mktemp("nemotron_h_2"),
+                                       hybrid_override_pattern="M*")
+
+
 def _arrivals(vocab: int, seed: int) -> list[Arrival]:
     prompts = random_prompts(7, 3, 30, vocab, seed=seed)
     return [Arrival(3 * (i // 2), p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(prompts)]
@@ -162,14 +170,14 @@ def test_uniform_verify_steps_without_a_graph_run_eager(qwen3_ckpt):
 
 
 @pytest.mark.parametrize("model", ["gpt", "hybrid"])
-def test_triton_kernels_on_the_padded_verify_layout(qwen3_ckpt, hybrid_ckpt, model):
+def test_triton_kernels_on_the_padded_verify_layout(qwen3_ckpt, two_layer_hybrid_ckpt, model):
     """The Triton varlen attention and Mamba window kernels (interpreted on the CPU) on verify
     graphs' layouts: padding tokens at a row's last position writing the dummy block, padding
     rows of W tokens on the padding slots. Equal to plain decoding with the same kernels."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the engine runs on the CPU: needs the Triton interpreter (set before triton was imported; "
                     "on a CUDA box the GPU tests cover the compiled kernels)")
-    ckpt, vocab = (qwen3_ckpt, 256) if model == "gpt" else (hybrid_ckpt, 128)
+    ckpt, vocab = (qwen3_ckpt, 256) if model == "gpt" else (two_layer_hybrid_ckpt, 128)
     cfg = dict(attention_backend="triton", mamba_backend="triton", max_requests=4, max_tokens=16)
     sp = SamplingParams(top_k=1, num_tokens_to_generate=6, return_log_probs=True)
     arrivals = [Arrival(i, p, sp) for i, p in enumerate(random_prompts(3, 3, 12, vocab, seed=3))]
