@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import socket
 import threading
 import sys
 import time
@@ -38,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # megatron_gpt.py besi
 
 from megatron_async.models.default_model import DEFAULT_CONFIGS  # noqa: E402
 from megatron_async.weight_transfer import (  # noqa: E402
-    NameMap, Shard, build_manifest, init_transfer_group, ipc, megatron_from_hf, megatron_names_of,
+    NameMap, Shard, build_manifest, free_port, init_transfer_group, ipc, megatron_from_hf, megatron_names_of,
     megatron_tensors, merge, owned, send,
 )
 
@@ -66,19 +64,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device != "cpu" and args.trainer == "megatron":
         args.trainer_tp = 1  # one GPU: trainer and engine share it
     return args
-
-
-def free_port() -> int:
-    """A free port below the kernel's usual ephemeral range (32768-): it is bound later, by another
-    process, and a port from ``bind(0)`` may meanwhile go to some outgoing connection."""
-    for port in random.SystemRandom().sample(range(20000, 32768), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32767")
 
 
 # ------------------------------------------------------------------------------ trainer side

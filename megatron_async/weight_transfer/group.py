@@ -11,6 +11,8 @@ rank reports whether it copied exactly what its plan expects)."""
 from __future__ import annotations
 
 import os
+import random
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -19,6 +21,30 @@ import torch.distributed as dist
 
 STORE_PREFIX = "megatron_async_weight_transfer"
 BACKENDS = ("gloo", "nccl")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing on ``host`` listens on now, for a store or group that some process binds
+    later (``init_transfer_group``'s ``port``, torchrun's MASTER_PORT). Drawn below the kernel's
+    ephemeral range: a port from ``bind(0)`` is one the kernel also hands to outgoing connections,
+    which may take it before it is bound."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that range is taken: the kernel's choice
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class TransferFailed(RuntimeError):

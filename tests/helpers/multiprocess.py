@@ -6,41 +6,14 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
-import random
-import socket
 import sys
 import time
 import traceback
 from multiprocessing import reduction
 from typing import Any, Callable
 
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(v) for v in f.read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port() -> int:
-    """A port nothing listens on now, chosen below the kernel's ephemeral range: the port is bound
-    later by another process, and a port that ``bind(0)`` returns is one the kernel also hands to
-    outgoing connections (of every test running beside this one) in the meantime."""
-    lo, _ = _ephemeral_range()
-    rng = random.SystemRandom()
-    for _ in range(100):
-        port = rng.randrange(max(1024, lo - 12000), lo)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # the range is taken: the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# the ranks' MASTER_PORT; tests import it from here
+from megatron_async.weight_transfer.group import free_port  # noqa: F401
 
 
 PRELOAD = ["torch", "megatron_async.llm"]
