@@ -26,7 +26,7 @@ from megatron_async.config import InferenceConfig
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, RequestUpdate
 from megatron_async.serve.fair_feed import FairFeed
 from megatron_async.serve.metrics import ServerMetrics
-from megatron_async.serve.submission import ChoiceEvent, Submission
+from megatron_async.serve.submission import ChoiceEvent, Submission, unsent_abort
 
 log = logging.getLogger("megatron_async.serve")
 HEALTH_TIMEOUT_S = 5.0
@@ -160,7 +160,7 @@ class ClientEngineLoop:
         """Its choices in the engines are aborted there; those that never went out end here."""
         for i in self.feed.drop(sub):
             self.metrics.finished("abort")
-            sub.events.put_nowait(ChoiceEvent(i, output=RequestOutput(-1, sub.choices[i].prompt_tokens, [], "", "abort")))
+            sub.events.put_nowait(unsent_abort(sub, i))
         for rid in sub.request_ids:
             if rid >= 0:
                 self.client.abort_request(rid)

@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from megatron_async.inference.request import InvalidRequestError, RequestOutput
+from megatron_async.inference.request import InvalidRequestError
 from megatron_async.serve.admin_ops import run_admin_op
 from megatron_async.serve.fair_feed import FairFeed
 from megatron_async.serve.metrics import ServerMetrics
 from megatron_async.serve.refit_ops import EVERY_RANK_OPS
-from megatron_async.serve.submission import ChoiceEvent, GenerationBlockedError, Submission, _set_result
+from megatron_async.serve.submission import ChoiceEvent, GenerationBlockedError, Submission, _set_result, unsent_abort
 
 log = logging.getLogger("megatron_async.serve")
 
@@ -216,8 +216,7 @@ class EngineLoop:
         """Its choices in the engine are aborted there; those that never joined end here."""
         for i in self.feed.drop(sub):
             self.metrics.finished("abort")
-            out = RequestOutput(-1, sub.choices[i].prompt_tokens, [], "", "abort")
-            self._outbox.append((sub, "event", ChoiceEvent(i, output=out)))
+            self._outbox.append((sub, "event", unsent_abort(sub, i)))
         for rid in sub.request_ids:
             if rid in self._live:
                 self.engine.abort_request(rid)

@@ -35,9 +35,10 @@ def bind_group(host: str, port: int, count: int, share_port: bool = True) -> lis
     addresses, evenly whatever the processes do. Sharing one socket instead, whichever process
     wakes first accepts every connection waiting, and keep-alive connections opened together stay
     with it (docs/PERFORMANCE.md, "Serving": python -m benchmarks frontend-split). The first
-    socket allows the group only once bound, so a port another server holds is refused as before; only this user's sockets
-    can join. Elsewhere (other systems' SO_REUSEPORT does not balance), or ``share_port`` False:
-    one socket, ``count`` times. OSError: the port cannot be bound."""
+    socket allows the group only once bound, so a port another server holds is refused as
+    before; only this user's sockets can join. Elsewhere (other systems' SO_REUSEPORT does not
+    balance), or ``share_port`` False: one socket, ``count`` times. OSError: the port cannot be
+    bound."""
     first = _bound(host, port)
     socks = [first]
     if share_port and count > 1 and sys.platform.startswith("linux"):

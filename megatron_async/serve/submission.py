@@ -78,6 +78,11 @@ class Submission:
         self.sink = LoopSink(self.loop)
 
 
+def unsent_abort(sub: Submission, index: int) -> ChoiceEvent:
+    """The end of choice ``index`` of ``sub``, aborted before it reached an engine (no request id)."""
+    return ChoiceEvent(index, output=RequestOutput(-1, sub.choices[index].prompt_tokens, [], "", "abort"))
+
+
 def _deliver(batch: list[tuple[Submission, str, Any]]) -> None:
     """On the event loop: hand a step's results to the waiting handlers."""
     for sub, kind, payload in batch:
