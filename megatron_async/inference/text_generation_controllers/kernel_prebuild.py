@@ -46,12 +46,18 @@ class PrebuildReport:
     """Shapes that must still run for real: from the first that failed to capture dry on."""
 
 
-def _dry_capture(runner, shape, width: int, stream, pool, kept: int | None) -> int | None:
-    """Capture ``shape`` into a graph that is dropped at once. Returns the device memory
-    allocated after it, None when it cannot be captured or kept more than ``kept`` (the memory
-    after the first dry capture, which may keep cuBLAS's workspace for the capture stream)."""
+def _dry_capture(runner, shape, width: int, stream, pool, kept: int | None, graphs: list) -> int | None:
+    """Capture ``shape`` into a graph that is never replayed, held in ``graphs`` until the pass
+    ends: the dry captures share one pool, and a pool whose last graph is dropped cannot take
+    another capture (torch's allocator asserts its use count is above zero). Returns the device
+    memory allocated after it, None when it cannot be captured or kept more than ``kept`` (the
+    memory after the first dry capture, which may keep cuBLAS's workspace for the capture stream)."""
     ctx = runner.context
-    if shape.any_penalties:
+    if shape.any_penalties and kept is not None:  # the penalties' state is the engine's, not the capture's
+        before = torch.cuda.memory_allocated()
+        ctx.sampling_state.ensure_allocated()
+        kept += torch.cuda.memory_allocated() - before
+    elif shape.any_penalties:
         ctx.sampling_state.ensure_allocated()
     ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(shape.num_rows, shape.num_tokens, width))
     torch.cuda.synchronize()
@@ -62,7 +68,10 @@ def _dry_capture(runner, shape, width: int, stream, pool, kept: int | None) -> i
             runner.compute_step(shape)  # outputs dropped at once
     except Exception as e:  # noqa: BLE001 -- any capture failure: the shape runs for real
         log.info("start-up build: a %d-token step cannot be captured dry (%s); it runs for real", shape.num_tokens, e)
+        end_failed_capture(pool)
         ok = False
+    else:
+        graphs.append(graph)
     del graph
     now = torch.cuda.memory_allocated()
     if ok and kept is not None and now > kept:
@@ -70,6 +79,23 @@ def _dry_capture(runner, shape, width: int, stream, pool, kept: int | None) -> i
                     "for real", shape.num_tokens, now - kept)
         ok = False
     return now if ok else None
+
+
+def end_failed_capture(pool) -> bool:
+    """Undo a failed capture's hold on the allocator. torch's capture_end stops routing
+    allocations to the capture's pool only after cudaStreamEndCapture succeeds, and a graph
+    releases its pool only once it holds a graph: a capture that failed stays listed as
+    underway, so every later ``torch.cuda.empty_cache()`` skips the event-pending blocks and
+    the next MemPool that is destroyed (torch-memory-saver's, at the latest at exit) aborts the
+    process on the allocator's "captures_underway.empty()" assertion. Returns whether there
+    was anything to undo (False when capture_end got as far as ending it)."""
+    dev = torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(dev, pool)
+    except RuntimeError:  # "not currently recording to mempool_id": capture_end did it
+        return False
+    torch._C._cuda_releasePool(dev, pool)  # the reference capture_begin took
+    return True
 
 
 @torch.inference_mode()
@@ -84,11 +110,11 @@ def prebuild(runner, shapes: list, threads: int) -> PrebuildReport:
     gc.collect()  # no collection of earlier engines' graphs inside a capture
     gc_on = gc.isenabled()
     gc.disable()
-    done, kept = 0, None
+    done, kept, graphs = 0, None, []
     try:
         with triton_builds.deferring() as specs:
             for shape, width in shapes:
-                kept = _dry_capture(runner, shape, width, stream, pool, kept)
+                kept = _dry_capture(runner, shape, width, stream, pool, kept, graphs)
                 if kept is None:
                     break
                 done += 1
@@ -98,7 +124,7 @@ def prebuild(runner, shapes: list, threads: int) -> PrebuildReport:
     ctx.gpu_view.buffer.copy_(saved_view)
     runner.last_samples.copy_(saved_samples)
     torch.cuda.synchronize()
-    del pool
+    del pool, graphs
     gc.collect()
     torch.cuda.empty_cache()  # the dry captures' pool: nothing in it is kept
     built = triton_builds.build_all(specs, threads)
