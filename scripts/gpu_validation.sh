@@ -2,7 +2,7 @@
 # Validation on one GPU in one command: the GPU-marked tests and every kernel test (their CUDA
 # branches run only here), the kernel timings (python -m benchmarks kernel-times), and the
 # side-by-side benchmark. Logs go to ${OUT:-gpu_out}.
-# Usage: bash scripts/gpu_validation.sh [tests|tests-functional|tests-engine|tests-invariance|tests-unit|tests-kernels|
+# Usage: bash scripts/gpu_validation.sh [tests|tests-functional|tests-engine|tests-invariance|tests-rl|tests-unit|tests-kernels|
 #                                        kernels|bench|bench-poisson|bench-long|main-job|diagnose|warmup-graphs ...]
 # (default: tests kernels bench)
 set -uo pipefail
@@ -23,17 +23,21 @@ report() {  # a test stage's counts (passed, failed, skipped) and why each skipp
 }
 stages="${*:-tests kernels bench}"
 # the engine-level GPU tests at real sizes, a stage of their own (tests-engine), and batch invariance
-# on the qwen3-0.6b shape (tests-invariance); tests-functional runs the other functional GPU tests
+# on the qwen3-0.6b shape (tests-invariance), refit / Megatron-Core reference / request surface / coordinator /
+# structured outputs (tests-rl); tests-functional runs the other functional GPU tests
 engine_tests=(tests/functional_tests/test_gpu_speculative.py tests/functional_tests/test_spec_mtp.py
               tests/functional_tests/test_gpu_hybrid_graphs.py)
 invariance_tests=(tests/functional_tests/test_batch_invariant_gpu.py)
+rl_tests=(tests/functional_tests/test_gpu_weight_ipc.py tests/functional_tests/test_megatron_reference_gpu.py
+          tests/functional_tests/test_gpu_surface.py tests/functional_tests/test_gpu_coordinator.py
+          tests/functional_tests/test_gpu_structured.py)
 ignored=()
-for f in "${engine_tests[@]}" "${invariance_tests[@]}"; do ignored+=(--ignore="$f"); done
+for f in "${engine_tests[@]}" "${invariance_tests[@]}" "${rl_tests[@]}"; do ignored+=(--ignore="$f"); done
 for stage in $stages; do
   case "$stage" in
-    # the tests in five commands (on a fresh machine, Triton builds included, they outgrow one
-    # timeout); tests-functional, tests-engine, tests-invariance, tests-unit and tests-kernels run one
-    # part each, so each fits a 10-minute call
+    # the tests in six commands (on a fresh machine, Triton builds included, they outgrow one
+    # timeout); tests-functional, tests-engine, tests-invariance, tests-rl, tests-unit and tests-kernels
+    # run one part each, so each fits a 10-minute call
     tests|tests-functional)
       timeout 590 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/functional_tests "${ignored[@]}" 2>&1 \
         | tail -40 > "$out/gpu_functional_tests.log"
@@ -42,6 +46,10 @@ for stage in $stages; do
       timeout 590 python -m pytest -q -rs -p no:cacheprovider -m gpu "${engine_tests[@]}" 2>&1 | tail -40 \
         > "$out/gpu_engine_tests.log"
       report gpu_engine_tests ;;&
+    tests|tests-rl)  # ~265 s on a fresh H100
+      timeout 590 python -m pytest -q -rs -p no:cacheprovider -m gpu "${rl_tests[@]}" 2>&1 | tail -40 \
+        > "$out/gpu_rl_tests.log"
+      report gpu_rl_tests ;;&
     tests|tests-invariance)
       timeout 590 python -m pytest -q -rs -p no:cacheprovider -m gpu "${invariance_tests[@]}" 2>&1 | tail -40 \
         > "$out/gpu_invariance_tests.log"
