@@ -67,8 +67,10 @@ def row_filters(pmax_ptr, minp_ptr, floor_ptr, row, NS, NS_BLOCK: tl.constexpr, 
 
 @triton.jit
 def element(x, valid, inv_t, m, minp, floor, MASS: tl.constexpr, EXACT: tl.constexpr):
-    """-> (s, key, fixed-point weight as float32, in play). Top-k counts every element;
-    top-p weighs the min-p and top-k survivors (zero weights never move the boundary)."""
+    """-> (s, key, fixed-point weight as float32, in play). Top-k counts every element but
+    -inf ones (grammar masks and bans: a plateau of 10^5 equal keys that no bucket splits, which
+    sent every masked row to the whole-row search; they are never drawn, so the tokens stay the
+    reference's); top-p weighs the min-p and top-k survivors (zero weights never move the boundary)."""
     s = x * inv_t
     key = key_of(s)
     if MASS:
@@ -77,5 +79,5 @@ def element(x, valid, inv_t, m, minp, floor, MASS: tl.constexpr, EXACT: tl.const
         play = valid & (key >= floor) & (e >= minp) & (w > 0.0)
     else:
         w = tl.full(s.shape, 1.0, tl.float32)
-        play = valid
+        play = valid & (s != _NEG_INF)
     return s, key, w, play

@@ -63,7 +63,7 @@ def _stage_init_kernel(temp_ptr, k_ptr, p_ptr, pmax_ptr, pmin_ptr, NS, V, floor_
         target = tl.full((), -1.0, tl.float64)  # p x the survivors' mass, set by the first update
     else:
         k = tl.load(k_ptr + row)
-        active = (k > 0) & (k < V)
+        active = (k > 0) & (k < V) & (smin < _POS_INF)  # a row of -inf only keeps everything
         vlo = smin
         target = k.to(tl.float64)
     if HAS_SKIP:  # rows already decided (triton_top_p_candidate) search nothing
