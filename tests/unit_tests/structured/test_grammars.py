@@ -163,3 +163,23 @@ def test_spec_crosses_the_coordinator_wire():
         fields = wire.unpack(wire.pack(encode_sampling(SamplingParams(structured_outputs=spec, seed=3))), 1 << 20)
         back = SamplingParams(**sampling_fields(fields))
         assert back.structured_outputs == spec and back.structured_outputs.key == spec.key and back.seed == 3
+
+
+def test_guidance_requests_spread_over_independent_templates(tok):
+    """One template per fill thread, requests dealt round robin (the executor's threads serialize
+    on the copies of one template); every family gives the same masks."""
+    from megatron_async.inference.structured.guidance_backend import GuidanceBackend
+
+    V = 1024 + 40
+    b = GuidanceBackend(tok, (EOS_TOKEN_ID,), V, threads=3)
+    spec = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
+                                   "required": ["a", "b"]})
+    gs = [b.matcher(spec) for _ in range(7)]
+    assert [g.family for g in gs] == [0, 1, 2, 0, 1, 2, 0]
+    assert len({id(t) for t in b._templates[spec.key][1:]}) == 3
+    bm = torch.zeros(7, bitmask_words(V), dtype=torch.int32)
+    for t in tok.encode('{"a": 12, "b": "yz"}', add_special_tokens=False).ids + [EOS_TOKEN_ID]:
+        fill_masks(gs, list(range(7)), bm)
+        assert (bm == bm[0]).all() and allows(bm, 0, t), t
+        assert all(g.accept([t]) for g in gs)
+    assert all(g.ended for g in gs)
