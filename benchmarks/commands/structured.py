@@ -10,8 +10,10 @@ ahead.
 
 The model has random weights and no tokenizer: the grammars run on a Qwen3-sized synthetic
 byte-level BPE (benchmarks/synthetic_vocab.py, 151,669 entries). The schema has an integer range,
-enums, an array with min / max items, a nested object and a pattern (xgrammar), and a string with
-``maxLength`` (llguidance, by the "auto" rule): both libraries in every constrained step.
+enums, an array with min / max items, a nested object with a pattern, and a string with
+``maxLength``, which sends the whole schema to llguidance by the "auto" rule (``--backend xgrammar``
+measures xgrammar on it). ``--grammar-threads``: the libraries' mask-filling threads (llguidance:
+one template matcher per thread, guidance_backend.py).
 
     python -m benchmarks structured                   # one H100: ~3 min with the warm-up
     python -m benchmarks structured --smoke           # CPU, tiny model, seconds
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--smoke", action="store_true", help="CPU, the tiny model and its tokenizer")
     p.add_argument("--default-model", default="qwen3-0.6b")
     p.add_argument("--backend", default="auto", choices=["auto", "xgrammar", "guidance"])
-    p.add_argument("--grammar-threads", type=int, default=8)
+    p.add_argument("--grammar-threads", type=int, default=8, help="mask-filling threads (at most the CPU count)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per cell, interleaved (median)")
     p.add_argument("--out", default="structured_cost.json")
     args = p.parse_args(argv)
