@@ -85,6 +85,9 @@ class MemoryPlan:
     block_size: int
     max_sequence_length: int
     max_requests: int
+    probe_build: str = ""
+    """How the probe step's Triton kernels were built (the dry pass's report, kernel_prebuild.py);
+    empty: one by one, as the step met them."""
 
     @property
     def kv_bytes(self) -> int:
@@ -105,7 +108,8 @@ class MemoryPlan:
                 f"graph pools {self.graph_pools / GiB:.2f} GiB, other {(self.others + self.resident) / GiB:.2f} GiB; "
                 f"KV {self.kv_bytes / GiB:.2f} GiB = {self.num_blocks:,} blocks = {self.kv_tokens:,} tokens: "
                 f"{self.full_length_requests} concurrent requests of {self.max_sequence_length:,} tokens "
-                f"(gpu_memory_utilization {self.utilization:g} of {self.total / GiB:.1f} GiB)")
+                f"(gpu_memory_utilization {self.utilization:g} of {self.total / GiB:.1f} GiB)"
+                + (f"; probe step: {self.probe_build}" if self.probe_build else ""))
 
 
 def check_weights_fit(weights: int, total: int, free: int) -> None:

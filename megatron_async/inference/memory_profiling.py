@@ -29,19 +29,26 @@ EP_PEAK_SHARE = 0.05
 the step's peak is taken as this share of the device memory instead."""
 
 
-@torch.inference_mode()
-def measure_peak_step(runner: ModelRunner, reader: DeviceMemoryReader) -> int:
-    """Bytes the largest step allocates above the tensors that stay."""
+def peak_step_shape(runner: ModelRunner):
+    """The largest step: ``max_tokens`` over ``max_requests`` rows, every row sampled with every feature."""
     ctx = runner.context
     rows = min(ctx.max_requests, ctx.max_tokens)
-    shape = warmup_shape(ctx.max_tokens, rows, False, SamplingVariant.FULL, runner.model.vocab_size)
+    return warmup_shape(ctx.max_tokens, rows, False, SamplingVariant.FULL, runner.model.vocab_size)
+
+
+@torch.inference_mode()
+def measure_peak_step(runner: ModelRunner, reader: DeviceMemoryReader) -> tuple[int, str]:
+    """Bytes the largest step allocates above the tensors that stay, and how its kernels were built
+    (``PrebuildReport.describe``; empty: one by one)."""
+    ctx, shape = runner.context, peak_step_shape(runner)
+    built = ""
     if can_prebuild(runner, runner.build_threads):  # its kernels built at once, not one by one
-        prebuild(runner, [(shape, 0)], runner.build_threads)
-    ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(rows, ctx.max_tokens).to(ctx.device.device))
+        built = prebuild(runner, [(shape, 0)], runner.build_threads).describe()
+    ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(shape.num_rows, shape.num_tokens).to(ctx.device.device))
     reader.reset_peak()
     before = reader.read().allocated
     runner.compute_step(shape)
-    return reader.read().peak_allocated - before
+    return reader.read().peak_allocated - before, built
 
 
 def profile_memory_plan(config: InferenceConfig, model, facade: DeviceFacade, dtype: torch.dtype, weights: int,
@@ -58,8 +65,9 @@ def profile_memory_plan(config: InferenceConfig, model, facade: DeviceFacade, dt
     probe.sampling_state.ensure_allocated()
     probe_kv = sum(t.nbytes for t in probe.kv_caches)
     resident = reader.read().allocated - probe_kv - weights
+    built = ""
     if ep_size == 1:
-        peak = measure_peak_step(runner, reader)
+        peak, built = measure_peak_step(runner, reader)
     else:
         peak = int(EP_PEAK_SHARE * reader.read().total)
     bytes_per_block = probe_kv // probe.num_kv_blocks
@@ -71,7 +79,7 @@ def profile_memory_plan(config: InferenceConfig, model, facade: DeviceFacade, dt
         weights=weights, resident=resident, peak_step=peak, graph_pools=peak if config.cuda_graphs else 0,
         bytes_per_block=bytes_per_block, block_size=config.block_size_tokens,
         max_sequence_length=config.max_sequence_length, max_requests=config.max_requests)
-    return _agree(plan)
+    return _agree(replace(plan, probe_build=built))
 
 
 def _agree(plan: MemoryPlan) -> MemoryPlan:

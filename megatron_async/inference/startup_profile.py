@@ -54,8 +54,7 @@ class StartupProfile:
         """The phases of a ``WarmupReport``."""
         pre = report.prebuild
         if pre is not None:
-            self.phases["kernel builds"] = Phase(pre.seconds, pre.kernels, f"{pre.shapes} steps captured dry, "
-                                                 f"{pre.kernels} kernels on {pre.threads} threads in {pre.build_seconds:.1f} s")
+            self.phases["kernel builds"] = Phase(pre.seconds, pre.kernels, pre.describe())
         builds_eager = report.triton_builds - report.capture_builds - (pre.kernels if pre else 0)
         self.phases["eager steps"] = Phase(report.eager_seconds, max(0, builds_eager), f"{report.eager_steps} steps")
         if report.graphs_captured:

@@ -109,3 +109,36 @@ def test_failed_dry_capture_leaves_no_capture_underway(undo):
         assert r.returncode == 0 and "undone True" in r.stdout, r.stderr[-2000:]
     else:
         assert r.returncode != 0 and "captures_underway" in r.stderr, (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+_MEMORY_PROFILE = """
+import sys
+from megatron_async import LLM
+from megatron_async.config import InferenceConfig
+from megatron_async.inference.text_generation_controllers import kernel_prebuild
+if sys.argv[2] == "cold-cublas":
+    kernel_prebuild.warm_libraries = lambda model, stream: None
+cfg = InferenceConfig(block_size_tokens=4, max_requests=16, max_tokens=64, max_sequence_length=256,
+                      startup_warmup=False, startup_build_threads=4)
+llm = LLM(model=sys.argv[1], device="cuda", dtype="float32", inference_config=cfg)
+print("memory profile:", llm.memory_plan.probe_build, flush=True)
+"""
+
+
+def test_the_memory_profile_step_is_captured_dry_in_a_fresh_process(ckpt):
+    """The memory profile's step (every feature, max_tokens tokens) is the process's first
+    matmul: its kernels are built on threads only if its dry capture succeeds, which needs cuBLAS
+    set up outside the capture (``warm_libraries``). Without it the capture fails, which shows
+    that a fresh process is the case this test meets."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    notes = {}
+    for case in ("warmed", "cold-cublas"):
+        r = subprocess.run([sys.executable, "-c", _MEMORY_PROFILE, str(ckpt), case], capture_output=True, text=True,
+                           timeout=300, cwd=Path(__file__).resolve().parents[2])
+        assert r.returncode == 0, r.stderr[-3000:]
+        notes[case] = r.stdout.split("memory profile:")[-1].strip()
+    assert notes["warmed"].startswith("1 step captured dry") and " 0 kernels" not in notes["warmed"], notes
+    assert notes["cold-cublas"].startswith("0 steps captured dry"), notes

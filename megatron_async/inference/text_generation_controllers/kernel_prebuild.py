@@ -16,7 +16,13 @@ not happen, and a tensor that compute_step would keep beyond the step would be l
 The engine keeps no such tensor (its buffers are allocated up front, graph-safe); the device
 memory allocated before and after each capture is compared, and a shape whose capture keeps
 memory, or fails to capture (a step that needs the host mid-way), ends the dry pass: those
-shapes and the rest run for real, as without prebuilding."""
+shapes and the rest run for real, as without prebuilding.
+
+Libraries that set themselves up on first use must not do it inside a capture: cuBLAS creates
+its handle on the process's first matmul (``cublasCreate`` fails inside a capture, which is then
+invalidated), and torch gives each (handle, stream) its own workspace. The memory
+profile's dry capture holds the process's first matmul, so ``warm_libraries`` runs a few small
+matmuls on the capture stream first; one capture stream per device serves every dry pass."""
 from __future__ import annotations
 
 import gc
@@ -45,6 +51,37 @@ class PrebuildReport:
     left: list = field(default_factory=list)
     """Shapes that must still run for real: from the first that failed to capture dry on."""
 
+    def describe(self) -> str:
+        steps = f"{self.shapes} step{'s' * (self.shapes != 1)}"
+        return f"{steps} captured dry, {self.kernels} kernels on {self.threads} threads in {self.build_seconds:.1f} s"
+
+
+_MATMUL_DTYPES = {torch.float16, torch.bfloat16, torch.float32}
+_capture_streams: dict = {}
+
+
+def capture_stream(device: torch.device):
+    """The dry captures' stream on ``device``: one for every pass, so cuBLAS keeps one workspace for it."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _capture_streams:
+        _capture_streams[index] = torch.cuda.Stream(device=index)
+    return _capture_streams[index]
+
+
+def warm_libraries(model, stream) -> None:
+    """Set cuBLAS up for ``stream`` outside any capture: a matmul (the handle, and the workspace
+    torch gives each stream) and one with a bias (cuBLASLt's handle) in each of the model's float
+    dtypes. Without it the memory profile's dry capture, the process's first matmul, fails."""
+    dtypes = {p.dtype for p in model.parameters()} & _MATMUL_DTYPES | {torch.float32}
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        for dtype in dtypes:
+            a = torch.ones(16, 16, dtype=dtype, device=stream.device)
+            torch.mm(a, a)
+            torch.addmm(a[0], a, a)
+    stream.synchronize()
+
 
 def _dry_capture(runner, shape, width: int, stream, pool, kept: int | None, graphs: list) -> int | None:
     """Capture ``shape`` into a graph that is never replayed, held in ``graphs`` until the pass
@@ -67,7 +104,9 @@ def _dry_capture(runner, shape, width: int, stream, pool, kept: int | None, grap
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             runner.compute_step(shape)  # outputs dropped at once
     except Exception as e:  # noqa: BLE001 -- any capture failure: the shape runs for real
-        log.info("start-up build: a %d-token step cannot be captured dry (%s); it runs for real", shape.num_tokens, e)
+        first = e.__context__  # the op that invalidated the capture, when capture_end's error replaced it
+        log.info("start-up build: a %d-token step cannot be captured dry (%s%s); it runs for real", shape.num_tokens,
+                 e, f"; first: {type(first).__name__}: {first}" if first is not None else "")
         end_failed_capture(pool)
         ok = False
     else:
@@ -106,7 +145,8 @@ def prebuild(runner, shapes: list, threads: int) -> PrebuildReport:
     t0 = time.perf_counter()
     ctx = runner.context
     saved_view, saved_samples = ctx.gpu_view.buffer.clone(), runner.last_samples.clone()
-    stream, pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+    stream, pool = capture_stream(runner.device.device), torch.cuda.graph_pool_handle()
+    warm_libraries(runner.model, stream)
     gc.collect()  # no collection of earlier engines' graphs inside a capture
     gc_on = gc.isenabled()
     gc.disable()

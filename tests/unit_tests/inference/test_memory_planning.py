@@ -94,6 +94,7 @@ def test_profile_runs_the_largest_step_and_plans_from_the_readings(monkeypatch, 
     assert (shape.num_tokens, shape.num_rows) == (48, 4)
     assert shape.any_penalties and shape.any_log_probs and shape.max_top_n > 0 and all(shape.filters)
     assert reader.peak_resets == 1 and reader.releases == 1
+    assert plan.probe_build == ""  # no dry pass without CUDA: the step built its kernels as it met them
     spec = model.kv_cache_spec()
     block = 2 * 4 * spec.num_kv_heads * spec.head_dim * 4 * spec.num_layers
     assert plan.bytes_per_block == block
