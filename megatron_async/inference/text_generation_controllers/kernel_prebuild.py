@@ -138,9 +138,11 @@ def end_failed_capture(pool) -> bool:
 
 
 @torch.inference_mode()
-def prebuild(runner, shapes: list, threads: int) -> PrebuildReport:
+def prebuild(runner, shapes: list, threads: int, also=None) -> PrebuildReport:
     """Find the Triton specializations of ``shapes`` (``(StepShape, verify width)`` pairs, as
     ``warmup.eager_shapes``) without running them and build them on ``threads`` threads.
+    ``also``: a callable run eagerly (not captured) inside the deferral, whose kernels are built
+    with the rest; its unbuilt kernels do not launch, so it may only compute what it throws away.
     Nothing may be in flight. The view and the latest samples are as before."""
     t0 = time.perf_counter()
     ctx = runner.context
@@ -158,6 +160,8 @@ def prebuild(runner, shapes: list, threads: int) -> PrebuildReport:
                 if kept is None:
                     break
                 done += 1
+            if also is not None:
+                also()
     finally:
         if gc_on:
             gc.enable()

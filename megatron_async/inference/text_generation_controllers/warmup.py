@@ -183,12 +183,12 @@ def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: i
     shapes = eager_shapes(runner) if eager else []
     pre = None
     if shapes and can_prebuild(runner, build_threads):
-        pre = prebuild(runner, shapes, build_threads)
+        pre = prebuild(runner, shapes, build_threads, also=lambda: _warm_token_mask(runner))
         shapes = pre.left
     t_eager = time.perf_counter()
     _run_eager(runner, shapes)
     if eager:
-        _warm_token_mask(runner)
+        _warm_token_mask(runner)  # built by the prebuild's deferral when there was one: launches only
     t_capture, builds_capture = time.perf_counter(), triton_builds.builds()
     captured = 0
     if graphs and runner.graphs is not None:
