@@ -278,6 +278,9 @@ class DynamicInferenceRequest:
     spec_acceptance: float = 1.0
     """Moving average of its drafts' acceptance over its verify rows (host, bookkept): accepted /
     drafted, or per position in the adaptive speculative policy (speculative/policy.py)."""
+    spec_positions: float = 0.0
+    """Adaptive speculative policy: draft positions behind ``spec_acceptance`` (decayed; 0: no
+    evidence of its own yet, speculative/step_choice.py)."""
     grammar: BaseGrammar | None = None
     """``structured_outputs``: the grammar state of the generated tokens (engines/grammar_masks.py)."""
     share_key: tuple[bytes, bytes] | None = None

@@ -1,7 +1,16 @@
-"""The speculative policy against a simulated device: decode steps of B rows whose cost is a
-given function of (B, width), drafts accepted per position with a fixed probability. Runs the
-policy's real decisions (plan_step, drafts_for, observe, observe_step) and counts tokens and
-simulated seconds, so its throughput against plain decoding is a number, on a CPU."""
+"""The speculative policy against a simulated device, on a CPU: a batch of requests decodes to
+a fixed length with step costs a function of (batch, verify width), drafts accepted per
+position at a set rate, and the engine's step flow around the policy (plan_step, drafts_for,
+may_any_draft_next, the plain / drafter steps of plain_steps.py, stale drafts after a plain
+step, and, as under launch-ahead, a step's costs and acceptances reaching the policy one step
+after the next step was planned). Its tok/s is compared with plain decoding's and with drafting
+at a fixed width every step (the better fixed choice a policy must match).
+
+Costs are shaped like the H100's (qwen3-0.6b shape, bf16, CUDA graphs; bench_speculative):
+plain decode 1.66 ms at batch 1 and 3.5 ms at batch 128, a verify step of width K + 1 = 4
+1.1 plain steps at batch 1 and 2.1 at batch 128, linear in the batch and in the extra tokens;
+a decode step that runs the drafter without drafts 3 % more than a plain one; every step's
+wall jitters by 3 %."""
 from __future__ import annotations
 
 import random
@@ -11,18 +20,35 @@ from types import SimpleNamespace
 from megatron_async import InferenceConfig
 from megatron_async.inference.speculative.policy import SpecPolicy
 
+WIDTHS = (2, 4)
 
-def device_costs(plain_ms: float, per_extra_token_ms: float):
-    """cost(B, W) = plain + per_extra_token * B * (W - 1): a verify step pays for its extra tokens."""
-    return lambda rows, width: plain_ms + per_extra_token_ms * rows * (width - 1)
+
+@dataclass(frozen=True)
+class Device:
+    plain_1: float = 1.66  # ms
+    plain_128: float = 3.5
+    wide_1: float = 1.1  # cost(B, 4) / cost(B, 1)
+    wide_128: float = 2.1
+    drafter: float = 0.03  # a decode step that runs the drafter without drafts, over a plain one
+    jitter: float = 0.03
+
+    def ms(self, rows: int, width: int, drafter: bool = False) -> float:
+        f = (rows - 1) / 127
+        plain = self.plain_1 + (self.plain_128 - self.plain_1) * f
+        extra = (self.wide_1 - 1 + (self.wide_128 - self.wide_1) * f) * (width - 1) / 3
+        return plain * (1 + extra + (self.drafter if width == 1 and drafter else 0.0))
+
+
+H100 = Device()
 
 
 @dataclass
 class SimRun:
     tokens: int
     seconds: float
-    verify_steps: int
     steps: int
+    verify_steps: int
+    drafter_steps: int
 
     @property
     def tok_s(self) -> float:
@@ -33,37 +59,97 @@ def make_policy(k: int = 3, **cfg) -> SpecPolicy:
     return SpecPolicy(InferenceConfig(num_speculative_tokens=k, speculative_adaptive=True, **cfg).speculation())
 
 
-def run(policy: SpecPolicy, cost, rows: int, acceptance: float, steps: int, seed: int = 0) -> SimRun:
-    """``rows`` new requests decode for ``steps`` steps (all arrive at once, none finishes)."""
+def _request() -> SimpleNamespace:
+    return SimpleNamespace(spec_acceptance=0.0, spec_positions=0.0, spec_drafts_fresh=True, banned_sequences=(), left=0,
+                           sampling_params=SimpleNamespace(has_penalties=False, structured_outputs=None))
+
+
+def run(policy: SpecPolicy | None, rows: int, acceptance: float, length: int = 128, device: Device = H100,
+        seed: int = 0, fixed_width: int = 0) -> SimRun:
+    """``rows`` requests of ``length`` tokens each decode to the end under ``policy`` (None with
+    ``fixed_width`` W: every row drafts W - 1 every step; None with 0: plain decoding)."""
     rng = random.Random(seed)
-    reqs = [SimpleNamespace(spec_acceptance=0.0, spec_drafts_fresh=True, banned_sequences=(),
-                            sampling_params=SimpleNamespace(has_penalties=False, structured_outputs=None)) for _ in range(rows)]
-    for r in reqs:
-        policy.admit(r)
-    tokens, seconds, verify = 0, 0.0, 0
-    for _ in range(steps):
-        policy.begin_step()
-        policy.plan_step(reqs)
-        drafts = [policy.drafts_for(r, rows, room=policy.k) for r in reqs]
+    reqs = [_request() for _ in range(rows)]
+    for r in reqs:  # whether a draft of each position lands: the same for every policy
+        r.left, r.hits = length, [rng.random() < acceptance for _ in range(length + 1)]
+        if policy is not None:
+            policy.admit(r)
+    tokens = steps = verify = drafter_steps = 0
+    seconds, landing, had_drafts = 0.0, None, False
+    while True:
+        live = [r for r in reqs if r.left > 0]
+        if not live:
+            break
+        B = len(live)
+        if policy is not None:
+            policy.begin_step()
+            policy.plan_step(live)
+            drafts = [policy.drafts_for(r, B, room=min(policy.k, r.left - 1)) for r in live]
+        else:
+            drafts = [min(fixed_width - 1, r.left - 1) if fixed_width else 0 for r in live]
         widest = max(drafts)
-        for r, k in zip(reqs, drafts):
-            accepted = 0
-            while accepted < k and rng.random() < acceptance:
-                accepted += 1
-            policy.observe(r, k, accepted)
-            tokens += 1 + accepted
-        width = 1 if widest == 0 else next(w for w in policy.widths if w > widest)
-        step_s = cost(rows, width) / 1e3
-        seconds += step_s
+        # plain_steps.py: the machinery runs for drafts, after a launch with drafts, or when the
+        # next step may draft; a request whose launch ran without it has stale drafts
+        machinery = widest > 0 or had_drafts or (policy is not None and policy.may_any_draft_next(live))
+        for r in live:
+            r.spec_drafts_fresh = machinery
+        width = 1 if widest == 0 else next(w for w in WIDTHS if w > widest)
+        wall = device.ms(B, width, machinery) * (1 + device.jitter * rng.gauss(0, 1)) / 1e3
+        accepted = []
+        for r, k in zip(live, drafts):
+            a, at = 0, length - r.left + 1
+            while a < k and r.hits[at + a]:
+                a += 1
+            accepted.append(a)
+            r.left -= 1 + a
+            tokens += 1 + a
+        seconds += wall
+        steps += 1
         verify += widest > 0
-        policy.observe_step(rows, widest, step_s)
-    return SimRun(tokens, seconds, verify, steps)
+        drafter_steps += machinery and widest == 0
+        had_drafts = widest > 0
+        if landing is not None:  # launch-ahead: the previous step lands after this one is planned
+            _land(policy, *landing)
+        landing = (live, drafts, accepted, wall, machinery)
+    if landing is not None:
+        _land(policy, *landing)
+    return SimRun(tokens, seconds, steps, verify, drafter_steps)
 
 
-def ratio_to_plain(cost, rows: int, acceptance: float, steps: int, runs: int = 2, **cfg) -> tuple[float, float]:
-    """(first run, last run) tok/s over plain decoding's, one policy kept across ``runs`` runs
-    (an engine serving one workload after another)."""
+def _land(policy: SpecPolicy | None, live, drafts, accepted, wall, machinery) -> None:
+    if policy is None:
+        return
+    for r, k, a in zip(live, drafts, accepted):
+        policy.observe(r, k, a)
+    policy.observe_step(len(live), max(drafts), wall, drafter=machinery)
+
+
+def fixed_choices(rows: int, acceptance: float, length: int = 128, device: Device = H100, seed: int = 0
+                  ) -> dict[int, float]:
+    """tok/s of each fixed choice: 0 plain decoding, W drafting at width W every step."""
+    return {w: run(None, rows, acceptance, length, device, seed, fixed_width=w).tok_s for w in (0, *WIDTHS)}
+
+
+def best_fixed(rows: int, acceptance: float, length: int = 128, device: Device = H100, seed: int = 0) -> float:
+    """tok/s of the better fixed choice: plain decoding or drafting at one width every step."""
+    return max(fixed_choices(rows, acceptance, length, device, seed).values())
+
+
+def bench_sequence(rows: int, acceptances, length: int = 128, device: Device = H100, seed: int = 0,
+                   forced: bool = False, **cfg) -> dict[float, tuple[float, float]]:
+    """One policy (one engine) serves an untimed workload at 0 % acceptance, then one workload
+    per acceptance in turn (``forced``: as bench_speculative runs a batch, each after a workload
+    with drafting forced, the non-adaptive rule at minimum acceptance 0). Per acceptance: (the
+    adaptive rule's tok/s over the better fixed choice's, over plain decoding's)."""
     policy = make_policy(**cfg)
-    plain = rows * 1e3 / cost(rows, 1)
-    out = [run(policy, cost, rows, acceptance, steps, seed=i).tok_s / plain for i in range(runs)]
-    return out[0], out[-1]
+    run(policy, rows, 0.0, length, device, seed)
+    out = {}
+    for i, acc in enumerate(acceptances):
+        if forced:
+            policy.adaptive, policy.min_acceptance = False, 0.0
+            run(policy, rows, acc, length, device, seed + i + 1)
+            policy.adaptive = True
+        got = run(policy, rows, acc, length, device, seed + i + 1).tok_s
+        fixed = fixed_choices(rows, acc, length, device, seed + i + 1)
+        out[acc] = got / max(fixed.values()), got / fixed[0]
+    return out

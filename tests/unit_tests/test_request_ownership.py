@@ -29,7 +29,8 @@ RESOURCE_OWNERS = {
     "sampling_slot": {"inference/contexts/sampling_state.py"},
     "spec_slot": {"inference/contexts/spec_state.py"},
     "spec_drafts_fresh": {"inference/contexts/spec_state.py", BOOK},  # a new slot holds no drafts
-    "spec_acceptance": {"inference/speculative/policy.py"},  # the policy's average, told by the book
+    "spec_acceptance": {"inference/speculative/policy.py", "inference/speculative/step_choice.py"},  # the policy's estimate, told by the book
+    "spec_positions": {"inference/speculative/policy.py", "inference/speculative/step_choice.py"},  # its evidence (adaptive rule)
     "routed_experts": {BOOK, "inference/routed_experts.py"},  # land_routing: called by the book's land()
     "prompt_log_probs": {BOOK, "inference/engines/prompt_log_probs.py"},  # land_prompt_scores: likewise
     "prompt_top_n_logprobs": {BOOK, "inference/engines/prompt_log_probs.py"},

@@ -94,7 +94,8 @@ class StepAccounting:
             self.stats.decode_wall_time += wall
             spec = self.scheduler.spec
             if spec.adaptive:
-                spec.observe_step(len(pending.rows), max((r.num_drafts for r in pending.rows), default=0), wall)
+                spec.observe_step(len(pending.rows), max((r.num_drafts for r in pending.rows), default=0), wall,
+                                  drafter=pending.host_accepted is not None)
         else:
             self.stats.prefill_wall_time += wall
 
