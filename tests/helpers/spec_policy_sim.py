@@ -31,6 +31,7 @@ class Device:
     wide_128: float = 2.1
     drafter: float = 0.03  # a decode step that runs the drafter without drafts, over a plain one
     jitter: float = 0.03
+    spike: int = 0  # one step in this many seems to take 30 times as long (a host hiccup in its wall; 0: none)
 
     def ms(self, rows: int, width: int, drafter: bool = False) -> float:
         f = (rows - 1) / 127
@@ -95,6 +96,7 @@ def run(policy: SpecPolicy | None, rows: int, acceptance: float, length: int = 1
             r.spec_drafts_fresh = machinery
         width = 1 if widest == 0 else next(w for w in WIDTHS if w > widest)
         wall = device.ms(B, width, machinery) * (1 + device.jitter * rng.gauss(0, 1)) / 1e3
+        seen = wall * 30 if device.spike and rng.randrange(device.spike) == 0 else wall
         accepted = []
         for r, k in zip(live, drafts):
             a, at = 0, length - r.left + 1
@@ -110,7 +112,7 @@ def run(policy: SpecPolicy | None, rows: int, acceptance: float, length: int = 1
         had_drafts = widest > 0
         if landing is not None:  # launch-ahead: the previous step lands after this one is planned
             _land(policy, *landing)
-        landing = (live, drafts, accepted, wall, machinery)
+        landing = (live, drafts, accepted, seen, machinery)
     if landing is not None:
         _land(policy, *landing)
     return SimRun(tokens, seconds, steps, verify, drafter_steps)

@@ -7,7 +7,9 @@ how many rows draft). A step's cost is the host wall time of the ``engine.step()
 it: in steady launch-ahead the device runs steps back to back and that time is the device step
 (when the host is the bottleneck it is the host's time, which is then what bounds throughput;
 serial steps: host and device one after the other).
-Each (bucket, width) keeps a moving average and the scheduler step it was last measured at.
+Each (bucket, width) keeps the least of its first 3 samples (a trial measures two; a hiccup -
+a collection, another process - only ever adds time), then a moving average that one sample
+moves by at most 5 %, and the scheduler step it was last measured at.
 
 Buckets: 1, 2, 4 and 8 rows by the next power of two, then multiples of 16 (the decode graphs'
 sizes). The cost ratio R(B, W) = cost(B, W) / cost(B, 1) of a bucket without both measured is
@@ -19,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _EMA = 0.2  # weight of the newest step in a cell's average
+_FIRST = 3  # a cell's first samples: their least (a trial measures two)
 
 
 def bucket(rows: int) -> int:
@@ -32,6 +35,7 @@ class Cell:
     seconds: float
     step: int
     """The policy's step count when last measured."""
+    samples: int = 1
 
 
 class StepCosts:
@@ -46,8 +50,12 @@ class StepCosts:
         cell = self.cells.get(key)
         if cell is None:
             self.cells[key] = Cell(seconds, step)
-        else:
-            cell.seconds += _EMA * (seconds - cell.seconds)
+        elif cell.samples < _FIRST:  # a hiccup (a collection, another process) only adds time
+            cell.seconds = min(cell.seconds, seconds)
+        else:  # and moves the average by at most 5 %
+            cell.seconds += _EMA * (min(max(seconds, cell.seconds * 0.8), cell.seconds * 1.25) - cell.seconds)
+        if cell is not None:
+            cell.samples += 1
             cell.step = step
 
     def cell(self, rows: int, width: int) -> Cell | None:
