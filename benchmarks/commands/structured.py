@@ -5,8 +5,9 @@ output lengths (a constrained request ends where its JSON does; its plain twin g
 tokens with EOS ignored), greedy and sampled, on one engine in one process, cells interleaved.
 Every constrained output must parse and validate against the schema (the run fails otherwise).
 Prints one markdown table last: output tok/s of each pair and their ratio, mean decode step,
-host time filling grammar masks per constrained step, and the share of decode steps launched
-ahead.
+host time filling grammar masks per constrained step (on the grammar worker thread, beside the
+next launch's scheduling) and how long the engine thread waited for it, and the share of decode
+steps launched ahead.
 
 The model has random weights and no tokenizer: the grammars run on a Qwen3-sized synthetic
 byte-level BPE (benchmarks/synthetic_vocab.py, 151,669 entries). The schema has an integer range,
@@ -110,7 +111,7 @@ def run_cell(llm, tok, requests, make, constrained: set[int]) -> dict:
 
     st = llm.engine.stats
     before = {k: getattr(st, k) for k in ("decode_wall_time", "decode_steps", "overlapped_decode_steps",
-                                          "grammar_steps", "grammar_fill_time")}
+                                          "grammar_steps", "grammar_fill_time", "grammar_fill_wait_time")}
     t0 = time.perf_counter()
     run = run_workload(llm.engine, copy.deepcopy(requests), make)
     wall = time.perf_counter() - t0
@@ -126,6 +127,7 @@ def run_cell(llm, tok, requests, make, constrained: set[int]) -> dict:
     return {"tok_s": run.output_tokens / wall, "tokens": run.output_tokens,
             "decode_ms": 1e3 * d["decode_wall_time"] / max(1, d["decode_steps"]),
             "fill_ms": 1e3 * d["grammar_fill_time"] / max(1, d["grammar_steps"]),
+            "wait_ms": 1e3 * d["grammar_fill_wait_time"] / max(1, d["grammar_steps"]),
             "overlap": d["overlapped_decode_steps"] / max(1, d["decode_steps"]), "invalid": invalid,
             "lengths": {i: len(run.outputs[i].generated_tokens) for i in constrained}}
 
@@ -168,19 +170,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def _table(results, args) -> list[dict]:
     rows = []
     print(f"\n| sampling | constrained | JSON tok/s | plain tok/s | ratio | decode ms JSON / plain | mask fill ms/step "
-          f"| launched ahead | invalid |  ({args.default_model if not args.smoke else 'tiny, CPU'}, backend "
+          f"| engine waited ms/step | launched ahead | invalid |  ({args.default_model if not args.smoke else 'tiny, CPU'}, backend "
           f"{args.backend}, {args.repeats} interleaved runs per cell, median)")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (sampling, share), (js, plain) in results.items():
         med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
         row = {"sampling": sampling, "constrained": share, "json_tok_s": med(js, "tok_s"), "plain_tok_s": med(plain, "tok_s"),
                "json_decode_ms": med(js, "decode_ms"), "plain_decode_ms": med(plain, "decode_ms"),
-               "fill_ms": med(js, "fill_ms"), "overlap": med(js, "overlap"), "invalid": sum(r["invalid"] for r in js),
+               "fill_ms": med(js, "fill_ms"), "wait_ms": med(js, "wait_ms"), "overlap": med(js, "overlap"), "invalid": sum(r["invalid"] for r in js),
                "tokens": js[0]["tokens"], "plain_tokens": plain[0]["tokens"]}
         row["ratio"] = row["json_tok_s"] / row["plain_tok_s"]
         rows.append(row)
         print(f"| {sampling} | {share} | {row['json_tok_s']:,.0f} | {row['plain_tok_s']:,.0f} | {row['ratio']:.3f}x "
-              f"| {row['json_decode_ms']:.2f} / {row['plain_decode_ms']:.2f} | {row['fill_ms']:.2f} "
+              f"| {row['json_decode_ms']:.2f} / {row['plain_decode_ms']:.2f} | {row['fill_ms']:.2f} | {row['wait_ms']:.2f} "
               f"| {100 * row['overlap']:.0f} % | {row['invalid']} |")
     return rows
 

@@ -89,6 +89,8 @@ def test_launch_ahead_equals_serial(constrained_every, cfg):
             check_output(x.params.structured_outputs, asyn[i])
     assert s.overlapped_steps == 0 and a.grammar_steps > 0.5 * a.steps, a.as_dict()
     assert a.overlapped_decode_steps > 0.8 * a.decode_steps, a.as_dict()
+    # launch-ahead fills a launch's masks on the worker thread as soon as the launch before lands
+    assert s.grammar_early_fills == 0 and a.grammar_early_fills > 0.8 * a.grammar_steps, a.as_dict()
     if cfg:  # a small pool: requests paused and evicted (recomputed) mid-output
         assert a.paused > 0 and a.evicted > 0 and s.evicted > 0, a.as_dict()
 

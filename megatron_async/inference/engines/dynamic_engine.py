@@ -220,6 +220,7 @@ class DynamicInferenceEngine:
                 with nvtx_range("drain"):
                     self._bookkeep(self._pending, out)
                 self._pending = None
+        self.masks.start(self.runner, self._pending)  # its launch before landed: fill beside the next scheduling
         if self._pending is None and self._requests:
             self.stats.drains += 1  # the device idles until the host launches again
         self.accounting.wall_time(pending, time.perf_counter() - t0)
@@ -285,11 +286,7 @@ class DynamicInferenceEngine:
         """Enqueue the sampling of a launch that awaits its grammar masks (grammar_masks.py), now
         that every launch before it has landed. A request whose grammar refused a landed token
         ends with an error (reported by the next ``step()``); its row is discarded."""
-        if pending is None or pending.awaiting_masks is None:
-            return
-        failed = []
-        self.runner.finish_launch(pending, lambda bitmask, row_map: self.masks.fill(pending, bitmask, row_map, failed))
-        for req, error in failed:
+        for req, error in self.masks.finish(self.runner, pending):
             self._end(req, FinishReason.ERROR, self._held, error=error)
 
     def _bookkeep(self, pending: PendingLaunch, out: StepResult) -> None:

@@ -122,6 +122,11 @@ class EngineStats:
     """Constrained samples in those launches."""
     grammar_fill_time: float = 0.0
     """Host seconds advancing grammars and filling their masks (the device runs the forward meanwhile)."""
+    grammar_early_fills: int = 0
+    """Of those launches, the ones whose masks were filled on the worker thread as soon as the
+    launch before landed, while the engine thread scheduled the next launch."""
+    grammar_fill_wait_time: float = 0.0
+    """Engine-thread seconds waiting for those fills to end."""
     fast_decode_snapshots: int = 0
     """Decode steps whose host snapshot came from the per-request rows (contexts/decode_rows.py)
     instead of the general row-by-row assembly; in a speculative engine, its steps without drafts."""

@@ -1,18 +1,22 @@
 """Grammar rows of a step: their requests' grammars and the token masks their sampling reads.
 
 A launch with grammar rows is enqueued in two parts (model_runner.py): its forward, whose
-logits wait in a device buffer, and, once the host filled the masks, its sampling. The engine
-finishes a launch's masks (``finish``) as late as it can: right before the next launch is
-enqueued (after that launch is scheduled and assembled), or before the launch itself lands. By
-then every launch before it has landed, so each grammar is advanced by exactly the tokens its
-request generated before the row's position: the state a serial engine has, so constrained
-launch-ahead is token for token the serial engine. The device meanwhile runs the forward.
+logits wait in a device buffer, and, once the host filled the masks, its sampling. The masks
+are filled as soon as the launch before lands (``start``: on a worker thread, while the engine
+thread schedules and assembles the next launch; the libraries fill without the GIL), and the
+sampling is enqueued (``finish``) right before the next launch is, or before the launch itself
+lands. Every launch before it has landed by ``start``, so each grammar is advanced by exactly
+the tokens its request generated before the row's position: the state a serial engine has, so
+constrained launch-ahead is token for token the serial engine. The device meanwhile runs the
+forward. (The fill took 4.1 ms a step at 128 rows on an H100's host, more than its 3.7 ms step,
+and the engine thread's own ~2 ms came on top of it.)
 
 A request's grammar is built at admission from its validated spec (``attach``); a spec that
 does not compile refuses the request at ``add_request`` with the library's message (``check``)."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +28,9 @@ from megatron_async.inference.structured.spec import GrammarError
 
 if TYPE_CHECKING:
     from megatron_async.inference.async_pipeline import PendingLaunch
+    from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
+
+Failed = list[tuple[DynamicInferenceRequest, str]]
 
 
 class GrammarMasks:
@@ -39,6 +46,12 @@ class GrammarMasks:
         """Constrained samples in them."""
         self.fill_seconds = 0.0
         """Host time advancing grammars and filling masks."""
+        self.early_fills = 0
+        """Launches whose masks were filled on the worker thread, beside the next scheduling."""
+        self.wait_seconds = 0.0
+        """Engine-thread time waiting for those fills to end."""
+        self._job: tuple[PendingLaunch, Future] | None = None
+        self._worker: ThreadPoolExecutor | None = None
 
     def check(self, sp: SamplingParams) -> None:
         """Refuse (InvalidRequestError) a request whose structured outputs cannot be served."""
@@ -62,14 +75,47 @@ class GrammarMasks:
         if spec is not None and req.grammar is None:
             req.grammar = self.grammars.matcher(spec, stop_ids=sorted(req.eos_ids))
 
-    def fill(self, pending: PendingLaunch, bitmask: torch.Tensor, row_map: torch.Tensor,
-             failed: list[tuple[DynamicInferenceRequest, str]]) -> int:
+    def start(self, runner: ModelRunner, pending: PendingLaunch | None) -> None:
+        """Fill ``pending``'s masks on the worker thread (the launch before it has landed)."""
+        if pending is None or pending.awaiting_masks is None or self._job is not None:
+            return
+        bitmask, row_map = runner.mask_buffers(pending)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        self._job = (pending, self._worker.submit(self.fill, pending, bitmask, row_map))
+
+    def finish(self, runner: ModelRunner, pending: PendingLaunch | None) -> Failed:
+        """Enqueue the sampling of ``pending`` if it awaits its masks (filled by ``start``'s job,
+        else now). Returns the requests whose grammar refused a landed token, with the error."""
+        if pending is None or pending.awaiting_masks is None:
+            return []
+        failed: Failed = []
+
+        def fill(bitmask: torch.Tensor, row_map: torch.Tensor) -> int:
+            job, self._job = self._job, None
+            if job is not None:
+                t0 = time.perf_counter()
+                num_rows, job_failed = job[1].result()  # the fill's error, if any, raises here
+                self.wait_seconds += time.perf_counter() - t0
+                if job[0] is pending:
+                    self.early_fills += 1
+                    failed.extend(job_failed)
+                    return num_rows
+            num_rows, now_failed = self.fill(pending, bitmask, row_map)
+            failed.extend(now_failed)
+            return num_rows
+
+        runner.finish_launch(pending, fill)
+        return [(req, error) for req, error in failed if req.status != Status.FINISHED]  # ended meanwhile
+
+    def fill(self, pending: PendingLaunch, bitmask: torch.Tensor, row_map: torch.Tensor) -> tuple[int, Failed]:
         """Advance the grammars of ``pending``'s sampling rows by their requests' landed tokens and
         write their masks: bitmask row g for the g-th constrained sample, ``row_map[sample] = g``
-        (the caller set it to -1). A request whose grammar refuses a landed token goes to
-        ``failed`` (its row is left unmasked; the engine ends it). Returns the bitmask rows used."""
+        (the caller set it to -1). A request whose grammar refuses a landed token is returned
+        with the error (its row is left unmasked; the engine ends it). Returns the bitmask rows
+        used and those requests."""
         t0 = time.perf_counter()
-        grammars, base = [], pending.sample_base
+        grammars, base, failed = [], pending.sample_base, []
         for i, row in enumerate(pending.rows):
             req = row.request
             g = req.grammar
@@ -89,4 +135,4 @@ class GrammarMasks:
         self.steps += 1
         self.rows += len(grammars)
         self.fill_seconds += time.perf_counter() - t0
-        return len(grammars)
+        return len(grammars), failed

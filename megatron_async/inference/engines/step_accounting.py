@@ -78,6 +78,7 @@ class StepAccounting:
         if self.grammars is not None:
             st.grammar_steps, st.grammar_rows = self.grammars.steps, self.grammars.rows
             st.grammar_fill_time = self.grammars.fill_seconds
+            st.grammar_early_fills, st.grammar_fill_wait_time = self.grammars.early_fills, self.grammars.wait_seconds
         if step_time is not None and pending.timing_events:
             st.timed_steps += 1
             st.timed_device_time += step_time

@@ -114,6 +114,7 @@ class ModelRunner:
         """MoE models: where the layers record routing (graphs always, eager steps when a row asks)."""
         self.token_masks: TokenMaskBuffers | None = None
         """Grammar token masks of the steps that have grammar rows (allocated by the first one)."""
+        self._mask_host: tuple | None = None  # (launch, its host bitmask, row map): mask_buffers
         self._graph_logits: torch.Tensor | None = None  # the logits-only graphs' shared output (graph_logits)
 
     def _host_buffers(self, S: int, R: int) -> dict[str, torch.Tensor]:
@@ -194,16 +195,23 @@ class ModelRunner:
             self._copy_results(pending, shape, spec, outputs, asked)
         return pending
 
+    def mask_buffers(self, pending: PendingLaunch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host int32 buffers of the grammar masks of ``pending`` (awaiting them): the bitmask
+        and the row map, all -1; the next of the ring, taken once per launch."""
+        if self._mask_host is None or self._mask_host[0] is not pending:
+            if self.token_masks is None:
+                self.token_masks = TokenMaskBuffers(self.context.max_samples, self.model.vocab_size, self.device)
+            self._mask_host = (pending, *self.token_masks.host(pending.awaiting_masks.shape.num_samples))
+        return self._mask_host[1], self._mask_host[2]
+
     @torch.inference_mode()
     def finish_launch(self, pending: PendingLaunch, fill) -> None:
         """Enqueue the sampling of a launch that awaits its grammar masks: ``fill(bitmask,
-        row_map)`` (host int32 buffers, the row map all -1) writes them and returns the bitmask
-        rows it used; they are copied to the device, and the sampling reads them."""
-        tail, pending.awaiting_masks = pending.awaiting_masks, None
+        row_map)`` (``mask_buffers``) writes them and returns the bitmask rows it used; they are
+        copied to the device, and the sampling reads them."""
+        bitmask, row_map = self.mask_buffers(pending)
+        tail, pending.awaiting_masks, self._mask_host = pending.awaiting_masks, None, None
         shape, S = tail.shape, tail.shape.num_samples
-        if self.token_masks is None:
-            self.token_masks = TokenMaskBuffers(self.context.max_samples, self.model.vocab_size, self.device)
-        bitmask, row_map = self.token_masks.host(S)
         num_rows = fill(bitmask, row_map)
         masks = self.token_masks.to_device(num_rows, S) if num_rows else None
         outputs = self.sample_tail(shape, tail.fwd, masks)

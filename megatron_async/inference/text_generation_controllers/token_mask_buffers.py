@@ -21,6 +21,7 @@ class TokenMaskBuffers:
         self.row_map: torch.Tensor | None = None
         """Device int32 [max_samples]: a sample's bitmask row, -1 for a sample without a grammar."""
 
+    @torch.inference_mode(False)  # plain tensors: the grammar worker thread (not in inference mode) writes them
     def _allocate(self) -> None:
         pin, S, W = self.device.is_cuda, self.max_samples, self.words
         self._host = [(torch.zeros(S, W, dtype=torch.int32, pin_memory=pin), torch.zeros(S, dtype=torch.int32, pin_memory=pin))
