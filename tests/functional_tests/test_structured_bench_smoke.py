@@ -15,3 +15,15 @@ def test_smoke(tmp_path):
     assert all(r["invalid"] == 0 and r["ratio"] > 0 and r["fill_ms"] > 0 for r in rows)
     assert all(r["tokens"] == r["plain_tokens"] for r in rows)
     assert (tmp_path / "cost.json").is_file()
+
+
+def test_grammar_fill_runs_both_ways():
+    """``python -m benchmarks grammar-fill``, tiny: every configuration fills the same masks
+    (checked inside), the baseline's requests copy one template and the other's one per thread."""
+    from benchmarks.commands import grammar_fill
+
+    rows = grammar_fill.main(["--rows", "4", "--threads", "2", "--steps", "3", "--repeats", "1",
+                              "--backends", "guidance"])
+    assert [(r["configuration"], r["templates"]) for r in rows] == [
+        ("llguidance, one template, 2 threads", 1), ("llguidance, template per thread, 2 threads", 2)]
+    assert all(r["ms"] > 0 for r in rows)

@@ -3,12 +3,13 @@ as grammar text (validated once, cached by the spec's key), template matchers pe
 requests copy (a new ``LLMatcher`` costs ~0.5 ms at a 150k vocabulary, a ``deep_copy`` ~10 us),
 and batched mask filling on the library's own threads (the GIL is released).
 
-The copies of one template share its lexer caches, and the executor's threads serialize on
-them: 128 copies of one template fill as fast on 2 threads as on 1, with the process using one
-core (AMD EPYC, Qwen3-sized vocabulary, the structured benchmark's schema: 10.2 us a row on 2
-threads, CPU time 10.5). So a spec has one template per thread and its requests are dealt round
-robin: a step's rows are copies of ``threads`` independent families (7.8 us a row on 2 threads,
-CPU time 13.5, docs/PERFORMANCE.md).
+The copies of one template share its lexer (llguidance's ``Parser`` keeps it behind an
+``Arc<Mutex<_>>`` that clones share), so the executor's threads serialize on it: 128 copies of
+one template filled on 2 threads with the process using one core (AMD EPYC, Qwen3-sized
+vocabulary, the structured benchmark's schema: 10.2 us a row, CPU time 10.5). So a spec has one
+template per thread and its requests are dealt round robin: a step's rows are copies of
+``threads`` independent families (7.8 us a row, CPU time 13.5; ``python -m benchmarks
+grammar-fill``, docs/PERFORMANCE.md).
 
 llguidance builds masks lazily per step (no precomputation), so it compiles anything in
 milliseconds, including the length-bounded strings and counted repetitions that make xgrammar
