@@ -1,7 +1,7 @@
 """The host's grammar mask fill per step: rows of the structured benchmark's schema on the Qwen3-sized
 synthetic vocabulary, each step accepting one landed token a row and filling the next masks (what
-GrammarMasks.fill does), by fill threads; llguidance requests copied from one template (as before
-one template per thread) against one template per thread, and xgrammar; runs interleaved. No GPU.
+GrammarMasks.fill does: accept_landed, fill_masks), by fill threads; llguidance requests copied
+from one template (as they were) against one template per thread, and xgrammar. No GPU.
 
 Every configuration advances the same rows by the same tokens (random allowed ones, never the
 end), so each fills the same masks (checked). Process CPU time beside the wall time says how
@@ -39,7 +39,7 @@ def run(args) -> tuple[dict[str, list[tuple[float, float]]], dict[str, int]]:
 
     from benchmarks.commands.structured import SCHEMA
     from benchmarks.synthetic_vocab import EOS_ID, synthetic_bpe
-    from megatron_async.inference.structured.grammars import fill_masks
+    from megatron_async.inference.structured.grammars import accept_landed, fill_masks
     from megatron_async.inference.structured.spec import StructuredOutputs
     from megatron_async.kernels.token_mask import allowed_reference
 
@@ -66,7 +66,7 @@ def run(args) -> tuple[dict[str, list[tuple[float, float]]], dict[str, int]]:
                 for label, gs in sets.items():
                     w0, c0 = time.perf_counter(), time.process_time()
                     if toks is not None:
-                        assert all(g.accept([t]) for g, t in zip(gs, toks))
+                        assert all(accept_landed(gs, [[t] for t in toks]))
                     fill_masks(gs, list(range(N)), bm[label])
                     per[label].append((time.perf_counter() - w0, time.process_time() - c0))
                 first = next(iter(bm.values()))

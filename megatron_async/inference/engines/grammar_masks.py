@@ -23,7 +23,7 @@ import torch
 
 from megatron_async.config import Scheduling
 from megatron_async.inference.request import DynamicInferenceRequest, InvalidRequestError, SamplingParams, Status
-from megatron_async.inference.structured.grammars import Grammars, fill_masks
+from megatron_async.inference.structured.grammars import Grammars, accept_landed, fill_masks
 from megatron_async.inference.structured.spec import GrammarError
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class GrammarMasks:
         with the error (its row is left unmasked; the engine ends it). Returns the bitmask rows
         used and those requests."""
         t0 = time.perf_counter()
-        grammars, base, failed = [], pending.sample_base, []
+        rows = []  # (row index, request, its landed tokens the grammar has not seen)
         for i, row in enumerate(pending.rows):
             req = row.request
             g = req.grammar
@@ -124,13 +124,18 @@ class GrammarMasks:
             if row.start + row.num_tokens != req.num_known_tokens:
                 raise RuntimeError(f"request {req.request_id}: a grammar row at position {row.start + row.num_tokens} "
                                    f"while {req.num_known_tokens} tokens are known (a launch before it has not landed)")
-            new = req.generated_tokens[g.num_accepted:]
-            if new and not g.accept(new):
+            rows.append((i, req, req.generated_tokens[g.num_accepted:]))
+        landed = [r for r in rows if r[2]]
+        ok = accept_landed([req.grammar for _, req, _ in landed], [new for _, _, new in landed])
+        refused = {id(req) for (_, req, _), good in zip(landed, ok) if not good}
+        grammars, base, failed = [], pending.sample_base, []
+        for i, req, _ in rows:
+            if id(req) in refused:
                 failed.append((req, "the grammar refused a sampled token: no token was allowed by both the grammar "
                                     "and the request's other token constraints"))
                 continue
             row_map[i if base is None else base[i]] = len(grammars)
-            grammars.append(g)
+            grammars.append(req.grammar)
         fill_masks(grammars, list(range(len(grammars))), bitmask)
         self.steps += 1
         self.rows += len(grammars)

@@ -98,3 +98,19 @@ def fill_masks(grammars: list[BaseGrammar], rows: list[int], bitmask: torch.Tens
     for idx in by_backend.values():
         for i in idx:
             grammars[i].fix_stop_bits(bitmask, rows[i])
+
+
+def accept_landed(grammars: list[BaseGrammar], tokens: list[list[int]]) -> list[bool]:
+    """``grammars[i].accept(tokens[i])`` for every i, each library's share in one batched call
+    where it has one (``accept_many``)."""
+    ok = [True] * len(grammars)
+    by_backend: dict[int, list[int]] = {}
+    for i, g in enumerate(grammars):
+        by_backend.setdefault(id(g.backend), []).append(i)
+    for idx in by_backend.values():
+        many = getattr(grammars[idx[0]].backend, "accept_many", None)
+        res = many([grammars[i] for i in idx], [tokens[i] for i in idx]) if many is not None else [
+            grammars[i].accept(tokens[i]) for i in idx]
+        for i, r in zip(idx, res):
+            ok[i] = r
+    return ok

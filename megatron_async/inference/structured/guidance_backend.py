@@ -100,6 +100,24 @@ class GuidanceBackend:
                                               bitmask.shape[0])
 
 
+    def accept_many(self, grammars: list[GuidanceGrammar], tokens: list[list[int]]) -> list[bool]:
+        """``BaseGrammar.accept`` of each; those advancing by one token (a decode step's) in one
+        call on the executor's threads, without the GIL (~3 us a row in Python otherwise)."""
+        ok, single = [True] * len(grammars), []
+        for i, (g, new) in enumerate(zip(grammars, tokens)):
+            if len(new) == 1 and not g.ended:
+                single.append((i, g, g.library_token(int(new[0]))))
+            else:
+                ok[i] = g.accept(new)
+        if single:
+            res = self.executor.consume_token_par([(g.m, t) for _, g, t in single])
+            for (i, g, t), r in zip(single, res):
+                ok[i] = r
+                if r:
+                    g.advanced(t)
+        return ok
+
+
 class GuidanceGrammar(BaseGrammar):
     def __init__(self, backend: GuidanceBackend, matcher, stop_ids=None, family: int = 0):
         super().__init__(backend, stop_ids)

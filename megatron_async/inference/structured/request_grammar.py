@@ -42,16 +42,21 @@ class BaseGrammar:
         """Advance by landed tokens; False when the grammar refuses one (the request fails: the
         mask never allows a refused token, so only a contradiction with other bans, which
         leaves no token allowed, can land one)."""
-        eos = self.backend.eos_ids
         for t in tokens:
-            t = int(t)
-            if self.stop_ids is not None and t in self.stop_ids:
-                t = eos[0]  # the library knows its end by the backend's EOS
+            t = self.library_token(int(t))
             if self.ended or not self._consume(t):
                 return False
-            self.num_accepted += 1
-            self.ended = t in eos
+            self.advanced(t)
         return True
+
+    def library_token(self, t: int) -> int:
+        """``t`` as the library knows it: its end is the backend's EOS, not the request's stop ids."""
+        return self.backend.eos_ids[0] if self.stop_ids is not None and t in self.stop_ids else t
+
+    def advanced(self, t: int) -> None:
+        """The library consumed ``t`` (a ``library_token``)."""
+        self.num_accepted += 1
+        self.ended = t in self.backend.eos_ids
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """The next position's mask into ``bitmask[row]`` (CPU int32, contiguous)."""

@@ -183,3 +183,39 @@ def test_guidance_requests_spread_over_independent_templates(tok):
         assert (bm == bm[0]).all() and allows(bm, 0, t), t
         assert all(g.accept([t]) for g in gs)
     assert all(g.ended for g in gs)
+
+
+def test_landed_tokens_accepted_in_one_batch_as_one_by_one(tok):
+    """accept_landed (llguidance: a decode step's single tokens consumed in one executor call)
+    advances each grammar as ``accept`` does: the request's own stop id as the library's end,
+    nothing after the end, a refused token refused."""
+    from megatron_async.inference.structured.grammars import accept_landed
+
+    spec = StructuredOutputs(choice=["yes", "no"])
+    batched, serial = (Grammars(tok, (EOS_TOKEN_ID,), 1024 + 40, mode="guidance", threads=2) for _ in range(2))
+    backend, calls = batched.backend_for(spec), []
+
+    class Counting:  # the executor, counting the batched consumes
+        def __init__(self, real):
+            self.real = real
+
+        def consume_token_par(self, items):
+            calls.append(len(items))
+            return self.real.consume_token_par(items)
+
+    backend.executor = Counting(backend.executor)
+    ids = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
+    seqs = [ids("yes") + [EOS_TOKEN_ID], ids("no") + [7], ids("yes") + [EOS_TOKEN_ID, EOS_TOKEN_ID], ids("zz")]
+    stops = [None, [7], None, None]
+    gs = {name: [gr.matcher(spec, stop_ids=s) for s in stops] for name, gr in (("batched", batched), ("serial", serial))}
+    alive = set(range(len(seqs)))
+    for step in range(max(map(len, seqs))):
+        now = [k for k in sorted(alive) if step < len(seqs[k])]
+        got = accept_landed([gs["batched"][k] for k in now], [[seqs[k][step]] for k in now])
+        want = [gs["serial"][k].accept([seqs[k][step]]) for k in now]
+        assert got == want, (step, got, want)
+        alive -= {k for k, ok in zip(now, got) if not ok}
+    for b, s in zip(gs["batched"], gs["serial"]):
+        assert (b.num_accepted, b.ended) == (s.num_accepted, s.ended)
+    assert [g.ended for g in gs["batched"]] == [True, True, True, False] and alive == {0, 1}
+    assert sum(calls) >= len(seqs[0]) * 2, calls
