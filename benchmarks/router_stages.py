@@ -141,11 +141,13 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(2):
             _wait_line(start("--engine", address, f"null{i}", f"{tmp}/e{i}.json"), "megatron_async.serve: engine ", 60)
         totals = asyncio.run(client(address, args.requests, list(range(1, args.prompt_len))))
-        floor = BareRelay()
-        try:
-            bare = statistics.median(floor.round_trips(2000))
-        finally:
-            floor.close()
+        bare = {}
+        for ipc in (False, True):
+            floor = BareRelay(ipc=ipc)
+            try:
+                bare[ipc] = statistics.median(floor.round_trips(2000))
+            finally:
+                floor.close()
     finally:
         for proc in reversed(procs):  # the engines first: they would end with their coordinator, undumped
             proc.send_signal(signal.SIGTERM)
@@ -163,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| on the request's path | median |\n|---|---:|")
     for label, a, b in ROWS:
         print(f"| {label} | {statistics.median(p[b] - p[a] for p in paths) / 1e3:.0f} us |")
-    print(f"\nThe same 4 hops over bare ZMQ (benchmarks/bare_relay.py), after: {1e6 * bare:.0f} us")
+    print(f"\nThe same 4 hops over bare ZMQ (benchmarks/bare_relay.py), after: {1e6 * bare[False]:.0f} us over TCP, "
+          f"{1e6 * bare[True]:.0f} us over ipc")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ The hit share is the DP run's prefix-hit tokens over the one engine's. Router: t
 trip of one request at a time through client -> coordinator -> null engine (benchmarks/null_engine.py)
 -> client, against the null engine's own add_request + step in process and against the same 4
 hops over bare ZMQ on this host (benchmarks/bare_relay.py: a relay and an echo process, no
-Python work in the hops), measured in alternating chunks so that both see the same host; then
+Python work in the hops; over TCP loopback and over ipc, as local peers reach a coordinator), measured in alternating chunks so that both see the same host; then
 ``--clients`` processes keep ``--window`` requests each in flight: requests per second through
 the coordinator, and the coordinator's CPU per request.
 """
@@ -112,20 +112,21 @@ def hits_table(args) -> list[str]:
 
 
 # ---------------------------------------------------------------------- router
-async def sequential(address: str, n: int, prompt: list[int], bare: BareRelay | None = None,
-                     chunk: int = 100) -> tuple[list[float], list[float]]:
-    """Round trips of one request at a time through the coordinator, and (``bare``) as many over
-    the bare relay, alternating every ``chunk``: seconds each."""
+async def sequential(address: str, n: int, prompt: list[int], bares: tuple[BareRelay, ...] = (),
+                     chunk: int = 100) -> tuple[list[float], list[list[float]]]:
+    """Round trips of one request at a time through the coordinator, and as many over each bare
+    relay of ``bares``, alternating every ``chunk``: seconds each."""
     client = await InferenceClient(address).start()
-    params, times, floor = SamplingParams(num_tokens_to_generate=1), [], []
+    params, times, floors = SamplingParams(num_tokens_to_generate=1), [], [[] for _ in bares]
     for i in range(n):
-        if bare is not None and i % chunk == 0:
-            floor += bare.round_trips(min(chunk, n - i))
+        if i % chunk == 0:
+            for bare, floor in zip(bares, floors):
+                floor += bare.round_trips(min(chunk, n - i))
         t0 = time.perf_counter()
         await client.add_request(prompt + [i % 1000], params)
         times.append(time.perf_counter() - t0)
     client.close()
-    return times, floor
+    return times, floors
 
 
 async def windowed(address: str, n: int, window: int, prompt: list[int]) -> tuple[float, float]:
@@ -164,17 +165,18 @@ def router_table(args) -> list[str]:
         engine.step()
         inproc.append(time.perf_counter() - t0)
     cluster = Cluster("scored", 0.5)
-    nulls, bare = [], None
+    nulls, bares = [], []
     try:
         for i in range(args.null_engines):
             nulls.append(subprocess.Popen([sys.executable, "-m", "benchmarks.null_engine", cluster.address, f"null{i}"],
                                           stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT))
         for p in nulls:
             _wait_line(p, "megatron_async.serve: engine ", 120)
-        bare = BareRelay()
+        bares.append(BareRelay())
+        bares.append(BareRelay(ipc=True))
         asyncio.run(sequential(cluster.address, 200, prompt))  # warm
-        times, floor = asyncio.run(sequential(cluster.address, args.sequential, prompt, bare))
-        rtt, floor = statistics.median(times), statistics.median(floor)
+        times, floors = asyncio.run(sequential(cluster.address, args.sequential, prompt, tuple(bares)))
+        rtt, (tcp, ipc) = statistics.median(times), [statistics.median(f) for f in floors]
         cpu0 = [cpu_seconds(p.pid) for p in (cluster.coordinator, *nulls)]
         per_client = args.requests // args.clients
         loaders = [subprocess.Popen([sys.executable, "-m", "benchmarks", "dp-routing", "--load-client",
@@ -187,7 +189,7 @@ def router_table(args) -> list[str]:
         for p in nulls:
             p.kill()
             p.wait(10)
-        if bare is not None:
+        for bare in bares:
             bare.close()
         cluster.close()
     total = per_client * args.clients
@@ -196,8 +198,10 @@ def router_table(args) -> list[str]:
             f"| in-process null add_request + step, median | {1e6 * statistics.median(inproc):.0f} us |",
             f"| client -> coordinator -> engine -> client, one at a time, median | {1e6 * rtt:.0f} us |",
             f"| added by routing and the round trip, median | {1e6 * (rtt - statistics.median(inproc)):.0f} us |",
-            f"| the same hops over bare ZMQ on this host (relay + echo processes), median | {1e6 * floor:.0f} us |",
-            f"| added above that floor, median | {1e6 * (rtt - floor):.0f} us |",
+            f"| the same hops over bare ZMQ on this host (relay + echo processes), TCP, median | {1e6 * tcp:.0f} us |",
+            f"| the same over ipc (as local peers reach the coordinator), median | {1e6 * ipc:.0f} us |",
+            f"| added above the TCP floor, median | {1e6 * (rtt - tcp):.0f} us |",
+            f"| added above the ipc floor, median | {1e6 * (rtt - ipc):.0f} us |",
             f"| throughput, {args.clients} clients x {args.window} in flight | {total / max(walls):,.0f} requests/s |",
             f"| coordinator CPU per request | {1e6 * cpu[0] / total:.1f} us |",
             f"| engines' CPU per request (null engines, their links) | {1e6 * sum(cpu[1:]) / total:.1f} us |",

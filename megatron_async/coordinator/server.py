@@ -22,7 +22,7 @@ from megatron_async.coordinator.core import ENGINE_TIMEOUT_S, UNROUTED_TIMEOUT_S
 from megatron_async.coordinator.engines import EngineInfo, EngineSlot, EngineState, RegistrationError
 from megatron_async.coordinator.messages import encode
 from megatron_async.coordinator.transport import ControlListener, Peer
-from megatron_async.coordinator.trust import listener_secret, remove_secret_file
+from megatron_async.coordinator.trust import ipc_twin, listener_secret, remove_secret_file
 from megatron_async.inference.communication.handshake import readable, zmq_poll
 
 log = logging.getLogger("megatron_async.coordinator")
@@ -43,8 +43,20 @@ class CoordinatorServer:
         except BaseException:
             self.listener.close()
             raise
+        self._bind_twin()
         self._slots: dict[Peer, EngineSlot] = {}
         self.core.wire = self.wire_counts
+
+    def _bind_twin(self) -> None:
+        """Loopback TCP: the same socket on its ipc twin too (trust.py), where local peers connect."""
+        twin = ipc_twin(self.address)
+        if twin is None:
+            return
+        try:
+            twin.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.listener.sock.bind(f"ipc://{twin}")
+        except (OSError, zmq.ZMQError) as e:  # TCP serves them all, a little slower
+            log.warning("no ipc twin at %s (%s): local peers connect over TCP", twin, e)
 
     def wire_counts(self) -> dict:
         """The listener's counters (client.engines()["wire"]): frames dropped by reason, handshakes."""

@@ -17,7 +17,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from megatron_async.coordinator import messages
-from megatron_async.coordinator.trust import ENV_SECRET
+from megatron_async.coordinator.trust import ENV_SECRET, peer_endpoint
 from megatron_async.inference.communication import wire
 from megatron_async.inference.communication.handshake import (SNDMORE, AuthError, Listener, Peer, authenticate,
                                                               readable, zmq_poll, zmq_send)
@@ -90,8 +90,9 @@ class ControlListener:
 
 
 class PeerSocket:
-    """An engine's or a client's connection to the coordinator at ``address``, authenticated on
-    construction (``AuthError``: refused, or nobody answered within ``timeout_s``)."""
+    """An engine's or a client's connection to the coordinator at ``address`` (through its ipc
+    twin when one listens on this host: trust.py), authenticated on construction (``AuthError``:
+    refused, or nobody answered within ``timeout_s``)."""
 
     def __init__(self, address: str, secret: bytes, role: str, name: str, timeout_s: float = 30.0,
                  ctx: zmq.Context | None = None):
@@ -105,7 +106,8 @@ class PeerSocket:
         self._in = readable(self.sock)
         self._either = self._in + readable(self.monitor)
         try:
-            self.sock.connect(address)
+            self.endpoint = peer_endpoint(address)
+            self.sock.connect(self.endpoint)
             self.welcome = authenticate(self.sock, secret, role, name, b"", timeout_s)
         except AuthError as e:
             self.close()

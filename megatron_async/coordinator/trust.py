@@ -7,7 +7,13 @@ comes from, in order: the caller, ``MEGATRON_ASYNC_CLIENT_SECRET``, the file nam
 ipc address the same-user file the coordinator writes at start (``secret_file``: 0600 in a 0700
 directory, Jupyter's token-file pattern: same-user clients just work, other local users are
 refused). A non-loopback address without a configured secret is refused at start, naming the
-variable to set."""
+variable to set.
+
+A coordinator on loopback TCP also listens on an ``ipc://`` twin beside its secret file
+(``ipc_twin``: the same 0700 directory), and engines and clients given the TCP address connect
+there when it exists: a Unix socket's hop costs less than TCP loopback's (one at a time, the
+bare relay's 4 hops: 101 us over ipc, 124 us over TCP). Who connects is still proven by the
+handshake, in both directions."""
 from __future__ import annotations
 
 import ipaddress
@@ -20,9 +26,12 @@ from pathlib import Path
 
 from megatron_async.inference.communication.rendezvous import MIN_SECRET_BYTES, SecretError, secret_from_env
 
-__all__ = ["ENV_SECRET", "ENV_SECRET_FILE", "SecretError", "is_local", "listener_secret", "peer_secret", "secret_file"]
+__all__ = ["ENV_SECRET", "ENV_SECRET_FILE", "SecretError", "ipc_twin", "is_local", "listener_secret", "peer_secret",
+           "secret_file"]
 ENV_SECRET = "MEGATRON_ASYNC_CLIENT_SECRET"
 ENV_SECRET_FILE = "MEGATRON_ASYNC_CLIENT_SECRET_FILE"
+SUN_PATH_BYTES = 107
+"""The longest path a Unix socket's name takes (Linux: 108 bytes with its NUL)."""
 
 
 def split_tcp(address: str) -> tuple[str, int] | None:
@@ -59,6 +68,27 @@ def secret_file(address: str) -> Path:
     base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(os.path.expanduser("~"), ".cache")
     name = sha256(address.encode()).hexdigest()[:24]
     return Path(base) / "megatron_async" / f"coordinator-{name}.secret"
+
+
+def ipc_twin(address: str) -> Path | None:
+    """The Unix socket a coordinator on loopback TCP ``address`` also listens on (None: not
+    loopback TCP, or a path too long for a socket's name: TCP alone)."""
+    if not address.startswith("tcp://") or not is_local(address):
+        return None
+    path = secret_file(address).with_suffix(".ipc")
+    return path if len(os.fsencode(path)) <= SUN_PATH_BYTES else None
+
+
+def peer_endpoint(address: str) -> str:
+    """Where an engine or client of the coordinator at ``address`` connects: its ipc twin when
+    one listens on this host (the file is a socket), else ``address``."""
+    twin = ipc_twin(address)
+    try:
+        if twin is not None and stat.S_ISSOCK(twin.stat().st_mode):
+            return f"ipc://{twin}"
+    except OSError:
+        pass
+    return address
 
 
 def _read_private(path: Path) -> bytes:
@@ -110,7 +140,10 @@ def peer_secret(address: str, secret: bytes | str | None = None) -> bytes:
 
 
 def remove_secret_file(address: str) -> None:
-    try:
-        secret_file(address).unlink()
-    except FileNotFoundError:
-        pass
+    """The secret file and the ipc twin's socket file (libzmq leaves it behind)."""
+    for path in (secret_file(address), ipc_twin(address)):
+        try:
+            if path is not None:
+                path.unlink()
+        except FileNotFoundError:
+            pass

@@ -1,7 +1,10 @@
 """A coordinator serving on a thread of the test's process, on a loopback port, with no secret
-configured (its secret file under the test's own runtime directory)."""
+configured (its secret file and ipc twin under a runtime directory of the test's own, short
+enough for a Unix socket's name: its peers connect through the twin)."""
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 
 import pytest
@@ -11,8 +14,15 @@ from megatron_async.coordinator.trust import ENV_SECRET
 
 
 @pytest.fixture
-def server(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+def runtime_dir(monkeypatch):
+    path = tempfile.mkdtemp(prefix="coord-")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def server(monkeypatch, runtime_dir):
     monkeypatch.delenv(ENV_SECRET, raising=False)
     s = CoordinatorServer("tcp://127.0.0.1:0")
     stop = threading.Event()

@@ -4,6 +4,7 @@ stranger's frames dropped and counted; messages round-trip without pickle, and a
 of the wrong kind for its sender is dropped."""
 from __future__ import annotations
 
+import threading
 import time
 
 import msgpack
@@ -14,7 +15,8 @@ from megatron_async.coordinator import messages
 from megatron_async.coordinator.engines import EngineInfo
 from megatron_async.coordinator.server import CoordinatorServer
 from megatron_async.coordinator.transport import AuthError, PeerSocket
-from megatron_async.coordinator.trust import ENV_SECRET, SecretError, is_local, peer_secret, secret_file
+from megatron_async.coordinator.trust import (ENV_SECRET, SecretError, ipc_twin, is_local, peer_endpoint, peer_secret,
+                                              secret_file)
 from megatron_async.inference.communication import wire
 from megatron_async.inference.communication.handshake import HELLO, PROOF
 from megatron_async.inference.records import encode_sampling, sampling_fields
@@ -46,11 +48,36 @@ def test_same_user_clients_connect_and_others_are_refused_changing_nothing(serve
     assert st.auth_failed == 1 and st.dropped["unauthenticated"] == 1
 
 
-def test_a_stranger_changes_nothing(server):
+def test_local_peers_connect_through_the_ipc_twin_which_goes_with_the_coordinator(monkeypatch, runtime_dir):
+    """A coordinator on loopback TCP listens on a Unix socket beside its secret file too, and its
+    engines and clients given the TCP address connect there; it is removed at close."""
+    monkeypatch.delenv(ENV_SECRET, raising=False)
+    s = CoordinatorServer("tcp://127.0.0.1:0")
+    twin = ipc_twin(s.address)
+    assert twin.parent == secret_file(s.address).parent and twin.parent.stat().st_mode & 0o777 == 0o700
+    stop = threading.Event()
+    t = threading.Thread(target=s.serve, args=(stop,), daemon=True)
+    t.start()
+    try:
+        peer = PeerSocket(s.address, peer_secret(s.address), "client", "me", 5)
+        peer.close()
+        assert peer.endpoint == peer_endpoint(s.address) == f"ipc://{twin}" and peer.welcome["engines"] == 0
+        assert s.listener.stats.authenticated == 1
+    finally:
+        stop.set()
+        t.join(5)
+        s.close()
+    assert not twin.exists() and peer_endpoint(s.address) == s.address  # gone with it: TCP again
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/tmp/" + "x" * 120)  # no room in a socket's name: TCP alone
+    assert ipc_twin("tcp://127.0.0.1:5") is None and ipc_twin("tcp://10.1.2.3:5") is None
+
+
+@pytest.mark.parametrize("via", ["tcp", "ipc twin"])
+def test_a_stranger_changes_nothing(server, via):
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
-    s.connect(server.address)
+    s.connect(server.address if via == "tcp" else f"ipc://{ipc_twin(server.address)}")
     for frame in (b"\x00" * 3, msgpack.packb([64, ["x", 1, 1, 8, b"k", True]]), b"\x93" + b"\xff" * 600,
                   messages.encode("submit", 0, [1, 2], [{}], False, None, -1)):
         s.send(frame)
