@@ -2,7 +2,9 @@
 null engines (benchmarks/null_engine.py) and this process's client stamp ``time.perf_counter_ns``
 (one clock for every process of a host) at each send (``zmq_send``'s entry) and at each wake-up
 (the first Python after a blocking poll returned: the coordinator's loop, an engine's wait, the
-client's reader). One request at a time; each row is the median over the requests of the time
+client's reader). Where engines answer clients directly (serve/direct_replies.py: the
+coordinator's ipc twin, a request that does not stream), the path is 3 hops: the engine's first
+send is to the client, whose reply socket's reader wakes. One request at a time; each row is the median over the requests of the time
 from one stamp to the next on the request's path: the Python a process runs between its wake-up
 and its send, and each hop from a send to the receiver's wake-up (the hops' floor:
 benchmarks/bare_relay.py). The stamps add ~10 us to the round trip.
@@ -32,6 +34,16 @@ ROWS = [("client: the prompt's ids and block digests, the sampling map, the subm
         ("coordinator: the outputs read, renumbered, the finished output written", "K.wake2", "K.send2"),
         ("hop: coordinator -> client (epoll, the event loop's callback)", "K.send2", "C.wake"),
         ("client: the output read and decoded, the future resolved, the caller resumed", "C.wake", "C1")]
+DIRECT_ROWS = ROWS[:4] + [("engine link: the route read, admitted, a null step, its output sent to the client", "E.wake",
+                           "E.send"), ("hop: engine -> client (epoll, the event loop's callback)", "E.send", "C.wake"),
+                          ROWS[-1]]
+
+
+def direct_replies() -> bool:
+    """This tree's engines answer clients directly."""
+    from importlib.util import find_spec
+
+    return find_spec("megatron_async.serve.direct_replies") is not None
 
 
 def _stamp_before(owner, name: str, tag: str) -> None:
@@ -79,6 +91,10 @@ def engine(address: str, name: str, out: str) -> None:
 
     _stamp_after(transport.PeerSocket, "wait", "E.wake")
     _stamp_before(transport, "zmq_send", "E.send")
+    if direct_replies():
+        from megatron_async.serve import direct_replies as direct
+
+        _stamp_before(direct, "zmq_send", "E.send")
     _dump_on_term(out)
     null_engine.main([address, name])
 
@@ -90,7 +106,12 @@ async def client(address: str, n: int, prompt: list[int]) -> list[int]:
     from megatron_async.coordinator import transport
 
     _stamp_before(transport, "zmq_send", "C.send")
-    _stamp_before(ClientChannel, "_read", "C.wake")
+    if direct_replies():
+        from megatron_async.client.replies import ReplySocket
+
+        _stamp_before(ReplySocket, "read", "C.wake")
+    else:
+        _stamp_before(ClientChannel, "_read", "C.wake")
     c = await InferenceClient(address).start()
     params, totals, clock = SamplingParams(num_tokens_to_generate=1), [], time.perf_counter_ns
     for i in range(-200, n):  # 200 to warm up
@@ -105,10 +126,11 @@ async def client(address: str, n: int, prompt: list[int]) -> list[int]:
     return totals[200:]
 
 
-def path_of(window: list[tuple[int, str]]) -> dict[str, int] | None:
+def path_of(window: list[tuple[int, str]], direct: bool = False) -> dict[str, int] | None:
     """The stamps of one request, in path order: each the first of its kind after the one before
     (a heartbeat or a timeout in between is passed over); None when one is missing."""
-    order = ["C0", "C.send", "K.wake", "K.send", "E.wake", "E.send", "K.wake2", "K.send2", "C.wake", "C1"]
+    order = ["C0", "C.send", "K.wake", "K.send", "E.wake", "E.send", *([] if direct else ["K.wake2", "K.send2"]),
+             "C.wake", "C1"]
     got, at = {}, 0
     for key in order:
         kind = key.rstrip("2")
@@ -158,12 +180,13 @@ def main(argv: list[str] | None = None) -> None:
             stamps += [tuple(s) for s in json.load(fh)]
     stamps.sort()
     starts = [i for i, (_, kind) in enumerate(stamps) if kind == "C0"] + [len(stamps)]
-    paths = [path_of(stamps[a:b]) for a, b in zip(starts, starts[1:])]
+    direct = direct_replies()
+    paths = [path_of(stamps[a:b], direct) for a, b in zip(starts, starts[1:])]
     paths = [p for p in paths if p is not None]
     print(f"{len(paths)} of {args.requests} requests one at a time, round trip median "
           f"{statistics.median(totals) / 1e3:.0f} us, load average {os.getloadavg()[0]:.2f}:\n")
     print("| on the request's path | median |\n|---|---:|")
-    for label, a, b in ROWS:
+    for label, a, b in DIRECT_ROWS if direct else ROWS:
         print(f"| {label} | {statistics.median(p[b] - p[a] for p in paths) / 1e3:.0f} us |")
     print(f"\nThe same 4 hops over bare ZMQ (benchmarks/bare_relay.py), after: {1e6 * bare[False]:.0f} us over TCP, "
           f"{1e6 * bare[True]:.0f} us over ipc")

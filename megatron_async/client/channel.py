@@ -5,7 +5,10 @@ reads everything waiting, and a send that took the readable edge schedules a rea
 
 Sending: the first message of a turn of the event loop leaves at once (one request at a time
 waits for no turn of the loop); what follows it in the same turn is queued and leaves as one
-message when the turn ends (a loaded client's many requests: one wake-up of the coordinator)."""
+message when the turn ends (a loaded client's many requests: one wake-up of the coordinator).
+
+Reached through the coordinator's ipc twin (same host), the client also listens on a reply
+socket (replies.py) where engines send the final outputs of its non-streaming requests."""
 from __future__ import annotations
 
 import asyncio
@@ -14,14 +17,15 @@ import socket
 
 import zmq
 
+from megatron_async.client.replies import ReplySocket
 from megatron_async.coordinator.messages import encode
 from megatron_async.coordinator.transport import PeerSocket
 from megatron_async.coordinator.trust import peer_secret
 
 
 class ClientChannel:
-    def __init__(self, peer: PeerSocket, client):
-        self.peer, self.client = peer, client
+    def __init__(self, peer: PeerSocket, client, replies: ReplySocket | None = None):
+        self.peer, self.client, self.replies = peer, client, replies
         self.loop: asyncio.AbstractEventLoop | None = None
         self._fds: list[int] = []
         self._queued: list[bytes] = []
@@ -31,8 +35,19 @@ class ClientChannel:
     @classmethod
     def connect(cls, address: str, secret, timeout_s: float, client) -> ClientChannel:
         """Authenticate now (blocking); ``attach`` to a loop before use."""
-        name = f"{socket.gethostname()}:{os.getpid()}"
-        return cls(PeerSocket(address, peer_secret(address, secret), "client", name, timeout_s), client)
+        name, key = f"{socket.gethostname()}:{os.getpid()}", peer_secret(address, secret)
+        peer = PeerSocket(address, key, "client", name, timeout_s)
+        replies = None
+        if peer.endpoint.startswith("ipc://"):  # the coordinator's twin: engines on this host answer here
+            try:
+                replies = ReplySocket(os.path.dirname(peer.endpoint[len("ipc://"):]), key, peer.sock.context)
+                peer.send("reply_at", replies.endpoint)
+            except BaseException:
+                if replies is not None:
+                    replies.close(None)
+                peer.close()
+                raise
+        return cls(peer, client, replies)
 
     @classmethod
     async def open(cls, address: str, secret, timeout_s: float, client) -> ClientChannel:
@@ -48,6 +63,8 @@ class ClientChannel:
             loop.add_reader(fd, self._read)
             self._fds.append(fd)
         loop.call_soon(self._read)  # what arrived before
+        if self.replies is not None:
+            self.replies.attach(loop, self.client.receive)
 
     def send(self, kind: str, *fields) -> None:
         """At once if it is this turn's first message, else queued until the turn ends."""
@@ -98,4 +115,6 @@ class ClientChannel:
     def close(self) -> None:
         self._flush()
         self._detach()
+        if self.replies is not None:  # (before the context it shares ends with the coordinator's connection)
+            self.replies.close(self.loop)
         self.peer.close()

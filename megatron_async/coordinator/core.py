@@ -21,7 +21,8 @@ from typing import Any, Callable, Protocol
 
 from megatron_async.config.inference_config import DP_ENGINE_TIMEOUT_S
 from megatron_async.config.modes import DpRouting
-from megatron_async.coordinator.controls import CONTROL_OPS, ControlBook, PendingControl
+from megatron_async.coordinator.control_ops import ControlOperations
+from megatron_async.coordinator.controls import ControlBook
 from megatron_async.coordinator.engines import EngineInfo, EngineSlot, EngineState, EngineTable
 from megatron_async.coordinator.requests import OpenRequest, RequestTable, prompt_tokens
 from megatron_async.inference.contexts.kv_block_allocator import prefix_digests
@@ -43,7 +44,7 @@ class Outbox(Protocol):
     def to_client(self, client: Any, kind: str, *fields: Any) -> None: ...
 
 
-class CoordinatorCore:
+class CoordinatorCore(ControlOperations):
     def __init__(self, outbox: Outbox, policy: DpRouting | str = DpRouting.LOAD_BALANCED, alpha: float = 0.5,
                  unrouted_timeout_s: float = UNROUTED_TIMEOUT_S, seed: int = 0,
                  engine_timeout_s: float = ENGINE_TIMEOUT_S):
@@ -64,6 +65,8 @@ class CoordinatorCore:
         self.requests = RequestTable()
         self.controls = ControlBook()
         self.clients: set[Any] = set()
+        self.replies: dict[Any, str] = {}
+        """client -> the ipc endpoint its engines answer non-streaming requests on (``reply_at``)."""
         self.pause_mode: str | None = None
         """The pause mode clients set last (None: generating): an engine that joins is told it."""
         self.generation_epoch: int | None = None
@@ -139,7 +142,9 @@ class CoordinatorCore:
         self.counts["routed"] += 1
         if assign and slot.affinity and req.keys:
             self.view.assign(slot.index, req.keys, slot.submitted)
-        self.outbox.to_engine(slot, "route", req.rid, slot.submitted, req.prompt, req.sampling, req.stream, req.digests)
+        reply = None if req.stream else self.replies.get(req.client)
+        self.outbox.to_engine(slot, "route", req.rid, slot.submitted, req.prompt, req.sampling, req.stream, req.digests,
+                              None if reply is None else (reply, req.client_rid))
 
     def abort(self, client: Any, client_rid: int) -> None:
         req = self.requests.of_client(client, client_rid)
@@ -159,6 +164,7 @@ class CoordinatorCore:
         """Its connection closed: its requests are aborted on their engines (their KV comes
         back), and nothing more is sent to it."""
         self.clients.discard(client)
+        self.replies.pop(client, None)
         for req in self.requests.all_of_client(client):
             self.counts["aborted_for_client"] += 1
             self.abort(client, req.client_rid)
@@ -201,11 +207,12 @@ class CoordinatorCore:
     def engine_outputs(self, slot: EngineSlot, seen_seq: int, updates: Sequence[RequestUpdate],
                        finished: Sequence[RequestOutput | CheckedOutput], rejected: Sequence[tuple[int, str]] = (),
                        failed: Sequence[tuple[int, str]] = (), evicted: Sequence[int] = (), load: int = 0,
-                       free_blocks: int = 0, hash_key: bytes | None = None) -> None:
+                       free_blocks: int = 0, hash_key: bytes | None = None, delivered: Sequence[int] = ()) -> None:
         """One message of an engine: its step's updates and final outputs, requests it refused,
         requests it failed (a step raised: they end with their partial output), the keys of the
         blocks its cache reclaimed (having received submissions up to ``seen_seq``), its
-        unfinished request count and obtainable KV blocks, and its cache's key when that changed."""
+        unfinished request count and obtainable KV blocks, its cache's key when that changed, and
+        the requests whose final output it sent their client itself (they end here, untold)."""
         slot.last_heard, slot.load, slot.free_blocks = time.monotonic(), load, free_blocks
         if evicted:
             self.counts["evicted_keys"] += len(evicted)
@@ -225,6 +232,11 @@ class CoordinatorCore:
         for client, batch in streams.items():
             self.outbox.to_client(client, "stream", batch)
         self._finish(slot, finished)
+        for rid in delivered:
+            req = get(rid)
+            if req is not None and req.engine is slot:
+                self.requests.end(rid)
+                self.counts["delivered_directly"] += 1
         for rid, message in rejected:
             req = get(rid)
             if req is not None and req.engine is slot:
@@ -299,72 +311,11 @@ class CoordinatorCore:
                                       {"index": slot.index, "left": not died, "died": died})
         self._check_stopped()
 
-    # ------------------------------------------------------------------ control
-    def control(self, client: Any, op_id: int, op: str, args: dict) -> None:
-        """``op`` on every live engine; the client is answered once all did."""
-        if op not in CONTROL_OPS:
-            self.outbox.to_client(client, "control_done", op_id, 400, {"error": f"unknown operation {op!r}"})
-            return
-        if op == "pause_generation":
-            self.pause_mode = args.get("mode", "keep")
-        elif op == "resume_generation":
-            self.pause_mode = None
-        elif op == "set_generation_epoch":
-            self.generation_epoch = args.get("epoch")
-        self._broadcast(client, op_id, op, args)
-
-    def _broadcast(self, client: Any, op_id: int, op: str, args: dict) -> None:
-        live = self.engines.live()
-        if not live:
-            self._answer(PendingControl(client, op_id, op, set()))
-            return
-        internal, _ = self.controls.open(client, op_id, op, [s.index for s in live])
-        for slot in live:
-            self.outbox.to_engine(slot, "control", internal, op, args)
-
-    def _internal_control(self, slot: EngineSlot, op: str, args: dict) -> None:
-        internal, _ = self.controls.open(None, -1, op, [slot.index])
-        self.outbox.to_engine(slot, "control", internal, op, args)
-
-    def engine_control_done(self, slot: EngineSlot, internal: int, status: int, body: Any) -> None:
-        pc = self.controls.answer(internal, slot.index, status, body)
-        if pc is not None:
-            self._answer(pc)
-
-    def _answer(self, pc: PendingControl) -> None:
-        if pc.client is not None and pc.client in self.clients:
-            self.outbox.to_client(pc.client, "control_done", pc.op_id, pc.status, {"engines": pc.answers})
-
-    def drain(self, client: Any, op_id: int, index: int) -> None:
-        """Route nothing more to engine ``index``; answered once it left (its requests ended)."""
-        slot = self.engines.drain(index)
-        if slot is None:
-            self.outbox.to_client(client, "control_done", op_id, 404, {"error": f"no engine {index}"})
-            return
-        self.controls.drains.setdefault(index, []).append((client, op_id))
-        self.outbox.to_engine(slot, "drain")
-
-    def shutdown(self, client: Any, op_id: int) -> None:
-        """Stop every engine, answer, then the coordinator exits (``done``)."""
-        self.stopping = True
-        self._shutdown_reply = (client, op_id)
-        live = self.engines.live()
-        for slot in live:
-            slot.state = EngineState.DRAINING
-        self._broadcast("coordinator", -1, "stop", {})
-        self._check_stopped()
-
-    def _check_stopped(self) -> None:
-        if self.stopping and not self.engines.live() and not self.done:
-            self.done = True
-            client, op_id = self._shutdown_reply
-            if client in self.clients:
-                self.outbox.to_client(client, "control_done", op_id, 200, {"stopped": True})
-
     # ------------------------------------------------------------------ messages, by kind
     _ENGINE_KINDS = {"outputs": "engine_outputs", "heartbeat": "engine_heartbeat", "control_done": "engine_control_done",
                      "leave": "engine_left"}
-    _CLIENT_KINDS = {k: k for k in ("submit", "abort", "abort_all", "control", "drain", "shutdown")} | {"engines": "engines_query"}
+    _CLIENT_KINDS = {k: k for k in ("submit", "abort", "abort_all", "control", "drain", "shutdown", "reply_at")} | {
+        "engines": "engines_query"}
 
     def engine_message(self, slot: EngineSlot, kind: str, fields: Sequence[Any]) -> None:
         """A decoded message of a registered engine (engine_link.py's kinds): any of them says it is alive."""
@@ -379,6 +330,9 @@ class CoordinatorCore:
         if kind not in self._CLIENT_KINDS:
             raise ValueError(f"clients do not send {kind!r}")
         getattr(self, self._CLIENT_KINDS[kind])(client, *fields)
+
+    def reply_at(self, client: Any, endpoint: str) -> None:
+        self.replies[client] = endpoint
 
     def engines_query(self, client: Any, op_id: int) -> None:
         self.outbox.to_client(client, "control_done", op_id, 200,

@@ -15,18 +15,21 @@ Fields after the type (ids are ints; "ints" = int64 little-endian bin):
 - client -> coordinator: submit [first id, prompt (str | ints: read as they travel, passed on
   packed), [sampling map], stream, prompt
   block digests bin (32 bytes each) | nil, key epoch], abort [id], abort_all [], control [op id, op, args map], drain
-  [op id, engine index], shutdown [op id], engines [op id].
+  [op id, engine index], shutdown [op id], engines [op id], reply_at [the ipc:// endpoint its engines
+  answer on: client/replies.py].
 - coordinator -> engine: route [rid, submission number, prompt, sampling map, stream, prompt block
-  digests bin (b"": none)], abort
+  digests bin (b"": none), direct reply [client endpoint, client's id] | nil], abort
   [rid], control [op id, op, args], drain [], rejected [-1, message] (registration refused, or declared dead),
   info [map].
 - engine -> coordinator: register [[name, max requests, KV capacity in blocks, block size, cache
   key, prefix caching]], outputs [last submission seen, updates, [output] (read as checked
   records, ``records.CheckedOutput``: the coordinator renumbers them and passes them on), rejected [[rid,
-  message]], failed [[rid, message]], evicted keys ints, load, free blocks, new cache key | nil],
-  heartbeat [load, free blocks], control_done [op id, status, body map], leave [].
+  message]], failed [[rid, message]], evicted keys ints, load, free blocks, new cache key | nil,
+  delivered (rids whose output went to their client directly) ints], heartbeat [load, free blocks],
+  control_done [op id, status, body map], leave [].
 - coordinator -> client: info [map], stream [updates], finished [[output]], rejected [id,
-  message], control_done [op id, status, body]."""
+  message], control_done [op id, status, body].
+- engine -> client (its reply socket): finished [[output]] (ids the client's)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -130,6 +133,17 @@ _type("control", 48, 3, lambda v: [_id(v[0]), f.str_(v[1], "op", 64), _args(v[2]
 _type("drain", 66, (0, 2), lambda v: [_id(x) for x in v])
 _type("shutdown", 55, 1, lambda v: [_id(v[0])])
 _type("engines", 58, 1, lambda v: [_id(v[0])])
+MAX_ENDPOINT_LEN = 256
+
+
+def _endpoint(v) -> str:
+    """A client's reply socket: ipc:// only (a same-host Unix socket; engines check its directory)."""
+    if type(v) is not str or not v.startswith("ipc://") or len(v) > MAX_ENDPOINT_LEN:
+        raise f.bad("endpoint")
+    return v
+
+
+_type("reply_at", 40, 1, lambda v: [_endpoint(v[0])])
 
 
 # ---------------------------------------------------------------------- coordinator -> engine / client
@@ -137,13 +151,17 @@ def _read_route(v: list) -> list:
     """The sampling map is the coordinator's copy of a client's, read there as ``_sampling_map``;
     the engine's admission reads every field of it (``records.decode_sampling``) and refuses that
     request alone: not walked a second time here."""
-    rid, seq, prompt, sampling, stream, digests = v
+    rid, seq, prompt, sampling, stream, digests, reply = v
+    if reply is not None:
+        endpoint, client_rid = f.arity(reply, 2, "reply")
+        reply = (_endpoint(endpoint), _id(client_rid))
     return [_id(rid), _id(seq), _prompt(prompt), f.dict_(sampling, "sampling_params"), f.bool_(stream, "stream"),
-            _digests(digests)]
+            _digests(digests), reply]
 
 
-_type("route", 33, 6, _read_route,
-      lambda rid, seq, prompt, sampling, stream, digests: [rid, seq, _prompt_out(prompt), sampling, stream, digests])
+_type("route", 33, 7, _read_route,
+      lambda rid, seq, prompt, sampling, stream, digests, reply=None: [rid, seq, _prompt_out(prompt), sampling, stream,
+                                                                       digests, reply])
 _type("rejected", 34, 2, lambda v: [_id(v[0]), f.str_(v[1], "message")])
 _type("info", 57, 1, lambda v: [_args(v[0], "info")])
 _type("stream", 36, 1, lambda v: [records.decode_updates(v[0])], lambda updates: [records.encode_updates(updates)])
@@ -165,25 +183,29 @@ def _write_register(i: EngineInfo) -> list:
 
 
 def _read_outputs(v: list) -> list:
-    seen, updates, finished, rejected, failed, evicted, load, free, key = v
+    seen, updates, finished, rejected, failed, evicted, load, free, key, delivered = v
     return [_id(seen), records.decode_updates(updates), [records.check_output(o) for o in f.list_(finished, "finished")],
             _messages(rejected, "rejected"), _messages(failed, "failed"),
             [] if evicted == b"" and type(evicted) is bytes else f.ints(evicted, "evicted"),
-            f.int_(load, "load", 0), f.int_(free, "free_blocks"), None if key is None else f.bytes_(key, "hash_key")]
+            f.int_(load, "load", 0), f.int_(free, "free_blocks"), None if key is None else f.bytes_(key, "hash_key"),
+            [] if delivered == b"" and type(delivered) is bytes else f.ints(delivered, "delivered")]
 
 
-def _write_outputs(seen, updates, finished, rejected, failed, evicted, load, free, key) -> list:
+def _write_outputs(seen, updates, finished, rejected, failed, evicted, load, free, key, delivered=()) -> list:
     return [seen, records.encode_updates(updates), [records.encode_output(o) for o in finished],
             [list(r) for r in rejected] if rejected else [], [list(r) for r in failed] if failed else [],
-            f.pack_ints(evicted) if evicted else b"", load, free, key]  # (a step's message: mostly empty)
+            f.pack_ints(evicted) if evicted else b"", load, free, key,
+            f.pack_ints(delivered) if delivered else b""]  # (a step's message: mostly empty)
 
 
 _type("register", 64, 1, _read_register, _write_register)
-_type("outputs", 35, 9, _read_outputs, _write_outputs)
+_type("outputs", 35, 10, _read_outputs, _write_outputs)
 _type("heartbeat", 65, 2, lambda v: [f.int_(v[0], "load", 0), f.int_(v[1], "free_blocks")])
 _type("leave", 67, 0)
 
-CLIENT_SENDS = frozenset({"submit", "abort", "abort_all", "control", "drain", "shutdown", "engines"})
+CLIENT_SENDS = frozenset({"submit", "abort", "abort_all", "control", "drain", "shutdown", "engines", "reply_at"})
 ENGINE_SENDS = frozenset({"register", "outputs", "heartbeat", "control_done", "leave"})
 COORDINATOR_SENDS = frozenset({"route", "abort", "control", "drain", "rejected", "info", "stream", "finished",
                                "control_done"})
+ENGINE_REPLIES = frozenset({"finished"})
+"""What an engine sends on a client's reply socket."""

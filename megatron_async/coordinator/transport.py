@@ -23,9 +23,9 @@ from megatron_async.inference.communication.handshake import (SNDMORE, AuthError
                                                               readable, zmq_poll, zmq_send)
 
 __all__ = ["AuthError", "ControlListener", "Peer", "PeerSocket"]
-ROLES = {"engine": None, "client": None}
-"""Who may connect (any name, not unique: engines and clients name themselves host:pid)."""
 _SENDS = {"engine": messages.ENGINE_SENDS, "client": messages.CLIENT_SENDS}
+"""Who may connect to a coordinator (any name, not unique: engines and clients name themselves
+host:pid), and what each may send."""
 
 
 def control_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
@@ -37,11 +37,14 @@ def control_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
 
 
 class ControlListener:
-    def __init__(self, address: str, welcome: Callable[[Peer], Any], ctx: zmq.Context | None = None):
+    def __init__(self, address: str, welcome: Callable[[Peer], Any], ctx: zmq.Context | None = None,
+                 sends: dict[str, frozenset[str]] | None = None):
         """Bind ``address`` (``tcp://HOST:0`` picks a port; ``bound`` says which); ``use_secret``
-        before any peer can be welcome. ``welcome(peer)``: what a peer that proved its key is told."""
+        before any peer can be welcome. ``welcome(peer)``: what a peer that proved its key is told.
+        ``sends``: role -> the messages its peers may send (the coordinator's: engines' and clients')."""
+        self.sends = sends or _SENDS
         self.sock = control_socket(ctx or zmq.Context.instance(), zmq.ROUTER)
-        self.listener = Listener(self.sock, None, ROLES, b"", messages.MAX_FRAME_BYTES, welcome)
+        self.listener = Listener(self.sock, None, dict.fromkeys(self.sends), b"", messages.MAX_FRAME_BYTES, welcome)
         self.monitor = self.listener.monitor
         self.stats = self.listener.stats
         try:
@@ -58,9 +61,9 @@ class ControlListener:
     def take(self, waiting: bool | None = None) -> list[tuple[Peer, str, list]]:
         """The authenticated peers' messages waiting (non-blocking), checked: (peer, type name,
         fields). ``waiting``: what the caller's poll said of the socket (None: ask)."""
-        out = []
+        out, sends = [], self.sends
         for peer, mtype, fields in self.listener.take(waiting):
-            if mtype.name not in _SENDS[peer.role]:
+            if mtype.name not in sends[peer.role]:
                 self.stats.drop("wrong role")
                 continue
             try:
@@ -103,8 +106,8 @@ class PeerSocket:
         self.lost = False
         self.stats = wire.WireStats()
         """What the coordinator sent that did not decode (a newer coordinator's message types)."""
-        self._in = readable(self.sock)
-        self._either = self._in + readable(self.monitor)
+        self._in, self._monitor_in = readable(self.sock), readable(self.monitor)
+        self._either = self._in + self._monitor_in
         try:
             self.endpoint = peer_endpoint(address)
             self.sock.connect(self.endpoint)
@@ -156,6 +159,13 @@ class PeerSocket:
             recv_monitor_message(self.monitor)
             self.lost = True
         return out
+
+    def gone(self) -> bool:
+        """The connection closed (read from its monitor alone: whatever else waits stays)."""
+        if not self.lost and zmq_poll(self._monitor_in, 0):
+            recv_monitor_message(self.monitor)
+            self.lost = True
+        return self.lost
 
     def readable(self) -> bool:
         """A message is waiting (a send may take the descriptor's readable edge: ask after one)."""

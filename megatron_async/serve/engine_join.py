@@ -15,6 +15,7 @@ from megatron_async.config.modes import DpRouting
 from megatron_async.coordinator.engines import EngineInfo, RegistrationError
 from megatron_async.coordinator.transport import PeerSocket
 from megatron_async.coordinator.trust import peer_secret
+from megatron_async.serve.direct_replies import DirectReplies
 
 COORDINATOR_START_TIMEOUT_S = 60.0
 
@@ -23,7 +24,10 @@ class CoordinatorChannel:
     """engine_link.EngineChannel over an authenticated connection to the coordinator."""
 
     def __init__(self, address: str, name: str, secret: bytes | str | None = None, timeout_s: float = 30.0):
-        self.peer = PeerSocket(address, peer_secret(address, secret), "engine", name, timeout_s)
+        key = peer_secret(address, secret)
+        self.peer = PeerSocket(address, key, "engine", name, timeout_s)
+        self.replies = DirectReplies(self.peer.endpoint, key, name, self.peer.sock.context)
+        """Final outputs straight to clients on this host (direct_replies.py)."""
         self._early: list[tuple[str, list]] = []
         self.index: int | None = None
 
@@ -57,6 +61,7 @@ class CoordinatorChannel:
             self.peer.send(kind, *fields)
 
     def close(self) -> None:
+        self.replies.close()  # (before the context they share ends with the coordinator's connection)
         self.peer.close()
 
 

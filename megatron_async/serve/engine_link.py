@@ -43,6 +43,10 @@ HEARTBEAT_S = 1.0
 """An engine says it is there (and its load) when it sent nothing for this long."""
 STEP_WATCHDOG_S = 600.0
 """Longest step (or control operation) during which the heartbeat thread still vouches for the engine."""
+DELIVERED_FLUSH_S = 0.005
+"""The ends of requests answered directly (direct_replies.py) ride the next outputs message, or
+leave on their own this long after the first: the coordinator's wake-up for them stays off the
+requests' path (a core it would take from their clients on a small host)."""
 MAX_FAILED_STEPS = 3
 """Consecutive failed steps after which the link stops stepping for the requests it failed."""
 
@@ -91,6 +95,11 @@ class EngineLink:
         self._engine_id: dict[int, int] = {}  # coordinator rid -> engine id
         self._orphans: set[int] = set()  # engine ids failed here, stepped until the engine ends them
         self._quiet: set[int] = set()  # engine ids of requests nobody streams: no update in the step that ends them
+        self._replies = getattr(channel, "replies", None)  # direct_replies.py (None: all via the coordinator)
+        self._reply_of: dict[int, tuple[str, int]] = {}  # engine id -> (its client's endpoint, the client's id)
+        self._next_sweep = 0.0
+        self._delivered: list[int] = []  # rids answered directly, not yet told to the coordinator
+        self._delivered_at = 0.0
         self._seen_seq = 0
         self._rejected: list[tuple[int, str]] = []
         self._failed: list[tuple[int, str]] = []
@@ -129,7 +138,8 @@ class EngineLink:
         elif kind == "rejected":
             self._declared_dead = fields[1]
 
-    def _submit(self, rid: int, seq: int, prompt, params, stream: bool, digests: bytes = b"") -> None:
+    def _submit(self, rid: int, seq: int, prompt, params, stream: bool, digests: bytes = b"",
+                reply: tuple[str, int] | None = None) -> None:
         self._seen_seq = max(self._seen_seq, seq)
         if self._leaving == "stop":
             self._rejected.append((rid, "the engine is stopping"))
@@ -152,6 +162,9 @@ class EngineLink:
         self._rid_of[local], self._engine_id[rid] = rid, local
         if not stream:
             self._quiet.add(local)
+            if reply is not None and self._replies is not None:
+                self._reply_of[local] = reply
+                self._replies.prepare(reply[0])
 
     def _control(self, op_id: int, op: str, args: dict) -> None:
         if op == "stop":
@@ -211,7 +224,9 @@ class EngineLink:
         """One turn of the loop: take what arrived (waiting up to ``HEARTBEAT_S`` when idle and
         ``wait``), step if there is work, send. Returns why the loop ends, or None."""
         idle = not self.busy() or self._paused_idle
-        for kind, fields in self.channel.poll(HEARTBEAT_S if idle and wait else 0.0):
+        wait_s = HEARTBEAT_S if not self._delivered else \
+            max(0.0, self._delivered_at + DELIVERED_FLUSH_S - time.monotonic())  # (their ends leave on time)
+        for kind, fields in self.channel.poll(wait_s if idle and wait else 0.0):
             self.handle(kind, fields)
         if self.channel.lost:
             return self._end("coordinator lost")
@@ -224,7 +239,11 @@ class EngineLink:
             self._send_outputs([], [])  # rejections, evicted keys (an abort while paused)
             if self._leaving is not None and not self.busy():
                 return self._end("left")
-        if time.monotonic() - self._last_sent >= HEARTBEAT_S:  # (steps without outputs: a long prompt's chunks)
+        now = time.monotonic()
+        if self._replies is not None and now >= self._next_sweep:
+            self._replies.sweep()  # (links to clients that are gone)
+            self._next_sweep = now + HEARTBEAT_S
+        if now - self._last_sent >= HEARTBEAT_S:  # (steps without outputs: a long prompt's chunks)
             self._beat = (len(self._rid_of), self._alloc.num_available)
             self.channel.send("heartbeat", *self._beat)
             self._last_sent = time.monotonic()
@@ -250,15 +269,36 @@ class EngineLink:
             rid = rid_of.get(upd.request_id)
             if rid is not None and not (upd.finished and upd.request_id in quiet):  # (its output says it all)
                 updates.append(upd._replace(request_id=rid))
+        direct: dict[str, list] = {}
         for out in res.finished:
             self._orphans.discard(out.request_id)
             quiet.discard(out.request_id)
             rid = rid_of.pop(out.request_id, None)
             if rid is not None:
                 del self._engine_id[rid]
-                out.request_id = rid
-                finished.append(out)
+                reply = self._reply_of.pop(out.request_id, None) if self._reply_of else None
+                if reply is None:
+                    out.request_id = rid
+                    finished.append(out)
+                else:
+                    out.request_id = reply[1]
+                    direct.setdefault(reply[0], []).append((rid, out))
+        if direct:
+            self._reply_directly(direct, finished)
         self._send_outputs(updates, finished)
+
+    def _reply_directly(self, direct: dict[str, list], finished: list) -> None:
+        """Each client's outputs to it (direct_replies.py), before the coordinator hears of their
+        end (``_delivered``); those not sent join ``finished`` under their rid."""
+        for endpoint, pairs in direct.items():
+            if self._replies.send(endpoint, [out for _, out in pairs]):
+                if not self._delivered:
+                    self._delivered_at = time.monotonic()
+                self._delivered += [rid for rid, _ in pairs]
+            else:
+                for rid, out in pairs:
+                    out.request_id = rid
+                    finished.append(out)
 
     def _fail_all(self, message: str) -> None:
         self._failed_steps += 1
@@ -272,23 +312,28 @@ class EngineLink:
         self._rid_of.clear()
         self._engine_id.clear()
         self._quiet.clear()
+        self._reply_of.clear()
         if self._failed_steps >= MAX_FAILED_STEPS:
             self._orphans.clear()  # never spin on an engine that keeps failing
         self._send_outputs([], [])
 
-    def _send_outputs(self, updates: list, finished: list) -> None:
+    def _send_outputs(self, updates: list, finished: list, flush: bool = False) -> None:
+        """``flush``: the directly answered ends too, however recent (``DELIVERED_FLUSH_S``)."""
         evicted = self._evicted
         key = self._alloc.hash_key
         new_key = key if key != self._key else None
-        if not (updates or finished or self._rejected or self._failed or evicted or new_key is not None):
+        due = self._delivered and (flush or time.monotonic() - self._delivered_at >= DELIVERED_FLUSH_S)
+        if not (updates or finished or due or self._rejected or self._failed or evicted or new_key is not None):
             return
         keys = keys_of(evicted) if evicted else []
         if evicted:
             evicted.clear()
         self._key = key
         rejected, failed, self._rejected, self._failed = self._rejected, self._failed, [], []
+        delivered, self._delivered = self._delivered, []
         self._beat = (len(self._rid_of), self._alloc.num_available)
-        self.channel.send("outputs", self._seen_seq, updates, finished, rejected, failed, keys, *self._beat, new_key)
+        self.channel.send("outputs", self._seen_seq, updates, finished, rejected, failed, keys, *self._beat, new_key,
+                          delivered)
         self._last_sent = time.monotonic()
 
     def _end(self, why: str) -> str:
@@ -303,6 +348,7 @@ class EngineLink:
                 self._tell_ranks("step")
                 self.engine.step()
         else:
+            self._send_outputs([], [], flush=True)  # (its requests' ends before it leaves)
             if self._stop_reply is not None:
                 self.channel.send("control_done", self._stop_reply[0], *self._stop_reply[1])
             self.channel.send("leave")

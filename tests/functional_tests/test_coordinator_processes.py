@@ -105,6 +105,38 @@ def test_an_engine_killed_mid_generation_loses_no_request(cluster):
     assert waited < 60
 
 
+def test_an_engine_killed_mid_generation_ends_its_directly_answered_requests(cluster):
+    """Non-streaming requests, whose outputs engines send the client themselves: the killed
+    engine's requests end with "error" (its partial output, kept from its updates) or run again,
+    each exactly once, while the others' outputs came from their engines directly."""
+    victim = cluster.add_engine("victim", *ENGINE)
+    ps = prompts(12, seed=3)
+
+    async def run():
+        client = Counting(cluster.address)
+        client.ends = Counter()
+        await client.start()
+        futures = [client.add_request(p, GREEDY) for p in ps]
+        while True:  # until the victim generated (its requests have tokens to end with)
+            stats = await asyncio.wait_for(client.engine_stats(), 10)
+            if stats["engines"][str(victim)]["generated_tokens"] > 0:
+                break
+        cluster.engines["victim"].kill()
+        outs = await asyncio.wait_for(asyncio.gather(*futures), 120)
+        counts = (await engines(client))["counts"]
+        direct = client._channel.replies.received
+        client.close()
+        return outs, counts, client.ends, direct
+
+    outs, counts, ends, direct = asyncio.run(run())
+    assert sorted(ends.values()) == [1] * 12  # every request ended exactly once, whichever way
+    errors = [o for o in outs if o.finish_reason == "error"]
+    assert errors and all("died" in o.error and 0 < len(o.generated_tokens) < TOKENS for o in errors)
+    assert all(len(o.generated_tokens) == TOKENS for o in outs if o.finish_reason == "length")
+    assert len(errors) + sum(o.finish_reason == "length" for o in outs) == 12
+    assert direct > 0 and counts["delivered_directly"] > 0  # the other engines answered directly
+
+
 def test_a_client_that_disappears_has_its_requests_aborted_and_their_kv_freed(cluster):
     code = (
         "import asyncio, sys, os\n"
@@ -114,6 +146,7 @@ def test_a_client_that_disappears_has_its_requests_aborted_and_their_kv_freed(cl
         "    c = await InferenceClient(sys.argv[1]).start()\n"
         "    sp = SamplingParams(top_k=1, num_tokens_to_generate=2000, ignore_eos=True)\n"
         "    streams = [c.add_request_streaming([7, 8, 9, i + 10] * 4, sp) for i in range(6)]\n"
+        "    quiet = [c.add_request([6, 5, i + 10] * 4, sp) for i in range(3)]  # answered directly\n"
         "    async for _ in streams[0]:\n"
         "        break\n"
         "    print('generating', flush=True)\n"
@@ -123,11 +156,14 @@ def test_a_client_that_disappears_has_its_requests_aborted_and_their_kv_freed(cl
                             env=_env(), cwd=ROOT)
     try:
         assert proc.stdout.readline().strip() == "generating"
+        before = {}
 
         async def check():
             client = await InferenceClient(cluster.address).start()
-            busy = [e for e in (await engines(client))["engines"] if e["load"]]
+            listing = await engines(client)
+            busy = [e for e in listing["engines"] if e["load"]]
             assert busy  # its requests run
+            before["aborted"] = listing["counts"].get("aborted_for_client", 0)  # (the module's other clients')
             proc.kill()
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
@@ -141,7 +177,7 @@ def test_a_client_that_disappears_has_its_requests_aborted_and_their_kv_freed(cl
 
         listing = asyncio.run(check())
         assert all(e["load"] == 0 and e["free_blocks"] == e["capacity_blocks"] for e in listing["engines"]), listing
-        assert listing["counts"]["aborted_for_client"] == 6
+        assert listing["counts"]["aborted_for_client"] - before["aborted"] == 9
     finally:
         proc.kill()
         proc.wait(10)
