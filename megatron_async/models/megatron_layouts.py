@@ -233,22 +233,49 @@ def megatron_slabs(names: NameMap, dims: Dims, name: str, shape: tuple[int, ...]
     if not owns(rule, shard):
         return []
     key = (rule, dims, tuple(shape), rank, size, None if rows is None else tuple(rows))
-    boxes = _BOXES.get(key)
-    if boxes is None:
+    found = _BOXES.get(key)
+    if found is None:
         boxes = _slab_boxes(rule, dims, name, *key[2:])
+        found = (boxes, _chunked(boxes))
         if len(_BOXES) > 4096:  # geometries of the shapes seen; an update's layers share them
             _BOXES.clear()
-        _BOXES[key] = boxes
+        _BOXES[key] = found
     hf = [p.format(layer=layer, expert=expert) for p in rule.hf]
     if tensor is None:
-        return [Slab(hf[part], offset, extent, full_shape, None, dtype, origin)
-                for part, offset, extent, full_shape, origin, _, _, _ in boxes]
+        return [Slab(hf[part], offset, extent, full_shape, None, dtype, origin, chunk)
+                for part, offset, extent, full_shape, origin, chunk in found[1]]
     return [Slab(hf[part], offset, extent, full_shape, tensor.narrow(dim, src, n), tensor.dtype, origin)
-            for part, offset, extent, full_shape, origin, dim, src, n in boxes]
+            for part, offset, extent, full_shape, origin, dim, src, n in found[0]]
 
 
-_BOXES: dict[tuple, list[tuple]] = {}
-"""(rule, dims, shape, split rank, split size, rows) -> ``_slab_boxes``: the same for every layer."""
+_BOXES: dict[tuple, tuple[list[tuple], list[tuple]]] = {}
+"""(rule, dims, shape, split rank, split size, rows) -> ``_slab_boxes`` and ``_chunked`` of them:
+the same for every layer."""
+
+
+def _chunked(boxes: list[tuple]) -> list[tuple]:
+    """(HF part, offset, extent, full shape, origin, chunk) of metadata slabs: boxes of one part
+    that lie back to back along dim 0 of the HF tensor and at one stride in the shard (the query
+    groups of a QKV tensor: q of every group, then k, then v) become one slab read in chunks
+    (``Slab.chunk``), so a plan and its copy handle one piece where it had one per group."""
+    groups: list[list] = []
+    last: dict[int, list] = {}
+    for part, offset, extent, full_shape, origin, dim, src, n in boxes:
+        g = last.get(part)
+        if g is not None and dim == 0 == g[0][5] and n == g[0][7] and offset[0] == g[0][1][0] + g[1] * n \
+                and offset[1:] == g[0][1][1:] and extent[1:] == g[0][2][1:] and origin[1:] == g[0][4][1:] \
+                and src - g[0][6] >= g[1] * n and (g[1] == 1 or src - g[0][6] == g[1] * g[2]):
+            g[2] = src - g[0][6] if g[1] == 1 else g[2]
+            g[1] += 1
+            continue
+        g = last[part] = [(part, offset, extent, full_shape, origin, dim, src, n), 1, 0]
+        groups.append(g)
+    out = []
+    for (part, offset, extent, full_shape, origin, _, _, n), count, stride in groups:
+        if count > 1:
+            extent = (count * n, *extent[1:])
+        out.append((part, offset, extent, full_shape, origin, (n, stride) if count > 1 and stride != n else None))
+    return out
 
 
 def _slab_boxes(rule: Rule, dims: Dims, name: str, shape: tuple[int, ...], rank: int, size: int,

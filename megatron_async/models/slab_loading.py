@@ -54,7 +54,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from megatron_async.models.weight_targets import SKIPPED, TargetInfo, TargetTable
+from megatron_async.models.weight_targets import SKIPPED, Chunks, TargetInfo, TargetTable
 from megatron_async.parallel.sharding import Box, BoxSet, Destination
 
 
@@ -79,6 +79,10 @@ class Slab:
     origin: tuple[int, ...] | None = None
     """Where the box starts in the tensor the caller gives (a Megatron shard whose slab is a
     view of it; None: at 0, the slab's own tensor): ``CopyProgram`` slices that tensor."""
+    chunk: tuple[int, int] | None = None
+    """(rows, stride): dim 0 of the box comes in chunks of ``rows`` rows, chunk k from row
+    ``origin[0] + k * stride`` of the caller's tensor (a QKV shard's query groups; metadata
+    slabs only). None: the box is one block of that tensor."""
 
     @classmethod
     def full(cls, name: str, tensor: torch.Tensor) -> Slab:
@@ -169,7 +173,7 @@ class WeightPlan:
                 target.dtype = target.dtype or dtype
                 if not info.accepts(dtype):
                     self.refused_dtypes.append(f"{slab.hf_name} is {dtype}")
-            piece = piece_of(info, tuple(slab.offset), tuple(slab.extent), slab.origin)
+            piece = piece_of(info, tuple(slab.offset), tuple(slab.extent), slab.origin, slab.chunk)
             if piece is None:
                 box = slab.box
                 self.misshaped.append(f"'{slab.hf_name}' piece {box.lo}..{box.hi} lies outside {slab.full_shape}")
@@ -238,18 +242,20 @@ class WeightPlan:
         inputs = list(range(len(slabs))) if inputs is None else inputs
         pairs: list[list[Pair]] = [[] for _ in range(max(max(inputs, default=-1) + 1, num_inputs))]
         for index, slab in zip(inputs, slabs):
-            pairs[index] += self._pairs(slab, slab.origin)
+            pairs[index] += self._pairs(slab, slab.origin, slab.chunk)
         return CopyProgram(pairs, self.expected)
 
-    def _pairs(self, slab: Slab, origin: tuple[int, ...] | None) -> list[Pair]:
+    def _pairs(self, slab: Slab, origin: tuple[int, ...] | None, chunk: tuple[int, int] | None = None) -> list[Pair]:
         info = self.table.lookup(slab.hf_name)
         if info is SKIPPED:
             return []
         dests = info.dests
         out = []
-        for i, both, dst, src in self.table.piece(info, tuple(slab.offset), tuple(slab.extent), origin).meets:
-            dest = dests[i]
-            out.append((dest.view if dst is None else dest.view[dst], src, dest, both))
+        for i, both, dst, src in self.table.piece(info, tuple(slab.offset), tuple(slab.extent), origin, chunk).meets:
+            view = dests[i].view if dst is None else dests[i].view[dst]
+            if type(src) is Chunks:  # the destination rows as (chunk, row, ...), as the source is read
+                view = view.unflatten(0, (src.count, src.rows))
+            out.append((view, src, dests[i], both))
         return out
 
     def finish(self, copied: int) -> None:
@@ -262,8 +268,9 @@ class WeightPlan:
             finalize(set(self.touched))
 
 
-Pair = tuple[torch.Tensor, tuple[slice, ...], Destination, Box]
-"""(destination view piece, the source slice of the slab's tensor, its destination, the piece's box)."""
+Pair = tuple[torch.Tensor, tuple[slice, ...] | Chunks, Destination, Box]
+"""(destination view piece, the source slices of the slab's tensor (or ``Chunks``: the view is
+then (chunk, row, ...)), its destination, the piece's box)."""
 
 
 class CopyProgram:
@@ -288,7 +295,7 @@ class CopyProgram:
                     copied += dst.numel()
                     if dest.sink is None:
                         dsts.append(dst)
-                        srcs.append(tensor[src])
+                        srcs.append(src.of(tensor) if type(src) is Chunks else tensor[src])
                         continue
                     dest.sink.write(dst, tensor[src], box)
                     done = self._arrived.get(id(dest), 0) + dst.numel()
@@ -296,8 +303,7 @@ class CopyProgram:
                     if done == dest.box.numel:
                         self._arrived.pop(id(dest))
                         dest.sink.complete()
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
+            copy_all(dsts, srcs)
         return copied
 
     def bind(self, tensors: list[torch.Tensor]) -> BoundCopy:
@@ -310,8 +316,8 @@ class CopyProgram:
                 continue
             for dst, src, _, _ in self.pairs[index]:
                 dsts.append(dst)
-                srcs.append(tensor[src])
-        return BoundCopy(self, dsts, srcs, rest)
+                srcs.append(src.of(tensor) if type(src) is Chunks else tensor[src])
+        return BoundCopy(self, *split_strided(dsts, srcs), rest)
 
 
 @dataclass
@@ -321,11 +327,33 @@ class BoundCopy:
     program: CopyProgram
     dsts: list[torch.Tensor]
     srcs: list[torch.Tensor]
+    strided: tuple[list[torch.Tensor], list[torch.Tensor]]
+    """Pairs that are not both dense (chunked sources): their own multi-tensor copy."""
     with_sinks: list[tuple[int, torch.Tensor]]
 
     def run(self) -> int:
-        copied = sum(d.numel() for d in self.dsts)
+        copied = sum(d.numel() for d in self.dsts) + sum(d.numel() for d in self.strided[0])
         with torch.no_grad():
             if self.dsts:
                 torch._foreach_copy_(self.dsts, self.srcs)
+            if self.strided[0]:
+                torch._foreach_copy_(*self.strided)
         return copied + self.program.run(self.with_sinks)
+
+
+def split_strided(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple:
+    """(dense dsts, their srcs, (the other dsts, srcs)): a multi-tensor copy on a GPU takes its
+    fast path only where every pair is dense, so strided pairs go in a second one."""
+    dense = [d.is_contiguous() and s.is_contiguous() for d, s in zip(dsts, srcs)]
+    if all(dense):
+        return dsts, srcs, ([], [])
+    pick = lambda xs, want: [x for x, ok in zip(xs, dense) if ok == want]  # noqa: E731
+    return pick(dsts, True), pick(srcs, True), (pick(dsts, False), pick(srcs, False))
+
+
+def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    dsts, srcs, strided = split_strided(dsts, srcs)
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    if strided[0]:
+        torch._foreach_copy_(*strided)

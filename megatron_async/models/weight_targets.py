@@ -47,13 +47,38 @@ class TargetInfo:
         return ok
 
 
+class Chunks(NamedTuple):
+    """The source of a copy whose box a slab reads in chunks (``Slab.chunk``): ``count`` chunks of
+    ``rows`` rows along dim 0, chunk k from row ``start + k * stride`` of the caller's tensor,
+    ``rest`` the slices of its other dims. Its destination is viewed as (count, rows, ...)."""
+
+    start: int
+    count: int
+    rows: int
+    stride: int
+    rest: tuple[slice, ...]
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The (count, rows, ...) strided view of ``tensor`` (no copy)."""
+        if self.start + (self.count - 1) * self.stride + self.rows > tensor.shape[0]:
+            raise ValueError(f"a tensor of {tensor.shape[0]} rows given where the plan reads {self}")
+        st = tensor.stride()
+        offset = tensor.storage_offset() + self.start * st[0] + sum(s.start * x for s, x in zip(self.rest, st[1:]))
+        return tensor.as_strided((self.count, self.rows, *(s.stop - s.start for s in self.rest)),
+                                 (self.stride * st[0], st[0], *st[1:]), offset)
+
+    def slices(self, k: int) -> tuple[slice, ...]:
+        """Chunk k as the source slices of a plain copy."""
+        return (slice(self.start + k * self.stride, self.start + k * self.stride + self.rows), *self.rest)
+
+
 class Piece(NamedTuple):
     """A piece of a full tensor as a plan sees it."""
 
     box: Box
-    meets: tuple[tuple[int, Box, slice | tuple[slice, ...] | None, tuple[slice, ...]], ...]
+    meets: tuple[tuple[int, Box, slice | tuple[slice, ...] | None, tuple[slice, ...] | Chunks], ...]
     """Per destination the piece meets: (its index, the intersection, the index of the
-    destination view (``_index``), the source slices)."""
+    destination view (``_index``), the source slices or ``Chunks``)."""
     elements: int
     """Elements of this rank's destinations it covers."""
 
@@ -102,34 +127,50 @@ class TargetTable:
         return info
 
     def piece(self, info: TargetInfo, offset: tuple[int, ...], extent: tuple[int, ...],
-              origin: tuple[int, ...] | None) -> Piece | None:
+              origin: tuple[int, ...] | None, chunk: tuple[int, int] | None = None) -> Piece | None:
         """The piece ``offset`` .. ``offset + extent`` of ``info``'s full tensor (at ``origin`` of
-        the tensor that holds it): its box, where it meets the destinations and the elements it
-        brings this rank; None where it lies outside the full tensor."""
-        key = (info.kind, offset, extent, origin)
+        the tensor that holds it, read in ``chunk``s: ``Slab.chunk``): its box, where it meets
+        the destinations and the elements it brings this rank; None where it lies outside the
+        full tensor."""
+        key = (info.kind, offset, extent, origin, chunk)
         found = self._pieces.get(key, self)
         if found is self:
             if len(self._pieces) > 65536:  # distinct piece geometries: bounded for any model
                 self._pieces.clear()
-            found = self._pieces[key] = _piece(info, offset, extent, origin)
+            found = self._pieces[key] = _piece(info, offset, extent, origin, chunk)
         return found
 
 
 def _piece(info: TargetInfo, offset: tuple[int, ...], extent: tuple[int, ...],
-           origin: tuple[int, ...] | None) -> Piece | None:
+           origin: tuple[int, ...] | None, chunk: tuple[int, int] | None) -> Piece | None:
     if not all(0 <= a and 0 < e and a + e <= n for a, e, n in zip(offset, extent, info.full_shape)):
         return None
     box = Box.of(offset, extent)
+    origin = origin or (0,) * len(offset)
     meets = []
-    base = [o - (g or 0) for o, g in zip(offset, origin or (0,) * len(offset))]
     for i, dest in enumerate(info.dests):
         both = dest.box.intersect(box)
         if both is None:
             continue
-        dst = _index(both, dest.box)
-        src = tuple(slice(a - o, b - o) for a, b, o in zip(both.lo, both.hi, base))
-        meets.append((i, both, dst, src))
+        if chunk is None:
+            meets.append(_meet(i, dest, both, [o - g for o, g in zip(offset, origin)]))
+            continue
+        rows, stride = chunk
+        a, b = both.lo[0] - offset[0], both.hi[0] - offset[0]
+        if dest.sink is None and a % rows == 0 and b % rows == 0 and b - a > rows:  # whole chunks: one copy
+            rest = tuple(slice(lo - o + g, hi - o + g) for lo, hi, o, g in zip(both.lo[1:], both.hi[1:], offset[1:], origin[1:]))
+            meets.append((i, both, _index(both, dest.box), Chunks(origin[0] + a // rows * stride, (b - a) // rows, rows, stride, rest)))
+            continue
+        for k in range(a // rows, -(-b // rows)):  # a plain copy per chunk (a sink takes boxes, or a cut chunk)
+            sub = Box.of((offset[0] + k * rows, *offset[1:]), (rows, *extent[1:])).intersect(both)
+            base = [offset[0] + k * rows - origin[0] - k * stride] + [o - g for o, g in zip(offset[1:], origin[1:])]
+            meets.append(_meet(i, dest, sub, base))
     return Piece(box, tuple(meets), sum(m[1].numel for m in meets))
+
+
+def _meet(i: int, dest: Destination, both: Box, base: list[int]) -> tuple:
+    """Destination ``i``'s part ``both`` as a plain copy from source rows ``both - base``."""
+    return i, both, _index(both, dest.box), tuple(slice(a - o, b - o) for a, b, o in zip(both.lo, both.hi, base))
 
 
 def _index(both: Box, dest: Box) -> slice | tuple[slice, ...] | None:

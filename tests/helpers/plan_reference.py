@@ -6,13 +6,32 @@ from __future__ import annotations
 import torch
 
 from megatron_async.models.megatron_layouts import Shard, megatron_from_hf, megatron_names_of
-from megatron_async.models.slab_loading import WeightPlan, name_list
+from megatron_async.models.slab_loading import Slab, WeightPlan, name_list
+from megatron_async.models.weight_targets import Chunks
 from megatron_async.parallel.sharding import Box, destinations, full_shape
 from megatron_async.weight_transfer import NameMap, owned
 
 
+def plain(slabs, inputs) -> tuple[list[Slab], list[int]]:
+    """``slabs`` with each slab read in chunks (``Slab.chunk``) given as one slab per chunk."""
+    out, at = [], []
+    for index, slab in zip(inputs, slabs):
+        if slab.chunk is None:
+            out.append(slab)
+            at.append(index)
+            continue
+        rows, stride = slab.chunk
+        for k in range(slab.extent[0] // rows):
+            out.append(Slab(slab.hf_name, (slab.offset[0] + k * rows, *slab.offset[1:]), (rows, *slab.extent[1:]),
+                            slab.full_shape, None, slab.dtype, (slab.origin[0] + k * stride, *slab.origin[1:])))
+            at.append(index)
+    return out, at
+
+
 def reference(model, slabs, inputs, num_inputs: int) -> tuple[list[list[tuple]], list[str]]:
-    """(per input, its copies as ``describe`` tuples; the refusals' texts) of ``slabs``."""
+    """(per input, its copies as ``describe`` tuples; the refusals' texts) of ``slabs`` (chunked
+    slabs taken chunk by chunk)."""
+    slabs, inputs = plain(slabs, inputs)
     targets = model.hf_targets()
     copies: list[list[tuple]] = [[] for _ in range(num_inputs)]
     pieces: dict[str, list[Box]] = {}
@@ -63,9 +82,21 @@ def describe(name: str, dest_index: int, dst: torch.Tensor, src: tuple[slice, ..
 
 
 def planned(plan: WeightPlan, program) -> list[list[tuple]]:
-    """``program``'s copies as ``describe`` tuples."""
+    """``program``'s copies as ``describe`` tuples (a copy in chunks as one per chunk)."""
     names = {id(d): (name, i) for name, t in plan.touched.items() for i, d in enumerate(t.dests)}
-    return [[describe(*names[id(dest)], dst, src, both) for dst, src, dest, both in pairs] for pairs in program.pairs]
+    out = []
+    for pairs in program.pairs:
+        out.append([])
+        for dst, src, dest, both in pairs:
+            if not isinstance(src, Chunks):
+                out[-1].append(describe(*names[id(dest)], dst, src, both))
+                continue
+            assert dst.shape[:2] == (src.count, src.rows)
+            for k in range(src.count):
+                lo = (both.lo[0] + k * src.rows, *both.lo[1:])
+                box = Box(lo, (lo[0] + src.rows, *both.hi[1:]))
+                out[-1].append(describe(*names[id(dest)], dst[k], src.slices(k), box))
+    return out
 
 
 def trainer_metas(model, shards: list[Shard]) -> list[tuple]:

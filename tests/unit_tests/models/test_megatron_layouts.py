@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_async.models.megatron_layouts import (
-    Dims, NameMap, Shard, UnknownTensorError, _regex, detect_format, megatron_from_hf, megatron_names_of,
+    Dims, NameMap, Shard, UnknownTensorError, _chunked, _regex, detect_format, megatron_from_hf, megatron_names_of,
     megatron_slabs,
 )
 from megatron_async.models.slab_loading import WeightUpdateError
@@ -186,3 +186,17 @@ def test_one_regex_matches_as_each_spelling_tried_in_order(arch):
     for name in tried:
         want, got = in_order(name), names.match(name)
         assert (got is None) if want is None else (got[0] is want[0] and got[1] == want[1]), name
+
+
+def test_only_evenly_spaced_boxes_are_read_in_chunks():
+    """(part, offset, extent, full shape, origin, dim, first row, rows) of 2-row boxes of one part,
+    back to back in the HF tensor, from shard rows ``src``."""
+    def box(src, dst):
+        return 0, (dst, 0), (2, 3), (8, 3), (src, 0), 0, src, 2
+
+    assert _chunked([box(0, 0), box(4, 2), box(8, 4)]) == [(0, (0, 0), (6, 3), (8, 3), (0, 0), (2, 4))]
+    assert _chunked([box(0, 0), box(4, 2), box(9, 4)]) == [(0, (0, 0), (4, 3), (8, 3), (0, 0), (2, 4)),
+                                                           (0, (4, 0), (2, 3), (8, 3), (9, 0), None)]
+    assert _chunked([box(0, 0), box(2, 2)]) == [(0, (0, 0), (4, 3), (8, 3), (0, 0), None)]  # one block of the shard
+    assert _chunked([box(0, 0), box(4, 4)]) == [(0, (0, 0), (2, 3), (8, 3), (0, 0), None),  # not back to back
+                                                (0, (4, 0), (2, 3), (8, 3), (4, 0), None)]

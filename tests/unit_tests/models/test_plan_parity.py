@@ -6,6 +6,7 @@ order, with a piece dropped or given twice."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from megatron_async.models.default_model import DEFAULT_CONFIGS
 from megatron_async.models.gpt import build_gpt
 from megatron_async.models.megatron_layouts import Shard
 from megatron_async.models.slab_loading import WeightUpdateError
-from megatron_async.models.weight_targets import TargetTable
+from megatron_async.models.weight_targets import Chunks, TargetTable
+from megatron_async.parallel.state import ParallelState
 from megatron_async.models.weight_update import CopyPlanCache, plan_update, weight_slabs
 from tests.helpers.plan_reference import planned, reference, trainer_metas
 from tests.helpers.refit_models import build
@@ -39,13 +41,28 @@ def check_parity(model, metas, table: TargetTable | None = None) -> int:
     return sum(map(len, want))
 
 
-@pytest.mark.parametrize("shape,tp,copies", [("qwen3-0.6b", 1, 898), ("qwen3-8b", 4, 1593)])
-def test_released_shapes_from_metadata(shape, tp, copies):
+@pytest.mark.parametrize("shape,tp,copies,chunked", [("qwen3-0.6b", 1, 898, 310), ("qwen3-8b", 4, 1593, 1161)])
+def test_released_shapes_from_metadata(shape, tp, copies, chunked):
+    """``copies`` as the reference counts them (one per query group), ``chunked`` as planned (the
+    groups of each of q, k, v in one copy)."""
     model = build_gpt(DEFAULT_CONFIGS[shape], torch.bfloat16, torch.device("meta"), None)
     metas = trainer_metas(model, [Shard(tp_rank=r, tp_size=tp) for r in range(tp)])
     table = TargetTable(model).warm()
     assert check_parity(model, metas, table) == copies
     assert check_parity(model, metas, table) == copies  # again, from the table's kept lookups
+    assert sum(map(len, plan_update(model, metas, "megatron", table)[1].pairs)) == chunked
+
+
+def test_an_engine_rank_takes_whole_query_groups_of_a_chunked_slab():
+    """Engine TP 2 (rank 1: query groups 4-7 of 8): from a trainer at TP 1 each of its q / k / v
+    is 4 chunks of the trainer's 8-group slab, one copy; from TP 4, 2 chunks of each of two
+    trainer ranks' slabs."""
+    model = build_gpt(DEFAULT_CONFIGS["qwen3-0.6b"], torch.bfloat16, torch.device("meta"), ParallelState(1, 2))
+    for trainer_tp, copies, pairs, chunks in ((1, 562, 310, {4: 84}), (4, 675, 507, {2: 168})):
+        metas = trainer_metas(model, [Shard(tp_rank=r, tp_size=trainer_tp) for r in range(trainer_tp)])
+        assert check_parity(model, metas) == copies
+        planned = [p for ps in plan_update(model, metas, "megatron")[1].pairs for p in ps]
+        assert len(planned) == pairs and Counter(p[1].count for p in planned if isinstance(p[1], Chunks)) == chunks
 
 
 @pytest.mark.parametrize("kind,tp,rank,ep,ep_rank,trainer_tp,trainer_ep", [
