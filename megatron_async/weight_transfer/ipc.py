@@ -22,6 +22,8 @@ from __future__ import annotations
 import base64
 import json
 import math
+from itertools import chain
+from operator import itemgetter
 from typing import Iterable, Mapping
 
 import torch
@@ -154,12 +156,12 @@ def _check_tensor(t, storages: list, first: int) -> dict:
             raise IpcHandleError(f"{name}: {e}") from None
         if len(_VALID_SHARDS) < 4096:
             _VALID_SHARDS.add(shard)
-    return {**t, "shape": shape, "stride": stride, "storage": first + sid}
+    return {**t, "shape": list(shape), "stride": list(stride), "storage": first + sid}  # lists of its own
 
 
-def parse(handles) -> tuple[str, list[dict], list[dict]]:
-    """Validate one payload or a list of them without opening anything: (weights_format,
-    storages, tensors) with every tensor's ``storage`` made an index into the joined list."""
+def _payloads(handles) -> list[Mapping]:
+    """The payloads of ``handles`` (a payload, a list, or either as JSON), each an object with
+    ``storages`` and ``tensors`` lists and a known ``weights_format``; one format for all."""
     try:
         payloads = json.loads(handles) if isinstance(handles, (str, bytes)) else handles
     except json.JSONDecodeError as e:
@@ -167,21 +169,39 @@ def parse(handles) -> tuple[str, list[dict], list[dict]]:
     payloads = [payloads] if isinstance(payloads, Mapping) else payloads
     if not isinstance(payloads, list) or not payloads:
         raise IpcHandleError("handles must be a payload object or a non-empty list of them")
-    formats, storages, tensors = set(), [], []
+    out = []
     for p in payloads:
-        p = json.loads(p) if isinstance(p, (str, bytes)) else p
+        try:
+            p = json.loads(p) if isinstance(p, (str, bytes)) else p
+        except json.JSONDecodeError as e:
+            raise IpcHandleError(f"a payload is not valid JSON: {e}") from None
         if not isinstance(p, Mapping) or not isinstance(p.get("storages"), list) or not isinstance(p.get("tensors"), list):
             raise IpcHandleError("a payload is an object with 'storages' and 'tensors' lists")
         if p.get("weights_format", "megatron") not in FORMATS:
             raise IpcHandleError(f"weights_format must be one of {FORMATS}, got {p.get('weights_format')!r}")
-        formats.add(p.get("weights_format", "megatron"))
-        for s in p["storages"]:
-            _check_storage(s)
-        tensors += [_check_tensor(t, p["storages"], len(storages)) for t in p["tensors"]]
-        storages += p["storages"]
-    if len(formats) != 1:
+        out.append(p)
+    if len({p.get("weights_format", "megatron") for p in out}) != 1:
         raise IpcHandleError("payloads of one update must share one weights_format")
-    return formats.pop(), storages, tensors
+    return out
+
+
+def _tensors(payloads: list[Mapping]) -> list[dict]:
+    """Every payload's tensors checked (its storages checked before), storages numbered across them."""
+    tensors, first = [], 0
+    for p in payloads:
+        tensors += [_check_tensor(t, p["storages"], first) for t in p["tensors"]]
+        first += len(p["storages"])
+    return tensors
+
+
+def parse(handles) -> tuple[str, list[dict], list[dict]]:
+    """Validate one payload or a list of them without opening anything: (weights_format,
+    storages, tensors) with every tensor's ``storage`` made an index into the joined list."""
+    payloads = _payloads(handles)
+    storages = [s for p in payloads for s in p["storages"]]
+    for s in storages:
+        _check_storage(s)
+    return payloads[0].get("weights_format", "megatron"), storages, _tensors(payloads)
 
 
 def storage_key(s: Mapping) -> str:
@@ -192,12 +212,63 @@ def storage_key(s: Mapping) -> str:
     return f"cpu_shm:{s['manager']}:{s['handle']}:{s['nbytes']}"
 
 
-def plan_key(weights_format: str, storages: list[dict], tensors: list[dict]) -> tuple:
+def tensors_key(tensors: list[dict]) -> tuple:
+    """Each checked tensor's name, place in its storage and shard."""
+    return tuple((t["name"], t["storage"], t["dtype"], tuple(t["shape"]), tuple(t["stride"]),
+                  t["storage_offset"], *(t.get(k) for k in _SHARD_FIELDS)) for t in tensors)
+
+
+def plan_key(weights_format: str, storages: list[dict], tensors: list[dict], tensor_part: tuple | None = None) -> tuple:
     """What an update's copy plan depends on (``parse``'s output): which storages, and each
-    tensor's name, place in them and shard."""
+    tensor's name, place in them and shard (``tensor_part``: ``tensors_key(tensors)`` kept)."""
     return ("ipc", weights_format, tuple(storage_key(s) for s in storages),
-            tuple((t["name"], t["storage"], t["dtype"], tuple(t["shape"]), tuple(t["stride"]),
-                   t["storage_offset"], *(t.get(k) for k in _SHARD_FIELDS)) for t in tensors))
+            tensors_key(tensors) if tensor_part is None else tensor_part)
+
+
+_ENTRY_TYPES = frozenset({str, int, list, type(None)})
+"""The JSON types of a checked tensor entry's values (its lists hold ints only)."""
+
+
+def _same(raw, kept: list[dict]) -> bool:
+    """Whether ``raw`` tensor entries are ``kept`` ones: equal values of the same JSON types (an
+    int and the equal float or bool compare equal, and the check would refuse those)."""
+    return (type(raw) is list and raw == kept and set(map(type, raw)) <= {dict}
+            and set(map(type, chain.from_iterable(map(dict.values, raw)))) <= _ENTRY_TYPES
+            and set(map(type, chain.from_iterable(chain(map(itemgetter("shape"), raw),
+                                                        map(itemgetter("stride"), raw))))) <= {int})
+
+
+class CheckedPayloads:
+    """``parse`` keeping its last answer. A trainer shares the same tensors every step (only its
+    storages' per-share reference counter and event fields change), so when every payload's
+    tensor entries are the last ones checked (``_same``: its own copy of them, kept from the
+    check) and its storages have the same sizes, their check and plan key are taken as they
+    were; the storages are checked each time."""
+
+    def __init__(self):
+        self._last = None  # (per payload (format, storage sizes), copies of the entries, tensors, their key)
+        self.reused = 0
+        """Updates whose tensor entries were taken from the last check."""
+
+    def parse(self, handles) -> tuple[str, list[dict], list[dict], tuple]:
+        """``parse(handles)`` and the update's ``plan_key``."""
+        payloads = _payloads(handles)
+        storages = [s for p in payloads for s in p["storages"]]
+        for s in storages:
+            _check_storage(s)
+        fmt = payloads[0].get("weights_format", "megatron")
+        sizes = [(fmt, tuple(s["nbytes"] for s in p["storages"])) for p in payloads]
+        last = self._last
+        if last is not None and last[0] == sizes and all(_same(p["tensors"], k) for p, k in zip(payloads, last[1])):
+            self.reused += 1
+            tensors, part = last[2], last[3]
+        else:
+            self._last = None
+            tensors = _tensors(payloads)
+            part = tensors_key(tensors)
+            kept = [[{**t, "shape": list(t["shape"]), "stride": list(t["stride"])} for t in p["tensors"]] for p in payloads]
+            self._last = (sizes, kept, tensors, part)
+        return fmt, storages, tensors, plan_key(fmt, storages, tensors, part)
 
 
 class IpcStorages:

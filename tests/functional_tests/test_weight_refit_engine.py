@@ -27,8 +27,8 @@ def test_distributed_update_equals_an_in_process_update():
 
 
 def test_ipc_update_from_another_process_follows_in_place_changes():
-    shared, ((v1, v2), (misses, hits, phases), out1, out2) = run_ranks(ipc_rank, 2, free_port(), timeout_s=180)
-    assert shared == "shared" and (v1, v2) == (1, 2) and (misses, hits) == (1, 1)
+    shared, ((v1, v2), (misses, hits, reused, phases), out1, out2) = run_ranks(ipc_rank, 2, free_port(), timeout_s=180)
+    assert shared == "shared" and (v1, v2) == (1, 2) and (misses, hits, reused) == (1, 1, 1)  # the second: no check, no plan
     assert phases == IPC_PHASES  # the receiver's host time by phase, for python -m benchmarks refit-ipc
     for out, want in ((out1, reference(11)), (out2, reference(11, 2.0))):
         assert [o[0] for o in out] == [w[0] for w in want]

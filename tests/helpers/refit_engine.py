@@ -100,4 +100,5 @@ def ipc_rank(rank: int, world: int, port: int):
     out2 = generate(llm)
     store.set("second", "1")
     plans = llm.engine.weights.plans
-    return (first, second), (plans.misses, plans.hits, tuple(llm.engine.weights.last_ipc_ms)), out1, out2
+    weights = llm.engine.weights
+    return (first, second), (plans.misses, plans.hits, weights._payloads.reused, tuple(weights.last_ipc_ms)), out1, out2

@@ -55,6 +55,7 @@ class WeightReceiver:
         self.last_receive = None
         """``ReceiveStats`` of the last distributed update on this rank."""
         self._storages = ipc.IpcStorages()
+        self._payloads = ipc.CheckedPayloads()
         self.last_ipc_ms: dict[str, float] = {}
         """Host time of the last IPC update by phase (``IPC_PHASES``), in ms."""
         self._bound = None  # (program, BoundCopy) of the last IPC payload
@@ -139,8 +140,7 @@ class WeightReceiver:
             raise ValueError(f"recompute_kv must be True or False, got {recompute_kv!r}")
         self.engine.memory.check_can_update_weights()
         times = [time.perf_counter()]
-        fmt, storages, tensors = ipc.parse(handles)
-        key = ipc.plan_key(fmt, storages, tensors)
+        fmt, storages, tensors, key = self._payloads.parse(handles)
         times.append(time.perf_counter())
 
         def metas():

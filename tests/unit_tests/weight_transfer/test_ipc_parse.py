@@ -2,6 +2,7 @@
 fails): a negative, bool, float, string or missing int is refused with the same text whatever was
 accepted before it (a shard checked once is remembered, a bool never passes for it)."""
 import base64
+import json
 
 import pytest
 
@@ -38,3 +39,72 @@ def test_bad_ints_are_refused_by_name(changes, message):
     with pytest.raises(ipc.IpcHandleError) as e:
         ipc.parse(payload(**changes))
     assert str(e.value).startswith("decoder.final_layernorm.weight: ") and message in str(e.value)
+
+
+def shared_again(p: dict) -> dict:
+    """The same tensors shared again: a fresh JSON copy whose storages carry new per-share fields."""
+    p = json.loads(json.dumps(p))
+    p["storages"][0]["handle"] = base64.b64encode(b"\1" * 8).decode()
+    return p
+
+
+def test_the_same_tensors_again_reuse_their_check():
+    checked = ipc.CheckedPayloads()
+    fmt, storages, tensors, key = checked.parse(payload())
+    again = shared_again(payload())
+    fmt2, storages2, tensors2, key2 = checked.parse([again])
+    assert checked.reused == 1 and tensors2 is tensors and storages2 == again["storages"]
+    assert key2[3] is key[3] and key2[2] != key[2]  # the tensors' part kept, the storages' new
+    assert key2 == ipc.plan_key(*ipc.parse(again))
+
+
+@pytest.mark.parametrize("changes", [{"shape": [2, 2]}, {"stride": [1, 4]}, {"storage_offset": 8}, {"tp_rank": 0},
+                                     {"dtype": "bfloat16"}, {"name": "decoder.layers.0.input_layernorm.weight"}])
+def test_a_changed_tensor_is_checked_and_keyed_anew(changes):
+    checked = ipc.CheckedPayloads()
+    checked.parse(payload())
+    fmt, storages, tensors, key = checked.parse(payload(**changes))
+    assert checked.reused == 0 and key == ipc.plan_key(*ipc.parse(payload(**changes)))
+    assert all(tensors[1][k] == v for k, v in changes.items())
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"shape": [4, 2.0]}, "shape must be an int >= 0, got 2.0"), ({"tp_rank": True}, "tp_rank must be an int >= 0, got True"),
+    ({"storage": False}, "storage must be an int >= 0, got False"), ({"stride": [2, True]}, "stride must be an int >= 0"),
+])
+def test_an_equal_value_of_another_type_is_refused_after_a_good_payload(changes, message):
+    checked = ipc.CheckedPayloads()
+    checked.parse(payload(tp_rank=1, storage=0, stride=[2, 1]))
+    with pytest.raises(ipc.IpcHandleError, match=message):
+        checked.parse(payload(**changes))  # == the last entries, but the check refuses it
+
+
+def test_a_payload_changed_in_place_after_its_update_is_checked_anew():
+    checked = ipc.CheckedPayloads()
+    p = payload()
+    checked.parse(p)
+    p["tensors"][1]["shape"][0] = 2  # the caller reuses its objects
+    fmt, storages, tensors, key = checked.parse(p)
+    assert checked.reused == 0 and tensors[1]["shape"] == [2, 2]
+    p["tensors"][1]["shape"][0] = 40  # beyond the storage: refused, not taken from the last check
+    with pytest.raises(ipc.IpcHandleError, match="reaches beyond its storage"):
+        checked.parse(p)
+
+
+def test_a_smaller_storage_is_checked_against_the_tensors_again():
+    checked = ipc.CheckedPayloads()
+    checked.parse(payload())
+    small = payload()
+    small["storages"][0]["nbytes"] = 16
+    with pytest.raises(ipc.IpcHandleError, match="reaches beyond its storage"):
+        checked.parse(small)
+
+
+def test_what_is_kept_does_not_follow_the_callers_objects():
+    checked = ipc.CheckedPayloads()
+    p = payload()
+    checked.parse(p)
+    p["tensors"][1]["shape"][0], p["tensors"][1]["stride"][0] = 2, 4  # the caller reuses its lists
+    fmt, storages, tensors, key = checked.parse(payload())  # the first tensors shared again
+    assert checked.reused == 1 and (tensors[1]["shape"], tensors[1]["stride"]) == ([4, 2], [2, 1])
+    assert key == ipc.plan_key(*ipc.parse(payload()))
