@@ -268,6 +268,24 @@ class WeightPlan:
             finalize(set(self.touched))
 
 
+def _add(dense: tuple[list, list], strided: tuple[list, list], dst: torch.Tensor, src: tuple[slice, ...] | Chunks,
+         tensor: torch.Tensor) -> None:
+    """One copy of a plain destination: a chunked one (a strided source) apart from the dense ones,
+    whose multi-tensor copy on a GPU takes its fast path only where every pair is dense."""
+    if type(src) is Chunks:
+        strided[0].append(dst)
+        strided[1].append(src.of(tensor))
+    else:
+        dense[0].append(dst)
+        dense[1].append(tensor[src])
+
+
+def copy_pairs(*pairs: tuple[list, list]) -> None:
+    for dsts, srcs in pairs:
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+
 Pair = tuple[torch.Tensor, tuple[slice, ...] | Chunks, Destination, Box]
 """(destination view piece, the source slices of the slab's tensor (or ``Chunks``: the view is
 then (chunk, row, ...)), its destination, the piece's box)."""
@@ -287,15 +305,14 @@ class CopyProgram:
     def run(self, items: Iterable[tuple[int, torch.Tensor]]) -> int:
         """Copy (input index, that input's tensor) items; returns the elements copied. Sinks get
         their pieces and, once a destination's box is complete, ``complete()``."""
-        dsts, srcs = [], []
+        dense, strided = ([], []), ([], [])
         copied = 0
         with torch.no_grad():
             for index, tensor in items:
                 for dst, src, dest, box in self.pairs[index]:
                     copied += dst.numel()
                     if dest.sink is None:
-                        dsts.append(dst)
-                        srcs.append(src.of(tensor) if type(src) is Chunks else tensor[src])
+                        _add(dense, strided, dst, src, tensor)
                         continue
                     dest.sink.write(dst, tensor[src], box)
                     done = self._arrived.get(id(dest), 0) + dst.numel()
@@ -303,21 +320,20 @@ class CopyProgram:
                     if done == dest.box.numel:
                         self._arrived.pop(id(dest))
                         dest.sink.complete()
-            copy_all(dsts, srcs)
+            copy_pairs(dense, strided)
         return copied
 
     def bind(self, tensors: list[torch.Tensor]) -> BoundCopy:
         """The pairs with their sources resolved, for sources that stay where they are (a
         transfer buffer, storages opened over IPC): a repeated copy is one multi-tensor copy."""
-        dsts, srcs, rest = [], [], []
+        dense, strided, rest = ([], []), ([], []), []
         for index, tensor in enumerate(tensors):
             if any(dest.sink is not None for _, _, dest, _ in self.pairs[index]):
                 rest.append((index, tensor))
                 continue
             for dst, src, _, _ in self.pairs[index]:
-                dsts.append(dst)
-                srcs.append(src.of(tensor) if type(src) is Chunks else tensor[src])
-        return BoundCopy(self, *split_strided(dsts, srcs), rest)
+                _add(dense, strided, dst, src, tensor)
+        return BoundCopy(self, dense, strided, rest)
 
 
 @dataclass
@@ -325,35 +341,16 @@ class BoundCopy:
     """``CopyProgram.bind``'s result: ``run()`` copies everything again from the same sources."""
 
     program: CopyProgram
-    dsts: list[torch.Tensor]
-    srcs: list[torch.Tensor]
+    dense: tuple[list[torch.Tensor], list[torch.Tensor]]
+    """(destinations, sources) of the dense pairs."""
     strided: tuple[list[torch.Tensor], list[torch.Tensor]]
-    """Pairs that are not both dense (chunked sources): their own multi-tensor copy."""
+    """The same of the chunked ones (``Chunks``): a multi-tensor copy of their own."""
     with_sinks: list[tuple[int, torch.Tensor]]
 
+    def __post_init__(self):
+        self.elements = sum(d.numel() for d in self.dense[0]) + sum(d.numel() for d in self.strided[0])
+
     def run(self) -> int:
-        copied = sum(d.numel() for d in self.dsts) + sum(d.numel() for d in self.strided[0])
         with torch.no_grad():
-            if self.dsts:
-                torch._foreach_copy_(self.dsts, self.srcs)
-            if self.strided[0]:
-                torch._foreach_copy_(*self.strided)
-        return copied + self.program.run(self.with_sinks)
-
-
-def split_strided(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple:
-    """(dense dsts, their srcs, (the other dsts, srcs)): a multi-tensor copy on a GPU takes its
-    fast path only where every pair is dense, so strided pairs go in a second one."""
-    dense = [d.is_contiguous() and s.is_contiguous() for d, s in zip(dsts, srcs)]
-    if all(dense):
-        return dsts, srcs, ([], [])
-    pick = lambda xs, want: [x for x, ok in zip(xs, dense) if ok == want]  # noqa: E731
-    return pick(dsts, True), pick(srcs, True), (pick(dsts, False), pick(srcs, False))
-
-
-def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    dsts, srcs, strided = split_strided(dsts, srcs)
-    if dsts:
-        torch._foreach_copy_(dsts, srcs)
-    if strided[0]:
-        torch._foreach_copy_(*strided)
+            copy_pairs(self.dense, self.strided)
+        return self.elements + self.program.run(self.with_sinks)
