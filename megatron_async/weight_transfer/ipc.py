@@ -23,7 +23,7 @@ import base64
 import json
 import math
 from itertools import chain
-from operator import itemgetter
+from operator import itemgetter, mul
 from typing import Iterable, Mapping
 
 import torch
@@ -32,7 +32,7 @@ from megatron_async.models.megatron_layouts import Shard
 from megatron_async.weight_transfer.manifest import _SHARD_FIELDS, DTYPES, FORMATS, check_int
 
 _B64_FIELDS = {"cuda": ("handle", "ref_counter_handle", "event_handle"), "cpu_shm": ("manager", "handle")}
-_TENSOR_FIELDS = {"name", "storage", "dtype", "shape", "stride", "storage_offset", *_SHARD_FIELDS}
+_TENSOR_FIELDS = frozenset({"name", "storage", "dtype", "shape", "stride", "storage_offset", *_SHARD_FIELDS})
 
 
 class IpcHandleError(ValueError):
@@ -115,15 +115,18 @@ def _natural(x) -> bool:
 
 _VALID_SHARDS: set[tuple] = set()
 """Shard fields already checked (a payload repeats a few shards in every tensor)."""
+_ABSENT = object()
+_SHARD_TYPES = frozenset({int, type(None), object})
+"""Types a shard tuple of a tensor entry may hold before it is looked up (a bool equals an int)."""
 
 
 def _check_tensor(t, storages: list, first: int) -> dict:
     """``t`` checked, its storage numbered from ``first`` (error texts are built only for a field
     that fails: a payload has thousands)."""
-    if not isinstance(t, Mapping) or not isinstance(t.get("name"), str):
+    if not (type(t) is dict or isinstance(t, Mapping)) or not isinstance(t.get("name"), str):
         raise IpcHandleError(f"a tensor entry needs a string 'name', got {t!r:.200}")
     name = t["name"]
-    if set(t) - _TENSOR_FIELDS:
+    if not _TENSOR_FIELDS.issuperset(t):
         raise IpcHandleError(f"{name}: unknown fields {sorted(set(t) - _TENSOR_FIELDS)}")
     if t.get("dtype") not in DTYPES:
         raise IpcHandleError(f"{name}: dtype must be one of {sorted(DTYPES)}, got {t.get('dtype')!r}")
@@ -144,12 +147,12 @@ def _check_tensor(t, storages: list, first: int) -> dict:
     offset = t.get("storage_offset")
     if not _natural(offset):
         offset = _int(offset, f"{name}: storage_offset")
-    end = offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1 if math.prod(shape) else offset
+    end = offset + sum(map(mul, shape, stride)) - sum(stride) + 1 if math.prod(shape) else offset  # + sum((n - 1) * s)
     if end * DTYPES[t["dtype"]].itemsize > storages[sid]["nbytes"]:
         raise IpcHandleError(f"{name}: reaches beyond its storage")
-    shard = tuple((k, t[k]) for k in _SHARD_FIELDS if k in t)
-    if not (all(type(v) is int or v is None for _, v in shard) and shard in _VALID_SHARDS):
-        fields = {k: _int(v, f"{name}: {k}", k.startswith("etp")) for k, v in shard}
+    shard = tuple(map(t.get, _SHARD_FIELDS, (_ABSENT,) * len(_SHARD_FIELDS)))
+    if not (set(map(type, shard)) <= _SHARD_TYPES and shard in _VALID_SHARDS):
+        fields = {k: _int(v, f"{name}: {k}", k.startswith("etp")) for k, v in zip(_SHARD_FIELDS, shard) if v is not _ABSENT}
         try:
             Shard(**fields)
         except ValueError as e:
