@@ -254,7 +254,7 @@ class WeightPlan:
         for i, both, dst, src in self.table.piece(info, tuple(slab.offset), tuple(slab.extent), origin, chunk).meets:
             view = dests[i].view if dst is None else dests[i].view[dst]
             if type(src) is Chunks:  # the destination rows as (chunk, row, ...), as the source is read
-                view = view.unflatten(0, (src.count, src.rows))
+                view = view.view(src.count, src.rows, *view.shape[1:])
             out.append((view, src, dests[i], both))
         return out
 

@@ -60,12 +60,14 @@ class Chunks(NamedTuple):
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         """The (count, rows, ...) strided view of ``tensor`` (no copy)."""
-        if self.start + (self.count - 1) * self.stride + self.rows > tensor.shape[0]:
+        if self.start + (self.count - 1) * self.stride + self.rows > tensor.size(0):
             raise ValueError(f"a tensor of {tensor.shape[0]} rows given where the plan reads {self}")
         st = tensor.stride()
-        offset = tensor.storage_offset() + self.start * st[0] + sum(s.start * x for s, x in zip(self.rest, st[1:]))
-        return tensor.as_strided((self.count, self.rows, *(s.stop - s.start for s in self.rest)),
-                                 (self.stride * st[0], st[0], *st[1:]), offset)
+        offset, size = tensor.storage_offset() + self.start * st[0], [self.count, self.rows]
+        for s, x in zip(self.rest, st[1:]):
+            offset += s.start * x
+            size.append(s.stop - s.start)
+        return tensor.as_strided(size, (self.stride * st[0], *st), offset)
 
     def slices(self, k: int) -> tuple[slice, ...]:
         """Chunk k as the source slices of a plain copy."""

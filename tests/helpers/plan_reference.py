@@ -7,7 +7,6 @@ import torch
 
 from megatron_async.models.megatron_layouts import Shard, megatron_from_hf, megatron_names_of
 from megatron_async.models.slab_loading import Slab, WeightPlan, name_list
-from megatron_async.models.weight_targets import Chunks
 from megatron_async.parallel.sharding import Box, destinations, full_shape
 from megatron_async.weight_transfer import NameMap, owned
 
@@ -83,6 +82,7 @@ def describe(name: str, dest_index: int, dst: torch.Tensor, src: tuple[slice, ..
 
 def planned(plan: WeightPlan, program) -> list[list[tuple]]:
     """``program``'s copies as ``describe`` tuples (a copy in chunks as one per chunk)."""
+    from megatron_async.models.weight_targets import Chunks  # here: `refit-plan --against` loads this file with an older tree
     names = {id(d): (name, i) for name, t in plan.touched.items() for i, d in enumerate(t.dests)}
     out = []
     for pairs in program.pairs:
