@@ -269,7 +269,12 @@ class CheckedPayloads:
             self._last = None
             tensors = _tensors(payloads)
             part = tensors_key(tensors)
-            kept = [[{**t, "shape": list(t["shape"]), "stride": list(t["stride"])} for t in p["tensors"]] for p in payloads]
+            kept, at, first = [], 0, 0
+            for p in payloads:  # a payload whose storages are numbered from 0 parsed to entries equal to its own
+                n = len(p["tensors"])
+                kept.append(tensors[at: at + n] if first == 0 else
+                            [{**t, "shape": list(t["shape"]), "stride": list(t["stride"])} for t in p["tensors"]])
+                at, first = at + n, first + len(p["storages"])
             self._last = (sizes, kept, tensors, part)
         return fmt, storages, tensors, plan_key(fmt, storages, tensors, part)
 

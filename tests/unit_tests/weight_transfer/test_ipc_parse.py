@@ -108,3 +108,12 @@ def test_what_is_kept_does_not_follow_the_callers_objects():
     fmt, storages, tensors, key = checked.parse(payload())  # the first tensors shared again
     assert checked.reused == 1 and (tensors[1]["shape"], tensors[1]["stride"]) == ([4, 2], [2, 1])
     assert key == ipc.plan_key(*ipc.parse(payload()))
+
+
+def test_several_payloads_are_reused_only_as_they_were():
+    checked = ipc.CheckedPayloads()
+    two = [payload(), payload()]
+    fmt, storages, tensors, key = checked.parse(two)
+    assert [t["storage"] for t in tensors] == [0, 0, 1, 1]
+    assert checked.parse([payload(), payload()])[2] is tensors and checked.reused == 1
+    assert checked.parse([payload(), payload(storage_offset=8)])[2][3]["storage_offset"] == 8 and checked.reused == 1
