@@ -127,6 +127,19 @@ def measure(tree: str, reps: int, profile: bool) -> list[dict]:
     return rows
 
 
+def alternate(script: str, trees: dict[str, str], rounds: int, args: list[str]) -> dict[str, list]:
+    """Per round, ``script --child TREE ARGS`` in a fresh process per tree (the first tree first in
+    even rounds, last in odd ones): per tree, the JSON each run printed last."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    results: dict[str, list] = {name: [] for name in trees}
+    for k in range(rounds):
+        for name, tree in (trees.items() if k % 2 == 0 else reversed(trees.items())):
+            out = subprocess.run([sys.executable, script, "--child", tree, *args], env=env, check=True, text=True,
+                                 stdout=subprocess.PIPE, cwd=tree).stdout
+            results[name].append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=7)
@@ -141,13 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     trees = {"this tree": str(ROOT)}
     if args.against:
         trees["--against"] = str(Path(args.against).resolve())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    results: dict[str, list[list[dict]]] = {name: [] for name in trees}
-    for k in range(args.rounds):
-        for name, tree in (trees.items() if k % 2 == 0 else reversed(trees.items())):
-            cmd = [sys.executable, __file__, "--child", tree, "--reps", str(args.reps)] + ["--profile"] * args.profile
-            out = subprocess.run(cmd, env=env, check=True, text=True, stdout=subprocess.PIPE).stdout
-            results[name].append(json.loads(out.strip().splitlines()[-1]))
+    results = alternate(__file__, trees, args.rounds, ["--reps", str(args.reps)] + ["--profile"] * args.profile)
     print(f"\nload average {os.getloadavg()[0]:.1f}; medians over {args.rounds} rounds of {args.reps} runs, ms\n")
     print("| tree | shape | trainer TP | tensors | " + " | ".join(PHASES) + " |")
     print("|---|---|---:|---:|" + "---:|" * len(PHASES))

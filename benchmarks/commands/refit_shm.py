@@ -17,11 +17,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # run as a script in each child
+from benchmarks.commands.refit_plan import alternate  # noqa: E402
+
 PHASES = ("parse", "plan", "open", "bind", "launch", "sync", "finish")
 
 
@@ -63,13 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     trees = {"this tree": str(ROOT)}
     if args.against:
         trees["--against"] = str(Path(args.against).resolve())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    runs: dict[str, list[list[dict]]] = {name: [] for name in trees}
-    for k in range(args.rounds):
-        for name, tree in (trees.items() if k % 2 == 0 else reversed(trees.items())):
-            cmd = [sys.executable, __file__, "--child", tree, "--updates", str(args.updates)]
-            out = subprocess.run(cmd, env=env, check=True, text=True, stdout=subprocess.PIPE, cwd=tree).stdout
-            runs[name].append(json.loads(out.strip().splitlines()[-1]))
+    runs = alternate(__file__, trees, args.rounds, ["--updates", str(args.updates)])
     print(f"\nload average {os.getloadavg()[0]:.1f}; medians over {args.rounds} rounds (a fresh engine each), ms\n")
     print("| tree | update | host (no copy) | " + " | ".join(PHASES) + " |")
     print("|---|---|---:|" + "---:|" * len(PHASES))
