@@ -20,7 +20,7 @@ import zmq
 from megatron_async.client.replies import ReplySocket
 from megatron_async.coordinator.messages import encode
 from megatron_async.coordinator.transport import PeerSocket
-from megatron_async.coordinator.trust import peer_secret
+from megatron_async.coordinator.trust import ipc_directory, peer_secret
 
 
 class ClientChannel:
@@ -37,10 +37,10 @@ class ClientChannel:
         """Authenticate now (blocking); ``attach`` to a loop before use."""
         name, key = f"{socket.gethostname()}:{os.getpid()}", peer_secret(address, secret)
         peer = PeerSocket(address, key, "client", name, timeout_s)
-        replies = None
-        if peer.endpoint.startswith("ipc://"):  # the coordinator's twin: engines on this host answer here
+        replies, directory = None, ipc_directory(peer.endpoint)
+        if directory is not None:  # the coordinator's twin: engines on this host answer here
             try:
-                replies = ReplySocket(os.path.dirname(peer.endpoint[len("ipc://"):]), key, peer.sock.context)
+                replies = ReplySocket(directory, key, peer.sock.context)
                 peer.send("reply_at", replies.endpoint)
             except BaseException:
                 if replies is not None:

@@ -79,6 +79,12 @@ def ipc_twin(address: str) -> Path | None:
     return path if len(os.fsencode(path)) <= SUN_PATH_BYTES else None
 
 
+def ipc_directory(endpoint: str) -> str | None:
+    """The directory of an ``ipc://`` endpoint's socket (None: not ipc): where a coordinator's
+    twin lives, its clients' reply sockets live too."""
+    return str(Path(endpoint[len("ipc://"):]).parent) if endpoint.startswith("ipc://") else None
+
+
 def peer_endpoint(address: str) -> str:
     """Where an engine or client of the coordinator at ``address`` connects: its ipc twin when
     one listens on this host (the file is a socket), else ``address``."""

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 
 import zmq
 
 from megatron_async.coordinator import messages
 from megatron_async.coordinator.transport import PeerSocket
+from megatron_async.coordinator.trust import ipc_directory
 from megatron_async.inference.communication.handshake import NOBLOCK, zmq_send
 
 log = logging.getLogger("megatron_async.serve")
@@ -37,8 +37,7 @@ class DirectReplies:
     def __init__(self, coordinator_endpoint: str, secret: bytes, name: str, ctx: zmq.Context):
         """``coordinator_endpoint``: where this engine's connection to the coordinator went (direct
         replies only when it is an ipc twin: the clients' sockets are beside it)."""
-        self.directory = str(Path(coordinator_endpoint[len("ipc://"):]).parent) \
-            if coordinator_endpoint.startswith("ipc://") else None
+        self.directory = ipc_directory(coordinator_endpoint)
         self._secret, self._name, self._ctx = secret, name, ctx
         self._links: dict[str, PeerSocket] = {}
         self._refused: set[str] = set()
@@ -49,8 +48,7 @@ class DirectReplies:
 
     def usable(self, endpoint: str) -> bool:
         """A client socket this engine may answer on: in its coordinator's directory."""
-        return self.directory is not None and endpoint.startswith("ipc://") and \
-            str(Path(endpoint[len("ipc://"):]).parent) == self.directory and ".." not in endpoint
+        return self.directory is not None and ipc_directory(endpoint) == self.directory and ".." not in endpoint
 
     def prepare(self, endpoint: str) -> None:
         """A request that ``send`` will answer there arrived: the link comes up meanwhile."""
