@@ -87,15 +87,16 @@ class Grammars:
 def fill_masks(grammars: list[BaseGrammar], rows: list[int], bitmask: torch.Tensor) -> None:
     """The next masks of ``grammars`` into ``bitmask`` rows ``rows``, each library's share in one
     batched call on its threads."""
-    by_backend: dict[int, list[int]] = {}
+    live = []
     for i, g in enumerate(grammars):
         if g.ended:  # its request finished: nothing follows (xgrammar raises if asked)
             bitmask[rows[i]] = -1
         else:
-            by_backend.setdefault(id(g.backend), []).append(i)
-    for idx in by_backend.values():
+            live.append(i)
+    groups = _by_backend(grammars, live)
+    for idx in groups:
         grammars[idx[0]].backend.fill_many([grammars[i] for i in idx], [rows[i] for i in idx], bitmask)
-    for idx in by_backend.values():
+    for idx in groups:
         for i in idx:
             grammars[i].fix_stop_bits(bitmask, rows[i])
 
@@ -104,13 +105,18 @@ def accept_landed(grammars: list[BaseGrammar], tokens: list[list[int]]) -> list[
     """``grammars[i].accept(tokens[i])`` for every i, each library's share in one batched call
     where it has one (``accept_many``)."""
     ok = [True] * len(grammars)
-    by_backend: dict[int, list[int]] = {}
-    for i, g in enumerate(grammars):
-        by_backend.setdefault(id(g.backend), []).append(i)
-    for idx in by_backend.values():
+    for idx in _by_backend(grammars, range(len(grammars))):
         many = getattr(grammars[idx[0]].backend, "accept_many", None)
         res = many([grammars[i] for i in idx], [tokens[i] for i in idx]) if many is not None else [
             grammars[i].accept(tokens[i]) for i in idx]
         for i, r in zip(idx, res):
             ok[i] = r
     return ok
+
+
+def _by_backend(grammars: list[BaseGrammar], indices) -> list[list[int]]:
+    """``indices`` of ``grammars`` grouped by library (one batched call each)."""
+    groups: dict[int, list[int]] = {}
+    for i in indices:
+        groups.setdefault(id(grammars[i].backend), []).append(i)
+    return list(groups.values())

@@ -90,12 +90,11 @@ def _dry_capture(runner, shape, width: int, stream, pool, kept: int | None, grap
     memory allocated after it, None when it cannot be captured or kept more than ``kept`` (the
     memory after the first dry capture, which may keep cuBLAS's workspace for the capture stream)."""
     ctx = runner.context
-    if shape.any_penalties and kept is not None:  # the penalties' state is the engine's, not the capture's
+    if shape.any_penalties:
         before = torch.cuda.memory_allocated()
         ctx.sampling_state.ensure_allocated()
-        kept += torch.cuda.memory_allocated() - before
-    elif shape.any_penalties:
-        ctx.sampling_state.ensure_allocated()
+        if kept is not None:  # the penalties' state is the engine's, not the capture's
+            kept += torch.cuda.memory_allocated() - before
     ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(shape.num_rows, shape.num_tokens, width))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
