@@ -85,13 +85,18 @@ class RotaryEmbedding(nn.Module):
         self.dtype = dtype
         self.attention_factor = 1.0
         kind = scaling.rope_type if scaling else "default"
-        inv = _default_inv_freq(theta, head_dim, device)
+        # On the meta device (a model built only to count its bytes) the values are computed on
+        # the CPU: meta arithmetic runs torch's Python references, whose first use imports
+        # torch._dynamo (~1 s of a start-up that never needs it).
+        at = "cpu" if torch.device(device).type == "meta" else device
+        inv = _default_inv_freq(theta, head_dim, at)
         if kind == "linear":
             inv = inv / scaling.factor
         elif kind == "llama3":
             inv = _llama3_inv_freq(inv, scaling)
         elif kind == "yarn":
-            inv, self.attention_factor = _yarn_inv_freq(theta, head_dim, scaling, device)
+            inv, self.attention_factor = _yarn_inv_freq(theta, head_dim, scaling, at)
+        inv = inv.to(device)
         self.inv_freq: torch.Tensor
         self.table: torch.Tensor
         """[P, head_dim]: row p = cos | sin of position p, so a step gathers both in one kernel."""
@@ -119,6 +124,9 @@ class RotaryEmbedding(nn.Module):
         if num_positions <= self.num_positions:
             return
         size = max(num_positions, 2 * self.num_positions)
+        if self.inv_freq.is_meta:  # sizes only (see __init__)
+            self.table = torch.empty(size, self.head_dim, dtype=self.dtype, device="meta")
+            return
         positions = torch.arange(size, device=self.inv_freq.device)
         freqs = positions[:, None].float() * self._inv_freq_per_position(positions)
         self.table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).mul(self.attention_factor).to(self.dtype)

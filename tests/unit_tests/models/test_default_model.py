@@ -28,6 +28,36 @@ def test_qwen3_06b_shape():
     assert model.lm_head.is_tied
 
 
+_META_BUILD = """
+import json, sys
+import torch
+from megatron_async.inference.memory_profiling import builtin_weight_bytes
+from megatron_async.models.layers.rope import RotaryEmbedding
+n = builtin_weight_bytes("qwen3-0.6b", torch.bfloat16)
+dynamo = "torch._dynamo" in sys.modules
+meta, cpu = (RotaryEmbedding(128, 300, 1e6, None, torch.bfloat16, d).table for d in ("meta", "cpu"))
+print(json.dumps({"bytes": n, "dynamo": dynamo, "tables": [list(meta.shape), list(cpu.shape)], "meta": meta.is_meta}))
+"""
+
+
+def test_a_meta_build_counts_the_weights_without_importing_dynamo():
+    """CUDA start-up counts the built-in model's bytes from a build on the meta device before
+    loading it; meta arithmetic (the rotary table) would import torch._dynamo, ~1 s. In a
+    fresh process: the suite may have imported it already."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", _META_BUILD], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert 2 * 595e6 < out["bytes"] < 2 * 597e6 + 2**26  # bf16 weights + rotary table
+    assert out["dynamo"] is False
+    assert out["tables"][0] == out["tables"][1] == [300, 128] and out["meta"]
+
+
 def test_unknown_name():
     with pytest.raises(ValueError, match="unknown default model"):
         build_default_model("huge")
