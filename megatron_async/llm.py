@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from megatron_async.config import InferenceConfig
-from megatron_async.inference import nvtx, triton_builds
+from megatron_async.inference import nvtx, triton_builds, triton_workers
 from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.device import DeviceFacade
@@ -100,8 +100,7 @@ class LLM:
         self.device = torch.device(device)
         if tensor_parallel_size > 1 or expert_parallel_size > 1:  # ranks must schedule alike: no decisions from own timings
             if self.config.speculative_adaptive:
-                raise ValueError("speculative_adaptive decides from each rank's own step times: not under tensor / "
-                                 "expert parallelism")
+                raise ValueError("speculative_adaptive decides from each rank's own step times: not under TP / EP")
             # kernels built one by one unless asked (dry captures of collectives are not tried on several ranks)
             self.config = replace(self.config, speculative_adaptive=False,
                                   startup_build_threads=self.config.startup_build_threads or 0)
@@ -129,7 +128,8 @@ class LLM:
                 self.communicator = ZMQCommunicator.from_rendezvous(
                     self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size,
                     shared_memory=comm.consensus_shared_memory, spin_us=comm.consensus_spin_us)
-            self._build(model, default_model, seed, drafter)
+            with triton_workers.running(self.device, self.config.startup_build_threads):  # start-up's Triton compiles
+                self._build(model, default_model, seed, drafter)
             self.startup.total_seconds = time.perf_counter() - t0
             self.coordinator = None
             if listen is not None or join is not None:

@@ -1,6 +1,7 @@
 """The main job's start-up, cold and warm: seconds from the process's start to an engine ready
 and to the first token, and where they went (load, memory profile, engine, kernel builds,
-eager steps, graph captures), with the warm-up's kernels built one by one or on threads.
+eager steps, graph captures), with the warm-up's kernels built one by one, or at once: compiled in
+worker processes and loaded on threads (the default), or compiled on threads alone ("no-workers").
 
 Each case is a fresh process of ``examples/gpt_dynamic_inference.py`` (the main job's defaults,
 a small workload: 8 requests, 16 output tokens) with its own Triton cache directory
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,20 +27,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# name -> (main job flags, cache directory label: cases with the same label share a directory, in order)
+NO_WORKERS = {"MEGATRON_ASYNC_TRITON_WORKERS": "0"}
+"""The warm-up's kernels compiled on threads only, without the compile workers (triton_workers.py)."""
+# name -> (main job flags, cache directory label: cases with the same label share a directory, in order, environment)
 CASES = {
-    "cold-one-by-one": (["--startup-build-threads", "0"], "a"),
-    "warm-one-by-one": (["--startup-build-threads", "0"], "a"),
-    "cold-threads": ([], "b"),
-    "warm-threads": ([], "b"),
-    "eager-cold-one-by-one": (["--eager", "--startup-build-threads", "0"], "c"),
-    "eager-cold-threads": (["--eager"], "d"),
-    "eager-warm-threads": (["--eager"], "d"),
+    "cold-one-by-one": (["--startup-build-threads", "0"], "a", {}),
+    "warm-one-by-one": (["--startup-build-threads", "0"], "a", {}),
+    "cold-threads": ([], "b", {}),
+    "warm-threads": ([], "b", {}),
+    "cold-threads-no-workers": ([], "e", NO_WORKERS),
+    "eager-cold-one-by-one": (["--eager", "--startup-build-threads", "0"], "c", {}),
+    "eager-cold-threads": (["--eager"], "d", {}),
+    "eager-warm-threads": (["--eager"], "d", {}),
+    "eager-cold-threads-no-workers": (["--eager"], "f", NO_WORKERS),
 }
 PHASES = ("load", "memory profile", "engine", "kernel builds", "eager steps", "graph captures")
 
 
-def run_case(name: str, flags: list[str], cache: Path, out: Path, smoke: bool, timeout: float) -> dict:
+def run_case(name: str, flags: list[str], cache: Path, out: Path, smoke: bool, timeout: float, env: dict) -> dict:
     result = out / f"{name}.json"
     cmd = [sys.executable, "examples/gpt_dynamic_inference.py", "--quiet", "--num-requests", "8",
            "--output-len-min", "16", "--output-len-max", "16", "--kernel-cache-dir", str(cache),
@@ -47,7 +53,8 @@ def run_case(name: str, flags: list[str], cache: Path, out: Path, smoke: bool, t
         cmd += ["--device", "cpu", "--prompt-len-min", "8", "--prompt-len-max", "16"]
     t0 = time.perf_counter()
     with (out / f"{name}.log").open("w") as log:
-        done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                              env={**os.environ, **env})
     if done.returncode:
         raise SystemExit(f"{name} failed (rc {done.returncode}): see {out / (name + '.log')}")
     startup = json.loads(result.read_text())["startup"]
@@ -89,8 +96,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     caches = tempfile.mkdtemp(prefix="startup-triton-")
     rows = {}
     for name in args.cases:
-        flags, label = CASES[name]
-        rows[name] = run_case(name, flags, Path(caches) / label, out, args.smoke, args.timeout)
+        flags, label, env = CASES[name]
+        rows[name] = run_case(name, flags, Path(caches) / label, out, args.smoke, args.timeout, env)
         print(row(name, rows[name]), file=sys.stderr, flush=True)
     print(table(rows))
     (out / "startup.json").write_text(json.dumps(rows, indent=1))

@@ -11,7 +11,9 @@ Returning a false value lets Triton build as usual.
 Triton then neither builds nor launches that kernel) but recorded with its specialization data
 (Triton's serialized signature, constants and options), once per specialization; ``build_all``
 then builds the recorded ones on a thread pool (``JITFunction.preload`` under Triton's
-``AsyncCompileMode``: most of a build is LLVM and ptxas, which run without the GIL). Deferred
+``AsyncCompileMode``), after compiling them in worker processes where there are some
+(``triton_workers``: a build's front end holds the GIL, so threads alone build mostly one after
+another; the threads then load the workers' binaries from the on-disk cache). Deferred
 specializations are not counted as builds; their later builds are.
 
 Where the builds go on disk: Triton's cache directory (``cache_dir()``: ``TRITON_CACHE_DIR``,
@@ -20,7 +22,6 @@ compiling it (a build that takes tens of milliseconds instead of seconds)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -99,27 +100,25 @@ def deferring():
         out.extend(found.values())
 
 
-def default_threads() -> int:
-    """Build threads when none are asked for: the cores this process may use, at most 16."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(16, cores))
-
-
 @dataclass
 class BuildReport:
     kernels: int
     """Specializations built (each a compile, or a load from the on-disk cache)."""
     threads: int
     seconds: float
+    compiled: int = 0
+    """Of which compiled in worker processes first (``triton_workers``): the threads loaded them."""
+    processes: int = 0
+    compile_seconds: float = 0.0
+    slowest: tuple[str, float] = ("", 0.0)
+    """The kernel whose compile in a worker took longest, and its seconds."""
 
 
 def build_all(specs: list, threads: int) -> BuildReport:
     """Build ``specs`` (from ``deferring``) on ``threads`` threads, then load each binary onto
     the current device (outside any graph capture). Each lands in its kernel's in-memory cache,
-    so the first launch of that specialization finds it built."""
+    so the first launch of that specialization finds it built. With compile workers
+    (``triton_workers.start``) they compile there first, so the threads load them from disk."""
     t0 = time.perf_counter()
     if not specs:
         return BuildReport(0, 0, 0.0)
@@ -127,6 +126,9 @@ def build_all(specs: list, threads: int) -> BuildReport:
 
     from triton.runtime._async_compile import AsyncCompileMode
 
+    from megatron_async.inference import triton_workers
+
+    workers = triton_workers.compile_all(specs)
     threads = max(1, min(threads, len(specs)))
     kernels = []
     with ThreadPoolExecutor(threads, thread_name_prefix="triton-build") as pool:
@@ -142,4 +144,5 @@ def build_all(specs: list, threads: int) -> BuildReport:
         if init is not None:  # load the binary now: its first launch may be inside a graph capture
             init()
             built += 1
-    return BuildReport(built, threads, time.perf_counter() - t0)
+    return BuildReport(built, threads, time.perf_counter() - t0, workers.kernels, workers.processes, workers.seconds,
+                       workers.slowest)

@@ -1,15 +1,15 @@
 """Build a warm-up's Triton kernels at once instead of one after another.
 
 A kernel is built the first time a step launches it with a new specialization, so running the
-warm-up's steps builds them in sequence: ~40 builds of 0.3-2 s each on a fresh machine. Most
-of a build is LLVM and ptxas, which run without the GIL, so threads build them side by side;
+warm-up's steps builds them in sequence: ~40 builds of 0.3-2 s each on a fresh machine. Worker
+processes compile them side by side (threads alone do not: a build's front end holds the GIL);
 what they need is the list of specializations before any step runs. A step's specializations
 depend only on host values (its shape, the tensors' dtypes, strides and alignment), never on
 what earlier kernels computed, so the list comes from steps that do not run: each warm-up shape
 is captured into a CUDA graph that is then thrown away (nothing in a capture executes), with
 Triton's build hook deferring every unbuilt kernel (``triton_builds.deferring``: not built, not
-launched, recorded). ``triton_builds.build_all`` then builds the recorded ones on a thread pool
-and loads them onto the device.
+launched, recorded). ``triton_builds.build_all`` then builds the recorded ones (compiled in
+worker processes where there are some, ``triton_workers``) and loads them onto the device.
 
 A capture only records: writes to the engine's buffers (samples, drafts, the dummy KV block) do
 not happen, and a tensor that compute_step would keep beyond the step would be left unwritten.
@@ -50,10 +50,20 @@ class PrebuildReport:
     """Warm-up shapes captured dry."""
     left: list = field(default_factory=list)
     """Shapes that must still run for real: from the first that failed to capture dry on."""
+    compiled: int = 0
+    """Of ``kernels``, compiled in worker processes first (``triton_workers``; the threads loaded them)."""
+    processes: int = 0
+    compile_seconds: float = 0.0
+    """Of ``build_seconds``, the workers' compiles."""
+    slowest: tuple[str, float] = ("", 0.0)
+    """The kernel whose compile in a worker took longest, and its seconds."""
 
     def describe(self) -> str:
         steps = f"{self.shapes} step{'s' * (self.shapes != 1)}"
-        return f"{steps} captured dry, {self.kernels} kernels on {self.threads} threads in {self.build_seconds:.1f} s"
+        workers = (f" ({self.compiled} compiled in {self.processes} processes in {self.compile_seconds:.1f} s, longest "
+                   f"{self.slowest[0]} {self.slowest[1]:.1f} s)" if self.processes else "")
+        return (f"{steps} captured dry, {self.kernels} kernels on {self.threads} threads in {self.build_seconds:.1f} s"
+                + workers)
 
 
 _MATMUL_DTYPES = {torch.float16, torch.bfloat16, torch.float32}
@@ -172,4 +182,4 @@ def prebuild(runner, shapes: list, threads: int, also=None) -> PrebuildReport:
     torch.cuda.empty_cache()  # the dry captures' pool: nothing in it is kept
     built = triton_builds.build_all(specs, threads)
     return PrebuildReport(built.kernels, built.threads, time.perf_counter() - t0, built.seconds, done,
-                          list(shapes[done:]))
+                          list(shapes[done:]), built.compiled, built.processes, built.compile_seconds, built.slowest)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_async.config import KernelChoice
-from megatron_async.inference import triton_builds
+from megatron_async.inference import triton_workers
 from megatron_async.inference.async_pipeline import HostSamples, PendingLaunch
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.device import copy_to_host
@@ -85,7 +85,7 @@ class ModelRunner:
         """Token ids that end a request without its own termination_id (all of them stop)."""
         self.batch_invariant = kernels.batch_invariant
         n = kernels.startup_build_threads
-        self.build_threads = triton_builds.default_threads() if n is None else n
+        self.build_threads = triton_workers.default_threads() if n is None else n
         """Threads that build the warm-up's Triton kernels at once (0: one by one as steps meet them)."""
         R = context.max_requests
         S = context.max_samples  # config.max_samples, and the graphs' spare padding row

@@ -4,7 +4,7 @@ build hook, so installing must succeed here; on CUDA a real build of a new speci
 import pytest
 import torch
 
-from megatron_async.inference import triton_builds
+from megatron_async.inference import triton_builds, triton_workers
 
 triton = pytest.importorskip("triton")
 
@@ -117,4 +117,4 @@ def test_build_all_preloads_and_loads_every_recorded_specialization():
 def test_cache_dir_follows_triton_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     assert triton_builds.cache_dir() == str(tmp_path)
-    assert 1 <= triton_builds.default_threads() <= 16
+    assert 1 <= triton_workers.default_threads() <= 16

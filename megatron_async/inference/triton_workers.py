@@ -1,0 +1,191 @@
+"""Compile Triton kernels in worker processes, into Triton's on-disk cache.
+
+A Triton build on threads is mostly serial: its front end (AST to TTIR, the MLIR passes) holds
+the GIL, and only ptxas runs beside it. Worker processes compile side by side; each writes
+its kernel to the cache directory (``triton_builds.cache_dir()``), and the engine's process
+then builds the same specializations on its threads as before, each a load from that cache
+(tens of milliseconds). A compile needs no GPU: the target (``GPUTarget("cuda", 90, 32)``)
+comes with the specialization, so a worker never touches CUDA.
+
+The workers are forked from the engine's process before CUDA is initialized (``start``, at
+the start of ``LLM``): a fork after CUDA init must not use CUDA and forking a process with
+tens of GiB mapped is slow, while an early fork also takes the workers' start off the critical
+path (they start while the weights load). A spawned worker would import torch again (seconds).
+Each worker imports a kernel's module on its first specialization of it.
+
+A specialization a worker fails to compile (or any failure of the pool) is only slower: the
+engine's process compiles it itself."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+# the package's logger, not named in a string: the import-graph test reads a computed import_module
+# (the kernel modules, below) as importing every module a string constant of this one names
+log = logging.getLogger(__name__.split(".", 1)[0])
+
+_pool: dict = {"pool": None, "size": 0}
+DISABLE_ENV = "MEGATRON_ASYNC_TRITON_WORKERS"
+"""Set to 0: no workers, the warm-up's kernels compile on threads (to compare the two)."""
+TIMEOUT_S = 600.0
+"""A pass that takes longer is given up (a stuck worker): the engine's process compiles the kernels."""
+
+
+def start(processes: int) -> int:
+    """Fork ``processes`` compile workers (once per process; before CUDA is initialized).
+    Returns how many there are (0: none, e.g. not Linux, no Triton, CUDA already initialized)."""
+    if _pool["pool"] is not None or processes < 2 or os.environ.get(DISABLE_ENV) == "0":
+        return _pool["size"]
+    try:
+        import triton  # noqa: F401 -- the workers inherit it imported
+    except ImportError:
+        return 0
+    if torch.cuda.is_initialized() or "fork" not in multiprocessing.get_all_start_methods():
+        return 0
+    try:
+        _pool["pool"] = multiprocessing.get_context("fork").Pool(processes, initializer=_worker_init)
+    except OSError as e:
+        log.info("Triton compile workers not started (%s): kernels compile on threads", e)
+        return 0
+    _pool["size"] = processes
+    return processes
+
+
+@contextlib.contextmanager
+def running(device: torch.device, threads: int | None):
+    """Compile workers for a block that builds an engine on ``device`` (CUDA; ``threads``: its
+    ``startup_build_threads``, None: ``default_threads``; fewer than 2: none), ended after it."""
+    n = default_threads() if threads is None else threads
+    started = start(n) if device.type == "cuda" and _pool["pool"] is None else 0
+    try:
+        yield
+    finally:
+        if started:
+            stop()
+
+
+def default_threads() -> int:
+    """Build threads when none are asked for: the cores this process may use, at most 16."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(16, cores))
+
+
+def stop() -> None:
+    """End the workers (after the warm-up: nothing compiles at start-up any more)."""
+    pool, _pool["pool"], _pool["size"] = _pool["pool"], None, 0
+    if pool is not None:
+        pool.terminate()
+        pool.join()
+
+
+def size() -> int:
+    return _pool["size"]
+
+
+@dataclass
+class CompileReport:
+    kernels: int = 0
+    """Specializations a worker compiled (or found in the cache already)."""
+    processes: int = 0
+    seconds: float = 0.0
+    slowest: tuple[str, float] = ("", 0.0)
+    """The kernel whose compile took longest, and its seconds: the pass takes at least as long."""
+
+
+def compile_all(specs: list) -> CompileReport:
+    """Compile ``specs`` ((JITFunction, specialization data) pairs, ``triton_builds.deferring``)
+    on the workers into the on-disk cache; returns when all are done (0 kernels: no workers)."""
+    pool = _pool["pool"]
+    if pool is None or not specs:
+        return CompileReport()
+    from triton import knobs
+    from triton.runtime.jit import get_cache_invalidating_env_vars
+
+    t0 = time.perf_counter()
+    common = (knobs.cache.dir, get_cache_invalidating_env_vars())
+    tasks = [(jit.module, jit.fn.__qualname__, data, *common) for jit, data in specs]
+    try:
+        done = pool.map_async(_compile, tasks, chunksize=1).get(TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 -- a broken or stuck pool: the engine's process compiles them
+        log.info("Triton compile workers failed (%s): kernels compile on threads", e)
+        stop()
+        return CompileReport()
+    failed = [error for error, _ in done if error]
+    if failed:
+        log.info("%d of %d Triton kernels failed to compile in a worker (they compile on threads); first: %s",
+                 len(failed), len(done), failed[0])
+    slowest = max(((task[1], sec) for task, (_, sec) in zip(tasks, done)), key=lambda x: x[1])
+    return CompileReport(len(done) - len(failed), _pool["size"], time.perf_counter() - t0, slowest)
+
+
+def _worker_init() -> None:
+    """Ignore Ctrl-C (it ends the engine's process, which ends the pool) and import the compiler
+    now, while the engine's process loads its weights, not in the first compile."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import triton.compiler.code_generator  # noqa: F401
+        from triton.compiler.compiler import make_backend  # noqa: F401
+    except ImportError:
+        pass
+
+
+def _jit_function(key: str):
+    """The JITFunction registered under ``module:qualname``, importing its module if needed."""
+    from triton.runtime.jit import _triton_jit_function_registry as registry
+
+    if key not in registry:
+        import importlib
+
+        importlib.import_module(key.split(":", 1)[0])
+    return registry[key]
+
+
+def _compile(task) -> tuple[str, float]:
+    """In a worker: compile one specialization (what ``JITFunction.preload`` does, with the
+    target from the specialization instead of the current device). Returns ("" or the error, seconds)."""
+    module, qualname, data, cache_dir, env_vars = task
+    t0 = time.perf_counter()
+    try:
+        import triton
+        import triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import ASTSource, make_backend
+        from triton.runtime.jit import convert_to_tuple_if_list
+
+        os.environ["TRITON_CACHE_DIR"] = cache_dir
+        jit = _jit_function(f"{module}:{qualname}")
+        spec = json.loads(data)
+        target = GPUTarget(**spec["target"])
+        backend = make_backend(target)
+
+        def decode(value):
+            if tl.dtype.is_dtype(value):
+                return tl.dtype(value)
+            if isinstance(value, dict) and "constexpr" in value:
+                return tl.constexpr(convert_to_tuple_if_list(value["constexpr"]))
+            if isinstance(value, dict) and "jit_function" in value:
+                return _jit_function(value["jit_function"])
+            return convert_to_tuple_if_list(value)
+
+        constexprs = {tuple(k): decode(v) for k, v in zip(spec["constant_keys"], spec["constant_vals"])}
+        attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])}
+        signature = {k: convert_to_tuple_if_list(v) for k, v in spec["signature"].items()}
+        options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()})
+        triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__,
+                       _env_vars=env_vars)
+        return "", time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 -- the engine's process compiles it (and raises there if it must)
+        return f"{qualname}: {type(e).__name__}: {e}", time.perf_counter() - t0

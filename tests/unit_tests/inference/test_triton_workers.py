@@ -1,0 +1,114 @@
+"""Triton compile workers: forked processes compile a kernel's specializations for an explicit
+GPU target (no GPU needed) into Triton's on-disk cache, where the engine's process then finds
+them: its own compile of the same specialization is a load, not a compile."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_async.inference import triton_builds, triton_workers
+
+triton = pytest.importorskip("triton")
+
+
+CHECK = """
+import json, os, sys
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import get_cache_invalidating_env_vars, serialize_specialization_data
+
+from megatron_async.inference import triton_workers
+
+
+@triton.jit
+def scale(x_ptr, out_ptr, n, FACTOR: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * FACTOR, mask=offs < n)
+
+
+try:  # three specializations for an H100, serialized as Triton's build hook hands them over
+    target = GPUTarget("cuda", 90, 32)
+    options = make_backend(target).parse_options({})
+except Exception as e:
+    print(json.dumps({"skip": str(e)}))
+    sys.exit(0)
+sig = {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "FACTOR": "constexpr", "BLOCK": "constexpr"}
+attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+consts = [{(3,): i + 2, (4,): 256} for i in range(3)]
+specs = [(scale, serialize_specialization_data("scale", sig, c, attrs, options, str(i), target)) for i, c in enumerate(consts)]
+workers = triton_workers.start(2)
+report = triton_workers.compile_all(specs)
+triton_workers.stop()
+cache = os.environ["TRITON_CACHE_DIR"]
+entries = sorted(os.listdir(cache))
+for c in consts:  # what JITFunction.preload compiles in the engine's process
+    triton.compile(ASTSource(scale, sig, c, attrs), target=target, options=options.__dict__,
+                   _env_vars=get_cache_invalidating_env_vars())
+print(json.dumps({"workers": workers, "compiled": report.kernels, "entries": entries, "after": sorted(os.listdir(cache))}))
+"""
+
+
+def test_workers_compile_into_the_cache_the_engine_process_loads_from(tmp_path):
+    """In a process of its own: the suite runs Triton interpreted, the engine compiled."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parents[3]))
+    (tmp_path / "check.py").write_text(CHECK)  # Triton reads a kernel's source from its file
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run([sys.executable, str(tmp_path / "check.py")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in out:
+        pytest.skip(f"no CUDA compiler backend: {out['skip']}")
+    assert out["workers"] == 2 and out["compiled"] == 3
+    assert len(out["entries"]) == 3  # one cache directory per kernel
+    assert out["after"] == out["entries"]  # each found in the cache: nothing compiled again
+
+
+@pytest.fixture
+def workers():
+    assert triton_workers.start(2) == 2
+    yield
+    triton_workers.stop()
+    assert triton_workers.size() == 0
+
+
+def test_a_specialization_a_worker_cannot_compile_is_left_to_the_engine_process(workers):
+    class Stranger:  # no module Triton knows: the worker fails it, build_all's threads build it
+        module, loaded = "no_such_module_here", []
+
+        class fn:
+            __qualname__ = "k"
+
+        def preload(self, data):
+            loaded = self.loaded
+
+            class Compiled:
+                def _init_handles(self):
+                    loaded.append(data)
+
+            return Compiled()
+
+    report = triton_builds.build_all([(Stranger(), "{}"), (Stranger(), "[]")], threads=2)
+    assert report.processes == 2 and report.compiled == 0
+    assert report.kernels == 2 and sorted(Stranger.loaded) == ["[]", "{}"]
+
+
+def test_no_workers_on_cpu_nor_switched_off_nor_after_cuda_init(monkeypatch):
+    with triton_workers.running(torch.device("cpu"), 4):
+        assert triton_workers.size() == 0
+    monkeypatch.setenv(triton_workers.DISABLE_ENV, "0")
+    assert triton_workers.start(4) == 0
+    monkeypatch.delenv(triton_workers.DISABLE_ENV)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert triton_workers.start(4) == 0 and triton_workers.size() == 0
+    assert triton_workers.compile_all([]).kernels == 0
