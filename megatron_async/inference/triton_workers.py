@@ -14,7 +14,8 @@ path (they start while the weights load). A spawned worker would import torch ag
 Each worker imports a kernel's module on its first specialization of it.
 
 A specialization a worker fails to compile (or any failure of the pool) is only slower: the
-engine's process compiles it itself."""
+engine's process compiles it itself. The pool's tasks (names, JSON, the cache directory) travel
+over pipes to the process's own forked children, never over a socket."""
 from __future__ import annotations
 
 import contextlib
