@@ -185,13 +185,13 @@ def router_table(args) -> list[str]:
         done = [p.communicate(timeout=600)[0].split()[-2:] for p in loaders]
         walls, client_cpu = [float(w) for w, _ in done], sum(float(c) for _, c in done)
         cpu = [cpu_seconds(p.pid) - c for p, c in zip((cluster.coordinator, *nulls), cpu0)]
-    finally:
+    finally:  # the coordinator first: engines killed under it would be logged as lost, at ERROR
+        cluster.close()
         for p in nulls:
             p.kill()
             p.wait(10)
         for bare in bares:
             bare.close()
-        cluster.close()
     total = per_client * args.clients
     return [f"router: {args.null_engines} null engines, routing 'scored', prompts of {args.prompt_len} tokens:", "",
             "| measure | value |", "|---|---:|",
