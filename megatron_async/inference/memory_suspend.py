@@ -133,6 +133,8 @@ class TorchMemorySaverBackend(SuspendBackend):
         if getattr(torch_memory_saver, "_impl", None) is None:  # mode is fixed by the first use
             torch_memory_saver.hook_mode = "preload" if self.preload else "torch"
         self._tms = torch_memory_saver
+        if not self.preload:
+            _allow_pool_frees_anywhere(torch_memory_saver)
         self._warned = False
 
     def region(self, tag: str):
@@ -155,6 +157,18 @@ class TorchMemorySaverBackend(SuspendBackend):
     def restore(self, tag: str, tensors: Iterable[torch.Tensor]) -> None:
         self._tms.resume(tag)
         torch.cuda.synchronize()
+
+
+def _allow_pool_frees_anywhere(tms) -> None:
+    """In the allocator ("torch") mode the package's free hook exits the process (status 1) when
+    a thread frees pool memory outside a ``region``: the pools are destroyed at interpreter exit,
+    and the caching allocator may release a pool's blocks from any thread. Its region flag only
+    routes allocations in the preload mode; here allocations reach the package only through a
+    region's pool, so the flag can stay set everywhere: for threads yet to start (the library reads
+    TMS_INIT_ENABLE on a thread's first use) and for this one, which may have read it already."""
+    os.environ["TMS_INIT_ENABLE"] = "1"
+    tms._ensure_initialized()
+    tms._impl._binary_wrapper.cdll.tms_set_interesting_region(True)
 
 
 def make_suspend_backend(device: torch.device) -> SuspendBackend:
