@@ -19,7 +19,9 @@ states and the drafter's proposal (n-gram lookup, MTP heads' forward) are all in
 so the padding logic is checked where no graphs exist."""
 from __future__ import annotations
 
+import contextlib
 import gc
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +30,10 @@ from megatron_async.config import GraphSizing
 from megatron_async.inference.text_generation_controllers.graph_plan import (
     GraphKey, GraphPlan, SamplingVariant, variant_flags, variant_index, variant_of_params,
 )
+from megatron_async.inference.text_generation_controllers.kernel_prebuild import end_failed_capture
 from megatron_async.step_shape import StepShape
+
+log = logging.getLogger("megatron_async")
 
 
 @dataclass
@@ -82,6 +87,33 @@ def graph_shape(key: GraphKey, max_sequence_length: int, vocab_size: int) -> Ste
         any_top_k_top_p=any(f.filters), filters=f.filters, max_top_n=f.max_top_n, any_log_probs=f.any_log_probs,
         any_penalties=f.any_penalties, **verify,
     )
+
+
+_EMPTYING = ((torch.cuda, "empty_cache"), (torch._C, "_host_emptyCache"))  # the latter: CUDA builds
+
+
+def _keep() -> None:
+    pass
+
+
+@contextlib.contextmanager
+def caches_kept():
+    """``torch.cuda.graph`` empties the allocator's device and pinned-host caches before each
+    capture: over hundreds of captures every eager run then allocates its workspace again (and
+    re-pins host buffers). Kept through a warm-up's captures (the memory plan counts the eager
+    cache's peak beside the graph pool), emptied once after them."""
+    saved = {name: getattr(owner, name) for owner, name in _EMPTYING if hasattr(owner, name)}
+    for owner, name in _EMPTYING:
+        if name in saved:
+            setattr(owner, name, _keep)
+    try:
+        yield
+    finally:
+        for owner, name in _EMPTYING:
+            if name in saved:
+                setattr(owner, name, saved[name])
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def decode_key(rows: int, variant: SamplingVariant = SamplingVariant.GREEDY, spec: bool = False) -> GraphKey:
@@ -204,15 +236,19 @@ class CudaGraphRunner:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
-    def warmup(self, keys: list[GraphKey] | None = None) -> int:
+    def warmup(self, keys: list[GraphKey] | None = None, built: bool = False) -> int:
         """Capture ``keys`` (default: the whole plan) not captured yet; returns how many.
-        Data-parallel engines call it on every rank at once (collectives inside the captures)."""
+        Data-parallel engines call it on every rank at once (collectives inside the captures).
+        ``built``: every kernel the steps launch is built and loaded, and steps capture without
+        running first (the warm-up's dry pass captured its shapes so): each graph is captured
+        without its eager run (one that fails to is captured again after one)."""
         n = 0
         gc.collect()  # garbage from earlier engines (their graphs) goes now, not inside a capture
-        for key in self.plan.keys() if keys is None else keys:
-            if key not in self.graphs:
-                self.graphs[key] = self._capture(key)
-                n += 1
+        with caches_kept():
+            for key in self.plan.keys() if keys is None else keys:
+                if key not in self.graphs:
+                    self.graphs[key] = self._capture(key, eager_run=not built or self._pool is None)
+                    n += 1
         self.warmed_up = True
         return n
 
@@ -220,7 +256,7 @@ class CudaGraphRunner:
         """The StepShape a graph of ``key`` is captured with."""
         return graph_shape(key, self.config.max_sequence_length, self.model_runner.model.vocab_size)
 
-    def _capture(self, key: GraphKey) -> CapturedStep:
+    def _capture(self, key: GraphKey, eager_run: bool = True) -> CapturedStep:
         ctl, ctx = self.model_runner, self.model_runner.context
         shape = self.capture_shape(key)
         if shape.any_penalties:
@@ -238,9 +274,11 @@ class CudaGraphRunner:
         side = self._side
         side.wait_stream(torch.cuda.current_stream())
         body = (lambda: (ctl.graph_logits(shape),)) if key.logits_only else (lambda: ctl.compute_step(shape, key.spec))
-        with torch.cuda.stream(side):  # once: builds and loads what the step needs, outside the capture
-            body()
-        torch.cuda.current_stream().wait_stream(side)
+        if eager_run or ctx.device.suspend_backend is not None:
+            with torch.cuda.stream(side):  # once: builds and loads what the step needs, outside the capture
+                body()
+            torch.cuda.current_stream().wait_stream(side)
+            eager_run = True
         graph = torch.cuda.CUDAGraph()
         # No cyclic GC inside a capture: collecting an earlier engine's CUDA graphs there frees
         # their memory, which invalidates the capture (seen once in the GPU suite, a graph
@@ -252,6 +290,14 @@ class CudaGraphRunner:
             # collectives is captured; "global" mode would turn those polls into capture errors.
             with ctx.device.graph_capture(graph, self._pool, "thread_local"):  # suspendable pool if enabled
                 out = body()
+        except Exception as e:  # noqa: BLE001 -- without its eager run: capture it again after one
+            if eager_run:
+                raise
+            log.warning("CUDA graph %s failed to capture without an eager run first (%s); capturing it after one",
+                        key, e)
+            end_failed_capture(self._pool)
+            ctx.gpu_view.buffer.copy_(saved_view)
+            return self._capture(key, eager_run=True)
         finally:
             if gc_on:
                 gc.enable()

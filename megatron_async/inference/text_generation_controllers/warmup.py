@@ -21,8 +21,9 @@ the greedy decode graphs are captured (every rank at once: collectives inside).
 
 With ``build_threads`` (CUDA, Triton), the eager shapes are first captured dry and their kernels
 built on that many threads (kernel_prebuild.py); only shapes that could not be captured dry then
-run eagerly: the captures' own warm-up runs execute every graph's step once before capturing it,
-and every kernel an eager step can meet is built and loaded."""
+run eagerly, and the graphs are captured without running their steps first (the dry pass showed
+that the steps capture as they are; otherwise each graph's step runs once before its capture).
+Every kernel an eager step can meet is built and loaded."""
 from __future__ import annotations
 
 import time
@@ -191,8 +192,8 @@ def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: i
         _warm_token_mask(runner)  # built by the prebuild's deferral when there was one: launches only
     t_capture, builds_capture = time.perf_counter(), triton_builds.builds()
     captured = 0
-    if graphs and runner.graphs is not None:
-        captured = runner.graphs.warmup()
+    if graphs and runner.graphs is not None:  # after a whole dry pass, graphs capture without eager runs
+        captured = runner.graphs.warmup(built=pre is not None and not pre.left)
     if dev.is_cuda:
         torch.cuda.synchronize(dev.device)
     t_end = time.perf_counter()

@@ -188,3 +188,41 @@ def test_llm_close_destroys_graphs_before_the_process_group():
     llm.close()
     assert order == ["graphs released", "process group destroyed, graphs left: 0"]
     assert llm.runner.graphs is None
+
+
+def test_a_built_warmup_captures_every_graph_but_the_first_without_an_eager_run():
+    """After a whole dry pass (``built``) the warm-up's graphs capture without running their
+    step first; the first still runs (it creates the graphs' pool); lazy captures always run."""
+    r = runner(False)
+    r.graphs, runs = {}, []
+
+    def capture(key, eager_run=True):
+        runs.append(eager_run)
+        r._pool = "pool"
+        return SimpleNamespace(num_rows=key.num_rows, key=key)
+
+    r._capture = capture
+    assert r.warmup(built=True) == len(r.plan.keys()) > 2
+    assert runs == [True] + [False] * (len(runs) - 1)
+    r2 = runner(False)
+    r2.graphs, r2._capture, runs[:] = {}, capture, []
+    r2.warmup()
+    assert all(runs)  # without a dry pass: every graph after an eager run
+
+
+def test_captures_keep_the_allocator_caches_until_the_warmup_ends(monkeypatch):
+    import torch
+
+    from megatron_async.inference.text_generation_controllers.cuda_graphs import caches_kept
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append("device"))
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append("host"), raising=False)  # CUDA builds
+    original = torch.cuda.empty_cache, torch._C._host_emptyCache
+    with caches_kept():
+        torch.cuda.empty_cache()  # what torch.cuda.graph's __enter__ calls before each capture
+        torch._C._host_emptyCache()
+        assert emptied == []
+    assert (torch.cuda.empty_cache, torch._C._host_emptyCache) == original
+    torch.cuda.empty_cache()
+    assert emptied == ["device"]
