@@ -19,7 +19,6 @@ states and the drafter's proposal (n-gram lookup, MTP heads' forward) are all in
 so the padding logic is checked where no graphs exist."""
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from megatron_async.config import GraphSizing
 from megatron_async.inference.text_generation_controllers.graph_plan import (
     GraphKey, GraphPlan, SamplingVariant, variant_flags, variant_index, variant_of_params,
 )
-from megatron_async.inference.text_generation_controllers.kernel_prebuild import end_failed_capture
+from megatron_async.inference.text_generation_controllers.kernel_prebuild import caches_kept, end_failed_capture
 from megatron_async.step_shape import StepShape
 
 log = logging.getLogger("megatron_async")
@@ -87,33 +86,6 @@ def graph_shape(key: GraphKey, max_sequence_length: int, vocab_size: int) -> Ste
         any_top_k_top_p=any(f.filters), filters=f.filters, max_top_n=f.max_top_n, any_log_probs=f.any_log_probs,
         any_penalties=f.any_penalties, **verify,
     )
-
-
-_EMPTYING = ((torch.cuda, "empty_cache"), (torch._C, "_host_emptyCache"))  # the latter: CUDA builds
-
-
-def _keep() -> None:
-    pass
-
-
-@contextlib.contextmanager
-def caches_kept():
-    """``torch.cuda.graph`` empties the allocator's device and pinned-host caches before each
-    capture: over hundreds of captures every eager run then allocates its workspace again (and
-    re-pins host buffers). Kept through a warm-up's captures (the memory plan counts the eager
-    cache's peak beside the graph pool), emptied once after them."""
-    saved = {name: getattr(owner, name) for owner, name in _EMPTYING if hasattr(owner, name)}
-    for owner, name in _EMPTYING:
-        if name in saved:
-            setattr(owner, name, _keep)
-    try:
-        yield
-    finally:
-        for owner, name in _EMPTYING:
-            if name in saved:
-                setattr(owner, name, saved[name])
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 def decode_key(rows: int, variant: SamplingVariant = SamplingVariant.GREEDY, spec: bool = False) -> GraphKey:

@@ -25,6 +25,7 @@ profile's dry capture holds the process's first matmul, so ``warm_libraries`` ru
 matmuls on the capture stream first; one capture stream per device serves every dry pass."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -93,6 +94,33 @@ def warm_libraries(model, stream) -> None:
     stream.synchronize()
 
 
+_EMPTYING = ((torch.cuda, "empty_cache"), (torch._C, "_host_emptyCache"))  # the latter: CUDA builds
+
+
+def _keep() -> None:
+    pass
+
+
+@contextlib.contextmanager
+def caches_kept():
+    """``torch.cuda.graph`` empties the allocator's device and pinned-host caches before each
+    capture: over hundreds of captures every eager run then allocates its workspace again (and
+    re-pins host buffers). Kept through a warm-up's captures (the memory plan counts the eager
+    cache's peak beside the graph pool), emptied once after them."""
+    saved = {name: getattr(owner, name) for owner, name in _EMPTYING if hasattr(owner, name)}
+    for owner, name in _EMPTYING:
+        if name in saved:
+            setattr(owner, name, _keep)
+    try:
+        yield
+    finally:
+        for owner, name in _EMPTYING:
+            if name in saved:
+                setattr(owner, name, saved[name])
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def _dry_capture(runner, shape, width: int, stream, pool, kept: int | None, graphs: list) -> int | None:
     """Capture ``shape`` into a graph that is never replayed, held in ``graphs`` until the pass
     ends: the dry captures share one pool, and a pool whose last graph is dropped cannot take
@@ -107,7 +135,7 @@ def _dry_capture(runner, shape, width: int, stream, pool, kept: int | None, grap
             kept += torch.cuda.memory_allocated() - before
     ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(shape.num_rows, shape.num_tokens, width))
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)  # never replayed: not instantiated
     ok = True
     try:
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
@@ -163,7 +191,7 @@ def prebuild(runner, shapes: list, threads: int, also=None) -> PrebuildReport:
     gc.disable()
     done, kept, graphs = 0, None, []
     try:
-        with triton_builds.deferring() as specs:
+        with triton_builds.deferring() as specs, caches_kept():
             for shape, width in shapes:
                 kept = _dry_capture(runner, shape, width, stream, pool, kept, graphs)
                 if kept is None:

@@ -213,7 +213,7 @@ def test_a_built_warmup_captures_every_graph_but_the_first_without_an_eager_run(
 def test_captures_keep_the_allocator_caches_until_the_warmup_ends(monkeypatch):
     import torch
 
-    from megatron_async.inference.text_generation_controllers.cuda_graphs import caches_kept
+    from megatron_async.inference.text_generation_controllers.kernel_prebuild import caches_kept
 
     emptied = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append("device"))
