@@ -268,6 +268,7 @@ class CudaGraphRunner:
             log.warning("CUDA graph %s failed to capture without an eager run first (%s); capturing it after one",
                         key, e)
             end_failed_capture(self._pool)
+            del graph
             ctx.gpu_view.buffer.copy_(saved_view)
             return self._capture(key, eager_run=True)
         finally:
