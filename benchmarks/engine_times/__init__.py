@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-NAMES = ["hybrid-graphs", "speculative-gpu", "mtp-speculation", "batch-invariance"]
+NAMES = ["hybrid-graphs", "speculative-gpu", "mtp-speculation", "batch-invariance", "mode-costs"]
 
 
 def module(name: str) -> ModuleType:
