@@ -8,8 +8,11 @@ The copies of one template share its lexer (llguidance's ``Parser`` keeps it beh
 one template filled on 2 threads with the process using one core (AMD EPYC, Qwen3-sized
 vocabulary, the structured benchmark's schema: 10.2 us a row, CPU time 10.5). So a spec has one
 template per thread and its requests are dealt round robin: a step's rows are copies of
-``threads`` independent families (7.8 us a row, CPU time 13.5; ``python -m benchmarks
-grammar-fill``, docs/PERFORMANCE.md).
+``threads`` independent families. The template's lock is held for a whole mask (and a whole
+consume), and the executor (rayon) hands each thread a contiguous run of the list it is given,
+so the rows go to it grouped by family (``_grouped``): a thread's run is one family, which no
+other thread holds, instead of a run of every family in turn, where all threads queue on each
+lock in the same order (``python -m benchmarks grammar-fill``, docs/PERFORMANCE.md).
 
 llguidance builds masks lazily per step (no precomputation), so it compiles anything in
 milliseconds, including the length-bounded strings and counted repetitions that make xgrammar
@@ -96,9 +99,8 @@ class GuidanceBackend:
     def fill_many(self, grammars: list[GuidanceGrammar], rows: list[int], bitmask: torch.Tensor) -> None:
         """The masks of several grammars at once (``bitmask``: CPU int32, contiguous)."""
         W = bitmask.shape[1]
-        self.executor.unsafe_compute_mask_ptr([(g.m, r) for g, r in zip(grammars, rows)], bitmask.data_ptr(), W * 4,
-                                              bitmask.shape[0])
-
+        self.executor.unsafe_compute_mask_ptr([(grammars[i].m, rows[i]) for i in _grouped(grammars)],
+                                              bitmask.data_ptr(), W * 4, bitmask.shape[0])
 
     def accept_many(self, grammars: list[GuidanceGrammar], tokens: list[list[int]]) -> list[bool]:
         """``BaseGrammar.accept`` of each; those advancing by one token (a decode step's) in one
@@ -110,6 +112,7 @@ class GuidanceBackend:
             else:
                 ok[i] = g.accept(new)
         if single:
+            single = [single[k] for k in _grouped([g for _, g, _ in single])]
             res = self.executor.consume_token_par([(g.m, t) for _, g, t in single])
             for (i, g, t), r in zip(single, res):
                 ok[i] = r
@@ -133,6 +136,11 @@ class GuidanceGrammar(BaseGrammar):
     def _fill(self, bitmask: torch.Tensor, row: int) -> None:
         v = bitmask[row]
         self.m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)
+
+
+def _grouped(grammars: list[GuidanceGrammar]) -> list[int]:
+    """Indices of ``grammars`` with each family's together (the executor's order, module doc)."""
+    return sorted(range(len(grammars)), key=lambda i: grammars[i].family)
 
 
 def _put(cache: OrderedDict, key, value, size: int) -> None:

@@ -219,3 +219,51 @@ def test_landed_tokens_accepted_in_one_batch_as_one_by_one(tok):
         assert (b.num_accepted, b.ended) == (s.num_accepted, s.ended)
     assert [g.ended for g in gs["batched"]] == [True, True, True, False] and alive == {0, 1}
     assert sum(calls) >= len(seqs[0]) * 2, calls
+
+
+def test_guidance_executor_gets_rows_grouped_by_template(tok):
+    """The executor's threads each take a contiguous run of its list and a template's lock is held
+    for a whole mask or consume, so the rows go to it grouped by template; masks land in their own
+    rows and consume results on their own grammars all the same."""
+    from megatron_async.inference.structured.grammars import accept_landed
+    from megatron_async.inference.structured.guidance_backend import GuidanceBackend
+
+    V = 1024 + 40
+    b = GuidanceBackend(tok, (EOS_TOKEN_ID,), V, threads=3)
+    calls = []
+
+    class Recording:  # the executor, recording the order of the matchers it is given
+        def __init__(self, real):
+            self.real = real
+
+        def unsafe_compute_mask_ptr(self, items, *rest):
+            calls.append(("fill", [family[id(m)] for m, _ in items]))
+            return self.real.unsafe_compute_mask_ptr(items, *rest)
+
+        def consume_token_par(self, items):
+            calls.append(("consume", [family[id(m)] for m, _ in items]))
+            return self.real.consume_token_par(items)
+
+    b.executor = Recording(b.executor)
+    ids = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
+    specs = [StructuredOutputs(choice=["yes", "no"]), StructuredOutputs(choice=["maybe", "yes"])]
+    gs = [b.matcher(specs[k % 2]) for k in range(8)]  # two specs, families 0 1 2 dealt per spec
+    family = {id(g.m): g.family for g in gs}
+    texts = ["yes", "maybe", "no", "yes", "yes", "maybe", "no", "yes"]
+    seqs = [ids(t) + [EOS_TOKEN_ID] for t in texts]
+    bm, alone = (torch.zeros(9, bitmask_words(V), dtype=torch.int32) for _ in range(2))
+    rows = [8, 0, 5, 1, 7, 2, 6, 3]  # bitmask rows out of order
+    for step in range(max(map(len, seqs))):
+        now = [k for k in range(8) if step < len(seqs[k])]
+        fill_masks([gs[k] for k in now], [rows[k] for k in now], bm)
+        for k in now:
+            gs[k].fill(alone, rows[k])
+            assert torch.equal(bm[rows[k]], alone[rows[k]]) and allows(bm, rows[k], seqs[k][step]), (step, k)
+        bad = [k for k in now if k % 3 == 0 and step == 1]  # some rows land a refused token
+        landed = [[EOS_TOKEN_ID + 1 if k in bad else seqs[k][step]] for k in now]
+        assert accept_landed([gs[k] for k in now], landed) == [k not in bad for k in now], step
+        for k in bad:
+            seqs[k] = seqs[k][:step]  # refused: the request would end here
+    assert [g.ended for g in gs] == [k % 3 != 0 for k in range(8)]
+    assert len(calls) >= 6 and all(fams == sorted(fams) for _, fams in calls), calls
+    assert any(len(set(fams)) > 1 for _, fams in calls)
