@@ -150,3 +150,37 @@ def test_termination_id_ends_the_grammar():
     out = llm.generate(["which way?"], sp)[0]
     assert out.finish_reason == "stop" and out.generated_tokens[-1] == stop
     assert llm.tokenizer.decode(out.generated_tokens[:-1]) in ("left", "right")
+
+
+def test_fill_beside_the_engine_thread_gets_the_gil_within_the_fill_interval():
+    """While a fill runs on the worker the GIL switch interval is at most FILL_SWITCH_INTERVAL_S
+    (the worker waits that long at most for the GIL while the engine thread runs Python); the
+    interval the process had comes back when the fill is taken, and fills on the engine thread
+    (serial mode) leave it alone."""
+    import sys
+    import threading
+
+    from megatron_async.inference.engines.grammar_masks import FILL_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)  # Python's default
+    try:
+        for mode in (True, False):
+            llm = make(mode)
+            masks, seen = llm.engine.masks, []
+            fill = masks.fill
+
+            def recording(*a, fill=fill):
+                seen.append((threading.current_thread() is threading.main_thread(), sys.getswitchinterval()))
+                return fill(*a)
+
+            masks.fill = recording
+            run_arrivals(llm, arrivals(llm, 6))
+            on_worker = [i for main, i in seen if not main]
+            assert sys.getswitchinterval() == 0.005
+            if mode:
+                assert len(on_worker) > 0.8 * len(seen) and max(on_worker) <= FILL_SWITCH_INTERVAL_S, seen
+            else:
+                assert seen and not on_worker and {i for _, i in seen} == {0.005}, seen
+    finally:
+        sys.setswitchinterval(before)

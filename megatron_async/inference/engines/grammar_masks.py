@@ -11,10 +11,18 @@ constrained launch-ahead is token for token the serial engine. The device meanwh
 forward. (The fill took 4.1 ms a step at 128 rows on an H100's host, more than its 3.7 ms step,
 and the engine thread's own ~2 ms came on top of it.)
 
+The worker needs the GIL between the libraries' calls (to start, after the landed tokens'
+consume, after the masks). While the engine thread runs Python, a thread waiting for the GIL
+gets it only after the switch interval, 5 ms by default: longer than the engine thread's work,
+so the fill would only go on once the engine thread waits for it, the whole fill on the host's
+step. While a fill is in flight the interval is at most ``FILL_SWITCH_INTERVAL_S`` (the one
+before is restored when the fill is taken).
+
 A request's grammar is built at admission from its validated spec (``attach``); a spec that
 does not compile refuses the request at ``add_request`` with the library's message (``check``)."""
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -31,6 +39,8 @@ if TYPE_CHECKING:
     from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
 
 Failed = list[tuple[DynamicInferenceRequest, str]]
+FILL_SWITCH_INTERVAL_S = 1e-4
+"""GIL switch interval while a fill runs beside the engine thread (module doc)."""
 
 
 class GrammarMasks:
@@ -52,6 +62,8 @@ class GrammarMasks:
         """Engine-thread time waiting for those fills to end."""
         self._job: tuple[PendingLaunch, Future] | None = None
         self._worker: ThreadPoolExecutor | None = None
+        self._switch_interval: float | None = None
+        """The GIL switch interval before the fill in flight lowered it."""
 
     def check(self, sp: SamplingParams) -> None:
         """Refuse (InvalidRequestError) a request whose structured outputs cannot be served."""
@@ -82,6 +94,8 @@ class GrammarMasks:
         bitmask, row_map = runner.mask_buffers(pending)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, FILL_SWITCH_INTERVAL_S))
         self._job = (pending, self._worker.submit(self.fill, pending, bitmask, row_map))
 
     def finish(self, runner: ModelRunner, pending: PendingLaunch | None) -> Failed:
@@ -95,7 +109,10 @@ class GrammarMasks:
             job, self._job = self._job, None
             if job is not None:
                 t0 = time.perf_counter()
-                num_rows, job_failed = job[1].result()  # the fill's error, if any, raises here
+                try:
+                    num_rows, job_failed = job[1].result()  # the fill's error, if any, raises here
+                finally:
+                    sys.setswitchinterval(self._switch_interval)
                 self.wait_seconds += time.perf_counter() - t0
                 if job[0] is pending:
                     self.early_fills += 1
