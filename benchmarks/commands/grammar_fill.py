@@ -1,19 +1,23 @@
 """The host's grammar mask fill per step: rows of the structured benchmark's schema on the Qwen3-sized
 synthetic vocabulary, each step accepting one landed token a row and filling the next masks (what
-GrammarMasks.fill does: accept_landed, fill_masks), by fill threads; llguidance requests copied
-from one template (as they were) against one template per thread, and xgrammar. No GPU.
+GrammarMasks.fill does: accept_landed, fill_masks), by fill threads. llguidance: requests copied
+from one template; one template per thread with the rows given to the executor as dealt (round
+robin over the templates); one per thread grouped by template (what the engine does,
+guidance_backend.py); and xgrammar. No GPU.
 
 Every configuration advances the same rows by the same tokens (random allowed ones, never the
 end), so each fills the same masks (checked). Process CPU time beside the wall time says how
-many cores a fill kept busy.
+many cores a fill kept busy. ``--seconds`` bounds a run: the steps stop (every configuration
+at the same step) once the budget is spent or a document is complete, and the table says how
+many ran.
 
-    python -m benchmarks grammar-fill                       # 128 rows, 1 / 2 / 8 threads
-    python -m benchmarks grammar-fill --threads 1 8 16 --rows 128 --steps 40 --repeats 3
+    python -m benchmarks grammar-fill                       # 128 rows, 1 / 2 / 8 threads, <= ~60 s
+    python -m benchmarks grammar-fill --threads 1 4 8 16 --backends guidance --seconds 90
 """
 from __future__ import annotations
 
 import argparse
-import random
+import contextlib
 import statistics
 import sys
 import time
@@ -22,61 +26,137 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def configs(threads: list[int], backends: list[str]):
-    """(label, backend kind, threads, one template)."""
+def configs(threads: list[int], backends: list[str], beside_ms: float):
+    """(label, backend kind, threads, templates: "one" / "dealt" / "grouped", switch interval of a
+    fill on a worker beside ``beside_ms`` of engine-thread Python, or None: the fill alone)."""
+    from megatron_async.inference.engines.grammar_masks import FILL_SWITCH_INTERVAL_S
+
     for kind in backends:
         for t in threads:
+            name = f"template per thread, {t} threads" if kind == "guidance" else f"{t} threads"
+            name = f"{'llguidance' if kind == 'guidance' else 'xgrammar'}, {name}"
             if kind == "guidance":
-                yield f"llguidance, one template, {t} threads", "guidance", t, True
-                yield f"llguidance, template per thread, {t} threads", "guidance", t, False
-            else:
-                yield f"xgrammar, {t} threads", "xgrammar", t, False
+                yield f"llguidance, one template, {t} threads", "guidance", t, "one", None
+                yield f"llguidance, template per thread, rows as dealt, {t} threads", "guidance", t, "dealt", None
+            yield name, kind, t, "grouped", None
+            if beside_ms > 0:
+                for interval in (0.005, FILL_SWITCH_INTERVAL_S):
+                    yield f"{name}, beside {beside_ms:g} ms of Python, switch interval {1e3 * interval:g} ms", kind, t, \
+                        "grouped", interval
 
 
-def run(args) -> tuple[dict[str, list[tuple[float, float]]], dict[str, int]]:
-    """Per configuration: (mean wall, mean CPU seconds a step) of each run, and its templates."""
+def beside(work_s: float, interval: float, pool, fill) -> tuple[float, float]:
+    """``fill`` on ``pool``'s thread while this thread runs ``work_s`` of Python (the engine
+    thread scheduling the next launch), the GIL switch interval ``interval``: (step seconds, the
+    seconds this thread then waited for the fill)."""
+    from benchmarks.commands.gil_switch import busy
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    try:
+        t0 = time.perf_counter()
+        job = pool.submit(fill)
+        busy(work_s)
+        t1 = time.perf_counter()
+        job.result()
+        t2 = time.perf_counter()
+    finally:
+        sys.setswitchinterval(old)
+    return t2 - t0, t2 - t1
+
+
+@contextlib.contextmanager
+def rows_as_dealt(on: bool):
+    """The executor given the rows in the order they come (the engine groups them by template)."""
+    from megatron_async.inference.structured import guidance_backend
+
+    grouped = guidance_backend._grouped
+    if on:
+        guidance_backend._grouped = lambda gs: list(range(len(gs)))
+    try:
+        yield
+    finally:
+        guidance_backend._grouped = grouped
+
+
+def next_tokens(bitmask, eos: int, vocab: int, rng) -> list[int] | None:
+    """A random allowed token a row, never ``eos``; None once a row allows nothing else (its
+    document is complete). Reads only a row's nonzero words (most rows allow one token)."""
+    import torch
+
+    shifts = torch.arange(32, dtype=torch.int32)
+    toks = []
+    for row in bitmask:
+        words = row.nonzero().flatten()
+        bits = ((row[words].unsqueeze(-1) >> shifts) & 1).nonzero()
+        ids = [t for t in (words[bits[:, 0]] * 32 + bits[:, 1]).tolist() if t != eos and t < vocab]
+        if not ids:
+            return None
+        toks.append(rng.choice(ids))
+    return toks
+
+
+def run(args) -> tuple[dict[str, list[tuple[float, float]]], dict[str, int], list[int]]:
+    """Per configuration: (mean wall, mean CPU seconds a step) of each run, its templates, and
+    the steps each run measured."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
 
     from benchmarks.commands.structured import SCHEMA
     from benchmarks.synthetic_vocab import EOS_ID, synthetic_bpe
     from megatron_async.inference.structured.grammars import accept_landed, fill_masks
     from megatron_async.inference.structured.spec import StructuredOutputs
-    from megatron_async.kernels.token_mask import allowed_reference
 
     tok, V, N = synthetic_bpe(), 151_936, args.rows
     spec = StructuredOutputs(json=SCHEMA)
     out: dict[str, list[tuple[float, float]]] = {}
     templates: dict[str, int] = {}
+    steps_run, pool = [], ThreadPoolExecutor(1)
     for rep in range(args.repeats):
         for kind in args.backends:  # each library its own token stream: their masks may differ
-            sets = {}
-            for label, k, t, one in configs(args.threads, [kind]):
+            sets, dealt, interval = {}, {}, {}
+            for label, k, t, how, beside_interval in configs(args.threads, [kind], args.beside_ms):
                 if k == "guidance":
                     from megatron_async.inference.structured.guidance_backend import GuidanceBackend as cls
                 else:
                     from megatron_async.inference.structured.xgrammar_backend import XGrammarBackend as cls
                 b = cls(tok, [EOS_ID], V, threads=t)
-                if one:
+                if how == "one":
                     b.threads = 1  # every request copies family 0 (the executor keeps its t threads)
-                sets[label] = [b.matcher(spec) for _ in range(N)]
+                sets[label], dealt[label] = [b.matcher(spec) for _ in range(N)], how == "dealt"
+                interval[label] = beside_interval
                 templates[label] = len({getattr(g, "family", 0) for g in sets[label]})
             bm = {k: torch.zeros(N, (V + 31) // 32, dtype=torch.int32) for k in sets}
             rng, toks, per = random.Random(rep), None, {k: [] for k in sets}
-            for _ in range(args.steps):
+            stop = time.perf_counter() + args.seconds / (args.repeats * len(args.backends))  # this run's share
+            for step in range(args.steps):
+                if step and time.perf_counter() > stop:
+                    break
                 for label, gs in sets.items():
-                    w0, c0 = time.perf_counter(), time.process_time()
-                    if toks is not None:
-                        assert all(accept_landed(gs, [[t] for t in toks]))
-                    fill_masks(gs, list(range(N)), bm[label])
-                    per[label].append((time.perf_counter() - w0, time.process_time() - c0))
+                    def fill(gs=gs, label=label):
+                        if toks is not None:
+                            assert all(accept_landed(gs, [[t] for t in toks]))
+                        fill_masks(gs, list(range(N)), bm[label])
+
+                    with rows_as_dealt(dealt[label]):
+                        if interval[label] is not None:
+                            per[label].append(beside(args.beside_ms / 1e3, interval[label], pool, fill))
+                            continue
+                        w0, c0 = time.perf_counter(), time.process_time()
+                        fill()
+                        per[label].append((time.perf_counter() - w0, time.process_time() - c0))
                 first = next(iter(bm.values()))
                 assert all(torch.equal(first, b) for b in bm.values()), "the configurations' masks differ"
-                allowed = allowed_reference(first, torch.arange(N, dtype=torch.int32), V)
-                toks = [rng.choice([t for t in allowed[i].nonzero().flatten().tolist() if t != EOS_ID] or [EOS_ID])
-                        for i in range(N)]
+                toks = next_tokens(first, EOS_ID, V, rng)
+                if toks is None:
+                    break
+            steps_run.append(len(next(iter(per.values()))))
             for label, xs in per.items():
                 out.setdefault(label, []).append((statistics.mean(w for w, _ in xs), statistics.mean(c for _, c in xs)))
-    return out, templates
+    pool.shutdown()
+    return out, templates, steps_run
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -84,18 +164,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2, 8])
     p.add_argument("--backends", nargs="+", default=["guidance", "xgrammar"], choices=["guidance", "xgrammar"])
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=40, help="at most this many steps a run")
     p.add_argument("--repeats", type=int, default=3, help="runs of every configuration, interleaved (median)")
+    p.add_argument("--beside-ms", type=float, default=2.0, help="engine-thread Python a fill on the worker runs beside "
+                   "(the engine's configurations, both switch intervals; 0: none)")
+    p.add_argument("--seconds", type=float, default=45.0, help="time budget of the steps, all runs together (building the grammars comes on top)")
     args = p.parse_args(argv)
-    out, templates = run(args)
+    out, templates, steps_run = run(args)
     rows = []
-    print(f"\n| configuration | fill ms / step | us / row | CPU us / row |  ({args.rows} rows, {args.steps} steps, "
-          f"median of {args.repeats} runs)")
+    print(f"\n| configuration | fill ms / step | us / row | CPU us / row |  ({args.rows} rows, {min(steps_run)}-"
+          f"{max(steps_run)} steps a run, median of {args.repeats} runs; beside: step ms, the engine thread's wait "
+          f"after its own Python in the next column)")
     print("|---|---:|---:|---:|")
     for label, runs in out.items():
-        wall, cpu = statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs)
-        rows.append({"configuration": label, "templates": templates[label], "ms": 1e3 * wall, "cpu_ms": 1e3 * cpu})
-        print(f"| {label} | {1e3 * wall:.2f} | {1e6 * wall / args.rows:.1f} | {1e6 * cpu / args.rows:.1f} |")
+        a, b = statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs)
+        if "beside" in label:
+            rows.append({"configuration": label, "templates": templates[label], "ms": 1e3 * a, "wait_ms": 1e3 * b})
+            print(f"| {label} | {1e3 * a:.2f} | waited {1e3 * b:.2f} ms | |")
+            continue
+        rows.append({"configuration": label, "templates": templates[label], "ms": 1e3 * a, "cpu_ms": 1e3 * b})
+        print(f"| {label} | {1e3 * a:.2f} | {1e6 * a / args.rows:.1f} | {1e6 * b / args.rows:.1f} |")
     return rows
 
 
