@@ -16,6 +16,8 @@ this file); alignment (``align_by_expert_triton``) and the slot sum are the bf16
 3. the slot sum (bf16 path's ``_sum_slots_kernel``)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,49 @@ import triton.language as tl
 from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
 from megatron_async.kernels.triton_fp8_gemm import SMALL_M, quantize_activation
 from megatron_async.kernels.triton_fused_moe import _block_m, _sum_slots_kernel, align_by_expert_triton
+
+
+@dataclass(frozen=True)
+class Fp8MoeTiles:
+    """Launch settings of the two GEMMs for one ``block_m`` (pairs per block). BLOCK_K is 128 in both
+    (one scale group per dot); gate_up's BLOCK_N is 128 (one activation group, quantized whole in its
+    epilogue) for each of gate and up, so a program holds two [block_m, 128] float32 accumulators."""
+    gate_up_warps: int
+    gate_up_stages: int
+    down_block_n: int
+    down_warps: int
+    down_stages: int
+
+
+FP8_MOE_TILES = {
+    16: Fp8MoeTiles(gate_up_warps=4, gate_up_stages=3, down_block_n=64, down_warps=4, down_stages=3),
+    32: Fp8MoeTiles(gate_up_warps=4, gate_up_stages=3, down_block_n=64, down_warps=4, down_stages=3),
+    64: Fp8MoeTiles(gate_up_warps=8, gate_up_stages=4, down_block_n=128, down_warps=4, down_stages=4),
+}
+"""Per ``block_m`` (``_block_m``: 64 above 64 pairs per expert, above 1,024 tokens of Qwen3-30B-A3B).
+64-row blocks (prefill): gate_up on 8 warps (two warpgroups, 64 columns of gate and of up each),
+4 stages of 40 KB; on 4 warps its two 64 x 128 accumulators, the dot's fresh result and the
+scales took all 255 registers and spilled in the K loop (ptxas, sm_90a: 200 bytes; 168 registers
+on 8 warps). down in 64 x 128 tiles, 4 warps, 4 stages (96 KB, two programs an SM): 64 x 64
+tiles read 0.031 bytes from L2 per MAC, near the bf16 kernel's 64 x 256 tiles (0.039) at twice
+the MAC rate; 64 x 128, 0.023. Public H100 tunings of this kernel family for E = 128 at large M
+also take 64 x 128 x 128 tiles, 4 warps, 4 stages (one dot a program there, two in gate_up here).
+16 / 32 rows (decode): unchanged, not re-measured."""
+
+
+@triton.jit
+def _times_scales(part, a_s, s_col, n0, offs_n, mask_n, stride_wsn, SCALE_BLOCK_N: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """A K group's dot [BLOCK_M, BLOCK_N] (columns n0 + offs_n) times (activation scale of its row x
+    weight scale of its column); ``s_col``: the group's column of the weight scales. Where the tile's
+    columns share one scale row (128-row grid) that is one scalar load and one multiply per row, not
+    BLOCK_N loads and a [BLOCK_M, BLOCK_N] product (registers the two-accumulator gate_up ran out of):
+    the same float32 products either way."""
+    if SCALE_BLOCK_N % BLOCK_N == 0:
+        return part * (a_s * tl.load(s_col + (n0 // SCALE_BLOCK_N) * stride_wsn))[:, None]
+    else:
+        s = tl.load(s_col + (offs_n // SCALE_BLOCK_N) * stride_wsn, mask=mask_n, other=0.0)
+        return part * (a_s[:, None] * s[None, :])
 
 
 @triton.jit
@@ -61,17 +106,16 @@ def _gate_up_fp8_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, pai
             a_q = a_q.to(tl.float32)
         wmask = mask_k[:, None] & mask_n[None, :]
         wg = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
-        sg = tl.load(s_base + (offs_n // SCALE_BLOCK_N) * stride_wsn + g * stride_wsg, mask=mask_n, other=0.0)
         if EMULATE:
             wg = wg.to(tl.float32)
-        acc_g += tl.dot(a_q, wg) * (a_s[:, None] * sg[None, :])
+        acc_g += _times_scales(tl.dot(a_q, wg), a_s, s_base + g * stride_wsg, pid_n * BLOCK_N, offs_n, mask_n,
+                               stride_wsn, SCALE_BLOCK_N, BLOCK_N)
         if GATED:
             wu = tl.load(w_base + (I + offs_n)[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
-            su = tl.load(s_base + ((I + offs_n) // SCALE_BLOCK_N) * stride_wsn + g * stride_wsg, mask=mask_n,
-                         other=0.0)
             if EMULATE:
                 wu = wu.to(tl.float32)
-            acc_u += tl.dot(a_q, wu) * (a_s[:, None] * su[None, :])
+            acc_u += _times_scales(tl.dot(a_q, wu), a_s, s_base + g * stride_wsg, I + pid_n * BLOCK_N, I + offs_n,
+                                   mask_n, stride_wsn, SCALE_BLOCK_N, BLOCK_N)
     dt = x_ptr.dtype.element_ty
     if GATED:  # rounds like F.silu(gate) * up on projections in the activation dtype
         gr = acc_g.to(dt).to(tl.float32)
@@ -100,7 +144,8 @@ def _down_fp8_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, pairs_p
     pair = tl.load(pairs_ptr + offs_m)
     mask_m = pair < num_pairs
     row = pair.to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     s_base = ws_ptr + expert.to(tl.int64) * stride_wse
@@ -112,25 +157,25 @@ def _down_fp8_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, pairs_p
         a_s = tl.load(hs_ptr + row * stride_hsm + g, mask=mask_m, other=0.0)
         w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
                     other=0.0)
-        s = tl.load(s_base + (offs_n // SCALE_BLOCK_N) * stride_wsn + g * stride_wsg, mask=mask_n, other=0.0)
         if EMULATE:
             part = tl.dot(a_q.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             part = tl.dot(a_q, w)
-        acc += part * (a_s[:, None] * s[None, :])
+        acc += _times_scales(part, a_s, s_base + g * stride_wsg, pid_n * BLOCK_N, offs_n, mask_n, stride_wsn,
+                             SCALE_BLOCK_N, BLOCK_N)
     weight = tl.load(weights_ptr + row, mask=mask_m, other=0.0)
     tl.store(out_ptr + row[:, None] * H + offs_n[None, :], acc * weight[:, None], mask=mask_m[:, None] & mask_n[None, :])
 
 
 def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2: torch.Tensor, ws2: torch.Tensor,
                       topk_ids: torch.Tensor, topk_weights: torch.Tensor, gated: bool,
-                      scale_block_n: tuple[int, int] = (128, 128), block_n: int | None = None,
-                      prequantize: bool | None = None) -> torch.Tensor:
+                      scale_block_n: tuple[int, int] = (128, 128), prequantize: bool | None = None,
+                      tiles: Fp8MoeTiles | None = None) -> torch.Tensor:
     """``kernels.moe_experts.fused_experts`` with e4m3 expert weights and their block scales:
     ws13 [E, ceil(N / sb13), ceil(K / 128)], ws2 [E, ceil(H / sb2), ceil(I / 128)] with
     ``scale_block_n`` = (sb13, sb2), each 128 or 1. ``prequantize`` (None: above ``SMALL_M``
     tokens, as the dense FP8 linear) quantizes x once per token before the gate_up GEMM instead
-    of in it for every (pair, column tile): the same bits."""
+    of in it for every (pair, column tile): the same bits. ``tiles`` overrides ``FP8_MOE_TILES``."""
     sb13, sb2 = scale_block_n
     M, K = x.shape
     E, N, _ = w13.shape
@@ -154,7 +199,7 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2
     h = torch.empty((num_pairs, I), dtype=torch.float8_e4m3fn, device=x.device)
     hs = torch.empty((num_pairs, groups_i), dtype=torch.float32, device=x.device)
     em = emulate(_gate_up_fp8_kernel)
-    warps = 1 if cpu else 4
+    t = tiles or (Fp8MoeTiles(1, 1, 32, 1, 1) if cpu else FP8_MOE_TILES[block_m])
     prequant = M > SMALL_M if prequantize is None else prequantize
     xq, xs = quantize_activation(x) if prequant else (x, hs)  # (x, hs): unused stand-ins
     _gate_up_fp8_kernel[(num_blocks, groups_i)](
@@ -162,14 +207,14 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2
         x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1), w13.stride(0), w13.stride(1), ws13.stride(0),
         ws13.stride(1), ws13.stride(2), hs.stride(0),
         K=K, I=I, TOP_K=top_k, E=E, GATED=gated, SCALE_BLOCK_N=sb13, BLOCK_M=block_m, PREQUANT=prequant, EMULATE=em,
-        num_warps=warps, num_stages=1 if cpu else 3)
+        num_warps=t.gate_up_warps, num_stages=t.gate_up_stages)
     pair_out = torch.empty((num_pairs, H), dtype=torch.float32, device=x.device)
-    bn = block_n or (32 if cpu else 64)
+    bn = t.down_block_n
     _down_fp8_kernel[(num_blocks, triton.cdiv(H, bn))](
         h, hs, w2, ws2, topk_weights.contiguous().float(), pair_out, sorted_pairs, block_expert, num_pairs,
         hs.stride(0), w2.stride(0), w2.stride(1), ws2.stride(0), ws2.stride(1), ws2.stride(2),
         I=I, H=H, E=E, SCALE_BLOCK_N=sb2, BLOCK_M=block_m, BLOCK_N=bn, EMULATE=em,
-        num_warps=warps, num_stages=1 if cpu else 3)
+        num_warps=t.down_warps, num_stages=t.down_stages)
     out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(H))
     _sum_slots_kernel[(M, triton.cdiv(H, block))](pair_out, ids, out, H=H, E=E, TOP_K=top_k, BLOCK=block, num_warps=4)

@@ -77,3 +77,22 @@ def test_tokens_quantized_once_or_per_pair_give_the_same_bits(M, E, H, I, k):
     once = fused_experts_fp8(*dev, True, sbn, prequantize=True)
     per_pair = fused_experts_fp8(*dev, True, sbn, prequantize=False)
     assert torch.equal(once, per_pair)
+
+
+def test_launch_tiles_do_not_change_the_bits():
+    """The tile table's entries (down's 128-column tiles: one weight-scale row a tile, loaded once)
+    against 32-column tiles (the interpreter's): one bit pattern on CPU; on CUDA within rounding of
+    the dot's accumulation order."""
+    from megatron_async.kernels.triton_fp8_moe import FP8_MOE_TILES, Fp8MoeTiles, fused_experts_fp8
+
+    g = torch.Generator().manual_seed(5)
+    q13, s13, q2, s2, sbn = experts(3, 384, 256, True, g)
+    x = torch.randn(12, 384, generator=g).to(torch.bfloat16)
+    ids, w = routing(12, 3, 2, g, drop_some=True)
+    dev = [t.to(DEVICE) for t in (x, q13, s13, q2, s2, ids, w)]
+    wide = fused_experts_fp8(*dev, True, sbn, tiles=FP8_MOE_TILES[64]).float()
+    narrow = fused_experts_fp8(*dev, True, sbn, tiles=Fp8MoeTiles(4, 3, 32, 4, 3)).float()
+    if DEVICE == "cpu":
+        assert torch.equal(wide, narrow)
+    else:
+        assert (wide - narrow).abs().max() <= 1e-2 * narrow.abs().max()
