@@ -2,10 +2,10 @@
 linears (cuBLAS bf16; the engine's FP8 linear, which is the Triton W8A8 GEMM up to 64 rows and
 cuBLASLt above; the Triton GEMM alone; ``torch._scaled_mm``'s block-scaled recipe with its
 activation quantization), one Qwen3-30B-A3B MoE layer (the engine's bf16 experts against the FP8
-fused MoE; where its blocks are larger than decode's, also row "fp8 16-row tiles": the FP8 MoE on
-the decode blocks' tiles, the tile table's before / after) and Qwen3-8B decode attention over a
-bf16 and an e4m3 KV pool. Every call is timed as a replayed CUDA graph cycling through enough
-weight copies that they come from DRAM, as in a step."""
+fused MoE; where its blocks are larger than decode's, also rows "fp8 16-row tiles": the FP8 MoE on
+the decode blocks' tiles, the tile table's before / after, and "fp8 2-a-SM tiles": ``TWO_A_SM``)
+and Qwen3-8B decode attention over a bf16 and an e4m3 KV pool. Every call is timed as a replayed
+CUDA graph cycling through enough weight copies that they come from DRAM, as in a step."""
 from __future__ import annotations
 
 import torch
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from megatron_async.kernels import fp8_quant as fq, kv_cache_fp8 as kf, triton_fp8_gemm as tg
 from megatron_async.kernels.moe_experts import fused_experts
 from megatron_async.kernels.triton_decode_attention import decode_attention
-from megatron_async.kernels.triton_fp8_moe import FP8_MOE_TILES, fused_experts_fp8
+from megatron_async.kernels.triton_fp8_moe import FP8_MOE_TILES, Fp8MoeTiles, fused_experts_fp8
 from megatron_async.kernels.triton_fused_moe import _block_m
 
 LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -22,6 +22,11 @@ LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "do
 MOE = (128, 2048, 768, 8)
 """Qwen3-30B-A3B's MoE layer: experts, hidden, moe_intermediate, top-k."""
 L2_BYTES = 64 << 20
+TWO_A_SM = Fp8MoeTiles(gate_up_warps=4, gate_up_stages=2, down_block_n=128, down_warps=8, down_stages=4)
+"""The other candidate for 64-row blocks (row "fp8 2-a-SM tiles"): two programs an SM in both GEMMs
+(gate_up 255 registers on 4 warps, 80 KB; down 128 on 8 warps, 96 KB), independent warpgroups whose
+scale epilogues can overlap the other's tensor-core work, against FP8_MOE_TILES' one gate_up
+program an SM with its two warpgroups in step."""
 
 
 def _timer(device: torch.device):
@@ -87,10 +92,10 @@ def moe_rows(tokens: list[int], device: torch.device, shape: tuple = MOE) -> lis
         bf16 = timer([lambda: fused_experts(x, w13, w2, ids, w, True, triton=triton)])
         fp8 = timer([lambda: fused_experts(x, q13, q2, ids, w, True, triton=triton, w13_scale=s13, w2_scale=s2)])
         rows.append({"kind": "moe", "layer": "30b-a3b experts", "m": n, "bf16_us": bf16, "fp8_us": fp8})
-        block_m = _block_m(n * k, E)
-        if triton and FP8_MOE_TILES[block_m] != FP8_MOE_TILES[16]:  # the decode blocks' tiles, as before 64-row ones
-            prior = timer([lambda: fused_experts_fp8(x, q13, s13, q2, s2, ids, w, True, tiles=FP8_MOE_TILES[16])])
-            rows.append({"kind": "moe", "layer": "fp8 16-row tiles", "m": n, "bf16_us": bf16, "fp8_us": prior})
+        if triton and FP8_MOE_TILES[_block_m(n * k, E)] != FP8_MOE_TILES[16]:
+            for name, tiles in (("fp8 16-row tiles", FP8_MOE_TILES[16]), ("fp8 2-a-SM tiles", TWO_A_SM)):
+                t = timer([lambda tiles=tiles: fused_experts_fp8(x, q13, s13, q2, s2, ids, w, True, tiles=tiles)])
+                rows.append({"kind": "moe", "layer": name, "m": n, "bf16_us": bf16, "fp8_us": t})
     return rows
 
 
