@@ -184,3 +184,29 @@ def test_fill_beside_the_engine_thread_gets_the_gil_within_the_fill_interval():
                 assert seen and not on_worker and {i for _, i in seen} == {0.005}, seen
     finally:
         sys.setswitchinterval(before)
+
+
+def test_fill_starts_as_soon_as_the_launch_before_lands():
+    """The next launch's fill starts right after the landing's tokens are in the requests, before
+    the rest of the landing's bookkeeping (reports, text updates) that the fill can run beside."""
+    llm = make(True)
+    eng, events = llm.engine, []
+    land, start, log_step = eng.book.land, eng.masks.start, eng.accounting.log_step
+
+    def landing(*a):
+        events.append("land")
+        return land(*a)
+
+    def starting(runner, pending):
+        if pending is not None and pending.awaiting_masks is not None:
+            events.append("fill")
+        return start(runner, pending)
+
+    def logging(*a):
+        events.append("bookkept")
+        return log_step(*a)
+
+    eng.book.land, eng.masks.start, eng.accounting.log_step = landing, starting, logging
+    run_arrivals(llm, arrivals(llm, 6))
+    fills = [i for i, e in enumerate(events) if e == "fill"]
+    assert len(fills) > 0.8 * eng.stats.grammar_steps and all(events[i - 1] == "land" for i in fills), events

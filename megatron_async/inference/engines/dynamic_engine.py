@@ -220,7 +220,6 @@ class DynamicInferenceEngine:
                 with nvtx_range("drain"):
                     self._bookkeep(self._pending, out)
                 self._pending = None
-        self.masks.start(self.runner, self._pending)  # its launch before landed: fill beside the next scheduling
         if self._pending is None and self._requests:
             self.stats.drains += 1  # the device idles until the host launches again
         self.accounting.wall_time(pending, time.perf_counter() - t0)
@@ -294,6 +293,7 @@ class DynamicInferenceEngine:
         samples = self.runner.collect(pending)
         with nvtx_range("update_requests"):
             res = self.book.land(pending, samples)
+        self.masks.start(self.runner, self._pending)  # its launch before landed: fill beside the rest of the step
         self.ranks.landed(pending)
         step_time = samples.step_time
         self.accounting.landed(pending, res, step_time)

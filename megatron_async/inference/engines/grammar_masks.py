@@ -2,8 +2,9 @@
 
 A launch with grammar rows is enqueued in two parts (model_runner.py): its forward, whose
 logits wait in a device buffer, and, once the host filled the masks, its sampling. The masks
-are filled as soon as the launch before lands (``start``: on a worker thread, while the engine
-thread schedules and assembles the next launch; the libraries fill without the GIL), and the
+are filled as soon as the launch before lands (``start``: on a worker thread, once its tokens
+are in the requests, while the engine thread reports and streams the landing and schedules and
+assembles the next launch; the libraries fill without the GIL), and the
 sampling is enqueued (``finish``) right before the next launch is, or before the launch itself
 lands. Every launch before it has landed by ``start``, so each grammar is advanced by exactly
 the tokens its request generated before the row's position: the state a serial engine has, so
