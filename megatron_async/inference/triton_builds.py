@@ -26,6 +26,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from megatron_async.inference import triton_workers
+
 _state = {"builds": 0, "prev": None, "names": [], "deferred": None, "deferring_thread": None}
 
 
@@ -35,7 +37,10 @@ def _hook(*args, **kwargs):
         fn, data = kwargs.get("fn"), (kwargs.get("compile") or {}).get("specialization_data")
         jit = getattr(fn, "jit_function", None)
         if jit is not None and data is not None:
-            deferred.setdefault((id(jit), data), (jit, data))
+            if (id(jit), data) not in deferred:
+                deferred[(id(jit), data)] = (jit, data)
+                with contextlib.suppress(Exception):  # the compile workers start on it now (none: no-op)
+                    triton_workers.submit(jit, data)
             return True  # Triton skips this build and this launch
     _state["builds"] += 1
     fn = kwargs.get("fn")
@@ -125,8 +130,6 @@ def build_all(specs: list, threads: int) -> BuildReport:
     from concurrent.futures import ThreadPoolExecutor
 
     from triton.runtime._async_compile import AsyncCompileMode
-
-    from megatron_async.inference import triton_workers
 
     workers = triton_workers.compile_all(specs)
     threads = max(1, min(threads, len(specs)))

@@ -32,7 +32,7 @@ import torch
 # (the kernel modules, below) as importing every module a string constant of this one names
 log = logging.getLogger(__name__.split(".", 1)[0])
 
-_pool: dict = {"pool": None, "size": 0}
+_pool: dict = {"pool": None, "size": 0, "pending": {}}
 DISABLE_ENV = "MEGATRON_ASYNC_TRITON_WORKERS"
 """Set to 0: no workers, the warm-up's kernels compile on threads (to compare the two)."""
 TIMEOUT_S = 600.0
@@ -84,6 +84,7 @@ def default_threads() -> int:
 def stop() -> None:
     """End the workers (after the warm-up: nothing compiles at start-up any more)."""
     pool, _pool["pool"], _pool["size"] = _pool["pool"], None, 0
+    _pool["pending"].clear()
     if pool is not None:
         pool.terminate()
         pool.join()
@@ -103,20 +104,31 @@ class CompileReport:
     """The kernel whose compile took longest, and its seconds: the pass takes at least as long."""
 
 
-def compile_all(specs: list) -> CompileReport:
-    """Compile ``specs`` ((JITFunction, specialization data) pairs, ``triton_builds.deferring``)
-    on the workers into the on-disk cache; returns when all are done (0 kernels: no workers)."""
+def submit(jit, data) -> None:
+    """Start compiling one specialization now (the dry pass hands each over as it records it, so
+    the compiles run beside the rest of the pass); ``compile_all`` waits for it."""
     pool = _pool["pool"]
-    if pool is None or not specs:
-        return CompileReport()
+    if pool is None or (id(jit), data) in _pool["pending"]:
+        return
     from triton import knobs
     from triton.runtime.jit import get_cache_invalidating_env_vars
 
-    t0 = time.perf_counter()
-    common = (knobs.cache.dir, get_cache_invalidating_env_vars())
-    tasks = [(jit.module, jit.fn.__qualname__, data, *common) for jit, data in specs]
+    task = (jit.module, jit.fn.__qualname__, data, knobs.cache.dir, get_cache_invalidating_env_vars())
+    _pool["pending"][(id(jit), data)] = (task, pool.apply_async(_compile, (task,)))
+
+
+def compile_all(specs: list) -> CompileReport:
+    """Compile ``specs`` ((JITFunction, specialization data) pairs, ``triton_builds.deferring``)
+    on the workers into the on-disk cache (those ``submit`` started already are waited for);
+    returns when all are done (0 kernels: no workers). ``seconds``: the wait."""
+    if _pool["pool"] is None or not specs:
+        return CompileReport()
+    t0, deadline = time.perf_counter(), time.monotonic() + TIMEOUT_S
+    for jit, data in specs:
+        submit(jit, data)
+    jobs = [_pool["pending"].pop((id(jit), data)) for jit, data in specs]
     try:
-        done = pool.map_async(_compile, tasks, chunksize=1).get(TIMEOUT_S)
+        done = [job.get(max(0.0, deadline - time.monotonic())) for _, job in jobs]
     except Exception as e:  # noqa: BLE001 -- a broken or stuck pool: the engine's process compiles them
         log.info("Triton compile workers failed (%s): kernels compile on threads", e)
         stop()
@@ -125,7 +137,7 @@ def compile_all(specs: list) -> CompileReport:
     if failed:
         log.info("%d of %d Triton kernels failed to compile in a worker (they compile on threads); first: %s",
                  len(failed), len(done), failed[0])
-    slowest = max(((task[1], sec) for task, (_, sec) in zip(tasks, done)), key=lambda x: x[1])
+    slowest = max(((task[1], sec) for (task, _), (_, sec) in zip(jobs, done)), key=lambda x: x[1])
     return CompileReport(len(done) - len(failed), _pool["size"], time.perf_counter() - t0, slowest)
 
 

@@ -94,6 +94,17 @@ def test_deferring_records_each_specialization_once_skips_it_and_counts_no_build
     assert triton_builds.builds() == before + 1
 
 
+def test_deferring_hands_each_new_specialization_to_the_compile_workers_at_once(monkeypatch):
+    assert triton_builds.install()
+    jit, submitted = _Jit(), []
+    monkeypatch.setattr(triton_workers, "submit", lambda j, data: submitted.append(data))
+    with triton_builds.deferring():
+        _hook_call(jit, "a")
+        _hook_call(jit, "a")
+        _hook_call(jit, "b")
+    assert submitted == ["a", "b"]
+
+
 def test_deferring_is_the_opening_threads_only():
     import threading
 
