@@ -88,14 +88,15 @@ class Scheduler:
         return req.max_generated_tokens - len(req.generated_tokens) - req.num_inflight - req.num_inflight_drafts
 
     def _spec_decode_rows(self, by_age: list[DynamicInferenceRequest], rows: list[RowPlan], budget: int
-                          ) -> tuple[int, list[DynamicInferenceRequest], bool]:
+                          ) -> tuple[int, list[DynamicInferenceRequest], bool, int]:
         """Step 1 with speculative decoding (``wants_token`` / ``token_room`` spelled out: this runs
         for every row, every step; its first lines repeat ``_plain_decode_rows``'s on purpose, a
         shared helper would cost a call per row). A request decodes when it wants a token and its next row's
         input is its newest token: in flight, or (a row that may carry drafts) bookkept but not
         computed; the rest of its known tokens, if any, are prefilled. Then each decoding request
         gets its row with drafts from the tokens to spare (``_reserve_decode``), or is paused.
-        Returns (how many requests decode, unfinished prefills, whether any request is paused)."""
+        Returns (how many requests decode, unfinished prefills, whether any request is paused,
+        drafts in the rows)."""
         decoding, rooms, prefilling, any_paused = [], [], [], False
         active, paused = Status.ACTIVE, Status.PAUSED
         for req in by_age:
@@ -121,8 +122,20 @@ class Scheduler:
             elif status == paused:
                 any_paused = True
         spare, n = budget - len(decoding), len(decoding)
-        self.spec.plan_step(decoding)  # the most drafts a row may verify in this step (what pays)
+        # the most drafts a row may verify in this step (what pays); a step that will carry
+        # prefill chunks (unfinished prompts, or admissions) replays a mixed graph only without drafts
+        chunks = bool(prefilling) or bool(self.waiting) and len(self.ctx.active) < self.config.max_requests
+        self.spec.plan_step(decoding, chunks)
         drafts_for, ctx, bs = self.spec.drafts_for, self.ctx, self.ctx.block_size
+        if self.spec.step_cap == 0:  # a plain step: no row drafts (the policy counts why in one pass)
+            self.spec.count_undrafted(decoding, rooms, spare)
+            for req in decoding:
+                start = req.num_computed_tokens
+                if start + 1 > len(req.block_ids) * bs and not ctx.reserve(req, 1):
+                    any_paused = self._pause_decode(req)
+                else:
+                    rows.append(RowPlan(req, start, 1, True, req.inflight_row if req.num_inflight else -1))
+            return n, prefilling, any_paused, 0
         for req, room in zip(decoding, rooms):  # _reserve_decode, spelled out
             k = drafts_for(req, n, min(spare, room - 1))
             start = req.num_computed_tokens
@@ -130,13 +143,17 @@ class Scheduler:
             if k and start + 1 + k > owned and not ctx.reserve(req, 1 + k):
                 k = 0
             if k == 0 and start + 1 > owned and not ctx.reserve(req, 1):
-                self.book.pause(req)
-                self.num_paused_events += 1
-                any_paused = True
+                any_paused = self._pause_decode(req)
                 continue
             rows.append(RowPlan(req, start, 1 + k, True, req.inflight_row if req.num_inflight else -1, k))
             spare -= k
-        return n, prefilling, any_paused
+        return n, prefilling, any_paused, budget - n - spare
+
+    def _pause_decode(self, req: DynamicInferenceRequest) -> bool:
+        """A row found no block for its next token (or chunk): the request pauses (keeps its blocks)."""
+        self.book.pause(req)
+        self.num_paused_events += 1
+        return True
 
     def _plain_decode_rows(self, by_age: list[DynamicInferenceRequest], rows: list[RowPlan]
                            ) -> tuple[list[DynamicInferenceRequest], bool]:
@@ -169,9 +186,7 @@ class Scheduler:
                 if start < len(req.block_ids) * bs or ctx.reserve(req, 1):
                     rows.append(RowPlan(req, start, 1, True, req.inflight_row if in_flight else -1))
                 else:
-                    self.book.pause(req)
-                    self.num_paused_events += 1
-                    any_paused = True
+                    any_paused = self._pause_decode(req)
             elif status == paused:
                 any_paused = True
         return prefilling, any_paused
@@ -231,8 +246,9 @@ class Scheduler:
             prefilling, any_paused = self._plain_decode_rows(by_age, rows)
             num_decoding = len(rows)
         else:
-            num_decoding, prefilling, any_paused = self._spec_decode_rows(by_age, rows, budget)
-        budget -= sum(r.num_tokens for r in rows) if self.spec.enabled else len(rows)
+            num_decoding, prefilling, any_paused, drafts = self._spec_decode_rows(by_age, rows, budget)
+            budget -= drafts
+        budget -= len(rows)
 
         # 2. unfinished prefills; no block -> paused. They leave the waiting requests that can be
         # admitted their share of the step, so a long prompt's chunks do not hold them back.
@@ -242,9 +258,7 @@ class Scheduler:
                 break
             used = self._schedule_prefill(req, budget - kept, plan)
             if used == 0 and self._blocked_on_memory(req):
-                self.book.pause(req)
-                self.num_paused_events += 1
-                any_paused = True
+                any_paused = self._pause_decode(req)
             budget -= used
 
         # 3. resume paused requests whose next token (or chunk) now has room
@@ -369,3 +383,4 @@ class Scheduler:
             return 0
         plan.rows.append(RowPlan(req, start, chunk, samples=chunk == remaining))
         return chunk
+

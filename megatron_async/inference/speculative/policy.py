@@ -30,7 +30,10 @@ Adaptive mode (``speculative_adaptive``, on for CUDA): before a step's decode ro
 ``plan_step`` caps the drafts of every row of the step by the kind of step that costs least per
 generated token at this batch, measured (step_choice.py; the switch-off by
 ``speculative_min_acceptance`` and its probes do not apply, the rule's trials and probes take
-their place). Tokens never depend on the choice (drafts only ever save steps)."""
+their place). A step that carries prefill chunks drafts nothing (cause "prefill"): under CUDA
+graphs drafts would make it eager. A step the rule runs plain counts its rows' causes in one
+pass (``count_undrafted``), not a ``drafts_for`` call per row. Tokens never depend on the
+choice (drafts only ever save steps)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -55,7 +58,7 @@ class SpecPolicy:
         self.step = 0
         """Steps scheduled so far: switched-off requests probe when it is a multiple of the interval."""
         self.off_rows: Counter = Counter()
-        """Decode rows run without drafts, by cause: "penalties", "grammar", "batch", "acceptance", "cost", "stale"."""
+        """Decode rows run without drafts, by cause: "penalties", "grammar", "batch", "acceptance", "cost", "prefill", "stale"."""
         self.adaptive = bool(config.speculative_adaptive) and self.k > 0
         K = self.k
         self.widths = sorted({w for w in (config.cuda_graph_verify_widths or (2, K + 1)) if 2 <= w <= K + 1}
@@ -65,6 +68,8 @@ class SpecPolicy:
         self.costs = self.choice.costs
         self.step_cap = K
         """Drafts a row of the step being scheduled may verify at most (``plan_step``)."""
+        self._cap_cause = "cost"  # why ``step_cap`` is 0: "cost" (the rule) or "prefill" (chunks in the step)
+        self._undrafted: tuple = (None, Counter())  # (rows' key, causes) of the latest ``count_undrafted``
 
     @property
     def enabled(self) -> bool:
@@ -98,9 +103,29 @@ class SpecPolicy:
         else:
             drafts = min(self.k, room)
         if self.step_cap == 0:
-            self.off_rows["cost"] += 1
+            self.off_rows[self._cap_cause] += 1
             return 0
         return self._fresh(req, min(drafts, self.step_cap))
+
+    def count_undrafted(self, requests: list[DynamicInferenceRequest], rooms: list[int], spare: int) -> None:
+        """``drafts_for`` of every decode row of a step whose ``step_cap`` is 0 (adaptive: a plain
+        step), in one pass without a call per row: each row counted by the cause ``drafts_for``
+        would count (``rooms``: the rows' token rooms; ``spare``: the step's tokens to spare)."""
+        if self.k == 0 or spare <= 0:
+            return
+        # the same rows as the latest plain step, none at its length limit: the same causes
+        key = (len(requests), sum(map(id, requests)), self.choice.admitted, self._cap_cause)
+        if key != self._undrafted[0] or min(rooms, default=2) <= 1:
+            counts: Counter = Counter()
+            batch = bool(self.max_batch) and len(requests) > self.max_batch
+            for req, room in zip(requests, rooms):
+                if room <= 1:
+                    continue
+                sp = req.sampling_params
+                counts["penalties" if sp.has_penalties else "grammar" if sp.structured_outputs is not None else
+                       "bad_words" if req.banned_sequences else "batch" if batch else self._cap_cause] += 1
+            self._undrafted = (key, counts)
+        self.off_rows.update(self._undrafted[1])
 
     def _fresh(self, req: DynamicInferenceRequest, drafts: int) -> int:
         if req.spec_drafts_fresh:
@@ -123,9 +148,18 @@ class SpecPolicy:
         m = self.min_acceptance
         return any((probe or req.spec_acceptance >= m) and not _never_drafts(req) for req in requests)
 
-    def plan_step(self, requests: list[DynamicInferenceRequest]) -> None:
-        """The step being scheduled has ``requests`` as its decode rows: set ``step_cap``."""
-        self.step_cap = self.choose_cap(requests, self.step) if self.adaptive else self.k
+    def plan_step(self, requests: list[DynamicInferenceRequest], chunks: bool = False) -> None:
+        """The step being scheduled has ``requests`` as its decode rows (``chunks``: and prefill
+        chunks): set ``step_cap``. Adaptive: a step with prefill chunks verifies nothing (with
+        drafts it would run eager instead of replaying a mixed graph: under batch-invariant
+        numerics on the H100 such a step of 2,048 tokens costs several decode steps, and the
+        probes of a new batch's rows fell on every other prefill step)."""
+        if not self.adaptive:
+            self.step_cap = self.k
+        elif chunks and requests:
+            self.step_cap, self._cap_cause = 0, "prefill"
+        else:
+            self.step_cap, self._cap_cause = self.choose_cap(requests, self.step), "cost"
 
     def choose_cap(self, requests: list[DynamicInferenceRequest], step: int) -> int:
         """The adaptive rule (step_choice.py): the most drafts a row of a step of ``requests`` at
@@ -148,6 +182,7 @@ class SpecPolicy:
         acceptance (adaptive: with no evidence of its own, so it follows the engine's)."""
         if self.adaptive:
             req.spec_acceptance, req.spec_positions = self.choice.acceptance, 0.0
+            self.choice.admitted += 1
         else:
             req.spec_acceptance = self.recent_acceptance
 

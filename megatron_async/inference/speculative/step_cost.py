@@ -7,9 +7,12 @@ how many rows draft). A step's cost is the host wall time of the ``engine.step()
 it: in steady launch-ahead the device runs steps back to back and that time is the device step
 (when the host is the bottleneck it is the host's time, which is then what bounds throughput;
 serial steps: host and device one after the other).
-Each (bucket, width) keeps the least of its first 3 samples (a trial measures two; a hiccup -
-a collection, another process - only ever adds time), then a moving average that one sample
-moves by at most 5 %, and the scheduler step it was last measured at.
+Each (bucket, width) keeps the median of its first 3 samples (of 2: their mean, or the lesser
+where one is 1.5 times the other: a hiccup - a collection, another process - only ever adds
+time), then a moving average that one sample moves by at most 5 %, and the scheduler step it was
+last measured at. Not the least of the first samples: a verify step's wall varies with the
+tokens it lands (the host's share), and the least of three priced a width low enough to draft
+at batch 128 / 80 % where it did not pay (simulated: R 2.6 against 2.8 steady).
 
 Buckets: 1, 2, 4 and 8 rows by the next power of two, then multiples of 16 (the decode graphs'
 sizes). The cost ratio R(B, W) = cost(B, W) / cost(B, 1) of a bucket without both measured is
@@ -21,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _EMA = 0.2  # weight of the newest step in a cell's average
-_FIRST = 3  # a cell's first samples: their least (a trial measures two)
+_FIRST = 3  # a cell's first samples: their median
 
 
 def bucket(rows: int) -> int:
@@ -36,6 +39,8 @@ class Cell:
     step: int
     """The policy's step count when last measured."""
     samples: int = 1
+    first: tuple[float, ...] = ()
+    """The first samples (up to ``_FIRST``)."""
 
 
 class StepCosts:
@@ -49,14 +54,18 @@ class StepCosts:
         key = (bucket(rows), width)
         cell = self.cells.get(key)
         if cell is None:
-            self.cells[key] = Cell(seconds, step)
-        elif cell.samples < _FIRST:  # a hiccup (a collection, another process) only adds time
-            cell.seconds = min(cell.seconds, seconds)
+            self.cells[key] = Cell(seconds, step, first=(seconds,))
+            return
+        if cell.samples < _FIRST:
+            cell.first = first = tuple(sorted(cell.first + (seconds,)))
+            if len(first) == 2:
+                cell.seconds = first[0] if first[1] > 1.5 * first[0] else (first[0] + first[1]) / 2
+            else:
+                cell.seconds = first[len(first) // 2]
         else:  # and moves the average by at most 5 %
             cell.seconds += _EMA * (min(max(seconds, cell.seconds * 0.8), cell.seconds * 1.25) - cell.seconds)
-        if cell is not None:
-            cell.samples += 1
-            cell.step = step
+        cell.samples += 1
+        cell.step = step
 
     def cell(self, rows: int, width: int) -> Cell | None:
         return self.cells.get((bucket(rows), width))
@@ -82,3 +91,18 @@ class StepCosts:
             else:
                 hi = min(hi, r)
         return lo, max(lo, hi)
+
+    def row_prior(self, rows: int, width: int) -> float:
+        """R(B, W) an unmeasured width is assumed to cost at least, for deciding whether to try
+        it: each of a verify step's B * (W - 1) extra tokens costs what a row adds to a plain
+        step (the measured plain costs of this bucket and the smallest one: their slope). 1
+        without both. Pessimistic where the device bounds the step (a draft token reads its
+        row's KV with the row), about right where the host does (landing is per token)."""
+        b = bucket(rows)
+        plain = self.cells.get((b, 1))
+        small = min((o for (o, w) in self.cells if w == 1 and o < b), default=None)
+        if plain is None or small is None:
+            return 1.0
+        slope = max(plain.seconds - self.cells[(small, 1)].seconds, 0.0) / (b - small)
+        return 1.0 + (width - 1) * b * slope / plain.seconds
+

@@ -1,50 +1,73 @@
 """The adaptive speculative policy (speculative/policy.py, step_choice.py): per step, the kind of
 step (plain, or verify at a graph width) that costs least per generated token at this batch,
-from measured costs. Against a simulated device shaped like the H100
-(tests/helpers/spec_policy_sim.py) it serves the benchmark's workloads one after another within
-2 % of the better fixed choice (plain decoding, or drafting at one width every step) in every
-cell: batch 1 and 128, acceptance 0 / 50 / 80 / 95 %."""
+from measured costs. Against the simulation calibrated on the H100's rows
+(tests/helpers/spec_policy_sim.py) it is never slower than plain at batch 128 in the benchmark's
+sequence, and against a device-bound one (the costs alone) it stays near the better fixed choice
+(plain decoding, or drafting at one width every step)."""
+from dataclasses import replace
+
 import pytest
 
 from megatron_async.inference.speculative.step_cost import StepCosts, bucket
-from tests.helpers.spec_policy_sim import H100, Device, bench_sequence, best_fixed, make_policy, run
+from tests.helpers.spec_policy_sim import (
+    DEVICE_BOUND, H100, Device, bench_sequence, best_fixed, forced_run, make_policy, run)
 
 ACCEPTANCES = (0.0, 0.5, 0.8, 0.95)
 SEEDS = (0, 10, 20)
+# bench_speculative on the H100 (batch-invariant, graphs, 128 + 128 tokens): seconds of a run
+H100_ROWS = {(128, None): 0.468, (128, 0.0): 0.914, (128, 0.5): 0.680, (128, 0.8): 0.545,
+             (1, None): 0.2116, (1, 0.0): 0.2367, (1, 0.5): 0.120, (1, 0.8): 0.0861}
 
 
-def _mean_ratios(rows: int) -> dict[float, float]:
-    runs = [bench_sequence(rows, ACCEPTANCES, seed=s) for s in SEEDS]
-    return {a: sum(r[a][0] for r in runs) / len(runs) for a in ACCEPTANCES}
+def _mean(rows: int, acceptances=ACCEPTANCES, device: Device = DEVICE_BOUND, forced: bool = False, which: int = 0
+          ) -> dict[float, float]:
+    runs = [bench_sequence(rows, acceptances, seed=s, device=device, forced=forced) for s in SEEDS]
+    return {a: sum(r[a][which] for r in runs) / len(runs) for a in acceptances}
+
+
+def test_the_simulation_reproduces_the_h100_rows():
+    """Plain and forced drafting (no rule involved) within 8 % of the H100's run times: the
+    host's share of a step (a verify step's landing grows with its tokens), the prefill steps (with
+    drafts: eager) and the closed batch's tail, where requests finish apart."""
+    for (rows, acc), seconds in H100_ROWS.items():
+        sim = sum((run(None, rows, 0.0, seed=s) if acc is None else forced_run(rows, acc, seed=s)).seconds
+                  for s in SEEDS) / len(SEEDS)
+        assert sim == pytest.approx(seconds, rel=0.08), (rows, acc, sim, seconds)
+
+
+def test_never_slower_than_plain_on_the_h100():
+    """The benchmark's sequence (an untimed 0 % run, then per acceptance a forced run and the
+    measured one), the calibrated H100: batch 128 >= 0.98x plain at 0 and 50 % and 0.975x at 80 %
+    (forced drafting: 0.51 / 0.69 / 0.86x there; at 80 % its trial of two widths, 4 steps, costs
+    ~1.5 %: the widths' costs are unknown there and may pay on a device that bounds the step),
+    batch 1 >= 2.1x at 80 %."""
+    big = _mean(128, (0.0, 0.5, 0.8), H100, forced=True, which=1)
+    assert min(big[0.0], big[0.5]) >= 0.98 and big[0.8] >= 0.975, big
+    small = _mean(1, (0.0, 0.5, 0.8), H100, forced=True, which=1)
+    assert small[0.8] >= 2.1 and small[0.0] >= 0.98, small
 
 
 @pytest.mark.parametrize("rows", [1, 128])
-def test_within_two_percent_of_the_better_fixed_choice(rows):
-    got = _mean_ratios(rows)
-    assert min(got.values()) >= 0.98, got
-
-
-def test_the_device_is_shaped_like_the_h100():
-    # plain 3.5 ms at batch 128; a width-4 verify step 2.1x a plain step there, 1.1x at batch 1
-    assert H100.ms(128, 1) == pytest.approx(3.5) and H100.ms(128, 4) / H100.ms(128, 1) == pytest.approx(2.1)
-    assert H100.ms(1, 4) / H100.ms(1, 1) == pytest.approx(1.1)
-    # where it pays: always drafting at batch 128 / 50 % is slower than plain, at 80 % faster
-    plain = run(None, 128, 0.5).tok_s
-    assert run(None, 128, 0.5, fixed_width=4).tok_s < 0.9 * plain < run(None, 128, 0.8, fixed_width=4).tok_s
+def test_near_the_better_fixed_choice_where_the_device_bounds(rows):
+    got = _mean(rows)
+    if rows == 128:  # width 2 pays 5 % at 50 % here, less than the margin a large batch asks: plain
+        assert got.pop(0.5) >= 0.93, got
+    assert min(got.values()) >= 0.975, got
 
 
 @pytest.mark.parametrize("rows", [1, 128])
 def test_hiccups_do_not_mislead_it(rows):
     # one step in 30 seems 30 times as long (a collection, another process): the costs hold
-    runs = [bench_sequence(rows, ACCEPTANCES, seed=s, device=Device(spike=30)) for s in SEEDS]
-    got = {a: sum(r[a][0] for r in runs) / len(runs) for a in ACCEPTANCES}
+    got = _mean(rows, device=replace(DEVICE_BOUND, spike=30))
+    if rows == 128:
+        assert got.pop(0.5) >= 0.93, got
     assert min(got.values()) >= 0.97, got
 
 
 def test_middle_batches():
     # batch 16 and 64 pay more for trials (two widths close in value at 50 %): within 3 %
     for rows in (16, 64):
-        got = _mean_ratios(rows)
+        got = _mean(rows)
         assert min(got.values()) >= 0.97, (rows, got)
 
 
@@ -87,6 +110,9 @@ def test_buckets_and_counts():
     costs.observe(100, 1, 2.0, step=6)
     costs.observe(100, 1, 40.0, step=7)  # then an average a hiccup moves by at most 5 %
     assert costs.cell(112, 1).seconds == pytest.approx(2.1) and costs.cell(112, 1).step == 7
+    for seconds in (2.0, 2.4, 2.2):  # the first samples' median, not their least (biased low)
+        costs.observe(8, 4, seconds, step=1)
+    assert costs.cell(8, 4).seconds == pytest.approx(2.2)
     policy = make_policy(k=2)
     sim = run(policy, 1, 0.9, length=64)
     assert sim.verify_steps > 15 and policy.off_rows["cost"] >= 1
@@ -99,3 +125,51 @@ def _req(acceptance: float, positions: float = 0.0):
     return SimpleNamespace(spec_acceptance=acceptance, spec_positions=positions, spec_drafts_fresh=True,
                            banned_sequences=(),
                            sampling_params=SimpleNamespace(has_penalties=False, structured_outputs=None))
+
+
+def test_a_verify_step_never_costs_less_than_plain():
+    """A verify step does a plain step's work and more: measured cheaper (noise at batch 1), it
+    still loses where drafts bring nothing."""
+    policy = make_policy(k=3)
+    c = policy.choice
+    for width, seconds in ((1, 1.70), (2, 1.65), (4, 1.68)):
+        for step in range(3):
+            c.observe_step(1, width, seconds, drafter=width > 1, step=step)
+    c.accepted, c.tried, c.last_drafts = 0.0, 100.0, 9  # (drafts lately: no probe due)
+    assert policy.choose_cap([_req(0.0, positions=20)], 10) == 0
+
+
+def test_no_second_trial_before_the_first_lands():
+    """Launch-ahead: a trial's measured step lands after the next step is planned, so the width
+    is still unmeasured then; trying it again would double every trial."""
+    policy = make_policy(k=3)
+    c = policy.choice
+    for rows, seconds in ((1, 1.0), (128, 3.0)):
+        for step in range(3):
+            c.observe_step(rows, 1, seconds, drafter=False, step=step)
+    rows = [_req(0.9, positions=20) for _ in range(128)]
+    c.last_drafts = 19  # (drafts lately: no probe due)
+    caps = [policy.choose_cap(rows, step) for step in range(20, 40)]
+    first = next(i for i, cap in enumerate(caps) if cap)
+    assert caps[first:first + 2] == [3, 3] and caps[first + 2] != 3, caps  # the widest first, once: 2 steps
+
+
+def test_plain_steps_count_their_rows_as_drafts_for_would():
+    """``count_undrafted`` (one pass for a plain step) counts each row by the cause ``drafts_for``
+    gives it when the step's cap is 0."""
+    from itertools import product
+    from types import SimpleNamespace
+
+    cases = list(product((False, True), (None, {}), ((), ((1, 2),)), (0, 1, 2, 9)))
+    rows = [SimpleNamespace(spec_acceptance=0.5, spec_positions=1.0, spec_drafts_fresh=True, banned_sequences=banned,
+                            sampling_params=SimpleNamespace(has_penalties=pen, structured_outputs=grammar))
+            for pen, grammar, banned, _ in cases]
+    rooms = [room for *_, room in cases]
+    for limit in (0, 16):
+        one, each = make_policy(k=3, speculative_max_batch_size=limit), make_policy(k=3, speculative_max_batch_size=limit)
+        for p in (one, each):
+            p.step_cap = 0
+        one.count_undrafted(rows, rooms, spare=50)
+        for r, room in zip(rows, rooms):
+            assert each.drafts_for(r, len(rows), min(50, room - 1)) == 0
+        assert one.off_rows == each.off_rows and len(one.off_rows) >= 4, (one.off_rows, each.off_rows)
