@@ -39,9 +39,10 @@ class EmulatedGraphRunner(CudaGraphRunner):
         self.captures: list[GraphKey] = []
         """Keys in capture order."""
 
-    def _capture(self, key: GraphKey) -> EmulatedStep:
+    def _capture(self, key: GraphKey, eager_run: bool = True) -> EmulatedStep:
         """Like the real capture: two eager warm-up runs on padding rows (their collectives are
-        real), the samples and the view restored afterwards."""
+        real), the samples and the view restored afterwards (``eager_run`` or not: data-parallel
+        engines' warm-ups never skip it)."""
         ctl, ctx = self.model_runner, self.model_runner.context
         self.captures.append(key)
         if self.capture_shape(key).any_penalties:
