@@ -56,17 +56,38 @@ also take 64 x 128 x 128 tiles, 4 warps, 4 stages (one dot a program there, two 
 
 
 @triton.jit
-def _times_scales(part, a_s, s_col, n0, offs_n, mask_n, stride_wsn, SCALE_BLOCK_N: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """A K group's dot [BLOCK_M, BLOCK_N] (columns n0 + offs_n) times (activation scale of its row x
-    weight scale of its column); ``s_col``: the group's column of the weight scales. Where the tile's
-    columns share one scale row (128-row grid) that is one scalar load and one multiply per row, not
-    BLOCK_N loads and a [BLOCK_M, BLOCK_N] product (registers the two-accumulator gate_up ran out of):
-    the same float32 products either way."""
+def _weight_scales(s_col, n0, offs_n, mask_n, stride_wsn, SCALE_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The weight scales of a tile's columns n0 + offs_n in one K group (``s_col``: that group's
+    column of the scales): one scalar where the columns share a scale row (the 128-row grid), not
+    BLOCK_N loads of it and a [BLOCK_M, BLOCK_N] product in registers (which the two-accumulator
+    gate_up ran out of); else the [BLOCK_N] vector."""
     if SCALE_BLOCK_N % BLOCK_N == 0:
-        return part * (a_s * tl.load(s_col + (n0 // SCALE_BLOCK_N) * stride_wsn))[:, None]
+        return tl.load(s_col + (n0 // SCALE_BLOCK_N) * stride_wsn)
     else:
-        s = tl.load(s_col + (offs_n // SCALE_BLOCK_N) * stride_wsn, mask=mask_n, other=0.0)
+        return tl.load(s_col + (offs_n // SCALE_BLOCK_N) * stride_wsn, mask=mask_n, other=0.0)
+
+
+@triton.jit
+def _scales_of_group(s_next, s_base, g, groups, n0, offs_n, mask_n, stride_wsn, stride_wsg,
+                     SCALE_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(K group g's weight scales, what the loop carries to g + 1). A scalar comes from the
+    previous group's call and the next group's is loaded now (the last group reloads its own):
+    its latency hides behind this group's dots, where a load after a dot's wait stalled the
+    multiply every group. A vector is loaded for its own group (held across the dots, it spilled)."""
+    if SCALE_BLOCK_N % BLOCK_N == 0:
+        ahead = s_base + tl.minimum(g + 1, groups - 1) * stride_wsg
+        return s_next, _weight_scales(ahead, n0, offs_n, mask_n, stride_wsn, SCALE_BLOCK_N, BLOCK_N)
+    else:
+        return _weight_scales(s_base + g * stride_wsg, n0, offs_n, mask_n, stride_wsn, SCALE_BLOCK_N, BLOCK_N), s_next
+
+
+@triton.jit
+def _times_scales(part, a_s, s, SCALE_BLOCK_N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A K group's dot [BLOCK_M, BLOCK_N] times (its row's activation scale x its column's weight
+    scale ``s``, from ``_weight_scales``): the same float32 products either way."""
+    if SCALE_BLOCK_N % BLOCK_N == 0:
+        return part * (a_s * s)[:, None]
+    else:
         return part * (a_s[:, None] * s[None, :])
 
 
@@ -92,13 +113,26 @@ def _gate_up_fp8_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, pai
     s_base = ws_ptr + expert.to(tl.int64) * stride_wse
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, tl.cdiv(K, 128)):
+    groups = tl.cdiv(K, 128)
+    sg_next = _weight_scales(s_base, pid_n * BLOCK_N, offs_n, mask_n, stride_wsn, SCALE_BLOCK_N, BLOCK_N)
+    if GATED:
+        su_next = _weight_scales(s_base, I + pid_n * BLOCK_N, I + offs_n, mask_n, stride_wsn, SCALE_BLOCK_N, BLOCK_N)
+    if PREQUANT:  # activation scales a group ahead too
+        as_next = tl.load(xs_ptr + token * stride_xsm, mask=mask_m, other=0.0)
+    for g in range(0, groups):
+        sg, sg_next = _scales_of_group(sg_next, s_base, g, groups, pid_n * BLOCK_N, offs_n, mask_n, stride_wsn,
+                                       stride_wsg, SCALE_BLOCK_N, BLOCK_N)
+        if GATED:
+            su, su_next = _scales_of_group(su_next, s_base, g, groups, I + pid_n * BLOCK_N, I + offs_n, mask_n,
+                                           stride_wsn, stride_wsg, SCALE_BLOCK_N, BLOCK_N)
         offs_k = g * 128 + tl.arange(0, 128)
         mask_k = offs_k < K
         a_mask = mask_m[:, None] & mask_k[None, :]
         if PREQUANT:  # x quantized once per token (e4m3 + group scales), not per pair and column tile
             a_q = tl.load(xq_ptr + token[:, None] * stride_xqm + offs_k[None, :], mask=a_mask, other=0.0)
-            a_s = tl.load(xs_ptr + token * stride_xsm + g * stride_xsg, mask=mask_m, other=0.0)
+            a_s = as_next
+            as_next = tl.load(xs_ptr + token * stride_xsm + tl.minimum(g + 1, groups - 1) * stride_xsg, mask=mask_m,
+                              other=0.0)
         else:
             a_q, a_s = quantize_groups(tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :], mask=a_mask,
                                                other=0.0).to(tl.float32), EMULATE)
@@ -108,14 +142,12 @@ def _gate_up_fp8_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, pai
         wg = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
         if EMULATE:
             wg = wg.to(tl.float32)
-        acc_g += _times_scales(tl.dot(a_q, wg), a_s, s_base + g * stride_wsg, pid_n * BLOCK_N, offs_n, mask_n,
-                               stride_wsn, SCALE_BLOCK_N, BLOCK_N)
+        acc_g += _times_scales(tl.dot(a_q, wg), a_s, sg, SCALE_BLOCK_N, BLOCK_N)
         if GATED:
             wu = tl.load(w_base + (I + offs_n)[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
             if EMULATE:
                 wu = wu.to(tl.float32)
-            acc_u += _times_scales(tl.dot(a_q, wu), a_s, s_base + g * stride_wsg, I + pid_n * BLOCK_N, I + offs_n,
-                                   mask_n, stride_wsn, SCALE_BLOCK_N, BLOCK_N)
+            acc_u += _times_scales(tl.dot(a_q, wu), a_s, su, SCALE_BLOCK_N, BLOCK_N)
     dt = x_ptr.dtype.element_ty
     if GATED:  # rounds like F.silu(gate) * up on projections in the activation dtype
         gr = acc_g.to(dt).to(tl.float32)
@@ -150,19 +182,24 @@ def _down_fp8_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, pairs_p
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     s_base = ws_ptr + expert.to(tl.int64) * stride_wse
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, tl.cdiv(I, 128)):
+    groups = tl.cdiv(I, 128)
+    s_next = _weight_scales(s_base, pid_n * BLOCK_N, offs_n, mask_n, stride_wsn, SCALE_BLOCK_N, BLOCK_N)
+    as_next = tl.load(hs_ptr + row * stride_hsm, mask=mask_m, other=0.0)
+    for g in range(0, groups):  # scales a K group ahead, as in gate_up
+        s, s_next = _scales_of_group(s_next, s_base, g, groups, pid_n * BLOCK_N, offs_n, mask_n, stride_wsn,
+                                     stride_wsg, SCALE_BLOCK_N, BLOCK_N)
+        a_s = as_next
+        as_next = tl.load(hs_ptr + row * stride_hsm + tl.minimum(g + 1, groups - 1), mask=mask_m, other=0.0)
         offs_k = g * 128 + tl.arange(0, 128)
         mask_k = offs_k < I
         a_q = tl.load(h_ptr + row[:, None] * I + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        a_s = tl.load(hs_ptr + row * stride_hsm + g, mask=mask_m, other=0.0)
         w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
                     other=0.0)
         if EMULATE:
             part = tl.dot(a_q.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             part = tl.dot(a_q, w)
-        acc += _times_scales(part, a_s, s_base + g * stride_wsg, pid_n * BLOCK_N, offs_n, mask_n, stride_wsn,
-                             SCALE_BLOCK_N, BLOCK_N)
+        acc += _times_scales(part, a_s, s, SCALE_BLOCK_N, BLOCK_N)
     weight = tl.load(weights_ptr + row, mask=mask_m, other=0.0)
     tl.store(out_ptr + row[:, None] * H + offs_n[None, :], acc * weight[:, None], mask=mask_m[:, None] & mask_n[None, :])
 
