@@ -48,7 +48,8 @@ def test_no_builds_or_captures_after_startup_warmup_and_mixed_graphs_equal_eager
 
 def test_kernels_built_at_once_from_dry_captures_serve_the_same_tokens(tmp_path):
     """Shapes no other test uses (vocabulary 328, hidden 96, 3 query heads): the first engine
-    meets unbuilt kernels, finds them by dry captures and builds them on threads; then neither it
+    meets unbuilt kernels, finds them by dry captures and builds them on threads (its graphs then
+    capture without an eager run first, and serve the same tokens as the eager engine); then neither it
     nor a second engine built one kernel at a time builds anything while serving, and their
     tokens are equal (the dry pass left no buffer unwritten)."""
     path = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "odd", vocab_size=328, hidden_size=96,
@@ -63,6 +64,7 @@ def test_kernels_built_at_once_from_dry_captures_serve_the_same_tokens(tmp_path)
             assert phases["kernel builds"].builds > 0
             assert int(phases["kernel builds"].note.split()[0]) > 1  # dry captures go on past the first one
             assert phases["graph captures"].builds == 0  # the dry shapes covered what the graphs launch
+            assert "without an eager run first" in phases["graph captures"].note  # built: no run before a capture
         else:
             assert "kernel builds" not in phases
         arrivals = [Arrival(0, [(7 * i + j) % 328 for j in range(5 + 9 * i)], PARAMS[i % len(PARAMS)]) for i in range(8)]

@@ -132,6 +132,8 @@ class CudaGraphRunner:
         """Speculative verify steps that replayed a verify graph."""
         self.num_padding_replays = 0
         """Dummy forwards of data-parallel engines that replayed a graph on padding rows."""
+        self.captures_without_eager_run = 0
+        """Graphs captured with no eager run of their step first (a built warm-up's, ``warmup``)."""
         self.captures_after_warmup = 0
         """Graphs captured while serving (a key warm-up did not cover); 0 after a full warm-up."""
         self.warmed_up = False
@@ -275,6 +277,7 @@ class CudaGraphRunner:
             if gc_on:
                 gc.enable()
         self._pool = graph.pool()
+        self.captures_without_eager_run += not eager_run
         ctl.last_samples.copy_(saved_samples)
         ctx.gpu_view.buffer.copy_(saved_view)
         torch.cuda.synchronize()

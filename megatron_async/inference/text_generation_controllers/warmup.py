@@ -54,6 +54,8 @@ class WarmupReport:
     """The graph captures (each with one eager run of its step first)."""
     capture_builds: int = 0
     """Triton builds during the captures (kernels no eager shape reached)."""
+    captures_without_eager_run: int = 0
+    """Graphs captured without running their step first (after a whole dry pass)."""
 
 
 def _next_pow2(n: int) -> int:
@@ -191,12 +193,14 @@ def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: i
     if eager:
         _warm_token_mask(runner)  # built by the prebuild's deferral when there was one: launches only
     t_capture, builds_capture = time.perf_counter(), triton_builds.builds()
-    captured = 0
+    captured = skipped = 0
     if graphs and runner.graphs is not None:  # after a whole dry pass, graphs capture without eager runs
+        skipped = runner.graphs.captures_without_eager_run
         captured = runner.graphs.warmup(built=pre is not None and not pre.left)
+        skipped = runner.graphs.captures_without_eager_run - skipped
     if dev.is_cuda:
         torch.cuda.synchronize(dev.device)
     t_end = time.perf_counter()
     mem = torch.cuda.memory_reserved(dev.device) - mem0 if dev.is_cuda else 0
     return WarmupReport(t_end - t0, len(shapes), captured, triton_builds.builds() - builds0, mem, pre,
-                        t_capture - t_eager, t_end - t_capture, triton_builds.builds() - builds_capture)
+                        t_capture - t_eager, t_end - t_capture, triton_builds.builds() - builds_capture, skipped)

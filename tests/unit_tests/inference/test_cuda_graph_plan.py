@@ -226,3 +226,14 @@ def test_captures_keep_the_allocator_caches_until_the_warmup_ends(monkeypatch):
     assert (torch.cuda.empty_cache, torch._C._host_emptyCache) == original
     torch.cuda.empty_cache()
     assert emptied == ["device"]
+
+
+def test_the_startup_profile_says_how_many_graphs_captured_without_an_eager_run():
+    from megatron_async.inference.startup_profile import StartupProfile
+    from megatron_async.inference.text_generation_controllers.warmup import WarmupReport
+
+    profile = StartupProfile()
+    profile.add_warmup(WarmupReport(1.0, 0, 5, 0, 0, capture_seconds=0.5, captures_without_eager_run=4))
+    assert profile.phases["graph captures"].note == "5 graphs, 4 without an eager run first"
+    profile.add_warmup(WarmupReport(1.0, 0, 5, 0, 0, capture_seconds=0.5))
+    assert profile.phases["graph captures"].note == "5 graphs"
