@@ -47,8 +47,8 @@ FP8_MOE_TILES = {
 """Per ``block_m`` (``_block_m``: 64 above 64 pairs per expert, above 1,024 tokens of Qwen3-30B-A3B).
 64-row blocks (prefill): gate_up on 8 warps (two warpgroups, 64 columns of gate and of up each),
 4 stages of 40 KB; on 4 warps its two 64 x 128 accumulators, the dot's fresh result and the
-scales took all 255 registers and spilled in the K loop (ptxas, sm_90a: 200 bytes; 168 registers
-on 8 warps). down in 64 x 128 tiles, 4 warps, 4 stages (96 KB, two programs an SM): 64 x 64
+scales took all 255 registers and spilled in the K loop (ptxas, sm_90a: 200 bytes; 180 registers
+on 8 warps, scales a group ahead included). down in 64 x 128 tiles, 4 warps, 4 stages (96 KB, two programs an SM): 64 x 64
 tiles read 0.031 bytes from L2 per MAC, near the bf16 kernel's 64 x 256 tiles (0.039) at twice
 the MAC rate; 64 x 128, 0.023. Public H100 tunings of this kernel family for E = 128 at large M
 also take 64 x 128 x 128 tiles, 4 warps, 4 stages (one dot a program there, two in gate_up here).
