@@ -124,10 +124,10 @@ def compile_all(specs: list) -> CompileReport:
     if _pool["pool"] is None or not specs:
         return CompileReport()
     t0, deadline = time.perf_counter(), time.monotonic() + TIMEOUT_S
-    for jit, data in specs:
-        submit(jit, data)
-    jobs = [_pool["pending"].pop((id(jit), data)) for jit, data in specs]
     try:
+        for jit, data in specs:
+            submit(jit, data)
+        jobs = [_pool["pending"].pop((id(jit), data)) for jit, data in specs]
         done = [job.get(max(0.0, deadline - time.monotonic())) for _, job in jobs]
     except Exception as e:  # noqa: BLE001 -- a broken or stuck pool: the engine's process compiles them
         log.info("Triton compile workers failed (%s): kernels compile on threads", e)

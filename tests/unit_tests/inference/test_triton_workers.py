@@ -115,3 +115,12 @@ def test_no_workers_on_cpu_nor_switched_off_nor_after_cuda_init(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert triton_workers.start(4) == 0 and triton_workers.size() == 0
     assert triton_workers.compile_all([]).kernels == 0
+
+
+def test_a_failing_hand_over_leaves_every_kernel_to_the_threads(workers, monkeypatch):
+    def broken(jit, data):
+        raise ImportError("an older Triton")
+
+    monkeypatch.setattr(triton_workers, "submit", broken)
+    assert triton_workers.compile_all([(object(), "{}")]).kernels == 0
+    assert triton_workers.size() == 0  # given up for the rest of the start-up
