@@ -27,6 +27,7 @@ import torch
 from benchmarks.gpu_idle import profile_run
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.inference.speculative.oracle import OracleDrafter
+from megatron_async.inference.speculative.step_cost import bucket
 from megatron_async.models.default_model import DEFAULT_CONFIGS
 
 
@@ -101,6 +102,9 @@ class SpecBench:
         self.ngram = None if args.quick else self._llm(
             InferenceConfig(**common, num_speculative_tokens=K, speculative_method="ngram"))
         self.rows: list[BenchRow] = []
+        self.decode_ms = self.plain_decode_ms = 0.0
+        """Mean host wall of the latest timed run's decode-only steps (steady launch-ahead: the
+        step's time), and of the latest plain run's."""
         self._measured: set[int] = set()
         """Batches at which the speculative engine's adaptive policy has measured its step costs."""
 
@@ -122,12 +126,14 @@ class SpecBench:
 
     def timed(self, llm: LLM, prompts, params) -> tuple[list, float, object]:
         self._sync()
-        before = llm.engine.stats.steps
+        st = llm.engine.stats
+        before, decode = st.steps, (st.decode_wall_time, st.decode_steps)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         self._sync()
         wall = time.perf_counter() - t0
-        st = llm.engine.stats
+        steps = st.decode_steps - decode[1]
+        self.decode_ms = 1e3 * (st.decode_wall_time - decode[0]) / max(steps, 1)
         return outs, wall, (st.steps - before)
 
     def _sync(self) -> None:
@@ -202,6 +208,7 @@ class SpecBench:
         for batch in a.batches:
             prompts = self.prompts(batch, False, seed=batch)
             plain, plain_wall, steps = self.timed(self.plain, prompts, params)
+            self.plain_decode_ms = self.decode_ms
             plain_tps = sum(len(o.generated_tokens) for o in plain) / plain_wall
             first = len(self.rows)
             self.add(self._row("oracle", batch, 0, None, "plain", plain, plain_wall, steps, plain, plain_tps, None))
@@ -217,10 +224,25 @@ class SpecBench:
                             self._measured.add(batch)
                             self.spec.generate(prompts, params)
                         self._spec_run(self.spec, "oracle", batch, k, acc, policy, prompts, params, plain, plain_tps)
+                        if policy == "auto":
+                            self._print_costs(batch, acc)
             self._replain(first, batch, prompts, params, plain_tps)
             if self.time_left():
                 self._ngram(batch, params)
         return self.rows
+
+    def _print_costs(self, batch: int, acc: float) -> None:
+        """What the adaptive rule measured at ``batch`` (speculative/step_cost.py: steady decode
+        steps only) beside the plain engine's decode step: a plain step of the speculative
+        engine should cost what the plain engine's does."""
+        costs = self.spec.engine.scheduler.spec.costs
+        cells = {w: c.seconds * 1e3 for (b, w), c in costs.cells.items() if b == bucket(batch)}
+        if 1 not in cells:
+            return
+        widths = ", ".join(f"width {w} {ms:.2f} ms (R {ms / cells[1]:.2f})" for w, ms in sorted(cells.items()) if w > 1)
+        print(f"bench_speculative: batch {batch}, {acc:.0%}: decode step, plain engine {self.plain_decode_ms:.2f} ms; "
+              f"the rule's costs: plain {cells[1]:.2f} ms, {widths or 'no verify width measured'}; this run's "
+              f"decode steps {self.decode_ms:.2f} ms", file=sys.stderr, flush=True)
 
     def _replain(self, first: int, batch: int, prompts, params, before_tps: float) -> None:
         """Times the plain engine again after a batch's speculative rows and rescales those rows
