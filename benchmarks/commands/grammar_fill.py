@@ -1,13 +1,15 @@
 """The host's grammar mask fill per step: rows of the structured benchmark's schema on the Qwen3-sized
 synthetic vocabulary, each step accepting one landed token a row and filling the next masks (what
 GrammarMasks.fill does: accept_landed, fill_masks), by fill threads. llguidance: requests copied
-from one template; one template per thread with the rows given to the executor as dealt (round
-robin over the templates); one per thread grouped by template (what the engine does,
-guidance_backend.py); and xgrammar. No GPU.
+from one template; from one template per thread with the rows given to the executor as dealt
+(round robin over the templates) and grouped by template; from the engine's templates per thread,
+grouped (guidance_backend.py); and xgrammar. No GPU.
 
 Every configuration advances the same rows by the same tokens (random allowed ones, never the
 end), so each fills the same masks (checked). Process CPU time beside the wall time says how
-many cores a fill kept busy. ``--seconds`` bounds a run: the steps stop (every configuration
+many cores a fill kept busy. A first run, not recorded, warms the templates (each template's
+lexer builds its states as its copies first meet them; a serving engine's templates are warm).
+``--seconds`` bounds a run: the steps stop (every configuration
 at the same step) once the budget is spent or a document is complete, and the table says how
 many ran.
 
@@ -27,22 +29,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def configs(threads: list[int], backends: list[str], beside_ms: float):
-    """(label, backend kind, threads, templates: "one" / "dealt" / "grouped", switch interval of a
-    fill on a worker beside ``beside_ms`` of engine-thread Python, or None: the fill alone)."""
+    """(label, backend kind, threads, templates a spec keeps (None: the engine's), rows as dealt
+    (else grouped by template), switch interval of a fill on a worker beside ``beside_ms`` of
+    engine-thread Python, or None: the fill alone)."""
     from megatron_async.inference.engines.grammar_masks import FILL_SWITCH_INTERVAL_S
+    from megatron_async.inference.structured.guidance_backend import TEMPLATES_PER_THREAD
 
     for kind in backends:
         for t in threads:
-            name = f"template per thread, {t} threads" if kind == "guidance" else f"{t} threads"
-            name = f"{'llguidance' if kind == 'guidance' else 'xgrammar'}, {name}"
             if kind == "guidance":
-                yield f"llguidance, one template, {t} threads", "guidance", t, "one", None
-                yield f"llguidance, template per thread, rows as dealt, {t} threads", "guidance", t, "dealt", None
-            yield name, kind, t, "grouped", None
+                name = f"llguidance, {TEMPLATES_PER_THREAD} templates per thread, {t} threads"
+                yield f"llguidance, one template, {t} threads", kind, t, 1, False, None
+                yield f"llguidance, one template per thread, rows as dealt, {t} threads", kind, t, t, True, None
+                yield f"llguidance, one template per thread, {t} threads", kind, t, t, False, None
+            else:
+                name = f"xgrammar, {t} threads"
+            yield name, kind, t, None, False, None
             if beside_ms > 0:
                 for interval in (0.005, FILL_SWITCH_INTERVAL_S):
                     yield f"{name}, beside {beside_ms:g} ms of Python, switch interval {1e3 * interval:g} ms", kind, t, \
-                        "grouped", interval
+                        None, False, interval
 
 
 def beside(work_s: float, interval: float, pool, fill) -> tuple[float, float]:
@@ -113,24 +119,25 @@ def run(args) -> tuple[dict[str, list[tuple[float, float]]], dict[str, int], lis
     spec = StructuredOutputs(json=SCHEMA)
     out: dict[str, list[tuple[float, float]]] = {}
     templates: dict[str, int] = {}
-    steps_run, pool = [], ThreadPoolExecutor(1)
-    for rep in range(args.repeats):
+    steps_run, pool, backends = [], ThreadPoolExecutor(1), {}
+    for rep in range(args.repeats + 1):  # run 0 warms the templates' lexers (as a serving engine's are), unrecorded
         for kind in args.backends:  # each library its own token stream: their masks may differ
             sets, dealt, interval = {}, {}, {}
-            for label, k, t, how, beside_interval in configs(args.threads, [kind], args.beside_ms):
-                if k == "guidance":
-                    from megatron_async.inference.structured.guidance_backend import GuidanceBackend as cls
-                else:
-                    from megatron_async.inference.structured.xgrammar_backend import XGrammarBackend as cls
-                b = cls(tok, [EOS_ID], V, threads=t)
-                if how == "one":
-                    b.threads = 1  # every request copies family 0 (the executor keeps its t threads)
-                sets[label], dealt[label] = [b.matcher(spec) for _ in range(N)], how == "dealt"
+            for label, k, t, families, as_dealt, beside_interval in configs(args.threads, [kind], args.beside_ms):
+                if label not in backends:
+                    if k == "guidance":
+                        from megatron_async.inference.structured.guidance_backend import GuidanceBackend as cls
+                    else:
+                        from megatron_async.inference.structured.xgrammar_backend import XGrammarBackend as cls
+                    backends[label] = b = cls(tok, [EOS_ID], V, threads=t)
+                    if families is not None:
+                        b.families = families  # the executor keeps its t threads
+                sets[label], dealt[label] = [backends[label].matcher(spec) for _ in range(N)], as_dealt
                 interval[label] = beside_interval
                 templates[label] = len({getattr(g, "family", 0) for g in sets[label]})
             bm = {k: torch.zeros(N, (V + 31) // 32, dtype=torch.int32) for k in sets}
             rng, toks, per = random.Random(rep), None, {k: [] for k in sets}
-            stop = time.perf_counter() + args.seconds / (args.repeats * len(args.backends))  # this run's share
+            stop = time.perf_counter() + args.seconds / ((args.repeats + 1) * len(args.backends))  # this run's share
             for step in range(args.steps):
                 if step and time.perf_counter() > stop:
                     break
@@ -152,6 +159,8 @@ def run(args) -> tuple[dict[str, list[tuple[float, float]]], dict[str, int], lis
                 toks = next_tokens(first, EOS_ID, V, rng)
                 if toks is None:
                     break
+            if rep == 0:
+                continue
             steps_run.append(len(next(iter(per.values()))))
             for label, xs in per.items():
                 out.setdefault(label, []).append((statistics.mean(w for w, _ in xs), statistics.mean(c for _, c in xs)))

@@ -6,13 +6,17 @@ and batched mask filling on the library's own threads (the GIL is released).
 The copies of one template share its lexer (llguidance's ``Parser`` keeps it behind an
 ``Arc<Mutex<_>>`` that clones share), so the executor's threads serialize on it: 128 copies of
 one template filled on 2 threads with the process using one core (AMD EPYC, Qwen3-sized
-vocabulary, the structured benchmark's schema: 10.2 us a row, CPU time 10.5). So a spec has one
-template per thread and its requests are dealt round robin: a step's rows are copies of
-``threads`` independent families. The template's lock is held for a whole mask (and a whole
-consume), and the executor (rayon) hands each thread a contiguous run of the list it is given,
-so the rows go to it grouped by family (``_grouped``): a thread's run is one family, which no
-other thread holds, instead of a run of every family in turn, where all threads queue on each
-lock in the same order (``python -m benchmarks grammar-fill``, docs/PERFORMANCE.md).
+vocabulary, the structured benchmark's schema: 10.2 us a row, CPU time 10.5). So a spec has
+``TEMPLATES_PER_THREAD`` templates per thread and its requests are dealt round robin over them:
+a step's rows are copies of independent families. A template's lock is held for a whole mask
+(and a whole consume), and the executor (rayon) hands its threads contiguous runs of the list,
+split further wherever a thread steals work, so the rows go to it grouped by family
+(``_grouped``): neighbouring rows are one family, and a family is small enough (128 rows, 8
+threads: 4 rows) that two threads rarely hold runs of the same one; as dealt, every run held one
+row of each family in the same order and all threads queued on each lock in turn. Once a
+family's lexer has seen the schema's states, more families cost no more a row (one thread, 8
+against 32 families: 2.18 / 2.56 ms against 2.15 / 2.31 ms a step for 128 rows; ``python -m
+benchmarks grammar-fill``, docs/PERFORMANCE.md).
 
 llguidance builds masks lazily per step (no precomputation), so it compiles anything in
 milliseconds, including the length-bounded strings and counted repetitions that make xgrammar
@@ -29,6 +33,8 @@ import torch
 from megatron_async.inference.structured.request_grammar import BaseGrammar
 from megatron_async.inference.structured.spec import GrammarError, StructuredOutputs
 
+TEMPLATES_PER_THREAD = 4
+"""Template matchers a spec keeps per fill thread (module doc)."""
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -45,7 +51,8 @@ class GuidanceBackend:
         self.vocab_size, self.eos_ids = vocab_size, tuple(eos)
         self.tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos)
         self.executor = llguidance.LLExecutor(num_threads=threads)
-        self.threads = threads
+        self.families = threads * TEMPLATES_PER_THREAD
+        """Template matchers per spec, each request a copy of one (dealt round robin)."""
         self._texts: OrderedDict[tuple, str] = OrderedDict()
         self._templates: OrderedDict[tuple, list] = OrderedDict()  # [dealt, template, ...] per spec
         self._cache_size = cache_size
@@ -89,7 +96,7 @@ class GuidanceBackend:
                 _put(self._templates, spec.key, family, self._cache_size)
             else:
                 self._templates.move_to_end(spec.key)
-            i = family[0] % self.threads
+            i = family[0] % self.families
             family[0] += 1
             if i + 1 == len(family):
                 family.append(llguidance.LLMatcher(self.tokenizer, text, log_level=0))

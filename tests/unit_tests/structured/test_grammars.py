@@ -166,20 +166,21 @@ def test_spec_crosses_the_coordinator_wire():
 
 
 def test_guidance_requests_spread_over_independent_templates(tok):
-    """One template per fill thread, requests dealt round robin (the executor's threads serialize
-    on the copies of one template); every family gives the same masks."""
-    from megatron_async.inference.structured.guidance_backend import GuidanceBackend
+    """TEMPLATES_PER_THREAD templates per fill thread, requests dealt round robin (the executor's
+    threads serialize on the copies of one template); every family gives the same masks."""
+    from megatron_async.inference.structured.guidance_backend import TEMPLATES_PER_THREAD, GuidanceBackend
 
     V = 1024 + 40
-    b = GuidanceBackend(tok, (EOS_TOKEN_ID,), V, threads=3)
+    b = GuidanceBackend(tok, (EOS_TOKEN_ID,), V, threads=2)
     spec = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
                                    "required": ["a", "b"]})
-    gs = [b.matcher(spec) for _ in range(7)]
-    assert [g.family for g in gs] == [0, 1, 2, 0, 1, 2, 0]
-    assert len({id(t) for t in b._templates[spec.key][1:]}) == 3
-    bm = torch.zeros(7, bitmask_words(V), dtype=torch.int32)
+    F = 2 * TEMPLATES_PER_THREAD
+    gs = [b.matcher(spec) for _ in range(F + 3)]
+    assert [g.family for g in gs] == list(range(F)) + [0, 1, 2]
+    assert len({id(t) for t in b._templates[spec.key][1:]}) == F
+    bm = torch.zeros(len(gs), bitmask_words(V), dtype=torch.int32)
     for t in tok.encode('{"a": 12, "b": "yz"}', add_special_tokens=False).ids + [EOS_TOKEN_ID]:
-        fill_masks(gs, list(range(7)), bm)
+        fill_masks(gs, list(range(len(gs))), bm)
         assert (bm == bm[0]).all() and allows(bm, 0, t), t
         assert all(g.accept([t]) for g in gs)
     assert all(g.ended for g in gs)
