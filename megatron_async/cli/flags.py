@@ -153,7 +153,8 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
                         "0: one by one; InferenceConfig.startup_build_threads)")
     g.add_argument("--kernel-cache-dir", default=None,
                    help="Triton's on-disk kernel cache (sets TRITON_CACHE_DIR; default ~/.triton/cache): a later "
-                        "process loads the kernels built there instead of compiling them")
+                        "process loads the kernels built there instead of compiling them, and finds the warm-up's kernels "
+                        "from the list kept there (no dry captures)")
     g.add_argument("--enable-suspend", action="store_true",
                    help="allocate weights, KV cache and graph pools so engine.suspend can free device memory "
                         "(InferenceConfig.enable_suspend; CUDA needs torch-memory-saver)")
@@ -215,6 +216,7 @@ def resolve_device_args(args: argparse.Namespace) -> None:
     point Triton at ``--kernel-cache-dir`` (before anything is built)."""
     if getattr(args, "kernel_cache_dir", None):
         os.environ["TRITON_CACHE_DIR"] = os.path.abspath(os.path.expanduser(args.kernel_cache_dir))
+        os.environ.setdefault("MEGATRON_ASYNC_KERNEL_LIST", "1")  # a kept directory: keep the kernel lists there
     args.device = args.device or default_device()
     kind = torch.device(args.device).type
     if args.dtype is None:

@@ -19,7 +19,7 @@ from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.memory_planning import DeviceMemoryReader, MemoryPlan, plan_kv_pool
 from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant
 from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
-from megatron_async.inference.text_generation_controllers.kernel_prebuild import prebuild
+from megatron_async.inference.text_generation_controllers.kernel_list import prebuild_listed
 from megatron_async.inference.text_generation_controllers.warmup import can_prebuild, warmup_shape
 
 log = logging.getLogger("megatron_async")
@@ -43,7 +43,7 @@ def measure_peak_step(runner: ModelRunner, reader: DeviceMemoryReader) -> tuple[
     ctx, shape = runner.context, peak_step_shape(runner)
     built = ""
     if can_prebuild(runner, runner.build_threads):  # its kernels built at once, not one by one
-        built = prebuild(runner, [(shape, 0)], runner.build_threads).describe()
+        built = prebuild_listed(runner, [(shape, 0)], runner.build_threads).describe()
     ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(shape.num_rows, shape.num_tokens).to(ctx.device.device))
     reader.reset_peak()
     before = reader.read().allocated

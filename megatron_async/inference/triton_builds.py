@@ -28,14 +28,16 @@ from dataclasses import dataclass
 
 from megatron_async.inference import triton_workers
 
-_state = {"builds": 0, "prev": None, "names": [], "deferred": None, "deferring_thread": None}
+_state = {"builds": 0, "prev": None, "names": [], "deferred": None, "deferring_thread": None, "seen": {}}
 
 
 def _hook(*args, **kwargs):
+    fn, data = kwargs.get("fn"), (kwargs.get("compile") or {}).get("specialization_data")
+    jit = getattr(fn, "jit_function", None)
+    if jit is not None and data is not None:
+        _state["seen"].setdefault((id(jit), data), (jit, data))
     deferred = _state["deferred"]
     if deferred is not None and threading.get_ident() == _state["deferring_thread"]:
-        fn, data = kwargs.get("fn"), (kwargs.get("compile") or {}).get("specialization_data")
-        jit = getattr(fn, "jit_function", None)
         if jit is not None and data is not None:
             if (id(jit), data) not in deferred:
                 deferred[(id(jit), data)] = (jit, data)
@@ -70,6 +72,11 @@ def install() -> bool:
 def builds() -> int:
     """Builds counted since ``install``."""
     return _state["builds"]
+
+
+def seen() -> list:
+    """Every (JITFunction, specialization data) the hook met since ``install``, built or deferred."""
+    return list(_state["seen"].values())
 
 
 def built_names(since: int = 0) -> list[str]:

@@ -176,7 +176,7 @@ def _worker_init() -> None:
             os.environ["TRITON_CACHE_DIR"] = cache
 
 
-def _jit_function(key: str):
+def jit_function(key: str):
     """The JITFunction registered under ``module:qualname``, importing its module if needed."""
     from triton.runtime.jit import _triton_jit_function_registry as registry
 
@@ -200,7 +200,7 @@ def _compile(task) -> tuple[str, float]:
         from triton.runtime.jit import convert_to_tuple_if_list
 
         os.environ["TRITON_CACHE_DIR"] = cache_dir
-        jit = _jit_function(f"{module}:{qualname}")
+        jit = jit_function(f"{module}:{qualname}")
         spec = json.loads(data)
         target = GPUTarget(**spec["target"])
         backend = make_backend(target)
@@ -211,7 +211,7 @@ def _compile(task) -> tuple[str, float]:
             if isinstance(value, dict) and "constexpr" in value:
                 return tl.constexpr(convert_to_tuple_if_list(value["constexpr"]))
             if isinstance(value, dict) and "jit_function" in value:
-                return _jit_function(value["jit_function"])
+                return jit_function(value["jit_function"])
             return convert_to_tuple_if_list(value)
 
         constexprs = {tuple(k): decode(v) for k, v in zip(spec["constant_keys"], spec["constant_vals"])}

@@ -1,6 +1,7 @@
 """CUDA: after the startup warm-up, a run with staggered arrivals and every sampling feature
 builds no Triton kernel and captures no graph, in eager and in graph mode; mixed steps replay
 graphs, and their tokens equal eager (float32). Skipped without a GPU."""
+import os
 import random
 
 import pytest
@@ -46,12 +47,13 @@ def test_no_builds_or_captures_after_startup_warmup_and_mixed_graphs_equal_eager
     assert graphs == eager
 
 
-def test_kernels_built_at_once_from_dry_captures_serve_the_same_tokens(tmp_path):
+def test_kernels_built_at_once_from_dry_captures_serve_the_same_tokens(tmp_path, monkeypatch):
     """Shapes no other test uses (vocabulary 328, hidden 96, 3 query heads): the first engine
     meets unbuilt kernels, finds them by dry captures and builds them on threads (its graphs then
     capture without an eager run first, and serve the same tokens as the eager engine); then neither it
     nor a second engine built one kernel at a time builds anything while serving, and their
     tokens are equal (the dry pass left no buffer unwritten)."""
+    monkeypatch.delenv("MEGATRON_ASYNC_KERNEL_LIST", raising=False)  # the dry captures, not a kept list
     path = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "odd", vocab_size=328, hidden_size=96,
                                 num_attention_heads=3, num_key_value_heads=1, head_dim=48)
     outs = []
@@ -138,8 +140,9 @@ def test_the_memory_profile_step_is_captured_dry_in_a_fresh_process(ckpt):
 
     notes = {}
     for case in ("warmed", "cold-cublas"):
+        env = {k: v for k, v in os.environ.items() if k != "MEGATRON_ASYNC_KERNEL_LIST"}  # dry captures, no kept list
         r = subprocess.run([sys.executable, "-c", _MEMORY_PROFILE, str(ckpt), case], capture_output=True, text=True,
-                           timeout=300, cwd=Path(__file__).resolve().parents[2])
+                           timeout=300, cwd=Path(__file__).resolve().parents[2], env=env)
         assert r.returncode == 0, r.stderr[-3000:]
         notes[case] = r.stdout.split("memory profile:")[-1].strip()
     assert notes["warmed"].startswith("1 step captured dry") and " 0 kernels" not in notes["warmed"], notes

@@ -58,12 +58,16 @@ class PrebuildReport:
     """Of ``build_seconds``, the workers' compiles."""
     slowest: tuple[str, float] = ("", 0.0)
     """The kernel whose compile in a worker took longest, and its seconds."""
+    listed: bool = False
+    """Built from the list an earlier process kept (kernel_list.py): nothing captured dry."""
+    specs: list = field(default_factory=list)
+    """Every specialization the process had met when the dry pass ended (what a kept list holds)."""
 
     def describe(self) -> str:
-        steps = f"{self.shapes} step{'s' * (self.shapes != 1)}"
+        steps = "the kept kernel list" if self.listed else f"{self.shapes} step{'s' * (self.shapes != 1)} captured dry"
         workers = (f" ({self.compiled} compiled in {self.processes} processes in {self.compile_seconds:.1f} s, longest "
                    f"{self.slowest[0]} {self.slowest[1]:.1f} s)" if self.processes else "")
-        return (f"{steps} captured dry, {self.kernels} kernels on {self.threads} threads in {self.build_seconds:.1f} s"
+        return (f"{steps}, {self.kernels} kernels on {self.threads} threads in {self.build_seconds:.1f} s"
                 + workers)
 
 
@@ -210,4 +214,5 @@ def prebuild(runner, shapes: list, threads: int, also=None) -> PrebuildReport:
     torch.cuda.empty_cache()  # the dry captures' pool: nothing in it is kept
     built = triton_builds.build_all(specs, threads)
     return PrebuildReport(built.kernels, built.threads, time.perf_counter() - t0, built.seconds, done,
-                          list(shapes[done:]), built.compiled, built.processes, built.compile_seconds, built.slowest)
+                          list(shapes[done:]), built.compiled, built.processes, built.compile_seconds, built.slowest,
+                          specs=triton_builds.seen())

@@ -33,7 +33,8 @@ import torch
 
 from megatron_async.inference import triton_builds
 from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant, variant_flags
-from megatron_async.inference.text_generation_controllers.kernel_prebuild import PrebuildReport, prebuild
+from megatron_async.inference.text_generation_controllers.kernel_list import prebuild_listed
+from megatron_async.inference.text_generation_controllers.kernel_prebuild import PrebuildReport
 from megatron_async.step_shape import StepShape
 
 
@@ -186,7 +187,7 @@ def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: i
     shapes = eager_shapes(runner) if eager else []
     pre = None
     if shapes and can_prebuild(runner, build_threads):
-        pre = prebuild(runner, shapes, build_threads, also=lambda: _warm_token_mask(runner))
+        pre = prebuild_listed(runner, shapes, build_threads, also=lambda: _warm_token_mask(runner))
         shapes = pre.left
     t_eager = time.perf_counter()
     _run_eager(runner, shapes)
