@@ -2,10 +2,11 @@
 linears (cuBLAS bf16; the engine's FP8 linear, which is the Triton W8A8 GEMM up to 64 rows and
 cuBLASLt above; the Triton GEMM alone; ``torch._scaled_mm``'s block-scaled recipe with its
 activation quantization), one Qwen3-30B-A3B MoE layer (the engine's bf16 experts against the FP8
-fused MoE; where its blocks are larger than decode's, also rows "fp8 16-row tiles": the FP8 MoE on
-the decode blocks' tiles, the tile table's before / after, and "fp8 2-a-SM tiles": ``TWO_A_SM``)
-and Qwen3-8B decode attention over a bf16 and an e4m3 KV pool. Every call is timed as a replayed
-CUDA graph cycling through enough weight copies that they come from DRAM, as in a step."""
+fused MoE; at prefill sizes also the FP8 MoE on 64-row blocks with the decode blocks' tiles, as
+before ``FP8_MOE_TILES`` ("fp8 16-row tiles"), with ``TWO_A_SM`` ("fp8 2-a-SM tiles") and, where
+the table aligns to 128 rows, with its 64-row entry ("fp8 64-row align")) and Qwen3-8B decode
+attention over a bf16 and an e4m3 KV pool. Every call is timed as a replayed CUDA graph cycling
+through enough weight copies that they come from DRAM, as in a step."""
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 from megatron_async.kernels import fp8_quant as fq, kv_cache_fp8 as kf, triton_fp8_gemm as tg
 from megatron_async.kernels.moe_experts import fused_experts
 from megatron_async.kernels.triton_decode_attention import decode_attention
-from megatron_async.kernels.triton_fp8_moe import FP8_MOE_TILES, Fp8MoeTiles, fused_experts_fp8
+from megatron_async.kernels import triton_fp8_moe as tm
+from megatron_async.kernels.triton_fp8_moe import FP8_MOE_TILES, Fp8MoeTiles
 from megatron_async.kernels.triton_fused_moe import _block_m
 
 LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -92,9 +94,14 @@ def moe_rows(tokens: list[int], device: torch.device, shape: tuple = MOE) -> lis
         bf16 = timer([lambda: fused_experts(x, w13, w2, ids, w, True, triton=triton)])
         fp8 = timer([lambda: fused_experts(x, q13, q2, ids, w, True, triton=triton, w13_scale=s13, w2_scale=s2)])
         rows.append({"kind": "moe", "layer": "30b-a3b experts", "m": n, "bf16_us": bf16, "fp8_us": fp8})
-        if triton and FP8_MOE_TILES[_block_m(n * k, E)] != FP8_MOE_TILES[16]:
-            for name, tiles in (("fp8 16-row tiles", FP8_MOE_TILES[16]), ("fp8 2-a-SM tiles", TWO_A_SM)):
-                t = timer([lambda tiles=tiles: fused_experts_fp8(x, q13, s13, q2, s2, ids, w, True, tiles=tiles)])
+        block_m = _block_m(n * k, E)
+        if triton and block_m == 64:  # prefill sizes: the tiles before, and the other candidates, beside
+            cases = [("fp8 16-row tiles", FP8_MOE_TILES[16]), ("fp8 2-a-SM tiles", TWO_A_SM)]
+            if tm._rows(n * k, E) != block_m:
+                cases.append(("fp8 64-row align", FP8_MOE_TILES[block_m]))
+            for name, tiles in cases:
+                t = timer([lambda tiles=tiles: tm.fused_experts_fp8(x, q13, s13, q2, s2, ids, w, True, tiles=tiles,
+                                                                    block_rows=block_m)])
                 rows.append({"kind": "moe", "layer": name, "m": n, "bf16_us": bf16, "fp8_us": t})
     return rows
 

@@ -110,7 +110,7 @@ def test_scaled_mm_takes_the_large_calls_and_agrees():
     check_gemm(tg.fp8_linear(x, q, s), x, q, s, ulps=0.5, slack=2.0 ** -11)
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 128, 1000, 4096])  # 4,096: 64-row blocks
+@pytest.mark.parametrize("tokens", [1, 16, 128, 1000, 4096, 6000])  # 64- and 128-row blocks
 def test_fp8_moe_at_the_qwen3_30b_layer(tokens):
     E, H, I, k = 128, 2048, 768, 8
     g = torch.Generator(device="cuda").manual_seed(tokens)
