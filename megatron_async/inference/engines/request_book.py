@@ -189,5 +189,6 @@ class RequestBook:
                 ctx.trim_blocks(req)
             if register:
                 ctx.register_complete_blocks(req)
-        self.fast_landings += not K or not any(r.num_drafts for r in rows)
+        # (a step without the speculative machinery has no accepted counts: no pass over its rows)
+        self.fast_landings += not K or accepted is None or not any(r.num_drafts for r in rows)
         return Landing(finished, updated, discarded, num_tokens, drafted_d, accepted_d, truncated)

@@ -94,9 +94,10 @@ class StepAccounting:
         if pending.is_decode_only:
             self.stats.decode_wall_time += wall
             spec = self.scheduler.spec
-            if spec.adaptive:
-                spec.observe_step(len(pending.rows), max((r.num_drafts for r in pending.rows), default=0), wall,
-                                  drafter=pending.host_accepted is not None)
+            if spec.adaptive:  # (a step without the machinery verified nothing: no pass over its rows)
+                drafter = pending.host_accepted is not None
+                drafts = max((r.num_drafts for r in pending.rows), default=0) if drafter else 0
+                spec.observe_step(len(pending.rows), drafts, wall, drafter=drafter)
         else:
             self.stats.prefill_wall_time += wall
 

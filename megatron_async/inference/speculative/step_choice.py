@@ -145,6 +145,9 @@ class StepChoice:
         """(R(B, W), scheduler step W was measured at): this bucket's, else the nearest
         measured bucket's within a factor of 2."""
         b = bucket(rows)
+        r = self.costs.ratio(b, width)
+        if r is not None:  # (every step asks: this bucket's first, without a pass over the cells)
+            return r, self.costs.cells[(b, width)].step
         near = sorted((abs(math.log(o / b)), o) for (o, w) in self.costs.cells
                       if w == width and b // 2 <= o <= 2 * b)
         for _, o in near:
@@ -181,10 +184,13 @@ class StepChoice:
         for w in self.widths:
             r, at = self.ratio(B, w)
             est[w] = (None if r is None else max(r, floor), at)  # never below a narrower kind (or plain)
+            cell = self.costs.cell(B, w)  # (a cell of one sample - a trial's - bounds no other)
+            if r is not None and cell is not None and cell.samples > 1:
+                floor = max(floor, est[w][0])  # (its bounds are read only while it is unmeasured)
+                continue
             lo, hi = self.costs.ratio_bounds(B, w)
             bounds[w] = max(lo, floor), hi  # a wider row costs at least a narrower one
-            cell = self.costs.cell(B, w)  # (a cell of one sample - a trial's - bounds no other)
-            floor = max(floor, est[w][0] if est[w][0] is not None and cell is not None and cell.samples > 1 else lo)
+            floor = max(floor, lo)
         # the best kind at its worst cost (an unknown R at the most larger batches allow), a
         # verify kind's value less the margin it must win by
         worst = {w: est[w][0] or bounds.get(w, (0, 0))[1] for w in est}
