@@ -210,3 +210,30 @@ def test_fill_starts_as_soon_as_the_launch_before_lands():
     run_arrivals(llm, arrivals(llm, 6))
     fills = [i for i, e in enumerate(events) if e == "fill"]
     assert len(fills) > 0.8 * eng.stats.grammar_steps and all(events[i - 1] == "land" for i in fills), events
+
+
+def test_switch_interval_comes_back_when_the_last_fill_in_the_process_is_taken():
+    """Engines sharing a process share its one switch interval: fills of two engines overlapping
+    (A starts, B starts, A is taken, B is taken) keep it low until the last is taken, then the
+    interval before the first comes back."""
+    import sys
+
+    from megatron_async.inference.engines.grammar_masks import FILL_SWITCH_INTERVAL_S, FillSwitchInterval
+
+    before, gil = sys.getswitchinterval(), FillSwitchInterval()
+    try:
+        sys.setswitchinterval(0.005)
+        gil.fill_started()
+        gil.fill_started()
+        gil.fill_taken()
+        assert sys.getswitchinterval() <= FILL_SWITCH_INTERVAL_S
+        gil.fill_taken()
+        assert sys.getswitchinterval() == 0.005
+        sys.setswitchinterval(FILL_SWITCH_INTERVAL_S / 2)  # already below: left as it is
+        low = sys.getswitchinterval()
+        gil.fill_started()
+        assert sys.getswitchinterval() == low
+        gil.fill_taken()
+        assert sys.getswitchinterval() == low
+    finally:
+        sys.setswitchinterval(before)

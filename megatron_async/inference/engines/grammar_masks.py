@@ -17,13 +17,14 @@ consume, after the masks). While the engine thread runs Python, a thread waiting
 gets it only after the switch interval, 5 ms by default: longer than the engine thread's work,
 so the fill would only go on once the engine thread waits for it, the whole fill on the host's
 step. While a fill is in flight the interval is at most ``FILL_SWITCH_INTERVAL_S`` (the one
-before is restored when the fill is taken).
+before is restored when the last fill in flight in the process is taken: ``FillSwitchInterval``).
 
 A request's grammar is built at admission from its validated spec (``attach``); a spec that
 does not compile refuses the request at ``add_request`` with the library's message (``check``)."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -42,6 +43,31 @@ if TYPE_CHECKING:
 Failed = list[tuple[DynamicInferenceRequest, str]]
 FILL_SWITCH_INTERVAL_S = 1e-4
 """GIL switch interval while a fill runs beside the engine thread (module doc)."""
+
+
+class FillSwitchInterval:
+    """The process's GIL switch interval (one setting, whatever engines share the process): at
+    most FILL_SWITCH_INTERVAL_S while any fill is in flight, the one before once none is."""
+
+    def __init__(self):
+        self._lock, self._fills, self._before = threading.Lock(), 0, 0.0
+
+    def fill_started(self) -> None:
+        with self._lock:
+            if self._fills == 0:
+                self._before = sys.getswitchinterval()
+                if self._before > FILL_SWITCH_INTERVAL_S:  # (a lower one is left as it is)
+                    sys.setswitchinterval(FILL_SWITCH_INTERVAL_S)
+            self._fills += 1
+
+    def fill_taken(self) -> None:
+        with self._lock:
+            self._fills -= 1
+            if self._fills == 0 and self._before > FILL_SWITCH_INTERVAL_S:
+                sys.setswitchinterval(self._before)
+
+
+SWITCH_INTERVAL = FillSwitchInterval()
 
 
 class GrammarMasks:
@@ -63,8 +89,6 @@ class GrammarMasks:
         """Engine-thread time waiting for those fills to end."""
         self._job: tuple[PendingLaunch, Future] | None = None
         self._worker: ThreadPoolExecutor | None = None
-        self._switch_interval: float | None = None
-        """The GIL switch interval before the fill in flight lowered it."""
 
     def check(self, sp: SamplingParams) -> None:
         """Refuse (InvalidRequestError) a request whose structured outputs cannot be served."""
@@ -95,8 +119,7 @@ class GrammarMasks:
         bitmask, row_map = runner.mask_buffers(pending)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch_interval, FILL_SWITCH_INTERVAL_S))
+        SWITCH_INTERVAL.fill_started()
         self._job = (pending, self._worker.submit(self.fill, pending, bitmask, row_map))
 
     def finish(self, runner: ModelRunner, pending: PendingLaunch | None) -> Failed:
@@ -113,7 +136,7 @@ class GrammarMasks:
                 try:
                     num_rows, job_failed = job[1].result()  # the fill's error, if any, raises here
                 finally:
-                    sys.setswitchinterval(self._switch_interval)
+                    SWITCH_INTERVAL.fill_taken()
                 self.wait_seconds += time.perf_counter() - t0
                 if job[0] is pending:
                     self.early_fills += 1
