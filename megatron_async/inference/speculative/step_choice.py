@@ -6,8 +6,8 @@ A step of B decode rows is either plain (1 token per row) or a verify step of wi
 of the verify graphs' widths; every row drafts up to W - 1 and is padded to W). Per row it
 brings G(W) = mean over rows of 1 + a + ... + a^(W-1) tokens (G(1) = 1; a: the row's
 per-position acceptance) and costs R(B, W) = cost(B, W) / cost(B, 1) plain steps. The step runs
-the kind with the largest G / R, a verify kind's divided by 1 + ``_MARGIN`` * min(1, B / 64): at
-a large batch drafting must win by 10 % per token. What a step's count misses there: a closed
+the kind with the largest G / R, a verify kind's divided by 1 + ``_MARGIN`` * min(1, B / 128): at
+batch 128 drafting must win by 20 % per token. What a step's count misses there: a closed
 batch's requests finish apart once drafts land unevenly (a tail of small steps), and where the
 host bounds the step a verify step's landing grows with the tokens it brings (bench_speculative
 on the H100, batch 128: forced drafting at 80 % is 0.86x plain although a verify step costs
@@ -58,8 +58,8 @@ from megatron_async.inference.speculative.step_cost import StepCosts, bucket
 _TRIAL = 2
 _BUDGET = 0.004
 _SWITCH = 0.6  # plain steps a change of kind costs besides its steps (the drafter's runs around it)
-_MARGIN = 0.1  # a verify kind must beat plain by this much per token at large batches (a closed batch's
-_MARGIN_ROWS = 64  # tail, the host's landing): in proportion up to this many rows
+_MARGIN = 0.2  # a verify kind must beat plain by this much per token at large batches (a closed batch's
+_MARGIN_ROWS = 128  # tail, the host's landing): in proportion up to this many rows
 _DECAY = 0.85
 _PRIOR = 4.0  # positions of the engine's acceptance in a request's estimate
 _ENGINE_DECAY = 1 - 1 / 64
