@@ -14,7 +14,7 @@ byte-level BPE (benchmarks/synthetic_vocab.py, 151,669 entries). The schema has 
 enums, an array with min / max items, a nested object with a pattern, and a string with
 ``maxLength``, which sends the whole schema to llguidance by the "auto" rule (``--backend xgrammar``
 measures xgrammar on it). ``--grammar-threads``: the libraries' mask-filling threads (llguidance:
-one template matcher per thread, guidance_backend.py).
+4 template matchers a spec per thread, guidance_backend.py).
 
     python -m benchmarks structured                   # one H100: ~3 min with the warm-up
     python -m benchmarks structured --smoke           # CPU, tiny model, seconds
