@@ -123,8 +123,10 @@ class Scheduler:
                 any_paused = True
         spare, n = budget - len(decoding), len(decoding)
         # the most drafts a row may verify in this step (what pays); a step that will carry
-        # prefill chunks (unfinished prompts, or admissions) replays a mixed graph only without drafts
-        chunks = bool(prefilling) or bool(self.waiting) and len(self.ctx.active) < self.config.max_requests
+        # prefill chunks (unfinished prompts, or admissions: a place and a block free, nothing
+        # paused) replays a mixed graph only without drafts
+        chunks = bool(prefilling) or (bool(self.waiting) and not any_paused and self.ctx.allocator.num_available > 0
+                                      and len(self.ctx.active) < self.config.max_requests)
         self.spec.plan_step(decoding, chunks)
         drafts_for, ctx, bs = self.spec.drafts_for, self.ctx, self.ctx.block_size
         if self.spec.step_cap == 0:  # a plain step: no row drafts (the policy counts why in one pass)
