@@ -177,14 +177,23 @@ def _worker_init() -> None:
 
 
 def jit_function(key: str):
-    """The JITFunction registered under ``module:qualname``, importing its module if needed."""
-    from triton.runtime.jit import _triton_jit_function_registry as registry
+    """The JITFunction named ``module:qualname``: Triton's registry where it holds it (3.9+), else
+    the module's attribute (Triton 3.6 keeps no registry; the kernels are module-level names)."""
+    import importlib
 
-    if key not in registry:
-        import importlib
-
-        importlib.import_module(key.split(":", 1)[0])
-    return registry[key]
+    module, qualname = key.split(":", 1)
+    try:
+        from triton.runtime.jit import _triton_jit_function_registry as registry
+    except ImportError:
+        registry = {}
+    if key in registry:
+        return registry[key]
+    found = importlib.import_module(module)
+    if key in registry:
+        return registry[key]
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
 
 
 def _compile(task) -> tuple[str, float]:

@@ -129,3 +129,19 @@ def test_cache_dir_follows_triton_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     assert triton_builds.cache_dir() == str(tmp_path)
     assert 1 <= triton_workers.default_threads() <= 16
+
+
+def test_compile_workers_find_kernels_without_triton_registry(monkeypatch):
+    """Triton 3.6 (the CUDA 13 wheels' pin) has no ``_triton_jit_function_registry``: a worker
+    finds the kernel as its module's attribute (without this every worker compile failed and the
+    threads compiled them all again)."""
+    import triton.runtime.jit as triton_jit
+
+    from megatron_async.inference import triton_workers
+    from megatron_async.kernels import triton_step_inputs
+
+    key = "megatron_async.kernels.triton_step_inputs:_resolve_ids_kernel"
+    assert triton_workers.jit_function(key) is triton_step_inputs._resolve_ids_kernel
+    if hasattr(triton_jit, "_triton_jit_function_registry"):
+        monkeypatch.delattr(triton_jit, "_triton_jit_function_registry")
+    assert triton_workers.jit_function(key) is triton_step_inputs._resolve_ids_kernel
