@@ -98,9 +98,6 @@ def warm_libraries(model, stream) -> None:
     stream.synchronize()
 
 
-_EMPTYING = ((torch.cuda, "empty_cache"), (torch._C, "_host_emptyCache"))  # the latter: CUDA builds
-
-
 def _keep() -> None:
     pass
 
@@ -111,16 +108,16 @@ def caches_kept():
     capture: over hundreds of captures every eager run then allocates its workspace again (and
     re-pins host buffers). Kept through a warm-up's captures (the memory plan counts the eager
     cache's peak beside the graph pool), emptied once after them."""
-    saved = {name: getattr(owner, name) for owner, name in _EMPTYING if hasattr(owner, name)}
-    for owner, name in _EMPTYING:
-        if name in saved:
-            setattr(owner, name, _keep)
+    device, host = torch.cuda.empty_cache, getattr(torch._C, "_host_emptyCache", None)  # the latter: CUDA builds
+    torch.cuda.empty_cache = _keep
+    if host is not None:
+        torch._C._host_emptyCache = _keep
     try:
         yield
     finally:
-        for owner, name in _EMPTYING:
-            if name in saved:
-                setattr(owner, name, saved[name])
+        torch.cuda.empty_cache = device
+        if host is not None:
+            torch._C._host_emptyCache = host
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
