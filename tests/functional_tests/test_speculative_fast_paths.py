@@ -5,7 +5,10 @@ finish reasons and log-probs, greedy and seeded sampling, serial and launch-ahea
 oracle drafter at 0 % and at an intermediate acceptance; the counters show the fast paths ran.
 And new requests start from the engine's recent acceptance: at 0 % a second batch pays no
 wide verify rows."""
+from collections import Counter
+
 import pytest
+import torch
 
 from megatron_async import SamplingParams
 from tests.helpers.engine_harness import Arrival, make_llm, random_prompts, run_arrivals
@@ -75,3 +78,59 @@ def test_new_requests_start_from_recent_acceptance(qwen3_ckpt, async_scheduling)
     assert st.spec_draft_tokens_per_depth[2] == wide_first, st.as_dict()  # no wide verify rows
     assert st.spec_verify_rows > verify_before, st.as_dict()  # probes still ran
     assert st.spec_accepted_tokens == 0
+
+
+def _per_token(self, row, r: int, inflight: bool) -> None:
+    """``_TokenColumns.add`` token by token for every row (the reference the slices must equal):
+    the first token from the launch in flight (``prev_row``) or, after a launch that verified
+    drafts, from the spec state (src 0); drafts from the spec state (src j); the rest known."""
+    req, start, n, k, bs = row.request, row.start, row.num_tokens, row.num_drafts, self.bs
+    for p in range(start, start + n):
+        j = p - start
+        from_spec = 0 < j <= k or j == 0 and inflight
+        self.ids.append(0 if from_spec or j == 0 and row.prev_row >= 0 else req.token_at(p))
+        self.prev.append(row.prev_row if j == 0 and row.prev_row >= 0 and not inflight else -1)
+        if self.spec:
+            self.src.append(j if from_spec else -1)
+        self.pos.append(p)
+        self.slots.append(req.block_ids[p // bs] * bs + p % bs)
+        self.tok_row.append(r)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_spec_steps_lay_plain_rows_out_by_slices(qwen3_ckpt, async_scheduling, monkeypatch):
+    """A speculative engine's prefill chunks and decode rows without drafts take the plain
+    engine's slice path in the general snapshot (token by token, a 2,048-token prefill step took
+    twice the plain engine's host time): every general snapshot of a run with prefill chunks
+    beside decode rows, verify rows and rows continuing a verify launch equals the per-token
+    layout, byte for byte (each assembled twice from the same state, over the same junk)."""
+    from megatron_async.inference.contexts import general_rows
+
+    arr = [Arrival(3 * i, p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(random_prompts(6, 9, 30, 256, seed=64))]
+    cfg = dict(CFG, async_scheduling=async_scheduling)
+    plain = run_arrivals(make_llm(qwen3_ckpt, **cfg), arr)
+    llm = make_llm(qwen3_ckpt, oracle_for(plain, arr, 0.4), num_speculative_tokens=3, speculative_min_acceptance=0.0,
+                   **cfg)
+    ctx, seen = llm.context, Counter()
+    general, slices = ctx._assemble_general, general_rows._TokenColumns.add
+
+    def both(plan, verify_width):
+        ring = ctx._ring
+        out = []
+        for add in (slices, _per_token):
+            monkeypatch.setattr(general_rows._TokenColumns, "add", add)
+            ctx._ring = ring
+            ctx._host_buffers[ring ^ 1].fill_(0xA5)
+            out.append((general(plan, verify_width), ctx._host_buffers[ring ^ 1].clone()))
+        monkeypatch.setattr(general_rows._TokenColumns, "add", slices)
+        assert out[0][0] == out[1][0] and torch.equal(out[0][1], out[1][1])
+        for row in plan.rows:
+            seen["chunk" if row.num_tokens > 1 + row.num_drafts else "drafts" if row.num_drafts else "plain"] += 1
+            seen["inflight"] += row.prev_row >= 0 and plan.inflight_verified
+        seen["mixed"] += not plan.is_decode_only and any(r.num_tokens == 1 + r.num_drafts for r in plan.rows)
+        return out[0][0]
+
+    ctx._assemble_general = both
+    assert_same_outputs(plain, run_arrivals(llm, arr), log_prob_tol=1e-5)
+    assert min(seen[k] for k in ("chunk", "drafts", "plain", "mixed")) > 0, seen
+    assert seen["inflight"] > 0 or not async_scheduling, seen

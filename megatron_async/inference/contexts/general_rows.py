@@ -104,9 +104,11 @@ class _TokenColumns:
     def add(self, row, r: int, inflight: bool) -> None:
         """Row ``r``'s tokens (``inflight``: its first token comes from the spec state)."""
         req, start, n, k, bs = row.request, row.start, row.num_tokens, row.num_drafts, self.bs
-        if not self.spec and k == 0:  # a plain row (the prefill chunks): its columns by slices, not per token
+        if k == 0 and not inflight:  # a plain row (prefill chunks): its columns by slices, not per token
             _plain_row_tokens(req, start, n, row.prev_row, r, bs, self.ids, self.prev, self.pos, self.slots,
                               self.tok_row)
+            if self.spec:  # no id from the spec state: a speculative engine's prefill chunks take
+                self.src += [-1] * n  # the slices too (token by token they took twice a plain engine's host time)
         else:
             ids, prev, src, spec = self.ids, self.prev, self.src, self.spec
             pos, slots, tok_row = self.pos, self.slots, self.tok_row
