@@ -103,6 +103,9 @@ class SpecBench:
             InferenceConfig(**common, num_speculative_tokens=K, speculative_method="ngram"))
         self.rows: list[BenchRow] = []
         self.decode_ms = self.plain_decode_ms = 0.0
+        self.split = self.plain_split = ""
+        """The latest timed run's steps that landed prefill chunks (count x mean wall) and its wall
+        outside the landing steps' walls; the latest plain run's."""
         """Mean host wall of the latest timed run's decode-only steps (steady launch-ahead: the
         step's time), and of the latest plain run's."""
         self._measured: set[int] = set()
@@ -128,12 +131,16 @@ class SpecBench:
         self._sync()
         st = llm.engine.stats
         before, decode = st.steps, (st.decode_wall_time, st.decode_steps)
+        prefill = (st.prefill_wall_time, st.prefill_steps)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         self._sync()
         wall = time.perf_counter() - t0
         steps = st.decode_steps - decode[1]
         self.decode_ms = 1e3 * (st.decode_wall_time - decode[0]) / max(steps, 1)
+        chunks, chunks_wall = st.prefill_steps - prefill[1], st.prefill_wall_time - prefill[0]
+        outside = wall - chunks_wall - (st.decode_wall_time - decode[0])  # a first step lands nothing
+        self.split = f"{chunks} x {1e3 * chunks_wall / max(chunks, 1):.2f} ms, outside {1e3 * outside:.1f} ms"
         return outs, wall, (st.steps - before)
 
     def _sync(self) -> None:
@@ -208,7 +215,7 @@ class SpecBench:
         for batch in a.batches:
             prompts = self.prompts(batch, False, seed=batch)
             plain, plain_wall, steps = self.timed(self.plain, prompts, params)
-            self.plain_decode_ms = self.decode_ms
+            self.plain_decode_ms, self.plain_split = self.decode_ms, self.split
             plain_tps = sum(len(o.generated_tokens) for o in plain) / plain_wall
             first = len(self.rows)
             self.add(self._row("oracle", batch, 0, None, "plain", plain, plain_wall, steps, plain, plain_tps, None))
@@ -242,7 +249,8 @@ class SpecBench:
         widths = ", ".join(f"width {w} {ms:.2f} ms (R {ms / cells[1]:.2f})" for w, ms in sorted(cells.items()) if w > 1)
         print(f"bench_speculative: batch {batch}, {acc:.0%}: decode step, plain engine {self.plain_decode_ms:.2f} ms; "
               f"the rule's costs: plain {cells[1]:.2f} ms, {widths or 'no verify width measured'}; this run's "
-              f"decode steps {self.decode_ms:.2f} ms", file=sys.stderr, flush=True)
+              f"decode steps {self.decode_ms:.2f} ms; steps landing prefill chunks: plain engine {self.plain_split}, "
+              f"this run {self.split}", file=sys.stderr, flush=True)
 
     def _replain(self, first: int, batch: int, prompts, params, before_tps: float) -> None:
         """Times the plain engine again after a batch's speculative rows and rescales those rows

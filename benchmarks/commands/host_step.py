@@ -26,7 +26,10 @@ counts the moments another process holds the core, which say nothing about the h
 drafter at 0 % acceptance (batch 128 / 0 % must cost what plain decoding costs), its
 host time also split by the kind of step launched: "plain" (the plain engine's step:
 speculative/plain_steps.py), "drafter" (no drafts, the speculative machinery runs), "verify"
-(some row has drafts). ``--spec 0`` with ``--kinds`` prints the same split for a plain engine.
+(some row has drafts). ``--spec 0`` with ``--kinds`` prints the same split for a plain engine. The line of each setting
+also gives the host time of the whole run by the kind of step launched, "mixed" (prefill
+chunks) included, and of it the schedule and init_attn stages; ``--prompt-len 128 --max-tokens
+2048`` gives those steps the speculative benchmark's sizes.
 
 Usage: ``OMP_NUM_THREADS=1 PYTHONPATH=$PWD python -m benchmarks host-step [--rows 64 128 256] [--stream]``
 (the last thing printed is a markdown table, ms per decode step)."""
@@ -69,6 +72,8 @@ class StageTimer:
         self.run_by_kind: dict[str, float] = {}
         self.run_steps: dict[str, int] = {}
         """Host time and ``engine.step()`` calls of the whole run by the kind of step each launched."""
+        self.run_stages: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        """Their ``schedule`` and ``init_attn`` stages by kind."""
         self._undo = []
 
     def wrap(self, cls, name: str, label: str, after=None):
@@ -110,6 +115,8 @@ class StageTimer:
                 if self.cur.get("kind:" + kind):
                     self.run_by_kind[kind] = self.run_by_kind.get(kind, 0.0) + host
                     self.run_steps[kind] = self.run_steps.get(kind, 0) + 1
+                    for stage in ("schedule", "init_attn"):
+                        self.run_stages[kind][stage] += self.cur.get(stage, 0.0)
                     break
             if res.is_decode_only and self.launched_decode:
                 self.steps.append(dict(self.cur))
@@ -160,7 +167,8 @@ class StageTimer:
         out["host_mean"] = 1e3 * statistics.fmean(st["host"] for st in self.steps)
         out["steps"] = len(self.steps)
         out["run_host"] = 1e3 * self.run_host
-        out["run_by_kind"] = {k: (self.run_steps[k], 1e3 * v) for k, v in self.run_by_kind.items()}
+        out["run_by_kind"] = {k: (self.run_steps[k], round(1e3 * v, 2)) for k, v in self.run_by_kind.items()}
+        out["run_stages"] = {k: {s: round(1e3 * v, 2) for s, v in d.items()} for k, d in self.run_stages.items()}
         for kind in KINDS:
             of_kind = [st for st in self.steps if st.get("kind:" + kind)]
             out["n:" + kind] = len(of_kind)
@@ -188,10 +196,11 @@ LOG_PROBS = {"off": {}, "log-probs": {"return_log_probs": True},
 
 
 def run(rows: int, sampled: bool, tokens: int, repeats: int, stream: bool, clock, spec: int = 0,
-        kinds: bool = False, log_probs: str = "off") -> dict[str, float]:
-    cfg = InferenceConfig(max_requests=rows, max_tokens=4096, num_kv_blocks=rows * 40, async_scheduling=True)
+        kinds: bool = False, log_probs: str = "off", prompt_len: int = 0, max_tokens: int = 4096) -> dict[str, float]:
+    blocks = rows * max(40, (prompt_len + tokens) // 16 + 2)  # (the default KV block of 16 tokens)
+    cfg = InferenceConfig(max_requests=rows, max_tokens=max_tokens, num_kv_blocks=blocks, async_scheduling=True)
     rng = random.Random(0)
-    prompts = [[rng.randrange(5, 1000) for _ in range(rng.randrange(8, 16))] for _ in range(rows)]
+    prompts = [[rng.randrange(5, 1000) for _ in range(prompt_len or rng.randrange(8, 16))] for _ in range(rows)]
     if sampled:
         sp = SamplingParams(num_tokens_to_generate=tokens, temperature=0.8, top_p=0.95, ignore_eos=True, seed=1,
                             **LOG_PROBS[log_probs])
@@ -228,6 +237,9 @@ def main():
     ap.add_argument("--spec", type=int, default=0, metavar="K",
                     help="a speculative engine, k = K, oracle drafter at 0%% acceptance (host time by step kind too)")
     ap.add_argument("--kinds", action="store_true", help="print the host time by step kind (implied by --spec)")
+    ap.add_argument("--prompt-len", type=int, default=0,
+                    help="tokens per prompt (0: 8-15 at random); with --max-tokens, the prefill steps' sizes")
+    ap.add_argument("--max-tokens", type=int, default=4096, help="the step's token budget")
     ap.add_argument("--greedy-only", action="store_true", help="skip the sampled runs")
     ap.add_argument("--log-probs", nargs="+", choices=list(LOG_PROBS), default=["off"],
                     help="what each request asks for: no log-probs, its tokens' log-probs, or those and the top 5")
@@ -240,12 +252,14 @@ def main():
     results = []
     for rows in args.rows:
         for sampled, lp in [(x, lp) for x in ((False,) if args.greedy_only else (False, True)) for lp in args.log_probs]:
-            s = run(rows, sampled, args.tokens, args.repeats, args.stream, clock, args.spec, args.kinds, lp)
+            s = run(rows, sampled, args.tokens, args.repeats, args.stream, clock, args.spec, args.kinds, lp,
+                    args.prompt_len, args.max_tokens)
             mode = ("sampled" if sampled else "greedy") + ("" if lp == "off" else f" + {lp}")
             results.append((rows, mode, s))
             print(f"rows={rows} {mode}: host {s['host']:.3f} ms/step "
                   f"(mean {s['host_mean']:.3f}; forward {s['forward']:.1f} ms, {s['steps']} decode steps; host of the "
-                  f"whole run {s['run_host']:.1f} ms; by kind (calls, ms): {s['run_by_kind']})", flush=True)
+                  f"whole run {s['run_host']:.1f} ms; by kind (calls, ms): {s['run_by_kind']}, of which {s['run_stages']})",
+                  flush=True)
     print()
     print(f"{'engine.step() + every update read (server path)' if args.stream else 'LLM.generate'}, "
           f"median {args.clock} ms per decode step (best of --repeats runs):")

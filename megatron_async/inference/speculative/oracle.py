@@ -44,17 +44,18 @@ class OracleDrafter(Drafter):
         super().bind(spec)
         dev = spec.device.device
         self.rate = torch.tensor(self.corrupt_rate * _M24, dtype=torch.float64, device=dev)
-        self.table = torch.zeros(spec.num_slots, self.max_generated + 1, dtype=torch.int64, device=dev)
-        self.prompt_len = torch.zeros(spec.num_slots, dtype=torch.int64, device=dev)
-        self.known_len = torch.zeros(spec.num_slots, dtype=torch.int64, device=dev)
-        self.key = torch.zeros(spec.num_slots, dtype=torch.int64, device=dev)
+        M = self.max_generated + 1
+        # a slot's row: its continuation (M), then its prompt length, known length and key, so
+        # that an admission is one upload and one copy (a batch of 128 admits in the prefill steps)
+        self.slots = torch.zeros(spec.num_slots, M + 3, dtype=torch.int64, device=dev)
+        self.table = self.slots[:, :M]
+        self.prompt_len, self.known_len, self.key = self.slots[:, M], self.slots[:, M + 1], self.slots[:, M + 2]
 
     def on_admit(self, req: DynamicInferenceRequest, slot: int) -> None:
         cont = list(self.continuations.get(tuple(req.prompt_tokens), []))[: self.max_generated]
-        self.table[slot] = upload(cont + [0] * (self.max_generated + 1 - len(cont)), self.spec.device)
-        self.prompt_len[slot] = len(req.prompt_tokens)
-        self.known_len[slot] = len(cont)
-        self.key[slot] = req.seed & ((1 << 62) - 1)
+        pad = [0] * (self.max_generated + 1 - len(cont))
+        row = cont + pad + [len(req.prompt_tokens), len(cont), req.seed & ((1 << 62) - 1)]
+        self.slots[slot] = upload(row, self.spec.device)
 
     def propose(self, out: VerifyOutputs) -> torch.Tensor:
         K = self.spec.num_speculative_tokens
