@@ -57,25 +57,32 @@ def setup(args: argparse.Namespace) -> None:
         make_interpreter_dot_row_independent()  # the interpreter's BLAS dot is not row-invariant
 
 
-def run_mode(args, requests: list[WorkloadRequest], sampling: str, invariant: bool) -> dict:
+def timed_run(args, requests: list[WorkloadRequest], make, warm: int, quantization: str | None = None,
+              **fields) -> tuple[LLM, object, dict]:
+    """An engine of ``InferenceConfig(**fields)`` on the benchmark's settings (async + CUDA graphs
+    unless ``--no-graphs``), warmed on ``warm`` full-length prompts (Triton kernels compile outside
+    the timed run), then the workload: (the LLM, still open; the run; its row of numbers)."""
     device = torch.device(args.device)
-    cfg = InferenceConfig(max_requests=128, max_tokens=8192, max_sequence_length=16448 if args.long else 2048,
-                          async_scheduling=True,
-                          cuda_graphs=not args.no_graphs, batch_invariant=invariant,
-                          buffer_size_gb=None if device.type == "cuda" else 0.05, seed=args.seed)
+    fields.setdefault("max_sequence_length", 2048)
+    cfg = InferenceConfig(max_requests=128, max_tokens=8192, async_scheduling=True, cuda_graphs=not args.no_graphs,
+                          buffer_size_gb=None if device.type == "cuda" else 0.05, seed=args.seed, **fields)
     llm = LLM(None, args.device, "bfloat16" if device.type == "cuda" else "float32", cfg, default_model=args.model,
-              seed=args.seed)
+              seed=args.seed, quantization=quantization)
     if llm.runner.graphs is not None:
         llm.runner.graphs.warmup()
-    make = SAMPLING[sampling]
-    # full-length prompts first: Triton kernels compile outside the timed run
-    run_workload(llm.engine, [WorkloadRequest(r.prompt, 8) for r in requests[: 1 if args.smoke else 4]], make)
+    run_workload(llm.engine, [WorkloadRequest(r.prompt, 8) for r in requests[:warm]], make)
     window = StatsWindow(llm.engine)
     run = run_workload(llm.engine, requests, make)
     s = summarize(run, window.stats(), device)
-    row = {"sampling": sampling, "mode": "batch_invariant" if invariant else "default",
-           "tok_s": s.output_tokens_per_s, "decode_ms": s.mean_decode_step_ms, "prefill_ms": s.mean_prefill_step_ms,
-           "batch": s.mean_decode_batch, "failed": s.failed_requests}
+    return llm, run, {"tok_s": s.output_tokens_per_s, "decode_ms": s.mean_decode_step_ms,
+                      "prefill_ms": s.mean_prefill_step_ms, "batch": s.mean_decode_batch, "failed": s.failed_requests}
+
+
+def run_mode(args, requests: list[WorkloadRequest], sampling: str, invariant: bool) -> dict:
+    make = SAMPLING[sampling]
+    llm, run, numbers = timed_run(args, requests, make, 1 if args.smoke else 4, batch_invariant=invariant,
+                                  max_sequence_length=16448 if args.long else 2048)
+    row = {"sampling": sampling, "mode": "batch_invariant" if invariant else "default", **numbers}
     # spot-check: requests re-run alone on the same engine vs their tokens in the batch run
     checks = min(ALONE_CHECKS, len(requests))
     same = sum(run_workload(llm.engine, [requests[i]], make).outputs[0].generated_tokens

@@ -15,11 +15,8 @@ import sys
 
 import torch
 
-from benchmarks.engine_times.batch_invariance import SAMPLING, setup
+from benchmarks.engine_times.batch_invariance import SAMPLING, setup, timed_run
 from benchmarks.own_process import in_own_process
-from megatron_async import LLM, InferenceConfig
-from megatron_async.cli.driver import StatsWindow, run_workload
-from megatron_async.cli.summary import summarize
 from megatron_async.cli.workload import WorkloadRequest, WorkloadSpec, synthetic_workload
 from megatron_async.config.modes import SpeculativeMethod
 from megatron_async.models.default_model import DEFAULT_CONFIGS
@@ -47,23 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_mode(args, requests: list[WorkloadRequest], sampling: str, mode: str) -> dict:
     fields, quantization, extra = MODES[mode]
-    cuda = args.device == "cuda"
-    cfg = InferenceConfig(max_requests=128, max_tokens=8192, max_sequence_length=2048, async_scheduling=True,
-                          cuda_graphs=not args.no_graphs, buffer_size_gb=None if cuda else 0.05, seed=args.seed, **fields)
-    llm = LLM(None, args.device, "bfloat16" if cuda else "float32", cfg, default_model=args.model, seed=args.seed,
-              quantization=quantization)
-    if llm.runner.graphs is not None:
-        llm.runner.graphs.warmup()
 
     def make(r):
         return dataclasses.replace(SAMPLING[sampling](r), **extra)
-    run_workload(llm.engine, [WorkloadRequest(r.prompt, 8) for r in requests[:4]], make)  # builds outside the run
-    window = StatsWindow(llm.engine)
-    run = run_workload(llm.engine, requests, make)
-    s = summarize(run, window.stats(), torch.device(args.device))
+    llm, _, numbers = timed_run(args, requests, make, 4, quantization, **fields)
     llm.close()
-    return {"sampling": sampling, "mode": mode, "tok_s": s.output_tokens_per_s, "decode_ms": s.mean_decode_step_ms,
-            "prefill_ms": s.mean_prefill_step_ms, "batch": s.mean_decode_batch, "failed": s.failed_requests}
+    return {"sampling": sampling, "mode": mode, **numbers}
 
 
 def run(args: argparse.Namespace) -> None:
