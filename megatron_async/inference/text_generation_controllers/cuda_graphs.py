@@ -218,10 +218,11 @@ class CudaGraphRunner:
         without its eager run (one that fails to is captured again after one)."""
         n = 0
         gc.collect()  # garbage from earlier engines (their graphs) goes now, not inside a capture
+        suspendable = self.model_runner.context.device.suspend_backend is not None  # its pool: after a run
         with caches_kept():
             for key in self.plan.keys() if keys is None else keys:
                 if key not in self.graphs:
-                    self.graphs[key] = self._capture(key, eager_run=not built or self._pool is None)
+                    self.graphs[key] = self._capture(key, eager_run=not built or self._pool is None or suspendable)
                     n += 1
         self.warmed_up = True
         return n
@@ -248,11 +249,10 @@ class CudaGraphRunner:
         side = self._side
         side.wait_stream(torch.cuda.current_stream())
         body = (lambda: (ctl.graph_logits(shape),)) if key.logits_only else (lambda: ctl.compute_step(shape, key.spec))
-        if eager_run or ctx.device.suspend_backend is not None:
+        if eager_run:
             with torch.cuda.stream(side):  # once: builds and loads what the step needs, outside the capture
                 body()
             torch.cuda.current_stream().wait_stream(side)
-            eager_run = True
         graph = torch.cuda.CUDAGraph()
         # No cyclic GC inside a capture: collecting an earlier engine's CUDA graphs there frees
         # their memory, which invalidates the capture (seen once in the GPU suite, a graph

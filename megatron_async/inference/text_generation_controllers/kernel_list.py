@@ -103,8 +103,7 @@ def prebuild_listed(runner, shapes: list, threads: int, also=None) -> PrebuildRe
     if specs is not None:
         t0 = time.perf_counter()
         built = triton_builds.build_all(specs, threads)
-        return PrebuildReport(built.kernels, built.threads, time.perf_counter() - t0, built.seconds, 0, [],
-                              built.compiled, built.processes, built.compile_seconds, built.slowest, listed=True)
+        return PrebuildReport.of(built, time.perf_counter() - t0, 0, [], listed=True)
     report = prebuild(runner, shapes, threads, also)
     if path is not None and not report.left:
         _write(path, report.specs)

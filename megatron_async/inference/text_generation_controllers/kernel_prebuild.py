@@ -63,6 +63,12 @@ class PrebuildReport:
     specs: list = field(default_factory=list)
     """Every specialization the process had met when the dry pass ended (what a kept list holds)."""
 
+    @classmethod
+    def of(cls, built, seconds: float, shapes: int, left: list, **kw) -> "PrebuildReport":
+        """The report of a pass whose builds were ``built`` (a ``triton_builds.BuildReport``)."""
+        return cls(built.kernels, built.threads, seconds, built.seconds, shapes, left, built.compiled, built.processes,
+                   built.compile_seconds, built.slowest, **kw)
+
     def describe(self) -> str:
         steps = "the kept kernel list" if self.listed else f"{self.shapes} step{'s' * (self.shapes != 1)} captured dry"
         workers = (f" ({self.compiled} compiled in {self.processes} processes in {self.compile_seconds:.1f} s, longest "
@@ -103,11 +109,12 @@ def _keep() -> None:
 
 
 @contextlib.contextmanager
-def caches_kept():
+def caches_kept(empty_after: bool = True):
     """``torch.cuda.graph`` empties the allocator's device and pinned-host caches before each
     capture: over hundreds of captures every eager run then allocates its workspace again (and
     re-pins host buffers). Kept through a warm-up's captures (the memory plan counts the eager
-    cache's peak beside the graph pool), emptied once after them."""
+    cache's peak beside the graph pool), emptied once after them (``empty_after``; a dry pass
+    empties them itself once its graphs are gone)."""
     device, host = torch.cuda.empty_cache, getattr(torch._C, "_host_emptyCache", None)  # the latter: CUDA builds
     torch.cuda.empty_cache = _keep
     if host is not None:
@@ -118,7 +125,7 @@ def caches_kept():
         torch.cuda.empty_cache = device
         if host is not None:
             torch._C._host_emptyCache = host
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if empty_after and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
 
@@ -192,7 +199,7 @@ def prebuild(runner, shapes: list, threads: int, also=None) -> PrebuildReport:
     gc.disable()
     done, kept, graphs = 0, None, []
     try:
-        with triton_builds.deferring() as specs, caches_kept():
+        with triton_builds.deferring() as specs, caches_kept(empty_after=False):  # emptied below, the graphs gone
             for shape, width in shapes:
                 kept = _dry_capture(runner, shape, width, stream, pool, kept, graphs)
                 if kept is None:
@@ -210,6 +217,4 @@ def prebuild(runner, shapes: list, threads: int, also=None) -> PrebuildReport:
     gc.collect()
     torch.cuda.empty_cache()  # the dry captures' pool: nothing in it is kept
     built = triton_builds.build_all(specs, threads)
-    return PrebuildReport(built.kernels, built.threads, time.perf_counter() - t0, built.seconds, done,
-                          list(shapes[done:]), built.compiled, built.processes, built.compile_seconds, built.slowest,
-                          specs=triton_builds.seen())
+    return PrebuildReport.of(built, time.perf_counter() - t0, done, list(shapes[done:]), specs=triton_builds.seen())

@@ -52,7 +52,8 @@ class WarmupReport:
     eager_seconds: float = 0.0
     """The eager steps (with the kernel builds they made)."""
     capture_seconds: float = 0.0
-    """The graph captures (each with one eager run of its step first)."""
+    """The graph captures (each with one eager run of its step first, unless counted in
+    ``captures_without_eager_run``)."""
     capture_builds: int = 0
     """Triton builds during the captures (kernels no eager shape reached)."""
     captures_without_eager_run: int = 0

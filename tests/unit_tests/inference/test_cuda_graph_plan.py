@@ -17,7 +17,8 @@ from megatron_async.step_shape import StepShape
 
 
 def runner(collective: bool) -> CudaGraphRunner:
-    ctl = SimpleNamespace(model=SimpleNamespace(vocab_size=64))
+    ctl = SimpleNamespace(model=SimpleNamespace(vocab_size=64),
+                          context=SimpleNamespace(device=SimpleNamespace(suspend_backend=None)))
     r = CudaGraphRunner(ctl, InferenceConfig(max_requests=8).graph_sizing(), mixed=True, collective=collective)
     if collective:
         # decode only (no mixed), every sampling variant
@@ -208,6 +209,11 @@ def test_a_built_warmup_captures_every_graph_but_the_first_without_an_eager_run(
     r2.graphs, r2._capture, runs[:] = {}, capture, []
     r2.warmup()
     assert all(runs)  # without a dry pass: every graph after an eager run
+    r3 = runner(False)
+    r3.graphs, r3._capture, runs[:] = {}, capture, []
+    r3.model_runner.context.device.suspend_backend = object()
+    r3.warmup(built=True)
+    assert runs and all(runs)  # a suspendable pool: every graph after an eager run
 
 
 def test_captures_keep_the_allocator_caches_until_the_warmup_ends(monkeypatch):
