@@ -101,16 +101,21 @@ class DirectReplies:
                 return
             links = dict(self._links)  # (the loop thread reads the dict without the lock)
             links[endpoint] = link
-            if len(links) > MAX_LINKS:
-                oldest = next(iter(links))
-                links.pop(oldest).close()
             self._links = links
 
     def sweep(self) -> None:
-        """Close the links whose client is gone (its connection closed): from the loop, now and then."""
+        """Close the links whose client is gone (its connection closed), and the oldest beyond
+        ``MAX_LINKS``: from the loop, now and then (the loop is the only thread that uses a link's
+        socket, so only it closes one that may be in use)."""
         for endpoint, link in list(self._links.items()):
             if link.gone():
                 self._drop(endpoint, refuse=True)
+        while len(self._links) > MAX_LINKS:
+            with self._lock:
+                links = dict(self._links)
+                oldest = links.pop(next(iter(links)))
+                self._links = links
+            oldest.close()  # (not lost: what it still sends may linger)
 
     def _drop(self, endpoint: str, refuse: bool) -> None:
         with self._lock:

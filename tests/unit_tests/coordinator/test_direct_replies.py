@@ -130,3 +130,29 @@ def test_an_engine_answers_through_the_coordinator_once_its_client_link_is_gone(
         close()
     assert all(o.finish_reason == "length" for o in outs) and sorted(ends.values()) == [1] * 8
     assert direct == channel.replies.sent and channel.replies.fallbacks >= 5
+
+
+def test_links_beyond_the_cap_are_closed_by_the_loop_only(monkeypatch):
+    """A link that comes up past ``MAX_LINKS`` does not close the oldest on its connecting thread
+    (the loop may be sending on it); the loop's next sweep closes the oldest down to the cap."""
+    import zmq
+
+    from megatron_async.serve import direct_replies
+
+    class Link:
+        def __init__(self):
+            self.closed = False
+
+        def gone(self):
+            return False
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(direct_replies, "MAX_LINKS", 2)
+    replies = direct_replies.DirectReplies("ipc:///tmp/x/coordinator", b"k" * 32, "e0", zmq.Context.instance())
+    links = {f"ipc:///tmp/x/c{i}": Link() for i in range(4)}
+    replies._links = dict(links)
+    replies.sweep()
+    assert list(replies._links) == ["ipc:///tmp/x/c2", "ipc:///tmp/x/c3"]
+    assert [link.closed for link in links.values()] == [True, True, False, False]
