@@ -200,11 +200,17 @@ def _tensors(payloads: list[Mapping]) -> list[dict]:
 def parse(handles) -> tuple[str, list[dict], list[dict]]:
     """Validate one payload or a list of them without opening anything: (weights_format,
     storages, tensors) with every tensor's ``storage`` made an index into the joined list."""
+    payloads, storages, fmt = _checked_storages(handles)
+    return fmt, storages, _tensors(payloads)
+
+
+def _checked_storages(handles) -> tuple[list[Mapping], list[dict], str]:
+    """(the payloads, their storages checked and joined, the weights_format)."""
     payloads = _payloads(handles)
     storages = [s for p in payloads for s in p["storages"]]
     for s in storages:
         _check_storage(s)
-    return payloads[0].get("weights_format", "megatron"), storages, _tensors(payloads)
+    return payloads, storages, payloads[0].get("weights_format", "megatron")
 
 
 def storage_key(s: Mapping) -> str:
@@ -255,11 +261,7 @@ class CheckedPayloads:
 
     def parse(self, handles) -> tuple[str, list[dict], list[dict], tuple]:
         """``parse(handles)`` and the update's ``plan_key``."""
-        payloads = _payloads(handles)
-        storages = [s for p in payloads for s in p["storages"]]
-        for s in storages:
-            _check_storage(s)
-        fmt = payloads[0].get("weights_format", "megatron")
+        payloads, storages, fmt = _checked_storages(handles)
         sizes = [(fmt, tuple(s["nbytes"] for s in p["storages"])) for p in payloads]
         last = self._last
         if last is not None and last[0] == sizes and all(_same(p["tensors"], k) for p, k in zip(payloads, last[1])):
