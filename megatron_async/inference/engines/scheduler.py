@@ -385,4 +385,3 @@ class Scheduler:
             return 0
         plan.rows.append(RowPlan(req, start, chunk, samples=chunk == remaining))
         return chunk
-

@@ -83,17 +83,9 @@ class SpecPolicy:
         step's token budget allow."""
         if self.k == 0 or room <= 0:
             return 0
-        if req.sampling_params.has_penalties:
-            self.off_rows["penalties"] += 1
-            return 0
-        if req.sampling_params.structured_outputs is not None:
-            self.off_rows["grammar"] += 1
-            return 0
-        if req.banned_sequences:  # its bans follow its newest tokens, one at a time
-            self.off_rows["bad_words"] += 1
-            return 0
-        if self.max_batch and num_decode_rows > self.max_batch:
-            self.off_rows["batch"] += 1
+        cause = _row_cause(req, bool(self.max_batch) and num_decode_rows > self.max_batch)
+        if cause is not None:
+            self.off_rows[cause] += 1
             return 0
         if req.spec_acceptance < self.min_acceptance and not self.adaptive:
             if self.step % self.probe_interval:
@@ -121,9 +113,7 @@ class SpecPolicy:
             for req, room in zip(requests, rooms):
                 if room <= 1:
                     continue
-                sp = req.sampling_params
-                counts["penalties" if sp.has_penalties else "grammar" if sp.structured_outputs is not None else
-                       "bad_words" if req.banned_sequences else "batch" if batch else self._cap_cause] += 1
+                counts[_row_cause(req, batch) or self._cap_cause] += 1
             self._undrafted = (key, counts)
         self.off_rows.update(self._undrafted[1])
 
@@ -214,3 +204,16 @@ def _never_drafts(req: DynamicInferenceRequest) -> bool:
     come from the host, one per row."""
     sp = req.sampling_params
     return sp.has_penalties or sp.structured_outputs is not None
+
+
+def _row_cause(req: DynamicInferenceRequest, batch: bool) -> str | None:
+    """Why ``req``'s row drafts nothing whatever the step (``batch``: the decode rows exceed
+    ``speculative_max_batch_size``), or None."""
+    sp = req.sampling_params
+    if sp.has_penalties:
+        return "penalties"
+    if sp.structured_outputs is not None:
+        return "grammar"
+    if req.banned_sequences:  # its bans follow its newest tokens, one at a time
+        return "bad_words"
+    return "batch" if batch else None
