@@ -61,7 +61,12 @@ def test_non_streaming_outputs_come_from_the_engine_and_end_once(server):
     try:
         async def run():
             client = await counting_client(server.address)
-            outs = [await asyncio.wait_for(client.add_request([1, 2, 3, i], ONE), 10) for i in range(20)]
+            outs = [await asyncio.wait_for(client.add_request([1, 2, 3, 0], ONE), 10)]
+            for _ in range(1000):  # the engine's link to this client comes up on its own thread (a handshake)
+                if channel.replies._links:
+                    break
+                await asyncio.sleep(0.01)
+            outs += [await asyncio.wait_for(client.add_request([1, 2, 3, i], ONE), 10) for i in range(1, 20)]
             stream = client.add_request_streaming([4, 5], ONE)  # streams keep the coordinator's way
             async for _ in stream:
                 pass
