@@ -123,8 +123,15 @@ def test_an_engine_killed_mid_generation_ends_its_directly_answered_requests(clu
                 break
         cluster.engines["victim"].kill()
         outs = await asyncio.wait_for(asyncio.gather(*futures), 120)
-        counts = (await engines(client))["counts"]
         direct = client._channel.replies.received
+        # an engine tells the coordinator what it delivered on its next update, which can come
+        # after the client already holds the reply
+        deadline = time.monotonic() + 10
+        while True:
+            counts = (await engines(client))["counts"]
+            if counts.get("delivered_directly", 0) > 0 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
         client.close()
         return outs, counts, client.ends, direct
 
@@ -134,7 +141,7 @@ def test_an_engine_killed_mid_generation_ends_its_directly_answered_requests(clu
     assert errors and all("died" in o.error and 0 < len(o.generated_tokens) < TOKENS for o in errors)
     assert all(len(o.generated_tokens) == TOKENS for o in outs if o.finish_reason == "length")
     assert len(errors) + sum(o.finish_reason == "length" for o in outs) == 12
-    assert direct > 0 and counts["delivered_directly"] > 0  # the other engines answered directly
+    assert direct > 0 and counts.get("delivered_directly", 0) > 0  # the other engines answered directly
 
 
 def test_a_client_that_disappears_has_its_requests_aborted_and_their_kv_freed(cluster):
