@@ -281,12 +281,15 @@ class LLM:
         return self.parallel.is_leader
 
     def close(self) -> None:
-        """Leave the TP / EP group (no-op without). CUDA graphs go first: a graph that captured
-        NCCL collectives holds a reference on the communicator, and destroying the process group
-        (ncclCommDestroy) waits for every such graph to be destroyed, i.e. forever."""
+        """End the grammar worker, then leave the TP / EP group (no-op without). CUDA graphs go
+        first: a graph that captured NCCL collectives holds a reference on the communicator, and
+        destroying the process group (ncclCommDestroy) waits for every such graph to be
+        destroyed, i.e. forever."""
         if getattr(self, "coordinator", None) is not None:
             self.coordinator.close()
             self.coordinator = None
+        if getattr(self, "engine", None) is not None:
+            self.engine.masks.close()  # a grammar fill in flight holds the process's GIL switch interval
         runner = getattr(self, "runner", None)
         if runner is not None and runner.graphs is not None:
             runner.graphs.release()

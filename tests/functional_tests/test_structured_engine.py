@@ -237,3 +237,30 @@ def test_switch_interval_comes_back_when_the_last_fill_in_the_process_is_taken()
         assert sys.getswitchinterval() == low
     finally:
         sys.setswitchinterval(before)
+
+
+def test_an_engine_closed_with_a_fill_in_flight_gives_the_switch_interval_back():
+    """LLM.close waits for a fill still on the worker, restores the process's switch interval
+    and ends the worker thread (the fill's launch is never sampled)."""
+    import sys
+
+    from megatron_async.inference.engines.grammar_masks import FILL_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        llm = make(True)
+        eng = llm.engine
+        for a in arrivals(llm, 4, stagger=0):
+            eng.add_request(a.prompt, a.params)
+        for _ in range(50):
+            eng.step()
+            if eng.masks._job is not None:
+                break
+        assert eng.masks._job is not None and sys.getswitchinterval() <= FILL_SWITCH_INTERVAL_S
+        worker = eng.masks._worker
+        llm.close()
+        assert sys.getswitchinterval() == 0.005 and eng.masks._job is None and eng.masks._worker is None
+        assert worker._shutdown
+    finally:
+        sys.setswitchinterval(before)

@@ -122,6 +122,19 @@ class GrammarMasks:
         SWITCH_INTERVAL.fill_started()
         self._job = (pending, self._worker.submit(self.fill, pending, bitmask, row_map))
 
+    def close(self) -> None:
+        """Wait for a fill in flight (its result is dropped: its launch is never sampled), give the
+        process its switch interval back, and end the worker thread."""
+        job, self._job = self._job, None
+        if job is not None:
+            try:
+                job[1].exception()
+            finally:
+                SWITCH_INTERVAL.fill_taken()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
     def finish(self, runner: ModelRunner, pending: PendingLaunch | None) -> Failed:
         """Enqueue the sampling of ``pending`` if it awaits its masks (filled by ``start``'s job,
         else now). Returns the requests whose grammar refused a landed token, with the error."""
