@@ -281,15 +281,14 @@ class LLM:
         return self.parallel.is_leader
 
     def close(self) -> None:
-        """End the grammar worker, then leave the TP / EP group (no-op without). CUDA graphs go
-        first: a graph that captured NCCL collectives holds a reference on the communicator, and
-        destroying the process group (ncclCommDestroy) waits for every such graph to be
-        destroyed, i.e. forever."""
+        """End the grammar worker (a fill in flight holds the process's GIL switch interval), then
+        leave the TP / EP group (no-op without). CUDA graphs go first: a graph that captured NCCL
+        collectives holds a reference on the communicator, and ncclCommDestroy waits for them."""
         if getattr(self, "coordinator", None) is not None:
             self.coordinator.close()
             self.coordinator = None
         if getattr(self, "engine", None) is not None:
-            self.engine.masks.close()  # a grammar fill in flight holds the process's GIL switch interval
+            self.engine.masks.close()
         runner = getattr(self, "runner", None)
         if runner is not None and runner.graphs is not None:
             runner.graphs.release()
@@ -373,8 +372,7 @@ class LLM:
 
 
 def _is_token_ids(prompt) -> bool:
-    return isinstance(prompt, (list, tuple)) and all(
-        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
+    return isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
 
 
 def _as_prompt_list(prompts) -> list:
@@ -397,7 +395,6 @@ def _in_vocab_eos_ids(eos_ids, vocab_size: int) -> tuple[int, ...]:
     warning instead of failing every step of the requests that use them."""
     kept = tuple(i for i in eos_ids if 0 <= i < vocab_size)
     if len(kept) != len(eos_ids):
-        log.warning("ignoring EOS ids outside the vocabulary (size %d): %s", vocab_size,
-                       sorted(set(eos_ids) - set(kept)))
+        log.warning("ignoring EOS ids outside the vocabulary (size %d): %s", vocab_size, sorted(set(eos_ids) - set(kept)))
     return kept
 
