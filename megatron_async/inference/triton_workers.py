@@ -62,9 +62,8 @@ def start(processes: int) -> int:
 @contextlib.contextmanager
 def running(device: torch.device, threads: int | None):
     """Compile workers for a block that builds an engine on ``device`` (CUDA; ``threads``: its
-    ``startup_build_threads``, None: ``default_threads``; fewer than 2: none), ended after it."""
-    n = default_threads() if threads is None else threads
-    started = start(n) if device.type == "cuda" and _pool["pool"] is None else 0
+    ``startup_build_threads``; fewer than 2: none), ended after it."""
+    started = start(build_threads(threads)) if device.type == "cuda" and _pool["pool"] is None else 0
     try:
         yield
     finally:
@@ -72,8 +71,11 @@ def running(device: torch.device, threads: int | None):
             stop()
 
 
-def default_threads() -> int:
-    """Build threads when none are asked for: the cores this process may use, at most 16."""
+def build_threads(asked: int | None) -> int:
+    """The start-up's Triton build threads (and compile workers) for ``startup_build_threads``:
+    as asked, or, when None, the cores this process may use, at most 16."""
+    if asked is not None:
+        return asked
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

@@ -242,16 +242,18 @@ class WeightPlan:
         inputs = list(range(len(slabs))) if inputs is None else inputs
         pairs: list[list[Pair]] = [[] for _ in range(max(max(inputs, default=-1) + 1, num_inputs))]
         for index, slab in zip(inputs, slabs):
-            pairs[index] += self._pairs(slab, slab.origin, slab.chunk)
+            pairs[index] += self._pairs(slab, slab.origin)
         return CopyProgram(pairs, self.expected)
 
-    def _pairs(self, slab: Slab, origin: tuple[int, ...] | None, chunk: tuple[int, int] | None = None) -> list[Pair]:
+    def _pairs(self, slab: Slab, origin: tuple[int, ...] | None) -> list[Pair]:
+        """``origin``: where the box starts in the tensor ``CopyProgram.run`` gets (None: the
+        slab's own tensor, at 0; a chunked slab always comes with its origin)."""
         info = self.table.lookup(slab.hf_name)
         if info is SKIPPED:
             return []
         dests = info.dests
         out = []
-        for i, both, dst, src in self.table.piece(info, tuple(slab.offset), tuple(slab.extent), origin, chunk).meets:
+        for i, both, dst, src in self.table.piece(info, tuple(slab.offset), tuple(slab.extent), origin, slab.chunk).meets:
             view = dests[i].view if dst is None else dests[i].view[dst]
             if type(src) is Chunks:  # the destination rows as (chunk, row, ...), as the source is read
                 view = view.view(src.count, src.rows, *view.shape[1:])

@@ -84,8 +84,7 @@ class ModelRunner:
         self.eos_ids = tuple(eos_ids)
         """Token ids that end a request without its own termination_id (all of them stop)."""
         self.batch_invariant = kernels.batch_invariant
-        n = kernels.startup_build_threads
-        self.build_threads = triton_workers.default_threads() if n is None else n
+        self.build_threads = triton_workers.build_threads(kernels.startup_build_threads)
         """Threads that build the warm-up's Triton kernels at once (0: one by one as steps meet them)."""
         R = context.max_requests
         S = context.max_samples  # config.max_samples, and the graphs' spare padding row

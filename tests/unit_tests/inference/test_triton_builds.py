@@ -128,7 +128,7 @@ def test_build_all_preloads_and_loads_every_recorded_specialization():
 def test_cache_dir_follows_triton_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     assert triton_builds.cache_dir() == str(tmp_path)
-    assert 1 <= triton_workers.default_threads() <= 16
+    assert 1 <= triton_workers.build_threads(None) <= 16 and triton_workers.build_threads(3) == 3
 
 
 def test_compile_workers_find_kernels_without_triton_registry(monkeypatch):
