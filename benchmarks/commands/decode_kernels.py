@@ -4,6 +4,7 @@ sampled: a torch.profiler kernel table (name, count, total us, us per step, shar
 same grouped by role (attention, GEMMs, norms, sampler, ...), to find each role's gap to its floor.
 
     python -m benchmarks decode-kernels --batch 128 --prompt-len 512 --steps 20
+    python -m benchmarks decode-kernels --batch-invariant    # where the batch-invariant mode's decode goes
 
 The batch's requests all arrive at once; after prefill and a few warm decode steps (graph
 capture, Triton builds) ``--steps`` decode-only steps run under the profiler (CUDA activity only).
@@ -88,7 +89,8 @@ def run(args, sampled: bool) -> None:
     extra = {} if args.max_sequence_length is None else {"max_sequence_length": args.max_sequence_length}
     cfg = InferenceConfig(max_requests=args.batch, max_tokens=args.max_tokens or max(4096, args.batch),
                           buffer_size_gb=args.kv_gb, **extra,  # None: the profiled pool
-                          async_scheduling=not args.serial, cuda_graphs=not args.eager, attention_backend="triton")
+                          async_scheduling=not args.serial, cuda_graphs=not args.eager, attention_backend="triton",
+                          batch_invariant=args.batch_invariant)
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     if tp > 1 and args.mixed:
         raise SystemExit("--mixed profiles one process; the tensor-parallel profile is of decode steps")
@@ -194,6 +196,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per step (default max(4096, batch); "
                    "the benchmark's GPU default is 8192)")
     p.add_argument("--serial", action="store_true", help="no launch-ahead")
+    p.add_argument("--batch-invariant", action="store_true", help="the batch-invariant mode's kernels")
     p.add_argument("--workloads", default="greedy,sampled")
     args = p.parse_args()
     if int(os.environ.get("RANK", "0")) == 0:
