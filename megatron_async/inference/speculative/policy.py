@@ -132,7 +132,7 @@ class SpecPolicy:
         if self.k == 0 or self.max_batch and len(requests) > self.max_batch:
             return False
         if self.adaptive:
-            return self.choose_cap(requests, self.step + 1) > 0 and any(
+            return self.choose_cap(requests, self.step + 1, commit=False) > 0 and any(
                 not _never_drafts(req) for req in requests)
         probe = (self.step + 1) % self.probe_interval == 0
         m = self.min_acceptance
@@ -151,12 +151,13 @@ class SpecPolicy:
         else:
             self.step_cap, self._cap_cause = self.choose_cap(requests, self.step), "cost"
 
-    def choose_cap(self, requests: list[DynamicInferenceRequest], step: int) -> int:
+    def choose_cap(self, requests: list[DynamicInferenceRequest], step: int, commit: bool = True) -> int:
         """The adaptive rule (step_choice.py): the most drafts a row of a step of ``requests`` at
-        scheduler step ``step`` verifies (0: the step runs without drafts)."""
+        scheduler step ``step`` verifies (0: the step runs without drafts). ``commit`` False: a
+        look ahead (``StepChoice.choose``)."""
         if not requests:
             return self.k
-        return min(self.k, self.choice.choose(requests, step, _may_draft))
+        return min(self.k, self.choice.choose(requests, step, _may_draft, commit))
 
     def observe_step(self, rows: int, drafts: int, seconds: float, drafter: bool = False) -> None:
         """A landed decode step of ``rows`` rows whose widest row verified ``drafts`` drafts took

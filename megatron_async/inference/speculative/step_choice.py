@@ -83,6 +83,7 @@ class StepChoice:
         self._bucket = self._steady = 0
         self._tried: dict[tuple[int, int], int] = {}
         self._cache = (-1, -1, 0)
+        self._start: tuple | None = None  # (trial, (key, step) of ``_tried``) a decision of ``_cache`` begins
         self._rows_seen = 0  # verify rows observed: the gains change only with them (and the rows)
         self.admitted = 0
         """Requests admitted (``SpecPolicy.admit``): with the rows' ids, names the set of rows."""
@@ -156,17 +157,25 @@ class StepChoice:
                 return r, self.costs.cells[(o, width)].step
         return None, None
 
-    def choose(self, requests, step: int, drafts_ok) -> int:
+    def choose(self, requests, step: int, drafts_ok, commit: bool = True) -> int:
         """The most drafts a row of a step of ``requests`` at scheduler step ``step`` verifies
         (0: no drafts). Deciding a step twice gives the same answer (``may_any_draft_next``
-        asks a step ahead, ``plan_step`` then reuses it)."""
+        asks a step ahead, ``plan_step`` then reuses it). ``commit`` False: a look ahead; what
+        the decision starts (the probe clock, a try's clock and its trial) starts only when a
+        step is planned with it, so a step that then carries prefill chunks (no drafts) uses
+        up neither a probe nor a try."""
         B = len(requests)
-        if (step, B) == self._cache[:2]:
-            return self._cache[2]
-        cap = self._choose(requests, step, B, drafts_ok)
-        self._cache = (step, B, cap)
-        if cap:
-            self.last_drafts = step
+        if (step, B) != self._cache[:2]:
+            self._start = None
+            self._cache = (step, B, self._choose(requests, step, B, drafts_ok))
+        cap = self._cache[2]
+        if commit:
+            if self._start is not None:  # a try begins (``_try``)
+                self.trial, (key, at) = self._start[0], self._start[1]
+                self._tried[key] = at
+                self._start = None
+            if cap:
+                self.last_drafts = step
         return cap
 
     def _choose(self, requests, step: int, B: int, drafts_ok) -> int:
@@ -229,6 +238,6 @@ class StepChoice:
         return best - 1
 
     def _try(self, b: int, width: int, step: int, length: int) -> int:
-        self.trial = (b, width, step + length - 1)
-        self._tried[(b, width)] = step
+        """Try ``width`` for ``length`` steps from ``step`` (started by ``choose``'s commit)."""
+        self._start = ((b, width, step + length - 1), ((b, width), step))
         return width - 1

@@ -173,3 +173,39 @@ def test_plain_steps_count_their_rows_as_drafts_for_would():
         for r, room in zip(rows, rooms):
             assert each.drafts_for(r, len(rows), min(50, room - 1)) == 0
         assert one.off_rows == each.off_rows and len(one.off_rows) >= 4, (one.off_rows, each.off_rows)
+
+
+def test_a_look_ahead_starts_neither_a_probe_nor_a_try():
+    """``may_any_draft_next`` asks the rule a step ahead (``commit=False``); when that step then
+    carries prefill chunks (no drafts: ``plan_step`` never asks), neither the probe clock nor a
+    try's clock has moved, so the next step that decides still probes or tries."""
+    policy = make_policy(k=3)
+    c = policy.choice
+    for width, seconds in ((1, 1.0), (2, 1.1), (4, 1.3)):
+        for _ in range(2):
+            c.observe_step(8, width, seconds, drafter=width > 1, step=1)
+    c.accepted, c.tried = 0.0, 100.0
+    new = [_req(0.02) for _ in range(8)]
+    assert policy.choose_cap(new, 14, commit=False) == 1  # a probe due (rows without evidence), looked at
+    assert policy.choose_cap(new, 15) == 1  # step 14 carried chunks: the probe still due
+    assert policy.choose_cap(new, 16) == 0  # (then not two in a row)
+
+    def tried(peek_at: int | None) -> list[int]:
+        p = make_policy(k=3)
+        for rows, seconds in ((1, 2.5), (128, 3.0)):
+            for step in range(3):
+                p.choice.observe_step(rows, 1, seconds, drafter=False, step=step)
+        p.choice.last_drafts = 19  # (drafts lately: no probe due)
+        rows = [_req(0.9, positions=20) for _ in range(128)]
+        caps = []
+        for step in range(20, 40):
+            if step == peek_at:  # looked at, then the step carried chunks
+                caps.append(p.choose_cap(rows, step, commit=False))
+            elif peek_at is None or step != peek_at + 1:
+                caps.append(p.choose_cap(rows, step))
+        return caps
+
+    ref = tried(None)
+    first = next(i for i, cap in enumerate(ref) if cap)  # the widest width's try (2 steps)
+    got = tried(20 + first)
+    assert got[first] == 3 and got[first + 1: first + 3] == [3, 3], (ref, got)  # tried when a step decides
