@@ -123,11 +123,8 @@ class Scheduler:
                 any_paused = True
         spare, n = budget - len(decoding), len(decoding)
         # the most drafts a row may verify in this step (what pays); a step that will carry
-        # prefill chunks (unfinished prompts, or admissions: a place and a block free, nothing
-        # paused) replays a mixed graph only without drafts
-        chunks = bool(prefilling) or (bool(self.waiting) and not any_paused and self.ctx.allocator.num_available > 0
-                                      and len(self.ctx.active) < self.config.max_requests)
-        self.spec.plan_step(decoding, chunks)
+        # prefill chunks (unfinished prompts, or admissions) replays a mixed graph only without drafts
+        self.spec.plan_step(decoding, bool(prefilling) or self._admission_coming(any_paused))
         drafts_for, ctx, bs = self.spec.drafts_for, self.ctx, self.ctx.block_size
         if self.spec.step_cap == 0:  # a plain step: no row drafts (the policy counts why in one pass)
             self.spec.count_undrafted(decoding, rooms, spare)
@@ -325,15 +322,23 @@ class Scheduler:
         """Step tokens kept from unfinished prefills for admissions: what the prompts at the head
         of the queue need, as many of them as there are free places, at most half of ``budget``
         (the prefills in progress keep at least the other half). 0 when none can be admitted."""
-        free = self.config.max_requests - len(self.ctx.active)
-        if free <= 0 or not self.waiting or not self.admits_new:
+        if not self._may_admit():
             return 0
         need = 0
-        for req in islice(self.waiting, free):
+        for req in islice(self.waiting, self.config.max_requests - len(self.ctx.active)):
             need += req.num_known_tokens - req.num_computed_tokens
             if need >= budget // 2:
                 return budget // 2
         return need
+
+    def _may_admit(self) -> bool:
+        """A waiting request may be admitted: new requests are admitted and a place is free."""
+        return bool(self.waiting) and self.admits_new and len(self.ctx.active) < self.config.max_requests
+
+    def _admission_coming(self, any_paused: bool) -> bool:
+        """A step carries an admission's prefill chunk (a guess for the drafts): one may be
+        admitted, nothing is paused and a KV block is free."""
+        return not any_paused and self.ctx.allocator.num_available > 0 and self._may_admit()
 
     def _active_by_age(self) -> list[DynamicInferenceRequest]:
         """The active requests, oldest first; sorted again only when the set changed."""

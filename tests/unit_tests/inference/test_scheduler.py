@@ -28,9 +28,9 @@ def model():
 class Driver:
     """Scheduler + context; ``step`` schedules and assembles, ``land`` bookkeeps samples."""
 
-    def __init__(self, model, num_kv_blocks=64, max_requests=4, max_tokens=8, chunked=True):
+    def __init__(self, model, num_kv_blocks=64, max_requests=4, max_tokens=8, chunked=True, **cfg):
         cfg = InferenceConfig(block_size_tokens=BS, num_kv_blocks=num_kv_blocks, max_requests=max_requests,
-                              max_tokens=max_tokens, max_sequence_length=64, enable_chunked_prefill=chunked)
+                              max_tokens=max_tokens, max_sequence_length=64, enable_chunked_prefill=chunked, **cfg)
         self.ctx = DynamicInferenceContext(cfg.cache_sizing(), model, DeviceFacade("cpu"), torch.float32)
         self.sched = Scheduler(cfg.scheduling(), self.ctx, RequestBook(self.ctx, SpecPolicy(cfg.speculation())))
         self.max_tokens = max_tokens
@@ -279,3 +279,19 @@ def test_launch_ahead_releases_a_request_whose_last_token_is_in_flight(model):
     assert a.request_id not in d.ctx.active and not a.block_ids
     old, _, d_old = second_plan(ahead=True, release=False)
     assert old == [] and d_old.ctx.active[1].status == Status.PAUSED  # what launch-ahead did before
+
+
+def test_waiting_requests_that_cannot_be_admitted_bring_no_prefill_chunks(model):
+    """Adaptive speculation drafts nothing in a step with prefill chunks. Requests waiting while
+    new ones are not admitted (``pause_generation("wait")``: a weight update) bring none, so
+    drafting stays on."""
+    d = Driver(model, max_tokens=16, num_speculative_tokens=2, speculative_adaptive=True)
+    policy = d.sched.spec
+    d.add(3)
+    d.serial()
+    d.add(3)
+    d.sched.admits_new = False
+    assert rows(d.serial()) == [(0, 3, 1)]
+    assert policy.off_rows["prefill"] == 0, policy.off_rows
+    d.sched.admits_new = True
+    assert rows(d.serial()) == [(0, 4, 1), (1, 0, 3)] and policy.off_rows["prefill"] == 1, policy.off_rows
