@@ -104,7 +104,8 @@ class SpecBench:
         self.rows: list[BenchRow] = []
         self.decode_ms = self.plain_decode_ms = 0.0
         self.split = self.plain_split = ""
-        """The latest timed run's steps that landed prefill chunks (count x mean wall) and its wall
+        """The latest timed run's steps that landed prefill chunks (count x mean wall; a speculative
+        engine's: how many steps with prefill chunks it launched as plain steps) and its wall
         outside the landing steps' walls; the latest plain run's."""
         """Mean host wall of the latest timed run's decode-only steps (steady launch-ahead: the
         step's time), and of the latest plain run's."""
@@ -131,7 +132,7 @@ class SpecBench:
         self._sync()
         st = llm.engine.stats
         before, decode = st.steps, (st.decode_wall_time, st.decode_steps)
-        prefill = (st.prefill_wall_time, st.prefill_steps)
+        prefill = (st.prefill_wall_time, st.prefill_steps, st.spec_plain_mixed_steps)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         self._sync()
@@ -140,7 +141,8 @@ class SpecBench:
         self.decode_ms = 1e3 * (st.decode_wall_time - decode[0]) / max(steps, 1)
         chunks, chunks_wall = st.prefill_steps - prefill[1], st.prefill_wall_time - prefill[0]
         outside = wall - chunks_wall - (st.decode_wall_time - decode[0])  # a first step lands nothing
-        self.split = f"{chunks} x {1e3 * chunks_wall / max(chunks, 1):.2f} ms, outside {1e3 * outside:.1f} ms"
+        plain = f" ({st.spec_plain_mixed_steps - prefill[2]} launched plain)" if llm.config.num_speculative_tokens else ""
+        self.split = f"{chunks} x {1e3 * chunks_wall / max(chunks, 1):.2f} ms{plain}, outside {1e3 * outside:.1f} ms"
         return outs, wall, (st.steps - before)
 
     def _sync(self) -> None:

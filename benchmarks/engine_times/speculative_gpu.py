@@ -5,11 +5,13 @@ graphs on: speculative vs plain decode step time and tok/s, the measured accepta
 step times give at the target acceptance. The tokens-equal column is for orientation: the
 assertions (speculative == plain, exactly) are tests/functional_tests/test_gpu_speculative.py's.
 
-``--split``: only batch 128 at 0 % acceptance (k = 3, the default switch-off policy, graphs, bf16
-Qwen3-0.6B shape), plain and speculative engines side by side, every step split by kind:
-prefill / mixed steps, verify steps, decode steps with the drafter (before / after a probe),
-plain steps (no drafter: speculative/plain_steps.py); device ms per step (CUDA events), host ms
-per step and the host's wait for the device, step counts, lazy captures (~1 min on an H100).
+``--split``: only batch 128 at 0 % acceptance (k = 3, the default switch-off policy, graphs with
+mixed graphs, bf16 Qwen3-0.6B shape, the speculative benchmark's 128-token prompts and 2,048-token
+steps), plain and speculative engines side by side, every step split by kind: prefill / mixed
+steps (with the speculative machinery, or plain), verify steps, decode steps with the drafter
+(before / after a probe), plain steps (no drafter: speculative/plain_steps.py); device ms per step
+(CUDA events), host ms per step and the host's wait for the device, step counts, lazy captures
+(~1 min on an H100).
 
     python -m benchmarks engine-times speculative-gpu [--batches 1 128]
     python -m benchmarks engine-times speculative-gpu --split
@@ -88,10 +90,11 @@ def timing(batches=(1, 128), prompt_len: int = 64, output_len: int = 64, accept:
     return lines
 
 
-def split_timing(batch: int = 128, prompt_len: int = 64, output_len: int = 128) -> list[str]:
+def split_timing(batch: int = 128, prompt_len: int = 128, output_len: int = 128) -> list[str]:
     """Plain vs speculative engine at ``batch``, 0 % acceptance (the oracle's drafts all wrong),
     the default switch-off policy, graphs, side by side: where the run's wall time goes.
-    Per step kind ("mixed": prefill chunks; decode steps "plain" (the plain engine's step),
+    Per step kind ("mixed": prefill chunks, "mixed plain" such a step of a speculative engine run
+    as the plain engine's; decode steps "plain" (the plain engine's step),
     "drafter" (no drafts, the speculative machinery runs), "verify" (rows with drafts)):
     steps, device period per step from the engine's CUDA events (``logging_step_interval`` 1),
     host ms per ``engine.step()`` call (its wall minus the time it waited for the device: the
@@ -100,10 +103,9 @@ def split_timing(batch: int = 128, prompt_len: int = 64, output_len: int = 128) 
     One untimed run per engine first (compiles, captures the graphs it replays)."""
     cuda = DEVICE == "cuda"
     model, dtype = ("qwen3-0.6b", "bfloat16") if cuda else ("tiny", "float32")
-    base = dict(max_requests=batch, max_tokens=max(1024, batch * (K + 1)),
+    base = dict(max_requests=batch, max_tokens=max(2048 if cuda else 32, batch * (K + 1)),
                 max_sequence_length=prompt_len + output_len + 8, buffer_size_gb=4.0 if cuda else 0.05,
-                cuda_graphs=True, cuda_graph_batch_sizes=(batch,), cuda_graph_mixed_steps=False,
-                startup_warmup=False, logging_step_interval=1)
+                cuda_graphs=True, cuda_graph_batch_sizes=(batch,), startup_warmup=False, logging_step_interval=1)
     vocab = DEFAULT_CONFIGS[model]["vocab_size"]
     rng = random.Random(batch)
     prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
@@ -139,7 +141,7 @@ def split_timing(batch: int = 128, prompt_len: int = 64, output_len: int = 128) 
     return lines
 
 
-KINDS = ("mixed", "plain", "drafter", "verify")
+KINDS = ("mixed", "mixed plain", "plain", "drafter", "verify")
 
 
 def _mean(xs: list[float]) -> float:
@@ -158,17 +160,18 @@ def _step_kinds(llm: LLM, prompts, params) -> dict:
     cur = {"kind": None, "wait": 0.0}
 
     def logged(plan, step_id, overlapped, timed, *agreed):
-        before = ctl.spec_steps.plain_steps if ctl.spec_steps is not None else 0
+        sel = ctl.spec_steps
+        before = (sel.plain_steps, sel.plain_mixed_steps) if sel is not None else (0, 0)
         pending = launch(plan, step_id, overlapped, timed, *agreed)
         if not plan.is_all_decode:
-            kind = "mixed"
+            kind = "mixed plain" if sel is not None and sel.plain_mixed_steps > before[1] else "mixed"
         elif any(r.num_drafts for r in plan.rows):
             kind = "verify"
         else:
-            plain = ctl.spec_steps is None or ctl.spec_steps.plain_steps > before
+            plain = sel is None or sel.plain_steps > before[0]
             kind = "plain" if plain else "drafter"
         kinds[step_id] = kind
-        if cur["kind"] != "mixed":  # a call that launched a mixed step (and another) is filed as mixed
+        if not (cur["kind"] or "").startswith("mixed"):  # a call that launched a mixed step (and another): mixed
             cur["kind"] = kind
         return pending
 
@@ -253,7 +256,7 @@ def run(args: argparse.Namespace) -> None:
     cuda = DEVICE == "cuda"
     t0 = time.perf_counter()
     if args.split:
-        lines = split_timing(128 if cuda else 8, 64 if cuda else 8, 128 if cuda else 40)
+        lines = split_timing(128 if cuda else 8, 128 if cuda else 8, 128 if cuda else 40)
     else:
         lines = timing(tuple(args.batches or ((1, 128) if cuda else (1, 8))))
     print("\n".join(lines))

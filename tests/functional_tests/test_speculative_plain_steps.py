@@ -67,29 +67,61 @@ def test_zero_acceptance_oracle_runs_plain_steps(qwen3_ckpt, hybrid_ckpt, model,
     cfg = dict(async_scheduling=async_scheduling, max_requests=6, max_tokens=32)
     plain = run_arrivals(make_llm(path, **cfg), arr)
     llm = make_llm(path, oracle_for(plain, arr, 1.0, vocab=vocab), num_speculative_tokens=3, **OFF, **cfg)
-    keys = []
-    if graphs:
-        runner = llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config.graph_sizing(), mixed=model == "gpt",
-                                                         emulate=True)
-        llm.engine.warmup()
-        lookup = runner.lookup
-
-        def logged(*a, **kw):
-            step = lookup(*a, **kw)
-            keys.append(step.key if step is not None else None)
-            return step
-
-        runner.lookup = logged
+    keys = _graphs_logged(llm, mixed=model == "gpt") if graphs else []
     assert_same_outputs(plain, run_arrivals(llm, arr), log_prob_tol=1e-5)
     st = llm.engine.stats
     _assert_mostly_plain(st)
     assert st.spec_accepted_tokens == 0 and llm.context.gpu_view.num_copies == st.steps
-    if graphs:  # plain steps replayed a plain engine's decode graphs (the same keys)
-        plain_plan = GraphPlan(replace(llm.config, num_speculative_tokens=0).graph_sizing(), vocab, mixed=model == "gpt")
-        plain_decode = [k for k in keys if k is not None and k.decode_only and not k.spec]
-        assert len(plain_decode) == st.spec_plain_steps and set(plain_decode) <= set(plain_plan.keys())
+    if graphs:  # plain steps replayed a plain engine's decode and mixed graphs (the same keys)
+        _assert_plain_keys(llm, keys, mixed=model == "gpt")
         assert any(k is not None and k.spec and k.decode_only for k in keys)  # steps before probes
-        assert st.graph_captures_after_warmup == 0
+
+
+def _graphs_logged(llm, mixed: bool) -> list:
+    """Emulated CUDA graphs, warmed up; returns the list the key of every lookup goes to (None: eager)."""
+    runner = llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config.graph_sizing(), mixed=mixed, emulate=True)
+    llm.engine.warmup()
+    keys, lookup = [], runner.lookup
+
+    def logged(*a, **kw):
+        step = lookup(*a, **kw)
+        keys.append(step.key if step is not None else None)
+        return step
+
+    runner.lookup = logged
+    return keys
+
+
+def _assert_plain_keys(llm, keys: list, mixed: bool) -> None:
+    """Every plain step replayed a plain engine's graph (the same keys), counted by kind."""
+    st = llm.engine.stats
+    plain_plan = GraphPlan(replace(llm.config, num_speculative_tokens=0).graph_sizing(), llm.model.vocab_size, mixed=mixed)
+    plain_decode = [k for k in keys if k is not None and k.decode_only and not k.spec]
+    plain_mixed = [k for k in keys if k is not None and not k.decode_only and not k.spec]
+    assert len(plain_decode) == st.spec_plain_steps and set(plain_decode + plain_mixed) <= set(plain_plan.keys())
+    assert len(plain_mixed) == (st.spec_plain_mixed_steps if mixed else 0), st.as_dict()
+    assert st.graph_captures_after_warmup == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prefill_steps_of_a_batch_arriving_at_once_run_plain(qwen3_ckpt, async_scheduling):
+    """The benchmark's batch-128 case scaled down, under the adaptive rule: the batch arrives at
+    once and is prefilled over several steps, which draft nothing; all but the last (whose
+    drafter run gives the first decode step its drafts) run the plain engine's step and replay
+    its mixed graphs. Tokens equal the plain engine's."""
+    vocab = make_llm(qwen3_ckpt).model.vocab_size
+    arr = [Arrival(0, p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(random_prompts(8, 10, 14, vocab, seed=45))]
+    cfg = dict(async_scheduling=async_scheduling, max_requests=8, max_tokens=32)
+    plain = run_arrivals(make_llm(qwen3_ckpt, **cfg), arr)
+    llm = make_llm(qwen3_ckpt, oracle_for(plain, arr, 1.0, vocab=vocab), num_speculative_tokens=3,
+                   speculative_adaptive=True, **cfg)
+    keys = _graphs_logged(llm, mixed=True)
+    assert_same_outputs(plain, run_arrivals(llm, arr), log_prob_tol=1e-5)
+    st = llm.engine.stats
+    mixed = [k for k in keys if k is not None and not k.decode_only and not k.verify_width]
+    assert st.spec_plain_mixed_steps >= len(mixed) - 1 >= 3, (keys, st.as_dict())
+    assert st.spec_off_rows["prefill"] > 0 and st.spec_off_rows["stale"] == 0, st.as_dict()
+    _assert_plain_keys(llm, keys, mixed=True)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -148,3 +180,34 @@ def test_batch_shrinks_below_the_limit(qwen3_ckpt, async_scheduling):
     st = llm.engine.stats
     assert st.spec_plain_steps > 0 and st.spec_off_rows["batch"] > 0 and st.spec_off_rows["stale"] > 0, st.as_dict()
     assert st.spec_accepted_tokens > 0, st.as_dict()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("model", ["gpt", "hybrid"])
+def test_prefill_chunks_beside_rows_continuing_a_probe(qwen3_ckpt, hybrid_ckpt, model, async_scheduling):
+    """Requests switched off by acceptance probe every 12 steps; long prompts arriving meanwhile
+    are prefilled over several steps, one of them right after a probe: rows continuing a launch
+    that verified drafts read their input token from the spec state, so that step runs the
+    machinery although nothing drafts in it or next; the other prefill steps run plain (hybrid:
+    their chunks advance the Mamba slots as a plain engine's do)."""
+    path = hybrid_ckpt if model == "hybrid" else qwen3_ckpt
+    vocab = make_llm(path).model.vocab_size
+    short, long = random_prompts(3, 3, 6, vocab, seed=46), random_prompts(3, 60, 90, vocab, seed=47)
+    arr = [Arrival(0, p, PARAMS[i]) for i, p in enumerate(short)]
+    arr += [Arrival(9 + 3 * i, p, PARAMS[i]) for i, p in enumerate(long)]
+    cfg = dict(async_scheduling=async_scheduling, max_requests=6, max_tokens=32)
+    plain = run_arrivals(make_llm(path, **cfg), arr)
+    llm = make_llm(path, oracle_for(plain, arr, 1.0, vocab=vocab), num_speculative_tokens=3, **OFF, **cfg)
+    sel, beside = llm.runner.spec_steps, []
+    speculative = sel.speculative
+
+    def logged(plan):
+        spec = speculative(plan)
+        beside.append(not plan.is_all_decode and plan.inflight_verified and any(r.prev_row >= 0 for r in plan.rows))
+        return spec
+
+    sel.speculative = logged
+    assert_same_outputs(plain, run_arrivals(llm, arr))
+    st = llm.engine.stats
+    assert st.spec_plain_mixed_steps > 0 and st.spec_off_rows["acceptance"] > 0, st.as_dict()
+    assert any(beside) == async_scheduling  # (serial steps: the probe landed first)

@@ -115,6 +115,9 @@ class EngineStats:
     """Decode steps of a speculative engine launched as plain steps: no row drafted in them and
     none could draft next, so they ran the plain engine's step (and replayed its decode graphs)
     without the drafter or any speculative state work (speculative/plain_steps.py)."""
+    spec_plain_mixed_steps: int = 0
+    """Steps with prefill chunks of a speculative engine launched as plain steps (the same rule;
+    they replay a plain engine's mixed graphs)."""
     grammar_steps: int = 0
     """Launches with grammar rows (structured outputs): their forward was enqueued first and their
     sampling once the host had filled the token masks (engines/grammar_masks.py)."""

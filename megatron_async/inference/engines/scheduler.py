@@ -248,6 +248,7 @@ class Scheduler:
             num_decoding, prefilling, any_paused, drafts = self._spec_decode_rows(by_age, rows, budget)
             budget -= drafts
         budget -= len(rows)
+        decode_rows = len(rows)
 
         # 2. unfinished prefills; no block -> paused. They leave the waiting requests that can be
         # admitted their share of the step, so a long prompt's chunks do not hold them back.
@@ -278,6 +279,8 @@ class Scheduler:
 
         # 4. admissions
         self._admit_waiting(plan, budget, any_paused, held)
+        if self.spec.enabled:  # the next step's chunks: a prompt's chunk that does not end it, or admissions
+            self.spec.chunks_next = any(not r.samples for r in rows[decode_rows:]) or self._admission_coming(any_paused)
         return plan
 
     def _admit_waiting(self, plan: StepPlan, budget: int, any_paused: bool, held: frozenset[int]) -> None:

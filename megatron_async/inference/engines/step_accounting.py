@@ -138,6 +138,7 @@ class StepAccounting:
         st.spec_truncated_rows += res.truncated
         st.spec_off_rows = Counter(self.scheduler.spec.off_rows)
         st.spec_plain_steps = self.runner.spec_steps.plain_steps
+        st.spec_plain_mixed_steps = self.runner.spec_steps.plain_mixed_steps
 
     def _rejection_cause(self) -> str:
         active = list(self.context.active.values())

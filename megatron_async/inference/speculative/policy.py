@@ -20,18 +20,20 @@ acceptance each new request would otherwise pay 2-4 wide verify rows before swit
 and a batch of them as many wide verify steps (batch 128 / 0 %). A request that
 starts switched off drafts from its first probe on if drafts land.
 
-Drafts for a row come from the drafter's run in the request's previous launch. A decode step
-after which no row can draft runs the plain engine's step, drafter and spec state untouched
-(``may_any_draft_next`` guesses; plain_steps.py decides the step): a request whose latest
-launch was such a step has no drafts for its next row (``spec_drafts_fresh`` False) and
-decodes that row plainly, counted as "stale"; that row's step runs the drafter again.
+Drafts for a row come from the drafter's run in the request's previous launch. A step without
+drafts (decode rows, prefill chunks) after which no row can draft runs the plain engine's step,
+drafter and spec state untouched (``may_any_draft_next`` guesses; plain_steps.py decides the
+step): a request whose latest launch was such a step has no drafts for its next row
+(``spec_drafts_fresh`` False) and decodes that row plainly, counted as "stale"; that row's step
+runs the drafter again.
 
 Adaptive mode (``speculative_adaptive``, on for CUDA): before a step's decode rows draft,
 ``plan_step`` caps the drafts of every row of the step by the kind of step that costs least per
 generated token at this batch, measured (step_choice.py; the switch-off by
 ``speculative_min_acceptance`` and its probes do not apply, the rule's trials and probes take
 their place). A step that carries prefill chunks drafts nothing (cause "prefill"): under CUDA
-graphs drafts would make it eager. A step the rule runs plain counts its rows' causes in one
+graphs drafts would make it eager; nor does the step before it run the drafter
+(``chunks_next``). A step the rule runs plain counts its rows' causes in one
 pass (``count_undrafted``), not a ``drafts_for`` call per row. Tokens never depend on the
 choice (drafts only ever save steps)."""
 from __future__ import annotations
@@ -69,6 +71,10 @@ class SpecPolicy:
         self.step_cap = K
         """Drafts a row of the step being scheduled may verify at most (``plan_step``)."""
         self._cap_cause = "cost"  # why ``step_cap`` is 0: "cost" (the rule) or "prefill" (chunks in the step)
+        self.chunks_next = False
+        """The step after the one just scheduled will carry prefill chunks (a chunk of it does not
+        end its prompt, or a waiting request may be admitted): the scheduler's guess, so that
+        adaptive ``may_any_draft_next`` answers no without asking the rule."""
         self._undrafted: tuple = (None, Counter())  # (rows' key, causes) of the latest ``count_undrafted``
 
     @property
@@ -124,14 +130,16 @@ class SpecPolicy:
         return 0
 
     def may_any_draft_next(self, requests: list[DynamicInferenceRequest]) -> bool:
-        """Could a row of ``requests`` (the decode rows of the step being launched) draft in
-        the next step? A guess from what is known now (the next step's rows as these), for
-        deciding whether this step runs the drafter: wrong only in cost (a wasted drafter run,
-        or a row decoded plainly as "stale"), never in tokens: ``drafts_for`` checks
-        ``spec_drafts_fresh``."""
+        """Could a row of ``requests`` (the sampling rows of the step being launched: decode
+        rows, prompts' last chunks) draft in the next step? A guess from what is known now (the
+        next step's rows as these, ``chunks_next``), for deciding whether this step runs the
+        drafter: wrong only in cost (a wasted drafter run, or a row decoded plainly as "stale"),
+        never in tokens: ``drafts_for`` checks ``spec_drafts_fresh``."""
         if self.k == 0 or self.max_batch and len(requests) > self.max_batch:
             return False
         if self.adaptive:
+            if self.chunks_next:  # the next step drafts nothing ("prefill")
+                return False
             return self.choose_cap(requests, self.step + 1, commit=False) > 0 and any(
                 not _never_drafts(req) for req in requests)
         probe = (self.step + 1) % self.probe_interval == 0

@@ -108,7 +108,7 @@ class CudaGraphRunner:
         error (never a capture on one rank alone), and a rank with nothing to launch replays the
         agreed graph on padding rows (``replay_padding``).
         ``verify``: verify graphs when speculative decoding is on. Speculative engines also
-        capture plain decode graphs (speculative/plain_steps.py), except data-parallel ones
+        capture plain decode and mixed graphs (speculative/plain_steps.py), except data-parallel ones
         (every rank runs the drafter's collectives in every step). ``logits_only``: logits-only
         graphs for steps with grammar rows (graph_plan.py; not for data-parallel engines)."""
         self.model_runner = model_runner

@@ -44,8 +44,10 @@ samples' logits, one per decode size and mixed token count) and sample eagerly; 
 speculative engine (its grammar steps run eager).
 
 A speculative engine's graphs run its speculative machinery (``GraphKey.spec``: spec inputs,
-acceptance, drafter); its decode steps that need none of it (speculative/plain_steps.py)
-replay decode graphs without it, under the same keys as a plain engine's."""
+acceptance, drafter); its decode and mixed steps that need none of it (speculative/plain_steps.py)
+replay decode and mixed graphs without it, under the same keys as a plain engine's (mixed
+graphs of both kinds: a mixed step needs the machinery where rows beside its prefill chunks
+continue a verify launch, or drafts follow it)."""
 from __future__ import annotations
 
 import bisect
@@ -195,8 +197,8 @@ class GraphPlan:
                  variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), verify: bool = False,
                  plain_steps: bool = False, log_prob_twins: bool = True, logits_only: bool = False):
         """``verify``: verify graphs for speculative decoding (``num_speculative_tokens`` > 0).
-        ``plain_steps``: a speculative engine's decode steps may run plain (decode graphs of
-        both kinds). ``log_prob_twins``: decode graphs of the variants below FULL have
+        ``plain_steps``: a speculative engine's decode and mixed steps may run plain (decode and
+        mixed graphs of both kinds). ``log_prob_twins``: decode graphs of the variants below FULL have
         log-prob twins (off: every log-prob step replays FULL). ``logits_only``: logits-only
         graphs for steps with grammar rows (not with speculative decoding)."""
         self.log_prob_twins = log_prob_twins
@@ -243,7 +245,7 @@ class GraphPlan:
         ranks pad decode steps at least to the rows, and replay at least the sampling variant,
         that all ranks agreed on (a larger variant draws the same tokens). ``spec``: whether
         the step runs the speculative machinery (None: whenever speculation is on); only
-        decode steps of a plan with ``plain_steps`` can run without it."""
+        decode and mixed steps of a plan with ``plain_steps`` can run without it."""
         spec = self.speculative if spec is None or not self.plain_steps else spec
         if shape.any_grammar:
             return self._logits_key(shape, min_rows)
@@ -274,7 +276,7 @@ class GraphPlan:
         if not self.token_counts or shape.num_tokens > self.token_counts[-1] or min_rows:
             return None
         tokens = self.token_counts[bisect.bisect_left(self.token_counts, shape.num_tokens)]
-        return GraphKey(tokens, self.mixed_rows(tokens), False, variant, spec=self.speculative)
+        return GraphKey(tokens, self.mixed_rows(tokens), False, variant, spec=spec)
 
     def _logits_key(self, shape, min_rows: int) -> GraphKey | None:
         """The logits-only graph of a step with grammar rows (None: eager)."""
@@ -294,13 +296,12 @@ class GraphPlan:
     def keys(self) -> list[GraphKey]:
         """Every key, in capture order: largest first within each kind (so later, smaller
         captures reuse the shared pool's memory), mixed before verify before decode (a
-        speculative engine's decode graphs with the machinery before the plain ones)."""
-        spec = self.speculative
-        mixed = [GraphKey(t, self.mixed_rows(t), False, v, spec=spec) for t in reversed(self.token_counts)
+        speculative engine's mixed and decode graphs with the machinery before the plain ones)."""
+        kinds = (True, False) if self.plain_steps else (self.speculative,)
+        mixed = [GraphKey(t, self.mixed_rows(t), False, v, spec=k) for t in reversed(self.token_counts) for k in kinds
                  for v in self.variants]
         verify = [GraphKey(b * w, b, False, v, w, True) for w in reversed(self.verify_sizes)
                   for b in reversed(self.verify_sizes[w]) for v in self.variants]
-        kinds = (True, False) if self.plain_steps else (spec,)
         decode = [GraphKey(b, b, True, v, spec=k, log_probs=lp) for b in reversed(self.decode_sizes) for k in kinds
                   for v in self.variants for lp in self._twins(v)]
         if self.logits_only:  # steps with grammar rows

@@ -153,7 +153,7 @@ class ModelRunner:
             spec |= k.spec  # a graph with the machinery runs it (correct for any step's layout)
             ctx.pad_for_graph(shape.num_tokens, shape.num_rows, k.num_tokens, k.num_rows, k.verify_width)
         if self.spec_steps is not None:
-            self.spec_steps.launched(plan, spec)
+            self.spec_steps.launched(plan, spec, shape.is_decode_only)
         return PreparedStep(plan, shape, graph, spec, agreed.max_tokens, scoring)
 
     @torch.inference_mode()

@@ -2,6 +2,7 @@
 the policy's freshness check, the graph keys): no GPU, requests as plain records."""
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 from megatron_async import InferenceConfig, SamplingParams
@@ -19,7 +20,7 @@ CFG = InferenceConfig(max_requests=8, max_tokens=32, num_speculative_tokens=3, s
 
 def req(acceptance: float = 0.0, fresh: bool = True, params: SamplingParams = GREEDY):
     return SimpleNamespace(sampling_params=params, prompt_tokens=[1], banned_sequences=(), spec_acceptance=acceptance,
-                           spec_drafts_fresh=fresh, num_computed_tokens=5, num_inflight=0, inflight_row=-1,
+                           spec_positions=0.0, spec_drafts_fresh=fresh, num_computed_tokens=5, num_inflight=0, inflight_row=-1,
                            num_inflight_drafts=0)
 
 
@@ -29,7 +30,7 @@ BOOK = RequestBook(SimpleNamespace(max_sequence_length=CFG.max_sequence_length, 
 def launched(sel: PlainStepSelector, p: StepPlan, speculative: bool) -> None:
     """What a launch does with the selector's decision: the selector records it, the request
     book marks the rows' drafts fresh or stale."""
-    sel.launched(p, speculative)
+    sel.launched(p, speculative, p.is_decode_only)
     BOOK.commit(p, speculative)
 
 
@@ -58,8 +59,12 @@ def test_which_steps_run_the_speculative_machinery():
     pen = req(0.9, params=SamplingParams(top_k=1, presence_penalty=0.5))
     assert sel.speculative(plan((pen, 0, -1))) is False  # never drafts
     assert sel.speculative(plan(*[(on, 0, -1)] * 5)) is False  # over speculative_max_batch_size
-    prefill = StepPlan([RowPlan(on, start=0, num_tokens=4, samples=True)])
-    assert sel.speculative(prefill) is True  # prefill chunks: the drafter fills its state
+    # prefill chunks: the same rule, over the rows that sample (a prompt's last chunk)
+    assert sel.speculative(StepPlan([RowPlan(on, start=0, num_tokens=4, samples=True)])) is True  # drafts next
+    assert sel.speculative(StepPlan([RowPlan(off, start=0, num_tokens=4, samples=True)])) is False
+    assert sel.speculative(StepPlan([RowPlan(on, start=0, num_tokens=4, samples=False)])) is False  # prefills next
+    drafts_beside_a_chunk = [RowPlan(off, start=5, num_tokens=2, samples=True, num_drafts=1), RowPlan(off, 0, 4, False)]
+    assert sel.speculative(StepPlan(drafts_beside_a_chunk)) is True
     # rows continuing a launch in flight that verified drafts read the spec state
     launched(sel, plan((off, 1, -1), (on, 0, -1)), True)
     assert sel.inflight_verified and off.spec_drafts_fresh and on.spec_drafts_fresh
@@ -69,8 +74,27 @@ def test_which_steps_run_the_speculative_machinery():
     p = plan((off, 0, 0))
     assert sel.speculative(p) is False and not p.inflight_verified
     launched(sel, p, False)
-    assert not off.spec_drafts_fresh and sel.plain_steps == 1
+    assert not off.spec_drafts_fresh and sel.plain_steps == 1 and sel.plain_mixed_steps == 0
+    launched(sel, plan((off, 1, -1)), True)
+    mixed = StepPlan([RowPlan(off, start=5, num_tokens=1, samples=True, prev_row=0), RowPlan(on, 0, 4, False)])
+    assert sel.speculative(mixed) is True and mixed.inflight_verified  # continues a verify launch beside a chunk
+    launched(sel, mixed, True)
+    mixed = StepPlan([RowPlan(off, start=5, num_tokens=1, samples=True, prev_row=0), RowPlan(on, 0, 4, False)])
+    assert sel.speculative(mixed) is False and not mixed.inflight_verified
+    launched(sel, mixed, False)
+    assert sel.plain_steps == 1 and sel.plain_mixed_steps == 1
     assert PlainStepSelector(None).speculative(plan((off, 0, -1))) is True  # no policy bound: always
+
+
+def test_adaptive_steps_before_prefill_chunks_run_plain():
+    """The adaptive rule drafts nothing in a step with prefill chunks: the step before it (the
+    scheduler's ``chunks_next``) runs plain, its rows' next row has nothing to verify anyway."""
+    policy = SpecPolicy(replace(CFG, speculative_adaptive=True, speculative_max_batch_size=0).speculation())
+    sel, new = PlainStepSelector(policy), req(1.0)
+    chunk = StepPlan([RowPlan(new, start=5, num_tokens=1, samples=True), RowPlan(req(1.0), 0, 4, True)])
+    assert sel.speculative(chunk) is True  # rows without evidence: the rule probes next
+    policy.chunks_next = True
+    assert sel.speculative(chunk) is False and sel.speculative(plan((new, 0, -1))) is False
 
 
 def test_a_request_without_fresh_drafts_does_not_draft():
@@ -84,20 +108,24 @@ def test_a_request_without_fresh_drafts_does_not_draft():
     assert policy.off_rows == {"stale": 2, "acceptance": 1}
 
 
-def test_speculative_engines_capture_plain_decode_graphs_under_plain_keys():
+def test_speculative_engines_capture_plain_decode_and_mixed_graphs_under_plain_keys():
     ctl = SimpleNamespace(model=SimpleNamespace(vocab_size=64))
     spec = CudaGraphRunner(ctl, CFG.graph_sizing(), mixed=True)
     plain = CudaGraphRunner(ctl, InferenceConfig(max_requests=8, max_tokens=32).graph_sizing(), mixed=True)
     spec_keys, plain_keys = set(spec.plan.keys()), set(plain.plan.keys())
-    plain_decode = {k for k in plain_keys if k.decode_only}
-    assert plain_decode and plain_decode <= spec_keys  # a plain engine's decode keys, spec=False
-    assert {replace_spec(k) for k in plain_decode} <= spec_keys  # and each with the machinery
-    assert all(k.spec for k in spec_keys - plain_decode) and not any(k.spec for k in plain_keys)
+    assert any(k.decode_only for k in plain_keys) and any(not k.decode_only for k in plain_keys)
+    assert plain_keys <= spec_keys  # a plain engine's decode and mixed keys, spec=False
+    assert {replace_spec(k) for k in plain_keys} <= spec_keys  # and each with the machinery
+    assert all(k.spec for k in spec_keys - plain_keys) and not any(k.spec for k in plain_keys)
+    assert len(spec_keys) == 2 * len(plain_keys) + sum(bool(k.verify_width) for k in spec_keys)
     shape = SimpleNamespace(num_tokens=3, num_rows=3, is_decode_only=True, verify_width=0, num_samples=3,
                             max_top_n=0, any_penalties=False, any_log_probs=False, filters=(False,) * 3,
                             any_sampling=False, any_grammar=False)
     assert spec.plan.key(shape, spec=False) == plain.plan.key(shape) == decode_key(4)
     assert spec.plan.key(shape, spec=True) == spec.plan.key(shape) == decode_key(4, spec=True)
+    mixed = SimpleNamespace(**{**shape.__dict__, "num_tokens": 20, "is_decode_only": False})  # a prefill chunk beside them
+    assert spec.plan.key(mixed, spec=False) == plain.plan.key(mixed) == GraphKey(32, 9, False, SamplingVariant.GREEDY)
+    assert spec.plan.key(mixed, spec=True) == spec.plan.key(mixed) == replace_spec(plain.plan.key(mixed))
     # data-parallel engines run the drafter in every step: decode graphs with the machinery only
     dp = CudaGraphRunner(ctl, CFG.graph_sizing(), mixed=True, collective=True)
     assert dp.plan.keys() == [decode_key(b, v, True) for b in (8, 4, 2, 1) for v in SamplingVariant]

@@ -284,14 +284,17 @@ def test_launch_ahead_releases_a_request_whose_last_token_is_in_flight(model):
 def test_waiting_requests_that_cannot_be_admitted_bring_no_prefill_chunks(model):
     """Adaptive speculation drafts nothing in a step with prefill chunks. Requests waiting while
     new ones are not admitted (``pause_generation("wait")``: a weight update) bring none, so
-    drafting stays on."""
+    drafting stays on, and the step before does not count on chunks either (``chunks_next``)."""
     d = Driver(model, max_tokens=16, num_speculative_tokens=2, speculative_adaptive=True)
     policy = d.sched.spec
     d.add(3)
     d.serial()
     d.add(3)
     d.sched.admits_new = False
-    assert rows(d.serial()) == [(0, 3, 1)]
+    assert rows(d.serial()) == [(0, 3, 1)] and not policy.chunks_next
     assert policy.off_rows["prefill"] == 0, policy.off_rows
     d.sched.admits_new = True
     assert rows(d.serial()) == [(0, 4, 1), (1, 0, 3)] and policy.off_rows["prefill"] == 1, policy.off_rows
+    d.add(30)
+    d.serial()  # its first chunk does not end its prompt
+    assert policy.chunks_next
