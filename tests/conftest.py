@@ -36,3 +36,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
         if "multigpu" in item.keywords and gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs 2+ CUDA devices (scripts/multigpu_validation.sh)"))
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection built (every test module, its imports, the items): it lives for
+    the whole run, and a full collection (the benchmark's gc.collect() before each timed run,
+    HF continuous batching's at its stop) then walks only what came after: ~0.05 s instead of
+    ~0.7 s in a worker holding the suite's 600,000 objects."""
+    import gc
+
+    import atexit
+
+    gc.collect()
+    gc.freeze()
+    atexit.register(gc.unfreeze)  # at exit: Triton's bindings would report frozen objects as leaks
