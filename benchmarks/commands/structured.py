@@ -69,19 +69,20 @@ def build(args):
     if args.smoke:
         cfg = InferenceConfig(max_requests=8, max_tokens=256, max_sequence_length=512)
         llm = LLM(None, device="cpu", inference_config=cfg)
-        tok, n, lo, hi, vocab = llm.tokenizer.backend_tokenizer, 8, 8, 24, 1000
+        # plain requests of 32 tokens: the constrained ones (JSON of ~30-110 tokens) still share their steps
+        tok, n, lo, hi, vocab, out = llm.tokenizer.backend_tokenizer, 8, 8, 24, 1000, 32
     else:
         from benchmarks.synthetic_vocab import ENTRIES, synthetic_bpe
 
         cfg = InferenceConfig(max_requests=128, max_tokens=8192, max_sequence_length=2048)
         llm = LLM(None, device="cuda", dtype="bfloat16", default_model=args.default_model, inference_config=cfg)
-        tok, n, lo, hi, vocab = synthetic_bpe(), 128, 100, 1024, ENTRIES
+        tok, n, lo, hi, vocab, out = synthetic_bpe(), 128, 100, 1024, ENTRIES, 128
     masks = llm.engine.masks
     masks.grammars = Grammars(tok, llm.runner.eos_ids, llm.runner.model.vocab_size, args.backend, args.grammar_threads)
     import random
 
     rng = random.Random(0)
-    requests = [WorkloadRequest([rng.randrange(vocab) for _ in range(rng.randint(lo, hi))], 128) for _ in range(n)]
+    requests = [WorkloadRequest([rng.randrange(vocab) for _ in range(rng.randint(lo, hi))], out) for _ in range(n)]
     return llm, tok, requests
 
 
