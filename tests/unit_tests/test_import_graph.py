@@ -17,6 +17,7 @@ job of data-parallel ranks both read, reaching only the config and the prefix ca
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -159,11 +160,23 @@ def _sources() -> dict[str, Path]:
             for p in PACKAGE.rglob("*.py")}
 
 
-def import_graph(annotations: bool = False) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports (``annotations``: TYPE_CHECKING imports too)."""
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    """A source file's tree, parsed once per run (the checks only walk it)."""
+    return ast.parse(path.read_text())
+
+
+@functools.cache
+def _graph(annotations: bool) -> dict[str, frozenset[str]]:
     sources = _sources()
-    return {name: _imports(ast.parse(path.read_text()), set(sources), name, path.name == "__init__.py", annotations)
+    return {name: frozenset(_imports(_parsed(path), set(sources), name, path.name == "__init__.py", annotations))
             for name, path in sources.items()}
+
+
+def import_graph(annotations: bool = False) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (``annotations``: TYPE_CHECKING imports too): a
+    fresh copy of the graph read once per run, which a test may plant imports in."""
+    return {name: set(imports) for name, imports in _graph(annotations).items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -230,7 +243,7 @@ def not_library_imports(sources: dict[str, tuple[ast.Module, bool]]) -> dict[str
 
 
 def _library_trees() -> dict[str, tuple[ast.Module, bool]]:
-    return {name: (ast.parse(path.read_text()), path.name == "__init__.py") for name, path in _sources().items()}
+    return {name: (_parsed(path), path.name == "__init__.py") for name, path in _sources().items()}
 
 
 def test_no_module_import_cycle():
