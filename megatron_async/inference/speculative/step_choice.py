@@ -171,7 +171,7 @@ class StepChoice:
         cap = self._cache[2]
         if commit:
             if self._start is not None:  # a try begins (``_try``)
-                self.trial, (key, at) = self._start[0], self._start[1]
+                self.trial, (key, at) = self._start
                 self._tried[key] = at
                 self._start = None
             if cap:
