@@ -8,11 +8,12 @@ def test_kernels_and_engine_smoke(capsys):
     rows = fp8.main(["kernels", "--smoke"])
     assert {r["kind"] for r in rows} == {"linear", "moe", "decode attention"}
     assert all(r["bf16_us"] > 0 and r["fp8_us"] > 0 for r in rows)
-    rows = fp8.main(["engine", "--smoke", "--configs", "bf16", "fp8+kv"])
+    rows = fp8.main(["engine", "--smoke", "--long", "--configs", "bf16", "fp8+kv"])
     assert [r["config"] for r in rows] == ["bf16", "fp8+kv"]
     assert rows[1]["kv_tokens"] > 2 * rows[0]["kv_tokens"]  # e4m3 against the float32 model's pool
-    assert all(r[w]["failed"] == 0 and r[w]["tok_s"] > 0 for r in rows for w in ("A", "batch1"))
-    assert "x bf16" in capsys.readouterr().out.splitlines()[-3]
+    assert all(r[w]["failed"] == 0 and r[w]["tok_s"] > 0 for r in rows for w in ("A", "batch1", "long"))
+    assert all(r["long"]["decode_ms"] > 0 for r in rows)
+    assert "long decode ms" in capsys.readouterr().out.splitlines()[-3]
 
 
 def test_accuracy_smoke(tmp_path):

@@ -66,6 +66,27 @@ def test_prefill_reads_e4m3_with_folded_scales(fixed_order):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "invariant"])
+def test_bf16_queries_of_any_magnitude_read_e4m3(kernel):
+    """bf16 queries over an e4m3 cache, ordinary and far beyond fp16's range (1e5): the kernels
+    agree with the reference within the operands' rounding (the dots must not narrow q to fp16)."""
+    scales = SCALES.to(DEVICE)
+    rows = DECODE_ROWS if kernel == "decode" else MIXED_ROWS
+    case, pool, k, v = _pool(rows, 2, 32, 8, scales, seed=5)
+    pool = torch.nan_to_num(pool.float(), nan=0.0).to(kf.FP8_KV)
+    kf.write_kv_fp8(pool, k, v, case.meta.slot_mapping, scales)
+    deq = pool.float() * scales.view(2, 1, 1, -1, 1)
+    for magnitude, tol in ((1.0, 2e-2), (1e5, 1e-2)):
+        q = (case.q.float() * magnitude / case.q.float().abs().amax()).to(torch.bfloat16)
+        if kernel == "decode":
+            out = decode_attention(q, pool, case.meta, case.scale, kv_scale=scales)
+        else:
+            out = prefill_attention(q, pool, case.meta, case.scale, fixed_order=kernel == "invariant", kv_scale=scales)
+        ref = attention_torch.paged_attention(q.float(), deq, case.meta, case.scale)
+        assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
+        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("rows", [DECODE_ROWS, MIXED_ROWS, [(0, 9)], [(0, 9), (4, 1), (2, 1)]])
 def test_torch_backend_reads_e4m3(rows):
     """Decode, padded mixed rows, and the fresh-prompt shortcut (attention over the step's own k / v,
