@@ -19,6 +19,7 @@ over pipes to the process's own forked children, never over a socket."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import multiprocessing
@@ -115,8 +116,28 @@ def submit(jit, data) -> None:
     from triton import knobs
     from triton.runtime.jit import get_cache_invalidating_env_vars
 
-    task = (jit.module, jit.fn.__qualname__, data, knobs.cache.dir, get_cache_invalidating_env_vars())
+    task = (jit.module, jit.fn.__qualname__, _with_target(data), knobs.cache.dir, get_cache_invalidating_env_vars())
     _pool["pending"][(id(jit), data)] = (task, pool.apply_async(_compile, (task,)))
+
+
+def _current_target() -> dict:
+    from triton.runtime import driver
+
+    return dict(driver.active.get_current_target().__dict__)
+
+
+def _with_target(data: str) -> str:
+    """``data`` naming the GPU target it compiles for: Triton before 3.7 (3.6 is the CUDA 13
+    wheels' pin) serializes a specialization without one (its preload compiles for the current
+    device), and a worker has no device: it gets this process's. Data it cannot read passes as is."""
+    try:
+        spec = json.loads(data)
+        if not isinstance(spec, dict) or "target" in spec:
+            return data
+        spec["target"] = _current_target()
+        return json.dumps(spec)
+    except Exception:  # noqa: BLE001 -- the worker reports what it cannot compile; the threads build it
+        return data
 
 
 def compile_all(specs: list) -> CompileReport:
@@ -229,8 +250,8 @@ def _compile(task) -> tuple[str, float]:
         attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])}
         signature = {k: convert_to_tuple_if_list(v) for k, v in spec["signature"].items()}
         options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()})
-        triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__,
-                       _env_vars=env_vars)
+        extra = {"_env_vars": env_vars} if "_env_vars" in inspect.signature(triton.compile).parameters else {}
+        triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__, **extra)
         return "", time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 -- the engine's process compiles it (and raises there if it must)
         return f"{qualname}: {type(e).__name__}: {e}", time.perf_counter() - t0
