@@ -3,7 +3,8 @@
 (512 in / 256 out), workload A (128 requests, prompts 100-1,024, 128 out, async + CUDA graphs) with
 its decode step against the weight + KV read floor and its mixed step against the matmul floor,
 and optionally the long-context workload (32 requests of 8-16k-token prompts, 64 out: its tok/s, mostly
-prefill, and its decode step; "x bf16" of a step is bf16's time over this one's)."""
+prefill, its decode step and the step's mean rows; its "x bf16" is bf16's decode time per row over
+this one's: a bf16 pool holds fewer of these requests at once, so its decode steps carry fewer rows)."""
 from __future__ import annotations
 
 import time
@@ -71,6 +72,7 @@ def run_config(name: str, args, workloads: dict, bandwidth: float, rates: dict) 
         mixed_floor_ms = prefill_flops(llm.model, prompts, sum(prompts)) / prefill_steps / (
             rates["fp8" if quantization else "bf16"]) * 1e3
         row[wname] = {"tok_s": s.output_tokens_per_s, "decode_ms": s.mean_decode_step_ms,
+                      "decode_batch": s.mean_decode_batch,
                       "tpot_ms": s.tpot_p50_ms, "prefill_ms": s.mean_prefill_step_ms,
                       "decode_floor_x": s.mean_decode_step_ms / (floor.seconds * 1e3),
                       "mixed_floor_x": s.mean_prefill_step_ms / mixed_floor_ms, "failed": s.failed_requests}
@@ -104,7 +106,7 @@ def run(args) -> list[dict]:
           f"{rates['bf16'] / 1e12:,.0f} / fp8 {rates['fp8'] / 1e12:,.0f} TFLOP/s")
     print(f"{'config':<7} {'KV tokens':>10} {'b1 ms/tok':>9} {'A tok/s':>8} {'x bf16':>6} {'decode ms':>9} "
           f"{'/floor':>6} {'mixed ms':>8} {'/floor':>6}"
-          + (f" {'long tok/s':>10} {'x bf16':>6} {'long decode ms':>14} {'x bf16':>6}" if args.long else ""))
+          + (f" {'long tok/s':>10} {'x bf16':>6} {'long decode ms':>14} {'rows':>5} {'x bf16':>6}" if args.long else ""))
     base = next((r for r in rows if r["config"] == "bf16"), rows[0])
     for r in rows:
         a, b1 = r["A"], r["batch1"]
@@ -113,7 +115,8 @@ def run(args) -> list[dict]:
                 f"{a['prefill_ms']:>8.1f} {a['mixed_floor_x']:>6.2f}")
         if args.long:
             lg, lb = r["long"], base["long"]
+            per_row = lb["decode_ms"] / lb["decode_batch"] / (lg["decode_ms"] / lg["decode_batch"])
             line += (f" {lg['tok_s']:>10,.0f} {lg['tok_s'] / lb['tok_s']:>6.2f} {lg['decode_ms']:>14.2f}"
-                     f" {lb['decode_ms'] / lg['decode_ms']:>6.2f}")
+                     f" {lg['decode_batch']:>5.1f} {per_row:>6.2f}")
         print(line)
     return rows

@@ -5,6 +5,8 @@ same grouped by role (attention, GEMMs, norms, sampler, ...), to find each role'
 
     python -m benchmarks decode-kernels --batch 128 --prompt-len 512 --steps 20
     python -m benchmarks decode-kernels --batch-invariant    # where the batch-invariant mode's decode goes
+    python -m benchmarks decode-kernels --model qwen3-8b --batch 32 --prompt-len-min 8000 --prompt-len 16000 \
+        --quantization fp8 --kv-cache-dtype fp8              # FP8 decode at long context
 
 The batch's requests all arrive at once; after prefill and a few warm decode steps (graph
 capture, Triton builds) ``--steps`` decode-only steps run under the profiler (CUDA activity only).
@@ -90,11 +92,12 @@ def run(args, sampled: bool) -> None:
     cfg = InferenceConfig(max_requests=args.batch, max_tokens=args.max_tokens or max(4096, args.batch),
                           buffer_size_gb=args.kv_gb, **extra,  # None: the profiled pool
                           async_scheduling=not args.serial, cuda_graphs=not args.eager, attention_backend="triton",
-                          batch_invariant=args.batch_invariant)
+                          batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype)
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     if tp > 1 and args.mixed:
         raise SystemExit("--mixed profiles one process; the tensor-parallel profile is of decode steps")
-    llm = LLM(device="cuda", dtype="bfloat16", default_model=args.model, inference_config=cfg, tensor_parallel_size=tp)
+    llm = LLM(device="cuda", dtype="bfloat16", default_model=args.model, inference_config=cfg, tensor_parallel_size=tp,
+              quantization=args.quantization)
     say = print if llm.is_leader else (lambda *a, **k: None)
     rng = random.Random(0)
     n_out = args.warm_steps + 3 * args.steps + 8  # every request still decoding in the profiled steps
@@ -197,6 +200,8 @@ def main() -> None:
                    "the benchmark's GPU default is 8192)")
     p.add_argument("--serial", action="store_true", help="no launch-ahead")
     p.add_argument("--batch-invariant", action="store_true", help="the batch-invariant mode's kernels")
+    p.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 weights")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's) or fp8 (e4m3 pool)")
     p.add_argument("--workloads", default="greedy,sampled")
     args = p.parse_args()
     if int(os.environ.get("RANK", "0")) == 0:
