@@ -219,6 +219,16 @@ def jit_function(key: str):
     return found
 
 
+def _build_launcher(src, kernel) -> None:
+    """Build the kernel's host-side launcher here too: where Triton compiles one in C per kernel
+    signature (3.6), that compiler run lands in the same on-disk cache and the engine's process only
+    loads it (a compiler run a kernel there before). A failure is only slower: the process builds it."""
+    with contextlib.suppress(Exception):
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        CudaLauncher(src, kernel.metadata)
+
+
 def _compile(task) -> tuple[str, float]:
     """In a worker: compile one specialization (what ``JITFunction.preload`` does, with the
     target from the specialization instead of the current device). Returns ("" or the error, seconds)."""
@@ -251,7 +261,8 @@ def _compile(task) -> tuple[str, float]:
         signature = {k: convert_to_tuple_if_list(v) for k, v in spec["signature"].items()}
         options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()})
         extra = {"_env_vars": env_vars} if "_env_vars" in inspect.signature(triton.compile).parameters else {}
-        triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__, **extra)
+        src = ASTSource(jit, signature, constexprs, attrs)
+        _build_launcher(src, triton.compile(src, target=target, options=options.__dict__, **extra))
         return "", time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 -- the engine's process compiles it (and raises there if it must)
         return f"{qualname}: {type(e).__name__}: {e}", time.perf_counter() - t0
