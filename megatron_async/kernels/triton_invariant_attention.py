@@ -189,12 +189,19 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, positions_ptr, kv_lens_ptr, token_
 
 def invariant_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                         kv_scale: torch.Tensor | None = None, split: int | None = None,
-                        heads_fastest: bool = True) -> torch.Tensor:
+                        heads_fastest: bool = True, block_n: int | None = None, maxnreg: int = 0,
+                        num_stages: int = 2) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] (rows as in ``meta``) over each row's paged KV
     (already appended), batch-invariant (module docstring). Returns [T, H, D] in q's dtype.
     ``kv_scale`` [2, KVH]: an e4m3 cache's key / value scales. ``split``: keys per split (tests;
     a multiple of the key tile), else ``split_size`` of the block table. ``heads_fastest``: KV heads on
-    the grid's first axis (forced off past 65,535 query tiles; tests); same bits either way."""
+    the grid's first axis (forced off past 65,535 query tiles; tests); same bits either way.
+    ``maxnreg`` (a register cap; 0: the compiler's choice) / ``num_stages``: launch settings (sweeps;
+    same bits). Uncapped was the fastest of ``kernel-times invariant-kernels --sweep`` (H100, us,
+    against the default prefill kernel's cap of 128): decode 128 rows x 100-1,152 keys 128.4 vs
+    131.5, mixed steps of 2,048 / 8,192 tokens 78.6 / 161.5 vs 81.2 / 162.9; caps of 192-232 ran
+    8-25 % slower (at 128 ptxas spills in the key loops).
+    ``block_n``: keys per tile (sweeps only: another key tile is another summation order)."""
     check_cache(kv_cache, q)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -202,7 +209,8 @@ def invariant_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     if num_tokens == 0 or meta.num_rows == 0:
         return out
     group = num_heads // num_kv_heads
-    block_q, block_n = tiles(group, q.device)
+    block_q, tile_n = tiles(group, q.device)
+    block_n = block_n or tile_n
     max_keys = meta.block_table.shape[1] * block_size
     split = split or split_size(max_keys, q.device)
     if split % block_n:
@@ -228,9 +236,8 @@ def invariant_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         GROUP=group, BLOCK_G=max(1, triton.next_power_of_2(group)), BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, MAX_SPLITS=max_splits,
         **dot_args(_split_kernel, kv_cache.dtype, q.dtype), KV_FP8=fp8, HEADS_FASTEST=heads_fastest,
-        num_warps=4, num_stages=2,
-        enable_fp_fusion=False,
-        **({"maxnreg": 128} if q.device.type == "cuda" and head_dim <= 128 else {}),
+        num_warps=4, num_stages=num_stages, enable_fp_fusion=False,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if max_splits > 1:
         _merge_kernel[(num_tokens,)](

@@ -2,12 +2,16 @@
 the same way whatever the number of rows.
 
 cuBLAS picks its algorithm (tile shape, split-K, stream-K) from M, the number of rows, so
-the bits of one row change with the batch around it. Here the tiles and the K split depend
-only on the weight's shape (N, K) and the device, never on M; every output tile walks its
-K range in BLOCK_K steps, accumulating in float32 in that one order, the ranges' partials
-are added in range order, and the bias is added in float32 before one rounding. A row's
-result is then a function of that row and the weight only: equal bits at batch 1, 7 or
-8192, in eager mode or a CUDA graph.
+the bits of one row change with the batch around it. Here the K order depends only on the
+weight's shape (N, K) and the device, never on M: every output element walks its K range in
+BLOCK_K steps of the same tensor-core instruction (Hopper's wgmma, k16, float32 accumulator),
+the K split's ranges are added in range order, and the bias is added in float32 before one
+rounding. A row's result is then a function of that row and the weight only: equal bits at
+batch 1, 7 or 8192, in eager mode or a CUDA graph. The output tiling (BLOCK_M x BLOCK_N, warps,
+stages) only says which program computes an element, so ``launch_tiles`` picks it by row count
+(an element's arithmetic is the same instruction chain in a 64 x 32 or a 128 x 128 tile: the
+``gpu`` tests compare 1-, 64- and 8,192-row results bit for bit, and ``kernel-times
+invariant-kernels`` every launch it times with the 64-row one).
 
 M is excluded from Triton's integer specialisation so that one compiled kernel serves
 every row count. Runs on CPU under ``TRITON_INTERPRET=1`` (tests), where ``tl.dot`` is numpy's
@@ -17,6 +21,7 @@ row-invariant in float32 (MKL takes another path for one row: results move by ~1
 is why the mode needs Triton on CPU too."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -175,7 +180,8 @@ class TileConfig:
 
 def tile_config(n: int, k: int, device: torch.device) -> TileConfig:
     """Tiles for an [N, K] weight. A function of (N, K, device) ONLY: the invariance of
-    the whole mode rests on M never reaching this choice.
+    the whole mode rests on M never reaching its K order (block_k, split_k); ``launch_tiles``
+    keeps that order and may retile the output for the row count.
 
     GPU: 64-row tiles (a decode batch of ~128 fills two), 128 columns for wide weights
     (QKV, gate_up, LM head), 64 for narrow ones (o_proj, down_proj). Narrow weights with a
@@ -190,6 +196,47 @@ def tile_config(n: int, k: int, device: torch.device) -> TileConfig:
     return TileConfig(64, 64 if narrow else 128, 64, split, 4, 4)
 
 
+PREFILL_TILES = {"linear": (128, 128, 8, 3), "swiglu": (128, 128, 8, 4), "split": (128, 64, 8, 4)}
+"""(BLOCK_M, BLOCK_N, warps, stages) of ``launch_tiles`` at prefill row counts: plain linears, the
+fused SwiGLU, and weights whose K ranges one program adds (two float32 accumulators: 128 x 128 on
+8 warps spills). The fastest of ``kernel-times invariant-kernels --sweep``; H100, 8,192 rows of the
+0.6B, us against 64-row tiles: qkv 137.0 vs 184.3, gate_up 225.5 vs 254.0, o_proj 109.0 vs 120.8,
+down 153.4 vs 178.2."""
+DECODE_ROWS = 128
+"""Up to this many rows (decode batches) no 128-row tiles; a launch that would leave the device
+short of work takes 32-column tiles."""
+
+
+def launch_tiles(m: int, n: int, k: int, device: torch.device, swiglu: bool = False) -> TileConfig:
+    """``tile_config`` for m rows (``swiglu``: the fused kernel's, n // 2 output columns): its K order
+    (block_k, split_k) always, its output tiling unless, on GPU, another fills the device better:
+    past ``DECODE_ROWS`` rows 128-row tiles on 8 warps (two wgmma warpgroups, each the 64-row
+    instruction chain of the small tiles) once they alone fill it twice; up to it 32 columns
+    instead of 64-128 where the programs would not fill it twice (128 rows of the 0.6B, us: qkv 7.9
+    vs 9.1, gate_up 12.3 vs 14.8, o_proj 7.2 vs 7.6, down 8.3 vs 8.9; the LM head keeps its tiles).
+    Only which program computes an element changes with m."""
+    cfg = tile_config(n, k, device)
+    if device.type != "cuda":
+        return cfg
+    cols = n // 2 if swiglu else n
+    fill = 2 * num_compute_units(device)
+    block_m, block_n, warps, stages = PREFILL_TILES["swiglu" if swiglu else "split" if cfg.split_k > 1 else "linear"]
+    if m <= DECODE_ROWS:
+        short = triton.cdiv(m, cfg.block_m) * triton.cdiv(cols, cfg.block_n) * cfg.split_k < fill
+        return dataclasses.replace(cfg, block_n=32) if short else cfg
+    if triton.cdiv(m, block_m) * triton.cdiv(cols, block_n) >= fill:
+        return dataclasses.replace(cfg, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+    return cfg
+
+
+def _check_tiles(tiles: TileConfig, n: int, k: int, device: torch.device) -> TileConfig:
+    """An explicit launch (benchmark sweeps, tests) may change the output tiling, never the K order."""
+    base = tile_config(n, k, device)
+    if (tiles.block_k, tiles.split_k) != (base.block_k, base.split_k):
+        raise ValueError(f"tiles {tiles} change the K order of a [{n}, {k}] weight ({base.block_k}, {base.split_k})")
+    return tiles
+
+
 def splits_in_program(m: int, n: int, cfg: TileConfig, device: torch.device) -> bool:
     """Whether one program runs all K ranges of its tile (adding them in range order, as the split-sum
     kernel does: the same bits) instead of a program per range plus the sum kernel. Yes once the
@@ -200,10 +247,11 @@ def splits_in_program(m: int, n: int, cfg: TileConfig, device: torch.device) -> 
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     in_program: bool | None = None) -> torch.Tensor:
+                     in_program: bool | None = None, tiles: TileConfig | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with row-count-independent numerics (see the module
     docstring). x: [..., K]; weight: [N, K]; bias: [N] or None. Returns [..., N] in x's dtype.
-    ``in_program``: force where the K ranges are added (tests), else ``splits_in_program``."""
+    ``in_program``: force where the K ranges are added (tests), else ``splits_in_program``.
+    ``tiles``: the launch (tests, sweeps; the K order of ``tile_config``), else ``launch_tiles``."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"invariant_linear: x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
     if x.dtype != weight.dtype or (bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype)):
@@ -218,7 +266,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return out.reshape(*lead, n)
     if k == 0:
         return (out.zero_() if bias is None else out.copy_(bias.expand(m, n))).reshape(*lead, n)
-    cfg = tile_config(n, k, x.device)
+    cfg = launch_tiles(m, n, k, x.device) if tiles is None else _check_tiles(tiles, n, k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     if in_program is None:
@@ -241,20 +289,22 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.reshape(*lead, n)
 
 
-def invariant_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def invariant_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     tiles: TileConfig | None = None) -> torch.Tensor | None:
     """``silu(gate) * up`` of ``invariant_linear(x, weight, bias)`` split into [gate | up] halves,
     in one kernel: the same bits without the [T, 2I] projection written and read back (~200 MB a
     layer of the 0.6B on an 8,192-token step). None where the weight's tiles cut K (``tile_config``;
     a function of the weight only, so a layer always takes the same path) or the operands do not
-    fit (x [T, K] of the weight's dtype, an even number of weight rows)."""
+    fit (x [T, K] of the weight's dtype, an even number of weight rows). ``tiles``: as for
+    ``invariant_linear``."""
     n, k = weight.shape
     if (x.dim() != 2 or x.shape[1] != k or n % 2 or x.dtype != weight.dtype or k == 0
             or (bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype))):
         return None
-    cfg = tile_config(n, k, x.device)
-    if cfg.split_k > 1:
+    if tile_config(n, k, x.device).split_k > 1:
         return None
     m, inter = x.shape[0], n // 2
+    cfg = launch_tiles(m, n, k, x.device, swiglu=True) if tiles is None else _check_tiles(tiles, n, k, x.device)
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     if m == 0 or inter == 0:
         return out

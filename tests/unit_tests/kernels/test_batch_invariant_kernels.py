@@ -16,7 +16,7 @@ from megatron_async.forward_batch import AttentionMetadata  # noqa: E402
 from megatron_async.inference.text_generation_controllers import sampling  # noqa: E402
 from megatron_async.kernels import triton_rmsnorm  # noqa: E402
 from megatron_async.kernels.attention import attend  # noqa: E402
-from megatron_async.kernels.triton_invariant_matmul import invariant_linear, tile_config  # noqa: E402
+from megatron_async.kernels.triton_invariant_matmul import invariant_linear, launch_tiles, tile_config  # noqa: E402
 from megatron_async.kernels.triton_log_softmax import log_softmax  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,12 +54,40 @@ def test_matmul_rows_invariant_and_correct(k, n, bias):
     torch.testing.assert_close(invariant_linear(x, w, b).float(), ref, **tol)
 
 
+def test_launch_by_row_count_keeps_the_k_order(monkeypatch):
+    """``launch_tiles`` may retile the output by row count, never change the K order (BLOCK_K, the K
+    split): that order is what makes a row's bits independent of the batch. An explicit launch that
+    changes it is refused."""
+    import dataclasses
+
+    from megatron_async.kernels import triton_invariant_matmul
+
+    monkeypatch.setattr(triton_invariant_matmul, "num_compute_units", lambda device: 132)  # an H100
+    cuda = torch.device("cuda")  # tile choice only: nothing launches
+    for n, k, swiglu in ((1024, 2048, False), (1024, 3072, False), (4096, 1024, False), (6144, 1024, True),
+                         (151936, 1024, False)):
+        base = tile_config(n, k, cuda)
+        launches = {m: launch_tiles(m, n, k, cuda, swiglu) for m in (1, 64, 128, 129, 1023, 2048, 4096, 8192)}
+        assert {(t.block_k, t.split_k) for t in launches.values()} == {(base.block_k, base.split_k)}
+        assert launches[8192].block_m == 128 and launches[8192].num_warps == 8  # prefill row counts
+        lm_head = n == 151936  # 1,187 column tiles: enough programs at any row count
+        assert (launches[128] == base) == lm_head  # decode: 32 columns where the device would idle
+        assert (launches[129] == base) != lm_head  # past decode sizes: 128-row tiles once they fill it
+    w, x = _randn(64, 1100, seed=1), _randn(4, 1100, seed=2)
+    cfg = tile_config(64, 1100, torch.device(DEVICE))
+    for bad in (dataclasses.replace(cfg, block_k=2 * cfg.block_k), dataclasses.replace(cfg, split_k=cfg.split_k + 1)):
+        with pytest.raises(ValueError, match="K order"):
+            invariant_linear(x, w, tiles=bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
 @pytest.mark.parametrize("n,k", [(1024, 2048), (1024, 3072), (4096, 1024)])
 def test_gpu_matmul_prefill_rows_equal_decode_rows(n, k):
-    """The 0.6B's o_proj / down_proj / qkv shapes: rows of an 8,192-row prefill GEMM (K ranges added
-    in one program) equal the same rows in 1- and 64-row GEMMs (a program per K range)."""
+    """The 0.6B's o_proj / down_proj / qkv shapes: rows of an 8,192-row prefill GEMM (its own output
+    tiles, K ranges added in one program) equal the same rows in 1- and 64-row GEMMs (a program per
+    K range)."""
+    assert launch_tiles(8192, n, k, torch.device(DEVICE)) != launch_tiles(64, n, k, torch.device(DEVICE))
     w, x, b = _randn(n, k, seed=1), _randn(8192, k, seed=2), _randn(n, seed=3)
     full = invariant_linear(x, w, b)
     for start, rows in ((0, 1), (100, 64), (8192 - 64, 64)):
@@ -92,6 +120,8 @@ def test_gpu_swiglu_prefill_rows_equal_decode_rows():
     from megatron_async.kernels.triton_act import silu_and_mul
     from megatron_async.kernels.triton_invariant_matmul import invariant_swiglu
 
+    assert launch_tiles(8192, 6144, 1024, torch.device(DEVICE), swiglu=True) != launch_tiles(
+        64, 6144, 1024, torch.device(DEVICE), swiglu=True)
     w, x = _randn(6144, 1024, seed=1), _randn(8192, 1024, seed=2)
     full = invariant_swiglu(x, w)
     assert torch.equal(full, silu_and_mul(invariant_linear(x, w)))

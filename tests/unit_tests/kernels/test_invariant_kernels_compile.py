@@ -51,11 +51,11 @@ for group, fp8 in ((2, False), (4, False), (2, True)):
     block_q, block_n = ia.tiles(group, __import__("torch").device("cuda"))
     out[f"split_g{group}_fp8{fp8}"] = build(ia._split_kernel, types, dict(
         GROUP=group, BLOCK_G=group, BLOCK_Q=block_q, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=block_n,
-        SPLIT=4096, MAX_SPLITS=5, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", KV_FP8=fp8, HEADS_FASTEST=True), num_stages=2, maxnreg=128,
+        SPLIT=4096, MAX_SPLITS=5, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", KV_FP8=fp8, HEADS_FASTEST=True), num_stages=2,
         enable_fp_fusion=False)
 out["split_with_fusion"] = build(ia._split_kernel, dict(attn, kv_scale_ptr="*fp32"), dict(
     GROUP=2, BLOCK_G=2, BLOCK_Q=32, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=32, SPLIT=4096, MAX_SPLITS=5,
-    DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", KV_FP8=False, HEADS_FASTEST=True), num_stages=2, maxnreg=128, enable_fp_fusion=True)
+    DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", KV_FP8=False, HEADS_FASTEST=True), num_stages=2, enable_fp_fusion=True)
 out["merge"] = build(ia._merge_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", positions_ptr="*i64",
                                            kv_lens_ptr="*i32", token_to_row_ptr="*i32", stride_ot=i32, stride_oh=i32,
                                            num_heads=i32),
