@@ -35,10 +35,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def invariant_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """Batch-invariant ``silu(gate) * up`` of a [gate | up] weight in one kernel, bit-equal to
     ``linear(..., batch_invariant=True)`` then the SiLU-mul; None where that kernel does not take
-    the weight (see triton_invariant_matmul.invariant_swiglu)."""
-    from megatron_async.kernels.triton_invariant_matmul import invariant_swiglu as fused
+    the weight (see triton_invariant_matmul.invariant_swiglu).
 
-    return fused(x, weight, bias)
+    On a GPU the default mode's fused kernel (triton_swiglu_matmul) computes it where both take the
+    operands: the same k16 tensor-core chain along K in order and the same epilogue, so the same
+    bits (H100: equal at 128, 2,048 and 8,192 rows; the ``gpu`` tests compare 1-, 64- and 8,192-row
+    results with the unfused path) in 0.76-0.82x the time (TMA loads, a persistent grid)."""
+    from megatron_async.kernels import triton_invariant_matmul as inv
+
+    if x.is_cuda and inv.takes_swiglu(x, weight, bias):
+        from megatron_async.kernels import triton_swiglu_matmul
+
+        if triton_swiglu_matmul.supported(x, weight):
+            return triton_swiglu_matmul.swiglu_linear(x, weight, bias)
+    return inv.invariant_swiglu(x, weight, bias)
 
 
 @functools.cache

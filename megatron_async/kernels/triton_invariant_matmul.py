@@ -289,6 +289,15 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.reshape(*lead, n)
 
 
+def takes_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``invariant_swiglu`` computes these operands (else the caller runs the unfused path)."""
+    n, k = weight.shape
+    if (x.dim() != 2 or x.shape[1] != k or n % 2 or x.dtype != weight.dtype or k == 0
+            or (bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype))):
+        return False
+    return tile_config(n, k, x.device).split_k == 1
+
+
 def invariant_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      tiles: TileConfig | None = None) -> torch.Tensor | None:
     """``silu(gate) * up`` of ``invariant_linear(x, weight, bias)`` split into [gate | up] halves,
@@ -297,12 +306,9 @@ def invariant_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     a function of the weight only, so a layer always takes the same path) or the operands do not
     fit (x [T, K] of the weight's dtype, an even number of weight rows). ``tiles``: as for
     ``invariant_linear``."""
+    if not takes_swiglu(x, weight, bias):
+        return None
     n, k = weight.shape
-    if (x.dim() != 2 or x.shape[1] != k or n % 2 or x.dtype != weight.dtype or k == 0
-            or (bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype))):
-        return None
-    if tile_config(n, k, x.device).split_k > 1:
-        return None
     m, inter = x.shape[0], n // 2
     cfg = launch_tiles(m, n, k, x.device, swiglu=True) if tiles is None else _check_tiles(tiles, n, k, x.device)
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)

@@ -116,7 +116,9 @@ def test_swiglu_equals_matmul_then_silu_mul(m, inter, k, bias):
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
 def test_gpu_swiglu_prefill_rows_equal_decode_rows():
     """The 0.6B's gate_up [6,144, 1,024]: fused rows of an 8,192-row step equal the unfused path and
-    the same rows in 1- and 64-row steps."""
+    the same rows in 1- and 64-row steps, from the invariant kernel and from the default mode's fused
+    kernel the mode runs on a GPU (linear_op.invariant_swiglu)."""
+    from megatron_async.kernels import linear_op
     from megatron_async.kernels.triton_act import silu_and_mul
     from megatron_async.kernels.triton_invariant_matmul import invariant_swiglu
 
@@ -125,8 +127,10 @@ def test_gpu_swiglu_prefill_rows_equal_decode_rows():
     w, x = _randn(6144, 1024, seed=1), _randn(8192, 1024, seed=2)
     full = invariant_swiglu(x, w)
     assert torch.equal(full, silu_and_mul(invariant_linear(x, w)))
-    for start, rows in ((0, 1), (100, 64), (8192 - 64, 64)):
-        assert torch.equal(invariant_swiglu(x[start:start + rows], w), full[start:start + rows]), (start, rows)
+    for fused in (invariant_swiglu, linear_op.invariant_swiglu):
+        assert torch.equal(fused(x, w), full)
+        for start, rows in ((0, 1), (5, 7), (100, 64), (1000, 300), (8192 - 64, 64)):
+            assert torch.equal(fused(x[start:start + rows], w), full[start:start + rows]), (fused, start, rows)
 
 
 def test_rmsnorm_and_fused_add_rows_invariant():
