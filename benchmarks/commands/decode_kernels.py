@@ -119,20 +119,25 @@ def run(args, sampled: bool) -> None:
         llm.engine.step()
     torch.cuda.synchronize()
     before = (llm.engine.stats.decode_steps, llm.engine.stats.prefill_steps)
+    rows = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
-            llm.engine.step()
+            rows.append(llm.engine.step().num_rows)
         torch.cuda.synchronize()
     got = (llm.engine.stats.decode_steps - before[0], llm.engine.stats.prefill_steps - before[1])
     assert got == (args.steps, 0), f"profiled {got[0]} decode and {got[1]} prefill / mixed steps, not {args.steps} decode"
     st = llm.engine.stats
     assert st.paused == st.evicted == 0, f"the KV pool held only part of the batch ({st.paused} pauses): raise --kv-gb"
+    mean_rows = sum(rows) / len(rows)
     rows = kernel_rows(prof)
     total = sum(t for _, _, t in rows)
     wall_ms, host = host_side(llm, args.steps)
     label = "sampled (temperature 0.8, top-p 0.95)" if sampled else "greedy"
     busy_ms = total / args.steps / 1e3
-    say(f"\n### {label}: batch {args.batch}, {args.steps} decode steps, TP={tp} (rank 0's device), device busy "
+    # rows below the batch: the pool admitted only part of it before the first decode-only step
+    # (the rest still waits), so the profile is of a smaller batch than asked
+    say(f"\n### {label}: batch {args.batch} ({mean_rows:.1f} rows a profiled step), {args.steps} decode steps, "
+        f"TP={tp} (rank 0's device), device busy "
         f"{busy_ms:.3f} ms per step; wall {wall_ms:.3f} ms per step without the profiler (device busy / wall "
         f"{busy_ms / wall_ms:.0%})")
     say(f"\nhost, cProfile of {args.steps} more steps (top by own time):\n```\n{host}```")
