@@ -3,9 +3,11 @@ torch._scaled_mm; the Qwen3-30B-A3B MoE layer; decode attention over an e4m3 KV 
 side by side (bf16, FP8 weights, FP8 weights + FP8 KV: KV tokens, batch-1 decode, workload A).
 
     python -m benchmarks fp8 kernels [--m 1 8 64 128 256 2048 8192] [--tokens 1 8 64 512 2048 8192]
+    python -m benchmarks fp8 sweep [--m 1 16 64 128] [--models qwen3-8b qwen3-0.6b] [--json PATH]
     python -m benchmarks fp8 engine [--model qwen3-8b] [--configs bf16 fp8 fp8+kv] [--long]
     python -m benchmarks fp8 engine --model qwen3-30b-a3b --configs bf16 fp8+kv
     python -m benchmarks fp8 kernels --smoke; python -m benchmarks fp8 engine --smoke   # CPU: plumbing only
+    python -m benchmarks fp8 sweep --smoke
 
 Each run prints a table last (kernels: us per call in a replayed CUDA graph whose weight copies
 come from DRAM, bf16 / fp8 ratio, the FP8 GEMM's weight GB/s; engine: KV tokens of the memory
@@ -33,6 +35,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     k.add_argument("--m", type=int, nargs="+", default=[1, 8, 64, 128, 256, 2048, 8192], help="linear rows")
     k.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048, 8192], help="MoE tokens")
     k.add_argument("--smoke", action="store_true", help="CPU (Triton interpreter), tiny shapes")
+    s = runs.add_parser("sweep", help="the FP8 GEMM's launch settings swept at decode sizes")
+    s.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128], help="linear rows")
+    s.add_argument("--models", nargs="+", default=["qwen3-8b", "qwen3-0.6b"], help="whose linears")
+    s.add_argument("--budget-s", type=float, default=1e9, help="stop trying new candidates after this")
+    s.add_argument("--procs", type=int, default=0, help="compiling processes (0: the cores less one)")
+    s.add_argument("--json", help="write every candidate's time here")
+    s.add_argument("--smoke", action="store_true", help="CPU (Triton interpreter), a tiny shape")
     e = runs.add_parser("engine", help="the engine in bf16 / FP8 weights / FP8 KV, side by side")
     e.add_argument("--model", default="qwen3-8b", choices=sorted(DEFAULT_CONFIGS))
     e.add_argument("--configs", nargs="+", default=["bf16", "fp8", "fp8+kv"], choices=list(CONFIGS))
@@ -65,6 +74,25 @@ def kernels(args) -> list[dict]:
     return rows
 
 
+def sweep(args) -> list[dict]:
+    import json
+
+    import torch
+
+    from benchmarks import fp8_tile_sweep as ts
+
+    device = torch.device(args.device)
+    if args.smoke:
+        rows = ts.sweep([1, 20], ["tiny"], device, shapes={"tiny": {"x": (96, 200)}}, limit=2)
+    else:
+        rows = ts.sweep(args.m, args.models, device, args.budget_s, args.procs or ts.default_procs())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(ts.to_json(rows), f)
+    ts.print_sweep(rows)
+    return rows
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.smoke:
@@ -76,6 +104,8 @@ def main(argv=None):
             sys.exit("fp8 measures a GPU: no CUDA device (--smoke runs the plumbing on CPU)")
     if args.run == "kernels":
         return kernels(args)
+    if args.run == "sweep":
+        return sweep(args)
     from benchmarks import fp8_engine_times
 
     return fp8_engine_times.run(args)

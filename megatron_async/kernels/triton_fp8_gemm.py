@@ -21,7 +21,8 @@ loads give zeros (the kernel pads in registers; nothing is rejected).
 ``SCALE_BLOCK_N``: weight rows per scale row: 128 (the checkpoint's grid) or 1 (one scale row per
 weight row: stacked parts or TP shards that do not start on a 128-row boundary, e.g. SmolLM2's
 q/k/v of 576/192/192 rows). ``SPLIT_K``: K cut into fixed group-aligned ranges whose float32
-partials a second kernel adds in range order (decode with few column tiles). Tiles are a function
+partials a second kernel adds in range order (decode with few column tiles); the groups of a
+range are a runtime argument, so one binary serves every K and split of a tile shape. Tiles are a function
 of (N, K) and of M's bucket only, and of (N, K) alone with ``batch_invariant`` (always Triton): a
 row's bits do not depend on the rows beside it, on CUDA-graph padding within a bucket, or on
 async vs serial. M is not specialised (one binary per bucket)."""
@@ -42,12 +43,12 @@ GROUP = 128
 log = logging.getLogger("megatron_async")
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "groups_per_split"])
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr,
-    M, N, K,
+    M, N, K, groups_per_split,
     stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsg, stride_cm,
-    GROUPS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
     PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr,
 ):
@@ -63,8 +64,8 @@ def _fp8_gemm_kernel(
     w_cols = w_ptr + offs_n[None, :] * stride_wn
     ws_rows = ws_ptr + (offs_n // SCALE_BLOCK_N) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    g_end = tl.minimum(tl.cdiv(K, BLOCK_K), (split + 1) * GROUPS_PER_SPLIT)
-    for g in range(split * GROUPS_PER_SPLIT, g_end):
+    g_end = tl.minimum(tl.cdiv(K, BLOCK_K), (split + 1) * groups_per_split)
+    for g in range(split * groups_per_split, g_end):
         k = g * BLOCK_K + offs_k
         k_mask = k < K
         a_mask = m_mask[:, None] & k_mask[None, :]
@@ -82,7 +83,7 @@ def _fp8_gemm_kernel(
             part = tl.dot(a_q, w_q)
         acc += part * (a_s[:, None] * w_s[None, :])
     mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
+    if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -258,10 +259,10 @@ def _triton_linear(a, weight, weight_scale, bias, scale_block_n: int, t: Fp8Tile
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
     bias_arg = weight_scale if bias is None else bias
     _fp8_gemm_kernel[grid](
-        a, xs, weight, weight_scale, bias_arg, out, part, m, n, k,
+        a, xs, weight, weight_scale, bias_arg, out, part, m, n, k, per_split,
         a.stride(0), xs.stride(0), xs.stride(1), weight.stride(0), weight_scale.stride(0), weight_scale.stride(1),
         out.stride(0),
-        GROUPS_PER_SPLIT=per_split, SPLIT_K=split, BLOCK_M=t.block_m, BLOCK_N=t.block_n, GROUP_M=8,
+        SPLIT=split > 1, BLOCK_M=t.block_m, BLOCK_N=t.block_n, GROUP_M=8,
         SCALE_BLOCK_N=scale_block_n, PREQUANT=prequantize, HAS_BIAS=bias is not None,
         EMULATE=emulate(_fp8_gemm_kernel), num_warps=t.num_warps, num_stages=t.num_stages)
     if split > 1:
