@@ -1,4 +1,4 @@
-"""python -m benchmarks fp8 (kernels, engine) and fp8-accuracy on the CPU: every row runs and the
+"""python -m benchmarks fp8 (kernels, sweep, engine) and fp8-accuracy on the CPU: every row runs and the
 tables carry what they claim (plumbing only; the GPU runs measure)."""
 from benchmarks.commands import fp8, fp8_accuracy
 from tests.helpers.hf_models import make_tiny_checkpoint
@@ -14,6 +14,13 @@ def test_kernels_and_engine_smoke(capsys):
     assert all(r[w]["failed"] == 0 and r[w]["tok_s"] > 0 for r in rows for w in ("A", "batch1", "long"))
     assert all(r["long"]["decode_ms"] > 0 for r in rows)
     assert "long decode ms" in capsys.readouterr().out.splitlines()[-3]
+
+
+def test_sweep_smoke(tmp_path, capsys):
+    rows = fp8.main(["sweep", "--smoke", "--json", str(tmp_path / "sweep.json")])
+    assert [r["m"] for r in rows] == [1, 20] and all(len(r["tried"]) == 2 and r["best"][2] > 0 for r in rows)
+    assert not rows[0]["now"][1] and rows[1]["now"][1]  # in-GEMM quantization in the small bucket only
+    assert "best tiles" in capsys.readouterr().out and (tmp_path / "sweep.json").is_file()
 
 
 def test_accuracy_smoke(tmp_path):
