@@ -8,6 +8,7 @@ cache), then one process times them one after the other."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import multiprocessing as mp
 import os
 import time
@@ -28,12 +29,22 @@ DRAM_BYTES = 128 << 20
 """Weight copies cycled per graph: at least this many bytes (twice the H100's 50 MB L2)."""
 
 
-def candidates(m: int, k: int) -> list[tuple[Fp8Tiles, bool]]:
-    """(tiles, prequantize) to try for M's bucket: 16-row tiles quantizing in the GEMM up to
-    ``SMALL_M`` rows, else 64- and 128-row tiles (mostly over pre-quantized activations)."""
+def candidates(m: int, n: int, k: int, family: str = "tiles", device: torch.device = torch.device("cuda")
+               ) -> list[tuple[Fp8Tiles, bool]]:
+    """(tiles, prequantize) to try: ``tiles``, M's bucket of the tensor-core GEMM (16-row tiles
+    quantizing in the GEMM up to ``SMALL_M`` rows, else 64- and 128-row tiles, mostly over
+    pre-quantized activations); ``gemv``, the CUDA-core kernel's settings (``block_m`` 1) and the
+    GEMM's 16-row tiles beside them; ``none``: only the current choice and the one before."""
     groups = triton.cdiv(k, tg.GROUP)
     splits = [s for s in (1, 2, 4, 8, 16) if s <= groups]
     out = []
+    if family == "none":
+        return out
+    if family == "gemv":
+        for bn, per_step, warps in itertools.product((4, 8, 16, 32), (1, 2, 4, 8), (1, 2, 4, 8)):
+            if 16 <= bn * per_step * tg.GROUP // (32 * warps) <= 128:  # 16-byte loads, <= 8 a thread
+                out += [(Fp8Tiles(1, bn, 1, warps, st, per_step), False) for st in (1, 3)]
+        return out + [(tg.fp8_tiles(tg.SMALL_M, n, k, device)[0], False)]
     if m <= tg.SMALL_M:
         for bn, warps in ((32, 2), (32, 4), (64, 4), (128, 4), (128, 8)):
             for s in splits:
@@ -51,13 +62,26 @@ def candidates(m: int, k: int) -> list[tuple[Fp8Tiles, bool]]:
     return out
 
 
+def before(m: int, n: int, k: int) -> tuple[Fp8Tiles, bool, bool]:
+    """(tiles, prequantize, cuBLASLt) of ``fp8_linear`` before the sweep (H100: 132 SMs): Triton up
+    to 64 rows, cuBLASLt above where it runs."""
+    groups = triton.cdiv(k, tg.GROUP)
+    want = max(1, min(8, groups // 4, 4 * 132 // triton.cdiv(n, 64)))
+    split = 1 << (want.bit_length() - 1)
+    if m <= tg.SMALL_M:
+        return Fp8Tiles(16, 64, split, 4, 3), False, False
+    if m <= tg.DECODE_M_MAX:
+        return Fp8Tiles(64, 64, split if m <= 64 else min(2, split), 4, 4), True, m > 64
+    return Fp8Tiles(128, 64, 1, 4, 3), True, True
+
+
 def _compile_key(m: int, k: int, t: Fp8Tiles, pre: bool) -> tuple:
     """What tells two launches' binaries apart: the constexprs (split or not) and, pre-quantized,
     M's specialization (the activation scales' stride is M: 1, a multiple of 16 or neither)."""
     groups = triton.cdiv(k, tg.GROUP)
     split = triton.cdiv(groups, triton.cdiv(groups, t.split_k)) > 1
     spec = (m == 1, m % 16 == 0) if pre else None
-    return split, t.block_m, t.block_n, t.num_warps, t.num_stages, pre, spec
+    return split, t.block_m, t.block_n, t.num_warps, t.num_stages, t.groups, pre, spec
 
 
 def _compile(jobs: list[tuple[int, int, int, Fp8Tiles, bool]]) -> int:
@@ -78,11 +102,11 @@ def _compile(jobs: list[tuple[int, int, int, Fp8Tiles, bool]]) -> int:
     return failed
 
 
-def precompile(cases: list[tuple[int, int, int]], procs: int) -> tuple[int, int, float]:
+def precompile(cases: list[tuple[int, int, int]], procs: int, family: str) -> tuple[int, int, float]:
     """Compile every candidate of ``cases`` (M, N, K) once, spread over ``procs`` processes."""
     seen, jobs = set(), []
     for m, n, k in cases:
-        for t, pre in candidates(m, k):
+        for t, pre in candidates(m, n, k, family) + [tg.fp8_tiles(m, n, k, torch.device("cuda")), before(m, n, k)[:2]]:
             key = _compile_key(m, k, t, pre)
             if key not in seen:
                 seen.add(key)
@@ -99,7 +123,7 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
 
 
 def sweep(ms: list[int], models: list[str], device: torch.device, budget_s: float = 1e9, procs: int = 0,
-          shapes: dict = SHAPES, limit: int | None = None) -> list[dict]:
+          shapes: dict = SHAPES, limit: int | None = None, family: str = "tiles") -> list[dict]:
     """One row per (model, layer, M): the current choice, the swept best and every candidate's us
     (the first ``limit`` candidates of each bucket; timing stops trying new ones after ``budget_s``)."""
     from benchmarks.fp8_kernel_times import _timer
@@ -108,7 +132,7 @@ def sweep(ms: list[int], models: list[str], device: torch.device, budget_s: floa
     cases = [(m, n, k) for model in models for n, k in shapes[model].values() for m in ms]
     if device.type == "cuda" and procs > 1:
         try:
-            jobs, failed, secs = precompile(cases, procs)
+            jobs, failed, secs = precompile(cases, procs, family)
             print(f"precompiled {jobs} kernels ({failed} failed) in {secs:.1f} s on {procs} processes", flush=True)
         except Exception as e:  # noqa: BLE001 - then the timing pass compiles each as it comes
             print(f"precompiling failed ({type(e).__name__}: {e}); compiling while timing", flush=True)
@@ -128,7 +152,13 @@ def sweep(ms: list[int], models: list[str], device: torch.device, budget_s: floa
                        "bf16_us": timer([lambda w=w: F.linear(x, w) for w in ws]),
                        "engine_us": timer([lambda q=q, s=s: tg.fp8_linear(x, q, s) for q, s in qs]),
                        "now": (now, now_pre), "tried": []}
-                for t, pre in candidates(m, k)[:limit]:
+                old, old_pre, old_cublas = before(m, n, k)
+                if old_cublas and device.type == "cuda" and tg.scaled_mm_runs(device):
+                    row["before_us"] = timer([lambda q=q, s=s: tg.scaled_mm_linear(x, q, s) for q, s in qs])
+                else:
+                    row["before_us"] = timer([lambda q=q, s=s: tg.fp8_linear(x, q, s, tiles=old, prequantize=old_pre)
+                                              for q, s in qs])
+                for t, pre in candidates(m, n, k, family, device)[:limit]:
                     if time.perf_counter() - start > budget_s:
                         break
                     try:
@@ -158,7 +188,7 @@ def _split_sum_us(timer, m: int, n: int, k: int, t: Fp8Tiles, device: torch.devi
 
     groups = triton.cdiv(k, tg.GROUP)
     split = triton.cdiv(groups, triton.cdiv(groups, t.split_k))
-    if split == 1:
+    if split == 1 or t.block_m == 1:
         return 0.0
     part = torch.zeros(split, m, n, device=device)
     out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
@@ -167,16 +197,18 @@ def _split_sum_us(timer, m: int, n: int, k: int, t: Fp8Tiles, device: torch.devi
 
 
 def _tiles(t: Fp8Tiles, pre: bool) -> str:
+    if t.block_m == 1:
+        return f"gemv {t.block_n} g{t.groups} w{t.num_warps} st{t.num_stages}{' pre' if pre else ''}"
     return f"{t.block_m}x{t.block_n} s{t.split_k} w{t.num_warps} st{t.num_stages}{' pre' if pre else ''}"
 
 
 def print_sweep(rows: list[dict]) -> None:
     """The summary: per (model, layer, M) the current tiles and the best, us and weight GB/s."""
-    print(f"{'model':<10} {'layer':<8} {'M':>4} {'bf16':>7} {'engine':>7} {'now us':>7} {'GB/s':>5} "
+    print(f"{'model':<10} {'layer':<8} {'M':>4} {'bf16':>7} {'before':>7} {'engine':>7} {'now us':>7} {'GB/s':>5} "
           f"{'best us':>7} {'GB/s':>5} {'sum us':>6} {'now tiles':<24} {'best tiles':<24}")
     for r in rows:
         t, pre, best = r["best"]
-        print(f"{r['model']:<10} {r['layer']:<8} {r['m']:>4} {r['bf16_us']:>7.1f} {r['engine_us']:>7.1f} "
+        print(f"{r['model']:<10} {r['layer']:<8} {r['m']:>4} {r['bf16_us']:>7.1f} {r['before_us']:>7.1f} {r['engine_us']:>7.1f} "
               f"{r['now_us']:>7.1f} {r['bytes'] / r['now_us'] / 1e3:>5.0f} {best:>7.1f} {r['bytes'] / best / 1e3:>5.0f} "
               f"{r['sum_us']:>6.1f} {_tiles(*r['now']):<24} {_tiles(t, pre):<24}")
 

@@ -3,7 +3,7 @@ torch._scaled_mm; the Qwen3-30B-A3B MoE layer; decode attention over an e4m3 KV 
 side by side (bf16, FP8 weights, FP8 weights + FP8 KV: KV tokens, batch-1 decode, workload A).
 
     python -m benchmarks fp8 kernels [--m 1 8 64 128 256 2048 8192] [--tokens 1 8 64 512 2048 8192]
-    python -m benchmarks fp8 sweep [--m 1 16 64 128] [--models qwen3-8b qwen3-0.6b] [--json PATH]
+    python -m benchmarks fp8 sweep [--m 1 16 64 128] [--models qwen3-8b qwen3-0.6b] [--family tiles|gemv|none]
     python -m benchmarks fp8 engine [--model qwen3-8b] [--configs bf16 fp8 fp8+kv] [--long]
     python -m benchmarks fp8 engine --model qwen3-30b-a3b --configs bf16 fp8+kv
     python -m benchmarks fp8 kernels --smoke; python -m benchmarks fp8 engine --smoke   # CPU: plumbing only
@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--models", nargs="+", default=["qwen3-8b", "qwen3-0.6b"], help="whose linears")
     s.add_argument("--budget-s", type=float, default=1e9, help="stop trying new candidates after this")
     s.add_argument("--procs", type=int, default=0, help="compiling processes (0: the cores less one)")
+    s.add_argument("--family", default="tiles", choices=["tiles", "gemv", "none"],
+                   help="the GEMM's tiles of each bucket, the CUDA-core kernel's settings, or none")
     s.add_argument("--json", help="write every candidate's time here")
     s.add_argument("--smoke", action="store_true", help="CPU (Triton interpreter), a tiny shape")
     e = runs.add_parser("engine", help="the engine in bf16 / FP8 weights / FP8 KV, side by side")
@@ -85,7 +87,8 @@ def sweep(args) -> list[dict]:
     if args.smoke:
         rows = ts.sweep([1, 20], ["tiny"], device, shapes={"tiny": {"x": (96, 200)}}, limit=2)
     else:
-        rows = ts.sweep(args.m, args.models, device, args.budget_s, args.procs or ts.default_procs())
+        rows = ts.sweep(args.m, args.models, device, args.budget_s, args.procs or ts.default_procs(),
+                        family=args.family)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(ts.to_json(rows), f)

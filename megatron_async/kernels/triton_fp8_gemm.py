@@ -1,16 +1,19 @@
 """W8A8 block-scaled FP8 linear: y = x @ W.T (+ bias) with W e4m3 in 128 x 128 blocks
 (``weight_scale_inv``) and x quantized per token in 1 x 128 groups (scale amax / 448, see fp8_quant).
 
-Who computes a call (``fp8_linear``; measured on an H100 at the Qwen3-8B linears,
-``python -m benchmarks fp8 kernels``):
+Who computes a call (``fp8_linear``; measured on an H100 at the Qwen3-8B and 0.6B linears,
+``python -m benchmarks fp8 kernels`` and ``fp8 sweep``):
+- up to ``GEMV_M_MAX`` rows (batch-1 decode), ``triton_fp8_gemv`` on the CUDA cores, one row a
+  program, no split of K;
 - up to ``SMALL_M`` rows (decode), the Triton kernel below with the activations quantized inside
   it: each program loads its [16, 128] slice of x per K group, takes the row maxima and rounds to
   e4m3 in registers, never writing the quantized activations anywhere;
-- up to ``TRITON_M_MAX`` rows, the same kernel over activations ``quantize_activation`` wrote once
-  (e4m3 + scales), instead of every column tile redoing it;
+- up to ``TRITON_M_MAX`` rows (``DECODE_M_MAX`` for N <= ``SMALL_N``), the same kernel over
+  activations ``quantize_activation`` wrote once (e4m3 + scales), instead of every column tile
+  redoing it;
 - above, cuBLASLt's block-scaled recipe (``torch._scaled_mm``) where it takes the call, else this
   kernel over pre-quantized activations.
-Both Triton ways quantize with ``triton_fp8_common.quantize_groups``: the same bits either way.
+All Triton ways quantize with ``triton_fp8_common.quantize_groups``: the same bits either way.
 
 Per K group (BLOCK_K = 128, the group size) the kernel takes a fresh e4m3 dot and adds it times
 (activation scale x weight scale) to a float32 accumulator: the scales of a group are constant
@@ -29,13 +32,14 @@ async vs serial. M is not specialised (one binary per bucket)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
+from megatron_async.kernels.triton_fp8_gemv import fp8_gemv_kernel, gemv_grid
 from megatron_async.kernels.triton_invariant_matmul import _split_sum_kernel, grouped_tile
 from megatron_async.kernels.triton_paged_common import num_compute_units
 
@@ -126,13 +130,22 @@ def quantize_activation(x: torch.Tensor, pad_rows_to: int = 1) -> tuple[torch.Te
 
 @dataclass(frozen=True)
 class Fp8Tiles:
+    """Launch settings. ``block_m`` 1: one row a program on the CUDA cores (``triton_fp8_gemv``),
+    ``groups`` K groups of 128 a step, no split."""
     block_m: int
     block_n: int
     split_k: int
     num_warps: int
     num_stages: int
+    groups: int = 1
 
 
+GEMV_M_MAX = 1
+"""Rows up to this (batch-1 decode): the CUDA-core kernel (``triton_fp8_gemv``, ``_gemv_tiles``)."""
+GEMV_TILES = Fp8Tiles(1, 32, 1, 4, 3, 4)
+"""Its launch settings; ``block_n`` the most weight rows a program (fewer for small N)."""
+GEMV_PROGRAMS = 4
+"""Programs per SM the CUDA-core kernel's ``block_n`` aims at (a power of two >= 4 rows)."""
 SMALL_M = 16
 """Rows up to this (decode): 16-row tiles quantizing A in the GEMM; that costs no more than a
 separate quantize launch there (H100, Qwen3-8B linears, M = 1: 1.4-1.8x faster than cuBLAS bf16)."""
@@ -143,45 +156,65 @@ bf16's speed from 128 rows, where this kernel (one dot per 128-K group scaled in
 accumulator, no warp specialisation) reaches ~0.75x bf16. Between ``SMALL_M`` and here: 64-row
 tiles over pre-quantized activations (in-GEMM quantization of 64-row tiles is 2-3x slower)."""
 DECODE_M_MAX = 256
-"""Without cuBLASLt: rows up to this use split-K 64-row tiles, above it 128-row tiles."""
+"""Rows up to this: split-K 64-row tiles (buckets up to 128 and up to 256 rows), above it 128-row
+tiles; where cuBLASLt does not take the call (no recipe, or N <= ``SMALL_N``)."""
+SMALL_N = 2048
+"""Up to ``DECODE_M_MAX`` rows, weights of at most this many rows stay in Triton: cuBLASLt's
+128 x 128 output tiles leave most SMs idle (H100, N = 1024 at 128 rows: Qwen3-0.6B's o 9.2 us
+against 10.7, down 9.7 against 13.3; N = 4096 and up: cuBLASLt faster)."""
 
 
-def _split_k(n: int, k: int, block_n: int, device: torch.device) -> int:
-    """K splits (a power of two <= 8, >= 4 groups each) so that column tiles x splits fill about
-    four waves of the GPU: the decode GEMM is bandwidth-bound and few column tiles leave SMs idle."""
-    want = max(1, min(8, triton.cdiv(k, GROUP) // 4, 4 * num_compute_units(device) // triton.cdiv(n, block_n)))
+def _split_k(n: int, k: int, block_n: int, programs: int, row_tiles: int, most: int, min_groups: int,
+             device: torch.device) -> int:
+    """K splits (a power of two <= ``most``, >= ``min_groups`` groups each) so that row tiles x column
+    tiles x splits come near ``programs`` per SM: the decode GEMM is bandwidth-bound and few
+    column tiles leave SMs idle. ``row_tiles``: those of the bucket's largest M (not M itself)."""
+    tiles = row_tiles * triton.cdiv(n, block_n)
+    want = max(1, min(most, triton.cdiv(k, GROUP) // min_groups, programs * num_compute_units(device) // tiles))
     return 1 << (want.bit_length() - 1)
+
+
+def _gemv_tiles(n: int, device: torch.device) -> Fp8Tiles:
+    want = max(4, min(GEMV_TILES.block_n, n // (GEMV_PROGRAMS * num_compute_units(device))))
+    return replace(GEMV_TILES, block_n=1 << (want.bit_length() - 1))
 
 
 def fp8_tiles(m: int, n: int, k: int, device: torch.device, batch_invariant: bool = False) -> tuple[Fp8Tiles, bool]:
     """(tiles, prequantize) of the Triton GEMM. Tiles are a function of (N, K) and of M's bucket
-    (``SMALL_M``, ``TRITON_M_MAX``, ``DECODE_M_MAX``), and of (N, K) alone with ``batch_invariant``:
-    a row's bits do not depend on the rows beside it or on CUDA-graph padding within a bucket.
-    Quantizing A in the GEMM or before gives the same bits. CPU (interpreter): tiles tiny test
-    shapes still cross, with a K split."""
+    (``GEMV_M_MAX``, ``SMALL_M``, ``TRITON_M_MAX``, 128, ``DECODE_M_MAX``), and of (N, K) alone with
+    ``batch_invariant``: a row's bits do not depend on the rows beside it or on CUDA-graph padding
+    within a bucket. Quantizing A in the GEMM or before gives the same bits. Measured on an H100 at
+    the Qwen3-8B and 0.6B linears (``python -m benchmarks fp8 sweep``). CPU (interpreter): tiles
+    tiny test shapes still cross, with a K split."""
     if device.type != "cuda":
+        if m <= GEMV_M_MAX and not batch_invariant:
+            return Fp8Tiles(1, 32, 1, 1, 1, 2), False
         return Fp8Tiles(16, 32, 2 if k > GROUP else 1, 1, 1), batch_invariant or m > SMALL_M
     if batch_invariant:
         split = max(1, min(4, triton.cdiv(k, GROUP) // 8, triton.cdiv(2 * 132, triton.cdiv(n, 64))))
         return Fp8Tiles(64, 64, split, 4, 4), True
+    if m <= GEMV_M_MAX:
+        return _gemv_tiles(n, device), False
     if m <= SMALL_M:
-        return Fp8Tiles(16, 64, _split_k(n, k, 64, device), 4, 3), False
+        return Fp8Tiles(16, 64, _split_k(n, k, 64, 4, 1, 16, 2, device), 4, 3), False
+    if m <= TRITON_M_MAX:
+        return Fp8Tiles(64, 32, _split_k(n, k, 32, 4, 1, 8, 1, device), 4, 3), True
     if m <= DECODE_M_MAX:
-        split = _split_k(n, k, 64, device)
-        return Fp8Tiles(64, 64, split if m <= TRITON_M_MAX else min(2, split), 4, 4), True
+        row_tiles = 2 if m <= 128 else DECODE_M_MAX // 64
+        return Fp8Tiles(64, 128, _split_k(n, k, 128, 1, row_tiles, 8, 1, device), 8, 3), True
     return Fp8Tiles(128, 64, 1, 4, 3), True
 
 
 def scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, scale_block_n: int,
                     batch_invariant: bool) -> bool:
     """Whether ``fp8_linear`` hands this call to ``torch._scaled_mm``: more than ``TRITON_M_MAX``
-    rows of bf16 / fp16 on a GPU whose cuBLASLt runs the 1 x 128 / 128 x 128 recipe, the
+    rows (more than ``DECODE_M_MAX`` for N <= ``SMALL_N``) of bf16 / fp16 on a GPU whose cuBLASLt runs the 1 x 128 / 128 x 128 recipe, the
     checkpoint's 128-row scale grid, N a multiple of 128 and K of 512 (``scaled_mm_weight_scale``:
     the weight scales are read in place, so an in-place weight update reaches them). Never in
     batch-invariant mode (cuBLAS's kernel choice depends on M)."""
     n, k = weight.shape
     return (not batch_invariant and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and x.numel() > TRITON_M_MAX * k and scale_block_n == GROUP and n % GROUP == 0 and k % (4 * GROUP) == 0
+            and x.numel() > TRITON_M_MAX * k and (n > SMALL_N or x.numel() > DECODE_M_MAX * k) and scale_block_n == GROUP and n % GROUP == 0 and k % (4 * GROUP) == 0
             and weight.stride(1) == 1 and weight_scale.is_contiguous() and scaled_mm_runs(x.device))
 
 
@@ -252,12 +285,20 @@ def _triton_linear(a, weight, weight_scale, bias, scale_block_n: int, t: Fp8Tile
     xs = weight_scale  # unused by the kernel when not pre-quantized
     if prequantize:
         a, xs = quantize_activation(a)
+    bias_arg = weight_scale if bias is None else bias
+    if t.block_m == 1:
+        fp8_gemv_kernel[gemv_grid(m, n, t.block_n)](
+            a, xs, weight, weight_scale, bias_arg, out, m, n, k, a.stride(0), xs.stride(0), xs.stride(1),
+            weight.stride(0), weight_scale.stride(0), weight_scale.stride(1), out.stride(0),
+            BLOCK_N=t.block_n, GROUPS=t.groups, SCALE_BLOCK_N=scale_block_n, PREQUANT=prequantize,
+            HAS_BIAS=bias is not None, EMULATE=emulate(fp8_gemv_kernel), num_warps=t.num_warps,
+            num_stages=t.num_stages)
+        return out
     groups = triton.cdiv(k, GROUP)
     per_split = triton.cdiv(groups, t.split_k)
     split = triton.cdiv(groups, per_split)
     part = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else out
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
-    bias_arg = weight_scale if bias is None else bias
     _fp8_gemm_kernel[grid](
         a, xs, weight, weight_scale, bias_arg, out, part, m, n, k, per_split,
         a.stride(0), xs.stride(0), xs.stride(1), weight.stride(0), weight_scale.stride(0), weight_scale.stride(1),

@@ -117,6 +117,23 @@ def test_bias_split_k_and_row_scales():
     assert torch.equal(tg.fp8_linear(x, q, fq.row_scales(s, n), bias, scale_block_n=1), tg.fp8_linear(x, q, s, bias))
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 256, 256), (3, 96, 130), (2, 576, 576)])
+def test_gemv_against_reference(m, n, k):
+    """The CUDA-core kernel (block_m 1) at several launch settings: within the reference's bound,
+    the same bits from pre-quantized activations, with row scales, and for each row alone."""
+    g = torch.Generator().manual_seed(11 + m + n)
+    q, s = (t.to(DEVICE) for t in _weight(n, k, g))
+    x = (torch.randn(m, k, generator=g) * torch.linspace(0.01, 30, k)).to(torch.bfloat16).to(DEVICE)
+    bias = torch.randn(n, generator=g).to(DEVICE)
+    for tiles in (tg.Fp8Tiles(1, 16, 1, 1, 1, 1), tg.Fp8Tiles(1, 32, 1, 2, 2, 4)):
+        out = tg.fp8_linear(x, q, s, bias, tiles=tiles, prequantize=False)
+        check_gemm(out, x, q, s, bias=bias, ulps=1.0, slack=2.0 ** -20)
+        assert torch.equal(tg.fp8_linear(x, q, s, bias, tiles=tiles, prequantize=True), out)
+        assert torch.equal(tg.fp8_linear(x, q, fq.row_scales(s, n), bias, scale_block_n=1, tiles=tiles), out)
+        for r in range(m):
+            assert torch.equal(tg.fp8_linear(x[r:r + 1], q, s, bias, tiles=tiles), out[r:r + 1])
+
+
 def test_rows_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(5)
     q, s = (t.to(DEVICE) for t in fq.quantize_weight(torch.randn(256, 384, generator=g)))

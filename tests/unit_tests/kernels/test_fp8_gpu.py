@@ -73,8 +73,9 @@ def test_gemm_odd_shapes_and_row_scales():
 @pytest.mark.parametrize("layer", ["qkv", "down"])
 def test_rows_do_not_depend_on_the_batch(layer):
     """Batch-invariant mode at every row count; the default mode within each Triton bucket (up to
-    ``SMALL_M`` and up to ``TRITON_M_MAX`` rows), which is what a CUDA graph padded to a captured
-    batch size inside the bucket computes."""
+    ``GEMV_M_MAX``, ``SMALL_M`` and ``TRITON_M_MAX`` rows; for N <= ``SMALL_N`` also up to 128 and
+    ``DECODE_M_MAX``), which is what a CUDA graph padded to a captured batch size inside the bucket
+    computes."""
     n, k = QWEN3_8B[layer]
     q, s = _weight(n, k, seed=1)
     x = _x(512, k, seed=2)
@@ -83,7 +84,13 @@ def test_rows_do_not_depend_on_the_batch(layer):
         assert torch.equal(tg.fp8_linear(x[rows], q, s, batch_invariant=True), full[rows])
     perm = torch.randperm(512, device="cuda")
     assert torch.equal(tg.fp8_linear(x[perm], q, s, batch_invariant=True), full[perm])
-    for bucket, rows in ((tg.SMALL_M, (slice(0, 1), slice(3, 10))), (tg.TRITON_M_MAX, (slice(20, 37), slice(40, 64)))):
+    gemv = tg.GEMV_M_MAX
+    small_n = _weight(1024, k, seed=3)
+    for (q, s), bucket, rows in (((q, s), gemv, (slice(0, 1), slice(gemv - 1, gemv))),
+                                 ((q, s), tg.SMALL_M, (slice(0, gemv + 1), slice(3, 10))),
+                                 ((q, s), tg.TRITON_M_MAX, (slice(20, 37), slice(40, 64))),
+                                 (small_n, 128, (slice(0, 65), slice(30, 128))),
+                                 (small_n, tg.DECODE_M_MAX, (slice(0, 129), slice(56, 256)))):
         padded = tg.fp8_linear(x[:bucket], q, s)
         for r in rows:
             assert torch.equal(tg.fp8_linear(x[r], q, s), padded[r]), (bucket, r)
@@ -99,6 +106,9 @@ def test_scaled_mm_takes_the_large_calls_and_agrees():
     x = _x(256, 4096, seed=4)
     assert tg.scaled_mm_takes(x, q, s, 128, False)
     assert not tg.scaled_mm_takes(x, q, s, 128, True) and not tg.scaled_mm_takes(x[:64], q, s, 128, False)
+    small_n = _weight(1024, 4096, seed=7)  # N <= SMALL_N: Triton up to DECODE_M_MAX rows
+    assert not tg.scaled_mm_takes(x, *small_n, 128, False) and tg.scaled_mm_takes(torch.cat([x, x[:1]]), *small_n, 128,
+                                                                                  False)
     out = tg.fp8_linear(x, q, s)
     assert torch.equal(out, tg.scaled_mm_linear(x, q, s))
     check_gemm(out, x, q, s, ulps=0.5, slack=2.0 ** -11)
