@@ -142,7 +142,7 @@ class Fp8Tiles:
 
 GEMV_M_MAX = 1
 """Rows up to this (batch-1 decode): the CUDA-core kernel (``triton_fp8_gemv``, ``_gemv_tiles``)."""
-GEMV_TILES = Fp8Tiles(1, 32, 1, 4, 3, 4)
+GEMV_TILES = Fp8Tiles(1, 16, 1, 4, 1, 4)
 """Its launch settings; ``block_n`` the most weight rows a program (fewer for small N)."""
 GEMV_PROGRAMS = 4
 """Programs per SM the CUDA-core kernel's ``block_n`` aims at (a power of two >= 4 rows)."""

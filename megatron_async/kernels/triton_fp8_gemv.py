@@ -16,7 +16,6 @@ import triton.language as tl
 
 from megatron_async.kernels.triton_fp8_common import quantize_groups
 
-GROUP = 128
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -24,27 +23,29 @@ def fp8_gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, M, N, K,
                     stride_am, stride_asm, stride_asg, stride_wn, stride_wsn, stride_wsg, stride_cm,
                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
                     PREQUANT: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr):
+    GROUP_K: tl.constexpr = 128  # the K group of a scale (``GROUP``)
     pid = tl.program_id(0)
     row = (pid % M).to(tl.int64)  # a column tile's rows run side by side: its weights come from L2 after the first
     offs_n = ((pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     g_off = tl.arange(0, GROUPS)
-    e_off = tl.arange(0, GROUP)
+    e_off = tl.arange(0, GROUP_K)
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n[:, None, None] * stride_wn
     ws_rows = ws_ptr + (offs_n // SCALE_BLOCK_N)[:, None] * stride_wsn
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for g0 in range(0, tl.cdiv(K, GROUP), GROUPS):
+    for g0 in range(0, tl.cdiv(K, GROUP_K), GROUPS):
         gi = g0 + g_off
-        k = gi[:, None] * GROUP + e_off[None, :]  # [GROUPS, 128]
+        k = gi[:, None] * GROUP_K + e_off[None, :]  # [GROUPS, 128]
         k_mask = k < K
         if PREQUANT:
             a_q = tl.load(a_ptr + row * stride_am + k, mask=k_mask, other=0.0)
-            a_s = tl.load(as_ptr + row * stride_asm + gi * stride_asg, mask=gi * GROUP < K, other=0.0)
+            a_s = tl.load(as_ptr + row * stride_asm + gi * stride_asg, mask=gi * GROUP_K < K, other=0.0)
         else:  # K past the end loads 0: it neither raises a group's max nor adds to a sum
             a_q, a_s = quantize_groups(tl.load(a_ptr + row * stride_am + k, mask=k_mask, other=0.0).to(tl.float32),
                                        EMULATE)
         w_q = tl.load(w_rows + k[None, :, :], mask=n_mask[:, None, None] & k_mask[None, :, :], other=0.0)
-        w_s = tl.load(ws_rows + gi[None, :] * stride_wsg, mask=n_mask[:, None] & (gi * GROUP < K)[None, :], other=0.0)
+        w_s = tl.load(ws_rows + gi[None, :] * stride_wsg, mask=n_mask[:, None] & (gi * GROUP_K < K)[None, :],
+                      other=0.0)
         part = tl.sum(w_q.to(tl.float32) * a_q.to(tl.float32)[None, :, :], axis=2)  # [BLOCK_N, GROUPS]
         acc += tl.sum(part * (a_s[None, :] * w_s), axis=1)
     if HAS_BIAS:
