@@ -208,8 +208,9 @@ def print_sweep(rows: list[dict]) -> None:
           f"{'best us':>7} {'GB/s':>5} {'sum us':>6} {'now tiles':<24} {'best tiles':<24}")
     for r in rows:
         t, pre, best = r["best"]
-        print(f"{r['model']:<10} {r['layer']:<8} {r['m']:>4} {r['bf16_us']:>7.1f} {r['before_us']:>7.1f} {r['engine_us']:>7.1f} "
-              f"{r['now_us']:>7.1f} {r['bytes'] / r['now_us'] / 1e3:>5.0f} {best:>7.1f} {r['bytes'] / best / 1e3:>5.0f} "
+        print(f"{r['model']:<10} {r['layer']:<8} {r['m']:>4} {r['bf16_us']:>7.1f} {r['before_us']:>7.1f} "
+              f"{r['engine_us']:>7.1f} {r['now_us']:>7.1f} {r['bytes'] / r['now_us'] / 1e3:>5.0f} {best:>7.1f} "
+              f"{r['bytes'] / best / 1e3:>5.0f} "
               f"{r['sum_us']:>6.1f} {_tiles(*r['now']):<24} {_tiles(t, pre):<24}")
 
 

@@ -3,8 +3,8 @@
 
 Who computes a call (``fp8_linear``; measured on an H100 at the Qwen3-8B and 0.6B linears,
 ``python -m benchmarks fp8 kernels`` and ``fp8 sweep``):
-- up to ``GEMV_M_MAX`` rows (batch-1 decode), ``triton_fp8_gemv`` on the CUDA cores, one row a
-  program, no split of K;
+- up to ``GEMV_M_MAX`` rows (batch-1 decode; 0 for now), ``triton_fp8_gemv`` on the CUDA cores,
+  one row a program, no split of K;
 - up to ``SMALL_M`` rows (decode), the Triton kernel below with the activations quantized inside
   it: each program loads its [16, 128] slice of x per K group, takes the row maxima and rounds to
   e4m3 in registers, never writing the quantized activations anywhere;
@@ -140,10 +140,15 @@ class Fp8Tiles:
     groups: int = 1
 
 
-GEMV_M_MAX = 1
-"""Rows up to this (batch-1 decode): the CUDA-core kernel (``triton_fp8_gemv``, ``_gemv_tiles``)."""
-GEMV_TILES = Fp8Tiles(1, 16, 1, 4, 1, 4)
-"""Its launch settings; ``block_n`` the most weight rows a program (fewer for small N)."""
+GEMV_M_MAX = 0
+"""Rows up to this go to the CUDA-core kernel (``triton_fp8_gemv``, ``_gemv_tiles``); 0: off. On an
+H100 at one row (``fp8 sweep --family gemv --m 1``, us, against the 16-row tiles): Qwen3-8B qkv 12.0
+/ 14.6, o 9.6 / 11.7, gate_up 38.0 / 42.8, down (K 12,288) 25.4 / 24.3; Qwen3-0.6B qkv 4.2 / 6.9,
+o 5.7 / 6.5, gate_up 5.4 / 7.9, down 7.7 / 7.8. Not on yet: an engine run with these settings is
+still to come (with settings that put down at 33 us, batch-1 decode went from 4.43 to 4.66 ms)."""
+GEMV_TILES = Fp8Tiles(1, 16, 1, 4, 1, 8)
+"""Its launch settings (the sweep's best at the 8B's qkv, o and gate_up); ``block_n`` the most
+weight rows a program (fewer for small N)."""
 GEMV_PROGRAMS = 4
 """Programs per SM the CUDA-core kernel's ``block_n`` aims at (a power of two >= 4 rows)."""
 SMALL_M = 16
@@ -156,8 +161,8 @@ bf16's speed from 128 rows, where this kernel (one dot per 128-K group scaled in
 accumulator, no warp specialisation) reaches ~0.75x bf16. Between ``SMALL_M`` and here: 64-row
 tiles over pre-quantized activations (in-GEMM quantization of 64-row tiles is 2-3x slower)."""
 DECODE_M_MAX = 256
-"""Rows up to this: split-K 64-row tiles (buckets up to 128 and up to 256 rows), above it 128-row
-tiles; where cuBLASLt does not take the call (no recipe, or N <= ``SMALL_N``)."""
+"""Rows up to this: 64-row tiles where cuBLASLt does not take the call (no recipe; N <= ``SMALL_N``:
+64 x 128 tiles split over K, buckets up to 128 and up to 256 rows), above it 128-row tiles."""
 SMALL_N = 2048
 """Up to ``DECODE_M_MAX`` rows, weights of at most this many rows stay in Triton: cuBLASLt's
 128 x 128 output tiles leave most SMs idle (H100, N = 1024 at 128 rows: Qwen3-0.6B's o 9.2 us
@@ -181,11 +186,11 @@ def _gemv_tiles(n: int, device: torch.device) -> Fp8Tiles:
 
 def fp8_tiles(m: int, n: int, k: int, device: torch.device, batch_invariant: bool = False) -> tuple[Fp8Tiles, bool]:
     """(tiles, prequantize) of the Triton GEMM. Tiles are a function of (N, K) and of M's bucket
-    (``GEMV_M_MAX``, ``SMALL_M``, ``TRITON_M_MAX``, 128, ``DECODE_M_MAX``), and of (N, K) alone with
-    ``batch_invariant``: a row's bits do not depend on the rows beside it or on CUDA-graph padding
-    within a bucket. Quantizing A in the GEMM or before gives the same bits. Measured on an H100 at
-    the Qwen3-8B and 0.6B linears (``python -m benchmarks fp8 sweep``). CPU (interpreter): tiles
-    tiny test shapes still cross, with a K split."""
+    (``GEMV_M_MAX``, ``SMALL_M``, ``TRITON_M_MAX``, 128 for N <= ``SMALL_N``, ``DECODE_M_MAX``), and
+    of (N, K) alone with ``batch_invariant``: a row's bits do not depend on the rows beside it or
+    on CUDA-graph padding within a bucket. Quantizing A in the GEMM or before gives the same bits.
+    Measured on an H100 at the Qwen3-8B and 0.6B linears (``python -m benchmarks fp8 sweep``).
+    CPU (interpreter): tiles tiny test shapes still cross, with a K split."""
     if device.type != "cuda":
         if m <= GEMV_M_MAX and not batch_invariant:
             return Fp8Tiles(1, 32, 1, 1, 1, 2), False
@@ -200,21 +205,24 @@ def fp8_tiles(m: int, n: int, k: int, device: torch.device, batch_invariant: boo
     if m <= TRITON_M_MAX:
         return Fp8Tiles(64, 32, _split_k(n, k, 32, 4, 1, 8, 1, device), 4, 3), True
     if m <= DECODE_M_MAX:
-        row_tiles = 2 if m <= 128 else DECODE_M_MAX // 64
-        return Fp8Tiles(64, 128, _split_k(n, k, 128, 1, row_tiles, 8, 1, device), 8, 3), True
+        if n <= SMALL_N:  # taken from cuBLASLt: few column tiles, so split K
+            row_tiles = 2 if m <= 128 else DECODE_M_MAX // 64
+            return Fp8Tiles(64, 128, _split_k(n, k, 128, 1, row_tiles, 8, 1, device), 8, 3), True
+        return Fp8Tiles(64, 64, min(2, _split_k(n, k, 64, 4, 1, 8, 4, device)), 4, 4), True
     return Fp8Tiles(128, 64, 1, 4, 3), True
 
 
 def scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, scale_block_n: int,
                     batch_invariant: bool) -> bool:
     """Whether ``fp8_linear`` hands this call to ``torch._scaled_mm``: more than ``TRITON_M_MAX``
-    rows (more than ``DECODE_M_MAX`` for N <= ``SMALL_N``) of bf16 / fp16 on a GPU whose cuBLASLt runs the 1 x 128 / 128 x 128 recipe, the
-    checkpoint's 128-row scale grid, N a multiple of 128 and K of 512 (``scaled_mm_weight_scale``:
-    the weight scales are read in place, so an in-place weight update reaches them). Never in
-    batch-invariant mode (cuBLAS's kernel choice depends on M)."""
+    rows (more than ``DECODE_M_MAX`` for N <= ``SMALL_N``) of bf16 / fp16 on a GPU whose cuBLASLt
+    runs the 1 x 128 / 128 x 128 recipe, the checkpoint's 128-row scale grid, N a multiple of 128
+    and K of 512 (``scaled_mm_weight_scale``: the weight scales are read in place, so an in-place
+    weight update reaches them). Never in batch-invariant mode (cuBLAS's kernel choice depends on M)."""
     n, k = weight.shape
     return (not batch_invariant and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and x.numel() > TRITON_M_MAX * k and (n > SMALL_N or x.numel() > DECODE_M_MAX * k) and scale_block_n == GROUP and n % GROUP == 0 and k % (4 * GROUP) == 0
+            and x.numel() > (TRITON_M_MAX if n > SMALL_N else DECODE_M_MAX) * k
+            and scale_block_n == GROUP and n % GROUP == 0 and k % (4 * GROUP) == 0
             and weight.stride(1) == 1 and weight_scale.is_contiguous() and scaled_mm_runs(x.device))
 
 

@@ -1,9 +1,9 @@
 """The FP8 linear kernels compiled ahead of time for an H100 (sm_90) with the installed Triton, on
 any machine: the interpreter tests cannot see a compile failure (a module global read inside a
-kernel runs interpreted and fails to compile). The CUDA-core kernel at the settings ``fp8_tiles``
-gives batch-1 rows (each way of getting the activations, bias, per-row scales) must read the
-weights with 16-byte loads; the tensor-core GEMM at each bucket's tiles, split and not. A
-subprocess without TRITON_INTERPRET; skipped where Triton has no CUDA backend."""
+kernel runs interpreted and fails to compile). The CUDA-core kernel at its settings
+(``_gemv_tiles``, whether or not ``GEMV_M_MAX`` turns it on; each way of getting the activations,
+bias, per-row scales) must read the weights with 16-byte loads; the tensor-core GEMM at each
+bucket's tiles, split and not. A subprocess without TRITON_INTERPRET; skipped where Triton has no CUDA backend."""
 from __future__ import annotations
 
 import json
@@ -34,10 +34,11 @@ from megatron_async.kernels.triton_fp8_gemv import fp8_gemv_kernel
 
 D16 = [["tt.divisibility", 16]]
 PTRS = ("a_ptr", "as_ptr", "w_ptr", "ws_ptr", "bias_ptr", "c_ptr", "part_ptr")
+ALIGNED = ("N", "K", "stride_am", "stride_wn", "stride_cm")  # multiples of 16 at the real shapes
 
 def build(fn, types, consts, num_warps, num_stages):
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-    attrs = {(i,): D16 for i, n in enumerate(fn.arg_names) if n in PTRS or n in ("N", "K", "stride_am", "stride_wn", "stride_cm")}
+    attrs = {(i,): D16 for i, n in enumerate(fn.arg_names) if n in PTRS + ALIGNED}
     try:
         asm = triton.compile(ASTSource(fn, sig, consts, attrs), target=target,
                              options=dict(num_warps=num_warps, num_stages=num_stages)).asm
@@ -50,12 +51,15 @@ types.update(a_ptr="*bf16", as_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", bi
              part_ptr="*fp32")
 out = {}
 with mock.patch.object(tg, "num_compute_units", return_value=132):
-    plans = {(n, m): tg.fp8_tiles(m, n, 4096, torch.device("cuda")) for n in (1024, 24576) for m in (1, 16, 64, 128, 256)}
+    plans = {(n, m): tg.fp8_tiles(m, n, 4096, torch.device("cuda")) for n in (1024, 24576)
+             for m in (1, 16, 64, 128, 256)}
+    plans[(4096, 1)] = tg._gemv_tiles(4096, torch.device("cuda")), False  # the CUDA-core kernel, on or off
 for (n, m), (t, pre) in plans.items():
     a = "*fp8e4nv" if pre else "*bf16"
     if t.block_m == 1:
         for p, bias, sbn in ((pre, False, 128), (True, False, 128), (False, True, 1)):
-            out[f"gemv n{n} pre{p} bias{bias} sbn{sbn}"] = build(fp8_gemv_kernel, dict(types, a_ptr="*fp8e4nv" if p else "*bf16"), dict(
+            a = "*fp8e4nv" if p else "*bf16"
+            out[f"gemv n{n} pre{p} bias{bias} sbn{sbn}"] = build(fp8_gemv_kernel, dict(types, a_ptr=a), dict(
                 BLOCK_N=t.block_n, GROUPS=t.groups, SCALE_BLOCK_N=sbn, PREQUANT=p, HAS_BIAS=bias, EMULATE=False),
                 t.num_warps, t.num_stages)
     else:
