@@ -6,27 +6,13 @@ bias, per-row scales) must read the weights with 16-byte loads; the tensor-core 
 bucket's tiles, split and not. A subprocess without TRITON_INTERPRET; skipped where Triton has no CUDA backend."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.helpers.sm90_compile import compile_results  # noqa: E402
 
 _SCRIPT = r'''
-import json, sys
-import triton
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    target = GPUTarget("cuda", 90, 32)
-except ImportError as e:
-    print(json.dumps({"skip": str(e)})); sys.exit(0)
 from unittest import mock
 import torch
 from megatron_async.kernels import triton_fp8_gemm as tg
@@ -39,11 +25,7 @@ ALIGNED = ("N", "K", "stride_am", "stride_wn", "stride_cm")  # multiples of 16 a
 def build(fn, types, consts, num_warps, num_stages):
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
     attrs = {(i,): D16 for i, n in enumerate(fn.arg_names) if n in PTRS + ALIGNED}
-    try:
-        asm = triton.compile(ASTSource(fn, sig, consts, attrs), target=target,
-                             options=dict(num_warps=num_warps, num_stages=num_stages)).asm
-    except (KeyError, FileNotFoundError) as e:  # no CUDA backend / ptxas in this Triton
-        print(json.dumps({"skip": f"{type(e).__name__}: {e}"})); sys.exit(0)
+    asm = compile_asm(fn, sig, consts, attrs, num_warps=num_warps, num_stages=num_stages)
     return {"cubin": "cubin" in asm, "v4": "ld.global.v4" in asm["ptx"] or "ld.global.nc.v4" in asm["ptx"]}
 
 types = {n: "i32" for n in fp8_gemv_kernel.arg_names + tg._fp8_gemm_kernel.arg_names if n in "MNK" or n == n.lower()}
@@ -72,13 +54,7 @@ print(json.dumps(out))
 
 
 def test_fp8_linear_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    if "skip" in out:
-        pytest.skip(out["skip"])
+    out = compile_results(_SCRIPT, timeout=600)
     assert any(k.startswith("gemv") for k in out) and any(k.startswith("gemm") for k in out), out
     assert all(v["cubin"] for v in out.values()), out
     assert all(out[k]["v4"] for k in out if k.startswith("gemv")), out

@@ -5,36 +5,19 @@ Triton, on any machine: the interpreter tests cannot see a compile failure. The 
 rests on), built without FMA contraction as the launch asks. A subprocess without TRITON_INTERPRET; skipped where Triton has no CUDA backend."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.helpers.sm90_compile import compile_results  # noqa: E402
 
 _SCRIPT = r'''
-import json, sys
-import triton
 import triton.language as tl
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    target = GPUTarget("cuda", 90, 32)
-except ImportError as e:
-    print(json.dumps({"skip": str(e)})); sys.exit(0)
 from megatron_async.kernels import triton_invariant_attention as ia, triton_invariant_matmul as im
 
 def build(fn, types, consts, **opts):
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-    try:
-        asm = triton.compile(ASTSource(fn, sig, consts), target=target, options=dict(num_warps=4, **opts)).asm
-    except (KeyError, FileNotFoundError) as e:  # no CUDA backend / ptxas in this Triton
-        print(json.dumps({"skip": f"{type(e).__name__}: {e}"})); sys.exit(0)
+    asm = compile_asm(fn, sig, consts, num_warps=4, **opts)
     return {"cubin": "cubin" in asm, "wgmma": "wgmma.mma_async" in asm["ptx"], "fma": "fma.rn.f32" in asm["ptx"]}
 
 i32 = "i32"
@@ -75,13 +58,7 @@ print(json.dumps(out))
 
 
 def test_invariant_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    if "skip" in out:
-        pytest.skip(out["skip"])
+    out = compile_results(_SCRIPT, timeout=600)
     assert all(v["cubin"] for v in out.values()), out
     assert all(out[k]["wgmma"] for k in out if k.startswith("split")), out
     # built as the launch builds it, no float FMA: the unmasked and masked key loops round alike

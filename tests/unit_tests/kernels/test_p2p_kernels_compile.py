@@ -6,34 +6,17 @@ without TRITON_INTERPRET (the suite sets it on CPU machines, and interpreted ker
 compiled). Skipped where Triton has no CUDA backend."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.helpers.sm90_compile import compile_results  # noqa: E402
 
 _SCRIPT = r'''
-import json, sys
-import triton
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    target = GPUTarget("cuda", 90, 32)
-except ImportError as e:
-    print(json.dumps({"skip": str(e)})); sys.exit(0)
 from megatron_async.kernels import triton_fused_all_reduce as fused, triton_p2p_exchange as ex
 
 def build(fn, sig, consts):
-    try:
-        asm = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": 4}).asm
-    except (KeyError, FileNotFoundError) as e:  # no CUDA backend / ptxas in this Triton
-        print(json.dumps({"skip": f"{type(e).__name__}: {e}"})); sys.exit(0)
+    asm = compile_asm(fn, sig, consts, num_warps=4)
     return {"cubin": "cubin" in asm, "posted_raise": "release.exch" in asm["ptx"] or ".exch" in asm["ptx"]}
 
 out = {}
@@ -54,13 +37,7 @@ print(json.dumps(out))
 
 
 def test_p2p_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(f"Triton cannot compile for CUDA here: {result['skip']}")
+    result = compile_results(_SCRIPT, timeout=300)
     assert set(result) == {"fused_w2", "fused_w4", "_all_gather_kernel", "_reduce_scatter_kernel"}
     for name, got in result.items():
         assert got["cubin"] and got["posted_raise"], (name, got)
