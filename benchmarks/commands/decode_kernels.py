@@ -7,6 +7,8 @@ same grouped by role (attention, GEMMs, norms, sampler, ...), to find each role'
     python -m benchmarks decode-kernels --batch-invariant    # where the batch-invariant mode's decode goes
     python -m benchmarks decode-kernels --model qwen3-8b --batch 32 --prompt-len-min 8000 --prompt-len 16000 \
         --quantization fp8 --kv-cache-dtype fp8              # FP8 decode at long context
+    python scripts/make_hybrid_checkpoint.py /tmp/nh_small && \
+        python -m benchmarks decode-kernels --checkpoint /tmp/nh_small   # the hybrid (Mamba2) decode step
 
 The batch's requests all arrive at once; after prefill and a few warm decode steps (graph
 capture, Triton builds) ``--steps`` decode-only steps run under the profiler (CUDA activity only).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import os
 import pstats
@@ -38,6 +41,7 @@ GROUPS = [  # (role, name substrings), first match wins
     ("all-reduce (TP)", ("all_reduce", "allreduce", "nccl", "_fused_kernel", "symm_mem", "multimem")),
     ("sampler", ("_stats_kernel", "_draw_kernel", "_pick_kernel", "_stage_init", "_level_pass", "_level_update",
                  "_finish_kernel", "_penalty_kernel")),
+    ("Mamba conv / SSM state", ("_state_update", "_conv_update", "ssd", "mamba", "_scan", "_chunk")),
     ("attention", ("attention", "attn", "_paged", "decode_kernel", "_decode_split", "_decode_merge",
                    "_prefill_kernel")),
     ("kv append", ("kv_append", "append")),
@@ -96,8 +100,8 @@ def run(args, sampled: bool) -> None:
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     if tp > 1 and args.mixed:
         raise SystemExit("--mixed profiles one process; the tensor-parallel profile is of decode steps")
-    llm = LLM(device="cuda", dtype="bfloat16", default_model=args.model, inference_config=cfg, tensor_parallel_size=tp,
-              quantization=args.quantization)
+    llm = LLM(model=args.checkpoint, device="cuda", dtype="bfloat16", default_model=args.model, inference_config=cfg,
+              tensor_parallel_size=tp, quantization=args.quantization)
     say = print if llm.is_leader else (lambda *a, **k: None)
     rng = random.Random(0)
     n_out = args.warm_steps + 3 * args.steps + 8  # every request still decoding in the profiled steps
@@ -143,8 +147,7 @@ def run(args, sampled: bool) -> None:
     say(f"\nhost, cProfile of {args.steps} more steps (top by own time):\n```\n{host}```")
     if llm.is_leader:
         print_roles(rows, args.steps, args.top)
-    del llm
-    torch.cuda.empty_cache()
+    llm.close()  # its graphs first: main() collects the rest before the next workload's memory plan
 
 
 def print_roles(rows, steps: int, top: int) -> None:
@@ -182,13 +185,14 @@ def mixed_profile(llm: LLM, add_batch, sampled: bool) -> None:
           f"(+1 decode launch), device busy {busy_ms / steps:.3f} ms per step, wall {wall_ms / steps:.3f} ms per step "
           f"under the profiler")
     print_roles(rows, steps, 30)
-    del llm
-    torch.cuda.empty_cache()
+    llm.close()  # its graphs first: main() collects the rest before the next workload's memory plan
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-0.6b", help="built-in default model name")
+    p.add_argument("--checkpoint", default=None, help="an HF checkpoint directory instead of --model (e.g. the hybrid "
+                   "one scripts/make_hybrid_checkpoint.py writes)")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--prompt-len-min", type=int, default=0, help="ragged prompts: lengths uniform in [min, --prompt-len]")
@@ -213,6 +217,8 @@ def main() -> None:
         print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for w in args.workloads.split(","):
         run(args, sampled=w.strip() == "sampled")
+        gc.collect()  # an engine's reference cycles would hold its pools into the next one's memory plan
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
