@@ -140,12 +140,16 @@ class Fp8Tiles:
     groups: int = 1
 
 
-GEMV_M_MAX = 0
-"""Rows up to this go to the CUDA-core kernel (``triton_fp8_gemv``, ``_gemv_tiles``); 0: off. On an
-H100 at one row (``fp8 sweep --family gemv --m 1``, us, against the 16-row tiles): Qwen3-8B qkv 12.0
-/ 14.6, o 9.6 / 11.7, gate_up 38.0 / 42.8, down (K 12,288) 25.4 / 24.3; Qwen3-0.6B qkv 4.2 / 6.9,
-o 5.7 / 6.5, gate_up 5.4 / 7.9, down 7.7 / 7.8. Not on yet: an engine run with these settings is
-still to come (with settings that put down at 33 us, batch-1 decode went from 4.43 to 4.66 ms)."""
+GEMV_M_MAX = 1
+"""Rows up to this go to the CUDA-core kernel (``triton_fp8_gemv``, ``_gemv_tiles``) when K is at
+most ``GEMV_K_MAX``; 0: off. On an H100 at one row (``fp8 sweep --family gemv --m 1``, us, against
+the 16-row tiles): Qwen3-8B qkv 12.0 / 14.6, o 9.6 / 11.7, gate_up 38.0 / 42.8, down (K 12,288)
+25.4 / 24.3; Qwen3-0.6B qkv 4.2 / 6.9, o 5.7 / 6.5, gate_up 5.4 / 7.9, down 7.7 / 7.8. In the engine
+(``fp8 engine --model qwen3-8b --configs fp8``, the tree before beside this one on one H100): batch-1
+decode 4.39 -> 4.06 ms a token."""
+GEMV_K_MAX = 4096
+"""Longer rows (the 8B's down, K 12,288) keep the tensor-core tiles, split over K: one program's
+whole-K pass is slower there."""
 GEMV_TILES = Fp8Tiles(1, 16, 1, 4, 1, 8)
 """Its launch settings (the sweep's best at the 8B's qkv, o and gate_up); ``block_n`` the most
 weight rows a program (fewer for small N)."""
@@ -192,13 +196,13 @@ def fp8_tiles(m: int, n: int, k: int, device: torch.device, batch_invariant: boo
     Measured on an H100 at the Qwen3-8B and 0.6B linears (``python -m benchmarks fp8 sweep``).
     CPU (interpreter): tiles tiny test shapes still cross, with a K split."""
     if device.type != "cuda":
-        if m <= GEMV_M_MAX and not batch_invariant:
+        if m <= GEMV_M_MAX and k <= GEMV_K_MAX and not batch_invariant:
             return Fp8Tiles(1, 32, 1, 1, 1, 2), False
         return Fp8Tiles(16, 32, 2 if k > GROUP else 1, 1, 1), batch_invariant or m > SMALL_M
     if batch_invariant:
         split = max(1, min(4, triton.cdiv(k, GROUP) // 8, triton.cdiv(2 * 132, triton.cdiv(n, 64))))
         return Fp8Tiles(64, 64, split, 4, 4), True
-    if m <= GEMV_M_MAX:
+    if m <= GEMV_M_MAX and k <= GEMV_K_MAX:
         return _gemv_tiles(n, device), False
     if m <= SMALL_M:
         return Fp8Tiles(16, 64, _split_k(n, k, 64, 4, 1, 16, 2, device), 4, 3), False
