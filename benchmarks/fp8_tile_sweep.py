@@ -41,8 +41,8 @@ def candidates(m: int, n: int, k: int, family: str = "tiles", device: torch.devi
     if family == "none":
         return out
     if family == "gemv":
-        for bn, per_step, warps in itertools.product((4, 8, 16, 32), (1, 2, 4, 8), (1, 2, 4, 8)):
-            if 16 <= bn * per_step * tg.GROUP // (32 * warps) <= 128:  # 16-byte loads, <= 8 a thread
+        for bn, per_step, warps in itertools.product((2, 4, 8, 16, 32), (1, 2, 4, 8, 16, 32), (1, 2, 4, 8)):
+            if 16 <= bn * per_step * tg.GROUP // (32 * warps) <= 256 and per_step <= groups:  # 16-byte loads, <= 16 a thread
                 out.append((Fp8Tiles(1, bn, 1, warps, 1, per_step), False))  # stages: no loads to pipeline
         return out + [(tg.fp8_tiles(tg.SMALL_M, n, k, device)[0], False)]
     if m <= tg.SMALL_M:

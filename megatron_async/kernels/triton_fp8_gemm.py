@@ -141,20 +141,18 @@ class Fp8Tiles:
 
 
 GEMV_M_MAX = 1
-"""Rows up to this go to the CUDA-core kernel (``triton_fp8_gemv``, ``_gemv_tiles``) when K is at
-most ``GEMV_K_MAX``; 0: off. On an H100 at one row (``fp8 sweep --family gemv --m 1``, us, against
-the 16-row tiles): Qwen3-8B qkv 12.0 / 14.6, o 9.6 / 11.7, gate_up 38.0 / 42.8, down (K 12,288)
-25.4 / 24.3; Qwen3-0.6B qkv 4.2 / 6.9, o 5.7 / 6.5, gate_up 5.4 / 7.9, down 7.7 / 7.8. In the engine
-(``fp8 engine --model qwen3-8b --configs fp8``, the tree before beside this one on one H100): batch-1
-decode 4.39 -> 4.06 ms a token."""
-GEMV_K_MAX = 4096
-"""Longer rows (the 8B's down, K 12,288) keep the tensor-core tiles, split over K: one program's
-whole-K pass is slower there."""
-GEMV_TILES = Fp8Tiles(1, 16, 1, 4, 1, 8)
-"""Its launch settings (the sweep's best at the 8B's qkv, o and gate_up); ``block_n`` the most
-weight rows a program (fewer for small N)."""
-GEMV_PROGRAMS = 4
-"""Programs per SM the CUDA-core kernel's ``block_n`` aims at (a power of two >= 4 rows)."""
+"""Rows up to this go to the CUDA-core kernel (``triton_fp8_gemv``, ``_gemv_tiles``); 0: off. On an
+H100 at one row (``fp8 sweep --family gemv --m 1``, us, these settings against the 16-row tiles with
+their split sum): Qwen3-8B qkv 12.2 / 14.6, o 8.5 / 11.8, gate_up 36.0 / 42.4, down (K 12,288) 20.7 /
+24.3 + the sum; Qwen3-0.6B qkv 4.1 / 6.9, o 3.1 / 6.5, gate_up 4.8 / 7.9, down 4.2 / 7.8. Qwen3-8B
+batch-1 decode (``fp8 engine --model qwen3-8b --configs fp8``, one H100): 4.39 ms a token with the
+tiles, 4.07 with this kernel where K <= 4,096 and its older settings, 3.86 now."""
+GEMV_TILES = Fp8Tiles(1, 8, 1, 4, 1, 16)
+"""Its launch settings: at most 8 weight rows a program (fewer where N is small, ``GEMV_PROGRAMS``),
+16 K groups a step; 8 warps for K above 4,096 (the sweep's best at each of the 8B's and 0.6B's linears
+or within 3 % of it)."""
+GEMV_PROGRAMS = 2
+"""Programs per SM the CUDA-core kernel's ``block_n`` aims at (a power of two, 2 to 8 rows)."""
 SMALL_M = 16
 """Rows up to this (decode): 16-row tiles quantizing A in the GEMM; that costs no more than a
 separate quantize launch there (H100, Qwen3-8B linears, M = 1: 1.4-1.8x faster than cuBLAS bf16)."""
@@ -183,9 +181,10 @@ def _split_k(n: int, k: int, block_n: int, programs: int, row_tiles: int, most: 
     return 1 << (want.bit_length() - 1)
 
 
-def _gemv_tiles(n: int, device: torch.device) -> Fp8Tiles:
-    want = max(4, min(GEMV_TILES.block_n, n // (GEMV_PROGRAMS * num_compute_units(device))))
-    return replace(GEMV_TILES, block_n=1 << (want.bit_length() - 1))
+def _gemv_tiles(n: int, k: int, device: torch.device) -> Fp8Tiles:
+    want = max(2, min(GEMV_TILES.block_n, n // (GEMV_PROGRAMS * num_compute_units(device))))
+    return replace(GEMV_TILES, block_n=1 << (want.bit_length() - 1), num_warps=8 if k > 4096 else GEMV_TILES.num_warps,
+                   groups=min(GEMV_TILES.groups, triton.next_power_of_2(triton.cdiv(k, GROUP))))
 
 
 def fp8_tiles(m: int, n: int, k: int, device: torch.device, batch_invariant: bool = False) -> tuple[Fp8Tiles, bool]:
@@ -196,14 +195,14 @@ def fp8_tiles(m: int, n: int, k: int, device: torch.device, batch_invariant: boo
     Measured on an H100 at the Qwen3-8B and 0.6B linears (``python -m benchmarks fp8 sweep``).
     CPU (interpreter): tiles tiny test shapes still cross, with a K split."""
     if device.type != "cuda":
-        if m <= GEMV_M_MAX and k <= GEMV_K_MAX and not batch_invariant:
+        if m <= GEMV_M_MAX and not batch_invariant:
             return Fp8Tiles(1, 32, 1, 1, 1, 2), False
         return Fp8Tiles(16, 32, 2 if k > GROUP else 1, 1, 1), batch_invariant or m > SMALL_M
     if batch_invariant:
         split = max(1, min(4, triton.cdiv(k, GROUP) // 8, triton.cdiv(2 * 132, triton.cdiv(n, 64))))
         return Fp8Tiles(64, 64, split, 4, 4), True
-    if m <= GEMV_M_MAX and k <= GEMV_K_MAX:
-        return _gemv_tiles(n, device), False
+    if m <= GEMV_M_MAX:
+        return _gemv_tiles(n, k, device), False
     if m <= SMALL_M:
         return Fp8Tiles(16, 64, _split_k(n, k, 64, 4, 1, 16, 2, device), 4, 3), False
     if m <= TRITON_M_MAX:

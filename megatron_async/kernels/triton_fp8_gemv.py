@@ -37,15 +37,17 @@ def fp8_gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, M, N, K,
         gi = g0 + g_off
         k = gi[:, None] * GROUP_K + e_off[None, :]  # [GROUPS, 128]
         k_mask = k < K
+        # the weights first: they come from DRAM, the row's activations from L2, and their loads
+        # should be in flight while the row's groups are quantized
+        w_q = tl.load(w_rows + k[None, :, :], mask=n_mask[:, None, None] & k_mask[None, :, :], other=0.0)
+        w_s = tl.load(ws_rows + gi[None, :] * stride_wsg, mask=n_mask[:, None] & (gi * GROUP_K < K)[None, :],
+                      other=0.0)
         if PREQUANT:
             a_q = tl.load(a_ptr + row * stride_am + k, mask=k_mask, other=0.0)
             a_s = tl.load(as_ptr + row * stride_asm + gi * stride_asg, mask=gi * GROUP_K < K, other=0.0)
         else:  # K past the end loads 0: it neither raises a group's max nor adds to a sum
             a_q, a_s = quantize_groups(tl.load(a_ptr + row * stride_am + k, mask=k_mask, other=0.0).to(tl.float32),
                                        EMULATE)
-        w_q = tl.load(w_rows + k[None, :, :], mask=n_mask[:, None, None] & k_mask[None, :, :], other=0.0)
-        w_s = tl.load(ws_rows + gi[None, :] * stride_wsg, mask=n_mask[:, None] & (gi * GROUP_K < K)[None, :],
-                      other=0.0)
         part = tl.sum(w_q.to(tl.float32) * a_q.to(tl.float32)[None, :, :], axis=2)  # [BLOCK_N, GROUPS]
         acc += tl.sum(part * (a_s[None, :] * w_s), axis=1)
     if HAS_BIAS:

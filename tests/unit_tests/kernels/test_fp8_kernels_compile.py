@@ -35,7 +35,7 @@ out = {}
 with mock.patch.object(tg, "num_compute_units", return_value=132):
     plans = {(n, m): tg.fp8_tiles(m, n, 4096, torch.device("cuda")) for n in (1024, 24576)
              for m in (1, 16, 64, 128, 256)}
-    plans[(4096, 1)] = tg._gemv_tiles(4096, torch.device("cuda")), False  # the CUDA-core kernel, on or off
+    plans[(4096, 1)] = tg._gemv_tiles(4096, 4096, torch.device("cuda")), False  # the CUDA-core kernel, on or off
 for (n, m), (t, pre) in plans.items():
     a = "*fp8e4nv" if pre else "*bf16"
     if t.block_m == 1:
