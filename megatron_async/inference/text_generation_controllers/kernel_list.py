@@ -47,6 +47,14 @@ def _package_source() -> str:
     return _source_hash[0]
 
 
+def kv_layout(kv_caches: list) -> str:
+    """The KV pools' shapes and dtypes without their block count: the memory plan sizes the pool
+    from the free memory it measures, which moves by a few blocks between processes (40,312 and
+    40,352 on one H100), and no kernel's specialization depends on it (the kernels take a layer's
+    pool by its block size, heads and head dim and by strides that are multiples of those)."""
+    return repr([(tuple(t.shape[:1]) + tuple(t.shape[2:]), str(t.dtype)) for t in kv_caches])
+
+
 def list_key(runner, shapes: list) -> str:
     import triton
 
@@ -55,7 +63,7 @@ def list_key(runner, shapes: list) -> str:
     parts = [
         repr(shapes), type(model).__name__, repr(getattr(model, "kernels", None)), repr(runner.batch_invariant),
         repr([(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]),
-        repr([(tuple(t.shape), str(t.dtype)) for t in ctx.kv_caches]),
+        kv_layout(ctx.kv_caches),
         repr((ctx.max_requests, ctx.max_tokens, ctx.max_sequence_length, ctx.num_speculative_tokens, ctx.block_size,
               ctx.batch_invariant, ctx.mamba is not None)),
         torch.cuda.get_device_name(dev), repr(torch.cuda.get_device_capability(dev)), torch.__version__,

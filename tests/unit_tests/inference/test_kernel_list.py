@@ -76,3 +76,14 @@ def test_the_hook_remembers_every_specialization_it_meets():
     knobs.runtime.jit_cache_hook(fn=Info(), key="x", compile={"specialization_data": "seen-1"},
                                  is_manual_warmup=False, already_compiled=False)
     assert (Info.jit_function, "seen-1") in triton_builds.seen()
+
+
+def test_the_key_keeps_the_kv_layout_but_not_the_pool_size():
+    import torch
+
+    def pools(blocks, heads=8, dtype=torch.bfloat16):
+        return [torch.empty(2, blocks, 16, heads, 4, dtype=dtype, device="meta") for _ in range(3)]
+
+    assert kernel_list.kv_layout(pools(40312)) == kernel_list.kv_layout(pools(40352))
+    assert kernel_list.kv_layout(pools(40312)) != kernel_list.kv_layout(pools(40312, heads=4))
+    assert kernel_list.kv_layout(pools(40312)) != kernel_list.kv_layout(pools(40312, dtype=torch.float8_e4m3fn))
