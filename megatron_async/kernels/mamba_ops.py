@@ -7,7 +7,10 @@ kernels (``triton_mamba_decode``; CUDA, or CPU under ``TRITON_INTERPRET=1`` for 
 the pure-torch reference (``conv1d_torch`` / ``ssd_torch``, CPU and CUDA, the ground truth).
 The decode ops read and advance the rows' states directly in the slot pools (no gather /
 scatter copies of the large SSM state on the kernel path; the reference gathers and scatters).
-The decode op can apply dt's bias, softplus and limits itself.
+The SSM ops (decode, varlen, window) can take dt raw and A as A_log and apply dt's bias,
+softplus and limits and A = -exp(A_log) themselves: the kernels do it in-kernel with the same
+math on every path (``triton_mamba_decode.step_size`` / ``decay_rate``), so no torch prep
+kernels run per layer; the reference does it with ``final_step_size`` / ``decay_rates``.
 """
 from __future__ import annotations
 
@@ -29,6 +32,11 @@ def final_step_size(
     if dt_limit is not None:
         dt = dt.clamp(*dt_limit)
     return dt
+
+
+def decay_rates(A: torch.Tensor, A_is_log: bool) -> torch.Tensor:
+    """The per-head A in float32: as given, or -exp(A_log)."""
+    return -torch.exp(A.float()) if A_is_log else A
 
 
 def gather_states(pool: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
@@ -71,19 +79,20 @@ def ssd_decode_inplace(
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] | None = None,
     triton: bool = False,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
     """One token per row: x [b, h, p], dt [b, h], B / C [b, g, n] -> y [b, h, p] fp32. Row r's
     state is ``ssm_pool[slots[r]]`` ([S, h, p, n] fp32; zeros when ``has_initial_state[r]`` is
     False) and is advanced there in place. dt: ``dt_bias`` added, softplus, ``dt_limit`` clamp,
-    each only when given."""
+    each only when given; ``A_is_log``: A holds A_log (A = -exp(A_log))."""
     if triton:
         from megatron_async.kernels.triton_mamba_decode import selective_state_update
 
         return selective_state_update(
             x, dt, A, B, C, D, ssm_pool, slots=slots, has_initial_state=has_initial_state,
-            dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+            dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, A_is_log=A_is_log,
         )
-    dt = final_step_size(dt, dt_bias, dt_softplus, dt_limit)
+    dt, A = final_step_size(dt, dt_bias, dt_softplus, dt_limit), decay_rates(A, A_is_log)
     y, new_state = ssd_torch.ssd_step(x, dt, A, B, C, gather_states(ssm_pool, slots, has_initial_state), D)
     ssm_pool.index_copy_(0, slots, new_state)
     return y

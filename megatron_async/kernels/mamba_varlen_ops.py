@@ -104,13 +104,18 @@ def conv1d_varlen_inplace(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 def ssd_varlen_inplace(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                       D: torch.Tensor | None, ssm_pool: torch.Tensor, rows: VarlenRows, chunk_size: int) -> torch.Tensor:
-    """x [T, h, p], dt [T, h] final step sizes, B / C [T, g, n] -> y [T, h, p] float32; each
-    row's state advanced in ``ssm_pool`` in place. ``chunk_size``: the TORCH reference's chunk."""
+                       D: torch.Tensor | None, ssm_pool: torch.Tensor, rows: VarlenRows, chunk_size: int,
+                       dt_bias: torch.Tensor | None = None, dt_softplus: bool = False,
+                       dt_limit: tuple[float, float] | None = None, A_is_log: bool = False) -> torch.Tensor:
+    """x [T, h, p], dt [T, h], B / C [T, g, n] -> y [T, h, p] float32; each row's state advanced
+    in ``ssm_pool`` in place. dt and ``A_is_log`` as in ``mamba_ops.ssd_decode_inplace``.
+    ``chunk_size``: the TORCH reference's chunk."""
     if rows.triton:
         from megatron_async.kernels.triton_mamba_varlen import ssd_scan_varlen
 
-        return ssd_scan_varlen(x, dt, A, B, C, D, ssm_pool, rows.slots, rows.has_initial_state, rows.cu_query_lens)
+        return ssd_scan_varlen(x, dt, A, B, C, D, ssm_pool, rows.slots, rows.has_initial_state, rows.cu_query_lens,
+                               dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, A_is_log=A_is_log)
+    dt, A = mamba_ops.final_step_size(dt, dt_bias, dt_softplus, dt_limit), mamba_ops.decay_rates(A, A_is_log)
     T = x.shape[0]
     out = torch.empty(T + 1, *x.shape[1:], dtype=torch.float32, device=x.device)
     m, single = rows.scan, rows.single_rows

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_async.kernels import conv1d_torch, ssd_torch
-from megatron_async.kernels.mamba_ops import final_step_size, gather_states
+from megatron_async.kernels.mamba_ops import decay_rates, final_step_size, gather_states
 
 
 def conv1d_window(
@@ -58,18 +58,20 @@ def ssd_window(
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] | None = None,
     triton: bool = False,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
     """x [b, T, h, p], dt [b, T, h], B / C [b, T, g, n] -> y [b, T, h, p] fp32. Row r starts from
     ``ssm_pool[slots[r]]`` and leaves the state after token t in ``ssm_scratch[slots[r], t]``
-    ([S, >= T, h, p, n] fp32); the pool is only read. dt as in ``mamba_ops.ssd_decode_inplace``."""
+    ([S, >= T, h, p, n] fp32); the pool is only read. dt and ``A_is_log`` as in
+    ``mamba_ops.ssd_decode_inplace``."""
     if triton:
         from megatron_async.kernels.triton_mamba_window import selective_state_window
 
         return selective_state_window(
             x, dt, A, B, C, D, ssm_pool, ssm_scratch, slots, has_initial_state,
-            dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+            dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, A_is_log=A_is_log,
         )
-    dt = final_step_size(dt, dt_bias, dt_softplus, dt_limit)
+    dt, A = final_step_size(dt, dt_bias, dt_softplus, dt_limit), decay_rates(A, A_is_log)
     state = gather_states(ssm_pool, slots, has_initial_state)
     ys = []
     for t in range(x.shape[1]):

@@ -14,9 +14,16 @@ Runs on CPU under ``TRITON_INTERPRET=1`` (set before triton is imported), for te
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+# Correctly rounded exp / log1p from libdevice on CUDA (torch's results for dt and A); the
+# interpreter has no libdevice, and its tl.exp / tl.log are numpy's.
+EXACT_MATH = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
@@ -109,17 +116,33 @@ def causal_conv1d_update(
 
 
 @triton.jit
-def _step_size(dt_ptr, dt_bias_ptr, head, dt_min, dt_max,
-               HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr):
-    """The final fp32 step size from the raw dt at ``dt_ptr``: bias, softplus, clamp (each when asked)."""
-    dt = tl.load(dt_ptr).to(tl.float32)
+def step_size(dt, dt_bias_ptr, head, dt_min, dt_max,
+              HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr):
+    """The fp32 step size from raw fp32 ``dt`` (a value or a vector of one head): bias, softplus,
+    clamp (each when asked). torch's softplus: log1p(exp(x)), identity above 20."""
     if HAS_DT_BIAS:
         dt += tl.load(dt_bias_ptr + head).to(tl.float32)
-    if DT_SOFTPLUS:  # torch's softplus: identity above 20
-        dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
+    if DT_SOFTPLUS:
+        if EXACT_MATH:
+            soft = libdevice.log1p(libdevice.exp(dt))
+        else:
+            soft = tl.log(1.0 + tl.exp(dt))
+        dt = tl.where(dt > 20.0, dt, soft)
     if HAS_DT_LIMIT:
         dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     return dt
+
+
+@triton.jit
+def decay_rate(A_ptr, head, A_IS_LOG: tl.constexpr):
+    """A of the head in fp32: as stored, or -exp(A_log) when A_IS_LOG."""
+    a = tl.load(A_ptr + head).to(tl.float32)
+    if A_IS_LOG:
+        if EXACT_MATH:
+            a = -libdevice.exp(a)
+        else:
+            a = -tl.exp(a)
+    return a
 
 
 def ssm_launch_sizes(x_heads: int, head_dim: int, B: torch.Tensor, *pools: torch.Tensor) -> tuple[int, int]:
@@ -150,7 +173,7 @@ def _state_update_kernel(
     stride_yb, stride_yh,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, A_IS_LOG: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -162,9 +185,9 @@ def _state_update_kernel(
     slot, read_old = _row_state(slots_ptr, has_init_ptr, row, HAS_SLOTS, HAS_INIT_FLAGS)
     row64 = row.to(tl.int64)
 
-    dt = _step_size(dt_ptr + row64 * stride_dtb + head * stride_dth, dt_bias_ptr, head, dt_min, dt_max,
-                    HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT)
-    decay = tl.exp(dt * tl.load(A_ptr + head).to(tl.float32))
+    dt = step_size(tl.load(dt_ptr + row64 * stride_dtb + head * stride_dth).to(tl.float32), dt_bias_ptr, head,
+                   dt_min, dt_max, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT)
+    decay = tl.exp(dt * decay_rate(A_ptr, head, A_IS_LOG))
 
     x = tl.load(x_ptr + row64 * stride_xb + head * stride_xh + offs_p * stride_xp, mask=p_mask, other=0.0).to(tl.float32)
     Bv = tl.load(B_ptr + row64 * stride_Bb + group * stride_Bg + offs_n * stride_Bn, mask=n_mask, other=0.0).to(tl.float32)
@@ -196,13 +219,15 @@ def selective_state_update(
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] | None = None,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
     """One SSM step per row: x [b, h, p], dt [b, h], A [h], B / C [b, g, n], D [h] or None,
     state pool [S, h, p, n] float32 -> y [b, h, p] float32; the new state goes back to the
     row's slot of ``state``, in place.
 
     dt is used as given unless asked: ``dt_bias`` added, then softplus, then clamped to
-    ``dt_limit`` (the mixer's order), all in float32."""
+    ``dt_limit`` (the mixer's order), all in float32. ``A_is_log``: A holds A_log (A = -exp(A_log)).
+    A, D and dt_bias are read in their stored dtype."""
     b, h, p = x.shape
     block_p, block_n = ssm_launch_sizes(h, p, B, state)
     y = torch.empty(b, h, p, dtype=torch.float32, device=x.device)
@@ -219,5 +244,6 @@ def selective_state_update(
         BLOCK_P=block_p, BLOCK_N=block_n,
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
         HAS_DT_LIMIT=dt_limit is not None, HAS_SLOTS=slots is not None, HAS_INIT_FLAGS=has_initial_state is not None,
+        A_IS_LOG=A_is_log,
     )
     return y

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_async.kernels.triton_mamba_decode import decay_rate, step_size
 from megatron_async.kernels.triton_paged_common import dot_args
 
 
@@ -142,13 +143,14 @@ def causal_conv1d_varlen(
 
 @triton.jit
 def _ssd_varlen_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, pool_ptr, y_ptr, slots_ptr, has_init_ptr, cu_ptr,
-    heads_per_group, head_dim, d_state,
+    x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, pool_ptr, y_ptr, slots_ptr, has_init_ptr, cu_ptr,
+    heads_per_group, head_dim, d_state, dt_min, dt_max,
     stride_xt, stride_xh, stride_xp, stride_dtt, stride_dth,
     stride_Bt, stride_Bg, stride_Bn, stride_Ct, stride_Cg, stride_Cn,
     stride_sb, stride_sh, stride_sp, stride_sn, stride_yt, stride_yh,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr, CB_DTYPE: tl.constexpr, CB_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr, A_IS_LOG: tl.constexpr,
 ):
     """One program per (row, head, block of head_dim): the row's tokens in chunks of BLOCK_T
     from its own start (the chunk boundaries of the scan), state in registers throughout; a row
@@ -161,7 +163,7 @@ def _ssd_varlen_kernel(
     p_mask = offs_p < head_dim
     n_mask = offs_n < d_state
     group = head // heads_per_group
-    A = tl.load(A_ptr + head).to(tl.float32)
+    A = decay_rate(A_ptr, head, A_IS_LOG)
     D = tl.load(D_ptr + head).to(tl.float32) if HAS_D else 0.0
     start = tl.load(cu_ptr + row)
     end = tl.load(cu_ptr + row + 1)
@@ -180,7 +182,8 @@ def _ssd_varlen_kernel(
 
     if end - start == 1:  # a decode token (most rows of a mixed step): the recurrent step, no chunk matmuls
         t = start.to(tl.int64)
-        dt1 = tl.load(dt_ptr + t * stride_dtt + head * stride_dth).to(tl.float32)
+        dt1 = step_size(tl.load(dt_ptr + t * stride_dtt + head * stride_dth).to(tl.float32), dt_bias_ptr, head,
+                        dt_min, dt_max, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT)
         x1 = tl.load(x_ptr + t * stride_xt + head * stride_xh + offs_p * stride_xp, mask=p_mask, other=0.0).to(tl.float32)
         B1 = tl.load(B_ptr + t * stride_Bt + group * stride_Bg + offs_n * stride_Bn, mask=n_mask, other=0.0).to(tl.float32)
         C1 = tl.load(C_ptr + t * stride_Ct + group * stride_Cg + offs_n * stride_Cn, mask=n_mask, other=0.0).to(tl.float32)
@@ -195,6 +198,8 @@ def _ssd_varlen_kernel(
             t_mask = offs_t < end
             t64 = offs_t.to(tl.int64)
             dt = tl.load(dt_ptr + t64 * stride_dtt + head * stride_dth, mask=t_mask, other=0.0).to(tl.float32)
+            dt = tl.where(t_mask, step_size(dt, dt_bias_ptr, head, dt_min, dt_max, HAS_DT_BIAS, DT_SOFTPLUS,
+                                            HAS_DT_LIMIT), 0.0)
             x = tl.load(x_base + t64[:, None] * stride_xt, mask=t_mask[:, None] & p_mask[None, :], other=0.0).to(tl.float32)
             Bc = tl.load(B_base + t64[:, None] * stride_Bt, mask=t_mask[:, None] & n_mask[None, :], other=0.0)
             Cc = tl.load(C_base + t64[:, None] * stride_Ct, mask=t_mask[:, None] & n_mask[None, :], other=0.0)
@@ -207,10 +212,13 @@ def _ssd_varlen_kernel(
 def ssd_scan_varlen(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
     ssm_pool: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor, cu_query_lens: torch.Tensor,
+    dt_bias: torch.Tensor | None = None, dt_softplus: bool = False, dt_limit: tuple[float, float] | None = None,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
-    """Packed rows: x [T, h, p], dt [T, h] (final step sizes), A [h], B / C [T, g, n], D [h] or
-    None, pool [S, h, p, n] float32 -> y [T, h, p] float32; row r starts from
-    ``ssm_pool[slots[r]]`` (zeros when it has no initial state) and leaves its final state there.
+    """Packed rows: x [T, h, p], dt [T, h], A [h], B / C [T, g, n], D [h] or None, pool [S, h, p, n]
+    float32 -> y [T, h, p] float32; row r starts from ``ssm_pool[slots[r]]`` (zeros when it has no
+    initial state) and leaves its final state there. dt and ``A_is_log`` as in
+    ``selective_state_update`` (the same step-size math: a token's dt and A are the same bits here).
     Tiles of 16 tokens for fp32 inputs, 32 for 16-bit ones (no register spills at d_state 128
     on sm_90; exact-fp32 matmuls need far more registers)."""
     T, h, p = x.shape
@@ -226,13 +234,15 @@ def ssd_scan_varlen(
     small = 16 if x.dtype == torch.float32 else 32
     block_p = max(16, min(small, triton.next_power_of_2(p)))
     cb = dot_args(_ssd_varlen_kernel, B.dtype)
+    lo, hi = dt_limit if dt_limit is not None else (0.0, 0.0)
     _ssd_varlen_kernel[(R, h, triton.cdiv(p, block_p))](
-        x, dt, A, B, C, x if D is None else D, ssm_pool, y,
+        x, dt, x if dt_bias is None else dt_bias, A, B, C, x if D is None else D, ssm_pool, y,
         slots.contiguous(), has_initial_state.contiguous().view(torch.uint8), cu_query_lens.contiguous(),
-        h // g, p, n,
+        h // g, p, n, float(lo), float(hi),
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *ssm_pool.stride(), y.stride(0), y.stride(1),
         BLOCK_T=small, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(n)),
         HAS_D=D is not None, CB_DTYPE=cb["DOT_DTYPE"], CB_PRECISION=cb["DOT_PRECISION"],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=dt_limit is not None, A_IS_LOG=A_is_log,
     )
     return y

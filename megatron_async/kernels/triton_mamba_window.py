@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels.triton_mamba_decode import _row_state, _row_state_args, _step_size, ssm_launch_sizes
+from megatron_async.kernels.triton_mamba_decode import (_row_state, _row_state_args, decay_rate, ssm_launch_sizes,
+                                                          step_size)
 
 
 @triton.jit
@@ -108,7 +109,7 @@ def _state_window_kernel(
     stride_yb, stride_yt, stride_yh,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, A_IS_LOG: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -124,14 +125,14 @@ def _state_window_kernel(
     old_mask = (offs_p[:, None] < head_dim * read_old) & n_mask[None, :]  # no state: read nothing, start from 0
     tile = offs_p[:, None] * stride_sp + offs_n[None, :] * stride_sn
     state = tl.load(state_ptr + slot * stride_sb + head * stride_sh + tile, mask=old_mask, other=0.0).to(tl.float32)
-    A = tl.load(A_ptr + head).to(tl.float32)
+    A = decay_rate(A_ptr, head, A_IS_LOG)
     D = 0.0
     if HAS_D:
         D = tl.load(D_ptr + head).to(tl.float32)
     q_head = scratch_ptr + slot * stride_qb + head * stride_qh + offs_p[:, None] * stride_qp + offs_n[None, :] * stride_qn
     for t in range(T):  # the recurrence, one token at a time, state kept in registers
-        dt = _step_size(dt_ptr + row64 * stride_dtb + t * stride_dtt + head * stride_dth, dt_bias_ptr, head,
-                        dt_min, dt_max, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT)
+        dt = step_size(tl.load(dt_ptr + row64 * stride_dtb + t * stride_dtt + head * stride_dth).to(tl.float32),
+                       dt_bias_ptr, head, dt_min, dt_max, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT)
         x = tl.load(x_ptr + row64 * stride_xb + t * stride_xt + head * stride_xh + offs_p * stride_xp,
                     mask=p_mask, other=0.0).to(tl.float32)
         Bv = tl.load(B_ptr + row64 * stride_Bb + t * stride_Bt + group * stride_Bg + offs_n * stride_Bn,
@@ -158,11 +159,12 @@ def selective_state_window(
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] | None = None,
+    A_is_log: bool = False,
 ) -> torch.Tensor:
     """T SSM steps per row: x [b, T, h, p], dt [b, T, h], A [h], B / C [b, T, g, n], D [h] or
     None, state pool [S, h, p, n] float32 (read only), scratch [S, >= T, h, p, n] float32 ->
     y [b, T, h, p] float32; the state after token t of row r goes to ``scratch[slot_r, t]``.
-    dt as in ``selective_state_update``."""
+    dt and ``A_is_log`` as in ``selective_state_update``."""
     b, T, h, p = x.shape
     if state.dim() != 4 or scratch.dim() != 5 or scratch.shape[1] < T:
         raise ValueError(f"SSM state must be [slots, h, p, n] and scratch [slots, >= {T}, h, p, n], "
@@ -182,6 +184,7 @@ def selective_state_window(
         BLOCK_P=block_p, BLOCK_N=block_n,
         HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
         HAS_DT_LIMIT=dt_limit is not None, HAS_SLOTS=slots is not None, HAS_INIT_FLAGS=has_initial_state is not None,
+        A_IS_LOG=A_is_log,
     )
     return y
 

@@ -112,8 +112,8 @@ class Mamba2Mixer(nn.Module):
             xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_pool, slots, has_init, triton=triton
         )
         xs, B, C = self._split_xbc(conv_out)
-        return mamba_ops.ssd_decode_inplace(xs, dt, self._A(), B, C, self.D.float(), ssm_pool, slots, has_init,
-                                            triton=triton)
+        return mamba_ops.ssd_decode_inplace(xs, dt, self.A_log, B, C, self.D, ssm_pool, slots, has_init,
+                                            triton=triton, **self._step_prep())
 
     def _varlen_rows(self, xbc: torch.Tensor, dt: torch.Tensor, rows: VarlenRows, conv_pool: torch.Tensor,
                      ssm_pool: torch.Tensor) -> torch.Tensor:
@@ -121,8 +121,8 @@ class Mamba2Mixer(nn.Module):
         conv_out = mamba_varlen_ops.conv1d_varlen_inplace(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias,
                                                           conv_pool, rows)
         xs, B, C = self._split_xbc(conv_out)
-        return mamba_varlen_ops.ssd_varlen_inplace(xs, dt, self._A(), B, C, self.D.float(), ssm_pool, rows,
-                                                   self.cfg.chunk_size)
+        return mamba_varlen_ops.ssd_varlen_inplace(xs, dt, self.A_log, B, C, self.D, ssm_pool, rows,
+                                                   self.cfg.chunk_size, **self._step_prep())
 
     def _window_rows(
         self, xbc: torch.Tensor, dt: torch.Tensor, w: PaddedRows | None, T: int, slots: torch.Tensor,
@@ -138,12 +138,15 @@ class Mamba2Mixer(nn.Module):
             triton=triton,
         )
         xs, B, C = self._split_xbc(conv_out)
-        y = mamba_window_ops.ssd_window(xs, dt_w, self._A(), B, C, self.D.float(), ssm_pool, ssm_scratch, slots,
-                                        has_init, triton=triton)
+        y = mamba_window_ops.ssd_window(xs, dt_w, self.A_log, B, C, self.D, ssm_pool, ssm_scratch, slots,
+                                        has_init, triton=triton, **self._step_prep())
         return y.flatten(0, 1)
 
-    def _A(self) -> torch.Tensor:
-        return -torch.exp(self.A_log.float())
+    def _step_prep(self) -> dict:
+        """The SSM ops take dt raw and A as A_log, in their stored dtypes, and make the step size
+        (bias, softplus, limits) and A = -exp(A_log) themselves: in-kernel on the Triton paths,
+        the same bits on decode, mixed and window steps, no torch prep kernels."""
+        return dict(dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.cfg.dt_limit, A_is_log=True)
 
     def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; advances the rows' states in this layer's pools in place."""
@@ -157,10 +160,8 @@ class Mamba2Mixer(nn.Module):
     ) -> torch.Tensor:
         """``window_scratch``: this layer's (conv, SSM) window scratch, needed when the plan has
         verification rows."""
-        cfg = self.cfg
         T, H, I = x.shape[0], self.num_heads, self.intermediate
         z, xbc, dt = self.in_proj(x).split([I, self.conv_dim, H], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*cfg.dt_limit)
         pools = (conv_pool, ssm_pool)
         if (plan.window_only or plan.window is not None) and window_scratch is None:
             raise ValueError("a step with speculative verification rows needs the Mamba window scratch")

@@ -199,7 +199,7 @@ def test_realistic_sizes_on_gpu(rows):
     c = h * p + 2 * grp * n
     bf16 = torch.bfloat16
     x, B, C = _randn(g, rows, h, p, dtype=bf16), _randn(g, rows, grp, n, dtype=bf16), _randn(g, rows, grp, n, dtype=bf16)
-    dt, dt_bias, A, D = _randn(g, rows, h), _randn(g, h), -(0.5 + 4 * _rand(g, h)), _randn(g, h)
+    dt, dt_bias, A_log, D = _randn(g, rows, h), _randn(g, h), (0.5 + 4 * _rand(g, h)).log(), _randn(g, h)
     pool = _randn(g, rows + 8, h, p, n)
     slots = torch.randperm(rows + 8, generator=g)[:rows].to(DEVICE)
     has_init = _rand(g, rows) > 0.2
@@ -208,12 +208,12 @@ def test_realistic_sizes_on_gpu(rows):
     start = (pool.clone(), cpool.clone())
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
-        y = selective_state_update(x, dt, A, B, C, D, pool, slots=slots, has_initial_state=has_init,
-                                   dt_bias=dt_bias, dt_softplus=True, dt_limit=(1e-3, float("inf")))
+        y = selective_state_update(x, dt, A_log, B, C, D, pool, slots=slots, has_initial_state=has_init,
+                                   dt_bias=dt_bias, dt_softplus=True, dt_limit=(1e-3, float("inf")), A_is_log=True)
         return y, causal_conv1d_update(cx, w, bias, cpool, slots=slots, has_initial_state=has_init)
 
     dt_final = F.softplus(dt + dt_bias).clamp(1e-3, float("inf"))
-    ref_y, ref_state = ssd_step(x, dt_final, A, B, C, _gathered(pool, slots, has_init), D)
+    ref_y, ref_state = ssd_step(x, dt_final, -A_log.exp(), B, C, _gathered(pool, slots, has_init), D)
     ref_out, ref_cstate = causal_conv1d_step(cx, w, bias, _gathered(cpool, slots, has_init))
     y, out = step()
     assert _rel_err(y, ref_y) < 1e-5 and _rel_err(pool[slots], ref_state) < 1e-5

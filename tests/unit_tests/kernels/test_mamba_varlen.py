@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from megatron_async.config import MambaBackend  # noqa: E402
-from megatron_async.kernels import mamba_varlen_ops  # noqa: E402
+from megatron_async.kernels import mamba_ops, mamba_varlen_ops, mamba_window_ops  # noqa: E402
 from megatron_async.kernels.conv1d_torch import causal_conv1d  # noqa: E402
 from megatron_async.kernels.ssd_torch import ssd_sequential  # noqa: E402
 from tests.unit_tests.kernels.test_mamba_triton import DEVICE, _gen, _rand, _randn  # noqa: E402
@@ -113,16 +113,17 @@ def _mixed_step(num_decode: int, chunk: int, h: int, p: int, grp: int, n: int, k
     order = torch.tensor([R - 1] + list(range(R - 1)), device=DEVICE)
     bf16 = torch.bfloat16
     xbc, w, bias = _randn(g, T, c, dtype=bf16), _randn(g, c, k, dtype=bf16), _randn(g, c, dtype=bf16)
-    dt = torch.nn.functional.softplus(_randn(g, T, h) - 2)
-    A, D = -(0.5 + 4 * _rand(g, h)), _randn(g, h)
+    dt, dt_bias = _randn(g, T, h), _randn(g, h) - 2  # raw, as the mixer passes them
+    A_log, D = (0.5 + 4 * _rand(g, h)).log(), _randn(g, h)
+    prep = dict(dt_bias=dt_bias, dt_softplus=True, dt_limit=(1e-3, float("inf")), A_is_log=True)
     conv_pool, ssm_pool = _randn(g, R + 16, c, k - 1, dtype=bf16), _randn(g, R + 16, h, p, n)
 
     def packed(pools, triton: bool) -> torch.Tensor:
         rows = mamba_varlen_ops.varlen_rows(slots, has_init, cu, tok_row, order, 1, chunk, triton=triton)
         out = mamba_varlen_ops.conv1d_varlen_inplace(xbc, w, bias, pools[0], rows)
         xs, B, C = out.split([h * p, grp * n, grp * n], dim=-1)
-        return mamba_varlen_ops.ssd_varlen_inplace(xs.unflatten(-1, (h, p)), dt, A, B.unflatten(-1, (grp, n)),
-                                                   C.unflatten(-1, (grp, n)), D, pools[1], rows, 128)
+        return mamba_varlen_ops.ssd_varlen_inplace(xs.unflatten(-1, (h, p)), dt, A_log, B.unflatten(-1, (grp, n)),
+                                                   C.unflatten(-1, (grp, n)), D, pools[1], rows, 128, **prep)
 
     def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
         return ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -156,3 +157,39 @@ def test_mixed_step_at_real_sizes_on_gpu(num_decode, chunk):
     """NemotronH-like (128 heads of 64, d_state 128, 8 groups, conv kernel 4): decode rows beside a
     prefill chunk, eager and replayed from a CUDA graph."""
     _mixed_step(num_decode, chunk, h=128, p=64, grp=8, n=128, k=4, graph=True)
+
+
+def test_triton_paths_make_the_same_step_sizes_and_decays():
+    """Decode tokens through the three Triton SSM paths (a decode-only step, a mixed step beside a
+    prefill chunk, verification windows of one token), given dt raw and A as A_log as the mixer
+    passes them (bf16): every path makes the step size and A itself the same way (what speculative
+    == plain and async == serial runs rely on). Rows starting fresh have state (x * dt) B and rows
+    whose B is 0 state * exp(dt A): bit for bit the same whatever each kernel's reduction tiles, so
+    those states are compared exactly (the outputs y sum over d_state: close)."""
+    g = _gen(17)
+    h, p, grp, n, R = 8, 8, 2, 16, 8
+    lengths = [1] * R + [5]
+    T, bf16 = sum(lengths), torch.bfloat16
+    xs, B, C = _randn(g, T, h, p, dtype=bf16), _randn(g, T, grp, n, dtype=bf16), _randn(g, T, grp, n, dtype=bf16)
+    B[R // 2 : R] = 0
+    dt = (3 * _randn(g, T, h)).to(bf16)
+    dt_bias = torch.tensor([0.5, 25.0, -1.0, -6.0, 0.0, 1.0, -2.0, 3.0], device=DEVICE, dtype=bf16)  # 25: softplus's identity
+    A_log, D = (0.1 + 2 * _rand(g, h)).log().to(bf16), _randn(g, h, dtype=bf16)
+    prep = dict(dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.01, 20.0), A_is_log=True)
+    ssm_pool = _randn(g, 16, h, p, n)
+    slot_list, init_list = list(range(3, 3 + R)), [False] * (R // 2) + [True] * (R // 2)
+    slots, has_init = torch.tensor(slot_list, device=DEVICE), torch.tensor(init_list, device=DEVICE)
+
+    pools = [ssm_pool.clone() for _ in range(3)]
+    y_dec = mamba_ops.ssd_decode_inplace(xs[:R], dt[:R], A_log, B[:R], C[:R], D, pools[0], slots, has_init,
+                                         triton=True, **prep)
+    _, rows = _rows(lengths, slot_list + [15], init_list + [False], R + 1, 5, triton=True)
+    y_mix = mamba_varlen_ops.ssd_varlen_inplace(xs, dt, A_log, B, C, D, pools[1], rows, 128, **prep)
+    scratch = torch.zeros(16, 1, h, p, n, device=DEVICE)
+    y_win = mamba_window_ops.ssd_window(xs[:R, None], dt[:R, None], A_log, B[:R, None], C[:R, None], D, pools[2],
+                                        scratch, slots, has_init, triton=True, **prep)
+    new = pools[0][slots]
+    assert new[: R // 2].abs().gt(0).all() and not torch.equal(new[R // 2 :], ssm_pool[slots[R // 2 :]])
+    assert torch.equal(pools[1][slots], new) and torch.equal(scratch[slots, 0], new)
+    torch.testing.assert_close(y_mix[:R], y_dec, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y_win[:, 0], y_dec, rtol=1e-6, atol=1e-6)
