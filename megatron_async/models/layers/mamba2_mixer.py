@@ -44,9 +44,15 @@ class GatedGroupRMSNorm(nn.Module):
         sharding = Sharding.split(0, cfg.intermediate_size, parallel, "Mamba n_groups * group size")
         self.weight = sharded_param((cfg.intermediate_size // parallel.tp_size,), sharding, dtype, device)
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype, triton: bool = False) -> torch.Tensor:
+        """y [T, I] float32, z [T, I] -> [T, I] in ``out_dtype``; ``triton``: one fused kernel."""
         c = self.cfg
-        return gated_rms_norm(y, z, self.weight, c.norm_group_size, c.norm_eps, c.norm_before_gate)
+        if triton:
+            from megatron_async.kernels import triton_mamba_norm
+
+            return triton_mamba_norm.gated_rms_norm(y, z, self.weight, c.norm_group_size, c.norm_eps,
+                                                    c.norm_before_gate, out_dtype)
+        return gated_rms_norm(y, z, self.weight, c.norm_group_size, c.norm_eps, c.norm_before_gate).to(out_dtype)
 
 
 class MambaConv1d(nn.Module):
@@ -180,4 +186,4 @@ class Mamba2Mixer(nn.Module):
                 y_ext = torch.cat([y, y.new_empty(1, *y.shape[1:])])  # y_ext[T] takes the pads
                 w.scatter(y_ext, y_w.unflatten(0, (-1, T_w)))
                 y = y_ext[:T]
-        return self.out_proj(self.norm(y.view(T, I), z).to(x.dtype))
+        return self.out_proj(self.norm(y.view(T, I), z, x.dtype, plan.triton))
