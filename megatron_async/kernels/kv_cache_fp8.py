@@ -12,7 +12,7 @@ or another rank would calibrate differently). Post-RoPE K and V of the models me
 inside e4m3's range at 1.0 (SmolLM2-135M: |K| <= 24, |V| <= 10 on English text), and scales
 calibrated with 4x headroom moved its perplexity by 0.02 of the 0.8 that FP8 costs there.
 
-The Triton kernels never build a dequantized tile: e4m3 -> bf16 is exact, so the key scale is
+The Triton kernels never build a dequantized tile: e4m3 -> bf16 / f16 is exact, so the key scale is
 folded into the softmax scale and the value scale multiplies the normalised output once (with
 powers of two both folds are exact). The torch paths dequantize the blocks they gather.
 

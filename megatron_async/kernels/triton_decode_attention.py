@@ -19,9 +19,16 @@ of rows, the KV head count, the device and ``block_table.shape[1]`` (the longest
 can ever be), never from ``meta.max_kv_len``. So a graph captured once with an upper
 bound for ``max_kv_len`` replays correctly for any kv_lens that fit the block table.
 
-An e4m3 cache (``KV_FP8``): K/V tiles widen to the queries' dtype exactly, the KV head's key
-scale is folded into the softmax scale and its value scale multiplies the output (see
-kv_cache_fp8).
+An e4m3 cache (``KV_FP8``): the KV head's key scale is folded into the softmax scale and its value
+scale multiplies the output (see kv_cache_fp8). With 16-bit queries (``E4M3_PAIRS``) the pool is
+read as int16 pairs of neighbouring dims and each tile widens in registers to an even-dims and an
+odd-dims float16 half (exact), so the tiles move through shared memory as 16-bit values like a bf16
+pool's (16-byte copies in, ldmatrix out, the value tile's transposed read included: e4m3 bytes have
+no transposed ldmatrix, the byte-wise reads it fell back to plus e4m3 -> f16 -> bf16, two conversions
+a value, held the kernel at ~1.7 TB/s); q.k = q_even.k_even + q_odd.k_odd, the output's halves are
+interleaved once at the end. Queries go to float16 scaled by a power of two per head (exact within
+float16's range), probabilities too (float16: 3 more mantissa bits than bf16). fp32 queries (tests)
+widen the tiles to fp32.
 """
 from __future__ import annotations
 
@@ -31,8 +38,9 @@ import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels.triton_paged_common import (
-    check_cache, dot_args, kv_scale_args, kv_tile_rows, load_kv, num_compute_units,
+    check_cache, dot_args, kv_scale_args, kv_tile_rows, load_kv, num_compute_units, widen_e4m3_pairs,
 )
+from triton.runtime.interpreter import InterpretedFunction
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -68,6 +76,62 @@ def _attend_split(
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_split_e4m3(
+    q_e, q_o, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_p, p_mask, start, end, row_scale,
+    stride_cb, stride_cs, stride_ch,
+    BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    """``_attend_split`` over an e4m3 cache read as int16 pairs of neighbouring dims: every tile widens
+    to an even-dims and an odd-dims float16 half (``widen_e4m3_pairs``), so the tiles stay 16-bit in
+    shared memory (the value tile's transposed read is a 16-bit ldmatrix; e4m3 bytes have none) and
+    q.k = q_even.k_even + q_odd.k_odd. Returns the output's even and odd dims separately."""
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc_e = tl.zeros([BLOCK_G, BLOCK_P], tl.float32)
+    acc_o = tl.zeros([BLOCK_G, BLOCK_P], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        rows = kv_tile_rows(table_ptr, n0, end, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N)
+        mask = n_mask[:, None] & p_mask[None, :]
+        k_e, k_o = widen_e4m3_pairs(tl.load(k_cache_ptr + rows[:, None] + offs_p[None, :], mask=mask, other=0),
+                                    USE_ASM)
+        s = tl.dot(q_e, tl.trans(k_e))
+        s = tl.dot(q_o, tl.trans(k_o), s) * row_scale[:, None]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_e, v_o = widen_e4m3_pairs(tl.load(v_cache_ptr + rows[:, None] + offs_p[None, :], mask=mask, other=0),
+                                    USE_ASM)
+        p16 = p.to(tl.float16)
+        acc_e = acc_e * alpha[:, None] + tl.dot(p16, v_e)
+        acc_o = acc_o * alpha[:, None] + tl.dot(p16, v_o)
+        m_i = m_new
+    return acc_e, acc_o, l_i, m_i
+
+
+@triton.jit
+def _load_q_pairs(q_ptr, row, heads, g_mask, stride_qt, stride_qh, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The group's queries as float16 even / odd dims, each head scaled by a power of two 2**-e that
+    keeps it below 2**15 (f16's range; e = 0 for any head already inside it: bf16 -> f16 is then exact),
+    and 2**e per head to multiply the scores by."""
+    offs_p = tl.arange(0, BLOCK_P)
+    base = q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + 2 * offs_p[None, :]
+    mask = g_mask[:, None] & (offs_p < HEAD_DIM // 2)[None, :]
+    q_e = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    q_o = tl.load(base + 1, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(q_e), 1), tl.max(tl.abs(q_o), 1))
+    # amax < 2**(biased exponent - 126): a shift of (biased exponent - 141) leaves it below 2**15
+    shift = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, 0)
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    return (q_e * down[:, None]).to(tl.float16), (q_o * down[:, None]).to(tl.float16), up
 
 
 @triton.jit
@@ -129,6 +193,7 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    E4M3_PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     if HEADS_FASTEST:  # a row's KV heads side by side in the grid: they read the same tokens' cache lines
         kv_head = tl.program_id(0)
@@ -152,18 +217,22 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(
-        q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    ).to(DOT_DTYPE)
-
     table_ptr = block_table_ptr + row.to(tl.int64) * stride_bt
     if KV_FP8:  # the key scale folded into the softmax scale (powers of two: exact)
         scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
-    acc, l_i, m_i = _attend_split(q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask, start, end, scale_log2,
-                                  stride_cb, stride_cs, stride_ch, BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N, DOT_DTYPE,
-                                  DOT_PRECISION)
+    if E4M3_PAIRS:
+        q_e, q_o, q_up = _load_q_pairs(q_ptr, row, heads, g_mask, stride_qt, stride_qh, HEAD_DIM, BLOCK_P)
+        offs_p = tl.arange(0, BLOCK_P)
+        acc_e, acc_o, l_i, m_i = _attend_split_e4m3(
+            q_e, q_o, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_p, offs_p < HEAD_DIM // 2, start, end,
+            q_up * scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_G, BLOCK_P, BLOCK_SIZE, BLOCK_N, USE_ASM)
+        acc = tl.reshape(tl.join(acc_e, acc_o), [BLOCK_G, BLOCK_D])
+    else:
+        q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+        acc, l_i, m_i = _attend_split(q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask, start, end,
+                                      scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_G, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                                      DOT_DTYPE, DOT_PRECISION)
     if KV_FP8:  # the value scale, once per output
         acc = acc * tl.load(kv_scale_ptr + num_kv_heads + kv_head)
     _store_split(acc, l_i, m_i, row, heads, split, offs_d, g_mask, d_mask, out_ptr, part_out_ptr, part_lse_ptr,
@@ -242,14 +311,20 @@ def decode_attention(
         return out
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, meta.block_table.shape[1], block_size, q.device)
+    scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
+    pairs = fp8 and q.dtype in (torch.bfloat16, torch.float16)  # fp32 queries keep fp32 dots
+    if pairs and head_dim % 2:
+        raise ValueError(f"an e4m3 cache needs an even head_dim, got {head_dim}")
     # 128-key tiles, 3 stages: the fastest of `kernel-times paged-attention --sweep R 100 L --sweep-heads-first` on an
     # both 128 rows x 100-1,152 keys (123.3 us; 32-key tiles 120.2 there but 137.5 at 64 rows) and
-    # 64 rows x 100-2,048 (109.7 us); wider heads keep the smaller tile (shared memory)
+    # 64 rows x 100-2,048 (109.7 us); wider heads keep the smaller tile (shared memory). An e4m3 pool's
+    # pairs: 5 stages, the first to double-buffer the tiles (the block-table load takes a stage ahead
+    # of them): -5 % at 32 x 12,288 keys against 3
     wide = head_dim > 128
     if block_n is None:
         block_n = 16 if q.device.type == "cpu" else (64 if wide else 128)
     if num_stages is None:
-        num_stages = 2 if wide else 3
+        num_stages = 5 if pairs else (2 if wide else 3)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on GPU
     if num_splits > 1:
@@ -258,7 +333,9 @@ def decode_attention(
     else:  # unused by the kernel
         part_out = part_lse = out
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
+    if pairs:  # int16 pairs of dims (the strides count pairs)
+        k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
+        block_d = max(32, block_d)  # each half a dot of K >= 16
     heads_fastest = heads_fastest and num_rows < 65536  # the grid's 2nd axis holds at most 65,535
     grid = (num_kv_heads, num_rows, num_splits) if heads_fastest else (num_rows, num_kv_heads, num_splits)
     _decode_split_kernel[grid](
@@ -270,7 +347,8 @@ def decode_attention(
         num_heads, scale * _LOG2E, scale_ptr, num_kv_heads, KV_FP8=fp8,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, ORDERED=meta.row_order is not None,
+        NUM_SPLITS=num_splits, ORDERED=meta.row_order is not None, E4M3_PAIRS=pairs, BLOCK_P=block_d // 2,
+        USE_ASM=not isinstance(_decode_split_kernel, InterpretedFunction),
         HEADS_FASTEST=heads_fastest, **dot_args(_decode_split_kernel, kv_cache.dtype, q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -48,6 +48,33 @@ def load_kv(cache_ptr, rows, offs_d, n_mask, d_mask):
     return tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
 
 
+E4M3_PAIRS_ASM = tl.constexpr("""{
+.reg .b32 t;
+.reg .b16 e, o;
+prmt.b32 t, $2, 0, 0x3120;
+mov.b32 {e, o}, t;
+cvt.rn.f16x2.e4m3x2 $0, e;
+cvt.rn.f16x2.e4m3x2 $1, o;
+}""")
+"""Two int16 lanes (four e4m3 bytes b0..b3, b0 lowest) -> f16x2 (b0, b2) and f16x2 (b1, b3): one byte
+permute and one conversion per two values (every e4m3 value is a float16 exactly)."""
+
+
+@triton.jit
+def widen_e4m3_pairs(x, USE_ASM: tl.constexpr):
+    """int16 tile, each element two e4m3 bytes of neighbouring dims (the even one low) -> (even, odd)
+    float16 tiles of the tile's shape, exact. The CPU interpreter (``USE_ASM=False``) moves e4m3's
+    sign, exponent and mantissa into float16's fields (value * 2**-8, subnormals included) and
+    scales back."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(E4M3_PAIRS_ASM, "=r,=r,r", [x], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=2)
+    u = x.to(tl.int32) & 0xFFFF
+    even = (((u & 0xFF) + (u & 0x80)) << 7).to(tl.int16).to(tl.float16, bitcast=True)
+    odd = ((u & 0x8000) | ((u & 0x7F00) >> 1)).to(tl.int16).to(tl.float16, bitcast=True)
+    return even * 256.0, odd * 256.0
+
+
 @triton.jit
 def attend_keys(
     acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,

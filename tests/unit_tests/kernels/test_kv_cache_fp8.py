@@ -3,6 +3,8 @@ kernels and the torch backend reading it, against the torch reference over the d
 Unused cache slots hold NaN (see paged_attention_cases): a kernel reading one fails."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -42,18 +44,25 @@ def _reference(case, pool, k, v, scales):
                                            case.scale), ref_pool
 
 
-@pytest.mark.parametrize("block_size,group,head_dim", [(4, 1, 32), (8, 2, 16), (16, 4, 64)])
+@pytest.mark.parametrize("block_size,group,head_dim", [(4, 1, 32), (8, 2, 16), (16, 4, 64), (16, 4, 48), (8, 2, 256)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_reads_e4m3_with_folded_scales(block_size, group, head_dim, splits):
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_decode_reads_e4m3_with_folded_scales(block_size, group, head_dim, splits, q_dtype):
+    """fp32 queries take fp32 dots; bf16 ones the int16-pair path (float16 halves, the scales and its
+    2**-8 folded), equal to the reference within the float16 probabilities and the bf16 output."""
     scales = SCALES.to(DEVICE)
     case, pool, k, v = _pool(DECODE_ROWS, group, head_dim, block_size, scales, seed=block_size + group)
     ref, ref_pool = _reference(case, pool, k, v, scales)
     append_kv(pool, k, v, case.meta.slot_mapping, scales)
     assert torch.equal(torch.nan_to_num(pool.float(), nan=0.0), ref_pool.float())
-    out = decode_attention(case.q, pool, case.meta, case.scale, num_splits=splits, kv_scale=scales)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    wrong = decode_attention(case.q, pool, case.meta, case.scale, num_splits=splits, kv_scale=torch.ones_like(scales))
-    assert not torch.allclose(wrong, ref, rtol=1e-2, atol=1e-2)  # the scales are really applied
+    q = case.q.to(q_dtype)
+    if q_dtype != torch.float32:  # the reference over the same rounded queries
+        ref, _ = _reference(dataclasses.replace(case, q=q.float()), pool, k, v, scales)
+    tol = dict(rtol=1e-4, atol=1e-5) if q_dtype == torch.float32 else dict(rtol=1e-2, atol=2e-3)
+    out = decode_attention(q, pool, case.meta, case.scale, num_splits=splits, kv_scale=scales)
+    torch.testing.assert_close(out.float(), ref, **tol)
+    wrong = decode_attention(q, pool, case.meta, case.scale, num_splits=splits, kv_scale=torch.ones_like(scales))
+    assert not torch.allclose(wrong.float(), ref, rtol=1e-2, atol=1e-2)  # the scales are really applied
 
 
 @pytest.mark.parametrize("fixed_order", [False, True])
