@@ -17,7 +17,7 @@ from megatron_async.config import InferenceConfig
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.memory_planning import DeviceMemoryReader, MemoryPlan, plan_kv_pool
-from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant
+from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant, default_batch_sizes
 from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
 from megatron_async.inference.text_generation_controllers.kernel_list import prebuild_listed
 from megatron_async.inference.text_generation_controllers.warmup import can_prebuild, warmup_shape
@@ -71,15 +71,27 @@ def profile_memory_plan(config: InferenceConfig, model, facade: DeviceFacade, dt
     else:
         peak = int(EP_PEAK_SHARE * reader.read().total)
     bytes_per_block = probe_kv // probe.num_kv_blocks
+    itemsize = dtype.itemsize if runner.sampler.reads_model_dtype else 4  # the logits the sampler reads
+    graphs = peak + decode_logits_bytes(config, model.vocab_size * itemsize, ep_size) if config.cuda_graphs else 0
     del runner, probe
     reader.release_cached()
     now = reader.read()
     plan = plan_kv_pool(
         total=now.total, utilization=config.gpu_memory_utilization, others=now.total - now.free - now.reserved,
-        weights=weights, resident=resident, peak_step=peak, graph_pools=peak if config.cuda_graphs else 0,
+        weights=weights, resident=resident, peak_step=peak, graph_pools=graphs,
         bytes_per_block=bytes_per_block, block_size=config.block_size_tokens,
         max_sequence_length=config.max_sequence_length, max_requests=config.max_requests)
     return _agree(replace(plan, probe_build=built))
+
+
+def decode_logits_bytes(config: InferenceConfig, row_bytes: int, ep_size: int) -> int:
+    """What a plain engine's decode forward graphs keep as their outputs (``ModelRunner.graph_logits``):
+    [rows, V] logits for every decode size, ``row_bytes`` a row (speculative and data-parallel engines
+    capture whole steps: none)."""
+    if config.num_speculative_tokens or ep_size > 1:
+        return 0
+    sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_requests)
+    return sum(sizes) * row_bytes
 
 
 def _agree(plan: MemoryPlan) -> MemoryPlan:

@@ -280,10 +280,15 @@ class ModelRunner:
         return StepLogits(logits, hidden, input_ids, batch, spec)
 
     def graph_logits(self, shape: StepShape) -> torch.Tensor:
-        """The logits-only graphs' body (steps with grammar rows): ``forward_logits`` of a plain
-        step, copied into one buffer every such graph shares (a graph's own output would hold a
-        [rows, V] tensor per graph). Allocated by the eager run before the first capture."""
+        """The logits-only graphs' body (forwards of sampling tails, steps with grammar rows):
+        ``forward_logits`` of a plain step. A decode graph keeps its logits as its own output (no
+        copy in every decode step; the decode sizes' rows add up to a few hundred, which the memory
+        plan reserves: ``decode_logits_bytes``); a mixed graph copies them into one buffer every
+        mixed graph shares (25 graphs of up to max_requests + 1 rows each would hold ~1 GB at a
+        150k vocabulary). The buffer is allocated by the eager run before the first capture."""
         logits = self.forward_logits(shape, False).logits
+        if shape.is_decode_only:
+            return logits
         buf = self._graph_logits
         if buf is None or buf.dtype != logits.dtype:
             buf = self._graph_logits = torch.empty(self.context.max_rows, logits.shape[-1], dtype=logits.dtype,

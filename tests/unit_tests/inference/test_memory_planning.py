@@ -100,7 +100,8 @@ def test_profile_runs_the_largest_step_and_plans_from_the_readings(monkeypatch, 
     assert plan.bytes_per_block == block
     assert (plan.weights, plan.peak_step, plan.others) == (weights, GiB // 4, 16 * GiB - 10 * GiB - 5 * GiB)
     assert plan.resident == GiB - 2 * block  # the probe's two KV blocks are not resident
-    assert plan.graph_pools == (GiB // 4 if graphs else 0)
+    # graphs: one more step's peak, and the float32 logits the decode forward graphs keep (sizes 1, 2, 4)
+    assert plan.graph_pools == (GiB // 4 + 7 * model.vocab_size * 4 if graphs else 0)
     assert plan.num_blocks == plan_kv_pool(
         total=16 * GiB, utilization=0.9, others=GiB, weights=weights, resident=plan.resident, peak_step=GiB // 4,
         graph_pools=plan.graph_pools, bytes_per_block=block, block_size=4, max_sequence_length=64,
