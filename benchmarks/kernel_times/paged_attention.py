@@ -208,43 +208,52 @@ def attention_flops(rows: list[tuple[int, int]]) -> int:
     return sum(4 * HEADS * HEAD_DIM * sum(p + i + 1 for i in range(q)) for p, q in rows)
 
 
-def sweep_prefill(iters: int, tokens: int, min_len: int, max_len: int) -> None:
-    """Prefill kernel launch settings on a mixed step like workload A's: prompts of
-    [min_len, max_len] tokens packed into ``tokens`` (the last chunk cut, every third prompt
-    continuing a cached first half), plus 64 decode rows; graph ms and attention TFLOP/s."""
-    from megatron_async.kernels.triton_prefill_attention import prefill_attention
+# (block_q, block_n, warps, stages, register cap; 0: the compiler's choice) of the prefill sweep
+PREFILL_VARIANTS = [(32, 32, 4, 3, 128), (32, 32, 4, 2, 0), (32, 16, 4, 2, 128), (32, 16, 4, 3, 128),
+                    (32, 64, 4, 2, 0), (32, 64, 4, 3, 168), (64, 32, 8, 2, 128), (64, 32, 8, 3, 0),
+                    (64, 64, 8, 3, 0), (64, 64, 8, 3, 168), (64, 128, 8, 3, 0)]
 
+
+def prefill_case(tokens: int, min_len: int, max_len: int, decode_rows: int) -> tuple[PagedCase, int]:
+    """A mixed step like workload A's (``prompt_rows`` into ``tokens`` less the decode rows, then
+    ``decode_rows`` rows of one new token), its keys appended, and its attention FLOPs."""
     gen = torch.Generator().manual_seed(11)
-    rows = prompt_rows(tokens - 64, min_len, max_len, gen)
-    rows += [(int(torch.randint(min_len, max_len + 1, (1,), generator=gen)), 1) for _ in range(64)]
+    rows = prompt_rows(tokens - decode_rows, min_len, max_len, gen)
+    rows += [(int(torch.randint(min_len, max_len + 1, (1,), generator=gen)), 1) for _ in range(decode_rows)]
     case = make_case(rows, block_size=16, seed=5, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                      dtype=torch.bfloat16, device="cuda")
     attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the new keys
-    flops = attention_flops(rows)
-    base = prefill_attention(case.q, case.kv_cache, case.meta, case.scale)
-    base_ms = graph_ms(lambda: prefill_attention(case.q, case.kv_cache, case.meta, case.scale), iters)
-    print(f"\nprefill sweep: {case.meta.num_tokens} tokens in {len(rows)} rows, {flops / 1e9:.1f} GFLOP; "
-          f"the default launch {base_ms * 1e3:.1f} us = {flops / (base_ms * 1e-3) / 1e12:.0f} TFLOP/s")
-    print("| block_q | block_n | warps | stages | max regs | graph us | TFLOP/s | max abs diff vs default |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    group = 1 << (HEADS // KV_HEADS - 1).bit_length()  # a program's matrix rows: block_q x its GQA group
-    for block_q in (max(1, 64 // group), max(1, 128 // group)):
-        for block_n in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3):
-                    for maxnreg in (0, 128, 168):  # 0: the compiler's choice
-                        kw = dict(block_q=block_q, block_n=block_n, num_warps=warps, num_stages=stages,
-                                  maxnreg=maxnreg)
-                        cells = f"| {block_q} | {block_n} | {warps} | {stages} | {maxnreg or '-'} |"
-                        try:
-                            out = prefill_attention(case.q, case.kv_cache, case.meta, case.scale, **kw)
-                            ms = graph_ms(lambda: prefill_attention(case.q, case.kv_cache, case.meta, case.scale,
-                                                                    **kw), iters)
-                        except Exception as e:  # out of shared memory / registers for this variant
-                            print(f"{cells} failed: {type(e).__name__} | | |")
-                            continue
-                        diff = (out.float() - base.float()).abs().max().item()
-                        print(f"{cells} {ms * 1e3:.1f} | {flops / (ms * 1e-3) / 1e12:.0f} | {diff:.2e} |")
+    return case, attention_flops(rows)
+
+
+def sweep_prefill(iters: int, tokens: int, min_len: int, max_len: int) -> None:
+    """Prefill kernel launch settings (``PREFILL_VARIANTS``) on two mixed steps like workload A's:
+    prompts of [min_len, max_len] tokens packed into ``tokens`` (the last chunk cut, every third
+    prompt continuing a cached first half), without and with 64 decode rows; graph us and
+    attention TFLOP/s, and the largest difference from the default launch's output."""
+    from megatron_async.kernels.triton_prefill_attention import prefill_attention
+
+    cases = [prefill_case(tokens, min_len, max_len, decode) for decode in (0, 64)]
+    bases = [prefill_attention(c.q, c.kv_cache, c.meta, c.scale) for c, _ in cases]
+    print(f"\nprefill sweep: {tokens} tokens, prompts {min_len}-{max_len}, without / with 64 decode rows "
+          f"({cases[0][1] / 1e9:.1f} / {cases[1][1] / 1e9:.1f} GFLOP)")
+    print("| block_q | block_n | warps | stages | max regs | us | TFLOP/s | us, decode rows | max abs diff |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for block_q, block_n, warps, stages, maxnreg in [(None,) * 5] + PREFILL_VARIANTS:
+        kw = dict(block_q=block_q, block_n=block_n, maxnreg=maxnreg,
+                  **({"num_warps": warps, "num_stages": stages} if warps else {}))
+        cells = f"| {block_q or 'default'} | {block_n or ''} | {warps or ''} | {stages or ''} | {maxnreg or '-'} |"
+        times, diff = [], 0.0
+        try:
+            for (case, _), base in zip(cases, bases):
+                fn = functools.partial(prefill_attention, case.q, case.kv_cache, case.meta, case.scale, **kw)
+                diff = max(diff, (fn().float() - base.float()).abs().max().item())
+                times.append(graph_ms(fn, iters))
+        except Exception as e:  # out of shared memory / registers for this variant
+            print(f"{cells} failed: {type(e).__name__} | | | |")
+            continue
+        print(f"{cells} {times[0] * 1e3:.1f} | {cases[0][1] / (times[0] * 1e-3) / 1e12:.0f} | "
+              f"{times[1] * 1e3:.1f} | {diff:.2e} |")
 
 
 def grid_order(iters: int) -> None:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
-from megatron_async.kernels.triton_paged_common import attend_keys, check_cache, dot_args, kv_scale_args
+from megatron_async.kernels.triton_paged_common import check_cache, dot_args, kv_scale_args
 from megatron_async.kernels.triton_tile_schedule import tile_schedule
 
 _LOG2E = 1.4426950408889634
@@ -40,6 +40,69 @@ def _key_ranges(kv_len, pos, m_valid, BLOCK_N: tl.constexpr):
     no_mask_end = no_mask_end // BLOCK_N * BLOCK_N  # whole tiles only: the unmasked pass has no tail mask
     end = tl.minimum(kv_len, tl.max(pos, 0) + 1)
     return no_mask_end, end
+
+
+@triton.jit
+def _page_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch,
+               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
+    """Cache offsets (int64 [BLOCK_N]) of keys ``n0 ..`` of one row and KV head: one table entry
+    per key (the repeats of a page hit L1); MASK: keys from ``hi`` on get block 0's offsets."""
+    if BLOCK_SIZE >= BLOCK_N:
+        block = tl.load(table_ptr + n0 // BLOCK_SIZE).to(tl.int64)
+        rows = block * stride_cb + (n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N)) * stride_cs
+    else:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if MASK:
+            block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < hi, other=0)
+        else:
+            block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE)
+        rows = block_ids.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs
+    return rows + kv_head * stride_ch
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+            lo, hi, qk_scale, stride_cb, stride_cs, stride_ch,
+            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
+            DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of the tile's queries (q [M, D], positions ``pos``) with keys
+    [lo, hi) of its row and KV head, BLOCK_N at a time, scores in log2 units, as FlashAttention
+    does it: the scale folded into the max subtraction (one FMA a score), the rescaled
+    accumulator fed to the P @ V dot as its addend. MASK (the tiles on the diagonal): the causal
+    mask (every query sees key 0, so its max is finite from the first tile on and a masked
+    score's exp2 is 0; a padding row's may go NaN: rows never mix, and it is not stored); without
+    it no load is masked (whole tiles below every query's position: live pages only)."""
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        rows = _page_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, MASK)
+        kv_ptrs = rows[:, None] + offs_d[None, :]
+        if MASK:
+            kv_mask = (offs_n < hi)[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_cache_ptr + kv_ptrs)
+        else:
+            k = tl.load(k_cache_ptr + kv_ptrs, mask=d_mask[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+        if MASK:  # keys past kv_len are past every query's position too
+            qk = tl.where(offs_n[None, :] <= pos[:, None], qk * qk_scale, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_ij[:, None])
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASK:
+            v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_cache_ptr + kv_ptrs)
+        else:
+            v = tl.load(v_cache_ptr + kv_ptrs, mask=d_mask[None, :], other=0.0)
+        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+        m_i = m_ij
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -100,9 +163,9 @@ def _prefill_kernel(
     heads = kv_head * GROUP + g
     q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
-    pos = tl.load(positions_ptr + tok, mask=m_valid, other=-1).to(tl.int64)
+    pos = tl.load(positions_ptr + tok, mask=m_valid, other=-1).to(tl.int32)
 
-    kv_len = tl.load(kv_lens_ptr + row).to(tl.int64)
+    kv_len = tl.load(kv_lens_ptr + row)
     no_mask_end, end = _key_ranges(kv_len, pos, m_valid, BLOCK_N)
 
     table_ptr = block_table_ptr + row.to(tl.int64) * stride_bt
@@ -111,13 +174,14 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, l_i, m_i = attend_keys(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
-                                 0, no_mask_end, kv_len, scale_log2, stride_cb, stride_cs, stride_ch,
-                                 BLOCK_SIZE, BLOCK_N, False, DOT_DTYPE, DOT_PRECISION)
-    acc, l_i, m_i = attend_keys(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
-                                 no_mask_end, end, kv_len, scale_log2, stride_cb, stride_cs, stride_ch,
-                                 BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, DOT_PRECISION)
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a query with no visible key gets 0
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+                            0, no_mask_end, scale_log2, stride_cb, stride_cs, stride_ch,
+                            BLOCK_SIZE, BLOCK_N, False, EVEN_D, DOT_DTYPE, DOT_PRECISION)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+                            no_mask_end, end, scale_log2, stride_cb, stride_cs, stride_ch,
+                            BLOCK_SIZE, BLOCK_N, True, EVEN_D, DOT_DTYPE, DOT_PRECISION)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if KV_FP8:  # the value scale, once per output
         o = o * tl.load(kv_scale_ptr + num_kv_heads + kv_head)
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -125,11 +189,18 @@ def _prefill_kernel(
 
 
 def prefill_tiles(group: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_N): ~64 matrix rows per program on GPU, 32 keys per tile (see
-    ``max_registers``); small tiles on CPU so tiny test shapes still cross tile boundaries."""
+    """(BLOCK_Q, BLOCK_N): ~64 matrix rows per program on GPU (one warpgroup's wgmma tile), 32 keys
+    per tile (see ``max_registers``); small tiles on CPU so tiny test shapes still cross tile
+    boundaries. 128 x 64 tiles on 8 warps, 3 stages (one program an SM at the compiler's ~180
+    registers, against four at the cap) ran 1.4x slower on workload A's mixed step
+    (``kernel-times paged-attention --sweep-prefill``)."""
     block_g = max(1, triton.next_power_of_2(group))
     rows = 16 if device.type == "cpu" else 64
     return max(1, rows // block_g), 16 if device.type == "cpu" else 32
+
+
+NUM_WARPS, NUM_STAGES = 4, 2
+"""The launch's warps (one warpgroup) and pipeline stages (cp.async of the next K / V tile)."""
 
 
 def max_registers(head_dim: int, device: torch.device) -> int | None:
@@ -149,8 +220,8 @@ def prefill_attention(
     block_q: int | None = None,
     block_n: int | None = None,
     fixed_order: bool = False,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
     heads_fastest: bool = True,
     maxnreg: int | None = None,
     kv_scale: torch.Tensor | None = None,
