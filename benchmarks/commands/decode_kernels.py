@@ -92,7 +92,10 @@ def host_side(llm: LLM, steps: int) -> tuple[float, str]:
 
 
 def run(args, sampled: bool) -> None:
-    extra = {} if args.max_sequence_length is None else {"max_sequence_length": args.max_sequence_length}
+    n_out = args.warm_steps + 3 * args.steps + 8  # every request still decoding in the profiled steps
+    # the longest request must fit (a request beyond max_sequence_length is refused at add_request)
+    extra = {"max_sequence_length": args.max_sequence_length or max(InferenceConfig.max_sequence_length,
+                                                                    args.prompt_len + n_out)}
     cfg = InferenceConfig(max_requests=args.batch, max_tokens=args.max_tokens or max(4096, args.batch),
                           buffer_size_gb=args.kv_gb, **extra,  # None: the profiled pool
                           async_scheduling=not args.serial, cuda_graphs=not args.eager, attention_backend="triton",
@@ -104,7 +107,6 @@ def run(args, sampled: bool) -> None:
               tensor_parallel_size=tp, quantization=args.quantization)
     say = print if llm.is_leader else (lambda *a, **k: None)
     rng = random.Random(0)
-    n_out = args.warm_steps + 3 * args.steps + 8  # every request still decoding in the profiled steps
 
     def add_batch() -> None:  # under TP the leader's requests reach the other ranks in the step's consensus
         for i in range(args.batch if llm.is_leader else 0):
@@ -196,7 +198,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--prompt-len-min", type=int, default=0, help="ragged prompts: lengths uniform in [min, --prompt-len]")
-    p.add_argument("--max-sequence-length", type=int, default=None)
+    p.add_argument("--max-sequence-length", type=int, default=None,
+                   help="default: the longest prompt and its profiled tokens (at least InferenceConfig's)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warm-steps", type=int, default=12)
     p.add_argument("--kv-gb", type=float, default=None,
