@@ -41,7 +41,9 @@ host lists); a step whose rows all run without drafts replays a decode graph.
 Steps with grammar rows (structured outputs) sample only once the host has filled their token
 masks, so they replay logits-only graphs (``GraphKey.logits_only``: the forward up to the
 samples' logits, one per decode size and mixed token count) and sample eagerly; none in a
-speculative engine (its grammar steps run eager).
+speculative engine (its grammar steps run eager). A plain engine's decode and mixed graphs are
+sampling tails replayed after the logits-only graph of their sizes (cuda_graphs.py,
+``split_sampling``), so its plan holds the logits-only keys whether or not grammars are served.
 
 A speculative engine's graphs run its speculative machinery (``GraphKey.spec``: spec inputs,
 acceptance, drafter); its decode and mixed steps that need none of it (speculative/plain_steps.py)
