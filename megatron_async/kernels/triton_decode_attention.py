@@ -63,7 +63,7 @@ def _attend_split(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        rows = kv_tile_rows(table_ptr, n0, end, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N)
+        rows = kv_tile_rows(table_ptr, n0, end, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, True)
         k = load_kv(k_cache_ptr, rows, offs_d, n_mask, d_mask)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -96,7 +96,7 @@ def _attend_split_e4m3(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        rows = kv_tile_rows(table_ptr, n0, end, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N)
+        rows = kv_tile_rows(table_ptr, n0, end, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, True)
         mask = n_mask[:, None] & p_mask[None, :]
         k_e, k_o = widen_e4m3_pairs(tl.load(k_cache_ptr + rows[:, None] + offs_p[None, :], mask=mask, other=0),
                                     USE_ASM)

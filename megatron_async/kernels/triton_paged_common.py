@@ -24,10 +24,12 @@ def kv_tile_rows(
     stride_head,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
 ):
     """Cache offsets (int64 [BLOCK_N]) of keys ``n0 .. n0 + BLOCK_N - 1`` of one row and KV head,
-    for the tile's K and V loads both; ``n0`` a multiple of BLOCK_N, keys from ``hi`` on masked
-    (they get block 0's offsets). A tile inside one KV block reads one table entry; otherwise
+    for the tile's K and V loads both; ``n0`` a multiple of BLOCK_N. MASK: keys from ``hi`` on get
+    block 0's offsets (without it, every key of the tile must be below ``hi``: the table is read
+    unmasked). A tile inside one KV block reads one table entry; otherwise
     every key looks up its own block (any power-of-two block size; the repeats hit L1). Loading
     one entry per block and reshaping [blocks, BLOCK_SIZE] offsets to [BLOCK_N] instead was 1.7x
     (prefill) to 4.6x (decode) slower: the reshape's layout change, every tile."""
@@ -36,7 +38,10 @@ def kv_tile_rows(
         rows = block * stride_block + (n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N)) * stride_slot
     else:
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < hi, other=0)
+        if MASK:
+            block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < hi, other=0)
+        else:
+            block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE)
         rows = block_ids.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_slot
     return rows + kv_head * stride_head
 
@@ -89,7 +94,7 @@ def attend_keys(
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N)
+        rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, True)
         k = load_kv(k_cache_ptr, rows, offs_d, n_mask, d_mask)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2
         if CAUSAL_MASK:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
-from megatron_async.kernels.triton_paged_common import check_cache, dot_args, kv_scale_args
+from megatron_async.kernels.triton_paged_common import check_cache, dot_args, kv_scale_args, kv_tile_rows
 from megatron_async.kernels.triton_tile_schedule import tile_schedule
 
 _LOG2E = 1.4426950408889634
@@ -43,24 +43,6 @@ def _key_ranges(kv_len, pos, m_valid, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _page_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch,
-               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
-    """Cache offsets (int64 [BLOCK_N]) of keys ``n0 ..`` of one row and KV head: one table entry
-    per key (the repeats of a page hit L1); MASK: keys from ``hi`` on get block 0's offsets."""
-    if BLOCK_SIZE >= BLOCK_N:
-        block = tl.load(table_ptr + n0 // BLOCK_SIZE).to(tl.int64)
-        rows = block * stride_cb + (n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N)) * stride_cs
-    else:
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        if MASK:
-            block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < hi, other=0)
-        else:
-            block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE)
-        rows = block_ids.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs
-    return rows + kv_head * stride_ch
-
-
-@triton.jit
 def _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
             lo, hi, qk_scale, stride_cb, stride_cs, stride_ch,
             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
@@ -74,7 +56,7 @@ def _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
     it no load is masked (whole tiles below every query's position: live pages only)."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        rows = _page_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, MASK)
+        rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, MASK)
         kv_ptrs = rows[:, None] + offs_d[None, :]
         if MASK:
             kv_mask = (offs_n < hi)[:, None] & d_mask[None, :]
