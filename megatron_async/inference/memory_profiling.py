@@ -13,11 +13,13 @@ from dataclasses import replace
 
 import torch
 
-from megatron_async.config import InferenceConfig
+from megatron_async.config import GraphSizing, InferenceConfig
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.memory_planning import DeviceMemoryReader, MemoryPlan, plan_kv_pool
-from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant, default_batch_sizes
+from megatron_async.inference.text_generation_controllers.graph_plan import (
+    SamplingVariant, decode_batch_sizes, splits_sampling,
+)
 from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
 from megatron_async.inference.text_generation_controllers.kernel_list import prebuild_listed
 from megatron_async.inference.text_generation_controllers.warmup import can_prebuild, warmup_shape
@@ -72,7 +74,8 @@ def profile_memory_plan(config: InferenceConfig, model, facade: DeviceFacade, dt
         peak = int(EP_PEAK_SHARE * reader.read().total)
     bytes_per_block = probe_kv // probe.num_kv_blocks
     itemsize = dtype.itemsize if runner.sampler.reads_model_dtype else 4  # the logits the sampler reads
-    graphs = peak + decode_logits_bytes(config, model.vocab_size * itemsize, ep_size) if config.cuda_graphs else 0
+    decode_logits = decode_logits_bytes(config.graph_sizing(), model.vocab_size * itemsize, ep_size > 1)
+    graphs = peak + decode_logits if config.cuda_graphs else 0
     del runner, probe
     reader.release_cached()
     now = reader.read()
@@ -84,14 +87,10 @@ def profile_memory_plan(config: InferenceConfig, model, facade: DeviceFacade, dt
     return _agree(replace(plan, probe_build=built))
 
 
-def decode_logits_bytes(config: InferenceConfig, row_bytes: int, ep_size: int) -> int:
+def decode_logits_bytes(config: GraphSizing, row_bytes: int, collective: bool) -> int:
     """What a plain engine's decode forward graphs keep as their outputs (``ModelRunner.graph_logits``):
-    [rows, V] logits for every decode size, ``row_bytes`` a row (speculative and data-parallel engines
-    capture whole steps: none)."""
-    if config.num_speculative_tokens or ep_size > 1:
-        return 0
-    sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_requests)
-    return sum(sizes) * row_bytes
+    [rows, V] logits for every decode size, ``row_bytes`` a row (engines that capture whole steps: none)."""
+    return sum(decode_batch_sizes(config)) * row_bytes if splits_sampling(config, collective) else 0
 
 
 def _agree(plan: MemoryPlan) -> MemoryPlan:

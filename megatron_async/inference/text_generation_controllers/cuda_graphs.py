@@ -31,7 +31,7 @@ import torch
 
 from megatron_async.config import GraphSizing
 from megatron_async.inference.text_generation_controllers.graph_plan import (
-    GraphKey, GraphPlan, SamplingVariant, variant_flags, variant_index, variant_of_params,
+    GraphKey, GraphPlan, SamplingVariant, splits_sampling, variant_flags, variant_index, variant_of_params,
 )
 from megatron_async.inference.text_generation_controllers.kernel_prebuild import caches_kept, end_failed_capture
 from megatron_async.step_shape import StepShape
@@ -127,7 +127,7 @@ class CudaGraphRunner:
         self.collective = collective
         if collective:
             mixed, verify = False, False
-        self.split_sampling = not collective and config.num_speculative_tokens == 0
+        self.split_sampling = splits_sampling(config, collective)
         """A plain engine's decode and mixed graphs are a forward graph per size (the logits-only
         one) and a sampling tail per variant replayed after it: the forward, nearly all of a
         capture's time, is captured once per size instead of once per variant and log-prob twin
@@ -150,8 +150,6 @@ class CudaGraphRunner:
         """Speculative verify steps that replayed a verify graph."""
         self.num_padding_replays = 0
         """Dummy forwards of data-parallel engines that replayed a graph on padding rows."""
-        self.forward_captures = 0
-        """Forward graphs captured for sampling tails (``split_sampling``), beside the plan's keys."""
         self.captures_without_eager_run = 0
         """Graphs captured with no eager run of their step first (a built warm-up's, ``warmup``)."""
         self.captures_after_warmup = 0
@@ -237,16 +235,15 @@ class CudaGraphRunner:
         ``built``: every kernel the steps launch is built and loaded, and steps capture without
         running first (the warm-up's dry pass captured its shapes so): each graph is captured
         without its eager run (one that fails to is captured again after one)."""
-        n, forwards = 0, self.forward_captures
+        before = len(self.graphs)
         gc.collect()  # garbage from earlier engines (their graphs) goes now, not inside a capture
         suspendable = self.model_runner.context.device.suspend_backend is not None  # its pool: after a run
         with caches_kept():
             for key in self.plan.keys() if keys is None else keys:
                 if key not in self.graphs:
                     self.graphs[key] = self._capture(key, eager_run=not built or self._pool is None or suspendable)
-                    n += 1
         self.warmed_up = True
-        return n + self.forward_captures - forwards
+        return len(self.graphs) - before
 
     def capture_shape(self, key: GraphKey) -> StepShape:
         """The StepShape a graph of ``key`` is captured with."""
@@ -270,7 +267,6 @@ class CudaGraphRunner:
             forward = self.graphs.get(fkey)
             if forward is None:
                 forward = self.graphs[fkey] = self._capture(fkey, eager_run)
-                self.forward_captures += 1
         if self.emulate:
             return CapturedStep(key, None, shape, runner=ctl, forward=forward)
         # Capture runs on a padding-only snapshot (dummy block, padding slot); the samples of

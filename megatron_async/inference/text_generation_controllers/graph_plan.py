@@ -178,6 +178,18 @@ def default_batch_sizes(max_requests: int) -> list[int]:
     return sizes
 
 
+def decode_batch_sizes(config: GraphSizing) -> list[int]:
+    """The row counts decode graphs are captured at: as configured, or ``default_batch_sizes``."""
+    return sorted(config.cuda_graph_batch_sizes or default_batch_sizes(config.max_requests))
+
+
+def splits_sampling(config: GraphSizing, collective: bool) -> bool:
+    """Whether decode and mixed steps replay a forward graph and a sampling tail
+    (``CudaGraphRunner.split_sampling``): plain engines; speculative engines (the drafter reads the
+    forward's hidden states) and data-parallel ones (``collective``) capture whole steps."""
+    return not collective and config.num_speculative_tokens == 0
+
+
 def default_token_counts(max_tokens: int) -> list[int]:
     """16 .. 256 by doubling, then four steps per doubling, capped by (and ending at) max_tokens."""
     counts, p = [], 16
@@ -210,7 +222,7 @@ class GraphPlan:
         self.plain_steps = plain_steps and self.speculative
         self.logits_only = logits_only and not self.speculative
         self.vocab_size = vocab_size
-        self.decode_sizes = sorted(config.cuda_graph_batch_sizes or default_batch_sizes(config.max_requests))
+        self.decode_sizes = decode_batch_sizes(config)
         counts = config.cuda_graph_token_counts or default_token_counts(config.max_tokens)
         self.token_counts = sorted(c for c in counts if c <= config.max_tokens) if mixed else []
         self.variants = variants
