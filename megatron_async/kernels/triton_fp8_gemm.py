@@ -3,8 +3,8 @@
 
 Who computes a call (``fp8_linear``; measured on an H100 at the Qwen3-8B and 0.6B linears,
 ``python -m benchmarks fp8 kernels`` and ``fp8 sweep``):
-- up to ``GEMV_M_MAX`` rows (batch-1 decode; 0 for now), ``triton_fp8_gemv`` on the CUDA cores,
-  one row a program, no split of K;
+- up to ``GEMV_M_MAX`` rows (batch-1 decode; not in batch-invariant mode), ``triton_fp8_gemv`` on
+  the CUDA cores, one row a program, no split of K;
 - up to ``SMALL_M`` rows (decode), the Triton kernel below with the activations quantized inside
   it: each program loads its [16, 128] slice of x per K group, takes the row maxima and rounds to
   e4m3 in registers, never writing the quantized activations anywhere;
