@@ -2,9 +2,8 @@
 linears (cuBLAS bf16; the engine's FP8 linear, which is the Triton W8A8 GEMM up to 64 rows and
 cuBLASLt above; the Triton GEMM alone; ``torch._scaled_mm``'s block-scaled recipe with its
 activation quantization), one Qwen3-30B-A3B MoE layer (the engine's bf16 experts against the FP8
-fused MoE; at prefill sizes also the FP8 MoE on 64-row blocks with the decode blocks' tiles, as
-before ``FP8_MOE_TILES`` ("fp8 16-row tiles"), with ``TWO_A_SM`` ("fp8 2-a-SM tiles") and, where
-the table aligns to 128 rows, with its 64-row entry ("fp8 64-row align")) and Qwen3-8B decode
+fused MoE; at prefill sizes also the FP8 MoE on 64-row blocks with the decode blocks' tiles
+("fp8 16-row tiles") and with ``ONE_A_SM`` ("fp8 1-a-SM tiles")) and Qwen3-8B decode
 attention over a bf16 and an e4m3 KV pool. Every call is timed as a replayed CUDA graph cycling
 through enough weight copies that they come from DRAM, as in a step."""
 from __future__ import annotations
@@ -24,11 +23,10 @@ LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "do
 MOE = (128, 2048, 768, 8)
 """Qwen3-30B-A3B's MoE layer: experts, hidden, moe_intermediate, top-k."""
 L2_BYTES = 64 << 20
-TWO_A_SM = Fp8MoeTiles(gate_up_warps=4, gate_up_stages=2, down_block_n=128, down_warps=8, down_stages=4)
-"""The other candidate for 64-row blocks (row "fp8 2-a-SM tiles"): two programs an SM in both GEMMs
-(gate_up 255 registers on 4 warps, 80 KB; down 128 on 8 warps, 96 KB), independent warpgroups whose
-scale epilogues can overlap the other's tensor-core work, against FP8_MOE_TILES' one gate_up
-program an SM with its two warpgroups in step."""
+ONE_A_SM = Fp8MoeTiles(gate_up_warps=8, gate_up_stages=4, down_block_n=128, down_warps=4, down_stages=4)
+"""The other candidate for 64-row blocks (row "fp8 1-a-SM tiles"): one gate_up program an SM, its
+two warpgroups in step (8 warps, 4 stages, 180 registers), down on 4 warps; against
+FP8_MOE_TILES' two programs an SM in both GEMMs."""
 
 
 def _timer(device: torch.device):
@@ -95,11 +93,8 @@ def moe_rows(tokens: list[int], device: torch.device, shape: tuple = MOE) -> lis
         fp8 = timer([lambda: fused_experts(x, q13, q2, ids, w, True, triton=triton, w13_scale=s13, w2_scale=s2)])
         rows.append({"kind": "moe", "layer": "30b-a3b experts", "m": n, "bf16_us": bf16, "fp8_us": fp8})
         block_m = _block_m(n * k, E)
-        if triton and block_m == 64:  # prefill sizes: the tiles before, and the other candidates, beside
-            cases = [("fp8 16-row tiles", FP8_MOE_TILES[16]), ("fp8 2-a-SM tiles", TWO_A_SM)]
-            if tm._rows(n * k, E) != block_m:
-                cases.append(("fp8 64-row align", FP8_MOE_TILES[block_m]))
-            for name, tiles in cases:
+        if triton and block_m == 64:  # prefill sizes: the decode blocks' tiles and the other candidate, beside
+            for name, tiles in [("fp8 16-row tiles", FP8_MOE_TILES[16]), ("fp8 1-a-SM tiles", ONE_A_SM)]:
                 t = timer([lambda tiles=tiles: tm.fused_experts_fp8(x, q13, s13, q2, s2, ids, w, True, tiles=tiles,
                                                                     block_rows=block_m)])
                 rows.append({"kind": "moe", "layer": name, "m": n, "bf16_us": bf16, "fp8_us": t})

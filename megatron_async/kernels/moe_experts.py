@@ -5,7 +5,7 @@ the fused Triton MoE (tokens sorted by expert into expert-aligned blocks, groupe
 SiLU-mul and routing weights fused, graph-safe shapes), or for prefill-size batches on Hopper
 torch's CUTLASS grouped GEMM (``moe_grouped_mm.use_grouped_mm`` decides from shapes and the
 device; ``MEGATRON_ASYNC_MOE_GROUPED_MM=0`` turns it off); else the torch reference loop.
-The grouped GEMM may leave its last sum to the next block's norm (``defer_combine``).
+The grouped GEMM and the FP8 fused MoE may leave their last sum to the next block's norm (``defer_combine``).
 FP8 experts (e4m3 weights with block scales): the FP8 fused Triton MoE (``triton_fp8_moe``; no
 grouped GEMM: torch has no block-scaled grouped GEMM for Hopper) or the emulated torch loop."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     else N = I); w2 [E, H, I]; topk_ids [M, k] int32, where an id outside [0, E) means "no
     expert here" (EP: another rank's expert, or a padding row); topk_weights [M, k] float32.
     Returns [M, H] in x's dtype, accumulated in float32; with ``defer_combine``, where the
-    grouped GEMM takes the batch, a ``DeferredSum`` of it for the next block's norm.
+    grouped GEMM or the FP8 fused MoE takes the batch, a ``DeferredSum`` of it for the next block's norm.
     ``w13_scale`` / ``w2_scale``: the FP8 experts' block scales (weights e4m3; ``scale_block_n``:
     (w13's, w2's) weight rows per scale row)."""
     fp8 = w13_scale is not None
@@ -36,7 +36,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         from megatron_async.kernels import triton_fp8_moe
 
         return triton_fp8_moe.fused_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, gated,
-                                                scale_block_n)
+                                                scale_block_n, defer_combine=defer_combine)
     if triton and use_grouped_mm(x, w13, w2, topk_ids):
         return fused_experts_grouped_mm(x, w13, w2, topk_ids, topk_weights, gated, defer_combine)
     if triton:

@@ -80,10 +80,11 @@ def plan_rows_torch(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     return row_of_pair, token_of_row, ends.to(torch.int32)
 
 
-def combine_slots(y: torch.Tensor, row_of_pair: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  num_experts: int, out_dtype: torch.dtype) -> torch.Tensor:
+def combine_slots(y: torch.Tensor, row_of_pair: torch.Tensor | None, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, num_experts: int, out_dtype: torch.dtype) -> torch.Tensor:
     """out[t] = sum over t's routed slots j, in slot order, of topk_weights[t, j] * y[row of
-    pair t * k + j], in float32, rounded once to ``out_dtype``. Rows of no expert are never
+    pair t * k + j] (``row_of_pair`` None: row t * k + j, the FP8 MoE's rows in pair order), in
+    float32, rounded once to ``out_dtype``. Rows of no expert are never
     read: they may hold anything (the grouped GEMM leaves rows past its groups unwritten). One
     Triton kernel on CUDA (``triton_moe_combine``), else ``combine_slots_torch``."""
     if fused_ops.use_fused(y):
@@ -93,10 +94,12 @@ def combine_slots(y: torch.Tensor, row_of_pair: torch.Tensor, topk_ids: torch.Te
     return combine_slots_torch(y, row_of_pair, topk_ids, topk_weights, num_experts, out_dtype)
 
 
-def combine_slots_torch(y: torch.Tensor, row_of_pair: torch.Tensor, topk_ids: torch.Tensor,
+def combine_slots_torch(y: torch.Tensor, row_of_pair: torch.Tensor | None, topk_ids: torch.Tensor,
                         topk_weights: torch.Tensor, num_experts: int, out_dtype: torch.dtype) -> torch.Tensor:
     """``combine_slots`` in torch ops (the CPU path and the Triton kernel's reference)."""
     M, top_k = topk_ids.shape
+    if row_of_pair is None:
+        row_of_pair = torch.arange(M * top_k, device=y.device)
     routed = (topk_ids >= 0) & (topk_ids < num_experts)
     rows = torch.where(routed.reshape(-1), row_of_pair, 0)
     terms = y.index_select(0, rows).view(M, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
@@ -114,7 +117,7 @@ class PendingCombine(DeferredSum):
     normalises, bit for bit as ``combine_slots`` then ``fused_ops.add_rms_norm``."""
 
     y: torch.Tensor
-    row_of_pair: torch.Tensor
+    row_of_pair: torch.Tensor | None
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     num_experts: int

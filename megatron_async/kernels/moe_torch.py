@@ -20,8 +20,8 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
                         w2_scale: torch.Tensor | None = None,
                         scale_block_n: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """See ``kernels.moe_experts.fused_experts``. With scales: FP8 experts, each expert linear the
-    emulated W8A8 block-scaled linear (``fp8_quant.fp8_linear_reference``; the down projection's
-    output kept in float32, as the FP8 kernel keeps it)."""
+    emulated W8A8 block-scaled linear (``fp8_quant.fp8_linear_reference``; each output rounded to x's
+    dtype, as the FP8 kernel rounds its rows)."""
     if w13_scale is None:
         def lin1(a, e):
             return F.linear(a, w13[e])
@@ -35,7 +35,7 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
             return fp8_linear_reference(a, w13[e], w13_scale[e], scale_block_n=scale_block_n[0])
 
         def lin2(a, e):
-            return fp8_linear_reference(a, w2[e], w2_scale[e], None, scale_block_n[1], torch.float32)
+            return fp8_linear_reference(a, w2[e], w2_scale[e], None, scale_block_n[1])
     num_experts = w13.shape[0]
     out = torch.zeros((x.shape[0], w2.shape[1]), dtype=torch.float32, device=x.device)
     for e in range(num_experts):

@@ -6,14 +6,17 @@ SB (``scale_block_n``, one per GEMM) 128, or 1 for one scale row per weight row 
 that does not start on a block boundary). The router stays bf16 (it is a ReplicatedLinear outside
 this file); alignment (``align_by_expert_triton``) and the slot sum are the bf16 path's kernels.
 
-1. gate_up: per block of pairs (or 64-row slice of one), the x rows of its tokens quantized per 1 x 128 group (in registers
+1. gate_up: per block of pairs, the x rows of its tokens quantized per 1 x 128 group (in registers
    for a few tokens, where a token routed to k experts is quantized k times to the same bits;
    above ``SMALL_M`` tokens once per token by ``quantize_activation``), e4m3 dots per group with
    float32 promotion, SiLU(gate) * up rounded as the bf16 path rounds it, then the EPILOGUE
    quantizes the activation tile (BLOCK_N = 128 = one group per row) and writes e4m3 h + one scale
    per (pair, group): the down GEMM's input is never written in bf16 nor re-read to be quantized.
-2. down: h (pre-quantized) @ w2 per group, times the routing weight, float32 per pair.
-3. the slot sum (bf16 path's ``_sum_slots_kernel``)."""
+2. down: h (pre-quantized) @ w2 per group, float32, each pair's row rounded to x's dtype as the
+   FP8 linear rounds its output (the bf16 grouped GEMM's rows: half the bytes of float32 rows,
+   ~0.5 GB less traffic a layer at 8,192 tokens of Qwen3-30B-A3B).
+3. the slot sum of the grouped GEMM (``moe_grouped_mm.combine_slots``: routing weights times the
+   rows, float32, in slot order), or left to the next block's norm (``defer_combine``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,15 +27,16 @@ import triton.language as tl
 
 from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
 from megatron_async.kernels.triton_fp8_gemm import SMALL_M, quantize_activation
-from megatron_async.kernels.triton_fused_moe import _block_m, _sum_slots_kernel, align_by_expert_triton
+from megatron_async.kernels.moe_grouped_mm import PendingCombine, combine_slots
+from megatron_async.kernels.triton_fused_moe import _block_m, align_by_expert_triton
 
 
 @dataclass(frozen=True)
 class Fp8MoeTiles:
-    """Launch settings of the two GEMMs for one alignment (``_rows``: pairs per aligned block, down's
-    rows a program; gate_up's ``min(rows, GATE_UP_ROWS)``). BLOCK_K is 128 in both (one scale group
-    per dot); gate_up's BLOCK_N is 128 (one activation group, quantized whole in its epilogue) for
-    each of gate and up, so a gate_up program holds two [its rows, 128] float32 accumulators."""
+    """Launch settings of the two GEMMs for one alignment (``_block_m``: pairs per aligned block,
+    each GEMM's rows a program). BLOCK_K is 128 in both (one scale group per dot); gate_up's
+    BLOCK_N is 128 (one activation group, quantized whole in its epilogue) for each of gate and
+    up, so a gate_up program holds two [BLOCK_M, 128] float32 accumulators."""
     gate_up_warps: int
     gate_up_stages: int
     down_block_n: int
@@ -40,34 +44,18 @@ class Fp8MoeTiles:
     down_stages: int
 
 
-GATE_UP_ROWS = 64
-"""gate_up's rows a program at most: at 128 its two accumulators spill in the K loop on 8 warps
-(ptxas, sm_90a: 255 registers + 48 bytes)."""
-
 FP8_MOE_TILES = {
     16: Fp8MoeTiles(gate_up_warps=4, gate_up_stages=3, down_block_n=64, down_warps=4, down_stages=3),
     32: Fp8MoeTiles(gate_up_warps=4, gate_up_stages=3, down_block_n=64, down_warps=4, down_stages=3),
-    64: Fp8MoeTiles(gate_up_warps=8, gate_up_stages=4, down_block_n=128, down_warps=4, down_stages=4),
-    128: Fp8MoeTiles(gate_up_warps=8, gate_up_stages=4, down_block_n=128, down_warps=8, down_stages=3),
+    64: Fp8MoeTiles(gate_up_warps=4, gate_up_stages=2, down_block_n=128, down_warps=8, down_stages=4),
 }
-"""Per alignment (``_rows``). 64-row blocks (prefill, above 64 pairs per expert: 1,024 tokens of
-Qwen3-30B-A3B): gate_up on 8 warps (two warpgroups, 64 columns of gate and of up each), 4 stages
-of 40 KB; on 4 warps its two 64 x 128 accumulators, the dot's fresh result and the scales took
-all 255 registers and spilled in the K loop (ptxas, sm_90a: 200 bytes; 180 registers on 8 warps,
-scales a group ahead included). down in 64 x 128 tiles, 4 warps, 4 stages (96 KB, two programs an
-SM): 64 x 64 tiles read 0.031 bytes from L2 per MAC, near the bf16 kernel's 64 x 256 tiles
-(0.039) at twice the MAC rate; 64 x 128, 0.023. Public H100 tunings of this kernel family for
-E = 128 at large M also take 64 x 128 x 128 tiles, 4 warps, 4 stages (one dot a program there,
-two in gate_up here). 128-row blocks (above 256 pairs per expert: 4,096 tokens): down in 128 x 128
-tiles on 8 warps, 3 stages (212 registers, 96 KB), 0.016 bytes per MAC (the weights are read once
-per block: half as often), for ~6 % more rows in down at 8,192 tokens (padding); gate_up as at 64,
-in 64-row slices. 16 / 32 rows (decode): unchanged, not re-measured."""
-
-
-def _rows(num_pairs: int, num_experts: int) -> int:
-    """Pairs per aligned block: the bf16 kernel's ``_block_m``, and 128 above 256 pairs per expert."""
-    per_expert = num_pairs / max(1, min(num_experts, num_pairs))
-    return 128 if per_expert > 256 else _block_m(num_pairs, num_experts)
+"""Per alignment (``_block_m``). 64-row blocks (prefill, above 64 pairs per expert: 1,024 tokens of
+Qwen3-30B-A3B): two programs an SM in both GEMMs (gate_up on 4 warps, 2 stages, 80 KB; down in
+64 x 128 tiles on 8 warps, 4 stages, 96 KB), independent warpgroups whose scale epilogues overlap
+the other's tensor-core work. Measured on an H100 beside one gate_up program an SM (8 warps, 4
+stages) with down on 4 warps, and beside 128-row blocks above 256 pairs per expert (down in 128 x
+128 tiles, gate_up in 64-row slices): the fastest at 2,048 and 8,192 tokens (numbers in
+docs/PERFORMANCE.md). 16 / 32 rows (decode): unchanged, not re-measured."""
 
 
 @triton.jit
@@ -111,15 +99,12 @@ def _gate_up_fp8_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, pai
                         stride_xm, stride_xqm, stride_xsm, stride_xsg, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsg,
                         stride_hsm, K: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, E: tl.constexpr,
                         GATED: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                        SLICES: tl.constexpr, PREQUANT: tl.constexpr, EMULATE: tl.constexpr):
+                        PREQUANT: tl.constexpr, EMULATE: tl.constexpr):
     BLOCK_N: tl.constexpr = 128  # one activation group per output tile: the epilogue quantizes it whole
-    pid_m = tl.program_id(0)  # BLOCK_M rows: one of the SLICES slices of an aligned block
-    expert = tl.load(block_expert_ptr + pid_m // SLICES)
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
     if expert >= E:
         return
-    if SLICES > 1:  # a slice of padding only (an expert's pairs come first in its blocks): nothing to do
-        if tl.load(pairs_ptr + pid_m * BLOCK_M) >= num_pairs:
-            return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(pairs_ptr + offs_m)
     mask_m = pair < num_pairs
@@ -182,7 +167,7 @@ def _gate_up_fp8_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, ws_ptr, h_ptr, hs_ptr, pai
 
 
 @triton.jit
-def _down_fp8_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs,
+def _down_fp8_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs,
                      stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsg,
                      I: tl.constexpr, H: tl.constexpr, E: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
@@ -218,21 +203,23 @@ def _down_fp8_kernel(h_ptr, hs_ptr, w_ptr, ws_ptr, weights_ptr, out_ptr, pairs_p
         else:
             part = tl.dot(a_q, w)
         acc += _times_scales(part, a_s, s, SCALE_BLOCK_N, BLOCK_N)
-    weight = tl.load(weights_ptr + row, mask=mask_m, other=0.0)
-    tl.store(out_ptr + row[:, None] * H + offs_n[None, :], acc * weight[:, None], mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(out_ptr + row[:, None] * H + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
 
 
 def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2: torch.Tensor, ws2: torch.Tensor,
                       topk_ids: torch.Tensor, topk_weights: torch.Tensor, gated: bool,
                       scale_block_n: tuple[int, int] = (128, 128), prequantize: bool | None = None,
-                      tiles: Fp8MoeTiles | None = None, block_rows: int | None = None) -> torch.Tensor:
+                      tiles: Fp8MoeTiles | None = None, block_rows: int | None = None,
+                      defer_combine: bool = False) -> torch.Tensor | PendingCombine:
     """``kernels.moe_experts.fused_experts`` with e4m3 expert weights and their block scales:
     ws13 [E, ceil(N / sb13), ceil(K / 128)], ws2 [E, ceil(H / sb2), ceil(I / 128)] with
     ``scale_block_n`` = (sb13, sb2), each 128 or 1. ``prequantize`` (None: above ``SMALL_M``
     tokens, as the dense FP8 linear) quantizes x once per token before the gate_up GEMM instead
     of in it for every (pair, column tile): the same bits. ``tiles`` / ``block_rows`` override
-    ``FP8_MOE_TILES`` / ``_rows`` (each expert's pairs aligned to ``block_rows``: down's rows a
-    program, gate_up's up to ``GATE_UP_ROWS``)."""
+    ``FP8_MOE_TILES`` / ``_block_m`` (each expert's pairs aligned to ``block_rows``: both GEMMs'
+    rows a program). ``defer_combine``: the slot sum as a
+    ``PendingCombine`` for the next block's norm."""
     sb13, sb2 = scale_block_n
     M, K = x.shape
     E, N, _ = w13.shape
@@ -248,8 +235,7 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2
     if x.stride(1) != 1:
         x = x.contiguous()
     cpu = x.device.type == "cpu"
-    rows = block_rows or (16 if cpu else _rows(num_pairs, E))
-    block_m = min(rows, 16 if cpu else GATE_UP_ROWS)  # gate_up's rows a program: slices of an aligned block
+    rows = block_rows or (16 if cpu else _block_m(num_pairs, E))
     ids = topk_ids.reshape(-1).to(torch.int32)
     sorted_pairs, block_expert = align_by_expert_triton(ids, E, rows)
     num_blocks = block_expert.shape[0]
@@ -260,20 +246,20 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2
     t = tiles or (Fp8MoeTiles(1, 1, 32, 1, 1) if cpu else FP8_MOE_TILES[rows])
     prequant = M > SMALL_M if prequantize is None else prequantize
     xq, xs = quantize_activation(x) if prequant else (x, hs)  # (x, hs): unused stand-ins
-    _gate_up_fp8_kernel[(num_blocks * (rows // block_m), groups_i)](
+    _gate_up_fp8_kernel[(num_blocks, groups_i)](
         x, xq, xs, w13, ws13, h, hs, sorted_pairs, block_expert, num_pairs,
         x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1), w13.stride(0), w13.stride(1), ws13.stride(0),
         ws13.stride(1), ws13.stride(2), hs.stride(0),
-        K=K, I=I, TOP_K=top_k, E=E, GATED=gated, SCALE_BLOCK_N=sb13, BLOCK_M=block_m, SLICES=rows // block_m,
+        K=K, I=I, TOP_K=top_k, E=E, GATED=gated, SCALE_BLOCK_N=sb13, BLOCK_M=rows,
         PREQUANT=prequant, EMULATE=em, num_warps=t.gate_up_warps, num_stages=t.gate_up_stages)
-    pair_out = torch.empty((num_pairs, H), dtype=torch.float32, device=x.device)
+    y = torch.empty((num_pairs, H), dtype=x.dtype, device=x.device)  # pairs of no expert: never written nor read
     bn = t.down_block_n
     _down_fp8_kernel[(num_blocks, triton.cdiv(H, bn))](
-        h, hs, w2, ws2, topk_weights.contiguous().float(), pair_out, sorted_pairs, block_expert, num_pairs,
+        h, hs, w2, ws2, y, sorted_pairs, block_expert, num_pairs,
         hs.stride(0), w2.stride(0), w2.stride(1), ws2.stride(0), ws2.stride(1), ws2.stride(2),
         I=I, H=H, E=E, SCALE_BLOCK_N=sb2, BLOCK_M=rows, BLOCK_N=bn, EMULATE=em,
         num_warps=t.down_warps, num_stages=t.down_stages)
-    out = torch.empty((M, H), dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(H))
-    _sum_slots_kernel[(M, triton.cdiv(H, block))](pair_out, ids, out, H=H, E=E, TOP_K=top_k, BLOCK=block, num_warps=4)
-    return out
+    del h, hs
+    if defer_combine:
+        return PendingCombine(y, None, topk_ids, topk_weights, E, x.dtype)
+    return combine_slots(y, None, topk_ids, topk_weights, E, x.dtype)

@@ -1,6 +1,7 @@
 """The FP8 fused MoE (triton_fp8_moe; interpreter on CPU, compiled on CUDA) against the emulated torch
 loop (moe_torch with scales): SwiGLU and relu^2 experts, top-k 2 / 3, EP "no expert" ids, an
-intermediate size that is not a multiple of 128 (one scale row per weight row)."""
+intermediate size that is not a multiple of 128 (one scale row per weight row); the slot sum
+left to the next block's norm."""
 from __future__ import annotations
 
 import pytest
@@ -98,9 +99,11 @@ def test_launch_tiles_do_not_change_the_bits():
         assert (wide - narrow).abs().max() <= 1e-2 * narrow.abs().max()
 
 
-def test_blocks_aligned_wider_than_gate_up_rows_give_the_same_bits():
-    """Experts' pairs aligned to 32 rows (down 32 rows a program, gate_up in 16-row slices, slices of
-    padding only skipped) against 16-row blocks: one bit pattern, EP "no expert" ids included."""
+def test_wider_blocks_give_the_same_bits():
+    """Experts' pairs aligned to 32 rows (CPU; 64 on CUDA: the prefill tiles) against 16-row blocks:
+    one bit pattern on CPU, EP "no expert" ids included; on CUDA within rounding (the MMA shapes
+    order the float32 sums differently, and a flipped rounding of an activation moves its e4m3
+    step)."""
     from megatron_async.kernels.triton_fp8_moe import fused_experts_fp8
 
     g = torch.Generator().manual_seed(7)
@@ -108,9 +111,37 @@ def test_blocks_aligned_wider_than_gate_up_rows_give_the_same_bits():
     x = torch.randn(40, 256, generator=g).to(torch.bfloat16)
     ids, w = routing(40, 3, 2, g, drop_some=True)
     dev = [t.to(DEVICE) for t in (x, q13, s13, q2, s2, ids, w)]
-    wide = fused_experts_fp8(*dev, True, sbn, block_rows=32 if DEVICE == "cpu" else 128).float()
+    wide = fused_experts_fp8(*dev, True, sbn, block_rows=32 if DEVICE == "cpu" else 64).float()
     narrow = fused_experts_fp8(*dev, True, sbn, block_rows=16).float()
     if DEVICE == "cpu":
         assert torch.equal(wide, narrow)
     else:
-        assert (wide - narrow).abs().max() <= 1e-2 * narrow.abs().max()
+        assert (wide - narrow).abs().max() <= 3e-2 * narrow.abs().max()
+
+
+def test_deferred_slot_sum_reduces_to_the_undeferred_output(monkeypatch):
+    """``defer_combine``: the FP8 MoE's bf16 rows (one per pair) and routing as a ``PendingCombine``,
+    whose sum and whose one-kernel sum + add + norm give the bits of the undeferred output then
+    the norm, EP "no expert" ids included."""
+    from megatron_async.kernels import fused_ops
+    from megatron_async.kernels.moe_grouped_mm import PendingCombine
+    from megatron_async.models.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(11)
+    q13, s13, q2, s2, sbn = experts(4, 256, 256, True, g)
+    x = torch.randn(10, 256, generator=g).to(torch.bfloat16)
+    ids, w = routing(10, 4, 2, g, drop_some=True)
+    dev = [t.to(DEVICE) for t in (x, q13, q2, ids, w, s13, s2)]
+    now = fused_experts(*dev[:5], True, triton=True, w13_scale=dev[5], w2_scale=dev[6], scale_block_n=sbn)
+    later = fused_experts(*dev[:5], True, triton=True, defer_combine=True, w13_scale=dev[5], w2_scale=dev[6],
+                          scale_block_n=sbn)
+    assert isinstance(later, PendingCombine) and later.y.shape == (20, 256) and later.y.dtype == torch.bfloat16
+    assert torch.equal(later.reduce(), now)
+    monkeypatch.setattr(fused_ops, "use_fused", lambda t, enabled=True: enabled)  # the kernels, interpreted on CPU
+    norm = RMSNorm(256, 1e-6, torch.bfloat16, DEVICE)
+    residual = torch.randn(10, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+    from megatron_async.kernels.moe_grouped_mm import combine_fuses_norm
+
+    assert combine_fuses_norm(later, residual, norm.weight)  # the one-kernel path, not a reduce first
+    fused = norm.add_and_norm(later, residual)
+    assert all(torch.equal(a, b) for a, b in zip(fused, norm.add_and_norm(later.reduce(), residual)))

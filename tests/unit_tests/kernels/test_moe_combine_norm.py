@@ -4,7 +4,8 @@ the bits of ``combine_slots`` then ``add_rms_norm`` on fresh random inputs (rows
 full of NaN, several token counts and top-k, both norm orders) and stays within bf16 rounding
 of the torch references; ``RMSNorm.add_and_norm`` takes that kernel exactly where it applies
 and reduces first elsewhere; a MoE mixer defers only as a block's mixer with nothing after its
-routed experts, and its deferred sum reduces to the output it returns undeferred."""
+routed experts, and its deferred sum reduces to the output it returns undeferred. Rows in pair
+order (the FP8 MoE's, ``row_of_pair`` None) read as those rows spelled out."""
 from __future__ import annotations
 
 import pytest
@@ -73,6 +74,32 @@ def test_fused_kernel_equals_combine_then_add_rms_norm(M, k, E, H, dtype, cast_b
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for got, want in ((res_out, torch_res), (out, torch_out)):
         assert float((got.float() - want.float()).abs().max() / want.float().abs().max()) < tol
+
+
+@pytest.mark.parametrize("M, k, E, H", [(7, 3, 5, 40), (16, 8, 16, 64)])
+def test_rows_in_pair_order_read_as_the_pairs_rows(M, k, E, H):
+    """``row_of_pair`` None (the FP8 MoE's rows, one per pair in pair order): the kernels read row
+    t * k + j for pair t * k + j, as with those rows spelled out; rows of no expert stay unread."""
+    from megatron_async.kernels import triton_moe_combine
+
+    p = _pending(M, k, E, H, torch.bfloat16, seed=M + 3 * k)
+    routed = (p.topk_ids >= 0) & (p.topk_ids < E)
+    y = torch.full((M * k, H), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    y[routed.reshape(-1)] = p.y[p.row_of_pair[routed.reshape(-1)]]
+    rows = torch.arange(M * k, dtype=torch.int32, device=DEVICE)
+    want = triton_moe_combine.combine_slots(y, rows, p.topk_ids, p.topk_weights, E, torch.bfloat16)
+    got = triton_moe_combine.combine_slots(y, None, p.topk_ids, p.topk_weights, E, torch.bfloat16)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+    assert torch.equal(got, triton_moe_combine.combine_slots(p.y, p.row_of_pair, p.topk_ids, p.topk_weights, E,
+                                                             torch.bfloat16))
+    assert torch.equal(combine_slots_torch(y, None, p.topk_ids, p.topk_weights, E, torch.bfloat16),
+                       combine_slots_torch(y, rows, p.topk_ids, p.topk_weights, E, torch.bfloat16))
+    residual, weight = _norm_inputs(M, H, torch.bfloat16, seed=M)
+    fused = triton_moe_combine.combine_add_rms_norm(y, None, p.topk_ids, p.topk_weights, E, residual, weight, 1e-6,
+                                                    True)
+    spelled = triton_moe_combine.combine_add_rms_norm(y, rows, p.topk_ids, p.topk_weights, E, residual, weight,
+                                                      1e-6, True)
+    assert all(torch.equal(a, b) for a, b in zip(fused, spelled))
 
 
 def test_no_tokens_and_misfit_tensors():
