@@ -38,7 +38,8 @@ import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels.triton_paged_common import (
-    check_cache, dot_args, kv_scale_args, kv_tile_rows, load_kv, num_compute_units, widen_e4m3_pairs,
+    check_cache, dot_args, kv_scale_args, kv_tile_rows, load_kv, load_q_pairs, num_compute_units, q_as_pairs,
+    widen_e4m3_pairs,
 )
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -117,24 +118,6 @@ def _attend_split_e4m3(
 
 
 @triton.jit
-def _load_q_pairs(q_ptr, row, heads, g_mask, stride_qt, stride_qh, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr):
-    """The group's queries as float16 even / odd dims, each head scaled by a power of two 2**-e that
-    keeps it below 2**15 (f16's range; e = 0 for any head already inside it: bf16 -> f16 is then exact),
-    and 2**e per head to multiply the scores by."""
-    offs_p = tl.arange(0, BLOCK_P)
-    base = q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + 2 * offs_p[None, :]
-    mask = g_mask[:, None] & (offs_p < HEAD_DIM // 2)[None, :]
-    q_e = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    q_o = tl.load(base + 1, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(q_e), 1), tl.max(tl.abs(q_o), 1))
-    # amax < 2**(biased exponent - 126): a shift of (biased exponent - 141) leaves it below 2**15
-    shift = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, 0)
-    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
-    up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
-    return (q_e * down[:, None]).to(tl.float16), (q_o * down[:, None]).to(tl.float16), up
-
-
-@triton.jit
 def _store_split(
     acc, l_i, m_i, row, heads, split, offs_d, g_mask, d_mask, out_ptr, part_out_ptr, part_lse_ptr,
     stride_ot, stride_oh, num_heads, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -193,7 +176,7 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
-    E4M3_PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, USE_ASM: tl.constexpr,
+    E4M3_PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, Q_BF16: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     if HEADS_FASTEST:  # a row's KV heads side by side in the grid: they read the same tokens' cache lines
         kv_head = tl.program_id(0)
@@ -221,7 +204,8 @@ def _decode_split_kernel(
     if KV_FP8:  # the key scale folded into the softmax scale (powers of two: exact)
         scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
     if E4M3_PAIRS:
-        q_e, q_o, q_up = _load_q_pairs(q_ptr, row, heads, g_mask, stride_qt, stride_qh, HEAD_DIM, BLOCK_P)
+        q_rows = q_ptr + row.to(tl.int64) * stride_qt + heads * stride_qh
+        q_e, q_o, q_up = load_q_pairs(q_rows, g_mask, HEAD_DIM, BLOCK_P, Q_BF16)
         offs_p = tl.arange(0, BLOCK_P)
         acc_e, acc_o, l_i, m_i = _attend_split_e4m3(
             q_e, q_o, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_p, offs_p < HEAD_DIM // 2, start, end,
@@ -338,16 +322,18 @@ def decode_attention(
         block_d = max(32, block_d)  # each half a dot of K >= 16
     heads_fastest = heads_fastest and num_rows < 65536  # the grid's 2nd axis holds at most 65,535
     grid = (num_kv_heads, num_rows, num_splits) if heads_fastest else (num_rows, num_kv_heads, num_splits)
+    q_arg = q_as_pairs(q) if pairs else q
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions,
+        q_arg, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions,
         meta.kv_lens if meta.row_order is None else meta.row_order,
         out, part_out, part_lse,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q_arg.stride(0), q_arg.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
         num_heads, scale * _LOG2E, scale_ptr, num_kv_heads, KV_FP8=fp8,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, ORDERED=meta.row_order is not None, E4M3_PAIRS=pairs, BLOCK_P=block_d // 2,
+        Q_BF16=q.dtype == torch.bfloat16,
         USE_ASM=not isinstance(_decode_split_kernel, InterpretedFunction),
         HEADS_FASTEST=heads_fastest, **dot_args(_decode_split_kernel, kv_cache.dtype, q.dtype),
         num_warps=num_warps, num_stages=num_stages,

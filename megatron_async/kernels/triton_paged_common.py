@@ -81,6 +81,39 @@ def widen_e4m3_pairs(x, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def load_q_pairs(q_rows, row_mask, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, Q_BF16: tl.constexpr):
+    """Queries as float16 even / odd dims, each row scaled by a power of two 2**-e that keeps it below
+    2**15 (f16's range; e = 0 for any row already inside it: bf16 -> f16 is then exact), and 2**e per
+    row to multiply its scores by: the query side of ``widen_e4m3_pairs``' key and value halves.
+    ``q_rows``: a pointer a matrix row into the queries viewed as int32 (``q_as_pairs``), each
+    element a pair of neighbouring dims (the even one low), bf16 (``Q_BF16``) or float16: whole
+    32-bit loads, not strided 16-bit ones."""
+    offs_p = tl.arange(0, BLOCK_P)
+    mask = row_mask[:, None] & (offs_p < HEAD_DIM // 2)[None, :]
+    u = tl.load(q_rows[:, None] + offs_p[None, :], mask=mask, other=0)
+    if Q_BF16:  # a bf16 is the top half of its float32
+        q_e = (u << 16).to(tl.float32, bitcast=True)
+        q_o = (u & -65536).to(tl.float32, bitcast=True)
+    else:
+        q_e = (u & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        q_o = (u >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(q_e), 1), tl.max(tl.abs(q_o), 1))
+    # amax < 2**(biased exponent - 126): a shift of (biased exponent - 141) leaves it below 2**15
+    shift = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141, 0)
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    return (q_e * down[:, None]).to(tl.float16), (q_o * down[:, None]).to(tl.float16), up
+
+
+def q_as_pairs(q: torch.Tensor) -> torch.Tensor:
+    """16-bit queries [T, H, D] (D even) as int32 [T, H, D / 2], one element a pair of dims, for
+    ``load_q_pairs`` (copied first where a stride or the offset is odd)."""
+    if q.stride(-1) != 1 or q.storage_offset() % 2 or any(s % 2 for s in q.stride()[:-1]):
+        q = q.contiguous()
+    return q.view(torch.int32)
+
+
+@triton.jit
 def attend_keys(
     acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
     lo, hi, kv_len, scale_log2, stride_cb, stride_cs, stride_ch,

@@ -16,16 +16,22 @@ start first and the short ones fill the tail. The order changes no bits: each ti
 arithmetic is its own.
 
 An e4m3 cache (``KV_FP8``): as in the decode kernel, the key scale is folded into the softmax
-scale and the value scale into the output (see kv_cache_fp8).
+scale and the value scale into the output (see kv_cache_fp8), and with 16-bit queries
+(``E4M3_PAIRS``) the pool is read as int16 pairs of neighbouring dims, widened in registers to
+float16 even / odd halves (one conversion per two values, where e4m3 -> f16 -> bf16 took two a
+value), queries to float16 scaled by a power of two per row, probabilities float16.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from megatron_async.forward_batch import AttentionMetadata
-from megatron_async.kernels.triton_paged_common import check_cache, dot_args, kv_scale_args, kv_tile_rows
+from megatron_async.kernels.triton_paged_common import (
+    check_cache, dot_args, kv_scale_args, kv_tile_rows, load_q_pairs, q_as_pairs, widen_e4m3_pairs,
+)
 from megatron_async.kernels.triton_tile_schedule import tile_schedule
 
 _LOG2E = 1.4426950408889634
@@ -88,6 +94,51 @@ def _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
 
 
 @triton.jit
+def _attend_e4m3(acc_e, acc_o, l_i, m_i, q_e, q_o, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_p, p_mask,
+                 lo, hi, row_scale, stride_cb, stride_cs, stride_ch,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_P: tl.constexpr,
+                 USE_ASM: tl.constexpr):
+    """``_attend`` over an e4m3 cache read as int16 pairs of neighbouring dims, as the decode kernel
+    reads it: each K / V tile widens to float16 even / odd halves (one conversion per two values,
+    ``widen_e4m3_pairs``), q.k = q_even.k_even + q_odd.k_odd, and each half of the output its own
+    accumulator. ``row_scale``: the softmax scale in log2 units times each row's query scale."""
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, MASK)
+        kv_ptrs = rows[:, None] + offs_p[None, :]
+        if MASK:
+            kv_mask = (offs_n < hi)[:, None] & p_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0)
+        elif EVEN_P:
+            k = tl.load(k_cache_ptr + kv_ptrs)
+        else:
+            k = tl.load(k_cache_ptr + kv_ptrs, mask=p_mask[None, :], other=0)
+        k_e, k_o = widen_e4m3_pairs(k, USE_ASM)
+        qk = tl.dot(q_o, tl.trans(k_o), tl.dot(q_e, tl.trans(k_e)))
+        if MASK:
+            qk = tl.where(offs_n[None, :] <= pos[:, None], qk * row_scale[:, None], float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_ij[:, None])
+        else:  # row_scale > 0: the scaled row's max is the max times its scale
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * row_scale)
+            p = tl.math.exp2(qk * row_scale[:, None] - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASK:
+            v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0)
+        elif EVEN_P:
+            v = tl.load(v_cache_ptr + kv_ptrs)
+        else:
+            v = tl.load(v_cache_ptr + kv_ptrs, mask=p_mask[None, :], other=0)
+        v_e, v_o = widen_e4m3_pairs(v, USE_ASM)
+        p16 = p.to(tl.float16)
+        acc_e = tl.dot(p16, v_e, acc_e * alpha[:, None])
+        acc_o = tl.dot(p16, v_o, acc_o * alpha[:, None])
+        m_i = m_ij
+    return acc_e, acc_o, l_i, m_i
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -118,6 +169,9 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
     KV_FP8: tl.constexpr,
+    E4M3_PAIRS: tl.constexpr,
+    Q_BF16: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):
     if HEADS_FASTEST:  # a tile's KV heads run side by side: they read the same tokens' K/V records
         kv_head = tl.program_id(0)
@@ -143,8 +197,6 @@ def _prefill_kernel(
     m_valid = (q_idx < q_len) & (g < GROUP)
     tok = (q_begin + q_idx).to(tl.int64)
     heads = kv_head * GROUP + g
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
     pos = tl.load(positions_ptr + tok, mask=m_valid, other=-1).to(tl.int32)
 
     kv_len = tl.load(kv_lens_ptr + row)
@@ -155,14 +207,35 @@ def _prefill_kernel(
         scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
-                            0, no_mask_end, scale_log2, stride_cb, stride_cs, stride_ch,
-                            BLOCK_SIZE, BLOCK_N, False, EVEN_D, DOT_DTYPE, DOT_PRECISION)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
-                            no_mask_end, end, scale_log2, stride_cb, stride_cs, stride_ch,
-                            BLOCK_SIZE, BLOCK_N, True, EVEN_D, DOT_DTYPE, DOT_PRECISION)
+    q_rows = q_ptr + tok * stride_qt + heads * stride_qh
+    if E4M3_PAIRS:  # 16-bit queries over an e4m3 cache: float16 halves of even and odd dims
+        BLOCK_P: tl.constexpr = BLOCK_D // 2
+        offs_p = tl.arange(0, BLOCK_P)
+        p_mask = offs_p < HEAD_DIM // 2
+        q_e, q_o, q_up = load_q_pairs(q_rows, m_valid, HEAD_DIM, BLOCK_P, Q_BF16)
+        acc_e = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
+        acc_o = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
+        EVEN_P: tl.constexpr = HEAD_DIM == BLOCK_D
+        acc_e, acc_o, l_i, m_i = _attend_e4m3(acc_e, acc_o, l_i, m_i, q_e, q_o, pos, k_cache_ptr, v_cache_ptr,
+                                              table_ptr, kv_head, offs_p, p_mask, 0, no_mask_end, q_up * scale_log2,
+                                              stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, False, EVEN_P,
+                                              USE_ASM)
+        acc_e, acc_o, l_i, m_i = _attend_e4m3(acc_e, acc_o, l_i, m_i, q_e, q_o, pos, k_cache_ptr, v_cache_ptr,
+                                              table_ptr, kv_head, offs_p, p_mask, no_mask_end, end, q_up * scale_log2,
+                                              stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, True, EVEN_P,
+                                              USE_ASM)
+        acc = tl.reshape(tl.join(acc_e, acc_o), [BLOCK_M, BLOCK_D])
+    else:
+        q = tl.load(q_rows[:, None] + offs_d[None, :], mask=m_valid[:, None] & d_mask[None, :],
+                    other=0.0).to(DOT_DTYPE)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+                                0, no_mask_end, scale_log2, stride_cb, stride_cs, stride_ch,
+                                BLOCK_SIZE, BLOCK_N, False, EVEN_D, DOT_DTYPE, DOT_PRECISION)
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+                                no_mask_end, end, scale_log2, stride_cb, stride_cs, stride_ch,
+                                BLOCK_SIZE, BLOCK_N, True, EVEN_D, DOT_DTYPE, DOT_PRECISION)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if KV_FP8:  # the value scale, once per output
         o = o * tl.load(kv_scale_ptr + num_kv_heads + kv_head)
@@ -240,19 +313,29 @@ def prefill_attention(
         maxnreg = max_registers(head_dim, q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
+    pairs = fp8 and q.dtype in (torch.bfloat16, torch.float16)  # fp32 queries keep fp32 dots
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on GPU
+    if pairs:  # int16 pairs of dims (the strides count pairs)
+        if head_dim % 2:
+            raise ValueError(f"an e4m3 cache needs an even head_dim, got {head_dim}")
+        k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
+        block_d = max(32, block_d)  # each half a dot of K >= 16
+    q_arg = q_as_pairs(q) if pairs else q
     tiles = num_tokens // block_q + meta.num_rows
     schedule = tile_schedule(meta, block_q, tiles)
     heads_fastest = heads_fastest and tiles < 65536  # the grid's 2nd axis holds at most 65,535
     grid = (num_kv_heads, tiles) if heads_fastest else (tiles, num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens, schedule, out,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q_arg, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens, schedule, out,
+        q_arg.stride(0), q_arg.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
         scale * _LOG2E, scale_ptr, num_kv_heads,
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q,
-        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        **dot_args(_prefill_kernel, kv_cache.dtype, q.dtype),
-        HEADS_FASTEST=heads_fastest, KV_FP8=fp8, num_warps=num_warps, num_stages=num_stages,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        **dot_args(_prefill_kernel, kv_cache.dtype, q.dtype), HEADS_FASTEST=heads_fastest, KV_FP8=fp8,
+        E4M3_PAIRS=pairs, Q_BF16=q.dtype == torch.bfloat16,
+        USE_ASM=not isinstance(_prefill_kernel, InterpretedFunction),
+        num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out

@@ -65,14 +65,26 @@ def test_decode_reads_e4m3_with_folded_scales(block_size, group, head_dim, split
     assert not torch.allclose(wrong.float(), ref, rtol=1e-2, atol=1e-2)  # the scales are really applied
 
 
-@pytest.mark.parametrize("fixed_order", [False, True])
-def test_prefill_reads_e4m3_with_folded_scales(fixed_order):
+@pytest.mark.parametrize("fixed_order,q_dtype,head_dim", [(False, torch.float32, 32), (True, torch.float32, 32),
+                                                          (False, torch.bfloat16, 32), (False, torch.bfloat16, 48),
+                                                          (False, torch.bfloat16, 16), (True, torch.bfloat16, 32)])
+def test_prefill_reads_e4m3_with_folded_scales(fixed_order, q_dtype, head_dim):
+    """fp32 queries take fp32 dots; bf16 ones the int16-pair path of the prefill kernel (float16
+    halves; head_dim 48 masks the pairs past it, 16 pads each half to a 16-wide dot), equal to the
+    reference over the same rounded queries within the float16 probabilities and the bf16 output."""
     scales = SCALES.to(DEVICE)
-    case, pool, k, v = _pool(MIXED_ROWS, 2, 32, 4, scales, seed=3)
+    case, pool, k, v = _pool(MIXED_ROWS, 2, head_dim, 4, scales, seed=3 + head_dim)
     ref, _ = _reference(case, pool, k, v, scales)
     append_kv(pool, k, v, case.meta.slot_mapping, scales)
-    out = prefill_attention(case.q, pool, case.meta, case.scale, fixed_order=fixed_order, kv_scale=scales)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    q = case.q.to(q_dtype)
+    if q_dtype != torch.float32:
+        ref, _ = _reference(dataclasses.replace(case, q=q.float()), pool, k, v, scales)
+    tol = dict(rtol=1e-4, atol=1e-5) if q_dtype == torch.float32 else dict(rtol=1e-2, atol=2e-3)
+    out = prefill_attention(q, pool, case.meta, case.scale, fixed_order=fixed_order, kv_scale=scales)
+    torch.testing.assert_close(out.float(), ref, **tol)
+    wrong = prefill_attention(q, pool, case.meta, case.scale, fixed_order=fixed_order,
+                              kv_scale=torch.ones_like(scales))
+    assert not torch.allclose(wrong.float(), ref, rtol=1e-2, atol=1e-2)  # the scales are really applied
 
 
 @pytest.mark.parametrize("kernel", ["decode", "prefill", "invariant"])
