@@ -139,6 +139,53 @@ def _attend_e4m3(acc_e, acc_o, l_i, m_i, q_e, q_o, pos, k_cache_ptr, v_cache_ptr
 
 
 @triton.jit
+def _tile(q_rows, m_valid, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, no_mask_end, end, scale_log2,
+          stride_cb, stride_cs, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """(unnormalised output, softmax sum) of a tile's queries (rows at ``q_rows``) over its keys:
+    the unmasked range below every query's position, then the causal one."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=m_valid[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+                            0, no_mask_end, scale_log2, stride_cb, stride_cs, stride_ch,
+                            BLOCK_SIZE, BLOCK_N, False, EVEN_D, DOT_DTYPE, DOT_PRECISION)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+                            no_mask_end, end, scale_log2, stride_cb, stride_cs, stride_ch,
+                            BLOCK_SIZE, BLOCK_N, True, EVEN_D, DOT_DTYPE, DOT_PRECISION)
+    return acc, l_i
+
+
+@triton.jit
+def _tile_e4m3(q_rows, m_valid, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, no_mask_end, end, scale_log2,
+               stride_cb, stride_cs, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, Q_BF16: tl.constexpr, USE_ASM: tl.constexpr):
+    """``_tile`` over an e4m3 cache read as int16 pairs (``_attend_e4m3``): the queries as float16
+    even / odd halves scaled per row (``load_q_pairs``), the two output halves interleaved at the end."""
+    BLOCK_P: tl.constexpr = BLOCK_D // 2
+    offs_p = tl.arange(0, BLOCK_P)
+    p_mask = offs_p < HEAD_DIM // 2
+    q_e, q_o, q_up = load_q_pairs(q_rows, m_valid, HEAD_DIM, BLOCK_P, Q_BF16)
+    row_scale = q_up * scale_log2
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_e = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
+    acc_o = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
+    EVEN_P: tl.constexpr = HEAD_DIM == BLOCK_D
+    acc_e, acc_o, l_i, m_i = _attend_e4m3(acc_e, acc_o, l_i, m_i, q_e, q_o, pos, k_cache_ptr, v_cache_ptr, table_ptr,
+                                          kv_head, offs_p, p_mask, 0, no_mask_end, row_scale, stride_cb, stride_cs,
+                                          stride_ch, BLOCK_SIZE, BLOCK_N, False, EVEN_P, USE_ASM)
+    acc_e, acc_o, l_i, m_i = _attend_e4m3(acc_e, acc_o, l_i, m_i, q_e, q_o, pos, k_cache_ptr, v_cache_ptr, table_ptr,
+                                          kv_head, offs_p, p_mask, no_mask_end, end, row_scale, stride_cb, stride_cs,
+                                          stride_ch, BLOCK_SIZE, BLOCK_N, True, EVEN_P, USE_ASM)
+    return tl.reshape(tl.join(acc_e, acc_o), [BLOCK_M, BLOCK_D]), l_i
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -190,8 +237,6 @@ def _prefill_kernel(
 
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
     q_idx = q_first + offs_m // BLOCK_G
     g = offs_m % BLOCK_G
     m_valid = (q_idx < q_len) & (g < GROUP)
@@ -205,38 +250,18 @@ def _prefill_kernel(
     table_ptr = block_table_ptr + row.to(tl.int64) * stride_bt
     if KV_FP8:  # the key scale folded into the softmax scale (powers of two: exact)
         scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
     q_rows = q_ptr + tok * stride_qt + heads * stride_qh
     if E4M3_PAIRS:  # 16-bit queries over an e4m3 cache: float16 halves of even and odd dims
-        BLOCK_P: tl.constexpr = BLOCK_D // 2
-        offs_p = tl.arange(0, BLOCK_P)
-        p_mask = offs_p < HEAD_DIM // 2
-        q_e, q_o, q_up = load_q_pairs(q_rows, m_valid, HEAD_DIM, BLOCK_P, Q_BF16)
-        acc_e = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
-        acc_o = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
-        EVEN_P: tl.constexpr = HEAD_DIM == BLOCK_D
-        acc_e, acc_o, l_i, m_i = _attend_e4m3(acc_e, acc_o, l_i, m_i, q_e, q_o, pos, k_cache_ptr, v_cache_ptr,
-                                              table_ptr, kv_head, offs_p, p_mask, 0, no_mask_end, q_up * scale_log2,
-                                              stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, False, EVEN_P,
-                                              USE_ASM)
-        acc_e, acc_o, l_i, m_i = _attend_e4m3(acc_e, acc_o, l_i, m_i, q_e, q_o, pos, k_cache_ptr, v_cache_ptr,
-                                              table_ptr, kv_head, offs_p, p_mask, no_mask_end, end, q_up * scale_log2,
-                                              stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, True, EVEN_P,
-                                              USE_ASM)
-        acc = tl.reshape(tl.join(acc_e, acc_o), [BLOCK_M, BLOCK_D])
+        acc, l_i = _tile_e4m3(q_rows, m_valid, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, no_mask_end, end,
+                              scale_log2, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_SIZE,
+                              BLOCK_N, Q_BF16, USE_ASM)
     else:
-        q = tl.load(q_rows[:, None] + offs_d[None, :], mask=m_valid[:, None] & d_mask[None, :],
-                    other=0.0).to(DOT_DTYPE)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
-                                0, no_mask_end, scale_log2, stride_cb, stride_cs, stride_ch,
-                                BLOCK_SIZE, BLOCK_N, False, EVEN_D, DOT_DTYPE, DOT_PRECISION)
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
-                                no_mask_end, end, scale_log2, stride_cb, stride_cs, stride_ch,
-                                BLOCK_SIZE, BLOCK_N, True, EVEN_D, DOT_DTYPE, DOT_PRECISION)
+        acc, l_i = _tile(q_rows, m_valid, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, no_mask_end, end,
+                         scale_log2, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_SIZE, BLOCK_N,
+                         DOT_DTYPE, DOT_PRECISION)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
     if KV_FP8:  # the value scale, once per output
         o = o * tl.load(kv_scale_ptr + num_kv_heads + kv_head)
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
