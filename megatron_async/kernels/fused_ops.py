@@ -97,6 +97,35 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return triton_act.silu_and_mul(gate_up)
 
 
+def fp8_input_prequantized(m: int, dtype: torch.dtype, device: torch.device, linear, fused: bool = True) -> bool:
+    """Whether the FP8 ``linear`` (a ``ParallelLinear``) would quantize m input rows of ``dtype`` in a
+    pass of its own (``triton_fp8_gemm.fp8_linear_prequantizes``): then their producer hands them
+    over quantized (``triton_fp8_act``). False
+    for a bf16 weight, off CUDA, and where the model's fused kernels are off."""
+    if linear is None or linear.weight_scale_inv is None or not fused or device.type != "cuda" or not _triton_importable():
+        return False
+    from megatron_async.kernels import triton_fp8_gemm
+
+    return triton_fp8_gemm.fp8_linear_prequantizes(m, dtype, device, linear.weight, linear.weight_scale_inv,
+                                                   linear.scale_block_n)
+
+
+def silu_and_mul_quantized(gate_up: torch.Tensor):
+    """``silu_and_mul`` then the FP8 linear's activation quantization, in one kernel (``QuantizedRows``)."""
+    from megatron_async.kernels import triton_fp8_act
+
+    return triton_fp8_act.silu_and_mul_quantized(gate_up)
+
+
+def rms_norm_quantized(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       cast_before_weight: bool):
+    """``add_rms_norm`` (``rms_norm`` without a residual) with its output quantized for an FP8 linear
+    in the same kernel: (``QuantizedRows``, the residual sum or None)."""
+    from megatron_async.kernels import triton_fp8_act
+
+    return triton_fp8_act.rms_norm_quantized(x, residual, weight, eps, cast_before_weight)
+
+
 def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """silu(gate) * up of the [gate | up] projection in one kernel (``triton_swiglu_matmul``);
     None where that kernel does not take the operands (pre-Hopper GPU, unaligned views) or

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_async.kernels.triton_fp8_act import QuantizedRows
 from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
 from megatron_async.kernels.triton_fp8_gemv import fp8_gemv_kernel, gemv_grid
 from megatron_async.kernels.triton_invariant_matmul import _split_sum_kernel, grouped_tile
@@ -262,12 +263,28 @@ def settle_fp8_linears(model: torch.nn.Module, device: torch.device) -> None:
         scaled_mm_runs(device)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-               scale_block_n: int = GROUP, batch_invariant: bool = False, tiles: Fp8Tiles | None = None,
-               prequantize: bool | None = None) -> torch.Tensor:
+def fp8_linear_prequantizes(m: int, dtype: torch.dtype, device: torch.device, weight: torch.Tensor,
+                            weight_scale: torch.Tensor, scale_block_n: int) -> bool:
+    """Whether ``fp8_linear`` would quantize m rows of ``dtype`` on ``device`` in a pass of its own
+    (cuBLASLt, or the Triton GEMM over pre-quantized rows): there their producer should hand them
+    over as ``QuantizedRows`` (``triton_fp8_act``). False off CUDA and where the GEMM quantizes in
+    registers (a few rows) or on the CUDA cores (one)."""
+    if device.type != "cuda" or m <= 0 or dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    n, k = weight.shape
+    probe = torch.empty((1, 1), dtype=dtype, device=device).expand(m, k)  # what the dispatch reads
+    return scaled_mm_takes(probe, weight, weight_scale, scale_block_n, False) or fp8_tiles(m, n, k, device)[1]
+
+
+def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None, scale_block_n: int = GROUP, batch_invariant: bool = False,
+               tiles: Fp8Tiles | None = None, prequantize: bool | None = None) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32), weight [N, K] e4m3, weight_scale [ceil(N / scale_block_n),
     ceil(K / 128)] float32 -> [..., N] in x's dtype. ``tiles`` / ``prequantize`` override
-    ``fp8_tiles``'s choice (and keep the call in Triton)."""
+    ``fp8_tiles``'s choice (and keep the call in Triton). x may come quantized (``QuantizedRows``,
+    where ``fp8_linear_prequantizes``): the same bits, without the quantize pass."""
+    if isinstance(x, QuantizedRows):
+        return _prequantized_linear(x, weight, weight_scale, bias, scale_block_n)
     lead, k = x.shape[:-1], x.shape[-1]
     a = x.reshape(-1, k)
     if a.stride(-1) != 1:
@@ -289,12 +306,30 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                           pre if prequantize is None else prequantize).reshape(*lead, n)
 
 
-def _triton_linear(a, weight, weight_scale, bias, scale_block_n: int, t: Fp8Tiles, prequantize: bool) -> torch.Tensor:
+def _prequantized_linear(x: QuantizedRows, weight, weight_scale, bias, scale_block_n: int) -> torch.Tensor:
+    m, n = x.m, weight.shape[0]
+    if weight.shape[1] != x.q.shape[1] or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_linear: weight {tuple(weight.shape)} {weight.dtype} does not fit {x.q.shape[1]} inputs")
+    if scaled_mm_takes(x.q.new_empty((1, 1), dtype=x.dtype).expand(x.shape), weight, weight_scale, scale_block_n, False):
+        y = torch._scaled_mm(x.q, weight.t(), scale_a=x.scale, scale_b=scaled_mm_weight_scale(weight_scale),
+                             out_dtype=x.dtype)[:m]
+        return y if bias is None else y + bias
+    t, pre = fp8_tiles(m, n, x.q.shape[1], x.device)
+    if not pre:
+        raise ValueError(f"fp8_linear: {m} rows of {tuple(weight.shape)} are quantized in the GEMM, not before it")
+    return _triton_linear(x.q[:m], weight, weight_scale, bias, scale_block_n, t, True, (x.scale[:m], x.dtype))
+
+
+def _triton_linear(a, weight, weight_scale, bias, scale_block_n: int, t: Fp8Tiles, prequantize: bool,
+                   quantized: tuple[torch.Tensor, torch.dtype] | None = None) -> torch.Tensor:
+    """``quantized``: a is already e4m3, with these scales and this output dtype."""
     m, k = a.shape
     n = weight.shape[0]
-    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    out = torch.empty(m, n, dtype=a.dtype if quantized is None else quantized[1], device=a.device)
     xs = weight_scale  # unused by the kernel when not pre-quantized
-    if prequantize:
+    if quantized is not None:
+        xs = quantized[0]
+    elif prequantize:
         a, xs = quantize_activation(a)
     bias_arg = weight_scale if bias is None else bias
     if t.block_m == 1:

@@ -15,11 +15,12 @@ MAX_HIDDEN = 16384  # one row lives in registers; wider rows would spill
 
 
 @triton.jit
-def add_norm_row(x, r, w_ptr, out_ptr, res_out_ptr, row, offs, mask, eps, N: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr):
-    """One row: with ``HAS_RESIDUAL`` x + r rounded to res_out's dtype (stored there), then its
-    RMSNorm stored in ``out`` (contiguous rows of N). x is the row in the activation dtype; the
-    kernels that make x differently (``triton_moe_combine``) share these roundings through it."""
+def norm_row(x, r, w_ptr, res_out_ptr, row, offs, mask, eps, N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+             CAST_BEFORE_WEIGHT: tl.constexpr, DT: tl.constexpr):
+    """One row's RMSNorm in ``DT`` (the output dtype): with ``HAS_RESIDUAL`` x + r first, rounded to
+    res_out's dtype and stored there (contiguous rows of N). x is the row in the activation dtype;
+    the kernels that make x differently (``triton_moe_combine``) or quantize the result
+    (``triton_fp8_act``) share these roundings through it."""
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * N + offs, x, mask=mask)
@@ -28,8 +29,17 @@ def add_norm_row(x, r, w_ptr, out_ptr, res_out_ptr, row, offs, mask, eps, N: tl.
     y = xf * rstd
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if CAST_BEFORE_WEIGHT:
-        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+        y = y.to(DT).to(tl.float32)
+    return (w * y).to(DT)
+
+
+@triton.jit
+def add_norm_row(x, r, w_ptr, out_ptr, res_out_ptr, row, offs, mask, eps, N: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr):
+    """``norm_row`` stored in ``out`` (contiguous rows of N)."""
+    y = norm_row(x, r, w_ptr, res_out_ptr, row, offs, mask, eps, N, HAS_RESIDUAL, CAST_BEFORE_WEIGHT,
+                 out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * N + offs, y, mask=mask)
 
 
 @triton.jit

@@ -6,15 +6,21 @@ import torch
 from megatron_async.kernels import fp8_quant as fq
 
 
-def check_gemm(out: torch.Tensor, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, sbn: int = 128, bias=None,
+def check_gemm(out: torch.Tensor, x, q: torch.Tensor, s: torch.Tensor, sbn: int = 128, bias=None,
                ulps: float = 1.0, slack: float = 2.0 ** -20) -> torch.Tensor:
     """|out - ref| <= ``ulps`` of out's dtype at |ref| + ``slack`` x sum |terms| (another summation
-    order; on the GPU, the FP8 tensor core's accumulation inside a group)."""
-    x, q, s = x.cpu(), q.cpu(), s.cpu()
+    order; on the GPU, the FP8 tensor core's accumulation inside a group). x: the activation, or its
+    rows already quantized (``QuantizedRows``: the reference starts from those)."""
+    q, s = q.cpu(), s.cpu()
     bias = None if bias is None else bias.cpu()
-    ref = fq.fp8_linear_reference(x, q, s, bias, sbn, out_dtype=torch.float32)
-    xq, xs = fq.quantize_activation(x)
-    mag = fq.dequantize_activation(xq, xs).abs() @ fq.dequantize_weight(q, s, sbn).abs().T
+    if hasattr(x, "scale"):  # QuantizedRows
+        a = fq.dequantize_activation(x.q[:x.m].cpu(), x.scale[:x.m].cpu())
+        ref = a @ fq.dequantize_weight(q, s, sbn).T + (0.0 if bias is None else bias.float())
+    else:
+        x = x.cpu()
+        ref = fq.fp8_linear_reference(x, q, s, bias, sbn, out_dtype=torch.float32)
+        a = fq.dequantize_activation(*fq.quantize_activation(x))
+    mag = a.abs() @ fq.dequantize_weight(q, s, sbn).abs().T
     tol = ulps * torch.finfo(out.dtype).eps * ref.abs() + slack * mag + 1e-30
     err = (out.float().cpu() - ref).abs()
     assert bool((err <= tol).all()), f"max err {err.max():.3g}, worst ratio {(err / tol).max():.3g}"
@@ -29,7 +35,8 @@ class Fp8CallChecks:
     gives the same output bits (so the GEMM's in-register quantization is that kernel's too), and
     the output is within ``check_gemm``'s bound of the float32 emulation. Failures are collected
     (``failures``), not raised inside the engine's step; ``rows`` / ``scale_block_ns`` / ``cublas_rows``
-    (calls cuBLASLt took: there the A-operand check does not apply) say what ran."""
+    (calls cuBLASLt took: there the A-operand check does not apply) and ``quantized_rows`` (calls
+    handed ``QuantizedRows``: only the output is checked, against those rows) say what ran."""
 
     def __init__(self, ulps: float = 1.0, slack: float = 2.0 ** -20):
         from megatron_async.kernels import triton_fp8_gemm
@@ -40,11 +47,23 @@ class Fp8CallChecks:
         self.scale_block_ns: set[int] = set()
         self.failures: list[str] = []
         self.cublas_rows: list[int] = []
+        self.quantized_rows: list[int] = []
+        from megatron_async.kernels.triton_fp8_act import QuantizedRows
+
+        self.rows_type = QuantizedRows
 
     def __call__(self, x, weight, weight_scale, bias=None, scale_block_n=128, batch_invariant=False, tiles=None,
                  prequantize=None):
         out = self.fp8_linear(x, weight, weight_scale, bias, scale_block_n, batch_invariant, tiles, prequantize)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return out
+        if isinstance(x, self.rows_type):  # handed over quantized by its producer: the output against them
+            self.rows.append(x.m)
+            self.quantized_rows.append(x.m)
+            try:
+                check_gemm(out, x, weight, weight_scale, scale_block_n, bias, self.ulps, self.slack)
+            except AssertionError as e:
+                self.failures.append(f"{x.m} quantized rows -> {weight.shape[0]}: {e}")
             return out
         a = x.reshape(-1, x.shape[-1])
         m, n = a.shape[0], weight.shape[0]

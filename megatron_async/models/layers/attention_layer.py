@@ -47,7 +47,13 @@ class Attention(nn.Module):
             return apply_rotary(t, cos, sin)
         return torch.cat([apply_rotary(t[..., :r], cos, sin), t[..., r:]], dim=-1)
 
+    @property
+    def fp8_input_linear(self) -> QKVParallelLinear | None:
+        """The FP8 linear that alone reads this mixer's input (its norm may hand it quantized rows)."""
+        return self.qkv_proj if self.qkv_proj.weight_scale_inv is not None else None
+
     def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        """x: [T, hidden], or its rows quantized for the FP8 qkv projection (``fp8_input_linear``)."""
         T = x.shape[0]
         inv, kernels = step.batch.batch_invariant, step.kernels
         q, k, v = self.qkv_proj(x, inv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -8,7 +8,9 @@ mixer's output projection (row-parallel) may leave its all-reduce to that norm t
 (``PendingSum``): one kernel sums the ranks' partials, adds the residual and normalises. A
 MoE mixer may leave its experts' slot sum the same way (``PendingCombine``). Both are
 ``DeferredSum``s: every consumer of a block's output is a norm (the next block's, the final
-norm, an MTP head's), and anything else must call ``reduce()``."""
+norm, an MTP head's), and anything else must call ``reduce()``. A mixer whose input goes only
+into an FP8 linear (``fp8_input_linear``) may get it from its norm as e4m3 rows with their scales
+(``QuantizedRows``), where that linear would otherwise quantize them in a pass of its own."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 
 from megatron_async.forward_batch import ForwardBatch
+from megatron_async.kernels import fused_ops
 from megatron_async.kernels.backends import KernelBackends
 from megatron_async.models.layers.mamba_step_plan import MambaStepPlan
 from megatron_async.models.layers.norm import RMSNorm
@@ -60,6 +63,17 @@ class Block(nn.Module):
                 proj.defer_reduction = True
         if hasattr(mixer, "defer_reduction"):
             mixer.defer_reduction = True
+        self._quantize_rows: dict[tuple[int, bool], bool] = {}
+
+    def _quantizes_input(self, rows: int, fused: bool) -> bool:
+        """Whether the norm hands the mixer ``rows`` quantized for its FP8 input linear (a function
+        of the row count and the weights' placement only: kept per row count)."""
+        key = (rows, fused)
+        if key not in self._quantize_rows:
+            w = self.norm.weight
+            self._quantize_rows[key] = fused_ops.fp8_input_prequantized(
+                rows, w.dtype, w.device, getattr(self.mixer, "fp8_input_linear", None), fused)
+        return self._quantize_rows[key]
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs
@@ -67,8 +81,9 @@ class Block(nn.Module):
         """x: the previous mixer's output (maybe a ``DeferredSum``), or the embeddings when
         ``residual`` is None. Returns (this mixer's output, the residual stream before it)."""
         inv, fused = step.batch.batch_invariant, step.kernels.fused
+        quantize = not inv and self._quantizes_input((x if residual is None else residual).shape[0], fused)
         if residual is None:
-            h, residual = self.norm(self.norm.in_dtype(x), inv, fused), x
+            h, residual = self.norm(self.norm.in_dtype(x), inv, fused, quantize), x
         else:
-            h, residual = self.norm.add_and_norm(x, residual, inv, fused)
+            h, residual = self.norm.add_and_norm(x, residual, inv, fused, quantize)
         return self.mixer(h, step), residual

@@ -25,10 +25,16 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, parallel, dtype, device, "intermediate_size",
                                            quant.fp8("down_proj"))
 
+    @property
+    def fp8_input_linear(self) -> MergedColumnParallelLinear | None:
+        """The FP8 linear that alone reads this mixer's input (its norm may hand it quantized rows)."""
+        return self.gate_up_proj if self.gate_up_proj.weight_scale_inv is not None else None
+
     def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor:
+        """x: [T, hidden], or its rows quantized for the FP8 gate_up (``fp8_input_linear``)."""
         inv = step is not None and step.batch.batch_invariant
         fused = step is None or step.kernels.fused
-        if not inv and fused_ops.use_fused(x, fused) and x.dim() == 2 and self.gate_up_proj.weight_scale_inv is None:
+        if self.gate_up_proj.weight_scale_inv is None and not inv and fused_ops.use_fused(x, fused) and x.dim() == 2:
             act = fused_ops.swiglu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if act is not None:
                 return self.down_proj(act, inv)
@@ -38,6 +44,9 @@ class SwiGLUMLP(nn.Module):
                 return self.down_proj(act, inv)
         gate_up = self.gate_up_proj(x, inv)
         if (inv or fused_ops.use_fused(gate_up, fused)) and gate_up.dim() == 2:
+            if not inv and fused_ops.fp8_input_prequantized(gate_up.shape[0], gate_up.dtype, gate_up.device,
+                                                            self.down_proj):
+                return self.down_proj(fused_ops.silu_and_mul_quantized(gate_up), inv)  # SwiGLU + FP8 quantize
             act = fused_ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
@@ -54,7 +63,13 @@ class ReluSquaredMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, parallel, dtype, device, "intermediate_size",
                                            quant.fp8("down_proj"))
 
+    @property
+    def fp8_input_linear(self) -> MergedColumnParallelLinear | None:
+        """The FP8 linear that alone reads this mixer's input (its norm may hand it quantized rows)."""
+        return self.gate_up_proj if self.gate_up_proj.weight_scale_inv is not None else None
+
     def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor:
+        """x: [T, hidden], or its rows quantized for the FP8 gate_up (``fp8_input_linear``)."""
         inv = step is not None and step.batch.batch_invariant
         return self.down_proj(torch.relu(self.up_proj(x, inv)).square(), inv)
 

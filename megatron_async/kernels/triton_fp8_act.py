@@ -1,0 +1,139 @@
+"""Activations handed to an FP8 linear already quantized (``QuantizedRows``), by the kernel that
+produces them, where ``fp8_linear`` would otherwise quantize them in a pass of its own.
+
+Above ``triton_fp8_gemm.SMALL_M`` rows the FP8 linear reads its input as e4m3 + 1 x 128 group
+scales that ``quantize_activation`` writes first (cuBLASLt's block-scaled recipe, or the Triton
+GEMM over pre-quantized rows): one more launch, a read of the bf16 rows and a write of the e4m3
+ones. ``silu_and_mul_quantized`` computes SwiGLU's ``silu(gate) * up`` and quantizes it in the
+same kernel, so the activation is never written in bf16 nor read back: the bits equal
+``triton_act.silu_and_mul`` then ``quantize_activation`` (the product rounded to the activation
+dtype first, as the unfused path stores it); ``rms_norm_quantized`` does the same for a block's
+(add +) RMSNorm. ``triton_fp8_gemm.fp8_linear_prequantizes`` says where the FP8 linear would take
+such rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_async.kernels.triton_act import silu_mul
+from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
+from megatron_async.kernels.triton_rmsnorm import norm_row
+
+GROUP = 128
+PAD_ROWS = 4
+"""Rows of ``QuantizedRows`` come padded to this (zeros): cuBLASLt's 1 x 128 recipe wants it."""
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """m rows of K activations as ``quantize_activation(x, pad_rows_to=PAD_ROWS)`` leaves them:
+    ``q`` [Mp, K] e4m3 (rows past m zeros), ``scale`` [Mp, ceil(K / 128)] float32 stored
+    K-group-major (strides (1, Mp)); ``dtype``: the activation dtype (the linear's output's)."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    m: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.m, self.q.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.q.is_cuda
+
+
+@triton.jit(do_not_specialize=["M", "rows"])
+def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows, stride_x, stride_qm, stride_sm, stride_sg,
+                               I: tl.constexpr, BLOCK_M: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+    """Program (row block, group of 128 columns of the activation): silu(gate) * up rounded to DT,
+    then its e4m3 values and group scale; rows from M to ``rows`` (padding) get zeros and a scale."""
+    g = tl.program_id(1)
+    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    k = g * 128 + tl.arange(0, 128)
+    mask = (offs_m < M)[:, None] & (k < I)[None, :]
+    gate = tl.load(x_ptr + offs_m[:, None] * stride_x + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + offs_m[:, None] * stride_x + I + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    act = silu_mul(gate, up, DT).to(tl.float32)  # silu(0) * 0 = 0 on masked lanes
+    q, s = quantize_groups(act, EMULATE)
+    live = offs_m < rows
+    tl.store(q_ptr + offs_m[:, None] * stride_qm + k[None, :], q, mask=live[:, None] & (k < I)[None, :])
+    tl.store(s_ptr + offs_m * stride_sm + g * stride_sg, s, mask=live)
+
+
+_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def silu_and_mul_quantized(gate_up: torch.Tensor) -> QuantizedRows:
+    """[T, 2I] (gate columns first, then up; unit last stride) -> silu(gate) * up as ``QuantizedRows``."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1 or gate_up.dtype not in _DTYPES:
+        raise ValueError(f"silu_and_mul_quantized takes a [T, 2I] tensor with unit last stride, got "
+                         f"{tuple(gate_up.shape)} {gate_up.dtype}")
+    m, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    mp = -(-m // PAD_ROWS) * PAD_ROWS
+    block_m = 16 if gate_up.device.type == "cpu" else 32
+    q = torch.empty(mp, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
+    s_t = torch.empty(triton.cdiv(inter, GROUP), mp, dtype=torch.float32, device=gate_up.device)
+    if mp and inter:
+        _silu_and_mul_quant_kernel[(triton.cdiv(mp, block_m), triton.cdiv(inter, GROUP))](
+            gate_up, q, s_t, m, mp, gate_up.stride(0), q.stride(0), s_t.stride(1), s_t.stride(0),
+            I=inter, BLOCK_M=block_m, DT=_DTYPES[gate_up.dtype], EMULATE=emulate(_silu_and_mul_quant_kernel),
+            num_warps=4)
+    return QuantizedRows(q, s_t.t(), m, gate_up.dtype)
+
+
+@triton.jit(do_not_specialize=["M", "rows"])
+def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, M, rows, stride_x, stride_r, eps,
+                           N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                           CAST_BEFORE_WEIGHT: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+    """One program per row of the padded rows: ``triton_rmsnorm.norm_row`` (the residual sum stored
+    for rows below M), then its 128-wide groups quantized; rows from M on norm a zero row (zeros
+    and the scale of an all-zero group, as ``quantize_activation`` pads)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < tl.where(row < M, N, 0)  # padding rows load nothing
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    r = x
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+    y = norm_row(x, r, w_ptr, res_out_ptr, row, offs, mask, eps, N, HAS_RESIDUAL, CAST_BEFORE_WEIGHT, DT)
+    q, sc = quantize_groups(tl.reshape(y.to(tl.float32), [BLOCK_N // 128, 128]), EMULATE)
+    groups = tl.arange(0, BLOCK_N // 128)
+    cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+    tl.store(q_ptr + row * N + cols, q, mask=cols < N)  # the grid is the padded rows
+    tl.store(s_ptr + groups * rows + row, sc, mask=groups * 128 < N)
+
+
+def rms_norm_quantized(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       cast_before_weight: bool) -> tuple[QuantizedRows, torch.Tensor | None]:
+    """(``triton_rmsnorm.add_rms_norm``'s (or ``rms_norm``'s, ``residual`` None) normed rows as
+    ``QuantizedRows``, the residual sum or None): the bits of the norm then ``quantize_activation``."""
+    m, n = x.shape
+    if (x.dim() != 2 or n < GROUP or weight.shape != (n,) or weight.dtype != x.dtype or x.dtype not in _DTYPES
+            or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))):
+        raise ValueError(f"rms_norm_quantized: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    mp = -(-m // PAD_ROWS) * PAD_ROWS
+    q = torch.empty(mp, n, dtype=torch.float8_e4m3fn, device=x.device)
+    s_t = torch.empty(triton.cdiv(n, GROUP), mp, dtype=torch.float32, device=x.device)
+    res_out = None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    if mp:
+        from megatron_async.kernels import triton_rmsnorm
+
+        block = triton.next_power_of_2(n)  # the norm kernel's: its row sum adds in the same order
+        _rms_norm_quant_kernel[(mp,)](
+            x, x if residual is None else residual, weight, q, s_t, x if res_out is None else res_out, m, mp,
+            x.stride(0), 0 if residual is None else residual.stride(0), eps, N=n, BLOCK_N=block,
+            HAS_RESIDUAL=residual is not None, CAST_BEFORE_WEIGHT=cast_before_weight, DT=_DTYPES[x.dtype],
+            EMULATE=emulate(_rms_norm_quant_kernel), num_warps=triton_rmsnorm.num_warps(block))
+    return QuantizedRows(q, s_t.t(), m, x.dtype), res_out

@@ -1,0 +1,133 @@
+"""Activations handed to the FP8 linear already quantized (triton_fp8_act; interpreted on CPU,
+compiled on CUDA): SwiGLU + quantize and (add +) RMSNorm + quantize in one kernel give the bits of
+the unfused kernels then ``quantize_activation`` (padding rows zeros), the FP8 linear over those
+rows gives the bits of the linear over the bf16 activation, and the SwiGLU MLP and a block's norm
+take the one-kernel paths exactly where the linear would quantize in a pass of its own (on CUDA)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megatron_async.kernels import fp8_quant as fq, fused_ops, triton_act  # noqa: E402
+from megatron_async.kernels import triton_fp8_act as fa, triton_fp8_gemm as tg  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gate_up(m: int, inter: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 2 * inter, generator=g) * torch.linspace(0.05, 6, 2 * inter)
+    return x.to(torch.bfloat16).to(DEVICE)
+
+
+@pytest.mark.parametrize("m,inter", [(1, 128), (7, 200), (33, 384), (130, 256)])
+def test_silu_and_mul_quantized_equals_the_two_passes(m, inter):
+    gate_up = _gate_up(m, inter, seed=m + inter)
+    rows = fa.silu_and_mul_quantized(gate_up)
+    q, s = tg.quantize_activation(triton_act.silu_and_mul(gate_up), pad_rows_to=fa.PAD_ROWS)
+    assert rows.m == m and rows.shape == (m, inter) and rows.dtype == torch.bfloat16
+    assert rows.q.shape == q.shape and rows.scale.stride() == s.stride()
+    assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(rows.scale, s)
+    assert not rows.q[m:].float().any()  # padding rows are zeros
+
+
+@pytest.mark.parametrize("m,n,residual,cast_first", [(1, 128, True, True), (7, 200, True, False), (33, 256, False, True),
+                                                     (130, 384, True, True)])
+def test_rms_norm_quantized_equals_the_norm_then_the_quantize(m, n, residual, cast_first):
+    from megatron_async.kernels import triton_rmsnorm
+
+    g = torch.Generator().manual_seed(m + n)
+    x = (torch.randn(m, n, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    r = (torch.randn(m, n, generator=g) * 3).to(torch.bfloat16).to(DEVICE) if residual else None
+    w = (1 + 0.3 * torch.randn(n, generator=g)).to(torch.bfloat16).to(DEVICE)
+    rows, res = fa.rms_norm_quantized(x, r, w, 1e-6, cast_first)
+    if residual:
+        normed, want_res = triton_rmsnorm.add_rms_norm(x, r, w, 1e-6, cast_first)
+        assert torch.equal(res, want_res)
+    else:
+        normed = triton_rmsnorm.rms_norm(x, w, 1e-6, cast_first)
+        assert res is None
+    q, s = tg.quantize_activation(normed, pad_rows_to=fa.PAD_ROWS)
+    assert rows.m == m and rows.q.shape == q.shape
+    assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(rows.scale, s)
+
+
+def test_fp8_linear_over_quantized_rows_equals_it_over_the_activation():
+    m, inter, n = 40, 256, 96  # above SMALL_M rows: the GEMM reads pre-quantized rows
+    gate_up = _gate_up(m, inter, seed=3)
+    w, ws = fq.quantize_weight(torch.randn(n, inter, generator=torch.Generator().manual_seed(4)) * 0.05)
+    w, ws = w.to(DEVICE), ws.to(DEVICE)
+    act = triton_act.silu_and_mul(gate_up)
+    want = tg.fp8_linear(act, w, ws)
+    got = tg.fp8_linear(fa.silu_and_mul_quantized(gate_up), w, ws)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert (want.float() - fq.fp8_linear_reference(act, w, ws).float()).abs().max() <= 2e-2 * want.abs().max()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the one-kernel path is a CUDA path")
+@pytest.mark.parametrize("rows", [1, 8, 64, 128, 300])
+def test_swiglu_mlp_hands_the_down_projection_quantized_rows_where_it_would_quantize(rows, monkeypatch):
+    from megatron_async.models.layers.block import StepInputs
+    from megatron_async.kernels.backends import KernelBackends
+    from megatron_async.models.layers.mlp import SwiGLUMLP
+    from megatron_async.models.quantization import Fp8Config, QuantScope
+    from megatron_async.parallel.state import ParallelState
+
+    torch.manual_seed(rows)
+    mlp = SwiGLUMLP(512, 1024, False, ParallelState(), torch.bfloat16, "cuda",
+                    QuantScope(Fp8Config(), "model.layers.0.mlp"))
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        q, s = fq.quantize_weight(torch.randn(lin.weight.shape, device="cuda") * 0.05)
+        lin.weight.data.copy_(q)
+        lin.weight_scale_inv.data.copy_(s)
+    calls, real = [], fused_ops.silu_and_mul_quantized
+    monkeypatch.setattr(fused_ops, "silu_and_mul_quantized", lambda t: calls.append(t.shape[0]) or real(t))
+    x = torch.randn(rows, 512, device="cuda").to(torch.bfloat16)
+    step = StepInputs(SimpleNamespace(batch_invariant=False), None, None,
+                      kernels=KernelBackends(attention="triton", fused=True))
+    got = mlp(x, step)
+    expect_fused = tg.fp8_linear_prequantizes(rows, x.dtype, x.device, mlp.down_proj.weight,
+                                              mlp.down_proj.weight_scale_inv, 128)
+    assert calls == ([rows] if expect_fused else []), (calls, expect_fused)
+    want = mlp.down_proj(triton_act.silu_and_mul(mlp.gate_up_proj(x)))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the one-kernel path is a CUDA path")
+@pytest.mark.parametrize("rows", [1, 8, 64, 128, 300])
+def test_a_blocks_norm_hands_its_fp8_mixer_quantized_rows_where_it_would_quantize(rows, monkeypatch):
+    """A Block of RMSNorm + an FP8 SwiGLU MLP (its gate_up alone reads the input): the norm's
+    quantizing kernel runs exactly where gate_up would quantize in a pass of its own, with the
+    bits of the unfused block, from the embeddings (no residual) and with one."""
+    from megatron_async.kernels.backends import KernelBackends
+    from megatron_async.models.layers.block import Block, StepInputs
+    from megatron_async.models.layers.mlp import SwiGLUMLP
+    from megatron_async.models.layers.norm import RMSNorm
+    from megatron_async.models.quantization import Fp8Config, QuantScope
+    from megatron_async.parallel.state import ParallelState
+
+    torch.manual_seed(rows + 1)
+    mlp = SwiGLUMLP(512, 1024, False, ParallelState(), torch.bfloat16, "cuda",
+                    QuantScope(Fp8Config(), "model.layers.0.mlp"))
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        q, s = fq.quantize_weight(torch.randn(lin.weight.shape, device="cuda") * 0.05)
+        lin.weight.data.copy_(q)
+        lin.weight_scale_inv.data.copy_(s)
+    block = Block(RMSNorm(512, 1e-6, torch.bfloat16, "cuda"), mlp)
+    calls, real = [], fused_ops.rms_norm_quantized
+    monkeypatch.setattr(fused_ops, "rms_norm_quantized", lambda *a: calls.append(a[1] is None) or real(*a))
+    step = StepInputs(SimpleNamespace(batch_invariant=False), None, None,
+                      kernels=KernelBackends(attention="triton", fused=True))
+    x = torch.randn(rows, 512, device="cuda").to(torch.bfloat16)
+    res = torch.randn(rows, 512, device="cuda").to(torch.bfloat16)
+    first, _ = block(x, None, step)
+    later, summed = block(x, res, step)
+    expect = tg.fp8_linear_prequantizes(rows, torch.bfloat16, x.device, mlp.gate_up_proj.weight,
+                                        mlp.gate_up_proj.weight_scale_inv, 128)
+    assert calls == ([True, False] if expect else []), (calls, expect)
+    assert torch.equal(first, mlp(block.norm(x), step))
+    assert torch.equal(summed, x + res) and torch.equal(later, mlp(block.norm(x + res), step))
