@@ -27,6 +27,7 @@ def attend(
     scale: float,
     fixed_order: bool = False,
     kv_scale: torch.Tensor | None = None,
+    quantize: bool = False,
 ) -> torch.Tensor:
     """Append k/v ([T, KVH, D]; None: already in the cache) at ``meta.slot_mapping[:T]``, then attend q ([T, H, D]) over
     each row's paged KV. Returns [T, H, D] in q's dtype.
@@ -39,11 +40,12 @@ def attend(
     step's batch, on how its prompt was chunked, or on decode vs prefill.
 
     An e4m3 cache: ``kv_scale`` [2, KVH] (keys, values) quantizes the append and is folded into
-    the kernels' softmax scale and output."""
+    the kernels' softmax scale and output. ``quantize`` (D = 128, not with ``fixed_order``): the
+    output's [T, H * D] rows quantized for an FP8 o projection by the kernel (``QuantizedRows``)."""
     if k is not None:  # None: the rope kernel stored them already
         append_kv(kv_cache, k, v, meta.slot_mapping, kv_scale)
     if fixed_order:
         return invariant_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
     if meta.is_decode_only:
-        return decode_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
-    return prefill_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
+        return decode_attention(q, kv_cache, meta, scale, kv_scale=kv_scale, quantize=quantize)
+    return prefill_attention(q, kv_cache, meta, scale, kv_scale=kv_scale, quantize=quantize)

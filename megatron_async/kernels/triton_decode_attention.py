@@ -36,12 +36,14 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.runtime.interpreter import InterpretedFunction
+
 from megatron_async.forward_batch import AttentionMetadata
+from megatron_async.kernels.triton_fp8_act import QuantizedRows, attention_outputs, store_heads_quantized
 from megatron_async.kernels.triton_paged_common import (
     check_cache, dot_args, kv_scale_args, kv_tile_rows, load_kv, load_q_pairs, num_compute_units, q_as_pairs,
     widen_e4m3_pairs,
 )
-from triton.runtime.interpreter import InterpretedFunction
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -120,13 +122,18 @@ def _attend_split_e4m3(
 @triton.jit
 def _store_split(
     acc, l_i, m_i, row, heads, split, offs_d, g_mask, d_mask, out_ptr, part_out_ptr, part_lse_ptr,
-    stride_ot, stride_oh, num_heads, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    stride_ot, stride_oh, num_heads, oq_ptr, os_ptr, rows_padded, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    QUANT_OUT: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    """The split's normalised output: the row's output itself when it is the only split, else a
+    """The split's normalised output: the row's output itself when it is the only split (with
+    ``QUANT_OUT`` quantized for an FP8 o projection instead, ``store_heads_quantized``), else a
     partial output plus its log-sum-exp (log2) for the merge kernel."""
     has_keys = l_i > 0.0  # an empty split (or an empty row) contributes nothing
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if NUM_SPLITS == 1 and QUANT_OUT:
+        store_heads_quantized(o, row + heads * 0, heads, g_mask, oq_ptr, os_ptr, rows_padded, num_heads * 128,
+                              out_ptr.dtype.element_ty, EMULATE)
+    elif NUM_SPLITS == 1:
         tl.store(
             out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
@@ -138,6 +145,17 @@ def _store_split(
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
                  mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _split_keys(kv_lens_ptr, positions_ptr, row, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[start, end) of the keys of split ``split``, of those visible to the row's single query:
+    [0, min(kv_len, position + 1)) cut into NUM_SPLITS chunks of whole key tiles."""
+    kv_len = tl.load(kv_lens_ptr + row).to(tl.int64)
+    length = tl.minimum(kv_len, tl.load(positions_ptr + row).to(tl.int64) + 1)
+    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    return start, tl.minimum(start + chunk, length)
 
 
 @triton.jit
@@ -177,6 +195,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     E4M3_PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, Q_BF16: tl.constexpr, USE_ASM: tl.constexpr,
+    oq_ptr, os_ptr, rows_padded, QUANT_OUT: tl.constexpr,
 ):
     if HEADS_FASTEST:  # a row's KV heads side by side in the grid: they read the same tokens' cache lines
         kv_head = tl.program_id(0)
@@ -188,12 +207,7 @@ def _decode_split_kernel(
         row = tl.load(row_order_ptr + row)
     split = tl.program_id(2)
 
-    # Keys visible to the row's single query: [0, min(kv_len, position + 1)).
-    kv_len = tl.load(kv_lens_ptr + row).to(tl.int64)
-    length = tl.minimum(kv_len, tl.load(positions_ptr + row).to(tl.int64) + 1)
-    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, length)
+    start, end = _split_keys(kv_lens_ptr, positions_ptr, row, split, NUM_SPLITS, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -220,7 +234,8 @@ def _decode_split_kernel(
     if KV_FP8:  # the value scale, once per output
         acc = acc * tl.load(kv_scale_ptr + num_kv_heads + kv_head)
     _store_split(acc, l_i, m_i, row, heads, split, offs_d, g_mask, d_mask, out_ptr, part_out_ptr, part_lse_ptr,
-                 stride_ot, stride_oh, num_heads, HEAD_DIM, NUM_SPLITS)
+                 stride_ot, stride_oh, num_heads, oq_ptr, os_ptr, rows_padded, HEAD_DIM, NUM_SPLITS, QUANT_OUT,
+                 not USE_ASM)
 
 
 @triton.jit
@@ -235,6 +250,7 @@ def _decode_merge_kernel(
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    oq_ptr, os_ptr, rows_padded, QUANT_OUT: tl.constexpr, EMULATE: tl.constexpr,
 ):
     # One program per (row, query head): weight each split by exp2(lse_s - max lse).
     row = tl.program_id(0).to(tl.int64)
@@ -251,7 +267,13 @@ def _decode_merge_kernel(
                 mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     den = tl.sum(w, 0)
     res = tl.sum(w[:, None] * o, 0) / tl.where(den > 0.0, den, 1.0)
-    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
+    if QUANT_OUT:  # one head = one 128-wide group of the o projection's input
+        one = tl.arange(0, 1)
+        store_heads_quantized(tl.reshape(res, [1, BLOCK_D]), row + one, head + one, one == 0, oq_ptr, os_ptr,
+                              rows_padded, num_heads * 128, out_ptr.dtype.element_ty, EMULATE)
+    else:
+        tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
+                 mask=d_mask)
 
 
 def choose_num_splits(num_rows: int, num_kv_heads: int, max_blocks_per_row: int, block_size: int,
@@ -268,6 +290,22 @@ def choose_num_splits(num_rows: int, num_kv_heads: int, max_blocks_per_row: int,
     return max(1, min(want, cap, _MAX_SPLITS))
 
 
+def _tiles(head_dim: int, pairs: bool, block_n: int | None, num_stages: int | None,
+           device: torch.device) -> tuple[int, int]:
+    """(key-tile size, pipeline stages), each where not given. 128-key tiles, 3 stages: the fastest
+    of `kernel-times paged-attention --sweep R 100 L --sweep-heads-first` on an H100 at both 128 rows
+    x 100-1,152 keys (123.3 us; 32-key tiles 120.2 there but 137.5 at 64 rows) and 64 rows x
+    100-2,048 (109.7 us); wider heads keep the smaller tile (shared memory). An e4m3 pool's pairs: 5
+    stages, the first to double-buffer the tiles (the block-table load takes a stage ahead of them):
+    -5 % at 32 x 12,288 keys against 3."""
+    wide = head_dim > 128
+    if block_n is None:
+        block_n = 16 if device.type == "cpu" else (64 if wide else 128)
+    if num_stages is None:
+        num_stages = 5 if pairs else (2 if wide else 3)
+    return block_n, num_stages
+
+
 def decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -279,9 +317,12 @@ def decode_attention(
     num_stages: int | None = None,
     heads_fastest: bool = True,
     kv_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+    quantize: bool = False,
+) -> torch.Tensor | QuantizedRows:
     """Attention of one query per row (q: [R, H, D], row r = token r) over the row's paged
-    KV (already appended). ``meta.max_kv_len`` is not used. Returns [R, H, D] in q's dtype.
+    KV (already appended). ``meta.max_kv_len`` is not used. Returns [R, H, D] in q's dtype, or
+    with ``quantize`` (D = 128) its [R, H * D] rows quantized for an FP8 o projection in the same
+    kernel (``QuantizedRows``; the bits of the output then ``quantize_activation``).
     ``kv_scale`` [2, KVH]: an e4m3 cache's key / value scales.
 
     ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the split count,
@@ -290,25 +331,16 @@ def decode_attention(
     check_cache(kv_cache, q)
     num_rows, num_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    out = torch.empty(num_rows, num_heads, head_dim, device=q.device, dtype=q.dtype)
+    out, rows_q, quant_args = attention_outputs(q, quantize)
     if num_rows == 0:
-        return out
+        return out if rows_q is None else rows_q
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, meta.block_table.shape[1], block_size, q.device)
     scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
     pairs = fp8 and q.dtype in (torch.bfloat16, torch.float16)  # fp32 queries keep fp32 dots
     if pairs and head_dim % 2:
         raise ValueError(f"an e4m3 cache needs an even head_dim, got {head_dim}")
-    # 128-key tiles, 3 stages: the fastest of `kernel-times paged-attention --sweep R 100 L --sweep-heads-first` on an
-    # both 128 rows x 100-1,152 keys (123.3 us; 32-key tiles 120.2 there but 137.5 at 64 rows) and
-    # 64 rows x 100-2,048 (109.7 us); wider heads keep the smaller tile (shared memory). An e4m3 pool's
-    # pairs: 5 stages, the first to double-buffer the tiles (the block-table load takes a stage ahead
-    # of them): -5 % at 32 x 12,288 keys against 3
-    wide = head_dim > 128
-    if block_n is None:
-        block_n = 16 if q.device.type == "cpu" else (64 if wide else 128)
-    if num_stages is None:
-        num_stages = 5 if pairs else (2 if wide else 3)
+    block_n, num_stages = _tiles(head_dim, pairs, block_n, num_stages, q.device)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on GPU
     if num_splits > 1:
@@ -336,13 +368,13 @@ def decode_attention(
         Q_BF16=q.dtype == torch.bfloat16,
         USE_ASM=not isinstance(_decode_split_kernel, InterpretedFunction),
         HEADS_FASTEST=heads_fastest, **dot_args(_decode_split_kernel, kv_cache.dtype, q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        **quant_args, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_rows, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d,
-            num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, **quant_args,
+            EMULATE=isinstance(_decode_merge_kernel, InterpretedFunction), num_warps=4,
         )
-    return out
+    return out if rows_q is None else rows_q

@@ -30,8 +30,10 @@ PAD_ROWS = 4
 @dataclass(frozen=True)
 class QuantizedRows:
     """m rows of K activations as ``quantize_activation(x, pad_rows_to=PAD_ROWS)`` leaves them:
-    ``q`` [Mp, K] e4m3 (rows past m zeros), ``scale`` [Mp, ceil(K / 128)] float32 stored
-    K-group-major (strides (1, Mp)); ``dtype``: the activation dtype (the linear's output's)."""
+    ``q`` [Mp, K] e4m3, ``scale`` [Mp, ceil(K / 128)] float32 stored K-group-major (strides (1, Mp));
+    ``dtype``: the activation dtype (the linear's output's). Rows past m are zeros where the
+    producer writes them (SwiGLU, the norm), else unwritten (attention): a linear's output row
+    reads its own input row only, and rows past m are dropped."""
     q: torch.Tensor
     scale: torch.Tensor
     m: int
@@ -69,6 +71,37 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows, stride_x, stride_qm
 
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def store_heads_quantized(o, tok, heads, rows_mask, q_ptr, s_ptr, rows_padded, width, DT: tl.constexpr,
+                          EMULATE: tl.constexpr):
+    """An attention kernel's output rows o [R, 128] float32 (head ``heads`` of token ``tok`` each:
+    one 128-wide group of the o projection's [T, width] input) rounded to ``DT`` as its output
+    would be stored, then quantized into ``QuantizedRows``' buffers (``attention_output_rows``)."""
+    q, s = quantize_groups(o.to(DT).to(tl.float32), EMULATE)
+    d = tl.arange(0, 128)
+    tok = tok.to(tl.int64)
+    tl.store(q_ptr + tok[:, None] * width + heads[:, None] * 128 + d[None, :], q, mask=rows_mask[:, None])
+    tl.store(s_ptr + heads * rows_padded + tok, s, mask=rows_mask)
+
+
+def attention_outputs(q: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, QuantizedRows | None, dict]:
+    """An attention kernel's outputs for queries q [T, H, D]: (the [T, H, D] output, None, the
+    kernel's unused quantized-output arguments), or with ``quantize`` (D = 128) an empty output,
+    unwritten ``QuantizedRows`` of [T, H * 128] (``store_heads_quantized`` fills the real rows) and
+    the kernel's arguments for them (``oq_ptr``, ``os_ptr``, ``rows_padded``, ``QUANT_OUT``)."""
+    tokens, heads, head_dim = q.shape
+    if not quantize:
+        out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+        return out, None, dict(oq_ptr=out, os_ptr=out, rows_padded=0, QUANT_OUT=False)
+    if head_dim != GROUP:
+        raise ValueError(f"attention: a quantized output needs head_dim {GROUP} (one group a head), got {head_dim}")
+    mp = -(-tokens // PAD_ROWS) * PAD_ROWS
+    rows = QuantizedRows(torch.empty(mp, heads * GROUP, dtype=torch.float8_e4m3fn, device=q.device),
+                         torch.empty(heads, mp, dtype=torch.float32, device=q.device).t(), tokens, q.dtype)
+    out = torch.empty((0, heads, head_dim), dtype=q.dtype, device=q.device)
+    return out, rows, dict(oq_ptr=rows.q, os_ptr=rows.scale, rows_padded=mp, QUANT_OUT=True)
 
 
 def silu_and_mul_quantized(gate_up: torch.Tensor) -> QuantizedRows:

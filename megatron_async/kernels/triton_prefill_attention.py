@@ -29,6 +29,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from megatron_async.forward_batch import AttentionMetadata
+from megatron_async.kernels.triton_fp8_act import QuantizedRows, attention_outputs, store_heads_quantized
 from megatron_async.kernels.triton_paged_common import (
     check_cache, dot_args, kv_scale_args, kv_tile_rows, load_q_pairs, q_as_pairs, widen_e4m3_pairs,
 )
@@ -186,6 +187,22 @@ def _tile_e4m3(q_rows, m_valid, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_hea
 
 
 @triton.jit
+def _store_output(o, tok, heads, m_valid, out_ptr, stride_ot, stride_oh, oq_ptr, os_ptr, rows_padded, width,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUANT_OUT: tl.constexpr, EMULATE: tl.constexpr):
+    """The tile's normalised output rows (token ``tok``, head ``heads`` each): stored in the output's
+    dtype, or with ``QUANT_OUT`` quantized for an FP8 o projection (each row one 128-wide group of
+    its [T, width] input, ``store_heads_quantized``)."""
+    if QUANT_OUT:
+        store_heads_quantized(o, tok, heads, m_valid, oq_ptr, os_ptr, rows_padded, width, out_ptr.dtype.element_ty,
+                              EMULATE)
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -219,6 +236,7 @@ def _prefill_kernel(
     E4M3_PAIRS: tl.constexpr,
     Q_BF16: tl.constexpr,
     USE_ASM: tl.constexpr,
+    oq_ptr, os_ptr, rows_padded, QUANT_OUT: tl.constexpr,
 ):
     if HEADS_FASTEST:  # a tile's KV heads run side by side: they read the same tokens' K/V records
         kv_head = tl.program_id(0)
@@ -260,12 +278,10 @@ def _prefill_kernel(
                          scale_log2, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_SIZE, BLOCK_N,
                          DOT_DTYPE, DOT_PRECISION)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
     if KV_FP8:  # the value scale, once per output
         o = o * tl.load(kv_scale_ptr + num_kv_heads + kv_head)
-    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
+    _store_output(o, tok, heads, m_valid, out_ptr, stride_ot, stride_oh, oq_ptr, os_ptr, rows_padded,
+                  num_kv_heads * GROUP * 128, HEAD_DIM, BLOCK_D, QUANT_OUT, not USE_ASM)
 
 
 def prefill_tiles(group: int, device: torch.device) -> tuple[int, int]:
@@ -305,9 +321,11 @@ def prefill_attention(
     heads_fastest: bool = True,
     maxnreg: int | None = None,
     kv_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+    quantize: bool = False,
+) -> torch.Tensor | QuantizedRows:
     """Causal attention of packed queries q [T, H, D] (rows as in ``meta``) over each row's
-    paged KV (already appended). Returns [T, H, D] in q's dtype.
+    paged KV (already appended). Returns [T, H, D] in q's dtype, or with ``quantize`` (D = 128, not
+    with ``fixed_order``) its [T, H * D] rows quantized for an FP8 o projection in the same kernel.
 
     ``block_q`` / ``block_n`` / ``num_warps`` / ``num_stages`` / ``maxnreg`` override the
     query-token and key tile sizes and launch settings (tests, ``kernel-times paged-attention --sweep-prefill``).
@@ -318,15 +336,17 @@ def prefill_attention(
     share one record in the cache, see ``kernel-times paged-attention --grid-order``); same bits.
     ``kv_scale`` [2, KVH]: an e4m3 cache's key / value scales."""
     if fixed_order:
+        if quantize:
+            raise ValueError("prefill_attention: the batch-invariant kernel returns its output unquantized")
         from megatron_async.kernels.triton_invariant_attention import invariant_attention
 
         return invariant_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
     check_cache(kv_cache, q)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out, rows_q, quant_args = attention_outputs(q, quantize)
     if num_tokens == 0 or meta.num_rows == 0:
-        return out
+        return out if rows_q is None else rows_q
     group = num_heads // num_kv_heads
     block_g = max(1, triton.next_power_of_2(group))
     default_q, default_n = prefill_tiles(group, q.device)
@@ -360,7 +380,7 @@ def prefill_attention(
         **dot_args(_prefill_kernel, kv_cache.dtype, q.dtype), HEADS_FASTEST=heads_fastest, KV_FP8=fp8,
         E4M3_PAIRS=pairs, Q_BF16=q.dtype == torch.bfloat16,
         USE_ASM=not isinstance(_prefill_kernel, InterpretedFunction),
-        num_warps=num_warps, num_stages=num_stages,
+        **quant_args, num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
-    return out
+    return out if rows_q is None else rows_q

@@ -50,6 +50,24 @@ def test_engine_fp8_linears_match_the_emulation_call_by_call(tmp_path, monkeypat
     assert checks.quantized_rows and min(checks.quantized_rows) > triton_fp8_gemm.SMALL_M
 
 
+def test_every_fp8_linear_input_of_a_prefill_step_comes_quantized_by_its_producer(tmp_path, monkeypatch):
+    """bf16, head_dim 128: in the 340-row step the norms hand qkv and gate_up their rows, SwiGLU hands
+    down its, and the attention kernel hands o its (one 128-wide group a head); every such call is
+    within the emulation's bound on those rows, and no FP8 linear of that step quantizes its own."""
+    shape = dict(SHAPE, head_dim=128, intermediate_size=768)
+    ckpt = str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "m", **shape))
+    checks = Fp8CallChecks(ulps=0.5, slack=2.0 ** -11)
+    monkeypatch.setattr(triton_fp8_gemm, "fp8_linear", checks)
+    cfg = InferenceConfig(**TINY, max_tokens=512, cuda_graphs=False)
+    llm = LLM(ckpt, device="cuda", dtype="bfloat16", inference_config=cfg, quantization="fp8")
+    sp = SamplingParams(top_k=1, num_tokens_to_generate=4, ignore_eos=True)
+    assert all(len(o.generated_tokens) == 4 for o in llm.generate(PROMPTS, sp))
+    assert checks.failures == []
+    hidden, heads = shape["hidden_size"], shape["num_attention_heads"]
+    assert checks.quantized_widths == {hidden, heads * 128, shape["intermediate_size"]}
+    assert checks.quantized_rows.count(340) == 4 * 2  # qkv, o, gate_up, down in each of the 2 layers
+
+
 def test_gpu_log_probs_stay_near_the_cpu_emulation(tmp_path):
     """End to end the two cannot agree to float32 rounding: an activation within one rounding
     error of an e4m3 midpoint rounds to the other neighbour (a step of 1/16 of it), and this

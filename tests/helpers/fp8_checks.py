@@ -48,6 +48,7 @@ class Fp8CallChecks:
         self.failures: list[str] = []
         self.cublas_rows: list[int] = []
         self.quantized_rows: list[int] = []
+        self.quantized_widths: set[int] = set()
         from megatron_async.kernels.triton_fp8_act import QuantizedRows
 
         self.rows_type = QuantizedRows
@@ -60,6 +61,7 @@ class Fp8CallChecks:
         if isinstance(x, self.rows_type):  # handed over quantized by its producer: the output against them
             self.rows.append(x.m)
             self.quantized_rows.append(x.m)
+            self.quantized_widths.add(x.q.shape[1])
             try:
                 check_gemm(out, x, weight, weight_scale, scale_block_n, bias, self.ulps, self.slack)
             except AssertionError as e:

@@ -1,6 +1,6 @@
 """Self-attention mixer of GPT and hybrid models: fused qkv projection (column-parallel by
 heads), optional per-head q/k norm, RoPE on the first ``rotary_dim`` dims of each head (none
-when 0), paged attention over this rank's heads, row-parallel output projection.
+when 0), paged attention over this rank's heads, row-parallel output projection (an FP8 one may get its input quantized by the attention kernel).
 
 ``kv_scale`` [2, KV heads of this rank] float32 (keys, values): the scales of an e4m3 KV cache
 (``kernels/kv_cache_fp8.py``), powers of two, 1.0 (values beyond +-448 saturate). A buffer, not
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron_async.config import AttentionBackend
 from megatron_async.kernels import fused_ops
 from megatron_async.kernels.attention import attend
 from megatron_async.models.layers.block import StepInputs
@@ -40,6 +41,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.qk_norm_eps, dtype, device) if has_norm else None
         self.register_buffer("kv_scale", torch.ones(2, self.num_kv_heads, dtype=torch.float32, device=device),
                              persistent=False)
+        self._quantize_rows: dict[tuple, bool] = {}
 
     def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.cfg.rotary_dim
@@ -72,5 +74,18 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q, inv, kernels.fused), self.k_norm(k, inv, kernels.fused)
             if step.rope is not None:
                 q, k = self._rotate(q, *step.rope), self._rotate(k, *step.rope)
-        out = attend(q, k, v, kv_cache, step.batch.attn, self.head_dim**-0.5, inv, kernels.attention, self.kv_scale)
-        return self.o_proj(out.reshape(T, self.q_size), inv)
+        quantize = not inv and self._quantizes_output(T, q, kernels)
+        out = attend(q, k, v, kv_cache, step.batch.attn, self.head_dim**-0.5, inv, kernels.attention, self.kv_scale,
+                     quantize)
+        return self.o_proj(out.reshape(T, self.q_size) if isinstance(out, torch.Tensor) else out, inv)
+
+    def _quantizes_output(self, rows: int, q: torch.Tensor, kernels) -> bool:
+        """Whether the attention kernel hands an FP8 o projection its ``rows`` quantized (Triton
+        kernels, head_dim 128: one 128-wide group a head), where that linear would quantize them
+        in a pass of its own; kept per row count."""
+        key = (rows, kernels.attention, kernels.fused)
+        if key not in self._quantize_rows:
+            self._quantize_rows[key] = (kernels.attention == AttentionBackend.TRITON and self.head_dim == 128
+                                        and fused_ops.fp8_input_prequantized(rows, q.dtype, q.device, self.o_proj,
+                                                                             kernels.fused))
+        return self._quantize_rows[key]

@@ -56,6 +56,39 @@ def test_rms_norm_quantized_equals_the_norm_then_the_quantize(m, n, residual, ca
     assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(rows.scale, s)
 
 
+@pytest.mark.parametrize("kernel,splits", [("decode", 1), ("decode", 3), ("prefill", None)])
+@pytest.mark.parametrize("e4m3", [False, True])
+def test_attention_quantized_output_equals_the_output_then_the_quantize(kernel, splits, e4m3):
+    """The attention kernels' output rows (head_dim 128: one 128-wide group a head) quantized in their
+    epilogue (the merge kernel's with splits) give the bits of the output then ``quantize_activation``,
+    over a bf16 and an e4m3 KV pool."""
+    from megatron_async.kernels import kv_cache_fp8 as kf
+    from megatron_async.kernels.triton_decode_attention import decode_attention
+    from megatron_async.kernels.triton_kv_append import append_kv
+    from megatron_async.kernels.triton_prefill_attention import prefill_attention
+    from tests.helpers.paged_attention_cases import make_case
+
+    rows = [(0, 1), (3, 1), (7, 1), (16, 1), (21, 1)] if kernel == "decode" else [(0, 7), (9, 6), (5, 1), (3, 12)]
+    case = make_case(rows, num_heads=4, num_kv_heads=2, head_dim=128, block_size=4, device=DEVICE, seed=len(rows),
+                     dtype=torch.bfloat16)
+    pool, scales = case.kv_cache, None
+    if e4m3:
+        scales = torch.tensor([[1.0, 0.5], [0.25, 1.0]], device=DEVICE)
+        pool = torch.nan_to_num(case.kv_cache.float(), nan=0.0).to(kf.FP8_KV)
+    append_kv(pool, case.k, case.v, case.meta.slot_mapping, scales)
+    if kernel == "decode":
+        run = lambda quantize: decode_attention(case.q, pool, case.meta, case.scale, num_splits=splits,  # noqa: E731
+                                                kv_scale=scales, quantize=quantize)
+    else:
+        run = lambda quantize: prefill_attention(case.q, pool, case.meta, case.scale, kv_scale=scales,  # noqa: E731
+                                                 quantize=quantize)
+    out, got = run(False), run(True)
+    q, s = tg.quantize_activation(out.reshape(out.shape[0], -1), pad_rows_to=fa.PAD_ROWS)
+    m = out.shape[0]
+    assert isinstance(got, fa.QuantizedRows) and got.m == m and got.q.shape == q.shape
+    assert torch.equal(got.q[:m].view(torch.uint8), q[:m].view(torch.uint8)) and torch.equal(got.scale[:m], s[:m])
+
+
 def test_fp8_linear_over_quantized_rows_equals_it_over_the_activation():
     m, inter, n = 40, 256, 96  # above SMALL_M rows: the GEMM reads pre-quantized rows
     gate_up = _gate_up(m, inter, seed=3)

@@ -22,7 +22,8 @@ from megatron_async.kernels import triton_prefill_attention as pa
 fn = pa._prefill_kernel
 types = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
 types.update(block_table_ptr="*i32", kv_lens_ptr="*i32", positions_ptr="*i64", cu_q_ptr="*i32", schedule_ptr="*i64",
-             scale_log2="fp32", kv_scale_ptr="*fp32", num_kv_heads="i32")
+             scale_log2="fp32", kv_scale_ptr="*fp32", num_kv_heads="i32", oq_ptr="*fp8e4nv", os_ptr="*fp32",
+             rows_padded="i32")
 types.update({n: "i32" for n in fn.arg_names if n.startswith("stride")})
 aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr") or n.startswith("stride")}
 out = {}
@@ -31,7 +32,7 @@ for group, fp8 in ((2, False), (4, False), (2, True)):
     block_q, block_n = pa.prefill_tiles(group, torch.device("cuda"))
     consts = dict(GROUP=group, BLOCK_G=group, BLOCK_Q=block_q, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
                   BLOCK_N=block_n, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", HEADS_FASTEST=True, KV_FP8=fp8,
-                  E4M3_PAIRS=fp8, Q_BF16=True, USE_ASM=True)
+                  E4M3_PAIRS=fp8, Q_BF16=True, USE_ASM=True, QUANT_OUT=False)
     sig = {n: t.get(n, "constexpr") for n in fn.arg_names}
     asm = compile_asm(fn, sig, consts, aligned, num_warps=pa.NUM_WARPS, num_stages=pa.NUM_STAGES,
                       maxnreg=pa.max_registers(128, torch.device("cuda")))
