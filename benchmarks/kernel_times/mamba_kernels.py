@@ -2,7 +2,8 @@
 heads of 64, d_state 128, 8 groups, conv kernel 4, bf16 activations, fp32 SSM states): time per
 call (CUDA events after warm-up, median). Decode: batches of 1-256 rows on slot pools; "torch" is
 the reference as the mixer runs it (gather the rows' states, step, scatter back), "triton" the
-in-place slot kernels, also replayed from a CUDA graph (with the state bandwidth). Mixed steps:
+in-place slot kernels, also replayed from a CUDA graph (with the state bandwidth). The SSM ops get
+dt raw and A as A_log, as the mixer hands them: the step-size preparation is timed with them. Mixed steps:
 decode rows and a prefill chunk through the packed (varlen) conv + scan, eager and from a CUDA
 graph. Errors and graph == eager for orientation: the assertions are
 tests/unit_tests/kernels/test_mamba_triton.py's and test_mamba_varlen.py's.
@@ -13,11 +14,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.cuda_timing import median_ms
+from megatron_async.kernels import mamba_ops
 from megatron_async.kernels.conv1d_torch import causal_conv1d_step
-from megatron_async.kernels.ssd_torch import ssd_step
 from megatron_async.kernels.triton_mamba_decode import causal_conv1d_update, selective_state_update
 
 H, P, N, G, K = 128, 64, 128, 8, 4
@@ -35,10 +35,20 @@ def gathered(pool: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) ->
     return torch.where(has_init.view(-1, *([1] * (pool.dim() - 1))), states, torch.zeros_like(states))
 
 
+def step_inputs(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """(dt raw [tokens, H] bf16, A_log [H], D [H], the step-size preparation) as the mixer hands them
+    to the SSM ops (``Mamba2Mixer._step_prep``: bias, softplus, limits and A = -exp(A_log) done by
+    the kernels, so their times include it)."""
+    dt = torch.randn(tokens, H, device=DEV).to(BF16) - 2
+    A_log, D = torch.log(torch.rand(H, device=DEV) * 4 + 0.5), torch.randn(H, device=DEV)
+    prep = dict(dt_bias=torch.randn(H, device=DEV) * 0.1, dt_softplus=True, dt_limit=(0.0, float("inf")),
+                A_is_log=True)
+    return dt, A_log, D, prep
+
+
 def decode_times(batch: int, iters: int) -> str:
     x, B, C = (torch.randn(batch, *s, device=DEV, dtype=BF16) for s in ((H, P), (G, N), (G, N)))
-    dt = F.softplus(torch.randn(batch, H, device=DEV) - 2)
-    A, D = -torch.rand(H, device=DEV) * 4 - 0.5, torch.randn(H, device=DEV)
+    dt, A_log, D, prep = step_inputs(batch)
     xbc, w, bias = (torch.randn(*s, device=DEV, dtype=BF16) for s in ((batch, CONV_DIM), (CONV_DIM, K), (CONV_DIM,)))
     slots = torch.randperm(batch + 16, device=DEV)[:batch]
     has_init = torch.rand(batch, device=DEV) > 0.1
@@ -48,13 +58,12 @@ def decode_times(batch: int, iters: int) -> str:
     def torch_step() -> tuple[torch.Tensor, torch.Tensor]:
         out, cs = causal_conv1d_step(xbc, w, bias, gathered(conv_pool, slots, has_init))
         conv_pool.index_copy_(0, slots, cs)
-        y, ss = ssd_step(x, dt, A, B, C, gathered(ssm_pool, slots, has_init), D)
-        ssm_pool.index_copy_(0, slots, ss)
-        return out, y
+        return out, mamba_ops.ssd_decode_inplace(x, dt, A_log, B, C, D, ssm_pool, slots, has_init, **prep)
 
     def triton_step() -> tuple[torch.Tensor, torch.Tensor]:
         out = causal_conv1d_update(xbc, w, bias, conv_pool, slots=slots, has_initial_state=has_init)
-        return out, selective_state_update(x, dt, A, B, C, D, ssm_pool, slots=slots, has_initial_state=has_init)
+        return out, selective_state_update(x, dt, A_log, B, C, D, ssm_pool, slots=slots, has_initial_state=has_init,
+                                           **prep)
 
     start_pools = (conv_pool.clone(), ssm_pool.clone())
 
@@ -100,8 +109,7 @@ def mixed_times(num_decode: int, chunk: int, iters: int) -> str:
     has_init = torch.ones(R, dtype=torch.bool, device=DEV)
     order = torch.tensor([R - 1] + list(range(R - 1)), device=DEV)
     xbc, w, bias = (torch.randn(*sh, device=DEV, dtype=BF16) for sh in ((T, CONV_DIM), (CONV_DIM, K), (CONV_DIM,)))
-    dt = F.softplus(torch.randn(T, H, device=DEV) - 2)
-    A, D = -torch.rand(H, device=DEV) * 4 - 0.5, torch.randn(H, device=DEV)
+    dt, A_log, D, prep = step_inputs(T)
     conv_pool = torch.randn(R + 16, CONV_DIM, K - 1, device=DEV, dtype=BF16)
     ssm_pool = torch.randn(R + 16, H, P, N, device=DEV)
 
@@ -109,8 +117,8 @@ def mixed_times(num_decode: int, chunk: int, iters: int) -> str:
         rows = mamba_varlen_ops.varlen_rows(slots, has_init, cu, tok_row, order, 1, chunk, triton=triton)
         out = mamba_varlen_ops.conv1d_varlen_inplace(xbc, w, bias, pools[0], rows)
         xs, B, C = out.split([H * P, G * N, G * N], dim=-1)
-        return mamba_varlen_ops.ssd_varlen_inplace(xs.unflatten(-1, (H, P)), dt, A, B.unflatten(-1, (G, N)),
-                                                   C.unflatten(-1, (G, N)), D, pools[1], rows, 128)
+        return mamba_varlen_ops.ssd_varlen_inplace(xs.unflatten(-1, (H, P)), dt, A_log, B.unflatten(-1, (G, N)),
+                                                   C.unflatten(-1, (G, N)), D, pools[1], rows, 128, **prep)
 
     pools = lambda: (conv_pool.clone(), ssm_pool.clone())  # noqa: E731
     ref_pools = pools()

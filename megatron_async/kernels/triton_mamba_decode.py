@@ -27,6 +27,15 @@ EXACT_MATH = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
+def exact_exp(x):
+    """exp, correctly rounded on CUDA (libdevice; numpy's under the interpreter)."""
+    if EXACT_MATH:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
 def _row_state(slots_ptr, has_init_ptr, row, HAS_SLOTS: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr):
     """(slot of the row as int64, 1 when its old state is read else 0)."""
     if HAS_SLOTS:
@@ -124,9 +133,9 @@ def step_size(dt, dt_bias_ptr, head, dt_min, dt_max,
         dt += tl.load(dt_bias_ptr + head).to(tl.float32)
     if DT_SOFTPLUS:
         if EXACT_MATH:
-            soft = libdevice.log1p(libdevice.exp(dt))
+            soft = libdevice.log1p(exact_exp(dt))
         else:
-            soft = tl.log(1.0 + tl.exp(dt))
+            soft = tl.log(1.0 + exact_exp(dt))
         dt = tl.where(dt > 20.0, dt, soft)
     if HAS_DT_LIMIT:
         dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
@@ -138,10 +147,7 @@ def decay_rate(A_ptr, head, A_IS_LOG: tl.constexpr):
     """A of the head in fp32: as stored, or -exp(A_log) when A_IS_LOG."""
     a = tl.load(A_ptr + head).to(tl.float32)
     if A_IS_LOG:
-        if EXACT_MATH:
-            a = -libdevice.exp(a)
-        else:
-            a = -tl.exp(a)
+        a = -exact_exp(a)
     return a
 
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from megatron_async.kernels.triton_mamba_decode import EXACT_MATH
+from megatron_async.kernels.triton_mamba_decode import exact_exp
 
 
 @triton.jit
@@ -29,10 +28,7 @@ def _gated_norm_kernel(
     cols = tl.program_id(1) * group_size + offs
     y = tl.load(y_ptr + token * stride_yt + cols * stride_yc, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + token * stride_zt + cols * stride_zc, mask=mask, other=0.0).to(tl.float32)
-    if EXACT_MATH:
-        gate = z / (1.0 + libdevice.exp(-z))  # torch's silu
-    else:
-        gate = z / (1.0 + tl.exp(-z))
+    gate = z / (1.0 + exact_exp(-z))  # torch's silu
     if not NORM_BEFORE_GATE:
         y = y * gate
     y = y * tl.rsqrt(tl.sum(y * y, axis=0) / group_size + eps)
