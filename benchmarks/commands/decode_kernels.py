@@ -70,6 +70,19 @@ def kernel_rows(prof) -> list[tuple[str, int, float]]:
     return sorted(((n, c, t) for n, (c, t) in rows.items()), key=lambda x: -x[2])
 
 
+def busy_us(prof) -> float:
+    """Device time with at least one kernel running: the union of the kernels' intervals (their
+    summed times count overlapping kernels twice, e.g. another stream's or a dependent launch's)."""
+    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy
+
+
 def host_side(llm: LLM, steps: int) -> tuple[float, str]:
     """Wall ms per decode step (no profiler; launch-ahead keeps one step in flight, so the
     cadence is max(host, device)), and a cProfile table of the host's work in as many steps."""
@@ -136,10 +149,9 @@ def run(args, sampled: bool) -> None:
     assert st.paused == st.evicted == 0, f"the KV pool held only part of the batch ({st.paused} pauses): raise --kv-gb"
     mean_rows = sum(rows) / len(rows)
     rows = kernel_rows(prof)
-    total = sum(t for _, _, t in rows)
+    busy_ms = busy_us(prof) / args.steps / 1e3
     wall_ms, host = host_side(llm, args.steps)
     label = "sampled (temperature 0.8, top-p 0.95)" if sampled else "greedy"
-    busy_ms = total / args.steps / 1e3
     # rows below the batch: the pool admitted only part of it before the first decode-only step
     # (the rest still waits), so the profile is of a smaller batch than asked
     say(f"\n### {label}: batch {args.batch} ({mean_rows:.1f} rows a profiled step), {args.steps} decode steps, "
@@ -181,7 +193,7 @@ def mixed_profile(llm: LLM, add_batch, sampled: bool) -> None:
     wall_ms = (time.perf_counter() - t0) * 1e3
     steps = st.prefill_steps - before[1]
     rows = kernel_rows(prof)
-    busy_ms = sum(t for _, _, t in rows) / 1e3
+    busy_ms = busy_us(prof) / 1e3
     label = "sampled (temperature 0.8, top-p 0.95)" if sampled else "greedy"
     print(f"\n### {label}: prefill / mixed steps of {llm.engine.config.max_tokens}-token chunks: {steps} steps "
           f"(+1 decode launch), device busy {busy_ms / steps:.3f} ms per step, wall {wall_ms / steps:.3f} ms per step "
