@@ -71,8 +71,10 @@ class Block(nn.Module):
         key = (rows, fused)
         if key not in self._quantize_rows:
             w = self.norm.weight
-            self._quantize_rows[key] = fused_ops.fp8_input_prequantized(
-                rows, w.dtype, w.device, getattr(self.mixer, "fp8_input_linear", None), fused)
+            # a mixer class without the property has none; one with it must answer (no getattr default
+            # that would swallow an AttributeError raised inside it)
+            linear = self.mixer.fp8_input_linear if hasattr(type(self.mixer), "fp8_input_linear") else None
+            self._quantize_rows[key] = fused_ops.fp8_input_prequantized(rows, w.dtype, w.device, linear, fused)
         return self._quantize_rows[key]
 
     def forward(

@@ -64,12 +64,12 @@ class ReluSquaredMLP(nn.Module):
                                            quant.fp8("down_proj"))
 
     @property
-    def fp8_input_linear(self) -> MergedColumnParallelLinear | None:
+    def fp8_input_linear(self) -> ColumnParallelLinear | None:
         """The FP8 linear that alone reads this mixer's input (its norm may hand it quantized rows)."""
-        return self.gate_up_proj if self.gate_up_proj.weight_scale_inv is not None else None
+        return self.up_proj if self.up_proj.weight_scale_inv is not None else None
 
     def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor:
-        """x: [T, hidden], or its rows quantized for the FP8 gate_up (``fp8_input_linear``)."""
+        """x: [T, hidden], or its rows quantized for the FP8 up projection (``fp8_input_linear``)."""
         inv = step is not None and step.batch.batch_invariant
         return self.down_proj(torch.relu(self.up_proj(x, inv)).square(), inv)
 

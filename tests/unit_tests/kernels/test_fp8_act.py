@@ -130,23 +130,36 @@ def test_swiglu_mlp_hands_the_down_projection_quantized_rows_where_it_would_quan
     assert torch.equal(got, want)
 
 
+def test_mlps_name_the_fp8_linear_that_alone_reads_their_input():
+    from megatron_async.models.layers.mlp import ReluSquaredMLP, SwiGLUMLP
+    from megatron_async.models.quantization import Fp8Config, QuantScope
+    from megatron_async.parallel.state import ParallelState
+
+    fp8 = QuantScope(Fp8Config(), "model.layers.0.mlp")
+    for cls, first in ((SwiGLUMLP, "gate_up_proj"), (ReluSquaredMLP, "up_proj")):
+        assert cls(256, 512, False, ParallelState(), torch.bfloat16, "cpu").fp8_input_linear is None
+        mlp = cls(256, 512, False, ParallelState(), torch.bfloat16, "cpu", fp8)
+        assert mlp.fp8_input_linear is getattr(mlp, first)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the one-kernel path is a CUDA path")
 @pytest.mark.parametrize("rows", [1, 8, 64, 128, 300])
-def test_a_blocks_norm_hands_its_fp8_mixer_quantized_rows_where_it_would_quantize(rows, monkeypatch):
-    """A Block of RMSNorm + an FP8 SwiGLU MLP (its gate_up alone reads the input): the norm's
-    quantizing kernel runs exactly where gate_up would quantize in a pass of its own, with the
-    bits of the unfused block, from the embeddings (no residual) and with one."""
+@pytest.mark.parametrize("mlp_class", ["SwiGLUMLP", "ReluSquaredMLP"])
+def test_a_blocks_norm_hands_its_fp8_mixer_quantized_rows_where_it_would_quantize(rows, mlp_class, monkeypatch):
+    """A Block of RMSNorm + an FP8 MLP (its first projection alone reads the input): the norm's
+    quantizing kernel runs exactly where that projection would quantize in a pass of its own, with
+    the bits of the unfused block, from the embeddings (no residual) and with one."""
     from megatron_async.kernels.backends import KernelBackends
+    from megatron_async.models.layers import mlp as mlps
     from megatron_async.models.layers.block import Block, StepInputs
-    from megatron_async.models.layers.mlp import SwiGLUMLP
     from megatron_async.models.layers.norm import RMSNorm
     from megatron_async.models.quantization import Fp8Config, QuantScope
     from megatron_async.parallel.state import ParallelState
 
     torch.manual_seed(rows + 1)
-    mlp = SwiGLUMLP(512, 1024, False, ParallelState(), torch.bfloat16, "cuda",
-                    QuantScope(Fp8Config(), "model.layers.0.mlp"))
-    for lin in (mlp.gate_up_proj, mlp.down_proj):
+    mlp = getattr(mlps, mlp_class)(512, 1024, False, ParallelState(), torch.bfloat16, "cuda",
+                                   QuantScope(Fp8Config(), "model.layers.0.mlp"))
+    for lin in (mlp.fp8_input_linear, mlp.down_proj):
         q, s = fq.quantize_weight(torch.randn(lin.weight.shape, device="cuda") * 0.05)
         lin.weight.data.copy_(q)
         lin.weight_scale_inv.data.copy_(s)
@@ -159,8 +172,8 @@ def test_a_blocks_norm_hands_its_fp8_mixer_quantized_rows_where_it_would_quantiz
     res = torch.randn(rows, 512, device="cuda").to(torch.bfloat16)
     first, _ = block(x, None, step)
     later, summed = block(x, res, step)
-    expect = tg.fp8_linear_prequantizes(rows, torch.bfloat16, x.device, mlp.gate_up_proj.weight,
-                                        mlp.gate_up_proj.weight_scale_inv, 128)
+    expect = tg.fp8_linear_prequantizes(rows, torch.bfloat16, x.device, mlp.fp8_input_linear.weight,
+                                        mlp.fp8_input_linear.weight_scale_inv, 128)
     assert calls == ([True, False] if expect else []), (calls, expect)
     assert torch.equal(first, mlp(block.norm(x), step))
     assert torch.equal(summed, x + res) and torch.equal(later, mlp(block.norm(x + res), step))
