@@ -45,7 +45,7 @@ GROUPS = [  # (role, name substrings), first match wins
     ("attention", ("attention", "attn", "_paged", "decode_kernel", "_decode_split", "_decode_merge",
                    "_prefill_kernel")),
     ("kv append", ("kv_append", "append")),
-    ("norm / rope / act", ("rmsnorm", "rms_norm", "rope", "silu", "act", "norm")),
+    ("norm / rope / act", ("rmsnorm", "rms_norm", "rope", "silu", "relu", "act", "norm")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "wgmma", "cublas")),
     ("argmax / reductions", ("argmax", "reduce", "max_", "cumsum", "sort")),
     ("copies / casts", ("copy", "cast", "elementwise", "fill", "index", "gather", "scatter", "memcpy", "memset")),

@@ -117,6 +117,19 @@ def silu_and_mul_quantized(gate_up: torch.Tensor):
     return triton_fp8_act.silu_and_mul_quantized(gate_up)
 
 
+def relu_square(h: torch.Tensor) -> torch.Tensor:
+    from megatron_async.kernels import triton_act
+
+    return triton_act.relu_square(h)
+
+
+def relu_square_quantized(h: torch.Tensor):
+    """``relu_square`` then the FP8 linear's activation quantization, in one kernel (``QuantizedRows``)."""
+    from megatron_async.kernels import triton_fp8_act
+
+    return triton_fp8_act.relu_square_quantized(h)
+
+
 def rms_norm_quantized(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                        cast_before_weight: bool):
     """``add_rms_norm`` (``rms_norm`` without a residual) with its output quantized for an FP8 linear

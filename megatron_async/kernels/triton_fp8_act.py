@@ -4,8 +4,8 @@ produces them, where ``fp8_linear`` would otherwise quantize them in a pass of i
 Above ``triton_fp8_gemm.SMALL_M`` rows the FP8 linear reads its input as e4m3 + 1 x 128 group
 scales that ``quantize_activation`` writes first (cuBLASLt's block-scaled recipe, or the Triton
 GEMM over pre-quantized rows): one more launch, a read of the bf16 rows and a write of the e4m3
-ones. ``silu_and_mul_quantized`` computes SwiGLU's ``silu(gate) * up`` and quantizes it in the
-same kernel, so the activation is never written in bf16 nor read back: the bits equal
+ones. ``silu_and_mul_quantized`` computes SwiGLU's ``silu(gate) * up`` (``relu_square_quantized``
+NemotronH's relu(h)^2) and quantizes it in the same kernel, so the activation is never written in bf16 nor read back: the bits equal
 ``triton_act.silu_and_mul`` then ``quantize_activation`` (the product rounded to the activation
 dtype first, as the unfused path stores it); ``rms_norm_quantized`` does the same for a block's
 (add +) RMSNorm. ``triton_fp8_gemm.fp8_linear_prequantizes`` says where the FP8 linear would take
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels.triton_act import silu_mul
+from megatron_async.kernels.triton_act import relu_sq, silu_mul
 from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
 from megatron_async.kernels.triton_rmsnorm import norm_row
 
@@ -53,17 +53,22 @@ class QuantizedRows:
 
 
 @triton.jit(do_not_specialize=["M", "rows"])
-def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows, stride_x, stride_qm, stride_sm, stride_sg,
-                               I: tl.constexpr, BLOCK_M: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
-    """Program (row block, group of 128 columns of the activation): silu(gate) * up rounded to DT,
-    then its e4m3 values and group scale; rows from M to ``rows`` (padding) get zeros and a scale."""
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows, stride_x, stride_qm, stride_sm, stride_sg,
+                      I: tl.constexpr, BLOCK_M: tl.constexpr, GATED: tl.constexpr, DT: tl.constexpr,
+                      EMULATE: tl.constexpr):
+    """Program (row block, group of 128 columns of the activation): silu(gate) * up (``GATED``, x
+    [M, 2I]) or relu(x)^2 (x [M, I]) rounded to DT, then its e4m3 values and group scale; rows from
+    M to ``rows`` (padding) get zeros and a scale."""
     g = tl.program_id(1)
     offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     k = g * 128 + tl.arange(0, 128)
     mask = (offs_m < M)[:, None] & (k < I)[None, :]
-    gate = tl.load(x_ptr + offs_m[:, None] * stride_x + k[None, :], mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + offs_m[:, None] * stride_x + I + k[None, :], mask=mask, other=0.0).to(tl.float32)
-    act = silu_mul(gate, up, DT).to(tl.float32)  # silu(0) * 0 = 0 on masked lanes
+    first = tl.load(x_ptr + offs_m[:, None] * stride_x + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        up = tl.load(x_ptr + offs_m[:, None] * stride_x + I + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        act = silu_mul(first, up, DT).to(tl.float32)  # silu(0) * 0 = 0 on masked lanes
+    else:
+        act = relu_sq(first, DT).to(tl.float32)
     q, s = quantize_groups(act, EMULATE)
     live = offs_m < rows
     tl.store(q_ptr + offs_m[:, None] * stride_qm + k[None, :], q, mask=live[:, None] & (k < I)[None, :])
@@ -106,20 +111,30 @@ def attention_outputs(q: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, Qu
 
 def silu_and_mul_quantized(gate_up: torch.Tensor) -> QuantizedRows:
     """[T, 2I] (gate columns first, then up; unit last stride) -> silu(gate) * up as ``QuantizedRows``."""
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1 or gate_up.dtype not in _DTYPES:
-        raise ValueError(f"silu_and_mul_quantized takes a [T, 2I] tensor with unit last stride, got "
-                         f"{tuple(gate_up.shape)} {gate_up.dtype}")
-    m, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    return _activation_quantized(gate_up, True)
+
+
+def relu_square_quantized(h: torch.Tensor) -> QuantizedRows:
+    """[T, I] (unit last stride) -> relu(h)^2 as ``QuantizedRows`` (the bits of ``triton_act.relu_square``
+    then ``quantize_activation``)."""
+    return _activation_quantized(h, False)
+
+
+def _activation_quantized(x: torch.Tensor, gated: bool) -> QuantizedRows:
+    if x.dim() != 2 or (gated and x.shape[1] % 2) or x.stride(1) != 1 or x.dtype not in _DTYPES:
+        raise ValueError(f"the quantizing activation takes a [T, {'2I' if gated else 'I'}] tensor with unit last "
+                         f"stride, got {tuple(x.shape)} {x.dtype}")
+    m, inter = x.shape[0], x.shape[1] // (2 if gated else 1)
     mp = -(-m // PAD_ROWS) * PAD_ROWS
-    block_m = 16 if gate_up.device.type == "cpu" else 32
-    q = torch.empty(mp, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
-    s_t = torch.empty(triton.cdiv(inter, GROUP), mp, dtype=torch.float32, device=gate_up.device)
+    block_m = 16 if x.device.type == "cpu" else 32
+    q = torch.empty(mp, inter, dtype=torch.float8_e4m3fn, device=x.device)
+    s_t = torch.empty(triton.cdiv(inter, GROUP), mp, dtype=torch.float32, device=x.device)
     if mp and inter:
-        _silu_and_mul_quant_kernel[(triton.cdiv(mp, block_m), triton.cdiv(inter, GROUP))](
-            gate_up, q, s_t, m, mp, gate_up.stride(0), q.stride(0), s_t.stride(1), s_t.stride(0),
-            I=inter, BLOCK_M=block_m, DT=_DTYPES[gate_up.dtype], EMULATE=emulate(_silu_and_mul_quant_kernel),
+        _act_quant_kernel[(triton.cdiv(mp, block_m), triton.cdiv(inter, GROUP))](
+            x, q, s_t, m, mp, x.stride(0), q.stride(0), s_t.stride(1), s_t.stride(0),
+            I=inter, BLOCK_M=block_m, GATED=gated, DT=_DTYPES[x.dtype], EMULATE=emulate(_act_quant_kernel),
             num_warps=4)
-    return QuantizedRows(q, s_t.t(), m, gate_up.dtype)
+    return QuantizedRows(q, s_t.t(), m, x.dtype)
 
 
 @triton.jit(do_not_specialize=["M", "rows"])

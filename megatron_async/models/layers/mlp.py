@@ -69,9 +69,16 @@ class ReluSquaredMLP(nn.Module):
         return self.up_proj if self.up_proj.weight_scale_inv is not None else None
 
     def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor:
-        """x: [T, hidden], or its rows quantized for the FP8 up projection (``fp8_input_linear``)."""
+        """x: [T, hidden], or its rows quantized for the FP8 up projection (``fp8_input_linear``).
+        relu(h)^2 in one kernel (torch's bits), quantized in it too for an FP8 down that would
+        quantize its input in a pass of its own."""
         inv = step is not None and step.batch.batch_invariant
-        return self.down_proj(torch.relu(self.up_proj(x, inv)).square(), inv)
+        h = self.up_proj(x, inv)
+        if fused_ops.use_fused(h, step is None or step.kernels.fused) and h.dim() == 2:
+            if not inv and fused_ops.fp8_input_prequantized(h.shape[0], h.dtype, h.device, self.down_proj):
+                return self.down_proj(fused_ops.relu_square_quantized(h), inv)
+            return self.down_proj(fused_ops.relu_square(h), inv)
+        return self.down_proj(torch.relu(h).square(), inv)
 
 
 def build_mlp(hidden: int, cfg: MLPConfig, parallel: ParallelState, dtype: torch.dtype,

@@ -35,6 +35,21 @@ def test_silu_and_mul_quantized_equals_the_two_passes(m, inter):
     assert not rows.q[m:].float().any()  # padding rows are zeros
 
 
+@pytest.mark.parametrize("m,inter", [(1, 128), (7, 200), (130, 256)])
+def test_relu_square_matches_torch_and_its_quantized_form_the_two_passes(m, inter):
+    """bf16 on CUDA (a bf16 square is exact in float32: one rounding gives torch's bits); float32 under
+    the interpreter, which rounds float32 to bf16 by truncation."""
+    g = torch.Generator().manual_seed(m * inter)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    h = (torch.randn(m, inter, generator=g) * torch.linspace(0.05, 30, inter)).to(dtype).to(DEVICE)
+    act = triton_act.relu_square(h)
+    assert torch.equal(act, torch.relu(h).square())
+    rows = fa.relu_square_quantized(h)
+    q, s = tg.quantize_activation(act, pad_rows_to=fa.PAD_ROWS)
+    assert rows.m == m and rows.shape == (m, inter)
+    assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(rows.scale, s)
+
+
 @pytest.mark.parametrize("m,n,residual,cast_first", [(1, 128, True, True), (7, 200, True, False), (33, 256, False, True),
                                                      (130, 384, True, True)])
 def test_rms_norm_quantized_equals_the_norm_then_the_quantize(m, n, residual, cast_first):
