@@ -98,16 +98,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_input_prequantized(m: int, dtype: torch.dtype, device: torch.device, linear, fused: bool = True) -> bool:
-    """Whether the FP8 ``linear`` (a ``ParallelLinear``) would quantize m input rows of ``dtype`` in a
-    pass of its own (``triton_fp8_gemm.fp8_linear_prequantizes``): then their producer hands them
-    over quantized (``triton_fp8_act``). False
-    for a bf16 weight, off CUDA, and where the model's fused kernels are off."""
-    if linear is None or linear.weight_scale_inv is None or not fused or device.type != "cuda" or not _triton_importable():
-        return False
-    from megatron_async.kernels import triton_fp8_gemm
-
-    return triton_fp8_gemm.fp8_linear_prequantizes(m, dtype, device, linear.weight, linear.weight_scale_inv,
-                                                   linear.scale_block_n)
+    """Whether the FP8 ``linear`` (a ``ParallelLinear``, or None) would quantize m input rows of
+    ``dtype`` in a pass of its own (``ParallelLinear.quantizes_rows_itself``): then their producer
+    hands them over quantized (``triton_fp8_act``). False for a bf16 weight, off CUDA, and where
+    the model's fused kernels are off."""
+    return (linear is not None and fused and device.type == "cuda" and _triton_importable()
+            and linear.quantizes_rows_itself(m, dtype, device))
 
 
 def silu_and_mul_quantized(gate_up: torch.Tensor):

@@ -48,6 +48,22 @@ class ParallelLinear(nn.Module):
             self.weight, self.weight_scale_inv, self.scale_block_n = fp8_params(weight_sharding, weight_shape,
                                                                                 fp8_shard_ids, device)
         self.bias = None if bias_shape is None else sharded_param(bias_shape, bias_sharding, dtype, device)
+        self._prequantizes: dict[tuple[int, torch.dtype, torch.device], bool] = {}
+
+    def quantizes_rows_itself(self, rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether this FP8 linear would quantize ``rows`` CUDA input rows of ``dtype`` in a pass of
+        its own (``triton_fp8_gemm.fp8_linear_prequantizes``), so their producer should hand them over
+        quantized; False for a bf16 weight. A function of the shapes and the weight's layout only:
+        kept per (rows, dtype, device)."""
+        if self.weight_scale_inv is None:
+            return False
+        key = (rows, dtype, device)
+        if key not in self._prequantizes:
+            from megatron_async.kernels.triton_fp8_gemm import fp8_linear_prequantizes
+
+            self._prequantizes[key] = fp8_linear_prequantizes(rows, dtype, device, self.weight,
+                                                              self.weight_scale_inv, self.scale_block_n)
+        return self._prequantizes[key]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, batch_invariant: bool) -> torch.Tensor:
         """``x @ weight.T + bias`` (this rank's part) in either precision."""

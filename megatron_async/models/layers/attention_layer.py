@@ -41,7 +41,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.qk_norm_eps, dtype, device) if has_norm else None
         self.register_buffer("kv_scale", torch.ones(2, self.num_kv_heads, dtype=torch.float32, device=device),
                              persistent=False)
-        self._quantize_rows: dict[tuple, bool] = {}
 
     def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.cfg.rotary_dim
@@ -82,10 +81,6 @@ class Attention(nn.Module):
     def _quantizes_output(self, rows: int, q: torch.Tensor, kernels) -> bool:
         """Whether the attention kernel hands an FP8 o projection its ``rows`` quantized (Triton
         kernels, head_dim 128: one 128-wide group a head), where that linear would quantize them
-        in a pass of its own; kept per row count."""
-        key = (rows, kernels.attention, kernels.fused)
-        if key not in self._quantize_rows:
-            self._quantize_rows[key] = (kernels.attention == AttentionBackend.TRITON and self.head_dim == 128
-                                        and fused_ops.fp8_input_prequantized(rows, q.dtype, q.device, self.o_proj,
-                                                                             kernels.fused))
-        return self._quantize_rows[key]
+        in a pass of its own."""
+        return (kernels.attention == AttentionBackend.TRITON and self.head_dim == 128
+                and fused_ops.fp8_input_prequantized(rows, q.dtype, q.device, self.o_proj, kernels.fused))

@@ -63,19 +63,14 @@ class Block(nn.Module):
                 proj.defer_reduction = True
         if hasattr(mixer, "defer_reduction"):
             mixer.defer_reduction = True
-        self._quantize_rows: dict[tuple[int, bool], bool] = {}
 
     def _quantizes_input(self, rows: int, fused: bool) -> bool:
-        """Whether the norm hands the mixer ``rows`` quantized for its FP8 input linear (a function
-        of the row count and the weights' placement only: kept per row count)."""
-        key = (rows, fused)
-        if key not in self._quantize_rows:
-            w = self.norm.weight
-            # a mixer class without the property has none; one with it must answer (no getattr default
-            # that would swallow an AttributeError raised inside it)
-            linear = self.mixer.fp8_input_linear if hasattr(type(self.mixer), "fp8_input_linear") else None
-            self._quantize_rows[key] = fused_ops.fp8_input_prequantized(rows, w.dtype, w.device, linear, fused)
-        return self._quantize_rows[key]
+        """Whether the norm hands the mixer ``rows`` quantized for its FP8 input linear."""
+        # a mixer class without the property has none; one with it must answer (no getattr default
+        # that would swallow an AttributeError raised inside it)
+        linear = self.mixer.fp8_input_linear if hasattr(type(self.mixer), "fp8_input_linear") else None
+        w = self.norm.weight
+        return fused_ops.fp8_input_prequantized(rows, w.dtype, w.device, linear, fused)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs

@@ -157,6 +157,26 @@ def test_mlps_name_the_fp8_linear_that_alone_reads_their_input():
         assert mlp.fp8_input_linear is getattr(mlp, first)
 
 
+def test_a_linear_decides_once_per_row_count_whether_it_quantizes_its_rows(monkeypatch):
+    """``ParallelLinear.quantizes_rows_itself`` asks the FP8 GEMM's dispatch once per (rows, dtype,
+    device) and answers from what it kept after; a bf16 weight answers False without asking."""
+    from megatron_async.models.layers.mlp import SwiGLUMLP
+    from megatron_async.models.quantization import Fp8Config, QuantScope
+    from megatron_async.parallel.state import ParallelState
+
+    asked = []
+    monkeypatch.setattr(tg, "fp8_linear_prequantizes", lambda m, *a: asked.append(m) or m > 16)
+    cuda = torch.device("cuda")  # the dispatch is replaced: nothing touches a device
+    down = SwiGLUMLP(256, 512, False, ParallelState(), torch.bfloat16, "cpu",
+                     QuantScope(Fp8Config(), "model.layers.0.mlp")).down_proj
+    answers = [down.quantizes_rows_itself(m, torch.bfloat16, cuda) for m in (8, 64, 8, 64, 64)]
+    assert answers == [False, True, False, True, True] and asked == [8, 64]
+    assert fused_ops.fp8_input_prequantized(64, torch.bfloat16, cuda, down) == fused_ops._triton_importable()
+    assert not fused_ops.fp8_input_prequantized(64, torch.bfloat16, torch.device("cpu"), down)
+    plain = SwiGLUMLP(256, 512, False, ParallelState(), torch.bfloat16, "cpu").down_proj
+    assert not plain.quantizes_rows_itself(64, torch.bfloat16, cuda) and asked == [8, 64]
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the one-kernel path is a CUDA path")
 @pytest.mark.parametrize("rows", [1, 8, 64, 128, 300])
 @pytest.mark.parametrize("mlp_class", ["SwiGLUMLP", "ReluSquaredMLP"])
