@@ -21,30 +21,9 @@ def silu_mul(gate, up, dt: tl.constexpr):
     return (act * up).to(dt)
 
 
-@triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, I: tl.constexpr, BLOCK: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < I
-    dt = out_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + tok * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + tok * stride_x + I + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tok * I + offs, silu_mul(gate, up, dt), mask=mask)
-
-
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate columns first, then up; unit last stride) -> silu(gate) * up, [T, I]."""
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
-        raise ValueError(f"silu_and_mul takes a [T, 2I] tensor with unit last stride, got {tuple(gate_up.shape)}")
-    num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
-    if out.numel() == 0:
-        return out
-    block = min(_BLOCK, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), I=inter, BLOCK=block, num_warps=4
-    )
-    return out
+    return _activation(gate_up, True)
 
 
 @triton.jit
@@ -55,22 +34,35 @@ def relu_sq(h, dt: tl.constexpr):
 
 
 @triton.jit
-def _relu_square_kernel(x_ptr, out_ptr, stride_x, I: tl.constexpr, BLOCK: tl.constexpr):
+def _activation_kernel(x_ptr, out_ptr, stride_x, I: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr):
+    """Row ``tok``'s columns: silu(gate) * up of x [T, 2I] (``GATED``) or relu(x)^2 of x [T, I]."""
     tok = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
-    h = tl.load(x_ptr + tok * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tok * I + offs, relu_sq(h, out_ptr.dtype.element_ty), mask=mask)
+    dt = out_ptr.dtype.element_ty
+    first = tl.load(x_ptr + tok * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        up = tl.load(x_ptr + tok * stride_x + I + offs, mask=mask, other=0.0).to(tl.float32)
+        act = silu_mul(first, up, dt)
+    else:
+        act = relu_sq(first, dt)
+    tl.store(out_ptr + tok * I + offs, act, mask=mask)
 
 
 def relu_square(h: torch.Tensor) -> torch.Tensor:
     """[T, I] (unit last stride) -> relu(h)^2, [T, I]: one kernel where torch runs two."""
-    if h.dim() != 2 or h.stride(1) != 1:
-        raise ValueError(f"relu_square takes a [T, I] tensor with unit last stride, got {tuple(h.shape)}")
-    out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    return _activation(h, False)
+
+
+def _activation(x: torch.Tensor, gated: bool) -> torch.Tensor:
+    if x.dim() != 2 or (gated and x.shape[1] % 2) or x.stride(1) != 1:
+        raise ValueError(f"{'silu_and_mul' if gated else 'relu_square'} takes a [T, {'2I' if gated else 'I'}] "
+                         f"tensor with unit last stride, got {tuple(x.shape)}")
+    num_tokens, inter = x.shape[0], x.shape[1] // (2 if gated else 1)
+    out = torch.empty((num_tokens, inter), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    block = min(_BLOCK, triton.next_power_of_2(h.shape[1]))
-    _relu_square_kernel[(h.shape[0], triton.cdiv(h.shape[1], block))](h, out, h.stride(0), I=h.shape[1], BLOCK=block,
-                                                                     num_warps=4)
+    block = min(_BLOCK, triton.next_power_of_2(inter))
+    _activation_kernel[(num_tokens, triton.cdiv(inter, block))](x, out, x.stride(0), I=inter, BLOCK=block, GATED=gated,
+                                                                 num_warps=4)
     return out
