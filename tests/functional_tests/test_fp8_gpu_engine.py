@@ -33,18 +33,27 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).cpu()
 
 
-def test_engine_fp8_linears_match_the_emulation_call_by_call(tmp_path, monkeypatch):
-    """Eager (graph replays run no Python), all prompts in one 340-row step (activations quantized
-    by the kernels that make them, or in their own pass), then decode rows (quantized in the GEMM). The bound is the kernel tests':
-    half a float32 ulp plus 2^-11 of sum |terms| (the FP8 tensor core's accumulation in a group)."""
-    ckpt = str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "m", **SHAPE))
+def _checked_generation(tmp_path, monkeypatch, shape: dict, dtype: str, tokens: int) -> Fp8CallChecks:
+    """PROMPTS through an eager FP8 engine of a tiny Qwen3 ``shape``, every FP8 linear call checked
+    (``Fp8CallChecks``: half a float32 ulp plus 2^-11 of sum |terms|); asserts every request got its
+    ``tokens`` and no call failed, and returns the checks (what ran)."""
+    ckpt = str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "m", **shape))
     checks = Fp8CallChecks(ulps=0.5, slack=2.0 ** -11)
     monkeypatch.setattr(triton_fp8_gemm, "fp8_linear", checks)
     cfg = InferenceConfig(**TINY, max_tokens=512, cuda_graphs=False)
-    llm = LLM(ckpt, device="cuda", dtype="float32", inference_config=cfg, quantization="fp8")
-    sp = SamplingParams(top_k=1, num_tokens_to_generate=8, ignore_eos=True)
-    assert all(len(o.generated_tokens) == 8 for o in llm.generate(PROMPTS, sp))
+    llm = LLM(ckpt, device="cuda", dtype=dtype, inference_config=cfg, quantization="fp8")
+    sp = SamplingParams(top_k=1, num_tokens_to_generate=tokens, ignore_eos=True)
+    assert all(len(o.generated_tokens) == tokens for o in llm.generate(PROMPTS, sp))
     assert checks.failures == []
+    return checks
+
+
+def test_engine_fp8_linears_match_the_emulation_call_by_call(tmp_path, monkeypatch):
+    """Eager (graph replays run no Python), all prompts in one 340-row step (activations quantized
+    by the kernels that make them, or in their own pass), then decode rows (quantized in the GEMM).
+    The bound is the kernel tests': half a float32 ulp plus 2^-11 of sum |terms| (the FP8 tensor
+    core's accumulation in a group)."""
+    checks = _checked_generation(tmp_path, monkeypatch, SHAPE, "float32", 8)
     assert max(checks.rows) > triton_fp8_gemm.DECODE_M_MAX and min(checks.rows) <= 4
     # the 340-row step's norms and SwiGLU handed their linears quantized rows (their bits: test_fp8_act.py)
     assert checks.quantized_rows and min(checks.quantized_rows) > triton_fp8_gemm.SMALL_M
@@ -55,14 +64,7 @@ def test_every_fp8_linear_input_of_a_prefill_step_comes_quantized_by_its_produce
     down its, and the attention kernel hands o its (one 128-wide group a head); every such call is
     within the emulation's bound on those rows, and no FP8 linear of that step quantizes its own."""
     shape = dict(SHAPE, head_dim=128, intermediate_size=768)
-    ckpt = str(make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "m", **shape))
-    checks = Fp8CallChecks(ulps=0.5, slack=2.0 ** -11)
-    monkeypatch.setattr(triton_fp8_gemm, "fp8_linear", checks)
-    cfg = InferenceConfig(**TINY, max_tokens=512, cuda_graphs=False)
-    llm = LLM(ckpt, device="cuda", dtype="bfloat16", inference_config=cfg, quantization="fp8")
-    sp = SamplingParams(top_k=1, num_tokens_to_generate=4, ignore_eos=True)
-    assert all(len(o.generated_tokens) == 4 for o in llm.generate(PROMPTS, sp))
-    assert checks.failures == []
+    checks = _checked_generation(tmp_path, monkeypatch, shape, "bfloat16", 4)
     hidden, heads = shape["hidden_size"], shape["num_attention_heads"]
     assert checks.quantized_widths == {hidden, heads * 128, shape["intermediate_size"]}
     assert checks.quantized_rows.count(340) == 4 * 2  # qkv, o, gate_up, down in each of the 2 layers
