@@ -222,12 +222,20 @@ def scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     rows (more than ``DECODE_M_MAX`` for N <= ``SMALL_N``) of bf16 / fp16 on a GPU whose cuBLASLt
     runs the 1 x 128 / 128 x 128 recipe, the checkpoint's 128-row scale grid, N a multiple of 128
     and K of 512 (``scaled_mm_weight_scale``: the weight scales are read in place, so an in-place
-    weight update reaches them). Never in batch-invariant mode (cuBLAS's kernel choice depends on M)."""
+    weight update reaches them). Never in batch-invariant mode (cuBLAS's kernel choice depends on M).
+    x [M, K]: only its row count, dtype and device are read (``scaled_mm_takes_rows``)."""
+    return scaled_mm_takes_rows(x.numel() // weight.shape[1], x.dtype, x.device, weight, weight_scale, scale_block_n,
+                                batch_invariant)
+
+
+def scaled_mm_takes_rows(m: int, dtype: torch.dtype, device: torch.device, weight: torch.Tensor,
+                         weight_scale: torch.Tensor, scale_block_n: int, batch_invariant: bool) -> bool:
+    """``scaled_mm_takes`` for m input rows of ``dtype`` on ``device``."""
     n, k = weight.shape
-    return (not batch_invariant and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and x.numel() > (TRITON_M_MAX if n > SMALL_N else DECODE_M_MAX) * k
+    return (not batch_invariant and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and m > (TRITON_M_MAX if n > SMALL_N else DECODE_M_MAX)
             and scale_block_n == GROUP and n % GROUP == 0 and k % (4 * GROUP) == 0
-            and weight.stride(1) == 1 and weight_scale.is_contiguous() and scaled_mm_runs(x.device))
+            and weight.stride(1) == 1 and weight_scale.is_contiguous() and scaled_mm_runs(device))
 
 
 _SCALED_MM_RUNS: dict[torch.device, bool] = {}
@@ -272,8 +280,8 @@ def fp8_linear_prequantizes(m: int, dtype: torch.dtype, device: torch.device, we
     if device.type != "cuda" or m <= 0 or dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     n, k = weight.shape
-    probe = torch.empty((1, 1), dtype=dtype, device=device).expand(m, k)  # what the dispatch reads
-    return scaled_mm_takes(probe, weight, weight_scale, scale_block_n, False) or fp8_tiles(m, n, k, device)[1]
+    return (scaled_mm_takes_rows(m, dtype, device, weight, weight_scale, scale_block_n, False)
+            or fp8_tiles(m, n, k, device)[1])
 
 
 def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -310,7 +318,7 @@ def _prequantized_linear(x: QuantizedRows, weight, weight_scale, bias, scale_blo
     m, n = x.m, weight.shape[0]
     if weight.shape[1] != x.q.shape[1] or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_linear: weight {tuple(weight.shape)} {weight.dtype} does not fit {x.q.shape[1]} inputs")
-    if scaled_mm_takes(x.q.new_empty((1, 1), dtype=x.dtype).expand(x.shape), weight, weight_scale, scale_block_n, False):
+    if scaled_mm_takes_rows(m, x.dtype, x.device, weight, weight_scale, scale_block_n, False):
         y = torch._scaled_mm(x.q, weight.t(), scale_a=x.scale, scale_b=scaled_mm_weight_scale(weight_scale),
                              out_dtype=x.dtype)[:m]
         return y if bias is None else y + bias
