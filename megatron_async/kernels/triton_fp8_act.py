@@ -20,7 +20,7 @@ import triton.language as tl
 
 from megatron_async.kernels.triton_act import relu_sq, silu_mul
 from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
-from megatron_async.kernels.triton_rmsnorm import norm_row
+from megatron_async.kernels.triton_rmsnorm import norm_row, num_warps
 
 GROUP = 128
 PAD_ROWS = 4
@@ -50,6 +50,17 @@ class QuantizedRows:
     @property
     def is_cuda(self) -> bool:
         return self.q.is_cuda
+
+    @classmethod
+    def empty(cls, m: int, k: int, dtype: torch.dtype, device: torch.device) -> QuantizedRows:
+        """Unwritten buffers for m rows of k (padded to ``PAD_ROWS``; the scales K-group-major)."""
+        mp = -(-m // PAD_ROWS) * PAD_ROWS
+        return cls(torch.empty(mp, k, dtype=torch.float8_e4m3fn, device=device),
+                   torch.empty(triton.cdiv(k, GROUP), mp, dtype=torch.float32, device=device).t(), m, dtype)
+
+    @property
+    def rows_padded(self) -> int:
+        return self.q.shape[0]
 
 
 @triton.jit(do_not_specialize=["M", "rows"])
@@ -102,11 +113,9 @@ def attention_outputs(q: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, Qu
         return out, None, dict(oq_ptr=out, os_ptr=out, rows_padded=0, QUANT_OUT=False)
     if head_dim != GROUP:
         raise ValueError(f"attention: a quantized output needs head_dim {GROUP} (one group a head), got {head_dim}")
-    mp = -(-tokens // PAD_ROWS) * PAD_ROWS
-    rows = QuantizedRows(torch.empty(mp, heads * GROUP, dtype=torch.float8_e4m3fn, device=q.device),
-                         torch.empty(heads, mp, dtype=torch.float32, device=q.device).t(), tokens, q.dtype)
+    rows = QuantizedRows.empty(tokens, heads * GROUP, q.dtype, q.device)
     out = torch.empty((0, heads, head_dim), dtype=q.dtype, device=q.device)
-    return out, rows, dict(oq_ptr=rows.q, os_ptr=rows.scale, rows_padded=mp, QUANT_OUT=True)
+    return out, rows, dict(oq_ptr=rows.q, os_ptr=rows.scale, rows_padded=rows.rows_padded, QUANT_OUT=True)
 
 
 def silu_and_mul_quantized(gate_up: torch.Tensor) -> QuantizedRows:
@@ -125,16 +134,14 @@ def _activation_quantized(x: torch.Tensor, gated: bool) -> QuantizedRows:
         raise ValueError(f"the quantizing activation takes a [T, {'2I' if gated else 'I'}] tensor with unit last "
                          f"stride, got {tuple(x.shape)} {x.dtype}")
     m, inter = x.shape[0], x.shape[1] // (2 if gated else 1)
-    mp = -(-m // PAD_ROWS) * PAD_ROWS
-    block_m = 16 if x.device.type == "cpu" else 32
-    q = torch.empty(mp, inter, dtype=torch.float8_e4m3fn, device=x.device)
-    s_t = torch.empty(triton.cdiv(inter, GROUP), mp, dtype=torch.float32, device=x.device)
+    rows = QuantizedRows.empty(m, inter, x.dtype, x.device)
+    mp, block_m = rows.rows_padded, 16 if x.device.type == "cpu" else 32
     if mp and inter:
         _act_quant_kernel[(triton.cdiv(mp, block_m), triton.cdiv(inter, GROUP))](
-            x, q, s_t, m, mp, x.stride(0), q.stride(0), s_t.stride(1), s_t.stride(0),
+            x, rows.q, rows.scale, m, mp, x.stride(0), rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1),
             I=inter, BLOCK_M=block_m, GATED=gated, DT=_DTYPES[x.dtype], EMULATE=emulate(_act_quant_kernel),
             num_warps=4)
-    return QuantizedRows(q, s_t.t(), m, x.dtype)
+    return rows
 
 
 @triton.jit(do_not_specialize=["M", "rows"])
@@ -163,25 +170,24 @@ def rms_norm_quantized(x: torch.Tensor, residual: torch.Tensor | None, weight: t
                        cast_before_weight: bool) -> tuple[QuantizedRows, torch.Tensor | None]:
     """(``triton_rmsnorm.add_rms_norm``'s (or ``rms_norm``'s, ``residual`` None) normed rows as
     ``QuantizedRows``, the residual sum or None): the bits of the norm then ``quantize_activation``."""
+    if x.dim() != 2:
+        raise ValueError(f"rms_norm_quantized: x must be [T, hidden], got {tuple(x.shape)}")
     m, n = x.shape
-    if (x.dim() != 2 or n < GROUP or weight.shape != (n,) or weight.dtype != x.dtype or x.dtype not in _DTYPES
+    if (n < GROUP or weight.shape != (n,) or weight.dtype != x.dtype or x.dtype not in _DTYPES
             or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))):
         raise ValueError(f"rms_norm_quantized: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     if x.stride(1) != 1:
         x = x.contiguous()
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
-    mp = -(-m // PAD_ROWS) * PAD_ROWS
-    q = torch.empty(mp, n, dtype=torch.float8_e4m3fn, device=x.device)
-    s_t = torch.empty(triton.cdiv(n, GROUP), mp, dtype=torch.float32, device=x.device)
+    rows = QuantizedRows.empty(m, n, x.dtype, x.device)
+    mp = rows.rows_padded
     res_out = None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if mp:
-        from megatron_async.kernels import triton_rmsnorm
-
         block = triton.next_power_of_2(n)  # the norm kernel's: its row sum adds in the same order
         _rms_norm_quant_kernel[(mp,)](
-            x, x if residual is None else residual, weight, q, s_t, x if res_out is None else res_out, m, mp,
-            x.stride(0), 0 if residual is None else residual.stride(0), eps, N=n, BLOCK_N=block,
+            x, x if residual is None else residual, weight, rows.q, rows.scale, x if res_out is None else res_out, m,
+            mp, x.stride(0), 0 if residual is None else residual.stride(0), eps, N=n, BLOCK_N=block,
             HAS_RESIDUAL=residual is not None, CAST_BEFORE_WEIGHT=cast_before_weight, DT=_DTYPES[x.dtype],
-            EMULATE=emulate(_rms_norm_quant_kernel), num_warps=triton_rmsnorm.num_warps(block))
-    return QuantizedRows(q, s_t.t(), m, x.dtype), res_out
+            EMULATE=emulate(_rms_norm_quant_kernel), num_warps=num_warps(block))
+    return rows, res_out
