@@ -51,6 +51,7 @@ def start(processes: int) -> int:
         return 0
     if torch.cuda.is_initialized() or "fork" not in multiprocessing.get_all_start_methods():
         return 0
+    settle_kernel_hashes()
     try:
         _pool["pool"] = multiprocessing.get_context("fork").Pool(processes, initializer=_worker_init)
     except OSError as e:
@@ -58,6 +59,40 @@ def start(processes: int) -> int:
         return 0
     _pool["size"] = processes
     return processes
+
+
+def settle_kernel_hashes() -> int:
+    """Compute the source hash (``JITFunction.cache_key``) of every Triton function of the
+    package's kernel modules now, before this process compiles anything and before the workers
+    fork: they inherit them. Triton computes a function's hash the first time it is needed, and
+    with Triton 3.6 the sampler's kernels (which call libdevice) hashed differently in a worker
+    that had compiled other kernels first (measured on an H100: the workers and the engine's
+    process named 25 of a cold start's 74 specializations by different cache keys, two workers
+    even differently from each other, and the engine's threads compiled those 25 a second time:
+    ~2.5 s). Returns how many functions it hashed (those already hashed count too)."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    from megatron_async import kernels
+
+    hashed = 0
+    for info in pkgutil.iter_modules(kernels.__path__):
+        name = f"{kernels.__name__}.{info.name}"
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 -- an optional backend's module: its kernels hash when first used
+            continue
+        for value in list(vars(module).values()):
+            for _ in range(3):  # autotune / heuristics wrappers hold the JITFunction as .fn
+                if isinstance(value, JITFunction) or not hasattr(value, "fn"):
+                    break
+                value = value.fn
+            if isinstance(value, JITFunction) and value.__module__ == name:
+                value.cache_key  # noqa: B018 -- computed and kept by Triton
+                hashed += 1
+    return hashed
 
 
 @contextlib.contextmanager

@@ -134,3 +134,26 @@ def test_a_failing_hand_over_leaves_every_kernel_to_the_threads(workers, monkeyp
     monkeypatch.setattr(triton_workers, "submit", broken)
     assert triton_workers.compile_all([(object(), "{}")]).kernels == 0
     assert triton_workers.size() == 0  # given up for the rest of the start-up
+
+
+SETTLE = """
+from megatron_async.inference import triton_workers
+from megatron_async.kernels import triton_sampling, triton_threshold
+assert triton_sampling._draw_kernel.hash is None and triton_threshold._stage_init_kernel.hash is None
+n = triton_workers.settle_kernel_hashes()
+print(n, triton_sampling._draw_kernel.hash, triton_threshold._stage_init_kernel.hash)
+"""
+
+
+def test_kernel_hashes_are_settled_before_the_workers_fork():
+    """``start`` hashes every kernel module's Triton functions before forking, so the workers
+    inherit the engine process's hashes (a fresh process: nothing hashed before the call)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled kernels, as on a GPU
+    r = subprocess.run([sys.executable, "-c", SETTLE], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[3], env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    n, draw, stage = r.stdout.split()
+    assert int(n) > 50 and len(draw) == 64 and len(stage) == 64
