@@ -108,8 +108,7 @@ class LLM:
         self.quantization = quantization  # checked when the model is built (Fp8Config.resolve)
         self.memory_plan: MemoryPlan | None = None
         """How the KV pool was sized on CUDA when the config gives no size (see memory_planning.py)."""
-        self.tensor_parallel_size = tensor_parallel_size
-        self.expert_parallel_size = expert_parallel_size
+        self.tensor_parallel_size, self.expert_parallel_size = tensor_parallel_size, expert_parallel_size
         self.communicator: ZMQCommunicator | None = None
         self.parallel = ParallelState()
         check_p2p_possible(self.config.communication().tp_all_reduce, tensor_parallel_size, self.device)
@@ -185,6 +184,7 @@ class LLM:
         if self.context.spec is not None:
             self.context.spec.set_drafter(drafter)
         self.runner = ModelRunner(self.model, self.context, choice, eos_ids, expert_parallel=self.parallel.ep_size > 1)
+        self.runner.prebuilt_shapes = self.memory_plan.prebuilt_shapes if self.memory_plan else frozenset()
         if self.config.cuda_graphs and facade.is_cuda:
             self.runner.graphs = self._graph_runner()
         ranks = rank_role(self.communicator, self.parallel.dp_size, self.parallel.tp_size)

@@ -88,6 +88,8 @@ class MemoryPlan:
     probe_build: str = ""
     """How the probe step's Triton kernels were built (the dry pass's report, kernel_prebuild.py);
     empty: one by one, as the step met them."""
+    prebuilt_shapes: frozenset = frozenset()
+    """``kernel_prebuild.shape_key``s of the warm-up shapes whose kernels that dry pass built too."""
 
     @property
     def kv_bytes(self) -> int:

@@ -22,7 +22,10 @@ from megatron_async.inference.text_generation_controllers.graph_plan import (
 )
 from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
 from megatron_async.inference.text_generation_controllers.kernel_list import prebuild_listed
-from megatron_async.inference.text_generation_controllers.warmup import can_prebuild, warmup_shape
+from megatron_async.inference.text_generation_controllers.kernel_prebuild import PrebuildReport, shape_key
+from megatron_async.inference.text_generation_controllers.warmup import (
+    can_prebuild, eager_shapes, warm_token_mask, warmup_shape,
+)
 
 log = logging.getLogger("megatron_async")
 
@@ -39,13 +42,18 @@ def peak_step_shape(runner: ModelRunner):
 
 
 @torch.inference_mode()
-def measure_peak_step(runner: ModelRunner, reader: DeviceMemoryReader) -> tuple[int, str]:
+def measure_peak_step(runner: ModelRunner, reader: DeviceMemoryReader,
+                      warmup: bool = False) -> tuple[int, PrebuildReport | None]:
     """Bytes the largest step allocates above the tensors that stay, and how its kernels were built
-    (``PrebuildReport.describe``; empty: one by one)."""
+    (None: one by one). ``warmup``: the same dry pass also builds the kernels of the warm-up's eager
+    shapes (``warmup.eager_shapes`` on this probe context), one pass of compiles instead of two;
+    the warm-up checks two of them on the real context (``kernel_prebuild.prebuild``'s ``built_before``)."""
     ctx, shape = runner.context, peak_step_shape(runner)
-    built = ""
+    built = None
     if can_prebuild(runner, runner.build_threads):  # its kernels built at once, not one by one
-        built = prebuild_listed(runner, [(shape, 0)], runner.build_threads).describe()
+        shapes = [(shape, 0)] + (eager_shapes(runner) if warmup else [])
+        built = prebuild_listed(runner, shapes, runner.build_threads,
+                                also=(lambda: warm_token_mask(runner)) if warmup else None)
     ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(shape.num_rows, shape.num_tokens).to(ctx.device.device))
     reader.reset_peak()
     before = reader.read().allocated
@@ -56,7 +64,8 @@ def measure_peak_step(runner: ModelRunner, reader: DeviceMemoryReader) -> tuple[
 def profile_memory_plan(config: InferenceConfig, model, facade: DeviceFacade, dtype: torch.dtype, weights: int,
                         reader: DeviceMemoryReader, ep_size: int = 1, drafter=None) -> MemoryPlan:
     """The KV pool for ``config`` (neither ``num_kv_blocks`` nor ``buffer_size_gb`` set) on the
-    device ``reader`` reads, given ``weights`` bytes already allocated for the model.
+    device ``reader`` reads, given ``weights`` bytes already allocated for the model; with the
+    start-up warm-up on, the probe's dry pass builds the warm-up's kernels too (``prebuilt_shapes``).
     Distributed runs: every rank calls it; all take the smallest pool (TP ranks share one schedule)."""
     kernels = config.kernels()
     probe = DynamicInferenceContext(replace(config, num_kv_blocks=2).cache_sizing(), model, facade, dtype,
@@ -67,9 +76,9 @@ def profile_memory_plan(config: InferenceConfig, model, facade: DeviceFacade, dt
     probe.sampling_state.ensure_allocated()
     probe_kv = sum(t.nbytes for t in probe.kv_caches)
     resident = reader.read().allocated - probe_kv - weights
-    built = ""
+    built = None
     if ep_size == 1:
-        peak, built = measure_peak_step(runner, reader)
+        peak, built = measure_peak_step(runner, reader, warmup=config.startup_warmup)
     else:
         peak = int(EP_PEAK_SHARE * reader.read().total)
     bytes_per_block = probe_kv // probe.num_kv_blocks
@@ -84,7 +93,10 @@ def profile_memory_plan(config: InferenceConfig, model, facade: DeviceFacade, dt
         weights=weights, resident=resident, peak_step=peak, graph_pools=graphs,
         bytes_per_block=bytes_per_block, block_size=config.block_size_tokens,
         max_sequence_length=config.max_sequence_length, max_requests=config.max_requests)
-    return _agree(replace(plan, probe_build=built))
+    if built is not None:
+        plan = replace(plan, probe_build=built.describe(),
+                       prebuilt_shapes=frozenset(shape_key(s) for s in built.covered))
+    return _agree(plan)
 
 
 def decode_logits_bytes(config: GraphSizing, row_bytes: int, collective: bool) -> int:

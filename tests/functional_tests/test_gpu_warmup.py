@@ -147,3 +147,63 @@ def test_the_memory_profile_step_is_captured_dry_in_a_fresh_process(ckpt):
         notes[case] = r.stdout.split("memory profile:")[-1].strip()
     assert notes["warmed"].startswith("1 step captured dry") and " 0 kernels" not in notes["warmed"], notes
     assert notes["cold-cublas"].startswith("0 steps captured dry"), notes
+
+
+def test_the_memory_profile_builds_the_warm_up_kernels_and_the_warm_up_checks_them(tmp_path, monkeypatch):
+    """With the pool sized from measured memory, the probe's dry pass captures the warm-up's eager
+    shapes too: one pass of compiles. The warm-up captures two of them again on the real context
+    (meeting nothing new), builds nothing, and serving builds nothing either; the tokens equal an
+    engine whose pool size was given (warm-up shapes found by its own dry pass)."""
+    from megatron_async.config import InferenceConfig
+
+    monkeypatch.delenv("MEGATRON_ASYNC_KERNEL_LIST", raising=False)
+    path = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "odd", vocab_size=344, hidden_size=96,
+                                num_attention_heads=3, num_key_value_heads=1, head_dim=32)
+    outs = []
+    for planned in (True, False):
+        size = dict(gpu_memory_utilization=0.3) if planned else dict(num_kv_blocks=256)
+        cfg = InferenceConfig(block_size_tokens=4, max_requests=16, max_tokens=64, max_sequence_length=256,
+                              cuda_graphs=True, attention_backend="triton", startup_build_threads=4, **size)
+        llm = LLM(model=str(path), device="cuda", dtype="float32", inference_config=cfg)
+        assert (llm.memory_plan is not None) == planned
+        if planned:
+            plan, builds = llm.memory_plan, llm.startup.phases["kernel builds"]
+            assert int(plan.probe_build.split()[0]) > 10 and len(plan.prebuilt_shapes) > 10, plan.probe_build
+            assert builds.note.startswith("2 steps captured dry (") and " more built before" in builds.note, builds.note
+            assert builds.builds == 0 and llm.startup.phases["graph captures"].builds == 0
+        arrivals = [Arrival(0, [(5 * i + j) % 344 for j in range(4 + 11 * i)], PARAMS[i % len(PARAMS)]) for i in range(8)]
+        res = run_arrivals(llm, arrivals)
+        assert llm.engine.stats.triton_builds_after_warmup == 0
+        outs.append({i: o.generated_tokens for i, o in res.items()})
+        llm.close()
+    assert outs[0] == outs[1]
+
+
+def test_a_check_that_meets_a_new_kernel_captures_every_shape(tmp_path, monkeypatch):
+    """``built_before`` naming every eager shape: when the two checked shapes meet nothing the
+    process had not met, the others are assumed built; when the check meets a specialization
+    (planted: the build hook's record grows during it), every shape is captured dry."""
+    from megatron_async.inference import triton_builds
+    from megatron_async.inference.text_generation_controllers.kernel_prebuild import prebuild, shape_key
+    from megatron_async.inference.text_generation_controllers.warmup import eager_shapes
+
+    monkeypatch.delenv("MEGATRON_ASYNC_KERNEL_LIST", raising=False)
+    path = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "odd2", vocab_size=352)
+    llm = make_llm(path, device="cuda", cuda_graphs=False, attention_backend="triton", startup_warmup=False,
+                   startup_build_threads=4)
+    shapes = eager_shapes(llm.runner)
+    named = frozenset(shape_key(s) for s in shapes)
+    prebuild(llm.runner, shapes, 4)  # every kernel of these shapes built
+    trusted = prebuild(llm.runner, shapes, 4, built_before=named)
+    assert trusted.shapes == 2 and trusted.assumed == len(shapes) - 2 and trusted.kernels == 0
+    assert len(trusted.covered) == len(shapes) and not trusted.left
+    real_seen, calls = triton_builds.seen, []
+
+    def growing():  # one more specialization met after the pass's first look
+        calls.append(1)
+        return real_seen() + [object()] * (len(calls) > 1)
+
+    monkeypatch.setattr(triton_builds, "seen", growing)
+    checked = prebuild(llm.runner, shapes, 4, built_before=named)
+    assert checked.assumed == 0 and checked.shapes == len(shapes) and not checked.left
+    llm.close()

@@ -103,7 +103,7 @@ def _write(path: Path, specs: list) -> None:
         log.info("start-up build: kernel list %s not written (%s)", path, e)
 
 
-def prebuild_listed(runner, shapes: list, threads: int, also=None) -> PrebuildReport:
+def prebuild_listed(runner, shapes: list, threads: int, also=None, built_before=frozenset()) -> PrebuildReport:
     """``kernel_prebuild.prebuild`` (writing its list when it captured every shape), or the build
     of the list an earlier process of the same key kept (no dry capture; ``listed``)."""
     path = list_path(runner, shapes)
@@ -111,8 +111,8 @@ def prebuild_listed(runner, shapes: list, threads: int, also=None) -> PrebuildRe
     if specs is not None:
         t0 = time.perf_counter()
         built = triton_builds.build_all(specs, threads)
-        return PrebuildReport.of(built, time.perf_counter() - t0, 0, [], listed=True)
-    report = prebuild(runner, shapes, threads, also)
+        return PrebuildReport.of(built, time.perf_counter() - t0, 0, [], listed=True, covered=list(shapes))
+    report = prebuild(runner, shapes, threads, also, built_before)
     if path is not None and not report.left:
         _write(path, report.specs)
     return report

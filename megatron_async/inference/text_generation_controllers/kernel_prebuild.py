@@ -62,6 +62,10 @@ class PrebuildReport:
     """Built from the list an earlier process kept (kernel_list.py): nothing captured dry."""
     specs: list = field(default_factory=list)
     """Every specialization the process had met when the dry pass ended (what a kept list holds)."""
+    covered: list = field(default_factory=list)
+    """The ``(shape, width)`` pairs whose kernels are built now: those captured dry, or all of a kept list's."""
+    assumed: int = 0
+    """Shapes not captured, their kernels built by an earlier pass (``built_before``), after a check."""
 
     @classmethod
     def of(cls, built, seconds: float, shapes: int, left: list, **kw) -> "PrebuildReport":
@@ -71,6 +75,8 @@ class PrebuildReport:
 
     def describe(self) -> str:
         steps = "the kept kernel list" if self.listed else f"{self.shapes} step{'s' * (self.shapes != 1)} captured dry"
+        if self.assumed:
+            steps += f" ({self.assumed} more built before)"
         workers = (f" ({self.compiled} compiled in {self.processes} processes in {self.compile_seconds:.1f} s, longest "
                    f"{self.slowest[0]} {self.slowest[1]:.1f} s)" if self.processes else "")
         return (f"{steps}, {self.kernels} kernels on {self.threads} threads in {self.build_seconds:.1f} s"
@@ -182,14 +188,35 @@ def end_failed_capture(pool) -> bool:
     return True
 
 
+def shape_key(pair) -> str:
+    """A ``(StepShape, width)`` pair as ``built_before`` names it."""
+    return repr(pair)
+
+
+def _check_first(shapes: list, built_before) -> tuple[list, int, list]:
+    """(shapes to capture, how many of them check, shapes assumed built): the largest decode and
+    the largest mixed shape ``built_before`` names come first, as the check; the rest it names
+    are assumed."""
+    known = [s for s in shapes if shape_key(s) in built_before]
+    checks = [max(group, key=lambda s: s[0].num_tokens) for group in
+              ([s for s in known if s[0].is_decode_only], [s for s in known if not s[0].is_decode_only]) if group]
+    assumed = [s for s in known if s not in checks]
+    return checks + [s for s in shapes if shape_key(s) not in built_before], len(checks), assumed
+
+
 @torch.inference_mode()
-def prebuild(runner, shapes: list, threads: int, also=None) -> PrebuildReport:
+def prebuild(runner, shapes: list, threads: int, also=None, built_before=frozenset()) -> PrebuildReport:
     """Find the Triton specializations of ``shapes`` (``(StepShape, verify width)`` pairs, as
     ``warmup.eager_shapes``) without running them and build them on ``threads`` threads.
     ``also``: a callable run eagerly (not captured) inside the deferral, whose kernels are built
     with the rest; its unbuilt kernels do not launch, so it may only compute what it throws away.
+    ``built_before``: ``shape_key``s of shapes whose kernels an earlier dry pass of this model built
+    (the memory profile's, on its probe context): two of them (the largest decode and mixed
+    shapes) are captured again as a check, and the others only if that check met a
+    specialization the process had not (a context that launches other kernels than the probe's).
     Nothing may be in flight. The view and the latest samples are as before."""
     t0 = time.perf_counter()
+    order, checks, assumed = _check_first(shapes, built_before)
     ctx = runner.context
     saved_view, saved_samples = ctx.gpu_view.buffer.clone(), runner.last_samples.clone()
     stream, pool = capture_stream(runner.device.device), torch.cuda.graph_pool_handle()
@@ -197,14 +224,19 @@ def prebuild(runner, shapes: list, threads: int, also=None) -> PrebuildReport:
     gc.collect()  # no collection of earlier engines' graphs inside a capture
     gc_on = gc.isenabled()
     gc.disable()
-    done, kept, graphs = 0, None, []
+    done, kept, graphs, met = 0, None, [], len(triton_builds.seen())
     try:
         with triton_builds.deferring() as specs, caches_kept(empty_after=False):  # emptied below, the graphs gone
-            for shape, width in shapes:
-                kept = _dry_capture(runner, shape, width, stream, pool, kept, graphs)
+            while done < len(order):
+                kept = _dry_capture(runner, *order[done], stream, pool, kept, graphs)
                 if kept is None:
                     break
                 done += 1
+                if done == checks and assumed and len(triton_builds.seen()) > met:
+                    log.info("start-up build: this context meets kernels the earlier dry pass did not; capturing "
+                             "its %d other shapes too", len(assumed))
+                    order[done:done] = assumed
+                    assumed = []
             if also is not None:
                 also()
     finally:
@@ -217,4 +249,8 @@ def prebuild(runner, shapes: list, threads: int, also=None) -> PrebuildReport:
     gc.collect()
     torch.cuda.empty_cache()  # the dry captures' pool: nothing in it is kept
     built = triton_builds.build_all(specs, threads)
-    return PrebuildReport.of(built, time.perf_counter() - t0, done, list(shapes[done:]), specs=triton_builds.seen())
+    left = order[done:]
+    if done < checks:  # the check did not capture: nothing assumed, the rest run for real
+        left, assumed = left + assumed, []
+    return PrebuildReport.of(built, time.perf_counter() - t0, done, left, specs=triton_builds.seen(),
+                             covered=order[:done] + assumed, assumed=len(assumed))

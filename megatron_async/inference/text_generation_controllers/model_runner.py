@@ -86,6 +86,8 @@ class ModelRunner:
         self.batch_invariant = kernels.batch_invariant
         self.build_threads = triton_workers.build_threads(kernels.startup_build_threads)
         """Threads that build the warm-up's Triton kernels at once (0: one by one as steps meet them)."""
+        self.prebuilt_shapes: frozenset = frozenset()
+        """Warm-up shapes whose kernels the memory profile's dry pass built (``MemoryPlan.prebuilt_shapes``)."""
         R = context.max_requests
         S = context.max_samples  # config.max_samples, and the graphs' spare padding row
         dev = self.device.device
@@ -353,7 +355,8 @@ class ModelRunner:
     def warmup(self) -> WarmupReport:
         """Build every reachable Triton kernel variant and capture every planned graph (warmup.py).
         Expert parallelism: only the graphs (decode, every variant, every rank together), no eager pass."""
-        return run_warmup(self, eager=not self.expert_parallel, build_threads=self.build_threads)
+        return run_warmup(self, eager=not self.expert_parallel, build_threads=self.build_threads,
+                          built_before=self.prebuilt_shapes)
 
     # ------------------------------------------------------------------ host side
     def collect(self, pending: PendingLaunch) -> HostSamples:

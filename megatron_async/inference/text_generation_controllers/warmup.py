@@ -20,8 +20,10 @@ Then the graph runner captures its whole plan (graph_plan.py). Under expert para
 the greedy decode graphs are captured (every rank at once: collectives inside).
 
 With ``build_threads`` (CUDA, Triton), the eager shapes are first captured dry and their kernels
-built on that many threads (kernel_prebuild.py); only shapes that could not be captured dry then
-run eagerly, and the graphs are captured without running their steps first (the dry pass showed
+built on that many threads (kernel_prebuild.py): when the memory profile sized the KV pool, its
+probe context's dry pass did that already (one pass of compiles, memory_profiling.py), and the
+warm-up captures only two of those shapes again, to check that this context meets no other
+kernel. Only shapes that could not be captured dry then run eagerly, and the graphs are captured without running their steps first (the dry pass showed
 that the steps capture as they are; otherwise each graph's step runs once before its capture).
 Every kernel an eager step can meet is built and loaded."""
 from __future__ import annotations
@@ -156,7 +158,7 @@ def _run_eager(runner, shapes: list) -> None:
     runner.last_samples.copy_(saved)
 
 
-def _warm_token_mask(runner) -> None:
+def warm_token_mask(runner) -> None:
     """Build the grammar token-mask kernel for the dtypes the sampler hands it (the model's, and
     float32 after the penalties) when a grammar library is installed."""
     from megatron_async.inference.structured.grammars import any_installed
@@ -177,10 +179,12 @@ def can_prebuild(runner, build_threads: int) -> bool:
 
 
 @torch.inference_mode()
-def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: int = 0) -> WarmupReport:
+def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: int = 0,
+               built_before=frozenset()) -> WarmupReport:
     """Warm ``runner`` up (nothing may be in flight). ``eager``: the eager compile pass (with
-    ``build_threads``: its kernels built at once, kernel_prebuild.py); ``graphs``: capture the
-    graph runner's plan (when the runner has one)."""
+    ``build_threads``: its kernels built at once, kernel_prebuild.py, but for the shapes named in
+    ``built_before``, built by the memory profile's dry pass); ``graphs``: capture the graph
+    runner's plan (when the runner has one)."""
     dev = runner.device
     triton_builds.install()
     builds0, t0 = triton_builds.builds(), time.perf_counter()
@@ -188,12 +192,13 @@ def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: i
     shapes = eager_shapes(runner) if eager else []
     pre = None
     if shapes and can_prebuild(runner, build_threads):
-        pre = prebuild_listed(runner, shapes, build_threads, also=lambda: _warm_token_mask(runner))
+        pre = prebuild_listed(runner, shapes, build_threads, also=lambda: warm_token_mask(runner),
+                              built_before=built_before)
         shapes = pre.left
     t_eager = time.perf_counter()
     _run_eager(runner, shapes)
     if eager:
-        _warm_token_mask(runner)  # built by the prebuild's deferral when there was one: launches only
+        warm_token_mask(runner)  # built by the prebuild's deferral when there was one: launches only
     t_capture, builds_capture = time.perf_counter(), triton_builds.builds()
     captured = skipped = 0
     if graphs and runner.graphs is not None:  # after a whole dry pass, graphs capture without eager runs

@@ -26,7 +26,7 @@ def listed(monkeypatch, tmp_path):
     monkeypatch.setitem(registry, "kernel_list_test:k", jit)  # where a later process finds the kernel
     monkeypatch.setattr(kernel_list, "list_path", lambda runner, shapes: path)
 
-    def dry(runner, shapes, threads, also=None):
+    def dry(runner, shapes, threads, also=None, built_before=frozenset()):
         calls["dry"] += 1
         return PrebuildReport(2, threads, 1.0, 0.5, len(shapes), calls.get("left", []), specs=[(jit, "a"), (jit, "b")])
 
