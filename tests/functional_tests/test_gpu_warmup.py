@@ -69,12 +69,19 @@ def test_kernels_built_at_once_from_dry_captures_serve_the_same_tokens(tmp_path,
             assert "without an eager run first" in phases["graph captures"].note  # built: no run before a capture
         else:
             assert "kernel builds" not in phases
-        arrivals = [Arrival(0, [(7 * i + j) % 328 for j in range(5 + 9 * i)], PARAMS[i % len(PARAMS)]) for i in range(8)]
-        res = run_arrivals(llm, arrivals)
-        assert llm.engine.stats.triton_builds_after_warmup == 0
-        outs.append({i: o.generated_tokens for i, o in res.items()})
-        llm.close()
+        outs.append(_served_without_builds(llm, 328, 7, 5, 9))
     assert outs[0] == outs[1]
+
+
+def _served_without_builds(llm, vocab: int, mul: int, base: int, step: int) -> dict:
+    """Eight requests at once (prompt i: ``base + step * i`` tokens); asserts the engine built no
+    kernel while serving them; closes it and returns the tokens by request."""
+    arrivals = [Arrival(0, [(mul * i + j) % vocab for j in range(base + step * i)], PARAMS[i % len(PARAMS)])
+                for i in range(8)]
+    res = run_arrivals(llm, arrivals)
+    assert llm.engine.stats.triton_builds_after_warmup == 0
+    llm.close()
+    return {i: o.generated_tokens for i, o in res.items()}
 
 
 _FAILED_CAPTURE = """
@@ -171,11 +178,7 @@ def test_the_memory_profile_builds_the_warm_up_kernels_and_the_warm_up_checks_th
             assert int(plan.probe_build.split()[0]) > 10 and len(plan.prebuilt_shapes) > 10, plan.probe_build
             assert builds.note.startswith("2 steps captured dry (") and " more built before" in builds.note, builds.note
             assert builds.builds == 0 and llm.startup.phases["graph captures"].builds == 0
-        arrivals = [Arrival(0, [(5 * i + j) % 344 for j in range(4 + 11 * i)], PARAMS[i % len(PARAMS)]) for i in range(8)]
-        res = run_arrivals(llm, arrivals)
-        assert llm.engine.stats.triton_builds_after_warmup == 0
-        outs.append({i: o.generated_tokens for i, o in res.items()})
-        llm.close()
+        outs.append(_served_without_builds(llm, 344, 5, 4, 11))
     assert outs[0] == outs[1]
 
 
