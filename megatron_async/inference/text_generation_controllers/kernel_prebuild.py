@@ -18,6 +18,11 @@ memory allocated before and after each capture is compared, and a shape whose ca
 memory, or fails to capture (a step that needs the host mid-way), ends the dry pass: those
 shapes and the rest run for real, as without prebuilding.
 
+The memory profile's probe context (two KV blocks, every other size as the engine's) captures the
+warm-up's shapes in its own pass (memory_profiling.py): no kernel's specialization depends on the
+pool's block count (kernel_list.kv_layout). The warm-up then passes them as ``built_before`` and
+captures only two again, as the check that its context launches nothing the probe's did not.
+
 Libraries that set themselves up on first use must not do it inside a capture: cuBLAS creates
 its handle on the process's first matmul (``cublasCreate`` fails inside a capture, which is then
 invalidated), and torch gives each (handle, stream) its own workspace. The memory
