@@ -50,6 +50,20 @@ def _key_ranges(kv_len, pos, m_valid, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(cache_ptr, kv_ptrs, offs_n, hi, col_mask, MASK: tl.constexpr, EVEN: tl.constexpr, ZERO: tl.constexpr):
+    """One K or V tile of ``_attend`` / ``_attend_e4m3``: with MASK (the diagonal tiles) keys from
+    ``hi`` on and the columns past the head are ``ZERO`` (0.0 for a float cache, 0 for int16 pairs);
+    without it only the columns are masked, and nothing where the head fills the tile (EVEN)."""
+    if MASK:
+        tile = tl.load(cache_ptr + kv_ptrs, mask=(offs_n < hi)[:, None] & col_mask[None, :], other=ZERO)
+    elif EVEN:
+        tile = tl.load(cache_ptr + kv_ptrs)
+    else:
+        tile = tl.load(cache_ptr + kv_ptrs, mask=col_mask[None, :], other=ZERO)
+    return tile
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
             lo, hi, qk_scale, stride_cb, stride_cs, stride_ch,
             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
@@ -65,13 +79,7 @@ def _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
         offs_n = n0 + tl.arange(0, BLOCK_N)
         rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, MASK)
         kv_ptrs = rows[:, None] + offs_d[None, :]
-        if MASK:
-            kv_mask = (offs_n < hi)[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_cache_ptr + kv_ptrs)
-        else:
-            k = tl.load(k_cache_ptr + kv_ptrs, mask=d_mask[None, :], other=0.0)
+        k = _kv_tile(k_cache_ptr, kv_ptrs, offs_n, hi, d_mask, MASK, EVEN_D, 0.0)
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         if MASK:  # keys past kv_len are past every query's position too
             qk = tl.where(offs_n[None, :] <= pos[:, None], qk * qk_scale, float("-inf"))
@@ -83,12 +91,7 @@ def _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASK:
-            v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            v = tl.load(v_cache_ptr + kv_ptrs)
-        else:
-            v = tl.load(v_cache_ptr + kv_ptrs, mask=d_mask[None, :], other=0.0)
+        v = _kv_tile(v_cache_ptr, kv_ptrs, offs_n, hi, d_mask, MASK, EVEN_D, 0.0)
         acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
         m_i = m_ij
     return acc, l_i, m_i
@@ -107,13 +110,7 @@ def _attend_e4m3(acc_e, acc_o, l_i, m_i, q_e, q_o, pos, k_cache_ptr, v_cache_ptr
         offs_n = n0 + tl.arange(0, BLOCK_N)
         rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, MASK)
         kv_ptrs = rows[:, None] + offs_p[None, :]
-        if MASK:
-            kv_mask = (offs_n < hi)[:, None] & p_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0)
-        elif EVEN_P:
-            k = tl.load(k_cache_ptr + kv_ptrs)
-        else:
-            k = tl.load(k_cache_ptr + kv_ptrs, mask=p_mask[None, :], other=0)
+        k = _kv_tile(k_cache_ptr, kv_ptrs, offs_n, hi, p_mask, MASK, EVEN_P, 0)
         k_e, k_o = widen_e4m3_pairs(k, USE_ASM)
         qk = tl.dot(q_o, tl.trans(k_o), tl.dot(q_e, tl.trans(k_e)))
         if MASK:
@@ -125,12 +122,7 @@ def _attend_e4m3(acc_e, acc_o, l_i, m_i, q_e, q_o, pos, k_cache_ptr, v_cache_ptr
             p = tl.math.exp2(qk * row_scale[:, None] - m_ij[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASK:
-            v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0)
-        elif EVEN_P:
-            v = tl.load(v_cache_ptr + kv_ptrs)
-        else:
-            v = tl.load(v_cache_ptr + kv_ptrs, mask=p_mask[None, :], other=0)
+        v = _kv_tile(v_cache_ptr, kv_ptrs, offs_n, hi, p_mask, MASK, EVEN_P, 0)
         v_e, v_o = widen_e4m3_pairs(v, USE_ASM)
         p16 = p.to(tl.float16)
         acc_e = tl.dot(p16, v_e, acc_e * alpha[:, None])
