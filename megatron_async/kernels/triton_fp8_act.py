@@ -52,9 +52,9 @@ class QuantizedRows:
         return self.q.is_cuda
 
     @classmethod
-    def empty(cls, m: int, k: int, dtype: torch.dtype, device: torch.device) -> QuantizedRows:
-        """Unwritten buffers for m rows of k (padded to ``PAD_ROWS``; the scales K-group-major)."""
-        mp = -(-m // PAD_ROWS) * PAD_ROWS
+    def empty(cls, m: int, k: int, dtype: torch.dtype, device: torch.device, pad_rows: int = PAD_ROWS) -> QuantizedRows:
+        """Unwritten buffers for m rows of k (padded to ``pad_rows``; the scales K-group-major)."""
+        mp = -(-m // pad_rows) * pad_rows
         return cls(torch.empty(mp, k, dtype=torch.float8_e4m3fn, device=device),
                    torch.empty(triton.cdiv(k, GROUP), mp, dtype=torch.float32, device=device).t(), m, dtype)
 

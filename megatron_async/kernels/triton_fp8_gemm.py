@@ -118,15 +118,13 @@ def quantize_activation(x: torch.Tensor, pad_rows_to: int = 1) -> tuple[torch.Te
     to ``pad_rows_to`` (cuBLASLt wants 4 for that recipe); padding rows are zeros. The bits equal
     ``fp8_quant.quantize_activation``'s."""
     m, k = x.shape
-    mp = -(-m // pad_rows_to) * pad_rows_to
-    block_m = 16 if x.device.type == "cpu" else 32
-    q = torch.empty(mp, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s_t = torch.empty(triton.cdiv(k, GROUP), mp, dtype=torch.float32, device=x.device)
+    rows = QuantizedRows.empty(m, k, x.dtype, x.device, pad_rows_to)
+    mp, block_m = rows.rows_padded, 16 if x.device.type == "cpu" else 32
     if mp:
         _quantize_kernel[(triton.cdiv(mp, block_m), triton.cdiv(k, GROUP))](
-            x, q, s_t, m, k, mp, x.stride(0), q.stride(0), s_t.stride(1), s_t.stride(0),
+            x, rows.q, rows.scale, m, k, mp, x.stride(0), rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1),
             BLOCK_M=block_m, EMULATE=emulate(_quantize_kernel), num_warps=4)
-    return q, s_t.t()
+    return rows.q, rows.scale
 
 
 @dataclass(frozen=True)
