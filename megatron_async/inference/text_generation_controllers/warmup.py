@@ -23,8 +23,9 @@ With ``build_threads`` (CUDA, Triton), the eager shapes are first captured dry a
 built on that many threads (kernel_prebuild.py): when the memory profile sized the KV pool, its
 probe context's dry pass did that already (one pass of compiles, memory_profiling.py), and the
 warm-up captures only two of those shapes again, to check that this context meets no other
-kernel. Only shapes that could not be captured dry then run eagerly, and the graphs are captured without running their steps first (the dry pass showed
-that the steps capture as they are; otherwise each graph's step runs once before its capture).
+kernel. Only shapes that could not be captured dry then run eagerly, and the graphs are captured
+without running their steps first (the dry pass showed that the steps capture as they are;
+otherwise each graph's step runs once before its capture).
 Every kernel an eager step can meet is built and loaded."""
 from __future__ import annotations
 
