@@ -36,10 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.runtime.interpreter import InterpretedFunction
-
 from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels.triton_fp8_act import QuantizedRows, attention_outputs, store_heads_quantized
+from megatron_async.kernels.triton_fp8_common import emulate
 from megatron_async.kernels.triton_paged_common import (
     check_cache, dot_args, kv_scale_args, kv_tile_rows, load_kv, load_q_pairs, num_compute_units, q_as_pairs,
     widen_e4m3_pairs,
@@ -366,7 +365,7 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, ORDERED=meta.row_order is not None, E4M3_PAIRS=pairs, BLOCK_P=block_d // 2,
         Q_BF16=q.dtype == torch.bfloat16,
-        USE_ASM=not isinstance(_decode_split_kernel, InterpretedFunction),
+        USE_ASM=not emulate(_decode_split_kernel),
         HEADS_FASTEST=heads_fastest, **dot_args(_decode_split_kernel, kv_cache.dtype, q.dtype),
         **quant_args, num_warps=num_warps, num_stages=num_stages,
     )
@@ -375,6 +374,6 @@ def decode_attention(
             part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, BLOCK_D=block_d, **quant_args,
-            EMULATE=isinstance(_decode_merge_kernel, InterpretedFunction), num_warps=4,
+            EMULATE=emulate(_decode_merge_kernel), num_warps=4,
         )
     return out if rows_q is None else rows_q

@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels.triton_fp8_act import QuantizedRows, attention_outputs, store_heads_quantized
+from megatron_async.kernels.triton_fp8_common import emulate
 from megatron_async.kernels.triton_paged_common import (
     check_cache, dot_args, kv_scale_args, kv_tile_rows, load_q_pairs, q_as_pairs, widen_e4m3_pairs,
 )
@@ -371,7 +371,7 @@ def prefill_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         **dot_args(_prefill_kernel, kv_cache.dtype, q.dtype), HEADS_FASTEST=heads_fastest, KV_FP8=fp8,
         E4M3_PAIRS=pairs, Q_BF16=q.dtype == torch.bfloat16,
-        USE_ASM=not isinstance(_prefill_kernel, InterpretedFunction),
+        USE_ASM=not emulate(_prefill_kernel),
         **quant_args, num_warps=num_warps, num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )
