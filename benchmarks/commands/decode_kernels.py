@@ -35,6 +35,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.gpu_idle import union_length
 from megatron_async import LLM, InferenceConfig, SamplingParams
 
 GROUPS = [  # (role, name substrings), first match wins
@@ -73,14 +74,8 @@ def kernel_rows(prof) -> list[tuple[str, int, float]]:
 def busy_us(prof) -> float:
     """Device time with at least one kernel running: the union of the kernels' intervals (their
     summed times count overlapping kernels twice, e.g. another stream's or a dependent launch's)."""
-    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
-                   if ev.device_type == torch.autograd.DeviceType.CUDA)
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:
-        if b > end:
-            busy += b - max(a, end)
-            end = b
-    return busy
+    return union_length([(ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                         if ev.device_type == torch.autograd.DeviceType.CUDA])
 
 
 def host_side(llm: LLM, steps: int) -> tuple[float, str]:
