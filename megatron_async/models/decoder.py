@@ -113,6 +113,8 @@ class DecoderModel(CausalLM):
             blocks.append(Block(norm_cls(spec.hidden_size, spec.norm_eps, dtype, device), mixer))
             counts[b.kind] += 1
         self.blocks = nn.ModuleList(blocks)
+        self.dry_blocks: list[int] | None = None
+        """Set only inside a dry capture (kernel_prebuild.py): the blocks it runs (dry_blocks.py)."""
         self.num_blocks_of = counts
         self.final_norm = norm_cls(spec.hidden_size, spec.norm_eps, dtype, device)
         tied = self.embed_tokens if spec.tie_word_embeddings else None
@@ -196,7 +198,8 @@ class DecoderModel(CausalLM):
         x, residual = self.embed_tokens(input_ids), None
         if self.spec.residual_in_fp32:
             x = x.float()
-        for block in self.blocks:
+        blocks = self.blocks if self.dry_blocks is None else [self.blocks[i] for i in self.dry_blocks]
+        for block in blocks:
             x, residual = block(x, residual, step)
         inv = batch.batch_invariant
         if residual is None:

@@ -23,6 +23,11 @@ warm-up's shapes in its own pass (memory_profiling.py): no kernel's specializati
 pool's block count (kernel_list.kv_layout). The warm-up then passes them as ``built_before`` and
 captures only two again, as the check that its context launches nothing the probe's did not.
 
+A dry capture runs only the prefix of the model's blocks that stands for all of them
+(``dry_blocks.py``: 4 of the 0.6B's 56). A pass first captures its largest decode and mixed shape
+with the prefix, then with every block, and drops the prefix when the second meets a
+specialization the first did not; the warm-up's check shapes run every block.
+
 Libraries that set themselves up on first use must not do it inside a capture: cuBLAS creates
 its handle on the process's first matmul (``cublasCreate`` fails inside a capture, which is then
 invalidated), and torch gives each (handle, stream) its own workspace. The memory
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_async.inference import triton_builds
+from megatron_async.inference.text_generation_controllers.dry_blocks import blocks_to_run
 
 log = logging.getLogger("megatron_async")
 
@@ -140,7 +146,8 @@ def caches_kept(empty_after: bool = True):
         torch.cuda.empty_cache()
 
 
-def _dry_capture(runner, shape, width: int, stream, pool, kept: int | None, graphs: list) -> int | None:
+def _dry_capture(runner, shape, width: int, stream, pool, kept: int | None, graphs: list,
+                 blocks: list[int] | None = None) -> int | None:
     """Capture ``shape`` into a graph that is never replayed, held in ``graphs`` until the pass
     ends: the dry captures share one pool, and a pool whose last graph is dropped cannot take
     another capture (torch's allocator asserts its use count is above zero). Returns the device
@@ -158,7 +165,11 @@ def _dry_capture(runner, shape, width: int, stream, pool, kept: int | None, grap
     ok = True
     try:
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-            runner.compute_step(shape)  # outputs dropped at once
+            runner.model.dry_blocks = blocks
+            try:
+                runner.compute_step(shape)  # outputs dropped at once
+            finally:
+                runner.model.dry_blocks = None
     except Exception as e:  # noqa: BLE001 -- any capture failure: the shape runs for real
         first = e.__context__  # the op that invalidated the capture, when capture_end's error replaced it
         log.info("start-up build: a %d-token step cannot be captured dry (%s%s); it runs for real", shape.num_tokens,
@@ -209,6 +220,26 @@ def _check_first(shapes: list, built_before) -> tuple[list, int, list]:
     return checks + [s for s in shapes if shape_key(s) not in built_before], len(checks), assumed
 
 
+def _check_blocks(runner, shapes: list, reps: list[int], stream, pool, graphs: list):
+    """Capture the largest decode and mixed shape with only the ``reps`` blocks, then with every
+    block: (memory after, the blocks to run from now on: ``reps``, or None when every block
+    met a specialization the ``reps`` did not). (False, _): a capture failed, the pass ends."""
+    pairs = [max(g, key=lambda s: s[0].num_tokens) for g in
+             ([s for s in shapes if s[0].is_decode_only], [s for s in shapes if not s[0].is_decode_only]) if g]
+    kept = None
+    for blocks in (reps, None):
+        if blocks is None:
+            met = len(triton_builds.seen())
+        for pair in pairs:
+            kept = _dry_capture(runner, *pair, stream, pool, kept, graphs, blocks)
+            if kept is None:
+                return False, None
+    if len(triton_builds.seen()) > met:
+        log.info("start-up build: the model's blocks %s do not stand for the others; dry captures run every block", reps)
+        return kept, None
+    return kept, reps
+
+
 @torch.inference_mode()
 def prebuild(runner, shapes: list, threads: int, also=None, built_before=frozenset()) -> PrebuildReport:
     """Find the Triton specializations of ``shapes`` (``(StepShape, verify width)`` pairs, as
@@ -229,19 +260,26 @@ def prebuild(runner, shapes: list, threads: int, also=None, built_before=frozens
     gc.collect()  # no collection of earlier engines' graphs inside a capture
     gc_on = gc.isenabled()
     gc.disable()
-    done, kept, graphs, met = 0, None, [], len(triton_builds.seen())
+    done, kept, graphs = 0, None, []
+    reps = blocks_to_run(runner.model.blocks) if hasattr(runner.model, "blocks") else None
+    if reps is not None and len(reps) == len(runner.model.blocks):
+        reps = None  # every block runs anyway
     try:
         with triton_builds.deferring() as specs, caches_kept(empty_after=False):  # emptied below, the graphs gone
-            while done < len(order):
-                kept = _dry_capture(runner, *order[done], stream, pool, kept, graphs)
+            if reps is not None and not checks:  # do the blocks run stand for the rest? (else: every block)
+                kept, reps = _check_blocks(runner, shapes, reps, stream, pool, graphs)
+            met = len(triton_builds.seen())
+            while kept is not False and done < len(order):
+                full = done < checks or reps is None  # the check runs every block
+                kept = _dry_capture(runner, *order[done], stream, pool, kept, graphs, None if full else reps)
                 if kept is None:
                     break
                 done += 1
                 if done == checks and assumed and len(triton_builds.seen()) > met:
                     log.info("start-up build: this context meets kernels the earlier dry pass did not; capturing "
-                             "its %d other shapes too", len(assumed))
+                             "its %d other shapes too, every block", len(assumed))
                     order[done:done] = assumed
-                    assumed = []
+                    assumed, reps = [], None
             if also is not None:
                 also()
     finally:
