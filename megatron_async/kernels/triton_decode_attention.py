@@ -121,18 +121,18 @@ def _attend_split_e4m3(
 @triton.jit
 def _store_split(
     acc, l_i, m_i, row, heads, split, offs_d, g_mask, d_mask, out_ptr, part_out_ptr, part_lse_ptr,
-    stride_ot, stride_oh, num_heads, oq_ptr, os_ptr, rows_padded, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    QUANT_OUT: tl.constexpr, EMULATE: tl.constexpr,
+    stride_ot, stride_oh, num_heads, oq_ptr, os_ptr, rows_padded, num_splits, HEAD_DIM: tl.constexpr,
+    SPLIT: tl.constexpr, QUANT_OUT: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """The split's normalised output: the row's output itself when it is the only split (with
     ``QUANT_OUT`` quantized for an FP8 o projection instead, ``store_heads_quantized``), else a
     partial output plus its log-sum-exp (log2) for the merge kernel."""
     has_keys = l_i > 0.0  # an empty split (or an empty row) contributes nothing
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1 and QUANT_OUT:
+    if not SPLIT and QUANT_OUT:
         store_heads_quantized(o, row + heads * 0, heads, g_mask, oq_ptr, os_ptr, rows_padded, num_heads * 128,
                               out_ptr.dtype.element_ty, EMULATE)
-    elif NUM_SPLITS == 1:
+    elif not SPLIT:
         tl.store(
             out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
@@ -140,24 +140,24 @@ def _store_split(
         )
     else:
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        part = (row.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        part = (row.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_G]
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o,
                  mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
-def _split_keys(kv_lens_ptr, positions_ptr, row, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_keys(kv_lens_ptr, positions_ptr, row, split, num_splits, BLOCK_N: tl.constexpr):
     """[start, end) of the keys of split ``split``, of those visible to the row's single query:
-    [0, min(kv_len, position + 1)) cut into NUM_SPLITS chunks of whole key tiles."""
+    [0, min(kv_len, position + 1)) cut into ``num_splits`` chunks of whole key tiles."""
     kv_len = tl.load(kv_lens_ptr + row).to(tl.int64)
     length = tl.minimum(kv_len, tl.load(positions_ptr + row).to(tl.int64) + 1)
-    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     return start, tl.minimum(start + chunk, length)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one binary for every split count (a cold start built 11)
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -187,7 +187,8 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
+    SPLIT: tl.constexpr,
     ORDERED: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -206,7 +207,7 @@ def _decode_split_kernel(
         row = tl.load(row_order_ptr + row)
     split = tl.program_id(2)
 
-    start, end = _split_keys(kv_lens_ptr, positions_ptr, row, split, NUM_SPLITS, BLOCK_N)
+    start, end = _split_keys(kv_lens_ptr, positions_ptr, row, split, num_splits, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -233,11 +234,11 @@ def _decode_split_kernel(
     if KV_FP8:  # the value scale, once per output
         acc = acc * tl.load(kv_scale_ptr + num_kv_heads + kv_head)
     _store_split(acc, l_i, m_i, row, heads, split, offs_d, g_mask, d_mask, out_ptr, part_out_ptr, part_lse_ptr,
-                 stride_ot, stride_oh, num_heads, oq_ptr, os_ptr, rows_padded, HEAD_DIM, NUM_SPLITS, QUANT_OUT,
+                 stride_ot, stride_oh, num_heads, oq_ptr, os_ptr, rows_padded, num_splits, HEAD_DIM, SPLIT, QUANT_OUT,
                  not USE_ASM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -245,7 +246,7 @@ def _decode_merge_kernel(
     stride_ot,
     stride_oh,
     num_heads,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -256,9 +257,9 @@ def _decode_merge_kernel(
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
-    part = (row * num_heads + head) * NUM_SPLITS + offs_s
+    part = (row * num_heads + head) * num_splits + offs_s
     lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
@@ -362,8 +363,8 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
         num_heads, scale * _LOG2E, scale_ptr, num_kv_heads, KV_FP8=fp8,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, ORDERED=meta.row_order is not None, E4M3_PAIRS=pairs, BLOCK_P=block_d // 2,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, num_splits=num_splits,
+        SPLIT=num_splits > 1, ORDERED=meta.row_order is not None, E4M3_PAIRS=pairs, BLOCK_P=block_d // 2,
         Q_BF16=q.dtype == torch.bfloat16,
         USE_ASM=not emulate(_decode_split_kernel),
         HEADS_FASTEST=heads_fastest, **dot_args(_decode_split_kernel, kv_cache.dtype, q.dtype),
@@ -371,8 +372,8 @@ def decode_attention(
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_rows, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, BLOCK_D=block_d, **quant_args,
             EMULATE=emulate(_decode_merge_kernel), num_warps=4,
         )

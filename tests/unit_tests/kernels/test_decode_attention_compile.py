@@ -26,7 +26,7 @@ for pairs in (True, False):
                  positions_ptr="*i64", row_order_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32",
                  part_lse_ptr="*fp32", scale_log2="fp32", kv_scale_ptr="*fp32", oq_ptr="*fp8e4nv", os_ptr="*fp32")
     sig = {n: types.get(n, "constexpr" if n.isupper() else "i32") for n in fn.arg_names}
-    consts = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=128, NUM_SPLITS=1,
+    consts = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=128, SPLIT=False,
                   ORDERED=False, HEADS_FASTEST=True, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", KV_FP8=True,
                   E4M3_PAIRS=pairs, BLOCK_P=64, Q_BF16=True, USE_ASM=True,
                   QUANT_OUT=False)
