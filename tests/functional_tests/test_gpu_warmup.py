@@ -217,34 +217,34 @@ def test_dry_captures_run_a_prefix_of_the_blocks_or_every_block_when_it_misses_k
                                                                                       caplog, plant):
     """The dry pass captures with the shortest prefix of blocks that stands for the model (4 of
     its 8 attention / MLP blocks) after checking it against every block on the largest decode and
-    mixed shape. Planted: a prefix of the first attention block alone, whose MLP kernels only the
-    full capture meets: the pass drops it and runs every block. Either way the engine builds
-    nothing while serving."""
+    mixed shape. Planted: the build hook's record grows during the capture of every block (a
+    kernel the prefix did not meet): the pass drops the prefix and runs every block. Either way
+    the engine builds nothing while serving."""
     import logging
 
+    from megatron_async.inference import triton_builds
     from megatron_async.inference.text_generation_controllers import kernel_prebuild
 
     monkeypatch.delenv("MEGATRON_ASYNC_KERNEL_LIST", raising=False)
-    real, ran = kernel_prebuild._dry_capture, []
+    real, real_seen, ran, extra = kernel_prebuild._dry_capture, triton_builds.seen, [], []
 
     def spy(*args):
-        ran.append(args[7] if len(args) > 7 else None)
+        blocks = args[7] if len(args) > 7 else None
+        ran.append(blocks)
+        if plant and blocks is None and not extra:
+            extra.append(object())
         return real(*args)
 
     monkeypatch.setattr(kernel_prebuild, "_dry_capture", spy)
-    if plant:
-        monkeypatch.setattr(kernel_prebuild, "blocks_to_run", lambda blocks: [0])
-    hidden = 80 + 32 * plant  # shapes of their own: the planted case meets kernels no earlier engine met
-    path = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "odd3", vocab_size=360, hidden_size=hidden,
-                                num_attention_heads=hidden // 16, num_key_value_heads=1, head_dim=16,
-                                num_hidden_layers=4)
+    monkeypatch.setattr(triton_builds, "seen", lambda: real_seen() + extra)
+    path = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "odd3", vocab_size=360, hidden_size=80,
+                                num_attention_heads=5, num_key_value_heads=1, head_dim=16, num_hidden_layers=4)
     cfg = make_llm(path, cuda_graphs=False, attention_backend="triton", max_sequence_length=256,
                    startup_build_threads=4).config
     with caplog.at_level(logging.INFO, logger="megatron_async"):
         llm = LLM(model=str(path), device="cuda", dtype="float32", inference_config=cfg)
-    dropped = "do not stand for the others" in caplog.text
-    assert dropped == plant, caplog.text[-2000:]
-    prefix = [0] if plant else [0, 1, 2, 3]
+    assert ("do not stand for the others" in caplog.text) == plant, caplog.text[-2000:]
+    prefix = [0, 1, 2, 3]
     assert ran[:2] == [prefix, prefix] and ran[2:4] == [None, None]  # the check: prefix, then every block
     later = {tuple(b) if b else None for b in ran[4:]}
     assert later == ({None} if plant else {tuple(prefix)}), ran
