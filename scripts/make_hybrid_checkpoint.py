@@ -15,6 +15,11 @@ SIZES = {
                   mamba_num_heads=32, mamba_head_dim=64, ssm_state_size=128, n_groups=8, intermediate_size=4096,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=64, vocab_size=32000,
                   max_position_embeddings=8192, initializer_range=0.02),
+    # the small one's layer pattern at tiny widths: the host's work per step on a CPU (host-step --model)
+    "tiny": dict(hidden_size=64, num_hidden_layers=16, hybrid_override_pattern="M-M-M*-M-M-M*-M-",
+                 mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1024,
+                 max_position_embeddings=2048),
 }
 
 if __name__ == "__main__":
