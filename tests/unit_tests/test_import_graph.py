@@ -17,11 +17,10 @@ job of data-parallel ranks both read, reaching only the config and the prefix ca
 from __future__ import annotations
 
 import ast
-import functools
-import re
-from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "megatron_async"
+from tests.helpers.import_reader import (
+    import_graph, imported_names, in_roots, library_trees, module_imports, sources,
+)
 
 LAYERS = (
     ("megatron_async.config", "megatron_async.forward_batch", "megatron_async.step_shape"),
@@ -36,148 +35,6 @@ else (``llm``, ``serve``, ``tools``, ``testing``, the package itself) is the top
 
 NOT_LIBRARY = ("benchmarks", "tests", "scripts", "megatron_async.testing", "megatron_async.tools")
 """What the library never imports, by any spelling: measurement and test code."""
-
-_DYNAMIC_IMPORTS = {"import_module", "__import__", "run_module"}
-"""Calls that import the module they name (importlib.import_module, __import__, runpy.run_module)."""
-_PATH_LOADERS = {"run_path", "spec_from_file_location", "SourceFileLoader"}
-"""Calls that load a module from a file path (runpy.run_path, importlib.util's loaders)."""
-_MODULE_NAME = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\.?(?::[A-Za-z_]\w*)?")
-"""A string constant that names a module: ``pkg.mod``, ``pkg.mod:attr`` or a prefix ``pkg.``."""
-_TOP_FOLDERS = ("benchmarks", "tests", "scripts")
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _annotation_only(tree: ast.Module) -> set[int]:
-    """ids of the nodes inside ``if TYPE_CHECKING:`` bodies."""
-    return {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
-            for stmt in node.body for n in ast.walk(stmt)}
-
-
-def _absolute(name: str, level: int, package: str) -> str | None:
-    """``name`` imported with ``level`` leading dots from a module of ``package`` (None: above the top)."""
-    if level == 0:
-        return name
-    parts = package.split(".")
-    if level - 1 >= len(parts):
-        return None
-    base = parts[: len(parts) - (level - 1)]
-    return ".".join(base + ([name] if name else []))
-
-
-def _literal(node: ast.AST | None) -> str | None:
-    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
-
-
-def _call_name(func: ast.expr) -> str | None:
-    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
-
-
-def _dynamic_target(call: ast.Call, package: str) -> str | None | bool:
-    """The module a dynamic import call names: a name, None (above the top), or False (computed)."""
-    name = _literal(call.args[0]) if call.args else _literal(next((k.value for k in call.keywords if k.arg == "name"), None))
-    if name is None:
-        return False
-    level = len(name) - len(name.lstrip("."))
-    if level:
-        pkg = _literal(call.args[1]) if len(call.args) > 1 else _literal(
-            next((k.value for k in call.keywords if k.arg == "package"), None))
-        return _absolute(name[level:], level, pkg or package)
-    return name
-
-
-def _path_target(call: ast.Call) -> str | None:
-    """A literal ``.py`` path loaded by ``call``, as a dotted module name from its first folder
-    that is a top-level one of the repository (``../benchmarks/run.py`` -> ``benchmarks.run``)."""
-    for arg in [*call.args, *(k.value for k in call.keywords)]:
-        path = _literal(arg)
-        if path is not None and path.endswith(".py"):
-            parts = [p for p in Path(path.removesuffix(".py")).parts if p not in (".", "..", "/")]
-            tops = [i for i, p in enumerate(parts) if p in (*_TOP_FOLDERS, "megatron_async")]
-            return ".".join(parts[tops[0] if tops else 0:])
-    return None
-
-
-def import_statements(tree: ast.Module, module: str, is_package: bool = False,
-                      annotations: bool = False) -> list[tuple[str, tuple[str, ...], bool]]:
-    """(base, names, certain) of every import in ``tree``, made absolute (``module``: the dotted
-    name of its source; ``is_package``: it is a package's ``__init__``): ``from base import
-    names`` or ``import base`` (names empty). ``certain`` is False for the string constants of a
-    module that imports a computed name (any of them may be imported). ``annotations``: ``if
-    TYPE_CHECKING:`` imports too."""
-    package = module if is_package else module.rpartition(".")[0]
-    skip = set() if annotations else _annotation_only(tree)
-    found: list[tuple[str, tuple[str, ...], bool]] = []
-    computed = False
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
-        if isinstance(node, ast.Import):
-            found += [(a.name, (), True) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = _absolute(node.module or "", node.level, package)
-            if base is not None:
-                found.append((base, tuple(a.name for a in node.names if a.name != "*"), True))
-        elif isinstance(node, ast.Call) and _call_name(node.func) in _DYNAMIC_IMPORTS:
-            target = _dynamic_target(node, package)
-            computed |= target is False
-            if target:
-                found.append((target, (), True))
-        elif isinstance(node, ast.Call) and _call_name(node.func) in _PATH_LOADERS:
-            if target := _path_target(node):
-                found.append((target, (), True))
-    if computed:
-        for node in ast.walk(tree):
-            if (s := _literal(node)) is not None and (m := _MODULE_NAME.fullmatch(s)) and m.group(1) != module:
-                found.append((m.group(1), (), False))
-    return found
-
-
-def imported_names(tree: ast.Module, module: str, is_package: bool = False, annotations: bool = True) -> set[str]:
-    """Every dotted name ``tree`` may import: each base, and ``base.name`` for each name taken from it."""
-    return {n for base, names, _ in import_statements(tree, module, is_package, annotations)
-            for n in (base, *(f"{base}.{a}" for a in names))}
-
-
-def _imports(tree: ast.Module, modules: set[str], module: str, is_package: bool = False,
-             annotations: bool = False) -> set[str]:
-    """Modules of the package ``tree`` imports (``from pkg import sub`` counts as ``pkg.sub``
-    when ``pkg.sub`` is a module, else as ``pkg``; a string constant only when it names a module)."""
-    found = set()
-    for base, names, certain in import_statements(tree, module, is_package, annotations):
-        if certain:
-            found.update({f"{base}.{a}" for a in names} & modules or {base})
-        elif base in modules:
-            found.add(base)
-    return {m for m in found if _in(m, ("megatron_async",))}
-
-
-def _sources() -> dict[str, Path]:
-    return {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
-            for p in PACKAGE.rglob("*.py")}
-
-
-@functools.cache
-def _parsed(path: Path) -> ast.Module:
-    """A source file's tree, parsed once per run (the checks only walk it)."""
-    return ast.parse(path.read_text())
-
-
-@functools.cache
-def _graph(annotations: bool) -> dict[str, frozenset[str]]:
-    sources = _sources()
-    return {name: frozenset(_imports(_parsed(path), set(sources), name, path.name == "__init__.py", annotations))
-            for name, path in sources.items()}
-
-
-def import_graph(annotations: bool = False) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports (``annotations``: TYPE_CHECKING imports too): a
-    fresh copy of the graph read once per run, which a test may plant imports in."""
-    return {name: set(imports) for name, imports in _graph(annotations).items()}
-
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}
@@ -203,16 +60,13 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def _in(module: str, roots: tuple[str, ...]) -> bool:
-    return any(module == r or module.startswith(r + ".") for r in roots)
-
 
 def _rooms(graph: dict[str, set[str]], rooms: tuple[str, ...]) -> dict[str, set[str]]:
     """The graph between ``rooms`` (packages or modules; a module belongs to the longest room
     that holds it, modules of no room are left out)."""
 
     def room(module: str) -> str | None:
-        return max((r for r in rooms if _in(module, (r,))), key=len, default=None)
+        return max((r for r in rooms if in_roots(module, (r,))), key=len, default=None)
 
     out: dict[str, set[str]] = {r: set() for r in rooms}
     for module, deps in graph.items():
@@ -222,7 +76,7 @@ def _rooms(graph: dict[str, set[str]], rooms: tuple[str, ...]) -> dict[str, set[
 
 
 def layer(module: str) -> int:
-    return next((i for i, rooms in enumerate(LAYERS) if _in(module, rooms)), len(LAYERS))
+    return next((i for i, rooms in enumerate(LAYERS) if in_roots(module, rooms)), len(LAYERS))
 
 
 def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
@@ -236,14 +90,11 @@ def not_library_imports(sources: dict[str, tuple[ast.Module, bool]]) -> dict[str
     tree, is a package's ``__init__``); modules leaving the package are not library code)."""
     found = {}
     for module, (tree, is_package) in sources.items():
-        bad = sorted(n for n in imported_names(tree, module, is_package) if _in(n, NOT_LIBRARY))
+        bad = sorted(n for n in imported_names(tree, module, is_package) if in_roots(n, NOT_LIBRARY))
         if bad:
             found[module] = bad
     return found
 
-
-def _library_trees() -> dict[str, tuple[ast.Module, bool]]:
-    return {name: (_parsed(path), path.name == "__init__.py") for name, path in _sources().items()}
 
 
 def test_no_module_import_cycle():
@@ -301,7 +152,7 @@ def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
 def routing_reaches_beyond(graph: dict[str, set[str]]) -> set[str]:
     """What ``ROUTING`` imports, directly or not, beyond the config and the prefix cache's hashes."""
     allowed = ("megatron_async.config", "megatron_async.inference.contexts.kv_block_allocator", ROUTING)
-    return {m for m in _reach(graph, ROUTING) if not _in(m, allowed)}
+    return {m for m in _reach(graph, ROUTING) if not in_roots(m, allowed)}
 
 
 def routing_definitions(trees: dict[str, tuple[ast.Module, bool]]) -> dict[str, str]:
@@ -320,7 +171,7 @@ def test_data_parallel_routing_has_one_light_definition():
     assert routing_reaches_beyond(graph) == set()
     assert ROUTING in graph["megatron_async.coordinator.core"]
     assert ROUTING in graph["megatron_async.inference.engines.rank_router"]
-    assert routing_definitions(_library_trees()) == {}
+    assert routing_definitions(library_trees()) == {}
 
 
 def test_routing_checks_see_a_planted_dependency_and_a_second_definition():
@@ -334,18 +185,18 @@ def test_routing_checks_see_a_planted_dependency_and_a_second_definition():
 def test_library_imports_no_measurement_or_test_code():
     """Nothing under megatron_async/ imports benchmarks, tests, scripts, megatron_async.testing
     or megatron_async.tools, by any spelling (annotations included)."""
-    assert not_library_imports(_library_trees()) == {}
+    assert not_library_imports(library_trees()) == {}
 
 
 # ---------------------------------------------------------------------------- the checks themselves
 def _plant(graph: dict[str, set[str]], module: str, source: str, annotations: bool = False) -> None:
     """Add to ``graph`` what ``source`` imports, as if written in ``module``."""
     modules = set(graph)
-    graph[module] = graph[module] | _imports(ast.parse(source), modules, module, module in _packages(), annotations)
+    graph[module] = graph[module] | module_imports(ast.parse(source), modules, module, module in _packages(), annotations)
 
 
 def _packages() -> set[str]:
-    return {name for name, path in _sources().items() if path.name == "__init__.py"}
+    return {name for name, path in sources().items() if path.name == "__init__.py"}
 
 
 def test_every_spelling_of_an_import_is_seen():
@@ -372,12 +223,12 @@ def test_every_spelling_of_an_import_is_seen():
             "megatron_async.llm",
     }
     for source, target in spellings.items():
-        assert target in _imports(ast.parse(source), modules, here), source
+        assert target in module_imports(ast.parse(source), modules, here), source
     typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..inference.engines import scheduler\n"
-    assert _imports(ast.parse(typed), modules, here) == set()
-    assert _imports(ast.parse(typed), modules, here, annotations=True) == {"megatron_async.inference.engines.scheduler"}
+    assert module_imports(ast.parse(typed), modules, here) == set()
+    assert module_imports(ast.parse(typed), modules, here, annotations=True) == {"megatron_async.inference.engines.scheduler"}
     # a package's __init__: one dot is the package itself
-    assert _imports(ast.parse("from .engines import scheduler"), modules, "megatron_async.inference", True) == {
+    assert module_imports(ast.parse("from .engines import scheduler"), modules, "megatron_async.inference", True) == {
         "megatron_async.inference.engines.scheduler"}
 
 

@@ -1,8 +1,9 @@
 """Nothing that reaches a socket is unpickled: no module of the package uses pickle, by any
 spelling. ``ALLOWED`` is empty (the server's front-end processes and their engine process speak
 the wire too, and their settings travel as JSON); a file may join it only with the reason its
-pickle never crosses a socket. Read from the source like test_import_graph.py (whose import reader sees every
-spelling of an import: relative, lazy, ``importlib`` / ``__import__`` with a literal name).
+pickle never crosses a socket. Read from the source with test_import_graph.py's import reader
+(tests/helpers/import_reader.py, which sees every spelling of an import: relative, lazy,
+``importlib`` / ``__import__`` with a literal name).
 
 What counts as pickle: importing a module that unpickles (``pickle``, ``cloudpickle``, ``dill``,
 ``shelve``, ``marshal``, ``joblib``, ``multiprocessing.connection`` / ``.managers`` /
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import ast
 
-from tests.unit_tests.test_import_graph import PACKAGE, imported_names
+from tests.helpers.import_reader import PACKAGE, imported_names
 
 UNPICKLING_MODULES = ("pickle", "_pickle", "cPickle", "cloudpickle", "dill", "shelve", "marshal", "joblib",
                       "multiprocessing.connection", "multiprocessing.managers", "multiprocessing.reduction")
