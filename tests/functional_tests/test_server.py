@@ -1,6 +1,7 @@
 """The real server process (python -m megatron_async.serve) on a tiny checkpoint, driven by the
 official ``openai`` client over loopback: completions and chat, streaming and not, concurrent
-streams, greedy token ids equal ``LLM.generate``, disconnects abort, bad requests get 400."""
+streams, greedy token ids equal ``LLM.generate``, disconnects abort, bad requests get 400 (servers a
+test starts for itself: test_server_own_process.py)."""
 import asyncio
 import json
 import time
@@ -372,32 +373,6 @@ def test_load_with_disconnects_and_long_prompts_frees_every_block(server):
     assert _finished(server, "abort") - aborts == 10 and _finished(server, "length") - lengths == 90
 
 
-def test_load_test_script_starts_a_builtin_model_server(tmp_path):
-    """python -m benchmarks load-test as the GPU wrapper runs it (built-in model, token-id prompts, warm-up,
-    clients spread over processes), small: it starts its own server, reports, and exits 0 only
-    when nothing was lost."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    out = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "load-test", "--clients", "8", "--client-processes", "2",
-         "--requests", "24", "--max-tokens", "6",
-         "--prompt-words", "10", "--token-prompts", "--warmup-requests", "8", "--output-path", str(out),
-         "--", "--default-model", "tiny", "--device", "cpu", "--max-requests", "8"],
-        capture_output=True, text=True, timeout=300, cwd=root, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "warm-up: 8/8 requests completed" in proc.stdout and "overlap ratio" in proc.stdout
-    report = json.loads(out.read_text())
-    assert report["completed"] == 24 and report["lost"] == report["duplicated"] == 0
-    assert report["output_tokens"] == 24 * 6 and report["itl_p99_ms"] is not None
-    assert report["processes"] == 2 and 0 < report["client_cpu_busy"] < 1.5  # both processes' requests merged
-
-
 @pytest.mark.parametrize("field, value", [("min_tokens", 6), ("min_p", 0.3), ("presence_penalty", 1.5),
                                           ("frequency_penalty", 1.5), ("repetition_penalty", 1.8)])
 def test_vllm_sampling_fields_reach_the_engine(client, llm, field, value):
@@ -419,22 +394,3 @@ def test_vllm_sampling_fields_reach_the_engine(client, llm, field, value):
     assert want != without  # the field really changed the answer
     if field == "min_tokens":
         assert len(without) < value <= len(want)
-
-
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
-def test_idle_shutdown_is_prompt_and_clean(sig):
-    """SIGTERM / Ctrl-C on an idle server that has served: it stops its engine, closes the model
-    and exits 0 within a second (no signal re-raised before the engine is closed, no
-    interpreter teardown of torch)."""
-    import signal
-
-    with ServerProcess(["--default-model", "tiny", "--device", "cpu", "--max-requests", "4"]) as srv:
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
-        assert len(list(client.completions.create(model=srv.model_name, prompt=[1, 2, 3], max_tokens=3,
-                                                  stream=True))) >= 2  # a keep-alive connection stays open
-        t = time.perf_counter()
-        srv.proc.send_signal(getattr(signal, sig))
-        code = srv.proc.wait(30)
-        took = time.perf_counter() - t
-        client.close()
-    assert code == 0 and took < 1.0, (code, took, srv.output())
