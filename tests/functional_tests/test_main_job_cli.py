@@ -99,9 +99,9 @@ def test_bad_flags_are_argparse_errors(flags, needle, capsys):
 
 @pytest.mark.parametrize("which", ["main_job", "benchmark"])
 def test_help_states_each_default_once(which):
-    from benchmarks import side_by_side
+    from benchmarks import side_by_side_args
 
-    text = (build_parser("x") if which == "main_job" else side_by_side.build_parser()).format_help()
+    text = (build_parser("x") if which == "main_job" else side_by_side_args.build_parser()).format_help()
     assert "(default: None)" not in text and "default: False" not in text
     for block in text.split("\n  -")[1:]:
         assert block.count("default:") <= 1, block
