@@ -1,7 +1,8 @@
-"""No library file over 400 lines and no function over 80: a file holds one responsibility and a
+"""No file over 400 lines and no library function over 80: a file holds one responsibility and a
 function one step of it (split by responsibility, not by cutting in the middle). Checked on the
-source of every module under ``megatron_async/``: a file's lines, and every function's lines
-from its ``def`` to its last line (decorators aside). Nested functions, methods and Triton
+source of every module under ``megatron_async/`` (a file's lines, and every function's lines
+from its ``def`` to its last line, decorators aside) and on the lines of every Python file of the
+benchmarks, tests, scripts and examples. Nested functions, methods and Triton
 ``@triton.jit`` functions count too: each on its own, and inside the function that holds it."""
 from __future__ import annotations
 
@@ -43,6 +44,19 @@ def _library_sources():
 
 def test_no_library_file_over_400_lines():
     big = {rel: n for rel, src in _library_sources() if (n := file_lines(src)) > MAX_FILE_LINES}
+    assert not big, f"files over {MAX_FILE_LINES} lines (split them by responsibility): {big}"
+
+
+def _repository_sources():
+    """Every Python file of the checkout outside the package too (benchmarks, tests, scripts,
+    examples): a file of measurement or test code holds one responsibility as well."""
+    for folder in ("benchmarks", "tests", "scripts", "examples"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            yield path.relative_to(ROOT).as_posix(), path.read_text()
+
+
+def test_no_benchmark_test_or_script_file_over_400_lines():
+    big = {rel: n for rel, src in _repository_sources() if (n := file_lines(src)) > MAX_FILE_LINES}
     assert not big, f"files over {MAX_FILE_LINES} lines (split them by responsibility): {big}"
 
 
