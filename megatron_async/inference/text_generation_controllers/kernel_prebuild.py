@@ -88,6 +88,8 @@ class PrebuildReport:
         steps = "the kept kernel list" if self.listed else f"{self.shapes} step{'s' * (self.shapes != 1)} captured dry"
         if self.assumed:
             steps += f" ({self.assumed} more built before)"
+        if not self.listed:  # what the dry captures themselves took (Python, mostly)
+            steps += f" in {self.seconds - self.build_seconds:.1f} s"
         workers = (f" ({self.compiled} compiled in {self.processes} processes in {self.compile_seconds:.1f} s, longest "
                    f"{self.slowest[0]} {self.slowest[1]:.1f} s)" if self.processes else "")
         return (f"{steps}, {self.kernels} kernels on {self.threads} threads in {self.build_seconds:.1f} s"
