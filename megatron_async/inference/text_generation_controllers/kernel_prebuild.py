@@ -26,7 +26,8 @@ captures only two again, as the check that its context launches nothing the prob
 A dry capture runs only the prefix of the model's blocks that stands for all of them
 (``dry_blocks.py``: 4 of the 0.6B's 56). A pass first captures its largest decode and mixed shape
 with the prefix, then with every block, and drops the prefix when the second meets a
-specialization the first did not; the warm-up's check shapes run every block.
+specialization the first did not. A pass that checks an earlier one (``built_before``) runs every
+block.
 
 Libraries that set themselves up on first use must not do it inside a capture: cuBLAS creates
 its handle on the process's first matmul (``cublasCreate`` fails inside a capture, which is then
@@ -263,17 +264,17 @@ def prebuild(runner, shapes: list, threads: int, also=None, built_before=frozens
     gc_on = gc.isenabled()
     gc.disable()
     done, kept, graphs = 0, None, []
-    reps = blocks_to_run(runner.model.blocks) if hasattr(runner.model, "blocks") else None
-    if reps is not None and len(reps) == len(runner.model.blocks):
-        reps = None  # every block runs anyway
+    reps = None  # every block; a prefix only in a pass that checks it (not one checking an earlier pass)
+    if hasattr(runner.model, "blocks") and not checks:
+        reps = blocks_to_run(runner.model.blocks)
+        reps = reps if len(reps) < len(runner.model.blocks) else None
     try:
         with triton_builds.deferring() as specs, caches_kept(empty_after=False):  # emptied below, the graphs gone
-            if reps is not None and not checks:  # do the blocks run stand for the rest? (else: every block)
+            if reps is not None:  # do the blocks run stand for the rest? (else: every block)
                 kept, reps = _check_blocks(runner, shapes, reps, stream, pool, graphs)
             met = len(triton_builds.seen())
             while kept is not False and done < len(order):
-                full = done < checks or reps is None  # the check runs every block
-                kept = _dry_capture(runner, *order[done], stream, pool, kept, graphs, None if full else reps)
+                kept = _dry_capture(runner, *order[done], stream, pool, kept, graphs, reps)
                 if kept is None:
                     break
                 done += 1
@@ -281,7 +282,7 @@ def prebuild(runner, shapes: list, threads: int, also=None, built_before=frozens
                     log.info("start-up build: this context meets kernels the earlier dry pass did not; capturing "
                              "its %d other shapes too, every block", len(assumed))
                     order[done:done] = assumed
-                    assumed, reps = [], None
+                    assumed = []
             if also is not None:
                 also()
     finally:
