@@ -212,13 +212,18 @@ def shape_key(pair) -> str:
     return repr(pair)
 
 
+def _largest_decode_and_mixed(shapes: list) -> list:
+    """The largest decode-only and the largest mixed ``(StepShape, width)`` pair of ``shapes`` (those there are)."""
+    groups = ([s for s in shapes if s[0].is_decode_only], [s for s in shapes if not s[0].is_decode_only])
+    return [max(group, key=lambda s: s[0].num_tokens) for group in groups if group]
+
+
 def _check_first(shapes: list, built_before) -> tuple[list, int, list]:
     """(shapes to capture, how many of them check, shapes assumed built): the largest decode and
     the largest mixed shape ``built_before`` names come first, as the check; the rest it names
     are assumed."""
     known = [s for s in shapes if shape_key(s) in built_before]
-    checks = [max(group, key=lambda s: s[0].num_tokens) for group in
-              ([s for s in known if s[0].is_decode_only], [s for s in known if not s[0].is_decode_only]) if group]
+    checks = _largest_decode_and_mixed(known)
     assumed = [s for s in known if s not in checks]
     return checks + [s for s in shapes if shape_key(s) not in built_before], len(checks), assumed
 
@@ -227,8 +232,7 @@ def _check_blocks(runner, shapes: list, reps: list[int], stream, pool, graphs: l
     """Capture the largest decode and mixed shape with only the ``reps`` blocks, then with every
     block: (memory after, the blocks to run from now on: ``reps``, or None when every block
     met a specialization the ``reps`` did not). (False, _): a capture failed, the pass ends."""
-    pairs = [max(g, key=lambda s: s[0].num_tokens) for g in
-             ([s for s in shapes if s[0].is_decode_only], [s for s in shapes if not s[0].is_decode_only]) if g]
+    pairs = _largest_decode_and_mixed(shapes)
     kept = None
     for blocks in (reps, None):
         if blocks is None:
@@ -238,7 +242,8 @@ def _check_blocks(runner, shapes: list, reps: list[int], stream, pool, graphs: l
             if kept is None:
                 return False, None
     if len(triton_builds.seen()) > met:
-        log.info("start-up build: the model's blocks %s do not stand for the others; dry captures run every block", reps)
+        log.info("start-up build: the model's blocks %s do not stand for the others; dry captures run every block",
+                 reps)
         return kept, None
     return kept, reps
 
