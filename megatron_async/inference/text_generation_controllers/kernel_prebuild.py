@@ -26,8 +26,8 @@ captures only two again, as the check that its context launches nothing the prob
 A dry capture runs only the prefix of the model's blocks that stands for all of them
 (``dry_blocks.py``: 4 of the 0.6B's 56). A pass first captures its largest decode and mixed shape
 with the prefix, then with every block, and drops the prefix when the second meets a
-specialization the first did not. A pass that checks an earlier one (``built_before``) runs every
-block.
+specialization the first did not; those two shapes count as captured. A pass that checks an
+earlier one (``built_before``) runs every block.
 
 Libraries that set themselves up on first use must not do it inside a capture: cuBLAS creates
 its handle on the process's first matmul (``cublasCreate`` fails inside a capture, which is then
@@ -277,6 +277,10 @@ def prebuild(runner, shapes: list, threads: int, also=None, built_before=frozens
         with triton_builds.deferring() as specs, caches_kept(empty_after=False):  # emptied below, the graphs gone
             if reps is not None:  # do the blocks run stand for the rest? (else: every block)
                 kept, reps = _check_blocks(runner, shapes, reps, stream, pool, graphs)
+                if kept is not False:  # its two shapes are captured: first in the order, done
+                    checked = _largest_decode_and_mixed(shapes)
+                    order = checked + [s for s in order if s not in checked]
+                    done = len(checked)
             met = len(triton_builds.seen())
             while kept is not False and done < len(order):
                 kept = _dry_capture(runner, *order[done], stream, pool, kept, graphs, reps)
