@@ -8,12 +8,15 @@ qkv, o_proj, gate_up + SiLU-mul, down, then the LM head) against its weight-read
 Every measurement cycles through 28 distinct weights per shape (as the 28 layers do), so the
 weights come from DRAM, not from L2 as they would if one weight were called 50 times. A
 split-K Triton matmul with the SwiGLU epilogue and programmatic dependent launch was tried
-against these numbers and removed (no gain).
+against these numbers and removed (no gain). ``--libraries``: the layer GEMMs alone under cuBLAS,
+under cuBLASLt (``torch.backends.cuda.preferred_blas_library``) and after PyTorch's TunableOp tuned
+each shape, instead.
 
-    python -m benchmarks decode-gemms --rows 64 128 256"""
+    python -m benchmarks decode-gemms --rows 64 128 256 [--libraries]"""
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -33,13 +36,16 @@ SHAPES = {  # name: (weight rows, in features K, gated), qwen3-0.6b
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--libraries", action="store_true", help="only the layer GEMMs under cuBLAS / cuBLASLt / TunableOp")
     args = p.parse_args()
     torch.manual_seed(0)
     bw = measure_copy_bandwidth(torch.device("cuda")) / 1e9  # GB/s, as the benchmark's floor uses
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:,.0f} GB/s; bf16; us per call (GB/s of weight read)")
-    inv = _invariant_linear()
     weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                       for _ in range(1 if name == "lm_head" else LAYERS)] for name, (n, k, _) in SHAPES.items()}
+    if args.libraries:
+        return libraries(weights, args.rows, bw)
+    inv = _invariant_linear()
     print("| GEMM | rows | floor us | cuBLAS (+SiLU-mul) | Triton invariant |\n|---|---:|---:|---:|---:|")
     for name, (n, k, gated) in SHAPES.items():
         ws = weights[name]
@@ -69,6 +75,42 @@ def main() -> None:
 
         cells = [graph_call_us([lambda mm=mm: step(mm)], 1, replays=20) for mm in (F.linear, lambda x, w: inv(x, w, None))]
         print(f"| {m} | {floor:.0f} | " + " | ".join(f"{us:.0f}" for us in cells) + " |")
+
+
+def libraries(weights: dict, rows: list[int], bw: float) -> None:
+    """The layer GEMMs (``F.linear`` alone) under cuBLAS, cuBLASLt and TunableOp's tuned choice."""
+    from torch.cuda import tunable
+
+    cases = {(name, m): (torch.randn(m, SHAPES[name][1], device="cuda", dtype=torch.bfloat16), weights[name])
+             for name in ("qkv", "o_proj", "gate_up", "down") for m in rows}
+
+    def us(x: torch.Tensor, ws: list) -> float:
+        return graph_call_us([lambda w=w: F.linear(x, w) for w in ws], 2 * len(ws))
+
+    times = {key: [us(*case)] for key, case in cases.items()}
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    for key, case in cases.items():
+        times[key].append(us(*case))
+    torch.backends.cuda.preferred_blas_library("cublas")
+    tunable.enable(True)
+    tunable.tuning_enable(True)
+    tunable.set_filename(f"/tmp/decode_gemms_tunableop_{os.getpid()}.csv")
+    try:
+        for x, ws in cases.values():
+            F.linear(x, ws[0])  # tuned here, eagerly, before any capture
+        torch.cuda.synchronize()
+        tunable.tuning_enable(False)
+        for key, case in cases.items():
+            times[key].append(us(*case))
+        chosen = sorted({r[2] for r in tunable.get_results()})
+    finally:
+        tunable.enable(False)
+    print(f"TunableOp's choices: {', '.join(chosen)}")
+    print("| GEMM | rows | weight MB | floor us | cuBLAS | cuBLASLt | TunableOp |\n|---|---:|---:|---:|---:|---:|---:|")
+    for (name, m), cells in times.items():
+        n, k, _ = SHAPES[name]
+        print(f"| {name} | {m} | {n * k * 2 / 1e6:.1f} | {n * k * 2 / bw / 1e3:.1f} | "
+              + " | ".join(f"{c:.1f}" for c in cells) + " |")
 
 
 if __name__ == "__main__":

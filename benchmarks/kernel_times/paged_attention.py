@@ -8,7 +8,8 @@ assertions are tests/unit_tests/kernels/test_attention_triton_gpu.py's.
     python -m benchmarks kernel-times paged-attention [--iters 20] [--block-sizes 16 64] [--batches 1 8 64 256]
     python -m benchmarks kernel-times paged-attention --sweep 128 100 1152 [--sweep-heads-first] [--heads 32 8]
     python -m benchmarks kernel-times paged-attention --sweep-prefill 8192 100 1024 | --grid-order
-    python -m benchmarks kernel-times paged-attention --row-order 128 100 1152 | --decode-grid 128 100 1152"""
+    python -m benchmarks kernel-times paged-attention --row-order 128 100 1152 | --decode-grid 128 100 1152
+    python -m benchmarks kernel-times paged-attention --call-cost   # what a decode call costs beside its bytes"""
 from __future__ import annotations
 
 import argparse
@@ -191,6 +192,32 @@ def decode_grid(iters: int, batch: int, min_len: int, max_len: int) -> None:
         print(f"compiled variants not readable: {type(e).__name__}: {e}")
 
 
+def call_cost(iters: int) -> None:
+    """The default decode launch (one split) at the same programs in fewer or more waves (128 and
+    512 rows of 600 keys), one wave of long programs and workload A's ragged rows: us per call, KV
+    GB/s, us beside the KV bytes' time at the copy rate, and the cost per call that a straight line
+    through the two row counts puts beside the bytes."""
+    from benchmarks.roofline import measure_copy_bandwidth
+
+    gbps = measure_copy_bandwidth(torch.device("cuda")) / 1e9
+    cases = [("128 rows x 600 keys", [600] * 128), ("512 rows x 600 keys", [600] * 512),
+             ("33 rows x 4,096 keys (one wave)", [4096] * 33),
+             ("workload A: 128 rows x 100-1,152 keys", longest_first_lens(128, 100, 1152))]
+    print(f"\ndecode call cost (copy {gbps:,.0f} GB/s)")
+    print("| case | us | KV GB/s | beside bytes us |\n|---|---:|---:|---:|")
+    timed = []
+    for name, lens in cases:
+        case, kv_bytes = decode_case(lens)
+        call = functools.partial(decode_attention, case.q, case.kv_cache, case.meta, case.scale, num_splits=1)
+        us = graph_ms(call, iters) * 1e3
+        timed.append((us, kv_bytes))
+        print(f"| {name} | {us:.1f} | {kv_bytes / us / 1e3:.0f} | {us - kv_bytes / gbps / 1e3:.1f} |")
+        del case
+    (u1, b1), (u4, b4) = timed[0], timed[1]
+    rate = (b4 - b1) / (u4 - u1) / 1e3
+    print(f"a line through 128 and 512 rows: {rate:,.0f} GB/s plus {u1 - b1 / rate / 1e3:.1f} us a call")
+
+
 def prompt_rows(tokens: int, min_len: int, max_len: int, gen: torch.Generator) -> list[tuple[int, int]]:
     """(cached prefix, new tokens) rows of prompts of [min_len, max_len] tokens packed into
     ``tokens`` (the last chunk cut, every third prompt continuing a cached first half)."""
@@ -295,6 +322,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only time the prefill kernel with query tiles or KV heads first in its grid")
     parser.add_argument("--decode-grid", type=int, nargs=3, metavar=("BATCH", "MIN_LEN", "MAX_LEN"), default=None,
                         help="only time the decode kernel with rows or KV heads first in its grid")
+    parser.add_argument("--call-cost", action="store_true",
+                        help="only the decode launch's cost per call beside its bytes, at four row sets")
     parser.add_argument("--heads", type=int, nargs=2, metavar=("HEADS", "KV_HEADS"), default=None,
                         help="query and KV heads per rank for --sweep / --row-order (default 16 8, Qwen3-0.6B)")
 
@@ -313,6 +342,8 @@ def run(args: argparse.Namespace) -> None:
         grid_order(args.iters)
     if args.decode_grid:
         decode_grid(args.iters, *args.decode_grid)
-    if args.sweep or args.sweep_prefill or args.row_order or args.grid_order or args.decode_grid:
+    if args.call_cost:
+        call_cost(args.iters)
+    if args.sweep or args.sweep_prefill or args.row_order or args.grid_order or args.decode_grid or args.call_cost:
         return
     print_table(run_cases(args.block_sizes, args.batches, args.iters))
