@@ -193,27 +193,29 @@ def decode_grid(iters: int, batch: int, min_len: int, max_len: int) -> None:
 
 
 def call_cost(iters: int) -> None:
-    """The default decode launch (one split) at the same programs in fewer or more waves (128 and
-    512 rows of 600 keys), one wave of long programs and workload A's ragged rows: us per call, KV
-    GB/s, us beside the KV bytes' time at the copy rate, and the cost per call that a straight line
-    through the two row counts puts beside the bytes."""
+    """The default decode launch (one split), 10 calls in one CUDA graph as a step's layers make
+    them: rows of one key (the programs' start and end alone), the same programs in fewer or more
+    waves (128 and 512 rows of 600 keys), one wave of long programs and workload A's ragged rows: us
+    per call, KV GB/s, us beside the KV bytes' time at the copy rate, and the cost per call that a
+    straight line through the two row counts puts beside the bytes."""
+    from benchmarks.cuda_timing import graph_call_us
     from benchmarks.roofline import measure_copy_bandwidth
 
     gbps = measure_copy_bandwidth(torch.device("cuda")) / 1e9
-    cases = [("128 rows x 600 keys", [600] * 128), ("512 rows x 600 keys", [600] * 512),
-             ("33 rows x 4,096 keys (one wave)", [4096] * 33),
+    cases = [("128 rows x 1 key", [1] * 128), ("128 rows x 600 keys", [600] * 128),
+             ("512 rows x 600 keys", [600] * 512), ("33 rows x 4,096 keys (one wave)", [4096] * 33),
              ("workload A: 128 rows x 100-1,152 keys", longest_first_lens(128, 100, 1152))]
-    print(f"\ndecode call cost (copy {gbps:,.0f} GB/s)")
+    print(f"\ndecode call cost (copy {gbps:,.0f} GB/s; 10 calls a graph)")
     print("| case | us | KV GB/s | beside bytes us |\n|---|---:|---:|---:|")
     timed = []
     for name, lens in cases:
         case, kv_bytes = decode_case(lens)
         call = functools.partial(decode_attention, case.q, case.kv_cache, case.meta, case.scale, num_splits=1)
-        us = graph_ms(call, iters) * 1e3
+        us = graph_call_us([call], calls_per_graph=10, replays=iters)
         timed.append((us, kv_bytes))
         print(f"| {name} | {us:.1f} | {kv_bytes / us / 1e3:.0f} | {us - kv_bytes / gbps / 1e3:.1f} |")
         del case
-    (u1, b1), (u4, b4) = timed[0], timed[1]
+    (u1, b1), (u4, b4) = timed[1], timed[2]
     rate = (b4 - b1) / (u4 - u1) / 1e3
     print(f"a line through 128 and 512 rows: {rate:,.0f} GB/s plus {u1 - b1 / rate / 1e3:.1f} us a call")
 
