@@ -122,8 +122,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     out.mkdir(parents=True, exist_ok=True)
     if not args.smoke:
         subprocess.run([sys.executable, "-c", "import torch, triton; torch.zeros(1, device='cuda')"], check=True)
-    compileall.compile_dir(str(ROOT / "megatron_async"), quiet=1)
     byte_code = {} if args.as_image or not sys.flags.dont_write_bytecode else byte_compile_libraries()
+    if not byte_code:  # (the prefix holds the package's byte code too)
+        compileall.compile_dir(str(ROOT / "megatron_async"), quiet=1)
     caches = tempfile.mkdtemp(prefix="startup-triton-")
     rows = {}
     for name in args.cases:

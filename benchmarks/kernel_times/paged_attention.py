@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from benchmarks.cuda_timing import host_us, median_ms
+from benchmarks.cuda_timing import graph_call_us, host_us, median_ms
+from benchmarks.roofline import measure_copy_bandwidth
 from megatron_async.kernels import attention_torch, attention_triton
 from megatron_async.kernels.triton_decode_attention import choose_num_splits, decode_attention
 from tests.helpers.paged_attention_cases import PagedCase, decode_rows, make_case, mixed_rows
@@ -198,9 +199,6 @@ def call_cost(iters: int) -> None:
     waves (128 and 512 rows of 600 keys), one wave of long programs and workload A's ragged rows: us
     per call, KV GB/s, us beside the KV bytes' time at the copy rate, and the cost per call that a
     straight line through the two row counts puts beside the bytes."""
-    from benchmarks.cuda_timing import graph_call_us
-    from benchmarks.roofline import measure_copy_bandwidth
-
     gbps = measure_copy_bandwidth(torch.device("cuda")) / 1e9
     cases = [("128 rows x 1 key", [1] * 128), ("128 rows x 600 keys", [600] * 128),
              ("512 rows x 600 keys", [600] * 512), ("33 rows x 4,096 keys (one wave)", [4096] * 33),

@@ -228,11 +228,10 @@ def _check_first(shapes: list, built_before) -> tuple[list, int, list]:
     return checks + [s for s in shapes if shape_key(s) not in built_before], len(checks), assumed
 
 
-def _check_blocks(runner, shapes: list, reps: list[int], stream, pool, graphs: list):
-    """Capture the largest decode and mixed shape with only the ``reps`` blocks, then with every
-    block: (memory after, the blocks to run from now on: ``reps``, or None when every block
-    met a specialization the ``reps`` did not). (False, _): a capture failed, the pass ends."""
-    pairs = _largest_decode_and_mixed(shapes)
+def _check_blocks(runner, pairs: list, reps: list[int], stream, pool, graphs: list):
+    """Capture ``pairs`` (the largest decode and mixed shape) with only the ``reps`` blocks, then
+    with every block: (memory after, the blocks to run from now on: ``reps``, or None when every
+    block met a specialization the ``reps`` did not). (False, _): a capture failed, the pass ends."""
     kept = None
     for blocks in (reps, None):
         if blocks is None:
@@ -276,9 +275,9 @@ def prebuild(runner, shapes: list, threads: int, also=None, built_before=frozens
     try:
         with triton_builds.deferring() as specs, caches_kept(empty_after=False):  # emptied below, the graphs gone
             if reps is not None:  # do the blocks run stand for the rest? (else: every block)
-                kept, reps = _check_blocks(runner, shapes, reps, stream, pool, graphs)
-                if kept is not False:  # its two shapes are captured: first in the order, done
-                    checked = _largest_decode_and_mixed(shapes)
+                checked = _largest_decode_and_mixed(shapes)
+                kept, reps = _check_blocks(runner, checked, reps, stream, pool, graphs)
+                if kept is not False:  # its shapes are captured: first in the order, done
                     order = checked + [s for s in order if s not in checked]
                     done = len(checked)
             met = len(triton_builds.seen())
