@@ -269,12 +269,14 @@ class CudaGraphRunner:
                 forward = self.graphs[fkey] = self._capture(fkey, eager_run)
         if self.emulate:
             return CapturedStep(key, None, shape, runner=ctl, forward=forward)
-        # Capture runs on a padding-only snapshot (dummy block, padding slot); the samples of
-        # the launch in flight are kept aside because warm-up runs overwrite them.
+        # An eager run runs on a padding-only snapshot (dummy block, padding slot; a capture alone
+        # runs nothing, so the view's contents do not matter to it); the samples of the launch in
+        # flight are kept aside because warm-up runs overwrite them.
         torch.cuda.synchronize()
         saved_samples = ctl.last_samples.clone()
         saved_view = ctx.gpu_view.buffer.clone()
-        ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens, key.verify_width))
+        if eager_run:
+            ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens, key.verify_width))
         if self._side is None:
             self._side = torch.cuda.Stream()
         side = self._side

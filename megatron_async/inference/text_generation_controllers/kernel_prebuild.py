@@ -155,14 +155,16 @@ def _dry_capture(runner, shape, width: int, stream, pool, kept: int | None, grap
     ends: the dry captures share one pool, and a pool whose last graph is dropped cannot take
     another capture (torch's allocator asserts its use count is above zero). Returns the device
     memory allocated after it, None when it cannot be captured or kept more than ``kept`` (the
-    memory after the first dry capture, which may keep cuBLAS's workspace for the capture stream)."""
+    memory after the first dry capture, which may keep cuBLAS's workspace for the capture stream).
+    ``width`` (a verify step's) changes nothing captured here."""
     ctx = runner.context
     if shape.any_penalties:
         before = torch.cuda.memory_allocated()
         ctx.sampling_state.ensure_allocated()
         if kept is not None:  # the penalties' state is the engine's, not the capture's
             kept += torch.cuda.memory_allocated() - before
-    ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(shape.num_rows, shape.num_tokens, width))
+    # No padding snapshot first: nothing captured here runs, so what the device view holds does not
+    # matter (a snapshot and its copy took ~14 ms a capture beside the compile workers)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph(keep_graph=True)  # never replayed: not instantiated
     ok = True
