@@ -13,7 +13,7 @@ package is byte-compiled first, as ``pip install`` leaves it (and as Python's ow
 does after a first run): where ``PYTHONDONTWRITEBYTECODE`` is set, as on the GPU machines these
 numbers come from, every process would otherwise compile the package's ~250 modules from source.
 There the libraries the job imports (torch, triton, ..., and Python's standard library) come without
-byte code too (~860 of torch's modules and ~230 of the standard library's compiled from source in
+byte code too (~860 of torch's modules and ~215 of the standard library's compiled from source in
 every process): they are
 byte-compiled once into a ``PYTHONPYCACHEPREFIX`` directory that every case reads, as a
 ``pip install`` would have left them; ``--as-image`` skips that (the image as it is).
