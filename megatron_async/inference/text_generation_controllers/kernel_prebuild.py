@@ -149,14 +149,14 @@ def caches_kept(empty_after: bool = True):
         torch.cuda.empty_cache()
 
 
-def _dry_capture(runner, shape, width: int, stream, pool, kept: int | None, graphs: list,
+def _dry_capture(runner, shape, stream, pool, kept: int | None, graphs: list,
                  blocks: list[int] | None = None) -> int | None:
     """Capture ``shape`` into a graph that is never replayed, held in ``graphs`` until the pass
     ends: the dry captures share one pool, and a pool whose last graph is dropped cannot take
     another capture (torch's allocator asserts its use count is above zero). Returns the device
     memory allocated after it, None when it cannot be captured or kept more than ``kept`` (the
     memory after the first dry capture, which may keep cuBLAS's workspace for the capture stream).
-    ``width`` (a verify step's) changes nothing captured here."""
+    A verify step's width changes nothing captured here: ``shape`` alone."""
     ctx = runner.context
     if shape.any_penalties:
         before = torch.cuda.memory_allocated()
@@ -239,7 +239,7 @@ def _check_blocks(runner, pairs: list, reps: list[int], stream, pool, graphs: li
         if blocks is None:
             met = len(triton_builds.seen())
         for pair in pairs:
-            kept = _dry_capture(runner, *pair, stream, pool, kept, graphs, blocks)
+            kept = _dry_capture(runner, pair[0], stream, pool, kept, graphs, blocks)
             if kept is None:
                 return False, None
     if len(triton_builds.seen()) > met:
@@ -284,7 +284,7 @@ def prebuild(runner, shapes: list, threads: int, also=None, built_before=frozens
                     done = len(checked)
             met = len(triton_builds.seen())
             while kept is not False and done < len(order):
-                kept = _dry_capture(runner, *order[done], stream, pool, kept, graphs, reps)
+                kept = _dry_capture(runner, order[done][0], stream, pool, kept, graphs, reps)
                 if kept is None:
                     break
                 done += 1
