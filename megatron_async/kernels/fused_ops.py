@@ -10,6 +10,7 @@ decorated. The kernels take shapes only from tensor metadata: CUDA-graph safe.""
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -144,3 +145,17 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if not triton_swiglu_matmul.pays_off(x.shape[0], x.shape[1]):
         return None
     return triton_swiglu_matmul.swiglu_linear_if_supported(x, weight, bias)
+
+
+SPLIT_LINEAR_SWITCH = "MEGATRON_ASYNC_SPLIT_LINEAR"
+"""Environment variable: ``0`` keeps every output projection on cuBLAS."""
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """An output projection at decode sizes as K-split partials whose sum the next norm takes
+    (``triton_split_linear.PendingSplitSum``), or None where cuBLAS keeps it."""
+    if not use_fused(x) or os.environ.get(SPLIT_LINEAR_SWITCH, "1") == "0":
+        return None
+    from megatron_async.kernels import triton_split_linear
+
+    return triton_split_linear.split_linear(x, weight, bias) if triton_split_linear.takes(x, weight, bias) else None

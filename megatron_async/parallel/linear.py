@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron_async.kernels import fused_ops
 from megatron_async.kernels.linear_op import linear
 from megatron_async.parallel.communication import PendingSum, tp_all_reduce
 from megatron_async.parallel.fp8_sharding import fp8_params
@@ -130,7 +131,9 @@ class RowParallelLinear(ParallelLinear):
     ``defer_reduction`` (set by ``Block`` on a mixer's output projection, whose output goes
     straight into the next norm): when the TP group's P2P reducer fuses the sum with the
     residual add and RMSNorm, return a ``PendingSum`` instead of summing here. Never with a
-    bias (added after the sum), in batch-invariant mode, or on NCCL / gloo / TP=1."""
+    bias (added after the sum), in batch-invariant mode, or on NCCL / gloo. At TP=1 a
+    decode-size product may leave its split-K sum to that norm instead
+    (``fused_ops.split_linear``)."""
 
     defer_reduction = False
 
@@ -143,6 +146,10 @@ class RowParallelLinear(ParallelLinear):
 
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         if self.parallel.tp_size == 1:
+            if self.defer_reduction and not batch_invariant and self.weight_scale_inv is None:
+                pending = fused_ops.split_linear(x, self.weight, self.bias)
+                if pending is not None:
+                    return pending
             return self.matmul(x, self.bias, batch_invariant)
         partial = self.matmul(x, None, batch_invariant)
         reducer = self.parallel.tp_reducer

@@ -6,7 +6,8 @@ on CUDA), so a block takes the previous mixer's output and the residual stream b
 and the sums round exactly as ``h = h + mixer(norm(h))`` does. Under tensor parallelism the
 mixer's output projection (row-parallel) may leave its all-reduce to that norm too
 (``PendingSum``): one kernel sums the ranks' partials, adds the residual and normalises. A
-MoE mixer may leave its experts' slot sum the same way (``PendingCombine``). Both are
+MoE mixer may leave its experts' slot sum the same way (``PendingCombine``), and on one GPU a
+decode-size output projection the sum of its K-split partials (``PendingSplitSum``). All are
 ``DeferredSum``s: every consumer of a block's output is a norm (the next block's, the final
 norm, an MTP head's), and anything else must call ``reduce()``. A mixer whose input goes only
 into an FP8 linear (``fp8_input_linear``) may get it from its norm as e4m3 rows with their scales
