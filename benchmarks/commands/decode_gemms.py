@@ -10,9 +10,11 @@ weights come from DRAM, not from L2 as they would if one weight were called 50 t
 split-K Triton matmul with the SwiGLU epilogue and programmatic dependent launch was tried
 against these numbers and removed (no gain). ``--libraries``: the layer GEMMs alone under cuBLAS,
 under cuBLASLt (``torch.backends.cuda.preferred_blas_library``) and after PyTorch's TunableOp tuned
-each shape, instead.
+each shape, instead. ``--read-floor``: what a kernel that only reads each weight takes (its best
+grid), beside cuBLAS and the split output projection, and an empty kernel's cost in a chain: the
+part of a GEMM's time that no GEMM can remove.
 
-    python -m benchmarks decode-gemms --rows 64 128 256 [--libraries]"""
+    python -m benchmarks decode-gemms --rows 64 128 256 [--libraries | --read-floor]"""
 from __future__ import annotations
 
 import argparse
@@ -20,9 +22,12 @@ import os
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from benchmarks.cuda_timing import graph_call_us
 from benchmarks.roofline import measure_copy_bandwidth
+from megatron_async.kernels import triton_split_linear
 from megatron_async.kernels.linear_op import _invariant_linear
 from megatron_async.kernels.triton_act import silu_and_mul
 
@@ -37,6 +42,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--libraries", action="store_true", help="only the layer GEMMs under cuBLAS / cuBLASLt / TunableOp")
+    p.add_argument("--read-floor", action="store_true", help="only a weight read alone beside the GEMMs")
     args = p.parse_args()
     torch.manual_seed(0)
     bw = measure_copy_bandwidth(torch.device("cuda")) / 1e9  # GB/s, as the benchmark's floor uses
@@ -45,6 +51,8 @@ def main() -> None:
                       for _ in range(1 if name == "lm_head" else LAYERS)] for name, (n, k, _) in SHAPES.items()}
     if args.libraries:
         return libraries(weights, args.rows, bw)
+    if args.read_floor:
+        return read_floor(weights, args.rows, bw)
     inv = _invariant_linear()
     print("| GEMM | rows | floor us | cuBLAS (+SiLU-mul) | Triton invariant |\n|---|---:|---:|---:|---:|")
     for name, (n, k, gated) in SHAPES.items():
@@ -111,6 +119,48 @@ def libraries(weights: dict, rows: list[int], bw: float) -> None:
         n, k, _ = SHAPES[name]
         print(f"| {name} | {m} | {n * k * 2 / 1e6:.1f} | {n * k * 2 / bw / 1e3:.1f} | "
               + " | ".join(f"{c:.1f}" for c in cells) + " |")
+
+
+@triton.jit
+def _read_kernel(w_ptr, out_ptr, n_per, BLOCK: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * n_per
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(0, n_per, BLOCK):
+        acc += tl.load(w_ptr + base + i + tl.arange(0, BLOCK)).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+@triton.jit
+def _empty_kernel(out_ptr):
+    tl.store(out_ptr + tl.program_id(0), 0.0)
+
+
+def read_floor(weights: dict, rows: list[int], bw: float) -> None:
+    """Per layer GEMM: a kernel that reads the weight and nothing else (sums it; the fastest of
+    128-2,048 programs x 512-2,048-element loads), cuBLAS, and the split output projection (its
+    partials, without the norm that sums them) at ``rows``; then an empty kernel's cost per call in
+    a chain of 56 (the launch alone)."""
+    out = torch.empty(4096, device="cuda")
+    print("| GEMM | weight MB | floor us | read alone us | rows | cuBLAS | split |\n|---|---:|---:|---:|---:|---:|---:|")
+    for name in ("qkv", "o_proj", "gate_up", "down"):
+        ws, (n, k, _) = weights[name], SHAPES[name]
+        reads = []
+        for programs in (128, 256, 512, 1024, 2048):
+            for block in (512, 1024, 2048):
+                if (n * k) % (programs * block) == 0:
+                    per = n * k // programs
+                    reads.append(graph_call_us([lambda w=w, p=programs, b=block, e=per: _read_kernel[(p,)](w, out, e, BLOCK=b)
+                                                for w in ws], 2 * len(ws)))
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cublas = graph_call_us([lambda w=w: F.linear(x, w) for w in ws], 2 * len(ws))
+            split = (graph_call_us([lambda w=w: triton_split_linear.split_linear(x, w).parts for w in ws], 2 * len(ws))
+                     if triton_split_linear.takes(x, ws[0], None) else None)
+            print(f"| {name} | {n * k * 2 / 1e6:.1f} | {n * k * 2 / bw / 1e3:.1f} | {min(reads):.1f} | {m} | {cublas:.1f} | "
+                  + ("-" if split is None else f"{split:.1f}") + " |")
+    for programs in (1, 132, 1056):
+        us = graph_call_us([lambda p=programs: _empty_kernel[(p,)](out)], 56)
+        print(f"empty kernel, {programs} programs: {us:.2f} us a call in a chain of 56")
 
 
 if __name__ == "__main__":
