@@ -84,8 +84,9 @@ def test_takes_no_cpu_tensor_and_no_misfit():
 @pytest.mark.skipif(not HOPPER, reason="the split tiles are taken on Hopper only")
 @pytest.mark.parametrize("m", [1, 16, 64, 100, 128])
 @pytest.mark.parametrize("n,k", [(1024, 2048), (1024, 3072), (1024, 4096), (2048, 4096)])
-def test_real_shapes_on_the_gpu(m, n, k):
-    x, w, b = _operands(m, n, k, bias=m == 100, seed=m * n + k)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_real_shapes_on_the_gpu(m, n, k, dtype):
+    x, w, b = _operands(m, n, k, bias=m == 100, seed=m * n + k, dtype=dtype)
     if sl.split_tiles(m, n, k) is None:
         assert not sl.takes(x, w, b)
         return
