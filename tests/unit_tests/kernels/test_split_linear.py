@@ -4,7 +4,7 @@ the M and N edges, compiled at real shapes on a Hopper GPU, under CUDA-graph cap
 norm's one kernel gives the residual stream of ``reduce()`` then ``add_rms_norm`` bit for bit
 and its normalised rows within a last-bit step, in both norm orders; a
 row-parallel output projection hands it to its norm exactly where the tiles take the shape, and
-the switch turns it off."""
+neither a model without the fused kernels nor the switch gets it."""
 from __future__ import annotations
 
 import pytest
@@ -126,5 +126,6 @@ def test_output_projection_defers_exactly_where_the_tiles_take_it(monkeypatch):
     torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2**-7, atol=0.0)
     assert isinstance(proj(torch.randn(512, 3072, device="cuda", dtype=torch.bfloat16)), torch.Tensor)
     assert isinstance(proj(x, batch_invariant=True), torch.Tensor)
+    assert isinstance(proj(x, fused=False), torch.Tensor)  # a model with KernelBackends(fused=False)
     monkeypatch.setenv(fused_ops.SPLIT_LINEAR_SWITCH, "0")
     assert isinstance(proj(x), torch.Tensor)
