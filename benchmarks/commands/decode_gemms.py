@@ -85,6 +85,11 @@ def main() -> None:
         print(f"| {m} | {floor:.0f} | " + " | ".join(f"{us:.0f}" for us in cells) + " |")
 
 
+def linear_us(x: torch.Tensor, ws: list) -> float:
+    """``F.linear`` of x by each of ``ws`` in turn, twice round, in one graph: us a call."""
+    return graph_call_us([lambda w=w: F.linear(x, w) for w in ws], 2 * len(ws))
+
+
 def libraries(weights: dict, rows: list[int], bw: float) -> None:
     """The layer GEMMs (``F.linear`` alone) under cuBLAS, cuBLASLt and TunableOp's tuned choice."""
     from torch.cuda import tunable
@@ -92,13 +97,10 @@ def libraries(weights: dict, rows: list[int], bw: float) -> None:
     cases = {(name, m): (torch.randn(m, SHAPES[name][1], device="cuda", dtype=torch.bfloat16), weights[name])
              for name in ("qkv", "o_proj", "gate_up", "down") for m in rows}
 
-    def us(x: torch.Tensor, ws: list) -> float:
-        return graph_call_us([lambda w=w: F.linear(x, w) for w in ws], 2 * len(ws))
-
-    times = {key: [us(*case)] for key, case in cases.items()}
+    times = {key: [linear_us(*case)] for key, case in cases.items()}
     torch.backends.cuda.preferred_blas_library("cublaslt")
     for key, case in cases.items():
-        times[key].append(us(*case))
+        times[key].append(linear_us(*case))
     torch.backends.cuda.preferred_blas_library("cublas")
     tunable.enable(True)
     tunable.tuning_enable(True)
@@ -109,7 +111,7 @@ def libraries(weights: dict, rows: list[int], bw: float) -> None:
         torch.cuda.synchronize()
         tunable.tuning_enable(False)
         for key, case in cases.items():
-            times[key].append(us(*case))
+            times[key].append(linear_us(*case))
         chosen = sorted({r[2] for r in tunable.get_results()})
     finally:
         tunable.enable(False)
@@ -153,7 +155,7 @@ def read_floor(weights: dict, rows: list[int], bw: float) -> None:
                                                 for w in ws], 2 * len(ws)))
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            cublas = graph_call_us([lambda w=w: F.linear(x, w) for w in ws], 2 * len(ws))
+            cublas = linear_us(x, ws)
             split = (graph_call_us([lambda w=w: triton_split_linear.split_linear(x, w).parts for w in ws], 2 * len(ws))
                      if triton_split_linear.takes(x, ws[0], None) else None)
             print(f"| {name} | {n * k * 2 / 1e6:.1f} | {n * k * 2 / bw / 1e3:.1f} | {min(reads):.1f} | {m} | {cublas:.1f} | "

@@ -151,10 +151,11 @@ SPLIT_LINEAR_SWITCH = "MEGATRON_ASYNC_SPLIT_LINEAR"
 """Environment variable: ``0`` keeps every output projection on cuBLAS."""
 
 
-def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, enabled: bool = True):
     """An output projection at decode sizes as K-split partials whose sum the next norm takes
-    (``triton_split_linear.PendingSplitSum``), or None where cuBLAS keeps it."""
-    if not use_fused(x) or os.environ.get(SPLIT_LINEAR_SWITCH, "1") == "0":
+    (``triton_split_linear.PendingSplitSum``), or None where cuBLAS keeps it (``enabled``: as in
+    ``use_fused``)."""
+    if not use_fused(x, enabled) or os.environ.get(SPLIT_LINEAR_SWITCH, "1") == "0":
         return None
     from megatron_async.kernels import triton_split_linear
 

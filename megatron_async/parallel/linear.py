@@ -147,8 +147,8 @@ class RowParallelLinear(ParallelLinear):
     def forward(self, x: torch.Tensor, batch_invariant: bool = False, fused: bool = True) -> torch.Tensor:
         """``fused``: the model's ``KernelBackends.fused`` (the split-K sum is one of its kernels)."""
         if self.parallel.tp_size == 1:
-            if self.defer_reduction and fused and not batch_invariant and self.weight_scale_inv is None:
-                pending = fused_ops.split_linear(x, self.weight, self.bias)
+            if self.defer_reduction and not batch_invariant and self.weight_scale_inv is None:
+                pending = fused_ops.split_linear(x, self.weight, self.bias, fused)
                 if pending is not None:
                     return pending
             return self.matmul(x, self.bias, batch_invariant)
