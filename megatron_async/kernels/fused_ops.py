@@ -136,15 +136,16 @@ def rms_norm_quantized(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     return triton_fp8_act.rms_norm_quantized(x, residual, weight, eps, cast_before_weight)
 
 
-def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """silu(gate) * up of the [gate | up] projection in one kernel (``triton_swiglu_matmul``);
-    None where that kernel does not take the operands (pre-Hopper GPU, unaligned views) or
-    where cuBLAS + the SiLU-mul kernel is faster (``pays_off``)."""
+def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  gated: bool = True) -> torch.Tensor | None:
+    """silu(gate) * up of the [gate | up] projection in one kernel (``triton_swiglu_matmul``), or
+    with ``gated`` False relu(up projection)^2; None where that kernel does not take the operands
+    (pre-Hopper GPU, unaligned views) or where cuBLAS + the activation kernel is faster (``pays_off``)."""
     from megatron_async.kernels import triton_swiglu_matmul
 
-    if not triton_swiglu_matmul.pays_off(x.shape[0], x.shape[1]):
+    if not triton_swiglu_matmul.pays_off(x.shape[0], x.shape[1], gated):
         return None
-    return triton_swiglu_matmul.swiglu_linear_if_supported(x, weight, bias)
+    return triton_swiglu_matmul.swiglu_linear_if_supported(x, weight, bias, gated)
 
 
 SPLIT_LINEAR_SWITCH = "MEGATRON_ASYNC_SPLIT_LINEAR"

@@ -1,19 +1,20 @@
-"""The SwiGLU MLP's gate_up projection and its activation in one kernel:
-``silu(x @ W_gate.T + b_gate) * (x @ W_up.T + b_up)`` without writing the [T, 2I] projection.
+"""An MLP's first projection and its activation in one kernel, without writing the projection:
+``silu(x @ W_gate.T + b_gate) * (x @ W_up.T + b_up)`` (SwiGLU's gate_up) or
+``relu(x @ W_up.T + b_up)^2`` (NemotronH's up).
 
-cuBLAS takes the gate_up GEMM and a second kernel reads its [T, 2I] output back to apply
-silu(gate) * up: on a prefill step of 8,192 tokens that round trip is ~150 MB per layer.
-Here each output tile's program computes the gate tile and the matching up tile (two
-accumulators over one A tile, TMA loads) and applies the activation in its epilogue.
-Persistent: one program per SM walks the tiles in grouped order (GROUP_M row tiles share
-each weight tile while it is in L2). The program count is a runtime argument, so row counts
-that give fewer tiles than SMs build no new variant.
+cuBLAS takes the GEMM and a second kernel reads its output back to apply the activation: on a
+prefill step of 8,192 tokens that round trip is ~150 MB per SwiGLU layer (~130 MB for
+NemotronH's 4,096-wide up), and at decode sizes the second launch. Here each output tile's program
+computes its projection tile(s) (gate and up: two accumulators over one A tile; TMA loads) and
+applies the activation in its epilogue. Persistent: one program per SM walks the tiles in grouped
+order (GROUP_M row tiles share each weight tile while it is in L2). The program count is a runtime
+argument, so row counts that give fewer tiles than SMs build no new variant.
 
 Rounds like the unfused path: each projection is rounded to the activation dtype (as the
-GEMM's output would be), silu in float32 rounded to the dtype, then the product rounded
-again (``triton_act``). The projections' own bits differ from cuBLAS's (another
-accumulation order), as any two GEMM implementations do; the kernel's bits do not depend
-on the launch (tiles are a function of the row count only)."""
+GEMM's output would be), then the activation as ``triton_act`` rounds it (silu in float32 rounded
+to the dtype, the product rounded again; relu(h)^2 rounded once, torch's bits). The projections'
+own bits differ from cuBLAS's (another accumulation order), as any two GEMM implementations do;
+the kernel's bits do not depend on the launch (tiles are a function of the row count only)."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_async.kernels import cuda_device
-from megatron_async.kernels.triton_act import silu_mul
+from megatron_async.kernels.triton_act import relu_sq, silu_mul
 from megatron_async.kernels.triton_invariant_matmul import grouped_tile
 from megatron_async.kernels.triton_paged_common import dot_args, num_compute_units
 
@@ -47,7 +48,9 @@ def _swiglu_matmul_kernel(
     HAS_BIAS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    GATED: tl.constexpr,
 ):
+    """I output columns: silu(gate) * up of a [2I, K] weight (``GATED``), else relu(up)^2 of an [I, K] one."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(I, BLOCK_N)
     dt = out_desc.dtype
@@ -60,93 +63,126 @@ def _swiglu_matmul_kernel(
         # up rows: those output columns are clipped by the store; up rows past 2I load zeros.
         for k0 in range(0, K, BLOCK_K):
             a = a_desc.load([pid_m * BLOCK_M, k0]).to(DOT_DTYPE)
-            wg = w_desc.load([pid_n * BLOCK_N, k0]).to(DOT_DTYPE)
-            wu = w_desc.load([I + pid_n * BLOCK_N, k0]).to(DOT_DTYPE)
-            acc_gate = tl.dot(a, wg.T, acc_gate, input_precision=DOT_PRECISION)
+            if GATED:
+                wg = w_desc.load([pid_n * BLOCK_N, k0]).to(DOT_DTYPE)
+                wu = w_desc.load([I + pid_n * BLOCK_N, k0]).to(DOT_DTYPE)
+                acc_gate = tl.dot(a, wg.T, acc_gate, input_precision=DOT_PRECISION)
+            else:
+                wu = w_desc.load([pid_n * BLOCK_N, k0]).to(DOT_DTYPE)
             acc_up = tl.dot(a, wu.T, acc_up, input_precision=DOT_PRECISION)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc_gate += tl.load(bias_ptr + offs_n, mask=offs_n < I, other=0.0).to(tl.float32)[None, :]
-            acc_up += tl.load(bias_ptr + I + offs_n, mask=offs_n < I, other=0.0).to(tl.float32)[None, :]
-        # the unfused path's roundings: projections in dt, then silu_and_mul's
-        out = silu_mul(acc_gate.to(dt).to(tl.float32), acc_up.to(dt).to(tl.float32), dt)
+            acc_up += tl.load(bias_ptr + I * GATED + offs_n, mask=offs_n < I, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_gate += tl.load(bias_ptr + offs_n, mask=offs_n < I, other=0.0).to(tl.float32)[None, :]
+        # the unfused path's roundings: projections in dt, then the activation kernel's
+        if GATED:
+            out = silu_mul(acc_gate.to(dt).to(tl.float32), acc_up.to(dt).to(tl.float32), dt)
+        else:
+            out = relu_sq(acc_up.to(dt).to(tl.float32), dt)
         out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out)
 
 
 @dataclass(frozen=True)
-class SwigluTiles:
+class ActTiles:
     block_m: int
     block_n: int
-    """Output columns per tile (its program loads this many gate AND up weight rows)."""
+    """Output columns per tile (a SwiGLU program loads this many gate AND up weight rows)."""
     block_k: int
     num_warps: int
     num_stages: int
 
 
-def swiglu_tiles(m: int, dtype: torch.dtype, device: torch.device) -> SwigluTiles:
+def act_tiles(m: int, dtype: torch.dtype, device: torch.device, gated: bool = True) -> ActTiles:
     """Launch settings by row count (one compiled variant per bucket; M itself is not
     specialised, so a CUDA graph of any size reuses them). The sweep:
-    ``python -m benchmarks kernel-times swiglu-matmul --sweep``. 4-byte types take half the K depth (the
-    same shared memory)."""
+    ``python -m benchmarks kernel-times swiglu-matmul --sweep [--act relu2]``. 4-byte types take half
+    the K depth (the same shared memory)."""
     if device.type != "cuda":  # interpreter: tiles that tiny test shapes still cross
-        return SwigluTiles(16, 16, 16, 1, 1)
-    t = SwigluTiles(64, 64, 128, 4, 4) if m <= 256 else SwigluTiles(128, 128, 64, 8, 3)
-    if dtype.itemsize == 4:
-        t = dataclasses.replace(t, block_k=t.block_k // 2)
+        return ActTiles(16, 16, 16, 1, 1)
+    if gated:
+        t = ActTiles(64, 64, 128, 4, 4) if m <= 256 else ActTiles(128, 128, 64, 8, 3)
+    elif m <= 512:  # relu^2 (NemotronH's up, I 4,096, K 1,024): the sweep's best per bucket
+        t = ActTiles(64, 64, 128, 4, 4) if m <= 128 else (
+            ActTiles(64, 128, 128, 4, 4) if m <= 256 else ActTiles(128, 128, 64, 4, 4))
+    else:
+        t = ActTiles(128, 256, 64, 8, 3)
+    if dtype.itemsize == 4:  # and at most 128 columns: a 128 x 256 float32 output tile alone takes 128 KB
+        t = dataclasses.replace(t, block_k=t.block_k // 2, block_n=min(t.block_n, 128))
     return t
 
 
-def pays_off(m: int, k: int) -> bool:
-    """Whether the fused kernel should beat cuBLAS + the SiLU-mul kernel for m rows and a
-    hidden size k: at qwen3-0.6b's k = 1,024 (``kernel-times swiglu-matmul --sweep``,
-    docs/PERFORMANCE.md "Kernel choices") faster at <= 128 and >= 2,048 rows, slower at 256-1,024
+def pays_off(m: int, k: int, gated: bool = True) -> bool:
+    """Whether the fused kernel should beat cuBLAS + the activation kernel for m rows and a
+    hidden size k. SwiGLU at qwen3-0.6b's k = 1,024 (``kernel-times swiglu-matmul --sweep``,
+    docs/PERFORMANCE.md "Kernel choices"): faster at <= 128 and >= 2,048 rows, slower at 256-1,024
     (cuBLAS's tiles fit the waves better). What the fusion saves,
     the SiLU round trip of the [m, 2I] projection, shrinks against the GEMM as 1 / k (~1/3 of the
     GEMM's time at k = 1,024), while Triton's GEMM runs ~12 % below cuBLAS's on this shape: past
     k ~ 2,800 (Qwen3-8B's 4,096) the fused kernel would lose (within 2-3 % either way there), so
-    taken up to 2,048 only."""
+    taken up to 2,048 only. relu^2 (NemotronH's up, k = 1,024, I = 4,096, ``--act relu2``): faster
+    at every row count measured, 1-8,192 (0.75-0.95x the time), with ``act_tiles``' buckets; the same
+    bound on k."""
+    if not gated:
+        return k <= 2048
     return k <= 2048 and (m <= 128 or m >= 2048)
 
 
-def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``swiglu_linear`` takes these operands: Hopper or newer (TMA) or the CPU
-    interpreter, float types, K > 0, 16-byte aligned bases and row strides, unit stride along K."""
+def supported(x: torch.Tensor, weight: torch.Tensor, gated: bool = True) -> bool:
+    """Whether ``swiglu_linear`` (``gated``) / ``relu2_linear`` takes these operands: Hopper or newer
+    (TMA) or the CPU interpreter, float types, K > 0, 16-byte aligned bases and row strides (the
+    output's too), unit stride along K."""
     if x.is_cuda and cuda_device.capability(x.device)[0] < 9:
         return False
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
     return (x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and x.shape[1] == weight.shape[1] > 0 and weight.shape[0] % 2 == 0
+            and x.shape[1] == weight.shape[1] > 0 and (not gated or weight.shape[0] % 2 == 0)
             and x.stride(1) == 1 and weight.stride(1) == 1
             and all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, weight))
-            and (weight.shape[0] // 2 * x.element_size()) % 16 == 0)
+            and (n * x.element_size()) % 16 == 0)
 
 
 def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  tiles: SwigluTiles | None = None) -> torch.Tensor:
+                  tiles: ActTiles | None = None) -> torch.Tensor:
     """x [T, K], weight [2I, K] (gate rows first, then up), bias [2I] or None -> [T, I] =
     silu(gate projection) * up projection, in x's dtype. Operands must pass ``supported``."""
-    if not supported(x, weight):
-        raise ValueError(f"swiglu_linear: unsupported operands x {tuple(x.shape)} {x.dtype} stride {x.stride()}, "
-                         f"weight {tuple(weight.shape)} {weight.dtype} stride {weight.stride()}")
-    return _launch(x, weight, bias, tiles)
+    return _checked(x, weight, bias, tiles, True)
 
 
-def swiglu_linear_if_supported(x: torch.Tensor, weight: torch.Tensor,
-                               bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``swiglu_linear``, or None where ``supported`` says no (the layers' fallback test, done once)."""
-    return _launch(x, weight, bias, None) if supported(x, weight) else None
+def relu2_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 tiles: ActTiles | None = None) -> torch.Tensor:
+    """x [T, K], weight [I, K], bias [I] or None -> [T, I] = relu(projection)^2, in x's dtype.
+    Operands must pass ``supported(x, weight, gated=False)``."""
+    return _checked(x, weight, bias, tiles, False)
+
+
+def swiglu_linear_if_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                               gated: bool = True) -> torch.Tensor | None:
+    """``swiglu_linear`` (``relu2_linear`` when not ``gated``), or None where ``supported`` says no
+    (the layers' fallback test, done once)."""
+    return _launch(x, weight, bias, None, gated) if supported(x, weight, gated) else None
+
+
+def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: ActTiles | None,
+             gated: bool) -> torch.Tensor:
+    if not supported(x, weight, gated):
+        raise ValueError(f"{'swiglu' if gated else 'relu2'}_linear: unsupported operands x {tuple(x.shape)} {x.dtype} "
+                         f"stride {x.stride()}, weight {tuple(weight.shape)} {weight.dtype} stride {weight.stride()}")
+    return _launch(x, weight, bias, tiles, gated)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            tiles: SwigluTiles | None) -> torch.Tensor:
+            tiles: ActTiles | None, gated: bool) -> torch.Tensor:
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
-        raise ValueError(f"swiglu_linear: bias {tuple(bias.shape)} {bias.dtype} does not match weight")
+        raise ValueError(f"{'swiglu' if gated else 'relu2'}_linear: bias {tuple(bias.shape)} {bias.dtype} "
+                         "does not match weight")
     m, k = x.shape
-    inter = weight.shape[0] // 2
+    inter = weight.shape[0] // 2 if gated else weight.shape[0]
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     if m == 0 or inter == 0:
         return out
-    t = tiles or swiglu_tiles(m, x.dtype, x.device)
+    t = tiles or act_tiles(m, x.dtype, x.device, gated)
     tiles_total = triton.cdiv(m, t.block_m) * triton.cdiv(inter, t.block_n)
     programs = min(num_compute_units(x.device), tiles_total)
     _swiglu_matmul_kernel[(programs,)](
@@ -156,7 +192,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         TensorDescriptor.from_tensor(out, [t.block_m, t.block_n]),
         m, inter, k, programs,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8,
-        HAS_BIAS=bias is not None, **dot_args(_swiglu_matmul_kernel, x.dtype),
+        HAS_BIAS=bias is not None, **dot_args(_swiglu_matmul_kernel, x.dtype), GATED=gated,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out

@@ -70,10 +70,16 @@ class ReluSquaredMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepInputs | None = None) -> torch.Tensor:
         """x: [T, hidden], or its rows quantized for the FP8 up projection (``fp8_input_linear``).
-        relu(h)^2 in one kernel (torch's bits), quantized in it too for an FP8 down that would
+        The up projection and relu(h)^2 in one kernel where it pays off (``triton_swiglu_matmul``);
+        else relu(h)^2 in one kernel (torch's bits), quantized in it too for an FP8 down that would
         quantize its input in a pass of its own."""
         inv = step is not None and step.batch.batch_invariant
         fused = step is None or step.kernels.fused
+        if (self.up_proj.weight_scale_inv is None and not inv and fused_ops.use_fused(x, fused) and x.dim() == 2
+                and not fused_ops.fp8_input_prequantized(x.shape[0], x.dtype, x.device, self.down_proj)):
+            act = fused_ops.swiglu_linear(x, self.up_proj.weight, self.up_proj.bias, gated=False)  # up + relu^2
+            if act is not None:
+                return self.down_proj(act, inv, fused)
         h = self.up_proj(x, inv)
         if fused_ops.use_fused(h, fused) and h.dim() == 2:
             if not inv and fused_ops.fp8_input_prequantized(h.shape[0], h.dtype, h.device, self.down_proj):

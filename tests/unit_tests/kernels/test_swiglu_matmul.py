@@ -1,6 +1,7 @@
-"""The fused gate_up projection + SwiGLU kernel against ``F.linear`` then ``silu(gate) * up``:
-in Triton's interpreter on CPU (tiny tiles crossing M, I and K edges), compiled at the real
-shapes on a Hopper GPU, under CUDA-graph capture, and routed through by the MLP layer."""
+"""The fused gate_up projection + SwiGLU kernel against ``F.linear`` then ``silu(gate) * up``, and
+its relu^2 form (NemotronH's up) against ``F.linear`` then ``relu(h)^2``: in Triton's interpreter on
+CPU (tiny tiles crossing M, I and K edges), compiled at the real shapes on a Hopper GPU, under
+CUDA-graph capture, and routed through by the MLP layers."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from megatron_async.kernels import fused_ops, triton_swiglu_matmul  # noqa: E402
-from megatron_async.kernels.triton_swiglu_matmul import supported, swiglu_linear  # noqa: E402
+from megatron_async.kernels.triton_swiglu_matmul import relu2_linear, supported, swiglu_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
@@ -43,6 +44,17 @@ def test_matches_linear_then_swiglu(dtype, m, inter, k, bias):
     _assert_close(swiglu_linear(x, w, b), _reference(x, w, b))
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="interpreter shapes; the GPU test below takes the real ones")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,inter,k,bias", [(5, 48, 40, False), (33, 24, 24, True), (17, 40, 72, True)])
+def test_relu2_matches_linear_then_relu_square(dtype, m, inter, k, bias):
+    torch.manual_seed(m * inter + k + 1)
+    x = torch.randn(m, k, dtype=dtype)
+    w = 0.2 * torch.randn(inter, k, dtype=dtype)
+    b = torch.randn(inter, dtype=dtype) if bias else None
+    _assert_close(relu2_linear(x, w, b), torch.relu(F.linear(x, w, b)).square())
+
+
 def test_supported_rejects_what_the_descriptors_cannot_take():
     w = torch.randn(32, 16)
     assert supported(torch.randn(4, 16), w)
@@ -50,6 +62,8 @@ def test_supported_rejects_what_the_descriptors_cannot_take():
     assert not supported(torch.randn(4, 16).half(), w)  # dtypes differ
     assert not supported(torch.randn(4, 16), torch.randn(31, 16))  # odd 2I
     assert not supported(torch.randn(4, 16), torch.randn(6, 16))  # I = 3 floats: 12-byte output rows
+    assert supported(torch.randn(4, 16), torch.randn(4, 16), gated=False)  # relu^2: I = 4 floats
+    assert not supported(torch.randn(4, 16), torch.randn(6, 16), gated=False)  # 24-byte output rows
     assert not supported(torch.randn(4, 16).t(), torch.randn(32, 4))  # K not unit-stride
     assert not supported(torch.randn(2, 4, 16), w)
     with pytest.raises(ValueError, match="unsupported operands"):
@@ -67,6 +81,8 @@ def test_row_buckets_follow_the_measured_crossover():
     assert triton_swiglu_matmul.pays_off(1, 1024) and triton_swiglu_matmul.pays_off(128, 1024)
     assert not triton_swiglu_matmul.pays_off(512, 1024) and triton_swiglu_matmul.pays_off(8192, 1024)
     assert not triton_swiglu_matmul.pays_off(8192, 4096)  # the round trip it saves is too small there
+    assert all(triton_swiglu_matmul.pays_off(m, 1024, gated=False) for m in (1, 128, 512, 8192))
+    assert not triton_swiglu_matmul.pays_off(128, 4096, gated=False)
 
 
 def test_mlp_routes_through_the_fused_kernel(monkeypatch):
@@ -90,7 +106,7 @@ def test_mlp_routes_through_the_fused_kernel(monkeypatch):
     x = torch.randn(9, 32, device=DEVICE)
     fused = mlp(x)
     assert calls == [9]
-    monkeypatch.setattr(triton_swiglu_matmul, "pays_off", lambda m, k: False)
+    monkeypatch.setattr(triton_swiglu_matmul, "pays_off", lambda *a: False)
     unfused = mlp(x)
     assert calls == [9]
     unfused_model = StepInputs(SimpleNamespace(batch_invariant=False), None, None, kernels=KernelBackends(fused=False))
@@ -98,6 +114,54 @@ def test_mlp_routes_through_the_fused_kernel(monkeypatch):
     assert calls == [9]
     _assert_close(fused, reference)
     _assert_close(unfused, reference)
+
+
+def test_relu2_mlp_routes_through_the_fused_kernel(monkeypatch):
+    """NemotronH's MLP takes the up + relu^2 kernel where its model's kernels are fused and it pays
+    off, F.linear + relu_square otherwise, with the same result."""
+    from types import SimpleNamespace
+
+    from megatron_async.kernels.backends import KernelBackends
+    from megatron_async.models.layers.block import StepInputs
+    from megatron_async.models.layers.mlp import ReluSquaredMLP
+    from megatron_async.parallel.state import ParallelState
+
+    torch.manual_seed(1)
+    mlp = ReluSquaredMLP(32, 48, False, ParallelState(), torch.float32, DEVICE)
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.2)
+    calls = []
+    real = triton_swiglu_matmul._launch
+    monkeypatch.setattr(triton_swiglu_matmul, "_launch", lambda *a: calls.append(a[4]) or real(*a))
+    monkeypatch.setattr(fused_ops, "use_fused", lambda x, enabled=True: enabled)  # also on CPU
+    x = torch.randn(9, 32, device=DEVICE)
+    fused = mlp(x)
+    assert calls == [False]
+    monkeypatch.setattr(triton_swiglu_matmul, "pays_off", lambda *a: False)
+    unfused = mlp(x)
+    assert calls == [False]
+    reference = mlp(x, StepInputs(SimpleNamespace(batch_invariant=False), None, None, kernels=KernelBackends(fused=False)))
+    _assert_close(fused, reference)
+    _assert_close(unfused, reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper (TMA) GPU")
+@pytest.mark.parametrize("m", [1, 77, 128, 256, 2048, 8192])
+def test_relu2_bits_equal_cublas_then_relu_square_on_gpu(m):
+    """NemotronH's up (I 4,096, K 1,024), bf16: where both round the same float32 sums, the fused
+    kernel's output is cuBLAS's then ``relu_square``'s; elsewhere within a bf16 rounding of it."""
+    from megatron_async.kernels.triton_act import relu_square
+
+    torch.manual_seed(m)
+    x = torch.randn(m, 1024, dtype=torch.bfloat16, device="cuda")
+    w = 0.03 * torch.randn(4096, 1024, dtype=torch.bfloat16, device="cuda")
+    ref = relu_square(F.linear(x, w))
+    got = relu2_linear(x, w)
+    _assert_close(got, ref)
+    assert (got == ref).float().mean().item() > 0.9  # other sums' order: a few last bits differ
+    x32, w32 = x.float(), w.float()  # float32 takes narrower tiles (shared memory)
+    _assert_close(relu2_linear(x32, w32), torch.relu(F.linear(x32, w32)).square())
 
 
 @pytest.mark.gpu
@@ -115,17 +179,19 @@ def test_real_shapes_on_gpu(dtype, m):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper (TMA) GPU")
-def test_graph_replay_matches_eager_on_gpu():
+@pytest.mark.parametrize("fn, rows, n", [(swiglu_linear, 96, 6144), (relu2_linear, 96, 4096),
+                                         (relu2_linear, 4096, 4096)])
+def test_graph_replay_matches_eager_on_gpu(fn, rows, n):
     from benchmarks.cuda_timing import capture
 
     torch.manual_seed(0)
-    x = torch.randn(96, 1024, dtype=torch.bfloat16, device="cuda")
-    w = 0.03 * torch.randn(6144, 1024, dtype=torch.bfloat16, device="cuda")
-    graph, captured = capture(lambda: swiglu_linear(x, w))
+    x = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
+    w = 0.03 * torch.randn(n, 1024, dtype=torch.bfloat16, device="cuda")
+    graph, captured = capture(lambda: fn(x, w))
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(captured, swiglu_linear(x, w))
+    assert torch.equal(captured, fn(x, w))
 
 
 @pytest.mark.gpu
