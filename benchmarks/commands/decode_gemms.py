@@ -12,9 +12,13 @@ against these numbers and removed (no gain). ``--libraries``: the layer GEMMs al
 under cuBLASLt (``torch.backends.cuda.preferred_blas_library``) and after PyTorch's TunableOp tuned
 each shape, instead. ``--read-floor``: what a kernel that only reads each weight takes (its best
 grid), beside cuBLAS and the split output projection, and an empty kernel's cost in a chain: the
-part of a GEMM's time that no GEMM can remove.
+part of a GEMM's time that no GEMM can remove. ``--profile-range``: each of those kernels once (and the
+fused gate_up + SwiGLU) between cudaProfilerStart / Stop, for Nsight Compute's DRAM / L2 counters.
 
-    python -m benchmarks decode-gemms --rows 64 128 256 [--libraries | --read-floor]"""
+    python -m benchmarks decode-gemms --rows 64 128 256 [--libraries | --read-floor]
+    ncu --profile-from-start off --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_bytes.sum,\
+lts__t_sectors.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+        python -m benchmarks decode-gemms --rows 128 --profile-range"""
 from __future__ import annotations
 
 import argparse
@@ -43,6 +47,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--libraries", action="store_true", help="only the layer GEMMs under cuBLAS / cuBLASLt / TunableOp")
     p.add_argument("--read-floor", action="store_true", help="only a weight read alone beside the GEMMs")
+    p.add_argument("--profile-range", action="store_true", help="each layer kernel once inside a profiler range (ncu)")
     args = p.parse_args()
     torch.manual_seed(0)
     bw = measure_copy_bandwidth(torch.device("cuda")) / 1e9  # GB/s, as the benchmark's floor uses
@@ -53,6 +58,8 @@ def main() -> None:
         return libraries(weights, args.rows, bw)
     if args.read_floor:
         return read_floor(weights, args.rows, bw)
+    if args.profile_range:
+        return profile_range(weights, args.rows[0])
     inv = _invariant_linear()
     print("| GEMM | rows | floor us | cuBLAS (+SiLU-mul) | Triton invariant |\n|---|---:|---:|---:|---:|")
     for name, (n, k, gated) in SHAPES.items():
@@ -163,6 +170,34 @@ def read_floor(weights: dict, rows: list[int], bw: float) -> None:
     for programs in (1, 132, 1056):
         us = graph_call_us([lambda p=programs: _empty_kernel[(p,)](out)], 56)
         print(f"empty kernel, {programs} programs: {us:.2f} us a call in a chain of 56")
+
+
+def profile_range(weights: dict, m: int) -> None:
+    """Each layer GEMM at ``m`` rows once under cuBLAS, the split output projections, the fused
+    gate_up + SwiGLU and the read-alone kernel (512 programs of 1,024-element loads), run once
+    before to compile and pick algorithms, then once inside cudaProfilerStart / Stop in the
+    printed order (Nsight Compute's ``--profile-from-start off`` counts only those)."""
+    from megatron_async.kernels.triton_swiglu_matmul import swiglu_linear
+
+    names = ("qkv", "o_proj", "gate_up", "down")
+    w = {name: weights[name][0] for name in names}
+    x = {name: torch.randn(m, SHAPES[name][1], device="cuda", dtype=torch.bfloat16) for name in names}
+    out = torch.empty(4096, device="cuda")
+    calls = [(f"cuBLAS {n}", lambda n=n: F.linear(x[n], w[n])) for n in names]
+    calls += [(f"split {n}", lambda n=n: triton_split_linear.split_linear(x[n], w[n]).parts)
+              for n in names if triton_split_linear.takes(x[n], w[n], None)]
+    calls += [("fused gate_up + SwiGLU", lambda: swiglu_linear(x["gate_up"], w["gate_up"]))]
+    calls += [(f"read {n}", lambda n=n: _read_kernel[(512,)](w[n], out, w[n].numel() // 512, BLOCK=1024))
+              for n in names]
+    for _, fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    print(f"{m} rows, profiled in this order: " + ", ".join(name for name, _ in calls))
+    torch.cuda.profiler.start()
+    for _, fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
 
 
 if __name__ == "__main__":
