@@ -85,62 +85,35 @@ def test_row_buckets_follow_the_measured_crossover():
     assert not triton_swiglu_matmul.pays_off(128, 4096, gated=False)
 
 
-def test_mlp_routes_through_the_fused_kernel(monkeypatch):
-    """The layer takes the kernel when its model's kernels are fused, the unfused kernels otherwise,
-    with the same result; a row count the kernel does not pay off at stays unfused."""
+@pytest.mark.parametrize("gated", [True, False])
+def test_mlp_routes_through_the_fused_kernel(monkeypatch, gated):
+    """The SwiGLU MLP (``gated``) and NemotronH's relu^2 MLP take the kernel when their model's kernels
+    are fused, the unfused kernels otherwise, with the same result; a row count the kernel does not
+    pay off at stays unfused."""
     from types import SimpleNamespace
 
     from megatron_async.kernels.backends import KernelBackends
     from megatron_async.models.layers.block import StepInputs
-    from megatron_async.models.layers.mlp import SwiGLUMLP
+    from megatron_async.models.layers.mlp import ReluSquaredMLP, SwiGLUMLP
     from megatron_async.parallel.state import ParallelState
 
     torch.manual_seed(0)
-    mlp = SwiGLUMLP(32, 48, False, ParallelState(), torch.float32, DEVICE)
+    mlp = (SwiGLUMLP if gated else ReluSquaredMLP)(32, 48, False, ParallelState(), torch.float32, DEVICE)
     for p in mlp.parameters():
         p.data.normal_(0, 0.2)
     calls = []
     real = triton_swiglu_matmul._launch
-    monkeypatch.setattr(triton_swiglu_matmul, "_launch", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(triton_swiglu_matmul, "_launch", lambda *a: calls.append((a[0].shape[0], a[4])) or real(*a))
     monkeypatch.setattr(fused_ops, "use_fused", lambda x, enabled=True: enabled)  # also on CPU
     x = torch.randn(9, 32, device=DEVICE)
     fused = mlp(x)
-    assert calls == [9]
+    assert calls == [(9, gated)]
     monkeypatch.setattr(triton_swiglu_matmul, "pays_off", lambda *a: False)
     unfused = mlp(x)
-    assert calls == [9]
+    assert calls == [(9, gated)]
     unfused_model = StepInputs(SimpleNamespace(batch_invariant=False), None, None, kernels=KernelBackends(fused=False))
     reference = mlp(x, unfused_model)  # the layer's torch code
-    assert calls == [9]
-    _assert_close(fused, reference)
-    _assert_close(unfused, reference)
-
-
-def test_relu2_mlp_routes_through_the_fused_kernel(monkeypatch):
-    """NemotronH's MLP takes the up + relu^2 kernel where its model's kernels are fused and it pays
-    off, F.linear + relu_square otherwise, with the same result."""
-    from types import SimpleNamespace
-
-    from megatron_async.kernels.backends import KernelBackends
-    from megatron_async.models.layers.block import StepInputs
-    from megatron_async.models.layers.mlp import ReluSquaredMLP
-    from megatron_async.parallel.state import ParallelState
-
-    torch.manual_seed(1)
-    mlp = ReluSquaredMLP(32, 48, False, ParallelState(), torch.float32, DEVICE)
-    for p in mlp.parameters():
-        p.data.normal_(0, 0.2)
-    calls = []
-    real = triton_swiglu_matmul._launch
-    monkeypatch.setattr(triton_swiglu_matmul, "_launch", lambda *a: calls.append(a[4]) or real(*a))
-    monkeypatch.setattr(fused_ops, "use_fused", lambda x, enabled=True: enabled)  # also on CPU
-    x = torch.randn(9, 32, device=DEVICE)
-    fused = mlp(x)
-    assert calls == [False]
-    monkeypatch.setattr(triton_swiglu_matmul, "pays_off", lambda *a: False)
-    unfused = mlp(x)
-    assert calls == [False]
-    reference = mlp(x, StepInputs(SimpleNamespace(batch_invariant=False), None, None, kernels=KernelBackends(fused=False)))
+    assert calls == [(9, gated)]
     _assert_close(fused, reference)
     _assert_close(unfused, reference)
 
