@@ -52,6 +52,8 @@ CASES = {
     "eager": ([1, 6, 1, 3, 17, 2], [5, 0, 3, 1, 6, 2], [True, True, False, False, True, False], 6, ()),
     "padded": ([1, 6, 3, 1, 7, 0, 0], [5, 0, 1, 3, PAD_SLOT, PAD_SLOT, PAD_SLOT], [True, True, False, True] + [False] * 3, 4, ()),
     "windows skipped": ([3, 6, 1, 2, 4], [5, 0, 3, 1, 6], [True, True, True, False, True], 5, (0, 3)),
+    # rows of several scan chunks (the interpreter's chunks are 16 / 32 tokens), fresh and continuing
+    "long rows": ([40, 1, 70, 33, 0], [2, 5, 0, 3, PAD_SLOT], [False, True, True, True, False], 4, ()),
 }
 
 
