@@ -70,8 +70,8 @@ def _swiglu_matmul_kernel(
             else:
                 wu = w_desc.load([pid_n * BLOCK_N, k0]).to(DOT_DTYPE)
             acc_up = tl.dot(a, wu.T, acc_up, input_precision=DOT_PRECISION)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             acc_up += tl.load(bias_ptr + I * GATED + offs_n, mask=offs_n < I, other=0.0).to(tl.float32)[None, :]
             if GATED:
                 acc_gate += tl.load(bias_ptr + offs_n, mask=offs_n < I, other=0.0).to(tl.float32)[None, :]
@@ -128,19 +128,27 @@ def pays_off(m: int, k: int, gated: bool = True) -> bool:
     return k <= 2048 and (m <= 128 or m >= 2048)
 
 
+def _columns(weight: torch.Tensor, gated: bool) -> int:
+    """Output columns: I of a [2I, K] gate_up weight (``gated``) or of an [I, K] up weight."""
+    return weight.shape[0] // 2 if gated else weight.shape[0]
+
+
+def _name(gated: bool) -> str:
+    return "swiglu_linear" if gated else "relu2_linear"
+
+
 def supported(x: torch.Tensor, weight: torch.Tensor, gated: bool = True) -> bool:
     """Whether ``swiglu_linear`` (``gated``) / ``relu2_linear`` takes these operands: Hopper or newer
     (TMA) or the CPU interpreter, float types, K > 0, 16-byte aligned bases and row strides (the
     output's too), unit stride along K."""
     if x.is_cuda and cuda_device.capability(x.device)[0] < 9:
         return False
-    n = weight.shape[0] // 2 if gated else weight.shape[0]
     return (x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and x.shape[1] == weight.shape[1] > 0 and (not gated or weight.shape[0] % 2 == 0)
             and x.stride(1) == 1 and weight.stride(1) == 1
             and all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, weight))
-            and (n * x.element_size()) % 16 == 0)
+            and (_columns(weight, gated) * x.element_size()) % 16 == 0)
 
 
 def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -167,18 +175,17 @@ def swiglu_linear_if_supported(x: torch.Tensor, weight: torch.Tensor, bias: torc
 def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: ActTiles | None,
              gated: bool) -> torch.Tensor:
     if not supported(x, weight, gated):
-        raise ValueError(f"{'swiglu' if gated else 'relu2'}_linear: unsupported operands x {tuple(x.shape)} {x.dtype} "
-                         f"stride {x.stride()}, weight {tuple(weight.shape)} {weight.dtype} stride {weight.stride()}")
+        raise ValueError(f"{_name(gated)}: unsupported operands x {tuple(x.shape)} {x.dtype} stride {x.stride()}, "
+                         f"weight {tuple(weight.shape)} {weight.dtype} stride {weight.stride()}")
     return _launch(x, weight, bias, tiles, gated)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             tiles: ActTiles | None, gated: bool) -> torch.Tensor:
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
-        raise ValueError(f"{'swiglu' if gated else 'relu2'}_linear: bias {tuple(bias.shape)} {bias.dtype} "
-                         "does not match weight")
+        raise ValueError(f"{_name(gated)}: bias {tuple(bias.shape)} {bias.dtype} does not match weight")
     m, k = x.shape
-    inter = weight.shape[0] // 2 if gated else weight.shape[0]
+    inter = _columns(weight, gated)
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     if m == 0 or inter == 0:
         return out
