@@ -4,8 +4,8 @@ row after row), each row starting from its slot's state and leaving its final st
 Every table comes from the step snapshot on the device (``VarlenRows``); nothing is read on the
 host and no host data is copied, so the same code runs inside a CUDA graph. ``VarlenRows.triton``
 (the model's ``KernelBackends.triton_mamba``) picks the path:
-- True: the packed-layout kernels of ``triton_mamba_varlen`` (grids from the padded token / row
-  counts only);
+- True: the packed-layout kernels of ``triton_mamba_varlen`` (conv) and ``triton_ssd_varlen``
+  (scan), grids from the padded token / row counts only;
 - False (the reference): ``scan_rows`` run the chunked reference over a [M, max_len] layout built
   on the device from ``cu_query_lens``, the remaining rows (one token each) the recurrent step.
   M and max_len are host ints of the step (a graph's: every row, its padded token count).
@@ -111,7 +111,7 @@ def ssd_varlen_inplace(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
     in ``ssm_pool`` in place. dt and ``A_is_log`` as in ``mamba_ops.ssd_decode_inplace``.
     ``chunk_size``: the TORCH reference's chunk."""
     if rows.triton:
-        from megatron_async.kernels.triton_mamba_varlen import ssd_scan_varlen
+        from megatron_async.kernels.triton_ssd_varlen import ssd_scan_varlen
 
         return ssd_scan_varlen(x, dt, A, B, C, D, ssm_pool, rows.slots, rows.has_initial_state, rows.cu_query_lens,
                                dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, A_is_log=A_is_log)

@@ -21,7 +21,7 @@ from megatron_async.kernels import (  # noqa: E402
     attention_triton,
     ssd_torch,
     triton_mamba_decode,
-    triton_mamba_varlen,
+    triton_ssd_varlen,
 )
 from tests.helpers.hf_hybrid_models import make_tiny_hybrid_checkpoint  # noqa: E402
 
@@ -63,7 +63,7 @@ def test_two_hybrid_llms_run_their_own_mamba_kernels(monkeypatch, tmp_path):
     path = str(make_tiny_hybrid_checkpoint("NemotronHForCausalLM", tmp_path / "nh"))
     calls = _count_calls(monkeypatch, [(ssd_torch, "ssd_step"), (ssd_torch, "ssd_chunked"),
                                        (triton_mamba_decode, "selective_state_update"),
-                                       (triton_mamba_varlen, "ssd_scan_varlen")])
+                                       (triton_ssd_varlen, "ssd_scan_varlen")])
     torch_llm = LLM(path, inference_config=InferenceConfig(mamba_backend="torch", **CFG))
     triton_llm = LLM(path, inference_config=InferenceConfig(mamba_backend="triton", **CFG))
     assert torch_llm.model.kernels.mamba == MambaBackend.TORCH

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from megatron_async.config import MambaBackend  # noqa: E402
-from megatron_async.kernels import mamba_ops, mamba_varlen_ops, mamba_window_ops  # noqa: E402
+from megatron_async.kernels import mamba_ops, mamba_varlen_ops, mamba_window_ops, triton_ssd_varlen  # noqa: E402
 from megatron_async.kernels.conv1d_torch import causal_conv1d  # noqa: E402
 from megatron_async.kernels.ssd_torch import ssd_sequential  # noqa: E402
 from tests.unit_tests.kernels.test_mamba_triton import DEVICE, _gen, _rand, _randn  # noqa: E402
@@ -52,14 +52,15 @@ CASES = {
     "eager": ([1, 6, 1, 3, 17, 2], [5, 0, 3, 1, 6, 2], [True, True, False, False, True, False], 6, ()),
     "padded": ([1, 6, 3, 1, 7, 0, 0], [5, 0, 1, 3, PAD_SLOT, PAD_SLOT, PAD_SLOT], [True, True, False, True] + [False] * 3, 4, ()),
     "windows skipped": ([3, 6, 1, 2, 4], [5, 0, 3, 1, 6], [True, True, True, False, True], 5, (0, 3)),
-    # rows of several scan chunks (the interpreter's chunks are 16 / 32 tokens), fresh and continuing
-    "long rows": ([40, 1, 70, 33, 0], [2, 5, 0, 3, PAD_SLOT], [False, True, True, True, False], 4, ()),
+    # rows of several scan chunks (64 tokens here) and sub-chunks (32 / 64 tokens), fresh and continuing
+    "long rows": ([40, 1, 70, 140, 33, 0], [2, 5, 0, 4, 3, PAD_SLOT], [False, True, True, True, True, False], 5, ()),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_varlen_ops_equal_per_row_reference(backend, case, dtype):
+def test_varlen_ops_equal_per_row_reference(backend, case, dtype, monkeypatch):
+    monkeypatch.setattr(triton_ssd_varlen, "CHUNK", 64)  # the real 128 would keep these rows to one chunk
     lengths, slots, has_init, num_real, skipped = CASES[case]
     g = _gen(3)
     T, c, k = sum(lengths), 24, 4
