@@ -83,7 +83,7 @@ def conv1d_varlen_inplace(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         from megatron_async.kernels.triton_mamba_varlen import causal_conv1d_varlen
 
         return causal_conv1d_varlen(x, weight, bias, conv_pool, rows.slots, rows.has_initial_state,
-                                    rows.cu_query_lens, rows.token_to_row)
+                                    rows.cu_query_lens)
     T = x.shape[0]
     out = torch.empty(T + 1, *x.shape[1:], dtype=x.dtype, device=x.device)
     m, single = rows.scan, rows.single_rows
