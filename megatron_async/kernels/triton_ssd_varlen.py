@@ -47,19 +47,23 @@ OUT_TILE = (64, 64, 4, 1)
 OUT_PROGRAMS_PER_SM = 4
 """``_ssd_chunk_out_kernel`` programs an SM: each walks the step's items, so none runs empty (a
 grid of every possible item spent ~20 us starting empty programs)."""
+ROW_BLOCK = 128
+"""Rows a program sums at a time when it counts chunks."""
 WIDE_TILE = (32, 32, 4, 2)
 """Both kernels' tiles for float32 inputs (exact-fp32 matmuls need far more registers)."""
 
 
 @triton.jit
-def _chunks_before(cu_ptr, row, num_rows, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr):
-    """(chunks of the rows before ``row``, chunks of every row): rows of several tokens take
-    cdiv(length, CHUNK) chunks, the others none."""
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < num_rows
-    lengths = tl.load(cu_ptr + offs_r + 1, mask=r_mask, other=0) - tl.load(cu_ptr + offs_r, mask=r_mask, other=0)
-    chunks = tl.where(lengths > 1, (lengths + CHUNK - 1) // CHUNK, 0)
-    return tl.sum(tl.where(offs_r < row, chunks, 0), axis=0), chunks
+def _chunks_before(cu_ptr, row, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Chunks of the rows before ``row``: rows of several tokens take cdiv(length, CHUNK) chunks,
+    the others none (rows in blocks of BLOCK_R, so one build serves every row count)."""
+    total = 0
+    for r0 in range(0, row, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < row
+        lengths = tl.load(cu_ptr + offs_r + 1, mask=r_mask, other=0) - tl.load(cu_ptr + offs_r, mask=r_mask, other=0)
+        total += tl.sum(tl.where(lengths > 1, (lengths + CHUNK - 1) // CHUNK, 0), axis=0)
+    return total
 
 
 @triton.jit
@@ -70,11 +74,11 @@ def _step_sizes(dt_ptr, offs_t, t_mask, head, stride_dtt, stride_dth, dt_bias_pt
     return tl.where(t_mask, step_size(dt, dt_bias_ptr, head, dt_min, dt_max, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT), 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ch"])  # one build for every token count
 def _ssd_state_kernel(
     x_ptr, dt_ptr, dt_bias_ptr, A_ptr, B_ptr, C_ptr, D_ptr, pool_ptr, y_ptr, buf_ptr, cum_ptr, steps_ptr, table_ptr,
     slots_ptr, has_init_ptr, cu_ptr,
-    num_rows, heads_per_group, head_dim, d_state, dt_min, dt_max,
+    heads_per_group, head_dim, d_state, dt_min, dt_max,
     stride_xt, stride_xh, stride_xp, stride_dtt, stride_dth,
     stride_Bt, stride_Bg, stride_Bn, stride_Ct, stride_Cg, stride_Cn,
     stride_sb, stride_sh, stride_sp, stride_sn, stride_yt, stride_yh, stride_bc, stride_bh, stride_bp, stride_ch,
@@ -118,7 +122,7 @@ def _ssd_state_kernel(
             y1 += tl.load(D_ptr + head).to(tl.float32) * x1
         tl.store(y_ptr + t * stride_yt + head * stride_yh + offs_p, y1, mask=p_mask)
     elif end - start > 1:
-        first, _ = _chunks_before(cu_ptr, row, num_rows, CHUNK, BLOCK_R)
+        first = _chunks_before(cu_ptr, row, CHUNK, BLOCK_R)
         lead = (tl.program_id(2) == 0).to(tl.int32)  # 1: writes the tokens' step sizes and decays
         b_ptrs = buf_ptr + head * stride_bh + offs_p[:, None] * stride_bp + offs_n[None, :]
         x_base = x_ptr + head * stride_xh + offs_p[None, :] * stride_xp
@@ -152,7 +156,7 @@ def _ssd_state_kernel(
     tl.store(s_ptrs, state, mask=(offs_p[:, None] < head_dim * keep) & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "stride_ch"])  # one build for every row and token count
 def _ssd_chunk_out_kernel(
     x_ptr, B_ptr, C_ptr, D_ptr, y_ptr, buf_ptr, cum_ptr, steps_ptr, table_ptr, cu_ptr,
     num_rows, num_heads, heads_per_group, head_dim, d_state, p_blocks,
@@ -168,9 +172,8 @@ def _ssd_chunk_out_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_i = tl.arange(0, BLOCK_Q)
     n_mask = offs_n < d_state
-    _, chunks = _chunks_before(cu_ptr, num_rows, num_rows, CHUNK, BLOCK_R)
     q_blocks: tl.constexpr = CHUNK // BLOCK_Q
-    items = tl.sum(chunks, axis=0) * q_blocks * num_heads * p_blocks
+    items = _chunks_before(cu_ptr, num_rows, CHUNK, BLOCK_R) * q_blocks * num_heads * p_blocks
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
         offs_p = (item % p_blocks) * BLOCK_P + tl.arange(0, BLOCK_P)
         head = (item // p_blocks) % num_heads
@@ -245,7 +248,6 @@ def ssd_scan_varlen(
         raise ValueError(f"the scan's chunk ({chunk}) must be a multiple of {block_t} and {block_q} tokens")
     block_p, out_p = (max(16, min(b, triton.next_power_of_2(p))) for b in (block_p, out_p))
     block_n = max(16, triton.next_power_of_2(n))
-    block_r = max(16, triton.next_power_of_2(R))
     # Rows of two or more tokens, each with one partial chunk at most.
     max_chunks = triton.cdiv(T, chunk) + min(R, T // 2)
     buf = torch.empty(max_chunks, h, p, n, dtype=torch.float32 if wide else B.dtype, device=x.device)
@@ -256,10 +258,10 @@ def ssd_scan_varlen(
     dots = dot_args(_ssd_chunk_out_kernel, B.dtype)  # 16-bit operands, fp32 accumulators (fp32 inputs: exact fp32)
     _ssd_state_kernel[(R, h, triton.cdiv(p, block_p))](
         x, dt, x if dt_bias is None else dt_bias, A, B, C, x if D is None else D, ssm_pool, y, buf, cum, steps, table,
-        slots, has_initial_state.contiguous().view(torch.uint8), cu, R, h // g, p, n, float(lo), float(hi),
+        slots, has_initial_state.contiguous().view(torch.uint8), cu, h // g, p, n, float(lo), float(hi),
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *ssm_pool.stride(), y.stride(0), y.stride(1),
         *buf.stride()[:3], cum.stride(0),
-        CHUNK=chunk, BLOCK_T=block_t, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_R=block_r, HAS_D=D is not None,
+        CHUNK=chunk, BLOCK_T=block_t, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_R=ROW_BLOCK, HAS_D=D is not None,
         **dots, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
         HAS_DT_LIMIT=dt_limit is not None, A_IS_LOG=A_is_log, num_warps=state_warps, num_stages=state_stages,
     )
@@ -268,7 +270,7 @@ def ssd_scan_varlen(
     _ssd_chunk_out_kernel[(programs,)](
         x, B, C, x if D is None else D, y, buf, cum, steps, table, cu, R, h, h // g, p, n, p_blocks,
         *x.stride(), *B.stride(), *C.stride(), y.stride(0), y.stride(1), *buf.stride()[:3], cum.stride(0),
-        CHUNK=chunk, BLOCK_Q=block_q, BLOCK_P=out_p, BLOCK_N=block_n, BLOCK_R=block_r, HAS_D=D is not None,
+        CHUNK=chunk, BLOCK_Q=block_q, BLOCK_P=out_p, BLOCK_N=block_n, BLOCK_R=ROW_BLOCK, HAS_D=D is not None,
         **dots, num_warps=out_warps, num_stages=out_stages,
     )
     return y
