@@ -54,6 +54,8 @@ CASES = {
     "windows skipped": ([3, 6, 1, 2, 4], [5, 0, 3, 1, 6], [True, True, True, False, True], 5, (0, 3)),
     # rows of several scan chunks (64 tokens here) and sub-chunks (32 / 64 tokens), fresh and continuing
     "long rows": ([40, 1, 70, 140, 33, 0], [2, 5, 0, 4, 3, PAD_SLOT], [False, True, True, True, True, False], 5, ()),
+    # chunks that end a token into a row, rows of exactly one chunk and of two tokens
+    "chunk edges": ([65, 2, 1, 64, 129, 2], [1, 2, 3, 4, 5, 6], [True, False, True, True, False, True], 6, ()),
 }
 
 
