@@ -39,14 +39,14 @@ from megatron_async.kernels.triton_paged_common import dot_args, num_compute_uni
 CHUNK = 128
 """Tokens of a scan chunk (from each row's own start): one buffered state per chunk."""
 STATE_TILE = (64, 64, 4, 2)
-"""(tokens of a sub-chunk, head_dim block, warps, stages) of ``_ssd_state_kernel`` for 16-bit
-inputs: the fastest of 7 settings on the hybrid's mixed step (169 us against 173-232)."""
+"""(tokens of a sub-chunk, head_dim block, warps, stages) of ``_ssd_state_kernel`` for 16-bit inputs.
+OUT_TILE, OUT_PROGRAMS_PER_SM: (tokens, head_dim block, warps, stages) of an ``_ssd_chunk_out_kernel``
+item, and its programs an SM (each walks the step's items, so none runs empty: a grid of every
+possible item spent ~20 us starting empty programs). The hybrid's 8,192-token mixed step, both
+kernels (``kernel-times mamba-mixed --sweep``, one H100): 277 us; 300-337 at the 6 other walks,
+278-366 at the 6 other item settings."""
 OUT_TILE = (64, 64, 4, 1)
-"""(tokens, head_dim block, warps, stages) of an ``_ssd_chunk_out_kernel`` item for 16-bit inputs
-(105 us there; 2 stages 139, 32-dim blocks or 128-token items on 8 warps 130-180)."""
 OUT_PROGRAMS_PER_SM = 4
-"""``_ssd_chunk_out_kernel`` programs an SM: each walks the step's items, so none runs empty (a
-grid of every possible item spent ~20 us starting empty programs)."""
 ROW_BLOCK = 128
 """Rows a program sums at a time when it counts chunks."""
 WIDE_TILE = (32, 32, 4, 2)
