@@ -63,7 +63,7 @@ for stage in $stages; do
         | tail -40 > "$out/kernel_tests.log"
       report kernel_tests ;;
     kernels)  # times only: the kernels' assertions are tests-unit's
-      for k in paged-attention mamba-kernels fused-elementwise sampler-kernels fused-moe; do
+      for k in paged-attention mamba-kernels mamba-mixed fused-elementwise sampler-kernels fused-moe; do
         timeout 120 python -m benchmarks kernel-times "$k" > "$out/$k.log" 2>&1
         tail -25 "$out/$k.log"
       done ;;
