@@ -17,6 +17,7 @@ import random
 import torch
 
 from benchmarks.cuda_timing import graph_call_us
+from benchmarks.kernel_times.mamba_kernels import rel_err
 from megatron_async.kernels import mamba_varlen_ops, triton_mamba_varlen, triton_ssd_varlen
 
 P, G, N, K = 64, 8, 128, 4
@@ -76,10 +77,6 @@ class Step:
     def reset(self) -> None:
         self.conv_pool.copy_(self.start[0])
         self.ssm_pool.copy_(self.start[1])
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def sweep(step: Step, name: str, settings: list, apply, call, check) -> None:

@@ -49,6 +49,16 @@ def _conv_out_kernel(
 
 
 @triton.jit
+def _ext_entry(x_ptr, s_row, start, e, offs_c, channels, stride_xt, stride_sk, init, x_ok, K: tl.constexpr):
+    """ext[e] of a row's ext = [old state (K - 1), its tokens], in x's dtype: state entries read as
+    zeros for a fresh row, token entries as zeros where ``x_ok`` is False."""
+    from_x = tl.load(x_ptr + (start + e - (K - 1)).to(tl.int64) * stride_xt + offs_c,
+                     mask=offs_c < tl.where((e >= K - 1) & x_ok, channels, 0), other=0.0)
+    from_state = tl.load(s_row + e * stride_sk, mask=offs_c < tl.where((e < K - 1) & init, channels, 0), other=0.0)
+    return from_x + from_state.to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _conv_rows_kernel(
     x_ptr, w_ptr, bias_ptr, pool_ptr, out_ptr, slots_ptr, has_init_ptr, cu_ptr,
     channels, stride_xt, stride_wc, stride_wk, stride_sb, stride_sc, stride_sk, stride_ot,
@@ -64,7 +74,6 @@ def _conv_rows_kernel(
     length = tl.load(cu_ptr + row + 1) - start
     slot = tl.load(slots_ptr + row).to(tl.int64)
     init = (tl.load(has_init_ptr + row) != 0) & (slot >= 0)
-    x_dtype = x_ptr.dtype.element_ty
     s_row = pool_ptr + slot * stride_sb + offs_c * stride_sc
     w_row = w_ptr + offs_c * stride_wc
     bias = tl.load(bias_ptr + offs_c, mask=offs_c < channels, other=0.0).to(tl.float32)
@@ -72,23 +81,16 @@ def _conv_rows_kernel(
         acc = tl.zeros([BLOCK_C], dtype=tl.float32)
         if HAS_BIAS:
             acc += bias
-        for k in tl.static_range(K):
-            e = j + k  # its tap k is ext[e]
-            xv = tl.load(x_ptr + (start + e - (K - 1)).to(tl.int64) * stride_xt + offs_c,
-                         mask=offs_c < tl.where((e >= K - 1) & (j < length), channels, 0), other=0.0)
-            sv = tl.load(s_row + e * stride_sk, mask=offs_c < tl.where((e < K - 1) & init, channels, 0), other=0.0)
+        for k in tl.static_range(K):  # tap k is ext[j + k]
+            ext = _ext_entry(x_ptr, s_row, start, j + k, offs_c, channels, stride_xt, stride_sk, init, j < length, K)
             w = tl.load(w_row + k * stride_wk, mask=offs_c < channels, other=0.0).to(tl.float32)
-            acc += w * (xv.to(tl.float32) + sv.to(x_dtype).to(tl.float32))
+            acc += w * ext.to(tl.float32)
         out = acc / (1.0 + tl.exp(-acc))
         tl.store(out_ptr + (start + j).to(tl.int64) * stride_ot + offs_c, out.to(out_ptr.dtype.element_ty),
                  mask=offs_c < tl.where(j < length, channels, 0))
     c_mask = offs_c < tl.where(slot >= 0, channels, 0)  # a skipped row keeps no state
     for j in tl.static_range(K - 1):
-        e = length + j
-        from_x = tl.load(x_ptr + (start + e - (K - 1)).to(tl.int64) * stride_xt + offs_c,
-                         mask=offs_c < tl.where(e >= K - 1, channels, 0), other=0.0)
-        from_state = tl.load(s_row + e * stride_sk, mask=offs_c < tl.where((e < K - 1) & init, channels, 0), other=0.0)
-        val = from_x + from_state.to(x_dtype)
+        val = _ext_entry(x_ptr, s_row, start, length + j, offs_c, channels, stride_xt, stride_sk, init, True, K)
         tl.store(s_row + j * stride_sk, val.to(pool_ptr.dtype.element_ty), mask=c_mask)
 
 
