@@ -3,9 +3,11 @@
 A run is profiled with CUDA activity only (kernel, memcpy and memset intervals as the device
 executed them); idle = 1 - (union of busy intervals) / (wall span), never clamped.
 
-Per-launch windows: every launch starts with exactly one host-to-device copy of the
-bookkeeping snapshot (``context.layout.nbytes`` bytes). On the device, launch k's window runs
-from its snapshot copy to launch k+1's; the gap between its last kernel and the next copy is
+Per-launch windows: every launch starts with exactly one copy of the bookkeeping snapshot
+(``context.layout.nbytes`` bytes) into its device views: device-to-device from the staging
+buffer on CUDA (the host-to-device copy into staging runs earlier, on a copy stream; see
+``ContextGPUView``), host-to-device where there is no staging. On the device, launch k's window
+runs from its snapshot copy to launch k+1's; the gap between its last kernel and the next copy is
 the time the device waited for the host. Windows of decode-only launches give the decode
 idle share; the whole run's span gives the run idle share.
 
@@ -56,21 +58,23 @@ class DeviceEvent:
     end: float
     """Microseconds on the device clock."""
     is_snapshot_copy: bool
-    """A host-to-device copy of exactly the bookkeeping snapshot's size."""
+    """The copy of exactly the bookkeeping snapshot's size into the device views that starts a
+    launch (device-to-device when the trace has such copies, else host-to-device)."""
 
 
 def device_events(trace: dict, snapshot_bytes: int | None = None) -> list[DeviceEvent]:
     """Busy device events of a chrome trace, in start order."""
-    out = []
+    raw = []
     for e in trace.get("traceEvents", []):
         if e.get("ph") != "X" or e.get("cat") not in BUSY_CATEGORIES:
             continue
-        start = float(e["ts"])
-        args = e.get("args", {})
-        snap = (snapshot_bytes is not None and e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")
-                and int(args.get("bytes", -1)) == snapshot_bytes)
-        out.append(DeviceEvent(start, start + float(e.get("dur", 0.0)), snap))
-    return sorted(out, key=lambda d: d.start)
+        start, name = float(e["ts"]), e.get("name", "")
+        sized = (snapshot_bytes is not None and e.get("cat") == "gpu_memcpy"
+                 and int(e.get("args", {}).get("bytes", -1)) == snapshot_bytes)
+        kind = ("DtoD" if "DtoD" in name else "HtoD" if "HtoD" in name else None) if sized else None
+        raw.append((start, start + float(e.get("dur", 0.0)), kind))
+    starts_launch = "DtoD" if any(k == "DtoD" for _, _, k in raw) else "HtoD"
+    return sorted((DeviceEvent(s, t, k == starts_launch) for s, t, k in raw), key=lambda d: d.start)
 
 
 def device_intervals(trace: dict) -> list[tuple[float, float]]:

@@ -136,6 +136,21 @@ def test_idle_report_splits_launch_windows_and_never_clamps():
     assert bad.decode_idle_share is None and bad.run_idle_share == pytest.approx(34 / 68) and "launches" in bad.note
 
 
+def test_idle_report_windows_start_at_the_staged_device_copy():
+    """With a staging buffer, each launch's H2D copy runs early on a copy stream (inside the launch
+    before) and a device-to-device copy of the same size starts the launch: the windows follow those."""
+    events, t = [], 0.0
+    for busy, gap in [(10.0, 30.0), (8.0, 2.0), (8.0, 0.0)]:
+        ev, t = _launch(t, busy, gap)
+        ev[0]["name"] = "Memcpy DtoD (Device -> Device)"
+        events += ev + [{"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)",
+                         "ts": ev[0]["ts"] - 4.0 if events else 0.0, "dur": 0.5, "args": {"bytes": 64}}]
+    rep = idle_report(device_events({"traceEvents": events}, snapshot_bytes=64), [False, True, True])
+    assert rep.snapshot_copies == rep.launches == 3
+    # decode windows [40, 50) and [50, 58): idle 2 of 18 (the early H2D copies overlap busy time)
+    assert rep.decode_idle_share == pytest.approx(2 / 18)
+
+
 def test_profile_run_on_cpu_returns_no_report():
     llm = LLM(inference_config=InferenceConfig(num_kv_blocks=64, max_requests=8, max_tokens=64))
     reqs = [WorkloadRequest([1, 2, 3, 4], 5)]

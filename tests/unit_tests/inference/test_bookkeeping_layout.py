@@ -63,6 +63,25 @@ def test_host_and_device_views_agree_field_by_field_after_one_copy():
     assert view.c.data_ptr() == view.buffer.data_ptr() + layout.offsets["c"]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_staged_copies_land_in_step_order_behind_a_busy_device():
+    """CUDA stages the H2D copy on a copy stream: while the compute stream is still busy with the
+    step before (a long sleep), the next steps' copies must neither overwrite the staging buffer
+    before the views took it nor reach the views before the compute stream gets there."""
+    layout = BookkeepingLayout(FIELDS)
+    view = ContextGPUView(layout, torch.device("cuda"))
+    hosts = [torch.full((layout.nbytes,), k, dtype=torch.uint8).pin_memory() for k in (11, 22, 33)]
+    seen = []
+    for host in hosts:
+        torch.cuda._sleep(20_000_000)  # ~10 ms of device time before this step reads its views
+        view.copy_from(host)
+        seen.append(view.buffer.clone())
+    torch.cuda.synchronize()
+    assert [int(t.min()) for t in seen] == [int(t.max()) for t in seen] == [11, 22, 33]
+    assert view.num_copies == 3
+
+
 def test_unknown_field_is_an_attribute_error():
     view = ContextGPUView(BookkeepingLayout(FIELDS), torch.device("cpu"))
     with pytest.raises(AttributeError):
