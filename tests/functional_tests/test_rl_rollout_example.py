@@ -66,6 +66,10 @@ def test_rollout_loop_qwen3_0_6b_on_gpu(example, capsys, dtype, tolerance):
             "--num-prompts", "8", "--samples", "4", "--prompt-len", "64", "--max-new-tokens", "96"]
     gc.collect()  # the other dtype's engine and trainer (graphs hold reference cycles) leave the device
     torch.cuda.empty_cache()
-    code = example.main(args)
+    try:
+        code = example.main(args)
+    finally:  # and this one's, before the next test file builds its own engine
+        gc.collect()
+        torch.cuda.empty_cache()
     print(capsys.readouterr().out)
     assert code == 0
