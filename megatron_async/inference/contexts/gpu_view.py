@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from megatron_async.inference.contexts.bookkeeping_layout import BookkeepingLayout
+from megatron_async.inference.device import current_stream, set_stream
 
 
 class ContextGPUView:
@@ -25,6 +26,7 @@ class ContextGPUView:
         self.num_copies = 0  # H2D copies issued (tests assert one per step)
         self._staging = None
         if self.buffer.is_cuda:
+            self._index = self.buffer.device.index
             self._staging = torch.empty_like(self.buffer)
             self._copy_stream = torch.cuda.Stream(self.buffer.device)
             self._staging.record_stream(self._copy_stream)
@@ -45,11 +47,14 @@ class ContextGPUView:
         if self._staging is None:
             self.buffer.copy_(host_buffer, non_blocking=True)
             return
-        compute = torch.cuda.current_stream(self.buffer.device)
+        compute = current_stream(self._index)
         side = self._copy_stream
         side.wait_event(self._drained)  # the previous step's device copy has read the staging buffer
-        with torch.cuda.stream(side):
+        set_stream(side)  # not ``with torch.cuda.stream``: ~35 us of host time a step in the engine
+        try:
             self._staging.copy_(host_buffer, non_blocking=True)
+        finally:
+            set_stream(compute)
         self._staged.record(side)
         compute.wait_event(self._staged)
         self.buffer.copy_(self._staging, non_blocking=True)
