@@ -1,4 +1,5 @@
-"""Host (CPU) time per decode step, by stage, on the built-in tiny model or ``--model`` (CPU, float32).
+"""Host (CPU) time per decode step, by stage, on the built-in tiny model or ``--model`` (CPU, float32;
+``--cuda``: the GPU).
 
 Launch-ahead hides the host only while its time per step stays below the device step, so this
 is the number that decides whether small or sharded models are host-bound. Runs
@@ -34,6 +35,12 @@ chunks) included, and of it the schedule and init_attn stages; ``--prompt-len 12
 ``--model CKPT``: an HF checkpoint instead of the built-in tiny model (a tiny one of a hybrid's layer
 pattern: the host's work per step follows the layers' kinds and count, not their widths; its
 vocabulary must hold the prompts' token ids, 5-999).
+
+``--cuda``: the engine on the GPU in bfloat16 with its defaults (CUDA graphs, launch-ahead), so
+the host's work is timed with the device's launch path (stream switches, copies, graph replays,
+events); "forward" is then the eager steps' only (graphs replay inside launch_rest). A waiting
+thread sleeps on launches made ahead, so its CPU time leaves the wait out: a host total above
+the device's step time means the step is host-bound.
 
 Usage: ``OMP_NUM_THREADS=1 PYTHONPATH=$PWD python -m benchmarks host-step [--rows 64 128 256] [--stream]``
 (the last thing printed is a markdown table, ms per decode step)."""
@@ -201,7 +208,7 @@ LOG_PROBS = {"off": {}, "log-probs": {"return_log_probs": True},
 
 def run(rows: int, sampled: bool, tokens: int, repeats: int, stream: bool, clock, spec: int = 0,
         kinds: bool = False, log_probs: str = "off", prompt_len: int = 0, max_tokens: int = 4096,
-        model: str | None = None) -> dict[str, float]:
+        model: str | None = None, cuda: bool = False) -> dict[str, float]:
     blocks = rows * max(40, (prompt_len + tokens) // 16 + 2)  # (the default KV block of 16 tokens)
     cfg = InferenceConfig(max_requests=rows, max_tokens=max_tokens, num_kv_blocks=blocks, async_scheduling=True)
     rng = random.Random(0)
@@ -211,11 +218,12 @@ def run(rows: int, sampled: bool, tokens: int, repeats: int, stream: bool, clock
                             **LOG_PROBS[log_probs])
     else:
         sp = SamplingParams(num_tokens_to_generate=tokens, top_k=1, ignore_eos=True, **LOG_PROBS[log_probs])
-    llm = LLM(model, inference_config=cfg)
+    device = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
+    llm = LLM(model, *device, inference_config=cfg)
     if spec:  # every draft wrong: the oracle corrupts each true next token
         cont = {tuple(p): o.generated_tokens for p, o in zip(prompts, llm.generate(prompts, sp))}
         drafter = OracleDrafter(cont, 1.0, llm.model.vocab_size, tokens + 1)
-        llm = LLM(model, inference_config=dataclasses.replace(cfg, num_speculative_tokens=spec), drafter=drafter)
+        llm = LLM(model, *device, inference_config=dataclasses.replace(cfg, num_speculative_tokens=spec), drafter=drafter)
     llm.generate(prompts[:8], sp)  # warm-up
     best = None
     for _ in range(repeats):  # the box is shared: keep the quietest run
@@ -249,6 +257,7 @@ def main():
     ap.add_argument("--log-probs", nargs="+", choices=list(LOG_PROBS), default=["off"],
                     help="what each request asks for: no log-probs, its tokens' log-probs, or those and the top 5")
     ap.add_argument("--model", default=None, metavar="CKPT", help="an HF checkpoint (default: the built-in tiny model)")
+    ap.add_argument("--cuda", action="store_true", help="the engine on the GPU (bfloat16, graphs, launch-ahead)")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                     help="cpu: this thread's CPU time (time.thread_time: what the host works, whatever else "
                          "runs on the box); wall: perf_counter")
@@ -259,7 +268,7 @@ def main():
     for rows in args.rows:
         for sampled, lp in [(x, lp) for x in ((False,) if args.greedy_only else (False, True)) for lp in args.log_probs]:
             s = run(rows, sampled, args.tokens, args.repeats, args.stream, clock, args.spec, args.kinds, lp,
-                    args.prompt_len, args.max_tokens, args.model)
+                    args.prompt_len, args.max_tokens, args.model, args.cuda)
             mode = ("sampled" if sampled else "greedy") + ("" if lp == "off" else f" + {lp}")
             results.append((rows, mode, s))
             print(f"rows={rows} {mode}: host {s['host']:.3f} ms/step "
