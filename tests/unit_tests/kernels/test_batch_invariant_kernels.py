@@ -232,18 +232,20 @@ def _step(paged: _Paged, rows: list[tuple[list[int], int, int, torch.Tensor, tor
     return [out[cu[i]: cu[i + 1]] for i in range(len(rows))]
 
 
-def _run_probe(q, k, v, chunks: list[int], num_fillers: int, seed: int) -> torch.Tensor:
+def _run_probe(q, k, v, chunks: list[int], num_fillers: int | list[int], seed: int) -> torch.Tensor:
     """The probe's attention outputs when its tokens arrive in ``chunks`` (1 = a decode
-    step), each step shared with ``num_fillers`` random rows (the probe at a varying index)."""
+    step), each step shared with ``num_fillers`` random rows (per step where a list; the probe
+    at a varying index)."""
     paged = _Paged(q.shape[0], seed)
     outs, start = [], 0
-    for step, n in enumerate(chunks):
+    per_step = num_fillers if isinstance(num_fillers, list) else [num_fillers] * len(chunks)
+    for step, (n, fillers) in enumerate(zip(chunks, per_step, strict=True)):
         rows = []
-        for _ in range(num_fillers):
+        for _ in range(fillers):
             blocks, cached, new = paged.filler()
             rows.append((blocks, cached, new, paged.rand(new, H, D), paged.rand(new, KVH, D), paged.rand(new, KVH, D)))
         probe = (paged.probe_blocks, start, n, q[start:start + n], k[start:start + n], v[start:start + n])
-        rows.insert(step % (num_fillers + 1), probe)
+        rows.insert(step % (fillers + 1), probe)
         outs.append(_step(paged, rows)[rows.index(probe)])
         start += n
     return torch.cat(outs)
@@ -259,10 +261,10 @@ def test_attention_same_bits_for_decode_prefill_and_any_chunking():
         ([L], 6, 2),  # one chunk among other rows
         ([13, 16, 8], 0, 3),  # chunk boundaries inside blocks and query tiles
         ([5, 1, 1, 30], 6, 4),  # chunk, decode steps, chunk
-        ([28] + [1] * 9, 0, 5),  # prefill then decode alone (batch 1)
-        ([28] + [1] * 9, 6, 6),  # ... and decode in a batch of 7
+        ([31] + [1] * 6, 0, 5),  # prefill then decode alone (batch 1), across the 32-key split and a block
+        ([31] + [1] * 6, 6, 6),  # ... and decode in a batch of 7
     ]
     for chunks, fillers, seed in schedules:
         assert torch.equal(_run_probe(q, k, v, chunks, fillers, seed), whole), (chunks, fillers)
-    # the last token, decoded in a batch of 64
-    assert torch.equal(_run_probe(q, k, v, [L - 1, 1], 63, 7)[-1], whole[-1])
+    # the last token, decoded in a batch of 64 (its prefill alone: the step in question is the decode)
+    assert torch.equal(_run_probe(q, k, v, [L - 1, 1], [0, 63], 7)[-1], whole[-1])
