@@ -177,7 +177,7 @@ def test_unknown_sampling_fields_and_objects_are_refused():
         assert watched(r.decode_payload, data) == "bad field", bad_sp
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(ups=updates(max_n=4), cut=st.integers(0, 10_000),
        flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4))
 def test_truncated_or_corrupted_records_are_refused_not_raised(ups, cut, flips):
@@ -277,7 +277,9 @@ def _mutate(data, v: list) -> None:
         v[2] = data.draw(st.binary(min_size=max(0, n + d), max_size=max(0, n + d)))
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 500 examples: each kind of damage of _mutate is drawn 50-100 times (the time is Hypothesis
+# drawing the examples, not the readers)
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ups=updates(max_n=6), data=st.data())
 def test_update_columns_read_as_the_plain_reader_reads_them(ups, data):
     """Valid columns, and columns made subtly wrong: the column-wise reader returns exactly what
@@ -319,7 +321,8 @@ def _mutate_output(data, v: list) -> None:
         v[11] = wire.Array(dtype, (1,), memoryview(bytes(wire.ITEMSIZE[dtype])))
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 400 examples: each kind of damage of _mutate_output is drawn 25-100 times
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(o=outputs(), data=st.data())
 def test_a_relayed_output_is_checked_as_decoding_checks_it(o, data):
     """What a relay reads without building it (``check_output``) is refused exactly when
