@@ -63,7 +63,7 @@ def test_batch_invariant_with_fp8_weights(narrow_ckpt):
     cfg = InferenceConfig(**CFG, batch_invariant=True)
     llm = LLM(str(narrow_ckpt), inference_config=cfg, quantization="fp8")
     assert llm.model.blocks[0].mixer.qkv_proj.weight_scale_inv is not None
-    sp = SamplingParams(top_k=1, num_tokens_to_generate=4, ignore_eos=True, return_log_probs=True)
+    sp = SamplingParams(top_k=1, num_tokens_to_generate=3, ignore_eos=True, return_log_probs=True)
     together = llm.generate(PROMPTS, [sp] * len(PROMPTS))
     for i in (0, 3):
         alone = llm.generate([PROMPTS[i]], sp)[0]
@@ -109,7 +109,7 @@ def test_triton_fp8_linears_match_the_emulation_call_by_call(tmp_path, monkeypat
     interpreted here): every call the engine makes, on its own activations, gives the emulation's
     activation bits and its output to float32 rounding (``Fp8CallChecks``). q/k/v of 192/64/64
     rows (one scale row per weight row), K of 192, 256 and 320 (a partial last
-    group, a ragged K split), prefill chunks and decode rows. Log-probs are not compared end to end: a float32 ulp that tips one activation
+    group, a ragged K split), a 16-row prefill step, 2 and 1 decode rows. Log-probs are not compared end to end: a float32 ulp that tips one activation
     across an e4m3 rounding midpoint moves this checkpoint's log-probs by up to ~0.2."""
     from megatron_async.kernels import triton_fp8_gemm
     from tests.helpers.fp8_checks import Fp8CallChecks
@@ -121,8 +121,10 @@ def test_triton_fp8_linears_match_the_emulation_call_by_call(tmp_path, monkeypat
     monkeypatch.setattr(triton_fp8_gemm, "fp8_linear", checks)
     cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=16, max_requests=2, max_tokens=16,
                           max_sequence_length=64, batch_invariant=True)
-    sp = SamplingParams(top_k=1, num_tokens_to_generate=3, ignore_eos=True)
-    outs = LLM(str(ckpt), inference_config=cfg, quantization="fp8").generate([PROMPTS[2], PROMPTS[3]], sp)
-    assert all(len(o.generated_tokens) == 3 for o in outs)
+    # 11 + 5 prompt tokens fill the first step's 16 rows, then both decode (2 rows), then the longer
+    # request alone (1 row)
+    sps = [SamplingParams(top_k=1, num_tokens_to_generate=n, ignore_eos=True) for n in (2, 3)]
+    outs = LLM(str(ckpt), inference_config=cfg, quantization="fp8").generate([PROMPTS[2], PROMPTS[3][:5]], sps)
+    assert [len(o.generated_tokens) for o in outs] == [2, 3]
     assert checks.failures == []
     assert {1, 2, 16} <= set(checks.rows) and checks.scale_block_ns == {1, 128}
