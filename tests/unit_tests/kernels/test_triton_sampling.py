@@ -156,24 +156,23 @@ def test_penalty_kernel_equals_reference():
         assert not torch.equal(out, logits)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_model_dtype_logits_sample_as_their_float32_copy(dtype):
+@pytest.mark.parametrize("dtype,seed", [(torch.bfloat16, 0), (torch.float16, 1)])  # one seed per dtype, both seeds run
+def test_model_dtype_logits_sample_as_their_float32_copy(dtype, seed):
     """The engine hands the Triton sampler the LM head's bf16 logits (no float32 copy of the
     [R, V] tensor): every kernel reads them as float32, exactly, so tokens and penalised logits
     equal those of the upcast copy, and the copy's reference draws."""
-    for seed in range(2):
-        logits, params = _case(12, 150, seed, "mixed")
-        low = logits.to(dtype)
-        up = low.float()
-        expected = ref.sample_reference(up, params, any_filter=True)
-        assert torch.equal(_fast(low, params, cap=512), expected), seed
-        assert torch.equal(_fast(low, params, cap=0), expected), seed
-        _, pen = _penalty_rows(12, 150, 4, seed)
-        d = lambda t: t.to(DEV)  # noqa: E731
-        args = [d(pen.slot), d(pen.counts), d(pen.prompt_mask), d(pen.stop_mask), d(pen.presence), d(pen.frequency),
-                d(pen.repetition), d(pen.suppress_stop)]
-        out = triton_sampling.apply_penalties(d(low), *args, block=64).cpu()
-        assert out.dtype == torch.float32 and torch.equal(out, ref.apply_penalties_reference(up, pen)), seed
+    logits, params = _case(12, 150, seed, "mixed")
+    low = logits.to(dtype)
+    up = low.float()
+    expected = ref.sample_reference(up, params, any_filter=True)
+    assert torch.equal(_fast(low, params, cap=512), expected)
+    assert torch.equal(_fast(low, params, cap=0), expected)
+    _, pen = _penalty_rows(12, 150, 4, seed)
+    d = lambda t: t.to(DEV)  # noqa: E731
+    args = [d(pen.slot), d(pen.counts), d(pen.prompt_mask), d(pen.stop_mask), d(pen.presence), d(pen.frequency),
+            d(pen.repetition), d(pen.suppress_stop)]
+    out = triton_sampling.apply_penalties(d(low), *args, block=64).cpu()
+    assert out.dtype == torch.float32 and torch.equal(out, ref.apply_penalties_reference(up, pen))
 
 
 @pytest.mark.parametrize("seed", [0, 1])
