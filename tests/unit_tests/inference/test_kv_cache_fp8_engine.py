@@ -113,12 +113,14 @@ def test_ngram_speculation_changes_nothing(ckpt):
 
 
 def test_triton_kernels_match_the_torch_backend(ckpt, reference):
-    """The fused append and the paged kernels (interpreter on CPU) over the same e4m3 bytes."""
+    """The fused append and the paged kernels (interpreter on CPU) over the same e4m3 bytes: the
+    reference's first 6 tokens (decode steps read pages both the prefill and earlier decodes wrote;
+    the seeded draws depend on the position, not on the length asked for)."""
     llm = _llm(ckpt, attention_backend="triton")
-    got = _run(llm)
-    assert [t for t, _ in got] == [t for t, _ in reference]
+    got = _run(llm, params=_params(6))
+    assert [t for t, _ in got] == [t[:6] for t, _ in reference]
     for (_, a), (_, b) in zip(got, reference):
-        assert a == pytest.approx(b, abs=1e-4)
+        assert a == pytest.approx(b[:6], abs=1e-4)
 
 
 def test_unknown_kv_cache_dtype_is_refused():
