@@ -261,7 +261,7 @@ def test_attention_same_bits_for_decode_prefill_and_any_chunking():
         ([L], 6, 2),  # one chunk among other rows
         ([13, 16, 8], 0, 3),  # chunk boundaries inside blocks and query tiles
         ([5, 1, 1, 30], 6, 4),  # chunk, decode steps, chunk
-        ([31] + [1] * 6, 0, 5),  # prefill then decode alone (batch 1), across the 32-key split and a block
+        ([31] + [1] * 6, 0, 5),  # prefill then decode alone (batch 1), across a block and the CPU's 32-key split
         ([31] + [1] * 6, 6, 6),  # ... and decode in a batch of 7
     ]
     for chunks, fillers, seed in schedules:
