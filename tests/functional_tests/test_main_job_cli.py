@@ -8,7 +8,7 @@ from megatron_async.cli.main_job import build_parser, cli_main, main
 from tests.helpers.chat_templates import save_chat_template
 from tests.helpers.hf_models import make_tiny_checkpoint
 
-BASE = ["--device", "cpu", "--quiet", "--top-k", "1"]
+BASE = ["--device", "cpu", "--quiet", "--top-k", "1", "--num-kv-blocks", "64"]  # not the CPU default's 1 GB pool a run
 PROMPTS = ["--prompts", "Hello world! How are you today?", "The quick brown fox"]
 
 

@@ -13,13 +13,15 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("einops")
 
-from megatron_async import LLM  # noqa: E402
+from megatron_async import LLM, InferenceConfig  # noqa: E402
 from tests.helpers.mcore_cpu import TinyShape, mcore_rank, mcore_rank_jobs, write_engine_checkpoint  # noqa: E402
 from tests.helpers.mcore_gpu import colocated_rank, ipc_refit  # noqa: E402
 from tests.helpers.mcore_reference import BF16_TOL, PROMPT, against_fresh, log_probs_of, refit, te_names  # noqa: E402
 from tests.helpers.multiprocess import run_ranks  # noqa: E402
 
 TOL = 1e-5
+KV_BLOCKS = 64
+"""The engines' pool (one short prompt each): the CPU default is 1 GB, zeroed at every build."""
 ONE_RANK = [TinyShape(), TinyShape(tied=True), TinyShape(num_experts=4)]
 
 
@@ -56,10 +58,12 @@ def test_engine_after_update_equals_megatron_core(request, tmp_path, shape, tp, 
     logits, hf = torch.from_numpy(ranks[0][1]), ranks[0][2]
     assert logits.shape == (len(PROMPT), shape.vocab_size)
     want = log_probs_of(logits)
-    llm = LLM(str(write_engine_checkpoint(shape, tmp_path / "engine")), dtype="float32")
+    llm = LLM(str(write_engine_checkpoint(shape, tmp_path / "engine")), dtype="float32",
+              inference_config=InferenceConfig(num_kv_blocks=KV_BLOCKS))
     check = refit(llm, lambda: llm.update_weights(items), want)
     if hf is not None:
-        fresh = LLM(str(write_engine_checkpoint(shape, tmp_path / "hf", tensors=hf)), dtype="float32")
+        fresh = LLM(str(write_engine_checkpoint(shape, tmp_path / "hf", tensors=hf)), dtype="float32",
+                    inference_config=InferenceConfig(num_kv_blocks=KV_BLOCKS))
         against_fresh(check, llm, fresh, want)
     print(check.row(request.node.callspec.id))
     check.assert_within(TOL)

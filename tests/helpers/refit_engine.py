@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import torch
 
+from megatron_async.config import InferenceConfig
 from megatron_async.inference.request import SamplingParams
 from megatron_async.llm import LLM
 from megatron_async.models.default_model import random_hf_tensors
@@ -21,7 +22,8 @@ GREEDY = SamplingParams(num_tokens_to_generate=6, temperature=0.0, ignore_eos=Tr
 
 
 def engine() -> LLM:
-    return LLM(default_model="tiny", seed=0)
+    # a pool for two short requests: the CPU default (1 GB) is zeroed at every build, in every test's engine
+    return LLM(default_model="tiny", seed=0, inference_config=InferenceConfig(num_kv_blocks=64))
 
 
 def new_hf(llm_or_shapes, seed: int) -> dict[str, torch.Tensor]:

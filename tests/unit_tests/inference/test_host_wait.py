@@ -28,7 +28,7 @@ def _launch_flags(llm, monkeypatch) -> list[tuple[bool, bool]]:
 
 @pytest.mark.parametrize("mode", [None, "spin", "block"])
 def test_blocking_events_on_launches_made_ahead_only_by_default(mode, monkeypatch):
-    llm = LLM(inference_config=InferenceConfig(max_requests=4))
+    llm = LLM(inference_config=InferenceConfig(max_requests=4, num_kv_blocks=32))  # not the 1 GB CPU default
     llm.runner.host_wait = mode
     flags = _launch_flags(llm, monkeypatch)
     assert any(o for o, _ in flags) and any(not o for o, _ in flags)  # launch-ahead happened, and first launches
@@ -37,7 +37,7 @@ def test_blocking_events_on_launches_made_ahead_only_by_default(mode, monkeypatc
 
 
 def test_serial_engines_spin():
-    llm = LLM(inference_config=InferenceConfig(max_requests=4, async_scheduling=False))
+    llm = LLM(inference_config=InferenceConfig(max_requests=4, async_scheduling=False, num_kv_blocks=32))
     seen = []
     original = llm.runner.device.event
     llm.runner.device.event = lambda blocking=False: seen.append(blocking) or original(blocking)
