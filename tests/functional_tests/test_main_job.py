@@ -18,7 +18,7 @@ from megatron_async.cli.workload import WorkloadRequest, WorkloadSpec, arrival_s
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--num-requests", "6", "--prompt-len-min", "4", "--prompt-len-max", "12", "--output-len-min", "3",
-         "--output-len-max", "9", "--quiet", "--device", "cpu"]
+         "--output-len-max", "9", "--quiet", "--device", "cpu", "--num-kv-blocks", "64"]  # not the 1 GB CPU default
 
 
 def _greedy(req: WorkloadRequest) -> SamplingParams:

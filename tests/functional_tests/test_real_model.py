@@ -33,7 +33,7 @@ def test_chat_template_matches_hf(smollm2_ckpt):
 def test_greedy_chat_equals_hf_generate(smollm2_ckpt):
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(str(smollm2_ckpt), inference_config=InferenceConfig(max_sequence_length=512))
+    llm = LLM(str(smollm2_ckpt), inference_config=InferenceConfig(max_sequence_length=512, num_kv_blocks=64))
     template = load_chat_template(smollm2_ckpt)
     prompts = [llm.tokenizer.encode(template.render(chat), add_special_tokens=False) for chat in CHATS]
     outs = llm.generate(prompts, SamplingParams(top_k=1, num_tokens_to_generate=NUM_TOKENS))
