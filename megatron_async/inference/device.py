@@ -34,6 +34,10 @@ def set_stream(stream: "torch.cuda.Stream") -> None:
         _set_stream(stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type)
 
 
+EVENT_RING = 8
+"""Launch events ``DeviceFacade.event`` hands out in turn, per kind (blocking or spinning)."""
+
+
 def copy_to_host(t: torch.Tensor) -> torch.Tensor:
     """Enqueue a copy of ``t`` into a new host tensor (pinned when ``t`` is on CUDA, so the copy is
     really asynchronous); read it after an event recorded later has passed."""
@@ -50,6 +54,8 @@ class DeviceFacade:
         self.is_cuda = self.device.type == "cuda"
         self.suspend_backend = suspend_backend
         self._index = None  # the CUDA device's index, once asked
+        self._events: dict[bool, list] = {False: [], True: []}  # a ring per kind (``event``)
+        self._next_event = {False: 0, True: 0}
 
     def memory_region(self, tag: str):
         """Context manager: device memory allocated inside can be suspended under ``tag``."""
@@ -66,9 +72,20 @@ class DeviceFacade:
         return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.is_cuda)
 
     def event(self, blocking: bool = False) -> "torch.cuda.Event | None":
-        """``blocking``: a host wait on it sleeps until the device signals (no core burnt,
-        tens of microseconds later awake) instead of spinning."""
-        return torch.cuda.Event(blocking=blocking) if self.is_cuda else None
+        """The next event of a ring of ``EVENT_RING`` (a new ``torch.cuda.Event`` creates its CUDA
+        event at its first record and destroys it when collected: two driver calls a launch).
+        An event comes back ``EVENT_RING`` calls later, when the launch that held it has long
+        landed (launches land in order, at most two in flight); a wait on an event recorded
+        again waits for later work of the same stream. ``blocking``: a host wait on it sleeps
+        until the device signals (no core burnt, tens of microseconds later awake) instead of
+        spinning."""
+        if not self.is_cuda:
+            return None
+        ring, i = self._events[blocking], self._next_event[blocking]
+        if i == len(ring) < EVENT_RING:
+            ring.append(torch.cuda.Event(blocking=blocking))
+        self._next_event[blocking] = (i + 1) % EVENT_RING
+        return ring[i]
 
     def record(self, event) -> None:
         """Record ``event`` on the current stream."""

@@ -21,6 +21,7 @@ class EmulatedStep:
     key: GraphKey
     num_rows: int
     out: tuple = ()
+    _views: tuple | None = None  # CapturedStep.outputs' views of ``out``
 
     def replay(self) -> None:
         self.runner.mode = f"graph{self.key}"
@@ -30,6 +31,7 @@ class EmulatedStep:
             self.runner.mode = "eager"
 
     outputs = CapturedStep.outputs
+    _slice_outputs = CapturedStep._slice_outputs
 
 
 class EmulatedGraphRunner(CudaGraphRunner):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,9 @@ class CapturedStep:
     forward: CapturedStep | None = None
     """A sampling tail's forward: the logits-only graph of the step's sizes, replayed first (the
     forward is captured once per size, not once per sampling variant: ``CudaGraphRunner``)."""
+    _views: tuple | None = field(default=None, repr=False, compare=False)
+    """(the ``out`` they slice, {(samples, log-probs, top-n): ``outputs``' views}): a tensor slice
+    costs tens of microseconds of Python inside a step, and a captured graph's outputs stay put."""
 
     @property
     def num_rows(self) -> int:
@@ -76,6 +79,15 @@ class CapturedStep:
         """The real samples' tokens (one per real row; verify graphs: K + 1 per real row), and
         the log-probs / top-n the step asked for (a larger variant computes more: what no row
         asked for is not copied to the host)."""
+        key = (num_samples, bool(log_probs or top_n), top_n)
+        if self._views is None or self._views[0] is not self.out:
+            self._views = (self.out, {})
+        views = self._views[1].get(key)
+        if views is None:
+            views = self._views[1][key] = self._slice_outputs(num_samples, log_probs, top_n)
+        return views
+
+    def _slice_outputs(self, num_samples: int, log_probs: bool, top_n: int):
         tokens, lp, tv, ti = self.out
         n = num_samples
         lp = lp[:n] if lp is not None and (log_probs or top_n) else None

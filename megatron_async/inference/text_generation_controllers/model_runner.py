@@ -106,6 +106,7 @@ class ModelRunner:
         made ahead of the previous step's bookkeeping (a launch is then queued behind the one
         waited for, so waking a little later idles nothing), spin on the others."""
         self._host_ring = [self._host_buffers(S, R) for _ in range(3)]
+        self._host_views: dict[tuple[int, int], torch.Tensor] = {}  # (ring slot, samples) -> tokens view
         self._ring = 0
         self.graphs = None  # CudaGraphRunner, when enabled
         self.expert_parallel = expert_parallel
@@ -218,6 +219,15 @@ class ModelRunner:
         outputs = self.sample_tail(shape, tail.fwd, masks)
         self._copy_results(pending, shape, tail.fwd.spec, outputs, tail.routing)
 
+    def _host_tokens(self, num_samples: int) -> torch.Tensor:
+        """The current host ring slot's first ``num_samples`` tokens (a view kept per slot and
+        size: slicing costs tens of microseconds of Python inside a step)."""
+        key = (self._ring, num_samples)
+        view = self._host_views.get(key)
+        if view is None:
+            view = self._host_views[key] = self._host_ring[self._ring]["tokens"][:num_samples]
+        return view
+
     def _copy_results(self, pending: PendingLaunch, shape: StepShape, spec: bool, outputs, routing: bool) -> None:
         """Enqueue the copies of a launch's samples into the next pinned host buffers, and its event."""
         tokens, log_probs, top_vals, top_ids = outputs
@@ -225,7 +235,7 @@ class ModelRunner:
         host = self._host_ring[self._ring]
         R, S = shape.num_rows, shape.num_samples
         with nvtx_range("transfer_samples_to_cpu"):
-            pending.host_tokens = host["tokens"][:S]
+            pending.host_tokens = self._host_tokens(S)
             pending.host_tokens.copy_(tokens, non_blocking=True)
             if spec:  # a plain step accepts nothing
                 pending.host_accepted = host["accepted"][:R]

@@ -48,3 +48,25 @@ def test_staged_copy_and_event_follow_the_callers_stream():
     torch.cuda.synchronize()
     assert int(snapshot.min()) == int(snapshot.max()) == 7
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_launch_events_come_from_a_ring_and_still_order(blocking):
+    """``DeviceFacade.event`` hands each kind's events out in turn (the same object every
+    ``EVENT_RING`` calls, never the other kind's), and an event handed out again waits for its
+    newest record: behind a long sleep, not an earlier record that has passed."""
+    from megatron_async.inference.device import EVENT_RING
+
+    facade = DeviceFacade("cuda")
+    first = [facade.event(blocking) for _ in range(EVENT_RING)]
+    assert len({id(e) for e in first}) == EVENT_RING and facade.event(blocking) is first[0]
+    assert all(e is not o for e in first for o in (facade.event(not blocking) for _ in range(2)))
+    again = first[1]
+    assert facade.event(blocking) is again
+    facade.record(again)
+    again.synchronize()
+    torch.cuda._sleep(50_000_000)  # ~25 ms
+    facade.record(again)
+    assert not again.query()
+    again.synchronize()
+    assert again.query()
