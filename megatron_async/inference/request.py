@@ -275,6 +275,12 @@ class DynamicInferenceRequest:
     """Row of this request's device token counts (penalties / min_tokens; -1 = none)."""
     spec_slot: int = -1
     """Speculative decoding: row of this request's device draft state (-1 = none)."""
+    plain_stop_ids: frozenset[int] | None = None
+    """Set when it is queued if its only stops are token ids and the length limit (no stop
+    sequences, no text fed token by token, no ``min_tokens``): those ids (none with
+    ``ignore_eos``), which ``RequestBook`` checks inline; None: ``stop_conditions.finish_reason``."""
+    decode_slot: int = -1
+    """Its row in the decode-only snapshot path's per-request arrays (contexts/decode_rows.py; -1 = none)."""
     spec_acceptance: float = 1.0
     """Moving average of its drafts' acceptance over its verify rows (host, bookkept): accepted /
     drafted, or per position in the adaptive speculative policy (speculative/policy.py)."""

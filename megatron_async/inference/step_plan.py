@@ -34,6 +34,16 @@ class StepPlan:
     (``prev_row`` >= 0) take their input token, and the correction of their positions, from
     the spec state on the device. False: it sampled one token per row, and they read its
     samples as a plain engine's rows do (speculative/plain_steps.py)."""
+    decode_columns: tuple[list[int], list[int], list[int]] | None = None
+    """The scheduler's plain decode pass: (start, prev_row, request's decode slot) of the plan's
+    first rows, each one token that samples at the request's computed position with its KV
+    place reserved. Covering every row (no chunk added after them) they let the snapshot skip
+    its passes over the rows (contexts/decode_rows.py)."""
+
+    @property
+    def plain_decode(self) -> bool:
+        """Every row came from the plain decode pass (``decode_columns``)."""
+        return self.decode_columns is not None and len(self.decode_columns[0]) == len(self.rows) > 0
 
     @property
     def num_tokens(self) -> int:
@@ -42,11 +52,15 @@ class StepPlan:
     @property
     def is_decode_only(self) -> bool:
         """Every row is one token that samples (the decode kernels and CUDA graphs need this)."""
+        if self.plain_decode:
+            return True
         return bool(self.rows) and all(r.num_tokens == 1 and r.samples for r in self.rows)
 
     @property
     def is_all_decode(self) -> bool:
         """Every row is a decode row, verify rows (one token plus drafts) included."""
+        if self.plain_decode:
+            return True
         return bool(self.rows) and all(r.samples and r.num_tokens == 1 + r.num_drafts for r in self.rows)
 
     def __bool__(self) -> bool:

@@ -73,7 +73,6 @@ class DecodeRows:
         self.groups = [(np.zeros((n, len(names)), dtype=dt), names) for dt, names in by_dtype.items()]
         self.column = {name: (m, j) for m, names in self.groups for j, name in enumerate(names)}
         self.meta = np.zeros((n, 4), dtype=np.int64)
-        self.slot_of: dict[int, int] = {}  # request id -> slot
         self._epoch = 0  # admissions so far: a slot's constant values change only at one
         self._constant: dict[int, _Constant] = {}  # ring buffer -> its constant columns
         self._arange = np.arange(n + 2, dtype=np.int64)
@@ -86,7 +85,7 @@ class DecodeRows:
         """At admission (after the request's state / sampling slots): take a slot and write the
         request's constant fields. A request whose values the arrays cannot hold gets no slot
         (its steps take the general path, which fails that request alone)."""
-        if not self._free or req.request_id in self.slot_of:
+        if not self._free or req.decode_slot >= 0:
             return
         sp, s = req.sampling_params, self._free[-1]
         temperature, top_k, top_p, min_p = sp.row_filters()
@@ -108,7 +107,7 @@ class DecodeRows:
         except (OverflowError, TypeError, ValueError):
             return
         self._free.pop()
-        self.slot_of[req.request_id] = s
+        req.decode_slot = s
         self._epoch += 1
         self.table[s] = DUMMY_BLOCK
         self.num_blocks[s] = 0
@@ -116,8 +115,8 @@ class DecodeRows:
 
     def sync_blocks(self, req: DynamicInferenceRequest) -> None:
         """After ``req.block_ids`` grew or shrank: write the changed part of its row."""
-        s = self.slot_of.get(req.request_id)
-        if s is None:
+        s = req.decode_slot
+        if s < 0:
             return
         old, new = int(self.num_blocks[s]), len(req.block_ids)
         if new > old:
@@ -127,9 +126,10 @@ class DecodeRows:
         self.num_blocks[s] = new
 
     def free(self, req: DynamicInferenceRequest) -> None:
-        s = self.slot_of.pop(req.request_id, None)
-        if s is not None:
+        s = req.decode_slot
+        if s >= 0:
             self._free.append(s)
+            req.decode_slot = -1
 
     # ------------------------------------------------------------------ the step
     def invalidate(self, buffer: int) -> None:
@@ -142,26 +142,30 @@ class DecodeRows:
         request (the request book commits the step)."""
         rows = plan.rows
         R = len(rows)
-        if R == 0 or not all(row.num_tokens == 1 and row.samples for row in rows):
-            return None
-        reqs = [row.request for row in rows]
-        slot_of = self.slot_of
-        try:
-            slots = np.fromiter([slot_of[q.request_id] for q in reqs], np.int64, R)
-        except KeyError:
-            return None
-        starts = np.fromiter([row.start for row in rows], np.int64, R)
-        prevs = np.fromiter([row.prev_row for row in rows], np.int64, R)
-        computed = np.fromiter([q.num_computed_tokens for q in reqs], np.int64, R)
         bs = self.block_size
-        block_idx = starts // bs
-        if (starts != computed).any() or (block_idx >= self.num_blocks[slots]).any():
-            return None  # the general path raises for it, naming the request
+        if plan.plain_decode:  # the scheduler's columns: positions computed, KV places reserved
+            starts_l, prevs_l, slots_l = plan.decode_columns
+            slots = np.array(slots_l, dtype=np.int64)
+            if slots.min() < 0:
+                return None  # a request without a slot here
+            starts = np.array(starts_l, dtype=np.int64)
+            prevs = np.array(prevs_l, dtype=np.int64)
+            block_idx = starts // bs
+        else:
+            if R == 0 or not all(row.num_tokens == 1 and row.samples for row in rows):
+                return None
+            slots = np.fromiter([row.request.decode_slot for row in rows], np.int64, R)
+            starts = np.fromiter([row.start for row in rows], np.int64, R)
+            prevs = np.fromiter([row.prev_row for row in rows], np.int64, R)
+            computed = np.fromiter([row.request.num_computed_tokens for row in rows], np.int64, R)
+            block_idx = starts // bs
+            if slots.min() < 0 or (starts != computed).any() or (block_idx >= self.num_blocks[slots]).any():
+                return None  # the general path raises for it, naming the request
         ids = np.zeros(R, dtype=np.int64)
         if prevs.min() < 0:  # some input known on the host (serial decode, a last prompt token)
             try:
                 for r in np.flatnonzero(prevs < 0).tolist():
-                    ids[r] = reqs[r].token_at(int(starts[r]))
+                    ids[r] = rows[r].request.token_at(int(starts[r]))
             except Exception:  # noqa: BLE001 -- the general path raises it again, for that request alone
                 return None
             prevs[prevs < 0] = -1

@@ -51,6 +51,10 @@ class RequestBook:
         self.spec_policy = spec_policy
         self.max_sequence_length = context.max_sequence_length
         self.num_speculative_tokens = context.num_speculative_tokens if context.spec is not None else 0
+        self.finishing: list[DynamicInferenceRequest] = []
+        """Requests whose sample in flight may reach their length limit (``len(generated) +
+        num_inflight`` reached it when a row was committed or drafts landed): the only ones
+        ``Scheduler.release_finishing`` needs to look for."""
         self.fast_landings = 0
         """Launches that landed without drafts, one sample per row (EngineStats.fast_landings)."""
 
@@ -60,6 +64,9 @@ class RequestBook:
         decoding) its starting acceptance."""
         req.max_generated_tokens = generation_limit(req.sampling_params, len(req.prompt_tokens),
                                                     self.max_sequence_length)
+        sp, text = req.sampling_params, req.text
+        plain = not req.stop_sequences and not sp.min_tokens and (text is None or not text.needs_tokens)
+        req.plain_stop_ids = (frozenset() if sp.ignore_eos else frozenset(req.eos_ids)) if plain else None
         if self.spec_policy is not None and self.spec_policy.enabled:
             self.spec_policy.admit(req)
 
@@ -86,10 +93,35 @@ class RequestBook:
         req.status = Status.FINISHED
 
     def release_ahead(self, req: DynamicInferenceRequest) -> None:
-        """Its in-flight sample surely finishes it by length (Scheduler.release_finishing):
+        """Its in-flight sample surely finishes it by length (``release_finishing``):
         its blocks and slots go back now, ``land`` finishes it."""
         assert req.num_inflight > 0
         self.ctx.release(req)
+
+    def release_finishing(self) -> None:
+        """Launch-ahead schedules step N+1 before step N is bookkept. A request whose last token
+        is in flight reaches its length limit when N lands, and the serial engine releases it
+        before scheduling N+1; releasing it before N+1 is scheduled frees the same blocks, state
+        slot and request place, so both modes build the same schedules (on the GPU a different
+        schedule means different bf16 rounding, and different greedy tokens). Stream order keeps
+        N's KV writes before any next owner's. Finishes by EOS / stop words cannot be foreseen:
+        after one, launch-ahead still schedules one step with the request's blocks held.
+
+        Only a request noted in ``finishing`` can qualify: while none of them is active with its
+        limit in flight, nothing is walked; else every active request is, in the order the
+        context holds them (the order blocks go back in)."""
+        noted, active = self.finishing, self.ctx.active
+        if not noted:
+            return
+        noted[:] = [r for r in noted if r.num_inflight and active.get(r.request_id) is r
+                    and len(r.generated_tokens) + r.num_inflight >= r.max_generated_tokens]
+        if not any(r.status == Status.ACTIVE for r in noted):
+            return  # paused ones stay noted
+        done = [r for r in active.values() if r.num_inflight and r.status == Status.ACTIVE
+                and len(r.generated_tokens) + r.num_inflight >= r.max_generated_tokens]
+        for req in done:
+            self.release_ahead(req)
+        noted[:] = [r for r in noted if active.get(r.request_id) is r]
 
     def evict(self, req: DynamicInferenceRequest) -> None:
         """Back to waiting, every block and slot given back: it recomputes later."""
@@ -111,6 +143,8 @@ class RequestBook:
                 req.num_inflight += 1
                 req.inflight_row = r
                 req.num_inflight_drafts = row.num_drafts
+                if len(req.generated_tokens) + req.num_inflight >= req.max_generated_tokens:
+                    self.finishing.append(req)
             if speculative is not None:
                 req.spec_drafts_fresh = speculative
             if register:
@@ -136,6 +170,8 @@ class RequestBook:
             land_prompt_scores(rows, samples.prompt_scores)
         if samples.routed_experts is not None:  # every row (prefill chunks too), before any finishes
             land_routing(rows, samples.routed_experts, accepted, finished_status)
+        if base is None and lps is None and tis is None and (accepted is None or not K):
+            return self._land_plain(rows, tokens, version, drafted_d, accepted_d)
         for i, row in enumerate(rows):
             if not row.samples:
                 continue
@@ -187,8 +223,59 @@ class RequestBook:
             if k != a and req.status in _LIVE:  # take back the rejected drafts (evicted: recomputes anyway)
                 req.num_computed_tokens -= k - a
                 ctx.trim_blocks(req)
+            if a and req.num_inflight and len(gen) + req.num_inflight >= req.max_generated_tokens:
+                self.finishing.append(req)  # accepted drafts brought the limit within the next launch
             if register:
                 ctx.register_complete_blocks(req)
         # (a step without the speculative machinery has no accepted counts: no pass over its rows)
         self.fast_landings += not K or accepted is None or not any(r.num_drafts for r in rows)
         return Landing(finished, updated, discarded, num_tokens, drafted_d, accepted_d, truncated)
+
+    def _land_plain(self, rows, tokens: list[int], version: int, drafted: list[int] | None,
+                    accepted: list[int] | None) -> Landing:
+        """``land`` for a launch of one sample per row, no drafts, log-probs or top-n: the same
+        steps, without what those need (this runs for every row of most steps)."""
+        finished, updated = [], []
+        discarded = num_tokens = 0
+        ctx, finished_status = self.ctx, Status.FINISHED
+        register = ctx.allocator.publishes
+        for i, row in enumerate(rows):
+            if not row.samples:
+                continue
+            req = row.request
+            if req.status == finished_status:  # finished (or aborted) after this launch: drop its sample
+                discarded += 1
+                continue
+            n = req.num_inflight - 1
+            req.num_inflight = n
+            if not n:  # else a later launch holds its newest sample
+                req.inflight_row = -1
+                req.num_inflight_drafts = 0
+            updated.append(req)
+            if not req.max_generated_tokens:  # scoring only: its prefill's sample is not kept
+                self.finish(req, FinishReason.LENGTH)
+                finished.append(req)
+                continue
+            gen = req.generated_tokens
+            runs = req.weight_version_runs
+            if not runs or runs[-1][1] != version:
+                runs.append((len(gen), version))
+            token = tokens[i]
+            gen.append(token)
+            num_tokens += 1
+            stop_ids = req.plain_stop_ids  # finish_reason inline for the common requests
+            if stop_ids is None:
+                reason = finish_reason(req)
+            elif token in stop_ids:  # EOS: the text stops before it
+                if req.text is not None:
+                    req.text.end_before_last()
+                reason = FinishReason.STOP
+            else:
+                reason = FinishReason.LENGTH if len(gen) >= req.max_generated_tokens else None
+            if reason is not None:
+                self.finish(req, reason)
+                finished.append(req)
+            elif register:
+                ctx.register_complete_blocks(req)
+        self.fast_landings += 1
+        return Landing(finished, updated, discarded, num_tokens, drafted, accepted)

@@ -154,7 +154,7 @@ class Scheduler:
         self.num_paused_events += 1
         return True
 
-    def _plain_decode_rows(self, by_age: list[DynamicInferenceRequest], rows: list[RowPlan]
+    def _plain_decode_rows(self, by_age: list[DynamicInferenceRequest], plan: StepPlan
                            ) -> tuple[list[DynamicInferenceRequest], bool]:
         """Step 1 without speculative decoding, in one pass (it runs for every row, every step,
         so ``wants_token`` / ``_reserve_decode`` are spelled out): a decoding request (wants a
@@ -164,9 +164,11 @@ class Scheduler:
         older prompts' prefill chunks. Deciding each request as the
         pass reaches it equals sorting first: whether a request decodes depends only on its own
         state, and rows reserve blocks in the same (age) order. Returns (unfinished prefills,
-        whether any request is paused)."""
+        whether any request is paused). The rows' columns go to ``plan.decode_columns``."""
         ctx, bs = self.ctx, self.ctx.block_size
         prefilling, any_paused = [], False
+        rows, starts, prevs, slots = plan.rows, [], [], []
+        plan.decode_columns = (starts, prevs, slots)
         active, paused = Status.ACTIVE, Status.PAUSED
         for req in by_age:
             status = req.status
@@ -183,7 +185,11 @@ class Scheduler:
                         or in_flight and req.inflight_row < 0):
                     continue
                 if start < len(req.block_ids) * bs or ctx.reserve(req, 1):
-                    rows.append(RowPlan(req, start, 1, True, req.inflight_row if in_flight else -1))
+                    prev = req.inflight_row if in_flight else -1
+                    rows.append(RowPlan(req, start, 1, True, prev))
+                    starts.append(start)
+                    prevs.append(prev)
+                    slots.append(req.decode_slot)
                 else:
                     any_paused = self._pause_decode(req)
             elif status == paused:
@@ -242,7 +248,7 @@ class Scheduler:
         # look for paused requests only if any.
         rows = plan.rows
         if not self.spec.enabled:
-            prefilling, any_paused = self._plain_decode_rows(by_age, rows)
+            prefilling, any_paused = self._plain_decode_rows(by_age, plan)
             num_decoding = len(rows)
         else:
             num_decoding, prefilling, any_paused, drafts = self._spec_decode_rows(by_age, rows, budget)
@@ -351,19 +357,10 @@ class Scheduler:
         return self._by_age
 
     def release_finishing(self) -> None:
-        """Launch-ahead schedules step N+1 before step N is bookkept. A request whose last token
-        is in flight reaches its length limit when N lands, and the serial engine releases it
-        before scheduling N+1; releasing it here frees the same blocks, state slot and request
-        place, so both modes build the same schedules (on the GPU a different schedule means
-        different bf16 rounding, and different greedy tokens). Stream order keeps N's KV writes
-        before any next owner's. Finishes by EOS / stop words cannot be foreseen: after one,
-        launch-ahead still schedules one step with the request's blocks held."""
-        done = []
-        for r in self.ctx.active.values():  # (tokens_certain spelled out: every row, every step)
-            if r.num_inflight and r.status == Status.ACTIVE and len(r.generated_tokens) + r.num_inflight >= r.max_generated_tokens:
-                done.append(r)
-        for req in done:
-            self.book.release_ahead(req)
+        """Launch-ahead schedules step N+1 before step N is bookkept: requests that N's samples
+        finish by length give their places back first, as in serial steps
+        (``RequestBook.release_finishing``)."""
+        self.book.release_finishing()
 
     def _whole_prompt_only(self, req: DynamicInferenceRequest) -> bool:
         # A recompute after eviction may exceed max_tokens although its prompt did not:

@@ -100,6 +100,7 @@ def compare_both_paths(ctx, seen: Counter, seed: int = 0) -> None:
             seen["state_slots"] += row.request.state_slot >= 0
             seen["spec_inflight"] += ctx.spec is not None and plan.inflight_verified and row.prev_row >= 0
         seen["ragged"] += len({len(r.request.block_ids) for r in plan.rows}) > 1
+        seen["columns"] += plan.plain_decode  # the scheduler's columns, not the rows, were read
         return got[0]
 
     ctx.initialize_attention_state = both
@@ -155,7 +156,7 @@ def test_fast_path_equals_general_path_gpt(seed, async_scheduling):
     outs, stats = _run(None, arrivals, async_scheduling, num_kv_blocks=24, seen=seen)
     assert len(outs) == len(arrivals)
     assert seen["fast"] >= 10, seen
-    for what in ("sampled", "greedy", "penalties", "log_probs", "ragged", "host_input", "kept_constant"):
+    for what in ("sampled", "greedy", "penalties", "log_probs", "ragged", "host_input", "kept_constant", "columns"):
         assert seen[what] > 0, (what, seen)
     if async_scheduling:
         assert seen["prev_row"] > 0 and stats.overlapped_decode_steps > 0, seen
@@ -203,7 +204,7 @@ def test_fast_path_equals_general_path_hybrid(hybrid_ckpt, async_scheduling):
     outs, _ = _run(str(hybrid_ckpt), arrivals, async_scheduling, num_kv_blocks=40, seen=seen,
                    prefix_caching_mamba_gb=1e-3)
     assert len(outs) == len(arrivals)
-    assert seen["fast"] >= 10 and seen["state_slots"] > 0 and seen["kept_constant"] > 0, seen
+    assert seen["fast"] >= 10 and seen["state_slots"] > 0 and seen["kept_constant"] > 0 and seen["columns"] > 0, seen
 
 
 def test_fast_path_equals_general_path_hybrid_speculative(hybrid_ckpt):
@@ -246,7 +247,7 @@ def test_request_without_a_row_takes_the_general_path():
     outs = {o.request_id: o for o in eng.run_until_done()}
     assert outs[bad].finish_reason == "error" and "OverflowError" in outs[bad].error
     assert outs[good].finish_reason == "length" and len(outs[good].generated_tokens) == 5
-    assert not eng.context._decode_rows.slot_of  # every row given back
+    assert sorted(eng.context._decode_rows._free) == list(range(4))  # every row given back
 
 
 def test_a_snapshot_field_the_decode_path_does_not_write_is_refused():

@@ -21,7 +21,7 @@ CFG = InferenceConfig(max_requests=8, max_tokens=32, num_speculative_tokens=3, s
 def req(acceptance: float = 0.0, fresh: bool = True, params: SamplingParams = GREEDY):
     return SimpleNamespace(sampling_params=params, prompt_tokens=[1], banned_sequences=(), spec_acceptance=acceptance,
                            spec_positions=0.0, spec_drafts_fresh=fresh, num_computed_tokens=5, num_inflight=0, inflight_row=-1,
-                           num_inflight_drafts=0)
+                           num_inflight_drafts=0, generated_tokens=[7], max_generated_tokens=16)
 
 
 BOOK = RequestBook(SimpleNamespace(max_sequence_length=CFG.max_sequence_length, spec=None, allocator=SimpleNamespace(enable_prefix_caching=False, publishes=False)))
