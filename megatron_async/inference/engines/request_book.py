@@ -234,7 +234,8 @@ class RequestBook:
     def _land_plain(self, rows, tokens: list[int], version: int, drafted: list[int] | None,
                     accepted: list[int] | None) -> Landing:
         """``land`` for a launch of one sample per row, no drafts, log-probs or top-n: the same
-        steps, without what those need (this runs for every row of most steps)."""
+        steps, without what those need (this runs for every row of most steps; its first lines
+        repeat ``land``'s loop on purpose: a shared helper would cost a call per row)."""
         finished, updated = [], []
         discarded = num_tokens = 0
         ctx, finished_status = self.ctx, Status.FINISHED
