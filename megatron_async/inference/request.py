@@ -212,6 +212,10 @@ class RequestUpdate(NamedTuple):
     """With ``prompt_log_probs`` and ``top_n_logprobs`` > 0: one {token id: log-prob} per entry."""
 
 
+_new_tuple = tuple.__new__  # take_update builds a RequestUpdate without its __new__'s Python frame
+assert len(RequestUpdate._fields) == 9, "take_update gives every RequestUpdate field"
+
+
 @dataclass
 class DynamicInferenceRequest:
     """A request and its scheduling state; owned by the CPU context."""
@@ -276,9 +280,8 @@ class DynamicInferenceRequest:
     spec_slot: int = -1
     """Speculative decoding: row of this request's device draft state (-1 = none)."""
     plain_stop_ids: frozenset[int] | None = None
-    """Set when it is queued if its only stops are token ids and the length limit (no stop
-    sequences, no text fed token by token, no ``min_tokens``): those ids (none with
-    ``ignore_eos``), which ``RequestBook`` checks inline; None: ``stop_conditions.finish_reason``."""
+    """When queued, if its only stops are token ids and the length limit (no stop sequences, text
+    fed token by token or ``min_tokens``): those ids, checked inline (else None: ``finish_reason``)."""
     decode_slot: int = -1
     """Its row in the decode-only snapshot path's per-request arrays (contexts/decode_rows.py; -1 = none)."""
     spec_acceptance: float = 1.0
@@ -354,9 +357,9 @@ class DynamicInferenceRequest:
 
     def take_update(self, with_text: bool = True) -> RequestUpdate:
         """Tokens (and text) gained since the last update (all that is left once finished)."""
-        start = self.num_streamed_tokens
-        new = tuple(self.generated_tokens[start:])
-        self.num_streamed_tokens = len(self.generated_tokens)
+        start, gen = self.num_streamed_tokens, self.generated_tokens
+        new = (gen[start],) if len(gen) - start == 1 else tuple(gen[start:])  # most updates: one token
+        self.num_streamed_tokens = len(gen)
         finished = self.status == Status.FINISHED
         text = self.text.take_delta() if self.text is not None and with_text else None
         reason = self.finish_reason.value if finished and self.finish_reason else None
@@ -366,7 +369,7 @@ class DynamicInferenceRequest:
         if start == 0 and sp.return_prompt_log_probs and (new or finished):
             return RequestUpdate(self.request_id, new, text, finished, reason, lps, tops, tuple(self.prompt_log_probs),
                                  tuple(self.prompt_top_n_logprobs) if sp.top_n_logprobs > 0 else None)
-        return RequestUpdate(self.request_id, new, text, finished, reason, lps, tops)
+        return _new_tuple(RequestUpdate, (self.request_id, new, text, finished, reason, lps, tops, None, None))
 
     def to_output(self) -> RequestOutput:
         from megatron_async.inference.routed_experts import routed_experts_of  # torch: not for the server's front-ends

@@ -301,7 +301,10 @@ class DynamicInferenceEngine:
             self.scheduler.remove_waiting(req)  # evicted, then finished by its last in-flight sample
             self._report_finished(req, out)
         text, quiet = self.config.stream_text, self._quiet
-        out.updates.extend(req.take_update(text) for req in res.updated if req.request_id not in quiet)
+        if quiet:  # (list comprehensions: every row, every step)
+            out.updates += [req.take_update(text) for req in res.updated if req.request_id not in quiet]
+        else:
+            out.updates += [req.take_update(text) for req in res.updated]
         self.accounting.log_step(pending, step_time)
         out.step_id, out.num_rows, out.is_decode_only = pending.step_id, len(pending.rows), pending.is_decode_only
         out.overlapped, out.step_time = pending.overlapped, step_time
