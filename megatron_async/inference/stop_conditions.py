@@ -34,3 +34,14 @@ def finish_reason(req: DynamicInferenceRequest) -> FinishReason | None:
     if len(gen) >= req.max_generated_tokens:
         return FinishReason.LENGTH
     return None
+
+
+def plain_stop_ids(req: DynamicInferenceRequest) -> frozenset[int] | None:
+    """Where ``finish_reason`` reduces to "the newest token is one of these ids: STOP (the text
+    ends before it), else LENGTH at the limit": no stop sequences, no text fed token by token, no
+    ``min_tokens``. The ids (none with ``ignore_eos``), or None where it does not; ``RequestBook``
+    keeps them on the request and checks them inline while landing."""
+    sp, text = req.sampling_params, req.text
+    if req.stop_sequences or sp.min_tokens or (text is not None and text.needs_tokens):
+        return None
+    return frozenset() if sp.ignore_eos else frozenset(req.eos_ids)

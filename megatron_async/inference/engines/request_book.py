@@ -17,7 +17,7 @@ from megatron_async.inference.engines.prompt_log_probs import land_prompt_scores
 from megatron_async.inference.request import DynamicInferenceRequest, FinishReason, Status
 from megatron_async.inference.routed_experts import land_routing
 from megatron_async.inference.speculative.acceptance import emitted_tokens
-from megatron_async.inference.stop_conditions import finish_reason, generation_limit
+from megatron_async.inference.stop_conditions import finish_reason, generation_limit, plain_stop_ids
 
 if TYPE_CHECKING:
     from megatron_async.inference.async_pipeline import HostSamples, PendingLaunch
@@ -64,9 +64,7 @@ class RequestBook:
         decoding) its starting acceptance."""
         req.max_generated_tokens = generation_limit(req.sampling_params, len(req.prompt_tokens),
                                                     self.max_sequence_length)
-        sp, text = req.sampling_params, req.text
-        plain = not req.stop_sequences and not sp.min_tokens and (text is None or not text.needs_tokens)
-        req.plain_stop_ids = (frozenset() if sp.ignore_eos else frozenset(req.eos_ids)) if plain else None
+        req.plain_stop_ids = plain_stop_ids(req)
         if self.spec_policy is not None and self.spec_policy.enabled:
             self.spec_policy.admit(req)
 
@@ -114,11 +112,11 @@ class RequestBook:
         if not noted:
             return
         noted[:] = [r for r in noted if r.num_inflight and active.get(r.request_id) is r
-                    and len(r.generated_tokens) + r.num_inflight >= r.max_generated_tokens]
+                    and r.tokens_certain >= r.max_generated_tokens]
         if not any(r.status == Status.ACTIVE for r in noted):
             return  # paused ones stay noted
         done = [r for r in active.values() if r.num_inflight and r.status == Status.ACTIVE
-                and len(r.generated_tokens) + r.num_inflight >= r.max_generated_tokens]
+                and r.tokens_certain >= r.max_generated_tokens]
         for req in done:
             self.release_ahead(req)
         noted[:] = [r for r in noted if active.get(r.request_id) is r]
@@ -143,7 +141,7 @@ class RequestBook:
                 req.num_inflight += 1
                 req.inflight_row = r
                 req.num_inflight_drafts = row.num_drafts
-                if len(req.generated_tokens) + req.num_inflight >= req.max_generated_tokens:
+                if len(req.generated_tokens) + req.num_inflight >= req.max_generated_tokens:  # tokens_certain
                     self.finishing.append(req)
             if speculative is not None:
                 req.spec_drafts_fresh = speculative
@@ -264,7 +262,7 @@ class RequestBook:
             token = tokens[i]
             gen.append(token)
             num_tokens += 1
-            stop_ids = req.plain_stop_ids  # finish_reason inline for the common requests
+            stop_ids = req.plain_stop_ids  # finish_reason inline for the common requests (stop_conditions.py)
             if stop_ids is None:
                 reason = finish_reason(req)
             elif token in stop_ids:  # EOS: the text stops before it
