@@ -8,8 +8,9 @@ whole GPU works on every pass:
   search over the few compacted candidates); top-p draws first and searches only the rows
   whose draw fell outside the nucleus (``triton_top_p_candidate.py``);
 - one draw pass: Gumbel-max over the kept set per chunk, noise hashed from (row key, token
-  id) on the fly (blocks with no kept token skip the noise), greedy rows argmax; a per-row
-  program picks the first best chunk.
+  id) on the fly (blocks with no kept token skip the noise; exact logs only for the elements
+  a fast bound leaves in play: ``triton_gumbel.py``), greedy rows argmax; a per-row program
+  picks the first best chunk.
 Temperature, greedy flags and row keys are computed in the kernels from the raw per-row
 tensors. The arithmetic mirrors the reference op for op (float32 multiply by 1/t, 1/t
 rounded to nearest, correctly rounded exp / log from libdevice on CUDA, FMA contraction off),
@@ -23,36 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_async.kernels import triton_gumbel as gumbel
 from megatron_async.kernels.triton_top_p_candidate import candidate_done
-from megatron_async.kernels.triton_sampling_common import exp_, inv_temperature, key_of, log_, row_filters
+from megatron_async.kernels.triton_sampling_common import exp_, inv_temperature, key_of, row_filters
 from megatron_async.kernels.triton_threshold import KEY_MIN, StageLaunch, threshold
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _NEG_INF = tl.constexpr(float("-inf"))
 _POS_INF = tl.constexpr(float("inf"))
-
-
-@triton.jit
-def _mix32(x):
-    x = (x ^ (x >> 16)) * 0x7FEB352D
-    x = (x ^ (x >> 15)) * 0x846CA68B
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _row_key(seed, position):
-    """sampling.row_keys for one row (int64 seed and position)."""
-    h = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ 0x9E3779B9)
-    h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
-    return _mix32(h ^ (position & 0xFFFFFFFF).to(tl.uint32))
-
-
-@triton.jit
-def _gumbel(rkey, idx, EXACT: tl.constexpr):
-    tok = _mix32(idx.to(tl.uint32) * 0x27D4EB2F)
-    bits = _mix32(rkey ^ tok) >> 8
-    u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    return -log_(-log_(u, EXACT), EXACT)
 
 
 @triton.jit
@@ -83,39 +62,76 @@ def _running_best(bv, bi, first, best, best_i):
 
 
 @triton.jit
+def _exact_best(s, u, near, first, best, best_i, EXACT: tl.constexpr):
+    """The block's exact scores where ``near``, folded into the running best."""
+    score = tl.where(near, s + gumbel.exact(u, EXACT), _NEG_INF)
+    bv, bi = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    return _running_best(bv, bi, first, best, best_i)
+
+
+@triton.jit
 def _draw_kernel(logits_ptr, stride, V, temp_ptr, seed_ptr, pos_ptr, pmax_ptr, minp_ptr, floor_ptr, best_ptr,
                  idx_ptr, NS, skip_ptr, FILTER: tl.constexpr, EXACT: tl.constexpr, CHUNK: tl.constexpr,
-                 BLOCK: tl.constexpr, NS_BLOCK: tl.constexpr, HAS_SKIP: tl.constexpr):
+                 BLOCK: tl.constexpr, NS_BLOCK: tl.constexpr, HAS_SKIP: tl.constexpr, NEAR_LOOP: tl.constexpr):
+    """Per chunk: the Gumbel-max over the kept set (greedy rows: the argmax). Exact scores only
+    for the elements whose fast score is near the chunk's best so far (``triton_gumbel``): up to
+    NEAR_LOOP of a block one at a time, more as a vector; a block holding +inf or NaN, and every
+    block after it, scores exactly throughout (the exact path's own rules for them)."""
     row, c = tl.program_id(0), tl.program_id(1)
     if HAS_SKIP:
         if tl.load(skip_ptr + row) != 0:  # the row's token is already drawn
             return
     base = logits_ptr + row.to(tl.int64) * stride
     inv_t, greedy = inv_temperature(tl.load(temp_ptr + row))
-    rkey = _row_key(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
+    rkey = gumbel.row_key(tl.load(seed_ptr + row), tl.load(pos_ptr + row))
     m, minp, floor = row_filters(pmax_ptr, minp_ptr, floor_ptr, row, NS, NS_BLOCK, FILTER)
     offs = tl.arange(0, BLOCK)
     best = tl.full((), _NEG_INF, tl.float32)
     best_i = tl.zeros((), tl.int32)
+    fbest = tl.full((), _NEG_INF, tl.float32)  # the best fast score so far
+    all_exact = tl.zeros((), tl.int32)
     for off in range(0, CHUNK, BLOCK):
-        idx = c * CHUNK + off + offs
+        first = c * CHUNK + off
+        idx = first + offs
         valid = idx < V
         x = tl.load(base + idx, mask=valid, other=_NEG_INF).to(tl.float32)
         if greedy:
             bv, bi = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            best, best_i = _running_best(bv, bi, first, best, best_i)
         else:
             s = x * inv_t
             keep = valid
+            some = first < V
             if FILTER:
                 keep = keep & (key_of(s) >= floor)
                 if minp > 0:
                     keep = keep & (exp_(s - m, EXACT) >= minp)
-            bv = tl.full((), _NEG_INF, tl.float32)
-            bi = tl.zeros((), tl.int32)
-            if tl.max(keep.to(tl.int32), axis=0) > 0:  # the logs only where some token is kept
-                score = tl.where(keep, s + _gumbel(rkey, idx, EXACT), _NEG_INF)
-                bv, bi = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        best, best_i = _running_best(bv, bi, c * CHUNK + off, best, best_i)
+                some = tl.max(keep.to(tl.int32), axis=0) > 0
+            if some:  # the noise only where some token is kept
+                u = gumbel.uniform(rkey, idx)
+                if all_exact != 0:
+                    best, best_i = _exact_best(s, u, keep, first, best, best_i, EXACT)
+                else:
+                    fs = tl.where(keep, s + gumbel.fast(u, EXACT), _NEG_INF)
+                    fb = tl.max(tl.where(fs == fs, fs, _POS_INF), axis=0)  # NaN counts as +inf
+                    if fb == _POS_INF:
+                        all_exact = tl.full((), 1, tl.int32)
+                        best, best_i = _exact_best(s, u, keep, first, best, best_i, EXACT)
+                    elif (fb > _NEG_INF) & (fb >= fbest - gumbel.near_margin(fbest)):
+                        fbest = tl.maximum(fbest, fb)
+                        near = fs >= fbest - gumbel.near_margin(fbest)
+                        n = tl.sum(near.to(tl.int32), axis=0)
+                        if n > NEAR_LOOP:
+                            best, best_i = _exact_best(s, u, near, first, best, best_i, EXACT)
+                        else:
+                            for _ in range(n):  # in index order: the first of equal scores wins
+                                j = tl.min(tl.where(near, offs, BLOCK), axis=0)
+                                sj = tl.max(tl.where(offs == j, s, _NEG_INF), axis=0)
+                                score = sj + gumbel.exact(gumbel.uniform(rkey, first + j), EXACT)
+                                better = score > best
+                                best = tl.where(better, score, best)
+                                best_i = tl.where(better, first + j, best_i)
+                                near = near & (offs != j)
     tl.store(best_ptr + row * NS + c, best)
     tl.store(idx_ptr + row * NS + c, best_i)
 
@@ -176,38 +192,46 @@ def argmax(logits: torch.Tensor, chunk: int = 8192, block: int = 4096, num_warps
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
-           filters: tuple[bool, bool, bool] | bool, chunk: int = 8192, block: int = 1024, hist_block: int = 256,
-           search_block: int = 256, pivots: int = 16, cap: int = 4096, num_warps: int = 4, probe: list | None = None,
-           candidate_first: bool = True) -> torch.Tensor:
+           filters: tuple[bool, bool, bool] | bool, chunk: int | None = None, block: int = 1024,
+           hist_block: int = 256, search_block: int = 512, pivots: int = 16, cap: int = 4096, num_warps: int = 4,
+           finish_warps: int = 8, probe: list | None = None, candidate_first: bool = True,
+           near_loop: int = 4) -> torch.Tensor:
     """[R, V] logits (float32, or the model's bf16 / fp16: read as float32, which is exact, so
     the draws equal those of the upcast copy at half the bytes) -> [R] int64 tokens; per-row tensors as in ``sampling.RowParams``
     (temperature / top_p / min_p float32, top_k / seed / position int64).
     ``filters``: whether some row uses (top-k, top-p, min-p); True = all (stages of unused
     filters are skipped; a row's own off values are honoured either way). ``cap``: the
     per-row candidate buffer of the threshold search; ``probe`` (tests) collects each
-    stage's row phases. ``candidate_first``: draw first and search top-p thresholds only
+    stage's row phases. ``chunk``: elements a program reads in a pass; by default 8,192 for a
+    draw alone and 2,048 when filters run (the few rows a top-p search is left with spread over
+    more programs). ``finish_warps``: the per-row threshold search's. ``candidate_first``: draw first and search top-p thresholds only
     for rows whose draw falls outside the nucleus (``triton_top_p_candidate``; the same tokens).
+    ``near_loop``: a draw block scores up to this many near-best elements exactly one by one,
+    more as a vector (``_draw_kernel``).
     Defaults: docs/PERFORMANCE.md, "Kernel choices" (python -m benchmarks kernel-times sampler-kernels)."""
     assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1
-    assert temperature.dtype == top_p.dtype == min_p.dtype == torch.float32 and chunk % block == 0
     assert top_k.dtype == seed.dtype == position.dtype == torch.int64
+    assert temperature.dtype == top_p.dtype == min_p.dtype == torch.float32
     R, V = logits.shape
     dev = logits.device
-    L = StageLaunch(logits, chunk, hist_block, search_block, pivots, cap, num_warps, exact=not _INTERPRET)
     use_top_k, use_top_p, use_min_p = (filters,) * 3 if isinstance(filters, bool) else filters
     any_filter = use_top_k or use_top_p or use_min_p
+    chunk = chunk or (2048 if any_filter else 8192)
+    assert chunk % block == 0
+    L = StageLaunch(logits, chunk, hist_block, search_block, pivots, cap, num_warps, exact=not _INTERPRET)
+    L.finish_warps = finish_warps
     floor = torch.full((R,), KEY_MIN, dtype=torch.int64, device=dev)  # below every key: keep all
     pmax = torch.empty(R, L.ns, dtype=torch.float32, device=dev)
     best = torch.empty(R, L.ns, dtype=torch.float32, device=dev)
     best_idx = torch.empty(R, L.ns, dtype=torch.int32, device=dev)
     tokens = torch.empty(R, dtype=torch.int64, device=dev)
 
-    def draw(floor: torch.Tensor, skip: torch.Tensor | None = None) -> None:
+    def draw(floor: torch.Tensor, skip: torch.Tensor | None = None, filtered: bool = True) -> None:
         flag = tokens if skip is None else skip  # an unread pointer when there is no skip
         _draw_kernel[(R, L.ns)](logits, logits.stride(0), V, temperature, seed, position, pmax, min_p, floor, best,
-                                best_idx, L.ns, flag, FILTER=any_filter, EXACT=L.exact, CHUNK=chunk, BLOCK=block,
-                                NS_BLOCK=L.ns_block, HAS_SKIP=skip is not None, num_warps=num_warps,
-                                enable_fp_fusion=False)
+                                best_idx, L.ns, flag, FILTER=any_filter and filtered, EXACT=L.exact, CHUNK=chunk,
+                                BLOCK=block, NS_BLOCK=L.ns_block, HAS_SKIP=skip is not None, NEAR_LOOP=near_loop,
+                                num_warps=num_warps, enable_fp_fusion=False)
         _pick_kernel[(R,)](best, best_idx, tokens, L.ns, flag, NS_BLOCK=L.ns_block, HAS_SKIP=skip is not None)
 
     if not any_filter:
@@ -219,7 +243,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if use_top_k:
         floor = threshold(L, logits, temperature, top_k, top_p, min_p, pmax, pmin, floor, False, probe)
     if use_top_p and candidate_first:
-        draw(floor)  # over the top-k and min-p survivors: each row's candidate
+        draw(floor, filtered=use_top_k or use_min_p)  # over the top-k and min-p survivors: each row's candidate
         done = candidate_done(logits, temperature, top_p, min_p, pmax, floor, tokens, chunk, block, num_warps,
                               L.exact)
         floor = threshold(L, logits, temperature, top_k, top_p, min_p, pmax, pmin, floor, True, probe, skip=done)

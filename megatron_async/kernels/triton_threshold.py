@@ -308,6 +308,7 @@ class StageLaunch:
         self.shift = 16 + adds
         self.chunk, self.hist_block, self.search_block, self.pivots, self.cap = chunk, hist_block, search_block, pivots, cap
         self.num_warps, self.exact = num_warps, exact
+        self.finish_warps = num_warps  # the per-row search's program
 
 
 def threshold(L: StageLaunch, logits, temperature, top_k, top_p, min_p, pmax, pmin, floor_in: torch.Tensor,
@@ -343,5 +344,5 @@ def threshold(L: StageLaunch, logits, temperature, top_k, top_p, min_p, pmax, pm
         probe.append(phase.clone())
     _finish_kernel[(R,)](*row_args, out, phase, whi, target, cnt, buf_key, buf_w, MASS=mass, EXACT=L.exact,
                          CAP=L.cap, SB=L.search_block, P=P, NS_BLOCK=L.ns_block,
-                         num_warps=L.num_warps, enable_fp_fusion=False)
+                         num_warps=L.finish_warps, enable_fp_fusion=False)
     return out

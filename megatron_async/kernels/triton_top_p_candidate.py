@@ -29,6 +29,12 @@ def _active(p_ptr, temp_ptr, row):
 
 
 @triton.jit
+def _wide(hi, lo):
+    """The exact float64 sum of 2**16 hi + lo over the lanes (integers: exact in any order)."""
+    return tl.sum(hi, axis=0).to(tl.float64) * 65536.0 + tl.sum(lo, axis=0).to(tl.float64)
+
+
+@triton.jit
 def _candidate_mass_kernel(logits_ptr, stride, V, temp_ptr, p_ptr, pmax_ptr, NS, minp_ptr, floor_ptr, cand_ptr,
                            part_tot_ptr, part_above_ptr, EXACT: tl.constexpr, CHUNK: tl.constexpr,
                            BLOCK: tl.constexpr, NS_BLOCK: tl.constexpr):
@@ -43,18 +49,28 @@ def _candidate_mass_kernel(logits_ptr, stride, V, temp_ptr, p_ptr, pmax_ptr, NS,
         floor = tl.load(floor_ptr + row)  # the top-k threshold (the lowest key without top-k)
         key_c = key_of(tl.load(base + tl.load(cand_ptr + row)).to(tl.float32) * inv_t)
         offs = tl.arange(0, BLOCK)
-        tot = tl.zeros((), tl.float64)
-        above = tl.zeros((), tl.float64)
+        # each weight (an integer <= 2**32 in float32) as 2**16 hi + lo, both <= 2**16, summed per
+        # lane in int32 and across lanes once a chunk (<= 2**14 elements: < 2**31, no overflow)
+        tot_hi = tl.zeros((BLOCK,), tl.int32)
+        tot_lo = tl.zeros((BLOCK,), tl.int32)
+        up_hi = tl.zeros((BLOCK,), tl.int32)
+        up_lo = tl.zeros((BLOCK,), tl.int32)
         for off in range(0, CHUNK, BLOCK):
             idx = c * CHUNK + off + offs
             valid = idx < V
             x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32)
             _s, key, w, play = element(x, valid, inv_t, m, minp, floor, True, EXACT)
-            w = tl.where(play, w, 0.0).to(tl.float64)
-            tot += tl.sum(w, axis=0)
-            above += tl.sum(tl.where(key > key_c, w, 0.0), axis=0)
-        tl.store(part_tot_ptr + row * NS + c, tot)
-        tl.store(part_above_ptr + row * NS + c, above)
+            w = tl.where(play, w, 0.0)
+            hi = tl.floor(w * (1.0 / 65536.0))
+            lo = (w - hi * 65536.0).to(tl.int32)
+            hi = hi.to(tl.int32)
+            up = key > key_c
+            tot_hi += hi
+            tot_lo += lo
+            up_hi += tl.where(up, hi, 0)
+            up_lo += tl.where(up, lo, 0)
+        tl.store(part_tot_ptr + row * NS + c, _wide(tot_hi, tot_lo))
+        tl.store(part_above_ptr + row * NS + c, _wide(up_hi, up_lo))
 
 
 @triton.jit

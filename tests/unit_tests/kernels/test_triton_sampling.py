@@ -77,6 +77,17 @@ def test_fast_sampler_equals_reference(mode, cap):
             assert ran & set(BUFFERED if cap > 150 else WHOLE_ROW), (mode, ran)
 
 
+@pytest.mark.parametrize("near_loop", [0, 64])
+def test_near_best_elements_scored_either_way(near_loop):
+    """The draw's exact scores for the elements its fast bound keeps: all as a vector (0) or one
+    by one (64 >= a block): the reference's tokens, ties and -inf entries included."""
+    for mode in ("mixed", "ties", "neg_inf"):
+        logits, params = _case(12, 150, 3, mode)
+        for any_filter in (True, False):
+            expected = ref.sample_reference(logits, params, any_filter=any_filter)
+            assert torch.equal(_fast(logits, params, any_filter, near_loop=near_loop), expected), (mode, any_filter)
+
+
 def test_buckets_narrow_and_compact_on_wide_rows():
     # several chunks and a wide spread: rows pick a level-0 or level-1 bucket, then compact
     g = torch.Generator().manual_seed(11)

@@ -77,3 +77,36 @@ def test_launch_variants_draw_the_references_tokens(tuning):
             got = fast(logits, params, None, filters, chunk=chunk, hist_block=hist_block, pivots=pivots, cap=cap,
                        num_warps=warps)
             assert torch.equal(got, reference(logits, params, None, any(filters))), (name, kind)
+
+
+def test_fast_gumbel_stays_within_its_bound_for_every_uniform():
+    """The draw skips the exact noise of elements more than ``near_margin`` below the best fast
+    score; that is exact only while every fast value is within G_ERR of the exact one: all 2**24."""
+    from megatron_async.kernels import triton_gumbel
+
+    err = triton_gumbel.fast_error()
+    assert 0.0 < err <= triton_gumbel.G_ERR.value / 4, err
+
+
+def test_draws_equal_whichever_way_near_elements_are_scored():
+    """Near-best elements scored as a vector (near_loop 0), one by one up to 4 (the default), or
+    always one by one: the reference's tokens, tiny temperatures and -inf logits included; rows
+    holding +inf or NaN (scored exactly from that block on) draw the same in every way, the
+    first +inf where no filter applies, as the reference."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for name, mixed in (("temperature", False), ("top_p=0.95", False), ("k+p+min_p", False), ("k+p+min_p", True)):
+        for kind in KINDS:
+            logits = make_logits(128, VOCAB, kind, gen)
+            logits[3, 70_000] = float("inf")
+            logits[4, 90_000:90_010] = float("inf")
+            logits[5, 100] = float("nan")
+            logits[6, ::2] = float("-inf")
+            params = row_params(128, CASES[name], gen, mixed=mixed)
+            filters = True if mixed else case_filters(CASES[name])  # every row its own: every stage
+            expected = reference(logits, params, None, any(filters) if not mixed else True)
+            draws = [fast(logits, params, None, filters, near_loop=n) for n in (0, 4, 1024)]
+            special = (5,) if name == "temperature" else (3, 4, 5)
+            plain = [r for r in range(128) if r not in special]
+            for got in draws:
+                assert torch.equal(got[plain], expected[plain]), (name, mixed, kind)
+                assert torch.equal(got, draws[0]), (name, mixed, kind)
