@@ -1,4 +1,5 @@
-"""The sort-free Triton sampler against the torch reference on CUDA at a 151,936-token vocabulary:
+"""The sort-free Triton sampler against the torch reference on CUDA at a 151,936-token vocabulary
+(``--vocab``: another, e.g. the hybrid's 32,000):
 device time per step (each sampler captured in a CUDA graph, as decode runs it; median of many
 replays between CUDA events) for greedy, temperature, top-k, top-p, min-p and penalties:
 reference, the Triton sampler of another checkout (``--before``, e.g. main's, side by side) and
@@ -8,7 +9,7 @@ logits comes first, for orientation: the assertions are
 tests/unit_tests/kernels/test_triton_sampling_gpu.py's. Logit shapes: tests/helpers/sampler_cases.py.
 
     python -m benchmarks kernel-times sampler-kernels [--rows 128 256] [--iters 50] [--seeds 3] \
-        [--before ../main/megatron_async/kernels/triton_sampling.py] [--tuning]"""
+        [--vocab 151936] [--before ../main/megatron_async/kernels/triton_sampling.py] [--tuning]"""
 from __future__ import annotations
 
 import argparse
@@ -135,9 +136,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--before", default=None, help="another checkout's kernels/triton_sampling.py, timed side by side")
     parser.add_argument("--tuning", action="store_true", help="time this sampler's launch variants too")
+    parser.add_argument("--vocab", type=int, default=V)
 
 
 def run(args: argparse.Namespace) -> None:
+    global V
+    V = args.vocab
     before = load_before(args.before)
     count_equal(args.rows, args.seeds, before)
     if args.tuning:
