@@ -226,11 +226,11 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     best_idx = torch.empty(R, L.ns, dtype=torch.int32, device=dev)
     tokens = torch.empty(R, dtype=torch.int64, device=dev)
 
-    def draw(floor: torch.Tensor, skip: torch.Tensor | None = None, filtered: bool = True) -> None:
+    def draw(floor: torch.Tensor, skip: torch.Tensor | None = None) -> None:
         flag = tokens if skip is None else skip  # an unread pointer when there is no skip
         _draw_kernel[(R, L.ns)](logits, logits.stride(0), V, temperature, seed, position, pmax, min_p, floor, best,
-                                best_idx, L.ns, flag, FILTER=any_filter and filtered, EXACT=L.exact, CHUNK=chunk,
-                                BLOCK=block, NS_BLOCK=L.ns_block, HAS_SKIP=skip is not None, NEAR_LOOP=near_loop,
+                                best_idx, L.ns, flag, FILTER=any_filter, EXACT=L.exact, CHUNK=chunk, BLOCK=block,
+                                NS_BLOCK=L.ns_block, HAS_SKIP=skip is not None, NEAR_LOOP=near_loop,
                                 num_warps=num_warps, enable_fp_fusion=False)
         _pick_kernel[(R,)](best, best_idx, tokens, L.ns, flag, NS_BLOCK=L.ns_block, HAS_SKIP=skip is not None)
 
@@ -243,7 +243,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if use_top_k:
         floor = threshold(L, logits, temperature, top_k, top_p, min_p, pmax, pmin, floor, False, probe)
     if use_top_p and candidate_first:
-        draw(floor, filtered=use_top_k or use_min_p)  # over the top-k and min-p survivors: each row's candidate
+        draw(floor)  # over the top-k and min-p survivors: each row's candidate
         done = candidate_done(logits, temperature, top_p, min_p, pmax, floor, tokens, chunk, block, num_warps,
                               L.exact)
         floor = threshold(L, logits, temperature, top_k, top_p, min_p, pmax, pmin, floor, True, probe, skip=done)
