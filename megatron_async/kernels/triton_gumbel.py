@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from megatron_async.kernels.triton_sampling_common import log_
+from megatron_async.kernels.triton_sampling_common import fast_log, log_
 
 G_ERR = tl.constexpr(1e-4)  # bound on |fast - exact| over every u: 2.1e-6 on an H100 (a GPU test holds <= G_ERR / 4)
 
@@ -55,22 +54,14 @@ def exact(u, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _fast_log(x, EXACT: tl.constexpr):
-    if EXACT:
-        return libdevice.fast_logf(x)
-    else:
-        return tl.log(x)
-
-
-@triton.jit
 def fast(u, EXACT: tl.constexpr):
     """``exact`` within G_ERR: -log(u) from the approximate log, or for u > 1 - 2**-5 (where the
     approximate log's absolute error would swamp it) from -log(1 - v) = v + v^2/2 + v^3/3 + v^4/4
     (relative error < v^4 / 5), v = 1 - u exact in float32."""
     v = 1.0 - u
     series = v * (1.0 + v * (0.5 + v * (0.33333334 + v * 0.25)))
-    a = tl.where(v < 0.03125, series, -_fast_log(u, EXACT))
-    return -_fast_log(a, EXACT)
+    a = tl.where(v < 0.03125, series, -fast_log(u, EXACT))
+    return -fast_log(a, EXACT)
 
 
 @triton.jit

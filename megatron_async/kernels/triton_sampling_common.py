@@ -29,6 +29,15 @@ def log_(x, EXACT: tl.constexpr):
 
 
 @triton.jit
+def fast_log(x, EXACT: tl.constexpr):
+    """The hardware's approximate log (lg2.approx) on CUDA; the interpreter's log."""
+    if EXACT:
+        return libdevice.fast_logf(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
 def key_of(s):
     """float32 -> int32 key with the same order (-0 == +0)."""
     s = tl.where(s == 0.0, 0.0, s)
