@@ -12,6 +12,8 @@ element whose fast score is more than ``near_margin`` below the best fast score 
 exact argmax, nor tie with it; only the few others get the exact score."""
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -89,3 +91,19 @@ def fast_error(device: torch.device | str = "cuda") -> float:
     out = torch.empty((1 << 24) // block, dtype=torch.float32, device=device)
     _error_kernel[(out.numel(),)](out, BLOCK=block, enable_fp_fusion=False)
     return float(out.max())
+
+
+@triton.jit
+def _noise_kernel(seed_ptr, pos_ptr, out_ptr, V, EXACT: tl.constexpr, BLOCK: tl.constexpr):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    u = uniform(row_key(tl.load(seed_ptr), tl.load(pos_ptr)), idx)
+    tl.store(out_ptr + idx, exact(u, EXACT), mask=idx < V)
+
+
+def exact_noise(seed: int, position: int, vocab: int, device: torch.device | str) -> torch.Tensor:
+    """[vocab] float32: one row's exact noise as the draw adds it (tests build near-ties from it)."""
+    out = torch.empty(vocab, dtype=torch.float32, device=device)
+    args = [torch.tensor([v], dtype=torch.int64, device=device) for v in (seed, position)]
+    _noise_kernel[(triton.cdiv(vocab, 1024),)](*args, out, vocab, EXACT=os.environ.get("TRITON_INTERPRET", "0") != "1",
+                                               BLOCK=1024, enable_fp_fusion=False)
+    return out

@@ -95,3 +95,26 @@ def step_flags(params: ref.RowParams, V: int) -> tuple[bool, bool, bool]:
 def case_filters(case: tuple) -> tuple[bool, bool, bool]:
     """The step flags of a case's uniform rows."""
     return case[1] > 0, 0 < case[2] < 1, case[3] > 0
+
+
+def near_tie_case(R: int, V: int, gen: torch.Generator):
+    """Rows whose two leading tokens a < b score within a few float32 ulps of each other (or
+    equal) exactly, from the draw's own exact noise: logits 10 - g_a and 10 - g_b + d, every
+    other token -40. The approximate noise alone would order such pairs at random; the exact
+    scores decide. -> (logits [R, V] float32, params at temperature 1, expected tokens [R])."""
+    from megatron_async.kernels.triton_gumbel import exact_noise
+
+    dev = gen.device
+    params = row_params(R, CASES["temperature"], gen, mixed=False)
+    params.temperature.fill_(1.0)  # s = logits exactly
+    logits = torch.full((R, V), -40.0, device=dev)
+    ulp = 2.0 ** -20  # float32's spacing at 10
+    for r in range(R):
+        g = exact_noise(int(params.seed[r]), int(params.position[r]), V, dev)
+        a, b = sorted(torch.randperm(V, generator=gen, device=dev)[:2].tolist())
+        d = (r % 9 - 4) * ulp  # -4 .. 4 ulps, 0 included (ties: the first index wins)
+        logits[r, a] = 10.0 - g[a]
+        logits[r, b] = 10.0 - g[b] + d
+    expected = torch.stack([(logits[r] + exact_noise(int(params.seed[r]), int(params.position[r]), V, dev)).argmax()
+                            for r in range(R)])
+    return logits, params, expected

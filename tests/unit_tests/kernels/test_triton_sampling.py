@@ -88,6 +88,19 @@ def test_near_best_elements_scored_either_way(near_loop):
             assert torch.equal(_fast(logits, params, any_filter, near_loop=near_loop), expected), (mode, any_filter)
 
 
+def test_near_tied_leaders_drawn_by_their_exact_scores():
+    """Two tokens within a few ulps (or tied): the draw's exact scores pick, the first index on a tie."""
+    from tests.helpers.sampler_cases import near_tie_case
+
+    logits, params, expected = near_tie_case(18, 300, torch.Generator(device=DEV).manual_seed(4))
+    for near_loop in (0, 4):
+        for filters in (False, True):
+            got = triton_sampling.sample(logits, params.temperature, params.top_k, params.top_p, params.min_p,
+                                         params.seed, params.position, filters, near_loop=near_loop,
+                                         **BLOCKS)
+            assert torch.equal(got.cpu(), expected.cpu()), (near_loop, filters)
+
+
 def test_buckets_narrow_and_compact_on_wide_rows():
     # several chunks and a wide spread: rows pick a level-0 or level-1 bucket, then compact
     g = torch.Generator().manual_seed(11)

@@ -110,3 +110,17 @@ def test_draws_equal_whichever_way_near_elements_are_scored():
             for got in draws:
                 assert torch.equal(got[plain], expected[plain]), (name, mixed, kind)
                 assert torch.equal(got, draws[0]), (name, mixed, kind)
+
+
+def test_near_tied_leaders_drawn_by_their_exact_scores():
+    """Rows whose two leaders score within 4 ulps of each other (or tie) exactly: the approximate
+    noise (within ~2e-6, about 2 ulps at 10) would order them at random; the near-best scoring
+    must give the exact argmax, the first index on ties, in both scoring ways and filter settings."""
+    from tests.helpers.sampler_cases import near_tie_case
+
+    logits, params, expected = near_tie_case(128, VOCAB, torch.Generator(device="cuda").manual_seed(6))
+    for near_loop in (0, 4):
+        for filters in (False, True):
+            got = triton_sampling.sample(logits, params.temperature, params.top_k, params.top_p, params.min_p,
+                                         params.seed, params.position, filters, near_loop=near_loop)
+            assert torch.equal(got, expected), (near_loop, filters)
