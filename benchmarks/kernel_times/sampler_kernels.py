@@ -18,7 +18,6 @@ import importlib.util
 import torch
 
 from benchmarks.cuda_timing import graph_replay, median_ms
-from megatron_async.inference.text_generation_controllers import sampling as ref
 from tests.helpers.sampler_cases import (
     CASES, KINDS, TUNINGS, case_filters, fast, make_logits, penalty_rows, reference, row_params, step_flags,
 )
@@ -27,7 +26,10 @@ V = 151_936
 
 
 def load_before(path: str | None):
-    """The ``triton_sampling`` module of another checkout (its own signature: inv_t, greedy, keys)."""
+    """The ``triton_sampling`` module of another checkout, called with this tree's signature (the
+    raw per-row tensors). Its own kernels run; what it imports from the package (the threshold
+    search, the top-p candidate, the noise) resolves to this tree's: for a change inside those,
+    time each tree in its own process instead."""
     if not path:
         return None
     spec = importlib.util.spec_from_file_location("triton_sampling_before", path)
@@ -38,9 +40,8 @@ def load_before(path: str | None):
         if pen is not None:
             logits = mod.apply_penalties(logits, pen.slot, pen.counts, pen.prompt_mask, pen.stop_mask, pen.presence,
                                          pen.frequency, pen.repetition, pen.suppress_stop)
-        inv_t, greedy = ref.inverse_temperature(params.temperature)
-        keys = ref.row_keys(params.seed, params.position)
-        return mod.sample(logits, inv_t, greedy, params.top_k, params.top_p, params.min_p, keys, any_filter)
+        return mod.sample(logits, params.temperature, params.top_k, params.top_p, params.min_p, params.seed,
+                          params.position, any_filter)
     return run
 
 
