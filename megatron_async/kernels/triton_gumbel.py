@@ -12,13 +12,11 @@ element whose fast score is more than ``near_margin`` below the best fast score 
 exact argmax, nor tie with it; only the few others get the exact score."""
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels.triton_sampling_common import fast_log, log_
+from megatron_async.kernels.triton_sampling_common import EXACT_MATH, fast_log, log_
 
 G_ERR = tl.constexpr(1e-4)  # bound on |fast - exact| over every u: 2.1e-6 on an H100 (a GPU test holds <= G_ERR / 4)
 
@@ -104,6 +102,5 @@ def exact_noise(seed: int, position: int, vocab: int, device: torch.device | str
     """[vocab] float32: one row's exact noise as the draw adds it (tests build near-ties from it)."""
     out = torch.empty(vocab, dtype=torch.float32, device=device)
     args = [torch.tensor([v], dtype=torch.int64, device=device) for v in (seed, position)]
-    _noise_kernel[(triton.cdiv(vocab, 1024),)](*args, out, vocab, EXACT=os.environ.get("TRITON_INTERPRET", "0") != "1",
-                                               BLOCK=1024, enable_fp_fusion=False)
+    _noise_kernel[(triton.cdiv(vocab, 1024),)](*args, out, vocab, EXACT=EXACT_MATH, BLOCK=1024, enable_fp_fusion=False)
     return out

@@ -20,14 +20,12 @@ depend on the input dtype), and the keys are those of ``x - lse``. Shapes come f
 metadata, nothing syncs: CUDA-graph safe."""
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from megatron_async.kernels import triton_log_softmax
-from megatron_async.kernels.triton_sampling_common import exp_, key_of, log_
+from megatron_async.kernels.triton_sampling_common import EXACT_MATH, exp_, key_of, log_
 
 MAX_TOP_N = 20
 """The kernels always compute this many top entries (a smaller n is their head), so the one
@@ -35,7 +33,6 @@ build that warm-up makes (the log-prob graphs' top-20) serves every step; beyond
 reference answers (graphs run no such step)."""
 GROUP = 128
 """Logits per group maximum of the top-n bound."""
-_EXACT = os.environ.get("TRITON_INTERPRET", "0") != "1"
 _NEG_INF = tl.constexpr(float("-inf"))
 _POS_INF = tl.constexpr(float("inf"))
 _NO_KEY = tl.constexpr(-(2**63))  # below every key
@@ -184,12 +181,12 @@ def log_probs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, batch_inva
         keys = torch.empty(R, ns, n, dtype=torch.int64, device=dev)
         _stats_kernel[(R, ns)](logits, logits.stride(0), V, lse, pmax, psum, gmax, ns, ng, CHUNK=chunk,
                                BLOCK=min(chunk, 4096), GROUP=GROUP, STATS=not batch_invariant,
-                               SHIFT=batch_invariant, EXACT=_EXACT, num_warps=num_warps)
+                               SHIFT=batch_invariant, EXACT=EXACT_MATH, num_warps=num_warps)
         _bound_kernel[(R,)](gmax, bound, ng, TOP_N=n, NG_BLOCK=_pow2(ng), num_warps=4)
         _top_kernel[(R, ns)](logits, logits.stride(0), V, lse, gmax, bound, keys, ns, ng, CHUNK=chunk, GROUP=GROUP,
                              TOP_N=n, TOP_BLOCK=_pow2(n), SHIFT=batch_invariant, num_warps=num_warps)
         _row_kernel[(R,)](logits, logits.stride(0), V, tokens, lse, pmax, psum, keys, chosen, top_vals, top_ids, ns,
-                          NS_BLOCK=_pow2(ns), TOP_N=n, KEY_BLOCK=_pow2(ns * n), SHIFT=batch_invariant, EXACT=_EXACT,
+                          NS_BLOCK=_pow2(ns), TOP_N=n, KEY_BLOCK=_pow2(ns * n), SHIFT=batch_invariant, EXACT=EXACT_MATH,
                           num_warps=4)
     if top_n == 0:
         return chosen, None, None

@@ -18,18 +18,15 @@ so the tokens are the reference's. Shapes come from tensor metadata, launch coun
 fixed, nothing syncs: CUDA-graph safe."""
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from megatron_async.kernels import triton_gumbel as gumbel
 from megatron_async.kernels.triton_top_p_candidate import candidate_done
-from megatron_async.kernels.triton_sampling_common import exp_, inv_temperature, key_of, row_filters
+from megatron_async.kernels.triton_sampling_common import EXACT_MATH, exp_, inv_temperature, key_of, row_filters
 from megatron_async.kernels.triton_threshold import KEY_MIN, StageLaunch, threshold
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _NEG_INF = tl.constexpr(float("-inf"))
 _POS_INF = tl.constexpr(float("inf"))
 
@@ -218,8 +215,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     any_filter = use_top_k or use_top_p or use_min_p
     chunk = chunk or (2048 if any_filter else 8192)
     assert chunk % block == 0
-    L = StageLaunch(logits, chunk, hist_block, search_block, pivots, cap, num_warps, exact=not _INTERPRET)
-    L.finish_warps = finish_warps
+    L = StageLaunch(logits, chunk, hist_block, search_block, pivots, cap, num_warps, EXACT_MATH, finish_warps)
     floor = torch.full((R,), KEY_MIN, dtype=torch.int64, device=dev)  # below every key: keep all
     pmax = torch.empty(R, L.ns, dtype=torch.float32, device=dev)
     best = torch.empty(R, L.ns, dtype=torch.float32, device=dev)

@@ -4,10 +4,15 @@ order float32 scores, a row's inverse temperature, max and filters, and an eleme
 and whether it is in play."""
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+EXACT_MATH = os.environ.get("TRITON_INTERPRET", "0") != "1"
+"""The kernels' ``EXACT`` argument: libdevice's correctly rounded math on CUDA; the interpreter
+(CPU tests) has only numpy's."""
 _NEG_INF = tl.constexpr(float("-inf"))
 _GREEDY = tl.constexpr(1e-5)  # sampling.GREEDY_TEMPERATURE
 

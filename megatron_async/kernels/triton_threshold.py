@@ -298,7 +298,7 @@ class StageLaunch:
     """Grid and tile settings of one ``sample`` call, shared by its stages."""
 
     def __init__(self, logits: torch.Tensor, chunk: int, hist_block: int, search_block: int, pivots: int, cap: int,
-                 num_warps: int, exact: bool):
+                 num_warps: int, exact: bool, finish_warps: int | None = None):
         self.R, self.V = logits.shape
         self.ns = triton.cdiv(self.V, chunk)
         self.ns_block = triton.next_power_of_2(self.ns)
@@ -308,7 +308,7 @@ class StageLaunch:
         self.shift = 16 + adds
         self.chunk, self.hist_block, self.search_block, self.pivots, self.cap = chunk, hist_block, search_block, pivots, cap
         self.num_warps, self.exact = num_warps, exact
-        self.finish_warps = num_warps  # the per-row search's program
+        self.finish_warps = finish_warps or num_warps  # the per-row search's program
 
 
 def threshold(L: StageLaunch, logits, temperature, top_k, top_p, min_p, pmax, pmin, floor_in: torch.Tensor,
