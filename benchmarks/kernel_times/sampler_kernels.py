@@ -22,7 +22,7 @@ from tests.helpers.sampler_cases import (
     CASES, KINDS, TUNINGS, case_filters, fast, make_logits, penalty_rows, reference, row_params, step_flags,
 )
 
-V = 151_936
+VOCAB = 151_936  # Qwen3's
 
 
 def load_before(path: str | None):
@@ -54,7 +54,7 @@ def graph_ms(fn, iters: int) -> float:
     return ms
 
 
-def count_equal(rows: list[int], seeds: int, before) -> None:
+def count_equal(rows: list[int], seeds: int, before, V: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     total = equal = equal_before = equal16 = equal_flags = 0
     finished = torch.zeros(4, dtype=torch.int64)
@@ -82,7 +82,7 @@ def count_equal(rows: list[int], seeds: int, before) -> None:
           f"filter off {finished[3]}")
 
 
-def timing(rows: list[int], iters: int, before) -> None:
+def timing(rows: list[int], iters: int, before, V: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
     print("\n| rows | case | logits | reference ms | before ms | fast ms, search first | fast ms | fast ms, bf16 in "
           "| fast rows: buffer / whole-row / kept draw |")
@@ -113,7 +113,7 @@ def timing(rows: list[int], iters: int, before) -> None:
                       f"| {t_low:.3f} | {paths} |")
 
 
-def tuning(R: int, iters: int) -> None:
+def tuning(R: int, iters: int, V: int) -> None:
     """ms per launch variant; "!" marks one that drew other tokens than the reference."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     print(f"\nfast-path variants at {R} rows (ms; chunk, hist_block, pivots, cap, num_warps):")
@@ -137,14 +137,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--before", default=None, help="another checkout's kernels/triton_sampling.py, timed side by side")
     parser.add_argument("--tuning", action="store_true", help="time this sampler's launch variants too")
-    parser.add_argument("--vocab", type=int, default=V)
+    parser.add_argument("--vocab", type=int, default=VOCAB)
 
 
 def run(args: argparse.Namespace) -> None:
-    global V
-    V = args.vocab
     before = load_before(args.before)
-    count_equal(args.rows, args.seeds, before)
+    count_equal(args.rows, args.seeds, before, args.vocab)
     if args.tuning:
-        tuning(args.rows[0], args.iters)
-    timing(args.rows, args.iters, before)
+        tuning(args.rows[0], args.iters, args.vocab)
+    timing(args.rows, args.iters, before, args.vocab)

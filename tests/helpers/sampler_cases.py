@@ -109,12 +109,10 @@ def near_tie_case(R: int, V: int, gen: torch.Generator):
     params.temperature.fill_(1.0)  # s = logits exactly
     logits = torch.full((R, V), -40.0, device=dev)
     ulp = 2.0 ** -20  # float32's spacing at 10
+    noise = torch.stack([exact_noise(int(params.seed[r]), int(params.position[r]), V, dev) for r in range(R)])
     for r in range(R):
-        g = exact_noise(int(params.seed[r]), int(params.position[r]), V, dev)
         a, b = sorted(torch.randperm(V, generator=gen, device=dev)[:2].tolist())
         d = (r % 9 - 4) * ulp  # -4 .. 4 ulps, 0 included (ties: the first index wins)
-        logits[r, a] = 10.0 - g[a]
-        logits[r, b] = 10.0 - g[b] + d
-    expected = torch.stack([(logits[r] + exact_noise(int(params.seed[r]), int(params.position[r]), V, dev)).argmax()
-                            for r in range(R)])
-    return logits, params, expected
+        logits[r, a] = 10.0 - noise[r, a]
+        logits[r, b] = 10.0 - noise[r, b] + d
+    return logits, params, (logits + noise).argmax(-1)
