@@ -80,6 +80,14 @@ def row_filters(pmax_ptr, minp_ptr, floor_ptr, row, NS, NS_BLOCK: tl.constexpr, 
 
 
 @triton.jit
+def weight_halves(w):
+    """A fixed-point weight (an integer <= 2**32 held exactly in float32) as int32 (hi, lo), w =
+    2**16 hi + lo, each <= 2**16: sums of many of them stay exact in int32."""
+    hi = tl.floor(w * (1.0 / 65536.0))
+    return hi.to(tl.int32), (w - hi * 65536.0).to(tl.int32)
+
+
+@triton.jit
 def element(x, valid, inv_t, m, minp, floor, MASS: tl.constexpr, EXACT: tl.constexpr):
     """-> (s, key, fixed-point weight as float32, in play). Top-k counts every element but
     -inf ones (grammar masks and bans: a plateau of 10^5 equal keys that no bucket splits, which

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from megatron_async.kernels.triton_sampling_common import (
-    element, inv_temperature, key_of, row_filters, row_max, value_of,
+    element, inv_temperature, key_of, row_filters, row_max, value_of, weight_halves,
 )
 
 KEY_MIN = -(2**31)  # at or below every key: "keep everything"
@@ -97,10 +97,9 @@ def _histogram_chunk(base, row, c, V, NS, offs, pj, inv_t, m, minp, floor, vlo0,
             play = play & (_bucket(s, vlo0, inv0, P) == sel0)
         hit = tl.where(play, _bucket(s, hvlo, hinv, P), -1) == pj[None, :]
         if MASS:
-            wh = tl.floor(w * (1.0 / 65536.0))
-            wl = (w - wh * 65536.0).to(tl.int32) + (1 << SHIFT)
-            acc_a += tl.where(hit, wh.to(tl.int32), 0)
-            acc_b += tl.where(hit, wl, 0)
+            wh, wl = weight_halves(w)
+            acc_a += tl.where(hit, wh, 0)
+            acc_b += tl.where(hit, wl + (1 << SHIFT), 0)
         else:
             acc_b += hit.to(tl.int32)
     out = (row * NS + c) * P + pj

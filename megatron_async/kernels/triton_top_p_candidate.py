@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels.triton_sampling_common import element, inv_temperature, key_of, row_max
+from megatron_async.kernels.triton_sampling_common import element, inv_temperature, key_of, row_max, weight_halves
 
 
 @triton.jit
@@ -49,8 +49,8 @@ def _candidate_mass_kernel(logits_ptr, stride, V, temp_ptr, p_ptr, pmax_ptr, NS,
         floor = tl.load(floor_ptr + row)  # the top-k threshold (the lowest key without top-k)
         key_c = key_of(tl.load(base + tl.load(cand_ptr + row)).to(tl.float32) * inv_t)
         offs = tl.arange(0, BLOCK)
-        # each weight (an integer <= 2**32 in float32) as 2**16 hi + lo, both <= 2**16, summed per
-        # lane in int32 and across lanes once a chunk (<= 2**14 elements: < 2**31, no overflow)
+        # each weight's halves summed per lane in int32 and across lanes once a chunk (<= 2**14
+        # elements of <= 2**16: < 2**31, no overflow)
         tot_hi = tl.zeros((BLOCK,), tl.int32)
         tot_lo = tl.zeros((BLOCK,), tl.int32)
         up_hi = tl.zeros((BLOCK,), tl.int32)
@@ -60,10 +60,7 @@ def _candidate_mass_kernel(logits_ptr, stride, V, temp_ptr, p_ptr, pmax_ptr, NS,
             valid = idx < V
             x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32)
             _s, key, w, play = element(x, valid, inv_t, m, minp, floor, True, EXACT)
-            w = tl.where(play, w, 0.0)
-            hi = tl.floor(w * (1.0 / 65536.0))
-            lo = (w - hi * 65536.0).to(tl.int32)
-            hi = hi.to(tl.int32)
+            hi, lo = weight_halves(tl.where(play, w, 0.0))
             up = key > key_c
             tot_hi += hi
             tot_lo += lo
