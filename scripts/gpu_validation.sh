@@ -39,28 +39,26 @@ for stage in $stages; do
     # timeout); tests-functional, tests-engine, tests-invariance, tests-rl, tests-unit and tests-kernels
     # run one part each, so each fits a 10-minute call
     tests|tests-functional)
-      timeout 590 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/functional_tests "${ignored[@]}" 2>&1 \
-        | tail -40 > "$out/gpu_functional_tests.log"
+      timeout 590 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/functional_tests "${ignored[@]}" \
+        > "$out/gpu_functional_tests.log" 2>&1
       report gpu_functional_tests ;;&
     tests|tests-engine)  # speculative == plain, MTP, hybrid graph modes
-      timeout 590 python -m pytest -q -rs -p no:cacheprovider -m gpu "${engine_tests[@]}" 2>&1 | tail -40 \
-        > "$out/gpu_engine_tests.log"
+      timeout 590 python -m pytest -q -rs -p no:cacheprovider -m gpu "${engine_tests[@]}" \
+        > "$out/gpu_engine_tests.log" 2>&1
       report gpu_engine_tests ;;&
     tests|tests-rl)  # ~265 s on a fresh H100
-      timeout 590 python -m pytest -q -rs -p no:cacheprovider -m gpu "${rl_tests[@]}" 2>&1 | tail -40 \
-        > "$out/gpu_rl_tests.log"
+      timeout 590 python -m pytest -q -rs -p no:cacheprovider -m gpu "${rl_tests[@]}" > "$out/gpu_rl_tests.log" 2>&1
       report gpu_rl_tests ;;&
     tests|tests-invariance)
-      timeout 590 python -m pytest -q -rs -p no:cacheprovider -m gpu "${invariance_tests[@]}" 2>&1 | tail -40 \
-        > "$out/gpu_invariance_tests.log"
+      timeout 590 python -m pytest -q -rs -p no:cacheprovider -m gpu "${invariance_tests[@]}" \
+        > "$out/gpu_invariance_tests.log" 2>&1
       report gpu_invariance_tests ;;&
     tests|tests-unit)  # the kernels against their references at real shapes, and the other GPU unit tests
-      timeout 560 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/unit_tests 2>&1 | tail -40 \
-        > "$out/gpu_unit_tests.log"
+      timeout 560 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/unit_tests > "$out/gpu_unit_tests.log" 2>&1
       report gpu_unit_tests ;;&
     tests|tests-kernels)  # the unmarked kernel tests: their CUDA branches (bf16 bit-exact checks) skip on CPU
-      timeout 300 python -m pytest -q -rs -p no:cacheprovider -m "not gpu and not multigpu" tests/unit_tests/kernels 2>&1 \
-        | tail -40 > "$out/kernel_tests.log"
+      timeout 300 python -m pytest -q -rs -p no:cacheprovider -m "not gpu and not multigpu" tests/unit_tests/kernels \
+        > "$out/kernel_tests.log" 2>&1
       report kernel_tests ;;
     kernels)  # times only: the kernels' assertions are tests-unit's
       for k in paged-attention mamba-kernels mamba-mixed fused-elementwise sampler-kernels fused-moe; do
