@@ -17,7 +17,9 @@ from megatron_async.inference.contexts.decode_rows import DecodeRows
 from megatron_async.inference.contexts.general_rows import assemble_rows
 from megatron_async.inference.contexts.gpu_view import ContextGPUView
 from megatron_async.inference.contexts.graph_padding import PaddingSlots, fill_padding, fill_verify_padding
-from megatron_async.inference.contexts.kv_block_allocator import BlockKey, KVBlockAllocator, adopted_digest, known_digests
+from megatron_async.inference.contexts.kv_block_allocator import (
+    BlockKey, KVBlockAllocator, adopted_digest, chain_keys, known_digests,
+)
 from megatron_async.inference.contexts.mamba_states import MambaStateManager, window_rows
 from megatron_async.inference.contexts.prompt_sharing import PromptSharing
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
@@ -279,15 +281,18 @@ class DynamicInferenceContext:
         the current weights from the request's admission on)."""
         if not self.allocator.publishes or req.weights_epoch != self.weights_epoch:
             return
+        bs = self.block_size
         known = req.num_known_tokens if self.allocator.enable_prefix_caching else len(req.prompt_tokens)
-        full = min(req.num_computed_tokens, known) // self.block_size
-        while req.num_hashed_blocks < full:
-            i = req.num_hashed_blocks
-            h = self._block_hash(req, i, req.last_block_hash)
+        full, first = min(req.num_computed_tokens, known) // bs, req.num_hashed_blocks
+        if full <= first:
+            return
+        keys = chain_keys(req.last_block_hash, req.tokens_between(first * bs, full * bs), bs, self.allocator.hash_key,
+                          req.prompt_digests, first)
+        for i, h in enumerate(keys, first):
             self.allocator.register(req.block_ids[i], h)
             if self.mamba is not None:
                 self.mamba.on_block_registered(req, i, h)
-            req.num_hashed_blocks, req.last_block_hash = i + 1, h
+        req.num_hashed_blocks, req.last_block_hash = full, keys[-1]
 
     # ------------------------------------------------------------------ step assembly
     def initialize_attention_state(self, plan: StepPlan, verify_width: int = 0) -> StepShape:

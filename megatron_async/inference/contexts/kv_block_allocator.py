@@ -64,6 +64,22 @@ def chain_hash(parent: BlockKey | None, tokens: Sequence[int], key: bytes = b"",
     return BlockKey(_digest(content) if digest is None else digest, content)
 
 
+def chain_keys(parent: BlockKey | None, tokens: Sequence[int], block_size: int, key: bytes,
+               known: tuple[bytes, list[bytes]] | None = None, first: int = 0) -> list[BlockKey]:
+    """``chain_hash`` of each whole block of ``tokens`` in turn, the first chained from ``parent``,
+    in one pass (one byte conversion); block ``first + j``'s digest is read from ``known`` (a
+    request's adopted ``prompt_digests``, ``adopted_digest``) where it is there, else hashed."""
+    raw = memoryview(array("q", tokens).tobytes())
+    step = 8 * block_size
+    head = parent.digest if parent is not None else root_digest(key)
+    out = []
+    for j, start in enumerate(range(0, len(raw) - step + 1, step)):
+        content = head + raw[start:start + step]
+        head = adopted_digest(known, key, first + j) or _digest(content)
+        out.append(BlockKey(head, content))
+    return out
+
+
 def prefix_digests(tokens: Sequence[int], block_size: int, key: bytes, num_blocks: int | None = None) -> list[bytes]:
     """``chain_hash``'s digests of the first ``num_blocks`` whole blocks of ``tokens`` (None: the
     blocks a request with this prompt can hit, ``(len(tokens) - 1) // block_size``: its last
