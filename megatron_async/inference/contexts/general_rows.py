@@ -4,6 +4,7 @@ path instead (decode_rows.py), which a test compares byte for byte with this one
 writes the buffer: the request book commits the step (positions, in-flight counts) after it."""
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,6 +46,7 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
             samples.add(row, r, row_first, pad)
             rows.add(row, r, pad)
         r = None
+        tokens.finish()
         columns = _columns(tokens, rows, samples)
         num_multi = -1
         if has_mamba:
@@ -93,18 +95,45 @@ def _verify_padding(row, verify_width: int) -> int:
     return pad
 
 
+LONG_ROW = 64
+"""Tokens from which a row without drafts takes numpy arrays for its token columns instead of
+Python ints (an 8,192-token step's column costs ~0.3 ms to convert from a list)."""
+
+
 class _TokenColumns:
     """The per-token columns: input ids, where an id comes from (the launch in flight, a draft),
-    positions, KV slots, rows."""
+    positions, KV slots, rows. Lists while rows are added (a long plain row's arrays and the lists
+    before it are kept in order in ``_runs``); ``finish`` joins them."""
 
     def __init__(self, bs: int, spec: bool):
         self.bs, self.spec = bs, spec
         self.ids, self.prev, self.pos, self.slots, self.tok_row, self.src = [], [], [], [], [], []
+        self._runs: list[tuple] = []
+
+    def _flush(self) -> None:
+        if self.ids:
+            self._runs.append((self.ids, self.prev, self.pos, self.slots, self.tok_row, self.src))
+            self.ids, self.prev, self.pos, self.slots, self.tok_row, self.src = [], [], [], [], [], []
+
+    def finish(self) -> None:
+        """The columns in row order: numpy arrays where some row took arrays, else the lists."""
+        if not self._runs:
+            return
+        self._flush()
+        cols = [np.concatenate([np.asarray(run[i], dtype=np.int64) for run in self._runs])
+                for i in range(6 if self.spec else 5)]
+        self.ids, self.prev, self.pos, self.slots, self.tok_row = cols[:5]
+        if self.spec:
+            self.src = cols[5]
+        self._runs = []
 
     def add(self, row, r: int, inflight: bool) -> None:
         """Row ``r``'s tokens (``inflight``: its first token comes from the spec state)."""
         req, start, n, k, bs = row.request, row.start, row.num_tokens, row.num_drafts, self.bs
-        if k == 0 and not inflight:  # a plain row (prefill chunks): its columns by slices, not per token
+        if k == 0 and not inflight and n >= LONG_ROW:  # a prefill chunk: numpy ranges
+            self._flush()
+            self._runs.append(_long_row_tokens(req, start, n, row.prev_row, r, bs, self.spec))
+        elif k == 0 and not inflight:  # a plain row (decode, short chunks): its columns by slices, not per token
             _plain_row_tokens(req, start, n, row.prev_row, r, bs, self.ids, self.prev, self.pos, self.slots,
                               self.tok_row)
             if self.spec:  # no id from the spec state: a speculative engine's prefill chunks take
@@ -233,6 +262,25 @@ def _plain_row_tokens(req: DynamicInferenceRequest, start: int, n: int, prev_row
         m = min(bs - o, end - p)
         slots.extend(range(b * bs + o, b * bs + o + m))
         p += m
+
+
+def _long_row_tokens(req: DynamicInferenceRequest, start: int, n: int, prev_row: int, r: int, bs: int,
+                     spec: bool) -> tuple:
+    """``_plain_row_tokens``' columns of one row (n > 0) as int64 arrays: (ids, prev, pos, slots,
+    tok_row, src) (src only with ``spec``: -1, no id from the spec state)."""
+    end, first = start + n, int(prev_row >= 0)
+    known = req.tokens_between(start + first, end)
+    blocks = np.asarray(req.block_ids[start // bs:(end - 1) // bs + 1], dtype=np.int64)
+    o = start % bs
+    slots = (blocks[:, None] * bs + np.arange(bs)).ravel()[o:o + n]
+    if len(known) != end - start - first or len(slots) != n:
+        raise IndexError(f"positions {start}-{end - 1} of a request with {req.num_known_tokens} known tokens "
+                         f"and {len(req.block_ids)} blocks")
+    ids = np.fromiter(itertools.chain((0,), known) if first else known, dtype=np.int64, count=n)
+    prev = np.full(n, -1, dtype=np.int64)
+    prev[:first] = prev_row
+    return (ids, prev, np.arange(start, end, dtype=np.int64), slots, np.full(n, r, dtype=np.int64),
+            np.full(n, -1, dtype=np.int64) if spec else None)
 
 
 class _PenaltyColumns:
