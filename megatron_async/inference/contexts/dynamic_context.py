@@ -288,9 +288,9 @@ class DynamicInferenceContext:
             return
         keys = chain_keys(req.last_block_hash, req.tokens_between(first * bs, full * bs), bs, self.allocator.hash_key,
                           req.prompt_digests, first)
-        for i, h in enumerate(keys, first):
-            self.allocator.register(req.block_ids[i], h)
-            if self.mamba is not None:
+        self.allocator.register_run(req.block_ids[first:full], keys)
+        if self.mamba is not None:
+            for i, h in enumerate(keys, first):
                 self.mamba.on_block_registered(req, i, h)
         req.num_hashed_blocks, req.last_block_hash = full, keys[-1]
 

@@ -72,10 +72,11 @@ def chain_keys(parent: BlockKey | None, tokens: Sequence[int], block_size: int, 
     raw = memoryview(array("q", tokens).tobytes())
     step = 8 * block_size
     head = parent.digest if parent is not None else root_digest(key)
+    digests = known[1] if known is not None and known[0] is key else ()
     out = []
-    for j, start in enumerate(range(0, len(raw) - step + 1, step)):
+    for i, start in enumerate(range(0, len(raw) - step + 1, step), first):
         content = head + raw[start:start + step]
-        head = adopted_digest(known, key, first + j) or _digest(content)
+        head = digests[i] if i < len(digests) else _digest(content)
         out.append(BlockKey(head, content))
     return out
 
@@ -184,11 +185,19 @@ class KVBlockAllocator:
                     self._free.append(b)
 
     def register(self, block: int, block_hash: BlockKey) -> None:
-        """Make a complete, computed block findable by its prefix hash."""
-        if not self.publishes or block in self._hash_of or block_hash in self._block_of:
+        """Make a complete, computed block findable by its prefix hash (a block already hashed, or a
+        hash already cached in another block, stays as it is)."""
+        self.register_run((block,), (block_hash,))
+
+    def register_run(self, blocks: Sequence[int], keys: Sequence[BlockKey]) -> None:
+        """``register`` for each (block, key) pair in turn (a request's newly complete blocks)."""
+        if not self.publishes:
             return
-        self._hash_of[block] = block_hash
-        self._block_of[block_hash] = block
+        hash_of, block_of = self._hash_of, self._block_of
+        for block, key in zip(blocks, keys):
+            if block not in hash_of and key not in block_of:
+                hash_of[block] = key
+                block_of[key] = block
 
     def lookup(self, block_hash: BlockKey) -> int | None:
         return self._block_of.get(block_hash) if self.publishes else None
