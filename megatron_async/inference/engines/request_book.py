@@ -133,7 +133,9 @@ class RequestBook:
         computed, sampling rows as in flight, and blocks whose KV it completes are published.
         ``speculative`` (speculative engines): the step runs the drafter, so each row's spec
         slot will hold fresh drafts for its next row."""
-        register = self.ctx.allocator.publishes
+        # without prefix caching only prompt blocks are published: a row past its prompt has none
+        alloc = self.ctx.allocator
+        register, caching = alloc.publishes, alloc.enable_prefix_caching
         for r, row in enumerate(plan.rows):
             req = row.request
             req.num_computed_tokens = row.start + row.num_tokens
@@ -145,7 +147,7 @@ class RequestBook:
                     self.finishing.append(req)
             if speculative is not None:
                 req.spec_drafts_fresh = speculative
-            if register:
+            if register and (caching or row.start < len(req.prompt_tokens)):
                 self.ctx.register_complete_blocks(req)
 
     # ------------------------------------------------------------------ landing
@@ -160,7 +162,8 @@ class RequestBook:
         drafted_d, accepted_d = ([0] * K, [0] * K) if K else (None, None)
         finished, updated = [], []
         discarded = num_tokens = truncated = 0
-        register = ctx.allocator.publishes
+        # a landed sample completes a block only with prefix caching (``commit`` publishes prompt blocks)
+        register = ctx.allocator.enable_prefix_caching
         finished_status = Status.FINISHED
         reason = None
         version = pending.weight_version
@@ -237,7 +240,7 @@ class RequestBook:
         finished, updated = [], []
         discarded = num_tokens = 0
         ctx, finished_status = self.ctx, Status.FINISHED
-        register = ctx.allocator.publishes
+        register = ctx.allocator.enable_prefix_caching  # as in land
         for i, row in enumerate(rows):
             if not row.samples:
                 continue
