@@ -295,8 +295,8 @@ class DynamicInferenceRequest:
     share_key: tuple[bytes, bytes] | None = None
     """(block hash key, digest of its last shareable prompt block) (contexts/prompt_sharing.py)."""
     prompt_digests: tuple[bytes, list[bytes]] | None = None
-    """(block hash key, its prompt's leading block digests) where the rank that took it hashed
-    them to route it: admission reads them instead of hashing the prompt again."""
+    """(block hash key, its prompt's leading block digests) as the rank that routed it or prompt
+    sharing's key hashed them: the prefix match and publishing read them instead of hashing again."""
     queued_after: int = 0
     """Requests the scheduler had admitted when this one was queued (``SamplingParams.priority``)."""
     waited_for_prompt: bool = False

@@ -24,7 +24,8 @@ RESOURCE_OWNERS = {
     "last_block_hash": {"inference/contexts/dynamic_context.py"},
     "mamba_store_points": {"inference/contexts/dynamic_context.py"},
     "weights_epoch": {"inference/contexts/dynamic_context.py"},
-    "prompt_digests": {"inference/contexts/dynamic_context.py"},  # the routing rank's hashes, adopted at admission
+    # the routing rank's hashes, adopted at admission, or those prompt sharing computed for its key
+    "prompt_digests": {"inference/contexts/dynamic_context.py", "inference/contexts/prompt_sharing.py"},
     "state_slot": {"inference/contexts/mamba_states.py"},
     "sampling_slot": {"inference/contexts/sampling_state.py"},
     "spec_slot": {"inference/contexts/spec_state.py"},
