@@ -2,13 +2,15 @@
 matmul and fused SwiGLU (qkv, o_proj, gate_up, down, LM head) at decode and prefill row counts
 with the fixed launch of ``tile_config`` against ``launch_tiles`` (and cuBLAS), then the
 invariant attention on a decode step (128 rows x 100-1,152 keys) and on mixed steps (2,048 /
-8,192 tokens of prompts 100-1,024 plus 64 decode rows) with the old launch (registers capped at
-128) against the default one (and the default mode's kernels). Every variant's output is compared bit for bit
-with the old launch's (a launch may change which program computes an element, never its bits);
-``--sweep`` adds the candidate launches. Times: us per call in CUDA graphs (GEMMs cycling through
+8,192 tokens of prompts 100-1,024 plus 64 decode rows), with ``--long`` also at long context (a
+prefill step of 8,192 tokens continuing 8-16k-token prompts, and 32 decode rows of 8-16k keys,
+in a block table of 16,384 keys: four splits), with the compiler's register choice against the
+default launch (capped at 128, as the prefill kernel) and the default mode's kernels. Every
+variant's output is compared bit for bit with the first launch's (a launch may change which
+program computes an element, never its bits); ``--sweep`` adds the candidate launches. Times: us per call in CUDA graphs (GEMMs cycling through
 28 distinct weights, as a step's layers do).
 
-    python -m benchmarks kernel-times invariant-kernels [--part matmul attention] [--rows 128 2048 8192]
+    python -m benchmarks kernel-times invariant-kernels [--part matmul attention] [--rows 128 2048 8192] [--long]
     python -m benchmarks kernel-times invariant-kernels --sweep [--sweep-rows 128 8192]"""
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ SWEEP_PREFILL = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 64,
                  (64, 128, 4, 4), (64, 256, 8, 3)]
 SWEEP_DECODE = [(64, 64, 4, 4), (64, 32, 4, 4), (128, 64, 8, 4), (128, 32, 4, 4), (64, 128, 4, 3)]
 TABLE_KEYS = 4096  # the engine's default max_sequence_length: the block table's width in keys
+LONG_TABLE_KEYS = 16384  # the long-context steps' (prompts of 8-16k)
 
 
 def _label(t: TileConfig) -> str:
@@ -97,27 +100,32 @@ def matmul(rows: list[int], sweep_rows: list[int]) -> list[str]:
     return summary
 
 
-def _step(rows: list[tuple[int, int]], seed: int):
-    case = make_case(rows, block_size=16, seed=seed, table_width=TABLE_KEYS // 16, dtype=torch.bfloat16, device="cuda",
+def _step(rows: list[tuple[int, int]], seed: int, table_keys: int = TABLE_KEYS):
+    case = make_case(rows, block_size=16, seed=seed, table_width=table_keys // 16, dtype=torch.bfloat16, device="cuda",
                      **QWEN3_06B_HEADS)
     attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the new keys
     return case
 
 
-def attention(sweep: bool) -> list[str]:
+def attention(sweep: bool, long: bool = False) -> list[str]:
     gen = torch.Generator().manual_seed(11)
     steps = [("decode 128 x 100-1,152", _step([(n - 1, 1) for n in longest_first_lens(128, 100, 1152)], 3))]
     for tokens in (2048, 8192):
         rows = prompt_rows(tokens - 64, 100, 1024, gen)
         rows += [(int(torch.randint(100, 1025, (1,), generator=gen)), 1) for _ in range(64)]
         steps.append((f"mixed {tokens} tokens", _step(rows, 5)))
-    print("\ninvariant attention: us per call in a graph; bits: equal to the old launch's")
-    print("| step | default mode's kernel | old launch | new launch | best of sweep | bits |\n|---|---:|---:|---:|---|---|")
+    if long:  # chunks of 8-16k prompts after 4-12k of their keys, as chunked prefill runs them
+        steps.append(("long prefill 8,192 tokens", _step([(4096, 2048), (8192, 2048), (6144, 2048), (12288, 2048)], 7,
+                                                         LONG_TABLE_KEYS)))
+        steps.append(("long decode 32 x 8-16k", _step([(n - 1, 1) for n in longest_first_lens(32, 8192, 16384)], 9,
+                                                      LONG_TABLE_KEYS)))
+    print("\ninvariant attention: us per call in a graph; bits: equal to the uncapped launch's")
+    print("| step | default mode's kernel | uncapped | default launch | best of sweep | bits |\n|---|---:|---:|---:|---|---|")
     summary = []
     for label, case in steps:
         q, cache, meta, scale = case.q, case.kv_cache, case.meta, case.scale
         us = lambda fn: graph_call_us([fn], LAYERS)  # noqa: E731
-        old = functools.partial(invariant_attention, q, cache, meta, scale, maxnreg=128, num_stages=2)
+        old = functools.partial(invariant_attention, q, cache, meta, scale, maxnreg=0, num_stages=2)
         new = functools.partial(invariant_attention, q, cache, meta, scale)
         ref = functools.partial(decode_attention if meta.is_decode_only else prefill_attention, q, cache, meta, scale)
         base = old()
@@ -135,7 +143,7 @@ def attention(sweep: bool) -> list[str]:
         ref_us, old_us, new_us = us(ref), us(old), us(new)
         best_cell = "" if best is None else f"{best[0]:.1f} [{best[1]}]"
         print(f"| {label} | {ref_us:.1f} | {old_us:.1f} | {new_us:.1f} | {best_cell} | {same} |", flush=True)
-        summary.append(f"attn {label}: default-mode {ref_us:.1f} old {old_us:.1f} new {new_us:.1f} us"
+        summary.append(f"attn {label}: default-mode {ref_us:.1f} uncapped {old_us:.1f} default {new_us:.1f} us"
                        f"{'' if best is None else f' best {best_cell}'} bits {same}")
     return summary
 
@@ -144,10 +152,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--part", nargs="+", choices=["matmul", "attention"], default=["matmul", "attention"])
     p.add_argument("--rows", type=int, nargs="+", default=[128, 1024, 2048, 8192])
     p.add_argument("--sweep", action="store_true", help="also time the candidate launches")
+    p.add_argument("--long", action="store_true", help="the attention at long context too (8-16k-token prompts)")
     p.add_argument("--sweep-rows", type=int, nargs="+", default=[128, 8192], help="matmul row counts --sweep covers")
 
 
 def run(args: argparse.Namespace) -> None:
     summary = matmul(args.rows, args.sweep_rows if args.sweep else []) if "matmul" in args.part else []
-    summary += attention(args.sweep) if "attention" in args.part else []
+    summary += attention(args.sweep, args.long) if "attention" in args.part else []
     print("\nsummary:\n" + "\n".join(summary))

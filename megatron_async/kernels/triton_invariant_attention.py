@@ -21,9 +21,10 @@ absolute positions as batch-invariant modes elsewhere fix them).
 
 A program owns (KV head, query tile, split); a query tile is up to BLOCK_Q consecutive tokens
 of ONE row (the prefill kernel's tile schedule, most keys first) x the GQA group: 64 matrix
-rows on GPU, the default prefill kernel's tile (tensor-core wgmma; one compiled kernel for
-every query, decode or prefill, so a query's arithmetic is the same in any step and any slot
-of its tile). A decode row fills one matrix row per head of its tile: the wasted rows cost
+rows on GPU, the default prefill kernel's tile, key loop (``attend``) and register cap
+(tensor-core wgmma; one compiled kernel for every query, decode or prefill, so a query's
+arithmetic is the same in any step and any slot of its tile). A query that sees no key of a
+split (its position below the split's start) gets NaN there and is never stored. A decode row fills one matrix row per head of its tile: the wasted rows cost
 MMA work, not memory, and a split's keys stream at the copy rate (32 keys x 64 rows x 128 is
 ~256 tensor-core cycles of an SM against ~1,200 to bring the tile's 16 KB in at its share of
 the H100's bandwidth).
@@ -38,7 +39,8 @@ import triton
 import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
-from megatron_async.kernels.triton_paged_common import attend_keys, check_cache, dot_args, kv_scale_args
+from megatron_async.kernels.triton_paged_common import check_cache, dot_args, kv_scale_args
+from megatron_async.kernels.triton_prefill_attention import attend, max_registers
 from megatron_async.kernels.triton_tile_schedule import tile_schedule
 
 _LOG2E = 1.4426950408889634
@@ -119,9 +121,9 @@ def _split_kernel(
     first = (entry & 0x7FFFFFFF).to(tl.int32)  # first query of the tile, within the row
     q_begin = tl.load(cu_q_ptr + row)
     q_len = tl.load(cu_q_ptr + row + 1) - q_begin
-    kv_len = tl.load(kv_lens_ptr + row).to(tl.int64)
+    kv_len = tl.load(kv_lens_ptr + row)  # int32 like positions: the key loops as the prefill kernel runs them
     tok, heads, valid = _rows(q_begin, q_len, first, kv_head, GROUP, BLOCK_G, BLOCK_Q)
-    pos = tl.load(positions_ptr + tok, mask=valid, other=-1).to(tl.int64)
+    pos = tl.load(positions_ptr + tok, mask=valid, other=-1).to(tl.int32)
     lo = split * SPLIT
     hi = tl.minimum(tl.minimum(kv_len, tl.max(pos, 0) + 1), lo + SPLIT)
     if lo >= hi:  # the tile's queries see no key of this split
@@ -145,12 +147,13 @@ def _split_kernel(
     # masked loop's select would otherwise keep the scaled score out of an FMA the other forms).
     lowest = tl.min(tl.where(valid, pos, kv_len), 0)
     free_end = tl.maximum(lo, tl.minimum(tl.minimum(kv_len, lowest + 1), hi)) // BLOCK_N * BLOCK_N  # (provably whole tiles: one load predicate per tile)
-    acc, l_i, m_i = attend_keys(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask, lo,
-                          free_end, kv_len, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, False,
-                          DOT_DTYPE, DOT_PRECISION)
-    acc, l_i, m_i = attend_keys(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
-                          free_end, hi, kv_len, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, True,
-                          DOT_DTYPE, DOT_PRECISION)
+    even_d: tl.constexpr = HEAD_DIM == BLOCK_D
+    acc, l_i, m_i = attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask, lo,
+                           free_end, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, False, even_d,
+                           DOT_DTYPE, DOT_PRECISION)
+    acc, l_i, m_i = attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+                           free_end, hi, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, True, even_d,
+                           DOT_DTYPE, DOT_PRECISION)
     _finish(acc, l_i, m_i, split, pos, kv_len, tok, heads, valid, offs_d, d_mask, vscale, out_ptr, part_ptr, lse_ptr,
             stride_ot, stride_oh, num_heads, SPLIT, MAX_SPLITS, HEAD_DIM, KV_FP8)
 
@@ -189,18 +192,19 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, positions_ptr, kv_lens_ptr, token_
 
 def invariant_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                         kv_scale: torch.Tensor | None = None, split: int | None = None,
-                        heads_fastest: bool = True, block_n: int | None = None, maxnreg: int = 0,
+                        heads_fastest: bool = True, block_n: int | None = None, maxnreg: int | None = None,
                         num_stages: int = 2) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] (rows as in ``meta``) over each row's paged KV
     (already appended), batch-invariant (module docstring). Returns [T, H, D] in q's dtype.
     ``kv_scale`` [2, KVH]: an e4m3 cache's key / value scales. ``split``: keys per split (tests;
     a multiple of the key tile), else ``split_size`` of the block table. ``heads_fastest``: KV heads on
     the grid's first axis (forced off past 65,535 query tiles; tests); same bits either way.
-    ``maxnreg`` (a register cap; 0: the compiler's choice) / ``num_stages``: launch settings (sweeps;
-    same bits). Uncapped was the fastest of ``kernel-times invariant-kernels --sweep`` (H100, us,
-    against the default prefill kernel's cap of 128): decode 128 rows x 100-1,152 keys 128.4 vs
-    131.5, mixed steps of 2,048 / 8,192 tokens 78.6 / 161.5 vs 81.2 / 162.9; caps of 192-232 ran
-    8-25 % slower (at 128 ptxas spills in the key loops).
+    ``maxnreg`` (a register cap; None: the prefill kernel's ``max_registers``, 0: the compiler's
+    choice) / ``num_stages``: launch settings (sweeps; same bits). With the prefill kernel's key
+    loop (``attend``) the cap of 128 was the fastest of ``kernel-times invariant-kernels --sweep
+    --long`` at every shape (H100, us, capped / uncapped): decode 128 rows x 100-1,152 keys 121.6 /
+    126.3, mixed steps of 2,048 / 8,192 tokens 73.0 / 77.7 and 143.0 / 156.6, a long-context prefill
+    step (8,192 tokens after 4-12k keys) 1,754-1,875 / 2,604, 32 decode rows of 8-16k keys 646 / 719.
     ``block_n``: keys per tile (sweeps only: another key tile is another summation order)."""
     check_cache(kv_cache, q)
     num_tokens, num_heads, head_dim = q.shape
@@ -213,6 +217,8 @@ def invariant_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     block_n = block_n or tile_n
     max_keys = meta.block_table.shape[1] * block_size
     split = split or split_size(max_keys, q.device)
+    if maxnreg is None:
+        maxnreg = max_registers(head_dim, q.device)
     if split % block_n:
         raise ValueError(f"split size {split} is not a multiple of the key tile {block_n}")
     max_splits = triton.cdiv(max_keys, split)

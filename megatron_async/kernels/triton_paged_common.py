@@ -113,38 +113,6 @@ def q_as_pairs(q: torch.Tensor) -> torch.Tensor:
     return q.view(torch.int32)
 
 
-@triton.jit
-def attend_keys(
-    acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
-    lo, hi, kv_len, scale_log2, stride_cb, stride_cs, stride_ch,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Online-softmax update of a tile of queries (q [M, D], positions ``pos``) with keys [lo, hi)
-    of one row and KV head, BLOCK_N at a time from ``lo``, scores in log2 units; the causal mask
-    (key <= position, key < kv_len) only when CAUSAL_MASK. Shared by the prefill and the
-    batch-invariant kernels."""
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, True)
-        k = load_kv(k_cache_ptr, rows, offs_d, n_mask, d_mask)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2
-        if CAUSAL_MASK:
-            visible = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < kv_len)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Matrix rows with no visible key yet (padding) keep m = -inf: shift by 0 instead.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv(v_cache_ptr, rows, offs_d, n_mask, d_mask)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        m_i = m_new
-    return acc, l_i, m_i
-
-
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 

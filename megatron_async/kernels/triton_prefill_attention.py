@@ -51,7 +51,7 @@ def _key_ranges(kv_len, pos, m_valid, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _kv_tile(cache_ptr, kv_ptrs, offs_n, hi, col_mask, MASK: tl.constexpr, EVEN: tl.constexpr, ZERO: tl.constexpr):
-    """One K or V tile of ``_attend`` / ``_attend_e4m3``: with MASK (the diagonal tiles) keys from
+    """One K or V tile of ``attend`` / ``_attend_e4m3``: with MASK (the diagonal tiles) keys from
     ``hi`` on and the columns past the head are ``ZERO`` (0.0 for a float cache, 0 for int16 pairs);
     without it only the columns are masked, and nothing where the head fills the tile (EVEN)."""
     if MASK:
@@ -64,17 +64,19 @@ def _kv_tile(cache_ptr, kv_ptrs, offs_n, hi, col_mask, MASK: tl.constexpr, EVEN:
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
-            lo, hi, qk_scale, stride_cb, stride_cs, stride_ch,
-            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
-            DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+           lo, hi, qk_scale, stride_cb, stride_cs, stride_ch,
+           BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
+           DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online-softmax update of the tile's queries (q [M, D], positions ``pos``) with keys
     [lo, hi) of its row and KV head, BLOCK_N at a time, scores in log2 units, as FlashAttention
     does it: the scale folded into the max subtraction (one FMA a score), the rescaled
     accumulator fed to the P @ V dot as its addend. MASK (the tiles on the diagonal): the causal
     mask (every query sees key 0, so its max is finite from the first tile on and a masked
     score's exp2 is 0; a padding row's may go NaN: rows never mix, and it is not stored); without
-    it no load is masked (whole tiles below every query's position: live pages only)."""
+    it no load is masked (whole tiles below every query's position: live pages only). Shared with
+    the batch-invariant kernel, which builds it without FMA contraction (both branches then round a
+    visible key's score alike: max(qk) x scale == max(qk x scale), rounding being monotone)."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, MASK)
@@ -102,7 +104,7 @@ def _attend_e4m3(acc_e, acc_o, l_i, m_i, q_e, q_o, pos, k_cache_ptr, v_cache_ptr
                  lo, hi, row_scale, stride_cb, stride_cs, stride_ch,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_P: tl.constexpr,
                  USE_ASM: tl.constexpr):
-    """``_attend`` over an e4m3 cache read as int16 pairs of neighbouring dims, as the decode kernel
+    """``attend`` over an e4m3 cache read as int16 pairs of neighbouring dims, as the decode kernel
     reads it: each K / V tile widens to float16 even / odd halves (one conversion per two values,
     ``widen_e4m3_pairs``), q.k = q_even.k_even + q_odd.k_odd, and each half of the output its own
     accumulator. ``row_scale``: the softmax scale in log2 units times each row's query scale."""
@@ -144,10 +146,10 @@ def _tile(q_rows, m_valid, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, no
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+    acc, l_i, m_i = attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
                             0, no_mask_end, scale_log2, stride_cb, stride_cs, stride_ch,
                             BLOCK_SIZE, BLOCK_N, False, EVEN_D, DOT_DTYPE, DOT_PRECISION)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
+    acc, l_i, m_i = attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
                             no_mask_end, end, scale_log2, stride_cb, stride_cs, stride_ch,
                             BLOCK_SIZE, BLOCK_N, True, EVEN_D, DOT_DTYPE, DOT_PRECISION)
     return acc, l_i
