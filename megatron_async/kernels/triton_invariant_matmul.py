@@ -66,6 +66,33 @@ def _k_range(a_rows, w_cols, offs_k, m_mask, n_mask, k_lo, k_end, stride_ak, str
     return acc
 
 
+@triton.jit
+def _k_ranges(a_rows, w_cols, offs_k, m_mask, n_mask, K, stride_ak, stride_wk, K_PER_SPLIT: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
+    """``_k_range`` of every range of K_PER_SPLIT (a multiple of BLOCK_K), added in range order, in
+    one loop over K: the loads stay pipelined across a range's end, where a loop per range drained
+    and refilled the pipeline. The sum starts at -0.0 (-0.0 + x is x, bit for bit), so it is the
+    split-sum kernel's r0 + r1 + ... exactly."""
+    acc = tl.full([BLOCK_M, BLOCK_N], -0.0, tl.float32)
+    part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        if EVEN_K:
+            a_mask = m_mask[:, None]
+            w_mask = n_mask[None, :]
+        else:  # the ranges are whole BLOCK_K tiles: only K's own end cuts a tile
+            a_mask = m_mask[:, None] & (k < K)[None, :]
+            w_mask = (k < K)[:, None] & n_mask[None, :]
+        a = tl.load(a_rows + k[None, :] * stride_ak, mask=a_mask, other=0.0)
+        w = tl.load(w_cols + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+        part = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), part, input_precision=DOT_PRECISION)
+        if ((k0 + BLOCK_K) % K_PER_SPLIT == 0) | (k0 + BLOCK_K >= K):  # a range ends: add it, start the next
+            acc += part
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     a_ptr,
@@ -103,12 +130,8 @@ def _matmul_kernel(
     w_cols = w_ptr + offs_n[None, :] * stride_wn
     mask = m_mask[:, None] & n_mask[None, :]
     if IN_PROGRAM:  # every K range here, added in range order: the split-sum kernel's arithmetic
-        acc = _k_range(a_rows, w_cols, offs_k, m_mask, n_mask, 0, tl.minimum(K, K_PER_SPLIT), stride_ak, stride_wk,
-                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, EVEN_K)
-        for s in tl.static_range(1, SPLIT_K):
-            acc += _k_range(a_rows, w_cols, offs_k, m_mask, n_mask, s * K_PER_SPLIT,
-                            tl.minimum(K, (s + 1) * K_PER_SPLIT), stride_ak, stride_wk,
-                            BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, EVEN_K)
+        acc = _k_ranges(a_rows, w_cols, offs_k, m_mask, n_mask, K, stride_ak, stride_wk, K_PER_SPLIT,
+                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, EVEN_K)
     else:
         split = tl.program_id(1)
         acc = _k_range(a_rows, w_cols, offs_k, m_mask, n_mask, split * K_PER_SPLIT,
