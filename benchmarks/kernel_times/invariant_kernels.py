@@ -1,7 +1,7 @@
 """Batch-invariant mode's kernels at workload A's shapes (Qwen3-0.6B, bf16, H100): the invariant
 matmul and fused SwiGLU (qkv, o_proj, gate_up, down, LM head) at decode and prefill row counts
 with the fixed launch of ``tile_config`` against ``launch_tiles``, the path a call without tiles
-takes (``triton_tma_linear`` from 1,024 rows of a linear) and cuBLAS, then the
+takes (``triton_tma_linear`` from 1,024 rows of a weight with K ranges) and cuBLAS, then the
 invariant attention on a decode step (128 rows x 100-1,152 keys) and on mixed steps (2,048 /
 8,192 tokens of prompts 100-1,024 plus 64 decode rows), with ``--long`` also at long context (a
 prefill step of 8,192 tokens continuing 8-16k-token prompts, and 32 decode rows of 8-16k keys,
@@ -58,7 +58,7 @@ def matmul(rows: list[int], sweep_rows: list[int]) -> list[str]:
     torch.manual_seed(0)
     dev = torch.device("cuda")
     print("\ninvariant matmul: us per call in a graph (TFLOP/s); bits: equal to the old launch's at every row")
-    print("| GEMM | rows | cuBLAS | old launch | launch_tiles | no tiles given (TMA from 1,024 rows) | best of sweep | bits |"
+    print("| GEMM | rows | cuBLAS | old launch | launch_tiles | no tiles given (TMA: K ranges, 1,024+ rows) | best of sweep | bits |"
           "\n|---|---:|---:|---:|---:|---:|---|---|")
     summary = []
     for name, (n, k) in SHAPES.items():

@@ -1,5 +1,5 @@
 """The batch-invariant attention's kernels (split + merge), the invariant matmul with its K ranges
-added in one program, its TMA kernel for prefill rows (with and without K ranges) and the fused invariant SwiGLU, compiled ahead of time for an H100 (sm_90) with the installed
+added in one program, its TMA kernel for prefill rows and the fused invariant SwiGLU, compiled ahead of time for an H100 (sm_90) with the installed
 Triton, on any machine: the interpreter tests cannot see a compile failure. The split kernel's
 64-row tile must use Hopper's wgmma (the tensor-core instruction the speed of prefill in the mode
 rests on), built without FMA contraction as the launch asks. A subprocess without TRITON_INTERPRET; skipped where Triton has no CUDA backend."""
@@ -54,12 +54,11 @@ out["swiglu"] = build(im._swiglu_kernel, dict(
     stride_am=i32, stride_ak=i32, stride_wn=i32, stride_wk=i32, stride_cm=i32),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, HAS_BIAS=True, DOT_DTYPE=tl.bfloat16,
          DOT_PRECISION="tf32", EVEN_K=True), num_stages=4)
-for ranges in (True, False):
-    out[f"tma_linear_ranges{ranges}"] = build(tma._tma_linear_kernel, dict(
-        a_desc="tensordesc<bf16[128, 64]>", w_desc="tensordesc<bf16[128, 64]>", out_desc="tensordesc<bf16[128, 128]>",
-        bias_ptr="*bf16", M=i32, N=i32, K=i32, num_programs=i32),
-        dict(K_PER_SPLIT=768, RANGES=ranges, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, HAS_BIAS=True,
-             DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32"), num_stages=3)
+out["tma_linear"] = build(tma._tma_linear_kernel, dict(
+    a_desc="tensordesc<bf16[128, 64]>", w_desc="tensordesc<bf16[128, 64]>", out_desc="tensordesc<bf16[128, 128]>",
+    bias_ptr="*bf16", M=i32, N=i32, K=i32, num_programs=i32),
+    dict(K_PER_SPLIT=768, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, HAS_BIAS=True,
+         DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32"), num_stages=3)
 print(json.dumps(out))
 '''
 
