@@ -295,11 +295,11 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if in_program is None:
         in_program = splits_in_program(m, n, cfg, x.device)
     in_program = in_program and split > 1
-    if tiles is None and in_program and a.is_cuda:
+    if tiles is None and (split == 1 or in_program) and a.is_cuda:
         from megatron_async.kernels import triton_tma_linear as tma  # (it imports this module)
 
-        if tma.takes(a, weight, ranges=True):  # prefill rows: the same bits, TMA loads, a persistent grid
-            return tma.tma_linear(a, weight, bias, k_per_split).reshape(*lead, n)
+        if tma.takes(a, weight):  # prefill rows: the same bits, TMA loads, a persistent grid
+            return tma.tma_linear(a, weight, bias, k_per_split, split > 1).reshape(*lead, n)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 and not in_program else out
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), 1 if in_program else split)
     bias_arg = weight if bias is None else bias

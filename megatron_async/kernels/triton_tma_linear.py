@@ -11,8 +11,9 @@ invariant kernel's at every row count (the ``gpu`` tests compare 1- and 64-row c
 kernel with 2,048- and 8,192-row calls of this one). H100, us per call in graphs (``kernel-times
 invariant-kernels --part matmul``), the invariant kernel / this one / cuBLAS: o_proj 89.6 / 70.0 /
 47.4 and down 137.4 / 99.3 / 68.4 at 8,192 rows, 30.2 / 19.2 / 13.7 and 44.5 / 26.5 / 18.5 at 2,048.
-Weights without K ranges keep the invariant kernel: qkv 141.0 / 139.2 at 8,192 rows but 34.9 / 37.4
-at 2,048."""
+A weight without K ranges holds one accumulator, so its tiles are 128 x 256 (the fused MLP kernel's
+relu(h)^2 at the 0.6B qkv's shape, 4,096 x 1,024: 112.7 us at 8,192 rows); in 128 x 128 tiles it gave
+qkv nothing (139.2 against the invariant kernel's 141.0 at 8,192 rows, 37.4 against 34.9 at 2,048)."""
 from __future__ import annotations
 
 import torch
@@ -24,65 +25,71 @@ from megatron_async.kernels import cuda_device
 from megatron_async.kernels.triton_invariant_matmul import grouped_tile
 from megatron_async.kernels.triton_paged_common import dot_args, num_compute_units
 
-TILES = (128, 128, 64, 8, 3)
-"""(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the fused MLP kernel's prefill tiles (two 128 x 128
-float32 accumulators on 8 warps: the total and the range's sum)."""
+TILES = {True: (128, 128, 64, 8, 3), False: (128, 256, 64, 8, 3)}
+"""(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) with K ranges (two 128 x 128 float32 accumulators on 8
+warps, the total and the range's sum, as the fused MLP kernel's SwiGLU holds gate and up) and
+without (one 128 x 256, as its relu(h)^2)."""
 MIN_ROWS = 1024
 """Fewer rows keep the invariant kernel's own launch (``launch_tiles``)."""
 
 
 @triton.jit(do_not_specialize=["M", "num_programs"])
 def _tma_linear_kernel(a_desc, w_desc, bias_ptr, out_desc, M, N, K, num_programs,
-                       K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                       K_PER_SPLIT: tl.constexpr, RANGES: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """K cut into ranges of K_PER_SPLIT (a multiple of BLOCK_K), each summed from zero and added to a
-    total that starts at -0.0 (-0.0 + x is x, bit for bit: the first range's sum exactly, as the
-    split-sum kernel takes it)."""
+    """``RANGES``: K cut into ranges of K_PER_SPLIT (a multiple of BLOCK_K), each summed from zero
+    and added to a total that starts at -0.0 (-0.0 + x is x, bit for bit: the first range's sum
+    exactly, as the split-sum kernel takes it); else one sum over K from zero."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), num_m * num_n, num_programs):
         pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
-        acc = tl.full([BLOCK_M, BLOCK_N], -0.0, tl.float32)
+        if RANGES:
+            acc = tl.full([BLOCK_M, BLOCK_N], -0.0, tl.float32)
         part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # descriptors load zeros past M, N and K
             a = a_desc.load([pid_m * BLOCK_M, k0]).to(DOT_DTYPE)
             w = w_desc.load([pid_n * BLOCK_N, k0]).to(DOT_DTYPE)
             part = tl.dot(a, w.T, part, input_precision=DOT_PRECISION)
-            if ((k0 + BLOCK_K) % K_PER_SPLIT == 0) | (k0 + BLOCK_K >= K):  # a range ends
-                acc += part
-                part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if RANGES:
+                if ((k0 + BLOCK_K) % K_PER_SPLIT == 0) | (k0 + BLOCK_K >= K):  # a range ends
+                    acc += part
+                    part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if not RANGES:
+            acc = part
         if HAS_BIAS:
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
 
 
-def takes(a: torch.Tensor, weight: torch.Tensor, ranges: bool) -> bool:
-    """Whether ``invariant_linear`` hands these operands to ``tma_linear``: a weight whose K is cut
-    into ranges (``ranges``), a Hopper or newer GPU (TMA), at least ``MIN_ROWS`` rows, 16-bit types,
-    16-byte aligned bases and row strides, unit stride along K."""
-    return (ranges and a.is_cuda and cuda_device.capability(a.device)[0] >= 9 and a.shape[0] >= MIN_ROWS
+def takes(a: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``invariant_linear`` hands these operands to ``tma_linear``: a Hopper or newer GPU
+    (TMA), at least ``MIN_ROWS`` rows, 16-bit types, 16-byte aligned bases and row strides, unit
+    stride along K."""
+    return (a.is_cuda and cuda_device.capability(a.device)[0] >= 9 and a.shape[0] >= MIN_ROWS
             and a.dtype == weight.dtype and a.dtype in (torch.bfloat16, torch.float16)
             and a.stride(1) == 1 and weight.stride(1) == 1 and (weight.shape[0] * a.element_size()) % 16 == 0
             and all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, weight)))
 
 
-def tma_linear(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k_per_split: int) -> torch.Tensor:
+def tma_linear(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k_per_split: int,
+               ranges: bool) -> torch.Tensor:
     """a [M, K] @ weight [N, K].T + bias -> [M, N] in a's dtype, as ``invariant_linear`` computes it
-    for a weight whose K it cuts into ranges of ``k_per_split``. 16-bit operands,
+    for a weight whose K order is (``k_per_split``, ``ranges``: whether K is cut). 16-bit operands,
     16-byte aligned, unit stride along K (``takes``' conditions but the row count)."""
     m, k = a.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, warps, stages = TILES
-    if k_per_split % block_k:
+    block_m, block_n, block_k, warps, stages = TILES[ranges]
+    if ranges and k_per_split % block_k:
         raise ValueError(f"K ranges of {k_per_split} are not whole {block_k}-deep steps")
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     programs = min(num_compute_units(a.device), triton.cdiv(m, block_m) * triton.cdiv(n, block_n))
     _tma_linear_kernel[(programs,)](
         TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(weight, [block_n, block_k]),
         weight if bias is None else bias, TensorDescriptor.from_tensor(out, [block_m, block_n]),
-        m, n, k, programs, K_PER_SPLIT=k_per_split, BLOCK_M=block_m, BLOCK_N=block_n,
+        m, n, k, programs, K_PER_SPLIT=k_per_split, RANGES=ranges, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, GROUP_M=8, HAS_BIAS=bias is not None, **dot_args(_tma_linear_kernel, a.dtype),
         num_warps=warps, num_stages=stages,
     )

@@ -85,16 +85,15 @@ def test_launch_by_row_count_keeps_the_k_order(monkeypatch):
 @pytest.mark.parametrize("n,k", [(1024, 2048), (1024, 3072), (4096, 1024)])
 def test_gpu_matmul_prefill_rows_equal_decode_rows(n, k):
     """The 0.6B's o_proj / down_proj / qkv shapes: rows of an 8,192- and a 2,048-row prefill GEMM
-    (o_proj / down_proj: the TMA kernel, K ranges added in one program) equal the same rows in 1-
-    and 64-row GEMMs (the invariant kernel, a program per K range) and in the invariant kernel's own
+    (the TMA kernel; o_proj / down_proj add their K ranges in one program) equal the same rows in 1-
+    and 64-row GEMMs (the invariant kernel; a program per K range) and in the invariant kernel's own
     8,192-row launch."""
     from megatron_async.kernels import triton_tma_linear
 
     assert launch_tiles(8192, n, k, torch.device(DEVICE)) != launch_tiles(64, n, k, torch.device(DEVICE))
     w, x, b = _randn(n, k, seed=1), _randn(8192, k, seed=2), _randn(n, seed=3)
-    ranges = tile_config(n, k, torch.device(DEVICE)).split_k > 1
-    assert triton_tma_linear.takes(x, w, ranges) == triton_tma_linear.takes(x[:2048], w, ranges) == ranges
-    assert not triton_tma_linear.takes(x[:64], w, ranges)
+    assert triton_tma_linear.takes(x, w) and triton_tma_linear.takes(x[:2048], w)
+    assert not triton_tma_linear.takes(x[:64], w)
     full = invariant_linear(x, w, b)
     own = invariant_linear(x, w, b, tiles=launch_tiles(8192, n, k, torch.device(DEVICE)))  # (explicit: no TMA)
     assert torch.equal(full, own), "the TMA kernel's bits differ from the invariant kernel's"

@@ -54,11 +54,12 @@ out["swiglu"] = build(im._swiglu_kernel, dict(
     stride_am=i32, stride_ak=i32, stride_wn=i32, stride_wk=i32, stride_cm=i32),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, HAS_BIAS=True, DOT_DTYPE=tl.bfloat16,
          DOT_PRECISION="tf32", EVEN_K=True), num_stages=4)
-out["tma_linear"] = build(tma._tma_linear_kernel, dict(
-    a_desc="tensordesc<bf16[128, 64]>", w_desc="tensordesc<bf16[128, 64]>", out_desc="tensordesc<bf16[128, 128]>",
-    bias_ptr="*bf16", M=i32, N=i32, K=i32, num_programs=i32),
-    dict(K_PER_SPLIT=768, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, HAS_BIAS=True,
-         DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32"), num_stages=3)
+for ranges, (bm, bn, bk, _w, stages) in tma.TILES.items():
+    out[f"tma_linear_ranges{ranges}"] = build(tma._tma_linear_kernel, dict(
+        a_desc=f"tensordesc<bf16[{bm}, {bk}]>", w_desc=f"tensordesc<bf16[{bn}, {bk}]>",
+        out_desc=f"tensordesc<bf16[{bm}, {bn}]>", bias_ptr="*bf16", M=i32, N=i32, K=i32, num_programs=i32),
+        dict(K_PER_SPLIT=768, RANGES=ranges, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, HAS_BIAS=True,
+             DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32"), num_stages=stages)
 print(json.dumps(out))
 '''
 
