@@ -24,10 +24,10 @@ of ONE row (the prefill kernel's tile schedule, most keys first) x the GQA group
 rows on GPU, the default prefill kernel's tile, key loop (``attend``) and register cap
 (tensor-core wgmma; one compiled kernel for every query, decode or prefill, so a query's
 arithmetic is the same in any step and any slot of its tile). A query that sees no key of a
-split (its position below the split's start) gets NaN there and is never stored. A decode row fills one matrix row per head of its tile: the wasted rows cost
-MMA work, not memory, and a split's keys stream at the copy rate (32 keys x 64 rows x 128 is
-~256 tensor-core cycles of an SM against ~1,200 to bring the tile's 16 KB in at its share of
-the H100's bandwidth).
+split (its position below the split's start) gets NaN there and is never stored. A decode row
+fills one matrix row per head of its tile: the wasted rows cost MMA work, not memory, and a
+split's keys stream at the copy rate (32 keys x 64 rows x 128 is ~256 tensor-core cycles of an
+SM against ~1,200 to bring the tile's 16 KB in at its share of the H100's bandwidth).
 
 Launch grids depend only on num_tokens, num_rows and the block table's width (graph-safe).
 An e4m3 cache (``KV_FP8``): the key scale is folded into the softmax scale, the value scale

@@ -147,11 +147,11 @@ def _tile(q_rows, m_valid, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, no
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     acc, l_i, m_i = attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
-                            0, no_mask_end, scale_log2, stride_cb, stride_cs, stride_ch,
-                            BLOCK_SIZE, BLOCK_N, False, EVEN_D, DOT_DTYPE, DOT_PRECISION)
+                           0, no_mask_end, scale_log2, stride_cb, stride_cs, stride_ch,
+                           BLOCK_SIZE, BLOCK_N, False, EVEN_D, DOT_DTYPE, DOT_PRECISION)
     acc, l_i, m_i = attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
-                            no_mask_end, end, scale_log2, stride_cb, stride_cs, stride_ch,
-                            BLOCK_SIZE, BLOCK_N, True, EVEN_D, DOT_DTYPE, DOT_PRECISION)
+                           no_mask_end, end, scale_log2, stride_cb, stride_cs, stride_ch,
+                           BLOCK_SIZE, BLOCK_N, True, EVEN_D, DOT_DTYPE, DOT_PRECISION)
     return acc, l_i
 
 

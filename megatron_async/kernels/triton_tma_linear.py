@@ -9,11 +9,11 @@ same chain per element with the default mode's fused MLP kernel's loads (TMA des
 program per SM walking the tiles in grouped order, ``triton_swiglu_matmul``), so its bits are the
 invariant kernel's at every row count (the ``gpu`` tests compare 1- and 64-row calls of that
 kernel with 2,048- and 8,192-row calls of this one). H100, us per call in graphs (``kernel-times
-invariant-kernels --part matmul``), the invariant kernel / this one / cuBLAS: o_proj 89.6 / 70.0 /
-47.4 and down 137.4 / 99.3 / 68.4 at 8,192 rows, 30.2 / 19.2 / 13.7 and 44.5 / 26.5 / 18.5 at 2,048.
-A weight without K ranges holds one accumulator, so its tiles are 128 x 256 (the fused MLP kernel's
-relu(h)^2 at the 0.6B qkv's shape, 4,096 x 1,024: 112.7 us at 8,192 rows); in 128 x 128 tiles it gave
-qkv nothing (139.2 against the invariant kernel's 141.0 at 8,192 rows, 37.4 against 34.9 at 2,048)."""
+invariant-kernels --part matmul``), the invariant kernel / this one / cuBLAS at 8,192 and 2,048
+rows: o_proj 90.1 / 70.0 / 47.1 and 30.6 / 19.1 / 13.6, down 138.1 / 100.5 / 68.2 and 44.8 / 26.7 /
+18.6, qkv 139.5 / 108.3 / 99.3 and 35.0 / 28.7 / 26.1. A weight without K ranges holds one
+accumulator, so its tiles are 128 x 256, as the fused MLP kernel's relu(h)^2 at the same shape; in
+128 x 128 tiles qkv gained nothing (139.2 and 37.4 us)."""
 from __future__ import annotations
 
 import torch
