@@ -41,7 +41,8 @@ import triton.language as tl
 from megatron_async.kernels.triton_fp8_act import QuantizedRows
 from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
 from megatron_async.kernels.triton_fp8_gemv import fp8_gemv_kernel, gemv_grid
-from megatron_async.kernels.triton_invariant_matmul import _split_sum_kernel, grouped_tile
+from megatron_async.kernels.triton_gemm_common import grouped_tile
+from megatron_async.kernels.triton_invariant_matmul import _split_sum_kernel
 from megatron_async.kernels.triton_paged_common import num_compute_units
 
 GROUP = 128

@@ -39,8 +39,7 @@ import triton
 import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
-from megatron_async.kernels.triton_paged_common import check_cache, dot_args, kv_scale_args
-from megatron_async.kernels.triton_prefill_attention import attend, max_registers
+from megatron_async.kernels.triton_paged_common import attend, check_cache, dot_args, kv_scale_args, max_registers
 from megatron_async.kernels.triton_tile_schedule import tile_schedule
 
 _LOG2E = 1.4426950408889634

@@ -28,19 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_async.kernels import triton_tma_linear as tma
 from megatron_async.kernels.triton_act import silu_mul
+from megatron_async.kernels.triton_gemm_common import grouped_tile
 from megatron_async.kernels.triton_paged_common import dot_args, num_compute_units
-
-
-@triton.jit
-def grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
-    """(row tile, column tile) of the ``tile``-th output tile in grouped order: GROUP_M row
-    tiles in a row walk each column of weight tiles together, so a weight tile is reused from
-    L2. The order only schedules tiles; each tile's arithmetic is the same wherever it runs."""
-    per_group = GROUP_M * num_n
-    first_m = (tile // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
 
 
 @triton.jit
@@ -295,11 +286,9 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if in_program is None:
         in_program = splits_in_program(m, n, cfg, x.device)
     in_program = in_program and split > 1
-    if tiles is None and (split == 1 or in_program) and a.is_cuda:
-        from megatron_async.kernels import triton_tma_linear as tma  # (it imports this module)
-
-        if tma.takes(a, weight):  # prefill rows: the same bits, TMA loads, a persistent grid
-            return tma.tma_linear(a, weight, bias, k_per_split, split > 1).reshape(*lead, n)
+    if tiles is None and (split == 1 or in_program) and tma.takes(a, weight):
+        # prefill rows: the same bits, TMA loads, a persistent grid
+        return tma.tma_linear(a, weight, bias, k_per_split, split > 1).reshape(*lead, n)
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 and not in_program else out
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), 1 if in_program else split)
     bias_arg = weight if bias is None else bias

@@ -31,7 +31,8 @@ from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels.triton_fp8_act import QuantizedRows, attention_outputs, store_heads_quantized
 from megatron_async.kernels.triton_fp8_common import emulate
 from megatron_async.kernels.triton_paged_common import (
-    check_cache, dot_args, kv_scale_args, kv_tile_rows, load_q_pairs, q_as_pairs, widen_e4m3_pairs,
+    attend, check_cache, dot_args, kv_scale_args, kv_tile, kv_tile_rows, load_q_pairs, max_registers, q_as_pairs,
+    widen_e4m3_pairs,
 )
 from megatron_async.kernels.triton_tile_schedule import tile_schedule
 
@@ -50,56 +51,6 @@ def _key_ranges(kv_len, pos, m_valid, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(cache_ptr, kv_ptrs, offs_n, hi, col_mask, MASK: tl.constexpr, EVEN: tl.constexpr, ZERO: tl.constexpr):
-    """One K or V tile of ``attend`` / ``_attend_e4m3``: with MASK (the diagonal tiles) keys from
-    ``hi`` on and the columns past the head are ``ZERO`` (0.0 for a float cache, 0 for int16 pairs);
-    without it only the columns are masked, and nothing where the head fills the tile (EVEN)."""
-    if MASK:
-        tile = tl.load(cache_ptr + kv_ptrs, mask=(offs_n < hi)[:, None] & col_mask[None, :], other=ZERO)
-    elif EVEN:
-        tile = tl.load(cache_ptr + kv_ptrs)
-    else:
-        tile = tl.load(cache_ptr + kv_ptrs, mask=col_mask[None, :], other=ZERO)
-    return tile
-
-
-@triton.jit
-def attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
-           lo, hi, qk_scale, stride_cb, stride_cs, stride_ch,
-           BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
-           DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online-softmax update of the tile's queries (q [M, D], positions ``pos``) with keys
-    [lo, hi) of its row and KV head, BLOCK_N at a time, scores in log2 units, as FlashAttention
-    does it: the scale folded into the max subtraction (one FMA a score), the rescaled
-    accumulator fed to the P @ V dot as its addend. MASK (the tiles on the diagonal): the causal
-    mask (every query sees key 0, so its max is finite from the first tile on and a masked
-    score's exp2 is 0; a padding row's may go NaN: rows never mix, and it is not stored); without
-    it no load is masked (whole tiles below every query's position: live pages only). Shared with
-    the batch-invariant kernel, which builds it without FMA contraction (both branches then round a
-    visible key's score alike: max(qk) x scale == max(qk x scale), rounding being monotone)."""
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, MASK)
-        kv_ptrs = rows[:, None] + offs_d[None, :]
-        k = _kv_tile(k_cache_ptr, kv_ptrs, offs_n, hi, d_mask, MASK, EVEN_D, 0.0)
-        qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        if MASK:  # keys past kv_len are past every query's position too
-            qk = tl.where(offs_n[None, :] <= pos[:, None], qk * qk_scale, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.math.exp2(qk - m_ij[:, None])
-        else:
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = _kv_tile(v_cache_ptr, kv_ptrs, offs_n, hi, d_mask, MASK, EVEN_D, 0.0)
-        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-        m_i = m_ij
-    return acc, l_i, m_i
-
-
-@triton.jit
 def _attend_e4m3(acc_e, acc_o, l_i, m_i, q_e, q_o, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_p, p_mask,
                  lo, hi, row_scale, stride_cb, stride_cs, stride_ch,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_P: tl.constexpr,
@@ -112,7 +63,7 @@ def _attend_e4m3(acc_e, acc_o, l_i, m_i, q_e, q_o, pos, k_cache_ptr, v_cache_ptr
         offs_n = n0 + tl.arange(0, BLOCK_N)
         rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, MASK)
         kv_ptrs = rows[:, None] + offs_p[None, :]
-        k = _kv_tile(k_cache_ptr, kv_ptrs, offs_n, hi, p_mask, MASK, EVEN_P, 0)
+        k = kv_tile(k_cache_ptr, kv_ptrs, offs_n, hi, p_mask, MASK, EVEN_P, 0)
         k_e, k_o = widen_e4m3_pairs(k, USE_ASM)
         qk = tl.dot(q_o, tl.trans(k_o), tl.dot(q_e, tl.trans(k_e)))
         if MASK:
@@ -124,7 +75,7 @@ def _attend_e4m3(acc_e, acc_o, l_i, m_i, q_e, q_o, pos, k_cache_ptr, v_cache_ptr
             p = tl.math.exp2(qk * row_scale[:, None] - m_ij[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _kv_tile(v_cache_ptr, kv_ptrs, offs_n, hi, p_mask, MASK, EVEN_P, 0)
+        v = kv_tile(v_cache_ptr, kv_ptrs, offs_n, hi, p_mask, MASK, EVEN_P, 0)
         v_e, v_o = widen_e4m3_pairs(v, USE_ASM)
         p16 = p.to(tl.float16)
         acc_e = tl.dot(p16, v_e, acc_e * alpha[:, None])
@@ -291,15 +242,6 @@ def prefill_tiles(group: int, device: torch.device) -> tuple[int, int]:
 
 NUM_WARPS, NUM_STAGES = 4, 2
 """The launch's warps (one warpgroup) and pipeline stages (cp.async of the next K / V tile)."""
-
-
-def max_registers(head_dim: int, device: torch.device) -> int | None:
-    """Registers per thread the compiler may use (None: its choice). Capped at 128 for 64-row
-    tiles of 32 keys and head_dim <= 128, four programs fit an H100 SM instead of two (its
-    choice: 232 registers): 1.2x on a 30B-A3B / 8B / 0.6B-shaped mixed step of 8,192 tokens
-    (``kernel-times paged-attention --sweep-prefill``). Larger heads keep the compiler's choice
-    (the accumulator alone would take the cap)."""
-    return 128 if device.type == "cuda" and head_dim <= 128 else None
 
 
 def prefill_attention(

@@ -27,7 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_async.kernels import cuda_device
 from megatron_async.kernels.triton_act import relu_sq, silu_mul
-from megatron_async.kernels.triton_invariant_matmul import grouped_tile
+from megatron_async.kernels.triton_gemm_common import grouped_tile
 from megatron_async.kernels.triton_paged_common import dot_args, num_compute_units
 
 

@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_async.kernels import cuda_device
-from megatron_async.kernels.triton_invariant_matmul import grouped_tile
+from megatron_async.kernels.triton_gemm_common import grouped_tile
 from megatron_async.kernels.triton_paged_common import dot_args, num_compute_units
 
 TILES = {True: (128, 128, 64, 8, 3), False: (128, 256, 64, 8, 3)}
