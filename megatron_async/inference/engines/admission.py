@@ -65,11 +65,17 @@ class Admission:
         this is true and steps otherwise (``LLM.generate``, the benchmark driver) validates the
         rest while the GPU runs the steps already launched. The next step admits at most
         ``max_requests`` requests and ``max_tokens`` tokens, so a queue holding either (twice the
-        tokens, for prefix hits that shorten chunks) loses no admission."""
+        tokens, for prefix hits that shorten chunks) loses no admission. The count stops at that
+        bound: a caller asks once an add, and a full sum each time made a burst of n adds O(n^2)."""
         waiting = self.scheduler.waiting
         if len(waiting) >= self.config.max_requests:
             return False
-        return sum(r.num_known_tokens - r.num_computed_tokens for r in waiting) < 2 * self.config.max_tokens
+        left = 2 * self.config.max_tokens
+        for r in waiting:
+            left -= r.num_known_tokens - r.num_computed_tokens
+            if left <= 0:
+                return False
+        return True
 
     def _check_id(self, request_id) -> int:
         if request_id is None:
