@@ -1,15 +1,15 @@
 """Batch-invariant mode's kernels at workload A's shapes (Qwen3-0.6B, bf16, H100): the invariant
 matmul and fused SwiGLU (qkv, o_proj, gate_up, down, LM head) at decode and prefill row counts
 with the fixed launch of ``tile_config`` against ``launch_tiles``, the path a call without tiles
-takes (``triton_tma_linear`` from 1,024 rows of a weight with K ranges) and cuBLAS, then the
+takes (``triton_tma_linear`` from 1,024 rows) and cuBLAS, then the
 invariant attention on a decode step (128 rows x 100-1,152 keys) and on mixed steps (2,048 /
 8,192 tokens of prompts 100-1,024 plus 64 decode rows), with ``--long`` also at long context (a
 prefill step of 8,192 tokens continuing 8-16k-token prompts, and 32 decode rows of 8-16k keys,
 in a block table of 16,384 keys: four splits), with the compiler's register choice against the
 default launch (capped at 128, as the prefill kernel) and the default mode's kernels. Every
 variant's output is compared bit for bit with the first launch's (a launch may change which
-program computes an element, never its bits); ``--sweep`` adds the candidate launches. Times: us per call in CUDA graphs (GEMMs cycling through
-28 distinct weights, as a step's layers do).
+program computes an element, never its bits); ``--sweep`` adds the candidate launches. Times: us
+per call in CUDA graphs (GEMMs cycling through 28 distinct weights, as a step's layers do).
 
     python -m benchmarks kernel-times invariant-kernels [--part matmul attention] [--rows 128 2048 8192] [--long]
     python -m benchmarks kernel-times invariant-kernels --sweep [--sweep-rows 128 8192]"""
@@ -58,7 +58,7 @@ def matmul(rows: list[int], sweep_rows: list[int]) -> list[str]:
     torch.manual_seed(0)
     dev = torch.device("cuda")
     print("\ninvariant matmul: us per call in a graph (TFLOP/s); bits: equal to the old launch's at every row")
-    print("| GEMM | rows | cuBLAS | old launch | launch_tiles | no tiles given (TMA: K ranges, 1,024+ rows) | best of sweep | bits |"
+    print("| GEMM | rows | cuBLAS | old launch | launch_tiles | no tiles given (TMA from 1,024 rows) | best of sweep | bits |"
           "\n|---|---:|---:|---:|---:|---:|---|---|")
     summary = []
     for name, (n, k) in SHAPES.items():

@@ -115,9 +115,10 @@ def q_as_pairs(q: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def kv_tile(cache_ptr, kv_ptrs, offs_n, hi, col_mask, MASK: tl.constexpr, EVEN: tl.constexpr, ZERO: tl.constexpr):
-    """One K or V tile of ``attend`` / the prefill kernel's e4m3 loop: with MASK (the diagonal tiles) keys from
-    ``hi`` on and the columns past the head are ``ZERO`` (0.0 for a float cache, 0 for int16 pairs);
-    without it only the columns are masked, and nothing where the head fills the tile (EVEN)."""
+    """One K or V tile of ``attend`` / the prefill kernel's e4m3 loop: with MASK (the diagonal tiles)
+    keys from ``hi`` on and the columns past the head are ``ZERO`` (0.0 for a float cache, 0 for
+    int16 pairs); without it only the columns are masked, and nothing where the head fills the tile
+    (EVEN)."""
     if MASK:
         tile = tl.load(cache_ptr + kv_ptrs, mask=(offs_n < hi)[:, None] & col_mask[None, :], other=ZERO)
     elif EVEN:

@@ -68,7 +68,7 @@ def takes(a: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``invariant_linear`` hands these operands to ``tma_linear``: a Hopper or newer GPU
     (TMA), at least ``MIN_ROWS`` rows, 16-bit types, 16-byte aligned bases and row strides, unit
     stride along K."""
-    return (a.is_cuda and cuda_device.capability(a.device)[0] >= 9 and a.shape[0] >= MIN_ROWS
+    return (a.shape[0] >= MIN_ROWS and a.is_cuda and cuda_device.capability(a.device)[0] >= 9
             and a.dtype == weight.dtype and a.dtype in (torch.bfloat16, torch.float16)
             and a.stride(1) == 1 and weight.stride(1) == 1 and (weight.shape[0] * a.element_size()) % 16 == 0
             and all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, weight)))

@@ -46,7 +46,7 @@ class PromptSharing:
         hash_key = self.allocator.hash_key
         if cached is None or cached[0] is not hash_key:
             digest = adopted_digest(req.prompt_digests, hash_key, n - 1)  # hashed where it arrived (routing)
-            if digest is None:  # hashed once: the blocks' identities read them when published (_block_hash)
+            if digest is None:  # hashed once: the prefix match and the published blocks read them
                 digests = prefix_digests(req.prompt_tokens, self.block_size, hash_key, n)
                 req.prompt_digests, digest = (hash_key, digests), digests[-1]
             cached = req.share_key = (hash_key, digest)
