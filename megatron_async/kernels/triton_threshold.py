@@ -267,7 +267,10 @@ def _finish_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, floo
         while hi - lo > 1:
             step = (hi - lo + P - 1) // P
             piv = lo + pj.to(tl.int64) * step
+            pnext = tl.minimum(piv + step, hi)  # pivot j's interval: [piv_j, pnext_j)
             acc = tl.zeros((P,), tl.float64)
+            first = tl.full((P,), 2**31, tl.int64)  # the smallest weighted key of each interval
+            last = tl.full((P,), -(2**31) - 1, tl.int64)  # and the largest
             for i0 in range(0, n, SB):
                 i = i0 + offs
                 if buffered:
@@ -282,14 +285,26 @@ def _finish_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, floo
                     w = tl.where(play, wf, 0.0).to(tl.float64)
                 k = k.to(tl.int64)
                 w = tl.where(k < hi, w, 0.0)  # the weight at or above hi is in whi
-                acc += tl.sum(tl.where(k[:, None] >= piv[None, :], w[:, None], 0.0), axis=0)
+                above = k[:, None] >= piv[None, :]
+                acc += tl.sum(tl.where(above, w[:, None], 0.0), axis=0)
+                inside = above & (k[:, None] < pnext[None, :]) & (w[:, None] > 0.0)
+                first = tl.minimum(first, tl.min(tl.where(inside, k[:, None], 2**31), axis=0))
+                last = tl.maximum(last, tl.max(tl.where(inside, k[:, None], -(2**31) - 1), axis=0))
             ok = ((whi + acc) >= target) & (piv < hi)
             j = tl.max(tl.where(ok, pj, 0), axis=0)
             nxt = lo + (j + 1).to(tl.int64) * step
             has_next = (j + 1 < P) & (nxt < hi)
             whi = tl.where(has_next, whi + tl.sum(tl.where(pj == j + 1, acc, 0.0), axis=0), whi)
-            lo = lo + j.to(tl.int64) * step
-            hi = tl.where(has_next, nxt, hi)
+            # the threshold is a weighted key of interval j (W only steps at them): narrow to its
+            # first and last such key, so a search over few distinct values (16-bit logits) ends
+            # in a pass or two instead of a pass per 4 bits of the interval's key span
+            kf = tl.sum(tl.where(pj == j, first, 0), axis=0)
+            kl = tl.sum(tl.where(pj == j, last, 0), axis=0)
+            lo_j = lo + j.to(tl.int64) * step
+            hi_j = tl.where(has_next, nxt, hi)
+            snap = kf <= kl
+            lo = tl.where(snap, kf, lo_j)
+            hi = tl.where(snap, kl + 1, hi_j)
         tl.store(out_ptr + row, lo)
 
 
