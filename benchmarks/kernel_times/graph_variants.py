@@ -1,6 +1,6 @@
 """What the nested graph sampling variants and their log-prob twins cost (graph_plan.py): a step
-replays the smallest variant covering it, so a top-p step runs the FILTERED graph (top-k and min-p
-passes launched, every row skipping their work) and a greedy step with log-probs runs GREEDY's
+replays the smallest variant covering it, so a top-p decode step runs the NUCLEUS graph (a top-k
+one runs FILTERED: its top-k stage launched, rows without top-k skipping the work), and a greedy step with log-probs runs GREEDY's
 log-prob twin (argmax, log-probs with top-20), not FULL (penalties, draw, log-probs). Each path is
 the engine's ``SampleLauncher.sample_with_log_probs`` captured in a CUDA graph at [rows, 151,936]
 bf16 logits (the Triton sampler reads the model dtype); median of replays between CUDA events. A

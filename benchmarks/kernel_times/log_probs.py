@@ -31,7 +31,7 @@ def _inputs(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _sampler_passes(rows: int, sets) -> dict:
     """The sampler's passes, for scale: a GREEDY graph argmaxes (its log-prob twin does not:
-    the log-prob pass gives the tokens); a FILTERED graph (or its twin) draws with top-p; a
+    the log-prob pass gives the tokens); a NUCLEUS graph (or its twin) draws with top-p; a
     FULL graph (penalties with log-probs) applies penalties (rows without any read the shared
     padding slot) and runs the filtered draw, here with every filter off per row."""
     ones = torch.ones(rows, device="cuda")
@@ -48,7 +48,7 @@ def _sampler_passes(rows: int, sets) -> dict:
         return triton_sampling.sample(pen, temperature, zeros_i, zero, zero, ids, ids, True)
 
     return {"argmax (GREEDY graph)": [lambda s=s: triton_sampling.argmax(s[0]) for s in sets],
-            "top-p 0.95 draw (FILTERED graph)": [
+            "top-p 0.95 draw (NUCLEUS graph)": [
                 lambda s=s: triton_sampling.sample(s[0], t08, zeros_i, p095, zero, ids, ids, (False, True, False))
                 for s in sets],
             "penalties + filtered draw, greedy rows (FULL graph)": [lambda s=s: full(s[0], zero) for s in sets],

@@ -75,5 +75,5 @@ def test_every_rank_runs_the_same_graph_or_eager_collectives_step_by_step():
     assert r1["dummy"] > 20 and r0["dummy"] > 0 and r1["padding_replays"] > 20
     assert any(m == "eager" for m, _ in r0["calls"]) and r0["replays"] > 0 and r1["replays"] > 0
     sampled = [m for m, _ in r0["calls"] if m.startswith("graph") and "GREEDY" not in m]
-    assert sampled and all("FILTERED" in m for m in sampled), sampled  # temperature + top-p rows: FILTERED
+    assert sampled and all("NUCLEUS" in m for m in sampled), sampled  # temperature + top-p rows: NUCLEUS
     assert r0["served"] > 0 and r1["served"] > 0

@@ -74,7 +74,7 @@ def test_greedy_log_prob_steps_take_their_tokens_from_the_log_prob_pass(qwen3_ck
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_log_probs_in_graphs_and_launch_ahead_equal_torch(qwen3_ckpt):
     """CUDA, float32 weights: the Triton log-probs replayed inside the log-prob graphs (decode
-    steps: the FILTERED variant's log-prob twin, not FULL), launch-ahead on and off, against the
+    steps: the NUCLEUS variant's log-prob twin, not FULL), launch-ahead on and off, against the
     torch backend run eager; no host sync in decode steps asking for them."""
     from megatron_async import LLM
     from tests.helpers.engine_harness import count_replays_by_variant, decode_steps_without_host_sync
@@ -92,7 +92,7 @@ def test_cuda_log_probs_in_graphs_and_launch_ahead_equal_torch(qwen3_ckpt):
         outs = llm.generate(prompts, params)
         if graphs:
             st = llm.engine.stats
-            assert replays["filtered+log_probs"] > 0 and replays["full"] == st.mixed_graph_replays, replays
+            assert replays["nucleus+log_probs"] > 0 and replays["full"] == st.mixed_graph_replays, replays
         return outs, llm
 
     ref, _ = run("torch", False, False)

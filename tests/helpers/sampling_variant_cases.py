@@ -1,8 +1,8 @@
 """Steps of one sampling kind against every nested graph sampling variant (graph_plan.py) that
 covers them, for the variant tests and ``python -m benchmarks kernel-times graph-variants``: a
-step replays the smallest variant covering it, so a top-p step runs the FILTERED graph (top-k
-and min-p passes launched, every row skipping their work) and a greedy step with log-probs runs
-GREEDY's log-prob twin, not FULL. Each path is ``SampleLauncher.sample_with_log_probs`` as the
+step replays the smallest variant covering it, so a top-p step runs the NUCLEUS graph, a top-k
+one FILTERED (its top-k stage launched, rows without top-k skipping the work), and a greedy step
+with log-probs runs GREEDY's log-prob twin, not FULL. Each path is ``SampleLauncher.sample_with_log_probs`` as the
 engine's step calls it."""
 from __future__ import annotations
 

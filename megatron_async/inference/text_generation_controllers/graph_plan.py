@@ -7,10 +7,13 @@ Sampling variants form a chain, each a superset of the one before, because every
 feature is also switched per row at run time (a row's own off values: temperature 0 = greedy,
 top-k 0, top-p 0, no penalty slot): a graph of a larger variant computes the same tokens for a
 step that needs less. A step replays the smallest variant that covers it, so the key space is
-sizes x 4 instead of sizes x every flag combination:
+sizes x 5 (decode) or x 4 (mixed, verify) instead of sizes x every flag combination:
 - GREEDY: argmax;
 - TEMPERATURE: the Gumbel draw (greedy rows still argmax);
-- FILTERED: + top-k, top-p and min-p passes (rows without them skip the search work);
+- NUCLEUS: + top-p and min-p; decode graphs only (a mixed or verify step replays FILTERED, its
+  sampling a small part of the step);
+- FILTERED: + the top-k threshold search (rows without top-k skip its work, yet its seven
+  launches cost a top-p decode step ~14 us at a 32,000-token vocabulary, ~30 at 151,936);
 - FULL: + penalties / min_tokens and log-probs with the top ``GRAPH_TOP_N`` (a row's own
   top-n is the head of that sorted list).
 
@@ -19,7 +22,7 @@ log-prob twin (``GraphKey.log_probs``) that runs that variant's sampling plus th
 statistics and the top ``GRAPH_TOP_N``, so a greedy or temperature step asking for log-probs
 does not pay for penalties and filter stages it does not use (the FULL variant's penalty pass
 reads and writes the [R, V] logits and count rows; the log-prob kernels read the logits once).
-The twins cost 3 decode graphs per decode size (workload A's plan: 36 of its 184 graphs, small
+The twins cost 4 decode graphs per decode size (workload A's plan: 48 of its 208 graphs, small
 ones). Mixed and verify steps asking for log-probs replay FULL (their sampling is a small part
 of the step), and so do data-parallel engines' steps (the ranks agree on one chain index).
 
@@ -66,6 +69,7 @@ GRAPH_TOP_N = 20
 class SamplingVariant(str, Enum):
     GREEDY = "greedy"
     TEMPERATURE = "temperature"
+    NUCLEUS = "nucleus"
     FILTERED = "filtered"
     FULL = "full"
 
@@ -83,15 +87,16 @@ class VariantFlags:
 
 def variant_flags(variant: SamplingVariant, vocab_size: int, log_probs: bool = False) -> VariantFlags:
     """``log_probs``: the variant's log-prob twin (FULL computes log-probs either way)."""
-    order = list(SamplingVariant).index(variant)
+    order = variant_index(variant)
     full = variant == SamplingVariant.FULL
     lp = full or log_probs
-    return VariantFlags(any_sampling=order >= 1, filters=(order >= 2,) * 3, any_log_probs=lp,
+    top_k = order >= variant_index(SamplingVariant.FILTERED)
+    return VariantFlags(any_sampling=order >= 1, filters=(top_k, order >= 2, order >= 2), any_log_probs=lp,
                         max_top_n=min(GRAPH_TOP_N, vocab_size) if lp else 0, any_penalties=full)
 
 
-def _needs(max_top_n: int, penalties: bool, log_probs: bool, filtered: bool,
-           sampled: bool) -> tuple[SamplingVariant, bool] | None:
+def _needs(max_top_n: int, penalties: bool, log_probs: bool, filtered: bool, sampled: bool,
+           top_k: bool) -> tuple[SamplingVariant, bool] | None:
     """(the smallest variant covering the sampling, log-probs apart; whether log-probs are
     needed), None when no graph computes that many top log-probs."""
     if max_top_n > GRAPH_TOP_N:
@@ -99,7 +104,7 @@ def _needs(max_top_n: int, penalties: bool, log_probs: bool, filtered: bool,
     if penalties:
         variant = SamplingVariant.FULL
     elif filtered:
-        variant = SamplingVariant.FILTERED
+        variant = SamplingVariant.FILTERED if top_k else SamplingVariant.NUCLEUS
     else:
         variant = SamplingVariant.TEMPERATURE if sampled else SamplingVariant.GREEDY
     return variant, log_probs or max_top_n > 0
@@ -107,7 +112,8 @@ def _needs(max_top_n: int, penalties: bool, log_probs: bool, filtered: bool,
 
 def sampling_needs(shape) -> tuple[SamplingVariant, bool] | None:
     """A step's (variant without log-probs, needs log-probs); None: no graph covers it."""
-    return _needs(shape.max_top_n, shape.any_penalties, shape.any_log_probs, any(shape.filters), shape.any_sampling)
+    return _needs(shape.max_top_n, shape.any_penalties, shape.any_log_probs, any(shape.filters), shape.any_sampling,
+                  shape.filters[0])
 
 
 def _chain(needs: tuple[SamplingVariant, bool] | None) -> SamplingVariant | None:
@@ -134,7 +140,7 @@ def variant_of_params(params) -> SamplingVariant | None:
     if bits & GRAMMAR:
         return None
     return _chain(_needs(top_n, bool(bits & PENALTIES), bool(bits & LOG_PROBS), bool(bits & (TOP_K | TOP_P | MIN_P)),
-                         bool(bits & SAMPLED)))
+                         bool(bits & SAMPLED), bool(bits & TOP_K)))
 
 
 def variant_index(variant: SamplingVariant) -> int:
@@ -272,6 +278,8 @@ class GraphPlan:
         twin = log_probs and variant != SamplingVariant.FULL
         if twin and not (self.log_prob_twins and shape.is_decode_only and not verify):
             variant, twin = SamplingVariant.FULL, False
+        if variant == SamplingVariant.NUCLEUS and not (shape.is_decode_only and not verify):
+            variant = SamplingVariant.FILTERED
         if variant not in self.variants:
             return None
         if verify:  # speculative verify rows
@@ -312,10 +320,11 @@ class GraphPlan:
         captures reuse the shared pool's memory), mixed before verify before decode (a
         speculative engine's mixed and decode graphs with the machinery before the plain ones)."""
         kinds = (True, False) if self.plain_steps else (self.speculative,)
+        wide = [v for v in self.variants if v != SamplingVariant.NUCLEUS]  # decode graphs only
         mixed = [GraphKey(t, self.mixed_rows(t), False, v, spec=k) for t in reversed(self.token_counts) for k in kinds
-                 for v in self.variants]
+                 for v in wide]
         verify = [GraphKey(b * w, b, False, v, w, True) for w in reversed(self.verify_sizes)
-                  for b in reversed(self.verify_sizes[w]) for v in self.variants]
+                  for b in reversed(self.verify_sizes[w]) for v in wide]
         decode = [GraphKey(b, b, True, v, spec=k, log_probs=lp) for b in reversed(self.decode_sizes) for k in kinds
                   for v in self.variants for lp in self._twins(v)]
         if self.logits_only:  # steps with grammar rows

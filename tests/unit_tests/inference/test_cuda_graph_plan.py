@@ -38,15 +38,20 @@ GREEDY = SamplingParams(top_k=1)
 V = list(SamplingVariant)
 
 
+S = SamplingVariant
+
+
 @pytest.mark.parametrize("other,variant", [
-    (GREEDY, 0), (SamplingParams(temperature=0.0, top_p=0.5), 0), (SamplingParams(temperature=0.8), 1),
-    (SamplingParams(temperature=0.8, top_k=40), 2), (SamplingParams(temperature=0.8, min_p=0.1), 2),
-    (SamplingParams(top_k=1, return_log_probs=True), 3), (SamplingParams(top_k=1, top_n_logprobs=2), 3),
-    (SamplingParams(top_k=1, repetition_penalty=1.2), 3), (SamplingParams(top_k=1, min_tokens=3), 3),
+    (GREEDY, S.GREEDY), (SamplingParams(temperature=0.0, top_p=0.5), S.GREEDY), (SamplingParams(temperature=0.8), S.TEMPERATURE),
+    (SamplingParams(temperature=0.8, top_p=0.9), S.NUCLEUS), (SamplingParams(temperature=0.8, min_p=0.1), S.NUCLEUS),
+    (SamplingParams(temperature=0.8, top_k=40), S.FILTERED), (SamplingParams(temperature=0.8, top_k=40, top_p=0.9), S.FILTERED),
+    (SamplingParams(top_k=1, return_log_probs=True), S.FULL), (SamplingParams(top_k=1, top_n_logprobs=2), S.FULL),
+    (SamplingParams(top_k=1, repetition_penalty=1.2), S.FULL), (SamplingParams(top_k=1, min_tokens=3), S.FULL),
     (SamplingParams(top_k=1, top_n_logprobs=21), None),  # beyond GRAPH_TOP_N: eager
 ])
 def test_a_decode_plan_replays_its_covering_variant(other, variant):
-    assert runner(True).replay_variant(decode_plan(GREEDY, other)) == variant
+    want = None if variant is None else V.index(variant)
+    assert runner(True).replay_variant(decode_plan(GREEDY, other)) == want
 
 
 def test_prefill_too_large_and_uncaptured_plans_run_eager():
@@ -61,11 +66,12 @@ def test_prefill_too_large_and_uncaptured_plans_run_eager():
 def test_ranks_replay_the_agreed_variant():
     """A greedy step on a rank whose peers sample replays their (larger) variant, at their size."""
     r = runner(True)
-    assert r.lookup(shape(2), min_rows=3, min_variant=2).key == decode_key(4, SamplingVariant.FILTERED)
+    assert r.lookup(shape(2), min_rows=3, min_variant=V.index(S.FILTERED)).key == decode_key(4, SamplingVariant.FILTERED)
+    assert r.lookup(shape(2), min_variant=V.index(S.NUCLEUS)).key == decode_key(2, SamplingVariant.NUCLEUS)
     assert r.lookup(shape(2, sampling=True), min_variant=0).key == decode_key(2, SamplingVariant.TEMPERATURE)
     replayed = []
     r.graphs[decode_key(4, SamplingVariant.FULL)].replay = lambda: replayed.append("full 4")
-    assert r.replay_padding(3, 3) == 4 and replayed == ["full 4"]
+    assert r.replay_padding(3, V.index(S.FULL)) == 4 and replayed == ["full 4"]
 
 
 def shape(rows: int, sampling: bool = False) -> StepShape:
@@ -110,10 +116,12 @@ def test_log_prob_decode_steps_replay_their_variants_twin():
     r._capture = lambda key: SimpleNamespace(num_rows=key.num_rows, key=key)
     greedy_lp = StepShape(3, 3, 1, 9, True, False, False, 0, True)
     top5 = StepShape(3, 3, 1, 9, True, True, False, 5, False)
-    filtered_top20 = StepShape(3, 3, 1, 9, True, True, True, 20, True, filters=(False, True, False))
+    top_p_top20 = StepShape(3, 3, 1, 9, True, True, True, 20, True, filters=(False, True, False))
+    top_k_top20 = StepShape(3, 3, 1, 9, True, True, True, 20, True, filters=(True, False, False))
     assert r.lookup(greedy_lp).key == GraphKey(4, 4, True, SamplingVariant.GREEDY, log_probs=True)
     assert r.lookup(top5).key == GraphKey(4, 4, True, SamplingVariant.TEMPERATURE, log_probs=True)
-    assert r.lookup(filtered_top20).key == GraphKey(4, 4, True, SamplingVariant.FILTERED, log_probs=True)
+    assert r.lookup(top_p_top20).key == GraphKey(4, 4, True, SamplingVariant.NUCLEUS, log_probs=True)
+    assert r.lookup(top_k_top20).key == GraphKey(4, 4, True, SamplingVariant.FILTERED, log_probs=True)
     assert r.lookup(top5).key.label == "temperature+log_probs"
     penalties_lp = StepShape(3, 3, 1, 9, True, False, False, 0, True, any_penalties=True)
     assert r.lookup(penalties_lp).key == GraphKey(4, 4, True, SamplingVariant.FULL)
@@ -148,7 +156,7 @@ def test_verify_keys_pad_rows_to_a_decode_size_at_the_narrowest_width():
     assert r.plan.verify_sizes == {2: [1, 2, 4, 8], 4: [1, 2, 4]}
     verify_keys = [k for k in r.plan.keys() if k.verify_width]
     assert verify_keys == [GraphKey(w * b, b, False, v, w, True) for w, sizes in ((4, (4, 2, 1)), (2, (8, 4, 2, 1)))
-                           for b in sizes for v in SamplingVariant]
+                           for b in sizes for v in SamplingVariant if v != S.NUCLEUS]  # NUCLEUS: decode graphs only
     assert r.lookup(verify_shape(3, 4, sampling=True)).key == GraphKey(16, 4, False, SamplingVariant.TEMPERATURE, 4, True)
     assert r.lookup(verify_shape(1, 4)).key == GraphKey(4, 1, False, SamplingVariant.GREEDY, 4, True)
     assert r.lookup(verify_shape(5, 2)).key == GraphKey(16, 8, False, SamplingVariant.GREEDY, 2, True)

@@ -83,8 +83,9 @@ def test_every_sampling_combination_replays_a_planned_graph_that_covers_it(model
         assert _covers(key, shape, model.vocab_size), (pair, key)
         # the smallest graph that covers it: a decode step's log-probs replay its own variant's twin
         variant, log_probs = sampling_needs(shape)
-        if prefill:
-            assert (key.variant, key.log_probs) == (variant_of(shape), False), (pair, key)
+        if prefill:  # no NUCLEUS graphs for mixed steps: FILTERED covers them
+            want = SamplingVariant.FILTERED if variant_of(shape) == SamplingVariant.NUCLEUS else variant_of(shape)
+            assert (key.variant, key.log_probs) == (want, False), (pair, key)
         else:
             assert (key.variant, key.log_probs) == (variant, log_probs and variant != SamplingVariant.FULL), (pair, key)
         assert key.num_tokens >= shape.num_tokens and key.num_rows > shape.num_rows - key.decode_only
@@ -114,14 +115,26 @@ def test_keys_serving_can_request_equal_the_keys_warmup_captures(model, max_requ
         requested.add(plan.key(_shape(max_tokens, 1, variant, model.vocab_size, lp)))
     assert requested == set(plan.keys())
     assert len(plan.keys()) == len(set(plan.keys()))
-    # decode graphs: the 4 variants and 3 log-prob twins per size; mixed graphs: the 4 variants
+    # decode graphs: the 5 variants and 4 log-prob twins per size; mixed graphs: 4 variants (no NUCLEUS)
     n_decode, n_mixed = len(plan.decode_sizes), len(plan.token_counts)
-    assert len(plan.keys()) == 7 * n_decode + 4 * n_mixed
+    assert len(plan.keys()) == 9 * n_decode + 4 * n_mixed
     if max_requests == 128:  # workload A's plan
-        assert (n_decode, n_mixed, len(plan.keys())) == (12, 25, 184)
+        assert (n_decode, n_mixed, len(plan.keys())) == (12, 25, 208)
     untwinned = GraphPlan(cfg.graph_sizing(), model.vocab_size, mixed=True, log_prob_twins=False)
-    assert len(untwinned.keys()) == 4 * (n_decode + n_mixed) and not any(k.log_probs for k in untwinned.keys())
+    assert len(untwinned.keys()) == 5 * n_decode + 4 * n_mixed and not any(k.log_probs for k in untwinned.keys())
     assert untwinned.key(_shape(3, 3, SamplingVariant.GREEDY, model.vocab_size, True)).variant == SamplingVariant.FULL
+
+
+def test_top_p_and_min_p_decode_steps_skip_the_top_k_search(model):
+    """A decode step whose rows filter by top-p or min-p alone replays NUCLEUS (its sampler runs no
+    top-k stage); one row with top-k sends the step to FILTERED, as do its mixed steps."""
+    plan = GraphPlan(InferenceConfig(**CFG).graph_sizing(), model.vocab_size, mixed=True)
+    for pair, want in ((("top_p", "min_p"), SamplingVariant.NUCLEUS), (("top_p", "temperature"), SamplingVariant.NUCLEUS),
+                       (("top_p", "top_k"), SamplingVariant.FILTERED)):
+        assert plan.key(_step_shape(model, pair, False)).variant == want, pair
+        assert plan.key(_step_shape(model, pair, True)).variant == SamplingVariant.FILTERED, pair
+    assert variant_flags(SamplingVariant.NUCLEUS, model.vocab_size).filters == (False, True, True)
+    assert variant_flags(SamplingVariant.FILTERED, model.vocab_size).filters == (True, True, True)
 
 
 def test_plan_without_mixed_graphs_or_with_greedy_only(model):
