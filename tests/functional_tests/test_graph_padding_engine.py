@@ -78,7 +78,7 @@ def test_padded_graph_steps_equal_eager_steps(async_scheduling, backend, request
     if any(a.params.top_n_logprobs > 20 for a in arrivals):
         assert st.graph_replays < st.steps  # the top-n 25 request's steps ran eager
     assert st.graph_captures_after_warmup == 0 and len(runner.graphs) == len(runner.plan.keys())
-    assert {k.variant for k in runner.graphs} == {"greedy", "temperature", "filtered", "full"}
+    assert {k.variant for k in runner.graphs} == {"greedy", "temperature", "nucleus", "filtered", "full"}
     # each sampling tail replays its size's forward, one per size: not one per variant
     tails = [s for k, s in runner.graphs.items() if not k.logits_only]
     assert tails and all(s.forward is runner.graphs[runner.forward_key(s.key)] for s in tails)

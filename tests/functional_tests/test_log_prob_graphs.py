@@ -2,7 +2,7 @@
 the FULL variant, on the CPU with emulated graphs (a replay runs the padded step eagerly with
 the graph's flags): tokens, log-probs and top-n equal the eager engine's (the torch reference,
 ``sampling.log_probs_of``) to float32 rounding (padding changes the GEMM shapes), greedy,
-sampled and filtered, serial and launch-ahead; the replay counters show which graphs served
+sampled, top-p and top-k filtered, serial and launch-ahead; the replay counters show which graphs served
 the steps."""
 import random
 
@@ -20,6 +20,8 @@ KINDS = {  # the sampling of every request of a run, and the twin its decode ste
     "temperature": (SamplingParams(temperature=0.9, num_tokens_to_generate=N, return_log_probs=True),
                     "temperature+log_probs"),
     "top_p": (SamplingParams(temperature=0.8, top_p=0.9, num_tokens_to_generate=N, top_n_logprobs=20),
+              "nucleus+log_probs"),
+    "top_k": (SamplingParams(temperature=0.8, top_k=50, top_p=0.9, num_tokens_to_generate=N, return_log_probs=True),
               "filtered+log_probs"),
 }
 
