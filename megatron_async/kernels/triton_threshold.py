@@ -11,9 +11,11 @@ few passes over the logits instead of a pass per few bits:
 2. update (one program per row): the bucket holding the threshold is the highest one whose
    suffix weight reaches the target; the weight above it and its element count are kept,
    and the next level spreads P buckets over that bucket's value range;
-3. once the chosen bucket holds <= CAP elements, the next pass compacts exactly those into a
-   per-row buffer (offsets from the per-chunk counts: deterministic, no atomics), and a
-   per-row program finishes the search in key space over the buffer alone.
+3. once the chosen bucket holds <= CAP elements (<= CAP / 8 after the first level: a row whose
+   first bucket holds thousands takes the second histogram, so the buffer holds ~P times fewer
+   and the per-row search, a latency chain, reads fewer blocks a step), the next pass compacts
+   exactly those into a per-row buffer (offsets from the per-chunk counts: deterministic, no
+   atomics), and a per-row program finishes the search in key space over the buffer alone.
 Rows whose bucket still holds > CAP elements after two levels (huge tie plateaus) take a
 per-row key-space search over the whole row: slow, exact, rare. Any monotone bucket
 function keeps the search exact, so float rounding in the bucket bounds only costs balance.
@@ -225,7 +227,8 @@ def _level_update_kernel(phase_ptr, p_ptr, whi_ptr, target_ptr, cnt_ptr, vlo_ptr
             inv = tl.load(inv_ptr + 2 * row)
             tl.store(vlo_ptr + 2 * row + 1, tl.where(inv > 0, vlo + j.to(tl.float32) / inv, vlo))
             tl.store(inv_ptr + 2 * row + 1, inv * P)
-        tl.store(phase_ptr + row, tl.where(cnt <= CAP, 1, 0).to(tl.int32))
+        limit = CAP // 8 if LEVEL == 0 else CAP
+        tl.store(phase_ptr + row, tl.where(cnt <= limit, 1, 0).to(tl.int32))
     elif phase == 1:
         tl.store(phase_ptr + row, 2)
 
