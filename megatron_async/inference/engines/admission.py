@@ -32,6 +32,8 @@ class Admission:
         """The smallest id a new request may take (ids are never reused)."""
         self.arrivals = 0
         """Requests admitted so far: the next one's ``arrival_order``."""
+        self._count = None
+        """``queue_short``'s last count: (queue, its version, its mark, tokens left under the bound)."""
 
     def accept(self, prompt_tokens: list[int] | str, sampling_params: SamplingParams | None,
                request_id: int | None, digests: bytes = b"") -> NewRequest:
@@ -65,17 +67,24 @@ class Admission:
         this is true and steps otherwise (``LLM.generate``, the benchmark driver) validates the
         rest while the GPU runs the steps already launched. The next step admits at most
         ``max_requests`` requests and ``max_tokens`` tokens, so a queue holding either (twice the
-        tokens, for prefix hits that shorten chunks) loses no admission. The count stops at that
-        bound: a caller asks once an add, and a full sum each time made a burst of n adds O(n^2)."""
+        tokens, for prefix hits that shorten chunks) loses no admission. A caller asks once an add,
+        so the count carries on over the requests appended since the last call while nothing else
+        changed the queue (a full sum each time made a burst of n adds O(n^2))."""
         waiting = self.scheduler.waiting
         if len(waiting) >= self.config.max_requests:
             return False
-        left = 2 * self.config.max_tokens
-        for r in waiting:
-            left -= r.num_known_tokens - r.num_computed_tokens
+        last = self._count
+        if last is not None and last[0] is waiting and last[1] == waiting.version:
+            left, new = last[3], waiting.appended_since(last[2])
+        else:
+            left, new = 2 * self.config.max_tokens, waiting
+        mark = waiting.mark
+        for r in new:
             if left <= 0:
-                return False
-        return True
+                break
+            left -= r.num_known_tokens - r.num_computed_tokens
+        self._count = (waiting, waiting.version, mark, left)
+        return left > 0
 
     def _check_id(self, request_id) -> int:
         if request_id is None:

@@ -23,6 +23,9 @@ class WaitingQueue:
         self._live: dict[int, int] = {}
         """request id -> the ticket of its entry in the queue (one per request)."""
         self._next_ticket = 0
+        self.version = 0
+        """Bumped by every change but ``append``: while it holds, the queue only grew at the back
+        (``appended_since``), so a sum over it can be carried on instead of redone."""
 
     def __len__(self) -> int:
         return len(self._live)
@@ -38,10 +41,28 @@ class WaitingQueue:
         live = self._live
         return (req for ticket, req in self._entries if live.get(req.request_id) == ticket)
 
+    @property
+    def mark(self) -> int:
+        """The ticket the next request takes (``appended_since``)."""
+        return self._next_ticket
+
+    def appended_since(self, mark: int) -> list[DynamicInferenceRequest]:
+        """The live requests appended since ``mark`` was read (``version`` unchanged since),
+        oldest first: a walk from the back over those entries alone."""
+        live, out = self._live, []
+        for ticket, req in reversed(self._entries):
+            if ticket < mark:
+                break
+            if live.get(req.request_id) == ticket:
+                out.append(req)
+        out.reverse()
+        return out
+
     def append(self, req: DynamicInferenceRequest) -> None:
         self._entries.append((self._ticket(req), req))
 
     def appendleft(self, req: DynamicInferenceRequest) -> None:
+        self.version += 1
         self._entries.appendleft((self._ticket(req), req))
 
     def head(self) -> DynamicInferenceRequest | None:
@@ -50,6 +71,7 @@ class WaitingQueue:
         return self._entries[0][1] if self._entries else None
 
     def popleft(self) -> DynamicInferenceRequest:
+        self.version += 1
         self._drop_stale_head()
         _, req = self._entries.popleft()
         del self._live[req.request_id]
@@ -59,6 +81,7 @@ class WaitingQueue:
         """Take ``req`` out wherever it is; False if it was not waiting."""
         if self._live.pop(req.request_id, None) is None:
             return False
+        self.version += 1
         if not self._live:
             self._entries.clear()
         elif len(self._entries) > 2 * len(self._live) + COMPACT_SLACK:

@@ -67,3 +67,57 @@ def test_aborting_a_long_queue_compares_no_requests(no_comparisons):
         res.finished += eng.step().finished
     assert len(res.finished) == 20_000 and {o.finish_reason for o in res.finished} == {"abort"}
     assert not eng.scheduler.waiting and len(eng.scheduler.waiting._entries) == 0
+
+
+class _Counted:
+    """A waiting request that counts how often its token count is read."""
+    reads = 0
+
+    def __init__(self, i: int, tokens: int):
+        self.request_id, self._tokens, self.num_computed_tokens = i, tokens, 0
+
+    @property
+    def num_known_tokens(self) -> int:
+        _Counted.reads += 1
+        return self._tokens
+
+
+def test_queue_short_carries_its_count_over_appends_and_recounts_after_other_changes():
+    """``Admission.queue_short`` equals a full count after any mix of appends, evictions to the
+    front, admissions and aborts, and reads each request's tokens once over a burst of adds
+    (was once per request per add: O(n^2))."""
+    import random
+    from types import SimpleNamespace
+
+    from megatron_async.inference.engines.admission import Admission
+
+    rng = random.Random(0)
+    for max_requests, max_tokens in ((64, 256), (1024, 8192)):
+        q = WaitingQueue()
+        adm = Admission.__new__(Admission)
+        adm.config, adm.scheduler, adm._count = SimpleNamespace(max_requests=max_requests, max_tokens=max_tokens), \
+            SimpleNamespace(waiting=q), None
+
+        def full():
+            return len(q) < max_requests and sum(r.num_known_tokens - r.num_computed_tokens for r in q) < 2 * max_tokens
+
+        ids = iter(range(10**6))
+        for _ in range(600):
+            op = rng.random()
+            if op < 0.7 or not q:
+                q.append(_Counted(next(ids), rng.randint(1, 40)))
+            elif op < 0.8:
+                q.popleft()
+            elif op < 0.9:
+                q.discard(rng.choice(list(q)))
+            else:
+                q.appendleft(_Counted(next(ids), rng.randint(1, 40)))
+            assert adm.queue_short() == full()
+        # a burst of tiny adds: each request's tokens read once, however many queries
+        q2 = WaitingQueue()
+        adm.scheduler, adm._count = SimpleNamespace(waiting=q2), None
+        _Counted.reads = 0
+        for i in range(min(max_requests - 1, 500)):
+            q2.append(_Counted(i, 2))
+            adm.queue_short()
+        assert _Counted.reads <= min(max_requests - 1, 500)
