@@ -12,10 +12,11 @@ few passes over the logits instead of a pass per few bits:
    suffix weight reaches the target; the weight above it and its element count are kept,
    and the next level spreads P buckets over that bucket's value range;
 3. once the chosen bucket holds <= CAP elements (<= CAP / 8 after the first level: a row whose
-   first bucket holds thousands takes the second histogram, so the buffer holds ~P times fewer
-   and the per-row search, a latency chain, reads fewer blocks a step), the next pass compacts
-   exactly those into a per-row buffer (offsets from the per-chunk counts: deterministic, no
-   atomics), and a per-row program finishes the search in key space over the buffer alone.
+   first bucket holds thousands takes the second histogram, so the buffer that the per-row
+   search walks once a pass, one program's chain, holds a bucket of the finer level), the next
+   pass compacts exactly those into a per-row buffer (offsets from the per-chunk counts:
+   deterministic, no atomics), and a per-row program finishes the search in key space over the
+   buffer alone.
 Rows whose bucket still holds > CAP elements after two levels (huge tie plateaus) take a
 per-row key-space search over the whole row: slow, exact, rare. Any monotone bucket
 function keeps the search exact, so float rounding in the bucket bounds only costs balance.
@@ -299,8 +300,8 @@ def _finish_kernel(logits_ptr, stride, V, temp_ptr, pmax_ptr, NS, minp_ptr, floo
             has_next = (j + 1 < P) & (nxt < hi)
             whi = tl.where(has_next, whi + tl.sum(tl.where(pj == j + 1, acc, 0.0), axis=0), whi)
             # the threshold is a weighted key of interval j (W only steps at them): narrow to its
-            # first and last such key, so a search over few distinct values (16-bit logits) ends
-            # in a pass or two instead of a pass per 4 bits of the interval's key span
+            # first and last such key, so the search ends once one distinct key is left rather
+            # than after a pass per 4 bits of the interval's key span (16-bit logits: few keys)
             kf = tl.sum(tl.where(pj == j, first, 0), axis=0)
             kl = tl.sum(tl.where(pj == j, last, 0), axis=0)
             lo_j = lo + j.to(tl.int64) * step
