@@ -35,25 +35,32 @@ from megatron_async.kernels.triton_paged_common import dot_args, num_compute_uni
 
 
 @triton.jit
+def _k_step(acc, a_rows, w_cols, k, m_mask, n_mask, k_end, stride_ak, stride_wk,
+            DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
+    """``acc`` plus the tile's products over the BLOCK_K columns ``k`` (below ``k_end``). EVEN_K
+    (every range whole BLOCK_K tiles): no k mask, the same values, and the loads vectorise (a
+    per-element k mask made them 2-byte loads: ~900 instructions per k step of a 64 x 128 tile)."""
+    if EVEN_K:
+        a_mask = m_mask[:, None]
+        w_mask = n_mask[None, :]
+    else:
+        a_mask = m_mask[:, None] & (k < k_end)[None, :]
+        w_mask = (k < k_end)[:, None] & n_mask[None, :]
+    # Out-of-range rows / k load 0: they add exact zeros to the real rows' sums.
+    a = tl.load(a_rows + k[None, :] * stride_ak, mask=a_mask, other=0.0)
+    w = tl.load(w_cols + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+    return tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _k_range(a_rows, w_cols, offs_k, m_mask, n_mask, k_lo, k_end, stride_ak, stride_wk,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
-    """The float32 sum over k in [k_lo, k_end) of one output tile, from zero, BLOCK_K at a time.
-    EVEN_K (every range whole BLOCK_K tiles): no k mask, the same values, and the loads vectorise
-    (a per-element k mask made them 2-byte loads: ~900 instructions per k step of a 64 x 128 tile)."""
+    """The float32 sum over k in [k_lo, k_end) of one output tile, from zero, BLOCK_K at a time."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_end, BLOCK_K):
-        k = k0 + offs_k
-        if EVEN_K:
-            a_mask = m_mask[:, None]
-            w_mask = n_mask[None, :]
-        else:
-            a_mask = m_mask[:, None] & (k < k_end)[None, :]
-            w_mask = (k < k_end)[:, None] & n_mask[None, :]
-        # Out-of-range rows / k load 0: they add exact zeros to the real rows' sums.
-        a = tl.load(a_rows + k[None, :] * stride_ak, mask=a_mask, other=0.0)
-        w = tl.load(w_cols + k[:, None] * stride_wk, mask=w_mask, other=0.0)
-        acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+        acc = _k_step(acc, a_rows, w_cols, k0 + offs_k, m_mask, n_mask, k_end, stride_ak, stride_wk,
+                      DOT_DTYPE, DOT_PRECISION, EVEN_K)
     return acc
 
 
@@ -67,17 +74,9 @@ def _k_ranges(a_rows, w_cols, offs_k, m_mask, n_mask, K, stride_ak, stride_wk, K
     split-sum kernel's r0 + r1 + ... exactly."""
     acc = tl.full([BLOCK_M, BLOCK_N], -0.0, tl.float32)
     part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        if EVEN_K:
-            a_mask = m_mask[:, None]
-            w_mask = n_mask[None, :]
-        else:  # the ranges are whole BLOCK_K tiles: only K's own end cuts a tile
-            a_mask = m_mask[:, None] & (k < K)[None, :]
-            w_mask = (k < K)[:, None] & n_mask[None, :]
-        a = tl.load(a_rows + k[None, :] * stride_ak, mask=a_mask, other=0.0)
-        w = tl.load(w_cols + k[:, None] * stride_wk, mask=w_mask, other=0.0)
-        part = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), part, input_precision=DOT_PRECISION)
+    for k0 in range(0, K, BLOCK_K):  # the ranges are whole BLOCK_K tiles: only K's own end cuts a tile
+        part = _k_step(part, a_rows, w_cols, k0 + offs_k, m_mask, n_mask, K, stride_ak, stride_wk,
+                       DOT_DTYPE, DOT_PRECISION, EVEN_K)
         if ((k0 + BLOCK_K) % K_PER_SPLIT == 0) | (k0 + BLOCK_K >= K):  # a range ends: add it, start the next
             acc += part
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
