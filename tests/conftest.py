@@ -1,6 +1,6 @@
 """Suite-wide settings: single-threaded torch (2 threads make CPU timings jump), no hub, and
 without CUDA the Triton interpreter (with a row-independent tl.dot, device-function calls that
-do not re-patch the language, and a cached dtype lookup)."""
+do not re-patch the language, a cached dtype lookup and block types built once per shape)."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -30,10 +30,12 @@ if not torch.cuda.is_available():
     from interpreter_calls import skip_repatching_in_device_calls
     from interpreter_dot import make_interpreter_dot_row_independent
     from interpreter_dtypes import cache_interpreter_np_dtypes
+    from interpreter_types import cache_interpreter_block_types
 
     make_interpreter_dot_row_independent()
     skip_repatching_in_device_calls()
     cache_interpreter_np_dtypes()
+    cache_interpreter_block_types()
 
 
 def pytest_collection_modifyitems(config, items):

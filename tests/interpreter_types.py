@@ -1,0 +1,93 @@
+"""Triton's CPU interpreter with its block types and tensor shapes built once per shape.
+
+Every interpreted op makes a ``tl.tensor`` whose ``__init__`` turns the type's shape into a
+``tl.tuple`` of ``constexpr`` (each tuple deriving its ``tuple_type`` value by value), and most
+ops build a new ``tl.block_type`` (validating the shape, formatting its name) for a type they
+have seen many times: ~25 % of an interpreted sampler's time. Here a shape's constexpr values
+and their ``tuple_type`` are made once, and each tensor still gets its own ``tl.tuple`` (a new
+list, as before); the builder's ``get_block_ty`` and ``block_type.with_element_ty`` hand back
+one ``block_type`` per (element type, shape), an immutable value that is compared by element
+type and shape only; two blocks of one shape skip the broadcast's shape comparison. Imports nothing of megatron_async, like interpreter_dot."""
+from __future__ import annotations
+
+import builtins
+import math
+
+
+def cache_interpreter_block_types() -> None:
+    """Idempotent; a no-op without triton or with an interpreter of another shape."""
+    try:
+        import triton.language as tl
+        from triton.language import core
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    tensor, block_type, builder = core.tensor, core.block_type, getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or getattr(tensor.__init__, "cached_shapes", False):
+        return
+    if not all(hasattr(cls, name) for cls, name in ((builder, "get_block_ty"), (block_type, "with_element_ty"))):
+        return
+    constexpr, tl_tuple, tuple_type = core.constexpr, core.tuple, core.tuple_type
+    shapes: dict[tuple, tuple] = {}
+
+    def shape_parts(shape: tuple):
+        parts = shapes.get(shape)
+        if parts is None:
+            values = [constexpr(s) for s in shape]
+            parts = shapes[shape] = (constexpr(math.prod(shape)), values,
+                                     tuple_type([v.type for v in values]))
+        return parts
+
+    def tensor_init(self, handle, type):
+        """As ``tl.tensor.__init__``: handle, shape (a tl.tuple of constexpr), numel, type, dtype."""
+        self.handle = handle
+        if type.is_block():
+            shape = type.shape  # a tl.tuple of ints (hashed and compared in Python): keyed by its values
+            key = builtins.tuple(shape.values) if builtins.type(shape) is tl_tuple else builtins.tuple(shape)
+        else:
+            key = ()
+        numel, values, shape_type = shape_parts(key)
+        self.numel = numel
+        self.type = type
+        self.dtype = type.scalar
+        self.shape = tl_tuple(values, shape_type)
+
+    blocks: dict[tuple, object] = {}
+
+    def block_of(element_ty, shape):
+        # keyed by what block_type.__eq__ compares: the element type (by its class, name and
+        # address space: pointer types compare by these) and the shape
+        key = (type(element_ty), getattr(element_ty, "name", None), getattr(element_ty, "address_space", None),
+               tuple(shape))
+        ty = blocks.get(key)
+        if ty is None:
+            ty = block_type(element_ty, shape)
+            if all(type(s) is int for s in key[3]):  # not constexpr dims: those are built each time, as before
+                blocks[key] = ty
+        return ty
+
+    def get_block_ty(self, dtype, shape):
+        return block_of(dtype, shape)
+
+    def with_element_ty(self, scalar_ty):
+        return block_of(scalar_ty, self.shape)
+
+    semantic = getattr(interpreter, "interpreter_semantic", None)
+    broadcast = getattr(semantic, "broadcast_impl_value", None)
+
+    def broadcast_impl_value(lhs, rhs):
+        """Two blocks of one shape need no broadcast: returned as they are, as Triton's own
+        ``broadcast_impl_value`` does after comparing the shapes as ``tl.tuple`` (in Python)."""
+        lhs_ty, rhs_ty = lhs.type, rhs.type
+        if (builtins.type(lhs_ty) is block_type and builtins.type(rhs_ty) is block_type
+                and lhs_ty.shape.values == rhs_ty.shape.values):
+            return lhs, rhs
+        return broadcast(lhs, rhs)
+
+    if broadcast is not None:
+        semantic.broadcast_impl_value = broadcast_impl_value
+    tensor_init.cached_shapes = True
+    tensor.__init__ = tensor_init
+    builder.get_block_ty = get_block_ty
+    block_type.with_element_ty = with_element_ty
+    assert tl.tensor is tensor
