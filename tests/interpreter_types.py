@@ -7,7 +7,9 @@ have seen many times: ~25 % of an interpreted sampler's time. Here a shape's con
 and their ``tuple_type`` are made once, and each tensor still gets its own ``tl.tuple`` (a new
 list, as before); the builder's ``get_block_ty`` and ``block_type.with_element_ty`` hand back
 one ``block_type`` per (element type, shape), an immutable value that is compared by element
-type and shape only; two blocks of one shape skip the broadcast's shape comparison. Imports nothing of megatron_async, like interpreter_dot."""
+type and shape only. Two blocks of one shape skip the broadcast's shape comparison, a binary op
+on two tensors of one fp32 / int32 / int64 type and shape skips the type checks that would
+change nothing, and a cast to a tensor's own type returns it without comparing names. Imports nothing of megatron_async, like interpreter_dot."""
 from __future__ import annotations
 
 import builtins
@@ -86,6 +88,33 @@ def cache_interpreter_block_types() -> None:
 
     if broadcast is not None:
         semantic.broadcast_impl_value = broadcast_impl_value
+
+    type_check, cast = getattr(semantic, "binary_op_type_checking_impl", None), getattr(semantic, "cast", None)
+    plain_dtype, same_kind = core.dtype, frozenset({"fp32", "int32", "int64"})
+
+    def binary_op_type_checking_impl(lhs, rhs, *args, **kwargs):
+        """Two tensors of one fp32 / int32 / int64 dtype and one shape: Triton's checks find no
+        pointer, a computation type equal to theirs (no cast) and nothing to broadcast, so they
+        come back as they are; anything else goes through those checks."""
+        if builtins.type(lhs) is tensor and builtins.type(rhs) is tensor:
+            ld, rd = lhs.dtype, rhs.dtype
+            if ld is rd and builtins.type(ld) is plain_dtype and ld.name in same_kind:
+                lt, rt = lhs.type, rhs.type
+                if lt is rt or (builtins.type(lt) is block_type and builtins.type(rt) is block_type
+                                and lt.shape.values == rt.shape.values):
+                    return lhs, rhs
+        return type_check(lhs, rhs, *args, **kwargs)
+
+    def cast_or_keep(input, dst_ty, *args, **kwargs):
+        """A tensor already of the destination's scalar type is returned as it is, as Triton's
+        ``cast`` does after comparing the two by name in Python."""
+        if builtins.type(input) is tensor and isinstance(dst_ty, plain_dtype) and input.type.scalar is dst_ty.scalar:
+            return input
+        return cast(input, dst_ty, *args, **kwargs)
+
+    if type_check is not None and cast is not None:
+        semantic.binary_op_type_checking_impl = binary_op_type_checking_impl
+        semantic.cast = cast_or_keep
     tensor_init.cached_shapes = True
     tensor.__init__ = tensor_init
     builder.get_block_ty = get_block_ty
