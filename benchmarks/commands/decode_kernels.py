@@ -48,7 +48,7 @@ GROUPS = [  # (role, name substrings), first match wins
                    "_prefill_kernel")),
     ("kv append", ("kv_append", "append")),
     ("norm / rope / act", ("rmsnorm", "rms_norm", "rope", "silu", "relu", "act", "norm")),
-    ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "wgmma", "cublas")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "wgmma", "cublas", "_grouped_kernel")),
     ("argmax / reductions", ("argmax", "reduce", "max_", "cumsum", "sort")),
     ("copies / casts", ("copy", "cast", "elementwise", "fill", "index", "gather", "scatter", "memcpy", "memset")),
 ]

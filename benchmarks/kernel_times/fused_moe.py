@@ -12,10 +12,11 @@ Columns: tokens; active experts; their weights in MB; floor us (weights / copy b
 layer_graph us (router + align + 2 grouped GEMMs, replayed graph) and its ratio to the floor;
 fused / reference: eager time of the routed experts alone; err: max |fused - ref| / max |ref|.
 
-``--grouped-mm``: the routed experts alone through the fused Triton MoE and through torch's
-grouped GEMM (``moe_grouped_mm``), eager and replayed in a graph, at prefill token counts: ms per
-call, TFLOP/s of the routed FLOPs (2 * tokens * k * (N * K + H * I)), max error against the torch
-reference; the grouped path by kernel at the largest count first, the table last.
+``--grouped-mm``: the routed experts alone through the fused Triton MoE and through the grouped
+path (``moe_grouped_mm``) as the dispatch runs it and with its GEMMs forced onto torch's grouped
+GEMM (CUTLASS) or ``triton_grouped_gemm``, eager and replayed in a graph, at prefill token counts:
+ms per call, TFLOP/s of the routed FLOPs (2 * tokens * k * (N * K + H * I)), max error against
+the torch reference; the grouped path by kernel at the largest count first, the table last.
 
 ``--combine-norm``: the grouped GEMM's last step and the next block's residual add + RMSNorm,
 as ``combine_slots`` then ``add_rms_norm`` (two kernels) against the one kernel of a deferred
@@ -35,6 +36,7 @@ each segment size and warp count, the table last.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -106,6 +108,23 @@ def sweep(layer: MoEMixer, tokens: list[int], iters: int, tiles: bool) -> None:
                               f"{torch.equal(fn(), base)} |")
 
 
+def _gemms(fn, triton_gemms: bool):
+    """``fn`` (the grouped path) with its GEMMs in Triton at any batch size, or on torch's grouped
+    GEMM (``moe_grouped_mm.TRITON_SWITCH``), whatever the dispatch would pick."""
+    def run():
+        least, switch = moe_grouped_mm.TRITON_MIN_PAIRS_PER_EXPERT, os.environ.get(moe_grouped_mm.TRITON_SWITCH)
+        moe_grouped_mm.TRITON_MIN_PAIRS_PER_EXPERT = 0
+        os.environ[moe_grouped_mm.TRITON_SWITCH] = "1" if triton_gemms else "0"
+        try:
+            return fn()
+        finally:
+            moe_grouped_mm.TRITON_MIN_PAIRS_PER_EXPERT = least
+            os.environ.pop(moe_grouped_mm.TRITON_SWITCH)
+            if switch is not None:
+                os.environ[moe_grouped_mm.TRITON_SWITCH] = switch
+    return run
+
+
 def grouped_mm(layer: MoEMixer, tokens: list[int], iters: int) -> None:
     """The Triton and grouped-GEMM paths of the routed experts side by side."""
     w13, w2 = layer.experts.gate_up_proj.weight, layer.experts.down_proj.weight
@@ -115,10 +134,13 @@ def grouped_mm(layer: MoEMixer, tokens: list[int], iters: int) -> None:
         x = torch.randn(T, HIDDEN, device=w13.device, dtype=DTYPE)
         ids, weights = layer.gate.route(x)
         expect = fused_experts_torch(x, w13, w2, ids, weights, True).float()
+        grouped = lambda: moe_grouped_mm.fused_experts_grouped_mm(x, w13, w2, ids, weights, True)  # noqa: E731
         paths = {"triton": lambda: triton_fused_moe.fused_experts(x, w13, w2, ids, weights, True),
-                 "grouped_mm": lambda: moe_grouped_mm.fused_experts_grouped_mm(x, w13, w2, ids, weights, True)}
+                 "grouped_mm": grouped, "grouped_mm, CUTLASS GEMMs": _gemms(grouped, False),
+                 "grouped_mm, Triton GEMMs": _gemms(grouped, True)}
         flops = flops_per_pair * T * TOP_K
-        print(f"{T} tokens: the dispatch takes grouped_mm: {moe_grouped_mm.use_grouped_mm(x, w13, w2, ids)}")
+        print(f"{T} tokens: the dispatch takes grouped_mm: {moe_grouped_mm.use_grouped_mm(x, w13, w2, ids)}, "
+              f"its GEMMs in Triton: {moe_grouped_mm.use_triton_experts(x, w13, w2, ids)}")
         if T == max(tokens):
             print(f"{T} tokens, grouped_mm by kernel (us per call in a graph)")
             for name, us in kernel_table(paths["grouped_mm"], iters):
@@ -134,6 +156,9 @@ def grouped_mm(layer: MoEMixer, tokens: list[int], iters: int) -> None:
     for T, name, eager, graph, tflops, err in rows:
         print(f"| {T} | {name} | {eager:.3f} | {graph:.3f} | {tflops:.0f} | {err:.2e} |")
     graph_ms = {(T, name): graph for T, name, _, graph, _, _ in rows}
+    print("per step of 48 such layers, Triton GEMMs save over CUTLASS's (graph ms): " + ", ".join(
+        f"{T} tokens {48 * (graph_ms[T, 'grouped_mm, CUTLASS GEMMs'] - graph_ms[T, 'grouped_mm, Triton GEMMs']):.1f}"
+        for T in tokens))
     print("per step of 48 such layers, grouped_mm saves (graph ms): " + ", ".join(
         f"{T} tokens {48 * (graph_ms[T, 'triton'] - graph_ms[T, 'grouped_mm']):.1f}" for T in tokens))
 

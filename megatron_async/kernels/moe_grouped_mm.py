@@ -11,7 +11,9 @@ rate (``python -m benchmarks kernel-times fused-moe --grouped-mm`` times both).
 2. x's rows gathered in that order; grouped GEMM with [gate | up] (a transposed VIEW of w13
    [E, N, K]: the weights are never copied); the activation as the torch reference rounds it;
    grouped GEMM with the down weights (bf16 out, as ``F.linear``). Rows past ``offs[-1]`` are
-   gathered but never computed, and never read.
+   gathered but never computed, and never read. On Hopper at ``TRITON_MIN_PAIRS_PER_EXPERT`` or
+   more pairs an expert, the plan pads to 128 rows an expert and ``triton_grouped_gemm`` runs
+   both GEMMs, the activation in the first one's epilogue (the same roundings).
 3. ``combine_slots``: each token's routed slots read back from their rows, times the routing
    weights, added in slot order in float32, rounded once (one Triton kernel on CUDA). Or, when
    the output goes straight into the next block's norm, left to it (``PendingCombine``): one
@@ -44,24 +46,37 @@ Qwen3-30B-A3B layer (``kernel-times fused-moe --grouped-mm``): 512 tokens (32 pe
 SWITCH = "MEGATRON_ASYNC_MOE_GROUPED_MM"
 """Environment variable: ``0`` keeps every batch on the fused Triton MoE."""
 
+TRITON_MIN_PAIRS_PER_EXPERT = 256
+"""Batches with at least this many (token, slot) pairs per expert run the experts' GEMMs in
+``triton_grouped_gemm`` on Hopper (its 128-row tiles pad each expert's rows; fewer pairs an expert
+pad more of them). One Qwen3-30B-A3B layer on an H100 (``kernel-times fused-moe --grouped-mm``,
+graph ms, CUTLASS + activation / Triton): 1,024 tokens 0.553 / 0.595, 2,048 0.666 / 0.715, 4,096
+(256 pairs an expert) 0.928 / 0.893, 8,192 1.543 / 1.438."""
 
-def plan_rows(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+TRITON_SWITCH = "MEGATRON_ASYNC_MOE_TRITON_EXPERTS"
+"""Environment variable: ``0`` keeps the grouped path's GEMMs on torch's grouped GEMM."""
+
+
+def plan_rows(topk_ids: torch.Tensor, num_experts: int,
+              align: int = ROW_ALIGN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [M, k] (ids outside [0, E) = no expert) -> (row_of_pair [M * k]: each pair's row,
     P for a pair of no expert; token_of_row [P]: the token each row reads, 0 on padding rows;
-    offs [E] int32: each expert's cumulative row end), P = M * k + E * ROW_ALIGN. Rows and
-    tokens are int32 from the kernel (CUDA), int64 from ``plan_rows_torch``."""
+    offs [E] int32: each expert's cumulative row end, its rows a multiple of ``align`` (a power
+    of two), at least one), P = M * k + E * align. Rows and tokens are int32 from the kernel
+    (CUDA), int64 from ``plan_rows_torch``."""
     if fused_ops.use_fused(topk_ids):
         from megatron_async.kernels import triton_moe_plan
 
-        return triton_moe_plan.plan_rows(topk_ids, num_experts, ROW_ALIGN)
-    return plan_rows_torch(topk_ids, num_experts)
+        return triton_moe_plan.plan_rows(topk_ids, num_experts, align)
+    return plan_rows_torch(topk_ids, num_experts, align)
 
 
-def plan_rows_torch(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def plan_rows_torch(topk_ids: torch.Tensor, num_experts: int,
+                    align: int = ROW_ALIGN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``plan_rows`` in torch ops (the CPU path and the kernel's reference)."""
     M, top_k = topk_ids.shape
     E, dev = num_experts, topk_ids.device
-    n, P = M * top_k, M * top_k + num_experts * ROW_ALIGN
+    n, P = M * top_k, M * top_k + num_experts * align
     flat = topk_ids.reshape(-1)
     # int32 keys (half the radix passes of int64); E: pairs of no expert sort last
     key = torch.where((flat >= 0) & (flat < E), flat, E).to(torch.int32)
@@ -71,7 +86,7 @@ def plan_rows_torch(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     # each expert's pairs in the sorted order, found in the sorted keys (no atomics)
     sorted_start = torch.searchsorted(sorted_key, experts)
     sorted_end = torch.searchsorted(sorted_key, experts, right=True)
-    rows = ((sorted_end - sorted_start).clamp(min=1) + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+    rows = ((sorted_end - sorted_start).clamp(min=1) + align - 1) // align * align
     ends = rows.cumsum(0)
     e = sorted_key.clamp(max=E - 1)
     dest = torch.where(sorted_key < E, (ends - rows)[e] + torch.arange(n, device=dev) - sorted_start[e], P)
@@ -158,10 +173,16 @@ def fused_experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
                          f"do not fit x {tuple(x.shape)}")
     if M == 0 or topk_ids.shape[1] == 0:
         return torch.zeros((M, H), dtype=x.dtype, device=x.device)
-    row_of_pair, token_of_row, offs = plan_rows(topk_ids, E)
-    act = _activation(torch._grouped_mm(_gather(x, token_of_row, offs), w13.transpose(1, 2), offs=offs), gated)
-    y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
-    del act  # each [rows, *] buffer lives only while the next step reads it: the step's peak memory
+    if use_triton_experts(x, w13, w2, topk_ids):
+        from megatron_async.kernels import triton_grouped_gemm
+
+        row_of_pair, token_of_row, offs = plan_rows(topk_ids, E, triton_grouped_gemm.row_tile(x.device))
+        y = triton_grouped_gemm.experts(_gather(x, token_of_row, offs), w13, w2, offs, gated)
+    else:
+        row_of_pair, token_of_row, offs = plan_rows(topk_ids, E)
+        act = _activation(torch._grouped_mm(_gather(x, token_of_row, offs), w13.transpose(1, 2), offs=offs), gated)
+        y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+        del act  # each [rows, *] buffer lives only while the next step reads it: the step's peak memory
     if defer_combine:
         return PendingCombine(y, row_of_pair, topk_ids, topk_weights, E, x.dtype)
     return combine_slots(y, row_of_pair, topk_ids, topk_weights, E, x.dtype)
@@ -179,6 +200,19 @@ def _gather(x: torch.Tensor, token_of_row: torch.Tensor, offs: torch.Tensor) -> 
 def _activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
     """``expert_activation`` (one Triton kernel for SwiGLU on CUDA, rounding as the torch ops)."""
     return fused_ops.silu_and_mul(h) if gated and fused_ops.use_fused(h) else expert_activation(h, gated)
+
+
+def use_triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+    """Whether ``fused_experts_grouped_mm`` runs its GEMMs in ``triton_grouped_gemm``: CUDA, at
+    least ``TRITON_MIN_PAIRS_PER_EXPERT`` pairs an expert, operands it takes, ``TRITON_SWITCH``
+    not 0. Shapes and the device only, as ``use_grouped_mm``."""
+    if not x.is_cuda or topk_ids.numel() < TRITON_MIN_PAIRS_PER_EXPERT * w13.shape[0]:
+        return False
+    if os.environ.get(TRITON_SWITCH, "1") == "0":
+        return False
+    from megatron_async.kernels import triton_grouped_gemm
+
+    return triton_grouped_gemm.takes(x, w13, w2)
 
 
 def use_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:

@@ -1,6 +1,6 @@
 """Grouped-GEMM routed experts on CUDA at the Qwen3-30B-A3B layer shape (hidden 2048, 128
-experts, top-8, moe_intermediate 768, bf16) vs the torch reference and the fused Triton MoE,
-deterministic, through the layer's own router at prefill token counts (both paths), and under
+experts, top-8, moe_intermediate 768, bf16) vs the torch reference and the fused Triton MoE (and,
+from 256 pairs an expert on Hopper, their GEMMs in ``triton_grouped_gemm`` vs torch's), deterministic, through the layer's own router at prefill token counts (both paths), and under
 CUDA-graph capture (no host syncs, fixed shapes) replayed on new inputs. Times: ``python -m
 benchmarks kernel-times fused-moe --grouped-mm`` / ``--combine-norm``."""
 from __future__ import annotations
@@ -73,10 +73,15 @@ def test_dispatch_takes_prefill_batches_on_hopper():
     assert not moe_grouped_mm.use_grouped_mm(x[:128], w13, w2, ids[:128])
 
 
-def test_grouped_mm_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("M", [2048, 8192])
+def test_grouped_mm_replays_in_a_cuda_graph(M):
+    """Captured once, replayed on new tokens and routing (some pairs of no expert): the group ends
+    (and the Triton GEMMs' tile count, at 8,192 tokens on Hopper) are read on the device."""
     if torch.cuda.get_device_capability()[0] not in (9, 10):
         pytest.skip("elsewhere the grouped GEMM reads group sizes on the host")
-    x, w13, w2, ids, w = _inputs(2048, seed=1)
+    x, w13, w2, ids, w = _inputs(M, seed=1)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    assert moe_grouped_mm.use_triton_experts(x, w13, w2, ids) == (M == 8192 and hopper)
     moe_experts.fused_experts(x, w13, w2, ids, w, True, triton=True)  # warm up outside the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -84,7 +89,7 @@ def test_grouped_mm_replays_in_a_cuda_graph():
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         out = moe_experts.fused_experts(x, w13, w2, ids, w, True, triton=True)
     torch.cuda.current_stream().wait_stream(stream)
-    fresh = _inputs(2048, seed=2, dropped=0.1)  # new tokens and routing (some of no expert), same buffers
+    fresh = _inputs(M, seed=2, dropped=0.1)  # new tokens and routing (some of no expert), same buffers
     x.copy_(fresh[0]), ids.copy_(fresh[3]), w.copy_(fresh[4])
     graph.replay()
     torch.cuda.synchronize()
@@ -121,3 +126,23 @@ def test_deferred_combine_norm_has_the_bits_of_combine_then_add_rms_norm(M, drop
     torch.cuda.synchronize()
     two = fused_ops.add_rms_norm(pending.reduce(), residual, weight, 1e-6, True)
     assert torch.equal(out, two[0]) and torch.equal(res_out, two[1])
+
+
+@pytest.mark.parametrize("M, gated, dropped", [(4096, True, 0.0), (8192, True, 0.3), (4096, False, 0.1)])
+def test_triton_experts_match_the_grouped_gemm_and_the_reference(M, gated, dropped, monkeypatch):
+    """At 256+ pairs an expert the grouped path runs its GEMMs in ``triton_grouped_gemm`` on
+    Hopper: within 2e-2 of the reference, within 3e-2 of torch's grouped GEMM (the switch off),
+    deterministic."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Triton experts run on Hopper")
+    x, w13, w2, ids, w = _inputs(M, seed=M + 11, gated=gated, dropped=dropped)
+    assert moe_grouped_mm.use_triton_experts(x, w13, w2, ids)
+    out = moe_grouped_mm.fused_experts_grouped_mm(x, w13, w2, ids, w, gated)
+    assert _rel_err(out, fused_experts_torch(x, w13, w2, ids, w, gated)) < 2e-2
+    assert torch.equal(out, moe_grouped_mm.fused_experts_grouped_mm(x, w13, w2, ids, w, gated))
+    monkeypatch.setenv(moe_grouped_mm.TRITON_SWITCH, "0")
+    assert not moe_grouped_mm.use_triton_experts(x, w13, w2, ids)
+    assert _rel_err(out, moe_grouped_mm.fused_experts_grouped_mm(x, w13, w2, ids, w, gated)) < 3e-2
+    monkeypatch.delenv(moe_grouped_mm.TRITON_SWITCH)
+    assert not moe_grouped_mm.use_triton_experts(x[:1024], w13, w2, ids[:1024])  # 64 pairs an expert
+
