@@ -9,7 +9,8 @@ list, as before); the builder's ``get_block_ty`` and ``block_type.with_element_t
 one ``block_type`` per (element type, shape), an immutable value that is compared by element
 type and shape only. Two blocks of one shape skip the broadcast's shape comparison, a binary op
 on two tensors of one fp32 / int32 / int64 type and shape skips the type checks that would
-change nothing, and a cast to a tensor's own type returns it without comparing names. Imports nothing of megatron_async, like interpreter_dot."""
+change nothing, a cast to a tensor's own type returns it without comparing names, and
+comparing a dtype with itself or another plain dtype compares names without unwrapping. Imports nothing of megatron_async, like interpreter_dot."""
 from __future__ import annotations
 
 import builtins
@@ -40,10 +41,12 @@ def cache_interpreter_block_types() -> None:
                                      tuple_type([v.type for v in values]))
         return parts
 
+    new_tuple = object.__new__
+
     def tensor_init(self, handle, type):
         """As ``tl.tensor.__init__``: handle, shape (a tl.tuple of constexpr), numel, type, dtype."""
         self.handle = handle
-        if type.is_block():
+        if builtins.type(type) is block_type or type.is_block():
             shape = type.shape  # a tl.tuple of ints (hashed and compared in Python): keyed by its values
             key = builtins.tuple(shape.values) if builtins.type(shape) is tl_tuple else builtins.tuple(shape)
         else:
@@ -52,7 +55,10 @@ def cache_interpreter_block_types() -> None:
         self.numel = numel
         self.type = type
         self.dtype = type.scalar
-        self.shape = tl_tuple(values, shape_type)
+        shape = new_tuple(tl_tuple)  # what tl.tuple(values, shape_type) makes: its own list, that type
+        shape.values = list(values)
+        shape.type = shape_type
+        self.shape = shape
 
     blocks: dict[tuple, object] = {}
 
@@ -115,6 +121,17 @@ def cache_interpreter_block_types() -> None:
     if type_check is not None and cast is not None:
         semantic.binary_op_type_checking_impl = binary_op_type_checking_impl
         semantic.cast = cast_or_keep
+    dtype_eq = plain_dtype.__eq__
+
+    def dtype_equal(self, other) -> bool:
+        """``tl.dtype.__eq__`` (names compared) without unwrapping a plain dtype or itself."""
+        if self is other:
+            return True
+        if builtins.type(other) is plain_dtype:
+            return self.name == other.name
+        return dtype_eq(self, other)
+
+    plain_dtype.__eq__ = dtype_equal
     tensor_init.cached_shapes = True
     tensor.__init__ = tensor_init
     builder.get_block_ty = get_block_ty
