@@ -50,8 +50,8 @@ TRITON_MIN_PAIRS_PER_EXPERT = 256
 """Batches with at least this many (token, slot) pairs per expert run the experts' GEMMs in
 ``triton_grouped_gemm`` on Hopper (its 128-row tiles pad each expert's rows; fewer pairs an expert
 pad more of them). One Qwen3-30B-A3B layer on an H100 (``kernel-times fused-moe --grouped-mm``,
-graph ms, CUTLASS + activation / Triton): 1,024 tokens 0.553 / 0.595, 2,048 0.666 / 0.715, 4,096
-(256 pairs an expert) 0.928 / 0.893, 8,192 1.543 / 1.438."""
+graph ms, CUTLASS + activation / Triton): 1,024 tokens 0.553 / 0.595, 2,048 0.668 / 0.694, 4,096
+(256 pairs an expert) 0.915 / 0.890, 8,192 1.499 / 1.410."""
 
 TRITON_SWITCH = "MEGATRON_ASYNC_MOE_TRITON_EXPERTS"
 """Environment variable: ``0`` keeps the grouped path's GEMMs on torch's grouped GEMM."""

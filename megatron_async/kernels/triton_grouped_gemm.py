@@ -12,9 +12,8 @@ never computed; padding rows inside an expert's last tile are computed and never
 
 Rounds like the grouped GEMM path: each projection rounded to the activation dtype, then the
 activation as ``triton_act`` rounds it (torch's ops). Only the projections' accumulation order
-differs from CUTLASS's. On an H200, Qwen3-30B-A3B's layer at 8,192 tokens: gate_up + SiLU-mul
-736 us against CUTLASS's 700 + the activation's ~90, down 386 against 447 (docs/PERFORMANCE.md,
-MoE)."""
+differs from CUTLASS's. One Qwen3-30B-A3B layer's routed experts on an H100 at 8,192 tokens:
+1.44 against 1.54 ms with CUTLASS's GEMMs and the activation kernel (docs/PERFORMANCE.md, MoE)."""
 from __future__ import annotations
 
 import torch
@@ -29,7 +28,13 @@ from megatron_async.kernels.triton_paged_common import dot_args, num_compute_uni
 
 TILES = {True: (128, 128, 64, 8, 4), False: (128, 256, 64, 8, 3)}
 """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the gated first GEMM (gate and up accumulators) and
-a plain one (relu^2's first, every down), the fastest of a sweep at the 30B-A3B layer's shapes."""
+a plain one (relu^2's first, every down), the fastest of a sweep at the 30B-A3B layer's shapes
+(H100, 4,096 and 8,192 tokens: gate_up 471-475 / 749-772 us on 4 stages against 500-503 / 780-785
+on 3; down 295-298 / 442-477 in 128 x 256 tiles against 309-313 / 506-511 in 128 x 128 on 4
+stages; 64-row tiles slower at 8,192: 867 / 466)."""
+GROUP_M = 4
+"""Row tiles walked together over a column of weight tiles: ~4 make one expert's rows at 512 pairs
+an expert (2-3 % faster than 8 in the sweep)."""
 INTERPRETER_TILES = {True: (16, 16, 16, 1, 1), False: (16, 16, 16, 1, 1)}
 """Tiles tiny test shapes still cross (Triton's CPU interpreter)."""
 
@@ -94,7 +99,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, n: int, gated:
     _grouped_kernel[(programs,)](
         TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w.view(-1, K), [bn, bk]),
         TensorDescriptor.from_tensor(out, [bm, bn]), ends, E, n, K, programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=8, E_BLOCK=triton.next_power_of_2(E), GATED=gated, ACT=act,
+        GROUP_M=GROUP_M, E_BLOCK=triton.next_power_of_2(E), GATED=gated, ACT=act,
         **dot_args(_grouped_kernel, a.dtype), num_warps=warps, num_stages=stages)
     return out
 
