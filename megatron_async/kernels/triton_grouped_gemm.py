@@ -13,7 +13,7 @@ never computed; padding rows inside an expert's last tile are computed and never
 Rounds like the grouped GEMM path: each projection rounded to the activation dtype, then the
 activation as ``triton_act`` rounds it (torch's ops). Only the projections' accumulation order
 differs from CUTLASS's. One Qwen3-30B-A3B layer's routed experts on an H100 at 8,192 tokens:
-1.44 against 1.54 ms with CUTLASS's GEMMs and the activation kernel (docs/PERFORMANCE.md, MoE)."""
+1.41 against 1.50 ms with CUTLASS's GEMMs and the activation kernel (docs/PERFORMANCE.md, MoE)."""
 from __future__ import annotations
 
 import torch
