@@ -1,4 +1,4 @@
-"""Triton's CPU interpreter with its block types and tensor shapes built once per shape.
+"""Triton's CPU interpreter without the Python type bookkeeping that changes no result.
 
 Every interpreted op makes a ``tl.tensor`` whose ``__init__`` turns the type's shape into a
 ``tl.tuple`` of ``constexpr`` (each tuple deriving its ``tuple_type`` value by value), and most
@@ -10,7 +10,10 @@ one ``block_type`` per (element type, shape), an immutable value that is compare
 type and shape only. Two blocks of one shape skip the broadcast's shape comparison, a binary op
 on two tensors of one fp32 / int32 / int64 type and shape skips the type checks that would
 change nothing, a cast to a tensor's own type returns it without comparing names, and
-comparing a dtype with itself or another plain dtype compares names without unwrapping. Imports nothing of megatron_async, like interpreter_dot."""
+comparing a dtype with itself or another plain dtype compares names without unwrapping.
+Integer add / sub / mul skip building the overflow check whose ``device_assert`` the
+interpreter drops unread (its options never set ``debug``). Imports nothing of megatron_async,
+like interpreter_dot."""
 from __future__ import annotations
 
 import builtins
@@ -121,6 +124,24 @@ def cache_interpreter_block_types() -> None:
     if type_check is not None and cast is not None:
         semantic.binary_op_type_checking_impl = binary_op_type_checking_impl
         semantic.cast = cast_or_keep
+    sanitize = getattr(semantic, "binary_op_sanitize_overflow_impl", None)
+    options = getattr(getattr(semantic, "builder", None), "options", None)
+
+    def binary_op_sanitize_overflow_impl(lhs, rhs, binary_op):
+        """Without ``debug`` (the interpreter's options never set it) Triton's overflow check ends in
+        a ``device_assert`` that returns at once: the int64 copies, the op and the range test it
+        builds before are dropped unread. Its two type assertions are kept; with ``debug``, Triton's."""
+        if options.debug:
+            return sanitize(lhs, rhs, binary_op)
+        lhs_sca_ty, rhs_sca_ty = lhs.type.scalar, rhs.type.scalar
+        if lhs_sca_ty.int_bitwidth >= 64 or not options.sanitize_overflow:
+            return
+        assert lhs_sca_ty == rhs_sca_ty, f"expected matching operand types, got {lhs_sca_ty} and {rhs_sca_ty}"
+        assert lhs_sca_ty.is_int(), f"expected integer type, got {lhs_sca_ty}"
+
+    if sanitize is not None and hasattr(options, "debug") and hasattr(options, "sanitize_overflow"):
+        semantic.binary_op_sanitize_overflow_impl = binary_op_sanitize_overflow_impl
+
     dtype_eq = plain_dtype.__eq__
 
     def dtype_equal(self, other) -> bool:
