@@ -7,7 +7,7 @@ have seen many times: ~25 % of an interpreted sampler's time. Here a shape's con
 and their ``tuple_type`` are made once, and each tensor still gets its own ``tl.tuple`` (a new
 list, as before); the builder's ``get_block_ty`` and ``block_type.with_element_ty`` hand back
 one ``block_type`` per (element type, shape), an immutable value that is compared by element
-type and shape only. Two blocks of one shape skip the broadcast's shape comparison, a binary op
+type and shape only. Broadcasts of same-rank blocks and scalar splats work on int lists, a binary op
 on two tensors of one fp32 / int32 / int64 type and shape skips the type checks that would
 change nothing, a cast to a tensor's own type returns it without comparing names, and
 comparing a dtype with itself or another plain dtype compares names without unwrapping.
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import builtins
 import math
+
+import numpy as np
 
 
 def cache_interpreter_block_types() -> None:
@@ -85,14 +87,43 @@ def cache_interpreter_block_types() -> None:
 
     semantic = getattr(interpreter, "interpreter_semantic", None)
     broadcast = getattr(semantic, "broadcast_impl_value", None)
+    build = getattr(semantic, "builder", None)
 
     def broadcast_impl_value(lhs, rhs):
-        """Two blocks of one shape need no broadcast: returned as they are, as Triton's own
-        ``broadcast_impl_value`` does after comparing the shapes as ``tl.tuple`` (in Python)."""
+        """Triton's ``broadcast_impl_value`` for two blocks of one rank and for a block and a
+        scalar, on the shapes' int lists (Triton compares them as ``tl.tuple``, in Python): the
+        same splats and broadcasts, to the same shapes; anything else (ranks to expand,
+        incompatible dims and their error) goes through Triton's own."""
         lhs_ty, rhs_ty = lhs.type, rhs.type
-        if (builtins.type(lhs_ty) is block_type and builtins.type(rhs_ty) is block_type
-                and lhs_ty.shape.values == rhs_ty.shape.values):
+        lhs_block, rhs_block = builtins.type(lhs_ty) is block_type, builtins.type(rhs_ty) is block_type
+        if lhs_block and rhs_block:
+            lhs_shape, rhs_shape = lhs_ty.shape.values, rhs_ty.shape.values
+            if lhs_shape == rhs_shape:
+                return lhs, rhs
+            if len(lhs_shape) != len(rhs_shape):
+                return broadcast(lhs, rhs)
+            ret_shape = []
+            for left, right in zip(lhs_shape, rhs_shape):
+                if left == 1:
+                    ret_shape.append(right)
+                elif right == 1 or right == left:
+                    ret_shape.append(left)
+                else:
+                    return broadcast(lhs, rhs)
+            if lhs_shape != ret_shape:
+                lhs = semantic.make_tensor(build.create_broadcast(lhs.handle, ret_shape),
+                                           block_of(lhs_ty.scalar, ret_shape))
+            if rhs_shape != ret_shape:
+                rhs = semantic.make_tensor(build.create_broadcast(rhs.handle, ret_shape),
+                                           block_of(rhs_ty.scalar, ret_shape))
             return lhs, rhs
+        # a scalar splat to the block's shape (create_splat reads only the shape of the type it is given)
+        if lhs_block and not rhs_ty.is_block():
+            rhs_ty = lhs_ty.with_element_ty(rhs_ty.scalar)
+            return lhs, semantic.make_tensor(build.create_splat(rhs_ty, rhs.handle), rhs_ty)
+        if rhs_block and not lhs_ty.is_block():
+            lhs_ty = rhs_ty.with_element_ty(lhs_ty.scalar)
+            return semantic.make_tensor(build.create_splat(lhs_ty, lhs.handle), lhs_ty), rhs
         return broadcast(lhs, rhs)
 
     if broadcast is not None:
@@ -141,6 +172,26 @@ def cache_interpreter_block_types() -> None:
 
     if sanitize is not None and hasattr(options, "debug") and hasattr(options, "sanitize_overflow"):
         semantic.binary_op_sanitize_overflow_impl = binary_op_sanitize_overflow_impl
+
+    convert = getattr(interpreter, "_convert_float", None)
+    tables: dict[tuple, object] = {}
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        """Triton's ``_convert_float`` (bit by bit, each element from its own bits alone) read from
+        a table of its own outputs for every 8- or 16-bit input, built once per conversion."""
+        bits = input_dtype.primitive_bitwidth
+        if bits not in (8, 16) or input.dtype.itemsize * 8 != bits:
+            return convert(input, input_dtype, output_dtype, rounding_mode)
+        as_bits = np.dtype(f"uint{bits}")
+        key = (input_dtype.name, output_dtype.name, rounding_mode)
+        table = tables.get(key)
+        if table is None:
+            table = tables[key] = convert(np.arange(1 << bits, dtype=as_bits), input_dtype, output_dtype,
+                                          rounding_mode)
+        return table[np.ascontiguousarray(input).view(as_bits)].reshape(input.shape)
+
+    if convert is not None:
+        interpreter._convert_float = convert_float
 
     dtype_eq = plain_dtype.__eq__
 
