@@ -54,7 +54,8 @@ graph ms, CUTLASS + activation / Triton): 1,024 tokens 0.553 / 0.595, 2,048 0.66
 (256 pairs an expert) 0.915 / 0.890, 8,192 1.499 / 1.410."""
 
 TRITON_SWITCH = "MEGATRON_ASYNC_MOE_TRITON_EXPERTS"
-"""Environment variable: ``0`` keeps the grouped path's GEMMs on torch's grouped GEMM."""
+"""Environment variable: ``0`` keeps the grouped path's GEMMs on torch's grouped GEMM, and FP8
+experts on the fused FP8 MoE's kernels (``triton_fp8_grouped`` not taken)."""
 
 
 def plan_rows(topk_ids: torch.Tensor, num_experts: int,

@@ -1,0 +1,159 @@
+"""FP8 routed experts (W8A8, 128 x 128 weight blocks, 1 x 128 activation groups) at prefill sizes
+on Hopper: ``triton_fp8_moe``'s two GEMMs over expert-sorted rows with TMA loads and a persistent
+grid, as ``triton_grouped_gemm`` runs the bf16 ones.
+
+x is quantized once per token (``quantize_activation``) and its e4m3 rows gathered in the plan's
+order (``moe_grouped_mm.plan_rows`` at 128 rows an expert, so no row tile holds two experts); each
+row's group scales are read through the plan's token index. Per K group the e4m3 dot is scaled
+by (row scale x block scale) in float32 and added, the epilogue rounds SiLU(gate) * up (or
+relu^2) as the bf16 path does and quantizes the activation tile (one group a row) to e4m3 + its
+scale, and the down GEMM writes each row in x's dtype: ``triton_fp8_moe``'s arithmetic in its
+order, so the same bits where the tensor cores give each K group's dot the same bits."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from megatron_async.kernels import cuda_device
+from megatron_async.kernels.moe_grouped_mm import PendingCombine, combine_slots, plan_rows
+from megatron_async.kernels.triton_act import relu_sq, silu_mul
+from megatron_async.kernels.triton_fp8_common import quantize_groups
+from megatron_async.kernels.triton_fp8_gemm import quantize_activation
+from megatron_async.kernels.triton_gemm_common import grouped_tile
+from megatron_async.kernels.triton_paged_common import num_compute_units
+
+ROW_TILE = 128
+"""Rows a tile holds; the plan pads each expert's rows to a multiple of it."""
+TILES = {"gate_up": (64, 8, 3, 2), "down": (64, 8, 3, 2)}
+"""(BLOCK_M, warps, stages, programs an SM) of each GEMM; tiles are BLOCK_M rows x 128 columns x
+one 128-deep K group. Each K group's scaling waits for its dot, so two programs an SM keep the
+tensor cores busy while the other scales (as ``triton_fp8_moe``'s tiles do). Qwen3-30B-A3B's
+layer on an H100 (both GEMMs, graph us, 4,096 / 8,192 tokens): 64 rows, 8 warps, 3 stages, 2 an SM
+764 / 1,333; 128 rows, 8 warps, 3 stages, 1 an SM 837 / 1,444; 64 rows, 4 warps, 2 stages, 2 an
+SM 839 / 1,436; the fused FP8 MoE 807 / 1,468."""
+GROUP_M = 4
+MIN_PAIRS_PER_EXPERT = 256
+"""Batches with fewer (token, slot) pairs an expert keep ``triton_fp8_moe``'s kernels (the
+padding to 128 rows an expert weighs more there)."""
+
+
+@triton.jit
+def _grid(ends_ptr, E, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, E_BLOCK: tl.constexpr):
+    """(the experts' row ends, row tiles up to the last end, column tiles)."""
+    ev = tl.arange(0, E_BLOCK)
+    ends = tl.load(ends_ptr + ev, mask=ev < E, other=2**30)
+    return ends, tl.load(ends_ptr + E - 1) // BLOCK_M, tl.cdiv(N, BLOCK_N)
+
+
+@triton.jit
+def _tile_expert(ends, tile, num_n, num_programs_m, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(first row, column tile, expert) of a tile in grouped order."""
+    pid_m, pid_n = grouped_tile(tile, num_programs_m, num_n, GROUP_M)
+    m0 = pid_m * BLOCK_M
+    return m0, pid_n, tl.sum((ends <= m0).to(tl.int32), axis=0)
+
+
+@triton.jit(do_not_specialize=["num_programs"])
+def _gate_up_kernel(a_desc, xs_ptr, tok_ptr, stride_xsm, stride_xsg, w_desc, ws_ptr, stride_wse, stride_wsn,
+                    stride_wsg, h_desc, hs_ptr, ends_ptr, E, I, K, num_programs, OUT_DTYPE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, E_BLOCK: tl.constexpr, GATED: tl.constexpr):
+    BLOCK_N: tl.constexpr = 128  # one activation group a row: the epilogue quantizes the tile whole
+    ends, num_m, num_n = _grid(ends_ptr, E, I, BLOCK_M, BLOCK_N, E_BLOCK)
+    groups = tl.cdiv(K, 128)
+    rows = tl.arange(0, BLOCK_M)
+    for tile in range(tl.program_id(0), num_m * num_n, num_programs):
+        m0, pid_n, expert = _tile_expert(ends, tile, num_n, num_m, GROUP_M, BLOCK_M)
+        tok = tl.load(tok_ptr + m0 + rows).to(tl.int64)
+        w_row = expert * I * (1 + GATED) + pid_n * BLOCK_N
+        s_base = ws_ptr + expert.to(tl.int64) * stride_wse
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for g in range(0, groups):
+            a = a_desc.load([m0, g * 128])
+            a_s = tl.load(xs_ptr + tok * stride_xsm + g * stride_xsg)
+            sg = tl.load(s_base + pid_n * stride_wsn + g * stride_wsg)
+            acc_g += tl.dot(a, w_desc.load([w_row, g * 128]).T) * (a_s * sg)[:, None]
+            if GATED:
+                su = tl.load(s_base + (I // 128 + pid_n) * stride_wsn + g * stride_wsg)
+                acc_u += tl.dot(a, w_desc.load([w_row + I, g * 128]).T) * (a_s * su)[:, None]
+        # the projections in the activation dtype, the activation as the bf16 path rounds it
+        if GATED:
+            act = silu_mul(acc_g.to(OUT_DTYPE).to(tl.float32), acc_u.to(OUT_DTYPE).to(tl.float32), OUT_DTYPE)
+        else:
+            act = relu_sq(acc_g.to(OUT_DTYPE).to(tl.float32), OUT_DTYPE)
+        h_q, h_s = quantize_groups(act.to(tl.float32), False)
+        h_desc.store([m0, pid_n * BLOCK_N], h_q)
+        tl.store(hs_ptr + (m0 + rows).to(tl.int64) * num_n + pid_n, h_s)
+
+
+@triton.jit(do_not_specialize=["num_programs"])
+def _down_kernel(a_desc, hs_ptr, w_desc, ws_ptr, stride_wse, stride_wsn, stride_wsg, out_desc, ends_ptr, E, H, I,
+                 num_programs, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, E_BLOCK: tl.constexpr):
+    BLOCK_N: tl.constexpr = 128  # one weight scale block a column tile
+    ends, num_m, num_n = _grid(ends_ptr, E, H, BLOCK_M, BLOCK_N, E_BLOCK)
+    groups = tl.cdiv(I, 128)
+    rows = tl.arange(0, BLOCK_M)
+    for tile in range(tl.program_id(0), num_m * num_n, num_programs):
+        m0, pid_n, expert = _tile_expert(ends, tile, num_n, num_m, GROUP_M, BLOCK_M)
+        s_base = ws_ptr + expert.to(tl.int64) * stride_wse + pid_n * stride_wsn
+        w_row = expert * H + pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for g in range(0, groups):
+            a_s = tl.load(hs_ptr + (m0 + rows).to(tl.int64) * groups + g)
+            s = tl.load(s_base + g * stride_wsg)
+            acc += tl.dot(a_desc.load([m0, g * 128]), w_desc.load([w_row, g * 128]).T) * (a_s * s)[:, None]
+        out_desc.store([m0, pid_n * BLOCK_N], acc.to(out_desc.dtype))
+
+
+def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+          scale_block_n: tuple[int, int]) -> bool:
+    """CUDA on Hopper, 128-row weight scale blocks in both GEMMs, K, I and H multiples of 128,
+    contiguous weights, and at least ``MIN_PAIRS_PER_EXPERT`` pairs an expert."""
+    E, _, K = w13.shape
+    H, I = w2.shape[1], w2.shape[2]
+    return (x.is_cuda and cuda_device.capability(x.device)[0] == 9 and scale_block_n == (128, 128)
+            and K % 128 == 0 and I % 128 == 0 and H % 128 == 0 and w13.is_contiguous() and w2.is_contiguous()
+            and topk_ids.numel() >= MIN_PAIRS_PER_EXPERT * E)
+
+
+def fused_experts_fp8_grouped(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2: torch.Tensor,
+                              ws2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gated: bool,
+                              defer_combine: bool = False) -> torch.Tensor | PendingCombine:
+    """``triton_fp8_moe.fused_experts_fp8`` for operands ``takes`` accepts (the caller checks)."""
+    M, K = x.shape
+    E = w13.shape[0]
+    H, I = w2.shape[1], w2.shape[2]
+    xq, xs = quantize_activation(x)
+    row_of_pair, token_of_row, offs = plan_rows(topk_ids, E, ROW_TILE)
+    from megatron_async.kernels import triton_moe_plan
+
+    a = triton_moe_plan.gather_rows(xq, token_of_row, offs)
+    P = a.shape[0]
+    h = torch.empty((P, I), dtype=torch.float8_e4m3fn, device=x.device)
+    hs = torch.empty((P, I // 128), dtype=torch.float32, device=x.device)
+    sms = num_compute_units(x.device)
+    e_block = triton.next_power_of_2(E)
+    bm, warps, stages, per_sm = TILES["gate_up"]
+    programs = min(sms * per_sm, triton.cdiv(P, bm) * (I // 128))
+    _gate_up_kernel[(programs,)](
+        TensorDescriptor.from_tensor(a, [bm, 128]), xs, token_of_row, xs.stride(0), xs.stride(1),
+        TensorDescriptor.from_tensor(w13.view(-1, K), [128, 128]), ws13, ws13.stride(0), ws13.stride(1),
+        ws13.stride(2), TensorDescriptor.from_tensor(h, [bm, 128]), hs, offs, E, I, K, programs,
+        OUT_DTYPE=_TL[x.dtype], BLOCK_M=bm, GROUP_M=GROUP_M, E_BLOCK=e_block, GATED=gated, num_warps=warps,
+        num_stages=stages)
+    y = torch.empty((P, H), dtype=x.dtype, device=x.device)
+    bm, warps, stages, per_sm = TILES["down"]
+    programs = min(sms * per_sm, triton.cdiv(P, bm) * (H // 128))
+    _down_kernel[(programs,)](
+        TensorDescriptor.from_tensor(h, [bm, 128]), hs, TensorDescriptor.from_tensor(w2.view(-1, I), [128, 128]),
+        ws2, ws2.stride(0), ws2.stride(1), ws2.stride(2), TensorDescriptor.from_tensor(y, [bm, 128]), offs, E, H,
+        I, programs, BLOCK_M=bm, GROUP_M=GROUP_M, E_BLOCK=e_block, num_warps=warps, num_stages=stages)
+    del a, h, hs
+    if defer_combine:
+        return PendingCombine(y, row_of_pair, topk_ids, topk_weights, E, x.dtype)
+    return combine_slots(y, row_of_pair, topk_ids, topk_weights, E, x.dtype)
+
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
