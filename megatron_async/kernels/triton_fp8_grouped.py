@@ -2,9 +2,9 @@
 on Hopper: ``triton_fp8_moe``'s two GEMMs over expert-sorted rows with TMA loads and a persistent
 grid, as ``triton_grouped_gemm`` runs the bf16 ones.
 
-x is quantized once per token (``quantize_activation``) and its e4m3 rows gathered in the plan's
-order (``moe_grouped_mm.plan_rows`` at 128 rows an expert, so no row tile holds two experts); each
-row's group scales are read through the plan's token index. Per K group the e4m3 dot is scaled
+x's rows are quantized (as ``quantize_activation`` quantizes them) straight into the plan's order
+(``moe_grouped_mm.plan_rows`` at 128 rows an expert, so no row tile holds two experts), e4m3
+values and group scales, in one pass. Per K group the e4m3 dot is scaled
 by (row scale x block scale) in float32 and added, the epilogue rounds SiLU(gate) * up (or
 relu^2) as the bf16 path does and quantizes the activation tile (one group a row) to e4m3 + its
 scale, and the down GEMM writes each row in x's dtype: ``triton_fp8_moe``'s arithmetic in its
@@ -20,7 +20,6 @@ from megatron_async.kernels import cuda_device
 from megatron_async.kernels.moe_grouped_mm import PendingCombine, combine_slots, plan_rows
 from megatron_async.kernels.triton_act import relu_sq, silu_mul
 from megatron_async.kernels.triton_fp8_common import quantize_groups
-from megatron_async.kernels.triton_fp8_gemm import quantize_activation
 from megatron_async.kernels.triton_gemm_common import grouped_tile
 from megatron_async.kernels.triton_paged_common import num_compute_units
 
@@ -34,6 +33,7 @@ layer on an H100 (both GEMMs, graph us, 4,096 / 8,192 tokens): 64 rows, 8 warps,
 764 / 1,333; 128 rows, 8 warps, 3 stages, 1 an SM 837 / 1,444; 64 rows, 4 warps, 2 stages, 2 an
 SM 839 / 1,436; the fused FP8 MoE 807 / 1,468."""
 GROUP_M = 4
+QUANTIZE_ROWS = 32  # rows a program of the quantize-and-gather pass (as ``quantize_activation``'s)
 MIN_PAIRS_PER_EXPERT = 256
 """Batches with fewer (token, slot) pairs an expert keep ``triton_fp8_moe``'s kernels (the
 padding to 128 rows an expert weighs more there)."""
@@ -55,9 +55,26 @@ def _tile_expert(ends, tile, num_n, num_programs_m, GROUP_M: tl.constexpr, BLOCK
     return m0, pid_n, tl.sum((ends <= m0).to(tl.int32), axis=0)
 
 
+@triton.jit
+def _quantize_rows_kernel(x_ptr, tok_ptr, ends_ptr, q_ptr, s_ptr, stride_x, E, K, ROWS: tl.constexpr):
+    """Rows r < the last row end: q[r], s[r] = x[tok[r]] quantized per 1 x 128 group (program:
+    ROWS rows x one group), as ``quantize_activation`` quantizes x's rows: the plan's e4m3 rows in
+    one pass instead of quantizing x and gathering its rows."""
+    g = tl.program_id(1)
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    k = g * 128 + tl.arange(0, 128)
+    live = r < tl.load(ends_ptr + E - 1)
+    mask = live[:, None] & (k < K)[None, :]
+    tok = tl.load(tok_ptr + r, mask=live, other=0).to(tl.int64)
+    q, sc = quantize_groups(tl.load(x_ptr + tok[:, None] * stride_x + k[None, :], mask=mask, other=0.0).to(tl.float32),
+                            False)
+    tl.store(q_ptr + r[:, None] * K + k[None, :], q, mask=mask)
+    tl.store(s_ptr + r * tl.cdiv(K, 128) + g, sc, mask=live)
+
+
 @triton.jit(do_not_specialize=["num_programs"])
-def _gate_up_kernel(a_desc, xs_ptr, tok_ptr, stride_xsm, stride_xsg, w_desc, ws_ptr, stride_wse, stride_wsn,
-                    stride_wsg, h_desc, hs_ptr, ends_ptr, E, I, K, num_programs, OUT_DTYPE: tl.constexpr,
+def _gate_up_kernel(a_desc, as_ptr, w_desc, ws_ptr, stride_wse, stride_wsn, stride_wsg, h_desc, hs_ptr, ends_ptr,
+                    E, I, K, num_programs, OUT_DTYPE: tl.constexpr,
                     BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, E_BLOCK: tl.constexpr, GATED: tl.constexpr):
     BLOCK_N: tl.constexpr = 128  # one activation group a row: the epilogue quantizes the tile whole
     ends, num_m, num_n = _grid(ends_ptr, E, I, BLOCK_M, BLOCK_N, E_BLOCK)
@@ -65,14 +82,13 @@ def _gate_up_kernel(a_desc, xs_ptr, tok_ptr, stride_xsm, stride_xsg, w_desc, ws_
     rows = tl.arange(0, BLOCK_M)
     for tile in range(tl.program_id(0), num_m * num_n, num_programs):
         m0, pid_n, expert = _tile_expert(ends, tile, num_n, num_m, GROUP_M, BLOCK_M)
-        tok = tl.load(tok_ptr + m0 + rows).to(tl.int64)
         w_row = expert * I * (1 + GATED) + pid_n * BLOCK_N
         s_base = ws_ptr + expert.to(tl.int64) * stride_wse
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for g in range(0, groups):
             a = a_desc.load([m0, g * 128])
-            a_s = tl.load(xs_ptr + tok * stride_xsm + g * stride_xsg)
+            a_s = tl.load(as_ptr + (m0 + rows).to(tl.int64) * groups + g)
             sg = tl.load(s_base + pid_n * stride_wsn + g * stride_wsg)
             acc_g += tl.dot(a, w_desc.load([w_row, g * 128]).T) * (a_s * sg)[:, None]
             if GATED:
@@ -125,12 +141,12 @@ def fused_experts_fp8_grouped(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Te
     M, K = x.shape
     E = w13.shape[0]
     H, I = w2.shape[1], w2.shape[2]
-    xq, xs = quantize_activation(x)
     row_of_pair, token_of_row, offs = plan_rows(topk_ids, E, ROW_TILE)
-    from megatron_async.kernels import triton_moe_plan
-
-    a = triton_moe_plan.gather_rows(xq, token_of_row, offs)
-    P = a.shape[0]
+    P = token_of_row.shape[0]
+    a = torch.empty((P, K), dtype=torch.float8_e4m3fn, device=x.device)
+    a_s = torch.empty((P, K // 128), dtype=torch.float32, device=x.device)
+    _quantize_rows_kernel[(triton.cdiv(P, QUANTIZE_ROWS), K // 128)](x, token_of_row, offs, a, a_s, x.stride(0), E, K,
+                                                                     ROWS=QUANTIZE_ROWS, num_warps=4)
     h = torch.empty((P, I), dtype=torch.float8_e4m3fn, device=x.device)
     hs = torch.empty((P, I // 128), dtype=torch.float32, device=x.device)
     sms = num_compute_units(x.device)
@@ -138,7 +154,7 @@ def fused_experts_fp8_grouped(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Te
     bm, warps, stages, per_sm = TILES["gate_up"]
     programs = min(sms * per_sm, triton.cdiv(P, bm) * (I // 128))
     _gate_up_kernel[(programs,)](
-        TensorDescriptor.from_tensor(a, [bm, 128]), xs, token_of_row, xs.stride(0), xs.stride(1),
+        TensorDescriptor.from_tensor(a, [bm, 128]), a_s,
         TensorDescriptor.from_tensor(w13.view(-1, K), [128, 128]), ws13, ws13.stride(0), ws13.stride(1),
         ws13.stride(2), TensorDescriptor.from_tensor(h, [bm, 128]), hs, offs, E, I, K, programs,
         OUT_DTYPE=_TL[x.dtype], BLOCK_M=bm, GROUP_M=GROUP_M, E_BLOCK=e_block, GATED=gated, num_warps=warps,
@@ -150,7 +166,7 @@ def fused_experts_fp8_grouped(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Te
         TensorDescriptor.from_tensor(h, [bm, 128]), hs, TensorDescriptor.from_tensor(w2.view(-1, I), [128, 128]),
         ws2, ws2.stride(0), ws2.stride(1), ws2.stride(2), TensorDescriptor.from_tensor(y, [bm, 128]), offs, E, H,
         I, programs, BLOCK_M=bm, GROUP_M=GROUP_M, E_BLOCK=e_block, num_warps=warps, num_stages=stages)
-    del a, h, hs
+    del a, a_s, h, hs
     if defer_combine:
         return PendingCombine(y, row_of_pair, topk_ids, topk_weights, E, x.dtype)
     return combine_slots(y, row_of_pair, topk_ids, topk_weights, E, x.dtype)
