@@ -31,7 +31,9 @@ TILES = {True: (128, 128, 64, 8, 4), False: (128, 256, 64, 8, 3)}
 a plain one (relu^2's first, every down), the fastest of a sweep at the 30B-A3B layer's shapes
 (H100, 4,096 and 8,192 tokens: gate_up 471-475 / 749-772 us on 4 stages against 500-503 / 780-785
 on 3; down 295-298 / 442-477 in 128 x 256 tiles against 309-313 / 506-511 in 128 x 128 on 4
-stages; 64-row tiles slower at 8,192: 867 / 466)."""
+stages; 64-row tiles slower at 8,192: 867 / 466). Two programs an SM, as the FP8 experts take,
+only cost here (8,192 tokens: gate_up 770 us on 3 stages, 64-row tiles 952-1,066; down 457): the
+bf16 dots need no scaling between K steps, so one program keeps its pipeline full."""
 GROUP_M = 4
 """Row tiles walked together over a column of weight tiles: ~4 make one expert's rows at 512 pairs
 an expert (2-3 % faster than 8 in the sweep)."""
