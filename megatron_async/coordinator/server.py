@@ -27,6 +27,7 @@ from megatron_async.inference.communication.handshake import readable, zmq_poll
 
 log = logging.getLogger("megatron_async.coordinator")
 TICK_S = 1.0
+STOP_POLL_S = 0.1  # with a stop event (a signal's, a thread's), how long a poll may keep it waiting
 
 
 class CoordinatorServer:
@@ -82,9 +83,10 @@ class CoordinatorServer:
         """Until a client's shutdown completed (or ``stop`` is set)."""
         sock, listener = self.listener.sock, self.listener
         items, next_tick = readable(sock) + readable(listener.monitor), 0.0
+        wait_ms = int((TICK_S if stop is None else STOP_POLL_S) * 1000)
         while not self.core.done and (stop is None or not stop.is_set()):
             waiting = events = False  # (what the poll found is not asked again)
-            for which, _ in zmq_poll(items, int(TICK_S * 1000)):
+            for which, _ in zmq_poll(items, wait_ms):
                 if which is sock:
                     waiting = True
                 else:
