@@ -21,13 +21,19 @@ def runtime_dir(monkeypatch):
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def server(monkeypatch, runtime_dir):
+def serving(monkeypatch) -> tuple[CoordinatorServer, threading.Event, threading.Thread]:
+    """A coordinator on a loopback port serving on a thread until the event is set."""
     monkeypatch.delenv(ENV_SECRET, raising=False)
     s = CoordinatorServer("tcp://127.0.0.1:0")
     stop = threading.Event()
     t = threading.Thread(target=s.serve, args=(stop,), daemon=True)
     t.start()
+    return s, stop, t
+
+
+@pytest.fixture
+def server(monkeypatch, runtime_dir):
+    s, stop, t = serving(monkeypatch)
     yield s
     stop.set()
     t.join(5)
