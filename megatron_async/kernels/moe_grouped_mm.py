@@ -203,13 +203,18 @@ def _activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
     return fused_ops.silu_and_mul(h) if gated and fused_ops.use_fused(h) else expert_activation(h, gated)
 
 
+def triton_experts_allowed(num_experts: int, topk_ids: torch.Tensor) -> bool:
+    """The batch rule of both Triton grouped paths (bf16 here, FP8 in ``triton_fp8_grouped``): at
+    least ``TRITON_MIN_PAIRS_PER_EXPERT`` pairs an expert and ``TRITON_SWITCH`` not 0."""
+    return (topk_ids.numel() >= TRITON_MIN_PAIRS_PER_EXPERT * num_experts
+            and os.environ.get(TRITON_SWITCH, "1") != "0")
+
+
 def use_triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
-    """Whether ``fused_experts_grouped_mm`` runs its GEMMs in ``triton_grouped_gemm``: CUDA, at
-    least ``TRITON_MIN_PAIRS_PER_EXPERT`` pairs an expert, operands it takes, ``TRITON_SWITCH``
-    not 0. Shapes and the device only, as ``use_grouped_mm``."""
-    if not x.is_cuda or topk_ids.numel() < TRITON_MIN_PAIRS_PER_EXPERT * w13.shape[0]:
-        return False
-    if os.environ.get(TRITON_SWITCH, "1") == "0":
+    """Whether ``fused_experts_grouped_mm`` runs its GEMMs in ``triton_grouped_gemm``: CUDA, a batch
+    ``triton_experts_allowed`` takes, operands it takes. Shapes and the device only, as
+    ``use_grouped_mm``."""
+    if not x.is_cuda or not triton_experts_allowed(w13.shape[0], topk_ids):
         return False
     from megatron_async.kernels import triton_grouped_gemm
 

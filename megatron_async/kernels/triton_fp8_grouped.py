@@ -20,14 +20,15 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_async.kernels import cuda_device
-from megatron_async.kernels.moe_grouped_mm import PendingCombine, combine_slots, plan_rows
+from megatron_async.kernels.moe_grouped_mm import PendingCombine, combine_slots, plan_rows, triton_experts_allowed
 from megatron_async.kernels.triton_act import relu_sq, silu_mul
 from megatron_async.kernels.triton_fp8_common import quantize_groups
-from megatron_async.kernels.triton_gemm_common import grouped_tile
-from megatron_async.kernels.triton_paged_common import num_compute_units
+from megatron_async.kernels.triton_grouped_gemm import expert_grid, expert_tile
+from megatron_async.kernels.triton_paged_common import TL_DTYPES, num_compute_units
 
 ROW_TILE = 128
-"""Rows a tile holds; the plan pads each expert's rows to a multiple of it."""
+"""The plan pads each expert's rows to a multiple of this (of every BLOCK_M in ``TILES``), so no
+row tile holds two experts."""
 TILES = {"gate_up": (64, 8, 3, 2), "down": (64, 8, 3, 2)}
 """(BLOCK_M, warps, stages, programs an SM) of each GEMM; tiles are BLOCK_M rows x 128 columns x
 one 128-deep K group. Each K group's scaling waits for its dot, so two programs an SM keep the
@@ -37,25 +38,6 @@ layer on an H100 (both GEMMs, graph us, 4,096 / 8,192 tokens): 64 rows, 8 warps,
 SM 839 / 1,436; the fused FP8 MoE 807 / 1,468."""
 GROUP_M = 4
 QUANTIZE_ROWS = 32  # rows a program of the quantize-and-gather pass (as ``quantize_activation``'s)
-MIN_PAIRS_PER_EXPERT = 256
-"""Batches with fewer (token, slot) pairs an expert keep ``triton_fp8_moe``'s kernels (the
-padding to 128 rows an expert weighs more there)."""
-
-
-@triton.jit
-def _grid(ends_ptr, E, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, E_BLOCK: tl.constexpr):
-    """(the experts' row ends, row tiles up to the last end, column tiles)."""
-    ev = tl.arange(0, E_BLOCK)
-    ends = tl.load(ends_ptr + ev, mask=ev < E, other=2**30)
-    return ends, tl.load(ends_ptr + E - 1) // BLOCK_M, tl.cdiv(N, BLOCK_N)
-
-
-@triton.jit
-def _tile_expert(ends, tile, num_n, num_programs_m, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(first row, column tile, expert) of a tile in grouped order."""
-    pid_m, pid_n = grouped_tile(tile, num_programs_m, num_n, GROUP_M)
-    m0 = pid_m * BLOCK_M
-    return m0, pid_n, tl.sum((ends <= m0).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -80,11 +62,11 @@ def _gate_up_kernel(a_desc, as_ptr, w_desc, ws_ptr, stride_wse, stride_wsn, stri
                     E, I, K, num_programs, OUT_DTYPE: tl.constexpr,
                     BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, E_BLOCK: tl.constexpr, GATED: tl.constexpr):
     BLOCK_N: tl.constexpr = 128  # one activation group a row: the epilogue quantizes the tile whole
-    ends, num_m, num_n = _grid(ends_ptr, E, I, BLOCK_M, BLOCK_N, E_BLOCK)
+    ends, num_m, num_n = expert_grid(ends_ptr, E, I, BLOCK_M, BLOCK_N, E_BLOCK)
     groups = tl.cdiv(K, 128)
     rows = tl.arange(0, BLOCK_M)
     for tile in range(tl.program_id(0), num_m * num_n, num_programs):
-        m0, pid_n, expert = _tile_expert(ends, tile, num_n, num_m, GROUP_M, BLOCK_M)
+        m0, pid_n, expert = expert_tile(ends, tile, num_m, num_n, GROUP_M, BLOCK_M)
         w_row = expert * I * (1 + GATED) + pid_n * BLOCK_N
         s_base = ws_ptr + expert.to(tl.int64) * stride_wse
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -111,11 +93,11 @@ def _gate_up_kernel(a_desc, as_ptr, w_desc, ws_ptr, stride_wse, stride_wsn, stri
 def _down_kernel(a_desc, hs_ptr, w_desc, ws_ptr, stride_wse, stride_wsn, stride_wsg, out_desc, ends_ptr, E, H, I,
                  num_programs, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, E_BLOCK: tl.constexpr):
     BLOCK_N: tl.constexpr = 128  # one weight scale block a column tile
-    ends, num_m, num_n = _grid(ends_ptr, E, H, BLOCK_M, BLOCK_N, E_BLOCK)
+    ends, num_m, num_n = expert_grid(ends_ptr, E, H, BLOCK_M, BLOCK_N, E_BLOCK)
     groups = tl.cdiv(I, 128)
     rows = tl.arange(0, BLOCK_M)
     for tile in range(tl.program_id(0), num_m * num_n, num_programs):
-        m0, pid_n, expert = _tile_expert(ends, tile, num_n, num_m, GROUP_M, BLOCK_M)
+        m0, pid_n, expert = expert_tile(ends, tile, num_m, num_n, GROUP_M, BLOCK_M)
         s_base = ws_ptr + expert.to(tl.int64) * stride_wse + pid_n * stride_wsn
         w_row = expert * H + pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -129,12 +111,13 @@ def _down_kernel(a_desc, hs_ptr, w_desc, ws_ptr, stride_wse, stride_wsn, stride_
 def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
           scale_block_n: tuple[int, int]) -> bool:
     """CUDA on Hopper, 128-row weight scale blocks in both GEMMs, K, I and H multiples of 128,
-    contiguous weights, and at least ``MIN_PAIRS_PER_EXPERT`` pairs an expert."""
+    contiguous weights, and a batch the Triton grouped experts take
+    (``moe_grouped_mm.triton_experts_allowed``: its size rule and switch, as the bf16 path's)."""
     E, _, K = w13.shape
     H, I = w2.shape[1], w2.shape[2]
     return (x.is_cuda and cuda_device.capability(x.device)[0] == 9 and scale_block_n == (128, 128)
             and K % 128 == 0 and I % 128 == 0 and H % 128 == 0 and w13.is_contiguous() and w2.is_contiguous()
-            and topk_ids.numel() >= MIN_PAIRS_PER_EXPERT * E)
+            and triton_experts_allowed(E, topk_ids))
 
 
 def fused_experts_fp8_grouped(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2: torch.Tensor,
@@ -160,7 +143,7 @@ def fused_experts_fp8_grouped(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Te
         TensorDescriptor.from_tensor(a, [bm, 128]), a_s,
         TensorDescriptor.from_tensor(w13.view(-1, K), [128, 128]), ws13, ws13.stride(0), ws13.stride(1),
         ws13.stride(2), TensorDescriptor.from_tensor(h, [bm, 128]), hs, offs, E, I, K, programs,
-        OUT_DTYPE=_TL[x.dtype], BLOCK_M=bm, GROUP_M=GROUP_M, E_BLOCK=e_block, GATED=gated, num_warps=warps,
+        OUT_DTYPE=TL_DTYPES[x.dtype], BLOCK_M=bm, GROUP_M=GROUP_M, E_BLOCK=e_block, GATED=gated, num_warps=warps,
         num_stages=stages)
     y = torch.empty((P, H), dtype=x.dtype, device=x.device)
     bm, warps, stages, per_sm = TILES["down"]
@@ -174,5 +157,3 @@ def fused_experts_fp8_grouped(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Te
         return PendingCombine(y, row_of_pair, topk_ids, topk_weights, E, x.dtype)
     return combine_slots(y, row_of_pair, topk_ids, topk_weights, E, x.dtype)
 
-
-_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

@@ -19,7 +19,6 @@ this file); alignment (``align_by_expert_triton``) and the slot sum are the bf16
    rows, float32, in slot order), or left to the next block's norm (``defer_combine``)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ import triton.language as tl
 from megatron_async.kernels import triton_fp8_grouped
 from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
 from megatron_async.kernels.triton_fp8_gemm import SMALL_M, quantize_activation
-from megatron_async.kernels.moe_grouped_mm import TRITON_SWITCH, PendingCombine, combine_slots
+from megatron_async.kernels.moe_grouped_mm import PendingCombine, combine_slots
 from megatron_async.kernels.triton_fused_moe import _block_m, align_by_expert_triton
 
 
@@ -222,7 +221,7 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2
     ``FP8_MOE_TILES`` / ``_block_m`` (each expert's pairs aligned to ``block_rows``: both GEMMs'
     rows a program). ``defer_combine``: the slot sum as a
     ``PendingCombine`` for the next block's norm. Prefill-size batches on Hopper (without
-    ``tiles`` / ``block_rows``) run ``triton_fp8_grouped`` instead (``TRITON_SWITCH`` 0: not)."""
+    ``tiles`` / ``block_rows``) run ``triton_fp8_grouped`` instead (``moe_grouped_mm.TRITON_SWITCH`` 0: not)."""
     sb13, sb2 = scale_block_n
     M, K = x.shape
     E, N, _ = w13.shape
@@ -237,8 +236,7 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2
         return torch.zeros((M, H), dtype=x.dtype, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
-    if (tiles is None and block_rows is None and os.environ.get(TRITON_SWITCH, "1") != "0"
-            and triton_fp8_grouped.takes(x, w13, w2, topk_ids, scale_block_n)):
+    if tiles is None and block_rows is None and triton_fp8_grouped.takes(x, w13, w2, topk_ids, scale_block_n):
         return triton_fp8_grouped.fused_experts_fp8_grouped(x, w13, ws13, w2, ws2, topk_ids, topk_weights, gated,
                                                             defer_combine)
     cpu = x.device.type == "cpu"

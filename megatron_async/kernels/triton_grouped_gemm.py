@@ -46,21 +46,34 @@ def row_tile(device: torch.device) -> int:
     return (TILES if device.type == "cuda" else INTERPRETER_TILES)[True][0]
 
 
+@triton.jit
+def expert_grid(ends_ptr, E, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, E_BLOCK: tl.constexpr):
+    """(the experts' cumulative row ends, row tiles up to the last end, column tiles): the persistent
+    loop's bounds, read on the device."""
+    ev = tl.arange(0, E_BLOCK)
+    ends = tl.load(ends_ptr + ev, mask=ev < E, other=2**30)
+    return ends, tl.load(ends_ptr + E - 1) // BLOCK_M, tl.cdiv(N, BLOCK_N)
+
+
+@triton.jit
+def expert_tile(ends, tile, num_m, num_n, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(first row, column tile, expert) of the ``tile``-th tile in grouped order: the expert is
+    the number of row ends at or before its first row."""
+    pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
+    m0 = pid_m * BLOCK_M
+    return m0, pid_n, tl.sum((ends <= m0).to(tl.int32), axis=0)
+
+
 @triton.jit(do_not_specialize=["num_programs"])
 def _grouped_kernel(a_desc, w_desc, out_desc, ends_ptr, E, N, K, num_programs, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, E_BLOCK: tl.constexpr,
                     GATED: tl.constexpr, ACT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """out[rows of expert e] = act(a[rows] @ W_e.T), W_e = the weight rows e * (2N if GATED else N)
     on: silu(gate) * up of [gate | up] (GATED), relu(h)^2 (ACT, not GATED) or the projection."""
-    ev = tl.arange(0, E_BLOCK)
-    ends = tl.load(ends_ptr + ev, mask=ev < E, other=2**30)
-    num_m = tl.load(ends_ptr + E - 1) // BLOCK_M
-    num_n = tl.cdiv(N, BLOCK_N)
+    ends, num_m, num_n = expert_grid(ends_ptr, E, N, BLOCK_M, BLOCK_N, E_BLOCK)
     dt = out_desc.dtype
     for tile in range(tl.program_id(0), num_m * num_n, num_programs):
-        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
-        m0 = pid_m * BLOCK_M
-        expert = tl.sum((ends <= m0).to(tl.int32), axis=0)
+        m0, pid_n, expert = expert_tile(ends, tile, num_m, num_n, GROUP_M, BLOCK_M)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         # Columns past N (a last column tile) read the next weight rows: their outputs are clipped by the store

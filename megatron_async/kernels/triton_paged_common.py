@@ -174,7 +174,7 @@ def max_registers(head_dim: int, device: torch.device) -> int | None:
     return 128 if device.type == "cuda" and head_dim <= 128 else None
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def dot_args(kernel: object, cache_dtype: torch.dtype, q_dtype: torch.dtype | None = None) -> dict[str, object]:
@@ -186,9 +186,9 @@ def dot_args(kernel: object, cache_dtype: torch.dtype, q_dtype: torch.dtype | No
     bf16 as raw uint16 bits, so there bf16 operands are widened to fp32 first."""
     if cache_dtype == torch.float8_e4m3fn and q_dtype is not None:
         cache_dtype = q_dtype
-    if cache_dtype not in _TL_DTYPES:
+    if cache_dtype not in TL_DTYPES:
         raise TypeError(f"unsupported KV cache dtype {cache_dtype}")
-    dot_dtype = _TL_DTYPES[cache_dtype]
+    dot_dtype = TL_DTYPES[cache_dtype]
     if cache_dtype == torch.bfloat16 and isinstance(kernel, InterpretedFunction):
         dot_dtype = tl.float32
     return {"DOT_DTYPE": dot_dtype, "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32"}
