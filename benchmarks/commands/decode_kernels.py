@@ -48,7 +48,8 @@ GROUPS = [  # (role, name substrings), first match wins
                    "_prefill_kernel")),
     ("kv append", ("kv_append", "append")),
     ("norm / rope / act", ("rmsnorm", "rms_norm", "rope", "silu", "relu", "act", "norm")),
-    ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "wgmma", "cublas", "_grouped_kernel")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "wgmma", "cublas", "_grouped_kernel",
+              "_gate_up", "_down_kernel", "_down_fp8_kernel")),  # the routed experts' Triton GEMMs
     ("argmax / reductions", ("argmax", "reduce", "max_", "cumsum", "sort")),
     ("copies / casts", ("copy", "cast", "elementwise", "fill", "index", "gather", "scatter", "memcpy", "memset")),
 ]

@@ -3,15 +3,15 @@ on Hopper: ``triton_fp8_moe``'s two GEMMs over expert-sorted rows with TMA loads
 grid, as ``triton_grouped_gemm`` runs the bf16 ones.
 
 x's rows are quantized (as ``quantize_activation`` quantizes them) straight into the plan's order
-(``moe_grouped_mm.plan_rows`` at 128 rows an expert, so no row tile holds two experts), e4m3
-values and group scales, in one pass. Per K group the e4m3 dot is scaled
-by (row scale x block scale) in float32 and added, the epilogue rounds SiLU(gate) * up (or
-relu^2) as the bf16 path does and quantizes the activation tile (one group a row) to e4m3 + its
-scale, and the down GEMM writes each row in x's dtype: ``triton_fp8_moe``'s arithmetic in its
-order, so the same bits where the tensor cores give each K group's dot the same bits. Against the
-fused kernels at Qwen3-30B-A3B's 8,192-token mixed step (H100) its GEMMs are even; what it gains
-(~4 % of the step) is ``plan_rows``' placement of the pairs, where the fused path's alignment runs
-one program per expert over every id (docs/PERFORMANCE.md, FP8)."""
+(``moe_grouped_mm.plan_rows``, each expert's rows padded to the row tile, so no tile holds two
+experts), e4m3 values and group scales, in one pass. Per K group the e4m3 dot is scaled by (row
+scale x block scale) in float32 and added, the epilogue rounds SiLU(gate) * up (or relu^2) as the
+bf16 path does and quantizes the activation tile (one group a row) to e4m3 + its scale, and the down
+GEMM writes each row in x's dtype: ``triton_fp8_moe``'s arithmetic in its order, so the same bits
+where the tensor cores give each K group's dot the same bits. Against the fused kernels at
+Qwen3-30B-A3B's 8,192-token mixed step (H100) its GEMMs are even; what it gains (~4 % of the step)
+is ``plan_rows``' placement of the pairs, where the fused path's alignment runs one program per
+expert over every id (docs/PERFORMANCE.md, FP8)."""
 from __future__ import annotations
 
 import torch
@@ -26,9 +26,6 @@ from megatron_async.kernels.triton_fp8_common import quantize_groups
 from megatron_async.kernels.triton_grouped_gemm import expert_grid, expert_tile
 from megatron_async.kernels.triton_paged_common import TL_DTYPES, num_compute_units
 
-ROW_TILE = 128
-"""The plan pads each expert's rows to a multiple of this (of every BLOCK_M in ``TILES``), so no
-row tile holds two experts."""
 TILES = {"gate_up": (64, 8, 3, 2), "down": (64, 8, 3, 2)}
 """(BLOCK_M, warps, stages, programs an SM) of each GEMM; tiles are BLOCK_M rows x 128 columns x
 one 128-deep K group. Each K group's scaling waits for its dot, so two programs an SM keep the
@@ -36,6 +33,9 @@ tensor cores busy while the other scales (as ``triton_fp8_moe``'s tiles do). Qwe
 layer on an H100 (both GEMMs, graph us, 4,096 / 8,192 tokens): 64 rows, 8 warps, 3 stages, 2 an SM
 764 / 1,333; 128 rows, 8 warps, 3 stages, 1 an SM 837 / 1,444; 64 rows, 4 warps, 2 stages, 2 an
 SM 839 / 1,436; the fused FP8 MoE 807 / 1,468."""
+ROW_TILE = max(bm for bm, *_ in TILES.values())
+"""The plan pads each expert's rows to a multiple of this (of every BLOCK_M in ``TILES``), so no
+row tile holds two experts; no more, since every padding row is quantized and multiplied."""
 GROUP_M = 4
 QUANTIZE_ROWS = 32  # rows a program of the quantize-and-gather pass (as ``quantize_activation``'s)
 
