@@ -10,10 +10,11 @@ engine in one process; the trainer in another, shared-memory IPC) also run here 
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-pytest.importorskip("einops")
+from megatron_async import LLM, InferenceConfig
+from tests.helpers.requirements import installed
 
-from megatron_async import LLM, InferenceConfig  # noqa: E402
+pytestmark = pytest.mark.skipif(not installed("megatron.core", "einops"), reason="megatron-core not installed")
+
 from tests.helpers.mcore_cpu import TinyShape, mcore_rank, mcore_rank_jobs, write_engine_checkpoint  # noqa: E402
 from tests.helpers.mcore_gpu import colocated_rank, ipc_refit  # noqa: E402
 from tests.helpers.mcore_reference import BF16_TOL, PROMPT, against_fresh, log_probs_of, refit, te_names  # noqa: E402

@@ -20,9 +20,10 @@ fails it; the same flows run on CPU there.
     python3 -m pytest -q -s -m gpu tests/functional_tests/test_megatron_reference_gpu.py"""
 import pytest
 
-pytestmark = pytest.mark.gpu
-pytest.importorskip("megatron.core")
-pytest.importorskip("einops")
+from tests.helpers.requirements import installed
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not installed("megatron.core", "einops"), reason="megatron-core not installed")]
 
 from tests.helpers.mcore_cpu import TinyShape  # noqa: E402
 from tests.helpers.mcore_gpu import colocated_rank, ipc_refit  # noqa: E402

@@ -5,7 +5,6 @@ forward (fp32) and every token carries its step's weight version. A trainer whos
 weights drift between its TP ranks (q / k norm gradients not summed) is caught."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.requirements import installed
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "rl_megatron_refit.py"
-HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("einops") is not None
+HAS_MEGATRON = installed("megatron.core", "einops")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

@@ -4,6 +4,7 @@ sets after installing them): there a missing one fails the test instead of hidin
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 
 import pytest
@@ -23,3 +24,9 @@ def need(module: str):
         if module in required_modules():
             pytest.fail(f"{module} is required here ({REQUIRES_ENV}) but cannot be imported: {e}", pytrace=False)
         pytest.skip(f"could not import {module!r}: {e}")
+
+
+def installed(*modules: str) -> bool:
+    """Whether every module can be found, without importing it: for a skip mark on a module whose
+    import alone takes seconds (Megatron-Core's), which every test worker would pay at collection."""
+    return all(importlib.util.find_spec(m) is not None for m in modules)
