@@ -209,7 +209,7 @@ def router_table(args) -> list[str]:
             f"| load average (1 min) after | {os.getloadavg()[0]:.2f} |"]
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=["hits", "router", "all"], default="all")
     p.add_argument("--smoke", action="store_true", help="a small run of each part (CPU, tens of seconds)")
@@ -232,13 +232,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--load-client", nargs=4, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.smoke:  # smaller defaults; flags given still win
+        p.set_defaults(conversations=8, turns=2, answer=8, question=8, sequential=200, requests=2000, window=64)
+        args = p.parse_args(argv)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.load_client:
         address, n, window, plen = args.load_client
         print(*asyncio.run(windowed(address, int(n), int(window), list(range(1, int(plen))))))
         return
-    if args.smoke:
-        args.conversations, args.turns, args.answer, args.question = 8, 2, 8, 8
-        args.sequential, args.requests, args.window = 200, 2000, 64
     out = []
     if args.part in ("hits", "all"):
         out += hits_table(args) + [""]

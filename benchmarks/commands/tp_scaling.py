@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)  # set on torchrun workers
     args = p.parse_args(argv)
     if args.smoke:
-        args = p.parse_args([*(argv if argv is not None else sys.argv[1:]), *SMOKE])
+        args = p.parse_args([*SMOKE, *(argv if argv is not None else sys.argv[1:])])  # flags given win
     return args
 
 
