@@ -59,3 +59,12 @@ def pytest_collection_finish(session):
     atexit.register(gc.unfreeze)  # at exit: Triton's bindings would report frozen objects as leaks
     if GC_WAS_ENABLED:
         gc.enable()
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    """A bytes parameter over 40 bytes is named by its head and size, not its whole content: a
+    test id holding a 200 KB payload is in the environment (PYTEST_CURRENT_TEST) of every process
+    the test starts, over Linux's 128 KB limit for one variable (exec fails with E2BIG)."""
+    if isinstance(val, bytes) and len(val) > 40:
+        return f"{repr(val[:24])[2:-1]}...({len(val)} bytes)"  # escaped as pytest escapes bytes
+    return None

@@ -19,7 +19,6 @@ from megatron_async.serve import openai_protocol as proto  # noqa: E402
 from megatron_async.serve.process import ServerProcess  # noqa: E402
 from tests.helpers.chat_templates import save_chat_template  # noqa: E402
 from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
-from tests.helpers.param_ids import short_bytes_id  # noqa: E402
 
 MAX_REQUEST_BYTES = 1_000_000
 MAX_REQUESTS = 8
@@ -100,7 +99,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404),
     ("/v1/chat/completions", {**CHAT, "model": "no-such-model"}, 404),
     ("/v1/completions", {"prompt": "hi", "n": MAX_REQUESTS + 1}, 400),
-], ids=short_bytes_id)
+])
 def test_bodies_that_once_got_a_500(server, path, body, want):
     status, raw = post(server, path, body)
     if want == 200:

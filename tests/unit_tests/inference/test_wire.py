@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from megatron_async.inference.communication import wire
 from megatron_async.inference.communication import wire_fields as f
 from megatron_async.inference.communication.handshake import HELLO
-from tests.helpers.param_ids import short_bytes_id
 from tests.helpers.wire_audit import watched
 
 MAX = 1 << 16
@@ -82,7 +81,7 @@ def test_arrays_round_trip_every_dtype_without_copy():
     (msgpack.packb([121, msgpack.ExtType(1, bytes([5, 1]) + (4).to_bytes(8, "little") + b"abc")]), "undecodable"),
     (msgpack.packb([121, msgpack.ExtType(1, bytes([99, 0]))]), "undecodable"),
     (b"\xdd\xff\xff\xff\xff", "undecodable"),  # an array of 4G elements in 5 bytes
-], ids=short_bytes_id)
+])
 def test_bad_frames_raise_wire_error_with_their_reason(frame, reason):
     assert decode_watched(frame) == reason
 

@@ -12,7 +12,6 @@ from megatron_async.serve.openai_protocol import (  # noqa: E402
 from megatron_async.serve.request_body import (  # noqa: E402
     check_content_length, check_content_type, decode_json, read_limited,
 )
-from tests.helpers.param_ids import short_bytes_id  # noqa: E402
 
 
 def test_content_type():
@@ -51,7 +50,7 @@ def test_size_limit_declared_and_while_reading():
     (b'{"x": ["ok", {"k\\udfff": 1}]}', "surrogate"),
     (b'{"x": "\xff"}', "not UTF-8"),
     (b"{not json", "not valid JSON"),
-], ids=short_bytes_id)
+])
 def test_json_python_cannot_hold_is_a_bad_request(raw, reason):
     with pytest.raises(BadRequest, match=reason) as e:
         decode_json(raw)
