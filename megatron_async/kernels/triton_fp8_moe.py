@@ -4,7 +4,7 @@ Experts' weights are e4m3 with 128 x 128 block scales: w13 [E, N, K] (N = 2I row
 with ws13 [E, ceil(N / SB), ceil(K / 128)], w2 [E, H, I] with ws2 [E, ceil(H / SB), ceil(I / 128)],
 SB (``scale_block_n``, one per GEMM) 128, or 1 for one scale row per weight row (I % 128 != 0, or a TP shard of I
 that does not start on a block boundary). The router stays bf16 (it is a ReplicatedLinear outside
-this file); alignment (``align_by_expert_triton``) and the slot sum are the bf16 path's kernels.
+this file); alignment (``align_pairs``) and the slot sum are the bf16 path's kernels.
 
 1. gate_up: per block of pairs, the x rows of its tokens quantized per 1 x 128 group (in registers
    for a few tokens, where a token routed to k experts is quantized k times to the same bits;
@@ -29,7 +29,7 @@ from megatron_async.kernels import triton_fp8_grouped
 from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
 from megatron_async.kernels.triton_fp8_gemm import SMALL_M, quantize_activation
 from megatron_async.kernels.moe_grouped_mm import PendingCombine, combine_slots
-from megatron_async.kernels.triton_fused_moe import _block_m, align_by_expert_triton
+from megatron_async.kernels.triton_fused_moe import _block_m, align_pairs
 
 
 @dataclass(frozen=True)
@@ -241,8 +241,7 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2
                                                             defer_combine)
     cpu = x.device.type == "cpu"
     rows = block_rows or (16 if cpu else _block_m(num_pairs, E))
-    ids = topk_ids.reshape(-1).to(torch.int32)
-    sorted_pairs, block_expert = align_by_expert_triton(ids, E, rows)
+    sorted_pairs, block_expert = align_pairs(topk_ids, E, rows)
     num_blocks = block_expert.shape[0]
     groups_i = triton.cdiv(I, 128)
     h = torch.empty((num_pairs, I), dtype=torch.float8_e4m3fn, device=x.device)

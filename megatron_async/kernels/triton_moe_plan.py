@@ -66,9 +66,10 @@ def _sort_slices(keys, LOG: tl.constexpr):
 
 
 @triton.jit
-def _place_kernel(ids_ptr, counts_ptr, slice_counts_ptr, row_of_pair_ptr, token_of_row_ptr, offs_ptr, n, P,
-                  num_segs, E: tl.constexpr, BINS: tl.constexpr, TOP_K: tl.constexpr, ALIGN: tl.constexpr,
-                  SEG: tl.constexpr, SLICES: tl.constexpr, LOG_WIDTH: tl.constexpr, TABLE_ROWS: tl.constexpr):
+def _place_kernel(ids_ptr, counts_ptr, slice_counts_ptr, row_of_pair_ptr, token_of_row_ptr, offs_ptr,
+                  block_expert_ptr, n, P, num_segs, num_blocks, E: tl.constexpr, BINS: tl.constexpr,
+                  TOP_K: tl.constexpr, ALIGN: tl.constexpr, SEG: tl.constexpr, SLICES: tl.constexpr,
+                  LOG_WIDTH: tl.constexpr, TABLE_ROWS: tl.constexpr, PAIRS: tl.constexpr, BLOCKS_PER: tl.constexpr):
     WIDTH: tl.constexpr = SEG // SLICES
     s = tl.program_id(0)
     experts = tl.arange(0, BINS)
@@ -81,8 +82,8 @@ def _place_kernel(ids_ptr, counts_ptr, slice_counts_ptr, row_of_pair_ptr, token_
         before += tl.where(segs[:, None] < s, table, 0)
     totals = tl.sum(totals, axis=0)
     before = tl.sum(before, axis=0)
-    # each expert's rows: its pairs rounded up to ALIGN, at least ALIGN (no empty group)
-    rows = tl.where(experts < E, (tl.maximum(totals, 1) + ALIGN - 1) // ALIGN * ALIGN, 0)
+    # each expert's rows: its pairs rounded up to ALIGN; at least ALIGN (no empty group) unless PAIRS
+    rows = tl.where(experts < E, (tl.maximum(totals, 1 - PAIRS) + ALIGN - 1) // ALIGN * ALIGN, 0)
     ends = tl.cumsum(rows, axis=0)
     starts = ends - rows
     # sorted position j of slice l, expert e -> starts[e] + before[e] + (pairs of e in slices
@@ -100,16 +101,22 @@ def _place_kernel(ids_ptr, counts_ptr, slice_counts_ptr, row_of_pair_ptr, token_
     pair = s * SEG + sl * WIDTH + (key & (WIDTH - 1))
     routed = expert < E
     row = tl.where(routed, tl.gather(shift, expert, 1) + j, P)  # P: no expert (never read)
-    tl.store(row_of_pair_ptr + pair, row, mask=pair < n)
-    tl.store(token_of_row_ptr + row, pair // TOP_K, mask=routed)
-
-    # rows past the last group are gathered too (never computed): a valid token; at most n of them
-    past = tl.sum(rows, axis=0) + offs
-    tl.store(token_of_row_ptr + past, 0, mask=past < P)
+    if PAIRS:  # the fused MoE's layout: each row's pair, n on padding rows, and each block's expert
+        tl.store(token_of_row_ptr + row, pair, mask=routed)
+        b = s * BLOCKS_PER + tl.arange(0, BLOCKS_PER)
+        owner = tl.sum(((ends[None, :] <= b[:, None] * ALIGN) & (experts[None, :] < E)).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, owner, mask=b < num_blocks)  # E past the last group
+    else:
+        tl.store(row_of_pair_ptr + pair, row, mask=pair < n)
+        tl.store(token_of_row_ptr + row, pair // TOP_K, mask=routed)
+        # rows past the last group are gathered too (never computed): a valid token; at most n of them
+        past = tl.sum(rows, axis=0) + offs
+        tl.store(token_of_row_ptr + past, 0, mask=past < P)
     if s == 0:
         tl.store(offs_ptr + experts, ends, mask=experts < E)
         pad = totals[:, None] + tl.arange(0, ALIGN)[None, :]
-        tl.store(token_of_row_ptr + starts[:, None] + pad, 0, mask=(experts[:, None] < E) & (pad < rows[:, None]))
+        tl.store(token_of_row_ptr + starts[:, None] + pad, n if PAIRS else 0,
+                 mask=(experts[:, None] < E) & (pad < rows[:, None]))
 
 
 def segment_size(n: int) -> int:
@@ -122,10 +129,29 @@ def plan_rows(topk_ids: torch.Tensor, num_experts: int, align: int, seg: int | N
     """See ``moe_grouped_mm.plan_rows`` (its torch form is the reference); int32 rows and tokens.
     ``seg``: ids per program of each kernel, a power of two (default ``segment_size``), in
     ``num_warps`` slices (fewer when seg is small: 2 ids a slice at least)."""
+    row_of_pair, token_of_row, offs, _ = _plan(topk_ids, num_experts, align, seg, num_warps, pairs=False)
+    return row_of_pair, token_of_row, offs
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int, seg: int | None = None,
+                num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """``triton_fused_moe.align_by_expert``'s layout (sorted pairs, each block's expert; rows of
+    blocks past the last group unwritten) from the plan's two kernels: the same counts and ranks,
+    with each row holding its pair, empty experts given no rows, and every program marking its
+    share of the blocks. O(pairs) work, where the one-kernel alignment reads every id once per expert."""
+    _, sorted_pairs, _, block_expert = _plan(topk_ids, num_experts, block_m, seg, num_warps, pairs=True)
+    return sorted_pairs, block_expert
+
+
+def _plan(topk_ids: torch.Tensor, num_experts: int, align: int, seg: int | None, num_warps: int,
+          pairs: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two kernels: (row_of_pair, token_of_row, offs, block_expert); with ``pairs`` the second
+    holds pairs (``align_pairs``) and the first is not written, else the fourth is empty."""
     M, top_k = topk_ids.shape
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     n, E = ids.numel(), num_experts
-    P = n + E * align
+    # pairs: the fused MoE's worst case (each of min(E, n) groups padded by at most align - 1)
+    P = triton.cdiv(n + min(E, n) * (align - 1), align) * align if pairs else n + E * align
     seg = seg or segment_size(n)
     # at least 32 bins: with a handful of experts the tables' tiny shapes failed to compile (sm90)
     bins = max(32, triton.next_power_of_2(E + 1))
@@ -134,19 +160,24 @@ def plan_rows(topk_ids: torch.Tensor, num_experts: int, align: int, seg: int | N
                          f"(E + 1) * seg <= 2**30")
     slices = min(triton.next_power_of_2(num_warps), seg // 2)
     segs = max(1, triton.cdiv(n, seg))
-    counts = torch.empty((segs, bins), dtype=torch.int32, device=ids.device)
-    slice_counts = torch.empty((segs, slices, bins), dtype=torch.int32, device=ids.device)
-    row_of_pair = torch.empty(n, dtype=torch.int32, device=ids.device)
-    token_of_row = torch.empty(P, dtype=torch.int32, device=ids.device)
-    offs = torch.empty(E, dtype=torch.int32, device=ids.device)
+    dev = ids.device
+    counts = torch.empty((segs, bins), dtype=torch.int32, device=dev)
+    slice_counts = torch.empty((segs, slices, bins), dtype=torch.int32, device=dev)
+    row_of_pair = torch.empty(0 if pairs else n, dtype=torch.int32, device=dev)
+    token_of_row = torch.empty(P, dtype=torch.int32, device=dev)
+    offs = torch.empty(E, dtype=torch.int32, device=dev)
+    num_blocks = P // align if pairs else 0
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     _count_kernel[(segs,)](ids, counts, slice_counts, n, E=E, BINS=bins, SEG=seg, SLICES=slices, num_warps=4)
     # counts read per loop step: 64 a thread (32 segments of 256 bins in one step with 4 warps,
     # all loads in flight at once; the loop's steps run one after another)
     table_rows = min(triton.next_power_of_2(segs), max(1, 64 * 32 * num_warps // bins))
-    _place_kernel[(segs,)](ids, counts, slice_counts, row_of_pair, token_of_row, offs, n, P, segs, E=E, BINS=bins,
-                           TOP_K=top_k, ALIGN=align, SEG=seg, SLICES=slices, LOG_WIDTH=(seg // slices).bit_length() - 1,
-                           TABLE_ROWS=table_rows, num_warps=num_warps)
-    return row_of_pair, token_of_row, offs
+    _place_kernel[(segs,)](ids, counts, slice_counts, row_of_pair, token_of_row, offs, block_expert, n, P, segs,
+                           num_blocks, E=E, BINS=bins, TOP_K=top_k, ALIGN=align, SEG=seg, SLICES=slices,
+                           LOG_WIDTH=(seg // slices).bit_length() - 1, TABLE_ROWS=table_rows, PAIRS=pairs,
+                           BLOCKS_PER=triton.next_power_of_2(max(1, triton.cdiv(num_blocks, segs))),
+                           num_warps=num_warps)
+    return row_of_pair, token_of_row, offs, block_expert
 
 
 @triton.jit

@@ -145,3 +145,25 @@ def test_deferred_slot_sum_reduces_to_the_undeferred_output(monkeypatch):
     assert combine_fuses_norm(later, residual, norm.weight)  # the one-kernel path, not a reduce first
     fused = norm.add_and_norm(later, residual)
     assert all(torch.equal(a, b) for a, b in zip(fused, norm.add_and_norm(later.reduce(), residual)))
+
+
+def test_either_alignment_gives_the_same_bits(monkeypatch):
+    """The plan's alignment kernels (``triton_fused_moe.PLAN_MIN_READS`` 0) and the one-program-per-expert
+    kernel: the FP8 fused MoE's output bit for bit, with an expert left without pairs and EP ids."""
+    from megatron_async.kernels import triton_fused_moe, triton_moe_plan
+    from megatron_async.kernels.triton_fp8_moe import fused_experts_fp8
+
+    g = torch.Generator().manual_seed(9)
+    q13, s13, q2, s2, sbn = experts(5, 256, 256, True, g)
+    x = torch.randn(30, 256, generator=g).to(torch.bfloat16)
+    ids, w = routing(30, 5, 2, g, drop_some=True)
+    ids[ids == 3] = 0
+    dev = [t.to(DEVICE) for t in (x, q13, s13, q2, s2, ids, w)]
+    calls = []
+    real = triton_moe_plan.align_pairs
+    monkeypatch.setattr(triton_moe_plan, "align_pairs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(triton_fused_moe, "PLAN_MIN_READS", 1 << 60)
+    one_kernel = fused_experts_fp8(*dev, True, sbn)
+    assert not calls
+    monkeypatch.setattr(triton_fused_moe, "PLAN_MIN_READS", 0)
+    assert torch.equal(fused_experts_fp8(*dev, True, sbn), one_kernel) and calls

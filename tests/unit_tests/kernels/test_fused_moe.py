@@ -120,6 +120,42 @@ def test_triton_alignment_equals_the_torch_alignment(M, E, k, block_m):
     assert torch.equal(pairs[live], ref_pairs[live])
 
 
+@pytest.mark.parametrize("M, E, k, block_m, seg", [(1, 8, 2, 16, None), (40, 8, 3, 16, 16), (33, 128, 8, 32, None),
+                                                   (300, 6, 2, 64, 64), (700, 16, 2, 16, 128)])
+def test_plan_alignment_equals_the_torch_alignment(M, E, k, block_m, seg):
+    """The plan's kernels in the fused MoE's layout (``triton_moe_plan.align_pairs``): the torch
+    alignment's blocks and rows, with one segment and with several (counts carried between programs),
+    experts left without pairs, ids of no expert."""
+    from megatron_async.kernels import triton_moe_plan
+
+    g = torch.Generator().manual_seed(M + 7 * E)
+    ids = torch.randint(-1, E + 2, (M, k), generator=g).to(torch.int32)
+    ids[ids == E // 2] = 0  # an expert with no pair: no rows (the grouped GEMM's plan gives it a block)
+    ref_pairs, ref_blocks = triton_fused_moe.align_by_expert(ids, E, block_m)
+    pairs, blocks = triton_moe_plan.align_pairs(ids.to(DEVICE), E, block_m, seg)
+    assert torch.equal(blocks.cpu(), ref_blocks)
+    live = (ref_blocks < E).repeat_interleave(block_m)
+    assert torch.equal(pairs.cpu()[live], ref_pairs[live])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_either_alignment_gives_the_same_bits(monkeypatch, dtype):
+    """``align_pairs`` takes the plan's kernels from ``PLAN_MIN_READS`` (here from any size) and the
+    one-program-per-expert kernel below it (here always): the fused MoE's output bit for bit."""
+    from megatron_async.kernels import triton_moe_plan
+
+    x, w13, w2, ids, w = _inputs(70, 64, 32, 64, 8, 2, dtype, True, seed=11, dropped=0.2)
+    calls = []
+    real = triton_moe_plan.align_pairs
+    monkeypatch.setattr(triton_moe_plan, "align_pairs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(triton_fused_moe, "PLAN_MIN_READS", 1 << 60)
+    one_kernel = triton_fused_moe.fused_experts(x, w13, w2, ids, w, True)
+    assert not calls
+    monkeypatch.setattr(triton_fused_moe, "PLAN_MIN_READS", 0)
+    plan = triton_fused_moe.fused_experts(x, w13, w2, ids, w, True)
+    assert calls and torch.equal(plan, one_kernel)
+
+
 def test_tiles_follow_the_block_size_and_the_shared_memory(monkeypatch):
     assert triton_fused_moe._block_m(320, 4) == 64 and triton_fused_moe._block_m(16, 8) == 16
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)

@@ -3,7 +3,8 @@ on CUDA) against its torch reference ``moe_grouped_mm.plan_rows_torch``, bit for
 Qwen3-30B-A3B prefill shape (65,536 pairs, 128 experts; a quarter of the pairs interpreted) with
 ids of no expert mixed in, tiny batches, pair counts that are not a multiple of the segment,
 expert counts that are not a power of two, experts with no pair, several segments per expert
-(counts carried between programs), segments cut in 1 to 8 slices."""
+(counts carried between programs), segments cut in 1 to 8 slices; and the same kernels in the
+fused MoE's layout (``align_pairs``) against its torch alignment on the layer's router (GPU)."""
 from __future__ import annotations
 
 import pytest
@@ -114,3 +115,33 @@ def test_plans_of_the_layers_routing_at_every_segment_size(tokens, seg):
     for warps in (4, 8):
         for routing in (ids, dropped):
             _check(routing.cpu(), 128, seg, warps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens, block_m", [(128, 16), (1024, 32), (3072, 64)])
+def test_fused_moe_alignment_of_the_layers_routing(tokens, block_m):
+    """``align_pairs`` (the fused MoE's layout from the plan's kernels) on the Qwen3-30B-A3B router's
+    ids, alone and with a tenth moved to other ranks' experts, captured in a graph and replayed on
+    new ids: the torch alignment's blocks, and its pairs in every live block."""
+    from megatron_async.kernels import triton_fused_moe
+    from tests.helpers.moe_layers import QWEN3_30B_HIDDEN, qwen3_30b_moe_layer
+
+    layer = qwen3_30b_moe_layer()
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    with torch.no_grad():
+        x = torch.randn(tokens, QWEN3_30B_HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+        ids = layer.gate.route(x)[0]
+    dropped = torch.where(torch.rand(ids.shape, device="cuda", generator=g) < 0.1, ids + 128, ids)
+    live_ids = ids.clone()
+    triton_moe_plan.align_pairs(live_ids, 128, block_m)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_moe_plan.align_pairs(live_ids, 128, block_m)
+    for routing in (ids, dropped):
+        live_ids.copy_(routing)
+        graph.replay()
+        ref_pairs, ref_blocks = triton_fused_moe.align_by_expert(routing, 128, block_m)
+        assert torch.equal(out[1], ref_blocks)
+        live = (ref_blocks < 128).repeat_interleave(block_m)
+        assert torch.equal(out[0][live], ref_pairs[live])
