@@ -16,7 +16,6 @@ from megatron_async.kernels.moe_experts import fused_experts
 from megatron_async.kernels.triton_decode_attention import decode_attention
 from megatron_async.kernels import triton_fp8_moe as tm
 from megatron_async.kernels.triton_fp8_moe import FP8_MOE_TILES, Fp8MoeTiles
-from megatron_async.kernels.triton_fused_moe import _block_m
 
 LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 """Qwen3-8B's linears of one layer (N, K)."""
@@ -92,7 +91,7 @@ def moe_rows(tokens: list[int], device: torch.device, shape: tuple = MOE) -> lis
         bf16 = timer([lambda: fused_experts(x, w13, w2, ids, w, True, triton=triton)])
         fp8 = timer([lambda: fused_experts(x, q13, q2, ids, w, True, triton=triton, w13_scale=s13, w2_scale=s2)])
         rows.append({"kind": "moe", "layer": "30b-a3b experts", "m": n, "bf16_us": bf16, "fp8_us": fp8})
-        block_m = _block_m(n * k, E)
+        block_m = tm.rows_per_block(n * k, E)
         if triton and block_m == 64:  # prefill sizes: the decode blocks' tiles and the other candidate, beside
             for name, tiles in [("fp8 16-row tiles", FP8_MOE_TILES[16]), ("fp8 1-a-SM tiles", ONE_A_SM)]:
                 t = timer([lambda tiles=tiles: tm.fused_experts_fp8(x, q13, s13, q2, s2, ids, w, True, tiles=tiles,

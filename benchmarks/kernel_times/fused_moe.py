@@ -30,9 +30,10 @@ last.
 16,384 and 65,536 pairs (512, 2,048, 8,192 tokens of the layer's router; ``--tokens`` to change):
 equal bits to ``plan_rows_torch`` (router ids, and with ids of no expert mixed in), us per plan in
 a graph of 48 (one per layer) and each kernel's device time, at the default segment size then at
-each segment size and warp count, the table last.
+each segment size and warp count, the table last; then the fused MoE's alignment at each count, one
+program per expert against the plan's kernels in its layout (``triton_moe_plan.align_pairs``).
 
-    python -m benchmarks kernel-times fused-moe --plan"""
+    python -m benchmarks kernel-times fused-moe --plan [--tokens 512 1024 2048 4000]"""
 from __future__ import annotations
 
 import argparse
@@ -219,6 +220,24 @@ def plan(layer: MoEMixer, tokens: list[int], iters: int) -> None:
     print("|---:|---:|---:|---:|---:|---:|---|")
     for n, seg, warps, us, count, place, same in rows:
         print(f"| {n} | {seg} | {warps} | {us:.1f} | {count:.1f} | {place:.1f} | {same} |")
+    fused_alignment(layer, tokens)
+
+
+def fused_alignment(layer: MoEMixer, tokens: list[int]) -> None:
+    """The fused MoE's alignment at its block size: one program per expert against the plan's
+    kernels in its layout (``align_pairs`` picks by ``PLAN_MIN_READS``), us in a graph of 48."""
+    print(f"\nthe fused MoE's alignment (PLAN_MIN_READS {triton_fused_moe.PLAN_MIN_READS}), us in a graph of 48")
+    print("| pairs | block_m | one kernel us | plan kernels us | same blocks and rows |")
+    print("|---:|---:|---:|---:|---|")
+    for T in tokens:
+        ids = layer.gate.route(torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE))[0]
+        bm = triton_fused_moe._block_m(ids.numel(), EXPERTS)
+        one = lambda i=ids, bm=bm: triton_fused_moe.align_by_expert_triton(i, EXPERTS, bm)  # noqa: E731
+        planned = lambda i=ids, bm=bm: triton_moe_plan.align_pairs(i, EXPERTS, bm)  # noqa: E731
+        (p1, b1), (p2, b2) = one(), planned()
+        live = (b1 < EXPERTS).repeat_interleave(bm)
+        same = torch.equal(b1, b2) and torch.equal(p1[live], p2[live])
+        print(f"| {ids.numel()} | {bm} | {graph_call_us([one], 48):.1f} | {graph_call_us([planned], 48):.1f} | {same} |")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

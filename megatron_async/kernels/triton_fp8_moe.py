@@ -29,12 +29,12 @@ from megatron_async.kernels import triton_fp8_grouped
 from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
 from megatron_async.kernels.triton_fp8_gemm import SMALL_M, quantize_activation
 from megatron_async.kernels.moe_grouped_mm import PendingCombine, combine_slots
-from megatron_async.kernels.triton_fused_moe import _block_m, align_pairs
+from megatron_async.kernels.triton_fused_moe import align_pairs
 
 
 @dataclass(frozen=True)
 class Fp8MoeTiles:
-    """Launch settings of the two GEMMs for one alignment (``_block_m``: pairs per aligned block,
+    """Launch settings of the two GEMMs for one alignment (``rows_per_block``: pairs per aligned block,
     each GEMM's rows a program). BLOCK_K is 128 in both (one scale group per dot); gate_up's
     BLOCK_N is 128 (one activation group, quantized whole in its epilogue) for each of gate and
     up, so a gate_up program holds two [BLOCK_M, 128] float32 accumulators."""
@@ -50,13 +50,23 @@ FP8_MOE_TILES = {
     32: Fp8MoeTiles(gate_up_warps=4, gate_up_stages=3, down_block_n=64, down_warps=4, down_stages=3),
     64: Fp8MoeTiles(gate_up_warps=4, gate_up_stages=2, down_block_n=128, down_warps=8, down_stages=4),
 }
-"""Per alignment (``_block_m``). 64-row blocks (prefill, above 64 pairs per expert: 1,024 tokens of
+"""Per alignment (``rows_per_block``). 64-row blocks (above 16 pairs per expert: 257+ tokens of
 Qwen3-30B-A3B): two programs an SM in both GEMMs (gate_up on 4 warps, 2 stages, 80 KB; down in
 64 x 128 tiles on 8 warps, 4 stages, 96 KB), independent warpgroups whose scale epilogues overlap
 the other's tensor-core work. Measured on an H100 beside one gate_up program an SM (8 warps, 4
 stages) with down on 4 warps, and beside 128-row blocks above 256 pairs per expert (down in 128 x
 128 tiles, gate_up in 64-row slices): the fastest at 2,048 and 8,192 tokens (numbers in
-docs/PERFORMANCE.md). 16 / 32 rows (decode): unchanged, not re-measured."""
+docs/PERFORMANCE.md). 16 rows (decode, up to 16 pairs an expert): as fast as 64 at 16 and faster
+below. 32 rows (only when asked for): slower than 64 from 24 pairs an expert on, by 10-23 %
+at 32-128."""
+
+
+def rows_per_block(num_pairs: int, num_experts: int) -> int:
+    """Each expert's pairs aligned to 16 rows up to 16 pairs an expert, else to 64. The bf16 path's
+    middle size (32 rows, ``triton_fused_moe._block_m``) measured slower here than 64 at every
+    size above 16 pairs an expert (Qwen3-30B-A3B's layer, H100: 378.6 against 307.7 us at 1,024
+    tokens, 286.4 against 258.7 at 512)."""
+    return 16 if num_pairs <= 16 * max(1, min(num_experts, num_pairs)) else 64
 
 
 @triton.jit
@@ -218,7 +228,7 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2
     ``scale_block_n`` = (sb13, sb2), each 128 or 1. ``prequantize`` (None: above ``SMALL_M``
     tokens, as the dense FP8 linear) quantizes x once per token before the gate_up GEMM instead
     of in it for every (pair, column tile): the same bits. ``tiles`` / ``block_rows`` override
-    ``FP8_MOE_TILES`` / ``_block_m`` (each expert's pairs aligned to ``block_rows``: both GEMMs'
+    ``FP8_MOE_TILES`` / ``rows_per_block`` (each expert's pairs aligned to ``block_rows``: both GEMMs'
     rows a program). ``defer_combine``: the slot sum as a
     ``PendingCombine`` for the next block's norm. Prefill-size batches on Hopper (without
     ``tiles`` / ``block_rows``) run ``triton_fp8_grouped`` instead (``moe_grouped_mm.TRITON_SWITCH`` 0: not)."""
@@ -240,7 +250,7 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2
         return triton_fp8_grouped.fused_experts_fp8_grouped(x, w13, ws13, w2, ws2, topk_ids, topk_weights, gated,
                                                             defer_combine)
     cpu = x.device.type == "cpu"
-    rows = block_rows or (16 if cpu else _block_m(num_pairs, E))
+    rows = block_rows or (16 if cpu else rows_per_block(num_pairs, E))
     sorted_pairs, block_expert = align_pairs(topk_ids, E, rows)
     num_blocks = block_expert.shape[0]
     groups_i = triton.cdiv(I, 128)

@@ -167,3 +167,12 @@ def test_either_alignment_gives_the_same_bits(monkeypatch):
     assert not calls
     monkeypatch.setattr(triton_fused_moe, "PLAN_MIN_READS", 0)
     assert torch.equal(fused_experts_fp8(*dev, True, sbn), one_kernel) and calls
+
+
+def test_rows_per_block_skips_the_middle_size():
+    """16 rows up to 16 pairs an expert (decode), 64 above (the measured faster blocks from 24 on)."""
+    from megatron_async.kernels.triton_fp8_moe import FP8_MOE_TILES, rows_per_block
+
+    assert rows_per_block(128 * 8, 128) == 16 and rows_per_block(256 * 8, 128) == 16 and rows_per_block(1, 128) == 16
+    assert rows_per_block(257 * 8, 128) == 64 and rows_per_block(1024 * 8, 128) == 64 and rows_per_block(40, 2) == 64
+    assert {rows_per_block(n, 128) for n in range(1, 40000, 97)} <= set(FP8_MOE_TILES)
