@@ -45,5 +45,5 @@ def test_example_fails_when_trainer_ranks_drift(tmp_path):
     broken.write_text(source)
     (tmp_path / "megatron_gpt.py").write_text((ROOT / "examples" / "megatron_gpt.py").read_text())
     proc = subprocess.run([sys.executable, str(broken), "--trainer", "megatron", "--steps", "2"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 1 and "FAILED" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
 
 import pytest
 
-from megatron_async.coordinator.server import CoordinatorServer
-from megatron_async.coordinator.trust import ENV_SECRET
+from tests.helpers.coordinator_thread import serving
 
 
 @pytest.fixture
@@ -19,16 +17,6 @@ def runtime_dir(monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", path)
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def serving(monkeypatch) -> tuple[CoordinatorServer, threading.Event, threading.Thread]:
-    """A coordinator on a loopback port serving on a thread until the event is set."""
-    monkeypatch.delenv(ENV_SECRET, raising=False)
-    s = CoordinatorServer("tcp://127.0.0.1:0")
-    stop = threading.Event()
-    t = threading.Thread(target=s.serve, args=(stop,), daemon=True)
-    t.start()
-    return s, stop, t
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from megatron_async.coordinator.server import STOP_POLL_S, TICK_S
-from tests.unit_tests.coordinator.conftest import serving
+from tests.helpers.coordinator_thread import serving
 
 
 def test_a_stop_event_ends_the_loop_within_its_poll(monkeypatch, runtime_dir):
