@@ -96,6 +96,19 @@ def test_plan_replays_in_a_cuda_graph_on_new_routing():
         assert torch.equal(a.long(), b.long())
 
 
+def _layer_routing(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Qwen3-30B-A3B layer's router ids on fresh tokens, and the same with a tenth of them moved
+    to other ranks' experts (CUDA)."""
+    from tests.helpers.moe_layers import QWEN3_30B_HIDDEN, qwen3_30b_moe_layer
+
+    layer = qwen3_30b_moe_layer()
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    with torch.no_grad():
+        x = torch.randn(tokens, QWEN3_30B_HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+        ids = layer.gate.route(x)[0]
+    return ids, torch.where(torch.rand(ids.shape, device="cuda", generator=g) < 0.1, ids + 128, ids)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tokens", [512, 2048, 8192])
@@ -104,14 +117,7 @@ def test_plans_of_the_layers_routing_at_every_segment_size(tokens, seg):
     """The Qwen3-30B-A3B layer's router on fresh tokens (4,096 / 16,384 / 65,536 pairs), alone
     and with a tenth of its ids moved to other ranks' experts, at every segment size and 4 or 8
     warps: the reference's bits."""
-    from tests.helpers.moe_layers import QWEN3_30B_HIDDEN, qwen3_30b_moe_layer
-
-    layer = qwen3_30b_moe_layer()
-    g = torch.Generator(device="cuda").manual_seed(tokens)
-    with torch.no_grad():
-        x = torch.randn(tokens, QWEN3_30B_HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
-        ids = layer.gate.route(x)[0]
-    dropped = torch.where(torch.rand(ids.shape, device="cuda", generator=g) < 0.1, ids + 128, ids)
+    ids, dropped = _layer_routing(tokens)
     for warps in (4, 8):
         for routing in (ids, dropped):
             _check(routing.cpu(), 128, seg, warps)
@@ -125,14 +131,8 @@ def test_fused_moe_alignment_of_the_layers_routing(tokens, block_m):
     ids, alone and with a tenth moved to other ranks' experts, captured in a graph and replayed on
     new ids: the torch alignment's blocks, and its pairs in every live block."""
     from megatron_async.kernels import triton_fused_moe
-    from tests.helpers.moe_layers import QWEN3_30B_HIDDEN, qwen3_30b_moe_layer
 
-    layer = qwen3_30b_moe_layer()
-    g = torch.Generator(device="cuda").manual_seed(tokens)
-    with torch.no_grad():
-        x = torch.randn(tokens, QWEN3_30B_HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
-        ids = layer.gate.route(x)[0]
-    dropped = torch.where(torch.rand(ids.shape, device="cuda", generator=g) < 0.1, ids + 128, ids)
+    ids, dropped = _layer_routing(tokens)
     live_ids = ids.clone()
     triton_moe_plan.align_pairs(live_ids, 128, block_m)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
