@@ -1,11 +1,22 @@
-"""Suite-wide settings: single-threaded torch (2 threads make CPU timings jump), no hub, and
-without CUDA the Triton interpreter (with a row-independent tl.dot, device-function calls that
-do not re-patch the language, a cached dtype lookup and block types built once per shape)."""
+"""Suite-wide settings: single-threaded torch (2 threads make CPU timings jump), no hub, a runtime
+directory of the suite's own, and without CUDA the Triton interpreter (with a row-independent
+tl.dot, device-function calls that do not re-patch the language, a cached dtype lookup and block
+types built once per shape)."""
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Coordinators keep their secret and socket files, clients their reply sockets, under
+# XDG_RUNTIME_DIR (~/.cache without it): the suite and every process it starts use a directory
+# of their own, removed at the end, so processes a test kills leave nothing in the user's and no
+# test meets a real coordinator's files.
+_RUNTIME_DIR = tempfile.mkdtemp(prefix="ma-run-")
+os.environ["XDG_RUNTIME_DIR"] = _RUNTIME_DIR
+atexit.register(shutil.rmtree, _RUNTIME_DIR, True)
 
 import gc  # noqa: E402
 

@@ -1,6 +1,6 @@
 """A data-parallel coordinator and its engines as the processes a user starts
 (``python -m megatron_async.coordinator``, ``python -m megatron_async.serve --join``), for tests
-and measurements: each waits for its ready line with a deadline, and every process is killed at
+and measurements: each waits for its ready line with a deadline, and every process is stopped at
 ``close`` (none outlives its test)."""
 from __future__ import annotations
 
@@ -75,10 +75,20 @@ class Cluster:
         self.engines[f"server{len(self.engines)}"] = proc
         return proc, _wait_line(proc, "megatron_async.serve: serving ", self.timeout_s).split()[2]
 
-    def close(self) -> None:
-        for proc in [*self.engines.values(), self.coordinator]:
+    def close(self, grace_s: float = 10.0) -> None:
+        """Engines then the coordinator get SIGTERM (as a user stops them: the coordinator removes
+        its secret and socket files, a client its reply socket) and ``grace_s`` in all to exit;
+        whatever still runs is killed."""
+        procs = [*self.engines.values(), self.coordinator]
+        for proc in procs:
             if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 proc.kill()
-            proc.wait(30)
+                proc.wait(30)
             if proc.stdout is not None:
                 proc.stdout.close()
