@@ -58,8 +58,8 @@ stages) with down on 4 warps, and beside 128-row blocks above 256 pairs per expe
 128 tiles, gate_up in 64-row slices): the fastest at 2,048 and 8,192 tokens (numbers in
 docs/PERFORMANCE.md). 16 rows (decode, up to 16 pairs an expert): as fast as 64 at 16 and faster
 below; swept at 64 / 128 / 256 tokens of Qwen3-30B-A3B (gate_up on 2-8 warps x 2-5 stages, down
-in 32-128 columns x 2-8 warps x 2-4 stages, one GEMM varied at a time): no setting 0.2 % faster. 32 rows (only when asked for): slower than 64 from 24 pairs an expert on, by 10-23 %
-at 32-128."""
+in 32-128 columns x 2-8 warps x 2-4 stages, one GEMM varied at a time): no setting 0.2 % faster.
+32 rows (only when asked for): slower than 64 from 24 pairs an expert on, by 10-23 % at 32-128."""
 
 
 def rows_per_block(num_pairs: int, num_experts: int) -> int:
