@@ -14,7 +14,7 @@ setup(
     description="Megatron-Core-style dynamic-batching LLM inference with async launch-ahead scheduling",
     packages=find_packages(include=["megatron_async", "megatron_async.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "numpy", "safetensors", "tokenizers", "pyzmq", "msgpack>=1.0"],
+    install_requires=["torch>=2.4", "numpy", "safetensors", "tokenizers>=0.21", "pyzmq", "msgpack>=1.0"],
     extras_require={
         # The server (python -m megatron_async.serve).
         "serve": SERVE,

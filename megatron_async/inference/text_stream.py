@@ -9,11 +9,18 @@ text, across token boundaries, and text that might still become the start of a s
 is held back too, so the emitted deltas always concatenate to the final text."""
 from __future__ import annotations
 
+from tokenizers.decoders import DecodeStream
+
 REPLACEMENT_CHAR = "\ufffd"
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first generated one (leading-space rules)
 
 
 class IncrementalDetokenizer:
+    """The window rule above, run by the `tokenizers` package's ``DecodeStream`` where the
+    tokenizer is one of its own (one native call a step instead of two decodes from Python).
+    Its window is this class's, so both give the same text; ``_prefix`` / ``_read`` follow it
+    so that ``flush`` and a fall-back to the Python path pick up where it stopped."""
+
     def __init__(self, tokenizer, prompt_tokens: list[int], skip_special_tokens: bool):
         self._tok = tokenizer
         self._skip = skip_special_tokens
@@ -21,6 +28,18 @@ class IncrementalDetokenizer:
         self._ids = context
         self._prefix = 0  # window start
         self._read = len(context)  # tokens up to here are in ``text``
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = self._native_stream(context) if self._backend is not None else None
+
+    def _native_stream(self, context: list[int]):
+        stream = DecodeStream(skip_special_tokens=self._skip)
+        # Stepping the context leaves the stream in this class's starting state (window at 0,
+        # its text read) only when the context decodes to complete, non-empty text; otherwise
+        # (a token-id prompt ending inside a character, only special tokens) the Python path.
+        try:
+            return stream if context and stream.step(self._backend, context) is not None else None
+        except Exception:  # noqa: BLE001 - the tokenizers package raises plain Exceptions
+            return None
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
@@ -28,7 +47,18 @@ class IncrementalDetokenizer:
     def extend(self, tokens: list[int]) -> str:
         """Add tokens; returns the text that became stable ('' while it is incomplete)."""
         self._ids.extend(tokens)
-        return self._advance(final=False)
+        if self._stream is None or not tokens:
+            return self._advance(final=False)
+        try:
+            # (one id steps faster than a list of one: most steps land one token a request)
+            delta = self._stream.step(self._backend, tokens[0] if len(tokens) == 1 else tokens)
+        except Exception:  # noqa: BLE001 - the decoder rewrote earlier text (its "invalid prefix")
+            self._stream = None  # the Python path from here on: it takes the new text as it is
+            return self._advance(final=False)
+        if delta is None:
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return delta
 
     def flush(self) -> str:
         """The rest of the text, complete or not (end of the stream)."""
