@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels import cuda_device
+from megatron_async.kernels import cuda_device, triton_moe_plan
 from megatron_async.kernels.triton_paged_common import dot_args
 
 
@@ -100,8 +100,6 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     """``align_by_expert``'s layout for topk_ids [M, k] by whichever kernels are cheaper at its size
     (``PLAN_MIN_READS``); the same rows and blocks either way."""
     if topk_ids.numel() * num_experts >= PLAN_MIN_READS:
-        from megatron_async.kernels import triton_moe_plan
-
         return triton_moe_plan.align_pairs(topk_ids, num_experts, block_m)
     return align_by_expert_triton(topk_ids, num_experts, block_m)
 
