@@ -57,7 +57,7 @@ for stage in $stages; do
       timeout 560 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/unit_tests > "$out/gpu_unit_tests.log" 2>&1
       report gpu_unit_tests ;;&
     tests|tests-kernels)  # the unmarked kernel tests: their CUDA branches (bf16 bit-exact checks) skip on CPU
-      timeout 300 python -m pytest -q -rs -p no:cacheprovider -m "not gpu and not multigpu" tests/unit_tests/kernels \
+      timeout 560 python -m pytest -q -rs -p no:cacheprovider --durations=15 -m "not gpu and not multigpu" tests/unit_tests/kernels \
         > "$out/kernel_tests.log" 2>&1
       report kernel_tests ;;
     kernels)  # times only: the kernels' assertions are tests-unit's
