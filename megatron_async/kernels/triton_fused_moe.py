@@ -277,7 +277,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     w13, w2 = w13.contiguous(), w2.contiguous()
     block_m = _block_m(num_pairs, E)
     ids = topk_ids.reshape(-1).to(torch.int32)
-    sorted_pairs, block_expert = align_pairs(topk_ids, E, block_m)
+    sorted_pairs, block_expert = align_pairs(ids.view(topk_ids.shape), E, block_m)  # int32 already: no second cast
     num_blocks = block_expert.shape[0]
     dots = dot_args(_gate_up_kernel, x.dtype)
     default = _default_tiles(block_m, gated, x.device)
