@@ -17,10 +17,10 @@ import triton.language as tl
 
 from benchmarks.cuda_timing import graph_call_us
 from benchmarks.roofline import measure_copy_bandwidth
-from megatron_async.kernels import attention_triton
+from benchmarks.kernel_times.paged_attention import decode_case
 from megatron_async.kernels.triton_decode_attention import decode_attention
 from megatron_async.kernels.triton_paged_common import kv_tile_rows, load_kv
-from tests.helpers.paged_attention_cases import PagedCase, make_case
+from tests.helpers.paged_attention_cases import PagedCase
 
 
 @triton.jit
@@ -90,17 +90,14 @@ def flat_read_gbps(nbytes: int = 1 << 30) -> tuple[float, str]:
     return best, where
 
 
-def run(lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, iters: int) -> None:
+def run(lens: list[int], iters: int) -> None:
     copy = measure_copy_bandwidth(torch.device("cuda")) / 1e9
     flat, where = flat_read_gbps()
     print(f"\ndecode attention against its read bound: {len(lens)} rows, KV {min(lens)}-{max(lens)} tokens; "
           f"copy {copy:,.0f} GB/s, flat read {flat:,.0f} GB/s ({where})")
     print("| KV block | layout | what | us | KV GB/s | x flat read | bits == NHD |\n|---:|---|---|---:|---:|---:|---|")
     for block_size in (16, 64):
-        case = make_case([(n - 1, 1) for n in lens], block_size=block_size, seed=3, num_heads=num_heads,
-                         num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.bfloat16, device="cuda")
-        attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append
-        kv_bytes = 2 * int(case.meta.kv_lens.sum()) * num_kv_heads * head_dim * case.kv_cache.element_size()
+        case, kv_bytes = decode_case(lens, block_size)
         base = decode_attention(case.q, case.kv_cache, case.meta, case.scale)
         for layout, cache in (("NHD", case.kv_cache), ("HND", heads_major(case.kv_cache))):
             timed = [(f"read alone, {n}-key tiles", functools.partial(read_pattern, cache, case, n)) for n in (64, 128)]

@@ -114,10 +114,10 @@ def print_table(rows: list[Row]) -> None:
               f" {fmt(r.decode_gbps, '8.0f'):>8} {fmt(r.splits, 'd'):>6}")
 
 
-def decode_case(lens: list[int]) -> tuple[PagedCase, int]:
-    """A decode step of one new token per row (KV lengths ``lens``, KV blocks of 16 tokens as
-    the engine's default) with its keys appended, and the K/V bytes it reads."""
-    case = make_case([(n - 1, 1) for n in lens], block_size=16, seed=3, num_heads=HEADS, num_kv_heads=KV_HEADS,
+def decode_case(lens: list[int], block_size: int = 16) -> tuple[PagedCase, int]:
+    """A decode step of one new token per row (KV lengths ``lens``, KV blocks of ``block_size``
+    tokens: the engine's default 16) with its keys appended, and the K/V bytes it reads."""
+    case = make_case([(n - 1, 1) for n in lens], block_size=block_size, seed=3, num_heads=HEADS, num_kv_heads=KV_HEADS,
                      head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the new keys
     return case, 2 * int(case.meta.kv_lens.sum()) * KV_HEADS * HEAD_DIM * case.kv_cache.element_size()
@@ -350,7 +350,7 @@ def run(args: argparse.Namespace) -> None:
     if args.read_bound:
         from benchmarks import attention_read_bound
 
-        attention_read_bound.run(longest_first_lens(128, 100, 1152), HEADS, KV_HEADS, HEAD_DIM, args.iters)
+        attention_read_bound.run(longest_first_lens(128, 100, 1152), args.iters)
     if any((args.sweep, args.sweep_prefill, args.row_order, args.grid_order, args.decode_grid, args.call_cost,
             args.read_bound)):
         return
