@@ -10,7 +10,9 @@ assertions are tests/unit_tests/kernels/test_attention_triton_gpu.py's.
     python -m benchmarks kernel-times paged-attention --sweep-prefill 8192 100 1024 | --grid-order
     python -m benchmarks kernel-times paged-attention --row-order 128 100 1152 | --decode-grid 128 100 1152
     python -m benchmarks kernel-times paged-attention --call-cost   # what a decode call costs beside its bytes
-    python -m benchmarks kernel-times paged-attention --read-bound  # beside its access pattern read alone"""
+
+Its case builders (``decode_case``, ``longest_first_lens``) serve the other attention families
+(attention-read-bound, invariant-kernels)."""
 from __future__ import annotations
 
 import argparse
@@ -325,8 +327,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only time the decode kernel with rows or KV heads first in its grid")
     parser.add_argument("--call-cost", action="store_true",
                         help="only the decode launch's cost per call beside its bytes, at four row sets")
-    parser.add_argument("--read-bound", action="store_true",
-                        help="only the decode kernel beside a flat read and its own access pattern read alone")
     parser.add_argument("--heads", type=int, nargs=2, metavar=("HEADS", "KV_HEADS"), default=None,
                         help="query and KV heads per rank for --sweep / --row-order (default 16 8, Qwen3-0.6B)")
 
@@ -347,11 +347,6 @@ def run(args: argparse.Namespace) -> None:
         decode_grid(args.iters, *args.decode_grid)
     if args.call_cost:
         call_cost(args.iters)
-    if args.read_bound:
-        from benchmarks import attention_read_bound
-
-        attention_read_bound.run(longest_first_lens(128, 100, 1152), args.iters)
-    if any((args.sweep, args.sweep_prefill, args.row_order, args.grid_order, args.decode_grid, args.call_cost,
-            args.read_bound)):
+    if any((args.sweep, args.sweep_prefill, args.row_order, args.grid_order, args.decode_grid, args.call_cost)):
         return
     print_table(run_cases(args.block_sizes, args.batches, args.iters))

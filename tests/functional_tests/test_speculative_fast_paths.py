@@ -1,6 +1,6 @@
-"""The plain engine's host fast paths in a speculative engine (issue 11: batch 128 / 0 %): decode
-steps without drafts take the numpy snapshot (contexts/decode_rows.py) and launches without
-drafts land one sample per row (RequestBook.land). Outputs stay equal to plain decoding, token for token,
+"""The plain engine's host fast paths in a speculative engine whose rows do not draft (as at
+batch 128 and 0 % acceptance): decode steps without drafts take the numpy snapshot
+(contexts/decode_rows.py) and launches without drafts land one sample per row (RequestBook.land). Outputs stay equal to plain decoding, token for token,
 finish reasons and log-probs, greedy and seeded sampling, serial and launch-ahead, with the
 oracle drafter at 0 % and at an intermediate acceptance; the counters show the fast paths ran.
 And new requests start from the engine's recent acceptance: at 0 % a second batch pays no

@@ -1,4 +1,4 @@
-"""The decode attention's read bound (``kernel-times paged-attention --read-bound``): its access
+"""The decode attention's read bound (``kernel-times attention-read-bound``): its access
 pattern read alone sums exactly the row's keys and values of each KV head, and the decode
 kernel reads the heads-major view of a cache to the same bits (interpreted on CPU)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from benchmarks.attention_read_bound import heads_major, read_pattern  # noqa: E402
+from benchmarks.kernel_times.attention_read_bound import heads_major, read_pattern  # noqa: E402
 from megatron_async.kernels import attention_triton  # noqa: E402
 from megatron_async.kernels.triton_decode_attention import decode_attention  # noqa: E402
 from tests.helpers.paged_attention_cases import make_case  # noqa: E402

@@ -1,5 +1,5 @@
-"""README's table of request fields names exactly the fields the request models accept, and a
-field outside them is a 400 naming it."""
+"""docs/SERVING.md's table of request fields names exactly the fields the request models accept,
+and a field outside them is a 400 naming it."""
 import re
 from pathlib import Path
 
@@ -7,12 +7,12 @@ import pytest
 
 from megatron_async.serve.openai_protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse_body
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+SERVING = Path(__file__).resolve().parents[3] / "docs" / "SERVING.md"
 
 
 def table_fields() -> set[str]:
-    text = README.read_text()
-    section = text.split("### Request fields", 1)[1].split("\n## ", 1)[0]
+    text = SERVING.read_text()
+    section = text.split("## Request fields", 1)[1].split("\n## ", 1)[0]
     names = set()
     for line in section.splitlines():
         if not line.startswith("| `"):

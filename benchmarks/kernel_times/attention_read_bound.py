@@ -6,9 +6,10 @@ instead of attending), and the decode kernel itself, at workload A's rows (128 r
 token's KV heads side by side: NHD) and with each KV head's tokens side by side (HND, as a
 strided view the kernel reads unchanged). us per call, 10 calls a graph.
 
-    python -m benchmarks kernel-times paged-attention --read-bound"""
+    python -m benchmarks kernel-times attention-read-bound [--iters 20]"""
 from __future__ import annotations
 
+import argparse
 import functools
 
 import torch
@@ -17,7 +18,7 @@ import triton.language as tl
 
 from benchmarks.cuda_timing import graph_call_us
 from benchmarks.roofline import measure_copy_bandwidth
-from benchmarks.kernel_times.paged_attention import decode_case
+from benchmarks.kernel_times.paged_attention import decode_case, longest_first_lens
 from megatron_async.kernels.triton_decode_attention import decode_attention
 from megatron_async.kernels.triton_paged_common import kv_tile_rows, load_kv
 from tests.helpers.paged_attention_cases import PagedCase
@@ -90,7 +91,12 @@ def flat_read_gbps(nbytes: int = 1 << 30) -> tuple[float, str]:
     return best, where
 
 
-def run(lens: list[int], iters: int) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--iters", type=int, default=20, help="graph replays per timing")
+
+
+def run(args: argparse.Namespace) -> None:
+    lens, iters = longest_first_lens(128, 100, 1152), args.iters
     copy = measure_copy_bandwidth(torch.device("cuda")) / 1e9
     flat, where = flat_read_gbps()
     print(f"\ndecode attention against its read bound: {len(lens)} rows, KV {min(lens)}-{max(lens)} tokens; "
