@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The multi-GPU checks of one host in one device call (nvidia-h200-x4, or -x2: TP=4 cases skip).
-# Logs go to ${OUT:-gpu_out}.
-#   bash scripts/multigpu_validation.sh [PYTEST ARGS]   # `pytest -m multigpu`: fp32 TP=2/4 tokens == TP=1
-#       on NCCL for GPT and hybrid checkpoints, speculative decoding under TP=2 / EP=2 (`-k
-#       multigpu_speculative -s` prints VERDICT lines), bf16 TP runs against TP=1, EP=2/4 engines with
-#       and without graphs against EP=1 (test_multigpu_ep.py), the EP MoE layer on NCCL at tiny and
-#       Qwen3-30B-A3B shapes and NCCL collectives in CUDA graphs (test_multigpu_ep_layer.py). Each test
-#       spawns its ranks and compiles its kernels (~30-130 s): pass a file or -k selection per 10-minute call.
+# The multi-GPU checks of one host (nvidia-h100-x4 / -x2: tests that need 4 GPUs skip on 2). Logs go to
+# ${OUT:-gpu_out}.
+#   bash scripts/multigpu_validation.sh [1|2] [PYTEST ARGS]   # the whole `pytest -m multigpu` suite, in two
+#       halves that each fit a 10-minute device call (1: tensor parallelism and the P2P all-reduce; 2: expert
+#       parallelism, its MoE layer, speculative decoding under TP / EP, weight transfer, the coordinator on
+#       GPUs, and any multigpu test file not named in half 1); no half: both, one after the other. Each prints
+#       one table, a row per test file: passed / failed / skipped, seconds, and the GPUs the host has. Each test
+#       spawns its ranks and compiles its kernels (~30-130 s).
 #   bash scripts/multigpu_validation.sh fused-norm [WORLD]   # the TP all-reduce fused with the residual
 #       add + RMSNorm: its checks and us per decoder layer against the unfused P2P path
 #       (python -m benchmarks all-reduce), then the Qwen3-8B-shape decode step at TP=WORLD, async +
@@ -71,6 +71,25 @@ sys.exit(0 if same == len(a) else 1)
 PY
 }
 
+HALF_1=(tests/functional_tests/test_multigpu_tp.py tests/functional_tests/test_multigpu_p2p_all_reduce.py)
+
+suite_half() {  # half 2 takes every multigpu test file that half 1 does not name
+  local half="$1"; shift
+  local files=("${HALF_1[@]}")
+  if [ "$half" = 2 ]; then
+    files=()
+    for f in $(grep -rl "mark.multigpu" tests | sort); do
+      [[ " ${HALF_1[*]} " == *" $f "* ]] || files+=("$f")
+    done
+  fi
+  timeout 560 python -m pytest -q -p no:cacheprovider -m multigpu -rs --junitxml "$out/multigpu_$half.xml" \
+    "${files[@]}" "$@" > "$out/multigpu_tests_$half.log" 2>&1
+  local rc=$?
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/multigpu_tests_$half.log" | tail -15
+  python scripts/junit_table.py "$out/multigpu_$half.xml" --gpus "$(nvidia-smi -L 2>/dev/null | wc -l)"
+  return $rc
+}
+
 case "${1:-}" in
   fused-norm) shift; fused_norm "$@" ;;
   ep-exchange) shift
@@ -80,9 +99,6 @@ case "${1:-}" in
     tail -12 "$out/ep_exchange.log"
     exit $rc ;;
   tp-invariance) tp_invariance ;;
-  *)
-    timeout 560 python -m pytest -q -p no:cacheprovider -m multigpu tests -rs "$@" > "$out/multigpu_tests.log" 2>&1
-    rc=$?
-    tail -30 "$out/multigpu_tests.log"
-    exit $rc ;;
+  1|2) half="$1"; shift; suite_half "$half" "$@" ;;
+  *) suite_half 1 "$@"; rc1=$?; suite_half 2 "$@"; rc2=$?; exit $(( rc1 || rc2 )) ;;
 esac

@@ -51,6 +51,8 @@ def start(processes: int) -> int:
         return 0
     if torch.cuda.is_initialized() or "fork" not in multiprocessing.get_all_start_methods():
         return 0
+    if multiprocessing.current_process().daemon:  # a daemonic process (a rank spawned by a pool) cannot fork workers
+        return 0
     settle_kernel_hashes()
     try:
         _pool["pool"] = multiprocessing.get_context("fork").Pool(processes, initializer=_worker_init)

@@ -157,3 +157,21 @@ def test_kernel_hashes_are_settled_before_the_workers_fork():
     assert r.returncode == 0, r.stderr[-2000:]
     n, draw, stage = r.stdout.split()
     assert int(n) > 50 and len(draw) == 64 and len(stage) == 64
+
+
+def _start_in_daemon(results) -> None:
+    results.put(triton_workers.start(2))
+
+
+def test_no_workers_in_a_daemonic_process():
+    """A rank spawned as a daemonic child (a benchmark's or a test's process pool) cannot fork
+    compile workers: ``start`` gives none instead of failing the engine's construction."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    child = ctx.Process(target=_start_in_daemon, args=(results,), daemon=True)
+    child.start()
+    started = results.get(timeout=120)
+    child.join(timeout=60)
+    assert started == 0 and child.exitcode == 0
