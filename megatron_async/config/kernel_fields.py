@@ -1,0 +1,46 @@
+"""The kernel fields of ``InferenceConfig``: which kernels the engine runs (attention, Mamba,
+sampling, batch-invariant numerics, the fused paths a model may take or leave) and how start-up
+builds them (warm-up, build threads, compile workers, kept kernel lists). ``InferenceConfig.kernels()``
+hands them to the model, the model runner and the forward batches."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_async.config.modes import AttentionBackend, MambaBackend, SamplingBackend
+
+
+@dataclass
+class KernelFields:
+    attention_backend: AttentionBackend = AttentionBackend.AUTO
+    """Attention kernels to use (and the MoE experts' kernels: Triton fused MoE or the torch loop)."""
+
+    mamba_backend: MambaBackend = MambaBackend.AUTO
+    """SSM kernels to use for hybrid models."""
+
+    sampling_backend: SamplingBackend = SamplingBackend.AUTO
+    """Sampling (penalties, temperature, top-k / top-p / min-p, draws) implementation."""
+
+    batch_invariant: bool = False
+    """Batch-invariant numerics: a request's logits (so its tokens and log-probs) are bit
+    for bit the same whatever else shares its steps, however its prompt was chunked, with or
+    without CUDA-graph padding, prefix-cache hits or launch-ahead. Every matmul runs a
+    fixed-tile Triton kernel, RMSNorm / log-softmax reduce each row alone, attention walks
+    each row's keys in one fixed order (the same kernel for prefill and decode), and the TP
+    sum adds ranks in a fixed order (same TP size only). Models of attention and MLP blocks
+    (GPT; not Mamba2 layers); needs Triton (CUDA, or
+    CPU with ``TRITON_INTERPRET=1``). Costs throughput; off = today's kernels, no extra work."""
+
+    startup_warmup: bool = True
+    """On CUDA, when the LLM is built: compile every Triton kernel variant the configuration can
+    reach and capture every CUDA graph it can replay, so serving never compiles or captures
+    (``EngineStats.triton_builds_after_warmup`` / ``graph_captures_after_warmup`` count any
+    that still happen). Takes seconds; False = compile and capture lazily on first use."""
+
+    startup_build_threads: int | None = None
+    """Threads that build the warm-up's Triton kernels at once (CUDA). The warm-up first finds
+    every kernel specialization its steps need without running them (each step captured into a
+    CUDA graph that is thrown away, its unbuilt kernels skipped), then builds them all on this
+    many threads, loading each from Triton's on-disk cache when a process built it before. None:
+    the usable cores, at most 16 (one rank alone; under tensor / expert parallelism 0); 0: build
+    each kernel when a warm-up step first meets it."""
+
