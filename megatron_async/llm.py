@@ -144,7 +144,7 @@ class LLM:
 
         nvtx.set_enabled(self.config.nvtx_ranges)
         choice = self.config.kernels()
-        kernels = KernelBackends.resolve(choice.attention_backend, choice.mamba_backend, self.device)
+        kernels = KernelBackends.from_choice(choice, self.device)
         self.attention_backend, self.mamba_backend = kernels.attention, kernels.mamba
         reader = CudaMemoryReader(self.device) if self.device.type == "cuda" else None
         allocated_before = reader.read().allocated if reader else 0

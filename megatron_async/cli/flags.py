@@ -130,6 +130,9 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--no-tp-fused-norm", action="store_true",
                    help="P2P path: keep the TP all-reduce and the next add + RMSNorm as two kernels "
                         "(InferenceConfig.tp_fused_norm=False)")
+    g.add_argument("--no-split-linear", action="store_true",
+                   help="TP=1 CUDA: every output projection on cuBLAS, none leaves its K-split sum to the next norm "
+                        "(InferenceConfig.split_linear=False; default: split where the kernel's tiles take the shape)")
     g.add_argument("--num-speculative-tokens", type=checked(int, 0, name="int"), default=None,
                    help="speculative decoding: drafts verified per decode row (default 0: off)")
     g.add_argument("--speculative-method", choices=["mtp", "ngram"], default=None,
@@ -253,6 +256,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "batch_invariant": args.batch_invariant,
         "tp_all_reduce": args.tp_all_reduce,
         "tp_fused_norm": not getattr(args, "no_tp_fused_norm", False),
+        "split_linear": not getattr(args, "no_split_linear", False),
         "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
         "speculative_method": getattr(args, "speculative_method", None),
         "async_scheduling": getattr(args, "launch_ahead", None),

@@ -44,3 +44,7 @@ class KernelFields:
     the usable cores, at most 16 (one rank alone; under tensor / expert parallelism 0); 0: build
     each kernel when a warm-up step first meets it."""
 
+    split_linear: bool = True
+    """TP = 1 on CUDA: a block's output projection at decode sizes runs as K-split partials whose
+    sum the next RMSNorm adds in its own kernel (kernels/triton_split_linear.py), where the tiles
+    take the shape. False: every output projection on cuBLAS (A/B)."""

@@ -75,6 +75,7 @@ class KernelChoice:
     sampling_backend: SamplingBackend
     batch_invariant: bool
     startup_build_threads: int | None = None
+    split_linear: bool = True
 
 
 @dataclass(frozen=True)
