@@ -133,6 +133,12 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--no-split-linear", action="store_true",
                    help="TP=1 CUDA: every output projection on cuBLAS, none leaves its K-split sum to the next norm "
                         "(InferenceConfig.split_linear=False; default: split where the kernel's tiles take the shape)")
+    g.add_argument("--no-moe-grouped-mm", action="store_true",
+                   help="Triton MoE: every batch on the fused Triton MoE, none as grouped GEMMs (InferenceConfig."
+                        "moe_grouped_mm=False; default: prefill-size batches on Hopper / Blackwell as grouped GEMMs)")
+    g.add_argument("--no-moe-triton-grouped-gemm", action="store_true",
+                   help="grouped MoE experts: GEMMs on torch's CUTLASS grouped GEMM (FP8: the fused FP8 MoE) at every "
+                        "size (InferenceConfig.moe_triton_grouped_gemm=False; default: Triton from 256 pairs an expert)")
     g.add_argument("--num-speculative-tokens", type=checked(int, 0, name="int"), default=None,
                    help="speculative decoding: drafts verified per decode row (default 0: off)")
     g.add_argument("--speculative-method", choices=["mtp", "ngram"], default=None,
@@ -257,6 +263,8 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "tp_all_reduce": args.tp_all_reduce,
         "tp_fused_norm": not getattr(args, "no_tp_fused_norm", False),
         "split_linear": not getattr(args, "no_split_linear", False),
+        "moe_grouped_mm": not getattr(args, "no_moe_grouped_mm", False),
+        "moe_triton_grouped_gemm": not getattr(args, "no_moe_triton_grouped_gemm", False),
         "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
         "speculative_method": getattr(args, "speculative_method", None),
         "async_scheduling": getattr(args, "launch_ahead", None),

@@ -48,3 +48,14 @@ class KernelFields:
     """TP = 1 on CUDA: a block's output projection at decode sizes runs as K-split partials whose
     sum the next RMSNorm adds in its own kernel (kernels/triton_split_linear.py), where the tiles
     take the shape. False: every output projection on cuBLAS (A/B)."""
+
+    moe_grouped_mm: bool = True
+    """Triton MoE on Hopper / Blackwell: prefill-size batches (more than 32 (token, expert) pairs an
+    expert) run the experts as grouped GEMMs (kernels/moe_grouped_mm.py) instead of the fused
+    Triton MoE, whose small blocks suit decode. False: every batch on the fused Triton MoE (A/B)."""
+
+    moe_triton_grouped_gemm: bool = True
+    """Batches of at least 256 (token, expert) pairs an expert on Hopper run the grouped experts'
+    GEMMs in Triton (kernels/triton_grouped_gemm.py; FP8 experts: kernels/triton_fp8_grouped.py),
+    the activation in the first GEMM's epilogue. False: torch's CUTLASS grouped GEMM (bf16), the
+    fused FP8 MoE's kernels (FP8) (A/B)."""

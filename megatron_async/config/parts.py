@@ -76,6 +76,8 @@ class KernelChoice:
     batch_invariant: bool
     startup_build_threads: int | None = None
     split_linear: bool = True
+    moe_grouped_mm: bool = True
+    moe_triton_grouped_gemm: bool = True
 
 
 @dataclass(frozen=True)

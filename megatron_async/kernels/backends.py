@@ -30,6 +30,12 @@ class KernelBackends:
         """The output projections' K-split path: ``fused`` and ``split_linear``."""
         return self.fused and self.split_linear
 
+    moe_grouped_mm: bool = True
+    """With ``triton_moe``: prefill-size batches may run the experts as grouped GEMMs
+    (``moe_experts.fused_experts``; ``InferenceConfig.moe_grouped_mm``)."""
+    moe_triton_grouped_gemm: bool = True
+    """Large batches may run the grouped experts' GEMMs in Triton (``InferenceConfig.moe_triton_grouped_gemm``)."""
+
     @property
     def triton_attention(self) -> bool:
         return self.attention == AttentionBackend.TRITON
@@ -53,7 +59,8 @@ class KernelBackends:
     def from_choice(cls, choice: KernelChoice, device: torch.device | str) -> KernelBackends:
         """The kernels of a model built from ``InferenceConfig.kernels()`` on ``device``."""
         return replace(cls.resolve(choice.attention_backend, choice.mamba_backend, device),
-                       split_linear=choice.split_linear)
+                       split_linear=choice.split_linear, moe_grouped_mm=choice.moe_grouped_mm,
+                       moe_triton_grouped_gemm=choice.moe_triton_grouped_gemm)
 
 
 def resolve_attention_backend(backend: AttentionBackend | str, device: torch.device | str) -> AttentionBackend:

@@ -40,6 +40,17 @@ def test_split_linear_reaches_the_output_projections(monkeypatch, on):
     assert calls and {args[3] for args, _ in calls} == {on}  # every block's output projection, every step
 
 
+@pytest.mark.parametrize("grouped_mm, triton_gemm", [(True, True), (False, True), (True, False)])
+def test_moe_switches_reach_the_routed_experts(monkeypatch, grouped_mm, triton_gemm):
+    from megatron_async.models.layers import moe
+
+    calls = _record(monkeypatch, moe, "fused_experts")
+    llm = _generate("tiny-moe", moe_grouped_mm=grouped_mm, moe_triton_grouped_gemm=triton_gemm)
+    kernels = llm.model.kernels
+    assert (kernels.moe_grouped_mm, kernels.moe_triton_grouped_gemm) == (grouped_mm, triton_gemm)
+    assert calls and {args[-2:] for args, _ in calls} == {(grouped_mm, triton_gemm)}  # every MoE layer, every step
+
+
 def test_split_k_needs_the_fused_kernels_and_the_switch():
     assert KernelBackends().split_k
     assert not KernelBackends(fused=False).split_k and not KernelBackends(split_linear=False).split_k
@@ -50,6 +61,10 @@ def test_split_k_needs_the_fused_kernels_and_the_switch():
 @pytest.mark.parametrize("flags, field, value", [
     ([], "split_linear", True),
     (["--no-split-linear"], "split_linear", False),
+    ([], "moe_grouped_mm", True),
+    (["--no-moe-grouped-mm"], "moe_grouped_mm", False),
+    ([], "moe_triton_grouped_gemm", True),
+    (["--no-moe-triton-grouped-gemm"], "moe_triton_grouped_gemm", False),
 ])
 def test_command_line_flags_set_the_switches(flags, field, value):
     import argparse
