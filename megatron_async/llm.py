@@ -127,7 +127,8 @@ class LLM:
                 self.communicator = ZMQCommunicator.from_rendezvous(
                     self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size,
                     shared_memory=comm.consensus_shared_memory, spin_us=comm.consensus_spin_us)
-            with triton_workers.running(self.device, self.config.startup_build_threads):  # start-up's Triton compiles
+            with triton_workers.running(self.device, self.config.startup_build_threads,  # start-up's Triton compiles
+                                        self.config.startup_compile_workers):
                 self._build(model, default_model, seed, drafter)
             self.startup.total_seconds = time.perf_counter() - t0
             self.coordinator = None

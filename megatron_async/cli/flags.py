@@ -160,6 +160,9 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--startup-build-threads", type=NON_NEGATIVE_INT, default=None,
                    help="threads that build the warm-up's Triton kernels at once (default: the cores, at most 16; "
                         "0: one by one; InferenceConfig.startup_build_threads)")
+    g.add_argument("--no-compile-workers", action="store_true",
+                   help="CUDA: the build threads compile the warm-up's Triton kernels themselves, no worker processes "
+                        "(InferenceConfig.startup_compile_workers=False; default: as many workers as build threads)")
     g.add_argument("--kernel-cache-dir", default=None,
                    help="Triton's on-disk kernel cache (sets TRITON_CACHE_DIR; default ~/.triton/cache): a later "
                         "process loads the kernels built there instead of compiling them, and finds the warm-up's kernels "
@@ -271,6 +274,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "cuda_graphs": getattr(args, "cuda_graphs", None),
         "startup_warmup": not args.no_warmup,
         "startup_build_threads": getattr(args, "startup_build_threads", None),
+        "startup_compile_workers": not getattr(args, "no_compile_workers", False),
         "enable_suspend": getattr(args, "enable_suspend", False),
         "logging_step_interval": args.logging_step_interval,
         "nvtx_ranges": args.nvtx,

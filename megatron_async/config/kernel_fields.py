@@ -44,6 +44,12 @@ class KernelFields:
     the usable cores, at most 16 (one rank alone; under tensor / expert parallelism 0); 0: build
     each kernel when a warm-up step first meets it."""
 
+    startup_compile_workers: bool = True
+    """On CUDA with ``startup_build_threads`` >= 2: fork that many worker processes before CUDA is
+    initialized to compile the warm-up's Triton kernels side by side into Triton's on-disk cache,
+    which the build threads then load (inference/triton_workers.py). False: the threads compile
+    every kernel themselves (the GIL serializes most of each build)."""
+
     split_linear: bool = True
     """TP = 1 on CUDA: a block's output projection at decode sizes runs as K-split partials whose
     sum the next RMSNorm adds in its own kernel (kernels/triton_split_linear.py), where the tiles

@@ -61,6 +61,8 @@ def test_split_k_needs_the_fused_kernels_and_the_switch():
 @pytest.mark.parametrize("flags, field, value", [
     ([], "split_linear", True),
     (["--no-split-linear"], "split_linear", False),
+    ([], "startup_compile_workers", True),
+    (["--no-compile-workers"], "startup_compile_workers", False),
     ([], "moe_grouped_mm", True),
     (["--no-moe-grouped-mm"], "moe_grouped_mm", False),
     ([], "moe_triton_grouped_gemm", True),
