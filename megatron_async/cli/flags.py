@@ -167,6 +167,9 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
                    help="Triton's on-disk kernel cache (sets TRITON_CACHE_DIR; default ~/.triton/cache): a later "
                         "process loads the kernels built there instead of compiling them, and finds the warm-up's kernels "
                         "from the list kept there (no dry captures)")
+    g.add_argument("--kernel-lists", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the warm-up's kernel lists in Triton's cache directory and build a kept list at once "
+                        "(InferenceConfig.startup_kernel_lists; default: on with --kernel-cache-dir, else off)")
     g.add_argument("--enable-suspend", action="store_true",
                    help="allocate weights, KV cache and graph pools so engine.suspend can free device memory "
                         "(InferenceConfig.enable_suspend; CUDA needs torch-memory-saver)")
@@ -228,7 +231,6 @@ def resolve_device_args(args: argparse.Namespace) -> None:
     point Triton at ``--kernel-cache-dir`` (before anything is built)."""
     if getattr(args, "kernel_cache_dir", None):
         os.environ["TRITON_CACHE_DIR"] = os.path.abspath(os.path.expanduser(args.kernel_cache_dir))
-        os.environ.setdefault("MEGATRON_ASYNC_KERNEL_LIST", "1")  # a kept directory: keep the kernel lists there
     args.device = args.device or default_device()
     kind = torch.device(args.device).type
     if args.dtype is None:
@@ -275,6 +277,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "startup_warmup": not args.no_warmup,
         "startup_build_threads": getattr(args, "startup_build_threads", None),
         "startup_compile_workers": not getattr(args, "no_compile_workers", False),
+        "startup_kernel_lists": _kernel_lists(args),
         "enable_suspend": getattr(args, "enable_suspend", False),
         "logging_step_interval": args.logging_step_interval,
         "nvtx_ranges": args.nvtx,
@@ -290,6 +293,12 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
+
+
+def _kernel_lists(args: argparse.Namespace) -> bool:
+    """``--kernel-lists``, else on for a ``--kernel-cache-dir`` (a directory the user keeps)."""
+    asked = getattr(args, "kernel_lists", None)
+    return asked if asked is not None else bool(getattr(args, "kernel_cache_dir", None))
 
 
 def has_text_prompts(args: argparse.Namespace) -> bool:

@@ -50,6 +50,12 @@ class KernelFields:
     which the build threads then load (inference/triton_workers.py). False: the threads compile
     every kernel themselves (the GIL serializes most of each build)."""
 
+    startup_kernel_lists: bool = False
+    """Keep, beside Triton's on-disk cache, the list of kernels a start-up's dry pass found
+    (text_generation_controllers/kernel_list.py), and build a kept list at once instead of
+    capturing dry on a later start of the same configuration. Worth it only where the cache
+    directory outlives the process (the main job's ``--kernel-cache-dir`` turns it on)."""
+
     split_linear: bool = True
     """TP = 1 on CUDA: a block's output projection at decode sizes runs as K-split partials whose
     sum the next RMSNorm adds in its own kernel (kernels/triton_split_linear.py), where the tiles

@@ -40,6 +40,16 @@ def test_split_linear_reaches_the_output_projections(monkeypatch, on):
     assert calls and {args[3] for args, _ in calls} == {on}  # every block's output projection, every step
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_startup_switches_reach_the_runner_and_the_compile_workers(monkeypatch, on):
+    from megatron_async.inference import triton_workers
+
+    calls = _record(monkeypatch, triton_workers, "running")
+    llm = _generate(startup_compile_workers=on, startup_kernel_lists=on)
+    assert [args[2] for args, _ in calls] == [on]
+    assert llm.runner.kernel_lists is on
+
+
 @pytest.mark.parametrize("grouped_mm, triton_gemm", [(True, True), (False, True), (True, False)])
 def test_moe_switches_reach_the_routed_experts(monkeypatch, grouped_mm, triton_gemm):
     from megatron_async.models.layers import moe
@@ -63,6 +73,10 @@ def test_split_k_needs_the_fused_kernels_and_the_switch():
     (["--no-split-linear"], "split_linear", False),
     ([], "startup_compile_workers", True),
     (["--no-compile-workers"], "startup_compile_workers", False),
+    ([], "startup_kernel_lists", False),
+    (["--kernel-cache-dir", "kept"], "startup_kernel_lists", True),
+    (["--kernel-cache-dir", "kept", "--no-kernel-lists"], "startup_kernel_lists", False),
+    (["--kernel-lists"], "startup_kernel_lists", True),
     ([], "moe_grouped_mm", True),
     (["--no-moe-grouped-mm"], "moe_grouped_mm", False),
     ([], "moe_triton_grouped_gemm", True),
