@@ -34,7 +34,7 @@ from megatron_async.cli import flags
 from megatron_async.cli.driver import StatsWindow, WorkloadRun, run_workload
 from megatron_async.cli.summary import summarize
 from megatron_async.cli.workload import WorkloadRequest, WorkloadSpec, synthetic_workload, twin_workload
-from megatron_async.llm import parse_dtype
+from megatron_async.model_loading import parse_dtype
 from megatron_async.models.default_checkpoint import save_default_checkpoint
 from megatron_async.models.default_model import DEFAULT_CONFIGS
 

@@ -1,13 +1,13 @@
-"""LLM: the offline API. Builds model, context, model runner (``runner``) and engine; ``generate`` runs them."""
+"""LLM: the offline API. Builds the parallel state, model (loaded by model_loading.py), context,
+model runner (``runner``) and engine, and serves them through ``generate`` (generation.py), a
+coordinator (``listen`` / ``join``), weight updates and ``close``."""
 from __future__ import annotations
 
 import contextlib
 import gc
 import logging
-import numbers
 import os
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -19,44 +19,20 @@ from megatron_async.inference.contexts.dynamic_context import DynamicInferenceCo
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron_async.inference.engines.rank_roles import rank_role
-from megatron_async.inference.engines.step_records import OUTPUTS_CODEC, SLOTS_CODEC
-from megatron_async.inference.memory_planning import GiB, CudaMemoryReader, MemoryPlan, MemoryPlanError, check_weights_fit
-from megatron_async.inference.memory_profiling import builtin_weight_bytes, profile_memory_plan
+from megatron_async.inference.memory_planning import CudaMemoryReader, MemoryPlan, MemoryPlanError
+from megatron_async.inference.memory_profiling import profile_memory_plan
 from megatron_async.inference.memory_suspend import WEIGHTS, make_suspend_backend
-from megatron_async.inference.request import InvalidRequestError, RequestOutput, SamplingParams
+from megatron_async.inference.request import RequestOutput, SamplingParams
 from megatron_async.inference.startup_profile import StartupProfile
 from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
+from megatron_async.generation import run_prompts
 from megatron_async.kernels.backends import KernelBackends
+from megatron_async.model_loading import check_batch_invariant, eos_ids, load_model, parse_dtype
 from megatron_async.parallel.p2p_all_reduce import check_p2p_possible, with_p2p_all_reduce
 from megatron_async.parallel.p2p_exchange import with_p2p_exchange
 from megatron_async.parallel.state import ParallelState
 
 log = logging.getLogger("megatron_async")
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-def _check_batch_invariant(model: torch.nn.Module, device: torch.device) -> None:
-    """Batch-invariant numerics run Triton kernels in attention / MLP layers only: say so up front."""
-    if not getattr(model, "supports_batch_invariant", False):
-        raise ValueError(f"batch_invariant is not supported for {type(model).__name__}: attention + MLP models "
-                         "only (dense GPT; not Mamba2 or MoE layers)")
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
-        raise ValueError("batch_invariant needs triton") from e
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("batch_invariant runs Triton kernels: use device='cuda', or set TRITON_INTERPRET=1 on CPU")
-
 
 class LLM:
     def __init__(
@@ -127,7 +103,8 @@ class LLM:
                 self.communicator = ZMQCommunicator.from_rendezvous(
                     self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size,
                     shared_memory=comm.consensus_shared_memory, spin_us=comm.consensus_spin_us)
-            with triton_workers.running(self.device, self.config.startup_build_threads):  # start-up's Triton compiles
+            with triton_workers.running(self.device, self.config.startup_build_threads,  # start-up's Triton compiles
+                                        self.config.startup_compile_workers):
                 self._build(model, default_model, seed, drafter)
             self.startup.total_seconds = time.perf_counter() - t0
             self.coordinator = None
@@ -140,31 +117,23 @@ class LLM:
             raise
 
     def _build(self, model: str | None, default_model: str, seed: int, drafter=None) -> None:
-        from megatron_async.models.eos_ids import checkpoint_eos_ids
-
         nvtx.set_enabled(self.config.nvtx_ranges)
         choice = self.config.kernels()
-        kernels = KernelBackends.resolve(choice.attention_backend, choice.mamba_backend, self.device)
+        kernels = KernelBackends.from_choice(choice, self.device)
         self.attention_backend, self.mamba_backend = kernels.attention, kernels.mamba
         reader = CudaMemoryReader(self.device) if self.device.type == "cuda" else None
         allocated_before = reader.read().allocated if reader else 0
         suspend = make_suspend_backend(self.device) if self.config.enable_suspend else None
         with suspend.region(WEIGHTS) if suspend else contextlib.nullcontext(), self.startup.phase("load"):
-            self._load_model(model, default_model, seed, reader)  # engine.suspend frees the weights
+            self.model, self.tokenizer = load_model(model, default_model, seed, self.device, self.dtype, self.parallel,
+                                                    self.quantization, reader)  # engine.suspend frees the weights
         self.model.eval()
         self.model.kernels = kernels  # this model's kernels, not the process's
         if choice.batch_invariant:
-            _check_batch_invariant(self.model, self.device)
+            check_batch_invariant(self.model, self.device)
         self._fit_max_sequence_length()
         self.model.reserve_positions(self.config.max_sequence_length)
-        # The tokenizer already holds every EOS id of the checkpoint (Tokenizer.from_dir), so the
-        # engine stops on exactly the ids that every other user of the tokenizer sees.
-        tok_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
-        if model is None:
-            eos_ids = tuple(dict.fromkeys(i for i in (*tok_eos, self.model.eos_token_id) if i is not None))
-        else:
-            eos_ids = tok_eos if self.tokenizer is not None else checkpoint_eos_ids(model)
-        eos_ids = _in_vocab_eos_ids(eos_ids, self.model.vocab_size)
+        stop_ids = eos_ids(model, self.model, self.tokenizer)
         facade = DeviceFacade(self.device, suspend)
         if self.config.num_speculative_tokens > 0:  # before the context: MTP heads add KV layers to the pool
             drafter = self._drafter(drafter)
@@ -183,7 +152,7 @@ class LLM:
                                                choice.batch_invariant)
         if self.context.spec is not None:
             self.context.spec.set_drafter(drafter)
-        self.runner = ModelRunner(self.model, self.context, choice, eos_ids, expert_parallel=self.parallel.ep_size > 1)
+        self.runner = ModelRunner(self.model, self.context, choice, stop_ids, expert_parallel=self.parallel.ep_size > 1)
         self.runner.prebuilt_shapes = self.memory_plan.prebuilt_shapes if self.memory_plan else frozenset()
         if self.config.cuda_graphs and facade.is_cuda:
             self.runner.graphs = self._graph_runner()
@@ -226,35 +195,6 @@ class LLM:
         logits_only = self.config.structured_outputs_backend != "off" and any_installed()  # steps with grammar rows
         return CudaGraphRunner(self.runner, self.config.graph_sizing(), mixed=mixed, collective=self.parallel.ep_size > 1,
                                verify=triton_attention, logits_only=logits_only)
-
-    def _load_model(self, model: str | None, default_model: str, seed: int, reader: CudaMemoryReader | None) -> None:
-        """The model and tokenizer. On CUDA a model whose weights cannot fit fails with the
-        numbers, before or instead of a CUDA out-of-memory traceback."""
-        from megatron_async.models import build_default_model, load_checkpoint, load_tokenizer
-
-        now = reader.read() if reader else None
-        try:
-            if model is None:
-                if now:
-                    check_weights_fit(builtin_weight_bytes(default_model, self.dtype, self.parallel, self.quantization),
-                                      now.total, now.free)
-                self.model = build_default_model(default_model, self.device, self.dtype, seed=seed, parallel=self.parallel,
-                                                 quantization=self.quantization)
-                self.tokenizer = None
-                if default_model.startswith("tiny"):  # sized to the in-process tiny BPE: text prompts work
-                    from megatron_async.models import Tokenizer
-                    from megatron_async.models.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
-
-                    self.tokenizer = Tokenizer(train_tiny_tokenizer(), EOS_TOKEN_ID)
-            else:
-                self.model, _ = load_checkpoint(model, self.device, self.dtype, self.parallel, self.quantization)
-                self.tokenizer = load_tokenizer(model)
-        except torch.OutOfMemoryError:
-            raise MemoryPlanError(f"model does not fit: CUDA out of memory while loading its weights (device had "
-                                  f"{now.free / GiB:.2f} GiB free of {now.total / GiB:.2f} GiB)") from None
-        if self.device.type == "cuda":  # before any capture, so graphs and eager steps take one path
-            from megatron_async.kernels.triton_fp8_gemm import settle_fp8_linears
-            settle_fp8_linears(self.model, self.device)
 
     def _plans_memory(self) -> bool:
         """CUDA without a KV size in the config: the pool is planned from measured memory."""
@@ -331,70 +271,4 @@ class LLM:
         be served gets an output with ``finish_reason="error"`` and ``error`` set, and the
         others still run. Requests added earlier with ``engine.add_request`` are not touched:
         they advance while these run, and their outputs come from the engine's next ``step()``."""
-        prompts = _as_prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        sampling_params = list(sampling_params)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-        slots: list[RequestOutput | int | None] = [None] * len(prompts)
-        pending = iter(enumerate(zip(prompts, sampling_params)))
-
-        def add(limit: Callable[[], bool]) -> tuple[list[int], bool]:
-            """Add prompts while ``limit()`` holds; -> (new ids, whether prompts remain)."""
-            ids = []
-            while limit():
-                nxt = next(pending, None)
-                if nxt is None:
-                    return ids, False
-                i, (prompt, sp) = nxt
-                try:
-                    slots[i] = self.engine.add_request(prompt, sp)
-                    ids.append(slots[i])
-                except InvalidRequestError as e:
-                    slots[i] = RequestOutput(-1, _token_ids_or_empty(prompt), [], None, "error", error=str(e))
-            return ids, True
-
-        if self.communicator is None:
-            # one rank: later prompts are validated and added while the GPU runs the first steps
-            ids, more = add(self.engine.admission_queue_short)
-            done = self.engine.run_requests(ids, (lambda: add(self.engine.admission_queue_short)) if more else None)
-            return [s if isinstance(s, RequestOutput) else done[s] for s in slots]
-        # Under TP / EP every rank calls generate (SPMD) but only rank 0's prompts are used: the
-        # others receive its requests at the per-step exchange, and its slots here.
-        if self.is_leader:
-            add(lambda: True)
-        slots = self.communicator.broadcast_object(slots if self.is_leader else [], SLOTS_CODEC)
-        done = self.engine.run_requests([s for s in slots if not isinstance(s, RequestOutput)])
-        if self.parallel.dp_size > 1:  # only rank 0 gathered every rank's outputs
-            done = self.communicator.broadcast_object(done if self.is_leader else {}, OUTPUTS_CODEC)
-        return [s if isinstance(s, RequestOutput) else done[s] for s in slots]
-
-
-def _is_token_ids(prompt) -> bool:
-    return isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
-
-
-def _as_prompt_list(prompts) -> list:
-    """One string or one non-empty list of token ids is a single prompt."""
-    if isinstance(prompts, str) or (_is_token_ids(prompts) and len(prompts) > 0):
-        return [prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise InvalidRequestError(
-            f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
-    return list(prompts)
-
-
-def _token_ids_or_empty(prompt) -> list[int]:
-    return [int(t) for t in prompt] if _is_token_ids(prompt) else []
-
-
-def _in_vocab_eos_ids(eos_ids, vocab_size: int) -> tuple[int, ...]:
-    """EOS ids the model can emit. A config may list ids beyond the (padded) vocabulary; the
-    device-side stop masks (min_tokens, penalties) index by id, so such ids are dropped with a
-    warning instead of failing every step of the requests that use them."""
-    kept = tuple(i for i in eos_ids if 0 <= i < vocab_size)
-    if len(kept) != len(eos_ids):
-        log.warning("ignoring EOS ids outside the vocabulary (size %d): %s", vocab_size, sorted(set(eos_ids) - set(kept)))
-    return kept
-
+        return run_prompts(self.engine, self.communicator, self.parallel, prompts, sampling_params)

@@ -109,7 +109,9 @@ def run(args, sampled: bool) -> None:
     cfg = InferenceConfig(max_requests=args.batch, max_tokens=args.max_tokens or max(4096, args.batch),
                           buffer_size_gb=args.kv_gb, **extra,  # None: the profiled pool
                           async_scheduling=not args.serial, cuda_graphs=not args.eager, attention_backend="triton",
-                          batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype)
+                          batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype,
+                          split_linear=args.split_linear, moe_grouped_mm=args.moe_grouped_mm,
+                          moe_triton_grouped_gemm=args.moe_triton_grouped_gemm)
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     if tp > 1 and args.mixed:
         raise SystemExit("--mixed profiles one process; the tensor-parallel profile is of decode steps")
@@ -223,6 +225,9 @@ def main() -> None:
     p.add_argument("--batch-invariant", action="store_true", help="the batch-invariant mode's kernels")
     p.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 weights")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's) or fp8 (e4m3 pool)")
+    for switch in ("split_linear", "moe_grouped_mm", "moe_triton_grouped_gemm"):  # A/B of a kernel path
+        p.add_argument(f"--no-{switch.replace('_', '-')}", dest=switch, action="store_false",
+                       help=f"InferenceConfig.{switch}=False")
     p.add_argument("--workloads", default="greedy,sampled")
     args = p.parse_args()
     if int(os.environ.get("RANK", "0")) == 0:

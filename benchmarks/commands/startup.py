@@ -37,19 +37,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-NO_WORKERS = {"MEGATRON_ASYNC_TRITON_WORKERS": "0"}
+NO_WORKERS = ["--no-compile-workers"]
 """The warm-up's kernels compiled on threads only, without the compile workers (triton_workers.py)."""
-# name -> (main job flags, cache directory label: cases with the same label share a directory, in order, environment)
+# name -> (main job flags, cache directory label: cases with the same label share a directory, in order)
 CASES = {
-    "cold-one-by-one": (["--startup-build-threads", "0"], "a", {}),
-    "warm-one-by-one": (["--startup-build-threads", "0"], "a", {}),
-    "cold-threads": ([], "b", {}),
-    "warm-threads": ([], "b", {}),
-    "cold-threads-no-workers": ([], "e", NO_WORKERS),
-    "eager-cold-one-by-one": (["--eager", "--startup-build-threads", "0"], "c", {}),
-    "eager-cold-threads": (["--eager"], "d", {}),
-    "eager-warm-threads": (["--eager"], "d", {}),
-    "eager-cold-threads-no-workers": (["--eager"], "f", NO_WORKERS),
+    "cold-one-by-one": (["--startup-build-threads", "0"], "a"),
+    "warm-one-by-one": (["--startup-build-threads", "0"], "a"),
+    "cold-threads": ([], "b"),
+    "warm-threads": ([], "b"),
+    "cold-threads-no-workers": (NO_WORKERS, "e"),
+    "eager-cold-one-by-one": (["--eager", "--startup-build-threads", "0"], "c"),
+    "eager-cold-threads": (["--eager"], "d"),
+    "eager-warm-threads": (["--eager"], "d"),
+    "eager-cold-threads-no-workers": (["--eager", *NO_WORKERS], "f"),
 }
 PHASES = ("load", "memory profile", "engine", "kernel builds", "eager steps", "graph captures")
 
@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     caches = tempfile.mkdtemp(prefix="startup-triton-")
     rows = {}
     for name in args.cases:
-        flags, label, env = CASES[name]
-        rows[name] = run_case(name, flags, Path(caches) / label, out, args.smoke, args.timeout, {**byte_code, **env})
+        flags, label = CASES[name]
+        rows[name] = run_case(name, flags, Path(caches) / label, out, args.smoke, args.timeout, byte_code)
         print(row(name, rows[name]), file=sys.stderr, flush=True)
     print(table(rows))
     (out / "startup.json").write_text(json.dumps(rows, indent=1))

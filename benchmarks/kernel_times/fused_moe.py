@@ -37,7 +37,6 @@ program per expert against the plan's kernels in its layout (``triton_moe_plan.a
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
@@ -110,19 +109,15 @@ def sweep(layer: MoEMixer, tokens: list[int], iters: int, tiles: bool) -> None:
 
 
 def _gemms(fn, triton_gemms: bool):
-    """``fn`` (the grouped path) with its GEMMs in Triton at any batch size, or on torch's grouped
-    GEMM (``moe_grouped_mm.TRITON_SWITCH``), whatever the dispatch would pick."""
+    """``fn`` (the grouped path, taking ``triton_grouped_gemm``) with its GEMMs in Triton at any
+    batch size, or on torch's grouped GEMM, whatever the dispatch would pick."""
     def run():
-        least, switch = moe_grouped_mm.TRITON_MIN_PAIRS_PER_EXPERT, os.environ.get(moe_grouped_mm.TRITON_SWITCH)
+        least = moe_grouped_mm.TRITON_MIN_PAIRS_PER_EXPERT
         moe_grouped_mm.TRITON_MIN_PAIRS_PER_EXPERT = 0
-        os.environ[moe_grouped_mm.TRITON_SWITCH] = "1" if triton_gemms else "0"
         try:
-            return fn()
+            return fn(triton_grouped_gemm=triton_gemms)
         finally:
             moe_grouped_mm.TRITON_MIN_PAIRS_PER_EXPERT = least
-            os.environ.pop(moe_grouped_mm.TRITON_SWITCH)
-            if switch is not None:
-                os.environ[moe_grouped_mm.TRITON_SWITCH] = switch
     return run
 
 
@@ -135,7 +130,7 @@ def grouped_mm(layer: MoEMixer, tokens: list[int], iters: int) -> None:
         x = torch.randn(T, HIDDEN, device=w13.device, dtype=DTYPE)
         ids, weights = layer.gate.route(x)
         expect = fused_experts_torch(x, w13, w2, ids, weights, True).float()
-        grouped = lambda: moe_grouped_mm.fused_experts_grouped_mm(x, w13, w2, ids, weights, True)  # noqa: E731
+        grouped = lambda **kw: moe_grouped_mm.fused_experts_grouped_mm(x, w13, w2, ids, weights, True, **kw)  # noqa: E731
         paths = {"triton": lambda: triton_fused_moe.fused_experts(x, w13, w2, ids, weights, True),
                  "grouped_mm": grouped, "grouped_mm, CUTLASS GEMMs": _gemms(grouped, False),
                  "grouped_mm, Triton GEMMs": _gemms(grouped, True)}

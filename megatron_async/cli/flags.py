@@ -130,6 +130,15 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--no-tp-fused-norm", action="store_true",
                    help="P2P path: keep the TP all-reduce and the next add + RMSNorm as two kernels "
                         "(InferenceConfig.tp_fused_norm=False)")
+    g.add_argument("--no-split-linear", action="store_true",
+                   help="TP=1 CUDA: every output projection on cuBLAS, none leaves its K-split sum to the next norm "
+                        "(InferenceConfig.split_linear=False; default: split where the kernel's tiles take the shape)")
+    g.add_argument("--no-moe-grouped-mm", action="store_true",
+                   help="Triton MoE: every batch on the fused Triton MoE, none as grouped GEMMs (InferenceConfig."
+                        "moe_grouped_mm=False; default: prefill-size batches on Hopper / Blackwell as grouped GEMMs)")
+    g.add_argument("--no-moe-triton-grouped-gemm", action="store_true",
+                   help="grouped MoE experts: GEMMs on torch's CUTLASS grouped GEMM (FP8: the fused FP8 MoE) at every "
+                        "size (InferenceConfig.moe_triton_grouped_gemm=False; default: Triton from 256 pairs an expert)")
     g.add_argument("--num-speculative-tokens", type=checked(int, 0, name="int"), default=None,
                    help="speculative decoding: drafts verified per decode row (default 0: off)")
     g.add_argument("--speculative-method", choices=["mtp", "ngram"], default=None,
@@ -151,10 +160,16 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--startup-build-threads", type=NON_NEGATIVE_INT, default=None,
                    help="threads that build the warm-up's Triton kernels at once (default: the cores, at most 16; "
                         "0: one by one; InferenceConfig.startup_build_threads)")
+    g.add_argument("--no-compile-workers", action="store_true",
+                   help="CUDA: the build threads compile the warm-up's Triton kernels themselves, no worker processes "
+                        "(InferenceConfig.startup_compile_workers=False; default: as many workers as build threads)")
     g.add_argument("--kernel-cache-dir", default=None,
                    help="Triton's on-disk kernel cache (sets TRITON_CACHE_DIR; default ~/.triton/cache): a later "
                         "process loads the kernels built there instead of compiling them, and finds the warm-up's kernels "
                         "from the list kept there (no dry captures)")
+    g.add_argument("--kernel-lists", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the warm-up's kernel lists in Triton's cache directory and build a kept list at once "
+                        "(InferenceConfig.startup_kernel_lists; default: on with --kernel-cache-dir, else off)")
     g.add_argument("--enable-suspend", action="store_true",
                    help="allocate weights, KV cache and graph pools so engine.suspend can free device memory "
                         "(InferenceConfig.enable_suspend; CUDA needs torch-memory-saver)")
@@ -216,7 +231,6 @@ def resolve_device_args(args: argparse.Namespace) -> None:
     point Triton at ``--kernel-cache-dir`` (before anything is built)."""
     if getattr(args, "kernel_cache_dir", None):
         os.environ["TRITON_CACHE_DIR"] = os.path.abspath(os.path.expanduser(args.kernel_cache_dir))
-        os.environ.setdefault("MEGATRON_ASYNC_KERNEL_LIST", "1")  # a kept directory: keep the kernel lists there
     args.device = args.device or default_device()
     kind = torch.device(args.device).type
     if args.dtype is None:
@@ -253,12 +267,17 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "batch_invariant": args.batch_invariant,
         "tp_all_reduce": args.tp_all_reduce,
         "tp_fused_norm": not getattr(args, "no_tp_fused_norm", False),
+        "split_linear": not getattr(args, "no_split_linear", False),
+        "moe_grouped_mm": not getattr(args, "no_moe_grouped_mm", False),
+        "moe_triton_grouped_gemm": not getattr(args, "no_moe_triton_grouped_gemm", False),
         "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
         "speculative_method": getattr(args, "speculative_method", None),
         "async_scheduling": getattr(args, "launch_ahead", None),
         "cuda_graphs": getattr(args, "cuda_graphs", None),
         "startup_warmup": not args.no_warmup,
         "startup_build_threads": getattr(args, "startup_build_threads", None),
+        "startup_compile_workers": not getattr(args, "no_compile_workers", False),
+        "startup_kernel_lists": _kernel_lists(args),
         "enable_suspend": getattr(args, "enable_suspend", False),
         "logging_step_interval": args.logging_step_interval,
         "nvtx_ranges": args.nvtx,
@@ -274,6 +293,12 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
+
+
+def _kernel_lists(args: argparse.Namespace) -> bool:
+    """``--kernel-lists``, else on for a ``--kernel-cache-dir`` (a directory the user keeps)."""
+    asked = getattr(args, "kernel_lists", None)
+    return asked if asked is not None else bool(getattr(args, "kernel_cache_dir", None))
 
 
 def has_text_prompts(args: argparse.Namespace) -> bool:

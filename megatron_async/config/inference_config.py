@@ -1,11 +1,19 @@
-"""InferenceConfig: every knob of the engine, one documented field each."""
+"""InferenceConfig: every knob of the engine, one documented field each. The KV cache, scheduling,
+CUDA graph, data-parallel routing and serving fields are declared here; the kernel, communication
+and speculative-decoding groups in their own modules (kernel_fields.py, communication_fields.py,
+speculative_fields.py), which ``InferenceConfig`` inherits: one flat dataclass. The rules across
+groups (``validate``), the device defaults (``for_device``) and the parts components are given
+(``cache_sizing()`` ...) are here."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from megatron_async.config.communication_fields import CommunicationFields
+from megatron_async.config.kernel_fields import KernelFields
 from megatron_async.config.modes import (
     AllReduceBackend, AttentionBackend, DpRouting, MambaBackend, SamplingBackend, SpeculativeMethod,
 )
+from megatron_async.config.speculative_fields import SpeculativeFields
 from megatron_async.config.parts import CacheSizing, Communication, GraphSizing, KernelChoice, Scheduling, Speculation
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
@@ -19,8 +27,9 @@ CPU_BUFFER_SIZE_GB = 1.0
 
 
 @dataclass
-class InferenceConfig:
-    """Configuration of the dynamic inference engine.
+class InferenceConfig(KernelFields, CommunicationFields, SpeculativeFields):
+    """Configuration of the dynamic inference engine (fields of this class and of the groups it
+    inherits).
 
     Sizes that are None are derived from the model and the other fields when the
     engine is built (see ``resolve``)."""
@@ -112,31 +121,11 @@ class InferenceConfig:
     switched off by acceptance) replay narrow graphs, the rest full ones. More widths: less
     padding per step, more captures (sizes x variants per width)."""
 
-    startup_warmup: bool = True
-    """On CUDA, when the LLM is built: compile every Triton kernel variant the configuration can
-    reach and capture every CUDA graph it can replay, so serving never compiles or captures
-    (``EngineStats.triton_builds_after_warmup`` / ``graph_captures_after_warmup`` count any
-    that still happen). Takes seconds; False = compile and capture lazily on first use."""
-
-    startup_build_threads: int | None = None
-    """Threads that build the warm-up's Triton kernels at once (CUDA). The warm-up first finds
-    every kernel specialization its steps need without running them (each step captured into a
-    CUDA graph that is thrown away, its unbuilt kernels skipped), then builds them all on this
-    many threads, loading each from Triton's on-disk cache when a process built it before. None:
-    the usable cores, at most 16 (one rank alone; under tensor / expert parallelism 0); 0: build
-    each kernel when a warm-up step first meets it."""
-
     enable_suspend: bool = False
     """Allocate the weights, the KV / Mamba state pools and the CUDA graph pools so that
     ``engine.suspend`` can free them and ``engine.resume`` bring them back at the same addresses
     (graphs stay valid). CUDA needs the ``torch-memory-saver`` package (and the process started with
     its preload library in ``LD_PRELOAD`` to free graph pools too); CPU emulates it."""
-
-    attention_backend: AttentionBackend = AttentionBackend.AUTO
-    """Attention kernels to use (and the MoE experts' kernels: Triton fused MoE or the torch loop)."""
-
-    mamba_backend: MambaBackend = MambaBackend.AUTO
-    """SSM kernels to use for hybrid models."""
 
     stream_text: bool = True
     """Fill ``RequestUpdate.new_text`` at every step (incremental detokenization of every
@@ -144,71 +133,11 @@ class InferenceConfig:
     ``new_text=None`` and a request's text is decoded once, when it finishes (string stop
     words still decode their own requests as they go)."""
 
-    sampling_backend: SamplingBackend = SamplingBackend.AUTO
-    """Sampling (penalties, temperature, top-k / top-p / min-p, draws) implementation."""
-
     logging_step_interval: int = 0
     """Log (and time, with one device sync) every N steps; 0 = never."""
 
     nvtx_ranges: bool = False
     """Wrap every stage in an NVTX range (off = no cost)."""
-
-    batch_invariant: bool = False
-    """Batch-invariant numerics: a request's logits (so its tokens and log-probs) are bit
-    for bit the same whatever else shares its steps, however its prompt was chunked, with or
-    without CUDA-graph padding, prefix-cache hits or launch-ahead. Every matmul runs a
-    fixed-tile Triton kernel, RMSNorm / log-softmax reduce each row alone, attention walks
-    each row's keys in one fixed order (the same kernel for prefill and decode), and the TP
-    sum adds ranks in a fixed order (same TP size only). Models of attention and MLP blocks
-    (GPT; not Mamba2 layers); needs Triton (CUDA, or
-    CPU with ``TRITON_INTERPRET=1``). Costs throughput; off = today's kernels, no extra work."""
-
-    tp_all_reduce: AllReduceBackend = AllReduceBackend.AUTO
-    """Tensor-parallel all-reduce of small messages (decode activations). ``auto`` / ``p2p``: one kernel that reads
-    every rank's copy through CUDA P2P mappings of a symmetric buffer (torch symmetric memory,
-    never NVLink multicast) instead of NCCL's ring / tree round trips; CUDA-graph safe. Larger
-    messages, other dtypes and CPU runs use NCCL / gloo. Under ``batch_invariant`` the TP sum
-    keeps its fixed-order all-gather either way. Default ``auto``: the P2P path beats NCCL per
-    decode all-reduce in graphs and per Qwen3-8B TP=4 decode step (docs/PERFORMANCE.md, "Tensor
-    parallelism"). bf16 sums of 3+ ranks then add
-    in another order than NCCL's ring, so bf16 tokens can differ from an NCCL run's at near-ties."""
-
-    tp_fused_norm: bool = True
-    """With the P2P all-reduce (``tp_all_reduce`` auto / p2p on GPUs): the all-reduce after each
-    attention / MLP / Mamba2 output projection runs in one kernel with the residual add and the
-    next block's RMSNorm (kernels/triton_fused_all_reduce.py), 2 fewer launches per layer and
-    one less trip of the hidden state through memory. Decode-size messages only (larger ones,
-    bias, a float32 residual stream, batch-invariant mode: unfused). bf16 partials are summed
-    in float32 and rounded once, so bf16 bits can differ from the unfused P2P path (float32:
-    the same). False: the unfused all-reduce then add + RMSNorm (A/B)."""
-
-    ep_p2p_exchange: bool = True
-    """Expert parallelism on GPUs of one host: the MoE layers' all-gather and reduce-scatter of
-    decode-size messages (<= 16 MB) run as one Triton kernel each over symmetric buffers
-    (``parallel/p2p_exchange.py``: CUDA P2P, never multicast) instead of NCCL, whose fixed cost
-    per collective dominates these; larger ones, CPU / gloo, or a group that fails the load-time
-    self-test use NCCL. bf16 partial outputs are summed in float32 in rank order and rounded
-    once (NCCL adds in its own order), so bf16 tokens can differ from an NCCL run's at near-ties.
-    False: NCCL for every size (A/B)."""
-
-    p2p_all_reduce_max_bytes: int = 8 << 20
-    """Largest message (bytes) the P2P all-reduce takes; larger ones go to NCCL. Each rank
-    allocates one symmetric buffer of this size. 0 turns the P2P path off."""
-
-    consensus_shared_memory: bool = True
-    """Tensor / expert parallel: when every rank runs on one host (decided by all ranks together
-    when the engine is built), the per-step consensus moves its ints through a shared-memory slot
-    per rank instead of a ZMQ round trip through rank 0 (tens of us instead of hundreds; x86
-    only). Ranks on several hosts, or off on any rank: ZMQ. ``LLM.communicator.exchange_path``
-    says which is used."""
-
-    consensus_spin_us: float | None = None
-    """How long a rank waiting in the shared-memory consensus spins (yielding its core every
-    turn) before it sleeps in the kernel (waking costs tens of us more than spinning). None:
-    2000 when the host has a spare core per rank (cores >= 1-minute load average + ranks, as
-    on a GPU host: a waiting rank has nothing else to do), else 20: on a busy or small host a
-    yielding spinner waits behind every other runnable task, while a sleeper woken by its peer
-    preempts them (measured on 2 loaded cores: ~1.3 ms vs ~0.24 ms to notice the last rank)."""
 
     dp_routing: DpRouting = DpRouting.LOAD_BALANCED
     """Which data-parallel engine a new request goes to, wherever there are several: engines behind
@@ -244,40 +173,6 @@ class InferenceConfig:
 
     seed: int = 1234
     """Seed of the engine's generator that gives seeds to requests that bring none."""
-
-    num_speculative_tokens: int = 0
-    """Draft tokens verified per decode row and step (0 = speculative decoding off). A decode
-    row then runs its last token plus up to this many drafts in one forward and keeps the
-    drafts that equal what the model samples at their positions (with the same per-position
-    draws), plus one more token: tokens and log-probs are those of plain decoding."""
-
-    speculative_method: SpeculativeMethod = SpeculativeMethod.MTP
-    """Drafter: "mtp" (the checkpoint's MTP heads) or "ngram" (prompt lookup, no weights)."""
-
-    speculative_ngram_max: int = 3
-    """N-gram drafter: the longest suffix (in tokens) looked up in the request's history;
-    shorter suffixes down to one token are tried when it has no earlier occurrence."""
-
-    speculative_min_acceptance: float = 0.3
-    """A request whose recent draft acceptance (moving average of accepted / drafted) falls
-    below this decodes without drafts, probing again with one draft every
-    ``speculative_probe_interval`` steps; 0 = never switch off by acceptance. Not with
-    ``speculative_adaptive`` (its per-step rule switches drafting off where it does not pay)."""
-
-    speculative_probe_interval: int = 16
-    """Decode rows a request runs without drafts, once switched off, before it probes again."""
-
-    speculative_max_batch_size: int = 0
-    """Steps with more decode rows than this run without drafts (verify costs more than it
-    saves once the forward is compute bound); 0 = no limit."""
-
-    speculative_adaptive: bool | None = None
-    """Decide per step, from measured step costs, whether drafting pays: a step verifies drafts
-    at width W only when the rows' expected tokens per row (from their acceptance) exceed what a
-    W-wide verify step costs over a plain step at this batch size (speculative/policy.py). None:
-    on for CUDA, off on CPU (where step time follows the token count and the tests exercise the
-    drafting itself) and under tensor / expert parallelism (ranks schedule alike; their timings
-    differ); False: rows draft whenever their acceptance allows."""
 
     def __post_init__(self):
         # str values of the enum fields (CLI, JSON) become their enums; ValueError on unknown ones

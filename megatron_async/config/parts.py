@@ -75,6 +75,10 @@ class KernelChoice:
     sampling_backend: SamplingBackend
     batch_invariant: bool
     startup_build_threads: int | None = None
+    startup_kernel_lists: bool = False
+    split_linear: bool = True
+    moe_grouped_mm: bool = True
+    moe_triton_grouped_gemm: bool = True
 
 
 @dataclass(frozen=True)

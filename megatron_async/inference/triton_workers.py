@@ -34,8 +34,6 @@ import torch
 log = logging.getLogger(__name__.split(".", 1)[0])
 
 _pool: dict = {"pool": None, "size": 0, "pending": {}}
-DISABLE_ENV = "MEGATRON_ASYNC_TRITON_WORKERS"
-"""Set to 0: no workers, the warm-up's kernels compile on threads (to compare the two)."""
 TIMEOUT_S = 600.0
 """A pass that takes longer is given up (a stuck worker): the engine's process compiles the kernels."""
 
@@ -43,7 +41,7 @@ TIMEOUT_S = 600.0
 def start(processes: int) -> int:
     """Fork ``processes`` compile workers (once per process; before CUDA is initialized).
     Returns how many there are (0: none, e.g. not Linux, no Triton, CUDA already initialized)."""
-    if _pool["pool"] is not None or processes < 2 or os.environ.get(DISABLE_ENV) == "0":
+    if _pool["pool"] is not None or processes < 2:
         return _pool["size"]
     try:
         import triton  # noqa: F401 -- the workers inherit it imported
@@ -98,10 +96,12 @@ def settle_kernel_hashes() -> int:
 
 
 @contextlib.contextmanager
-def running(device: torch.device, threads: int | None):
+def running(device: torch.device, threads: int | None, workers: bool = True):
     """Compile workers for a block that builds an engine on ``device`` (CUDA; ``threads``: its
-    ``startup_build_threads``; fewer than 2: none), ended after it."""
-    started = start(build_threads(threads)) if device.type == "cuda" and _pool["pool"] is None else 0
+    ``startup_build_threads``; fewer than 2: none; ``workers``: its ``startup_compile_workers``,
+    False: none), ended after it."""
+    wanted = workers and device.type == "cuda" and _pool["pool"] is None
+    started = start(build_threads(threads)) if wanted else 0
     try:
         yield
     finally:

@@ -6,11 +6,11 @@ The defaults are the pure-torch references, with the fused elementwise Triton ke
 tensors; ``resolve`` turns ``InferenceConfig``'s AUTO choices into concrete ones for a device."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from megatron_async.config import AttentionBackend, MambaBackend
+from megatron_async.config import AttentionBackend, KernelChoice, MambaBackend
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,20 @@ class KernelBackends:
     """TORCH, TRITON or MAMBA_SSM (never AUTO); MAMBA_SSM runs the Triton kernels too."""
     fused: bool = True
     """The fused Triton kernels for per-layer elementwise work (``fused_ops``), on CUDA tensors."""
+    split_linear: bool = True
+    """With ``fused``: a block's output projection at decode sizes may leave its K-split sum to the
+    next norm (``fused_ops.split_linear``; ``InferenceConfig.split_linear``)."""
+
+    @property
+    def split_k(self) -> bool:
+        """The output projections' K-split path: ``fused`` and ``split_linear``."""
+        return self.fused and self.split_linear
+
+    moe_grouped_mm: bool = True
+    """With ``triton_moe``: prefill-size batches may run the experts as grouped GEMMs
+    (``moe_experts.fused_experts``; ``InferenceConfig.moe_grouped_mm``)."""
+    moe_triton_grouped_gemm: bool = True
+    """Large batches may run the grouped experts' GEMMs in Triton (``InferenceConfig.moe_triton_grouped_gemm``)."""
 
     @property
     def triton_attention(self) -> bool:
@@ -40,6 +54,13 @@ class KernelBackends:
     def resolve(cls, attention: AttentionBackend | str, mamba: MambaBackend | str,
                 device: torch.device | str, fused: bool = True) -> KernelBackends:
         return cls(resolve_attention_backend(attention, device), resolve_mamba_backend(mamba, device), fused)
+
+    @classmethod
+    def from_choice(cls, choice: KernelChoice, device: torch.device | str) -> KernelBackends:
+        """The kernels of a model built from ``InferenceConfig.kernels()`` on ``device``."""
+        return replace(cls.resolve(choice.attention_backend, choice.mamba_backend, device),
+                       split_linear=choice.split_linear, moe_grouped_mm=choice.moe_grouped_mm,
+                       moe_triton_grouped_gemm=choice.moe_triton_grouped_gemm)
 
 
 def resolve_attention_backend(backend: AttentionBackend | str, device: torch.device | str) -> AttentionBackend:

@@ -10,7 +10,6 @@ decorated. The kernels take shapes only from tensor metadata: CUDA-graph safe.""
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -148,15 +147,11 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return triton_swiglu_matmul.swiglu_linear_if_supported(x, weight, bias, gated)
 
 
-SPLIT_LINEAR_SWITCH = "MEGATRON_ASYNC_SPLIT_LINEAR"
-"""Environment variable: ``0`` keeps every output projection on cuBLAS."""
-
-
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, enabled: bool = True):
     """An output projection at decode sizes as K-split partials whose sum the next norm takes
-    (``triton_split_linear.PendingSplitSum``), or None where cuBLAS keeps it (``enabled``: as in
-    ``use_fused``)."""
-    if not use_fused(x, enabled) or os.environ.get(SPLIT_LINEAR_SWITCH, "1") == "0":
+    (``triton_split_linear.PendingSplitSum``), or None where cuBLAS keeps it (``enabled``: the
+    model's ``KernelBackends.split_k``)."""
+    if not use_fused(x, enabled):
         return None
     from megatron_async.kernels import triton_split_linear
 

@@ -4,7 +4,7 @@
 the fused Triton MoE (tokens sorted by expert into expert-aligned blocks, grouped GEMMs with the
 SiLU-mul and routing weights fused, graph-safe shapes), or for prefill-size batches on Hopper
 torch's CUTLASS grouped GEMM (``moe_grouped_mm.use_grouped_mm`` decides from shapes and the
-device; ``MEGATRON_ASYNC_MOE_GROUPED_MM=0`` turns it off); else the torch reference loop.
+device; ``grouped_mm`` False turns it off); else the torch reference loop.
 The grouped GEMM and the FP8 fused MoE may leave their last sum to the next block's norm (``defer_combine``).
 FP8 experts (e4m3 weights with block scales): the FP8 fused Triton MoE (``triton_fp8_moe``; no
 grouped GEMM: torch has no block-scaled grouped GEMM for Hopper) or the emulated torch loop."""
@@ -21,7 +21,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
                   topk_weights: torch.Tensor, gated: bool, triton: bool = False,
                   defer_combine: bool = False, w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None,
-                  scale_block_n: tuple[int, int] = (128, 128)) -> torch.Tensor | DeferredSum:
+                  scale_block_n: tuple[int, int] = (128, 128), grouped_mm: bool = True,
+                  triton_grouped_gemm: bool = True) -> torch.Tensor | DeferredSum:
     """sum_j topk_weights[:, j] * expert_{topk_ids[:, j]}(x) for every token.
 
     x [M, K]; w13 [E, N, K] the experts' input projections (gated: N = 2 I rows [gate | up],
@@ -30,15 +31,17 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     Returns [M, H] in x's dtype, accumulated in float32; with ``defer_combine``, where the
     grouped GEMM or the FP8 fused MoE takes the batch, a ``DeferredSum`` of it for the next block's norm.
     ``w13_scale`` / ``w2_scale``: the FP8 experts' block scales (weights e4m3; ``scale_block_n``:
-    (w13's, w2's) weight rows per scale row)."""
+    (w13's, w2's) weight rows per scale row). ``grouped_mm`` / ``triton_grouped_gemm``: the model's
+    ``KernelBackends.moe_grouped_mm`` / ``moe_triton_grouped_gemm`` (the grouped paths it may take)."""
     fp8 = w13_scale is not None
     if triton and fp8:
         from megatron_async.kernels import triton_fp8_moe
 
         return triton_fp8_moe.fused_experts_fp8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, gated,
-                                                scale_block_n, defer_combine=defer_combine)
-    if triton and use_grouped_mm(x, w13, w2, topk_ids):
-        return fused_experts_grouped_mm(x, w13, w2, topk_ids, topk_weights, gated, defer_combine)
+                                                scale_block_n, defer_combine=defer_combine,
+                                                triton_grouped_gemm=triton_grouped_gemm)
+    if triton and grouped_mm and use_grouped_mm(x, w13, w2, topk_ids):
+        return fused_experts_grouped_mm(x, w13, w2, topk_ids, topk_weights, gated, defer_combine, triton_grouped_gemm)
     if triton:
         from megatron_async.kernels import triton_fused_moe
 

@@ -24,7 +24,6 @@ device (its sm90 / sm100 path; others fall back to a per-group loop that syncs, 
 ``use_grouped_mm`` takes those devices out)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -43,20 +42,12 @@ batches stay on the fused Triton MoE, whose small blocks suit decode. On an H100
 Qwen3-30B-A3B layer (``kernel-times fused-moe --grouped-mm``): 512 tokens (32 per expert) tie,
 0.52 ms either way; 1,024 tokens 0.56 against 0.63 ms; 8,192 tokens 1.63 against 2.28 ms."""
 
-SWITCH = "MEGATRON_ASYNC_MOE_GROUPED_MM"
-"""Environment variable: ``0`` keeps every batch on the fused Triton MoE."""
-
 TRITON_MIN_PAIRS_PER_EXPERT = 256
 """Batches with at least this many (token, slot) pairs per expert run the experts' GEMMs in
 ``triton_grouped_gemm`` on Hopper (its 128-row tiles pad each expert's rows; fewer pairs an expert
 pad more of them). One Qwen3-30B-A3B layer on an H100 (``kernel-times fused-moe --grouped-mm``,
 graph ms, CUTLASS + activation / Triton): 1,024 tokens 0.553 / 0.595, 2,048 0.668 / 0.694, 4,096
 (256 pairs an expert) 0.915 / 0.890, 8,192 1.499 / 1.410."""
-
-TRITON_SWITCH = "MEGATRON_ASYNC_MOE_TRITON_EXPERTS"
-"""Environment variable: ``0`` keeps the grouped path's GEMMs on torch's grouped GEMM, and FP8
-experts on the fused FP8 MoE's kernels (``triton_fp8_grouped`` not taken)."""
-
 
 def plan_rows(topk_ids: torch.Tensor, num_experts: int,
               align: int = ROW_ALIGN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,11 +152,12 @@ def combine_fuses_norm(pending: PendingCombine, residual: torch.Tensor, weight: 
 
 
 def fused_experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                             topk_weights: torch.Tensor, gated: bool,
-                             defer_combine: bool = False) -> torch.Tensor | PendingCombine:
+                             topk_weights: torch.Tensor, gated: bool, defer_combine: bool = False,
+                             triton_grouped_gemm: bool = True) -> torch.Tensor | PendingCombine:
     """See ``kernels.moe_experts.fused_experts``. Takes the dtypes ``torch._grouped_mm`` takes on
     the device (bf16 on CUDA, with K and I multiples of 8). ``defer_combine``: return the last
-    step as a ``PendingCombine`` for the next block's norm."""
+    step as a ``PendingCombine`` for the next block's norm. ``triton_grouped_gemm`` False: the
+    GEMMs stay on torch's grouped GEMM whatever the batch (``use_triton_experts`` not asked)."""
     M, K = x.shape
     E, N, _ = w13.shape
     H, I = w2.shape[1], w2.shape[2]
@@ -174,7 +166,7 @@ def fused_experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
                          f"do not fit x {tuple(x.shape)}")
     if M == 0 or topk_ids.shape[1] == 0:
         return torch.zeros((M, H), dtype=x.dtype, device=x.device)
-    if use_triton_experts(x, w13, w2, topk_ids):
+    if triton_grouped_gemm and use_triton_experts(x, w13, w2, topk_ids):
         from megatron_async.kernels import triton_grouped_gemm
 
         row_of_pair, token_of_row, offs = plan_rows(topk_ids, E, triton_grouped_gemm.row_tile(x.device))
@@ -205,9 +197,8 @@ def _activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
 
 def triton_experts_allowed(num_experts: int, topk_ids: torch.Tensor) -> bool:
     """The batch rule of both Triton grouped paths (bf16 here, FP8 in ``triton_fp8_grouped``): at
-    least ``TRITON_MIN_PAIRS_PER_EXPERT`` pairs an expert and ``TRITON_SWITCH`` not 0."""
-    return (topk_ids.numel() >= TRITON_MIN_PAIRS_PER_EXPERT * num_experts
-            and os.environ.get(TRITON_SWITCH, "1") != "0")
+    least ``TRITON_MIN_PAIRS_PER_EXPERT`` pairs an expert."""
+    return topk_ids.numel() >= TRITON_MIN_PAIRS_PER_EXPERT * num_experts
 
 
 def use_triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
@@ -234,10 +225,10 @@ def use_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
 def grouped_mm_suits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
     """bf16 x and weights with 16-byte-aligned rows (K, I multiples of 8, unit last strides,
     16-byte-aligned weight pointers), fewer than 1,024 experts, more than
-    ``MIN_PAIRS_PER_EXPERT`` (token, slot) pairs per expert, and ``SWITCH`` not 0."""
+    ``MIN_PAIRS_PER_EXPERT`` (token, slot) pairs per expert."""
     E, I = w13.shape[0], w2.shape[2]
     pairs = topk_ids.numel()
-    return (os.environ.get(SWITCH, "1") != "0" and x.dtype == w13.dtype == w2.dtype == torch.bfloat16
+    return (x.dtype == w13.dtype == w2.dtype == torch.bfloat16
             and x.shape[1] % 8 == 0 and I % 8 == 0 and w13.stride(2) == 1 and w2.stride(2) == 1
             and w13.stride(1) % 8 == 0 and w2.stride(1) % 8 == 0 and E < 1024
             and w13.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0

@@ -112,7 +112,7 @@ def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.
           scale_block_n: tuple[int, int]) -> bool:
     """CUDA on Hopper, 128-row weight scale blocks in both GEMMs, K, I and H multiples of 128,
     contiguous weights, and a batch the Triton grouped experts take
-    (``moe_grouped_mm.triton_experts_allowed``: its size rule and switch, as the bf16 path's)."""
+    (``moe_grouped_mm.triton_experts_allowed``: its size rule, as the bf16 path's)."""
     E, _, K = w13.shape
     H, I = w2.shape[1], w2.shape[2]
     return (x.is_cuda and cuda_device.capability(x.device)[0] == 9 and scale_block_n == (128, 128)

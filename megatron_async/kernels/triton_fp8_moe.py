@@ -223,7 +223,7 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2
                       topk_ids: torch.Tensor, topk_weights: torch.Tensor, gated: bool,
                       scale_block_n: tuple[int, int] = (128, 128), prequantize: bool | None = None,
                       tiles: Fp8MoeTiles | None = None, block_rows: int | None = None,
-                      defer_combine: bool = False) -> torch.Tensor | PendingCombine:
+                      defer_combine: bool = False, triton_grouped_gemm: bool = True) -> torch.Tensor | PendingCombine:
     """``kernels.moe_experts.fused_experts`` with e4m3 expert weights and their block scales:
     ws13 [E, ceil(N / sb13), ceil(K / 128)], ws2 [E, ceil(H / sb2), ceil(I / 128)] with
     ``scale_block_n`` = (sb13, sb2), each 128 or 1. ``prequantize`` (None: above ``SMALL_M``
@@ -232,7 +232,7 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2
     ``FP8_MOE_TILES`` / ``rows_per_block`` (each expert's pairs aligned to ``block_rows``: both GEMMs'
     rows a program). ``defer_combine``: the slot sum as a
     ``PendingCombine`` for the next block's norm. Prefill-size batches on Hopper (without
-    ``tiles`` / ``block_rows``) run ``triton_fp8_grouped`` instead (``moe_grouped_mm.TRITON_SWITCH`` 0: not)."""
+    ``tiles`` / ``block_rows``) run ``triton_fp8_grouped`` instead (``triton_grouped_gemm`` False: not)."""
     sb13, sb2 = scale_block_n
     M, K = x.shape
     E, N, _ = w13.shape
@@ -247,7 +247,8 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2
         return torch.zeros((M, H), dtype=x.dtype, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
-    if tiles is None and block_rows is None and triton_fp8_grouped.takes(x, w13, w2, topk_ids, scale_block_n):
+    if (triton_grouped_gemm and tiles is None and block_rows is None
+            and triton_fp8_grouped.takes(x, w13, w2, topk_ids, scale_block_n)):
         return triton_fp8_grouped.fused_experts_fp8_grouped(x, w13, ws13, w2, ws2, topk_ids, topk_weights, gated,
                                                             defer_combine)
     cpu = x.device.type == "cpu"

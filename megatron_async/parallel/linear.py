@@ -144,11 +144,11 @@ class RowParallelLinear(ParallelLinear):
         super().__init__((out_features, local_in), w, (out_features,) if bias else None, REPLICATED,
                          parallel, dtype, device, (None,) if fp8 else None)
 
-    def forward(self, x: torch.Tensor, batch_invariant: bool = False, fused: bool = True) -> torch.Tensor:
-        """``fused``: the model's ``KernelBackends.fused`` (the split-K sum is one of its kernels)."""
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False, split_k: bool = True) -> torch.Tensor:
+        """``split_k``: the model's ``KernelBackends.split_k`` (whether the split-K sum may run)."""
         if self.parallel.tp_size == 1:
             if self.defer_reduction and not batch_invariant and self.weight_scale_inv is None:
-                pending = fused_ops.split_linear(x, self.weight, self.bias, fused)
+                pending = fused_ops.split_linear(x, self.weight, self.bias, split_k)
                 if pending is not None:
                     return pending
             return self.matmul(x, self.bias, batch_invariant)

@@ -113,10 +113,10 @@ def test_default_mode_control_changes_bits(qwen3_ckpt):
 
 def test_unsupported_setups_are_rejected(monkeypatch):
     from megatron_async import LLM, InferenceConfig
-    from megatron_async.llm import _check_batch_invariant
+    from megatron_async.model_loading import check_batch_invariant
 
     with pytest.raises(ValueError, match="attention \\+ MLP models only"):  # e.g. hybrid models
-        _check_batch_invariant(torch.nn.Linear(2, 2), torch.device("cpu"))
+        check_batch_invariant(torch.nn.Linear(2, 2), torch.device("cpu"))
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         LLM(None, inference_config=InferenceConfig(batch_invariant=True))

@@ -1,7 +1,6 @@
 """CUDA: after the startup warm-up, a run with staggered arrivals and every sampling feature
 builds no Triton kernel and captures no graph, in eager and in graph mode; mixed steps replay
 graphs, and their tokens equal eager (float32). Skipped without a GPU."""
-import os
 import random
 
 import pytest
@@ -47,13 +46,12 @@ def test_no_builds_or_captures_after_startup_warmup_and_mixed_graphs_equal_eager
     assert graphs == eager
 
 
-def test_kernels_built_at_once_from_dry_captures_serve_the_same_tokens(tmp_path, monkeypatch):
+def test_kernels_built_at_once_from_dry_captures_serve_the_same_tokens(tmp_path):
     """Shapes no other test uses (vocabulary 328, hidden 96, 3 query heads): the first engine
     meets unbuilt kernels, finds them by dry captures and builds them on threads (its graphs then
     capture without an eager run first, and serve the same tokens as the eager engine); then neither it
     nor a second engine built one kernel at a time builds anything while serving, and their
     tokens are equal (the dry pass left no buffer unwritten)."""
-    monkeypatch.delenv("MEGATRON_ASYNC_KERNEL_LIST", raising=False)  # the dry captures, not a kept list
     path = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "odd", vocab_size=328, hidden_size=96,
                                 num_attention_heads=3, num_key_value_heads=1, head_dim=48)
     outs = []
@@ -147,23 +145,21 @@ def test_the_memory_profile_step_is_captured_dry_in_a_fresh_process(ckpt):
 
     notes = {}
     for case in ("warmed", "cold-cublas"):
-        env = {k: v for k, v in os.environ.items() if k != "MEGATRON_ASYNC_KERNEL_LIST"}  # dry captures, no kept list
         r = subprocess.run([sys.executable, "-c", _MEMORY_PROFILE, str(ckpt), case], capture_output=True, text=True,
-                           timeout=300, cwd=Path(__file__).resolve().parents[2], env=env)
+                           timeout=300, cwd=Path(__file__).resolve().parents[2])
         assert r.returncode == 0, r.stderr[-3000:]
         notes[case] = r.stdout.split("memory profile:")[-1].strip()
     assert notes["warmed"].startswith("1 step captured dry") and " 0 kernels" not in notes["warmed"], notes
     assert notes["cold-cublas"].startswith("0 steps captured dry"), notes
 
 
-def test_the_memory_profile_builds_the_warm_up_kernels_and_the_warm_up_checks_them(tmp_path, monkeypatch):
+def test_the_memory_profile_builds_the_warm_up_kernels_and_the_warm_up_checks_them(tmp_path):
     """With the pool sized from measured memory, the probe's dry pass captures the warm-up's eager
     shapes too: one pass of compiles. The warm-up captures two of them again on the real context
     (meeting nothing new), builds nothing, and serving builds nothing either; the tokens equal an
     engine whose pool size was given (warm-up shapes found by its own dry pass)."""
     from megatron_async.config import InferenceConfig
 
-    monkeypatch.delenv("MEGATRON_ASYNC_KERNEL_LIST", raising=False)
     path = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "odd", vocab_size=344, hidden_size=96,
                                 num_attention_heads=3, num_key_value_heads=1, head_dim=32)
     outs = []
@@ -190,7 +186,6 @@ def test_a_check_that_meets_a_new_kernel_captures_every_shape(tmp_path, monkeypa
     from megatron_async.inference.text_generation_controllers.kernel_prebuild import prebuild, shape_key
     from megatron_async.inference.text_generation_controllers.warmup import eager_shapes
 
-    monkeypatch.delenv("MEGATRON_ASYNC_KERNEL_LIST", raising=False)
     path = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "odd2", vocab_size=352)
     llm = make_llm(path, device="cuda", cuda_graphs=False, attention_backend="triton", startup_warmup=False,
                    startup_build_threads=4)
@@ -225,7 +220,6 @@ def test_dry_captures_run_a_prefix_of_the_blocks_or_every_block_when_it_misses_k
     from megatron_async.inference import triton_builds
     from megatron_async.inference.text_generation_controllers import kernel_prebuild
 
-    monkeypatch.delenv("MEGATRON_ASYNC_KERNEL_LIST", raising=False)
     real, real_seen, ran, extra = kernel_prebuild._dry_capture, triton_builds.seen, [], []
 
     def spy(*args):

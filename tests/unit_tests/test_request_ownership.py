@@ -19,13 +19,13 @@ IDENTITY = {"request_id", "prompt_tokens", "sampling_params", "seed", "eos_ids",
 """Given at construction, never changed (the request's own methods aside)."""
 
 RESOURCE_OWNERS = {
-    "block_ids": {"inference/contexts/dynamic_context.py"},
-    "num_hashed_blocks": {"inference/contexts/dynamic_context.py"},
-    "last_block_hash": {"inference/contexts/dynamic_context.py"},
-    "mamba_store_points": {"inference/contexts/dynamic_context.py"},
+    "block_ids": {"inference/contexts/dynamic_context.py", "inference/contexts/prefix_blocks.py"},
+    "num_hashed_blocks": {"inference/contexts/prefix_blocks.py"},
+    "last_block_hash": {"inference/contexts/prefix_blocks.py"},
+    "mamba_store_points": {"inference/contexts/prefix_blocks.py"},
     "weights_epoch": {"inference/contexts/dynamic_context.py"},
     # the routing rank's hashes, adopted at admission, or those prompt sharing computed for its key
-    "prompt_digests": {"inference/contexts/dynamic_context.py", "inference/contexts/prompt_sharing.py"},
+    "prompt_digests": {"inference/contexts/prefix_blocks.py", "inference/contexts/prompt_sharing.py"},
     "state_slot": {"inference/contexts/mamba_states.py"},
     "sampling_slot": {"inference/contexts/sampling_state.py"},
     "spec_slot": {"inference/contexts/spec_state.py"},

@@ -25,7 +25,8 @@ import numpy as np
 
 from megatron_async.forward_batch import longest_first
 from megatron_async.inference.contexts.kv_block_allocator import DUMMY_BLOCK
-from megatron_async.inference.request import GRAMMAR, LOG_PROBS, MIN_P, SAMPLED, TOP_K, TOP_P, DynamicInferenceRequest
+from megatron_async.inference.request import DynamicInferenceRequest
+from megatron_async.inference.sampling_params import GRAMMAR, LOG_PROBS, MIN_P, SAMPLED, TOP_K, TOP_P
 from megatron_async.step_shape import StepShape
 
 if TYPE_CHECKING:

@@ -3,7 +3,9 @@
 Request state lives in ``DynamicInferenceRequest`` objects, the step's per-token and
 per-row tables in one host byte buffer (a ring of two, so launch-ahead can fill step
 N+1's while step N's copy may still be pending); the device sees them only through
-``ContextGPUView``, refreshed by one copy per step."""
+``ContextGPUView``, refreshed by one copy per step. The snapshot's tables are declared in
+step_snapshot.py; which cached blocks a request's prefix matches and which of its blocks are
+published is prefix_blocks.py's."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -12,18 +14,18 @@ import torch
 
 from megatron_async.config import CacheSizing
 from megatron_async.forward_batch import AttentionMetadata, ForwardBatch, MambaMetadata
-from megatron_async.inference.contexts.bookkeeping_layout import BookkeepingLayout, FieldSpec
+from megatron_async.inference.contexts.bookkeeping_layout import BookkeepingLayout
 from megatron_async.inference.contexts.decode_rows import DecodeRows
 from megatron_async.inference.contexts.general_rows import assemble_rows
 from megatron_async.inference.contexts.gpu_view import ContextGPUView
 from megatron_async.inference.contexts.graph_padding import PaddingSlots, fill_padding, fill_verify_padding
-from megatron_async.inference.contexts.kv_block_allocator import (
-    BlockKey, KVBlockAllocator, adopted_digest, chain_keys, known_digests,
-)
+from megatron_async.inference.contexts.kv_block_allocator import KVBlockAllocator
 from megatron_async.inference.contexts.mamba_states import MambaStateManager, window_rows
+from megatron_async.inference.contexts.prefix_blocks import PrefixBlocks
 from megatron_async.inference.contexts.prompt_sharing import PromptSharing
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
 from megatron_async.inference.contexts.spec_state import SpecState
+from megatron_async.inference.contexts.step_snapshot import bookkeeping_fields
 from megatron_async.inference.contexts.step_errors import RequestStepError
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest, Status
@@ -33,57 +35,6 @@ from megatron_async.step_shape import StepShape
 if TYPE_CHECKING:  # type-only: engines and models import contexts, not the reverse
     from megatron_async.inference.step_plan import StepPlan
     from megatron_async.models.base import CausalLM
-
-
-def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samples: int | None = None,
-                       speculative: bool = False, mamba: bool = False) -> list[FieldSpec]:
-    """The single declaration of the step snapshot (host buffer and device view alike).
-
-    A "sample" is one sampled position: one per row, plus one per draft of a verify row
-    (``max_samples`` == ``max_rows`` without speculative decoding)."""
-    T, R = max_tokens, max_rows
-    S = max_rows if max_samples is None else max_samples
-    fields = [
-        FieldSpec("input_ids", torch.int64, (T,)),
-        FieldSpec("prev_sample_idx", torch.int64, (T,)),  # -1: token known on CPU
-        FieldSpec("positions", torch.int64, (T,)),
-        FieldSpec("slot_mapping", torch.int64, (T,)),
-        FieldSpec("token_to_row", torch.int32, (T,)),
-        FieldSpec("cu_query_lens", torch.int32, (R + 1,)),
-        FieldSpec("kv_lens", torch.int32, (R,)),
-        FieldSpec("attention_row_order", torch.int32, (R,)),  # rows longest KV first (decode attention's launch order)
-        FieldSpec("sample_token_idx", torch.int64, (S,)),
-        FieldSpec("sample_position", torch.int64, (S,)),
-        FieldSpec("seed", torch.int64, (S,)),
-        FieldSpec("temperature", torch.float32, (S,)),
-        FieldSpec("top_k", torch.int64, (S,)),
-        FieldSpec("top_p", torch.float32, (S,)),
-        FieldSpec("state_slots", torch.int64, (R,)),
-        FieldSpec("has_initial_state", torch.bool, (R,)),
-        FieldSpec("block_table", torch.int32, (R, max_blocks)),
-        # penalties / min-p / min_tokens (see sampling_state.py)
-        FieldSpec("sampling_slot", torch.int64, (S,)),
-        FieldSpec("min_p", torch.float32, (S,)),
-        FieldSpec("presence_penalty", torch.float32, (S,)),
-        FieldSpec("frequency_penalty", torch.float32, (S,)),
-        FieldSpec("repetition_penalty", torch.float32, (S,)),
-        FieldSpec("suppress_stop", torch.bool, (S,)),
-    ]
-    if mamba:  # a mixed step's Mamba rows: several-token rows first (see kernels/mamba_varlen_ops.py)
-        fields.append(FieldSpec("mamba_row_order", torch.int64, (R,)))
-    if speculative:  # see contexts/spec_state.py and speculative/verify.py
-        fields += [
-            # -1: input id from the host; 0: slot's last token; j: draft j; -2: padding of a uniform
-            # verify row (input 0, K/V to the dummy block; see ``initialize_attention_state``)
-            FieldSpec("spec_src", torch.int64, (T,)),
-            FieldSpec("spec_slot", torch.int64, (R,)),
-            FieldSpec("spec_owner_slot", torch.int64, (R,)),  # the request's slot, also for rows that sample nothing
-            FieldSpec("spec_inflight", torch.bool, (R,)),  # positions assume full acceptance of a launch in flight
-            FieldSpec("num_drafts", torch.int64, (R,)),
-            FieldSpec("sample_base", torch.int64, (R,)),  # the row's first sample
-            FieldSpec("sample_to_row", torch.int64, (S,)),
-        ]
-    return fields
 
 
 class DynamicInferenceContext:
@@ -122,6 +73,7 @@ class DynamicInferenceContext:
         share = config.share_prompt_prefill and (self.mamba is None or self.mamba.prefix_cache is not None)
         self.allocator = KVBlockAllocator(num_blocks, config.enable_prefix_caching, self._model_key, share_live=share)
         self.sharing = PromptSharing(self.allocator, self.block_size, share)
+        self.prefix = PrefixBlocks(self.allocator, self.block_size, self.mamba)
         self.weights_epoch = 0
         """Weight updates so far: part of every block identity (``weights_changed``)."""
         if self.mamba is not None:
@@ -165,7 +117,6 @@ class DynamicInferenceContext:
         """Give a waiting request its slots and the matching cached prefix blocks. Returns the
         prefix tokens those blocks hold (their prefill is skipped; the book counts them computed)."""
         assert req.status == Status.WAITING and not req.block_ids and req.num_inflight == 0
-        req.num_hashed_blocks, req.last_block_hash = 0, None
         req.weights_epoch = self.weights_epoch
         self.active[req.request_id] = req
         self.active_version += 1
@@ -174,57 +125,15 @@ class DynamicInferenceContext:
         self.sampling_state.assign(req)
         if self.spec is not None:
             self.spec.assign(req)
-        hit = self._match_prefix(req)
+        hit = self.prefix.match(req)
         self._decode_rows.assign(req)
         self.sharing.admitted(req, hit)
         return hit
 
-    def _match_prefix(self, req: DynamicInferenceRequest) -> int:
-        if not self.allocator.publishes:
-            return 0
-        bs = self.block_size
-        # Leave at least one known token to compute: its logits give the next token.
-        limit = min(req.num_known_tokens - 1, req.max_prefix_hit) // bs
-        hashes, blocks, parent = [], [], None
-        for i in range(limit):
-            h = self._block_hash(req, i, parent)
-            block = self.allocator.lookup(h)
-            if block is None:
-                break
-            hashes.append(h)
-            blocks.append(block)
-            parent = h
-        kv_depth = depth = len(blocks)
-        if not self.allocator.enable_prefix_caching and depth < limit:
-            return 0  # without prefix caching only a whole prompt's blocks are shared (prompt_sharing.py)
-        if self.mamba is not None:  # a hybrid skips only as deep as a cached state exists
-            depth = self.mamba.matched_depth(hashes)
-        for block in blocks[:depth]:
-            self.allocator.acquire_cached(block)
-            req.block_ids.append(block)
-        if depth:
-            req.num_hashed_blocks, req.last_block_hash = depth, hashes[depth - 1]
-            if self.mamba is not None:
-                self.mamba.restore_prefix_state(req, hashes[depth - 1])
-        if self.mamba is not None:
-            req.mamba_store_points = self.mamba.store_points(req, kv_depth, depth * bs)
-        return depth * bs
-
     def adopt_prompt_digests(self, req: DynamicInferenceRequest, packed: bytes) -> None:
         """``packed``: ``req``'s prompt block digests as the rank that took it computed them (to
-        route it; empty: none): read instead of hashing those blocks again, while they are this
-        cache's key's."""
-        if not packed:
-            return
-        key = self.allocator.hash_key
-        digests = known_digests(packed, req.prompt_tokens, self.block_size, key)
-        if digests is not None:
-            req.prompt_digests = (key, digests)
-
-    def _block_hash(self, req: DynamicInferenceRequest, i: int, parent: BlockKey | None) -> BlockKey:
-        bs = self.block_size
-        digest = adopted_digest(req.prompt_digests, self.allocator.hash_key, i)
-        return self.allocator.block_hash(parent, req.tokens_between(i * bs, (i + 1) * bs), digest)
+        route it; empty: none): read instead of hashing those blocks again (``PrefixBlocks``)."""
+        self.prefix.adopt_digests(req, packed)
 
     def reserve(self, req: DynamicInferenceRequest, num_tokens: int) -> bool:
         """Own blocks for positions [num_computed, num_computed + num_tokens); all or nothing."""
@@ -277,22 +186,8 @@ class DynamicInferenceContext:
         self.allocator.hash_key = self._model_key + b"\0weights:%d" % self.weights_epoch
 
     def register_complete_blocks(self, req: DynamicInferenceRequest) -> None:
-        """Publish blocks whose tokens are all known and whose KV is enqueued (computed with
-        the current weights from the request's admission on)."""
-        if not self.allocator.publishes or req.weights_epoch != self.weights_epoch:
-            return
-        bs = self.block_size
-        known = req.num_known_tokens if self.allocator.enable_prefix_caching else len(req.prompt_tokens)
-        full, first = min(req.num_computed_tokens, known) // bs, req.num_hashed_blocks
-        if full <= first:
-            return
-        keys = chain_keys(req.last_block_hash, req.tokens_between(first * bs, full * bs), bs, self.allocator.hash_key,
-                          req.prompt_digests, first)
-        self.allocator.register_run(req.block_ids[first:full], keys)
-        if self.mamba is not None:
-            for i, h in enumerate(keys, first):
-                self.mamba.on_block_registered(req, i, h)
-        req.num_hashed_blocks, req.last_block_hash = full, keys[-1]
+        """Publish blocks whose tokens are all known and whose KV is enqueued (``PrefixBlocks.publish``)."""
+        self.prefix.publish(req, self.weights_epoch)
 
     # ------------------------------------------------------------------ step assembly
     def initialize_attention_state(self, plan: StepPlan, verify_width: int = 0) -> StepShape:

@@ -3,7 +3,7 @@
 The n samples of one prompt (``n`` in the server, a GRPO group) arrive together. Admitted
 together, each would prefill the whole prompt. Instead the first one admitted becomes the
 prompt's owner; a waiting request whose shareable prefix (the complete blocks a prefix hit may
-skip: ``DynamicInferenceContext._match_prefix``) the owner is still computing waits at admission
+skip: ``PrefixBlocks.match``) the owner is still computing waits at admission
 until the owner's step that completes them is launched, then takes them as a prefix hit and
 prefills only its last partial block (the tokens after the last complete block) itself.
 

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from megatron_async.config import GraphSizing
-from megatron_async.inference.request import GRAMMAR, LOG_PROBS, MIN_P, PENALTIES, SAMPLED, TOP_K, TOP_P
+from megatron_async.inference.sampling_params import GRAMMAR, LOG_PROBS, MIN_P, PENALTIES, SAMPLED, TOP_K, TOP_P
 
 GRAPH_TOP_N = 20
 """Top-n log-probs a FULL graph computes (OpenAI's limit); steps asking for more run eager."""

@@ -1,6 +1,6 @@
 """The kernels a start-up's dry pass found, kept beside Triton's on-disk cache for the next
-process of the same configuration (with ``MEGATRON_ASYNC_KERNEL_LIST=1``, which the main job
-sets for its ``--kernel-cache-dir``: a cache directory the user keeps).
+process of the same configuration (with ``InferenceConfig.startup_kernel_lists``, which the main
+job turns on for its ``--kernel-cache-dir``: a cache directory the user keeps).
 
 A warm start (every kernel in Triton's cache) still spent its dry captures finding which
 specializations to load: ~50 ms a shape, 2.9 s for the H100 main job's 58 warm-up shapes. Once
@@ -28,9 +28,6 @@ from megatron_async.inference import triton_builds
 from megatron_async.inference.text_generation_controllers.kernel_prebuild import PrebuildReport, prebuild
 
 log = logging.getLogger("megatron_async")
-
-ENV = "MEGATRON_ASYNC_KERNEL_LIST"
-"""1: keep and use kernel lists (in the Triton cache directory)."""
 
 _PACKAGE = Path(__file__).resolve().parents[2]
 _source_hash: list[str] = []
@@ -73,8 +70,9 @@ def list_key(runner, shapes: list) -> str:
 
 
 def list_path(runner, shapes: list) -> Path | None:
-    """Where the list for ``shapes`` on ``runner`` is kept (None: lists off, or no cache directory)."""
-    cache = triton_builds.cache_dir() if os.environ.get(ENV) == "1" else None
+    """Where the list for ``shapes`` on ``runner`` is kept (None: the runner's ``kernel_lists`` off,
+    or no cache directory)."""
+    cache = triton_builds.cache_dir() if runner.kernel_lists else None
     return Path(cache) / "megatron_async_kernels" / f"{list_key(runner, shapes)}.json" if cache else None
 
 

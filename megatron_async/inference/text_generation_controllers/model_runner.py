@@ -86,6 +86,8 @@ class ModelRunner:
         self.batch_invariant = kernels.batch_invariant
         self.build_threads = triton_workers.build_threads(kernels.startup_build_threads)
         """Threads that build the warm-up's Triton kernels at once (0: one by one as steps meet them)."""
+        self.kernel_lists = kernels.startup_kernel_lists
+        """Keep and use the lists of the warm-up's kernels beside Triton's cache (kernel_list.py)."""
         self.prebuilt_shapes: frozenset = frozenset()
         """Warm-up shapes whose kernels the memory profile's dry pass built (``MemoryPlan.prebuilt_shapes``)."""
         R = context.max_requests

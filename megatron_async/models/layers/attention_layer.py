@@ -76,7 +76,7 @@ class Attention(nn.Module):
         quantize = not inv and self._quantizes_output(T, q, kernels)
         out = attend(q, k, v, kv_cache, step.batch.attn, self.head_dim**-0.5, inv, kernels.attention, self.kv_scale,
                      quantize)
-        return self.o_proj(out.reshape(T, self.q_size) if isinstance(out, torch.Tensor) else out, inv, kernels.fused)
+        return self.o_proj(out.reshape(T, self.q_size) if isinstance(out, torch.Tensor) else out, inv, kernels.split_k)
 
     def _quantizes_output(self, rows: int, q: torch.Tensor, kernels) -> bool:
         """Whether the attention kernel hands an FP8 o projection its ``rows`` quantized (Triton

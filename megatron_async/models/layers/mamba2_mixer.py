@@ -158,14 +158,14 @@ class Mamba2Mixer(nn.Module):
         """x [T, hidden] -> [T, hidden]; advances the rows' states in this layer's pools in place."""
         batch, i = step.batch, self.state_index
         windows = (batch.conv_window_states[i], batch.ssm_window_states[i]) if batch.conv_window_states else None
-        return self.mix(x, batch.conv_states[i], batch.ssm_states[i], step.mamba_plan, windows, step.kernels.fused)
+        return self.mix(x, batch.conv_states[i], batch.ssm_states[i], step.mamba_plan, windows, step.kernels.split_k)
 
     def mix(
         self, x: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, plan: MambaStepPlan,
-        window_scratch: tuple[torch.Tensor, torch.Tensor] | None = None, fused: bool = True,
+        window_scratch: tuple[torch.Tensor, torch.Tensor] | None = None, split_k: bool = True,
     ) -> torch.Tensor:
         """``window_scratch``: this layer's (conv, SSM) window scratch, needed when the plan has
-        verification rows. ``fused``: the model's ``KernelBackends.fused`` (for the out projection)."""
+        verification rows. ``split_k``: the model's ``KernelBackends.split_k`` (for the out projection)."""
         T, H, I = x.shape[0], self.num_heads, self.intermediate
         z, xbc, dt = self.in_proj(x).split([I, self.conv_dim, H], dim=-1)
         pools = (conv_pool, ssm_pool)
@@ -186,4 +186,4 @@ class Mamba2Mixer(nn.Module):
                 y_ext = torch.cat([y, y.new_empty(1, *y.shape[1:])])  # y_ext[T] takes the pads
                 w.scatter(y_ext, y_w.unflatten(0, (-1, T_w)))
                 y = y_ext[:T]
-        return self.out_proj(self.norm(y.view(T, I), z, x.dtype, plan.triton), False, fused)
+        return self.out_proj(self.norm(y.view(T, I), z, x.dtype, plan.triton), False, split_k)

@@ -34,24 +34,25 @@ class SwiGLUMLP(nn.Module):
         """x: [T, hidden], or its rows quantized for the FP8 gate_up (``fp8_input_linear``)."""
         inv = step is not None and step.batch.batch_invariant
         fused = step is None or step.kernels.fused
+        split_k = step is None or step.kernels.split_k
         if self.gate_up_proj.weight_scale_inv is None and not inv and fused_ops.use_fused(x, fused) and x.dim() == 2:
             act = fused_ops.swiglu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if act is not None:
-                return self.down_proj(act, inv, fused)
+                return self.down_proj(act, inv, split_k)
         if inv and x.dim() == 2 and self.gate_up_proj.weight_scale_inv is None:
             act = linear_op.invariant_swiglu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if act is not None:
-                return self.down_proj(act, inv, fused)
+                return self.down_proj(act, inv, split_k)
         gate_up = self.gate_up_proj(x, inv)
         if (inv or fused_ops.use_fused(gate_up, fused)) and gate_up.dim() == 2:
             if not inv and fused_ops.fp8_input_prequantized(gate_up.shape[0], gate_up.dtype, gate_up.device,
                                                             self.down_proj):
-                return self.down_proj(fused_ops.silu_and_mul_quantized(gate_up), inv, fused)  # SwiGLU + FP8 quantize
+                return self.down_proj(fused_ops.silu_and_mul_quantized(gate_up), inv, split_k)  # SwiGLU + FP8 quantize
             act = fused_ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             act = F.silu(gate) * up
-        return self.down_proj(act, inv, fused)
+        return self.down_proj(act, inv, split_k)
 
 
 class ReluSquaredMLP(nn.Module):
@@ -75,17 +76,18 @@ class ReluSquaredMLP(nn.Module):
         quantize its input in a pass of its own."""
         inv = step is not None and step.batch.batch_invariant
         fused = step is None or step.kernels.fused
+        split_k = step is None or step.kernels.split_k
         if (self.up_proj.weight_scale_inv is None and not inv and fused_ops.use_fused(x, fused) and x.dim() == 2
                 and not fused_ops.fp8_input_prequantized(x.shape[0], x.dtype, x.device, self.down_proj)):
             act = fused_ops.swiglu_linear(x, self.up_proj.weight, self.up_proj.bias, gated=False)  # up + relu^2
             if act is not None:
-                return self.down_proj(act, inv, fused)
+                return self.down_proj(act, inv, split_k)
         h = self.up_proj(x, inv)
         if fused_ops.use_fused(h, fused) and h.dim() == 2:
             if not inv and fused_ops.fp8_input_prequantized(h.shape[0], h.dtype, h.device, self.down_proj):
-                return self.down_proj(fused_ops.relu_square_quantized(h), inv, fused)
-            return self.down_proj(fused_ops.relu_square(h), inv, fused)
-        return self.down_proj(torch.relu(h).square(), inv, fused)
+                return self.down_proj(fused_ops.relu_square_quantized(h), inv, split_k)
+            return self.down_proj(fused_ops.relu_square(h), inv, split_k)
+        return self.down_proj(torch.relu(h).square(), inv, split_k)
 
 
 def build_mlp(hidden: int, cfg: MLPConfig, parallel: ParallelState, dtype: torch.dtype,

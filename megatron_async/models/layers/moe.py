@@ -93,7 +93,8 @@ class RoutedExperts(nn.Module):
                  kernels: KernelBackends, defer_combine: bool = False) -> torch.Tensor | DeferredSum:
         up, down = self.input_proj, self.down_proj
         return fused_experts(x, up.weight, down.weight, ids, weights, self.gated, kernels.triton_moe, defer_combine,
-                             up.weight_scale_inv, down.weight_scale_inv, (up.scale_block_n, down.scale_block_n))
+                             up.weight_scale_inv, down.weight_scale_inv, (up.scale_block_n, down.scale_block_n),
+                             kernels.moe_grouped_mm, kernels.moe_triton_grouped_gemm)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ep_num_tokens: int | None,
                 kernels: KernelBackends = KernelBackends(), defer_combine: bool = False) -> torch.Tensor | DeferredSum:

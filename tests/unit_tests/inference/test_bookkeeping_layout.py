@@ -9,7 +9,7 @@ import torch  # noqa: E402
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.inference.contexts.bookkeeping_layout import BookkeepingLayout, FieldSpec  # noqa: E402
-from megatron_async.inference.contexts.dynamic_context import bookkeeping_fields  # noqa: E402
+from megatron_async.inference.contexts.step_snapshot import bookkeeping_fields  # noqa: E402
 from megatron_async.inference.contexts.gpu_view import ContextGPUView  # noqa: E402
 
 FIELDS = [

@@ -256,7 +256,7 @@ def test_a_snapshot_field_the_decode_path_does_not_write_is_refused():
     import numpy as np
 
     from megatron_async.inference.contexts.decode_rows import DecodeRows
-    from megatron_async.inference.contexts.dynamic_context import bookkeeping_fields
+    from megatron_async.inference.contexts.step_snapshot import bookkeeping_fields
 
     for spec, mamba in ((False, False), (True, True)):
         views = {f.name: np.zeros(f.shape, dtype=np.dtype(str(f.dtype).replace("torch.", "")))

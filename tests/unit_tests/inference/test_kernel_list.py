@@ -59,9 +59,14 @@ def test_a_pass_with_shapes_left_keeps_nothing_and_a_bad_list_is_ignored(listed)
     assert not kernel_list.prebuild_listed(None, ["s1", "s2"], 4).listed and calls["dry"] == 2
 
 
-def test_lists_are_off_unless_asked(monkeypatch):
-    monkeypatch.delenv(kernel_list.ENV, raising=False)
-    assert kernel_list.list_path(None, []) is None  # the key (which needs CUDA) is not even computed
+def test_lists_are_off_unless_asked():
+    from types import SimpleNamespace
+
+    from megatron_async.config import InferenceConfig
+
+    assert not InferenceConfig().kernels().startup_kernel_lists
+    runner = SimpleNamespace(kernel_lists=False)  # the key (which needs CUDA) is not even computed
+    assert kernel_list.list_path(runner, []) is None
 
 
 def test_the_hook_remembers_every_specialization_it_meets():

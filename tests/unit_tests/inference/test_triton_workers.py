@@ -119,9 +119,8 @@ def test_a_specialization_a_worker_cannot_compile_is_left_to_the_engine_process(
 def test_no_workers_on_cpu_nor_switched_off_nor_after_cuda_init(monkeypatch):
     with triton_workers.running(torch.device("cpu"), 4):
         assert triton_workers.size() == 0
-    monkeypatch.setenv(triton_workers.DISABLE_ENV, "0")
-    assert triton_workers.start(4) == 0
-    monkeypatch.delenv(triton_workers.DISABLE_ENV)
+    with triton_workers.running(torch.device("cuda"), 4, workers=False):  # startup_compile_workers=False
+        assert triton_workers.size() == 0
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert triton_workers.start(4) == 0 and triton_workers.size() == 0
     assert triton_workers.compile_all([]).kernels == 0

@@ -122,7 +122,7 @@ def test_combine_kernel_matches_its_torch_reference(dtype):
     assert float((out.float() - ref.float()).abs().max()) <= (1e-6 if dtype == torch.float32 else 1e-2)
 
 
-def test_dispatch_takes_prefill_sized_bf16_batches_with_aligned_rows(monkeypatch):
+def test_dispatch_takes_prefill_sized_bf16_batches_with_aligned_rows():
     x, w13, w2, ids, _ = _inputs(300, 32, 16, 32, 8, 2, torch.bfloat16, True, seed=1)  # 75 pairs per expert
     assert moe_grouped_mm.MIN_PAIRS_PER_EXPERT == 32
 
@@ -137,8 +137,6 @@ def test_dispatch_takes_prefill_sized_bf16_batches_with_aligned_rows(monkeypatch
     assert not suits(w13=w13.transpose(1, 2).contiguous().transpose(1, 2))  # K-major copies: no unit last stride
     shifted = torch.empty(w2.numel() + 8, dtype=w2.dtype)[1:1 + w2.numel()].view_as(w2)
     assert suits(w2=shifted.new_empty(w2.shape)) and not suits(w2=shifted)  # starts 2 bytes off 16
-    monkeypatch.setenv(moe_grouped_mm.SWITCH, "0")
-    assert not suits()
 
 
 def test_the_triton_backend_runs_the_grouped_gemm_where_the_dispatch_says(monkeypatch):
@@ -153,3 +151,18 @@ def test_the_triton_backend_runs_the_grouped_gemm_where_the_dispatch_says(monkey
     assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
     moe_experts.fused_experts(x, w13, w2, ids, w, True, triton=False)
     assert len(calls) == 1  # the torch backend never asks
+    off = moe_experts.fused_experts(x, w13, w2, ids, w, True, triton=True, grouped_mm=False)
+    assert len(calls) == 1  # a model with moe_grouped_mm off stays on the fused Triton MoE
+    assert float((off - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_the_triton_grouped_gemm_switch_keeps_the_grouped_path_on_torch(monkeypatch):
+    asked = []
+    monkeypatch.setattr(moe_grouped_mm, "use_triton_experts", lambda *a: asked.append(1) or False)
+    x, w13, w2, ids, w = _inputs(9, 32, 16, 32, 8, 2, torch.float32, True, seed=5)
+    ref = fused_experts_torch(x, w13, w2, ids, w, True)
+    on = fused_experts_grouped_mm(x, w13, w2, ids, w, True)
+    assert asked == [1]
+    off = fused_experts_grouped_mm(x, w13, w2, ids, w, True, triton_grouped_gemm=False)
+    assert asked == [1] and torch.equal(on, off)  # never asked: torch's grouped GEMM
+    assert float((off - ref).abs().max() / ref.abs().max()) < 1e-5

@@ -4,7 +4,7 @@ the M and N edges, compiled at real shapes on a Hopper GPU, under CUDA-graph cap
 norm's one kernel gives the residual stream of ``reduce()`` then ``add_rms_norm`` bit for bit
 and its normalised rows within a last-bit step, in both norm orders; a
 row-parallel output projection hands it to its norm exactly where the tiles take the shape, and
-neither a model without the fused kernels nor the switch gets it."""
+a model without the fused kernels or with ``split_linear`` off does not get it."""
 from __future__ import annotations
 
 import pytest
@@ -106,7 +106,7 @@ def test_real_shapes_on_the_gpu(m, n, k, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the split tiles are taken on Hopper only")
-def test_output_projection_defers_exactly_where_the_tiles_take_it(monkeypatch):
+def test_output_projection_defers_exactly_where_the_tiles_take_it():
     from megatron_async.models.layers.norm import RMSNorm
     from megatron_async.parallel.linear import RowParallelLinear
     from megatron_async.parallel.state import ParallelState
@@ -126,6 +126,4 @@ def test_output_projection_defers_exactly_where_the_tiles_take_it(monkeypatch):
     torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2**-7, atol=0.0)
     assert isinstance(proj(torch.randn(512, 3072, device="cuda", dtype=torch.bfloat16)), torch.Tensor)
     assert isinstance(proj(x, batch_invariant=True), torch.Tensor)
-    assert isinstance(proj(x, fused=False), torch.Tensor)  # a model with KernelBackends(fused=False)
-    monkeypatch.setenv(fused_ops.SPLIT_LINEAR_SWITCH, "0")
-    assert isinstance(proj(x), torch.Tensor)
+    assert isinstance(proj(x, split_k=False), torch.Tensor)  # KernelBackends(fused=False) or split_linear=False

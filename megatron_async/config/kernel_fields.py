@@ -1,0 +1,73 @@
+"""The kernel fields of ``InferenceConfig``: which kernels the engine runs (attention, Mamba,
+sampling, batch-invariant numerics, the fused paths a model may take or leave) and how start-up
+builds them (warm-up, build threads, compile workers, kept kernel lists). ``InferenceConfig.kernels()``
+hands them to the model, the model runner and the forward batches."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_async.config.modes import AttentionBackend, MambaBackend, SamplingBackend
+
+
+@dataclass
+class KernelFields:
+    attention_backend: AttentionBackend = AttentionBackend.AUTO
+    """Attention kernels to use (and the MoE experts' kernels: Triton fused MoE or the torch loop)."""
+
+    mamba_backend: MambaBackend = MambaBackend.AUTO
+    """SSM kernels to use for hybrid models."""
+
+    sampling_backend: SamplingBackend = SamplingBackend.AUTO
+    """Sampling (penalties, temperature, top-k / top-p / min-p, draws) implementation."""
+
+    batch_invariant: bool = False
+    """Batch-invariant numerics: a request's logits (so its tokens and log-probs) are bit
+    for bit the same whatever else shares its steps, however its prompt was chunked, with or
+    without CUDA-graph padding, prefix-cache hits or launch-ahead. Every matmul runs a
+    fixed-tile Triton kernel, RMSNorm / log-softmax reduce each row alone, attention walks
+    each row's keys in one fixed order (the same kernel for prefill and decode), and the TP
+    sum adds ranks in a fixed order (same TP size only). Models of attention and MLP blocks
+    (GPT; not Mamba2 layers); needs Triton (CUDA, or
+    CPU with ``TRITON_INTERPRET=1``). Costs throughput; off = today's kernels, no extra work."""
+
+    startup_warmup: bool = True
+    """On CUDA, when the LLM is built: compile every Triton kernel variant the configuration can
+    reach and capture every CUDA graph it can replay, so serving never compiles or captures
+    (``EngineStats.triton_builds_after_warmup`` / ``graph_captures_after_warmup`` count any
+    that still happen). Takes seconds; False = compile and capture lazily on first use."""
+
+    startup_build_threads: int | None = None
+    """Threads that build the warm-up's Triton kernels at once (CUDA). The warm-up first finds
+    every kernel specialization its steps need without running them (each step captured into a
+    CUDA graph that is thrown away, its unbuilt kernels skipped), then builds them all on this
+    many threads, loading each from Triton's on-disk cache when a process built it before. None:
+    the usable cores, at most 16 (one rank alone; under tensor / expert parallelism 0); 0: build
+    each kernel when a warm-up step first meets it."""
+
+    startup_compile_workers: bool = True
+    """On CUDA with ``startup_build_threads`` >= 2: fork that many worker processes before CUDA is
+    initialized to compile the warm-up's Triton kernels side by side into Triton's on-disk cache,
+    which the build threads then load (inference/triton_workers.py). False: the threads compile
+    every kernel themselves (the GIL serializes most of each build)."""
+
+    startup_kernel_lists: bool = False
+    """Keep, beside Triton's on-disk cache, the list of kernels a start-up's dry pass found
+    (text_generation_controllers/kernel_list.py), and build a kept list at once instead of
+    capturing dry on a later start of the same configuration. Worth it only where the cache
+    directory outlives the process (the main job's ``--kernel-cache-dir`` turns it on)."""
+
+    split_linear: bool = True
+    """TP = 1 on CUDA: a block's output projection at decode sizes runs as K-split partials whose
+    sum the next RMSNorm adds in its own kernel (kernels/triton_split_linear.py), where the tiles
+    take the shape. False: every output projection on cuBLAS (A/B)."""
+
+    moe_grouped_mm: bool = True
+    """Triton MoE on Hopper / Blackwell: prefill-size batches (more than 32 (token, expert) pairs an
+    expert) run the experts as grouped GEMMs (kernels/moe_grouped_mm.py) instead of the fused
+    Triton MoE, whose small blocks suit decode. False: every batch on the fused Triton MoE (A/B)."""
+
+    moe_triton_grouped_gemm: bool = True
+    """Batches of at least 256 (token, expert) pairs an expert on Hopper run the grouped experts'
+    GEMMs in Triton (kernels/triton_grouped_gemm.py; FP8 experts: kernels/triton_fp8_grouped.py),
+    the activation in the first GEMM's epilogue. False: torch's CUTLASS grouped GEMM (bf16), the
+    fused FP8 MoE's kernels (FP8) (A/B)."""
