@@ -18,6 +18,7 @@ from megatron_async.cli.summary import (
 )
 from megatron_async.cli.text_prompts import read_prompt_file, text_workload
 from megatron_async.cli.workload import WorkloadRequest, synthetic_workload
+from megatron_async.inference.communication.zmq_transport import LeaderEnded
 from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron_async.inference.request import SamplingParams
 
@@ -140,6 +141,14 @@ def load_llm(args: argparse.Namespace, **config_overrides) -> LLM:
 def main(argv: list[str] | None = None, description: str = "megatron_async main job", require_model: bool = False) -> RunSummary:
     """Run the job and return its summary. Exits (SystemExit) on bad flags
     or a model that cannot be loaded; ``cli_main`` turns failed requests into the exit code."""
+    return run_job(argv, description, require_model)[0]
+
+
+def run_job(argv: list[str] | None = None, description: str = "megatron_async main job",
+            require_model: bool = False) -> tuple[RunSummary | None, int]:
+    """(this rank's summary, the job's exit status). The ranks end together: rank 0 announces its
+    status (also when it fails: 1), the others wait for it and take it (``end_job``); a rank still
+    waiting for rank 0 in a step when it ends raises ``LeaderEnded``."""
     entered = seconds_since_process_start()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(description, require_model)
@@ -149,18 +158,48 @@ def main(argv: list[str] | None = None, description: str = "megatron_async main 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     t0 = time.perf_counter()
     llm = load_llm(args, stream_text=False)  # texts are decoded once, at the end
+    ended = False
     try:
-        return _run(args, llm, t0, entered)
+        summary = _run(args, llm, t0, entered)
+        status = end_job(llm, exit_status(summary))
+        ended = True
+        return summary, status
     finally:
+        if not ended and llm.is_leader and llm.communicator is not None:
+            llm.communicator.announce_end(1)  # rank 0 failed (and says why): the others end with it
         llm.close()
 
 
-def cli_main(description: str, require_model: bool = False) -> int:
-    """The examples' entry point: exit code 1 when any request failed or the run timed out."""
-    summary = main(description=description, require_model=require_model)
+def exit_status(summary: RunSummary | None) -> int:
+    """1 when any request failed or the run timed out (None: a data-parallel rank's partial run: 0)."""
     if summary is None:
         return 0
     return 1 if summary.failed_requests or summary.timed_out or summary.finished_requests < summary.requests else 0
+
+
+def end_job(llm: LLM, status: int) -> int:
+    """The job's exit status: rank 0 announces its ``status`` to the other ranks; they wait for it
+    (after their last collective) and say on stderr when it is a failure."""
+    comm = llm.communicator
+    if comm is None or comm.world_size == 1:
+        return status
+    if llm.is_leader:
+        comm.announce_end(status)
+        return status
+    status = comm.wait_for_end()
+    if status:
+        print(f"rank {comm.rank}: rank 0 ended the job with exit status {status}", file=sys.stderr)
+    return status
+
+
+def cli_main(description: str, require_model: bool = False) -> int:
+    """The examples' entry point: exit code 1 when any request failed or the run timed out; every
+    rank exits with rank 0's code, a rank that rank 0 left waiting with one line on stderr."""
+    try:
+        return run_job(description=description, require_model=require_model)[1]
+    except LeaderEnded as e:
+        print(e, file=sys.stderr)
+        return e.status
 
 
 def report_failures(requests: list[WorkloadRequest], run: WorkloadRun) -> None:

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
+from megatron_async.kernels import launch_limits
 from megatron_async.kernels.triton_fp8_act import QuantizedRows, attention_outputs, store_heads_quantized
 from megatron_async.kernels.triton_fp8_common import emulate
 from megatron_async.kernels.triton_paged_common import (
@@ -352,6 +353,10 @@ def decode_attention(
     if pairs:  # int16 pairs of dims (the strides count pairs)
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
         block_d = max(32, block_d)  # each half a dot of K >= 16
+    rows = max(16, triton.next_power_of_2(group))  # BLOCK_G
+    _, block_n, num_stages = launch_limits.attention_tiles(
+        rows, block_n, block_d, num_stages, num_warps, q.element_size(), kv_cache.element_size(),
+        launch_limits.device_limits(q.device), [(rows, n) for n in (64, 32, 16)])
     heads_fastest = heads_fastest and num_rows < 65536  # the grid's 2nd axis holds at most 65,535
     grid = (num_kv_heads, num_rows, num_splits) if heads_fastest else (num_rows, num_kv_heads, num_splits)
     q_arg = q_as_pairs(q) if pairs else q

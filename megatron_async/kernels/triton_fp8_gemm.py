@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_async.kernels import launch_limits
 from megatron_async.kernels.triton_fp8_act import QuantizedRows
 from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
 from megatron_async.kernels.triton_fp8_gemv import fp8_gemv_kernel, gemv_grid
@@ -169,6 +170,12 @@ SMALL_N = 2048
 """Up to ``DECODE_M_MAX`` rows, weights of at most this many rows stay in Triton: cuBLASLt's
 128 x 128 output tiles leave most SMs idle (H100, N = 1024 at 128 rows: Qwen3-0.6B's o 9.2 us
 against 10.7, down 9.7 against 13.3; N = 4096 and up: cuBLASLt faster)."""
+
+
+def footprint(a_bytes: int, out_bytes: int):
+    """Each step: [block_m, 128 x groups] activations of ``a_bytes``, [block_n, 128 x groups] e4m3 weights."""
+    return lambda t: launch_limits.gemm_footprint(t.block_m, t.block_n, GROUP * t.groups, t.num_stages, t.num_warps,
+                                                  a_bytes, 1, out_bytes=out_bytes)
 
 
 def _split_k(n: int, k: int, block_n: int, programs: int, row_tiles: int, most: int, min_groups: int,
@@ -339,6 +346,7 @@ def _triton_linear(a, weight, weight_scale, bias, scale_block_n: int, t: Fp8Tile
     elif prequantize:
         a, xs = quantize_activation(a)
     bias_arg = weight_scale if bias is None else bias
+    t = launch_limits.fit(t, footprint(a.element_size(), out.element_size()), launch_limits.device_limits(a.device))
     if t.block_m == 1:
         fp8_gemv_kernel[gemv_grid(m, n, t.block_n)](
             a, xs, weight, weight_scale, bias_arg, out, m, n, k, a.stride(0), xs.stride(0), xs.stride(1),

@@ -14,19 +14,29 @@ is ``plan_rows``' placement of the pairs, where the fused path's alignment runs 
 expert over every id (docs/PERFORMANCE.md, FP8)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megatron_async.kernels import cuda_device
+from megatron_async.kernels import cuda_device, launch_limits
 from megatron_async.kernels.moe_grouped_mm import PendingCombine, combine_slots, plan_rows, triton_experts_allowed
 from megatron_async.kernels.triton_act import relu_sq, silu_mul
 from megatron_async.kernels.triton_fp8_common import quantize_groups
 from megatron_async.kernels.triton_grouped_gemm import expert_grid, expert_tile
 from megatron_async.kernels.triton_paged_common import TL_DTYPES, num_compute_units
 
-TILES = {"gate_up": (64, 8, 3, 2), "down": (64, 8, 3, 2)}
+class GroupedTiles(NamedTuple):
+    block_m: int
+    num_warps: int
+    num_stages: int
+    per_sm: int
+    """Programs an SM."""
+
+
+TILES = {"gate_up": GroupedTiles(64, 8, 3, 2), "down": GroupedTiles(64, 8, 3, 2)}
 """(BLOCK_M, warps, stages, programs an SM) of each GEMM; tiles are BLOCK_M rows x 128 columns x
 one 128-deep K group. Each K group's scaling waits for its dot, so two programs an SM keep the
 tensor cores busy while the other scales (as ``triton_fp8_moe``'s tiles do). Qwen3-30B-A3B's
@@ -108,6 +118,20 @@ def _down_kernel(a_desc, hs_ptr, w_desc, ws_ptr, stride_wse, stride_wsn, stride_
         out_desc.store([m0, pid_n * BLOCK_N], acc.to(out_desc.dtype))
 
 
+def footprint(gemm: str, gated: bool, out_bytes: int):
+    """Each K group: a [BLOCK_M, 128] e4m3 activation tile and one (down, relu^2's gate_up) or two
+    (gated gate_up) [128, 128] e4m3 weight tiles; ``out_bytes``: the stored tile's element size."""
+    def of(t: GroupedTiles) -> launch_limits.Footprint:
+        return launch_limits.gemm_footprint(t.block_m, 128, 128, t.num_stages, t.num_warps, 1, 1,
+                                            2 if gemm == "gate_up" and gated else 1, out_bytes)
+    return of
+
+
+def launch_tiles(gemm: str, gated: bool, out_bytes: int, limits: launch_limits.DeviceLimits) -> GroupedTiles:
+    """``TILES[gemm]`` on the most stages ``limits`` hold (BLOCK_M is the plan's row tile: fixed)."""
+    return launch_limits.fit(TILES[gemm], footprint(gemm, gated, out_bytes), limits)
+
+
 def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
           scale_block_n: tuple[int, int]) -> bool:
     """CUDA on Hopper, 128-row weight scale blocks in both GEMMs, K, I and H multiples of 128,
@@ -137,7 +161,8 @@ def fused_experts_fp8_grouped(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Te
     hs = torch.empty((P, I // 128), dtype=torch.float32, device=x.device)
     sms = num_compute_units(x.device)
     e_block = triton.next_power_of_2(E)
-    bm, warps, stages, per_sm = TILES["gate_up"]
+    limits = launch_limits.device_limits(x.device)
+    bm, warps, stages, per_sm = launch_tiles("gate_up", gated, 1, limits)
     programs = min(sms * per_sm, triton.cdiv(P, bm) * (I // 128))
     _gate_up_kernel[(programs,)](
         TensorDescriptor.from_tensor(a, [bm, 128]), a_s,
@@ -146,7 +171,7 @@ def fused_experts_fp8_grouped(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Te
         OUT_DTYPE=TL_DTYPES[x.dtype], BLOCK_M=bm, GROUP_M=GROUP_M, E_BLOCK=e_block, GATED=gated, num_warps=warps,
         num_stages=stages)
     y = torch.empty((P, H), dtype=x.dtype, device=x.device)
-    bm, warps, stages, per_sm = TILES["down"]
+    bm, warps, stages, per_sm = launch_tiles("down", gated, x.element_size(), limits)
     programs = min(sms * per_sm, triton.cdiv(P, bm) * (H // 128))
     _down_kernel[(programs,)](
         TensorDescriptor.from_tensor(h, [bm, 128]), hs, TensorDescriptor.from_tensor(w2.view(-1, I), [128, 128]),

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels import triton_fp8_grouped
+from megatron_async.kernels import launch_limits, triton_fp8_grouped
 from megatron_async.kernels.triton_fp8_common import emulate, quantize_groups
 from megatron_async.kernels.triton_fp8_gemm import SMALL_M, quantize_activation
 from megatron_async.kernels.moe_grouped_mm import PendingCombine, combine_slots
@@ -60,6 +60,33 @@ docs/PERFORMANCE.md). 16 rows (decode, up to 16 pairs an expert): as fast as 64 
 below; swept at 64 / 128 / 256 tokens of Qwen3-30B-A3B (gate_up on 2-8 warps x 2-5 stages, down
 in 32-128 columns x 2-8 warps x 2-4 stages, one GEMM varied at a time): no setting 0.2 % faster.
 32 rows (only when asked for): slower than 64 from 24 pairs an expert on, by 10-23 % at 32-128."""
+
+
+def gate_up_footprint(rows: int, a_bytes: int, gated: bool):
+    """gate_up's tiles: [rows, 128] activations (e4m3 when prequantized, else their type), one or
+    two [128, 128] e4m3 weight tiles a K group."""
+    def footprint(t: Fp8MoeTiles) -> launch_limits.Footprint:
+        return launch_limits.gemm_footprint(rows, 128, 128, t.gate_up_stages, t.gate_up_warps, a_bytes, 1,
+                                            2 if gated else 1)
+    return footprint
+
+
+def down_footprint(rows: int, out_bytes: int):
+    """down's tiles: [rows, 128] e4m3 activations, a [down_block_n, 128] e4m3 weight tile a K group."""
+    def footprint(t: Fp8MoeTiles) -> launch_limits.Footprint:
+        return launch_limits.gemm_footprint(rows, t.down_block_n, 128, t.down_stages, t.down_warps, 1, 1,
+                                            out_bytes=out_bytes)
+    return footprint
+
+
+def fp8_moe_tiles(rows: int, a_bytes: int, out_bytes: int, gated: bool,
+                  limits: launch_limits.DeviceLimits) -> Fp8MoeTiles:
+    """``FP8_MOE_TILES[rows]`` with each GEMM's setting fitted to ``limits`` (``launch_limits.fit``)."""
+    table = tuple(FP8_MOE_TILES.values())
+    up = launch_limits.fit(FP8_MOE_TILES[rows], gate_up_footprint(rows, a_bytes, gated), limits, table,
+                           "gate_up_stages")
+    down = launch_limits.fit(FP8_MOE_TILES[rows], down_footprint(rows, out_bytes), limits, table, "down_stages")
+    return Fp8MoeTiles(up.gate_up_warps, up.gate_up_stages, down.down_block_n, down.down_warps, down.down_stages)
 
 
 def rows_per_block(num_pairs: int, num_experts: int) -> int:
@@ -259,8 +286,14 @@ def fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Tensor, w2
     h = torch.empty((num_pairs, I), dtype=torch.float8_e4m3fn, device=x.device)
     hs = torch.empty((num_pairs, groups_i), dtype=torch.float32, device=x.device)
     em = emulate(_gate_up_fp8_kernel)
-    t = tiles or (Fp8MoeTiles(1, 1, 32, 1, 1) if cpu else FP8_MOE_TILES[rows])
     prequant = M > SMALL_M if prequantize is None else prequantize
+    a_bytes = 1 if prequant else x.element_size()
+    limits = launch_limits.device_limits(x.device)
+    if tiles is not None:
+        launch_limits.check(tiles, gate_up_footprint(rows, a_bytes, gated)(tiles), limits)
+        t = launch_limits.check(tiles, down_footprint(rows, x.element_size())(tiles), limits)
+    else:
+        t = Fp8MoeTiles(1, 1, 32, 1, 1) if cpu else fp8_moe_tiles(rows, a_bytes, x.element_size(), gated, limits)
     xq, xs = quantize_activation(x) if prequant else (x, hs)  # (x, hs): unused stand-ins
     _gate_up_fp8_kernel[(num_blocks, groups_i)](
         x, xq, xs, w13, ws13, h, hs, sorted_pairs, block_expert, num_pairs,

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels import cuda_device, triton_moe_plan
+from megatron_async.kernels import launch_limits, triton_moe_plan
 from megatron_async.kernels.triton_paged_common import dot_args
 
 
@@ -226,24 +226,35 @@ _PREFILL_TILES = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3)
 """Blocks of 64 pairs (prefill-size batches): wide output tiles keep the tensor cores fed where
 each expert has hundreds of pairs; the best of a joint sweep of block_m / block_n / block_k /
 warps / stages at 2,048 and 8,192 tokens of a Qwen3-30B-A3B layer (docs/PERFORMANCE.md, "Kernel
-choices"). Taken where the device's shared memory holds its stages."""
+choices"). Taken where the device's shared memory holds its stages (``default_tiles``)."""
 
 
-def _fits_shared_memory(tiles: GemmTiles, block_m: int, operands: int, device: torch.device) -> bool:
-    """Whether ``num_stages`` stages of the A tile and ``operands`` B tiles (bf16/fp16) fit the
-    device's opt-in shared memory per block (no limit off CUDA: the interpreter)."""
-    if device.type != "cuda":
-        return True
-    need = tiles.num_stages * (block_m * tiles.block_k + operands * tiles.block_k * tiles.block_n) * 2
-    return need <= cuda_device.shared_memory_optin(device)
+_TABLE = (_DECODE_TILES, _PREFILL_TILES, GemmTiles())
+"""Every launch setting the defaults take; a fallback picks among these (``launch_limits.fit``)."""
 
 
-def _default_tiles(block_m: int, gated: bool, device: torch.device) -> GemmTiles:
-    if block_m == 16:
-        return _DECODE_TILES
-    if block_m == 64 and _fits_shared_memory(_PREFILL_TILES, block_m, 2 if gated else 1, device):
-        return _PREFILL_TILES
-    return GemmTiles()
+def _footprint(block_m: int, b_tiles: int, a_bytes: int, b_bytes: int):
+    def footprint(tiles: GemmTiles) -> launch_limits.Footprint:
+        return launch_limits.gemm_footprint(block_m, tiles.block_n, tiles.block_k, tiles.num_stages, tiles.num_warps,
+                                            a_bytes, b_bytes, b_tiles)
+    return footprint
+
+
+def default_tiles(block_m: int, b_tiles: int, a_bytes: int, b_bytes: int,
+                  limits: launch_limits.DeviceLimits) -> GemmTiles:
+    """The launch of one grouped GEMM over blocks of ``block_m`` pairs with ``b_tiles`` weight tiles a
+    step (gated gate_up: 2) on operands of ``a_bytes`` / ``b_bytes``: the table's choice for the block
+    size where ``limits`` hold it, else the largest that fits (fewer stages first)."""
+    preferred = _DECODE_TILES if block_m == 16 else _PREFILL_TILES if block_m == 64 else GemmTiles()
+    return launch_limits.fit(preferred, _footprint(block_m, b_tiles, a_bytes, b_bytes), limits, _TABLE)
+
+
+def _launch_tiles(given: GemmTiles | None, block_m: int, b_tiles: int, a: torch.Tensor, w: torch.Tensor,
+                  limits: launch_limits.DeviceLimits) -> GemmTiles:
+    a_bytes, b_bytes = a.element_size(), w.element_size()
+    if given is None:
+        return default_tiles(block_m, b_tiles, a_bytes, b_bytes, limits)
+    return launch_limits.check(given, _footprint(block_m, b_tiles, a_bytes, b_bytes)(given), limits)
 
 
 def _fit(tiles: GemmTiles, n: int, k: int) -> tuple[int, int]:
@@ -280,8 +291,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     sorted_pairs, block_expert = align_pairs(ids.view(topk_ids.shape), E, block_m)  # int32 already: no second cast
     num_blocks = block_expert.shape[0]
     dots = dot_args(_gate_up_kernel, x.dtype)
-    default = _default_tiles(block_m, gated, x.device)
-    tiles = gate_up_tiles or default
+    limits = launch_limits.device_limits(x.device)
+    tiles = _launch_tiles(gate_up_tiles, block_m, 2 if gated else 1, x, w13, limits)
     block_n, block_k = _fit(tiles, I, K)
     h = torch.empty((num_pairs, I), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(I, block_n))](
@@ -289,7 +300,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         K=K, I=I, TOP_K=top_k, E=E, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **dots)
     pair_out = torch.empty((num_pairs, H), dtype=torch.float32, device=x.device)  # routed pairs only are written
-    tiles = down_tiles or default
+    tiles = _launch_tiles(down_tiles, block_m, 1, x, w2, limits)
     block_n, block_k = _fit(tiles, H, I)
     _down_kernel[(num_blocks, triton.cdiv(H, block_n))](
         h, w2, topk_weights.contiguous().float(), pair_out, sorted_pairs, block_expert, num_pairs,

@@ -16,17 +16,27 @@ differs from CUTLASS's. One Qwen3-30B-A3B layer's routed experts on an H100 at 8
 1.41 against 1.50 ms with CUTLASS's GEMMs and the activation kernel (docs/PERFORMANCE.md, MoE)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megatron_async.kernels import cuda_device
+from megatron_async.kernels import cuda_device, launch_limits
 from megatron_async.kernels.triton_act import relu_sq, silu_mul
 from megatron_async.kernels.triton_gemm_common import grouped_tile
 from megatron_async.kernels.triton_paged_common import dot_args, num_compute_units
 
-TILES = {True: (128, 128, 64, 8, 4), False: (128, 256, 64, 8, 3)}
+class GroupedGemmTiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+TILES = {True: GroupedGemmTiles(128, 128, 64, 8, 4), False: GroupedGemmTiles(128, 256, 64, 8, 3)}
 """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the gated first GEMM (gate and up accumulators) and
 a plain one (relu^2's first, every down), the fastest of a sweep at the 30B-A3B layer's shapes
 (H100, 4,096 and 8,192 tokens: gate_up 471-475 / 749-772 us on 4 stages against 500-503 / 780-785
@@ -37,8 +47,23 @@ bf16 dots need no scaling between K steps, so one program keeps its pipeline ful
 GROUP_M = 4
 """Row tiles walked together over a column of weight tiles: ~4 make one expert's rows at 512 pairs
 an expert (2-3 % faster than 8 in the sweep)."""
-INTERPRETER_TILES = {True: (16, 16, 16, 1, 1), False: (16, 16, 16, 1, 1)}
+INTERPRETER_TILES = {True: GroupedGemmTiles(16, 16, 16, 1, 1), False: GroupedGemmTiles(16, 16, 16, 1, 1)}
 """Tiles tiny test shapes still cross (Triton's CPU interpreter)."""
+
+
+def footprint(gated: bool, elem_bytes: int):
+    """A [BLOCK_M, BLOCK_K] activation tile and one (two: gate and up) [BLOCK_N, BLOCK_K] weight tiles a
+    step, all of ``elem_bytes``; the [BLOCK_M, BLOCK_N] output tile stored through shared memory."""
+    def of(t: GroupedGemmTiles) -> launch_limits.Footprint:
+        return launch_limits.gemm_footprint(t.block_m, t.block_n, t.block_k, t.num_stages, t.num_warps,
+                                            elem_bytes, elem_bytes, 2 if gated else 1, elem_bytes)
+    return of
+
+
+def launch_tiles(gated: bool, elem_bytes: int, limits: launch_limits.DeviceLimits) -> GroupedGemmTiles:
+    """``TILES[gated]`` where ``limits`` hold it, else the most stages that fit, then the other entry of
+    ``TILES`` if smaller (both keep the plan's BLOCK_M)."""
+    return launch_limits.fit(TILES[gated], footprint(gated, elem_bytes), limits, tuple(TILES.values()))
 
 
 def row_tile(device: torch.device) -> int:
@@ -108,7 +133,10 @@ def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 def _launch(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, n: int, gated: bool, act: bool) -> torch.Tensor:
     E, _, K = w.shape
-    bm, bn, bk, warps, stages = (TILES if a.is_cuda else INTERPRETER_TILES)[gated]
+    if a.is_cuda:
+        bm, bn, bk, warps, stages = launch_tiles(gated, a.element_size(), launch_limits.device_limits(a.device))
+    else:
+        bm, bn, bk, warps, stages = INTERPRETER_TILES[gated]
     out = torch.empty(a.shape[0], n, dtype=a.dtype, device=a.device)
     programs = min(num_compute_units(a.device), triton.cdiv(a.shape[0], bm) * triton.cdiv(n, bn))
     _grouped_kernel[(programs,)](

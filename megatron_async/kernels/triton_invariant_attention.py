@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
+from megatron_async.kernels import launch_limits
 from megatron_async.kernels.triton_paged_common import attend, check_cache, dot_args, kv_scale_args, max_registers
 from megatron_async.kernels.triton_tile_schedule import tile_schedule
 
@@ -231,6 +232,9 @@ def invariant_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    num_stages = launch_limits.attention_tiles(  # the key tile fixes the summation order: stages alone
+        block_q * max(1, triton.next_power_of_2(group)), block_n, block_d, num_stages, 4, q.element_size(),
+        kv_cache.element_size(), launch_limits.device_limits(q.device)).num_stages
     heads_fastest = heads_fastest and slots < 65536  # the grid's 2nd axis holds at most 65,535
     grid = (num_kv_heads, slots, max_splits) if heads_fastest else (slots, num_kv_heads, max_splits)
     _split_kernel[grid](

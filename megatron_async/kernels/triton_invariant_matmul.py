@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_async.kernels import launch_limits
 from megatron_async.kernels import triton_tma_linear as tma
 from megatron_async.kernels.triton_act import silu_mul
 from megatron_async.kernels.triton_gemm_common import grouped_tile
@@ -242,6 +243,22 @@ def launch_tiles(m: int, n: int, k: int, device: torch.device, swiglu: bool = Fa
     return cfg
 
 
+def footprint(elem_bytes: int, swiglu: bool = False):
+    """An A tile and one (two: gate and up) weight tiles a step; two accumulators where K ranges are
+    added in one program or gate and up are held."""
+    def of(cfg: TileConfig) -> launch_limits.Footprint:
+        f = launch_limits.gemm_footprint(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, cfg.num_warps,
+                                         elem_bytes, elem_bytes, 2 if swiglu else 1, elem_bytes)
+        return dataclasses.replace(f, accumulators=cfg.block_m * cfg.block_n * (2 if swiglu or cfg.split_k > 1 else 1))
+    return of
+
+
+def fitted_tiles(cfg: TileConfig, elem_bytes: int, limits: launch_limits.DeviceLimits,
+                 swiglu: bool = False) -> TileConfig:
+    """``cfg`` on the most stages ``limits`` hold (stages never change the bits)."""
+    return launch_limits.fit(cfg, footprint(elem_bytes, swiglu), limits)
+
+
 def _check_tiles(tiles: TileConfig, n: int, k: int, device: torch.device) -> TileConfig:
     """An explicit launch (benchmark sweeps, tests) may change the output tiling, never the K order."""
     base = tile_config(n, k, device)
@@ -280,6 +297,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if k == 0:
         return (out.zero_() if bias is None else out.copy_(bias.expand(m, n))).reshape(*lead, n)
     cfg = launch_tiles(m, n, k, x.device) if tiles is None else _check_tiles(tiles, n, k, x.device)
+    cfg = fitted_tiles(cfg, x.element_size(), launch_limits.device_limits(x.device))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
     if in_program is None:
@@ -327,6 +345,7 @@ def invariant_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n, k = weight.shape
     m, inter = x.shape[0], n // 2
     cfg = launch_tiles(m, n, k, x.device, swiglu=True) if tiles is None else _check_tiles(tiles, n, k, x.device)
+    cfg = fitted_tiles(cfg, x.element_size(), launch_limits.device_limits(x.device), swiglu=True)
     out = torch.empty(m, inter, dtype=x.dtype, device=x.device)
     if m == 0 or inter == 0:
         return out

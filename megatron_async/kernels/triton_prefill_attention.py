@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
+from megatron_async.kernels import launch_limits
 from megatron_async.kernels.triton_fp8_act import QuantizedRows, attention_outputs, store_heads_quantized
 from megatron_async.kernels.triton_fp8_common import emulate
 from megatron_async.kernels.triton_paged_common import (
@@ -240,6 +241,13 @@ def prefill_tiles(group: int, device: torch.device) -> tuple[int, int]:
     return max(1, rows // block_g), 16 if device.type == "cpu" else 32
 
 
+def prefill_fallbacks(block_g: int) -> list[tuple[int, int]]:
+    """(rows, keys) a launch may shrink to where the device does not hold its tiles: 16-key tiles,
+    then fewer query tokens (down to the 16 rows ``tl.dot`` needs)."""
+    rows = [r for r in (64, 32, 16) if r >= block_g]
+    return [(r, n) for r in rows for n in (32, 16)]
+
+
 NUM_WARPS, NUM_STAGES = 4, 2
 """The launch's warps (one warpgroup) and pipeline stages (cp.async of the next K / V tile)."""
 
@@ -301,6 +309,10 @@ def prefill_attention(
             raise ValueError(f"an e4m3 cache needs an even head_dim, got {head_dim}")
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
         block_d = max(32, block_d)  # each half a dot of K >= 16
+    rows, block_n, num_stages = launch_limits.attention_tiles(
+        block_q * block_g, block_n, block_d, num_stages, num_warps, q.element_size(), kv_cache.element_size(),
+        launch_limits.device_limits(q.device), prefill_fallbacks(block_g))
+    block_q = rows // block_g
     q_arg = q_as_pairs(q) if pairs else q
     tiles = num_tokens // block_q + meta.num_rows
     schedule = tile_schedule(meta, block_q, tiles)

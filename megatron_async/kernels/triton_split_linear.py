@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megatron_async.kernels import cuda_device
+from megatron_async.kernels import cuda_device, launch_limits
 from megatron_async.kernels.deferred_sum import DeferredSum
 from megatron_async.kernels.triton_paged_common import dot_args
 from megatron_async.kernels.triton_rmsnorm import add_norm_row
@@ -95,6 +95,12 @@ def split_tiles(m: int, n: int, k: int) -> SplitTiles | None:
     return SplitTiles(64, 64, BLOCK_K, SPLITS, 4, 4)
 
 
+def footprint(elem_bytes: int):
+    """An A and a weight tile a step, one float32 accumulator stored as it is."""
+    return lambda t: launch_limits.gemm_footprint(t.block_m, t.block_n, t.block_k, t.num_stages, t.num_warps,
+                                                  elem_bytes, elem_bytes)
+
+
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether ``split_linear`` takes this product: an sm90 device (the tiles' measurements), 2-D
     bf16 / fp16 operands with unit last strides, 16-byte-aligned rows, a shape ``split_tiles`` splits."""
@@ -115,6 +121,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     (m, k), n = x.shape, weight.shape[0]
     t = split_tiles(m, n, k)
     assert t is not None
+    t = launch_limits.fit(t, footprint(x.element_size()), launch_limits.device_limits(x.device))
     parts = torch.empty(t.splits, m, n, dtype=torch.float32, device=x.device)
     a_desc = TensorDescriptor.from_tensor(x, [t.block_m, t.block_k])
     w_desc = TensorDescriptor.from_tensor(weight, [t.block_n, t.block_k])

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megatron_async.kernels import cuda_device
+from megatron_async.kernels import cuda_device, launch_limits
 from megatron_async.kernels.triton_act import relu_sq, silu_mul
 from megatron_async.kernels.triton_gemm_common import grouped_tile
 from megatron_async.kernels.triton_paged_common import dot_args, num_compute_units
@@ -93,23 +93,40 @@ class ActTiles:
     num_stages: int
 
 
-def act_tiles(m: int, dtype: torch.dtype, device: torch.device, gated: bool = True) -> ActTiles:
+_ACT_TABLE = (ActTiles(64, 64, 128, 4, 4), ActTiles(128, 128, 64, 8, 3), ActTiles(64, 128, 128, 4, 4),
+              ActTiles(128, 128, 64, 4, 4), ActTiles(128, 256, 64, 8, 3))
+"""Every launch ``act_tiles`` prefers for some bucket; a fallback picks among these."""
+
+
+def footprint(gated: bool, elem_bytes: int):
+    """A [block_m, block_k] A tile and one (relu^2) or two (SwiGLU: gate and up) [block_n, block_k]
+    weight tiles a step, one accumulator each; the output tile stored through shared memory."""
+    def of(t: ActTiles) -> launch_limits.Footprint:
+        return launch_limits.gemm_footprint(t.block_m, t.block_n, t.block_k, t.num_stages, t.num_warps, elem_bytes,
+                                            elem_bytes, 2 if gated else 1, elem_bytes)
+    return of
+
+
+def act_tiles(m: int, dtype: torch.dtype, device: torch.device, gated: bool = True,
+              limits: launch_limits.DeviceLimits | None = None) -> ActTiles:
     """Launch settings by row count (one compiled variant per bucket; M itself is not
-    specialised, so a CUDA graph of any size reuses them). The sweep:
-    ``python -m benchmarks kernel-times swiglu-matmul --sweep [--act relu2]``. 4-byte types take half
-    the K depth (the same shared memory)."""
+    specialised, so a CUDA graph of any size reuses them), fitted to ``limits`` (default: the
+    device's). The sweep: ``python -m benchmarks kernel-times swiglu-matmul --sweep [--act relu2]``.
+    4-byte types take half the K depth (the same shared memory)."""
     if device.type != "cuda":  # interpreter: tiles that tiny test shapes still cross
         return ActTiles(16, 16, 16, 1, 1)
     if gated:
-        t = ActTiles(64, 64, 128, 4, 4) if m <= 256 else ActTiles(128, 128, 64, 8, 3)
+        t = _ACT_TABLE[0] if m <= 256 else _ACT_TABLE[1]
     elif m <= 512:  # relu^2 (NemotronH's up, I 4,096, K 1,024): the sweep's best per bucket
-        t = ActTiles(64, 64, 128, 4, 4) if m <= 128 else (
-            ActTiles(64, 128, 128, 4, 4) if m <= 256 else ActTiles(128, 128, 64, 4, 4))
+        t = _ACT_TABLE[0] if m <= 128 else (_ACT_TABLE[2] if m <= 256 else _ACT_TABLE[3])
     else:
-        t = ActTiles(128, 256, 64, 8, 3)
+        t = _ACT_TABLE[4]
+    table = _ACT_TABLE
     if dtype.itemsize == 4:  # and at most 128 columns: a 128 x 256 float32 output tile alone takes 128 KB
-        t = dataclasses.replace(t, block_k=t.block_k // 2, block_n=min(t.block_n, 128))
-    return t
+        narrow = [dataclasses.replace(e, block_k=e.block_k // 2, block_n=min(e.block_n, 128)) for e in (t, *table)]
+        t, table = narrow[0], tuple(narrow[1:])
+    limits = limits or launch_limits.device_limits(device)
+    return launch_limits.fit(t, footprint(gated, dtype.itemsize), limits, table)
 
 
 def pays_off(m: int, k: int, gated: bool = True) -> bool:

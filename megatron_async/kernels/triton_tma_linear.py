@@ -16,19 +16,46 @@ accumulator, so its tiles are 128 x 256, as the fused MLP kernel's relu(h)^2 at 
 128 x 128 tiles qkv gained nothing (139.2 and 37.4 us)."""
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megatron_async.kernels import cuda_device
+from megatron_async.kernels import cuda_device, launch_limits
 from megatron_async.kernels.triton_gemm_common import grouped_tile
 from megatron_async.kernels.triton_paged_common import dot_args, num_compute_units
 
-TILES = {True: (128, 128, 64, 8, 3), False: (128, 256, 64, 8, 3)}
+class LinearTiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+TILES = {True: LinearTiles(128, 128, 64, 8, 3), False: LinearTiles(128, 256, 64, 8, 3)}
 """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) with K ranges (two 128 x 128 float32 accumulators on 8
 warps, the total and the range's sum, as the fused MLP kernel's SwiGLU holds gate and up) and
 without (one 128 x 256, as its relu(h)^2)."""
+
+
+def footprint(ranges: bool, elem_bytes: int):
+    """One A and one B tile a step; with K ranges two accumulators (the total and the range's sum)."""
+    def of(t: LinearTiles) -> launch_limits.Footprint:
+        f = launch_limits.gemm_footprint(t.block_m, t.block_n, t.block_k, t.num_stages, t.num_warps, elem_bytes,
+                                         elem_bytes, out_bytes=elem_bytes)
+        return dataclasses.replace(f, accumulators=f.accumulators * (2 if ranges else 1))
+    return of
+
+
+def launch_tiles(ranges: bool, elem_bytes: int, limits: launch_limits.DeviceLimits) -> LinearTiles:
+    """``TILES[ranges]`` on the most stages ``limits`` hold (the tiles fix the K order: kept)."""
+    return launch_limits.fit(TILES[ranges], footprint(ranges, elem_bytes), limits)
+
+
 MIN_ROWS = 1024
 """Fewer rows keep the invariant kernel's own launch (``launch_tiles``)."""
 
@@ -81,7 +108,8 @@ def tma_linear(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     16-byte aligned, unit stride along K (``takes``' conditions but the row count)."""
     m, k = a.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, warps, stages = TILES[ranges]
+    block_m, block_n, block_k, warps, stages = launch_tiles(ranges, a.element_size(),
+                                                            launch_limits.device_limits(a.device))
     if ranges and k_per_split % block_k:
         raise ValueError(f"K ranges of {k_per_split} are not whole {block_k}-deep steps")
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)

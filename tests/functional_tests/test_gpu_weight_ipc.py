@@ -1,5 +1,6 @@
 """CUDA IPC refit on one GPU (tests/helpers/refit_ipc_gpu.py): a trainer process shares its
-Megatron-Core-named weights (one flat bf16 buffer) with the engine on the same GPU; repeated
+Megatron-Core-named weights (one flat bf16 buffer, or a storage per tensor) with the engine on the
+same GPU; repeated
 updates hit the cached copy plan, a change the trainer makes in place arrives, and the engine then
 generates the tokens of the same weights given in-process; an update of the 0.6B shape takes at
 most 20 ms once its plan is cached."""
@@ -8,10 +9,11 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-def test_ipc_refit_from_another_process_on_the_same_gpu():
+@pytest.mark.parametrize("layout", ["flat", "separate"])
+def test_ipc_refit_from_another_process_on_the_same_gpu(layout):
     from tests.helpers.refit_ipc_gpu import run
 
-    rep = run("qwen3-0.6b", updates=4)
+    rep = run("qwen3-0.6b", updates=4, layout=layout)
     assert rep.change_arrived and rep.tokens_equal, rep
     assert rep.plan_hits >= 3, rep
     assert sorted(rep.hot_ms)[len(rep.hot_ms) // 2] <= 20.0, rep

@@ -1,11 +1,13 @@
 """CUDA IPC refit on one GPU, the colocated case: a trainer process holds a model's weights under
-Megatron-Core names in one flat bf16 buffer (as Megatron-Core's DDP keeps them) on the GPU the
-engine uses, shares it once per step (``weight_transfer.ipc.share``), and the engine copies from it
-(``update_weights_from_ipc``). Times the first update (plan, mapping) and the next ones (plan
-cached, storages kept), checks that the trainer's in-place change between updates arrives, and
-that the engine then generates the tokens of the same weights given in-process under HF names.
+Megatron-Core names on the GPU the engine uses, in one flat bf16 buffer (``--layout flat``, as
+Megatron-Core's DDP keeps them) or a storage per tensor (``--layout separate``, as a plain
+GPTModel holds its parameters), shares them once per step (``weight_transfer.ipc.share``), and the
+engine copies from them (``update_weights_from_ipc``). Times the first update (plan, mapping), the
+next ones (plan cached, storages kept) and one device copy of the same bytes, checks that the
+trainer's in-place change between updates arrives, and that the engine then generates the tokens
+of the same weights given in-process under HF names.
 
-    python -m tests.helpers.refit_ipc_gpu --default-model qwen3-0.6b --json out.json"""
+    python -m tests.helpers.refit_ipc_gpu --default-model qwen3-0.6b --layout separate --json out.json"""
 from __future__ import annotations
 
 import argparse
@@ -26,7 +28,11 @@ SEED = 5
 @dataclass
 class IpcReport:
     model: str
+    layout: str = "flat"
+    """"flat": one storage for every tensor; "separate": a storage per tensor."""
     weight_bytes: int = 0
+    copy_ms: float = 0.0
+    """One device copy of the engine's weight bytes (median of a few): the floor a refit approaches."""
     first_ms: float = 0.0
     """The first update: plan, mapping the storage, copy."""
     hot_ms: list[float] = field(default_factory=list)
@@ -46,13 +52,17 @@ def _hf_tensors(shapes: dict, device) -> dict:
     return dict(random_hf_tensors(shapes, torch.bfloat16, torch.device(device), 0.02, SEED))
 
 
-def trainer_items(shapes: dict, dims, arch: str, device) -> tuple[torch.Tensor, list[tuple]]:
-    """(the flat buffer, its (Megatron name, view, Shard) items): one storage for every tensor."""
+def trainer_items(shapes: dict, dims, arch: str, device, layout: str = "flat") -> tuple[list[torch.Tensor], list[tuple]]:
+    """(the buffers the trainer changes in place, its (Megatron name, view, Shard) items): one flat
+    storage for every tensor, or (``layout`` "separate") a storage per tensor."""
     from megatron_async.weight_transfer import NameMap, Shard, megatron_from_hf, megatron_names_of
 
     names, hf = NameMap.for_arch(arch), _hf_tensors(shapes, device)
     tensors = megatron_from_hf(names, dims, hf, megatron_names_of(names, hf, dims))
     del hf
+    if layout == "separate":
+        own = {name: t.clone() for name, t in tensors.items()}  # (a view of a fused source keeps its storage)
+        return list(own.values()), [(name, t, Shard()) for name, t in own.items()]
     total = sum(t.numel() for t in tensors.values())
     flat = torch.empty(total, dtype=torch.bfloat16, device=device)
     items, offset = [], 0
@@ -61,33 +71,49 @@ def trainer_items(shapes: dict, dims, arch: str, device) -> tuple[torch.Tensor, 
         view.copy_(t)
         items.append((name, view, Shard()))
         offset += t.numel()
-    return flat, items
+    return [flat], items
 
 
-def _trainer(port: int, shapes: dict, dims, arch: str, updates: int) -> None:
+def _trainer(port: int, shapes: dict, dims, arch: str, updates: int, layout: str) -> None:
     from megatron_async.weight_transfer import ipc
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600))
-    flat, items = trainer_items(shapes, dims, arch, "cuda")
+    buffers, items = trainer_items(shapes, dims, arch, "cuda", layout)
     for k in range(updates):
         if k == 1:
-            flat.mul_(2.0)  # an optimizer step, in place: the engine must see it at the next update
+            for b in buffers:
+                b.mul_(2.0)  # an optimizer step, in place: the engine must see it at the next update
         torch.cuda.synchronize()
         store.set(f"payload/{k}", json.dumps(ipc.share(items)))
         store.wait([f"done/{k}"])
 
 
-def run(default_model: str, updates: int = 4) -> IpcReport:
+def copy_ms(nbytes: int, repeats: int = 5) -> float:
+    """One device copy of ``nbytes`` (median ms): what a refit of that many bytes cannot beat."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+def run(default_model: str, updates: int = 4, layout: str = "flat") -> IpcReport:
     from megatron_async import LLM, InferenceConfig, SamplingParams
 
-    rep = IpcReport(default_model)
+    rep = IpcReport(default_model, layout)
     cfg = InferenceConfig(num_kv_blocks=64, max_requests=4, max_sequence_length=256)
     llm = LLM(default_model=default_model, device="cuda", dtype="bfloat16", inference_config=cfg)
     m = llm.model
     shapes, dims, arch = m.hf_shapes(), m.megatron_dims(), m.spec.name
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=600))
-    proc = mp.get_context("spawn").Process(target=_trainer, args=(port, shapes, dims, arch, updates), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_trainer, args=(port, shapes, dims, arch, updates, layout),
+                                        daemon=True)
     proc.start()
     probe = next(iter(llm.model.parameters()))
     greedy = SamplingParams(top_k=1, num_tokens_to_generate=16, ignore_eos=True)
@@ -111,6 +137,7 @@ def run(default_model: str, updates: int = 4) -> IpcReport:
         proc.join(120)
         rep.plan_hits = llm.engine.weights.plans.hits
         rep.weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+        rep.copy_ms = copy_ms(rep.weight_bytes)
         hf = _hf_tensors(shapes, "cuda")
         for t in hf.values():
             t.mul_(2.0)
@@ -128,9 +155,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--default-model", default="qwen3-0.6b")
     p.add_argument("--updates", type=int, default=4)
+    p.add_argument("--layout", choices=["flat", "separate"], default="flat")
     p.add_argument("--json", required=True)
     args = p.parse_args()
-    rep = run(args.default_model, args.updates)
+    rep = run(args.default_model, args.updates, args.layout)
     with open(args.json, "w") as f:
         json.dump(asdict(rep), f)
 

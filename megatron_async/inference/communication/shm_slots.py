@@ -1,7 +1,8 @@
 """An all-gather of a few int64 (and optionally some bytes) per rank through one shared-memory
 segment (ranks on one host).
 
-Layout: a header line (the poison word: nonzero once some rank gave up, naming it), then one
+Layout: a header line (the poison word: nonzero once some rank gave up, naming it; the end
+word: nonzero once rank 0 announced the end of the job, holding its exit status + 1), then one
 slot per rank, each padded to whole cache lines so two ranks never write the same line:
 ``[seq, bank 0: n + values, bank 1: n + values]``; after the slots, a byte area per rank and
 bank (``blob_bytes`` each; tmpfs backs only the pages written). Round k: every rank writes its
@@ -94,6 +95,14 @@ def join_slots(rank: int, world_size: int, wanted: bool, broadcast, all_reduce_m
 
 class SlotsError(RuntimeError):
     """A peer gave up, went silent or died (the caller re-raises it as its own error type)."""
+
+
+class SlotsEnded(Exception):
+    """Rank 0 announced the end of the job (``status``: its exit status) while this rank waited."""
+
+    def __init__(self, status: int, k: int):
+        super().__init__(f"shared-memory round {k}")
+        self.status = status
 
 
 class SharedSlots:
@@ -268,10 +277,23 @@ class SharedSlots:
     def _seq(self, rank: int) -> int:
         return _Q.unpack_from(self._map, self._slot0 + rank * 8 * self._slot)[0]
 
+    def end(self, status: int) -> None:
+        """Rank 0: announce the end of the job with exit ``status``; whoever waits in a round
+        (now or later) raises ``SlotsEnded`` instead of waiting for a round rank 0 never starts."""
+        _Q.pack_into(self._map, 8, status + 1)
+        for fd in self._fifos:
+            try:
+                os.write(fd, b"\0")
+            except BlockingIOError:
+                pass
+
     def _check(self, k: int, waited: float, alive, done: Callable[[int], bool]) -> None:
-        """Raise if a peer gave up, is known dead, or the wait timed out, unless the round
-        completed meanwhile (a peer that published and then exited left a good round: its
-        death shows at the next one, the poison word and a lost connection being sticky)."""
+        """Raise if rank 0 ended the job, a peer gave up, is known dead, or the wait timed out,
+        unless the round completed meanwhile (a peer that published and then exited left a good
+        round: its death shows at the next one, the poison word and a lost connection being sticky)."""
+        ended = _Q.unpack_from(self._map, 8)[0]
+        if ended and not done(k):  # before the liveness check: rank 0 may be gone already
+            raise SlotsEnded(ended - 1, k)
         try:
             poison = _Q.unpack_from(self._map, 0)[0]
             if poison:

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from megatron_async.inference.communication import wire
+from megatron_async.inference.communication import job_end, wire
 from megatron_async.inference.communication import wire_fields as f
-from megatron_async.inference.communication.shm_slots import SharedSlots, SlotsError, join_slots
-from megatron_async.inference.communication.zmq_transport import MAX_FRAME_BYTES, CommunicatorError, ZMQTransport
+from megatron_async.inference.communication.shm_slots import SharedSlots, SlotsEnded, SlotsError, join_slots
+from megatron_async.inference.communication.zmq_transport import (
+    MAX_FRAME_BYTES, CommunicatorError, LeaderEnded, ZMQTransport,
+)
 
 JOIN_TIMEOUT_S = 60.0
 """The longest wait for the peers while joining (at least the per-message timeout)."""
@@ -209,6 +211,8 @@ class ZMQCommunicator:
                                               post if not leader and upload is not None else None)
         except SlotsError as e:
             raise CommunicatorError(f"{e} (exchange #{seq})") from None
+        except SlotsEnded as e:
+            raise LeaderEnded(self.rank, e.status, f"exchange #{seq} ({e})") from None
         self.waited_ns = self._slots.waited_ns
         result = list(map(max, *map(flat.__getitem__, slices)))  # element-wise, no Python frame per rank
         codes = flat[len(values) + 1::len(values) + 2]  # each rank's last int
@@ -300,6 +304,17 @@ class ZMQCommunicator:
     def barrier(self) -> None:
         self.all_reduce_max([0])
 
+    def announce_end(self, status: int) -> None:
+        """Rank 0: the job ends with exit ``status`` (``job_end.announce``; not a collective)."""
+        if self.rank == 0 and self.transport is not None:
+            job_end.announce(self.transport, self._slots, self.world_size, status)
+
+    def wait_for_end(self) -> int:
+        """Another rank, done with its collectives: rank 0's exit status once it announces it."""
+        if self.rank == 0 or self.transport is None:
+            raise CommunicatorError(f"rank {self.rank}: only another rank of a live job waits for rank 0's end")
+        return job_end.wait(self.transport)
+
     def close(self) -> None:
         if self._slots is not None:
             self._slots.close()
@@ -333,7 +348,10 @@ class ZMQCommunicator:
         return fields[1:]
 
     def _recv_from_root(self, seq: int, want: wire.MessageType) -> list:
-        mtype, fields = self.transport.recv_from_root(f"{want.name} #{seq}")
+        what = f"{want.name} #{seq}"
+        mtype, fields = self.transport.recv_from_root(what)
+        if mtype is job_end.END:
+            raise LeaderEnded(self.rank, int(fields[0]), what)
         return self._check(mtype, fields, seq, want, "rank 0")
 
     def _gather_at_root(self, seq: int, want: wire.MessageType, peers: set[int] | None = None) -> dict[int, list]:

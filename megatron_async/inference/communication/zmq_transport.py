@@ -33,6 +33,16 @@ class CommunicatorError(RuntimeError):
     """A peer timed out, died, or answered a different collective (the ranks have diverged)."""
 
 
+class LeaderEnded(Exception):
+    """Rank 0 announced the end of the job (``status``: its exit status) while this rank waited for
+    it: an orderly end, not a failure of the link (a rank that dies unannounced raises
+    ``CommunicatorError``)."""
+
+    def __init__(self, rank: int, status: int, what: str):
+        super().__init__(f"rank {rank}: rank 0 ended the job (exit status {status}) in {what}")
+        self.rank, self.status = rank, status
+
+
 class ZMQTransport:
     def __init__(self, rank: int, world_size: int, store, key: str, timeout_ms: int | None, join_timeout_s: float,
                  force_tcp: bool = False):
@@ -48,6 +58,8 @@ class ZMQTransport:
         self.stats = wire.WireStats()
         """Rank 0: what strangers sent and did (frames dropped by reason, refused handshakes, closes)."""
         self.endpoints: list[str] = []
+        self.linger_ms = 0
+        """How long ``close`` lets queued frames leave (0: dropped)."""
         self.listener: Listener | None = None
         self._lost: str | None = None
         self._ctx = zmq.Context()
@@ -147,6 +159,8 @@ class ZMQTransport:
             if self.sock in ready:  # a message sent before its sender died is still delivered
                 return
             if self._monitor in ready:
+                if self.listener is None and self.sock.poll(0):  # rank 0's last frames come before its close
+                    return
                 self.alive(what)  # raises for a rank; a stranger's close is only counted
                 continue
             if left == 0 or not ready:
@@ -168,12 +182,13 @@ class ZMQTransport:
                                     "a rank exited or died")
 
     def close(self) -> None:
+        """Frames still queued may take ``linger_ms`` to leave (rank 0's announcement of the end)."""
         if self.listener is not None:
             self.listener.close()
         elif getattr(self, "_monitor", None) is not None:
             self.sock.disable_monitor()
             self._monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self.sock.close(linger=self.linger_ms)
         self._ctx.term()
         if self.rank == 0 and self.plan.directory is not None:
             shutil.rmtree(self.plan.directory, ignore_errors=True)  # the socket file, token and secret

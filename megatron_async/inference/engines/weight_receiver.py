@@ -9,8 +9,8 @@ and a completed update sets the weight version and the KV recompute rule (``set_
   ``from_ipc``          a colocated trainer's storages (CUDA IPC / shared memory), copied directly
 
 The receiver keeps the copy plans of recent updates (``CopyPlanCache``) and the storages and copy
-lists of the last IPC payload, so an RL loop that sends the same tensors every step pays for
-planning once. A transfer that fails after its first byte moved leaves the weights incomplete:
+lists of the last IPC payload (grouped into multi-tensor copies: ``copy_groups.py``), so an RL
+loop that sends the same tensors every step pays for planning once. A transfer that fails after its first byte moved leaves the weights incomplete:
 generation is refused (``weights_missing``) until an update completes."""
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from megatron_async.models.megatron_layouts import Shard
 from megatron_async.models.slab_loading import WeightUpdateError
 from megatron_async.models.weight_update import CopyPlanCache, update_weights_in_place
 from megatron_async.weight_transfer import ipc
+from megatron_async.weight_transfer.copy_groups import GroupedCopy
 from megatron_async.weight_transfer.group import TransferFailed, check_group_args, init_transfer_group
 from megatron_async.weight_transfer.manifest import _SHARD_FIELDS, DTYPES, Manifest, ManifestError
 from megatron_async.weight_transfer.receiver import Refused, plan_manifest, receive
@@ -58,7 +59,7 @@ class WeightReceiver:
         self._payloads = ipc.CheckedPayloads()
         self.last_ipc_ms: dict[str, float] = {}
         """Host time of the last IPC update by phase (``IPC_PHASES``), in ms."""
-        self._bound = None  # (program, BoundCopy) of the last IPC payload
+        self._bound = None  # (program, GroupedCopy) of the last IPC payload
 
     def commit(self, version: int | None, recompute_kv: bool) -> int:
         """The update completed: the new version (None: the current one + 1)."""
@@ -151,7 +152,7 @@ class WeightReceiver:
         opened = self._storages.open(storages)
         times.append(time.perf_counter())
         if self._bound is None or self._bound[0] is not program:  # same program: same storages, same views
-            self._bound = (program, program.bind(ipc.views(opened, tensors)))
+            self._bound = (program, GroupedCopy(program.bind(ipc.views(opened, tensors))))
         times.append(time.perf_counter())
         program.begin()
         copied = self._bound[1].run()

@@ -4,12 +4,14 @@ bfloat16, SwiGLU and relu^2 experts, ids meaning "no expert" (EP / padding rows)
 do not divide the blocks. In Triton's interpreter on CPU, compiled on CUDA."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from megatron_async.kernels import cuda_device, triton_fused_moe  # noqa: E402
+from megatron_async.kernels import launch_limits, triton_fused_moe  # noqa: E402
 from megatron_async.kernels.moe_torch import fused_experts_torch  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -156,15 +158,15 @@ def test_either_alignment_gives_the_same_bits(monkeypatch, dtype):
     assert calls and torch.equal(plan, one_kernel)
 
 
-def test_tiles_follow_the_block_size_and_the_shared_memory(monkeypatch):
+def test_tiles_follow_the_block_size_and_the_shared_memory():
     assert triton_fused_moe._block_m(320, 4) == 64 and triton_fused_moe._block_m(16, 8) == 16
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert triton_fused_moe._default_tiles(16, True, cpu) == triton_fused_moe._DECODE_TILES
-    assert triton_fused_moe._default_tiles(64, True, cpu) == triton_fused_moe._PREFILL_TILES
-    assert triton_fused_moe._default_tiles(32, True, cpu) == triton_fused_moe.GemmTiles()
-    # 3 stages of a 64 x 64 A tile and two 64 x 256 B tiles: 216 KiB, over a 163 KiB opt-in (A100), under 227 (H100)
-    monkeypatch.setattr(cuda_device, "shared_memory_optin", lambda device: 163 * 1024)
-    assert triton_fused_moe._default_tiles(64, True, cuda) == triton_fused_moe.GemmTiles()
-    assert triton_fused_moe._default_tiles(64, False, cuda) == triton_fused_moe._PREFILL_TILES  # one B tile: 120 KiB
-    monkeypatch.setattr(cuda_device, "shared_memory_optin", lambda device: 227 * 1024)
-    assert triton_fused_moe._default_tiles(64, True, cuda) == triton_fused_moe._PREFILL_TILES
+    tiles, unlimited = triton_fused_moe.default_tiles, launch_limits.INTERPRETER
+    assert tiles(16, 2, 2, 2, unlimited) == triton_fused_moe._DECODE_TILES
+    assert tiles(64, 2, 2, 2, unlimited) == triton_fused_moe._PREFILL_TILES
+    assert tiles(32, 2, 2, 2, unlimited) == triton_fused_moe.GemmTiles()
+    # 3 stages of a bf16 64 x 64 A tile and two 64 x 256 B tiles: 216 KiB, over a 163 KiB opt-in (A100),
+    # under 227 (H100); on 2 stages 144 KiB
+    a100, h100 = launch_limits.DeviceLimits(163 * 1024), launch_limits.DeviceLimits(227 * 1024)
+    assert tiles(64, 2, 2, 2, a100) == dataclasses.replace(triton_fused_moe._PREFILL_TILES, num_stages=2)
+    assert tiles(64, 1, 2, 2, a100) == triton_fused_moe._PREFILL_TILES  # one B tile: 120 KiB
+    assert tiles(64, 2, 2, 2, h100) == triton_fused_moe._PREFILL_TILES
