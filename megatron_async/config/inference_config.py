@@ -7,6 +7,7 @@ from megatron_async.config.modes import (
     AllReduceBackend, AttentionBackend, DpRouting, MambaBackend, SamplingBackend, SpeculativeMethod,
 )
 from megatron_async.config.parts import CacheSizing, Communication, GraphSizing, KernelChoice, Scheduling, Speculation
+from megatron_async.config.lora import LoRASizing
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
 """Accepted ``InferenceConfig.kv_cache_dtype`` values ("fp8" is "fp8_e4m3")."""
@@ -61,6 +62,13 @@ class InferenceConfig:
     priority_aging: int = 16
     """``SamplingParams.priority``: a waiting request moves up one class for every this many
     requests admitted while it waits, so a low class still progresses."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters (``LLM.load_lora``, ``SamplingParams.lora``); slots sized below (config/lora.py)."""
+    max_loras: int = 8
+    """``enable_lora``: most adapters loaded at once (one batch may mix all of them and the base)."""
+    max_lora_rank: int = 16
+    """``enable_lora``: the largest adapter rank accepted (smaller ranks are zero-padded)."""
 
     enable_prefix_caching: bool = False
     """Share complete KV blocks between requests with equal prefixes and skip their prefill."""
@@ -313,6 +321,7 @@ class InferenceConfig:
             raise ValueError(f"InferenceConfig.dp_routing_alpha must be in [0, 1], got {self.dp_routing_alpha}")
         if not self.dp_engine_timeout_s > 0:
             raise ValueError(f"InferenceConfig.dp_engine_timeout_s must be > 0, got {self.dp_engine_timeout_s}")
+        self.lora().validate()
         if self.num_speculative_tokens < 0:
             raise ValueError(f"InferenceConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.speculative_ngram_max < 1:
@@ -378,6 +387,10 @@ class InferenceConfig:
     def kernels(self) -> KernelChoice:
         """Which kernels the model, the model runner and the forward batches use."""
         return _part(KernelChoice, self)
+
+    def lora(self) -> LoRASizing:
+        """How many LoRA adapters the model holds and their largest rank."""
+        return _part(LoRASizing, self)
 
     def communication(self) -> Communication:
         """How tensor / expert parallel ranks exchange activations and agree on steps."""

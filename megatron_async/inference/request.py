@@ -92,6 +92,8 @@ class SamplingParams:
     priority: int = 0
     """Scheduling class: waiting requests of a lower class are admitted first (FIFO within one); a
     request moves up one class per ``InferenceConfig.priority_aging`` admissions while it waits."""
+    lora: str | None = None
+    """The LoRA adapter (a name given to ``LLM.load_lora``) that serves the request; None: the base model."""
     structured_outputs: StructuredOutputs | None = None
     """What the generated text must match (a JSON schema, any JSON object, a regex, a choice, a
     grammar): every sampled token is one the grammar allows, and the request ends with "stop" when
@@ -301,6 +303,9 @@ class DynamicInferenceRequest:
     """Requests the scheduler had admitted when this one was queued (``SamplingParams.priority``)."""
     waited_for_prompt: bool = False
     """It waits for another request prefilling the same prompt (contexts/prompt_sharing.py)."""
+    lora_slot: int = -1
+    """Its adapter's slot while active (-1: the base model); ``lora_key``: that adapter's prefix-cache key."""
+    lora_key: bytes = b""
     spec_drafts_fresh: bool = False
     """Its latest launched row ran the drafter, so its spec slot holds drafts for its next row
     (a plain step of a speculative engine leaves them stale; speculative/plain_steps.py)."""

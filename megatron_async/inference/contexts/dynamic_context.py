@@ -18,8 +18,9 @@ from megatron_async.inference.contexts.general_rows import assemble_rows
 from megatron_async.inference.contexts.gpu_view import ContextGPUView
 from megatron_async.inference.contexts.graph_padding import PaddingSlots, fill_padding, fill_verify_padding
 from megatron_async.inference.contexts.kv_block_allocator import (
-    BlockKey, KVBlockAllocator, adopted_digest, chain_keys, known_digests,
+    BlockKey, KVBlockAllocator, adopted_digest, chain_hash, chain_keys, known_digests,
 )
+from megatron_async.inference.contexts.lora_rows import adapter_current, bind_adapter, request_hash_key
 from megatron_async.inference.contexts.mamba_states import MambaStateManager, window_rows
 from megatron_async.inference.contexts.prompt_sharing import PromptSharing
 from megatron_async.inference.contexts.sampling_state import SamplingStateSlots
@@ -36,7 +37,7 @@ if TYPE_CHECKING:  # type-only: engines and models import contexts, not the reve
 
 
 def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samples: int | None = None,
-                       speculative: bool = False, mamba: bool = False) -> list[FieldSpec]:
+                       speculative: bool = False, mamba: bool = False, lora: bool = False) -> list[FieldSpec]:
     """The single declaration of the step snapshot (host buffer and device view alike).
 
     A "sample" is one sampled position: one per row, plus one per draft of a verify row
@@ -69,6 +70,8 @@ def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samp
         FieldSpec("repetition_penalty", torch.float32, (S,)),
         FieldSpec("suppress_stop", torch.bool, (S,)),
     ]
+    if lora:  # each token's LoRA adapter slot, -1: the base model (contexts/lora_rows.py)
+        fields.append(FieldSpec("lora_slot", torch.int32, (T,)))
     if mamba:  # a mixed step's Mamba rows: several-token rows first (see kernels/mamba_varlen_ops.py)
         fields.append(FieldSpec("mamba_row_order", torch.int64, (R,)))
     if speculative:  # see contexts/spec_state.py and speculative/verify.py
@@ -117,6 +120,7 @@ class DynamicInferenceContext:
             ]
         # One model per engine; the key keeps identities apart should pools ever be shared.
         self._model_key = type(model).__name__.encode()
+        self.lora = model.lora_adapters
         with device.memory_region("kv_cache"):  # live states, prefix-state pool, window scratch
             self.mamba = MambaStateManager.create(model, config, device, dtype)
         share = config.share_prompt_prefill and (self.mamba is None or self.mamba.prefix_cache is not None)
@@ -136,7 +140,8 @@ class DynamicInferenceContext:
         self.max_rows = config.max_requests + 1
         self.max_samples = max(config.max_samples, self.max_rows)
         self.layout = BookkeepingLayout(bookkeeping_fields(
-            config.max_tokens, self.max_rows, self.max_blocks_per_request, self.max_samples, K > 0, self.mamba is not None))
+            config.max_tokens, self.max_rows, self.max_blocks_per_request, self.max_samples, K > 0, self.mamba is not None,
+            self.lora is not None))
         self._host_buffers = [device.host_empty(self.layout.nbytes) for _ in range(2)]
         # numpy views of the host buffers: list -> buffer assignment is much cheaper than torch.tensor()
         self._host_views = [{k: t.numpy() for k, t in self.layout.views(b).items()} for b in self._host_buffers]
@@ -167,6 +172,8 @@ class DynamicInferenceContext:
         assert req.status == Status.WAITING and not req.block_ids and req.num_inflight == 0
         req.num_hashed_blocks, req.last_block_hash = 0, None
         req.weights_epoch = self.weights_epoch
+        if self.lora is not None:
+            bind_adapter(req, self.lora)
         self.active[req.request_id] = req
         self.active_version += 1
         if self.mamba is not None:
@@ -223,8 +230,8 @@ class DynamicInferenceContext:
 
     def _block_hash(self, req: DynamicInferenceRequest, i: int, parent: BlockKey | None) -> BlockKey:
         bs = self.block_size
-        digest = adopted_digest(req.prompt_digests, self.allocator.hash_key, i)
-        return self.allocator.block_hash(parent, req.tokens_between(i * bs, (i + 1) * bs), digest)
+        key = request_hash_key(self.allocator.hash_key, req)
+        return chain_hash(parent, req.tokens_between(i * bs, (i + 1) * bs), key, adopted_digest(req.prompt_digests, key, i))
 
     def reserve(self, req: DynamicInferenceRequest, num_tokens: int) -> bool:
         """Own blocks for positions [num_computed, num_computed + num_tokens); all or nothing."""
@@ -279,14 +286,15 @@ class DynamicInferenceContext:
     def register_complete_blocks(self, req: DynamicInferenceRequest) -> None:
         """Publish blocks whose tokens are all known and whose KV is enqueued (computed with
         the current weights from the request's admission on)."""
-        if not self.allocator.publishes or req.weights_epoch != self.weights_epoch:
+        if not self.allocator.publishes or req.weights_epoch != self.weights_epoch or not adapter_current(req, self.lora):
             return
         bs = self.block_size
         known = req.num_known_tokens if self.allocator.enable_prefix_caching else len(req.prompt_tokens)
         full, first = min(req.num_computed_tokens, known) // bs, req.num_hashed_blocks
         if full <= first:
             return
-        keys = chain_keys(req.last_block_hash, req.tokens_between(first * bs, full * bs), bs, self.allocator.hash_key,
+        keys = chain_keys(req.last_block_hash, req.tokens_between(first * bs, full * bs), bs,
+                          request_hash_key(self.allocator.hash_key, req),
                           req.prompt_digests, first)
         self.allocator.register_run(req.block_ids[first:full], keys)
         if self.mamba is not None:
@@ -377,6 +385,8 @@ class DynamicInferenceContext:
             block_table=g.block_table[:R], block_size=self.block_size, row_order=g.attention_row_order[:R],
         )
         batch = ForwardBatch(attn=attn, kv_caches=self.kv_caches, batch_invariant=self.batch_invariant)
+        if self.lora is not None:
+            batch.lora_slots = g.lora_slot[:T]
         if self.mamba is not None:
             batch.mamba = MambaMetadata(
                 state_slots=g.state_slots[:R], has_initial_state=g.has_initial_state[:R],

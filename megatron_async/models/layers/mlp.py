@@ -34,15 +34,17 @@ class SwiGLUMLP(nn.Module):
         """x: [T, hidden], or its rows quantized for the FP8 gate_up (``fp8_input_linear``)."""
         inv = step is not None and step.batch.batch_invariant
         fused = step is None or step.kernels.fused
-        if self.gate_up_proj.weight_scale_inv is None and not inv and fused_ops.use_fused(x, fused) and x.dim() == 2:
+        lora = step.batch.lora_slots if step is not None else None  # adapters: gate_up's output, then the SiLU
+        plain = self.gate_up_proj.weight_scale_inv is None and (lora is None or self.gate_up_proj.lora is None)
+        if plain and not inv and fused_ops.use_fused(x, fused) and x.dim() == 2:
             act = fused_ops.swiglu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if act is not None:
-                return self.down_proj(act, inv, fused)
-        if inv and x.dim() == 2 and self.gate_up_proj.weight_scale_inv is None:
+                return self.down_proj(act, inv, fused, lora)
+        if inv and x.dim() == 2 and plain:
             act = linear_op.invariant_swiglu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if act is not None:
-                return self.down_proj(act, inv, fused)
-        gate_up = self.gate_up_proj(x, inv)
+                return self.down_proj(act, inv, fused, lora)
+        gate_up = self.gate_up_proj(x, inv, lora)
         if (inv or fused_ops.use_fused(gate_up, fused)) and gate_up.dim() == 2:
             if not inv and fused_ops.fp8_input_prequantized(gate_up.shape[0], gate_up.dtype, gate_up.device,
                                                             self.down_proj):
@@ -51,7 +53,7 @@ class SwiGLUMLP(nn.Module):
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             act = F.silu(gate) * up
-        return self.down_proj(act, inv, fused)
+        return self.down_proj(act, inv, fused, lora)
 
 
 class ReluSquaredMLP(nn.Module):
@@ -75,17 +77,19 @@ class ReluSquaredMLP(nn.Module):
         quantize its input in a pass of its own."""
         inv = step is not None and step.batch.batch_invariant
         fused = step is None or step.kernels.fused
-        if (self.up_proj.weight_scale_inv is None and not inv and fused_ops.use_fused(x, fused) and x.dim() == 2
+        lora = step.batch.lora_slots if step is not None else None
+        plain = self.up_proj.weight_scale_inv is None and (lora is None or self.up_proj.lora is None)
+        if (plain and not inv and fused_ops.use_fused(x, fused) and x.dim() == 2
                 and not fused_ops.fp8_input_prequantized(x.shape[0], x.dtype, x.device, self.down_proj)):
             act = fused_ops.swiglu_linear(x, self.up_proj.weight, self.up_proj.bias, gated=False)  # up + relu^2
             if act is not None:
-                return self.down_proj(act, inv, fused)
-        h = self.up_proj(x, inv)
+                return self.down_proj(act, inv, fused, lora)
+        h = self.up_proj(x, inv, lora)
         if fused_ops.use_fused(h, fused) and h.dim() == 2:
             if not inv and fused_ops.fp8_input_prequantized(h.shape[0], h.dtype, h.device, self.down_proj):
                 return self.down_proj(fused_ops.relu_square_quantized(h), inv, fused)
-            return self.down_proj(fused_ops.relu_square(h), inv, fused)
-        return self.down_proj(torch.relu(h).square(), inv, fused)
+            return self.down_proj(fused_ops.relu_square(h), inv, fused, lora)
+        return self.down_proj(torch.relu(h).square(), inv, fused, lora)
 
 
 def build_mlp(hidden: int, cfg: MLPConfig, parallel: ParallelState, dtype: torch.dtype,
