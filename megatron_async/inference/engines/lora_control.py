@@ -10,13 +10,8 @@ adapter keep their KV (as ``update_weights(recompute_kv=False)``), and its prefi
 are never hit again (its key names the weights' generation, contexts/lora_rows.py)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from megatron_async.inference.request import InvalidRequestError
 from megatron_async.models.lora import LoRAError
-
-if TYPE_CHECKING:
-    from megatron_async.inference.engines.dynamic_engine import DynamicInferenceEngine
 
 
 def check_request_adapter(name: str | None, adapters) -> None:
@@ -32,7 +27,8 @@ def check_request_adapter(name: str | None, adapters) -> None:
 
 
 class LoRAControl:
-    def __init__(self, engine: DynamicInferenceEngine):
+    def __init__(self, engine):
+        """``engine``: the ``DynamicInferenceEngine`` whose model and requests it reads."""
         self.engine = engine
 
     @property
