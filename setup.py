@@ -22,7 +22,7 @@ setup(
         "real": REAL,
         # Structured outputs (JSON schema, regex, choice, grammar): optional; without them such requests are refused.
         "structured": STRUCTURED,
-        "test": ["pytest", "pytest-xdist", "hypothesis", "transformers>=4.50", "triton", "openai", "jsonschema", *SERVE,
+        "test": ["pytest", "pytest-xdist", "hypothesis", "transformers>=4.50", "peft", "triton", "openai", "jsonschema", *SERVE,
                  *REAL, *STRUCTURED, *MEGATRON],
         "gpu": ["triton"],
         # engine.suspend / resume on CUDA (InferenceConfig.enable_suspend): device memory by tag.

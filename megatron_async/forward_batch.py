@@ -140,6 +140,9 @@ class ForwardBatch:
     routed_experts: torch.Tensor | None = None
     """Routing replay: [>= T, num_moe_layers, top_k] int16 at a fixed address; MoE layer l writes
     token t's top-k global expert ids to ``[t, l]``. None: nothing is recorded."""
+    lora_slots: torch.Tensor | None = None
+    """LoRA (``InferenceConfig.enable_lora``): [T] int32, each token's adapter slot (-1: the base
+    model), read by the adapted linears (``parallel/lora_slots.py``). None: no adapters."""
 
 
 def mamba_row_order(cu: list[int], is_window: list[bool] | None) -> tuple[list[int], int]:

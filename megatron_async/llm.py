@@ -28,6 +28,7 @@ from megatron_async.inference.text_generation_controllers.model_runner import Mo
 from megatron_async.generation import run_prompts
 from megatron_async.kernels.backends import KernelBackends
 from megatron_async.model_loading import check_batch_invariant, eos_ids, load_model, parse_dtype
+from megatron_async.models.lora import LoRAAdapters
 from megatron_async.parallel.p2p_all_reduce import check_p2p_possible, with_p2p_all_reduce
 from megatron_async.parallel.p2p_exchange import with_p2p_exchange
 from megatron_async.parallel.state import ParallelState
@@ -129,6 +130,8 @@ class LLM:
                                                     self.quantization, reader)  # engine.suspend frees the weights
         self.model.eval()
         self.model.kernels = kernels  # this model's kernels, not the process's
+        if self.config.enable_lora:  # adapter slots before graphs, warm-up and the snapshot layout
+            LoRAAdapters.attach(self.model, self.config.lora())
         if choice.batch_invariant:
             check_batch_invariant(self.model, self.device)
         self._fit_max_sequence_length()
@@ -259,6 +262,20 @@ class LLM:
         first), so every later token is exactly what the new weights give; False keeps their KV
         (no recompute; later tokens then attend to old-weight keys and values)."""
         return self.engine.weights.update(weights, version, recompute_kv, weights_format)
+
+    def load_lora(self, name: str, path_or_tensors) -> None:
+        """Load a LoRA adapter as ``name`` (``SamplingParams.lora``): a PEFT directory, a mapping of
+        PEFT-named tensors (scale 1), or (adapter config dict, mapping). Checked whole first
+        (``LoRAError``, nothing changed). Under TP every rank calls it alike."""
+        self.engine.lora.load(name, path_or_tensors)
+
+    def unload_lora(self, name: str) -> None:
+        """Free adapter ``name``; refused (``LoRAError``) while unfinished requests use it."""
+        self.engine.lora.unload(name)
+
+    def update_lora(self, name: str, tensors) -> int:
+        """Rewrite adapter ``name`` in place (checked like ``load_lora``); returns the new weight version."""
+        return self.engine.lora.update(name, tensors)
 
     def generate(
         self,

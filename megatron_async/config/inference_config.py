@@ -1,20 +1,23 @@
 """InferenceConfig: every knob of the engine, one documented field each. The KV cache, scheduling,
-CUDA graph, data-parallel routing and serving fields are declared here; the kernel, communication
-and speculative-decoding groups in their own modules (kernel_fields.py, communication_fields.py,
-speculative_fields.py), which ``InferenceConfig`` inherits: one flat dataclass. The rules across
-groups (``validate``), the device defaults (``for_device``) and the parts components are given
-(``cache_sizing()`` ...) are here."""
+CUDA graph, data-parallel routing and serving fields are declared here; the kernel, communication,
+speculative-decoding and LoRA groups in their own modules (kernel_fields.py,
+communication_fields.py, speculative_fields.py, lora_fields.py), which ``InferenceConfig``
+inherits: one flat dataclass. The rules across groups (``validate``), the device defaults
+(``for_device``) and the parts components are given (``cache_sizing()`` ...) are here."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
 from megatron_async.config.communication_fields import CommunicationFields
 from megatron_async.config.kernel_fields import KernelFields
+from megatron_async.config.lora_fields import LoRAFields
 from megatron_async.config.modes import (
     AllReduceBackend, AttentionBackend, DpRouting, MambaBackend, SamplingBackend, SpeculativeMethod,
 )
 from megatron_async.config.speculative_fields import SpeculativeFields
-from megatron_async.config.parts import CacheSizing, Communication, GraphSizing, KernelChoice, Scheduling, Speculation
+from megatron_async.config.parts import (
+    CacheSizing, Communication, GraphSizing, KernelChoice, LoRASizing, Scheduling, Speculation,
+)
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")
 """Accepted ``InferenceConfig.kv_cache_dtype`` values ("fp8" is "fp8_e4m3")."""
@@ -27,7 +30,7 @@ CPU_BUFFER_SIZE_GB = 1.0
 
 
 @dataclass
-class InferenceConfig(KernelFields, CommunicationFields, SpeculativeFields):
+class InferenceConfig(KernelFields, CommunicationFields, SpeculativeFields, LoRAFields):
     """Configuration of the dynamic inference engine (fields of this class and of the groups it
     inherits).
 
@@ -208,6 +211,9 @@ class InferenceConfig(KernelFields, CommunicationFields, SpeculativeFields):
             raise ValueError(f"InferenceConfig.dp_routing_alpha must be in [0, 1], got {self.dp_routing_alpha}")
         if not self.dp_engine_timeout_s > 0:
             raise ValueError(f"InferenceConfig.dp_engine_timeout_s must be > 0, got {self.dp_engine_timeout_s}")
+        for name in ("max_loras", "max_lora_rank"):
+            if self.enable_lora and getattr(self, name) <= 0:
+                raise ValueError(f"InferenceConfig.{name} must be positive, got {getattr(self, name)}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"InferenceConfig.num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.speculative_ngram_max < 1:
@@ -273,6 +279,10 @@ class InferenceConfig(KernelFields, CommunicationFields, SpeculativeFields):
     def kernels(self) -> KernelChoice:
         """Which kernels the model, the model runner and the forward batches use."""
         return _part(KernelChoice, self)
+
+    def lora(self) -> LoRASizing:
+        """How many LoRA adapters the model holds and their largest rank."""
+        return _part(LoRASizing, self)
 
     def communication(self) -> Communication:
         """How tensor / expert parallel ranks exchange activations and agree on steps."""

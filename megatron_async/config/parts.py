@@ -1,8 +1,8 @@
 """The frozen parts of ``InferenceConfig`` that components are given: each receives only what
 it reads (``InferenceConfig.cache_sizing()``, ``scheduling()``, ``speculation()``,
-``graph_sizing()``, ``kernels()``, ``communication()``). Field meanings: ``InferenceConfig``'s
-docstrings. No defaults here: a part is only made by InferenceConfig's methods, whose defaults
-hold."""
+``graph_sizing()``, ``kernels()``, ``communication()``, ``lora()``). Field meanings:
+``InferenceConfig``'s docstrings. No defaults here: a part is only made by InferenceConfig's
+methods, whose defaults hold."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -89,3 +89,10 @@ class Communication:
     ep_p2p_exchange: bool
     consensus_shared_memory: bool
     consensus_spin_us: float | None
+
+
+@dataclass(frozen=True)
+class LoRASizing:
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int

@@ -28,7 +28,7 @@ from megatron_async.inference.structured.spec import StructuredOutputs
 
 # ------------------------------------------------------------------ SamplingParams
 _SP_DEFAULTS = {fl.name: fl.default for fl in dataclasses.fields(SamplingParams)}
-_SCALARS = {"float": f.float_, "int": f.int_, "bool": f.bool_, "int | None": f.opt_int}
+_SCALARS = {"float": f.float_, "int": f.int_, "bool": f.bool_, "int | None": f.opt_int, "str | None": f.opt_str}
 _SP_CHECKS = {fl.name: _SCALARS[fl.type] for fl in dataclasses.fields(SamplingParams) if fl.type in _SCALARS}
 _REASONS = frozenset(r.value for r in FinishReason)
 _OPT_STR = frozenset({str, type(None)})

@@ -170,6 +170,9 @@ class DynamicInferenceRequest:
     """Requests the scheduler had admitted when this one was queued (``SamplingParams.priority``)."""
     waited_for_prompt: bool = False
     """It waits for another request prefilling the same prompt (contexts/prompt_sharing.py)."""
+    lora_slot: int = -1
+    """Its adapter's slot while active (-1: the base model); ``lora_key``: that adapter's prefix-cache key."""
+    lora_key: bytes = b""
     spec_drafts_fresh: bool = False
     """Its latest launched row ran the drafter, so its spec slot holds drafts for its next row
     (a plain step of a speculative engine leaves them stale; speculative/plain_steps.py)."""

@@ -71,6 +71,8 @@ class SamplingParams:
     priority: int = 0
     """Scheduling class: waiting requests of a lower class are admitted first (FIFO within one); a
     request moves up one class per ``InferenceConfig.priority_aging`` admissions while it waits."""
+    lora: str | None = None
+    """The LoRA adapter (a name given to ``LLM.load_lora``) that serves the request; None: the base model."""
     structured_outputs: StructuredOutputs | None = None
     """What the generated text must match (a JSON schema, any JSON object, a regex, a choice, a
     grammar): every sampled token is one the grammar allows, and the request ends with "stop" when

@@ -38,6 +38,8 @@ class CausalLM(nn.Module):
     kernels: KernelBackends = KernelBackends()
     """The kernels this model's layers run (``LLM`` sets it from ``InferenceConfig``): this
     model's own choice, whatever other models of the process run."""
+    lora_adapters = None
+    """``models.lora.LoRAAdapters`` where LoRA is enabled (``LoRAAdapters.attach``), else None."""
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [T] int64 -> final hidden states [T, hidden] (after the final norm).

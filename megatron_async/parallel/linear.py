@@ -28,6 +28,7 @@ from megatron_async.kernels import fused_ops
 from megatron_async.kernels.linear_op import linear
 from megatron_async.parallel.communication import PendingSum, tp_all_reduce
 from megatron_async.parallel.fp8_sharding import fp8_params
+from megatron_async.parallel.lora_slots import LoRASlots
 from megatron_async.parallel.sharding import REPLICATED, Sharding, ShardId, sharded_param
 from megatron_async.parallel.state import ParallelState
 
@@ -35,7 +36,10 @@ from megatron_async.parallel.state import ParallelState
 class ParallelLinear(nn.Module):
     """Base: ``weight`` [out_local, in_local] and optional ``bias``, each with its weight_loader;
     FP8: ``weight`` e4m3 and ``weight_scale_inv`` (``fp8_shard_ids``: every shard_id the weight
-    loads with, which decide where its scale blocks fall)."""
+    loads with, which decide where its scale blocks fall). ``lora``: its adapter slots
+    (``add_lora_slots``; None: not adapted), applied where a forward is given per-token slots."""
+
+    lora: LoRASlots | None = None
 
     def __init__(self, weight_shape: tuple[int, ...], weight_sharding: Sharding, bias_shape: tuple[int, ...] | None,
                  bias_sharding: Sharding, parallel: ParallelState, dtype: torch.dtype, device: torch.device | str,
@@ -99,8 +103,19 @@ class MergedColumnParallelLinear(ParallelLinear):
         loads = tuple(dict.fromkeys((*ids, None))) if fp8 else None  # by part, or stacked whole
         super().__init__((out, in_features), w, (out,) if bias else None, w, parallel, dtype, device, loads)
 
-    def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        return self.matmul(x, self.bias, batch_invariant)
+    def add_lora_slots(self, max_loras: int, max_rank: int) -> None:
+        """Adapter slots, one part per stacked projection (its shard id), sharded like the weight."""
+        ids = self.weight.sharding.shard_ids or (None,)
+        self.lora = LoRASlots(self.weight, ids, self.output_sizes, max_loras, max_rank, self.weight.dtype,
+                              self.weight.device)
+
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False,
+                lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """``lora_slots``: each token's adapter slot (``ForwardBatch.lora_slots``; None: no adapters)."""
+        out = self.matmul(x, self.bias, batch_invariant)
+        if lora_slots is not None and self.lora is not None:
+            self.lora.apply(x, out, lora_slots, batch_invariant)
+        return out
 
 
 class ColumnParallelLinear(MergedColumnParallelLinear):
@@ -144,15 +159,29 @@ class RowParallelLinear(ParallelLinear):
         super().__init__((out_features, local_in), w, (out_features,) if bias else None, REPLICATED,
                          parallel, dtype, device, (None,) if fp8 else None)
 
-    def forward(self, x: torch.Tensor, batch_invariant: bool = False, split_k: bool = True) -> torch.Tensor:
-        """``split_k``: the model's ``KernelBackends.split_k`` (whether the split-K sum may run)."""
+    def add_lora_slots(self, max_loras: int, max_rank: int) -> None:
+        """Adapter slots: A cut on its input like the weight, B whole (their product is a partial sum)."""
+        self.lora = LoRASlots(self.weight, (None,), [self.weight.shape[0]], max_loras, max_rank, self.weight.dtype,
+                              self.weight.device)
+
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False, split_k: bool = True,
+                lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """``split_k``: the model's ``KernelBackends.split_k`` (whether the split-K sum may run);
+        ``lora_slots``: each token's adapter slot (None: no adapters), whose product joins this
+        rank's partial sum before the TP sum."""
+        adapted = lora_slots is not None and self.lora is not None
         if self.parallel.tp_size == 1:
-            if self.defer_reduction and not batch_invariant and self.weight_scale_inv is None:
+            if self.defer_reduction and not batch_invariant and self.weight_scale_inv is None and not adapted:
                 pending = fused_ops.split_linear(x, self.weight, self.bias, split_k)
                 if pending is not None:
                     return pending
-            return self.matmul(x, self.bias, batch_invariant)
+            out = self.matmul(x, self.bias, batch_invariant)
+            if adapted:
+                self.lora.apply(x, out, lora_slots, batch_invariant)
+            return out
         partial = self.matmul(x, None, batch_invariant)
+        if adapted:
+            self.lora.apply(x, partial, lora_slots, batch_invariant)
         reducer = self.parallel.tp_reducer
         if (self.defer_reduction and self.bias is None and not batch_invariant and reducer is not None
                 and reducer.fuses_norm(partial)):

@@ -1,6 +1,6 @@
 """Each component receives the part of ``InferenceConfig`` it reads (``config.cache_sizing()``,
-``scheduling()``, ``speculation()``, ``graph_sizing()``, ``kernels()``, ``communication()``) and
-reads no other component's: checked on the source, like test_import_graph.py."""
+``scheduling()``, ``speculation()``, ``graph_sizing()``, ``kernels()``, ``communication()``,
+``lora()``) and reads no other component's: checked on the source, like test_import_graph.py."""
 from __future__ import annotations
 
 import ast
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_async.config import (AttentionBackend, CacheSizing, Communication, GraphSizing, InferenceConfig,
-                                   KernelChoice, Scheduling, SpeculativeMethod, Speculation)
+                                   KernelChoice, LoRASizing, Scheduling, SpeculativeMethod, Speculation)
 
 ROOT = Path(__file__).resolve().parents[2]
 INFERENCE = ROOT / "megatron_async" / "inference"
@@ -73,8 +73,9 @@ def test_parts_are_frozen_copies_of_the_config():
     cfg = InferenceConfig(max_requests=8, max_tokens=32, num_speculative_tokens=2, attention_backend="torch",
                           speculative_method="ngram", cuda_graph_batch_sizes=(1, 2))
     parts = [cfg.cache_sizing(), cfg.scheduling(), cfg.speculation(), cfg.graph_sizing(), cfg.kernels(),
-             cfg.communication()]
-    assert [type(p) for p in parts] == [CacheSizing, Scheduling, Speculation, GraphSizing, KernelChoice, Communication]
+             cfg.communication(), cfg.lora()]
+    assert [type(p) for p in parts] == [CacheSizing, Scheduling, Speculation, GraphSizing, KernelChoice, Communication,
+                                        LoRASizing]
     for part in parts:
         for f in dataclasses.fields(part):
             assert getattr(part, f.name) == getattr(cfg, f.name), f.name

@@ -29,6 +29,8 @@ RESOURCE_OWNERS = {
     "state_slot": {"inference/contexts/mamba_states.py"},
     "sampling_slot": {"inference/contexts/sampling_state.py"},
     "spec_slot": {"inference/contexts/spec_state.py"},
+    "lora_slot": {"inference/contexts/lora_rows.py"},  # its adapter's slot and prefix key, bound at admission
+    "lora_key": {"inference/contexts/lora_rows.py"},
     "decode_slot": {"inference/contexts/decode_rows.py"},  # its row in the decode-only snapshot's arrays
     "spec_drafts_fresh": {"inference/contexts/spec_state.py", BOOK},  # a new slot holds no drafts
     "spec_acceptance": {"inference/speculative/policy.py", "inference/speculative/step_choice.py"},  # the policy's estimate, told by the book

@@ -40,6 +40,7 @@ _PROMPT_LEN, _MIN_TOKENS, _FLAG_BITS, _TOP_N = range(4)
 GATHERED = ("seed", "temperature", "top_k", "top_p", "state_slots", "sampling_slot", "min_p", "presence_penalty",
             "frequency_penalty", "repetition_penalty")
 SPEC_GATHERED = ("spec_slot", "spec_owner_slot")  # speculative engines: a sampling row's slot is its request's
+LORA_GATHERED = ("lora_slot",)  # LoRA engines: a per-token field, and in a decode-only step token r is row r
 # The rest of what a decode-only step writes: per step (from the rows' positions), and per set
 # of requests in the rows (``_write_constant``). With GATHERED these declare every snapshot
 # field this path fills; ``DecodeRows`` refuses a layout with any other field, so a field added
@@ -59,7 +60,8 @@ class DecodeRows:
         self.padding_sampling_slot = padding_sampling_slot
         self.spec = "spec_slot" in views
         """The snapshot has speculative decoding's columns."""
-        written = GATHERED + PER_STEP + PER_ROW_SET + (SPEC_GATHERED + SPEC_PER_STEP if self.spec else ())
+        self.gathered = GATHERED + (SPEC_GATHERED if self.spec else ()) + (LORA_GATHERED if "lora_slot" in views else ())
+        written = self.gathered + PER_STEP + PER_ROW_SET + (SPEC_PER_STEP if self.spec else ())
         unknown = sorted(set(views) - set(written))
         if unknown:
             raise ValueError(f"the decode-only snapshot path does not write the snapshot fields {unknown}: "
@@ -69,7 +71,7 @@ class DecodeRows:
         self.num_blocks = np.zeros(n, dtype=np.int64)
         # one [slot, field] matrix per snapshot dtype: a step gathers each with one take
         by_dtype: dict[np.dtype, list[str]] = {}
-        for name in GATHERED + (SPEC_GATHERED if self.spec else ()):
+        for name in self.gathered:
             by_dtype.setdefault(views[name].dtype, []).append(name)
         self.groups = [(np.zeros((n, len(names)), dtype=dt), names) for dt, names in by_dtype.items()]
         self.column = {name: (m, j) for m, names in self.groups for j, name in enumerate(names)}
@@ -99,6 +101,8 @@ class DecodeRows:
         }
         if self.spec:
             values.update(spec_slot=req.spec_slot, spec_owner_slot=req.spec_slot)
+        if "lora_slot" in self.column:
+            values["lora_slot"] = req.lora_slot
         bits = sp.features()
         try:
             for name, value in values.items():

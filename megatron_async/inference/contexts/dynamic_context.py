@@ -20,6 +20,7 @@ from megatron_async.inference.contexts.general_rows import assemble_rows
 from megatron_async.inference.contexts.gpu_view import ContextGPUView
 from megatron_async.inference.contexts.graph_padding import PaddingSlots, fill_padding, fill_verify_padding
 from megatron_async.inference.contexts.kv_block_allocator import KVBlockAllocator
+from megatron_async.inference.contexts.lora_rows import bind_adapter
 from megatron_async.inference.contexts.mamba_states import MambaStateManager, window_rows
 from megatron_async.inference.contexts.prefix_blocks import PrefixBlocks
 from megatron_async.inference.contexts.prompt_sharing import PromptSharing
@@ -68,12 +69,13 @@ class DynamicInferenceContext:
             ]
         # One model per engine; the key keeps identities apart should pools ever be shared.
         self._model_key = type(model).__name__.encode()
+        self.lora = model.lora_adapters
         with device.memory_region("kv_cache"):  # live states, prefix-state pool, window scratch
             self.mamba = MambaStateManager.create(model, config, device, dtype)
         share = config.share_prompt_prefill and (self.mamba is None or self.mamba.prefix_cache is not None)
         self.allocator = KVBlockAllocator(num_blocks, config.enable_prefix_caching, self._model_key, share_live=share)
         self.sharing = PromptSharing(self.allocator, self.block_size, share)
-        self.prefix = PrefixBlocks(self.allocator, self.block_size, self.mamba)
+        self.prefix = PrefixBlocks(self.allocator, self.block_size, self.mamba, self.lora)
         self.weights_epoch = 0
         """Weight updates so far: part of every block identity (``weights_changed``)."""
         if self.mamba is not None:
@@ -88,7 +90,8 @@ class DynamicInferenceContext:
         self.max_rows = config.max_requests + 1
         self.max_samples = max(config.max_samples, self.max_rows)
         self.layout = BookkeepingLayout(bookkeeping_fields(
-            config.max_tokens, self.max_rows, self.max_blocks_per_request, self.max_samples, K > 0, self.mamba is not None))
+            config.max_tokens, self.max_rows, self.max_blocks_per_request, self.max_samples, K > 0, self.mamba is not None,
+            self.lora is not None))
         self._host_buffers = [device.host_empty(self.layout.nbytes) for _ in range(2)]
         # numpy views of the host buffers: list -> buffer assignment is much cheaper than torch.tensor()
         self._host_views = [{k: t.numpy() for k, t in self.layout.views(b).items()} for b in self._host_buffers]
@@ -118,6 +121,8 @@ class DynamicInferenceContext:
         prefix tokens those blocks hold (their prefill is skipped; the book counts them computed)."""
         assert req.status == Status.WAITING and not req.block_ids and req.num_inflight == 0
         req.weights_epoch = self.weights_epoch
+        if self.lora is not None:
+            bind_adapter(req, self.lora)
         self.active[req.request_id] = req
         self.active_version += 1
         if self.mamba is not None:
@@ -272,6 +277,8 @@ class DynamicInferenceContext:
             block_table=g.block_table[:R], block_size=self.block_size, row_order=g.attention_row_order[:R],
         )
         batch = ForwardBatch(attn=attn, kv_caches=self.kv_caches, batch_invariant=self.batch_invariant)
+        if self.lora is not None:
+            batch.lora_slots = g.lora_slot[:T]
         if self.mamba is not None:
             batch.mamba = MambaMetadata(
                 state_slots=g.state_slots[:R], has_initial_state=g.has_initial_state[:R],

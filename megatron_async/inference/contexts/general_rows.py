@@ -53,6 +53,9 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
         if has_mamba:
             columns["mamba_row_order"], num_multi = mamba_row_order(
                 rows.cu, [k > 0 for k in spec_rows.num_drafts] if spec else None)
+        if "lora_slot" in v:  # each token its row's adapter slot (contexts/lora_rows.py)
+            lora_rows = np.fromiter((row.request.lora_slot for row in plan.rows), np.int32, len(plan.rows))
+            columns["lora_slot"] = lora_rows[np.asarray(tokens.tok_row, dtype=np.int64)]
         if spec:
             columns.update(spec_src=tokens.src, spec_slot=spec_rows.slot, spec_owner_slot=spec_rows.owner,
                            spec_inflight=spec_rows.inflight, num_drafts=spec_rows.num_drafts,

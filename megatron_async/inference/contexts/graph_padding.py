@@ -68,6 +68,8 @@ def _tokens(v: dict, pad: PaddingSlots, ta: int, tb: int) -> None:
     v["slot_mapping"][ta:tb] = DUMMY_BLOCK * pad.block_size
     if pad.spec_slot is not None:
         v["spec_src"][ta:tb] = -1
+    if "lora_slot" in v:  # padding tokens: no adapter
+        v["lora_slot"][ta:tb] = -1
 
 
 def _samples(v: dict, pad: PaddingSlots, sa: int, sb: int, token_idx: np.ndarray, rows: np.ndarray) -> None:

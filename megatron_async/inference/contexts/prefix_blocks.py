@@ -1,20 +1,25 @@
 """Prefix blocks of the paged KV cache: which cached blocks an admitted request's leading tokens
 match (their prefill is skipped; a hybrid model only as deep as a cached Mamba state exists),
 each block's identity (a hash chained under the cache's key, or the digest a router computed for
-it), and publishing a request's complete blocks once their KV is enqueued. The allocator holds
-the blocks and their table; the context owns this room and asks it at admission and bookkeeping."""
+it), and publishing a request's complete blocks once their KV is enqueued. A request served by a
+LoRA adapter chains its blocks under the cache's key joined with the adapter's
+(contexts/lora_rows.py) and publishes none once the adapter's weights changed. The allocator
+holds the blocks and their table; the context owns this room and asks it at admission and
+bookkeeping."""
 from __future__ import annotations
 
 from megatron_async.inference.contexts.kv_block_allocator import (
-    BlockKey, KVBlockAllocator, adopted_digest, chain_keys, known_digests,
+    BlockKey, KVBlockAllocator, adopted_digest, chain_hash, chain_keys, known_digests,
 )
+from megatron_async.inference.contexts.lora_rows import adapter_current, request_hash_key
 from megatron_async.inference.contexts.mamba_states import MambaStateManager
 from megatron_async.inference.request import DynamicInferenceRequest
 
 
 class PrefixBlocks:
-    def __init__(self, allocator: KVBlockAllocator, block_size: int, mamba: MambaStateManager | None):
-        self.allocator, self.block_size, self.mamba = allocator, block_size, mamba
+    def __init__(self, allocator: KVBlockAllocator, block_size: int, mamba: MambaStateManager | None, lora=None):
+        """``lora``: the model's ``models.lora.LoRAAdapters`` (None: it serves none)."""
+        self.allocator, self.block_size, self.mamba, self.lora = allocator, block_size, mamba, lora
 
     def match(self, req: DynamicInferenceRequest) -> int:
         """Acquire the cached blocks that match ``req``'s leading known tokens (at admission); the
@@ -63,21 +68,23 @@ class PrefixBlocks:
 
     def _block_hash(self, req: DynamicInferenceRequest, i: int, parent: BlockKey | None) -> BlockKey:
         bs = self.block_size
-        digest = adopted_digest(req.prompt_digests, self.allocator.hash_key, i)
-        return self.allocator.block_hash(parent, req.tokens_between(i * bs, (i + 1) * bs), digest)
+        key = request_hash_key(self.allocator.hash_key, req)
+        digest = adopted_digest(req.prompt_digests, key, i)
+        return chain_hash(parent, req.tokens_between(i * bs, (i + 1) * bs), key, digest)
 
     def publish(self, req: DynamicInferenceRequest, weights_epoch: int) -> None:
         """Publish blocks whose tokens are all known and whose KV is enqueued (computed with
-        the current weights, ``weights_epoch``, from the request's admission on)."""
-        if not self.allocator.publishes or req.weights_epoch != weights_epoch:
+        the current weights, ``weights_epoch``, and the current adapter weights, from the request's
+        admission on)."""
+        if not self.allocator.publishes or req.weights_epoch != weights_epoch or not adapter_current(req, self.lora):
             return
         bs = self.block_size
         known = req.num_known_tokens if self.allocator.enable_prefix_caching else len(req.prompt_tokens)
         full, first = min(req.num_computed_tokens, known) // bs, req.num_hashed_blocks
         if full <= first:
             return
-        keys = chain_keys(req.last_block_hash, req.tokens_between(first * bs, full * bs), bs, self.allocator.hash_key,
-                          req.prompt_digests, first)
+        keys = chain_keys(req.last_block_hash, req.tokens_between(first * bs, full * bs), bs,
+                          request_hash_key(self.allocator.hash_key, req), req.prompt_digests, first)
         self.allocator.register_run(req.block_ids[first:full], keys)
         if self.mamba is not None:
             for i, h in enumerate(keys, first):

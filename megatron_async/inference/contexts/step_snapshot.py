@@ -9,7 +9,7 @@ from megatron_async.inference.contexts.bookkeeping_layout import FieldSpec
 
 
 def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samples: int | None = None,
-                       speculative: bool = False, mamba: bool = False) -> list[FieldSpec]:
+                       speculative: bool = False, mamba: bool = False, lora: bool = False) -> list[FieldSpec]:
     """The single declaration of the step snapshot (host buffer and device view alike).
 
     A "sample" is one sampled position: one per row, plus one per draft of a verify row
@@ -42,6 +42,8 @@ def bookkeeping_fields(max_tokens: int, max_rows: int, max_blocks: int, max_samp
         FieldSpec("repetition_penalty", torch.float32, (S,)),
         FieldSpec("suppress_stop", torch.bool, (S,)),
     ]
+    if lora:  # each token's LoRA adapter slot, -1: the base model (contexts/lora_rows.py)
+        fields.append(FieldSpec("lora_slot", torch.int32, (T,)))
     if mamba:  # a mixed step's Mamba rows: several-token rows first (see kernels/mamba_varlen_ops.py)
         fields.append(FieldSpec("mamba_row_order", torch.int64, (R,)))
     if speculative:  # see contexts/spec_state.py and speculative/verify.py

@@ -33,6 +33,7 @@ from megatron_async.inference.engines.engine_controls import EngineControls
 from megatron_async.inference.engines.engine_stats import EngineStats
 from megatron_async.inference.engines.generation_control import GenerationControl
 from megatron_async.inference.engines.grammar_masks import GrammarMasks
+from megatron_async.inference.engines.lora_control import LoRAControl
 from megatron_async.inference.engines.rank_roles import SingleRank, rank_role
 from megatron_async.inference.engines.request_book import RequestBook
 from megatron_async.inference.engines.request_validation import RequestValidator
@@ -104,6 +105,8 @@ class DynamicInferenceEngine(EngineControls):
         self.control = GenerationControl(self)
         self.weights = WeightReceiver(self)
         """Weight updates (``LLM.update_weights``, transfers from a trainer: weight_receiver.py)."""
+        self.lora = LoRAControl(self)
+        """LoRA adapters: load, unload, update (lora_control.py)."""
 
     @property
     def stats(self) -> EngineStats:

@@ -20,6 +20,7 @@ from megatron_async.config import Scheduling
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.contexts.sampling_state import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 from megatron_async.inference.engines.grammar_masks import GrammarMasks
+from megatron_async.inference.engines.lora_control import check_request_adapter
 from megatron_async.inference.request import InvalidRequestError, SamplingParams
 
 
@@ -154,6 +155,7 @@ class RequestValidator:
         check_sampling_extensions(frozen)
         if frozen.return_routed_experts and not self.routes_experts:
             raise InvalidRequestError("return_routed_experts needs a mixture-of-experts model; this one has no MoE layer")
+        check_request_adapter(frozen.lora, self.context.lora)
         banned, banned_sequences = check_token_choices(frozen, self.vocab_size, self.tokenizer)
         if frozen.structured_outputs is not None:
             if self.grammars is None:

@@ -56,8 +56,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         """x: [T, hidden], or its rows quantized for the FP8 qkv projection (``fp8_input_linear``)."""
         T = x.shape[0]
-        inv, kernels = step.batch.batch_invariant, step.kernels
-        q, k, v = self.qkv_proj(x, inv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        inv, kernels, lora = step.batch.batch_invariant, step.kernels, step.batch.lora_slots
+        q, k, v = self.qkv_proj(x, inv, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -73,10 +73,11 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q, inv, kernels.fused), self.k_norm(k, inv, kernels.fused)
             if step.rope is not None:
                 q, k = self._rotate(q, *step.rope), self._rotate(k, *step.rope)
-        quantize = not inv and self._quantizes_output(T, q, kernels)
+        quantize = not inv and lora is None and self._quantizes_output(T, q, kernels)
         out = attend(q, k, v, kv_cache, step.batch.attn, self.head_dim**-0.5, inv, kernels.attention, self.kv_scale,
                      quantize)
-        return self.o_proj(out.reshape(T, self.q_size) if isinstance(out, torch.Tensor) else out, inv, kernels.split_k)
+        return self.o_proj(out.reshape(T, self.q_size) if isinstance(out, torch.Tensor) else out, inv, kernels.split_k,
+                           lora)
 
     def _quantizes_output(self, rows: int, q: torch.Tensor, kernels) -> bool:
         """Whether the attention kernel hands an FP8 o projection its ``rows`` quantized (Triton

@@ -35,15 +35,17 @@ class SwiGLUMLP(nn.Module):
         inv = step is not None and step.batch.batch_invariant
         fused = step is None or step.kernels.fused
         split_k = step is None or step.kernels.split_k
-        if self.gate_up_proj.weight_scale_inv is None and not inv and fused_ops.use_fused(x, fused) and x.dim() == 2:
+        lora = step.batch.lora_slots if step is not None else None  # adapters: gate_up's output, then the SiLU
+        plain = self.gate_up_proj.weight_scale_inv is None and (lora is None or self.gate_up_proj.lora is None)
+        if plain and not inv and fused_ops.use_fused(x, fused) and x.dim() == 2:
             act = fused_ops.swiglu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if act is not None:
-                return self.down_proj(act, inv, split_k)
-        if inv and x.dim() == 2 and self.gate_up_proj.weight_scale_inv is None:
+                return self.down_proj(act, inv, split_k, lora)
+        if inv and x.dim() == 2 and plain:
             act = linear_op.invariant_swiglu(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if act is not None:
-                return self.down_proj(act, inv, split_k)
-        gate_up = self.gate_up_proj(x, inv)
+                return self.down_proj(act, inv, split_k, lora)
+        gate_up = self.gate_up_proj(x, inv, lora)
         if (inv or fused_ops.use_fused(gate_up, fused)) and gate_up.dim() == 2:
             if not inv and fused_ops.fp8_input_prequantized(gate_up.shape[0], gate_up.dtype, gate_up.device,
                                                             self.down_proj):
@@ -52,7 +54,7 @@ class SwiGLUMLP(nn.Module):
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             act = F.silu(gate) * up
-        return self.down_proj(act, inv, split_k)
+        return self.down_proj(act, inv, split_k, lora)
 
 
 class ReluSquaredMLP(nn.Module):
@@ -77,17 +79,19 @@ class ReluSquaredMLP(nn.Module):
         inv = step is not None and step.batch.batch_invariant
         fused = step is None or step.kernels.fused
         split_k = step is None or step.kernels.split_k
-        if (self.up_proj.weight_scale_inv is None and not inv and fused_ops.use_fused(x, fused) and x.dim() == 2
+        lora = step.batch.lora_slots if step is not None else None
+        plain = self.up_proj.weight_scale_inv is None and (lora is None or self.up_proj.lora is None)
+        if (plain and not inv and fused_ops.use_fused(x, fused) and x.dim() == 2
                 and not fused_ops.fp8_input_prequantized(x.shape[0], x.dtype, x.device, self.down_proj)):
             act = fused_ops.swiglu_linear(x, self.up_proj.weight, self.up_proj.bias, gated=False)  # up + relu^2
             if act is not None:
-                return self.down_proj(act, inv, split_k)
-        h = self.up_proj(x, inv)
+                return self.down_proj(act, inv, split_k, lora)
+        h = self.up_proj(x, inv, lora)
         if fused_ops.use_fused(h, fused) and h.dim() == 2:
             if not inv and fused_ops.fp8_input_prequantized(h.shape[0], h.dtype, h.device, self.down_proj):
                 return self.down_proj(fused_ops.relu_square_quantized(h), inv, split_k)
-            return self.down_proj(fused_ops.relu_square(h), inv, split_k)
-        return self.down_proj(torch.relu(h).square(), inv, split_k)
+            return self.down_proj(fused_ops.relu_square(h), inv, split_k, lora)
+        return self.down_proj(torch.relu(h).square(), inv, split_k, lora)
 
 
 def build_mlp(hidden: int, cfg: MLPConfig, parallel: ParallelState, dtype: torch.dtype,

@@ -143,7 +143,7 @@ EVERY_FIELD = dict(temperature=0.5, top_k=3, top_p=0.9, num_tokens_to_generate=7
                    stop_words=("a", (1, 2)), skip_special_tokens=False, include_stop_str_in_output=True,
                    min_tokens=1, min_p=0.1, presence_penalty=0.2, frequency_penalty=0.3, repetition_penalty=1.1,
                    return_routed_experts=True, logit_bias={3: -1.5}, allowed_token_ids=(1, 2, 3), bad_words=("x",),
-                   priority=-3, structured_outputs=StructuredOutputs(choice=["a", "b"]))
+                   priority=-3, structured_outputs=StructuredOutputs(choice=["a", "b"]), lora="adapter")
 
 
 def test_every_field_of_the_records_travels():

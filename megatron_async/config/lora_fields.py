@@ -1,0 +1,19 @@
+"""The LoRA fields of ``InferenceConfig``: whether the engine serves LoRA adapters beside the base
+model and how their slots are sized (how many adapters at once, their largest rank).
+``InferenceConfig.lora()`` hands them to the model's adapter slots (models/lora/adapters.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LoRAFields:
+    enable_lora: bool = False
+    """Serve LoRA adapters (``LLM.load_lora``, ``SamplingParams.lora``): the attention and MLP
+    projections get adapter slots, sized below, when the LLM is built."""
+
+    max_loras: int = 8
+    """``enable_lora``: most adapters loaded at once (one batch may mix all of them and the base)."""
+
+    max_lora_rank: int = 16
+    """``enable_lora``: the largest adapter rank accepted (smaller ranks are zero-padded)."""

@@ -1,0 +1,54 @@
+"""The batched LoRA op every adapted linear calls after its base product:
+
+    y[t, slice j] += scale[l, j] * (x[t] @ A[l, jR:(j+1)R].T) @ B[l, slice j].T,   l = slots[t]
+
+for each token t with an adapter slot l >= 0; a token of slot -1 (the base model) is left as it
+is. A fused projection (q/k/v, gate/up) has one slice per part, each with its own A rows and its
+own B rows (its own columns of y); a plain linear has one slice.
+
+Two implementations of the same arithmetic (PEFT's order: the rank-space product rounded to the
+model dtype, then the expanded product, then the scale, then the add): the Triton shrink /
+expand pair (``triton_lora``) on CUDA and in batch-invariant mode (interpreted on CPU, as the
+batch-invariant matmul is), and a torch reference elsewhere, which groups the rows by slot on
+the host (CPU only: it reads the slots)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+             slots: torch.Tensor, starts: torch.Tensor, slices: tuple[tuple[int, int], ...],
+             batch_invariant: bool = False) -> None:
+    """In place on ``y`` [T, N] (the layer's output or, row-parallel, its partial sum); ``x`` [T, K];
+    ``a`` [L, S*R, K]; ``b`` [L, N, R]; ``scale`` [L, S] float32; ``slots`` [>= T] int32;
+    ``starts`` [S + 1] int32 on the device and ``slices`` the same (start, end) columns on the host."""
+    if x.is_cuda or batch_invariant:
+        _triton()(y, x, a, b, scale, slots, starts)
+    else:
+        lora_add_reference(y, x, a, b, scale, slots, slices)
+
+
+def lora_add_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+                       slots: torch.Tensor, slices: tuple[tuple[int, int], ...]) -> None:
+    """``lora_add`` in torch: the rows of each slot in one product (reads the slots on the host)."""
+    T = x.shape[0]
+    R = b.shape[2]
+    token_slots = slots[:T].long()
+    for lora in torch.unique(token_slots).tolist():
+        if lora < 0:
+            continue
+        rows = (token_slots == lora).nonzero().squeeze(1)
+        s = x[rows] @ a[lora].T
+        for j, (lo, hi) in enumerate(slices):
+            part = (s[:, j * R:(j + 1) * R] @ b[lora, lo:hi].T) * scale[lora, j].to(y.dtype)
+            y[rows, lo:hi] += part
+
+
+@functools.cache
+def _triton():
+    # imported on first use: tests set TRITON_INTERPRET before the kernels are decorated
+    from megatron_async.kernels.triton_lora import lora_add_triton
+
+    return lora_add_triton

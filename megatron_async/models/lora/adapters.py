@@ -1,0 +1,142 @@
+"""The LoRA adapters a model holds: which slot each name occupies, and the one checked path
+that writes, rewrites and clears slots.
+
+``LoRAAdapters.attach`` gives the attention and MLP linears of the model's blocks their slots
+(``ParallelLinear.add_lora_slots``) once, at build, and maps every Hugging Face module path those
+linears stand for (``model.layers.0.self_attn.q_proj`` -> the fused qkv linear, part "q") through
+the model's own checkpoint targets (``hf_targets``). Loading checks the whole adapter against that
+map (every module known, every shape the base model's, every rank within ``max_lora_rank``) before
+it copies anything; a failed load changes nothing. MoE experts and Mamba mixers are not adapted."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatron_async.config import LoRASizing
+from megatron_async.models.layers.attention_layer import Attention
+from megatron_async.models.layers.mlp import ReluSquaredMLP, SwiGLUMLP
+from megatron_async.models.lora.peft_format import AdapterConfig, AdapterWeights, LoRAError, read_adapter
+from megatron_async.parallel.lora_slots import LoRASlots
+
+ADAPTED = {Attention: ("qkv_proj", "o_proj"), SwiGLUMLP: ("gate_up_proj", "down_proj"),
+           ReluSquaredMLP: ("up_proj", "down_proj")}
+"""The linears of each mixer type that get adapter slots."""
+
+
+@dataclass(frozen=True)
+class Target:
+    slots: LoRASlots
+    part: int
+
+
+@dataclass
+class Loaded:
+    slot: int
+    config: AdapterConfig
+    generation: int
+    """Which load or update wrote its weights (part of its prefix-cache key)."""
+
+
+class LoRAAdapters:
+    def __init__(self, targets: dict[str, Target], sizing: LoRASizing):
+        self.targets, self.max_loras, self.max_rank = targets, sizing.max_loras, sizing.max_lora_rank
+        self.loaded: dict[str, Loaded] = {}
+        self._free = list(range(sizing.max_loras - 1, -1, -1))
+        self._generation = 0
+
+    @classmethod
+    def attach(cls, model: nn.Module, sizing: LoRASizing) -> LoRAAdapters:
+        """Give ``model``'s attention and MLP linears their slots; sets ``model.lora_adapters``."""
+        linears = {}
+        for block in model.blocks:
+            for name in ADAPTED.get(type(block.mixer), ()):
+                linear = getattr(block.mixer, name)
+                if linear.weight_scale_inv is not None:
+                    raise LoRAError("LoRA adapters are not supported on FP8 linears")
+                linears[id(linear.weight)] = linear
+        for linear in linears.values():
+            linear.add_lora_slots(sizing.max_loras, sizing.max_lora_rank)
+        targets = {}
+        for hf_name, (param, shard_id) in model.hf_targets().items():
+            linear = linears.get(id(param))
+            if linear is not None and hf_name.endswith(".weight"):
+                targets[hf_name[: -len(".weight")]] = Target(linear.lora, linear.lora.part_ids.index(shard_id))
+        adapters = model.lora_adapters = cls(targets, sizing)
+        return adapters
+
+    # ------------------------------------------------------------------ names and slots
+    def slot_of(self, name: str | None) -> int:
+        """The slot of adapter ``name`` (-1 for None: the base model); KeyError if not loaded."""
+        return -1 if name is None else self.loaded[name].slot
+
+    def key_of(self, name: str | None) -> bytes:
+        """What separates this adapter's prefix-cache entries (b"" for the base model): its name and
+        the load / update that wrote its weights."""
+        return b"" if name is None else b"\0lora:%s:%d" % (name.encode(), self.loaded[name].generation)
+
+    # ------------------------------------------------------------------ the checked path
+    def load(self, name: str, source) -> int:
+        """Read, check and copy a new adapter into a free slot; returns the slot."""
+        if not isinstance(name, str) or not name:
+            raise LoRAError(f"an adapter name must be a non-empty string, got {name!r}")
+        if name in self.loaded:
+            raise LoRAError(f"adapter {name!r} is already loaded (update_lora rewrites it, unload_lora frees it)")
+        if not self._free:
+            raise LoRAError(f"all {self.max_loras} adapter slots are in use (InferenceConfig.max_loras): unload one")
+        weights = self._checked(read_adapter(source))
+        slot = self._free.pop()
+        self._write(slot, weights)
+        self._generation += 1
+        self.loaded[name] = Loaded(slot, weights.config, self._generation)
+        return slot
+
+    def update(self, name: str, source) -> int:
+        """Rewrite loaded adapter ``name`` in place (same slot, read and checked like ``load``;
+        a mapping of tensors keeps the adapter's config); returns the slot."""
+        if name not in self.loaded:
+            raise LoRAError(f"no adapter {name!r} is loaded (loaded: {sorted(self.loaded)})")
+        entry = self.loaded[name]
+        weights = self._checked(read_adapter(source, entry.config))
+        self._write(entry.slot, weights)
+        self._generation += 1
+        entry.config, entry.generation = weights.config, self._generation
+        return entry.slot
+
+    def unload(self, name: str) -> int:
+        """Clear and free adapter ``name``'s slot (the caller makes sure no request uses it)."""
+        if name not in self.loaded:
+            raise LoRAError(f"no adapter {name!r} is loaded (loaded: {sorted(self.loaded)})")
+        slot = self.loaded.pop(name).slot
+        for slots in {id(t.slots): t.slots for t in self.targets.values()}.values():
+            slots.clear(slot)
+        self._free.append(slot)
+        return slot
+
+    def _checked(self, weights: AdapterWeights) -> AdapterWeights:
+        if weights.config.rank > self.max_rank:
+            raise LoRAError(f"adapter rank {weights.config.rank} is over InferenceConfig.max_lora_rank={self.max_rank}")
+        for module, (a, b) in weights.modules.items():
+            target = self.targets.get(module)
+            if target is None:
+                raise LoRAError(f"the adapter targets {module!r}, which this model does not have or does not adapt "
+                                "(attention and MLP projections only; an adapter of another base model?)")
+            want_a, want_b = target.slots.full_shapes(target.part, a.shape[0])
+            if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+                raise LoRAError(f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, the base model needs "
+                                f"{want_a} / {want_b} (an adapter of another base model?)")
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise LoRAError(f"{module}: the adapter's tensors hold NaN or infinite values")
+        return weights
+
+    def _write(self, slot: int, weights: AdapterWeights) -> None:
+        """Every target's part of ``slot``: the adapter's tensors, or zeros where it has none."""
+        scaling = weights.config.scaling
+        for module, target in self.targets.items():
+            pair = weights.modules.get(module)
+            if pair is None:
+                target.slots.write(slot, target.part, None, None, 0.0)
+                continue
+            dev, dtype = target.slots.a.device, target.slots.a.dtype
+            target.slots.write(slot, target.part, pair[0].to(dev, dtype), pair[1].to(dev, dtype), scaling)
