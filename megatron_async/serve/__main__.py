@@ -146,12 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     resolve_launch_ahead(args)
     llm = load_llm(args, stream_text=True)  # SSE deltas come from RequestUpdate.new_text
     if args.listen or args.join:
-        from megatron_async.serve.engine_join import serve_engine
+        from megatron_async.dp_engine.join import serve_engine
 
         return serve_engine(llm, args)
     try:
         if not llm.is_leader:  # tensor parallelism: rank 0 serves, this rank follows its steps
-            from megatron_async.serve.engine_loop import follow_rank0
+            from megatron_async.dp_engine.engine_ops import follow_rank0
 
             follow_rank0(llm.engine, llm.communicator, llm.update_weights)
             return 0

@@ -11,7 +11,7 @@ The body is checked here (in whichever process serves HTTP) as strictly as the O
 (the size, timeout and key checks of http_guard.py, then: a JSON media type when the body is not
 empty, else 415; JSON that Python can hold; only the route's own fields); a path is a directory
 under ``--allowed-weights-dir`` (outside it: 403). The operation runs on the engine thread between
-two steps (admin_ops.py) and answers JSON with the engine's state; bad input is a 400, an
+two steps (dp_engine/engine_ops.py) and answers JSON with the engine's state; bad input is a 400, an
 operation the engine's state refuses (wrong order, generation not paused) a 409, both as OpenAI
 error objects, never a 5xx."""
 from __future__ import annotations
@@ -115,7 +115,7 @@ VALIDATORS: dict[str, Callable[[dict], dict]] = {
     "pause_generation": _pause, "resume_generation": lambda obj: {}, "update_weights": _update,
     "suspend": _suspend, "resume": _tags,
 }
-"""Operation (admin_ops.py) -> its body checked into the arguments it runs with (_BadBody: a 4xx)."""
+"""Operation (dp_engine/engine_ops.py) -> its body checked into the arguments it runs with (_BadBody: a 4xx)."""
 FIELDS: dict[str, frozenset[str]] = {
     "pause_generation": frozenset({"mode"}), "resume_generation": frozenset(),
     "update_weights": frozenset({"path", "version"}), "suspend": frozenset({"tags", "keep_weights_on_host"}),

@@ -1,6 +1,6 @@
 """Admin routes for refit from a training job (only with ``--enable-admin-endpoints``), as SGLang
 and vLLM expose them; the operations run on the engine thread between two steps, on every
-tensor-parallel rank (``refit_ops.EVERY_RANK_OPS``: the follower ranks of a TP server run them too).
+tensor-parallel rank (``dp_engine/engine_ops.EVERY_RANK_OPS``: the follower ranks of a TP server run them too).
 
     POST /init_weight_transfer   {"master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 1,
                                   "world_size": 3, "backend": "nccl" | "gloo" | null, "timeout_s": 300}

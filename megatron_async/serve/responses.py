@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_async.dp_engine.engine_ops import error_body  # noqa: F401 -- the bodies of every error
 from megatron_async.inference.request import RequestOutput
 
 
@@ -57,11 +58,6 @@ def chunk_template(body: dict) -> JsonTemplate:
     ``TOKENS_SLOT`` for its ids: called with the text, then the ids where the body holds them."""
     slots = (TEXT_SLOT, TOKENS_SLOT) if json.dumps(TOKENS_SLOT) in json.dumps(body) else (TEXT_SLOT,)
     return JsonTemplate(body, slots)
-
-
-def error_body(message: str, status: int, param: str | None = None) -> dict:
-    kind = "not_found_error" if status == 404 else "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
