@@ -23,8 +23,7 @@ from pathlib import Path
 
 from megatron_async.cli import flags
 from megatron_async.serve.http_flags import add_http_args, policy_from_args, refusal
-from megatron_async.serve.reasoning import REASONING_PARSERS
-from megatron_async.serve.tool_calls import TOOL_CALL_PARSERS, choose_parser
+from megatron_async.serve.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS, choose_parser
 
 log = logging.getLogger("megatron_async.serve")
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20

@@ -24,8 +24,8 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from megatron_async.serve import request_body
-from megatron_async.serve import responses as resp
+from megatron_async.dp_engine.engine_ops import error_body
+from megatron_async.serve.request_input import check_content_type, decode_json
 from megatron_async.serve.openai_protocol import BadRequest
 
 
@@ -40,7 +40,7 @@ def _json(body: dict, status: int = 200) -> Response:
 
 
 def _refused(e: _BadBody) -> Response:
-    return _json(resp.error_body(str(e), e.status), e.status)
+    return _json(error_body(str(e), e.status), e.status)
 
 
 async def _body(request: Request, fields: frozenset[str]) -> dict:
@@ -49,8 +49,8 @@ async def _body(request: Request, fields: frozenset[str]) -> dict:
     if not raw.strip():
         return {}
     try:
-        request_body.check_content_type(request.headers.get("content-type"))
-        obj = request_body.decode_json(raw)
+        check_content_type(request.headers.get("content-type"))
+        obj = decode_json(raw)
     except BadRequest as e:
         raise _BadBody(str(e), e.status) from None
     if not isinstance(obj, dict):

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE when
 ``stream``), /v1/models, /health, /metrics, /tokenize, /detokenize, and the admin endpoints when
 enabled. Handlers turn a
-body into engine choices (request_input.py), hand them to the engine thread (engine_loop.py) and
-read their events back (responder.py); the routes are completion_routes.py, chat_routes.py,
+body into engine choices (request_input.py, sampling_fields.py), hand them to the engine thread
+(engine_loop.py) and read their events back (responses.py); the routes are completion_routes.py, chat_routes.py,
 admin_routes.py and the informational ones here. Every error is OpenAI's JSON error object (400
 bad input, 404 unknown model or route, 413 body too large, 415 not JSON, 503 the engine cannot
 generate now (suspended, not paused), 500 unexpected), and a
@@ -26,7 +26,6 @@ from megatron_async.serve.completion_routes import completions_router
 from megatron_async.serve.http_guard import HttpGuard
 from megatron_async.serve.metrics import CONTENT_TYPE
 from megatron_async.serve.request_input import RequestInput
-from megatron_async.serve.responder import error_response
 from megatron_async.serve.server_state import ServerState
 from megatron_async.serve.tokenize_routes import tokenize_router
 
@@ -54,20 +53,20 @@ def create_app(state: ServerState) -> FastAPI:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(proto.BadRequest)
     async def _bad_request(_: Request, e: proto.BadRequest):
-        return error_response(str(e), e.status, e.param)
+        return resp.error_response(str(e), e.status, e.param)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, e: HTTPException):  # unknown route, wrong method
-        return error_response(str(e.detail), e.status_code)
+        return resp.error_response(str(e.detail), e.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
-        return error_response(str(e), 400)
+        return resp.error_response(str(e), 400)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception):
         log.exception("request failed unexpectedly")
-        return error_response(f"internal error: {type(e).__name__}", 500)
+        return resp.error_response(f"internal error: {type(e).__name__}", 500)
 
 
 def _info_router(state: ServerState) -> APIRouter:

@@ -222,7 +222,7 @@ def serve_over_client(args, model_name: str) -> int:
     from megatron_async.serve.http_flags import policy_from_args
     from megatron_async.serve.launch import Serving, serve_until_stopped
     from megatron_async.serve.server_state import ServerState
-    from megatron_async.serve.tool_calls import choose_parser
+    from megatron_async.serve.chat_output import choose_parser
 
     try:
         client = InferenceClient(args.engine).connect()

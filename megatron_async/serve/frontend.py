@@ -24,11 +24,11 @@ import sys
 
 import zmq
 
+from megatron_async.dp_engine.engine_ops import error_body
 from megatron_async.inference.communication import wire
 from megatron_async.inference.communication.handshake import AuthError, authenticate
 from megatron_async.inference.request import InvalidRequestError
 from megatron_async.serve import ipc
-from megatron_async.serve import responses as resp
 from megatron_async.serve.frontend_config import FrontendConfig
 from megatron_async.serve.submission import Submission, _deliver, _set_result
 
@@ -102,7 +102,7 @@ class RemoteEngineLoop:
         sid = next(self._ids)
         frame = self._frame(wire.encode, ipc.ADMIN, sid, op, args)
         if isinstance(frame, str):
-            return 400, resp.error_body(f"these arguments cannot be handed to the engine: {frame}", 400)
+            return 400, error_body(f"these arguments cannot be handed to the engine: {frame}", 400)
         return await self._ask(sid, frame)
 
     async def healthy(self) -> bool:

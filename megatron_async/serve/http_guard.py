@@ -28,7 +28,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from megatron_async.serve.responses import error_body
+from megatron_async.dp_engine.engine_ops import error_body
 
 log = logging.getLogger("megatron_async.serve")
 
