@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from megatron_async.cli import flags
-from megatron_async.serve.http_flags import add_http_args, policy_from_args, refusal
+from megatron_async.serve.http_guard import add_http_args, policy_from_args, refusal
 from megatron_async.serve.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS, choose_parser
 
 log = logging.getLogger("megatron_async.serve")

@@ -19,8 +19,7 @@ from starlette.exceptions import HTTPException
 
 from megatron_async.serve import openai_protocol as proto
 from megatron_async.serve import responses as resp
-from megatron_async.serve.admin_routes import add_admin_routes
-from megatron_async.serve.refit_routes import add_refit_routes
+from megatron_async.serve.admin_routes import add_admin_routes, add_refit_routes
 from megatron_async.serve.chat_routes import chat_router
 from megatron_async.serve.completion_routes import completions_router
 from megatron_async.serve.http_guard import HttpGuard

@@ -219,7 +219,7 @@ def serve_over_client(args, model_name: str) -> int:
     from megatron_async.coordinator.transport import AuthError
     from megatron_async.coordinator.trust import SecretError
     from megatron_async.models.chat_template import load_chat_template
-    from megatron_async.serve.http_flags import policy_from_args
+    from megatron_async.serve.http_guard import policy_from_args
     from megatron_async.serve.launch import Serving, serve_until_stopped
     from megatron_async.serve.server_state import ServerState
     from megatron_async.serve.chat_output import choose_parser
