@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "a busy event loop writes chunks; python -m benchmarks gil-switch measures the effect")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log level")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template that replaces the checkpoint's for /v1/chat/completions and /tokenize "
+                        "(e.g. one that renders tools, for a model whose own template does not)")
     g.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *TOOL_CALL_PARSERS],
                    help="reads tool calls out of chat answers to requests with tools (hermes: "
                         "<tool_call>{json}</tool_call>); auto: hermes when the chat template mentions <tool_call>")
@@ -105,6 +108,19 @@ def resolve_launch_ahead(args: argparse.Namespace) -> None:
         args.launch_ahead = False
 
 
+def template_refusal(args: argparse.Namespace) -> str | None:
+    """Why ``--chat-template`` cannot be served (None: it can, or none was given)."""
+    if args.chat_template is None:
+        return None
+    from megatron_async.models.chat_template import ChatTemplateError, load_chat_template
+
+    try:
+        load_chat_template(args.model, args.chat_template)
+    except (OSError, ChatTemplateError, UnicodeDecodeError) as e:
+        return f"--chat-template {args.chat_template!r}: {e}"
+    return None
+
+
 def build_state(llm, args: argparse.Namespace):
     from megatron_async.models.chat_template import load_chat_template
     from megatron_async.serve.app import ServerState
@@ -116,7 +132,7 @@ def build_state(llm, args: argparse.Namespace):
     state = ServerState(
         engine_loop=EngineLoop(llm.engine, ServerMetrics(name), llm.communicator, update_weights=llm.update_weights,
                                share=BODY_SHARE[args.body_share]),
-        model_name=name, tokenizer=llm.tokenizer, chat_template=load_chat_template(args.model) if args.model else None,
+        model_name=name, tokenizer=llm.tokenizer, chat_template=load_chat_template(args.model, args.chat_template),
         max_model_len=min(llm.config.max_sequence_length, kv_tokens), max_requests=llm.config.max_requests,
         max_request_bytes=args.max_request_bytes, admin_endpoints=args.enable_admin_endpoints,
         policy=policy_from_args(args),
@@ -131,6 +147,9 @@ def build_state(llm, args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if why := refusal(args, policy_from_args(args)):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    if why := template_refusal(args):
         print(f"error: {why}", file=sys.stderr)
         return 2
     flags.resolve_device_args(args)
