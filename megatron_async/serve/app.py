@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE when
 ``stream``), /v1/models, /health, /metrics, /tokenize, /detokenize, and the admin endpoints when
-enabled. Handlers turn a
-body into engine choices (request_input.py, sampling_fields.py), hand them to the engine thread
-(engine_loop.py) and read their events back (responses.py); the routes are completion_routes.py, chat_routes.py,
-admin_routes.py and the informational ones here. Every error is OpenAI's JSON error object (400
+enabled. Each endpoint family's module (completion_routes.py, chat_routes.py, tokenize_routes.py,
+admin_routes.py) turns a body into engine choices (request_input.py, sampling_fields.py), hands
+them to the engine thread (engine_loop.py) and answers from their events (responses.py); the
+informational routes are here. Every error is OpenAI's JSON error object (400
 bad input, 404 unknown model or route, 413 body too large, 415 not JSON, 503 the engine cannot
 generate now (suspended, not paused), 500 unexpected), and a
 client that goes away has its requests aborted."""

@@ -232,7 +232,8 @@ def serve_over_client(args, model_name: str) -> int:
     state = ServerState(
         engine_loop=ClientEngineLoop(client, ServerMetrics(model_name),
                                      aging=args.priority_aging or InferenceConfig.priority_aging),
-        model_name=model_name, tokenizer=_tokenizer(args), chat_template=load_chat_template(args.model, args.chat_template),
+        model_name=model_name, tokenizer=_tokenizer(args),
+        chat_template=load_chat_template(args.model, args.chat_template),
         max_model_len=args.max_sequence_length or 4096, max_requests=args.max_requests or 64,
         max_request_bytes=args.max_request_bytes, admin_endpoints=args.enable_admin_endpoints,
         policy=policy_from_args(args))

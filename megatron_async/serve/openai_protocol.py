@@ -130,7 +130,7 @@ class _SamplingFields(StructuredFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, TokenIds, list[str], list[TokenIds]]
-    max_tokens: int | None = Field(default=None, ge=0)  # 0: score the prompt only (serve/echo.py)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: score the prompt only (completion_routes.py)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's extra

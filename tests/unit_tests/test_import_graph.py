@@ -145,7 +145,8 @@ def test_process_roles_import_no_http_server():
 def test_role_check_sees_a_planted_import():
     graph = import_graph(annotations=True)
     _plant(graph, "megatron_async.dp_engine.link", "def f():\n    from ..serve import engine_loop\n")
-    _plant(graph, "megatron_async.llm", "import importlib\nJOIN = importlib.import_module('megatron_async.serve.app')\n")
+    _plant(graph, "megatron_async.llm",
+           "import importlib\nJOIN = importlib.import_module('megatron_async.serve.app')\n")
     _plant(graph, "megatron_async.coordinator.core", "from ..dp_engine.engine_ops import run_engine_op\n")
     assert role_imports(graph) == {"megatron_async.dp_engine.link": ["megatron_async.serve.engine_loop"],
                                    "megatron_async.llm": ["megatron_async.serve.app"],
