@@ -1,7 +1,7 @@
 """An engine without a model, for measuring the coordinator and the client: every request it
 takes ends at its next step with one token, so what a request costs end to end is the routing,
 the messages and the bookkeeping around the engine, not the engine. It speaks to the
-coordinator through the real engine link (megatron_async/serve/engine_link.py).
+coordinator through the real engine link (megatron_async/dp_engine/link.py).
 
     python -m benchmarks.null_engine tcp://127.0.0.1:PORT [NAME]
 """
@@ -67,8 +67,8 @@ class NullEngine:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_async.serve.engine_join import CoordinatorChannel
-    from megatron_async.serve.engine_link import EngineLink
+    from megatron_async.dp_engine.join import CoordinatorChannel
+    from megatron_async.dp_engine.link import EngineLink
 
     argv = sys.argv[1:] if argv is None else argv
     address, name = argv[0], argv[1] if len(argv) > 1 else "null"

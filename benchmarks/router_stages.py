@@ -2,7 +2,7 @@
 null engines (benchmarks/null_engine.py) and this process's client stamp ``time.perf_counter_ns``
 (one clock for every process of a host) at each send (``zmq_send``'s entry) and at each wake-up
 (the first Python after a blocking poll returned: the coordinator's loop, an engine's wait, the
-client's reader). Where engines answer clients directly (serve/direct_replies.py: the
+client's reader). Where engines answer clients directly (dp_engine/direct_replies.py: the
 coordinator's ipc twin, a request that does not stream), the path is 3 hops: the engine's first
 send is to the client, whose reply socket's reader wakes. One request at a time; each row is the median over the requests of the time
 from one stamp to the next on the request's path: the Python a process runs between its wake-up
@@ -43,7 +43,7 @@ def direct_replies() -> bool:
     """This tree's engines answer clients directly."""
     from importlib.util import find_spec
 
-    return find_spec("megatron_async.serve.direct_replies") is not None
+    return find_spec("megatron_async.dp_engine.direct_replies") is not None
 
 
 def _stamp_before(owner, name: str, tag: str) -> None:
@@ -92,7 +92,7 @@ def engine(address: str, name: str, out: str) -> None:
     _stamp_after(transport.PeerSocket, "wait", "E.wake")
     _stamp_before(transport, "zmq_send", "E.send")
     if direct_replies():
-        from megatron_async.serve import direct_replies as direct
+        from megatron_async.dp_engine import direct_replies as direct
 
         _stamp_before(direct, "zmq_send", "E.send")
     _dump_on_term(out)

@@ -28,10 +28,11 @@ own Python callbacks (task wake-ups, transports); the event loop polling or in i
 (uvloop)."""
 
 _HTTP_PACKAGES = ("/starlette/", "/uvicorn/", "/fastapi/", "/anyio/", "/h11/", "/httptools/")
-_CHUNK_FILES = ("serve/responses.py", "serve/chat_output.py", "serve/tool_calls.py", "serve/reasoning.py",
-                "serve/tag_stream.py")
-_CHUNK_FUNCTION_FILES = ("serve/responder.py", "serve/completion_routes.py", "serve/chat_routes.py")
-"""Where the streams' own ``_stream`` and the routes' ``chunk`` builders live."""
+_CHUNK_FILES = ("serve/responses.py", "serve/chat_output.py")
+_CHUNK_FUNCTION_FILES = ("serve/completion_routes.py", "serve/chat_routes.py")
+"""Where the endpoints' ``chunk`` builders and what they call live."""
+_CHUNK_FUNCTIONS = ("chunk", "stream_logprobs", "completion_logprobs", "completion_chunk_choice", "vllm_prompt_logprobs",
+                    "_entries", "_top", "chat_logprobs", "chat_chunk_choice", "chunk_choices")
 
 
 def engine_stage(frames: list[tuple[str, str]]) -> str:
@@ -64,7 +65,7 @@ def loop_stage(frames: list[tuple[str, str]]) -> str:
     for f, fn in inner:  # the innermost frame outside the standard library decides
         if any(p in f for p in _HTTP_PACKAGES):
             return "HTTP send (ASGI, uvicorn)"
-        if any(f.endswith(c) for c in _CHUNK_FILES) or (f.endswith(_CHUNK_FUNCTION_FILES) and fn in ("_stream", "chunk")):
+        if any(f.endswith(c) for c in _CHUNK_FILES) or (f.endswith(_CHUNK_FUNCTION_FILES) and fn in _CHUNK_FUNCTIONS):
             return "SSE chunks + JSON"
         if "/megatron_async/" in f:
             return "request handling"

@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def start_engine_job(model: str, engines: int) -> tuple[list[subprocess.Popen], str]:
     """A coordinator and ``engines`` engines serving ``model`` (CPU), as a user would start them:
     (the processes, the coordinator's address)."""
-    from megatron_async.serve.engine_join import spawn_coordinator
+    from megatron_async.dp_engine.join import spawn_coordinator
 
     coordinator, address = spawn_coordinator("tcp://127.0.0.1:0", "longest_prefix")
     procs = [coordinator] + [subprocess.Popen(

@@ -110,7 +110,7 @@ class LLM:
             self.startup.total_seconds = time.perf_counter() - t0
             self.coordinator = None
             if listen is not None or join is not None:
-                from megatron_async.serve.engine_join import CoordinatorService
+                from megatron_async.dp_engine.join import CoordinatorService
 
                 self.coordinator = CoordinatorService(self, listen, join)
         except BaseException:

@@ -1,5 +1,5 @@
 """A client's reply socket: where its engines send the final outputs of its non-streaming
-requests themselves (serve/direct_replies.py), one hop instead of two through the coordinator.
+requests themselves (dp_engine/direct_replies.py), one hop instead of two through the coordinator.
 
 Made only when the client reached its coordinator through the coordinator's ipc twin: a Unix
 socket in the same 0700 directory, whose endpoint the client tells the coordinator

@@ -36,7 +36,7 @@ UNROUTED_TIMEOUT_S = 60.0
 ENGINE_TIMEOUT_S = DP_ENGINE_TIMEOUT_S
 """An engine that sent nothing for this long is dead (hung with its connection open), as if its
 connection had closed. Engines send a heartbeat every second from a thread of their own, also
-while a step runs (serve/engine_link.py)."""
+while a step runs (dp_engine/link.py)."""
 
 
 class Outbox(Protocol):
@@ -318,7 +318,7 @@ class CoordinatorCore(ControlOperations):
         "engines": "engines_query"}
 
     def engine_message(self, slot: EngineSlot, kind: str, fields: Sequence[Any]) -> None:
-        """A decoded message of a registered engine (engine_link.py's kinds): any of them says it is alive."""
+        """A decoded message of a registered engine (dp_engine/link.py's kinds): any of them says it is alive."""
         if kind not in self._ENGINE_KINDS:
             raise ValueError(f"engines do not send {kind!r}")
         slot.last_heard = time.monotonic()

@@ -73,20 +73,28 @@ class ChatTemplate:
             return False
 
 
-def load_chat_template(path: str | Path) -> ChatTemplate | None:
-    """The checkpoint dir's chat template, or None when it has none."""
-    root = Path(path)
-    tok_cfg_path = root / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
-    source = None
-    if (root / "chat_template.jinja").is_file():
-        source = (root / "chat_template.jinja").read_text()
-    elif isinstance(tok_cfg.get("chat_template"), str):
-        source = tok_cfg["chat_template"]
-    elif isinstance(tok_cfg.get("chat_template"), list):  # named templates: use "default"
-        named = {t.get("name"): t.get("template") for t in tok_cfg["chat_template"] if isinstance(t, dict)}
-        source = named.get("default")
+def load_chat_template(path: str | Path | None, template_file: str | Path | None = None) -> ChatTemplate | None:
+    """The checkpoint dir's chat template, or None when it has none. ``template_file``: a Jinja
+    file that replaces the checkpoint's template (its special tokens still come from ``path``);
+    OSError when it cannot be read, ChatTemplateError when it does not parse."""
+    tok_cfg_path = Path(path) / "tokenizer_config.json" if path is not None else None
+    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path is not None and tok_cfg_path.is_file() else {}
+    if template_file is not None:
+        source = Path(template_file).read_text()
+    else:
+        source = _checkpoint_source(Path(path), tok_cfg) if path is not None else None
     if source is None:
         return None
     specials = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(tok_cfg.get(k))) is not None}
     return ChatTemplate(source, specials)
+
+
+def _checkpoint_source(root: Path, tok_cfg: dict) -> str | None:
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text()
+    if isinstance(tok_cfg.get("chat_template"), str):
+        return tok_cfg["chat_template"]
+    if isinstance(tok_cfg.get("chat_template"), list):  # named templates: use "default"
+        named = {t.get("name"): t.get("template") for t in tok_cfg["chat_template"] if isinstance(t, dict)}
+        return named.get("default")
+    return None

@@ -22,9 +22,8 @@ import sys
 from pathlib import Path
 
 from megatron_async.cli import flags
-from megatron_async.serve.http_flags import add_http_args, policy_from_args, refusal
-from megatron_async.serve.reasoning import REASONING_PARSERS
-from megatron_async.serve.tool_calls import TOOL_CALL_PARSERS, choose_parser
+from megatron_async.serve.http_guard import add_http_args, policy_from_args, refusal
+from megatron_async.serve.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS, choose_parser
 
 log = logging.getLogger("megatron_async.serve")
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
@@ -62,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "a busy event loop writes chunks; python -m benchmarks gil-switch measures the effect")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log level")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template that replaces the checkpoint's for /v1/chat/completions and /tokenize "
+                        "(e.g. one that renders tools, for a model whose own template does not)")
     g.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *TOOL_CALL_PARSERS],
                    help="reads tool calls out of chat answers to requests with tools (hermes: "
                         "<tool_call>{json}</tool_call>); auto: hermes when the chat template mentions <tool_call>")
@@ -106,6 +108,19 @@ def resolve_launch_ahead(args: argparse.Namespace) -> None:
         args.launch_ahead = False
 
 
+def template_refusal(args: argparse.Namespace) -> str | None:
+    """Why ``--chat-template`` cannot be served (None: it can, or none was given)."""
+    if args.chat_template is None:
+        return None
+    from megatron_async.models.chat_template import ChatTemplateError, load_chat_template
+
+    try:
+        load_chat_template(args.model, args.chat_template)
+    except (OSError, ChatTemplateError, UnicodeDecodeError) as e:
+        return f"--chat-template {args.chat_template!r}: {e}"
+    return None
+
+
 def build_state(llm, args: argparse.Namespace):
     from megatron_async.models.chat_template import load_chat_template
     from megatron_async.serve.app import ServerState
@@ -117,7 +132,7 @@ def build_state(llm, args: argparse.Namespace):
     state = ServerState(
         engine_loop=EngineLoop(llm.engine, ServerMetrics(name), llm.communicator, update_weights=llm.update_weights,
                                share=BODY_SHARE[args.body_share]),
-        model_name=name, tokenizer=llm.tokenizer, chat_template=load_chat_template(args.model) if args.model else None,
+        model_name=name, tokenizer=llm.tokenizer, chat_template=load_chat_template(args.model, args.chat_template),
         max_model_len=min(llm.config.max_sequence_length, kv_tokens), max_requests=llm.config.max_requests,
         max_request_bytes=args.max_request_bytes, admin_endpoints=args.enable_admin_endpoints,
         policy=policy_from_args(args),
@@ -134,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     if why := refusal(args, policy_from_args(args)):
         print(f"error: {why}", file=sys.stderr)
         return 2
+    if why := template_refusal(args):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     flags.resolve_device_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from megatron_async.cli.main_job import load_llm
@@ -146,12 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     resolve_launch_ahead(args)
     llm = load_llm(args, stream_text=True)  # SSE deltas come from RequestUpdate.new_text
     if args.listen or args.join:
-        from megatron_async.serve.engine_join import serve_engine
+        from megatron_async.dp_engine.join import serve_engine
 
         return serve_engine(llm, args)
     try:
         if not llm.is_leader:  # tensor parallelism: rank 0 serves, this rank follows its steps
-            from megatron_async.serve.engine_loop import follow_rank0
+            from megatron_async.dp_engine.engine_ops import follow_rank0
 
             follow_rank0(llm.engine, llm.communicator, llm.update_weights)
             return 0

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE when
 ``stream``), /v1/models, /health, /metrics, /tokenize, /detokenize, and the admin endpoints when
-enabled. Handlers turn a
-body into engine choices (request_input.py), hand them to the engine thread (engine_loop.py) and
-read their events back (responder.py); the routes are completion_routes.py, chat_routes.py,
-admin_routes.py and the informational ones here. Every error is OpenAI's JSON error object (400
+enabled. Each endpoint family's module (completion_routes.py, chat_routes.py, tokenize_routes.py,
+admin_routes.py) turns a body into engine choices (request_input.py, sampling_fields.py), hands
+them to the engine thread (engine_loop.py) and answers from their events (responses.py); the
+informational routes are here. Every error is OpenAI's JSON error object (400
 bad input, 404 unknown model or route, 413 body too large, 415 not JSON, 503 the engine cannot
 generate now (suspended, not paused), 500 unexpected), and a
 client that goes away has its requests aborted."""
@@ -19,14 +19,12 @@ from starlette.exceptions import HTTPException
 
 from megatron_async.serve import openai_protocol as proto
 from megatron_async.serve import responses as resp
-from megatron_async.serve.admin_routes import add_admin_routes
-from megatron_async.serve.refit_routes import add_refit_routes
+from megatron_async.serve.admin_routes import add_admin_routes, add_refit_routes
 from megatron_async.serve.chat_routes import chat_router
 from megatron_async.serve.completion_routes import completions_router
 from megatron_async.serve.http_guard import HttpGuard
 from megatron_async.serve.metrics import CONTENT_TYPE
 from megatron_async.serve.request_input import RequestInput
-from megatron_async.serve.responder import error_response
 from megatron_async.serve.server_state import ServerState
 from megatron_async.serve.tokenize_routes import tokenize_router
 
@@ -54,20 +52,20 @@ def create_app(state: ServerState) -> FastAPI:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(proto.BadRequest)
     async def _bad_request(_: Request, e: proto.BadRequest):
-        return error_response(str(e), e.status, e.param)
+        return resp.error_response(str(e), e.status, e.param)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, e: HTTPException):  # unknown route, wrong method
-        return error_response(str(e.detail), e.status_code)
+        return resp.error_response(str(e.detail), e.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
-        return error_response(str(e), 400)
+        return resp.error_response(str(e), 400)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception):
         log.exception("request failed unexpectedly")
-        return error_response(f"internal error: {type(e).__name__}", 500)
+        return resp.error_response(f"internal error: {type(e).__name__}", 500)
 
 
 def _info_router(state: ServerState) -> APIRouter:

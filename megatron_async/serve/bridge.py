@@ -25,12 +25,12 @@ from typing import Any, Callable
 
 import zmq
 
+from megatron_async.dp_engine.engine_ops import error_body
 from megatron_async.inference.communication import wire
 from megatron_async.inference.communication.handshake import Listener
 from megatron_async.inference.request import InvalidRequestError
 from megatron_async.serve import ipc
 from megatron_async.serve.engine_loop import EngineLoop
-from megatron_async.serve.responses import error_body
 from megatron_async.serve.submission import Choice
 
 log = logging.getLogger("megatron_async.serve")

@@ -219,10 +219,10 @@ def serve_over_client(args, model_name: str) -> int:
     from megatron_async.coordinator.transport import AuthError
     from megatron_async.coordinator.trust import SecretError
     from megatron_async.models.chat_template import load_chat_template
-    from megatron_async.serve.http_flags import policy_from_args
+    from megatron_async.serve.http_guard import policy_from_args
     from megatron_async.serve.launch import Serving, serve_until_stopped
     from megatron_async.serve.server_state import ServerState
-    from megatron_async.serve.tool_calls import choose_parser
+    from megatron_async.serve.chat_output import choose_parser
 
     try:
         client = InferenceClient(args.engine).connect()
@@ -232,7 +232,8 @@ def serve_over_client(args, model_name: str) -> int:
     state = ServerState(
         engine_loop=ClientEngineLoop(client, ServerMetrics(model_name),
                                      aging=args.priority_aging or InferenceConfig.priority_aging),
-        model_name=model_name, tokenizer=_tokenizer(args), chat_template=load_chat_template(args.model) if args.model else None,
+        model_name=model_name, tokenizer=_tokenizer(args),
+        chat_template=load_chat_template(args.model, args.chat_template),
         max_model_len=args.max_sequence_length or 4096, max_requests=args.max_requests or 64,
         max_request_bytes=args.max_request_bytes, admin_endpoints=args.enable_admin_endpoints,
         policy=policy_from_args(args))

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from megatron_async.inference.request import InvalidRequestError
-from megatron_async.serve.admin_ops import run_admin_op
+from megatron_async.dp_engine.engine_ops import EVERY_RANK_OPS, run_admin_op
 from megatron_async.serve.fair_feed import FairFeed
 from megatron_async.serve.metrics import ServerMetrics
-from megatron_async.serve.refit_ops import EVERY_RANK_OPS
 from megatron_async.serve.submission import ChoiceEvent, GenerationBlockedError, Submission, _set_result, unsent_abort
 
 log = logging.getLogger("megatron_async.serve")
@@ -50,7 +49,7 @@ class EngineLoop:
         """``communicator``: tensor parallelism; this loop runs on rank 0 and tells the other
         ranks (``follow_rank0``) at each iteration whether to step, wait or stop, and which
         requests are held. ``update_weights``: the LLM's, for the admin operation of that name
-        (admin_ops.py). ``share``: bodies share the engine's places (fair_feed.py; None: on a CPU
+        (dp_engine/engine_ops.py). ``share``: bodies share the engine's places (fair_feed.py; None: on a CPU
         engine, where a step's time grows with its rows)."""
         self.engine = engine
         if share is None:
@@ -87,7 +86,7 @@ class EngineLoop:
         self._inbox.put(("abort", sub))
 
     def run_admin(self, op: str, args: dict, reply: Callable[[tuple[int, dict]], None]) -> None:
-        """Run the admin operation ``op`` (admin_ops.py) on the engine thread between two steps
+        """Run the admin operation ``op`` (dp_engine/engine_ops.py) on the engine thread between two steps
         (the engine is never called from two threads); ``reply(status, body)`` is called there
         with its outcome."""
         def job():
@@ -315,21 +314,3 @@ class EngineLoop:
         for sink, mine in by_key.values():
             sink.deliver(mine)
 
-
-def follow_rank0(engine, communicator, update_weights: Callable | None = None) -> None:
-    """A tensor-parallel rank > 0 of the server: step whenever rank 0's loop steps (the engine
-    receives rank 0's new requests and aborts inside ``step``), run the admin operations every
-    rank runs (``EVERY_RANK_OPS``: weight updates, transfers, suspend / resume) when rank 0 does,
-    until rank 0 says stop."""
-    while True:
-        command = communicator.broadcast_object(None)
-        if command == "stop":
-            return
-        if command == "step":
-            engine.step()
-        elif isinstance(command, list) and command[0] == "hold":  # (a tuple arrives as a list)
-            engine.scheduler.hold(command[1])
-        elif isinstance(command, list) and command[0] == "admin":
-            status, body = run_admin_op(engine, update_weights, command[1], command[2])
-            if status != 200:
-                log.warning("admin operation %s on this rank: %s", command[1], body)

@@ -1,7 +1,7 @@
 """An HTTP front-end process (``--api-server-count N``): uvicorn and the app (app.py) on the
 listening socket the engine's process bound for it (launch.py's ``bind_group``), with
 ``RemoteEngineLoop`` in place of the engine loop. The engine's process starts it as
-``python -m megatron_async.serve.frontend`` and writes its ``FrontendConfig`` (frontend_config.py,
+``python -m megatron_async.serve.frontend`` and writes its ``FrontendConfig`` (ipc.py,
 JSON) to its stdin; it joins the engine process's bridge with the secret in it (the handshake)
 and says ``ready`` once it listens.
 
@@ -24,12 +24,11 @@ import sys
 
 import zmq
 
+from megatron_async.dp_engine.engine_ops import error_body
 from megatron_async.inference.communication import wire
 from megatron_async.inference.communication.handshake import AuthError, authenticate
 from megatron_async.inference.request import InvalidRequestError
 from megatron_async.serve import ipc
-from megatron_async.serve import responses as resp
-from megatron_async.serve.frontend_config import FrontendConfig
 from megatron_async.serve.submission import Submission, _deliver, _set_result
 
 log = logging.getLogger("megatron_async.serve")
@@ -102,7 +101,7 @@ class RemoteEngineLoop:
         sid = next(self._ids)
         frame = self._frame(wire.encode, ipc.ADMIN, sid, op, args)
         if isinstance(frame, str):
-            return 400, resp.error_body(f"these arguments cannot be handed to the engine: {frame}", 400)
+            return 400, error_body(f"these arguments cannot be handed to the engine: {frame}", 400)
         return await self._ask(sid, frame)
 
     async def healthy(self) -> bool:
@@ -213,12 +212,12 @@ def _watch_parent(server, parent_pid: int) -> None:
 
 
 def main() -> int:
-    config = FrontendConfig.from_json(sys.stdin.buffer.read())
+    config = ipc.FrontendConfig.from_json(sys.stdin.buffer.read())
     logging.basicConfig(level=config.log_level.upper(),
                         format=f"%(asctime)s %(name)s[front-end {config.index}] %(levelname)s %(message)s")
     from megatron_async.models.chat_template import ChatTemplate
     from megatron_async.serve.app import ServerState, create_app
-    from megatron_async.serve.uvicorn_server import uvicorn_server
+    from megatron_async.serve.launch import uvicorn_server
 
     sock = socket.socket(fileno=config.fd)
     try:

@@ -12,27 +12,33 @@ that every route, whichever module adds it, gets the same treatment.
   (the server's ``--max-request-bytes``; refused from its Content-Length before a byte is read),
   a body not complete ``body_timeout_s`` after the request's head a 408 (one INFO line; the
   connection then closes). A client that leaves mid-upload gets no answer and costs one DEBUG
-  line; one whose body the HTTP parser rejects, uvicorn's one INFO line (uvicorn_server.py). The
+  line; one whose body the HTTP parser rejects, uvicorn's one INFO line (launch.ClientFaultsAtInfo). The
   route never runs for either, and otherwise reads the body as usual, from memory. A client gone
   before its answer was sent is one DEBUG line too, never a traceback or a 500 sent after it.
 
-``HttpPolicy`` holds the settings; the engine's process and every front-end process build the
-app with the same one."""
+``HttpPolicy`` holds the settings, built from the server's flags (``add_http_args``,
+``policy_from_args``; ``refusal``: the flags the server must not start with, as the admin
+endpoints where anyone could reach them); the engine's process and every front-end process build
+the app with the same one."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
 import hmac
 import ipaddress
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 
-from megatron_async.serve.responses import error_body
+from megatron_async.dp_engine.engine_ops import error_body
 
 log = logging.getLogger("megatron_async.serve")
 
 DEFAULT_BODY_TIMEOUT_S = 30.0
+PROMPTS_PER_BODY_FACTOR = 4
+"""Without --max-prompts-per-body, one body may ask for this many times --max-requests completions."""
 API_PATHS = frozenset({"/tokenize", "/detokenize"})
 """API routes outside ``/v1`` (vLLM's names): they take the API key like the ``/v1`` routes."""
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -203,3 +209,59 @@ class HttpGuard:
             parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)
+
+
+# ---------------------------------------------------------------- the flags
+API_KEY_ENV = "MEGATRON_ASYNC_API_KEY"
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    from megatron_async.cli import flags  # (the front-end processes, which import this module, load no torch)
+
+    g = p.add_argument_group("access and limits")
+    g.add_argument("--api-key", default=None,
+                   help=f"every /v1 route needs 'Authorization: Bearer KEY' (401 without it); default: ${API_KEY_ENV}, "
+                        "else none. /health stays open")
+    g.add_argument("--admin-api-key", default=None,
+                   help="the key of the admin endpoints (default: the API key); needed to serve them on a "
+                        "host other than loopback")
+    g.add_argument("--metrics-need-api-key", action="store_true", help="/metrics needs the API key too (default: open)")
+    g.add_argument("--allowed-weights-dir", default=None,
+                   help="/update_weights loads only from directories under this one (a path resolving outside it, "
+                        "through '..' or a symlink, is a 403); default: anywhere")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (and --ssl-certfile)")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (and --ssl-keyfile)")
+    g.add_argument("--allowed-origins", default=None, metavar="ORIGIN[,ORIGIN...]",
+                   help="CORS: the origins whose web pages may call the API ('*': any); default: CORS off")
+    g.add_argument("--body-timeout-s", type=flags.checked(float, 0.1, 3600.0, name="body-timeout-s"),
+                   default=DEFAULT_BODY_TIMEOUT_S,
+                   help="a request body not complete this long after its headers is dropped with a 408")
+    g.add_argument("--max-prompts-per-body", type=flags.checked(int, 1, name="max-prompts-per-body"), default=None,
+                   help=f"most completions (prompts x n) one request body may ask for (400 beyond); default "
+                        f"{PROMPTS_PER_BODY_FACTOR} x --max-requests")
+
+
+def policy_from_args(args: argparse.Namespace) -> HttpPolicy:
+    origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
+    weights = os.path.realpath(args.allowed_weights_dir) if args.allowed_weights_dir else None
+    return HttpPolicy(api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, admin_api_key=args.admin_api_key,
+                      metrics_need_key=args.metrics_need_api_key, body_timeout_s=args.body_timeout_s,
+                      allowed_origins=origins, allowed_weights_dir=weights,
+                      max_prompts_per_body=args.max_prompts_per_body, ssl_keyfile=args.ssl_keyfile,
+                      ssl_certfile=args.ssl_certfile)
+
+
+def refusal(args: argparse.Namespace, policy: HttpPolicy) -> str | None:
+    """Why the server must not start with these flags (None: it may)."""
+    if bool(policy.ssl_keyfile) != bool(policy.ssl_certfile):
+        return "--ssl-keyfile and --ssl-certfile go together"
+    for name in ("ssl_keyfile", "ssl_certfile"):
+        path = getattr(policy, name)
+        if path and not os.path.isfile(path):
+            return f"--{name.replace('_', '-')} {path!r} is not a file"
+    if policy.allowed_weights_dir and not os.path.isdir(policy.allowed_weights_dir):
+        return f"--allowed-weights-dir {args.allowed_weights_dir!r} is not a directory"
+    if args.enable_admin_endpoints and not is_loopback(args.host) and not policy.admin_api_key:
+        return (f"--enable-admin-endpoints on --host {args.host} (not loopback) needs --admin-api-key: anyone who "
+                "can reach the port could replace the weights, pause generation or free device memory")
+    return None

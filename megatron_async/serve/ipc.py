@@ -1,5 +1,8 @@
 """What the engine's process and its HTTP front-end processes say to each other (bridge.py,
-frontend.py): messages of the one wire (inference/communication/wire.py: a msgpack array of a
+frontend.py). First the ``FrontendConfig``: one JSON document written to the child's stdin pipe
+and read once before it serves; plain values only (no pickle): the tokenizer travels as its
+``tokenizer.json`` text and EOS ids, the secret as hex; keys travel in this pipe, never on a
+command line. Then messages of the one wire (inference/communication/wire.py: a msgpack array of a
 registered type, the server front-ends' values 96-111, each read by a checked reader), over ZMQ
 ipc:// sockets in a private directory. A frame that is oversized, does not decode, has an
 unknown type or a type its socket does not carry is dropped and counted (``WireStats``), never
@@ -26,9 +29,12 @@ payload)`` as the engine loop's outbox has it ("admitted", "rejected", "event", 
   admin [status, body map]. python -m benchmarks ipc-encode measures a step."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
@@ -38,6 +44,7 @@ from megatron_async.inference import records
 from megatron_async.inference.communication import wire
 from megatron_async.inference.communication import wire_fields as f
 from megatron_async.inference.request import InvalidRequestError, SamplingParams
+from megatron_async.serve.http_guard import HttpPolicy
 from megatron_async.serve.submission import Choice, ChoiceEvent, GenerationBlockedError
 
 ROLE = "frontend"
@@ -241,3 +248,63 @@ class Endpoints:
 
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the front-end's start-up
+@dataclass
+class FrontendConfig:
+    index: int
+    directory: str
+    """The ipc sockets' private directory (ipc.Endpoints)."""
+    secret: bytes
+    """What the front-end proves to the engine process's bridge (communication/handshake.py)."""
+    fd: int
+    """Its listening socket, inherited (its own, or the one all front-ends share: launch.bind_group)."""
+    parent_pid: int
+    model_name: str
+    tokenizer: Any
+    """models/tokenizer.py's ``Tokenizer``, or None."""
+    chat_template: tuple[str, dict] | None
+    """(source, special tokens) of the ChatTemplate."""
+    max_model_len: int
+    max_requests: int
+    max_request_bytes: int
+    created: int
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    admin_endpoints: bool
+    grammars: tuple | None = None
+    """The engine's ``Grammars.settings()`` (None: structured outputs off): the front-end checks
+    a request's constraint with a ``Grammars`` of its own."""
+    policy: HttpPolicy = HttpPolicy()
+    """Keys, limits, TLS."""
+    log_level: str = "warning"
+    http: str = "auto"
+    loop: str = "auto"
+
+    def to_json(self) -> bytes:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        tok = self.tokenizer
+        out.update(secret=self.secret.hex(), policy=dataclasses.asdict(self.policy), tokenizer=None if tok is None else {
+            "json": tok.backend_tokenizer.to_str(), "eos_token_ids": list(tok.eos_token_ids)})
+        return json.dumps(out).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> FrontendConfig:
+        """``to_json``'s config back (ValueError / TypeError / KeyError for anything else)."""
+        fields = json.loads(data)
+        if type(fields) is not dict:
+            raise ValueError("a front-end's configuration is a JSON object")
+        policy = fields.pop("policy")
+        policy["allowed_origins"] = tuple(policy["allowed_origins"])
+        tok = fields.pop("tokenizer")
+        if tok is not None:
+            import tokenizers
+
+            from megatron_async.models.tokenizer import Tokenizer
+
+            tok = Tokenizer(tokenizers.Tokenizer.from_str(tok["json"]), tuple(tok["eos_token_ids"]))
+        secret, template, grammars = fields.pop("secret"), fields.pop("chat_template"), fields.pop("grammars")
+        return cls(**fields, secret=bytes.fromhex(secret), policy=HttpPolicy(**policy), tokenizer=tok,
+                   chat_template=None if template is None else tuple(template),
+                   grammars=None if grammars is None else (tuple(grammars[0]), *grammars[1:]))

@@ -1,18 +1,15 @@
-"""OpenAI request bodies (completions and chat) as strict pydantic models, and their mapping to
-``SamplingParams``. Wrong types, unknown fields and unsupported options are ``BadRequest`` (HTTP
-400 with the reason), never a silent coercion: ``"0.5"`` is not a temperature and ``true`` is not
-a token count."""
+"""OpenAI request bodies (completions and chat, with the fields that constrain an answer) as strict
+pydantic models, and the ``BadRequest`` family every refusal raises (an HTTP 4xx with OpenAI's
+error object). Wrong types, unknown fields and unsupported options are refused with the reason
+(request_input.parse_body), never a silent coercion: ``"0.5"`` is not a temperature and ``true``
+is not a token count."""
 from __future__ import annotations
 
 import json
-import reprlib
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from megatron_async.inference.request import SamplingParams
-from megatron_async.inference.structured.spec import StructuredOutputs
-from megatron_async.serve.structured_body import StructuredFields
 
 TokenIds = list[int]
 
@@ -40,18 +37,47 @@ class UnsupportedMediaType(BadRequest):
     status = 415
 
 
-def _short_repr() -> reprlib.Repr:
-    r = reprlib.Repr()
-    r.maxlevel, r.maxstring, r.maxother, r.maxlong = 2, 80, 80, 80
-    return r
-
-
-_brief = _short_repr().repr
-"""A short repr of any decoded JSON value (deeply nested or huge ones included) for messages."""
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's ``structured_outputs`` body: exactly one of the kinds; ``disable_any_whitespace``
+    True (the default here) writes JSON compactly, False allows any JSON whitespace."""
+
+    json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = True
+    backend: str | None = None
+
+
+class StructuredFields(_Strict):
+    """The fields that constrain an answer, in both endpoints' bodies (mixed into
+    ``_SamplingFields``; sampling_fields.py turns them into one ``StructuredOutputs``)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class StreamOptions(_Strict):
@@ -61,9 +87,9 @@ class StreamOptions(_Strict):
     """With ``include_usage``: every chunk also carries its choice's usage so far (vLLM's field)."""
 
 
-class _SamplingFields(_Strict, StructuredFields):
+class _SamplingFields(StructuredFields):
     """Fields shared by both endpoints: OpenAI's, then the extra ones vLLM also accepts (and those
-    that constrain the answer: structured_body.py)."""
+    that constrain the answer: ``StructuredFields``)."""
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -104,7 +130,7 @@ class _SamplingFields(_Strict, StructuredFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, TokenIds, list[str], list[TokenIds]]
-    max_tokens: int | None = Field(default=None, ge=0)  # 0: score the prompt only (serve/echo.py)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: score the prompt only (completion_routes.py)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's extra
@@ -212,83 +238,3 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.messages and self.prompt_token_ids is None:
             raise ValueError("messages: at least one (or prompt_token_ids)")
         return self
-
-
-_TEMPLATE_RESERVED = ("messages", "self")
-"""Names ChatTemplate.render takes itself; ``add_generation_prompt`` may be overridden (vLLM's rule)."""
-
-
-def chat_template_kwargs(req: ChatCompletionRequest) -> tuple[bool, dict[str, Any]]:
-    """(add_generation_prompt, the other template variables) of a chat request: its
-    ``chat_template_kwargs`` override the request's own ``add_generation_prompt``."""
-    extra = dict(req.chat_template_kwargs or {})
-    add_generation_prompt = extra.pop("add_generation_prompt", req.add_generation_prompt)
-    if not isinstance(add_generation_prompt, bool):
-        raise BadRequest("chat_template_kwargs.add_generation_prompt must be a boolean",
-                         "chat_template_kwargs.add_generation_prompt")
-    for name in _TEMPLATE_RESERVED:
-        if name in extra:
-            raise BadRequest(f"chat_template_kwargs may not set {name!r}", f"chat_template_kwargs.{name}")
-    return add_generation_prompt, extra
-
-
-def _is_union_branch(part: Any) -> bool:
-    """pydantic names the union member it tried in an error's location ('str', 'list[int]', ...)."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part or "-" in part)
-
-
-def parse_body(model: type[_Strict], body: Any) -> Any:
-    """Validate a decoded JSON body; the first problem becomes a BadRequest naming the field."""
-    if not isinstance(body, dict):
-        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"] if not _is_union_branch(p))
-        raise BadRequest(f"{loc or 'body'}: {err['msg']} (got {_brief(err.get('input'))})", loc or None) from None
-
-
-def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
-                    structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
-    """The engine's SamplingParams for one choice. ``logprobs``: None = none, k >= 0 = the sampled
-    token's log-prob plus the top k; ``structured_outputs``: the request's constraint
-    (structured_fields.spec_of)."""
-    logit_bias = None
-    if req.logit_bias:
-        try:
-            logit_bias = {int(k): v for k, v in req.logit_bias.items()}
-        except ValueError:
-            raise BadRequest("logit_bias keys must be token ids", "logit_bias") from None
-    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0  # -1 / 0: off (vLLM uses -1)
-    top_p = req.top_p if req.top_p is not None and req.top_p < 1.0 else 0.0  # 1.0 = off = our 0
-    stop = [req.stop] if isinstance(req.stop, str) else req.stop
-    if stop is not None and any(not s for s in stop):
-        raise BadRequest("stop strings must not be empty", "stop")
-    return SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_k=top_k, top_p=top_p, num_tokens_to_generate=max_tokens, ignore_eos=req.ignore_eos, seed=req.seed,
-        return_log_probs=logprobs is not None, top_n_logprobs=logprobs or 0, stop_words=stop or None,
-        min_tokens=req.min_tokens, min_p=req.min_p, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-        skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-        structured_outputs=structured_outputs, logit_bias=logit_bias, allowed_token_ids=req.allowed_token_ids,
-        bad_words=req.bad_words, priority=req.priority,
-    )
-
-
-def completion_prompts(req: CompletionRequest) -> list[str | TokenIds]:
-    """The request's prompts: one text, one token-id list, or a batch of either."""
-    p = req.prompt
-    if isinstance(p, str):
-        return [p]
-    if not p:
-        raise BadRequest("prompt must not be empty", "prompt")
-    if isinstance(p[0], int):
-        return [p]
-    return list(p)
-
-
-def check_completion_options(req: CompletionRequest) -> None:
-    if req.suffix:
-        raise BadRequest("suffix is not supported", "suffix")

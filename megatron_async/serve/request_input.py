@@ -1,23 +1,131 @@
-"""From an HTTP request to what the engine takes: the body read and checked (request_body.py,
-openai_protocol.py), the model name and ``n`` checked, the chat template rendered, prompts
-tokenized, each choice's sampling parameters. Work that grows with the input (decoding a big
-body, rendering the chat template, tokenizing) runs on a thread pool, off the event loop, so that
-a huge prompt delays no other request; a text prompt longer than any ``max_model_len`` tokens can
-hold is refused before it is tokenized."""
+"""From an HTTP request to what the engine takes, every endpoint's first step: the body read and
+decoded defensively, validated into its pydantic model (openai_protocol.py), the model name and
+``n`` checked, the chat template rendered and the prompts tokenized.
+
+The body: a JSON media type (else 415), at most ``max_request_bytes`` (else 413: refused from
+Content-Length before reading, or as soon as the bytes read pass it), strict UTF-8, and JSON that
+Python can hold: nesting too deep, integers over Python's digit limit and lone UTF-16 surrogates
+(``"\\ud800"``, which no tokenizer or UTF-8 encoder takes) are each a 400 with the reason, never an
+exception that escapes as a 500; then wrong types, unknown fields and unsupported options are a 400
+naming the field. Work that grows with the input (decoding a big body, rendering the chat template,
+tokenizing) runs on a thread pool, off the event loop, so that a huge prompt delays no other
+request; a text prompt longer than any ``max_model_len`` tokens can hold is refused before it is
+tokenized."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import reprlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
+from pydantic import ValidationError
 
-from megatron_async.inference.request import SamplingParams
-from megatron_async.inference.structured.spec import GrammarError, StructuredOutputs
 from megatron_async.models.chat_template import ChatTemplateError
-from megatron_async.serve import openai_protocol as proto
-from megatron_async.serve import request_body, structured_fields
+from megatron_async.serve.openai_protocol import BadRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
 from megatron_async.serve.server_state import ServerState
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate; raw UTF-8 cannot encode one, so without this escape
+the decoded body holds none and needs no walk."""
+
+
+def check_content_type(content_type: str | None) -> None:
+    """``application/json`` (any parameters, e.g. charset) or a ``+json`` type; anything else,
+    missing included, is 415 as vLLM answers."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise UnsupportedMediaType(f"Content-Type must be application/json, got {content_type or 'none'!r}")
+
+
+def check_content_length(content_length: str | None, limit: int) -> None:
+    """Refuse a body whose declared size is over ``limit`` before reading a byte of it."""
+    if content_length is None:
+        return
+    try:
+        declared = int(content_length)
+    except ValueError:
+        raise BadRequest(f"Content-Length is not a number: {content_length[:40]!r}") from None
+    if declared > limit:
+        raise PayloadTooLarge(f"request body is {declared} bytes; this server takes at most {limit}")
+
+
+async def read_limited(chunks: AsyncIterator[bytes], limit: int) -> bytes:
+    """The body's bytes, refused as soon as more than ``limit`` have arrived (a chunked body
+    declares no length)."""
+    parts, size = [], 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body is over {limit} bytes, the most this server takes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def decode_json(raw: bytes) -> Any:
+    """The decoded body; every way it can fail is a BadRequest."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"request body is not UTF-8: {e}") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, and an integer longer than Python's digit limit
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(body):
+        raise BadRequest("request body has a lone UTF-16 surrogate (\\ud800-\\udfff) in a string: not valid Unicode")
+    return body
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Walks without recursion (the body may be nested as deep as json.loads allows)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
+def _short_repr() -> reprlib.Repr:
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother, r.maxlong = 2, 80, 80, 80
+    return r
+
+
+_brief = _short_repr().repr
+"""A short repr of any decoded JSON value (deeply nested or huge ones included) for messages."""
+
+
+def _is_union_branch(part: Any) -> bool:
+    """pydantic names the union member it tried in an error's location ('str', 'list[int]', ...)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part or "-" in part)
+
+
+def parse_body(model: type, body: Any) -> Any:
+    """Validate a decoded JSON body; the first problem becomes a BadRequest naming the field."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"] if not _is_union_branch(p))
+        raise BadRequest(f"{loc or 'body'}: {err['msg']} (got {_brief(err.get('input'))})", loc or None) from None
+
 
 OFF_LOOP_BYTES = 64 * 2**10
 """Bodies, prompts and chat messages over this size are decoded, rendered and tokenized on the
@@ -48,21 +156,21 @@ class RequestInput:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args) if big else fn(*args)
 
     async def parse(self, request: Request, model: type):
-        """The body as ``model``: content type, size, JSON and fields checked (see request_body.py)."""
+        """The body as ``model``: content type, size, JSON and fields checked."""
         limit = self.state.max_request_bytes
-        request_body.check_content_type(request.headers.get("content-type"))
-        request_body.check_content_length(request.headers.get("content-length"), limit)
-        raw = await request_body.read_limited(request.stream(), limit)
-        return await self.off_loop(len(raw) > OFF_LOOP_BYTES, lambda: proto.parse_body(model, request_body.decode_json(raw)))
+        check_content_type(request.headers.get("content-type"))
+        check_content_length(request.headers.get("content-length"), limit)
+        raw = await read_limited(request.stream(), limit)
+        return await self.off_loop(len(raw) > OFF_LOOP_BYTES, lambda: parse_body(model, decode_json(raw)))
 
     def check_model(self, name: str | None) -> None:
         served = self.state.model_name
         if name is not None and name != served:
-            raise proto.NotFound(f"model {name!r} does not exist; this server serves {served!r}", "model")
+            raise NotFound(f"model {name!r} does not exist; this server serves {served!r}", "model")
 
     def check_n(self, n: int) -> None:
         if n > self.state.max_requests:
-            raise proto.BadRequest(f"n={n} is more than the {self.state.max_requests} requests this engine runs at once "
+            raise BadRequest(f"n={n} is more than the {self.state.max_requests} requests this engine runs at once "
                                    "(--max-requests)", "n")
 
     def check_body_size(self, prompts: int, n: int) -> None:
@@ -70,38 +178,36 @@ class RequestInput:
         is queued without bound (a 400 naming the limit and its flag)."""
         limit = self.state.prompts_per_body
         if prompts * n > limit:
-            raise proto.BadRequest(f"this body asks for {prompts * n} completions ({prompts} prompts x n={n}); this "
+            raise BadRequest(f"this body asks for {prompts * n} completions ({prompts} prompts x n={n}); this "
                                    f"server takes at most {limit} per body (--max-prompts-per-body)", "prompt")
 
-    def render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
+    async def render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
+        """The chat template's prompt text for ``messages`` (on the thread pool when they are big)."""
+        big = sum(len(m.get("content") or "") for m in messages) > OFF_LOOP_BYTES
+        return await self.off_loop(big, self._render, messages, add_generation_prompt, kwargs)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
         try:
             return self.state.chat_template.render(messages, add_generation_prompt, **kwargs)
         except ChatTemplateError as e:
-            raise proto.BadRequest(str(e), "messages") from None
+            raise BadRequest(str(e), "messages") from None
 
-    async def constraint(self, req, tools=None) -> StructuredOutputs | None:
-        """The request's one constraint (structured_fields.py; ``tools``: its tool choice's),
-        compiled on the thread pool where the engine's grammars are at hand, so a bad schema,
-        regex or grammar is a 400 with the library's message before anything is queued and the
-        engine thread finds it compiled. (Elsewhere the engine refuses it when it is added.)"""
-        spec, field = structured_fields.spec_of(req, tools)
-        grammars = self.state.grammars
-        if spec is not None and grammars is not None:
-            try:
-                await asyncio.get_running_loop().run_in_executor(self.pool, grammars.validate, spec)
-            except GrammarError as e:
-                raise proto.BadRequest(str(e), field) from None
-        return spec
+    async def decode(self, tokens: list[int]) -> str:
+        """The text of a prompt given as token ids ("" without a tokenizer)."""
+        tokenizer = self.state.tokenizer
+        if tokenizer is None:
+            return ""
+        return await self.off_loop(len(tokens) > OFF_LOOP_BYTES // 8, tokenizer.decode, tokens)
 
     async def tokens(self, prompts: list[str | list[int]], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each prompt; text longer than any prompt that fits is refused untokenized."""
         state = self.state
         texts = [p for p in prompts if isinstance(p, str)]
         if texts and state.tokenizer is None:
-            raise proto.BadRequest("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
+            raise BadRequest("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
         for t in texts:
             if len(t) > self.prompt_chars:
-                raise proto.BadRequest(f"the prompt is {len(t)} characters: more than {state.max_model_len} tokens "
+                raise BadRequest(f"the prompt is {len(t)} characters: more than {state.max_model_len} tokens "
                                        "(the most a request may hold) can cover", "prompt")
 
         def encode() -> list[list[int]]:
@@ -110,11 +216,3 @@ class RequestInput:
 
         return await self.off_loop(sum(len(t) for t in texts) > OFF_LOOP_BYTES, encode)
 
-
-def choice_params(req, max_tokens: int, logprobs: int | None, i: int, structured_outputs=None) -> SamplingParams:
-    """The sampling parameters of choice ``i`` of request body ``req`` (``structured_outputs``: its
-    constraint, ``RequestInput.constraint``)."""
-    sp = proto.sampling_params(req, max_tokens, logprobs, structured_outputs)
-    if sp.seed is not None and i:  # n samples of one seeded request must differ
-        sp.seed = (sp.seed + i) % 2**63
-    return sp

@@ -7,10 +7,8 @@ from dataclasses import dataclass, field
 
 from megatron_async.models.chat_template import ChatTemplate
 from megatron_async.serve.engine_loop import EngineLoop
-from megatron_async.serve.http_guard import HttpPolicy
+from megatron_async.serve.http_guard import PROMPTS_PER_BODY_FACTOR, HttpPolicy
 
-
-PROMPTS_PER_BODY_FACTOR = 4
 
 
 @dataclass

@@ -55,8 +55,7 @@ def tokenize_router(inputs: RequestInput) -> APIRouter:
                 kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
             messages = [m.as_template_message() for m in req.messages]
             add_generation_prompt = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
-            big = sum(len(m.get("content") or "") for m in messages) > OFF_LOOP_BYTES
-            text = await inputs.off_loop(big, inputs.render, messages, add_generation_prompt, kwargs)
+            text = await inputs.render(messages, add_generation_prompt, kwargs)
         else:
             text = req.prompt
         special = req.add_special_tokens if req.add_special_tokens is not None else req.messages is None

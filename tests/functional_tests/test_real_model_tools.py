@@ -6,8 +6,10 @@ import pytest
 pytest.importorskip("pydantic")
 
 from megatron_async.models.chat_template import load_chat_template  # noqa: E402
-from megatron_async.serve.openai_protocol import ChatCompletionRequest, parse_body  # noqa: E402
-from megatron_async.serve.tool_calls import choose_parser, template_tools  # noqa: E402
+from megatron_async.serve.chat_output import choose_parser  # noqa: E402
+from megatron_async.serve.chat_routes import template_tools  # noqa: E402
+from megatron_async.serve.openai_protocol import ChatCompletionRequest  # noqa: E402
+from megatron_async.serve.request_input import parse_body  # noqa: E402
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

@@ -1,6 +1,6 @@
 """A request to a server whose engine is suspended (POST /suspend, no pause): 503 with an OpenAI
 error object saying so, through the official ``openai`` client, streamed or not, served
-in-process and by front-end processes (both routes share ``responder.respond``); no traceback in
+in-process and by front-end processes (both routes share ``responses.respond``); no traceback in
 the log. Under
 a pause ("keep") a request waits instead and ends, once resumed, with the tokens it gets from
 an engine that was never suspended; the server keeps serving."""

@@ -118,7 +118,7 @@ def test_tool_choice_none_named_and_no_tools(client, prompt_of):
     assert "Tools: get_time[user]" in prompt_of(named) and named.finish_reason == "tool_calls"
     assert [(t.function.name, t.function.arguments) for t in named.message.tool_calls] == [("get_time", "{}")]
     required = client.chat.completions.create(messages=user("x"), tools=[TIME], tool_choice="required",
-                                              **GREEDY).choices[0]  # a grammar forces the call (structured_fields.py)
+                                              **GREEDY).choices[0]  # a grammar forces the call (sampling_fields.py)
     assert [t.function.name for t in required.message.tool_calls] == ["get_time"]
     with pytest.raises(openai.BadRequestError, match="tools"):
         client.chat.completions.create(messages=user("x"), tools=[{"type": "function", "function": {"name": "a b"}}],

@@ -8,7 +8,8 @@ blocks are annotations only and count where a test says so.
 
 Dependencies point one way (``LAYERS``): the step's data types (``forward_batch``,
 ``step_shape``) and ``config`` at the bottom, then ``kernels``, ``parallel``, ``models``, ``weight_transfer``, then
-``inference`` and the entry points (``llm``, ``serve``, ``tools``) above. No import cycle
+``inference`` and the entry points (``llm``, ``serve``, ``dp_engine``, ``coordinator``, ``client``,
+``tools``) above, where the process roles never import the HTTP server (``ROLES_NEVER_IMPORT``). No import cycle
 between modules (annotations included), none between the subpackages (and modules) of
 ``inference``, and library code never imports measurement or test code: ``benchmarks``,
 ``tests``, ``scripts``, ``megatron_async.testing``, ``megatron_async.tools``. The data-parallel
@@ -32,6 +33,18 @@ LAYERS = (
 )
 """From the bottom up: a module imports only from its own layer or those below. Everything
 else (``llm``, ``serve``, ``tools``, ``testing``, the package itself) is the top layer."""
+
+ROLES_NEVER_IMPORT = {
+    "megatron_async.llm": ("megatron_async.serve",),
+    "megatron_async.dp_engine": ("megatron_async.serve", "megatron_async.client"),
+    "megatron_async.coordinator": ("megatron_async.serve", "megatron_async.dp_engine", "megatron_async.client",
+                                   "megatron_async.llm"),
+    "megatron_async.client": ("megatron_async.serve", "megatron_async.dp_engine", "megatron_async.llm"),
+}
+"""The entry points, one room per process role: the offline engine (``llm``), an engine serving a
+data-parallel coordinator (``dp_engine``), the coordinator and its client import nothing of the
+HTTP server (``serve``), which uses them; the coordinator and the client (no torch) import no
+engine side."""
 
 NOT_LIBRARY = ("benchmarks", "tests", "scripts", "megatron_async.testing", "megatron_async.tools")
 """What the library never imports, by any spelling: measurement and test code."""
@@ -85,6 +98,16 @@ def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
     return {m: d for m, d in found.items() if d}
 
 
+def role_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Module of a role -> what it imports of the rooms ``ROLES_NEVER_IMPORT`` forbids it."""
+    found = {}
+    for module, deps in graph.items():
+        banned = next((b for role, b in ROLES_NEVER_IMPORT.items() if in_roots(module, (role,))), ())
+        if bad := sorted(d for d in deps if in_roots(d, banned)):
+            found[module] = bad
+    return found
+
+
 def not_library_imports(sources: dict[str, tuple[ast.Module, bool]]) -> dict[str, list[str]]:
     """Library module -> the measurement or test code it imports (``sources``: module -> (syntax
     tree, is a package's ``__init__``); modules leaving the package are not library code)."""
@@ -111,6 +134,23 @@ def test_layers_import_nothing_above():
     theirs (kernels/ and models/ nothing of inference/), also not lazily inside a function nor
     for annotations."""
     assert upward_imports(import_graph(annotations=True)) == {}
+
+
+def test_process_roles_import_no_http_server():
+    """``llm`` joins a coordinator through dp_engine/, never through the web server's package;
+    dp_engine/, coordinator/ and client/ import nothing of serve/ (annotations included)."""
+    assert role_imports(import_graph(annotations=True)) == {}
+
+
+def test_role_check_sees_a_planted_import():
+    graph = import_graph(annotations=True)
+    _plant(graph, "megatron_async.dp_engine.link", "def f():\n    from ..serve import engine_loop\n")
+    _plant(graph, "megatron_async.llm",
+           "import importlib\nJOIN = importlib.import_module('megatron_async.serve.app')\n")
+    _plant(graph, "megatron_async.coordinator.core", "from ..dp_engine.engine_ops import run_engine_op\n")
+    assert role_imports(graph) == {"megatron_async.dp_engine.link": ["megatron_async.serve.engine_loop"],
+                                   "megatron_async.llm": ["megatron_async.serve.app"],
+                                   "megatron_async.coordinator.core": ["megatron_async.dp_engine.engine_ops"]}
 
 
 def test_contexts_engines_controllers_are_layered():

@@ -29,7 +29,7 @@ def test_loop_stages():
     assert loop_stage([("/x/megatron_async/serve/ipc.py", "decode_entries"),
                        ("/x/megatron_async/serve/frontend.py", "_take_events"), runner]) == "deliver"  # a front-end
     assert loop_stage([("/usr/lib/python3.11/json/encoder.py", "encode"), ("/x/megatron_async/serve/responses.py", "sse"),
-                       ("/x/megatron_async/serve/responder.py", "_stream"), (f"{SITE}/starlette/responses.py", "stream_response"),
+                       ("/x/megatron_async/serve/responses.py", "_stream"), (f"{SITE}/starlette/responses.py", "stream_response"),
                        runner]) == "SSE chunks + JSON"
     assert loop_stage([(f"{SITE}/uvicorn/protocols/http/httptools_impl.py", "send"),
                        (f"{SITE}/starlette/responses.py", "stream_response"), runner]) == "HTTP send (ASGI, uvicorn)"

@@ -1,4 +1,4 @@
-"""Engines answer a same-host client's non-streaming requests directly (serve/direct_replies.py,
+"""Engines answer a same-host client's non-streaming requests directly (dp_engine/direct_replies.py,
 client/replies.py): over real sockets, a coordinator on a thread, a null engine's link on
 another, a client on this test's event loop. Each request ends exactly once whichever way its
 output came; the coordinator hears of the ends off the path; a stranger on the client's reply
@@ -18,8 +18,8 @@ from megatron_async.coordinator import messages
 from megatron_async.coordinator.transport import AuthError, PeerSocket
 from megatron_async.coordinator.trust import peer_secret
 from megatron_async.inference.request import RequestOutput
-from megatron_async.serve.engine_join import CoordinatorChannel
-from megatron_async.serve.engine_link import EngineLink
+from megatron_async.dp_engine.join import CoordinatorChannel
+from megatron_async.dp_engine.link import EngineLink
 
 ONE = SamplingParams(num_tokens_to_generate=1)
 
@@ -142,7 +142,7 @@ def test_links_beyond_the_cap_are_closed_by_the_loop_only(monkeypatch):
     (the loop may be sending on it); the loop's next sweep closes the oldest down to the cap."""
     import zmq
 
-    from megatron_async.serve import direct_replies
+    from megatron_async.dp_engine import direct_replies
 
     class Link:
         def __init__(self):

@@ -1,5 +1,5 @@
 """Engines behind the coordinator's logic, in one process and without sockets: each engine's
-link (serve/engine_link.py) and the coordinator's core exchange their messages through lists,
+link (dp_engine/link.py) and the coordinator's core exchange their messages through lists,
 pumped in turn. Outputs equal one engine's, prefix affinity gives prefix hits, the engines'
 eviction reports reach the view, control operations run on every engine, a drained engine
 leaves, an engine that dies mid-generation loses no request."""
@@ -9,7 +9,7 @@ import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.coordinator.core import CoordinatorCore
-from megatron_async.serve.engine_link import EngineLink
+from megatron_async.dp_engine.link import EngineLink
 
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=6)
 

@@ -18,8 +18,8 @@ from megatron_async.coordinator.transport import PeerSocket
 from megatron_async.coordinator.trust import ENV_SECRET, peer_secret
 from megatron_async.inference.records import encode_sampling
 from megatron_async.inference.request import RequestOutput, RequestUpdate
-from megatron_async.serve import engine_link
-from megatron_async.serve.engine_join import join
+from megatron_async.dp_engine import link as engine_link
+from megatron_async.dp_engine.join import join
 
 TIMEOUT_S = 1.5
 MARGIN_S = 2.5

@@ -1,5 +1,4 @@
-"""Reasoning and tool-call parsing of chat answers (serve/tag_stream.py, reasoning.py,
-tool_calls.py, chat_output.py): exact messages for known answers, and for random answers cut at
+"""Reasoning and tool-call parsing of chat answers (serve/chat_output.py): exact messages for known answers, and for random answers cut at
 random points, the streamed deltas add up to the non-streamed message."""
 import itertools
 import json
@@ -7,10 +6,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_async.serve.chat_output import ChatOutputFormat
-from megatron_async.serve.reasoning import starts_inside
-from megatron_async.serve.tag_stream import TagStream
-from megatron_async.serve.tool_calls import parse_call
+from megatron_async.serve.chat_output import ChatOutputFormat, TagStream, parse_call, starts_inside
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}'
 BOTH = ChatOutputFormat("qwen3", "hermes")

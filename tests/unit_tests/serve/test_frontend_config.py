@@ -1,4 +1,4 @@
-"""What a front-end process is told through its stdin (serve/frontend_config.py) is JSON and comes
+"""What a front-end process is told through its stdin (serve/ipc.py) is JSON and comes
 back equal: its tokenizer encodes and decodes as the engine's does, with the same EOS ids; keys,
 limits, template and grammar settings unchanged."""
 import dataclasses
@@ -6,7 +6,7 @@ import json
 
 from megatron_async.models.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
 from megatron_async.models.tokenizer import Tokenizer
-from megatron_async.serve.frontend_config import FrontendConfig
+from megatron_async.serve.ipc import FrontendConfig
 from megatron_async.serve.http_guard import HttpPolicy
 
 

@@ -14,8 +14,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from megatron_async.serve.app import create_app  # noqa: E402
-from megatron_async.serve.http_flags import policy_from_args, refusal  # noqa: E402
-from megatron_async.serve.http_guard import HttpPolicy, is_loopback, route_class  # noqa: E402
+from megatron_async.serve.http_guard import HttpPolicy, is_loopback, policy_from_args, refusal, route_class  # noqa: E402
 from megatron_async.serve.server_state import ServerState  # noqa: E402
 
 API, ADMIN = "sk-api-0123456789", "sk-admin-9876543210"

@@ -4,10 +4,10 @@ import pytest
 
 pytest.importorskip("pydantic")
 
-from megatron_async.serve.openai_protocol import (  # noqa: E402
-    BadRequest, ChatCompletionRequest, CompletionRequest, check_completion_options, completion_prompts, parse_body,
-    sampling_params,
-)
+from megatron_async.serve.completion_routes import completion_plan, completion_prompts  # noqa: E402
+from megatron_async.serve.openai_protocol import BadRequest, ChatCompletionRequest, CompletionRequest  # noqa: E402
+from megatron_async.serve.request_input import parse_body  # noqa: E402
+from megatron_async.serve.sampling_fields import choice_params, sampling_params  # noqa: E402
 
 
 @pytest.mark.parametrize("body, param", [
@@ -65,7 +65,7 @@ def test_sampling_mapping_uses_engine_conventions():
     with pytest.raises(BadRequest, match="stop"):
         sampling_params(parse_body(CompletionRequest, {"prompt": "x", "stop": [""]}), 4, None)
     with pytest.raises(BadRequest, match="suffix"):
-        check_completion_options(parse_body(CompletionRequest, {"prompt": "x", "suffix": "s"}))
+        completion_plan(parse_body(CompletionRequest, {"prompt": "x", "suffix": "s"}))
 
 
 def test_chat_messages():
@@ -82,7 +82,7 @@ def test_chat_messages():
 
 def test_echo_options():
     """max_tokens 0 scores the prompt (echo or prompt_logprobs), streamed or not; alone it is refused."""
-    from megatron_async.serve.echo import check_echo_options, with_prompt_scoring
+    from megatron_async.serve.completion_routes import check_echo_options, prompt_top_n
 
     def parsed(**body):
         return parse_body(CompletionRequest, {"prompt": "x", **body})
@@ -96,10 +96,10 @@ def test_echo_options():
                  {"stream": True, "echo": True, "logprobs": 1, "max_tokens": 0}):
         check_echo_options(parsed(**good))
     req = parsed(max_tokens=3, echo=True, logprobs=1, prompt_logprobs=4)
-    sp = with_prompt_scoring(req, sampling_params(req, 3, 1))
+    sp = choice_params(req, 3, 1, 0, prompt_top_n=prompt_top_n(req))
     assert sp.return_prompt_log_probs and sp.top_n_logprobs == 4
     req = parsed(echo=True)
-    assert not with_prompt_scoring(req, sampling_params(req, 3, None)).return_prompt_log_probs
+    assert not choice_params(req, 3, None, 0, prompt_top_n=prompt_top_n(req)).return_prompt_log_probs
 
 
 @pytest.mark.parametrize("body, message", [

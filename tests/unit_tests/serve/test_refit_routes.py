@@ -127,7 +127,7 @@ def test_ipc_and_distributed_updates_over_http():
 
 def test_a_coordinators_update_weights_by_transfer_method_reaches_the_engine():
     """A coordinator's refit operation (client.update_weights(method=...)) runs the engine's method."""
-    from megatron_async.serve.admin_ops import run_engine_op
+    from megatron_async.dp_engine.engine_ops import run_engine_op
 
     torch.multiprocessing.set_sharing_strategy("file_system")
     llm = LLM(default_model="tiny")

@@ -6,11 +6,12 @@ import pytest
 
 pytest.importorskip("pydantic")
 
+from megatron_async.serve.chat_routes import chat_template_kwargs  # noqa: E402
 from megatron_async.serve.openai_protocol import (  # noqa: E402
-    BadRequest, ChatCompletionRequest, PayloadTooLarge, UnsupportedMediaType, chat_template_kwargs, parse_body,
+    BadRequest, ChatCompletionRequest, PayloadTooLarge, UnsupportedMediaType,
 )
-from megatron_async.serve.request_body import (  # noqa: E402
-    check_content_length, check_content_type, decode_json, read_limited,
+from megatron_async.serve.request_input import (  # noqa: E402
+    check_content_length, check_content_type, decode_json, parse_body, read_limited,
 )
 
 

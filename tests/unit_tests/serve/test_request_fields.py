@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_async.serve.openai_protocol import BadRequest, ChatCompletionRequest, CompletionRequest, parse_body
+from megatron_async.serve.openai_protocol import BadRequest, ChatCompletionRequest, CompletionRequest
+from megatron_async.serve.request_input import parse_body
 
 SERVING = Path(__file__).resolve().parents[3] / "docs" / "SERVING.md"
 

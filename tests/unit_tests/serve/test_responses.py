@@ -5,6 +5,8 @@ import json
 import pytest
 
 from megatron_async.serve import responses as resp
+from megatron_async.serve.chat_routes import chat_chunk_choice
+from megatron_async.serve.completion_routes import completion_chunk_choice
 
 
 @pytest.mark.parametrize("text", ["", " hello", 'a "quoted" \\ back\nslash', "日本語 ✓", "\x00\x1f", resp.TEXT_SLOT,
@@ -12,8 +14,8 @@ from megatron_async.serve import responses as resp
 def test_json_template_equals_json_dumps(text):
     head = resp.ResponseHead("text_completion", "m", resp.new_id("cmpl"))
     for i in (0, 3):
-        template = resp.JsonTemplate(head.body([resp.completion_chunk_choice(i, resp.TEXT_SLOT, None, None)]))
-        whole = head.body([resp.completion_chunk_choice(i, text, None, None)])
+        template = resp.JsonTemplate(head.body([completion_chunk_choice(i, resp.TEXT_SLOT, None, None)]))
+        whole = head.body([completion_chunk_choice(i, text, None, None)])
         assert template(text) == json.dumps(whole, ensure_ascii=False)
         assert resp.sse(template(text)) == resp.sse(whole)
 
@@ -23,11 +25,11 @@ def test_json_template_with_token_ids_equals_json_dumps(text):
     head = resp.ResponseHead("chat.completion.chunk", "m", resp.new_id("chatcmpl"))
     slots = (resp.TEXT_SLOT, resp.TOKENS_SLOT)
     for tokens in ([], [5], [1, 2, 3]):
-        completion = resp.JsonTemplate(head.body([resp.completion_chunk_choice(1, resp.TEXT_SLOT, None,
+        completion = resp.JsonTemplate(head.body([completion_chunk_choice(1, resp.TEXT_SLOT, None,
                                                                                 resp.TOKENS_SLOT)]), slots)
-        assert completion(text, tokens) == json.dumps(head.body([resp.completion_chunk_choice(1, text, None, tokens)]),
+        assert completion(text, tokens) == json.dumps(head.body([completion_chunk_choice(1, text, None, tokens)]),
                                                       ensure_ascii=False)
-        chat = resp.JsonTemplate(head.body([resp.chat_chunk_choice(0, {"content": resp.TEXT_SLOT}, None,
+        chat = resp.JsonTemplate(head.body([chat_chunk_choice(0, {"content": resp.TEXT_SLOT}, None,
                                                                    resp.TOKENS_SLOT)]), slots)
-        assert chat(text, tokens) == json.dumps(head.body([resp.chat_chunk_choice(0, {"content": text}, None, tokens)]),
+        assert chat(text, tokens) == json.dumps(head.body([chat_chunk_choice(0, {"content": text}, None, tokens)]),
                                                 ensure_ascii=False)

@@ -3,7 +3,7 @@ tokens, text and log-probs of the steps they replace, in order; an error ends th
 import random
 
 from megatron_async.inference.request import RequestOutput, RequestUpdate
-from megatron_async.serve.stream_events import merge_events, merge_updates
+from megatron_async.serve.responses import merge_events, merge_updates
 from megatron_async.serve.submission import ChoiceEvent
 
 

@@ -8,8 +8,8 @@ import pytest
 from megatron_async.inference.structured.grammars import Grammars
 from megatron_async.models.tiny_tokenizer import EOS_TOKEN_ID, train_tiny_tokenizer
 from megatron_async.serve.openai_protocol import BadRequest, FunctionTool, NamedToolChoice
-from megatron_async.serve.structured_fields import tool_choice_spec
-from megatron_async.serve.tool_calls import HermesToolCalls
+from megatron_async.serve.chat_output import HermesToolCalls
+from megatron_async.serve.sampling_fields import tool_choice_spec
 
 pytest.importorskip("llguidance")
 pytest.importorskip("pydantic")

@@ -1,6 +1,6 @@
 """An engine joins a data-parallel coordinator: its connection (``CoordinatorChannel``), its
 registration, and the coordinator process an engine job starts for itself (``--listen``,
-``LLM(..., listen=...)``); the serving itself is engine_link.py's."""
+``LLM(..., listen=...)``); the serving itself is link.py's."""
 from __future__ import annotations
 
 import os
@@ -15,13 +15,13 @@ from megatron_async.config.modes import DpRouting
 from megatron_async.coordinator.engines import EngineInfo, RegistrationError
 from megatron_async.coordinator.transport import PeerSocket
 from megatron_async.coordinator.trust import peer_secret
-from megatron_async.serve.direct_replies import DirectReplies
+from megatron_async.dp_engine.direct_replies import DirectReplies
 
 COORDINATOR_START_TIMEOUT_S = 60.0
 
 
 class CoordinatorChannel:
-    """engine_link.EngineChannel over an authenticated connection to the coordinator."""
+    """link.EngineChannel over an authenticated connection to the coordinator."""
 
     def __init__(self, address: str, name: str, secret: bytes | str | None = None, timeout_s: float = 30.0):
         key = peer_secret(address, secret)
@@ -68,7 +68,7 @@ class CoordinatorChannel:
 def join(llm, address: str, name: str | None = None, secret: bytes | str | None = None):
     """An ``EngineLink`` serving ``llm``'s engine to the coordinator at ``address``, registered
     (not yet running: ``run()`` here, or ``start()`` on a thread)."""
-    from megatron_async.serve.engine_link import EngineLink
+    from megatron_async.dp_engine.link import EngineLink
 
     name = name or f"{socket.gethostname()}:{os.getpid()}"
     channel = CoordinatorChannel(address, name, secret)
@@ -117,7 +117,7 @@ def serve_engine(llm, args) -> int:
     import threading
 
     from megatron_async.coordinator.trust import SecretError
-    from megatron_async.serve.engine_loop import follow_rank0
+    from megatron_async.dp_engine.engine_ops import follow_rank0
 
     proc = None
     try:
@@ -160,7 +160,7 @@ class CoordinatorService:
         if not llm.is_leader:
             import threading
 
-            from megatron_async.serve.engine_loop import follow_rank0
+            from megatron_async.dp_engine.engine_ops import follow_rank0
 
             self._follower = threading.Thread(target=follow_rank0, args=(llm.engine, llm.communicator, llm.update_weights),
                                               daemon=True, name="megatron-async-follower")

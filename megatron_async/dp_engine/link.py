@@ -35,10 +35,9 @@ from megatron_async.inference.dp_routing import keys_of
 from megatron_async.inference.communication.wire import WireError
 from megatron_async.inference.records import decode_sampling
 from megatron_async.inference.request import InvalidRequestError
-from megatron_async.serve.admin_ops import run_engine_op
-from megatron_async.serve.refit_ops import EVERY_RANK_OPS
+from megatron_async.dp_engine.engine_ops import EVERY_RANK_OPS, run_engine_op
 
-log = logging.getLogger("megatron_async.serve")
+log = logging.getLogger("megatron_async.dp_engine")
 HEARTBEAT_S = 1.0
 """An engine says it is there (and its load) when it sent nothing for this long."""
 STEP_WATCHDOG_S = 600.0

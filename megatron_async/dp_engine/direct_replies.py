@@ -26,7 +26,7 @@ from megatron_async.coordinator.transport import PeerSocket
 from megatron_async.coordinator.trust import ipc_directory
 from megatron_async.inference.communication.handshake import NOBLOCK, zmq_send
 
-log = logging.getLogger("megatron_async.serve")
+log = logging.getLogger("megatron_async.dp_engine")
 CONNECT_TIMEOUT_S = 5.0
 MAX_LINKS = 256
 """Links kept at once (one per client): the oldest is closed past this."""

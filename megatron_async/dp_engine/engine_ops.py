@@ -1,0 +1,123 @@
+"""The operations an engine runs between two steps at a caller's request: the admin and refit
+operations (pause / resume, weight updates and transfers, suspend / resume of memory, the
+generation epoch, aborts), the ``stats`` counters a coordinator asks for, and the loop of a
+tensor-parallel rank > 0 that runs rank 0's steps and every-rank operations. Each operation takes
+the engine, the LLM's ``update_weights`` and checked arguments; its outcome is an HTTP status and
+a JSON body (the engine's state, or an OpenAI error object). Plain names and arguments, so that
+the HTTP server's engine loop, a front-end process, a coordinator (link.py) and the follower ranks
+of a TP job (no web framework here) ask for them alike."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+log = logging.getLogger("megatron_async.dp_engine")
+
+EVERY_RANK_OPS = frozenset({"update_weights", "suspend", "resume", "init_weight_transfer",
+                            "update_weights_from_distributed", "update_weights_from_ipc", "destroy_weight_transfer",
+                            "set_generation_epoch"})
+"""Operations every TP rank runs (each holds its own shard and memory); pause / resume and
+aborts reach the other ranks through the engine's per-step exchange."""
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    """The OpenAI error object (every refused operation's body, and the HTTP server's errors)."""
+    kind = "not_found_error" if status == 404 else "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def _distributed(engine, args: dict) -> Any:
+    """Joins the begin frame even for a refused body (``body_error``), so no sender waits."""
+    try:
+        return engine.update_weights_from_distributed(args.get("metadata"), args.get("version"),
+                                                      args.get("recompute_kv", True))
+    except ValueError:
+        if "body_error" in args:
+            raise ValueError(args["body_error"]) from None
+        raise
+
+
+def _set_generation_epoch(engine, args: dict) -> None:
+    """The version stamped on every token from now on (the KV of running requests is kept)."""
+    epoch = args.get("epoch")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+    engine.set_weight_version(epoch, recompute_kv=False)
+
+
+ADMIN_OPS: dict[str, Callable[[Any, Callable[..., int] | None, dict], Any]] = {
+    "pause_generation": lambda engine, _, args: engine.pause_generation(**args),
+    "resume_generation": lambda engine, _, args: engine.resume_generation(),
+    "update_weights": lambda _, update_weights, args: update_weights(args["path"], version=args.get("version")),
+    "suspend": lambda engine, _, args: engine.suspend(**args),
+    "resume": lambda engine, _, args: engine.resume(**args),
+    "set_generation_epoch": lambda engine, _, args: _set_generation_epoch(engine, args),
+    "init_weight_transfer": lambda engine, _, args: engine.init_weight_transfer(**args),
+    "update_weights_from_distributed": lambda engine, _, args: _distributed(engine, args),
+    "update_weights_from_ipc": lambda engine, _, args: engine.update_weights_from_ipc(**args),
+    "destroy_weight_transfer": lambda engine, _, args: engine.destroy_weight_transfer(),
+    "abort_requests": lambda engine, _, args: engine.abort_requests(args.get("request_ids")),
+}
+"""Operation name (also its HTTP route: POST /NAME) -> what it runs. The server's route checks
+give the engine methods' keyword arguments (a missing one: the engine's default)."""
+
+
+def engine_status(engine) -> dict:
+    return {"paused": engine.is_paused, "suspended": sorted(engine.memory.suspended),
+            "weight_version": engine.weight_version}
+
+
+def engine_counters(engine) -> dict:
+    """The engine's ``EngineStats`` counters (its scalar fields) as plain values."""
+    stats = engine.stats
+    return {f.name: v for f in dataclasses.fields(stats)
+            if isinstance(v := getattr(stats, f.name), (int, float)) and not isinstance(v, bool)}
+
+
+def run_admin_op(engine, update_weights: Callable[..., int] | None, op: str, args: dict) -> tuple[int, dict]:
+    """(200, the engine's state) once ``op`` ran; 400 for bad input (WeightUpdateError is a
+    ValueError), 409 for an operation the engine's state refuses (wrong order, not paused)."""
+    return run_guarded(engine, lambda: ADMIN_OPS[op](engine, update_weights, args))
+
+
+def run_engine_op(engine, op: str, args: dict, update_weights: Callable[..., int] | None = None) -> tuple[int, dict]:
+    """A data-parallel coordinator's control operation (coordinator/controls.py) on this engine:
+    the admin operations (the refit ones included), and ``stats`` (its ``EngineStats`` counters)."""
+    if op == "stats":
+        return 200, engine_counters(engine)
+    if op not in ADMIN_OPS:
+        return 400, error_body(f"unknown operation {op!r}", 400)
+    return run_admin_op(engine, update_weights, op, args)
+
+
+def run_guarded(engine, action: Callable[[], Any]) -> tuple[int, dict]:
+    """``action()``'s outcome as (status, body): see ``run_admin_op``."""
+    try:
+        action()
+        return 200, engine_status(engine)
+    except (ValueError, TypeError, OSError) as e:  # OSError: a checkpoint path that cannot be read
+        return 400, error_body(str(e), 400)
+    except Exception as e:  # noqa: BLE001 -- reported to the caller, the loop keeps serving: never a 5xx
+        if not isinstance(e, (RuntimeError, NotImplementedError)):
+            log.exception("admin operation failed")
+        return 409, error_body(f"{type(e).__name__}: {e}", 409)
+
+
+def follow_rank0(engine, communicator, update_weights: Callable | None = None) -> None:
+    """A tensor-parallel rank > 0 (of the HTTP server or of an engine serving a coordinator): step
+    whenever rank 0's loop steps (the engine receives rank 0's new requests and aborts inside
+    ``step``), run the operations every rank runs (``EVERY_RANK_OPS``: weight updates, transfers,
+    suspend / resume) when rank 0 does, until rank 0 says stop."""
+    while True:
+        command = communicator.broadcast_object(None)
+        if command == "stop":
+            return
+        if command == "step":
+            engine.step()
+        elif isinstance(command, list) and command[0] == "hold":  # (a tuple arrives as a list)
+            engine.scheduler.hold(command[1])
+        elif isinstance(command, list) and command[0] == "admin":
+            status, body = run_admin_op(engine, update_weights, command[1], command[2])
+            if status != 200:
+                log.warning("admin operation %s on this rank: %s", command[1], body)
