@@ -185,8 +185,8 @@ class LLM:
         MAMBA_SSM: their grids depend only on the padded sizes; the torch reference would lay every row out
         to the padded token count); speculative verify graphs on Triton attention (the torch path would
         gather every row's whole KV table in a graph, sized for max_sequence_length). Expert parallelism: a
-        collective runner (greedy decode graphs only, captured by every rank at once in the warm-up; see
-        ``CudaGraphRunner``). Logits-only graphs for steps with grammar rows when a grammar library is
+        collective runner (decode graphs, and mixed graphs of FULL sampling for steps above a decode batch,
+        captured by every rank at once in the warm-up; see ``CudaGraphRunner``). Logits-only graphs for steps with grammar rows when a grammar library is
         installed and structured outputs are not off."""
         from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
 

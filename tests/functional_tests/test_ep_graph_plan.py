@@ -5,14 +5,16 @@ the same mode (the same graph, or eager) at the same size, including a rank with
 (its dummy forward replays the agreed graph on padding rows) and a rank whose requests sample
 (then every rank replays the sampled variant of the graph, the largest any rank needs). The emulated runner makes the real CudaGraphRunner decisions; each
 rank's log of (mode, rows) per expert-parallel all-gather must be identical, and tokens must
-equal one engine's. Workload: one rank idle for many steps, then staggered mixed arrivals."""
+equal one engine's. Workload: one rank idle for many steps, then staggered mixed arrivals. With
+mixed graphs, a step whose largest launch holds more tokens than a decode batch replays the
+16-token mixed graph on every rank (the prefill rank, a decode rank, an idle one)."""
 from __future__ import annotations
 
 import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.inference.text_generation_controllers.cuda_graphs import decode_key
-from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant
+from megatron_async.inference.text_generation_controllers.graph_plan import GraphKey, SamplingVariant
 from tests.helpers.emulated_graphs import CollectiveLog, EmulatedGraphRunner
 from tests.helpers.engine_harness import run_leader_arrivals
 from tests.helpers.multiprocess import run_ranks
@@ -40,10 +42,11 @@ def workload(llm: LLM, rank: int, log: CollectiveLog | None) -> dict:
     return result
 
 
-def _worker(rank: int, world: int) -> dict:
+def _worker(rank: int, world: int, mixed: bool) -> dict:
     llm = LLM(None, inference_config=InferenceConfig(**CONFIG), default_model="tiny-moe", expert_parallel_size=world)
     try:
-        graphs = llm.runner.graphs = EmulatedGraphRunner(llm.runner, llm.config.graph_sizing(), collective=True)
+        graphs = llm.runner.graphs = EmulatedGraphRunner(llm.runner, llm.config.graph_sizing(), mixed=mixed,
+                                                         collective=True)
         graphs.warmup()  # every rank at once, as LLM does on CUDA
         log = CollectiveLog(graphs)
         result = workload(llm, rank, log)
@@ -55,11 +58,14 @@ def _worker(rank: int, world: int) -> dict:
         llm.close()
 
 
-def test_every_rank_runs_the_same_graph_or_eager_collectives_step_by_step():
+@pytest.mark.parametrize("mixed", [False, True])
+def test_every_rank_runs_the_same_graph_or_eager_collectives_step_by_step(mixed):
     expected = workload(LLM(None, inference_config=InferenceConfig(**CONFIG), default_model="tiny-moe"), 0, None)
-    r0, r1 = run_ranks(_worker, 2, timeout_s=300)
-    # decode only, every sampling variant
-    assert r0["captures"] == r1["captures"] == [decode_key(b, v) for b in (4, 2, 1) for v in SamplingVariant]
+    r0, r1 = run_ranks(_worker, 2, mixed, timeout_s=300)
+    # the 16-token mixed graph (FULL sampling) when mixed graphs are on; decode graphs of every variant
+    mixed_key = GraphKey(16, 5, False, SamplingVariant.FULL)
+    decode = [decode_key(b, v) for b in (4, 2, 1) for v in SamplingVariant]
+    assert r0["captures"] == r1["captures"] == ([mixed_key] if mixed else []) + decode
     assert len(r0["calls"]) == len(r1["calls"]), "the ranks ran different numbers of MoE exchanges"
     for i, (a, b) in enumerate(zip(r0["calls"], r1["calls"])):
         assert a == b, f"MoE exchange #{i}: rank 0 ran {a}, rank 1 ran {b}"
@@ -73,7 +79,12 @@ def test_every_rank_runs_the_same_graph_or_eager_collectives_step_by_step():
         idle_modes = {m for m, _ in r1["calls"][start:end]}
         assert any(m.startswith("graph") for m in idle_modes), f"{name}: rank 1's dummies never replayed"
     assert r1["dummy"] > 20 and r0["dummy"] > 0 and r1["padding_replays"] > 20
-    assert any(m == "eager" for m, _ in r0["calls"]) and r0["replays"] > 0 and r1["replays"] > 0
-    sampled = [m for m, _ in r0["calls"] if m.startswith("graph") and "GREEDY" not in m]
+    assert r0["replays"] > 0 and r1["replays"] > 0
+    mixed_replays = [(m, n) for m, n in r0["calls"] if m == f"graph{mixed_key}"]
+    if mixed:  # prefill steps replayed the mixed graph (its exchange padded to its 16 tokens) on both ranks
+        assert mixed_replays and all(n == 16 for _, n in mixed_replays)
+    else:  # prefill steps ran eager
+        assert not mixed_replays and any(m == "eager" for m, _ in r0["calls"])
+    sampled = [m for m, _ in r0["calls"] if m.startswith("graph") and "GREEDY" not in m and m != f"graph{mixed_key}"]
     assert sampled and all("NUCLEUS" in m for m in sampled), sampled  # temperature + top-p rows: NUCLEUS
     assert r0["served"] > 0 and r1["served"] > 0

@@ -34,6 +34,7 @@ from megatron_async.inference.text_generation_controllers.graph_plan import (
     GraphKey, GraphPlan, SamplingVariant, splits_sampling, variant_flags, variant_index, variant_of_params,
 )
 from megatron_async.inference.text_generation_controllers.kernel_prebuild import caches_kept, end_failed_capture
+from megatron_async.inference.text_generation_controllers.prompt_scoring import wants_prompt_scoring
 from megatron_async.step_shape import StepShape
 
 log = logging.getLogger("megatron_async")
@@ -124,12 +125,16 @@ class CudaGraphRunner:
         """``collective``: data-parallel engines (expert parallelism). The graphs hold MoE
         collectives across ranks that run different batches, and NCCL requires graph-captured
         vs eager to be the same on every rank of a launch, with graphs of one joint capture: so
-        the plan is decode steps only (no mixed steps, no verify graphs), every rank replays the
-        agreed size and the largest sampling variant any rank needs (``replay_variant``; a larger
-        variant draws the same tokens; no log-prob twins: a log-prob step replays FULL), only
-        the graphs ``warmup`` captured on every rank at once are replayed, a missing one is an
-        error (never a capture on one rank alone), and a rank with nothing to launch replays the
-        agreed graph on padding rows (``replay_padding``).
+        every rank replays a graph of the size the agreed token count gives and the largest
+        sampling variant any rank needs (``replay_variant``; a larger variant draws the same
+        tokens; no log-prob twins: a log-prob step replays FULL): a decode graph while every
+        rank's launch fits a decode batch, else the mixed graph of that count (FULL only,
+        ``GraphPlan.collective_mixed_tokens``; ranks with decode rows replay it too, so a
+        prefill chunk anywhere no longer sends every rank to eager); no verify graphs, and no
+        mixed ones under speculative decoding. Only the graphs ``warmup`` captured on every
+        rank at once are replayed, a missing one is an error (never a capture on one rank
+        alone), and a rank with nothing to launch replays the agreed graph on padding rows
+        (``replay_padding``).
         ``verify``: verify graphs when speculative decoding is on. Speculative engines also
         capture plain decode and mixed graphs (speculative/plain_steps.py), except data-parallel ones
         (every rank runs the drafter's collectives in every step). ``logits_only``: logits-only
@@ -137,8 +142,8 @@ class CudaGraphRunner:
         self.model_runner = model_runner
         self.config = config
         self.collective = collective
-        if collective:
-            mixed, verify = False, False
+        if collective:  # mixed graphs would run the drafter's collectives: not under speculative decoding
+            mixed, verify = mixed and config.num_speculative_tokens == 0, False
         self.split_sampling = splits_sampling(config, collective)
         """A plain engine's decode and mixed graphs are a forward graph per size (the logits-only
         one) and a sampling tail per variant replayed after it: the forward, nearly all of a
@@ -148,7 +153,8 @@ class CudaGraphRunner:
         The forwards are the plan's logits-only keys, whether or not a grammar library is there."""
         self.plan = GraphPlan(config, model_runner.model.vocab_size, mixed, variants, verify,
                               plain_steps=not collective, log_prob_twins=not collective,
-                              logits_only=(logits_only or self.split_sampling) and not collective)
+                              logits_only=(logits_only or self.split_sampling) and not collective,
+                              collective=collective)
         self.graphs: dict[GraphKey, CapturedStep] = {}
         self.emulate = emulate
         self._pool = None
@@ -181,11 +187,16 @@ class CudaGraphRunner:
         """Data-parallel engines: the sampling variant (``variant_index``) a plan's step needs
         (before assembly) if it can replay a graph that ``warmup`` captured on every rank at
         once, else None (eager). The ranks then replay the largest variant any of them needs."""
-        if not plan.is_decode_only:  # prefill chunks, verify rows with drafts: eager
-            return None
-        padded = self.padded_rows(len(plan.rows))
         variant = variant_of_params(r.request.sampling_params for r in plan.rows)
-        if padded is None or variant is None:
+        if variant is None:
+            return None
+        if not plan.is_decode_only:  # prefill chunks: the mixed graph of at least their tokens, if any
+            key = self.plan.collective_mixed_key(plan.num_tokens)
+            if key is None or wants_prompt_scoring(plan) or key not in self.graphs:
+                return None
+            return variant_index(key.variant)
+        padded = self.padded_rows(len(plan.rows))
+        if padded is None:
             return None
         # a larger variant the others may agree on is captured whenever this one is (warm-up takes them all)
         key = decode_key(padded, variant, self.plan.speculative)
@@ -210,21 +221,25 @@ class CudaGraphRunner:
         self.num_verify_replays += bool(key.verify_width)
         return step
 
-    def replay_padding(self, num_rows: int, variant: int = 0) -> int:
-        """Data-parallel engines, a rank with nothing to launch in a step the others replay:
-        replay the graph those ranks replay (padded size of ``num_rows``, the agreed sampling
-        variant) on padding rows, so its collectives are graph-captured like theirs. The
-        model runner has already put a padding snapshot in the view; the graph's samples are
-        discarded. Returns the rows."""
-        b = self.padded_rows(num_rows)
+    def padding_key(self, num_tokens: int, variant: int = 0) -> GraphKey:
+        """Data-parallel engines, a rank with nothing to launch in a step the others replay: the
+        graph those ranks replay (the agreed token count and sampling variant), which it replays
+        on padding rows (``replay_padding``) so its collectives are graph-captured like theirs."""
         kind = list(SamplingVariant)[variant]
-        step = self.graphs.get(decode_key(b, kind, self.plan.speculative)) if b is not None else None
-        if step is None:
-            raise RuntimeError(f"no {kind.value} CUDA graph for a dummy step of {num_rows} rows "
+        key = self.plan.collective_mixed_key(num_tokens)
+        if key is None:
+            b = self.padded_rows(num_tokens)
+            key = decode_key(b, kind, self.plan.speculative) if b is not None else None
+        if key is None or key not in self.graphs:
+            raise RuntimeError(f"no {kind.value} CUDA graph for a dummy step of {num_tokens} tokens "
                                f"(captured: {sorted(self.graphs, key=str)})")
-        step.replay()
+        return key
+
+    def replay_padding(self, key: GraphKey) -> None:
+        """Replay ``padding_key``'s graph; the model runner has already put a padding snapshot of
+        its rows and tokens in the view; the graph's samples are discarded."""
+        self.graphs[key].replay()
         self.num_padding_replays += 1
-        return b
 
     def release(self) -> None:
         """Destroy every captured graph (before the process group: NCCL's communicator cannot be

@@ -215,12 +215,15 @@ class GraphPlan:
 
     def __init__(self, config: GraphSizing, vocab_size: int, mixed: bool,
                  variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), verify: bool = False,
-                 plain_steps: bool = False, log_prob_twins: bool = True, logits_only: bool = False):
+                 plain_steps: bool = False, log_prob_twins: bool = True, logits_only: bool = False,
+                 collective: bool = False):
         """``verify``: verify graphs for speculative decoding (``num_speculative_tokens`` > 0).
         ``plain_steps``: a speculative engine's decode and mixed steps may run plain (decode and
         mixed graphs of both kinds). ``log_prob_twins``: decode graphs of the variants below FULL have
         log-prob twins (off: every log-prob step replays FULL). ``logits_only``: logits-only
-        graphs for steps with grammar rows (not with speculative decoding)."""
+        graphs for steps with grammar rows (not with speculative decoding). ``collective``:
+        data-parallel engines, whose mixed graphs are ``collective_mixed_tokens``' sizes, FULL only."""
+        self.collective = collective
         self.log_prob_twins = log_prob_twins
         self.config = config
         self.speculative = config.num_speculative_tokens > 0
@@ -231,6 +234,8 @@ class GraphPlan:
         self.decode_sizes = decode_batch_sizes(config)
         counts = config.cuda_graph_token_counts or default_token_counts(config.max_tokens)
         self.token_counts = sorted(c for c in counts if c <= config.max_tokens) if mixed else []
+        if collective:  # a step of at most a decode batch's tokens replays a decode graph (or runs eager)
+            self.token_counts = [c for c in self.token_counts if c > self.decode_sizes[-1]]
         self.variants = variants
         K = config.num_speculative_tokens
         widths = config.cuda_graph_verify_widths or (2, K + 1)
@@ -254,6 +259,28 @@ class GraphPlan:
         if need == 1:
             return 0
         return next((w for w, sizes in self.verify_sizes.items() if w >= need and sizes[-1] >= len(rows)), 0)
+
+    def collective_mixed_tokens(self, num_tokens: int) -> int | None:
+        """Data-parallel engines: the tokens of the mixed graph every rank replays in a step whose
+        largest launch (any rank's) has ``num_tokens`` tokens; None where no mixed graph is
+        replayed: up to the largest decode batch (a decode graph of that size, or eager for a
+        rank with a prefill chunk) and above the largest mixed graph (eager). Every rank derives
+        it from the agreed count alone, so all replay graphs of one size: their MoE exchanges,
+        padded to the graph's tokens, match. Ranks whose own step is decode rows or nothing
+        replay the same graph with their rows and padding."""
+        if not self.collective or not self.token_counts or num_tokens > self.token_counts[-1]:
+            return None
+        if num_tokens <= self.decode_sizes[-1]:
+            return None
+        return self.token_counts[bisect.bisect_left(self.token_counts, num_tokens)]
+
+    def collective_mixed_key(self, num_tokens: int) -> GraphKey | None:
+        """The key of ``collective_mixed_tokens``' graph (FULL sampling: a larger variant draws the
+        same tokens, so one variant serves every rank's rows), None where there is none."""
+        tokens = self.collective_mixed_tokens(num_tokens)
+        if tokens is None or SamplingVariant.FULL not in self.variants:
+            return None
+        return GraphKey(tokens, self.mixed_rows(tokens), False, SamplingVariant.FULL)
 
     def mixed_rows(self, padded_tokens: int) -> int:
         """Rows of a mixed graph of ``padded_tokens``: every real row fits (a row has >= 1 token)
@@ -282,6 +309,8 @@ class GraphPlan:
             variant = SamplingVariant.FILTERED
         if variant not in self.variants:
             return None
+        if min_rows and not verify and max(shape.num_tokens, min_rows) > self.decode_sizes[-1]:
+            return self.collective_mixed_key(max(shape.num_tokens, min_rows))  # data-parallel ranks
         if verify:  # speculative verify rows
             W = shape.verify_width
             if W not in self.verify_sizes or min_rows:
@@ -321,8 +350,9 @@ class GraphPlan:
         speculative engine's mixed and decode graphs with the machinery before the plain ones)."""
         kinds = (True, False) if self.plain_steps else (self.speculative,)
         wide = [v for v in self.variants if v != SamplingVariant.NUCLEUS]  # decode graphs only
+        mixed_variants = [v for v in wide if v == SamplingVariant.FULL] if self.collective else wide
         mixed = [GraphKey(t, self.mixed_rows(t), False, v, spec=k) for t in reversed(self.token_counts) for k in kinds
-                 for v in wide]
+                 for v in mixed_variants]
         verify = [GraphKey(b * w, b, False, v, w, True) for w in reversed(self.verify_sizes)
                   for b in reversed(self.verify_sizes[w]) for v in wide]
         decode = [GraphKey(b, b, True, v, spec=k, log_probs=lp) for b in reversed(self.decode_sizes) for k in kinds

@@ -342,16 +342,17 @@ class ModelRunner:
         included), and the drafter's own collectives are matched too (``match_collectives``)."""
         ctx = self.context
         replay = self.graphs is not None and not agreed.eager
-        rows = self.graphs.padded_rows(max(1, agreed.max_tokens)) if replay else 1
-        if self._dummy_snapshot is None or self._dummy_rows != rows:
-            snap = ctx.padding_snapshot(rows)
+        key = self.graphs.padding_key(max(1, agreed.max_tokens), agreed.variant) if replay else None
+        rows, tokens = (key.num_rows, key.num_tokens) if key is not None else (1, 1)
+        if self._dummy_snapshot is None or self._dummy_rows != (rows, tokens):
+            snap = ctx.padding_snapshot(rows, tokens)
             self._dummy_snapshot = snap.pin_memory() if self.device.is_cuda else snap
-            self._dummy_rows = rows
+            self._dummy_rows = (rows, tokens)
         ctx.gpu_view.buffer.copy_(self._dummy_snapshot, non_blocking=True)
         if replay:
             saved = self.last_samples.clone()  # the graph samples its padding rows into last_samples
             with nvtx_range("dummy_forward"):
-                self.graphs.replay_padding(rows, agreed.variant)
+                self.graphs.replay_padding(key)
             self.last_samples.copy_(saved)
             return
         shape = StepShape(num_tokens=rows, num_rows=rows, max_query_len=1, max_kv_len=1, is_decode_only=True,

@@ -1,7 +1,9 @@
 """CudaGraphRunner's decisions for data-parallel engines (no GPU: graphs stand in as keys):
 decode plans that fit a jointly captured graph replay it at the largest sampling variant any
-rank needs, and a collective runner never captures alone: a missing graph is a clear error,
-not a capture (or a hang)."""
+rank needs; a step whose largest launch (any rank's) holds more tokens than a decode batch
+replays the mixed graph of that count on every rank (FULL sampling), decode and idle ranks
+included; and a collective runner never captures alone: a missing graph is a clear error, not
+a capture (or a hang)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -21,8 +23,11 @@ def runner(collective: bool) -> CudaGraphRunner:
                           context=SimpleNamespace(device=SimpleNamespace(suspend_backend=None)))
     r = CudaGraphRunner(ctl, InferenceConfig(max_requests=8).graph_sizing(), mixed=True, collective=collective)
     if collective:
-        # decode only (no mixed), every sampling variant
-        assert r.plan.keys() == [decode_key(b, v) for b in (8, 4, 2, 1) for v in SamplingVariant]
+        # mixed graphs above the largest decode batch (FULL only), then decode graphs of every variant
+        counts = r.plan.token_counts
+        assert counts[0] == 16 and counts[-1] == InferenceConfig().max_tokens
+        assert r.plan.keys() == ([GraphKey(t, 9, False, SamplingVariant.FULL) for t in reversed(counts)]
+                                 + [decode_key(b, v) for b in (8, 4, 2, 1) for v in SamplingVariant])
     r.graphs = {k: SimpleNamespace(num_rows=k.num_rows, key=k) for k in r.plan.keys()}  # what warmup captures
     return r
 
@@ -54,10 +59,51 @@ def test_a_decode_plan_replays_its_covering_variant(other, variant):
     assert runner(True).replay_variant(decode_plan(GREEDY, other)) == want
 
 
+def prefill_plan(tokens: int, params: SamplingParams = GREEDY) -> StepPlan:
+    prompt = list(range(tokens))
+    return StepPlan([RowPlan(SimpleNamespace(sampling_params=params, prompt_tokens=prompt), start=0, num_tokens=tokens,
+                             samples=True),
+                     RowPlan(SimpleNamespace(sampling_params=GREEDY, prompt_tokens=[1] * 7), start=7, num_tokens=1,
+                             samples=True)])
+
+
+def test_a_prefill_plan_above_a_decode_batch_replays_the_full_mixed_graph():
+    r = runner(True)
+    assert r.replay_variant(prefill_plan(11)) == V.index(S.FULL)  # 12 tokens > 8 rows: the 16-token graph
+    largest = InferenceConfig().max_tokens
+    assert r.replay_variant(prefill_plan(largest - 1)) == V.index(S.FULL)
+    assert r.replay_variant(prefill_plan(largest)) is None  # one token above the largest mixed graph
+    assert r.replay_variant(prefill_plan(11, SamplingParams(top_k=1, top_n_logprobs=21))) is None
+    assert r.replay_variant(prefill_plan(11, SamplingParams(top_k=1, return_prompt_log_probs=True))) is None  # scoring
+    del r.graphs[GraphKey(16, 9, False, S.FULL)]
+    assert r.replay_variant(prefill_plan(11)) is None  # not captured on every rank
+
+
+def test_every_rank_replays_the_mixed_graph_of_the_agreed_count():
+    """A prefill rank, a decode rank and an idle rank of one step above a decode batch: one graph."""
+    r = runner(True)
+    mixed = StepShape(300, 3, 290, 400, False, False, False, 0, False)
+    want = GraphKey(320, 9, False, S.FULL)
+    assert r.lookup(mixed, min_rows=300).key == want
+    assert r.lookup(shape(2), min_rows=300, min_variant=V.index(S.FULL)).key == want
+    assert r.lookup(shape(2, sampling=True), min_rows=300, min_variant=V.index(S.FULL)).key == want
+    assert r.padding_key(300, V.index(S.FULL)) == want
+    # up to a decode batch the agreed count keeps decode graphs, and a prefill chunk that small runs eager
+    assert r.lookup(shape(2), min_rows=8).key == decode_key(8)
+    assert r.plan.key(StepShape(6, 2, 5, 9, False, False, False, 0, False), min_rows=6) is None
+    assert r.plan.key(mixed, min_rows=9000) is None  # above the largest mixed graph: eager
+
+
+def test_a_single_engine_plan_keeps_every_mixed_variant():
+    r = runner(False)
+    assert not r.plan.collective and r.plan.token_counts[0] == 16 and r.plan.collective_mixed_key(300) is None
+    assert GraphKey(16, 9, False, S.GREEDY) in r.plan.keys()
+
+
 def test_prefill_too_large_and_uncaptured_plans_run_eager():
     r = runner(True)
     prefill = StepPlan([RowPlan(SimpleNamespace(sampling_params=GREEDY), start=0, num_tokens=4, samples=True)])
-    assert r.replay_variant(prefill) is None
+    assert r.replay_variant(prefill) is None  # no more tokens than a decode batch: eager
     assert r.replay_variant(decode_plan(*[GREEDY] * 9)) is None  # beyond the largest size (8)
     del r.graphs[decode_key(4)]
     assert r.replay_variant(decode_plan(GREEDY, GREEDY, GREEDY)) is None  # pads to 4: not captured on every rank
@@ -71,7 +117,9 @@ def test_ranks_replay_the_agreed_variant():
     assert r.lookup(shape(2, sampling=True), min_variant=0).key == decode_key(2, SamplingVariant.TEMPERATURE)
     replayed = []
     r.graphs[decode_key(4, SamplingVariant.FULL)].replay = lambda: replayed.append("full 4")
-    assert r.replay_padding(3, V.index(S.FULL)) == 4 and replayed == ["full 4"]
+    key = r.padding_key(3, V.index(S.FULL))
+    r.replay_padding(key)
+    assert key == decode_key(4, SamplingVariant.FULL) and replayed == ["full 4"] and r.num_padding_replays == 1
 
 
 def shape(rows: int, sampling: bool = False) -> StepShape:
@@ -93,10 +141,10 @@ def test_a_collective_runner_never_captures_alone():
         r.lookup(shape(2, sampling=True))
     with pytest.raises(RuntimeError, match="agreed to replay"):
         r.lookup(StepShape(6, 2, 5, 9, False, False, False, 0, False))  # a prefill step under an agreed replay
-    with pytest.raises(RuntimeError, match="no greedy CUDA graph for a dummy step of 9 rows"):
-        r.replay_padding(9)
-    with pytest.raises(RuntimeError, match="no temperature CUDA graph for a dummy step of 2 rows"):
-        r.replay_padding(2, 1)
+    with pytest.raises(RuntimeError, match="no greedy CUDA graph for a dummy step of 9000 tokens"):
+        r.padding_key(9000)
+    with pytest.raises(RuntimeError, match="no temperature CUDA graph for a dummy step of 2 tokens"):
+        r.padding_key(2, 1)
 
 
 def test_a_single_engine_runner_captures_lazily():
