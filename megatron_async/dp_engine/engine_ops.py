@@ -21,11 +21,10 @@ EVERY_RANK_OPS = frozenset({"update_weights", "suspend", "resume", "init_weight_
 aborts reach the other ranks through the engine's per-step exchange."""
 
 
-def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
-    """The OpenAI error object (every refused operation's body, and the HTTP server's errors);
-    ``code``: OpenAI's error code where it has one (``model_not_found``), else the status."""
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    """The OpenAI error object (every refused operation's body, and the HTTP server's errors)."""
     kind = "not_found_error" if status == 404 else "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def _distributed(engine, args: dict) -> Any:

@@ -53,7 +53,7 @@ def create_app(state: ServerState) -> FastAPI:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(proto.BadRequest)
     async def _bad_request(_: Request, e: proto.BadRequest):
-        return resp.error_response(str(e), e.status, e.param, e.code)
+        return resp.error_response(str(e), e.status, e.param)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, e: HTTPException):  # unknown route, wrong method

@@ -19,8 +19,6 @@ class BadRequest(ValueError):
     and OpenAI's error object; ``param`` names the offending field."""
 
     status = 400
-    code: str | None = None
-    """OpenAI's error code, where it has one (the error object's ``code`` is the status otherwise)."""
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -29,12 +27,6 @@ class BadRequest(ValueError):
 
 class NotFound(BadRequest):
     status = 404
-
-
-class ModelNotFound(NotFound):
-    """A ``model`` that is neither the served model nor a loaded LoRA adapter (OpenAI's code)."""
-
-    code = "model_not_found"
 
 
 class PayloadTooLarge(BadRequest):

@@ -25,7 +25,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from megatron_async.models.chat_template import ChatTemplateError
-from megatron_async.serve.openai_protocol import BadRequest, ModelNotFound, PayloadTooLarge, UnsupportedMediaType
+from megatron_async.serve.openai_protocol import BadRequest, NotFound, PayloadTooLarge, UnsupportedMediaType
 from megatron_async.serve.server_state import ServerState
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -166,7 +166,7 @@ class RequestInput:
 
     async def lora_of(self, name: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` names: None for the served model (or no name),
-        the adapter's name for a loaded adapter, else a 404 ``model_not_found``. Where the engine's
+        the adapter's name for a loaded adapter, else a 404 naming the ``model`` param. Where the engine's
         adapters are not known here (engines behind a coordinator) any other name goes to the
         engines as an adapter's, which refuse one they do not hold."""
         served = self.state.model_name
@@ -175,7 +175,7 @@ class RequestInput:
         adapters = await self.state.engine_loop.adapters()
         if adapters is not None and name not in adapters:
             loaded = f" or one of its LoRA adapters {adapters}" if adapters else ""
-            raise ModelNotFound(f"model {name!r} does not exist; this server serves {served!r}{loaded}", "model")
+            raise NotFound(f"model {name!r} does not exist; this server serves {served!r}{loaded}", "model")
         return name
 
     def check_n(self, n: int) -> None:

@@ -122,9 +122,9 @@ class _ClientGone(Exception):
     pass
 
 
-def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> Response:
+def error_response(message: str, status: int = 400, param: str | None = None) -> Response:
     # ASCII JSON: a message quoting the request (a lone surrogate included) always encodes
-    return Response(json.dumps(error_body(message, status, param, code)), status_code=status,
+    return Response(json.dumps(error_body(message, status, param)), status_code=status,
                     media_type="application/json")
 
 

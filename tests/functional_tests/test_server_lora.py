@@ -2,7 +2,7 @@
 one HTTP front-end process): a completion whose ``model`` names an adapter carries the offline
 engine's greedy tokens with that adapter, the base model's name its own; /v1/models lists the
 adapters under their parent; chat (streamed) and /tokenize take an adapter's name, an unknown
-name is a 404 ``model_not_found``; /v1/load_lora_adapter and /v1/unload_lora_adapter run while
+name is a 404 (OpenAI's error object, ``param`` "model"); /v1/load_lora_adapter and /v1/unload_lora_adapter run while
 another request streams (which ends with its own tokens), behind the admin key and
 --allowed-weights-dir, with 400 / 403 / 404 / 409 for what they refuse; a bad --lora-modules
 stops the start with exit status 2."""
@@ -109,15 +109,16 @@ def test_chat_stream_and_tokenize_take_an_adapter(server):
     assert status == 200 and body["count"] > 0
 
 
-def test_unknown_model_is_a_404_model_not_found(server):
+def test_unknown_model_is_a_404(server):
     client = _client(server)
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nope", prompt=[1, 2], max_tokens=2)
-    assert e.value.status_code == 404 and e.value.body["code"] == "model_not_found"
+    assert e.value.status_code == 404 and e.value.body["code"] == 404 and e.value.body["param"] == "model"
+    assert "'x'" in e.value.body["message"]  # the adapters loaded now are named
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     status, body = _post(server, "/tokenize", {"model": "nope", "prompt": "hi"}, key=None)
-    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert status == 404 and body["error"]["param"] == "model"
 
 
 def test_load_and_unload_while_a_request_streams(server, files):

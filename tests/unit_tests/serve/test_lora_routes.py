@@ -1,6 +1,6 @@
 """LoRA adapters in the server's own process (the ASGI app, no front-end process): the adapter
 routes are admin routes (the admin key; absent, 404, without --enable-admin-endpoints); the engine
-loop's adapter list feeds /v1/models and a request's ``model``; the engine operations answer an
+loop's adapter list feeds /v1/models and a request's ``model`` (another name: 404); the engine operations answer an
 engine without LoRA slots with a 400; --lora-modules parses NAME=PATH and turns --enable-lora on."""
 import argparse
 import asyncio
@@ -118,7 +118,7 @@ def test_engine_loop_adapters_feed_models_and_requests(files):
             status, out = await post(app, "/v1/completions", {"model": "a", "prompt": [3, 4, 5], "max_tokens": 3})
             assert status == 200 and out["model"] == "a" and out["usage"]["completion_tokens"] == 3
             status, out = await post(app, "/v1/completions", {"model": "b", "prompt": [3, 4, 5], "max_tokens": 3})
-            assert status == 404 and out["error"]["code"] == "model_not_found" and "'a'" in out["error"]["message"]
+            assert status == 404 and out["error"]["param"] == "model" and "'a'" in out["error"]["message"]
             assert (await post(app, "/v1/unload_lora_adapter", {"lora_name": "a"}))[0] == 200
             return (await get(app, "/v1/models"))[1]
 
