@@ -173,6 +173,12 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--enable-suspend", action="store_true",
                    help="allocate weights, KV cache and graph pools so engine.suspend can free device memory "
                         "(InferenceConfig.enable_suspend; CUDA needs torch-memory-saver)")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters beside the base model (InferenceConfig.enable_lora; docs/LORA.md)")
+    g.add_argument("--max-loras", type=POSITIVE_INT, default=None,
+                   help="--enable-lora: most adapters loaded at once (InferenceConfig.max_loras, default 8)")
+    g.add_argument("--max-lora-rank", type=POSITIVE_INT, default=None,
+                   help="--enable-lora: largest adapter rank taken (InferenceConfig.max_lora_rank, default 16)")
     g.add_argument("--logging-step-interval", type=NON_NEGATIVE_INT, default=0, help="log (and time) every N steps")
     g.add_argument("--nvtx", action="store_true", help="NVTX ranges around engine stages (for nsys)")
 
@@ -279,6 +285,9 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "startup_compile_workers": not getattr(args, "no_compile_workers", False),
         "startup_kernel_lists": _kernel_lists(args),
         "enable_suspend": getattr(args, "enable_suspend", False),
+        "enable_lora": getattr(args, "enable_lora", None),
+        "max_loras": getattr(args, "max_loras", None),
+        "max_lora_rank": getattr(args, "max_lora_rank", None),
         "logging_step_interval": args.logging_step_interval,
         "nvtx_ranges": args.nvtx,
         "attention_backend": args.attention_backend,

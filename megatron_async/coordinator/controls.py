@@ -14,7 +14,8 @@ WEIGHT_TRANSFER_OPS = ("init_weight_transfer", "update_weights_from_distributed"
                        "destroy_weight_transfer")
 """The refit path's operations (dp_engine/engine_ops.py) a client may run on every engine."""
 CONTROL_OPS = frozenset({"pause_generation", "resume_generation", "suspend", "resume", "set_generation_epoch",
-                         "update_weights", "stop", "stats", *WEIGHT_TRANSFER_OPS})
+                         "update_weights", "stop", "stats", "load_lora_adapter", "unload_lora_adapter",
+                         *WEIGHT_TRANSFER_OPS})
 """What a client may ask of every engine (the engine side runs them: dp_engine/link.py)."""
 
 

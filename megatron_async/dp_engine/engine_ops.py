@@ -16,7 +16,7 @@ log = logging.getLogger("megatron_async.dp_engine")
 
 EVERY_RANK_OPS = frozenset({"update_weights", "suspend", "resume", "init_weight_transfer",
                             "update_weights_from_distributed", "update_weights_from_ipc", "destroy_weight_transfer",
-                            "set_generation_epoch"})
+                            "set_generation_epoch", "load_lora_adapter", "unload_lora_adapter"})
 """Operations every TP rank runs (each holds its own shard and memory); pause / resume and
 aborts reach the other ranks through the engine's per-step exchange."""
 
@@ -36,6 +36,33 @@ def _distributed(engine, args: dict) -> Any:
         if "body_error" in args:
             raise ValueError(args["body_error"]) from None
         raise
+
+
+class OpRefused(Exception):
+    """An operation refused with an HTTP status of its own (``run_guarded`` answers it as is)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+# ---------------------------------------------------------------- LoRA adapters (docs/LORA.md)
+def _load_lora(engine, args: dict) -> None:
+    """A refused adapter (missing, malformed, over-rank, another base model's) is a LoRAError: a 400."""
+    engine.lora.load(args["lora_name"], args["lora_path"])
+
+
+def _unload_lora(engine, args: dict) -> None:
+    """404 for a name not loaded, 409 while unfinished requests use it (LoRAError names them)."""
+    name, adapters = args["lora_name"], engine.context.lora
+    if adapters is not None and name not in adapters.loaded:
+        raise OpRefused(f"no LoRA adapter {name!r} is loaded (loaded: {sorted(adapters.loaded)})", 404)
+    try:
+        engine.lora.unload(name)
+    except ValueError as e:  # LoRAError: without enable_lora a 400, else the adapter is in use
+        if adapters is None:
+            raise
+        raise OpRefused(str(e), 409) from None
 
 
 def _set_generation_epoch(engine, args: dict) -> None:
@@ -58,6 +85,8 @@ ADMIN_OPS: dict[str, Callable[[Any, Callable[..., int] | None, dict], Any]] = {
     "update_weights_from_ipc": lambda engine, _, args: engine.update_weights_from_ipc(**args),
     "destroy_weight_transfer": lambda engine, _, args: engine.destroy_weight_transfer(),
     "abort_requests": lambda engine, _, args: engine.abort_requests(args.get("request_ids")),
+    "load_lora_adapter": lambda engine, _, args: _load_lora(engine, args),
+    "unload_lora_adapter": lambda engine, _, args: _unload_lora(engine, args),
 }
 """Operation name (also its HTTP route: POST /NAME) -> what it runs. The server's route checks
 give the engine methods' keyword arguments (a missing one: the engine's default)."""
@@ -96,6 +125,8 @@ def run_guarded(engine, action: Callable[[], Any]) -> tuple[int, dict]:
     try:
         action()
         return 200, engine_status(engine)
+    except OpRefused as e:
+        return e.status, error_body(str(e), e.status)
     except (ValueError, TypeError, OSError) as e:  # OSError: a checkpoint path that cannot be read
         return 400, error_body(str(e), 400)
     except Exception as e:  # noqa: BLE001 -- reported to the caller, the loop keeps serving: never a 5xx

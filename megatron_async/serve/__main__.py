@@ -24,6 +24,7 @@ from pathlib import Path
 from megatron_async.cli import flags
 from megatron_async.serve.http_guard import add_http_args, policy_from_args, refusal
 from megatron_async.serve.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS, choose_parser
+from megatron_async.serve.lora_modules import add_lora_module_args, load_lora_modules, resolve_lora_args
 
 log = logging.getLogger("megatron_async.serve")
 DEFAULT_MAX_REQUEST_BYTES = 32 * 2**20
@@ -67,11 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *TOOL_CALL_PARSERS],
                    help="reads tool calls out of chat answers to requests with tools (hermes: "
                         "<tool_call>{json}</tool_call>); auto: hermes when the chat template mentions <tool_call>")
+    add_lora_module_args(g)
     g.add_argument("--enable-admin-endpoints", action="store_true",
                    help="serve POST /pause_generation, /resume_generation, /update_weights, /suspend, /resume, "
                         "/init_weight_transfer, /update_weights_from_distributed, /update_weights_from_ipc, "
-                        "/destroy_weight_transfer, /abort_requests (for an RL driver; guarded by --admin-api-key, "
-                        "which a host other than loopback needs)")
+                        "/destroy_weight_transfer, /abort_requests, /v1/load_lora_adapter, /v1/unload_lora_adapter "
+                        "(for an RL driver; guarded by --admin-api-key, which a host other than loopback needs)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="splits a chat answer's <think>...</think> section into reasoning_content")
     g.add_argument("--body-share", default="auto", choices=["auto", "on", "off"],
@@ -153,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {why}", file=sys.stderr)
         return 2
     flags.resolve_device_args(args)
+    if why := resolve_lora_args(args, served_name(args)):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from megatron_async.cli.main_job import load_llm
     from megatron_async.serve.launch import Serving, serve_until_stopped
@@ -163,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_over_client(args, served_name(args))
     resolve_launch_ahead(args)
     llm = load_llm(args, stream_text=True)  # SSE deltas come from RequestUpdate.new_text
+    if why := load_lora_modules(llm, args):  # every rank loads them, before any request
+        print(f"error: {why}", file=sys.stderr)
+        llm.close()
+        return 2
     if args.listen or args.join:
         from megatron_async.dp_engine.join import serve_engine
 

@@ -14,11 +14,13 @@ refit from a training job as SGLang and vLLM expose it.
     POST /update_weights_from_ipc {"handles": {...} | [{...}, ...] | "<json>", "version": 3, "recompute_kv": true}
     POST /destroy_weight_transfer {}
     POST /abort_requests         {"request_ids": []}   (empty or absent: every unfinished request)
+    POST /v1/load_lora_adapter   {"lora_name": "sql", "lora_path": "/adapters/sql"}   (docs/LORA.md)
+    POST /v1/unload_lora_adapter {"lora_name": "sql"}   (unknown: 404; in use by a request: 409)
 
 The body is checked here (in whichever process serves HTTP) as strictly as the OpenAI routes'
 (the size, timeout and key checks of http_guard.py, then: a JSON media type when the body is not
 empty, else 415; JSON that Python can hold; only the route's own fields); a path is a directory
-under ``--allowed-weights-dir`` (outside it: 403). The operation runs on the engine thread between
+under ``--allowed-weights-dir`` (outside it: 403), an adapter's ``lora_path`` too. The operation runs on the engine thread between
 two steps (dp_engine/engine_ops.py) and answers JSON with the engine's state; bad input is a 400, an
 operation the engine's state refuses (wrong order, generation not paused) a 409, both as OpenAI
 error objects, never a 5xx. The refit operations run on every tensor-parallel rank
@@ -138,27 +140,34 @@ FIELDS: dict[str, frozenset[str]] = {
 """Operation -> the fields its body may hold (any other: 400)."""
 
 
+PATH_ARGS = ("path", "lora_path")
+"""Arguments that name a directory to load from (checked by ``weights_path``)."""
+
+
 def add_admin_routes(app: FastAPI, engine_loop, validators: dict[str, Callable[[dict], dict]] | None = None,
-                     fields: dict[str, frozenset[str]] | None = None, allowed_weights_dir: str | None = None) -> None:
+                     fields: dict[str, frozenset[str]] | None = None, allowed_weights_dir: str | None = None,
+                     prefix: str = "/") -> None:
     """``engine_loop``: an EngineLoop, or a front-end's stand-in for it (frontend.py); its
     ``admin(op, args)`` runs the operation on the engine thread and returns (status, body).
     ``validators`` / ``fields``: the routes to add and the fields each body may hold (default
-    ``VALIDATORS`` / ``FIELDS``; ``add_refit_routes`` adds its own). ``allowed_weights_dir``: a
-    ``path`` argument must resolve under it (None: anywhere)."""
+    ``VALIDATORS`` / ``FIELDS``; ``add_refit_routes`` and ``add_lora_routes`` add their own).
+    ``allowed_weights_dir``: a ``path`` or ``lora_path`` argument must resolve under it (None:
+    anywhere). ``prefix``: the routes are ``{prefix}{op}``."""
     fields = FIELDS if fields is None else fields
 
     def route(op: str, validate: Callable[[dict], dict]) -> None:
         async def handler(request: Request) -> Response:
             try:
                 args = validate(await _body(request, fields[op]))
-                if "path" in args:
-                    args["path"] = weights_path(args["path"], allowed_weights_dir)
+                for key in PATH_ARGS:
+                    if key in args:
+                        args[key] = weights_path(args[key], allowed_weights_dir)
             except _BadBody as e:
                 return _refused(e)
             status, body = await engine_loop.admin(op, args)
             return _json(body, status)
 
-        app.add_api_route(f"/{op}", handler, methods=["POST"])
+        app.add_api_route(f"{prefix}{op}", handler, methods=["POST"])
 
     for op, validate in (VALIDATORS if validators is None else validators).items():
         route(op, validate)
@@ -246,3 +255,32 @@ def add_refit_routes(app: FastAPI, engine_loop) -> None:
         return _json(body, status)
 
     app.add_api_route("/update_weights_from_distributed", distributed, methods=["POST"])
+
+
+# ---------------------------------------------------------------- LoRA adapters (vLLM's routes)
+def _lora_name(obj: dict) -> str:
+    name = obj.get("lora_name")
+    if not isinstance(name, str) or not name:
+        raise _BadBody("lora_name (the adapter's name, a request's model) is required")
+    return name
+
+
+def _load_lora(obj: dict) -> dict:
+    path = obj.get("lora_path")
+    if not isinstance(path, str) or not path:
+        raise _BadBody("lora_path (a PEFT adapter directory) is required")
+    return {"lora_name": _lora_name(obj), "lora_path": path}  # the path: checked by the route
+
+
+LORA_VALIDATORS: dict[str, Callable[[dict], dict]] = {
+    "load_lora_adapter": _load_lora, "unload_lora_adapter": lambda obj: {"lora_name": _lora_name(obj)},
+}
+LORA_FIELDS: dict[str, frozenset[str]] = {
+    "load_lora_adapter": frozenset({"lora_name", "lora_path"}), "unload_lora_adapter": frozenset({"lora_name"}),
+}
+"""Operation -> the fields its body may hold (any other: 400)."""
+
+
+def add_lora_routes(app: FastAPI, engine_loop, allowed_weights_dir: str | None = None) -> None:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (``engine_loop``: as in ``add_admin_routes``)."""
+    add_admin_routes(app, engine_loop, LORA_VALIDATORS, LORA_FIELDS, allowed_weights_dir, prefix="/v1/")

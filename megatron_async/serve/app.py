@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions (SSE when
-``stream``), /v1/models, /health, /metrics, /tokenize, /detokenize, and the admin endpoints when
-enabled. Each endpoint family's module (completion_routes.py, chat_routes.py, tokenize_routes.py,
+``stream``), /v1/models (the served model and its LoRA adapters), /health, /metrics, /tokenize,
+/detokenize, and the admin endpoints when enabled (LoRA adapters' load and unload among them). Each endpoint family's module (completion_routes.py, chat_routes.py, tokenize_routes.py,
 admin_routes.py) turns a body into engine choices (request_input.py, sampling_fields.py), hands
 them to the engine thread (engine_loop.py) and answers from their events (responses.py); the
 informational routes are here. Every error is OpenAI's JSON error object (400
@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 
 from megatron_async.serve import openai_protocol as proto
 from megatron_async.serve import responses as resp
-from megatron_async.serve.admin_routes import add_admin_routes, add_refit_routes
+from megatron_async.serve.admin_routes import add_admin_routes, add_lora_routes, add_refit_routes
 from megatron_async.serve.chat_routes import chat_router
 from megatron_async.serve.completion_routes import completions_router
 from megatron_async.serve.http_guard import HttpGuard
@@ -41,6 +41,7 @@ def create_app(state: ServerState) -> FastAPI:
     if state.admin_endpoints:
         add_admin_routes(app, state.engine_loop, allowed_weights_dir=state.policy.allowed_weights_dir)
         add_refit_routes(app, state.engine_loop)
+        add_lora_routes(app, state.engine_loop, allowed_weights_dir=state.policy.allowed_weights_dir)
     app.include_router(_info_router(state))
     inputs, text_of = RequestInput(state), resp.TokenText(state.tokenizer)
     app.include_router(completions_router(inputs, text_of))
@@ -78,9 +79,12 @@ def _info_router(state: ServerState) -> APIRouter:
 
     @router.get("/v1/models")
     async def models():
+        """The served model, then each LoRA adapter loaded now (``parent``: the served model, as vLLM lists them)."""
         card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "megatron_async",
                 "max_model_len": state.max_model_len}
-        return {"object": "list", "data": [card]}
+        adapters = [{**card, "id": name, "parent": state.model_name}
+                    for name in await state.engine_loop.adapters() or ()]
+        return {"object": "list", "data": [card, *adapters]}
 
     @router.get("/metrics")
     async def metrics():

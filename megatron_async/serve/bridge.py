@@ -2,7 +2,7 @@
 their messages (ipc.py) and turns them into the engine loop's commands, and one sink per
 front-end through which the engine thread sends each step's results.
 
-The bridge thread never waits for a step: it answers /metrics and /health queries itself (the
+The bridge thread never waits for a step: it answers /metrics, /health and adapter-list queries itself (the
 gauges read the engine's state at that moment) and only puts adds, aborts and admin operations
 into the engine loop's inbox. It watches every front-end process; when one exits it aborts
 that front-end's requests (their KV blocks come back) and the others keep serving.
@@ -15,6 +15,7 @@ reason) and the bridge goes on. Each front-end's requests, handed over and runni
 on ``/metrics`` too (``frontend`` label: its index): how evenly the front-ends share the load."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -239,7 +240,12 @@ class Bridge:
             self.engine_loop.abort(sub)
 
     def _query(self, sink: FrontendSink, peer, sid: int, what: str) -> None:
-        value = self.engine_loop.metrics.render() if what == "metrics" else self.engine_loop.is_alive()
+        if what == "metrics":
+            value = self.engine_loop.metrics.render()
+        elif what == "adapters":
+            value = json.dumps(self.engine_loop.adapter_names()).encode()
+        else:
+            value = self.engine_loop.is_alive()
         self._listener.send(peer, wire.encode(ipc.REPLY, sid, value))
 
     def _admin(self, sink: FrontendSink, peer, sid: int, op: str, args: dict) -> None:

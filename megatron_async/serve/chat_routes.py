@@ -31,7 +31,7 @@ def chat_router(inputs: RequestInput, text_of: resp.TokenText) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await inputs.parse(request, ChatCompletionRequest)
-        inputs.check_model(req.model)
+        lora = await inputs.lora_of(req.model)
         inputs.check_n(req.n)
         if state.chat_template is None and req.prompt_token_ids is None:
             raise BadRequest(f"{state.model_name} has no chat template; use /v1/completions")
@@ -51,7 +51,7 @@ def chat_router(inputs: RequestInput, text_of: resp.TokenText) -> APIRouter:
         forced = sampling_fields.tool_choice_spec(req.tools, req.tool_choice, req.parallel_tool_calls,
                                                   state.tool_call_parser) if tools is not None else None
         spec = await sampling_fields.constraint(req, state.grammars, inputs.pool, forced)
-        choices = [Choice(prompt, sampling_fields.choice_params(req, max_tokens, logprobs, i, spec))
+        choices = [Choice(prompt, sampling_fields.choice_params(req, max_tokens, logprobs, i, spec, lora=lora))
                    for i in range(req.n)]
         answer = ChatAnswer(req, prompt, text, tools is not None, state, text_of)
         return await resp.respond(state.engine_loop, request, req, choices, answer.head, answer.chunk, answer.whole,
@@ -128,8 +128,8 @@ class ChatAnswer:
         ids = resp.TOKENS_SLOT if req.return_token_ids else None
         plain = req.stream and not (self.output.reasoning_parser or self.output.tool_call_parser)  # content only
         chunks = [chat_chunk_choice(i, {"content": resp.TEXT_SLOT}, None, ids) for i in range(req.n)] if plain else []
-        self.head = resp.ResponseHead("chat.completion.chunk" if req.stream else "chat.completion", state.model_name,
-                                      resp.new_id("chatcmpl"))
+        self.head = resp.ResponseHead("chat.completion.chunk" if req.stream else "chat.completion",
+                                      req.model or state.model_name, resp.new_id("chatcmpl"))
         self.templates = [resp.chunk_template(self.head.body([c])) for c in chunks]
 
     def chunk(self, i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool,

@@ -1,8 +1,8 @@
 """The OpenAI server in front of engines behind a data-parallel coordinator
 (``python -m megatron_async.serve --engine tcp://HOST:PORT``): app.py's engine-loop interface
-(submit / abort / admin / healthy / metrics_text) over an ``InferenceClient``, on the serving
-event loop. HTTP then scales apart from the GPU job; ``--model`` names the checkpoint only for
-its tokenizer and chat template.
+(submit / abort / admin / healthy / metrics_text / adapters) over an ``InferenceClient``, on the
+serving event loop. HTTP then scales apart from the GPU job; ``--model`` names the checkpoint
+only for its tokenizer and chat template.
 
 Choices reach the engines in the fair order of fair_feed.py, as from the engine loop of a server
 with its own engine: this front-end keeps at most as many of them in the engines as the
@@ -208,6 +208,11 @@ class ClientEngineLoop:
     async def metrics_text(self) -> bytes:
         """/metrics: this front-end's own counters (the engines' are theirs)."""
         return self.metrics.render()
+
+    async def adapters(self) -> list[str] | None:
+        """None: the engines' adapters are not known here; a request naming one goes to the
+        engines, which refuse a name they do not hold (400)."""
+        return None
 
 
 def serve_over_client(args, model_name: str) -> int:

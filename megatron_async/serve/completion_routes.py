@@ -40,7 +40,7 @@ def completions_router(inputs: RequestInput, text_of: resp.TokenText) -> APIRout
     @router.post("/v1/completions")
     async def completions(request: Request):
         req = await inputs.parse(request, CompletionRequest)
-        inputs.check_model(req.model)
+        lora = await inputs.lora_of(req.model)
         per_prompt, raw_prompts = completion_plan(req)
         inputs.check_n(per_prompt)
         inputs.check_body_size(len(raw_prompts), req.n)
@@ -48,7 +48,7 @@ def completions_router(inputs: RequestInput, text_of: resp.TokenText) -> APIRout
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
         logprobs = req.logprobs if per_prompt == req.n or req.logprobs is not None else 0  # best_of ranks by them
         spec = await sampling_fields.constraint(req, state.grammars, inputs.pool)
-        choices = [Choice(p, sampling_fields.choice_params(req, max_tokens, logprobs, i, spec, prompt_top_n(req)))
+        choices = [Choice(p, sampling_fields.choice_params(req, max_tokens, logprobs, i, spec, prompt_top_n(req), lora))
                    for p in prompts for i in range(per_prompt)]
         answer = CompletionAnswer(req, raw_prompts, prompts, per_prompt, state, text_of)
         return await resp.respond(state.engine_loop, request, req, choices, answer.head, answer.chunk, answer.whole,
@@ -134,7 +134,7 @@ class CompletionAnswer:
         self.text_offsets = [0] * n  # per choice: text of the tokens streamed so far
         ids = resp.TOKENS_SLOT if req.return_token_ids else None
         chunks = [completion_chunk_choice(i, resp.TEXT_SLOT, None, ids) for i in range(n)] if req.stream else []
-        self.head = resp.ResponseHead("text_completion", state.model_name, resp.new_id("cmpl"))
+        self.head = resp.ResponseHead("text_completion", req.model or state.model_name, resp.new_id("cmpl"))
         self.templates = [resp.chunk_template(self.head.body([c])) for c in chunks]
 
     def chunk(self, i: int, text: str, finish: str | None, tokens: list[int] | None, first: bool,

@@ -118,6 +118,15 @@ class EngineLoop:
         """/metrics: the registry rendered (its gauges read the engine's state now)."""
         return self.metrics.render()
 
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters loaded now, by name (one read of the engine's table: safe from any thread)."""
+        adapters = self.engine.context.lora
+        return [] if adapters is None else sorted(adapters.loaded)
+
+    async def adapters(self) -> list[str] | None:
+        """/v1/models and a request's ``model``: ``adapter_names``."""
+        return self.adapter_names()
+
     def stop(self, timeout: float = 10.0) -> None:
         self._inbox.put(("stop", None))
         self._thread.join(timeout)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import importlib
 import itertools
+import json
 import logging
 import os
 import socket
@@ -43,7 +44,7 @@ PARENT_CHECK_S = 1.0
 
 class RemoteEngineLoop:
     """The engine loop's interface as app.py uses it (submit / abort / admin / healthy /
-    metrics_text), for an engine in another process. ``attach`` on the serving event loop."""
+    metrics_text / adapters), for an engine in another process. ``attach`` on the serving event loop."""
 
     def __init__(self, endpoints: ipc.Endpoints, index: int, secret: bytes, max_frame_bytes: int):
         """Joins the bridge (``AuthError``: it does not hold ``secret``, or nobody answers)."""
@@ -114,6 +115,18 @@ class RemoteEngineLoop:
     async def metrics_text(self) -> bytes:
         sid = next(self._ids)
         return await asyncio.wait_for(self._ask(sid, wire.encode(ipc.QUERY, sid, "metrics")), QUERY_TIMEOUT_S)
+
+    async def adapters(self) -> list[str] | None:
+        """The LoRA adapters the engine holds now (asked each time: another front-end may load one)."""
+        sid = next(self._ids)
+        raw = await asyncio.wait_for(self._ask(sid, wire.encode(ipc.QUERY, sid, "adapters")), QUERY_TIMEOUT_S)
+        try:
+            names = json.loads(raw)
+        except (TypeError, ValueError):
+            names = None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise RuntimeError("the engine's process answered the adapter list with something else")
+        return names
 
     # ---------------------------------------------------------------- sockets
     def _frame(self, encode, *fields) -> bytes | str:

@@ -4,9 +4,10 @@ that every route, whichever module adds it, gets the same treatment.
 - **Keys.** Routes fall in four classes (``route_class``): ``/health`` is open; ``/metrics`` is
   open unless ``metrics_need_key``; the OpenAI API (``/v1/...``, ``/tokenize``, ``/detokenize``)
   needs ``Authorization: Bearer <api_key>`` when an API key is set; every other path (the admin
-  operations) needs the admin key, or the API key where no admin key is set. A missing or wrong
-  key is a 401 with OpenAI's error object; keys are compared in constant time (``hmac`` on their
-  SHA-256) and never written to a log or an answer.
+  operations, ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` included) needs the
+  admin key, or the API key where no admin key is set. A missing or wrong key is a 401 with
+  OpenAI's error object; keys are compared in constant time (``hmac`` on their SHA-256) and
+  never written to a log or an answer.
 - **Bodies** (POST / PUT / PATCH) are read here, whole, before the route runs: a
   ``Content-Encoding`` other than identity is a 415, a body over ``max_request_bytes`` a 413
   (the server's ``--max-request-bytes``; refused from its Content-Length before a byte is read),
@@ -41,6 +42,8 @@ PROMPTS_PER_BODY_FACTOR = 4
 """Without --max-prompts-per-body, one body may ask for this many times --max-requests completions."""
 API_PATHS = frozenset({"/tokenize", "/detokenize"})
 """API routes outside ``/v1`` (vLLM's names): they take the API key like the ``/v1`` routes."""
+ADMIN_V1_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+"""Admin routes under ``/v1`` (vLLM's names): they take the admin key like the other admin routes."""
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -58,7 +61,7 @@ class HttpPolicy:
     allowed_origins: tuple[str, ...] = ()
     """CORS: origins whose browser pages may call the API (empty: CORS off)."""
     allowed_weights_dir: str | None = None
-    """``/update_weights`` loads only from under this directory (None: anywhere)."""
+    """``/update_weights`` and ``/v1/load_lora_adapter`` load only from under this directory (None: anywhere)."""
     max_prompts_per_body: int | None = None
     """Engine requests (prompts x n) one body may ask for (None: a multiple of ``max_requests``)."""
     ssl_keyfile: str | None = None
@@ -71,6 +74,8 @@ def route_class(path: str) -> str:
         return "open"
     if path == "/metrics":
         return "metrics"
+    if path in ADMIN_V1_PATHS:
+        return "admin"
     if path == "/v1" or path.startswith("/v1/") or path in API_PATHS:
         return "api"
     return "admin"
@@ -227,8 +232,8 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
                         "host other than loopback")
     g.add_argument("--metrics-need-api-key", action="store_true", help="/metrics needs the API key too (default: open)")
     g.add_argument("--allowed-weights-dir", default=None,
-                   help="/update_weights loads only from directories under this one (a path resolving outside it, "
-                        "through '..' or a symlink, is a 403); default: anywhere")
+                   help="/update_weights and /v1/load_lora_adapter load only from directories under this one (a "
+                        "path resolving outside it, through '..' or a symlink, is a 403); default: anywhere")
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (and --ssl-certfile)")
     g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (and --ssl-keyfile)")
     g.add_argument("--allowed-origins", default=None, metavar="ORIGIN[,ORIGIN...]",

@@ -11,10 +11,10 @@ unpickled.
 Front-end -> engine process: one DEALER per front-end, connected to the bridge's ROUTER, which
 it joins through the handshake (communication/handshake.py, role "frontend", its index as the
 name, the server's per-run secret from its stdin) before it sends anything:
-- ready [];  abort [sid];  query [sid, "metrics" | "health"];  admin [sid, op, args map];
+- ready [];  abort [sid];  query [sid, "metrics" | "health" | "adapters"];  admin [sid, op, args map];
 - add [sid, arrival, prompts [ints], choices [[prompt index, sampling map]]] (a prompt that
   several choices share travels once; sampling maps: records.encode_sampling).
-Bridge -> front-end (on its DEALER): reply [sid, bytes | bool].
+Bridge -> front-end (on its DEALER): reply [sid, bytes | bool] (adapters: a JSON list of names).
 ``sid``: a number the front-end gives each submission, admin call and query.
 
 Engine thread -> front-end (a PUSH per front-end, connected to the PULL the front-end binds, so

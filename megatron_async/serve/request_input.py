@@ -1,6 +1,7 @@
 """From an HTTP request to what the engine takes, every endpoint's first step: the body read and
-decoded defensively, validated into its pydantic model (openai_protocol.py), the model name and
-``n`` checked, the chat template rendered and the prompts tokenized.
+decoded defensively, validated into its pydantic model (openai_protocol.py), the model name (the
+served model or a LoRA adapter) and ``n`` checked, the chat template rendered and the prompts
+tokenized.
 
 The body: a JSON media type (else 415), at most ``max_request_bytes`` (else 413: refused from
 Content-Length before reading, or as soon as the bytes read pass it), strict UTF-8, and JSON that
@@ -163,10 +164,19 @@ class RequestInput:
         raw = await read_limited(request.stream(), limit)
         return await self.off_loop(len(raw) > OFF_LOOP_BYTES, lambda: parse_body(model, decode_json(raw)))
 
-    def check_model(self, name: str | None) -> None:
+    async def lora_of(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names: None for the served model (or no name),
+        the adapter's name for a loaded adapter, else a 404 naming the ``model`` param. Where the engine's
+        adapters are not known here (engines behind a coordinator) any other name goes to the
+        engines as an adapter's, which refuse one they do not hold."""
         served = self.state.model_name
-        if name is not None and name != served:
-            raise NotFound(f"model {name!r} does not exist; this server serves {served!r}", "model")
+        if name is None or name == served:
+            return None
+        adapters = await self.state.engine_loop.adapters()
+        if adapters is not None and name not in adapters:
+            loaded = f" or one of its LoRA adapters {adapters}" if adapters else ""
+            raise NotFound(f"model {name!r} does not exist; this server serves {served!r}{loaded}", "model")
+        return name
 
     def check_n(self, n: int) -> None:
         if n > self.state.max_requests:

@@ -152,12 +152,13 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
 
 
 def choice_params(req: _SamplingFields, max_tokens: int, logprobs: int | None, i: int,
-                  structured_outputs: StructuredOutputs | None = None, prompt_top_n: int | None = None
-                  ) -> SamplingParams:
+                  structured_outputs: StructuredOutputs | None = None, prompt_top_n: int | None = None,
+                  lora: str | None = None) -> SamplingParams:
     """The sampling parameters of choice ``i`` of request body ``req`` (``structured_outputs``: its
     constraint, ``constraint``; ``prompt_top_n``: score the prompt too, with this many top entries
-    at least)."""
+    at least; ``lora``: the LoRA adapter its ``model`` names, request_input.lora_of)."""
     sp = sampling_params(req, max_tokens, logprobs, structured_outputs)
+    sp.lora = lora
     if sp.seed is not None and i:  # n samples of one seeded request must differ
         sp.seed = (sp.seed + i) % 2**63
     if prompt_top_n is not None:

@@ -1,6 +1,7 @@
 """``POST /tokenize`` and ``POST /detokenize`` (vLLM's): a prompt or chat messages to the token ids
 the engine would run (the chat template rendered as ``/v1/chat/completions`` renders it), and
-token ids back to text. Both check ``model`` (404 for another name) and the body limits."""
+token ids back to text. Both check ``model`` (the served model or a LoRA adapter, which shares its
+tokenizer; 404 for another name) and the body limits."""
 from __future__ import annotations
 
 from typing import Any
@@ -43,7 +44,7 @@ def tokenize_router(inputs: RequestInput) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(request: Request):
         req = await inputs.parse(request, Tokenize)
-        inputs.check_model(req.model)
+        await inputs.lora_of(req.model)  # an adapter shares the base model's tokenizer
         tok = tokenizer()
         if (req.prompt is None) == (req.messages is None):
             raise proto.BadRequest("give a prompt or messages (one of them)", "prompt")
@@ -68,7 +69,7 @@ def tokenize_router(inputs: RequestInput) -> APIRouter:
     @router.post("/detokenize")
     async def detokenize(request: Request):
         req = await inputs.parse(request, Detokenize)
-        inputs.check_model(req.model)
+        await inputs.lora_of(req.model)  # an adapter shares the base model's tokenizer
         tok = tokenizer()
         bad = [t for t in req.tokens if not 0 <= t < tok.vocab_size]
         if bad:

@@ -36,6 +36,9 @@ class FakeLoop:
     async def metrics_text(self):
         return b"# metrics\n"
 
+    async def adapters(self):
+        return []
+
 
 def app_with(admin=True, max_request_bytes=2**20, **policy):
     state = ServerState(engine_loop=FakeLoop(), model_name="m", tokenizer=None, chat_template=None, max_model_len=64,
