@@ -164,6 +164,13 @@ class InferenceConfig(KernelFields, CommunicationFields, SpeculativeFields, LoRA
     an engine that sent nothing for this long dead (hung with its connection open): its requests
     are routed again or end with an error. Engines heartbeat every second, also during a step."""
 
+    weight_transfer_timeout_s: float = 30.0
+    """How long ``init_weight_transfer`` waits for every rank of the trainer's transfer group to
+    join, and ``update_weights_from_distributed`` for the trainer's senders to begin, before it
+    fails naming the address, the port and this timeout. The wait runs off the engine's step loop
+    (generation and other admin calls go on); an ``init_weight_transfer`` call (or admin body) may
+    pass its own ``timeout_s``, which then bounds the group's collectives too."""
+
     structured_outputs_backend: str = "auto"
     """Grammar library of ``SamplingParams.structured_outputs``: "auto" (xgrammar, and llguidance for
     what xgrammar serves badly: length-bounded JSON strings, long counted repetitions, Lark
@@ -209,8 +216,9 @@ class InferenceConfig(KernelFields, CommunicationFields, SpeculativeFields, LoRA
             raise ValueError(f"InferenceConfig.consensus_spin_us must be >= 0 or None, got {self.consensus_spin_us}")
         if not 0.0 <= self.dp_routing_alpha <= 1.0:
             raise ValueError(f"InferenceConfig.dp_routing_alpha must be in [0, 1], got {self.dp_routing_alpha}")
-        if not self.dp_engine_timeout_s > 0:
-            raise ValueError(f"InferenceConfig.dp_engine_timeout_s must be > 0, got {self.dp_engine_timeout_s}")
+        for name in ("dp_engine_timeout_s", "weight_transfer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"InferenceConfig.{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_loras", "max_lora_rank"):
             if self.enable_lora and getattr(self, name) <= 0:
                 raise ValueError(f"InferenceConfig.{name} must be positive, got {getattr(self, name)}")

@@ -42,6 +42,7 @@ class Scheduling:
     grammar_threads: int
     dp_routing: DpRouting
     dp_routing_alpha: float
+    weight_transfer_timeout_s: float
 
 
 @dataclass(frozen=True)

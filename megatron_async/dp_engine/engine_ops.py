@@ -12,6 +12,8 @@ import dataclasses
 import logging
 from typing import Any, Callable
 
+from megatron_async.weight_transfer.pending import PendingTransfer
+
 log = logging.getLogger("megatron_async.dp_engine")
 
 EVERY_RANK_OPS = frozenset({"update_weights", "suspend", "resume", "init_weight_transfer",
@@ -27,11 +29,16 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def _distributed(engine, args: dict) -> Any:
+def _distributed(engine, args: dict) -> PendingTransfer:
     """Joins the begin frame even for a refused body (``body_error``), so no sender waits."""
+    return _with_body_error(args, lambda: engine.weights.start_distributed(
+        args.get("metadata"), args.get("version"), args.get("recompute_kv", True)))
+
+
+def _with_body_error(args: dict, action: Callable[[], Any]) -> Any:
+    """``action()``; a refusal of a body that was not even readable says what was wrong with it."""
     try:
-        return engine.update_weights_from_distributed(args.get("metadata"), args.get("version"),
-                                                      args.get("recompute_kv", True))
+        return action()
     except ValueError:
         if "body_error" in args:
             raise ValueError(args["body_error"]) from None
@@ -65,6 +72,30 @@ def _unload_lora(engine, args: dict) -> None:
         raise OpRefused(str(e), 409) from None
 
 
+class Deferred:
+    """An admin operation that waits for another process off the engine thread: the transfer
+    group's set-up (every rank joins) and an update's begin frame (the trainer's senders come),
+    each bounded by its timeout (weight_receiver.py, weight_transfer/pending.py). The loop that
+    started it keeps stepping and answering; once the wait ended (``when_done`` tells, from
+    another thread) it calls ``settle()`` on the engine thread between two steps, which finishes
+    the operation there (an update's buckets are copied then, never under a running step) and
+    gives its (status, body) as ``run_admin_op`` would. Under TP every rank settles when rank 0
+    does (``follow_rank0``)."""
+
+    def __init__(self, engine, pending: PendingTransfer, args: dict):
+        self.engine, self.pending, self._args = engine, pending, args
+
+    def done(self) -> bool:
+        return self.pending.done()
+
+    def when_done(self, callback: Callable[[], None]) -> None:
+        self.pending.when_done(callback)
+
+    def settle(self) -> tuple[int, dict]:
+        """The outcome; waits (bounded) for the wait to end if it has not."""
+        return run_guarded(self.engine, lambda: _with_body_error(self._args, self.pending.finish))
+
+
 def _set_generation_epoch(engine, args: dict) -> None:
     """The version stamped on every token from now on (the KV of running requests is kept)."""
     epoch = args.get("epoch")
@@ -80,7 +111,7 @@ ADMIN_OPS: dict[str, Callable[[Any, Callable[..., int] | None, dict], Any]] = {
     "suspend": lambda engine, _, args: engine.suspend(**args),
     "resume": lambda engine, _, args: engine.resume(**args),
     "set_generation_epoch": lambda engine, _, args: _set_generation_epoch(engine, args),
-    "init_weight_transfer": lambda engine, _, args: engine.init_weight_transfer(**args),
+    "init_weight_transfer": lambda engine, _, args: engine.weights.start_init(**args),
     "update_weights_from_distributed": lambda engine, _, args: _distributed(engine, args),
     "update_weights_from_ipc": lambda engine, _, args: engine.update_weights_from_ipc(**args),
     "destroy_weight_transfer": lambda engine, _, args: engine.destroy_weight_transfer(),
@@ -89,7 +120,8 @@ ADMIN_OPS: dict[str, Callable[[Any, Callable[..., int] | None, dict], Any]] = {
     "unload_lora_adapter": lambda engine, _, args: _unload_lora(engine, args),
 }
 """Operation name (also its HTTP route: POST /NAME) -> what it runs. The server's route checks
-give the engine methods' keyword arguments (a missing one: the engine's default)."""
+give the engine methods' keyword arguments (a missing one: the engine's default). The transfer
+group's set-up and distributed updates start here and end in a ``Deferred``."""
 
 
 def engine_status(engine) -> dict:
@@ -104,13 +136,22 @@ def engine_counters(engine) -> dict:
             if isinstance(v := getattr(stats, f.name), (int, float)) and not isinstance(v, bool)}
 
 
-def run_admin_op(engine, update_weights: Callable[..., int] | None, op: str, args: dict) -> tuple[int, dict]:
+def run_admin_op(engine, update_weights: Callable[..., int] | None, op: str, args: dict
+                 ) -> tuple[int, dict] | Deferred:
     """(200, the engine's state) once ``op`` ran; 400 for bad input (WeightUpdateError is a
-    ValueError), 409 for an operation the engine's state refuses (wrong order, not paused)."""
-    return run_guarded(engine, lambda: ADMIN_OPS[op](engine, update_weights, args))
+    ValueError), 409 for an operation the engine's state refuses (wrong order, not paused, a
+    transfer-group operation in progress) or that failed (a transfer group not set up within its
+    timeout, senders that never began: the message names the address, the port and the timeout),
+    never a 5xx. An operation that waits for another process returns a ``Deferred`` instead."""
+    started = []
+    status, body = run_guarded(engine, lambda: started.append(ADMIN_OPS[op](engine, update_weights, args)))
+    if started and isinstance(started[0], PendingTransfer):
+        return Deferred(engine, started[0], args)
+    return status, body
 
 
-def run_engine_op(engine, op: str, args: dict, update_weights: Callable[..., int] | None = None) -> tuple[int, dict]:
+def run_engine_op(engine, op: str, args: dict, update_weights: Callable[..., int] | None = None
+                  ) -> tuple[int, dict] | Deferred:
     """A data-parallel coordinator's control operation (coordinator/controls.py) on this engine:
     the admin operations (the refit ones included), and ``stats`` (its ``EngineStats`` counters)."""
     if op == "stats":
@@ -139,7 +180,9 @@ def follow_rank0(engine, communicator, update_weights: Callable | None = None) -
     """A tensor-parallel rank > 0 (of the HTTP server or of an engine serving a coordinator): step
     whenever rank 0's loop steps (the engine receives rank 0's new requests and aborts inside
     ``step``), run the operations every rank runs (``EVERY_RANK_OPS``: weight updates, transfers,
-    suspend / resume) when rank 0 does, until rank 0 says stop."""
+    suspend / resume) when rank 0 does, settle a ``Deferred`` one when rank 0 settles its own
+    (``("settle", op)``: between the same two steps on every rank), until rank 0 says stop."""
+    deferred: dict[str, Deferred] = {}
     while True:
         command = communicator.broadcast_object(None)
         if command == "stop":
@@ -148,7 +191,16 @@ def follow_rank0(engine, communicator, update_weights: Callable | None = None) -
             engine.step()
         elif isinstance(command, list) and command[0] == "hold":  # (a tuple arrives as a list)
             engine.scheduler.hold(command[1])
-        elif isinstance(command, list) and command[0] == "admin":
-            status, body = run_admin_op(engine, update_weights, command[1], command[2])
+        elif isinstance(command, list) and command[0] in ("admin", "settle"):
+            if command[0] == "admin":
+                outcome = run_admin_op(engine, update_weights, command[1], command[2])
+                if isinstance(outcome, Deferred):
+                    deferred[command[1]] = outcome
+                    continue
+            elif command[1] in deferred:
+                outcome = deferred.pop(command[1]).settle()
+            else:  # this rank refused it when it started (and said so then)
+                continue
+            status, body = outcome
             if status != 200:
                 log.warning("admin operation %s on this rank: %s", command[1], body)

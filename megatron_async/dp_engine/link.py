@@ -6,7 +6,8 @@ new weights changed it.
 
 Ids: the coordinator's request ids travel on the channel; the engine numbers its requests itself
 (its ids only grow, and a request the coordinator re-routes after another engine died keeps its
-id). Control operations (``coordinator/controls.py``) run here between two steps; "stop" aborts
+id). Control operations (``coordinator/controls.py``) run here between two steps (one that waits
+for another process, a ``Deferred``, answers at the turn its wait ended); "stop" aborts
 every request, and once they ended the engine leaves, as after "drain" (without aborting). If the
 coordinator goes away, or says this engine was declared dead (``rejected`` -1: it was silent for
 its timeout), every request is aborted and the loop ends: nobody is left to read them.
@@ -35,7 +36,7 @@ from megatron_async.inference.dp_routing import keys_of
 from megatron_async.inference.communication.wire import WireError
 from megatron_async.inference.records import decode_sampling
 from megatron_async.inference.request import InvalidRequestError
-from megatron_async.dp_engine.engine_ops import EVERY_RANK_OPS, run_engine_op
+from megatron_async.dp_engine.engine_ops import EVERY_RANK_OPS, Deferred, run_engine_op
 
 log = logging.getLogger("megatron_async.dp_engine")
 HEARTBEAT_S = 1.0
@@ -48,6 +49,8 @@ leave on their own this long after the first: the coordinator's wake-up for them
 requests' path (a core it would take from their clients on a small host)."""
 MAX_FAILED_STEPS = 3
 """Consecutive failed steps after which the link stops stepping for the requests it failed."""
+DEFERRED_POLL_S = 0.05
+"""Longest idle wait for messages while a control operation waits off the loop (``Deferred``)."""
 
 
 class EngineChannel(Protocol):
@@ -105,6 +108,7 @@ class EngineLink:
         self._failed_steps = 0
         self._leaving: str | None = None  # "drain" | "stop"
         self._stop_reply: tuple[int, tuple[int, Any]] | None = None
+        self._deferred: list[tuple[int, str, Deferred]] = []  # (op id, op, operation) waiting off this thread
         self._paused_idle = False
         self._last_sent = time.monotonic()
         self.step_watchdog_s = step_watchdog_s
@@ -175,9 +179,26 @@ class EngineLink:
         with self._working():
             if op in EVERY_RANK_OPS:
                 self._tell_ranks(("admin", op, args))  # the other TP ranks run it too (follow_rank0)
-            status, body = run_engine_op(self.engine, op, args, self._update_weights)
-        self.channel.send("control_done", op_id, status, body)
+            outcome = run_engine_op(self.engine, op, args, self._update_weights)
+        if isinstance(outcome, Deferred):  # it waits off this thread: settled at a later turn once done
+            self._deferred.append((op_id, op, outcome))
+            return
+        self._control_done(op_id, outcome)
+
+    def _control_done(self, op_id: int, outcome: tuple[int, dict]) -> None:
+        self.channel.send("control_done", op_id, *outcome)
         self._last_sent = time.monotonic()
+
+    def _settle(self) -> None:
+        """Finish the deferred operations whose wait ended (between two steps)."""
+        for entry in [e for e in self._deferred if e[2].done()]:
+            self._deferred.remove(entry)
+            op_id, op, deferred = entry
+            with self._working():
+                if op in EVERY_RANK_OPS:
+                    self._tell_ranks(("settle", op))
+                outcome = deferred.settle()
+            self._control_done(op_id, outcome)
 
     # ---------------------------------------------------------------- the loop
     def busy(self) -> bool:
@@ -225,8 +246,12 @@ class EngineLink:
         idle = not self.busy() or self._paused_idle
         wait_s = HEARTBEAT_S if not self._delivered else \
             max(0.0, self._delivered_at + DELIVERED_FLUSH_S - time.monotonic())  # (their ends leave on time)
+        if self._deferred:  # (their end is noticed here: the wait stays short)
+            wait_s = min(wait_s, DEFERRED_POLL_S)
         for kind, fields in self.channel.poll(wait_s if idle and wait else 0.0):
             self.handle(kind, fields)
+        if self._deferred:
+            self._settle()
         if self.channel.lost:
             return self._end("coordinator lost")
         if self._declared_dead is not None:

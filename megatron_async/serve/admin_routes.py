@@ -8,7 +8,7 @@ refit from a training job as SGLang and vLLM expose it.
     POST /suspend            {"tags": ["weights", "kv_cache"], "keep_weights_on_host": true}
     POST /resume             {"tags": ["weights", "kv_cache"]}
     POST /init_weight_transfer   {"master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 1,
-                                  "world_size": 3, "backend": "nccl" | "gloo" | null, "timeout_s": 300}
+                                  "world_size": 3, "backend": "nccl" | "gloo" | null, "timeout_s": 30}
     POST /update_weights_from_distributed
                                  {"manifest": {...} | "<json>", "version": 3, "recompute_kv": true}
     POST /update_weights_from_ipc {"handles": {...} | [{...}, ...] | "<json>", "version": 3, "recompute_kv": true}
@@ -26,7 +26,9 @@ operation the engine's state refuses (wrong order, generation not paused) a 409,
 error objects, never a 5xx. The refit operations run on every tensor-parallel rank
 (``dp_engine/engine_ops.EVERY_RANK_OPS``: the follower ranks of a TP server run them too).
 ``init_weight_transfer`` returns once every rank of the group joined, ``update_weights_from_distributed``
-once the trainer's broadcast ended (``megatron_async.weight_transfer.send`` on its side). A bad
+once the trainer's broadcast ended (``megatron_async.weight_transfer.send`` on its side); both wait
+off the engine's step loop, up to ``timeout_s`` (default: ``InferenceConfig.weight_transfer_timeout_s``),
+and a wait that ran out is a 409 naming the address, the port and the timeout. A bad
 manifest, or a body that is not JSON at all, is still refused inside the transfer's begin frame, so
 the trainer's ``send`` fails instead of waiting. 400 for bad input, 409 for a state that refuses
 (weights suspended, a transfer that failed), never a 5xx."""
@@ -193,7 +195,7 @@ def _version_args(obj: dict) -> dict:
 
 
 def _init(obj: dict) -> dict:
-    address, backend, timeout = obj.get("master_address"), obj.get("backend"), obj.get("timeout_s", 300.0)
+    address, backend, timeout = obj.get("master_address"), obj.get("backend"), obj.get("timeout_s")
     if not isinstance(address, str) or not address:
         raise _BadBody("master_address (the trainer's host) is required")
     port = _int(obj, "master_port", 1)
@@ -201,10 +203,12 @@ def _init(obj: dict) -> dict:
         raise _BadBody(f"master_port must be <= 65535, got {port}")
     if backend not in (None, "gloo", "nccl"):
         raise _BadBody(f"backend must be 'nccl', 'gloo' or null, got {backend!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < 1e6:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                or not 0 < timeout < 1e6):
         raise _BadBody(f"timeout_s must be a positive number of seconds, got {timeout!r}")
     return {"master_address": address, "master_port": port, "rank_offset": _int(obj, "rank_offset", 0),
-            "world_size": _int(obj, "world_size", 1), "backend": backend, "timeout_s": float(timeout)}
+            "world_size": _int(obj, "world_size", 1), "backend": backend,
+            "timeout_s": None if timeout is None else float(timeout)}
 
 
 def _ipc(obj: dict) -> dict:

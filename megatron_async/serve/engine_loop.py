@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from megatron_async.inference.request import InvalidRequestError
-from megatron_async.dp_engine.engine_ops import EVERY_RANK_OPS, run_admin_op
+from megatron_async.dp_engine.engine_ops import EVERY_RANK_OPS, Deferred, run_admin_op
 from megatron_async.serve.fair_feed import FairFeed
 from megatron_async.serve.metrics import ServerMetrics
 from megatron_async.serve.submission import ChoiceEvent, GenerationBlockedError, Submission, _set_result, unsent_abort
@@ -88,13 +88,23 @@ class EngineLoop:
     def run_admin(self, op: str, args: dict, reply: Callable[[tuple[int, dict]], None]) -> None:
         """Run the admin operation ``op`` (dp_engine/engine_ops.py) on the engine thread between two steps
         (the engine is never called from two threads); ``reply(status, body)`` is called there
-        with its outcome."""
+        with its outcome. One that waits for another process (``Deferred``: a transfer group's
+        set-up, an update's senders) replies later, the loop stepping meanwhile."""
         def job():
             if op in EVERY_RANK_OPS:
                 self._tell_ranks(("admin", op, args))  # the other TP ranks run it too (follow_rank0)
-            reply(run_admin_op(self.engine, self._update_weights, op, args))
+            outcome = run_admin_op(self.engine, self._update_weights, op, args)
+            if isinstance(outcome, Deferred):  # it waits off this thread: settled between two steps once done
+                outcome.when_done(lambda: self.call(lambda: self._settle(op, outcome, reply)))
+            else:
+                reply(outcome)
 
         self.call(job)
+
+    def _settle(self, op: str, deferred: Deferred, reply: Callable[[tuple[int, dict]], None]) -> None:
+        if op in EVERY_RANK_OPS:
+            self._tell_ranks(("settle", op))
+        reply(deferred.settle())
 
     def call(self, job: Callable[[], None]) -> None:
         """``job()`` on the engine thread between two steps."""

@@ -7,12 +7,16 @@ Megatron-Core groups. Rank 0 hosts the store.
 A transfer is framed by two all-gathers of ``int64[2]`` (``frame``): begin ``[status, manifest
 digest]`` (every rank checked the manifest before any byte moves; a refusal, or manifests that
 differ, stops everyone with nothing copied) and end ``[status, elements copied]`` (each engine
-rank reports whether it copied exactly what its plan expects)."""
+rank reports whether it copied exactly what its plan expects).
+
+Both ends wait for each other only up to the group's timeout: a set-up nobody joins raises
+``TransferFailed`` naming the address, the port and the timeout, and leaves no store or group."""
 from __future__ import annotations
 
 import os
 import random
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -59,6 +63,10 @@ class TransferGroup:
     device: torch.device
     """Where collectives' tensors live: CPU for gloo, this process's GPU for NCCL."""
     store: object = None
+    where: str = ""
+    """The store's ``host:port`` (for messages)."""
+    timeout_s: float = 300.0
+    """How long a collective of this group waits for the other ranks."""
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()
@@ -71,7 +79,14 @@ class TransferGroup:
         return out
 
     def frame(self, status: int, value: int) -> list[tuple[int, int]]:
-        """Every rank's (status, value)."""
+        """Every rank's (status, value). On a GPU it runs on a side stream of its own, so that a
+        frame waiting for the other ranks (from another thread) holds no stream the engine uses."""
+        if self.device.type != "cuda":
+            return self._frame(status, value)
+        with torch.cuda.device(self.device), torch.cuda.stream(torch.cuda.Stream(self.device)):
+            return self._frame(status, value)
+
+    def _frame(self, status: int, value: int) -> list[tuple[int, int]]:
         mine = torch.tensor([status, value], dtype=torch.int64, device=self.device)
         return [tuple(int(x) for x in t.tolist()) for t in self.all_gather(mine)]
 
@@ -99,20 +114,35 @@ def check_group_args(master_address, master_port, rank_offset, world_size, backe
 def init_transfer_group(master_address: str, master_port: int, rank: int, world_size: int,
                         backend: str = "gloo", timeout_s: float = 300.0,
                         device: torch.device | None = None) -> TransferGroup:
-    """Join a transfer group as ``rank`` of ``world_size`` (blocks until every rank joined).
-    ``device`` (NCCL): this rank's GPU (default: the current one)."""
+    """Join a transfer group as ``rank`` of ``world_size`` (blocks until every rank joined, or
+    about ``timeout_s``: the store's connection retries and the group's rendezvous each wait up to
+    it). ``device`` (NCCL): this rank's GPU (default: the current one). ``TransferFailed`` when
+    the group could not be set up (nothing of it is kept)."""
     check_group_args(master_address, master_port, 0, world_size, backend)
+    check_timeout(timeout_s)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside [0, {world_size})")
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=timeout)
-    prefixed = dist.PrefixStore(STORE_PREFIX, store)
-    if backend == "gloo":
-        return TransferGroup(dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), rank, world_size,
-                             torch.device("cpu"), store)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (lent machines refuse it)
-    device = device or torch.device("cuda", torch.cuda.current_device())
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    return TransferGroup(pg, rank, world_size, device, store)
+    timeout, where, start = timedelta(seconds=timeout_s), f"{master_address}:{master_port}", time.monotonic()
+    try:
+        store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=timeout)
+        prefixed = dist.PrefixStore(STORE_PREFIX, store)
+        if backend == "gloo":
+            return TransferGroup(dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), rank, world_size,
+                                 torch.device("cpu"), store, where, timeout_s)
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (lent machines refuse it)
+        device = device or torch.device("cuda", torch.cuda.current_device())
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        return TransferGroup(pg, rank, world_size, device, store, where, timeout_s)
+    except Exception as e:  # noqa: BLE001 -- torch's store and group errors: one message saying where and how long
+        reason = (str(e).strip().splitlines() or [""])[0]  # (torch appends its C++ stack)
+        raise TransferFailed(f"the weight transfer group at {where} was not set up (rank {rank} of {world_size}, "
+                             f"{backend}, timeout {timeout_s:g} s, gave up after {time.monotonic() - start:.1f} s): "
+                             f"{type(e).__name__}: {reason}") from None
+
+
+def check_timeout(timeout_s) -> None:
+    """ValueError unless ``timeout_s`` is a positive finite number of seconds."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")

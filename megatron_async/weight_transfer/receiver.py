@@ -1,6 +1,8 @@
 """The engine's side of a bucketed transfer: plan the whole manifest once (the one slab loader:
 names, shapes, dtypes, shards, coverage, all before any byte moves), then copy each bucket into
-place as it arrives, through one bucket buffer (never a second copy of the weights)."""
+place as it arrives, through one bucket buffer (never a second copy of the weights). The begin
+frame is its own step (``prepare_begin``, ``TransferGroup.frame``, ``after_begin``), so that the
+engine can wait for the senders off its step loop and copy between two steps."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,28 +46,56 @@ class Refused(Exception):
         self.error = error
 
 
-def receive(group: TransferGroup, manifest: Manifest | None, prepare) -> ReceiveStats:
-    """Take part in one transfer. ``prepare()`` returns (plan, program) or raises to refuse (a
-    ``manifest`` of None is refused too: this rank joins the begin frame with its refusal, so no
-    sender waits for it); a refusal raises ``Refused(error)`` after the begin frame, nothing
-    copied. After the begin frame a failure on any rank raises ``TransferFailed`` (this rank
-    keeps receiving until the end frame, so the group stays in step)."""
-    error, plan, program = None, None, None
+@dataclass
+class Begin:
+    """This rank's part of a transfer's begin frame, made before the frame: the manifest, and
+    the plan and copy program or the error that refuses it."""
+    manifest: Manifest | None
+    plan: WeightPlan | None = None
+    program: CopyProgram | None = None
+    error: Exception | None = None
+
+    @property
+    def frame(self) -> tuple[int, int]:
+        """What this rank puts in the begin frame: (status, manifest digest)."""
+        return 1 if self.error else 0, 0 if self.manifest is None else self.manifest.digest()
+
+
+def prepare_begin(manifest: Manifest | None, prepare) -> Begin:
+    """``prepare()`` returns (plan, program) or raises to refuse; a ``manifest`` of None is
+    refused too (this rank still joins the begin frame with its refusal, so no sender waits)."""
     try:
         if manifest is None:
             raise ValueError("no manifest")
         plan, program = prepare()
     except Exception as e:  # noqa: BLE001 -- reported to every rank by the begin frame
-        error = e
-    begin = group.frame(1 if error else 0, 0 if manifest is None else manifest.digest())
-    if error is not None:
-        raise Refused(error)
-    if any(status for status, _ in begin) or len({h for _, h in begin}) != 1:
-        raise TransferFailed(f"refused before any bucket moved (rank: (status, manifest digest)): {dict(enumerate(begin))}")
+        return Begin(manifest, error=e)
+    return Begin(manifest, plan, program)
+
+
+def receive(group: TransferGroup, manifest: Manifest | None, prepare) -> ReceiveStats:
+    """Take part in one transfer: ``prepare_begin``, the begin frame, ``after_begin``."""
+    begin = prepare_begin(manifest, prepare)
+    return after_begin(group, begin, group.frame(*begin.frame))
+
+
+def after_begin(group: TransferGroup, begin: Begin, frames: list[tuple[int, int]],
+                failure: Exception | None = None) -> ReceiveStats:
+    """The rest of a transfer once every rank's begin ``frames`` arrived. This rank's refusal
+    raises ``Refused(error)``, nothing copied; another rank's refusal or differing manifests raise
+    ``TransferFailed``, nothing copied. After that a failure on any rank (``failure``: this rank
+    cannot copy, found after the begin frame) raises ``TransferFailed`` (this rank keeps receiving
+    until the end frame, so the group stays in step)."""
+    if begin.error is not None:
+        raise Refused(begin.error)
+    if any(status for status, _ in frames) or len({h for _, h in frames}) != 1:
+        raise TransferFailed(f"refused before any bucket moved (rank: (status, manifest digest)): {dict(enumerate(frames))}")
+    manifest, plan, program = begin.manifest, begin.plan, begin.program
     stats = ReceiveStats(buffer_bytes=manifest.max_bucket_bytes)
     buf = torch.empty(manifest.max_bucket_bytes, dtype=torch.uint8, device=group.device)
-    program.begin()
-    failure, index = None, 0
+    if failure is None:
+        program.begin()
+    index = 0
     for b in manifest.buckets:
         view = buf[: b.nbytes]
         group.broadcast(view, b.src)

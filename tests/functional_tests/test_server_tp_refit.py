@@ -1,9 +1,12 @@
 """Refit admin operations under tensor parallelism (torchrun, 2 CPU ranks): rank 0 serves HTTP and
 tells rank 1 to run each weight operation too, so after /update_weights_from_ipc (a trainer's
-Megatron-Core shards in shared memory) and /update_weights (a checkpoint directory) both ranks hold
-the new weights: greedy streams equal a single-process engine updated in-process."""
+Megatron-Core shards in shared memory), /update_weights (a checkpoint directory) and
+/update_weights_from_distributed (a trainer's gloo broadcast) both ranks hold the new weights:
+greedy streams equal a single-process engine updated in-process. A transfer group set-up that
+nobody joins waits off both ranks' step loops: the server keeps generating, then answers 409."""
 import json
 import shutil
+import threading
 import urllib.request
 
 import pytest
@@ -14,7 +17,8 @@ pytest.importorskip("fastapi")
 
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.serve.process import ServerProcess  # noqa: E402
-from megatron_async.weight_transfer import ipc  # noqa: E402
+from megatron_async.weight_transfer import build_manifest, free_port, init_transfer_group, ipc, send  # noqa: E402
+from tests.functional_tests.test_server_refit_waits import _Call, _serves_while  # noqa: E402
 from tests.functional_tests.server_client import concurrent_greedy_streams  # noqa: E402
 from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
 from tests.helpers.refit_engine import new_hf, trainer_items  # noqa: E402
@@ -51,3 +55,38 @@ def test_weight_operations_reach_every_tp_rank(tmp_path):
         assert concurrent_greedy_streams(srv.url, "tp-model", PROMPTS, 10) == want_ipc
         assert _post(f"{srv.url}/update_weights", {"path": str(new)})["weight_version"] == 2
         assert concurrent_greedy_streams(srv.url, "tp-model", PROMPTS, 10) == want_ckpt
+
+
+def test_a_pending_set_up_leaves_every_rank_stepping_and_a_broadcast_reaches_every_rank(tmp_path):
+    ckpt = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "tp-model", with_tokenizer=True, vocab_size=512)
+    cfg = InferenceConfig(num_kv_blocks=96, block_size_tokens=16, max_requests=8, max_sequence_length=192)
+    llm = LLM(str(ckpt), inference_config=cfg)
+    m = llm.model
+    items = trainer_items(m.hf_shapes(), 7, 2, m.megatron_dims(), m.spec.name)
+    manifest = build_manifest(items, 64 << 10, version=5)
+    llm.update_weights(new_hf(llm, 7))
+    want = [o.generated_tokens for o in llm.generate(PROMPTS, GREEDY)]
+    launcher = ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2"]
+    with ServerProcess(["--model", str(ckpt), *FLAGS], launcher=launcher) as srv:
+        port = free_port()
+        where = f"127.0.0.1:{port}"
+        init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3, "timeout_s": 6.0}
+        call = _Call(srv.url + "/init_weight_transfer", init)
+        _serves_while(srv, call, "/update_weights_from_distributed", {"manifest": {}},
+                      f"a transfer group set-up to {where}")
+        assert call.answered.wait(120)
+        status, reply = call.outcome
+        assert status == 409 and f"at {where} was not set up" in reply["error"]["message"], reply
+
+        sent = []
+        trainer = threading.Thread(target=lambda: sent.append(send(init_transfer_group("127.0.0.1", port, 0, 3, "gloo",
+                                                                                       timeout_s=60), manifest, items)))
+        trainer.start()
+        try:
+            assert _post(f"{srv.url}/init_weight_transfer", init)["weight_version"] == 0
+            body = _post(f"{srv.url}/update_weights_from_distributed", {"manifest": manifest.to_json()})
+            assert body["weight_version"] == 5, body
+        finally:
+            trainer.join(120)
+        assert len(sent) == 1
+        assert concurrent_greedy_streams(srv.url, "tp-model", PROMPTS, 10) == want

@@ -103,7 +103,7 @@ class DynamicInferenceEngine(EngineControls):
         self.memory = MemorySuspender(getattr(context.device, "suspend_backend", None), context, runner.model)
         """Device memory handed out and taken back by tag (``suspend`` / ``resume``)."""
         self.control = GenerationControl(self)
-        self.weights = WeightReceiver(self)
+        self.weights = WeightReceiver(self, config.weight_transfer_timeout_s)
         """Weight updates (``LLM.update_weights``, transfers from a trainer: weight_receiver.py)."""
         self.lora = LoRAControl(self)
         """LoRA adapters: load, unload, update (lora_control.py)."""

@@ -77,9 +77,10 @@ class EngineControls:
 
     # ------------------------------------------------------------------ weights from a trainer (weight_receiver.py)
     def init_weight_transfer(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                             backend: str | None = None, timeout_s: float = 300.0) -> int:
+                             backend: str | None = None, timeout_s: float | None = None) -> int:
         """Join a trainer's transfer group (``megatron_async.weight_transfer``) as rank ``rank_offset``
-        + this rank's global rank (returned); ``backend``: "nccl" / "gloo" (None: by device)."""
+        + this rank's global rank (returned); ``backend``: "nccl" / "gloo" (None: by device);
+        ``timeout_s``: how long to wait for every rank (None: ``weight_transfer_timeout_s``)."""
         return self.weights.init_transfer(master_address, master_port, rank_offset, world_size, backend, timeout_s)
 
     def update_weights_from_distributed(self, metadata, version: int | None = None, recompute_kv: bool = True) -> int:

@@ -6,6 +6,10 @@ and a completed update sets the weight version and the KV recompute rule (``set_
   ``update``            in-process tensors (HF or Megatron-Core names) or a checkpoint directory
   ``init_transfer``     join a transfer group with a trainer (``megatron_async.weight_transfer``)
   ``from_distributed``  a bucketed broadcast described by a manifest, copied bucket by bucket
+
+Both transfer-group operations wait for the other side off the engine thread (``start_init`` /
+``start_distributed`` return a ``PendingTransfer``; the engine's loops call its ``finish`` between
+two steps once the wait ended): one at a time, each bounded by a timeout.
   ``from_ipc``          a colocated trainer's storages (CUDA IPC / shared memory), copied directly
 
 The receiver keeps the copy plans of recent updates (``CopyPlanCache``) and the storages and copy
@@ -25,9 +29,10 @@ from megatron_async.models.slab_loading import WeightUpdateError
 from megatron_async.models.weight_update import CopyPlanCache, update_weights_in_place
 from megatron_async.weight_transfer import ipc
 from megatron_async.weight_transfer.copy_groups import GroupedCopy
-from megatron_async.weight_transfer.group import TransferFailed, check_group_args, init_transfer_group
+from megatron_async.weight_transfer.group import TransferFailed, check_group_args, check_timeout, init_transfer_group
 from megatron_async.weight_transfer.manifest import _SHARD_FIELDS, DTYPES, Manifest, ManifestError
-from megatron_async.weight_transfer.receiver import Refused, plan_manifest, receive
+from megatron_async.weight_transfer.pending import PendingTransfer
+from megatron_async.weight_transfer.receiver import Refused, after_begin, plan_manifest, prepare_begin
 
 log = logging.getLogger("megatron_async")
 
@@ -43,9 +48,22 @@ def check_version(version) -> None:
         raise ValueError(f"version must be an int >= 0 or None, got {version!r}")
 
 
+def _bound(timeout_s: float) -> float:
+    """How long a caller waits for a transfer-group wait whose torch timeouts are ``timeout_s``
+    (a store's connection retries and a group's rendezvous each take up to about that)."""
+    return 2 * timeout_s + 10.0
+
+
+def _storages(model) -> list[int]:
+    return [p.data_ptr() for p in model.parameters()]
+
+
 class WeightReceiver:
-    def __init__(self, engine):
+    def __init__(self, engine, timeout_s: float = 30.0):
+        """``timeout_s``: how long joining a transfer group waits for the other ranks, unless
+        the call gives its own (``InferenceConfig.weight_transfer_timeout_s``)."""
         self.engine = engine
+        self.timeout_s = timeout_s
         self.model = engine.runner.model
         self.plans = CopyPlanCache()
         try:  # the model's name lookups and views now, not at the first update
@@ -53,6 +71,8 @@ class WeightReceiver:
         except Exception as e:  # noqa: BLE001 -- a model that cannot take updates still serves; an update says why
             log.debug("weight update lookups not built at start: %s", e)
         self.group = None
+        self.pending: PendingTransfer | None = None
+        """The set-up or update of the transfer group that waits for the other side, if any."""
         self.last_receive = None
         """``ReceiveStats`` of the last distributed update on this rank."""
         self._storages = ipc.IpcStorages()
@@ -76,11 +96,20 @@ class WeightReceiver:
         return self.commit(version, recompute_kv)
 
     # ------------------------------------------------------------------ transfer group
-    def init_transfer(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                      backend: str | None = None, timeout_s: float = 300.0) -> int:
-        """Join the trainer's transfer group as rank ``rank_offset`` + this engine rank's global
-        rank (returned); ``backend`` None: NCCL on CUDA, gloo on CPU. Blocks until every rank joined."""
+    def _check_no_pending(self) -> None:
+        if self.pending is not None:
+            raise TransferFailed(f"{self.pending.what} is in progress: wait for its answer")
+
+    def start_init(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   backend: str | None = None, timeout_s: float | None = None) -> PendingTransfer:
+        """Begin joining the trainer's transfer group as rank ``rank_offset`` + this engine rank's
+        global rank; the joining runs off this thread (``PendingTransfer``), and its ``finish()``
+        keeps the group and returns the rank. ``backend`` None: NCCL on CUDA, gloo on CPU;
+        ``timeout_s`` None: the engine's ``weight_transfer_timeout_s``."""
         check_group_args(master_address, master_port, rank_offset, world_size, backend)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        check_timeout(timeout_s)
+        self._check_no_pending()
         if self.group is not None:
             raise ValueError("a weight transfer group is already set up: destroy_weight_transfer() first")
         device = next(self.model.parameters()).device
@@ -88,19 +117,41 @@ class WeightReceiver:
         if rank >= world_size:
             raise ValueError(f"engine rank {rank} (rank_offset + global rank) is outside world_size {world_size}")
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-        self.group = init_transfer_group(master_address, master_port, rank, world_size, backend, timeout_s,
-                                         device if device.type == "cuda" else None)
-        return rank
+
+        def join():
+            return init_transfer_group(master_address, master_port, rank, world_size, backend, timeout_s,
+                                       device if device.type == "cuda" else None)
+
+        def finish(group, error):
+            self.pending = None
+            if error is not None:
+                raise error
+            self.group = group
+            return rank
+
+        self.pending = PendingTransfer(f"a transfer group set-up to {master_address}:{master_port}", join, finish,
+                                       _bound(timeout_s), discard=lambda group: group.close())
+        return self.pending
+
+    def init_transfer(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                      backend: str | None = None, timeout_s: float | None = None) -> int:
+        """``start_init`` and wait for it: the rank in the group once every rank joined."""
+        return self.start_init(master_address, master_port, rank_offset, world_size, backend, timeout_s).finish()
 
     def destroy(self) -> None:
+        self._check_no_pending()
         if self.group is not None:
             self.group.close()
         self.group = None
 
-    def from_distributed(self, metadata, version: int | None = None, recompute_kv: bool = True) -> int:
-        """Receive the update ``metadata`` (a ``Manifest``, its dict or JSON) describes. A bad
+    def start_distributed(self, metadata, version: int | None = None, recompute_kv: bool = True) -> PendingTransfer:
+        """Begin receiving the update ``metadata`` (a ``Manifest``, its dict or JSON) describes:
+        the plan is made here, the begin frame (waiting for the trainer's senders, up to the
+        group's timeout) runs off this thread, and ``finish()`` copies the buckets as they arrive
+        and returns the new version (call it between two steps: the weights change there). A bad
         manifest or a state that forbids updates is refused in the begin frame (the trainer's
-        ``send`` fails, nothing is copied) and raised here; ``TransferFailed`` after that."""
+        ``send`` fails, nothing is copied) and raised by ``finish``; ``TransferFailed`` after that."""
+        self._check_no_pending()
         if self.group is None:
             raise ValueError("no weight transfer group: call init_weight_transfer first")
         manifest, error = None, None
@@ -122,15 +173,41 @@ class WeightReceiver:
             self.engine.memory.check_can_update_weights()
             return plan_manifest(self.model, manifest, self.plans)
 
-        try:
-            self.last_receive = receive(self.group, manifest, prepare)
-        except Refused as r:
-            raise r.error from None
-        except TransferFailed:
-            self.engine.memory.weights_missing = True
-            log.error("weight transfer failed after it began: generation is refused until an update completes")
-            raise
-        return self.commit(version, recompute_kv)
+        group, begin, storages = self.group, prepare_begin(manifest, prepare), _storages(self.model)
+
+        def finish(frames, failed):
+            self.pending = None
+            if failed is not None:  # the group's collectives are out of step: it is of no more use
+                self.destroy()
+                raise TransferFailed(
+                    f"no weight update began on the transfer group at {group.where} within its timeout of "
+                    f"{group.timeout_s:g} s (the trainer's senders did not come: {failed}); the group is closed: "
+                    "init_weight_transfer again") from None
+            late = None
+            if begin.error is None:  # the memory may have changed while the senders were awaited
+                try:
+                    self.engine.memory.check_can_update_weights()
+                    if _storages(self.model) != storages:  # the plan's views are stale (suspended, resumed)
+                        begin.plan, begin.program = prepare()
+                except Exception as e:  # noqa: BLE001 -- reported at the end frame, after the buckets
+                    late = e
+            try:
+                self.last_receive = after_begin(group, begin, frames, late)
+            except Refused as r:
+                raise r.error from None
+            except TransferFailed:
+                self.engine.memory.weights_missing = True
+                log.error("weight transfer failed after it began: generation is refused until an update completes")
+                raise
+            return self.commit(version, recompute_kv)
+
+        self.pending = PendingTransfer(f"a weight update from the transfer group at {group.where}",
+                                       lambda: group.frame(*begin.frame), finish, _bound(group.timeout_s))
+        return self.pending
+
+    def from_distributed(self, metadata, version: int | None = None, recompute_kv: bool = True) -> int:
+        """``start_distributed`` and wait for it: the new weight version."""
+        return self.start_distributed(metadata, version, recompute_kv).finish()
 
     # ------------------------------------------------------------------ IPC
     def from_ipc(self, handles, version: int | None = None, recompute_kv: bool = True) -> int:
