@@ -73,10 +73,12 @@ class LLM:
         listen: str | None = None,
         join: str | None = None,
         quantization: str | None = None,  # "fp8": FP8 linears at load (models/quantization.py)
+        role: str = "mixed",
     ):
         """``listen`` (``tcp://HOST:PORT``, loopback unless MEGATRON_ASYNC_CLIENT_SECRET is set, or
         ``ipc://PATH``): start a data-parallel coordinator there and serve this engine through it;
-        ``join``: serve it through the coordinator at that address. Either way the engine runs on a
+        ``join``: serve it through the coordinator at that address (``role``: "mixed", or "prefill" /
+        "decode": docs/DISAGGREGATION.md). Either way the engine runs on a
         thread of its own and takes requests from ``megatron_async.client.InferenceClient``s (not
         ``generate``); ``coordinator`` holds the service, ``close()`` ends it.
 
@@ -134,7 +136,7 @@ class LLM:
             if listen is not None or join is not None:
                 from megatron_async.dp_engine.join import CoordinatorService
 
-                self.coordinator = CoordinatorService(self, listen, join)
+                self.coordinator = CoordinatorService(self, listen, join, role)
         except BaseException:
             self.close()  # every rank fails the same way at load (a shape that does not divide): leave cleanly
             raise

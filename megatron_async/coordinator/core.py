@@ -25,6 +25,7 @@ from megatron_async.coordinator.control_ops import ControlOperations
 from megatron_async.coordinator.controls import ControlBook
 from megatron_async.coordinator.engines import EngineInfo, EngineSlot, EngineState, EngineTable
 from megatron_async.coordinator.requests import OpenRequest, RequestTable, prompt_tokens
+from megatron_async.disaggregation.handoffs import HandOffs
 from megatron_async.inference.contexts.kv_block_allocator import prefix_digests
 from megatron_async.inference.dp_routing import PrefixView, place
 from megatron_async.inference.records import CheckedOutput
@@ -78,6 +79,8 @@ class CoordinatorCore(ControlOperations):
         self._shutdown_reply: tuple[Any, int] | None = None
         self.counts: Counter[str] = Counter()
         """routed, rerouted, failed_by_death, aborted_for_client, evicted_keys, timed_out, ..."""
+        self.handoffs = HandOffs(self)
+        """Requests between their prefill engine and their decode engine (disaggregation/handoffs.py)."""
 
     # ------------------------------------------------------------------ clients
     def client_joined(self, client: Any) -> None:
@@ -143,14 +146,14 @@ class CoordinatorCore(ControlOperations):
         if assign and slot.affinity and req.keys:
             self.view.assign(slot.index, req.keys, slot.submitted)
         reply = None if req.stream else self.replies.get(req.client)
-        self.outbox.to_engine(slot, "route", req.rid, slot.submitted, req.prompt, req.sampling, req.stream, req.digests,
+        self.outbox.to_engine(slot, self.handoffs.route_kind(slot), req.rid, slot.submitted, req.prompt, req.sampling, req.stream, req.digests,
                               None if reply is None else (reply, req.client_rid))
 
     def abort(self, client: Any, client_rid: int) -> None:
         req = self.requests.of_client(client, client_rid)
         if req is None:
             return
-        if req.engine is None:  # still waiting for an engine: it ends here
+        if req.engine is None or self.handoffs.abort(req):  # waiting for an engine, or in transfer: it ends here
             self.requests.end(req.rid)
             self._tell(req, "finished", [req.partial_output("abort", None)])
         else:  # its engine ends it; its final output comes back as any other
@@ -171,6 +174,11 @@ class CoordinatorCore(ControlOperations):
         self.requests.forget_client(client)
         self.controls.client_gone(client)
 
+    def end_with_error(self, req: OpenRequest, message: str) -> None:
+        """End ``req`` with "error" and its partial output."""
+        self.requests.end(req.rid)
+        self._tell(req, "finished", [req.partial_output("error", message)])
+
     def _tell(self, req: OpenRequest, kind: str, *fields: Any) -> None:
         if req.client in self.clients:
             self.outbox.to_client(req.client, kind, *fields)
@@ -190,6 +198,8 @@ class CoordinatorCore(ControlOperations):
             for client in self.clients:  # the key space is known now
                 self.outbox.to_client(client, "info", self.info())
         self._route_unrouted()
+        if info.role == "decode":
+            self.handoffs.place_waiting()
         return slot
 
     def _route_unrouted(self) -> None:
@@ -290,6 +300,7 @@ class CoordinatorCore(ControlOperations):
         """Each request still on it: routed again if it produced nothing yet, else ended with
         "error" and its partial output."""
         self.engines.remove(slot)
+        self.handoffs.engine_gone(slot)
         message = f"engine {slot.index} ({slot.name}) {'died' if died else 'left'}{why} while this request ran"
         again = []
         for req in self.requests.on_engine(slot):
@@ -317,8 +328,15 @@ class CoordinatorCore(ControlOperations):
     _CLIENT_KINDS = {k: k for k in ("submit", "abort", "abort_all", "control", "drain", "shutdown", "reply_at")} | {
         "engines": "engines_query"}
 
+    _HANDOFF_KINDS = frozenset({"kv_ready", "kv_accepted", "kv_imported", "kv_failed"})
+
     def engine_message(self, slot: EngineSlot, kind: str, fields: Sequence[Any]) -> None:
-        """A decoded message of a registered engine (dp_engine/link.py's kinds): any of them says it is alive."""
+        """A decoded message of a registered engine (dp_engine/link.py's kinds, the hand-off's): any
+        of them says it is alive."""
+        if kind in self._HANDOFF_KINDS:
+            slot.last_heard = time.monotonic()
+            getattr(self.handoffs, kind)(slot, *fields)
+            return
         if kind not in self._ENGINE_KINDS:
             raise ValueError(f"engines do not send {kind!r}")
         slot.last_heard = time.monotonic()
@@ -336,7 +354,8 @@ class CoordinatorCore(ControlOperations):
 
     def engines_query(self, client: Any, op_id: int) -> None:
         self.outbox.to_client(client, "control_done", op_id, 200,
-                              {"engines": self.engines.describe(), "counts": dict(self.counts), "wire": self.wire()})
+                              {"engines": self.engines.describe(), "counts": dict(self.counts), "wire": self.wire(),
+                               "transfers": self.handoffs.describe()})
 
     # ------------------------------------------------------------------ time
     def tick(self, now: float | None = None) -> None:
@@ -346,6 +365,8 @@ class CoordinatorCore(ControlOperations):
         for slot in self.engines.live():
             if now - slot.last_heard > self.engine_timeout_s:
                 self.engine_timed_out(slot, now - slot.last_heard)
+        self.handoffs.place_waiting()
+        self.handoffs.tick(now, self.unrouted_timeout_s)
         for req in list(self.requests.unrouted.values()):
             if now - req.queued_at > self.unrouted_timeout_s:
                 self.requests.end(req.rid)

@@ -46,6 +46,8 @@ DELIVERED_FLUSH_S = 0.005
 """The ends of requests answered directly (direct_replies.py) ride the next outputs message, or
 leave on their own this long after the first: the coordinator's wake-up for them stays off the
 requests' path (a core it would take from their clients on a small host)."""
+HANDOFF_POLL_S = 0.002
+"""How long an idle engine sleeps between looks at its KV transfers in flight."""
 MAX_FAILED_STEPS = 3
 """Consecutive failed steps after which the link stops stepping for the requests it failed."""
 
@@ -77,11 +79,14 @@ class _Working:
 
 class EngineLink:
     def __init__(self, engine, channel: EngineChannel, max_requests: int, name: str = "engine",
-                 update_weights: Callable | None = None, communicator=None, step_watchdog_s: float = STEP_WATCHDOG_S):
+                 update_weights: Callable | None = None, communicator=None, step_watchdog_s: float = STEP_WATCHDOG_S,
+                 role: str = "mixed", kv_transfer_backend: str = "auto", address: str = ""):
         """``update_weights``: the LLM's (control op "update_weights" with a checkpoint ``path``);
         ``communicator``: tensor parallelism: this link runs on rank 0 and tells the other ranks
         (``follow_rank0``) to step, and to run the operations every rank runs. ``step_watchdog_s``:
-        heartbeats stop once one step or operation has run this long (the engine is hung)."""
+        heartbeats stop once one step or operation has run this long (the engine is hung).
+        ``role``: "mixed", or "prefill" / "decode" with the hand-off's ``kv_transfer_backend``
+        (disaggregation/engine_side.py; ``address``: the coordinator's)."""
         self.engine, self.channel = engine, channel
         self.max_requests, self.name = max_requests, name
         self._update_weights, self._comm = update_weights, communicator
@@ -115,17 +120,32 @@ class EngineLink:
         self._thread: threading.Thread | None = None
         self.ended: str | None = None
         """Why ``run`` returned: "left" (drained or stopped), "coordinator lost" or "declared dead"."""
+        self.role = role
+        self.handoffs = None
+        if role != "mixed":
+            if communicator is not None:
+                raise ValueError(f"role={role!r} needs an engine of one rank (no tensor parallelism)")
+            from megatron_async.disaggregation.engine_side import EngineHandOffs
+
+            self.handoffs = EngineHandOffs(self, role, kv_transfer_backend, address)
 
     def info(self) -> EngineInfo:
         alloc = self._alloc
+        h = self.handoffs
         return EngineInfo(self.name, self.max_requests, alloc.capacity, self.engine.context.block_size, alloc.hash_key,
-                          alloc.enable_prefix_caching)
+                          alloc.enable_prefix_caching, self.role, h.kv_address if h else "", h.backend if h else "gloo")
 
     # ---------------------------------------------------------------- messages in
     def handle(self, kind: str, fields: tuple) -> None:
         self._paused_idle = False
         if kind == "route":
             self._submit(*fields)
+        elif kind == "prefill":
+            local = self._submit(*fields)
+            if local is not None and self.handoffs is not None:
+                self.handoffs.prefilling(local)
+        elif self.handoffs is not None and kind in self.handoffs.INBOUND:
+            self.handoffs.handle(kind, fields)
         elif kind == "abort":
             local = self._engine_id.get(fields[0])
             if local is not None:
@@ -138,7 +158,7 @@ class EngineLink:
             self._declared_dead = fields[1]
 
     def _submit(self, rid: int, seq: int, prompt, params, stream: bool, digests: bytes = b"",
-                reply: tuple[str, int] | None = None) -> None:
+                reply: tuple[str, int] | None = None) -> int | None:
         self._seen_seq = max(self._seen_seq, seq)
         if self._leaving == "stop":
             self._rejected.append((rid, "the engine is stopping"))
@@ -158,12 +178,27 @@ class EngineLink:
             log.exception("add_request failed unexpectedly")
             self._rejected.append((rid, f"the engine could not admit this request: {type(e).__name__}: {e}"))
             return
+        self.track(rid, seq, local, stream, reply)
+        return local
+
+    def track(self, rid: int, seq: int, local: int, stream: bool, reply: tuple[str, int] | None) -> None:
+        """Engine request ``local`` serves the coordinator's ``rid`` (its outputs go there, or to its client)."""
+        self._seen_seq = max(self._seen_seq, seq)
         self._rid_of[local], self._engine_id[rid] = rid, local
         if not stream:
             self._quiet.add(local)
             if reply is not None and self._replies is not None:
                 self._reply_of[local] = reply
                 self._replies.prepare(reply[0])
+
+    def detach(self, local: int) -> int | None:
+        """Forget engine request ``local`` (it continues on another engine); its rid."""
+        rid = self._rid_of.pop(local, None)
+        if rid is not None:
+            del self._engine_id[rid]
+        self._quiet.discard(local)
+        self._reply_of.pop(local, None)
+        return rid
 
     def _control(self, op_id: int, op: str, args: dict) -> None:
         if op == "stop":
@@ -176,6 +211,8 @@ class EngineLink:
             if op in EVERY_RANK_OPS:
                 self._tell_ranks(("admin", op, args))  # the other TP ranks run it too (follow_rank0)
             status, body = run_engine_op(self.engine, op, args, self._update_weights)
+        if op == "stats" and status == 200 and self.handoffs is not None:
+            body.update(self.handoffs.counters())
         self.channel.send("control_done", op_id, status, body)
         self._last_sent = time.monotonic()
 
@@ -225,6 +262,8 @@ class EngineLink:
         idle = not self.busy() or self._paused_idle
         wait_s = HEARTBEAT_S if not self._delivered else \
             max(0.0, self._delivered_at + DELIVERED_FLUSH_S - time.monotonic())  # (their ends leave on time)
+        if self.handoffs is not None and self.handoffs.in_flight():
+            wait_s = min(wait_s, HANDOFF_POLL_S)
         for kind, fields in self.channel.poll(wait_s if idle and wait else 0.0):
             self.handle(kind, fields)
         if self.channel.lost:
@@ -238,6 +277,8 @@ class EngineLink:
             self._send_outputs([], [])  # rejections, evicted keys (an abort while paused)
             if self._leaving is not None and not self.busy():
                 return self._end("left")
+        if self.handoffs is not None:
+            self.handoffs.poll()
         now = time.monotonic()
         if self._replies is not None and now >= self._next_sweep:
             self._replies.sweep()  # (links to clients that are gone)
@@ -263,6 +304,8 @@ class EngineLink:
         self._failed_steps = 0
         if res.step_id < 0 and not res.finished and not res.updates and self.engine.is_paused:
             self._paused_idle = True  # paused with nothing to land: wait for a message
+        if self.handoffs is not None:
+            self.handoffs.landed(res)  # (requests that continue on a decode engine)
         updates, finished, rid_of, quiet = [], [], self._rid_of, self._quiet
         for upd in res.updates:  # the coordinator keeps them (a dead engine's partial outputs)
             rid = rid_of.get(upd.request_id)
@@ -352,6 +395,8 @@ class EngineLink:
                 self.channel.send("control_done", self._stop_reply[0], *self._stop_reply[1])
             self.channel.send("leave")
         self._tell_ranks("stop")
+        if self.handoffs is not None:
+            self.handoffs.close()
         self.ended = why
         return why
 

@@ -179,6 +179,21 @@ class DynamicInferenceContext:
         self.sharing.admitted(req, hit)
         return hit
 
+    def admit_transferred(self, req: DynamicInferenceRequest, block_ids: list[int]) -> None:
+        """Admit a request whose prompt KV another engine computed (disaggregation/kv_import.py):
+        ``block_ids`` were allocated here and hold it; nothing is matched or computed."""
+        req.num_hashed_blocks, req.last_block_hash = 0, None
+        req.weights_epoch = self.weights_epoch
+        self.active[req.request_id] = req
+        self.active_version += 1
+        if self.mamba is not None:
+            self.mamba.assign_slot(req)
+        self.sampling_state.assign(req)
+        if self.spec is not None:
+            self.spec.assign(req)
+        req.block_ids = list(block_ids)
+        self._decode_rows.assign(req)
+
     def _match_prefix(self, req: DynamicInferenceRequest) -> int:
         if not self.allocator.publishes:
             return 0

@@ -1,0 +1,202 @@
+"""An engine's side of the hand-off, beside its coordinator link (dp_engine/link.py): the state
+of each request it hands off or takes over, and the pair connections its KV travels on.
+
+Prefill engine, per request: PREFILLING (queued with ``prefill``: capped at its first token) ->
+READY (the token landed: it rode the step's outputs, without its text, which the decode engine
+streams; kv_ready sent, the blocks kept) -> SENDING (kv_send: packed and queued on the pair's
+connection) -> freed at kv_release (the decode engine holds it, or is gone). A request that
+truly ends at its first token (EOS, a stop word, an abort) ends here as on a mixed engine.
+
+Decode engine, per request: DEFERRED (kv_import while it has no request place or blocks: it
+waits, in order; never allocates past its pool) -> RECEIVING (blocks allocated, the receive
+queued, kv_accepted sent) -> admitted decoding (kv_imported), or freed (kv_cancel, a broken
+connection: kv_failed)."""
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from megatron_async.disaggregation.kv_import import PrefillHold, admit_decoding, allocate, room_for
+from megatron_async.disaggregation.kv_layout import KVLayout
+from megatron_async.disaggregation.transfer import PairChannel, Rendezvous, resolve_backend, store_host
+from megatron_async.inference.records import decode_sampling
+
+log = logging.getLogger("megatron_async.disaggregation")
+INBOUND = frozenset({"kv_import", "kv_send", "kv_release", "kv_cancel"})
+
+
+def _tag(rid: int) -> int:
+    return rid % (1 << 31)
+
+
+class EngineHandOffs:
+    INBOUND = INBOUND
+
+    def __init__(self, link, role: str, backend: str, coordinator_address: str):
+        engine = link.engine
+        self.link, self.engine, self.role = link, engine, role
+        device = engine.context.kv_caches[0].device if engine.context.kv_caches else engine.context.device.device
+        self.device = device
+        self.backend = resolve_backend(backend, device)
+        self.layout = KVLayout(engine.context)
+        self.rendezvous = Rendezvous(store_host(coordinator_address)) if role == "decode" else None
+        self.hold = PrefillHold(engine) if role == "prefill" else None
+        self.channels: dict[str, PairChannel] = {}
+        self.handed: list[int] = []  # engine ids that stopped at their first token, kv_ready not yet sent
+        self.ready: dict[int, int] = {}  # rid -> engine id, blocks kept (READY, SENDING)
+        self.sent: set[int] = set()  # rids whose send completed
+        self.deferred: deque[list] = deque()  # kv_import fields waiting for room
+        self.receiving: dict[int, tuple[list, list[int]]] = {}  # rid -> (kv_import fields, blocks)
+        self.cancelled: set[int] = set()  # rids cancelled while their receive was queued
+        self.kv_sent_blocks = self.kv_received_blocks = self.deferred_imports = 0
+
+    @property
+    def kv_address(self) -> str:
+        return self.rendezvous.address if self.rendezvous is not None else ""
+
+    def in_flight(self) -> bool:
+        """Transfers this engine waits on (its loop polls them instead of sleeping)."""
+        return bool(self.handed or self.deferred or self.receiving or (self.ready.keys() - self.sent))
+
+    # ---------------------------------------------------------------- prefill side
+    def prefilling(self, local: int) -> None:
+        """A ``prefill`` submission was queued as ``local``."""
+        self.hold.cap(local)
+
+    def landed(self, res) -> None:
+        """A step's outputs: requests that stopped at their first token leave ``res.finished``
+        (they continue elsewhere) and their update is an unfinished one without text."""
+        if self.hold is None or not res.finished:
+            return
+        handed = {out.request_id for out in res.finished
+                  if self.hold.handed(out.request_id, out.finish_reason, len(out.generated_tokens))}
+        if not handed:
+            return
+        res.finished[:] = [o for o in res.finished if o.request_id not in handed]
+        res.updates[:] = [u._replace(finished=False, finish_reason=None, new_text=None) if u.request_id in handed
+                          else u for u in res.updates]
+        self.handed += handed
+
+    def _send(self, rid: int, pair) -> None:
+        local = self.ready.get(rid)
+        if local is None:
+            self.link.channel.send("kv_failed", rid, "the prefill engine holds no blocks for it")
+            return
+        channel = self._channel(pair)
+        channel.send(_tag(rid), self.hold.pack(local).to(channel.device))
+
+    def _release(self, rid: int) -> None:
+        local = self.ready.pop(rid, None)
+        if local is not None:
+            n = self.hold.release(local)
+            if rid in self.sent:
+                self.kv_sent_blocks += n
+        self.sent.discard(rid)
+
+    # ---------------------------------------------------------------- decode side
+    def _try_imports(self) -> None:
+        while self.deferred:
+            fields = self.deferred[0]
+            blocks = fields[10]
+            if not room_for(self.engine, blocks + len(self.receiving)):
+                return
+            self.deferred.popleft()
+            block_ids = allocate(self.engine, blocks)
+            channel = self._channel(fields[11])
+            channel.recv(_tag(fields[0]), self.layout.empty(blocks, channel.device))
+            self.receiving[fields[0]] = (fields, block_ids)
+            self.link.channel.send("kv_accepted", fields[0])
+
+    def _imported(self, rid: int, buf, error: str | None) -> None:
+        fields, block_ids = self.receiving.pop(rid, (None, None))
+        if fields is None:
+            return
+        if error is None and rid not in self.cancelled:
+            rid, seq, prompt, sampling, stream, digests, reply, tokens, lps, version, blocks, _ = fields
+            try:
+                params = decode_sampling(sampling, frozen=False)
+                local = admit_decoding(self.engine, self.layout, prompt, params, digests, tokens, lps, version,
+                                       block_ids, buf)
+            except Exception as e:  # noqa: BLE001 -- refused alone: its blocks go back
+                error = f"the decode engine could not admit it: {type(e).__name__}: {e}"
+            else:
+                self.kv_received_blocks += blocks
+                self.link.track(rid, seq, local, stream, reply)
+                self.link.channel.send("kv_imported", rid, blocks)
+                return
+        self.engine.context.allocator.release(block_ids)
+        if rid not in self.cancelled:
+            self.link.channel.send("kv_failed", rid, error)
+        self.cancelled.discard(rid)
+
+    def _cancel(self, rid: int) -> None:
+        for fields in self.deferred:
+            if fields[0] == rid:
+                self.deferred.remove(fields)
+                return
+        if rid in self.receiving:
+            self.cancelled.add(rid)  # its blocks go back when its receive ends (the buffer is the transfer's)
+            return
+        self.link.handle("abort", (rid,))  # already decoding here
+
+    # ---------------------------------------------------------------- both
+    def handle(self, kind: str, fields: list) -> None:
+        if kind == "kv_import":
+            self.deferred.append(fields)
+            if len(self.deferred) > 1 or not room_for(self.engine, fields[10] + len(self.receiving)):
+                self.deferred_imports += 1
+        elif kind == "kv_send":
+            self._send(*fields)
+        elif kind == "kv_release":
+            self._release(fields[0])
+        elif kind == "kv_cancel":
+            self._cancel(fields[0])
+
+    def poll(self) -> None:
+        """Once a loop turn, after the step's outputs were sent: announce the requests that
+        stopped at their first token, admit deferred imports, land finished transfers."""
+        for local in self.handed:
+            rid = self.link.detach(local)
+            if rid is None:  # (not the coordinator's: freed)
+                self.hold.release(local)
+                continue
+            self.ready[rid] = local
+            self.link.channel.send("kv_ready", rid, self.hold.num_blocks(local), self.engine.weight_version)
+        self.handed.clear()
+        if self.deferred:
+            self._try_imports()
+        for channel in self.channels.values():
+            for tag, buf, error in channel.take_done():
+                self._landed(tag, buf, error)
+
+    def _landed(self, tag: int, buf, error: str | None) -> None:
+        if self.role == "decode":
+            rid = next((r for r in self.receiving if _tag(r) == tag), None)
+            if rid is not None:
+                self._imported(rid, buf, error)
+            return
+        rid = next((r for r in self.ready if _tag(r) == tag), None)
+        if rid is None:
+            return
+        if error is None:
+            self.sent.add(rid)
+        else:
+            self.link.channel.send("kv_failed", rid, error)
+            self._release(rid)
+
+    def _channel(self, pair) -> PairChannel:
+        key, address, rank, backend = pair
+        channel = self.channels.get(key)
+        if channel is None:
+            channel = self.channels[key] = PairChannel(key, address, rank, backend, self.device,
+                                                       self.rendezvous if rank == 1 else None)
+        return channel
+
+    def counters(self) -> dict:
+        return {"kv_sent_blocks": self.kv_sent_blocks, "kv_received_blocks": self.kv_received_blocks,
+                "kv_deferred_imports": self.deferred_imports, "kv_blocks_held": sum(
+                    self.hold.num_blocks(local) for local in self.ready.values()) if self.hold else 0}
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
