@@ -178,11 +178,12 @@ class EngineHandOffs:
         rid = next((r for r in self.ready if _tag(r) == tag), None)
         if rid is None:
             return
+        if error is not None:
+            self.channels = {k: c for k, c in self.channels.items() if c.error is None}
         if error is None:
             self.sent.add(rid)
-        else:
-            self.link.channel.send("kv_failed", rid, error)
-            self._release(rid)
+        # else: its decode engine died (the coordinator places the transfer again, and this engine
+        # sends again on a new connection) or the group broke (its receive fails too: kv_failed)
 
     def _channel(self, pair) -> PairChannel:
         key, address, rank, backend = pair

@@ -151,7 +151,9 @@ class HandOffs:
         self.core.counts["kv_failed"] += 1
         self._drop(t, release=True, cancel=slot is t.prefill)
         if t.req is not None and self.core.requests.get(rid) is t.req:
-            self.core.end_with_error(t.req, f"KV transfer failed: {message}")
+            decode = "?" if t.decode is None else t.decode.index
+            self.core.end_with_error(t.req, f"KV transfer from engine {t.prefill.index} to engine {decode} failed: "
+                                            f"{message}")
 
     # ---------------------------------------------------------------- aborts, deaths, time
     def abort(self, req: OpenRequest) -> bool:
