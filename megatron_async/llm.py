@@ -71,14 +71,12 @@ class LLM:
         expert_parallel_size: int = 1,
         drafter=None,
         listen: str | None = None,
-        join: str | None = None,
+        join: str | None = None, role: str = "mixed",  # role: "mixed" | "prefill" | "decode" (docs/DISAGGREGATION.md)
         quantization: str | None = None,  # "fp8": FP8 linears at load (models/quantization.py)
-        role: str = "mixed",
     ):
         """``listen`` (``tcp://HOST:PORT``, loopback unless MEGATRON_ASYNC_CLIENT_SECRET is set, or
         ``ipc://PATH``): start a data-parallel coordinator there and serve this engine through it;
-        ``join``: serve it through the coordinator at that address (``role``: "mixed", or "prefill" /
-        "decode": docs/DISAGGREGATION.md). Either way the engine runs on a
+        ``join``: serve it through the coordinator at that address. Either way the engine runs on a
         thread of its own and takes requests from ``megatron_async.client.InferenceClient``s (not
         ``generate``); ``coordinator`` holds the service, ``close()`` ends it.
 

@@ -232,11 +232,7 @@ class InferenceConfig:
     an engine that sent nothing for this long dead (hung with its connection open): its requests
     are routed again or end with an error. Engines heartbeat every second, also during a step."""
 
-    kv_transfer_backend: str = "auto"
-    """Prefill / decode disaggregation (``LLM(..., join=ADDR, role=...)``, docs/DISAGGREGATION.md):
-    how a prefill engine's KV blocks reach a decode engine. "auto" (nccl on CUDA, gloo on the CPU),
-    "nccl" (GPU to GPU), "gloo" (through host memory, any two hosts), "ipc" (one GPU: not built).
-    A pair of engines whose settings differ uses gloo."""
+    kv_transfer_backend: str = "auto"  # prefill -> decode KV: auto | nccl | gloo | ipc (docs/DISAGGREGATION.md)
 
     structured_outputs_backend: str = "auto"
     """Grammar library of ``SamplingParams.structured_outputs``: "auto" (xgrammar, and llguidance for
@@ -317,9 +313,6 @@ class InferenceConfig:
             raise ValueError(f"InferenceConfig.consensus_spin_us must be >= 0 or None, got {self.consensus_spin_us}")
         if not 0.0 <= self.dp_routing_alpha <= 1.0:
             raise ValueError(f"InferenceConfig.dp_routing_alpha must be in [0, 1], got {self.dp_routing_alpha}")
-        if self.kv_transfer_backend not in ("auto", "nccl", "gloo", "ipc"):
-            raise ValueError(f"InferenceConfig.kv_transfer_backend must be auto, nccl, gloo or ipc, "
-                             f"got {self.kv_transfer_backend!r}")
         if not self.dp_engine_timeout_s > 0:
             raise ValueError(f"InferenceConfig.dp_engine_timeout_s must be > 0, got {self.dp_engine_timeout_s}")
         if self.num_speculative_tokens < 0:

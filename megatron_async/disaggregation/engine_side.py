@@ -59,9 +59,9 @@ class EngineHandOffs:
         return bool(self.handed or self.deferred or self.receiving or (self.ready.keys() - self.sent))
 
     # ---------------------------------------------------------------- prefill side
-    def prefilling(self, local: int) -> None:
-        """A ``prefill`` submission was queued as ``local``."""
-        self.hold.cap(local)
+    def prefill(self, fields: list) -> None:
+        """A ``prefill`` submission: queued as a route's is (link.py), capped at its first token."""
+        self.hold.submit(lambda: self.link.submit(*fields))
 
     def landed(self, res) -> None:
         """A step's outputs: requests that stopped at their first token leave ``res.finished``

@@ -36,10 +36,9 @@ from megatron_async.inference.communication.wire import WireError
 from megatron_async.inference.records import decode_sampling
 from megatron_async.inference.request import InvalidRequestError
 from megatron_async.dp_engine.engine_ops import EVERY_RANK_OPS, run_engine_op
+from megatron_async.dp_engine.liveness import HEARTBEAT_S, Liveness
 
 log = logging.getLogger("megatron_async.dp_engine")
-HEARTBEAT_S = 1.0
-"""An engine says it is there (and its load) when it sent nothing for this long."""
 STEP_WATCHDOG_S = 600.0
 """Longest step (or control operation) during which the heartbeat thread still vouches for the engine."""
 DELIVERED_FLUSH_S = 0.005
@@ -58,23 +57,6 @@ class EngineChannel(Protocol):
 
     def poll(self, timeout_s: float) -> list[tuple[str, tuple]]: ...
     def send(self, kind: str, *fields: Any) -> None: ...
-
-
-class _Working:
-    """``with link._working():`` (a class, not a generator: it wraps every step)."""
-
-    __slots__ = ("link",)
-
-    def __init__(self, link: EngineLink):
-        self.link = link
-
-    def __enter__(self) -> None:
-        with self.link._lock:
-            self.link._working_since = time.monotonic()
-
-    def __exit__(self, *exc) -> None:
-        with self.link._lock:
-            self.link._working_since = None
 
 
 class EngineLink:
@@ -111,11 +93,7 @@ class EngineLink:
         self._leaving: str | None = None  # "drain" | "stop"
         self._stop_reply: tuple[int, tuple[int, Any]] | None = None
         self._paused_idle = False
-        self._last_sent = time.monotonic()
-        self.step_watchdog_s = step_watchdog_s
-        self._lock = threading.Lock()  # the channel is the heartbeat thread's while _working_since is set
-        self._working_since: float | None = None
-        self._beat = (0, alloc.num_available)  # load and free blocks a heartbeat reports
+        self.liveness = Liveness(channel, step_watchdog_s, (0, alloc.num_available))  # (liveness.py)
         self._declared_dead: str | None = None
         self._thread: threading.Thread | None = None
         self.ended: str | None = None
@@ -139,11 +117,9 @@ class EngineLink:
     def handle(self, kind: str, fields: tuple) -> None:
         self._paused_idle = False
         if kind == "route":
-            self._submit(*fields)
-        elif kind == "prefill":
-            local = self._submit(*fields)
-            if local is not None and self.handoffs is not None:
-                self.handoffs.prefilling(local)
+            self.submit(*fields)
+        elif kind == "prefill" and self.handoffs is not None:
+            self.handoffs.prefill(fields)
         elif self.handoffs is not None and kind in self.handoffs.INBOUND:
             self.handoffs.handle(kind, fields)
         elif kind == "abort":
@@ -157,7 +133,7 @@ class EngineLink:
         elif kind == "rejected":
             self._declared_dead = fields[1]
 
-    def _submit(self, rid: int, seq: int, prompt, params, stream: bool, digests: bytes = b"",
+    def submit(self, rid: int, seq: int, prompt, params, stream: bool, digests: bytes = b"",
                 reply: tuple[str, int] | None = None) -> int | None:
         self._seen_seq = max(self._seen_seq, seq)
         if self._leaving == "stop":
@@ -207,14 +183,14 @@ class EngineLink:
                 self.engine.abort_request(local)
             self._stop_reply = (op_id, (200, {"stopped": True}))
             return
-        with self._working():
+        with self.liveness.working():
             if op in EVERY_RANK_OPS:
                 self._tell_ranks(("admin", op, args))  # the other TP ranks run it too (follow_rank0)
             status, body = run_engine_op(self.engine, op, args, self._update_weights)
         if op == "stats" and status == 200 and self.handoffs is not None:
             body.update(self.handoffs.counters())
         self.channel.send("control_done", op_id, status, body)
-        self._last_sent = time.monotonic()
+        self.liveness.last_sent = time.monotonic()
 
     # ---------------------------------------------------------------- the loop
     def busy(self) -> bool:
@@ -224,7 +200,7 @@ class EngineLink:
         """Serve until drained / stopped ("left"), the coordinator is gone ("coordinator lost") or
         it declared this engine dead ("declared dead")."""
         done = threading.Event()
-        beats = threading.Thread(target=self._heartbeats, args=(done,), name="megatron-async-heartbeat", daemon=True)
+        beats = threading.Thread(target=self.liveness.run, args=(done,), name="megatron-async-heartbeat", daemon=True)
         beats.start()
         try:
             while stop is None or not stop.is_set():
@@ -236,25 +212,13 @@ class EngineLink:
             done.set()
             beats.join()
 
-    def _working(self) -> _Working:
-        """A step or an operation runs on this thread: the heartbeat thread owns the channel meanwhile."""
-        return _Working(self)
+    @property
+    def step_watchdog_s(self) -> float:
+        return self.liveness.watchdog_s
 
-    def _heartbeats(self, done: threading.Event) -> None:
-        """While ``run`` runs: a heartbeat when nothing was sent for ``HEARTBEAT_S`` and the loop is
-        inside a step that has not yet run for ``step_watchdog_s`` (between steps the loop sends them)."""
-        stuck = None
-        while not done.wait(HEARTBEAT_S / 4):
-            with self._lock:
-                since, now = self._working_since, time.monotonic()
-                if since is None or now - self._last_sent < HEARTBEAT_S:
-                    continue
-                if now - since <= self.step_watchdog_s:
-                    self.channel.send("heartbeat", *self._beat)
-                    self._last_sent = now
-                elif stuck != since:
-                    stuck = since
-                    log.error("one step has run for %.0f s: no more heartbeats until it returns", now - since)
+    @step_watchdog_s.setter
+    def step_watchdog_s(self, seconds: float) -> None:
+        self.liveness.watchdog_s = seconds
 
     def turn(self, wait: bool = True) -> str | None:
         """One turn of the loop: take what arrived (waiting up to ``HEARTBEAT_S`` when idle and
@@ -283,15 +247,15 @@ class EngineLink:
         if self._replies is not None and now >= self._next_sweep:
             self._replies.sweep()  # (links to clients that are gone)
             self._next_sweep = now + HEARTBEAT_S
-        if now - self._last_sent >= HEARTBEAT_S:  # (steps without outputs: a long prompt's chunks)
-            self._beat = (len(self._rid_of), self._alloc.num_available)
-            self.channel.send("heartbeat", *self._beat)
-            self._last_sent = time.monotonic()
+        if now - self.liveness.last_sent >= HEARTBEAT_S:  # (steps without outputs: a long prompt's chunks)
+            self.liveness.beat = (len(self._rid_of), self._alloc.num_available)
+            self.channel.send("heartbeat", *self.liveness.beat)
+            self.liveness.last_sent = time.monotonic()
         return None
 
     def _step(self) -> None:
         failure = None
-        with self._working():
+        with self.liveness.working():
             self._tell_ranks("step")
             try:
                 res = self.engine.step()
@@ -373,10 +337,10 @@ class EngineLink:
         self._key = key
         rejected, failed, self._rejected, self._failed = self._rejected, self._failed, [], []
         delivered, self._delivered = self._delivered, []
-        self._beat = (len(self._rid_of), self._alloc.num_available)
-        self.channel.send("outputs", self._seen_seq, updates, finished, rejected, failed, keys, *self._beat, new_key,
+        self.liveness.beat = (len(self._rid_of), self._alloc.num_available)
+        self.channel.send("outputs", self._seen_seq, updates, finished, rejected, failed, keys, *self.liveness.beat, new_key,
                           delivered)
-        self._last_sent = time.monotonic()
+        self.liveness.last_sent = time.monotonic()
 
     def _end(self, why: str) -> str:
         if why != "left":

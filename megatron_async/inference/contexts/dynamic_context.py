@@ -161,9 +161,10 @@ class DynamicInferenceContext:
         return self.blocks_for(total_tokens) <= self.allocator.capacity
 
     # ------------------------------------------------------------------ resources (the book changes the status)
-    def admit(self, req: DynamicInferenceRequest) -> int:
-        """Give a waiting request its slots and the matching cached prefix blocks. Returns the
-        prefix tokens those blocks hold (their prefill is skipped; the book counts them computed)."""
+    def admit(self, req: DynamicInferenceRequest, transferred: list[int] | None = None) -> int:
+        """Give a waiting request its slots and the matching cached prefix blocks, or ``transferred``:
+        blocks of this pool that hold its prompt's KV from another engine (disaggregation/). Returns
+        the prefix tokens those blocks hold (their prefill is skipped; the book counts them computed)."""
         assert req.status == Status.WAITING and not req.block_ids and req.num_inflight == 0
         req.num_hashed_blocks, req.last_block_hash = 0, None
         req.weights_epoch = self.weights_epoch
@@ -174,25 +175,12 @@ class DynamicInferenceContext:
         self.sampling_state.assign(req)
         if self.spec is not None:
             self.spec.assign(req)
-        hit = self._match_prefix(req)
+        if transferred is not None:
+            req.block_ids = list(transferred)
+        hit = self._match_prefix(req) if transferred is None else len(req.prompt_tokens)
         self._decode_rows.assign(req)
         self.sharing.admitted(req, hit)
         return hit
-
-    def admit_transferred(self, req: DynamicInferenceRequest, block_ids: list[int]) -> None:
-        """Admit a request whose prompt KV another engine computed (disaggregation/kv_import.py):
-        ``block_ids`` were allocated here and hold it; nothing is matched or computed."""
-        req.num_hashed_blocks, req.last_block_hash = 0, None
-        req.weights_epoch = self.weights_epoch
-        self.active[req.request_id] = req
-        self.active_version += 1
-        if self.mamba is not None:
-            self.mamba.assign_slot(req)
-        self.sampling_state.assign(req)
-        if self.spec is not None:
-            self.spec.assign(req)
-        req.block_ids = list(block_ids)
-        self._decode_rows.assign(req)
 
     def _match_prefix(self, req: DynamicInferenceRequest) -> int:
         if not self.allocator.publishes:

@@ -48,13 +48,6 @@ class Admission:
 
     def admit(self, new: NewRequest) -> DynamicInferenceRequest:
         """The request ``new`` describes, built and queued in the scheduler."""
-        req = self.build(new)
-        self.scheduler.add(req)
-        return req
-
-    def build(self, new: NewRequest) -> DynamicInferenceRequest:
-        """The request ``new`` describes (not queued: a request imported in decoding is admitted
-        by the context directly, disaggregation/kv_import.py)."""
         valid, rid = new.valid, new.request_id
         self.next_id = max(self.next_id, rid + 1)
         req = DynamicInferenceRequest(rid, valid.prompt_tokens, valid.sampling_params, new.seed, valid.eos_ids,
@@ -63,6 +56,7 @@ class Admission:
         if self.validator.grammars is not None:
             self.validator.grammars.attach(req)
         self.arrivals += 1
+        self.scheduler.add(req)
         return req
 
     def queue_short(self) -> bool:

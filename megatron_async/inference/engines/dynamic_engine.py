@@ -136,16 +136,6 @@ class DynamicInferenceEngine:
         self.context.adopt_prompt_digests(req, new.digests)  # where rank 0 hashed it to route it
         self._requests[req.request_id] = req
 
-    def add_transferred(self, req: DynamicInferenceRequest) -> None:
-        """Take ``req``, admitted by the context in decoding (its prompt's KV came from another
-        engine: disaggregation/kv_import.py), as an unfinished request of this engine."""
-        self.ranks.check_can_add()
-        self._requests[req.request_id] = req
-
-    def unfinished(self, request_id: int) -> DynamicInferenceRequest | None:
-        """The unfinished request of that id (None: unknown or ended)."""
-        return self._requests.get(request_id)
-
     def abort_request(self, request_id: int) -> bool:
         """End an unfinished request at the next ``step()``: its output comes in that step's
         ``finished`` with finish_reason "abort", its KV blocks and state slot are freed.

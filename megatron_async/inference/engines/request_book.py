@@ -71,10 +71,11 @@ class RequestBook:
         if self.spec_policy is not None and self.spec_policy.enabled:
             self.spec_policy.admit(req)
 
-    def activate(self, req: DynamicInferenceRequest) -> int:
+    def activate(self, req: DynamicInferenceRequest, transferred: list[int] | None = None) -> int:
         """A waiting request becomes active with its slots; the positions of the cached prefix
-        blocks the context matched count as computed. Returns those prefix tokens."""
-        hit = self.ctx.admit(req)
+        blocks the context matched (or of its ``transferred`` blocks) count as computed. Returns
+        those prefix tokens."""
+        hit = self.ctx.admit(req, transferred)
         req.status = Status.ACTIVE
         req.num_computed_tokens = hit
         return hit

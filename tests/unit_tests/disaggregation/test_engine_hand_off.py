@@ -39,8 +39,8 @@ def hand_over(prefill: LLM, decode: LLM, prompts, params: SamplingParams) -> lis
     layout = KVLayout(decode.engine.context)
     outs = []
     for prompt in prompts:
-        local = prefill.engine.add_request(prompt, params)
-        assert hold.cap(local)
+        local = hold.submit(lambda: prefill.engine.add_request(prompt, params))
+        assert local in hold.capped
         first = run_until(prefill.engine, local)
         assert first.finish_reason == "length" and len(first.generated_tokens) == 1
         assert hold.handed(local, first.finish_reason, 1)
@@ -72,10 +72,10 @@ def test_dense_tokens_equal_one_engine(name, launch_ahead):
 def test_a_request_that_ends_at_its_first_token_frees_its_blocks_on_the_prefill_engine():
     prefill = dense()
     hold = PrefillHold(prefill.engine)
-    local = prefill.engine.add_request([5, 6, 7, 8, 9], SamplingParams(top_k=1, num_tokens_to_generate=1))
-    assert not hold.cap(local)  # one token: nothing to hand off
-    local = prefill.engine.add_request([5, 6, 7, 8, 9], SamplingParams(top_k=1, num_tokens_to_generate=5))
-    assert hold.cap(local)
+    local = hold.submit(lambda: prefill.engine.add_request([5, 6, 7, 8], SamplingParams(top_k=1, num_tokens_to_generate=1)))
+    assert local not in hold.capped  # one token: nothing to hand off
+    local = hold.submit(lambda: prefill.engine.add_request([5, 6, 7, 8, 9], SamplingParams(top_k=1, num_tokens_to_generate=5)))
+    assert local in hold.capped
     prefill.engine.abort_request(local)
     out = run_until(prefill.engine, local)
     assert not hold.handed(local, out.finish_reason, len(out.generated_tokens))
