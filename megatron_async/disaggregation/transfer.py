@@ -82,10 +82,15 @@ class PairChannel:
         self._thread.start()
 
     def send(self, tag: int, tensor: torch.Tensor) -> None:
-        self._jobs.put(("send", tag, tensor))
+        """``tensor`` was written on the caller's current stream (a CUDA tensor is sent after it)."""
+        ready = None
+        if tensor.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensor.device))
+        self._jobs.put(("send", tag, tensor, ready))
 
     def recv(self, tag: int, tensor: torch.Tensor) -> None:
-        self._jobs.put(("recv", tag, tensor))
+        self._jobs.put(("recv", tag, tensor, None))
 
     def take_done(self) -> list[tuple[int, torch.Tensor, str | None]]:
         out = []
@@ -118,13 +123,15 @@ class PairChannel:
         group = None
         peer = 1 - self.rank
         while (job := self._jobs.get()) is not None:
-            kind, tag, tensor = job
+            kind, tag, tensor, ready = job
             if self.error is None:
                 try:
                     if group is None:
                         group = self._group()
                     if self.device.type == "cuda":
                         torch.cuda.set_device(self.device)
+                        if ready is not None:
+                            torch.cuda.current_stream(self.device).wait_event(ready)
                     work = group.send([tensor], peer, tag) if kind == "send" else group.recv([tensor], peer, tag)
                     work.wait()
                     if self.device.type == "cuda":

@@ -65,10 +65,12 @@ class CoordinatorChannel:
         self.peer.close()
 
 
-def join(llm, address: str, name: str | None = None, secret: bytes | str | None = None, role: str = "mixed"):
+def join(llm, address: str, name: str | None = None, secret: bytes | str | None = None, role: str = "mixed",
+         kv_transfer_backend: str | None = None):
     """An ``EngineLink`` serving ``llm``'s engine to the coordinator at ``address``, registered
     (not yet running: ``run()`` here, or ``start()`` on a thread). ``role``: "mixed", "prefill" or
-    "decode" (docs/DISAGGREGATION.md)."""
+    "decode" (docs/DISAGGREGATION.md); ``kv_transfer_backend``: None, the engine's
+    ``InferenceConfig.kv_transfer_backend``."""
     from megatron_async.dp_engine.link import EngineLink
 
     name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -76,7 +78,8 @@ def join(llm, address: str, name: str | None = None, secret: bytes | str | None 
     try:
         link = EngineLink(llm.engine, channel, llm.config.max_requests, name, llm.update_weights,
                           llm.communicator if llm.tensor_parallel_size > 1 else None, role=role,
-                          kv_transfer_backend=llm.config.kv_transfer_backend, address=address)
+                          kv_transfer_backend=kv_transfer_backend or llm.config.kv_transfer_backend,
+                          address=address)
         channel.register(link.info())
     except BaseException:
         channel.close()
@@ -130,7 +133,7 @@ def serve_engine(llm, args) -> int:
         if args.listen:
             proc, address = spawn_configured_coordinator(args.listen, llm.config)
         try:
-            link = join(llm, address, args.engine_name, role=getattr(args, "role", "mixed"))
+            link = join(llm, address, args.engine_name, role=args.role, kv_transfer_backend=args.kv_transfer_backend)
         except (SecretError, RegistrationError, RuntimeError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
