@@ -98,7 +98,7 @@ class EngineHandOffs:
         while self.deferred:
             fields = self.deferred[0]
             blocks = fields[10]
-            if not room_for(self.engine, blocks + len(self.receiving)):
+            if not room_for(self.engine, blocks, len(self.receiving)):
                 return
             self.deferred.popleft()
             block_ids = allocate(self.engine, blocks)
@@ -143,7 +143,7 @@ class EngineHandOffs:
     def handle(self, kind: str, fields: list) -> None:
         if kind == "kv_import":
             self.deferred.append(fields)
-            if len(self.deferred) > 1 or not room_for(self.engine, fields[10] + len(self.receiving)):
+            if len(self.deferred) > 1 or not room_for(self.engine, fields[10], len(self.receiving)):
                 self.deferred_imports += 1
         elif kind == "kv_send":
             self._send(*fields)

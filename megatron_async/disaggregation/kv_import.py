@@ -76,11 +76,11 @@ class PrefillHold:
         return len(kept[0])
 
 
-def room_for(engine, num_blocks: int) -> bool:
+def room_for(engine, num_blocks: int, arriving: int = 0) -> bool:
     """Whether the decode engine can admit a request of ``num_blocks`` blocks now (a request
-    place, its blocks and one more for its next token)."""
+    place beside ``arriving`` ones whose blocks are taken, its blocks and one more for its next token)."""
     ctx = engine.context
-    return len(ctx.active) < ctx.max_requests and ctx.allocator.num_available > num_blocks
+    return len(ctx.active) + arriving < ctx.max_requests and ctx.allocator.num_available > num_blocks
 
 
 def allocate(engine, num_blocks: int) -> list[int]:
