@@ -55,8 +55,8 @@ class EngineHandOffs:
         return self.rendezvous.address if self.rendezvous is not None else ""
 
     def in_flight(self) -> bool:
-        """Transfers this engine waits on (its loop polls them instead of sleeping)."""
-        return bool(self.handed or self.deferred or self.receiving or (self.ready.keys() - self.sent))
+        """Transfers queued on a connection (the loop polls them instead of sleeping)."""
+        return any(channel.pending for channel in self.channels.values())
 
     # ---------------------------------------------------------------- prefill side
     def prefill(self, fields: list) -> None:

@@ -78,6 +78,8 @@ class PairChannel:
         self._jobs: queue.Queue = queue.Queue()
         self._done: deque = deque()
         self.error: str | None = None
+        self.pending = 0
+        """Transfers queued and not yet handed back (the loop thread's count)."""
         self._thread = threading.Thread(target=self._run, name=f"megatron-async-kv-{key[:12]}", daemon=True)
         self._thread.start()
 
@@ -87,15 +89,18 @@ class PairChannel:
         if tensor.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tensor.device))
+        self.pending += 1
         self._jobs.put(("send", tag, tensor, ready))
 
     def recv(self, tag: int, tensor: torch.Tensor) -> None:
+        self.pending += 1
         self._jobs.put(("recv", tag, tensor, None))
 
     def take_done(self) -> list[tuple[int, torch.Tensor, str | None]]:
         out = []
         while self._done:
             out.append(self._done.popleft())
+        self.pending -= len(out)
         return out
 
     def close(self) -> None:

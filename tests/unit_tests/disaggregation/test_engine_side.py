@@ -1,0 +1,119 @@
+"""Both engines' sides of the hand-off in one process, the coordinator played by the test: the
+blocks travel over a real gloo pair connection (threads of this process), a decode engine with
+no request place defers an import until one ends (never allocating past its pool), a cancelled
+import gives its blocks back, and the tokens equal one engine's."""
+from __future__ import annotations
+
+import time
+
+from megatron_async import LLM, InferenceConfig, SamplingParams
+from megatron_async.disaggregation.engine_side import EngineHandOffs
+from megatron_async.inference.records import decode_sampling, encode_sampling
+
+PARAMS = SamplingParams(temperature=0.9, seed=4, num_tokens_to_generate=8, ignore_eos=True)
+PROMPTS = [[(5 * i + j) % 100 + 1 for j in range(6 + 4 * i)] for i in range(3)]
+
+
+class Channel:
+    def __init__(self):
+        self.sent: list[tuple] = []
+
+    def send(self, kind, *fields):
+        self.sent.append((kind, *fields))
+
+    def take(self, kind):
+        found = [m for m in self.sent if m[0] == kind]
+        self.sent = [m for m in self.sent if m[0] != kind]
+        return found
+
+
+class Link:
+    """What EngineHandOffs reads of dp_engine/link.py's EngineLink."""
+
+    def __init__(self, llm, role):
+        self.engine, self.channel = llm.engine, Channel()
+        self.rid_of: dict[int, int] = {}
+        self.aborted: list[int] = []
+        self.handoffs = EngineHandOffs(self, role, "gloo", "tcp://127.0.0.1:1")
+
+    def submit(self, rid, seq, prompt, params, stream, digests=b"", reply=None):
+        local = self.engine.add_request(prompt, decode_sampling(params, frozen=False))
+        self.rid_of[local] = rid
+        return local
+
+    def track(self, rid, seq, local, stream, reply):
+        self.rid_of[local] = rid
+
+    def detach(self, local):
+        return self.rid_of.pop(local, None)
+
+    def handle(self, kind, fields):
+        self.aborted.append(fields[0])
+
+    def turn(self):
+        res = self.engine.step() if self.engine.has_unfinished_requests() else None
+        if res is not None:
+            self.handoffs.landed(res)
+        self.handoffs.poll()
+        return res
+
+
+def llm(max_requests=4):
+    return LLM(None, "cpu", "float32", InferenceConfig(block_size_tokens=4, num_kv_blocks=64,
+                                                       max_requests=max_requests, max_tokens=64))
+
+
+def until(check, links, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for link in links:
+            link.turn()
+        if value := check():
+            return value
+        time.sleep(0.002)
+    raise AssertionError("the awaited state never came")
+
+
+def test_transfers_over_gloo_with_a_deferred_and_a_cancelled_import():
+    want = [o.generated_tokens for o in llm(8).generate(PROMPTS, PARAMS)]
+    p, d = Link(llm(), "prefill"), Link(llm(max_requests=1), "decode")
+    sampling = encode_sampling(PARAMS)
+    for rid, prompt in enumerate(PROMPTS):
+        p.handoffs.prefill([rid, rid + 1, prompt, sampling, False, b"", None])
+    ready = until(lambda: len(p.channel.sent) == 3 and p.channel.take("kv_ready"), [p])
+    assert sorted(m[1] for m in ready) == [0, 1, 2]
+    pair = ("kv-test-pair", d.handoffs.kv_address, 1, "gloo")
+    outputs = {}
+    for rid, blocks, version in ((m[1], m[2], m[3]) for m in ready):
+        tokens = want[rid][:1]  # (the first token as the coordinator keeps it from the prefill engine's update)
+        d.handoffs.handle("kv_import", [rid, rid + 1, PROMPTS[rid], sampling, False, b"", None, tokens, None, version,
+                                        blocks, pair])
+    d.handoffs.handle("kv_cancel", [2])  # withdrawn while it waits
+    accepted = until(lambda: d.channel.take("kv_accepted"), [d])
+    assert [m[1] for m in accepted] == [0] and d.handoffs.deferred_imports >= 1  # one request place
+    assert [f[0] for f in d.handoffs.deferred] == [1]
+    p.handoffs.handle("kv_send", [0, pair[:2] + (0, "gloo")])
+    imported = until(lambda: d.channel.take("kv_imported"), [p, d])
+    assert imported == [("kv_imported", 0, -(-len(PROMPTS[0]) // 4))]
+    p.handoffs.handle("kv_release", [0])
+
+    def finished():
+        res = d.turn()
+        for out in (res.finished if res else []):
+            outputs[d.rid_of.pop(out.request_id)] = out.generated_tokens
+            if 1 not in outputs and d.channel.take("kv_accepted"):
+                p.handoffs.handle("kv_send", [1, pair[:2] + (0, "gloo")])
+        if any(m[0] == "kv_imported" for m in d.channel.sent):
+            p.handoffs.handle("kv_release", [1])
+            d.channel.take("kv_imported")
+        return len(outputs) == 2
+
+    until(finished, [p])
+    assert outputs == {0: want[0], 1: want[1]}
+    assert d.engine.stats.prefill_steps == 0 and d.handoffs.kv_received_blocks > 0
+    p.handoffs.handle("kv_release", [2])  # (the coordinator frees the withdrawn one's blocks)
+    assert not p.handoffs.ready and p.handoffs.kv_sent_blocks == d.handoffs.kv_received_blocks
+    for link in (p, d):
+        alloc = link.engine.context.allocator
+        assert alloc.num_available == alloc.capacity
+        link.handoffs.close()
