@@ -4,7 +4,7 @@ streamed) through DP=2 mixed engines and through 1 prefill + 1 decode engine beh
 coordinator (engine processes of the tiny model on the CPU unless ``--engine-flags`` say
 otherwise); one table: TTFT, TPOT, inter-token gaps p50 / p99, output tokens per second.
 
-    python -m benchmarks disagg                      # prompts 1-8k, outputs 256, 0.5 requests/s
+    python -m benchmarks disagg                      # prompts 1-3.5k (tiny model), outputs 256, 0.5 requests/s
     python -m benchmarks disagg --smoke              # a small run (prompts 64-512, outputs 32)
     python -m benchmarks disagg --engine-flags "--default-model qwen3-0.6b --device cuda --dtype bfloat16" \\
         --kv-transfer-backend gloo                   # two engines sharing one GPU
@@ -35,7 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=None, help="arrivals (default 24; smoke 8)")
     p.add_argument("--rate", type=float, default=None, help="arrivals per second (default 0.5; smoke 2)")
     p.add_argument("--min-prompt", type=int, default=None, help="default 1024; smoke 64")
-    p.add_argument("--max-prompt", type=int, default=None, help="default 8192; smoke 512")
+    p.add_argument("--max-prompt", type=int, default=None,
+                   help="default 8192 (3584 for the tiny model, whose positions end at 4096); smoke 512")
     p.add_argument("--output", type=int, default=None, help="tokens per request (default 256; smoke 32)")
     p.add_argument("--max-requests", type=int, default=8, help="each engine's request places")
     p.add_argument("--engine-flags", default=None, help="model / device flags of serve (default: the tiny model on CPU)")
@@ -43,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     small, full = dict(requests=8, rate=2.0, min_prompt=64, max_prompt=512, output=32), \
-        dict(requests=24, rate=0.5, min_prompt=1024, max_prompt=8192, output=256)
+        dict(requests=24, rate=0.5, min_prompt=1024, max_prompt=8192 if args.engine_flags else 3584, output=256)
     for name, value in (small if args.smoke else full).items():
         if getattr(args, name) is None:
             setattr(args, name, value)

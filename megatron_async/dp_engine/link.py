@@ -19,7 +19,8 @@ stops vouching for the engine, and the coordinator moves its requests.
 
 Messages in (``channel.poll``; coordinator/messages.py): ``route`` (rid, submission number, prompt,
 sampling map, stream, the prompt's block digests: the engine reads them instead of hashing it),
-``abort`` (rid), ``control`` (op id, op, args), ``drain`` (). Out (``channel.send``):
+``abort`` (rid), ``control`` (op id, op, args), ``drain`` (); a prefill or decode engine's
+hand-off messages (``prefill``, ``kv_*``) go to its ``handoffs`` (disaggregation/engine_side.py). Out (``channel.send``):
 ``outputs`` (last submission number received, [RequestUpdate], [RequestOutput], rejected
 [(rid, message)], failed [(rid, message)], evicted keys, load, free KV blocks, new cache key |
 None), ``heartbeat`` (load, free KV blocks), ``control_done`` (op id, status, body), ``leave`` ()."""
@@ -134,7 +135,7 @@ class EngineLink:
             self._declared_dead = fields[1]
 
     def submit(self, rid: int, seq: int, prompt, params, stream: bool, digests: bytes = b"",
-                reply: tuple[str, int] | None = None) -> int | None:
+               reply: tuple[str, int] | None = None) -> int | None:
         self._seen_seq = max(self._seen_seq, seq)
         if self._leaving == "stop":
             self._rejected.append((rid, "the engine is stopping"))
