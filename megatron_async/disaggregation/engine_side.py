@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from megatron_async.disaggregation.kv_import import PrefillHold, admit_decoding, allocate, room_for
+from megatron_async.disaggregation.kv_import import PrefillHold, admit_decoding, allocate, cached_prefix, room_for
 from megatron_async.disaggregation.kv_layout import KVLayout
 from megatron_async.disaggregation.transfer import PairChannel, Rendezvous, resolve_backend, store_host
 from megatron_async.inference.records import decode_sampling
@@ -45,10 +45,11 @@ class EngineHandOffs:
         self.handed: list[int] = []  # engine ids that stopped at their first token, kv_ready not yet sent
         self.ready: dict[int, int] = {}  # rid -> engine id, blocks kept (READY, SENDING)
         self.sent: set[int] = set()  # rids whose send completed
+        self.sending: dict[int, int] = {}  # rid -> blocks queued to send
         self.deferred: deque[list] = deque()  # kv_import fields waiting for room
-        self.receiving: dict[int, tuple[list, list[int]]] = {}  # rid -> (kv_import fields, blocks)
+        self.receiving: dict[int, tuple[list, list[int], int]] = {}  # rid -> (kv_import fields, blocks, cached)
         self.cancelled: set[int] = set()  # rids cancelled while their receive was queued
-        self.kv_sent_blocks = self.kv_received_blocks = self.deferred_imports = 0
+        self.kv_sent_blocks = self.kv_received_blocks = self.kv_cached_blocks = self.deferred_imports = 0
 
     @property
     def kv_address(self) -> str:
@@ -77,20 +78,22 @@ class EngineHandOffs:
                           else u for u in res.updates]
         self.handed += handed
 
-    def _send(self, rid: int, pair) -> None:
+    def _send(self, rid: int, pair, cached: int = 0) -> None:
         local = self.ready.get(rid)
         if local is None:
             self.link.channel.send("kv_failed", rid, "the prefill engine holds no blocks for it")
             return
         channel = self._channel(pair)
-        channel.send(_tag(rid), self.hold.pack(local).to(channel.device))
+        channel.send(_tag(rid), self.hold.pack(local, cached).to(channel.device))
+        self.sending[rid] = self.hold.num_blocks(local) - cached
 
     def _release(self, rid: int) -> None:
         local = self.ready.pop(rid, None)
         if local is not None:
-            n = self.hold.release(local)
-            if rid in self.sent:
-                self.kv_sent_blocks += n
+            self.hold.release(local)
+        sent = self.sending.pop(rid, 0)
+        if rid in self.sent:
+            self.kv_sent_blocks += sent
         self.sent.discard(rid)
 
     # ---------------------------------------------------------------- decode side
@@ -98,17 +101,19 @@ class EngineHandOffs:
         while self.deferred:
             fields = self.deferred[0]
             blocks = fields[10]
-            if not room_for(self.engine, blocks, len(self.receiving)):
+            cached = cached_prefix(self.engine, fields[2], fields[5], blocks)
+            if not room_for(self.engine, blocks - len(cached), len(self.receiving)):
                 return
             self.deferred.popleft()
-            block_ids = allocate(self.engine, blocks)
+            block_ids = allocate(self.engine, blocks, cached)
             channel = self._channel(fields[11])
-            channel.recv(_tag(fields[0]), self.layout.empty(blocks, channel.device))
-            self.receiving[fields[0]] = (fields, block_ids)
-            self.link.channel.send("kv_accepted", fields[0])
+            channel.recv(_tag(fields[0]), self.layout.empty(blocks - len(cached), channel.device))
+            self.receiving[fields[0]] = (fields, block_ids, len(cached))
+            self.kv_cached_blocks += len(cached)
+            self.link.channel.send("kv_accepted", fields[0], len(cached))
 
     def _imported(self, rid: int, buf, error: str | None) -> None:
-        fields, block_ids = self.receiving.pop(rid, (None, None))
+        fields, block_ids, cached = self.receiving.pop(rid, (None, None, 0))
         if fields is None:
             return
         if error is None and rid not in self.cancelled:
@@ -116,13 +121,13 @@ class EngineHandOffs:
             try:
                 params = decode_sampling(sampling, frozen=False)
                 local = admit_decoding(self.engine, self.layout, prompt, params, digests, tokens, lps, version,
-                                       block_ids, buf)
+                                       block_ids, buf, cached)
             except Exception as e:  # noqa: BLE001 -- refused alone: its blocks go back
                 error = f"the decode engine could not admit it: {type(e).__name__}: {e}"
             else:
-                self.kv_received_blocks += blocks
+                self.kv_received_blocks += blocks - cached
                 self.link.track(rid, seq, local, stream, reply)
-                self.link.channel.send("kv_imported", rid, blocks)
+                self.link.channel.send("kv_imported", rid, blocks - cached)
                 return
         self.engine.context.allocator.release(block_ids)
         if rid not in self.cancelled:
@@ -195,6 +200,7 @@ class EngineHandOffs:
 
     def counters(self) -> dict:
         return {"kv_sent_blocks": self.kv_sent_blocks, "kv_received_blocks": self.kv_received_blocks,
+                "kv_cached_blocks": self.kv_cached_blocks,
                 "kv_deferred_imports": self.deferred_imports, "kv_blocks_held": sum(
                     self.hold.num_blocks(local) for local in self.ready.values()) if self.hold else 0}
 

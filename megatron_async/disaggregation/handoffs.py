@@ -63,13 +63,19 @@ class HandOffs:
         return key, decode.info.kv_address, rank, backend
 
     def _choose(self, t: Transfer) -> EngineSlot | None:
-        """The decode engine with the largest share of free request slots that can hold the
-        blocks (ties: the one registered first); None when none can."""
+        """The decode engine whose prefix cache holds the most leading blocks of the prompt (as the
+        coordinator's view says: those are not sent again), then the one with the largest share of
+        free request slots, among those that can hold the blocks (ties: the one registered
+        first); None when none can."""
+        decoders = self.core.engines.decoders()
+        keys = t.req.keys if t.req is not None else []
+        holders = sum(1 << s.index for s in decoders if s.affinity)
+        depths = self.core.view.depths(keys, holders) if keys and holders else {}
         best, best_score = None, None
-        for slot in self.core.engines.decoders():
+        for slot in decoders:
             if slot.pending >= slot.max_requests or (slot.free_blocks and slot.free_blocks < t.blocks):
                 continue
-            score = (slot.max_requests - slot.pending) / slot.max_requests
+            score = (depths.get(slot.index, 0), (slot.max_requests - slot.pending) / slot.max_requests)
             if best_score is None or score > best_score:
                 best, best_score = slot, score
         return best
@@ -87,6 +93,8 @@ class HandOffs:
         if req is None:  # (ended while placed again: nothing to import)
             self._drop(t, release=True)
             return
+        if slot.affinity and req.keys:  # its prompt's blocks will be in that engine's prefix cache
+            self.core.view.assign(slot.index, req.keys, slot.submitted)
         reply = None if req.stream else self.core.replies.get(req.client)
         self.core.outbox.to_engine(slot, "kv_import", t.rid, slot.submitted, req.prompt, req.sampling, req.stream,
                                    req.digests, None if reply is None else (reply, req.client_rid), req.tokens,
@@ -118,12 +126,13 @@ class HandOffs:
         t = self.transfers[rid] = Transfer(rid, req, slot, blocks, version)
         self._place(t)
 
-    def kv_accepted(self, slot: EngineSlot, rid: int) -> None:
+    def kv_accepted(self, slot: EngineSlot, rid: int, cached: int = 0) -> None:
         t = self.transfers.get(rid)
         if t is None or t.decode is not slot or t.state != IMPORTING:
             return  # cancelled meanwhile (kv_cancel is on its way)
         t.state = SENDING
-        self.core.outbox.to_engine(t.prefill, "kv_send", rid, self._pair(t.prefill, slot, 0))
+        self.core.counts["kv_cached_blocks"] += cached
+        self.core.outbox.to_engine(t.prefill, "kv_send", rid, self._pair(t.prefill, slot, 0), cached)
 
     def kv_imported(self, slot: EngineSlot, rid: int, blocks: int) -> None:
         t = self.transfers.get(rid)

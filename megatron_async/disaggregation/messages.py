@@ -7,15 +7,17 @@ prefix, random per pair: only the coordinator and the two engines know it), stor
 "host:port" (the decode engine's), this engine's rank in the pair (0 prefill, 1 decode), backend].
 
 - coordinator -> prefill engine: prefill [the fields of ``route``]: compute the prompt and the
-  first token, keep the blocks; kv_send [rid, pair spec]: the decode engine is ready, send them;
+  first token, keep the blocks; kv_send [rid, pair spec, cached]: the decode engine is ready, send
+  the blocks after the first ``cached``;
   kv_release [rid]: the decode engine holds them (or is gone): free them.
 - prefill engine -> coordinator: kv_ready [rid, blocks, weight version]: the first token was
   sampled (it rode the step's outputs) and the blocks wait.
 - coordinator -> decode engine: kv_import [rid, submission number, prompt, sampling map, stream,
   digests, direct reply | nil, generated tokens ints, log-probs floats | nil, weight version,
   blocks, pair spec]; kv_cancel [rid]: drop a pending import.
-- decode engine -> coordinator: kv_accepted [rid] (blocks allocated, the receive posted);
-  kv_imported [rid, blocks] (admitted, decoding); kv_failed [rid, message] (either side: the
+- decode engine -> coordinator: kv_accepted [rid, cached: the leading blocks its own prefix cache
+  holds, not sent] (blocks allocated, the receive posted);
+  kv_imported [rid, blocks received] (admitted, decoding); kv_failed [rid, message] (either side: the
   transfer broke)."""
 from __future__ import annotations
 
@@ -64,8 +66,9 @@ SPECS = (  # (name, value, arity, reader, writer); "prefill" reuses route's read
     ("prefill", 68, 7, None, None),
     ("kv_ready", 69, 3, lambda v: [_rid(v[0]), f.int_(v[1], "blocks", 0), f.int_(v[2], "version")], None),
     ("kv_import", 70, 12, _read_import, _write_import),
-    ("kv_accepted", 71, 1, lambda v: [_rid(v[0])], None),
-    ("kv_send", 72, 2, lambda v: [_rid(v[0]), _pair(v[1])], lambda rid, pair: [rid, _pair_out(pair)]),
+    ("kv_accepted", 71, 2, lambda v: [_rid(v[0]), f.int_(v[1], "cached", 0)], None),
+    ("kv_send", 72, 3, lambda v: [_rid(v[0]), _pair(v[1]), f.int_(v[2], "cached", 0)],
+     lambda rid, pair, cached: [rid, _pair_out(pair), cached]),
     ("kv_imported", 73, 2, lambda v: [_rid(v[0]), f.int_(v[1], "blocks", 0)], None),
     ("kv_release", 74, 1, lambda v: [_rid(v[0])], None),
     ("kv_cancel", 75, 1, lambda v: [_rid(v[0])], None),

@@ -38,7 +38,7 @@ def hand_off(core, box, prefill, decode, rid=0, blocks=3):
     """Through every step of one transfer; returns the engine messages of each step."""
     core.handoffs.kv_ready(prefill, rid, blocks, 0)
     placed, _ = box.take()
-    core.engine_message(decode, "kv_accepted", [rid])
+    core.engine_message(decode, "kv_accepted", [rid, 0])
     sent, _ = box.take()
     core.engine_message(decode, "kv_imported", [rid, blocks])
     released, _ = box.take()
@@ -59,7 +59,7 @@ def test_a_request_goes_prefill_then_decode_and_ends_once():
     assert imp[2] == 0 and imp[9] == [7] and imp[12] == 3  # rid, the first token, blocks
     key, address, rank, backend = imp[13]
     assert (address, rank, backend) == ("127.0.0.1:1", 1, "gloo")
-    assert kinds(sent) == [(p.index, "kv_send")] and sent[0][3] == (key, address, 0, "gloo")
+    assert kinds(sent) == [(p.index, "kv_send")] and sent[0][3:] == ((key, address, 0, "gloo"), 0)
     assert kinds(released) == [(p.index, "kv_release")]
     assert (p.pending, d.pending) == (0, 1) and (p.kv_sent_blocks, d.kv_received_blocks) == (3, 3)
     described = {e["role"]: e for e in core.engines.describe()}
@@ -88,6 +88,27 @@ def test_the_decode_engine_with_more_free_slots_takes_the_transfer():
     assert kinds(engine) == [(d1.index, "kv_import")]
 
 
+def test_the_decode_engine_that_caches_the_prefix_takes_the_transfer():
+    from megatron_async.inference.contexts.kv_block_allocator import prefix_digests
+
+    core, box, (p, d0, d1) = setup(("prefill", "decode", "decode"))
+    prompt = list(range(1, 18))
+    digests = b"".join(prefix_digests(prompt, 4, b"m"))
+    for rid, decode in ((0, d1), (1, d0)):  # the first goes to d1 by hand; the second follows its prefix
+        core.submit("c", rid, prompt + [50 + rid], [{}], stream=True, digests=digests, key_epoch=core.engines.key_epoch)
+        box.take()
+        first_token(core, p, rid)
+        if rid == 0:
+            d0.pending = 2  # (d1 the freer one)
+        core.handoffs.kv_ready(p, rid, 5, 0)
+        engine, _ = box.take()
+        assert kinds(engine) == [(d1.index, "kv_import")]
+        d0.pending = 0  # now d0 is freer, but d1 holds the prefix
+    core.engine_message(d1, "kv_accepted", [1, 4])
+    engine, _ = box.take()
+    assert engine[0][1] == "kv_send" and engine[0][4] == 4 and core.counts["kv_cached_blocks"] == 4
+
+
 def test_a_full_decode_side_keeps_the_transfer_waiting_until_room():
     core, box, (p, d) = setup()
     d.pending = d.max_requests
@@ -107,7 +128,7 @@ def test_an_abort_in_transfer_ends_the_request_and_undoes_the_import():
     box.take()
     first_token(core, p, 0)
     core.handoffs.kv_ready(p, 0, 2, 0)
-    core.engine_message(d, "kv_accepted", [0])
+    core.engine_message(d, "kv_accepted", [0, 0])
     box.take()
     core.abort("c", 3)
     _, client = box.take()
@@ -125,7 +146,7 @@ def test_a_dead_decode_engine_transfer_goes_to_another():
     box.take()
     first_token(core, p, 0)
     core.handoffs.kv_ready(p, 0, 2, 0)
-    core.engine_message(d0, "kv_accepted", [0])
+    core.engine_message(d0, "kv_accepted", [0, 0])
     box.take()
     core.engine_lost(d0)
     engine, client = box.take()
@@ -133,7 +154,7 @@ def test_a_dead_decode_engine_transfer_goes_to_another():
     assert core.counts["kv_replaced"] == 1
     core.engine_message(d0, "kv_imported", [0, 2])  # (a dead engine's late word changes nothing)
     assert core.handoffs.transfers[0].decode is d1
-    core.engine_message(d1, "kv_accepted", [0])
+    core.engine_message(d1, "kv_accepted", [0, 0])
     core.engine_message(d1, "kv_imported", [0, 2])
     engine, _ = box.take()
     assert (p.index, "kv_send") in kinds(engine) and (p.index, "kv_release") in kinds(engine)
@@ -164,7 +185,7 @@ def test_a_failed_transfer_ends_the_request_with_both_engines_named():
     box.take()
     first_token(core, p, 0)
     core.handoffs.kv_ready(p, 0, 2, 0)
-    core.engine_message(d, "kv_accepted", [0])
+    core.engine_message(d, "kv_accepted", [0, 0])
     box.take()
     core.engine_message(d, "kv_failed", [0, "reset"])
     engine, client = box.take()
@@ -179,7 +200,7 @@ def test_the_hand_off_messages_travel_through_the_checked_readers():
         "prefill": (3, 1, [1, 2], {"top_k": 1}, True, b"", None),
         "kv_ready": (3, 2, 0),
         "kv_import": (3, 1, [1, 2], {"seed": 4}, False, b"", ("ipc:///x", 9), [7], [-0.5], 0, 2, pair),
-        "kv_accepted": (3,), "kv_send": (3, pair), "kv_imported": (3, 2), "kv_release": (3,), "kv_cancel": (3,),
+        "kv_accepted": (3, 1), "kv_send": (3, pair, 1), "kv_imported": (3, 2), "kv_release": (3,), "kv_cancel": (3,),
         "kv_failed": (3, "reset"),
     }
     for name, fields in frames.items():
@@ -188,8 +209,8 @@ def test_the_hand_off_messages_travel_through_the_checked_readers():
         if name == "kv_import":
             assert got[7] == [7] and got[8] == [-0.5] and got[11] == pair and got[6] == ("ipc:///x", 9)
         elif name == "kv_send":
-            assert got == [3, pair]
-    bad = messages.encode("kv_send", 3, ("k", "a:1", 1, "carrier-pigeon"))
+            assert got == [3, pair, 1]
+    bad = messages.encode("kv_send", 3, ("k", "a:1", 1, "carrier-pigeon"), 0)
     try:
         messages.decode(bad)
     except Exception as e:  # noqa: BLE001

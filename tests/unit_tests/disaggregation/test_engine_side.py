@@ -92,7 +92,7 @@ def test_transfers_over_gloo_with_a_deferred_and_a_cancelled_import():
     accepted = until(lambda: d.channel.take("kv_accepted"), [d])
     assert [m[1] for m in accepted] == [0] and d.handoffs.deferred_imports >= 1  # one request place
     assert [f[0] for f in d.handoffs.deferred] == [1]
-    p.handoffs.handle("kv_send", [0, pair[:2] + (0, "gloo")])
+    p.handoffs.handle("kv_send", [0, pair[:2] + (0, "gloo"), accepted[0][2]])
     imported = until(lambda: d.channel.take("kv_imported"), [p, d])
     assert imported == [("kv_imported", 0, -(-len(PROMPTS[0]) // 4))]
     p.handoffs.handle("kv_release", [0])
@@ -101,8 +101,8 @@ def test_transfers_over_gloo_with_a_deferred_and_a_cancelled_import():
         res = d.turn()
         for out in (res.finished if res else []):
             outputs[d.rid_of.pop(out.request_id)] = out.generated_tokens
-            if 1 not in outputs and d.channel.take("kv_accepted"):
-                p.handoffs.handle("kv_send", [1, pair[:2] + (0, "gloo")])
+            for m in d.channel.take("kv_accepted") if 1 not in outputs else ():
+                p.handoffs.handle("kv_send", [1, pair[:2] + (0, "gloo"), m[2]])
         if any(m[0] == "kv_imported" for m in d.channel.sent):
             p.handoffs.handle("kv_release", [1])
             d.channel.take("kv_imported")
@@ -116,4 +116,40 @@ def test_transfers_over_gloo_with_a_deferred_and_a_cancelled_import():
     for link in (p, d):
         alloc = link.engine.context.allocator
         assert alloc.num_available == alloc.capacity
+        link.handoffs.close()
+
+
+def test_a_prefix_the_decode_engine_caches_is_not_sent_again():
+    head = [(3 * j) % 100 + 1 for j in range(12)]
+    prompts = [head + [7, 8, 9], head + [4, 5]]  # blocks of 4: the 3 blocks of ``head`` are shared
+    want = [o.generated_tokens for o in llm(8).generate(prompts, PARAMS)]
+    p = Link(llm(), "prefill")
+    d = Link(LLM(None, "cpu", "float32", InferenceConfig(block_size_tokens=4, num_kv_blocks=64, max_requests=4,
+                                                         max_tokens=64, enable_prefix_caching=True)), "decode")
+    sampling = encode_sampling(PARAMS)
+    pair = ("kv-test-prefix", d.handoffs.kv_address, 1, "gloo")
+    outputs, cached = {}, []
+    for rid, prompt in enumerate(prompts):
+        p.handoffs.prefill([rid, rid + 1, prompt, sampling, False, b"", None])
+        (_, _, blocks, version), = until(lambda: p.channel.take("kv_ready"), [p])
+        d.handoffs.handle("kv_import", [rid, rid + 1, prompt, sampling, False, b"", None, want[rid][:1], None, version,
+                                        blocks, pair])
+        (_, _, hit), = until(lambda: d.channel.take("kv_accepted"), [d])
+        cached.append(hit)
+        p.handoffs.handle("kv_send", [rid, pair[:2] + (0, "gloo"), hit])
+        (_, _, received), = until(lambda: d.channel.take("kv_imported"), [p, d])
+        assert received == blocks - hit
+        p.handoffs.handle("kv_release", [rid])
+
+        def done():
+            res = d.turn()
+            for out in (res.finished if res else []):
+                outputs[d.rid_of.pop(out.request_id)] = out.generated_tokens
+            return rid in outputs
+
+        until(done, [])
+    assert cached == [0, 3] and outputs == {0: want[0], 1: want[1]}
+    assert d.handoffs.counters()["kv_cached_blocks"] == 3 and d.engine.stats.prefill_steps == 0
+    assert p.handoffs.kv_sent_blocks == d.handoffs.kv_received_blocks
+    for link in (p, d):
         link.handoffs.close()
