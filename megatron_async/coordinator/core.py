@@ -328,7 +328,7 @@ class CoordinatorCore(ControlOperations):
     _CLIENT_KINDS = {k: k for k in ("submit", "abort", "abort_all", "control", "drain", "shutdown", "reply_at")} | {
         "engines": "engines_query"}
 
-    _HANDOFF_KINDS = frozenset({"kv_ready", "kv_accepted", "kv_imported", "kv_failed"})
+    _HANDOFF_KINDS = frozenset({"kv_ready", "kv_accepted", "kv_imported", "kv_failed", "kv_shared"})
 
     def engine_message(self, slot: EngineSlot, kind: str, fields: Sequence[Any]) -> None:
         """A decoded message of a registered engine (dp_engine/link.py's kinds, the hand-off's): any

@@ -9,4 +9,5 @@ the decode steps of requests already running.
 - kv_import.py: the engine entry points (cap a request at its first token and keep its blocks;
   admit a request decoding with given blocks and tokens);
 - kv_layout.py: a request's blocks and state as one flat buffer;
-- transfer.py: the pair connections (gloo, NCCL) and their threads."""
+- transfer.py: the pair connections (gloo, NCCL) and their threads;
+- ipc_share.py: "ipc" transfers, the blocks shared in memory (CUDA IPC, or shared memory on the CPU)."""

@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from megatron_async.disaggregation import ipc_share
 from megatron_async.disaggregation.kv_import import PrefillHold, admit_decoding, allocate, cached_prefix, room_for
 from megatron_async.disaggregation.kv_layout import KVLayout
 from megatron_async.disaggregation.transfer import PairChannel, Rendezvous, resolve_backend, store_host
 from megatron_async.inference.records import decode_sampling
 
 log = logging.getLogger("megatron_async.disaggregation")
-INBOUND = frozenset({"kv_import", "kv_send", "kv_release", "kv_cancel"})
+INBOUND = frozenset({"kv_import", "kv_send", "kv_release", "kv_cancel", "kv_shared"})
 
 
 def _tag(rid: int) -> int:
@@ -40,6 +41,9 @@ class EngineHandOffs:
         self.backend = resolve_backend(backend, device)
         self.layout = KVLayout(engine.context)
         self.rendezvous = Rendezvous(store_host(coordinator_address)) if role == "decode" else None
+        if self.backend == "ipc" and device.type == "cpu":
+            ipc_share.prepare_host_sharing()
+        self.shared: dict[int, object] = {}  # rid -> the packed blocks an "ipc" pair shares
         self.hold = PrefillHold(engine) if role == "prefill" else None
         self.channels: dict[str, PairChannel] = {}
         self.handed: list[int] = []  # engine ids that stopped at their first token, kv_ready not yet sent
@@ -83,15 +87,25 @@ class EngineHandOffs:
         if local is None:
             self.link.channel.send("kv_failed", rid, "the prefill engine holds no blocks for it")
             return
+        self.sending[rid] = self.hold.num_blocks(local) - cached
+        if pair[3] == "ipc":
+            try:
+                self.shared[rid], payload = ipc_share.share(self.hold.pack(local, cached))
+            except Exception as e:  # noqa: BLE001 -- this transfer fails alone
+                self.link.channel.send("kv_failed", rid, f"could not share the blocks: {type(e).__name__}: {e}")
+                return
+            self.sent.add(rid)
+            self.link.channel.send("kv_shared", rid, payload)
+            return
         channel = self._channel(pair)
         channel.send(_tag(rid), self.hold.pack(local, cached).to(channel.device))
-        self.sending[rid] = self.hold.num_blocks(local) - cached
 
     def _release(self, rid: int) -> None:
         local = self.ready.pop(rid, None)
         if local is not None:
             self.hold.release(local)
         sent = self.sending.pop(rid, 0)
+        self.shared.pop(rid, None)
         if rid in self.sent:
             self.kv_sent_blocks += sent
         self.sent.discard(rid)
@@ -106,8 +120,9 @@ class EngineHandOffs:
                 return
             self.deferred.popleft()
             block_ids = allocate(self.engine, blocks, cached)
-            channel = self._channel(fields[11])
-            channel.recv(_tag(fields[0]), self.layout.empty(blocks - len(cached), channel.device))
+            if fields[11][3] != "ipc":  # (an ipc pair's blocks arrive as kv_shared)
+                channel = self._channel(fields[11])
+                channel.recv(_tag(fields[0]), self.layout.empty(blocks - len(cached), channel.device))
             self.receiving[fields[0]] = (fields, block_ids, len(cached))
             self.kv_cached_blocks += len(cached)
             self.link.channel.send("kv_accepted", fields[0], len(cached))
@@ -134,6 +149,18 @@ class EngineHandOffs:
             self.link.channel.send("kv_failed", rid, error)
         self.cancelled.discard(rid)
 
+    def _mapped(self, rid: int, payload: dict) -> None:
+        """An "ipc" pair's blocks: mapped, copied into this engine's blocks, unmapped."""
+        if rid not in self.receiving:
+            return
+        fields, block_ids, cached = self.receiving[rid]
+        try:
+            buf = ipc_share.open_shared(payload, self.layout.nbytes(len(block_ids) - cached))
+        except Exception as e:  # noqa: BLE001 -- this import fails alone
+            self._imported(rid, None, f"could not map the shared blocks: {type(e).__name__}: {e}")
+            return
+        self._imported(rid, buf, None)
+
     def _cancel(self, rid: int) -> None:
         for fields in self.deferred:
             if fields[0] == rid:
@@ -141,6 +168,8 @@ class EngineHandOffs:
                 return
         if rid in self.receiving:
             self.cancelled.add(rid)  # its blocks go back when its receive ends (the buffer is the transfer's)
+            if self.receiving[rid][0][11][3] == "ipc":  # (nothing posted: now)
+                self._imported(rid, None, "cancelled")
             return
         self.link.handle("abort", (rid,))  # already decoding here
 
@@ -156,6 +185,8 @@ class EngineHandOffs:
             self._release(fields[0])
         elif kind == "kv_cancel":
             self._cancel(fields[0])
+        elif kind == "kv_shared":
+            self._mapped(*fields)
 
     def poll(self) -> None:
         """Once a loop turn, after the step's outputs were sent: announce the requests that

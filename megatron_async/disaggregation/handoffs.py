@@ -134,6 +134,12 @@ class HandOffs:
         self.core.counts["kv_cached_blocks"] += cached
         self.core.outbox.to_engine(t.prefill, "kv_send", rid, self._pair(t.prefill, slot, 0), cached)
 
+    def kv_shared(self, slot: EngineSlot, rid: int, payload: dict) -> None:
+        """An "ipc" pair's blocks, shared by the prefill engine: passed on to the decode engine."""
+        t = self.transfers.get(rid)
+        if t is not None and t.prefill is slot and t.state == SENDING and t.decode is not None:
+            self.core.outbox.to_engine(t.decode, "kv_shared", rid, payload)
+
     def kv_imported(self, slot: EngineSlot, rid: int, blocks: int) -> None:
         t = self.transfers.get(rid)
         if t is None or t.decode is not slot:

@@ -18,13 +18,18 @@ prefix, random per pair: only the coordinator and the two engines know it), stor
 - decode engine -> coordinator: kv_accepted [rid, cached: the leading blocks its own prefix cache
   holds, not sent] (blocks allocated, the receive posted);
   kv_imported [rid, blocks received] (admitted, decoding); kv_failed [rid, message] (either side: the
-  transfer broke)."""
+  transfer broke).
+- "ipc" pairs, prefill engine -> coordinator -> decode engine: kv_shared [rid, payload map]: the
+  packed blocks in memory the decode engine maps (weight_transfer/ipc.py's payload of one tensor:
+  CUDA IPC, or shared memory on the CPU), instead of a send on a pair connection."""
 from __future__ import annotations
 
 from megatron_async.inference.communication import wire_fields as f
 
 BACKENDS = ("gloo", "nccl", "ipc")
 MAX_KEY_LEN = 128
+MAX_PAYLOAD_DEPTH = 6
+"""Nesting of an ipc transfer's payload (weight_transfer/ipc.py's: storages and tensors)."""
 
 
 def _pair(v) -> tuple[str, str, int, str]:
@@ -73,6 +78,7 @@ SPECS = (  # (name, value, arity, reader, writer); "prefill" reuses route's read
     ("kv_release", 74, 1, lambda v: [_rid(v[0])], None),
     ("kv_cancel", 75, 1, lambda v: [_rid(v[0])], None),
     ("kv_failed", 76, 2, lambda v: [_rid(v[0]), f.str_(v[1], "message")], None),
+    ("kv_shared", 77, 2, lambda v: [_rid(v[0]), f.plain(f.dict_(v[1], "shared"), "shared", MAX_PAYLOAD_DEPTH)], None),
 )
-ENGINE_SENDS = frozenset({"kv_ready", "kv_accepted", "kv_imported", "kv_failed"})
-COORDINATOR_SENDS = frozenset({"prefill", "kv_import", "kv_send", "kv_release", "kv_cancel"})
+ENGINE_SENDS = frozenset({"kv_ready", "kv_accepted", "kv_imported", "kv_failed", "kv_shared"})
+COORDINATOR_SENDS = frozenset({"prefill", "kv_import", "kv_send", "kv_release", "kv_cancel", "kv_shared"})

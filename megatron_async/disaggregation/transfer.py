@@ -5,8 +5,8 @@ that an engine's loop never blocks on one.
 
 Backends (``InferenceConfig.kv_transfer_backend``): "gloo" (CPU buffers, TCP: any two hosts; a
 GPU engine stages through host memory), "nccl" (GPU to GPU, the same code with a NCCL group of
-2), "ipc" (engines sharing a GPU: docs/DISAGGREGATION.md; not built, refused at start). "auto":
-nccl on CUDA, gloo on the CPU.
+2), "ipc" (engines of one host: the blocks shared in memory, ipc_share.py, no pair connection).
+"auto": nccl on CUDA, gloo on the CPU.
 
 The decode engine hosts the rendezvous store (``Rendezvous``: a TCPStore on an ephemeral port
 of the interface its coordinator reaches). The store and the group's connections carry no
@@ -37,10 +37,7 @@ TRANSFER_TIMEOUT_S = 300.0
 def resolve_backend(setting: str, device: torch.device) -> str:
     if setting == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
-    if setting == "ipc":
-        raise NotImplementedError("kv_transfer_backend='ipc' (CUDA IPC between engines on one GPU) is not built: "
-                                  "use 'nccl' or 'gloo'")
-    if setting not in ("gloo", "nccl"):
+    if setting not in ("gloo", "nccl", "ipc"):
         raise ValueError(f"kv_transfer_backend must be auto, nccl, gloo or ipc, got {setting!r}")
     if setting == "nccl" and device.type != "cuda":
         raise ValueError("kv_transfer_backend='nccl' needs a CUDA engine")

@@ -224,3 +224,28 @@ def test_a_killed_decode_engine_ends_every_request_once(four):
 
 def test_a_killed_prefill_engine_ends_every_request_once(four):
     _kill_mid_generation(four, "p0", "prefill", seed=12)
+
+
+def test_ipc_pairs_share_blocks_between_processes():
+    """``--kv-transfer-backend ipc`` on the CPU: the blocks in shared memory the decode process maps."""
+    params = SamplingParams(top_k=1, num_tokens_to_generate=16, ignore_eos=True)
+    ps = prompts(4, seed=21)
+    want = reference(ps, params)
+    c = Cluster("load_balanced")
+    try:
+        c.start_engine("p", *ENGINE, "--role", "prefill", "--kv-transfer-backend", "ipc")
+        c.start_engine("d", *ENGINE, "--role", "decode", "--kv-transfer-backend", "ipc")
+        for name in ("p", "d"):
+            c.wait_engine(name)
+
+        async def run():
+            async with InferenceClient(c.address) as client:
+                outs = await asyncio.wait_for(asyncio.gather(*[client.add_request(p, params) for p in ps]), DEADLINE_S)
+                assert [o.generated_tokens for o in outs] == want
+                roles = by_role(await client.engines())
+                assert roles["decode"][0]["kv_received_blocks"] > 0
+                await until(lambda: all_freed(client))
+
+        asyncio.run(run())
+    finally:
+        c.close()

@@ -1,6 +1,6 @@
 """Prefill / decode disaggregation on GPUs: 1 prefill + 1 decode engine process (qwen3-0.6b shape,
 bf16, batch-invariant), on one GPU each with NCCL transfers (``multigpu``) or sharing one GPU with
-gloo transfers through host memory (``gpu``): tokens and log-probs equal one engine's bit for
+gloo transfers through host memory or CUDA IPC (``gpu``): tokens and log-probs equal one engine's bit for
 bit, the decode engine computes no prompt, both engines count the blocks they moved.
 
     python -m pytest -q -m "gpu or multigpu" tests/functional_tests/test_gpu_disaggregation.py"""
@@ -16,7 +16,8 @@ from tests.helpers.coordinator_procs import Cluster
 
 
 def layouts():
-    yield pytest.param("shared", marks=pytest.mark.gpu, id="one-gpu-gloo")
+    yield pytest.param("gloo", marks=pytest.mark.gpu, id="one-gpu-gloo")
+    yield pytest.param("ipc", marks=pytest.mark.gpu, id="one-gpu-cuda-ipc")
     yield pytest.param("split", marks=pytest.mark.multigpu, id="two-gpus-nccl")
 
 
@@ -24,10 +25,10 @@ def layouts():
 def pair(request):
     c = Cluster("load_balanced", timeout_s=400)
     try:
-        if request.param == "shared":
-            c.add_engine("p", *ENGINE, "--role", "prefill", "--kv-transfer-backend", "gloo",
+        if request.param in ("gloo", "ipc"):  # each its share of one GPU
+            c.add_engine("p", *ENGINE, "--role", "prefill", "--kv-transfer-backend", request.param,
                          "--gpu-memory-utilization", "0.4", model=MODEL)
-            c.add_engine("d", *ENGINE, "--role", "decode", "--kv-transfer-backend", "gloo",
+            c.add_engine("d", *ENGINE, "--role", "decode", "--kv-transfer-backend", request.param,
                          "--gpu-memory-utilization", "0.8", model=MODEL)
         else:
             for i, role in enumerate(("prefill", "decode")):

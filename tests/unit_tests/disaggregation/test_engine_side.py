@@ -30,11 +30,11 @@ class Channel:
 class Link:
     """What EngineHandOffs reads of dp_engine/link.py's EngineLink."""
 
-    def __init__(self, llm, role):
+    def __init__(self, llm, role, backend="gloo"):
         self.engine, self.channel = llm.engine, Channel()
         self.rid_of: dict[int, int] = {}
         self.aborted: list[int] = []
-        self.handoffs = EngineHandOffs(self, role, "gloo", "tcp://127.0.0.1:1")
+        self.handoffs = EngineHandOffs(self, role, backend, "tcp://127.0.0.1:1")
 
     def submit(self, rid, seq, prompt, params, stream, digests=b"", reply=None):
         local = self.engine.add_request(prompt, decode_sampling(params, frozen=False))
@@ -153,3 +153,41 @@ def test_a_prefix_the_decode_engine_caches_is_not_sent_again():
     assert p.handoffs.kv_sent_blocks == d.handoffs.kv_received_blocks
     for link in (p, d):
         link.handoffs.close()
+
+
+def test_ipc_pairs_share_the_blocks_in_memory():
+    """"ipc": the prefill engine shares its packed blocks (shared memory on the CPU), the payload
+    travels the coordinator's wire, the decode engine maps and copies them."""
+    from megatron_async.coordinator import messages
+
+    want = [o.generated_tokens for o in llm(8).generate(PROMPTS[:2], PARAMS)]
+    p, d = Link(llm(), "prefill", "ipc"), Link(llm(), "decode", "ipc")
+    sampling = encode_sampling(PARAMS)
+    pair = ("kv-test-ipc", d.handoffs.kv_address, 1, "ipc")
+    outputs = {}
+    for rid, prompt in enumerate(PROMPTS[:2]):
+        p.handoffs.prefill([rid, rid + 1, prompt, sampling, False, b"", None])
+        (_, _, blocks, version), = until(lambda: p.channel.take("kv_ready"), [p])
+        d.handoffs.handle("kv_import", [rid, rid + 1, prompt, sampling, False, b"", None, want[rid][:1], None, version,
+                                        blocks, pair])
+        (_, _, hit), = until(lambda: d.channel.take("kv_accepted"), [d])
+        p.handoffs.handle("kv_send", [rid, pair[:2] + (0, "ipc"), hit])
+        (shared,) = p.channel.take("kv_shared")
+        name, fields = messages.decode(messages.encode(*shared))  # (through the wire's checked reader)
+        d.handoffs.handle(name, fields)
+        assert d.channel.take("kv_imported") == [("kv_imported", rid, blocks - hit)]
+        p.handoffs.handle("kv_release", [rid])
+        assert not p.handoffs.shared
+
+        def done():
+            res = d.turn()
+            for out in (res.finished if res else []):
+                outputs[d.rid_of.pop(out.request_id)] = out.generated_tokens
+            return rid in outputs
+
+        until(done, [])
+    assert outputs == {0: want[0], 1: want[1]} and not d.handoffs.channels and not p.handoffs.channels
+    d.handoffs.handle("kv_shared", [7, {"storages": [], "tensors": []}])  # (nothing waits for it: ignored)
+    for link in (p, d):
+        alloc = link.engine.context.allocator
+        assert alloc.num_available == alloc.capacity
