@@ -115,6 +115,12 @@ class EngineHandOffs:
         while self.deferred:
             fields = self.deferred[0]
             blocks = fields[10]
+            if fields[11][3] == "local":
+                if not room_for(self.engine, 0, len(self.receiving)):
+                    return
+                self.deferred.popleft()
+                self._adopt(fields)
+                continue
             cached = cached_prefix(self.engine, fields[2], fields[5], blocks)
             if not room_for(self.engine, blocks - len(cached), len(self.receiving)):
                 return
@@ -148,6 +154,24 @@ class EngineHandOffs:
         if rid not in self.cancelled:
             self.link.channel.send("kv_failed", rid, error)
         self.cancelled.discard(rid)
+
+    def _adopt(self, fields: list) -> None:
+        """No decode engine is left: this prefill engine decodes the request with the blocks it kept."""
+        rid, seq, prompt, sampling, stream, digests, reply, tokens, lps, version, blocks, _ = fields
+        local = self.ready.pop(rid, None)
+        if local is None:
+            self.link.channel.send("kv_failed", rid, "the prefill engine holds no blocks for it")
+            return
+        block_ids, state = self.hold.take(local)
+        try:
+            new = admit_decoding(self.engine, self.layout, prompt, decode_sampling(sampling, frozen=False), digests,
+                                 tokens, lps, version, block_ids, None, len(block_ids), state)
+        except Exception as e:  # noqa: BLE001 -- refused alone: its blocks go back
+            self.engine.context.allocator.release(block_ids)
+            self.link.channel.send("kv_failed", rid, f"could not decode it here: {type(e).__name__}: {e}")
+            return
+        self.link.track(rid, seq, new, stream, reply)
+        self.link.channel.send("kv_imported", rid, 0)
 
     def _mapped(self, rid: int, payload: dict) -> None:
         """An "ipc" pair's blocks: mapped, copied into this engine's blocks, unmapped."""

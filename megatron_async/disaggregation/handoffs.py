@@ -4,7 +4,7 @@ load, the pair connections' rendezvous, and what an engine's death or a client's
 transfer (docs/DISAGGREGATION.md). No torch: it runs in the coordinator.
 
 States of a transfer: PLACING (no decode engine takes it yet: it waits, at most
-``unrouted_timeout_s``) -> IMPORTING (kv_import sent; the decode engine allocates its blocks, or
+``unrouted_timeout_s``; with no decode engine left at all, its prefill engine decodes it itself) -> IMPORTING (kv_import sent; the decode engine allocates its blocks, or
 defers while it has no room) -> SENDING (kv_accepted: the receive is posted; kv_send told the
 prefill engine) -> gone at kv_imported (the request runs on the decode engine; the prefill
 engine frees its blocks: kv_release) or kv_failed (the request ends with "error").
@@ -54,6 +54,8 @@ class HandOffs:
         return "prefill" if slot.role == "prefill" and self.core.engines.decoders() else "route"
 
     def _pair(self, prefill: EngineSlot, decode: EngineSlot, rank: int) -> tuple[str, str, int, str]:
+        if decode is prefill:
+            return "local", "", rank, "local"
         key = self._pair_keys.get((prefill.index, decode.index))
         if key is None:
             key = self._pair_keys[prefill.index, decode.index] = \
@@ -66,8 +68,11 @@ class HandOffs:
         """The decode engine whose prefix cache holds the most leading blocks of the prompt (as the
         coordinator's view says: those are not sent again), then the one with the largest share of
         free request slots, among those that can hold the blocks (ties: the one registered
-        first); None when none can."""
+        first); None when none can. With no decode engine left at all, the prefill engine itself
+        (it decodes the request with the blocks it kept)."""
         decoders = self.core.engines.decoders()
+        if not decoders:
+            return t.prefill if t.prefill.state is not EngineState.GONE else None
         keys = t.req.keys if t.req is not None else []
         holders = sum(1 << s.index for s in decoders if s.affinity)
         depths = self.core.view.depths(keys, holders) if keys and holders else {}

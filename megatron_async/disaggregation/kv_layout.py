@@ -44,6 +44,11 @@ class KVLayout:
         """The receive buffer of ``num_blocks`` blocks (and a state)."""
         return torch.empty(self.nbytes(num_blocks), dtype=torch.uint8, device=device or self.device)
 
+    def put_state(self, state: list[torch.Tensor] | None, slot: int) -> None:
+        """``take_state``'s copy into state slot ``slot``."""
+        for t, s in zip(self.states, state or ()):
+            t[slot].copy_(s)
+
     def unpack(self, buf: torch.Tensor, block_ids: list[int], slot: int) -> None:
         """Copy ``buf`` (``pack``'s bytes) into ``block_ids`` of this pool and state slot ``slot``."""
         if buf.numel() != self.nbytes(len(block_ids)):

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 from megatron_async.inference.communication import wire_fields as f
 
-BACKENDS = ("gloo", "nccl", "ipc")
+BACKENDS = ("gloo", "nccl", "ipc", "local")
+"""How a pair's blocks move; "local": no decode engine is left, the prefill engine decodes the
+request itself with the blocks it kept."""
 MAX_KEY_LEN = 128
 MAX_PAYLOAD_DEPTH = 6
 """Nesting of an ipc transfer's payload (weight_transfer/ipc.py's: storages and tensors)."""

@@ -226,6 +226,19 @@ def test_a_killed_prefill_engine_ends_every_request_once(four):
     _kill_mid_generation(four, "p0", "prefill", seed=12)
 
 
+def test_when_the_only_decode_engine_dies_the_prefill_engine_decodes():
+    """Transfers left without a decode engine are decoded by their prefill engine (the blocks it
+    kept); requests that were decoding on the dead engine end with "error" and their partial output."""
+    c = Cluster("load_balanced")
+    try:
+        c.start_engine("p0", *ENGINE, "--role", "prefill")
+        c.start_engine("d0", *ENGINE, "--role", "decode")
+        c.index = {name: c.wait_engine(name) for name in ("p0", "d0")}
+        _kill_mid_generation(c, "d0", "decode", seed=13)
+    finally:
+        c.close()
+
+
 def test_ipc_pairs_share_blocks_between_processes():
     """``--kv-transfer-backend ipc`` on the CPU: the blocks in shared memory the decode process maps."""
     params = SamplingParams(top_k=1, num_tokens_to_generate=16, ignore_eos=True)

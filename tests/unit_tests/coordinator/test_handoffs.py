@@ -77,6 +77,25 @@ def test_without_a_decode_engine_a_prefill_engine_serves_the_whole_request():
     assert msg[1] == "route"
 
 
+def test_with_no_decode_engine_left_the_prefill_engine_decodes_its_transfers():
+    core, box, (p, d) = setup()
+    core.submit("c", 0, [1, 2, 3], [{}], stream=True)
+    box.take()
+    first_token(core, p, 0)
+    core.handoffs.kv_ready(p, 0, 1, 0)
+    core.engine_message(d, "kv_accepted", [0, 0])
+    box.take()
+    core.engine_lost(d)
+    engine, client = box.take()
+    assert kinds(engine) == [(p.index, "kv_import")] and engine[0][13] == ("local", "", 1, "local") and client == []
+    core.engine_message(p, "kv_imported", [0, 0])
+    engine, _ = box.take()
+    assert kinds(engine) == [(p.index, "kv_release")] and core.requests.get(0).engine is p and p.pending == 1
+    core.engine_outputs(p, 1, [], [RequestOutput(0, [1, 2, 3], [7, 8], None, "length")])
+    _, client = box.take()
+    assert finished_of(client) == [(0, "length", (7, 8), None)] and p.pending == 0
+
+
 def test_the_decode_engine_with_more_free_slots_takes_the_transfer():
     core, box, (p, d0, d1) = setup(("prefill", "decode", "decode"))
     d0.pending = 2
@@ -109,7 +128,7 @@ def test_the_decode_engine_that_caches_the_prefix_takes_the_transfer():
     assert engine[0][1] == "kv_send" and engine[0][4] == 4 and core.counts["kv_cached_blocks"] == 4
 
 
-def test_a_full_decode_side_keeps_the_transfer_waiting_until_room():
+def test_a_full_decode_side_keeps_the_transfer_waiting_until_room():  # (a decode engine is live: no fallback)
     core, box, (p, d) = setup()
     d.pending = d.max_requests
     core.submit("c", 0, [1, 2, 3], [{}], stream=True)

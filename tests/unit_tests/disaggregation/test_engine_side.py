@@ -191,3 +191,30 @@ def test_ipc_pairs_share_the_blocks_in_memory():
     for link in (p, d):
         alloc = link.engine.context.allocator
         assert alloc.num_available == alloc.capacity
+
+
+def test_a_prefill_engine_decodes_itself_when_no_decode_engine_is_left():
+    want = [o.generated_tokens for o in llm(8).generate(PROMPTS[:2], PARAMS)]
+    p = Link(llm(), "prefill")
+    sampling = encode_sampling(PARAMS)
+    outputs = {}
+    for rid, prompt in enumerate(PROMPTS[:2]):
+        p.handoffs.prefill([rid, rid + 1, prompt, sampling, False, b"", None])
+        (_, _, blocks, version), = until(lambda: p.channel.take("kv_ready"), [p])
+        p.handoffs.handle("kv_import", [rid, rid + 1, prompt, sampling, False, b"", None, want[rid][:1], None, version,
+                                        blocks, ("local", "", 1, "local")])
+    assert until(lambda: p.channel.take("kv_imported"), [p]) == [("kv_imported", 0, 0), ("kv_imported", 1, 0)]
+    prefill_steps = p.engine.stats.prefill_steps
+    for rid in (0, 1):
+        p.handoffs.handle("kv_release", [rid])  # (the coordinator's answer: nothing left to free)
+
+    def done():
+        res = p.turn()
+        for out in (res.finished if res else []):
+            outputs[p.rid_of.pop(out.request_id)] = out.generated_tokens
+        return len(outputs) == 2
+
+    until(done, [])
+    assert outputs == {0: want[0], 1: want[1]} and p.engine.stats.prefill_steps == prefill_steps
+    alloc = p.engine.context.allocator
+    assert alloc.num_available == alloc.capacity and not p.handoffs.hold.kept
