@@ -1,8 +1,9 @@
 """Prefill / decode disaggregation as separate processes (``serve --join ADDR --role prefill |
-decode``, gloo KV transfers on the CPU), a client in this one: the tokens of 1 prefill + 1 decode
-engine equal one colocated engine's (greedy and seeded sampling), the decode engine never
-computes a prompt, streaming and aborts across the hand-off, and a killed decode or prefill
-engine ends every request exactly once with its blocks freed on the engines that remain."""
+decode``, gloo KV transfers on the CPU, and ipc), a client in this one: the tokens of 1 prefill +
+1 decode engine equal one colocated engine's (greedy and seeded sampling; a hybrid model's Mamba
+state travels too), the decode engine never computes a prompt, streaming and aborts across the
+hand-off, and a killed decode or prefill engine ends every request exactly once with its blocks
+freed on the engines that remain (with no decode engine left, the prefill engine decodes)."""
 from __future__ import annotations
 
 import asyncio
@@ -258,6 +259,35 @@ def test_ipc_pairs_share_blocks_between_processes():
                 roles = by_role(await client.engines())
                 assert roles["decode"][0]["kv_received_blocks"] > 0
                 await until(lambda: all_freed(client))
+
+        asyncio.run(run())
+    finally:
+        c.close()
+
+
+def test_a_hybrid_models_mamba_state_travels_with_its_blocks(tmp_path):
+    from tests.helpers.engine_harness import make_llm
+    from tests.helpers.hf_hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_checkpoint
+
+    path = str(make_tiny_hybrid_checkpoint(HYBRID_ARCHS[0], tmp_path / "hybrid"))
+    params = SamplingParams(temperature=0.8, seed=3, num_tokens_to_generate=16, ignore_eos=True)
+    ps = [[t % 127 + 1 for t in p] for p in prompts(4, seed=23)]  # (its vocabulary: 128)
+    want = [o.generated_tokens for o in make_llm(path, max_requests=4, block_size_tokens=8).generate(ps, params)]
+    model = ("--model", path, "--device", "cpu", "--dtype", "float32")
+    flags = ("--max-requests", "4", "--block-size", "8", "--num-kv-blocks", "256")
+    c = Cluster("load_balanced")
+    try:
+        c.start_engine("p", *flags, "--role", "prefill", model=model)
+        c.start_engine("d", *flags, "--role", "decode", model=model)
+        c.index = {name: c.wait_engine(name) for name in ("p", "d")}
+
+        async def run():
+            async with InferenceClient(c.address) as client:
+                outs = await asyncio.wait_for(asyncio.gather(*[client.add_request(p, params) for p in ps]), DEADLINE_S)
+                assert [o.generated_tokens for o in outs] == want
+                stats = (await client.engine_stats())["engines"]
+                decode = stats[str(c.index["d"])]
+                assert decode["prefill_steps"] == 0 and decode["kv_received_blocks"] > 0
 
         asyncio.run(run())
     finally:
