@@ -48,9 +48,9 @@ class EngineHandOffs:
         self.channels: dict[str, PairChannel] = {}
         self.handed: list[int] = []  # engine ids that stopped at their first token, kv_ready not yet sent
         self.ready: dict[int, int] = {}  # rid -> engine id, blocks kept (READY, SENDING)
-        self.sent: set[int] = set()  # rids whose send completed
         self.sending: dict[int, int] = {}  # rid -> blocks queued to send
         self.deferred: deque[list] = deque()  # kv_import fields waiting for room
+        self.waiting: deque[list] = deque()  # prefill submissions waiting for room beside the kept blocks
         self.receiving: dict[int, tuple[list, list[int], int]] = {}  # rid -> (kv_import fields, blocks, cached)
         self.cancelled: set[int] = set()  # rids cancelled while their receive was queued
         self.kv_sent_blocks = self.kv_received_blocks = self.kv_cached_blocks = self.deferred_imports = 0
@@ -65,8 +65,25 @@ class EngineHandOffs:
 
     # ---------------------------------------------------------------- prefill side
     def prefill(self, fields: list) -> None:
-        """A ``prefill`` submission: queued as a route's is (link.py), capped at its first token."""
-        self.hold.submit(lambda: self.link.submit(*fields))
+        """A ``prefill`` submission: queued as a route's is (link.py), capped at its first token,
+        once the blocks this engine keeps for transfers leave room for its whole prompt (else it
+        waits here, in order: kept blocks must never starve the prompts being computed)."""
+        self.waiting.append(fields)
+        self._admit_prefills()
+
+    def _admit_prefills(self) -> None:
+        while self.waiting and self.hold.fits(self.waiting[0][2]):
+            fields = self.waiting.popleft()
+            self.hold.submit(lambda: self.link.submit(*fields))
+
+    def admit_waiting(self, rid: int | None = None) -> int | None:
+        """Queue the waiting ``prefill`` of ``rid`` (None: every one) now, uncapped, to be
+        aborted (its end reported as any other's); its engine id."""
+        local = None
+        for fields in [f for f in self.waiting if rid is None or f[0] == rid]:
+            self.waiting.remove(fields)
+            local = self.link.submit(*fields)
+        return local
 
     def landed(self, res) -> None:
         """A step's outputs: requests that stopped at their first token leave ``res.finished``
@@ -94,7 +111,7 @@ class EngineHandOffs:
             except Exception as e:  # noqa: BLE001 -- this transfer fails alone
                 self.link.channel.send("kv_failed", rid, f"could not share the blocks: {type(e).__name__}: {e}")
                 return
-            self.sent.add(rid)
+            self.kv_sent_blocks += self.sending[rid]
             self.link.channel.send("kv_shared", rid, payload)
             return
         channel = self._channel(pair)
@@ -104,11 +121,8 @@ class EngineHandOffs:
         local = self.ready.pop(rid, None)
         if local is not None:
             self.hold.release(local)
-        sent = self.sending.pop(rid, 0)
+        self.sending.pop(rid, None)
         self.shared.pop(rid, None)
-        if rid in self.sent:
-            self.kv_sent_blocks += sent
-        self.sent.discard(rid)
 
     # ---------------------------------------------------------------- decode side
     def _try_imports(self) -> None:
@@ -223,6 +237,8 @@ class EngineHandOffs:
             self.ready[rid] = local
             self.link.channel.send("kv_ready", rid, self.hold.num_blocks(local), self.engine.weight_version)
         self.handed.clear()
+        if self.waiting:
+            self._admit_prefills()
         if self.deferred:
             self._try_imports()
         for channel in self.channels.values():
@@ -240,8 +256,8 @@ class EngineHandOffs:
             return
         if error is not None:
             self.channels = {k: c for k, c in self.channels.items() if c.error is None}
-        if error is None:
-            self.sent.add(rid)
+        if error is None:  # (kv_sent_blocks: blocks whose send completed)
+            self.kv_sent_blocks += self.sending.get(rid, 0)
         # else: its decode engine died (the coordinator places the transfer again, and this engine
         # sends again on a new connection) or the group broke (its receive fails too: kv_failed)
 

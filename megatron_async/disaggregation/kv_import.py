@@ -30,6 +30,7 @@ class PrefillHold:
         self.engine = engine
         self.layout = KVLayout(engine.context)
         self.capped: dict[int, int] = {}  # engine id -> its real length limit
+        self.computing: dict[int, DynamicInferenceRequest] = {}  # capped, its blocks not yet kept
         self.kept: dict[int, tuple[list[int], list | None]] = {}  # engine id -> (blocks, Mamba state)
         engine.book.on_release = self._on_release
 
@@ -42,11 +43,22 @@ class PrefillHold:
             req = queued(self.engine, mark, local)
             if hands_off(req):
                 self.capped[local] = req.max_generated_tokens
+                self.computing[local] = req
                 req.max_generated_tokens = 1
         return local
 
+    def fits(self, prompt) -> bool:
+        """Whether a prompt's blocks fit beside the kept ones and those the prompts being computed
+        still need (always when there are neither: the engine's own admission decides)."""
+        if not self.kept and not self.computing:
+            return True
+        ctx = self.engine.context
+        owed = sum(max(0, ctx.blocks_for(len(r.prompt_tokens) + 1) - len(r.block_ids)) for r in self.computing.values())
+        return ctx.allocator.num_available - owed >= ctx.blocks_for(len(prompt) + 1)
+
     def _on_release(self, req: DynamicInferenceRequest) -> None:
         local = req.request_id
+        self.computing.pop(local, None)
         if local in self.capped and local not in self.kept:
             self.kept[local] = (req.block_ids, self.layout.take_state(req.state_slot))
             req.block_ids = []

@@ -125,6 +125,8 @@ class EngineLink:
             self.handoffs.handle(kind, fields)
         elif kind == "abort":
             local = self._engine_id.get(fields[0])
+            if local is None and self.handoffs is not None:  # (a prefill still waiting for room: admitted to end)
+                local = self.handoffs.admit_waiting(fields[0])
             if local is not None:
                 self.engine.abort_request(local)
         elif kind == "control":
@@ -179,6 +181,8 @@ class EngineLink:
 
     def _control(self, op_id: int, op: str, args: dict) -> None:
         if op == "stop":
+            if self.handoffs is not None:
+                self.handoffs.admit_waiting()
             self._leaving = "stop"
             for local in list(self._rid_of):
                 self.engine.abort_request(local)

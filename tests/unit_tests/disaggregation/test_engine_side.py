@@ -112,7 +112,8 @@ def test_transfers_over_gloo_with_a_deferred_and_a_cancelled_import():
     assert outputs == {0: want[0], 1: want[1]}
     assert d.engine.stats.prefill_steps == 0 and d.handoffs.kv_received_blocks > 0
     p.handoffs.handle("kv_release", [2])  # (the coordinator frees the withdrawn one's blocks)
-    assert not p.handoffs.ready and p.handoffs.kv_sent_blocks == d.handoffs.kv_received_blocks
+    assert not p.handoffs.ready
+    until(lambda: p.handoffs.kv_sent_blocks == d.handoffs.kv_received_blocks, [p])  # (its sends' ends, polled)
     for link in (p, d):
         alloc = link.engine.context.allocator
         assert alloc.num_available == alloc.capacity
@@ -150,7 +151,7 @@ def test_a_prefix_the_decode_engine_caches_is_not_sent_again():
         until(done, [])
     assert cached == [0, 3] and outputs == {0: want[0], 1: want[1]}
     assert d.handoffs.counters()["kv_cached_blocks"] == 3 and d.engine.stats.prefill_steps == 0
-    assert p.handoffs.kv_sent_blocks == d.handoffs.kv_received_blocks
+    until(lambda: p.handoffs.kv_sent_blocks == d.handoffs.kv_received_blocks, [p])  # (its sends' ends, polled)
     for link in (p, d):
         link.handoffs.close()
 
@@ -218,3 +219,31 @@ def test_a_prefill_engine_decodes_itself_when_no_decode_engine_is_left():
     assert outputs == {0: want[0], 1: want[1]} and p.engine.stats.prefill_steps == prefill_steps
     alloc = p.engine.context.allocator
     assert alloc.num_available == alloc.capacity and not p.handoffs.hold.kept
+
+
+def test_kept_blocks_never_starve_the_prompts_a_prefill_engine_computes():
+    """A prefill engine whose pool is mostly kept for transfers (its decode side is slow) holds new
+    prompts back until a release leaves room for each whole prompt: nothing fails, nothing spins."""
+    p = Link(LLM(None, "cpu", "float32", InferenceConfig(block_size_tokens=4, num_kv_blocks=17, max_requests=4,
+                                                         max_tokens=64)), "prefill")
+    prompts = [[(11 * i + j) % 100 + 1 for j in range(18)] for i in range(5)]  # 5 blocks each, with the next token
+    sampling = encode_sampling(PARAMS)
+    for rid, prompt in enumerate(prompts):
+        p.handoffs.prefill([rid, rid + 1, prompt, sampling, False, b"", None])
+    ready = until(lambda: p.channel.take("kv_ready"), [p])
+    for _ in range(20):  # (a while longer: no more fit beside the kept blocks)
+        p.turn()
+        ready += p.channel.take("kv_ready")
+    assert len(ready) == 3 and len(p.handoffs.waiting) == 2 and not p.channel.sent
+    local = p.handoffs.admit_waiting(3)  # an abort of a waiting prefill: queued uncapped, to end as an abort
+    p.engine.abort_request(local)
+    aborted = until(lambda: [o for o in (p.turn() or p.engine.step()).finished if o.request_id == local], [])
+    assert aborted[0].finish_reason == "abort" and list(p.handoffs.waiting) and p.handoffs.waiting[0][0] == 4
+    for _, rid, _, _ in ready:
+        p.handoffs.handle("kv_release", [rid])  # (as after the decode engine's import)
+    more = until(lambda: p.channel.take("kv_ready"), [p])
+    assert [m[1] for m in more] == [4] and not p.handoffs.waiting
+    for _, rid, _, _ in more:
+        p.handoffs.handle("kv_release", [rid])
+    alloc = p.engine.context.allocator
+    assert alloc.num_available == alloc.capacity and not p.engine.has_unfinished_requests()
