@@ -48,7 +48,7 @@ class LLM:
         expert_parallel_size: int = 1,
         drafter=None,
         listen: str | None = None,
-        join: str | None = None,
+        join: str | None = None, role: str = "mixed",  # role: "mixed" | "prefill" | "decode" (docs/DISAGGREGATION.md)
         quantization: str | None = None,  # "fp8": FP8 linears at load (models/quantization.py)
     ):
         """``listen`` (``tcp://HOST:PORT``, loopback unless MEGATRON_ASYNC_CLIENT_SECRET is set, or
@@ -112,7 +112,7 @@ class LLM:
             if listen is not None or join is not None:
                 from megatron_async.dp_engine.join import CoordinatorService
 
-                self.coordinator = CoordinatorService(self, listen, join)
+                self.coordinator = CoordinatorService(self, listen, join, role)
         except BaseException:
             self.close()  # every rank fails the same way at load (a shape that does not divide): leave cleanly
             raise

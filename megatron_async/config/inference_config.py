@@ -171,6 +171,11 @@ class InferenceConfig(KernelFields, CommunicationFields, SpeculativeFields, LoRA
     (generation and other admin calls go on); an ``init_weight_transfer`` call (or admin body) may
     pass its own ``timeout_s``, which then bounds the group's collectives too."""
 
+    kv_transfer_backend: str = "auto"
+    """Prefill/decode disaggregation (docs/DISAGGREGATION.md): how a prefill engine's KV blocks reach
+    a decode engine: "auto" (NCCL between GPUs, CUDA IPC where both share one, gloo on CPU), "nccl",
+    "gloo" or "ipc"."""
+
     structured_outputs_backend: str = "auto"
     """Grammar library of ``SamplingParams.structured_outputs``: "auto" (xgrammar, and llguidance for
     what xgrammar serves badly: length-bounded JSON strings, long counted repetitions, Lark

@@ -12,7 +12,6 @@ Messages out (``Outbox.to_engine(slot, kind, *fields)`` / ``to_client(client, ki
 Ids the clients see are their own request ids; engines see the coordinator's."""
 from __future__ import annotations
 
-import logging
 import random
 import time
 from collections import Counter
@@ -23,14 +22,12 @@ from megatron_async.config.inference_config import DP_ENGINE_TIMEOUT_S
 from megatron_async.config.modes import DpRouting
 from megatron_async.coordinator.control_ops import ControlOperations
 from megatron_async.coordinator.controls import ControlBook
-from megatron_async.coordinator.engines import EngineInfo, EngineSlot, EngineState, EngineTable
+from megatron_async.coordinator.engine_events import EngineEvents
+from megatron_async.coordinator.engines import EngineSlot, EngineTable
 from megatron_async.coordinator.requests import OpenRequest, RequestTable, prompt_tokens
+from megatron_async.disaggregation.handoffs import HandOffs
 from megatron_async.inference.contexts.kv_block_allocator import prefix_digests
 from megatron_async.inference.dp_routing import PrefixView, place
-from megatron_async.inference.records import CheckedOutput
-from megatron_async.inference.request import RequestOutput, RequestUpdate
-
-log = logging.getLogger("megatron_async.coordinator")
 UNROUTED_TIMEOUT_S = 60.0
 """How long a request waits for an engine that takes requests (none registered, all draining)."""
 ENGINE_TIMEOUT_S = DP_ENGINE_TIMEOUT_S
@@ -44,7 +41,7 @@ class Outbox(Protocol):
     def to_client(self, client: Any, kind: str, *fields: Any) -> None: ...
 
 
-class CoordinatorCore(ControlOperations):
+class CoordinatorCore(EngineEvents, ControlOperations):
     def __init__(self, outbox: Outbox, policy: DpRouting | str = DpRouting.LOAD_BALANCED, alpha: float = 0.5,
                  unrouted_timeout_s: float = UNROUTED_TIMEOUT_S, seed: int = 0,
                  engine_timeout_s: float = ENGINE_TIMEOUT_S):
@@ -78,6 +75,8 @@ class CoordinatorCore(ControlOperations):
         self._shutdown_reply: tuple[Any, int] | None = None
         self.counts: Counter[str] = Counter()
         """routed, rerouted, failed_by_death, aborted_for_client, evicted_keys, timed_out, ..."""
+        self.handoffs = HandOffs(self)
+        """Requests between their prefill engine and their decode engine (disaggregation/handoffs.py)."""
 
     # ------------------------------------------------------------------ clients
     def client_joined(self, client: Any) -> None:
@@ -143,14 +142,14 @@ class CoordinatorCore(ControlOperations):
         if assign and slot.affinity and req.keys:
             self.view.assign(slot.index, req.keys, slot.submitted)
         reply = None if req.stream else self.replies.get(req.client)
-        self.outbox.to_engine(slot, "route", req.rid, slot.submitted, req.prompt, req.sampling, req.stream, req.digests,
+        self.outbox.to_engine(slot, self.handoffs.route_kind(slot), req.rid, slot.submitted, req.prompt, req.sampling, req.stream, req.digests,
                               None if reply is None else (reply, req.client_rid))
 
     def abort(self, client: Any, client_rid: int) -> None:
         req = self.requests.of_client(client, client_rid)
         if req is None:
             return
-        if req.engine is None:  # still waiting for an engine: it ends here
+        if req.engine is None or self.handoffs.abort(req):  # waiting for an engine, or in transfer: it ends here
             self.requests.end(req.rid)
             self._tell(req, "finished", [req.partial_output("abort", None)])
         else:  # its engine ends it; its final output comes back as any other
@@ -171,145 +170,14 @@ class CoordinatorCore(ControlOperations):
         self.requests.forget_client(client)
         self.controls.client_gone(client)
 
+    def end_with_error(self, req: OpenRequest, message: str) -> None:
+        """End ``req`` with "error" and its partial output."""
+        self.requests.end(req.rid)
+        self._tell(req, "finished", [req.partial_output("error", message)])
+
     def _tell(self, req: OpenRequest, kind: str, *fields: Any) -> None:
         if req.client in self.clients:
             self.outbox.to_client(req.client, kind, *fields)
-
-    # ------------------------------------------------------------------ engines
-    def engine_registered(self, peer: Any, info: EngineInfo) -> EngineSlot:
-        """A new engine (RegistrationError: it cannot join): it gets the current pause mode and
-        generation epoch, then the requests waiting for an engine."""
-        slot = self.engines.register(info, peer)
-        log.info("engine %d (%s) registered: %d request slots", slot.index, info.name, info.max_requests)
-        self.counts["registered"] += 1
-        if self.generation_epoch is not None:
-            self._internal_control(slot, "set_generation_epoch", {"epoch": self.generation_epoch})
-        if self.pause_mode is not None:
-            self._internal_control(slot, "pause_generation", {"mode": self.pause_mode})
-        if len(self.engines.slots) == 1:
-            for client in self.clients:  # the key space is known now
-                self.outbox.to_client(client, "info", self.info())
-        self._route_unrouted()
-        return slot
-
-    def _route_unrouted(self) -> None:
-        waiting = list(self.requests.unrouted.values())
-        self.requests.unrouted.clear()
-        for req in waiting:
-            if not req.keys:
-                req.hashed(self._digests(req.prompt, None, -1))
-            self._route([req])
-
-    def engine_heartbeat(self, slot: EngineSlot, load: int, free_blocks: int = 0) -> None:
-        slot.last_heard, slot.load, slot.free_blocks = time.monotonic(), load, free_blocks
-        self.counts["heartbeats"] += 1
-
-    def engine_outputs(self, slot: EngineSlot, seen_seq: int, updates: Sequence[RequestUpdate],
-                       finished: Sequence[RequestOutput | CheckedOutput], rejected: Sequence[tuple[int, str]] = (),
-                       failed: Sequence[tuple[int, str]] = (), evicted: Sequence[int] = (), load: int = 0,
-                       free_blocks: int = 0, hash_key: bytes | None = None, delivered: Sequence[int] = ()) -> None:
-        """One message of an engine: its step's updates and final outputs, requests it refused,
-        requests it failed (a step raised: they end with their partial output), the keys of the
-        blocks its cache reclaimed (having received submissions up to ``seen_seq``), its
-        unfinished request count and obtainable KV blocks, its cache's key when that changed, and
-        the requests whose final output it sent their client itself (they end here, untold)."""
-        slot.last_heard, slot.load, slot.free_blocks = time.monotonic(), load, free_blocks
-        if evicted:
-            self.counts["evicted_keys"] += len(evicted)
-            self.view.evict(slot.index, evicted, seen_seq)
-        if hash_key is not None and self.engines.key_changed(slot, hash_key):
-            for client in self.clients:
-                self.outbox.to_client(client, "info", self.info())
-        streams: dict[Any, list[RequestUpdate]] = {}
-        get = self.requests.get
-        for upd in updates:
-            req = get(upd.request_id)
-            if req is None or req.engine is not slot:
-                continue
-            req.land(upd)
-            if req.stream and req.client in self.clients:
-                streams.setdefault(req.client, []).append(upd._replace(request_id=req.client_rid))
-        for client, batch in streams.items():
-            self.outbox.to_client(client, "stream", batch)
-        self._finish(slot, finished)
-        for rid in delivered:
-            req = get(rid)
-            if req is not None and req.engine is slot:
-                self.requests.end(rid)
-                self.counts["delivered_directly"] += 1
-        for rid, message in rejected:
-            req = get(rid)
-            if req is not None and req.engine is slot:
-                self.requests.end(rid)
-                self._tell(req, "rejected", req.client_rid, message)
-        for rid, message in failed:
-            req = get(rid)
-            if req is not None and req.engine is slot:
-                self.requests.end(rid)
-                self._tell(req, "finished", [req.partial_output("error", message)])
-
-    def _finish(self, slot: EngineSlot, finished: Sequence[RequestOutput | CheckedOutput]) -> None:
-        """Only an output's ``request_id`` is read and set here: the engine's records pass on
-        to the clients as they came (messages read them as ``CheckedOutput``)."""
-        done: dict[Any, list[RequestOutput | CheckedOutput]] = {}
-        for out in finished:
-            req = self.requests.get(out.request_id)
-            if req is None or req.engine is not slot:
-                continue
-            self.requests.end(req.rid)
-            out.request_id = req.client_rid
-            if req.client in self.clients:
-                done.setdefault(req.client, []).append(out)
-        for client, outs in done.items():
-            self.outbox.to_client(client, "finished", outs)
-
-    def engine_left(self, slot: EngineSlot) -> None:
-        """It drained (or stopped) and said so: gone, nothing lost."""
-        self._remove(slot, died=False)
-
-    def engine_lost(self, slot: EngineSlot) -> None:
-        """Its connection closed (its process died or was killed)."""
-        if slot.state is not EngineState.GONE:
-            log.error("engine %d (%s) lost: %d requests on it", slot.index, slot.name,
-                      len(self.requests.on_engine(slot)))
-            self._remove(slot, died=True)
-
-    def engine_timed_out(self, slot: EngineSlot, silent_s: float) -> None:
-        """It sent nothing for ``silent_s`` (> ``engine_timeout_s``) with its connection open: dead,
-        as if the connection had closed. It is told so (``rejected`` -1: it must join again); what
-        it sends later is dropped and counted by the transport."""
-        if slot.state is EngineState.GONE:
-            return
-        log.error("engine %d (%s) silent for %.1f s: declared dead with %d requests on it", slot.index, slot.name,
-                  silent_s, len(self.requests.on_engine(slot)))
-        self.counts["timed_out"] += 1
-        self.outbox.to_engine(slot, "rejected", -1, f"declared dead after {silent_s:.1f} s without a message")
-        self._remove(slot, died=True, why=f" (no message from it for {silent_s:.0f} s)")
-
-    def _remove(self, slot: EngineSlot, died: bool, why: str = "") -> None:
-        """Each request still on it: routed again if it produced nothing yet, else ended with
-        "error" and its partial output."""
-        self.engines.remove(slot)
-        message = f"engine {slot.index} ({slot.name}) {'died' if died else 'left'}{why} while this request ran"
-        again = []
-        for req in self.requests.on_engine(slot):
-            if req.tokens:
-                self.counts["failed_by_death"] += 1
-                self.requests.end(req.rid)
-                self._tell(req, "finished", [req.partial_output("error", message)])
-            else:
-                self.counts["rerouted"] += 1
-                self.requests.unplace(req)
-                again.append(req)
-        for req in again:
-            self._route([req])
-        for pc in self.controls.engine_gone(slot.index, died):
-            self._answer(pc)
-        for client, op_id in self.controls.drains.pop(slot.index, []):
-            if client in self.clients:
-                self.outbox.to_client(client, "control_done", op_id, 200,
-                                      {"index": slot.index, "left": not died, "died": died})
-        self._check_stopped()
 
     # ------------------------------------------------------------------ messages, by kind
     _ENGINE_KINDS = {"outputs": "engine_outputs", "heartbeat": "engine_heartbeat", "control_done": "engine_control_done",
@@ -317,8 +185,15 @@ class CoordinatorCore(ControlOperations):
     _CLIENT_KINDS = {k: k for k in ("submit", "abort", "abort_all", "control", "drain", "shutdown", "reply_at")} | {
         "engines": "engines_query"}
 
+    _HANDOFF_KINDS = frozenset({"kv_ready", "kv_accepted", "kv_imported", "kv_failed", "kv_shared"})
+
     def engine_message(self, slot: EngineSlot, kind: str, fields: Sequence[Any]) -> None:
-        """A decoded message of a registered engine (dp_engine/link.py's kinds): any of them says it is alive."""
+        """A decoded message of a registered engine (dp_engine/link.py's kinds, the hand-off's): any
+        of them says it is alive."""
+        if kind in self._HANDOFF_KINDS:
+            slot.last_heard = time.monotonic()
+            getattr(self.handoffs, kind)(slot, *fields)
+            return
         if kind not in self._ENGINE_KINDS:
             raise ValueError(f"engines do not send {kind!r}")
         slot.last_heard = time.monotonic()
@@ -336,7 +211,8 @@ class CoordinatorCore(ControlOperations):
 
     def engines_query(self, client: Any, op_id: int) -> None:
         self.outbox.to_client(client, "control_done", op_id, 200,
-                              {"engines": self.engines.describe(), "counts": dict(self.counts), "wire": self.wire()})
+                              {"engines": self.engines.describe(), "counts": dict(self.counts), "wire": self.wire(),
+                               "transfers": self.handoffs.describe()})
 
     # ------------------------------------------------------------------ time
     def tick(self, now: float | None = None) -> None:
@@ -346,6 +222,8 @@ class CoordinatorCore(ControlOperations):
         for slot in self.engines.live():
             if now - slot.last_heard > self.engine_timeout_s:
                 self.engine_timed_out(slot, now - slot.last_heard)
+        self.handoffs.place_waiting()
+        self.handoffs.tick(now, self.unrouted_timeout_s)
         for req in list(self.requests.unrouted.values()):
             if now - req.queued_at > self.unrouted_timeout_s:
                 self.requests.end(req.rid)

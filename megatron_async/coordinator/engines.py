@@ -22,6 +22,11 @@ from typing import Any
 from megatron_async.inference.dp_routing import PrefixView
 
 
+ROLES = ("mixed", "prefill", "decode")
+"""An engine's part (docs/DISAGGREGATION.md): "mixed" computes prompts and decodes them; "prefill"
+computes prompts and hands each request to a "decode" engine after its first token."""
+
+
 class EngineState(str, Enum):
     ACTIVE = "active"  # takes new requests
     DRAINING = "draining"  # finishes its requests, takes no new ones, then leaves
@@ -42,6 +47,11 @@ class EngineInfo:
     block_size: int
     hash_key: bytes
     prefix_caching: bool
+    role: str = "mixed"
+    kv_address: str = ""
+    """A decode engine's store of transfer rendezvous ("host:port"; "" for the others)."""
+    kv_backend: str = "gloo"
+    """How it moves KV blocks (``InferenceConfig.kv_transfer_backend`` resolved on its device)."""
 
 
 @dataclass(eq=False)
@@ -63,6 +73,13 @@ class EngineSlot:
     """Unfinished requests it reported last (its own count, aborted ones it still steps included)."""
     free_blocks: int = 0
     """KV blocks it could hand out when it last said (free plus reclaimable cached ones)."""
+    kv_sent_blocks: int = 0
+    kv_received_blocks: int = 0
+    """KV blocks of hand-offs it sent / imported (counted at the decode engine's confirmation)."""
+
+    @property
+    def role(self) -> str:
+        return self.info.role
 
     @property
     def max_requests(self) -> int:
@@ -124,8 +141,12 @@ class EngineTable:
         return moved
 
     def routable(self) -> list[EngineSlot]:
-        """Engines that take new requests, by index."""
-        return [s for s in self.slots.values() if s.state is EngineState.ACTIVE]
+        """Engines that take new requests (every role but "decode"), by index."""
+        return [s for s in self.slots.values() if s.state is EngineState.ACTIVE and s.info.role != "decode"]
+
+    def decoders(self) -> list[EngineSlot]:
+        """Decode engines that take hand-offs, by index."""
+        return [s for s in self.slots.values() if s.state is EngineState.ACTIVE and s.info.role == "decode"]
 
     def live(self) -> list[EngineSlot]:
         """Engines that are connected (active or draining), by index."""
@@ -148,5 +169,6 @@ class EngineTable:
         """The engines as plain values (what a client's ``engines()`` gets)."""
         return [{"index": s.index, "name": s.name, "state": s.state.value, "pending": s.pending, "load": s.load,
                  "max_requests": s.max_requests, "affinity": s.affinity, "cached_keys": self.view.num_keys(s.index),
-                 "free_blocks": s.free_blocks, "capacity_blocks": s.info.capacity_blocks, "submitted": s.submitted}
+                 "free_blocks": s.free_blocks, "capacity_blocks": s.info.capacity_blocks, "submitted": s.submitted,
+                 "role": s.role, "kv_sent_blocks": s.kv_sent_blocks, "kv_received_blocks": s.kv_received_blocks}
                 for s in self.slots.values()]

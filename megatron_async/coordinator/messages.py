@@ -22,19 +22,22 @@ Fields after the type (ids are ints; "ints" = int64 little-endian bin):
   [rid], control [op id, op, args], drain [], rejected [-1, message] (registration refused, or declared dead),
   info [map].
 - engine -> coordinator: register [[name, max requests, KV capacity in blocks, block size, cache
-  key, prefix caching]], outputs [last submission seen, updates, [output] (read as checked
+  key, prefix caching, role ("mixed" | "prefill" | "decode"), KV store address "host:port" | "", KV
+  transfer backend]], outputs [last submission seen, updates, [output] (read as checked
   records, ``records.CheckedOutput``: the coordinator renumbers them and passes them on), rejected [[rid,
   message]], failed [[rid, message]], evicted keys ints, load, free blocks, new cache key | nil,
   delivered (rids whose output went to their client directly) ints], heartbeat [load, free blocks],
   control_done [op id, status, body map], leave [].
 - coordinator -> client: info [map], stream [updates], finished [[output]], rejected [id,
   message], control_done [op id, status, body].
-- engine -> client (its reply socket): finished [[output]] (ids the client's)."""
+- engine -> client (its reply socket): finished [[output]] (ids the client's).
+- the prefill / decode hand-off's (prefill, kv_*): disaggregation/messages.py."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from megatron_async.coordinator.engines import EngineInfo
+from megatron_async.coordinator.engines import ROLES, EngineInfo
+from megatron_async.disaggregation import messages as handoff
 from megatron_async.inference import records
 from megatron_async.inference.communication import wire
 from megatron_async.inference.communication import wire_fields as f
@@ -172,14 +175,19 @@ _type("control_done", 56, 3, lambda v: [_id(v[0]), f.int_(v[1], "status"), f.pla
 
 # ---------------------------------------------------------------------- engine -> coordinator
 def _read_register(v: list) -> list:
-    name, max_requests, capacity, block_size, key, caching = f.arity(v[0], 6, "register")
+    name, max_requests, capacity, block_size, key, caching, role, kv_address, kv_backend = f.arity(v[0], 9, "register")
+    role, kv_backend = f.str_(role, "role", 16), f.str_(kv_backend, "kv_backend", 8)
+    if role not in ROLES or kv_backend not in handoff.BACKENDS:
+        raise f.bad("role")
     return [EngineInfo(f.str_(name, "name", 256), f.int_(max_requests, "max_requests", 1),
                        f.int_(capacity, "capacity_blocks", 0), f.int_(block_size, "block_size", 1),
-                       f.bytes_(key, "hash_key"), f.bool_(caching, "prefix_caching"))]
+                       f.bytes_(key, "hash_key"), f.bool_(caching, "prefix_caching"), role,
+                       f.str_(kv_address, "kv_address", 256), kv_backend)]
 
 
 def _write_register(i: EngineInfo) -> list:
-    return [[i.name, i.max_requests, i.capacity_blocks, i.block_size, i.hash_key, i.prefix_caching]]
+    return [[i.name, i.max_requests, i.capacity_blocks, i.block_size, i.hash_key, i.prefix_caching, i.role,
+             i.kv_address, i.kv_backend]]
 
 
 def _read_outputs(v: list) -> list:
@@ -199,13 +207,16 @@ def _write_outputs(seen, updates, finished, rejected, failed, evicted, load, fre
 
 
 _type("register", 64, 1, _read_register, _write_register)
+for _name, _value, _arity, _reader, _writer in handoff.SPECS:  # the hand-off's (disaggregation/messages.py)
+    _type(_name, _value, _arity, _reader or (_read_route if _name == "prefill" else None),
+          _writer or (_WRITERS["route"][1] if _name == "prefill" else None))
 _type("outputs", 35, 10, _read_outputs, _write_outputs)
 _type("heartbeat", 65, 2, lambda v: [f.int_(v[0], "load", 0), f.int_(v[1], "free_blocks")])
 _type("leave", 67, 0)
 
 CLIENT_SENDS = frozenset({"submit", "abort", "abort_all", "control", "drain", "shutdown", "engines", "reply_at"})
-ENGINE_SENDS = frozenset({"register", "outputs", "heartbeat", "control_done", "leave"})
+ENGINE_SENDS = frozenset({"register", "outputs", "heartbeat", "control_done", "leave"}) | handoff.ENGINE_SENDS
 COORDINATOR_SENDS = frozenset({"route", "abort", "control", "drain", "rejected", "info", "stream", "finished",
-                               "control_done"})
+                               "control_done"}) | handoff.COORDINATOR_SENDS
 ENGINE_REPLIES = frozenset({"finished"})
 """What an engine sends on a client's reply socket."""

@@ -65,16 +65,21 @@ class CoordinatorChannel:
         self.peer.close()
 
 
-def join(llm, address: str, name: str | None = None, secret: bytes | str | None = None):
+def join(llm, address: str, name: str | None = None, secret: bytes | str | None = None, role: str = "mixed",
+         kv_transfer_backend: str | None = None):
     """An ``EngineLink`` serving ``llm``'s engine to the coordinator at ``address``, registered
-    (not yet running: ``run()`` here, or ``start()`` on a thread)."""
+    (not yet running: ``run()`` here, or ``start()`` on a thread). ``role``: "mixed", "prefill" or
+    "decode" (docs/DISAGGREGATION.md); ``kv_transfer_backend``: None, the engine's
+    ``InferenceConfig.kv_transfer_backend``."""
     from megatron_async.dp_engine.link import EngineLink
 
     name = name or f"{socket.gethostname()}:{os.getpid()}"
     channel = CoordinatorChannel(address, name, secret)
     try:
         link = EngineLink(llm.engine, channel, llm.config.max_requests, name, llm.update_weights,
-                          llm.communicator if llm.tensor_parallel_size > 1 else None)
+                          llm.communicator if llm.tensor_parallel_size > 1 else None, role=role,
+                          kv_transfer_backend=kv_transfer_backend or llm.config.kv_transfer_backend,
+                          address=address)
         channel.register(link.info())
     except BaseException:
         channel.close()
@@ -128,7 +133,7 @@ def serve_engine(llm, args) -> int:
         if args.listen:
             proc, address = spawn_configured_coordinator(args.listen, llm.config)
         try:
-            link = join(llm, address, args.engine_name)
+            link = join(llm, address, args.engine_name, role=args.role, kv_transfer_backend=args.kv_transfer_backend)
         except (SecretError, RegistrationError, RuntimeError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -152,7 +157,7 @@ class CoordinatorService:
     coordinator process it started (``listen``), and its engine served to the coordinator on a
     thread (rank 0; under tensor parallelism the other ranks follow rank 0's steps on a thread)."""
 
-    def __init__(self, llm, listen: str | None, join_address: str | None):
+    def __init__(self, llm, listen: str | None, join_address: str | None, role: str = "mixed"):
         self.process: subprocess.Popen | None = None
         self.link = None
         self._follower = None
@@ -169,7 +174,7 @@ class CoordinatorService:
         try:
             if listen is not None:
                 self.process, self.address = spawn_configured_coordinator(listen, llm.config)
-            self.link = join(llm, self.address)
+            self.link = join(llm, self.address, role=role)
             self.link.start()
         except BaseException:
             self.close()

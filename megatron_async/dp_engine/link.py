@@ -20,7 +20,8 @@ stops vouching for the engine, and the coordinator moves its requests.
 
 Messages in (``channel.poll``; coordinator/messages.py): ``route`` (rid, submission number, prompt,
 sampling map, stream, the prompt's block digests: the engine reads them instead of hashing it),
-``abort`` (rid), ``control`` (op id, op, args), ``drain`` (). Out (``channel.send``):
+``abort`` (rid), ``control`` (op id, op, args), ``drain`` (); a prefill or decode engine's
+hand-off messages (``prefill``, ``kv_*``) go to its ``handoffs`` (disaggregation/engine_side.py). Out (``channel.send``):
 ``outputs`` (last submission number received, [RequestUpdate], [RequestOutput], rejected
 [(rid, message)], failed [(rid, message)], evicted keys, load, free KV blocks, new cache key |
 None), ``heartbeat`` (load, free KV blocks), ``control_done`` (op id, status, body), ``leave`` ()."""
@@ -36,21 +37,21 @@ from megatron_async.inference.dp_routing import keys_of
 from megatron_async.inference.communication.wire import WireError
 from megatron_async.inference.records import decode_sampling
 from megatron_async.inference.request import InvalidRequestError
-from megatron_async.dp_engine.engine_ops import EVERY_RANK_OPS, Deferred, run_engine_op
+from megatron_async.dp_engine.engine_ops import Deferred
+from megatron_async.dp_engine.link_controls import DEFERRED_POLL_S, LinkControls
+from megatron_async.dp_engine.liveness import HEARTBEAT_S, Liveness
 
 log = logging.getLogger("megatron_async.dp_engine")
-HEARTBEAT_S = 1.0
-"""An engine says it is there (and its load) when it sent nothing for this long."""
 STEP_WATCHDOG_S = 600.0
 """Longest step (or control operation) during which the heartbeat thread still vouches for the engine."""
 DELIVERED_FLUSH_S = 0.005
 """The ends of requests answered directly (direct_replies.py) ride the next outputs message, or
 leave on their own this long after the first: the coordinator's wake-up for them stays off the
 requests' path (a core it would take from their clients on a small host)."""
+HANDOFF_POLL_S = 0.002
+"""How long an idle engine sleeps between looks at its KV transfers in flight."""
 MAX_FAILED_STEPS = 3
 """Consecutive failed steps after which the link stops stepping for the requests it failed."""
-DEFERRED_POLL_S = 0.05
-"""Longest idle wait for messages while a control operation waits off the loop (``Deferred``)."""
 
 
 class EngineChannel(Protocol):
@@ -61,30 +62,16 @@ class EngineChannel(Protocol):
     def send(self, kind: str, *fields: Any) -> None: ...
 
 
-class _Working:
-    """``with link._working():`` (a class, not a generator: it wraps every step)."""
-
-    __slots__ = ("link",)
-
-    def __init__(self, link: EngineLink):
-        self.link = link
-
-    def __enter__(self) -> None:
-        with self.link._lock:
-            self.link._working_since = time.monotonic()
-
-    def __exit__(self, *exc) -> None:
-        with self.link._lock:
-            self.link._working_since = None
-
-
-class EngineLink:
+class EngineLink(LinkControls):
     def __init__(self, engine, channel: EngineChannel, max_requests: int, name: str = "engine",
-                 update_weights: Callable | None = None, communicator=None, step_watchdog_s: float = STEP_WATCHDOG_S):
+                 update_weights: Callable | None = None, communicator=None, step_watchdog_s: float = STEP_WATCHDOG_S,
+                 role: str = "mixed", kv_transfer_backend: str = "auto", address: str = ""):
         """``update_weights``: the LLM's (control op "update_weights" with a checkpoint ``path``);
         ``communicator``: tensor parallelism: this link runs on rank 0 and tells the other ranks
         (``follow_rank0``) to step, and to run the operations every rank runs. ``step_watchdog_s``:
-        heartbeats stop once one step or operation has run this long (the engine is hung)."""
+        heartbeats stop once one step or operation has run this long (the engine is hung).
+        ``role``: "mixed", or "prefill" / "decode" with the hand-off's ``kv_transfer_backend``
+        (disaggregation/engine_side.py; ``address``: the coordinator's)."""
         self.engine, self.channel = engine, channel
         self.max_requests, self.name = max_requests, name
         self._update_weights, self._comm = update_weights, communicator
@@ -110,28 +97,39 @@ class EngineLink:
         self._stop_reply: tuple[int, tuple[int, Any]] | None = None
         self._deferred: list[tuple[int, str, Deferred]] = []  # (op id, op, operation) waiting off this thread
         self._paused_idle = False
-        self._last_sent = time.monotonic()
-        self.step_watchdog_s = step_watchdog_s
-        self._lock = threading.Lock()  # the channel is the heartbeat thread's while _working_since is set
-        self._working_since: float | None = None
-        self._beat = (0, alloc.num_available)  # load and free blocks a heartbeat reports
+        self.liveness = Liveness(channel, step_watchdog_s, (0, alloc.num_available))  # (liveness.py)
         self._declared_dead: str | None = None
         self._thread: threading.Thread | None = None
         self.ended: str | None = None
         """Why ``run`` returned: "left" (drained or stopped), "coordinator lost" or "declared dead"."""
+        self.role = role
+        self.handoffs = None
+        if role != "mixed":
+            if communicator is not None:
+                raise ValueError(f"role={role!r} needs an engine of one rank (no tensor parallelism)")
+            from megatron_async.disaggregation.engine_side import EngineHandOffs
+
+            self.handoffs = EngineHandOffs(self, role, kv_transfer_backend, address)
 
     def info(self) -> EngineInfo:
         alloc = self._alloc
+        h = self.handoffs
         return EngineInfo(self.name, self.max_requests, alloc.capacity, self.engine.context.block_size, alloc.hash_key,
-                          alloc.enable_prefix_caching)
+                          alloc.enable_prefix_caching, self.role, h.kv_address if h else "", h.backend if h else "gloo")
 
     # ---------------------------------------------------------------- messages in
     def handle(self, kind: str, fields: tuple) -> None:
         self._paused_idle = False
         if kind == "route":
-            self._submit(*fields)
+            self.submit(*fields)
+        elif kind == "prefill" and self.handoffs is not None:
+            self.handoffs.prefill(fields)
+        elif self.handoffs is not None and kind in self.handoffs.INBOUND:
+            self.handoffs.handle(kind, fields)
         elif kind == "abort":
             local = self._engine_id.get(fields[0])
+            if local is None and self.handoffs is not None:  # (a prefill still waiting for room: admitted to end)
+                local = self.handoffs.admit_waiting(fields[0])
             if local is not None:
                 self.engine.abort_request(local)
         elif kind == "control":
@@ -141,8 +139,8 @@ class EngineLink:
         elif kind == "rejected":
             self._declared_dead = fields[1]
 
-    def _submit(self, rid: int, seq: int, prompt, params, stream: bool, digests: bytes = b"",
-                reply: tuple[str, int] | None = None) -> None:
+    def submit(self, rid: int, seq: int, prompt, params, stream: bool, digests: bytes = b"",
+               reply: tuple[str, int] | None = None) -> int | None:
         self._seen_seq = max(self._seen_seq, seq)
         if self._leaving == "stop":
             self._rejected.append((rid, "the engine is stopping"))
@@ -162,6 +160,12 @@ class EngineLink:
             log.exception("add_request failed unexpectedly")
             self._rejected.append((rid, f"the engine could not admit this request: {type(e).__name__}: {e}"))
             return
+        self.track(rid, seq, local, stream, reply)
+        return local
+
+    def track(self, rid: int, seq: int, local: int, stream: bool, reply: tuple[str, int] | None) -> None:
+        """Engine request ``local`` serves the coordinator's ``rid`` (its outputs go there, or to its client)."""
+        self._seen_seq = max(self._seen_seq, seq)
         self._rid_of[local], self._engine_id[rid] = rid, local
         if not stream:
             self._quiet.add(local)
@@ -169,36 +173,14 @@ class EngineLink:
                 self._reply_of[local] = reply
                 self._replies.prepare(reply[0])
 
-    def _control(self, op_id: int, op: str, args: dict) -> None:
-        if op == "stop":
-            self._leaving = "stop"
-            for local in list(self._rid_of):
-                self.engine.abort_request(local)
-            self._stop_reply = (op_id, (200, {"stopped": True}))
-            return
-        with self._working():
-            if op in EVERY_RANK_OPS:
-                self._tell_ranks(("admin", op, args))  # the other TP ranks run it too (follow_rank0)
-            outcome = run_engine_op(self.engine, op, args, self._update_weights)
-        if isinstance(outcome, Deferred):  # it waits off this thread: settled at a later turn once done
-            self._deferred.append((op_id, op, outcome))
-            return
-        self._control_done(op_id, outcome)
-
-    def _control_done(self, op_id: int, outcome: tuple[int, dict]) -> None:
-        self.channel.send("control_done", op_id, *outcome)
-        self._last_sent = time.monotonic()
-
-    def _settle(self) -> None:
-        """Finish the deferred operations whose wait ended (between two steps)."""
-        for entry in [e for e in self._deferred if e[2].done()]:
-            self._deferred.remove(entry)
-            op_id, op, deferred = entry
-            with self._working():
-                if op in EVERY_RANK_OPS:
-                    self._tell_ranks(("settle", op))
-                outcome = deferred.settle()
-            self._control_done(op_id, outcome)
+    def detach(self, local: int) -> int | None:
+        """Forget engine request ``local`` (it continues on another engine); its rid."""
+        rid = self._rid_of.pop(local, None)
+        if rid is not None:
+            del self._engine_id[rid]
+        self._quiet.discard(local)
+        self._reply_of.pop(local, None)
+        return rid
 
     # ---------------------------------------------------------------- the loop
     def busy(self) -> bool:
@@ -208,7 +190,7 @@ class EngineLink:
         """Serve until drained / stopped ("left"), the coordinator is gone ("coordinator lost") or
         it declared this engine dead ("declared dead")."""
         done = threading.Event()
-        beats = threading.Thread(target=self._heartbeats, args=(done,), name="megatron-async-heartbeat", daemon=True)
+        beats = threading.Thread(target=self.liveness.run, args=(done,), name="megatron-async-heartbeat", daemon=True)
         beats.start()
         try:
             while stop is None or not stop.is_set():
@@ -220,25 +202,13 @@ class EngineLink:
             done.set()
             beats.join()
 
-    def _working(self) -> _Working:
-        """A step or an operation runs on this thread: the heartbeat thread owns the channel meanwhile."""
-        return _Working(self)
+    @property
+    def step_watchdog_s(self) -> float:
+        return self.liveness.watchdog_s
 
-    def _heartbeats(self, done: threading.Event) -> None:
-        """While ``run`` runs: a heartbeat when nothing was sent for ``HEARTBEAT_S`` and the loop is
-        inside a step that has not yet run for ``step_watchdog_s`` (between steps the loop sends them)."""
-        stuck = None
-        while not done.wait(HEARTBEAT_S / 4):
-            with self._lock:
-                since, now = self._working_since, time.monotonic()
-                if since is None or now - self._last_sent < HEARTBEAT_S:
-                    continue
-                if now - since <= self.step_watchdog_s:
-                    self.channel.send("heartbeat", *self._beat)
-                    self._last_sent = now
-                elif stuck != since:
-                    stuck = since
-                    log.error("one step has run for %.0f s: no more heartbeats until it returns", now - since)
+    @step_watchdog_s.setter
+    def step_watchdog_s(self, seconds: float) -> None:
+        self.liveness.watchdog_s = seconds
 
     def turn(self, wait: bool = True) -> str | None:
         """One turn of the loop: take what arrived (waiting up to ``HEARTBEAT_S`` when idle and
@@ -248,6 +218,8 @@ class EngineLink:
             max(0.0, self._delivered_at + DELIVERED_FLUSH_S - time.monotonic())  # (their ends leave on time)
         if self._deferred:  # (their end is noticed here: the wait stays short)
             wait_s = min(wait_s, DEFERRED_POLL_S)
+        if self.handoffs is not None and self.handoffs.in_flight():
+            wait_s = min(wait_s, HANDOFF_POLL_S)
         for kind, fields in self.channel.poll(wait_s if idle and wait else 0.0):
             self.handle(kind, fields)
         if self._deferred:
@@ -263,19 +235,21 @@ class EngineLink:
             self._send_outputs([], [])  # rejections, evicted keys (an abort while paused)
             if self._leaving is not None and not self.busy():
                 return self._end("left")
+        if self.handoffs is not None:
+            self.handoffs.poll()
         now = time.monotonic()
         if self._replies is not None and now >= self._next_sweep:
             self._replies.sweep()  # (links to clients that are gone)
             self._next_sweep = now + HEARTBEAT_S
-        if now - self._last_sent >= HEARTBEAT_S:  # (steps without outputs: a long prompt's chunks)
-            self._beat = (len(self._rid_of), self._alloc.num_available)
-            self.channel.send("heartbeat", *self._beat)
-            self._last_sent = time.monotonic()
+        if now - self.liveness.last_sent >= HEARTBEAT_S:  # (steps without outputs: a long prompt's chunks)
+            self.liveness.beat = (len(self._rid_of), self._alloc.num_available)
+            self.channel.send("heartbeat", *self.liveness.beat)
+            self.liveness.last_sent = time.monotonic()
         return None
 
     def _step(self) -> None:
         failure = None
-        with self._working():
+        with self.liveness.working():
             self._tell_ranks("step")
             try:
                 res = self.engine.step()
@@ -288,6 +262,8 @@ class EngineLink:
         self._failed_steps = 0
         if res.step_id < 0 and not res.finished and not res.updates and self.engine.is_paused:
             self._paused_idle = True  # paused with nothing to land: wait for a message
+        if self.handoffs is not None:
+            self.handoffs.landed(res)  # (requests that continue on a decode engine)
         updates, finished, rid_of, quiet = [], [], self._rid_of, self._quiet
         for upd in res.updates:  # the coordinator keeps them (a dead engine's partial outputs)
             rid = rid_of.get(upd.request_id)
@@ -355,10 +331,10 @@ class EngineLink:
         self._key = key
         rejected, failed, self._rejected, self._failed = self._rejected, self._failed, [], []
         delivered, self._delivered = self._delivered, []
-        self._beat = (len(self._rid_of), self._alloc.num_available)
-        self.channel.send("outputs", self._seen_seq, updates, finished, rejected, failed, keys, *self._beat, new_key,
+        self.liveness.beat = (len(self._rid_of), self._alloc.num_available)
+        self.channel.send("outputs", self._seen_seq, updates, finished, rejected, failed, keys, *self.liveness.beat, new_key,
                           delivered)
-        self._last_sent = time.monotonic()
+        self.liveness.last_sent = time.monotonic()
 
     def _end(self, why: str) -> str:
         if why != "left":
@@ -377,6 +353,8 @@ class EngineLink:
                 self.channel.send("control_done", self._stop_reply[0], *self._stop_reply[1])
             self.channel.send("leave")
         self._tell_ranks("stop")
+        if self.handoffs is not None:
+            self.handoffs.close()
         self.ended = why
         return why
 

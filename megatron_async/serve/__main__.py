@@ -91,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--engine", default=None, metavar="ADDR",
                        help="serve HTTP over the engines behind the coordinator at ADDR (no engine in this process)")
     c.add_argument("--engine-name", default=None, help="how the coordinator calls this engine (default host:pid)")
+    c.add_argument("--role", default="mixed", choices=["mixed", "prefill", "decode"],
+                   help="with --join: this engine computes prompts and decodes them (mixed), or only computes "
+                        "prompts and their first token (prefill) or only decodes what a prefill engine hands it "
+                        "(decode): docs/DISAGGREGATION.md")
+    c.add_argument("--kv-transfer-backend", default=None, choices=["auto", "nccl", "gloo", "ipc"],
+                   help="with --role prefill|decode: how KV blocks move between the engines (default: "
+                        "InferenceConfig.kv_transfer_backend, auto: nccl on CUDA, gloo on the CPU)")
     return p
 
 

@@ -116,9 +116,10 @@ class DynamicInferenceContext:
         return self.blocks_for(total_tokens) <= self.allocator.capacity
 
     # ------------------------------------------------------------------ resources (the book changes the status)
-    def admit(self, req: DynamicInferenceRequest) -> int:
-        """Give a waiting request its slots and the matching cached prefix blocks. Returns the
-        prefix tokens those blocks hold (their prefill is skipped; the book counts them computed)."""
+    def admit(self, req: DynamicInferenceRequest, transferred: list[int] | None = None) -> int:
+        """Give a waiting request its slots and the matching cached prefix blocks, or ``transferred``:
+        blocks of this pool that hold its prompt's KV from another engine (disaggregation/). Returns
+        the prefix tokens those blocks hold (their prefill is skipped; the book counts them computed)."""
         assert req.status == Status.WAITING and not req.block_ids and req.num_inflight == 0
         req.weights_epoch = self.weights_epoch
         if self.lora is not None:
@@ -130,7 +131,9 @@ class DynamicInferenceContext:
         self.sampling_state.assign(req)
         if self.spec is not None:
             self.spec.assign(req)
-        hit = self.prefix.match(req)
+        if transferred is not None:
+            req.block_ids = list(transferred)
+        hit = self.prefix.match(req) if transferred is None else len(req.prompt_tokens)
         self._decode_rows.assign(req)
         self.sharing.admitted(req, hit)
         return hit

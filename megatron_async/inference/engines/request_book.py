@@ -11,7 +11,7 @@ a row without drafts taking one pass of its inner loop."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from megatron_async.inference.engines.prompt_log_probs import land_prompt_scores
 from megatron_async.inference.request import DynamicInferenceRequest, FinishReason, Status
@@ -57,6 +57,9 @@ class RequestBook:
         ``Scheduler.release_finishing`` needs to look for."""
         self.fast_landings = 0
         """Launches that landed without drafts, one sample per row (EngineStats.fast_landings)."""
+        self.on_release: Callable[[DynamicInferenceRequest], None] | None = None
+        """Called with a request before its blocks and slots go back (disaggregation: a prompt
+        computed for another engine keeps its blocks until they were sent)."""
 
     # ------------------------------------------------------------------ admission / endings
     def admit(self, req: DynamicInferenceRequest) -> None:
@@ -68,10 +71,11 @@ class RequestBook:
         if self.spec_policy is not None and self.spec_policy.enabled:
             self.spec_policy.admit(req)
 
-    def activate(self, req: DynamicInferenceRequest) -> int:
+    def activate(self, req: DynamicInferenceRequest, transferred: list[int] | None = None) -> int:
         """A waiting request becomes active with its slots; the positions of the cached prefix
-        blocks the context matched count as computed. Returns those prefix tokens."""
-        hit = self.ctx.admit(req)
+        blocks the context matched (or of its ``transferred`` blocks) count as computed. Returns
+        those prefix tokens."""
+        hit = self.ctx.admit(req, transferred)
         req.status = Status.ACTIVE
         req.num_computed_tokens = hit
         return hit
@@ -87,6 +91,8 @@ class RequestBook:
         """End ``req`` (any state): its blocks and slots go back; a row it has in flight is
         discarded when that launch lands."""
         req.finish_reason, req.error = reason, error
+        if self.on_release is not None:
+            self.on_release(req)
         self.ctx.release(req)
         req.status = Status.FINISHED
 
@@ -94,6 +100,8 @@ class RequestBook:
         """Its in-flight sample surely finishes it by length (``release_finishing``):
         its blocks and slots go back now, ``land`` finishes it."""
         assert req.num_inflight > 0
+        if self.on_release is not None:
+            self.on_release(req)
         self.ctx.release(req)
 
     def release_finishing(self) -> None:

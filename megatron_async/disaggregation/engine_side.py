@@ -1,0 +1,280 @@
+"""An engine's side of the hand-off, beside its coordinator link (dp_engine/link.py): the state
+of each request it hands off or takes over, and the pair connections its KV travels on.
+
+Prefill engine, per request: PREFILLING (queued with ``prefill``: capped at its first token) ->
+READY (the token landed: it rode the step's outputs, without its text, which the decode engine
+streams; kv_ready sent, the blocks kept) -> SENDING (kv_send: packed and queued on the pair's
+connection) -> freed at kv_release (the decode engine holds it, or is gone). A request that
+truly ends at its first token (EOS, a stop word, an abort) ends here as on a mixed engine.
+
+Decode engine, per request: DEFERRED (kv_import while it has no request place or blocks: it
+waits, in order; never allocates past its pool) -> RECEIVING (blocks allocated, the receive
+queued, kv_accepted sent) -> admitted decoding (kv_imported), or freed (kv_cancel, a broken
+connection: kv_failed)."""
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from megatron_async.disaggregation import ipc_share
+from megatron_async.disaggregation.kv_import import PrefillHold, admit_decoding, allocate, cached_prefix, room_for
+from megatron_async.disaggregation.kv_layout import KVLayout
+from megatron_async.disaggregation.transfer import PairChannel, Rendezvous, resolve_backend, store_host
+from megatron_async.inference.records import decode_sampling
+
+log = logging.getLogger("megatron_async.disaggregation")
+INBOUND = frozenset({"kv_import", "kv_send", "kv_release", "kv_cancel", "kv_shared"})
+
+
+def _tag(rid: int) -> int:
+    return rid % (1 << 31)
+
+
+class EngineHandOffs:
+    INBOUND = INBOUND
+
+    def __init__(self, link, role: str, backend: str, coordinator_address: str):
+        engine = link.engine
+        self.link, self.engine, self.role = link, engine, role
+        device = engine.context.kv_caches[0].device if engine.context.kv_caches else engine.context.device.device
+        self.device = device
+        self.backend = resolve_backend(backend, device)
+        self.layout = KVLayout(engine.context)
+        self.rendezvous = Rendezvous(store_host(coordinator_address)) if role == "decode" else None
+        if self.backend == "ipc" and device.type == "cpu":
+            ipc_share.prepare_host_sharing()
+        self.shared: dict[int, object] = {}  # rid -> the packed blocks an "ipc" pair shares
+        self.hold = PrefillHold(engine) if role == "prefill" else None
+        self.channels: dict[str, PairChannel] = {}
+        self.handed: list[int] = []  # engine ids that stopped at their first token, kv_ready not yet sent
+        self.ready: dict[int, int] = {}  # rid -> engine id, blocks kept (READY, SENDING)
+        self.sending: dict[int, int] = {}  # rid -> blocks queued to send
+        self.deferred: deque[list] = deque()  # kv_import fields waiting for room
+        self.waiting: deque[list] = deque()  # prefill submissions waiting for room beside the kept blocks
+        self.receiving: dict[int, tuple[list, list[int], int]] = {}  # rid -> (kv_import fields, blocks, cached)
+        self.cancelled: set[int] = set()  # rids cancelled while their receive was queued
+        self.kv_sent_blocks = self.kv_received_blocks = self.kv_cached_blocks = self.deferred_imports = 0
+
+    @property
+    def kv_address(self) -> str:
+        return self.rendezvous.address if self.rendezvous is not None else ""
+
+    def in_flight(self) -> bool:
+        """Transfers queued on a connection (the loop polls them instead of sleeping)."""
+        return any(channel.pending for channel in self.channels.values())
+
+    # ---------------------------------------------------------------- prefill side
+    def prefill(self, fields: list) -> None:
+        """A ``prefill`` submission: queued as a route's is (link.py), capped at its first token,
+        once the blocks this engine keeps for transfers leave room for its whole prompt (else it
+        waits here, in order: kept blocks must never starve the prompts being computed)."""
+        self.waiting.append(fields)
+        self._admit_prefills()
+
+    def _admit_prefills(self) -> None:
+        while self.waiting and self.hold.fits(self.waiting[0][2]):
+            fields = self.waiting.popleft()
+            self.hold.submit(lambda: self.link.submit(*fields))
+
+    def admit_waiting(self, rid: int | None = None) -> int | None:
+        """Queue the waiting ``prefill`` of ``rid`` (None: every one) now, uncapped, to be
+        aborted (its end reported as any other's); its engine id."""
+        local = None
+        for fields in [f for f in self.waiting if rid is None or f[0] == rid]:
+            self.waiting.remove(fields)
+            local = self.link.submit(*fields)
+        return local
+
+    def landed(self, res) -> None:
+        """A step's outputs: requests that stopped at their first token leave ``res.finished``
+        (they continue elsewhere) and their update is an unfinished one without text."""
+        if self.hold is None or not res.finished:
+            return
+        handed = {out.request_id for out in res.finished
+                  if self.hold.handed(out.request_id, out.finish_reason, len(out.generated_tokens))}
+        if not handed:
+            return
+        res.finished[:] = [o for o in res.finished if o.request_id not in handed]
+        res.updates[:] = [u._replace(finished=False, finish_reason=None, new_text=None) if u.request_id in handed
+                          else u for u in res.updates]
+        self.handed += handed
+
+    def _send(self, rid: int, pair, cached: int = 0) -> None:
+        local = self.ready.get(rid)
+        if local is None:
+            self.link.channel.send("kv_failed", rid, "the prefill engine holds no blocks for it")
+            return
+        self.sending[rid] = self.hold.num_blocks(local) - cached
+        if pair[3] == "ipc":
+            try:
+                self.shared[rid], payload = ipc_share.share(self.hold.pack(local, cached))
+            except Exception as e:  # noqa: BLE001 -- this transfer fails alone
+                self.link.channel.send("kv_failed", rid, f"could not share the blocks: {type(e).__name__}: {e}")
+                return
+            self.kv_sent_blocks += self.sending[rid]
+            self.link.channel.send("kv_shared", rid, payload)
+            return
+        channel = self._channel(pair)
+        channel.send(_tag(rid), self.hold.pack(local, cached).to(channel.device))
+
+    def _release(self, rid: int) -> None:
+        local = self.ready.pop(rid, None)
+        if local is not None:
+            self.hold.release(local)
+        self.sending.pop(rid, None)
+        self.shared.pop(rid, None)
+
+    # ---------------------------------------------------------------- decode side
+    def _try_imports(self) -> None:
+        while self.deferred:
+            fields = self.deferred[0]
+            blocks = fields[10]
+            if fields[11][3] == "local":
+                if not room_for(self.engine, 0, len(self.receiving)):
+                    return
+                self.deferred.popleft()
+                self._adopt(fields)
+                continue
+            cached = cached_prefix(self.engine, fields[2], fields[5], blocks)
+            if not room_for(self.engine, blocks - len(cached), len(self.receiving)):
+                return
+            self.deferred.popleft()
+            block_ids = allocate(self.engine, blocks, cached)
+            if fields[11][3] != "ipc":  # (an ipc pair's blocks arrive as kv_shared)
+                channel = self._channel(fields[11])
+                channel.recv(_tag(fields[0]), self.layout.empty(blocks - len(cached), channel.device))
+            self.receiving[fields[0]] = (fields, block_ids, len(cached))
+            self.kv_cached_blocks += len(cached)
+            self.link.channel.send("kv_accepted", fields[0], len(cached))
+
+    def _imported(self, rid: int, buf, error: str | None) -> None:
+        fields, block_ids, cached = self.receiving.pop(rid, (None, None, 0))
+        if fields is None:
+            return
+        if error is None and rid not in self.cancelled:
+            rid, seq, prompt, sampling, stream, digests, reply, tokens, lps, version, blocks, _ = fields
+            try:
+                params = decode_sampling(sampling, frozen=False)
+                local = admit_decoding(self.engine, self.layout, prompt, params, digests, tokens, lps, version,
+                                       block_ids, buf, cached)
+            except Exception as e:  # noqa: BLE001 -- refused alone: its blocks go back
+                error = f"the decode engine could not admit it: {type(e).__name__}: {e}"
+            else:
+                self.kv_received_blocks += blocks - cached
+                self.link.track(rid, seq, local, stream, reply)
+                self.link.channel.send("kv_imported", rid, blocks - cached)
+                return
+        self.engine.context.allocator.release(block_ids)
+        if rid not in self.cancelled:
+            self.link.channel.send("kv_failed", rid, error)
+        self.cancelled.discard(rid)
+
+    def _adopt(self, fields: list) -> None:
+        """No decode engine is left: this prefill engine decodes the request with the blocks it kept."""
+        rid, seq, prompt, sampling, stream, digests, reply, tokens, lps, version, blocks, _ = fields
+        local = self.ready.pop(rid, None)
+        if local is None:
+            self.link.channel.send("kv_failed", rid, "the prefill engine holds no blocks for it")
+            return
+        block_ids, state = self.hold.take(local)
+        try:
+            new = admit_decoding(self.engine, self.layout, prompt, decode_sampling(sampling, frozen=False), digests,
+                                 tokens, lps, version, block_ids, None, len(block_ids), state)
+        except Exception as e:  # noqa: BLE001 -- refused alone: its blocks go back
+            self.engine.context.allocator.release(block_ids)
+            self.link.channel.send("kv_failed", rid, f"could not decode it here: {type(e).__name__}: {e}")
+            return
+        self.link.track(rid, seq, new, stream, reply)
+        self.link.channel.send("kv_imported", rid, 0)
+
+    def _mapped(self, rid: int, payload: dict) -> None:
+        """An "ipc" pair's blocks: mapped, copied into this engine's blocks, unmapped."""
+        if rid not in self.receiving:
+            return
+        fields, block_ids, cached = self.receiving[rid]
+        try:
+            buf = ipc_share.open_shared(payload, self.layout.nbytes(len(block_ids) - cached))
+        except Exception as e:  # noqa: BLE001 -- this import fails alone
+            self._imported(rid, None, f"could not map the shared blocks: {type(e).__name__}: {e}")
+            return
+        self._imported(rid, buf, None)
+
+    def _cancel(self, rid: int) -> None:
+        for fields in self.deferred:
+            if fields[0] == rid:
+                self.deferred.remove(fields)
+                return
+        if rid in self.receiving:
+            self.cancelled.add(rid)  # its blocks go back when its receive ends (the buffer is the transfer's)
+            if self.receiving[rid][0][11][3] == "ipc":  # (nothing posted: now)
+                self._imported(rid, None, "cancelled")
+            return
+        self.link.handle("abort", (rid,))  # already decoding here
+
+    # ---------------------------------------------------------------- both
+    def handle(self, kind: str, fields: list) -> None:
+        if kind == "kv_import":
+            self.deferred.append(fields)
+            if len(self.deferred) > 1 or not room_for(self.engine, fields[10], len(self.receiving)):
+                self.deferred_imports += 1
+        elif kind == "kv_send":
+            self._send(*fields)
+        elif kind == "kv_release":
+            self._release(fields[0])
+        elif kind == "kv_cancel":
+            self._cancel(fields[0])
+        elif kind == "kv_shared":
+            self._mapped(*fields)
+
+    def poll(self) -> None:
+        """Once a loop turn, after the step's outputs were sent: announce the requests that
+        stopped at their first token, admit deferred imports, land finished transfers."""
+        for local in self.handed:
+            rid = self.link.detach(local)
+            if rid is None:  # (not the coordinator's: freed)
+                self.hold.release(local)
+                continue
+            self.ready[rid] = local
+            self.link.channel.send("kv_ready", rid, self.hold.num_blocks(local), self.engine.weight_version)
+        self.handed.clear()
+        if self.waiting:
+            self._admit_prefills()
+        if self.deferred:
+            self._try_imports()
+        for channel in self.channels.values():
+            for tag, buf, error in channel.take_done():
+                self._landed(tag, buf, error)
+
+    def _landed(self, tag: int, buf, error: str | None) -> None:
+        if self.role == "decode":
+            rid = next((r for r in self.receiving if _tag(r) == tag), None)
+            if rid is not None:
+                self._imported(rid, buf, error)
+            return
+        rid = next((r for r in self.ready if _tag(r) == tag), None)
+        if rid is None:
+            return
+        if error is not None:
+            self.channels = {k: c for k, c in self.channels.items() if c.error is None}
+        if error is None:  # (kv_sent_blocks: blocks whose send completed)
+            self.kv_sent_blocks += self.sending.get(rid, 0)
+        # else: its decode engine died (the coordinator places the transfer again, and this engine
+        # sends again on a new connection) or the group broke (its receive fails too: kv_failed)
+
+    def _channel(self, pair) -> PairChannel:
+        key, address, rank, backend = pair
+        channel = self.channels.get(key)
+        if channel is None:
+            channel = self.channels[key] = PairChannel(key, address, rank, backend, self.device,
+                                                       self.rendezvous if rank == 1 else None)
+        return channel
+
+    def counters(self) -> dict:
+        return {"kv_sent_blocks": self.kv_sent_blocks, "kv_received_blocks": self.kv_received_blocks,
+                "kv_cached_blocks": self.kv_cached_blocks,
+                "kv_deferred_imports": self.deferred_imports, "kv_blocks_held": sum(
+                    self.hold.num_blocks(local) for local in self.ready.values()) if self.hold else 0}
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()

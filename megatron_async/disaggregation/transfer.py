@@ -1,0 +1,144 @@
+"""KV transfer connections: one process group of 2 per (prefill, decode) pair, set up once, on
+the pair key the coordinator handed both engines over its authenticated wire (the rendezvous
+store's prefix: random per pair), and a thread per connection that waits on its transfers, so
+that an engine's loop never blocks on one.
+
+Backends (``InferenceConfig.kv_transfer_backend``): "gloo" (CPU buffers, TCP: any two hosts; a
+GPU engine stages through host memory), "nccl" (GPU to GPU, the same code with a NCCL group of
+2), "ipc" (engines of one host: the blocks shared in memory, ipc_share.py, no pair connection).
+"auto": nccl on CUDA, gloo on the CPU.
+
+The decode engine hosts the rendezvous store (``Rendezvous``: a TCPStore on an ephemeral port
+of the interface its coordinator reaches). The store and the group's connections carry no
+secret of their own (torch.distributed has none): the pair key is the part nobody else knows.
+
+Both ends queue their transfers in the coordinator's order: the decode engine posts a receive
+(kv_accepted), then the prefill engine sends it (kv_send), so the two FIFOs meet in order. A
+transfer that fails (the peer died, the group broke) fails every later one of that connection;
+the engines report it (kv_failed) and the coordinator frees both sides."""
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import socket
+import threading
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("megatron_async.disaggregation")
+SETUP_TIMEOUT_S = 60.0
+TRANSFER_TIMEOUT_S = 300.0
+
+
+def resolve_backend(setting: str, device: torch.device) -> str:
+    if setting == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if setting not in ("gloo", "nccl", "ipc"):
+        raise ValueError(f"kv_transfer_backend must be auto, nccl, gloo or ipc, got {setting!r}")
+    if setting == "nccl" and device.type != "cuda":
+        raise ValueError("kv_transfer_backend='nccl' needs a CUDA engine")
+    return setting
+
+
+def store_host(coordinator_address: str) -> str:
+    """The interface the pair's peer reaches this engine on: loopback when the coordinator is."""
+    if coordinator_address.startswith("ipc://") or "127.0.0.1" in coordinator_address or "localhost" in coordinator_address:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # the interface toward the coordinator
+        host = coordinator_address.split("://", 1)[-1].rsplit(":", 1)[0]
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+class Rendezvous:
+    """A decode engine's store that its pairs' groups meet at."""
+
+    def __init__(self, host: str):
+        self.store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=SETUP_TIMEOUT_S),
+                                   wait_for_workers=False)
+        self.address = f"{host}:{self.store.port}"
+
+
+class PairChannel:
+    """This engine's end of one pair's group: ``send`` / ``recv`` queue a transfer, ``take_done``
+    hands back those that ended: (tag, tensor, error or None)."""
+
+    def __init__(self, key: str, address: str, rank: int, backend: str, device: torch.device,
+                 rendezvous: Rendezvous | None = None):
+        self.key, self.rank, self.backend = key, rank, backend
+        self.device = device if backend == "nccl" else torch.device("cpu")
+        self._address, self._rendezvous = address, rendezvous
+        self._jobs: queue.Queue = queue.Queue()
+        self._done: deque = deque()
+        self.error: str | None = None
+        self.pending = 0
+        """Transfers queued and not yet handed back (the loop thread's count)."""
+        self._thread = threading.Thread(target=self._run, name=f"megatron-async-kv-{key[:12]}", daemon=True)
+        self._thread.start()
+
+    def send(self, tag: int, tensor: torch.Tensor) -> None:
+        """``tensor`` was written on the caller's current stream (a CUDA tensor is sent after it)."""
+        ready = None
+        if tensor.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensor.device))
+        self.pending += 1
+        self._jobs.put(("send", tag, tensor, ready))
+
+    def recv(self, tag: int, tensor: torch.Tensor) -> None:
+        self.pending += 1
+        self._jobs.put(("recv", tag, tensor, None))
+
+    def take_done(self) -> list[tuple[int, torch.Tensor, str | None]]:
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        self.pending -= len(out)
+        return out
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _group(self) -> Any:
+        timeout = datetime.timedelta(seconds=SETUP_TIMEOUT_S)
+        if self._rendezvous is not None:
+            store = self._rendezvous.store
+        else:
+            host, port = self._address.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), None, False, timeout=timeout)
+        store = dist.PrefixStore(self.key, store)
+        if self.backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = datetime.timedelta(seconds=TRANSFER_TIMEOUT_S)
+            return dist.ProcessGroupNCCL(store, self.rank, 2, opts)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = datetime.timedelta(seconds=TRANSFER_TIMEOUT_S)
+        host = self._rendezvous.address.rsplit(":", 1)[0] if self._rendezvous else self._address.rsplit(":", 1)[0]
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1" if host == "127.0.0.1" else "")]
+        return dist.ProcessGroupGloo(store, self.rank, 2, opts)
+
+    def _run(self) -> None:
+        group = None
+        peer = 1 - self.rank
+        while (job := self._jobs.get()) is not None:
+            kind, tag, tensor, ready = job
+            if self.error is None:
+                try:
+                    if group is None:
+                        group = self._group()
+                    if self.device.type == "cuda":
+                        torch.cuda.set_device(self.device)
+                        if ready is not None:
+                            torch.cuda.current_stream(self.device).wait_event(ready)
+                    work = group.send([tensor], peer, tag) if kind == "send" else group.recv([tensor], peer, tag)
+                    work.wait()
+                    if self.device.type == "cuda":
+                        torch.cuda.current_stream(self.device).synchronize()
+                except Exception as e:  # noqa: BLE001 -- the peer died or the group broke: every later transfer fails too
+                    self.error = f"{type(e).__name__}: {e}"
+                    log.error("KV transfer connection %s broke: %s", self.key[:12], self.error)
+            self._done.append((tag, tensor, self.error))
