@@ -3,7 +3,6 @@
 weights, updates them from a checkpoint directory, resumes the KV cache and generation, and the
 request ends with the tokens of an uninterrupted run; wrong orders are 409s, bad bodies 400s."""
 import asyncio
-import json
 
 import pytest
 
@@ -16,30 +15,10 @@ from megatron_async.serve.__main__ import build_parser, build_state  # noqa: E40
 from megatron_async.serve.app import create_app  # noqa: E402
 from megatron_async.serve.submission import Choice, Submission  # noqa: E402
 from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
+from tests.helpers.asgi_post import post
 
 CONFIG = dict(max_sequence_length=64, num_kv_blocks=64, max_requests=4, max_tokens=32, enable_suspend=True)
 PROMPT, PARAMS = [3, 4, 5, 6, 7], SamplingParams(top_k=1, num_tokens_to_generate=40, ignore_eos=True)
-
-
-async def post(app, path: str, body=None) -> tuple[int, dict | None]:
-    raw = body if isinstance(body, bytes) else json.dumps(body or {}).encode()
-    messages = [{"type": "http.request", "body": raw, "more_body": False}]
-    out = {"body": b""}
-
-    async def receive():
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(m):
-        if m["type"] == "http.response.start":
-            out["status"] = m["status"]
-        elif m["type"] == "http.response.body":
-            out["body"] += m.get("body", b"")
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
-             "headers": [(b"content-type", b"application/json")], "server": ("test", 80), "client": ("test", 1)}
-    await app(scope, receive, send)
-    return out["status"], json.loads(out["body"]) if out["body"] else None
 
 
 @pytest.fixture(scope="module")

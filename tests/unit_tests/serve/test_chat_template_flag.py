@@ -3,7 +3,6 @@
 that renders tools lets a request name one, and a path that cannot be read or a template that does
 not parse stops the server at start-up with the reason."""
 import asyncio
-import json
 
 import pytest
 
@@ -16,6 +15,7 @@ from megatron_async.serve.__main__ import build_parser, build_state, main  # noq
 from megatron_async.serve.app import create_app  # noqa: E402
 from tests.helpers.chat_templates import save_chat_template  # noqa: E402
 from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
+from tests.helpers.asgi_post import post
 
 OWN = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 CUSTOM = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>{% endif %}"
@@ -23,26 +23,6 @@ CUSTOM = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};
           "{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
 MESSAGES = [{"role": "user", "content": "hello"}]
 TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-
-
-async def post(app, path: str, body: dict) -> tuple[int, dict]:
-    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
-    out = {"body": b""}
-
-    async def receive():
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(m):
-        if m["type"] == "http.response.start":
-            out["status"] = m["status"]
-        elif m["type"] == "http.response.body":
-            out["body"] += m.get("body", b"")
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
-             "headers": [(b"content-type", b"application/json")], "server": ("test", 80), "client": ("test", 1)}
-    await app(scope, receive, send)
-    return out["status"], json.loads(out["body"])
 
 
 @pytest.fixture(scope="module")
