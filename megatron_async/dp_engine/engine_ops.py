@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from megatron_async.weight_transfer.pending import PendingTransfer
+if TYPE_CHECKING:  # the server's front-end processes import this module and never torch
+    from megatron_async.weight_transfer.pending import PendingTransfer
 
 log = logging.getLogger("megatron_async.dp_engine")
 
@@ -143,6 +144,8 @@ def run_admin_op(engine, update_weights: Callable[..., int] | None, op: str, arg
     transfer-group operation in progress) or that failed (a transfer group not set up within its
     timeout, senders that never began: the message names the address, the port and the timeout),
     never a 5xx. An operation that waits for another process returns a ``Deferred`` instead."""
+    from megatron_async.weight_transfer.pending import PendingTransfer  # the engine's process: torch is there
+
     started = []
     status, body = run_guarded(engine, lambda: started.append(ADMIN_OPS[op](engine, update_weights, args)))
     if started and isinstance(started[0], PendingTransfer):
