@@ -81,8 +81,8 @@ def test_mixed_batch_each_row_its_own_model(setup, async_scheduling):
 def test_batch_invariant_mixed_batch_equals_alone(setup):
     base, paths, prompts, _, _ = setup
     llm = _llm(base, paths, batch_invariant=True)
-    names = ["x", "y", None, "z", "x", "y"]
-    together = [o.generated_tokens for o in llm.generate(prompts, [_greedy(n) for n in names])]
+    names = ["x", "y", None, "x"]  # two adapters, the base model, one adapter twice (the interpreter is slow)
+    together = [o.generated_tokens for o in llm.generate(prompts[:4], [_greedy(n) for n in names])]
     alone = [llm.generate([p], _greedy(n))[0].generated_tokens for p, n in zip(prompts, names)]
     assert together == alone
 
