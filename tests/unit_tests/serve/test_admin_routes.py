@@ -15,7 +15,7 @@ from megatron_async.serve.__main__ import build_parser, build_state  # noqa: E40
 from megatron_async.serve.app import create_app  # noqa: E402
 from megatron_async.serve.submission import Choice, Submission  # noqa: E402
 from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
-from tests.helpers.asgi_post import post  # noqa: E402
+from tests.helpers.asgi_call import post  # noqa: E402
 
 CONFIG = dict(max_sequence_length=64, num_kv_blocks=64, max_requests=4, max_tokens=32, enable_suspend=True)
 PROMPT, PARAMS = [3, 4, 5, 6, 7], SamplingParams(top_k=1, num_tokens_to_generate=40, ignore_eos=True)

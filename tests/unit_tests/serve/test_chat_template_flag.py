@@ -15,7 +15,7 @@ from megatron_async.serve.__main__ import build_parser, build_state, main  # noq
 from megatron_async.serve.app import create_app  # noqa: E402
 from tests.helpers.chat_templates import save_chat_template  # noqa: E402
 from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
-from tests.helpers.asgi_post import post  # noqa: E402
+from tests.helpers.asgi_call import post  # noqa: E402
 
 OWN = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 CUSTOM = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>{% endif %}"

@@ -4,7 +4,6 @@ loop's adapter list feeds /v1/models and a request's ``model`` (another name: 40
 engine without LoRA slots with a 400; --lora-modules parses NAME=PATH and turns --enable-lora on."""
 import argparse
 import asyncio
-import json
 
 import pytest
 
@@ -20,42 +19,8 @@ from megatron_async.serve.app import create_app  # noqa: E402
 from megatron_async.serve.http_guard import route_class  # noqa: E402
 from megatron_async.serve.lora_modules import lora_module, resolve_lora_args  # noqa: E402
 from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
+from tests.helpers.asgi_call import get, post  # noqa: E402
 from tests.helpers.lora_adapters import make_peft_adapter  # noqa: E402
-
-
-async def call(app, method: str, path: str, body=None) -> tuple[int, dict]:
-    """One request through the ASGI app; the client stays connected until the answer is complete."""
-    messages = [{"type": "http.request", "body": json.dumps(body).encode() if body is not None else b"",
-                 "more_body": False}]
-    out, answered = {"body": b""}, asyncio.Event()
-
-    async def receive():
-        if messages:
-            return messages.pop(0)
-        await answered.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(m):
-        if m["type"] == "http.response.start":
-            out["status"] = m["status"]
-        elif m["type"] == "http.response.body":
-            out["body"] += m.get("body", b"")
-            if not m.get("more_body", False):
-                answered.set()
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
-             "headers": [(b"content-type", b"application/json")], "server": ("test", 80), "client": ("test", 1)}
-    await app(scope, receive, send)
-    return out["status"], json.loads(out["body"])
-
-
-def post(app, path: str, body: dict):
-    return call(app, "POST", path, body)
-
-
-def get(app, path: str):
-    return call(app, "GET", path)
 
 
 @pytest.fixture(scope="module")
