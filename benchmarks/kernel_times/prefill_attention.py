@@ -46,8 +46,8 @@ def L(rows: int, block_n: int, warps: int, stages: int, maxnreg: int = 0, kernel
 def candidates(block_size: int) -> list[PrefillLaunch | None]:
     """The launches swept at pages of ``block_size`` tokens; None: the default (``prefill_launch``).
     Pointer-kernel tiles from the default's 64 x 32 up to 128 x 128 with and without the register
-    cap, the wide kernel (pointer loads) with and without warp specialization, and where pages hold
-    a tile the TMA kernel."""
+    cap, the wide kernel (pointer loads) with and without warp specialization, its page-wise loads,
+    and where pages hold a tile the TMA kernel."""
     out: list[PrefillLaunch | None] = [None]
     if block_size == 16:
         out += [L(64, 32, 4, 3, 128), L(64, 64, 4, 2), L(64, 64, 4, 3), L(128, 64, 4, 3), L(128, 64, 8, 3), L(128, 64, 8, 3, 128), L(128, 64, 8, 4), L(128, 128, 8, 2),
@@ -55,6 +55,8 @@ def candidates(block_size: int) -> list[PrefillLaunch | None]:
         out += [L(64, 64, 4, 3, kernel="wide"), L(128, 64, 4, 3, kernel="wide"), L(128, 64, 8, 3, kernel="wide"),
                 L(128, 128, 8, 3, kernel="wide"), L(128, 64, 8, 3, kernel="wide", ws=True),
                 L(128, 128, 8, 3, kernel="wide", ws=True)]
+        out += [L(128, 64, 4, 3, kernel="pages"), L(128, 64, 8, 3, kernel="pages"),
+                L(128, 128, 8, 3, kernel="pages")]
         return out
     if block_size < 128:  # the pointer kernel's reads at larger pages (the 16-token rows' best tile)
         out += [L(128, 64, 8, 3)]
@@ -162,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, nargs="+", default=[16, 8, 32, 8],
                         help="pairs of query / KV heads (default: 16 8 and 32 8)")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 128], help="KV page sizes, tokens")
-    parser.add_argument("--kernels", nargs="+", default=["pointer", "wide", "tma"],
+    parser.add_argument("--kernels", nargs="+", default=["pointer", "wide", "pages", "tma"],
                         help="the variants to sweep (the default launch always runs)")
 
 

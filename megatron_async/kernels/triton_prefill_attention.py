@@ -275,7 +275,8 @@ def prefill_attention(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
             scale * _LOG2E, num_kv_heads, GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, BLOCK_N=launch.block_n, **dot_args(prefill_wide_kernel, kv_cache.dtype),
-            HEADS_FASTEST=heads_fastest, KV_TMA=launch.kernel == "tma", WARP_SPEC=launch.warp_specialize,
+            HEADS_FASTEST=heads_fastest, KV_TMA=launch.kernel == "tma", KV_PAGES=launch.kernel == "pages",
+            WARP_SPEC=launch.warp_specialize,
             **quant_args, EMULATE=emulate(prefill_wide_kernel), **settings)
         return out if rows_q is None else rows_q
     _prefill_kernel[grid](

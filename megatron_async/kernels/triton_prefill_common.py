@@ -3,8 +3,8 @@ its output store, and the choice of launch (``prefill_launch``: tiles, warps, st
 cap and kernel variant), with what a launch may shrink to where the device does not hold it.
 
 Kernel variants (``PrefillLaunch.kernel``): "pointer" (``triton_prefill_attention``'s kernel: any
-head_dim, float32 / 16-bit / e4m3 caches), "wide" and "tma" (``triton_prefill_wide``: 16-bit caches,
-a power-of-two head_dim; "tma" also pages of at least BLOCK_N tokens)."""
+head_dim, float32 / 16-bit / e4m3 caches), "wide", "pages" and "tma" (``triton_prefill_wide``: 16-bit
+caches, a power-of-two head_dim; "pages" tiles of whole pages, "tma" pages of at least BLOCK_N tokens)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -84,7 +84,7 @@ def prefill_fallbacks(block_g: int) -> list[tuple[int, int]]:
 NUM_WARPS, NUM_STAGES = 4, 2
 """The default launch's warps (one warpgroup) and pipeline stages (cp.async of the next K / V tile)."""
 
-KERNELS = ("pointer", "wide", "tma")
+KERNELS = ("pointer", "wide", "pages", "tma")
 
 
 class PrefillLaunch(NamedTuple):
@@ -121,6 +121,8 @@ def unusable(launch: PrefillLaunch, head_dim: int, block_size: int, fp8: bool) -
         return f"the {launch.kernel} prefill kernel needs a power-of-two head_dim >= 16, got {head_dim}"
     if launch.kernel == "tma" and block_size < launch.block_n:
         return f"TMA tiles of {launch.block_n} keys need pages of at least as many tokens, got {block_size}"
+    if launch.kernel == "pages" and (block_size >= launch.block_n or launch.block_n % block_size):
+        return f"page-wise tiles of {launch.block_n} keys need whole pages smaller than a tile, got {block_size}"
     return None
 
 

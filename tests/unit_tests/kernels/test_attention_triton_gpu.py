@@ -106,7 +106,8 @@ def test_decode_cuda_graph_replay(block_size):
 # (``kernel-times prefill-attention``): the pointer kernel's 128 x 64 tiles uncapped, the wide kernel
 # with and without warp specialization, the TMA kernel at pages of 64 and 128 tokens
 PREFILL_VARIANT_LAUNCHES = [(16, ("pointer", 128, 64, 8, 3, False)), (16, ("wide", 128, 64, 8, 3, False)),
-                            (16, ("wide", 128, 128, 8, 3, True)), (64, ("tma", 128, 64, 8, 3, False)),
+                            (16, ("wide", 128, 128, 8, 3, True)), (16, ("pages", 128, 64, 8, 3, False)),
+                            (64, ("tma", 128, 64, 8, 3, False)),
                             (128, ("tma", 128, 128, 8, 2, False)), (128, ("tma", 128, 64, 4, 3, True))]
 
 
