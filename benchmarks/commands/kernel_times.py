@@ -4,6 +4,7 @@ same-bits column for orientation; the assertions are the ``gpu`` tests' (tests/u
 
     python -m benchmarks kernel-times --help                   # the kernel families
     python -m benchmarks kernel-times paged-attention [--iters 20] [--sweep 128 100 1152]
+    python -m benchmarks kernel-times prefill-attention          # prefill launches and variants, TFLOP/s
     python -m benchmarks kernel-times fused-moe --grouped-mm
     python -m benchmarks kernel-times ep-exchange --ep 2 4     # spawns one rank per GPU
 """

@@ -15,6 +15,9 @@ depends only on num_tokens and num_rows (graph-safe, like the decode kernel). On
 start first and the short ones fill the tail. The order changes no bits: each tile's
 arithmetic is its own.
 
+Wider tiles, TMA loads over pages of 64+ tokens: ``triton_prefill_wide``'s kernel, picked by the
+launch (``triton_prefill_common.prefill_launch``; ``kernel-times prefill-attention`` sweeps both).
+
 An e4m3 cache (``KV_FP8``): as in the decode kernel, the key scale is folded into the softmax
 scale and the value scale into the output (see kv_cache_fp8), and with 16-bit queries
 (``E4M3_PAIRS``) the pool is read as int16 pairs of neighbouring dims, widened in registers to
@@ -26,29 +29,24 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels import launch_limits
-from megatron_async.kernels.triton_fp8_act import QuantizedRows, attention_outputs, store_heads_quantized
+from megatron_async.kernels.triton_fp8_act import QuantizedRows, attention_outputs
 from megatron_async.kernels.triton_fp8_common import emulate
 from megatron_async.kernels.triton_paged_common import (
     attend, check_cache, dot_args, kv_scale_args, kv_tile, kv_tile_rows, load_q_pairs, max_registers, q_as_pairs,
     widen_e4m3_pairs,
 )
+from megatron_async.kernels.triton_prefill_common import (  # noqa: F401 (prefill_fallbacks, NUM_*: the launch's)
+    NUM_STAGES, NUM_WARPS, PrefillLaunch, fitted_launch, key_ranges, prefill_fallbacks, prefill_launch, prefill_tiles,
+    store_output, tile_queries, unusable,
+)
+from megatron_async.kernels.triton_prefill_wide import prefill_wide_kernel
 from megatron_async.kernels.triton_tile_schedule import tile_schedule
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _key_ranges(kv_len, pos, m_valid, BLOCK_N: tl.constexpr):
-    """(end of the keys every query of the tile sees, end of the keys any query sees): the first
-    range runs unmasked, whole tiles only, the rest with the causal mask."""
-    # Keys below every query's position (and kv_len) need no mask; the rest do.
-    no_mask_end = tl.minimum(kv_len, tl.min(tl.where(m_valid, pos, kv_len), 0) + 1)
-    no_mask_end = no_mask_end // BLOCK_N * BLOCK_N  # whole tiles only: the unmasked pass has no tail mask
-    end = tl.minimum(kv_len, tl.max(pos, 0) + 1)
-    return no_mask_end, end
 
 
 @triton.jit
@@ -133,22 +131,6 @@ def _tile_e4m3(q_rows, m_valid, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_hea
 
 
 @triton.jit
-def _store_output(o, tok, heads, m_valid, out_ptr, stride_ot, stride_oh, oq_ptr, os_ptr, rows_padded, width,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, QUANT_OUT: tl.constexpr, EMULATE: tl.constexpr):
-    """The tile's normalised output rows (token ``tok``, head ``heads`` each): stored in the output's
-    dtype, or with ``QUANT_OUT`` quantized for an FP8 o projection (each row one 128-wide group of
-    its [T, width] input, ``store_heads_quantized``)."""
-    if QUANT_OUT:
-        store_heads_quantized(o, tok, heads, m_valid, oq_ptr, os_ptr, rows_padded, width, out_ptr.dtype.element_ty,
-                              EMULATE)
-    else:
-        offs_d = tl.arange(0, BLOCK_D)
-        d_mask = offs_d < HEAD_DIM
-        tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
-
-
-@triton.jit
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -194,22 +176,10 @@ def _prefill_kernel(
     entry = tl.load(schedule_ptr + tile)
     if entry < 0:  # an empty slot (the schedule lists them last)
         return
-    row = (entry >> 32).to(tl.int32)
-    q_first = (entry & 0x7FFFFFFF).to(tl.int32)  # first query of the tile, within the row
-    q_begin = tl.load(cu_q_ptr + row)
-    q_len = tl.load(cu_q_ptr + row + 1) - q_begin
-
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G
-    offs_m = tl.arange(0, BLOCK_M)
-    q_idx = q_first + offs_m // BLOCK_G
-    g = offs_m % BLOCK_G
-    m_valid = (q_idx < q_len) & (g < GROUP)
-    tok = (q_begin + q_idx).to(tl.int64)
-    heads = kv_head * GROUP + g
-    pos = tl.load(positions_ptr + tok, mask=m_valid, other=-1).to(tl.int32)
-
+    row, tok, heads, m_valid, pos = tile_queries(entry, kv_head, cu_q_ptr, positions_ptr, GROUP, BLOCK_G, BLOCK_Q)
     kv_len = tl.load(kv_lens_ptr + row)
-    no_mask_end, end = _key_ranges(kv_len, pos, m_valid, BLOCK_N)
+    no_mask_end, end = key_ranges(kv_len, pos, m_valid, BLOCK_N)
 
     table_ptr = block_table_ptr + row.to(tl.int64) * stride_bt
     if KV_FP8:  # the key scale folded into the softmax scale (powers of two: exact)
@@ -226,30 +196,8 @@ def _prefill_kernel(
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if KV_FP8:  # the value scale, once per output
         o = o * tl.load(kv_scale_ptr + num_kv_heads + kv_head)
-    _store_output(o, tok, heads, m_valid, out_ptr, stride_ot, stride_oh, oq_ptr, os_ptr, rows_padded,
+    store_output(o, tok, heads, m_valid, out_ptr, stride_ot, stride_oh, oq_ptr, os_ptr, rows_padded,
                   num_kv_heads * GROUP * 128, HEAD_DIM, BLOCK_D, QUANT_OUT, not USE_ASM)
-
-
-def prefill_tiles(group: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_N): ~64 matrix rows per program on GPU (one warpgroup's wgmma tile), 32 keys
-    per tile (see ``max_registers``); small tiles on CPU so tiny test shapes still cross tile
-    boundaries. 128 x 64 tiles on 8 warps, 3 stages (one program an SM at the compiler's ~180
-    registers, against four at the cap) ran 1.4x slower on workload A's mixed step
-    (``kernel-times paged-attention --sweep-prefill``)."""
-    block_g = max(1, triton.next_power_of_2(group))
-    rows = 16 if device.type == "cpu" else 64
-    return max(1, rows // block_g), 16 if device.type == "cpu" else 32
-
-
-def prefill_fallbacks(block_g: int) -> list[tuple[int, int]]:
-    """(rows, keys) a launch may shrink to where the device does not hold its tiles: 16-key tiles,
-    then fewer query tokens (down to the 16 rows ``tl.dot`` needs)."""
-    rows = [r for r in (64, 32, 16) if r >= block_g]
-    return [(r, n) for r in rows for n in (32, 16)]
-
-
-NUM_WARPS, NUM_STAGES = 4, 2
-"""The launch's warps (one warpgroup) and pipeline stages (cp.async of the next K / V tile)."""
 
 
 def prefill_attention(
@@ -260,19 +208,22 @@ def prefill_attention(
     block_q: int | None = None,
     block_n: int | None = None,
     fixed_order: bool = False,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     heads_fastest: bool = True,
     maxnreg: int | None = None,
     kv_scale: torch.Tensor | None = None,
     quantize: bool = False,
+    launch: PrefillLaunch | None = None,
 ) -> torch.Tensor | QuantizedRows:
     """Causal attention of packed queries q [T, H, D] (rows as in ``meta``) over each row's
     paged KV (already appended). Returns [T, H, D] in q's dtype, or with ``quantize`` (D = 128, not
     with ``fixed_order``) its [T, H * D] rows quantized for an FP8 o projection in the same kernel.
 
-    ``block_q`` / ``block_n`` / ``num_warps`` / ``num_stages`` / ``maxnreg`` override the
-    query-token and key tile sizes and launch settings (tests, ``kernel-times paged-attention --sweep-prefill``).
+    ``launch``: tiles, warps, stages, register cap and kernel variant (default ``prefill_launch``;
+    an explicit one its kernel cannot run raises ValueError, the default falls back to the pointer
+    kernel's). ``block_q`` / ``block_n`` / ``num_warps`` / ``num_stages`` / ``maxnreg`` override its
+    query-token and key tile sizes and launch settings (tests, sweeps).
     ``fixed_order``: the batch-invariant kernel instead (``triton_invariant_attention``; the
     tile arguments do not apply).
     ``heads_fastest``: the grid's first axis is the KV head, so the programs of one query tile
@@ -293,42 +244,75 @@ def prefill_attention(
         return out if rows_q is None else rows_q
     group = num_heads // num_kv_heads
     block_g = max(1, triton.next_power_of_2(group))
-    default_q, default_n = prefill_tiles(group, q.device)
-    block_q = block_q or default_q
-    block_n = block_n or default_n
-    if block_q * block_g < 16:
-        block_q = triton.cdiv(16, block_g)  # tl.dot needs >= 16 rows on GPU
-    if maxnreg is None:  # 0: the compiler's choice
-        maxnreg = max_registers(head_dim, q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
     pairs = fp8 and q.dtype in (torch.bfloat16, torch.float16)  # fp32 queries keep fp32 dots
+    launch = _chosen_launch(launch, group, head_dim, block_size, fp8, q.device)
+    launch = launch._replace(rows=block_q * block_g if block_q else launch.rows, block_n=block_n or launch.block_n,
+                             num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages,
+                             maxnreg=launch.maxnreg if maxnreg is None else maxnreg)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on GPU
     if pairs:  # int16 pairs of dims (the strides count pairs)
         if head_dim % 2:
             raise ValueError(f"an e4m3 cache needs an even head_dim, got {head_dim}")
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
         block_d = max(32, block_d)  # each half a dot of K >= 16
-    rows, block_n, num_stages = launch_limits.attention_tiles(
-        block_q * block_g, block_n, block_d, num_stages, num_warps, q.element_size(), kv_cache.element_size(),
-        launch_limits.device_limits(q.device), prefill_fallbacks(block_g))
-    block_q = rows // block_g
+    launch = fitted_launch(launch, block_g, block_d, q.element_size(), kv_cache.element_size(),
+                           launch_limits.device_limits(q.device))
+    block_q = launch.rows // block_g
     q_arg = q_as_pairs(q) if pairs else q
     tiles = num_tokens // block_q + meta.num_rows
     schedule = tile_schedule(meta, block_q, tiles)
     heads_fastest = heads_fastest and tiles < 65536  # the grid's 2nd axis holds at most 65,535
     grid = (num_kv_heads, tiles) if heads_fastest else (tiles, num_kv_heads)
+    settings = dict(num_warps=launch.num_warps, num_stages=launch.num_stages,
+                    **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}))
+    if launch.kernel != "pointer":
+        descs = kv_descriptors(kv_cache, launch.block_n) if launch.kernel == "tma" else (k_cache, v_cache)
+        prefill_wide_kernel[grid](
+            q, k_cache, v_cache, *descs, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens,
+            schedule, out, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
+            scale * _LOG2E, num_kv_heads, GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size, BLOCK_N=launch.block_n, **dot_args(prefill_wide_kernel, kv_cache.dtype),
+            HEADS_FASTEST=heads_fastest, KV_TMA=launch.kernel == "tma", KV_PAGES=launch.kernel == "pages",
+            WARP_SPEC=launch.warp_specialize,
+            **quant_args, EMULATE=emulate(prefill_wide_kernel), **settings)
+        return out if rows_q is None else rows_q
     _prefill_kernel[grid](
         q_arg, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens, schedule, out,
         q_arg.stride(0), q_arg.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
         scale * _LOG2E, scale_ptr, num_kv_heads,
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=launch.block_n,
         **dot_args(_prefill_kernel, kv_cache.dtype, q.dtype), HEADS_FASTEST=heads_fastest, KV_FP8=fp8,
         E4M3_PAIRS=pairs, Q_BF16=q.dtype == torch.bfloat16,
-        USE_ASM=not emulate(_prefill_kernel),
-        **quant_args, num_warps=num_warps, num_stages=num_stages,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
+        USE_ASM=not emulate(_prefill_kernel), **quant_args, **settings,
     )
     return out if rows_q is None else rows_q
+
+
+def _chosen_launch(launch: PrefillLaunch | None, group: int, head_dim: int, block_size: int, fp8: bool,
+                   device: torch.device) -> PrefillLaunch:
+    """An explicit ``launch`` (ValueError where its kernel cannot run this call), else the default one,
+    or the pointer kernel's where the default's cannot."""
+    if launch is not None:
+        why = unusable(launch, head_dim, block_size, fp8)
+        if why:
+            raise ValueError(why)
+        return launch
+    launch = prefill_launch(group, head_dim, block_size, device)
+    if unusable(launch, head_dim, block_size, fp8):
+        block_q, block_n = prefill_tiles(group, device)
+        launch = PrefillLaunch(block_q * max(1, triton.next_power_of_2(group)), block_n, NUM_WARPS, NUM_STAGES,
+                               max_registers(head_dim, device) or 0)
+    return launch
+
+
+def kv_descriptors(kv_cache: torch.Tensor, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of a layer's K and V caches, each viewed as [num_blocks * block_size,
+    kv_heads * head_dim] (a token's heads side by side), loading [block_n, head_dim] tiles."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads * head_dim)
+    return tuple(TensorDescriptor.from_tensor(flat[i], [block_n, head_dim]) for i in range(2))

@@ -239,3 +239,65 @@ def test_decode_padding_row_is_zero(num_splits):
     torch.testing.assert_close(out[:-1], ref_out[:-1], **FP32_TOL)
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
     assert torch.isnan(case.kv_cache.flatten(1, 2)[:, skipped_slot]).all()  # still the unused-slot poison
+
+
+def _launch(rows: int, block_n: int, kernel: str, ws: bool = False):
+    from megatron_async.kernels.triton_prefill_common import PrefillLaunch
+
+    return PrefillLaunch(rows, block_n, 4, 2, 0, kernel, ws)
+
+
+# (kernel, block_size, rows a tile, keys a tile, warp-specialized): tiles across pages (pointer reads), a tile
+# a page, two tiles a page (the second at an offset inside it), 32-row tiles (two query tokens of a group of 16)
+PREFILL_VARIANTS = [("pointer", 4, 16, 16, False), ("wide", 4, 16, 16, False), ("wide", 8, 32, 32, True),
+                    ("pages", 4, 16, 16, False), ("pages", 8, 32, 32, True), ("pages", 2, 16, 8, False),
+                    ("tma", 16, 16, 16, False), ("tma", 32, 32, 16, True), ("tma", 8, 16, 8, False)]
+
+
+@pytest.mark.parametrize("kernel,block_size,rows,block_n,ws", PREFILL_VARIANTS)
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_prefill_variants_match_reference(kernel, block_size, rows, block_n, ws, group):
+    """Every prefill kernel variant over fresh prompts, chunks continuing a cached prefix, a chunk
+    longer than a tile and decode rows, each GQA group: the torch reference's answer, though unused
+    slots of the rows' last pages hold NaN (a TMA tile reads them: V zeroed, scores masked)."""
+    case = _case(DECODE_ROWS + MIXED_ROWS + [(37, 19)], group, head_dim=16, block_size=block_size,
+                 seed=block_size * group + rows)
+    ref_out, _ = case.reference()
+    append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
+    out = prefill_attention(case.q, case.kv_cache, case.meta, case.scale, launch=_launch(rows, block_n, kernel, ws))
+    torch.testing.assert_close(out, ref_out, **FP32_TOL)
+
+
+@pytest.mark.parametrize("kernel,block_size", [("wide", 16), ("pages", 4), ("tma", 16)])
+def test_prefill_wide_variants_low_precision(kernel, block_size):
+    case = _case(MIXED_ROWS, group=2, head_dim=32, block_size=block_size, dtype=torch.bfloat16, seed=3)
+    ref_out, _ = case.reference()
+    append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
+    out = prefill_attention(case.q, case.kv_cache, case.meta, case.scale, launch=_launch(16, 16, kernel))
+    torch.testing.assert_close(out.float(), ref_out.float(), **LOW_TOL)
+
+
+def test_prefill_explicit_launch_its_kernel_cannot_run_is_refused(monkeypatch):
+    """An explicit launch whose kernel cannot run the call raises; a default one falls back to the
+    pointer kernel (pages smaller than its TMA tile, a head_dim not a power of two) and is still right."""
+    from megatron_async.kernels import triton_prefill_attention as pa
+
+    case = _case(MIXED_ROWS, group=2, head_dim=16, block_size=4, seed=13)
+    ref_out, _ = case.reference()
+    append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
+    with pytest.raises(ValueError, match="pages of at least"):
+        prefill_attention(case.q, case.kv_cache, case.meta, case.scale, launch=_launch(16, 16, "tma"))
+    with pytest.raises(ValueError, match="whole pages"):
+        prefill_attention(case.q, case.kv_cache, case.meta, case.scale, launch=_launch(16, 4, "pages"))
+    with pytest.raises(ValueError, match="unknown prefill kernel"):
+        prefill_attention(case.q, case.kv_cache, case.meta, case.scale, launch=_launch(16, 16, "tiled"))
+    tma = _launch(16, 16, "tma")
+    monkeypatch.setattr(pa, "prefill_launch", lambda *args: tma)
+    ran = []
+    monkeypatch.setattr(pa, "fitted_launch", lambda launch, *args: ran.append(launch) or launch)
+    out = prefill_attention(case.q, case.kv_cache, case.meta, case.scale)
+    assert ran[0].kernel == "pointer"
+    torch.testing.assert_close(out, ref_out, **FP32_TOL)
+    odd = _case(MIXED_ROWS, group=2, head_dim=24, block_size=16, seed=14)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        prefill_attention(odd.q, odd.kv_cache, odd.meta, odd.scale, launch=_launch(16, 16, "wide"))

@@ -71,16 +71,16 @@ def test_rms_norm_quantized_equals_the_norm_then_the_quantize(m, n, residual, ca
     assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(rows.scale, s)
 
 
-@pytest.mark.parametrize("kernel,splits", [("decode", 1), ("decode", 3), ("prefill", None)])
-@pytest.mark.parametrize("e4m3", [False, True])
+@pytest.mark.parametrize("kernel,splits,e4m3", [(k, s, e) for k, s in [("decode", 1), ("decode", 3), ("prefill", None)]
+                                                for e in (False, True)] + [("wide", None, False), ("tma", None, False)])
 def test_attention_quantized_output_equals_the_output_then_the_quantize(kernel, splits, e4m3):
     """The attention kernels' output rows (head_dim 128: one 128-wide group a head) quantized in their
     epilogue (the merge kernel's with splits) give the bits of the output then ``quantize_activation``,
-    over a bf16 and an e4m3 KV pool."""
+    over a bf16 and an e4m3 KV pool (the prefill kernel's wide and TMA variants: bf16 only)."""
     from megatron_async.kernels import kv_cache_fp8 as kf
     from megatron_async.kernels.triton_decode_attention import decode_attention
     from megatron_async.kernels.triton_kv_append import append_kv
-    from megatron_async.kernels.triton_prefill_attention import prefill_attention
+    from megatron_async.kernels.triton_prefill_attention import PrefillLaunch, prefill_attention
     from tests.helpers.paged_attention_cases import make_case
 
     rows = [(0, 1), (3, 1), (7, 1), (16, 1), (21, 1)] if kernel == "decode" else [(0, 7), (9, 6), (5, 1), (3, 12)]
@@ -95,8 +95,9 @@ def test_attention_quantized_output_equals_the_output_then_the_quantize(kernel, 
         run = lambda quantize: decode_attention(case.q, pool, case.meta, case.scale, num_splits=splits,  # noqa: E731
                                                 kv_scale=scales, quantize=quantize)
     else:
+        launch = None if kernel == "prefill" else PrefillLaunch(16, 4, 4, 2, 0, kernel)
         run = lambda quantize: prefill_attention(case.q, pool, case.meta, case.scale, kv_scale=scales,  # noqa: E731
-                                                 quantize=quantize)
+                                                 quantize=quantize, launch=launch)
     out, got = run(False), run(True)
     q, s = tg.quantize_activation(out.reshape(out.shape[0], -1), pad_rows_to=fa.PAD_ROWS)
     m = out.shape[0]

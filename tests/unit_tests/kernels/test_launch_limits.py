@@ -259,3 +259,39 @@ def test_an_h100_keeps_every_tuned_launch_for_its_operand_type(monkeypatch, m):
         n, stages = (64, 2) if head_dim > 128 else (128, 3)
         assert launch_limits.attention_tiles(16, n, head_dim, stages, 4, 2, 2, H100) == (16, n, stages)
         assert launch_limits.attention_tiles(64, 32, head_dim, 2, 4, 2, 2, H100) == (64, 32, 2)
+
+
+@pytest.mark.parametrize("limits", [H100, A100, DeviceLimits(101_376)], ids=["h100", "a100", "99k"])
+def test_every_swept_prefill_launch_is_fitted_to_the_device(limits):
+    """Each launch ``kernel-times prefill-attention`` tries, as ``fitted_launch`` hands it to the compiler
+    (head_dim 128, bf16, groups 2 and 4): within the device's shared memory and a thread's registers and
+    never bigger than asked, the kernel variant and warps kept. On an H100, 128 x 128 tiles on 4 stages
+    (320 KiB) drop to the 2 that fit and the default launch stays as tuned."""
+    from benchmarks.kernel_times.prefill_attention import candidates
+    from megatron_async.kernels.triton_prefill_common import PrefillLaunch, fitted_launch, prefill_launch
+
+    asked_all = {c for bs in (16, 64, 128) for c in candidates(bs) if c is not None}
+    asked_all.add(PrefillLaunch(128, 128, 8, 4, 0, "tma"))
+    for block_g in (2, 4):
+        for asked in asked_all:
+            t = fitted_launch(asked, block_g, 128, 2, 2, limits)
+            footprint = launch_limits.attention_footprint(t.rows, t.block_n, 128, t.num_stages, t.num_warps, 2, 2)
+            assert launch_limits.fits(footprint, limits), (asked, t)
+            assert t.rows <= asked.rows and t.block_n <= asked.block_n and t.num_stages <= asked.num_stages
+            assert (t.kernel, t.num_warps, t.warp_specialize, t.maxnreg) == (asked.kernel, asked.num_warps,
+                                                                              asked.warp_specialize, asked.maxnreg)
+    big = PrefillLaunch(128, 128, 8, 4, 0, "tma")
+    assert launch_limits.attention_footprint(128, 128, 128, 4, 8, 2, 2).shared_bytes > H100.shared_memory
+    if limits is H100:
+        assert fitted_launch(big, 2, 128, 2, 2, H100) == big._replace(num_stages=2)
+        default = prefill_launch(2, 128, 16, CUDA)
+        assert fitted_launch(default, 2, 128, 2, 2, H100) == default
+
+
+def test_a_prefill_launch_no_tile_of_fits_is_refused():
+    """128 x 128 float32 tiles on one warp: over a thread's registers at any stage count, and every
+    fallback tile too on a device of 16 KiB."""
+    from megatron_async.kernels.triton_prefill_common import PrefillLaunch, fitted_launch
+
+    with pytest.raises(LaunchLimitError, match="fits the device"):
+        fitted_launch(PrefillLaunch(128, 128, 1, 2, 0, "wide"), 2, 128, 4, 4, DeviceLimits(16_384))

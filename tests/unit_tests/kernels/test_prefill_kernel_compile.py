@@ -56,3 +56,43 @@ def test_prefill_kernel_compiles_to_pipelined_wgmma_for_sm90():
     # an e4m3 pool: one e4m3x2 -> f16x2 conversion per two values and no second one, 16-bit shared reads
     fp8 = out["g2_fp8True"]
     assert fp8["cvt"] > 0 and fp8["cvt_bf16"] == 0 and fp8["byte_lds"] == 0, fp8
+
+
+_WIDE_SCRIPT = r'''
+import torch
+import triton.language as tl
+from megatron_async.kernels import triton_prefill_wide as pw
+
+fn = pw.prefill_wide_kernel
+types = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+types.update(block_table_ptr="*i32", kv_lens_ptr="*i32", positions_ptr="*i64", cu_q_ptr="*i32", schedule_ptr="*i64",
+             scale_log2="fp32", num_kv_heads="i32", oq_ptr="*fp8e4nv", os_ptr="*fp32", rows_padded="i32")
+types.update({n: "i32" for n in fn.arg_names if n.startswith("stride")})
+aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr") or n.startswith("stride")}
+out = {}
+for kernel, block_size, block_n, stages, ws in (("wide", 16, 64, 3, False), ("wide", 16, 128, 2, True),
+                                                ("pages", 16, 64, 3, False),
+                                                ("tma", 64, 64, 3, False), ("tma", 128, 128, 2, True)):
+    tma = kernel == "tma"
+    desc = f"tensordesc<bf16[{block_n}, 128]>" if tma else "*bf16"
+    sig = {n: dict(types, k_desc=desc, v_desc=desc).get(n, "constexpr") for n in fn.arg_names}
+    consts = dict(GROUP=2, BLOCK_G=2, BLOCK_Q=64, HEAD_DIM=128, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+                  DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", HEADS_FASTEST=True, KV_TMA=tma,
+                  KV_PAGES=kernel == "pages", WARP_SPEC=ws,
+                  QUANT_OUT=False, EMULATE=False)
+    ptx = compile_asm(fn, sig, consts, aligned, num_warps=8, num_stages=stages)["ptx"]
+    out[f"{kernel}_{block_n}_ws{ws}"] = {"wgmma": ptx.count("wgmma.mma_async"), "tma": ptx.count("cp.async.bulk.tensor"),
+                                         "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+                                         "spill": ptx.count(".local")}
+print(json.dumps(out))
+'''
+
+
+def test_wide_prefill_kernels_compile_to_wgmma_with_async_loads_for_sm90():
+    """The wide variants at 128-row tiles on 8 warps, no register cap: both dots on wgmma, K / V by TMA
+    (``cp.async.bulk.tensor``) or by cp.async through the block table, nothing spilled; warp-specialized
+    loops compile too."""
+    out = compile_results(_WIDE_SCRIPT, timeout=600)
+    for name, v in out.items():
+        assert v["wgmma"] > 0 and v["spill"] == 0, (name, v)
+        assert (v["tma"] > 0) if name.startswith("tma") else (v["cp_async"] > 0), (name, v)

@@ -1,0 +1,180 @@
+"""Prefill attention TFLOP/s (causal FLOPs, ``attention_flops``) of the prefill kernels' launches
+(``PrefillLaunch``: rows x keys a tile, warps, stages, register cap, kernel variant) on four steps:
+one 8,192-token prompt, 4 x 2,048, 8 x 1,024 beside 64 decode rows, and one 8,192-token chunk
+continuing a 4,096-token cached prefix; bf16, head_dim 128, 16 / 8 (Qwen3-0.6B) and 32 / 8 (8B)
+query / KV heads, pages of 16 tokens (the engine's default) and of 64 and 128 (where TMA tiles fit
+inside a page). Each launch: CUDA-graph replay time after a warm-up, the largest error against a
+float32 torch reference, and the launch the device actually ran where ``launch_limits`` shrank it;
+one that fails to compile or launch is marked, not fatal. The short table last: per heads and page
+size the default launch first, then the fastest by mean TFLOP/s.
+
+    python -m benchmarks kernel-times prefill-attention [--iters 10] [--heads 16 8 32 8] [--block-sizes 16 64 128]
+    python -m benchmarks kernel-times prefill-attention --kernels pointer wide   # a subset of the variants
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+
+import torch
+
+from benchmarks.kernel_times.paged_attention import attention_flops, graph_ms
+from megatron_async.kernels import attention_triton, launch_limits
+from megatron_async.kernels.triton_prefill_attention import prefill_attention
+from megatron_async.kernels.triton_prefill_common import PrefillLaunch, fitted_launch, prefill_launch
+from tests.helpers.paged_attention_cases import PagedCase, make_case
+
+HEAD_DIM = 128
+BAD_ERROR = 3e-2
+"""A launch whose largest error is past this (bf16 outputs of unit-variance values) is marked wrong."""
+
+
+def cases() -> dict[str, list[tuple[int, int]]]:
+    """(cached, new) rows of the four steps."""
+    gen = torch.Generator().manual_seed(3)
+    decode = [(int(n) - 1, 1) for n in torch.randint(512, 2049, (64,), generator=gen)]
+    return {"8k": [(0, 8192)], "4x2k": [(0, 2048)] * 4, "8x1k+64dec": [(0, 1024)] * 8 + decode,
+            "8k@4k": [(4096, 8192)]}
+
+
+def L(rows: int, block_n: int, warps: int, stages: int, maxnreg: int = 0, kernel: str = "pointer",
+      ws: bool = False) -> PrefillLaunch:
+    return PrefillLaunch(rows, block_n, warps, stages, maxnreg, kernel, ws)
+
+
+def candidates(block_size: int) -> list[PrefillLaunch | None]:
+    """The launches swept at pages of ``block_size`` tokens; None: the default (``prefill_launch``).
+    Pointer-kernel tiles from the default's 64 x 32 up to 128 x 128 with and without the register
+    cap, the wide kernel (pointer loads) with and without warp specialization, its page-wise loads,
+    and where pages hold a tile the TMA kernel."""
+    out: list[PrefillLaunch | None] = [None]
+    if block_size == 16:
+        out += [L(64, 32, 4, 3, 128), L(64, 64, 4, 2), L(64, 64, 4, 3), L(128, 64, 4, 3), L(128, 64, 8, 3), L(128, 64, 8, 3, 128), L(128, 64, 8, 4), L(128, 128, 8, 2)]
+        out += [L(64, 64, 4, 3, kernel="wide"), L(128, 64, 4, 3, kernel="wide"), L(128, 64, 8, 3, kernel="wide"),
+                L(128, 128, 8, 2, kernel="wide"), L(128, 64, 8, 3, kernel="wide", ws=True),
+                L(128, 128, 8, 2, kernel="wide", ws=True)]
+        out += [L(128, 64, 4, 3, kernel="pages"), L(128, 64, 8, 3, kernel="pages"),
+                L(128, 128, 8, 2, kernel="pages")]
+        return out
+    if block_size < 128:  # the pointer kernel's reads at larger pages (the 16-token rows' best tile)
+        out += [L(128, 64, 8, 3)]
+    out += [L(64, 64, 4, 3, kernel="tma"), L(128, 64, 4, 3, kernel="tma"), L(128, 64, 8, 3, kernel="tma"),
+            L(128, 64, 8, 4, kernel="tma"), L(128, 64, 8, 3, kernel="tma", ws=True)]
+    if block_size >= 128:
+        out += [L(128, 128, 8, 2, kernel="tma"), L(128, 128, 8, 2, kernel="tma", ws=True)]
+    return out
+
+
+def label(launch: PrefillLaunch) -> str:
+    cap = launch.maxnreg or "-"
+    return (f"{launch.kernel}{'+ws' if launch.warp_specialize else ''} {launch.rows}x{launch.block_n} "
+            f"w{launch.num_warps} s{launch.num_stages} r{cap}")
+
+
+def reference(case: PagedCase, chunk: int = 1024) -> torch.Tensor:
+    """Float32 causal attention of each row's queries over its paged keys (after the append), a chunk
+    of queries at a time (the torch backend's padded [rows, queries, keys] scores would not fit)."""
+    meta, (k_cache, v_cache) = case.meta, case.kv_cache.float()
+    num_heads, kv_heads = case.q.shape[1], k_cache.shape[2]
+    out = torch.empty(case.q.shape, dtype=torch.float32, device=case.q.device)
+    cu, lens = meta.cu_query_lens.tolist(), meta.kv_lens.tolist()
+    for r in range(meta.num_rows):
+        blocks = meta.block_table[r, : -(-lens[r] // meta.block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[: lens[r]].repeat_interleave(num_heads // kv_heads, dim=1)
+        v = v_cache[blocks].flatten(0, 1)[: lens[r]].repeat_interleave(num_heads // kv_heads, dim=1)
+        keys = torch.arange(lens[r], device=k.device)
+        for t0 in range(cu[r], cu[r + 1], chunk):
+            t1 = min(t0 + chunk, cu[r + 1])
+            scores = torch.einsum("qhd,khd->hqk", case.q[t0:t1].float(), k) * case.scale
+            visible = keys[None, :] <= meta.positions[t0:t1, None]
+            probs = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
+            out[t0:t1] = torch.einsum("hqk,khd->qhd", probs, v)
+    return out
+
+
+def build(rows: list[tuple[int, int]], heads: tuple[int, int], block_size: int) -> PagedCase:
+    case = make_case(rows, block_size=block_size, seed=5, num_heads=heads[0], num_kv_heads=heads[1],
+                     head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the new keys
+    return case
+
+
+def measure(launch: PrefillLaunch | None, steps: list, iters: int) -> tuple[list[float], float] | str:
+    """(TFLOP/s per step, largest error) of one launch, or why it failed."""
+    tflops, err = [], 0.0
+    try:
+        for case, ref, flops in steps:
+            fn = functools.partial(prefill_attention, case.q, case.kv_cache, case.meta, case.scale, launch=launch)
+            err = max(err, (fn().float() - ref).abs().max().item())
+            tflops.append(flops / (graph_ms(fn, iters) * 1e-3) / 1e12)
+    except Exception as e:  # noqa: BLE001 (out of resources, a compile error, an unusable variant)
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:70] if str(e) else ''}"
+    return tflops, err
+
+
+def sweep(heads: tuple[int, int], block_size: int, iters: int, kernels: list[str]) -> list[tuple]:
+    """Every candidate launch on the four steps at one head shape and page size; prints a row each."""
+    group = heads[0] // heads[1]
+    default = prefill_launch(group, HEAD_DIM, block_size, torch.device("cuda"))
+    limits = launch_limits.device_limits(torch.device("cuda"))
+    steps = []
+    for rows in cases().values():
+        case = build(rows, heads, block_size)
+        steps.append((case, reference(case), attention_flops(rows, heads[0])))
+    names = list(cases())
+    print(f"\nheads {heads[0]}/{heads[1]}, pages of {block_size} tokens: TFLOP/s on {', '.join(names)}; max error",
+          flush=True)
+    results, seen = [], set()
+    for launch in candidates(block_size):
+        asked = launch or default
+        if asked.kernel not in kernels and launch is not None:
+            continue
+        name = ("default " if launch is None else "") + label(asked)
+        ran = fitted_launch(asked, 1 << (group - 1).bit_length(), HEAD_DIM, 2, 2, limits)
+        if ran in seen:  # shrunk to a launch already timed
+            continue
+        seen.add(ran)
+        if ran != asked:
+            name += f" (ran {ran.rows}x{ran.block_n} s{ran.num_stages})"
+        got = measure(launch, steps, iters)
+        if isinstance(got, str):
+            print(f"  {name:<48} failed: {got}", flush=True)
+            continue
+        tflops, err = got
+        flag = "  WRONG" if not err <= BAD_ERROR else ""
+        print(f"  {name:<48} " + " ".join(f"{t:6.0f}" for t in tflops) + f"  {err:.1e}{flag}", flush=True)
+        results.append((name, tflops, err, launch is None))
+    return results
+
+
+def short_table(tables: dict[tuple, list[tuple]], best: int = 5) -> None:
+    print("\n| heads | page | launch | " + " | ".join(cases()) + " | mean | max err |")
+    print("|---|---:|---|" + "---:|" * (len(cases()) + 2))
+    for (heads, block_size), results in tables.items():
+        ranked = sorted((r for r in results if not r[3] and r[2] <= BAD_ERROR),
+                        key=lambda r: -math.fsum(r[1]))[:best]
+        for name, tflops, err, _ in [r for r in results if r[3]] + ranked:
+            print(f"| {heads[0]}/{heads[1]} | {block_size} | {name} | " + " | ".join(f"{t:.0f}" for t in tflops)
+                  + f" | {math.fsum(tflops) / len(tflops):.0f} | {err:.1e} |")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--heads", type=int, nargs="+", default=[16, 8, 32, 8],
+                        help="pairs of query / KV heads (default: 16 8 and 32 8)")
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 128], help="KV page sizes, tokens")
+    parser.add_argument("--kernels", nargs="+", default=["pointer", "wide", "pages", "tma"],
+                        help="the variants to sweep (the default launch always runs)")
+
+
+def run(args: argparse.Namespace) -> None:
+    if len(args.heads) % 2:
+        raise SystemExit("--heads takes pairs of query / KV heads")
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference in float32
+    tables = {}
+    for heads in zip(args.heads[::2], args.heads[1::2]):
+        for block_size in args.block_sizes:
+            tables[(heads, block_size)] = sweep(heads, block_size, args.iters, args.kernels)
+            torch.cuda.empty_cache()
+    short_table(tables)
