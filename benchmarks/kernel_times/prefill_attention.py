@@ -22,7 +22,7 @@ import torch
 from benchmarks.kernel_times.paged_attention import attention_flops, graph_ms
 from megatron_async.kernels import attention_triton, launch_limits
 from megatron_async.kernels.triton_prefill_attention import prefill_attention
-from megatron_async.kernels.triton_prefill_common import PrefillLaunch, fitted_launch, prefill_launch
+from megatron_async.kernels.triton_prefill_common import HOPPER_LONG, PrefillLaunch, fitted_launch, prefill_launch
 from tests.helpers.paged_attention_cases import PagedCase, make_case
 
 HEAD_DIM = 128
@@ -44,25 +44,22 @@ def L(rows: int, block_n: int, warps: int, stages: int, maxnreg: int = 0, kernel
 
 
 def candidates(block_size: int) -> list[PrefillLaunch | None]:
-    """The launches swept at pages of ``block_size`` tokens; None: the default (``prefill_launch``).
-    Pointer-kernel tiles from the default's 64 x 32 up to 128 x 128 with and without the register
-    cap, the wide kernel (pointer loads) with and without warp specialization, its page-wise loads,
-    and where pages hold a tile the TMA kernel."""
-    out: list[PrefillLaunch | None] = [None]
+    """The launches swept at pages of ``block_size`` tokens; None: the engine's own choice
+    (``prefill_launch``). Two warpgroups of 128 x 64 tiles under register caps (uncapped the compiler
+    leaves room for one program an SM; ``HOPPER_LONG`` is the 128-register one), their neighbours in
+    keys and stages, the wide kernel (with and without warp specialization) under the same cap, and
+    where pages hold a tile the TMA kernel."""
+    out: list[PrefillLaunch | None] = [None, HOPPER_LONG]
     if block_size == 16:
-        out += [L(64, 32, 4, 3, 128), L(64, 64, 4, 2), L(64, 64, 4, 3), L(128, 64, 4, 3), L(128, 64, 8, 3), L(128, 64, 8, 3, 128), L(128, 64, 8, 4), L(128, 128, 8, 2)]
-        out += [L(64, 64, 4, 3, kernel="wide"), L(128, 64, 4, 3, kernel="wide"), L(128, 64, 8, 3, kernel="wide"),
-                L(128, 128, 8, 2, kernel="wide"), L(128, 64, 8, 3, kernel="wide", ws=True),
-                L(128, 128, 8, 2, kernel="wide", ws=True)]
-        out += [L(128, 64, 4, 3, kernel="pages"), L(128, 64, 8, 3, kernel="pages"),
-                L(128, 128, 8, 2, kernel="pages")]
+        out += [L(128, 64, 8, 3, cap) for cap in (96, 112, 144, 168)]
+        out += [L(128, 64, 8, 2, 128), L(128, 64, 8, 4, 128), L(128, 32, 8, 3, 128), L(128, 128, 8, 2, 128),
+                L(128, 128, 8, 2, 168), L(64, 64, 4, 3, 128)]
+        out += [L(128, 64, 8, 3, 128, kernel="wide"), L(128, 64, 8, 3, 128, kernel="wide", ws=True)]
         return out
-    if block_size < 128:  # the pointer kernel's reads at larger pages (the 16-token rows' best tile)
-        out += [L(128, 64, 8, 3)]
-    out += [L(64, 64, 4, 3, kernel="tma"), L(128, 64, 4, 3, kernel="tma"), L(128, 64, 8, 3, kernel="tma"),
-            L(128, 64, 8, 4, kernel="tma"), L(128, 64, 8, 3, kernel="tma", ws=True)]
+    out += [L(128, 64, 4, 3, kernel="tma"), L(128, 64, 8, 3, 128, kernel="tma"), L(128, 64, 8, 4, 128, kernel="tma"),
+            L(128, 64, 8, 3, 128, kernel="tma", ws=True)]
     if block_size >= 128:
-        out += [L(128, 128, 8, 2, kernel="tma"), L(128, 128, 8, 2, kernel="tma", ws=True)]
+        out += [L(128, 128, 8, 2, 128, kernel="tma"), L(128, 128, 8, 2, 168, kernel="tma")]
     return out
 
 
@@ -130,7 +127,7 @@ def sweep(heads: tuple[int, int], block_size: int, iters: int, kernels: list[str
         asked = launch or default
         if asked.kernel not in kernels and launch is not None:
             continue
-        name = ("default " if launch is None else "") + label(asked)
+        name = "engine default (long rows: HOPPER_LONG)" if launch is None else label(asked)
         ran = fitted_launch(asked, 1 << (group - 1).bit_length(), HEAD_DIM, 2, 2, limits)
         if ran in seen:  # shrunk to a launch already timed
             continue
@@ -164,7 +161,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, nargs="+", default=[16, 8, 32, 8],
                         help="pairs of query / KV heads (default: 16 8 and 32 8)")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 128], help="KV page sizes, tokens")
-    parser.add_argument("--kernels", nargs="+", default=["pointer", "wide", "pages", "tma"],
+    parser.add_argument("--kernels", nargs="+", default=["pointer", "wide", "tma"],
                         help="the variants to sweep (the default launch always runs)")
 
 

@@ -247,7 +247,7 @@ def prefill_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
     pairs = fp8 and q.dtype in (torch.bfloat16, torch.float16)  # fp32 queries keep fp32 dots
-    launch = _chosen_launch(launch, group, head_dim, block_size, fp8, q.device)
+    launch = _chosen_launch(launch, group, head_dim, block_size, fp8, q.device, num_tokens / meta.num_rows)
     launch = launch._replace(rows=block_q * block_g if block_q else launch.rows, block_n=block_n or launch.block_n,
                              num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages,
                              maxnreg=launch.maxnreg if maxnreg is None else maxnreg)
@@ -275,7 +275,7 @@ def prefill_attention(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
             scale * _LOG2E, num_kv_heads, GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, BLOCK_N=launch.block_n, **dot_args(prefill_wide_kernel, kv_cache.dtype),
-            HEADS_FASTEST=heads_fastest, KV_TMA=launch.kernel == "tma", KV_PAGES=launch.kernel == "pages",
+            HEADS_FASTEST=heads_fastest, KV_TMA=launch.kernel == "tma",
             WARP_SPEC=launch.warp_specialize,
             **quant_args, EMULATE=emulate(prefill_wide_kernel), **settings)
         return out if rows_q is None else rows_q
@@ -294,7 +294,7 @@ def prefill_attention(
 
 
 def _chosen_launch(launch: PrefillLaunch | None, group: int, head_dim: int, block_size: int, fp8: bool,
-                   device: torch.device) -> PrefillLaunch:
+                   device: torch.device, tokens_per_row: float) -> PrefillLaunch:
     """An explicit ``launch`` (ValueError where its kernel cannot run this call), else the default one,
     or the pointer kernel's where the default's cannot."""
     if launch is not None:
@@ -302,7 +302,7 @@ def _chosen_launch(launch: PrefillLaunch | None, group: int, head_dim: int, bloc
         if why:
             raise ValueError(why)
         return launch
-    launch = prefill_launch(group, head_dim, block_size, device)
+    launch = prefill_launch(group, head_dim, block_size, device, 0.0 if fp8 else tokens_per_row)
     if unusable(launch, head_dim, block_size, fp8):
         block_q, block_n = prefill_tiles(group, device)
         launch = PrefillLaunch(block_q * max(1, triton.next_power_of_2(group)), block_n, NUM_WARPS, NUM_STAGES,

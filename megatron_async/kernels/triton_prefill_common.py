@@ -3,10 +3,11 @@ its output store, and the choice of launch (``prefill_launch``: tiles, warps, st
 cap and kernel variant), with what a launch may shrink to where the device does not hold it.
 
 Kernel variants (``PrefillLaunch.kernel``): "pointer" (``triton_prefill_attention``'s kernel: any
-head_dim, float32 / 16-bit / e4m3 caches), "wide", "pages" and "tma" (``triton_prefill_wide``: 16-bit
-caches, a power-of-two head_dim; "pages" tiles of whole pages, "tma" pages of at least BLOCK_N tokens)."""
+head_dim, float32 / 16-bit / e4m3 caches), "wide" and "tma" (``triton_prefill_wide``: 16-bit caches, a
+power-of-two head_dim; "tma" pages of at least BLOCK_N tokens)."""
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -84,7 +85,7 @@ def prefill_fallbacks(block_g: int) -> list[tuple[int, int]]:
 NUM_WARPS, NUM_STAGES = 4, 2
 """The default launch's warps (one warpgroup) and pipeline stages (cp.async of the next K / V tile)."""
 
-KERNELS = ("pointer", "wide", "pages", "tma")
+KERNELS = ("pointer", "wide", "tma")
 
 
 class PrefillLaunch(NamedTuple):
@@ -101,11 +102,31 @@ class PrefillLaunch(NamedTuple):
     """Warp-specialize the wide kernels' unmasked loop (``tl.range(warp_specialize=True)``)."""
 
 
-def prefill_launch(group: int, head_dim: int, block_size: int, device: torch.device) -> PrefillLaunch:
-    """The default launch for a GQA group of ``group`` query heads a KV head, ``head_dim`` and pages of
-    ``block_size`` tokens: the one place to change after measuring (``kernel-times prefill-attention``)."""
-    block_q, block_n = prefill_tiles(group, device)
+LONG_ROWS = 128
+"""Mean tokens a row from which a step's prefill takes ``HOPPER_LONG``: a step of long prompts."""
+
+HOPPER_LONG = PrefillLaunch(128, 64, 8, 3, 128)
+"""128 x 64 tiles on two warpgroups, 3 stages, 128 registers a thread (two programs an SM; uncapped,
+the compiler's ~180 left one and ran 0.7x): on an H100 (``kernel-times prefill-attention``) 480-488
+TFLOP/s on an 8k-token prompt and 370-387 on 4 x 2k against the 64 x 32 tiles' 404-411 and 344-354,
+but 141-197 against 150-204 on 8 x 1k prompts beside 64 decode rows, where most tiles are short."""
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def prefill_launch(group: int, head_dim: int, block_size: int, device: torch.device,
+                   tokens_per_row: float = 0.0) -> PrefillLaunch:
+    """The default launch for a GQA group of ``group`` query heads a KV head, ``head_dim``, pages of
+    ``block_size`` tokens and a step of ``tokens_per_row`` mean tokens a row (host sizes only: the
+    choice is the same for every replay of a graph): the one place to change after measuring
+    (``kernel-times prefill-attention``). Hopper takes ``HOPPER_LONG`` on steps of long rows."""
     block_g = max(1, triton.next_power_of_2(group))
+    if device.type == "cuda" and tokens_per_row >= LONG_ROWS and head_dim == 128 and block_g <= 8 and _hopper(device):
+        return HOPPER_LONG
+    block_q, block_n = prefill_tiles(group, device)
     return PrefillLaunch(block_q * block_g, block_n, NUM_WARPS, NUM_STAGES, max_registers(head_dim, device) or 0)
 
 
@@ -121,8 +142,6 @@ def unusable(launch: PrefillLaunch, head_dim: int, block_size: int, fp8: bool) -
         return f"the {launch.kernel} prefill kernel needs a power-of-two head_dim >= 16, got {head_dim}"
     if launch.kernel == "tma" and block_size < launch.block_n:
         return f"TMA tiles of {launch.block_n} keys need pages of at least as many tokens, got {block_size}"
-    if launch.kernel == "pages" and (block_size >= launch.block_n or launch.block_n % block_size):
-        return f"page-wise tiles of {launch.block_n} keys need whole pages smaller than a tile, got {block_size}"
     return None
 
 

@@ -3,13 +3,10 @@
 tiles (128 rows x 64-128 keys on 8 warps, no register cap), where ``tl.dot`` maps to wgmma with N
 of 64-128 instead of 32. 16-bit caches only (an e4m3 pool keeps the pointer kernel).
 
-Three ways to read K / V:
+Two ways to read K / V:
 - pointers through the block table, one table entry a key (``kv_tile_rows``; any page size), as the
   pointer kernel does, software-pipelined by the compiler (cp.async);
-- (``KV_PAGES``) pointers from one table entry a page, for tiles of whole pages smaller than the tile
-  (16-token pages under 64-128-key tiles): a [pages, page, head_dim] block merged into the tile;
-- (``KV_TMA``)
-- TMA descriptors over a layer's cache viewed as [num_blocks * block_size, kv_heads * head_dim]: one
+- (``KV_TMA``) TMA descriptors over a layer's cache viewed as [num_blocks * block_size, kv_heads * head_dim]: one
   table read and one bulk copy a tile, which needs a tile inside one page (pages of at least
   BLOCK_N tokens: 64 / 128-token pages, ``block_size_tokens``). A tile on the diagonal may run past
   the row's last key into the rest of its page: those rows of V are zeroed (they may hold anything,
@@ -28,26 +25,9 @@ from megatron_async.kernels.triton_prefill_common import key_ranges, store_outpu
 
 
 @triton.jit
-def _page_ptrs(table_ptr, n0, hi, kv_head, offs_d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr,
-               BLOCK_N: tl.constexpr, MASK: tl.constexpr):
-    """Cache offsets [BLOCK_N, head_dim] of a tile spanning BLOCK_N / BLOCK_SIZE whole pages: one table
-    entry a page, built as a [pages, BLOCK_SIZE, head_dim] block and merged along its leading dims (the
-    head dim stays innermost), where ``kv_tile_rows`` reads an entry a key."""
-    PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
-    page = n0 // BLOCK_SIZE + tl.arange(0, PAGES)
-    if MASK:  # pages from hi on may be past the row's table: block 0's offsets
-        blocks = tl.load(table_ptr + page, mask=page * BLOCK_SIZE < hi, other=0)
-    else:
-        blocks = tl.load(table_ptr + page)
-    slots = blocks.to(tl.int64)[:, None] * stride_cb + tl.arange(0, BLOCK_SIZE)[None, :] * stride_cs
-    ptrs = (slots + kv_head * stride_ch)[:, :, None] + offs_d[None, None, :]
-    return tl.reshape(ptrs, [BLOCK_N, offs_d.shape[0]])
-
-
-@triton.jit
 def _attend_wide(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, k_desc, v_desc, table_ptr, kv_head, lo, hi,
                  qk_scale, stride_cb, stride_cs, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, KV_TMA: tl.constexpr, KV_PAGES: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, KV_TMA: tl.constexpr,
                  WARP_SPEC: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``attend`` (the online softmax in log2 units, the scale folded into the max subtraction) with
     the K / V tile read by descriptor (``KV_TMA``) or through pointers."""
@@ -60,13 +40,9 @@ def _attend_wide(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, k_desc, v_desc
             first = block * BLOCK_SIZE + n0 % BLOCK_SIZE
             k = k_desc.load([first, kv_head * HEAD_DIM])
         else:
-            if KV_PAGES:
-                kv_ptrs = _page_ptrs(table_ptr, n0, hi, kv_head, offs_d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
-                                     BLOCK_N, MASK)
-            else:
-                rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
-                                    BLOCK_N, MASK)
-                kv_ptrs = rows[:, None] + offs_d[None, :]
+            rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N,
+                                MASK)
+            kv_ptrs = rows[:, None] + offs_d[None, :]
             k = kv_tile(k_cache_ptr, kv_ptrs, offs_n, hi, d_all, MASK, True, 0.0)
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         if MASK:  # keys past kv_len are past every query's position too
@@ -97,7 +73,7 @@ def prefill_wide_kernel(
     scale_log2, num_kv_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr, KV_TMA: tl.constexpr, KV_PAGES: tl.constexpr, WARP_SPEC: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, KV_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
     oq_ptr, os_ptr, rows_padded, QUANT_OUT: tl.constexpr, EMULATE: tl.constexpr,
 ):
     if HEADS_FASTEST:
@@ -123,10 +99,10 @@ def prefill_wide_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     acc, l_i, m_i = _attend_wide(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, k_desc, v_desc, table_ptr, kv_head,
                                  0, no_mask_end, scale_log2, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_SIZE,
-                                 BLOCK_N, False, KV_TMA, KV_PAGES, WARP_SPEC, DOT_DTYPE, DOT_PRECISION)
+                                 BLOCK_N, False, KV_TMA, WARP_SPEC, DOT_DTYPE, DOT_PRECISION)
     acc, l_i, m_i = _attend_wide(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, k_desc, v_desc, table_ptr, kv_head,
                                  no_mask_end, end, scale_log2, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_SIZE,
-                                 BLOCK_N, True, KV_TMA, KV_PAGES, False, DOT_DTYPE, DOT_PRECISION)
+                                 BLOCK_N, True, KV_TMA, False, DOT_DTYPE, DOT_PRECISION)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     store_output(o, tok, heads, m_valid, out_ptr, stride_ot, stride_oh, oq_ptr, os_ptr, rows_padded,
                  num_kv_heads * GROUP * 128, HEAD_DIM, HEAD_DIM, QUANT_OUT, EMULATE)

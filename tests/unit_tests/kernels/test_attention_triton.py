@@ -250,7 +250,6 @@ def _launch(rows: int, block_n: int, kernel: str, ws: bool = False):
 # (kernel, block_size, rows a tile, keys a tile, warp-specialized): tiles across pages (pointer reads), a tile
 # a page, two tiles a page (the second at an offset inside it), 32-row tiles (two query tokens of a group of 16)
 PREFILL_VARIANTS = [("pointer", 4, 16, 16, False), ("wide", 4, 16, 16, False), ("wide", 8, 32, 32, True),
-                    ("pages", 4, 16, 16, False), ("pages", 8, 32, 32, True), ("pages", 2, 16, 8, False),
                     ("tma", 16, 16, 16, False), ("tma", 32, 32, 16, True), ("tma", 8, 16, 8, False)]
 
 
@@ -268,7 +267,7 @@ def test_prefill_variants_match_reference(kernel, block_size, rows, block_n, ws,
     torch.testing.assert_close(out, ref_out, **FP32_TOL)
 
 
-@pytest.mark.parametrize("kernel,block_size", [("wide", 16), ("pages", 4), ("tma", 16)])
+@pytest.mark.parametrize("kernel,block_size", [("wide", 16), ("tma", 16)])
 def test_prefill_wide_variants_low_precision(kernel, block_size):
     case = _case(MIXED_ROWS, group=2, head_dim=32, block_size=block_size, dtype=torch.bfloat16, seed=3)
     ref_out, _ = case.reference()
@@ -287,8 +286,6 @@ def test_prefill_explicit_launch_its_kernel_cannot_run_is_refused(monkeypatch):
     append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
     with pytest.raises(ValueError, match="pages of at least"):
         prefill_attention(case.q, case.kv_cache, case.meta, case.scale, launch=_launch(16, 16, "tma"))
-    with pytest.raises(ValueError, match="whole pages"):
-        prefill_attention(case.q, case.kv_cache, case.meta, case.scale, launch=_launch(16, 4, "pages"))
     with pytest.raises(ValueError, match="unknown prefill kernel"):
         prefill_attention(case.q, case.kv_cache, case.meta, case.scale, launch=_launch(16, 16, "tiled"))
     tma = _launch(16, 16, "tma")

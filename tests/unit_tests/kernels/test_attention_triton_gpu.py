@@ -102,13 +102,14 @@ def test_decode_cuda_graph_replay(block_size):
         assert torch.equal(torch.nan_to_num(static.kv_cache, nan=0.0), ref_cache)
 
 
-# (page size, launch) of each prefill kernel variant at the tiles the sweep tries
-# (``kernel-times prefill-attention``): the pointer kernel's 128 x 64 tiles uncapped, the wide kernel
-# with and without warp specialization, the TMA kernel at pages of 64 and 128 tokens
-PREFILL_VARIANT_LAUNCHES = [(16, ("pointer", 128, 64, 8, 3, False)), (16, ("wide", 128, 64, 8, 3, False)),
-                            (16, ("wide", 128, 128, 8, 3, True)), (16, ("pages", 128, 64, 8, 3, False)),
-                            (64, ("tma", 128, 64, 8, 3, False)),
-                            (128, ("tma", 128, 128, 8, 2, False)), (128, ("tma", 128, 64, 4, 3, True))]
+# (page size, PrefillLaunch fields: rows, keys, warps, stages, register cap, kernel, warp-specialized) of
+# each prefill kernel variant at tiles the sweep tries (``kernel-times prefill-attention``): the pointer
+# kernel's 128 x 64 tiles capped (HOPPER_LONG, the default on steps of long rows) and uncapped, the wide
+# kernel with and without warp specialization, the TMA kernel at pages of 64 and 128 tokens
+PREFILL_VARIANT_LAUNCHES = [(16, (128, 64, 8, 3, 128, "pointer", False)), (16, (128, 64, 8, 3, 0, "pointer", False)),
+                            (16, (128, 64, 8, 3, 0, "wide", False)), (16, (128, 64, 8, 3, 0, "wide", True)),
+                            (64, (128, 64, 8, 3, 0, "tma", False)), (64, (128, 64, 8, 3, 128, "tma", False)),
+                            (128, (128, 128, 8, 2, 0, "tma", False)), (128, (128, 64, 8, 3, 128, "tma", True))]
 
 
 @pytest.mark.parametrize("block_size,launch", PREFILL_VARIANT_LAUNCHES)
@@ -118,12 +119,11 @@ def test_prefill_variants_real_shapes_match_reference(block_size, launch, heads)
     bf16: fresh prompts, a chunk continuing a cached prefix, decode rows."""
     from megatron_async.kernels.triton_prefill_attention import PrefillLaunch, prefill_attention
 
-    kernel, rows, block_n, warps, stages, ws = launch
     case = make_case([(0, 1000), (700, 300), (0, 64)] + _rows("decode-8"), block_size=block_size,
                      dtype=torch.bfloat16, device="cuda", seed=block_size, num_heads=heads, num_kv_heads=8,
                      head_dim=128)
     ref_out, _ = case.reference()
     attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the keys
     out = prefill_attention(case.q, case.kv_cache, case.meta, case.scale,
-                            launch=PrefillLaunch(rows, block_n, warps, stages, 0, kernel, ws))
+                            launch=PrefillLaunch(*launch))
     torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=1e-2)

@@ -268,7 +268,7 @@ def test_every_swept_prefill_launch_is_fitted_to_the_device(limits):
     never bigger than asked, the kernel variant and warps kept. On an H100, 128 x 128 tiles on 4 stages
     (320 KiB) drop to the 2 that fit and the default launch stays as tuned."""
     from benchmarks.kernel_times.prefill_attention import candidates
-    from megatron_async.kernels.triton_prefill_common import PrefillLaunch, fitted_launch, prefill_launch
+    from megatron_async.kernels.triton_prefill_common import HOPPER_LONG, PrefillLaunch, fitted_launch, prefill_launch
 
     asked_all = {c for bs in (16, 64, 128) for c in candidates(bs) if c is not None}
     asked_all.add(PrefillLaunch(128, 128, 8, 4, 0, "tma"))
@@ -286,6 +286,7 @@ def test_every_swept_prefill_launch_is_fitted_to_the_device(limits):
         assert fitted_launch(big, 2, 128, 2, 2, H100) == big._replace(num_stages=2)
         default = prefill_launch(2, 128, 16, CUDA)
         assert fitted_launch(default, 2, 128, 2, 2, H100) == default
+        assert fitted_launch(HOPPER_LONG, 2, 128, 2, 2, H100) == HOPPER_LONG
 
 
 def test_a_prefill_launch_no_tile_of_fits_is_refused():
@@ -295,3 +296,19 @@ def test_a_prefill_launch_no_tile_of_fits_is_refused():
 
     with pytest.raises(LaunchLimitError, match="fits the device"):
         fitted_launch(PrefillLaunch(128, 128, 1, 2, 0, "wide"), 2, 128, 4, 4, DeviceLimits(16_384))
+
+
+@pytest.mark.parametrize("hopper", [True, False])
+def test_prefill_launch_takes_the_wide_tiles_on_hopper_steps_of_long_rows(monkeypatch, hopper):
+    """Hopper, head_dim 128: steps of >= LONG_ROWS mean tokens a row get HOPPER_LONG, shorter ones (and
+    any other device, or head_dim) the 64 x 32 tiles; the CPU keeps its small tiles."""
+    from megatron_async.kernels import triton_prefill_common as common
+
+    monkeypatch.setattr(common, "_hopper", lambda device: hopper)
+    cuda = torch.device("cuda")
+    long_step = common.prefill_launch(2, 128, 16, cuda, common.LONG_ROWS)
+    assert (long_step == common.HOPPER_LONG) == hopper
+    short = common.prefill_launch(2, 128, 16, cuda, common.LONG_ROWS - 1)
+    assert (short.rows, short.block_n, short.num_warps) == (64, 32, 4)
+    assert common.prefill_launch(2, 64, 16, cuda, 8192).rows == 64
+    assert common.prefill_launch(2, 128, 16, torch.device("cpu"), 8192).rows == 16

@@ -71,14 +71,13 @@ types.update({n: "i32" for n in fn.arg_names if n.startswith("stride")})
 aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr") or n.startswith("stride")}
 out = {}
 for kernel, block_size, block_n, stages, ws in (("wide", 16, 64, 3, False), ("wide", 16, 128, 2, True),
-                                                ("pages", 16, 64, 3, False),
                                                 ("tma", 64, 64, 3, False), ("tma", 128, 128, 2, True)):
     tma = kernel == "tma"
     desc = f"tensordesc<bf16[{block_n}, 128]>" if tma else "*bf16"
     sig = {n: dict(types, k_desc=desc, v_desc=desc).get(n, "constexpr") for n in fn.arg_names}
     consts = dict(GROUP=2, BLOCK_G=2, BLOCK_Q=64, HEAD_DIM=128, BLOCK_SIZE=block_size, BLOCK_N=block_n,
                   DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", HEADS_FASTEST=True, KV_TMA=tma,
-                  KV_PAGES=kernel == "pages", WARP_SPEC=ws,
+                  WARP_SPEC=ws,
                   QUANT_OUT=False, EMULATE=False)
     ptx = compile_asm(fn, sig, consts, aligned, num_warps=8, num_stages=stages)["ptx"]
     out[f"{kernel}_{block_n}_ws{ws}"] = {"wgmma": ptx.count("wgmma.mma_async"), "tma": ptx.count("cp.async.bulk.tensor"),
