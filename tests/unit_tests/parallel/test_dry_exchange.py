@@ -12,51 +12,23 @@ from collections import Counter  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from megatron_async.config import ExpertExchange  # noqa: E402
-from megatron_async.models.layers import moe  # noqa: E402
 from megatron_async.models.layers.block import StepInputs  # noqa: E402
 from megatron_async.parallel import communication  # noqa: E402
 from megatron_async.parallel.dry_exchange import LocalExchange, can_stand_in, local_exchange  # noqa: E402
 from megatron_async.parallel.state import ParallelState  # noqa: E402
+from tests.helpers.exchange_signatures import no_collectives, recording, signature  # noqa: E402
 from tests.helpers.moe_layers import MOE_CONFIGS, build_moe_layer  # noqa: E402
 from tests.helpers.multiprocess import run_ranks  # noqa: E402
 
 HIDDEN = 16
 
 
-def _sig(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), t.stride(), str(t.dtype), t.data_ptr() % 16, t.is_contiguous()
-
-
 def _signatures(layer, x: torch.Tensor, agreed: int) -> list:
-    """What the layer's kernels after the exchange read: the exchange's results, the experts'
-    inputs and the layer's output."""
-    seen = []
-    gather, scatter, compute = moe.ep_all_gather, moe.ep_reduce_scatter, moe.RoutedExperts._compute
-
-    def record(fn):
-        def wrapped(*args, **kw):
-            out = fn(*args, **kw)
-            seen.append((fn.__name__, _sig(out)))
-            return out
-        return wrapped
-
-    def compute_rec(self, x, ids, weights, *rest, **kw):
-        seen.append(("experts", _sig(x), _sig(ids), _sig(weights)))
-        return compute(self, x, ids, weights, *rest, **kw)
-
-    moe.ep_all_gather, moe.ep_reduce_scatter, moe.RoutedExperts._compute = record(gather), record(scatter), compute_rec
-    try:
+    with recording() as seen:
         out = layer(x, StepInputs(batch=None, rope=None, mamba_plan=None, ep_num_tokens=agreed))
-    finally:
-        moe.ep_all_gather, moe.ep_reduce_scatter, moe.RoutedExperts._compute = gather, scatter, compute
-    return seen + [("out", _sig(out))]
-
-
-def _no_collectives(*args, **kwargs):
-    raise AssertionError("the dry pass issued a collective")
+    return seen + [("out", signature(out))]
 
 
 def _worker(rank: int, world: int, kind: str) -> tuple[list, list]:
@@ -65,20 +37,9 @@ def _worker(rank: int, world: int, kind: str) -> tuple[list, list]:
         layer = build_moe_layer(MOE_CONFIGS[kind], HIDDEN, parallel)
         x = torch.randn(3 + rank, HIDDEN, generator=torch.Generator().manual_seed(rank))
         real = _signatures(layer, x, 6)
-        saved = {name: getattr(dist, name) for name in ("all_gather", "all_reduce", "all_gather_into_tensor",
-                                                         "reduce_scatter_tensor")}
-        saved_single = communication._all_gather_into_tensor
-        try:
-            for name in saved:
-                setattr(dist, name, _no_collectives)
-            communication._all_gather_into_tensor = _no_collectives
-            with local_exchange(layer) as swapped:
-                assert swapped >= 1 and isinstance(layer.experts.parallel.ep_exchanger, LocalExchange)
-                dry = _signatures(layer, x, 6)
-        finally:
-            for name, fn in saved.items():
-                setattr(dist, name, fn)
-            communication._all_gather_into_tensor = saved_single
+        with no_collectives(), local_exchange(layer) as swapped:
+            assert swapped >= 1 and isinstance(layer.experts.parallel.ep_exchanger, LocalExchange)
+            dry = _signatures(layer, x, 6)
         assert layer.experts.parallel is parallel  # the real exchange again
         return real, dry
     finally:
