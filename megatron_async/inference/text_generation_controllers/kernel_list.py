@@ -11,8 +11,9 @@ list at once (loads from the cache) and captures nothing dry. The key hashes wha
 specialization depends on: the shapes, the model's parameters (names, shapes, dtypes), the
 context's sizes and KV cache layout, the kernel choices, the device, torch's and Triton's versions,
 the package's source and, under expert parallelism, the rank and its exchange. A list holds more
-than the pass needs rather than less (an extra kernel is a load); one that still missed a specialization would only build it when first launched
-(``EngineStats.triton_builds_after_warmup`` counts it); an unreadable list is ignored."""
+than the pass needs rather than less (an extra kernel is a load); one that still missed a
+specialization would only build it when first launched (``EngineStats.triton_builds_after_warmup``
+counts it); an unreadable list is ignored."""
 from __future__ import annotations
 
 import hashlib
