@@ -35,6 +35,17 @@ from megatron_async.parallel.state import ParallelState
 
 log = logging.getLogger("megatron_async")
 
+
+def _ranks_config(config: InferenceConfig, tensor_parallel_size: int) -> InferenceConfig:
+    """A TP / EP rank's config: no adaptive speculation (ranks schedule alike, never from their own
+    timings); under TP the start-up builds kernels one by one unless asked (dry captures of TP
+    collectives are not tried on several ranks), while EP's dry captures stand in for the exchange
+    (collective_prebuild.py) and build at once by default."""
+    threads = config.startup_build_threads
+    return replace(config, speculative_adaptive=False,
+                   startup_build_threads=threads if tensor_parallel_size == 1 else threads or 0)
+
+
 class LLM:
     def __init__(
         self,
@@ -78,9 +89,7 @@ class LLM:
         if tensor_parallel_size > 1 or expert_parallel_size > 1:  # ranks must schedule alike: no decisions from own timings
             if self.config.speculative_adaptive:
                 raise ValueError("speculative_adaptive decides from each rank's own step times: not under TP / EP")
-            # kernels built one by one unless asked (dry captures of collectives are not tried on several ranks)
-            self.config = replace(self.config, speculative_adaptive=False,
-                                  startup_build_threads=self.config.startup_build_threads or 0)
+            self.config = _ranks_config(self.config, tensor_parallel_size)
         self.config = self.config.for_device(self.device.type)  # a copy where a default depends on the device
         self.quantization = quantization  # checked when the model is built (Fp8Config.resolve)
         self.memory_plan: MemoryPlan | None = None
@@ -88,12 +97,7 @@ class LLM:
         self.tensor_parallel_size, self.expert_parallel_size = tensor_parallel_size, expert_parallel_size
         self.communicator: ZMQCommunicator | None = None
         self.parallel = ParallelState()
-        check_p2p_possible(self.config.communication().tp_all_reduce, tensor_parallel_size, self.device)
-        if tensor_parallel_size > 1 or expert_parallel_size > 1:
-            if self.device.type == "cuda":  # one GPU per rank
-                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-                torch.cuda.set_device(self.device)
-            self.parallel = ParallelState.from_torchrun(tensor_parallel_size, self.device, expert_parallel_size)
+        self._start_up = self._join(tensor_parallel_size, expert_parallel_size)
         try:
             comm = self.config.communication()
             self.parallel = with_p2p_all_reduce(self.parallel, comm.tp_all_reduce,
@@ -104,8 +108,7 @@ class LLM:
                 self.communicator = ZMQCommunicator.from_rendezvous(
                     self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size,
                     shared_memory=comm.consensus_shared_memory, spin_us=comm.consensus_spin_us)
-            with triton_workers.running(self.device, self.config.startup_build_threads,  # start-up's Triton compiles
-                                        self.config.startup_compile_workers):
+            with self._start_up:  # the compile workers end with the start-up
                 self._build(model, default_model, seed, drafter)
             self.startup.total_seconds = time.perf_counter() - t0
             self.coordinator = None
@@ -114,8 +117,28 @@ class LLM:
 
                 self.coordinator = CoordinatorService(self, listen, join, role)
         except BaseException:
+            self._start_up.close()
             self.close()  # every rank fails the same way at load (a shape that does not divide): leave cleanly
             raise
+
+    def _join(self, tensor_parallel_size: int, expert_parallel_size: int) -> contextlib.ExitStack:
+        """Start the start-up's Triton compile workers (they fork before CUDA starts: ``set_device``
+        here, the P2P buffers after), then join the torchrun job when there is one. Returns what
+        ends the workers (after the start-up, or when it fails)."""
+        workers = contextlib.ExitStack()
+        workers.enter_context(triton_workers.running(self.device, self.config.startup_build_threads,
+                                                     self.config.startup_compile_workers))
+        try:
+            check_p2p_possible(self.config.communication().tp_all_reduce, tensor_parallel_size, self.device)
+            if tensor_parallel_size > 1 or expert_parallel_size > 1:
+                if self.device.type == "cuda":  # one GPU per rank
+                    self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                    torch.cuda.set_device(self.device)
+                self.parallel = ParallelState.from_torchrun(tensor_parallel_size, self.device, expert_parallel_size)
+        except BaseException:
+            workers.close()
+            raise
+        return workers
 
     def _build(self, model: str | None, default_model: str, seed: int, drafter=None) -> None:
         nvtx.set_enabled(self.config.nvtx_ranges)

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from megatron_async.inference import triton_workers
 
-_state = {"builds": 0, "prev": None, "names": [], "deferred": None, "deferring_thread": None, "seen": {}}
+_state = {"builds": 0, "prev": None, "names": [], "deferred": None, "deferring_thread": None, "seen": {},
+          "compile_now": None}
 
 
 def _hook(*args, **kwargs):
@@ -41,8 +42,10 @@ def _hook(*args, **kwargs):
         if jit is not None and data is not None:
             if (id(jit), data) not in deferred:
                 deferred[(id(jit), data)] = (jit, data)
-                with contextlib.suppress(Exception):  # the compile workers start on it now (none: no-op)
-                    triton_workers.submit(jit, data)
+                compile_now = _state["compile_now"]
+                if compile_now is None or compile_now(jit, data):
+                    with contextlib.suppress(Exception):  # the compile workers start on it now (none: no-op)
+                        triton_workers.submit(jit, data)
             return True  # Triton skips this build and this launch
     _state["builds"] += 1
     fn = kwargs.get("fn")
@@ -94,9 +97,11 @@ def cache_dir() -> str | None:
 
 
 @contextlib.contextmanager
-def deferring():
+def deferring(compile_now=None):
     """Record instead of build (see the module doc), in the calling thread only; yields the
-    list the recorded (JITFunction, specialization data) pairs are in after the block."""
+    list the recorded (JITFunction, specialization data) pairs are in after the block.
+    ``compile_now(jit, data)``: whether the compile workers start on a recorded one at once
+    (None: every one; a ``host_builds.HostShare``'s ``mine``: this rank's own)."""
     if not install():
         yield []
         return
@@ -105,10 +110,11 @@ def deferring():
     found: dict = {}
     out: list = []
     _state["deferred"], _state["deferring_thread"] = found, threading.get_ident()
+    _state["compile_now"] = compile_now
     try:
         yield out
     finally:
-        _state["deferred"] = _state["deferring_thread"] = None
+        _state["deferred"] = _state["deferring_thread"] = _state["compile_now"] = None
         out.extend(found.values())
 
 
@@ -124,9 +130,35 @@ class BuildReport:
     compile_seconds: float = 0.0
     slowest: tuple[str, float] = ("", 0.0)
     """The kernel whose compile in a worker took longest, and its seconds."""
+    host: str = ""
+    """With a ``host_builds.HostShare``: how the host's ranks split the builds (empty: no split)."""
 
 
-def build_all(specs: list, threads: int) -> BuildReport:
+def build_all(specs: list, threads: int, share=None) -> BuildReport:
+    """``_build_all`` of ``specs``; with ``share`` (a ``host_builds.HostShare``), first this
+    rank's share of them, then, once every rank of the job has built its own (``share.barrier``,
+    reached even when there is nothing to build or the first part failed), the rest: loads from
+    the on-disk cache, or compiles of what no other rank built."""
+    if share is None:
+        return _build_all(specs, threads)
+    t0 = time.perf_counter()
+    first, rest = share.split(specs)
+    try:
+        own = _build_all(first, threads)
+    finally:
+        t1 = time.perf_counter()
+        share.barrier()
+    wait = time.perf_counter() - t1
+    loaded = _build_all(rest, threads)
+    slowest = max(own.slowest, loaded.slowest, key=lambda s: s[1])
+    host = (f"rank {share.index} of {share.count} on this host built {own.kernels} first, "
+            f"{wait:.1f} s at the barrier, then {loaded.kernels} of the others'")
+    return BuildReport(own.kernels + loaded.kernels, max(own.threads, loaded.threads), time.perf_counter() - t0,
+                       own.compiled + loaded.compiled, max(own.processes, loaded.processes),
+                       own.compile_seconds + loaded.compile_seconds, slowest, host)
+
+
+def _build_all(specs: list, threads: int) -> BuildReport:
     """Build ``specs`` (from ``deferring``) on ``threads`` threads, then load each binary onto
     the current device (outside any graph capture). Each lands in its kernel's in-memory cache,
     so the first launch of that specialization finds it built. With compile workers

@@ -9,10 +9,11 @@ hook's record: built before, or deferred by this pass) is written to
 ``<cache_dir>/megatron_async_kernels/<key>.json``; a later start-up with the same key builds that
 list at once (loads from the cache) and captures nothing dry. The key hashes what a
 specialization depends on: the shapes, the model's parameters (names, shapes, dtypes), the
-context's sizes and KV cache layout, the kernel choices, the device, torch's and Triton's versions
-and the package's source. A list holds more than the pass needs rather than less (an extra kernel
-is a load); one that still missed a specialization would only build it when first launched
-(``EngineStats.triton_builds_after_warmup`` counts it); an unreadable list is ignored."""
+context's sizes and KV cache layout, the kernel choices, the device, torch's and Triton's versions,
+the package's source and, under expert parallelism, the rank and its exchange. A list holds more
+than the pass needs rather than less (an extra kernel is a load); one that still missed a
+specialization would only build it when first launched (``EngineStats.triton_builds_after_warmup``
+counts it); an unreadable list is ignored."""
 from __future__ import annotations
 
 import hashlib
@@ -26,6 +27,7 @@ import torch
 
 from megatron_async.inference import triton_builds
 from megatron_async.inference.text_generation_controllers.kernel_prebuild import PrebuildReport, prebuild
+from megatron_async.parallel.dry_exchange import ep_state
 
 log = logging.getLogger("megatron_async")
 
@@ -64,9 +66,16 @@ def list_key(runner, shapes: list) -> str:
         repr((ctx.max_requests, ctx.max_tokens, ctx.max_sequence_length, ctx.num_speculative_tokens, ctx.block_size,
               ctx.batch_invariant, ctx.mamba is not None)),
         torch.cuda.get_device_name(dev), repr(torch.cuda.get_device_capability(dev)), torch.__version__,
-        triton.__version__, _package_source(),
+        triton.__version__, _package_source(), _expert_parallel(model),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _expert_parallel(model) -> str:
+    """What of expert parallelism a rank's kernels depend on: its rank (an integer argument of 1
+    specializes apart), the group's size and whether the exchange takes the P2P kernels."""
+    p = ep_state(model)
+    return "" if p is None else repr((p.ep_rank, p.ep_size, p.ep_exchange.value, p.ep_exchanger is not None))
 
 
 def list_path(runner, shapes: list) -> Path | None:
@@ -101,16 +110,18 @@ def _write(path: Path, specs: list) -> None:
         log.info("start-up build: kernel list %s not written (%s)", path, e)
 
 
-def prebuild_listed(runner, shapes: list, threads: int, also=None, built_before=frozenset()) -> PrebuildReport:
+def prebuild_listed(runner, shapes: list, threads: int, also=None, built_before=frozenset(),
+                    share=None) -> PrebuildReport:
     """``kernel_prebuild.prebuild`` (writing its list when it captured every shape), or the build
-    of the list an earlier process of the same key kept (no dry capture; ``listed``)."""
+    of the list an earlier process of the same key kept (no dry capture; ``listed``). ``share``:
+    the host's ranks split the builds either way (``host_builds.HostShare``)."""
     path = list_path(runner, shapes)
     specs = _read(path) if path is not None else None
     if specs is not None:
         t0 = time.perf_counter()
-        built = triton_builds.build_all(specs, threads)
+        built = triton_builds.build_all(specs, threads, share)
         return PrebuildReport.of(built, time.perf_counter() - t0, 0, [], listed=True, covered=list(shapes))
-    report = prebuild(runner, shapes, threads, also, built_before)
+    report = prebuild(runner, shapes, threads, also, built_before, share)
     if path is not None and not report.left:
         _write(path, report.specs)
     return report

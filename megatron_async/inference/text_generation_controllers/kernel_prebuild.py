@@ -78,12 +78,14 @@ class PrebuildReport:
     """The ``(shape, width)`` pairs whose kernels are built now: those captured dry, or all of a kept list's."""
     assumed: int = 0
     """Shapes not captured, their kernels built by an earlier pass (``built_before``), after a check."""
+    host: str = ""
+    """How the host's ranks split the builds (``host_builds``; empty: this rank built all it recorded)."""
 
     @classmethod
     def of(cls, built, seconds: float, shapes: int, left: list, **kw) -> "PrebuildReport":
         """The report of a pass whose builds were ``built`` (a ``triton_builds.BuildReport``)."""
         return cls(built.kernels, built.threads, seconds, built.seconds, shapes, left, built.compiled, built.processes,
-                   built.compile_seconds, built.slowest, **kw)
+                   built.compile_seconds, built.slowest, host=built.host, **kw)
 
     def describe(self) -> str:
         steps = "the kept kernel list" if self.listed else f"{self.shapes} step{'s' * (self.shapes != 1)} captured dry"
@@ -94,7 +96,7 @@ class PrebuildReport:
         workers = (f" ({self.compiled} compiled in {self.processes} processes in {self.compile_seconds:.1f} s, longest "
                    f"{self.slowest[0]} {self.slowest[1]:.1f} s)" if self.processes else "")
         return (f"{steps}, {self.kernels} kernels on {self.threads} threads in {self.build_seconds:.1f} s"
-                + workers)
+                + workers + (f"; {self.host}" if self.host else ""))
 
 
 _MATMUL_DTYPES = {torch.float16, torch.bfloat16, torch.float32}
@@ -250,7 +252,7 @@ def _check_blocks(runner, pairs: list, reps: list[int], stream, pool, graphs: li
 
 
 @torch.inference_mode()
-def prebuild(runner, shapes: list, threads: int, also=None, built_before=frozenset()) -> PrebuildReport:
+def prebuild(runner, shapes: list, threads: int, also=None, built_before=frozenset(), share=None) -> PrebuildReport:
     """Find the Triton specializations of ``shapes`` (``(StepShape, verify width)`` pairs, as
     ``warmup.eager_shapes``) without running them and build them on ``threads`` threads.
     ``also``: a callable run eagerly (not captured) inside the deferral, whose kernels are built
@@ -259,7 +261,8 @@ def prebuild(runner, shapes: list, threads: int, also=None, built_before=frozens
     (the memory profile's, on its probe context): two of them (the largest decode and mixed
     shapes) are captured again as a check, and the others only if that check met a
     specialization the process had not (a context that launches other kernels than the probe's).
-    Nothing may be in flight. The view and the latest samples are as before."""
+    ``share``: the host's ranks split the builds (``host_builds.HostShare``; every rank of the
+    job must then call this at once). Nothing may be in flight. The view and the latest samples are as before."""
     t0 = time.perf_counter()
     order, checks, assumed = _check_first(shapes, built_before)
     ctx = runner.context
@@ -275,7 +278,8 @@ def prebuild(runner, shapes: list, threads: int, also=None, built_before=frozens
         reps = blocks_to_run(runner.model.blocks)
         reps = reps if len(reps) < len(runner.model.blocks) else None
     try:
-        with triton_builds.deferring() as specs, caches_kept(empty_after=False):  # emptied below, the graphs gone
+        with (triton_builds.deferring(share.mine if share is not None else None) as specs,
+              caches_kept(empty_after=False)):  # emptied below, the graphs gone
             if reps is not None:  # do the blocks run stand for the rest? (else: every block)
                 checked = _largest_decode_and_mixed(shapes)
                 kept, reps = _check_blocks(runner, checked, reps, stream, pool, graphs)
@@ -304,7 +308,7 @@ def prebuild(runner, shapes: list, threads: int, also=None, built_before=frozens
     del pool, graphs
     gc.collect()
     torch.cuda.empty_cache()  # the dry captures' pool: nothing in it is kept
-    built = triton_builds.build_all(specs, threads)
+    built = triton_builds.build_all(specs, threads, share)
     left = order[done:]
     if done < checks:  # the check did not capture: nothing assumed, the rest run for real
         left, assumed = left + assumed, []

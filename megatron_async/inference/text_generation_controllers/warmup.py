@@ -17,7 +17,9 @@ as the token count T and the row count R, so eager warm-up runs steps on padding
   verify steps (every row W tokens and samples, the verify graphs' layout) of each captured
   width W at the decode row counts.
 Then the graph runner captures its whole plan (graph_plan.py). Under expert parallelism only
-the greedy decode graphs are captured (every rank at once: collectives inside).
+the collective runner's graphs are captured (every rank at once: collectives inside), with no
+eager pass; with ``build_threads`` their shapes are first captured dry, the exchanges stood in
+for, and their kernels built at once, split over the host's ranks (collective_prebuild.py).
 
 With ``build_threads`` (CUDA, Triton), the eager shapes are first captured dry and their kernels
 built on that many threads (kernel_prebuild.py): when the memory profile sized the KV pool, its
@@ -29,16 +31,22 @@ otherwise each graph's step runs once before its capture).
 Every kernel an eager step can meet is built and loaded."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from megatron_async.inference import triton_builds
+from megatron_async.inference.text_generation_controllers.collective_prebuild import (
+    prebuild_collective, wants_collective_prebuild,
+)
 from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant, variant_flags
 from megatron_async.inference.text_generation_controllers.kernel_list import prebuild_listed
 from megatron_async.inference.text_generation_controllers.kernel_prebuild import PrebuildReport
 from megatron_async.step_shape import StepShape
+
+log = logging.getLogger("megatron_async")
 
 
 @dataclass
@@ -196,6 +204,8 @@ def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: i
         pre = prebuild_listed(runner, shapes, build_threads, also=lambda: warm_token_mask(runner),
                               built_before=built_before)
         shapes = pre.left
+    elif graphs and wants_collective_prebuild(runner) and can_prebuild(runner, build_threads):
+        pre = prebuild_collective(runner, build_threads)
     t_eager = time.perf_counter()
     _run_eager(runner, shapes)
     if eager:
@@ -204,11 +214,17 @@ def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: i
     captured = skipped = 0
     if graphs and runner.graphs is not None:  # after a whole dry pass, graphs capture without eager runs
         skipped = runner.graphs.captures_without_eager_run
-        captured = runner.graphs.warmup(built=pre is not None and not pre.left)
+        # collective graphs keep their eager runs: every rank runs them together, while a capture
+        # retried after one would run it on one rank alone
+        built = pre is not None and not pre.left and not runner.graphs.collective
+        captured = runner.graphs.warmup(built=built)
         skipped = runner.graphs.captures_without_eager_run - skipped
     if dev.is_cuda:
         torch.cuda.synchronize(dev.device)
     t_end = time.perf_counter()
     mem = torch.cuda.memory_reserved(dev.device) - mem0 if dev.is_cuda else 0
+    if pre is not None and not eager:
+        log.info("start-up build under expert parallelism: the dry pass recorded and built %d kernels (%s); the graph "
+                 "captures built %d more", pre.kernels, pre.describe(), triton_builds.builds() - builds_capture)
     return WarmupReport(t_end - t0, len(shapes), captured, triton_builds.builds() - builds0, mem, pre,
                         t_capture - t_eager, t_end - t_capture, triton_builds.builds() - builds_capture, skipped)

@@ -26,11 +26,11 @@ def listed(monkeypatch, tmp_path):
     monkeypatch.setitem(registry, "kernel_list_test:k", jit)  # where a later process finds the kernel
     monkeypatch.setattr(kernel_list, "list_path", lambda runner, shapes: path)
 
-    def dry(runner, shapes, threads, also=None, built_before=frozenset()):
+    def dry(runner, shapes, threads, also=None, built_before=frozenset(), share=None):
         calls["dry"] += 1
         return PrebuildReport(2, threads, 1.0, 0.5, len(shapes), calls.get("left", []), specs=[(jit, "a"), (jit, "b")])
 
-    def build_all(specs, threads):
+    def build_all(specs, threads, share=None):
         calls["built"].append(specs)
         return triton_builds.BuildReport(len(specs), threads, 0.1)
 

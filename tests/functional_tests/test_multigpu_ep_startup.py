@@ -1,0 +1,51 @@
+"""Start-up of data-parallel engines under expert parallelism on 2 GPUs (``pytest -m multigpu``):
+each rank captures the collective graph plan dry with the EP exchange stood in for, the two
+ranks split the recorded Triton builds (fresh cache directory: every kernel compiled here),
+and the real graph captures after it build nothing (the dry pass met every specialization they
+launch). The engines then serve the tokens one engine serves, with no build or capture while
+serving. The kernel builds row of the start-up report names the split."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_async import LLM, InferenceConfig
+from tests.functional_tests.test_data_parallel_engines import CONFIG, GREEDY, PROMPTS
+from tests.helpers.multiprocess import run_ranks
+
+pytestmark = pytest.mark.multigpu
+
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+            "LOCAL_WORLD_SIZE": "2"}
+
+
+def _worker(rank: int, world: int) -> dict:
+    llm = LLM(None, inference_config=InferenceConfig(**CONFIG), default_model="tiny-moe",
+              expert_parallel_size=world, device="cuda")
+    try:
+        phases = llm.startup.phases
+        out = [o.generated_tokens for o in llm.generate(PROMPTS[:4], GREEDY[:4])]  # every rank serves; rank 0 reports
+        st = llm.engine.stats
+        return {"prebuild": vars(phases["kernel builds"]) if "kernel builds" in phases else None,
+                "captures": vars(phases["graph captures"]), "out": out,
+                "late": (st.triton_builds_after_warmup, st.graph_captures_after_warmup)}
+    finally:
+        llm.close()
+
+
+def test_ep2_start_up_builds_once_per_host_before_the_graph_captures(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    ranks = run_ranks(_worker, 2, timeout_s=400, env={**NCCL_ENV, "TRITON_CACHE_DIR": str(tmp_path)})
+    for rank, r in enumerate(ranks):
+        pre = r["prebuild"]
+        assert pre is not None and pre["builds"] > 0, r
+        assert f"rank {rank} of 2 on this host built" in pre["note"], pre["note"]
+        assert r["captures"]["builds"] == 0, f"rank {rank}: the graph captures met kernels the dry pass did not"
+        assert r["late"] == (0, 0)
+    one = LLM(None, inference_config=InferenceConfig(**CONFIG), default_model="tiny-moe",
+              device="cuda")
+    try:
+        assert ranks[0]["out"] == [o.generated_tokens for o in one.generate(PROMPTS[:4], GREEDY[:4])]
+    finally:
+        one.close()
