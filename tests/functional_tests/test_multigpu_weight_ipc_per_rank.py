@@ -21,6 +21,7 @@ def test_tp4_trainer_refits_a_tp4_engine_one_payload_per_rank():
     assert all(t["same_payload"] and t["shared"] == t["storages"] for t in trainers), trainers
     for got, trainer in zip(engines, trainers):
         assert (got["version1"], got["version2"]) == (1, 2)
+        assert "names GPU" in got.get("other_gpu", ""), got  # refused before anything was mapped
         assert got["opened1"] == got["opened2"] == trainer["storages"]
         assert got["tokens1"] == got["want1"] and got["tokens2"] == got["want2"], got
         assert got["tokens1"] != got["tokens2"]

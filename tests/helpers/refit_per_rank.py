@@ -75,7 +75,14 @@ def _engine(e: int, tp: int, store, device: str) -> dict:
         weights, out = llm.engine.weights, {"rank": e}
         for k in (1, 2):
             store.wait([f"payload/{k}/{r}" for r in range(tp)])
-            text = json.dumps([json.loads(store.get(f"payload/{k}/{r}")) for r in range(tp)])
+            payloads = [json.loads(store.get(f"payload/{k}/{r}")) for r in range(tp)]
+            if k == 1 and device == "cuda":  # each payload addressed to the next rank: another GPU's memory
+                shifted = [{**p, "engine_rank": (p["engine_rank"] - 1) % tp} for p in payloads]
+                try:
+                    llm.engine.update_weights_from_ipc(shifted)
+                except ipc.IpcHandleError as err:
+                    out["other_gpu"] = str(err)
+            text = json.dumps(payloads)
             out[f"version{k}"] = llm.engine.update_weights_from_ipc(text)
             out[f"opened{k}"] = weights._storages.opened
             out[f"tokens{k}"] = _generate(llm)
