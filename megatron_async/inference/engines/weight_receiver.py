@@ -27,8 +27,8 @@ import torch
 from megatron_async.models.megatron_layouts import NameMap, Shard
 from megatron_async.models.slab_loading import WeightUpdateError
 from megatron_async.models.weight_update import CopyPlanCache, update_weights_in_place
-from megatron_async.weight_transfer import ipc
-from megatron_async.weight_transfer.copy_groups import GroupedCopy
+from megatron_async.weight_transfer import ipc, table_copy
+from megatron_async.weight_transfer.copy_groups import KERNELS, GroupedCopy
 from megatron_async.weight_transfer.group import TransferFailed, check_group_args, check_timeout, init_transfer_group
 from megatron_async.weight_transfer.manifest import _SHARD_FIELDS, DTYPES, Manifest, ManifestError
 from megatron_async.weight_transfer.pending import PendingTransfer
@@ -81,6 +81,10 @@ class WeightReceiver:
         self.last_ipc_ms: dict[str, float] = {}
         """Host time of the last IPC update by phase (``IPC_PHASES``), in ms."""
         self._bound = None  # (program, GroupedCopy) of the last IPC payload
+        self._ipc_kernel = "auto"
+        param = next(self.model.parameters(), None)
+        if param is not None and param.device.type == "cuda" and table_copy.triton is not None:
+            table_copy.warm_up(param.device, param.dtype)  # the first update does not wait for the compiler
         self._uuid: str | None = None
 
     def commit(self, version: int | None, recompute_kv: bool) -> int:
@@ -234,7 +238,7 @@ class WeightReceiver:
         opened = self._storages.open(u.storages)
         times.append(time.perf_counter())
         if self._bound is None or self._bound[0] is not program:  # same program: same storages, same views
-            self._bound = (program, GroupedCopy(program.bind(ipc.views(opened, u.tensors))))
+            self._bound = (program, GroupedCopy(program.bind(ipc.views(opened, u.tensors)), self.ipc_kernel))
         times.append(time.perf_counter())
         program.begin()
         copied = self._bound[1].run()
@@ -249,6 +253,17 @@ class WeightReceiver:
         times.append(time.perf_counter())
         self.last_ipc_ms = {k: 1e3 * (b - a) for k, a, b in zip(IPC_PHASES, times, times[1:])}
         return version
+
+    @property
+    def ipc_kernel(self) -> str:
+        """How an IPC update launches its copies (``copy_groups.KERNELS``); a change binds anew."""
+        return self._ipc_kernel
+
+    @ipc_kernel.setter
+    def ipc_kernel(self, kernel: str) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"ipc_kernel must be one of {KERNELS}, got {kernel!r}")
+        self._ipc_kernel, self._bound = kernel, None
 
     def _device_uuid(self) -> str | None:
         """This rank's GPU (per-rank payloads must share memory of this GPU only)."""
