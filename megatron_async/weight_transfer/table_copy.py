@@ -7,7 +7,8 @@ At bind, each pair's dims are merged where both sides allow it, down to at most 
 innermost contiguous on both sides (every pair a weight update makes: whole tensors, and query
 groups' rows read out of a QKV shard); its rows (the outer two dims) are cut into work items of
 about ``ITEM_ELEMENTS`` elements, and every item is one row of an int64 table on the device
-(source and destination addresses, row geometry, first row, row count). The kernel runs one
+(source and destination addresses, row geometry, first row, row count; a row longer than an item,
+a whole contiguous tensor for one, is cut into pieces of its own). The kernel runs one
 program per item and copies bits (no conversion), so the result equals ``copy_``'s exactly. A
 pair that does not qualify (dtypes differ, inner dim strided, CPU) is left to the caller."""
 from __future__ import annotations
@@ -21,7 +22,8 @@ except ImportError:  # pragma: no cover - the caller keeps its multi-tensor copi
     triton = None
 
 ITEM_ELEMENTS = 1 << 15
-"""Elements one program copies (at least one whole row)."""
+"""Elements one program copies at most (whole rows, or a piece of one long row); a multiple of
+16 bytes' worth of elements of any size, so pieces of an aligned row stay aligned."""
 BLOCK = 1024
 """Elements of a row copied per step of a program."""
 _FIELDS = 10
@@ -72,11 +74,17 @@ class TableCopy:
             sptr, dptr = src.data_ptr(), dst.data_ptr()
             aligned = (sptr % 16 == 0 and dptr % 16 == 0
                        and all(_aligned(x, size) for x in (sizes[2], dstride[0], dstride[1], sstride[0], sstride[1])))
-            total, per = sizes[0] * sizes[1], max(1, item_elements // sizes[2])
+            total, items = sizes[0] * sizes[1], rows.setdefault((size, aligned), [])
+            if sizes[2] > item_elements:  # long rows (a whole tensor is one): an item per piece of a row
+                for row in range(total):
+                    for col in range(0, sizes[2], item_elements):
+                        items.append([sptr + col * size, dptr + col * size, sizes[1], min(item_elements, sizes[2] - col),
+                                      sstride[0], sstride[1], dstride[0], dstride[1], row, 1])
+                continue
+            per = item_elements // sizes[2]
             for first in range(0, total, per):
-                rows.setdefault((size, aligned), []).append(
-                    [sptr, dptr, sizes[1], sizes[2], sstride[0], sstride[1], dstride[0], dstride[1], first,
-                     min(per, total - first)])
+                items.append([sptr, dptr, sizes[1], sizes[2], sstride[0], sstride[1], dstride[0], dstride[1], first,
+                              min(per, total - first)])
         device = dsts[0].device if dsts else None
         self.tables = [(size, aligned, torch.tensor(items, dtype=torch.int64, device=device))
                        for (size, aligned), items in sorted(rows.items())]

@@ -82,9 +82,13 @@ class WeightReceiver:
         """Host time of the last IPC update by phase (``IPC_PHASES``), in ms."""
         self._bound = None  # (program, GroupedCopy) of the last IPC payload
         self._ipc_kernel = "auto"
-        param = next(self.model.parameters(), None)
-        if param is not None and param.device.type == "cuda" and table_copy.triton is not None:
-            table_copy.warm_up(param.device, param.dtype)  # the first update does not wait for the compiler
+        cuda = {(p.device, p.dtype) for p in self.model.parameters() if p.device.type == "cuda"}
+        try:
+            for device, dtype in sorted(cuda, key=str) if table_copy.triton is not None else ():
+                table_copy.warm_up(device, dtype)  # the first update does not wait for the compiler
+        except Exception as e:  # noqa: BLE001 -- the multi-tensor copies serve instead
+            log.warning("the IPC table copy kernel did not build (%s): IPC updates use foreach copies", e)
+            self._ipc_kernel = "foreach"
         self._uuid: str | None = None
 
     def commit(self, version: int | None, recompute_kv: bool) -> int:
