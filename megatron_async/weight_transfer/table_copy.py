@@ -21,7 +21,7 @@ try:
 except ImportError:  # pragma: no cover - the caller keeps its multi-tensor copies
     triton = None
 
-ITEM_ELEMENTS = 1 << 15
+ITEM_ELEMENTS = 1 << 16
 """Elements one program copies at most (whole rows, or a piece of one long row); a multiple of
 16 bytes' worth of elements of any size, so pieces of an aligned row stay aligned."""
 BLOCK = 1024
@@ -67,27 +67,18 @@ class TableCopy:
     def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], item_elements: int = ITEM_ELEMENTS):
         self.dsts, self.srcs = dsts, srcs  # (held: the table names their memory)
         self.elements = sum(d.numel() for d in dsts)
-        rows: dict[tuple[int, bool], list[list[int]]] = {}
+        pairs: dict[tuple[int, bool], list[list[int]]] = {}
         for dst, src in zip(dsts, srcs):
             size = dst.element_size()
             sizes, dstride, sstride = geometry(dst, src)
             sptr, dptr = src.data_ptr(), dst.data_ptr()
             aligned = (sptr % 16 == 0 and dptr % 16 == 0
                        and all(_aligned(x, size) for x in (sizes[2], dstride[0], dstride[1], sstride[0], sstride[1])))
-            total, items = sizes[0] * sizes[1], rows.setdefault((size, aligned), [])
-            if sizes[2] > item_elements:  # long rows (a whole tensor is one): an item per piece of a row
-                for row in range(total):
-                    for col in range(0, sizes[2], item_elements):
-                        items.append([sptr + col * size, dptr + col * size, sizes[1], min(item_elements, sizes[2] - col),
-                                      sstride[0], sstride[1], dstride[0], dstride[1], row, 1])
-                continue
-            per = item_elements // sizes[2]
-            for first in range(0, total, per):
-                items.append([sptr, dptr, sizes[1], sizes[2], sstride[0], sstride[1], dstride[0], dstride[1], first,
-                              min(per, total - first)])
+            pairs.setdefault((size, aligned), []).append(
+                [sptr, dptr, sizes[1], sizes[2], sstride[0], sstride[1], dstride[0], dstride[1], sizes[0] * sizes[1], size])
         device = dsts[0].device if dsts else None
-        self.tables = [(size, aligned, torch.tensor(items, dtype=torch.int64, device=device))
-                       for (size, aligned), items in sorted(rows.items())]
+        self.tables = [(size, aligned, _items(torch.tensor(rows, dtype=torch.int64, device=device), item_elements))
+                       for (size, aligned), rows in sorted(pairs.items())]
         self.launches = len(self.tables)
 
     def run(self) -> int:
@@ -95,6 +86,30 @@ class TableCopy:
             _copy_rows[(table.shape[0],)](table, ELEM=getattr(tl, _BITS[size]), ALIGNED=aligned, VEC=16 // size,
                                           BLOCK=BLOCK, FIELDS=_FIELDS)
         return self.elements
+
+
+def _items(pairs: torch.Tensor, item_elements: int) -> torch.Tensor:
+    """The work items of ``pairs`` (rows of [src, dst, n1, n2, ss0, ss1, ds0, ds1, rows, element
+    size]), computed for all pairs at once on their device (an 8B model has ~10^5 items): short rows grouped whole
+    into items of at most ``item_elements``, a longer row cut into pieces of that many."""
+    n2, rows, esize = pairs[:, 3], pairs[:, 8], pairs[:, 9]
+    long = n2 > item_elements
+    per = torch.where(long, 1, item_elements // n2.clamp(min=1))  # rows per item (short rows)
+    pieces = torch.where(long, (n2 + item_elements - 1) // item_elements, 1)  # items per row (long rows)
+    counts = torch.where(long, rows * pieces, (rows + per - 1) // per)
+    total = int(counts.sum())  # (on the pairs' device: one small sync, ~30 small kernels)
+    owner = torch.repeat_interleave(torch.arange(len(pairs), device=pairs.device), counts, output_size=total)
+    local = torch.arange(total, device=pairs.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
+                                                                               output_size=total)
+    p = pairs[owner]
+    is_long, p_per, p_pieces = long[owner], per[owner], pieces[owner]
+    col = torch.where(is_long, (local % p_pieces) * item_elements, 0)
+    first = torch.where(is_long, local // p_pieces, local * p_per)
+    count = torch.where(is_long, 1, torch.minimum(p_per, p[:, 8] - first))
+    width = torch.where(is_long, torch.clamp(p[:, 3] - col, max=item_elements), p[:, 3])
+    shift = col * p[:, 9]
+    return torch.stack([p[:, 0] + shift, p[:, 1] + shift, p[:, 2], width, p[:, 4], p[:, 5], p[:, 6], p[:, 7],
+                        first, count], dim=1).contiguous()
 
 
 def warm_up(device: torch.device, dtype: torch.dtype) -> None:
