@@ -18,7 +18,6 @@ forgets its entries, so the following payload shares afresh)."""
 from __future__ import annotations
 
 import base64
-import weakref
 from typing import Iterable
 
 import torch

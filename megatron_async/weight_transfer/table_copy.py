@@ -92,7 +92,7 @@ def _items(pairs: torch.Tensor, item_elements: int) -> torch.Tensor:
     """The work items of ``pairs`` (rows of [src, dst, n1, n2, ss0, ss1, ds0, ds1, rows, element
     size]), computed for all pairs at once on their device (an 8B model has ~10^5 items): short rows grouped whole
     into items of at most ``item_elements``, a longer row cut into pieces of that many."""
-    n2, rows, esize = pairs[:, 3], pairs[:, 8], pairs[:, 9]
+    n2, rows = pairs[:, 3], pairs[:, 8]
     long = n2 > item_elements
     per = torch.where(long, 1, item_elements // n2.clamp(min=1))  # rows per item (short rows)
     pieces = torch.where(long, (n2 + item_elements - 1) // item_elements, 1)  # items per row (long rows)
