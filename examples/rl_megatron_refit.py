@@ -11,7 +11,7 @@ generates with them; the engine's log-probs are checked against the trainer's ow
 Every step:
   1. the trainer sends its weights: ``megatron_tensors(model)`` -> ``build_manifest`` -> the engine's
      ``update_weights_from_distributed(manifest)`` while every trainer rank runs ``send`` (or
-     ``ipc.share`` -> ``update_weights_from_ipc``);
+     ``ipc.Sharer().share`` -> ``update_weights_from_ipc``);
   2. the engine generates rollouts with the log-prob of every token (``weight_versions`` = the step);
   3. the trainer recomputes those log-probs with its forward: the largest difference is reported;
   4. one optimizer step on the rollouts (maximise their log-likelihood: a stand-in for an RL loss).
@@ -141,7 +141,7 @@ def trainer_main(rank: int, args, ports: dict) -> None:
     trainer = Trainer(args, rank, ports)
     store = dist.TCPStore("127.0.0.1", ports["store"], is_master=False, timeout=timedelta(seconds=300))
     senders = args.trainer_tp if args.trainer == "megatron" else 1
-    group = None
+    group, sharer = None, ipc.Sharer()  # the sharer gives a storage's entry again while it lives (ipc.py)
     if args.transport == "distributed":
         backend = "nccl" if args.device != "cpu" and torch.cuda.device_count() > 1 else "gloo"
         group = init_transfer_group("127.0.0.1", ports["transfer"], rank, senders + 1, backend)
@@ -153,7 +153,7 @@ def trainer_main(rank: int, args, ports: dict) -> None:
             store.set(f"manifest/{step}/{rank}", build_manifest(items, args.bucket_bytes, rank, version=step).to_json())
             send(group, merge([store.get(f"manifest/{step}/{r}").decode() for r in range(senders)]), items)
         else:
-            store.set(f"payload/{step}/{rank}", json.dumps(ipc.share(items)))
+            store.set(f"payload/{step}/{rank}", json.dumps(sharer.share(items)))
         rollouts = json.loads(store.get(f"rollouts/{step}"))  # the engine answered: its copies are done
         diffs = [(trainer.log_probs(p, t) - torch.tensor(lp, device=trainer.device)).abs().max().item()
                  for p, t, lp in rollouts]

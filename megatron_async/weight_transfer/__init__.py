@@ -6,7 +6,8 @@ Trainer side (importable without building an engine):
   ``init_transfer_group(...)``  join the transfer group (gloo on CPU, NCCL on GPUs); ``free_port()`` for its port
   ``build_manifest`` / ``merge`` the bucketed, JSON manifest of an update
   ``send(group, manifest, tensors)``  broadcast this rank's buckets; ``TransferFailed`` if refused
-  ``ipc.share(items)``          a JSON payload of CUDA IPC / shared-memory handles (colocated)
+  ``ipc.share(items)``          a JSON payload of CUDA IPC / shared-memory handles (colocated);
+                                ``ipc.Sharer().share(items[, engine_rank])``: the same payload every step
   ``megatron_from_hf``, ``megatron_names_of``: a trainer rank's shards built from HF tensors
 
 Engine side: ``engine.init_weight_transfer``, ``engine.update_weights_from_distributed``,

@@ -8,12 +8,21 @@ pair (a launch and its host dispatch each: hundreds for a model whose trainer ho
 parameter in a storage of its own, with a dtype of its own for a few). ``GroupedCopy`` sorts a
 bound copy's pairs once into lists that each meet those conditions (the rest in lists of their
 own, copied pair by pair as before), so a repeated update launches a few kernels per dtype pair.
-The bytes copied and their rounding are ``copy_``'s either way."""
+The bytes copied and their rounding are ``copy_``'s either way.
+
+On a GPU with Triton (``kernel="table"``, the default there), the same-dtype pairs go to one
+launch per element size instead (``table_copy.TableCopy``: strided pairs included), and only the
+rest (dtype conversions) to the multi-tensor lists."""
 from __future__ import annotations
 
 import torch
 
 from megatron_async.models.slab_loading import BoundCopy
+from megatron_async.weight_transfer.table_copy import TableCopy, qualifies
+
+KERNELS = ("auto", "table", "foreach")
+"""How a bound copy launches: "table" (one Triton launch per element size for the pairs that
+qualify), "foreach" (``torch._foreach_copy_`` lists), "auto" (table where it applies)."""
 
 Lists = tuple[list[torch.Tensor], list[torch.Tensor]]
 
@@ -47,15 +56,33 @@ def group_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> list[List
 
 
 class GroupedCopy:
-    """``bound.run()`` with its plain pairs copied in ``group_pairs`` lists."""
+    """``bound.run()`` with its plain pairs copied in one table launch per element size
+    (``kernel``: see ``KERNELS``) and ``group_pairs`` lists."""
 
-    def __init__(self, bound: BoundCopy):
+    def __init__(self, bound: BoundCopy, kernel: str = "auto"):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         self.bound = bound
-        self.groups = group_pairs(*bound.dense) + group_pairs(*bound.strided)
+        table: Lists = ([], [])
+        rest: list[Lists] = []
+        for dsts, srcs in (bound.dense, bound.strided):
+            left: Lists = ([], [])
+            for dst, src in zip(dsts, srcs):
+                side = table if kernel != "foreach" and qualifies(dst, src) else left
+                side[0].append(dst)
+                side[1].append(src)
+            rest += group_pairs(*left)
+        self.table = TableCopy(*table) if table[0] else None
+        self.groups = rest
+        self.launches = (self.table.launches if self.table else 0) + len(rest)
+        """Kernel lists launched per run (a list that does not qualify for the multi-tensor
+        kernel is a launch per pair)."""
 
     def run(self) -> int:
         """Copies everything again; returns the elements copied (``BoundCopy.run``'s count)."""
         with torch.no_grad():
+            if self.table is not None:
+                self.table.run()
             for dsts, srcs in self.groups:
                 torch._foreach_copy_(dsts, srcs)
         bound = self.bound

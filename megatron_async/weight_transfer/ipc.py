@@ -12,87 +12,43 @@ torch's own storage constructors take).
      "tensors": [{"name": str, "storage": int, "dtype": str, "shape": [int], "stride": [int],
                   "storage_offset": int, "tp_rank": int, "tp_size": int, ...shard fields}]}
 
+Optional payload fields: ``"engine_rank": int`` (the engine rank this payload is for: each rank
+takes only its own, ``per_rank.py``) and ``"release_after": true`` (unmap after this update).
+
 Tensors that share a storage (Megatron-Core's contiguous parameter buffers) name it once. The GPU
 is named by UUID, not index (CUDA_VISIBLE_DEVICES differs between processes). One payload per
 trainer rank; the engine takes a list. The trainer keeps its tensors alive and unchanged until
 the engine answered; the engine keeps the storages mapped for the next update with the same
-payload (``IpcStorages.release`` drops them)."""
+payload (``ipc_storages.py``; ``IpcStorages.release`` drops them). The trainer's side is
+``sharer.py`` (``share``, and ``Sharer``, whose payload is the same every step)."""
 from __future__ import annotations
 
-import base64
 import json
 import math
+from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter, mul
-from typing import Iterable, Mapping
-
-import torch
+from typing import Mapping
 
 from megatron_async.models.megatron_layouts import Shard
+from megatron_async.weight_transfer.ipc_storages import IpcHandleError, IpcStorages, storage_key, unb64, views
 from megatron_async.weight_transfer.manifest import _SHARD_FIELDS, DTYPES, FORMATS, check_int
+from megatron_async.weight_transfer.per_rank import addressed
+from megatron_async.weight_transfer.sharer import Sharer, device_uuid, share
+
+__all__ = ["CheckedPayloads", "IpcUpdate", "IpcHandleError", "IpcStorages", "Sharer", "device_uuid", "parse", "plan_key",
+           "share", "storage_key", "views"]
 
 _B64_FIELDS = {"cuda": ("handle", "ref_counter_handle", "event_handle"), "cpu_shm": ("manager", "handle")}
 _TENSOR_FIELDS = frozenset({"name", "storage", "dtype", "shape", "stride", "storage_offset", *_SHARD_FIELDS})
 
 
-class IpcHandleError(ValueError):
-    """A malformed or out-of-bounds payload, or a storage this engine rank cannot map."""
-
-
-def _b64(b: bytes) -> str:
-    return base64.b64encode(b).decode()
-
-
 def _unb64(s, what: str) -> bytes:
-    if not isinstance(s, str):
-        raise IpcHandleError(f"{what} must be a base64 string")
-    try:
-        return base64.b64decode(s, validate=True)
-    except ValueError as e:
-        raise IpcHandleError(f"{what} is not valid base64: {e}") from None
+    return unb64(s, what)
 
 
 def _int(x, what: str, optional: bool = False) -> int | None:
     return check_int(x, what, optional, IpcHandleError)
-
-
-def device_uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
-
-
-# ---------------------------------------------------------------------------- trainer side
-def share(items: Iterable[tuple], weights_format: str = "megatron") -> dict:
-    """The payload for (name, tensor[, Shard]) items (CUDA tensors, or CPU tensors in shared
-    memory under the "file_system" sharing strategy)."""
-    storages: list[dict] = []
-    index: dict[int, int] = {}
-    tensors = []
-    for name, t, *rest in items:
-        t = t.detach()
-        st = t.untyped_storage()
-        if st.data_ptr() not in index:
-            index[st.data_ptr()] = len(storages)
-            storages.append(_share_storage(st))
-        shard = rest[0] if rest and rest[0] is not None else Shard()
-        tensors.append({"name": name, "storage": index[st.data_ptr()], "dtype": str(t.dtype).removeprefix("torch."),
-                        "shape": list(t.shape), "stride": list(t.stride()), "storage_offset": t.storage_offset(),
-                        **{k: getattr(shard, k) for k in _SHARD_FIELDS}})
-    return {"weights_format": weights_format, "storages": storages, "tensors": tensors}
-
-
-def _share_storage(st: torch.UntypedStorage) -> dict:
-    if st.device.type == "cuda":
-        device, handle, nbytes, offset, rc_handle, rc_offset, ev_handle, ev_sync = st._share_cuda_()
-        return {"kind": "cuda", "device_uuid": device_uuid(device), "handle": _b64(handle), "nbytes": nbytes,
-                "offset_bytes": offset, "ref_counter_handle": _b64(rc_handle), "ref_counter_offset": rc_offset,
-                "event_handle": _b64(ev_handle or b""), "event_sync_required": bool(ev_sync)}
-    if st.device.type == "cpu":
-        if not st.is_shared():
-            raise ValueError("CPU tensors must be in shared memory (torch.multiprocessing.set_sharing_strategy("
-                             "'file_system'), then tensor.share_memory_()) before they are shared")
-        manager, handle, nbytes = st._share_filename_cpu_()
-        return {"kind": "cpu_shm", "manager": _b64(manager), "handle": _b64(handle), "nbytes": nbytes}
-    raise ValueError(f"cannot share a {st.device.type} tensor")
 
 
 # ---------------------------------------------------------------------------- engine side
@@ -182,6 +138,8 @@ def _payloads(handles) -> list[Mapping]:
             raise IpcHandleError("a payload is an object with 'storages' and 'tensors' lists")
         if p.get("weights_format", "megatron") not in FORMATS:
             raise IpcHandleError(f"weights_format must be one of {FORMATS}, got {p.get('weights_format')!r}")
+        if type(p.get("release_after", False)) is not bool:
+            raise IpcHandleError(f"release_after must be true or false, got {p.get('release_after')!r}")
         out.append(p)
     if len({p.get("weights_format", "megatron") for p in out}) != 1:
         raise IpcHandleError("payloads of one update must share one weights_format")
@@ -213,25 +171,23 @@ def _checked_storages(handles) -> tuple[list[Mapping], list[dict], str]:
     return payloads, storages, payloads[0].get("weights_format", "megatron")
 
 
-def storage_key(s: Mapping) -> str:
-    """Which memory a storage entry names (not the per-share reference counter / event fields,
-    which change each time the trainer shares the same storage)."""
-    if s["kind"] == "cuda":
-        return f"cuda:{s['device_uuid']}:{s['handle']}:{s['offset_bytes']}:{s['nbytes']}"
-    return f"cpu_shm:{s['manager']}:{s['handle']}:{s['nbytes']}"
-
-
 def tensors_key(tensors: list[dict]) -> tuple:
     """Each checked tensor's name, place in its storage and shard."""
     return tuple((t["name"], t["storage"], t["dtype"], tuple(t["shape"]), tuple(t["stride"]),
                   t["storage_offset"], *(t.get(k) for k in _SHARD_FIELDS)) for t in tensors)
 
 
-def plan_key(weights_format: str, storages: list[dict], tensors: list[dict], tensor_part: tuple | None = None) -> tuple:
+def plan_key(weights_format: str, storages: list[dict], tensors: list[dict], tensor_part: tuple | None = None,
+             per_rank: bool = False) -> tuple:
     """What an update's copy plan depends on (``parse``'s output): which storages, and each
-    tensor's name, place in them and shard (``tensor_part``: ``tensors_key(tensors)`` kept)."""
-    return ("ipc", weights_format, tuple(storage_key(s) for s in storages),
-            tensors_key(tensors) if tensor_part is None else tensor_part)
+    tensor's name, place in them and shard (``tensor_part``: ``tensors_key(tensors)`` kept), and
+    whether the payloads were addressed per engine rank (``per_rank.py``)."""
+    return _key(weights_format, tuple(storage_key(s) for s in storages),
+                tensors_key(tensors) if tensor_part is None else tensor_part, per_rank)
+
+
+def _key(weights_format: str, storage_part: tuple, tensor_part: tuple, per_rank: bool) -> tuple:
+    return ("ipc", weights_format, storage_part, tensor_part) + (("per_rank",) if per_rank else ())
 
 
 _ENTRY_TYPES = frozenset({str, int, list, type(None)})
@@ -247,92 +203,82 @@ def _same(raw, kept: list[dict]) -> bool:
                                                         map(itemgetter("stride"), raw))))) <= {int})
 
 
+@dataclass(frozen=True)
+class IpcUpdate:
+    """One engine rank's checked part of an IPC update."""
+    weights_format: str
+    storages: list[dict]
+    tensors: list[dict]
+    """Checked entries, ``storage`` an index into ``storages``."""
+    key: tuple
+    """``plan_key``: what the copy plan depends on."""
+    per_rank: bool = False
+    """The payloads were addressed to this engine rank (``per_rank.addressed``)."""
+    release_after: bool = False
+    """Unmap the storages after the copy (a payload asked for it)."""
+
+
 class CheckedPayloads:
-    """``parse`` keeping its last answer. A trainer shares the same tensors every step (only its
-    storages' per-share reference counter and event fields change), so when every payload's
+    """``parse`` keeping its last answer. A trainer shares the same tensors every step: with
+    ``Sharer`` the very same payload (the JSON text, or storage entries equal to the last ones
+    checked: their checked copies are taken), with ``share`` the same tensor entries over storages whose
+    per-share reference counter and event fields changed (checked again). When every payload's
     tensor entries are the last ones checked (``_same``: its own copy of them, kept from the
-    check) and its storages have the same sizes, their check and plan key are taken as they
-    were; the storages are checked each time."""
+    check) and its storages have the same sizes, their check and plan key are taken as they were."""
 
     def __init__(self):
         self._last = None  # (per payload (format, storage sizes), copies of the entries, tensors, their key)
+        self._storages = None  # (copies of the last checked storage entries, their keys)
+        self._text = None  # (the last JSON text, engine rank, device, its IpcUpdate)
         self.reused = 0
         """Updates whose tensor entries were taken from the last check."""
+        self.unchanged = 0
+        """Updates whose JSON text or storage entries were the last ones (nothing checked again)."""
 
     def parse(self, handles) -> tuple[str, list[dict], list[dict], tuple]:
-        """``parse(handles)`` and the update's ``plan_key``."""
-        payloads, storages, fmt = _checked_storages(handles)
+        """``parse(handles)`` and the update's ``plan_key`` (every payload, for every rank)."""
+        u = self.checked(handles)
+        return u.weights_format, u.storages, u.tensors, u.key
+
+    def checked(self, handles, engine_rank: int = 0, device_uuid: str | None = None) -> IpcUpdate:
+        """Engine rank ``engine_rank``'s part of ``handles`` checked (``device_uuid``: its GPU)."""
+        text = self._text
+        if isinstance(handles, (str, bytes)) and text is not None and text[:3] == (handles, engine_rank, device_uuid):
+            self.unchanged += 1
+            return text[3]
+        payloads, per_rank = addressed(_payloads(handles), engine_rank, device_uuid)
+        fmt = payloads[0].get("weights_format", "megatron")
+        storages = [s for p in payloads for s in p["storages"]]
+        kept = self._storages
+        if kept is not None and storages == kept[0]:  # (its checked copies are used: an equal value is the same)
+            self.unchanged += 1
+            storages, storage_part = kept[0], kept[1]
+        else:
+            self._storages = None
+            for s in storages:
+                _check_storage(s)
+            storage_part = tuple(storage_key(s) for s in storages)
+            self._storages = ([dict(s) for s in storages], storage_part)
+        tensors, tensor_part = self._checked_tensors(payloads, fmt)
+        u = IpcUpdate(fmt, storages, tensors, _key(fmt, storage_part, tensor_part, per_rank), per_rank,
+                      any(p.get("release_after", False) for p in payloads))
+        self._text = (handles, engine_rank, device_uuid, u) if isinstance(handles, (str, bytes)) else None
+        return u
+
+    def _checked_tensors(self, payloads: list[Mapping], fmt: str) -> tuple[list[dict], tuple]:
         sizes = [(fmt, tuple(s["nbytes"] for s in p["storages"])) for p in payloads]
         last = self._last
         if last is not None and last[0] == sizes and all(_same(p["tensors"], k) for p, k in zip(payloads, last[1])):
             self.reused += 1
-            tensors, part = last[2], last[3]
-        else:
-            self._last = None
-            tensors = _tensors(payloads)
-            part = tensors_key(tensors)
-            kept, at, first = [], 0, 0
-            for p in payloads:  # a payload whose storages are numbered from 0 parsed to entries equal to its own
-                n = len(p["tensors"])
-                kept.append(tensors[at: at + n] if first == 0 else
-                            [{**t, "shape": list(t["shape"]), "stride": list(t["stride"])} for t in p["tensors"]])
-                at, first = at + n, first + len(p["storages"])
-            self._last = (sizes, kept, tensors, part)
-        return fmt, storages, tensors, plan_key(fmt, storages, tensors, part)
-
-
-class IpcStorages:
-    """The storages an engine rank mapped, kept for the next update that names them again."""
-
-    def __init__(self):
-        self._open: dict[str, torch.UntypedStorage] = {}
-
-    def open(self, storages: list[dict]) -> list[torch.UntypedStorage]:
-        """Every storage mapped (those of the previous update reused: the trainer's new
-        reference count on them is released at once, as torch's own reductions do); storages
-        no longer named are released."""
-        opened: dict[str, torch.UntypedStorage] = {}
-        for s in storages:
-            k = storage_key(s)
-            if k in opened:
-                continue
-            if k in self._open:
-                opened[k] = self._open[k]
-                if s["kind"] == "cuda":
-                    torch.UntypedStorage._release_ipc_counter_cuda(_unb64(s["ref_counter_handle"], "ref_counter_handle"),
-                                                                   s["ref_counter_offset"])
-            else:
-                opened[k] = _open_storage(s)
-        self._open = opened
-        return [opened[storage_key(s)] for s in storages]
-
-    def release(self) -> None:
-        self._open = {}
-
-
-def _open_storage(s: Mapping) -> torch.UntypedStorage:
-    if s["kind"] == "cpu_shm":
-        return torch.UntypedStorage._new_shared_filename_cpu(_unb64(s["manager"], "manager"),
-                                                              _unb64(s["handle"], "handle"), s["nbytes"])
-    local = [i for i in range(torch.cuda.device_count()) if device_uuid(i) == s["device_uuid"]]
-    if not local:
-        raise IpcHandleError(f"GPU {s['device_uuid']} is not visible to this engine rank")
-    return torch.UntypedStorage._new_shared_cuda(
-        local[0], _unb64(s["handle"], "handle"), s["nbytes"], s["offset_bytes"],
-        _unb64(s["ref_counter_handle"], "ref_counter_handle"), s["ref_counter_offset"],
-        _unb64(s["event_handle"], "event_handle"), bool(s.get("event_sync_required")))
-
-
-def views(storages: list[torch.UntypedStorage], tensors: list[dict]) -> list[torch.Tensor]:
-    """The trainer's tensors as views of the mapped storages (no copy): one tensor over each
-    storage per dtype, and each view strided out of it."""
-    whole: dict[tuple[int, str], torch.Tensor] = {}
-    out = []
-    for t in tensors:
-        key = (t["storage"], t["dtype"])
-        flat = whole.get(key)
-        if flat is None:
-            st = storages[t["storage"]]
-            flat = whole[key] = torch.empty(0, dtype=DTYPES[t["dtype"]], device=st.device).set_(st)
-        out.append(flat.as_strided(t["shape"], t["stride"], t["storage_offset"]))
-    return out
+            return last[2], last[3]
+        self._last = None
+        tensors = _tensors(payloads)
+        part = tensors_key(tensors)
+        kept, at, first = [], 0, 0
+        for p in payloads:  # a payload whose storages are numbered from 0 parsed to entries equal to its own
+            n = len(p["tensors"])
+            kept.append(tensors[at: at + n] if first == 0 else
+                        [{**t, "shape": list(t["shape"]), "stride": list(t["stride"])} for t in p["tensors"]])
+            at, first = at + n, first + len(p["storages"])
+        self._last = (sizes, kept, tensors, part)
+        return tensors, part

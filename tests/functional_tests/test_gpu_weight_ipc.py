@@ -1,9 +1,11 @@
 """CUDA IPC refit on one GPU (tests/helpers/refit_ipc_gpu.py): a trainer process shares its
 Megatron-Core-named weights (one flat bf16 buffer, or a storage per tensor) with the engine on the
 same GPU; repeated
-updates hit the cached copy plan, a change the trainer makes in place arrives, and the engine then
-generates the tokens of the same weights given in-process; an update of the 0.6B shape takes at
-most 20 ms once its plan is cached."""
+updates hit the cached copy plan, a change the trainer makes in place arrives, tensors the trainer
+moves to new memory arrive (no old mapping is read), a payload from before ``release_after`` is
+refused as stale, and the engine then generates the tokens of the same weights given in-process;
+an update of the 0.6B shape takes at most 20 ms once its plan is cached, whichever way it is
+shared and launched."""
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -15,5 +17,7 @@ def test_ipc_refit_from_another_process_on_the_same_gpu(layout):
 
     rep = run("qwen3-0.6b", updates=4, layout=layout)
     assert rep.change_arrived and rep.tokens_equal, rep
+    assert rep.moved_arrived and rep.moved_tokens_equal and rep.stale_refused, rep
     assert rep.plan_hits >= 3, rep
-    assert sorted(rep.hot_ms)[len(rep.hot_ms) // 2] <= 20.0, rep
+    for times in (rep.hot_ms, rep.fresh_ms, rep.foreach_ms):
+        assert sorted(times)[len(times) // 2] <= 20.0, rep

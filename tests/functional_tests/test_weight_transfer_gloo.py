@@ -1,6 +1,6 @@
 """Bucketed weight transfer over a gloo transfer group (CPU processes): a trainer's TP ranks send
 their Megatron-Core shards, engine ranks of another TP size copy each bucket into place; one
-bucket buffer beyond the model per rank; a refusal stops everyone before any byte moves; a
+bucket buffer beyond the model per rank (a TP=2 trainer's shards resliced for a TP=4 engine too); a refusal stops everyone before any byte moves; a
 bucket skipped or applied twice fails the end frame on every rank."""
 import pytest
 
@@ -17,7 +17,7 @@ def _run(kind, trainer_tp, engine_tp, plant=None):
 
 
 @pytest.mark.parametrize("kind,trainer_tp,engine_tp", [("dense", 2, 2), ("dense", 4, 1), ("dense", 1, 2),
-                                                       ("hybrid", 2, 1)])
+                                                       ("dense_tp4", 2, 4), ("hybrid", 2, 1)])
 def test_trainer_shards_reach_every_engine_rank(kind, trainer_tp, engine_tp):
     out = _run(kind, trainer_tp, engine_tp)
     manifest = manifests(kind, trainer_tp, BUCKET)[1]

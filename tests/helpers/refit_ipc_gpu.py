@@ -1,11 +1,13 @@
 """CUDA IPC refit on one GPU, the colocated case: a trainer process holds a model's weights under
 Megatron-Core names on the GPU the engine uses, in one flat bf16 buffer (``--layout flat``, as
 Megatron-Core's DDP keeps them) or a storage per tensor (``--layout separate``, as a plain
-GPTModel holds its parameters), shares them once per step (``weight_transfer.ipc.share``), and the
-engine copies from them (``update_weights_from_ipc``). Times the first update (plan, mapping), the
-next ones (plan cached, storages kept) and one device copy of the same bytes, checks that the
-trainer's in-place change between updates arrives, and that the engine then generates the tokens
-of the same weights given in-process under HF names.
+GPTModel holds its parameters), shares them each step (``ipc.Sharer``: the same payload; a few
+updates with every storage shared afresh, ``ipc.share``), and the engine copies from them
+(``update_weights_from_ipc``). Times the first update (plan, mapping), the next ones (plan cached,
+storages kept), with the table kernel and with ``torch._foreach_copy_`` lists, and one device copy
+of the same bytes; checks that the trainer's in-place change arrives, that tensors moved to new
+memory arrive (no old mapping read), that a payload from before ``release_after`` is refused, and
+that the engine generates the tokens of the same weights given in-process under HF names.
 
     python -m tests.helpers.refit_ipc_gpu --default-model qwen3-0.6b --layout separate --json out.json"""
 from __future__ import annotations
@@ -34,16 +36,32 @@ class IpcReport:
     copy_ms: float = 0.0
     """One device copy of the engine's weight bytes (median of a few): the floor a refit approaches."""
     first_ms: float = 0.0
-    """The first update: plan, mapping the storage, copy."""
+    """The first update: plan, mapping the storages, copy."""
     hot_ms: list[float] = field(default_factory=list)
-    """Later updates of the same tensors (plan cached, storage kept): copy only."""
+    """Later updates of the same tensors (``ipc.Sharer``: the same payload), the default kernel."""
+    fresh_ms: list[float] = field(default_factory=list)
+    """The same with every storage shared afresh (``ipc.share``: a counter released per storage)."""
+    foreach_ms: list[float] = field(default_factory=list)
+    """The same as ``hot_ms`` with the copies launched as ``torch._foreach_copy_`` lists."""
     plan_hits: int = 0
-    first_phases: dict = field(default_factory=dict)
-    """The engine's host time of the first update by phase (``WeightReceiver.last_ipc_ms``)."""
-    hot_phases: dict = field(default_factory=dict)
-    """The same of the last update."""
+    launches: dict = field(default_factory=dict)
+    """Kernel lists an update launches, by kernel."""
+    phases: dict = field(default_factory=dict)
+    """The engine's host time by phase (``WeightReceiver.last_ipc_ms``) of the first update and of
+    the last of each kind."""
     change_arrived: bool = False
     tokens_equal: bool = False
+    moved_arrived: bool = False
+    """The trainer moved every tensor to new memory: the new values arrived (no old mapping read)."""
+    moved_tokens_equal: bool = False
+    stale_refused: bool = False
+    """After ``release_after``, the payload from before it is refused (its references were released)."""
+
+
+def schedule(updates: int, repeats: int) -> list[str]:
+    """What each update is, in order (the trainer and the engine follow the same list)."""
+    return ["first", "change"] + ["hot"] * (updates - 2) + ["fresh"] * repeats + ["foreach"] * repeats + \
+        ["moved", "release", "stale"]
 
 
 def _hf_tensors(shapes: dict, device) -> dict:
@@ -74,17 +92,39 @@ def trainer_items(shapes: dict, dims, arch: str, device, layout: str = "flat") -
     return [flat], items
 
 
-def _trainer(port: int, shapes: dict, dims, arch: str, updates: int, layout: str) -> None:
+def _moved(buffers: list[torch.Tensor], items: list[tuple], layout: str) -> tuple[list, list]:
+    """Every tensor in new memory holding 1.5 x its values (the old memory freed)."""
+    if layout == "separate":
+        items = [(n, t * 1.5, s) for n, t, s in items]
+        return [t for _, t, _ in items], items
+    flat = buffers[0] * 1.5
+    base = buffers[0].data_ptr()
+    items = [(n, flat[(t.data_ptr() - base) // t.element_size():][: t.numel()].view(t.shape), s) for n, t, s in items]
+    return [flat], items
+
+
+def _trainer(port: int, shapes: dict, dims, arch: str, updates: int, layout: str, repeats: int) -> None:
     from megatron_async.weight_transfer import ipc
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600))
     buffers, items = trainer_items(shapes, dims, arch, "cuda", layout)
-    for k in range(updates):
-        if k == 1:
+    sharer, before_release = ipc.Sharer(), None
+    for k, kind in enumerate(schedule(updates, repeats)):
+        if kind == "change":
             for b in buffers:
                 b.mul_(2.0)  # an optimizer step, in place: the engine must see it at the next update
+        if kind == "moved":
+            buffers, items = _moved(buffers, items, layout)
+            torch.cuda.empty_cache()
         torch.cuda.synchronize()
-        store.set(f"payload/{k}", json.dumps(ipc.share(items)))
+        if kind == "fresh":
+            payload = json.dumps(ipc.share(items))
+        elif kind == "stale":
+            payload = before_release
+        else:
+            payload = json.dumps(sharer.share(items, release_after=kind == "release"))
+            before_release = payload
+        store.set(f"payload/{k}", payload)
         store.wait([f"done/{k}"])
 
 
@@ -102,48 +142,69 @@ def copy_ms(nbytes: int, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run(default_model: str, updates: int = 4, layout: str = "flat") -> IpcReport:
+def _tokens(llm, greedy) -> list[list[int]]:
+    return [o.generated_tokens for o in llm.generate([[5, 17, 99, 3]], greedy)]
+
+
+def run(default_model: str, updates: int = 4, layout: str = "flat", repeats: int = 3) -> IpcReport:
     from megatron_async import LLM, InferenceConfig, SamplingParams
+    from megatron_async.weight_transfer.ipc import IpcHandleError
 
     rep = IpcReport(default_model, layout)
     cfg = InferenceConfig(num_kv_blocks=64, max_requests=4, max_sequence_length=256)
     llm = LLM(default_model=default_model, device="cuda", dtype="bfloat16", inference_config=cfg)
-    m = llm.model
+    m, weights = llm.model, llm.engine.weights
     shapes, dims, arch = m.hf_shapes(), m.megatron_dims(), m.spec.name
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=600))
-    proc = mp.get_context("spawn").Process(target=_trainer, args=(port, shapes, dims, arch, updates, layout),
-                                        daemon=True)
+    proc = mp.get_context("spawn").Process(target=_trainer, args=(port, shapes, dims, arch, updates, layout, repeats),
+                                           daemon=True)
     proc.start()
     probe = next(iter(llm.model.parameters()))
     greedy = SamplingParams(top_k=1, num_tokens_to_generate=16, ignore_eos=True)
+    times = {"hot": rep.hot_ms, "fresh": rep.fresh_ms, "foreach": rep.foreach_ms}
     try:
-        for k in range(updates):
+        for k, kind in enumerate(schedule(updates, repeats)):
             payload = json.loads(store.get(f"payload/{k}"))
+            weights.ipc_kernel = "foreach" if kind == "foreach" else "auto"  # (a change binds anew)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            llm.engine.update_weights_from_ipc(payload)  # returns once its copies are done
+            try:
+                llm.engine.update_weights_from_ipc(payload)  # returns once its copies are done
+            except IpcHandleError as e:
+                rep.stale_refused = kind == "stale" and "stale entry" in str(e)
+                if kind != "stale":
+                    raise
             ms = 1e3 * (time.perf_counter() - t0)
-            if k == 0:
+            if kind == "first":
                 rep.first_ms, before = ms, probe.detach().clone()
-                rep.first_phases = dict(llm.engine.weights.last_ipc_ms)
-            else:
-                rep.hot_ms.append(ms)
-                rep.hot_phases = dict(llm.engine.weights.last_ipc_ms)
-            if k == 1:
+            if kind in times:
+                times[kind].append(ms)
+            if kind in ("first", "hot", "fresh", "foreach"):
+                rep.phases[kind] = dict(weights.last_ipc_ms)
+                rep.launches[weights.ipc_kernel] = weights._bound[1].launches
+            if kind == "change":
                 rep.change_arrived = torch.equal(probe.float(), 2 * before.float())
-                tokens = [o.generated_tokens for o in llm.generate([[5, 17, 99, 3]], greedy)]
+                tokens = _tokens(llm, greedy)
+            if kind == "moved":
+                rep.moved_arrived = torch.equal(probe, before * 2.0 * 1.5)  # (the trainer's bf16 arithmetic)
+                moved_tokens = _tokens(llm, greedy)
             store.set(f"done/{k}", "1")
         proc.join(120)
-        rep.plan_hits = llm.engine.weights.plans.hits
+        rep.plan_hits = weights.plans.hits
         rep.weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
         rep.copy_ms = copy_ms(rep.weight_bytes)
-        hf = _hf_tensors(shapes, "cuda")
-        for t in hf.values():
-            t.mul_(2.0)
-        llm.update_weights(hf)  # the same weights under HF names, in-process
-        del hf
-        rep.tokens_equal = tokens == [o.generated_tokens for o in llm.generate([[5, 17, 99, 3]], greedy)]
+        for scales in ((2.0,), (2.0, 1.5)):
+            hf = _hf_tensors(shapes, "cuda")
+            for t in hf.values():
+                for scale in scales:
+                    t.mul_(scale)
+            llm.update_weights(hf)  # the same weights under HF names, in-process
+            del hf
+            if len(scales) == 1:
+                rep.tokens_equal = tokens == _tokens(llm, greedy)
+            else:
+                rep.moved_tokens_equal = moved_tokens == _tokens(llm, greedy)
     finally:
         if proc.is_alive():
             proc.terminate()
@@ -156,9 +217,10 @@ def main() -> None:
     p.add_argument("--default-model", default="qwen3-0.6b")
     p.add_argument("--updates", type=int, default=4)
     p.add_argument("--layout", choices=["flat", "separate"], default="flat")
+    p.add_argument("--repeats", type=int, default=3, help="updates of each other kind (fresh shares, foreach)")
     p.add_argument("--json", required=True)
     args = p.parse_args()
-    rep = run(args.default_model, args.updates, args.layout)
+    rep = run(args.default_model, args.updates, args.layout, args.repeats)
     with open(args.json, "w") as f:
         json.dump(asdict(rep), f)
 

@@ -15,6 +15,7 @@ _QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size
               max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="float32")
 CONFIGS: dict[str, dict] = {
     "dense": _QWEN3,
+    "dense_tp4": {**_QWEN3, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8},
     "qwen2": {**_QWEN3, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "head_dim": None},
     "moe": {**_QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "moe_intermediate_size": 32,
             "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": [1]},

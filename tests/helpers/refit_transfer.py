@@ -8,7 +8,7 @@ from megatron_async.weight_transfer import TransferFailed, build_manifest, init_
 from megatron_async.weight_transfer.receiver import Refused, plan_manifest, receive
 from tests.helpers.refit_models import build, hf_weights, load_full, trainer_shards
 
-ARCH = {"dense": "Qwen3ForCausalLM", "moe": "Qwen3MoeForCausalLM", "hybrid": "NemotronHForCausalLM"}
+ARCH = {"dense": "Qwen3ForCausalLM", "dense_tp4": "Qwen3ForCausalLM", "moe": "Qwen3MoeForCausalLM", "hybrid": "NemotronHForCausalLM"}
 
 
 def manifests(kind: str, trainer_tp: int, bucket_bytes: int, seed: int = 5):

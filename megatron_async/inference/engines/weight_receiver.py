@@ -24,14 +24,15 @@ import time
 
 import torch
 
-from megatron_async.models.megatron_layouts import Shard
+from megatron_async.models.megatron_layouts import NameMap, Shard
 from megatron_async.models.slab_loading import WeightUpdateError
 from megatron_async.models.weight_update import CopyPlanCache, update_weights_in_place
-from megatron_async.weight_transfer import ipc
-from megatron_async.weight_transfer.copy_groups import GroupedCopy
+from megatron_async.weight_transfer import ipc, table_copy
+from megatron_async.weight_transfer.copy_groups import KERNELS, GroupedCopy
 from megatron_async.weight_transfer.group import TransferFailed, check_group_args, check_timeout, init_transfer_group
 from megatron_async.weight_transfer.manifest import _SHARD_FIELDS, DTYPES, Manifest, ManifestError
 from megatron_async.weight_transfer.pending import PendingTransfer
+from megatron_async.weight_transfer.per_rank import owned_copy
 from megatron_async.weight_transfer.receiver import Refused, after_begin, plan_manifest, prepare_begin
 
 log = logging.getLogger("megatron_async")
@@ -80,6 +81,15 @@ class WeightReceiver:
         self.last_ipc_ms: dict[str, float] = {}
         """Host time of the last IPC update by phase (``IPC_PHASES``), in ms."""
         self._bound = None  # (program, GroupedCopy) of the last IPC payload
+        self._ipc_kernel = "auto"
+        cuda = {(p.device, p.dtype) for p in self.model.parameters() if p.device.type == "cuda"}
+        try:
+            for device, dtype in sorted(cuda, key=str) if table_copy.triton is not None else ():
+                table_copy.warm_up(device, dtype)  # the first update does not wait for the compiler
+        except Exception as e:  # noqa: BLE001 -- the multi-tensor copies serve instead
+            log.warning("the IPC table copy kernel did not build (%s): IPC updates use foreach copies", e)
+            self._ipc_kernel = "foreach"
+        self._uuid: str | None = None
 
     def commit(self, version: int | None, recompute_kv: bool) -> int:
         """The update completed: the new version (None: the current one + 1)."""
@@ -212,24 +222,27 @@ class WeightReceiver:
     # ------------------------------------------------------------------ IPC
     def from_ipc(self, handles, version: int | None = None, recompute_kv: bool = True) -> int:
         """Copy from a colocated trainer's shared storages (``weight_transfer.ipc`` payloads: one
-        or a list, one per trainer rank). Everything is validated before any storage is mapped."""
+        or a list, one per trainer rank; payloads naming an ``engine_rank``: this rank takes its
+        own, ``weight_transfer/per_rank.py``). Everything is validated before any storage is mapped."""
         check_version(version)
         if not isinstance(recompute_kv, bool):
             raise ValueError(f"recompute_kv must be True or False, got {recompute_kv!r}")
         self.engine.memory.check_can_update_weights()
         times = [time.perf_counter()]
-        fmt, storages, tensors, key = self._payloads.parse(handles)
+        u = self._payloads.checked(handles, self.model.parallel.global_rank, self._device_uuid())
         times.append(time.perf_counter())
 
         def metas():
-            return [(t["name"], tuple(t["shape"]), DTYPES[t["dtype"]], _shard(t)) for t in tensors]
+            names = NameMap.for_arch(self.model.spec.name) if u.per_rank and u.weights_format == "megatron" else None
+            return [(t["name"], tuple(t["shape"]), DTYPES[t["dtype"]],
+                     owned_copy(names, t["name"], _shard(t)) if names else _shard(t)) for t in u.tensors]
 
-        plan, program = self.plans.get(self.model, key, metas, fmt)
+        plan, program = self.plans.get(self.model, u.key, metas, u.weights_format)
         times.append(time.perf_counter())
-        opened = self._storages.open(storages)
+        opened = self._storages.open(u.storages)
         times.append(time.perf_counter())
         if self._bound is None or self._bound[0] is not program:  # same program: same storages, same views
-            self._bound = (program, GroupedCopy(program.bind(ipc.views(opened, tensors))))
+            self._bound = (program, GroupedCopy(program.bind(ipc.views(opened, u.tensors)), self.ipc_kernel))
         times.append(time.perf_counter())
         program.begin()
         copied = self._bound[1].run()
@@ -237,11 +250,32 @@ class WeightReceiver:
         if any(st.device.type == "cuda" for st in opened):
             torch.cuda.current_stream(opened[0].device).synchronize()  # done reading before the trainer moves on
         times.append(time.perf_counter())
+        if u.release_after:
+            self.release_ipc()
         plan.finish(copied)
         version = self.commit(version, recompute_kv)
         times.append(time.perf_counter())
         self.last_ipc_ms = {k: 1e3 * (b - a) for k, a, b in zip(IPC_PHASES, times, times[1:])}
         return version
+
+    @property
+    def ipc_kernel(self) -> str:
+        """How an IPC update launches its copies (``copy_groups.KERNELS``); a change binds anew."""
+        return self._ipc_kernel
+
+    @ipc_kernel.setter
+    def ipc_kernel(self, kernel: str) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"ipc_kernel must be one of {KERNELS}, got {kernel!r}")
+        self._ipc_kernel, self._bound = kernel, None
+
+    def _device_uuid(self) -> str | None:
+        """This rank's GPU (per-rank payloads must share memory of this GPU only)."""
+        if self._uuid is None:
+            device = next(self.model.parameters()).device
+            self._uuid = ipc.device_uuid(device.index if device.index is not None else torch.cuda.current_device()) \
+                if device.type == "cuda" else ""
+        return self._uuid or None
 
     def release_ipc(self) -> None:
         """Unmap the trainer's storages kept from the last IPC update."""
