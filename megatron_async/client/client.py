@@ -269,6 +269,20 @@ class InferenceClient:
             raise ValueError(f"method must be one of {WEIGHT_TRANSFER_OPS}, got {method!r}")
         return await self._control("control", method, method, dict(args or {}))
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, engines: Sequence[int] | None = None) -> dict:
+        """Load the PEFT adapter at ``lora_path`` as ``lora_name`` on every engine, or on the engines
+        ``engines`` names (indexes); requests naming it are routed among the engines holding it."""
+        return await self.control("load_lora_adapter", _lora_args(lora_name, engines, lora_path=lora_path))
+
+    async def unload_lora_adapter(self, lora_name: str, engines: Sequence[int] | None = None) -> dict:
+        """Unload adapter ``lora_name`` from every engine (or those ``engines`` names); an engine
+        whose unfinished requests use it refuses (409) and keeps it."""
+        return await self.control("unload_lora_adapter", _lora_args(lora_name, engines))
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters some engine holds, as the coordinator last said."""
+        return list((self.info or {}).get("loras", []))
+
     async def stop_engines(self) -> dict:
         """Every engine aborts its requests and leaves (the coordinator keeps running)."""
         return await self._control("control", "stop", "stop", {})
@@ -332,3 +346,10 @@ class InferenceClient:
             if not done.done():
                 done.set_exception(error)
         self._controls.clear()
+
+
+def _lora_args(lora_name: str, engines: Sequence[int] | None, **more) -> dict:
+    args = {"lora_name": lora_name, **more}
+    if engines is not None:
+        args["engines"] = [int(i) for i in engines]
+    return args

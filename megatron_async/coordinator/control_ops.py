@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_async.coordinator.adapters import LORA_OPS
 from megatron_async.coordinator.controls import CONTROL_OPS, PendingControl
 from megatron_async.coordinator.engines import EngineSlot, EngineState
 
@@ -16,6 +17,9 @@ class ControlOperations:
         if op not in CONTROL_OPS:
             self.outbox.to_client(client, "control_done", op_id, 400, {"error": f"unknown operation {op!r}"})
             return
+        if op in LORA_OPS:  # on every engine or a named subset; the adapters' table follows (adapters.py)
+            self.lora_control(client, op_id, op, args)
+            return
         if op == "pause_generation":
             self.pause_mode = args.get("mode", "keep")
         elif op == "resume_generation":
@@ -24,8 +28,9 @@ class ControlOperations:
             self.generation_epoch = args.get("epoch")
         self._broadcast(client, op_id, op, args)
 
-    def _broadcast(self, client: Any, op_id: int, op: str, args: dict) -> None:
-        live = self.engines.live()
+    def _broadcast(self, client: Any, op_id: int, op: str, args: dict, targets: list[EngineSlot] | None = None) -> None:
+        """``op`` on ``targets`` (None: every live engine)."""
+        live = self.engines.live() if targets is None else targets
         if not live:
             self._answer(PendingControl(client, op_id, op, set()))
             return
@@ -38,6 +43,7 @@ class ControlOperations:
         self.outbox.to_engine(slot, "control", internal, op, args)
 
     def engine_control_done(self, slot: EngineSlot, internal: int, status: int, body: Any) -> None:
+        self.engine_adapters(slot, body)  # (before the answer: its client routes on the new table)
         pc = self.controls.answer(internal, slot.index, status, body)
         if pc is not None:
             self._answer(pc)

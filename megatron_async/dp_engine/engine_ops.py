@@ -55,13 +55,20 @@ class OpRefused(Exception):
 
 
 # ---------------------------------------------------------------- LoRA adapters (docs/LORA.md)
+def _lora_args(args: dict) -> None:
+    if "engines" in args:  # (a coordinator takes it off: it picks the engines)
+        raise ValueError("engines names engines behind a data-parallel coordinator; this server runs one engine")
+
+
 def _load_lora(engine, args: dict) -> None:
     """A refused adapter (missing, malformed, over-rank, another base model's) is a LoRAError: a 400."""
+    _lora_args(args)
     engine.lora.load(args["lora_name"], args["lora_path"])
 
 
 def _unload_lora(engine, args: dict) -> None:
     """404 for a name not loaded, 409 while unfinished requests use it (LoRAError names them)."""
+    _lora_args(args)
     name, adapters = args["lora_name"], engine.context.lora
     if adapters is not None and name not in adapters.loaded:
         raise OpRefused(f"no LoRA adapter {name!r} is loaded (loaded: {sorted(adapters.loaded)})", 404)

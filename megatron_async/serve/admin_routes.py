@@ -269,18 +269,30 @@ def _lora_name(obj: dict) -> str:
     return name
 
 
+def _lora_engines(obj: dict, args: dict) -> dict:
+    """``engines`` (behind a coordinator: the indexes of the engines to run on; default every one)."""
+    if "engines" in obj:
+        engines = obj["engines"]
+        if not isinstance(engines, list) or not engines or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in engines):
+            raise _BadBody("engines must be a non-empty list of engine indexes")
+        args["engines"] = engines
+    return args
+
+
 def _load_lora(obj: dict) -> dict:
     path = obj.get("lora_path")
     if not isinstance(path, str) or not path:
         raise _BadBody("lora_path (a PEFT adapter directory) is required")
-    return {"lora_name": _lora_name(obj), "lora_path": path}  # the path: checked by the route
+    return _lora_engines(obj, {"lora_name": _lora_name(obj), "lora_path": path})  # the path: checked by the route
 
 
 LORA_VALIDATORS: dict[str, Callable[[dict], dict]] = {
-    "load_lora_adapter": _load_lora, "unload_lora_adapter": lambda obj: {"lora_name": _lora_name(obj)},
+    "load_lora_adapter": _load_lora, "unload_lora_adapter": lambda obj: _lora_engines(obj, {"lora_name": _lora_name(obj)}),
 }
 LORA_FIELDS: dict[str, frozenset[str]] = {
-    "load_lora_adapter": frozenset({"lora_name", "lora_path"}), "unload_lora_adapter": frozenset({"lora_name"}),
+    "load_lora_adapter": frozenset({"lora_name", "lora_path", "engines"}),
+    "unload_lora_adapter": frozenset({"lora_name", "engines"}),
 }
 """Operation -> the fields its body may hold (any other: 400)."""
 

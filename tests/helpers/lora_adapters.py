@@ -33,3 +33,25 @@ def merged_reference(base_path: str | Path, adapter_path: str | Path | None):
     from peft import PeftModel
 
     return PeftModel.from_pretrained(model, str(adapter_path)).merge_and_unload().eval()
+
+
+def write_random_adapter(adapters, out: str | Path, r: int, alpha: float, seed: int, scale: float = 0.5) -> Path:
+    """A PEFT-format adapter directory of rank ``r`` with random A and B on every module an
+    engine's ``LoRAAdapters`` (``llm.engine.context.lora``) adapts: adapters of a model that
+    has no Hugging Face checkpoint (the built-in ones)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, target in adapters.targets.items():
+        shape_a, shape_b = target.slots.full_shapes(target.part, r)
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(shape_a, generator=gen) * scale
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(shape_b, generator=gen) * scale
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha,
+                                                          "target_modules": sorted({m.rsplit(".", 1)[-1] for m in adapters.targets})}))
+    return out
