@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 WEIGHT_TRANSFER_OPS = ("init_weight_transfer", "update_weights_from_distributed", "update_weights_from_ipc",
-                       "destroy_weight_transfer")
+                       "destroy_weight_transfer", "update_lora_from_distributed", "update_lora_from_ipc")
 """The refit path's operations (dp_engine/engine_ops.py) a client may run on every engine."""
 CONTROL_OPS = frozenset({"pause_generation", "resume_generation", "suspend", "resume", "set_generation_epoch",
                          "update_weights", "stop", "stats", "load_lora_adapter", "unload_lora_adapter",

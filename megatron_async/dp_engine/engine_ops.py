@@ -19,7 +19,8 @@ log = logging.getLogger("megatron_async.dp_engine")
 
 EVERY_RANK_OPS = frozenset({"update_weights", "suspend", "resume", "init_weight_transfer",
                             "update_weights_from_distributed", "update_weights_from_ipc", "destroy_weight_transfer",
-                            "set_generation_epoch", "load_lora_adapter", "unload_lora_adapter"})
+                            "set_generation_epoch", "load_lora_adapter", "unload_lora_adapter",
+                            "update_lora_from_distributed", "update_lora_from_ipc"})
 """Operations every TP rank runs (each holds its own shard and memory); pause / resume and
 aborts reach the other ranks through the engine's per-step exchange."""
 
@@ -80,6 +81,14 @@ def _unload_lora(engine, args: dict) -> None:
         raise OpRefused(str(e), 409) from None
 
 
+def _lora_distributed(engine, args: dict) -> PendingTransfer:
+    """An adapter's refit (inference/engines/lora_refit.py); joins the begin frame like ``_distributed``."""
+    from megatron_async.inference.engines import lora_refit
+
+    return _with_body_error(args, lambda: lora_refit.start_distributed(
+        engine.weights, engine.lora, args.get("lora_name"), args.get("metadata")))
+
+
 class Deferred:
     """An admin operation that waits for another process off the engine thread: the transfer
     group's set-up (every rank joins) and an update's begin frame (the trainer's senders come),
@@ -126,6 +135,8 @@ ADMIN_OPS: dict[str, Callable[[Any, Callable[..., int] | None, dict], Any]] = {
     "abort_requests": lambda engine, _, args: engine.abort_requests(args.get("request_ids")),
     "load_lora_adapter": lambda engine, _, args: _load_lora(engine, args),
     "unload_lora_adapter": lambda engine, _, args: _unload_lora(engine, args),
+    "update_lora_from_distributed": lambda engine, _, args: _lora_distributed(engine, args),
+    "update_lora_from_ipc": lambda engine, _, args: engine.update_lora_from_ipc(args["lora_name"], args["handles"]),
 }
 """Operation name (also its HTTP route: POST /NAME) -> what it runs. The server's route checks
 give the engine methods' keyword arguments (a missing one: the engine's default). The transfer
