@@ -71,12 +71,11 @@ def test_requests_run_on_engines_that_hold_their_adapter(setup):
     assert _held(client) == {e0: ["a"], e1: ["b"], e2: ["a"]}
     assert client.client.adapters() == ["a", "b"]  # told before the answer came
     before = _lora_requests(client)
-    names = ["a"] * 6 + ["b"] * 3 + [None] * 3
-    prompts = PROMPTS + PROMPTS[:3] + PROMPTS[3:]
-    outs = client.generate(prompts, [_greedy(n) for n in names])
-    for i, (o, n) in enumerate(zip(outs, names)):
-        assert o.finish_reason == "length", (i, n, o.error)
-        assert o.generated_tokens == expected[n][i % 6 if n != None else 3 + i % 3], (i, n)  # noqa: E711
+    asked = [("a", k) for k in range(6)] + [("b", k) for k in range(3)] + [(None, k) for k in range(3, 6)]
+    outs = client.generate([PROMPTS[k] for _, k in asked], [_greedy(n) for n, _ in asked])
+    for o, (n, k) in zip(outs, asked):
+        assert o.finish_reason == "length", (n, k, o.error)
+        assert o.generated_tokens == expected[n][k], (n, k)
     ran = {e: c - before[e] for e, c in _lora_requests(client).items()}
     assert ran[e1] == 3  # every "b" request on the one engine that holds it
     assert ran[e0] == 3 and ran[e2] == 3  # the "a" requests split between its two holders by load

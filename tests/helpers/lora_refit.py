@@ -1,7 +1,8 @@
 """Rank functions of the LoRA refit test: a trainer process sends new weights of an adapter (as a
-Megatron-Core trainer's TP shards over a gloo transfer group, then PEFT-named through shared-memory
-IPC handles) to an engine process that serves a request of that adapter meanwhile; and the
-in-process reference that updates the adapter with ``update_lora`` at the same step."""
+Megatron-Core trainer's TP shards over a gloo transfer group, then PEFT-named through IPC handles:
+shared memory on the CPU, CUDA IPC on a GPU) to an engine process that serves a request of that
+adapter meanwhile; and the in-process reference that updates the adapter with ``update_lora`` at
+the same step."""
 from __future__ import annotations
 
 import json
@@ -26,8 +27,8 @@ def greedy() -> SamplingParams:
                           lora="a")
 
 
-def engine() -> LLM:
-    llm = LLM(default_model="tiny", seed=0, inference_config=InferenceConfig(
+def engine(device: str = "cpu") -> LLM:
+    llm = LLM(default_model="tiny", device=device, seed=0, inference_config=InferenceConfig(
         num_kv_blocks=64, enable_lora=True, max_loras=2, max_lora_rank=8))
     llm.load_lora("a", peft_named(random_modules(llm, False, seed=1)))
     return llm
@@ -61,29 +62,30 @@ def serve_through(llm, update) -> tuple:
     return result, _output(outs[rid])
 
 
-def reference() -> tuple:
-    llm = engine()
+def reference(device: str = "cpu") -> tuple:
+    llm = engine(device)
     second, third = versions(llm)
     _, during = serve_through(llm, lambda: llm.update_lora("a", peft_named(second)))
     llm.update_lora("a", peft_named(third))
     return during, [_output(o) for o in llm.generate([PROMPT], greedy())]
 
 
-def refit_rank(rank: int, world: int, port: int, store_port: int):
+def refit_rank(rank: int, world: int, port: int, store_port: int, device: str = "cpu"):
     store = torch.distributed.TCPStore("127.0.0.1", store_port, world, rank == 0, timeout=timedelta(seconds=60))
-    llm = engine()
+    llm = engine(device)
     manifest, items = manifest_of(llm)
     if rank == 0:  # the trainer
         group = init_transfer_group("127.0.0.1", port, 0, world, "gloo", timeout_s=60)
         send(group, manifest, items)
         torch.multiprocessing.set_sharing_strategy("file_system")
-        third = peft_named(versions(llm)[1])[1]
+        third = {n: t.to(device) for n, t in peft_named(versions(llm)[1])[1].items()}
         for t in third.values():
-            t.share_memory_()
+            if device == "cpu":
+                t.share_memory_()
         store.set("payload", json.dumps(ipc.share(list(third.items()), weights_format="hf")))
         store.wait(["copied"])
         return "sent"
-    joined = llm.engine.init_weight_transfer("127.0.0.1", port, 1, world)
+    joined = llm.engine.init_weight_transfer("127.0.0.1", port, 1, world, backend="gloo")  # (one GPU: no NCCL pair)
     before = llm.engine.weight_version
 
     def update():

@@ -95,3 +95,22 @@ def test_register_carries_the_adapters():
     info = EngineInfo("e", 4, 100, 8, b"k", True, loras=("x", "y"))
     name, fields = messages.decode(messages.encode("register", info))
     assert name == "register" and fields[0] == info
+
+
+def test_a_hand_off_goes_to_a_decode_engine_that_holds_the_adapter():
+    box = Outbox()
+    core = CoordinatorCore(box, DpRouting.LOAD_BALANCED)
+    roles = (("prefill", ("a",)), ("decode", ()), ("decode", ("a",)))
+    p, d0, d1 = [core.engine_registered(f"peer{i}", EngineInfo(f"e{i}", 4, 1000, 4, b"m", True, role,
+                                                               "127.0.0.1:1" if role == "decode" else "", "gloo", loras))
+                 for i, (role, loras) in enumerate(roles)]
+    core.client_joined("c")
+    box.take()
+    for rid in range(2):
+        core.submit("c", rid, [1, 2, 3], [{"lora": "a"}], stream=False)
+        core.handoffs.kv_ready(p, rid, 1, 0)
+    placed = [(m[0], m[1]) for m in box.take()[0] if m[1] == "kv_import"]
+    assert placed == [(d1.index, "kv_import")] * 2  # d0 has more room, but not the adapter
+    core.engine_lost(d1)
+    imports = [m for m in box.take()[0] if m[1] == "kv_import"]
+    assert [m[0] for m in imports] == [p.index] * 2 and imports[0][13][0] == "local"  # its prefill engine decodes
