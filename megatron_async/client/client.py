@@ -262,7 +262,9 @@ class InferenceClient:
                              args: dict | None = None) -> dict:
         """``LLM.update_weights(path, version)`` on every engine, or the refit path's ``method``
         (``init_weight_transfer``, ``update_weights_from_distributed``, ``update_weights_from_ipc``,
-        ``destroy_weight_transfer``: the engine's method of that name) with ``args``."""
+        ``destroy_weight_transfer``, and a LoRA adapter's ``update_lora_from_distributed`` /
+        ``update_lora_from_ipc`` with ``lora_name`` in ``args``: the engine's method of that name)
+        with ``args``."""
         if method is None:
             return await self._control("control", "update_weights", "update_weights", {"path": path, "version": version})
         if method not in WEIGHT_TRANSFER_OPS:
