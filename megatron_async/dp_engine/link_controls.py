@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
+from megatron_async.coordinator.adapters import LORA_OPS
 from megatron_async.dp_engine.engine_ops import EVERY_RANK_OPS, Deferred, run_engine_op
 
-LORA_OPS = frozenset({"load_lora_adapter", "unload_lora_adapter"})
 DEFERRED_POLL_S = 0.05
 """Longest idle wait for messages while a control operation waits off the loop (``Deferred``)."""
 

@@ -72,20 +72,25 @@ def megatron_config(cfg: Mapping | None) -> AdapterConfig | None:
 
 
 class _Full:
-    """One full tensor being assembled from boxes, each element exactly once."""
+    """One full tensor being assembled from boxes, each element exactly once (on the device and in
+    the dtype of its first piece: a refit's pieces stay where they arrived)."""
 
     def __init__(self, shape: tuple[int, ...], what: str):
-        self.tensor, self.seen, self.what = torch.zeros(shape), torch.zeros(shape, dtype=torch.bool), what
+        self.shape, self.what = tuple(shape), what
+        self.tensor = self.seen = None
 
     def put(self, offset: Sequence[int], piece: torch.Tensor) -> None:
         box = tuple(slice(o, o + n) for o, n in zip(offset, piece.shape))
-        if any(s.stop > n for s, n in zip(box, self.tensor.shape)):
+        if any(s.stop > n for s, n in zip(box, self.shape)):
             raise LoRAError(f"{self.what}: a piece of shape {tuple(piece.shape)} at {tuple(offset)} lies outside "
-                            f"its full shape {tuple(self.tensor.shape)} (an adapter of another base model?)")
+                            f"its full shape {self.shape} (an adapter of another base model?)")
+        if self.tensor is None:
+            self.tensor = torch.zeros(self.shape, dtype=piece.dtype, device=piece.device)
+            self.seen = torch.zeros(self.shape, dtype=torch.bool)
         if self.seen[box].any():
             raise LoRAError(f"{self.what}: a piece at {tuple(offset)} arrives twice (shards given twice?)")
         self.seen[box] = True
-        self.tensor[box] = piece.detach().to("cpu", torch.float32)
+        self.tensor[box] = piece.detach()
 
 
 def read_megatron_adapter(shards: list[tuple[Mapping, Shard]], names: NameMap, dims: Dims,
