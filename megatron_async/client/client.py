@@ -264,7 +264,8 @@ class InferenceClient:
         (``init_weight_transfer``, ``update_weights_from_distributed``, ``update_weights_from_ipc``,
         ``destroy_weight_transfer``, and a LoRA adapter's ``update_lora_from_distributed`` /
         ``update_lora_from_ipc`` with ``lora_name`` in ``args``: the engine's method of that name)
-        with ``args``."""
+        with ``args``; ``args["engines"]``: only on those engines (indexes), e.g. each engine's
+        ``init_weight_transfer`` with its own ``rank_offset``."""
         if method is None:
             return await self._control("control", "update_weights", "update_weights", {"path": path, "version": version})
         if method not in WEIGHT_TRANSFER_OPS:

@@ -47,31 +47,16 @@ class AdapterRouting:
                    f"SamplingParams.lora={name!r}: no engine holds this LoRA adapter (loaded: {self.adapters()}); "
                    "load it with load_lora_adapter")
 
-    def lora_control(self, client: Any, op_id: int, op: str, args: dict) -> None:
-        """``op`` on the engines ``args["engines"]`` names (default: every live one)."""
-        args = dict(args)
-        wanted = args.pop("engines", None)
-        live = {s.index: s for s in self.engines.live()}
+    def lora_control(self, client: Any, op_id: int, op: str, args: dict, targets: list[EngineSlot] | None) -> None:
+        """``op`` on ``targets`` (None: a load on every live engine, an unload on its holders)."""
+        live = self.engines.live()
         name = args.get("lora_name")
-        if wanted is None and op == "unload_lora_adapter":  # (the others would each answer 404)
-            targets = [s for s in live.values() if name in s.loras]
+        if targets is None and op == "unload_lora_adapter":  # (the others would each answer 404)
+            targets = [s for s in live if name in s.loras]
             if not targets:
                 self.outbox.to_client(client, "control_done", op_id, 404,
                                       {"error": f"no engine holds LoRA adapter {name!r} (loaded: {self.adapters()})"})
                 return
-        elif wanted is None:
-            targets = list(live.values())
-        else:
-            if type(wanted) is not list or not wanted or not all(type(i) is int for i in wanted):
-                self.outbox.to_client(client, "control_done", op_id, 400,
-                                      {"error": f"engines must be a non-empty list of engine indexes, got {wanted!r}"})
-                return
-            missing = sorted(set(wanted) - set(live))
-            if missing:
-                self.outbox.to_client(client, "control_done", op_id, 404,
-                                      {"error": f"no live engine {missing} (live: {sorted(live)})"})
-                return
-            targets = [live[i] for i in sorted(set(wanted))]
         if op == "unload_lora_adapter":
             for slot in targets:
                 slot.loras.discard(name)

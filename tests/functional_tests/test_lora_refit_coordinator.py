@@ -1,8 +1,9 @@
 """An adapter refit through a data-parallel coordinator while one of its requests streams (the RL
-loop of a LoRA trainer): the engine (its own process) joins the trainer's gloo transfer group and
-takes the adapter's new weights, Megatron-Core TP shards broadcast by the trainer, as control
-operations of the client; the streaming request goes on across the update, and its tokens are
-those of an engine whose adapter was rewritten at the same token (the weight versions say which)."""
+loop of a LoRA trainer): two engines (processes of their own) join the trainer's gloo transfer
+group, each at its own rank (a control operation sent to one engine), and take the adapter's new
+weights, Megatron-Core TP shards broadcast by the trainer, as one control operation on both; the
+streaming request goes on across the update, and its tokens are those of an engine whose adapter
+was rewritten at the same token (the weight versions say which)."""
 from __future__ import annotations
 
 import asyncio
@@ -43,18 +44,22 @@ def test_adapter_refit_through_the_coordinator_while_a_request_streams(tmp_path)
     manifest = build_manifest(items, 4 << 10, weights_format="megatron")
     cluster = Cluster("load_balanced")
     try:
-        cluster.add_engine("e0", "--max-requests", "4", "--block-size", "8", "--num-kv-blocks", "128", *LORA,
-                           "--lora-modules", f"a={path}")
+        for name in ("e0", "e1"):
+            cluster.start_engine(name, "--max-requests", "4", "--block-size", "8", "--num-kv-blocks", "128", *LORA,
+                                 "--lora-modules", f"a={path}")
+        indexes = [cluster.wait_engine(name) for name in ("e0", "e1")]
 
         async def run():
             client = InferenceClient(cluster.address)
             await client.start()
             port, sent = free_port(), []
             trainer = threading.Thread(target=lambda: sent.append(send(
-                init_transfer_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=60), manifest, items)))
+                init_transfer_group("127.0.0.1", port, 0, 3, "gloo", timeout_s=60), manifest, items)))
             trainer.start()
-            await client.update_weights(method="init_weight_transfer", args={
-                "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2})
+            joined = await asyncio.gather(*(client.update_weights(method="init_weight_transfer", args={
+                "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1 + i, "world_size": 3,
+                "engines": [index]}) for i, index in enumerate(indexes)))
+            assert [list(j["engines"]) for j in joined] == [[str(i)] for i in indexes]  # each its own rank
             stream = client.add_request_streaming(PROMPT, _greedy())
             seen, answer = [], None
             async for upd in stream:
@@ -70,7 +75,7 @@ def test_adapter_refit_through_the_coordinator_while_a_request_streams(tmp_path)
         out, body, sent = asyncio.run(asyncio.wait_for(run(), 180))
     finally:
         cluster.close()
-    assert sent == [None] and body["engines"]["0"]["weight_version"] == 1
+    assert sent == [None] and [e["weight_version"] for e in body["engines"].values()] == [1, 1]  # both engines
     versions = out.weight_versions
     switch = versions.index(1)
     assert 4 <= switch < NEW and versions == [0] * switch + [1] * (NEW - switch)  # went on across the update

@@ -114,3 +114,14 @@ def test_a_hand_off_goes_to_a_decode_engine_that_holds_the_adapter():
     core.engine_lost(d1)
     imports = [m for m in box.take()[0] if m[1] == "kv_import"]
     assert [m[0] for m in imports] == [p.index] * 2 and imports[0][13][0] == "local"  # its prefill engine decodes
+
+
+def test_weight_operations_may_go_to_some_engines_and_pauses_to_all():
+    core, box, _ = setup([(), (), ()])
+    core.control("c", 1, "init_weight_transfer", {"rank_offset": 2, "engines": [1]})
+    sent, _ = box.take()
+    assert [(m[0], m[3], m[4]) for m in sent] == [(1, "init_weight_transfer", {"rank_offset": 2})]
+    core.control("c", 2, "pause_generation", {"mode": "keep", "engines": [1]})
+    sent, told = box.take()
+    assert not sent and told[-1][3] == 400 and "every engine" in told[-1][4]["error"]
+    assert core.pause_mode is None
