@@ -73,7 +73,7 @@ class LoRAAdapters:
         adapters = model.lora_adapters = cls(targets, sizing)
         try:
             adapters.megatron = (NameMap.for_arch(model.spec.name), model.megatron_dims())
-        except (AttributeError, WeightUpdateError):
+        except (AttributeError, WeightUpdateError):  # no Megatron-Core name table: PEFT's format only
             pass
         return adapters
 
