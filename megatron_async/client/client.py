@@ -262,12 +262,29 @@ class InferenceClient:
                              args: dict | None = None) -> dict:
         """``LLM.update_weights(path, version)`` on every engine, or the refit path's ``method``
         (``init_weight_transfer``, ``update_weights_from_distributed``, ``update_weights_from_ipc``,
-        ``destroy_weight_transfer``: the engine's method of that name) with ``args``."""
+        ``destroy_weight_transfer``, and a LoRA adapter's ``update_lora_from_distributed`` /
+        ``update_lora_from_ipc`` with ``lora_name`` in ``args``: the engine's method of that name)
+        with ``args``; ``args["engines"]``: only on those engines (indexes), e.g. each engine's
+        ``init_weight_transfer`` with its own ``rank_offset``."""
         if method is None:
             return await self._control("control", "update_weights", "update_weights", {"path": path, "version": version})
         if method not in WEIGHT_TRANSFER_OPS:
             raise ValueError(f"method must be one of {WEIGHT_TRANSFER_OPS}, got {method!r}")
         return await self._control("control", method, method, dict(args or {}))
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, engines: Sequence[int] | None = None) -> dict:
+        """Load the PEFT adapter at ``lora_path`` as ``lora_name`` on every engine, or on the engines
+        ``engines`` names (indexes); requests naming it are routed among the engines holding it."""
+        return await self.control("load_lora_adapter", _lora_args(lora_name, engines, lora_path=lora_path))
+
+    async def unload_lora_adapter(self, lora_name: str, engines: Sequence[int] | None = None) -> dict:
+        """Unload adapter ``lora_name`` from every engine (or those ``engines`` names); an engine
+        whose unfinished requests use it refuses (409) and keeps it."""
+        return await self.control("unload_lora_adapter", _lora_args(lora_name, engines))
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters some engine holds, as the coordinator last said."""
+        return list((self.info or {}).get("loras", []))
 
     async def stop_engines(self) -> dict:
         """Every engine aborts its requests and leaves (the coordinator keeps running)."""
@@ -332,3 +349,10 @@ class InferenceClient:
             if not done.done():
                 done.set_exception(error)
         self._controls.clear()
+
+
+def _lora_args(lora_name: str, engines: Sequence[int] | None, **more) -> dict:
+    args = {"lora_name": lora_name, **more}
+    if engines is not None:
+        args["engines"] = [int(i) for i in engines]
+    return args

@@ -89,6 +89,12 @@ class SyncInferenceClient:
                        args: dict | None = None) -> dict:
         return self._call(self.client.update_weights(path, version, method, args))
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, engines: Sequence[int] | None = None) -> dict:
+        return self._call(self.client.load_lora_adapter(lora_name, lora_path, engines))
+
+    def unload_lora_adapter(self, lora_name: str, engines: Sequence[int] | None = None) -> dict:
+        return self._call(self.client.unload_lora_adapter(lora_name, engines))
+
     def stop_engines(self) -> dict:
         return self._call(self.client.stop_engines())
 

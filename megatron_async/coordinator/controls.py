@@ -1,6 +1,6 @@
 """Control operations a client sends to every engine (pause, resume, suspend, set the generation
-epoch, update weights, stop) and drains of one engine, collated: the client gets one answer once
-every engine that was live when it asked answered, or left, or died.
+epoch, update weights, stop) or to some (``SUBSET_OPS``), and drains of one engine, collated: the
+client gets one answer once every engine it went to answered, or left, or died.
 
 The answer is (status, body): 200 when every engine said 200, else the largest status any
 engine gave; the body holds each engine's own body by index (``{"engines": {"0": {...}}}``;
@@ -11,12 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 WEIGHT_TRANSFER_OPS = ("init_weight_transfer", "update_weights_from_distributed", "update_weights_from_ipc",
-                       "destroy_weight_transfer")
+                       "destroy_weight_transfer", "update_lora_from_distributed", "update_lora_from_ipc")
 """The refit path's operations (dp_engine/engine_ops.py) a client may run on every engine."""
 CONTROL_OPS = frozenset({"pause_generation", "resume_generation", "suspend", "resume", "set_generation_epoch",
                          "update_weights", "stop", "stats", "load_lora_adapter", "unload_lora_adapter",
                          *WEIGHT_TRANSFER_OPS})
 """What a client may ask of every engine (the engine side runs them: dp_engine/link.py)."""
+SUBSET_OPS = frozenset({"update_weights", "stats", "load_lora_adapter", "unload_lora_adapter", *WEIGHT_TRANSFER_OPS})
+"""Operations a client may send to some engines only (``args["engines"]``: their indexes), e.g.
+each engine its own ``rank_offset`` in a trainer's transfer group; the others change state the
+coordinator keeps for every engine (pause mode, generation epoch), and go to all."""
 
 
 @dataclass(eq=False)

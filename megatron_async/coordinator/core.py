@@ -20,6 +20,7 @@ from typing import Any, Callable, Protocol
 
 from megatron_async.config.inference_config import DP_ENGINE_TIMEOUT_S
 from megatron_async.config.modes import DpRouting
+from megatron_async.coordinator.adapters import AdapterRouting, adapter_of
 from megatron_async.coordinator.control_ops import ControlOperations
 from megatron_async.coordinator.controls import ControlBook
 from megatron_async.coordinator.engine_events import EngineEvents
@@ -41,7 +42,7 @@ class Outbox(Protocol):
     def to_client(self, client: Any, kind: str, *fields: Any) -> None: ...
 
 
-class CoordinatorCore(EngineEvents, ControlOperations):
+class CoordinatorCore(EngineEvents, ControlOperations, AdapterRouting):
     def __init__(self, outbox: Outbox, policy: DpRouting | str = DpRouting.LOAD_BALANCED, alpha: float = 0.5,
                  unrouted_timeout_s: float = UNROUTED_TIMEOUT_S, seed: int = 0,
                  engine_timeout_s: float = ENGINE_TIMEOUT_S):
@@ -86,7 +87,7 @@ class CoordinatorCore(EngineEvents, ControlOperations):
     def info(self) -> dict:
         e = self.engines
         return {"block_size": e.block_size or 0, "hash_key": e.hash_key or b"", "key_epoch": e.key_epoch,
-                "engines": len(e.live()), "policy": self.policy.value}
+                "engines": len(e.live()), "policy": self.policy.value, "loras": self.adapters()}
 
     def submit(self, client: Any, client_rid: int, prompt: Any, samplings: Sequence[Any], stream: bool,
                digests: bytes | None = None, key_epoch: int = -1) -> None:
@@ -119,9 +120,22 @@ class CoordinatorCore(EngineEvents, ControlOperations):
             return b""
 
     def _route(self, group: list[OpenRequest]) -> None:
+        """Among the engines that take requests and hold the group's LoRA adapter (adapters.py)."""
         if not group:
             return
-        slots = place(self.policy, group[0].keys, self.engines.routable(), self.view, self.alpha, len(group))
+        names = {adapter_of(req.sampling) for req in group}
+        if len(names) > 1:  # (one prompt, several adapters: placed one by one)
+            for req in group:
+                self._route([req])
+            return
+        name, candidates = names.pop(), self.engines.routable()
+        if name is not None and candidates:
+            candidates = self.adapter_candidates(name, candidates)
+            if not candidates:
+                for req in group:
+                    self.refuse_unheld(req, name)
+                return
+        slots = place(self.policy, group[0].keys, candidates, self.view, self.alpha, len(group))
         if not slots:
             now = time.monotonic()
             for req in group:

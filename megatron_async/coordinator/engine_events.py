@@ -32,6 +32,7 @@ class EngineEvents:
         if len(self.engines.slots) == 1:
             for client in self.clients:  # the key space is known now
                 self.outbox.to_client(client, "info", self.info())
+        self.adapters_changed()
         self._route_unrouted()
         if info.role == "decode":
             self.handoffs.place_waiting()
@@ -136,6 +137,7 @@ class EngineEvents:
         "error" and its partial output."""
         self.engines.remove(slot)
         self.handoffs.engine_gone(slot)
+        self.adapters_changed()
         message = f"engine {slot.index} ({slot.name}) {'died' if died else 'left'}{why} while this request ran"
         again = []
         for req in self.requests.on_engine(slot):

@@ -52,6 +52,8 @@ class EngineInfo:
     """A decode engine's store of transfer rendezvous ("host:port"; "" for the others)."""
     kv_backend: str = "gloo"
     """How it moves KV blocks (``InferenceConfig.kv_transfer_backend`` resolved on its device)."""
+    loras: tuple[str, ...] = ()
+    """The LoRA adapters it holds when it registers (``--lora-modules``; docs/LORA.md)."""
 
 
 @dataclass(eq=False)
@@ -76,6 +78,11 @@ class EngineSlot:
     kv_sent_blocks: int = 0
     kv_received_blocks: int = 0
     """KV blocks of hand-offs it sent / imported (counted at the decode engine's confirmation)."""
+    loras: set[str] = field(default_factory=set)
+    """The LoRA adapters a request may be routed to it for (coordinator/adapters.py)."""
+
+    def __post_init__(self):
+        self.loras = set(self.loras or self.info.loras)
 
     @property
     def role(self) -> str:
@@ -170,5 +177,6 @@ class EngineTable:
         return [{"index": s.index, "name": s.name, "state": s.state.value, "pending": s.pending, "load": s.load,
                  "max_requests": s.max_requests, "affinity": s.affinity, "cached_keys": self.view.num_keys(s.index),
                  "free_blocks": s.free_blocks, "capacity_blocks": s.info.capacity_blocks, "submitted": s.submitted,
-                 "role": s.role, "kv_sent_blocks": s.kv_sent_blocks, "kv_received_blocks": s.kv_received_blocks}
+                 "role": s.role, "kv_sent_blocks": s.kv_sent_blocks, "kv_received_blocks": s.kv_received_blocks,
+                 "loras": sorted(s.loras)}
                 for s in self.slots.values()]

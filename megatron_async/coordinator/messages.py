@@ -23,7 +23,7 @@ Fields after the type (ids are ints; "ints" = int64 little-endian bin):
   info [map].
 - engine -> coordinator: register [[name, max requests, KV capacity in blocks, block size, cache
   key, prefix caching, role ("mixed" | "prefill" | "decode"), KV store address "host:port" | "", KV
-  transfer backend]], outputs [last submission seen, updates, [output] (read as checked
+  transfer backend, [LoRA adapter names]]], outputs [last submission seen, updates, [output] (read as checked
   records, ``records.CheckedOutput``: the coordinator renumbers them and passes them on), rejected [[rid,
   message]], failed [[rid, message]], evicted keys ints, load, free blocks, new cache key | nil,
   delivered (rids whose output went to their client directly) ints], heartbeat [load, free blocks],
@@ -175,19 +175,21 @@ _type("control_done", 56, 3, lambda v: [_id(v[0]), f.int_(v[1], "status"), f.pla
 
 # ---------------------------------------------------------------------- engine -> coordinator
 def _read_register(v: list) -> list:
-    name, max_requests, capacity, block_size, key, caching, role, kv_address, kv_backend = f.arity(v[0], 9, "register")
+    name, max_requests, capacity, block_size, key, caching, role, kv_address, kv_backend, loras = f.arity(
+        v[0], 10, "register")
     role, kv_backend = f.str_(role, "role", 16), f.str_(kv_backend, "kv_backend", 8)
     if role not in ROLES or kv_backend not in handoff.BACKENDS:
         raise f.bad("role")
     return [EngineInfo(f.str_(name, "name", 256), f.int_(max_requests, "max_requests", 1),
                        f.int_(capacity, "capacity_blocks", 0), f.int_(block_size, "block_size", 1),
                        f.bytes_(key, "hash_key"), f.bool_(caching, "prefix_caching"), role,
-                       f.str_(kv_address, "kv_address", 256), kv_backend)]
+                       f.str_(kv_address, "kv_address", 256), kv_backend,
+                       tuple(f.str_(n, "loras", 256) for n in f.list_(loras, "loras")))]
 
 
 def _write_register(i: EngineInfo) -> list:
     return [[i.name, i.max_requests, i.capacity_blocks, i.block_size, i.hash_key, i.prefix_caching, i.role,
-             i.kv_address, i.kv_backend]]
+             i.kv_address, i.kv_backend, list(i.loras)]]
 
 
 def _read_outputs(v: list) -> list:

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_async.coordinator.adapters import adapter_of
 from megatron_async.coordinator.engines import EngineSlot, EngineState
 from megatron_async.coordinator.requests import OpenRequest
 
@@ -68,9 +69,12 @@ class HandOffs:
         """The decode engine whose prefix cache holds the most leading blocks of the prompt (as the
         coordinator's view says: those are not sent again), then the one with the largest share of
         free request slots, among those that can hold the blocks (ties: the one registered
-        first); None when none can. With no decode engine left at all, the prefill engine itself
-        (it decodes the request with the blocks it kept)."""
+        first); None when none can. Only decode engines that hold the request's LoRA adapter
+        count (coordinator/adapters.py). With no such decode engine, the prefill engine itself (it
+        decodes the request with the blocks it kept)."""
         decoders = self.core.engines.decoders()
+        if t.req is not None:
+            decoders = self.core.adapter_candidates(adapter_of(t.req.sampling), decoders)
         if not decoders:
             return t.prefill if t.prefill.state is not EngineState.GONE else None
         keys = t.req.keys if t.req is not None else []

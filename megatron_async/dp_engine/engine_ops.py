@@ -19,7 +19,8 @@ log = logging.getLogger("megatron_async.dp_engine")
 
 EVERY_RANK_OPS = frozenset({"update_weights", "suspend", "resume", "init_weight_transfer",
                             "update_weights_from_distributed", "update_weights_from_ipc", "destroy_weight_transfer",
-                            "set_generation_epoch", "load_lora_adapter", "unload_lora_adapter"})
+                            "set_generation_epoch", "load_lora_adapter", "unload_lora_adapter",
+                            "update_lora_from_distributed", "update_lora_from_ipc"})
 """Operations every TP rank runs (each holds its own shard and memory); pause / resume and
 aborts reach the other ranks through the engine's per-step exchange."""
 
@@ -55,13 +56,20 @@ class OpRefused(Exception):
 
 
 # ---------------------------------------------------------------- LoRA adapters (docs/LORA.md)
+def _lora_args(args: dict) -> None:
+    if "engines" in args:  # (a coordinator takes it off: it picks the engines)
+        raise ValueError("engines names engines behind a data-parallel coordinator; this server runs one engine")
+
+
 def _load_lora(engine, args: dict) -> None:
     """A refused adapter (missing, malformed, over-rank, another base model's) is a LoRAError: a 400."""
+    _lora_args(args)
     engine.lora.load(args["lora_name"], args["lora_path"])
 
 
 def _unload_lora(engine, args: dict) -> None:
     """404 for a name not loaded, 409 while unfinished requests use it (LoRAError names them)."""
+    _lora_args(args)
     name, adapters = args["lora_name"], engine.context.lora
     if adapters is not None and name not in adapters.loaded:
         raise OpRefused(f"no LoRA adapter {name!r} is loaded (loaded: {sorted(adapters.loaded)})", 404)
@@ -71,6 +79,14 @@ def _unload_lora(engine, args: dict) -> None:
         if adapters is None:
             raise
         raise OpRefused(str(e), 409) from None
+
+
+def _lora_distributed(engine, args: dict) -> PendingTransfer:
+    """An adapter's refit (inference/engines/lora_refit.py); joins the begin frame like ``_distributed``."""
+    from megatron_async.inference.engines import lora_refit
+
+    return _with_body_error(args, lambda: lora_refit.start_distributed(
+        engine.weights, engine.lora, args.get("lora_name"), args.get("metadata")))
 
 
 class Deferred:
@@ -119,6 +135,8 @@ ADMIN_OPS: dict[str, Callable[[Any, Callable[..., int] | None, dict], Any]] = {
     "abort_requests": lambda engine, _, args: engine.abort_requests(args.get("request_ids")),
     "load_lora_adapter": lambda engine, _, args: _load_lora(engine, args),
     "unload_lora_adapter": lambda engine, _, args: _unload_lora(engine, args),
+    "update_lora_from_distributed": lambda engine, _, args: _lora_distributed(engine, args),
+    "update_lora_from_ipc": lambda engine, _, args: engine.update_lora_from_ipc(args["lora_name"], args["handles"]),
 }
 """Operation name (also its HTTP route: POST /NAME) -> what it runs. The server's route checks
 give the engine methods' keyword arguments (a missing one: the engine's default). The transfer

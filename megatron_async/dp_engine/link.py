@@ -38,7 +38,7 @@ from megatron_async.inference.communication.wire import WireError
 from megatron_async.inference.records import decode_sampling
 from megatron_async.inference.request import InvalidRequestError
 from megatron_async.dp_engine.engine_ops import Deferred
-from megatron_async.dp_engine.link_controls import DEFERRED_POLL_S, LinkControls
+from megatron_async.dp_engine.link_controls import DEFERRED_POLL_S, LinkControls, held_adapters
 from megatron_async.dp_engine.liveness import HEARTBEAT_S, Liveness
 
 log = logging.getLogger("megatron_async.dp_engine")
@@ -115,7 +115,8 @@ class EngineLink(LinkControls):
         alloc = self._alloc
         h = self.handoffs
         return EngineInfo(self.name, self.max_requests, alloc.capacity, self.engine.context.block_size, alloc.hash_key,
-                          alloc.enable_prefix_caching, self.role, h.kv_address if h else "", h.backend if h else "gloo")
+                          alloc.enable_prefix_caching, self.role, h.kv_address if h else "", h.backend if h else "gloo",
+                          tuple(held_adapters(self.engine)))
 
     # ---------------------------------------------------------------- messages in
     def handle(self, kind: str, fields: tuple) -> None:

@@ -2,11 +2,14 @@
 and the admin / refit / LoRA operations of ``engine_ops.py``, run between two steps and answered
 with ``control_done``; one that waits for another process (a transfer group's set-up, an update's
 senders: a ``Deferred``) is answered at a later turn, once its wait ended, while the link keeps
-stepping. Under tensor parallelism the other ranks run (and settle) every-rank operations too."""
+stepping. Under tensor parallelism the other ranks run (and settle) every-rank operations too. The
+answer to a LoRA operation carries the adapters the engine holds afterwards (``"loras"``), whatever
+its outcome: the coordinator routes adapters' requests on them (coordinator/adapters.py)."""
 from __future__ import annotations
 
 import time
 
+from megatron_async.coordinator.adapters import LORA_OPS
 from megatron_async.dp_engine.engine_ops import EVERY_RANK_OPS, Deferred, run_engine_op
 
 DEFERRED_POLL_S = 0.05
@@ -38,6 +41,8 @@ class LinkControls:
         status, body = outcome
         if op == "stats" and status == 200 and self.handoffs is not None:
             body.update(self.handoffs.counters())
+        if op in LORA_OPS:
+            body = {**body, "loras": held_adapters(self.engine)}
         self.channel.send("control_done", op_id, status, body)
         self.liveness.last_sent = time.monotonic()
 
@@ -51,3 +56,9 @@ class LinkControls:
                     self._tell_ranks(("settle", op))
                 outcome = deferred.settle()
             self._control_done(op_id, op, outcome)
+
+
+def held_adapters(engine) -> list[str]:
+    """The LoRA adapters ``engine`` holds now, by name (an engine stand-in may have no adapters' table)."""
+    adapters = getattr(engine.context, "lora", None)
+    return [] if adapters is None else sorted(adapters.loaded)

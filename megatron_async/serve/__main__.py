@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-admin-endpoints", action="store_true",
                    help="serve POST /pause_generation, /resume_generation, /update_weights, /suspend, /resume, "
                         "/init_weight_transfer, /update_weights_from_distributed, /update_weights_from_ipc, "
-                        "/destroy_weight_transfer, /abort_requests, /v1/load_lora_adapter, /v1/unload_lora_adapter "
+                        "/destroy_weight_transfer, /abort_requests, /v1/load_lora_adapter, /v1/unload_lora_adapter, "
+                        "/update_lora_from_distributed, /update_lora_from_ipc "
                         "(for an RL driver; guarded by --admin-api-key, which a host other than loopback needs)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="splits a chat answer's <think>...</think> section into reasoning_content")

@@ -16,6 +16,8 @@ refit from a training job as SGLang and vLLM expose it.
     POST /abort_requests         {"request_ids": []}   (empty or absent: every unfinished request)
     POST /v1/load_lora_adapter   {"lora_name": "sql", "lora_path": "/adapters/sql"}   (docs/LORA.md)
     POST /v1/unload_lora_adapter {"lora_name": "sql"}   (unknown: 404; in use by a request: 409)
+    POST /update_lora_from_distributed {"lora_name": "sql", "manifest": {...}}   (an adapter's refit)
+    POST /update_lora_from_ipc   {"lora_name": "sql", "handles": {...} | [{...}, ...] | "<json>"}
 
 The body is checked here (in whichever process serves HTTP) as strictly as the OpenAI routes'
 (the size, timeout and key checks of http_guard.py, then: a JSON media type when the body is not
@@ -231,9 +233,22 @@ def _distributed_args(obj: dict) -> dict:
     return {"metadata": obj["manifest"], **_version_args(obj)}
 
 
+def _lora_distributed_args(obj: dict) -> dict:
+    if "manifest" not in obj:
+        raise _BadBody("manifest (weight_transfer.build_manifest's JSON of the adapter's tensors) is required")
+    return {"lora_name": _lora_name(obj), "metadata": obj["manifest"]}
+
+
+def _lora_ipc(obj: dict) -> dict:
+    handles = obj.get("handles")
+    if not isinstance(handles, (dict, list, str)) or not handles:
+        raise _BadBody("handles (one payload of weight_transfer.ipc.share, or a list of them) is required")
+    return {"lora_name": _lora_name(obj), "handles": handles}
+
+
 REFIT_VALIDATORS: dict[str, Callable[[dict], dict]] = {
     "init_weight_transfer": _init, "update_weights_from_ipc": _ipc, "destroy_weight_transfer": lambda obj: {},
-    "abort_requests": _abort,
+    "abort_requests": _abort, "update_lora_from_ipc": lambda obj: _lora_ipc(obj),
 }
 _VERSION_FIELDS = frozenset({"version", "recompute_kv"})
 REFIT_FIELDS: dict[str, frozenset[str]] = {
@@ -242,6 +257,8 @@ REFIT_FIELDS: dict[str, frozenset[str]] = {
     "update_weights_from_ipc": frozenset({"handles"}) | _VERSION_FIELDS, "destroy_weight_transfer": frozenset(),
     "abort_requests": frozenset({"request_ids"}),
     "update_weights_from_distributed": frozenset({"manifest"}) | _VERSION_FIELDS,
+    "update_lora_from_distributed": frozenset({"lora_name", "manifest"}),
+    "update_lora_from_ipc": frozenset({"lora_name", "handles"}),
 }
 """Operation -> the fields its body may hold (any other: 400)."""
 
@@ -250,15 +267,19 @@ def add_refit_routes(app: FastAPI, engine_loop) -> None:
     """The refit routes (``engine_loop``: as in ``add_admin_routes``)."""
     add_admin_routes(app, engine_loop, REFIT_VALIDATORS, REFIT_FIELDS)
 
-    async def distributed(request: Request) -> Response:
-        try:
-            args = _distributed_args(await _body(request, REFIT_FIELDS["update_weights_from_distributed"]))
-        except _BadBody as e:  # still joins the transfer's begin frame, refusing (the trainer must not wait)
-            args = {"metadata": None, "body_error": str(e)}
-        status, body = await engine_loop.admin("update_weights_from_distributed", args)
-        return _json(body, status)
+    def distributed(op: str, read: Callable[[dict], dict]):
+        async def handler(request: Request) -> Response:
+            try:
+                args = read(await _body(request, REFIT_FIELDS[op]))
+            except _BadBody as e:  # still joins the transfer's begin frame, refusing (the trainer must not wait)
+                args = {"metadata": None, "body_error": str(e)}
+            status, body = await engine_loop.admin(op, args)
+            return _json(body, status)
 
-    app.add_api_route("/update_weights_from_distributed", distributed, methods=["POST"])
+        app.add_api_route(f"/{op}", handler, methods=["POST"])
+
+    distributed("update_weights_from_distributed", _distributed_args)
+    distributed("update_lora_from_distributed", _lora_distributed_args)  # an adapter's (docs/LORA.md)
 
 
 # ---------------------------------------------------------------- LoRA adapters (vLLM's routes)
@@ -269,18 +290,30 @@ def _lora_name(obj: dict) -> str:
     return name
 
 
+def _lora_engines(obj: dict, args: dict) -> dict:
+    """``engines`` (behind a coordinator: the indexes of the engines to run on; default every one)."""
+    if "engines" in obj:
+        engines = obj["engines"]
+        if not isinstance(engines, list) or not engines or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in engines):
+            raise _BadBody("engines must be a non-empty list of engine indexes")
+        args["engines"] = engines
+    return args
+
+
 def _load_lora(obj: dict) -> dict:
     path = obj.get("lora_path")
     if not isinstance(path, str) or not path:
         raise _BadBody("lora_path (a PEFT adapter directory) is required")
-    return {"lora_name": _lora_name(obj), "lora_path": path}  # the path: checked by the route
+    return _lora_engines(obj, {"lora_name": _lora_name(obj), "lora_path": path})  # the path: checked by the route
 
 
 LORA_VALIDATORS: dict[str, Callable[[dict], dict]] = {
-    "load_lora_adapter": _load_lora, "unload_lora_adapter": lambda obj: {"lora_name": _lora_name(obj)},
+    "load_lora_adapter": _load_lora, "unload_lora_adapter": lambda obj: _lora_engines(obj, {"lora_name": _lora_name(obj)}),
 }
 LORA_FIELDS: dict[str, frozenset[str]] = {
-    "load_lora_adapter": frozenset({"lora_name", "lora_path"}), "unload_lora_adapter": frozenset({"lora_name"}),
+    "load_lora_adapter": frozenset({"lora_name", "lora_path", "engines"}),
+    "unload_lora_adapter": frozenset({"lora_name", "engines"}),
 }
 """Operation -> the fields its body may hold (any other: 400)."""
 

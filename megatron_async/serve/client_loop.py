@@ -210,9 +210,9 @@ class ClientEngineLoop:
         return self.metrics.render()
 
     async def adapters(self) -> list[str] | None:
-        """None: the engines' adapters are not known here; a request naming one goes to the
-        engines, which refuse a name they do not hold (400)."""
-        return None
+        """The adapters some engine holds, as the coordinator last told this client (it tells
+        whenever they change: coordinator/adapters.py)."""
+        return self.client.adapters()
 
 
 def serve_over_client(args, model_name: str) -> int:

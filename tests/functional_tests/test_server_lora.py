@@ -169,6 +169,10 @@ def test_load_and_unload_while_a_request_streams(server, files):
     ("/v1/load_lora_adapter", {"lora_name": "z", "lora_path": "outside"}, 403, "--allowed-weights-dir"),
     ("/v1/load_lora_adapter", {"lora_name": "z", "lora_path": "y/../../outside"}, 403, "--allowed-weights-dir"),
     ("/v1/unload_lora_adapter", {"lora_name": "never"}, 404, "no LoRA adapter"),
+    ("/v1/load_lora_adapter", {"lora_name": "z", "lora_path": "y", "engines": [0]}, 400, "coordinator"),
+    ("/update_lora_from_ipc", {"lora_name": "x"}, 400, "handles"),
+    ("/update_lora_from_distributed", {"lora_name": "x", "manifest": {}}, 400, "no weight transfer group"),
+    ("/update_lora_from_distributed", {"manifest": {}}, 400, "lora_name"),
 ])
 def test_refusals(server, files, path, body, status, words):
     _, allowed, paths, _ = files

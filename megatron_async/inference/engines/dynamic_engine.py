@@ -130,6 +130,8 @@ class DynamicInferenceEngine(EngineControls):
         except InvalidRequestError:
             self.stats.rejected_requests += 1
             raise
+        if new.valid.sampling_params.lora is not None:
+            self.stats.lora_requests += 1
         self.ranks.accept(new)
         return new.request_id
 

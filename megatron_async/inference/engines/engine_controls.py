@@ -1,6 +1,6 @@
 """The engine's public controls beside ``step()``: aborting requests, the warm-up, pausing and
-resuming generation, suspending and resuming device memory, weight versions and weight transfers
-from a trainer, and stepping until requests end. Each hands the call to the room that holds its
+resuming generation, suspending and resuming device memory, weight versions and weight (and LoRA
+adapter) transfers from a trainer, and stepping until requests end. Each hands the call to the room that holds its
 rules (generation_control.py, weight_receiver.py, run_to_end.py, the model runner and the step
 accounting; aborts and the unfinished-requests question: the engine's rank role);
 ``DynamicInferenceEngine`` inherits them."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from megatron_async.inference.engines import run_to_end
+from megatron_async.inference.engines import lora_refit, run_to_end
 
 if TYPE_CHECKING:
     from megatron_async.inference.request import RequestOutput
@@ -90,6 +90,15 @@ class EngineControls:
     def update_weights_from_ipc(self, handles, version: int | None = None, recompute_kv: bool = True) -> int:
         """Copy a colocated trainer's weights from its shared storages (``weight_transfer.ipc``); the new version."""
         return self.weights.from_ipc(handles, version, recompute_kv)
+
+    def update_lora_from_distributed(self, lora_name: str, metadata) -> int:
+        """New weights of loaded LoRA adapter ``lora_name`` broadcast by a trainer over the transfer
+        group (``metadata``: its manifest; lora_refit.py); the new weight version."""
+        return lora_refit.start_distributed(self.weights, self.lora, lora_name, metadata).finish()
+
+    def update_lora_from_ipc(self, lora_name: str, handles) -> int:
+        """New weights of loaded LoRA adapter ``lora_name`` from a colocated trainer's shared storages."""
+        return lora_refit.from_ipc(self.weights, self.lora, lora_name, handles)
 
     def destroy_weight_transfer(self) -> None:
         self.weights.destroy()

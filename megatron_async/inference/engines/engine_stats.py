@@ -57,6 +57,8 @@ class EngineStats:
     """Requests that ended by length or stop condition."""
     rejected_requests: int = 0
     """Requests refused at add_request (InvalidRequestError)."""
+    lora_requests: int = 0
+    """Requests accepted at add_request that name a LoRA adapter (``SamplingParams.lora``)."""
     aborted_requests: int = 0
     """Requests ended by engine.abort_request."""
     failed_requests: int = 0

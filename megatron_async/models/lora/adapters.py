@@ -6,7 +6,9 @@ that writes, rewrites and clears slots.
 linears stand for (``model.layers.0.self_attn.q_proj`` -> the fused qkv linear, part "q") through
 the model's own checkpoint targets (``hf_targets``). Loading checks the whole adapter against that
 map (every module known, every shape the base model's, every rank within ``max_lora_rank``) before
-it copies anything; a failed load changes nothing. MoE experts and Mamba mixers are not adapted."""
+it copies anything; a failed load changes nothing. MoE experts and Mamba mixers are not adapted.
+Adapters come in PEFT's format (peft_format.py) or Megatron-Core's naming (megatron_format.py,
+through the model's Megatron-Core name table)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,7 +19,10 @@ from torch import nn
 from megatron_async.config import LoRASizing
 from megatron_async.models.layers.attention_layer import Attention
 from megatron_async.models.layers.mlp import ReluSquaredMLP, SwiGLUMLP
+from megatron_async.models.lora.megatron_format import megatron_config, megatron_source, read_megatron_adapter
 from megatron_async.models.lora.peft_format import AdapterConfig, AdapterWeights, LoRAError, read_adapter
+from megatron_async.models.megatron_layouts import NameMap
+from megatron_async.models.slab_loading import WeightUpdateError
 from megatron_async.parallel.lora_slots import LoRASlots
 
 ADAPTED = {Attention: ("qkv_proj", "o_proj"), SwiGLUMLP: ("gate_up_proj", "down_proj"),
@@ -43,6 +48,8 @@ class LoRAAdapters:
     def __init__(self, targets: dict[str, Target], sizing: LoRASizing):
         self.targets, self.max_loras, self.max_rank = targets, sizing.max_loras, sizing.max_lora_rank
         self.loaded: dict[str, Loaded] = {}
+        self.megatron = None
+        """(``NameMap``, ``Dims``) of the model: adapters in Megatron-Core's naming (None: it has no table)."""
         self._free = list(range(sizing.max_loras - 1, -1, -1))
         self._generation = 0
 
@@ -64,6 +71,10 @@ class LoRAAdapters:
             if linear is not None and hf_name.endswith(".weight"):
                 targets[hf_name[: -len(".weight")]] = Target(linear.lora, linear.lora.part_ids.index(shard_id))
         adapters = model.lora_adapters = cls(targets, sizing)
+        try:
+            adapters.megatron = (NameMap.for_arch(model.spec.name), model.megatron_dims())
+        except (AttributeError, WeightUpdateError):  # no Megatron-Core name table: PEFT's format only
+            pass
         return adapters
 
     # ------------------------------------------------------------------ names and slots
@@ -85,7 +96,7 @@ class LoRAAdapters:
             raise LoRAError(f"adapter {name!r} is already loaded (update_lora rewrites it, unload_lora frees it)")
         if not self._free:
             raise LoRAError(f"all {self.max_loras} adapter slots are in use (InferenceConfig.max_loras): unload one")
-        weights = self._checked(read_adapter(source))
+        weights = self._checked(self._read(source))
         slot = self._free.pop()
         self._write(slot, weights)
         self._generation += 1
@@ -98,7 +109,7 @@ class LoRAAdapters:
         if name not in self.loaded:
             raise LoRAError(f"no adapter {name!r} is loaded (loaded: {sorted(self.loaded)})")
         entry = self.loaded[name]
-        weights = self._checked(read_adapter(source, entry.config))
+        weights = self._checked(self._read(source, entry.config))
         self._write(entry.slot, weights)
         self._generation += 1
         entry.config, entry.generation = weights.config, self._generation
@@ -113,6 +124,21 @@ class LoRAAdapters:
             slots.clear(slot)
         self._free.append(slot)
         return slot
+
+    def _read(self, source, config: AdapterConfig | None = None) -> AdapterWeights:
+        """PEFT's format, or Megatron-Core's naming (``megatron_format.megatron_source``'s forms)."""
+        found = megatron_source(source)
+        if found is None:
+            return read_adapter(source, config)
+        if self.megatron is None:
+            raise LoRAError("this model has no Megatron-Core name table: give the adapter in PEFT's format")
+        return read_megatron_adapter(found[1], *self.megatron, self._full_shapes, megatron_config(found[0]) or config)
+
+    def _full_shapes(self, module: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        target = self.targets.get(module)
+        if target is None:
+            raise LoRAError(f"the adapter targets {module!r}, which this model does not adapt")
+        return target.slots.full_shapes(target.part, rank)
 
     def _checked(self, weights: AdapterWeights) -> AdapterWeights:
         if weights.config.rank > self.max_rank:
