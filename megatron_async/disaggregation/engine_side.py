@@ -14,12 +14,15 @@ connection: kv_failed)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+
+import torch
 
 from megatron_async.disaggregation import ipc_share
 from megatron_async.disaggregation.kv_import import PrefillHold, admit_decoding, allocate, cached_prefix, room_for
 from megatron_async.disaggregation.kv_layout import KVLayout
-from megatron_async.disaggregation.transfer import PairChannel, Rendezvous, resolve_backend, store_host
+from megatron_async.disaggregation.transfer import PairChannel, Rendezvous, TransferTimes, resolve_backend, store_host
 from megatron_async.inference.records import decode_sampling
 
 log = logging.getLogger("megatron_async.disaggregation")
@@ -54,6 +57,8 @@ class EngineHandOffs:
         self.receiving: dict[int, tuple[list, list[int], int]] = {}  # rid -> (kv_import fields, blocks, cached)
         self.cancelled: set[int] = set()  # rids cancelled while their receive was queued
         self.kv_sent_blocks = self.kv_received_blocks = self.kv_cached_blocks = self.deferred_imports = 0
+        self.times = TransferTimes()
+        """The transfers' own time: this prefill engine's sends, this decode engine's ipc copies."""
 
     @property
     def kv_address(self) -> str:
@@ -188,15 +193,27 @@ class EngineHandOffs:
         self.link.channel.send("kv_imported", rid, 0)
 
     def _mapped(self, rid: int, payload: dict) -> None:
-        """An "ipc" pair's blocks: mapped, copied into this engine's blocks, unmapped."""
+        """An "ipc" pair's blocks: mapped, copied into this engine's memory (the transfer, timed;
+        the mapping lives until the copy ended), then into its blocks."""
         if rid not in self.receiving:
             return
         fields, block_ids, cached = self.receiving[rid]
         try:
-            buf = ipc_share.open_shared(payload, self.layout.nbytes(len(block_ids) - cached))
+            shared = ipc_share.open_shared(payload, self.layout.nbytes(len(block_ids) - cached))
         except Exception as e:  # noqa: BLE001 -- this import fails alone
             self._imported(rid, None, f"could not map the shared blocks: {type(e).__name__}: {e}")
             return
+        buf = self.layout.empty(len(block_ids) - cached)
+        if buf.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            buf.copy_(shared, non_blocking=True)
+            end.record()
+            self.times.add_events(start, end, buf.numel(), shared)
+        else:
+            t0 = time.perf_counter()
+            buf.copy_(shared)
+            self.times.add(buf.numel(), time.perf_counter() - t0)
         self._imported(rid, buf, None)
 
     def _cancel(self, rid: int) -> None:
@@ -242,10 +259,11 @@ class EngineHandOffs:
         if self.deferred:
             self._try_imports()
         for channel in self.channels.values():
-            for tag, buf, error in channel.take_done():
-                self._landed(tag, buf, error)
+            for tag, buf, error, seconds in channel.take_done():
+                self._landed(tag, buf, error, seconds)
+        self.times.settle()
 
-    def _landed(self, tag: int, buf, error: str | None) -> None:
+    def _landed(self, tag: int, buf, error: str | None, seconds: float = 0.0) -> None:
         if self.role == "decode":
             rid = next((r for r in self.receiving if _tag(r) == tag), None)
             if rid is not None:
@@ -258,6 +276,7 @@ class EngineHandOffs:
             self.channels = {k: c for k, c in self.channels.items() if c.error is None}
         if error is None:  # (kv_sent_blocks: blocks whose send completed)
             self.kv_sent_blocks += self.sending.get(rid, 0)
+            self.times.add(buf.numel() * buf.element_size(), seconds)
         # else: its decode engine died (the coordinator places the transfer again, and this engine
         # sends again on a new connection) or the group broke (its receive fails too: kv_failed)
 
@@ -273,7 +292,8 @@ class EngineHandOffs:
         return {"kv_sent_blocks": self.kv_sent_blocks, "kv_received_blocks": self.kv_received_blocks,
                 "kv_cached_blocks": self.kv_cached_blocks,
                 "kv_deferred_imports": self.deferred_imports, "kv_blocks_held": sum(
-                    self.hold.num_blocks(local) for local in self.ready.values()) if self.hold else 0}
+                    self.hold.num_blocks(local) for local in self.ready.values()) if self.hold else 0,
+                **self.times.counters()}
 
     def close(self) -> None:
         for channel in self.channels.values():

@@ -15,7 +15,12 @@ secret of their own (torch.distributed has none): the pair key is the part nobod
 Both ends queue their transfers in the coordinator's order: the decode engine posts a receive
 (kv_accepted), then the prefill engine sends it (kv_send), so the two FIFOs meet in order. A
 transfer that fails (the peer died, the group broke) fails every later one of that connection;
-the engines report it (kv_failed) and the coordinator frees both sides."""
+the engines report it (kv_failed) and the coordinator frees both sides.
+
+``TransferTimes`` counts what the transfers themselves took (the wire, not the pack or the control
+round trips): a prefill engine's sends on a pair connection, a decode engine's copies out of an
+"ipc" pair's shared blocks; a group's setup (NCCL creates its communicator at the first operation)
+is paid by ``connect``'s exchange before the first timed transfer."""
 from __future__ import annotations
 
 import datetime
@@ -23,6 +28,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -54,6 +60,33 @@ def store_host(coordinator_address: str) -> str:
         return s.getsockname()[0]
 
 
+class TransferTimes:
+    """Transfers, their bytes and seconds; CUDA copies are timed by events, read once they ended."""
+
+    def __init__(self):
+        self.count = self.nbytes = 0
+        self.seconds = 0.0
+        self._pending: deque = deque()  # (start event, end event, bytes, what must live until the end)
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.count, self.nbytes, self.seconds = self.count + 1, self.nbytes + nbytes, self.seconds + seconds
+
+    def add_events(self, start, end, nbytes: int, keep=None) -> None:
+        """A copy between ``start`` and ``end`` (recorded CUDA events); ``keep`` (the source) lives
+        until it ended."""
+        self._pending.append((start, end, nbytes, keep))
+
+    def settle(self) -> None:
+        """Count the timed copies that ended (no wait)."""
+        while self._pending and self._pending[0][1].query():
+            start, end, nbytes, _ = self._pending.popleft()
+            self.add(nbytes, start.elapsed_time(end) / 1e3)
+
+    def counters(self) -> dict:
+        self.settle()
+        return {"kv_transfers": self.count, "kv_transfer_bytes": self.nbytes, "kv_transfer_seconds": self.seconds}
+
+
 class Rendezvous:
     """A decode engine's store that its pairs' groups meet at."""
 
@@ -65,7 +98,8 @@ class Rendezvous:
 
 class PairChannel:
     """This engine's end of one pair's group: ``send`` / ``recv`` queue a transfer, ``take_done``
-    hands back those that ended: (tag, tensor, error or None)."""
+    hands back those that ended: (tag, tensor, error or None, seconds: a send's time on the wire
+    from its pack's end, 0 for a receive, which waits for its send)."""
 
     def __init__(self, key: str, address: str, rank: int, backend: str, device: torch.device,
                  rendezvous: Rendezvous | None = None):
@@ -93,7 +127,7 @@ class PairChannel:
         self.pending += 1
         self._jobs.put(("recv", tag, tensor, None))
 
-    def take_done(self) -> list[tuple[int, torch.Tensor, str | None]]:
+    def take_done(self) -> list[tuple[int, torch.Tensor, str | None, float]]:
         out = []
         while self._done:
             out.append(self._done.popleft())
@@ -121,24 +155,37 @@ class PairChannel:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1" if host == "127.0.0.1" else "")]
         return dist.ProcessGroupGloo(store, self.rank, 2, opts)
 
+    def _exchange(self, group, kind: str, tensor: torch.Tensor, tag: int) -> None:
+        work = group.send([tensor], 1 - self.rank, tag) if kind == "send" else group.recv([tensor], 1 - self.rank, tag)
+        work.wait()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def connect(self, group) -> None:
+        """One small exchange, both ways (rank 0 sends first), before any transfer: the group's
+        connections exist (NCCL makes them at its first operation) when the first one is timed."""
+        probe = torch.zeros(8, dtype=torch.uint8, device=self.device)
+        for kind in (("send", "recv") if self.rank == 0 else ("recv", "send")):
+            self._exchange(group, kind, probe, 0)
+
     def _run(self) -> None:
         group = None
-        peer = 1 - self.rank
         while (job := self._jobs.get()) is not None:
             kind, tag, tensor, ready = job
+            seconds = 0.0
             if self.error is None:
                 try:
-                    if group is None:
-                        group = self._group()
                     if self.device.type == "cuda":
                         torch.cuda.set_device(self.device)
-                        if ready is not None:
-                            torch.cuda.current_stream(self.device).wait_event(ready)
-                    work = group.send([tensor], peer, tag) if kind == "send" else group.recv([tensor], peer, tag)
-                    work.wait()
-                    if self.device.type == "cuda":
-                        torch.cuda.current_stream(self.device).synchronize()
+                    if group is None:
+                        group = self._group()
+                        self.connect(group)
+                    if ready is not None:
+                        ready.synchronize()  # (the pack ended: what follows is the wire's time)
+                    start = time.perf_counter()
+                    self._exchange(group, kind, tensor, tag)
+                    seconds = time.perf_counter() - start if kind == "send" else 0.0
                 except Exception as e:  # noqa: BLE001 -- the peer died or the group broke: every later transfer fails too
                     self.error = f"{type(e).__name__}: {e}"
                     log.error("KV transfer connection %s broke: %s", self.key[:12], self.error)
-            self._done.append((tag, tensor, self.error))
+            self._done.append((tag, tensor, self.error, seconds))

@@ -114,6 +114,9 @@ def test_transfers_over_gloo_with_a_deferred_and_a_cancelled_import():
     p.handoffs.handle("kv_release", [2])  # (the coordinator frees the withdrawn one's blocks)
     assert not p.handoffs.ready
     until(lambda: p.handoffs.kv_sent_blocks == d.handoffs.kv_received_blocks, [p])  # (its sends' ends, polled)
+    moved = p.handoffs.counters()  # (the sends' own time and bytes: the prefill side's)
+    assert moved["kv_transfers"] == 2 and moved["kv_transfer_seconds"] > 0
+    assert moved["kv_transfer_bytes"] == sum(p.handoffs.layout.nbytes(-(-len(PROMPTS[i]) // 4)) for i in (0, 1))
     for link in (p, d):
         alloc = link.engine.context.allocator
         assert alloc.num_available == alloc.capacity
@@ -188,6 +191,9 @@ def test_ipc_pairs_share_the_blocks_in_memory():
 
         until(done, [])
     assert outputs == {0: want[0], 1: want[1]} and not d.handoffs.channels and not p.handoffs.channels
+    moved = d.handoffs.counters()  # (the copies out of the shared blocks: the decode side's)
+    assert moved["kv_transfers"] == 2 and moved["kv_transfer_bytes"] == sum(
+        d.handoffs.layout.nbytes(-(-len(PROMPTS[i]) // 4)) for i in (0, 1)) and moved["kv_transfer_seconds"] > 0
     d.handoffs.handle("kv_shared", [7, {"storages": [], "tensors": []}])  # (nothing waits for it: ignored)
     for link in (p, d):
         alloc = link.engine.context.allocator
