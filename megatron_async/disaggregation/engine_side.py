@@ -258,9 +258,12 @@ class EngineHandOffs:
             self._admit_prefills()
         if self.deferred:
             self._try_imports()
-        for channel in self.channels.values():
+        for channel in list(self.channels.values()):
             for tag, buf, error, seconds in channel.take_done():
                 self._landed(tag, buf, error, seconds)
+            if channel.error is not None and not channel.pending:  # (refused or broken: its transfers all ended)
+                channel.close()
+                self.channels.pop(channel.key, None)
         self.times.settle()
 
     def _landed(self, tag: int, buf, error: str | None, seconds: float = 0.0) -> None:
@@ -272,8 +275,6 @@ class EngineHandOffs:
         rid = next((r for r in self.ready if _tag(r) == tag), None)
         if rid is None:
             return
-        if error is not None:
-            self.channels = {k: c for k, c in self.channels.items() if c.error is None}
         if error is None:  # (kv_sent_blocks: blocks whose send completed)
             self.kv_sent_blocks += self.sending.get(rid, 0)
             self.times.add(buf.numel() * buf.element_size(), seconds)

@@ -1,7 +1,7 @@
 """KV transfer connections: one process group of 2 per (prefill, decode) pair, set up once, on
-the pair key the coordinator handed both engines over its authenticated wire (the rendezvous
-store's prefix: random per pair), and a thread per connection that waits on its transfers, so
-that an engine's loop never blocks on one.
+the pair key the coordinator handed both engines over its authenticated wire (random per pair),
+and a thread per connection that waits on its transfers, so that an engine's loop never blocks on
+one.
 
 Backends (``InferenceConfig.kv_transfer_backend``): "gloo" (CPU buffers, TCP: any two hosts; a
 GPU engine stages through host memory), "nccl" (GPU to GPU, the same code with a NCCL group of
@@ -10,7 +10,9 @@ GPU engine stages through host memory), "nccl" (GPU to GPU, the same code with a
 
 The decode engine hosts the rendezvous store (``Rendezvous``: a TCPStore on an ephemeral port
 of the interface its coordinator reaches). The store and the group's connections carry no
-secret of their own (torch.distributed has none): the pair key is the part nobody else knows.
+secret of their own (torch.distributed has none): the store sees a digest of the pair key, and
+the group's first exchange is the two engines' proof of the key (pair_auth.py); a connection
+whose peer fails it is refused before any block moves.
 
 Both ends queue their transfers in the coordinator's order: the decode engine posts a receive
 (kv_accepted), then the prefill engine sends it (kv_send), so the two FIFOs meet in order. A
@@ -20,7 +22,7 @@ the engines report it (kv_failed) and the coordinator frees both sides.
 ``TransferTimes`` counts what the transfers themselves took (the wire, not the pack or the control
 round trips): a prefill engine's sends on a pair connection, a decode engine's copies out of an
 "ipc" pair's shared blocks; a group's setup (NCCL creates its communicator at the first operation)
-is paid by ``connect``'s exchange before the first timed transfer."""
+is paid by ``connect``'s proof before the first timed transfer."""
 from __future__ import annotations
 
 import datetime
@@ -34,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megatron_async.disaggregation.pair_auth import mac_key, prove, store_prefix
 
 log = logging.getLogger("megatron_async.disaggregation")
 SETUP_TIMEOUT_S = 60.0
@@ -106,12 +110,13 @@ class PairChannel:
         self.key, self.rank, self.backend = key, rank, backend
         self.device = device if backend == "nccl" else torch.device("cpu")
         self._address, self._rendezvous = address, rendezvous
+        self._mac_key = mac_key(key)
         self._jobs: queue.Queue = queue.Queue()
         self._done: deque = deque()
         self.error: str | None = None
         self.pending = 0
         """Transfers queued and not yet handed back (the loop thread's count)."""
-        self._thread = threading.Thread(target=self._run, name=f"megatron-async-kv-{key[:12]}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"megatron-async-kv-{store_prefix(key)[3:15]}", daemon=True)
         self._thread.start()
 
     def send(self, tag: int, tensor: torch.Tensor) -> None:
@@ -144,7 +149,7 @@ class PairChannel:
         else:
             host, port = self._address.rsplit(":", 1)
             store = dist.TCPStore(host, int(port), None, False, timeout=timeout)
-        store = dist.PrefixStore(self.key, store)
+        store = dist.PrefixStore(store_prefix(self.key), store)
         if self.backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = datetime.timedelta(seconds=TRANSFER_TIMEOUT_S)
@@ -162,11 +167,10 @@ class PairChannel:
             torch.cuda.current_stream(self.device).synchronize()
 
     def connect(self, group) -> None:
-        """One small exchange, both ways (rank 0 sends first), before any transfer: the group's
-        connections exist (NCCL makes them at its first operation) when the first one is timed."""
-        probe = torch.zeros(8, dtype=torch.uint8, device=self.device)
-        for kind in (("send", "recv") if self.rank == 0 else ("recv", "send")):
-            self._exchange(group, kind, probe, 0)
+        """The pair's proof of its key (pair_auth.py; AuthError: refused), before any transfer;
+        the group's connections then exist (NCCL makes them at its first operation) when the
+        first transfer is timed."""
+        prove(lambda kind, tensor: self._exchange(group, kind, tensor, 0), self.rank, self._mac_key, self.device)
 
     def _run(self) -> None:
         group = None
@@ -187,5 +191,5 @@ class PairChannel:
                     seconds = time.perf_counter() - start if kind == "send" else 0.0
                 except Exception as e:  # noqa: BLE001 -- the peer died or the group broke: every later transfer fails too
                     self.error = f"{type(e).__name__}: {e}"
-                    log.error("KV transfer connection %s broke: %s", self.key[:12], self.error)
+                    log.error("KV transfer connection %s broke: %s", store_prefix(self.key), self.error)
             self._done.append((tag, tensor, self.error, seconds))
