@@ -51,7 +51,7 @@ class EngineHandOffs:
         self.channels: dict[str, PairChannel] = {}
         self.handed: list[int] = []  # engine ids that stopped at their first token, kv_ready not yet sent
         self.ready: dict[int, int] = {}  # rid -> engine id, blocks kept (READY, SENDING)
-        self.sending: dict[int, int] = {}  # rid -> blocks queued to send
+        self.sending: dict[tuple[str, int], int] = {}  # (connection, tag) -> blocks of a send not yet seen to end
         self.deferred: deque[list] = deque()  # kv_import fields waiting for room
         self.waiting: deque[list] = deque()  # prefill submissions waiting for room beside the kept blocks
         self.receiving: dict[int, tuple[list, list[int], int]] = {}  # rid -> (kv_import fields, blocks, cached)
@@ -109,24 +109,24 @@ class EngineHandOffs:
         if local is None:
             self.link.channel.send("kv_failed", rid, "the prefill engine holds no blocks for it")
             return
-        self.sending[rid] = self.hold.num_blocks(local) - cached
+        blocks = self.hold.num_blocks(local) - cached
         if pair[3] == "ipc":
             try:
                 self.shared[rid], payload = ipc_share.share(self.hold.pack(local, cached))
             except Exception as e:  # noqa: BLE001 -- this transfer fails alone
                 self.link.channel.send("kv_failed", rid, f"could not share the blocks: {type(e).__name__}: {e}")
                 return
-            self.kv_sent_blocks += self.sending[rid]
+            self.kv_sent_blocks += blocks
             self.link.channel.send("kv_shared", rid, payload)
             return
         channel = self._channel(pair)
+        self.sending[(channel.key, _tag(rid))] = blocks  # (counted when seen to end: after kv_release, maybe)
         channel.send(_tag(rid), self.hold.pack(local, cached).to(channel.device))
 
     def _release(self, rid: int) -> None:
         local = self.ready.pop(rid, None)
         if local is not None:
             self.hold.release(local)
-        self.sending.pop(rid, None)
         self.shared.pop(rid, None)
 
     # ---------------------------------------------------------------- decode side
@@ -260,23 +260,25 @@ class EngineHandOffs:
             self._try_imports()
         for channel in list(self.channels.values()):
             for tag, buf, error, seconds in channel.take_done():
-                self._landed(tag, buf, error, seconds)
+                self._landed(channel.key, tag, buf, error, seconds)
             if channel.error is not None and not channel.pending:  # (refused or broken: its transfers all ended)
                 channel.close()
                 self.channels.pop(channel.key, None)
         self.times.settle()
 
-    def _landed(self, tag: int, buf, error: str | None, seconds: float = 0.0) -> None:
+    def _landed(self, key: str, tag: int, buf, error: str | None, seconds: float = 0.0) -> None:
         if self.role == "decode":
             rid = next((r for r in self.receiving if _tag(r) == tag), None)
             if rid is not None:
                 self._imported(rid, buf, error)
             return
-        rid = next((r for r in self.ready if _tag(r) == tag), None)
-        if rid is None:
+        # A send is matched by its own entry, not by the blocks kept for it: the decode engine's
+        # import, and so the coordinator's kv_release, may come before this loop sees the send end.
+        blocks = self.sending.pop((key, tag), None)
+        if blocks is None:
             return
         if error is None:  # (kv_sent_blocks: blocks whose send completed)
-            self.kv_sent_blocks += self.sending.get(rid, 0)
+            self.kv_sent_blocks += blocks
             self.times.add(buf.numel() * buf.element_size(), seconds)
         # else: its decode engine died (the coordinator places the transfer again, and this engine
         # sends again on a new connection) or the group broke (its receive fails too: kv_failed)

@@ -58,6 +58,27 @@ def test_transfers_over_gloo_with_a_deferred_and_a_cancelled_import():
         link.handoffs.close()
 
 
+def test_a_send_whose_end_is_seen_after_its_release_still_counts():
+    """The coordinator releases the prefill engine's blocks once the decode engine imported them,
+    which may come before the prefill engine's loop saw its own send end (the two ends of a
+    transfer finish on two threads): the send is counted, and by its bytes, all the same."""
+    p, d = Link(llm(), "prefill"), Link(llm(), "decode")
+    sampling = encode_sampling(PARAMS)
+    p.handoffs.prefill([0, 1, PROMPTS[1], sampling, False, b"", None])
+    (_, _, blocks, version), = until(lambda: p.channel.take("kv_ready"), [p])
+    pair = ("kv-test-late", d.handoffs.kv_address, 1, "gloo")
+    d.handoffs.handle("kv_import", [0, 1, PROMPTS[1], sampling, False, b"", None, [1], None, version, blocks, pair])
+    (_, _, hit), = until(lambda: d.channel.take("kv_accepted"), [d])
+    p.handoffs.handle("kv_send", [0, pair[:2] + (0, "gloo"), hit])
+    assert until(lambda: d.channel.take("kv_imported"), [d]) == [("kv_imported", 0, blocks)]  # (p's loop not polled)
+    p.handoffs.handle("kv_release", [0])
+    assert not p.handoffs.ready and p.handoffs.in_flight()
+    until(lambda: p.handoffs.kv_sent_blocks == blocks, [p], timeout_s=20)
+    assert p.handoffs.counters()["kv_transfer_bytes"] == p.handoffs.layout.nbytes(blocks) and not p.handoffs.in_flight()
+    for link in (p, d):
+        link.handoffs.close()
+
+
 def test_a_prefix_the_decode_engine_caches_is_not_sent_again():
     head = [(3 * j) % 100 + 1 for j in range(12)]
     prompts = [head + [7, 8, 9], head + [4, 5]]  # blocks of 4: the 3 blocks of ``head`` are shared
