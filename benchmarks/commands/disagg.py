@@ -198,9 +198,11 @@ def transfer_line(args, r: dict) -> str:
         return "KV transfers: none counted"
     per_bytes, per_s = r["kv_transfer_bytes"] / n, r["kv_transfer_seconds"] / n
     copy_s, what = plain_copy_seconds(args, int(per_bytes))
-    return (f"KV transfer ({args.kv_transfer_backend or 'auto'}): {n} transfers, {per_bytes / 2**20:.1f} MiB and "
+    backend = args.kv_transfer_backend or "auto"
+    return (f"KV transfer ({backend}): {n} transfers, {per_bytes / 2**20:.1f} MiB and "
             f"{per_s * 1e3:.2f} ms per request ({per_bytes / per_s / 1e9:.1f} GB/s); a plain copy of as many bytes "
-            f"({what}) {copy_s * 1e3:.2f} ms ({per_bytes / copy_s / 1e9:.1f} GB/s): transfer / copy = {per_s / copy_s:.2f}")
+            f"({what}) {copy_s * 1e3:.2f} ms ({per_bytes / copy_s / 1e9:.1f} GB/s): "
+            f"transfer / copy = {per_s / copy_s:.2f}")
 
 
 def pct(xs: list[float], q: float) -> float:

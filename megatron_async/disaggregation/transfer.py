@@ -116,7 +116,8 @@ class PairChannel:
         self.error: str | None = None
         self.pending = 0
         """Transfers queued and not yet handed back (the loop thread's count)."""
-        self._thread = threading.Thread(target=self._run, name=f"megatron-async-kv-{store_prefix(key)[3:15]}", daemon=True)
+        name = f"megatron-async-kv-{store_prefix(key)[3:15]}"  # (not the key: names and logs are no secret)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def send(self, tag: int, tensor: torch.Tensor) -> None:
