@@ -10,4 +10,5 @@ the decode steps of requests already running.
   admit a request decoding with given blocks and tokens);
 - kv_layout.py: a request's blocks and state as one flat buffer;
 - transfer.py: the pair connections (gloo, NCCL) and their threads;
+- pair_auth.py: the two engines of a pair prove its key to each other on connecting;
 - ipc_share.py: "ipc" transfers, the blocks shared in memory (CUDA IPC, or shared memory on the CPU)."""

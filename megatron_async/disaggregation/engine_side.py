@@ -14,12 +14,15 @@ connection: kv_failed)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+
+import torch
 
 from megatron_async.disaggregation import ipc_share
 from megatron_async.disaggregation.kv_import import PrefillHold, admit_decoding, allocate, cached_prefix, room_for
 from megatron_async.disaggregation.kv_layout import KVLayout
-from megatron_async.disaggregation.transfer import PairChannel, Rendezvous, resolve_backend, store_host
+from megatron_async.disaggregation.transfer import PairChannel, Rendezvous, TransferTimes, resolve_backend, store_host
 from megatron_async.inference.records import decode_sampling
 
 log = logging.getLogger("megatron_async.disaggregation")
@@ -48,12 +51,14 @@ class EngineHandOffs:
         self.channels: dict[str, PairChannel] = {}
         self.handed: list[int] = []  # engine ids that stopped at their first token, kv_ready not yet sent
         self.ready: dict[int, int] = {}  # rid -> engine id, blocks kept (READY, SENDING)
-        self.sending: dict[int, int] = {}  # rid -> blocks queued to send
+        self.sending: dict[tuple[str, int], int] = {}  # (connection, tag) -> blocks of a send not yet seen to end
         self.deferred: deque[list] = deque()  # kv_import fields waiting for room
         self.waiting: deque[list] = deque()  # prefill submissions waiting for room beside the kept blocks
         self.receiving: dict[int, tuple[list, list[int], int]] = {}  # rid -> (kv_import fields, blocks, cached)
         self.cancelled: set[int] = set()  # rids cancelled while their receive was queued
         self.kv_sent_blocks = self.kv_received_blocks = self.kv_cached_blocks = self.deferred_imports = 0
+        self.times = TransferTimes()
+        """The transfers' own time: this prefill engine's sends, this decode engine's ipc copies."""
 
     @property
     def kv_address(self) -> str:
@@ -104,24 +109,24 @@ class EngineHandOffs:
         if local is None:
             self.link.channel.send("kv_failed", rid, "the prefill engine holds no blocks for it")
             return
-        self.sending[rid] = self.hold.num_blocks(local) - cached
+        blocks = self.hold.num_blocks(local) - cached
         if pair[3] == "ipc":
             try:
                 self.shared[rid], payload = ipc_share.share(self.hold.pack(local, cached))
             except Exception as e:  # noqa: BLE001 -- this transfer fails alone
                 self.link.channel.send("kv_failed", rid, f"could not share the blocks: {type(e).__name__}: {e}")
                 return
-            self.kv_sent_blocks += self.sending[rid]
+            self.kv_sent_blocks += blocks
             self.link.channel.send("kv_shared", rid, payload)
             return
         channel = self._channel(pair)
+        self.sending[(channel.key, _tag(rid))] = blocks  # (counted when seen to end: after kv_release, maybe)
         channel.send(_tag(rid), self.hold.pack(local, cached).to(channel.device))
 
     def _release(self, rid: int) -> None:
         local = self.ready.pop(rid, None)
         if local is not None:
             self.hold.release(local)
-        self.sending.pop(rid, None)
         self.shared.pop(rid, None)
 
     # ---------------------------------------------------------------- decode side
@@ -188,15 +193,27 @@ class EngineHandOffs:
         self.link.channel.send("kv_imported", rid, 0)
 
     def _mapped(self, rid: int, payload: dict) -> None:
-        """An "ipc" pair's blocks: mapped, copied into this engine's blocks, unmapped."""
+        """An "ipc" pair's blocks: mapped, copied into this engine's memory (the transfer, timed;
+        the mapping lives until the copy ended), then into its blocks."""
         if rid not in self.receiving:
             return
         fields, block_ids, cached = self.receiving[rid]
         try:
-            buf = ipc_share.open_shared(payload, self.layout.nbytes(len(block_ids) - cached))
+            shared = ipc_share.open_shared(payload, self.layout.nbytes(len(block_ids) - cached))
         except Exception as e:  # noqa: BLE001 -- this import fails alone
             self._imported(rid, None, f"could not map the shared blocks: {type(e).__name__}: {e}")
             return
+        buf = self.layout.empty(len(block_ids) - cached)
+        if buf.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            buf.copy_(shared, non_blocking=True)
+            end.record()
+            self.times.add_events(start, end, buf.numel(), shared)
+        else:
+            t0 = time.perf_counter()
+            buf.copy_(shared)
+            self.times.add(buf.numel(), time.perf_counter() - t0)
         self._imported(rid, buf, None)
 
     def _cancel(self, rid: int) -> None:
@@ -241,23 +258,28 @@ class EngineHandOffs:
             self._admit_prefills()
         if self.deferred:
             self._try_imports()
-        for channel in self.channels.values():
-            for tag, buf, error in channel.take_done():
-                self._landed(tag, buf, error)
+        for channel in list(self.channels.values()):
+            for tag, buf, error, seconds in channel.take_done():
+                self._landed(channel.key, tag, buf, error, seconds)
+            if channel.error is not None and not channel.pending:  # (refused or broken: its transfers all ended)
+                channel.close()
+                self.channels.pop(channel.key, None)
+        self.times.settle()
 
-    def _landed(self, tag: int, buf, error: str | None) -> None:
+    def _landed(self, key: str, tag: int, buf, error: str | None, seconds: float = 0.0) -> None:
         if self.role == "decode":
             rid = next((r for r in self.receiving if _tag(r) == tag), None)
             if rid is not None:
                 self._imported(rid, buf, error)
             return
-        rid = next((r for r in self.ready if _tag(r) == tag), None)
-        if rid is None:
+        # A send is matched by its own entry, not by the blocks kept for it: the decode engine's
+        # import, and so the coordinator's kv_release, may come before this loop sees the send end.
+        blocks = self.sending.pop((key, tag), None)
+        if blocks is None:
             return
-        if error is not None:
-            self.channels = {k: c for k, c in self.channels.items() if c.error is None}
         if error is None:  # (kv_sent_blocks: blocks whose send completed)
-            self.kv_sent_blocks += self.sending.get(rid, 0)
+            self.kv_sent_blocks += blocks
+            self.times.add(buf.numel() * buf.element_size(), seconds)
         # else: its decode engine died (the coordinator places the transfer again, and this engine
         # sends again on a new connection) or the group broke (its receive fails too: kv_failed)
 
@@ -273,7 +295,8 @@ class EngineHandOffs:
         return {"kv_sent_blocks": self.kv_sent_blocks, "kv_received_blocks": self.kv_received_blocks,
                 "kv_cached_blocks": self.kv_cached_blocks,
                 "kv_deferred_imports": self.deferred_imports, "kv_blocks_held": sum(
-                    self.hold.num_blocks(local) for local in self.ready.values()) if self.hold else 0}
+                    self.hold.num_blocks(local) for local in self.ready.values()) if self.hold else 0,
+                **self.times.counters()}
 
     def close(self) -> None:
         for channel in self.channels.values():

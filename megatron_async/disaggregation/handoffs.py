@@ -173,6 +173,8 @@ class HandOffs:
         if t is None or slot not in (t.prefill, t.decode):
             return
         self.core.counts["kv_failed"] += 1
+        if t.decode is not None and t.decode is not t.prefill:  # (a broken or refused connection: both ends
+            self._pair_keys.pop((t.prefill.index, t.decode.index), None)  # dropped it; its store prefix is spent)
         self._drop(t, release=True, cancel=slot is t.prefill)
         if t.req is not None and self.core.requests.get(rid) is t.req:
             decode = "?" if t.decode is None else t.decode.index

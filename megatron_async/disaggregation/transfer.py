@@ -1,7 +1,7 @@
 """KV transfer connections: one process group of 2 per (prefill, decode) pair, set up once, on
-the pair key the coordinator handed both engines over its authenticated wire (the rendezvous
-store's prefix: random per pair), and a thread per connection that waits on its transfers, so
-that an engine's loop never blocks on one.
+the pair key the coordinator handed both engines over its authenticated wire (random per pair),
+and a thread per connection that waits on its transfers, so that an engine's loop never blocks on
+one.
 
 Backends (``InferenceConfig.kv_transfer_backend``): "gloo" (CPU buffers, TCP: any two hosts; a
 GPU engine stages through host memory), "nccl" (GPU to GPU, the same code with a NCCL group of
@@ -10,12 +10,19 @@ GPU engine stages through host memory), "nccl" (GPU to GPU, the same code with a
 
 The decode engine hosts the rendezvous store (``Rendezvous``: a TCPStore on an ephemeral port
 of the interface its coordinator reaches). The store and the group's connections carry no
-secret of their own (torch.distributed has none): the pair key is the part nobody else knows.
+secret of their own (torch.distributed has none): the store sees a digest of the pair key, and
+the group's first exchange is the two engines' proof of the key (pair_auth.py); a connection
+whose peer fails it is refused before any block moves.
 
 Both ends queue their transfers in the coordinator's order: the decode engine posts a receive
 (kv_accepted), then the prefill engine sends it (kv_send), so the two FIFOs meet in order. A
 transfer that fails (the peer died, the group broke) fails every later one of that connection;
-the engines report it (kv_failed) and the coordinator frees both sides."""
+the engines report it (kv_failed) and the coordinator frees both sides.
+
+``TransferTimes`` counts what the transfers themselves took (the wire, not the pack or the control
+round trips): a prefill engine's sends on a pair connection, a decode engine's copies out of an
+"ipc" pair's shared blocks; a group's setup (NCCL creates its communicator at the first operation)
+is paid by ``connect``'s proof before the first timed transfer."""
 from __future__ import annotations
 
 import datetime
@@ -23,11 +30,14 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections import deque
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megatron_async.disaggregation.pair_auth import mac_key, prove, store_prefix
 
 log = logging.getLogger("megatron_async.disaggregation")
 SETUP_TIMEOUT_S = 60.0
@@ -54,6 +64,33 @@ def store_host(coordinator_address: str) -> str:
         return s.getsockname()[0]
 
 
+class TransferTimes:
+    """Transfers, their bytes and seconds; CUDA copies are timed by events, read once they ended."""
+
+    def __init__(self):
+        self.count = self.nbytes = 0
+        self.seconds = 0.0
+        self._pending: deque = deque()  # (start event, end event, bytes, what must live until the end)
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.count, self.nbytes, self.seconds = self.count + 1, self.nbytes + nbytes, self.seconds + seconds
+
+    def add_events(self, start, end, nbytes: int, keep=None) -> None:
+        """A copy between ``start`` and ``end`` (recorded CUDA events); ``keep`` (the source) lives
+        until it ended."""
+        self._pending.append((start, end, nbytes, keep))
+
+    def settle(self) -> None:
+        """Count the timed copies that ended (no wait)."""
+        while self._pending and self._pending[0][1].query():
+            start, end, nbytes, _ = self._pending.popleft()
+            self.add(nbytes, start.elapsed_time(end) / 1e3)
+
+    def counters(self) -> dict:
+        self.settle()
+        return {"kv_transfers": self.count, "kv_transfer_bytes": self.nbytes, "kv_transfer_seconds": self.seconds}
+
+
 class Rendezvous:
     """A decode engine's store that its pairs' groups meet at."""
 
@@ -65,19 +102,22 @@ class Rendezvous:
 
 class PairChannel:
     """This engine's end of one pair's group: ``send`` / ``recv`` queue a transfer, ``take_done``
-    hands back those that ended: (tag, tensor, error or None)."""
+    hands back those that ended: (tag, tensor, error or None, seconds: a send's time on the wire
+    from its pack's end, 0 for a receive, which waits for its send)."""
 
     def __init__(self, key: str, address: str, rank: int, backend: str, device: torch.device,
                  rendezvous: Rendezvous | None = None):
         self.key, self.rank, self.backend = key, rank, backend
         self.device = device if backend == "nccl" else torch.device("cpu")
         self._address, self._rendezvous = address, rendezvous
+        self._mac_key = mac_key(key)
         self._jobs: queue.Queue = queue.Queue()
         self._done: deque = deque()
         self.error: str | None = None
         self.pending = 0
         """Transfers queued and not yet handed back (the loop thread's count)."""
-        self._thread = threading.Thread(target=self._run, name=f"megatron-async-kv-{key[:12]}", daemon=True)
+        name = f"megatron-async-kv-{store_prefix(key)[3:15]}"  # (not the key: names and logs are no secret)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def send(self, tag: int, tensor: torch.Tensor) -> None:
@@ -93,7 +133,7 @@ class PairChannel:
         self.pending += 1
         self._jobs.put(("recv", tag, tensor, None))
 
-    def take_done(self) -> list[tuple[int, torch.Tensor, str | None]]:
+    def take_done(self) -> list[tuple[int, torch.Tensor, str | None, float]]:
         out = []
         while self._done:
             out.append(self._done.popleft())
@@ -110,7 +150,7 @@ class PairChannel:
         else:
             host, port = self._address.rsplit(":", 1)
             store = dist.TCPStore(host, int(port), None, False, timeout=timeout)
-        store = dist.PrefixStore(self.key, store)
+        store = dist.PrefixStore(store_prefix(self.key), store)
         if self.backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = datetime.timedelta(seconds=TRANSFER_TIMEOUT_S)
@@ -121,24 +161,36 @@ class PairChannel:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1" if host == "127.0.0.1" else "")]
         return dist.ProcessGroupGloo(store, self.rank, 2, opts)
 
+    def _exchange(self, group, kind: str, tensor: torch.Tensor, tag: int) -> None:
+        work = group.send([tensor], 1 - self.rank, tag) if kind == "send" else group.recv([tensor], 1 - self.rank, tag)
+        work.wait()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def connect(self, group) -> None:
+        """The pair's proof of its key (pair_auth.py; AuthError: refused), before any transfer;
+        the group's connections then exist (NCCL makes them at its first operation) when the
+        first transfer is timed."""
+        prove(lambda kind, tensor: self._exchange(group, kind, tensor, 0), self.rank, self._mac_key, self.device)
+
     def _run(self) -> None:
         group = None
-        peer = 1 - self.rank
         while (job := self._jobs.get()) is not None:
             kind, tag, tensor, ready = job
+            seconds = 0.0
             if self.error is None:
                 try:
-                    if group is None:
-                        group = self._group()
                     if self.device.type == "cuda":
                         torch.cuda.set_device(self.device)
-                        if ready is not None:
-                            torch.cuda.current_stream(self.device).wait_event(ready)
-                    work = group.send([tensor], peer, tag) if kind == "send" else group.recv([tensor], peer, tag)
-                    work.wait()
-                    if self.device.type == "cuda":
-                        torch.cuda.current_stream(self.device).synchronize()
+                    if group is None:
+                        group = self._group()
+                        self.connect(group)
+                    if ready is not None:
+                        ready.synchronize()  # (the pack ended: what follows is the wire's time)
+                    start = time.perf_counter()
+                    self._exchange(group, kind, tensor, tag)
+                    seconds = time.perf_counter() - start if kind == "send" else 0.0
                 except Exception as e:  # noqa: BLE001 -- the peer died or the group broke: every later transfer fails too
                     self.error = f"{type(e).__name__}: {e}"
-                    log.error("KV transfer connection %s broke: %s", self.key[:12], self.error)
-            self._done.append((tag, tensor, self.error))
+                    log.error("KV transfer connection %s broke: %s", store_prefix(self.key), self.error)
+            self._done.append((tag, tensor, self.error, seconds))

@@ -1,7 +1,8 @@
 """Prefill / decode disaggregation on GPUs: 1 prefill + 1 decode engine process (qwen3-0.6b shape,
-bf16, batch-invariant), on one GPU each with NCCL transfers (``multigpu``) or sharing one GPU with
-gloo transfers through host memory or CUDA IPC (``gpu``): tokens and log-probs equal one engine's bit for
-bit, the decode engine computes no prompt, both engines count the blocks they moved.
+bf16, batch-invariant), on one GPU each with NCCL transfers or CUDA IPC between the two GPUs
+(``multigpu``: each engine sees both GPUs, its own first) or sharing one GPU with gloo transfers
+through host memory or CUDA IPC (``gpu``): tokens and log-probs equal one engine's bit for bit, the
+decode engine computes no prompt, both engines count the blocks they moved and the transfers' time.
 
     python -m pytest -q -m "gpu or multigpu" tests/functional_tests/test_gpu_disaggregation.py"""
 from __future__ import annotations
@@ -18,7 +19,8 @@ from tests.helpers.coordinator_procs import Cluster
 def layouts():
     yield pytest.param("gloo", marks=pytest.mark.gpu, id="one-gpu-gloo")
     yield pytest.param("ipc", marks=pytest.mark.gpu, id="one-gpu-cuda-ipc")
-    yield pytest.param("split", marks=pytest.mark.multigpu, id="two-gpus-nccl")
+    yield pytest.param("nccl", marks=pytest.mark.multigpu, id="two-gpus-nccl")
+    yield pytest.param("ipc-split", marks=pytest.mark.multigpu, id="two-gpus-cuda-ipc")
 
 
 @pytest.fixture(scope="module", params=list(layouts()))
@@ -30,10 +32,10 @@ def pair(request):
                          "--gpu-memory-utilization", "0.4", model=MODEL)
             c.add_engine("d", *ENGINE, "--role", "decode", "--kv-transfer-backend", request.param,
                          "--gpu-memory-utilization", "0.8", model=MODEL)
-        else:
+        else:  # engine i on GPU i, the other one visible too (CUDA IPC maps the peer's memory)
             for i, role in enumerate(("prefill", "decode")):
-                c.start_engine(role[0], *ENGINE, "--role", role, "--kv-transfer-backend", "nccl", model=MODEL,
-                               env={"CUDA_VISIBLE_DEVICES": str(i)})
+                c.start_engine(role[0], *ENGINE, "--role", role, "--kv-transfer-backend", request.param.split("-")[0],
+                               model=MODEL, env={"CUDA_VISIBLE_DEVICES": ("0,1", "1,0")[i]})
             for name in ("p", "d"):
                 c.wait_engine(name)
         c.layout = request.param
@@ -58,6 +60,8 @@ def test_tokens_and_log_probs_equal_one_engines(reference, pair):  # noqa: F811
     roles = {e["role"]: e for e in listing}
     assert roles["prefill"]["kv_sent_blocks"] > 0 and roles["decode"]["kv_received_blocks"] > 0
     assert stats[str(roles["decode"]["index"])]["prefill_steps"] == 0
+    timed = stats[str(roles["decode" if pair.layout.startswith("ipc") else "prefill"]["index"])]
+    assert timed["kv_transfers"] > 0 and timed["kv_transfer_bytes"] > 0 and timed["kv_transfer_seconds"] > 0
     got = [(o.generated_tokens, o.generated_log_probs) for o in outs]
     same = sum(g == r for g, r in zip(got, reference))
     assert same == len(reference), f"{same} of {len(reference)} requests equal one engine's ({pair.layout})"

@@ -204,6 +204,7 @@ def test_a_failed_transfer_ends_the_request_with_both_engines_named():
     box.take()
     first_token(core, p, 0)
     core.handoffs.kv_ready(p, 0, 2, 0)
+    (imported,), _ = box.take()
     core.engine_message(d, "kv_accepted", [0, 0])
     box.take()
     core.engine_message(d, "kv_failed", [0, "reset"])
@@ -211,6 +212,11 @@ def test_a_failed_transfer_ends_the_request_with_both_engines_named():
     assert kinds(engine) == [(p.index, "kv_release")]
     assert finished_of(client) == [(1, "error", (7,), "KV transfer from engine 0 to engine 1 failed: reset")]
     assert p.pending == 0 and d.pending == 0
+    core.submit("c", 2, [1, 2, 3], [{}], stream=True)  # the pair's next transfer: a new key (the old one's
+    box.take()                                         # connection was dropped, its store prefix spent)
+    first_token(core, p, 1)
+    placed, _, _ = hand_off(core, box, p, d, rid=1, blocks=2)
+    assert placed[0][13][0] != imported[13][0] and placed[0][13][1:] == imported[13][1:]
 
 
 def test_the_hand_off_messages_travel_through_the_checked_readers():

@@ -4,74 +4,9 @@ no request place defers an import until one ends (never allocating past its pool
 import gives its blocks back, and the tokens equal one engine's."""
 from __future__ import annotations
 
-import time
-
-from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.disaggregation.engine_side import EngineHandOffs
-from megatron_async.inference.records import decode_sampling, encode_sampling
-
-PARAMS = SamplingParams(temperature=0.9, seed=4, num_tokens_to_generate=8, ignore_eos=True)
-PROMPTS = [[(5 * i + j) % 100 + 1 for j in range(6 + 4 * i)] for i in range(3)]
-
-
-class Channel:
-    def __init__(self):
-        self.sent: list[tuple] = []
-
-    def send(self, kind, *fields):
-        self.sent.append((kind, *fields))
-
-    def take(self, kind):
-        found = [m for m in self.sent if m[0] == kind]
-        self.sent = [m for m in self.sent if m[0] != kind]
-        return found
-
-
-class Link:
-    """What EngineHandOffs reads of dp_engine/link.py's EngineLink."""
-
-    def __init__(self, llm, role, backend="gloo"):
-        self.engine, self.channel = llm.engine, Channel()
-        self.rid_of: dict[int, int] = {}
-        self.aborted: list[int] = []
-        self.handoffs = EngineHandOffs(self, role, backend, "tcp://127.0.0.1:1")
-
-    def submit(self, rid, seq, prompt, params, stream, digests=b"", reply=None):
-        local = self.engine.add_request(prompt, decode_sampling(params, frozen=False))
-        self.rid_of[local] = rid
-        return local
-
-    def track(self, rid, seq, local, stream, reply):
-        self.rid_of[local] = rid
-
-    def detach(self, local):
-        return self.rid_of.pop(local, None)
-
-    def handle(self, kind, fields):
-        self.aborted.append(fields[0])
-
-    def turn(self):
-        res = self.engine.step() if self.engine.has_unfinished_requests() else None
-        if res is not None:
-            self.handoffs.landed(res)
-        self.handoffs.poll()
-        return res
-
-
-def llm(max_requests=4):
-    return LLM(None, "cpu", "float32", InferenceConfig(block_size_tokens=4, num_kv_blocks=64,
-                                                       max_requests=max_requests, max_tokens=64))
-
-
-def until(check, links, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for link in links:
-            link.turn()
-        if value := check():
-            return value
-        time.sleep(0.002)
-    raise AssertionError("the awaited state never came")
+from megatron_async import LLM, InferenceConfig
+from megatron_async.inference.records import encode_sampling
+from tests.helpers.handoff_links import PARAMS, PROMPTS, Link, llm, until
 
 
 def test_transfers_over_gloo_with_a_deferred_and_a_cancelled_import():
@@ -114,9 +49,33 @@ def test_transfers_over_gloo_with_a_deferred_and_a_cancelled_import():
     p.handoffs.handle("kv_release", [2])  # (the coordinator frees the withdrawn one's blocks)
     assert not p.handoffs.ready
     until(lambda: p.handoffs.kv_sent_blocks == d.handoffs.kv_received_blocks, [p])  # (its sends' ends, polled)
+    moved = p.handoffs.counters()  # (the sends' own time and bytes: the prefill side's)
+    assert moved["kv_transfers"] == 2 and moved["kv_transfer_seconds"] > 0
+    assert moved["kv_transfer_bytes"] == sum(p.handoffs.layout.nbytes(-(-len(PROMPTS[i]) // 4)) for i in (0, 1))
     for link in (p, d):
         alloc = link.engine.context.allocator
         assert alloc.num_available == alloc.capacity
+        link.handoffs.close()
+
+
+def test_a_send_whose_end_is_seen_after_its_release_still_counts():
+    """The coordinator releases the prefill engine's blocks once the decode engine imported them,
+    which may come before the prefill engine's loop saw its own send end (the two ends of a
+    transfer finish on two threads): the send is counted, and by its bytes, all the same."""
+    p, d = Link(llm(), "prefill"), Link(llm(), "decode")
+    sampling = encode_sampling(PARAMS)
+    p.handoffs.prefill([0, 1, PROMPTS[1], sampling, False, b"", None])
+    (_, _, blocks, version), = until(lambda: p.channel.take("kv_ready"), [p])
+    pair = ("kv-test-late", d.handoffs.kv_address, 1, "gloo")
+    d.handoffs.handle("kv_import", [0, 1, PROMPTS[1], sampling, False, b"", None, [1], None, version, blocks, pair])
+    (_, _, hit), = until(lambda: d.channel.take("kv_accepted"), [d])
+    p.handoffs.handle("kv_send", [0, pair[:2] + (0, "gloo"), hit])
+    assert until(lambda: d.channel.take("kv_imported"), [d]) == [("kv_imported", 0, blocks)]  # (p's loop not polled)
+    p.handoffs.handle("kv_release", [0])
+    assert not p.handoffs.ready and p.handoffs.in_flight()
+    until(lambda: p.handoffs.kv_sent_blocks == blocks, [p], timeout_s=20)
+    assert p.handoffs.counters()["kv_transfer_bytes"] == p.handoffs.layout.nbytes(blocks) and not p.handoffs.in_flight()
+    for link in (p, d):
         link.handoffs.close()
 
 
@@ -188,6 +147,9 @@ def test_ipc_pairs_share_the_blocks_in_memory():
 
         until(done, [])
     assert outputs == {0: want[0], 1: want[1]} and not d.handoffs.channels and not p.handoffs.channels
+    moved = d.handoffs.counters()  # (the copies out of the shared blocks: the decode side's)
+    assert moved["kv_transfers"] == 2 and moved["kv_transfer_bytes"] == sum(
+        d.handoffs.layout.nbytes(-(-len(PROMPTS[i]) // 4)) for i in (0, 1)) and moved["kv_transfer_seconds"] > 0
     d.handoffs.handle("kv_shared", [7, {"storages": [], "tensors": []}])  # (nothing waits for it: ignored)
     for link in (p, d):
         alloc = link.engine.context.allocator
