@@ -224,12 +224,10 @@ def prefill_attention(
     an explicit one its kernel cannot run raises ValueError, the default falls back to the pointer
     kernel's). ``block_q`` / ``block_n`` / ``num_warps`` / ``num_stages`` / ``maxnreg`` override its
     query-token and key tile sizes and launch settings (tests, sweeps).
-    ``fixed_order``: the batch-invariant kernel instead (``triton_invariant_attention``; the
-    tile arguments do not apply).
-    ``heads_fastest``: the grid's first axis is the KV head, so the programs of one query tile
-    start together (7 % faster than tiles first on a mixed step: the heads' K/V of a token
-    share one record in the cache, see ``kernel-times paged-attention --grid-order``); same bits.
-    ``kv_scale`` [2, KVH]: an e4m3 cache's key / value scales."""
+    ``fixed_order``: the batch-invariant kernel instead (``triton_invariant_attention``; no tile arguments).
+    ``heads_fastest``: the grid's first axis is the KV head, so the programs of one query tile start together
+    (7 % faster on a mixed step: a token's heads share one cache record; ``kernel-times paged-attention
+    --grid-order``); same bits. ``kv_scale`` [2, KVH]: an e4m3 cache's key / value scales."""
     if fixed_order:
         if quantize:
             raise ValueError("prefill_attention: the batch-invariant kernel returns its output unquantized")
@@ -248,9 +246,7 @@ def prefill_attention(
     scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
     pairs = fp8 and q.dtype in (torch.bfloat16, torch.float16)  # fp32 queries keep fp32 dots
     launch = _chosen_launch(launch, group, head_dim, block_size, fp8, q.device, num_tokens / meta.num_rows)
-    launch = launch._replace(rows=block_q * block_g if block_q else launch.rows, block_n=block_n or launch.block_n,
-                             num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages,
-                             maxnreg=launch.maxnreg if maxnreg is None else maxnreg)
+    launch = _overridden(launch, block_q * block_g if block_q else None, block_n, num_warps, num_stages, maxnreg)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on GPU
     if pairs:  # int16 pairs of dims (the strides count pairs)
         if head_dim % 2:
@@ -268,16 +264,8 @@ def prefill_attention(
     settings = dict(num_warps=launch.num_warps, num_stages=launch.num_stages,
                     **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}))
     if launch.kernel != "pointer":
-        descs = kv_descriptors(kv_cache, launch.block_n) if launch.kernel == "tma" else (k_cache, v_cache)
-        prefill_wide_kernel[grid](
-            q, k_cache, v_cache, *descs, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens,
-            schedule, out, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
-            scale * _LOG2E, num_kv_heads, GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size, BLOCK_N=launch.block_n, **dot_args(prefill_wide_kernel, kv_cache.dtype),
-            HEADS_FASTEST=heads_fastest, KV_TMA=launch.kernel == "tma",
-            WARP_SPEC=launch.warp_specialize,
-            **quant_args, EMULATE=emulate(prefill_wide_kernel), **settings)
+        _launch_wide(q, kv_cache, meta, schedule, out, grid, launch, scale, group, block_q, heads_fastest, quant_args,
+                     settings)
         return out if rows_q is None else rows_q
     _prefill_kernel[grid](
         q_arg, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens, schedule, out,
@@ -291,6 +279,31 @@ def prefill_attention(
         USE_ASM=not emulate(_prefill_kernel), **quant_args, **settings,
     )
     return out if rows_q is None else rows_q
+
+
+def _launch_wide(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, schedule: torch.Tensor,
+                 out: torch.Tensor, grid: tuple[int, int], launch: PrefillLaunch, scale: float, group: int,
+                 block_q: int, heads_fastest: bool, quant_args: dict, settings: dict) -> None:
+    """``prefill_wide_kernel`` on a launch of the "wide" or "tma" kernel (16-bit caches)."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    descs = kv_descriptors(kv_cache, launch.block_n) if launch.kernel == "tma" else (k_cache, v_cache)
+    prefill_wide_kernel[grid](
+        q, k_cache, v_cache, *descs, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens,
+        schedule, out, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
+        scale * _LOG2E, num_kv_heads, GROUP=group, BLOCK_G=max(1, triton.next_power_of_2(group)), BLOCK_Q=block_q,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=launch.block_n,
+        **dot_args(prefill_wide_kernel, kv_cache.dtype), HEADS_FASTEST=heads_fastest, KV_TMA=launch.kernel == "tma",
+        WARP_SPEC=launch.warp_specialize, **quant_args, EMULATE=emulate(prefill_wide_kernel), **settings)
+
+
+def _overridden(launch: PrefillLaunch, rows: int | None, block_n: int | None, num_warps: int | None,
+                num_stages: int | None, maxnreg: int | None) -> PrefillLaunch:
+    """``launch`` with the settings a caller gave (None: the launch's own)."""
+    return launch._replace(rows=rows or launch.rows, block_n=block_n or launch.block_n,
+                           num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages,
+                           maxnreg=launch.maxnreg if maxnreg is None else maxnreg)
 
 
 def _chosen_launch(launch: PrefillLaunch | None, group: int, head_dim: int, block_size: int, fp8: bool,

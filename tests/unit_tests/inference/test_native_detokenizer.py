@@ -53,8 +53,10 @@ TEXTS = ["naïve café — 日本語 🙂 done", "Hello world! How are you today
 def test_native_path_gives_the_python_paths_deltas_on_text(bpe, prompt_text, text, cut, sizes, skip, special):
     prompt = bpe.encode(prompt_text)
     ids = bpe.encode(text)[cut:]
-    for at in special:  # EOS / special tokens inside the generated ids: skipped or kept text
-        ids.insert(min(at, len(ids)), EOS_TOKEN_ID)
+    for at in special:  # EOS / special tokens between the generated characters: skipped or kept text
+        at = min(at, len(ids))
+        if REPLACEMENT_CHAR not in bpe.decode(ids[:at]):  # not inside a character (that one stays broken)
+            ids.insert(at, EOS_TOKEN_ID)
     chunks = _chunked(ids, sizes)
     native, started, _ = _run(bpe, prompt, chunks, skip)
     python, _, _ = _run(PythonOnly(bpe), prompt, chunks, skip)
