@@ -15,12 +15,8 @@ depends only on num_tokens and num_rows (graph-safe, like the decode kernel). On
 start first and the short ones fill the tail. The order changes no bits: each tile's
 arithmetic is its own.
 
-On Hopper a step runs the kernel twice (``long_row_launch``): rows of fewer than ``LONG_ROWS``
-query tokens (decode rows, short chunks) on these tiles, longer rows on 128 x 64 tiles of two
-warpgroups (``HOPPER_LONG``), each launch with its own schedule of its rows' tiles; a row's own
-length picks its tiles, so its bits do not depend on the step's other rows. Wider tiles, TMA loads
-over pages of 64+ tokens: ``triton_prefill_wide``'s kernel, picked by an explicit launch
-(``kernel-times prefill-attention`` sweeps them).
+Wider tiles, TMA loads over pages of 64+ tokens: ``triton_prefill_wide``'s kernel, picked by the
+launch (``triton_prefill_common.prefill_launch``; ``kernel-times prefill-attention`` sweeps both).
 
 An e4m3 cache (``KV_FP8``): as in the decode kernel, the key scale is folded into the softmax
 scale and the value scale into the output (see kv_cache_fp8), and with 16-bit queries
@@ -29,8 +25,6 @@ float16 even / odd halves (one conversion per two values, where e4m3 -> f16 -> b
 value), queries to float16 scaled by a power of two per row, probabilities float16.
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -46,8 +40,8 @@ from megatron_async.kernels.triton_paged_common import (
     widen_e4m3_pairs,
 )
 from megatron_async.kernels.triton_prefill_common import (  # noqa: F401 (prefill_fallbacks, NUM_*: the launch's)
-    LONG_ROWS, NUM_STAGES, NUM_WARPS, PrefillLaunch, fitted_launch, key_ranges, long_row_launch, prefill_fallbacks,
-    prefill_launch, prefill_tiles, store_output, tile_queries, unusable,
+    NUM_STAGES, NUM_WARPS, PrefillLaunch, fitted_launch, key_ranges, prefill_fallbacks, prefill_launch, prefill_tiles,
+    store_output, tile_queries, unusable,
 )
 from megatron_async.kernels.triton_prefill_wide import prefill_wide_kernel
 from megatron_async.kernels.triton_tile_schedule import tile_schedule
@@ -251,75 +245,40 @@ def prefill_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
     pairs = fp8 and q.dtype in (torch.bfloat16, torch.float16)  # fp32 queries keep fp32 dots
-    overrides = (block_q * block_g if block_q else None, block_n, num_warps, num_stages, maxnreg)
-    long_rows = None if launch is not None or fp8 or any(x is not None for x in overrides) else (
-        long_row_launch(group, head_dim, q.device))
-    launch = _overridden(_chosen_launch(launch, group, head_dim, block_size, fp8, q.device), *overrides)
+    launch = _chosen_launch(launch, group, head_dim, block_size, fp8, q.device, num_tokens / meta.num_rows)
+    launch = _overridden(launch, block_q * block_g if block_q else None, block_n, num_warps, num_stages, maxnreg)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on GPU
     if pairs:  # int16 pairs of dims (the strides count pairs)
         if head_dim % 2:
             raise ValueError(f"an e4m3 cache needs an even head_dim, got {head_dim}")
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
         block_d = max(32, block_d)  # each half a dot of K >= 16
-    call = _Call(q, q_as_pairs(q) if pairs else q, kv_cache, k_cache, v_cache, meta, out, scale, scale_ptr, group,
-                 block_d, fp8, pairs, heads_fastest, quant_args)
-    if long_rows is None:
-        _launch(call, launch)
-    else:  # short rows (decode, short chunks) on the small tiles, long ones on the wide tiles
-        _launch(call, launch, max_len=LONG_ROWS)
-        _launch(call, long_rows, min_len=LONG_ROWS)
-    return out if rows_q is None else rows_q
-
-
-class _Call(NamedTuple):
-    """What every launch of one ``prefill_attention`` call shares."""
-    q: torch.Tensor
-    q_arg: torch.Tensor
-    kv_cache: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    meta: AttentionMetadata
-    out: torch.Tensor
-    scale: float
-    scale_ptr: torch.Tensor
-    group: int
-    block_d: int
-    fp8: bool
-    pairs: bool
-    heads_fastest: bool
-    quant_args: dict
-
-
-def _launch(c: _Call, launch: PrefillLaunch, min_len: int = 0, max_len: int = 2**31 - 1) -> None:
-    """One kernel over the tiles of the rows of ``min_len`` to ``max_len`` - 1 query tokens."""
-    num_tokens = c.q.shape[0]
-    _, _, block_size, num_kv_heads, head_dim = c.kv_cache.shape
-    block_g = max(1, triton.next_power_of_2(c.group))
-    launch = fitted_launch(launch, block_g, c.block_d, c.q.element_size(), c.kv_cache.element_size(),
-                           launch_limits.device_limits(c.q.device))
+    launch = fitted_launch(launch, block_g, block_d, q.element_size(), kv_cache.element_size(),
+                           launch_limits.device_limits(q.device))
     block_q = launch.rows // block_g
-    tiles = num_tokens // block_q + c.meta.num_rows
-    schedule = tile_schedule(c.meta, block_q, tiles, min_len, max_len)
-    heads_fastest = c.heads_fastest and tiles < 65536  # the grid's 2nd axis holds at most 65,535
+    q_arg = q_as_pairs(q) if pairs else q
+    tiles = num_tokens // block_q + meta.num_rows
+    schedule = tile_schedule(meta, block_q, tiles)
+    heads_fastest = heads_fastest and tiles < 65536  # the grid's 2nd axis holds at most 65,535
     grid = (num_kv_heads, tiles) if heads_fastest else (tiles, num_kv_heads)
     settings = dict(num_warps=launch.num_warps, num_stages=launch.num_stages,
                     **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}))
     if launch.kernel != "pointer":
-        _launch_wide(c.q, c.kv_cache, c.meta, schedule, c.out, grid, launch, c.scale, c.group, block_q, heads_fastest,
-                     c.quant_args, settings)
-        return
-    meta = c.meta
+        _launch_wide(q, kv_cache, meta, schedule, out, grid, launch, scale, group, block_q, heads_fastest, quant_args,
+                     settings)
+        return out if rows_q is None else rows_q
     _prefill_kernel[grid](
-        c.q_arg, c.k_cache, c.v_cache, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens, schedule,
-        c.out, c.q_arg.stride(0), c.q_arg.stride(1), c.out.stride(0), c.out.stride(1),
-        c.k_cache.stride(0), c.k_cache.stride(1), c.k_cache.stride(2), meta.block_table.stride(0),
-        c.scale * _LOG2E, c.scale_ptr, num_kv_heads,
-        GROUP=c.group, BLOCK_G=block_g, BLOCK_Q=block_q,
-        HEAD_DIM=head_dim, BLOCK_D=c.block_d, BLOCK_SIZE=block_size, BLOCK_N=launch.block_n,
-        **dot_args(_prefill_kernel, c.kv_cache.dtype, c.q.dtype), HEADS_FASTEST=heads_fastest, KV_FP8=c.fp8,
-        E4M3_PAIRS=c.pairs, Q_BF16=c.q.dtype == torch.bfloat16,
-        USE_ASM=not emulate(_prefill_kernel), **c.quant_args, **settings,
+        q_arg, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions, meta.cu_query_lens, schedule, out,
+        q_arg.stride(0), q_arg.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
+        scale * _LOG2E, scale_ptr, num_kv_heads,
+        GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=launch.block_n,
+        **dot_args(_prefill_kernel, kv_cache.dtype, q.dtype), HEADS_FASTEST=heads_fastest, KV_FP8=fp8,
+        E4M3_PAIRS=pairs, Q_BF16=q.dtype == torch.bfloat16,
+        USE_ASM=not emulate(_prefill_kernel), **quant_args, **settings,
     )
+    return out if rows_q is None else rows_q
 
 
 def _launch_wide(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, schedule: torch.Tensor,
@@ -348,7 +307,7 @@ def _overridden(launch: PrefillLaunch, rows: int | None, block_n: int | None, nu
 
 
 def _chosen_launch(launch: PrefillLaunch | None, group: int, head_dim: int, block_size: int, fp8: bool,
-                   device: torch.device) -> PrefillLaunch:
+                   device: torch.device, tokens_per_row: float) -> PrefillLaunch:
     """An explicit ``launch`` (ValueError where its kernel cannot run this call), else the default one,
     or the pointer kernel's where the default's cannot."""
     if launch is not None:
@@ -356,7 +315,7 @@ def _chosen_launch(launch: PrefillLaunch | None, group: int, head_dim: int, bloc
         if why:
             raise ValueError(why)
         return launch
-    launch = prefill_launch(group, head_dim, block_size, device)
+    launch = prefill_launch(group, head_dim, block_size, device, 0.0 if fp8 else tokens_per_row)
     if unusable(launch, head_dim, block_size, fp8):
         block_q, block_n = prefill_tiles(group, device)
         launch = PrefillLaunch(block_q * max(1, triton.next_power_of_2(group)), block_n, NUM_WARPS, NUM_STAGES,

@@ -10,11 +10,11 @@ import triton.language as tl
 from megatron_async.forward_batch import AttentionMetadata
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_slots", "search_steps", "min_len", "max_len"])  # one binary
-def _schedule_kernel(cu_q_ptr, kv_lens_ptr, work_ptr, entry_ptr, num_rows, num_slots, search_steps, min_len, max_len,
+@triton.jit(do_not_specialize=["num_rows", "num_slots", "search_steps"])  # one binary for any step
+def _schedule_kernel(cu_q_ptr, kv_lens_ptr, work_ptr, entry_ptr, num_rows, num_slots, search_steps,
                      BLOCK_Q: tl.constexpr, BLOCK: tl.constexpr):
     """Per tile slot: its (row, first query) packed as ``row << 32 | q_first`` and its keys (the
-    last query's position + 1), or -1 / -1 for an empty slot (or a row whose query count is outside [min_len, max_len))."""
+    last query's position + 1), or -1 / -1 for an empty slot."""
     slot = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = slot < num_slots
     # the slot's row: the last r with cu_query_lens[r] // BLOCK_Q + r <= slot (binary search)
@@ -29,20 +29,18 @@ def _schedule_kernel(cu_q_ptr, kv_lens_ptr, work_ptr, entry_ptr, num_rows, num_s
     q_begin = tl.load(cu_q_ptr + lo, mask=in_range, other=0)
     q_len = tl.load(cu_q_ptr + lo + 1, mask=in_range, other=0) - q_begin
     q_first = (slot - (q_begin // BLOCK_Q + lo)) * BLOCK_Q
-    live = in_range & (q_first < q_len) & (q_len >= min_len) & (q_len < max_len)
+    live = in_range & (q_first < q_len)
     kv_len = tl.load(kv_lens_ptr + lo, mask=in_range, other=0)
     keys = kv_len - q_len + tl.minimum(q_first + BLOCK_Q, q_len)  # a row's queries end at position kv_len - 1
     tl.store(work_ptr + slot, tl.where(live, keys, -1), mask=in_range)
     tl.store(entry_ptr + slot, tl.where(live, (lo.to(tl.int64) << 32) | q_first.to(tl.int64), -1), mask=in_range)
 
 
-def tile_schedule(meta: AttentionMetadata, block_q: int, num_slots: int, min_len: int = 0,
-                  max_len: int = 2**31 - 1) -> torch.Tensor:
+def tile_schedule(meta: AttentionMetadata, block_q: int, num_slots: int) -> torch.Tensor:
     """int64 [num_slots]: the step's tiles as ``row << 32 | first query``, most keys first, -1
-    for empty slots (last); only rows of ``min_len`` to ``max_len`` - 1 query tokens (a launch for
-    long rows and one for the rest). Computed by the first layer that asks and kept on ``meta`` (one
+    for empty slots (last). Computed by the first layer that asks and kept on ``meta`` (one
     step's metadata) for the others; a few launches, inside the step's graph when captured."""
-    key = ("prefill_schedule", block_q, num_slots, min_len, max_len)
+    key = ("prefill_schedule", block_q, num_slots)
     if key not in meta.scratch:
         dev = meta.cu_query_lens.device
         work = torch.empty(num_slots, dtype=torch.int32, device=dev)
@@ -50,6 +48,6 @@ def tile_schedule(meta: AttentionMetadata, block_q: int, num_slots: int, min_len
         block = 1024
         _schedule_kernel[(triton.cdiv(num_slots, block),)](
             meta.cu_query_lens, meta.kv_lens, work, entry, meta.num_rows, num_slots, meta.num_rows.bit_length(),
-            min_len, max_len, BLOCK_Q=block_q, BLOCK=block)
+            BLOCK_Q=block_q, BLOCK=block)
         meta.scratch[key] = entry[torch.argsort(work, descending=True)]
     return meta.scratch[key]

@@ -199,32 +199,10 @@ def test_prefill_schedule_order_changes_no_bits():
     slots = case.meta.num_tokens // block_q + case.meta.num_rows
     out = prefill_attention(case.q, case.kv_cache, case.meta, case.scale, block_q=block_q)
     (key,) = case.meta.scratch
-    assert key == ("prefill_schedule", block_q, slots, 0, 2**31 - 1)
+    assert key == ("prefill_schedule", block_q, slots)
     case.meta.scratch[key] = tile_schedule(case.meta, block_q, slots).flip(0)  # empty slots first, shortest tiles next
     flipped = prefill_attention(case.q, case.kv_cache, case.meta, case.scale, block_q=block_q)
     assert torch.equal(out, flipped)
-    torch.testing.assert_close(out, ref_out, **FP32_TOL)
-
-
-def test_long_rows_run_on_their_own_launch(monkeypatch):
-    """Where a device has a launch for long rows, rows of LONG_ROWS query tokens or more go to it and
-    the rest (decode rows, short chunks) to the default one: two schedules of disjoint rows, every
-    row's tiles in exactly one, the reference's answer."""
-    from megatron_async.kernels import triton_prefill_attention as pa
-
-    case = _case(MIXED_ROWS + DECODE_ROWS, group=2, head_dim=16, block_size=4, seed=21)
-    ref_out, _ = case.reference()
-    append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
-    q_lens = (case.meta.cu_query_lens[1:] - case.meta.cu_query_lens[:-1]).tolist()
-    monkeypatch.setattr(pa, "LONG_ROWS", 6)
-    assert min(q_lens) < 6 <= max(q_lens)
-    monkeypatch.setattr(pa, "long_row_launch", lambda *args: pa.PrefillLaunch(32, 16, 4, 2, 0))
-    out = prefill_attention(case.q, case.kv_cache, case.meta, case.scale)
-    short, long = sorted(case.meta.scratch, key=lambda k: k[3])
-    assert (short[3], short[4], long[3]) == (0, 6, 6) and short[1] != long[1]
-    rows_of = {k: sorted({int(e) >> 32 for e in case.meta.scratch[k].tolist() if e >= 0}) for k in (short, long)}
-    assert rows_of[short] == [r for r, n in enumerate(q_lens) if n < 6]
-    assert rows_of[long] == [r for r, n in enumerate(q_lens) if n >= 6]
     torch.testing.assert_close(out, ref_out, **FP32_TOL)
 
 
