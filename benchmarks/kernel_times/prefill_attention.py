@@ -44,7 +44,7 @@ def L(rows: int, block_n: int, warps: int, stages: int, maxnreg: int = 0, kernel
 
 
 def candidates(block_size: int) -> list[PrefillLaunch | None]:
-    """The launches swept at pages of ``block_size`` tokens; None: the engine's own choice
+    """The launches swept at pages of ``block_size`` tokens; None: the default (``prefill_launch``)
     (``prefill_launch``). Two warpgroups of 128 x 64 tiles under register caps (uncapped the compiler
     leaves room for one program an SM; ``HOPPER_LONG`` is the 128-register one), their neighbours in
     keys and stages, the wide kernel (with and without warp specialization) under the same cap, and
@@ -127,7 +127,7 @@ def sweep(heads: tuple[int, int], block_size: int, iters: int, kernels: list[str
         asked = launch or default
         if asked.kernel not in kernels and launch is not None:
             continue
-        name = "engine default (long rows: HOPPER_LONG)" if launch is None else label(asked)
+        name = ("default " if launch is None else "") + label(asked)
         ran = fitted_launch(asked, 1 << (group - 1).bit_length(), HEAD_DIM, 2, 2, limits)
         if ran in seen:  # shrunk to a launch already timed
             continue

@@ -245,7 +245,7 @@ def prefill_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
     pairs = fp8 and q.dtype in (torch.bfloat16, torch.float16)  # fp32 queries keep fp32 dots
-    launch = _chosen_launch(launch, group, head_dim, block_size, fp8, q.device, num_tokens / meta.num_rows)
+    launch = _chosen_launch(launch, group, head_dim, block_size, fp8, q.device)
     launch = _overridden(launch, block_q * block_g if block_q else None, block_n, num_warps, num_stages, maxnreg)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on GPU
     if pairs:  # int16 pairs of dims (the strides count pairs)
@@ -307,7 +307,7 @@ def _overridden(launch: PrefillLaunch, rows: int | None, block_n: int | None, nu
 
 
 def _chosen_launch(launch: PrefillLaunch | None, group: int, head_dim: int, block_size: int, fp8: bool,
-                   device: torch.device, tokens_per_row: float) -> PrefillLaunch:
+                   device: torch.device) -> PrefillLaunch:
     """An explicit ``launch`` (ValueError where its kernel cannot run this call), else the default one,
     or the pointer kernel's where the default's cannot."""
     if launch is not None:
@@ -315,7 +315,7 @@ def _chosen_launch(launch: PrefillLaunch | None, group: int, head_dim: int, bloc
         if why:
             raise ValueError(why)
         return launch
-    launch = prefill_launch(group, head_dim, block_size, device, 0.0 if fp8 else tokens_per_row)
+    launch = prefill_launch(group, head_dim, block_size, device)
     if unusable(launch, head_dim, block_size, fp8):
         block_q, block_n = prefill_tiles(group, device)
         launch = PrefillLaunch(block_q * max(1, triton.next_power_of_2(group)), block_n, NUM_WARPS, NUM_STAGES,

@@ -7,7 +7,6 @@ head_dim, float32 / 16-bit / e4m3 caches), "wide" and "tma" (``triton_prefill_wi
 power-of-two head_dim; "tma" pages of at least BLOCK_N tokens)."""
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -102,31 +101,22 @@ class PrefillLaunch(NamedTuple):
     """Warp-specialize the wide kernels' unmasked loop (``tl.range(warp_specialize=True)``)."""
 
 
-LONG_ROWS = 128
-"""Mean tokens a row from which a step's prefill takes ``HOPPER_LONG``: a step of long prompts."""
-
 HOPPER_LONG = PrefillLaunch(128, 64, 8, 3, 128)
 """128 x 64 tiles on two warpgroups, 3 stages, 128 registers a thread (two programs an SM; uncapped,
-the compiler's ~180 left one and ran 0.7x): on an H100 (``kernel-times prefill-attention``) 480-488
-TFLOP/s on an 8k-token prompt and 370-387 on 4 x 2k against the 64 x 32 tiles' 404-411 and 344-354,
-but 141-197 against 150-204 on 8 x 1k prompts beside 64 decode rows, where most tiles are short."""
+the compiler's ~180 left one and ran 0.7x). On an H100 (``kernel-times prefill-attention``) 466-491
+TFLOP/s on an 8k-token prompt and 365-397 on 4 x 2k against the default's 404-411 and 344-354, but
+138-197 against 150-208 on 8 x 1k prompts beside 64 decode rows. Not the default: a step cannot
+choose it by its sizes (CUDA graphs pad a mixed step's rows to ``max_requests`` + 1), and giving it
+only the rows of 128+ tokens in a second launch cost long prompts (32 x 8-16k tokens beside their
+decode rows) 6 % a prefill step: the decode rows' memory-bound tiles no longer overlap the prompt's
+(docs/PERFORMANCE.md)."""
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] == 9
-
-
-def prefill_launch(group: int, head_dim: int, block_size: int, device: torch.device,
-                   tokens_per_row: float = 0.0) -> PrefillLaunch:
-    """The default launch for a GQA group of ``group`` query heads a KV head, ``head_dim``, pages of
-    ``block_size`` tokens and a step of ``tokens_per_row`` mean tokens a row (host sizes only: the
-    choice is the same for every replay of a graph): the one place to change after measuring
-    (``kernel-times prefill-attention``). Hopper takes ``HOPPER_LONG`` on steps of long rows."""
-    block_g = max(1, triton.next_power_of_2(group))
-    if device.type == "cuda" and tokens_per_row >= LONG_ROWS and head_dim == 128 and block_g <= 8 and _hopper(device):
-        return HOPPER_LONG
+def prefill_launch(group: int, head_dim: int, block_size: int, device: torch.device) -> PrefillLaunch:
+    """The default launch for a GQA group of ``group`` query heads a KV head, ``head_dim`` and pages of
+    ``block_size`` tokens: the one place to change after measuring (``kernel-times prefill-attention``)."""
     block_q, block_n = prefill_tiles(group, device)
+    block_g = max(1, triton.next_power_of_2(group))
     return PrefillLaunch(block_q * block_g, block_n, NUM_WARPS, NUM_STAGES, max_registers(head_dim, device) or 0)
 
 

@@ -104,7 +104,7 @@ def test_decode_cuda_graph_replay(block_size):
 
 # (page size, PrefillLaunch fields: rows, keys, warps, stages, register cap, kernel, warp-specialized) of
 # each prefill kernel variant at tiles the sweep tries (``kernel-times prefill-attention``): the pointer
-# kernel's 128 x 64 tiles capped (HOPPER_LONG, the default on steps of long rows) and uncapped, the wide
+# kernel's 128 x 64 tiles capped (HOPPER_LONG) and uncapped, the wide
 # kernel with and without warp specialization, the TMA kernel at pages of 64 and 128 tokens
 PREFILL_VARIANT_LAUNCHES = [(16, (128, 64, 8, 3, 128, "pointer", False)), (16, (128, 64, 8, 3, 0, "pointer", False)),
                             (16, (128, 64, 8, 3, 0, "wide", False)), (16, (128, 64, 8, 3, 0, "wide", True)),

@@ -297,18 +297,3 @@ def test_a_prefill_launch_no_tile_of_fits_is_refused():
     with pytest.raises(LaunchLimitError, match="fits the device"):
         fitted_launch(PrefillLaunch(128, 128, 1, 2, 0, "wide"), 2, 128, 4, 4, DeviceLimits(16_384))
 
-
-@pytest.mark.parametrize("hopper", [True, False])
-def test_prefill_launch_takes_the_wide_tiles_on_hopper_steps_of_long_rows(monkeypatch, hopper):
-    """Hopper, head_dim 128: steps of >= LONG_ROWS mean tokens a row get HOPPER_LONG, shorter ones (and
-    any other device, or head_dim) the 64 x 32 tiles; the CPU keeps its small tiles."""
-    from megatron_async.kernels import triton_prefill_common as common
-
-    monkeypatch.setattr(common, "_hopper", lambda device: hopper)
-    cuda = torch.device("cuda")
-    long_step = common.prefill_launch(2, 128, 16, cuda, common.LONG_ROWS)
-    assert (long_step == common.HOPPER_LONG) == hopper
-    short = common.prefill_launch(2, 128, 16, cuda, common.LONG_ROWS - 1)
-    assert (short.rows, short.block_n, short.num_warps) == (64, 32, 4)
-    assert common.prefill_launch(2, 64, 16, cuda, 8192).rows == 64
-    assert common.prefill_launch(2, 128, 16, torch.device("cpu"), 8192).rows == 16
