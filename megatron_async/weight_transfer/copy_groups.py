@@ -10,9 +10,11 @@ bound copy's pairs once into lists that each meet those conditions (the rest in 
 own, copied pair by pair as before), so a repeated update launches a few kernels per dtype pair.
 The bytes copied and their rounding are ``copy_``'s either way.
 
-On a GPU with Triton (``kernel="table"``, the default there), the same-dtype pairs go to one
-launch per element size instead (``table_copy.TableCopy``: strided pairs included), and only the
-rest (dtype conversions) to the multi-tensor lists."""
+On a GPU with Triton, ``kernel="table"`` sends the same-dtype pairs to one launch per element size
+instead (``table_copy.TableCopy``: strided pairs included), and only the rest (dtype conversions)
+to the multi-tensor lists. Not the default: in one run of ``python -m benchmarks refit-ipc`` on an
+H200 a later update took 8.8 / 12.5 ms with it against 5.5 / 8.0 with the lists (flat / separate
+0.6B layouts, a host busy with other jobs)."""
 from __future__ import annotations
 
 import torch
@@ -22,7 +24,7 @@ from megatron_async.weight_transfer.table_copy import TableCopy, qualifies
 
 KERNELS = ("auto", "table", "foreach")
 """How a bound copy launches: "table" (one Triton launch per element size for the pairs that
-qualify), "foreach" (``torch._foreach_copy_`` lists), "auto" (table where it applies)."""
+qualify), "foreach" (``torch._foreach_copy_`` lists), "auto" (the lists: measured faster)."""
 
 Lists = tuple[list[torch.Tensor], list[torch.Tensor]]
 
@@ -68,7 +70,7 @@ class GroupedCopy:
         for dsts, srcs in (bound.dense, bound.strided):
             left: Lists = ([], [])
             for dst, src in zip(dsts, srcs):
-                side = table if kernel != "foreach" and qualifies(dst, src) else left
+                side = table if kernel == "table" and qualifies(dst, src) else left
                 side[0].append(dst)
                 side[1].append(src)
             rest += group_pairs(*left)

@@ -166,7 +166,7 @@ def run(default_model: str, updates: int = 4, layout: str = "flat", repeats: int
     try:
         for k, kind in enumerate(schedule(updates, repeats)):
             payload = json.loads(store.get(f"payload/{k}"))
-            weights.ipc_kernel = "foreach" if kind == "foreach" else "auto"  # (a change binds anew)
+            weights.ipc_kernel = "foreach" if kind == "foreach" else "table"  # (a change binds anew)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             try:

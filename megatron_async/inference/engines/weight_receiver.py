@@ -82,13 +82,6 @@ class WeightReceiver:
         """Host time of the last IPC update by phase (``IPC_PHASES``), in ms."""
         self._bound = None  # (program, GroupedCopy) of the last IPC payload
         self._ipc_kernel = "auto"
-        cuda = {(p.device, p.dtype) for p in self.model.parameters() if p.device.type == "cuda"}
-        try:
-            for device, dtype in sorted(cuda, key=str) if table_copy.triton is not None else ():
-                table_copy.warm_up(device, dtype)  # the first update does not wait for the compiler
-        except Exception as e:  # noqa: BLE001 -- the multi-tensor copies serve instead
-            log.warning("the IPC table copy kernel did not build (%s): IPC updates use foreach copies", e)
-            self._ipc_kernel = "foreach"
         self._uuid: str | None = None
 
     def commit(self, version: int | None, recompute_kv: bool) -> int:
@@ -267,6 +260,14 @@ class WeightReceiver:
     def ipc_kernel(self, kernel: str) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"ipc_kernel must be one of {KERNELS}, got {kernel!r}")
+        if kernel == "table":
+            cuda = {(p.device, p.dtype) for p in self.model.parameters() if p.device.type == "cuda"}
+            try:
+                for device, dtype in sorted(cuda, key=str) if table_copy.triton is not None else ():
+                    table_copy.warm_up(device, dtype)  # the next update does not wait for the compiler
+            except Exception as e:  # noqa: BLE001 -- the multi-tensor copies serve instead
+                log.warning("the IPC table copy kernel did not build (%s): IPC updates use foreach copies", e)
+                kernel = "foreach"
         self._ipc_kernel, self._bound = kernel, None
 
     def _device_uuid(self) -> str | None:
