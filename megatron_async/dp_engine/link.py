@@ -338,9 +338,10 @@ class EngineLink(LinkControls):
         self.liveness.last_sent = time.monotonic()
 
     def _end(self, why: str) -> str:
-        if why != "left":
-            log.error("%s: aborting %d requests", "the coordinator is gone" if why == "coordinator lost" else
-                      f"the coordinator declared this engine dead ({self._declared_dead})", len(self._rid_of))
+        if why != "left":  # an error where requests are lost; a coordinator that ended with none is a quiet exit
+            log.log(logging.ERROR if self._rid_of else logging.INFO, "%s: aborting %d requests",
+                    "the coordinator is gone" if why == "coordinator lost" else
+                    f"the coordinator declared this engine dead ({self._declared_dead})", len(self._rid_of))
             for local in list(self._rid_of):
                 self.engine.abort_request(local)
             for _ in range(MAX_FAILED_STEPS):  # land the aborts: their blocks come back
