@@ -10,8 +10,8 @@ from megatron_async import LLM, InferenceConfig
 CONFIG = dict(block_size_tokens=4, num_kv_blocks=256, max_requests=16, max_tokens=64, max_sequence_length=256)
 
 
-def tiny_moe(device: str = "cpu", dtype: str = "float32", **cfg) -> LLM:
-    return LLM(None, device=device, dtype=dtype, default_model="tiny-moe",
+def tiny_moe(device: str = "cpu", dtype: str = "float32", expert_parallel_size: int = 1, **cfg) -> LLM:
+    return LLM(None, device=device, dtype=dtype, default_model="tiny-moe", expert_parallel_size=expert_parallel_size,
                inference_config=InferenceConfig(**{**CONFIG, **cfg}))
 
 
