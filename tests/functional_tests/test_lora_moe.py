@@ -127,3 +127,26 @@ def test_bad_expert_adapters_refused_nothing_changed(setup):
     for was, now in zip(before, (experts.a, experts.b, experts.scale)):
         assert torch.equal(was, now)
     assert [o.generated_tokens for o in llm.generate(prompts[:2], _greedy("y"))] == expected["y"][:2]
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_equals_cpu_and_bf16_graphs_equal_eager(setup):
+    """fp32 on CUDA (the Triton plan, LoRA and combine kernels, eager): the CPU's tokens; bf16 with
+    CUDA graphs (torch's grouped GEMM on Hopper): each row's tokens those of the same engine eager."""
+    adapters, prompts, _, expected = setup
+    names = [None, "x", "y", "x", None, "y"]
+    fp32 = _llm(adapters, device="cuda", cuda_graphs=False)
+    outs = fp32.generate(prompts, [_greedy(n) for n in names])
+    assert [o.generated_tokens for o in outs] == [expected[n][i] for i, n in enumerate(names)]
+    tokens = {}
+    for graphs in (False, True):
+        llm = tiny_moe("cuda", "bfloat16", **LORA, cuda_graphs=graphs)
+        for name in ("x", "y"):
+            llm.load_lora(name, adapters[name])
+        tokens[graphs] = [o.generated_tokens for o in llm.generate(prompts, [_greedy(n) for n in names])]
+        if graphs:
+            assert llm.engine.stats.graph_replays > 0
+            base = [o.generated_tokens for o in llm.generate(prompts, _greedy())]
+    assert tokens[True] == tokens[False]
+    assert all((tokens[True][i] == base[i]) == (n is None) for i, n in enumerate(names))
+    print(f"\n{'rows':>6} {'fp32 cuda == cpu':>18} {'bf16 graphs == eager':>22}\n{len(names):>6} {'yes':>18} {'yes':>22}")
