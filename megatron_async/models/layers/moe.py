@@ -213,7 +213,7 @@ class MoEMixer(nn.Module):
             record = step.routed_experts[:x.shape[0], self.moe_layer]  # global ids, before any EP exchange
         ids, weights = self.gate.route(x, kernels.fused, record)
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
-        slots = None if step is None else step.batch.lora_slots
+        slots = None if step is None or step.batch is None else step.batch.lora_slots
         lora = None if slots is None else (slots, step.batch.batch_invariant)
         out = self.experts(h, ids, weights, None if step is None else step.ep_num_tokens, kernels,
                            self.defers_combine(kernels) and lora is None, lora)
