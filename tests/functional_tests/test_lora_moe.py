@@ -150,3 +150,22 @@ def test_gpu_fp32_equals_cpu_and_bf16_graphs_equal_eager(setup):
     assert tokens[True] == tokens[False]
     assert all((tokens[True][i] == base[i]) == (n is None) for i, n in enumerate(names))
     print(f"\n{'rows':>6} {'fp32 cuda == cpu':>18} {'bf16 graphs == eager':>22}\n{len(names):>6} {'yes':>18} {'yes':>22}")
+
+
+@pytest.mark.parametrize("arch, names", [("MixtralForCausalLM", (".block_sparse_moe.experts.", ".w1", ".w2", ".w3")),
+                                         ("NemotronHForCausalLM", (".mixer.experts.", ".shared_experts.up_proj"))])
+def test_mixtral_and_shared_expert_adapters_equal_merged(arch, names, tmp_path):
+    from tests.helpers.engine_harness import make_llm
+    from tests.helpers.hf_moe_models import make_tiny_moe_checkpoint
+
+    base = make_tiny_moe_checkpoint(arch, tmp_path / "base")
+    llm = make_llm(base, **LORA)
+    adapter = expert_adapter(llm, 4, 8, seed=7, include=lambda m: ".experts." in m or ".shared_experts." in m)
+    for part in names:
+        assert any(part in k for k in adapter[1]), part
+    llm.load_lora("e", adapter)
+    prompts = random_prompts(3, 3, 12, 128, seed=4)
+    want = [o.generated_tokens for o in merge_into(make_llm(base), adapter).generate(prompts, _greedy(ignore_eos=True))]
+    assert all(len(t) == NEW for t in want)
+    assert want != [o.generated_tokens for o in make_llm(base).generate(prompts, _greedy(ignore_eos=True))]
+    assert [o.generated_tokens for o in llm.generate(prompts, _greedy("e", ignore_eos=True))] == want
