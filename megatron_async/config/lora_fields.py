@@ -10,7 +10,8 @@ from dataclasses import dataclass
 class LoRAFields:
     enable_lora: bool = False
     """Serve LoRA adapters (``LLM.load_lora``, ``SamplingParams.lora``): the attention and MLP
-    projections get adapter slots, sized below, when the LLM is built."""
+    projections and the MoE layers' experts get adapter slots, sized below, when the LLM is built
+    (experts: one pair per expert, docs/LORA.md says what they cost)."""
 
     max_loras: int = 8
     """``enable_lora``: most adapters loaded at once (one batch may mix all of them and the base)."""

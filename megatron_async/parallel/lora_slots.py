@@ -41,6 +41,10 @@ class LoRASlots:
         self.slices = tuple(zip(bounds[:-1], bounds[1:]))
         self.starts = torch.tensor(bounds, dtype=torch.int32, device=device)
 
+    def part_of(self, shard_id: ShardId) -> int:
+        """The part index of an HF tensor's shard id (the stacked projection it stands for)."""
+        return self.part_ids.index(shard_id)
+
     def full_shapes(self, part: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The checkpoint shapes (A [rank, in], B [out, rank]) of part ``part``'s adapter tensors."""
         if self.row_parallel:

@@ -25,6 +25,7 @@ from megatron_async.kernels import fused_ops
 from megatron_async.kernels.backends import KernelBackends
 from megatron_async.kernels.deferred_sum import DeferredSum
 from megatron_async.kernels.moe_experts import fused_experts
+from megatron_async.kernels.moe_lora import fused_experts_lora
 from megatron_async.models.layers.block import StepInputs
 from megatron_async.models.layers.mlp import ReluSquaredMLP
 from megatron_async.models.layers.moe_router import TopKRouter
@@ -39,6 +40,7 @@ from megatron_async.parallel.communication import (
     tp_all_reduce,
 )
 from megatron_async.parallel.expert_linear import ExpertColumnParallelLinear, ExpertRowParallelLinear
+from megatron_async.parallel.expert_lora_slots import ExpertLoRASlots
 from megatron_async.parallel.linear import ReplicatedLinear
 from megatron_async.parallel.state import ParallelState
 
@@ -89,30 +91,49 @@ class RoutedExperts(nn.Module):
     def input_proj(self) -> ExpertColumnParallelLinear:
         return self.gate_up_proj if self.gated else self.up_proj
 
-    def _compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 kernels: KernelBackends, defer_combine: bool = False) -> torch.Tensor | DeferredSum:
+    def add_lora_slots(self, max_loras: int, max_rank: int) -> bool:
+        """Adapter slots on both expert linears (``ExpertLoRASlots``); False (none added) where the
+        experts cannot take them (TP-split or FP8 experts)."""
         up, down = self.input_proj, self.down_proj
+        if not (ExpertLoRASlots.supports(up) and ExpertLoRASlots.supports(down)):
+            return False
+        up.lora = ExpertLoRASlots(up, up.output_sizes, max_loras, max_rank)
+        down.lora = ExpertLoRASlots(down, [down.weight.shape[1]], max_loras, max_rank)
+        return True
+
+    def _compute(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 kernels: KernelBackends, defer_combine: bool = False,
+                 lora: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor | DeferredSum:
+        up, down = self.input_proj, self.down_proj
+        if lora is not None:
+            return fused_experts_lora(x, up.weight, down.weight, ids, weights, self.gated, lora[0], up.lora,
+                                      down.lora, lora[1])
         return fused_experts(x, up.weight, down.weight, ids, weights, self.gated, kernels.triton_moe, defer_combine,
                              up.weight_scale_inv, down.weight_scale_inv, (up.scale_block_n, down.scale_block_n),
                              kernels.moe_grouped_mm, kernels.moe_triton_grouped_gemm)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ep_num_tokens: int | None,
-                kernels: KernelBackends = KernelBackends(), defer_combine: bool = False) -> torch.Tensor | DeferredSum:
+                kernels: KernelBackends = KernelBackends(), defer_combine: bool = False,
+                lora: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor | DeferredSum:
         """x [n, in]; ids [n, k] global expert ids (int32); weights [n, k] float32 -> [n, in].
         ``kernels``: the model's (``KernelBackends.triton_moe`` picks the experts' kernel).
         ``defer_combine`` (TP and EP size 1 only): the grouped-GEMM experts may return a
-        ``DeferredSum`` for the next block's norm."""
+        ``DeferredSum`` for the next block's norm. ``lora``: (each token's adapter slot [>= n]
+        int32, batch-invariant mode), where the experts have adapter slots (``moe_lora``)."""
         p = self.parallel
+        if lora is not None and self.down_proj.lora is None:
+            lora = None
         if p.ep_size == 1:
-            out = self._compute(x, ids, weights, kernels, defer_combine)
+            out = self._compute(x, ids, weights, kernels, defer_combine, lora)
         elif p.ep_exchange == ExpertExchange.ALL_TO_ALL:
-            out = self._all_to_all(x, ids, weights, kernels)
+            out = self._all_to_all(x, ids, weights, kernels, lora)
         else:
-            out = self._exchange(x, ids, weights, ep_num_tokens, kernels)
+            out = self._exchange(x, ids, weights, ep_num_tokens, kernels, lora)
         return tp_all_reduce(out, p)
 
     def _exchange(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  ep_num_tokens: int | None, kernels: KernelBackends) -> torch.Tensor:
+                  ep_num_tokens: int | None, kernels: KernelBackends,
+                  lora: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor:
         n = x.shape[0]
         if ep_num_tokens is None or ep_num_tokens < n:
             raise ValueError(f"MoE under expert parallelism needs the agreed padded token count of the step "
@@ -127,11 +148,13 @@ class RoutedExperts(nn.Module):
                         else (pack_exchange_rows, unpack_exchange_rows))
         packed = ep_all_gather(pack(x, ids, weights, ep_num_tokens, self.num_experts), self.parallel)
         local_ids, weights_all = unpack(packed, h, k, self.first_expert)
-        out_all = self._compute(packed[:, :h], local_ids, weights_all, kernels)
+        if lora is not None:  # every rank's tokens' adapter slots (padding rows: -1, and routed nowhere)
+            lora = (ep_all_gather(F.pad(lora[0][:n], (0, ep_num_tokens - n), value=-1), self.parallel), lora[1])
+        out_all = self._compute(packed[:, :h], local_ids, weights_all, kernels, lora=lora)
         return ep_reduce_scatter(out_all, self.parallel)[:n]
 
     def _all_to_all(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    kernels: KernelBackends) -> torch.Tensor:
+                    kernels: KernelBackends, lora: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor:
         """Each token goes once to every rank owning one of its experts (with ids local to that
         rank); the partial outputs come back the same way and are summed per token. Sizes are
         read on the host: eager only, and no agreed token count is needed."""
@@ -143,10 +166,16 @@ class RoutedExperts(nn.Module):
         recv_counts = ep_exchange_counts(send_counts, p)
         send = send_counts.tolist()
         local = (ids[token] - (dest * self.num_local).unsqueeze(1)).to(torch.int32)  # others' experts: out of range
-        routing = torch.cat([local, weights[token].view(torch.int32)], dim=1)
+        columns = [local, weights[token].view(torch.int32)]
+        if lora is not None:  # each token's adapter slot rides with its routing
+            columns.append(lora[0][token].to(torch.int32).unsqueeze(1))
+        routing = torch.cat(columns, dim=1)
         x_recv = ep_all_to_all(x[token], send, recv_counts, p)
         routing_recv = ep_all_to_all(routing, send, recv_counts, p)
-        y = self._compute(x_recv, routing_recv[:, :k], routing_recv[:, k:].contiguous().view(torch.float32), kernels)
+        if lora is not None:
+            lora = (routing_recv[:, 2 * k].contiguous(), lora[1])
+        y = self._compute(x_recv, routing_recv[:, :k], routing_recv[:, k:2 * k].contiguous().view(torch.float32),
+                          kernels, lora=lora)
         y_back = ep_all_to_all(y, recv_counts, send, p)
         out = torch.zeros((n, y.shape[1]), dtype=torch.float32, device=x.device)
         return out.index_add_(0, token, y_back.float()).to(x.dtype)
@@ -184,12 +213,14 @@ class MoEMixer(nn.Module):
             record = step.routed_experts[:x.shape[0], self.moe_layer]  # global ids, before any EP exchange
         ids, weights = self.gate.route(x, kernels.fused, record)
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        slots = None if step is None or step.batch is None else step.batch.lora_slots
+        lora = None if slots is None else (slots, step.batch.batch_invariant)
         out = self.experts(h, ids, weights, None if step is None else step.ep_num_tokens, kernels,
-                           self.defers_combine(kernels))
+                           self.defers_combine(kernels) and lora is None, lora)
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        if self.shared_experts is not None:  # (its adapters, where it has slots, read the step's)
+            out = out + self.shared_experts(x, step if slots is not None else None)
         return out
 
     def defers_combine(self, kernels: KernelBackends) -> bool:

@@ -6,7 +6,9 @@ that writes, rewrites and clears slots.
 linears stand for (``model.layers.0.self_attn.q_proj`` -> the fused qkv linear, part "q") through
 the model's own checkpoint targets (``hf_targets``). Loading checks the whole adapter against that
 map (every module known, every shape the base model's, every rank within ``max_lora_rank``) before
-it copies anything; a failed load changes nothing. MoE experts and Mamba mixers are not adapted.
+it copies anything; a failed load changes nothing. MoE layers adapt their routed experts per expert
+(``model.layers.0.mlp.experts.5.gate_proj``; ``parallel/expert_lora_slots.py``, not TP-split or FP8
+experts) and their shared expert; Mamba mixers are not adapted.
 Adapters come in PEFT's format (peft_format.py) or Megatron-Core's naming (megatron_format.py,
 through the model's Megatron-Core name table)."""
 from __future__ import annotations
@@ -19,10 +21,12 @@ from torch import nn
 from megatron_async.config import LoRASizing
 from megatron_async.models.layers.attention_layer import Attention
 from megatron_async.models.layers.mlp import ReluSquaredMLP, SwiGLUMLP
+from megatron_async.models.layers.moe import MoEMixer
 from megatron_async.models.lora.megatron_format import megatron_config, megatron_source, read_megatron_adapter
 from megatron_async.models.lora.peft_format import AdapterConfig, AdapterWeights, LoRAError, read_adapter
 from megatron_async.models.megatron_layouts import NameMap
 from megatron_async.models.slab_loading import WeightUpdateError
+from megatron_async.parallel.expert_lora_slots import ExpertLoRASlots
 from megatron_async.parallel.lora_slots import LoRASlots
 
 ADAPTED = {Attention: ("qkv_proj", "o_proj"), SwiGLUMLP: ("gate_up_proj", "down_proj"),
@@ -32,8 +36,9 @@ ADAPTED = {Attention: ("qkv_proj", "o_proj"), SwiGLUMLP: ("gate_up_proj", "down_
 
 @dataclass(frozen=True)
 class Target:
-    slots: LoRASlots
-    part: int
+    slots: LoRASlots | ExpertLoRASlots
+    part: int | tuple[int, int]
+    """The part index, or for an expert linear (global expert, part index)."""
 
 
 @dataclass
@@ -55,21 +60,19 @@ class LoRAAdapters:
 
     @classmethod
     def attach(cls, model: nn.Module, sizing: LoRASizing) -> LoRAAdapters:
-        """Give ``model``'s attention and MLP linears their slots; sets ``model.lora_adapters``."""
+        """Give ``model``'s attention, MLP and MoE expert linears their slots; sets ``model.lora_adapters``."""
         linears = {}
-        for block in model.blocks:
-            for name in ADAPTED.get(type(block.mixer), ()):
-                linear = getattr(block.mixer, name)
-                if linear.weight_scale_inv is not None:
-                    raise LoRAError("LoRA adapters are not supported on FP8 linears")
-                linears[id(linear.weight)] = linear
-        for linear in linears.values():
-            linear.add_lora_slots(sizing.max_loras, sizing.max_lora_rank)
+        for linear in _adapted_linears(model, sizing):
+            if linear.weight_scale_inv is not None:
+                raise LoRAError("LoRA adapters are not supported on FP8 linears")
+            if linear.lora is None:
+                linear.add_lora_slots(sizing.max_loras, sizing.max_lora_rank)
+            linears[id(linear.weight)] = linear
         targets = {}
         for hf_name, (param, shard_id) in model.hf_targets().items():
             linear = linears.get(id(param))
             if linear is not None and hf_name.endswith(".weight"):
-                targets[hf_name[: -len(".weight")]] = Target(linear.lora, linear.lora.part_ids.index(shard_id))
+                targets[hf_name[: -len(".weight")]] = Target(linear.lora, linear.lora.part_of(shard_id))
         adapters = model.lora_adapters = cls(targets, sizing)
         try:
             adapters.megatron = (NameMap.for_arch(model.spec.name), model.megatron_dims())
@@ -147,7 +150,8 @@ class LoRAAdapters:
             target = self.targets.get(module)
             if target is None:
                 raise LoRAError(f"the adapter targets {module!r}, which this model does not have or does not adapt "
-                                "(attention and MLP projections only; an adapter of another base model?)")
+                                "(attention, MLP and MoE expert projections only, not tensor-parallel or FP8 "
+                                "experts; an adapter of another base model?)")
             want_a, want_b = target.slots.full_shapes(target.part, a.shape[0])
             if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
                 raise LoRAError(f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, the base model needs "
@@ -158,11 +162,25 @@ class LoRAAdapters:
 
     def _write(self, slot: int, weights: AdapterWeights) -> None:
         """Every target's part of ``slot``: the adapter's tensors, or zeros where it has none."""
+        for slots in {id(t.slots): t.slots for t in self.targets.values()}.values():
+            slots.clear(slot)  # (one pass a linear: a MoE layer has a target per expert)
         scaling = weights.config.scaling
-        for module, target in self.targets.items():
-            pair = weights.modules.get(module)
-            if pair is None:
-                target.slots.write(slot, target.part, None, None, 0.0)
-                continue
+        for module, (a, b) in weights.modules.items():
+            target = self.targets[module]
             dev, dtype = target.slots.a.device, target.slots.a.dtype
-            target.slots.write(slot, target.part, pair[0].to(dev, dtype), pair[1].to(dev, dtype), scaling)
+            target.slots.write(slot, target.part, a.to(dev, dtype), b.to(dev, dtype), scaling)
+
+
+
+def _adapted_linears(model: nn.Module, sizing: LoRASizing) -> list:
+    """The linears that take slots: ``ADAPTED``'s of each block's mixer; a MoE layer's routed
+    experts (given their slots here, where they can take them) and its shared expert's."""
+    linears = []
+    for block in model.blocks:
+        mixer = block.mixer
+        if isinstance(mixer, MoEMixer):
+            if mixer.experts.add_lora_slots(sizing.max_loras, sizing.max_lora_rank):
+                linears += [mixer.experts.input_proj, mixer.experts.down_proj]
+            mixer = mixer.shared_experts
+        linears += [getattr(mixer, name) for name in ADAPTED.get(type(mixer), ())]
+    return linears
