@@ -179,6 +179,9 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
                    help="--enable-lora: most adapters loaded at once (InferenceConfig.max_loras, default 8)")
     g.add_argument("--max-lora-rank", type=POSITIVE_INT, default=None,
                    help="--enable-lora: largest adapter rank taken (InferenceConfig.max_lora_rank, default 16)")
+    g.add_argument("--lora-experts", action="store_true", default=None,
+                   help="--enable-lora: adapter slots on the MoE layers' routed experts too "
+                        "(InferenceConfig.lora_experts; memory per expert, docs/LORA.md)")
     g.add_argument("--logging-step-interval", type=NON_NEGATIVE_INT, default=0, help="log (and time) every N steps")
     g.add_argument("--nvtx", action="store_true", help="NVTX ranges around engine stages (for nsys)")
 
@@ -288,6 +291,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "enable_lora": getattr(args, "enable_lora", None),
         "max_loras": getattr(args, "max_loras", None),
         "max_lora_rank": getattr(args, "max_lora_rank", None),
+        "lora_experts": getattr(args, "lora_experts", None),
         "logging_step_interval": args.logging_step_interval,
         "nvtx_ranges": args.nvtx,
         "attention_backend": args.attention_backend,

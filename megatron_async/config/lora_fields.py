@@ -18,3 +18,9 @@ class LoRAFields:
 
     max_lora_rank: int = 16
     """``enable_lora``: the largest adapter rank accepted (smaller ranks are zero-padded)."""
+
+    lora_experts: bool = False
+    """``enable_lora``: the MoE layers' routed experts get adapter slots too (one pair per expert and
+    slot: ~13 GB for Qwen3-30B-A3B at 8 adapters of rank 16, and every MoE step then runs the grouped
+    path with per-pair adapters instead of the fused experts). Off: an adapter naming an expert is
+    refused; the attention, dense MLP and shared-expert projections take adapters either way."""

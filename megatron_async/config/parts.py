@@ -97,3 +97,4 @@ class LoRASizing:
     enable_lora: bool
     max_loras: int
     max_lora_rank: int
+    lora_experts: bool

@@ -16,7 +16,7 @@ from tests.helpers.engine_harness import random_prompts
 from tests.helpers.lora_moe import expert_adapter, merge_into, tiny_moe
 
 NEW = 8
-LORA = dict(enable_lora=True, max_loras=3, max_lora_rank=8)
+LORA = dict(enable_lora=True, max_loras=3, max_lora_rank=8, lora_experts=True)
 
 
 def _is_expert(m):
@@ -127,6 +127,24 @@ def test_bad_expert_adapters_refused_nothing_changed(setup):
     for was, now in zip(before, (experts.a, experts.b, experts.scale)):
         assert torch.equal(was, now)
     assert [o.generated_tokens for o in llm.generate(prompts[:2], _greedy("y"))] == expected["y"][:2]
+
+
+def test_without_lora_experts_the_experts_take_no_slots(setup):
+    """``lora_experts`` off (the default): the routed experts keep their fused path and no slots, an
+    adapter naming an expert is refused (the message names the field), one on the other projections
+    still loads and serves."""
+    adapters, prompts, _, _ = setup
+    llm = tiny_moe(**{**LORA, "lora_experts": False})
+    lora = llm.engine.context.lora
+    assert not any(_is_expert(m) for m in lora.targets) and "model.layers.0.self_attn.o_proj" in lora.targets
+    experts = next(b.mixer.experts for b in llm.model.blocks if hasattr(b.mixer, "experts"))
+    assert experts.down_proj.lora is None
+    with pytest.raises(LoRAError, match="lora_experts"):
+        llm.load_lora("y", adapters["y"])
+    assert "y" not in lora.loaded
+    cfg, tensors = adapters["x"]
+    llm.load_lora("x-dense", (cfg, {k: v for k, v in tensors.items() if not _is_expert(k)}))
+    assert len(llm.generate(prompts[:1], _greedy("x-dense"))[0].generated_tokens) == NEW
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ from megatron_async import SamplingParams
 from tests.helpers.lora_moe import expert_adapter, merge_into, tiny_moe
 from tests.helpers.multiprocess import run_ranks
 
-LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_requests=4)
+LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=8, lora_experts=True, max_requests=4)
 PROMPTS = [[3, 17, 42, 9, 100, 7], [250, 1, 2], [5] * 11, [60, 61, 62, 63, 64, 65, 66, 67, 68], [8, 9], [11, 12, 13]]
 NAMES = ["x", None, "y", "x", "y", None]
 

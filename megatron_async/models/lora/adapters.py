@@ -150,8 +150,8 @@ class LoRAAdapters:
             target = self.targets.get(module)
             if target is None:
                 raise LoRAError(f"the adapter targets {module!r}, which this model does not have or does not adapt "
-                                "(attention, MLP and MoE expert projections only, not tensor-parallel or FP8 "
-                                "experts; an adapter of another base model?)")
+                                "(attention, MLP and, with InferenceConfig.lora_experts, MoE expert projections "
+                                "only, not tensor-parallel or FP8 experts; an adapter of another base model?)")
             want_a, want_b = target.slots.full_shapes(target.part, a.shape[0])
             if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
                 raise LoRAError(f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, the base model needs "
@@ -174,12 +174,13 @@ class LoRAAdapters:
 
 def _adapted_linears(model: nn.Module, sizing: LoRASizing) -> list:
     """The linears that take slots: ``ADAPTED``'s of each block's mixer; a MoE layer's routed
-    experts (given their slots here, where they can take them) and its shared expert's."""
+    experts (with ``lora_experts``: given their slots here, where they can take them) and its shared
+    expert's."""
     linears = []
     for block in model.blocks:
         mixer = block.mixer
         if isinstance(mixer, MoEMixer):
-            if mixer.experts.add_lora_slots(sizing.max_loras, sizing.max_lora_rank):
+            if sizing.lora_experts and mixer.experts.add_lora_slots(sizing.max_loras, sizing.max_lora_rank):
                 linears += [mixer.experts.input_proj, mixer.experts.down_proj]
             mixer = mixer.shared_experts
         linears += [getattr(mixer, name) for name in ADAPTED.get(type(mixer), ())]
