@@ -55,21 +55,22 @@ class OpRefused(Exception):
         self.status = status
 
 
+ENGINES_REFUSED = "engines names engines behind a data-parallel coordinator; this server runs one engine"
+"""Why an operation's ``engines`` argument reached an engine: a coordinator takes it off (it picks
+the engines), so only a server with its own engine passes it on."""
+
+JOINS_BEGIN_FRAME = frozenset({"update_weights_from_distributed", "update_lora_from_distributed"})
+"""Operations whose refusal must still join the trainer's begin frame (its ``send`` fails, never waits)."""
+
+
 # ---------------------------------------------------------------- LoRA adapters (docs/LORA.md)
-def _lora_args(args: dict) -> None:
-    if "engines" in args:  # (a coordinator takes it off: it picks the engines)
-        raise ValueError("engines names engines behind a data-parallel coordinator; this server runs one engine")
-
-
 def _load_lora(engine, args: dict) -> None:
     """A refused adapter (missing, malformed, over-rank, another base model's) is a LoRAError: a 400."""
-    _lora_args(args)
     engine.lora.load(args["lora_name"], args["lora_path"])
 
 
 def _unload_lora(engine, args: dict) -> None:
     """404 for a name not loaded, 409 while unfinished requests use it (LoRAError names them)."""
-    _lora_args(args)
     name, adapters = args["lora_name"], engine.context.lora
     if adapters is not None and name not in adapters.loaded:
         raise OpRefused(f"no LoRA adapter {name!r} is loaded (loaded: {sorted(adapters.loaded)})", 404)
@@ -164,6 +165,10 @@ def run_admin_op(engine, update_weights: Callable[..., int] | None, op: str, arg
     never a 5xx. An operation that waits for another process returns a ``Deferred`` instead."""
     from megatron_async.weight_transfer.pending import PendingTransfer  # the engine's process: torch is there
 
+    if "engines" in args:
+        if op not in JOINS_BEGIN_FRAME:
+            return 400, error_body(ENGINES_REFUSED, 400)
+        args = {"metadata": None, "body_error": ENGINES_REFUSED}
     started = []
     status, body = run_guarded(engine, lambda: started.append(ADMIN_OPS[op](engine, update_weights, args)))
     if started and isinstance(started[0], PendingTransfer):

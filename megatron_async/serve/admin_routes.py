@@ -19,6 +19,10 @@ refit from a training job as SGLang and vLLM expose it.
     POST /update_lora_from_distributed {"lora_name": "sql", "manifest": {...}}   (an adapter's refit)
     POST /update_lora_from_ipc   {"lora_name": "sql", "handles": {...} | [{...}, ...] | "<json>"}
 
+Behind a coordinator (``serve --engine``) the weight-update, transfer and adapter routes also take
+``"engines": [0, 2]``, the indexes of the engines to run on (default every one; e.g. each engine's
+``init_weight_transfer`` with its own ``rank_offset``); a server with its own engine refuses it (400).
+
 The body is checked here (in whichever process serves HTTP) as strictly as the OpenAI routes'
 (the size, timeout and key checks of http_guard.py, then: a JSON media type when the body is not
 empty, else 415; JSON that Python can hold; only the route's own fields); a path is a directory
@@ -131,14 +135,32 @@ def _suspend(obj: dict) -> dict:
     return {**_tags(obj), "keep_weights_on_host": keep}
 
 
+def _engines(obj: dict, args: dict) -> dict:
+    """``args`` with ``engines`` (behind a coordinator: the indexes of the engines to run on;
+    default every one). The engine side of a server with its own engine refuses it (engine_ops.py)."""
+    if "engines" in obj:
+        engines = obj["engines"]
+        if not isinstance(engines, list) or not engines or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in engines):
+            raise _BadBody("engines must be a non-empty list of engine indexes")
+        args["engines"] = engines
+    return args
+
+
+def _on_engines(validate: Callable[[dict], dict]) -> Callable[[dict], dict]:
+    """``validate`` taking ``engines`` too (the operations a coordinator runs on some engines)."""
+    return lambda obj: _engines(obj, validate(obj))
+
+
+_ENGINES = frozenset({"engines"})
 VALIDATORS: dict[str, Callable[[dict], dict]] = {
-    "pause_generation": _pause, "resume_generation": lambda obj: {}, "update_weights": _update,
+    "pause_generation": _pause, "resume_generation": lambda obj: {}, "update_weights": _on_engines(_update),
     "suspend": _suspend, "resume": _tags,
 }
 """Operation (dp_engine/engine_ops.py) -> its body checked into the arguments it runs with (_BadBody: a 4xx)."""
 FIELDS: dict[str, frozenset[str]] = {
     "pause_generation": frozenset({"mode"}), "resume_generation": frozenset(),
-    "update_weights": frozenset({"path", "version"}), "suspend": frozenset({"tags", "keep_weights_on_host"}),
+    "update_weights": frozenset({"path", "version"}) | _ENGINES, "suspend": frozenset({"tags", "keep_weights_on_host"}),
     "resume": frozenset({"tags"}),
 }
 """Operation -> the fields its body may hold (any other: 400)."""
@@ -247,18 +269,19 @@ def _lora_ipc(obj: dict) -> dict:
 
 
 REFIT_VALIDATORS: dict[str, Callable[[dict], dict]] = {
-    "init_weight_transfer": _init, "update_weights_from_ipc": _ipc, "destroy_weight_transfer": lambda obj: {},
-    "abort_requests": _abort, "update_lora_from_ipc": lambda obj: _lora_ipc(obj),
+    "init_weight_transfer": _on_engines(_init), "update_weights_from_ipc": _on_engines(_ipc),
+    "destroy_weight_transfer": _on_engines(lambda obj: {}), "abort_requests": _abort,
+    "update_lora_from_ipc": _on_engines(_lora_ipc),
 }
 _VERSION_FIELDS = frozenset({"version", "recompute_kv"})
 REFIT_FIELDS: dict[str, frozenset[str]] = {
     "init_weight_transfer": frozenset({"master_address", "master_port", "rank_offset", "world_size", "backend",
-                                       "timeout_s"}),
-    "update_weights_from_ipc": frozenset({"handles"}) | _VERSION_FIELDS, "destroy_weight_transfer": frozenset(),
-    "abort_requests": frozenset({"request_ids"}),
-    "update_weights_from_distributed": frozenset({"manifest"}) | _VERSION_FIELDS,
-    "update_lora_from_distributed": frozenset({"lora_name", "manifest"}),
-    "update_lora_from_ipc": frozenset({"lora_name", "handles"}),
+                                       "timeout_s"}) | _ENGINES,
+    "update_weights_from_ipc": frozenset({"handles"}) | _VERSION_FIELDS | _ENGINES,
+    "destroy_weight_transfer": _ENGINES, "abort_requests": frozenset({"request_ids"}),
+    "update_weights_from_distributed": frozenset({"manifest"}) | _VERSION_FIELDS | _ENGINES,
+    "update_lora_from_distributed": frozenset({"lora_name", "manifest"}) | _ENGINES,
+    "update_lora_from_ipc": frozenset({"lora_name", "handles"}) | _ENGINES,
 }
 """Operation -> the fields its body may hold (any other: 400)."""
 
@@ -278,8 +301,8 @@ def add_refit_routes(app: FastAPI, engine_loop) -> None:
 
         app.add_api_route(f"/{op}", handler, methods=["POST"])
 
-    distributed("update_weights_from_distributed", _distributed_args)
-    distributed("update_lora_from_distributed", _lora_distributed_args)  # an adapter's (docs/LORA.md)
+    distributed("update_weights_from_distributed", _on_engines(_distributed_args))
+    distributed("update_lora_from_distributed", _on_engines(_lora_distributed_args))  # an adapter's (docs/LORA.md)
 
 
 # ---------------------------------------------------------------- LoRA adapters (vLLM's routes)
@@ -290,30 +313,20 @@ def _lora_name(obj: dict) -> str:
     return name
 
 
-def _lora_engines(obj: dict, args: dict) -> dict:
-    """``engines`` (behind a coordinator: the indexes of the engines to run on; default every one)."""
-    if "engines" in obj:
-        engines = obj["engines"]
-        if not isinstance(engines, list) or not engines or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in engines):
-            raise _BadBody("engines must be a non-empty list of engine indexes")
-        args["engines"] = engines
-    return args
-
-
 def _load_lora(obj: dict) -> dict:
     path = obj.get("lora_path")
     if not isinstance(path, str) or not path:
         raise _BadBody("lora_path (a PEFT adapter directory) is required")
-    return _lora_engines(obj, {"lora_name": _lora_name(obj), "lora_path": path})  # the path: checked by the route
+    return {"lora_name": _lora_name(obj), "lora_path": path}  # the path: checked by the route
 
 
 LORA_VALIDATORS: dict[str, Callable[[dict], dict]] = {
-    "load_lora_adapter": _load_lora, "unload_lora_adapter": lambda obj: _lora_engines(obj, {"lora_name": _lora_name(obj)}),
+    "load_lora_adapter": _on_engines(_load_lora),
+    "unload_lora_adapter": _on_engines(lambda obj: {"lora_name": _lora_name(obj)}),
 }
 LORA_FIELDS: dict[str, frozenset[str]] = {
-    "load_lora_adapter": frozenset({"lora_name", "lora_path", "engines"}),
-    "unload_lora_adapter": frozenset({"lora_name", "engines"}),
+    "load_lora_adapter": frozenset({"lora_name", "lora_path"}) | _ENGINES,
+    "unload_lora_adapter": frozenset({"lora_name"}) | _ENGINES,
 }
 """Operation -> the fields its body may hold (any other: 400)."""
 

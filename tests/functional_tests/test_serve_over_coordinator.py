@@ -1,6 +1,7 @@
 """The OpenAI server in its own process over the engines behind a coordinator
 (``python -m megatron_async.serve --engine ADDR``): completions (whole and streamed) equal one
-engine's tokens, a bad request is a 400, the admin routes pause and resume every engine, and a
+engine's tokens, a bad request is a 400, the admin routes pause and resume every engine (the refit routes those
+their body's ``engines`` names), and a
 short request sent behind a body of 250 prompts is not queued in an engine behind them."""
 from __future__ import annotations
 
@@ -70,6 +71,21 @@ def test_bad_requests_and_admin_routes(url):
     status, body = post(url, "/resume_generation", {})
     assert status == 200 and not any(e["paused"] for e in json.loads(body)["engines"].values())
     assert urllib.request.urlopen(url + "/health", timeout=30).status == 200
+
+
+def test_refit_routes_run_on_the_engines_named(url):
+    """``engines`` in a refit route's body reaches the coordinator: only those engines run it."""
+    status, body = post(url, "/destroy_weight_transfer", {"engines": [1]})
+    assert status == 200 and list(json.loads(body)["engines"]) == ["1"], body
+    status, body = post(url, "/destroy_weight_transfer", {})
+    assert status == 200 and sorted(json.loads(body)["engines"]) == ["0", "1"], body
+    status, body = post(url, "/update_weights_from_ipc", {"handles": "{not json", "engines": [0]})
+    assert status == 400 and list(json.loads(body)["engines"]) == ["0"], body  # engine 0's own refusal
+    status, body = post(url, "/destroy_weight_transfer", {"engines": [7]})
+    assert status == 404 and "no live engine [7]" in body, body
+    status, body = post(url, "/init_weight_transfer", {"master_address": "h", "master_port": 9, "rank_offset": 1,
+                                                       "world_size": 2, "engines": "all"})
+    assert status == 400 and "engines must be" in body, body
 
 
 def metric(url: str, name: str, label: str = "") -> float:

@@ -47,7 +47,17 @@ BAD = [("/init_weight_transfer", {"master_port": 1, "rank_offset": 1, "world_siz
        ("/update_weights_from_ipc", {"handles": "{not json"}, "not valid JSON"),
        ("/update_weights_from_distributed", {"manifest": {}}, "no weight transfer group"),
        ("/abort_requests", {"request_ids": "all"}, "request_ids"),
-       ("/destroy_weight_transfer", b"[1, 2]", "JSON object")]
+       ("/destroy_weight_transfer", b"[1, 2]", "JSON object"),
+       ("/destroy_weight_transfer", {"engines": "all"}, "engines must be"),
+       ("/destroy_weight_transfer", {"engines": [True]}, "engines must be"),
+       # engines names a coordinator's engines: a server with its own engine refuses it
+       ("/destroy_weight_transfer", {"engines": [0]}, "coordinator"),
+       ("/update_weights", {"path": "/", "engines": [0]}, "coordinator"),
+       ("/update_weights_from_ipc", {"handles": {"storages": [], "tensors": []}, "engines": [0]}, "coordinator"),
+       ("/init_weight_transfer", {"master_address": "x", "master_port": 9, "rank_offset": 1, "world_size": 2,
+                                  "engines": [0]}, "coordinator"),
+       ("/update_lora_from_ipc", {"lora_name": "a", "handles": {"storages": []}, "engines": [0]}, "coordinator"),
+       ("/pause_generation", {"engines": [0]}, "unknown field")]
 
 
 def test_bad_bodies_are_400s():
@@ -102,10 +112,11 @@ def test_ipc_and_distributed_updates_over_http():
     def trainer():
         group = init_transfer_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=60)
         send(group, manifest, items)
-        try:
-            send(group, manifest, items)  # the engine's body is broken: refused in the begin frame
-        except TransferFailed as e:
-            sent.append(str(e))
+        for _ in range(2):  # the engine's body is broken, then names engines: refused in the begin frame
+            try:
+                send(group, manifest, items)
+            except TransferFailed as e:
+                sent.append(str(e))
 
     try:
         status, body = asyncio.run(post(app, "/update_weights_from_ipc", {"handles": ipc.share(items), "version": 4}))
@@ -118,8 +129,12 @@ def test_ipc_and_distributed_updates_over_http():
         assert status == 200 and body["weight_version"] == 9, body
         status, body = asyncio.run(post(app, "/update_weights_from_distributed", b"{broken"))
         assert status == 400 and "not valid JSON" in body["error"]["message"]
+        status, body = asyncio.run(post(app, "/update_weights_from_distributed",
+                                        {"manifest": manifest.to_json(), "engines": [0]}))
+        assert status == 400 and "coordinator" in body["error"]["message"], body
         thread.join(30)
-        assert sent and "refused before any bucket moved" in sent[0]
+        assert len(sent) == 2 and all("refused before any bucket moved" in m for m in sent), sent
+        assert llm.engine.weight_version == 9
         assert asyncio.run(post(app, "/destroy_weight_transfer", {}))[0] == 200
     finally:
         state.engine_loop.stop()
@@ -139,3 +154,41 @@ def test_a_coordinators_update_weights_by_transfer_method_reaches_the_engine():
     assert status == 200 and body["weight_version"] == 6, body
     status, body = run_engine_op(llm.engine, "generate", {}, None)
     assert status == 400
+
+
+def test_routes_hand_engines_to_a_coordinators_front_end():
+    """Over a coordinator (the front-end's ``admin`` is a control operation: client_loop.py) the
+    weight-update, transfer and adapter routes hand ``engines`` on as the client API does."""
+    from fastapi import FastAPI
+
+    from megatron_async.serve.admin_routes import add_admin_routes, add_lora_routes, add_refit_routes
+
+    class Recording:
+        def __init__(self):
+            self.ops = []
+
+        async def admin(self, op, args):
+            self.ops.append((op, args))
+            return 200, {"engines": {str(i): {} for i in args.get("engines", [0, 1])}}
+
+    front, app = Recording(), FastAPI()
+    add_admin_routes(app, front)
+    add_refit_routes(app, front)
+    add_lora_routes(app, front)
+    init = {"master_address": "h", "master_port": 9, "rank_offset": 2, "world_size": 3}
+    bodies = {"update_weights": {"path": "/"}, "init_weight_transfer": init, "destroy_weight_transfer": {},
+              "update_weights_from_ipc": {"handles": "{}"}, "update_weights_from_distributed": {"manifest": {}},
+              "update_lora_from_ipc": {"lora_name": "a", "handles": "{}"},
+              "update_lora_from_distributed": {"lora_name": "a", "manifest": {}},
+              "v1/load_lora_adapter": {"lora_name": "a", "lora_path": "/"}, "v1/unload_lora_adapter": {"lora_name": "a"}}
+    for route, body in bodies.items():
+        status, reply = asyncio.run(post(app, "/" + route, {**body, "engines": [1]}))
+        assert status == 200 and list(reply["engines"]) == ["1"], (route, reply)
+        op, args = front.ops[-1]
+        assert op == route.split("/")[-1] and args["engines"] == [1] and "body_error" not in args, (route, args)
+    assert front.ops[1][1] == {**init, "backend": None, "timeout_s": None, "engines": [1]}
+    status, reply = asyncio.run(post(app, "/update_weights", {"path": "/"}))
+    assert status == 200 and "engines" not in front.ops[-1][1]  # every engine
+    count = len(front.ops)
+    status, reply = asyncio.run(post(app, "/update_weights", {"path": "/", "engines": []}))
+    assert status == 400 and "engines must be" in reply["error"]["message"] and len(front.ops) == count
