@@ -49,6 +49,9 @@ class EngineHandOffs:
         self.shared: dict[int, object] = {}  # rid -> the packed blocks an "ipc" pair shares
         self.hold = PrefillHold(engine) if role == "prefill" else None
         self.channels: dict[str, PairChannel] = {}
+        self.spent: dict[str, str] = {}
+        """Pair keys whose connection was refused or broke -> why: a transfer still coming with one
+        (sent before the coordinator heard and gave the pair a new key) fails at once."""
         self.handed: list[int] = []  # engine ids that stopped at their first token, kv_ready not yet sent
         self.ready: dict[int, int] = {}  # rid -> engine id, blocks kept (READY, SENDING)
         self.sending: dict[tuple[str, int], int] = {}  # (connection, tag) -> blocks of a send not yet seen to end
@@ -110,6 +113,9 @@ class EngineHandOffs:
             self.link.channel.send("kv_failed", rid, "the prefill engine holds no blocks for it")
             return
         blocks = self.hold.num_blocks(local) - cached
+        if (why := self._spent(pair)) is not None:
+            self.link.channel.send("kv_failed", rid, why)
+            return
         if pair[3] == "ipc":
             try:
                 self.shared[rid], payload = ipc_share.share(self.hold.pack(local, cached))
@@ -139,6 +145,10 @@ class EngineHandOffs:
                     return
                 self.deferred.popleft()
                 self._adopt(fields)
+                continue
+            if (why := self._spent(fields[11])) is not None:  # (nothing allocated, no receive posted)
+                self.deferred.popleft()
+                self.link.channel.send("kv_failed", fields[0], why)
                 continue
             cached = cached_prefix(self.engine, fields[2], fields[5], blocks)
             if not room_for(self.engine, blocks - len(cached), len(self.receiving)):
@@ -264,6 +274,7 @@ class EngineHandOffs:
             if channel.error is not None and not channel.pending:  # (refused or broken: its transfers all ended)
                 channel.close()
                 self.channels.pop(channel.key, None)
+                self.spent[channel.key] = channel.error
         self.times.settle()
 
     def _landed(self, key: str, tag: int, buf, error: str | None, seconds: float = 0.0) -> None:
@@ -282,6 +293,12 @@ class EngineHandOffs:
             self.times.add(buf.numel() * buf.element_size(), seconds)
         # else: its decode engine died (the coordinator places the transfer again, and this engine
         # sends again on a new connection) or the group broke (its receive fails too: kv_failed)
+
+    def _spent(self, pair) -> str | None:
+        """Why ``pair``'s key can carry no transfer (its connection was refused or broke), or None."""
+        channel = self.channels.get(pair[0])
+        error = channel.error if channel is not None else self.spent.get(pair[0])
+        return None if error is None else f"the pair's KV transfer connection was refused or broke: {error}"
 
     def _channel(self, pair) -> PairChannel:
         key, address, rank, backend = pair

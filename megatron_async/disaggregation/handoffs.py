@@ -37,6 +37,9 @@ class Transfer:
     blocks: int
     version: int
     decode: EngineSlot | None = None
+    key: str = ""
+    """The pair key its kv_import carried: its kv_send carries the same one, even if the pair was
+    given a new key meanwhile (its receive waits on this one's connection)."""
     state: str = PLACING
     since: float = field(default_factory=time.monotonic)
 
@@ -54,10 +57,11 @@ class HandOffs:
         (and to mixed engines) as "route": served there from prompt to end."""
         return "prefill" if slot.role == "prefill" and self.core.engines.decoders() else "route"
 
-    def _pair(self, prefill: EngineSlot, decode: EngineSlot, rank: int) -> tuple[str, str, int, str]:
+    def _pair(self, prefill: EngineSlot, decode: EngineSlot, rank: int, key: str = "") -> tuple[str, str, int, str]:
+        """The pair spec of (``prefill``, ``decode``) for ``rank``: on ``key``, else the pair's key."""
         if decode is prefill:
             return "local", "", rank, "local"
-        key = self._pair_keys.get((prefill.index, decode.index))
+        key = key or self._pair_keys.get((prefill.index, decode.index))
         if key is None:
             key = self._pair_keys[prefill.index, decode.index] = \
                 f"kv-{prefill.index}-{decode.index}-{secrets.token_hex(16)}"
@@ -105,9 +109,11 @@ class HandOffs:
         if slot.affinity and req.keys:  # its prompt's blocks will be in that engine's prefix cache
             self.core.view.assign(slot.index, req.keys, slot.submitted)
         reply = None if req.stream else self.core.replies.get(req.client)
+        pair = self._pair(t.prefill, slot, 1)
+        t.key = pair[0]
         self.core.outbox.to_engine(slot, "kv_import", t.rid, slot.submitted, req.prompt, req.sampling, req.stream,
                                    req.digests, None if reply is None else (reply, req.client_rid), req.tokens,
-                                   req.log_probs, t.version, t.blocks, self._pair(t.prefill, slot, 1))
+                                   req.log_probs, t.version, t.blocks, pair)
 
     def place_waiting(self) -> None:
         """A decode engine joined (or room was freed): transfers waiting for one are placed."""
@@ -141,7 +147,7 @@ class HandOffs:
             return  # cancelled meanwhile (kv_cancel is on its way)
         t.state = SENDING
         self.core.counts["kv_cached_blocks"] += cached
-        self.core.outbox.to_engine(t.prefill, "kv_send", rid, self._pair(t.prefill, slot, 0), cached)
+        self.core.outbox.to_engine(t.prefill, "kv_send", rid, self._pair(t.prefill, slot, 0, t.key), cached)
 
     def kv_shared(self, slot: EngineSlot, rid: int, payload: dict) -> None:
         """An "ipc" pair's blocks, shared by the prefill engine: passed on to the decode engine."""
@@ -173,8 +179,9 @@ class HandOffs:
         if t is None or slot not in (t.prefill, t.decode):
             return
         self.core.counts["kv_failed"] += 1
-        if t.decode is not None and t.decode is not t.prefill:  # (a broken or refused connection: both ends
-            self._pair_keys.pop((t.prefill.index, t.decode.index), None)  # dropped it; its store prefix is spent)
+        pair = (t.prefill.index, t.decode.index) if t.decode is not None else None
+        if pair is not None and self._pair_keys.get(pair) == t.key:  # (a broken or refused connection: its key is
+            del self._pair_keys[pair]  # spent; a later failure on that key leaves the pair's new one alone)
         self._drop(t, release=True, cancel=slot is t.prefill)
         if t.req is not None and self.core.requests.get(rid) is t.req:
             decode = "?" if t.decode is None else t.decode.index

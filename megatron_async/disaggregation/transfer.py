@@ -40,6 +40,9 @@ import torch.distributed as dist
 from megatron_async.disaggregation.pair_auth import mac_key, prove, store_prefix
 
 log = logging.getLogger("megatron_async.disaggregation")
+SPENT = "spent"
+"""The store key (under a pair's prefix) that says its connection was refused or broke: a group
+never meets there again (the coordinator gives the pair a new key)."""
 SETUP_TIMEOUT_S = 60.0
 TRANSFER_TIMEOUT_S = 300.0
 
@@ -99,6 +102,11 @@ class Rendezvous:
                                    wait_for_workers=False)
         self.address = f"{host}:{self.store.port}"
 
+    def spend(self, key: str) -> None:
+        """``key``'s connection was refused or broke: a peer still coming with it is refused at once
+        instead of meeting what is left of the old group's rendezvous."""
+        dist.PrefixStore(store_prefix(key), self.store).set(SPENT, "1")
+
 
 class PairChannel:
     """This engine's end of one pair's group: ``send`` / ``recv`` queue a transfer, ``take_done``
@@ -151,6 +159,8 @@ class PairChannel:
             host, port = self._address.rsplit(":", 1)
             store = dist.TCPStore(host, int(port), None, False, timeout=timeout)
         store = dist.PrefixStore(store_prefix(self.key), store)
+        if store.check([SPENT]):
+            raise ConnectionRefusedError("this pair key's connection was refused or broke before: the pair has a new one")
         if self.backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = datetime.timedelta(seconds=TRANSFER_TIMEOUT_S)
@@ -192,5 +202,7 @@ class PairChannel:
                     seconds = time.perf_counter() - start if kind == "send" else 0.0
                 except Exception as e:  # noqa: BLE001 -- the peer died or the group broke: every later transfer fails too
                     self.error = f"{type(e).__name__}: {e}"
+                    if self._rendezvous is not None:  # (the store is this engine's: no wait on a peer)
+                        self._rendezvous.spend(self.key)
                     log.error("KV transfer connection %s broke: %s", store_prefix(self.key), self.error)
             self._done.append((tag, tensor, self.error, seconds))

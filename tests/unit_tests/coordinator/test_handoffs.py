@@ -219,6 +219,34 @@ def test_a_failed_transfer_ends_the_request_with_both_engines_named():
     assert placed[0][13][0] != imported[13][0] and placed[0][13][1:] == imported[13][1:]
 
 
+def test_a_transfer_sent_for_after_its_pairs_key_changed_keeps_the_key_of_its_import():
+    """Two imports on one key; the first one's connection fails, the pair gets a new key (a third
+    import carries it); the second's kv_send still names the key its receive waits on, and its own
+    failure on that old key leaves the pair's new key alone."""
+    core, box, (p, d) = setup()
+    imports = []
+    for rid in range(3):
+        if rid == 2:
+            core.engine_message(d, "kv_failed", [0, "refused"])
+            box.take()
+        core.submit("c", rid, [1, 2, 3], [{}], stream=True)
+        box.take()
+        first_token(core, p, rid)
+        core.handoffs.kv_ready(p, rid, 1, 0)
+        (imp,), _ = box.take()
+        imports.append(imp[13][0])
+    old, new = imports[0], imports[2]
+    assert imports[1] == old != new
+    core.engine_message(d, "kv_accepted", [1, 0])
+    (sent,), _ = box.take()
+    assert sent[1] == "kv_send" and sent[3][0] == old
+    core.engine_message(d, "kv_failed", [1, "refused"])
+    box.take()
+    core.engine_message(d, "kv_accepted", [2, 0])
+    (sent,), _ = box.take()
+    assert sent[3][0] == new and core.counts["kv_failed"] == 2
+
+
 def test_the_hand_off_messages_travel_through_the_checked_readers():
     pair = ("kv-0-1-ab", "127.0.0.1:5", 1, "gloo")
     frames = {
