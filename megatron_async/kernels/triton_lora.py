@@ -21,16 +21,24 @@ from megatron_async.kernels.triton_paged_common import dot_args
 
 
 @triton.jit
+def _own_rows(slots_ptr, T, BLOCK_M: tl.constexpr):
+    """This program's tile of rows (grid axis 0), which of them hold its adapter slot (axis 2),
+    and whether any does (else the program has nothing to do)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_in = offs_m < T
+    slots = tl.load(slots_ptr + offs_m, mask=m_in, other=-1)
+    mine = m_in & (slots == tl.program_id(2))
+    return offs_m, mine, tl.max(mine.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, s_ptr, slots_ptr, T, K, SR,
                    stride_xt, stride_al, stride_ar, stride_st,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid_m, pid_r, lora = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_in = offs_m < T
-    slots = tl.load(slots_ptr + offs_m, mask=m_in, other=-1)
-    mine = m_in & (slots == lora)
-    if tl.max(mine.to(tl.int32), axis=0) > 0:
+    pid_r, lora = tl.program_id(1), tl.program_id(2)
+    offs_m, mine, any_mine = _own_rows(slots_ptr, T, BLOCK_M)
+    if any_mine:
         offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         r_in = offs_r < SR
         offs_k = tl.arange(0, BLOCK_K)
@@ -52,12 +60,9 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, slots_ptr, scale_ptr, starts_ptr, T, N, 
                    stride_st, stride_bl, stride_bn, stride_yt, stride_scale,
                    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid_m, pid_n, lora = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_in = offs_m < T
-    slots = tl.load(slots_ptr + offs_m, mask=m_in, other=-1)
-    mine = m_in & (slots == lora)
-    if tl.max(mine.to(tl.int32), axis=0) > 0:
+    pid_n, lora = tl.program_id(1), tl.program_id(2)
+    offs_m, mine, any_mine = _own_rows(slots_ptr, T, BLOCK_M)
+    if any_mine:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_r = tl.arange(0, BLOCK_R)
         r_in = offs_r < R
