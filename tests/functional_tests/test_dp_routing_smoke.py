@@ -12,17 +12,16 @@ from tests.helpers.coordinator_procs import ROOT, _env
 
 
 @pytest.mark.slow
-def test_dp_routing_smoke(capsys):
-    # the three policies asserted on (each engine process costs seconds; routing itself: test_dp_routing.py);
-    # the command runs in this process: its engines, coordinators and load clients are processes of their own
-    from benchmarks.commands.dp_routing import main
-
-    main(["--smoke", "--engines", "2", "--policies", "load_balanced,longest_prefix,scored:0.9"])
-    out = capsys.readouterr().out
-    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines() if line.startswith("| ")}
+def test_dp_routing_smoke():
+    # the three policies asserted on (each engine process costs seconds; routing itself: test_dp_routing.py)
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "dp-routing", "--smoke", "--engines", "2",
+                           "--policies", "load_balanced,longest_prefix,scored:0.9"],
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|") for line in done.stdout.splitlines() if line.startswith("| ")}
     share = {name: int(cells[3].strip().rstrip(" %")) for name, cells in rows.items() if cells[3].strip().endswith("%")}
     assert share["longest_prefix"] >= 90 and share["scored (alpha 0.9)"] >= 90 and share["load_balanced"] < 90
-    assert "requests/s" in out
+    assert "requests/s" in done.stdout
     us = {name: float(cells[2].strip().removesuffix(" us")) for name, cells in rows.items() if cells[2].strip().endswith(" us")}
     rtt = us["client -> coordinator -> engine -> client, one at a time, median"]
     tcp = us["the same hops over bare ZMQ on this host (relay + echo processes), TCP, median"]
