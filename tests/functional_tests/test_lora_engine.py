@@ -44,8 +44,8 @@ def _llm(base, paths, names=("x", "y", "z"), **cfg):
     return llm
 
 
-def _greedy(lora=None, **kw):
-    return SamplingParams(top_k=1, num_tokens_to_generate=NEW, lora=lora, **kw)
+def _greedy(lora=None, new=NEW, **kw):
+    return SamplingParams(top_k=1, num_tokens_to_generate=new, lora=lora, **kw)
 
 
 def test_adapters_change_the_outputs(setup):
@@ -78,12 +78,21 @@ def test_mixed_batch_each_row_its_own_model(setup, async_scheduling):
         assert outs[rid].generated_tokens == expected[n][i], (i, n)
 
 
-def test_batch_invariant_mixed_batch_equals_alone(setup):
-    base, paths, prompts, _, _ = setup
-    llm = _llm(base, paths, batch_invariant=True)
-    names = ["x", "y", None, "x"]  # two adapters, the base model, one adapter twice (the interpreter is slow)
-    together = [o.generated_tokens for o in llm.generate(prompts[:4], [_greedy(n) for n in names])]
-    alone = [llm.generate([p], _greedy(n))[0].generated_tokens for p, n in zip(prompts, names)]
+def test_batch_invariant_mixed_batch_equals_alone(setup, tmp_path):
+    base, _, prompts, _, _ = setup
+    # the interpreter runs every kernel of a layer once per step, and attention programs per KV
+    # head: one layer with 2 query heads on 1 KV head, adapters x and y (every target, rsLoRA) on it
+    arch = json.loads((base / "config.json").read_text())["architectures"][0]
+    narrow = make_tiny_checkpoint(arch, tmp_path / "narrow", num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=1)
+    paths = {name: make_peft_adapter(narrow, tmp_path / name, r, alpha, targets, seed=i, use_rslora=rs)
+             for i, (name, (r, alpha, targets, rs)) in enumerate(ADAPTERS.items()) if name in ("x", "y")}
+    llm = _llm(narrow, paths, names=("x", "y"), batch_invariant=True)
+    names = ["x", "y", None, "x"]  # two adapters, the base model, one adapter twice
+    # prompts of 12, 7, 12 and 12 tokens, a prefill and three decode steps of the mixed batch
+    prompts = [p[:12] for p in prompts[:4]]
+    together = [o.generated_tokens for o in llm.generate(prompts, [_greedy(n, new=4) for n in names])]
+    alone = [llm.generate([p], _greedy(n, new=4))[0].generated_tokens for p, n in zip(prompts, names)]
     assert together == alone
 
 

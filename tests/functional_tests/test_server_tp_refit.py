@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 from megatron_async import LLM, InferenceConfig, SamplingParams  # noqa: E402
 from megatron_async.serve.process import ServerProcess  # noqa: E402
 from megatron_async.weight_transfer import build_manifest, free_port, init_transfer_group, ipc, send  # noqa: E402
-from tests.functional_tests.test_server_refit_waits import _Call, _serves_while  # noqa: E402
+from tests.functional_tests.test_server_refit_waits import TIMEOUT_S, _Call, _serves_while  # noqa: E402
 from tests.functional_tests.server_client import concurrent_greedy_streams  # noqa: E402
 from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
 from tests.helpers.refit_engine import new_hf, trainer_items  # noqa: E402
@@ -70,7 +70,7 @@ def test_a_pending_set_up_leaves_every_rank_stepping_and_a_broadcast_reaches_eve
     with ServerProcess(["--model", str(ckpt), *FLAGS], launcher=launcher) as srv:
         port = free_port()
         where = f"127.0.0.1:{port}"
-        init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3, "timeout_s": 6.0}
+        init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3, "timeout_s": TIMEOUT_S}
         call = _Call(srv.url + "/init_weight_transfer", init)
         _serves_while(srv, call, "/update_weights_from_distributed", {"manifest": {}},
                       f"a transfer group set-up to {where}")
