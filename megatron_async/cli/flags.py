@@ -7,12 +7,10 @@ import math
 import os
 from typing import Callable
 
-import torch
-
 from megatron_async.cli.workload import WorkloadRequest, WorkloadSpec
 from megatron_async.config import AllReduceBackend, AttentionBackend, DpRouting, InferenceConfig
 from megatron_async.inference.request import SamplingParams
-from megatron_async.models.default_model import DEFAULT_CONFIGS
+from megatron_async.models.default_configs import DEFAULT_CONFIGS
 
 # Workload defaults by device: seconds on a laptop CPU with the tiny model; the benchmark
 # shape on a GPU.
@@ -66,6 +64,8 @@ NON_NEGATIVE_INT = checked(int, 0, name="non-negative int")
 
 
 def default_device() -> str:
+    import torch  # here, not at import: a front-end (``serve --engine``) parses these flags without torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -100,6 +100,18 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-timeout-s", type=checked(float, 1.0), default=None, dest="dp_engine_timeout_s",
                    help="--listen: the coordinator started here declares an engine that sent nothing for this long "
                         "dead; engines heartbeat every second (InferenceConfig.dp_engine_timeout_s, default 30)")
+
+
+def _add_lora_args(g) -> None:
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters beside the base model (InferenceConfig.enable_lora; docs/LORA.md)")
+    g.add_argument("--max-loras", type=POSITIVE_INT, default=None,
+                   help="--enable-lora: most adapters loaded at once (InferenceConfig.max_loras, default 8)")
+    g.add_argument("--max-lora-rank", type=POSITIVE_INT, default=None,
+                   help="--enable-lora: largest adapter rank taken (InferenceConfig.max_lora_rank, default 16)")
+    g.add_argument("--lora-experts", action="store_true", default=None,
+                   help="--enable-lora: adapter slots on the MoE layers' routed experts too "
+                        "(InferenceConfig.lora_experts; memory per expert, docs/LORA.md)")
 
 
 def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None:
@@ -173,15 +185,7 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--enable-suspend", action="store_true",
                    help="allocate weights, KV cache and graph pools so engine.suspend can free device memory "
                         "(InferenceConfig.enable_suspend; CUDA needs torch-memory-saver)")
-    g.add_argument("--enable-lora", action="store_true", default=None,
-                   help="serve LoRA adapters beside the base model (InferenceConfig.enable_lora; docs/LORA.md)")
-    g.add_argument("--max-loras", type=POSITIVE_INT, default=None,
-                   help="--enable-lora: most adapters loaded at once (InferenceConfig.max_loras, default 8)")
-    g.add_argument("--max-lora-rank", type=POSITIVE_INT, default=None,
-                   help="--enable-lora: largest adapter rank taken (InferenceConfig.max_lora_rank, default 16)")
-    g.add_argument("--lora-experts", action="store_true", default=None,
-                   help="--enable-lora: adapter slots on the MoE layers' routed experts too "
-                        "(InferenceConfig.lora_experts; memory per expert, docs/LORA.md)")
+    _add_lora_args(g)
     g.add_argument("--logging-step-interval", type=NON_NEGATIVE_INT, default=0, help="log (and time) every N steps")
     g.add_argument("--nvtx", action="store_true", help="NVTX ranges around engine stages (for nsys)")
 
@@ -241,7 +245,7 @@ def resolve_device_args(args: argparse.Namespace) -> None:
     if getattr(args, "kernel_cache_dir", None):
         os.environ["TRITON_CACHE_DIR"] = os.path.abspath(os.path.expanduser(args.kernel_cache_dir))
     args.device = args.device or default_device()
-    kind = torch.device(args.device).type
+    kind = args.device.split(":", 1)[0]
     if args.dtype is None:
         args.dtype = "bfloat16" if kind == "cuda" else "float32"
     if getattr(args, "default_model", None) is None:

@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from megatron_async.models.checkpoint import load_checkpoint
-    from megatron_async.models.default_model import DEFAULT_CONFIGS, build_default_model
+    from megatron_async.models.default_configs import DEFAULT_CONFIGS
+    from megatron_async.models.default_model import build_default_model
     from megatron_async.models.tokenizer import Tokenizer, load_tokenizer
 
-_EXPORTS = {"load_checkpoint": "megatron_async.models.checkpoint", "DEFAULT_CONFIGS": "megatron_async.models.default_model",
+_EXPORTS = {"load_checkpoint": "megatron_async.models.checkpoint", "DEFAULT_CONFIGS": "megatron_async.models.default_configs",
             "build_default_model": "megatron_async.models.default_model", "Tokenizer": "megatron_async.models.tokenizer",
             "load_tokenizer": "megatron_async.models.tokenizer"}
 __all__ = ["DEFAULT_CONFIGS", "Tokenizer", "build_default_model", "load_checkpoint", "load_tokenizer"]

@@ -167,13 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {why}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from megatron_async.cli.main_job import load_llm
-    from megatron_async.serve.launch import Serving, serve_until_stopped
-
-    if args.engine:
+    if args.engine:  # a front-end of the coordinator: no model here, no torch
         from megatron_async.serve.client_loop import serve_over_client
 
         return serve_over_client(args, served_name(args))
+    from megatron_async.cli.main_job import load_llm
+    from megatron_async.serve.launch import Serving, serve_until_stopped
+
     resolve_launch_ahead(args)
     llm = load_llm(args, stream_text=True)  # SSE deltas come from RequestUpdate.new_text
     if why := load_lora_modules(llm, args):  # every rank loads them, before any request

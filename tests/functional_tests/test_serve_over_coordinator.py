@@ -33,7 +33,10 @@ def url():
         server = subprocess.Popen([sys.executable, "-m", "megatron_async.serve", "--engine", c.address, "--default-model",
                                    "tiny", "--device", "cpu", "--port", "0", "--enable-admin-endpoints"],
                                   stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
-        yield _wait_line(server, "megatron_async.serve: serving tiny on ", 120).split()[0]
+        served = _wait_line(server, "megatron_async.serve: serving tiny on ", 120).split()[0]
+        with open(f"/proc/{server.pid}/maps") as f:  # a coordinator's front-end runs no model: no torch
+            assert "libtorch" not in f.read(), "serve --engine imported torch"
+        yield served
     finally:
         if server is not None:
             server.kill()
