@@ -129,6 +129,22 @@ def kv_tile(cache_ptr, kv_ptrs, offs_n, hi, col_mask, MASK: tl.constexpr, EVEN: 
 
 
 @triton.jit
+def softmax_step(qk, acc, l_i, m_i, offs_n, pos, qk_scale, MASK: tl.constexpr):
+    """One key tile of the online softmax (``attend``'s, also the wide prefill kernel's): the tile's
+    probabilities, the accumulator rescaled to the new row max, the updated sum and max (log2 units,
+    the scale folded into the max subtraction; MASK: the causal mask on the diagonal tiles)."""
+    if MASK:  # keys past kv_len are past every query's position too
+        qk = tl.where(offs_n[None, :] <= pos[:, None], qk * qk_scale, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_ij[:, None])
+    else:
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+    alpha = tl.math.exp2(m_i - m_ij)
+    return p, acc * alpha[:, None], l_i * alpha + tl.sum(p, 1), m_ij
+
+
+@triton.jit
 def attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_d, d_mask,
            lo, hi, qk_scale, stride_cb, stride_cs, stride_ch,
            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
@@ -149,16 +165,7 @@ def attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, 
         kv_ptrs = rows[:, None] + offs_d[None, :]
         k = kv_tile(k_cache_ptr, kv_ptrs, offs_n, hi, d_mask, MASK, EVEN_D, 0.0)
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        if MASK:  # keys past kv_len are past every query's position too
-            qk = tl.where(offs_n[None, :] <= pos[:, None], qk * qk_scale, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.math.exp2(qk - m_ij[:, None])
-        else:
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p, acc, l_i, m_ij = softmax_step(qk, acc, l_i, m_i, offs_n, pos, qk_scale, MASK)
         v = kv_tile(v_cache_ptr, kv_ptrs, offs_n, hi, d_mask, MASK, EVEN_D, 0.0)
         acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
         m_i = m_ij

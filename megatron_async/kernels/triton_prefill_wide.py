@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from megatron_async.kernels.triton_paged_common import kv_tile, kv_tile_rows
+from megatron_async.kernels.triton_paged_common import kv_tile, kv_tile_rows, softmax_step
 from megatron_async.kernels.triton_prefill_common import key_ranges, store_output, tile_queries
 
 
@@ -45,16 +45,7 @@ def _attend_wide(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, k_desc, v_desc
             kv_ptrs = rows[:, None] + offs_d[None, :]
             k = kv_tile(k_cache_ptr, kv_ptrs, offs_n, hi, d_all, MASK, True, 0.0)
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        if MASK:  # keys past kv_len are past every query's position too
-            qk = tl.where(offs_n[None, :] <= pos[:, None], qk * qk_scale, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.math.exp2(qk - m_ij[:, None])
-        else:
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p, acc, l_i, m_ij = softmax_step(qk, acc, l_i, m_i, offs_n, pos, qk_scale, MASK)
         if KV_TMA:
             v = v_desc.load([first, kv_head * HEAD_DIM])
             if MASK:  # the page's slots past the row's keys: any bits
