@@ -9,6 +9,17 @@ from megatron_async.inference.records import encode_sampling
 from tests.helpers.handoff_links import PARAMS, PROMPTS, Link, llm, until
 
 
+def _decode_until_finished(d, rid, outputs: dict) -> None:
+    """Turn the decode link until request ``rid`` ends, its tokens (and any other's) in ``outputs``."""
+    def done():
+        res = d.turn()
+        for out in (res.finished if res else []):
+            outputs[d.rid_of.pop(out.request_id)] = out.generated_tokens
+        return rid in outputs
+
+    until(done, [])
+
+
 def test_transfers_over_gloo_with_a_deferred_and_a_cancelled_import():
     want = [o.generated_tokens for o in llm(8).generate(PROMPTS, PARAMS)]
     p, d = Link(llm(), "prefill"), Link(llm(max_requests=1), "decode")
@@ -100,14 +111,7 @@ def test_a_prefix_the_decode_engine_caches_is_not_sent_again():
         (_, _, received), = until(lambda: d.channel.take("kv_imported"), [p, d])
         assert received == blocks - hit
         p.handoffs.handle("kv_release", [rid])
-
-        def done():
-            res = d.turn()
-            for out in (res.finished if res else []):
-                outputs[d.rid_of.pop(out.request_id)] = out.generated_tokens
-            return rid in outputs
-
-        until(done, [])
+        _decode_until_finished(d, rid, outputs)
     assert cached == [0, 3] and outputs == {0: want[0], 1: want[1]}
     assert d.handoffs.counters()["kv_cached_blocks"] == 3 and d.engine.stats.prefill_steps == 0
     until(lambda: p.handoffs.kv_sent_blocks == d.handoffs.kv_received_blocks, [p])  # (its sends' ends, polled)
@@ -138,14 +142,7 @@ def test_ipc_pairs_share_the_blocks_in_memory():
         assert d.channel.take("kv_imported") == [("kv_imported", rid, blocks - hit)]
         p.handoffs.handle("kv_release", [rid])
         assert not p.handoffs.shared
-
-        def done():
-            res = d.turn()
-            for out in (res.finished if res else []):
-                outputs[d.rid_of.pop(out.request_id)] = out.generated_tokens
-            return rid in outputs
-
-        until(done, [])
+        _decode_until_finished(d, rid, outputs)
     assert outputs == {0: want[0], 1: want[1]} and not d.handoffs.channels and not p.handoffs.channels
     moved = d.handoffs.counters()  # (the copies out of the shared blocks: the decode side's)
     assert moved["kv_transfers"] == 2 and moved["kv_transfer_bytes"] == sum(
