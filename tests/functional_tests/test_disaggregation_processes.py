@@ -33,6 +33,10 @@ def reference(ps, params) -> list[list[int]]:
 class Counting(InferenceClient):
     """Counts the final outputs the coordinator sends for each request."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ends: Counter = Counter()
+
     def receive(self, kind, fields):
         if kind == "finished":
             self.ends.update(o.request_id for o in fields[0])
@@ -125,7 +129,6 @@ def test_aborts_across_the_hand_off_free_both_engines(pair):
 
     async def run():
         client = Counting(pair.address)
-        client.ends = Counter()
         await client.start()
         try:
             streams = [client.add_request_streaming(p, params) for p in ps]
@@ -182,7 +185,6 @@ def _kill_mid_generation(cluster, victim: str, role: str, seed: int) -> None:
 
     async def run():
         client = Counting(cluster.address)
-        client.ends = Counter()
         await client.start()
         try:
             streams = [client.add_request_streaming(p, params) for p in ps]
