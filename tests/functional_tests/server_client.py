@@ -1,7 +1,22 @@
 """Client-side helpers of the server tests (the official openai client over loopback)."""
 import asyncio
+import json
+import urllib.error
+import urllib.request
 
 import openai
+
+
+def json_request(url: str, body: dict | bytes | None = None, timeout: float = 60) -> tuple[int, dict]:
+    """(HTTP status, JSON answer) of a POST of ``body`` (a dict as JSON, or raw bytes) to ``url``, or of
+    a GET where there is no body; an error status comes back with its JSON body, not raised."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def concurrent_greedy_streams(url: str, model: str, prompts: list, max_tokens: int,

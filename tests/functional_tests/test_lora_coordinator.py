@@ -7,15 +7,12 @@ holds is refused alone while the others are served; a server in front of the coo
 and unloads through it, lists the engines' adapters and serves a ``model`` naming one."""
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import pytest
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.client import SyncInferenceClient
 from megatron_async.client.client import ControlError
+from tests.functional_tests.server_client import json_request
 from tests.helpers.coordinator_procs import Cluster
 from tests.helpers.lora_adapters import write_random_adapter
 
@@ -119,30 +116,20 @@ def test_unload_from_some_engines_then_all(setup):
     assert out.finish_reason == "error" and "no engine holds" in out.error
 
 
-def _http(url: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def test_a_server_in_front_of_the_coordinator(setup):
     cluster, _, index, paths, expected = setup
     _, url = cluster.start_server("--default-model", "tiny", "--device", "cpu", "--enable-admin-endpoints")
-    status, body = _http(url, "/v1/load_lora_adapter",
+    status, body = json_request(url + "/v1/load_lora_adapter",
                          {"lora_name": "a", "lora_path": str(paths["a"]), "engines": [index["e2"]]})
     assert status == 200 and list(body["engines"]) == [str(index["e2"])]
-    ids = [m["id"] for m in _http(url, "/v1/models")[1]["data"]]
+    ids = [m["id"] for m in json_request(url + "/v1/models")[1]["data"]]
     assert ids == ["tiny", "a", "b"]
     for name in ("a", "b", "tiny"):
-        status, body = _http(url, "/v1/completions", {"model": name, "prompt": PROMPTS[0], "max_tokens": NEW,
+        status, body = json_request(url + "/v1/completions", {"model": name, "prompt": PROMPTS[0], "max_tokens": NEW,
                                                       "temperature": 0, "ignore_eos": True, "return_token_ids": True})
         assert status == 200 and body["model"] == name
         assert body["choices"][0]["token_ids"] == expected[None if name == "tiny" else name][0], name
-    status, body = _http(url, "/v1/completions", {"model": "zzz", "prompt": PROMPTS[0], "max_tokens": 2})
+    status, body = json_request(url + "/v1/completions", {"model": "zzz", "prompt": PROMPTS[0], "max_tokens": 2})
     assert status == 404 and body["error"]["param"] == "model" and "'a'" in body["error"]["message"]
-    assert _http(url, "/v1/unload_lora_adapter", {"lora_name": "a"})[0] == 200
-    assert [m["id"] for m in _http(url, "/v1/models")[1]["data"]] == ["tiny", "b"]
+    assert json_request(url + "/v1/unload_lora_adapter", {"lora_name": "a"})[0] == 200
+    assert [m["id"] for m in json_request(url + "/v1/models")[1]["data"]] == ["tiny", "b"]

@@ -34,6 +34,7 @@ from megatron_async.inference.request import SamplingParams  # noqa: E402
 from megatron_async.serve import ipc  # noqa: E402
 from megatron_async.serve.process import ServerProcess  # noqa: E402
 from megatron_async.serve.submission import Choice  # noqa: E402
+from tests.functional_tests.server_client import json_request  # noqa: E402
 
 FLAGS = ["--default-model", "tiny", "--device", "cpu", "--max-requests", "16", "--num-kv-blocks", "128"]
 ABORTED = ("megatron_async_request_success_total", "abort")
@@ -97,12 +98,7 @@ def wait_for(check, timeout_s: float = 30.0):
 
 
 def post(url: str, path: str, body: bytes = b"{}") -> tuple[int, dict]:
-    req = urllib.request.Request(f"{url}{path}", body, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return json_request(url + path, body, timeout=30)
 
 
 def test_two_frontends_serve_every_stream_once_and_survive_one_killed():

@@ -4,11 +4,9 @@
 completes, /pause_generation and /resume_generation answer, and a second refit call is refused
 naming the one in progress; then the waiting call answers 409 naming the address, the port and
 the timeout."""
-import json
+import functools
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -16,6 +14,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from megatron_async.serve.process import ServerProcess  # noqa: E402
+from tests.functional_tests.server_client import json_request  # noqa: E402
 from megatron_async.weight_transfer import init_transfer_group  # noqa: E402
 from megatron_async.weight_transfer.group import free_port  # noqa: E402
 
@@ -26,13 +25,7 @@ TIMEOUT_S = 3.0
 (~0.1 s on an idle CPU) and for a trainer's set-up; each waiting call lasts all of it."""
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+_post = functools.partial(json_request, timeout=120)
 
 
 class _Call(threading.Thread):

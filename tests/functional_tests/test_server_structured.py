@@ -16,6 +16,7 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 from megatron_async.serve.process import ServerProcess  # noqa: E402
+from tests.functional_tests.server_client import json_request as post  # noqa: E402
 from tests.helpers.chat_templates import save_chat_template  # noqa: E402
 from tests.helpers.hf_models import make_tiny_checkpoint  # noqa: E402
 
@@ -99,18 +100,6 @@ def test_bad_constraints_are_400_naming_the_field(client, body, status_param, ne
         assert e.value.body["param"] == status_param, e.value.body
     ok = client.completions.create(model="tiny-chat", prompt="x", max_tokens=5, extra_body={"guided_choice": ["ok"]})
     assert ok.choices[0].text == "ok"  # the server kept serving
-
-
-def post(url: str, body: dict) -> tuple[int, dict]:
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_tokenize_and_detokenize(client):
