@@ -1,7 +1,7 @@
 """One table from a pytest JUnit XML report: a row per test file (passed / failed / skipped, seconds),
 then the failures' first lines. Used by scripts/multigpu_validation.sh.
 
-    python scripts/junit_table.py REPORT.xml [--gpus N]"""
+    python scripts/junit_table.py REPORT.xml [REPORT.xml ...] [--gpus N]   # several: one table of them all"""
 from __future__ import annotations
 
 import argparse
@@ -10,10 +10,11 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 
 
-def rows(path: str) -> tuple[dict[str, dict[str, float]], list[str]]:
+def rows(paths: list[str]) -> tuple[dict[str, dict[str, float]], list[str]]:
     per_file: dict[str, dict[str, float]] = defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0, "s": 0.0})
     failures = []
-    for case in ET.parse(path).getroot().iter("testcase"):
+    cases = [case for path in paths for case in ET.parse(path).getroot().iter("testcase")]
+    for case in cases:
         name = case.get("classname", "").rsplit(".", 1)[-1] or "?"
         row = per_file[name]
         row["s"] += float(case.get("time", 0) or 0)
@@ -30,11 +31,11 @@ def rows(path: str) -> tuple[dict[str, dict[str, float]], list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("report")
+    p.add_argument("reports", nargs="+")
     p.add_argument("--gpus", default="?")
     args = p.parse_args(argv)
     try:
-        per_file, failures = rows(args.report)
+        per_file, failures = rows(args.reports)
     except (OSError, ET.ParseError) as e:
         print(f"no report ({e}): the run ended before pytest wrote it")
         return 1

@@ -2,11 +2,11 @@
 # The multi-GPU checks of one host (nvidia-h100-x4 / -x2: tests that need 4 GPUs skip on 2). Logs go to
 # ${OUT:-gpu_out}.
 #   bash scripts/multigpu_validation.sh [1|2] [PYTEST ARGS]   # the whole `pytest -m multigpu` suite, in two
-#       halves that each fit a 10-minute device call (1: tensor parallelism and the P2P all-reduce; 2: expert
-#       parallelism, its MoE layer, speculative decoding under TP / EP, weight transfer, the coordinator on
-#       GPUs, and any multigpu test file not named in half 1); no half: both, one after the other. Each prints
-#       one table, a row per test file: passed / failed / skipped, seconds, and the GPUs the host has. Each test
-#       spawns its ranks and compiles its kernels (~30-130 s).
+#       halves that each fit a 10-minute device call (1: the tests that use more than two GPUs, `gpus(4)` /
+#       `gpus(2, up_to=4)`, on all of them; 2: the two-GPU tests, on a host of 4+ GPUs as two pytest
+#       processes at once, one per GPU pair, the files split by their test counts); no half: both, one
+#       after the other. Each prints one table, a row per test file: passed / failed / skipped, seconds,
+#       and the GPUs the host has. Each test spawns its ranks and compiles its kernels (~30-130 s).
 #   bash scripts/multigpu_validation.sh fused-norm [WORLD]   # the TP all-reduce fused with the residual
 #       add + RMSNorm: its checks and us per decoder layer against the unfused P2P path
 #       (python -m benchmarks all-reduce), then the Qwen3-8B-shape decode step at TP=WORLD, async +
@@ -71,22 +71,52 @@ sys.exit(0 if same == len(a) else 1)
 PY
 }
 
-HALF_1=(tests/functional_tests/test_multigpu_tp.py tests/functional_tests/test_multigpu_p2p_all_reduce.py)
+MULTIGPU_FILES=($(grep -rl "mark.multigpu" tests | sort))
 
-suite_half() {  # half 2 takes every multigpu test file that half 1 does not name
+pair_groups() {  # the pair-width files in two groups of about as many tests each (one line per group)
+  python -m pytest --collect-only -q -p no:cacheprovider -m multigpu --multigpu-width pair "${MULTIGPU_FILES[@]}" \
+    2>/dev/null | python -c '
+import collections, sys
+count = collections.Counter(line.split("::")[0] for line in sys.stdin if "::" in line)
+groups = [[0, []], [0, []]]
+for f, n in count.most_common():
+    g = min(groups, key=lambda g: g[0]); g[0] += n; g[1].append(f)
+print("\n".join(" ".join(g[1]) for g in groups))'
+}
+
+run_pytest() {  # TAG WIDTH FILES... (PYTEST ARGS in EXTRA)
+  local tag="$1" width="$2"; shift 2
+  timeout 560 python -m pytest -q -p no:cacheprovider -m multigpu --multigpu-width "$width" -rs \
+    --junitxml "$out/multigpu_$tag.xml" "$@" "${EXTRA[@]}" > "$out/multigpu_tests_$tag.log" 2>&1
+}
+
+suite_half() {
   local half="$1"; shift
-  local files=("${HALF_1[@]}")
-  if [ "$half" = 2 ]; then
-    files=()
-    for f in $(grep -rl "mark.multigpu" tests | sort); do
-      [[ " ${HALF_1[*]} " == *" $f "* ]] || files+=("$f")
-    done
+  EXTRA=("$@")
+  local gpus rc=0 tags=()
+  gpus="$(nvidia-smi -L 2>/dev/null | wc -l)"
+  if [ "$half" = 1 ]; then
+    run_pytest 1 wide "${MULTIGPU_FILES[@]}" || rc=$?
+    tags=(1)
+  elif [ "$gpus" -ge 4 ]; then
+    mapfile -t groups < <(pair_groups)
+    # shellcheck disable=SC2086  # a group is a space-separated file list
+    CUDA_VISIBLE_DEVICES=0,1 run_pytest 2a pair ${groups[0]} & local a=$!
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=2,3 run_pytest 2b pair ${groups[1]} & local b=$!
+    wait $a || rc=$?
+    wait $b || rc=$?
+    tags=(2a 2b)
+  else
+    run_pytest 2 pair "${MULTIGPU_FILES[@]}" || rc=$?
+    tags=(2)
   fi
-  timeout 560 python -m pytest -q -p no:cacheprovider -m multigpu -rs --junitxml "$out/multigpu_$half.xml" \
-    "${files[@]}" "$@" > "$out/multigpu_tests_$half.log" 2>&1
-  local rc=$?
-  grep -E "^(FAILED|ERROR)|passed|failed" "$out/multigpu_tests_$half.log" | tail -15
-  python scripts/junit_table.py "$out/multigpu_$half.xml" --gpus "$(nvidia-smi -L 2>/dev/null | wc -l)"
+  local tag reports=()
+  for tag in "${tags[@]}"; do
+    grep -E "^(FAILED|ERROR)|passed|failed" "$out/multigpu_tests_$tag.log" 2>/dev/null | tail -8
+    reports+=("$out/multigpu_$tag.xml")
+  done
+  python scripts/junit_table.py "${reports[@]}" --gpus "$gpus" || rc=1
   return $rc
 }
 

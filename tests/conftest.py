@@ -49,13 +49,38 @@ if not torch.cuda.is_available():
     cache_interpreter_block_types()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--multigpu-width", choices=("pair", "wide"), default=None,
+                     help="keep only the multigpu tests that use at most two GPUs (pair) or more (wide): "
+                          "scripts/multigpu_validation.sh runs the pairs on two GPU pairs at once")
+
+
+def multigpu_width(item) -> tuple[int, int]:
+    """(GPUs a multigpu test needs, GPUs it uses when the host has them): ``gpus(n, up_to=m)``,
+    default (2, 2)."""
+    mark = item.get_closest_marker("gpus")
+    need = mark.args[0] if mark is not None and mark.args else 2
+    return need, max(need, mark.kwargs.get("up_to", need) if mark is not None else need)
+
+
 def pytest_collection_modifyitems(config, items):
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    width = config.getoption("--multigpu-width")
+    kept, dropped = [], []
     for item in items:
         if "gpu" in item.keywords and gpus == 0:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
-        if "multigpu" in item.keywords and gpus < 2:
-            item.add_marker(pytest.mark.skip(reason="needs 2+ CUDA devices (scripts/multigpu_validation.sh)"))
+        if "multigpu" in item.keywords:
+            need, uses = multigpu_width(item)
+            if gpus < need:
+                item.add_marker(pytest.mark.skip(reason=f"needs {need}+ CUDA devices (scripts/multigpu_validation.sh)"))
+            if width is not None and (uses > 2) != (width == "wide"):
+                dropped.append(item)
+                continue
+        kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def pytest_collection_finish(session):

@@ -71,10 +71,8 @@ def _worker(rank: int, world: int) -> dict:
         base.destroy()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.gpus(4))])
 def test_ep_moe_layer_on_nccl_equals_the_full_layer(world):
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} CUDA devices")
     for errors in run_ranks(_worker, world, timeout_s=300, env=NCCL_ENV):
         assert max(errors.values()) < 1e-4, errors
 
@@ -109,10 +107,8 @@ def _qwen3_30b_worker(rank: int, world: int, tokens: list[int]) -> dict:
         base.destroy()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.gpus(4))])
 def test_ep_moe_layer_at_the_qwen3_30b_shape(world):
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} CUDA devices")
     for errors in run_ranks(_qwen3_30b_worker, world, [8, 64, 256], timeout_s=300, env=NCCL_ENV):
         assert max(errors.values()) < 3e-2, errors
 

@@ -18,7 +18,7 @@ from tests.helpers.all_reduce_checks import (
 from tests.helpers.hf_models import make_tiny_checkpoint
 from tests.helpers.multiprocess import run_ranks
 
-pytestmark = pytest.mark.multigpu
+pytestmark = [pytest.mark.multigpu, pytest.mark.gpus(2, up_to=4)]
 
 
 def test_p2p_all_reduce_equals_nccl():

@@ -76,10 +76,8 @@ def checkpoint(request, tmp_path_factory):
     return request.param, str(CHECKPOINTS[request.param](tmp_path_factory.mktemp(request.param)))
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.gpus(4))])
 def test_fp32_tp_tokens_equal_tp1(checkpoint, tp):
-    if torch.cuda.device_count() < tp:
-        pytest.skip(f"needs {tp} CUDA devices")
     _, ckpt = checkpoint
     expected = run(LLM(ckpt, device="cuda", dtype="float32", inference_config=InferenceConfig(**CONFIG)))
     assert expected["overlapped_steps"] > 0
@@ -116,11 +114,9 @@ def _graph_worker(rank: int, world: int, ckpt: str) -> dict:
         llm.close()
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.gpus(4))])
 def test_fp32_tp_graphs_tokens_equal_tp1(checkpoint, tp):
     """Launch-ahead + CUDA graphs under TP (captured NCCL all-reduces) == TP=1 eager, token for token."""
-    if torch.cuda.device_count() < tp:
-        pytest.skip(f"needs {tp} CUDA devices")
     _, ckpt = checkpoint
     expected = run(LLM(ckpt, device="cuda", dtype="float32", inference_config=InferenceConfig(**CONFIG)))
     for rank, got in enumerate(run_ranks(_graph_worker, tp, ckpt, timeout_s=300, env=NCCL_ENV)):

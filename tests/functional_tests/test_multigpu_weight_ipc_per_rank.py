@@ -14,7 +14,7 @@ pytestmark = pytest.mark.multigpu
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+@pytest.mark.gpus(4)
 def test_tp4_trainer_refits_a_tp4_engine_one_payload_per_rank():
     out = run_ranks(per_rank_refit, 8, free_port(), "cuda", timeout_s=200, env=ENV)
     trainers, engines = out[:4], out[4:]

@@ -39,7 +39,7 @@ def test_nccl_transfer_fills_every_engine_rank():
     _check_filled(*_run())
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 6, reason="a TP=2 trainer and a TP=4 engine need 6 GPUs")
+@pytest.mark.gpus(6)  # a TP=2 trainer and a TP=4 engine
 def test_nccl_transfer_reslices_a_tp2_trainer_for_a_tp4_engine():
     _check_filled(*_run(sizes=(2, 4), kind="dense_tp4"), kind="dense_tp4")
 

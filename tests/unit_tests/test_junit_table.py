@@ -28,3 +28,14 @@ def test_missing_report_is_a_failure(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "junit_table.py"), str(tmp_path / "none.xml")],
                          capture_output=True, text=True)
     assert run.returncode == 1 and "no report" in run.stdout
+
+
+def test_several_reports_make_one_table(tmp_path):
+    first, second = tmp_path / "a.xml", tmp_path / "b.xml"
+    first.write_text(REPORT)
+    second.write_text(REPORT.replace("test_multigpu_tp", "test_multigpu_ep"))
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "junit_table.py"), str(first), str(second)],
+                         capture_output=True, text=True)
+    assert run.returncode == 1
+    assert "| test_multigpu_ep | 2 | 2 | 1 | 32 |" in run.stdout
+    assert "| test_multigpu_tp | 0 | 0 | 1 | 1 |" in run.stdout
