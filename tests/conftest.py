@@ -83,6 +83,17 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
+@pytest.fixture(autouse=True)
+def _give_cuda_memory_back(request):
+    """After a GPU test, the memory of engines it built in this process goes back to the device: an
+    engine's KV pool takes most of a GPU, and a later test's engine processes on that GPU would
+    find it taken (torch's allocator keeps what it freed unless emptied)."""
+    yield
+    if ("gpu" in request.keywords or "multigpu" in request.keywords) and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def pytest_collection_finish(session):
     """Freeze what collection built (every test module, its imports, the items): it lives for
     the whole run, and a full collection (the benchmark's gc.collect() before each timed run,

@@ -20,7 +20,7 @@ import torch
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.client import InferenceClient
-from tests.helpers.coordinator_procs import Cluster
+from tests.helpers.coordinator_procs import Cluster, own_gpu_first
 
 VOCAB = 151936
 MODEL = ("--default-model", "qwen3-0.6b", "--device", "cuda", "--dtype", "bfloat16")
@@ -71,7 +71,7 @@ def cluster(request):
             c.add_engine("e1", *ENGINE, "--gpu-memory-utilization", "0.8", model=MODEL)
         else:
             for i in range(2):
-                c.start_engine(f"e{i}", *ENGINE, model=MODEL, env={"CUDA_VISIBLE_DEVICES": str(i)})
+                c.start_engine(f"e{i}", *ENGINE, model=MODEL, env=own_gpu_first(i))
             for i in range(2):
                 c.wait_engine(f"e{i}")
         yield c

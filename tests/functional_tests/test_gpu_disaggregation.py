@@ -13,7 +13,7 @@ import pytest
 
 from megatron_async.client import InferenceClient
 from tests.functional_tests.test_gpu_coordinator import ENGINE, MODEL, reference, workload  # noqa: F401 (fixture)
-from tests.helpers.coordinator_procs import Cluster
+from tests.helpers.coordinator_procs import Cluster, own_gpu_first
 
 
 def layouts():
@@ -32,10 +32,10 @@ def pair(request):
                          "--gpu-memory-utilization", "0.4", model=MODEL)
             c.add_engine("d", *ENGINE, "--role", "decode", "--kv-transfer-backend", request.param,
                          "--gpu-memory-utilization", "0.8", model=MODEL)
-        else:  # engine i on GPU i, the other one visible too (CUDA IPC maps the peer's memory)
+        else:  # engine i on GPU i
             for i, role in enumerate(("prefill", "decode")):
                 c.start_engine(role[0], *ENGINE, "--role", role, "--kv-transfer-backend", request.param.split("-")[0],
-                               model=MODEL, env={"CUDA_VISIBLE_DEVICES": ("0,1", "1,0")[i]})
+                               model=MODEL, env=own_gpu_first(i))
             for name in ("p", "d"):
                 c.wait_engine(name)
         c.layout = request.param
