@@ -34,7 +34,7 @@ TARGETS = {"tok_s": 0.85, "idle": 0.97, "batch1": 1.1, "stall_steps": 1.0}
 """adapters / base tok/s at least; no adapter / base tok/s at least; batch-1 step adapter / base at
 most; a gap around a load / unload at most this many median steps over the median."""
 SMOKE = {"device": "cpu", "default_model": "tiny", "requests": 8, "serving": 6, "prompt_min": 8, "prompt_max": 40,
-         "output_len": 16, "batch1_prompt": 16, "batch1_output": 8, "max_requests": 4, "max_tokens": 64}
+         "output_len": 16, "warmup_requests": 2, "batch1_prompt": 16, "batch1_output": 8, "max_requests": 4, "max_tokens": 64}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-min", type=int, default=100)
     p.add_argument("--prompt-max", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--warmup-requests", type=int, default=16, help="of the twin warm-up before each timed run")
     p.add_argument("--batch1-prompt", type=int, default=512)
     p.add_argument("--batch1-output", type=int, default=256)
     p.add_argument("--max-requests", type=int, default=128, help="requests a step (InferenceConfig.max_requests)")
@@ -80,7 +81,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     cuda = args.device.startswith("cuda")
     return Plan(args.model, args.default_model, args.device, args.dtype, args.adapters, args.rank, args.max_requests,
                 args.max_tokens, None if cuda else 0.05, args.seed, workload,
-                twin_workload(workload[:16], vocab, args.seed), batch1, args.serving)
+                twin_workload(workload[:args.warmup_requests], vocab, args.seed), batch1, args.serving)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -98,7 +99,8 @@ def table(rows: dict[str, dict], args: argparse.Namespace) -> list[dict]:
     for wl in ("greedy", "sampled"):
         vals = [get(c, wl, "tok_s") for c in CONFIGS]
         out.append({"measure": f"workload A {wl}, out tok/s", "values": vals, "fmt": ",.0f",
-                    "idle": ratio(vals[1], vals[0]), "adapters": ratio(vals[2], vals[0]), "target": ">= 0.85x",
+                    "idle": ratio(vals[1], vals[0]), "adapters": ratio(vals[2], vals[0]),
+                    "target": ">= 0.85x (no adapter >= 0.97x)",
                     "met": _met(ratio(vals[2], vals[0]), lambda r: r >= TARGETS["tok_s"])
                     and _met(ratio(vals[1], vals[0]), lambda r: r >= TARGETS["idle"])})
     vals = [get(c, "greedy", "decode_ms") for c in CONFIGS]
@@ -111,7 +113,8 @@ def table(rows: dict[str, dict], args: argparse.Namespace) -> list[dict]:
     serving = get("adapters", "serving") or {}
     for op in ("unload", "load"):
         s = serving.get(op)
-        out.append({"measure": f"{op}_lora, {args.serving} running: median / longest step gap ms (call ms)",
+        out.append({"measure": f"{op}_lora, {args.serving} running: step gap ms median / longest (call ms); "
+                               "stall over the median in steps",
                     "values": [None, None, None], "fmt": ".2f",
                     "text": "-" if s is None else (f"{serving['median_gap_ms']:.2f} / {s['longest_gap_ms']:.2f} "
                                                    f"({s['call_ms']:.1f})"),
@@ -176,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
         if "text" in row:
             vals = f"- | - | {row['text']}"
         met = "-" if row["met"] is None else ("yes" if row["met"] else "NO")
-        adapters = fmt(row["adapters"], ".2f") + ("" if "text" in row or row["adapters"] is None else "x")
+        unit = " steps" if "text" in row else "x"
+        adapters = fmt(row["adapters"], ".2f") + ("" if row["adapters"] is None else unit)
         idle = fmt(row["idle"], ".3f") + ("" if row["idle"] is None else "x")
         print(f"| {row['measure']} | {vals} | {idle} | {adapters} | {row['target']} | {met} |")
     result = {"device": device, "model": model, "args": vars(args), "rows": rows, "summary": summary,
