@@ -196,8 +196,10 @@ class LLM:
                 raise MemoryPlanError(f"CUDA out of memory in the startup warm-up: the planned {self.memory_plan.describe()} "
                                       "left too little; lower gpu_memory_utilization or max_tokens") from None
             self.startup.add_warmup(rep)
-            log.info("warm-up: %.1f s, %d eager steps, %d CUDA graphs, %d Triton builds, %.2f GiB reserved",
-                     rep.seconds, rep.eager_steps, rep.graphs_captured, rep.triton_builds, rep.memory_bytes / 2**30)
+            log.info("warm-up: %.1f s, %d eager steps, %d CUDA graphs (%d without an eager run first, %d captured "
+                     "again after one), %d Triton builds, %.2f GiB reserved", rep.seconds, rep.eager_steps,
+                     rep.graphs_captured, rep.captures_without_eager_run, rep.capture_retries, rep.triton_builds,
+                     rep.memory_bytes / 2**30)
             # startup's garbage goes now, not as a full collection inside the first serving steps
             # (the benchmark collects before each timed run; the main job and the server rely on this)
             gc.collect()

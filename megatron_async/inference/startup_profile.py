@@ -58,10 +58,11 @@ class StartupProfile:
         builds_eager = report.triton_builds - report.capture_builds - (pre.kernels if pre else 0)
         self.phases["eager steps"] = Phase(report.eager_seconds, max(0, builds_eager), f"{report.eager_steps} steps")
         if report.graphs_captured:
-            skipped = report.captures_without_eager_run
+            skipped, retried = report.captures_without_eager_run, report.capture_retries
             self.phases["graph captures"] = Phase(report.capture_seconds, report.capture_builds,
                                                   f"{report.graphs_captured} graphs"
-                                                  + (f", {skipped} without an eager run first" if skipped else ""))
+                                                  + (f", {skipped} without an eager run first" if skipped else "")
+                                                  + (f", {retried} captured again after one" if retried else ""))
 
     def as_dict(self) -> dict:
         return {"total_seconds": self.total_seconds, "cache_dir": self.cache_dir,

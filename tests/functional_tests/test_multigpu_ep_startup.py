@@ -2,7 +2,7 @@
 each rank captures the collective graph plan dry with the EP exchange stood in for, the two
 ranks split the recorded Triton builds (fresh cache directory: every kernel compiled here),
 and the real graph captures after it build nothing (the dry pass met every specialization they
-launch). The engines then serve the tokens one engine serves, with no build or capture while
+launch) and run no step eagerly first. The engines then serve the tokens one engine serves, with no build or capture while
 serving. The kernel builds row of the start-up report names the split."""
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ def _worker(rank: int, world: int) -> dict:
     try:
         phases = llm.startup.phases
         out = [o.generated_tokens for o in llm.generate(PROMPTS[:4], GREEDY[:4])]  # every rank serves; rank 0 reports
-        st = llm.engine.stats
-        return {"prebuild": vars(phases["kernel builds"]) if "kernel builds" in phases else None,
+        st, graphs = llm.engine.stats, llm.runner.graphs
+        return {"graphs": (len(graphs.graphs), graphs.captures_without_eager_run, graphs.capture_retries),
+                "prebuild": vars(phases["kernel builds"]) if "kernel builds" in phases else None,
                 "captures": vars(phases["graph captures"]), "out": out,
                 "late": (st.triton_builds_after_warmup, st.graph_captures_after_warmup)}
     finally:
@@ -43,6 +44,10 @@ def test_ep2_start_up_builds_once_per_host_before_the_graph_captures(tmp_path):
         assert f"rank {rank} of 2 on this host built" in pre["note"], pre["note"]
         assert r["captures"]["builds"] == 0, f"rank {rank}: the graph captures met kernels the dry pass did not"
         assert r["late"] == (0, 0)
+        # after the whole dry pass every graph but the first (it makes the pool) captured without
+        # its eager run, and none had to be captured again
+        n = r["graphs"][0]
+        assert n > 1 and r["graphs"] == (n, n - 1, 0), r["graphs"]
     one = LLM(None, inference_config=InferenceConfig(**CONFIG), default_model="tiny-moe",
               device="cuda")
     try:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_async.inference.text_generation_controllers.capture_agreement import GraphCaptureFailed
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CapturedStep, CudaGraphRunner
 from megatron_async.inference.text_generation_controllers.graph_plan import GraphKey
 from megatron_async.models.layers import moe
@@ -40,26 +41,45 @@ class EmulatedGraphRunner(CudaGraphRunner):
         self.mode = "eager"
         self.captures: list[GraphKey] = []
         """Keys in capture order."""
+        self.fail_next: set[GraphKey] = set()
+        """Keys whose next capture without an eager run fails on this rank (then leaves the set)."""
+        self.failed: list[GraphKey] = []
+        """Keys whose capture failed here, in order."""
 
-    def _capture(self, key: GraphKey, eager_run: bool = True) -> EmulatedStep:
-        """Like the real capture: two eager warm-up runs on padding rows (their collectives are
-        real), the samples and the view restored afterwards (``eager_run`` or not: data-parallel
-        engines' warm-ups never skip it)."""
+    def _capture(self, key: GraphKey, eager_run: bool = True, alone: bool = True) -> EmulatedStep:
+        """Like the real capture: with ``eager_run``, two eager warm-up runs on padding rows (their
+        collectives are real), the samples and the view restored afterwards; without, nothing
+        runs (a capture records, it executes nothing: no collective), and a key in ``fail_next``
+        fails as a real capture does (``GraphCaptureFailed``, or captured again after an eager
+        run on this rank ``alone``). The first capture makes the shared pool."""
+        if not eager_run and key in self.fail_next:
+            self.fail_next.discard(key)
+            self.failed.append(key)
+            if not alone:
+                raise GraphCaptureFailed(key, RuntimeError("a capture failed on purpose"))
+            self.capture_retries += 1
+            return self._capture(key, eager_run=True)
         ctl, ctx = self.model_runner, self.model_runner.context
         self.captures.append(key)
         if self.capture_shape(key).any_penalties:
             ctx.sampling_state.ensure_allocated()
-        saved_samples, saved_view = ctl.last_samples.clone(), ctx.gpu_view.buffer.clone()
-        ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens, key.verify_width))
-        self.mode = f"capture{key}"
-        try:
-            for _ in range(2):
-                ctl.compute_step(self.capture_shape(key), key.spec)
-        finally:
-            self.mode = "eager"
-        ctl.last_samples.copy_(saved_samples)
-        ctx.gpu_view.buffer.copy_(saved_view)
+        if eager_run:
+            saved_samples, saved_view = ctl.last_samples.clone(), ctx.gpu_view.buffer.clone()
+            ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens, key.verify_width))
+            self.mode = f"capture{key}"
+            try:
+                for _ in range(2):
+                    ctl.compute_step(self.capture_shape(key), key.spec)
+            finally:
+                self.mode = "eager"
+            ctl.last_samples.copy_(saved_samples)
+            ctx.gpu_view.buffer.copy_(saved_view)
+        self.captures_without_eager_run += not eager_run
+        self._pool = "emulated"
         return EmulatedStep(self, key, key.num_rows)
+
+    def drop(self, key: GraphKey) -> None:
+        self.graphs.pop(key, None)
 
 
 @dataclass

@@ -38,7 +38,7 @@ class EngineControls:
         runner's ``WarmupReport``; the stats' ``warmup_*`` fields hold it too."""
         if self._pending is not None:
             raise RuntimeError("engine.warmup() needs an idle engine: a launch is in flight")
-        report = self.runner.warmup()
+        report = self.runner.warmup(agree=self.ranks.max_over_ranks)
         self.accounting.warmed_up(report)
         return report
 

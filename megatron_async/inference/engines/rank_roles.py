@@ -107,6 +107,11 @@ class SingleRank:
         """What ``step()`` returns (``landed``: this call bookkept a launch)."""
         return out
 
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        """The element-wise max of ``values`` over the ranks sharing steps, on every rank (each
+        calls it at once, outside ``step()``: the warm-up's agreements, capture_agreement.py)."""
+        return list(values)
+
 
 class TensorParallelReplicas(SingleRank):
     admits_at_once = False
@@ -120,6 +125,9 @@ class TensorParallelReplicas(SingleRank):
 
     def check_can_add(self) -> None:
         self.consensus.check_can_add()
+
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        return self.consensus.comm.all_reduce_max(values)
 
     def accept(self, new: NewRequest) -> None:
         # admitted by every rank (this one too) at the next exchange

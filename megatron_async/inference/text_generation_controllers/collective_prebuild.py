@@ -11,10 +11,9 @@ collective issued, no rank waits on another), and the host's ranks split the rec
 (``host_builds.py``: one compile per kernel per host, then a barrier, then loads).
 
 The stand-ins are the modules' only for the dry pass: the real captures that follow see the
-engine's exchange again, and they still run each graph's step once before capturing it (an
-eager run whose collectives every rank runs together; a capture that failed without one would
-be retried on that rank alone), so a specialization met only there is built there, outside the
-capture: correctness never depends on the dry pass having met everything."""
+engine's exchange again. After a whole pass on every rank they capture without running each
+graph's step first; a capture that fails so is captured again after an eager run by every rank
+together (capture_agreement.py): correctness never depends on the dry pass having met everything."""
 from __future__ import annotations
 
 from megatron_async.inference.host_builds import HostShare, host_share

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_async.config import GraphSizing
+from megatron_async.inference.text_generation_controllers.capture_agreement import GraphCaptureFailed, capture_together
 from megatron_async.inference.text_generation_controllers.graph_plan import (
     GraphKey, GraphPlan, SamplingVariant, splits_sampling, variant_flags, variant_index, variant_of_params,
 )
@@ -170,6 +171,9 @@ class CudaGraphRunner:
         """Dummy forwards of data-parallel engines that replayed a graph on padding rows."""
         self.captures_without_eager_run = 0
         """Graphs captured with no eager run of their step first (a built warm-up's, ``warmup``)."""
+        self.capture_retries = 0
+        """Graphs captured again after an eager run because a capture without one failed (on this
+        rank, or on any rank for a collective runner: capture_agreement.py)."""
         self.captures_after_warmup = 0
         """Graphs captured while serving (a key warm-up did not cover); 0 after a full warm-up."""
         self.warmed_up = False
@@ -255,22 +259,37 @@ class CudaGraphRunner:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
-    def warmup(self, keys: list[GraphKey] | None = None, built: bool = False) -> int:
+    def warmup(self, keys: list[GraphKey] | None = None, built: bool = False, agree=None) -> int:
         """Capture ``keys`` (default: the whole plan) not captured yet; returns how many graphs
         (the forwards of sampling tails included).
         Data-parallel engines call it on every rank at once (collectives inside the captures).
         ``built``: every kernel the steps launch is built and loaded, and steps capture without
         running first (the warm-up's dry pass captured its shapes so): each graph is captured
-        without its eager run (one that fails to is captured again after one)."""
+        without its eager run (one that fails to is captured again after one). ``agree``: the
+        element-wise max of a list of ints over the ranks (host-side, every rank at once); a
+        collective runner needs it to skip eager runs, since a retry's eager run needs every rank
+        (capture_agreement.py); without it a collective runner keeps every eager run."""
         before = len(self.graphs)
         gc.collect()  # garbage from earlier engines (their graphs) goes now, not inside a capture
         suspendable = self.model_runner.context.device.suspend_backend is not None  # its pool: after a run
+        built = built and (agree is not None or not self.collective)
+        runs_first = lambda: not built or self._pool is None or suspendable  # noqa: E731 -- the first capture makes the pool
+        keys = [k for k in (self.plan.keys() if keys is None else keys) if k not in self.graphs]
         with caches_kept():
-            for key in self.plan.keys() if keys is None else keys:
-                if key not in self.graphs:
-                    self.graphs[key] = self._capture(key, eager_run=not built or self._pool is None or suspendable)
+            if agree is not None and self.collective:
+                capture_together(self, keys, runs_first, agree)
+            else:
+                for key in keys:
+                    if key not in self.graphs:
+                        self.graphs[key] = self._capture(key, eager_run=runs_first())
         self.warmed_up = True
         return len(self.graphs) - before
+
+    def drop(self, key: GraphKey) -> None:
+        """Forget ``key``'s graph (a collective retry: every rank captures it again)."""
+        step = self.graphs.pop(key, None)
+        if step is not None and step.graph is not None:
+            step.graph.reset()
 
     def capture_shape(self, key: GraphKey) -> StepShape:
         """The StepShape a graph of ``key`` is captured with."""
@@ -283,7 +302,9 @@ class CudaGraphRunner:
             return None
         return GraphKey(key.num_tokens, key.num_rows, key.decode_only, SamplingVariant.GREEDY, logits_only=True)
 
-    def _capture(self, key: GraphKey, eager_run: bool = True) -> CapturedStep:
+    def _capture(self, key: GraphKey, eager_run: bool = True, alone: bool = True) -> CapturedStep:
+        """``alone``: a capture without an eager run that fails is captured again here after one
+        (else ``GraphCaptureFailed`` is raised, its state undone: the ranks retry together)."""
         ctl, ctx = self.model_runner, self.model_runner.context
         shape = self.capture_shape(key)
         if shape.any_penalties:
@@ -293,7 +314,7 @@ class CudaGraphRunner:
         if fkey is not None:
             forward = self.graphs.get(fkey)
             if forward is None:
-                forward = self.graphs[fkey] = self._capture(fkey, eager_run)
+                forward = self.graphs[fkey] = self._capture(fkey, eager_run, alone)
         if self.emulate:
             return CapturedStep(key, None, shape, runner=ctl, forward=forward)
         # An eager run runs on a padding-only snapshot (dummy block, padding slot; a capture alone
@@ -332,11 +353,14 @@ class CudaGraphRunner:
         except Exception as e:  # noqa: BLE001 -- without its eager run: capture it again after one
             if eager_run:
                 raise
-            log.warning("CUDA graph %s failed to capture without an eager run first (%s); capturing it after one",
-                        key, e)
             end_failed_capture(self._pool)
             del graph
             ctx.gpu_view.buffer.copy_(saved_view)
+            if not alone:
+                raise GraphCaptureFailed(key, e) from e
+            log.warning("CUDA graph %s failed to capture without an eager run first (%s); capturing it after one",
+                        key, e)
+            self.capture_retries += 1
             return self._capture(key, eager_run=True)
         finally:
             if gc_on:

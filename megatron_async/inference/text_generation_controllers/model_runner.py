@@ -365,11 +365,12 @@ class ModelRunner:
             if self.spec is not None:  # the drafter's own collectives (MTP heads' MoE layers)
                 ctx.spec.drafter.match_collectives(input_ids, hidden, batch)
 
-    def warmup(self) -> WarmupReport:
+    def warmup(self, agree=None) -> WarmupReport:
         """Build every reachable Triton kernel variant and capture every planned graph (warmup.py).
-        Expert parallelism: only the graphs (decode, every variant, every rank together), no eager pass."""
+        Expert parallelism: only the graphs (decode, every variant, every rank together), no eager pass;
+        ``agree``: the ranks' element-wise max of a list of ints (``SingleRank.max_over_ranks``)."""
         return run_warmup(self, eager=not self.expert_parallel, build_threads=self.build_threads,
-                          built_before=self.prebuilt_shapes)
+                          built_before=self.prebuilt_shapes, agree=agree)
 
     # ------------------------------------------------------------------ host side
     def collect(self, pending: PendingLaunch) -> HostSamples:

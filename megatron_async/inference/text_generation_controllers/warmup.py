@@ -19,7 +19,9 @@ as the token count T and the row count R, so eager warm-up runs steps on padding
 Then the graph runner captures its whole plan (graph_plan.py). Under expert parallelism only
 the collective runner's graphs are captured (every rank at once: collectives inside), with no
 eager pass; with ``build_threads`` their shapes are first captured dry, the exchanges stood in
-for, and their kernels built at once, split over the host's ranks (collective_prebuild.py).
+for, and their kernels built at once, split over the host's ranks (collective_prebuild.py); after
+such a whole pass on every rank they too capture without their eager runs, a failed capture
+retried by every rank together (capture_agreement.py).
 
 With ``build_threads`` (CUDA, Triton), the eager shapes are first captured dry and their kernels
 built on that many threads (kernel_prebuild.py): when the memory profile sized the KV pool, its
@@ -69,6 +71,9 @@ class WarmupReport:
     """Triton builds during the captures (kernels no eager shape reached)."""
     captures_without_eager_run: int = 0
     """Graphs captured without running their step first (after a whole dry pass)."""
+    capture_retries: int = 0
+    """Graphs captured again after an eager run because a capture without one failed (under expert
+    parallelism: on any rank, every rank retrying it together)."""
 
 
 def _next_pow2(n: int) -> int:
@@ -189,11 +194,13 @@ def can_prebuild(runner, build_threads: int) -> bool:
 
 @torch.inference_mode()
 def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: int = 0,
-               built_before=frozenset()) -> WarmupReport:
+               built_before=frozenset(), agree=None) -> WarmupReport:
     """Warm ``runner`` up (nothing may be in flight). ``eager``: the eager compile pass (with
     ``build_threads``: its kernels built at once, kernel_prebuild.py, but for the shapes named in
     ``built_before``, built by the memory profile's dry pass); ``graphs``: capture the graph
-    runner's plan (when the runner has one)."""
+    runner's plan (when the runner has one). ``agree``: the element-wise max of a list of ints over
+    the ranks sharing steps (host-side): with it, a collective runner's graphs too capture without
+    their eager runs after a whole dry pass (capture_agreement.py)."""
     dev = runner.device
     triton_builds.install()
     builds0, t0 = triton_builds.builds(), time.perf_counter()
@@ -211,14 +218,15 @@ def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: i
     if eager:
         warm_token_mask(runner)  # built by the prebuild's deferral when there was one: launches only
     t_capture, builds_capture = time.perf_counter(), triton_builds.builds()
-    captured = skipped = 0
+    captured = skipped = retried = 0
     if graphs and runner.graphs is not None:  # after a whole dry pass, graphs capture without eager runs
-        skipped = runner.graphs.captures_without_eager_run
-        # collective graphs keep their eager runs: every rank runs them together, while a capture
-        # retried after one would run it on one rank alone
-        built = pre is not None and not pre.left and not runner.graphs.collective
-        captured = runner.graphs.warmup(built=built)
+        skipped, retried = runner.graphs.captures_without_eager_run, runner.graphs.capture_retries
+        built = pre is not None and not pre.left
+        if runner.graphs.collective:  # on every rank or on none, and only where a failed capture can be retried by all
+            built = agree is not None and agree([int(not built)])[0] == 0
+        captured = runner.graphs.warmup(built=built, agree=agree)
         skipped = runner.graphs.captures_without_eager_run - skipped
+        retried = runner.graphs.capture_retries - retried
     if dev.is_cuda:
         torch.cuda.synchronize(dev.device)
     t_end = time.perf_counter()
@@ -227,4 +235,5 @@ def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: i
         log.info("start-up build under expert parallelism: the dry pass recorded and built %d kernels (%s); the graph "
                  "captures built %d more", pre.kernels, pre.describe(), triton_builds.builds() - builds_capture)
     return WarmupReport(t_end - t0, len(shapes), captured, triton_builds.builds() - builds0, mem, pre,
-                        t_capture - t_eager, t_end - t_capture, triton_builds.builds() - builds_capture, skipped)
+                        t_capture - t_eager, t_end - t_capture, triton_builds.builds() - builds_capture, skipped,
+                        retried)

@@ -17,12 +17,12 @@ from tests.helpers.moe_layers import MOE_CONFIGS, build_moe_layer
 
 
 class _Graphs:
-    collective, emulate, captures_without_eager_run = True, False, 0
+    collective, emulate, captures_without_eager_run, capture_retries = True, False, 0, 0
 
     def __init__(self):
         self.built = []
 
-    def warmup(self, built=False):
+    def warmup(self, built=False, agree=None):
         self.built.append(built)
         return 3
 
@@ -46,11 +46,23 @@ def prebuilt(monkeypatch):
     return calls
 
 
-def test_a_collective_runner_prebuilds_its_plan_and_keeps_the_eager_runs(prebuilt):
+def test_a_collective_runner_prebuilds_its_plan_and_keeps_the_eager_runs_without_an_agreement(prebuilt):
     runner = _runner()
     report = warmup.run_warmup(runner, eager=False, build_threads=4)
     assert prebuilt == [4] and report.prebuild.kernels == 7 and report.graphs_captured == 3
-    assert runner.graphs.built == [False]  # a whole dry pass, yet every graph's step runs first
+    assert runner.graphs.built == [False]  # a whole dry pass, but no rank could retry a failed capture with the rest
+
+
+@pytest.mark.parametrize("others_built", [True, False])
+def test_collective_captures_skip_their_eager_runs_only_when_every_rank_built_everything(prebuilt, others_built):
+    runner, asked = _runner(), []
+
+    def agree(values):  # another rank's dry pass complete or not
+        asked.append(values)
+        return [max(v, int(not others_built)) for v in values]
+
+    warmup.run_warmup(runner, eager=False, build_threads=4, agree=agree)
+    assert asked == [[0]] and runner.graphs.built == [others_built]
 
 
 @pytest.mark.parametrize("case", ["all_to_all", "no_threads", "not_collective"])

@@ -299,3 +299,6 @@ def test_the_startup_profile_says_how_many_graphs_captured_without_an_eager_run(
     assert profile.phases["graph captures"].note == "5 graphs, 4 without an eager run first"
     profile.add_warmup(WarmupReport(1.0, 0, 5, 0, 0, capture_seconds=0.5))
     assert profile.phases["graph captures"].note == "5 graphs"
+    profile.add_warmup(WarmupReport(1.0, 0, 5, 0, 0, capture_seconds=0.5, captures_without_eager_run=3,
+                                    capture_retries=1))
+    assert profile.phases["graph captures"].note == "5 graphs, 3 without an eager run first, 1 captured again after one"

@@ -1,0 +1,69 @@
+"""Collective graph captures (data-parallel engines under expert parallelism) without their eager
+runs, a failed one retried by every rank together.
+
+Every rank captures the collective runner's plan at once; its graphs hold the EP exchange. After
+a whole dry pass (every kernel built and loaded) a graph captures without running its step
+first, as on one GPU. A capture that fails so must be captured again after one eager run, and
+that run's collectives need every rank: a rank retrying alone would wait for peers that never
+come. So no rank retries alone. Each rank captures its whole list, noting the keys whose capture
+failed (nothing inside a capture executes, so meanwhile no rank waits on another); then the
+ranks take the element-wise max of those notes in one host-side round over the engines'
+communicator (``ZMQCommunicator.all_reduce_max``, the ``agree`` callable), and every rank drops
+each key that any rank failed and captures it again after an eager run, key by key, agreeing
+after each whether every rank succeeded: a rank that cannot capture even after an eager run ends
+the warm-up on every rank with an error, not in a hang."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+Agree = Callable[[list[int]], list[int]]
+"""The element-wise max of a list of ints over the ranks (every rank calls it at once)."""
+
+
+class GraphCaptureFailed(RuntimeError):
+    """A capture without an eager run of its step failed and was not retried on this rank alone
+    (``CudaGraphRunner._capture(alone=False)``); the capture's state is already undone."""
+
+    def __init__(self, key, cause: Exception):
+        super().__init__(f"CUDA graph {key} failed to capture without an eager run first ({cause})")
+        self.key = key
+
+
+def capture_together(graphs, keys: list, runs_first: Callable[[], bool], agree: Agree) -> list:
+    """Capture ``keys`` on ``graphs`` (a collective ``CudaGraphRunner``) on every rank at once,
+    each with an eager run first when ``runs_first()`` says so; returns the keys captured again
+    after an eager run (the same list on every rank)."""
+    failed, without_run = set(), set()
+    for key in keys:
+        eager_run = runs_first()
+        try:
+            graphs.graphs[key] = graphs._capture(key, eager_run=eager_run, alone=False)
+        except GraphCaptureFailed:
+            failed.add(key)
+        else:
+            if not eager_run:
+                without_run.add(key)
+    anyone = agree([int(key in failed) for key in keys]) if keys else []
+    retried = [key for key, flag in zip(keys, anyone) if flag]
+    for key in retried:
+        if key in without_run:  # its graph is dropped: it no longer counts
+            graphs.captures_without_eager_run -= 1
+        _capture_again(graphs, key, agree)
+    return retried
+
+
+def _capture_again(graphs, key, agree: Agree) -> None:
+    """Every rank: drop ``key``'s graph (a rank whose capture succeeded holds one), run its step
+    eagerly (collectives with every rank) and capture it."""
+    graphs.drop(key)
+    error = None
+    try:
+        graphs.graphs[key] = graphs._capture(key, eager_run=True)
+    except Exception as e:  # noqa: BLE001 -- told to every rank first, raised below
+        error = e
+    if agree([int(error is not None)])[0]:
+        if error is not None:
+            raise error
+        raise RuntimeError(f"CUDA graph {key}: another rank failed to capture it even after an eager run; "
+                           "the warm-up stops on every rank")
+    graphs.capture_retries += 1
