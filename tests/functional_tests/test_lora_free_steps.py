@@ -7,6 +7,7 @@ import pytest
 from megatron_async import InferenceConfig, SamplingParams
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
 from megatron_async.inference.text_generation_controllers.graph_plan import GraphPlan
+from megatron_async.inference.text_generation_controllers.warmup import eager_shapes
 from megatron_async.step_shape import StepShape
 from tests.helpers.engine_harness import count_replays_by_variant, make_llm, random_prompts
 from tests.helpers.hf_models import hf_greedy, make_tiny_checkpoint
@@ -36,7 +37,8 @@ def _llm(base, path, graphs: bool, **cfg):
     if graphs:
         llm.runner.graphs = CudaGraphRunner(llm.runner, llm.config.graph_sizing(), mixed=True, emulate=True,
                                             lora_free=llm.context.lora_skips)
-        llm.runner.graphs.warmup()
+        report = llm.runner.warmup()  # the eager pass (LoRA-free shapes too) and every graph
+        assert report.graphs_captured == len(llm.runner.graphs.graphs)
     return llm
 
 
@@ -63,6 +65,8 @@ def test_no_adapter_steps_skip_lora_and_replay_the_lora_free_graphs(setup, async
     assert st.lora_free_graph_replays == st.graph_replays - st.mixed_graph_replays > 0
     assert replays["greedy+log_probs-lora"] == st.lora_free_graph_replays, replays
     assert st.graph_captures_after_warmup == 0
+    shapes = [s for s, _ in eager_shapes(llm.runner)]
+    assert any(not s.any_lora for s in shapes) and any(s.any_lora for s in shapes)  # both forwards warmed
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
