@@ -5,6 +5,7 @@ equal the eager engine's and HF's, serial and launch-ahead; the counters show wh
 import pytest
 
 from megatron_async import InferenceConfig, SamplingParams
+from megatron_async.parallel import lora_slots
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
 from megatron_async.inference.text_generation_controllers.graph_plan import GraphPlan
 from megatron_async.inference.text_generation_controllers.warmup import eager_shapes
@@ -49,13 +50,36 @@ def _run(llm, prompts, names):
     return [o.generated_tokens for o in outs], [o.generated_log_probs for o in outs], replays
 
 
+@pytest.fixture
+def lora_calls(monkeypatch):
+    """How many times an adapted linear ran its LoRA op (``lora_add``), by the test's count."""
+    calls = [0]
+    real = lora_slots.lora_add
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lora_slots, "lora_add", counting)
+    return calls
+
+
+def _adapted_linears(llm) -> int:
+    return len({id(t.slots) for t in llm.model.lora_adapters.targets.values()})
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_no_adapter_steps_skip_lora_and_replay_the_lora_free_graphs(setup, async_scheduling):
+def test_no_adapter_steps_skip_lora_and_replay_the_lora_free_graphs(setup, async_scheduling, lora_calls):
     base, path, prompts, expected = setup
     names = [None] * len(prompts)
-    ref_tokens, ref_lps, _ = _run(_llm(base, path, False, async_scheduling=async_scheduling), prompts, names)
+    eager = _llm(base, path, False, async_scheduling=async_scheduling)
+    ref_tokens, ref_lps, _ = _run(eager, prompts, names)
+    assert lora_calls[0] == 0 and eager.engine.stats.lora_free_steps == eager.engine.stats.steps > 0
     llm = _llm(base, path, True, async_scheduling=async_scheduling)
+    lora_calls[0] = 0
     tokens, lps, replays = _run(llm, prompts, names)
+    # only the mixed steps' (LoRA) graphs ran the LoRA ops (an emulated replay runs its forward)
+    assert lora_calls[0] == llm.engine.stats.mixed_graph_replays * _adapted_linears(llm) > 0
     assert ref_tokens == tokens == expected[None]
     for a, b in zip(lps, ref_lps):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
