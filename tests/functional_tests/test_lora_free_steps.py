@@ -3,6 +3,7 @@ forward; under (CPU-emulated) CUDA graphs, decode steps replay the LoRA-free twi
 (``GraphKey.no_lora``) and a step with one adapter row replays the LoRA graph. Tokens and log-probs
 equal the eager engine's and HF's, serial and launch-ahead; the counters show which steps skipped."""
 import pytest
+import torch
 
 from megatron_async import InferenceConfig, SamplingParams
 from megatron_async.parallel import lora_slots
@@ -154,3 +155,22 @@ def test_plan_lora_free_twins_of_decode_graphs_only():
     collective = GraphPlan(sizing, 151936, mixed=True, lora_free=True, collective=True)
     assert not any(k.no_lora for k in collective.keys())
     print(f"graph keys: {len(before)} -> {len(after)} (decode {len(decode)})")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_graphs_lora_free_twins_equal_eager_batch_invariant(setup):
+    """Real CUDA graphs (bf16, batch-invariant: graph padding changes no bits): base rows alone
+    replay the LoRA-free decode graphs, beside adapter rows the LoRA graphs, with the eager
+    engine's tokens and log-probs."""
+    base, path, prompts, _ = setup
+    runs = {}
+    for graphs in (False, True):
+        llm = make_llm(base, device="cuda", dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8,
+                       max_requests=8, max_tokens=64, batch_invariant=True, cuda_graphs=graphs)
+        llm.load_lora("x", path)
+        runs[graphs] = [_run(llm, prompts, names)[:2] for names in ([None] * 4, [None, "x", None, "x"])], llm.engine.stats
+    (eager, _), (replayed, st) = runs[False], runs[True]
+    assert replayed == eager
+    assert st.lora_free_graph_replays > 0 and st.graph_replays > st.lora_free_graph_replays
+    assert st.graph_captures_after_warmup == 0
