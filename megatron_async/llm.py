@@ -224,7 +224,7 @@ class LLM:
 
         logits_only = self.config.structured_outputs_backend != "off" and any_installed()  # steps with grammar rows
         return CudaGraphRunner(self.runner, self.config.graph_sizing(), mixed=mixed, collective=self.parallel.ep_size > 1,
-                               verify=triton_attention, logits_only=logits_only)
+                               verify=triton_attention, logits_only=logits_only, lora_free=self.context.lora_skips)
 
     def _plans_memory(self) -> bool:
         """CUDA without a KV size in the config: the pool is planned from measured memory."""
