@@ -62,22 +62,26 @@ def _errors(dev: torch.device) -> None:
               f"base rows untouched: {torch.equal(new[slots < 0], y0[slots < 0])}")
 
 
+def _tiles(t: LoRATiles) -> str:
+    return f"{t.block_m}/{t.k_chunk}/{t.block_n}/{t.slot_programs}"
+
+
 def _sweep(name: str, t: int, x, y, sets, slots, starts) -> None:
     timed = []
-    for bm, chunk, bn in itertools.product((16, 32, 64), (128, 256, 512, 1024), (64, 128, 256)):
-        tiles = LoRATiles(bm, chunk, bn)
+    for bm, chunk, bn, q in itertools.product((16, 64), (256, 512, 1024), (128, 256), (1, 2, 8)):
+        tiles = LoRATiles(bm, chunk, bn, q)
         timed.append((_time(lambda *a, tiles=tiles: lora_add_triton(*a, tiles=tiles), x, y, sets, slots, starts),
                       tiles))
     timed.sort(key=lambda r: r[0])
-    print(f"  sweep {name} T={t}: " + "; ".join(f"{us:.1f} us {tl.block_m}/{tl.k_chunk}/{tl.block_n}"
-                                                   for us, tl in timed[:3]), flush=True)
+    print(f"  sweep {name} T={t}: " + "; ".join(f"{us:.1f} us {_tiles(tl)}" for us, tl in timed[:3]), flush=True)
 
 
 def run(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     dev = torch.device("cuda")
     _errors(dev)
-    print(f"\n{ADAPTERS} adapters of rank {RANK}, bf16; us per call in a graph; tiles block_m/k_chunk/block_n")
+    print(f"\n{ADAPTERS} adapters of rank {RANK}, bf16; us per call in a graph; "
+          "tiles block_m/k_chunk/block_n/slot_programs")
     print("| target | rows | adapters | single-pass | split-K | split-K batch-invariant | single / split | tiles |")
     print("|---|---:|---|---:|---:|---:|---:|---|")
     step = {}  # rows -> [single-pass, split-K] us of one decode step's LoRA ops (round-robin rows)
@@ -92,9 +96,8 @@ def run(args: argparse.Namespace) -> None:
                 old = _time(lora_add_single_pass, x, y, sets, slots, starts)
                 new = _time(lora_add_triton, x, y, sets, slots, starts)
                 inv = _time(invariant, x, y, sets, slots, starts)
-                d = lora_tiles(t, False)
                 print(f"| {name} | {t} | {label} | {old:.1f} | {new:.1f} | {inv:.1f} | {old / new:.2f}x | "
-                      f"{d.block_m}/{d.k_chunk}/{d.block_n} |", flush=True)
+                      f"{_tiles(lora_tiles(t, False))} |", flush=True)
                 if label == "round-robin":
                     acc = step.setdefault(t, [0.0, 0.0])
                     acc[0] += old * MODEL_LAYERS

@@ -9,7 +9,8 @@ product) and expands it. A batch-1 decode step thus reads A with K/k_chunk progr
 walking all of K in one.
 
 Slots: a program of the grid's last axis handles the q-th, (q+Q)-th, ... distinct adapter slot
-among its tile's rows (Q = min(slots, rows, 8)), found on the device from the tile's own slots:
+among its tile's rows (Q = min(slots, rows, ``slot_programs``)), found on the device from the
+tile's own slots:
 no sort and no host reads, so a step's launch is the same for any mix of adapters (a CUDA graph
 replays every mix); a tile without adapter rows does no loads beyond its slots and no FLOPs.
 
@@ -33,12 +34,13 @@ class LoRATiles:
     block_m: int  # rows per program (a tl.dot needs 16 or more)
     k_chunk: int  # K columns of one shrink split (a multiple of SHRINK_BLOCK_K)
     block_n: int  # output columns per expand program
+    slot_programs: int  # programs per row tile sharing its distinct slots (more: parallel, but empty
+    # programs where a tile holds fewer slots)
 
 
 SHRINK_BLOCK_K = 64
-MAX_SLOT_PROGRAMS = 8  # programs per row tile sharing its distinct slots
-DECODE_TILES = LoRATiles(block_m=16, k_chunk=256, block_n=128)
-PREFILL_TILES = LoRATiles(block_m=64, k_chunk=1024, block_n=128)
+DECODE_TILES = LoRATiles(block_m=16, k_chunk=256, block_n=128, slot_programs=8)
+PREFILL_TILES = LoRATiles(block_m=64, k_chunk=1024, block_n=128, slot_programs=4)
 PREFILL_ROWS = 1024
 
 
@@ -161,7 +163,7 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     splits = triton.cdiv(K, t.k_chunk)
     partials = torch.empty(splits, T, SR, dtype=torch.float32, device=x.device)
     tiles_m = triton.cdiv(T, t.block_m)
-    slot_programs = min(L, T, MAX_SLOT_PROGRAMS)
+    slot_programs = min(L, T, t.slot_programs)
     dot = dot_args(_shrink_kernel, x.dtype)
     block_r = min(64, max(16, triton.next_power_of_2(SR)))
     r_blocks = triton.cdiv(SR, block_r)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_async.kernels.lora_ops import lora_add, lora_add_reference
-from megatron_async.kernels.triton_lora import (DECODE_TILES, MAX_SLOT_PROGRAMS, PREFILL_ROWS, PREFILL_TILES, LoRATiles,
+from megatron_async.kernels.triton_lora import (DECODE_TILES, PREFILL_ROWS, PREFILL_TILES, LoRATiles,
                                                  lora_add_triton, lora_tiles)
 
 
@@ -68,7 +68,7 @@ def test_bfloat16_close_to_float32():
     torch.testing.assert_close(got.float(), ref, rtol=5e-2, atol=2e-1)
 
 
-SPLIT_TILES = LoRATiles(block_m=16, k_chunk=64, block_n=32)  # small K cut in several splits
+SPLIT_TILES = LoRATiles(block_m=16, k_chunk=64, block_n=32, slot_programs=4)  # small K in several splits
 
 
 @pytest.mark.parametrize("R", [1, 8, 16])
@@ -84,12 +84,12 @@ def test_split_k_equals_reference(R):
     lora_add_triton(got, x, a, b, scale, slots, starts, tiles=SPLIT_TILES)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(ref, _per_row(y, x, a, b, scale, slots, slices), rtol=1e-5, atol=1e-4)
-    assert len(set(slots[:16].tolist()) - {-1}) > MAX_SLOT_PROGRAMS  # a program handles several slots
+    assert len(set(slots[:16].tolist()) - {-1}) > 2 * SPLIT_TILES.slot_programs  # 3 slots for some programs
     base = slots[:40] < 0
     assert base.any() and torch.equal(got[base], y[base])
 
 
-@pytest.mark.parametrize("tiles", [DECODE_TILES, PREFILL_TILES])
+@pytest.mark.parametrize("tiles", [DECODE_TILES, PREFILL_TILES, LoRATiles(32, 128, 64, 1)])
 def test_tile_settings_equal_reference(tiles):
     y, x, a, b, scale, slots, starts, slices = _case(T=70, K=1100, L=4, seed=7)
     x *= 0.1
@@ -130,4 +130,4 @@ def test_default_mode_tiles_by_rows():
     assert lora_tiles(PREFILL_ROWS + 1, False) == PREFILL_TILES
     with pytest.raises(ValueError, match="multiple"):
         y, x, a, b, scale, slots, starts, _ = _case(T=2)
-        lora_add_triton(y, x, a, b, scale, slots, starts, tiles=LoRATiles(16, 100, 32))
+        lora_add_triton(y, x, a, b, scale, slots, starts, tiles=LoRATiles(16, 100, 32, 1))
