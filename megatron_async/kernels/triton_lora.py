@@ -10,9 +10,9 @@ walking all of K in one.
 
 Slots: a program of the grid's last axis handles the q-th, (q+Q)-th, ... distinct adapter slot
 among its tile's rows (Q = min(slots, rows, ``slot_programs``)), found on the device from the
-tile's own slots:
-no sort and no host reads, so a step's launch is the same for any mix of adapters (a CUDA graph
-replays every mix); a tile without adapter rows does no loads beyond its slots and no FLOPs.
+tile's own slots: no sort and no host reads, so a step's launch is the same for any mix of
+adapters (a CUDA graph replays every mix); a tile without adapter rows does no loads beyond its
+slots and no FLOPs.
 
 Batch invariance: a row's result depends only on its own row and adapter. Its K walk (chunk
 bounds, BLOCK_K steps), the split sum order and the expand's rank walk are fixed by K and the
