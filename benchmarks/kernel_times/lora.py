@@ -63,13 +63,14 @@ def _errors(dev: torch.device) -> None:
 
 
 def _tiles(t: LoRATiles) -> str:
-    return f"{t.block_m}/{t.k_chunk}/{t.block_n}/{t.slot_programs}"
+    return f"{t.block_m}/{t.k_chunk}/{t.block_k}/{t.block_n}/{t.slot_programs}"
 
 
 def _sweep(name: str, t: int, x, y, sets, slots, starts) -> None:
     timed = []
-    for bm, chunk, bn, q in itertools.product((16, 64), (256, 512, 1024), (128, 256), (1, 2, 8)):
-        tiles = LoRATiles(bm, chunk, bn, q)
+    chunks = ((256, 64), (256, 256), (512, 128), (512, 256), (1024, 64))
+    for bm, (chunk, bk), bn, q in itertools.product((16, 64), chunks, (128, 256), (2, 8)):
+        tiles = LoRATiles(bm, chunk, bk, bn, q)
         timed.append((_time(lambda *a, tiles=tiles: lora_add_triton(*a, tiles=tiles), x, y, sets, slots, starts),
                       tiles))
     timed.sort(key=lambda r: r[0])
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> None:
     dev = torch.device("cuda")
     _errors(dev)
     print(f"\n{ADAPTERS} adapters of rank {RANK}, bf16; us per call in a graph; "
-          "tiles block_m/k_chunk/block_n/slot_programs")
+          "tiles block_m/k_chunk/block_k/block_n/slot_programs")
     print("| target | rows | adapters | single-pass | split-K | split-K batch-invariant | single / split | tiles |")
     print("|---|---:|---|---:|---:|---:|---:|---|")
     step = {}  # rows -> [single-pass, split-K] us of one decode step's LoRA ops (round-robin rows)

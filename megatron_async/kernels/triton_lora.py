@@ -32,15 +32,15 @@ from megatron_async.kernels.triton_paged_common import TL_DTYPES, dot_args
 @dataclass(frozen=True)
 class LoRATiles:
     block_m: int  # rows per program (a tl.dot needs 16 or more)
-    k_chunk: int  # K columns of one shrink split (a multiple of SHRINK_BLOCK_K)
+    k_chunk: int  # K columns of one shrink split
+    block_k: int  # K columns of one shrink step (divides k_chunk; = k_chunk: the split's loads at once)
     block_n: int  # output columns per expand program
     slot_programs: int  # programs per row tile sharing its distinct slots (more: parallel, but empty
     # programs where a tile holds fewer slots)
 
 
-SHRINK_BLOCK_K = 64
-DECODE_TILES = LoRATiles(block_m=16, k_chunk=256, block_n=128, slot_programs=8)
-PREFILL_TILES = LoRATiles(block_m=64, k_chunk=1024, block_n=128, slot_programs=4)
+DECODE_TILES = LoRATiles(block_m=16, k_chunk=256, block_k=256, block_n=128, slot_programs=8)
+PREFILL_TILES = LoRATiles(block_m=64, k_chunk=1024, block_k=64, block_n=128, slot_programs=4)
 PREFILL_ROWS = 1024
 
 
@@ -157,8 +157,8 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     if T == 0:
         return
     t = tiles or lora_tiles(T, batch_invariant)
-    if t.k_chunk % SHRINK_BLOCK_K:
-        raise ValueError(f"k_chunk {t.k_chunk} is not a multiple of {SHRINK_BLOCK_K}")
+    if t.k_chunk % t.block_k:
+        raise ValueError(f"k_chunk {t.k_chunk} is not a multiple of block_k {t.block_k}")
     x = x.contiguous()
     splits = triton.cdiv(K, t.k_chunk)
     partials = torch.empty(splits, T, SR, dtype=torch.float32, device=x.device)
@@ -170,7 +170,7 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     _shrink_kernel[(tiles_m, splits * r_blocks, slot_programs)](
         x, a, partials, slots, T, K, SR, x.stride(0), a.stride(0), a.stride(1), partials.stride(0),
         partials.stride(1), R_BLOCKS=r_blocks, K_CHUNK=t.k_chunk, BLOCK_M=t.block_m, BLOCK_R=block_r,
-        BLOCK_K=SHRINK_BLOCK_K, **dot)
+        BLOCK_K=t.block_k, **dot)
     _expand_kernel[(tiles_m, triton.cdiv(N, t.block_n), slot_programs)](
         partials, b, y, slots, scale, starts, T, N, R, partials.stride(0), partials.stride(1), b.stride(0),
         b.stride(1), y.stride(0), scale.stride(0), SPLITS=splits, NUM_SLICES=SR // R, S_DTYPE=TL_DTYPES[x.dtype],

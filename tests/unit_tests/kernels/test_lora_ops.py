@@ -68,7 +68,7 @@ def test_bfloat16_close_to_float32():
     torch.testing.assert_close(got.float(), ref, rtol=5e-2, atol=2e-1)
 
 
-SPLIT_TILES = LoRATiles(block_m=16, k_chunk=64, block_n=32, slot_programs=4)  # small K in several splits
+SPLIT_TILES = LoRATiles(block_m=16, k_chunk=64, block_k=32, block_n=32, slot_programs=4)  # small K, several splits
 
 
 @pytest.mark.parametrize("R", [1, 8, 16])
@@ -89,7 +89,7 @@ def test_split_k_equals_reference(R):
     assert base.any() and torch.equal(got[base], y[base])
 
 
-@pytest.mark.parametrize("tiles", [DECODE_TILES, PREFILL_TILES, LoRATiles(32, 128, 64, 1)])
+@pytest.mark.parametrize("tiles", [DECODE_TILES, PREFILL_TILES, LoRATiles(32, 128, 128, 64, 1)])
 def test_tile_settings_equal_reference(tiles):
     y, x, a, b, scale, slots, starts, slices = _case(T=70, K=1100, L=4, seed=7)
     x *= 0.1
@@ -130,4 +130,4 @@ def test_default_mode_tiles_by_rows():
     assert lora_tiles(PREFILL_ROWS + 1, False) == PREFILL_TILES
     with pytest.raises(ValueError, match="multiple"):
         y, x, a, b, scale, slots, starts, _ = _case(T=2)
-        lora_add_triton(y, x, a, b, scale, slots, starts, tiles=LoRATiles(16, 100, 32, 1))
+        lora_add_triton(y, x, a, b, scale, slots, starts, tiles=LoRATiles(16, 100, 64, 32, 1))
