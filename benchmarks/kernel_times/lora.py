@@ -6,7 +6,8 @@ the split-K kernels with the default mode's tiles and with batch-invariant mode'
 ``PREFILL_ROWS`` rows). The last line sums one decode step's 4 targets x 36 layers at each row
 count. The error lines first are for orientation: the assertions are the tests' (test_lora_ops*.py).
 
-    python -m benchmarks kernel-times lora [--rows 1 8 64 128 512 4096] [--sweep]"""
+    python -m benchmarks kernel-times lora [--rows 1 8 64 128 512 4096]
+    python -m benchmarks kernel-times lora --sweep --rows 1 128 4096 --targets qkv down"""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ TARGETS = (("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate_up", 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 128, 512, 4096])
     p.add_argument("--sweep", action="store_true", help="also time a grid of split-K tiles per row count")
+    p.add_argument("--targets", nargs="+", choices=[name for name, _, _ in TARGETS], default=None)
 
 
 def _weights(k: int, widths: tuple[int, ...], dev: torch.device):
@@ -88,6 +90,8 @@ def run(args: argparse.Namespace) -> None:
     step = {}  # rows -> [single-pass, split-K] us of one decode step's LoRA ops (round-robin rows)
     invariant = lambda *a: lora_add_triton(*a, batch_invariant=True)  # noqa: E731
     for name, k, widths in TARGETS:
+        if args.targets and name not in args.targets:
+            continue
         sets, starts, _ = _weights(k, widths, dev)
         for t in args.rows:
             x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
@@ -105,5 +109,6 @@ def run(args: argparse.Namespace) -> None:
                     acc[1] += new * MODEL_LAYERS
             if args.sweep:
                 _sweep(name, t, x, y, sets, round_robin, starts)
-    print("\nLoRA ops of one step (4 targets x 36 layers, round-robin rows), ms: " + "; ".join(
+    timed = args.targets or [name for name, _, _ in TARGETS]
+    print(f"\nLoRA ops of one step ({'/'.join(timed)} x {MODEL_LAYERS} layers, round-robin rows), ms: " + "; ".join(
         f"T={t} {old / 1e3:.2f} -> {new / 1e3:.2f}" for t, (old, new) in step.items()))
