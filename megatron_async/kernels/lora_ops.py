@@ -7,10 +7,10 @@ is. A fused projection (q/k/v, gate/up) has one slice per part, each with its ow
 own B rows (its own columns of y); a plain linear has one slice.
 
 Two implementations of the same arithmetic (PEFT's order: the rank-space product rounded to the
-model dtype, then the expanded product, then the scale, then the add): the Triton shrink /
-expand pair (``triton_lora``) on CUDA and in batch-invariant mode (interpreted on CPU, as the
+model dtype, then the expanded product, then the scale, then the add): the Triton split-K shrink
+/ expand pair (``triton_lora``) on CUDA and in batch-invariant mode (interpreted on CPU, as the
 batch-invariant matmul is), and a torch reference elsewhere, which groups the rows by slot on
-the host (CPU only: it reads the slots)."""
+the host (CPU only: it reads the slots). They differ only in float32 sum orders."""
 from __future__ import annotations
 
 import functools
@@ -25,7 +25,7 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     ``a`` [L, S*R, K]; ``b`` [L, N, R]; ``scale`` [L, S] float32; ``slots`` [>= T] int32;
     ``starts`` [S + 1] int32 on the device and ``slices`` the same (start, end) columns on the host."""
     if x.is_cuda or batch_invariant:
-        _triton()(y, x, a, b, scale, slots, starts)
+        _triton()(y, x, a, b, scale, slots, starts, batch_invariant)
     else:
         lora_add_reference(y, x, a, b, scale, slots, slices)
 

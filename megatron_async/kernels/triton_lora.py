@@ -2,112 +2,176 @@
 ``expand`` (``y[:, slice] += scale[slot, j] * s_j @ B[slot, slice].T`` for every output slice j),
 every row with its own adapter slot, -1 adding nothing.
 
-The grid has one axis over the adapter slots: a program computes the rows of its tile whose
-slot is its own and leaves the others alone (a tile without such a row returns at once). No
-sort and no host work: the per-token slots are read on the device, so a step's launch is the
-same for any mix of adapters (a CUDA graph replays every mix). A row's result is a function of
-its own input row and its adapter only: the K walk of ``shrink`` and the rank walk of
-``expand`` do not depend on the rows around it, which keeps batch-invariant mode exact.
+Split-K shrink: K is cut into fixed chunks of ``k_chunk`` columns, one program per (row tile,
+chunk), each writing float32 partial sums to ``partials[split, t, S*R]``; the expand sums a row's
+partials in split order (0, 1, ...), rounds the sum to the model dtype (PEFT's rank-space
+product) and expands it. A batch-1 decode step thus reads A with K/k_chunk programs instead of
+walking all of K in one.
 
-Precision follows PEFT's: the rank-space product is rounded to the model dtype before the
-expand, the scale applied to the expanded product, then added to ``y``."""
+Slots: a program of the grid's last axis handles the q-th, (q+Q)-th, ... distinct adapter slot
+among its tile's rows (Q = min(slots, rows, ``slot_programs``)), found on the device from the
+tile's own slots: no sort and no host reads, so a step's launch is the same for any mix of
+adapters (a CUDA graph replays every mix); a tile without adapter rows does no loads beyond its
+slots and no FLOPs.
+
+Batch invariance: a row's result depends only on its own row and adapter. Its K walk (chunk
+bounds, BLOCK_K steps), the split sum order and the expand's rank walk are fixed by K and the
+tile sizes, and batch-invariant mode fixes the tile sizes (``lora_tiles``); the default mode takes
+larger tiles and chunks above ``PREFILL_ROWS`` rows, which changes float32 sum orders only."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from megatron_async.kernels.triton_paged_common import dot_args
+from megatron_async.kernels.triton_paged_common import TL_DTYPES, dot_args
+
+
+@dataclass(frozen=True)
+class LoRATiles:
+    block_m: int  # rows per program (a tl.dot needs 16 or more)
+    k_chunk: int  # K columns of one shrink split
+    block_k: int  # K columns of one shrink step (divides k_chunk; = k_chunk: the split's loads at once)
+    block_n: int  # output columns per expand program
+    slot_programs: int  # programs per row tile sharing its distinct slots (more: parallel, but empty
+    # programs where a tile holds fewer slots)
+
+
+DECODE_TILES = LoRATiles(block_m=16, k_chunk=256, block_k=256, block_n=128, slot_programs=8)
+PREFILL_TILES = LoRATiles(block_m=64, k_chunk=1024, block_k=128, block_n=128, slot_programs=4)
+PREFILL_ROWS = 256
+
+
+def lora_tiles(rows: int, batch_invariant: bool) -> LoRATiles:
+    """Decode tiles (many K splits: latency-bound reads of A) up to ``PREFILL_ROWS`` rows and always
+    in batch-invariant mode; above, taller tiles and fewer splits (fewer partials for the expand
+    to sum again per column block)."""
+    return DECODE_TILES if batch_invariant or rows <= PREFILL_ROWS else PREFILL_TILES
 
 
 @triton.jit
-def _own_rows(slots_ptr, T, BLOCK_M: tl.constexpr):
-    """This program's tile of rows (grid axis 0), which of them hold its adapter slot (axis 2),
-    and whether any does (else the program has nothing to do)."""
+def _next_slot(slots, after):
+    """The smallest slot among the tile's rows above ``after``; 2**31 - 1 when there is none."""
+    return tl.min(tl.where(slots > after, slots, 2147483647), axis=0)
+
+
+@triton.jit
+def _first_own_slot(slots):
+    """This program's first slot: the tile's ``program_id(2)``-th distinct slot."""
+    lora = _next_slot(slots, -1)
+    for _ in range(tl.program_id(2)):
+        lora = _next_slot(slots, lora)
+    return lora
+
+
+@triton.jit
+def _next_own_slot(slots, lora):
+    """This program's next slot: ``num_programs(2)`` distinct slots further."""
+    for _ in range(tl.num_programs(2)):
+        lora = _next_slot(slots, lora)
+    return lora
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, p_ptr, slots_ptr, T, K, SR,
+                   stride_xt, stride_al, stride_ar, stride_ps, stride_pt,
+                   R_BLOCKS: tl.constexpr, K_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    split, pid_r = tl.program_id(1) // R_BLOCKS, tl.program_id(1) % R_BLOCKS
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_in = offs_m < T
-    slots = tl.load(slots_ptr + offs_m, mask=m_in, other=-1)
-    mine = m_in & (slots == tl.program_id(2))
-    return offs_m, mine, tl.max(mine.to(tl.int32), axis=0) > 0
-
-
-@triton.jit
-def _shrink_kernel(x_ptr, a_ptr, s_ptr, slots_ptr, T, K, SR,
-                   stride_xt, stride_al, stride_ar, stride_st,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid_r, lora = tl.program_id(1), tl.program_id(2)
-    offs_m, mine, any_mine = _own_rows(slots_ptr, T, BLOCK_M)
-    if any_mine:
-        offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        r_in = offs_r < SR
-        offs_k = tl.arange(0, BLOCK_K)
+    slots = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_in = offs_r < SR
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = split * K_CHUNK
+    k_hi = tl.minimum(k_lo + K_CHUNK, K)
+    x_rows = x_ptr + offs_m[:, None] * stride_xt
+    out = p_ptr + split * stride_ps + offs_m[:, None] * stride_pt + offs_r[None, :]
+    lora = _first_own_slot(slots)
+    while lora < 2147483647:
+        mine = slots == lora
+        a_cols = a_ptr + lora.to(tl.int64) * stride_al + offs_r[None, :] * stride_ar
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        x_rows = x_ptr + offs_m[:, None] * stride_xt
-        a_cols = a_ptr + lora * stride_al + offs_r[None, :] * stride_ar
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + offs_k
-            k_in = k < K
+            k_in = k < k_hi
             x = tl.load(x_rows + k[None, :], mask=mine[:, None] & k_in[None, :], other=0.0)
             a = tl.load(a_cols + k[:, None], mask=k_in[:, None] & r_in[None, :], other=0.0)
             acc = tl.dot(x.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-        out = s_ptr + offs_m[:, None] * stride_st + offs_r[None, :]
-        tl.store(out, acc.to(s_ptr.dtype.element_ty), mask=mine[:, None] & r_in[None, :])
+        tl.store(out, acc, mask=mine[:, None] & r_in[None, :])
+        lora = _next_own_slot(slots, lora)
 
 
 @triton.jit
-def _expand_kernel(s_ptr, b_ptr, y_ptr, slots_ptr, scale_ptr, starts_ptr, T, N, R,
-                   stride_st, stride_bl, stride_bn, stride_yt, stride_scale,
-                   NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+def _expand_kernel(p_ptr, b_ptr, y_ptr, slots_ptr, scale_ptr, starts_ptr, T, N, R,
+                   stride_ps, stride_pt, stride_bl, stride_bn, stride_yt, stride_scale,
+                   SPLITS: tl.constexpr, NUM_SLICES: tl.constexpr, S_DTYPE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid_n, lora = tl.program_id(1), tl.program_id(2)
-    offs_m, mine, any_mine = _own_rows(slots_ptr, T, BLOCK_M)
-    if any_mine:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_in = offs_r < R
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_in = offs_r < R
+    y_tile = y_ptr + offs_m[:, None] * stride_yt + offs_n[None, :]
+    lora = _first_own_slot(slots)
+    while lora < 2147483647:
+        mine = slots == lora
         delta = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for j in tl.static_range(NUM_SLICES):  # a column belongs to one slice: the others add nothing to it
             n_lo = tl.load(starts_ptr + j)
             n_hi = tl.load(starts_ptr + j + 1)
             n_in = (offs_n >= n_lo) & (offs_n < n_hi)
             if tl.max(n_in.to(tl.int32), axis=0) > 0:
-                s = tl.load(s_ptr + offs_m[:, None] * stride_st + (j * R + offs_r)[None, :],
-                            mask=mine[:, None] & r_in[None, :], other=0.0)
-                b = tl.load(b_ptr + lora * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None],
+                part_rows = p_ptr + offs_m[:, None] * stride_pt + (j * R + offs_r)[None, :]
+                keep_s = mine[:, None] & r_in[None, :]
+                s = tl.load(part_rows, mask=keep_s, other=0.0)
+                for split in tl.static_range(1, SPLITS):  # split order, fixed by K alone
+                    s += tl.load(part_rows + split * stride_ps, mask=keep_s, other=0.0)
+                s = s.to(S_DTYPE)  # the rank-space product in the model dtype, as PEFT rounds it
+                b = tl.load(b_ptr + lora.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None],
                             mask=r_in[:, None] & n_in[None, :], other=0.0)
                 part = tl.dot(s.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=DOT_PRECISION)
                 part = part.to(y_ptr.dtype.element_ty).to(tl.float32)  # the expanded product in the model dtype
                 scale = tl.load(scale_ptr + lora * stride_scale + j)
-                delta += tl.where(n_in[None, :], part * scale, 0.0)
-        y_tile = y_ptr + offs_m[:, None] * stride_yt + offs_n[None, :]
+                delta = tl.where(n_in[None, :], part * scale, delta)
         keep = mine[:, None] & (offs_n < N)[None, :]
         y = tl.load(y_tile, mask=keep, other=0.0)
         delta = delta.to(y_ptr.dtype.element_ty)  # rounded like PEFT's ``lora_B(...) * scaling``
         tl.store(y_tile, (y.to(tl.float32) + delta.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=keep)
+        lora = _next_own_slot(slots, lora)
 
 
 def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
-                    slots: torch.Tensor, starts: torch.Tensor) -> None:
+                    slots: torch.Tensor, starts: torch.Tensor, batch_invariant: bool = False,
+                    tiles: LoRATiles | None = None) -> None:
     """In place: ``y[t, slice j] += scale[l, j] * (x[t] @ A[l, jR:(j+1)R].T) @ B[l, slice j].T`` for
     every row t with ``slots[t] == l >= 0``. Shapes: x [T, K], y [T, N], A [L, S*R, K], B [L, N, R],
     scale [L, S] float32, slots [>= T] int32, starts [S + 1] int32 (slice j: columns
-    ``starts[j]:starts[j+1]`` of y)."""
+    ``starts[j]:starts[j+1]`` of y). ``tiles``: ``lora_tiles(T, batch_invariant)`` unless given."""
     T, K = x.shape
     L, SR, _ = a.shape
     N, R = b.shape[1], b.shape[2]
-    S = SR // R
     if T == 0:
         return
+    t = tiles or lora_tiles(T, batch_invariant)
+    if t.k_chunk % t.block_k:
+        raise ValueError(f"k_chunk {t.k_chunk} is not a multiple of block_k {t.block_k}")
     x = x.contiguous()
-    s = torch.empty(T, SR, dtype=x.dtype, device=x.device)
+    splits = triton.cdiv(K, t.k_chunk)
+    partials = torch.empty(splits, T, SR, dtype=torch.float32, device=x.device)
+    tiles_m = triton.cdiv(T, t.block_m)
+    slot_programs = min(L, T, t.slot_programs)
     dot = dot_args(_shrink_kernel, x.dtype)
-    block_m = 16
     block_r = min(64, max(16, triton.next_power_of_2(SR)))
-    _shrink_kernel[(triton.cdiv(T, block_m), triton.cdiv(SR, block_r), L)](
-        x, a, s, slots, T, K, SR, x.stride(0), a.stride(0), a.stride(1), s.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, **dot)
-    block_n = 64
-    _expand_kernel[(triton.cdiv(T, block_m), triton.cdiv(N, block_n), L)](
-        s, b, y, slots, scale, starts, T, N, R, s.stride(0), b.stride(0), b.stride(1), y.stride(0), scale.stride(0),
-        NUM_SLICES=S, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(R)), **dot)
+    r_blocks = triton.cdiv(SR, block_r)
+    _shrink_kernel[(tiles_m, splits * r_blocks, slot_programs)](
+        x, a, partials, slots, T, K, SR, x.stride(0), a.stride(0), a.stride(1), partials.stride(0),
+        partials.stride(1), R_BLOCKS=r_blocks, K_CHUNK=t.k_chunk, BLOCK_M=t.block_m, BLOCK_R=block_r,
+        BLOCK_K=t.block_k, **dot)
+    _expand_kernel[(tiles_m, triton.cdiv(N, t.block_n), slot_programs)](
+        partials, b, y, slots, scale, starts, T, N, R, partials.stride(0), partials.stride(1), b.stride(0),
+        b.stride(1), y.stride(0), scale.stride(0), SPLITS=splits, NUM_SLICES=SR // R, S_DTYPE=TL_DTYPES[x.dtype],
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_R=max(16, triton.next_power_of_2(R)), **dot)
