@@ -113,11 +113,13 @@ def table(rows: dict[str, dict], args: argparse.Namespace) -> list[dict]:
     serving = get("adapters", "serving") or {}
     for op in ("unload", "load"):
         s = serving.get(op)
-        out.append({"measure": f"{op}_lora, {args.serving} running: step gap ms median / longest (call ms); "
+        what = "(call ms)" if op == "unload" else "(install ms; prepare ms off the loop)"
+        prep = "" if s is None or op == "unload" else f"; {serving['prepare_ms']:.1f}"
+        out.append({"measure": f"{op}_lora, {args.serving} running: step gap ms median / longest {what}; "
                                "stall over the median in steps",
                     "values": [None, None, None], "fmt": ".2f",
                     "text": "-" if s is None else (f"{serving['median_gap_ms']:.2f} / {s['longest_gap_ms']:.2f} "
-                                                   f"({s['call_ms']:.1f})"),
+                                                   f"({s['call_ms']:.1f}{prep})"),
                     "idle": None, "adapters": None if s is None else s["stall_steps"], "target": "<= 1 step stall",
                     "met": None if s is None else s["stall_steps"] <= TARGETS["stall_steps"]})
     return out
