@@ -186,3 +186,36 @@ def test_server_steps_while_an_adapter_is_prepared(files):
         release.set()
         loop.stop()
     llm.close()
+
+
+def test_follower_rank_settles_each_load_by_its_name(files, tmp_path):
+    """A TP rank > 0 (``follow_rank0``) holds two adapters' loads at once and installs each when
+    rank 0 says so, in rank 0's order (each settle names its adapter)."""
+    from megatron_async.dp_engine.engine_ops import follow_rank0
+
+    base, path = files
+    other = make_peft_adapter(base, tmp_path / "b", 4, 8, ["k_proj", "up_proj"], seed=2)
+    llm = make_llm(base, **ENGINE)
+    adapters = llm.engine.context.lora
+    order = []
+    real_load = adapters.load
+    adapters.load = lambda name, source: order.append(name) or real_load(name, source)
+    commands = iter([["admin", "load_lora_adapter", {"lora_name": "a", "lora_path": str(path)}],
+                     ["admin", "load_lora_adapter", {"lora_name": "b", "lora_path": str(other)}],
+                     ["settle", "load_lora_adapter:b"], ["settle", "load_lora_adapter:a"], "stop"])
+
+    class Rank0:
+        def broadcast_object(self, _):
+            return next(commands)
+
+    follow_rank0(llm.engine, Rank0())
+    assert order == ["b", "a"] and sorted(adapters.loaded) == ["a", "b"]
+    reference = make_llm(base, **ENGINE)
+    reference.load_lora("a", path)
+    reference.load_lora("b", other)
+    for name in ("a", "b"):
+        got = _slot_state(adapters, adapters.slot_of(name))
+        want = _slot_state(reference.engine.context.lora, reference.engine.context.lora.slot_of(name))
+        assert all(torch.equal(x, y) for x, y in zip(got, want)), name
+    reference.close()
+    llm.close()
