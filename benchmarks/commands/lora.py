@@ -1,8 +1,9 @@
 """What LoRA adapters cost: the base engine, an ``enable_lora`` engine whose requests name no
 adapter, and one whose requests name its adapters round-robin, each freshly built (its own
 process on a GPU), same weights and same requests: workload A's output tok/s (greedy and sampled),
-batch-1 decode ms per step, and the step gaps around a ``load_lora`` / ``unload_lora`` called
-between the steps of a running workload. Prints one markdown table last.
+batch-1 decode ms per step, and the step gaps around an ``unload_lora`` and a load (prepared on a
+thread while the workload steps, installed between two steps, as the server's route does) of a
+running workload. Prints one markdown table last.
 
     python -m benchmarks lora                        # qwen3-8b, 128 requests, 8 adapters of rank 16
     python -m benchmarks lora --requests 64 --adapters 4 --rank 8 --json lora.json
