@@ -112,7 +112,8 @@ def timed(llm: LLM, plan: Plan, requests: list[WorkloadRequest], warmup: list[Wo
     s = summarize(run, st, torch.device(plan.device))
     return {"tok_s": s.output_tokens_per_s, "decode_ms": s.mean_decode_step_ms, "tpot_ms": s.tpot_p50_ms,
             "decode_batch": s.mean_decode_batch, "failed": s.failed_requests, "lora_requests": st.lora_requests,
-            "graph_replays": st.graph_replays,
+            "graph_replays": st.graph_replays, "lora_free_steps": st.lora_free_steps,
+            "lora_free_graph_replays": st.lora_free_graph_replays, "steps": st.steps,
             "tokens": [o.generated_tokens if o is not None else None for o in run.outputs]}
 
 
@@ -139,6 +140,7 @@ def run_config(name: str, plan: Plan) -> dict:
     st = llm.engine.stats
     row["graph_captures_after_warmup"] = st.graph_captures_after_warmup
     row["triton_builds_after_warmup"] = st.triton_builds_after_warmup
+    row["warmup_graphs"], row["warmup_s"] = st.warmup_graphs, st.warmup_seconds
     llm.close()
     return row
 

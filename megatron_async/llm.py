@@ -97,17 +97,19 @@ class LLM:
         self.tensor_parallel_size, self.expert_parallel_size = tensor_parallel_size, expert_parallel_size
         self.communicator: ZMQCommunicator | None = None
         self.parallel = ParallelState()
-        self._start_up = self._join(tensor_parallel_size, expert_parallel_size)
+        with self.startup.phase("join"):  # compile workers, the torchrun process group
+            self._start_up = self._join(tensor_parallel_size, expert_parallel_size)
         try:
-            comm = self.config.communication()
-            self.parallel = with_p2p_all_reduce(self.parallel, comm.tp_all_reduce,
-                                                comm.p2p_all_reduce_max_bytes, self.device,
-                                                fused_norm=comm.tp_fused_norm)
-            self.parallel = with_p2p_exchange(self.parallel, comm.ep_p2p_exchange, self.device)
-            if self.parallel.is_distributed:
-                self.communicator = ZMQCommunicator.from_rendezvous(
-                    self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size,
-                    shared_memory=comm.consensus_shared_memory, spin_us=comm.consensus_spin_us)
+            with self.startup.phase("communicators"):  # P2P buffers, the ranks' host consensus
+                comm = self.config.communication()
+                self.parallel = with_p2p_all_reduce(self.parallel, comm.tp_all_reduce,
+                                                    comm.p2p_all_reduce_max_bytes, self.device,
+                                                    fused_norm=comm.tp_fused_norm)
+                self.parallel = with_p2p_exchange(self.parallel, comm.ep_p2p_exchange, self.device)
+                if self.parallel.is_distributed:
+                    self.communicator = ZMQCommunicator.from_rendezvous(
+                        self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size,
+                        shared_memory=comm.consensus_shared_memory, spin_us=comm.consensus_spin_us)
             with self._start_up:  # the compile workers end with the start-up
                 self._build(model, default_model, seed, drafter)
             self.startup.total_seconds = time.perf_counter() - t0
@@ -222,7 +224,7 @@ class LLM:
 
         logits_only = self.config.structured_outputs_backend != "off" and any_installed()  # steps with grammar rows
         return CudaGraphRunner(self.runner, self.config.graph_sizing(), mixed=mixed, collective=self.parallel.ep_size > 1,
-                               verify=triton_attention, logits_only=logits_only)
+                               verify=triton_attention, logits_only=logits_only, lora_free=self.context.lora_skips)
 
     def _plans_memory(self) -> bool:
         """CUDA without a KV size in the config: the pool is planned from measured memory."""

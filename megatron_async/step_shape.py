@@ -24,6 +24,7 @@ class StepShape:
     num_drafts: list[int] | None = None  # host copy: drafts each row verifies (speculative decoding)
     verify_width: int = 0  # > 0: a uniform verify step, every row this many tokens and samples (padded)
     any_grammar: bool = False  # some sampling row has a grammar: its sampling waits for the host's token masks
+    any_lora: bool = True  # some token has a LoRA adapter (LoRA engines); False: its forward may skip the adapters
     num_multi_rows: int = -1  # hybrid: rows of several tokens that verify no drafts (see mamba_row_order); -1: unknown (a graph's shape)
 
     def __post_init__(self):

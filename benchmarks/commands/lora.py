@@ -147,7 +147,9 @@ def checks(rows: dict[str, dict], args: argparse.Namespace) -> dict:
         run = (rows.get(cfg) or {}).get("greedy")
         if run is None:
             continue
-        out[cfg] = {"lora_requests": run["lora_requests"], "failed": run["failed"]}
+        out[cfg] = {"lora_requests": run["lora_requests"], "failed": run["failed"],
+                    "lora_free": f"{run['lora_free_steps']} of {run['steps']} steps, "
+                                 f"{run['lora_free_graph_replays']} graph replays"}
         if base is not None:
             out[cfg]["same_tokens_as_base"] = sum(a == b for a, b in zip(run["tokens"], base))
             out[cfg]["first_request_differs"] = run["tokens"][0] != base[0]
@@ -167,7 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
     for cfg, c in checked.items():
         print(f"{cfg}: {c.get('same_tokens_as_base', '-')} of {args.requests} greedy requests with the base model's "
               f"tokens, first request differs: {c.get('first_request_differs', '-')}, lora_requests "
-              f"{c['lora_requests']}, failed {c['failed']}")
+              f"{c['lora_requests']}, failed {c['failed']}; LoRA-free {c['lora_free']}")
+    for cfg, r in rows.items():
+        print(f"{cfg}: warm-up {r.get('warmup_graphs')} graphs in {r.get('warmup_s', 0):.1f} s, build {r['build_s']:.1f} s")
     if "adapters" in rows:
         r = rows["adapters"]
         print(f"adapters: the adapter loaded while serving answers unlike the base model: "

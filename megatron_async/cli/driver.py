@@ -17,7 +17,8 @@ from megatron_async.inference.engines.engine_stats import EngineStats
 from megatron_async.inference.request import InvalidRequestError, RequestOutput, SamplingParams
 
 # Counters the engine copies into its stats as running totals (scheduler, consensus exchange).
-_CUMULATIVE_STATS = ("paused", "evicted", "prefix_hit_tokens", "spec_off_rows", "consensus_rounds", "consensus_time")
+_CUMULATIVE_STATS = ("paused", "evicted", "prefix_hit_tokens", "spec_off_rows", "consensus_rounds", "consensus_time",
+                     "lora_free_steps", "lora_free_graph_replays")
 
 
 @dataclass(frozen=True)

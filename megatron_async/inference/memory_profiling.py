@@ -83,7 +83,8 @@ def profile_memory_plan(config: InferenceConfig, model, facade: DeviceFacade, dt
         peak = int(EP_PEAK_SHARE * reader.read().total)
     bytes_per_block = probe_kv // probe.num_kv_blocks
     itemsize = dtype.itemsize if runner.sampler.reads_model_dtype else 4  # the logits the sampler reads
-    decode_logits = decode_logits_bytes(config.graph_sizing(), model.vocab_size * itemsize, ep_size > 1)
+    decode_logits = decode_logits_bytes(config.graph_sizing(), model.vocab_size * itemsize, ep_size > 1,
+                                        probe.lora_skips)
     graphs = peak + decode_logits if config.cuda_graphs else 0
     del runner, probe
     reader.release_cached()
@@ -99,10 +100,13 @@ def profile_memory_plan(config: InferenceConfig, model, facade: DeviceFacade, dt
     return _agree(plan)
 
 
-def decode_logits_bytes(config: GraphSizing, row_bytes: int, collective: bool) -> int:
+def decode_logits_bytes(config: GraphSizing, row_bytes: int, collective: bool, lora_free: bool = False) -> int:
     """What a plain engine's decode forward graphs keep as their outputs (``ModelRunner.graph_logits``):
-    [rows, V] logits for every decode size, ``row_bytes`` a row (engines that capture whole steps: none)."""
-    return sum(decode_batch_sizes(config)) * row_bytes if splits_sampling(config, collective) else 0
+    [rows, V] logits for every decode size, ``row_bytes`` a row (engines that capture whole steps: none);
+    ``lora_free``: twice, the LoRA-free twins' too (graph_plan.py)."""
+    if not splits_sampling(config, collective):
+        return 0
+    return sum(decode_batch_sizes(config)) * row_bytes * (2 if lora_free and not collective else 1)
 
 
 def _agree(plan: MemoryPlan) -> MemoryPlan:

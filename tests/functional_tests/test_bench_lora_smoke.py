@@ -1,4 +1,4 @@
-"""python -m benchmarks lora --smoke on the CPU: the three engines ran on the same requests, every
+"""python -m benchmarks lora --smoke on the CPU: the three engines ran on the same requests (the no-adapter engine's steps all LoRA-free), every
 row of the table was measured, the adapters' engine served its adapters (counted, tokens unlike the
 base model's) while the no-adapter engine named none, and the adapter loaded between two steps of a
 running workload served a request afterwards."""
@@ -26,6 +26,9 @@ def test_smoke_measures_every_row_and_uses_the_adapters(tmp_path, capsys):
     assert checks["adapters"]["first_request_differs"] and checks["adapters"]["same_tokens_as_base"] < 8
     assert checks["adapters"]["failed"] == checks["no-adapter"]["failed"] == 0
     assert rows["adapters"]["batch1"]["lora_requests"] == 1 and rows["base"]["batch1"]["lora_requests"] == 0
+    for run in ("greedy", "sampled", "batch1"):  # no adapter row: every step skipped LoRA; all adapter rows: none
+        assert rows["no-adapter"][run]["lora_free_steps"] == rows["no-adapter"][run]["steps"] > 0
+        assert rows["adapters"][run]["lora_free_steps"] == 0
     serving = rows["adapters"]["serving"]
     assert serving["fresh_differs_from_base"]
     for op in ("unload", "load"):

@@ -149,10 +149,16 @@ def test_without_lora_experts_the_experts_take_no_slots(setup):
 
 @pytest.mark.gpu
 def test_gpu_fp32_equals_cpu_and_bf16_graphs_equal_eager(setup):
-    """fp32 on CUDA (the Triton plan, LoRA and combine kernels, eager): the CPU's tokens; bf16 with
-    CUDA graphs (torch's grouped GEMM on Hopper): each row's tokens those of the same engine eager."""
-    adapters, prompts, _, expected = setup
+    """fp32 on CUDA (the Triton plan, LoRA and combine kernels, eager): the tokens of the same GPU
+    model with each adapter merged (the built-in model's random weights come from a generator on
+    its device: a CPU engine holds other weights); bf16 with CUDA graphs (torch's grouped GEMM on
+    Hopper): each row's tokens those of the same engine eager."""
+    adapters, prompts, _, _ = setup
     names = [None, "x", "y", "x", None, "y"]
+    expected = {name: [o.generated_tokens for o in ref.generate(prompts, _greedy())]
+                for name, ref in ((None, tiny_moe("cuda")), *((n, merge_into(tiny_moe("cuda"), adapters[n]))
+                                                             for n in ("x", "y")))}
+    assert expected["x"] != expected[None] and expected["y"] != expected[None]
     fp32 = _llm(adapters, device="cuda", cuda_graphs=False)
     outs = fp32.generate(prompts, [_greedy(n) for n in names])
     assert [o.generated_tokens for o in outs] == [expected[n][i] for i, n in enumerate(names)]

@@ -205,7 +205,7 @@ class DecodeRows:
                          bool(bits & LOG_PROBS), any_penalties=constant.any_penalties, filters=filters,
                          num_samples=R, sample_base=list(range(R)) if spec else None,
                          num_drafts=[0] * R if spec else None, num_multi_rows=0 if mamba else -1,
-                         any_grammar=bool(bits & GRAMMAR))
+                         any_grammar=bool(bits & GRAMMAR), any_lora=constant.any_lora)
 
     def _write_constant(self, v: dict[str, np.ndarray], buffer: int, slots: np.ndarray) -> _Constant:
         """The columns that depend only on which requests sit in which rows (their sampling
@@ -235,8 +235,9 @@ class DecodeRows:
         any_penalties = bool((v["sampling_slot"][:R] != self.padding_sampling_slot).any())
         if not any_penalties:
             v["suppress_stop"][:R] = False
+        any_lora = "lora_slot" in v and bool((v["lora_slot"][:R] >= 0).any())
         known = self._constant[buffer] = _Constant(key, int(np.bitwise_or.reduce(meta[:, _FLAG_BITS])),
-                                                   int(meta[:, _TOP_N].max()), any_penalties)
+                                                   int(meta[:, _TOP_N].max()), any_penalties, any_lora)
         return known
 
 
@@ -248,3 +249,5 @@ class _Constant:
     bits: int
     top_n: int
     any_penalties: bool
+    any_lora: bool
+    """Some row's request has a LoRA adapter (slot >= 0)."""

@@ -20,7 +20,7 @@ from megatron_async.inference.contexts.general_rows import assemble_rows
 from megatron_async.inference.contexts.gpu_view import ContextGPUView
 from megatron_async.inference.contexts.graph_padding import PaddingSlots, fill_padding, fill_verify_padding
 from megatron_async.inference.contexts.kv_block_allocator import KVBlockAllocator
-from megatron_async.inference.contexts.lora_rows import bind_adapter
+from megatron_async.inference.contexts.lora_rows import bind_adapter, skips_free_steps
 from megatron_async.inference.contexts.mamba_states import MambaStateManager, window_rows
 from megatron_async.inference.contexts.prefix_blocks import PrefixBlocks
 from megatron_async.inference.contexts.prompt_sharing import PromptSharing
@@ -70,6 +70,8 @@ class DynamicInferenceContext:
         # One model per engine; the key keeps identities apart should pools ever be shared.
         self._model_key = type(model).__name__.encode()
         self.lora = model.lora_adapters
+        self.lora_skips = skips_free_steps(self.lora)
+        """A step whose shape has no adapter row (``StepShape.any_lora``) runs without the LoRA ops."""
         with device.memory_region("kv_cache"):  # live states, prefix-state pool, window scratch
             self.mamba = MambaStateManager.create(model, config, device, dtype)
         share = config.share_prompt_prefill and (self.mamba is None or self.mamba.prefix_cache is not None)
@@ -280,7 +282,7 @@ class DynamicInferenceContext:
             block_table=g.block_table[:R], block_size=self.block_size, row_order=g.attention_row_order[:R],
         )
         batch = ForwardBatch(attn=attn, kv_caches=self.kv_caches, batch_invariant=self.batch_invariant)
-        if self.lora is not None:
+        if self.lora is not None and (shape.any_lora or not self.lora_skips):
             batch.lora_slots = g.lora_slot[:T]
         if self.mamba is not None:
             batch.mamba = MambaMetadata(

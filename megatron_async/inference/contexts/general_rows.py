@@ -53,9 +53,11 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
         if has_mamba:
             columns["mamba_row_order"], num_multi = mamba_row_order(
                 rows.cu, [k > 0 for k in spec_rows.num_drafts] if spec else None)
-        if "lora_slot" in v:  # each token its row's adapter slot (contexts/lora_rows.py)
+        any_lora = "lora_slot" in v
+        if any_lora:  # each token its row's adapter slot (contexts/lora_rows.py)
             lora_rows = np.fromiter((row.request.lora_slot for row in plan.rows), np.int32, len(plan.rows))
             columns["lora_slot"] = lora_rows[np.asarray(tokens.tok_row, dtype=np.int64)]
+            any_lora = bool((lora_rows >= 0).any())
         if spec:
             columns.update(spec_src=tokens.src, spec_slot=spec_rows.slot, spec_owner_slot=spec_rows.owner,
                            spec_inflight=spec_rows.inflight, num_drafts=spec_rows.num_drafts,
@@ -75,7 +77,7 @@ def assemble_rows(plan: StepPlan, v: dict[str, np.ndarray], bs: int, verify_widt
                      samples.max_top_n, any_lp, any_penalties=samples.pen.any, filters=filters,
                      num_samples=len(samples.idx), sample_base=spec_rows.sample_base if spec else None,
                      num_drafts=spec_rows.num_drafts if spec else None, num_multi_rows=num_multi,
-                     verify_width=verify_width, any_grammar=bool(bits & GRAMMAR))
+                     verify_width=verify_width, any_grammar=bool(bits & GRAMMAR), any_lora=any_lora)
 
 
 def _columns(tokens: _TokenColumns, rows: _RowColumns, samples: _SampleColumns) -> dict[str, list]:

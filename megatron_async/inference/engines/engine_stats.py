@@ -59,6 +59,8 @@ class EngineStats:
     """Requests refused at add_request (InvalidRequestError)."""
     lora_requests: int = 0
     """Requests accepted at add_request that name a LoRA adapter (``SamplingParams.lora``)."""
+    lora_free_steps: int = 0
+    """LoRA engines: launched steps whose forward skipped the LoRA ops (no row had an adapter)."""
     aborted_requests: int = 0
     """Requests ended by engine.abort_request."""
     failed_requests: int = 0
@@ -156,6 +158,8 @@ class EngineStats:
     """Steps that replayed a CUDA graph."""
     mixed_graph_replays: int = 0
     """Of those, mixed steps (prefill chunks + decode rows)."""
+    lora_free_graph_replays: int = 0
+    """Of those, replays of a LoRA engine's LoRA-free decode graphs (``GraphKey.no_lora``)."""
     spec_graph_replays: int = 0
     """Of those, speculative verify steps (decode rows with drafts, each laid out as W tokens
     and samples, W a captured verify width): verify graphs."""

@@ -109,7 +109,7 @@ def graph_shape(key: GraphKey, max_sequence_length: int, vocab_size: int) -> Ste
         num_tokens=key.num_tokens, num_rows=R, max_query_len=max_query_len,
         max_kv_len=max_sequence_length, is_decode_only=key.decode_only, any_sampling=f.any_sampling,
         any_top_k_top_p=any(f.filters), filters=f.filters, max_top_n=f.max_top_n, any_log_probs=f.any_log_probs,
-        any_penalties=f.any_penalties, **verify,
+        any_penalties=f.any_penalties, any_lora=not key.no_lora, **verify,
     )
 
 
@@ -122,7 +122,7 @@ def decode_key(rows: int, variant: SamplingVariant = SamplingVariant.GREEDY, spe
 class CudaGraphRunner:
     def __init__(self, model_runner, config: GraphSizing, mixed: bool = False,
                  variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), emulate: bool = False,
-                 collective: bool = False, verify: bool = True, logits_only: bool = False):
+                 collective: bool = False, verify: bool = True, logits_only: bool = False, lora_free: bool = False):
         """``collective``: data-parallel engines (expert parallelism). The graphs hold MoE
         collectives across ranks that run different batches, and NCCL requires graph-captured
         vs eager to be the same on every rank of a launch, with graphs of one joint capture: so
@@ -139,7 +139,8 @@ class CudaGraphRunner:
         ``verify``: verify graphs when speculative decoding is on. Speculative engines also
         capture plain decode and mixed graphs (speculative/plain_steps.py), except data-parallel ones
         (every rank runs the drafter's collectives in every step). ``logits_only``: logits-only
-        graphs for steps with grammar rows (graph_plan.py; not for data-parallel engines)."""
+        graphs for steps with grammar rows (graph_plan.py; not for data-parallel engines).
+        ``lora_free``: LoRA-free twins of the decode graphs (``GraphKey.no_lora``)."""
         self.model_runner = model_runner
         self.config = config
         self.collective = collective
@@ -155,7 +156,7 @@ class CudaGraphRunner:
         self.plan = GraphPlan(config, model_runner.model.vocab_size, mixed, variants, verify,
                               plain_steps=not collective, log_prob_twins=not collective,
                               logits_only=(logits_only or self.split_sampling) and not collective,
-                              collective=collective)
+                              collective=collective, lora_free=lora_free)
         self.graphs: dict[GraphKey, CapturedStep] = {}
         self.emulate = emulate
         self._pool = None
@@ -167,6 +168,8 @@ class CudaGraphRunner:
         self.num_mixed_replays = 0
         self.num_verify_replays = 0
         """Speculative verify steps that replayed a verify graph."""
+        self.num_lora_free_replays = 0
+        """Steps that replayed a LoRA-free graph (``GraphKey.no_lora``)."""
         self.num_padding_replays = 0
         """Dummy forwards of data-parallel engines that replayed a graph on padding rows."""
         self.captures_without_eager_run = 0
@@ -223,6 +226,7 @@ class CudaGraphRunner:
         self.num_replays += 1
         self.num_mixed_replays += not key.decode_only and not key.verify_width
         self.num_verify_replays += bool(key.verify_width)
+        self.num_lora_free_replays += key.no_lora
         return step
 
     def padding_key(self, num_tokens: int, variant: int = 0) -> GraphKey:
@@ -300,7 +304,8 @@ class CudaGraphRunner:
         is a whole step)."""
         if not self.split_sampling or key.logits_only or key.spec or key.verify_width:
             return None
-        return GraphKey(key.num_tokens, key.num_rows, key.decode_only, SamplingVariant.GREEDY, logits_only=True)
+        return GraphKey(key.num_tokens, key.num_rows, key.decode_only, SamplingVariant.GREEDY, logits_only=True,
+                        no_lora=key.no_lora)
 
     def _capture(self, key: GraphKey, eager_run: bool = True, alone: bool = True) -> CapturedStep:
         """``alone``: a capture without an eager run that fails is captured again here after one

@@ -52,7 +52,13 @@ A speculative engine's graphs run its speculative machinery (``GraphKey.spec``: 
 acceptance, drafter); its decode and mixed steps that need none of it (speculative/plain_steps.py)
 replay decode and mixed graphs without it, under the same keys as a plain engine's (mixed
 graphs of both kinds: a mixed step needs the machinery where rows beside its prefill chunks
-continue a verify launch, or drafts follow it)."""
+continue a verify launch, or drafts follow it).
+
+A LoRA engine's decode graphs have LoRA-free twins (``GraphKey.no_lora``: the forward without the
+adapters' ops, ``lora_free``), replayed by decode steps where no row has an adapter: the few
+hundred launches a step of the adapted linears cost ~1 ms against an 8B model's ~5-8 ms decode
+step. Decode sizes only: a mixed step's forward is long enough that they cost ~1 % of it, and
+mixed forwards are the plan's largest captures; verify and data-parallel graphs keep LoRA."""
 from __future__ import annotations
 
 import bisect
@@ -167,13 +173,15 @@ class GraphKey:
 
     logits_only: bool = False
     """The forward up to the samples' logits, no sampling (steps with grammar rows; variant GREEDY)."""
+    no_lora: bool = False
+    """A LoRA engine's decode graph without the adapters' ops, for steps where no row has one."""
 
     @property
     def label(self) -> str:
         """The sampling the graph runs: the variant's name, "+log_probs" for a twin."""
         if self.logits_only:
-            return "logits"
-        return self.variant.value + "+log_probs" * self.log_probs
+            return "logits" + "-lora" * self.no_lora
+        return self.variant.value + "+log_probs" * self.log_probs + "-lora" * self.no_lora
 
 
 def default_batch_sizes(max_requests: int) -> list[int]:
@@ -216,14 +224,17 @@ class GraphPlan:
     def __init__(self, config: GraphSizing, vocab_size: int, mixed: bool,
                  variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), verify: bool = False,
                  plain_steps: bool = False, log_prob_twins: bool = True, logits_only: bool = False,
-                 collective: bool = False):
+                 collective: bool = False, lora_free: bool = False):
         """``verify``: verify graphs for speculative decoding (``num_speculative_tokens`` > 0).
         ``plain_steps``: a speculative engine's decode and mixed steps may run plain (decode and
         mixed graphs of both kinds). ``log_prob_twins``: decode graphs of the variants below FULL have
         log-prob twins (off: every log-prob step replays FULL). ``logits_only``: logits-only
         graphs for steps with grammar rows (not with speculative decoding). ``collective``:
-        data-parallel engines, whose mixed graphs are ``collective_mixed_tokens``' sizes, FULL only."""
+        data-parallel engines, whose mixed graphs are ``collective_mixed_tokens``' sizes, FULL only.
+        ``lora_free``: a LoRA engine whose steps without adapter rows skip the LoRA ops: its
+        decode graphs have LoRA-free twins (not for data-parallel engines)."""
         self.collective = collective
+        self.lora_free = lora_free and not collective
         self.log_prob_twins = log_prob_twins
         self.config = config
         self.speculative = config.num_speculative_tokens > 0
@@ -323,7 +334,7 @@ class GraphPlan:
             if rows > self.decode_sizes[-1]:
                 return None
             padded = self.decode_sizes[bisect.bisect_left(self.decode_sizes, rows)]
-            return GraphKey(padded, padded, True, variant, spec=spec, log_probs=twin)
+            return GraphKey(padded, padded, True, variant, spec=spec, log_probs=twin, no_lora=self._no_lora(shape))
         if not self.token_counts or shape.num_tokens > self.token_counts[-1] or min_rows:
             return None
         tokens = self.token_counts[bisect.bisect_left(self.token_counts, shape.num_tokens)]
@@ -338,7 +349,7 @@ class GraphPlan:
             if shape.num_rows > self.decode_sizes[-1]:
                 return None
             padded = self.decode_sizes[bisect.bisect_left(self.decode_sizes, shape.num_rows)]
-            return GraphKey(padded, padded, True, greedy, logits_only=True)
+            return GraphKey(padded, padded, True, greedy, logits_only=True, no_lora=self._no_lora(shape))
         if not self.token_counts or shape.num_tokens > self.token_counts[-1]:
             return None
         tokens = self.token_counts[bisect.bisect_left(self.token_counts, shape.num_tokens)]
@@ -355,13 +366,19 @@ class GraphPlan:
                  for v in mixed_variants]
         verify = [GraphKey(b * w, b, False, v, w, True) for w in reversed(self.verify_sizes)
                   for b in reversed(self.verify_sizes[w]) for v in wide]
-        decode = [GraphKey(b, b, True, v, spec=k, log_probs=lp) for b in reversed(self.decode_sizes) for k in kinds
-                  for v in self.variants for lp in self._twins(v)]
+        free = (False, True) if self.lora_free else (False,)
+        decode = [GraphKey(b, b, True, v, spec=k, log_probs=lp, no_lora=nl) for b in reversed(self.decode_sizes)
+                  for nl in free for k in kinds for v in self.variants for lp in self._twins(v)]
         if self.logits_only:  # steps with grammar rows
             greedy = SamplingVariant.GREEDY
             mixed += [GraphKey(t, self.mixed_rows(t), False, greedy, logits_only=True) for t in reversed(self.token_counts)]
-            decode += [GraphKey(b, b, True, greedy, logits_only=True) for b in reversed(self.decode_sizes)]
+            decode += [GraphKey(b, b, True, greedy, logits_only=True, no_lora=nl) for b in reversed(self.decode_sizes)
+                       for nl in free]
         return mixed + verify + decode
+
+    def _no_lora(self, shape) -> bool:
+        """Whether a decode step replays a LoRA-free graph: no row has an adapter."""
+        return self.lora_free and not shape.any_lora
 
     def _twins(self, variant: SamplingVariant) -> tuple[bool, ...]:
         """The ``GraphKey.log_probs`` values a decode graph of ``variant`` is planned with."""

@@ -120,6 +120,8 @@ class ModelRunner:
         """Grammar token masks of the steps that have grammar rows (allocated by the first one)."""
         self._mask_host: tuple | None = None  # (launch, its host bitmask, row map): mask_buffers
         self._graph_logits: torch.Tensor | None = None  # the logits-only graphs' shared output (graph_logits)
+        self.lora_free_steps = 0
+        """Launched steps whose forward ran without the LoRA ops (no row had an adapter)."""
 
     def _host_buffers(self, S: int, R: int) -> dict[str, torch.Tensor]:
         pin = self.device.is_cuda
@@ -189,6 +191,8 @@ class ModelRunner:
             outputs = self.compute_step(shape, spec, step.dp_num_tokens, step.prompt_scoring, record_routing=asked)
         if ctx.mamba is not None:
             ctx.mamba.after_forward()
+        if ctx.lora_skips and (graph.key.no_lora if graph is not None else not shape.any_lora):
+            self.lora_free_steps += 1
         pending = PendingLaunch(
             step_id=step_id, rows=list(plan.rows), is_decode_only=plan.is_all_decode,
             num_tokens=shape.num_tokens, overlapped=overlapped, host_tokens=None, host_log_probs=None,

@@ -12,6 +12,8 @@ as the token count T and the row count R, so eager warm-up runs steps on padding
   p + 16), which covers every class of T and every T-derived tile choice (fused MoE blocks);
 - every sampling variant (greedy, temperature, filtered, full: penalties + log-probs) once for
   decode and once for a mixed step;
+- a LoRA engine: the greedy decode and mixed steps again without the LoRA ops (the base
+  forward of steps where no row has an adapter);
 - speculative decoding: one window of each length 2 .. K + 1, a window beside a multi-token
   row (the eager layout of verify rows next to a prefill chunk) and, with graphs, uniform
   verify steps (every row W tokens and samples, the verify graphs' layout) of each captured
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -143,6 +145,8 @@ def eager_shapes(runner) -> list[tuple[StepShape, int]]:
     split = _decode_split_count(runner)
     shapes = [warmup_shape(r, r, True, SamplingVariant.GREEDY, vocab) for r in decode_row_counts(ctx.max_requests, split)]
     shapes += [warmup_shape(t, 1, t == 1, SamplingVariant.GREEDY, vocab) for t in mixed_token_counts(ctx.max_tokens)]
+    if ctx.lora_skips:  # steps without adapter rows run the base forward (the fused kernels LoRA's path skips)
+        shapes += [replace(s, any_lora=False) for s in shapes]
     for v in list(SamplingVariant)[1:]:
         shapes += [warmup_shape(2, 2, True, v, vocab), warmup_shape(3, 2, False, v, vocab)]
     return [(s, 0) for s in shapes] + verify_shapes(runner, split)

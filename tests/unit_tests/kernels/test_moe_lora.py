@@ -132,7 +132,9 @@ def test_gpu_bf16_graph_replays_any_mix_of_adapters():
         return fused_experts_lora(xb, w13c, w2c, dev[1], dev[2], True, dev[3], s13, s2)
 
     eager = run()
-    torch.testing.assert_close(eager.float().cpu(), want, atol=0.1, rtol=0.05)
+    # bf16 rounds every stage of outputs ~6e4 large (unscaled random adapters): within 2 % of the
+    # largest output; a row missing its adapter, or taking another's, is off by most of it
+    torch.testing.assert_close(eager.float().cpu(), want, atol=0.02 * want.abs().max().item(), rtol=0.02)
     run()  # Triton builds before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -142,4 +144,5 @@ def test_gpu_bf16_graph_replays_any_mix_of_adapters():
     graph.replay()
     torch.testing.assert_close(out, run(), atol=0, rtol=0)
     err = (eager.float().cpu() - want).abs().max().item()
-    print(f"\n{'case':>16} {'max abs bf16 - fp32':>20}\n{'M=48 E=8 top-2':>16} {err:>20.4f}")
+    print(f"\n{'case':>16} {'max abs bf16 - fp32':>20} {'largest output':>15}\n{'M=48 E=8 top-2':>16} {err:>20.4f} "
+          f"{want.abs().max().item():>15.1f}")
