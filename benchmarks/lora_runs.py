@@ -1,14 +1,16 @@
 """One engine of the LoRA benchmark (``python -m benchmarks lora``), run in a process of its own
 on a GPU: the base engine, an ``enable_lora`` engine whose requests name no adapter, or one whose
 requests name its adapters round-robin. Each times workload A (greedy, then sampled) after a twin
-warm-up and a batch-1 decode; the adapters' engine also loads and unloads an adapter between the
-steps of a running workload, as a user's loop would, and keeps every step's end time."""
+warm-up and a batch-1 decode; the adapters' engine also unloads an adapter between the steps of a
+running workload and loads one (prepared on another thread while the loop steps, installed between
+two steps), and keeps every step's end time."""
 from __future__ import annotations
 
 import json
 import math
 import statistics
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -145,10 +147,13 @@ def run_config(name: str, plan: Plan) -> dict:
 
 def serve_while_loading(llm: LLM, plan: Plan, names: list[str], fresh: Path) -> dict:
     """``plan.serving`` greedy requests of the workload on every adapter but the last; between two
-    decode steps the last (named by none of them) is unloaded, some steps later ``fresh`` (a PEFT
-    directory) is loaded into its slot. Each step's gap (end of the step before to its own end,
-    host work between them included) around either call, against the median decode gap; then
-    the new adapter serves a request whose tokens differ from the base model's."""
+    decode steps the last (named by none of them) is unloaded; some steps later ``fresh`` (a PEFT
+    directory) is prepared on a thread of its own (read, checked, staged: ``LLM.prepare_lora``,
+    as the server's load route does) while the loop steps on, and installed into the freed slot
+    (``load_lora`` of the prepared adapter) between the first two steps after it is ready. Each
+    step's gap (end of the step before to its own end, host work between them included) from the
+    call (the prepare's start) to ``GAP_WINDOW`` steps after the install, against the median decode
+    gap; then the new adapter serves a request whose tokens differ from the base model's."""
     engine, keep, spare = llm.engine, names[:-1], names[-1]
     requests = plan.workload[:plan.serving]
     make = with_adapters(params_factory("greedy", plan.seed, requests), requests, keep)
@@ -159,25 +164,43 @@ def serve_while_loading(llm: LLM, plan: Plan, names: list[str], fresh: Path) -> 
     at = {"unload": prefill + out // 4, "load": prefill + out // 2}
     if at["load"] + GAP_WINDOW >= prefill + out:
         raise ValueError(f"outputs of {out} tokens leave no decode steps around the load: ask for longer outputs")
-    ends, decode_only, call_s = [], [], {}
+    ends, decode_only, call_s, last = [], [], {}, {"unload": at["unload"]}
+    prepared: dict = {}
+    ready = threading.Event()
+
+    def prepare() -> None:
+        ts = time.perf_counter()
+        try:
+            prepared["adapter"] = llm.prepare_lora(fresh)
+        finally:
+            prepared["prepare_s"] = time.perf_counter() - ts
+            ready.set()
+
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        for op, step in at.items():
-            if step == len(ends):
-                ts = time.perf_counter()
-                llm.unload_lora(spare) if op == "unload" else llm.load_lora("fresh", fresh)
-                call_s[op] = time.perf_counter() - ts
+        if at["unload"] == len(ends):
+            ts = time.perf_counter()
+            llm.unload_lora(spare)
+            call_s["unload"] = time.perf_counter() - ts
+        if at["load"] == len(ends):
+            threading.Thread(target=prepare, name="lora-prepare", daemon=True).start()
+        if ready.is_set() and "load" not in call_s:
+            ts = time.perf_counter()
+            llm.load_lora("fresh", prepared["adapter"])  # raises KeyError if the prepare failed (its error printed)
+            call_s["load"], last["load"] = time.perf_counter() - ts, len(ends)
         res = engine.step()
         ends.append(time.perf_counter() - t0)
         decode_only.append(res.is_decode_only)
     if len(call_s) != len(at):
-        raise RuntimeError(f"the workload ended after {len(ends)} steps, before {sorted(set(at) - set(call_s))}")
+        raise RuntimeError(f"the workload ended after {len(ends)} steps, before {sorted(set(at) - set(call_s))}"
+                           " (a prepare longer than the remaining decode: ask for longer outputs)")
     gaps = [None] + [b - a for a, b in zip(ends, ends[1:])]
-    near = {i for step in at.values() for i in range(step, step + GAP_WINDOW)}
+    near = {i for op, step in at.items() for i in range(step, last[op] + GAP_WINDOW)}
     median = statistics.median(g for i, g in enumerate(gaps) if g is not None and decode_only[i] and i not in near)
-    result = {"steps": len(ends), "median_gap_ms": 1e3 * median}
+    result = {"steps": len(ends), "median_gap_ms": 1e3 * median, "prepare_ms": 1e3 * prepared["prepare_s"],
+              "prepare_steps": last["load"] - at["load"], "staged_mb": prepared["adapter"].nbytes / 2**20}
     for op, step in at.items():
-        worst = max(g for g in gaps[step:step + GAP_WINDOW] if g is not None)
+        worst = max(g for g in gaps[step:last[op] + GAP_WINDOW] if g is not None)
         result[op] = {"step": step, "call_ms": 1e3 * call_s[op], "longest_gap_ms": 1e3 * worst,
                       "stall_steps": (worst - median) / median}
     prompt = requests[0].prompt

@@ -292,9 +292,16 @@ class LLM:
 
     def load_lora(self, name: str, path_or_tensors) -> None:
         """Load a LoRA adapter as ``name`` (``SamplingParams.lora``): a PEFT directory, a mapping of
-        PEFT-named tensors (scale 1), or (adapter config dict, mapping). Checked whole first
-        (``LoRAError``, nothing changed). Under TP every rank calls it alike."""
+        PEFT-named tensors (scale 1), (adapter config dict, mapping), or ``prepare_lora``'s result
+        (then only its install runs: a few stream-ordered copies, no wait for the device). Checked
+        whole first (``LoRAError``, nothing changed). Under TP every rank calls it alike."""
         self.engine.lora.load(name, path_or_tensors)
+
+    def prepare_lora(self, path_or_tensors):
+        """Read, check and stage an adapter for ``load_lora`` without touching the engine's state:
+        call it on another thread while the engine steps, then ``load_lora(name, prepared)``
+        between two steps (``LoRAError`` here for a refused adapter)."""
+        return self.engine.lora.prepare(path_or_tensors)
 
     def unload_lora(self, name: str) -> None:
         """Free adapter ``name``; refused (``LoRAError``) while unfinished requests use it."""

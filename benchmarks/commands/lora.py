@@ -1,8 +1,9 @@
 """What LoRA adapters cost: the base engine, an ``enable_lora`` engine whose requests name no
 adapter, and one whose requests name its adapters round-robin, each freshly built (its own
 process on a GPU), same weights and same requests: workload A's output tok/s (greedy and sampled),
-batch-1 decode ms per step, and the step gaps around a ``load_lora`` / ``unload_lora`` called
-between the steps of a running workload. Prints one markdown table last.
+batch-1 decode ms per step, and the step gaps around an ``unload_lora`` and a load (prepared on a
+thread while the workload steps, installed between two steps, as the server's route does) of a
+running workload. Prints one markdown table last.
 
     python -m benchmarks lora                        # qwen3-8b, 128 requests, 8 adapters of rank 16
     python -m benchmarks lora --requests 64 --adapters 4 --rank 8 --json lora.json
@@ -113,11 +114,13 @@ def table(rows: dict[str, dict], args: argparse.Namespace) -> list[dict]:
     serving = get("adapters", "serving") or {}
     for op in ("unload", "load"):
         s = serving.get(op)
-        out.append({"measure": f"{op}_lora, {args.serving} running: step gap ms median / longest (call ms); "
+        what = "(call ms)" if op == "unload" else "(install ms; prepare ms off the loop)"
+        prep = "" if s is None or op == "unload" else f"; {serving['prepare_ms']:.1f}"
+        out.append({"measure": f"{op}_lora, {args.serving} running: step gap ms median / longest {what}; "
                                "stall over the median in steps",
                     "values": [None, None, None], "fmt": ".2f",
                     "text": "-" if s is None else (f"{serving['median_gap_ms']:.2f} / {s['longest_gap_ms']:.2f} "
-                                                   f"({s['call_ms']:.1f})"),
+                                                   f"({s['call_ms']:.1f}{prep})"),
                     "idle": None, "adapters": None if s is None else s["stall_steps"], "target": "<= 1 step stall",
                     "met": None if s is None else s["stall_steps"] <= TARGETS["stall_steps"]})
     return out

@@ -64,9 +64,10 @@ JOINS_BEGIN_FRAME = frozenset({"update_weights_from_distributed", "update_lora_f
 
 
 # ---------------------------------------------------------------- LoRA adapters (docs/LORA.md)
-def _load_lora(engine, args: dict) -> None:
-    """A refused adapter (missing, malformed, over-rank, another base model's) is a LoRAError: a 400."""
-    engine.lora.load(args["lora_name"], args["lora_path"])
+def _load_lora(engine, args: dict) -> PendingTransfer:
+    """Prepared off the engine thread, installed between two steps (lora_control.start_load). A
+    refused adapter (missing, malformed, over-rank, another base model's) is a LoRAError: a 400."""
+    return engine.lora.start_load(args["lora_name"], args["lora_path"])
 
 
 def _unload_lora(engine, args: dict) -> None:
@@ -100,8 +101,10 @@ class Deferred:
     gives its (status, body) as ``run_admin_op`` would. Under TP every rank settles when rank 0
     does (``follow_rank0``)."""
 
-    def __init__(self, engine, pending: PendingTransfer, args: dict):
+    def __init__(self, engine, pending: PendingTransfer, op: str, args: dict):
         self.engine, self.pending, self._args = engine, pending, args
+        self.key = op if "lora_name" not in args else f"{op}:{args['lora_name']}"
+        """What the loops tell the other TP ranks to settle (adapters of different names load at once)."""
 
     def done(self) -> bool:
         return self.pending.done()
@@ -172,7 +175,7 @@ def run_admin_op(engine, update_weights: Callable[..., int] | None, op: str, arg
     started = []
     status, body = run_guarded(engine, lambda: started.append(ADMIN_OPS[op](engine, update_weights, args)))
     if started and isinstance(started[0], PendingTransfer):
-        return Deferred(engine, started[0], args)
+        return Deferred(engine, started[0], op, args)
     return status, body
 
 
@@ -221,7 +224,7 @@ def follow_rank0(engine, communicator, update_weights: Callable | None = None) -
             if command[0] == "admin":
                 outcome = run_admin_op(engine, update_weights, command[1], command[2])
                 if isinstance(outcome, Deferred):
-                    deferred[command[1]] = outcome
+                    deferred[outcome.key] = outcome
                     continue
             elif command[1] in deferred:
                 outcome = deferred.pop(command[1]).settle()

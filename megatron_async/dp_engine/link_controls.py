@@ -53,7 +53,7 @@ class LinkControls:
             op_id, op, deferred = entry
             with self.liveness.working():
                 if op in EVERY_RANK_OPS:
-                    self._tell_ranks(("settle", op))
+                    self._tell_ranks(("settle", deferred.key))
                 outcome = deferred.settle()
             self._control_done(op_id, op, outcome)
 

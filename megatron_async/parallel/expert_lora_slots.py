@@ -55,21 +55,32 @@ class ExpertLoRASlots:
         lo, hi = self.slices[part[1]]
         return (rank, self.a.shape[3]), (hi - lo, rank)
 
+    def slot_views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(a, b, scale) of slot ``slot``: the shapes of an adapter's image (models/lora/staging.py)."""
+        return self.a[slot], self.b[slot], self.scale[slot]
+
     @torch.no_grad()
     def write(self, slot: int, part: tuple[int, int], a_full: torch.Tensor | None, b_full: torch.Tensor | None,
               scale: float) -> None:
         """Slot ``slot``, expert ``part[0]``'s part ``part[1]``: A [r, in] and B [out, r] (None: zeros);
         another EP rank's expert is not kept here."""
+        self.write_image(self.slot_views(slot), part, a_full, b_full, scale)
+
+    @torch.no_grad()
+    def write_image(self, image: tuple[torch.Tensor, torch.Tensor, torch.Tensor], part: tuple[int, int],
+                    a_full: torch.Tensor | None, b_full: torch.Tensor | None, scale: float) -> None:
+        """``write`` into ``image`` (tensors shaped like ``slot_views``: a slot or a staged copy of one)."""
         expert, j = part
         e = expert - self.first_expert
         if not 0 <= e < self.num_local:
             return
+        a_slot, b_slot, scale_slot = image
         R = self.max_rank
         lo, hi = self.slices[j]
-        a_rows, b_cols = self.a[slot, e, j * R:(j + 1) * R], self.b[slot, e, lo:hi]
+        a_rows, b_cols = a_slot[e, j * R:(j + 1) * R], b_slot[e, lo:hi]
         a_rows.zero_()
         b_cols.zero_()
-        self.scale[slot, e, j] = 0.0 if a_full is None else scale
+        scale_slot[e, j] = 0.0 if a_full is None else scale
         if a_full is not None:
             r = a_full.shape[0]
             a_rows[:r].copy_(a_full)

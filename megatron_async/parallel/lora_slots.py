@@ -52,19 +52,30 @@ class LoRASlots:
         lo, hi = self.slices[part]
         return (rank, self.a.shape[2]), self.sharding.full_shape((hi - lo, rank), self.part_ids[part])
 
+    def slot_views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(a, b, scale) of slot ``slot``: the shapes of an adapter's image (models/lora/staging.py)."""
+        return self.a[slot], self.b[slot], self.scale[slot]
+
     @torch.no_grad()
     def write(self, slot: int, part: int, a_full: torch.Tensor | None, b_full: torch.Tensor | None,
               scale: float) -> None:
         """Slot ``slot``, part ``part``: this rank's share of full tensors A [r, in] and B [out, r]
         (shapes checked by the caller against ``full_shapes``); None: the adapter leaves this part
         alone (zeros)."""
+        self.write_image(self.slot_views(slot), part, a_full, b_full, scale)
+
+    @torch.no_grad()
+    def write_image(self, image: tuple[torch.Tensor, torch.Tensor, torch.Tensor], part: int,
+                    a_full: torch.Tensor | None, b_full: torch.Tensor | None, scale: float) -> None:
+        """``write`` into ``image`` (tensors shaped like ``slot_views``: a slot or a staged copy of one)."""
+        a_slot, b_slot, scale_slot = image
         R = self.max_rank
-        a_rows = self.a[slot, part * R:(part + 1) * R]
+        a_rows = a_slot[part * R:(part + 1) * R]
         lo, hi = self.slices[part]
-        b_cols = self.b[slot, lo:hi]
+        b_cols = b_slot[lo:hi]
         a_rows.zero_()
         b_cols.zero_()
-        self.scale[slot, part] = 0.0 if a_full is None else scale
+        scale_slot[part] = 0.0 if a_full is None else scale
         if a_full is None:
             return
         r = a_full.shape[0]
@@ -74,7 +85,7 @@ class LoRASlots:
             b_cols[:, :r].copy_(b_full)
             return
         a_rows[:r].copy_(a_full)
-        part_view = self.b[slot, :, :r]
+        part_view = b_slot[:, :r]
         for dest in self.sharding.destinations(part_view, self.part_ids[part]):
             dest.view.copy_(b_full[dest.box.lo[0]:dest.box.hi[0]])
 

@@ -103,7 +103,7 @@ class EngineLoop:
 
     def _settle(self, op: str, deferred: Deferred, reply: Callable[[tuple[int, dict]], None]) -> None:
         if op in EVERY_RANK_OPS:
-            self._tell_ranks(("settle", op))
+            self._tell_ranks(("settle", deferred.key))
         reply(deferred.settle())
 
     def call(self, job: Callable[[], None]) -> None:

@@ -1,5 +1,7 @@
 """The engine's side of LoRA adapters: a request naming an adapter is checked at ``add_request``,
-and ``load`` / ``unload`` / ``update`` change the model's adapter slots between steps.
+and ``load`` / ``unload`` / ``update`` change the model's adapter slots between steps. A load's
+reading, checking and staging (``prepare``) touches no engine state: ``start_load`` runs it on a
+thread of its own and leaves only the install for the engine thread.
 
 Unloading an adapter that unfinished requests name is refused (``LoRAError``, nothing changed):
 their tokens would otherwise switch weights mid-sequence; abort them or let them finish first.
@@ -12,6 +14,10 @@ from __future__ import annotations
 
 from megatron_async.inference.request import InvalidRequestError
 from megatron_async.models.lora import LoRAError
+from megatron_async.weight_transfer.pending import PendingTransfer
+
+PREPARE_BOUND_S = 600.0
+"""Longest wait for an adapter's preparation where a loop settles before it ended (a follower TP rank)."""
 
 
 def check_request_adapter(name: str | None, adapters) -> None:
@@ -30,6 +36,8 @@ class LoRAControl:
     def __init__(self, engine):
         """``engine``: the ``DynamicInferenceEngine`` whose model and requests it reads."""
         self.engine = engine
+        self.preparing: set[str] = set()
+        """Names whose ``start_load`` has not finished (a second load of one is refused at its start)."""
 
     @property
     def adapters(self):
@@ -38,9 +46,33 @@ class LoRAControl:
             raise LoRAError("LoRA adapters need InferenceConfig.enable_lora=True")
         return adapters
 
+    def prepare(self, source):
+        """Read, check and stage an adapter (``LLM.prepare_lora``): safe on any thread while the
+        engine steps; ``load`` of the result then only installs it."""
+        return self.adapters.prepare(source)
+
     def load(self, name: str, source) -> int:
         """Load adapter ``name`` (``LLM.load_lora``); returns its slot."""
         return self.adapters.load(name, source)
+
+    def start_load(self, name: str, source) -> PendingTransfer:
+        """``load`` with its prepare on a thread of its own (the engine steps meanwhile): its
+        ``finish()``, called between two steps once the prepare ended, installs it. A name taken or
+        no free slot is refused now."""
+        adapters = self.adapters
+        adapters.check_load(name)
+        if name in self.preparing:
+            raise LoRAError(f"adapter {name!r} is being loaded already")
+        self.preparing.add(name)
+
+        def finish(staged, error):
+            self.preparing.discard(name)
+            if error is not None:
+                raise error
+            return adapters.load(name, staged)
+
+        return PendingTransfer(f"the preparation of LoRA adapter {name!r}", lambda: adapters.prepare(source), finish,
+                               PREPARE_BOUND_S)
 
     def update(self, name: str, tensors) -> int:
         """Rewrite adapter ``name`` in place; returns the new weight version."""

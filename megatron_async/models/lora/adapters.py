@@ -5,8 +5,10 @@ that writes, rewrites and clears slots.
 (``ParallelLinear.add_lora_slots``) once, at build, and maps every Hugging Face module path those
 linears stand for (``model.layers.0.self_attn.q_proj`` -> the fused qkv linear, part "q") through
 the model's own checkpoint targets (``hf_targets``). Loading checks the whole adapter against that
-map (every module known, every shape the base model's, every rank within ``max_lora_rank``) before
-it copies anything; a failed load changes nothing. MoE layers adapt their routed experts per expert
+map (every module known, every shape the base model's, every rank within ``max_lora_rank``, every
+value finite) and stages it (staging.py) before it copies anything into a slot; a failed load
+changes nothing. ``prepare`` (read, check, stage) touches no mutable state, so it may run off the
+engine's step; only ``install`` into the slots runs between two steps. MoE layers adapt their routed experts per expert
 (``model.layers.0.mlp.experts.5.gate_proj``; ``parallel/expert_lora_slots.py``, not TP-split or FP8
 experts) and their shared expert; Mamba mixers are not adapted.
 Adapters come in PEFT's format (peft_format.py) or Megatron-Core's naming (megatron_format.py,
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from megatron_async.config import LoRASizing
@@ -24,6 +25,7 @@ from megatron_async.models.layers.mlp import ReluSquaredMLP, SwiGLUMLP
 from megatron_async.models.layers.moe import MoEMixer
 from megatron_async.models.lora.megatron_format import megatron_config, megatron_source, read_megatron_adapter
 from megatron_async.models.lora.peft_format import AdapterConfig, AdapterWeights, LoRAError, read_adapter
+from megatron_async.models.lora.staging import StagedAdapter, clear_slots, install, stage
 from megatron_async.models.megatron_layouts import NameMap
 from megatron_async.models.slab_loading import WeightUpdateError
 from megatron_async.parallel.expert_lora_slots import ExpertLoRASlots
@@ -91,19 +93,35 @@ class LoRAAdapters:
         return b"" if name is None else b"\0lora:%s:%d" % (name.encode(), self.loaded[name].generation)
 
     # ------------------------------------------------------------------ the checked path
-    def load(self, name: str, source) -> int:
-        """Read, check and copy a new adapter into a free slot; returns the slot."""
+    def prepare(self, source, config: AdapterConfig | None = None) -> StagedAdapter:
+        """Read, check and stage an adapter for any slot (staging.py). Reads only what ``attach``
+        fixed (targets, rank limit, name table), never the loaded table: safe on another thread
+        while the engine steps. ``config``: a mapping's scale (``update`` keeps the adapter's)."""
+        if isinstance(source, StagedAdapter):
+            if source.targets is not self.targets:
+                raise LoRAError("this adapter was prepared for another engine's model")
+            return source
+        return stage(self.targets, self._checked(self._read(source, config)))
+
+    def check_load(self, name: str) -> None:
+        """Why adapter ``name`` cannot be loaded now (LoRAError), before anything is read."""
         if not isinstance(name, str) or not name:
             raise LoRAError(f"an adapter name must be a non-empty string, got {name!r}")
         if name in self.loaded:
             raise LoRAError(f"adapter {name!r} is already loaded (update_lora rewrites it, unload_lora frees it)")
         if not self._free:
             raise LoRAError(f"all {self.max_loras} adapter slots are in use (InferenceConfig.max_loras): unload one")
-        weights = self._checked(self._read(source))
+
+    def load(self, name: str, source) -> int:
+        """Read, check and copy a new adapter into a free slot (``source``: also a ``prepare``d
+        adapter, then only its install runs here); returns the slot."""
+        self.check_load(name)
+        staged = self.prepare(source)
+        self.check_load(name)  # (a prepare on another thread may have raced a load of that name)
         slot = self._free.pop()
-        self._write(slot, weights)
+        install(staged, slot, self.targets)
         self._generation += 1
-        self.loaded[name] = Loaded(slot, weights.config, self._generation)
+        self.loaded[name] = Loaded(slot, staged.config, self._generation)
         return slot
 
     def update(self, name: str, source) -> int:
@@ -112,10 +130,10 @@ class LoRAAdapters:
         if name not in self.loaded:
             raise LoRAError(f"no adapter {name!r} is loaded (loaded: {sorted(self.loaded)})")
         entry = self.loaded[name]
-        weights = self._checked(self._read(source, entry.config))
-        self._write(entry.slot, weights)
+        staged = self.prepare(source, entry.config)
+        install(staged, entry.slot, self.targets)
         self._generation += 1
-        entry.config, entry.generation = weights.config, self._generation
+        entry.config, entry.generation = staged.config, self._generation
         return entry.slot
 
     def unload(self, name: str) -> int:
@@ -123,8 +141,7 @@ class LoRAAdapters:
         if name not in self.loaded:
             raise LoRAError(f"no adapter {name!r} is loaded (loaded: {sorted(self.loaded)})")
         slot = self.loaded.pop(name).slot
-        for slots in {id(t.slots): t.slots for t in self.targets.values()}.values():
-            slots.clear(slot)
+        clear_slots(list({id(t.slots): t.slots for t in self.targets.values()}.values()), slot)
         self._free.append(slot)
         return slot
 
@@ -156,20 +173,7 @@ class LoRAAdapters:
             if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
                 raise LoRAError(f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, the base model needs "
                                 f"{want_a} / {want_b} (an adapter of another base model?)")
-            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-                raise LoRAError(f"{module}: the adapter's tensors hold NaN or infinite values")
         return weights
-
-    def _write(self, slot: int, weights: AdapterWeights) -> None:
-        """Every target's part of ``slot``: the adapter's tensors, or zeros where it has none."""
-        for slots in {id(t.slots): t.slots for t in self.targets.values()}.values():
-            slots.clear(slot)  # (one pass a linear: a MoE layer has a target per expert)
-        scaling = weights.config.scaling
-        for module, (a, b) in weights.modules.items():
-            target = self.targets[module]
-            dev, dtype = target.slots.a.device, target.slots.a.dtype
-            target.slots.write(slot, target.part, a.to(dev, dtype), b.to(dev, dtype), scaling)
-
 
 
 def _adapted_linears(model: nn.Module, sizing: LoRASizing) -> list:
