@@ -2,15 +2,21 @@
 transfer (chunked through a staging buffer far smaller than the request's blocks) is held on its
 connection's thread by a test hook, after its bytes moved and before it is handed back, until the
 test has seen decode steps complete; then the request joins, and every token equals one engine's.
-Over a real gloo pair connection between two engines of this process."""
+Over a real gloo pair connection between two engines of this process; on a GPU (``gpu``) the
+engines' pools are CUDA memory and the transfer runs on the connection's own stream, staged through
+pinned host memory.
+
+    python -m pytest -q -m gpu tests/unit_tests/disaggregation/test_import_in_flight.py"""
 from __future__ import annotations
 
 import threading
 import time
 
-from megatron_async import SamplingParams
+import pytest
+
+from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.inference.records import encode_sampling
-from tests.helpers.handoff_links import Link, llm
+from tests.helpers.handoff_links import Link
 
 PARAMS = SamplingParams(temperature=0.9, seed=4, num_tokens_to_generate=40, ignore_eos=True)
 SHORT = [(7 * j) % 100 + 1 for j in range(6)]
@@ -38,9 +44,15 @@ def _hand_off(p, d, rid, prompt, first, pair):
     return blocks
 
 
-def test_decode_steps_go_on_while_an_import_is_in_flight():
-    want = [o.generated_tokens for o in llm(8).generate([SHORT, LONG], PARAMS)]
-    p, d = Link(llm(), "prefill"), Link(llm(), "decode")
+def llm(device: str, max_requests: int = 4) -> LLM:
+    return LLM(None, device, "float32", InferenceConfig(block_size_tokens=4, num_kv_blocks=64, max_requests=max_requests,
+                                                       max_tokens=64, cuda_graphs=False))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_decode_steps_go_on_while_an_import_is_in_flight(device):
+    want = [o.generated_tokens for o in llm(device, 8).generate([SHORT, LONG], PARAMS)]
+    p, d = Link(llm(device), "prefill"), Link(llm(device), "decode")
     chunk = 2 * d.handoffs.layout.block_bytes()
     p.handoffs.chunk_bytes = d.handoffs.chunk_bytes = chunk  # (both ends chunk alike)
     entered, gate = threading.Event(), threading.Event()
