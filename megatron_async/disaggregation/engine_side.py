@@ -20,6 +20,7 @@ from collections import deque
 import torch
 
 from megatron_async.disaggregation import ipc_share
+from megatron_async.disaggregation.ipc_import import SharedImports
 from megatron_async.disaggregation.kv_import import PrefillHold, admit_decoding, allocate, cached_prefix, room_for
 from megatron_async.disaggregation.kv_layout import KVLayout
 from megatron_async.disaggregation.kv_stream import CHUNK_BYTES
@@ -64,6 +65,7 @@ class EngineHandOffs:
         self.kv_sent_blocks = self.kv_received_blocks = self.kv_cached_blocks = self.deferred_imports = 0
         self.times = TransferTimes()
         """The transfers' own time: this prefill engine's sends, this decode engine's ipc copies."""
+        self.shared_imports = SharedImports(self.layout, CHUNK_BYTES, self.times)
         self.loop = LoopTimes()
         """The engine loop's own time in hand-off work (what its steps wait for)."""
         self.posted_at: dict[int, float] = {}  # rid -> when its receive was posted (decode side)
@@ -78,7 +80,7 @@ class EngineHandOffs:
 
     def in_flight(self) -> bool:
         """Transfers queued on a connection (the loop polls them instead of sleeping)."""
-        return any(channel.pending for channel in self.channels.values())
+        return bool(self.shared_imports) or any(channel.pending for channel in self.channels.values())
 
     # ---------------------------------------------------------------- prefill side
     def prefill(self, fields: list) -> None:
@@ -218,9 +220,9 @@ class EngineHandOffs:
         self.link.channel.send("kv_imported", rid, 0)
 
     def _mapped(self, rid: int, payload: dict) -> None:
-        """An "ipc" pair's blocks: mapped, copied into this engine's memory (the transfer, timed;
-        the mapping lives until the copy ended), then into its blocks."""
-        if rid not in self.receiving:
+        """An "ipc" pair's blocks: mapped, then copied into its blocks off the compute stream
+        (ipc_import.py: the transfer, timed); the request lands at a later poll."""
+        if rid not in self.receiving or rid in self.shared_imports:
             return
         fields, block_ids, cached = self.receiving[rid]
         try:
@@ -228,18 +230,7 @@ class EngineHandOffs:
         except Exception as e:  # noqa: BLE001 -- this import fails alone
             self._imported(rid, None, f"could not map the shared blocks: {type(e).__name__}: {e}")
             return
-        buf = self.layout.empty(len(block_ids) - cached)
-        if buf.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            buf.copy_(shared, non_blocking=True)
-            end.record()
-            self.times.add_events(start, end, buf.numel(), shared)
-        else:
-            t0 = time.perf_counter()
-            buf.copy_(shared)
-            self.times.add(buf.numel(), time.perf_counter() - t0)
-        self._imported(rid, lambda slot: self.layout.unpack(buf, block_ids[cached:], slot), None)
+        self.shared_imports.start(rid, shared, block_ids[cached:])
 
     def _cancel(self, rid: int) -> None:
         for fields in self.deferred:
@@ -248,7 +239,7 @@ class EngineHandOffs:
                 return
         if rid in self.receiving:
             self.cancelled.add(rid)  # its blocks go back when its receive ends (the buffer is the transfer's)
-            if self.receiving[rid][0][11][3] == "ipc":  # (nothing posted: now)
+            if self.receiving[rid][0][11][3] == "ipc" and rid not in self.shared_imports:  # (no copy: now)
                 self._imported(rid, None, "cancelled")
             return
         self.link.handle("abort", (rid,))  # already decoding here
@@ -292,6 +283,8 @@ class EngineHandOffs:
             self._admit_prefills()
         if self.deferred:
             self._try_imports()
+        for rid, state in self.shared_imports.landed():
+            self._imported(rid, lambda slot, state=state: self._put_state(state, slot), None)
         for channel in list(self.channels.values()):
             for tag, buf, error, seconds in channel.take_done():
                 self._landed(channel.key, tag, buf, error, seconds)
