@@ -21,7 +21,8 @@ import torch
 
 from megatron_async.disaggregation import ipc_share
 from megatron_async.disaggregation.ipc_import import SharedImports
-from megatron_async.disaggregation.kv_import import PrefillHold, admit_decoding, allocate, cached_prefix, room_for
+from megatron_async.disaggregation.kv_import import (PrefillHold, admit_decoding, allocate, cached_prefix,
+                                                     prefix_keys, room_for)
 from megatron_async.disaggregation.kv_layout import KVLayout
 from megatron_async.disaggregation.kv_stream import CHUNK_BYTES
 from megatron_async.disaggregation.loop_times import LoopTimes
@@ -69,6 +70,7 @@ class EngineHandOffs:
         self.loop = LoopTimes()
         """The engine loop's own time in hand-off work (what its steps wait for)."""
         self.posted_at: dict[int, float] = {}  # rid -> when its receive was posted (decode side)
+        self.keys: dict[int, list] = {}  # rid -> its prompt's block keys, while its import is deferred
         self.chunk_bytes = CHUNK_BYTES
         """The staging chunk of this engine's connections (both ends of a pair chunk alike)."""
         self.transfer_hook = None
@@ -163,10 +165,14 @@ class EngineHandOffs:
                 self.deferred.popleft()
                 self.link.channel.send("kv_failed", fields[0], why)
                 continue
-            cached = cached_prefix(self.engine, fields[2], fields[5], blocks)
+            keys = self.keys.get(fields[0])
+            if keys is None:
+                keys = self.keys[fields[0]] = prefix_keys(self.engine, fields[2], fields[5], blocks)
+            cached = cached_prefix(self.engine, keys)
             if not room_for(self.engine, blocks - len(cached), len(self.receiving)):
                 return
             self.deferred.popleft()
+            self.keys.pop(fields[0], None)
             block_ids = allocate(self.engine, blocks, cached)
             if fields[11][3] != "ipc":  # (an ipc pair's blocks arrive as kv_shared)
                 self._channel(fields[11]).recv_blocks(_tag(fields[0]), self.layout, block_ids[len(cached):])
@@ -236,6 +242,7 @@ class EngineHandOffs:
         for fields in self.deferred:
             if fields[0] == rid:
                 self.deferred.remove(fields)
+                self.keys.pop(rid, None)
                 return
         if rid in self.receiving:
             self.cancelled.add(rid)  # its blocks go back when its receive ends (the buffer is the transfer's)

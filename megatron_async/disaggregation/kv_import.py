@@ -102,16 +102,23 @@ def room_for(engine, num_blocks: int, arriving: int = 0) -> bool:
     return len(ctx.active) + arriving < ctx.max_requests and ctx.allocator.num_available > num_blocks
 
 
-def cached_prefix(engine, prompt, digests: bytes, num_blocks: int) -> list[int]:
-    """The leading blocks of ``prompt`` (of its ``num_blocks``) that this engine's prefix cache
-    holds (their KV is not sent again); not yet taken (``allocate`` takes them)."""
+def prefix_keys(engine, prompt, digests: bytes, num_blocks: int) -> list:
+    """The block keys of ``prompt``'s leading complete blocks (of its ``num_blocks``) that this
+    engine's prefix cache could hold (the last block is always sent: never an empty transfer);
+    computed once per import (hashing a long prompt costs the loop a millisecond or more)."""
     ctx = engine.context
     alloc, bs = ctx.allocator, ctx.block_size
     if not alloc.publishes or isinstance(prompt, str):
         return []
-    full = min(num_blocks - 1, len(prompt) // bs)  # (the last block is always sent: never an empty transfer)
+    full = min(num_blocks - 1, len(prompt) // bs)
     known = known_digests(digests, prompt, bs, alloc.hash_key) if digests else None
-    keys = chain_keys(None, prompt[:full * bs], bs, alloc.hash_key, None if known is None else (alloc.hash_key, known))
+    return chain_keys(None, prompt[:full * bs], bs, alloc.hash_key, None if known is None else (alloc.hash_key, known))
+
+
+def cached_prefix(engine, keys: list) -> list[int]:
+    """The leading blocks of ``keys`` (``prefix_keys``) that this engine's prefix cache holds now
+    (their KV is not sent again); not yet taken (``allocate`` takes them)."""
+    alloc = engine.context.allocator
     found = []
     for key in keys:
         block = alloc.lookup(key)
