@@ -41,7 +41,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_async.disaggregation.kv_stream import CHUNK_BYTES, Clock, Staging, recv_blocks, seconds_between, send_blocks
+from megatron_async.disaggregation.kv_stream import (CHUNK_BYTES, Clock, Staging, recv_blocks, seconds_between,
+                                                     send_blocks)
 from megatron_async.disaggregation.pair_auth import mac_key, prove, store_prefix
 
 log = logging.getLogger("megatron_async.disaggregation")
@@ -143,7 +144,7 @@ class PairChannel:
         self._thread.start()
 
     def _queue(self, kind: str, tag: int, payload, ready_on: torch.device | None) -> None:
-        """``ready``: an event of the caller's current stream (what it enqueued before is ordered before the transfer)."""
+        """``ready``: an event of the caller's current stream (what it enqueued so far comes first)."""
         ready = None
         if ready_on is not None and ready_on.type == "cuda":
             ready = torch.cuda.Event()

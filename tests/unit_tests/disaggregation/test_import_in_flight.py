@@ -45,8 +45,9 @@ def _hand_off(p, d, rid, prompt, first, pair):
 
 
 def llm(device: str, max_requests: int = 4) -> LLM:
-    return LLM(None, device, "float32", InferenceConfig(block_size_tokens=4, num_kv_blocks=64, max_requests=max_requests,
-                                                       max_tokens=64, cuda_graphs=False))
+    config = InferenceConfig(block_size_tokens=4, num_kv_blocks=64, max_requests=max_requests, max_tokens=64,
+                             cuda_graphs=False)
+    return LLM(None, device, "float32", config)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
