@@ -183,7 +183,7 @@ class EngineHandOffs:
 
     def _imported(self, rid: int, fill, error: str | None) -> None:
         """The receive of ``rid`` ended: ``fill(slot)`` puts what is not in its blocks yet into the
-        admitted request (its Mamba state; an ipc pair's blocks too)."""
+        admitted request (its Mamba state)."""
         fields, block_ids, cached = self.receiving.pop(rid, (None, None, 0))
         if fields is None:
             return

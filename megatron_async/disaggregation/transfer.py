@@ -254,6 +254,9 @@ class PairChannel:
                 except Exception as e:  # noqa: BLE001 -- the peer died or the group broke: every later transfer fails too
                     self.error = f"{type(e).__name__}: {e}"
                     result, start, end, ended = None, None, None, None
+                    if cuda:  # (what it enqueued ends before its blocks go back to the pool)
+                        ended = torch.cuda.Event()
+                        ended.record(self._stream)
                     if self._rendezvous is not None:  # (the store is this engine's: no wait on a peer)
                         self._rendezvous.spend(self.key)
                     log.error("KV transfer connection %s broke: %s", store_prefix(self.key), self.error)
