@@ -138,9 +138,12 @@ async def drive(address: str, work, output: int) -> dict:
 
         await asyncio.gather(*(one(at, p) for at, p in work))
         seconds = time.perf_counter() - t0
-        stats = (await client.engine_stats())["engines"].values()
+        by_engine = (await client.engine_stats())["engines"]
+        roles = {str(e["index"]): e.get("role", "mixed") for e in (await client.engines())["engines"]}
+    stats = by_engine.values()
     moved = {k: sum(s.get(k, 0) for s in stats) for k in ("kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds")}
-    return {"ttft": ttft, "tpot": tpot, "gaps": gaps, "tok_s": tokens / seconds, **moved}
+    loops = [(roles.get(i, "?"), s) for i, s in sorted(by_engine.items())]
+    return {"ttft": ttft, "tpot": tpot, "gaps": gaps, "tok_s": tokens / seconds, "loops": loops, **moved}
 
 
 def run_setup(args, roles: tuple[str, ...], work) -> dict:
@@ -205,6 +208,19 @@ def transfer_line(args, r: dict) -> str:
             f"transfer / copy = {per_s / copy_s:.2f}")
 
 
+def loop_lines(r: dict) -> list[str]:
+    """Per engine of the disaggregated setup: its steps, and what its loop spent on hand-off work."""
+    out = ["| engine | steps | decode step ms | hand-off loop ms / step | longest hand-off turn ms | imports | "
+           "import posted -> admitted ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for role, s in r["loops"]:
+        steps, imports = s.get("steps", 0), s.get("kv_imports_landed", 0)
+        decode = 1e3 * s.get("decode_wall_time", 0.0) / max(1, s.get("decode_steps", 0))
+        out.append(f"| {role} | {steps} | {decode:.2f} | {1e3 * s.get('kv_loop_seconds', 0.0) / max(1, steps):.3f} | "
+                   f"{1e3 * s.get('kv_loop_max_seconds', 0.0):.2f} | {imports} | "
+                   f"{1e3 * s.get('kv_import_seconds', 0.0) / max(1, imports):.2f} |")
+    return out
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -225,6 +241,7 @@ def main(argv=None) -> None:
         print(f"| {name} | {pct(r['ttft'], .5) * ms:.0f} | {pct(r['ttft'], .99) * ms:.0f} | "
               f"{statistics.median(r['tpot']) * ms:.1f} | {pct(r['gaps'], .5) * ms:.1f} | "
               f"{pct(r['gaps'], .99) * ms:.1f} | {r['tok_s']:.0f} |", flush=True)
+    print("\n".join(loop_lines(r)), flush=True)
     print(transfer_line(args, r), flush=True)  # (the disaggregated setup's, its engines closed)
 
 

@@ -20,8 +20,12 @@ from collections import deque
 import torch
 
 from megatron_async.disaggregation import ipc_share
-from megatron_async.disaggregation.kv_import import PrefillHold, admit_decoding, allocate, cached_prefix, room_for
+from megatron_async.disaggregation.ipc_import import SharedImports
+from megatron_async.disaggregation.kv_import import (PrefillHold, admit_decoding, allocate, cached_prefix,
+                                                     prefix_keys, room_for)
 from megatron_async.disaggregation.kv_layout import KVLayout
+from megatron_async.disaggregation.kv_stream import CHUNK_BYTES
+from megatron_async.disaggregation.loop_times import LoopTimes
 from megatron_async.disaggregation.transfer import PairChannel, Rendezvous, TransferTimes, resolve_backend, store_host
 from megatron_async.inference.records import decode_sampling
 
@@ -62,6 +66,15 @@ class EngineHandOffs:
         self.kv_sent_blocks = self.kv_received_blocks = self.kv_cached_blocks = self.deferred_imports = 0
         self.times = TransferTimes()
         """The transfers' own time: this prefill engine's sends, this decode engine's ipc copies."""
+        self.shared_imports = SharedImports(self.layout, CHUNK_BYTES, self.times)
+        self.loop = LoopTimes()
+        """The engine loop's own time in hand-off work (what its steps wait for)."""
+        self.posted_at: dict[int, float] = {}  # rid -> when its receive was posted (decode side)
+        self.keys: dict[int, list] = {}  # rid -> its prompt's block keys, while its import is deferred
+        self.chunk_bytes = CHUNK_BYTES
+        """The staging chunk of this engine's connections (both ends of a pair chunk alike)."""
+        self.transfer_hook = None
+        """A test's hook, run on a connection's thread before a transfer is handed back (PairChannel)."""
 
     @property
     def kv_address(self) -> str:
@@ -69,7 +82,7 @@ class EngineHandOffs:
 
     def in_flight(self) -> bool:
         """Transfers queued on a connection (the loop polls them instead of sleeping)."""
-        return any(channel.pending for channel in self.channels.values())
+        return bool(self.shared_imports) or any(channel.pending for channel in self.channels.values())
 
     # ---------------------------------------------------------------- prefill side
     def prefill(self, fields: list) -> None:
@@ -108,6 +121,7 @@ class EngineHandOffs:
         self.handed += handed
 
     def _send(self, rid: int, pair, cached: int = 0) -> None:
+        """Queue the blocks after ``cached`` on the pair's connection (gathered there, on its stream)."""
         local = self.ready.get(rid)
         if local is None:
             self.link.channel.send("kv_failed", rid, "the prefill engine holds no blocks for it")
@@ -127,7 +141,8 @@ class EngineHandOffs:
             return
         channel = self._channel(pair)
         self.sending[(channel.key, _tag(rid))] = blocks  # (counted when seen to end: after kv_release, maybe)
-        channel.send(_tag(rid), self.hold.pack(local, cached).to(channel.device))
+        block_ids, state = self.hold.kept[local]
+        channel.send_blocks(_tag(rid), self.layout, block_ids[cached:], state)
 
     def _release(self, rid: int) -> None:
         local = self.ready.pop(rid, None)
@@ -150,28 +165,36 @@ class EngineHandOffs:
                 self.deferred.popleft()
                 self.link.channel.send("kv_failed", fields[0], why)
                 continue
-            cached = cached_prefix(self.engine, fields[2], fields[5], blocks)
+            keys = self.keys.get(fields[0])
+            if keys is None:
+                keys = self.keys[fields[0]] = prefix_keys(self.engine, fields[2], fields[5], blocks)
+            cached = cached_prefix(self.engine, keys)
             if not room_for(self.engine, blocks - len(cached), len(self.receiving)):
                 return
             self.deferred.popleft()
+            self.keys.pop(fields[0], None)
             block_ids = allocate(self.engine, blocks, cached)
             if fields[11][3] != "ipc":  # (an ipc pair's blocks arrive as kv_shared)
-                channel = self._channel(fields[11])
-                channel.recv(_tag(fields[0]), self.layout.empty(blocks - len(cached), channel.device))
+                self._channel(fields[11]).recv_blocks(_tag(fields[0]), self.layout, block_ids[len(cached):])
+            self.posted_at[fields[0]] = time.perf_counter()
             self.receiving[fields[0]] = (fields, block_ids, len(cached))
             self.kv_cached_blocks += len(cached)
             self.link.channel.send("kv_accepted", fields[0], len(cached))
 
-    def _imported(self, rid: int, buf, error: str | None) -> None:
+    def _imported(self, rid: int, fill, error: str | None) -> None:
+        """The receive of ``rid`` ended: ``fill(slot)`` puts what is not in its blocks yet into the
+        admitted request (its Mamba state)."""
         fields, block_ids, cached = self.receiving.pop(rid, (None, None, 0))
         if fields is None:
             return
+        posted = self.posted_at.pop(rid, None)
+        if posted is not None and error is None:
+            self.loop.imported(time.perf_counter() - posted)
         if error is None and rid not in self.cancelled:
             rid, seq, prompt, sampling, stream, digests, reply, tokens, lps, version, blocks, _ = fields
             try:
                 params = decode_sampling(sampling, frozen=False)
-                local = admit_decoding(self.engine, self.layout, prompt, params, digests, tokens, lps, version,
-                                       block_ids, buf, cached)
+                local = admit_decoding(self.engine, prompt, params, digests, tokens, lps, version, block_ids, fill)
             except Exception as e:  # noqa: BLE001 -- refused alone: its blocks go back
                 error = f"the decode engine could not admit it: {type(e).__name__}: {e}"
             else:
@@ -193,8 +216,8 @@ class EngineHandOffs:
             return
         block_ids, state = self.hold.take(local)
         try:
-            new = admit_decoding(self.engine, self.layout, prompt, decode_sampling(sampling, frozen=False), digests,
-                                 tokens, lps, version, block_ids, None, len(block_ids), state)
+            new = admit_decoding(self.engine, prompt, decode_sampling(sampling, frozen=False), digests, tokens, lps,
+                                 version, block_ids, lambda slot: self.layout.put_state(state, slot))
         except Exception as e:  # noqa: BLE001 -- refused alone: its blocks go back
             self.engine.context.allocator.release(block_ids)
             self.link.channel.send("kv_failed", rid, f"could not decode it here: {type(e).__name__}: {e}")
@@ -203,9 +226,9 @@ class EngineHandOffs:
         self.link.channel.send("kv_imported", rid, 0)
 
     def _mapped(self, rid: int, payload: dict) -> None:
-        """An "ipc" pair's blocks: mapped, copied into this engine's memory (the transfer, timed;
-        the mapping lives until the copy ended), then into its blocks."""
-        if rid not in self.receiving:
+        """An "ipc" pair's blocks: mapped, then copied into its blocks off the compute stream
+        (ipc_import.py: the transfer, timed); the request lands at a later poll."""
+        if rid not in self.receiving or rid in self.shared_imports:
             return
         fields, block_ids, cached = self.receiving[rid]
         try:
@@ -213,33 +236,27 @@ class EngineHandOffs:
         except Exception as e:  # noqa: BLE001 -- this import fails alone
             self._imported(rid, None, f"could not map the shared blocks: {type(e).__name__}: {e}")
             return
-        buf = self.layout.empty(len(block_ids) - cached)
-        if buf.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            buf.copy_(shared, non_blocking=True)
-            end.record()
-            self.times.add_events(start, end, buf.numel(), shared)
-        else:
-            t0 = time.perf_counter()
-            buf.copy_(shared)
-            self.times.add(buf.numel(), time.perf_counter() - t0)
-        self._imported(rid, buf, None)
+        self.shared_imports.start(rid, shared, block_ids[cached:])
 
     def _cancel(self, rid: int) -> None:
         for fields in self.deferred:
             if fields[0] == rid:
                 self.deferred.remove(fields)
+                self.keys.pop(rid, None)
                 return
         if rid in self.receiving:
             self.cancelled.add(rid)  # its blocks go back when its receive ends (the buffer is the transfer's)
-            if self.receiving[rid][0][11][3] == "ipc":  # (nothing posted: now)
+            if self.receiving[rid][0][11][3] == "ipc" and rid not in self.shared_imports:  # (no copy: now)
                 self._imported(rid, None, "cancelled")
             return
         self.link.handle("abort", (rid,))  # already decoding here
 
     # ---------------------------------------------------------------- both
     def handle(self, kind: str, fields: list) -> None:
+        with self.loop.timed():
+            self._handle(kind, fields)
+
+    def _handle(self, kind: str, fields: list) -> None:
         if kind == "kv_import":
             self.deferred.append(fields)
             if len(self.deferred) > 1 or not room_for(self.engine, fields[10], len(self.receiving)):
@@ -255,7 +272,12 @@ class EngineHandOffs:
 
     def poll(self) -> None:
         """Once a loop turn, after the step's outputs were sent: announce the requests that
-        stopped at their first token, admit deferred imports, land finished transfers."""
+        stopped at their first token, admit deferred imports, land finished transfers (those
+        whose end event passed: the request joins the next step)."""
+        with self.loop.timed():
+            self._poll()
+
+    def _poll(self) -> None:
         for local in self.handed:
             rid = self.link.detach(local)
             if rid is None:  # (not the coordinator's: freed)
@@ -268,6 +290,8 @@ class EngineHandOffs:
             self._admit_prefills()
         if self.deferred:
             self._try_imports()
+        for rid, state in self.shared_imports.landed():
+            self._imported(rid, lambda slot, state=state: self._put_state(state, slot), None)
         for channel in list(self.channels.values()):
             for tag, buf, error, seconds in channel.take_done():
                 self._landed(channel.key, tag, buf, error, seconds)
@@ -281,7 +305,7 @@ class EngineHandOffs:
         if self.role == "decode":
             rid = next((r for r in self.receiving if _tag(r) == tag), None)
             if rid is not None:
-                self._imported(rid, buf, error)
+                self._imported(rid, lambda slot: self._put_state(buf, slot), error)
             return
         # A send is matched by its own entry, not by the blocks kept for it: the decode engine's
         # import, and so the coordinator's kv_release, may come before this loop sees the send end.
@@ -290,9 +314,15 @@ class EngineHandOffs:
             return
         if error is None:  # (kv_sent_blocks: blocks whose send completed)
             self.kv_sent_blocks += blocks
-            self.times.add(buf.numel() * buf.element_size(), seconds)
+            self.times.add(self.layout.nbytes(blocks), seconds)
         # else: its decode engine died (the coordinator places the transfer again, and this engine
         # sends again on a new connection) or the group broke (its receive fails too: kv_failed)
+
+    def _put_state(self, buf, slot: int) -> None:
+        """A received Mamba state (bytes the connection's stream wrote, ended) into ``slot``."""
+        self.layout.unpack_state(buf, slot)
+        if buf is not None and buf.is_cuda:  # (read on this stream: not reused by the connection's before)
+            buf.record_stream(torch.cuda.current_stream(buf.device))
 
     def _spent(self, pair) -> str | None:
         """Why ``pair``'s key can carry no transfer (its connection was refused or broke), or None."""
@@ -305,7 +335,8 @@ class EngineHandOffs:
         channel = self.channels.get(key)
         if channel is None:
             channel = self.channels[key] = PairChannel(key, address, rank, backend, self.device,
-                                                       self.rendezvous if rank == 1 else None)
+                                                       self.rendezvous if rank == 1 else None, self.chunk_bytes,
+                                                       self.transfer_hook)
         return channel
 
     def counters(self) -> dict:
@@ -313,7 +344,7 @@ class EngineHandOffs:
                 "kv_cached_blocks": self.kv_cached_blocks,
                 "kv_deferred_imports": self.deferred_imports, "kv_blocks_held": sum(
                     self.hold.num_blocks(local) for local in self.ready.values()) if self.hold else 0,
-                **self.times.counters()}
+                **self.times.counters(), **self.loop.counters()}
 
     def close(self) -> None:
         for channel in self.channels.values():

@@ -1,20 +1,29 @@
 """What a request's computed prompt is, as bytes: its KV blocks of every attention layer, then
-(hybrid models) its Mamba conv and SSM state of every Mamba layer, packed into one flat uint8
-tensor in that order. Both engines run one model setup (the coordinator checks the block size;
-the same model gives the same shapes), so the receiver knows the layout from the block count.
+(hybrid models) its Mamba conv and SSM state of every Mamba layer. Both engines run one model
+setup (the coordinator checks the block size; the same model gives the same shapes), so the
+receiver knows the layout from the block count.
+
+A transfer moves the blocks in chunks of whole blocks (``chunks``): each chunk is every layer's
+``[2, n, block, heads, head_dim]`` slice of those blocks, in layer order, gathered into one
+buffer (``pack_into``: one index_select per layer, written in place) and scattered from it
+(``scatter``); the Mamba state travels last, in a buffer of its own (``state_bytes``). Without
+chunking (one chunk of every block, then the state) the bytes are ``pack``'s: what an "ipc" pair
+shares.
 
     layout = KVLayout(context)
     state = layout.take_state(req.state_slot)        # prefill side, before the slot is freed
-    buf = layout.pack(block_ids, state)              # prefill side, to send
+    buf = layout.pack(block_ids, state)              # prefill side, one buffer
     layout.unpack(buf, new_block_ids, req.state_slot)  # decode side, into its own pool"""
 from __future__ import annotations
 
 import torch
 
+from megatron_async.kernels.kv_cache_fp8 import byte_view
+
 
 class KVLayout:
     def __init__(self, context):
-        self.kv = context.kv_caches  # each [2, num_blocks, block_size, heads, head_dim]
+        self.kv = [byte_view(t) for t in context.kv_caches]  # each [2, num_blocks, block_size, heads, head_dim]
         mamba = context.mamba
         self.states = [] if mamba is None else list(mamba.conv_states) + list(mamba.ssm_states)  # each [slots + 1, ...]
         self.device = self.kv[0].device if self.kv else (self.states[0].device if self.states else torch.device("cpu"))
@@ -23,8 +32,17 @@ class KVLayout:
         """Bytes of one block over every layer."""
         return sum(t[:, 0].numel() * t.element_size() for t in self.kv)
 
+    def state_bytes(self) -> int:
+        """Bytes of one request's Mamba state (0 without Mamba layers)."""
+        return sum(t[0].numel() * t.element_size() for t in self.states)
+
     def nbytes(self, num_blocks: int) -> int:
-        return num_blocks * self.block_bytes() + sum(t[0].numel() * t.element_size() for t in self.states)
+        return num_blocks * self.block_bytes() + self.state_bytes()
+
+    def chunks(self, num_blocks: int, chunk_bytes: int) -> list[tuple[int, int]]:
+        """(first, count) block ranges of at most ``chunk_bytes`` each (at least one block each)."""
+        per = max(1, chunk_bytes // max(1, self.block_bytes()))
+        return [(i, min(per, num_blocks - i)) for i in range(0, num_blocks, per)]
 
     def take_state(self, slot: int) -> list[torch.Tensor] | None:
         """A copy of a request's Mamba states (stream-ordered after the launches that wrote them),
@@ -33,15 +51,49 @@ class KVLayout:
             return None
         return [t[slot].clone() for t in self.states]
 
+    def _views(self, buf: torch.Tensor, n: int):
+        """(layer, its ``[2, n, ...]`` view of ``buf``) for every layer, in order."""
+        offset = 0
+        for t in self.kv:
+            size = t[:, 0].numel() * n * t.element_size()
+            yield t, buf[offset:offset + size].view(t.dtype).view(t.shape[0], n, *t.shape[2:])
+            offset += size
+
+    def pack_into(self, out: torch.Tensor, idx: torch.Tensor) -> None:
+        """Gather blocks ``idx`` (an int64 tensor on the pool's device) of every layer into ``out``
+        (uint8, ``len(idx) * block_bytes()`` long, on the pool's device)."""
+        for t, view in self._views(out, idx.numel()):
+            torch.index_select(t, 1, idx, out=view)
+
+    def scatter(self, buf: torch.Tensor, idx: torch.Tensor) -> None:
+        """``pack_into``'s bytes into blocks ``idx`` of this pool."""
+        for t, view in self._views(buf, idx.numel()):
+            t.index_copy_(1, idx, view)
+
+    def pack_state(self, out: torch.Tensor, state: list[torch.Tensor] | None) -> None:
+        offset = 0
+        for t, s in zip(self.states, state or ()):
+            n = s.numel() * s.element_size()
+            out[offset:offset + n].view(s.dtype).view(s.shape).copy_(s)
+            offset += n
+
+    def unpack_state(self, buf: torch.Tensor | None, slot: int) -> None:
+        """``pack_state``'s bytes into state slot ``slot``."""
+        offset = 0
+        for t in self.states if buf is not None else ():
+            n = t[0].numel() * t.element_size()
+            t[slot].copy_(buf[offset:offset + n].view(t.dtype).view(t.shape[1:]))
+            offset += n
+
     def pack(self, block_ids: list[int], state: list[torch.Tensor] | None) -> torch.Tensor:
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        parts = [t.index_select(1, idx) for t in self.kv] + list(state or ())
-        if not parts:
-            return torch.empty(0, dtype=torch.uint8, device=self.device)
-        return torch.cat([p.contiguous().view(torch.uint8).reshape(-1) for p in parts])
+        out = torch.empty(self.nbytes(len(block_ids)), dtype=torch.uint8, device=self.device)
+        split = len(block_ids) * self.block_bytes()
+        self.pack_into(out[:split], torch.tensor(block_ids, dtype=torch.int64, device=self.device))
+        self.pack_state(out[split:], state)
+        return out
 
     def empty(self, num_blocks: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """The receive buffer of ``num_blocks`` blocks (and a state)."""
+        """A buffer of ``num_blocks`` blocks (and a state)."""
         return torch.empty(self.nbytes(num_blocks), dtype=torch.uint8, device=device or self.device)
 
     def put_state(self, state: list[torch.Tensor] | None, slot: int) -> None:
@@ -51,18 +103,13 @@ class KVLayout:
 
     def unpack(self, buf: torch.Tensor, block_ids: list[int], slot: int) -> None:
         """Copy ``buf`` (``pack``'s bytes) into ``block_ids`` of this pool and state slot ``slot``."""
-        if buf.numel() != self.nbytes(len(block_ids)):
-            raise ValueError(f"a transfer of {buf.numel()} bytes for {len(block_ids)} blocks "
-                             f"({self.nbytes(len(block_ids))} expected): another model setup?")
+        self.check(buf.numel(), len(block_ids))
         buf = buf.to(self.device)
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        offset = 0
-        for t in self.kv:
-            shape = (t.shape[0], len(block_ids), *t.shape[2:])
-            n = t[:, 0].numel() * len(block_ids) * t.element_size()
-            t.index_copy_(1, idx, buf[offset:offset + n].view(t.dtype).view(shape))
-            offset += n
-        for t in self.states:
-            n = t[0].numel() * t.element_size()
-            t[slot].copy_(buf[offset:offset + n].view(t.dtype).view(t.shape[1:]))
-            offset += n
+        split = len(block_ids) * self.block_bytes()
+        self.scatter(buf[:split], torch.tensor(block_ids, dtype=torch.int64, device=self.device))
+        self.unpack_state(buf[split:], slot)
+
+    def check(self, nbytes: int, num_blocks: int) -> None:
+        if nbytes != self.nbytes(num_blocks):
+            raise ValueError(f"a transfer of {nbytes} bytes for {num_blocks} blocks "
+                             f"({self.nbytes(num_blocks)} expected): another model setup?")

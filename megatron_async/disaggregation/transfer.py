@@ -19,10 +19,14 @@ Both ends queue their transfers in the coordinator's order: the decode engine po
 transfer that fails (the peer died, the group broke) fails every later one of that connection;
 the engines report it (kv_failed) and the coordinator frees both sides.
 
-``TransferTimes`` counts what the transfers themselves took (the wire, not the pack or the control
-round trips): a prefill engine's sends on a pair connection, a decode engine's copies out of an
-"ipc" pair's shared blocks; a group's setup (NCCL creates its communicator at the first operation)
-is paid by ``connect``'s proof before the first timed transfer."""
+A request's blocks move in bounded chunks on the connection's own CUDA stream (kv_stream.py); the
+thread posts them without waiting for the GPU, and ``take_done`` hands a transfer back once its
+end event passed (a query, never a synchronize of the engine's loop).
+
+``TransferTimes`` counts what the transfers themselves took (the wire, not the control round
+trips): a prefill engine's sends on a pair connection, a decode engine's copies out of an "ipc"
+pair's shared blocks; a group's setup (NCCL creates its communicator at the first operation) is
+paid by ``connect``'s proof before the first timed transfer."""
 from __future__ import annotations
 
 import datetime
@@ -32,11 +36,13 @@ import socket
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from megatron_async.disaggregation.kv_stream import (CHUNK_BYTES, Clock, Staging, recv_blocks, seconds_between,
+                                                     send_blocks)
 from megatron_async.disaggregation.pair_auth import mac_key, prove, store_prefix
 
 log = logging.getLogger("megatron_async.disaggregation")
@@ -109,42 +115,63 @@ class Rendezvous:
 
 
 class PairChannel:
-    """This engine's end of one pair's group: ``send`` / ``recv`` queue a transfer, ``take_done``
-    hands back those that ended: (tag, tensor, error or None, seconds: a send's time on the wire
-    from its pack's end, 0 for a receive, which waits for its send)."""
+    """This engine's end of one pair's group: ``send`` / ``recv`` (one tensor) and ``send_blocks``
+    / ``recv_blocks`` (a request's blocks, chunked) queue a transfer, ``take_done`` hands back
+    those that ended: (tag, result, error or None, seconds: a send's time on the wire, 0 for a
+    receive, which waits for its send); a receive's result is its tensor, or for ``recv_blocks``
+    the Mamba state's bytes (None without Mamba layers: the blocks are in the pool).
+
+    ``hook(kind, tag)``, when given, runs on the connection's thread after a transfer's operations
+    were posted and before it is handed back (a test holds a transfer in flight with it)."""
 
     def __init__(self, key: str, address: str, rank: int, backend: str, device: torch.device,
-                 rendezvous: Rendezvous | None = None):
+                 rendezvous: Rendezvous | None = None, chunk_bytes: int = CHUNK_BYTES,
+                 hook: Callable[[str, int], None] | None = None):
         self.key, self.rank, self.backend = key, rank, backend
         self.device = device if backend == "nccl" else torch.device("cpu")
+        self.pool_device = device
+        self.chunk_bytes, self.hook = chunk_bytes, hook
         self._address, self._rendezvous = address, rendezvous
         self._mac_key = mac_key(key)
         self._jobs: queue.Queue = queue.Queue()
-        self._done: deque = deque()
+        self._done: deque = deque()  # (tag, result, error, start mark, end mark, end event or None)
         self.error: str | None = None
         self.pending = 0
         """Transfers queued and not yet handed back (the loop thread's count)."""
+        self._stream = None
         name = f"megatron-async-kv-{store_prefix(key)[3:15]}"  # (not the key: names and logs are no secret)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    def _queue(self, kind: str, tag: int, payload, ready_on: torch.device | None) -> None:
+        """``ready``: an event of the caller's current stream (what it enqueued so far comes first)."""
+        ready = None
+        if ready_on is not None and ready_on.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(ready_on))
+        self.pending += 1
+        self._jobs.put((kind, tag, payload, ready))
+
     def send(self, tag: int, tensor: torch.Tensor) -> None:
         """``tensor`` was written on the caller's current stream (a CUDA tensor is sent after it)."""
-        ready = None
-        if tensor.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(tensor.device))
-        self.pending += 1
-        self._jobs.put(("send", tag, tensor, ready))
+        self._queue("send", tag, tensor, tensor.device)
 
     def recv(self, tag: int, tensor: torch.Tensor) -> None:
-        self.pending += 1
-        self._jobs.put(("recv", tag, tensor, None))
+        self._queue("recv", tag, tensor, None)
 
-    def take_done(self) -> list[tuple[int, torch.Tensor, str | None, float]]:
+    def send_blocks(self, tag: int, layout, block_ids: list[int], state) -> None:
+        """Send ``block_ids`` of ``layout``'s pool (and a Mamba ``state``), written on the caller's stream."""
+        self._queue("send_blocks", tag, (layout, list(block_ids), state), layout.device)
+
+    def recv_blocks(self, tag: int, layout, block_ids: list[int]) -> None:
+        """Receive into ``block_ids`` of ``layout``'s pool, after what the caller's stream enqueued so far."""
+        self._queue("recv_blocks", tag, (layout, list(block_ids)), layout.device)
+
+    def take_done(self) -> list[tuple[int, Any, str | None, float]]:
         out = []
-        while self._done:
-            out.append(self._done.popleft())
+        while self._done and (self._done[0][5] is None or self._done[0][5].query()):
+            tag, result, error, start, end, _ = self._done.popleft()
+            out.append((tag, result, error, 0.0 if start is None else seconds_between(start, end)))
         self.pending -= len(out)
         return out
 
@@ -171,11 +198,13 @@ class PairChannel:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1" if host == "127.0.0.1" else "")]
         return dist.ProcessGroupGloo(store, self.rank, 2, opts)
 
+    def _post(self, group, kind: str, tensor: torch.Tensor, tag: int):
+        return group.send([tensor], 1 - self.rank, tag) if kind == "send" else group.recv([tensor], 1 - self.rank, tag)
+
     def _exchange(self, group, kind: str, tensor: torch.Tensor, tag: int) -> None:
-        work = group.send([tensor], 1 - self.rank, tag) if kind == "send" else group.recv([tensor], 1 - self.rank, tag)
-        work.wait()
+        self._post(group, kind, tensor, tag).wait()
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.current_stream(self.device).synchronize()  # (this connection's stream, this thread)
 
     def connect(self, group) -> None:
         """The pair's proof of its key (pair_auth.py; AuthError: refused), before any transfer;
@@ -183,26 +212,52 @@ class PairChannel:
         first transfer is timed."""
         prove(lambda kind, tensor: self._exchange(group, kind, tensor, 0), self.rank, self._mac_key, self.device)
 
+    def _move(self, group, kind: str, tag: int, payload):
+        """Post one transfer on this thread's stream: (result, start mark, end mark)."""
+        clock = Clock(self.pool_device.type == "cuda")
+        op = lambda k, t: self._post(group, k, t, tag)  # noqa: E731
+        if kind == "send_blocks":
+            layout, block_ids, state = payload
+            start, end = send_blocks(op, self._staging, layout, block_ids, state, self.chunk_bytes, clock)
+            return None, start, end
+        if kind == "recv_blocks":
+            layout, block_ids = payload
+            return recv_blocks(op, self._staging, layout, block_ids, self.chunk_bytes), None, None
+        start = clock.mark()
+        self._post(group, kind, payload, tag).wait()
+        return payload, (start if kind == "send" else None), clock.mark()
+
     def _run(self) -> None:
         group = None
+        cuda = self.pool_device.type == "cuda"
+        if cuda:  # (the thread's own stream: the engine's compute stream never waits on a transfer)
+            torch.cuda.set_device(self.pool_device)
+            self._stream = torch.cuda.Stream(self.pool_device)
+            torch.cuda.set_stream(self._stream)
+        self._staging = Staging(self.pool_device, self.device)
         while (job := self._jobs.get()) is not None:
-            kind, tag, tensor, ready = job
-            seconds = 0.0
+            kind, tag, payload, ready = job
+            result, start, end, ended = None, None, None, None
             if self.error is None:
                 try:
-                    if self.device.type == "cuda":
-                        torch.cuda.set_device(self.device)
                     if group is None:
                         group = self._group()
                         self.connect(group)
                     if ready is not None:
-                        ready.synchronize()  # (the pack ended: what follows is the wire's time)
-                    start = time.perf_counter()
-                    self._exchange(group, kind, tensor, tag)
-                    seconds = time.perf_counter() - start if kind == "send" else 0.0
+                        self._stream.wait_event(ready)
+                    result, start, end = self._move(group, kind, tag, payload)
+                    if cuda:
+                        ended = torch.cuda.Event()
+                        ended.record(self._stream)
+                    if self.hook is not None:
+                        self.hook(kind, tag)
                 except Exception as e:  # noqa: BLE001 -- the peer died or the group broke: every later transfer fails too
                     self.error = f"{type(e).__name__}: {e}"
+                    result, start, end, ended = None, None, None, None
+                    if cuda:  # (what it enqueued ends before its blocks go back to the pool)
+                        ended = torch.cuda.Event()
+                        ended.record(self._stream)
                     if self._rendezvous is not None:  # (the store is this engine's: no wait on a peer)
                         self._rendezvous.spend(self.key)
                     log.error("KV transfer connection %s broke: %s", store_prefix(self.key), self.error)
-            self._done.append((tag, tensor, self.error, seconds))
+            self._done.append((tag, result, self.error, start, end, ended))

@@ -48,7 +48,8 @@ def hand_over(prefill: LLM, decode: LLM, prompts, params: SamplingParams) -> lis
         assert n == -(-len(prompt) // prefill.context.block_size)
         buf = hold.pack(local)
         blocks = allocate(decode.engine, n)
-        rid = admit_decoding(decode.engine, layout, prompt, params, b"", first.generated_tokens, None, 0, blocks, buf)
+        rid = admit_decoding(decode.engine, prompt, params, b"", first.generated_tokens, None, 0, blocks,
+                             lambda slot: layout.unpack(buf, blocks, slot))
         assert hold.release(local) == n
         outs.append(run_until(decode.engine, rid))
     return outs

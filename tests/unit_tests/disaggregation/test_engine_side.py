@@ -138,8 +138,8 @@ def test_ipc_pairs_share_the_blocks_in_memory():
         p.handoffs.handle("kv_send", [rid, pair[:2] + (0, "ipc"), hit])
         (shared,) = p.channel.take("kv_shared")
         name, fields = messages.decode(messages.encode(*shared))  # (through the wire's checked reader)
-        d.handoffs.handle(name, fields)
-        assert d.channel.take("kv_imported") == [("kv_imported", rid, blocks - hit)]
+        d.handoffs.handle(name, fields)  # (copied off the compute stream: lands at a poll)
+        assert until(lambda: d.channel.take("kv_imported"), [d]) == [("kv_imported", rid, blocks - hit)]
         p.handoffs.handle("kv_release", [rid])
         assert not p.handoffs.shared
         _decode_until_finished(d, rid, outputs)
