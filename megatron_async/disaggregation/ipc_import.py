@@ -36,7 +36,7 @@ class SharedImports:
         split = len(block_ids) * size
         if self.stream is None:
             t0 = time.perf_counter()
-            layout.scatter(shared[:split], torch.tensor(block_ids, dtype=torch.int64))
+            self._copy_blocks(shared[:split], torch.tensor(block_ids, dtype=torch.int64))
             state = shared[split:].clone()
             self.times.add(shared.numel(), time.perf_counter() - t0)
             self.pending.append((rid, None, state, None))
@@ -47,21 +47,29 @@ class SharedImports:
             self.stream.wait_event(ready)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            idx = torch.tensor(block_ids, dtype=torch.int64).to(layout.device, non_blocking=True)
-            for i, (first, n) in enumerate(layout.chunks(len(block_ids), self.chunk_bytes)):
-                local, _ = self.staging.get(i, n * size)
-                local.copy_(shared[first * size:(first + n) * size], non_blocking=True)
-                layout.scatter(local, idx[first:first + n])
+            self._copy_blocks(shared[:split], torch.tensor(block_ids, dtype=torch.int64).to(layout.device,
+                                                                                             non_blocking=True))
             state = torch.empty(shared.numel() - split, dtype=torch.uint8, device=layout.device)
             state.copy_(shared[split:], non_blocking=True)
             end.record()
         self.times.add_events(start, end, shared.numel(), shared)
         self.pending.append((rid, end, state, shared))
 
+    def _copy_blocks(self, packed: torch.Tensor, idx: torch.Tensor) -> None:
+        """``packed`` (``KVLayout.pack``'s blocks: layer after layer, so a chunk of blocks is a slice
+        of every layer's part) into blocks ``idx``, chunk by chunk through the staging buffers."""
+        layout, size = self.layout, self.layout.block_bytes()
+        for i, (first, n) in enumerate(layout.chunks(idx.numel(), self.chunk_bytes)):
+            local, _ = self.staging.get(i, n * size)
+            layout.copy_chunk(packed, idx.numel(), first, n, local)
+            layout.scatter(local, idx[first:first + n])
+
     def landed(self) -> list[tuple[int, torch.Tensor]]:
         """(rid, its state's bytes) of the imports whose copies ended, in order."""
         out = []
         while self.pending and (self.pending[0][1] is None or self.pending[0][1].query()):
             rid, _, state, _ = self.pending.popleft()
+            if state.is_cuda:  # allocated on the copy's stream, read by the compute stream's admission
+                state.record_stream(torch.cuda.current_stream(state.device))
             out.append((rid, state if state.numel() else None))
         return out

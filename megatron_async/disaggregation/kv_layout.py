@@ -85,6 +85,13 @@ class KVLayout:
             t[slot].copy_(buf[offset:offset + n].view(t.dtype).view(t.shape[1:]))
             offset += n
 
+    def copy_chunk(self, packed: torch.Tensor, num_blocks: int, first: int, n: int, out: torch.Tensor) -> None:
+        """Blocks ``first:first + n`` of ``packed`` (``pack``'s bytes of ``num_blocks`` blocks: each
+        layer's slice of every block, layer after layer; on any device) into ``out`` as a chunk
+        (``pack_into``'s layout of those ``n`` blocks, which ``scatter`` takes)."""
+        for (_, whole), (_, part) in zip(self._views(packed, num_blocks), self._views(out, n)):
+            part.copy_(whole[:, first:first + n], non_blocking=True)
+
     def pack(self, block_ids: list[int], state: list[torch.Tensor] | None) -> torch.Tensor:
         out = torch.empty(self.nbytes(len(block_ids)), dtype=torch.uint8, device=self.device)
         split = len(block_ids) * self.block_bytes()
