@@ -41,7 +41,7 @@ class LoRATiles:
 
 DECODE_TILES = LoRATiles(block_m=16, k_chunk=256, block_k=256, block_n=128, slot_programs=8)
 PREFILL_TILES = LoRATiles(block_m=64, k_chunk=1024, block_k=128, block_n=128, slot_programs=4)
-PREFILL_ROWS = 256
+PREFILL_ROWS = 16
 
 
 def lora_tiles(rows: int, batch_invariant: bool) -> LoRATiles:
