@@ -143,6 +143,33 @@ class ForwardBatch:
     lora_slots: torch.Tensor | None = None
     """LoRA (``InferenceConfig.enable_lora``): [T] int32, each token's adapter slot (-1: the base
     model), read by the adapted linears (``parallel/lora_slots.py``). None: no adapters."""
+    lora_groups: LoRAGroups | None = None
+    """LoRA: ``lora_slots`` grouped by slot once per forward (``kernels/lora_groups.py``), which every
+    adapted linear of the step reads instead of the slots alone. None: the ungrouped LoRA op."""
+
+    @property
+    def lora_rows(self) -> LoRAGroups | torch.Tensor | None:
+        """What the adapted linears take: the step's grouping where built, else the slots."""
+        return self.lora_groups if self.lora_groups is not None else self.lora_slots
+
+
+@dataclass(frozen=True)
+class LoRAGroups:
+    """A step's tokens grouped by LoRA adapter slot (built on the device from ``slots``, once per
+    forward, by ``kernels.lora_groups.group_lora_rows``), so a LoRA tile holds rows of one slot."""
+    slots: torch.Tensor
+    """[T] int32, each token's slot (-1: the base model): ``ForwardBatch.lora_slots``."""
+    order: torch.Tensor
+    """[T] int32, the token indices sorted by slot (stable); the tokens of slot -1 last."""
+    slot_starts: torch.Tensor
+    """[L + 2] int32: slot l's tokens are ``order[slot_starts[l]:slot_starts[l + 1]]`` (l = L: the
+    tokens of slot -1); the last entry is T."""
+    tiles: torch.Tensor
+    """[max_tiles, 3] int32 rows (slot, first position in ``order``, rows <= block_m), one per tile of
+    ``block_m`` rows of one slot, slot after slot; the table's length is fixed by T, L and block_m
+    (a CUDA graph's launch grid), its unused rows are (-1, 0, 0)."""
+    block_m: int
+    """Rows per tile (the LoRA op's ``LoRATiles.block_m`` for T rows)."""
 
 
 def mamba_row_order(cu: list[int], is_window: list[bool] | None) -> tuple[list[int], int]:

@@ -17,15 +17,22 @@ import functools
 
 import torch
 
+from megatron_async.forward_batch import LoRAGroups
+
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
              slots: torch.Tensor, starts: torch.Tensor, slices: tuple[tuple[int, int], ...],
-             batch_invariant: bool = False) -> None:
+             batch_invariant: bool = False, groups: LoRAGroups | None = None) -> None:
     """In place on ``y`` [T, N] (the layer's output or, row-parallel, its partial sum); ``x`` [T, K];
     ``a`` [L, S*R, K]; ``b`` [L, N, R]; ``scale`` [L, S] float32; ``slots`` [>= T] int32;
-    ``starts`` [S + 1] int32 on the device and ``slices`` the same (start, end) columns on the host."""
+    ``starts`` [S + 1] int32 on the device and ``slices`` the same (start, end) columns on the host.
+    ``groups``: these T rows grouped by slot (``lora_groups.group_lora_rows``): the Triton op runs
+    tiles of one slot each (``triton_lora_grouped``); None: tiles of any rows (``triton_lora``)."""
     if x.is_cuda or batch_invariant:
-        _triton()(y, x, a, b, scale, slots, starts, batch_invariant)
+        if groups is not None:
+            _grouped()(y, x, a, b, scale, groups, starts, batch_invariant)
+        else:
+            _triton()(y, x, a, b, scale, slots, starts, batch_invariant)
     else:
         lora_add_reference(y, x, a, b, scale, slots, slices)
 
@@ -52,3 +59,10 @@ def _triton():
     from megatron_async.kernels.triton_lora import lora_add_triton
 
     return lora_add_triton
+
+
+@functools.cache
+def _grouped():
+    from megatron_async.kernels.triton_lora_grouped import lora_add_grouped
+
+    return lora_add_grouped
