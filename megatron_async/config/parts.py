@@ -97,4 +97,5 @@ class LoRASizing:
     enable_lora: bool
     max_loras: int
     max_lora_rank: int
+    lora_grouped_rows: bool
     lora_experts: bool

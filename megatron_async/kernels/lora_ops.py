@@ -28,13 +28,18 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     ``starts`` [S + 1] int32 on the device and ``slices`` the same (start, end) columns on the host.
     ``groups``: these T rows grouped by slot (``lora_groups.group_lora_rows``): the Triton op runs
     tiles of one slot each (``triton_lora_grouped``); None: tiles of any rows (``triton_lora``)."""
-    if x.is_cuda or batch_invariant:
+    if runs_triton(x, batch_invariant):
         if groups is not None:
             _grouped()(y, x, a, b, scale, groups, starts, batch_invariant)
         else:
             _triton()(y, x, a, b, scale, slots, starts, batch_invariant)
     else:
         lora_add_reference(y, x, a, b, scale, slots, slices)
+
+
+def runs_triton(x: torch.Tensor, batch_invariant: bool) -> bool:
+    """Whether ``lora_add`` on ``x``'s device runs the Triton op (which alone reads ``groups``)."""
+    return x.is_cuda or batch_invariant
 
 
 def lora_add_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_async.forward_batch import LoRAGroups
 from megatron_async.kernels.lora_ops import lora_add
 from megatron_async.parallel.sharding import ShardId, Sharding
 
@@ -95,6 +96,10 @@ class LoRASlots:
         self.b[slot].zero_()
         self.scale[slot].zero_()
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor, token_slots: torch.Tensor, batch_invariant: bool) -> None:
-        """``y`` (this layer's output or partial sum for input ``x``) += each token's adapter's product."""
-        lora_add(y, x, self.a, self.b, self.scale, token_slots, self.starts, self.slices, batch_invariant)
+    def apply(self, x: torch.Tensor, y: torch.Tensor, token_slots: torch.Tensor | LoRAGroups,
+              batch_invariant: bool) -> None:
+        """``y`` (this layer's output or partial sum for input ``x``) += each token's adapter's product;
+        ``token_slots``: each token's slot, or the step's grouping of them (``ForwardBatch.lora_rows``)."""
+        groups = token_slots if isinstance(token_slots, LoRAGroups) else None
+        slots = groups.slots if groups is not None else token_slots
+        lora_add(y, x, self.a, self.b, self.scale, slots, self.starts, self.slices, batch_invariant, groups)

@@ -56,7 +56,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
         """x: [T, hidden], or its rows quantized for the FP8 qkv projection (``fp8_input_linear``)."""
         T = x.shape[0]
-        inv, kernels, lora = step.batch.batch_invariant, step.kernels, step.batch.lora_slots
+        inv, kernels, lora = step.batch.batch_invariant, step.kernels, step.batch.lora_rows
         q, k, v = self.qkv_proj(x, inv, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)

@@ -35,7 +35,7 @@ class SwiGLUMLP(nn.Module):
         inv = step is not None and step.batch.batch_invariant
         fused = step is None or step.kernels.fused
         split_k = step is None or step.kernels.split_k
-        lora = step.batch.lora_slots if step is not None else None  # adapters: gate_up's output, then the SiLU
+        lora = step.batch.lora_rows if step is not None else None  # adapters: gate_up's output, then the SiLU
         plain = self.gate_up_proj.weight_scale_inv is None and (lora is None or self.gate_up_proj.lora is None)
         if plain and not inv and fused_ops.use_fused(x, fused) and x.dim() == 2:
             act = fused_ops.swiglu_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
@@ -79,7 +79,7 @@ class ReluSquaredMLP(nn.Module):
         inv = step is not None and step.batch.batch_invariant
         fused = step is None or step.kernels.fused
         split_k = step is None or step.kernels.split_k
-        lora = step.batch.lora_slots if step is not None else None
+        lora = step.batch.lora_rows if step is not None else None
         plain = self.up_proj.weight_scale_inv is None and (lora is None or self.up_proj.lora is None)
         if (plain and not inv and fused_ops.use_fused(x, fused) and x.dim() == 2
                 and not fused_ops.fp8_input_prequantized(x.shape[0], x.dtype, x.device, self.down_proj)):

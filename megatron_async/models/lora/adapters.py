@@ -54,6 +54,7 @@ class Loaded:
 class LoRAAdapters:
     def __init__(self, targets: dict[str, Target], sizing: LoRASizing):
         self.targets, self.max_loras, self.max_rank = targets, sizing.max_loras, sizing.max_lora_rank
+        self.grouped_rows = sizing.lora_grouped_rows
         self.loaded: dict[str, Loaded] = {}
         self.megatron = None
         """(``NameMap``, ``Dims``) of the model: adapters in Megatron-Core's naming (None: it has no table)."""
