@@ -109,6 +109,9 @@ def _add_lora_args(g) -> None:
                    help="--enable-lora: most adapters loaded at once (InferenceConfig.max_loras, default 8)")
     g.add_argument("--max-lora-rank", type=POSITIVE_INT, default=None,
                    help="--enable-lora: largest adapter rank taken (InferenceConfig.max_lora_rank, default 16)")
+    g.add_argument("--lora-grouped-rows", action="store_true", default=None,
+                   help="--enable-lora: each step groups its tokens by adapter for the LoRA ops "
+                        "(InferenceConfig.lora_grouped_rows; docs/LORA.md)")
     g.add_argument("--lora-experts", action="store_true", default=None,
                    help="--enable-lora: adapter slots on the MoE layers' routed experts too "
                         "(InferenceConfig.lora_experts; memory per expert, docs/LORA.md)")
@@ -295,6 +298,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "enable_lora": getattr(args, "enable_lora", None),
         "max_loras": getattr(args, "max_loras", None),
         "max_lora_rank": getattr(args, "max_lora_rank", None),
+        "lora_grouped_rows": getattr(args, "lora_grouped_rows", None),
         "lora_experts": getattr(args, "lora_experts", None),
         "logging_step_interval": args.logging_step_interval,
         "nvtx_ranges": args.nvtx,

@@ -19,10 +19,11 @@ class LoRAFields:
     max_lora_rank: int = 16
     """``enable_lora``: the largest adapter rank accepted (smaller ranks are zero-padded)."""
 
-    lora_grouped_rows: bool = True
+    lora_grouped_rows: bool = False
     """``enable_lora``: every step groups its tokens by adapter once (on the device, in the step's
     forward) and the attention / MLP LoRA ops run tiles of one adapter each; off: tiles of any
-    tokens, each program masking the rows of other adapters (the MoE experts' op always does)."""
+    tokens, each program masking the rows of other adapters (the MoE experts' op always does).
+    Off by default until timed on a GPU against the masked tiles (``kernel-times lora``)."""
 
     lora_experts: bool = False
     """``enable_lora``: the MoE layers' routed experts get adapter slots too (one pair per expert and
