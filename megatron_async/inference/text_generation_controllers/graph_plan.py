@@ -52,7 +52,7 @@ import bisect
 from dataclasses import dataclass
 
 from megatron_async.config import GraphSizing
-from megatron_async.inference.text_generation_controllers.sampling_variants import (  # noqa: F401 (their users import them here)
+from megatron_async.inference.text_generation_controllers.sampling_variants import (  # noqa: F401 (re-exported)
     GRAPH_TOP_N, SamplingVariant, VariantFlags, sampling_needs, variant_flags, variant_index, variant_of,
     variant_of_params,
 )

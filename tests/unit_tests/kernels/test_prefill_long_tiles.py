@@ -37,7 +37,8 @@ def test_long_launch_equals_the_default_launch(group, block_size, seed, monkeypa
     append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
     chosen = []
     real = triton_prefill_attention.fitted_launch
-    monkeypatch.setattr(triton_prefill_attention, "fitted_launch", lambda launch, *a: chosen.append(launch) or real(launch, *a))
+    monkeypatch.setattr(triton_prefill_attention, "fitted_launch",
+                        lambda launch, *a: chosen.append(launch) or real(launch, *a))
     default = triton_prefill_attention.prefill_attention(case.q, case.kv_cache, case.meta, case.scale)
     long_meta = dataclasses.replace(case.meta, long_tiles=True)
     long = triton_prefill_attention.prefill_attention(case.q, case.kv_cache, long_meta, case.scale)
