@@ -49,6 +49,9 @@ class AttentionMetadata:
     kernel starts the longest rows' programs first, so the short ones fill the tail (workload
     A's lengths: -3.5 % for the kernel alone, -1.4 % of a decode step's attention in the engine).
     None: row order."""
+    long_tiles: bool = False
+    """The prefill kernel runs its long-row launch (``triton_prefill_common.HOPPER_LONG``): the host chose
+    it for a step whose longest row has ``LONG_TILE_MIN_QUERY``+ tokens (``StepShape.long_tiles``)."""
     scratch: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """Values the kernels derive from this step's tensors, computed by the first layer that
     needs them and reused by the others (the prefill attention's tile schedule). A new

@@ -177,7 +177,7 @@ class LLM:
             log.info("%s", self.memory_plan.describe())
         self.startup.begin("engine")
         self.context = DynamicInferenceContext(self.config.cache_sizing(), self.model, facade, self.dtype,
-                                               choice.batch_invariant)
+                                               choice.batch_invariant, self._long_tile_min_query(choice))
         if self.context.spec is not None:
             self.context.spec.set_drafter(drafter)
         self.runner = ModelRunner(self.model, self.context, choice, stop_ids, expert_parallel=self.parallel.ep_size > 1)
@@ -224,7 +224,19 @@ class LLM:
 
         logits_only = self.config.structured_outputs_backend != "off" and any_installed()  # steps with grammar rows
         return CudaGraphRunner(self.runner, self.config.graph_sizing(), mixed=mixed, collective=self.parallel.ep_size > 1,
-                               verify=triton_attention, logits_only=logits_only, lora_free=self.context.lora_skips)
+                               verify=triton_attention, logits_only=logits_only, lora_free=self.context.lora_skips,
+                               long_tile_min=self.context.long_tile_min_query)
+
+    def _long_tile_min_query(self, choice) -> int:
+        """Query tokens of a step's longest row from which it runs the long prefill tiles (0: never):
+        the switch on, Triton attention on a device where they pay, one engine (data-parallel ranks
+        replay one agreed graph, so they keep one tile class), not batch-invariant (its own kernels)."""
+        if not (choice.long_prefill_tiles and not choice.batch_invariant and self.model.kernels.triton_attention
+                and self.parallel.ep_size == 1):
+            return 0
+        from megatron_async.kernels.triton_prefill_common import LONG_TILE_MIN_QUERY, long_tiles_pay
+
+        return LONG_TILE_MIN_QUERY if long_tiles_pay(self.device) else 0
 
     def _plans_memory(self) -> bool:
         """CUDA without a KV size in the config: the pool is planned from measured memory."""

@@ -18,7 +18,7 @@ from megatron_async.inference.request import InvalidRequestError, RequestOutput,
 
 # Counters the engine copies into its stats as running totals (scheduler, consensus exchange).
 _CUMULATIVE_STATS = ("paused", "evicted", "prefix_hit_tokens", "spec_off_rows", "consensus_rounds", "consensus_time",
-                     "lora_free_steps", "lora_free_graph_replays")
+                     "lora_free_steps", "lora_free_graph_replays", "long_tile_steps", "long_tile_graph_replays")
 
 
 @dataclass(frozen=True)

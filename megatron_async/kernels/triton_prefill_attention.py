@@ -220,7 +220,8 @@ def prefill_attention(
     paged KV (already appended). Returns [T, H, D] in q's dtype, or with ``quantize`` (D = 128, not
     with ``fixed_order``) its [T, H * D] rows quantized for an FP8 o projection in the same kernel.
 
-    ``launch``: tiles, warps, stages, register cap and kernel variant (default ``prefill_launch``;
+    ``launch``: tiles, warps, stages, register cap and kernel variant (default ``prefill_launch``, the
+    long-row one where ``meta.long_tiles``;
     an explicit one its kernel cannot run raises ValueError, the default falls back to the pointer
     kernel's). ``block_q`` / ``block_n`` / ``num_warps`` / ``num_stages`` / ``maxnreg`` override its
     query-token and key tile sizes and launch settings (tests, sweeps).
@@ -245,7 +246,7 @@ def prefill_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
     pairs = fp8 and q.dtype in (torch.bfloat16, torch.float16)  # fp32 queries keep fp32 dots
-    launch = _chosen_launch(launch, group, head_dim, block_size, fp8, q.device)
+    launch = _chosen_launch(launch, group, head_dim, block_size, fp8, q.device, meta.long_tiles)
     launch = _overridden(launch, block_q * block_g if block_q else None, block_n, num_warps, num_stages, maxnreg)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on GPU
     if pairs:  # int16 pairs of dims (the strides count pairs)
@@ -307,15 +308,15 @@ def _overridden(launch: PrefillLaunch, rows: int | None, block_n: int | None, nu
 
 
 def _chosen_launch(launch: PrefillLaunch | None, group: int, head_dim: int, block_size: int, fp8: bool,
-                   device: torch.device) -> PrefillLaunch:
-    """An explicit ``launch`` (ValueError where its kernel cannot run this call), else the default one,
-    or the pointer kernel's where the default's cannot."""
+                   device: torch.device, long: bool = False) -> PrefillLaunch:
+    """An explicit ``launch`` (ValueError where its kernel cannot run this call), else the step's one
+    (``long``: ``AttentionMetadata.long_tiles``), or the pointer kernel's where that cannot run."""
     if launch is not None:
         why = unusable(launch, head_dim, block_size, fp8)
         if why:
             raise ValueError(why)
         return launch
-    launch = prefill_launch(group, head_dim, block_size, device)
+    launch = prefill_launch(group, head_dim, block_size, device, long)
     if unusable(launch, head_dim, block_size, fp8):
         block_q, block_n = prefill_tiles(group, device)
         launch = PrefillLaunch(block_q * max(1, triton.next_power_of_2(group)), block_n, NUM_WARPS, NUM_STAGES,

@@ -105,16 +105,33 @@ HOPPER_LONG = PrefillLaunch(128, 64, 8, 3, 128)
 """128 x 64 tiles on two warpgroups, 3 stages, 128 registers a thread (two programs an SM; uncapped,
 the compiler's ~180 left one and ran 0.7x). On an H100 (``kernel-times prefill-attention``) 466-491
 TFLOP/s on an 8k-token prompt and 365-397 on 4 x 2k against the default's 404-411 and 344-354, but
-138-197 against 150-208 on 8 x 1k prompts beside 64 decode rows. Not the default: a step cannot
-choose it by its sizes (CUDA graphs pad a mixed step's rows to ``max_requests`` + 1), and giving it
-only the rows of 128+ tokens in a second launch cost long prompts (32 x 8-16k tokens beside their
-decode rows) 6 % a prefill step: the decode rows' memory-bound tiles no longer overlap the prompt's
-(docs/PERFORMANCE.md)."""
+138-197 against 150-208 on 8 x 1k prompts beside 64 decode rows. A step runs it when its longest
+row reaches ``LONG_TILE_MIN_QUERY`` tokens (``AttentionMetadata.long_tiles``, chosen by the host and
+a graph variant of its own: ``GraphKey.long_tiles``); giving it only the long rows in a second launch
+cost long prompts 6 % a prefill step: the decode rows' memory-bound tiles no longer overlapped the
+prompt's (docs/PERFORMANCE.md)."""
+
+LONG_TILE_MIN_QUERY = 2048
+"""Query tokens of a step's longest row from which the step runs ``HOPPER_LONG``: at 4 x 2k rows it ran
+365-397 TFLOP/s against the default's 344-354 (H100), at 8 x 1k beside 64 decode rows 138-197 against
+150-208, so rows of 2k tokens are the shortest measured where the long tiles win."""
 
 
-def prefill_launch(group: int, head_dim: int, block_size: int, device: torch.device) -> PrefillLaunch:
+def long_tiles_pay(device: torch.device) -> bool:
+    """Whether ``HOPPER_LONG`` was measured faster on ``device``: Hopper (sm90); on CPU (the
+    interpreter) for tests. Elsewhere steps keep the default launch."""
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def prefill_launch(group: int, head_dim: int, block_size: int, device: torch.device,
+                   long: bool = False) -> PrefillLaunch:
     """The default launch for a GQA group of ``group`` query heads a KV head, ``head_dim`` and pages of
-    ``block_size`` tokens: the one place to change after measuring (``kernel-times prefill-attention``)."""
+    ``block_size`` tokens: the one place to change after measuring (``kernel-times prefill-attention``).
+    ``long``: a step with a row of ``LONG_TILE_MIN_QUERY``+ tokens (``HOPPER_LONG``)."""
+    if long:
+        return HOPPER_LONG
     block_q, block_n = prefill_tiles(group, device)
     block_g = max(1, triton.next_power_of_2(group))
     return PrefillLaunch(block_q * block_g, block_n, NUM_WARPS, NUM_STAGES, max_registers(head_dim, device) or 0)

@@ -42,9 +42,14 @@ if TYPE_CHECKING:  # type-only: engines and models import contexts, not the reve
 
 class DynamicInferenceContext:
     def __init__(self, config: CacheSizing, model: CausalLM, device: DeviceFacade, dtype: torch.dtype,
-                 batch_invariant: bool = False):
-        """``batch_invariant``: every forward batch asks for batch-invariant kernels."""
+                 batch_invariant: bool = False, long_tile_min_query: int = 0):
+        """``batch_invariant``: every forward batch asks for batch-invariant kernels.
+        ``long_tile_min_query``: a step whose longest row has this many query tokens runs the prefill
+        attention's long-row launch (``StepShape.long_tiles``); 0: never."""
         self.batch_invariant = batch_invariant
+        self.long_tile_min_query = 0 if batch_invariant else long_tile_min_query  # its kernels keep fixed tiles
+        self.long_tile_steps = 0
+        """Assembled steps that chose the long-row prefill launch."""
         # the sizes the tables hold (read by the book, the runner and warm-up)
         self.max_requests = config.max_requests
         self.max_tokens = config.max_tokens
@@ -238,6 +243,9 @@ class DynamicInferenceContext:
         except RequestStepError:
             self._ring ^= 1  # the buffer was not used: keep the ring's order
             raise
+        if self.long_tile_min_query and not shape.is_decode_only and shape.max_query_len >= self.long_tile_min_query:
+            shape.long_tiles = True
+            self.long_tile_steps += 1
         return shape
 
     def pad_for_graph(self, num_tokens: int, num_rows: int, padded_tokens: int, padded_rows: int,
@@ -282,6 +290,7 @@ class DynamicInferenceContext:
             is_decode_only=shape.is_decode_only, positions=g.positions[:T], slot_mapping=g.slot_mapping[:T],
             token_to_row=g.token_to_row[:T], cu_query_lens=g.cu_query_lens[: R + 1], kv_lens=g.kv_lens[:R],
             block_table=g.block_table[:R], block_size=self.block_size, row_order=g.attention_row_order[:R],
+            long_tiles=shape.long_tiles,
         )
         batch = ForwardBatch(attn=attn, kv_caches=self.kv_caches, batch_invariant=self.batch_invariant)
         if self.lora is not None and (shape.any_lora or not self.lora_skips):

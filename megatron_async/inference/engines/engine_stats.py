@@ -61,6 +61,9 @@ class EngineStats:
     """Requests accepted at add_request that name a LoRA adapter (``SamplingParams.lora``)."""
     lora_free_steps: int = 0
     """LoRA engines: launched steps whose forward skipped the LoRA ops (no row had an adapter)."""
+    long_tile_steps: int = 0
+    """Steps assembled with the prefill attention's long-row launch (a row of ``LONG_TILE_MIN_QUERY``+
+    query tokens; ``InferenceConfig.long_prefill_tiles``)."""
     aborted_requests: int = 0
     """Requests ended by engine.abort_request."""
     failed_requests: int = 0
@@ -160,6 +163,8 @@ class EngineStats:
     """Of those, mixed steps (prefill chunks + decode rows)."""
     lora_free_graph_replays: int = 0
     """Of those, replays of a LoRA engine's LoRA-free decode graphs (``GraphKey.no_lora``)."""
+    long_tile_graph_replays: int = 0
+    """Of those, replays of long-tile mixed graphs (``GraphKey.long_tiles``)."""
     spec_graph_replays: int = 0
     """Of those, speculative verify steps (decode rows with drafts, each laid out as W tokens
     and samples, W a captured verify width): verify graphs."""

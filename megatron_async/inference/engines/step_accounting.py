@@ -55,6 +55,7 @@ class StepAccounting:
         st.fast_decode_snapshots = self.context.fast_decode_snapshots
         st.fast_landings = self.book.fast_landings
         st.lora_free_steps = self.runner.lora_free_steps
+        st.long_tile_steps = self.context.long_tile_steps
         self._count_graph_use()
         st.paused = self.scheduler.num_paused_events
         st.evicted = self.scheduler.num_evicted_events
@@ -122,6 +123,7 @@ class StepAccounting:
             st.graph_replays, st.mixed_graph_replays = graphs.num_replays, graphs.num_mixed_replays
             st.spec_graph_replays = graphs.num_verify_replays
             st.lora_free_graph_replays = graphs.num_lora_free_replays
+            st.long_tile_graph_replays = graphs.num_long_tile_replays
             st.graph_captures_after_warmup = graphs.captures_after_warmup if graphs.warmed_up else len(graphs.graphs)
         if self._builds_at_warmup is not None:
             st.triton_builds_after_warmup = triton_builds.builds() - self._builds_at_warmup

@@ -109,7 +109,7 @@ def graph_shape(key: GraphKey, max_sequence_length: int, vocab_size: int) -> Ste
         num_tokens=key.num_tokens, num_rows=R, max_query_len=max_query_len,
         max_kv_len=max_sequence_length, is_decode_only=key.decode_only, any_sampling=f.any_sampling,
         any_top_k_top_p=any(f.filters), filters=f.filters, max_top_n=f.max_top_n, any_log_probs=f.any_log_probs,
-        any_penalties=f.any_penalties, any_lora=not key.no_lora, **verify,
+        any_penalties=f.any_penalties, any_lora=not key.no_lora, long_tiles=key.long_tiles, **verify,
     )
 
 
@@ -122,7 +122,8 @@ def decode_key(rows: int, variant: SamplingVariant = SamplingVariant.GREEDY, spe
 class CudaGraphRunner:
     def __init__(self, model_runner, config: GraphSizing, mixed: bool = False,
                  variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), emulate: bool = False,
-                 collective: bool = False, verify: bool = True, logits_only: bool = False, lora_free: bool = False):
+                 collective: bool = False, verify: bool = True, logits_only: bool = False, lora_free: bool = False,
+                 long_tile_min: int = 0):
         """``collective``: data-parallel engines (expert parallelism). The graphs hold MoE
         collectives across ranks that run different batches, and NCCL requires graph-captured
         vs eager to be the same on every rank of a launch, with graphs of one joint capture: so
@@ -140,7 +141,8 @@ class CudaGraphRunner:
         capture plain decode and mixed graphs (speculative/plain_steps.py), except data-parallel ones
         (every rank runs the drafter's collectives in every step). ``logits_only``: logits-only
         graphs for steps with grammar rows (graph_plan.py; not for data-parallel engines).
-        ``lora_free``: LoRA-free twins of the decode graphs (``GraphKey.no_lora``)."""
+        ``lora_free``: LoRA-free twins of the decode graphs (``GraphKey.no_lora``). ``long_tile_min``:
+        long-tile twins of the mixed graphs of at least that many tokens (``GraphKey.long_tiles``)."""
         self.model_runner = model_runner
         self.config = config
         self.collective = collective
@@ -156,7 +158,7 @@ class CudaGraphRunner:
         self.plan = GraphPlan(config, model_runner.model.vocab_size, mixed, variants, verify,
                               plain_steps=not collective, log_prob_twins=not collective,
                               logits_only=(logits_only or self.split_sampling) and not collective,
-                              collective=collective, lora_free=lora_free)
+                              collective=collective, lora_free=lora_free, long_tile_min=long_tile_min)
         self.graphs: dict[GraphKey, CapturedStep] = {}
         self.emulate = emulate
         self._pool = None
@@ -170,6 +172,8 @@ class CudaGraphRunner:
         """Speculative verify steps that replayed a verify graph."""
         self.num_lora_free_replays = 0
         """Steps that replayed a LoRA-free graph (``GraphKey.no_lora``)."""
+        self.num_long_tile_replays = 0
+        """Steps that replayed a long-tile mixed graph (``GraphKey.long_tiles``)."""
         self.num_padding_replays = 0
         """Dummy forwards of data-parallel engines that replayed a graph on padding rows."""
         self.captures_without_eager_run = 0
@@ -227,6 +231,7 @@ class CudaGraphRunner:
         self.num_mixed_replays += not key.decode_only and not key.verify_width
         self.num_verify_replays += bool(key.verify_width)
         self.num_lora_free_replays += key.no_lora
+        self.num_long_tile_replays += key.long_tiles
         return step
 
     def padding_key(self, num_tokens: int, variant: int = 0) -> GraphKey:
@@ -305,7 +310,7 @@ class CudaGraphRunner:
         if not self.split_sampling or key.logits_only or key.spec or key.verify_width:
             return None
         return GraphKey(key.num_tokens, key.num_rows, key.decode_only, SamplingVariant.GREEDY, logits_only=True,
-                        no_lora=key.no_lora)
+                        no_lora=key.no_lora, long_tiles=key.long_tiles)
 
     def _capture(self, key: GraphKey, eager_run: bool = True, alone: bool = True) -> CapturedStep:
         """``alone``: a capture without an eager run that fails is captured again here after one

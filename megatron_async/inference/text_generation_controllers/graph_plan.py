@@ -3,28 +3,8 @@
 Pure host logic (no CUDA), so CPU tests check that every step serving can produce maps to a
 key warm-up captured. A key is (padded tokens, padded rows, decode-only, sampling variant).
 
-Sampling variants form a chain, each a superset of the one before, because every sampling
-feature is also switched per row at run time (a row's own off values: temperature 0 = greedy,
-top-k 0, top-p 0, no penalty slot): a graph of a larger variant computes the same tokens for a
-step that needs less. A step replays the smallest variant that covers it, so the key space is
-sizes x 5 (decode) or x 4 (mixed, verify) instead of sizes x every flag combination:
-- GREEDY: argmax;
-- TEMPERATURE: the Gumbel draw (greedy rows still argmax);
-- NUCLEUS: + top-p and min-p; decode graphs only (a mixed or verify step replays FILTERED, its
-  sampling a small part of the step);
-- FILTERED: + the top-k threshold search (rows without top-k skip its work, yet its seven
-  launches cost a top-p decode step ~14 us at a 32,000-token vocabulary, ~30 at 151,936);
-- FULL: + penalties / min_tokens and log-probs with the top ``GRAPH_TOP_N`` (a row's own
-  top-n is the head of that sorted list).
-
-Log-probs are a second, orthogonal dimension for decode graphs: each variant below FULL has a
-log-prob twin (``GraphKey.log_probs``) that runs that variant's sampling plus the log-prob
-statistics and the top ``GRAPH_TOP_N``, so a greedy or temperature step asking for log-probs
-does not pay for penalties and filter stages it does not use (the FULL variant's penalty pass
-reads and writes the [R, V] logits and count rows; the log-prob kernels read the logits once).
-The twins cost 4 decode graphs per decode size (workload A's plan: 48 of its 208 graphs, small
-ones). Mixed and verify steps asking for log-probs replay FULL (their sampling is a small part
-of the step), and so do data-parallel engines' steps (the ranks agree on one chain index).
+Sampling variants: sampling_variants.py (a chain, each covering the ones before it, with log-prob
+twins for decode graphs).
 
 Mixed steps (any row with more than one token: prefill chunks) pad their tokens to a bucket
 of ``token_counts``; their rows pad to ``min(max_requests, padded tokens) + 1``, one spare row
@@ -58,101 +38,24 @@ A LoRA engine's decode graphs have LoRA-free twins (``GraphKey.no_lora``: the fo
 adapters' ops, ``lora_free``), replayed by decode steps where no row has an adapter: the few
 hundred launches a step of the adapted linears cost ~1 ms against an 8B model's ~5-8 ms decode
 step. Decode sizes only: a mixed step's forward is long enough that they cost ~1 % of it, and
-mixed forwards are the plan's largest captures; verify and data-parallel graphs keep LoRA."""
+mixed forwards are the plan's largest captures; verify and data-parallel graphs keep LoRA.
+
+Mixed graphs of at least ``long_tile_min`` tokens have long-tile twins (``GraphKey.long_tiles``: the
+prefill attention on its long-row launch, ``triton_prefill_common.HOPPER_LONG``), replayed by steps
+whose longest row has that many query tokens (``StepShape.long_tiles``, set by the host): a
+graph's launch is fixed at capture and a mixed graph pads its rows, so the step's sizes cannot pick
+the tiles inside it. Only buckets that can hold such a row get twins, never decode sizes; none for
+data-parallel engines (one agreed key across ranks: they keep the default tiles)."""
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from enum import Enum
 
 from megatron_async.config import GraphSizing
-from megatron_async.inference.sampling_params import GRAMMAR, LOG_PROBS, MIN_P, PENALTIES, SAMPLED, TOP_K, TOP_P
-
-GRAPH_TOP_N = 20
-"""Top-n log-probs a FULL graph computes (OpenAI's limit); steps asking for more run eager."""
-
-
-class SamplingVariant(str, Enum):
-    GREEDY = "greedy"
-    TEMPERATURE = "temperature"
-    NUCLEUS = "nucleus"
-    FILTERED = "filtered"
-    FULL = "full"
-
-
-@dataclass(frozen=True)
-class VariantFlags:
-    """The StepShape sampling flags a variant's graph is captured with."""
-
-    any_sampling: bool
-    filters: tuple[bool, bool, bool]
-    any_log_probs: bool
-    max_top_n: int
-    any_penalties: bool
-
-
-def variant_flags(variant: SamplingVariant, vocab_size: int, log_probs: bool = False) -> VariantFlags:
-    """``log_probs``: the variant's log-prob twin (FULL computes log-probs either way)."""
-    order = variant_index(variant)
-    full = variant == SamplingVariant.FULL
-    lp = full or log_probs
-    top_k = order >= variant_index(SamplingVariant.FILTERED)
-    return VariantFlags(any_sampling=order >= 1, filters=(top_k, order >= 2, order >= 2), any_log_probs=lp,
-                        max_top_n=min(GRAPH_TOP_N, vocab_size) if lp else 0, any_penalties=full)
-
-
-def _needs(max_top_n: int, penalties: bool, log_probs: bool, filtered: bool, sampled: bool,
-           top_k: bool) -> tuple[SamplingVariant, bool] | None:
-    """(the smallest variant covering the sampling, log-probs apart; whether log-probs are
-    needed), None when no graph computes that many top log-probs."""
-    if max_top_n > GRAPH_TOP_N:
-        return None
-    if penalties:
-        variant = SamplingVariant.FULL
-    elif filtered:
-        variant = SamplingVariant.FILTERED if top_k else SamplingVariant.NUCLEUS
-    else:
-        variant = SamplingVariant.TEMPERATURE if sampled else SamplingVariant.GREEDY
-    return variant, log_probs or max_top_n > 0
-
-
-def sampling_needs(shape) -> tuple[SamplingVariant, bool] | None:
-    """A step's (variant without log-probs, needs log-probs); None: no graph covers it."""
-    return _needs(shape.max_top_n, shape.any_penalties, shape.any_log_probs, any(shape.filters), shape.any_sampling,
-                  shape.filters[0])
-
-
-def _chain(needs: tuple[SamplingVariant, bool] | None) -> SamplingVariant | None:
-    """The smallest variant of the chain alone (log-probs: FULL) covering ``needs``."""
-    if needs is None:
-        return None
-    return SamplingVariant.FULL if needs[1] else needs[0]
-
-
-def variant_of(shape) -> SamplingVariant | None:
-    """The smallest chain variant covering a step's sampling needs (None: no graph can, run
-    eager); log-probs need FULL here (no twins)."""
-    return _chain(sampling_needs(shape))
-
-
-def variant_of_params(params) -> SamplingVariant | None:
-    """``variant_of`` a step from its rows' SamplingParams, before the step is assembled (their
-    ``SamplingParams.features``, as the snapshot builders derive the step's flags). None too for
-    a step with grammar rows (its sampling runs eager)."""
-    bits = top_n = 0
-    for sp in params:
-        bits |= sp.features()
-        top_n = max(top_n, sp.top_n_logprobs)
-    if bits & GRAMMAR:
-        return None
-    return _chain(_needs(top_n, bool(bits & PENALTIES), bool(bits & LOG_PROBS), bool(bits & (TOP_K | TOP_P | MIN_P)),
-                         bool(bits & SAMPLED), bool(bits & TOP_K)))
-
-
-def variant_index(variant: SamplingVariant) -> int:
-    """Position in the chain (larger covers smaller): data-parallel ranks agree on the max."""
-    return list(SamplingVariant).index(variant)
-
+from megatron_async.inference.text_generation_controllers.sampling_variants import (  # noqa: F401 (re-exported)
+    GRAPH_TOP_N, SamplingVariant, VariantFlags, sampling_needs, variant_flags, variant_index, variant_of,
+    variant_of_params,
+)
 
 @dataclass(frozen=True)
 class GraphKey:
@@ -175,13 +78,15 @@ class GraphKey:
     """The forward up to the samples' logits, no sampling (steps with grammar rows; variant GREEDY)."""
     no_lora: bool = False
     """A LoRA engine's decode graph without the adapters' ops, for steps where no row has one."""
+    long_tiles: bool = False
+    """A mixed graph whose prefill attention runs the long-row launch (``StepShape.long_tiles``)."""
 
     @property
     def label(self) -> str:
         """The sampling the graph runs: the variant's name, "+log_probs" for a twin."""
         if self.logits_only:
-            return "logits" + "-lora" * self.no_lora
-        return self.variant.value + "+log_probs" * self.log_probs + "-lora" * self.no_lora
+            return "logits" + "-lora" * self.no_lora + "+long" * self.long_tiles
+        return self.variant.value + "+log_probs" * self.log_probs + "-lora" * self.no_lora + "+long" * self.long_tiles
 
 
 def default_batch_sizes(max_requests: int) -> list[int]:
@@ -224,7 +129,7 @@ class GraphPlan:
     def __init__(self, config: GraphSizing, vocab_size: int, mixed: bool,
                  variants: tuple[SamplingVariant, ...] = tuple(SamplingVariant), verify: bool = False,
                  plain_steps: bool = False, log_prob_twins: bool = True, logits_only: bool = False,
-                 collective: bool = False, lora_free: bool = False):
+                 collective: bool = False, lora_free: bool = False, long_tile_min: int = 0):
         """``verify``: verify graphs for speculative decoding (``num_speculative_tokens`` > 0).
         ``plain_steps``: a speculative engine's decode and mixed steps may run plain (decode and
         mixed graphs of both kinds). ``log_prob_twins``: decode graphs of the variants below FULL have
@@ -232,8 +137,10 @@ class GraphPlan:
         graphs for steps with grammar rows (not with speculative decoding). ``collective``:
         data-parallel engines, whose mixed graphs are ``collective_mixed_tokens``' sizes, FULL only.
         ``lora_free``: a LoRA engine whose steps without adapter rows skip the LoRA ops: its
-        decode graphs have LoRA-free twins (not for data-parallel engines)."""
+        decode graphs have LoRA-free twins (not for data-parallel engines). ``long_tile_min``: mixed
+        graphs of at least this many tokens have long-tile twins (0: none; not for data-parallel engines)."""
         self.collective = collective
+        self.long_tile_min = 0 if collective else long_tile_min
         self.lora_free = lora_free and not collective
         self.log_prob_twins = log_prob_twins
         self.config = config
@@ -338,7 +245,7 @@ class GraphPlan:
         if not self.token_counts or shape.num_tokens > self.token_counts[-1] or min_rows:
             return None
         tokens = self.token_counts[bisect.bisect_left(self.token_counts, shape.num_tokens)]
-        return GraphKey(tokens, self.mixed_rows(tokens), False, variant, spec=spec)
+        return GraphKey(tokens, self.mixed_rows(tokens), False, variant, spec=spec, long_tiles=self._long(shape))
 
     def _logits_key(self, shape, min_rows: int) -> GraphKey | None:
         """The logits-only graph of a step with grammar rows (None: eager)."""
@@ -353,7 +260,7 @@ class GraphPlan:
         if not self.token_counts or shape.num_tokens > self.token_counts[-1]:
             return None
         tokens = self.token_counts[bisect.bisect_left(self.token_counts, shape.num_tokens)]
-        return GraphKey(tokens, self.mixed_rows(tokens), False, greedy, logits_only=True)
+        return GraphKey(tokens, self.mixed_rows(tokens), False, greedy, logits_only=True, long_tiles=self._long(shape))
 
     def keys(self) -> list[GraphKey]:
         """Every key, in capture order: largest first within each kind (so later, smaller
@@ -362,8 +269,8 @@ class GraphPlan:
         kinds = (True, False) if self.plain_steps else (self.speculative,)
         wide = [v for v in self.variants if v != SamplingVariant.NUCLEUS]  # decode graphs only
         mixed_variants = [v for v in wide if v == SamplingVariant.FULL] if self.collective else wide
-        mixed = [GraphKey(t, self.mixed_rows(t), False, v, spec=k) for t in reversed(self.token_counts) for k in kinds
-                 for v in mixed_variants]
+        mixed = [GraphKey(t, self.mixed_rows(t), False, v, spec=k, long_tiles=lt) for t in reversed(self.token_counts)
+                 for lt in self._tile_classes(t) for k in kinds for v in mixed_variants]
         verify = [GraphKey(b * w, b, False, v, w, True) for w in reversed(self.verify_sizes)
                   for b in reversed(self.verify_sizes[w]) for v in wide]
         free = (False, True) if self.lora_free else (False,)
@@ -371,10 +278,20 @@ class GraphPlan:
                   for nl in free for k in kinds for v in self.variants for lp in self._twins(v)]
         if self.logits_only:  # steps with grammar rows
             greedy = SamplingVariant.GREEDY
-            mixed += [GraphKey(t, self.mixed_rows(t), False, greedy, logits_only=True) for t in reversed(self.token_counts)]
+            mixed += [GraphKey(t, self.mixed_rows(t), False, greedy, logits_only=True, long_tiles=lt)
+                      for t in reversed(self.token_counts) for lt in self._tile_classes(t)]
             decode += [GraphKey(b, b, True, greedy, logits_only=True, no_lora=nl) for b in reversed(self.decode_sizes)
                        for nl in free]
         return mixed + verify + decode
+
+    def _tile_classes(self, tokens: int) -> tuple[bool, ...]:
+        """The ``GraphKey.long_tiles`` values a mixed graph of ``tokens`` is planned with: a twin where
+        a row of ``long_tile_min`` query tokens fits."""
+        return (False, True) if self.long_tile_min and tokens >= self.long_tile_min else (False,)
+
+    def _long(self, shape) -> bool:
+        """Whether a mixed step replays a long-tile graph (the host chose the long-row launch)."""
+        return bool(self.long_tile_min) and shape.long_tiles
 
     def _no_lora(self, shape) -> bool:
         """Whether a decode step replays a LoRA-free graph: no row has an adapter."""

@@ -147,6 +147,8 @@ def eager_shapes(runner) -> list[tuple[StepShape, int]]:
     shapes += [warmup_shape(t, 1, t == 1, SamplingVariant.GREEDY, vocab) for t in mixed_token_counts(ctx.max_tokens)]
     if ctx.lora_skips:  # steps without adapter rows run the base forward (the fused kernels LoRA's path skips)
         shapes += [replace(s, any_lora=False) for s in shapes]
+    if ctx.long_tile_min_query:  # steps with a long row run the prefill attention's long-row launch
+        shapes += [replace(s, long_tiles=True) for s in shapes if s.num_tokens >= ctx.long_tile_min_query > 1]
     for v in list(SamplingVariant)[1:]:
         shapes += [warmup_shape(2, 2, True, v, vocab), warmup_shape(3, 2, False, v, vocab)]
     return [(s, 0) for s in shapes] + verify_shapes(runner, split)
