@@ -8,9 +8,14 @@ request (4,608 tokens: 288 blocks, 648 MiB) moved chunk after chunk, gather -> c
 against one plain copy of its bytes. Block ids are a random permutation (an allocator's
 scattered blocks). "same": the kernel wrote the torch ops' bytes and every block landed.
 
+With ``--nccl`` (two GPUs) the same request also goes through the engine's own transfer code
+(kv_stream.send_blocks / recv_blocks, two processes, one NCCL pair, each on a side stream as a
+connection's thread is): with the torch ops, with the kernel, and the bare chunk sends without
+gather or scatter, next to one NCCL send of all its bytes, so the wire's share shows.
+
 Read: the request's ``kernel / copy`` (the target is <= 2x) and the per-chunk ms of each side.
 
-    python -m benchmarks kernel-times kv-chunks [--chunk-mib 8 32 64] [--iters 20]"""
+    python -m benchmarks kernel-times kv-chunks [--chunk-mib 8 32 64] [--iters 20] [--nccl]"""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-mib", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--one-gpu", action="store_true", help="both pools on one GPU even when there are two")
+    parser.add_argument("--nccl", action="store_true", help="also the engine's transfer code over a NCCL pair")
 
 
 def _pool(device: torch.device, seed: int) -> SimpleNamespace:
@@ -105,6 +111,12 @@ def run(args: argparse.Namespace) -> None:
                                               for d, s in zip(dst.kv_caches, src.kv_caches))
         rows.append(row)
     _table(rows, request_copy)
+    if args.nccl:
+        if torch.cuda.device_count() < 2:
+            print("--nccl: skipped, one GPU")
+            return
+        from benchmarks.kernel_times.kv_wire import wire_table
+        wire_table(args.chunk_mib, request_copy)
 
 
 def _table(rows: list[dict], request_copy: float) -> None:
