@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> None:
         if torch.cuda.device_count() < 2:
             print("--nccl: skipped, one GPU")
             return
-        from benchmarks.kernel_times.kv_wire import wire_table
+        from benchmarks.kv_wire import wire_table
         wire_table(args.chunk_mib, request_copy)
 
 

@@ -1,8 +1,9 @@
-"""``kernel-times kv-chunks --nccl``: a Qwen3-8B-shaped request's blocks through the engine's own
-transfer code (kv_stream.send_blocks / recv_blocks) between two processes over one NCCL pair,
-each on a side stream as a pair connection's thread is; with the per-layer torch ops, with the
-one-launch kernel, and the bare chunk sends (no gather or scatter), next to one NCCL send of all
-the request's bytes. Times are the slower rank's, from a barrier to its stream's end."""
+"""``python -m benchmarks kernel-times kv-chunks --nccl``: a Qwen3-8B-shaped request's
+blocks through the engine's own transfer code (kv_stream.send_blocks / recv_blocks) between two
+processes over one NCCL pair, each on a side stream as a pair connection's thread is; with the
+per-layer torch ops, with the one-launch kernel, and the bare chunk sends (no gather or scatter),
+next to one NCCL send of all the request's bytes. Times are the slower rank's, from a barrier to
+its stream's end."""
 from __future__ import annotations
 
 import statistics
