@@ -5,10 +5,11 @@ receiver knows the layout from the block count.
 
 A transfer moves the blocks in chunks of whole blocks (``chunks``): each chunk is every layer's
 ``[2, n, block, heads, head_dim]`` slice of those blocks, in layer order, gathered into one
-buffer (``pack_into``: one index_select per layer, written in place) and scattered from it
-(``scatter``); the Mamba state travels last, in a buffer of its own (``state_bytes``). Without
-chunking (one chunk of every block, then the state) the bytes are ``pack``'s: what an "ipc" pair
-shares.
+buffer (``pack_into``) and scattered from it (``scatter``): on CUDA one Triton launch each
+(kernels/triton_kv_chunk.py, the layers' addresses in a device table built once), elsewhere one
+index_select / index_copy_ per layer, the reference the kernel's bytes are tested against. The
+Mamba state travels last, in a buffer of its own (``state_bytes``). Without chunking (one chunk
+of every block, then the state) the bytes are ``pack``'s: what an "ipc" pair shares.
 
     layout = KVLayout(context)
     state = layout.take_state(req.state_slot)        # prefill side, before the slot is freed
@@ -16,17 +17,31 @@ shares.
     layout.unpack(buf, new_block_ids, req.state_slot)  # decode side, into its own pool"""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron_async.kernels.kv_cache_fp8 import byte_view
 
 
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class KVLayout:
-    def __init__(self, context):
+    def __init__(self, context, one_launch: bool | None = None):
+        """``one_launch``: move chunks with the Triton kernel (None: on CUDA, where triton imports)."""
         self.kv = [byte_view(t) for t in context.kv_caches]  # each [2, num_blocks, block_size, heads, head_dim]
         mamba = context.mamba
         self.states = [] if mamba is None else list(mamba.conv_states) + list(mamba.ssm_states)  # each [slots + 1, ...]
         self.device = self.kv[0].device if self.kv else (self.states[0].device if self.states else torch.device("cpu"))
+        self.one_launch = self.device.type == "cuda" and _triton_importable() if one_launch is None else one_launch
+        self._table = None
 
     def block_bytes(self) -> int:
         """Bytes of one block over every layer."""
@@ -59,14 +74,29 @@ class KVLayout:
             yield t, buf[offset:offset + size].view(t.dtype).view(t.shape[0], n, *t.shape[2:])
             offset += size
 
+    def _pool_table(self, buf: torch.Tensor):
+        """The one-launch kernel's table (None: the per-layer torch ops move this chunk)."""
+        if not self.one_launch or not self.kv or not buf.is_contiguous():
+            return None
+        if self._table is None or not self._table.current():  # (built once: the pools keep their addresses)
+            from megatron_async.kernels import triton_kv_chunk
+            if not triton_kv_chunk.qualifies(self.kv):
+                return None
+            self._table = triton_kv_chunk.PoolTable(self.kv)
+        return self._table
+
     def pack_into(self, out: torch.Tensor, idx: torch.Tensor) -> None:
         """Gather blocks ``idx`` (an int64 tensor on the pool's device) of every layer into ``out``
         (uint8, ``len(idx) * block_bytes()`` long, on the pool's device)."""
+        if (table := self._pool_table(out)) is not None:
+            return table.move(out, idx, gather=True)
         for t, view in self._views(out, idx.numel()):
             torch.index_select(t, 1, idx, out=view)
 
     def scatter(self, buf: torch.Tensor, idx: torch.Tensor) -> None:
         """``pack_into``'s bytes into blocks ``idx`` of this pool."""
+        if (table := self._pool_table(buf)) is not None:
+            return table.move(buf, idx, gather=False)
         for t, view in self._views(buf, idx.numel()):
             t.index_copy_(1, idx, view)
 

@@ -1,8 +1,9 @@
 """One request's blocks on a pair connection's thread (transfer.py), on that connection's own
 CUDA stream: never the engine's compute stream, so an engine's steps never queue behind a
-transfer, and a transfer starts once the compute stream's ``ready`` event passed (the blocks
-written on the prefill side; on the decode side, whatever an earlier step still wrote into
-recycled blocks).
+transfer. A send starts once the compute stream's ``ready`` event passed (the blocks written);
+on the decode side that event (whatever an earlier step still wrote into recycled blocks) holds
+back the first scatter into the pool, not the receives: the wire's first two chunks never wait
+for the engine's steps in flight.
 
 The blocks move in chunks of whole blocks (``KVLayout.chunks``) through two staging buffers of at
 most ``chunk_bytes`` each (``Staging``): the prefill side gathers chunk i + 1 while chunk i is on
@@ -104,9 +105,13 @@ def send_blocks(op: Callable, staging: Staging, layout: KVLayout, block_ids: lis
     return start, clock.mark()
 
 
-def recv_blocks(op: Callable, staging: Staging, layout: KVLayout, block_ids: list[int], chunk_bytes: int):
+def recv_blocks(op: Callable, staging: Staging, layout: KVLayout, block_ids: list[int], chunk_bytes: int,
+                before_scatter: Callable[[], None] = lambda: None):
     """Receive ``send_blocks``' bytes into ``block_ids`` of this pool; the Mamba state's bytes
-    (None without Mamba layers) for the admission to put into the request's slot."""
+    (None without Mamba layers) for the admission to put into the request's slot.
+    ``before_scatter`` runs once, after the first two receives were posted and before the first
+    write into the pool: the wait for the pool's blocks (launches still in flight may write
+    recycled blocks) holds back the scatters, not the wire."""
     idx = torch.tensor(block_ids, dtype=torch.int64).to(layout.device, non_blocking=True)
     chunks = layout.chunks(len(block_ids), chunk_bytes)
     size = layout.block_bytes()
@@ -124,6 +129,8 @@ def recv_blocks(op: Callable, staging: Staging, layout: KVLayout, block_ids: lis
         work.wait()
         if wire.data_ptr() != local.data_ptr():
             local.copy_(wire, non_blocking=True)
+        if i == 0:
+            before_scatter()
         layout.scatter(local, idx[first:first + n])
         if wire.data_ptr() != local.data_ptr():
             torch.cuda.current_stream(local.device).synchronize()  # (host buffer free for chunk i + 2)

@@ -212,7 +212,7 @@ class PairChannel:
         first transfer is timed."""
         prove(lambda kind, tensor: self._exchange(group, kind, tensor, 0), self.rank, self._mac_key, self.device)
 
-    def _move(self, group, kind: str, tag: int, payload):
+    def _move(self, group, kind: str, tag: int, payload, before_scatter: Callable[[], None]):
         """Post one transfer on this thread's stream: (result, start mark, end mark)."""
         clock = Clock(self.pool_device.type == "cuda")
         op = lambda k, t: self._post(group, k, t, tag)  # noqa: E731
@@ -222,7 +222,7 @@ class PairChannel:
             return None, start, end
         if kind == "recv_blocks":
             layout, block_ids = payload
-            return recv_blocks(op, self._staging, layout, block_ids, self.chunk_bytes), None, None
+            return recv_blocks(op, self._staging, layout, block_ids, self.chunk_bytes, before_scatter), None, None
         start = clock.mark()
         self._post(group, kind, payload, tag).wait()
         return payload, (start if kind == "send" else None), clock.mark()
@@ -243,9 +243,10 @@ class PairChannel:
                     if group is None:
                         group = self._group()
                         self.connect(group)
-                    if ready is not None:
-                        self._stream.wait_event(ready)
-                    result, start, end = self._move(group, kind, tag, payload)
+                    wait = (lambda ready=ready: self._stream.wait_event(ready)) if ready is not None else (lambda: None)
+                    if kind != "recv_blocks":  # (a receive waits only before it writes the pool)
+                        wait()
+                    result, start, end = self._move(group, kind, tag, payload, wait)
                     if cuda:
                         ended = torch.cuda.Event()
                         ended.record(self._stream)
