@@ -17,7 +17,7 @@ import itertools
 import torch
 
 from benchmarks.cuda_timing import graph_call_us
-from benchmarks.kernel_times.lora_single_pass import lora_add_single_pass
+from benchmarks.lora_single_pass import lora_add_single_pass
 from megatron_async.kernels.lora_groups import group_lora_rows
 from megatron_async.kernels.lora_ops import lora_add_reference
 from megatron_async.kernels.triton_lora import LoRATiles, lora_add_triton, lora_tiles

@@ -303,6 +303,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "max_loras": getattr(args, "max_loras", None),
         "max_lora_rank": getattr(args, "max_lora_rank", None),
         "lora_grouped_rows": getattr(args, "lora_grouped_rows", None),
+        "kv_transfer_kernel": getattr(args, "kv_transfer_kernel", None),
         "lora_experts": getattr(args, "lora_experts", None),
         "logging_step_interval": args.logging_step_interval,
         "nvtx_ranges": args.nvtx,

@@ -176,6 +176,11 @@ class InferenceConfig(KernelFields, CommunicationFields, SpeculativeFields, LoRA
     a decode engine: "auto" (NCCL between GPUs, CUDA IPC where both share one, gloo on CPU), "nccl",
     "gloo" or "ipc"."""
 
+    kv_transfer_kernel: bool = False
+    """Disaggregation on CUDA: gather and scatter a transfer's chunk of blocks over every layer in
+    one Triton launch each (``kernels/triton_kv_chunk.py``) instead of one torch op per layer. Off
+    until timed and run in a hand-off on GPUs (``python -m benchmarks kernel-times kv-chunks``)."""
+
     structured_outputs_backend: str = "auto"
     """Grammar library of ``SamplingParams.structured_outputs``: "auto" (xgrammar, and llguidance for
     what xgrammar serves badly: length-bounded JSON strings, long counted repetitions, Lark

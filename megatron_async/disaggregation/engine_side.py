@@ -40,13 +40,13 @@ def _tag(rid: int) -> int:
 class EngineHandOffs:
     INBOUND = INBOUND
 
-    def __init__(self, link, role: str, backend: str, coordinator_address: str):
+    def __init__(self, link, role: str, backend: str, coordinator_address: str, one_launch: bool = False):
         engine = link.engine
         self.link, self.engine, self.role = link, engine, role
         device = engine.context.kv_caches[0].device if engine.context.kv_caches else engine.context.device.device
         self.device = device
         self.backend = resolve_backend(backend, device)
-        self.layout = KVLayout(engine.context)
+        self.layout = KVLayout(engine.context, one_launch=None if one_launch else False)  # (None: where it can)
         self.rendezvous = Rendezvous(store_host(coordinator_address)) if role == "decode" else None
         if self.backend == "ipc" and device.type == "cpu":
             ipc_share.prepare_host_sharing()

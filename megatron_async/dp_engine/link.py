@@ -65,13 +65,15 @@ class EngineChannel(Protocol):
 class EngineLink(LinkControls):
     def __init__(self, engine, channel: EngineChannel, max_requests: int, name: str = "engine",
                  update_weights: Callable | None = None, communicator=None, step_watchdog_s: float = STEP_WATCHDOG_S,
-                 role: str = "mixed", kv_transfer_backend: str = "auto", address: str = ""):
+                 role: str = "mixed", kv_transfer_backend: str = "auto", address: str = "",
+                 kv_transfer_kernel: bool = False):
         """``update_weights``: the LLM's (control op "update_weights" with a checkpoint ``path``);
         ``communicator``: tensor parallelism: this link runs on rank 0 and tells the other ranks
         (``follow_rank0``) to step, and to run the operations every rank runs. ``step_watchdog_s``:
         heartbeats stop once one step or operation has run this long (the engine is hung).
         ``role``: "mixed", or "prefill" / "decode" with the hand-off's ``kv_transfer_backend``
-        (disaggregation/engine_side.py; ``address``: the coordinator's)."""
+        (disaggregation/engine_side.py; ``address``: the coordinator's; ``kv_transfer_kernel``: chunks
+        moved by one Triton launch a side)."""
         self.engine, self.channel = engine, channel
         self.max_requests, self.name = max_requests, name
         self._update_weights, self._comm = update_weights, communicator
@@ -109,7 +111,7 @@ class EngineLink(LinkControls):
                 raise ValueError(f"role={role!r} needs an engine of one rank (no tensor parallelism)")
             from megatron_async.disaggregation.engine_side import EngineHandOffs
 
-            self.handoffs = EngineHandOffs(self, role, kv_transfer_backend, address)
+            self.handoffs = EngineHandOffs(self, role, kv_transfer_backend, address, kv_transfer_kernel)
 
     def info(self) -> EngineInfo:
         alloc = self._alloc
