@@ -136,7 +136,7 @@ def test_swiglu_mlp_hands_the_down_projection_quantized_rows_where_it_would_quan
     calls, real = [], fused_ops.silu_and_mul_quantized
     monkeypatch.setattr(fused_ops, "silu_and_mul_quantized", lambda t: calls.append(t.shape[0]) or real(t))
     x = torch.randn(rows, 512, device="cuda").to(torch.bfloat16)
-    step = StepInputs(SimpleNamespace(batch_invariant=False, lora_slots=None), None, None,
+    step = StepInputs(SimpleNamespace(batch_invariant=False, lora_slots=None, lora_rows=None), None, None,
                       kernels=KernelBackends(attention="triton", fused=True))
     got = mlp(x, step)
     expect_fused = tg.fp8_linear_prequantizes(rows, x.dtype, x.device, mlp.down_proj.weight,
@@ -202,7 +202,7 @@ def test_a_blocks_norm_hands_its_fp8_mixer_quantized_rows_where_it_would_quantiz
     block = Block(RMSNorm(512, 1e-6, torch.bfloat16, "cuda"), mlp)
     calls, real = [], fused_ops.rms_norm_quantized
     monkeypatch.setattr(fused_ops, "rms_norm_quantized", lambda *a: calls.append(a[1] is None) or real(*a))
-    step = StepInputs(SimpleNamespace(batch_invariant=False, lora_slots=None), None, None,
+    step = StepInputs(SimpleNamespace(batch_invariant=False, lora_slots=None, lora_rows=None), None, None,
                       kernels=KernelBackends(attention="triton", fused=True))
     x = torch.randn(rows, 512, device="cuda").to(torch.bfloat16)
     res = torch.randn(rows, 512, device="cuda").to(torch.bfloat16)

@@ -111,7 +111,8 @@ def test_mlp_routes_through_the_fused_kernel(monkeypatch, gated):
     monkeypatch.setattr(triton_swiglu_matmul, "pays_off", lambda *a: False)
     unfused = mlp(x)
     assert calls == [(9, gated)]
-    unfused_model = StepInputs(SimpleNamespace(batch_invariant=False, lora_slots=None), None, None, kernels=KernelBackends(fused=False))
+    unfused_model = StepInputs(SimpleNamespace(batch_invariant=False, lora_slots=None, lora_rows=None), None, None,
+                               kernels=KernelBackends(fused=False))
     reference = mlp(x, unfused_model)  # the layer's torch code
     assert calls == [(9, gated)]
     _assert_close(fused, reference)
