@@ -75,6 +75,61 @@ def _next_own_slot(slots, lora):
 
 
 @triton.jit
+def shrink_rows(x_rows, a_cols, rows_in, r_in, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """[BLOCK_M, BLOCK_R] float32: the rows' ``x @ A.T`` over columns ``k_lo:k_hi`` in BLOCK_K steps
+    (``x_rows``: each row's x pointer, ``a_cols``: the adapter's A pointer of each rank column)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + offs_k
+        k_in = k < k_hi
+        x = tl.load(x_rows + k[None, :], mask=rows_in[:, None] & k_in[None, :], other=0.0)
+        a = tl.load(a_cols + k[:, None], mask=k_in[:, None] & r_in[None, :], other=0.0)
+        acc = tl.dot(x.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def expand_rows(p_rows, stride_ps, rows_in, b_lora, stride_bn, scale_lora, starts_ptr, offs_n, R, y_ptr,
+                 SPLITS: tl.constexpr, NUM_SLICES: tl.constexpr, S_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] float32: the rows' scaled ``s @ B.T`` in columns ``offs_n`` (``p_rows``:
+    each row's split-0 partials, ``b_lora`` / ``scale_lora``: the adapter's B and scales), each
+    slice's product rounded to ``y_ptr``'s dtype."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_in = offs_r < R
+    delta = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(NUM_SLICES):  # a column belongs to one slice: the others add nothing to it
+        n_lo = tl.load(starts_ptr + j)
+        n_hi = tl.load(starts_ptr + j + 1)
+        n_in = (offs_n >= n_lo) & (offs_n < n_hi)
+        if tl.max(n_in.to(tl.int32), axis=0) > 0:
+            part_rows = p_rows + (j * R + offs_r)[None, :]
+            keep_s = rows_in[:, None] & r_in[None, :]
+            s = tl.load(part_rows, mask=keep_s, other=0.0)
+            for split in tl.static_range(1, SPLITS):  # split order, fixed by K alone
+                s += tl.load(part_rows + split * stride_ps, mask=keep_s, other=0.0)
+            s = s.to(S_DTYPE)  # the rank-space product in the model dtype, as PEFT rounds it
+            b = tl.load(b_lora + offs_n[None, :] * stride_bn + offs_r[:, None], mask=r_in[:, None] & n_in[None, :],
+                        other=0.0)
+            part = tl.dot(s.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+            part = part.to(y_ptr.dtype.element_ty).to(tl.float32)  # the expanded product in the model dtype
+            scale = tl.load(scale_lora + j)
+            delta = tl.where(n_in[None, :], part * scale, delta)
+    return delta
+
+
+@triton.jit
+def add_rows(y_tile, delta, keep, y_ptr):
+    """``y_tile += delta`` where ``keep``, delta rounded to ``y_ptr``'s dtype first (like PEFT's
+    ``lora_B(...) * scaling``)."""
+    y = tl.load(y_tile, mask=keep, other=0.0)
+    delta = delta.to(y_ptr.dtype.element_ty)
+    tl.store(y_tile, (y.to(tl.float32) + delta.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, p_ptr, slots_ptr, T, K, SR,
                    stride_xt, stride_al, stride_ar, stride_ps, stride_pt,
                    R_BLOCKS: tl.constexpr, K_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -84,7 +139,6 @@ def _shrink_kernel(x_ptr, a_ptr, p_ptr, slots_ptr, T, K, SR,
     slots = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_in = offs_r < SR
-    offs_k = tl.arange(0, BLOCK_K)
     k_lo = split * K_CHUNK
     k_hi = tl.minimum(k_lo + K_CHUNK, K)
     x_rows = x_ptr + offs_m[:, None] * stride_xt
@@ -93,13 +147,8 @@ def _shrink_kernel(x_ptr, a_ptr, p_ptr, slots_ptr, T, K, SR,
     while lora < 2147483647:
         mine = slots == lora
         a_cols = a_ptr + lora.to(tl.int64) * stride_al + offs_r[None, :] * stride_ar
-        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k = k0 + offs_k
-            k_in = k < k_hi
-            x = tl.load(x_rows + k[None, :], mask=mine[:, None] & k_in[None, :], other=0.0)
-            a = tl.load(a_cols + k[:, None], mask=k_in[:, None] & r_in[None, :], other=0.0)
-            acc = tl.dot(x.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+        acc = shrink_rows(x_rows, a_cols, mine, r_in, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K, DOT_DTYPE,
+                          DOT_PRECISION)
         tl.store(out, acc, mask=mine[:, None] & r_in[None, :])
         lora = _next_own_slot(slots, lora)
 
@@ -113,34 +162,15 @@ def _expand_kernel(p_ptr, b_ptr, y_ptr, slots_ptr, scale_ptr, starts_ptr, T, N, 
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_in = offs_r < R
     y_tile = y_ptr + offs_m[:, None] * stride_yt + offs_n[None, :]
     lora = _first_own_slot(slots)
     while lora < 2147483647:
         mine = slots == lora
-        delta = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(NUM_SLICES):  # a column belongs to one slice: the others add nothing to it
-            n_lo = tl.load(starts_ptr + j)
-            n_hi = tl.load(starts_ptr + j + 1)
-            n_in = (offs_n >= n_lo) & (offs_n < n_hi)
-            if tl.max(n_in.to(tl.int32), axis=0) > 0:
-                part_rows = p_ptr + offs_m[:, None] * stride_pt + (j * R + offs_r)[None, :]
-                keep_s = mine[:, None] & r_in[None, :]
-                s = tl.load(part_rows, mask=keep_s, other=0.0)
-                for split in tl.static_range(1, SPLITS):  # split order, fixed by K alone
-                    s += tl.load(part_rows + split * stride_ps, mask=keep_s, other=0.0)
-                s = s.to(S_DTYPE)  # the rank-space product in the model dtype, as PEFT rounds it
-                b = tl.load(b_ptr + lora.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None],
-                            mask=r_in[:, None] & n_in[None, :], other=0.0)
-                part = tl.dot(s.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-                part = part.to(y_ptr.dtype.element_ty).to(tl.float32)  # the expanded product in the model dtype
-                scale = tl.load(scale_ptr + lora * stride_scale + j)
-                delta = tl.where(n_in[None, :], part * scale, delta)
-        keep = mine[:, None] & (offs_n < N)[None, :]
-        y = tl.load(y_tile, mask=keep, other=0.0)
-        delta = delta.to(y_ptr.dtype.element_ty)  # rounded like PEFT's ``lora_B(...) * scaling``
-        tl.store(y_tile, (y.to(tl.float32) + delta.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=keep)
+        delta = expand_rows(p_ptr + offs_m[:, None] * stride_pt, stride_ps, mine,
+                            b_ptr + lora.to(tl.int64) * stride_bl, stride_bn, scale_ptr + lora * stride_scale,
+                            starts_ptr, offs_n, R, y_ptr, SPLITS, NUM_SLICES, S_DTYPE, BLOCK_M, BLOCK_N, BLOCK_R,
+                            DOT_DTYPE, DOT_PRECISION)
+        add_rows(y_tile, delta, mine[:, None] & (offs_n < N)[None, :], y_ptr)
         lora = _next_own_slot(slots, lora)
 
 

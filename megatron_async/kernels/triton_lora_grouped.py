@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from megatron_async.forward_batch import LoRAGroups
-from megatron_async.kernels.triton_lora import DECODE_TILES, PREFILL_TILES, LoRATiles
+from megatron_async.kernels.triton_lora import (DECODE_TILES, PREFILL_TILES, LoRATiles, add_rows, expand_rows,
+                                                shrink_rows)
 from megatron_async.kernels.triton_paged_common import TL_DTYPES, dot_args
 
 GROUPED_DECODE_ROWS = 256
@@ -53,18 +54,12 @@ def _grouped_shrink_kernel(x_ptr, a_ptr, p_ptr, order_ptr, tiles_ptr, K, SR,
         token = tl.load(order_ptr + pos, mask=m_in, other=0).to(tl.int64)
         offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         r_in = offs_r < SR
-        offs_k = tl.arange(0, BLOCK_K)
         k_lo = split * K_CHUNK
         k_hi = tl.minimum(k_lo + K_CHUNK, K)
         x_rows = x_ptr + token[:, None] * stride_xt
         a_cols = a_ptr + lora.to(tl.int64) * stride_al + offs_r[None, :] * stride_ar
-        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k = k0 + offs_k
-            k_in = k < k_hi
-            x = tl.load(x_rows + k[None, :], mask=m_in[:, None] & k_in[None, :], other=0.0)
-            a = tl.load(a_cols + k[:, None], mask=k_in[:, None] & r_in[None, :], other=0.0)
-            acc = tl.dot(x.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+        acc = shrink_rows(x_rows, a_cols, m_in, r_in, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K, DOT_DTYPE,
+                          DOT_PRECISION)
         out = p_ptr + split * stride_ps + pos[:, None] * stride_pt + offs_r[None, :]
         tl.store(out, acc, mask=m_in[:, None] & r_in[None, :])
 
@@ -82,31 +77,12 @@ def _grouped_expand_kernel(p_ptr, b_ptr, y_ptr, order_ptr, tiles_ptr, scale_ptr,
         pos = first + offs_m
         token = tl.load(order_ptr + pos, mask=m_in, other=0).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_in = offs_r < R
-        delta = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(NUM_SLICES):  # a column belongs to one slice: the others add nothing to it
-            n_lo = tl.load(starts_ptr + j)
-            n_hi = tl.load(starts_ptr + j + 1)
-            n_in = (offs_n >= n_lo) & (offs_n < n_hi)
-            if tl.max(n_in.to(tl.int32), axis=0) > 0:
-                part_rows = p_ptr + pos[:, None] * stride_pt + (j * R + offs_r)[None, :]
-                keep_s = m_in[:, None] & r_in[None, :]
-                s = tl.load(part_rows, mask=keep_s, other=0.0)
-                for split in tl.static_range(1, SPLITS):  # split order, fixed by K alone
-                    s += tl.load(part_rows + split * stride_ps, mask=keep_s, other=0.0)
-                s = s.to(S_DTYPE)  # the rank-space product in the model dtype, as PEFT rounds it
-                b = tl.load(b_ptr + lora.to(tl.int64) * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None],
-                            mask=r_in[:, None] & n_in[None, :], other=0.0)
-                part = tl.dot(s.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-                part = part.to(y_ptr.dtype.element_ty).to(tl.float32)  # the expanded product in the model dtype
-                scale = tl.load(scale_ptr + lora * stride_scale + j)
-                delta = tl.where(n_in[None, :], part * scale, delta)
-        keep = m_in[:, None] & (offs_n < N)[None, :]
-        y_tile = y_ptr + token[:, None] * stride_yt + offs_n[None, :]
-        y = tl.load(y_tile, mask=keep, other=0.0)
-        delta = delta.to(y_ptr.dtype.element_ty)  # rounded like PEFT's ``lora_B(...) * scaling``
-        tl.store(y_tile, (y.to(tl.float32) + delta.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=keep)
+        delta = expand_rows(p_ptr + pos[:, None] * stride_pt, stride_ps, m_in,
+                            b_ptr + lora.to(tl.int64) * stride_bl, stride_bn, scale_ptr + lora * stride_scale,
+                            starts_ptr, offs_n, R, y_ptr, SPLITS, NUM_SLICES, S_DTYPE, BLOCK_M, BLOCK_N, BLOCK_R,
+                            DOT_DTYPE, DOT_PRECISION)
+        add_rows(y_ptr + token[:, None] * stride_yt + offs_n[None, :], delta, m_in[:, None] & (offs_n < N)[None, :],
+                 y_ptr)
 
 
 def lora_add_grouped(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
