@@ -17,20 +17,10 @@ of every block, then the state) the bytes are ``pack``'s: what an "ipc" pair sha
     layout.unpack(buf, new_block_ids, req.state_slot)  # decode side, into its own pool"""
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from megatron_async.kernels.fused_ops import triton_importable
 from megatron_async.kernels.kv_cache_fp8 import byte_view
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class KVLayout:
@@ -40,7 +30,7 @@ class KVLayout:
         mamba = context.mamba
         self.states = [] if mamba is None else list(mamba.conv_states) + list(mamba.ssm_states)  # each [slots + 1, ...]
         self.device = self.kv[0].device if self.kv else (self.states[0].device if self.states else torch.device("cpu"))
-        self.one_launch = self.device.type == "cuda" and _triton_importable() if one_launch is None else one_launch
+        self.one_launch = self.device.type == "cuda" and triton_importable() if one_launch is None else one_launch
         self._table = None
 
     def block_bytes(self) -> int:

@@ -14,7 +14,7 @@ import functools
 import torch
 
 @functools.cache
-def _triton_importable() -> bool:
+def triton_importable() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -24,7 +24,7 @@ def _triton_importable() -> bool:
 
 def use_fused(x: torch.Tensor, enabled: bool = True) -> bool:
     """Whether a layer whose model enables the fused kernels (``enabled``) runs them on x."""
-    return enabled and x.is_cuda and _triton_importable()
+    return enabled and x.is_cuda and triton_importable()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_before_weight: bool = True) -> torch.Tensor:
@@ -102,7 +102,7 @@ def fp8_input_prequantized(m: int, dtype: torch.dtype, device: torch.device, lin
     ``dtype`` in a pass of its own (``ParallelLinear.quantizes_rows_itself``): then their producer
     hands them over quantized (``triton_fp8_act``). False for a bf16 weight, off CUDA, and where
     the model's fused kernels are off."""
-    return (linear is not None and fused and device.type == "cuda" and _triton_importable()
+    return (linear is not None and fused and device.type == "cuda" and triton_importable()
             and linear.quantizes_rows_itself(m, dtype, device))
 
 

@@ -172,7 +172,7 @@ def test_a_linear_decides_once_per_row_count_whether_it_quantizes_its_rows(monke
                      QuantScope(Fp8Config(), "model.layers.0.mlp")).down_proj
     answers = [down.quantizes_rows_itself(m, torch.bfloat16, cuda) for m in (8, 64, 8, 64, 64)]
     assert answers == [False, True, False, True, True] and asked == [8, 64]
-    assert fused_ops.fp8_input_prequantized(64, torch.bfloat16, cuda, down) == fused_ops._triton_importable()
+    assert fused_ops.fp8_input_prequantized(64, torch.bfloat16, cuda, down) == fused_ops.triton_importable()
     assert not fused_ops.fp8_input_prequantized(64, torch.bfloat16, torch.device("cpu"), down)
     plain = SwiGLUMLP(256, 512, False, ParallelState(), torch.bfloat16, "cpu").down_proj
     assert not plain.quantizes_rows_itself(64, torch.bfloat16, cuda) and asked == [8, 64]
