@@ -99,15 +99,18 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def placement(args, engine: int) -> dict:
-    """Engine ``engine``'s environment: every GPU visible, its own first (it runs on cuda:0)."""
-    if args.device != "cuda":
-        return {}
+def own_gpu_first(own: int) -> dict:
+    """An engine process's environment for GPU ``own`` of this process's visible GPUs: every one
+    visible, its own first (it runs on cuda:0; CUDA IPC maps a peer's memory)."""
     gpus = visible_gpus()
-    own = args.gpus[engine]
     if own >= len(gpus):
-        raise SystemExit(f"--gpus names GPU {own}, but {len(gpus)} are visible")
+        raise SystemExit(f"GPU {own} named, but {len(gpus)} are visible")
     return {"CUDA_VISIBLE_DEVICES": ",".join([gpus[own]] + [g for i, g in enumerate(gpus) if i != own])}
+
+
+def placement(args, engine: int) -> dict:
+    """Engine ``engine``'s environment: its ``--gpus`` entry first (``own_gpu_first``)."""
+    return own_gpu_first(args.gpus[engine]) if args.device == "cuda" else {}
 
 
 async def drive(address: str, work, output: int) -> dict:

@@ -20,7 +20,8 @@ import torch
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.client import InferenceClient
-from tests.helpers.coordinator_procs import Cluster, own_gpu_first
+from benchmarks.commands.disagg import own_gpu_first
+from tests.helpers.coordinator_procs import Cluster
 
 VOCAB = 151936
 MODEL = ("--default-model", "qwen3-0.6b", "--device", "cuda", "--dtype", "bfloat16")

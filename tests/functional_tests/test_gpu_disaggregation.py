@@ -13,7 +13,8 @@ import pytest
 
 from megatron_async.client import InferenceClient
 from tests.functional_tests.test_gpu_coordinator import ENGINE, MODEL, reference, workload  # noqa: F401 (fixture)
-from tests.helpers.coordinator_procs import Cluster, own_gpu_first
+from benchmarks.commands.disagg import own_gpu_first
+from tests.helpers.coordinator_procs import Cluster
 
 
 def layouts():

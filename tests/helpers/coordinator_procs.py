@@ -20,16 +20,6 @@ def _env() -> dict:
             "OMP_NUM_THREADS": "1"}
 
 
-def own_gpu_first(index: int) -> dict:
-    """An engine process's environment for GPU ``index`` of this process's visible GPUs: all of them
-    visible, its own first (it runs on cuda:0; CUDA IPC maps a peer's memory). Indexes count the
-    visible GPUs, so a test run on a GPU pair (CUDA_VISIBLE_DEVICES=2,3) stays on that pair."""
-    from benchmarks.commands.disagg import visible_gpus
-
-    gpus = visible_gpus()
-    return {"CUDA_VISIBLE_DEVICES": ",".join([gpus[index]] + [g for i, g in enumerate(gpus) if i != index])}
-
-
 def _wait_line(proc: subprocess.Popen, prefix: str, timeout_s: float) -> str:
     deadline, buf = time.monotonic() + timeout_s, ""
     while time.monotonic() < deadline:
