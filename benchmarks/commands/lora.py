@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-requests", type=int, default=128, help="requests a step (InferenceConfig.max_requests)")
     p.add_argument("--max-tokens", type=int, default=8192, help="tokens a step (InferenceConfig.max_tokens)")
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    p.add_argument("--grouped-rows", action="store_true",
+                   help="the LoRA engines group rows by adapter (InferenceConfig.lora_grouped_rows)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every measurement here")
     p.add_argument("--smoke", action="store_true", help="CPU, the tiny model, a few requests")
@@ -82,7 +84,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     cuda = args.device.startswith("cuda")
     return Plan(args.model, args.default_model, args.device, args.dtype, args.adapters, args.rank, args.max_requests,
                 args.max_tokens, None if cuda else 0.05, args.seed, workload,
-                twin_workload(workload[:args.warmup_requests], vocab, args.seed), batch1, args.serving)
+                twin_workload(workload[:args.warmup_requests], vocab, args.seed), batch1, args.serving,
+                args.grouped_rows)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
