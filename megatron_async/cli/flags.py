@@ -109,9 +109,9 @@ def _add_lora_args(g) -> None:
                    help="--enable-lora: most adapters loaded at once (InferenceConfig.max_loras, default 8)")
     g.add_argument("--max-lora-rank", type=POSITIVE_INT, default=None,
                    help="--enable-lora: largest adapter rank taken (InferenceConfig.max_lora_rank, default 16)")
-    g.add_argument("--lora-grouped-rows", action="store_true", default=None,
+    g.add_argument("--lora-grouped-rows", action=argparse.BooleanOptionalAction, default=None,
                    help="--enable-lora: each step groups its tokens by adapter for the LoRA ops "
-                        "(InferenceConfig.lora_grouped_rows; docs/LORA.md)")
+                        "(InferenceConfig.lora_grouped_rows, default on; docs/LORA.md)")
     g.add_argument("--lora-experts", action="store_true", default=None,
                    help="--enable-lora: adapter slots on the MoE layers' routed experts too "
                         "(InferenceConfig.lora_experts; memory per expert, docs/LORA.md)")

@@ -19,11 +19,12 @@ class LoRAFields:
     max_lora_rank: int = 16
     """``enable_lora``: the largest adapter rank accepted (smaller ranks are zero-padded)."""
 
-    lora_grouped_rows: bool = False
+    lora_grouped_rows: bool = True
     """``enable_lora``: every step groups its tokens by adapter once (on the device, in the step's
     forward) and the attention / MLP LoRA ops run tiles of one adapter each; off: tiles of any
     tokens, each program masking the rows of other adapters (the MoE experts' op always does).
-    Off by default until timed on a GPU against the masked tiles (``kernel-times lora``)."""
+    Grouped, one decode step's LoRA ops on Qwen3-8B at 128 rows over 8 adapters take 2.0 ms against
+    4.3 masked (``kernel-times lora``, docs/PERFORMANCE.md)."""
 
     lora_experts: bool = False
     """``enable_lora``: the MoE layers' routed experts get adapter slots too (one pair per expert and

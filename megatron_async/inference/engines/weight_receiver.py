@@ -260,6 +260,8 @@ class WeightReceiver:
     def ipc_kernel(self, kernel: str) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"ipc_kernel must be one of {KERNELS}, got {kernel!r}")
+        if kernel == self._ipc_kernel:  # the bound copies stay
+            return
         if kernel == "table":
             cuda = {(p.device, p.dtype) for p in self.model.parameters() if p.device.type == "cuda"}
             try:
