@@ -76,7 +76,7 @@ def _tiles(t: LoRATiles) -> str:
 
 def _sweep(name: str, t: int, x, y, sets, slots, starts) -> None:
     timed = []
-    chunks = ((256, 64), (256, 256), (512, 128), (512, 256), (1024, 128))
+    chunks = ((128, 128), (256, 64), (256, 256), (512, 128), (512, 256), (1024, 128))
     for bm, (chunk, bk), bn, q in itertools.product((16, 64), chunks, (128, 256), (2, 8)):
         tiles = LoRATiles(bm, chunk, bk, bn, q)
         timed.append((_time(lambda *a, tiles=tiles: lora_add_triton(*a, tiles=tiles), x, y, sets, slots, starts),

@@ -150,7 +150,7 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
                         "(InferenceConfig.split_linear=False; default: split where the kernel's tiles take the shape)")
     g.add_argument("--long-prefill-tiles", action=argparse.BooleanOptionalAction, default=None,
                    help="a step whose longest prompt chunk has 2,048+ tokens runs the prefill attention's 128 x 64 "
-                        "tiles, a CUDA-graph variant of its own (InferenceConfig.long_prefill_tiles; default off)")
+                        "tiles, a CUDA-graph variant of its own (InferenceConfig.long_prefill_tiles; default on)")
     g.add_argument("--no-moe-grouped-mm", action="store_true",
                    help="Triton MoE: every batch on the fused Triton MoE, none as grouped GEMMs (InferenceConfig."
                         "moe_grouped_mm=False; default: prefill-size batches on Hopper / Blackwell as grouped GEMMs)")

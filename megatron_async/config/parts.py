@@ -78,7 +78,7 @@ class KernelChoice:
     startup_build_threads: int | None = None
     startup_kernel_lists: bool = False
     split_linear: bool = True
-    long_prefill_tiles: bool = False
+    long_prefill_tiles: bool = True
     moe_grouped_mm: bool = True
     moe_triton_grouped_gemm: bool = True
 

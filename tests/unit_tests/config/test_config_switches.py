@@ -81,7 +81,7 @@ def test_split_k_needs_the_fused_kernels_and_the_switch():
     (["--no-moe-grouped-mm"], "moe_grouped_mm", False),
     ([], "moe_triton_grouped_gemm", True),
     (["--no-moe-triton-grouped-gemm"], "moe_triton_grouped_gemm", False),
-    ([], "long_prefill_tiles", False),
+    ([], "long_prefill_tiles", True),
     (["--long-prefill-tiles"], "long_prefill_tiles", True),
     (["--no-long-prefill-tiles"], "long_prefill_tiles", False),
 ])
