@@ -55,8 +55,8 @@ class Plan:
     batch1: list[WorkloadRequest]
     serving: int
     """Requests of the workload running while an adapter is loaded and another unloaded."""
-    grouped_rows: bool = False
-    """InferenceConfig.lora_grouped_rows of the LoRA engines."""
+    grouped_rows: bool | None = None
+    """InferenceConfig.lora_grouped_rows of the LoRA engines (None: the config's default)."""
 
 
 def adapter_names(plan: Plan) -> list[str]:
@@ -101,7 +101,7 @@ def build(plan: Plan, lora: bool) -> LLM:
     cfg = InferenceConfig(max_requests=plan.max_requests, max_tokens=plan.max_tokens,
                           buffer_size_gb=plan.buffer_size_gb, enable_lora=lora,
                           max_loras=plan.adapters, max_lora_rank=plan.rank,
-                          lora_grouped_rows=lora and plan.grouped_rows)
+                          **({} if plan.grouped_rows is None else {"lora_grouped_rows": plan.grouped_rows}))
     return LLM(plan.model, plan.device, plan.dtype, cfg, default_model=plan.default_model, seed=plan.seed)
 
 

@@ -58,8 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-requests", type=int, default=128, help="requests a step (InferenceConfig.max_requests)")
     p.add_argument("--max-tokens", type=int, default=8192, help="tokens a step (InferenceConfig.max_tokens)")
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
-    p.add_argument("--grouped-rows", action="store_true",
-                   help="the LoRA engines group rows by adapter (InferenceConfig.lora_grouped_rows)")
+    p.add_argument("--grouped-rows", action=argparse.BooleanOptionalAction, default=None,
+                   help="whether the LoRA engines group rows by adapter (InferenceConfig.lora_grouped_rows; "
+                        "default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every measurement here")
     p.add_argument("--smoke", action="store_true", help="CPU, the tiny model, a few requests")
