@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"later <= 2.5x | {r['change_arrived']}, {r['moved_arrived']}, {r['stale_refused']}; "
               f"{r['tokens_equal'] and r['moved_tokens_equal']} |")
     for r in reports:  # where the engine's host time went (WeightReceiver.last_ipc_ms), and the launches
-        print(f"{r['model']} {r['layout']}: kernel lists per update {r['launches']}")
+        print(f"{r['model']} {r['layout']}: kernel lists per update {r['launches']}; {r['tensors']} tensors in "
+              f"{r['entries']} storage entries, {r['mapped']} mapped")
         for what, phases in r["phases"].items():
             print(f"{r['model']} {r['layout']} {what} update, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     return reports

@@ -7,7 +7,8 @@ torch's own storage constructors take).
     {"weights_format": "megatron",
      "storages": [{"kind": "cuda", "device_uuid": "...", "handle": b64, "nbytes": int,
                    "offset_bytes": int, "ref_counter_handle": b64, "ref_counter_offset": int,
-                   "event_handle": b64, "event_sync_required": bool}
+                   "event_handle": b64, "event_sync_required": bool,
+                   "ref_counters": [[b64, int], ...]}
                 | {"kind": "cpu_shm", "manager": b64, "handle": b64, "nbytes": int}],
      "tensors": [{"name": str, "storage": int, "dtype": str, "shape": [int], "stride": [int],
                   "storage_offset": int, "tp_rank": int, "tp_size": int, ...shard fields}]}
@@ -15,7 +16,9 @@ torch's own storage constructors take).
 Optional payload fields: ``"engine_rank": int`` (the engine rank this payload is for: each rank
 takes only its own, ``per_rank.py``) and ``"release_after": true`` (unmap after this update).
 
-Tensors that share a storage (Megatron-Core's contiguous parameter buffers) name it once. The GPU
+Tensors that share a storage (Megatron-Core's contiguous parameter buffers) name it once; a CUDA
+entry may span several storages of one allocator segment (``sharer.segments``: the optional
+``ref_counters`` are the other storages' IPC reference counters), so each segment is mapped once. The GPU
 is named by UUID, not index (CUDA_VISIBLE_DEVICES differs between processes). One payload per
 trainer rank; the engine takes a list. The trainer keeps its tensors alive and unchanged until
 the engine answered; the engine keeps the storages mapped for the next update with the same
@@ -63,6 +66,14 @@ def _check_storage(s) -> None:
             raise IpcHandleError("a CUDA storage needs its device_uuid")
         _int(s.get("offset_bytes"), "offset_bytes")
         _int(s.get("ref_counter_offset"), "ref_counter_offset")
+        extra = s.get("ref_counters", [])
+        if not isinstance(extra, list):
+            raise IpcHandleError("ref_counters must be a list of [ref_counter_handle, ref_counter_offset] pairs")
+        for c in extra:
+            if not isinstance(c, list) or len(c) != 2:
+                raise IpcHandleError(f"a ref_counters item must be [handle, offset], got {c!r:.100}")
+            _unb64(c[0], "ref_counters handle")
+            _int(c[1], "ref_counters offset")
 
 
 def _natural(x) -> bool:

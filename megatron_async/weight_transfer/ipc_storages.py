@@ -15,6 +15,11 @@ the mapping is dropped), and:
 - memory no longer named, or every mapping when the payload says ``release_after`` or on
   ``release()``: unmapped (the trainer's counter is released with it).
 
+An entry that spans a segment of the trainer's allocator (``sharer.segments``) carries a counter
+per storage in it (its own and ``ref_counters``): the mapping holds them all, the rules above hold
+for each, and on unmapping torch's deleter releases the entry's own counter while the others are
+released here (after the update's copies were waited for, as every update is).
+
 An update whose storage list equals the last one (entry for entry) takes the last mapped list as
 it is: one list comparison."""
 from __future__ import annotations
@@ -54,8 +59,16 @@ def storage_key(s: Mapping) -> str:
 
 
 def counter(s: Mapping) -> tuple | None:
-    """The trainer's IPC reference counter a CUDA entry carries (None for shared memory)."""
+    """The trainer's IPC reference counter a CUDA entry's mapping owns (None for shared memory)."""
     return (s["ref_counter_handle"], s["ref_counter_offset"]) if s["kind"] == "cuda" else None
+
+
+def counters(s: Mapping) -> tuple:
+    """Every IPC reference counter a CUDA entry carries, its own first (empty for shared memory)."""
+    if s["kind"] != "cuda":
+        return ()
+    return ((s["ref_counter_handle"], s["ref_counter_offset"]),
+            *((h, o) for h, o in s.get("ref_counters", ())))
 
 
 def open_storage(s: Mapping, device_index: int | None = None) -> torch.UntypedStorage:
@@ -85,7 +98,7 @@ class IpcStorages:
                  releaser: Callable[[tuple], None] = release_counter):
         """``opener`` / ``releaser``: how an entry is mapped and a counter released (torch's)."""
         self._opener, self._releaser = opener, releaser
-        self._open: dict[str, tuple[torch.UntypedStorage, tuple | None]] = {}
+        self._open: dict[str, tuple[torch.UntypedStorage, tuple]] = {}  # key -> (mapping, counters held)
         self._spent: OrderedDict[tuple, None] = OrderedDict()
         self._last: tuple[list, list] | None = None  # (the last storage entries, their mapped list)
         self.opened = 0
@@ -100,11 +113,13 @@ class IpcStorages:
         if last is not None and last[0] == storages:
             return last[1]
         for s in storages:  # refuse before anything is mapped or released
-            c = counter(s)
-            if c is not None and c in self._spent and self._open.get(storage_key(s), (None, None))[1] != c:
-                raise IpcHandleError(f"storage {s['handle'][:16]}... names an IPC reference the engine already "
-                                     "released (a stale entry): share it afresh (ipc.Sharer.forget())")
-        opened: dict[str, tuple[torch.UntypedStorage, tuple | None]] = {}
+            cs = counters(s)
+            if cs and not self._spent.keys().isdisjoint(cs):
+                held = self._open.get(storage_key(s), (None, ()))[1]
+                if any(c in self._spent and c not in held for c in cs):
+                    raise IpcHandleError(f"storage {s['handle'][:16]}... names an IPC reference the engine already "
+                                         "released (a stale entry): share it afresh (ipc.Sharer.forget())")
+        opened: dict[str, tuple[torch.UntypedStorage, tuple]] = {}
         fresh: list[tuple] = []
         try:
             for s in storages:
@@ -114,28 +129,35 @@ class IpcStorages:
                 else:
                     held = self._open.get(k)
                     if held is None:
-                        held = (self._opener(s), counter(s))
+                        held = (self._opener(s), counters(s))
                         self.opened += 1
                     opened[k] = held
-                c = counter(s)
-                if c is not None and c != held[1] and c not in fresh:
-                    fresh.append(c)  # the same memory shared again: its new counter goes back at once
+                for c in counters(s):
+                    if c not in held[1] and c not in fresh:
+                        fresh.append(c)  # the same memory shared again: its new counter goes back at once
         except Exception:
             for k, held in opened.items():  # mapped here for nothing: unmap (their counters are spent)
-                if k not in self._open and held[1] is not None:
-                    self._spend(held[1])
+                if k not in self._open:
+                    self._drop(held)
             raise
         for c in fresh:
             self._releaser(c)
             self._spend(c)
             self.released += 1
         for k, held in self._open.items():
-            if k not in opened and held[1] is not None:
-                self._spend(held[1])
+            if k not in opened:
+                self._drop(held)
         self._open = opened
         out = [opened[storage_key(s)][0] for s in storages]
         self._last = ([dict(s) for s in storages], out)
         return out
+
+    def _drop(self, held: tuple) -> None:
+        """A mapping given up: torch releases its own counter with it, the others go back here."""
+        for i, c in enumerate(held[1]):
+            if i:
+                self._releaser(c)
+            self._spend(c)
 
     def _spend(self, c: tuple) -> None:
         self._spent[c] = None
@@ -143,10 +165,9 @@ class IpcStorages:
             self._spent.popitem(last=False)
 
     def release(self) -> None:
-        """Unmap everything (each mapping's counter goes back to the trainer with it)."""
+        """Unmap everything (each mapping's counters go back to the trainer with it)."""
         for held in self._open.values():
-            if held[1] is not None:
-                self._spend(held[1])
+            self._drop(held)
         self._open, self._last = {}, None
 
 

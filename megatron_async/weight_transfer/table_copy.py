@@ -77,7 +77,9 @@ class TableCopy:
             pairs.setdefault((size, aligned), []).append(
                 [sptr, dptr, sizes[1], sizes[2], sstride[0], sstride[1], dstride[0], dstride[1], sizes[0] * sizes[1], size])
         device = dsts[0].device if dsts else None
-        self.tables = [(size, aligned, _items(torch.tensor(rows, dtype=torch.int64, device=device), item_elements))
+        # the items worked out on the host and copied once: on the device they took ~30 small
+        # kernels and two syncs per table (each a first load of its kernel at an engine's first update)
+        self.tables = [(size, aligned, _items(torch.tensor(rows, dtype=torch.int64), item_elements).to(device))
                        for (size, aligned), rows in sorted(pairs.items())]
         self.launches = len(self.tables)
 
@@ -90,14 +92,14 @@ class TableCopy:
 
 def _items(pairs: torch.Tensor, item_elements: int) -> torch.Tensor:
     """The work items of ``pairs`` (rows of [src, dst, n1, n2, ss0, ss1, ds0, ds1, rows, element
-    size]), computed for all pairs at once on their device (an 8B model has ~10^5 items): short rows grouped whole
+    size]), computed for all pairs at once (an 8B model has ~10^5 items): short rows grouped whole
     into items of at most ``item_elements``, a longer row cut into pieces of that many."""
     n2, rows = pairs[:, 3], pairs[:, 8]
     long = n2 > item_elements
     per = torch.where(long, 1, item_elements // n2.clamp(min=1))  # rows per item (short rows)
     pieces = torch.where(long, (n2 + item_elements - 1) // item_elements, 1)  # items per row (long rows)
     counts = torch.where(long, rows * pieces, (rows + per - 1) // per)
-    total = int(counts.sum())  # (on the pairs' device: one small sync, ~30 small kernels)
+    total = int(counts.sum())
     owner = torch.repeat_interleave(torch.arange(len(pairs), device=pairs.device), counts, output_size=total)
     local = torch.arange(total, device=pairs.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
                                                                                output_size=total)

@@ -38,12 +38,19 @@ class IpcReport:
     first_ms: float = 0.0
     """The first update: plan, mapping the storages, copy."""
     hot_ms: list[float] = field(default_factory=list)
-    """Later updates of the same tensors (``ipc.Sharer``: the same payload), the default kernel."""
+    """Later updates of the same tensors (``ipc.Sharer``: the same payload), the table kernel. Each
+    kind's list leaves out its first update: that one binds the copies anew after a change of
+    kernel (foreach) or maps and releases what the kind changed, so the lists time repeats only."""
     fresh_ms: list[float] = field(default_factory=list)
     """The same with every storage shared afresh (``ipc.share``: a counter released per storage)."""
     foreach_ms: list[float] = field(default_factory=list)
     """The same as ``hot_ms`` with the copies launched as ``torch._foreach_copy_`` lists."""
     plan_hits: int = 0
+    tensors: int = 0
+    entries: int = 0
+    """Storage entries of the first payload (one per allocator segment: fewer than the storages of
+    the separate layout) and the storages the engine mapped for it."""
+    mapped: int = 0
     launches: dict = field(default_factory=dict)
     """Kernel lists an update launches, by kernel."""
     phases: dict = field(default_factory=dict)
@@ -178,7 +185,9 @@ def run(default_model: str, updates: int = 4, layout: str = "flat", repeats: int
             ms = 1e3 * (time.perf_counter() - t0)
             if kind == "first":
                 rep.first_ms, before = ms, probe.detach().clone()
-            if kind in times:
+                rep.tensors, rep.entries = len(payload["tensors"]), len(payload["storages"])
+                rep.mapped = weights._storages.opened
+            if kind in times and k and schedule(updates, repeats)[k - 1] == kind:  # (not the first of its kind)
                 times[kind].append(ms)
             if kind in ("first", "hot", "fresh", "foreach"):
                 rep.phases[kind] = dict(weights.last_ipc_ms)
