@@ -213,7 +213,8 @@ def serve_while_loading(llm: LLM, plan: Plan, names: list[str], fresh: Path) -> 
     # the load's window in two: steps while the prepare ran on its thread, and around the install
     while_preparing = [g for g in gaps[at["load"]:last["load"]] if g is not None]
     result["load"]["prepare_gap_ms"] = 1e3 * max(while_preparing) if while_preparing else None
-    result["load"]["install_gap_ms"] = 1e3 * max(g for g in gaps[last["load"]:last["load"] + GAP_WINDOW] if g is not None)
+    around_install = [g for g in gaps[last["load"]:last["load"] + GAP_WINDOW] if g is not None]
+    result["load"]["install_gap_ms"] = 1e3 * max(around_install)
     result["phases_ms"] = phases
     prompt = requests[0].prompt
     new = SamplingParams(top_k=1, num_tokens_to_generate=16, ignore_eos=True, lora="fresh")

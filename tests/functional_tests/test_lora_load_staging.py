@@ -131,7 +131,8 @@ def test_unload_writes_nothing_and_the_next_load_overwrites_the_slot(files, tmp_
     want = _slot_state(reference.engine.context.lora, reference.engine.context.lora.slot_of("b"))
     assert all(torch.equal(x, y) for x, y in zip(_slot_state(adapters, slot), want))
     p = SamplingParams(top_k=1, num_tokens_to_generate=6, ignore_eos=True, lora="b")
-    assert llm.generate([[3, 5, 7, 9]], p)[0].generated_tokens == reference.generate([[3, 5, 7, 9]], p)[0].generated_tokens
+    prompt = [[3, 5, 7, 9]]
+    assert llm.generate(prompt, p)[0].generated_tokens == reference.generate(prompt, p)[0].generated_tokens
     reference.close()
     llm.close()
 
