@@ -168,6 +168,7 @@ def serve_while_loading(llm: LLM, plan: Plan, names: list[str], fresh: Path) -> 
     if at["load"] + GAP_WINDOW >= prefill + out:
         raise ValueError(f"outputs of {out} tokens leave no decode steps around the load: ask for longer outputs")
     ends, decode_only, call_s, last = [], [], {}, {"unload": at["unload"]}
+    adapters, phases = engine.context.lora, {}
     prepared: dict = {}
     ready = threading.Event()
 
@@ -185,12 +186,15 @@ def serve_while_loading(llm: LLM, plan: Plan, names: list[str], fresh: Path) -> 
             ts = time.perf_counter()
             llm.unload_lora(spare)
             call_s["unload"] = time.perf_counter() - ts
+            phases["unload"] = dict(adapters.last_lora_ms["unload"])
         if at["load"] == len(ends):
             threading.Thread(target=prepare, name="lora-prepare", daemon=True).start()
         if ready.is_set() and "load" not in call_s:
             ts = time.perf_counter()
             llm.load_lora("fresh", prepared["adapter"])  # raises KeyError if the prepare failed (its error printed)
             call_s["load"], last["load"] = time.perf_counter() - ts, len(ends)
+            phases["install"] = dict(adapters.last_lora_ms["install"])
+            phases["prepare"] = dict(adapters.last_lora_ms["prepare"])
         res = engine.step()
         ends.append(time.perf_counter() - t0)
         decode_only.append(res.is_decode_only)
@@ -206,6 +210,12 @@ def serve_while_loading(llm: LLM, plan: Plan, names: list[str], fresh: Path) -> 
         worst = max(g for g in gaps[step:last[op] + GAP_WINDOW] if g is not None)
         result[op] = {"step": step, "call_ms": 1e3 * call_s[op], "longest_gap_ms": 1e3 * worst,
                       "stall_steps": (worst - median) / median}
+    # the load's window in two: steps while the prepare ran on its thread, and around the install
+    while_preparing = [g for g in gaps[at["load"]:last["load"]] if g is not None]
+    result["load"]["prepare_gap_ms"] = 1e3 * max(while_preparing) if while_preparing else None
+    around_install = [g for g in gaps[last["load"]:last["load"] + GAP_WINDOW] if g is not None]
+    result["load"]["install_gap_ms"] = 1e3 * max(around_install)
+    result["phases_ms"] = phases
     prompt = requests[0].prompt
     new = SamplingParams(top_k=1, num_tokens_to_generate=16, ignore_eos=True, lora="fresh")
     outs = llm.generate([prompt, prompt], [new, replace(new, lora=None)])

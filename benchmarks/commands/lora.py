@@ -194,6 +194,13 @@ def main(argv: list[str] | None = None) -> dict:
         adapters = fmt(row["adapters"], ".2f") + ("" if row["adapters"] is None else unit)
         idle = fmt(row["idle"], ".3f") + ("" if row["idle"] is None else "x")
         print(f"| {row['measure']} | {vals} | {idle} | {adapters} | {row['target']} | {met} |")
+    serving = (rows.get("adapters") or {}).get("serving")
+    if serving:
+        load = serving["load"]
+        print(f"load gaps: longest {fmt(load.get('prepare_gap_ms'), '.2f')} ms while preparing "
+              f"({serving['prepare_steps']} steps), {load['install_gap_ms']:.2f} ms around the install")
+        for op, ms in serving["phases_ms"].items():  # host time by phase (LoRAAdapters.last_lora_ms)
+            print(f"{op} phases, host ms: " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items()))
     result = {"device": device, "model": model, "args": vars(args), "rows": rows, "summary": summary,
               "checks": checked}
     if args.json:

@@ -34,6 +34,9 @@ def test_smoke_measures_every_row_and_uses_the_adapters(tmp_path, capsys):
     for op in ("unload", "load"):
         s = serving[op]
         assert s["longest_gap_ms"] > 0 and s["call_ms"] > 0 and s["step"] < serving["steps"] - 2, s
+    assert set(serving["phases_ms"]) == {"unload", "install", "prepare"}
+    assert serving["load"]["install_gap_ms"] <= serving["load"]["longest_gap_ms"]
     printed = capsys.readouterr().out
+    assert "install phases, host ms: checks" in printed and "unload phases, host ms: users" in printed
     assert "| measure | base | lora, no adapter | lora, adapters |" in printed
     assert all(f"| {m}" in printed for m in MEASURES)

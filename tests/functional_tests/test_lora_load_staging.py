@@ -3,7 +3,9 @@ step loop, then an install between two steps that only issues copies. The server
 keeps stepping while an adapter is prepared on another thread; the install reads no device value
 (no sync: on CUDA the stream still has work queued behind a long kernel when it returns); a
 prepared adapter fills the slots exactly as a direct load does; bad adapters are refused at
-prepare with nothing changed."""
+prepare with nothing changed. An unload runs no tensor op at all (the slot is marked free; the next
+load overwrites every linear's part of it), and on CUDA an install into a freed slot copies on a
+stream of its own while the steps in flight run."""
 import asyncio
 import threading
 from dataclasses import replace
@@ -17,7 +19,7 @@ pytest.importorskip("prometheus_client")
 
 from megatron_async import SamplingParams  # noqa: E402
 from megatron_async.models.lora import LoRAError  # noqa: E402
-from megatron_async.models.lora.staging import StagedAdapter  # noqa: E402
+from megatron_async.models.lora.staging import StagedAdapter, image_bytes  # noqa: E402
 from megatron_async.serve.engine_loop import EngineLoop  # noqa: E402
 from megatron_async.serve.metrics import ServerMetrics  # noqa: E402
 from megatron_async.serve.submission import Choice, Submission  # noqa: E402
@@ -105,6 +107,78 @@ def test_install_reads_no_device_value(files):
     assert {"_foreach_copy_", "_foreach_zero_"} <= ops and ops <= {"_foreach_copy_", "_foreach_zero_", "_to_copy",
                                                                    "slice", "view", "alias", "select"}, ops
     assert rec.ops.count("_foreach_copy_") == 2  # a, b of every linear together, then the scales
+    llm.close()
+
+
+def test_unload_writes_nothing_and_the_next_load_overwrites_the_slot(files, tmp_path):
+    base, path = files
+    other = make_peft_adapter(base, tmp_path / "b", 4, 8, ["k_proj", "up_proj"], seed=3)
+    llm = make_llm(base, **ENGINE)
+    adapters = llm.engine.context.lora
+    llm.load_lora("a", path)
+    slot = adapters.slot_of("a")
+    held = _slot_state(adapters, slot)
+    with _Ops() as rec:
+        llm.unload_lora("a")
+    assert rec.ops == [], rec.ops  # no zeroing: no tensor op at all
+    assert all(torch.equal(x, y) for x, y in zip(held, _slot_state(adapters, slot)))
+    assert set(adapters.last_lora_ms["unload"]) == {"users", "free"}
+    llm.load_lora("b", other)
+    assert adapters.slot_of("b") == slot  # the freed slot, still holding "a"'s weights until now
+    assert set(adapters.last_lora_ms["install"]) == {"checks", "order", "copy", "zero", "commit"}
+    reference = make_llm(base, **ENGINE)
+    reference.load_lora("b", other)
+    want = _slot_state(reference.engine.context.lora, reference.engine.context.lora.slot_of("b"))
+    assert all(torch.equal(x, y) for x, y in zip(_slot_state(adapters, slot), want))
+    p = SamplingParams(top_k=1, num_tokens_to_generate=6, ignore_eos=True, lora="b")
+    prompt = [[3, 5, 7, 9]]
+    assert llm.generate(prompt, p)[0].generated_tokens == reference.generate(prompt, p)[0].generated_tokens
+    reference.close()
+    llm.close()
+
+
+def test_every_stage_asks_for_one_buffer_size(files, tmp_path):
+    """Whatever an adapter touches, its staging buffer is the image of every adapted linear: the
+    size of the buffer pinned at build, so the host allocator's cache serves it without pinning."""
+    base, path = files
+    other = make_peft_adapter(base, tmp_path / "c", 2, 4, ["up_proj"], seed=4)
+    llm = make_llm(base, **ENGINE)
+    adapters = llm.engine.context.lora
+    sizes = {llm.prepare_lora(p).flat.untyped_storage().nbytes() for p in (path, other)}
+    assert sizes == {image_bytes(adapters.targets)}
+    assert set(adapters.last_lora_ms["prepare"]) == {"read", "check", "alloc", "layout", "finite"}
+    llm.close()
+
+
+@pytest.mark.gpu
+def test_freed_slot_install_overlaps_the_steps_in_flight(files, tmp_path, monkeypatch):
+    """An unload, then ~1 s of work queued on the compute stream, then a load into the freed slot:
+    neither call syncs the device, and the load's copies finish on their own stream first."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    base, path = files
+    other = make_peft_adapter(base, tmp_path / "d", 4, 8, ["k_proj", "up_proj"], seed=5)
+    llm = make_llm(base, device="cuda", dtype="bfloat16", **ENGINE)
+    adapters = llm.engine.context.lora
+    llm.load_lora("a", path)
+    staged = llm.prepare_lora(other)
+    torch.cuda.synchronize()
+    syncs = []
+    real_sync = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(1) or real_sync(*a, **k))
+    compute = torch.cuda.current_stream()
+    llm.unload_lora("a")  # the slot is free once the compute stream passes this point
+    torch.cuda._sleep(2_000_000_000)  # steps launched after the unload (none reads the slot)
+    llm.load_lora("b", staged)
+    assert not syncs and not compute.query(), "the unload or the install waited for the device"
+    adapters.writer.copy_stream.synchronize()
+    assert not compute.query(), "the install's copies waited for the compute stream"
+    real_sync()
+    reference = make_llm(base, device="cuda", dtype="bfloat16", **ENGINE)
+    reference.load_lora("b", other)
+    want = _slot_state(reference.engine.context.lora, reference.engine.context.lora.slot_of("b"))
+    assert all(torch.equal(x, y) for x, y in zip(_slot_state(adapters, adapters.slot_of("b")), want))
+    reference.close()
     llm.close()
 
 

@@ -4,7 +4,8 @@ reading, checking and staging (``prepare``) touches no engine state: ``start_loa
 thread of its own and leaves only the install for the engine thread.
 
 Unloading an adapter that unfinished requests name is refused (``LoRAError``, nothing changed):
-their tokens would otherwise switch weights mid-sequence; abort them or let them finish first.
+their tokens would otherwise switch weights mid-sequence; abort them or let them finish first. An
+unload otherwise only marks the slot free (no device work); ``last_lora_ms`` times its phases.
 ``update`` rewrites the adapter's slot in place (the copy is ordered after any launch in flight
 on the same stream, so that launch ran on the old weights) and bumps the engine's weight version
 like a weight update: tokens from the next launch on record the new version. Requests of that
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from megatron_async.inference.request import InvalidRequestError
 from megatron_async.models.lora import LoRAError
+from megatron_async.models.lora.phase_times import PhaseClock
 from megatron_async.weight_transfer.pending import PendingTransfer
 
 PREPARE_BOUND_S = 600.0
@@ -82,8 +84,10 @@ class LoRAControl:
 
     def unload(self, name: str) -> None:
         """Free adapter ``name``; refused while an unfinished request names it."""
+        clock = PhaseClock()
         users = sorted(rid for rid, req in self.engine._requests.items() if req.sampling_params.lora == name)
         if users:
             raise LoRAError(f"adapter {name!r} is in use by {len(users)} unfinished requests (ids {users[:8]}): "
                             "abort them or let them finish before unloading it")
-        self.adapters.unload(name)
+        clock.lap("users")
+        self.adapters.unload(name, clock)

@@ -8,7 +8,8 @@ the model's own checkpoint targets (``hf_targets``). Loading checks the whole ad
 map (every module known, every shape the base model's, every rank within ``max_lora_rank``, every
 value finite) and stages it (staging.py) before it copies anything into a slot; a failed load
 changes nothing. ``prepare`` (read, check, stage) touches no mutable state, so it may run off the
-engine's step; only ``install`` into the slots runs between two steps. MoE layers adapt their routed experts per expert
+engine's step; only the install into the slots (slot_writes.py: copies, never a wait for the device)
+runs between two steps, and an unload only marks its slot free. MoE layers adapt their routed experts per expert
 (``model.layers.0.mlp.experts.5.gate_proj``; ``parallel/expert_lora_slots.py``, not TP-split or FP8
 experts) and their shared expert; Mamba mixers are not adapted.
 Adapters come in PEFT's format (peft_format.py) or Megatron-Core's naming (megatron_format.py,
@@ -25,7 +26,9 @@ from megatron_async.models.layers.mlp import ReluSquaredMLP, SwiGLUMLP
 from megatron_async.models.layers.moe import MoEMixer
 from megatron_async.models.lora.megatron_format import megatron_config, megatron_source, read_megatron_adapter
 from megatron_async.models.lora.peft_format import AdapterConfig, AdapterWeights, LoRAError, read_adapter
-from megatron_async.models.lora.staging import StagedAdapter, clear_slots, install, stage
+from megatron_async.models.lora.phase_times import PhaseClock
+from megatron_async.models.lora.slot_writes import SlotWriter
+from megatron_async.models.lora.staging import StagedAdapter, reserve_pinned, stage
 from megatron_async.models.megatron_layouts import NameMap
 from megatron_async.models.slab_loading import WeightUpdateError
 from megatron_async.parallel.expert_lora_slots import ExpertLoRASlots
@@ -60,6 +63,10 @@ class LoRAAdapters:
         """(``NameMap``, ``Dims``) of the model: adapters in Megatron-Core's naming (None: it has no table)."""
         self._free = list(range(sizing.max_loras - 1, -1, -1))
         self._generation = 0
+        self.writer = SlotWriter(targets, sizing.max_loras)
+        self.last_lora_ms: dict[str, dict[str, float]] = {}
+        """Host ms by phase of the last ``prepare`` ("read", "check", "alloc", "layout", "finite"),
+        install ("checks", "order", "copy", "zero", "commit") and unload ("users", "free")."""
 
     @classmethod
     def attach(cls, model: nn.Module, sizing: LoRASizing) -> LoRAAdapters:
@@ -77,6 +84,7 @@ class LoRAAdapters:
             if linear is not None and hf_name.endswith(".weight"):
                 targets[hf_name[: -len(".weight")]] = Target(linear.lora, linear.lora.part_of(shard_id))
         adapters = model.lora_adapters = cls(targets, sizing)
+        reserve_pinned(targets)
         try:
             adapters.megatron = (NameMap.for_arch(model.spec.name), model.megatron_dims())
         except (AttributeError, WeightUpdateError):  # no Megatron-Core name table: PEFT's format only
@@ -102,7 +110,14 @@ class LoRAAdapters:
             if source.targets is not self.targets:
                 raise LoRAError("this adapter was prepared for another engine's model")
             return source
-        return stage(self.targets, self._checked(self._read(source, config)))
+        clock = PhaseClock()
+        weights = self._read(source, config)
+        clock.lap("read")
+        self._checked(weights)
+        clock.lap("check")
+        staged = stage(self.targets, weights, clock.lap)
+        self.last_lora_ms["prepare"] = clock.ms
+        return staged
 
     def check_load(self, name: str) -> None:
         """Why adapter ``name`` cannot be loaded now (LoRAError), before anything is read."""
@@ -118,11 +133,15 @@ class LoRAAdapters:
         adapter, then only its install runs here); returns the slot."""
         self.check_load(name)
         staged = self.prepare(source)
+        clock = PhaseClock()
         self.check_load(name)  # (a prepare on another thread may have raced a load of that name)
         slot = self._free.pop()
-        install(staged, slot, self.targets)
+        clock.lap("checks")
+        self.writer.install(staged, slot, False, clock.lap)
         self._generation += 1
         self.loaded[name] = Loaded(slot, staged.config, self._generation)
+        clock.lap("commit")
+        self.last_lora_ms["install"] = clock.ms
         return slot
 
     def update(self, name: str, source) -> int:
@@ -132,18 +151,25 @@ class LoRAAdapters:
             raise LoRAError(f"no adapter {name!r} is loaded (loaded: {sorted(self.loaded)})")
         entry = self.loaded[name]
         staged = self.prepare(source, entry.config)
-        install(staged, entry.slot, self.targets)
+        clock = PhaseClock()
+        self.writer.install(staged, entry.slot, True, clock.lap)
         self._generation += 1
         entry.config, entry.generation = staged.config, self._generation
+        clock.lap("commit")
+        self.last_lora_ms["install"] = clock.ms
         return entry.slot
 
-    def unload(self, name: str) -> int:
-        """Clear and free adapter ``name``'s slot (the caller makes sure no request uses it)."""
+    def unload(self, name: str, clock: PhaseClock | None = None) -> int:
+        """Free adapter ``name``'s slot (the caller makes sure no request uses it): bookkeeping
+        only, its weights stay until the next load overwrites them. ``clock``: the caller's phases."""
+        clock = clock or PhaseClock()
         if name not in self.loaded:
             raise LoRAError(f"no adapter {name!r} is loaded (loaded: {sorted(self.loaded)})")
         slot = self.loaded.pop(name).slot
-        clear_slots(list({id(t.slots): t.slots for t in self.targets.values()}.values()), slot)
+        self.writer.free(slot)
         self._free.append(slot)
+        clock.lap("free")
+        self.last_lora_ms["unload"] = clock.ms
         return slot
 
     def _read(self, source, config: AdapterConfig | None = None) -> AdapterWeights:
