@@ -99,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kv-transfer-backend", default=None, choices=["auto", "nccl", "gloo", "ipc"],
                    help="with --role prefill|decode: how KV blocks move between the engines (default: "
                         "InferenceConfig.kv_transfer_backend, auto: nccl on CUDA, gloo on the CPU)")
-    c.add_argument("--kv-transfer-kernel", action="store_true", default=None,
+    c.add_argument("--kv-transfer-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="with --role prefill|decode on CUDA: one Triton launch a side per chunk of blocks "
-                        "(InferenceConfig.kv_transfer_kernel)")
+                        "(InferenceConfig.kv_transfer_kernel, default on)")
     return p
 
 
