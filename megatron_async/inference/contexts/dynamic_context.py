@@ -32,7 +32,7 @@ from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest, Status
 from megatron_async.kernels import lora_ops
 from megatron_async.kernels.kv_cache_fp8 import pool_dtype
-from megatron_async.kernels.lora_groups import group_lora_rows
+from megatron_async.kernels.lora_groups import GROUPED_MIN_ROWS, group_lora_rows
 from megatron_async.step_shape import StepShape
 
 if TYPE_CHECKING:  # type-only: engines and models import contexts, not the reverse
@@ -295,7 +295,8 @@ class DynamicInferenceContext:
         batch = ForwardBatch(attn=attn, kv_caches=self.kv_caches, batch_invariant=self.batch_invariant)
         if self.lora is not None and (shape.any_lora or not self.lora_skips):
             batch.lora_slots = g.lora_slot[:T]
-            if self.lora.grouped_rows and lora_ops.runs_triton(batch.lora_slots, self.batch_invariant):
+            if (self.lora.grouped_rows and (T >= GROUPED_MIN_ROWS or self.batch_invariant)
+                    and lora_ops.runs_triton(batch.lora_slots, self.batch_invariant)):
                 batch.lora_groups = group_lora_rows(batch.lora_slots, self.lora.max_loras, self.batch_invariant)
         if self.mamba is not None:
             batch.mamba = MambaMetadata(
