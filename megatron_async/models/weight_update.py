@@ -159,8 +159,11 @@ class CopyPlanCache:
         return entry[0], program
 
     def prepare(self, model: nn.Module, metas: list[tuple], weights_format: str) -> None:
-        """Plan ``metas`` now (at engine start), so the first update of that metadata takes it."""
+        """Plan ``metas`` now (at engine start), so the first update of that metadata takes it
+        (not counted: ``misses`` counts the plans updates made)."""
+        misses = self.misses
         self.get(model, ("prepared", weights_format), metas, weights_format)
+        self.misses = misses
 
 
 def megatron_metas(model: nn.Module, shard: Shard, dtype: torch.dtype) -> list[tuple]:

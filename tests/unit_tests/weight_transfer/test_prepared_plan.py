@@ -32,18 +32,18 @@ def test_first_ipc_update_takes_the_plan_made_at_start_in_any_order():
     torch.multiprocessing.set_sharing_strategy("file_system")
     llm, kept = engine(), []
     plans = llm.engine.weights.plans
-    assert (plans.misses, plans.hits, plans.reused) == (1, 0, 0)  # planned at start
+    assert (plans.misses, plans.hits, plans.reused) == (0, 0, 0) and len(plans._entries) == 2  # planned at start
     shapes, dims, arch = _shape_info()
     items = trainer_items(shapes, 3, 1, dims, arch)
     assert all(t.dtype == next(llm.model.parameters()).dtype for _, t, _ in items)
     llm.engine.update_weights_from_ipc(_payload(items[::-1], kept))  # another order than the start's
-    assert (plans.misses, plans.reused) == (1, 1)
+    assert (plans.misses, plans.reused) == (0, 1)
     got = [p.detach().clone() for p in llm.model.parameters()]
 
     reference = engine()
     reference.engine.weights.plans._entries.clear()  # planned at the update, in its own order
     reference.engine.update_weights_from_ipc(_payload(items, kept))
-    assert reference.engine.weights.plans.misses == 2
+    assert reference.engine.weights.plans.misses == 1
     assert all(torch.equal(a, b) for a, b in zip(got, reference.model.parameters()))
 
 
@@ -57,7 +57,7 @@ def test_a_moved_parameter_plans_the_update_anew():
         for p in llm.model.parameters():  # (as resuming after a suspension may: new storages)
             p.data = p.data.clone().zero_()
     llm.engine.update_weights_from_ipc(_payload(items, kept))
-    assert (plans.misses, plans.reused) == (2, 0)  # the start's plan named the old storages
+    assert (plans.misses, plans.reused) == (1, 0)  # the start's plan named the old storages
     reference = engine()
     reference.engine.update_weights_from_ipc(_payload(items, kept))
     assert all(torch.equal(a, b) for a, b in zip(llm.model.parameters(), reference.model.parameters()))
