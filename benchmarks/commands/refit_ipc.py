@@ -3,7 +3,9 @@ Megatron-Core names, in one flat bf16 buffer and in a storage per tensor (``--la
 engine copies them in place; the first update (plan, mapping) and the next ones (plan cached,
 storages kept) by layout, against one device copy of the same bytes (measured) and the copy floor
 (2 x bytes / 3 TB/s), and whether the tokens equal the same weights given in-process
-(tests/helpers/refit_ipc_gpu.py).
+(tests/helpers/refit_ipc_gpu.py). ``REFIT_PROFILE=DIR``: each first update runs under cProfile
+(``DIR/<model>-<layout>-first.pstats`` and ``.txt``, the top 40 by cumulative time); its ms is
+then marked as not comparable.
 
     python -m benchmarks refit-ipc [--models qwen3-0.6b qwen3-8b] [--layouts flat separate] [--out DIR]
 """
@@ -56,7 +58,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{r['model']} {r['layout']}: kernel lists per update {r['launches']}; {r['tensors']} tensors in "
               f"{r['entries']} storage entries, {r['mapped']} mapped")
         for what, phases in r["phases"].items():
-            print(f"{r['model']} {r['layout']} {what} update, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+            note = " (under cProfile: not comparable)" if what == "first" and r.get("profiled") else ""
+            print(f"{r['model']} {r['layout']} {what} update{note}, ms: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
     return reports
 
 

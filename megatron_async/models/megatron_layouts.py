@@ -344,6 +344,25 @@ def megatron_from_hf(names: NameMap, dims: Dims, hf: Mapping[str, torch.Tensor],
     return out
 
 
+def megatron_shapes(names: NameMap, dims: Dims, hf_shapes: Mapping[str, tuple], megatron_names: Iterable[str],
+                     shard: Shard = Shard()) -> dict[str, tuple[int, ...]]:
+    """The shapes of ``megatron_from_hf``'s tensors (no padded vocabulary) from the HF shapes
+    alone: no tensor is built (meta tensors would load torch's reference ops at first use)."""
+    out = {}
+    for name in megatron_names:
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        rule, layer, expert, rank, size = _resolve(names, dims, name, shard)
+        parts = [hf_shapes[p.format(layer=layer, expert=expert)] for p in rule.hf]
+        shape = list(parts[0]) if rule.layout == Layout.SAME else [sum(p[0] for p in parts), *parts[0][1:]]
+        lengths = [getattr(dims, p) for p in rule.parts] if rule.split == Split.COLUMN_PARTS else \
+            [shape[1 if rule.split == Split.ROW else 0]]
+        piece = sum(max(0, min(-(-n // size), n - rank * -(-n // size))) for n in lengths)  # (torch.chunk's)
+        shape[1 if rule.split == Split.ROW else 0] = piece
+        out[name] = tuple(shape)
+    return out
+
+
 def megatron_names_of(names: NameMap, hf_names: Iterable[str], dims: Dims, shard: Shard = Shard(),
                       num_layers: int | None = None) -> list[str]:
     """The Megatron-Core names (each rule's first spelling) a trainer rank at ``shard`` holds for a

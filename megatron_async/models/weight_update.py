@@ -20,7 +20,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from megatron_async.models.checkpoint import safetensors_files
-from megatron_async.models.megatron_layouts import NameMap, Shard, UnknownTensorError, detect_format, megatron_slabs
+from megatron_async.models.megatron_layouts import (NameMap, Shard, UnknownTensorError, detect_format, megatron_names_of,
+                                                    megatron_shapes, megatron_slabs)
 from megatron_async.models.slab_loading import CopyProgram, Slab, WeightPlan, WeightUpdateError, name_list
 from megatron_async.models.weight_targets import TargetTable
 
@@ -97,13 +98,20 @@ class CopyPlanCache:
     """The checked plans and copy programs of the last few updates, keyed by their metadata
     (names, shapes, dtypes, shards), and the model's ``TargetTable`` (``table``: built once, at
     engine start). An entry holds views of the parameters: it is used only while every parameter
-    it touches still has the same storage."""
+    it touches still has the same storage.
 
-    def __init__(self, size: int = 4):
+    A plan depends on the metadata alone, in any order: each one is also kept under its metas
+    sorted by name, so an update whose key is new (an IPC payload over other storages) but whose
+    tensors were planned before, or ahead (``prepare``), takes that plan with its program's
+    inputs put in the update's order."""
+
+    def __init__(self, size: int = 8):
         self.size = size
         self._entries: OrderedDict[tuple, tuple[WeightPlan, CopyProgram, tuple]] = OrderedDict()
         self._table: TargetTable | None = None
         self.hits = self.misses = 0
+        self.reused = 0
+        """Updates of a new key that took the plan of the same metadata (``prepare`` included)."""
 
     def table(self, model: nn.Module) -> TargetTable:
         """``model``'s lookups, kept while its parameters stay where they are."""
@@ -111,21 +119,59 @@ class CopyPlanCache:
             self._table = TargetTable(model).warm()
         return self._table
 
+    def _valid(self, key: tuple):
+        entry = self._entries.get(key)
+        return entry if entry is not None and all(p.data_ptr() == ptr for p, ptr in entry[2]) else None
+
+    def _keep(self, key: tuple, entry: tuple) -> None:
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
     def get(self, model: nn.Module, key: tuple, metas, weights_format: str | None) -> tuple[WeightPlan, CopyProgram]:
         """The (plan, program) of ``key``: on a miss ``plan_update`` of ``metas`` (or of
         ``metas()``, a callable), which raises ``WeightUpdateError`` for a bad update (not cached)."""
-        entry = self._entries.get(key)
-        if entry is not None and all(p.data_ptr() == ptr for p, ptr in entry[2]):
+        entry = self._valid(key)
+        if entry is not None:
             self._entries.move_to_end(key)
             self.hits += 1
             return entry[0], entry[1]
-        self.misses += 1
-        plan, program = plan_update(model, metas() if callable(metas) else metas, weights_format, self.table(model))
-        params = {id(t.param): t.param for t in plan.touched.values()}.values()
-        self._entries[key] = (plan, program, tuple((p, p.data_ptr()) for p in params))
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
-        return plan, program
+        metas = list(metas() if callable(metas) else metas)
+        order = sorted(range(len(metas)), key=lambda i: metas[i][0])
+        by_name = ("by_name", weights_format, tuple(metas[i] for i in order))
+        entry = self._valid(by_name)
+        if entry is None:
+            self.misses += 1
+            plan, program = plan_update(model, list(by_name[2]), weights_format, self.table(model))
+            params = {id(t.param): t.param for t in plan.touched.values()}.values()
+            entry = (plan, program, tuple((p, p.data_ptr()) for p in params))
+            self._keep(by_name, entry)
+        else:
+            self.reused += 1
+        program = entry[1]
+        if order != list(range(len(order))):
+            pairs = [None] * len(order)
+            for j, i in enumerate(order):
+                pairs[i] = program.pairs[j]
+            program = CopyProgram(pairs, program.expected)
+        self._keep(key, (entry[0], program, entry[2]))
+        return entry[0], program
+
+    def prepare(self, model: nn.Module, metas: list[tuple], weights_format: str) -> None:
+        """Plan ``metas`` now (at engine start), so the first update of that metadata takes it
+        (not counted: ``misses`` counts the plans updates made)."""
+        misses = self.misses
+        self.get(model, ("prepared", weights_format), metas, weights_format)
+        self.misses = misses
+
+
+def megatron_metas(model: nn.Module, shard: Shard, dtype: torch.dtype) -> list[tuple]:
+    """(Megatron-Core name, shape, ``dtype``, ``shard``) of every tensor a trainer rank at ``shard``
+    holds for ``model`` (its layout's first spelling of each name), from metadata only."""
+    names, dims, hf = NameMap.for_arch(model.spec.name), model.megatron_dims(), model.hf_shapes()
+    shapes = megatron_shapes(names, dims, hf, megatron_names_of(names, hf, dims, shard), shard)
+    return [(n, shape, dtype, shard) for n, shape in shapes.items()]
 
 
 def plan_update(model: nn.Module, metas: list[tuple], weights_format: str | None,

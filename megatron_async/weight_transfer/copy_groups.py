@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from megatron_async.models.slab_loading import BoundCopy
-from megatron_async.weight_transfer.table_copy import TableCopy, qualifies
+from megatron_async.weight_transfer.table_copy import TableCopy, table_geometry
 
 KERNELS = ("auto", "table", "foreach")
 """How a bound copy launches: "table" (one Triton launch per element size for the pairs that
@@ -66,15 +66,19 @@ class GroupedCopy:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         self.bound = bound
         table: Lists = ([], [])
+        shapes: list[tuple] = []
         rest: list[Lists] = []
         for dsts, srcs in (bound.dense, bound.strided):
             left: Lists = ([], [])
             for dst, src in zip(dsts, srcs):
-                side = table if kernel == "table" and qualifies(dst, src) else left
+                geo = table_geometry(dst, src) if kernel == "table" else None
+                side = left if geo is None else table
                 side[0].append(dst)
                 side[1].append(src)
+                if geo is not None:
+                    shapes.append(geo)
             rest += group_pairs(*left)
-        self.table = TableCopy(*table) if table[0] else None
+        self.table = TableCopy(*table, geometries=shapes) if table[0] else None
         self.groups = rest
         self.launches = (self.table.launches if self.table else 0) + len(rest)
         """Kernel lists launched per run (a list that does not qualify for the multi-tensor

@@ -52,9 +52,17 @@ def geometry(dst: torch.Tensor, src: torch.Tensor) -> tuple[list[int], list[int]
     return [m[0] for m in merged], [m[1] for m in merged], [m[2] for m in merged]
 
 
+def table_geometry(dst: torch.Tensor, src: torch.Tensor) -> tuple[list[int], list[int], list[int]] | None:
+    """``geometry`` of a pair that qualifies for the table, None for one that does not (the
+    caller keeps its own copies): ``TableCopy`` takes it as worked out here, once per pair."""
+    if (triton is None or dst.device.type != "cuda" or src.device != dst.device or dst.dtype != src.dtype
+            or dst.element_size() not in _BITS):
+        return None
+    return geometry(dst, src)
+
+
 def qualifies(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    return (triton is not None and dst.device.type == "cuda" and src.device == dst.device
-            and dst.dtype == src.dtype and dst.element_size() in _BITS and geometry(dst, src) is not None)
+    return table_geometry(dst, src) is not None
 
 
 def _aligned(x: int, element_size: int) -> bool:
@@ -62,15 +70,18 @@ def _aligned(x: int, element_size: int) -> bool:
 
 
 class TableCopy:
-    """The pairs (each ``qualifies``) bound to their addresses; ``run()`` copies them all again."""
+    """The pairs (each ``qualifies``) bound to their addresses; ``run()`` copies them all again.
+    ``geometries``: each pair's ``geometry`` when the caller worked it out already."""
 
-    def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], item_elements: int = ITEM_ELEMENTS):
+    def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], item_elements: int = ITEM_ELEMENTS,
+                 geometries: list[tuple] | None = None):
         self.dsts, self.srcs = dsts, srcs  # (held: the table names their memory)
         self.elements = sum(d.numel() for d in dsts)
         pairs: dict[tuple[int, bool], list[list[int]]] = {}
-        for dst, src in zip(dsts, srcs):
+        if geometries is None:
+            geometries = [geometry(dst, src) for dst, src in zip(dsts, srcs)]
+        for dst, src, (sizes, dstride, sstride) in zip(dsts, srcs, geometries):
             size = dst.element_size()
-            sizes, dstride, sstride = geometry(dst, src)
             sptr, dptr = src.data_ptr(), dst.data_ptr()
             aligned = (sptr % 16 == 0 and dptr % 16 == 0
                        and all(_aligned(x, size) for x in (sizes[2], dstride[0], dstride[1], sstride[0], sstride[1])))

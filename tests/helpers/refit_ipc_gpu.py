@@ -9,11 +9,16 @@ of the same bytes; checks that the trainer's in-place change arrives, that tenso
 memory arrive (no old mapping read), that a payload from before ``release_after`` is refused, and
 that the engine generates the tokens of the same weights given in-process under HF names.
 
+With ``REFIT_PROFILE=DIR`` in the environment the first update runs under cProfile: its stats go
+to ``DIR/<model>-<layout>-first.pstats`` and the top 40 by cumulative time to ``.txt`` beside it
+(its ``first_ms`` then includes the profiler's overhead: ``profiled`` says so).
+
     python -m tests.helpers.refit_ipc_gpu --default-model qwen3-0.6b --layout separate --json out.json"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -63,6 +68,29 @@ class IpcReport:
     moved_tokens_equal: bool = False
     stale_refused: bool = False
     """After ``release_after``, the payload from before it is refused (its references were released)."""
+    profiled: bool = False
+    """The first update ran under cProfile (``REFIT_PROFILE``): its ms is not comparable."""
+
+
+def _profiled(call, arg, where: str | None, name: str):
+    """``call(arg)``, under cProfile when ``where`` names a folder (``REFIT_PROFILE``): the stats to
+    ``where/name.pstats`` and the top 40 by cumulative time to ``where/name.txt``."""
+    if not where:
+        return call(arg)
+    import cProfile
+    import io
+    import pstats
+
+    os.makedirs(where, exist_ok=True)
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(call, arg)
+    finally:
+        prof.dump_stats(os.path.join(where, f"{name}.pstats"))
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+        with open(os.path.join(where, f"{name}.txt"), "w") as f:
+            f.write(text.getvalue())
 
 
 def schedule(updates: int, repeats: int) -> list[str]:
@@ -170,14 +198,17 @@ def run(default_model: str, updates: int = 4, layout: str = "flat", repeats: int
     probe = next(iter(llm.model.parameters()))
     greedy = SamplingParams(top_k=1, num_tokens_to_generate=16, ignore_eos=True)
     times = {"hot": rep.hot_ms, "fresh": rep.fresh_ms, "foreach": rep.foreach_ms}
+    profile = os.environ.get("REFIT_PROFILE") or None
+    rep.profiled = profile is not None
     try:
         for k, kind in enumerate(schedule(updates, repeats)):
             payload = json.loads(store.get(f"payload/{k}"))
             weights.ipc_kernel = "foreach" if kind == "foreach" else "table"  # (a change binds anew)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            try:
-                llm.engine.update_weights_from_ipc(payload)  # returns once its copies are done
+            try:  # (returns once its copies are done)
+                _profiled(llm.engine.update_weights_from_ipc, payload, profile if kind == "first" else None,
+                          f"{default_model}-{layout}-first")
             except IpcHandleError as e:
                 rep.stale_refused = kind == "stale" and "stale entry" in str(e)
                 if kind != "stale":

@@ -88,7 +88,7 @@ def _engine(e: int, tp: int, store, device: str) -> dict:
             out[f"tokens{k}"] = _generate(llm)
             store.set(f"done/{k}/{e}", "1")
         out["unchanged"] = weights._payloads.unchanged
-        out["plans"] = (weights.plans.misses, weights.plans.hits)
+        out["plans"] = (weights.plans.misses, weights.plans.hits, weights.plans.reused)
         for k, scale in ((2, 2.0), (1, 1.0)):  # the same weights in-process, under HF names
             llm.update_weights({n: t * scale for n, t in new_hf(llm, SEED).items()})
             out[f"want{k}"] = _generate(llm)

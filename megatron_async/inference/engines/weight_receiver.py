@@ -12,8 +12,9 @@ Both transfer-group operations wait for the other side off the engine thread (``
 two steps once the wait ended): one at a time, each bounded by a timeout.
   ``from_ipc``          a colocated trainer's storages (CUDA IPC / shared memory), copied directly
 
-The receiver keeps the copy plans of recent updates (``CopyPlanCache``) and the storages and copy
-lists of the last IPC payload (grouped into multi-tensor copies: ``copy_groups.py``), so an RL
+The receiver keeps the copy plans of recent updates (``CopyPlanCache``; at start it plans the
+update of every Megatron-Core tensor of this rank's TP shard, which a colocated trainer sends)
+and the storages and copy lists of the last IPC payload (grouped into multi-tensor copies: ``copy_groups.py``), so an RL
 loop that sends the same tensors every step pays for planning once. A transfer that fails after its first byte moved leaves the weights incomplete:
 generation is refused (``weights_missing``) until an update completes."""
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from megatron_async.models.megatron_layouts import NameMap, Shard
 from megatron_async.models.slab_loading import WeightUpdateError
-from megatron_async.models.weight_update import CopyPlanCache, update_weights_in_place
+from megatron_async.models.weight_update import CopyPlanCache, megatron_metas, update_weights_in_place
 from megatron_async.weight_transfer import ipc, table_copy
 from megatron_async.weight_transfer.copy_groups import KERNELS, GroupedCopy
 from megatron_async.weight_transfer.group import TransferFailed, check_group_args, check_timeout, init_transfer_group
@@ -69,6 +70,7 @@ class WeightReceiver:
         self.plans = CopyPlanCache()
         try:  # the model's name lookups and views now, not at the first update
             self.plans.table(self.model)
+            self._prepare_plan()
         except Exception as e:  # noqa: BLE001 -- a model that cannot take updates still serves; an update says why
             log.debug("weight update lookups not built at start: %s", e)
         self.group = None
@@ -83,6 +85,17 @@ class WeightReceiver:
         self._bound = None  # (program, GroupedCopy) of the last IPC payload
         self._ipc_kernel = "auto"
         self._uuid: str | None = None
+
+    def _prepare_plan(self) -> None:
+        """Plan ahead the update a colocated trainer of this rank's TP shard sends most likely:
+        every Megatron-Core tensor, in the parameters' dtype (a trainer's payload of other
+        tensors, dtypes or shards plans at its first update, as before)."""
+        par = self.model.parallel
+        if par.ep_size != 1 or not hasattr(self.model, "megatron_dims"):
+            return
+        shard = Shard(tp_rank=par.tp_rank, tp_size=par.tp_size)
+        dtype = next(self.model.parameters()).dtype
+        self.plans.prepare(self.model, megatron_metas(self.model, shard, dtype), "megatron")
 
     def commit(self, version: int | None, recompute_kv: bool) -> int:
         """The update completed: the new version (None: the current one + 1)."""
