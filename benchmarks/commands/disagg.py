@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_async import SamplingParams  # noqa: E402
 from megatron_async.client import InferenceClient  # noqa: E402
+from megatron_async.disaggregation.loop_times import PARTS  # noqa: E402
 from tests.helpers.coordinator_procs import TINY_ENGINE, Cluster  # noqa: E402
 
 
@@ -211,16 +212,27 @@ def transfer_line(args, r: dict) -> str:
             f"transfer / copy = {per_s / copy_s:.2f}")
 
 
+def _parts(s: dict, which: str) -> str:
+    """The hand-off loop's parts (disaggregation/loop_times.py) of ``which`` ("longest": the
+    longest turn's; "max": each part's longest), in ms, the largest first."""
+    parts = {name: 1e3 * s.get(f"kv_loop_{which}_{name}_seconds", 0.0) for name in PARTS}
+    return " ".join(f"{name} {ms:.2f}" for name, ms in sorted(parts.items(), key=lambda p: -p[1]) if ms >= 0.01) or "-"
+
+
 def loop_lines(r: dict) -> list[str]:
-    """Per engine of the disaggregated setup: its steps, and what its loop spent on hand-off work."""
+    """Per engine of the disaggregated setup: its steps, what its loop spent on hand-off work,
+    what its longest hand-off turn spent its time on, and its one-time set-up."""
     out = ["| engine | steps | decode step ms | hand-off loop ms / step | longest hand-off turn ms | imports | "
-           "import posted -> admitted ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+           "import posted -> admitted ms | longest turn's parts ms | each part's longest ms | kernel warm-up ms | "
+           "connection set-up ms |", "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|"]
     for role, s in r["loops"]:
         steps, imports = s.get("steps", 0), s.get("kv_imports_landed", 0)
         decode = 1e3 * s.get("decode_wall_time", 0.0) / max(1, s.get("decode_steps", 0))
         out.append(f"| {role} | {steps} | {decode:.2f} | {1e3 * s.get('kv_loop_seconds', 0.0) / max(1, steps):.3f} | "
                    f"{1e3 * s.get('kv_loop_max_seconds', 0.0):.2f} | {imports} | "
-                   f"{1e3 * s.get('kv_import_seconds', 0.0) / max(1, imports):.2f} |")
+                   f"{1e3 * s.get('kv_import_seconds', 0.0) / max(1, imports):.2f} | {_parts(s, 'longest')} | "
+                   f"{_parts(s, 'max')} | {1e3 * s.get('kv_warmup_seconds', 0.0):.0f} | "
+                   f"{1e3 * s.get('kv_connect_max_seconds', 0.0):.0f} |")
     return out
 
 

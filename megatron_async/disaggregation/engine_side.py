@@ -10,7 +10,13 @@ truly ends at its first token (EOS, a stop word, an abort) ends here as on a mix
 Decode engine, per request: DEFERRED (kv_import while it has no request place or blocks: it
 waits, in order; never allocates past its pool) -> RECEIVING (blocks allocated, the receive
 queued, kv_accepted sent) -> admitted decoding (kv_imported), or freed (kv_cancel, a broken
-connection: kv_failed)."""
+connection: kv_failed).
+
+A loop turn's hand-off work is bounded: one-time set-up happens at the engine's start (the
+transfer kernel's variants compiled and loaded, its table built: ``KVLayout.warm_up``) or on a
+connection's own thread (its group, proof and staging buffers), and a turn admits at most
+``ADMITS_PER_TURN`` deferred imports and ``LANDS_PER_TURN`` ended ones (the rest wait for the next
+turns, which poll without sleeping meanwhile). ``LoopTimes`` names what each turn spent its time on."""
 from __future__ import annotations
 
 import logging
@@ -31,6 +37,11 @@ from megatron_async.inference.records import decode_sampling
 
 log = logging.getLogger("megatron_async.disaggregation")
 INBOUND = frozenset({"kv_import", "kv_send", "kv_release", "kv_cancel", "kv_shared"})
+ADMITS_PER_TURN = 2
+"""Deferred imports given blocks and a posted receive per loop turn (each costs host time in
+proportion to its blocks: ~1-3 ms for an 8k-token prompt)."""
+LANDS_PER_TURN = 2
+"""Ended imports admitted decoding per loop turn (likewise)."""
 
 
 def _tag(rid: int) -> int:
@@ -51,7 +62,9 @@ class EngineHandOffs:
         if self.backend == "ipc" and device.type == "cpu":
             ipc_share.prepare_host_sharing()
         self.shared: dict[int, object] = {}  # rid -> the packed blocks an "ipc" pair shares
-        self.hold = PrefillHold(engine) if role == "prefill" else None
+        self.warmup_seconds = self.layout.warm_up() if device.type == "cuda" else 0.0
+        """The start's one-time set-up of the transfer kernel (never inside a loop turn)."""
+        self.hold = PrefillHold(engine, self.layout) if role == "prefill" else None
         self.channels: dict[str, PairChannel] = {}
         self.spent: dict[str, str] = {}
         """Pair keys whose connection was refused or broke -> why: a transfer still coming with one
@@ -63,6 +76,8 @@ class EngineHandOffs:
         self.waiting: deque[list] = deque()  # prefill submissions waiting for room beside the kept blocks
         self.receiving: dict[int, tuple[list, list[int], int]] = {}  # rid -> (kv_import fields, blocks, cached)
         self.cancelled: set[int] = set()  # rids cancelled while their receive was queued
+        self.arrived: deque[tuple[int, object, str | None]] = deque()  # (rid, fill, error): ended, not yet admitted
+        self.admits_capped = False  # the last turn left deferred imports it could have admitted
         self.kv_sent_blocks = self.kv_received_blocks = self.kv_cached_blocks = self.deferred_imports = 0
         self.times = TransferTimes()
         """The transfers' own time: this prefill engine's sends, this decode engine's ipc copies."""
@@ -82,7 +97,8 @@ class EngineHandOffs:
 
     def in_flight(self) -> bool:
         """Transfers queued on a connection (the loop polls them instead of sleeping)."""
-        return bool(self.shared_imports) or any(channel.pending for channel in self.channels.values())
+        return (bool(self.shared_imports) or bool(self.arrived) or self.admits_capped
+                or any(channel.pending for channel in self.channels.values()))
 
     # ---------------------------------------------------------------- prefill side
     def prefill(self, fields: list) -> None:
@@ -152,7 +168,11 @@ class EngineHandOffs:
 
     # ---------------------------------------------------------------- decode side
     def _try_imports(self) -> None:
+        admitted, self.admits_capped = 0, False
         while self.deferred:
+            if admitted == ADMITS_PER_TURN:
+                self.admits_capped = True
+                return
             fields = self.deferred[0]
             blocks = fields[10]
             if fields[11][3] == "local":
@@ -160,6 +180,7 @@ class EngineHandOffs:
                     return
                 self.deferred.popleft()
                 self._adopt(fields)
+                admitted += 1
                 continue
             if (why := self._spent(fields[11])) is not None:  # (nothing allocated, no receive posted)
                 self.deferred.popleft()
@@ -180,6 +201,7 @@ class EngineHandOffs:
             self.receiving[fields[0]] = (fields, block_ids, len(cached))
             self.kv_cached_blocks += len(cached)
             self.link.channel.send("kv_accepted", fields[0], len(cached))
+            admitted += 1
 
     def _imported(self, rid: int, fill, error: str | None) -> None:
         """The receive of ``rid`` ended: ``fill(slot)`` puts what is not in its blocks yet into the
@@ -253,7 +275,7 @@ class EngineHandOffs:
 
     # ---------------------------------------------------------------- both
     def handle(self, kind: str, fields: list) -> None:
-        with self.loop.timed():
+        with self.loop.timed(), self.loop.part("message"):
             self._handle(kind, fields)
 
     def _handle(self, kind: str, fields: list) -> None:
@@ -278,20 +300,22 @@ class EngineHandOffs:
             self._poll()
 
     def _poll(self) -> None:
-        for local in self.handed:
-            rid = self.link.detach(local)
-            if rid is None:  # (not the coordinator's: freed)
-                self.hold.release(local)
-                continue
-            self.ready[rid] = local
-            self.link.channel.send("kv_ready", rid, self.hold.num_blocks(local), self.engine.weight_version)
-        self.handed.clear()
-        if self.waiting:
-            self._admit_prefills()
+        with self.loop.part("announce"):
+            for local in self.handed:
+                rid = self.link.detach(local)
+                if rid is None:  # (not the coordinator's: freed)
+                    self.hold.release(local)
+                    continue
+                self.ready[rid] = local
+                self.link.channel.send("kv_ready", rid, self.hold.num_blocks(local), self.engine.weight_version)
+            self.handed.clear()
+            if self.waiting:
+                self._admit_prefills()
         if self.deferred:
-            self._try_imports()
+            with self.loop.part("admit"):
+                self._try_imports()
         for rid, state in self.shared_imports.landed():
-            self._imported(rid, lambda slot, state=state: self._put_state(state, slot), None)
+            self.arrived.append((rid, lambda slot, state=state: self._put_state(state, slot), None))
         for channel in list(self.channels.values()):
             for tag, buf, error, seconds in channel.take_done():
                 self._landed(channel.key, tag, buf, error, seconds)
@@ -299,13 +323,17 @@ class EngineHandOffs:
                 channel.close()
                 self.channels.pop(channel.key, None)
                 self.spent[channel.key] = channel.error
+        if self.arrived:
+            with self.loop.part("land"):
+                for _ in range(min(LANDS_PER_TURN, len(self.arrived))):
+                    self._imported(*self.arrived.popleft())
         self.times.settle()
 
     def _landed(self, key: str, tag: int, buf, error: str | None, seconds: float = 0.0) -> None:
         if self.role == "decode":
             rid = next((r for r in self.receiving if _tag(r) == tag), None)
-            if rid is not None:
-                self._imported(rid, lambda slot: self._put_state(buf, slot), error)
+            if rid is not None:  # (admitted by a later part of the turn, a few a turn)
+                self.arrived.append((rid, lambda slot, buf=buf: self._put_state(buf, slot), error))
             return
         # A send is matched by its own entry, not by the blocks kept for it: the decode engine's
         # import, and so the coordinator's kv_release, may come before this loop sees the send end.
@@ -334,9 +362,10 @@ class EngineHandOffs:
         key, address, rank, backend = pair
         channel = self.channels.get(key)
         if channel is None:
-            channel = self.channels[key] = PairChannel(key, address, rank, backend, self.device,
-                                                       self.rendezvous if rank == 1 else None, self.chunk_bytes,
-                                                       self.transfer_hook)
+            with self.loop.part("connect"):  # (its group, proof and buffers: on its own thread)
+                channel = self.channels[key] = PairChannel(key, address, rank, backend, self.device,
+                                                           self.rendezvous if rank == 1 else None, self.chunk_bytes,
+                                                           self.transfer_hook)
         return channel
 
     def counters(self) -> dict:
@@ -344,6 +373,8 @@ class EngineHandOffs:
                 "kv_cached_blocks": self.kv_cached_blocks,
                 "kv_deferred_imports": self.deferred_imports, "kv_blocks_held": sum(
                     self.hold.num_blocks(local) for local in self.ready.values()) if self.hold else 0,
+                "kv_warmup_seconds": self.warmup_seconds,
+                "kv_connect_max_seconds": max((c.setup_seconds for c in self.channels.values()), default=0.0),
                 **self.times.counters(), **self.loop.counters()}
 
     def close(self) -> None:

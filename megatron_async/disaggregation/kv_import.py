@@ -26,9 +26,9 @@ class PrefillHold:
     blocks and slots go back (``RequestBook.on_release``) its blocks are kept, with a copy of its
     Mamba state, until ``release``."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, layout: KVLayout | None = None):
         self.engine = engine
-        self.layout = KVLayout(engine.context)
+        self.layout = layout or KVLayout(engine.context)
         self.capped: dict[int, int] = {}  # engine id -> its real length limit
         self.computing: dict[int, DynamicInferenceRequest] = {}  # capped, its blocks not yet kept
         self.kept: dict[int, tuple[list[int], list | None]] = {}  # engine id -> (blocks, Mamba state)

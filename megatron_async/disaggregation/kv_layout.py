@@ -17,6 +17,8 @@ of every block, then the state) the bytes are ``pack``'s: what an "ipc" pair sha
     layout.unpack(buf, new_block_ids, req.state_slot)  # decode side, into its own pool"""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from megatron_async.kernels.fused_ops import triton_importable
@@ -89,6 +91,24 @@ class KVLayout:
             return table.move(buf, idx, gather=False)
         for t, view in self._views(buf, idx.numel()):
             t.index_copy_(1, idx, view)
+
+    def warm_up(self) -> float:
+        """Move a few chunks of block 0 out and back, its bytes unchanged, at the engine's start:
+        what a transfer's first chunks would otherwise do on a connection's thread while the
+        engine serves (compile and load every variant of the one-launch kernel: chunks of 1, of
+        a multiple of 16 and of other block counts, their ids at any 8-byte offset; build its
+        table; the device loading the torch ops' kernels), where a module load waits for the
+        device's running kernels and holds the loop's launches meanwhile. Returns its seconds."""
+        start = time.perf_counter()
+        for n in (1, 2, 16) if self.kv else ():
+            for offset in (0, 1):
+                idx = torch.zeros(n + offset, dtype=torch.int64, device=self.device)[offset:]
+                buf = torch.empty(n * self.block_bytes(), dtype=torch.uint8, device=self.device)
+                self.pack_into(buf, idx)
+                self.scatter(buf, idx)  # (the same bytes back: every id is block 0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def pack_state(self, out: torch.Tensor, state: list[torch.Tensor] | None) -> None:
         offset = 0

@@ -29,24 +29,31 @@ uses gloo): bounded memory whatever a prompt's length."""
 
 class Staging:
     """Two buffers on the pool's device and, where the wire's device differs (gloo from a GPU),
-    two in pinned host memory; grown on demand up to the chunk's size, kept for the connection."""
+    two in pinned host memory, kept for the connection: each made once at ``chunk_bytes`` (or a
+    larger chunk's size, made then), so later transfers allocate nothing."""
 
-    def __init__(self, pool: torch.device, wire: torch.device):
-        self.pool, self.wire = pool, wire
+    def __init__(self, pool: torch.device, wire: torch.device, chunk_bytes: int = 0):
+        self.pool, self.wire, self.chunk_bytes = pool, wire, chunk_bytes
         self._local: list[torch.Tensor | None] = [None, None]
         self._wire: list[torch.Tensor | None] = [None, None]
+
+    def reserve(self) -> None:
+        """Make both buffers now (at the connection's set-up, on its thread)."""
+        for i in (0, 1):
+            self.get(i, self.chunk_bytes)
 
     def get(self, i: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Buffer ``i``'s (pool side, wire side) views of ``size`` bytes (one tensor when the devices agree)."""
         i %= 2
         buf = self._local[i]
         if buf is None or buf.numel() < size:
-            buf = self._local[i] = torch.empty(size, dtype=torch.uint8, device=self.pool)
+            buf = self._local[i] = torch.empty(max(size, self.chunk_bytes), dtype=torch.uint8, device=self.pool)
         if self.wire == self.pool:
             return buf[:size], buf[:size]
         wire = self._wire[i]
         if wire is None or wire.numel() < size:
-            wire = self._wire[i] = torch.empty(size, dtype=torch.uint8, pin_memory=self.pool.type == "cuda")
+            wire = self._wire[i] = torch.empty(max(size, self.chunk_bytes), dtype=torch.uint8,
+                                               pin_memory=self.pool.type == "cuda")
         return buf[:size], wire[:size]
 
 

@@ -1,27 +1,70 @@
 """What the hand-off costs an engine's loop: the host time of its hand-off work per turn (kv
-messages, polling the connections, admitting imports), its longest turn, and on a decode engine
-each import's time from its posted receive to its admission. The loop never waits on a transfer,
-so these stay small beside a step; a long turn here is a step that came late."""
+messages, polling the connections, admitting imports), its longest turn and what that turn spent
+its time on, and on a decode engine each import's time from its posted receive to its admission.
+The loop never waits on a transfer, so these stay small beside a step; a long turn here is a step
+that came late, and its parts name the work that made it long.
+
+Parts of a turn (``part``): "message" (a kv message handled), "announce" (kv_ready of the requests
+that stopped at their first token), "admit" (deferred imports given blocks and their receives
+posted), "land" (ended transfers: imports admitted decoding), "connect" (a pair connection's
+object made: its set-up runs on its own thread), "poll" (the rest: the connections' queries).
+Time outside every named part counts as "poll"."""
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+
+PARTS = ("message", "announce", "admit", "land", "connect", "poll")
 
 
 class LoopTimes:
     def __init__(self):
         self.seconds = self.max_seconds = self.import_seconds = 0.0
         self.imports = 0
+        self.part_max = dict.fromkeys(PARTS, 0.0)
+        """Per part, its longest time in one turn."""
+        self.longest = dict.fromkeys(PARTS, 0.0)
+        """The longest turn's time per part."""
+        self._turn: dict[str, float] | None = None  # the turn being timed: part -> seconds
+        self._open: list[list[float]] = []  # the parts being timed, innermost last: [their inner parts' seconds]
 
     @contextmanager
     def timed(self):
+        """One turn of hand-off work (a kv message, a poll)."""
+        start = time.perf_counter()
+        self._turn = dict.fromkeys(PARTS, 0.0)
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            parts, self._turn = self._turn, None
+            self._open.clear()
+            parts["poll"] += max(0.0, spent - sum(parts.values()))
+            self.seconds += spent
+            for name, seconds in parts.items():
+                self.part_max[name] = max(self.part_max[name], seconds)
+            if spent > self.max_seconds:
+                self.max_seconds, self.longest = spent, parts
+
+    @contextmanager
+    def part(self, name: str):
+        """Time spent on ``name`` (one of ``PARTS``) within the turn being timed; a part inside
+        another counts for itself, not for the outer one."""
+        turn = self._turn
+        if turn is None:
+            yield
+            return
+        inner = [0.0]
+        self._open.append(inner)
         start = time.perf_counter()
         try:
             yield
         finally:
             spent = time.perf_counter() - start
-            self.seconds += spent
-            self.max_seconds = max(self.max_seconds, spent)
+            self._open.pop()
+            turn[name] += spent - inner[0]
+            if self._open:
+                self._open[-1][0] += spent
 
     def imported(self, seconds: float) -> None:
         """An import admitted ``seconds`` after its receive was posted."""
@@ -29,5 +72,9 @@ class LoopTimes:
         self.import_seconds += seconds
 
     def counters(self) -> dict:
-        return {"kv_loop_seconds": self.seconds, "kv_loop_max_seconds": self.max_seconds,
-                "kv_imports_landed": self.imports, "kv_import_seconds": self.import_seconds}
+        out = {"kv_loop_seconds": self.seconds, "kv_loop_max_seconds": self.max_seconds,
+               "kv_imports_landed": self.imports, "kv_import_seconds": self.import_seconds}
+        for name in PARTS:
+            out[f"kv_loop_max_{name}_seconds"] = self.part_max[name]
+            out[f"kv_loop_longest_{name}_seconds"] = self.longest[name]
+        return out

@@ -138,6 +138,8 @@ class PairChannel:
         self.error: str | None = None
         self.pending = 0
         """Transfers queued and not yet handed back (the loop thread's count)."""
+        self.setup_seconds = 0.0
+        """Its set-up's time on its own thread (group, proof, staging buffers): never a loop turn's."""
         self._stream = None
         name = f"megatron-async-kv-{store_prefix(key)[3:15]}"  # (not the key: names and logs are no secret)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -234,15 +236,18 @@ class PairChannel:
             torch.cuda.set_device(self.pool_device)
             self._stream = torch.cuda.Stream(self.pool_device)
             torch.cuda.set_stream(self._stream)
-        self._staging = Staging(self.pool_device, self.device)
+        self._staging = Staging(self.pool_device, self.device, self.chunk_bytes)
         while (job := self._jobs.get()) is not None:
             kind, tag, payload, ready = job
             result, start, end, ended = None, None, None, None
             if self.error is None:
                 try:
                     if group is None:
+                        started = time.perf_counter()
+                        self._staging.reserve()
                         group = self._group()
                         self.connect(group)
+                        self.setup_seconds = time.perf_counter() - started
                     wait = (lambda ready=ready: self._stream.wait_event(ready)) if ready is not None else (lambda: None)
                     if kind != "recv_blocks":  # (a receive waits only before it writes the pool)
                         wait()
