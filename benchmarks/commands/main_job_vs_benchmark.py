@@ -35,8 +35,9 @@ def sampling_flags(workload: str) -> list[str]:
 
 def workload_flags(smoke: bool) -> list[str]:
     if smoke:
+        # the smoke's pool on both sides (a CPU engine otherwise zeroes a 1 GB pool at start)
         return ["--num-requests", "6", "--prompt-len-min", "8", "--prompt-len-max", "24", "--output-len-min", "8",
-                "--output-len-max", "8", "--max-requests", "4"]
+                "--output-len-max", "8", "--max-requests", "4", "--buffer-size-gb", "0.05"]
     return ["--num-requests", "128", "--prompt-len-min", "100", "--prompt-len-max", "1024", "--output-len-min", "128",
             "--output-len-max", "128", "--max-requests", "128"]
 
