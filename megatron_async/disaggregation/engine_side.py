@@ -158,7 +158,8 @@ class EngineHandOffs:
         channel = self._channel(pair)
         self.sending[(channel.key, _tag(rid))] = blocks  # (counted when seen to end: after kv_release, maybe)
         block_ids, state = self.hold.kept[local]
-        channel.send_blocks(_tag(rid), self.layout, block_ids[cached:], state)
+        # (waits for the step that wrote them, not for the prompts' steps launched since)
+        channel.send_blocks(_tag(rid), self.layout, block_ids[cached:], state, self.hold.written.get(local))
 
     def _release(self, rid: int) -> None:
         local = self.ready.pop(rid, None)

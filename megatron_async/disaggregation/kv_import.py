@@ -9,6 +9,8 @@ log-probs, routed experts, a grammar) or that want one token are served by the p
 to their end (``hands_off``)."""
 from __future__ import annotations
 
+import torch
+
 from megatron_async.disaggregation.kv_layout import KVLayout
 from megatron_async.inference.contexts.kv_block_allocator import chain_keys, known_digests
 from megatron_async.inference.request import DynamicInferenceRequest, SamplingParams
@@ -32,6 +34,10 @@ class PrefillHold:
         self.capped: dict[int, int] = {}  # engine id -> its real length limit
         self.computing: dict[int, DynamicInferenceRequest] = {}  # capped, its blocks not yet kept
         self.kept: dict[int, tuple[list[int], list | None]] = {}  # engine id -> (blocks, Mamba state)
+        self.written: dict[int, torch.cuda.Event] = {}
+        """CUDA: engine id -> an event of the compute stream after the launches that wrote its kept
+        blocks and copied its state (recorded at its release: before the next step is scheduled, so a
+        send waits for that step only, not for the steps launched since)."""
         engine.book.on_release = self._on_release
 
     def submit(self, add) -> int | None:
@@ -62,6 +68,9 @@ class PrefillHold:
         if local in self.capped and local not in self.kept:
             self.kept[local] = (req.block_ids, self.layout.take_state(req.state_slot))
             req.block_ids = []
+            if self.layout.device.type == "cuda":
+                self.written[local] = torch.cuda.Event()
+                self.written[local].record(torch.cuda.current_stream(self.layout.device))
 
     def handed(self, local: int, reason: str, num_generated: int) -> bool:
         """The request ended with ``reason``: True when it stopped at the cap (its blocks wait
@@ -80,6 +89,7 @@ class PrefillHold:
     def take(self, local: int) -> tuple[list[int], list | None]:
         """What ``local`` kept (its blocks and state), now the caller's."""
         self.capped.pop(local, None)
+        self.written.pop(local, None)
         return self.kept.pop(local)
 
     def num_blocks(self, local: int) -> int:
@@ -88,6 +98,7 @@ class PrefillHold:
     def release(self, local: int) -> int:
         """Free what ``local`` kept; the number of blocks."""
         self.capped.pop(local, None)
+        self.written.pop(local, None)
         kept = self.kept.pop(local, None)
         if kept is None:
             return 0

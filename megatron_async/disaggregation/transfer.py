@@ -145,10 +145,10 @@ class PairChannel:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def _queue(self, kind: str, tag: int, payload, ready_on: torch.device | None) -> None:
-        """``ready``: an event of the caller's current stream (what it enqueued so far comes first)."""
-        ready = None
-        if ready_on is not None and ready_on.type == "cuda":
+    def _queue(self, kind: str, tag: int, payload, ready_on: torch.device | None, ready=None) -> None:
+        """``ready``: what the transfer waits for on the device; None: an event of the caller's
+        current stream (what it enqueued so far comes first)."""
+        if ready is None and ready_on is not None and ready_on.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(ready_on))
         self.pending += 1
@@ -161,9 +161,10 @@ class PairChannel:
     def recv(self, tag: int, tensor: torch.Tensor) -> None:
         self._queue("recv", tag, tensor, None)
 
-    def send_blocks(self, tag: int, layout, block_ids: list[int], state) -> None:
-        """Send ``block_ids`` of ``layout``'s pool (and a Mamba ``state``), written on the caller's stream."""
-        self._queue("send_blocks", tag, (layout, list(block_ids), state), layout.device)
+    def send_blocks(self, tag: int, layout, block_ids: list[int], state, written=None) -> None:
+        """Send ``block_ids`` of ``layout``'s pool (and a Mamba ``state``), written on the caller's
+        stream before ``written`` (a CUDA event; None: before now)."""
+        self._queue("send_blocks", tag, (layout, list(block_ids), state), layout.device, written)
 
     def recv_blocks(self, tag: int, layout, block_ids: list[int]) -> None:
         """Receive into ``block_ids`` of ``layout``'s pool, after what the caller's stream enqueued so far."""
