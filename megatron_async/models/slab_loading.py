@@ -54,7 +54,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from megatron_async.models.weight_targets import SKIPPED, Chunks, TargetInfo, TargetTable
+from megatron_async.models.weight_targets import SKIPPED, Chunks, Strided, TargetInfo, TargetTable
 from megatron_async.parallel.sharding import Box, BoxSet, Destination
 
 
@@ -271,15 +271,13 @@ class WeightPlan:
 
 
 def _add(dense: tuple[list, list], strided: tuple[list, list], dst: torch.Tensor, src: tuple[slice, ...] | Chunks,
-         tensor: torch.Tensor) -> None:
+         tensor: torch.Tensor | Strided) -> None:
     """One copy of a plain destination: a chunked one (a strided source) apart from the dense ones,
     whose multi-tensor copy on a GPU takes its fast path only where every pair is dense."""
-    if type(src) is Chunks:
-        strided[0].append(dst)
-        strided[1].append(src.of(tensor))
-    else:
-        dense[0].append(dst)
-        dense[1].append(tensor[src])
+    chunked = type(src) is Chunks
+    side = strided if chunked else dense
+    side[0].append(dst)
+    side[1].append(tensor.piece(src) if type(tensor) is Strided else src.of(tensor) if chunked else tensor[src])
 
 
 def copy_pairs(*pairs: tuple[list, list]) -> None:
@@ -325,13 +323,14 @@ class CopyProgram:
             copy_pairs(dense, strided)
         return copied
 
-    def bind(self, tensors: list[torch.Tensor]) -> BoundCopy:
+    def bind(self, tensors: list[torch.Tensor | Strided]) -> BoundCopy:
         """The pairs with their sources resolved, for sources that stay where they are (a
-        transfer buffer, storages opened over IPC): a repeated copy is one multi-tensor copy."""
+        transfer buffer, storages opened over IPC: ``Strided``, each piece made in one view): a
+        repeated copy is one multi-tensor copy."""
         dense, strided, rest = ([], []), ([], []), []
         for index, tensor in enumerate(tensors):
             if any(dest.sink is not None for _, _, dest, _ in self.pairs[index]):
-                rest.append((index, tensor))
+                rest.append((index, tensor.tensor() if type(tensor) is Strided else tensor))
                 continue
             for dst, src, _, _ in self.pairs[index]:
                 _add(dense, strided, dst, src, tensor)

@@ -60,14 +60,46 @@ class Chunks(NamedTuple):
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         """The (count, rows, ...) strided view of ``tensor`` (no copy)."""
-        if self.start + (self.count - 1) * self.stride + self.rows > tensor.size(0):
-            raise ValueError(f"a tensor of {tensor.shape[0]} rows given where the plan reads {self}")
-        st = tensor.stride()
-        offset, size = tensor.storage_offset() + self.start * st[0], [self.count, self.rows]
-        for s, x in zip(self.rest, st[1:]):
+        return tensor.as_strided(*self.geometry(tensor.size(0), tensor.stride(), tensor.storage_offset()))
+
+    def geometry(self, rows: int, stride: tuple[int, ...], offset: int) -> tuple[list[int], tuple[int, ...], int]:
+        """``as_strided``'s (size, stride, offset) of ``of`` for a tensor of ``rows`` rows, ``stride``
+        and storage ``offset``."""
+        if self.start + (self.count - 1) * self.stride + self.rows > rows:
+            raise ValueError(f"a tensor of {rows} rows given where the plan reads {self}")
+        offset, size = offset + self.start * stride[0], [self.count, self.rows]
+        for s, x in zip(self.rest, stride[1:]):
             offset += s.start * x
             size.append(s.stop - s.start)
-        return tensor.as_strided(size, (self.stride * st[0], *st), offset)
+        return size, (self.stride * stride[0], *stride), offset
+
+
+class Strided(NamedTuple):
+    """A source tensor described by integers, not made yet: ``base.as_strided(shape, stride,
+    offset)`` (a tensor of a storage shared over IPC). ``piece`` makes the part a copy reads in one
+    view instead of a view of a view: a first update binds a few hundred."""
+
+    base: torch.Tensor
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def tensor(self) -> torch.Tensor:
+        return self.base.as_strided(self.shape, self.stride, self.offset)
+
+    def piece(self, src: tuple[slice, ...] | Chunks) -> torch.Tensor:
+        """``tensor()[src]``, or ``src.of(tensor())`` for ``Chunks``, as one view."""
+        if type(src) is Chunks:
+            return self.base.as_strided(*src.geometry(self.shape[0], self.stride, self.offset))
+        shape, stride, offset = self.shape, self.stride, self.offset
+        size = list(shape)
+        for i, s in enumerate((src,) if type(src) is slice else src):
+            start, stop, step = s.indices(shape[i])
+            if step != 1:
+                return self.tensor()[src]
+            offset += start * stride[i]
+            size[i] = max(stop - start, 0)
+        return self.base.as_strided(size, stride, offset)
 
     def slices(self, k: int) -> tuple[slice, ...]:
         """Chunk k as the source slices of a plain copy."""

@@ -34,13 +34,13 @@ from operator import itemgetter, mul
 from typing import Mapping
 
 from megatron_async.models.megatron_layouts import Shard
-from megatron_async.weight_transfer.ipc_storages import IpcHandleError, IpcStorages, storage_key, unb64, views
+from megatron_async.weight_transfer.ipc_storages import IpcHandleError, IpcStorages, sources, storage_key, unb64, views
 from megatron_async.weight_transfer.manifest import _SHARD_FIELDS, DTYPES, FORMATS, check_int
 from megatron_async.weight_transfer.per_rank import addressed
 from megatron_async.weight_transfer.sharer import Sharer, device_uuid, share
 
 __all__ = ["CheckedPayloads", "IpcUpdate", "IpcHandleError", "IpcStorages", "Sharer", "device_uuid", "parse", "plan_key",
-           "share", "storage_key", "views"]
+           "share", "sources", "storage_key", "views"]
 
 _B64_FIELDS = {"cuda": ("handle", "ref_counter_handle", "event_handle"), "cpu_shm": ("manager", "handle")}
 _TENSOR_FIELDS = frozenset({"name", "storage", "dtype", "shape", "stride", "storage_offset", *_SHARD_FIELDS})
@@ -83,6 +83,7 @@ def _natural(x) -> bool:
 _VALID_SHARDS: set[tuple] = set()
 """Shard fields already checked (a payload repeats a few shards in every tensor)."""
 _ABSENT = object()
+_ABSENTS = (_ABSENT,) * len(_SHARD_FIELDS)
 _SHARD_TYPES = frozenset({int, type(None), object})
 """Types a shard tuple of a tensor entry may hold before it is looked up (a bool equals an int)."""
 
@@ -117,7 +118,7 @@ def _check_tensor(t, storages: list, first: int) -> dict:
     end = offset + sum(map(mul, shape, stride)) - sum(stride) + 1 if math.prod(shape) else offset  # + sum((n - 1) * s)
     if end * DTYPES[t["dtype"]].itemsize > storages[sid]["nbytes"]:
         raise IpcHandleError(f"{name}: reaches beyond its storage")
-    shard = tuple(map(t.get, _SHARD_FIELDS, (_ABSENT,) * len(_SHARD_FIELDS)))
+    shard = tuple(map(t.get, _SHARD_FIELDS, _ABSENTS))
     if not (set(map(type, shard)) <= _SHARD_TYPES and shard in _VALID_SHARDS):
         fields = {k: _int(v, f"{name}: {k}", k.startswith("etp")) for k, v in zip(_SHARD_FIELDS, shard) if v is not _ABSENT}
         try:
@@ -184,8 +185,9 @@ def _checked_storages(handles) -> tuple[list[Mapping], list[dict], str]:
 
 def tensors_key(tensors: list[dict]) -> tuple:
     """Each checked tensor's name, place in its storage and shard."""
+    fields = _SHARD_FIELDS
     return tuple((t["name"], t["storage"], t["dtype"], tuple(t["shape"]), tuple(t["stride"]),
-                  t["storage_offset"], *(t.get(k) for k in _SHARD_FIELDS)) for t in tensors)
+                  t["storage_offset"], *map(t.get, fields)) for t in tensors)
 
 
 def plan_key(weights_format: str, storages: list[dict], tensors: list[dict], tensor_part: tuple | None = None,

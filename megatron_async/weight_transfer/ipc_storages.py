@@ -24,11 +24,13 @@ An update whose storage list equals the last one (entry for entry) takes the las
 it is: one list comparison."""
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Callable, Mapping
 
 import torch
 
+from megatron_async.models.weight_targets import Strided
 from megatron_async.weight_transfer.manifest import DTYPES
 from megatron_async.weight_transfer.sharer import device_uuid
 
@@ -71,13 +73,19 @@ def counters(s: Mapping) -> tuple:
             *((h, o) for h, o in s.get("ref_counters", ())))
 
 
+@functools.cache
+def _uuid(index: int) -> str:
+    """``device_uuid``, asked of the driver once per GPU (a first update maps a storage per segment)."""
+    return device_uuid(index)
+
+
 def open_storage(s: Mapping, device_index: int | None = None) -> torch.UntypedStorage:
     """Map one checked entry (``device_index``: the GPU it must be on; None: any visible one)."""
     if s["kind"] == "cpu_shm":
         return torch.UntypedStorage._new_shared_filename_cpu(unb64(s["manager"], "manager"),
                                                               unb64(s["handle"], "handle"), s["nbytes"])
     indices = range(torch.cuda.device_count()) if device_index is None else [device_index]
-    local = [i for i in indices if device_uuid(i) == s["device_uuid"]]
+    local = [i for i in indices if _uuid(i) == s["device_uuid"]]
     if not local:
         where = "visible to" if device_index is None else "the GPU of"
         raise IpcHandleError(f"GPU {s['device_uuid']} is not {where} this engine rank")
@@ -171,9 +179,9 @@ class IpcStorages:
         self._open, self._last = {}, None
 
 
-def views(storages: list[torch.UntypedStorage], tensors: list[dict]) -> list[torch.Tensor]:
-    """The trainer's tensors as views of the mapped storages (no copy): one tensor over each
-    storage per dtype, and each view strided out of it."""
+def sources(storages: list[torch.UntypedStorage], tensors: list[dict]) -> list[Strided]:
+    """The trainer's tensors as ``Strided`` sources over the mapped storages (one tensor over each
+    storage per dtype; the views are made by whoever reads them, once)."""
     whole: dict[tuple[int, str], torch.Tensor] = {}
     out = []
     for t in tensors:
@@ -182,5 +190,10 @@ def views(storages: list[torch.UntypedStorage], tensors: list[dict]) -> list[tor
         if flat is None:
             st = storages[t["storage"]]
             flat = whole[key] = torch.empty(0, dtype=DTYPES[t["dtype"]], device=st.device).set_(st)
-        out.append(flat.as_strided(t["shape"], t["stride"], t["storage_offset"]))
+        out.append(Strided(flat, t["shape"], t["stride"], t["storage_offset"]))
     return out
+
+
+def views(storages: list[torch.UntypedStorage], tensors: list[dict]) -> list[torch.Tensor]:
+    """The trainer's tensors as views of the mapped storages (no copy)."""
+    return [s.tensor() for s in sources(storages, tensors)]

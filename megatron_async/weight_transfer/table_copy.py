@@ -13,6 +13,7 @@ program per item and copies bits (no conversion), so the result equals ``copy_``
 pair that does not qualify (dtypes differ, inner dim strided, CPU) is left to the caller."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 try:
@@ -34,19 +35,26 @@ def geometry(dst: torch.Tensor, src: torch.Tensor) -> tuple[list[int], list[int]
     """(sizes, destination strides, source strides) of at most 3 dims, the innermost contiguous on
     both sides (dims of size 1 dropped, neighbours merged where both sides allow); None if the
     pair has no such form."""
-    if dst.shape != src.shape or dst.numel() == 0:
-        return None
-    dims = [(n, d, s) for n, d, s in zip(dst.shape, dst.stride(), src.stride()) if n != 1]
-    if not dims:
-        return [1, 1, 1], [0, 0, 1], [0, 0, 1]
-    merged = [list(dims[0])]
-    for n, d, s in dims[1:]:
-        outer = merged[-1]
-        if outer[1] == d * n and outer[2] == s * n:
-            outer[0], outer[1], outer[2] = outer[0] * n, d, s
+    shape = dst.shape
+    return merged_geometry(shape, dst.stride(), src.stride()) if shape == src.shape else None
+
+
+def merged_geometry(shape, dstride, sstride) -> tuple[list[int], list[int], list[int]] | None:
+    """``geometry`` of one shape read with the two sides' strides (plain ints)."""
+    merged, last = [], None
+    for n, d, s in zip(shape, dstride, sstride):
+        if n == 1:
+            continue
+        if n == 0:
+            return None
+        if last is not None and last[1] == d * n and last[2] == s * n:
+            last[0], last[1], last[2] = last[0] * n, d, s
         else:
-            merged.append([n, d, s])
-    if merged[-1][1] != 1 or merged[-1][2] != 1 or len(merged) > 3:
+            last = [n, d, s]
+            merged.append(last)
+    if not merged:
+        return [1, 1, 1], [0, 0, 1], [0, 0, 1]
+    if last[1] != 1 or last[2] != 1 or len(merged) > 3:
         return None
     merged = [[1, 0, 0]] * (3 - len(merged)) + merged
     return [m[0] for m in merged], [m[1] for m in merged], [m[2] for m in merged]
@@ -55,18 +63,15 @@ def geometry(dst: torch.Tensor, src: torch.Tensor) -> tuple[list[int], list[int]
 def table_geometry(dst: torch.Tensor, src: torch.Tensor) -> tuple[list[int], list[int], list[int]] | None:
     """``geometry`` of a pair that qualifies for the table, None for one that does not (the
     caller keeps its own copies): ``TableCopy`` takes it as worked out here, once per pair."""
-    if (triton is None or dst.device.type != "cuda" or src.device != dst.device or dst.dtype != src.dtype
-            or dst.element_size() not in _BITS):
+    dtype = dst.dtype
+    if (triton is None or not dst.is_cuda or src.dtype != dtype or src.get_device() != dst.get_device()
+            or dtype.itemsize not in _BITS):
         return None
     return geometry(dst, src)
 
 
 def qualifies(dst: torch.Tensor, src: torch.Tensor) -> bool:
     return table_geometry(dst, src) is not None
-
-
-def _aligned(x: int, element_size: int) -> bool:
-    return (x * element_size) % 16 == 0
 
 
 class TableCopy:
@@ -76,22 +81,24 @@ class TableCopy:
     def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], item_elements: int = ITEM_ELEMENTS,
                  geometries: list[tuple] | None = None):
         self.dsts, self.srcs = dsts, srcs  # (held: the table names their memory)
-        self.elements = sum(d.numel() for d in dsts)
-        pairs: dict[tuple[int, bool], list[list[int]]] = {}
         if geometries is None:
             geometries = [geometry(dst, src) for dst, src in zip(dsts, srcs)]
-        for dst, src, (sizes, dstride, sstride) in zip(dsts, srcs, geometries):
-            size = dst.element_size()
-            sptr, dptr = src.data_ptr(), dst.data_ptr()
-            aligned = (sptr % 16 == 0 and dptr % 16 == 0
-                       and all(_aligned(x, size) for x in (sizes[2], dstride[0], dstride[1], sstride[0], sstride[1])))
-            pairs.setdefault((size, aligned), []).append(
-                [sptr, dptr, sizes[1], sizes[2], sstride[0], sstride[1], dstride[0], dstride[1], sizes[0] * sizes[1], size])
+        pairs = np.array([[src.data_ptr(), dst.data_ptr(), sizes[1], sizes[2], sstride[0], sstride[1], dstride[0],
+                           dstride[1], sizes[0] * sizes[1], dst.dtype.itemsize]
+                          for dst, src, (sizes, dstride, sstride) in zip(dsts, srcs, geometries)],
+                         dtype=np.int64).reshape(-1, _FIELDS)
+        self.elements = int((pairs[:, 8] * pairs[:, 3]).sum())
+        # 16-byte addresses, row lengths and row strides on both sides: vector loads and stores
+        aligned = ((pairs[:, :2] % 16 == 0).all(1) & ((pairs[:, 3:8] * pairs[:, 9:]) % 16 == 0).all(1))
         device = dsts[0].device if dsts else None
         # the items worked out on the host and copied once: on the device they took ~30 small
         # kernels and two syncs per table (each a first load of its kernel at an engine's first update)
-        self.tables = [(size, aligned, _items(torch.tensor(rows, dtype=torch.int64), item_elements).to(device))
-                       for (size, aligned), rows in sorted(pairs.items())]
+        self.tables = []
+        for size in sorted(set(pairs[:, 9].tolist())):
+            for align in (False, True):
+                rows = pairs[(pairs[:, 9] == size) & (aligned == align)]
+                if len(rows):
+                    self.tables.append((size, align, torch.from_numpy(_items(rows, item_elements)).to(device)))
         self.launches = len(self.tables)
 
     def run(self) -> int:
@@ -101,28 +108,30 @@ class TableCopy:
         return self.elements
 
 
-def _items(pairs: torch.Tensor, item_elements: int) -> torch.Tensor:
+def _items(pairs: np.ndarray, item_elements: int) -> np.ndarray:
     """The work items of ``pairs`` (rows of [src, dst, n1, n2, ss0, ss1, ds0, ds1, rows, element
-    size]), computed for all pairs at once (an 8B model has ~10^5 items): short rows grouped whole
-    into items of at most ``item_elements``, a longer row cut into pieces of that many."""
+    size]), computed for all pairs at once (an 8B model has ~10^5 items; numpy: a few microseconds
+    an operation where a torch one on the host takes tens): short rows grouped whole into items of
+    at most ``item_elements``, a longer row cut into pieces of that many."""
     n2, rows = pairs[:, 3], pairs[:, 8]
     long = n2 > item_elements
-    per = torch.where(long, 1, item_elements // n2.clamp(min=1))  # rows per item (short rows)
-    pieces = torch.where(long, (n2 + item_elements - 1) // item_elements, 1)  # items per row (long rows)
-    counts = torch.where(long, rows * pieces, (rows + per - 1) // per)
+    per = np.where(long, 1, item_elements // np.maximum(n2, 1))  # rows per item (short rows)
+    pieces = np.where(long, -(-n2 // item_elements), 1)  # items per row (long rows)
+    counts = np.where(long, rows * pieces, -(-rows // per))
     total = int(counts.sum())
-    owner = torch.repeat_interleave(torch.arange(len(pairs), device=pairs.device), counts, output_size=total)
-    local = torch.arange(total, device=pairs.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
-                                                                               output_size=total)
-    p = pairs[owner]
-    is_long, p_per, p_pieces = long[owner], per[owner], pieces[owner]
-    col = torch.where(is_long, (local % p_pieces) * item_elements, 0)
-    first = torch.where(is_long, local // p_pieces, local * p_per)
-    count = torch.where(is_long, 1, torch.minimum(p_per, p[:, 8] - first))
-    width = torch.where(is_long, torch.clamp(p[:, 3] - col, max=item_elements), p[:, 3])
-    shift = col * p[:, 9]
-    return torch.stack([p[:, 0] + shift, p[:, 1] + shift, p[:, 2], width, p[:, 4], p[:, 5], p[:, 6], p[:, 7],
-                        first, count], dim=1).contiguous()
+    owner = np.repeat(np.arange(len(pairs)), counts)
+    local = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    out = np.repeat(pairs, counts, axis=0)  # each item its pair's row, then its own fields
+    is_long, p_per, p_pieces, p_n2, p_rows = long[owner], per[owner], pieces[owner], n2[owner], rows[owner]
+    col = np.where(is_long, (local % p_pieces) * item_elements, 0)
+    first = np.where(is_long, local // p_pieces, local * p_per)
+    shift = col * out[:, 9]
+    out[:, 0] += shift
+    out[:, 1] += shift
+    out[:, 3] = np.where(is_long, np.minimum(p_n2 - col, item_elements), p_n2)
+    out[:, 9] = np.where(is_long, 1, np.minimum(p_per, p_rows - first))
+    out[:, 8] = first
+    return out
 
 
 def warm_up(device: torch.device, dtype: torch.dtype) -> None:

@@ -248,7 +248,7 @@ class WeightReceiver:
         opened = self._storages.open(u.storages)
         times.append(time.perf_counter())
         if self._bound is None or self._bound[0] is not program:  # same program: same storages, same views
-            self._bound = (program, GroupedCopy(program.bind(ipc.views(opened, u.tensors)), self.ipc_kernel))
+            self._bound = (program, GroupedCopy(program.bind(ipc.sources(opened, u.tensors)), self.ipc_kernel))
         times.append(time.perf_counter())
         program.begin()
         copied = self._bound[1].run()
