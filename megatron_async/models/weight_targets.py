@@ -73,6 +73,10 @@ class Chunks(NamedTuple):
             size.append(s.stop - s.start)
         return size, (self.stride * stride[0], *stride), offset
 
+    def slices(self, k: int) -> tuple[slice, ...]:
+        """Chunk k as the source slices of a plain copy."""
+        return (slice(self.start + k * self.stride, self.start + k * self.stride + self.rows), *self.rest)
+
 
 class Strided(NamedTuple):
     """A source tensor described by integers, not made yet: ``base.as_strided(shape, stride,
