@@ -5,8 +5,8 @@ every row with its own adapter slot, -1 adding nothing.
 Split-K shrink: K is cut into fixed chunks of ``k_chunk`` columns, one program per (row tile,
 chunk), each writing float32 partial sums to ``partials[split, t, S*R]``; the expand sums a row's
 partials ``SPLIT_GROUP`` splits at a time (a fixed tree within a group, the groups in split
-order), rounds the sum to the model dtype (PEFT's rank-space product) and expands it. A batch-1 decode step thus reads A with K/k_chunk programs instead of
-walking all of K in one.
+order), rounds the sum to the model dtype (PEFT's rank-space product) and expands it. A batch-1
+decode step thus reads A with K/k_chunk programs instead of walking all of K in one.
 
 Slots: a program of the grid's last axis handles the q-th, (q+Q)-th, ... distinct adapter slot
 among its tile's rows (Q = min(slots, rows, ``slot_programs``)), found on the device from the

@@ -105,10 +105,6 @@ class Strided(NamedTuple):
             size[i] = max(stop - start, 0)
         return self.base.as_strided(size, stride, offset)
 
-    def slices(self, k: int) -> tuple[slice, ...]:
-        """Chunk k as the source slices of a plain copy."""
-        return (slice(self.start + k * self.stride, self.start + k * self.stride + self.rows), *self.rest)
-
 
 class Piece(NamedTuple):
     """A piece of a full tensor as a plan sees it."""

@@ -24,7 +24,6 @@ An update whose storage list equals the last one (entry for entry) takes the las
 it is: one list comparison."""
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 from typing import Callable, Mapping
 
@@ -73,19 +72,13 @@ def counters(s: Mapping) -> tuple:
             *((h, o) for h, o in s.get("ref_counters", ())))
 
 
-@functools.cache
-def _uuid(index: int) -> str:
-    """``device_uuid``, asked of the driver once per GPU (a first update maps a storage per segment)."""
-    return device_uuid(index)
-
-
 def open_storage(s: Mapping, device_index: int | None = None) -> torch.UntypedStorage:
     """Map one checked entry (``device_index``: the GPU it must be on; None: any visible one)."""
     if s["kind"] == "cpu_shm":
         return torch.UntypedStorage._new_shared_filename_cpu(unb64(s["manager"], "manager"),
                                                               unb64(s["handle"], "handle"), s["nbytes"])
     indices = range(torch.cuda.device_count()) if device_index is None else [device_index]
-    local = [i for i in indices if _uuid(i) == s["device_uuid"]]
+    local = [i for i in indices if device_uuid(i) == s["device_uuid"]]
     if not local:
         where = "visible to" if device_index is None else "the GPU of"
         raise IpcHandleError(f"GPU {s['device_uuid']} is not {where} this engine rank")
