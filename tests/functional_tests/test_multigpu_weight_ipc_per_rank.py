@@ -22,7 +22,7 @@ def test_tp4_trainer_refits_a_tp4_engine_one_payload_per_rank():
     for got, trainer in zip(engines, trainers):
         assert (got["version1"], got["version2"]) == (1, 2)
         assert "names GPU" in got.get("other_gpu", ""), got  # refused before anything was mapped
-        assert got["opened1"] == got["opened2"] == trainer["storages"]
+        assert got["opened1"] == got["opened2"] == trainer["segments"]
         assert got["tokens1"] == got["want1"] and got["tokens2"] == got["want2"], got
         assert got["tokens1"] != got["tokens2"]
     assert all(e["tokens2"] == engines[0]["tokens2"] for e in engines)

@@ -14,7 +14,7 @@ def test_each_engine_rank_takes_its_own_trainer_rank_payload():
     assert all(t["same_payload"] and t["shared"] == t["storages"] for t in trainers), trainers
     for got, trainer in zip(engines, trainers):
         assert (got["version1"], got["version2"]) == (1, 2)
-        assert got["opened1"] == got["opened2"] == trainer["storages"]  # its own payload's storages, once
+        assert got["opened1"] == got["opened2"] == trainer["segments"]  # its own payload's segments, once
         misses, hits, reused = got["plans"]  # (a rank whose shard the engine planned at start takes that plan)
         assert got["unchanged"] >= 1 and (misses + reused, hits) == (1, 1)
         assert got["tokens1"] == got["want1"] and got["tokens2"] == got["want2"], got

@@ -58,7 +58,10 @@ def _trainer(r: int, tp: int, store, device: str) -> dict:
     second = sharer.share(items, engine_rank=r)
     store.set(f"payload/2/{r}", json.dumps(second))
     store.wait([f"done/2/{e}" for e in range(tp)])
-    return {"same_payload": second == first, "shared": sharer.shared, "storages": len(first["storages"])}
+    # A payload entry names one allocator segment, spanning the storages its ref_counters count
+    storages = sum(1 + len(e.get("ref_counters", ())) for e in first["storages"])
+    return {"same_payload": second == first, "shared": sharer.shared, "storages": storages,
+            "segments": len(first["storages"])}
 
 
 def _generate(llm: LLM) -> list[list[int]]:
