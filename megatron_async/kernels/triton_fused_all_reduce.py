@@ -55,10 +55,11 @@ def _fused_kernel(
     W: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
     BARRIER: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    dtype = x_ptr.dtype.element_ty
+    dtype = res_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
     msg = M * N  # W * M * N <= half < 2**31: world_size messages fit one half of the buffer
@@ -66,7 +67,13 @@ def _fused_kernel(
     my_buf = buffer_half(buf_table_ptr, rank, epoch, half, dtype)
     for row in range(pid, M, num_programs):
         base = row * N
-        x = tl.load(x_ptr + base + offs, mask=mask)
+        if SPLITS == 0:
+            x = tl.load(x_ptr + base + offs, mask=mask)
+        else:  # float32 K-split partials [SPLITS, M, N], summed in split order, rounded as the GEMM's output
+            x = tl.load(x_ptr + base + offs, mask=mask, other=0.0)
+            for i in tl.static_range(1, SPLITS):
+                x += tl.load(x_ptr + i * msg + base + offs, mask=mask, other=0.0)
+            x = x.to(dtype)
         for r in tl.static_range(W):  # slot `rank` of every rank's buffer
             tl.store(buffer_half(buf_table_ptr, r, epoch, half, dtype) + rank * msg + base + offs, x, mask=mask)
     if BARRIER:
@@ -91,12 +98,15 @@ def _fused_kernel(
 
 def supported(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, world_size: int) -> bool:
     """Whether the fused kernel takes these tensors (the same answer on every rank for equal
-    shapes): 2-d contiguous rows of one dtype (bf16 / fp16 / fp32), a hidden size that keeps
-    16-byte rows and fits one program's registers, a power-of-two world."""
+    shapes): 2-d contiguous rows of one dtype (bf16 / fp16 / fp32), or [splits, rows, hidden]
+    float32 K-split partials of rows in the residual's dtype; a hidden size that keeps 16-byte
+    rows and fits one program's registers, a power-of-two world."""
     n = x.shape[-1]
-    return (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and residual.dtype == weight.dtype == x.dtype and residual.shape == x.shape
-            and weight.shape == (n,) and n <= MAX_HIDDEN and (n * x.element_size()) % 16 == 0
+    split = x.dim() == 3 and x.dtype == torch.float32 and residual.dtype != torch.float32
+    return ((x.dim() == 2 and x.dtype == residual.dtype or split)
+            and residual.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and residual.dtype == weight.dtype and residual.shape == x.shape[-2:]
+            and weight.shape == (n,) and n <= MAX_HIDDEN and (n * residual.element_size()) % 16 == 0
             and x.is_contiguous() and residual.is_contiguous() and world_size & (world_size - 1) == 0)
 
 
@@ -115,6 +125,8 @@ def all_reduce_add_rms_norm(
     barrier: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + sum_r x_r) * weight, residual + sum_r x_r) over the TP ranks, new tensors.
+    ``x`` may be [splits, rows, hidden] float32 K-split partials (``triton_split_linear``): each
+    rank sums its own in split order and rounds to the residual's dtype before the exchange.
 
     ``buffer_table`` / ``pad_table``: int64 [W] on x's device, the address of every rank's
     staging buffer (two halves of ``half_bytes``, each >= W times x's bytes, 16-byte aligned) and
@@ -126,17 +138,18 @@ def all_reduce_add_rms_norm(
     if not supported(x, residual, weight, buffer_table.numel()):
         raise ValueError(f"all_reduce_add_rms_norm: x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "
                          f"{residual.dtype}, weight {tuple(weight.shape)} {weight.dtype}, world {buffer_table.numel()}")
-    out = torch.empty_like(x)
+    out = torch.empty_like(residual)
     res_out = torch.empty_like(residual)
-    M, n = x.shape
+    M, n = residual.shape
     if M == 0:
         return out, res_out
-    check_fits(buffer_table.numel() * x.numel() * x.element_size(), half_bytes,
-               f"all_reduce_add_rms_norm: {buffer_table.numel()} messages of {tuple(x.shape)} {x.dtype}")
+    check_fits(buffer_table.numel() * residual.numel() * residual.element_size(), half_bytes,
+               f"all_reduce_add_rms_norm: {buffer_table.numel()} messages of {tuple(residual.shape)} {residual.dtype}")
     block = triton.next_power_of_2(n)
     _fused_kernel[(min(M, max_programs),)](
-        x, buffer_table, pad_table, residual, weight, out, res_out, state, M, rank, half_bytes // x.element_size(), eps,
-        N=n, BLOCK_N=block, W=buffer_table.numel(), CAST_BEFORE_WEIGHT=cast_before_weight, BARRIER=barrier,
+        x, buffer_table, pad_table, residual, weight, out, res_out, state, M, rank,
+        half_bytes // residual.element_size(), eps, N=n, BLOCK_N=block, W=buffer_table.numel(),
+        CAST_BEFORE_WEIGHT=cast_before_weight, BARRIER=barrier, SPLITS=x.shape[0] if x.dim() == 3 else 0,
         num_warps=min(max(block // 512, 1), 16),
     )
     return out, res_out

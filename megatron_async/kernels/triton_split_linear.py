@@ -95,15 +95,32 @@ def split_tiles(m: int, n: int, k: int) -> SplitTiles | None:
     return SplitTiles(64, 64, BLOCK_K, SPLITS, 4, 4)
 
 
+ROW_PARALLEL_MAX_ROWS = 16
+"""Decode batches up to this many rows split a TP row-parallel projection (``row_parallel_tiles``)."""
+
+
+def row_parallel_tiles(m: int, n: int, k: int) -> SplitTiles | None:
+    """The launch for a TP rank's row-parallel output projection at decode sizes, whose partials
+    the fused all-reduce + add + RMSNorm sums (``triton_fused_all_reduce``, no launch of its own),
+    or None where cuBLAS keeps it. A TP rank's K is 1/TP of the model's (Qwen3-8B at TP=4: o_proj
+    K = 1,024, down_proj 3,072, N = 4,096): cuBLAS runs these as a split-K GEMM plus a reduce
+    kernel of its own, 7-10 us for 2-6 us of weight reads at batch 1 (4x H200). 16-row tiles (a
+    decode batch of 1-16) and 64 output columns, four K splits: 256 programs for N = 4,096."""
+    if not 1 <= m <= ROW_PARALLEL_MAX_ROWS or k % (SPLITS * BLOCK_K) or n % 64:
+        return None
+    return SplitTiles(16, 64, BLOCK_K, SPLITS, 4, 4)
+
+
 def footprint(elem_bytes: int):
     """An A and a weight tile a step, one float32 accumulator stored as it is."""
     return lambda t: launch_limits.gemm_footprint(t.block_m, t.block_n, t.block_k, t.num_stages, t.num_warps,
                                                   elem_bytes, elem_bytes)
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles=split_tiles) -> bool:
     """Whether ``split_linear`` takes this product: an sm90 device (the tiles' measurements), 2-D
-    bf16 / fp16 operands with unit last strides, 16-byte-aligned rows, a shape ``split_tiles`` splits."""
+    bf16 / fp16 operands with unit last strides, 16-byte-aligned rows, a shape ``tiles`` (a
+    tile choice: ``split_tiles`` or ``row_parallel_tiles``) splits."""
     if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.stride(1) == 1 and weight.stride(1) == 1 and weight.is_contiguous()):
         return False
@@ -113,13 +130,14 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
         return False
     if cuda_device.capability(x.device)[0] != 9:
         return False
-    return split_tiles(x.shape[0], weight.shape[0], x.shape[1]) is not None
+    return tiles(x.shape[0], weight.shape[0], x.shape[1]) is not None
 
 
-def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PendingSplitSum:
-    """``x @ weight.T + bias`` as float32 partials over K splits (``takes`` must hold)."""
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 tiles=split_tiles) -> PendingSplitSum:
+    """``x @ weight.T + bias`` as float32 partials over K splits (``takes(..., tiles)`` must hold)."""
     (m, k), n = x.shape, weight.shape[0]
-    t = split_tiles(m, n, k)
+    t = tiles(m, n, k)
     assert t is not None
     t = launch_limits.fit(t, footprint(x.element_size()), launch_limits.device_limits(x.device))
     parts = torch.empty(t.splits, m, n, dtype=torch.float32, device=x.device)

@@ -58,17 +58,24 @@ class PendingSum(DeferredSum):
     """A row-parallel layer's partial product whose sum over the TP group is left to the next
     block's norm (``RMSNorm.add_and_norm``), which sums, adds the residual and normalises in
     one kernel (``tp_reducer.add_rms_norm``) or, when that kernel does not take its tensors,
-    calls ``reduce`` first."""
+    calls ``reduce`` first. ``partial`` may itself be this rank's K-split partials
+    (``triton_split_linear.PendingSplitSum``), which that kernel sums before the exchange."""
 
-    partial: torch.Tensor
+    partial: torch.Tensor | DeferredSum
     parallel: ParallelState
 
     def reduce(self) -> torch.Tensor:
-        return tp_all_reduce(self.partial, self.parallel)
+        local = self.partial.reduce() if isinstance(self.partial, DeferredSum) else self.partial
+        return tp_all_reduce(local, self.parallel)
 
     def add_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                      cast_before_weight: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.parallel.tp_reducer.add_rms_norm(self.partial, residual, weight, eps, cast_before_weight)
+        partial = self.partial
+        if isinstance(partial, DeferredSum):  # a PendingSplitSum (RowParallelLinear hands no other kind)
+            if partial.bias is not None or partial.dtype != residual.dtype:
+                return None
+            partial = partial.parts
+        return self.parallel.tp_reducer.add_rms_norm(partial, residual, weight, eps, cast_before_weight)
 
 
 def tp_all_gather_last_dim(x: torch.Tensor, parallel: ParallelState) -> torch.Tensor:

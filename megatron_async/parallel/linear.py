@@ -145,7 +145,8 @@ class RowParallelLinear(ParallelLinear):
 
     ``defer_reduction`` (set by ``Block`` on a mixer's output projection, whose output goes
     straight into the next norm): when the TP group's P2P reducer fuses the sum with the
-    residual add and RMSNorm, return a ``PendingSum`` instead of summing here. Never with a
+    residual add and RMSNorm, return a ``PendingSum`` instead of summing here (at decode sizes
+    holding this rank's K-split partials, which that kernel sums first). Never with a
     bias (added after the sum), in batch-invariant mode, or on NCCL / gloo. At TP=1 a
     decode-size product may leave its split-K sum to that norm instead
     (``fused_ops.split_linear``)."""
@@ -179,12 +180,17 @@ class RowParallelLinear(ParallelLinear):
             if adapted:
                 self.lora.apply(x, out, lora_slots, batch_invariant)
             return out
+        reducer = self.parallel.tp_reducer
+        fuse = self.defer_reduction and self.bias is None and not batch_invariant and reducer is not None
+        if (fuse and not adapted and self.weight_scale_inv is None
+                and reducer.fuses_rows(x.shape[0], self.weight.shape[0], x.dtype)):
+            split = fused_ops.row_parallel_split(x, self.weight, split_k)  # no cuBLAS split-K reduce kernel
+            if split is not None:
+                return PendingSum(split, self.parallel)
         partial = self.matmul(x, None, batch_invariant)
         if adapted:
             self.lora.apply(x, partial, lora_slots, batch_invariant)
-        reducer = self.parallel.tp_reducer
-        if (self.defer_reduction and self.bias is None and not batch_invariant and reducer is not None
-                and reducer.fuses_norm(partial)):
+        if fuse and reducer.fuses_norm(partial):
             return PendingSum(partial, self.parallel)
         out = tp_all_reduce(partial, self.parallel, batch_invariant)
         return out if self.bias is None else out + self.bias

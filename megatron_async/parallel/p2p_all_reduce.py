@@ -214,15 +214,20 @@ class P2PAllReduce:
     def fuses_norm(self, partial: torch.Tensor) -> bool:
         """Whether a row-parallel layer may hand ``partial`` to the next norm unreduced (the same
         answer on every rank for the same shape); the norm then calls ``add_rms_norm``."""
-        nbytes = partial.numel() * partial.element_size()
-        return (partial.is_cuda and partial.dim() == 2 and partial.dtype in _DTYPES and partial.is_contiguous()
-                and 0 < nbytes <= self.fused_max_bytes)
+        return (partial.is_cuda and partial.dim() == 2 and partial.is_contiguous()
+                and self.fuses_rows(partial.shape[0], partial.shape[1], partial.dtype))
+
+    def fuses_rows(self, rows: int, hidden: int, dtype: torch.dtype) -> bool:
+        """``fuses_norm`` for a contiguous CUDA partial of this shape, before it is computed (a
+        row-parallel layer then may hand over K-split partials instead)."""
+        return dtype in _DTYPES and 0 < rows * hidden * dtype.itemsize <= self.fused_max_bytes
 
     def add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                      cast_before_weight: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rms_norm(residual + sum of the group's partials), that sum) in one kernel, or None when
         the fused kernel does not take these tensors (e.g. a float32 residual stream under bf16
-        activations): the caller then reduces and norms as usual. Decided alike on every rank."""
+        activations): the caller then reduces and norms as usual. Decided alike on every rank.
+        ``partial``: this rank's rows, or its [splits, rows, hidden] float32 K-split partials."""
         from megatron_async.kernels import triton_fused_all_reduce as fused
 
         if not fused.supported(partial, residual, weight, self.peers.world_size):

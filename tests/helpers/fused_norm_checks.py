@@ -63,6 +63,15 @@ def check_fused_norm(reducer: P2PAllReduce, group, seed: int) -> list[dict]:
                 row.update(out_rel=_rel(out, ref_out), residual_rel=_rel(new_res, ref_res),
                            residual_equal=bool(torch.equal(new_res, ref_res)),
                            ranks_equal=_ranks_equal(out, group) and _ranks_equal(new_res, group))
+                if dtype == torch.bfloat16:  # K-split partials: their sum in split order, rounded, then the same
+                    pieces = 0.5 * torch.randn(4, rows, HIDDEN, device="cuda",
+                                               generator=torch.Generator(device="cuda").manual_seed(seed + rank))
+                    summed = pieces[0].clone()
+                    for piece in pieces[1:]:
+                        summed += piece
+                    split = reducer.add_rms_norm(pieces, residual, weight, EPS, True)
+                    whole = reducer.add_rms_norm(summed.to(dtype), residual, weight, EPS, True)
+                    row["split_equal"] = all(torch.equal(a, b) for a, b in zip(split, whole))
             rows_out.append(row)
     return rows_out
 
@@ -123,4 +132,5 @@ def assert_fused_report(values: list[dict], replays: list[bool]) -> None:
             assert row["residual_equal"] and row["out_rel"] < 1e-6, row
         else:  # bf16: one rounding of the float32 sum vs torch's per-add rounding
             assert row["residual_rel"] < 4e-3 and row["out_rel"] < 8e-3, row
+            assert row["split_equal"], row
     assert replays and all(replays), replays

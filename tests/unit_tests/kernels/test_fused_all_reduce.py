@@ -35,11 +35,12 @@ def _reference(parts: list[torch.Tensor], residual: torch.Tensor, norm: RMSNorm)
 
 
 def _play_rank(parts: list[torch.Tensor], rank: int, residual: torch.Tensor, norm: RMSNorm, max_programs: int,
-               barrier: bool = True, calls_before: int = 0,
-               peer_lead: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+               barrier: bool = True, calls_before: int = 0, peer_lead: int = 0,
+               own: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Run the kernel as ``rank`` after ``calls_before`` calls (the counter's parity picks the
     half of every buffer the call uses), the peers' flags ``peer_lead`` calls ahead; returns
-    (out, new residual, every rank's signal pad after)."""
+    (out, new residual, every rank's signal pad after). ``own``: what the rank hands the kernel
+    instead of ``parts[rank]`` (its float32 K-split partials, which sum to ``parts[rank]``)."""
     W = len(parts)
     M, N = parts[0].shape
     half = W * M * N + 64  # elements; in bytes a 16-byte multiple for every dtype here
@@ -55,7 +56,7 @@ def _play_rank(parts: list[torch.Tensor], rank: int, residual: torch.Tensor, nor
     flags[:programs, :] = after + peer_lead  # the peers' raises (this rank's own lane too: the kernel rewrites it)
     state = torch.tensor([calls_before, 0], dtype=torch.int32, device=DEVICE)
     table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
-    out, new_res = fused.all_reduce_add_rms_norm(parts[rank], residual, norm.weight, EPS, norm.cast_before_weight,
+    out, new_res = fused.all_reduce_add_rms_norm(parts[rank] if own is None else own, residual, norm.weight, EPS, norm.cast_before_weight,
                                                  table(buffers), table(pads), state, half * parts[0].element_size(),
                                                  rank, max_programs, barrier)
     for b in buffers:  # its push: slot `rank` of every buffer's half, its own included; the other half untouched
@@ -157,6 +158,25 @@ def test_without_barrier_the_flags_stay_untouched():
     assert not pads[0].any()  # no flag raised in the peer's pad
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_k_split_partials_are_summed_in_split_order_before_the_exchange(splits):
+    """A rank hands float32 [splits, rows, hidden] partials (a row-parallel projection's K splits):
+    it pushes their sum in split order, rounded to the activation dtype, and the result is the
+    unsplit path's on that rounded sum."""
+    dtypes = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])  # (the interpreter truncates bf16)
+    for dtype in dtypes:
+        parts, residual, norm = _case(4, 3, 64, dtype, seed=21 + splits)
+        pieces = torch.randn(splits, 3, 64, generator=torch.Generator().manual_seed(splits)).to(DEVICE)
+        total = pieces[0].clone()
+        for piece in pieces[1:]:
+            total += piece
+        parts[2] = total.to(dtype)
+        want_out, want_res = _reference(parts, residual, norm)
+        out, new_res, _ = _play_rank(parts, 2, residual, norm, max_programs=2, own=pieces)
+        assert torch.equal(new_res, want_res)
+        _check(out, want_out)
+
+
 def test_supported_shapes():
     x = torch.zeros(4, 64, device=DEVICE)
     w = torch.ones(64, device=DEVICE)
@@ -165,7 +185,10 @@ def test_supported_shapes():
     assert not fused.supported(x, x.double(), w, 2)  # float32 residual stream under other activations
     assert not fused.supported(x[:, :60], x[:, :60].clone(), w[:60], 2)  # rows not 16-byte multiples
     assert not fused.supported(x.t(), x.t().clone(), torch.ones(4, device=DEVICE), 2)  # not contiguous
-    assert not fused.supported(x.view(2, 2, 64), x.view(2, 2, 64).clone(), w, 2)  # 2-d only
+    assert not fused.supported(x.view(2, 2, 64), x.view(2, 2, 64).clone(), w, 2)  # 2-d rows only, or
+    half = x.half()  # float32 K-split partials of half-precision rows
+    assert fused.supported(x.view(2, 2, 64), half[:2].clone(), w.half(), 2)
+    assert not fused.supported(x.view(2, 2, 64).half(), half[:2].clone(), w.half(), 2)
     with pytest.raises(ValueError, match="all_reduce_add_rms_norm"):
         table = torch.zeros(3, dtype=torch.int64, device=DEVICE)
         fused.all_reduce_add_rms_norm(x, x, w, EPS, True, table, table, torch.zeros(2, dtype=torch.int32), 4096, 0, 4)

@@ -32,6 +32,9 @@ class _Reducer:
     def fuses_norm(self, partial: torch.Tensor) -> bool:
         return self.fuses
 
+    def fuses_rows(self, rows: int, hidden: int, dtype: torch.dtype) -> bool:
+        return self.fuses
+
     def add_rms_norm(self, partial, residual, weight, eps, cast_before_weight):
         self.log.append("fused")
         if not self.fused_result:
@@ -85,3 +88,36 @@ def test_block_marks_the_mixers_output_projection_only():
     assert mlp.down_proj.defer_reduction and not RowParallelLinear.defer_reduction
     loose = RowParallelLinear(8, 8, False, p, torch.float32, "cpu")  # not inside a block
     assert not loose.defer_reduction
+
+
+def test_decode_size_projection_hands_its_k_split_partials_to_the_fused_sum(monkeypatch):
+    """Where the row-parallel split tiles take the shape (``fused_ops.row_parallel_split``), the
+    layer hands this rank's float32 partials on: the fused kernel gets them as they are, and the
+    plain path sums them locally before the all-reduce."""
+    from dataclasses import dataclass
+
+    from megatron_async.kernels.deferred_sum import DeferredSum
+
+    @dataclass(frozen=True)
+    class _Split(DeferredSum):
+        parts: torch.Tensor
+        bias: None = None
+        dtype: torch.dtype = torch.float32
+
+        def reduce(self) -> torch.Tensor:
+            return self.parts.sum(0)
+
+    x = torch.randn(3, 4)
+    asked, made = [], []
+    monkeypatch.setattr(linear_module.fused_ops, "row_parallel_split", lambda x, w, enabled: asked.append(enabled)
+                        or made.append(torch.stack([x @ w.t() / 2] * 2)) or _Split(made[-1]))
+    pending = _layer(_Reducer())(x, split_k=False)
+    assert isinstance(pending, PendingSum) and asked == [False]  # the model's split_k switch is passed on
+    norm = RMSNorm(6, 1e-6, torch.float32, "cpu")
+    fused = _Reducer()
+    seen = []
+    fused.add_rms_norm = lambda partial, *rest: seen.append(partial) or None  # declines: reduce() follows
+    layer = _layer(fused)
+    out, new_res = norm.add_and_norm(layer(x), torch.zeros(3, 6))
+    assert seen[0] is made[-1] and fused.log == ["all_reduce"]
+    torch.testing.assert_close(new_res, x @ layer.weight.t())
