@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if done.returncode:
                 raise SystemExit(f"{name}: refit cycle failed (rc {done.returncode}): see {out / (name + '.log')}")
             reports.append(json.loads(path.read_text()))
-    print("\n| model | layout | weights | first | later (Sharer, table kernel) | later, shared afresh | later, foreach "
+    print("\n| model | layout | weights | first | later (Sharer, default kernel) | later, shared afresh | later, foreach "
           "| one copy | later / one copy | target | change, moved, stale refused; tokens equal |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in reports:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"later <= 2.5x | {r['change_arrived']}, {r['moved_arrived']}, {r['stale_refused']}; "
               f"{r['tokens_equal'] and r['moved_tokens_equal']} |")
     for r in reports:  # where the engine's host time went (WeightReceiver.last_ipc_ms), and the launches
-        print(f"{r['model']} {r['layout']}: kernel lists per update {r['launches']}; {r['tensors']} tensors in "
+        print(f"{r['model']} {r['layout']}: kernels taken {r['kernels']}, lists per update {r['launches']}; {r['tensors']} tensors in "
               f"{r['entries']} storage entries, {r['mapped']} mapped")
         for what, phases in r["phases"].items():
             note = " (under cProfile: not comparable)" if what == "first" and r.get("profiled") else ""

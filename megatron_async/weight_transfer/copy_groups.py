@@ -24,7 +24,9 @@ from megatron_async.weight_transfer.table_copy import TableCopy, table_geometry
 
 KERNELS = ("auto", "table", "foreach")
 """How a bound copy launches: "table" (one Triton launch per element size for the pairs that
-qualify), "foreach" (``torch._foreach_copy_`` lists), "auto" (the lists: measured faster)."""
+qualify), "foreach" (``torch._foreach_copy_`` lists), "auto" (an engine's choice: the table once
+its kernel is compiled, which an engine does off its start-up path (``TableCompile``), the lists
+until then; here, the lists)."""
 
 Lists = tuple[list[torch.Tensor], list[torch.Tensor]]
 

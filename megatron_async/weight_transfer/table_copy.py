@@ -13,6 +13,9 @@ program per item and copies bits (no conversion), so the result equals ``copy_``
 pair that does not qualify (dtypes differ, inner dim strided, CPU) is left to the caller."""
 from __future__ import annotations
 
+import logging
+import threading
+
 import numpy as np
 import torch
 
@@ -21,6 +24,8 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - the caller keeps its multi-tensor copies
     triton = None
+
+log = logging.getLogger("megatron_async")
 
 ITEM_ELEMENTS = 1 << 16
 """Elements one program copies at most (whole rows, or a piece of one long row); a multiple of
@@ -132,6 +137,46 @@ def _items(pairs: np.ndarray, item_elements: int) -> np.ndarray:
     out[:, 9] = np.where(is_long, 1, np.minimum(p_per, p_rows - first))
     out[:, 8] = first
     return out
+
+
+def compile_forms(device: torch.device, dtypes) -> None:
+    """Compile the kernel's aligned and unaligned forms for the element sizes of ``dtypes`` on
+    ``device`` without launching it: no memory on the device, no stream work (safe beside a CUDA
+    graph capture on another thread). A launch later still loads the module (milliseconds)."""
+    table = torch.zeros(_FIELDS, dtype=torch.int64)  # its dtype and alignment are all that specialise
+    with torch.cuda.device(device):
+        for size in sorted({torch.empty(0, dtype=d).element_size() for d in dtypes} & set(_BITS)):
+            for aligned in (False, True):
+                _copy_rows.warmup(table, ELEM=getattr(tl, _BITS[size]), ALIGNED=aligned, VEC=16 // size, BLOCK=BLOCK,
+                                  FIELDS=_FIELDS, grid=(1,))
+
+
+class TableCompile:
+    """``compile_forms`` on a daemon thread, started when an engine is built: its start-up does not
+    wait for the compiler, and its first IPC update finds the kernel compiled. ``ready()``: compiled
+    (False while the thread runs, and for good if it failed: the multi-tensor copies serve)."""
+
+    def __init__(self, device: torch.device, dtypes):
+        self._done = threading.Event()
+        self._ok = False
+        threading.Thread(target=self._run, args=(device, tuple(dtypes)), name="ipc-table-compile", daemon=True).start()
+
+    def _run(self, device: torch.device, dtypes: tuple) -> None:
+        try:
+            compile_forms(device, dtypes)
+            self._ok = True
+        except Exception as e:  # noqa: BLE001 -- the foreach copies serve instead
+            log.warning("the IPC table copy kernel did not compile (%s): IPC updates use foreach copies", e)
+        finally:
+            self._done.set()
+
+    def ready(self) -> bool:
+        return self._done.is_set() and self._ok
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """``ready()`` once the thread ended (or ``timeout_s`` passed)."""
+        self._done.wait(timeout_s)
+        return self.ready()
 
 
 def warm_up(device: torch.device, dtype: torch.dtype) -> None:

@@ -4,7 +4,8 @@ Megatron-Core's DDP keeps them) or a storage per tensor (``--layout separate``, 
 GPTModel holds its parameters), shares them each step (``ipc.Sharer``: the same payload; a few
 updates with every storage shared afresh, ``ipc.share``), and the engine copies from them
 (``update_weights_from_ipc``). Times the first update (plan, mapping), the next ones (plan cached,
-storages kept), with the table kernel and with ``torch._foreach_copy_`` lists, and one device copy
+storages kept), with the default copy kernel ("auto": the table once compiled) and with
+``torch._foreach_copy_`` lists, and one device copy
 of the same bytes; checks that the trainer's in-place change arrives, that tensors moved to new
 memory arrive (no old mapping read), that a payload from before ``release_after`` is refused, and
 that the engine generates the tokens of the same weights given in-process under HF names.
@@ -58,6 +59,8 @@ class IpcReport:
     mapped: int = 0
     launches: dict = field(default_factory=dict)
     """Kernel lists an update launches, by kernel."""
+    kernels: dict = field(default_factory=dict)
+    """The copy kernel each kind of update launched ("auto" resolved by the engine)."""
     phases: dict = field(default_factory=dict)
     """The engine's host time by phase (``WeightReceiver.last_ipc_ms``) of the first update and of
     the last of each kind."""
@@ -203,7 +206,7 @@ def run(default_model: str, updates: int = 4, layout: str = "flat", repeats: int
     try:
         for k, kind in enumerate(schedule(updates, repeats)):
             payload = json.loads(store.get(f"payload/{k}"))
-            weights.ipc_kernel = "foreach" if kind == "foreach" else "table"  # (a change binds anew)
+            weights.ipc_kernel = "foreach" if kind == "foreach" else "auto"  # the default; a change binds anew
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             try:  # (returns once its copies are done)
@@ -222,7 +225,8 @@ def run(default_model: str, updates: int = 4, layout: str = "flat", repeats: int
                 times[kind].append(ms)
             if kind in ("first", "hot", "fresh", "foreach"):
                 rep.phases[kind] = dict(weights.last_ipc_ms)
-                rep.launches[weights.ipc_kernel] = weights._bound[1].launches
+                rep.kernels[kind] = weights._bound[2]  # what "auto" took (the table once compiled)
+                rep.launches[weights._bound[2]] = weights._bound[1].launches
             if kind == "change":
                 rep.change_arrived = torch.equal(probe.float(), 2 * before.float())
                 tokens = _tokens(llm, greedy)

@@ -82,8 +82,12 @@ class WeightReceiver:
         self._payloads = ipc.CheckedPayloads()
         self.last_ipc_ms: dict[str, float] = {}
         """Host time of the last IPC update by phase (``IPC_PHASES``), in ms."""
-        self._bound = None  # (program, GroupedCopy) of the last IPC payload
+        self._bound = None  # (program, GroupedCopy, kernel) of the last IPC payload
         self._ipc_kernel = "auto"
+        cuda = {(p.device, p.dtype) for p in self.model.parameters() if p.device.type == "cuda"}
+        self.table_compile = (table_copy.TableCompile(min(cuda, key=str)[0], {d for _, d in cuda})
+                              if cuda and table_copy.triton is not None else None)
+        """The IPC table kernel compiling off the start-up path; "auto" copies take it once ready."""
         self._uuid: str | None = None
 
     def _prepare_plan(self) -> None:
@@ -247,8 +251,9 @@ class WeightReceiver:
         times.append(time.perf_counter())
         opened = self._storages.open(u.storages)
         times.append(time.perf_counter())
-        if self._bound is None or self._bound[0] is not program:  # same program: same storages, same views
-            self._bound = (program, GroupedCopy(program.bind(ipc.sources(opened, u.tensors)), self.ipc_kernel))
+        kernel = self.ipc_copy_kernel()
+        if self._bound is None or self._bound[0] is not program or self._bound[2] != kernel:  # same storages, views
+            self._bound = (program, GroupedCopy(program.bind(ipc.sources(opened, u.tensors)), kernel), kernel)
         times.append(time.perf_counter())
         program.begin()
         copied = self._bound[1].run()
@@ -268,6 +273,13 @@ class WeightReceiver:
     def ipc_kernel(self) -> str:
         """How an IPC update launches its copies (``copy_groups.KERNELS``); a change binds anew."""
         return self._ipc_kernel
+
+    def ipc_copy_kernel(self) -> str:
+        """The kernel the next IPC update launches: ``ipc_kernel``, with "auto" the table once its
+        compile finished (``table_compile``), else the foreach lists."""
+        if self._ipc_kernel != "auto":
+            return self._ipc_kernel
+        return "table" if self.table_compile is not None and self.table_compile.ready() else "foreach"
 
     @ipc_kernel.setter
     def ipc_kernel(self, kernel: str) -> None:

@@ -4,6 +4,7 @@ work items; every byte equals ``copy_``'s, nothing outside the destinations is w
 that do not qualify (dtypes differ, inner dim strided) are named so."""
 import torch
 
+from megatron_async.weight_transfer import table_copy
 from megatron_async.weight_transfer.table_copy import TableCopy, geometry, qualifies
 
 
@@ -32,3 +33,28 @@ def test_geometry_merges_dims_and_refuses_a_strided_inner_dim():
     assert geometry(x[..., ::2].clone(), x[..., ::2]) is None
     assert not qualifies(x.clone(), x)  # on the CPU the caller keeps its own copies
     assert not qualifies(x.clone().to(torch.bfloat16), x)
+
+
+def test_auto_takes_the_table_only_once_its_compile_is_ready():
+    """An engine's "auto" copy kernel: the foreach lists until the table kernel's off-start-up
+    compile finished, the table after, and never the table if that compile failed (here: no GPU)."""
+    from megatron_async.inference.engines.weight_receiver import WeightReceiver
+
+    receiver = object.__new__(WeightReceiver)
+    receiver._ipc_kernel, receiver.table_compile = "auto", None
+    assert receiver.ipc_copy_kernel() == "foreach"  # a CPU engine: no compile started
+
+    class _Compile:
+        done = False
+
+        def ready(self):
+            return self.done
+
+    receiver.table_compile = compile_ = _Compile()
+    assert receiver.ipc_copy_kernel() == "foreach"
+    compile_.done = True
+    assert receiver.ipc_copy_kernel() == "table"
+    receiver._ipc_kernel = "foreach"  # an explicit choice wins
+    assert receiver.ipc_copy_kernel() == "foreach"
+    failed = table_copy.TableCompile(torch.device("cpu"), [torch.bfloat16])
+    assert failed.wait(30) is False and failed.ready() is False
