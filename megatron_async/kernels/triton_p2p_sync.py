@@ -79,3 +79,53 @@ def finish_call(state_ptr, epoch):
     if tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         tl.store(state_ptr + 1, 0)
         tl.store(state_ptr, epoch + 1)
+
+
+# ---- Lamport protocol (``triton_fused_all_reduce``'s LAMPORT form): no flags, no fence.
+# Every buffer element that holds no message is a sentinel: each 16-bit half of it 0x8000 (a
+# bf16 / fp16 -0.0; a float32 0x80008000, a negative denormal). A writer pushes its values with
+# any sentinel replaced by a zero (a -0.0 becomes +0.0: the same sum), the reader polls its own
+# buffer's elements until none is a sentinel, sums them and writes the sentinels back. Posted
+# stores and local polls: one NVLink crossing per call instead of data, fence, then flag. A peer
+# is at most one call ahead (it needs this rank's next push to finish its own next call), and
+# calls alternate buffer halves, so a slot is read and cleared before it is written again.
+# Buffers start filled with sentinels (``SENTINEL_INT16`` in every int16), before any rank pushes.
+
+SENTINEL_INT16 = -32768
+"""0x8000: what every 16-bit half of an empty Lamport buffer holds."""
+
+
+@triton.jit
+def _empty_like(v):
+    """Sentinels of ``v``'s shape and dtype (bit patterns: no arithmetic, which would turn -0.0 into +0.0)."""
+    if v.dtype.primitive_bitwidth == 32:
+        return tl.full(v.shape, -2147450880, tl.int32).to(v.dtype, bitcast=True)  # 0x80008000
+    return tl.full(v.shape, -32768, tl.int16).to(v.dtype, bitcast=True)
+
+
+@triton.jit
+def lamport_is_empty(v):
+    """Per element: still the sentinel (no message arrived)."""
+    if v.dtype.primitive_bitwidth == 32:
+        return v.to(tl.int32, bitcast=True) == -2147450880
+    return v.to(tl.int16, bitcast=True) == -32768
+
+
+@triton.jit
+def lamport_mark(v):
+    """A value to push: a sentinel bit pattern becomes a zero (never mistaken for "empty")."""
+    return tl.where(lamport_is_empty(v), tl.zeros_like(v), v)
+
+
+@triton.jit
+def lamport_take(ptr, mask):
+    """The message at ``ptr`` once every element of it arrived (volatile polls of this rank's
+    own buffer), then the sentinels written back for the call that uses this half next."""
+    v = tl.load(ptr, mask=mask, other=0.0, volatile=True)
+    waiting = lamport_is_empty(v) & mask
+    while tl.max(waiting.to(tl.int32), axis=0) > 0:
+        again = tl.load(ptr, mask=mask, other=0.0, volatile=True)
+        v = tl.where(waiting, again, v)
+        waiting = waiting & lamport_is_empty(again)
+    tl.store(ptr, _empty_like(v), mask=mask)
+    return v

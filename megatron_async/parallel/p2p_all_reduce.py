@@ -28,8 +28,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
-import time
 import warnings
 from collections import Counter
 
@@ -37,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_async.config import AllReduceBackend
-from megatron_async.parallel.plain_gather import all_gather_plain
+from megatron_async.parallel.p2p_checks import SELF_TEST_TIMEOUT_S, all_agree, group_problem, local_problem, wait_or_raise
 from megatron_async.parallel.state import ParallelState
 
 log = logging.getLogger("megatron_async")
@@ -57,9 +55,6 @@ FUSED_MAX_PROGRAMS = 128
 """Grid cap of the fused kernel (each program owns rows and one flag slot per rank); lower
 when the signal pads are small."""
 
-SELF_TEST_TIMEOUT_S = 30.0
-"""How long the load-time self-test may take before the P2P path is declared broken."""
-
 _DTYPES = (torch.float32, torch.bfloat16)  # what torch's symmetric-memory reduce kernels dispatch
 _TWO_SHOT_WORLD_SIZES = (2, 4, 8)  # torch's two-shot kernel with an output tensor exists for these only
 # Set before the first symmetric allocation: multicast objects are never created.
@@ -71,16 +66,17 @@ class P2PAllReduceUnavailable(RuntimeError):
 
 
 def with_p2p_all_reduce(parallel: ParallelState, backend: AllReduceBackend | str, max_bytes: int,
-                        device: torch.device, fused_norm: bool = True) -> ParallelState:
+                        device: torch.device, fused_norm: bool = True, lamport: bool = False) -> ParallelState:
     """``parallel`` with its TP group's P2P all-reduce attached (``parallel.tp_reducer``), or
     unchanged when the backend is NCCL, TP is off, ``max_bytes`` is 0, or (AUTO) the group cannot
-    use P2P. ``fused_norm``: also offer the all-reduce fused with the next add + RMSNorm.
+    use P2P. ``fused_norm``: also offer the all-reduce fused with the next add + RMSNorm
+    (``lamport``: over Lamport buffers, ``kernels/triton_p2p_sync.py``).
     Collective over the TP group on CUDA; call it on every rank before building layers."""
     backend = AllReduceBackend(backend)
     if parallel.tp_size == 1 or backend is AllReduceBackend.NCCL or max_bytes == 0:
         return parallel
     reducer = P2PAllReduce.create(parallel.tp_group, torch.device(device), max_bytes,
-                                  required=backend is AllReduceBackend.P2P, fused_norm=fused_norm)
+                                  required=backend is AllReduceBackend.P2P, fused_norm=fused_norm, lamport=lamport)
     return parallel if reducer is None else dataclasses.replace(parallel, tp_reducer=reducer)
 
 
@@ -89,20 +85,7 @@ def check_p2p_possible(backend: AllReduceBackend | str, tp_size: int, device: to
     and this device can never take part: every rank decides alike, and no rank leaves while its
     peers are still connecting (a rank that left mid-way failed their gloo set-up instead)."""
     if AllReduceBackend(backend) is AllReduceBackend.P2P and tp_size > 1 and torch.device(device).type != "cuda":
-        _unavailable(_local_problem(torch.device(device)), required=True)
-
-
-def _local_problem(device: torch.device) -> str | None:
-    """Why this rank cannot take part (None: it can)."""
-    if device.type != "cuda":
-        return f"needs CUDA devices (device is {device})"
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401
-    except ImportError as e:
-        return f"torch has no symmetric memory ({e})"
-    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
-        return "torch lacks torch.ops.symm_mem.one_shot_all_reduce_copy_out"
-    return None
+        _unavailable(local_problem(torch.device(device)), required=True)
 
 
 class P2PAllReduce:
@@ -134,12 +117,13 @@ class P2PAllReduce:
 
     @classmethod
     def create(cls, group, device: torch.device, max_bytes: int, required: bool,
-               fused_norm: bool = True) -> P2PAllReduce | None:
+               fused_norm: bool = True, lamport: bool = False) -> P2PAllReduce | None:
         """Collective over ``group``: every rank checks itself, the ranks agree, and only if all
         can do they allocate and exchange the buffer. None (NCCL for everything) when some rank
         cannot, or raise P2PAllReduceUnavailable (on every rank) when ``required``. The fused
         norm path is kept only if it passes its own self-test on every rank."""
-        problem = _local_problem(device)
+
+        problem = local_problem(device)
         if problem is not None and device.type != "cuda":  # gloo group: decided alike on every rank, no collective
             return _unavailable(problem, required)
         problem, buffer, peers = group_problem(group, device, problem), None, None
@@ -150,19 +134,19 @@ class P2PAllReduce:
                 problem, buffer = f"symmetric memory setup failed on rank {dist.get_rank(group)}: {e}", None
             if buffer is not None and fused_norm:
                 try:  # the fused path's own allocation: optional, its failure leaves plain P2P on
-                    peers = _fused_peer_tables(group, device, max_bytes)
+                    peers = fused_peer_tables(group, device, max_bytes, lamport)
                 except Exception as e:  # noqa: BLE001 - the ranks agree on the fused path below
                     log.warning("fused all-reduce + RMSNorm off: its symmetric buffer failed (%s)", e)
-        if not _all_agree(problem is None, group, device):
+        if not all_agree(problem is None, group, device):
             return _unavailable(problem or "symmetric memory setup failed on another rank", required)
         reducer = cls(group, buffer, max_bytes, peers=peers)
         problem = reducer.self_test()
-        if not _all_agree(problem is None, group, device):
+        if not all_agree(problem is None, group, device):
             reducer.close()
             return _unavailable(problem or "the self-test failed on another rank", required)
-        if fused_norm and _all_agree(reducer.fused_max_bytes > 0, group, device):  # every rank has the tables
+        if fused_norm and all_agree(reducer.fused_max_bytes > 0, group, device):  # every rank has the tables
             problem = fused_self_test(reducer)
-            if not _all_agree(problem is None, group, device):
+            if not all_agree(problem is None, group, device):
                 log.warning("fused all-reduce + RMSNorm off: %s", problem or "its self-test failed on another rank")
                 reducer.fused_max_bytes = 0
         else:
@@ -235,7 +219,8 @@ class P2PAllReduce:
         self.calls["fused_norm"] += 1
         p = self.peers
         return fused.all_reduce_add_rms_norm(partial, residual, weight, eps, cast_before_weight, p.buffers,
-                                             p.signal_pads, p.state, p.half_bytes, p.rank, p.max_programs)
+                                             p.signal_pads, p.state, p.half_bytes, p.rank, p.max_programs,
+                                             lamport=p.lamport)
 
     def close(self) -> None:
         """Drop the buffer (before the process group goes); later calls all go to NCCL."""
@@ -264,21 +249,51 @@ class PeerTables:
     """Each buffer is two halves of this size, used alternately (``kernels/triton_p2p_sync``)."""
     state: torch.Tensor
     """int32 [2] on this GPU: (calls so far, arrivals in the current call); the kernels' own."""
+    lamport: bool = False
+    """The buffers are Lamport buffers (sentinels where no message is): no flag barrier."""
 
 
-def wait_or_raise(timeout_s: float, what: str) -> None:
-    """Wait for the current stream's work, raising RuntimeError after ``timeout_s``: P2P mappings
-    that do not work make the kernels spin forever (an error, not a hang)."""
-    done = torch.cuda.Event()
-    done.record()
-    deadline = time.monotonic() + timeout_s
-    while not done.query():
-        if time.monotonic() > deadline:
-            msg = (f"{what} did not finish in {timeout_s:.0f} s: the GPUs' P2P mappings do not work here; "
-                   "use InferenceConfig.tp_all_reduce='nccl'")
-            log.error(msg)
-            raise RuntimeError(msg)
-        time.sleep(0.001)
+def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> tuple[torch.Tensor, object]:
+    """A symmetric buffer of ``nbytes`` on every rank of ``group`` and its rendezvous handle.
+    Collective: the ranks agree that every allocation succeeded before the rendezvous (a rank
+    whose allocation raised would never join it, and the others would wait there forever);
+    if one failed, every rank raises RuntimeError."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buffer, error = None, None
+    try:
+        for key, value in _NO_MULTICAST_ENV.items():
+            os.environ[key] = value
+        with warnings.catch_warnings():  # older torch needs it, newer deprecates it
+            warnings.simplefilter("ignore")
+            enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", lambda name: False)
+            if hasattr(symm_mem, "enable_symm_mem_for_group") and not enabled(group.group_name):
+                symm_mem.enable_symm_mem_for_group(group.group_name)
+        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    except Exception as e:  # noqa: BLE001 - reported below, on every rank
+        error = e
+    if not all_agree(error is None, group, device):
+        where = f"on rank {dist.get_rank(group)}: {error}" if error is not None else "on another rank"
+        raise RuntimeError(f"symmetric allocation of {nbytes} bytes failed {where}")
+    return buffer, symm_mem.rendezvous(buffer, group.group_name)
+
+
+def fused_peer_tables(group, device: torch.device, max_bytes: int, lamport: bool = False) -> PeerTables | None:
+    """The fused kernel's own symmetric buffer (two halves of world_size messages) and its
+    address tables (None, fused path off, if this torch's handle lacks something: the plain P2P
+    all-reduce does not need them). Collective over ``group``. ``lamport``: the buffer starts
+    filled with sentinels, on this rank's stream before the ranks' next collective (the
+    agreement that follows in ``P2PAllReduce.create``), so no peer pushes into it earlier."""
+    world = dist.get_world_size(group)
+    half = world * fused_message_bytes(max_bytes, world)
+    if half == 0:
+        return None
+    buffer, handle = _rendezvous_buffer(group, device, 2 * half)
+    if lamport:
+        from megatron_async.kernels.triton_p2p_sync import SENTINEL_INT16
+
+        buffer.view(torch.int16).fill_(SENTINEL_INT16)
+    return peer_tables(handle, buffer, device, half, "fused all-reduce + RMSNorm", lamport)
 
 
 def fused_self_test(reducer: P2PAllReduce, rows: int = 3, hidden: int = 256) -> str | None:
@@ -303,72 +318,8 @@ def fused_self_test(reducer: P2PAllReduce, rows: int = 3, hidden: int = 256) -> 
     return None
 
 
-def _all_agree(ok: bool, group, device: torch.device) -> bool:
-    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-def group_problem(group, device: torch.device, local_problem: str | None) -> str | None:
-    """Collective over ``group``: the first reason any rank cannot take part in a P2P
-    collective (each rank's ``local_problem``, hosts, peer access), the same on every rank."""
-    return _group_problem(all_gather_plain((socket.gethostname(), device.index, local_problem), group, device), device)
-
-
-def _group_problem(infos: list, device: torch.device) -> str | None:
-    """The first reason any rank cannot take part, judged alike on every rank from the gathered
-    (host, device index, problem) triples, plus this rank's peer access to the others' GPUs."""
-    for rank, (_, _, problem) in enumerate(infos):
-        if problem is not None:
-            return f"rank {rank}: {problem}"
-    if len({host for host, _, _ in infos}) > 1:
-        return "the TP group spans several hosts (P2P needs one NVLink domain)"
-    indices = [index for _, index, _ in infos]
-    if len(set(indices)) == len(indices) and max(indices) < torch.cuda.device_count():  # all GPUs visible here
-        blocked = [i for i in indices if i != device.index and not torch.cuda.can_device_access_peer(device.index, i)]
-        if blocked:
-            return f"GPU {device.index} cannot access the memory of GPUs {blocked}"
-    return None
-
-
-def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> tuple[torch.Tensor, object]:
-    """A symmetric buffer of ``nbytes`` on every rank of ``group`` and its rendezvous handle.
-    Collective: the ranks agree that every allocation succeeded before the rendezvous (a rank
-    whose allocation raised would never join it, and the others would wait there forever);
-    if one failed, every rank raises RuntimeError."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    buffer, error = None, None
-    try:
-        for key, value in _NO_MULTICAST_ENV.items():
-            os.environ[key] = value
-        with warnings.catch_warnings():  # older torch needs it, newer deprecates it
-            warnings.simplefilter("ignore")
-            enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", lambda name: False)
-            if hasattr(symm_mem, "enable_symm_mem_for_group") and not enabled(group.group_name):
-                symm_mem.enable_symm_mem_for_group(group.group_name)
-        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-    except Exception as e:  # noqa: BLE001 - reported below, on every rank
-        error = e
-    if not _all_agree(error is None, group, device):
-        where = f"on rank {dist.get_rank(group)}: {error}" if error is not None else "on another rank"
-        raise RuntimeError(f"symmetric allocation of {nbytes} bytes failed {where}")
-    return buffer, symm_mem.rendezvous(buffer, group.group_name)
-
-
-def _fused_peer_tables(group, device: torch.device, max_bytes: int) -> PeerTables | None:
-    """The fused kernel's own symmetric buffer (two halves of world_size messages) and its
-    address tables (None, fused path off, if this torch's handle lacks something: the plain P2P
-    all-reduce does not need them). Collective over ``group``."""
-    world = dist.get_world_size(group)
-    half = world * fused_message_bytes(max_bytes, world)
-    if half == 0:
-        return None
-    buffer, handle = _rendezvous_buffer(group, device, 2 * half)
-    return peer_tables(handle, buffer, device, half, "fused all-reduce + RMSNorm")
-
-
-def peer_tables(handle, buffer: torch.Tensor, device: torch.device, half_bytes: int, what: str) -> PeerTables | None:
+def peer_tables(handle, buffer: torch.Tensor, device: torch.device, half_bytes: int, what: str,
+                lamport: bool = False) -> PeerTables | None:
     """A P2P collective's address tables from a rendezvous handle (``buffer``: two halves of
     ``half_bytes``) and a fresh call counter; None (that path off: ``what``) if this torch's
     handle lacks something."""
@@ -384,7 +335,8 @@ def peer_tables(handle, buffer: torch.Tensor, device: torch.device, half_bytes: 
             buffers=torch.tensor([p + shift for p in handle.buffer_ptrs], dtype=torch.int64, device=device),
             signal_pads=torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device),
             rank=rank, world_size=world, max_programs=min(FUSED_MAX_PROGRAMS, sms, pad_slots // world),
-            allocation=buffer, half_bytes=half_bytes, state=torch.zeros(2, dtype=torch.int32, device=device))
+            allocation=buffer, half_bytes=half_bytes, state=torch.zeros(2, dtype=torch.int32, device=device),
+            lamport=lamport)
     except Exception as e:  # noqa: BLE001 - decided alike on every rank (same torch); self-tests agree anyway
         log.warning("%s off: no peer address tables from torch symmetric memory (%s)", what, e)
         return None

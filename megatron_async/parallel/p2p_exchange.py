@@ -17,16 +17,8 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from megatron_async.parallel.p2p_all_reduce import (
-    SELF_TEST_TIMEOUT_S,
-    PeerTables,
-    _all_agree,
-    _local_problem,
-    _rendezvous_buffer,
-    group_problem,
-    peer_tables,
-    wait_or_raise,
-)
+from megatron_async.parallel.p2p_all_reduce import PeerTables, _rendezvous_buffer, peer_tables
+from megatron_async.parallel.p2p_checks import SELF_TEST_TIMEOUT_S, all_agree, group_problem, local_problem, wait_or_raise
 from megatron_async.parallel.state import ParallelState
 
 log = logging.getLogger("megatron_async")
@@ -60,7 +52,7 @@ class P2PExchange:
     def create(cls, group, device: torch.device, max_bytes: int) -> P2PExchange | None:
         """Every rank checks itself, the ranks agree, they allocate and exchange the buffers and
         run a self-test; None (NCCL for everything, on every rank) if any step fails anywhere."""
-        problem, exchanger = group_problem(group, device, _local_problem(device)), None
+        problem, exchanger = group_problem(group, device, local_problem(device)), None
         if problem is None:
             try:
                 buffer, handle = _rendezvous_buffer(group, device, 2 * max_bytes)  # two halves, used alternately
@@ -71,7 +63,7 @@ class P2PExchange:
                 problem = exchanger.self_test()
             except Exception as e:  # noqa: BLE001 - any failure means: use NCCL
                 problem = f"rank {dist.get_rank(group)}: {e}"
-        if not _all_agree(problem is None, group, device):
+        if not all_agree(problem is None, group, device):
             log.info("EP exchange over NCCL (no P2P): %s", problem or "set-up failed on another rank")
             return None
         return exchanger

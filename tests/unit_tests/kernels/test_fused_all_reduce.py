@@ -177,6 +177,78 @@ def test_k_split_partials_are_summed_in_split_order_before_the_exchange(splits):
         _check(out, want_out)
 
 
+def _play_lamport(parts: list[torch.Tensor], rank: int, residual: torch.Tensor, norm: RMSNorm, max_programs: int,
+                  calls_before: int = 0, own: torch.Tensor | None = None):
+    """``_play_rank`` with Lamport buffers: every buffer starts as sentinels, the peers' messages
+    already pushed into this rank's buffer (their sentinel values replaced by zeros, as their
+    push does); no flags. Returns (out, new residual, every rank's buffer after)."""
+    W = len(parts)
+    M, N = parts[0].shape
+    half = W * M * N + 64
+    buffers = [torch.zeros(2 * half, dtype=parts[0].dtype, device=DEVICE) for _ in range(W)]
+    for b in buffers:
+        b.view(torch.int16).fill_(-32768)
+    used = (calls_before & 1) * half
+    for r in range(W):
+        if r != rank:
+            buffers[rank][used + r * M * N: used + (r + 1) * M * N].copy_(parts[r].flatten() + 0.0)  # -0.0 -> +0.0
+    pads = torch.zeros(max_programs * W, dtype=torch.int32, device=DEVICE)
+    state = torch.tensor([calls_before, 0], dtype=torch.int32, device=DEVICE)
+    table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEVICE)  # noqa: E731
+    out, new_res = fused.all_reduce_add_rms_norm(parts[rank] if own is None else own, residual, norm.weight, EPS,
+                                                 norm.cast_before_weight, table(buffers), table([pads] * W), state,
+                                                 half * parts[0].element_size(), rank, max_programs, lamport=True)
+    assert not pads.any()  # no flags
+    return out, new_res, buffers, used, half
+
+
+def _empty(t: torch.Tensor) -> torch.Tensor:
+    """Per element of a buffer region: still the Lamport sentinel."""
+    if t.element_size() == 4:
+        return t.view(torch.int32) == -2147450880
+    return t.view(torch.int16) == -32768
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("calls_before", [0, 3])
+def test_lamport_buffers_take_the_messages_without_flags_and_empty_what_they_read(dtype, calls_before):
+    """The Lamport form: the same sums and norm as the flag form, this rank's push (its -0.0s
+    pushed as +0.0: never mistaken for "empty") in its slot of every buffer's half, and the half
+    it read left all sentinels for the call after next; the other half untouched."""
+    world, rows = 4, 5
+    parts, residual, norm = _case(world, rows, 64, dtype, seed=31 + calls_before)
+    parts[1][0, :8] = -0.0
+    want_out, want_res = _reference(parts, residual, norm)
+    out, new_res, buffers, used, half = _play_lamport(parts, 1, residual, norm, max_programs=2,
+                                                      calls_before=calls_before)
+    assert torch.equal(new_res, want_res)
+    _check(out, want_out)
+    M, N = rows, 64
+    mine = slice(used + M * N, used + 2 * M * N)
+    for r, b in enumerate(buffers):
+        if r == 1:
+            assert _empty(b[used: used + half]).all()  # read, then emptied (its own slot too)
+        else:
+            assert torch.equal(b[mine], parts[1].flatten() + 0.0)
+            assert not _empty(b[mine]).any()
+            assert _empty(b[used: mine.start]).all() and _empty(b[mine.stop: used + half]).all()
+        other = half - used
+        assert _empty(b[other: other + half]).all()
+
+
+def test_lamport_takes_k_split_partials():
+    parts, residual, norm = _case(2, 3, 64, torch.float16, seed=41)
+    pieces = torch.randn(4, 3, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    total = pieces[0].clone()
+    for piece in pieces[1:]:
+        total += piece
+    parts[0] = total.half()
+    want_out, want_res = _reference(parts, residual, norm)
+    out, new_res, *_ = _play_lamport(parts, 0, residual, norm, max_programs=4, own=pieces)
+    assert torch.equal(new_res, want_res)
+    _check(out, want_out)
+
+
 def test_supported_shapes():
     x = torch.zeros(4, 64, device=DEVICE)
     w = torch.ones(64, device=DEVICE)

@@ -14,7 +14,7 @@ def _worker(rank: int, world: int) -> tuple[list, list]:
     import torch
     import torch.distributed as dist
 
-    from megatron_async.parallel.p2p_all_reduce import group_problem
+    from megatron_async.parallel.p2p_checks import group_problem
     from megatron_async.parallel.plain_gather import all_gather_plain
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
