@@ -98,17 +98,22 @@ SENTINEL_INT16 = -32768
 @triton.jit
 def _empty_like(v):
     """Sentinels of ``v``'s shape and dtype (bit patterns: no arithmetic, which would turn -0.0 into +0.0)."""
+    # (if / else with one return: Triton 3.6 compiles the lines after a returning branch too)
     if v.dtype.primitive_bitwidth == 32:
-        return tl.full(v.shape, -2147450880, tl.int32).to(v.dtype, bitcast=True)  # 0x80008000
-    return tl.full(v.shape, -32768, tl.int16).to(v.dtype, bitcast=True)
+        empty = tl.full(v.shape, -2147450880, tl.int32).to(v.dtype, bitcast=True)  # 0x80008000
+    else:
+        empty = tl.full(v.shape, -32768, tl.int16).to(v.dtype, bitcast=True)
+    return empty
 
 
 @triton.jit
 def lamport_is_empty(v):
     """Per element: still the sentinel (no message arrived)."""
     if v.dtype.primitive_bitwidth == 32:
-        return v.to(tl.int32, bitcast=True) == -2147450880
-    return v.to(tl.int16, bitcast=True) == -32768
+        empty = v.to(tl.int32, bitcast=True) == -2147450880
+    else:
+        empty = v.to(tl.int16, bitcast=True) == -32768
+    return empty
 
 
 @triton.jit

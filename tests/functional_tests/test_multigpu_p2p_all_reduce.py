@@ -46,4 +46,4 @@ def test_fp32_tp_graphs_tokens_equal_tp1(tmp_path, backend):
         calls = got["p2p_calls"]
         assert bool(calls.get("one_shot")) == (backend != "nccl"), calls  # the LM head / embedding still all-reduce
         assert bool(calls.get("fused_norm")) == fused, calls
-        assert got["lamport"] == lamport
+        assert got["fused_on"] == fused and got["lamport"] == lamport, got  # not the unfused fall-back

@@ -260,6 +260,7 @@ def engine_worker(rank: int, world: int, ckpt: str, backend: str, fused_norm: bo
         reducer = llm.parallel.tp_reducer
         return {"outputs": engine_outputs(llm), "p2p_calls": dict(reducer.calls) if reducer else {},
                 "graph_replays": llm.runner.graphs.num_replays,
+                "fused_on": bool(reducer and reducer.fused_max_bytes),  # its self-test passed on every rank
                 "lamport": bool(reducer and reducer.peers and reducer.peers.lamport)}
     finally:
         llm.close()
