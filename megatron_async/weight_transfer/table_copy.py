@@ -147,8 +147,22 @@ def compile_forms(device: torch.device, dtypes) -> None:
     with torch.cuda.device(device):
         for size in sorted({torch.empty(0, dtype=d).element_size() for d in dtypes} & set(_BITS)):
             for aligned in (False, True):
-                _copy_rows.warmup(table, ELEM=getattr(tl, _BITS[size]), ALIGNED=aligned, VEC=16 // size, BLOCK=BLOCK,
-                                  FIELDS=_FIELDS, grid=(1,))
+                compiled = _copy_rows.warmup(table, ELEM=getattr(tl, _BITS[size]), ALIGNED=aligned, VEC=16 // size,
+                                             BLOCK=BLOCK, FIELDS=_FIELDS, grid=(1,))
+                _build_launcher(compiled)
+
+
+def _build_launcher(compiled) -> None:
+    """Build the host launcher Triton otherwise builds at a kernel's first launch: a small C module,
+    ~0.2 s of a C compiler the first time on a machine (measured: an engine's first IPC update took
+    199 ms, 186 of them in its launch), then on disk. Triton's own class, so guarded: without it the
+    first launch builds it as before."""
+    try:
+        from triton.runtime.driver import driver
+
+        driver.active.launcher_cls(compiled.src, compiled.metadata)
+    except Exception as e:  # noqa: BLE001 -- an internal API: the first launch builds it instead
+        log.debug("IPC table copy: launcher not built ahead (%s)", e)
 
 
 class TableCompile:
