@@ -104,7 +104,7 @@ class LLM:
                 comm = self.config.communication()
                 self.parallel = with_p2p_all_reduce(self.parallel, comm.tp_all_reduce,
                                                     comm.p2p_all_reduce_max_bytes, self.device,
-                                                    fused_norm=comm.tp_fused_norm, lamport=comm.tp_fused_lamport)
+                                                    fused_norm=comm.tp_fused_norm)
                 self.parallel = with_p2p_exchange(self.parallel, comm.ep_p2p_exchange, self.device)
                 if self.parallel.is_distributed:
                     self.communicator = ZMQCommunicator.from_rendezvous(

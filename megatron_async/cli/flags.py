@@ -145,9 +145,6 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--no-tp-fused-norm", action="store_true",
                    help="P2P path: keep the TP all-reduce and the next add + RMSNorm as two kernels "
                         "(InferenceConfig.tp_fused_norm=False)")
-    g.add_argument("--tp-fused-lamport", action="store_true",
-                   help="P2P path: the fused all-reduce polls Lamport buffers instead of meeting at a flag barrier "
-                        "(InferenceConfig.tp_fused_lamport)")
     g.add_argument("--no-split-linear", action="store_true",
                    help="TP=1 CUDA: every output projection on cuBLAS, none leaves its K-split sum to the next norm "
                         "(InferenceConfig.split_linear=False; default: split where the kernel's tiles take the shape)")
@@ -289,7 +286,6 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "batch_invariant": args.batch_invariant,
         "tp_all_reduce": args.tp_all_reduce,
         "tp_fused_norm": not getattr(args, "no_tp_fused_norm", False),
-        "tp_fused_lamport": getattr(args, "tp_fused_lamport", False),
         "split_linear": not getattr(args, "no_split_linear", False),
         "long_prefill_tiles": getattr(args, "long_prefill_tiles", None),
         "moe_grouped_mm": not getattr(args, "no_moe_grouped_mm", False),

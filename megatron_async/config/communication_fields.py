@@ -29,12 +29,6 @@ class CommunicationFields:
     in float32 and rounded once, so bf16 bits can differ from the unfused P2P path (float32:
     the same). False: the unfused all-reduce then add + RMSNorm (A/B)."""
 
-    tp_fused_lamport: bool = False
-    """The fused all-reduce's protocol: False, the ranks meet at a flag barrier after their pushes
-    (a system-scope fence, then a flag over NVLink); True, Lamport buffers (each reader polls its
-    own buffer until every element of the message is no longer a sentinel value: one NVLink
-    crossing a call; ``kernels/triton_p2p_sync.py``). The same sums either way."""
-
     ep_p2p_exchange: bool = True
     """Expert parallelism on GPUs of one host: the MoE layers' all-gather and reduce-scatter of
     decode-size messages (<= 16 MB) run as one Triton kernel each over symmetric buffers

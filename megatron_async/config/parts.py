@@ -87,7 +87,6 @@ class KernelChoice:
 class Communication:
     tp_all_reduce: AllReduceBackend
     tp_fused_norm: bool
-    tp_fused_lamport: bool
     p2p_all_reduce_max_bytes: int
     ep_p2p_exchange: bool
     consensus_shared_memory: bool

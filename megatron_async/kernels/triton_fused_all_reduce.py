@@ -9,9 +9,7 @@ between. Here one kernel, on every rank:
    peers' over NVLink: stores are posted, so they overlap where loads from peers would each
    wait a round trip), in the half of the buffer this call's parity picks (below); a half
    holds world_size slots of the message;
-2. meets the other ranks at a barrier (below), or with Lamport buffers polls each slot of
-   its own buffer until the message arrived (``triton_p2p_sync``; no barrier: one NVLink
-   crossing instead of the data, a system-scope fence and the flags);
+2. meets the other ranks at a barrier (below);
 3. reads the world_size slots of its own buffer half (local memory), adds them in float32 IN
    RANK ORDER (the same order on every rank, so every rank holds the same bits), rounds to the
    activation dtype (what the all-reduce's output tensor holds), adds the residual (rounded,
@@ -34,7 +32,7 @@ import triton
 import triton.language as tl
 
 from megatron_async.kernels.triton_p2p_sync import (buffer_half, call_epoch, check_fits, epoch_barrier,
-                                                    finish_call, lamport_mark, lamport_take)
+                                                    finish_call)
 from megatron_async.kernels.triton_rmsnorm import MAX_HIDDEN
 
 
@@ -58,7 +56,6 @@ def _fused_kernel(
     CAST_BEFORE_WEIGHT: tl.constexpr,
     BARRIER: tl.constexpr,
     SPLITS: tl.constexpr,
-    LAMPORT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -77,23 +74,16 @@ def _fused_kernel(
             for i in tl.static_range(1, SPLITS):
                 x += tl.load(x_ptr + i * msg + base + offs, mask=mask, other=0.0)
             x = x.to(dtype)
-        if LAMPORT:
-            x = lamport_mark(x)
         for r in tl.static_range(W):  # slot `rank` of every rank's buffer
             tl.store(buffer_half(buf_table_ptr, r, epoch, half, dtype) + rank * msg + base + offs, x, mask=mask)
-    if LAMPORT:
-        tl.debug_barrier()  # this program's own slot, pushed by other threads, before it polls
-    elif BARRIER:
+    if BARRIER:
         epoch_barrier(pad_table_ptr, pid, rank, epoch, W)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, M, num_programs):
         base = row * N
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for r in tl.static_range(W):  # rank r's rows, in this rank's own buffer
-            if LAMPORT:
-                acc += lamport_take(my_buf + r * msg + base + offs, mask).to(tl.float32)
-            else:
-                acc += tl.load(my_buf + r * msg + base + offs, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.load(my_buf + r * msg + base + offs, mask=mask, other=0.0).to(tl.float32)
         reduced = acc.to(dtype).to(tl.float32)  # the all-reduce's output, as the unfused path holds it
         res = tl.load(res_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
         h = (reduced + res).to(res_out_ptr.dtype.element_ty)
@@ -133,7 +123,6 @@ def all_reduce_add_rms_norm(
     rank: int,
     max_programs: int,
     barrier: bool = True,
-    lamport: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + sum_r x_r) * weight, residual + sum_r x_r) over the TP ranks, new tensors.
     ``x`` may be [splits, rows, hidden] float32 K-split partials (``triton_split_linear``): each
@@ -145,8 +134,7 @@ def all_reduce_add_rms_norm(
     int32 [2] on x's device, zeros before the first call, then only this kernel's (the call
     counter whose parity picks the half). ``max_programs`` caps the grid. ``barrier=False``
     skips the barrier (tests on one process whose "peers" are already in their buffers); never
-    on real ranks. ``lamport``: the buffers are Lamport buffers (``triton_p2p_sync``: sentinels
-    where no message is; no flags, ``pad_table`` unused)."""
+    on real ranks."""
     if not supported(x, residual, weight, buffer_table.numel()):
         raise ValueError(f"all_reduce_add_rms_norm: x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "
                          f"{residual.dtype}, weight {tuple(weight.shape)} {weight.dtype}, world {buffer_table.numel()}")
@@ -162,7 +150,6 @@ def all_reduce_add_rms_norm(
         x, buffer_table, pad_table, residual, weight, out, res_out, state, M, rank,
         half_bytes // residual.element_size(), eps, N=n, BLOCK_N=block, W=buffer_table.numel(),
         CAST_BEFORE_WEIGHT=cast_before_weight, BARRIER=barrier, SPLITS=x.shape[0] if x.dim() == 3 else 0,
-        LAMPORT=lamport,
         num_warps=min(max(block // 512, 1), 16),
     )
     return out, res_out

@@ -66,17 +66,16 @@ class P2PAllReduceUnavailable(RuntimeError):
 
 
 def with_p2p_all_reduce(parallel: ParallelState, backend: AllReduceBackend | str, max_bytes: int,
-                        device: torch.device, fused_norm: bool = True, lamport: bool = False) -> ParallelState:
+                        device: torch.device, fused_norm: bool = True) -> ParallelState:
     """``parallel`` with its TP group's P2P all-reduce attached (``parallel.tp_reducer``), or
     unchanged when the backend is NCCL, TP is off, ``max_bytes`` is 0, or (AUTO) the group cannot
-    use P2P. ``fused_norm``: also offer the all-reduce fused with the next add + RMSNorm
-    (``lamport``: over Lamport buffers, ``kernels/triton_p2p_sync.py``).
+    use P2P. ``fused_norm``: also offer the all-reduce fused with the next add + RMSNorm.
     Collective over the TP group on CUDA; call it on every rank before building layers."""
     backend = AllReduceBackend(backend)
     if parallel.tp_size == 1 or backend is AllReduceBackend.NCCL or max_bytes == 0:
         return parallel
     reducer = P2PAllReduce.create(parallel.tp_group, torch.device(device), max_bytes,
-                                  required=backend is AllReduceBackend.P2P, fused_norm=fused_norm, lamport=lamport)
+                                  required=backend is AllReduceBackend.P2P, fused_norm=fused_norm)
     return parallel if reducer is None else dataclasses.replace(parallel, tp_reducer=reducer)
 
 
@@ -117,7 +116,7 @@ class P2PAllReduce:
 
     @classmethod
     def create(cls, group, device: torch.device, max_bytes: int, required: bool,
-               fused_norm: bool = True, lamport: bool = False) -> P2PAllReduce | None:
+               fused_norm: bool = True) -> P2PAllReduce | None:
         """Collective over ``group``: every rank checks itself, the ranks agree, and only if all
         can do they allocate and exchange the buffer. None (NCCL for everything) when some rank
         cannot, or raise P2PAllReduceUnavailable (on every rank) when ``required``. The fused
@@ -134,7 +133,7 @@ class P2PAllReduce:
                 problem, buffer = f"symmetric memory setup failed on rank {dist.get_rank(group)}: {e}", None
             if buffer is not None and fused_norm:
                 try:  # the fused path's own allocation: optional, its failure leaves plain P2P on
-                    peers = fused_peer_tables(group, device, max_bytes, lamport)
+                    peers = fused_peer_tables(group, device, max_bytes)
                 except Exception as e:  # noqa: BLE001 - the ranks agree on the fused path below
                     log.warning("fused all-reduce + RMSNorm off: its symmetric buffer failed (%s)", e)
         if not all_agree(problem is None, group, device):
@@ -219,8 +218,7 @@ class P2PAllReduce:
         self.calls["fused_norm"] += 1
         p = self.peers
         return fused.all_reduce_add_rms_norm(partial, residual, weight, eps, cast_before_weight, p.buffers,
-                                             p.signal_pads, p.state, p.half_bytes, p.rank, p.max_programs,
-                                             lamport=p.lamport)
+                                             p.signal_pads, p.state, p.half_bytes, p.rank, p.max_programs)
 
     def close(self) -> None:
         """Drop the buffer (before the process group goes); later calls all go to NCCL."""
@@ -249,8 +247,6 @@ class PeerTables:
     """Each buffer is two halves of this size, used alternately (``kernels/triton_p2p_sync``)."""
     state: torch.Tensor
     """int32 [2] on this GPU: (calls so far, arrivals in the current call); the kernels' own."""
-    lamport: bool = False
-    """The buffers are Lamport buffers (sentinels where no message is): no flag barrier."""
 
 
 def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> tuple[torch.Tensor, object]:
@@ -278,22 +274,16 @@ def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> tuple[torch.
     return buffer, symm_mem.rendezvous(buffer, group.group_name)
 
 
-def fused_peer_tables(group, device: torch.device, max_bytes: int, lamport: bool = False) -> PeerTables | None:
+def fused_peer_tables(group, device: torch.device, max_bytes: int) -> PeerTables | None:
     """The fused kernel's own symmetric buffer (two halves of world_size messages) and its
     address tables (None, fused path off, if this torch's handle lacks something: the plain P2P
-    all-reduce does not need them). Collective over ``group``. ``lamport``: the buffer starts
-    filled with sentinels, on this rank's stream before the ranks' next collective (the
-    agreement that follows in ``P2PAllReduce.create``), so no peer pushes into it earlier."""
+    all-reduce does not need them). Collective over ``group``."""
     world = dist.get_world_size(group)
     half = world * fused_message_bytes(max_bytes, world)
     if half == 0:
         return None
     buffer, handle = _rendezvous_buffer(group, device, 2 * half)
-    if lamport:
-        from megatron_async.kernels.triton_p2p_sync import SENTINEL_INT16
-
-        buffer.view(torch.int16).fill_(SENTINEL_INT16)
-    return peer_tables(handle, buffer, device, half, "fused all-reduce + RMSNorm", lamport)
+    return peer_tables(handle, buffer, device, half, "fused all-reduce + RMSNorm")
 
 
 def fused_self_test(reducer: P2PAllReduce, rows: int = 3, hidden: int = 256) -> str | None:
@@ -318,8 +308,7 @@ def fused_self_test(reducer: P2PAllReduce, rows: int = 3, hidden: int = 256) -> 
     return None
 
 
-def peer_tables(handle, buffer: torch.Tensor, device: torch.device, half_bytes: int, what: str,
-                lamport: bool = False) -> PeerTables | None:
+def peer_tables(handle, buffer: torch.Tensor, device: torch.device, half_bytes: int, what: str) -> PeerTables | None:
     """A P2P collective's address tables from a rendezvous handle (``buffer``: two halves of
     ``half_bytes``) and a fresh call counter; None (that path off: ``what``) if this torch's
     handle lacks something."""
@@ -335,8 +324,7 @@ def peer_tables(handle, buffer: torch.Tensor, device: torch.device, half_bytes: 
             buffers=torch.tensor([p + shift for p in handle.buffer_ptrs], dtype=torch.int64, device=device),
             signal_pads=torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device),
             rank=rank, world_size=world, max_programs=min(FUSED_MAX_PROGRAMS, sms, pad_slots // world),
-            allocation=buffer, half_bytes=half_bytes, state=torch.zeros(2, dtype=torch.int32, device=device),
-            lamport=lamport)
+            allocation=buffer, half_bytes=half_bytes, state=torch.zeros(2, dtype=torch.int32, device=device))
     except Exception as e:  # noqa: BLE001 - decided alike on every rank (same torch); self-tests agree anyway
         log.warning("%s off: no peer address tables from torch symmetric memory (%s)", what, e)
         return None

@@ -246,21 +246,17 @@ def engine_outputs(llm) -> dict:
     return outs
 
 
-def engine_worker(rank: int, world: int, ckpt: str, backend: str, fused_norm: bool = True,
-                  lamport: bool = False) -> dict:
+def engine_worker(rank: int, world: int, ckpt: str, backend: str, fused_norm: bool = True) -> dict:
     """The fp32 checkpoint under TP=world with CUDA graphs and the given all-reduce backend
-    (``fused_norm``: InferenceConfig.tp_fused_norm; its calls count as p2p_calls["fused_norm"];
-    ``lamport``: InferenceConfig.tp_fused_lamport)."""
+    (``fused_norm``: InferenceConfig.tp_fused_norm; its calls count as p2p_calls["fused_norm"])."""
     from megatron_async import LLM, InferenceConfig
 
-    cfg = InferenceConfig(**ENGINE_CONFIG, cuda_graphs=True, tp_all_reduce=backend, tp_fused_norm=fused_norm,
-                          tp_fused_lamport=lamport)
+    cfg = InferenceConfig(**ENGINE_CONFIG, cuda_graphs=True, tp_all_reduce=backend, tp_fused_norm=fused_norm)
     llm = LLM(ckpt, device="cuda", dtype="float32", inference_config=cfg, tensor_parallel_size=world)
     try:
         reducer = llm.parallel.tp_reducer
         return {"outputs": engine_outputs(llm), "p2p_calls": dict(reducer.calls) if reducer else {},
                 "graph_replays": llm.runner.graphs.num_replays,
-                "fused_on": bool(reducer and reducer.fused_max_bytes),  # its self-test passed on every rank
-                "lamport": bool(reducer and reducer.peers and reducer.peers.lamport)}
+                "fused_on": bool(reducer and reducer.fused_max_bytes)}  # its self-test passed on every rank
     finally:
         llm.close()
