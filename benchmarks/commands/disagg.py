@@ -221,18 +221,26 @@ def _parts(s: dict, which: str) -> str:
 
 def loop_lines(r: dict) -> list[str]:
     """Per engine of the disaggregated setup: its steps, what its loop spent on hand-off work,
-    what its longest hand-off turn spent its time on, and its one-time set-up."""
+    what its longest hand-off turn spent its time on, its kv messages (their mean and longest:
+    a one-off turn against steady work), the kv_sends it started while a step ran, and its
+    one-time set-up."""
     out = ["| engine | steps | decode step ms | hand-off loop ms / step | longest hand-off turn ms | imports | "
-           "import posted -> admitted ms | longest turn's parts ms | each part's longest ms | kernel warm-up ms | "
-           "connection set-up ms |", "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|"]
+           "import posted -> admitted ms mean / p50 / p99 | longest turn's parts ms | each part's longest ms | "
+           "kv messages: mean / longest ms | kv_sends mid-step | kernel warm-up ms | connection set-up ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
     for role, s in r["loops"]:
         steps, imports = s.get("steps", 0), s.get("kv_imports_landed", 0)
         decode = 1e3 * s.get("decode_wall_time", 0.0) / max(1, s.get("decode_steps", 0))
+        messages = s.get("kv_loop_messages", 0)
         out.append(f"| {role} | {steps} | {decode:.2f} | {1e3 * s.get('kv_loop_seconds', 0.0) / max(1, steps):.3f} | "
                    f"{1e3 * s.get('kv_loop_max_seconds', 0.0):.2f} | {imports} | "
-                   f"{1e3 * s.get('kv_import_seconds', 0.0) / max(1, imports):.2f} | {_parts(s, 'longest')} | "
-                   f"{_parts(s, 'max')} | {1e3 * s.get('kv_warmup_seconds', 0.0):.0f} | "
-                   f"{1e3 * s.get('kv_connect_max_seconds', 0.0):.0f} |")
+                   f"{1e3 * s.get('kv_import_seconds', 0.0) / max(1, imports):.2f} / "
+                   f"{1e3 * s.get('kv_import_p50_seconds', 0.0):.2f} / "
+                   f"{1e3 * s.get('kv_import_p99_seconds', 0.0):.2f} | "
+                   f"{_parts(s, 'longest')} | {_parts(s, 'max')} | "
+                   f"{1e3 * s.get('kv_loop_total_message_seconds', 0.0) / max(1, messages):.3f} / "
+                   f"{1e3 * s.get('kv_loop_max_message_seconds', 0.0):.2f} | {s.get('kv_sends_mid_step', 0)} | "
+                   f"{1e3 * s.get('kv_warmup_seconds', 0.0):.0f} | {1e3 * s.get('kv_connect_max_seconds', 0.0):.0f} |")
     return out
 
 

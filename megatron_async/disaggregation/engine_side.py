@@ -71,6 +71,7 @@ class EngineHandOffs:
         (sent before the coordinator heard and gave the pair a new key) fails at once."""
         self.handed: list[int] = []  # engine ids that stopped at their first token, kv_ready not yet sent
         self.ready: dict[int, int] = {}  # rid -> engine id, blocks kept (READY, SENDING)
+        self.unsent: set[int] = set()  # rids announced (kv_ready) whose kv_send has not come (mid_step.py)
         self.sending: dict[tuple[str, int], int] = {}  # (connection, tag) -> blocks of a send not yet seen to end
         self.deferred: deque[list] = deque()  # kv_import fields waiting for room
         self.waiting: deque[list] = deque()  # prefill submissions waiting for room beside the kept blocks
@@ -89,6 +90,8 @@ class EngineHandOffs:
         self.chunk_bytes = CHUNK_BYTES
         """The staging chunk of this engine's connections (both ends of a pair chunk alike)."""
         self.transfer_hook = None
+        self.mid_step = None
+        """A prefill engine's kv_sends started while a step runs (mid_step.py; set by dp_engine/link.py)."""
         """A test's hook, run on a connection's thread before a transfer is handed back (PairChannel)."""
 
     @property
@@ -138,6 +141,7 @@ class EngineHandOffs:
 
     def _send(self, rid: int, pair, cached: int = 0) -> None:
         """Queue the blocks after ``cached`` on the pair's connection (gathered there, on its stream)."""
+        self.unsent.discard(rid)
         local = self.ready.get(rid)
         if local is None:
             self.link.channel.send("kv_failed", rid, "the prefill engine holds no blocks for it")
@@ -162,6 +166,7 @@ class EngineHandOffs:
         channel.send_blocks(_tag(rid), self.layout, block_ids[cached:], state, self.hold.written.get(local))
 
     def _release(self, rid: int) -> None:
+        self.unsent.discard(rid)
         local = self.ready.pop(rid, None)
         if local is not None:
             self.hold.release(local)
@@ -233,6 +238,7 @@ class EngineHandOffs:
     def _adopt(self, fields: list) -> None:
         """No decode engine is left: this prefill engine decodes the request with the blocks it kept."""
         rid, seq, prompt, sampling, stream, digests, reply, tokens, lps, version, blocks, _ = fields
+        self.unsent.discard(rid)
         local = self.ready.pop(rid, None)
         if local is None:
             self.link.channel.send("kv_failed", rid, "the prefill engine holds no blocks for it")
@@ -276,8 +282,13 @@ class EngineHandOffs:
 
     # ---------------------------------------------------------------- both
     def handle(self, kind: str, fields: list) -> None:
+        self.loop.messages += 1
         with self.loop.timed(), self.loop.part("message"):
             self._handle(kind, fields)
+
+    def handle_now(self, kind: str, fields: list) -> None:
+        """A message handled inside a step (mid_step.py): not a loop turn's work."""
+        self._handle(kind, fields)
 
     def _handle(self, kind: str, fields: list) -> None:
         if kind == "kv_import":
@@ -308,6 +319,7 @@ class EngineHandOffs:
                     self.hold.release(local)
                     continue
                 self.ready[rid] = local
+                self.unsent.add(rid)
                 self.link.channel.send("kv_ready", rid, self.hold.num_blocks(local), self.engine.weight_version)
             self.handed.clear()
             if self.waiting:
@@ -376,7 +388,8 @@ class EngineHandOffs:
                     self.hold.num_blocks(local) for local in self.ready.values()) if self.hold else 0,
                 "kv_warmup_seconds": self.warmup_seconds,
                 "kv_connect_max_seconds": max((c.setup_seconds for c in self.channels.values()), default=0.0),
-                **self.times.counters(), **self.loop.counters()}
+                **self.times.counters(), **self.loop.counters(),
+                **(self.mid_step.counters() if self.mid_step else {"kv_sends_mid_step": 0, "kv_mid_step_seconds": 0.0})}
 
     def close(self) -> None:
         for channel in self.channels.values():

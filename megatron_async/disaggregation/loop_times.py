@@ -8,19 +8,27 @@ Parts of a turn (``part``): "message" (a kv message handled), "announce" (kv_rea
 that stopped at their first token), "admit" (deferred imports given blocks and their receives
 posted), "land" (ended transfers: imports admitted decoding), "connect" (a pair connection's
 object made: its set-up runs on its own thread), "poll" (the rest: the connections' queries).
-Time outside every named part counts as "poll"."""
+Time outside every named part counts as "poll". Each part's total beside its longest tells a
+one-off turn (a set-up, a collection of the garbage collector, the GIL held by another thread)
+from steady work."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from contextlib import contextmanager
 
 PARTS = ("message", "announce", "admit", "land", "connect", "poll")
+KEPT_IMPORTS = 4096
+"""Import times kept for their percentiles (the latest)."""
 
 
 class LoopTimes:
     def __init__(self):
         self.seconds = self.max_seconds = self.import_seconds = 0.0
-        self.imports = 0
+        self.imports = self.messages = 0
+        self.part_seconds = dict.fromkeys(PARTS, 0.0)
+        """Per part, its time in all turns."""
+        self._import_times: deque[float] = deque(maxlen=KEPT_IMPORTS)
         self.part_max = dict.fromkeys(PARTS, 0.0)
         """Per part, its longest time in one turn."""
         self.longest = dict.fromkeys(PARTS, 0.0)
@@ -43,6 +51,7 @@ class LoopTimes:
             self.seconds += spent
             for name, seconds in parts.items():
                 self.part_max[name] = max(self.part_max[name], seconds)
+                self.part_seconds[name] += seconds
             if spent > self.max_seconds:
                 self.max_seconds, self.longest = spent, parts
 
@@ -70,11 +79,19 @@ class LoopTimes:
         """An import admitted ``seconds`` after its receive was posted."""
         self.imports += 1
         self.import_seconds += seconds
+        self._import_times.append(seconds)
+
+    def _import_pct(self, q: float) -> float:
+        times = sorted(self._import_times)
+        return times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
 
     def counters(self) -> dict:
         out = {"kv_loop_seconds": self.seconds, "kv_loop_max_seconds": self.max_seconds,
-               "kv_imports_landed": self.imports, "kv_import_seconds": self.import_seconds}
+               "kv_imports_landed": self.imports, "kv_import_seconds": self.import_seconds,
+               "kv_import_p50_seconds": self._import_pct(0.5), "kv_import_p99_seconds": self._import_pct(0.99),
+               "kv_loop_messages": self.messages}
         for name in PARTS:
             out[f"kv_loop_max_{name}_seconds"] = self.part_max[name]
+            out[f"kv_loop_total_{name}_seconds"] = self.part_seconds[name]
             out[f"kv_loop_longest_{name}_seconds"] = self.longest[name]
         return out

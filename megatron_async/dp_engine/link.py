@@ -112,6 +112,11 @@ class EngineLink(LinkControls):
             from megatron_async.disaggregation.engine_side import EngineHandOffs
 
             self.handoffs = EngineHandOffs(self, role, kv_transfer_backend, address, kv_transfer_kernel)
+            if role == "prefill":  # (kv_sends started while its step runs on the device)
+                from megatron_async.disaggregation.mid_step import MidStepSends
+
+                self.handoffs.mid_step = MidStepSends(channel, self.liveness.lock, self.handoffs)
+                engine.context.device.while_waiting = self.handoffs.mid_step.wait
 
     def info(self) -> EngineInfo:
         alloc = self._alloc
@@ -223,8 +228,9 @@ class EngineLink(LinkControls):
             wait_s = min(wait_s, DEFERRED_POLL_S)
         if self.handoffs is not None and self.handoffs.in_flight():
             wait_s = min(wait_s, HANDOFF_POLL_S)
-        for kind, fields in self.channel.poll(wait_s if idle and wait else 0.0):
-            self.handle(kind, fields)
+        held = self.handoffs.mid_step.take_held() if self.handoffs is not None and self.handoffs.mid_step else []
+        for kind, fields in held + self.channel.poll(wait_s if idle and wait and not held else 0.0):
+            self.handle(kind, fields)  # (those held during the last step first: arrival order)
         if self._deferred:
             self._settle()
         if self.channel.lost:
@@ -358,6 +364,7 @@ class EngineLink(LinkControls):
             self.channel.send("leave")
         self._tell_ranks("stop")
         if self.handoffs is not None:
+            self.engine.context.device.while_waiting = None
             self.handoffs.close()
         self.ended = why
         return why

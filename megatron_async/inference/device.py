@@ -56,6 +56,10 @@ class DeviceFacade:
         self._index = None  # the CUDA device's index, once asked
         self._events: dict[bool, list] = {False: [], True: []}  # a ring per kind (``event``)
         self._next_event = {False: 0, True: 0}
+        self.while_waiting = None
+        """``while_waiting(passed)``, when set: run by ``wait_host`` while a launch's event has not
+        passed (``passed()`` says when it has); it may return earlier (the wait then sleeps on
+        the event). A prefill engine starts KV sends there (disaggregation/mid_step.py)."""
 
     def memory_region(self, tag: str):
         """Context manager: device memory allocated inside can be suspended under ``tag``."""
@@ -97,6 +101,8 @@ class DeviceFacade:
     def wait_host(self, event) -> None:
         """Block the CPU until ``event`` has passed on the device (no-op on CPU)."""
         if event is not None:
+            if self.while_waiting is not None and not event.query():
+                self.while_waiting(event.query)
             event.synchronize()
 
     def synchronize(self) -> None:
