@@ -304,6 +304,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "max_lora_rank": getattr(args, "max_lora_rank", None),
         "lora_grouped_rows": getattr(args, "lora_grouped_rows", None),
         "kv_transfer_kernel": getattr(args, "kv_transfer_kernel", None),
+        "kv_send_mid_step": getattr(args, "kv_send_mid_step", None),
         "lora_experts": getattr(args, "lora_experts", None),
         "logging_step_interval": args.logging_step_interval,
         "nvtx_ranges": args.nvtx,

@@ -79,7 +79,8 @@ def join(llm, address: str, name: str | None = None, secret: bytes | str | None 
         link = EngineLink(llm.engine, channel, llm.config.max_requests, name, llm.update_weights,
                           llm.communicator if llm.tensor_parallel_size > 1 else None, role=role,
                           kv_transfer_backend=kv_transfer_backend or llm.config.kv_transfer_backend,
-                          kv_transfer_kernel=llm.config.kv_transfer_kernel, address=address)
+                          kv_transfer_kernel=llm.config.kv_transfer_kernel, address=address,
+                          kv_send_mid_step=llm.config.kv_send_mid_step)
         channel.register(link.info())
     except BaseException:
         channel.close()

@@ -66,14 +66,15 @@ class EngineLink(LinkControls):
     def __init__(self, engine, channel: EngineChannel, max_requests: int, name: str = "engine",
                  update_weights: Callable | None = None, communicator=None, step_watchdog_s: float = STEP_WATCHDOG_S,
                  role: str = "mixed", kv_transfer_backend: str = "auto", address: str = "",
-                 kv_transfer_kernel: bool = False):
+                 kv_transfer_kernel: bool = False, kv_send_mid_step: bool = False):
         """``update_weights``: the LLM's (control op "update_weights" with a checkpoint ``path``);
         ``communicator``: tensor parallelism: this link runs on rank 0 and tells the other ranks
         (``follow_rank0``) to step, and to run the operations every rank runs. ``step_watchdog_s``:
         heartbeats stop once one step or operation has run this long (the engine is hung).
         ``role``: "mixed", or "prefill" / "decode" with the hand-off's ``kv_transfer_backend``
         (disaggregation/engine_side.py; ``address``: the coordinator's; ``kv_transfer_kernel``: chunks
-        moved by one Triton launch a side)."""
+        moved by one Triton launch a side; ``kv_send_mid_step``: a prefill engine starts kv_sends
+        while its step runs, disaggregation/mid_step.py)."""
         self.engine, self.channel = engine, channel
         self.max_requests, self.name = max_requests, name
         self._update_weights, self._comm = update_weights, communicator
@@ -112,7 +113,7 @@ class EngineLink(LinkControls):
             from megatron_async.disaggregation.engine_side import EngineHandOffs
 
             self.handoffs = EngineHandOffs(self, role, kv_transfer_backend, address, kv_transfer_kernel)
-            if role == "prefill":  # (kv_sends started while its step runs on the device)
+            if role == "prefill" and kv_send_mid_step:  # (kv_sends started while its step runs on the device)
                 from megatron_async.disaggregation.mid_step import MidStepSends
 
                 self.handoffs.mid_step = MidStepSends(channel, self.liveness.lock, self.handoffs)

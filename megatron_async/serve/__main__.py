@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kv-transfer-kernel", action=argparse.BooleanOptionalAction, default=None,
                    help="with --role prefill|decode on CUDA: one Triton launch a side per chunk of blocks "
                         "(InferenceConfig.kv_transfer_kernel, default on)")
+    c.add_argument("--kv-send-mid-step", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --role prefill: start KV sends while a step runs, not only between steps "
+                        "(InferenceConfig.kv_send_mid_step, default off)")
     return p
 
 

@@ -37,7 +37,8 @@ class Pipe:
 
 def _prefill_link():
     pipe = Pipe()
-    p = EngineLink(llm().engine, pipe, 4, "p", role="prefill", kv_transfer_backend="gloo", address="tcp://127.0.0.1:1")
+    p = EngineLink(llm().engine, pipe, 4, "p", role="prefill", kv_transfer_backend="gloo", address="tcp://127.0.0.1:1",
+                   kv_send_mid_step=True)
     return p, pipe
 
 
@@ -188,3 +189,17 @@ def test_wait_host_runs_the_hook_only_while_the_event_has_not_passed():
     device.wait_host(done)
     device.wait_host(pending)
     assert calls == [True] and done.synced and pending.synced
+
+
+def test_off_by_default_the_prefill_engine_waits_for_its_turn():
+    """``InferenceConfig.kv_send_mid_step`` is off by default (not yet measured on GPUs): no hook."""
+    from megatron_async import InferenceConfig
+
+    assert InferenceConfig().kv_send_mid_step is False
+    p = EngineLink(llm().engine, Pipe(), 4, "p", role="prefill", kv_transfer_backend="gloo",
+                   address="tcp://127.0.0.1:1")
+    try:
+        assert p.handoffs.mid_step is None
+        assert p.handoffs.counters()["kv_sends_mid_step"] == 0
+    finally:
+        p.handoffs.close()
