@@ -27,7 +27,10 @@ class GatheredPeersReducer:
         return False  # plain all-reduces: gloo
 
     def fuses_norm(self, partial: torch.Tensor) -> bool:
-        return partial.dim() == 2 and partial.dtype in (torch.float32, torch.bfloat16) and partial.is_contiguous()
+        return partial.dim() == 2 and partial.is_contiguous() and self.fuses_rows(*partial.shape, partial.dtype)
+
+    def fuses_rows(self, rows: int, hidden: int, dtype: torch.dtype) -> bool:
+        return dtype in (torch.float32, torch.bfloat16)
 
     def add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                      cast_before_weight: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
