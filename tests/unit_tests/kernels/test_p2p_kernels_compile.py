@@ -20,13 +20,13 @@ def build(fn, sig, consts):
     return {"cubin": "cubin" in asm, "posted_raise": "release.exch" in asm["ptx"] or ".exch" in asm["ptx"]}
 
 out = {}
-for world in (2, 4):
-    out[f"fused_w{world}"] = build(fused._fused_kernel, {
-        "x_ptr": "*bf16", "buf_table_ptr": "*i64", "pad_table_ptr": "*i64", "res_ptr": "*bf16", "w_ptr": "*bf16",
-        "out_ptr": "*bf16", "res_out_ptr": "*bf16", "state_ptr": "*i32", "M": "i32", "rank": "i32", "half": "i32",
-        "eps": "fp32", "N": "constexpr", "BLOCK_N": "constexpr", "W": "constexpr",
-        "CAST_BEFORE_WEIGHT": "constexpr", "BARRIER": "constexpr"},
-        {"N": 1024, "BLOCK_N": 1024, "W": world, "CAST_BEFORE_WEIGHT": True, "BARRIER": True})
+for world, splits in ((2, 0), (4, 0), (4, 4)):  # splits: a row-parallel projection's float32 K-split partials
+    out[f"fused_w{world}" + (f"_s{splits}" if splits else "")] = build(fused._fused_kernel, {
+        "x_ptr": "*fp32" if splits else "*bf16", "buf_table_ptr": "*i64", "pad_table_ptr": "*i64", "res_ptr": "*bf16",
+        "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16", "state_ptr": "*i32", "M": "i32", "rank": "i32",
+        "half": "i32", "eps": "fp32", "N": "constexpr", "BLOCK_N": "constexpr", "W": "constexpr",
+        "CAST_BEFORE_WEIGHT": "constexpr", "BARRIER": "constexpr", "SPLITS": "constexpr"},
+        {"N": 1024, "BLOCK_N": 1024, "W": world, "CAST_BEFORE_WEIGHT": True, "BARRIER": True, "SPLITS": splits})
 for name, dtype in (("_all_gather_kernel", "*i32"), ("_reduce_scatter_kernel", "*bf16")):
     out[name] = build(getattr(ex, name), {
         "x_ptr": dtype, "buf_table_ptr": "*i64", "pad_table_ptr": "*i64", "state_ptr": "*i32", "out_ptr": dtype,
@@ -38,6 +38,6 @@ print(json.dumps(out))
 
 def test_p2p_kernels_compile_for_sm90():
     result = compile_results(_SCRIPT, timeout=300)
-    assert set(result) == {"fused_w2", "fused_w4", "_all_gather_kernel", "_reduce_scatter_kernel"}
+    assert set(result) == {"fused_w2", "fused_w4", "fused_w4_s4", "_all_gather_kernel", "_reduce_scatter_kernel"}
     for name, got in result.items():
         assert got["cubin"] and got["posted_raise"], (name, got)
