@@ -51,18 +51,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=4, help="samples per prompt (one GRPO group)")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool of each engine started here, in blocks (default: the engine's; on CPU a 1 GB pool, "
+                        "zeroed at start and at every resume)")
     return p.parse_args(argv)
 
 
-def start_engine_job(model: str, engines: int) -> tuple[list[subprocess.Popen], str]:
+def start_engine_job(model: str, engines: int, num_kv_blocks: int | None = None) -> tuple[list[subprocess.Popen], str]:
     """A coordinator and ``engines`` engines serving ``model`` (CPU), as a user would start them:
     (the processes, the coordinator's address)."""
     from megatron_async.dp_engine.join import spawn_coordinator
 
     coordinator, address = spawn_coordinator("tcp://127.0.0.1:0", "longest_prefix")
+    pool = [] if num_kv_blocks is None else ["--num-kv-blocks", str(num_kv_blocks)]
     procs = [coordinator] + [subprocess.Popen(
         [sys.executable, "-m", "megatron_async.serve", "--join", address, "--engine-name", f"engine{i}", "--model", model,
-         "--device", "cpu", "--prefix-caching", "--enable-suspend", "--max-requests", "16"],
+         "--device", "cpu", "--prefix-caching", "--enable-suspend", "--max-requests", "16", *pool],
         stdout=subprocess.PIPE, text=True, cwd=ROOT) for i in range(engines)]
     for proc in procs[1:]:  # each prints one line once it registered
         if not proc.stdout.readline().startswith("megatron_async.serve: engine "):
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_async.models.default_checkpoint import save_default_checkpoint
 
             model = str(save_default_checkpoint("tiny", Path(tmp) / "step0", torch.device("cpu"), torch.float32))
-        procs, address = ([], args.coordinator) if args.coordinator else start_engine_job(model, args.engines)
+        procs, address = ([], args.coordinator) if args.coordinator else start_engine_job(model, args.engines, args.num_kv_blocks)
         try:
             client = SyncInferenceClient(address)
             failures, source = [], model

@@ -12,7 +12,10 @@ from tests.helpers.coordinator_procs import ROOT, _env
 
 
 def test_the_rl_client_example_runs_and_checks_every_tokens_epoch():
-    done = subprocess.run([sys.executable, "examples/rl_client_loop.py", "--iterations", "2", "--num-prompts", "3"],
+    # 256 blocks hold every request at once (16 of <= 48 tokens); the CPU default's 1 GB pool would be
+    # zeroed at start and at each of the two resumes, in both engines
+    done = subprocess.run([sys.executable, "examples/rl_client_loop.py", "--iterations", "2", "--num-prompts", "3",
+                           "--num-kv-blocks", "256"],
                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("iteration")]
