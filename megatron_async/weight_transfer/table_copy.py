@@ -13,17 +13,13 @@ program per item and copies bits (no conversion), so the result equals ``copy_``
 pair that does not qualify (dtypes differ, inner dim strided, CPU) is left to the caller."""
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
 import threading
 
 import numpy as np
 import torch
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the caller keeps its multi-tensor copies
-    triton = None
 
 log = logging.getLogger("megatron_async")
 
@@ -34,6 +30,13 @@ BLOCK = 1024
 """Elements of a row copied per step of a program."""
 _FIELDS = 10
 _BITS = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+@functools.cache
+def kernel_available() -> bool:
+    """Whether Triton is installed (the kernel, ``table_copy_kernel.py``, imports it on first use:
+    a CPU engine never pays for the import)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def geometry(dst: torch.Tensor, src: torch.Tensor) -> tuple[list[int], list[int], list[int]] | None:
@@ -69,7 +72,7 @@ def table_geometry(dst: torch.Tensor, src: torch.Tensor) -> tuple[list[int], lis
     """``geometry`` of a pair that qualifies for the table, None for one that does not (the
     caller keeps its own copies): ``TableCopy`` takes it as worked out here, once per pair."""
     dtype = dst.dtype
-    if (triton is None or not dst.is_cuda or src.dtype != dtype or src.get_device() != dst.get_device()
+    if (not dst.is_cuda or not kernel_available() or src.dtype != dtype or src.get_device() != dst.get_device()
             or dtype.itemsize not in _BITS):
         return None
     return geometry(dst, src)
@@ -107,9 +110,10 @@ class TableCopy:
         self.launches = len(self.tables)
 
     def run(self) -> int:
+        from megatron_async.weight_transfer.table_copy_kernel import launch
+
         for size, aligned, table in self.tables:
-            _copy_rows[(table.shape[0],)](table, ELEM=getattr(tl, _BITS[size]), ALIGNED=aligned, VEC=16 // size,
-                                          BLOCK=BLOCK, FIELDS=_FIELDS)
+            launch(table, _BITS[size], aligned, 16 // size, BLOCK, _FIELDS)
         return self.elements
 
 
@@ -139,34 +143,8 @@ def _items(pairs: np.ndarray, item_elements: int) -> np.ndarray:
     return out
 
 
-def compile_forms(device: torch.device, dtypes) -> None:
-    """Compile the kernel's aligned and unaligned forms for the element sizes of ``dtypes`` on
-    ``device`` without launching it: no memory on the device, no stream work (safe beside a CUDA
-    graph capture on another thread). A launch later still loads the module (milliseconds)."""
-    table = torch.zeros(_FIELDS, dtype=torch.int64)  # its dtype and alignment are all that specialise
-    with torch.cuda.device(device):
-        for size in sorted({torch.empty(0, dtype=d).element_size() for d in dtypes} & set(_BITS)):
-            for aligned in (False, True):
-                compiled = _copy_rows.warmup(table, ELEM=getattr(tl, _BITS[size]), ALIGNED=aligned, VEC=16 // size,
-                                             BLOCK=BLOCK, FIELDS=_FIELDS, grid=(1,))
-                _build_launcher(compiled)
-
-
-def _build_launcher(compiled) -> None:
-    """Build the host launcher Triton otherwise builds at a kernel's first launch: a small C module,
-    ~0.2 s of a C compiler the first time on a machine (measured: an engine's first IPC update took
-    199 ms, 186 of them in its launch), then on disk. Triton's own class, so guarded: without it the
-    first launch builds it as before."""
-    try:
-        from triton.runtime.driver import driver
-
-        driver.active.launcher_cls(compiled.src, compiled.metadata)
-    except Exception as e:  # noqa: BLE001 -- an internal API: the first launch builds it instead
-        log.debug("IPC table copy: launcher not built ahead (%s)", e)
-
-
 class TableCompile:
-    """``compile_forms`` on a daemon thread, started when an engine is built: its start-up does not
+    """``table_copy_kernel.compile_forms`` on a daemon thread, started when an engine is built: its start-up does not
     wait for the compiler, and its first IPC update finds the kernel compiled. ``ready()``: compiled
     (False while the thread runs, and for good if it failed: the multi-tensor copies serve)."""
 
@@ -177,7 +155,10 @@ class TableCompile:
 
     def _run(self, device: torch.device, dtypes: tuple) -> None:
         try:
-            compile_forms(device, dtypes)
+            from megatron_async.weight_transfer.table_copy_kernel import compile_forms
+
+            sizes = sorted({torch.empty(0, dtype=d).element_size() for d in dtypes} & set(_BITS))
+            compile_forms(device, [(_BITS[n], 16 // n) for n in sizes], BLOCK, _FIELDS)
             self._ok = True
         except Exception as e:  # noqa: BLE001 -- the foreach copies serve instead
             log.warning("the IPC table copy kernel did not compile (%s): IPC updates use foreach copies", e)
@@ -199,34 +180,3 @@ def warm_up(device: torch.device, dtype: torch.dtype) -> None:
     src = torch.zeros(64, dtype=dtype, device=device)
     dst = torch.empty_like(src)
     TableCopy([dst[:16], dst[17:20]], [src[:16], src[17:20]]).run()
-
-
-if triton is not None:
-    @triton.jit
-    def _copy_rows(table, ELEM: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr,
-                   FIELDS: tl.constexpr):
-        item = table + tl.program_id(0).to(tl.int64) * FIELDS
-        src = tl.load(item).to(tl.pointer_type(ELEM))
-        dst = tl.load(item + 1).to(tl.pointer_type(ELEM))
-        n1 = tl.load(item + 2)
-        n2 = tl.load(item + 3)
-        ss0 = tl.load(item + 4)
-        ss1 = tl.load(item + 5)
-        ds0 = tl.load(item + 6)
-        ds1 = tl.load(item + 7)
-        first = tl.load(item + 8)
-        count = tl.load(item + 9)
-        if ALIGNED:  # 16-byte addresses, row starts and row lengths: vector loads and stores
-            n2 = tl.multiple_of(n2, VEC)
-        for r in range(first, first + count):
-            i0 = r // n1
-            i1 = r - i0 * n1
-            s = src + i0 * ss0 + i1 * ss1
-            d = dst + i0 * ds0 + i1 * ds1
-            if ALIGNED:
-                s = tl.multiple_of(s, 16)
-                d = tl.multiple_of(d, 16)
-            for c in range(0, n2, BLOCK):
-                offs = c + tl.arange(0, BLOCK)
-                mask = offs < n2
-                tl.store(d + offs, tl.load(s + offs, mask=mask), mask=mask)

@@ -86,7 +86,7 @@ class WeightReceiver:
         self._ipc_kernel = "auto"
         cuda = {(p.device, p.dtype) for p in self.model.parameters() if p.device.type == "cuda"}
         self.table_compile = (table_copy.TableCompile(min(cuda, key=str)[0], {d for _, d in cuda})
-                              if cuda and table_copy.triton is not None else None)
+                              if cuda and table_copy.kernel_available() else None)
         """The IPC table kernel compiling off the start-up path; "auto" copies take it once ready."""
         self._uuid: str | None = None
 
@@ -290,7 +290,7 @@ class WeightReceiver:
         if kernel == "table":
             cuda = {(p.device, p.dtype) for p in self.model.parameters() if p.device.type == "cuda"}
             try:
-                for device, dtype in sorted(cuda, key=str) if table_copy.triton is not None else ():
+                for device, dtype in sorted(cuda, key=str) if table_copy.kernel_available() else ():
                     table_copy.warm_up(device, dtype)  # the next update does not wait for the compiler
             except Exception as e:  # noqa: BLE001 -- the multi-tensor copies serve instead
                 log.warning("the IPC table copy kernel did not build (%s): IPC updates use foreach copies", e)
