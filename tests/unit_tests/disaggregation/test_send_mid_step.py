@@ -13,26 +13,21 @@ from megatron_async.disaggregation.mid_step import MidStepSends
 from megatron_async.dp_engine.link import EngineLink
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.records import encode_sampling
-from tests.helpers.handoff_links import PARAMS, PROMPTS, Link, llm, until
+from tests.helpers.handoff_links import PARAMS, PROMPTS, Channel, Link, llm, until
 
 LONG = [(7 * j) % 100 + 1 for j in range(40)]
 
 
-class Pipe:
+class Pipe(Channel):
+    """The coordinator connection as the link reads it: messages to deliver (``inbox``) besides those sent."""
+
     def __init__(self):
-        self.inbox, self.sent, self.lost = [], [], False
+        super().__init__()
+        self.inbox, self.lost = [], False
 
     def poll(self, timeout_s):
         out, self.inbox = self.inbox, []
         return out
-
-    def send(self, kind, *fields):
-        self.sent.append((kind, *fields))
-
-    def take(self, kind):
-        found = [m for m in self.sent if m[0] == kind]
-        self.sent = [m for m in self.sent if m[0] != kind]
-        return found
 
 
 def _prefill_link():
