@@ -30,9 +30,25 @@ from megatron_async.inference import triton_workers
 
 _state = {"builds": 0, "prev": None, "names": [], "deferred": None, "deferring_thread": None, "seen": {},
           "compile_now": None}
+_uncounted = threading.local()
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Builds in the calling thread inside this block are neither counted nor deferred: a
+    background compile no step waits for (the IPC table copy's, ``weight_transfer/table_copy.py``)
+    is not a kernel the warm-up missed."""
+    _uncounted.on = True
+    try:
+        yield
+    finally:
+        _uncounted.on = False
 
 
 def _hook(*args, **kwargs):
+    if getattr(_uncounted, "on", False):
+        prev = _state["prev"]
+        return prev(*args, **kwargs) if prev is not None else None
     fn, data = kwargs.get("fn"), (kwargs.get("compile") or {}).get("specialization_data")
     jit = getattr(fn, "jit_function", None)
     if jit is not None and data is not None:

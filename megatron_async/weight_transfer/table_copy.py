@@ -13,6 +13,7 @@ program per item and copies bits (no conversion), so the result equals ``copy_``
 pair that does not qualify (dtypes differ, inner dim strided, CPU) is left to the caller."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -148,17 +149,21 @@ class TableCompile:
     wait for the compiler, and its first IPC update finds the kernel compiled. ``ready()``: compiled
     (False while the thread runs, and for good if it failed: the multi-tensor copies serve)."""
 
-    def __init__(self, device: torch.device, dtypes):
+    def __init__(self, device: torch.device, dtypes, quiet=contextlib.nullcontext):
+        """``quiet``: a context the compile runs in (an engine's: its builds are not counted as
+        kernels its warm-up missed, ``triton_builds.uncounted``)."""
         self._done = threading.Event()
         self._ok = False
-        threading.Thread(target=self._run, args=(device, tuple(dtypes)), name="ipc-table-compile", daemon=True).start()
+        threading.Thread(target=self._run, args=(device, tuple(dtypes), quiet), name="ipc-table-compile",
+                         daemon=True).start()
 
-    def _run(self, device: torch.device, dtypes: tuple) -> None:
+    def _run(self, device: torch.device, dtypes: tuple, quiet) -> None:
         try:
             from megatron_async.weight_transfer.table_copy_kernel import compile_forms
 
             sizes = sorted({torch.empty(0, dtype=d).element_size() for d in dtypes} & set(_BITS))
-            compile_forms(device, [(_BITS[n], 16 // n) for n in sizes], BLOCK, _FIELDS)
+            with quiet():
+                compile_forms(device, [(_BITS[n], 16 // n) for n in sizes], BLOCK, _FIELDS)
             self._ok = True
         except Exception as e:  # noqa: BLE001 -- the foreach copies serve instead
             log.warning("the IPC table copy kernel did not compile (%s): IPC updates use foreach copies", e)

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from megatron_async.inference import triton_builds
 from megatron_async.models.megatron_layouts import NameMap, Shard
 from megatron_async.models.slab_loading import WeightUpdateError
 from megatron_async.models.weight_update import CopyPlanCache, megatron_metas, update_weights_in_place
@@ -85,8 +86,10 @@ class WeightReceiver:
         self._bound = None  # (program, GroupedCopy, kernel) of the last IPC payload
         self._ipc_kernel = "auto"
         cuda = {(p.device, p.dtype) for p in self.model.parameters() if p.device.type == "cuda"}
-        self.table_compile = (table_copy.TableCompile(min(cuda, key=str)[0], {d for _, d in cuda})
-                              if cuda and table_copy.kernel_available() else None)
+        self.table_compile = None
+        if cuda and table_copy.kernel_available():  # its builds are no kernels the warm-up missed
+            self.table_compile = table_copy.TableCompile(min(cuda, key=str)[0], {d for _, d in cuda},
+                                                         triton_builds.uncounted)
         """The IPC table kernel compiling off the start-up path; "auto" copies take it once ready."""
         self._uuid: str | None = None
 

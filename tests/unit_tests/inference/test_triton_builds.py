@@ -30,6 +30,36 @@ def test_install_sets_the_hook_and_a_hook_call_counts_and_chains(monkeypatch):
     assert len(chained) == 1 and chained[0].name == "probe_kernel"
 
 
+def test_builds_in_an_uncounted_block_are_not_counted_in_that_thread_only(monkeypatch):
+    """A background compile no step waits for (the IPC table copy's) is not a kernel the warm-up
+    missed: inside ``uncounted()`` the hook only chains; another thread's builds still count."""
+    import threading
+
+    from triton import knobs
+
+    assert triton_builds.install()
+    chained = []
+    monkeypatch.setitem(triton_builds._state, "prev", lambda *a, **k: chained.append(k.get("fn")))
+
+    class Fn:
+        name = "background_kernel"
+
+    def build():
+        return knobs.runtime.jit_cache_hook(fn=Fn(), key="k", compile={}, is_manual_warmup=False,
+                                            already_compiled=False)
+
+    before = triton_builds.builds()
+    with triton_builds.uncounted():
+        assert not build()  # Triton builds it as usual
+        other = threading.Thread(target=build)
+        other.start()
+        other.join()
+    assert triton_builds.builds() == before + 1  # the other thread's build only
+    assert len(chained) == 2
+    build()
+    assert triton_builds.builds() == before + 2  # counted again after the block
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_real_build_counts_once_per_specialization():
