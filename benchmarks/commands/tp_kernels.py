@@ -19,7 +19,6 @@ import argparse
 import collections
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers.all_reduce_checks import NO_MULTICAST_ENV  # noqa: E402
+from benchmarks.torchrun_job import run_torchrun  # noqa: E402
 
 VARIANTS = {"default": {}, "no-split": {"split_linear": False}, "unfused": {"tp_fused_norm": False}}
 
@@ -91,14 +90,9 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace, variant: str, out: Path, argv: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.tp}",
-           str(Path(__file__).resolve()), *argv, "--variant", variant, "--worker-out", str(out)]
-    env = {**os.environ, **NO_MULTICAST_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    try:
-        subprocess.run(cmd, env=env, timeout=args.launch_timeout)
-    except subprocess.TimeoutExpired:
-        print(f"[{variant}] timed out", flush=True)
+    status = run_torchrun(Path(__file__).resolve(), args.tp, [*argv, "--variant", variant, "--worker-out", str(out)],
+                          args.launch_timeout)
+    print(f"[{variant}] {status}", flush=True)
     found = [Path(f"{out}.{r}") for r in range(args.tp)]
     return [json.loads(p.read_text()) for p in found if p.exists()]
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers.all_reduce_checks import NO_MULTICAST_ENV  # noqa: E402
+from benchmarks.torchrun_job import run_torchrun  # noqa: E402
 
 BACKENDS = ("nccl", "p2p", "p2p+fused")
 SMOKE = ["--device", "cpu", "--model", "tiny", "--dtype", "float32", "--tp", "1", "2", "--batches", "1", "4",
@@ -180,17 +179,8 @@ def _worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- parent: one torchrun job per TP size
 
 def _launch(args: argparse.Namespace, tp: int, out: Path, argv: list[str]) -> dict | None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-           str(Path(__file__).resolve()), *argv, "--worker-out", str(out)]
-    env = {**os.environ, **NO_MULTICAST_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, timeout=args.launch_timeout)
-        status = f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        status = "timed out"
-    print(f"[tp={tp}] {status} after {time.perf_counter() - t0:.0f} s", flush=True)
+    status = run_torchrun(Path(__file__).resolve(), tp, [*argv, "--worker-out", str(out)], args.launch_timeout)
+    print(f"[tp={tp}] {status}", flush=True)
     return json.loads(out.read_text()) if out.exists() else None
 
 
