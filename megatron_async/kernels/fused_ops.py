@@ -147,24 +147,15 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return triton_swiglu_matmul.swiglu_linear_if_supported(x, weight, bias, gated)
 
 
-def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, enabled: bool = True):
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, enabled: bool = True,
+                 row_parallel: bool = False):
     """An output projection at decode sizes as K-split partials whose sum the next norm takes
     (``triton_split_linear.PendingSplitSum``), or None where cuBLAS keeps it (``enabled``: the
-    model's ``KernelBackends.split_k``)."""
-    if not use_fused(x, enabled):
-        return None
-    from megatron_async.kernels import triton_split_linear
-
-    return triton_split_linear.split_linear(x, weight, bias) if triton_split_linear.takes(x, weight, bias) else None
-
-
-def row_parallel_split(x: torch.Tensor, weight: torch.Tensor, enabled: bool = True):
-    """A TP rank's row-parallel output projection at decode sizes as K-split partials for the
-    fused all-reduce + add + RMSNorm (``triton_split_linear.row_parallel_tiles``), or None where
-    cuBLAS keeps it (``enabled``: the model's ``KernelBackends.split_k``)."""
+    model's ``KernelBackends.split_k``). ``row_parallel``: a TP rank's projection, whose partials
+    the fused all-reduce + add + RMSNorm takes (``triton_split_linear.row_parallel_tiles``)."""
     if not use_fused(x, enabled):
         return None
     from megatron_async.kernels import triton_split_linear as split
 
-    tiles = split.row_parallel_tiles
-    return split.split_linear(x, weight, None, tiles) if split.takes(x, weight, None, tiles) else None
+    tiles = split.row_parallel_tiles if row_parallel else split.split_tiles
+    return split.split_linear(x, weight, bias, tiles) if split.takes(x, weight, bias, tiles) else None

@@ -184,7 +184,7 @@ class RowParallelLinear(ParallelLinear):
         fuse = self.defer_reduction and self.bias is None and not batch_invariant and reducer is not None
         if (fuse and not adapted and self.weight_scale_inv is None
                 and reducer.fuses_rows(x.shape[0], self.weight.shape[0], x.dtype)):
-            split = fused_ops.row_parallel_split(x, self.weight, split_k)  # no cuBLAS split-K reduce kernel
+            split = fused_ops.split_linear(x, self.weight, None, split_k, row_parallel=True)  # no cuBLAS reduce kernel
             if split is not None:
                 return PendingSum(split, self.parallel)
         partial = self.matmul(x, None, batch_invariant)

@@ -149,7 +149,7 @@ def test_row_parallel_tiles_split_a_tp_ranks_decode_projections():
 def test_row_parallel_tiles_on_the_gpu(m, k):
     x, w, _ = _operands(m, 4096, k, bias=False, seed=m + k)
     tiles = sl.row_parallel_tiles
-    assert sl.takes(x, w, None, tiles) and fused_ops.row_parallel_split(x, w) is not None
+    assert sl.takes(x, w, None, tiles) and fused_ops.split_linear(x, w, None, row_parallel=True) is not None
     pending = sl.split_linear(x, w, None, tiles)
     assert pending.parts.shape == (sl.SPLITS, m, 4096)
     out = _check_sum(pending, x, w, None)
