@@ -90,9 +90,9 @@ class EngineHandOffs:
         self.chunk_bytes = CHUNK_BYTES
         """The staging chunk of this engine's connections (both ends of a pair chunk alike)."""
         self.transfer_hook = None
+        """A test's hook, run on a connection's thread before a transfer is handed back (PairChannel)."""
         self.mid_step = None
         """A prefill engine's kv_sends started while a step runs (mid_step.py; set by dp_engine/link.py)."""
-        """A test's hook, run on a connection's thread before a transfer is handed back (PairChannel)."""
 
     @property
     def kv_address(self) -> str:

@@ -129,8 +129,8 @@ def all_reduce_add_rms_norm(
     rank sums its own in split order and rounds to the residual's dtype before the exchange.
 
     ``buffer_table`` / ``pad_table``: int64 [W] on x's device, the address of every rank's
-    staging buffer (two halves of ``half_bytes``, each >= W times x's bytes, 16-byte aligned) and
-    signal pad (int32 slots: at least ``max_programs * W``), this rank's at ``rank``. ``state``:
+    staging buffer (two halves of ``half_bytes``, each >= W times the residual's bytes, 16-byte
+    aligned) and signal pad (int32 slots: at least ``max_programs * W``), this rank's at ``rank``. ``state``:
     int32 [2] on x's device, zeros before the first call, then only this kernel's (the call
     counter whose parity picks the half). ``max_programs`` caps the grid. ``barrier=False``
     skips the barrier (tests on one process whose "peers" are already in their buffers); never

@@ -121,7 +121,6 @@ class P2PAllReduce:
         can do they allocate and exchange the buffer. None (NCCL for everything) when some rank
         cannot, or raise P2PAllReduceUnavailable (on every rank) when ``required``. The fused
         norm path is kept only if it passes its own self-test on every rank."""
-
         problem = local_problem(device)
         if problem is not None and device.type != "cuda":  # gloo group: decided alike on every rank, no collective
             return _unavailable(problem, required)
@@ -133,7 +132,7 @@ class P2PAllReduce:
                 problem, buffer = f"symmetric memory setup failed on rank {dist.get_rank(group)}: {e}", None
             if buffer is not None and fused_norm:
                 try:  # the fused path's own allocation: optional, its failure leaves plain P2P on
-                    peers = fused_peer_tables(group, device, max_bytes)
+                    peers = _fused_peer_tables(group, device, max_bytes)
                 except Exception as e:  # noqa: BLE001 - the ranks agree on the fused path below
                     log.warning("fused all-reduce + RMSNorm off: its symmetric buffer failed (%s)", e)
         if not all_agree(problem is None, group, device):
@@ -249,6 +248,28 @@ class PeerTables:
     """int32 [2] on this GPU: (calls so far, arrivals in the current call); the kernels' own."""
 
 
+def fused_self_test(reducer: P2PAllReduce, rows: int = 3, hidden: int = 256) -> str | None:
+    """Run the fused kernel once on exactly representable float32 values: None when the new
+    residual is exact and the norm close to torch's, else what went wrong (raises on a hang)."""
+    rank, world, device = reducer.peers.rank, reducer.peers.world_size, reducer.buffer.device
+    pattern = (torch.arange(rows * hidden, device=device, dtype=torch.float32) % 5).view(rows, hidden)
+    residual = torch.ones(rows, hidden, device=device)
+    weight = torch.full((hidden,), 0.5, device=device)
+    try:
+        got = reducer.add_rms_norm(pattern + (rank + 1), residual, weight, 1e-6, True)
+    except Exception as e:  # noqa: BLE001 - a Triton compile / launch problem: keep the unfused path
+        return f"fused kernel failed on rank {rank}: {e}"
+    wait_or_raise(SELF_TEST_TIMEOUT_S, f"fused all-reduce + RMSNorm self-test on rank {rank}")
+    reducer.calls.clear()
+    if got is None:
+        return f"fused kernel refused float32 [{rows}, {hidden}] at world {world}"
+    want = pattern * world + world * (world + 1) // 2 + 1
+    normed = weight * want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-6)
+    if not torch.equal(got[1], want) or not torch.allclose(got[0], normed, rtol=1e-5, atol=1e-6):
+        return f"fused self-test values wrong on rank {rank}"
+    return None
+
+
 def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> tuple[torch.Tensor, object]:
     """A symmetric buffer of ``nbytes`` on every rank of ``group`` and its rendezvous handle.
     Collective: the ranks agree that every allocation succeeded before the rendezvous (a rank
@@ -274,7 +295,7 @@ def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> tuple[torch.
     return buffer, symm_mem.rendezvous(buffer, group.group_name)
 
 
-def fused_peer_tables(group, device: torch.device, max_bytes: int) -> PeerTables | None:
+def _fused_peer_tables(group, device: torch.device, max_bytes: int) -> PeerTables | None:
     """The fused kernel's own symmetric buffer (two halves of world_size messages) and its
     address tables (None, fused path off, if this torch's handle lacks something: the plain P2P
     all-reduce does not need them). Collective over ``group``."""
@@ -284,28 +305,6 @@ def fused_peer_tables(group, device: torch.device, max_bytes: int) -> PeerTables
         return None
     buffer, handle = _rendezvous_buffer(group, device, 2 * half)
     return peer_tables(handle, buffer, device, half, "fused all-reduce + RMSNorm")
-
-
-def fused_self_test(reducer: P2PAllReduce, rows: int = 3, hidden: int = 256) -> str | None:
-    """Run the fused kernel once on exactly representable float32 values: None when the new
-    residual is exact and the norm close to torch's, else what went wrong (raises on a hang)."""
-    rank, world, device = reducer.peers.rank, reducer.peers.world_size, reducer.buffer.device
-    pattern = (torch.arange(rows * hidden, device=device, dtype=torch.float32) % 5).view(rows, hidden)
-    residual = torch.ones(rows, hidden, device=device)
-    weight = torch.full((hidden,), 0.5, device=device)
-    try:
-        got = reducer.add_rms_norm(pattern + (rank + 1), residual, weight, 1e-6, True)
-    except Exception as e:  # noqa: BLE001 - a Triton compile / launch problem: keep the unfused path
-        return f"fused kernel failed on rank {rank}: {e}"
-    wait_or_raise(SELF_TEST_TIMEOUT_S, f"fused all-reduce + RMSNorm self-test on rank {rank}")
-    reducer.calls.clear()
-    if got is None:
-        return f"fused kernel refused float32 [{rows}, {hidden}] at world {world}"
-    want = pattern * world + world * (world + 1) // 2 + 1
-    normed = weight * want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-6)
-    if not torch.equal(got[1], want) or not torch.allclose(got[0], normed, rtol=1e-5, atol=1e-6):
-        return f"fused self-test values wrong on rank {rank}"
-    return None
 
 
 def peer_tables(handle, buffer: torch.Tensor, device: torch.device, half_bytes: int, what: str) -> PeerTables | None:

@@ -85,13 +85,16 @@ class WeightReceiver:
         """Host time of the last IPC update by phase (``IPC_PHASES``), in ms."""
         self._bound = None  # (program, GroupedCopy, kernel) of the last IPC payload
         self._ipc_kernel = "auto"
-        cuda = {(p.device, p.dtype) for p in self.model.parameters() if p.device.type == "cuda"}
+        cuda = self._cuda_params()
         self.table_compile = None
         if cuda and table_copy.kernel_available():  # its builds are no kernels the warm-up missed
-            self.table_compile = table_copy.TableCompile(min(cuda, key=str)[0], {d for _, d in cuda},
-                                                         triton_builds.uncounted)
+            self.table_compile = table_copy.TableCompile(cuda[0][0], {d for _, d in cuda}, triton_builds.uncounted)
         """The IPC table kernel compiling off the start-up path; "auto" copies take it once ready."""
         self._uuid: str | None = None
+
+    def _cuda_params(self) -> list[tuple[torch.device, torch.dtype]]:
+        """The (device, dtype) pairs of the model's CUDA parameters, in a fixed order."""
+        return sorted({(p.device, p.dtype) for p in self.model.parameters() if p.device.type == "cuda"}, key=str)
 
     def _prepare_plan(self) -> None:
         """Plan ahead the update a colocated trainer of this rank's TP shard sends most likely:
@@ -291,9 +294,8 @@ class WeightReceiver:
         if kernel == self._ipc_kernel:  # the bound copies stay
             return
         if kernel == "table":
-            cuda = {(p.device, p.dtype) for p in self.model.parameters() if p.device.type == "cuda"}
             try:
-                for device, dtype in sorted(cuda, key=str) if table_copy.kernel_available() else ():
+                for device, dtype in self._cuda_params() if table_copy.kernel_available() else ():
                     table_copy.warm_up(device, dtype)  # the next update does not wait for the compiler
             except Exception as e:  # noqa: BLE001 -- the multi-tensor copies serve instead
                 log.warning("the IPC table copy kernel did not build (%s): IPC updates use foreach copies", e)
