@@ -60,8 +60,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine-flags", default=None,
                    help="model / device flags of serve (default: the tiny model on the CPU; qwen3-0.6b on CUDA)")
     p.add_argument("--kv-transfer-backend", default=None, choices=["auto", "nccl", "gloo", "ipc"])
+    p.add_argument("--pd-variant", action="append", dest="pd_variants", metavar="FLAGS",
+                   help="repeatable: one 1 prefill + 1 decode row each, with these extra serve flags on both "
+                        "engines; '--pd-variant= --pd-variant=--kv-send-mid-step' is an A/B in one run "
+                        "(default: one row, no extra flags)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.pd_variants = args.pd_variants or [""]
     for name, value in SIZES["smoke" if args.smoke else args.device].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -150,8 +155,9 @@ async def drive(address: str, work, output: int) -> dict:
     return {"ttft": ttft, "tpot": tpot, "gaps": gaps, "tok_s": tokens / seconds, "loops": loops, **moved}
 
 
-def run_setup(args, roles: tuple[str, ...], work) -> dict:
+def run_setup(args, roles: tuple[str, ...], work, variant: str = "") -> dict:
     model, flags = engine_flags(args)
+    flags += tuple(shlex.split(variant))
     cluster = Cluster("load_balanced", timeout_s=400)
     shared = args.device == "cuda" and args.gpus[0] == args.gpus[1]
     try:
@@ -255,19 +261,25 @@ def main(argv=None) -> None:
     where = f"GPUs {args.gpus[0]} and {args.gpus[1]}" if args.device == "cuda" else "the CPU"
     print(f"{args.requests} requests at {args.rate}/s, prompts {args.min_prompt}-{args.max_prompt}, "
           f"outputs {args.output}, {args.max_requests} request places per engine, engines on {where}", flush=True)
-    rows = [("DP=2 mixed", ("mixed", "mixed")), ("1 prefill + 1 decode", ("prefill", "decode"))]
+    rows = [("DP=2 mixed", ("mixed", "mixed"), "")]
+    rows += [(f"1 prefill + 1 decode{' ' + v if v else ''}", ("prefill", "decode"), v) for v in args.pd_variants]
     print("| setup | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | inter-token p50 ms | inter-token p99 ms "
           "| tok/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, roles in rows:
-        r = run_setup(args, roles, work)
+    disaggregated = []
+    for name, roles, variant in rows:
+        r = run_setup(args, roles, work, variant)
+        if roles[0] == "prefill":
+            disaggregated.append((name, r))
         ms = 1e3
         print(f"| {name} | {pct(r['ttft'], .5) * ms:.0f} | {pct(r['ttft'], .99) * ms:.0f} | "
               f"{statistics.median(r['tpot']) * ms:.1f} | {pct(r['tpot'], .99) * ms:.1f} | "
               f"{pct(r['gaps'], .5) * ms:.1f} | "
               f"{pct(r['gaps'], .99) * ms:.1f} | {r['tok_s']:.0f} |", flush=True)
-    print("\n".join(loop_lines(r)), flush=True)
-    print(transfer_line(args, r), flush=True)  # (the disaggregated setup's, its engines closed)
+    for name, r in disaggregated:  # (their engines closed: the plain copy has the GPUs to itself)
+        print(f"\n{name}:", flush=True)
+        print("\n".join(loop_lines(r)), flush=True)
+        print(transfer_line(args, r), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from collections import deque
 import torch
 
 from megatron_async.disaggregation.kv_layout import KVLayout
-from megatron_async.disaggregation.kv_stream import Staging
+from megatron_async.disaggregation.kv_stream import TRANSFER_PRIORITY, Staging
 
 
 class SharedImports:
@@ -20,7 +20,7 @@ class SharedImports:
         """``times``: the engine's ``TransferTimes`` (the copies are the ipc transfer's own time)."""
         self.layout, self.chunk_bytes, self.times = layout, chunk_bytes, times
         cuda = layout.device.type == "cuda"
-        self.stream = torch.cuda.Stream(layout.device) if cuda else None
+        self.stream = torch.cuda.Stream(layout.device, priority=TRANSFER_PRIORITY) if cuda else None
         self.staging = Staging(layout.device, layout.device)
         self.pending: deque = deque()  # (rid, end event or None, the state's bytes, the mapping)
 

@@ -22,6 +22,11 @@ import torch
 
 from megatron_async.disaggregation.kv_layout import KVLayout
 
+TRANSFER_PRIORITY = -1
+"""CUDA stream priority of a connection's gathers, scatters and NCCL operations (lower runs first):
+they queue beside a prefill engine's long GEMMs and a decode engine's steps, and a block of theirs
+takes the next free SM instead of waiting for every queued block of the step's kernels."""
+
 CHUNK_BYTES = 64 << 20
 """Bytes of one staging buffer (two per connection, and two more in host memory when a GPU engine
 uses gloo): bounded memory whatever a prompt's length."""

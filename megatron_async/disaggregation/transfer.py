@@ -41,8 +41,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_async.disaggregation.kv_stream import (CHUNK_BYTES, Clock, Staging, recv_blocks, seconds_between,
-                                                     send_blocks)
+from megatron_async.disaggregation.kv_stream import (CHUNK_BYTES, TRANSFER_PRIORITY, Clock, Staging, recv_blocks,
+                                                     seconds_between, send_blocks)
 from megatron_async.disaggregation.pair_auth import mac_key, prove, store_prefix
 
 log = logging.getLogger("megatron_async.disaggregation")
@@ -194,6 +194,7 @@ class PairChannel:
         if self.backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = datetime.timedelta(seconds=TRANSFER_TIMEOUT_S)
+            opts.is_high_priority_stream = True  # (as the gathers and scatters: TRANSFER_PRIORITY)
             return dist.ProcessGroupNCCL(store, self.rank, 2, opts)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=TRANSFER_TIMEOUT_S)
@@ -235,7 +236,7 @@ class PairChannel:
         cuda = self.pool_device.type == "cuda"
         if cuda:  # (the thread's own stream: the engine's compute stream never waits on a transfer)
             torch.cuda.set_device(self.pool_device)
-            self._stream = torch.cuda.Stream(self.pool_device)
+            self._stream = torch.cuda.Stream(self.pool_device, priority=TRANSFER_PRIORITY)
             torch.cuda.set_stream(self._stream)
         self._staging = Staging(self.pool_device, self.device, self.chunk_bytes)
         while (job := self._jobs.get()) is not None:

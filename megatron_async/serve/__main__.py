@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(InferenceConfig.kv_transfer_kernel, default on)")
     c.add_argument("--kv-send-mid-step", action=argparse.BooleanOptionalAction, default=None,
                    help="with --role prefill: start KV sends while a step runs, not only between steps "
-                        "(InferenceConfig.kv_send_mid_step, default off)")
+                        "(InferenceConfig.kv_send_mid_step, default on)")
     return p
 
 

@@ -186,11 +186,11 @@ def test_wait_host_runs_the_hook_only_while_the_event_has_not_passed():
     assert calls == [True] and done.synced and pending.synced
 
 
-def test_off_by_default_the_prefill_engine_waits_for_its_turn():
-    """``InferenceConfig.kv_send_mid_step`` is off by default (not yet measured on GPUs): no hook."""
+def test_switched_off_the_prefill_engine_waits_for_its_turn():
+    """``InferenceConfig.kv_send_mid_step`` is on by default; a link built without it installs no hook."""
     from megatron_async import InferenceConfig
 
-    assert InferenceConfig().kv_send_mid_step is False
+    assert InferenceConfig().kv_send_mid_step is True
     p = EngineLink(llm().engine, Pipe(), 4, "p", role="prefill", kv_transfer_backend="gloo",
                    address="tcp://127.0.0.1:1")
     try:
