@@ -4,7 +4,6 @@ coordinator (``listen`` / ``join``), weight updates and ``close``."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import time
@@ -13,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from megatron_async.config import InferenceConfig
-from megatron_async.inference import nvtx, triton_builds, triton_workers
+from megatron_async.inference import gc_pauses, nvtx, triton_builds, triton_workers
 from megatron_async.inference.communication.zmq_communicator import ZMQCommunicator
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.device import DeviceFacade
@@ -144,6 +143,7 @@ class LLM:
 
     def _build(self, model: str | None, default_model: str, seed: int, drafter=None) -> None:
         nvtx.set_enabled(self.config.nvtx_ranges)
+        gc_pauses.thaw()  # (an earlier engine left unclosed: its cycles go at the collections below)
         choice = self.config.kernels()
         kernels = KernelBackends.from_choice(choice, self.device)
         self.attention_backend, self.mamba_backend = kernels.attention, kernels.mamba
@@ -203,8 +203,10 @@ class LLM:
                      rep.graphs_captured, rep.captures_without_eager_run, rep.capture_retries, rep.triton_builds,
                      rep.memory_bytes / 2**30)
             # startup's garbage goes now, not as a full collection inside the first serving steps
-            # (the benchmark collects before each timed run; the main job and the server rely on this)
-            gc.collect()
+            # (the benchmark collects before each timed run; the main job and the server rely on this),
+            # and what survives stays out of serving's collections
+            gc_pauses.settle()
+        gc_pauses.watch()
 
     def _graph_runner(self):
         """Decode graphs always; mixed-step graphs on Triton attention (the varlen kernel reads row lengths
@@ -266,6 +268,7 @@ class LLM:
         """End the grammar worker (a fill in flight holds the process's GIL switch interval), then
         leave the TP / EP group (no-op without). CUDA graphs go first: a graph that captured NCCL
         collectives holds a reference on the communicator, and ncclCommDestroy waits for them."""
+        gc_pauses.thaw()  # (this engine's cycles, its CUDA graphs', collectable again)
         if getattr(self, "coordinator", None) is not None:
             self.coordinator.close()
             self.coordinator = None

@@ -232,8 +232,9 @@ def loop_lines(r: dict) -> list[str]:
     one-time set-up."""
     out = ["| engine | steps | decode step ms | hand-off loop ms / step | longest hand-off turn ms | imports | "
            "import posted -> admitted ms mean / p50 / p99 | longest turn's parts ms | each part's longest ms | "
-           "kv messages: mean / longest ms | kv_sends mid-step | kernel warm-up ms | connection set-up ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+           "kv messages: mean / longest ms | kv_sends mid-step | kernel warm-up ms | connection set-up ms | "
+           "gc full collections / longest pause ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|"]
     for role, s in r["loops"]:
         steps, imports = s.get("steps", 0), s.get("kv_imports_landed", 0)
         decode = 1e3 * s.get("decode_wall_time", 0.0) / max(1, s.get("decode_steps", 0))
@@ -246,7 +247,8 @@ def loop_lines(r: dict) -> list[str]:
                    f"{_parts(s, 'longest')} | {_parts(s, 'max')} | "
                    f"{1e3 * s.get('kv_loop_total_message_seconds', 0.0) / max(1, messages):.3f} / "
                    f"{1e3 * s.get('kv_loop_max_message_seconds', 0.0):.2f} | {s.get('kv_sends_mid_step', 0)} | "
-                   f"{1e3 * s.get('kv_warmup_seconds', 0.0):.0f} | {1e3 * s.get('kv_connect_max_seconds', 0.0):.0f} |")
+                   f"{1e3 * s.get('kv_warmup_seconds', 0.0):.0f} | {1e3 * s.get('kv_connect_max_seconds', 0.0):.0f} | "
+                   f"{s.get('gc_full_collections', 0)} / {1e3 * s.get('gc_pause_max_seconds', 0.0):.1f} |")
     return out
 
 

@@ -154,6 +154,14 @@ class EngineStats:
     graph_captures_after_warmup: int = 0
     """CUDA graphs captured while serving, after the warm-up (0 when the warm-up covered every
     key; without a warm-up, every lazy capture counts)."""
+    gc_collections: int = 0
+    """Python's cyclic garbage collections in this process since the last engine of it finished
+    its start-up (``gc_pauses.py``: what start-up built is frozen out of them)."""
+    gc_full_collections: int = 0
+    """Of those, of the oldest generation."""
+    gc_pause_seconds: float = 0.0
+    """Their time: every thread of the process stood still, the step loop's too."""
+    gc_pause_max_seconds: float = 0.0
     triton_builds_after_warmup: int = 0
     """Triton kernel builds in this process since the warm-up ended (every engine of the
     process counts: Triton's build hook is process-wide). 0 without a warm-up or without Triton."""

@@ -10,7 +10,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from megatron_async.config import Scheduling
-from megatron_async.inference import triton_builds
+from megatron_async.inference import gc_pauses, triton_builds
 from megatron_async.inference.async_pipeline import PendingLaunch
 from megatron_async.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron_async.inference.engines.engine_stats import EngineStats
@@ -57,6 +57,7 @@ class StepAccounting:
         st.lora_free_steps = self.runner.lora_free_steps
         st.long_tile_steps = self.context.long_tile_steps
         self._count_graph_use()
+        gc_pauses.record(st)
         st.paused = self.scheduler.num_paused_events
         st.evicted = self.scheduler.num_evicted_events
         st.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
