@@ -15,7 +15,7 @@ gather or scatter, next to one NCCL send of all its bytes, so the wire's share s
 
 Read: the request's ``kernel / copy`` (the target is <= 2x) and the per-chunk ms of each side.
 
-    python -m benchmarks kernel-times kv-chunks [--chunk-mib 8 32 64] [--iters 20] [--nccl]"""
+    python -m benchmarks kernel-times kv-chunks [--chunk-mib 32 64 128] [--iters 20] [--nccl]"""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +34,7 @@ POOL_BLOCKS = 320
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--chunk-mib", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--chunk-mib", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--one-gpu", action="store_true", help="both pools on one GPU even when there are two")
     parser.add_argument("--nccl", action="store_true", help="also the engine's transfer code over a NCCL pair")
