@@ -7,8 +7,8 @@ collective of a step: it absorbs the ranks' skew at the step's start) and its co
 percentiles; rank 0 also lists its kernels by time a step.
 
 Variants: "default"; "no-split" (``split_linear=False``: a TP rank's decode-size o_proj /
-down_proj on cuBLAS's split-K GEMM and its reduce kernel instead of handing K-split partials to
-the fused all-reduce + RMSNorm); "unfused" (``tp_fused_norm=False``).
+down_proj / qkv on cuBLAS's split-K GEMM and its reduce kernel instead of handing K-split
+partials to the fused all-reduce + RMSNorm / the q/k norm + rope); "unfused" (``tp_fused_norm=False``).
 
     python -m benchmarks tp-kernels --tp 4 [--variants default no-split] [--model qwen3-8b] [--steps 32]
 

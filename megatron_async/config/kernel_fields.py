@@ -57,9 +57,11 @@ class KernelFields:
     directory outlives the process (the main job's ``--kernel-cache-dir`` turns it on)."""
 
     split_linear: bool = True
-    """TP = 1 on CUDA: a block's output projection at decode sizes runs as K-split partials whose
-    sum the next RMSNorm adds in its own kernel (kernels/triton_split_linear.py), where the tiles
-    take the shape. False: every output projection on cuBLAS (A/B)."""
+    """CUDA, decode sizes: a projection runs as K-split partials that a kernel which runs anyway
+    sums (kernels/triton_split_linear.py), where the tiles take the shape: a block's output
+    projection's by the next RMSNorm (TP = 1) or the fused all-reduce + add + RMSNorm (a TP
+    rank's, 1-16 rows), a TP rank's qkv projection's by the q/k norm + rope (1-16 rows). False:
+    every such projection on cuBLAS (A/B)."""
 
     long_prefill_tiles: bool = True
     """Triton attention on Hopper, not batch-invariant, one engine (no expert parallelism): a step

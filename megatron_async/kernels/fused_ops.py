@@ -53,11 +53,15 @@ def rope_qk(
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
+    splits: int = 1,
+    split_stride: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """See ``triton_rope.rope_qk``: with ``kv_cache`` k and v go to the cache and k comes back None."""
+    """See ``triton_rope.rope_qk``: with ``kv_cache`` k and v go to the cache and k comes back None;
+    ``splits`` > 1: q / k / v are views of a ``PendingSplitSum``'s first partial."""
     from megatron_async.kernels import triton_rope
 
-    return triton_rope.rope_qk(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, kv_cache, slot_mapping, kv_scale)
+    return triton_rope.rope_qk(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, v, kv_cache, slot_mapping, kv_scale,
+                               splits, split_stride)
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool, round_to: torch.dtype | None = None,
@@ -148,14 +152,15 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, enabled: bool = True,
-                 row_parallel: bool = False):
+                 tp_rank: bool = False):
     """An output projection at decode sizes as K-split partials whose sum the next norm takes
     (``triton_split_linear.PendingSplitSum``), or None where cuBLAS keeps it (``enabled``: the
-    model's ``KernelBackends.split_k``). ``row_parallel``: a TP rank's projection, whose partials
-    the fused all-reduce + add + RMSNorm takes (``triton_split_linear.row_parallel_tiles``)."""
+    model's ``KernelBackends.split_k``). ``tp_rank``: a TP rank's projection
+    (``triton_split_linear.tp_rank_tiles``), whose partials the fused all-reduce + add + RMSNorm
+    (row-parallel) or the q/k norm + rope (the qkv projection, ``rope_qk(..., splits=...)``) sums."""
     if not use_fused(x, enabled):
         return None
     from megatron_async.kernels import triton_split_linear as split
 
-    tiles = split.row_parallel_tiles if row_parallel else split.split_tiles
+    tiles = split.tp_rank_tiles if tp_rank else split.split_tiles
     return split.split_linear(x, weight, bias, tiles) if split.takes(x, weight, bias, tiles) else None

@@ -96,14 +96,16 @@ def split_tiles(m: int, n: int, k: int) -> SplitTiles | None:
 
 
 ROW_PARALLEL_MAX_ROWS = 16
-"""Decode batches up to this many rows split a TP row-parallel projection (``row_parallel_tiles``)."""
+"""Decode batches up to this many rows split a TP rank's projections (``tp_rank_tiles``)."""
 
 
-def row_parallel_tiles(m: int, n: int, k: int) -> SplitTiles | None:
-    """The launch for a TP rank's row-parallel output projection at decode sizes, whose partials
-    the fused all-reduce + add + RMSNorm sums (``triton_fused_all_reduce``, no launch of its own),
-    or None where cuBLAS keeps it. A TP rank's K is 1/TP of the model's (Qwen3-8B at TP=4: o_proj
-    K = 1,024, down_proj 3,072, N = 4,096): cuBLAS runs these as a split-K GEMM plus a reduce
+def tp_rank_tiles(m: int, n: int, k: int) -> SplitTiles | None:
+    """The launch for a TP rank's projection at decode sizes whose partials a kernel that runs
+    anyway sums (no launch of its own), or None where cuBLAS keeps it: a row-parallel output
+    projection's, by the fused all-reduce + add + RMSNorm (``triton_fused_all_reduce``); the
+    column-parallel qkv's, by the q/k norm + rope (``triton_rope``). A TP rank's output or
+    reduction dimension is 1/TP of the model's (Qwen3-8B at TP=4: o_proj K = 1,024, down_proj
+    3,072, N = 4,096; qkv N = 1,536, K = 4,096): cuBLAS runs these as a split-K GEMM plus a reduce
     kernel of its own, 7-10 us for 2-6 us of weight reads at batch 1 (4x H200). 16-row tiles (a
     decode batch of 1-16) and 64 output columns, four K splits: 256 programs for N = 4,096."""
     if not 1 <= m <= ROW_PARALLEL_MAX_ROWS or k % (SPLITS * BLOCK_K) or n % 64:
@@ -120,7 +122,7 @@ def footprint(elem_bytes: int):
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles=split_tiles) -> bool:
     """Whether ``split_linear`` takes this product: an sm90 device (the tiles' measurements), 2-D
     bf16 / fp16 operands with unit last strides, 16-byte-aligned rows, a shape ``tiles`` (a
-    tile choice: ``split_tiles`` or ``row_parallel_tiles``) splits."""
+    tile choice: ``split_tiles`` or ``tp_rank_tiles``) splits."""
     if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.stride(1) == 1 and weight.stride(1) == 1 and weight.is_contiguous()):
         return False

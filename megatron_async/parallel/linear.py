@@ -139,6 +139,15 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         super().__init__(hidden, sizes, bias, parallel, dtype, device, "attention heads", shard_ids=("q", "k", "v"),
                          fp8=fp8)
 
+    def tp_split(self, x: torch.Tensor, split_k: bool = True):
+        """On a TP rank at decode sizes: this rank's q / k / v as float32 K-split partials
+        (``triton_split_linear.PendingSplitSum``) for the q/k norm + rope kernel to sum, where
+        cuBLAS would run a split-K GEMM plus a reduce kernel of its own (Qwen3-8B at TP=4: N =
+        1,536); None elsewhere (TP=1, FP8, a bias, no adapters: the caller checks those)."""
+        if self.parallel.tp_size == 1 or self.weight_scale_inv is not None or self.bias is not None:
+            return None
+        return fused_ops.split_linear(x, self.weight, None, split_k, tp_rank=True)
+
 
 class RowParallelLinear(ParallelLinear):
     """Input features split; the output is summed over the TP group (full on every rank).
@@ -184,7 +193,7 @@ class RowParallelLinear(ParallelLinear):
         fuse = self.defer_reduction and self.bias is None and not batch_invariant and reducer is not None
         if (fuse and not adapted and self.weight_scale_inv is None
                 and reducer.fuses_rows(x.shape[0], self.weight.shape[0], x.dtype)):
-            split = fused_ops.split_linear(x, self.weight, None, split_k, row_parallel=True)  # no cuBLAS reduce kernel
+            split = fused_ops.split_linear(x, self.weight, None, split_k, tp_rank=True)  # no cuBLAS reduce kernel
             if split is not None:
                 return PendingSum(split, self.parallel)
         partial = self.matmul(x, None, batch_invariant)

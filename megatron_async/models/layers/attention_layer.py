@@ -57,16 +57,21 @@ class Attention(nn.Module):
         """x: [T, hidden], or its rows quantized for the FP8 qkv projection (``fp8_input_linear``)."""
         T = x.shape[0]
         inv, kernels, lora = step.batch.batch_invariant, step.kernels, step.batch.lora_rows
-        q, k, v = self.qkv_proj(x, inv, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        fused_rope = step.rope is not None and (inv or fused_ops.use_fused(x, kernels.fused))
+        # a TP rank at decode sizes: K-split partials, which the rope kernel sums (no reduce kernel)
+        parts = self.qkv_proj.tp_split(x, kernels.split_k) if fused_rope and not inv and lora is None else None
+        qkv = self.qkv_proj(x, inv, lora) if parts is None else parts.parts[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         kv_cache = step.batch.kv_caches[self.kv_index]
-        if step.rope is not None and (inv or fused_ops.use_fused(q, kernels.fused)):  # q/k norm + rope of q and k, per token
+        if fused_rope:  # q/k norm + rope of q and k, per token
             norm = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            split = {} if parts is None else dict(splits=parts.parts.shape[0], split_stride=parts.parts.stride(0))
             # the same kernel stores k and v in the paged cache (attend then skips its append)
             q, k = fused_ops.rope_qk(q, k, *step.rope, *norm, v=v, kv_cache=kv_cache,
-                                     slot_mapping=step.batch.attn.slot_mapping, kv_scale=self.kv_scale)
+                                     slot_mapping=step.batch.attn.slot_mapping, kv_scale=self.kv_scale, **split)
             v = None
         else:
             if self.q_norm is not None:

@@ -189,6 +189,41 @@ def test_rope_qk_into_the_cache_equals_rope_then_append(dtype, case):
     assert torch.equal(cache, ref_cache)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["norm-cache", "plain", "partial-cache"])
+def test_rope_qk_on_split_partials_equals_it_on_their_rounded_sum(dtype, case):
+    """A TP rank's qkv as float32 K-split partials (``tp_rank_tiles``): the kernel sums them in
+    split order and rounds as the GEMM's output, so q and the cache (or k) are the bits of the
+    kernel run on the summed projection."""
+    from megatron_async.kernels.triton_split_linear import PendingSplitSum
+
+    torch.manual_seed(9)
+    S, T, H, KVH, D, BS, NB = 4, 3, 4, 2, 32, 4, 5
+    rot = 16 if case.startswith("partial") else D
+    rope = _rope_table(D, rot, dtype)
+    parts = _randn(S, T, (H + 2 * KVH) * D, dtype=torch.float32)
+    qkv = PendingSplitSum(parts, None, dtype).reduce()
+    norm = (_norm(D, dtype).weight, _norm(D, dtype).weight, 1e-6) if case.startswith("norm") else (None, None, 0.0)
+    cos, sin = rope(torch.randint(0, 1000, (T,), device=DEVICE))
+    views = lambda t: [x.view(T, -1, D) for x in t.split([H * D, KVH * D, KVH * D], dim=-1)]  # noqa: E731
+    (q, k, v), (pq, pk, pv) = views(qkv), views(parts[0])
+    split = dict(splits=S, split_stride=parts.stride(0))
+    if case.endswith("cache"):
+        slots = torch.tensor([3, -1, 9], device=DEVICE)
+        start = _randn(2, NB, BS, KVH, D, dtype=dtype)
+        ref_cache, cache = start.clone(), start.clone()
+        q_ref, _ = triton_rope.rope_qk(q, k, cos, sin, *norm, v=v, kv_cache=ref_cache, slot_mapping=slots)
+        q_out, _ = triton_rope.rope_qk(pq, pk, cos, sin, *norm, v=pv, kv_cache=cache, slot_mapping=slots, **split)
+        assert torch.equal(q_out, q_ref) and torch.equal(cache, ref_cache)
+    else:
+        q_ref, k_ref = triton_rope.rope_qk(q, k, cos, sin, *norm)
+        q_out, k_out = triton_rope.rope_qk(pq, pk, cos, sin, *norm, **split)
+        assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    if dtype != torch.float32:
+        with pytest.raises(ValueError):  # partials are float32
+            triton_rope.rope_qk(q, k, cos, sin, *norm, **split)
+
+
 def test_rope_qk_rejects_bad_inputs():
     q, k = _randn(3, 2, 16, dtype=torch.float32), _randn(3, 1, 16, dtype=torch.float32)
     cos = _randn(3, 8, dtype=torch.float32)

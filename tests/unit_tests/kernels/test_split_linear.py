@@ -129,27 +129,27 @@ def test_output_projection_defers_exactly_where_the_tiles_take_it():
     assert isinstance(proj(x, split_k=False), torch.Tensor)  # KernelBackends(fused=False) or split_linear=False
 
 
-def test_row_parallel_tiles_split_a_tp_ranks_decode_projections():
+def test_tp_rank_tiles_split_a_tp_ranks_decode_projections():
     """Qwen3-8B at TP=4 / TP=2 (o_proj K = 1,024 / 2,048, down_proj 3,072 / 6,144, N = 4,096):
     split at 1-16 rows; larger batches, K off the split grid and ragged N stay with cuBLAS."""
     for k in (1024, 2048, 3072, 6144):
         for m in (1, 7, 16):
-            t = sl.row_parallel_tiles(m, 4096, k)
+            t = sl.tp_rank_tiles(m, 4096, k)
             assert t is not None and t.block_m == 16 and (k // t.splits) % t.block_k == 0
-        assert sl.row_parallel_tiles(17, 4096, k) is None
-    assert sl.row_parallel_tiles(1, 4096, 1000) is None
-    assert sl.row_parallel_tiles(1, 4100, 1024) is None
-    assert sl.row_parallel_tiles(0, 4096, 1024) is None
+        assert sl.tp_rank_tiles(17, 4096, k) is None
+    assert sl.tp_rank_tiles(1, 4096, 1000) is None
+    assert sl.tp_rank_tiles(1, 4100, 1024) is None
+    assert sl.tp_rank_tiles(0, 4096, 1024) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the split tiles are taken on Hopper only")
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("k", [1024, 3072])
-def test_row_parallel_tiles_on_the_gpu(m, k):
+def test_tp_rank_tiles_on_the_gpu(m, k):
     x, w, _ = _operands(m, 4096, k, bias=False, seed=m + k)
-    tiles = sl.row_parallel_tiles
-    assert sl.takes(x, w, None, tiles) and fused_ops.split_linear(x, w, None, row_parallel=True) is not None
+    tiles = sl.tp_rank_tiles
+    assert sl.takes(x, w, None, tiles) and fused_ops.split_linear(x, w, None, tp_rank=True) is not None
     pending = sl.split_linear(x, w, None, tiles)
     assert pending.parts.shape == (sl.SPLITS, m, 4096)
     out = _check_sum(pending, x, w, None)

@@ -91,7 +91,7 @@ def test_block_marks_the_mixers_output_projection_only():
 
 
 def test_decode_size_projection_hands_its_k_split_partials_to_the_fused_sum(monkeypatch):
-    """Where the row-parallel split tiles take the shape (``fused_ops.split_linear(..., row_parallel=True)``), the
+    """Where the row-parallel split tiles take the shape (``fused_ops.split_linear(..., tp_rank=True)``), the
     layer hands this rank's float32 partials on: the fused kernel gets them as they are, and the
     plain path sums them locally before the all-reduce."""
     from dataclasses import dataclass
@@ -109,8 +109,8 @@ def test_decode_size_projection_hands_its_k_split_partials_to_the_fused_sum(monk
 
     x = torch.randn(3, 4)
     asked, made = [], []
-    monkeypatch.setattr(linear_module.fused_ops, "split_linear", lambda x, w, bias, enabled, row_parallel=False:
-                        asked.append((bias, enabled, row_parallel))
+    monkeypatch.setattr(linear_module.fused_ops, "split_linear", lambda x, w, bias, enabled, tp_rank=False:
+                        asked.append((bias, enabled, tp_rank))
                         or made.append(torch.stack([x @ w.t() / 2] * 2)) or _Split(made[-1]))
     pending = _layer(_Reducer())(x, split_k=False)
     assert isinstance(pending, PendingSum) and asked == [(None, False, True)]  # the model's split_k switch passed on
