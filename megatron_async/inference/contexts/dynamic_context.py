@@ -14,6 +14,7 @@ import torch
 
 from megatron_async.config import CacheSizing
 from megatron_async.forward_batch import AttentionMetadata, ForwardBatch, MambaMetadata
+from megatron_async.inference.contexts import lazy_zeros
 from megatron_async.inference.contexts.bookkeeping_layout import BookkeepingLayout
 from megatron_async.inference.contexts.decode_rows import DecodeRows
 from megatron_async.inference.contexts.general_rows import assemble_rows
@@ -69,11 +70,10 @@ class DynamicInferenceContext:
         else:
             num_blocks = max(2, int(config.kv_budget_gb * 1e9 // bytes_per_block) + 1)
         with device.memory_region("kv_cache"):  # engine.suspend frees it
-            self.kv_caches = [
-                torch.zeros(2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim, dtype=kv_dtype,
-                            device=device.device)
-                for _ in range(spec.num_layers)
-            ]
+            shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+            suspendable = device.suspend_backend is not None
+            self.kv_caches = [lazy_zeros.zeros(shape, kv_dtype, device.device, suspendable)
+                              for _ in range(spec.num_layers)]
         # One model per engine; the key keeps identities apart should pools ever be shared.
         self._model_key = type(model).__name__.encode()
         self.lora = model.lora_adapters
