@@ -143,7 +143,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         """On a TP rank at decode sizes: this rank's q / k / v as float32 K-split partials
         (``triton_split_linear.PendingSplitSum``) for the q/k norm + rope kernel to sum, where
         cuBLAS would run a split-K GEMM plus a reduce kernel of its own (Qwen3-8B at TP=4: N =
-        1,536); None elsewhere (TP=1, FP8, a bias, no adapters: the caller checks those)."""
+        1,536); None at TP=1, for an FP8 weight or with a bias (the caller keeps adapter rows and
+        batch-invariant steps off it)."""
         if self.parallel.tp_size == 1 or self.weight_scale_inv is not None or self.bias is not None:
             return None
         return fused_ops.split_linear(x, self.weight, None, split_k, tp_rank=True)

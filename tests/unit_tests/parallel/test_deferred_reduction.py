@@ -122,3 +122,20 @@ def test_decode_size_projection_hands_its_k_split_partials_to_the_fused_sum(monk
     out, new_res = norm.add_and_norm(layer(x), torch.zeros(3, 6))
     assert seen[0] is made[-1] and fused.log == ["all_reduce"]
     torch.testing.assert_close(new_res, x @ layer.weight.t())
+
+
+def test_a_tp_ranks_qkv_asks_for_split_partials_only_at_tp_without_bias_or_fp8(monkeypatch):
+    """``QKVParallelLinear.tp_split``: the TP rank's tiles asked for (the model's split_k switch
+    passed on) at TP > 1 on a bf16 weight without bias; None at TP=1 or with a bias."""
+    from megatron_async.parallel.linear import QKVParallelLinear
+
+    asked = []
+    monkeypatch.setattr(linear_module.fused_ops, "split_linear", lambda x, w, bias, enabled, tp_rank=False:
+                        asked.append((tuple(w.shape), bias, enabled, tp_rank)) or "parts")
+    x = torch.randn(2, 16)
+
+    def qkv(tp_size: int, bias: bool = False) -> QKVParallelLinear:
+        return QKVParallelLinear(16, 4, 4, 2, bias, ParallelState(tp_rank=0, tp_size=tp_size), torch.float32, "cpu")
+
+    assert qkv(2).tp_split(x, split_k=False) == "parts" and asked == [((16, 16), None, False, True)]
+    assert qkv(1).tp_split(x) is None and qkv(2, bias=True).tp_split(x) is None and len(asked) == 1
