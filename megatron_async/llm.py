@@ -4,6 +4,7 @@ coordinator (``listen`` / ``join``), weight updates and ``close``."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import time
@@ -143,7 +144,6 @@ class LLM:
 
     def _build(self, model: str | None, default_model: str, seed: int, drafter=None) -> None:
         nvtx.set_enabled(self.config.nvtx_ranges)
-        gc_pauses.thaw()  # (an earlier engine left unclosed: its cycles go at the collections below)
         choice = self.config.kernels()
         kernels = KernelBackends.from_choice(choice, self.device)
         self.attention_backend, self.mamba_backend = kernels.attention, kernels.mamba
@@ -203,8 +203,9 @@ class LLM:
                      rep.graphs_captured, rep.captures_without_eager_run, rep.capture_retries, rep.triton_builds,
                      rep.memory_bytes / 2**30)
             # startup's garbage goes now, not as a full collection inside the first serving steps
-            # (the benchmark collects before each timed run; the main job and the server rely on this),
-            # and what survives stays out of serving's collections
+            # (the benchmark collects before each timed run; the main job and the server rely on this)
+            gc.collect()
+        if self.config.gc_freeze:  # what survives start-up stays out of serving's collections
             gc_pauses.settle()
         gc_pauses.watch()
 
@@ -268,7 +269,8 @@ class LLM:
         """End the grammar worker (a fill in flight holds the process's GIL switch interval), then
         leave the TP / EP group (no-op without). CUDA graphs go first: a graph that captured NCCL
         collectives holds a reference on the communicator, and ncclCommDestroy waits for them."""
-        gc_pauses.thaw()  # (this engine's cycles, its CUDA graphs', collectable again)
+        if self.config.gc_freeze:  # (this engine's cycles collectable again)
+            gc_pauses.thaw()
         if getattr(self, "coordinator", None) is not None:
             self.coordinator.close()
             self.coordinator = None

@@ -194,6 +194,9 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     _add_lora_args(g)
     g.add_argument("--logging-step-interval", type=NON_NEGATIVE_INT, default=0, help="log (and time) every N steps")
     g.add_argument("--nvtx", action="store_true", help="NVTX ranges around engine stages (for nsys)")
+    g.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=None,
+                   help="freeze start-up's objects out of Python's garbage collections (InferenceConfig.gc_freeze; "
+                        "default on when the job or server runs as a process of its own)")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -308,6 +311,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "lora_experts": getattr(args, "lora_experts", None),
         "logging_step_interval": args.logging_step_interval,
         "nvtx_ranges": args.nvtx,
+        "gc_freeze": getattr(args, "gc_freeze", None),
         "attention_backend": args.attention_backend,
         "seed": args.seed,
         "dp_routing": getattr(args, "dp_routing", None),
@@ -320,6 +324,13 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
+
+
+def own_process(args: argparse.Namespace) -> None:
+    """The job or server runs as a process of its own (its script, not a caller's ``main()``):
+    the defaults that take the whole process (``InferenceConfig.gc_freeze``) where no flag set them."""
+    if getattr(args, "gc_freeze", None) is None:
+        args.gc_freeze = True
 
 
 def _kernel_lists(args: argparse.Namespace) -> bool:

@@ -145,15 +145,18 @@ def main(argv: list[str] | None = None, description: str = "megatron_async main 
 
 
 def run_job(argv: list[str] | None = None, description: str = "megatron_async main job",
-            require_model: bool = False) -> tuple[RunSummary | None, int]:
+            require_model: bool = False, own_process: bool = False) -> tuple[RunSummary | None, int]:
     """(this rank's summary, the job's exit status). The ranks end together: rank 0 announces its
     status (also when it fails: 1), the others wait for it and take it (``end_job``); a rank still
-    waiting for rank 0 in a step when it ends raises ``LeaderEnded``."""
+    waiting for rank 0 in a step when it ends raises ``LeaderEnded``. ``own_process``: the job is
+    the process (``flags.own_process``)."""
     entered = seconds_since_process_start()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(description, require_model)
     args = parse_args(parser, argv)
     flags.resolve_device_args(args)
+    if own_process:
+        flags.own_process(args)
     if args.logging_step_interval:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     t0 = time.perf_counter()
@@ -196,7 +199,7 @@ def cli_main(description: str, require_model: bool = False) -> int:
     """The examples' entry point: exit code 1 when any request failed or the run timed out; every
     rank exits with rank 0's code, a rank that rank 0 left waiting with one line on stderr."""
     try:
-        return run_job(description=description, require_model=require_model)[1]
+        return run_job(description=description, require_model=require_model, own_process=True)[1]
     except LeaderEnded as e:
         print(e, file=sys.stderr)
         return e.status

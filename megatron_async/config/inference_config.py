@@ -142,6 +142,16 @@ class InferenceConfig(KernelFields, CommunicationFields, SpeculativeFields, LoRA
     nvtx_ranges: bool = False
     """Wrap every stage in an NVTX range (off = no cost)."""
 
+    gc_freeze: bool = False
+    """At the end of the build, collect start-up's garbage and freeze what survives out of the
+    cyclic collector's later collections (``gc.freeze``, ``inference/gc_pauses.py``): a full
+    collection of an engine process's ~200,000 start-up objects stops the step loop for tens of
+    milliseconds; frozen, one walks only what serving allocated. The freeze is the process's:
+    everything alive then (the caller's objects too) stays until the engine closes, and a
+    dropped, unclosed engine is never collected. On in the processes that exist to serve (the
+    main job's script, ``python -m megatron_async.serve``, its engines behind a coordinator);
+    off for ``LLM`` in a process of the caller's."""
+
     dp_routing: DpRouting = DpRouting.LOAD_BALANCED
     """Which data-parallel engine a new request goes to, wherever there are several: engines behind
     a coordinator (``LLM(..., listen=...)``, ``python -m megatron_async.coordinator``), and the ranks

@@ -5,15 +5,13 @@ A collection of Python's oldest generation traverses every tracked object. After
 engine process holds ~200,000 of them (modules, parameters, tokenizer tables, Triton's kernel
 caches): one such collection takes ~85 ms on a 2-core VM, and the loop thread that runs it is
 the thread that launches the next step, so every running request sees one long inter-token gap.
-``settle()`` at the end of a CUDA engine's warm-up collects start-up's garbage and moves what
-survives into the permanent generation (``gc.freeze``), so later collections traverse only what
-serving allocated since. ``thaw()`` when an engine closes, and when another one starts to build,
-gives them back: a closed or dropped engine's reference cycles (CUDA graphs, their memory pools,
-the KV pool) must stay collectable, and a CUDA engine's build collects before it measures free
-memory. CPU engines (tests and CI build hundreds in a process) skip that ~50-100 ms collection
-and so the freeze: a freeze without it would keep a dropped engine's cycles until the next
-build. One process-wide record of every collection's pause (``gc.callbacks``): a collection
-stops every thread."""
+With ``InferenceConfig.gc_freeze`` (on in the processes that exist to serve) ``settle()`` ends
+the build: it collects start-up's garbage and moves what survives into the permanent generation
+(``gc.freeze``), so later collections traverse only what serving allocated since; ``thaw()`` when
+that engine closes gives them back. The freeze is the whole process's (Python has one), which is
+why a library caller's process keeps it off: a dropped, unclosed engine would never be collected,
+and a caller's own freeze would be undone at close. One process-wide record of every
+collection's pause (``gc.callbacks``): a collection stops every thread."""
 from __future__ import annotations
 
 import gc
@@ -63,7 +61,7 @@ def settle() -> None:
 
 
 def thaw() -> None:
-    """Frozen objects are collectable again (an engine closes, or another one builds)."""
+    """Frozen objects are collectable again (the engine that froze them closes)."""
     gc.unfreeze()
 
 

@@ -160,7 +160,8 @@ def build_state(llm, args: argparse.Namespace):
     return state
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
+    """The server; ``own_process``: run as ``python -m megatron_async.serve`` (``flags.own_process``)."""
     args = build_parser().parse_args(argv)
     if why := refusal(args, policy_from_args(args)):
         print(f"error: {why}", file=sys.stderr)
@@ -181,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_async.serve.launch import Serving, serve_until_stopped
 
     resolve_launch_ahead(args)
+    if own_process:
+        flags.own_process(args)
     llm = load_llm(args, stream_text=True)  # SSE deltas come from RequestUpdate.new_text
     if why := load_lora_modules(llm, args):  # every rank loads them, before any request
         print(f"error: {why}", file=sys.stderr)
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    code = main(own_process=True)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,7 +1,6 @@
 """CUDA: after the startup warm-up, a run with staggered arrivals and every sampling feature
 builds no Triton kernel and captures no graph, in eager and in graph mode; mixed steps replay
 graphs, and their tokens equal eager (float32). Skipped without a GPU."""
-import gc
 import random
 
 import pytest
@@ -34,7 +33,6 @@ def _run(ckpt, graphs: bool):
     llm = LLM(model=str(ckpt), device="cuda", dtype="float32", inference_config=cfg)  # warms up at build
     st = llm.engine.stats
     assert st.warmup_seconds > 0 and st.warmup_graphs == (len(llm.runner.graphs.plan.keys()) if graphs else 0)
-    assert gc.get_freeze_count() > 10_000  # start-up's objects out of serving's collections (gc_pauses.settle)
     outs = run_arrivals(llm, _arrivals())
     return {i: o.generated_tokens for i, o in outs.items()}, st
 

@@ -1,13 +1,15 @@
-"""A CUDA engine's start-up objects are frozen out of the cyclic collector's later collections
-(``gc_pauses.settle`` ends its warm-up), so a full collection while serving traverses only what
-serving allocated; closing the engine, or building another, gives them back; every collection's
-pause reaches ``EngineStats``."""
+"""With ``InferenceConfig.gc_freeze`` an engine's start-up objects are frozen out of the cyclic
+collector's later collections (``gc_pauses.settle`` ends its build), so a full collection while
+serving traverses only what serving allocated, and closing the engine gives them back; off (the
+library default) nothing is frozen; every collection's pause reaches ``EngineStats``; the main
+job's and the server's own processes turn the freeze on unless a flag says otherwise."""
+import argparse
 import gc
 import time
 import weakref
 
 from megatron_async import LLM, InferenceConfig, SamplingParams
-from megatron_async.inference import gc_pauses
+from megatron_async.cli import flags
 
 CFG = dict(max_requests=4, num_kv_blocks=32)  # (not the 1 GB CPU default)
 GREEDY = SamplingParams(top_k=1, num_tokens_to_generate=4, ignore_eos=True)
@@ -22,9 +24,11 @@ def _full_collection_seconds(repeats: int = 3) -> float:
     return best
 
 
-def test_serving_collections_reach_engine_stats():
+def test_serving_collections_reach_engine_stats_and_nothing_is_frozen_by_default():
+    frozen = gc.get_freeze_count()  # (the test run's own freeze, tests/conftest.py)
     llm = LLM(inference_config=InferenceConfig(**CFG))
     try:
+        assert gc.get_freeze_count() <= frozen  # (frozen objects may still be freed, none was added)
         llm.generate([[1, 2, 3]], GREEDY)
         gc.collect()  # (a full collection while serving, as the threshold would start one)
         llm.generate([[4, 5]], GREEDY)
@@ -33,17 +37,17 @@ def test_serving_collections_reach_engine_stats():
         assert 0 < stats.gc_pause_max_seconds <= stats.gc_pause_seconds
     finally:
         llm.close()
+    assert gc.get_freeze_count() <= frozen
 
 
-def test_settled_start_up_leaves_full_collections_until_the_engine_closes():
-    llm = LLM(inference_config=InferenceConfig(**CFG))
+def test_a_frozen_start_up_leaves_full_collections_until_the_engine_closes():
+    dropped = LLM(inference_config=InferenceConfig(**CFG))
+    engine = weakref.ref(dropped.engine)
+    dropped.engine.cycle = dropped  # (kept alive only by a reference cycle)
+    del dropped
+    llm = LLM(inference_config=InferenceConfig(**CFG, gc_freeze=True))
     try:
-        dropped = LLM(inference_config=InferenceConfig(**CFG))
-        engine = weakref.ref(dropped.engine)
-        dropped.engine.cycle = dropped  # (kept alive only by a reference cycle)
-        del dropped
-        gc_pauses.settle()  # (what a CUDA engine's warm-up ends with)
-        assert engine() is None  # garbage is collected, not frozen
+        assert engine() is None  # start-up's garbage was collected, not frozen
         assert gc.get_freeze_count() > 10_000  # the modules, parameters and tables start-up built
         llm.generate([[1, 2, 3]], GREEDY)
         served = _full_collection_seconds()
@@ -53,18 +57,12 @@ def test_settled_start_up_leaves_full_collections_until_the_engine_closes():
         assert served < everything / 3, (served, everything)
     finally:
         llm.close()
-    assert gc.get_freeze_count() == 0  # (a closed engine's cycles are collectable)
-
-
-def test_a_new_build_thaws_an_unclosed_engine():
-    llm = LLM(inference_config=InferenceConfig(**CFG))
-    gc_pauses.settle()
-    engine = weakref.ref(llm.engine)
-    llm.engine.cycle = llm
-    del llm
-    second = LLM(inference_config=InferenceConfig(**CFG))
-    try:
         gc.collect()
-        assert engine() is None
-    finally:
-        second.close()
+        gc.freeze()  # (the test run's own freeze again)
+
+
+def test_own_processes_freeze_unless_a_flag_says_otherwise():
+    for given, taken in ((None, True), (False, False), (True, True)):
+        args = argparse.Namespace(gc_freeze=given)
+        flags.own_process(args)
+        assert args.gc_freeze is taken
