@@ -188,7 +188,9 @@ class LLM:
         self.engine = DynamicInferenceEngine(self.runner, self.context, self.config.scheduling(),
                                              self.config.speculation(), self.tokenizer, ranks=ranks)
         self.startup.end()
-        if facade.is_cuda and (self.config.startup_warmup or self.parallel.ep_size > 1 and self.config.cuda_graphs):
+        warms_up = facade.is_cuda and (self.config.startup_warmup
+                                       or self.parallel.ep_size > 1 and self.config.cuda_graphs)
+        if warms_up:
             # Expert parallelism always captures here: every rank at once (collectives inside).
             try:
                 rep = self.engine.warmup()
@@ -202,11 +204,12 @@ class LLM:
                      "again after one), %d Triton builds, %.2f GiB reserved", rep.seconds, rep.eager_steps,
                      rep.graphs_captured, rep.captures_without_eager_run, rep.capture_retries, rep.triton_builds,
                      rep.memory_bytes / 2**30)
-            # startup's garbage goes now, not as a full collection inside the first serving steps
-            # (the benchmark collects before each timed run; the main job and the server rely on this)
-            gc.collect()
-        if self.config.gc_freeze:  # what survives start-up stays out of serving's collections
+        # startup's garbage goes now, not as a full collection inside the first serving steps
+        # (the benchmark collects before each timed run; the main job and the server rely on this)
+        if self.config.gc_freeze:  # (one collection, then what survives stays out of serving's collections)
             gc_pauses.settle()
+        elif warms_up:
+            gc.collect()
         gc_pauses.watch()
 
     def _graph_runner(self):

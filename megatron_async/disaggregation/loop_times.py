@@ -17,6 +17,8 @@ import time
 from collections import deque
 from contextlib import contextmanager
 
+from megatron_async.inference.engines.engine_stats import nearest_rank
+
 PARTS = ("message", "announce", "admit", "land", "connect", "poll")
 KEPT_IMPORTS = 4096
 """Import times kept for their percentiles (the latest)."""
@@ -81,14 +83,11 @@ class LoopTimes:
         self.import_seconds += seconds
         self._import_times.append(seconds)
 
-    def _import_pct(self, q: float) -> float:
-        times = sorted(self._import_times)
-        return times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
-
     def counters(self) -> dict:
         out = {"kv_loop_seconds": self.seconds, "kv_loop_max_seconds": self.max_seconds,
                "kv_imports_landed": self.imports, "kv_import_seconds": self.import_seconds,
-               "kv_import_p50_seconds": self._import_pct(0.5), "kv_import_p99_seconds": self._import_pct(0.99),
+               "kv_import_p50_seconds": nearest_rank(self._import_times, 50),
+               "kv_import_p99_seconds": nearest_rank(self._import_times, 99),
                "kv_loop_messages": self.messages}
         for name in PARTS:
             out[f"kv_loop_max_{name}_seconds"] = self.part_max[name]

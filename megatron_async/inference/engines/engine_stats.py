@@ -156,7 +156,8 @@ class EngineStats:
     key; without a warm-up, every lazy capture counts)."""
     gc_collections: int = 0
     """Python's cyclic garbage collections in this process since the last engine of it finished
-    its start-up (``gc_pauses.py``: what start-up built is frozen out of them)."""
+    its start-up (``gc_pauses.py``; with ``InferenceConfig.gc_freeze`` what start-up built is
+    frozen out of them)."""
     gc_full_collections: int = 0
     """Of those, of the oldest generation."""
     gc_pause_seconds: float = 0.0
@@ -234,8 +235,13 @@ class EngineStats:
         return d
 
 
-def _percentile_us(seconds, percentile: float) -> float:
-    xs = sorted(seconds)
+def nearest_rank(values, percentile: float) -> float:
+    """The ``percentile`` (0..100) of ``values`` by nearest rank; 0.0 when there are none."""
+    xs = sorted(values)
     if not xs:
         return 0.0
-    return 1e6 * xs[min(len(xs) - 1, int(percentile / 100 * len(xs)))]
+    return xs[min(len(xs) - 1, int(percentile / 100 * len(xs)))]
+
+
+def _percentile_us(seconds, percentile: float) -> float:
+    return 1e6 * nearest_rank(seconds, percentile)

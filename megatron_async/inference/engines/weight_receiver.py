@@ -280,13 +280,6 @@ class WeightReceiver:
         """How an IPC update launches its copies (``copy_groups.KERNELS``); a change binds anew."""
         return self._ipc_kernel
 
-    def ipc_copy_kernel(self) -> str:
-        """The kernel the next IPC update launches: ``ipc_kernel``, with "auto" the table once its
-        compile finished (``table_compile``), else the foreach lists."""
-        if self._ipc_kernel != "auto":
-            return self._ipc_kernel
-        return "table" if self.table_compile is not None and self.table_compile.ready() else "foreach"
-
     @ipc_kernel.setter
     def ipc_kernel(self, kernel: str) -> None:
         if kernel not in KERNELS:
@@ -301,6 +294,13 @@ class WeightReceiver:
                 log.warning("the IPC table copy kernel did not build (%s): IPC updates use foreach copies", e)
                 kernel = "foreach"
         self._ipc_kernel, self._bound = kernel, None
+
+    def ipc_copy_kernel(self) -> str:
+        """The kernel the next IPC update launches: ``ipc_kernel``, with "auto" the table once its
+        compile finished (``table_compile``), else the foreach lists."""
+        if self._ipc_kernel != "auto":
+            return self._ipc_kernel
+        return "table" if self.table_compile is not None and self.table_compile.ready() else "foreach"
 
     def _device_uuid(self) -> str | None:
         """This rank's GPU (per-rank payloads must share memory of this GPU only)."""
