@@ -1,5 +1,7 @@
 """Where a tensor-parallel decode step goes, kernel by kernel: the built-in model (bf16, random
-weights) at TP=N, one request, greedy, async + CUDA graphs; each variant one torchrun job. Every
+weights) at TP=N, --batch requests of --prompt-len tokens (default one of 32), greedy, async + CUDA
+graphs, the profiled prompts found in the prefix cache (one prefill step of a token a request,
+then decode steps of the whole batch); each variant one torchrun job. Every
 rank profiles --steps decode steps (torch profiler, CUDA activity: the kernels of the graph
 replays as the device ran them) and reports its mean decode step, kernels a step, the gaps
 between them, the time inside the step's plain one-shot all-reduces (the embedding's, the first
@@ -11,6 +13,7 @@ down_proj / qkv on cuBLAS's split-K GEMM and its reduce kernel instead of handin
 partials to the fused all-reduce + RMSNorm / the q/k norm + rope); "unfused" (``tp_fused_norm=False``).
 
     python -m benchmarks tp-kernels --tp 4 [--variants default no-split] [--model qwen3-8b] [--steps 32]
+        [--batch 1] [--prompt-len 32]
 
 CUDA only; NVLink multicast stays off in every process. Prints one table last."""
 from __future__ import annotations
@@ -37,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", default=["default", "no-split"], choices=list(VARIANTS))
     p.add_argument("--model", default="qwen3-8b", help="built-in model (megatron_async.models.default_model)")
     p.add_argument("--steps", type=int, default=32, help="decode steps profiled")
+    p.add_argument("--batch", type=int, default=1, help="requests decoding together")
+    p.add_argument("--prompt-len", type=int, default=32, help="tokens of each prompt")
     p.add_argument("--top", type=int, default=16, help="rank 0's kernels listed")
     p.add_argument("--launch-timeout", type=float, default=240.0, help="seconds per torchrun job")
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # set on torchrun workers
@@ -59,13 +64,15 @@ def _worker(args: argparse.Namespace) -> None:
     from megatron_async.inference.engines.engine_stats import EngineStats
 
     tp = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=64, max_requests=8, max_tokens=2048,
-                          max_sequence_length=32 + 2 * args.steps + 64, cuda_graphs=True, cuda_graph_batch_sizes=(1,),
-                          **VARIANTS[args.variant])
+    seq = args.prompt_len + 2 * args.steps + 64
+    cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=args.batch * (seq // 16 + 2) + 64,
+                          max_requests=max(8, args.batch), max_tokens=max(2048, args.batch * args.prompt_len),
+                          max_sequence_length=seq, cuda_graphs=True, cuda_graph_batch_sizes=(args.batch,),
+                          enable_prefix_caching=True, **VARIANTS[args.variant])  # the profiled prompts: cache hits
     llm = LLM(None, device="cuda", dtype="bfloat16", inference_config=cfg, default_model=args.model,
               tensor_parallel_size=tp)
     try:
-        prompt = [[(31 * j + 7) % 1000 + 1 for j in range(32)]]
+        prompt = [[(31 * j + 7 * i) % 1000 + 1 for j in range(args.prompt_len)] for i in range(1, args.batch + 1)]
         llm.generate(prompt, SamplingParams(top_k=1, num_tokens_to_generate=8, ignore_eos=True))  # captures, builds
         llm.engine.stats = st = EngineStats()
         params = SamplingParams(top_k=1, num_tokens_to_generate=args.steps, ignore_eos=True)

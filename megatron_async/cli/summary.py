@@ -45,6 +45,11 @@ class RunSummary:
     spec_draft_tokens: int = 0
     """Speculative decoding: drafts verified, and accepted."""
     spec_accepted_tokens: int = 0
+    allocator_retries: int = 0
+    """``allocator_retries`` over the process's life (start-up included)."""
+    builds_after_warmup: int = 0
+    """Triton kernels built, and CUDA graphs captured, while serving (the warm-up missed them)."""
+    captures_after_warmup: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -62,6 +67,12 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 def peak_gpu_memory_gb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def allocator_retries(device: torch.device) -> int:
+    """Allocations the CUDA caching allocator retried after freeing its cache (each a device-wide
+    synchronization and frees: memory pressure)."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else 0
 
 
 def summarize(run: WorkloadRun, stats: EngineStats, device: torch.device) -> RunSummary:
@@ -85,9 +96,12 @@ def summarize(run: WorkloadRun, stats: EngineStats, device: torch.device) -> Run
         evicted=stats.evicted,
         prefix_hit_tokens=stats.prefix_hit_tokens,
         peak_gpu_memory_gb=peak_gpu_memory_gb(device),
+        allocator_retries=allocator_retries(device),
         timed_out=run.timed_out,
         spec_draft_tokens=stats.spec_draft_tokens,
         spec_accepted_tokens=stats.spec_accepted_tokens,
+        builds_after_warmup=stats.triton_builds_after_warmup,
+        captures_after_warmup=stats.graph_captures_after_warmup,
         **run.latency_ms(),
     )
 
@@ -97,7 +111,8 @@ def _p50_p99(p50: float | None, p99: float | None) -> str:
 
 
 def format_summary(s: RunSummary) -> str:
-    mem = f"{s.peak_gpu_memory_gb:.2f} GiB" if s.peak_gpu_memory_gb is not None else "n/a (cpu)"
+    mem = (f"{s.peak_gpu_memory_gb:.2f} GiB ({s.allocator_retries} allocator retries)"
+           if s.peak_gpu_memory_gb is not None else "n/a (cpu)")
     failed = f" ({s.failed_requests} rejected)" if s.failed_requests else ""
     rows = [
         ("requests", f"{s.finished_requests}/{s.requests} finished{failed}" + (" [TIMED OUT]" if s.timed_out else "")),
@@ -114,10 +129,11 @@ def format_summary(s: RunSummary) -> str:
         ("paused / evicted", f"{s.paused} / {s.evicted}"),
         ("prefix hit tokens", f"{s.prefix_hit_tokens}"),
         ("peak GPU memory", mem),
+        ("after warm-up", f"{s.builds_after_warmup} Triton builds, {s.captures_after_warmup} graph captures"),
     ]
     if s.spec_draft_tokens:
         rate = s.spec_accepted_tokens / s.spec_draft_tokens
-        rows.insert(-1, ("speculative drafts", f"{s.spec_accepted_tokens}/{s.spec_draft_tokens} accepted ({rate:.1%})"))
+        rows.insert(-2, ("speculative drafts", f"{s.spec_accepted_tokens}/{s.spec_draft_tokens} accepted ({rate:.1%})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
