@@ -38,8 +38,10 @@ log = logging.getLogger("megatron_async")
 
 def _ranks_config(config: InferenceConfig, tensor_parallel_size: int) -> InferenceConfig:
     """A TP / EP rank's config: no adaptive speculation (ranks schedule alike, never from their own
-    timings); under TP the start-up builds kernels one by one unless asked (dry captures of TP
-    collectives are not tried on several ranks), while EP's dry captures stand in for the exchange
+    timings); under TP the start-up builds kernels one by one unless asked: the dry pass works
+    there (15-24 s to the first token against 53-58, Qwen3-8B at TP=4) but the first prompt then
+    waited 0.1-1.2 s after rank 0 was ready, not yet explained (docs/PERFORMANCE.md, "Start-up of
+    the main job"); EP's dry captures stand in for the exchange
     (collective_prebuild.py) and build at once by default."""
     threads = config.startup_build_threads
     return replace(config, speculative_adaptive=False,
