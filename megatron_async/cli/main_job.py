@@ -216,6 +216,18 @@ def report_failures(requests: list[WorkloadRequest], run: WorkloadRun) -> None:
         print(f"rejected: ... and {len(failed) - MAX_REASONS_PRINTED} more (see --output-path)", file=sys.stderr)
 
 
+def wait_for_ranks(llm: LLM) -> float:
+    """Seconds this rank waits at a barrier of the job's ranks (0 alone). Each rank ends its
+    start-up on its own; without the barrier rank 0's run clock, TTFT and tok/s would hold the
+    rest of a slower rank's start-up (its first step waits for that rank's collectives)."""
+    comm = llm.communicator
+    if comm is None or comm.world_size == 1:
+        return 0.0
+    t = time.perf_counter()
+    comm.barrier()
+    return time.perf_counter() - t
+
+
 def _run(args: argparse.Namespace, llm: LLM, t0: float, entered: float | None = None) -> RunSummary:
     """Every TP rank runs the same (seeded) workload through the driver; only rank 0 reports."""
     try:
@@ -236,9 +248,11 @@ def _run(args: argparse.Namespace, llm: LLM, t0: float, entered: float | None = 
     progress = ProgressBar(len(requests), enabled=not args.quiet and llm.is_leader)
     engine = llm.engine if llm.is_leader else FollowerEngine(llm.engine)
     ready = seconds_since_process_start()
+    waited = wait_for_ranks(llm)
     run = run_workload(engine, requests, flags.sampling_factory(args), progress)
     first = run.first_token_s
-    times = StartupTimes(entered, ready, ready + first if ready is not None and first is not None else None)
+    times = StartupTimes(entered, ready, ready + waited + first if ready is not None and first is not None else None,
+                         waited)
     summary = summarize(run, llm.engine.stats, llm.device)
     if not llm.is_leader:  # data-parallel followers hand their outputs to rank 0: their summary is partial
         return summary if llm.parallel.dp_size == 1 else None

@@ -160,7 +160,10 @@ class StartupTimes:
     ready_s: float | None
     """The engine is built and warmed up."""
     first_token_s: float | None
-    """The first request's first token (requests arrive when the engine is ready)."""
+    """The first request's first token (requests arrive when every rank's engine is ready)."""
+    ranks_wait_s: float = 0.0
+    """After ``ready_s``, how long this rank waited for the job's other ranks to end their start-up
+    (0 alone); the run's clock starts after it."""
 
 
 def format_startup(times: StartupTimes, profile) -> str:
@@ -168,7 +171,8 @@ def format_startup(times: StartupTimes, profile) -> str:
     def at(x):
         return "n/a" if x is None else f"{x:.1f} s"
 
-    rows = [("process start to", f"job code {at(times.entered_s)}, engine ready {at(times.ready_s)}, "
+    others = f", waited {times.ranks_wait_s:.1f} s for the other ranks" if times.ranks_wait_s >= 0.05 else ""
+    rows = [("process start to", f"job code {at(times.entered_s)}, engine ready {at(times.ready_s)}{others}, "
                                   f"first token {at(times.first_token_s)}"),
             ("engine built in", f"{profile.total_seconds:.2f} s (Triton cache {profile.cache_dir or 'n/a'})")]
     rows += [(f"  {name}", value) for name, value in profile.rows()]

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -234,9 +235,16 @@ JOB_ARGS = ["--num-requests", "6", "--prompt-len-min", "4", "--prompt-len-max", 
             "--output-len-max", "8", "--arrival-rate", "1.5", "--temperature", "0.9", "--top-p", "0.8",
             "--block-size", "4", "--num-kv-blocks", "64", "--max-requests", "3", "--max-tokens", "16", "--quiet",
             "--device", "cpu"]
+LATE_S = 1.5
+"""How late rank 1 ends its start-up in the TP=2 main job."""
 
 
-def _job_worker(rank: int, world: int, ckpt: str, out_dir: str) -> bool:
+def _job_worker(rank: int, world: int, ckpt: str, out_dir: str, late_s: float = 0.0) -> bool:
+    if rank == 1 and late_s:  # this rank ends its start-up late (after the engine's own collectives)
+        from megatron_async.cli import main_job
+
+        build = main_job.build_workload
+        main_job.build_workload = lambda *a: time.sleep(late_s) or build(*a)
     main([*JOB_ARGS, "--model", ckpt, "--tensor-parallel-size", str(world), "--output-path", f"{out_dir}/r{rank}.json"])
     return True
 
@@ -244,7 +252,7 @@ def _job_worker(rank: int, world: int, ckpt: str, out_dir: str) -> bool:
 def test_main_job_tp2_with_arrivals_matches_tp1(tmp_path):
     ckpt = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "ckpt")
     main([*JOB_ARGS, "--model", str(ckpt), "--output-path", str(tmp_path / "tp1.json")])
-    run_ranks(_job_worker, 2, str(ckpt), str(tmp_path), timeout_s=60)
+    run_ranks(_job_worker, 2, str(ckpt), str(tmp_path), LATE_S, timeout_s=60)
     assert not (tmp_path / "r1.json").exists()  # only rank 0 writes
 
     def tokens(name: str) -> list[list[int]]:
@@ -252,6 +260,12 @@ def test_main_job_tp2_with_arrivals_matches_tp1(tmp_path):
 
     assert tokens("r0.json") == tokens("tp1.json")
     assert all(tokens("tp1.json"))
+    # rank 0 waited for rank 1's late start-up before its run's clock started: not inside its first step
+    startup = json.loads((tmp_path / "r0.json").read_text())["startup"]
+    assert startup["ranks_wait_s"] >= 0.8 * LATE_S
+    assert startup["first_token_s"] >= startup["ready_s"] + startup["ranks_wait_s"]
+    assert json.loads((tmp_path / "tp1.json").read_text())["startup"]["ranks_wait_s"] == 0.0
+
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
