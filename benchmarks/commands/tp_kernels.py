@@ -4,7 +4,7 @@ graphs, the profiled prompts found in the prefix cache (one prefill step of a to
 then decode steps of the whole batch); each variant one torchrun job. Every
 rank profiles --steps decode steps (torch profiler, CUDA activity: the kernels of the graph
 replays as the device ran them) and reports its mean decode step, kernels a step, the gaps
-between them, the time inside the step's plain one-shot all-reduces (the embedding's, the first
+between them, the time inside the step's plain one- / two-shot all-reduces (the embedding's, the first
 collective of a step: it absorbs the ranks' skew at the step's start) and its consensus
 percentiles; rank 0 also lists its kernels by time a step.
 
@@ -22,6 +22,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -31,6 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.torchrun_job import run_torchrun  # noqa: E402
 
+_PLAIN_ALL_REDUCE = re.compile(r"(one|two)_shot_all_reduce")
+"""torch's symmetric-memory all-reduce kernels (two-shot above 512 KB: the embedding's at 128 rows)."""
 VARIANTS = {"default": {}, "no-split": {"split_linear": False}, "unfused": {"tp_fused_norm": False}}
 
 
@@ -83,7 +86,7 @@ def _worker(args: argparse.Namespace) -> None:
         gaps = [max(0.0, b["ts"] - a["ts"] - a["dur"]) for a, b in zip(ev, ev[1:])]
         rank = dist.get_rank() if dist.is_initialized() else 0
         out = {"rank": rank, "step_ms": st.mean_decode_step_ms, "kernels": len(ev) / n, "gaps_us": sum(gaps) / n,
-               "first_all_reduce_us": sum(e["dur"] for e in ev if "one_shot_all_reduce" in e["name"]) / n,
+               "first_all_reduce_us": sum(e["dur"] for e in ev if _PLAIN_ALL_REDUCE.search(e["name"])) / n,
                "consensus_us": (st.consensus_us(50), st.consensus_us(99)), "top": []}
         if rank == 0:
             by_name = collections.defaultdict(lambda: [0.0, 0])
