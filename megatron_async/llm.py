@@ -36,16 +36,10 @@ from megatron_async.parallel.state import ParallelState
 log = logging.getLogger("megatron_async")
 
 
-def _ranks_config(config: InferenceConfig, tensor_parallel_size: int) -> InferenceConfig:
+def _ranks_config(config: InferenceConfig) -> InferenceConfig:
     """A TP / EP rank's config: no adaptive speculation (ranks schedule alike, never from their own
-    timings); under TP the start-up builds kernels one by one unless asked: the dry pass works
-    there (15-24 s to the first token against 53-58, Qwen3-8B at TP=4) but the first prompt then
-    waited 0.1-1.2 s after rank 0 was ready, not yet explained (docs/PERFORMANCE.md, "Start-up of
-    the main job"); EP's dry captures stand in for the exchange
-    (collective_prebuild.py) and build at once by default."""
-    threads = config.startup_build_threads
-    return replace(config, speculative_adaptive=False,
-                   startup_build_threads=threads if tensor_parallel_size == 1 else threads or 0)
+    timings)."""
+    return replace(config, speculative_adaptive=False)
 
 
 class LLM:
@@ -91,7 +85,7 @@ class LLM:
         if tensor_parallel_size > 1 or expert_parallel_size > 1:  # ranks must schedule alike: no decisions from own timings
             if self.config.speculative_adaptive:
                 raise ValueError("speculative_adaptive decides from each rank's own step times: not under TP / EP")
-            self.config = _ranks_config(self.config, tensor_parallel_size)
+            self.config = _ranks_config(self.config)
         self.config = self.config.for_device(self.device.type)  # a copy where a default depends on the device
         self.quantization = quantization  # checked when the model is built (Fp8Config.resolve)
         self.memory_plan: MemoryPlan | None = None
@@ -103,15 +97,21 @@ class LLM:
             self._start_up = self._join(tensor_parallel_size, expert_parallel_size)
         try:
             with self.startup.phase("communicators"):  # P2P buffers, the ranks' host consensus
-                comm = self.config.communication()
-                self.parallel = with_p2p_all_reduce(self.parallel, comm.tp_all_reduce,
-                                                    comm.p2p_all_reduce_max_bytes, self.device,
-                                                    fused_norm=comm.tp_fused_norm)
-                self.parallel = with_p2p_exchange(self.parallel, comm.ep_p2p_exchange, self.device)
+                comm, part = self.config.communication(), self.startup.part
                 if self.parallel.is_distributed:
-                    self.communicator = ZMQCommunicator.from_rendezvous(
-                        self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size,
-                        shared_memory=comm.consensus_shared_memory, spin_us=comm.consensus_spin_us)
+                    with part("first collective"):  # the job's group connects (NCCL: its communicator)
+                        self.parallel.connect(self.device)
+                with part("TP all-reduce"):
+                    self.parallel = with_p2p_all_reduce(self.parallel, comm.tp_all_reduce,
+                                                        comm.p2p_all_reduce_max_bytes, self.device,
+                                                        fused_norm=comm.tp_fused_norm)
+                with part("EP exchange"):
+                    self.parallel = with_p2p_exchange(self.parallel, comm.ep_p2p_exchange, self.device)
+                if self.parallel.is_distributed:
+                    with part("host consensus"):
+                        self.communicator = ZMQCommunicator.from_rendezvous(
+                            self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size,
+                            shared_memory=comm.consensus_shared_memory, spin_us=comm.consensus_spin_us)
             with self._start_up:  # the compile workers end with the start-up
                 self._build(model, default_model, seed, drafter)
             self.startup.total_seconds = time.perf_counter() - t0

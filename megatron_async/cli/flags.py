@@ -176,7 +176,7 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--no-warmup", action="store_true",
                    help="CUDA: skip the startup warm-up (Triton builds and graph captures then happen while serving)")
     g.add_argument("--startup-build-threads", type=NON_NEGATIVE_INT, default=None,
-                   help="threads that build the warm-up's Triton kernels at once (default: the cores, at most 16; "
+                   help="threads that build the warm-up's Triton kernels at once (default: this rank's share of the cores, at most 16; "
                         "0: one by one; InferenceConfig.startup_build_threads)")
     g.add_argument("--no-compile-workers", action="store_true",
                    help="CUDA: the build threads compile the warm-up's Triton kernels themselves, no worker processes "

@@ -41,8 +41,8 @@ class KernelFields:
     every kernel specialization its steps need without running them (each step captured into a
     CUDA graph that is thrown away, its unbuilt kernels skipped), then builds them all on this
     many threads, loading each from Triton's on-disk cache when a process built it before. None:
-    the usable cores, at most 16 (under tensor parallelism 0); 0: build each kernel when a warm-up
-    step first meets it."""
+    this process's share of the usable cores (torchrun's ranks of one host split them), at most
+    16; 0: build each kernel when a warm-up step first meets it."""
 
     startup_compile_workers: bool = True
     """On CUDA with ``startup_build_threads`` >= 2: fork that many worker processes before CUDA is

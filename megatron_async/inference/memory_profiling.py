@@ -21,7 +21,7 @@ from megatron_async.inference.text_generation_controllers.graph_plan import (
     SamplingVariant, decode_batch_sizes, splits_sampling,
 )
 from megatron_async.inference.text_generation_controllers.model_runner import ModelRunner
-from megatron_async.inference.text_generation_controllers.kernel_list import prebuild_listed
+from megatron_async.inference.text_generation_controllers.kernel_list import build_share, prebuild_listed
 from megatron_async.inference.text_generation_controllers.kernel_prebuild import PrebuildReport, shape_key
 from megatron_async.inference.text_generation_controllers.warmup import (
     can_prebuild, eager_shapes, warm_token_mask, warmup_shape,
@@ -53,7 +53,7 @@ def measure_peak_step(runner: ModelRunner, reader: DeviceMemoryReader,
     if can_prebuild(runner, runner.build_threads):  # its kernels built at once, not one by one
         shapes = [(shape, 0)] + (eager_shapes(runner) if warmup else [])
         built = prebuild_listed(runner, shapes, runner.build_threads,
-                                also=(lambda: warm_token_mask(runner)) if warmup else None)
+                                also=(lambda: warm_token_mask(runner)) if warmup else None, share=build_share(runner))
     ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(shape.num_rows, shape.num_tokens).to(ctx.device.device))
     reader.reset_peak()
     before = reader.read().allocated

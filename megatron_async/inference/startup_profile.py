@@ -31,15 +31,27 @@ class StartupProfile:
     """Triton's on-disk kernel cache (TRITON_CACHE_DIR, default ~/.triton/cache)."""
 
     _open: tuple | None = None
+    _parts: list = field(default_factory=list)
 
     def begin(self, name: str) -> None:
         """Start timing phase ``name`` (``end`` stops it)."""
         self._open = (name, time.perf_counter(), triton_builds.builds())
+        self._parts = []
 
     def end(self) -> None:
         name, t0, builds0 = self._open
-        self.phases[name] = Phase(time.perf_counter() - t0, triton_builds.builds() - builds0)
+        note = ", ".join(f"{part} {seconds:.2f} s" for part, seconds in self._parts)
+        self.phases[name] = Phase(time.perf_counter() - t0, triton_builds.builds() - builds0, note)
         self._open = None
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        """Time a block of the open phase; the phase's note lists its parts."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._parts.append((name, time.perf_counter() - t0))
 
     @contextlib.contextmanager
     def phase(self, name: str):

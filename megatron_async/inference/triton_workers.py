@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_async.inference import host_builds
+
 # the package's logger, not named in a string: the import-graph test reads a computed import_module
 # (the kernel modules, below) as importing every module a string constant of this one names
 log = logging.getLogger(__name__.split(".", 1)[0])
@@ -111,14 +113,16 @@ def running(device: torch.device, threads: int | None, workers: bool = True):
 
 def build_threads(asked: int | None) -> int:
     """The start-up's Triton build threads (and compile workers) for ``startup_build_threads``:
-    as asked, or, when None, the cores this process may use, at most 16."""
+    as asked, or, when None, this process's share of the cores it may use (torchrun's ranks of
+    one host start up at once and split them: ``LOCAL_WORLD_SIZE``), at most 16."""
     if asked is not None:
         return asked
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, min(16, cores))
+    ranks = host_builds.local_ranks()
+    return max(1, min(16, cores // (ranks[1] if ranks is not None and ranks[1] > 0 else 1)))
 
 
 def stop() -> None:

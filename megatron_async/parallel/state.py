@@ -125,6 +125,12 @@ class ParallelState:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
+    def connect(self, device: torch.device) -> None:
+        """The job's first collective, on its default group (NCCL creates its communicator there):
+        the start-up reports it apart from the P2P set-up that follows."""
+        flag = torch.ones(1, device=device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(flag)
+
     def rendezvous_store(self):
         """The job's torch.distributed store (the torchrun rendezvous): ranks publish addresses in it."""
         return dist.distributed_c10d._get_default_store()

@@ -5,7 +5,7 @@ graphs of every variant, the collective mixed graphs) runs once with the real EP
 MoE layer's exchange results, the routed experts' inputs and the step's samples have the same
 shapes, strides, dtypes and alignment both ways (what the kernels after the exchange specialize
 on), and the model holds its own exchange again afterwards. The dry pass's CUDA captures and
-builds need a GPU: tests/functional_tests/test_multigpu_ep_startup.py."""
+builds need a GPU: tests/functional_tests/test_multigpu_startup.py."""
 from __future__ import annotations
 
 import torch

@@ -60,26 +60,49 @@ class EmulatedGraphRunner(CudaGraphRunner):
             self.capture_retries += 1
             return self._capture(key, eager_run=True)
         ctl, ctx = self.model_runner, self.model_runner.context
+        shape, fkey, forward = self.capture_shape(key), self.forward_key(key), None
+        if fkey is not None:  # a sampling tail (TP ranks' plain engines): its forward's graph first
+            forward = self.graphs.get(fkey)
+            if forward is None:
+                forward = self.graphs[fkey] = self._capture(fkey, eager_run, alone)
         self.captures.append(key)
-        if self.capture_shape(key).any_penalties:
+        if shape.any_penalties:
             ctx.sampling_state.ensure_allocated()
-        if eager_run:
+        if eager_run and forward is None:  # a tail runs no collective
             saved_samples, saved_view = ctl.last_samples.clone(), ctx.gpu_view.buffer.clone()
             ctx.gpu_view.buffer.copy_(ctx.padding_snapshot(key.num_rows, key.num_tokens, key.verify_width))
             self.mode = f"capture{key}"
             try:
                 for _ in range(2):
-                    ctl.compute_step(self.capture_shape(key), key.spec)
+                    ctl.graph_logits(shape) if key.logits_only else ctl.compute_step(shape, key.spec)
             finally:
                 self.mode = "eager"
             ctl.last_samples.copy_(saved_samples)
             ctx.gpu_view.buffer.copy_(saved_view)
-        self.captures_without_eager_run += not eager_run
+        if not eager_run:
+            self.counted_without_eager_run(key)
         self._pool = "emulated"
+        if self.split_sampling:  # replayed as the emulating runner does: the forward's logits, then the tail
+            return CapturedStep(key, None, shape, runner=ctl, forward=forward)
         return EmulatedStep(self, key, key.num_rows)
 
-    def drop(self, key: GraphKey) -> None:
-        self.graphs.pop(key, None)
+
+@dataclass
+class AllReduceLog:
+    """Every ``torch.distributed.all_reduce`` on this rank (TP's): (mode, elements)."""
+    runner: EmulatedGraphRunner
+    calls: list[tuple[str, int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        import torch.distributed as dist
+
+        inner = dist.all_reduce
+
+        def logged(x: torch.Tensor, *args, **kwargs):
+            self.calls.append((self.runner.mode, int(x.numel())))
+            return inner(x, *args, **kwargs)
+
+        dist.all_reduce = logged  # the spawned rank's own module: nothing else shares it
 
 
 @dataclass

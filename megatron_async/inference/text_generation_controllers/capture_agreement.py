@@ -1,7 +1,7 @@
-"""Collective graph captures (data-parallel engines under expert parallelism) without their eager
-runs, a failed one retried by every rank together.
+"""Graph captures of ranks that share steps (TP ranks, data-parallel engines under expert
+parallelism) without their eager runs, a failed one retried by every rank together.
 
-Every rank captures the collective runner's plan at once; its graphs hold the EP exchange. After
+Every rank captures its plan at once; its graphs hold the TP all-reduces or the EP exchange. After
 a whole dry pass (every kernel built and loaded) a graph captures without running its step
 first, as on one GPU. A capture that fails so must be captured again after one eager run, and
 that run's collectives need every rank: a rank retrying alone would wait for peers that never
@@ -33,29 +33,30 @@ def capture_together(graphs, keys: list, runs_first: Callable[[], bool], agree: 
     """Capture ``keys`` on ``graphs`` (a collective ``CudaGraphRunner``) on every rank at once,
     each with an eager run first when ``runs_first()`` says so; returns the keys captured again
     after an eager run (the same list on every rank)."""
-    failed, without_run = set(), set()
+    failed = set()
     for key in keys:
-        eager_run = runs_first()
+        if key in graphs.graphs:  # a sampling tail's forward, captured with an earlier tail
+            continue
         try:
-            graphs.graphs[key] = graphs._capture(key, eager_run=eager_run, alone=False)
+            graphs.graphs[key] = graphs._capture(key, eager_run=runs_first(), alone=False)
         except GraphCaptureFailed:
             failed.add(key)
-        else:
-            if not eager_run:
-                without_run.add(key)
     anyone = agree([int(key in failed) for key in keys]) if keys else []
     retried = [key for key, flag in zip(keys, anyone) if flag]
     for key in retried:
-        if key in without_run:  # its graph is dropped: it no longer counts
-            graphs.captures_without_eager_run -= 1
         _capture_again(graphs, key, agree)
     return retried
 
 
 def _capture_again(graphs, key, agree: Agree) -> None:
-    """Every rank: drop ``key``'s graph (a rank whose capture succeeded holds one), run its step
-    eagerly (collectives with every rank) and capture it."""
-    graphs.drop(key)
+    """Every rank: drop ``key``'s graph (a rank whose capture succeeded holds one) and, for a
+    sampling tail, its forward's (the failed capture may have been the forward's, and a rank
+    holding it would skip the forward's eager run that the others make), run the step eagerly
+    (collectives with every rank) and capture it."""
+    forward = graphs.forward_key(key)
+    for k in (key, forward):
+        if k is not None:
+            graphs.drop(k)
     error = None
     try:
         graphs.graphs[key] = graphs._capture(key, eager_run=True)
@@ -67,3 +68,6 @@ def _capture_again(graphs, key, agree: Agree) -> None:
         raise RuntimeError(f"CUDA graph {key}: another rank failed to capture it even after an eager run; "
                            "the warm-up stops on every rank")
     graphs.capture_retries += 1
+    for k in (key, forward):  # tails captured earlier read the forward captured now
+        if k is not None and k.logits_only:
+            graphs.repoint_tails(k)

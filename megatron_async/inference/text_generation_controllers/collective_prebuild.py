@@ -16,8 +16,7 @@ graph's step first; a capture that fails so is captured again after an eager run
 together (capture_agreement.py): correctness never depends on the dry pass having met everything."""
 from __future__ import annotations
 
-from megatron_async.inference.host_builds import HostShare, host_share
-from megatron_async.inference.text_generation_controllers.kernel_list import prebuild_listed
+from megatron_async.inference.text_generation_controllers.kernel_list import build_share, prebuild_listed
 from megatron_async.inference.text_generation_controllers.kernel_prebuild import PrebuildReport
 from megatron_async.parallel.dry_exchange import can_stand_in, ep_state, local_exchange
 from megatron_async.step_shape import StepShape
@@ -34,12 +33,6 @@ def wants_collective_prebuild(runner) -> bool:
     graphs = runner.graphs
     return (graphs is not None and graphs.collective and not graphs.emulate and ep_state(runner.model) is not None
             and can_stand_in(runner.model))
-
-
-def build_share(runner) -> HostShare | None:
-    """This rank's part of its host's builds (None: it builds all it records)."""
-    p = ep_state(runner.model)
-    return host_share(p.world_size, runner.device.device) if p is not None else None
 
 
 def prebuild_collective(runner, threads: int) -> PrebuildReport:

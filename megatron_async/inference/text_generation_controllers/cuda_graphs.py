@@ -177,10 +177,12 @@ class CudaGraphRunner:
         self.num_padding_replays = 0
         """Dummy forwards of data-parallel engines that replayed a graph on padding rows."""
         self.captures_without_eager_run = 0
-        """Graphs captured with no eager run of their step first (a built warm-up's, ``warmup``)."""
+        """Graphs held that were captured with no eager run of their step first (a built warm-up's,
+        ``warmup``)."""
+        self._without_eager_run: set[GraphKey] = set()
         self.capture_retries = 0
         """Graphs captured again after an eager run because a capture without one failed (on this
-        rank, or on any rank for a collective runner: capture_agreement.py)."""
+        rank, or on any rank of ranks sharing steps: capture_agreement.py)."""
         self.captures_after_warmup = 0
         """Graphs captured while serving (a key warm-up did not cover); 0 after a full warm-up."""
         self.warmed_up = False
@@ -260,7 +262,7 @@ class CudaGraphRunner:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         for step in self.graphs.values():
-            if isinstance(step, CapturedStep):  # explicit: a step someone still holds must not keep it alive
+            if isinstance(step, CapturedStep) and step.graph is not None:  # explicit: a step someone still holds must not keep it alive
                 step.graph.reset()
         self.graphs.clear()
         self._pool = None
@@ -271,13 +273,14 @@ class CudaGraphRunner:
     def warmup(self, keys: list[GraphKey] | None = None, built: bool = False, agree=None) -> int:
         """Capture ``keys`` (default: the whole plan) not captured yet; returns how many graphs
         (the forwards of sampling tails included).
-        Data-parallel engines call it on every rank at once (collectives inside the captures).
-        ``built``: every kernel the steps launch is built and loaded, and steps capture without
-        running first (the warm-up's dry pass captured its shapes so): each graph is captured
-        without its eager run (one that fails to is captured again after one). ``agree``: the
-        element-wise max of a list of ints over the ranks (host-side, every rank at once); a
-        collective runner needs it to skip eager runs, since a retry's eager run needs every rank
-        (capture_agreement.py); without it a collective runner keeps every eager run."""
+        TP ranks and data-parallel engines call it on every rank at once (collectives inside the
+        captures). ``built``: every kernel the steps launch is built and loaded, and steps capture
+        without running first (the warm-up's dry pass captured its shapes so): each graph is
+        captured without its eager run (one that fails to is captured again after one). ``agree``:
+        the element-wise max of a list of ints over the ranks sharing steps (host-side, every rank
+        at once): a failed capture is then captured again by every rank together, since a retry's
+        eager run needs every rank (capture_agreement.py); without it a collective runner keeps
+        every eager run."""
         before = len(self.graphs)
         gc.collect()  # garbage from earlier engines (their graphs) goes now, not inside a capture
         suspendable = self.model_runner.context.device.suspend_backend is not None  # its pool: after a run
@@ -285,7 +288,7 @@ class CudaGraphRunner:
         runs_first = lambda: not built or self._pool is None or suspendable  # noqa: E731 -- the first capture makes the pool
         keys = [k for k in (self.plan.keys() if keys is None else keys) if k not in self.graphs]
         with caches_kept():
-            if agree is not None and self.collective:
+            if agree is not None:  # TP / EP ranks: a failed capture is captured again by every rank together
                 capture_together(self, keys, runs_first, agree)
             else:
                 for key in keys:
@@ -297,8 +300,23 @@ class CudaGraphRunner:
     def drop(self, key: GraphKey) -> None:
         """Forget ``key``'s graph (a collective retry: every rank captures it again)."""
         step = self.graphs.pop(key, None)
-        if step is not None and step.graph is not None:
+        if key in self._without_eager_run:
+            self._without_eager_run.discard(key)
+            self.captures_without_eager_run -= 1
+        if getattr(step, "graph", None) is not None:
             step.graph.reset()
+
+    def repoint_tails(self, forward_key: GraphKey) -> None:
+        """Sampling tails captured before ``forward_key``'s graph was captured again read its
+        logits through the new one (the logits buffer they read is the same)."""
+        for step in self.graphs.values():
+            if getattr(step, "forward", None) is not None and step.forward.key == forward_key:
+                step.forward = self.graphs[forward_key]
+
+    def counted_without_eager_run(self, key: GraphKey) -> None:
+        """``key``'s graph was captured without an eager run first."""
+        self._without_eager_run.add(key)
+        self.captures_without_eager_run += 1
 
     def capture_shape(self, key: GraphKey) -> StepShape:
         """The StepShape a graph of ``key`` is captured with."""
@@ -376,7 +394,8 @@ class CudaGraphRunner:
             if gc_on:
                 gc.enable()
         self._pool = graph.pool()
-        self.captures_without_eager_run += not eager_run
+        if not eager_run:
+            self.counted_without_eager_run(key)
         ctl.last_samples.copy_(saved_samples)
         ctx.gpu_view.buffer.copy_(saved_view)
         torch.cuda.synchronize()

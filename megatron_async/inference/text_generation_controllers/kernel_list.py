@@ -10,7 +10,7 @@ hook's record: built before, or deferred by this pass) is written to
 list at once (loads from the cache) and captures nothing dry. The key hashes what a
 specialization depends on: the shapes, the model's parameters (names, shapes, dtypes), the
 context's sizes and KV cache layout, the kernel choices, the device, torch's and Triton's versions,
-the package's source and, under expert parallelism, the rank and its exchange. A list holds more
+the package's source and, under TP / EP, the ranks and their P2P collectives. A list holds more
 than the pass needs rather than less (an extra kernel is a load); one that still missed a
 specialization would only build it when first launched (``EngineStats.triton_builds_after_warmup``
 counts it); an unreadable list is ignored."""
@@ -26,8 +26,10 @@ from pathlib import Path
 import torch
 
 from megatron_async.inference import triton_builds
+from megatron_async.inference.host_builds import HostShare, host_share
 from megatron_async.inference.text_generation_controllers.kernel_prebuild import PrebuildReport, prebuild
 from megatron_async.parallel.dry_exchange import ep_state
+from megatron_async.parallel.state import ParallelState
 
 log = logging.getLogger("megatron_async")
 
@@ -66,16 +68,32 @@ def list_key(runner, shapes: list) -> str:
         repr((ctx.max_requests, ctx.max_tokens, ctx.max_sequence_length, ctx.num_speculative_tokens, ctx.block_size,
               ctx.batch_invariant, ctx.mamba is not None)),
         torch.cuda.get_device_name(dev), repr(torch.cuda.get_device_capability(dev)), torch.__version__,
-        triton.__version__, _package_source(), _expert_parallel(model),
+        triton.__version__, _package_source(), _parallel(model),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def _expert_parallel(model) -> str:
-    """What of expert parallelism a rank's kernels depend on: its rank (an integer argument of 1
-    specializes apart), the group's size and whether the exchange takes the P2P kernels."""
-    p = ep_state(model)
-    return "" if p is None else repr((p.ep_rank, p.ep_size, p.ep_exchange.value, p.ep_exchanger is not None))
+def _parallel(model) -> str:
+    """What of TP / EP a rank's kernels depend on: its ranks (an integer argument of 1 specializes
+    apart), the groups' sizes and whether the P2P collectives take their Triton kernels."""
+    p = rank_state(model)
+    if p is None:
+        return ""
+    fused = p.tp_reducer is not None and p.tp_reducer.fused_max_bytes > 0
+    return repr((p.tp_rank, p.tp_size, fused, p.ep_rank, p.ep_size, p.ep_exchange.value, p.ep_exchanger is not None))
+
+
+def rank_state(model) -> ParallelState | None:
+    """The ``ParallelState`` of a model run by several ranks of one job (TP and / or EP; None: one rank)."""
+    p = ep_state(model) or model.__dict__.get("parallel")
+    return p if isinstance(p, ParallelState) and p.world_size > 1 else None
+
+
+def build_share(runner) -> HostShare | None:
+    """This rank's part of its host's builds when the job's ranks start up together (TP / EP: every
+    rank runs the same dry passes at once); None: it builds all it records."""
+    p = rank_state(runner.model)
+    return host_share(p.world_size, runner.device.device) if p is not None else None
 
 
 def list_path(runner, shapes: list) -> Path | None:

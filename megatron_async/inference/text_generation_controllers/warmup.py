@@ -46,7 +46,7 @@ from megatron_async.inference.text_generation_controllers.collective_prebuild im
     prebuild_collective, wants_collective_prebuild,
 )
 from megatron_async.inference.text_generation_controllers.graph_plan import SamplingVariant, variant_flags
-from megatron_async.inference.text_generation_controllers.kernel_list import prebuild_listed
+from megatron_async.inference.text_generation_controllers.kernel_list import build_share, prebuild_listed
 from megatron_async.inference.text_generation_controllers.kernel_prebuild import PrebuildReport
 from megatron_async.step_shape import StepShape
 
@@ -166,6 +166,16 @@ def _decode_split_count(runner):
     return lambda r: choose_num_splits(r, spec.num_kv_heads, ctx.max_blocks_per_request, ctx.block_size, dev)
 
 
+def _left_on_any_rank(shapes: list, left: list, agree) -> list:
+    """Of ``shapes``, those any rank's dry pass left to run eagerly (``agree``: the ranks' max;
+    None: this rank's ``left``): TP ranks run their eager steps together, each step's
+    all-reduces needing every rank."""
+    if agree is None:
+        return left
+    anyone = agree([int(s in left) for s in shapes])
+    return [s for s, flag in zip(shapes, anyone) if flag]
+
+
 def _run_eager(runner, shapes: list) -> None:
     ctx, dev = runner.context, runner.device
     saved = runner.last_samples.clone()
@@ -215,8 +225,8 @@ def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: i
     pre = None
     if shapes and can_prebuild(runner, build_threads):
         pre = prebuild_listed(runner, shapes, build_threads, also=lambda: warm_token_mask(runner),
-                              built_before=built_before)
-        shapes = pre.left
+                              built_before=built_before, share=build_share(runner))
+        shapes = _left_on_any_rank(shapes, pre.left, agree)
     elif graphs and wants_collective_prebuild(runner) and can_prebuild(runner, build_threads):
         pre = prebuild_collective(runner, build_threads)
     t_eager = time.perf_counter()
@@ -228,8 +238,8 @@ def run_warmup(runner, graphs: bool = True, eager: bool = True, build_threads: i
     if graphs and runner.graphs is not None:  # after a whole dry pass, graphs capture without eager runs
         skipped, retried = runner.graphs.captures_without_eager_run, runner.graphs.capture_retries
         built = pre is not None and not pre.left
-        if runner.graphs.collective:  # on every rank or on none, and only where a failed capture can be retried by all
-            built = agree is not None and agree([int(not built)])[0] == 0
+        if runner.graphs.collective or agree is not None:  # on every rank or on none, and only where a failed
+            built = agree is not None and agree([int(not built)])[0] == 0  # capture can be retried by all
         captured = runner.graphs.warmup(built=built, agree=agree)
         skipped = runner.graphs.captures_without_eager_run - skipped
         retried = runner.graphs.capture_retries - retried
