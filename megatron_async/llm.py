@@ -97,21 +97,7 @@ class LLM:
             self._start_up = self._join(tensor_parallel_size, expert_parallel_size)
         try:
             with self.startup.phase("communicators"):  # P2P buffers, the ranks' host consensus
-                comm, part = self.config.communication(), self.startup.part
-                if self.parallel.is_distributed:
-                    with part("first collective"):  # the job's group connects (NCCL: its communicator)
-                        self.parallel.connect(self.device)
-                with part("TP all-reduce"):
-                    self.parallel = with_p2p_all_reduce(self.parallel, comm.tp_all_reduce,
-                                                        comm.p2p_all_reduce_max_bytes, self.device,
-                                                        fused_norm=comm.tp_fused_norm)
-                with part("EP exchange"):
-                    self.parallel = with_p2p_exchange(self.parallel, comm.ep_p2p_exchange, self.device)
-                if self.parallel.is_distributed:
-                    with part("host consensus"):
-                        self.communicator = ZMQCommunicator.from_rendezvous(
-                            self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size,
-                            shared_memory=comm.consensus_shared_memory, spin_us=comm.consensus_spin_us)
+                self._communicators()
             with self._start_up:  # the compile workers end with the start-up
                 self._build(model, default_model, seed, drafter)
             self.startup.total_seconds = time.perf_counter() - t0
@@ -124,6 +110,24 @@ class LLM:
             self._start_up.close()
             self.close()  # every rank fails the same way at load (a shape that does not divide): leave cleanly
             raise
+
+    def _communicators(self) -> None:
+        """The job's first collective, the TP all-reduce's and the EP exchange's P2P buffers, and
+        the ranks' host-side consensus, each a part of the start-up's phase."""
+        comm, part = self.config.communication(), self.startup.part
+        if self.parallel.is_distributed:
+            with part("first collective"):  # the job's group connects (NCCL: its communicator)
+                self.parallel.connect(self.device)
+        with part("TP all-reduce"):
+            self.parallel = with_p2p_all_reduce(self.parallel, comm.tp_all_reduce, comm.p2p_all_reduce_max_bytes,
+                                                self.device, fused_norm=comm.tp_fused_norm)
+        with part("EP exchange"):
+            self.parallel = with_p2p_exchange(self.parallel, comm.ep_p2p_exchange, self.device)
+        if self.parallel.is_distributed:
+            with part("host consensus"):
+                self.communicator = ZMQCommunicator.from_rendezvous(
+                    self.parallel.rendezvous_store(), self.parallel.global_rank, self.parallel.world_size,
+                    shared_memory=comm.consensus_shared_memory, spin_us=comm.consensus_spin_us)
 
     def _join(self, tensor_parallel_size: int, expert_parallel_size: int) -> contextlib.ExitStack:
         """Start the start-up's Triton compile workers (they fork before CUDA starts: ``set_device``

@@ -93,9 +93,10 @@ def table(rows: dict[str, dict]) -> str:
 
 
 LIBRARIES = ("torch", "triton", "numpy", "safetensors", "tokenizers", "zmq", "megatron_async", "torchgen",
-             "opt_einsum", "tqdm", "msgpack", "certifi")
-"""What the main job imports (with Python's standard library), byte-compiled where the environment
-keeps Python from writing byte code (the GPU machines' standard library has none either)."""
+             "opt_einsum", "tqdm", "msgpack", "certifi", "sympy", "mpmath")
+"""What the main job imports (with Python's standard library; sympy and mpmath under TP / EP,
+through torch's symmetric memory), byte-compiled where the environment keeps Python from writing
+byte code (the GPU machines' standard library has none either)."""
 
 
 def byte_compile_libraries() -> dict[str, str]:

@@ -104,7 +104,7 @@ def decode_logits_bytes(config: GraphSizing, row_bytes: int, collective: bool, l
     """What a plain engine's decode forward graphs keep as their outputs (``ModelRunner.graph_logits``):
     [rows, V] logits for every decode size, ``row_bytes`` a row (engines that capture whole steps: none);
     ``lora_free``: twice, the LoRA-free twins' too (graph_plan.py)."""
-    if not splits_sampling(config, collective):
+    if not splits_sampling(config):
         return 0
     return sum(decode_batch_sizes(config)) * row_bytes * (2 if lora_free and not collective else 1)
 

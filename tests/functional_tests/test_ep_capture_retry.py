@@ -16,6 +16,7 @@ import pytest
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.inference.text_generation_controllers import warmup as warmup_module
 from megatron_async.inference.text_generation_controllers.cuda_graphs import decode_key
+from megatron_async.inference.text_generation_controllers.graph_plan import GraphKey, SamplingVariant
 from megatron_async.inference.text_generation_controllers.kernel_prebuild import PrebuildReport
 from tests.helpers.emulated_graphs import CollectiveLog, EmulatedGraphRunner
 from tests.helpers.multiprocess import run_ranks
@@ -24,7 +25,8 @@ CONFIG = dict(block_size_tokens=4, num_kv_blocks=64, max_requests=4, max_tokens=
 PROMPTS = [[3, 17, 42, 9, 100, 7], [5, 6, 7]]
 PARAMS = [SamplingParams(top_k=1, num_tokens_to_generate=8, ignore_eos=True),
           SamplingParams(temperature=0.9, top_p=0.8, num_tokens_to_generate=6, ignore_eos=True, seed=3)]
-FAILED = decode_key(1)  # the greedy one-row decode graph: a single greedy request replays it
+FAILED = decode_key(1)  # the greedy one-row decode graph's tail: a single greedy request replays it
+FORWARD = GraphKey(1, 1, True, SamplingVariant.GREEDY, logits_only=True)  # its forward (the exchanges)
 
 
 def _generate(llm: LLM) -> list[list[int]]:
@@ -52,7 +54,8 @@ def _worker(rank: int, world: int, fail_rank: int | None) -> dict:
         tokens = _generate(llm)
         return dict(report=report, keys=sorted(map(str, graphs.graphs)), plan=len(graphs.plan.keys()),
                     failed=graphs.failed, captures=graphs.captures, warmup_calls=warmup_calls, tokens=tokens,
-                    replays=[mode for mode, _ in log.calls[len(warmup_calls):] if mode.startswith("graph")])
+                    replays=[mode for mode, _ in log.calls[len(warmup_calls):] if mode.startswith("graph")],
+                    tails=graphs.replayed)
     finally:
         llm.close()
 
@@ -70,8 +73,8 @@ def test_without_failures_every_collective_graph_captures_without_an_eager_run(e
     r0, r1 = run_ranks(_worker, 2, None, timeout_s=300)
     for r in (r0, r1):
         assert r["report"].graphs_captured == r["plan"] > 1
-        # the first capture runs its step (it makes the shared pool), the rest do not
-        assert r["report"].captures_without_eager_run == r["plan"] - 1
+        # the first sampling tail and its forward run their steps (they make the shared pool), the rest do not
+        assert r["report"].captures_without_eager_run == r["plan"] - 2
         assert r["report"].capture_retries == 0 and r["failed"] == []
         assert r["tokens"] == expected and r["replays"]
     assert r0["keys"] == r1["keys"]
@@ -84,11 +87,13 @@ def test_a_capture_failed_on_one_rank_is_captured_again_by_every_rank_after_an_e
     for r in (r0, r1):
         assert r["report"].capture_retries == 1
         assert r["report"].graphs_captured == r["plan"]
-        assert r["report"].captures_without_eager_run == r["plan"] - 2  # the first graph and the retried one ran
+        # the first tail and its forward ran, and the retried tail and its forward
+        assert r["report"].captures_without_eager_run == r["plan"] - 4
         assert r["captures"].count(FAILED) == (1 if r is r1 else 2)  # rank 0 captured it, dropped it, again
         # rank 0's one-row greedy decode steps replayed it, rank 1 (idle) its padding rows in them
-        assert r["tokens"] == expected and f"graph{FAILED}" in r["replays"]
+        assert r["tokens"] == expected and FAILED in r["tails"]
     assert r0["keys"] == r1["keys"]
-    # the retry's eager runs: the same exchanges on both ranks, after the first graph's
+    # the retry's eager runs (its forward's, dropped on every rank): the same exchanges on both
+    # ranks, after the first graph's
     assert r0["warmup_calls"] == r1["warmup_calls"]
-    assert any(mode == f"capture{FAILED}" for mode, _ in r0["warmup_calls"])
+    assert any(mode == f"capture{FORWARD}" for mode, _ in r0["warmup_calls"])

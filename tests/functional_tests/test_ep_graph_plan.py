@@ -52,7 +52,7 @@ def _worker(rank: int, world: int, mixed: bool) -> dict:
         result = workload(llm, rank, log)
         st = llm.engine.stats
         result.update(calls=log.calls, captures=graphs.captures, dummy=st.dummy_steps, served=st.finished_requests,
-                      replays=graphs.num_replays, padding_replays=graphs.num_padding_replays)
+                      replays=graphs.num_replays, padding_replays=graphs.num_padding_replays, tails=graphs.replayed)
         return result
     finally:
         llm.close()
@@ -62,10 +62,15 @@ def _worker(rank: int, world: int, mixed: bool) -> dict:
 def test_every_rank_runs_the_same_graph_or_eager_collectives_step_by_step(mixed):
     expected = workload(LLM(None, inference_config=InferenceConfig(**CONFIG), default_model="tiny-moe"), 0, None)
     r0, r1 = run_ranks(_worker, 2, mixed, timeout_s=300)
-    # the 16-token mixed graph (FULL sampling) when mixed graphs are on; decode graphs of every variant
+    # the 16-token mixed graph (FULL sampling) when mixed graphs are on; decode graphs of every
+    # variant; each a sampling tail after its size's forward (every exchange is in the forward)
+    greedy = SamplingVariant.GREEDY
     mixed_key = GraphKey(16, 5, False, SamplingVariant.FULL)
-    decode = [decode_key(b, v) for b in (4, 2, 1) for v in SamplingVariant]
-    assert r0["captures"] == r1["captures"] == ([mixed_key] if mixed else []) + decode
+    mixed_forward = GraphKey(16, 5, False, greedy, logits_only=True)
+    decode = [[GraphKey(b, b, True, greedy, logits_only=True)] + [decode_key(b, v) for v in SamplingVariant]
+              for b in (4, 2, 1)]
+    want = ([mixed_forward, mixed_key] if mixed else []) + [k for keys in decode for k in keys]
+    assert r0["captures"] == r1["captures"] == want
     assert len(r0["calls"]) == len(r1["calls"]), "the ranks ran different numbers of MoE exchanges"
     for i, (a, b) in enumerate(zip(r0["calls"], r1["calls"])):
         assert a == b, f"MoE exchange #{i}: rank 0 ran {a}, rank 1 ran {b}"
@@ -80,11 +85,13 @@ def test_every_rank_runs_the_same_graph_or_eager_collectives_step_by_step(mixed)
         assert any(m.startswith("graph") for m in idle_modes), f"{name}: rank 1's dummies never replayed"
     assert r1["dummy"] > 20 and r0["dummy"] > 0 and r1["padding_replays"] > 20
     assert r0["replays"] > 0 and r1["replays"] > 0
-    mixed_replays = [(m, n) for m, n in r0["calls"] if m == f"graph{mixed_key}"]
+    mixed_replays = [(m, n) for m, n in r0["calls"] if m == f"graph{mixed_forward}"]
     if mixed:  # prefill steps replayed the mixed graph (its exchange padded to its 16 tokens) on both ranks
         assert mixed_replays and all(n == 16 for _, n in mixed_replays)
     else:  # prefill steps ran eager
         assert not mixed_replays and any(m == "eager" for m, _ in r0["calls"])
-    sampled = [m for m, _ in r0["calls"] if m.startswith("graph") and "GREEDY" not in m and m != f"graph{mixed_key}"]
-    assert sampled and all("NUCLEUS" in m for m in sampled), sampled  # temperature + top-p rows: NUCLEUS
+    # tails: the same sampling variant on both ranks, step by step
+    assert r0["tails"] == r1["tails"]
+    sampled = [k for k in r0["tails"] if k.variant != greedy and k != mixed_key]
+    assert sampled and all(k.variant == SamplingVariant.NUCLEUS for k in sampled), sampled  # temperature + top-p
     assert r0["served"] > 0 and r1["served"] > 0

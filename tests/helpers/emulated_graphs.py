@@ -1,9 +1,12 @@
 """CUDA graphs emulated on the CPU, for multi-rank engine tests (gloo): the real
 ``CudaGraphRunner`` decisions (which size, which key, capture or replay) with a "graph" that
-re-runs ``compute_step`` on the current GPU view at replay time, which is what a real replay
-computes. Every expert-parallel collective is logged with the mode it ran in, so a test can
-check what NCCL requires: whether a launch is graph-captured is a collective property, so all
-ranks must replay graphs of one capture, of one size, or all run eager, step by step."""
+re-runs its body on the current GPU view at replay time, which is what a real replay computes:
+a whole step (``compute_step``), or for runners that split sampling, a forward (``graph_logits``,
+every collective) and a sampling tail after it (``sample_tail``). Every expert-parallel
+collective is logged with the mode it ran in, so a test can check what NCCL requires: whether a
+launch is graph-captured is a collective property, so all ranks must replay graphs of one
+capture, of one size, or all run eager, step by step; ``EmulatedGraphRunner.replayed`` lists the
+keys replayed (tails and whole steps; not forwards)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,18 +24,28 @@ class EmulatedStep:
     runner: EmulatedGraphRunner
     key: GraphKey
     num_rows: int
+    forward: EmulatedStep | None = None
+    """A sampling tail's forward (replayed first)."""
     out: tuple = ()
     _views: tuple | None = None  # CapturedStep.outputs' views of ``out``
 
     def replay(self) -> None:
-        self.runner.mode = f"graph{self.key}"
-        try:
-            self.out = self.runner.model_runner.compute_step(self.runner.capture_shape(self.key), self.key.spec)
-        finally:
-            self.runner.mode = "eager"
+        ctl, shape = self.runner.model_runner, self.runner.capture_shape(self.key)
+        if self.forward is not None:
+            self.forward.replay()
+            self.out = ctl.sample_tail(shape, self.forward.logits(shape.num_samples))
+        else:
+            self.runner.mode = f"graph{self.key}"
+            try:
+                self.out = (ctl.graph_logits(shape),) if self.key.logits_only else ctl.compute_step(shape, self.key.spec)
+            finally:
+                self.runner.mode = "eager"
+        if not self.key.logits_only:
+            self.runner.replayed.append(self.key)
 
     outputs = CapturedStep.outputs
     _slice_outputs = CapturedStep._slice_outputs
+    logits = CapturedStep.logits
 
 
 class EmulatedGraphRunner(CudaGraphRunner):
@@ -45,6 +58,8 @@ class EmulatedGraphRunner(CudaGraphRunner):
         """Keys whose next capture without an eager run fails on this rank (then leaves the set)."""
         self.failed: list[GraphKey] = []
         """Keys whose capture failed here, in order."""
+        self.replayed: list[GraphKey] = []
+        """Keys replayed (whole steps and sampling tails), in order."""
 
     def _capture(self, key: GraphKey, eager_run: bool = True, alone: bool = True) -> EmulatedStep:
         """Like the real capture: with ``eager_run``, two eager warm-up runs on padding rows (their
@@ -82,9 +97,7 @@ class EmulatedGraphRunner(CudaGraphRunner):
         if not eager_run:
             self.counted_without_eager_run(key)
         self._pool = "emulated"
-        if self.split_sampling:  # replayed as the emulating runner does: the forward's logits, then the tail
-            return CapturedStep(key, None, shape, runner=ctl, forward=forward)
-        return EmulatedStep(self, key, key.num_rows)
+        return EmulatedStep(self, key, key.num_rows, forward)
 
 
 @dataclass

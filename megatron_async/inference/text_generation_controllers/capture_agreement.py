@@ -68,6 +68,8 @@ def _capture_again(graphs, key, agree: Agree) -> None:
         raise RuntimeError(f"CUDA graph {key}: another rank failed to capture it even after an eager run; "
                            "the warm-up stops on every rank")
     graphs.capture_retries += 1
-    for k in (key, forward):  # tails captured earlier read the forward captured now
+    for k in (key, forward):  # tails captured earlier read the forward captured now (the same logits buffer)
         if k is not None and k.logits_only:
-            graphs.repoint_tails(k)
+            for step in graphs.graphs.values():
+                if getattr(step, "forward", None) is not None and step.forward.key == k:
+                    step.forward = graphs.graphs[k]

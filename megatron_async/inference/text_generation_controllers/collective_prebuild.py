@@ -23,8 +23,9 @@ from megatron_async.step_shape import StepShape
 
 
 def collective_shapes(graphs) -> list[tuple[StepShape, int]]:
-    """The shapes a collective graph runner captures (its whole plan), with their verify widths."""
-    return [(graphs.capture_shape(key), key.verify_width) for key in graphs.plan.keys()]
+    """The shapes a collective graph runner captures (its whole plan but the tails' forwards: a
+    tail's whole step holds its forward's kernels), with their verify widths."""
+    return [(graphs.capture_shape(key), key.verify_width) for key in graphs.plan.keys() if not key.logits_only]
 
 
 def wants_collective_prebuild(runner) -> bool:

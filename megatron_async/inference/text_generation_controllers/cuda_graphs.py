@@ -6,8 +6,8 @@ into ``last_samples``, all reading the fixed-address ``ContextGPUView``. Launch-
 therefore chain back to back: the host only copies the next snapshot and replays. A plain
 engine's decode and mixed steps replay two graphs: the forward of their sizes (the logits-only
 graph, shared by every sampling variant) and the variant's sampling tail, which reads the
-forward's logits from the buffer the logits-only graphs share (``split_sampling``); speculative
-and data-parallel engines capture whole steps.
+forward's logits from the buffer the logits-only graphs share (``split_sampling``; data-parallel
+engines too: their collectives are all in the forward); speculative engines capture whole steps.
 
 Decode graphs pad rows to a captured batch size; mixed graphs (prefill chunks + decode rows)
 pad tokens to a captured token count and rows to the key's rows, the spare rows holding the
@@ -148,16 +148,18 @@ class CudaGraphRunner:
         self.collective = collective
         if collective:  # mixed graphs would run the drafter's collectives: not under speculative decoding
             mixed, verify = mixed and config.num_speculative_tokens == 0, False
-        self.split_sampling = splits_sampling(config, collective)
+        self.split_sampling = splits_sampling(config)
         """A plain engine's decode and mixed graphs are a forward graph per size (the logits-only
         one) and a sampling tail per variant replayed after it: the forward, nearly all of a
         capture's time, is captured once per size instead of once per variant and log-prob twin
-        (0.6B main job: 37 forwards and 184 tails instead of 221 whole steps). Speculative engines
-        (the drafter reads the forward's hidden states) and data-parallel ones keep whole steps.
+        (0.6B main job: 37 forwards and 184 tails instead of 221 whole steps; Qwen3-30B-A3B under
+        EP: 33 forwards instead of 81 whole steps). Data-parallel engines too: every collective is
+        in the forward, which every rank replays at the agreed size; a tail holds none.
+        Speculative engines (the drafter reads the forward's hidden states) keep whole steps.
         The forwards are the plan's logits-only keys, whether or not a grammar library is there."""
         self.plan = GraphPlan(config, model_runner.model.vocab_size, mixed, variants, verify,
                               plain_steps=not collective, log_prob_twins=not collective,
-                              logits_only=(logits_only or self.split_sampling) and not collective,
+                              logits_only=logits_only and not collective or self.split_sampling,
                               collective=collective, lora_free=lora_free, long_tile_min=long_tile_min)
         self.graphs: dict[GraphKey, CapturedStep] = {}
         self.emulate = emulate
@@ -305,13 +307,6 @@ class CudaGraphRunner:
             self.captures_without_eager_run -= 1
         if getattr(step, "graph", None) is not None:
             step.graph.reset()
-
-    def repoint_tails(self, forward_key: GraphKey) -> None:
-        """Sampling tails captured before ``forward_key``'s graph was captured again read its
-        logits through the new one (the logits buffer they read is the same)."""
-        for step in self.graphs.values():
-            if getattr(step, "forward", None) is not None and step.forward.key == forward_key:
-                step.forward = self.graphs[forward_key]
 
     def counted_without_eager_run(self, key: GraphKey) -> None:
         """``key``'s graph was captured without an eager run first."""

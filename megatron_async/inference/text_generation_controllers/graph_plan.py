@@ -102,11 +102,12 @@ def decode_batch_sizes(config: GraphSizing) -> list[int]:
     return sorted(config.cuda_graph_batch_sizes or default_batch_sizes(config.max_requests))
 
 
-def splits_sampling(config: GraphSizing, collective: bool) -> bool:
+def splits_sampling(config: GraphSizing) -> bool:
     """Whether decode and mixed steps replay a forward graph and a sampling tail
-    (``CudaGraphRunner.split_sampling``): plain engines; speculative engines (the drafter reads the
-    forward's hidden states) and data-parallel ones (``collective``) capture whole steps."""
-    return not collective and config.num_speculative_tokens == 0
+    (``CudaGraphRunner.split_sampling``): plain engines, data-parallel ones too (their collectives
+    are all in the forward, which every rank replays at the agreed size); speculative engines
+    (the drafter reads the forward's hidden states) capture whole steps."""
+    return config.num_speculative_tokens == 0
 
 
 def default_token_counts(max_tokens: int) -> list[int]:
@@ -134,7 +135,8 @@ class GraphPlan:
         ``plain_steps``: a speculative engine's decode and mixed steps may run plain (decode and
         mixed graphs of both kinds). ``log_prob_twins``: decode graphs of the variants below FULL have
         log-prob twins (off: every log-prob step replays FULL). ``logits_only``: logits-only
-        graphs for steps with grammar rows (not with speculative decoding). ``collective``:
+        graphs (the forwards of sampling tails; for steps with grammar rows too, but not with
+        speculative decoding or in data-parallel engines). ``collective``:
         data-parallel engines, whose mixed graphs are ``collective_mixed_tokens``' sizes, FULL only.
         ``lora_free``: a LoRA engine whose steps without adapter rows skip the LoRA ops: its
         decode graphs have LoRA-free twins (not for data-parallel engines). ``long_tile_min``: mixed
@@ -248,8 +250,10 @@ class GraphPlan:
         return GraphKey(tokens, self.mixed_rows(tokens), False, variant, spec=spec, long_tiles=self._long(shape))
 
     def _logits_key(self, shape, min_rows: int) -> GraphKey | None:
-        """The logits-only graph of a step with grammar rows (None: eager)."""
-        if not self.logits_only or min_rows or shape.verify_width or shape.num_samples > shape.num_rows:
+        """The logits-only graph of a step with grammar rows (None: eager; always for
+        data-parallel engines, whose logits-only graphs are only their tails' forwards)."""
+        if (not self.logits_only or self.collective or min_rows or shape.verify_width
+                or shape.num_samples > shape.num_rows):
             return None
         greedy = SamplingVariant.GREEDY
         if shape.is_decode_only:

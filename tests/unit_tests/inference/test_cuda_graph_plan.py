@@ -23,11 +23,15 @@ def runner(collective: bool) -> CudaGraphRunner:
                           context=SimpleNamespace(device=SimpleNamespace(suspend_backend=None)))
     r = CudaGraphRunner(ctl, InferenceConfig(max_requests=8).graph_sizing(), mixed=True, collective=collective)
     if collective:
-        # mixed graphs above the largest decode batch (FULL only), then decode graphs of every variant
-        counts = r.plan.token_counts
+        # mixed graphs above the largest decode batch (FULL only), then decode graphs of every
+        # variant, each kind's sampling tails before their forwards (the logits-only graphs)
+        counts, greedy = r.plan.token_counts, SamplingVariant.GREEDY
         assert counts[0] == 16 and counts[-1] == InferenceConfig().max_tokens
+        assert r.split_sampling
         assert r.plan.keys() == ([GraphKey(t, 9, False, SamplingVariant.FULL) for t in reversed(counts)]
-                                 + [decode_key(b, v) for b in (8, 4, 2, 1) for v in SamplingVariant])
+                                 + [GraphKey(t, 9, False, greedy, logits_only=True) for t in reversed(counts)]
+                                 + [decode_key(b, v) for b in (8, 4, 2, 1) for v in SamplingVariant]
+                                 + [GraphKey(b, b, True, greedy, logits_only=True) for b in (8, 4, 2, 1)])
     r.graphs = {k: SimpleNamespace(num_rows=k.num_rows, key=k) for k in r.plan.keys()}  # what warmup captures
     return r
 
