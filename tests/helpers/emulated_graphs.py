@@ -101,34 +101,25 @@ class EmulatedGraphRunner(CudaGraphRunner):
 
 
 @dataclass
-class AllReduceLog:
-    """Every ``torch.distributed.all_reduce`` on this rank (TP's): (mode, elements)."""
+class CollectiveLog:
+    """Every call of a collective on this rank, (mode, size): by default the MoE layers'
+    ``ep_all_gather`` (size: rows per rank); ``AllReduceLog``: TP's ``all_reduce`` (elements)."""
     runner: EmulatedGraphRunner
     calls: list[tuple[str, int]] = field(default_factory=list)
+    module: object = moe
+    name: str = "ep_all_gather"
 
     def __post_init__(self):
-        import torch.distributed as dist
-
-        inner = dist.all_reduce
+        inner = getattr(self.module, self.name)
 
         def logged(x: torch.Tensor, *args, **kwargs):
-            self.calls.append((self.runner.mode, int(x.numel())))
+            self.calls.append((self.runner.mode, int(x.shape[0] if self.module is moe else x.numel())))
             return inner(x, *args, **kwargs)
 
-        dist.all_reduce = logged  # the spawned rank's own module: nothing else shares it
+        setattr(self.module, self.name, logged)  # the spawned rank's own module: nothing else shares it
 
 
-@dataclass
-class CollectiveLog:
-    """Every ``ep_all_gather`` of the MoE layers on this rank: (mode, rows per rank)."""
-    runner: EmulatedGraphRunner
-    calls: list[tuple[str, int]] = field(default_factory=list)
+def AllReduceLog(runner: EmulatedGraphRunner) -> CollectiveLog:  # noqa: N802 -- reads as the log's kind
+    import torch.distributed as dist
 
-    def __post_init__(self):
-        inner = moe.ep_all_gather
-
-        def logged(x: torch.Tensor, parallel):
-            self.calls.append((self.runner.mode, int(x.shape[0])))
-            return inner(x, parallel)
-
-        moe.ep_all_gather = logged  # the spawned rank's own module: nothing else shares it
+    return CollectiveLog(runner, module=dist, name="all_reduce")
