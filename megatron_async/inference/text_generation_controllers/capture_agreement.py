@@ -30,7 +30,7 @@ class GraphCaptureFailed(RuntimeError):
 
 
 def capture_together(graphs, keys: list, runs_first: Callable[[], bool], agree: Agree) -> list:
-    """Capture ``keys`` on ``graphs`` (a collective ``CudaGraphRunner``) on every rank at once,
+    """Capture ``keys`` on ``graphs`` (the ``CudaGraphRunner`` of ranks sharing steps) on every rank at once,
     each with an eager run first when ``runs_first()`` says so; returns the keys captured again
     after an eager run (the same list on every rank)."""
     failed = set()

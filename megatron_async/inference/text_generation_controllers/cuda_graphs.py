@@ -264,7 +264,8 @@ class CudaGraphRunner:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         for step in self.graphs.values():
-            if isinstance(step, CapturedStep) and step.graph is not None:  # explicit: a step someone still holds must not keep it alive
+            # explicit: a step someone still holds must not keep it alive (emulated steps hold none)
+            if isinstance(step, CapturedStep) and step.graph is not None:
                 step.graph.reset()
         self.graphs.clear()
         self._pool = None
