@@ -118,11 +118,13 @@ class LLM:
         if self.parallel.is_distributed:
             with part("first collective"):  # the job's group connects (NCCL: its communicator)
                 self.parallel.connect(self.device)
-        with part("TP all-reduce"):
-            self.parallel = with_p2p_all_reduce(self.parallel, comm.tp_all_reduce, comm.p2p_all_reduce_max_bytes,
-                                                self.device, fused_norm=comm.tp_fused_norm)
-        with part("EP exchange"):
-            self.parallel = with_p2p_exchange(self.parallel, comm.ep_p2p_exchange, self.device)
+        if self.parallel.tp_size > 1:
+            with part("TP all-reduce"):
+                self.parallel = with_p2p_all_reduce(self.parallel, comm.tp_all_reduce, comm.p2p_all_reduce_max_bytes,
+                                                    self.device, fused_norm=comm.tp_fused_norm)
+        if self.parallel.ep_size > 1:
+            with part("EP exchange"):
+                self.parallel = with_p2p_exchange(self.parallel, comm.ep_p2p_exchange, self.device)
         if self.parallel.is_distributed:
             with part("host consensus"):
                 self.communicator = ZMQCommunicator.from_rendezvous(
