@@ -306,3 +306,19 @@ def test_the_startup_profile_says_how_many_graphs_captured_without_an_eager_run(
     profile.add_warmup(WarmupReport(1.0, 0, 5, 0, 0, capture_seconds=0.5, captures_without_eager_run=3,
                                     capture_retries=1))
     assert profile.phases["graph captures"].note == "5 graphs, 3 without an eager run first, 1 captured again after one"
+
+
+def test_a_startup_phase_names_its_timed_parts():
+    from megatron_async.inference.startup_profile import StartupProfile
+
+    profile = StartupProfile()
+    with profile.phase("communicators"):
+        with profile.part("first collective"):
+            pass
+        with profile.part("TP all-reduce"):
+            pass
+    note = profile.phases["communicators"].note
+    assert note.startswith("first collective 0.") and ", TP all-reduce 0." in note and note.endswith(" s")
+    with profile.phase("load"):  # a phase without parts: no note, and the last phase's parts are not carried over
+        pass
+    assert profile.phases["load"].note == ""

@@ -92,3 +92,21 @@ def test_the_key_keeps_the_kv_layout_but_not_the_pool_size():
     assert kernel_list.kv_layout(pools(40312)) == kernel_list.kv_layout(pools(40352))
     assert kernel_list.kv_layout(pools(40312)) != kernel_list.kv_layout(pools(40312, heads=4))
     assert kernel_list.kv_layout(pools(40312)) != kernel_list.kv_layout(pools(40312, dtype=torch.float8_e4m3fn))
+
+
+def test_kernel_lists_key_on_the_tp_and_ep_ranks():
+    """A rank-valued kernel argument of 1 specializes apart: each rank of a job keeps its own list."""
+    from torch import nn
+
+    from megatron_async.parallel.state import ParallelState
+
+    def model(**ranks) -> nn.Module:
+        m = nn.Module()
+        m.parallel = ParallelState(**ranks)
+        return m
+
+    keys = {kernel_list._parallel(model(tp_rank=r, tp_size=2)) for r in (0, 1)}
+    keys |= {kernel_list._parallel(model(ep_rank=r, ep_size=2)) for r in (0, 1)}
+    assert len(keys) == 4 and "" not in keys
+    assert kernel_list._parallel(model()) == "" and kernel_list.build_share(
+        type("Runner", (), {"model": model()})()) is None  # one rank: no key part, no host share

@@ -161,6 +161,18 @@ def test_cache_dir_follows_triton_cache_dir(monkeypatch, tmp_path):
     assert 1 <= triton_workers.build_threads(None) <= 16 and triton_workers.build_threads(3) == 3
 
 
+@pytest.mark.parametrize("cores,local_ranks,want", [(64, "4", 16), (16, "4", 4), (2, "4", 1), (64, None, 16), (8, None, 8)])
+def test_build_threads_default_to_this_ranks_share_of_the_cores(monkeypatch, cores, local_ranks, want):
+    """torchrun's ranks of one host start up at once: each takes its share of the cores, at most 16."""
+    monkeypatch.setattr(triton_workers.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    if local_ranks is not None:
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    assert triton_workers.build_threads(None) == want and triton_workers.build_threads(0) == 0
+
+
 def test_compile_workers_find_kernels_without_triton_registry(monkeypatch):
     """Triton 3.6 (the CUDA 13 wheels' pin) has no ``_triton_jit_function_registry``: a worker
     finds the kernel as its module's attribute (without this every worker compile failed and the
