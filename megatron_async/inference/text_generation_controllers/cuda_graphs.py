@@ -178,10 +178,8 @@ class CudaGraphRunner:
         """Steps that replayed a long-tile mixed graph (``GraphKey.long_tiles``)."""
         self.num_padding_replays = 0
         """Dummy forwards of data-parallel engines that replayed a graph on padding rows."""
-        self.captures_without_eager_run = 0
-        """Graphs held that were captured with no eager run of their step first (a built warm-up's,
-        ``warmup``)."""
         self._without_eager_run: set[GraphKey] = set()
+        """Keys of the graphs held that were captured with no eager run of their step first."""
         self.capture_retries = 0
         """Graphs captured again after an eager run because a capture without one failed (on this
         rank, or on any rank of ranks sharing steps: capture_agreement.py)."""
@@ -303,16 +301,19 @@ class CudaGraphRunner:
     def drop(self, key: GraphKey) -> None:
         """Forget ``key``'s graph (a collective retry: every rank captures it again)."""
         step = self.graphs.pop(key, None)
-        if key in self._without_eager_run:
-            self._without_eager_run.discard(key)
-            self.captures_without_eager_run -= 1
+        self._without_eager_run.discard(key)
         if getattr(step, "graph", None) is not None:
             step.graph.reset()
 
     def counted_without_eager_run(self, key: GraphKey) -> None:
         """``key``'s graph was captured without an eager run first."""
         self._without_eager_run.add(key)
-        self.captures_without_eager_run += 1
+
+    @property
+    def captures_without_eager_run(self) -> int:
+        """Graphs held that were captured with no eager run of their step first (a built warm-up's,
+        ``warmup``)."""
+        return len(self._without_eager_run)
 
     def capture_shape(self, key: GraphKey) -> StepShape:
         """The StepShape a graph of ``key`` is captured with."""
