@@ -10,7 +10,6 @@ assertions are tests/unit_tests/kernels/test_attention_triton_gpu.py's.
     python -m benchmarks kernel-times paged-attention --sweep-prefill 8192 100 1024 | --grid-order
     python -m benchmarks kernel-times paged-attention --row-order 128 100 1152 | --decode-grid 128 100 1152
     python -m benchmarks kernel-times paged-attention --call-cost   # what a decode call costs beside its bytes
-    python -m benchmarks kernel-times paged-attention --merge 1 4096 4096 [--heads 32 8]   # in-kernel merge vs a launch
 
 Its case builders (``decode_case``, ``longest_first_lens``) serve the other attention families
 (attention-read-bound, invariant-kernels)."""
@@ -222,24 +221,6 @@ def call_cost(iters: int) -> None:
     print(f"a line through 128 and 512 rows: {rate:,.0f} GB/s plus {u1 - b1 / rate / 1e3:.1f} us a call")
 
 
-def merge_ab(iters: int, batch: int, min_len: int, max_len: int) -> None:
-    """The decode launch with its splits merged in the split kernel's tail (the default) against the
-    merge as a second launch, 36 calls a graph as a Qwen3-8B step's layers make them (rows longest
-    first, KV lengths uniform in [min_len, max_len]), at the default split count and a few forced
-    ones: us per call, what the in-kernel merge saves, same bits."""
-    case, kv_bytes = decode_case(longest_first_lens(batch, min_len, max_len))
-    default = choose_num_splits(batch, KV_HEADS, case.meta.block_table.shape[1], case.meta.block_size, case.q.device)
-    print(f"\ndecode merge: {batch} rows, KV {min_len}-{max_len} tokens, {kv_bytes / 1e6:.0f} MB, "
-          f"{HEADS} / {KV_HEADS} heads, default {default} splits (36 calls a graph)")
-    print("| splits | in kernel us | merge launch us | saved us | bits == |\n|---:|---:|---:|---:|---|")
-    for splits in sorted({default, 2, 8, 32}):
-        calls = [functools.partial(decode_attention, case.q, case.kv_cache, case.meta, case.scale, num_splits=splits,
-                                   merge_in_kernel=fused) for fused in (True, False)]
-        fused_us, launch_us = (graph_call_us([call], calls_per_graph=36, replays=iters) for call in calls)
-        print(f"| {splits} | {fused_us:.1f} | {launch_us:.1f} | {launch_us - fused_us:.1f} | "
-              f"{torch.equal(calls[0](), calls[1]())} |")
-
-
 def prompt_rows(tokens: int, min_len: int, max_len: int, gen: torch.Generator) -> list[tuple[int, int]]:
     """(cached prefix, new tokens) rows of prompts of [min_len, max_len] tokens packed into
     ``tokens`` (the last chunk cut, every third prompt continuing a cached first half)."""
@@ -347,10 +328,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only time the decode kernel with rows or KV heads first in its grid")
     parser.add_argument("--call-cost", action="store_true",
                         help="only the decode launch's cost per call beside its bytes, at four row sets")
-    parser.add_argument("--merge", type=int, nargs=3, metavar=("BATCH", "MIN_LEN", "MAX_LEN"), default=None,
-                        help="only time the decode splits merged in the split kernel against a merge launch")
     parser.add_argument("--heads", type=int, nargs=2, metavar=("HEADS", "KV_HEADS"), default=None,
-                        help="query and KV heads per rank for --sweep / --row-order / --merge (default 16 8, Qwen3-0.6B)")
+                        help="query and KV heads per rank for --sweep / --row-order (default 16 8, Qwen3-0.6B)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -369,9 +348,6 @@ def run(args: argparse.Namespace) -> None:
         decode_grid(args.iters, *args.decode_grid)
     if args.call_cost:
         call_cost(args.iters)
-    if args.merge:
-        merge_ab(args.iters, *args.merge)
-    if any((args.sweep, args.sweep_prefill, args.row_order, args.grid_order, args.decode_grid, args.call_cost,
-            args.merge)):
+    if any((args.sweep, args.sweep_prefill, args.row_order, args.grid_order, args.decode_grid, args.call_cost)):
         return
     print_table(run_cases(args.block_sizes, args.batches, args.iters))

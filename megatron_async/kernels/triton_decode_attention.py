@@ -7,10 +7,8 @@ query heads that share one KV head (the GQA group, padded to >= 16 rows so ``tl.
 run on tensor cores: decode is bound by reading K/V, so the padded rows cost nothing that
 matters, and each K/V tile is read once per group instead of once per query head). The
 row's keys are cut into ``num_splits`` contiguous chunks; each program runs an fp32 online
-softmax over its chunk and writes a normalised partial output plus its log-sum-exp, and the last
-of the row's programs for a KV head to finish merges the group's splits in the same kernel (no
-second launch: triton_decode_merge, which also says why its arrival counters are graph-safe). With
-one split the kernel writes the output directly. With
+softmax over its chunk and writes a normalised partial output plus its log-sum-exp, and a
+second kernel merges the splits. With one split the first kernel writes the output directly. With
 ``meta.row_order`` program i of the row axis serves row ``row_order[i]`` (longest first: the
 block scheduler starts programs in grid order, so the short rows fill the tail).
 
@@ -40,9 +38,6 @@ import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels import launch_limits
-from megatron_async.kernels.triton_decode_merge import (
-    arrival_counters, merge_block, merge_group_if_last, merge_splits, split_partials,
-)
 from megatron_async.kernels.triton_fp8_act import QuantizedRows, attention_outputs, store_heads_quantized
 from megatron_async.kernels.triton_fp8_common import emulate
 from megatron_async.kernels.triton_paged_common import (
@@ -132,7 +127,7 @@ def _store_split(
 ):
     """The split's normalised output: the row's output itself when it is the only split (with
     ``QUANT_OUT`` quantized for an FP8 o projection instead, ``store_heads_quantized``), else a
-    partial output plus its log-sum-exp (log2) for the merge (triton_decode_merge)."""
+    partial output plus its log-sum-exp (log2) for the merge kernel."""
     has_keys = l_i > 0.0  # an empty split (or an empty row) contributes nothing
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if not SPLIT and QUANT_OUT:
@@ -155,25 +150,50 @@ def _store_split(
 @triton.jit
 def _split_keys(kv_lens_ptr, positions_ptr, row, split, num_splits, BLOCK_N: tl.constexpr):
     """[start, end) of the keys of split ``split``, of those visible to the row's single query:
-    [0, min(kv_len, position + 1)) cut into ``num_splits`` chunks of whole key tiles; and how many
-    splits have keys (the later ones are empty: the split count follows the block table's width)."""
+    [0, min(kv_len, position + 1)) cut into ``num_splits`` chunks of whole key tiles."""
     kv_len = tl.load(kv_lens_ptr + row).to(tl.int64)
     length = tl.minimum(kv_len, tl.load(positions_ptr + row).to(tl.int64) + 1)
     chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
-    return start, tl.minimum(start + chunk, length), tl.cdiv(length, tl.maximum(chunk, 1))
+    return start, tl.minimum(start + chunk, length)
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one binary for every split count (a cold start built 11)
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, positions_ptr, row_order_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-    num_heads, scale_log2, kv_scale_ptr, num_kv_heads,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    num_splits, SPLIT: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    ORDERED: tl.constexpr, HEADS_FASTEST: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    kv_lens_ptr,
+    positions_ptr,
+    row_order_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    num_heads,
+    scale_log2,
+    kv_scale_ptr,
+    num_kv_heads,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    num_splits,
+    SPLIT: tl.constexpr,
+    ORDERED: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     E4M3_PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, Q_BF16: tl.constexpr, USE_ASM: tl.constexpr,
     oq_ptr, os_ptr, rows_padded, QUANT_OUT: tl.constexpr,
@@ -188,7 +208,7 @@ def _decode_split_kernel(
         row = tl.load(row_order_ptr + row)
     split = tl.program_id(2)
 
-    start, end, live = _split_keys(kv_lens_ptr, positions_ptr, row, split, num_splits, BLOCK_N)
+    start, end = _split_keys(kv_lens_ptr, positions_ptr, row, split, num_splits, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -217,10 +237,44 @@ def _decode_split_kernel(
     _store_split(acc, l_i, m_i, row, heads, split, offs_d, g_mask, d_mask, out_ptr, part_out_ptr, part_lse_ptr,
                  stride_ot, stride_oh, num_heads, oq_ptr, os_ptr, rows_padded, num_splits, HEAD_DIM, SPLIT, QUANT_OUT,
                  not USE_ASM)
-    if SPLIT and MERGE:  # the group's last program to finish merges its splits (triton_decode_merge)
-        merge_group_if_last(arrivals_ptr, part_out_ptr, part_lse_ptr, out_ptr, row, kv_head, num_kv_heads, live,
-                            stride_ot, stride_oh, num_heads, num_splits, oq_ptr, os_ptr, rows_padded,
-                            GROUP, BLOCK_S, HEAD_DIM, BLOCK_D, QUANT_OUT, not USE_ASM)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    num_splits,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    oq_ptr, os_ptr, rows_padded, QUANT_OUT: tl.constexpr, EMULATE: tl.constexpr,
+):
+    # One program per (row, query head): weight each split by exp2(lse_s - max lse).
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    part = (row * num_heads + head) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    den = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(den > 0.0, den, 1.0)
+    if QUANT_OUT:  # one head = one 128-wide group of the o projection's input
+        one = tl.arange(0, 1)
+        store_heads_quantized(tl.reshape(res, [1, BLOCK_D]), row + one, head + one, one == 0, oq_ptr, os_ptr,
+                              rows_padded, num_heads * 128, out_ptr.dtype.element_ty, EMULATE)
+    else:
+        tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
+                 mask=d_mask)
 
 
 def choose_num_splits(num_rows: int, num_kv_heads: int, max_blocks_per_row: int, block_size: int,
@@ -228,7 +282,7 @@ def choose_num_splits(num_rows: int, num_kv_heads: int, max_blocks_per_row: int,
     """Split count for a decode step: enough programs to fill the device about twice,
     capped so a full-length row (the block table's width) keeps >= _MIN_TOKENS_PER_SPLIT
     keys per split. A step whose rows already come within 5 % of two fills keeps one split:
-    256 programs on 132 SMs ran 4-25 % faster unsplit, without the merge
+    256 programs on 132 SMs ran 4-25 % faster unsplit, without the merge kernel
     (``kernel-times paged-attention --heads H KVH --sweep``: 32 x 8 and 64 x 4 rows x KV
     heads). Depends on shapes only (graph-safe, see the module docstring)."""
     programs, fill = max(1, num_rows * num_kv_heads), 2 * num_compute_units(device)
@@ -265,7 +319,6 @@ def decode_attention(
     heads_fastest: bool = True,
     kv_scale: torch.Tensor | None = None,
     quantize: bool = False,
-    merge_in_kernel: bool = True,
 ) -> torch.Tensor | QuantizedRows:
     """Attention of one query per row (q: [R, H, D], row r = token r) over the row's paged
     KV (already appended). ``meta.max_kv_len`` is not used. Returns [R, H, D] in q's dtype, or
@@ -275,8 +328,7 @@ def decode_attention(
 
     ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the split count,
     key-tile size and launch settings, ``heads_fastest=False`` puts rows first in the grid (tests,
-    ``kernel-times paged-attention --sweep``), ``merge_in_kernel=False`` merges the splits in a second
-    launch (same bits; tests, ``kernel-times paged-attention --merge``)."""
+    ``kernel-times paged-attention --sweep``)."""
     check_cache(kv_cache, q)
     num_rows, num_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -292,9 +344,11 @@ def decode_attention(
     block_n, num_stages = _tiles(head_dim, pairs, block_n, num_stages, q.device)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on GPU
-    merge_in_kernel = merge_in_kernel and num_splits > 1
-    part_out, part_lse = split_partials(q, num_splits) if num_splits > 1 else (out, out)  # else unused
-    arrivals = arrival_counters(meta, num_rows * num_kv_heads, q.device) if merge_in_kernel else out
+    if num_splits > 1:
+        part_out = torch.empty(num_rows, num_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(num_rows, num_heads, num_splits, device=q.device, dtype=torch.float32)
+    else:  # unused by the kernel
+        part_out = part_lse = out
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     if pairs:  # int16 pairs of dims (the strides count pairs)
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
@@ -309,18 +363,23 @@ def decode_attention(
     _decode_split_kernel[grid](
         q_arg, k_cache, v_cache, meta.block_table, meta.kv_lens, meta.positions,
         meta.kv_lens if meta.row_order is None else meta.row_order,
-        out, part_out, part_lse, arrivals,
+        out, part_out, part_lse,
         q_arg.stride(0), q_arg.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
         num_heads, scale * _LOG2E, scale_ptr, num_kv_heads, KV_FP8=fp8,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, num_splits=num_splits,
-        SPLIT=num_splits > 1, MERGE=merge_in_kernel, BLOCK_S=merge_block(num_splits),
-        ORDERED=meta.row_order is not None, E4M3_PAIRS=pairs, BLOCK_P=block_d // 2, Q_BF16=q.dtype == torch.bfloat16,
+        SPLIT=num_splits > 1, ORDERED=meta.row_order is not None, E4M3_PAIRS=pairs, BLOCK_P=block_d // 2,
+        Q_BF16=q.dtype == torch.bfloat16,
         USE_ASM=not emulate(_decode_split_kernel),
         HEADS_FASTEST=heads_fastest, **dot_args(_decode_split_kernel, kv_cache.dtype, q.dtype),
         **quant_args, num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1 and not merge_in_kernel:
-        merge_splits(part_out, part_lse, out, block_d, quant_args)
+    if num_splits > 1:
+        _decode_merge_kernel[(num_rows, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, **quant_args,
+            EMULATE=emulate(_decode_merge_kernel), num_warps=4,
+        )
     return out if rows_q is None else rows_q

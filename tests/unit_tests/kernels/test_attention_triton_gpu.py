@@ -127,36 +127,3 @@ def test_prefill_variants_real_shapes_match_reference(block_size, launch, heads)
     out = prefill_attention(case.q, case.kv_cache, case.meta, case.scale,
                             launch=PrefillLaunch(*launch))
     torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=1e-2)
-
-
-@pytest.mark.parametrize("batch", [1, 8])
-def test_decode_merge_in_kernel_equals_the_merge_launch(batch):
-    """Qwen3-8B's heads (32 over 8 KV heads, head_dim 128), a 4,096-token block table (32 splits at
-    batch 1 on a 132-SM device; at batch 8 rows of 1-4,096 keys leave splits empty): the in-kernel
-    merge gives the merge launch's bits, eager and replayed from a CUDA graph of two layers that
-    shares one step's arrival counters (made inside the capture), which every call leaves zero."""
-    from megatron_async.kernels.triton_decode_merge import ARRIVALS_KEY
-
-    width = 4096 // 16
-    gen = torch.Generator().manual_seed(batch)
-    lens = [4096] if batch == 1 else torch.randint(1, 4097, (batch,), generator=gen).tolist()
-    case = make_case([(n - 1, 1) for n in lens], num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
-                     dtype=torch.bfloat16, device="cuda", table_width=width, num_blocks=1 + batch * width, seed=batch)
-    attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the keys
-    two = decode_attention(case.q, case.kv_cache, case.meta, case.scale, merge_in_kernel=False)
-    assert torch.equal(decode_attention(case.q, case.kv_cache, case.meta, case.scale), two)
-    q2 = case.q.flip(1).contiguous()  # a second layer's queries
-    two2 = decode_attention(q2, case.kv_cache, case.meta, case.scale, merge_in_kernel=False)
-    meta = dataclasses.replace(case.meta)  # a fresh step: empty scratch
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = decode_attention(case.q, case.kv_cache, meta, case.scale)
-        out2 = decode_attention(q2, case.kv_cache, meta, case.scale)
-    for _ in range(2):
-        out.zero_()
-        out2.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, two) and torch.equal(out2, two2)
-        assert not meta.scratch[ARRIVALS_KEY].any()

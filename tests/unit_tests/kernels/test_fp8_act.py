@@ -75,7 +75,7 @@ def test_rms_norm_quantized_equals_the_norm_then_the_quantize(m, n, residual, ca
                                                 for e in (False, True)] + [("wide", None, False), ("tma", None, False)])
 def test_attention_quantized_output_equals_the_output_then_the_quantize(kernel, splits, e4m3):
     """The attention kernels' output rows (head_dim 128: one 128-wide group a head) quantized in their
-    epilogue (with splits, the merge's) give the bits of the output then ``quantize_activation``,
+    epilogue (the merge kernel's with splits) give the bits of the output then ``quantize_activation``,
     over a bf16 and an e4m3 KV pool (the prefill kernel's wide and TMA variants: bf16 only)."""
     from megatron_async.kernels import kv_cache_fp8 as kf
     from megatron_async.kernels.triton_decode_attention import decode_attention
