@@ -152,16 +152,15 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, enabled: bool = True,
-                 tp_rank: bool = False, act: str | None = None):
+                 tp_rank: bool = False):
     """An output projection at decode sizes as K-split partials whose sum the next norm takes
     (``triton_split_linear.PendingSplitSum``), or None where cuBLAS keeps it (``enabled``: the
     model's ``KernelBackends.split_k``). ``tp_rank``: a TP rank's projection
     (``triton_split_linear.tp_rank_tiles``), whose partials the fused all-reduce + add + RMSNorm
-    (row-parallel) or the q/k norm + rope (the qkv projection, ``rope_qk(..., splits=...)``) sums.
-    ``act``: x is the MLP activation's input, applied as the tiles load (``ACTIVATIONS``)."""
+    (row-parallel) or the q/k norm + rope (the qkv projection, ``rope_qk(..., splits=...)``) sums."""
     if not use_fused(x, enabled):
         return None
     from megatron_async.kernels import triton_split_linear as split
 
     tiles = split.tp_rank_tiles if tp_rank else split.split_tiles
-    return split.split_linear(x, weight, bias, tiles, act) if split.takes(x, weight, bias, tiles, act) else None
+    return split.split_linear(x, weight, bias, tiles) if split.takes(x, weight, bias, tiles) else None

@@ -12,10 +12,6 @@ The residual stream comes out as ``reduce()`` then ``add_rms_norm`` would give i
 the normalised rows may differ from that in a last bit, the norm's float32 sum of squares being
 reduced by 8 warps a row (the plain norm kernel's 2-4 warps read the partials 0.2-0.5 us slower).
 
-A TP rank's down projection may take the MLP's activation on the way in (``act``): its A tiles
-are SwiGLU (or relu^2) of the gate_up (up) projection's tiles, computed as the activation kernel
-computes them, so the partials are the bits of that kernel then this one, one launch fewer a layer.
-
 Deterministic: a fixed split and a fixed summation order for each shape. The bits differ from
 cuBLAS's (another accumulation order), as any two GEMMs' do; batch-invariant mode keeps its
 own matmul."""
@@ -30,35 +26,19 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_async.kernels import cuda_device, launch_limits
 from megatron_async.kernels.deferred_sum import DeferredSum
-from megatron_async.kernels.triton_act import relu_sq, silu_mul
-from megatron_async.kernels.triton_paged_common import TL_DTYPES, dot_args
+from megatron_async.kernels.triton_paged_common import dot_args
 from megatron_async.kernels.triton_rmsnorm import add_norm_row
-
-
-@triton.jit
-def _a_tile(a_desc, row, k0, k_total, ACT: tl.constexpr, ACT_DTYPE: tl.constexpr):
-    """The A tile at (row, k0): the input itself, or the MLP activation of the tile(s) it is made
-    of, rounded as ``triton_act`` rounds it (the bits the activation kernel would have stored)."""
-    if ACT == 1:  # silu(gate) * up of a [M, 2K] gate_up
-        gate = a_desc.load([row, k0]).to(tl.float32)
-        return silu_mul(gate, a_desc.load([row, k_total + k0]).to(tl.float32), ACT_DTYPE)
-    elif ACT == 2:  # relu(h)^2
-        return relu_sq(a_desc.load([row, k0]).to(tl.float32), ACT_DTYPE)
-    else:
-        return a_desc.load([row, k0])
 
 
 @triton.jit(do_not_specialize=["M", "N", "k_per_split"])
 def _split_gemm_kernel(a_desc, w_desc, part_ptr, M, N, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       ACT: tl.constexpr, ACT_DTYPE: tl.constexpr):
+                       BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n, split = tl.program_id(0) // num_n, tl.program_id(0) % num_n, tl.program_id(1)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_lo = split * k_per_split
-    k_total = k_per_split * tl.num_programs(1)
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
-        a = _a_tile(a_desc, pid_m * BLOCK_M, k0, k_total, ACT, ACT_DTYPE).to(DOT_DTYPE)
+        a = a_desc.load([pid_m * BLOCK_M, k0]).to(DOT_DTYPE)
         w = w_desc.load([pid_n * BLOCK_N, k0]).to(DOT_DTYPE)
         acc = tl.dot(a, w.T, acc, input_precision=DOT_PRECISION)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -133,34 +113,18 @@ def tp_rank_tiles(m: int, n: int, k: int) -> SplitTiles | None:
     return SplitTiles(16, 64, BLOCK_K, SPLITS, 4, 4)
 
 
-def footprint(elem_bytes: int, a_tiles: int = 1):
-    """``a_tiles`` A tiles (SwiGLU's gate and up: 2) and a weight tile a step, one float32
-    accumulator stored as it is."""
+def footprint(elem_bytes: int):
+    """An A and a weight tile a step, one float32 accumulator stored as it is."""
     return lambda t: launch_limits.gemm_footprint(t.block_m, t.block_n, t.block_k, t.num_stages, t.num_warps,
-                                                  a_tiles * elem_bytes, elem_bytes)
+                                                  elem_bytes, elem_bytes)
 
 
-ACTIVATIONS = {None: 0, "silu_mul": 1, "relu_sq": 2}
-"""What ``split_linear`` may apply to its input as it loads it (``_a_tile``): nothing, SwiGLU of a
-[M, 2K] gate_up, relu(h)^2."""
-ACT_MAX_BLOCK_M = 16
-"""Row tiles up to this size take an activation: every output-column program applies it to its
-own A tiles again (64 programs share one at N = 4,096), 2,048 values a K step at 16 rows, which
-the weight tile's load hides; wider tiles were not measured."""
-
-
-def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles=split_tiles,
-          act: str | None = None) -> bool:
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles=split_tiles) -> bool:
     """Whether ``split_linear`` takes this product: an sm90 device (the tiles' measurements), 2-D
     bf16 / fp16 operands with unit last strides, 16-byte-aligned rows, a shape ``tiles`` (a
-    tile choice: ``split_tiles`` or ``tp_rank_tiles``) splits. ``act`` (``ACTIVATIONS``): x is the
-    activation's input ([M, 2K] for ``silu_mul``), the tiles at most ``ACT_MAX_BLOCK_M`` rows."""
-    if act not in ACTIVATIONS:
-        raise ValueError(f"split_linear: no activation {act!r} (one of {sorted(map(str, ACTIVATIONS))})")
-    k = weight.shape[-1]
+    tile choice: ``split_tiles`` or ``tp_rank_tiles``) splits."""
     if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.stride(1) == 1 and weight.stride(1) == 1 and weight.is_contiguous()
-            and x.shape[1] == (2 * k if act == "silu_mul" else k)):
+            and x.stride(1) == 1 and weight.stride(1) == 1 and weight.is_contiguous()):
         return False
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return False
@@ -168,26 +132,23 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile
         return False
     if cuda_device.capability(x.device)[0] != 9:
         return False
-    t = tiles(x.shape[0], weight.shape[0], k)
-    return t is not None and (act is None or t.block_m <= ACT_MAX_BLOCK_M)
+    return tiles(x.shape[0], weight.shape[0], x.shape[1]) is not None
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 tiles=split_tiles, act: str | None = None) -> PendingSplitSum:
-    """``act(x) @ weight.T + bias`` as float32 partials over K splits (``takes(..., tiles, act)``
-    must hold; ``act`` None: x itself)."""
-    (m, k), n = (x.shape[0], weight.shape[1]), weight.shape[0]
+                 tiles=split_tiles) -> PendingSplitSum:
+    """``x @ weight.T + bias`` as float32 partials over K splits (``takes(..., tiles)`` must hold)."""
+    (m, k), n = x.shape, weight.shape[0]
     t = tiles(m, n, k)
     assert t is not None
-    t = launch_limits.fit(t, footprint(x.element_size(), 2 if act == "silu_mul" else 1),
-                          launch_limits.device_limits(x.device))
+    t = launch_limits.fit(t, footprint(x.element_size()), launch_limits.device_limits(x.device))
     parts = torch.empty(t.splits, m, n, dtype=torch.float32, device=x.device)
     a_desc = TensorDescriptor.from_tensor(x, [t.block_m, t.block_k])
     w_desc = TensorDescriptor.from_tensor(weight, [t.block_n, t.block_k])
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), t.splits)
     _split_gemm_kernel[grid](a_desc, w_desc, parts, m, n, k // t.splits, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                             BLOCK_K=t.block_k, **dot_args(_split_gemm_kernel, x.dtype), ACT=ACTIVATIONS[act],
-                             ACT_DTYPE=TL_DTYPES[x.dtype], num_warps=t.num_warps, num_stages=t.num_stages)
+                             BLOCK_K=t.block_k, **dot_args(_split_gemm_kernel, x.dtype), num_warps=t.num_warps,
+                             num_stages=t.num_stages)
     return PendingSplitSum(parts, bias, x.dtype)
 
 

@@ -175,21 +175,6 @@ class RowParallelLinear(ParallelLinear):
         self.lora = LoRASlots(self.weight, (None,), [self.weight.shape[0]], max_loras, max_rank, self.weight.dtype,
                               self.weight.device)
 
-    def tp_split(self, x: torch.Tensor, split_k: bool = True, act: str | None = None,
-                 lora_slots: torch.Tensor | None = None) -> PendingSum | None:
-        """This TP rank's K-split partials of ``act(x)`` (``fused_ops.split_linear``'s activations)
-        for the fused all-reduce + add + RMSNorm to sum, or None where that path does not take
-        them: a deferred, bias-free, 16-bit projection without adapters in use on a P2P reducer
-        at decode sizes. Never called in batch-invariant mode."""
-        reducer = self.parallel.tp_reducer
-        if lora_slots is not None and self.lora is not None:
-            return None
-        if not (self.parallel.tp_size > 1 and self.defer_reduction and self.bias is None and reducer is not None
-                and self.weight_scale_inv is None and reducer.fuses_rows(x.shape[0], self.weight.shape[0], x.dtype)):
-            return None
-        split = fused_ops.split_linear(x, self.weight, None, split_k, tp_rank=True, act=act)
-        return None if split is None else PendingSum(split, self.parallel)
-
     def forward(self, x: torch.Tensor, batch_invariant: bool = False, split_k: bool = True,
                 lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         """``split_k``: the model's ``KernelBackends.split_k`` (whether the split-K sum may run);
@@ -207,9 +192,11 @@ class RowParallelLinear(ParallelLinear):
             return out
         reducer = self.parallel.tp_reducer
         fuse = self.defer_reduction and self.bias is None and not batch_invariant and reducer is not None
-        split = self.tp_split(x, split_k, lora_slots=lora_slots) if fuse else None  # no cuBLAS reduce kernel
-        if split is not None:
-            return split
+        if (fuse and not adapted and self.weight_scale_inv is None
+                and reducer.fuses_rows(x.shape[0], self.weight.shape[0], x.dtype)):
+            split = fused_ops.split_linear(x, self.weight, None, split_k, tp_rank=True)  # no cuBLAS reduce kernel
+            if split is not None:
+                return PendingSum(split, self.parallel)
         partial = self.matmul(x, None, batch_invariant)
         if adapted:
             self.lora.apply(x, partial, lora_slots, batch_invariant)

@@ -50,9 +50,6 @@ class SwiGLUMLP(nn.Module):
             if not inv and fused_ops.fp8_input_prequantized(gate_up.shape[0], gate_up.dtype, gate_up.device,
                                                             self.down_proj):
                 return self.down_proj(fused_ops.silu_and_mul_quantized(gate_up), inv, split_k)  # SwiGLU + FP8 quantize
-            folded = None if inv else self.down_proj.tp_split(gate_up, split_k, "silu_mul", lora)
-            if folded is not None:  # a TP rank's down projection applies SwiGLU as it loads: no activation launch
-                return folded
             act = fused_ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
@@ -93,9 +90,6 @@ class ReluSquaredMLP(nn.Module):
         if fused_ops.use_fused(h, fused) and h.dim() == 2:
             if not inv and fused_ops.fp8_input_prequantized(h.shape[0], h.dtype, h.device, self.down_proj):
                 return self.down_proj(fused_ops.relu_square_quantized(h), inv, split_k)
-            folded = None if inv else self.down_proj.tp_split(h, split_k, "relu_sq", lora)
-            if folded is not None:
-                return folded
             return self.down_proj(fused_ops.relu_square(h), inv, split_k, lora)
         return self.down_proj(torch.relu(h).square(), inv, split_k, lora)
 

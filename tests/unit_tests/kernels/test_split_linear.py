@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from megatron_async.kernels import fused_ops, triton_act, triton_rmsnorm  # noqa: E402
+from megatron_async.kernels import fused_ops, triton_rmsnorm  # noqa: E402
 from megatron_async.kernels import triton_split_linear as sl  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,32 +62,6 @@ def test_partials_sum_to_the_product_interpreted(m, n, k, bias):
     assert pending.parts.shape == (sl.SPLITS, m, n) and pending.parts.dtype == torch.float32
     _check_sum(pending, x, w, b)
     _check_norm_bits(pending, seed=m)
-
-
-def _activation_input(m: int, k: int, act: str, seed: int, dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the activation's input: [m, 2k] gate_up or [m, k] up, the activation kernel's output)."""
-    g = torch.Generator().manual_seed(seed)
-    h = (2 * torch.randn(m, 2 * k if act == "silu_mul" else k, generator=g)).to(dtype).to(DEVICE)
-    return h, (triton_act.silu_and_mul(h) if act == "silu_mul" else triton_act.relu_square(h))
-
-
-def _check_activation_bits(m: int, n: int, k: int, act: str, seed: int, dtype=torch.bfloat16) -> None:
-    h, activated = _activation_input(m, k, act, seed, dtype)
-    w = _operands(m, n, k, False, seed, dtype)[1]
-    folded = sl.split_linear(h, w, None, sl.tp_rank_tiles, act)
-    assert torch.equal(folded.parts, sl.split_linear(activated, w, None, sl.tp_rank_tiles).parts)
-
-
-@pytest.mark.skipif(DEVICE == "cuda", reason="interpreter shapes; the GPU test below takes the real ones")
-@pytest.mark.parametrize("act", ["silu_mul", "relu_sq"])
-def test_an_activation_applied_as_the_tiles_load_is_the_activation_kernels_bits_interpreted(act):
-    _check_activation_bits(3, 64, 512, act, seed=3)  # one 128-deep step a split; rows padded to the 16-row tile
-
-
-def test_an_unknown_activation_is_refused():
-    x, w = _operands(2, 64, 512, False, seed=2)[:2]
-    with pytest.raises(ValueError, match="no activation 'gelu'"):
-        sl.takes(x, w, None, sl.tp_rank_tiles, "gelu")
 
 
 def test_tiles_split_only_where_they_paid():
@@ -184,19 +158,3 @@ def test_tp_rank_tiles_on_the_gpu(m, k):
         captured = sl.split_linear(x, w, None, tiles).reduce()
     graph.replay()
     assert torch.equal(captured, out)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="the split tiles are taken on Hopper only")
-@pytest.mark.parametrize("act", ["silu_mul", "relu_sq"])
-@pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("k", [3072, 6144])  # Qwen3-8B's down_proj at TP=4 / TP=2 (N = 4,096)
-def test_an_activation_applied_as_the_tiles_load_on_the_gpu(act, m, k):
-    _check_activation_bits(m, 4096, k, act, seed=m + k)
-    h, activated = _activation_input(m, k, act, seed=1)
-    w = _operands(m, 4096, k, False, seed=1)[1]
-    assert sl.takes(h, w, None, sl.tp_rank_tiles, act)
-    assert not sl.takes(activated, w, None, sl.tp_rank_tiles, "silu_mul")  # [m, k]: not a gate_up
-    narrow = _operands(m, 1024, k, False, seed=2)[1]
-    assert sl.takes(activated, narrow, None, sl.split_tiles)  # TP=1's 64-row tiles take the activated rows
-    assert not sl.takes(h, narrow, None, sl.split_tiles, act)  # but not the activation again in all 16 column tiles

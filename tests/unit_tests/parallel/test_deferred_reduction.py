@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_async.models.layers.block import Block
-from megatron_async.models.layers.mlp import ReluSquaredMLP, SwiGLUMLP
+from megatron_async.models.layers.mlp import SwiGLUMLP
 from megatron_async.models.layers.norm import NemotronRMSNorm, RMSNorm
 from megatron_async.parallel import linear as linear_module
 from megatron_async.parallel.communication import PendingSum
@@ -109,7 +109,7 @@ def test_decode_size_projection_hands_its_k_split_partials_to_the_fused_sum(monk
 
     x = torch.randn(3, 4)
     asked, made = [], []
-    monkeypatch.setattr(linear_module.fused_ops, "split_linear", lambda x, w, bias, enabled, tp_rank=False, act=None:
+    monkeypatch.setattr(linear_module.fused_ops, "split_linear", lambda x, w, bias, enabled, tp_rank=False:
                         asked.append((bias, enabled, tp_rank))
                         or made.append(torch.stack([x @ w.t() / 2] * 2)) or _Split(made[-1]))
     pending = _layer(_Reducer())(x, split_k=False)
@@ -139,38 +139,3 @@ def test_a_tp_ranks_qkv_asks_for_split_partials_only_at_tp_without_bias_or_fp8(m
 
     assert qkv(2).tp_split(x, split_k=False) == "parts" and asked == [((16, 16), None, False, True)]
     assert qkv(1).tp_split(x) is None and qkv(2, bias=True).tp_split(x) is None and len(asked) == 1
-
-
-@pytest.mark.parametrize("mlp_cls,act", [(SwiGLUMLP, "silu_mul"), (ReluSquaredMLP, "relu_sq")])
-def test_a_tp_ranks_mlp_hands_its_activation_to_the_down_projections_split(monkeypatch, mlp_cls, act):
-    """At decode sizes a TP rank's down projection takes the activation's input and applies it as
-    its split tiles load (``RowParallelLinear.tp_split(..., act)``): no activation launch. Where
-    the reducer declines the shape, or adapters are in use, the activation runs and the plain
-    path follows."""
-    from megatron_async.models.layers import mlp as mlp_module
-
-    monkeypatch.setattr(mlp_module.fused_ops, "use_fused", lambda x, enabled=True: enabled)  # as on a GPU
-    monkeypatch.setattr(mlp_module.fused_ops, "swiglu_linear", lambda *a, **k: None)  # Qwen3-8B's K: not taken
-    activations = []
-    monkeypatch.setattr(mlp_module.fused_ops, "silu_and_mul", lambda h: activations.append(act) or h[:, :h.shape[1] // 2])
-    monkeypatch.setattr(mlp_module.fused_ops, "relu_square", lambda h: activations.append(act) or h)
-    monkeypatch.setattr(linear_module, "tp_all_reduce", lambda t, p, inv=False: t)
-    asked = []
-    monkeypatch.setattr(linear_module.fused_ops, "split_linear", lambda x, w, bias, enabled, tp_rank=False, act=None:
-                        asked.append((tuple(x.shape), tuple(w.shape), tp_rank, act)) or "parts")
-
-    def mlp(reducer: _Reducer):
-        m = mlp_cls(8, 16, False, ParallelState(tp_rank=0, tp_size=2, tp_reducer=reducer), torch.float32, "cpu")
-        m.down_proj.defer_reduction = True
-        return m
-
-    x = torch.randn(3, 8)
-    width = 16 if act == "silu_mul" else 8  # this rank's gate_up [gate | up] / up columns
-    folded = mlp(_Reducer())(x)
-    assert isinstance(folded, PendingSum) and folded.partial == "parts"
-    assert asked == [((3, width), (8, 8), True, act)] and activations == []
-    out = mlp(_Reducer(fuses=False))(x)  # e.g. a prefill-sized message: the activation, then the plain path
-    assert isinstance(out, torch.Tensor) and activations == [act] and len(asked) == 1
-    adapted = mlp(_Reducer()).down_proj
-    adapted.lora = object()  # adapter slots in use: their product joins the partial, so no split
-    assert adapted.tp_split(torch.randn(3, width), act=act, lora_slots=torch.zeros(3)) is None and len(asked) == 1
