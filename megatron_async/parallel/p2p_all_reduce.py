@@ -218,7 +218,8 @@ class P2PAllReduce:
         self.calls["fused_norm"] += 1
         p = self.peers
         return fused.all_reduce_add_rms_norm(partial, residual, weight, eps, cast_before_weight, p.buffers,
-                                             p.signal_pads, p.state, p.half_bytes, p.rank, p.max_programs)
+                                             p.signal_pads, p.state, p.half_bytes, p.rank, p.max_programs,
+                                             two_shot=p.second_barrier)
 
     def close(self) -> None:
         """Drop the buffer (before the process group goes); later calls all go to NCCL."""
@@ -247,6 +248,9 @@ class PeerTables:
     """Each buffer is two halves of this size, used alternately (``kernels/triton_p2p_sync``)."""
     state: torch.Tensor
     """int32 [2] on this GPU: (calls so far, arrivals in the current call); the kernels' own."""
+    second_barrier: bool = False
+    """The signal pad holds a second region of max_programs x world_size flags (the fused two-shot
+    kernel's second barrier)."""
 
 
 def fused_self_test(reducer: P2PAllReduce, rows: int = 3, hidden: int = 256) -> str | None:
@@ -320,11 +324,13 @@ def peer_tables(handle, buffer: torch.Tensor, device: torch.device, half_bytes: 
         # Programs of one rank wait only for the same program on the others: with at most one per
         # SM they can all be resident at once, so none waits behind a program that waits itself.
         sms = torch.cuda.get_device_properties(device).multi_processor_count
+        programs = min(FUSED_MAX_PROGRAMS, sms, pad_slots // world)
         return PeerTables(
             buffers=torch.tensor([p + shift for p in handle.buffer_ptrs], dtype=torch.int64, device=device),
             signal_pads=torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device),
-            rank=rank, world_size=world, max_programs=min(FUSED_MAX_PROGRAMS, sms, pad_slots // world),
-            allocation=buffer, half_bytes=half_bytes, state=torch.zeros(2, dtype=torch.int32, device=device))
+            rank=rank, world_size=world, max_programs=programs,
+            allocation=buffer, half_bytes=half_bytes, state=torch.zeros(2, dtype=torch.int32, device=device),
+            second_barrier=pad_slots >= 2 * world * programs)
     except Exception as e:  # noqa: BLE001 - decided alike on every rank (same torch); self-tests agree anyway
         log.warning("%s off: no peer address tables from torch symmetric memory (%s)", what, e)
         return None

@@ -62,7 +62,8 @@ def check_fused_norm(reducer: P2PAllReduce, group, seed: int) -> list[dict]:
                 ref_out, ref_res = unfused(reducer, partial.clone(), residual, weight)
                 row.update(out_rel=_rel(out, ref_out), residual_rel=_rel(new_res, ref_res),
                            residual_equal=bool(torch.equal(new_res, ref_res)),
-                           ranks_equal=_ranks_equal(out, group) and _ranks_equal(new_res, group))
+                           ranks_equal=_ranks_equal(out, group) and _ranks_equal(new_res, group),
+                           **_two_shot_check(reducer, partial, residual, weight, out, new_res))
                 if dtype == torch.bfloat16:  # K-split partials: their sum in split order, rounded, then the same
                     pieces = 0.5 * torch.randn(4, rows, HIDDEN, device="cuda",
                                                generator=torch.Generator(device="cuda").manual_seed(seed + rank))
@@ -74,6 +75,20 @@ def check_fused_norm(reducer: P2PAllReduce, group, seed: int) -> list[dict]:
                     row["split_equal"] = all(torch.equal(a, b) for a, b in zip(split, whole))
             rows_out.append(row)
     return rows_out
+
+
+def _two_shot_check(reducer: P2PAllReduce, partial, residual, weight, out, new_res) -> dict:
+    """Whether the call above ran the two-shot kernel, and if so whether the one-shot kernel
+    gives the same bits on the same inputs (every rank makes the same calls)."""
+    from megatron_async.kernels import triton_fused_all_reduce as fused
+
+    p = reducer.peers
+    two = p.second_barrier and fused.takes_two_shot(partial, residual, p.world_size)
+    if not two:
+        return {"two_shot": False}
+    one = fused.all_reduce_add_rms_norm(partial, residual, weight, EPS, True, p.buffers, p.signal_pads, p.state,
+                                        p.half_bytes, p.rank, p.max_programs, two_shot=False)
+    return {"two_shot": True, "shots_equal": torch.equal(one[0], out) and torch.equal(one[1], new_res)}
 
 
 def check_fused_graph_replay(reducer: P2PAllReduce, group, seed: int, replays: int = 3) -> list[bool]:
@@ -128,6 +143,9 @@ def assert_fused_report(values: list[dict], replays: list[bool]) -> None:
         if not row["fused"]:
             continue
         assert row["ranks_equal"], row
+        # at 4+ ranks, messages of 512 KB+ (64+ bf16 rows) run the two-shot kernel: one-shot's bits
+        assert row["two_shot"] == (row["world"] >= 4 and row["bytes"] >= 512 << 10), row
+        assert row.get("shots_equal", True), row
         if row["dtype"] == "float32":  # rank order, float32 adds: the unfused P2P path's sums exactly
             assert row["residual_equal"] and row["out_rel"] < 1e-6, row
         else:  # bf16: one rounding of the float32 sum vs torch's per-add rounding
