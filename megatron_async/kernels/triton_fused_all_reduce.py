@@ -78,6 +78,15 @@ def _store_norm(h, w, out_ptr, res_out_ptr, base, offs, mask, eps, N: tl.constex
 
 
 @triton.jit
+def _call_start(buf_table_ptr, state_ptr, rank, half, M, N: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    """(row lanes, their mask, one message's elements, the call's epoch, this rank's buffer half)."""
+    offs = tl.arange(0, BLOCK_N)
+    epoch = call_epoch(state_ptr)
+    # W * M * N <= half < 2**31: world_size messages fit one half of the buffer
+    return offs, offs < N, M * N, epoch, buffer_half(buf_table_ptr, rank, epoch, half, DTYPE)
+
+
+@triton.jit
 def _two_shot_kernel(
     x_ptr, buf_table_ptr, pad_table_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, state_ptr, M, rank, half, eps,
     second_pad, N: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
@@ -85,15 +94,9 @@ def _two_shot_kernel(
 ):
     # Program p takes the rows r with r % programs == p in every phase, so each barrier pairs the
     # program that wrote a row with the one that reads it, on every rank.
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    dtype = res_ptr.dtype.element_ty
-    offs = tl.arange(0, BLOCK_N)
-    mask = offs < N
-    msg = M * N
+    pid, num_programs, dtype = tl.program_id(0), tl.num_programs(0), res_ptr.dtype.element_ty
+    offs, mask, msg, epoch, my_buf = _call_start(buf_table_ptr, state_ptr, rank, half, M, N, BLOCK_N, dtype)
     chunk = tl.cdiv(M, W)  # rows [r * chunk, (r + 1) * chunk) are rank r's
-    epoch = call_epoch(state_ptr)
-    my_buf = buffer_half(buf_table_ptr, rank, epoch, half, dtype)
     for row in range(pid, M, num_programs):  # 1. each row into slot `rank` of its owner's buffer
         x = tl.load(x_ptr + row * N + offs, mask=mask)
         tl.store(buffer_half(buf_table_ptr, row // chunk, epoch, half, dtype) + rank * msg + row * N + offs, x,
@@ -136,14 +139,8 @@ def _fused_kernel(
     BARRIER: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    dtype = res_ptr.dtype.element_ty
-    offs = tl.arange(0, BLOCK_N)
-    mask = offs < N
-    msg = M * N  # W * M * N <= half < 2**31: world_size messages fit one half of the buffer
-    epoch = call_epoch(state_ptr)
-    my_buf = buffer_half(buf_table_ptr, rank, epoch, half, dtype)
+    pid, num_programs, dtype = tl.program_id(0), tl.num_programs(0), res_ptr.dtype.element_ty
+    offs, mask, msg, epoch, my_buf = _call_start(buf_table_ptr, state_ptr, rank, half, M, N, BLOCK_N, dtype)
     for row in range(pid, M, num_programs):
         base = row * N
         if SPLITS == 0:
