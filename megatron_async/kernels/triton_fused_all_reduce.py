@@ -94,7 +94,9 @@ def _two_shot_kernel(
 ):
     # Program p takes the rows r with r % programs == p in every phase, so each barrier pairs the
     # program that wrote a row with the one that reads it, on every rank.
-    pid, num_programs, dtype = tl.program_id(0), tl.num_programs(0), res_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    dtype = res_ptr.dtype.element_ty
     offs, mask, msg, epoch, my_buf = _call_start(buf_table_ptr, state_ptr, rank, half, M, N, BLOCK_N, dtype)
     chunk = tl.cdiv(M, W)  # rows [r * chunk, (r + 1) * chunk) are rank r's
     for row in range(pid, M, num_programs):  # 1. each row into slot `rank` of its owner's buffer
@@ -139,7 +141,9 @@ def _fused_kernel(
     BARRIER: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    pid, num_programs, dtype = tl.program_id(0), tl.num_programs(0), res_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    dtype = res_ptr.dtype.element_ty
     offs, mask, msg, epoch, my_buf = _call_start(buf_table_ptr, state_ptr, rank, half, M, N, BLOCK_N, dtype)
     for row in range(pid, M, num_programs):
         base = row * N
