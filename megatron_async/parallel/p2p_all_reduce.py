@@ -148,6 +148,8 @@ class P2PAllReduce:
             if not all_agree(problem is None, group, device):
                 log.warning("fused all-reduce + RMSNorm off: %s", problem or "its self-test failed on another rank")
                 reducer.fused_max_bytes = 0
+            else:
+                _settle_two_shot(reducer, group, device)
         else:
             reducer.fused_max_bytes = 0
         return reducer
@@ -273,6 +275,25 @@ def fused_self_test(reducer: P2PAllReduce, rows: int = 3, hidden: int = 256) -> 
     if not torch.equal(got[1], want) or not torch.allclose(got[0], normed, rtol=1e-5, atol=1e-6):
         return f"fused self-test values wrong on rank {rank}"
     return None
+
+
+def _settle_two_shot(reducer: P2PAllReduce, group, device: torch.device) -> None:
+    """Keep the fused two-shot kernel only where every rank's pad holds its second barrier, a
+    message of its size fits the fused path, and a self-test at that size passes on every rank
+    (else its messages go one-shot, with a warning). Collective over ``group``."""
+    from megatron_async.kernels.triton_fused_all_reduce import TWO_SHOT_MIN_BYTES, takes_two_shot
+
+    hidden = 256
+    rows = TWO_SHOT_MIN_BYTES // (4 * hidden)  # float32 rows the kernel takes two-shot
+    probe = torch.empty(rows, hidden, device="meta")
+    usable = (reducer.peers.second_barrier and reducer.fuses_rows(rows, hidden, torch.float32)
+              and takes_two_shot(probe, probe, reducer.peers.world_size))
+    if all_agree(usable, group, device):
+        problem = fused_self_test(reducer, rows, hidden)
+        if all_agree(problem is None, group, device):
+            return
+        log.warning("fused all-reduce + RMSNorm two-shot off: %s", problem or "its self-test failed on another rank")
+    reducer.peers = dataclasses.replace(reducer.peers, second_barrier=False)
 
 
 def _rendezvous_buffer(group, device: torch.device, nbytes: int) -> tuple[torch.Tensor, object]:

@@ -126,3 +126,33 @@ def test_a_failed_symmetric_allocation_fails_every_rank_without_a_hang():
         "symmetric allocation of 64 bytes failed on another rank",
         "symmetric allocation of 64 bytes failed on rank 1: no room for the buffer",
     ]
+
+
+@pytest.mark.parametrize("case", ["kept", "self_test_fails", "no_second_region", "two_ranks", "too_small"])
+def test_two_shot_is_kept_only_where_its_pads_sizes_and_self_test_allow(monkeypatch, caplog, case):
+    """``_settle_two_shot`` (one process; the ranks' agreement is the identity here): the fused
+    two-shot kernel stays on only where the pads hold its second barrier, its messages fit the
+    fused path, there are 4+ ranks and its self-test at a two-shot size passes; else it is
+    turned off (its messages go one-shot), a failed self-test with a warning."""
+    from megatron_async.parallel import p2p_all_reduce as p2p
+
+    monkeypatch.setattr(p2p, "all_agree", lambda ok, group, device: bool(ok))
+    tested = []
+    monkeypatch.setattr(p2p, "fused_self_test", lambda reducer, rows=3, hidden=256: tested.append((rows, hidden))
+                        or ("values wrong" if case == "self_test_fails" else None))
+    world = 2 if case == "two_ranks" else 4
+    ints = torch.zeros(world, dtype=torch.int64)
+    peers = p2p.PeerTables(ints, ints, 0, world, 128, torch.zeros(1), 1 << 20, torch.zeros(2, dtype=torch.int32),
+                           second_barrier=case != "no_second_region")
+
+    class _Reducer:
+        fused_max_bytes = (256 << 10) if case == "too_small" else (2 << 20)
+        fuses_rows = p2p.P2PAllReduce.fuses_rows
+
+    reducer = _Reducer()
+    reducer.peers = peers
+    with caplog.at_level("WARNING", logger="megatron_async"):
+        p2p._settle_two_shot(reducer, None, torch.device("cpu"))
+    assert reducer.peers.second_barrier == (case == "kept")
+    assert ("two-shot off: values wrong" in caplog.text) == (case == "self_test_fails")
+    assert tested == ([(512, 256)] if case in ("kept", "self_test_fails") else [])  # 512 KB of float32 rows
