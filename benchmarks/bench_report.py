@@ -36,8 +36,11 @@ class ModeResult:
     replay for a step of ``mean_decode_batch`` rows (``benchmarks/active_experts.py``)."""
     step_over_floor: float | None = None
     mixed_floor_ms: float | None = None
-    """Least FLOPs of a mean mixed step (its prefill tokens' matmuls and causal attention) at the
-    measured matmul rate (``roofline.prefill_flops``; MoE: each token through its top-k experts)."""
+    """Floor of a mean mixed step (``roofline.mixed_floor``): its least FLOPs (its prefill tokens'
+    matmuls and causal attention; MoE: each token through its top-k experts) at the measured matmul
+    rate, plus its weights read once and its rows' KV read and written, at the copy bandwidth."""
+    mixed_flop_floor_ms: float | None = None
+    """The FLOPs' part of ``mixed_floor_ms``."""
     mixed_over_floor: float | None = None
     latency_ms: dict[str, float | None] = field(default_factory=dict)
     """ttft_p50_ms, ttft_p99_ms, itl_p50_ms, itl_p99_ms (engine modes)."""
@@ -136,7 +139,8 @@ def format_table(results: list[ModeResult]) -> str:
 
 def _floor_line(r: ModeResult) -> str:
     experts = "" if r.decode_expert_share is None else f", {r.decode_expert_share:.1%} of routed experts' weights read"
-    mixed = "" if r.mixed_floor_ms is None else f"; mixed step {r.mixed_floor_ms:.2f} ms"
+    mixed = "" if r.mixed_floor_ms is None else (f"; mixed step {r.mixed_floor_ms:.2f} ms (FLOPs "
+                                                 f"{r.mixed_flop_floor_ms:.2f}, the rest bytes)")
     return f"  {r.mode} {r.workload}: decode step {r.decode_floor_ms:.2f} ms at batch {r.mean_decode_batch:.1f}{experts}{mixed}"
 
 

@@ -1,7 +1,7 @@
 """The engine in bf16, with FP8 weights and with the FP8 KV cache, side by side in one process
 (``python -m benchmarks fp8 engine``): the KV tokens the memory plan gives each, batch-1 decode
 (512 in / 256 out), workload A (128 requests, prompts 100-1,024, 128 out, async + CUDA graphs) with
-its decode step against the weight + KV read floor and its mixed step against the matmul floor,
+its decode step against the weight + KV read floor and its mixed step against the mixed floor (FLOPs + bytes),
 and optionally the long-context workload (32 requests of 8-16k-token prompts, 64 out: its tok/s, mostly
 prefill, its decode step and the step's mean rows; its "x bf16" is bf16's decode time per row over
 this one's: a bf16 pool holds fewer of these requests at once, so its decode steps carry fewer rows)."""
@@ -12,7 +12,8 @@ import time
 import torch
 
 from benchmarks.own_process import in_own_process
-from benchmarks.roofline import decode_floor, mean_context_per_output_token, measure_copy_bandwidth, prefill_flops
+from benchmarks.roofline import (decode_floor, mean_context_per_output_token, measure_copy_bandwidth, mixed_floor,
+                                prefill_flops)
 from megatron_async import LLM, InferenceConfig, SamplingParams
 from megatron_async.cli.driver import StatsWindow, run_workload
 from megatron_async.cli.summary import summarize
@@ -64,13 +65,16 @@ def run_config(name: str, args, workloads: dict, bandwidth: float, rates: dict) 
         run_workload(llm.engine, [WorkloadRequest(r.prompt, 4) for r in requests[:2]], greedy)  # compile, warm
         window = StatsWindow(llm.engine)
         run = run_workload(llm.engine, requests, greedy)
-        s = summarize(run, window.stats(), device)
+        st = window.stats()
+        s = summarize(run, st, device)
         prompts, outputs = [len(r.prompt) for r in requests], [r.output_len for r in requests]
-        floor = decode_floor(llm.model, torch.float8_e4m3fn if kv_dtype != "auto" else llm.dtype,
-                             s.mean_decode_batch, mean_context_per_output_token(prompts, outputs), bandwidth)
-        prefill_steps = max(1, s.steps - s.decode_steps)
-        mixed_floor_ms = prefill_flops(llm.model, prompts, sum(prompts)) / prefill_steps / (
-            rates["fp8" if quantization else "bf16"]) * 1e3
+        kv_dt = torch.float8_e4m3fn if kv_dtype != "auto" else llm.dtype
+        floor = decode_floor(llm.model, kv_dt, s.mean_decode_batch, mean_context_per_output_token(prompts, outputs),
+                             bandwidth)
+        mixed = mixed_floor(llm.model, kv_dt, prefill_flops(llm.model, prompts, sum(prompts)), max(1, st.prefill_steps),
+                            st.mixed_kv_read_tokens, st.mixed_step_tokens, rates["fp8" if quantization else "bf16"],
+                            bandwidth)
+        mixed_floor_ms = 1e3 * mixed.seconds
         row[wname] = {"tok_s": s.output_tokens_per_s, "decode_ms": s.mean_decode_step_ms,
                       "decode_batch": s.mean_decode_batch,
                       "tpot_ms": s.tpot_p50_ms, "prefill_ms": s.mean_prefill_step_ms,

@@ -1,6 +1,7 @@
 """Floors of a step. Decode: every weight and every cached K/V (and Mamba state) a step needs is
 read once, at the bandwidth a plain device copy reaches; an MoE step reads only the experts its
-rows route to. Mixed (prefill) steps: their least FLOPs at the rate a large matmul reaches."""
+rows route to. Mixed (prefill) steps: their least FLOPs at the rate a large matmul reaches, plus
+the bytes no fusion can avoid at the copy bandwidth (``mixed_floor``)."""
 from __future__ import annotations
 
 import time
@@ -136,3 +137,29 @@ def prefill_flops(model: CausalLM, prompt_lens: list[int], prefilled_tokens: int
     total = sum(prompt_lens)
     pairs = sum(n * (n + 1) / 2 for n in prompt_lens) * (prefilled_tokens / total if total else 0.0)
     return 2.0 * matmul_params * prefilled_tokens + 4.0 * attn_width * pairs
+
+
+@dataclass(frozen=True)
+class MixedFloor:
+    """Floor of the mean step with a prefill chunk: ``flop_seconds`` (its least FLOPs at the matmul
+    rate) plus ``byte_seconds`` (every weight read once, every row's KV read once by attention, the
+    new tokens' KV written, at the copy bandwidth). Rope, norms and activations count as fused into
+    their neighbours (no bytes of their own); Mamba scans are left out."""
+    flop_seconds: float
+    byte_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.flop_seconds + self.byte_seconds
+
+
+def mixed_floor(model: CausalLM, dtype: torch.dtype, flops: float, steps: int, kv_read_tokens: int,
+                kv_written_tokens: int, matmul_rate: float, bandwidth: float) -> MixedFloor:
+    """``mixed_floor``'s mean over ``steps`` steps with a prefill chunk: ``flops`` their least FLOPs
+    (``prefill_flops``), ``kv_read_tokens`` / ``kv_written_tokens`` the KV tokens their attention
+    read and their rows wrote (``EngineStats.mixed_kv_read_tokens`` / ``mixed_step_tokens``);
+    ``bandwidth``: a device copy's read + write bytes a second (``measure_copy_bandwidth``), against
+    which each byte read or written counts once, as in ``decode_floor``."""
+    kv = kv_bytes_per_token(model, dtype)
+    nbytes = steps * weight_bytes(model) + (kv_read_tokens + kv_written_tokens) * kv
+    return MixedFloor(flops / steps / matmul_rate, nbytes / steps / bandwidth)

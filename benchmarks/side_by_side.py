@@ -26,7 +26,7 @@ from benchmarks.bench_report import HF_PEERS, ModeResult, add_ratios, format_tab
 from benchmarks.compile_counter import CompileCounter
 from benchmarks.gpu_idle import profile_run
 from benchmarks.roofline import (
-    decode_floor, mean_context_per_output_token, measure_copy_bandwidth, measure_matmul_flops, prefill_flops,
+    decode_floor, mean_context_per_output_token, measure_copy_bandwidth, measure_matmul_flops, mixed_floor, prefill_flops,
 )
 from benchmarks.side_by_side_args import ENGINE_MODES, MODES, WORKLOADS, parse_args
 from megatron_async import LLM, SamplingParams
@@ -238,7 +238,9 @@ class Benchmark:
             res.step_over_floor = res.mean_decode_step_ms / res.decode_floor_ms
         flops = prefill_flops(llm.model, [len(r.prompt) for r in self.requests], st.prefill_tokens)
         if st.prefill_steps and res.mean_mixed_step_ms:
-            res.mixed_floor_ms = 1e3 * flops / st.prefill_steps / self.matmul_flops
+            mixed = mixed_floor(llm.model, self.dtype, flops, st.prefill_steps, st.mixed_kv_read_tokens,
+                                st.mixed_step_tokens, self.matmul_flops, self.bandwidth)
+            res.mixed_floor_ms, res.mixed_flop_floor_ms = 1e3 * mixed.seconds, 1e3 * mixed.flop_seconds
             res.mixed_over_floor = res.mean_mixed_step_ms / res.mixed_floor_ms
         tokens = [o.generated_tokens if o is not None else None for o in run.outputs]
         if mode in ("serial", "serial_graphs"):

@@ -44,3 +44,17 @@ def test_moe_decode_floor_reads_the_routed_share_of_expert_weights():
     quarter = decode_floor(model, torch.float32, batch=1, mean_context=0.0, bandwidth=1.0, expert_share=0.25)
     assert full.weight_bytes == weight_bytes(model)
     assert full.weight_bytes - quarter.weight_bytes == 0.75 * experts
+
+
+def test_mixed_floor_adds_the_bytes_no_fusion_avoids_to_the_flops():
+    """A mixed step's floor: its FLOPs at the matmul rate plus every weight read once and its rows'
+    KV read (prefix or context and new tokens) and written, at the copy bandwidth; means per step."""
+    from benchmarks.roofline import kv_bytes_per_token, mixed_floor
+
+    model = build_default_model("tiny")
+    kv = kv_bytes_per_token(model, torch.float32)
+    floor = mixed_floor(model, torch.float32, flops=6e12, steps=3, kv_read_tokens=900, kv_written_tokens=300,
+                        matmul_rate=1e12, bandwidth=1e9)
+    assert floor.flop_seconds == 2.0
+    assert floor.byte_seconds == (3 * weight_bytes(model) + 1200 * kv) / 3 / 1e9
+    assert floor.seconds == floor.flop_seconds + floor.byte_seconds

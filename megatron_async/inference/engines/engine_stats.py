@@ -70,6 +70,11 @@ class EngineStats:
     """Admitted requests ended with finish_reason "error" because preparing a step raised for them."""
     generated_tokens: int = 0
     prefill_tokens: int = 0
+    mixed_step_tokens: int = 0
+    """Tokens of the steps with a prefill chunk, their decode rows' included (the KV they write)."""
+    mixed_kv_read_tokens: int = 0
+    """KV tokens those steps' attention reads: each row's KV after the step (its cached prefix or
+    context and its new tokens), summed over rows and steps (a mixed step's floor counts them)."""
     decode_wall_time: float = 0.0
     """Host wall time of engine steps that bookkept a decode-only launch (no sync needed)."""
     prefill_wall_time: float = 0.0

@@ -74,6 +74,8 @@ class StepAccounting:
         else:
             st.prefill_steps += 1
             st.prefill_tokens += sum(r.num_tokens for r in pending.rows if r.num_tokens > 1 + r.num_drafts or not r.is_decode)
+            st.mixed_step_tokens += sum(r.num_tokens for r in pending.rows)
+            st.mixed_kv_read_tokens += sum(r.start + r.num_tokens for r in pending.rows)
         st.generated_tokens += res.num_tokens
         if res.drafted is not None:
             self._count_speculation(res)

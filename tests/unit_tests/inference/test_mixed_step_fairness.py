@@ -21,6 +21,7 @@ def test_every_mixed_step_carries_every_decode_row(async_scheduling):
         eng.step()
     long = eng.add_request(LONG, SamplingParams(num_tokens_to_generate=2, **GREEDY))
     prefill_steps, prefill_tokens = eng.stats.prefill_steps, eng.stats.prefill_tokens
+    mixed_tokens, kv_read = eng.stats.mixed_step_tokens, eng.stats.mixed_kv_read_tokens
     mixed = 0
     while eng.stats.prefill_tokens - prefill_tokens < len(LONG):  # until its last chunk landed
         assert mixed < 100, "the long prompt's prefill made no progress"
@@ -34,6 +35,12 @@ def test_every_mixed_step_carries_every_decode_row(async_scheduling):
     # each chunk took what the decode rows left (async: the first step landed a decode step
     # launched ahead before the prompt came)
     assert eng.stats.prefill_steps - prefill_steps == -(-len(LONG) // per_chunk) == mixed - async_scheduling
+    # the mixed steps' rows: the chunks and one token of every stream a step; each stream's row
+    # reads its whole context (its 3-token prompt and more)
+    steps = eng.stats.prefill_steps - prefill_steps
+    assert eng.stats.mixed_step_tokens - mixed_tokens == len(LONG) + STREAMS * steps
+    ends = list(range(per_chunk, len(LONG), per_chunk)) + [len(LONG)]
+    assert eng.stats.mixed_kv_read_tokens - kv_read > sum(ends) + 4 * STREAMS * steps
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
@@ -55,3 +62,20 @@ def test_a_request_sent_during_a_long_prefill_starts_at_once(async_scheduling):
     assert done[short] <= 4 < done[long]
     chunks = -(-(len(LONG) - prefilled + 3) // MAX_TOKENS)  # the fewest steps: every token of every step used
     assert done[long] <= chunks + 3
+
+
+def test_mixed_steps_count_the_kv_their_rows_read_and_write():
+    """``EngineStats.mixed_kv_read_tokens`` / ``mixed_step_tokens`` (a mixed step's floor counts
+    them): a prompt prefilled alone in chunks of max_tokens reads, each step, its KV up to the
+    chunk's end, and writes the chunk (decode rows beside a chunk:
+    ``test_every_mixed_step_carries_every_decode_row``)."""
+    eng = LLM(inference_config=InferenceConfig(**CFG, async_scheduling=False)).engine
+    eng.add_request(LONG, SamplingParams(num_tokens_to_generate=2, **GREEDY))
+    while eng.stats.prefill_tokens < len(LONG):
+        eng.step()
+    ends = list(range(MAX_TOKENS, len(LONG), MAX_TOKENS)) + [len(LONG)]  # 24, 48, ..., 192, 200
+    assert eng.stats.prefill_steps == len(ends)
+    assert eng.stats.mixed_step_tokens == len(LONG) and eng.stats.mixed_kv_read_tokens == sum(ends)
+    for _ in range(3):  # decode-only steps count nothing here
+        eng.step()
+    assert eng.stats.mixed_step_tokens == len(LONG) and eng.stats.mixed_kv_read_tokens == sum(ends)
