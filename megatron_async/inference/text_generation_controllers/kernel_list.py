@@ -75,12 +75,15 @@ def list_key(runner, shapes: list) -> str:
 
 def _parallel(model) -> str:
     """What of TP / EP a rank's kernels depend on: its ranks (an integer argument of 1 specializes
-    apart), the groups' sizes and whether the P2P collectives take their Triton kernels."""
+    apart), the groups' sizes and whether the P2P collectives take their Triton kernels (the fused
+    all-reduce's two-shot one included: its self-test at load may turn it off)."""
     p = rank_state(model)
     if p is None:
         return ""
     fused = p.tp_reducer is not None and p.tp_reducer.fused_max_bytes > 0
-    return repr((p.tp_rank, p.tp_size, fused, p.ep_rank, p.ep_size, p.ep_exchange.value, p.ep_exchanger is not None))
+    two_shot = fused and p.tp_reducer.peers.second_barrier
+    return repr((p.tp_rank, p.tp_size, fused, two_shot, p.ep_rank, p.ep_size, p.ep_exchange.value,
+                 p.ep_exchanger is not None))
 
 
 def rank_state(model) -> ParallelState | None:

@@ -108,5 +108,9 @@ def test_kernel_lists_key_on_the_tp_and_ep_ranks():
     keys = {kernel_list._parallel(model(tp_rank=r, tp_size=2)) for r in (0, 1)}
     keys |= {kernel_list._parallel(model(ep_rank=r, ep_size=2)) for r in (0, 1)}
     assert len(keys) == 4 and "" not in keys
+    # the fused all-reduce's kernels: one-shot only, or its two-shot kernel too
+    fused = [type("Reducer", (), {"fused_max_bytes": 1 << 20, "peers": type("Peers", (), {"second_barrier": two})})()
+             for two in (False, True)]
+    assert len({kernel_list._parallel(model(tp_rank=0, tp_size=4, tp_reducer=r)) for r in fused}) == 2
     assert kernel_list._parallel(model()) == "" and kernel_list.build_share(
         type("Runner", (), {"model": model()})()) is None  # one rank: no key part, no host share
