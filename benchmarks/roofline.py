@@ -160,6 +160,5 @@ def mixed_floor(model: CausalLM, dtype: torch.dtype, flops: float, steps: int, k
     read and their rows wrote (``EngineStats.mixed_kv_read_tokens`` / ``mixed_step_tokens``);
     ``bandwidth``: a device copy's read + write bytes a second (``measure_copy_bandwidth``), against
     which each byte read or written counts once, as in ``decode_floor``."""
-    kv = kv_bytes_per_token(model, dtype)
-    nbytes = steps * weight_bytes(model) + (kv_read_tokens + kv_written_tokens) * kv
-    return MixedFloor(flops / steps / matmul_rate, nbytes / steps / bandwidth)
+    step_bytes = weight_bytes(model) + (kv_read_tokens + kv_written_tokens) * kv_bytes_per_token(model, dtype) / steps
+    return MixedFloor(flops / steps / matmul_rate, step_bytes / bandwidth)
