@@ -109,6 +109,7 @@ class CopyPlanCache:
         self.size = size
         self._entries: OrderedDict[tuple, tuple[WeightPlan, CopyProgram, tuple]] = OrderedDict()
         self._table: TargetTable | None = None
+        self._last: tuple | None = None  # (the key object of the last hit, its entry)
         self.hits = self.misses = 0
         self.reused = 0
         """Updates of a new key that took the plan of the same metadata (``prepare`` included)."""
@@ -132,9 +133,14 @@ class CopyPlanCache:
     def get(self, model: nn.Module, key: tuple, metas, weights_format: str | None) -> tuple[WeightPlan, CopyProgram]:
         """The (plan, program) of ``key``: on a miss ``plan_update`` of ``metas`` (or of
         ``metas()``, a callable), which raises ``WeightUpdateError`` for a bad update (not cached)."""
+        last = self._last
+        if last is not None and last[0] is key and all(p.data_ptr() == ptr for p, ptr in last[1][2]):
+            self.hits += 1  # the last key object again: no hashing of its every entry
+            return last[1][0], last[1][1]
         entry = self._valid(key)
         if entry is not None:
             self._entries.move_to_end(key)
+            self._last = (key, entry)
             self.hits += 1
             return entry[0], entry[1]
         metas = list(metas() if callable(metas) else metas)

@@ -39,10 +39,10 @@ from megatron_async.weight_transfer.receiver import Refused, after_begin, plan_m
 
 log = logging.getLogger("megatron_async")
 
-IPC_PHASES = ("parse", "plan", "open", "bind", "launch", "sync", "finish")
+IPC_PHASES = ("parse", "plan", "open", "bind", "launch", "finish", "sync")
 """An IPC update's steps: the payload checked and keyed, the copy plan found or built, the storages
-mapped, the source views made (first time only), the copies launched, waited for, checked and the
-version set."""
+mapped, the source views made (first time only), the copies launched, checked and the version set
+while they run, then waited for."""
 
 
 def check_version(version) -> None:
@@ -264,13 +264,15 @@ class WeightReceiver:
         program.begin()
         copied = self._bound[1].run()
         times.append(time.perf_counter())
-        if any(st.device.type == "cuda" for st in opened):
-            torch.cuda.current_stream(opened[0].device).synchronize()  # done reading before the trainer moves on
-        times.append(time.perf_counter())
-        if u.release_after:
-            self.release_ipc()
-        plan.finish(copied)
-        version = self.commit(version, recompute_kv)
+        try:  # the host's part of the end while the device copies (later launches follow on its stream)
+            plan.finish(copied)
+            version = self.commit(version, recompute_kv)
+            times.append(time.perf_counter())
+        finally:
+            if any(st.device.type == "cuda" for st in opened):
+                torch.cuda.current_stream(opened[0].device).synchronize()  # done reading before the trainer moves on
+            if u.release_after:
+                self.release_ipc()
         times.append(time.perf_counter())
         self.last_ipc_ms = {k: 1e3 * (b - a) for k, a, b in zip(IPC_PHASES, times, times[1:])}
         return version

@@ -109,6 +109,30 @@ def test_copy_plans_are_cached_while_parameters_stay():
     assert torch.equal(model.final_norm.weight, hf["model.norm.weight"])
 
 
+class _CountedHash:
+    def __init__(self):
+        self.hashed = 0
+
+    def __hash__(self):
+        self.hashed += 1
+        return 0
+
+
+def test_the_last_key_object_is_taken_without_hashing_while_its_parameters_stay():
+    hf = hf_weights("dense")
+    model = build("dense", 2, 1)
+    cache, counted = CopyPlanCache(), _CountedHash()
+    key = ("update", counted)
+    metas = [(n, tuple(t.shape), t.dtype) for n, t in hf.items()]
+    first = cache.get(model, key, metas, "hf")
+    second = cache.get(model, key, metas, "hf")  # a dict hit: the key is hashed
+    hashed = counted.hashed
+    assert cache.get(model, key, metas, "hf") == first == second and counted.hashed == hashed
+    assert (cache.misses, cache.hits) == (1, 2)
+    model.final_norm.weight.data = model.final_norm.weight.data.clone()  # storage moved: the plan is stale
+    assert cache.get(model, key, metas, "hf")[0] is not first[0] and cache.misses == 2
+
+
 class _ScaledSink:
     """Stages the pieces of its destination and writes 2x the values once all have arrived."""
 

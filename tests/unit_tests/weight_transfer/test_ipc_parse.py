@@ -58,6 +58,14 @@ def test_the_same_tensors_again_reuse_their_check():
     assert key2 == ipc.plan_key(*ipc.parse(again))
 
 
+def test_entries_of_the_same_bytes_skip_the_value_compare(monkeypatch):
+    checked = ipc.CheckedPayloads()
+    key = checked.parse(json.dumps(payload()))[3]
+    monkeypatch.setattr(ipc, "_same", lambda raw, kept: pytest.fail("compared value by value"))
+    fmt, storages, tensors, again = checked.parse(json.loads(json.dumps(payload())))
+    assert checked.reused == 1 and again is key  # the key object itself: the plan cache finds it by identity
+
+
 @pytest.mark.parametrize("changes", [{"shape": [2, 2]}, {"stride": [1, 4]}, {"storage_offset": 8}, {"tp_rank": 0},
                                      {"dtype": "bfloat16"}, {"name": "decoder.layers.0.input_layernorm.weight"}])
 def test_a_changed_tensor_is_checked_and_keyed_anew(changes):
