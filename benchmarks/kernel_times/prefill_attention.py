@@ -39,8 +39,8 @@ def cases() -> dict[str, list[tuple[int, int]]]:
 
 
 def L(rows: int, block_n: int, warps: int, stages: int, maxnreg: int = 0, kernel: str = "pointer",
-      ws: bool = False, ahead: bool = False) -> PrefillLaunch:
-    return PrefillLaunch(rows, block_n, warps, stages, maxnreg, kernel, ws, ahead)
+      ws: bool = False) -> PrefillLaunch:
+    return PrefillLaunch(rows, block_n, warps, stages, maxnreg, kernel, ws)
 
 
 def candidates(block_size: int) -> list[PrefillLaunch | None]:
@@ -48,19 +48,16 @@ def candidates(block_size: int) -> list[PrefillLaunch | None]:
     (``prefill_launch``). Two warpgroups of 128 x 64 tiles under register caps (uncapped the compiler
     leaves room for one program an SM; ``HOPPER_LONG`` is the 128-register one), their neighbours in
     keys and stages, the wide kernel (with and without warp specialization) under the same cap, and
-    where pages hold a tile the TMA kernel; both wide kernels also with each tile's scores issued a
-    tile ahead of the softmax (``PrefillLaunch.ahead``), capped and not."""
+    where pages hold a tile the TMA kernel."""
     out: list[PrefillLaunch | None] = [None, HOPPER_LONG]
     if block_size == 16:
         out += [L(128, 64, 8, 3, cap) for cap in (96, 112, 144, 168)]
         out += [L(128, 64, 8, 2, 128), L(128, 64, 8, 4, 128), L(128, 32, 8, 3, 128), L(128, 128, 8, 2, 128),
                 L(128, 128, 8, 2, 168), L(64, 64, 4, 3, 128)]
         out += [L(128, 64, 8, 3, 128, kernel="wide"), L(128, 64, 8, 3, 128, kernel="wide", ws=True)]
-        out += [L(128, 64, 8, 3, cap, kernel="wide", ahead=True) for cap in (128, 168, 0)]
         return out
     out += [L(128, 64, 4, 3, kernel="tma"), L(128, 64, 8, 3, 128, kernel="tma"), L(128, 64, 8, 4, 128, kernel="tma"),
             L(128, 64, 8, 3, 128, kernel="tma", ws=True)]
-    out += [L(128, 64, 8, 3, cap, kernel="tma", ahead=True) for cap in (128, 168, 0)]
     if block_size >= 128:
         out += [L(128, 128, 8, 2, 128, kernel="tma"), L(128, 128, 8, 2, 168, kernel="tma")]
     return out
@@ -68,8 +65,7 @@ def candidates(block_size: int) -> list[PrefillLaunch | None]:
 
 def label(launch: PrefillLaunch) -> str:
     cap = launch.maxnreg or "-"
-    return (f"{launch.kernel}{'+ws' if launch.warp_specialize else ''}{'+ahead' if launch.ahead else ''} "
-            f"{launch.rows}x{launch.block_n} "
+    return (f"{launch.kernel}{'+ws' if launch.warp_specialize else ''} {launch.rows}x{launch.block_n} "
             f"w{launch.num_warps} s{launch.num_stages} r{cap}")
 
 

@@ -296,7 +296,7 @@ def _launch_wide(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
         scale * _LOG2E, num_kv_heads, GROUP=group, BLOCK_G=max(1, triton.next_power_of_2(group)), BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=launch.block_n,
         **dot_args(prefill_wide_kernel, kv_cache.dtype), HEADS_FASTEST=heads_fastest, KV_TMA=launch.kernel == "tma",
-        WARP_SPEC=launch.warp_specialize, AHEAD=launch.ahead, **quant_args, EMULATE=emulate(prefill_wide_kernel), **settings)
+        WARP_SPEC=launch.warp_specialize, **quant_args, EMULATE=emulate(prefill_wide_kernel), **settings)
 
 
 def _overridden(launch: PrefillLaunch, rows: int | None, block_n: int | None, num_warps: int | None,

@@ -99,8 +99,6 @@ class PrefillLaunch(NamedTuple):
     kernel: str = "pointer"
     warp_specialize: bool = False
     """Warp-specialize the wide kernels' unmasked loop (``tl.range(warp_specialize=True)``)."""
-    ahead: bool = False
-    """The wide kernels' unmasked loop issues each tile's scores before the previous tile's softmax."""
 
 
 HOPPER_LONG = PrefillLaunch(128, 64, 8, 3, 128)

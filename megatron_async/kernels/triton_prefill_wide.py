@@ -12,8 +12,6 @@ Two ways to read K / V:
   the row's last key into the rest of its page: those rows of V are zeroed (they may hold anything,
   NaN included, and 0 x NaN is NaN), their scores masked as on the pointer path.
 
-``AHEAD`` issues each unmasked tile's Q.K^T before the softmax of the tile before it (same bits).
-
 ``WARP_SPEC`` asks the compiler to warp-specialize the unmasked loop (loads in a producer warp,
 ``tl.range(warp_specialize=True)``); where the installed Triton cannot on this device the launch
 fails and a sweep marks it."""
@@ -60,55 +58,13 @@ def _attend_wide(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, k_desc, v_desc
 
 
 @triton.jit
-def _unmasked_tile(cache_ptr, desc, table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch,
-                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KV_TMA: tl.constexpr):
-    """The K or V tile of keys ``n0`` .. ``n0 + BLOCK_N - 1``, all below ``hi`` (no mask)."""
-    if KV_TMA:
-        block = tl.load(table_ptr + n0 // BLOCK_SIZE)
-        tile = desc.load([block * BLOCK_SIZE + n0 % BLOCK_SIZE, kv_head * HEAD_DIM])
-    else:
-        offs_d = tl.arange(0, HEAD_DIM)
-        rows = kv_tile_rows(table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, False)
-        tile = kv_tile(cache_ptr, rows[:, None] + offs_d[None, :], n0 + tl.arange(0, BLOCK_N), hi, offs_d < HEAD_DIM,
-                       False, True, 0.0)
-    return tile
-
-
-@triton.jit
-def _attend_ahead(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, k_desc, v_desc, table_ptr, kv_head, hi, qk_scale,
-                  stride_cb, stride_cs, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, KV_TMA: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The unmasked keys [0, ``hi``) (``hi`` > 0, whole tiles) with each tile's scores issued before
-    the softmax of the tile before it, so that Q.K^T's wgmma can run beside those exp2s (the overlap
-    FlashAttention-3 builds within a warpgroup). Every tile's arithmetic is ``_attend_wide``'s."""
-    offs_n = tl.arange(0, BLOCK_N)  # (unmasked: the softmax reads no key positions)
-    k = _unmasked_tile(k_cache_ptr, k_desc, table_ptr, 0, hi, kv_head, stride_cb, stride_cs, stride_ch, HEAD_DIM,
-                       BLOCK_SIZE, BLOCK_N, KV_TMA)
-    qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-    for n0 in range(0, hi - BLOCK_N, BLOCK_N):
-        k = _unmasked_tile(k_cache_ptr, k_desc, table_ptr, n0 + BLOCK_N, hi, kv_head, stride_cb, stride_cs, stride_ch,
-                           HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_TMA)
-        qk_next = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        p, acc, l_i, m_i = softmax_step(qk, acc, l_i, m_i, offs_n, offs_n, qk_scale, False)
-        v = _unmasked_tile(v_cache_ptr, v_desc, table_ptr, n0, hi, kv_head, stride_cb, stride_cs, stride_ch, HEAD_DIM,
-                           BLOCK_SIZE, BLOCK_N, KV_TMA)
-        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-        qk = qk_next
-    p, acc, l_i, m_i = softmax_step(qk, acc, l_i, m_i, offs_n, offs_n, qk_scale, False)
-    v = _unmasked_tile(v_cache_ptr, v_desc, table_ptr, hi - BLOCK_N, hi, kv_head, stride_cb, stride_cs, stride_ch,
-                       HEAD_DIM, BLOCK_SIZE, BLOCK_N, KV_TMA)
-    acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_i
-
-
-@triton.jit
 def prefill_wide_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_table_ptr, kv_lens_ptr, positions_ptr, cu_q_ptr,
     schedule_ptr, out_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     scale_log2, num_kv_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr, KV_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, AHEAD: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, KV_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
     oq_ptr, os_ptr, rows_padded, QUANT_OUT: tl.constexpr, EMULATE: tl.constexpr,
 ):
     if HEADS_FASTEST:
@@ -132,15 +88,9 @@ def prefill_wide_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if AHEAD:
-        if no_mask_end > 0:
-            acc, l_i, m_i = _attend_ahead(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, k_desc, v_desc, table_ptr,
-                                          kv_head, no_mask_end, scale_log2, stride_cb, stride_cs, stride_ch, HEAD_DIM,
-                                          BLOCK_SIZE, BLOCK_N, KV_TMA, DOT_DTYPE, DOT_PRECISION)
-    else:
-        acc, l_i, m_i = _attend_wide(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, k_desc, v_desc, table_ptr,
-                                     kv_head, 0, no_mask_end, scale_log2, stride_cb, stride_cs, stride_ch, HEAD_DIM,
-                                     BLOCK_SIZE, BLOCK_N, False, KV_TMA, WARP_SPEC, DOT_DTYPE, DOT_PRECISION)
+    acc, l_i, m_i = _attend_wide(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, k_desc, v_desc, table_ptr, kv_head,
+                                 0, no_mask_end, scale_log2, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_SIZE,
+                                 BLOCK_N, False, KV_TMA, WARP_SPEC, DOT_DTYPE, DOT_PRECISION)
     acc, l_i, m_i = _attend_wide(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, k_desc, v_desc, table_ptr, kv_head,
                                  no_mask_end, end, scale_log2, stride_cb, stride_cs, stride_ch, HEAD_DIM, BLOCK_SIZE,
                                  BLOCK_N, True, KV_TMA, False, DOT_DTYPE, DOT_PRECISION)

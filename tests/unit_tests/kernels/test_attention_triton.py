@@ -142,18 +142,6 @@ def test_prefill_kernel_on_decode_rows_and_small_tiles():
     torch.testing.assert_close(out, ref_out, **FP32_TOL)
 
 
-@pytest.mark.parametrize("kernel,block_size", [("wide", 4), ("tma", 16)])
-def test_scores_issued_ahead_change_no_bits(kernel, block_size):
-    """The wide kernels' unmasked loop with each tile's scores issued before the softmax of the one
-    before it: the same bits as the plain loop, over rows whose unmasked ranges hold 0, 1 and many tiles."""
-    case = _case(DECODE_ROWS + MIXED_ROWS + [(37, 19), (0, 70)], 2, head_dim=16, block_size=block_size, seed=11)
-    append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
-    plain, ahead = (prefill_attention(case.q, case.kv_cache, case.meta, case.scale, launch=_launch(16, 16, kernel, False, a))
-                    for a in (False, True))
-    assert torch.equal(plain, ahead)
-    torch.testing.assert_close(ahead, case.reference()[0], **FP32_TOL)
-
-
 def test_decode_split_count_rule(monkeypatch):
     """Splits fill a 132-SM device about twice; rows x KV heads within 5 % of that keep one."""
     from megatron_async.kernels import triton_decode_attention as dec
@@ -253,10 +241,10 @@ def test_decode_padding_row_is_zero(num_splits):
     assert torch.isnan(case.kv_cache.flatten(1, 2)[:, skipped_slot]).all()  # still the unused-slot poison
 
 
-def _launch(rows: int, block_n: int, kernel: str, ws: bool = False, ahead: bool = False):
+def _launch(rows: int, block_n: int, kernel: str, ws: bool = False):
     from megatron_async.kernels.triton_prefill_common import PrefillLaunch
 
-    return PrefillLaunch(rows, block_n, 4, 2, 0, kernel, ws, ahead)
+    return PrefillLaunch(rows, block_n, 4, 2, 0, kernel, ws)
 
 
 # (kernel, block_size, rows a tile, keys a tile, warp-specialized): tiles across pages (pointer reads), a tile
