@@ -6,7 +6,10 @@ query / KV heads, pages of 16 tokens (the engine's default) and of 64 and 128 (w
 inside a page). Each launch: CUDA-graph replay time after a warm-up, the largest error against a
 float32 torch reference, and the launch the device actually ran where ``launch_limits`` shrank it;
 one that fails to compile or launch is marked, not fatal. The short table last: per heads and page
-size the default launch first, then the fastest by mean TFLOP/s.
+size the default launch first, then the fastest by mean TFLOP/s, then the peers: torch's scaled
+dot-product attention (its cuDNN and flash backends, GQA) on the steps whose rows are all fresh
+prompts of one length (8k, 4 x 2k), over contiguous K / V (a paged cache has none: the peers
+read what the step's new keys were before the append), at 16-token pages only.
 
     python -m benchmarks kernel-times prefill-attention [--iters 10] [--heads 16 8 32 8] [--block-sizes 16 64 128]
     python -m benchmarks kernel-times prefill-attention --kernels pointer wide   # a subset of the variants
@@ -18,6 +21,8 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.kernel_times.paged_attention import attention_flops, graph_ms
 from megatron_async.kernels import attention_triton, launch_limits
@@ -101,13 +106,56 @@ def measure(launch: PrefillLaunch | None, steps: list, iters: int) -> tuple[list
     """(TFLOP/s per step, largest error) of one launch, or why it failed."""
     tflops, err = [], 0.0
     try:
-        for case, ref, flops in steps:
+        for case, ref, flops, _ in steps:
             fn = functools.partial(prefill_attention, case.q, case.kv_cache, case.meta, case.scale, launch=launch)
             err = max(err, (fn().float() - ref).abs().max().item())
             tflops.append(flops / (graph_ms(fn, iters) * 1e-3) / 1e12)
     except Exception as e:  # noqa: BLE001 (out of resources, a compile error, an unusable variant)
         return f"{type(e).__name__}: {str(e).splitlines()[0][:70] if str(e) else ''}"
     return tflops, err
+
+
+PEERS = {"torch SDPA cuDNN": SDPBackend.CUDNN_ATTENTION, "torch SDPA flash": SDPBackend.FLASH_ATTENTION}
+
+
+def peer(backend: SDPBackend, case: PagedCase, rows: list[tuple[int, int]], ref: torch.Tensor, flops: float,
+         iters: int) -> tuple[float, float] | None:
+    """(TFLOP/s, largest error) of torch SDPA on ``backend`` over the step's fresh prompts of one
+    length, batched, their new K / V contiguous; None for a step with cached keys or rows of
+    several lengths (decode rows)."""
+    if any(cached for cached, _ in rows) or len({new for _, new in rows}) != 1:
+        return None
+    batch, length = len(rows), rows[0][1]
+
+    def heads_first(t: torch.Tensor) -> torch.Tensor:
+        return t.view(batch, length, t.shape[1], t.shape[2]).transpose(1, 2)
+
+    q, k, v = heads_first(case.q), heads_first(case.k), heads_first(case.v)
+
+    def fn() -> torch.Tensor:
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=case.scale, enable_gqa=True)
+
+    err = (fn().transpose(1, 2).reshape(ref.shape).float() - ref).abs().max().item()
+    return flops / (graph_ms(fn, iters) * 1e-3) / 1e12, err
+
+
+def peer_rows(steps: list, iters: int) -> list[tuple]:
+    """One result row per SDPA backend (``PEERS``): TFLOP/s per step, NaN where it does not apply."""
+    out = []
+    for name, backend in PEERS.items():
+        tflops, err = [], 0.0
+        try:
+            for case, ref, flops, rows in steps:
+                got = peer(backend, case, rows, ref, flops, iters)
+                tflops.append(math.nan if got is None else got[0])
+                err = max(err, 0.0 if got is None else got[1])
+        except Exception as e:  # noqa: BLE001 (a backend this build or device lacks)
+            print(f"  {name:<48} failed: {type(e).__name__}: {str(e).splitlines()[0][:70] if str(e) else ''}")
+            continue
+        print(f"  {name:<48} " + " ".join(f"{t:6.0f}" for t in tflops) + f"  {err:.1e}", flush=True)
+        out.append((name, tflops, err, False, True))
+    return out
 
 
 def sweep(heads: tuple[int, int], block_size: int, iters: int, kernels: list[str]) -> list[tuple]:
@@ -118,7 +166,7 @@ def sweep(heads: tuple[int, int], block_size: int, iters: int, kernels: list[str
     steps = []
     for rows in cases().values():
         case = build(rows, heads, block_size)
-        steps.append((case, reference(case), attention_flops(rows, heads[0])))
+        steps.append((case, reference(case), attention_flops(rows, heads[0]), rows))
     names = list(cases())
     print(f"\nheads {heads[0]}/{heads[1]}, pages of {block_size} tokens: TFLOP/s on {', '.join(names)}; max error",
           flush=True)
@@ -141,19 +189,20 @@ def sweep(heads: tuple[int, int], block_size: int, iters: int, kernels: list[str
         tflops, err = got
         flag = "  WRONG" if not err <= BAD_ERROR else ""
         print(f"  {name:<48} " + " ".join(f"{t:6.0f}" for t in tflops) + f"  {err:.1e}{flag}", flush=True)
-        results.append((name, tflops, err, launch is None))
-    return results
+        results.append((name, tflops, err, launch is None, False))
+    return results + (peer_rows(steps, iters) if block_size == 16 else [])
 
 
 def short_table(tables: dict[tuple, list[tuple]], best: int = 5) -> None:
     print("\n| heads | page | launch | " + " | ".join(cases()) + " | mean | max err |")
     print("|---|---:|---|" + "---:|" * (len(cases()) + 2))
     for (heads, block_size), results in tables.items():
-        ranked = sorted((r for r in results if not r[3] and r[2] <= BAD_ERROR),
+        ranked = sorted((r for r in results if not r[3] and not r[4] and r[2] <= BAD_ERROR),
                         key=lambda r: -math.fsum(r[1]))[:best]
-        for name, tflops, err, _ in [r for r in results if r[3]] + ranked:
-            print(f"| {heads[0]}/{heads[1]} | {block_size} | {name} | " + " | ".join(f"{t:.0f}" for t in tflops)
-                  + f" | {math.fsum(tflops) / len(tflops):.0f} | {err:.1e} |")
+        for name, tflops, err, _, peer_row in [r for r in results if r[3]] + ranked + [r for r in results if r[4]]:
+            mean = "n/a" if peer_row else f"{math.fsum(tflops) / len(tflops):.0f}"
+            print(f"| {heads[0]}/{heads[1]} | {block_size} | {name} | "
+                  + " | ".join("n/a" if math.isnan(t) else f"{t:.0f}" for t in tflops) + f" | {mean} | {err:.1e} |")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
