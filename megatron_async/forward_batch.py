@@ -52,11 +52,6 @@ class AttentionMetadata:
     long_tiles: bool = False
     """The prefill kernel runs its long-row launch (``triton_prefill_common.HOPPER_LONG``): the host chose
     it for a step whose longest row has ``LONG_TILE_MIN_QUERY``+ tokens (``StepShape.long_tiles``)."""
-    fresh_rows: tuple[tuple[int, int], ...] = ()
-    """(first token, tokens) of the rows whose attention runs on cuDNN (``kernels/cudnn_prefill.py``):
-    no cached prefix, ``fresh_min_query``+ tokens; the Triton kernels skip them."""
-    fresh_min_query: int = 0
-    """The rule that picked ``fresh_rows`` (the Triton tile schedule applies it on the device)."""
     scratch: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """Values the kernels derive from this step's tensors, computed by the first layer that
     needs them and reused by the others (the prefill attention's tile schedule). A new

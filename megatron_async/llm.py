@@ -185,8 +185,7 @@ class LLM:
             log.info("%s", self.memory_plan.describe())
         self.startup.begin("engine")
         self.context = DynamicInferenceContext(self.config.cache_sizing(), self.model, facade, self.dtype,
-                                               choice.batch_invariant, self._long_tile_min_query(choice),
-                                               self._fresh_min_query(choice))
+                                               choice.batch_invariant, self._long_tile_min_query(choice))
         if self.context.spec is not None:
             self.context.spec.set_drafter(drafter)
         self.runner = ModelRunner(self.model, self.context, choice, stop_ids, expert_parallel=self.parallel.ep_size > 1)
@@ -252,19 +251,6 @@ class LLM:
         from megatron_async.kernels.triton_prefill_common import LONG_TILE_MIN_QUERY, long_tiles_pay
 
         return LONG_TILE_MIN_QUERY if long_tiles_pay(self.device) else 0
-
-    def _fresh_min_query(self, choice) -> int:
-        """Query tokens from which a prompt chunk without a cached prefix runs its attention on cuDNN
-        (0: never): the switch on, Triton attention, cuDNN on this device for the model's 16-bit
-        dtype and cache, one engine (data-parallel ranks replay one agreed graph, which such a step
-        cannot), not batch-invariant (its own kernels)."""
-        from megatron_async.kernels import cudnn_prefill
-
-        if not (choice.cudnn_prefill_attention and not choice.batch_invariant and self.model.kernels.triton_attention
-                and self.parallel.ep_size == 1 and self.config.kv_cache_dtype in (None, "auto")
-                and cudnn_prefill.available(self.device, self.dtype)):
-            return 0
-        return cudnn_prefill.FRESH_MIN_QUERY
 
     def _plans_memory(self) -> bool:
         """CUDA without a KV size in the config: the pool is planned from measured memory."""

@@ -26,7 +26,6 @@ class StepShape:
     any_grammar: bool = False  # some sampling row has a grammar: its sampling waits for the host's token masks
     any_lora: bool = True  # some token has a LoRA adapter (LoRA engines); False: its forward may skip the adapters
     long_tiles: bool = False  # the prefill attention runs its long-row launch (a row of LONG_TILE_MIN_QUERY+ tokens)
-    fresh_rows: tuple = ()  # (first token, tokens) of the rows whose attention runs on cuDNN (kernels/cudnn_prefill.py): eager
     num_multi_rows: int = -1  # hybrid: rows of several tokens that verify no drafts (see mamba_row_order); -1: unknown (a graph's shape)
 
     def __post_init__(self):

@@ -151,9 +151,6 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--long-prefill-tiles", action=argparse.BooleanOptionalAction, default=None,
                    help="a step whose longest prompt chunk has 2,048+ tokens runs the prefill attention's 128 x 64 "
                         "tiles, a CUDA-graph variant of its own (InferenceConfig.long_prefill_tiles; default on)")
-    g.add_argument("--cudnn-prefill-attention", action=argparse.BooleanOptionalAction, default=None,
-                   help="a prompt chunk of 2,048+ tokens without a cached prefix runs its attention on cuDNN, the "
-                        "step eager (InferenceConfig.cudnn_prefill_attention; default on where it can run)")
     g.add_argument("--no-moe-grouped-mm", action="store_true",
                    help="Triton MoE: every batch on the fused Triton MoE, none as grouped GEMMs (InferenceConfig."
                         "moe_grouped_mm=False; default: prefill-size batches on Hopper / Blackwell as grouped GEMMs)")
@@ -294,7 +291,6 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "tp_fused_norm": not getattr(args, "no_tp_fused_norm", False),
         "split_linear": not getattr(args, "no_split_linear", False),
         "long_prefill_tiles": getattr(args, "long_prefill_tiles", None),
-        "cudnn_prefill_attention": getattr(args, "cudnn_prefill_attention", None),
         "moe_grouped_mm": not getattr(args, "no_moe_grouped_mm", False),
         "moe_triton_grouped_gemm": not getattr(args, "no_moe_triton_grouped_gemm", False),
         "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),

@@ -73,13 +73,6 @@ class KernelFields:
     On by default (one H200: 32 prompts of 8-16k on the 0.6B 696 against 661 out tok/s, a 16k-token
     Qwen3-8B prompt's first token 525 against 553 ms); False: every step on the default tiles."""
 
-    cudnn_prefill_attention: bool = True
-    """Triton attention on Hopper, a 16-bit model and cache, not batch-invariant, one engine (no
-    expert parallelism): a prompt chunk without a cached prefix of ``FRESH_MIN_QUERY`` (2,048) tokens
-    or more runs its attention on cuDNN (torch's scaled_dot_product_attention; kernels/cudnn_prefill.py),
-    the step's other rows on the Triton kernels; such steps run eager. Counted by
-    ``EngineStats.cudnn_prefill_steps``. False: every row on the Triton kernels."""
-
     moe_grouped_mm: bool = True
     """Triton MoE on Hopper / Blackwell: prefill-size batches (more than 32 (token, expert) pairs an
     expert) run the experts as grouped GEMMs (kernels/moe_grouped_mm.py) instead of the fused

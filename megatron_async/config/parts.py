@@ -79,7 +79,6 @@ class KernelChoice:
     startup_kernel_lists: bool = False
     split_linear: bool = True
     long_prefill_tiles: bool = True
-    cudnn_prefill_attention: bool = True
     moe_grouped_mm: bool = True
     moe_triton_grouped_gemm: bool = True
 

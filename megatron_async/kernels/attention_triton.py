@@ -1,8 +1,7 @@
 """Triton attention backend: same contract as ``attention.attend`` with the torch backend.
 
 Decode-only steps use the split-K decode kernel; any step with a multi-token row uses
-the varlen prefill kernel, which also serves that step's decode rows, except the long rows
-without a cached prefix that the host gave cuDNN (``meta.fresh_rows``, ``cudnn_prefill``). Nothing here reads
+the varlen prefill kernel, which also serves that step's decode rows. Nothing here reads
 device data on the host (no syncs), and launch grids depend only on tensor shapes and
 meta.num_tokens / meta.num_rows, so decode steps can be captured in CUDA graphs with
 ``meta.max_kv_len`` set to an upper bound (see triton_decode_attention).
@@ -13,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from megatron_async.forward_batch import AttentionMetadata
-from megatron_async.kernels import cudnn_prefill
 from megatron_async.kernels.triton_decode_attention import decode_attention
 from megatron_async.kernels.triton_invariant_attention import invariant_attention
 from megatron_async.kernels.triton_kv_append import append_kv
@@ -50,8 +48,4 @@ def attend(
         return invariant_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
     if meta.is_decode_only:
         return decode_attention(q, kv_cache, meta, scale, kv_scale=kv_scale, quantize=quantize)
-    if meta.fresh_rows:  # those rows on cuDNN, the rest here; the output left for the o projection to quantize
-        out = prefill_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
-        cudnn_prefill.attend_fresh_rows(q, kv_cache, meta, scale, out)
-        return out
     return prefill_attention(q, kv_cache, meta, scale, kv_scale=kv_scale, quantize=quantize)

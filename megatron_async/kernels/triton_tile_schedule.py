@@ -10,12 +10,11 @@ import triton.language as tl
 from megatron_async.forward_batch import AttentionMetadata
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_slots", "search_steps", "skip_min"])  # one binary for any step
-def _schedule_kernel(cu_q_ptr, kv_lens_ptr, work_ptr, entry_ptr, num_rows, num_slots, search_steps, skip_min,
+@triton.jit(do_not_specialize=["num_rows", "num_slots", "search_steps"])  # one binary for any step
+def _schedule_kernel(cu_q_ptr, kv_lens_ptr, work_ptr, entry_ptr, num_rows, num_slots, search_steps,
                      BLOCK_Q: tl.constexpr, BLOCK: tl.constexpr):
     """Per tile slot: its (row, first query) packed as ``row << 32 | q_first`` and its keys (the
-    last query's position + 1), or -1 / -1 for an empty slot. ``skip_min`` > 0: the rows without
-    a cached prefix of that many tokens or more get no tiles (cuDNN runs them: ``cudnn_prefill``)."""
+    last query's position + 1), or -1 / -1 for an empty slot."""
     slot = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = slot < num_slots
     # the slot's row: the last r with cu_query_lens[r] // BLOCK_Q + r <= slot (binary search)
@@ -32,7 +31,6 @@ def _schedule_kernel(cu_q_ptr, kv_lens_ptr, work_ptr, entry_ptr, num_rows, num_s
     q_first = (slot - (q_begin // BLOCK_Q + lo)) * BLOCK_Q
     live = in_range & (q_first < q_len)
     kv_len = tl.load(kv_lens_ptr + lo, mask=in_range, other=0)
-    live = live & ~((skip_min > 0) & (kv_len == q_len) & (q_len >= skip_min))
     keys = kv_len - q_len + tl.minimum(q_first + BLOCK_Q, q_len)  # a row's queries end at position kv_len - 1
     tl.store(work_ptr + slot, tl.where(live, keys, -1), mask=in_range)
     tl.store(entry_ptr + slot, tl.where(live, (lo.to(tl.int64) << 32) | q_first.to(tl.int64), -1), mask=in_range)
@@ -41,17 +39,15 @@ def _schedule_kernel(cu_q_ptr, kv_lens_ptr, work_ptr, entry_ptr, num_rows, num_s
 def tile_schedule(meta: AttentionMetadata, block_q: int, num_slots: int) -> torch.Tensor:
     """int64 [num_slots]: the step's tiles as ``row << 32 | first query``, most keys first, -1
     for empty slots (last). Computed by the first layer that asks and kept on ``meta`` (one
-    step's metadata) for the others; a few launches, inside the step's graph when captured. The
-    rows of ``meta.fresh_rows`` get none (``meta.fresh_min_query``'s rule, applied on the device)."""
-    skip = meta.fresh_min_query if meta.fresh_rows else 0
-    key = ("prefill_schedule", block_q, num_slots, skip)
+    step's metadata) for the others; a few launches, inside the step's graph when captured."""
+    key = ("prefill_schedule", block_q, num_slots)
     if key not in meta.scratch:
         dev = meta.cu_query_lens.device
         work = torch.empty(num_slots, dtype=torch.int32, device=dev)
         entry = torch.empty(num_slots, dtype=torch.int64, device=dev)
         block = 1024
         _schedule_kernel[(triton.cdiv(num_slots, block),)](
-            meta.cu_query_lens, meta.kv_lens, work, entry, meta.num_rows, num_slots, meta.num_rows.bit_length(), skip,
+            meta.cu_query_lens, meta.kv_lens, work, entry, meta.num_rows, num_slots, meta.num_rows.bit_length(),
             BLOCK_Q=block_q, BLOCK=block)
         meta.scratch[key] = entry[torch.argsort(work, descending=True)]
     return meta.scratch[key]

@@ -32,7 +32,6 @@ from megatron_async.inference.contexts.step_errors import RequestStepError
 from megatron_async.inference.device import DeviceFacade
 from megatron_async.inference.request import DynamicInferenceRequest, Status
 from megatron_async.kernels import lora_ops
-from megatron_async.kernels.cudnn_prefill import fresh_rows
 from megatron_async.kernels.kv_cache_fp8 import pool_dtype
 from megatron_async.kernels.lora_groups import GROUPED_MIN_ROWS, group_lora_rows
 from megatron_async.step_shape import StepShape
@@ -44,19 +43,14 @@ if TYPE_CHECKING:  # type-only: engines and models import contexts, not the reve
 
 class DynamicInferenceContext:
     def __init__(self, config: CacheSizing, model: CausalLM, device: DeviceFacade, dtype: torch.dtype,
-                 batch_invariant: bool = False, long_tile_min_query: int = 0, fresh_min_query: int = 0):
+                 batch_invariant: bool = False, long_tile_min_query: int = 0):
         """``batch_invariant``: every forward batch asks for batch-invariant kernels.
         ``long_tile_min_query``: a step whose longest row has this many query tokens runs the prefill
-        attention's long-row launch (``StepShape.long_tiles``); 0: never. ``fresh_min_query``: rows
-        without a cached prefix of this many tokens run their attention on cuDNN
-        (``StepShape.fresh_rows``, ``kernels/cudnn_prefill.py``); 0: never."""
+        attention's long-row launch (``StepShape.long_tiles``); 0: never."""
         self.batch_invariant = batch_invariant
         self.long_tile_min_query = 0 if batch_invariant else long_tile_min_query  # its kernels keep fixed tiles
         self.long_tile_steps = 0
         """Assembled steps that chose the long-row prefill launch."""
-        self.fresh_min_query = 0 if batch_invariant else fresh_min_query
-        self.fresh_row_steps = 0
-        """Assembled steps that gave rows to cuDNN's attention."""
         # the sizes the tables hold (read by the book, the runner and warm-up)
         self.max_requests = config.max_requests
         self.max_tokens = config.max_tokens
@@ -252,10 +246,6 @@ class DynamicInferenceContext:
         if self.long_tile_min_query and not shape.is_decode_only and shape.max_query_len >= self.long_tile_min_query:
             shape.long_tiles = True
             self.long_tile_steps += 1
-        if self.fresh_min_query and not shape.is_decode_only and shape.max_query_len >= self.fresh_min_query:
-            v, rows = self._host_views[self._ring], shape.num_rows
-            shape.fresh_rows = fresh_rows(v["cu_query_lens"][: rows + 1], v["kv_lens"][:rows], self.fresh_min_query)
-            self.fresh_row_steps += bool(shape.fresh_rows)
         return shape
 
     def pad_for_graph(self, num_tokens: int, num_rows: int, padded_tokens: int, padded_rows: int,
@@ -300,7 +290,7 @@ class DynamicInferenceContext:
             is_decode_only=shape.is_decode_only, positions=g.positions[:T], slot_mapping=g.slot_mapping[:T],
             token_to_row=g.token_to_row[:T], cu_query_lens=g.cu_query_lens[: R + 1], kv_lens=g.kv_lens[:R],
             block_table=g.block_table[:R], block_size=self.block_size, row_order=g.attention_row_order[:R],
-            long_tiles=shape.long_tiles, fresh_rows=shape.fresh_rows, fresh_min_query=self.fresh_min_query,
+            long_tiles=shape.long_tiles,
         )
         batch = ForwardBatch(attn=attn, kv_caches=self.kv_caches, batch_invariant=self.batch_invariant)
         if self.lora is not None and (shape.any_lora or not self.lora_skips):

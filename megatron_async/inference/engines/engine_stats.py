@@ -64,9 +64,6 @@ class EngineStats:
     long_tile_steps: int = 0
     """Steps assembled with the prefill attention's long-row launch (a row of ``LONG_TILE_MIN_QUERY``+
     query tokens; ``InferenceConfig.long_prefill_tiles``)."""
-    cudnn_prefill_steps: int = 0
-    """Steps assembled with prompt chunks whose attention ran on cuDNN (no cached prefix, ``FRESH_MIN_QUERY``+
-    tokens; ``InferenceConfig.cudnn_prefill_attention``)."""
     aborted_requests: int = 0
     """Requests ended by engine.abort_request."""
     failed_requests: int = 0

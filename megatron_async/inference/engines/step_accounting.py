@@ -56,7 +56,6 @@ class StepAccounting:
         st.fast_landings = self.book.fast_landings
         st.lora_free_steps = self.runner.lora_free_steps
         st.long_tile_steps = self.context.long_tile_steps
-        st.cudnn_prefill_steps = self.context.fresh_row_steps
         self._count_graph_use()
         gc_pauses.record(st)
         st.paused = self.scheduler.num_paused_events

@@ -214,8 +214,6 @@ class GraphPlan:
         the step runs the speculative machinery (None: whenever speculation is on); only
         decode and mixed steps of a plan with ``plain_steps`` can run without it."""
         spec = self.speculative if spec is None or not self.plain_steps else spec
-        if shape.fresh_rows:  # a host loop over rows given to cuDNN: no graph's shape
-            return None
         if shape.any_grammar:
             return self._logits_key(shape, min_rows)
         needs = sampling_needs(shape)
