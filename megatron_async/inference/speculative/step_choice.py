@@ -113,8 +113,9 @@ class StepChoice:
 
     def gains(self, requests, drafts_ok) -> tuple[dict[int, float], int]:
         """({W: G(W)}, rows without evidence of their own). The same rows with no verify row
-        observed since give the same answer: a plain step costs one pass in C, not one in Python."""
-        key = (self._rows_seen, self.admitted, len(requests), sum(map(id, requests)))
+        observed since give the same answer: a plain step costs one pass in C, not one in Python.
+        The rows are keyed by their ids in order (a sum of ids can be equal for other rows)."""
+        key = (self._rows_seen, self.admitted, tuple(map(id, requests)))
         if self._gains[0] == key:
             return self._gains[1]
         out = self._gains_of(requests, drafts_ok)

@@ -101,6 +101,22 @@ def test_rule_per_step():
     assert policy.choose_cap(new, 14) == 0  # not two probes in a row (the first lands after it)
 
 
+def test_other_rows_with_the_same_id_sum_are_not_taken_for_the_last_ones():
+    """The gains of the last rows are kept for the same rows: two other lists of rows whose ids
+    add up alike (objects allocated one after another: a + d, a + 2d against a, a + 3d) are not."""
+    c = make_policy(k=3).choice
+    pool = [_req(0.9, positions=20) for _ in range(64)]
+    sums = {}
+    for i in range(len(pool)):
+        for j in range(i + 1, len(pool)):
+            sums.setdefault(id(pool[i]) + id(pool[j]), []).append((i, j))
+    (a, b), (x, y) = next(pairs[:2] for pairs in sums.values()
+                          if len(pairs) > 1 and not set(pairs[0]) & set(pairs[1]))
+    pool[x].spec_positions = pool[y].spec_positions = 0.0  # no evidence of their own
+    assert c.gains([pool[a], pool[b]], lambda r: True)[1] == 0
+    assert c.gains([pool[x], pool[y]], lambda r: True)[1] == 2
+
+
 def test_buckets_and_counts():
     assert [bucket(b) for b in (1, 2, 3, 5, 8, 9, 16, 17, 128)] == [1, 2, 4, 8, 8, 16, 16, 32, 128]
     costs = StepCosts()
