@@ -121,7 +121,8 @@ class CopyPlanCache:
         return self._table
 
     def _valid(self, key: tuple):
-        entry = self._entries.get(key)
+        last = self._last  # the last key object again: found without hashing its every entry
+        entry = last[1] if last is not None and last[0] is key else self._entries.get(key)
         return entry if entry is not None and all(p.data_ptr() == ptr for p, ptr in entry[2]) else None
 
     def _keep(self, key: tuple, entry: tuple) -> None:
@@ -133,14 +134,11 @@ class CopyPlanCache:
     def get(self, model: nn.Module, key: tuple, metas, weights_format: str | None) -> tuple[WeightPlan, CopyProgram]:
         """The (plan, program) of ``key``: on a miss ``plan_update`` of ``metas`` (or of
         ``metas()``, a callable), which raises ``WeightUpdateError`` for a bad update (not cached)."""
-        last = self._last
-        if last is not None and last[0] is key and all(p.data_ptr() == ptr for p, ptr in last[1][2]):
-            self.hits += 1  # the last key object again: no hashing of its every entry
-            return last[1][0], last[1][1]
         entry = self._valid(key)
         if entry is not None:
-            self._entries.move_to_end(key)
-            self._last = (key, entry)
+            if self._last is None or self._last[0] is not key:
+                self._entries.move_to_end(key)
+                self._last = (key, entry)
             self.hits += 1
             return entry[0], entry[1]
         metas = list(metas() if callable(metas) else metas)
