@@ -34,15 +34,19 @@ class GroupedTiles(NamedTuple):
     num_stages: int
     per_sm: int
     """Programs an SM."""
+    maxnreg: int = 0
+    """Registers a thread at most (0: the compiler's choice)."""
 
 
-TILES = {"gate_up": GroupedTiles(64, 8, 3, 2), "down": GroupedTiles(64, 8, 3, 2)}
-"""(BLOCK_M, warps, stages, programs an SM) of each GEMM; tiles are BLOCK_M rows x 128 columns x
-one 128-deep K group. Each K group's scaling waits for its dot, so two programs an SM keep the
-tensor cores busy while the other scales (as ``triton_fp8_moe``'s tiles do). Qwen3-30B-A3B's
-layer on an H100 (both GEMMs, graph us, 4,096 / 8,192 tokens): 64 rows, 8 warps, 3 stages, 2 an SM
-764 / 1,333; 128 rows, 8 warps, 3 stages, 1 an SM 837 / 1,444; 64 rows, 4 warps, 2 stages, 2 an
-SM 839 / 1,436; the fused FP8 MoE 807 / 1,468."""
+TILES = {"gate_up": GroupedTiles(64, 8, 2, 2, 128), "down": GroupedTiles(64, 8, 3, 2, 128)}
+"""(BLOCK_M, warps, stages, programs an SM, register cap) of each GEMM; tiles are BLOCK_M rows x 128
+columns x one 128-deep K group. Each K group's scaling waits for its dot, so two programs an SM keep
+the tensor cores busy while the other scales (as ``triton_fp8_moe``'s tiles do), and both must fit
+one SM together (``resident_programs``): gate_up's two accumulators took 185 registers a thread
+uncapped and its three stages 131 KB, so one program ran an SM; capped at 128 registers on two
+stages (90 KB) two do (down's 96 registers and 90 KB already did; its cap only states it). Qwen3-30B-A3B's layer on an H200 (graph us, 8,192 / 2,048 tokens, same
+bits): 1,092 / 395 against 1,213 / 414 for gate_up's three uncapped stages; capped on three stages
+1,201, down on two stages 1,211, 128-row tiles 1,243-1,268."""
 ROW_TILE = max(bm for bm, *_ in TILES.values())
 """The plan pads each expert's rows to a multiple of this (of every BLOCK_M in ``TILES``), so no
 row tile holds two experts; no more, since every padding row is quantized and multiplied."""
@@ -132,6 +136,15 @@ def launch_tiles(gemm: str, gated: bool, out_bytes: int, limits: launch_limits.D
     return launch_limits.fit(TILES[gemm], footprint(gemm, gated, out_bytes), limits)
 
 
+def resident_programs(tiles: GroupedTiles, shared_bytes: int, limits: launch_limits.DeviceLimits) -> int:
+    """Programs of ``tiles`` one SM holds at once by registers (each thread at its cap, or at the 255
+    a thread may address) and by ``shared_bytes`` each (the launch's footprint)."""
+    threads = 32 * tiles.num_warps
+    by_registers = limits.registers // (threads * (tiles.maxnreg or limits.thread_registers))
+    by_shared = limits.shared_memory // shared_bytes if limits.shared_memory else by_registers
+    return min(by_registers, by_shared)
+
+
 def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
           scale_block_n: tuple[int, int]) -> bool:
     """CUDA on Hopper, 128-row weight scale blocks in both GEMMs, K, I and H multiples of 128,
@@ -162,21 +175,22 @@ def fused_experts_fp8_grouped(x: torch.Tensor, w13: torch.Tensor, ws13: torch.Te
     sms = num_compute_units(x.device)
     e_block = triton.next_power_of_2(E)
     limits = launch_limits.device_limits(x.device)
-    bm, warps, stages, per_sm = launch_tiles("gate_up", gated, 1, limits)
+    bm, warps, stages, per_sm, maxnreg = launch_tiles("gate_up", gated, 1, limits)
     programs = min(sms * per_sm, triton.cdiv(P, bm) * (I // 128))
     _gate_up_kernel[(programs,)](
         TensorDescriptor.from_tensor(a, [bm, 128]), a_s,
         TensorDescriptor.from_tensor(w13.view(-1, K), [128, 128]), ws13, ws13.stride(0), ws13.stride(1),
         ws13.stride(2), TensorDescriptor.from_tensor(h, [bm, 128]), hs, offs, E, I, K, programs,
         OUT_DTYPE=TL_DTYPES[x.dtype], BLOCK_M=bm, GROUP_M=GROUP_M, E_BLOCK=e_block, GATED=gated, num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
     y = torch.empty((P, H), dtype=x.dtype, device=x.device)
-    bm, warps, stages, per_sm = launch_tiles("down", gated, x.element_size(), limits)
+    bm, warps, stages, per_sm, maxnreg = launch_tiles("down", gated, x.element_size(), limits)
     programs = min(sms * per_sm, triton.cdiv(P, bm) * (H // 128))
     _down_kernel[(programs,)](
         TensorDescriptor.from_tensor(h, [bm, 128]), hs, TensorDescriptor.from_tensor(w2.view(-1, I), [128, 128]),
         ws2, ws2.stride(0), ws2.stride(1), ws2.stride(2), TensorDescriptor.from_tensor(y, [bm, 128]), offs, E, H,
-        I, programs, BLOCK_M=bm, GROUP_M=GROUP_M, E_BLOCK=e_block, num_warps=warps, num_stages=stages)
+        I, programs, BLOCK_M=bm, GROUP_M=GROUP_M, E_BLOCK=e_block, num_warps=warps, num_stages=stages,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     del a, a_s, h, hs
     if defer_combine:
         return PendingCombine(y, row_of_pair, topk_ids, topk_weights, E, x.dtype)

@@ -261,6 +261,19 @@ def test_an_h100_keeps_every_tuned_launch_for_its_operand_type(monkeypatch, m):
         assert launch_limits.attention_tiles(64, 32, head_dim, 2, 4, 2, 2, H100) == (64, 32, 2)
 
 
+def test_fp8_grouped_programs_an_sm_fit_it_together():
+    """The FP8 grouped MoE GEMMs launch ``per_sm`` programs an SM so one scales while the other's dot
+    runs: that many must fit one SM at once, by shared memory and by registers (a thread at its cap,
+    or at 255 uncapped). gate_up on three uncapped stages (131 KB, 185 registers a thread) ran one."""
+    for gemm, asked in triton_fp8_grouped.TILES.items():
+        tiles = triton_fp8_grouped.launch_tiles(gemm, True, 2, H100)
+        shared = triton_fp8_grouped.footprint(gemm, True, 2)(tiles).shared_bytes
+        assert triton_fp8_grouped.resident_programs(tiles, shared, H100) >= asked.per_sm, (gemm, tiles)
+    three_stages = triton_fp8_grouped.GroupedTiles(64, 8, 3, 2)
+    shared = triton_fp8_grouped.footprint("gate_up", True, 1)(three_stages).shared_bytes
+    assert triton_fp8_grouped.resident_programs(three_stages, shared, H100) == 1
+
+
 @pytest.mark.parametrize("limits", [H100, A100, DeviceLimits(101_376)], ids=["h100", "a100", "99k"])
 def test_every_swept_prefill_launch_is_fitted_to_the_device(limits):
     """Each launch ``kernel-times prefill-attention`` tries, as ``fitted_launch`` hands it to the compiler
