@@ -15,7 +15,9 @@ from tests.helpers.engine_harness import make_llm, random_prompts
 from tests.helpers.hf_models import hf_greedy, hf_logits, make_tiny_checkpoint
 from tests.helpers.lora_adapters import make_peft_adapter, merged_reference
 
-pytest.importorskip("peft")
+from tests.helpers.requirements import installed  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not installed("peft"), reason="peft not installed")  # (importing it: ~2 s a worker)
 
 NEW = 8
 ADAPTERS = {  # name: (rank, alpha, targets, rslora)

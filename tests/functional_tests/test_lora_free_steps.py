@@ -15,7 +15,9 @@ from tests.helpers.engine_harness import count_replays_by_variant, make_llm, ran
 from tests.helpers.hf_models import hf_greedy, make_tiny_checkpoint
 from tests.helpers.lora_adapters import make_peft_adapter, merged_reference
 
-pytest.importorskip("peft")
+from tests.helpers.requirements import installed  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not installed("peft"), reason="peft not installed")  # (importing it: ~2 s a worker)
 
 NEW = 6
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -10,7 +10,9 @@ from tests.helpers.hf_models import make_tiny_checkpoint
 from tests.helpers.lora_adapters import make_peft_adapter
 from tests.helpers.multiprocess import run_ranks
 
-pytest.importorskip("peft")
+from tests.helpers.requirements import installed  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not installed("peft"), reason="peft not installed")  # (importing it: ~2 s a worker)
 
 CONFIG = dict(block_size_tokens=4, num_kv_blocks=128, max_requests=4, max_tokens=16, max_sequence_length=128,
               enable_lora=True, max_loras=2, max_lora_rank=8)

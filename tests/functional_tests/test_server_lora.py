@@ -17,7 +17,9 @@ import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-pytest.importorskip("peft")
+from tests.helpers.requirements import installed  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not installed("peft"), reason="peft not installed")  # (importing it: ~2 s a worker)
 
 from megatron_async import SamplingParams  # noqa: E402
 from megatron_async.serve.process import ServerProcess  # noqa: E402

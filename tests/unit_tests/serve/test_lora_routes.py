@@ -9,7 +9,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
-pytest.importorskip("peft")
+from tests.helpers.requirements import installed  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not installed("peft"), reason="peft not installed")  # (importing it: ~2 s a worker)
 
 from megatron_async import LLM  # noqa: E402
 from megatron_async.cli.flags import inference_config_from_args  # noqa: E402
