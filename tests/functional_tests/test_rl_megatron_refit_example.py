@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,16 @@ EXAMPLE = ROOT / "examples" / "rl_megatron_refit.py"
 HAS_MEGATRON = installed("megatron.core", "einops")
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(EXAMPLE), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def _run(script: Path, *args: str) -> subprocess.CompletedProcess:
+    """The example's run, its output through files: a trainer sharing CPU tensors starts
+    torch_shm_manager, which inherits the example's stdout / stderr and holds pipes open for seconds
+    after the example exited (a pipe's reader would wait for it)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, stdout=out, stderr=err, text=True,
+                              timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
 
 
 @pytest.mark.parametrize("args", [  # each trainer with one transport (both transports with both: by hand)
@@ -30,7 +38,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                  marks=pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core not installed")),
 ])
 def test_example_checks_pass(args):
-    proc = _run(*args, "--steps", "2")
+    proc = _run(EXAMPLE, *args, "--steps", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 2 and all(row.rstrip(" |").endswith("ok") for row in rows)
@@ -44,6 +52,5 @@ def test_example_fails_when_trainer_ranks_drift(tmp_path):
     assert source != EXAMPLE.read_text()
     broken.write_text(source)
     (tmp_path / "megatron_gpt.py").write_text((ROOT / "examples" / "megatron_gpt.py").read_text())
-    proc = subprocess.run([sys.executable, str(broken), "--trainer", "megatron", "--steps", "2"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = _run(broken, "--trainer", "megatron", "--steps", "2")
     assert proc.returncode == 1 and "FAILED" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
