@@ -94,7 +94,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 30.0
             now = time.monotonic()
             for r, p in enumerate(procs):  # a rank that exited without a result (killed, os._exit)
                 if r not in got and p.exitcode is not None:
-                    if now - dead_since.setdefault(r, now) > 2.0:  # grace: its result may still be in the pipe
+                    # grace: a result it put is whole in the pipe once it exited (its queue's feeder thread is
+                    # joined at exit), but may have landed after the last get: one more get finds it
+                    if now - dead_since.setdefault(r, now) > 0.5:
                         got[r] = (False, f"exited with code {p.exitcode} without a result")
             if now > deadline:
                 running = sorted(set(range(world_size)) - set(got))
