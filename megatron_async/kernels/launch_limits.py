@@ -129,6 +129,25 @@ def fits(footprint: Footprint, limits: DeviceLimits) -> bool:
     return refusal(footprint, limits) is None
 
 
+REGISTER_GRANULE = 256
+"""Registers are given to a warp in blocks of this many (a thread's count rounded up to 8)."""
+MAX_THREADS_AN_SM = 2048
+MAX_PROGRAMS_AN_SM = 32
+
+
+def resident_programs(num_warps: int, thread_registers: int, shared_bytes: int, limits: DeviceLimits) -> int:
+    """Programs of one launch an SM holds at once: by its register file (each thread at
+    ``thread_registers``, a warp's share rounded to ``REGISTER_GRANULE``), by shared memory
+    (``shared_bytes`` a program plus the 1 KB the runtime reserves for each, out of the SM's opt-in
+    maximum plus its own reserved KB) and by threads. A persistent kernel launching k programs an SM
+    gets the overlap it was tuned for only where this is >= k."""
+    per_warp = -(-thread_registers * 32 // REGISTER_GRANULE) * REGISTER_GRANULE
+    held = min(limits.registers // (per_warp * num_warps), MAX_THREADS_AN_SM // (32 * num_warps), MAX_PROGRAMS_AN_SM)
+    if limits.shared_memory is not None and shared_bytes:
+        held = min(held, (limits.shared_memory + 1024) // (shared_bytes + 1024))
+    return held
+
+
 class LaunchLimitError(ValueError):
     """No launch setting of a table fits the device."""
 

@@ -138,12 +138,10 @@ def launch_tiles(gemm: str, gated: bool, out_bytes: int, limits: launch_limits.D
 
 
 def resident_programs(tiles: GroupedTiles, shared_bytes: int, limits: launch_limits.DeviceLimits) -> int:
-    """Programs of ``tiles`` one SM holds at once by registers (each thread at its cap, or at the 255
-    a thread may address) and by ``shared_bytes`` each (the launch's footprint)."""
-    threads = 32 * tiles.num_warps
-    by_registers = limits.registers // (threads * (tiles.maxnreg or limits.thread_registers))
-    by_shared = limits.shared_memory // shared_bytes if limits.shared_memory else by_registers
-    return min(by_registers, by_shared)
+    """Programs of ``tiles`` one SM holds at once, each thread at its register cap (uncapped: at the
+    255 a thread may address) and ``shared_bytes`` a program (the launch's footprint)."""
+    return launch_limits.resident_programs(tiles.num_warps, tiles.maxnreg or limits.thread_registers, shared_bytes,
+                                           limits)
 
 
 def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,

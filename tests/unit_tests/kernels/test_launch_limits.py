@@ -261,6 +261,19 @@ def test_an_h100_keeps_every_tuned_launch_for_its_operand_type(monkeypatch, m):
         assert launch_limits.attention_tiles(64, 32, head_dim, 2, 4, 2, 2, H100) == (64, 32, 2)
 
 
+def test_resident_programs_counts_registers_shared_memory_and_threads():
+    """What the compiled kernels reported on an H200 (registers a thread, shared bytes) against what
+    an SM holds: the FP8 grouped gate_up uncapped (185 registers, 8 warps) one, capped at 128 two;
+    three stages of it (131 KB) one by shared memory; the decode attention (238, 4 warps) two; a
+    small elementwise kernel the thread limit's 16."""
+    assert launch_limits.resident_programs(8, 185, 0, H100) == 1
+    assert launch_limits.resident_programs(8, 128, 90_144, H100) == 2
+    assert launch_limits.resident_programs(8, 128, 131_128, H100) == 1
+    assert launch_limits.resident_programs(4, 238, 74_240, H100) == 2
+    assert launch_limits.resident_programs(4, 32, 0, H100) == 16
+    assert launch_limits.resident_programs(4, 32, 0, launch_limits.INTERPRETER) == 16
+
+
 def test_fp8_grouped_programs_an_sm_fit_it_together():
     """The FP8 grouped MoE GEMMs launch ``per_sm`` programs an SM so one scales while the other's dot
     runs: that many must fit one SM at once, by shared memory and by registers (a thread at its cap,
