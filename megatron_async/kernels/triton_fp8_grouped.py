@@ -45,9 +45,10 @@ the tensor cores busy while the other scales (as ``triton_fp8_moe``'s tiles do),
 one SM together (``resident_programs``): gate_up's two accumulators took 185 registers a thread
 uncapped and its three stages 131 KB, so one program ran an SM; capped at 128 registers on two
 stages (90 KB) two do (down's 96 registers and 90 KB already did; its cap only states it).
-Qwen3-30B-A3B's layer on an H200 (graph us, 8,192 / 2,048 tokens, same bits): 1,092 / 395 against
-1,213 / 414 for gate_up's three uncapped stages; capped on three stages 1,201, down on two stages
-1,211, down on 4 warps three or four an SM 1,087-1,434, 128-row tiles 1,243-1,268."""
+Qwen3-30B-A3B's layer on an H200 (``fp8 kernels --tokens 4096 8192``, graph us, same bits): 608 /
+1,108 against 691 / 1,214 for gate_up's three uncapped stages; swept at 8,192 tokens: capped on
+three stages 1,201, down on two stages 1,211, down on 4 warps three or four an SM 1,087-1,434,
+128-row tiles 1,243-1,268."""
 ROW_TILE = max(bm for bm, *_ in TILES.values())
 """The plan pads each expert's rows to a multiple of this (of every BLOCK_M in ``TILES``), so no
 row tile holds two experts; no more, since every padding row is quantized and multiplied."""
