@@ -126,6 +126,7 @@ class CopyPlanCache:
         return entry if entry is not None and all(p.data_ptr() == ptr for p, ptr in entry[2]) else None
 
     def _keep(self, key: tuple, entry: tuple) -> None:
+        self._last = None  # the next hit takes its place at the end again (and no evicted entry stays held)
         self._entries[key] = entry
         self._entries.move_to_end(key)
         while len(self._entries) > self.size:
