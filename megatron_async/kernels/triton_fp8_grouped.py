@@ -42,9 +42,10 @@ TILES = {"gate_up": GroupedTiles(64, 8, 2, 2, 128), "down": GroupedTiles(64, 8, 
 """(BLOCK_M, warps, stages, programs an SM, register cap) of each GEMM; tiles are BLOCK_M rows x 128
 columns x one 128-deep K group. Each K group's scaling waits for its dot, so two programs an SM keep
 the tensor cores busy while the other scales (as ``triton_fp8_moe``'s tiles do), and both must fit
-one SM together (``resident_programs``): gate_up's two accumulators took 185 registers a thread
-uncapped and its three stages 131 KB, so one program ran an SM; capped at 128 registers on two
-stages (90 KB) two do (down's 96 registers and 90 KB already did; its cap only states it).
+one SM together (``launch_limits.resident_programs``): gate_up's two accumulators took 185
+registers a thread uncapped and its three stages 131 KB, so one program ran an SM; capped at 128
+registers on two stages (90 KB) two do (down's 96 registers and 90 KB already did; its cap only
+states it).
 Qwen3-30B-A3B's layer on an H200 (``fp8 kernels --tokens 4096 8192``, graph us, same bits): 608 /
 1,108 against 691 / 1,214 for gate_up's three uncapped stages; swept at 8,192 tokens: capped on
 three stages 1,201, down on two stages 1,211, down on 4 warps three or four an SM 1,087-1,434,
@@ -136,13 +137,6 @@ def footprint(gemm: str, gated: bool, out_bytes: int):
 def launch_tiles(gemm: str, gated: bool, out_bytes: int, limits: launch_limits.DeviceLimits) -> GroupedTiles:
     """``TILES[gemm]`` on the most stages ``limits`` hold (BLOCK_M is the plan's row tile: fixed)."""
     return launch_limits.fit(TILES[gemm], footprint(gemm, gated, out_bytes), limits)
-
-
-def resident_programs(tiles: GroupedTiles, shared_bytes: int, limits: launch_limits.DeviceLimits) -> int:
-    """Programs of ``tiles`` one SM holds at once, each thread at its register cap (uncapped: at the
-    255 a thread may address) and ``shared_bytes`` a program (the launch's footprint)."""
-    return launch_limits.resident_programs(tiles.num_warps, tiles.maxnreg or limits.thread_registers, shared_bytes,
-                                           limits)
 
 
 def takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
