@@ -43,7 +43,9 @@ as one JSON line last."""
 
 
 _SERVER = r'''
-import contextlib, io, json, sys, traceback
+import contextlib, io, json, os, sys, traceback
+answers = os.fdopen(os.dup(1), "w")  # the answers' own descriptor: fd 1 now goes where fd 2 does, so
+os.dup2(2, 1)                         # what a compiler or a child process writes there cannot break a line
 for line in sys.stdin:
     source, out, err, code = json.loads(line), io.StringIO(), io.StringIO(), 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -54,8 +56,8 @@ for line in sys.stdin:
         except BaseException:
             traceback.print_exc()
             code = 1
-    sys.__stdout__.write(json.dumps({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}) + "\n")
-    sys.__stdout__.flush()
+    answers.write(json.dumps({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}) + "\n")
+    answers.flush()
 '''
 """Runs each JSON-encoded script it reads (a line) as ``python -c`` would, and answers with its exit
 code and output (a line)."""
