@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-NAMES = ["paged-attention", "prefill-attention", "attention-read-bound", "mamba-kernels", "mamba-mixed", "fused-elementwise", "small-kernels", "sampler-kernels", "log-probs", "swiglu-matmul", "invariant-kernels", "graph-variants", "fused-moe", "ep-exchange", "lora", "kv-chunks"]
+NAMES = ["paged-attention", "prefill-attention", "attention-read-bound", "mamba-kernels", "mamba-mixed", "fused-elementwise", "small-kernels", "sampler-kernels", "log-probs", "swiglu-matmul", "invariant-kernels", "graph-variants", "fused-moe", "ep-exchange", "lora", "kv-chunks", "decode-splits"]
 
 
 def module(name: str) -> ModuleType:

@@ -32,6 +32,8 @@ widen the tiles to fp32.
 """
 from __future__ import annotations
 
+from fractions import Fraction
+
 import torch
 import triton
 import triton.language as tl
@@ -279,16 +281,30 @@ def _decode_merge_kernel(
 
 def choose_num_splits(num_rows: int, num_kv_heads: int, max_blocks_per_row: int, block_size: int,
                       device: torch.device) -> int:
-    """Split count for a decode step: enough programs to fill the device about twice,
-    capped so a full-length row (the block table's width) keeps >= _MIN_TOKENS_PER_SPLIT
-    keys per split. A step whose rows already come within 5 % of two fills keeps one split:
-    256 programs on 132 SMs ran 4-25 % faster unsplit, without the merge kernel
-    (``kernel-times paged-attention --heads H KVH --sweep``: 32 x 8 and 64 x 4 rows x KV
-    heads). Depends on shapes only (graph-safe, see the module docstring)."""
+    """Split count for a decode step, from shapes only (graph-safe, see the module docstring).
+    A step whose rows x KV heads come within 5 % of two programs an SM (the kernel's residency)
+    keeps one split: 256 programs on 132 SMs ran 4-25 % faster unsplit, without the merge kernel.
+    Below that, the split count whose programs fill their last wave best (``_wave_fill``), from
+    the fewest that reach 90 % of one fill up to twice the count that fills it once, capped so a
+    full-length row (the block table's width) keeps >= _MIN_TOKENS_PER_SPLIT keys a split. A
+    partly filled last wave costs a whole wave: 16 rows x 8 KV heads on an H200 took 86 us split
+    three ways (384 programs on 264 places) and 75 split two ways, 20 rows 115 / 94 (two / three
+    ways), 12 rows of 16k keys 288 / 201 (three / five ways) (``kernel-times decode-splits``,
+    docs/PERFORMANCE.md)."""
     programs, fill = max(1, num_rows * num_kv_heads), 2 * num_compute_units(device)
-    want = 1 if programs >= 0.95 * fill else triton.cdiv(fill, programs)
-    cap = triton.cdiv(max_blocks_per_row * block_size, _MIN_TOKENS_PER_SPLIT)
-    return max(1, min(want, cap, _MAX_SPLITS))
+    if programs >= 0.95 * fill:
+        return 1
+    cap = min(triton.cdiv(max_blocks_per_row * block_size, _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS)
+    lo = max(2, triton.cdiv(9 * fill, 10 * programs))
+    if cap <= lo:
+        return max(1, cap)
+    return max(range(lo, min(2 * triton.cdiv(fill, programs), cap) + 1),
+               key=lambda s: (_wave_fill(programs * s, fill), -s))
+
+
+def _wave_fill(programs: int, places: int) -> Fraction:
+    """The share of the programs' waves (``places`` programs each) that holds a program."""
+    return Fraction(programs, places * triton.cdiv(programs, places))
 
 
 def _tiles(head_dim: int, pairs: bool, block_n: int | None, num_stages: int | None,
