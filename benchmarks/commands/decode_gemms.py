@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""The decode GEMMs of the built-in qwen3-0.6b shape, alone, inside CUDA graphs: device time
+"""The decode GEMMs of the built-in qwen3-0.6b shape (``--shapes``: Qwen3-8B's, whole or one TP rank's), alone, inside CUDA graphs: device time
 per call of ``F.linear`` (cuBLAS; gate_up followed by the SiLU-mul kernel, the model's path
 before the fused gate_up + SwiGLU kernel, which ``python -m benchmarks kernel-times swiglu-matmul`` compares with it)
 and of the batch-invariant Triton matmul, then one decode step's GEMM sequence (28 layers of
 qkv, o_proj, gate_up + SiLU-mul, down, then the LM head) against its weight-read floor.
 
-Every measurement cycles through 28 distinct weights per shape (as the 28 layers do), so the
+Every measurement cycles through one distinct weight per layer and shape (as the layers do), so the
 weights come from DRAM, not from L2 as they would if one weight were called 50 times. A
 split-K Triton matmul with the SwiGLU epilogue and programmatic dependent launch was tried
 against these numbers and removed (no gain). ``--libraries``: the layer GEMMs alone under cuBLAS,
@@ -15,7 +15,7 @@ grid), beside cuBLAS and the split output projection, and an empty kernel's cost
 part of a GEMM's time that no GEMM can remove. ``--profile-range``: each of those kernels once (and the
 fused gate_up + SwiGLU) between cudaProfilerStart / Stop, for Nsight Compute's DRAM / L2 counters.
 
-    python -m benchmarks decode-gemms --rows 64 128 256 [--libraries | --read-floor]
+    python -m benchmarks decode-gemms --rows 64 128 256 [--libraries | --read-floor] [--shapes qwen3-8b-tp4]
     ncu --profile-from-start off --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_bytes.sum,\
 lts__t_sectors.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed \
         python -m benchmarks decode-gemms --rows 128 --profile-range"""
@@ -42,13 +42,28 @@ SHAPES = {  # name: (weight rows, in features K, gated), qwen3-0.6b
 }
 
 
+def qwen3_8b(tp: int) -> dict:
+    """Qwen3-8B's GEMMs (hidden 4,096, 32 / 8 heads of 128, MLP 12,288) as one of ``tp`` ranks holds them."""
+    return {"qkv": ((32 + 16) * 128 // tp, 4096, False), "o_proj": (4096, 4096 // tp, False),
+            "gate_up": (2 * 12288 // tp, 4096, True), "down": (4096, 12288 // tp, False),
+            "lm_head": (151936 // tp, 4096, False)}
+
+
+SHAPE_SETS = {"qwen3-0.6b": (LAYERS, SHAPES), "qwen3-8b": (36, qwen3_8b(1)), "qwen3-8b-tp2": (36, qwen3_8b(2)),
+              "qwen3-8b-tp4": (36, qwen3_8b(4))}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="qwen3-0.6b",
+                   help="the model's GEMM shapes (qwen3-8b-tp4: one rank's shards at TP=4)")
     p.add_argument("--libraries", action="store_true", help="only the layer GEMMs under cuBLAS / cuBLASLt / TunableOp")
     p.add_argument("--read-floor", action="store_true", help="only a weight read alone beside the GEMMs")
     p.add_argument("--profile-range", action="store_true", help="each layer kernel once inside a profiler range (ncu)")
     args = p.parse_args()
+    global LAYERS, SHAPES
+    LAYERS, SHAPES = SHAPE_SETS[args.shapes]
     torch.manual_seed(0)
     bw = measure_copy_bandwidth(torch.device("cuda")) / 1e9  # GB/s, as the benchmark's floor uses
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:,.0f} GB/s; bf16; us per call (GB/s of weight read)")

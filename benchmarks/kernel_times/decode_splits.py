@@ -6,6 +6,7 @@ fastest count and the times at 1-12 splits; last, the mean over the cases of the
 against the fastest.
 
     python -m benchmarks kernel-times decode-splits [--heads 16 8 32 8] [--rows 4 8 12 16 20 24 28 32]
+    python -m benchmarks kernel-times decode-splits --heads 8 2 --rows 124 --keys 100-1152   # a TP=4 rank of the 8B
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, nargs="+", default=[16, 8, 32, 8],
                         help="pairs of query / KV heads (default: 16 8 and 32 8)")
     parser.add_argument("--rows", type=int, nargs="+", default=[4, 8, 12, 16, 20, 24, 28, 32])
+    parser.add_argument("--keys", nargs="+", default=list(KEYS),
+                        help="keys a row: N (every row) or LO-HI (uniform at random)")
     parser.add_argument("--iters", type=int, default=20)
 
 
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> None:
     print("| heads | rows | keys | rule: splits / us | fastest: splits / us | 1..12 splits, us |\n|---|---:|---|---:|---:|---|")
     for heads, kv_heads in zip(args.heads[::2], args.heads[1::2]):
         for rows in args.rows:
-            for keys in KEYS:
+            for keys in args.keys:
                 lens = lengths(keys, rows, gen)
                 width = -(-max(TABLE_TOKENS, max(lens)) // 16)
                 case = make_case([(n - 1, 1) for n in lens], num_heads=heads, num_kv_heads=kv_heads, head_dim=128,

@@ -143,21 +143,23 @@ def test_prefill_kernel_on_decode_rows_and_small_tiles():
 
 
 def test_decode_split_count_rule(monkeypatch):
-    """Rows x KV heads within 5 % of two programs an SM keep one split; fewer split so their last
-    wave is the fullest (264 places on a 132-SM device), between the fewest splits that reach
-    90 % of one fill and twice the count that fills it once, capped at >= 128 keys a split."""
+    """Rows x KV heads within 10 % of two programs an SM keep one split; fewer split so their last
+    wave comes within 5 % of the fullest (264 places on a 132-SM device) on the fewest splits,
+    between the fewest that reach 90 % of one fill and twice the count that fills it once, capped
+    at >= 128 keys a split."""
     from megatron_async.kernels import triton_decode_attention as dec
 
     monkeypatch.setattr(dec, "num_compute_units", lambda device: 132)
     dev = torch.device(DEVICE)
     assert dec.choose_num_splits(32, 8, 128, 16, dev) == 1  # 256 programs: 0.97 of a fill
-    assert dec.choose_num_splits(64, 4, 128, 16, dev) == 1
+    assert dec.choose_num_splits(124, 2, 128, 16, dev) == 1  # 248: 0.94
     assert dec.choose_num_splits(16, 8, 128, 16, dev) == 2  # 256 programs in one wave, not 384 in two
     assert dec.choose_num_splits(20, 8, 128, 16, dev) == 3  # 480 of 528 places, not 320
     assert dec.choose_num_splits(24, 8, 128, 16, dev) == 4  # 768 of 792, not 384 of 528
     assert dec.choose_num_splits(12, 8, 2048, 16, dev) == 5  # 480 of 528
     assert dec.choose_num_splits(28, 8, 128, 16, dev) == 2  # every count from 2 to 4 fills 85 %: the fewest
-    assert dec.choose_num_splits(1, 8, 1025, 16, dev) == 33  # 264 programs: one whole wave
+    assert dec.choose_num_splits(8, 2, 1025, 16, dev) == 16  # 256 of 264: one wave, not two of 33 splits
+    assert dec.choose_num_splits(1, 8, 1025, 16, dev) == 32  # 256 of 264
     assert dec.choose_num_splits(1, 8, 128, 16, dev) == 16  # capped: >= 128 keys per split of a 2,048-token row
     assert dec.choose_num_splits(1, 8, 8, 16, dev) == 1  # a 128-token table keeps one split
 
