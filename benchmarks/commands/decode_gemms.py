@@ -16,6 +16,7 @@ part of a GEMM's time that no GEMM can remove. ``--profile-range``: each of thos
 fused gate_up + SwiGLU) between cudaProfilerStart / Stop, for Nsight Compute's DRAM / L2 counters.
 
     python -m benchmarks decode-gemms --rows 64 128 256 [--libraries | --read-floor] [--shapes qwen3-8b-tp4]
+    python -m benchmarks decode-gemms --gemv --shapes qwen3-8b-tp4     # one row: cuBLAS against the GEMV's tiles
     ncu --profile-from-start off --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_bytes.sum,\
 lts__t_sectors.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed \
         python -m benchmarks decode-gemms --rows 128 --profile-range"""
@@ -61,6 +62,7 @@ def main() -> None:
     p.add_argument("--libraries", action="store_true", help="only the layer GEMMs under cuBLAS / cuBLASLt / TunableOp")
     p.add_argument("--read-floor", action="store_true", help="only a weight read alone beside the GEMMs")
     p.add_argument("--profile-range", action="store_true", help="each layer kernel once inside a profiler range (ncu)")
+    p.add_argument("--gemv", action="store_true", help="only one row's projections: cuBLAS against the GEMV's tiles")
     args = p.parse_args()
     global LAYERS, SHAPES
     LAYERS, SHAPES = SHAPE_SETS[args.shapes]
@@ -75,6 +77,8 @@ def main() -> None:
         return read_floor(weights, args.rows, bw)
     if args.profile_range:
         return profile_range(weights, args.rows[0])
+    if args.gemv:
+        return gemv_sweep(weights)
     inv = _invariant_linear()
     print("| GEMM | rows | floor us | cuBLAS (+SiLU-mul) | Triton invariant |\n|---|---:|---:|---:|---:|")
     for name, (n, k, gated) in SHAPES.items():
@@ -185,6 +189,25 @@ def read_floor(weights: dict, rows: list[int], bw: float) -> None:
     for programs in (1, 132, 1056):
         us = graph_call_us([lambda p=programs: _empty_kernel[(p,)](out)], 56)
         print(f"empty kernel, {programs} programs: {us:.2f} us a call in a chain of 56")
+
+
+def gemv_sweep(weights: dict) -> None:
+    """At one row, each projection the split path takes: cuBLAS against the CUDA-core GEMV's four
+    K-split partials (``triton_gemv``) on its default tiles and on each of 8 / 16 rows x 256 / 512
+    wide steps x 4 / 8 warps (the fastest marked)."""
+    from megatron_async.kernels.triton_gemv import GemvTiles, gemv_parts, gemv_tiles
+
+    cands = [GemvTiles(bn, bk, w) for bn in (8, 16) for bk in (256, 512) for w in (4, 8)]
+    print("| GEMM | N x K | cuBLAS | GEMV default (tiles) | fastest GEMV (tiles) |\n|---|---|---:|---:|---:|")
+    for name in ("qkv", "o_proj", "down"):
+        ws, (n, k, _) = weights[name], SHAPES[name]
+        if k % (4 * 256):
+            continue
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        us = {t: graph_call_us([lambda w=w, t=t: gemv_parts(x, w, 4, t) for w in ws], 2 * len(ws)) for t in cands}
+        best, default = min(us, key=us.get), gemv_tiles(n, k, 4)
+        print(f"| {name} | {n} x {k} | {linear_us(x, ws):.1f} | {us[default]:.1f} {tuple(default)} | "
+              f"{us[best]:.1f} {tuple(best)} |")
 
 
 def profile_range(weights: dict, m: int) -> None:

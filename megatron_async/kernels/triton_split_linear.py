@@ -12,9 +12,13 @@ The residual stream comes out as ``reduce()`` then ``add_rms_norm`` would give i
 the normalised rows may differ from that in a last bit, the norm's float32 sum of squares being
 reduced by 8 warps a row (the plain norm kernel's 2-4 warps read the partials 0.2-0.5 us slower).
 
+At one row (batch-1 decode) the CUDA-core GEMV (``triton_gemv``) writes the partials instead of
+the tensor-core kernel, which computes 1 of its 16 tile rows there.
+
 Deterministic: a fixed split and a fixed summation order for each shape. The bits differ from
-cuBLAS's (another accumulation order), as any two GEMMs' do; batch-invariant mode keeps its
-own matmul."""
+cuBLAS's (another accumulation order), as any two GEMMs' do, and a row's bits at one row from
+its bits in a larger batch (a 1-token row against a (k + 1)-token verify row, as docs/SPECULATIVE.md
+allows); batch-invariant mode keeps its own matmul."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megatron_async.kernels import cuda_device, launch_limits
+from megatron_async.kernels import cuda_device, launch_limits, triton_gemv
 from megatron_async.kernels.deferred_sum import DeferredSum
 from megatron_async.kernels.triton_paged_common import dot_args
 from megatron_async.kernels.triton_rmsnorm import add_norm_row
@@ -89,8 +93,12 @@ def split_tiles(m: int, n: int, k: int) -> SplitTiles | None:
     the GEMM and the next norm against cuBLAS and the add + norm kernel, 1-256 rows, K 1,024-12,288,
     N 1,024-4,096, 32 launch settings each): N <= 1,024 up to 128 rows (0.6B / hybrid shapes, K >=
     2,048: 1.05-1.25x) and N <= 2,048 up to 64 rows (1.07-1.17x). At K = 1,024 there is nothing to
-    split (0.99-1.06x), and wider outputs fill the device without a split (N = 4,096: 0.81-1.07x)."""
-    if k < 2048 or k % (SPLITS * BLOCK_K) or not (m <= 128 and n <= 1024 or m <= 64 and n <= 2048) or m < 1:
+    split (0.99-1.06x), and wider outputs fill the device without a split (N = 4,096: 0.81-1.07x),
+    but at one row, where the GEMV writes the partials, for any N (Qwen3-8B's o_proj / down_proj
+    at batch 1 on an H200: 13.2 / 29.5 us on cuBLAS, 10.0 / 25.7 as the GEMV's partials)."""
+    if k < 2048 or k % (SPLITS * BLOCK_K) or m < 1:
+        return None
+    if not (m == 1 or m <= 128 and n <= 1024 or m <= 64 and n <= 2048):
         return None
     return SplitTiles(64, 64, BLOCK_K, SPLITS, 4, 4)
 
@@ -141,6 +149,8 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     (m, k), n = x.shape, weight.shape[0]
     t = tiles(m, n, k)
     assert t is not None
+    if m == 1:
+        return PendingSplitSum(triton_gemv.gemv_parts(x, weight, t.splits), bias, x.dtype)
     t = launch_limits.fit(t, footprint(x.element_size()), launch_limits.device_limits(x.device))
     parts = torch.empty(t.splits, m, n, dtype=torch.float32, device=x.device)
     a_desc = TensorDescriptor.from_tensor(x, [t.block_m, t.block_k])

@@ -56,7 +56,8 @@ def _check_norm_bits(pending: sl.PendingSplitSum, seed: int) -> None:
 @pytest.mark.skipif(DEVICE == "cuda", reason="interpreter shapes; the GPU test below takes the real ones")
 @pytest.mark.parametrize("m,n,k,bias", [(5, 96, 2048, False), (70, 40, 2048, True), (1, 64, 2560, True)])
 def test_partials_sum_to_the_product_interpreted(m, n, k, bias):
-    # 64 x 64 tiles: 70 rows cross a row tile, N = 40 / 96 a partial column tile; K = 2,560 five 128-deep steps a split
+    # 64 x 64 tiles: 70 rows cross a row tile, N = 40 / 96 a partial column tile; K = 2,560 five 128-deep steps a
+    # split; one row: the GEMV's partials
     x, w, b = _operands(m, n, k, bias, seed=m + n)
     pending = sl.split_linear(x, w, b)
     assert pending.parts.shape == (sl.SPLITS, m, n) and pending.parts.dtype == torch.float32
@@ -67,6 +68,7 @@ def test_partials_sum_to_the_product_interpreted(m, n, k, bias):
 def test_tiles_split_only_where_they_paid():
     assert sl.split_tiles(128, 1024, 2048) is not None and sl.split_tiles(64, 2048, 4096) is not None
     assert sl.split_tiles(1, 1024, 3072) is not None
+    assert sl.split_tiles(1, 4096, 4096) is not None and sl.split_tiles(1, 4096, 12288) is not None  # the GEMV's
     assert sl.split_tiles(129, 1024, 2048) is None  # the output tiles fill the device
     assert sl.split_tiles(128, 2048, 4096) is None and sl.split_tiles(16, 4096, 4096) is None
     assert sl.split_tiles(128, 1024, 1024) is None  # nothing to split
@@ -83,7 +85,7 @@ def test_takes_no_cpu_tensor_and_no_misfit():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="the split tiles are taken on Hopper only")
 @pytest.mark.parametrize("m", [1, 16, 64, 100, 128])
-@pytest.mark.parametrize("n,k", [(1024, 2048), (1024, 3072), (1024, 4096), (2048, 4096)])
+@pytest.mark.parametrize("n,k", [(1024, 2048), (1024, 3072), (1024, 4096), (2048, 4096), (4096, 12288)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_real_shapes_on_the_gpu(m, n, k, dtype):
     x, w, b = _operands(m, n, k, bias=m == 100, seed=m * n + k, dtype=dtype)
