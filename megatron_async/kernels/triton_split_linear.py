@@ -95,7 +95,7 @@ def split_tiles(m: int, n: int, k: int) -> SplitTiles | None:
     2,048: 1.05-1.25x) and N <= 2,048 up to 64 rows (1.07-1.17x). At K = 1,024 there is nothing to
     split (0.99-1.06x), and wider outputs fill the device without a split (N = 4,096: 0.81-1.07x),
     but at one row, where the GEMV writes the partials, for any N (Qwen3-8B's o_proj / down_proj
-    at batch 1 on an H200: 13.2 / 29.5 us on cuBLAS, 10.0 / 25.7 as the GEMV's partials)."""
+    at batch 1 on an H200: 13.3 / 29.9 us on cuBLAS, 10.2 / 25.4 as the GEMV's partials)."""
     if k < 2048 or k % (SPLITS * BLOCK_K) or m < 1:
         return None
     if not (m == 1 or m <= 128 and n <= 1024 or m <= 64 and n <= 2048):
