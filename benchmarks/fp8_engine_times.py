@@ -71,9 +71,9 @@ def run_config(name: str, args, workloads: dict, bandwidth: float, rates: dict) 
         kv_dt = torch.float8_e4m3fn if kv_dtype != "auto" else llm.dtype
         floor = decode_floor(llm.model, kv_dt, s.mean_decode_batch, mean_context_per_output_token(prompts, outputs),
                              bandwidth)
+        fp8 = prefill_flops(llm.model, prompts, sum(prompts), fp8_only=True)  # 0 without FP8 weights
         mixed = mixed_floor(llm.model, kv_dt, prefill_flops(llm.model, prompts, sum(prompts)), max(1, st.prefill_steps),
-                            st.mixed_kv_read_tokens, st.mixed_step_tokens, rates["fp8" if quantization else "bf16"],
-                            bandwidth)
+                            st.mixed_kv_read_tokens, st.mixed_step_tokens, rates["bf16"], bandwidth, fp8, rates["fp8"])
         mixed_floor_ms = 1e3 * mixed.seconds
         row[wname] = {"tok_s": s.output_tokens_per_s, "decode_ms": s.mean_decode_step_ms,
                       "decode_batch": s.mean_decode_batch,

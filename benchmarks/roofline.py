@@ -116,24 +116,29 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None
     return 2 * n**3 * iters / _seconds(lambda: a @ b, device, iters)
 
 
-def prefill_flops(model: CausalLM, prompt_lens: list[int], prefilled_tokens: int) -> float:
+def prefill_flops(model: CausalLM, prompt_lens: list[int], prefilled_tokens: int, fp8_only: bool = False) -> float:
     """Least FLOPs of prefilling ``prefilled_tokens`` tokens of these prompts: every token through
     every 2-D weight but the embedding and LM head (logits are only taken at a chunk's end) and,
     in an MoE layer, through its top-k experts' weights, and causal attention over its prefix
     (QK^T and PV) in every attention layer; the prompts' pairs are scaled by the share of their
-    tokens prefilled. Mamba scans and norms are left out (it is a floor)."""
+    tokens prefilled. Mamba scans and norms are left out (it is a floor). ``fp8_only``: only the
+    products through e4m3 weights (the FLOPs that run at the FP8 rate; an FP8 model's router and
+    attention run in 16 bits). Block scales are no weights."""
     from megatron_async.models.layers.attention_layer import Attention
     from megatron_async.models.layers.moe import MoEMixer
 
+    def counted(name: str, p: torch.Tensor) -> bool:
+        return not name.endswith("weight_scale_inv") and (not fp8_only or p.dtype == torch.float8_e4m3fn)
+
     matmul_params = 0.0
     for name, p in model.named_parameters():
-        if p.dim() == 2 and "embed" not in name and "lm_head" not in name:
+        if p.dim() == 2 and "embed" not in name and "lm_head" not in name and counted(name, p):
             matmul_params += p.numel()
     for m in model.modules():
         if isinstance(m, MoEMixer):
-            per_expert = sum(p.numel() for p in m.experts.parameters() if p.dim() == 3) / m.experts.num_local
-            matmul_params += m.gate.cfg.top_k * per_expert
-    attn_width = sum(m.num_heads * m.head_dim for m in model.modules() if isinstance(m, Attention))
+            per_expert = sum(p.numel() for name, p in m.experts.named_parameters() if p.dim() == 3 and counted(name, p))
+            matmul_params += m.gate.cfg.top_k * per_expert / m.experts.num_local
+    attn_width = 0 if fp8_only else sum(m.num_heads * m.head_dim for m in model.modules() if isinstance(m, Attention))
     total = sum(prompt_lens)
     pairs = sum(n * (n + 1) / 2 for n in prompt_lens) * (prefilled_tokens / total if total else 0.0)
     return 2.0 * matmul_params * prefilled_tokens + 4.0 * attn_width * pairs
@@ -154,11 +159,14 @@ class MixedFloor:
 
 
 def mixed_floor(model: CausalLM, dtype: torch.dtype, flops: float, steps: int, kv_read_tokens: int,
-                kv_written_tokens: int, matmul_rate: float, bandwidth: float) -> MixedFloor:
+                kv_written_tokens: int, matmul_rate: float, bandwidth: float, fp8_flops: float = 0.0,
+                fp8_rate: float = 0.0) -> MixedFloor:
     """``mixed_floor``'s mean over ``steps`` steps with a prefill chunk: ``flops`` their least FLOPs
     (``prefill_flops``), ``kv_read_tokens`` / ``kv_written_tokens`` the KV tokens their attention
     read and their rows wrote (``EngineStats.mixed_kv_read_tokens`` / ``mixed_step_tokens``);
     ``bandwidth``: a device copy's read + write bytes a second (``measure_copy_bandwidth``), against
-    which each byte read or written counts once, as in ``decode_floor``."""
+    which each byte read or written counts once, as in ``decode_floor``. ``fp8_flops`` of ``flops``
+    (``prefill_flops(..., fp8_only=True)``) count at ``fp8_rate``, the rest at ``matmul_rate``."""
     step_bytes = weight_bytes(model) + (kv_read_tokens + kv_written_tokens) * kv_bytes_per_token(model, dtype) / steps
-    return MixedFloor(flops / steps / matmul_rate, step_bytes / bandwidth)
+    flop_seconds = (flops - fp8_flops) / matmul_rate + (fp8_flops / fp8_rate if fp8_flops else 0.0)
+    return MixedFloor(flop_seconds / steps, step_bytes / bandwidth)

@@ -87,6 +87,11 @@ class Benchmark:
         self.deadline = time.perf_counter() + 60 * args.max_minutes
         self.bandwidth = measure_copy_bandwidth(self.device)
         self.matmul_flops = measure_matmul_flops(self.device, self.dtype)
+        self.fp8_flops = None  # FP8 weights: the FP8 path's rate, at which their products' floor counts
+        if args.quantization == "fp8":
+            from benchmarks.fp8_engine_times import matmul_rates
+
+            self.fp8_flops = matmul_rates(self.device)["fp8"]
         vocab = (json.loads((Path(checkpoint) / "config.json").read_text()) if checkpoint
                  else DEFAULT_CONFIGS[args.default_model])["vocab_size"]
         spec = WorkloadSpec(args.num_requests, args.prompt_len_min, args.prompt_len_max, args.output_len_min,
@@ -236,10 +241,12 @@ class Benchmark:
         )
         if res.mean_decode_step_ms:
             res.step_over_floor = res.mean_decode_step_ms / res.decode_floor_ms
-        flops = prefill_flops(llm.model, [len(r.prompt) for r in self.requests], st.prefill_tokens)
+        prompts = [len(r.prompt) for r in self.requests]
+        flops = prefill_flops(llm.model, prompts, st.prefill_tokens)
         if st.prefill_steps and res.mean_mixed_step_ms:
+            fp8 = prefill_flops(llm.model, prompts, st.prefill_tokens, fp8_only=True) if self.fp8_flops else 0.0
             mixed = mixed_floor(llm.model, self.dtype, flops, st.prefill_steps, st.mixed_kv_read_tokens,
-                                st.mixed_step_tokens, self.matmul_flops, self.bandwidth)
+                                st.mixed_step_tokens, self.matmul_flops, self.bandwidth, fp8, self.fp8_flops or 0.0)
             res.mixed_floor_ms, res.mixed_flop_floor_ms = 1e3 * mixed.seconds, 1e3 * mixed.flop_seconds
             res.mixed_over_floor = res.mean_mixed_step_ms / res.mixed_floor_ms
         tokens = [o.generated_tokens if o is not None else None for o in run.outputs]

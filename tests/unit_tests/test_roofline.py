@@ -58,3 +58,22 @@ def test_mixed_floor_adds_the_bytes_no_fusion_avoids_to_the_flops():
     assert floor.flop_seconds == 2.0
     assert floor.byte_seconds == (3 * weight_bytes(model) + 1200 * kv) / 3 / 1e9
     assert floor.seconds == floor.flop_seconds + floor.byte_seconds
+
+
+def test_fp8_flops_are_the_products_through_e4m3_weights():
+    """An FP8 model's floor counts its e4m3 weights' products at the FP8 rate and the rest (the
+    router, attention) at the 16-bit rate; block scales are no weights."""
+    from benchmarks.roofline import mixed_floor
+
+    cfg = DEFAULT_CONFIGS["tiny-moe"]
+    h, heads, d, layers = (cfg[k] for k in ("hidden_size", "num_attention_heads", "head_dim", "num_hidden_layers"))
+    moe_layers = layers - len(cfg["mlp_only_layers"])
+    plain, fp8 = build_default_model("tiny-moe"), build_default_model("tiny-moe", quantization="fp8")
+    total = prefill_flops(plain, [4], 4)
+    assert prefill_flops(fp8, [4], 4) == total
+    router, attention = 2 * moe_layers * h * cfg["num_experts"] * 4, 4 * layers * heads * d * 10
+    assert prefill_flops(fp8, [4], 4, fp8_only=True) == total - router - attention
+    assert prefill_flops(plain, [4], 4, fp8_only=True) == 0
+    floor = mixed_floor(fp8, torch.float32, flops=6e12, steps=2, kv_read_tokens=0, kv_written_tokens=0,
+                        matmul_rate=1e12, bandwidth=1e9, fp8_flops=4e12, fp8_rate=2e12)
+    assert floor.flop_seconds == (2e12 / 1e12 + 4e12 / 2e12) / 2
