@@ -126,7 +126,8 @@ def test_decode_size_projection_hands_its_k_split_partials_to_the_fused_sum(monk
 
 def test_a_tp_ranks_qkv_asks_for_split_partials_only_at_tp_without_bias_or_fp8(monkeypatch):
     """``QKVParallelLinear.tp_split``: the TP rank's tiles asked for (the model's split_k switch
-    passed on) at TP > 1 on a bf16 weight without bias; None at TP=1 or with a bias."""
+    passed on) at TP > 1 on a bf16 weight without bias, and at TP=1 for one row (the GEMV's
+    partials); None for more rows at TP=1 or with a bias."""
     from megatron_async.parallel.linear import QKVParallelLinear
 
     asked = []
@@ -139,3 +140,4 @@ def test_a_tp_ranks_qkv_asks_for_split_partials_only_at_tp_without_bias_or_fp8(m
 
     assert qkv(2).tp_split(x, split_k=False) == "parts" and asked == [((16, 16), None, False, True)]
     assert qkv(1).tp_split(x) is None and qkv(2, bias=True).tp_split(x) is None and len(asked) == 1
+    assert qkv(1).tp_split(x[:1]) == "parts" and asked[-1] == ((32, 16), None, True, True)  # every head at TP=1
