@@ -16,7 +16,8 @@ import statistics
 import torch
 
 from benchmarks.kernel_times.paged_attention import graph_ms
-from megatron_async.kernels.triton_decode_attention import choose_num_splits, decode_attention
+from megatron_async.kernels.decode_splits import choose_num_splits
+from megatron_async.kernels.triton_decode_attention import decode_attention
 from tests.helpers.paged_attention_cases import make_case
 
 KEYS = ("4096", "1024-8192", "16384")

@@ -25,7 +25,8 @@ import torch
 from benchmarks.cuda_timing import graph_call_us, host_us, median_ms
 from benchmarks.roofline import measure_copy_bandwidth
 from megatron_async.kernels import attention_torch, attention_triton
-from megatron_async.kernels.triton_decode_attention import choose_num_splits, decode_attention
+from megatron_async.kernels.decode_splits import choose_num_splits
+from megatron_async.kernels.triton_decode_attention import decode_attention
 from tests.helpers.paged_attention_cases import PagedCase, decode_rows, make_case, mixed_rows
 
 HEADS, KV_HEADS, HEAD_DIM, MAX_LEN = 16, 8, 128, 2048

@@ -32,25 +32,21 @@ widen the tiles to fp32.
 """
 from __future__ import annotations
 
-from fractions import Fraction
-
 import torch
 import triton
 import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels import launch_limits
+from megatron_async.kernels.decode_splits import choose_num_splits
 from megatron_async.kernels.triton_fp8_act import QuantizedRows, attention_outputs, store_heads_quantized
 from megatron_async.kernels.triton_fp8_common import emulate
 from megatron_async.kernels.triton_paged_common import (
-    check_cache, dot_args, kv_scale_args, kv_tile_rows, load_kv, load_q_pairs, num_compute_units, q_as_pairs,
+    check_cache, dot_args, kv_scale_args, kv_tile_rows, load_kv, load_q_pairs, q_as_pairs,
     widen_e4m3_pairs,
 )
 
 _LOG2E = 1.4426950408889634
-_MAX_SPLITS = 64
-_MIN_TOKENS_PER_SPLIT = 128
-"""Fewer keys per split than this is not worth a program plus its share of the merge."""
 
 
 @triton.jit
@@ -277,38 +273,6 @@ def _decode_merge_kernel(
     else:
         tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
                  mask=d_mask)
-
-
-def choose_num_splits(num_rows: int, num_kv_heads: int, max_blocks_per_row: int, block_size: int,
-                      device: torch.device) -> int:
-    """Split count for a decode step, from shapes only (graph-safe, see the module docstring).
-    A step whose rows x KV heads come within 10 % of two programs an SM (the kernel's residency)
-    keeps one split: 256 programs on 132 SMs ran 4-25 % faster unsplit, without the merge kernel,
-    and 248 (124 rows of a TP=4 rank's two KV heads) 34.4 against 36.4 us split in two. Below
-    that, of the split counts from the fewest that reach 90 % of one fill up to twice the count
-    that fills it once, capped so a full-length row (the block table's width) keeps
-    >= _MIN_TOKENS_PER_SPLIT keys a split, the fewest whose last wave of programs is within 5 %
-    of the fullest (``_wave_fill``). A partly filled last wave costs a whole wave: 16 rows x 8 KV
-    heads on an H200 took 86 us split three ways (384 programs on 264 places) and 75 split two
-    ways, 20 rows 115 / 94 (two / three ways), 12 rows of 16k keys 288 / 201 (three / five ways);
-    and every split past those a wave needs costs its program and its share of the merge: 8 rows
-    of a TP=4 rank's two KV heads, 100-1,152 keys, 16.3 us on 33 splits, 10.2 on 10
-    (``kernel-times decode-splits``, docs/PERFORMANCE.md)."""
-    programs, fill = max(1, num_rows * num_kv_heads), 2 * num_compute_units(device)
-    if programs >= 0.9 * fill:
-        return 1
-    cap = min(triton.cdiv(max_blocks_per_row * block_size, _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS)
-    lo = max(2, triton.cdiv(9 * fill, 10 * programs))
-    if cap <= lo:
-        return max(1, cap)
-    counts = range(lo, min(2 * triton.cdiv(fill, programs), cap) + 1)
-    best = max(_wave_fill(programs * s, fill) for s in counts)
-    return min(s for s in counts if _wave_fill(programs * s, fill) >= best - Fraction(1, 20))
-
-
-def _wave_fill(programs: int, places: int) -> Fraction:
-    """The share of the programs' waves (``places`` programs each) that holds a program."""
-    return Fraction(programs, places * triton.cdiv(programs, places))
 
 
 def _tiles(head_dim: int, pairs: bool, block_n: int | None, num_stages: int | None,

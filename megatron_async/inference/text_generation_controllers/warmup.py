@@ -159,7 +159,7 @@ def _decode_split_count(runner):
     ctx = runner.context
     if not runner.model.kernels.triton_attention or not ctx.device.is_cuda:
         return None
-    from megatron_async.kernels.triton_decode_attention import choose_num_splits
+    from megatron_async.kernels.decode_splits import choose_num_splits
 
     spec = runner.model.kv_cache_spec()
     dev = ctx.device.device

@@ -147,7 +147,7 @@ def test_decode_split_count_rule(monkeypatch):
     wave comes within 5 % of the fullest (264 places on a 132-SM device) on the fewest splits,
     between the fewest that reach 90 % of one fill and twice the count that fills it once, capped
     at >= 128 keys a split."""
-    from megatron_async.kernels import triton_decode_attention as dec
+    from megatron_async.kernels import decode_splits as dec
 
     monkeypatch.setattr(dec, "num_compute_units", lambda device: 132)
     dev = torch.device(DEVICE)

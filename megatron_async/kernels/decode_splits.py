@@ -1,0 +1,46 @@
+"""How many key splits the decode attention runs (``triton_decode_attention``): a function of the
+step's shapes only, so a CUDA graph captured at a batch size replays with its capture's split."""
+from __future__ import annotations
+
+from fractions import Fraction
+
+import torch
+import triton
+
+from megatron_async.kernels.triton_paged_common import num_compute_units
+
+_MAX_SPLITS = 64
+_MIN_TOKENS_PER_SPLIT = 128
+"""Fewer keys per split than this is not worth a program plus its share of the merge."""
+
+
+def choose_num_splits(num_rows: int, num_kv_heads: int, max_blocks_per_row: int, block_size: int,
+                      device: torch.device) -> int:
+    """Split count for a decode step, from shapes only (graph-safe, see the module docstring).
+    A step whose rows x KV heads come within 10 % of two programs an SM (the kernel's residency)
+    keeps one split: 256 programs on 132 SMs ran 4-25 % faster unsplit, without the merge kernel,
+    and 248 (124 rows of a TP=4 rank's two KV heads) 34.4 against 36.4 us split in two. Below
+    that, of the split counts from the fewest that reach 90 % of one fill up to twice the count
+    that fills it once, capped so a full-length row (the block table's width) keeps
+    >= _MIN_TOKENS_PER_SPLIT keys a split, the fewest whose last wave of programs is within 5 %
+    of the fullest (``_wave_fill``). A partly filled last wave costs a whole wave: 16 rows x 8 KV
+    heads on an H200 took 86 us split three ways (384 programs on 264 places) and 75 split two
+    ways, 20 rows 115 / 94 (two / three ways), 12 rows of 16k keys 288 / 201 (three / five ways);
+    and every split past those a wave needs costs its program and its share of the merge: 8 rows
+    of a TP=4 rank's two KV heads, 100-1,152 keys, 16.3 us on 33 splits, 10.2 on 10
+    (``kernel-times decode-splits``, docs/PERFORMANCE.md)."""
+    programs, fill = max(1, num_rows * num_kv_heads), 2 * num_compute_units(device)
+    if programs >= 0.9 * fill:
+        return 1
+    cap = min(triton.cdiv(max_blocks_per_row * block_size, _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS)
+    lo = max(2, triton.cdiv(9 * fill, 10 * programs))
+    if cap <= lo:
+        return max(1, cap)
+    counts = range(lo, min(2 * triton.cdiv(fill, programs), cap) + 1)
+    best = max(_wave_fill(programs * s, fill) for s in counts)
+    return min(s for s in counts if _wave_fill(programs * s, fill) >= best - Fraction(1, 20))
+
+
+def _wave_fill(programs: int, places: int) -> Fraction:
+    """The share of the programs' waves (``places`` programs each) that holds a program."""
+    return Fraction(programs, places * triton.cdiv(programs, places))
