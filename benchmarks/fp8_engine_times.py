@@ -29,24 +29,34 @@ def greedy(r: WorkloadRequest) -> SamplingParams:
 
 
 def matmul_rates(device: torch.device) -> dict[str, float]:
-    """FLOP/s of an 8192^3 matmul: bf16 cuBLAS, and the best FP8 path (Triton W8A8, or
-    ``torch._scaled_mm`` where its block-scaled recipe runs), activation quantization included."""
+    """FLOP/s of an 8192^3 matmul: bf16 cuBLAS, and the best FP8 path (``fp8_matmul_rate``); fixed
+    stand-ins on CPU (plumbing only)."""
+    from benchmarks.cuda_timing import median_ms
+
+    if device.type != "cuda":
+        return {"bf16": 1e12, "fp8": 2e12}
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return {"bf16": 2 * n**3 / (median_ms(lambda: a @ w.t(), 10) / 1e3), "fp8": fp8_matmul_rate(device)}
+
+
+def fp8_matmul_rate(device: torch.device) -> float | None:
+    """FLOP/s of an 8192^3 matmul on the best FP8 path (Triton W8A8, or ``torch._scaled_mm`` where
+    its block-scaled recipe runs), activation quantization included; None off CUDA (no FP8 units)."""
     from benchmarks.cuda_timing import median_ms
     from benchmarks.fp8_kernel_times import scaled_mm_runs
     from megatron_async.kernels import fp8_quant as fq, triton_fp8_gemm as tg
 
-    n = 8192 if device.type == "cuda" else 256
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    w = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    q, s = fq.quantize_weight(w)
     if device.type != "cuda":
-        return {"bf16": 1e12, "fp8": 2e12}
-    rates = {"bf16": 2 * n**3 / (median_ms(lambda: a @ w.t(), 10) / 1e3)}
+        return None
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    q, s = fq.quantize_weight(torch.randn(n, n, device=device, dtype=torch.bfloat16))
     fp8 = [median_ms(lambda: tg.fp8_linear(a, q, s), 10)]
     if scaled_mm_runs(device) is None:
         fp8.append(median_ms(lambda: tg.scaled_mm_linear(a, q, s), 10))
-    rates["fp8"] = 2 * n**3 / (min(fp8) / 1e3)
-    return rates
+    return 2 * n**3 / (min(fp8) / 1e3)
 
 
 def run_config(name: str, args, workloads: dict, bandwidth: float, rates: dict) -> dict:

@@ -87,11 +87,11 @@ class Benchmark:
         self.deadline = time.perf_counter() + 60 * args.max_minutes
         self.bandwidth = measure_copy_bandwidth(self.device)
         self.matmul_flops = measure_matmul_flops(self.device, self.dtype)
-        self.fp8_flops = None  # FP8 weights: the FP8 path's rate, at which their products' floor counts
+        self.fp8_flops = None  # FP8 weights on CUDA: the FP8 path's rate, at which their products' floor counts
         if args.quantization == "fp8":
-            from benchmarks.fp8_engine_times import matmul_rates
+            from benchmarks.fp8_engine_times import fp8_matmul_rate
 
-            self.fp8_flops = matmul_rates(self.device)["fp8"]
+            self.fp8_flops = fp8_matmul_rate(self.device)
         vocab = (json.loads((Path(checkpoint) / "config.json").read_text()) if checkpoint
                  else DEFAULT_CONFIGS[args.default_model])["vocab_size"]
         spec = WorkloadSpec(args.num_requests, args.prompt_len_min, args.prompt_len_max, args.output_len_min,
