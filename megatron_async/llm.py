@@ -163,6 +163,7 @@ class LLM:
                                                     self.quantization, reader)  # engine.suspend frees the weights
         self.model.eval()
         self.model.kernels = kernels  # this model's kernels, not the process's
+        self.model.kernels = replace(kernels, flashinfer_prefill=self._flashinfer_prefill(choice))
         if self.config.enable_lora:  # adapter slots before graphs, warm-up and the snapshot layout
             LoRAAdapters.attach(self.model, self.config.lora())
         if choice.batch_invariant:
@@ -251,6 +252,27 @@ class LLM:
         from megatron_async.kernels.triton_prefill_common import LONG_TILE_MIN_QUERY, long_tiles_pay
 
         return LONG_TILE_MIN_QUERY if long_tiles_pay(self.device) else 0
+
+    def _flashinfer_prefill(self, choice) -> bool:
+        """Whether long-tile steps run their long rows on FlashInfer's FA3 kernel: the switch on, the
+        long tiles on (``_long_tile_min_query``), the kernel usable for this model here and loaded
+        (built on first use; a failed build or load leaves every row on Triton, with a warning)."""
+        if not (choice.flashinfer_prefill and self._long_tile_min_query(choice)):
+            return False
+        from megatron_async.kernels import flashinfer_prefill
+
+        head_dim = self.model.kv_cache_spec().head_dim
+        why = flashinfer_prefill.unusable(self.device, self.dtype, head_dim)
+        if why is not None:
+            log.info("long prefill rows on the Triton attention: %s", why)
+            return False
+        try:
+            flashinfer_prefill.module(self.dtype, head_dim)
+        except Exception as e:  # noqa: BLE001 (a JIT build without nvcc, a version FlashInfer's API moved in)
+            log.warning("FlashInfer's FA3 prefill kernel did not load (%s: %s); long prefill rows stay on Triton",
+                        type(e).__name__, e)
+            return False
+        return True
 
     def _plans_memory(self) -> bool:
         """CUDA without a KV size in the config: the pool is planned from measured memory."""

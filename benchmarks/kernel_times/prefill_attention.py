@@ -13,10 +13,14 @@ read what the step's new keys were before the append), at 16-token pages only.
 
     python -m benchmarks kernel-times prefill-attention [--iters 10] [--heads 16 8 32 8] [--block-sizes 16 64 128]
     python -m benchmarks kernel-times prefill-attention --kernels pointer wide   # a subset of the variants
+
+With ``flashinfer`` importable on an H100 / H200, also the engine's long-tile step on FlashInfer's
+FA3 kernel (``flashinfer_prefill``: rows of 128+ tokens on FA3, one-token rows on the decode kernel).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.kernel_times.paged_attention import attention_flops, graph_ms
-from megatron_async.kernels import attention_triton, launch_limits
+from megatron_async.kernels import attention_triton, flashinfer_prefill, launch_limits
 from megatron_async.kernels.triton_prefill_attention import prefill_attention
 from megatron_async.kernels.triton_prefill_common import HOPPER_LONG, PrefillLaunch, fitted_launch, prefill_launch
 from tests.helpers.paged_attention_cases import PagedCase, make_case
@@ -102,12 +106,17 @@ def build(rows: list[tuple[int, int]], heads: tuple[int, int], block_size: int) 
     return case
 
 
-def measure(launch: PrefillLaunch | None, steps: list, iters: int) -> tuple[list[float], float] | str:
-    """(TFLOP/s per step, largest error) of one launch, or why it failed."""
+def measure(launch: PrefillLaunch | None, steps: list, iters: int, flashinfer_rows: bool = False
+            ) -> tuple[list[float], float] | str:
+    """(TFLOP/s per step, largest error) of one launch, or why it failed. ``flashinfer_rows``: the
+    engine's long-tile step with FlashInfer's FA3 kernel (its long rows on FA3, one-token rows on the
+    decode kernel, the rest on ``launch``)."""
     tflops, err = [], 0.0
     try:
         for case, ref, flops, _ in steps:
-            fn = functools.partial(prefill_attention, case.q, case.kv_cache, case.meta, case.scale, launch=launch)
+            meta = dataclasses.replace(case.meta, long_tiles=True) if flashinfer_rows else case.meta
+            fn = functools.partial(prefill_attention, case.q, case.kv_cache, meta, case.scale, launch=launch,
+                                   flashinfer_rows=flashinfer_rows)
             err = max(err, (fn().float() - ref).abs().max().item())
             tflops.append(flops / (graph_ms(fn, iters) * 1e-3) / 1e12)
     except Exception as e:  # noqa: BLE001 (out of resources, a compile error, an unusable variant)
@@ -173,7 +182,7 @@ def sweep(heads: tuple[int, int], block_size: int, iters: int, kernels: list[str
     results, seen = [], set()
     for launch in candidates(block_size):
         asked = launch or default
-        if asked.kernel not in kernels and launch is not None:
+        if asked.kernel not in kernels and launch not in (None, HOPPER_LONG):
             continue
         name = ("default " if launch is None else "") + label(asked)
         ran = fitted_launch(asked, 1 << (group - 1).bit_length(), HEAD_DIM, 2, 2, limits)
@@ -190,6 +199,14 @@ def sweep(heads: tuple[int, int], block_size: int, iters: int, kernels: list[str
         flag = "  WRONG" if not err <= BAD_ERROR else ""
         print(f"  {name:<48} " + " ".join(f"{t:6.0f}" for t in tflops) + f"  {err:.1e}{flag}", flush=True)
         results.append((name, tflops, err, launch is None, False))
+    if flashinfer_prefill.unusable(torch.device("cuda"), torch.bfloat16, HEAD_DIM) is None:
+        name = "FlashInfer FA3 + decode kernel + HOPPER_LONG"
+        got = measure(HOPPER_LONG, steps, iters, flashinfer_rows=True)
+        if isinstance(got, str):
+            print(f"  {name:<48} failed: {got}", flush=True)
+        else:
+            print(f"  {name:<48} " + " ".join(f"{t:6.0f}" for t in got[0]) + f"  {got[1]:.1e}", flush=True)
+            results.append((name, got[0], got[1], False, False))
     return results + (peer_rows(steps, iters) if block_size == 16 else [])
 
 
@@ -211,7 +228,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pairs of query / KV heads (default: 16 8 and 32 8)")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 128], help="KV page sizes, tokens")
     parser.add_argument("--kernels", nargs="+", default=["pointer", "wide", "tma"],
-                        help="the variants to sweep (the default launch always runs)")
+                        help="the variants to sweep (the default launch and HOPPER_LONG always run)")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -117,6 +117,25 @@ def _add_lora_args(g) -> None:
                         "(InferenceConfig.lora_experts; memory per expert, docs/LORA.md)")
 
 
+def _add_kernel_switches(g) -> None:
+    """The A/B switches of single kernels (InferenceConfig's kernel fields)."""
+    g.add_argument("--no-split-linear", action="store_true",
+                   help="TP=1 CUDA: every output projection on cuBLAS, none leaves its K-split sum to the next norm "
+                        "(InferenceConfig.split_linear=False; default: split where the kernel's tiles take the shape)")
+    g.add_argument("--long-prefill-tiles", action=argparse.BooleanOptionalAction, default=None,
+                   help="a step whose longest prompt chunk has 2,048+ tokens runs the prefill attention's 128 x 64 "
+                        "tiles, a CUDA-graph variant of its own (InferenceConfig.long_prefill_tiles; default on)")
+    g.add_argument("--no-flashinfer-prefill", action="store_true",
+                   help="long-tile steps keep every row on the Triton prefill attention, none on FlashInfer's FA3 kernel "
+                        "(InferenceConfig.flashinfer_prefill=False; default: FA3 for rows of 128+ tokens where importable)")
+    g.add_argument("--no-moe-grouped-mm", action="store_true",
+                   help="Triton MoE: every batch on the fused Triton MoE, none as grouped GEMMs (InferenceConfig."
+                        "moe_grouped_mm=False; default: prefill-size batches on Hopper / Blackwell as grouped GEMMs)")
+    g.add_argument("--no-moe-triton-grouped-gemm", action="store_true",
+                   help="grouped MoE experts: GEMMs on torch's CUTLASS grouped GEMM (FP8: the fused FP8 MoE) at every "
+                        "size (InferenceConfig.moe_triton_grouped_gemm=False; default: Triton from 256 pairs an expert)")
+
+
 def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None:
     """``mode_flags=False`` leaves out --serial / --cuda-graphs (the benchmark sets them per mode)."""
     g = p.add_argument_group("engine (InferenceConfig)")
@@ -145,18 +164,7 @@ def add_engine_args(p: argparse.ArgumentParser, mode_flags: bool = True) -> None
     g.add_argument("--no-tp-fused-norm", action="store_true",
                    help="P2P path: keep the TP all-reduce and the next add + RMSNorm as two kernels "
                         "(InferenceConfig.tp_fused_norm=False)")
-    g.add_argument("--no-split-linear", action="store_true",
-                   help="TP=1 CUDA: every output projection on cuBLAS, none leaves its K-split sum to the next norm "
-                        "(InferenceConfig.split_linear=False; default: split where the kernel's tiles take the shape)")
-    g.add_argument("--long-prefill-tiles", action=argparse.BooleanOptionalAction, default=None,
-                   help="a step whose longest prompt chunk has 2,048+ tokens runs the prefill attention's 128 x 64 "
-                        "tiles, a CUDA-graph variant of its own (InferenceConfig.long_prefill_tiles; default on)")
-    g.add_argument("--no-moe-grouped-mm", action="store_true",
-                   help="Triton MoE: every batch on the fused Triton MoE, none as grouped GEMMs (InferenceConfig."
-                        "moe_grouped_mm=False; default: prefill-size batches on Hopper / Blackwell as grouped GEMMs)")
-    g.add_argument("--no-moe-triton-grouped-gemm", action="store_true",
-                   help="grouped MoE experts: GEMMs on torch's CUTLASS grouped GEMM (FP8: the fused FP8 MoE) at every "
-                        "size (InferenceConfig.moe_triton_grouped_gemm=False; default: Triton from 256 pairs an expert)")
+    _add_kernel_switches(g)
     g.add_argument("--num-speculative-tokens", type=checked(int, 0, name="int"), default=None,
                    help="speculative decoding: drafts verified per decode row (default 0: off)")
     g.add_argument("--speculative-method", choices=["mtp", "ngram"], default=None,
@@ -291,6 +299,7 @@ def inference_config_from_args(args: argparse.Namespace, **overrides) -> Inferen
         "tp_fused_norm": not getattr(args, "no_tp_fused_norm", False),
         "split_linear": not getattr(args, "no_split_linear", False),
         "long_prefill_tiles": getattr(args, "long_prefill_tiles", None),
+        "flashinfer_prefill": not getattr(args, "no_flashinfer_prefill", False),
         "moe_grouped_mm": not getattr(args, "no_moe_grouped_mm", False),
         "moe_triton_grouped_gemm": not getattr(args, "no_moe_triton_grouped_gemm", False),
         "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),

@@ -73,6 +73,13 @@ class KernelFields:
     On by default (one H200: 32 prompts of 8-16k on the 0.6B 696 against 661 out tok/s, a 16k-token
     Qwen3-8B prompt's first token 525 against 553 ms); False: every step on the default tiles."""
 
+    flashinfer_prefill: bool = True
+    """With the long prefill tiles, where the ``flashinfer`` package is importable on an H100 / H200
+    (bf16 / fp16 cache and queries, head_dim 64 / 128 / 256): a long-tile step's rows of 128+ query
+    tokens run FlashInfer's FlashAttention-3 kernel (kernels/flashinfer_prefill.py), its other rows
+    the Triton kernel. FlashInfer builds the kernel on first use (minutes, then cached); a build or
+    load that fails leaves every row on Triton, with a warning. False: Triton only (A/B)."""
+
     moe_grouped_mm: bool = True
     """Triton MoE on Hopper / Blackwell: prefill-size batches (more than 32 (token, expert) pairs an
     expert) run the experts as grouped GEMMs (kernels/moe_grouped_mm.py) instead of the fused

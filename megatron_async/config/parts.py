@@ -79,6 +79,7 @@ class KernelChoice:
     startup_kernel_lists: bool = False
     split_linear: bool = True
     long_prefill_tiles: bool = True
+    flashinfer_prefill: bool = True
     moe_grouped_mm: bool = True
     moe_triton_grouped_gemm: bool = True
 

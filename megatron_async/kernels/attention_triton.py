@@ -28,6 +28,7 @@ def attend(
     fixed_order: bool = False,
     kv_scale: torch.Tensor | None = None,
     quantize: bool = False,
+    flashinfer_rows: bool = False,
 ) -> torch.Tensor:
     """Append k/v ([T, KVH, D]; None: already in the cache) at ``meta.slot_mapping[:T]``, then attend q ([T, H, D]) over
     each row's paged KV. Returns [T, H, D] in q's dtype.
@@ -41,11 +42,13 @@ def attend(
 
     An e4m3 cache: ``kv_scale`` [2, KVH] (keys, values) quantizes the append and is folded into
     the kernels' softmax scale and output. ``quantize`` (D = 128, not with ``fixed_order``): the
-    output's [T, H * D] rows quantized for an FP8 o projection by the kernel (``QuantizedRows``)."""
+    output's [T, H * D] rows quantized for an FP8 o projection by the kernel (``QuantizedRows``).
+    ``flashinfer_rows``: a long-tile step's long rows on FlashInfer's FA3 kernel (``prefill_attention``)."""
     if k is not None:  # None: the rope kernel stored them already
         append_kv(kv_cache, k, v, meta.slot_mapping, kv_scale)
     if fixed_order:
         return invariant_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
     if meta.is_decode_only:
         return decode_attention(q, kv_cache, meta, scale, kv_scale=kv_scale, quantize=quantize)
-    return prefill_attention(q, kv_cache, meta, scale, kv_scale=kv_scale, quantize=quantize)
+    return prefill_attention(q, kv_cache, meta, scale, kv_scale=kv_scale, quantize=quantize,
+                             flashinfer_rows=flashinfer_rows)

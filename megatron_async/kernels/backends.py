@@ -30,6 +30,9 @@ class KernelBackends:
         """The output projections' K-split path: ``fused`` and ``split_linear``."""
         return self.fused and self.split_linear
 
+    flashinfer_prefill: bool = False
+    """With Triton attention: a long-tile step's long rows on FlashInfer's FA3 kernel
+    (``flashinfer_prefill``); set by the engine once the kernel loaded (``InferenceConfig.flashinfer_prefill``)."""
     moe_grouped_mm: bool = True
     """With ``triton_moe``: prefill-size batches may run the experts as grouped GEMMs
     (``moe_experts.fused_experts``; ``InferenceConfig.moe_grouped_mm``)."""

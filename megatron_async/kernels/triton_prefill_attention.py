@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_async.forward_batch import AttentionMetadata
-from megatron_async.kernels import launch_limits
+from megatron_async.kernels import flashinfer_prefill, launch_limits
 from megatron_async.kernels.triton_fp8_act import QuantizedRows, attention_outputs
 from megatron_async.kernels.triton_fp8_common import emulate
 from megatron_async.kernels.triton_paged_common import (
@@ -215,26 +215,23 @@ def prefill_attention(
     kv_scale: torch.Tensor | None = None,
     quantize: bool = False,
     launch: PrefillLaunch | None = None,
+    flashinfer_rows: bool = False,
 ) -> torch.Tensor | QuantizedRows:
-    """Causal attention of packed queries q [T, H, D] (rows as in ``meta``) over each row's
-    paged KV (already appended). Returns [T, H, D] in q's dtype, or with ``quantize`` (D = 128, not
-    with ``fixed_order``) its [T, H * D] rows quantized for an FP8 o projection in the same kernel.
-
+    """Causal attention of packed queries q [T, H, D] (rows as in ``meta``) over each row's paged KV
+    (already appended). Returns [T, H, D] in q's dtype, or with ``quantize`` (D = 128, not with
+    ``fixed_order``) its [T, H * D] rows quantized for an FP8 o projection in the same kernel.
     ``launch``: tiles, warps, stages, register cap and kernel variant (default ``prefill_launch``, the
-    long-row one where ``meta.long_tiles``;
-    an explicit one its kernel cannot run raises ValueError, the default falls back to the pointer
-    kernel's). ``block_q`` / ``block_n`` / ``num_warps`` / ``num_stages`` / ``maxnreg`` override its
-    query-token and key tile sizes and launch settings (tests, sweeps).
-    ``fixed_order``: the batch-invariant kernel instead (``triton_invariant_attention``; no tile arguments).
-    ``heads_fastest``: the grid's first axis is the KV head, so the programs of one query tile start together
-    (7 % faster on a mixed step: a token's heads share one cache record; ``kernel-times paged-attention
-    --grid-order``); same bits. ``kv_scale`` [2, KVH]: an e4m3 cache's key / value scales."""
+    long-row one where ``meta.long_tiles``; an explicit one its kernel cannot run raises ValueError,
+    the default falls back to the pointer kernel's). ``block_q`` / ``block_n`` / ``num_warps`` /
+    ``num_stages`` / ``maxnreg`` override its tiles and launch settings (tests, sweeps). ``fixed_order``:
+    the batch-invariant kernel instead (``triton_invariant_attention``; no tile arguments).
+    ``heads_fastest``: the grid's first axis is the KV head, so the programs of one query tile start
+    together (7 % faster on a mixed step: a token's heads share one cache record; ``kernel-times
+    paged-attention --grid-order``); same bits. ``kv_scale`` [2, KVH]: an e4m3 cache's scales.
+    ``flashinfer_rows``: in a long-tile step of a 16-bit cache, rows of ``flashinfer_prefill.MIN_QUERY``+
+    tokens run FlashInfer's FA3 kernel, one-token rows the decode kernel, the others this one."""
     if fixed_order:
-        if quantize:
-            raise ValueError("prefill_attention: the batch-invariant kernel returns its output unquantized")
-        from megatron_async.kernels.triton_invariant_attention import invariant_attention
-
-        return invariant_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
+        return _invariant(q, kv_cache, meta, scale, kv_scale, quantize)
     check_cache(kv_cache, q)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -259,7 +256,8 @@ def prefill_attention(
     block_q = launch.rows // block_g
     q_arg = q_as_pairs(q) if pairs else q
     tiles = num_tokens // block_q + meta.num_rows
-    schedule = tile_schedule(meta, block_q, tiles)
+    schedule = _rows_here(q, kv_cache, meta, scale, out, block_q, tiles,
+                          flashinfer_rows and meta.long_tiles and not fp8 and rows_q is None)
     heads_fastest = heads_fastest and tiles < 65536  # the grid's 2nd axis holds at most 65,535
     grid = (num_kv_heads, tiles) if heads_fastest else (tiles, num_kv_heads)
     settings = dict(num_warps=launch.num_warps, num_stages=launch.num_stages,
@@ -280,6 +278,27 @@ def prefill_attention(
         USE_ASM=not emulate(_prefill_kernel), **quant_args, **settings,
     )
     return out if rows_q is None else rows_q
+
+
+def _invariant(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               kv_scale: torch.Tensor | None, quantize: bool) -> torch.Tensor:
+    """``fixed_order``: the batch-invariant kernel, whose output is never quantized."""
+    if quantize:
+        raise ValueError("prefill_attention: the batch-invariant kernel returns its output unquantized")
+    from megatron_async.kernels.triton_invariant_attention import invariant_attention
+
+    return invariant_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
+
+
+def _rows_here(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+              block_q: int, tiles: int, split: bool) -> torch.Tensor:
+    """The tile schedule of the rows this kernel runs: all, or with ``split`` those of 2 to
+    ``MIN_QUERY`` - 1 tokens, the longer ones run first on FA3 and the one-token rows on the decode kernel."""
+    if not split:
+        return tile_schedule(meta, block_q, tiles)
+    flashinfer_prefill.attend_long_rows(q, kv_cache, meta, scale, out)
+    flashinfer_prefill.attend_decode_rows(q, kv_cache, meta, scale, out)
+    return tile_schedule(meta, block_q, tiles, min_query=2, max_query=flashinfer_prefill.MIN_QUERY - 1)
 
 
 def _launch_wide(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, schedule: torch.Tensor,

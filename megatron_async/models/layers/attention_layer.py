@@ -80,7 +80,7 @@ class Attention(nn.Module):
                 q, k = self._rotate(q, *step.rope), self._rotate(k, *step.rope)
         quantize = not inv and lora is None and self._quantizes_output(T, q, kernels)
         out = attend(q, k, v, kv_cache, step.batch.attn, self.head_dim**-0.5, inv, kernels.attention, self.kv_scale,
-                     quantize)
+                     quantize, kernels.flashinfer_prefill)
         return self.o_proj(out.reshape(T, self.q_size) if isinstance(out, torch.Tensor) else out, inv, kernels.split_k,
                            lora)
 

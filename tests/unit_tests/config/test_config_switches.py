@@ -84,6 +84,8 @@ def test_split_k_needs_the_fused_kernels_and_the_switch():
     ([], "long_prefill_tiles", True),
     (["--long-prefill-tiles"], "long_prefill_tiles", True),
     (["--no-long-prefill-tiles"], "long_prefill_tiles", False),
+    ([], "flashinfer_prefill", True),
+    (["--no-flashinfer-prefill"], "flashinfer_prefill", False),
 ])
 def test_command_line_flags_set_the_switches(flags, field, value):
     import argparse

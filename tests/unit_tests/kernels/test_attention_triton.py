@@ -207,7 +207,7 @@ def test_prefill_schedule_order_changes_no_bits():
     slots = case.meta.num_tokens // block_q + case.meta.num_rows
     out = prefill_attention(case.q, case.kv_cache, case.meta, case.scale, block_q=block_q)
     (key,) = case.meta.scratch
-    assert key == ("prefill_schedule", block_q, slots)
+    assert key == ("prefill_schedule", block_q, slots, 0, 2**31 - 1)
     case.meta.scratch[key] = tile_schedule(case.meta, block_q, slots).flip(0)  # empty slots first, shortest tiles next
     flipped = prefill_attention(case.q, case.kv_cache, case.meta, case.scale, block_q=block_q)
     assert torch.equal(out, flipped)

@@ -1,0 +1,180 @@
+"""A prefill step's long rows on FlashInfer's FlashAttention-3 kernel (sm_90a: warp-specialized
+wgmma with TMA, a persistent grid of one program an SM), where the ``flashinfer`` package is
+importable; the step's other rows stay on the Triton prefill kernel (``triton_prefill_attention``).
+
+The kernel runs work items (query head, row, 128-query tile) from lists that say which program
+runs which: FlashInfer plans them on the host (``PrefillSM90Plan``) and copies them in per call.
+Here ``_work_lists`` writes them on the device from the step's tile schedule (``tile_schedule``:
+tiles most keys first), inside the step's CUDA graph and shared by every layer, so the step keeps
+its one host-to-device copy and the host reads no lengths. Items are dealt to the programs in
+snake order (most keys first, the direction turning each round), FlashInfer's cost-sorted
+dealing without its heap.
+
+The kernel reads the cache through the step's block table as FlashInfer's page indices (a row's
+pages start at row * the table's stride) and each item's key count from the lists: causal,
+bottom-right (a row's queries are the last of its keys), as the Triton kernels. bf16 / fp16 caches
+and queries, head_dim 64 / 128 / 256; not the e4m3 cache, not batch-invariant mode (its own
+kernels), not an output quantized for an FP8 o projection.
+
+The step's one-token rows run the split-K decode kernel (``attend_decode_rows``): alone, without
+the prompts' tiles to overlap, the prefill kernel's one program a row and KV head streams a long
+row's keys at a fraction of the memory bandwidth that key splits reach."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_async.forward_batch import AttentionMetadata
+from megatron_async.kernels.triton_decode_attention import decode_attention
+from megatron_async.kernels.triton_tile_schedule import tile_schedule
+
+log = logging.getLogger(__name__)
+
+TILE_Q = 128
+"""Query tokens of the kernel's tile (head_dim 128; FlashInfer's ``cta_tile_q``)."""
+MIN_QUERY = 128
+"""Rows with this many query tokens or more go to the kernel; shorter rows (decode rows, short
+chunks) would fill a fraction of a tile each and stay on the Triton kernel."""
+HEAD_DIMS = (64, 128, 256)
+_LISTS = 8  # qo tile, qo start, page start, qo len, kv len, head, program start (work_indptr), row
+
+
+def unusable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the kernel cannot serve this model on ``device`` (None: it can)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "FlashInfer's FA3 prefill kernel is built for sm_90a (H100 / H200)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"FlashInfer's FA3 prefill kernel takes bf16 / fp16, not {dtype}"
+    if head_dim not in HEAD_DIMS:
+        return f"FlashInfer's FA3 prefill kernel takes head_dim {HEAD_DIMS}, not {head_dim}"
+    try:
+        import flashinfer.prefill  # noqa: F401
+    except ImportError as e:
+        return f"flashinfer is not importable ({e})"
+    return None
+
+
+@functools.cache
+def module(dtype: torch.dtype, head_dim: int):
+    """FlashInfer's FA3 batch-prefill module for 16-bit Q / KV / O and int32 indices (built by
+    FlashInfer's JIT on first use, minutes, then from its cache under ~/.cache/flashinfer)."""
+    from flashinfer.prefill import get_batch_prefill_module
+
+    log.info("loading FlashInfer's FA3 prefill kernel (%s, head_dim %d; a first build takes minutes)", dtype, head_dim)
+    # positional, as FlashInfer's wrapper passes them: no rope, no window, no soft cap, no fp16 reduction
+    return get_batch_prefill_module("fa3", dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False, False)
+
+
+@functools.cache
+def _float_workspace(device: torch.device) -> torch.Tensor:
+    """The kernel's float workspace (split-KV partials, which the paged FA3 kernel does not use)."""
+    return torch.empty(1 << 20, dtype=torch.uint8, device=device)
+
+
+@triton.jit(do_not_specialize=["num_programs", "table_stride"])
+def _work_lists(entry_ptr, live_ptr, cu_q_ptr, kv_lens_ptr, tile_ptr, qo_ptr, page_ptr, qo_len_ptr, kv_len_ptr,
+                head_ptr, indptr_ptr, row_ptr, num_programs, table_stride,
+                HEADS: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """Item j = (tile j // HEADS of the schedule, head j % HEADS), dealt in snake order: round k =
+    j // P gives one item to each of the P programs, forwards in even rounds, backwards in odd ones;
+    the last round's partial share goes to the programs that round reaches first."""
+    n = tl.load(live_ptr).to(tl.int32) * HEADS
+    rounds = n // num_programs
+    rem = n - rounds * num_programs
+    if tl.program_id(0) == 0:  # each program's first item
+        for c0 in range(0, num_programs + 1, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            extra = tl.where(rounds % 2 == 0, tl.minimum(c, rem), tl.maximum(c - (num_programs - rem), 0))
+            tl.store(indptr_ptr + c, c * rounds + extra, mask=c <= num_programs)
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = j < n
+    entry = tl.load(entry_ptr + j // HEADS, mask=live, other=0)
+    row = (entry >> 32).to(tl.int32)
+    q_first = (entry & 0xFFFFFFFF).to(tl.int32)
+    k = j // num_programs
+    i = j - k * num_programs
+    c = tl.where(k % 2 == 0, i, num_programs - 1 - i)
+    pos = c * rounds + tl.where(rounds % 2 == 0, tl.minimum(c, rem), tl.maximum(c - (num_programs - rem), 0)) + k
+    q_begin = tl.load(cu_q_ptr + row, mask=live, other=0)
+    q_len = tl.load(cu_q_ptr + row + 1, mask=live, other=0) - q_begin
+    tl.store(tile_ptr + pos, q_first // TILE, mask=live)
+    tl.store(qo_ptr + pos, q_begin, mask=live)
+    tl.store(page_ptr + pos, row * table_stride, mask=live)
+    tl.store(qo_len_ptr + pos, q_len, mask=live)
+    tl.store(kv_len_ptr + pos, tl.load(kv_lens_ptr + row, mask=live, other=0), mask=live)
+    tl.store(head_ptr + pos, j % HEADS, mask=live)
+    tl.store(row_ptr + pos, row, mask=live)
+
+
+def work_lists(meta: AttentionMetadata, num_heads: int, programs: int) -> tuple[torch.Tensor, list[int]]:
+    """(int32 workspace, FlashInfer's plan info: the byte offsets of its lists) of the step's rows of
+    ``MIN_QUERY``+ tokens dealt to ``programs`` programs (the kernel launches one an SM); computed by
+    the first layer that asks and kept on ``meta``."""
+    key = ("fa3_lists", num_heads, programs)
+    if key not in meta.scratch:
+        slots = meta.num_tokens // TILE_Q + meta.num_rows
+        schedule = tile_schedule(meta, TILE_Q, slots, min_query=MIN_QUERY)
+        live = (schedule >= 0).sum(dtype=torch.int32)
+        items = -(-slots * num_heads // 4) * 4  # each list 16-byte aligned
+        sizes = [items] * 6 + [-(-(programs + 1) // 4) * 4, items]
+        ws = torch.empty(sum(sizes), dtype=torch.int32, device=meta.cu_query_lens.device)
+        lists = list(torch.split(ws, sizes))
+        block = 1024
+        _work_lists[(triton.cdiv(slots * num_heads, block),)](
+            schedule, live, meta.cu_query_lens, meta.kv_lens, *lists, programs, meta.block_table.stride(0),
+            HEADS=num_heads, TILE=TILE_Q, BLOCK=block)
+        offsets = [4 * sum(sizes[:i]) for i in range(_LISTS)]
+        meta.scratch[key] = ws, offsets + [0]  # 0: a schedule per head
+    return meta.scratch[key]
+
+
+def attend_long_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                     out: torch.Tensor) -> None:
+    """Causal attention of the step's rows of ``MIN_QUERY``+ query tokens over their paged keys into
+    ``out`` ([T, H, D]; the other rows' outputs untouched). q [T, H, D], the cache [2, blocks,
+    block_size, KVH, D] of q's dtype, the new keys already appended."""
+    ws, plan_info = work_lists(meta, q.shape[1], torch.cuda.get_device_properties(q.device).multi_processor_count)
+    table = meta.block_table
+    if not table.is_contiguous():
+        raise ValueError("attend_long_rows: the block table must be contiguous (its rows are the kernel's page lists)")
+    module(q.dtype, q.shape[2]).paged_run(
+        _float_workspace(q.device), ws, plan_info, q, kv_cache[0], kv_cache[1], meta.cu_query_lens, meta.kv_lens,
+        table.view(-1), meta.kv_lens, out, None,
+        1, 0, -1, False,  # causal mask, NHD layout, no window, no programmatic dependent launch
+        None, None, None, None, None, None,  # custom mask / indptr, alibi, prefix / item positions
+        0.0, scale, None, None, None, 1.0, 1e4, 0, 0)  # no soft cap, the scale, no FP8 scales, rope unused
+
+
+@triton.jit
+def _scatter_rows(src_ptr, dst_ptr, cu_q_ptr, stride_s, stride_d, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[cu_q[r]] = src[r] for each row r of exactly one query token."""
+    r = tl.program_id(0)
+    first = tl.load(cu_q_ptr + r)
+    if tl.load(cu_q_ptr + r + 1) - first == 1:
+        offs = tl.arange(0, BLOCK)
+        vals = tl.load(src_ptr + r.to(tl.int64) * stride_s + offs, mask=offs < WIDTH)
+        tl.store(dst_ptr + first.to(tl.int64) * stride_d + offs, vals, mask=offs < WIDTH)
+
+
+def attend_decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                       out: torch.Tensor) -> None:
+    """The step's rows of one query token on the split-K decode kernel into ``out`` (other rows'
+    outputs untouched): through a view of the step with one query a row, each row's last token,
+    the rows of more tokens (or none) given no keys and their outputs not copied back."""
+    rows = meta.num_rows
+    cu = meta.cu_query_lens
+    last = (cu[1: rows + 1] - 1).clamp(min=0).long()
+    one = (cu[1: rows + 1] - cu[:rows]) == 1
+    view = dataclasses.replace(meta, num_tokens=rows, max_query_len=1, is_decode_only=True,
+                               positions=meta.positions[last], kv_lens=torch.where(one, meta.kv_lens[:rows], 0),
+                               cu_query_lens=torch.arange(rows + 1, dtype=cu.dtype, device=cu.device),
+                               row_order=None, long_tiles=False)
+    got = decode_attention(q[last], kv_cache, view, scale)
+    width = q.shape[1] * q.shape[2]
+    _scatter_rows[(rows,)](got, out, cu, got.stride(0), out.stride(0), WIDTH=width,
+                           BLOCK=triton.next_power_of_2(width))
