@@ -1,7 +1,7 @@
 """Prefill attention TFLOP/s (causal FLOPs, ``attention_flops``) of the prefill kernels' launches
-(``PrefillLaunch``: rows x keys a tile, warps, stages, register cap, kernel variant) on four steps:
-one 8,192-token prompt, 4 x 2,048, 8 x 1,024 beside 64 decode rows, and one 8,192-token chunk
-continuing a 4,096-token cached prefix; bf16, head_dim 128, 16 / 8 (Qwen3-0.6B) and 32 / 8 (8B)
+(``PrefillLaunch``: rows x keys a tile, warps, stages, register cap, kernel variant) on five steps:
+one 8,192-token prompt, 4 x 2,048, 8 x 1,024 beside 64 decode rows, one 8,192-token chunk
+continuing a 4,096-token cached prefix, and workload A's mixed step; bf16, head_dim 128, 16 / 8 (Qwen3-0.6B) and 32 / 8 (8B)
 query / KV heads, pages of 16 tokens (the engine's default) and of 64 and 128 (where TMA tiles fit
 inside a page). Each launch: CUDA-graph replay time after a warm-up, the largest error against a
 float32 torch reference, and the launch the device actually ran where ``launch_limits`` shrank it;
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.kernel_times.paged_attention import attention_flops, graph_ms
+from benchmarks.kernel_times.paged_attention import attention_flops, graph_ms, prompt_rows
 from megatron_async.kernels import attention_triton, flashinfer_prefill, launch_limits
 from megatron_async.kernels.triton_prefill_attention import prefill_attention
 from megatron_async.kernels.triton_prefill_common import HOPPER_LONG, PrefillLaunch, fitted_launch, prefill_launch
@@ -40,11 +40,15 @@ BAD_ERROR = 3e-2
 
 
 def cases() -> dict[str, list[tuple[int, int]]]:
-    """(cached, new) rows of the four steps."""
+    """(cached, new) rows of the five steps, the last workload A's mixed step (prompts
+    of 100-1,024 tokens, every third after a cached first half, beside 120 decode rows of 128-1,152
+    keys, 8,192 tokens)."""
     gen = torch.Generator().manual_seed(3)
     decode = [(int(n) - 1, 1) for n in torch.randint(512, 2049, (64,), generator=gen)]
+    mixed_a = prompt_rows(8192 - 120, 100, 1024, gen) + [(int(n) - 1, 1) for n in torch.randint(128, 1153, (120,),
+                                                                                               generator=gen)]
     return {"8k": [(0, 8192)], "4x2k": [(0, 2048)] * 4, "8x1k+64dec": [(0, 1024)] * 8 + decode,
-            "8k@4k": [(4096, 8192)]}
+            "8k@4k": [(4096, 8192)], "A-mixed": mixed_a}
 
 
 def L(rows: int, block_n: int, warps: int, stages: int, maxnreg: int = 0, kernel: str = "pointer",
@@ -168,7 +172,7 @@ def peer_rows(steps: list, iters: int) -> list[tuple]:
 
 
 def sweep(heads: tuple[int, int], block_size: int, iters: int, kernels: list[str]) -> list[tuple]:
-    """Every candidate launch on the four steps at one head shape and page size; prints a row each."""
+    """Every candidate launch on the steps at one head shape and page size; prints a row each."""
     group = heads[0] // heads[1]
     default = prefill_launch(group, HEAD_DIM, block_size, torch.device("cuda"))
     limits = launch_limits.device_limits(torch.device("cuda"))
