@@ -1,14 +1,14 @@
 """FlashInfer's FA3 kernel for a long-tile step's long rows in the engine (``InferenceConfig.
 flashinfer_prefill``), on an H100 / H200 with ``flashinfer`` importable: the engine loads the
 kernel, steps with 2,048+-token prompt chunks take the long tiles, and launch-ahead equals the
-serial engine token for token with CUDA graphs (the FA3 lists built inside the step's graph);
-the switch off keeps every row on Triton."""
+serial engine token for token with CUDA graphs (the FA3 lists built inside the step's graph), with
+bf16 and FP8 weights; the switch off keeps every row on Triton."""
 import pytest
 import torch
 
 from megatron_async import SamplingParams
 from megatron_async.kernels import flashinfer_prefill
-from tests.helpers.engine_harness import make_llm, random_prompts
+from tests.helpers.engine_harness import random_prompts
 from tests.helpers.hf_models import make_tiny_checkpoint
 
 pytestmark = [
@@ -25,19 +25,22 @@ def ckpt(tmp_path_factory):
                                 max_position_embeddings=8192)
 
 
-def _llm(path, on: bool, async_scheduling: bool):
-    return make_llm(path, device="cuda", dtype="bfloat16", block_size_tokens=16, num_kv_blocks=2048, max_requests=4,
-                    max_tokens=4096, max_sequence_length=4200, async_scheduling=async_scheduling,
-                    flashinfer_prefill=on)
+def _llm(path, on: bool, async_scheduling: bool, quantization: str | None = None):
+    from megatron_async import LLM, InferenceConfig
+
+    cfg = InferenceConfig(block_size_tokens=16, num_kv_blocks=2048, max_requests=4, max_tokens=4096,
+                          max_sequence_length=4200, async_scheduling=async_scheduling, flashinfer_prefill=on)
+    return LLM(model=str(path), device="cuda", dtype="bfloat16", inference_config=cfg, quantization=quantization)
 
 
-def test_long_rows_on_fa3_async_equals_serial(ckpt):
+@pytest.mark.parametrize("quantization", [None, "fp8"])  # fp8: o_proj quantizes the FA3 step's output itself
+def test_long_rows_on_fa3_async_equals_serial(ckpt, quantization):
     # two 2-4k prompts fill a 4,096-token step each; the later ones join beside decode rows
     prompts = random_prompts(5, 2100, 4000, 256, seed=3)
     params = SamplingParams(top_k=1, num_tokens_to_generate=6)
     tokens = {}
     for async_scheduling in (False, True):
-        llm = _llm(ckpt, True, async_scheduling)
+        llm = _llm(ckpt, True, async_scheduling, quantization)
         assert llm.model.kernels.flashinfer_prefill
         tokens[async_scheduling] = [o.generated_tokens for o in llm.generate(prompts, params)]
         st = llm.engine.stats

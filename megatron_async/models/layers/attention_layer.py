@@ -78,7 +78,9 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q, inv, kernels.fused), self.k_norm(k, inv, kernels.fused)
             if step.rope is not None:
                 q, k = self._rotate(q, *step.rope), self._rotate(k, *step.rope)
-        quantize = not inv and lora is None and self._quantizes_output(T, q, kernels)
+        # a step whose long rows run FA3 hands an FP8 o_proj its output unquantized (o_proj quantizes it itself)
+        fa3_step = kernels.flashinfer_prefill and step.batch.attn.long_tiles and kv_cache.dtype == q.dtype
+        quantize = not inv and lora is None and not fa3_step and self._quantizes_output(T, q, kernels)
         out = attend(q, k, v, kv_cache, step.batch.attn, self.head_dim**-0.5, inv, kernels.attention, self.kv_scale,
                      quantize, kernels.flashinfer_prefill)
         return self.o_proj(out.reshape(T, self.q_size) if isinstance(out, torch.Tensor) else out, inv, kernels.split_k,
