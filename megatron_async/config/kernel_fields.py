@@ -75,7 +75,7 @@ class KernelFields:
 
     flashinfer_prefill: bool = True
     """With the long prefill tiles, where the ``flashinfer`` package is importable on an H100 / H200
-    (bf16 / fp16 cache and queries, head_dim 64 / 128 / 256): a long-tile step's rows of 128+ query
+    (bf16 / fp16 cache and queries, head_dim 128): a long-tile step's rows of 128+ query
     tokens run FlashInfer's FlashAttention-3 kernel (kernels/flashinfer_prefill.py), its other rows
     the Triton kernel. FlashInfer builds the kernel on first use (minutes, then cached); a build or
     load that fails leaves every row on Triton, with a warning. False: Triton only (A/B)."""

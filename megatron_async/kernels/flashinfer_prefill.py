@@ -13,7 +13,7 @@ dealing without its heap.
 The kernel reads the cache through the step's block table as FlashInfer's page indices (a row's
 pages start at row * the table's stride) and each item's key count from the lists: causal,
 bottom-right (a row's queries are the last of its keys), as the Triton kernels. bf16 / fp16 caches
-and queries, head_dim 64 / 128 / 256; not the e4m3 cache, not batch-invariant mode (its own
+and queries, head_dim 128; not the e4m3 cache, not batch-invariant mode (its own
 kernels), not an output quantized for an FP8 o projection.
 
 The step's one-token rows run the split-K decode kernel (``attend_decode_rows``): alone, without
@@ -40,7 +40,9 @@ TILE_Q = 128
 MIN_QUERY = 128
 """Rows with this many query tokens or more go to the kernel; shorter rows (decode rows, short
 chunks) would fill a fraction of a tile each and stay on the Triton kernel."""
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (128,)
+"""The head dims measured and tested here on a GPU (FlashInfer's FA3 also builds 64, on 192-query
+tiles, and 256)."""
 _LISTS = 8  # qo tile, qo start, page start, qo len, kv len, head, program start (work_indptr), row
 
 
