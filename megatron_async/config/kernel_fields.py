@@ -76,8 +76,8 @@ class KernelFields:
     flashinfer_prefill: bool = True
     """With the long prefill tiles, where the ``flashinfer`` package is importable on an H100 / H200
     (bf16 / fp16 cache and queries, head_dim 128): a long-tile step's rows of 128+ query
-    tokens run FlashInfer's FlashAttention-3 kernel (kernels/flashinfer_prefill.py), its other rows
-    the Triton kernel. FlashInfer builds the kernel on first use (minutes, then cached); a build or
+    tokens run FlashInfer's FlashAttention-3 kernel (kernels/flashinfer_prefill.py), its one-token
+    rows the split-K decode kernel, the others the Triton prefill kernel. FlashInfer builds the kernel on first use (minutes, then cached); a build or
     load that fails leaves every row on Triton, with a warning. False: Triton only (A/B)."""
 
     moe_grouped_mm: bool = True
