@@ -255,24 +255,12 @@ class LLM:
 
     def _flashinfer_prefill(self, choice) -> bool:
         """Whether long-tile steps run their long rows on FlashInfer's FA3 kernel: the switch on, the
-        long tiles on (``_long_tile_min_query``), the kernel usable for this model here and loaded
-        (built on first use; a failed build or load leaves every row on Triton, with a warning)."""
+        long tiles on (``_long_tile_min_query``) and the kernel ready here (``flashinfer_prefill.ready``)."""
         if not (choice.flashinfer_prefill and self._long_tile_min_query(choice)):
             return False
         from megatron_async.kernels import flashinfer_prefill
 
-        head_dim = self.model.kv_cache_spec().head_dim
-        why = flashinfer_prefill.unusable(self.device, self.dtype, head_dim)
-        if why is not None:
-            log.info("long prefill rows on the Triton attention: %s", why)
-            return False
-        try:
-            flashinfer_prefill.module(self.dtype, head_dim)
-        except Exception as e:  # noqa: BLE001 (a JIT build without nvcc, a version FlashInfer's API moved in)
-            log.warning("FlashInfer's FA3 prefill kernel did not load (%s: %s); long prefill rows stay on Triton",
-                        type(e).__name__, e)
-            return False
-        return True
+        return flashinfer_prefill.ready(self.device, self.dtype, self.model.kv_cache_spec().head_dim)
 
     def _plans_memory(self) -> bool:
         """CUDA without a KV size in the config: the pool is planned from measured memory."""

@@ -43,6 +43,8 @@ chunks) would fill a fraction of a tile each and stay on the Triton kernel."""
 HEAD_DIMS = (128,)
 """The head dims measured and tested here on a GPU (FlashInfer's FA3 also builds 64, on 192-query
 tiles, and 256)."""
+CHECK_TOLERANCE = 3e-2
+"""``self_check``'s bound on the largest error of bf16 / fp16 outputs of unit-variance values."""
 _LISTS = 8  # qo tile, qo start, page start, qo len, kv len, head, program start (work_indptr), row
 
 
@@ -180,3 +182,53 @@ def attend_decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionM
     width = q.shape[1] * q.shape[2]
     _scatter_rows[(rows,)](got, out, cu, got.stride(0), out.stride(0), WIDTH=width,
                            BLOCK=triton.next_power_of_2(width))
+
+
+def self_check(device: torch.device, dtype: torch.dtype, head_dim: int) -> float:
+    """The largest error of ``attend_long_rows`` against a float32 causal attention on a fresh random
+    row (a 300-token chunk after 200 cached tokens, 4 / 2 heads, 16-token pages). The work lists are
+    laid out as FlashInfer 0.7 reads them (``PrefillPlanSM90Info``); the engine runs this once at
+    start-up, so that a release that reads them otherwise falls back to Triton instead of serving
+    wrong attention."""
+    gen = torch.Generator().manual_seed(0)
+    cached, new, heads, kv_heads, page = 200, 300, 4, 2, 16
+    total, pages = cached + new, -(-(cached + new) // page)
+    q = torch.randn(new, heads, head_dim, generator=gen).to(device, dtype)
+    kv = torch.randn(2, pages, page, kv_heads, head_dim, generator=gen).to(device, dtype)
+    i32 = dict(dtype=torch.int32, device=device)
+    positions = torch.arange(cached, total, device=device)
+    meta = AttentionMetadata(
+        num_tokens=new, num_rows=1, max_query_len=new, max_kv_len=total, is_decode_only=False, positions=positions,
+        slot_mapping=positions.clone(), token_to_row=torch.zeros(new, **i32), cu_query_lens=torch.tensor([0, new], **i32),
+        kv_lens=torch.tensor([total], **i32), block_table=torch.arange(pages, **i32).view(1, pages), block_size=page,
+        long_tiles=True)
+    out = torch.zeros_like(q)
+    scale = head_dim**-0.5
+    attend_long_rows(q, kv, meta, scale, out)
+    k, v = (kv[i].reshape(-1, kv_heads, head_dim)[:total].float().repeat_interleave(heads // kv_heads, 1)
+            for i in range(2))
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    visible = torch.arange(total, device=device)[None, :] <= positions[:, None]
+    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+    return (out.float() - ref).abs().max().item()
+
+
+def ready(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel can serve a model of ``dtype`` / ``head_dim`` on ``device``: usable here,
+    loaded (built on first use) and right on ``self_check``; why not is logged (a failed build, load
+    or check as a warning), and the long rows then stay on Triton."""
+    why = unusable(device, dtype, head_dim)
+    if why is not None:
+        log.info("long prefill rows on the Triton attention: %s", why)
+        return False
+    try:
+        error = self_check(device, dtype, head_dim)
+    except Exception as e:  # noqa: BLE001 (a JIT build without nvcc, a release whose API moved)
+        log.warning("FlashInfer's FA3 prefill kernel did not load (%s: %s); long prefill rows stay on Triton",
+                    type(e).__name__, e)
+        return False
+    if not error <= CHECK_TOLERANCE:
+        log.warning("FlashInfer's FA3 prefill kernel is off by %g from a float32 attention at start-up (a release "
+                    "whose work lists differ?); long prefill rows stay on Triton", error)
+        return False
+    return True

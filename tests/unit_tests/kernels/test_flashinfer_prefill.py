@@ -1,10 +1,12 @@
-"""A long-tile step's long rows on FlashInfer's FA3 kernel (``flashinfer_prefill``), the others on
-the Triton prefill kernel. Everywhere (interpreted on CPU): the work lists written on the device
-hold every (query head, row, 128-query tile) of the rows of 128+ tokens exactly once, dealt
-evenly in snake order, and the two kernels' tile schedules split the step's rows between them.
-On an H100 / H200 with ``flashinfer`` importable: the split step's outputs against a float32
-reference at real shapes (a fresh 8k prompt, prompts beside decode rows, a chunk after a cached
-prefix, rows of 127 / 128 tokens), in a CUDA graph the same bits as eager."""
+"""A long-tile step's long rows on FlashInfer's FA3 kernel (``flashinfer_prefill``), its one-token
+rows on the decode kernel, the others on the Triton prefill kernel. Everywhere (interpreted on
+CPU): the work lists written on the device hold every (query head, row, 128-query tile) of the
+rows of 128+ tokens exactly once, dealt evenly in snake order; the kernels' tile schedules split
+the step's rows; the decode rows' outputs equal the reference and leave the others; the start-up
+check turns a wrong kernel away. On an H100 / H200 with ``flashinfer`` importable: the split
+step's outputs against a float32 reference at real shapes (a fresh 8k prompt, prompts beside
+decode rows, a chunk after a cached prefix, rows of 127 / 128 tokens), in a CUDA graph the same
+bits as eager, and the start-up check passes."""
 from __future__ import annotations
 
 import dataclasses
@@ -138,3 +140,35 @@ def test_split_step_matches_the_reference(rows, heads):
         again = run()
     graph.replay()
     assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_start_up_check_keeps_a_wrong_kernel_off(monkeypatch, caplog, wrong):
+    """``ready``: the start-up check against a float32 attention passes a right kernel and turns a
+    wrong one (here: keys one position short, as work lists read otherwise could make it) away
+    with a warning. The kernel stood in by the torch reference, on CPU."""
+    from megatron_async.kernels import attention_torch
+
+    def stand_in(q, kv_cache, meta, scale, out):
+        if wrong:
+            meta = dataclasses.replace(meta, kv_lens=meta.kv_lens - 1, positions=meta.positions - 1)
+        out.copy_(attention_torch.paged_attention(q, kv_cache, meta, scale))
+
+    monkeypatch.setattr(flashinfer_prefill, "attend_long_rows", stand_in)
+    monkeypatch.setattr(flashinfer_prefill, "unusable", lambda *a: None)
+    error = flashinfer_prefill.self_check(torch.device("cpu"), torch.float32, 128)
+    assert (error > flashinfer_prefill.CHECK_TOLERANCE) if wrong else (error < 1e-4)
+    with caplog.at_level("WARNING"):
+        assert flashinfer_prefill.ready(torch.device("cpu"), torch.float32, 128) is not wrong
+    assert ("off by" in caplog.text) is wrong
+
+
+def test_not_ready_without_an_sm90_device():
+    assert not flashinfer_prefill.ready(torch.device("cpu"), torch.bfloat16, 128)
+
+
+@pytest.mark.gpu
+@needs_fa3
+def test_start_up_check_passes_the_installed_flashinfer():
+    assert flashinfer_prefill.self_check(torch.device("cuda"), torch.bfloat16, 128) < flashinfer_prefill.CHECK_TOLERANCE
+    assert flashinfer_prefill.ready(torch.device("cuda"), torch.bfloat16, 128)
