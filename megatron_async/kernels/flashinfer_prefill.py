@@ -170,18 +170,26 @@ def attend_decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionM
     """The step's rows of one query token on the split-K decode kernel into ``out`` (other rows'
     outputs untouched): through a view of the step with one query a row, each row's last token,
     the rows of more tokens (or none) given no keys and their outputs not copied back."""
-    rows = meta.num_rows
-    cu = meta.cu_query_lens
-    last = (cu[1: rows + 1] - 1).clamp(min=0).long()
-    one = (cu[1: rows + 1] - cu[:rows]) == 1
-    view = dataclasses.replace(meta, num_tokens=rows, max_query_len=1, is_decode_only=True,
-                               positions=meta.positions[last], kv_lens=torch.where(one, meta.kv_lens[:rows], 0),
-                               cu_query_lens=torch.arange(rows + 1, dtype=cu.dtype, device=cu.device),
-                               row_order=None, long_tiles=False)
+    last, view = _decode_view(meta)
     got = decode_attention(q[last], kv_cache, view, scale)
     width = q.shape[1] * q.shape[2]
-    _scatter_rows[(rows,)](got, out, cu, got.stride(0), out.stride(0), WIDTH=width,
-                           BLOCK=triton.next_power_of_2(width))
+    _scatter_rows[(meta.num_rows,)](got, out, meta.cu_query_lens, got.stride(0), out.stride(0), WIDTH=width,
+                                    BLOCK=triton.next_power_of_2(width))
+
+
+def _decode_view(meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata]:
+    """(each row's last token, the one-query-a-row view of the step) for ``attend_decode_rows``;
+    built by the first layer that asks and kept on ``meta``."""
+    if "fa3_decode_view" not in meta.scratch:
+        rows, cu = meta.num_rows, meta.cu_query_lens
+        last = (cu[1: rows + 1] - 1).clamp(min=0).long()
+        one = (cu[1: rows + 1] - cu[:rows]) == 1
+        view = dataclasses.replace(meta, num_tokens=rows, max_query_len=1, is_decode_only=True,
+                                   positions=meta.positions[last], kv_lens=torch.where(one, meta.kv_lens[:rows], 0),
+                                   cu_query_lens=torch.arange(rows + 1, dtype=cu.dtype, device=cu.device),
+                                   row_order=None, long_tiles=False)
+        meta.scratch["fa3_decode_view"] = last, view
+    return meta.scratch["fa3_decode_view"]
 
 
 def self_check(device: torch.device, dtype: torch.dtype, head_dim: int) -> float:

@@ -91,6 +91,9 @@ def test_decode_rows_on_the_decode_kernel_leave_the_others():
     append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
     out = torch.full_like(case.q, 7.0)
     flashinfer_prefill.attend_decode_rows(case.q, case.kv_cache, case.meta, case.scale, out)
+    view = case.meta.scratch["fa3_decode_view"]
+    flashinfer_prefill.attend_decode_rows(case.q, case.kv_cache, case.meta, case.scale, out)  # the next layer
+    assert case.meta.scratch["fa3_decode_view"] is view  # built once a step
     cu = case.meta.cu_query_lens.tolist()
     for r, (_, new) in enumerate(ROWS):
         got = out[cu[r]:cu[r + 1]]
