@@ -260,7 +260,8 @@ class LLM:
             return False
         from megatron_async.kernels import flashinfer_prefill
 
-        return flashinfer_prefill.ready(self.device, self.dtype, self.model.kv_cache_spec().head_dim)
+        with self.startup.phase("FA3 prefill kernel"):  # FlashInfer's first build of it takes minutes
+            return flashinfer_prefill.ready(self.device, self.dtype, self.model.kv_cache_spec().head_dim)
 
     def _plans_memory(self) -> bool:
         """CUDA without a KV size in the config: the pool is planned from measured memory."""
