@@ -33,7 +33,9 @@ import triton
 import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
+from megatron_async.kernels import attention_torch
 from megatron_async.kernels.triton_decode_attention import decode_attention
+from megatron_async.kernels.triton_paged_common import num_compute_units
 from megatron_async.kernels.triton_tile_schedule import tile_schedule
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,13 @@ def _float_workspace(device: torch.device) -> torch.Tensor:
     return torch.empty(1 << 20, dtype=torch.uint8, device=device)
 
 
+@triton.jit
+def _first_item(c, rounds, rem, num_programs):
+    """Program c's first position in the lists: one item a round before it, plus the programs before
+    it that the last, partial round reaches (from the front in an even round, from the back in an odd one)."""
+    return c * rounds + tl.where(rounds % 2 == 0, tl.minimum(c, rem), tl.maximum(c - (num_programs - rem), 0))
+
+
 @triton.jit(do_not_specialize=["num_programs", "table_stride"])
 def _work_lists(entry_ptr, live_ptr, cu_q_ptr, kv_lens_ptr, tile_ptr, qo_ptr, page_ptr, qo_len_ptr, kv_len_ptr,
                 head_ptr, indptr_ptr, row_ptr, num_programs, table_stride,
@@ -96,8 +105,7 @@ def _work_lists(entry_ptr, live_ptr, cu_q_ptr, kv_lens_ptr, tile_ptr, qo_ptr, pa
     if tl.program_id(0) == 0:  # each program's first item
         for c0 in range(0, num_programs + 1, BLOCK):
             c = c0 + tl.arange(0, BLOCK)
-            extra = tl.where(rounds % 2 == 0, tl.minimum(c, rem), tl.maximum(c - (num_programs - rem), 0))
-            tl.store(indptr_ptr + c, c * rounds + extra, mask=c <= num_programs)
+            tl.store(indptr_ptr + c, _first_item(c, rounds, rem, num_programs), mask=c <= num_programs)
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = j < n
     entry = tl.load(entry_ptr + j // HEADS, mask=live, other=0)
@@ -106,7 +114,7 @@ def _work_lists(entry_ptr, live_ptr, cu_q_ptr, kv_lens_ptr, tile_ptr, qo_ptr, pa
     k = j // num_programs
     i = j - k * num_programs
     c = tl.where(k % 2 == 0, i, num_programs - 1 - i)
-    pos = c * rounds + tl.where(rounds % 2 == 0, tl.minimum(c, rem), tl.maximum(c - (num_programs - rem), 0)) + k
+    pos = _first_item(c, rounds, rem, num_programs) + k
     q_begin = tl.load(cu_q_ptr + row, mask=live, other=0)
     q_len = tl.load(cu_q_ptr + row + 1, mask=live, other=0) - q_begin
     tl.store(tile_ptr + pos, q_first // TILE, mask=live)
@@ -145,7 +153,7 @@ def attend_long_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
     """Causal attention of the step's rows of ``MIN_QUERY``+ query tokens over their paged keys into
     ``out`` ([T, H, D]; the other rows' outputs untouched). q [T, H, D], the cache [2, blocks,
     block_size, KVH, D] of q's dtype, the new keys already appended."""
-    ws, plan_info = work_lists(meta, q.shape[1], torch.cuda.get_device_properties(q.device).multi_processor_count)
+    ws, plan_info = work_lists(meta, q.shape[1], num_compute_units(q.device))
     table = meta.block_table
     if not table.is_contiguous():
         raise ValueError("attend_long_rows: the block table must be contiguous (its rows are the kernel's page lists)")
@@ -214,13 +222,8 @@ def self_check(device: torch.device, dtype: torch.dtype, head_dim: int) -> float
         kv_lens=torch.tensor([total], **i32), block_table=torch.arange(pages, **i32).view(1, pages), block_size=page,
         long_tiles=True)
     out = torch.zeros_like(q)
-    scale = head_dim**-0.5
-    attend_long_rows(q, kv, meta, scale, out)
-    k, v = (kv[i].reshape(-1, kv_heads, head_dim)[:total].float().repeat_interleave(heads // kv_heads, 1)
-            for i in range(2))
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    visible = torch.arange(total, device=device)[None, :] <= positions[:, None]
-    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
+    attend_long_rows(q, kv, meta, head_dim**-0.5, out)
+    ref = attention_torch.paged_attention(q.float(), kv.float(), meta, head_dim**-0.5)
     return (out.float() - ref).abs().max().item()
 
 
