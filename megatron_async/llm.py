@@ -244,19 +244,25 @@ class LLM:
 
     def _long_tile_min_query(self, choice) -> int:
         """Query tokens of a step's longest row from which it runs the long prefill tiles (0: never):
-        the switch on, Triton attention on a device where they pay, one engine (data-parallel ranks
-        replay one agreed graph, so they keep one tile class), not batch-invariant (its own kernels)."""
-        if not (choice.long_prefill_tiles and not choice.batch_invariant and self.model.kernels.triton_attention
+        the switch on, Triton attention (or batch-invariant mode's kernel, whose tiles change no
+        bits, with a table where it splits such steps) on a device where they pay, one engine
+        (data-parallel ranks replay one agreed graph, so they keep one tile class)."""
+        if not (choice.long_prefill_tiles and (choice.batch_invariant or self.model.kernels.triton_attention)
                 and self.parallel.ep_size == 1):
             return 0
+        from megatron_async.kernels.triton_invariant_attention import splits_long_steps
         from megatron_async.kernels.triton_prefill_common import LONG_TILE_MIN_QUERY, long_tiles_pay
+
+        if choice.batch_invariant and not splits_long_steps(self.device, self.config.max_sequence_length):
+            return 0
 
         return LONG_TILE_MIN_QUERY if long_tiles_pay(self.device) else 0
 
     def _flashinfer_prefill(self, choice) -> bool:
         """Whether long-tile steps run their long rows on FlashInfer's FA3 kernel: the switch on, the
-        long tiles on (``_long_tile_min_query``) and the kernel ready here (``flashinfer_prefill.ready``)."""
-        if not (choice.flashinfer_prefill and self._long_tile_min_query(choice)):
+        long tiles on (``_long_tile_min_query``), not batch-invariant (its own kernel) and the kernel
+        ready here (``flashinfer_prefill.ready``)."""
+        if not (choice.flashinfer_prefill and not choice.batch_invariant and self._long_tile_min_query(choice)):
             return False
         from megatron_async.kernels import flashinfer_prefill
 

@@ -5,10 +5,12 @@ takes (``triton_tma_linear`` from 1,024 rows) and cuBLAS, then the
 invariant attention on a decode step (128 rows x 100-1,152 keys) and on mixed steps (2,048 /
 8,192 tokens of prompts 100-1,024 plus 64 decode rows), with ``--long`` also at long context (a
 prefill step of 8,192 tokens continuing 8-16k-token prompts, and 32 decode rows of 8-16k keys,
-in a block table of 16,384 keys: four splits), with the compiler's register choice against the
-default launch (capped at 128, as the prefill kernel) and the default mode's kernels. Every
-variant's output is compared bit for bit with the first launch's (a launch may change which
-program computes an element, never its bits); ``--sweep`` adds the candidate launches. Times: us
+in a block table of 16,384 keys: four splits, 64-key tiles), one launch of 64-row tiles with the
+compiler's register choice against the engine's launches (``launches``: a long-tile step's long
+rows in 128-row tiles) and the default mode's kernels. Every variant's output is compared bit for
+bit with the first launch's of its key tile (a launch may change which program computes an
+element, never its bits); ``--sweep`` adds the candidate launches (tile rows, warps, registers,
+stages). Times: us
 per call in CUDA graphs (GEMMs cycling through 28 distinct weights, as a step's layers do).
 
     python -m benchmarks kernel-times invariant-kernels [--part matmul attention] [--rows 128 2048 8192] [--long]
@@ -26,11 +28,12 @@ from benchmarks.cuda_timing import graph_call_us
 from benchmarks.kernel_times.paged_attention import longest_first_lens, prompt_rows
 from megatron_async.kernels import attention_triton
 from megatron_async.kernels.triton_decode_attention import decode_attention
-from megatron_async.kernels.triton_invariant_attention import invariant_attention
+from megatron_async.kernels.triton_invariant_attention import invariant_attention, tiles
 from megatron_async.kernels.triton_invariant_matmul import (
     TileConfig, invariant_linear, invariant_swiglu, launch_tiles, tile_config,
 )
 from megatron_async.kernels.triton_prefill_attention import prefill_attention
+from megatron_async.kernels.triton_prefill_common import LONG_TILE_MIN_QUERY
 from megatron_async.kernels.triton_swiglu_matmul import swiglu_linear
 from tests.helpers.paged_attention_cases import QWEN3_06B_HEADS, make_case
 
@@ -42,6 +45,9 @@ SHAPES = {  # name: (weight rows N, K), qwen3-0.6b; gate_up runs the fused SwiGL
 SWEEP_PREFILL = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (128, 64, 4, 4), (128, 64, 8, 4),
                  (64, 128, 4, 4), (64, 256, 8, 3)]
 SWEEP_DECODE = [(64, 64, 4, 4), (64, 32, 4, 4), (128, 64, 8, 4), (128, 32, 4, 4), (64, 128, 4, 3)]
+SWEEP_ATTENTION = [(64, 32, 4, r, s) for r in (128, 0) for s in (2, 3)] + [(64, 64, 4, r, 2) for r in (128, 0)] + [
+    (128, n, 8, r, s) for n in (32, 64) for r in (128, 0) for s in (2, 3)] + [(16, 64, 4, 0, 2), (32, 64, 4, 0, 2)]
+"""(matrix rows a tile, keys a tile, warps, register cap (0: the compiler's), stages)."""
 TABLE_KEYS = 4096  # the engine's default max_sequence_length: the block table's width in keys
 LONG_TABLE_KEYS = 16384  # the long-context steps' (prompts of 8-16k)
 
@@ -107,6 +113,7 @@ def _step(rows: list[tuple[int, int]], seed: int, table_keys: int = TABLE_KEYS):
     case = make_case(rows, block_size=16, seed=seed, table_width=table_keys // 16, dtype=torch.bfloat16, device="cuda",
                      **QWEN3_06B_HEADS)
     attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the new keys
+    case.meta.long_tiles = max(n for _, n in rows) >= LONG_TILE_MIN_QUERY  # as the host marks such a step
     return case
 
 
@@ -133,15 +140,15 @@ def attention(sweep: bool, long: bool = False) -> list[str]:
         ref = functools.partial(decode_attention if meta.is_decode_only else prefill_attention, q, cache, meta, scale)
         base = old()
         same = torch.equal(new(), base)
-        timed = []
-        for block_n, maxnreg, stages in ([(32, r, s) for r in (128, 168, 192, 232, 0) for s in (2, 3)]
-                                         + [(64, r, 2) for r in (128, 0)]) if sweep else []:
+        table_n = tiles(q.shape[1] // cache.shape[3], q.device, meta.block_table.shape[1] * cache.shape[2])[1]
+        timed, bases = [], {table_n: base}
+        for rows, block_n, warps, maxnreg, stages in SWEEP_ATTENTION if sweep else []:
             fn = functools.partial(invariant_attention, q, cache, meta, scale, block_n=block_n, maxnreg=maxnreg,
-                                   num_stages=stages)
+                                   num_stages=stages, tile_rows=rows, num_warps=warps)
             out = fn()
-            bits = torch.equal(out, base) if block_n == 32 else f"max diff {(out.float() - base.float()).abs().max():.1e}"
-            timed.append((us(fn), f"n{block_n} r{maxnreg or '-'} s{stages}", bits))
-            print(f"  {label}: {timed[-1][0]:.1f} us {timed[-1][1]} bits {bits}", flush=True)
+            ref_bits = bases.setdefault(block_n, out)  # a key tile is a summation order: bits against its own
+            timed.append((us(fn), f"{rows}x{block_n} w{warps} r{maxnreg or '-'} s{stages}", torch.equal(out, ref_bits)))
+            print(f"  {label}: {timed[-1][0]:.1f} us {timed[-1][1]} bits {timed[-1][2]}", flush=True)
         best = min(timed, key=lambda r: r[0]) if timed else None
         ref_us, old_us, new_us = us(ref), us(old), us(new)
         best_cell = "" if best is None else f"{best[0]:.1f} [{best[1]}]"

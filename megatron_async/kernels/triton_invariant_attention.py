@@ -34,6 +34,8 @@ An e4m3 cache (``KV_FP8``): the key scale is folded into the softmax scale, the 
 multiplies each split's output (see kv_cache_fp8). Runs on CPU under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -59,11 +61,56 @@ def split_size(max_keys: int, device: torch.device) -> int:
     return size
 
 
-def tiles(group: int, device: torch.device) -> tuple[int, int]:
+LONG_KEY_TILE_KEYS = 8192
+"""Block tables of this many keys or more (long-context engines) walk 64-key tiles, shorter ones 32:
+on an H200 (``kernel-times invariant-kernels --sweep --long``, us a layer) a prefill step of 8,192
+tokens after 4-12k keys ran 1,527 in 128 x 64 tiles against 1,758 in 64 x 32, and 32 decode rows
+of 8-16k keys 497 either way, but short rows lose (a workload-A-shaped mixed step 157 against 132,
+a decode step of 100-1,152 keys 100 against 91). The key tile is a summation order, so like the
+split size it is a function of the table alone."""
+
+
+def tiles(group: int, device: torch.device, max_keys: int = 0) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_N): query tokens per tile (64 matrix rows on GPU, 16 on CPU so tiny tests
-    cross tiles) and keys per K/V tile (32 on GPU: the default prefill kernel's choice; 16 on CPU)."""
+    cross tiles) and keys per K/V tile (on GPU 32, the default prefill kernel's choice, or 64 in a
+    table of ``LONG_KEY_TILE_KEYS``+ keys; 16 on CPU)."""
     block_g = max(1, triton.next_power_of_2(group))
-    return max(1, (16 if device.type == "cpu" else 64) // block_g), 16 if device.type == "cpu" else 32
+    block_n = 16 if device.type == "cpu" else 64 if max_keys >= LONG_KEY_TILE_KEYS else 32
+    return max(1, (16 if device.type == "cpu" else 64) // block_g), block_n
+
+
+def splits_long_steps(device: torch.device, max_keys: int) -> bool:
+    """Whether a long-tile step runs its long rows in a launch of larger tiles (``launches``): 64-key
+    tables on GPU; always on CPU (tests). Elsewhere such a step gains nothing from the tile class."""
+    return device.type == "cpu" or tiles(1, device, max_keys)[1] > 32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """One launch of the split kernel: matrix rows a tile, warps, register cap (0: the compiler's),
+    and the rows it takes (query tokens ``min_query`` .. ``max_query``)."""
+    rows: int
+    num_warps: int
+    maxnreg: int
+    min_query: int = 0
+    max_query: int = 2**31 - 1
+
+
+def launches(meta: AttentionMetadata, group: int, block_n: int, head_dim: int, device: torch.device) -> list[_Launch]:
+    """The step's launches. A tile's rows and warps change which program computes a query, never
+    its bits (the sweep above compares them bit for bit: 64 and 128 rows, 4 and 8 warps, any
+    cap), so a long-tile step (``meta.long_tiles``) of a 64-key table runs its rows that fill a
+    128-row tile in such tiles (8 warps, 128 registers: 1,527 against 1,758 us above) and its
+    other rows, decode rows among them, in 64-row tiles (128-row tiles ran 32 long decode rows
+    627 us against 497). Other steps run every row in one launch of 64-row tiles: capped at 128
+    registers with 32-key tiles, the compiler's choice with 64 (decode 497 against 589 us)."""
+    cpu = device.type == "cpu"
+    small = _Launch(16 if cpu else 64, 4, 0 if cpu or block_n > 32 else max_registers(head_dim, device) or 0)
+    if not (meta.long_tiles and (cpu or block_n > 32)):  # (block_n > 32: a table splits_long_steps takes)
+        return [small]
+    big = _Launch(32 if cpu else 128, 8, 0 if cpu else 128)
+    fills = max(1, big.rows // max(1, triton.next_power_of_2(group)))  # query tokens of one big tile
+    return [dataclasses.replace(big, min_query=fills), dataclasses.replace(small, max_query=fills - 1)]
 
 
 @triton.jit
@@ -193,19 +240,15 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, positions_ptr, kv_lens_ptr, token_
 def invariant_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                         kv_scale: torch.Tensor | None = None, split: int | None = None,
                         heads_fastest: bool = True, block_n: int | None = None, maxnreg: int | None = None,
-                        num_stages: int = 2) -> torch.Tensor:
+                        num_stages: int = 2, tile_rows: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """Causal attention of packed queries q [T, H, D] (rows as in ``meta``) over each row's paged KV
     (already appended), batch-invariant (module docstring). Returns [T, H, D] in q's dtype.
     ``kv_scale`` [2, KVH]: an e4m3 cache's key / value scales. ``split``: keys per split (tests;
     a multiple of the key tile), else ``split_size`` of the block table. ``heads_fastest``: KV heads on
     the grid's first axis (forced off past 65,535 query tiles; tests); same bits either way.
-    ``maxnreg`` (a register cap; None: the prefill kernel's ``max_registers``, 0: the compiler's
-    choice) / ``num_stages``: launch settings (sweeps; same bits). With the prefill kernel's key
-    loop (``attend``) the cap of 128 was the fastest of ``kernel-times invariant-kernels --sweep
-    --long`` at every shape (H100, us, capped / uncapped): decode 128 rows x 100-1,152 keys 121.6 /
-    126.3, mixed steps of 2,048 / 8,192 tokens 73.0 / 77.7 and 143.0 / 156.6, a long-context prefill
-    step (8,192 tokens after 4-12k keys) 1,754-1,875 / 2,604, 32 decode rows of 8-16k keys 646 / 719.
-    ``block_n``: keys per tile (sweeps only: another key tile is another summation order)."""
+    The launches are ``launches``'; sweeps override them with one launch of ``tile_rows`` matrix
+    rows a tile, ``num_warps``, ``maxnreg`` (0: the compiler's choice) and ``num_stages`` (same
+    bits). ``block_n``: keys per tile (sweeps only: another key tile is another summation order)."""
     check_cache(kv_cache, q)
     num_tokens, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -213,27 +256,54 @@ def invariant_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     if num_tokens == 0 or meta.num_rows == 0:
         return out
     group = num_heads // num_kv_heads
-    block_q, tile_n = tiles(group, q.device)
-    block_n = block_n or tile_n
     max_keys = meta.block_table.shape[1] * block_size
+    block_q, tile_n = tiles(group, q.device, max_keys)
+    block_n = block_n or tile_n
     split = split or split_size(max_keys, q.device)
-    if maxnreg is None:
-        maxnreg = max_registers(head_dim, q.device)
     if split % block_n:
         raise ValueError(f"split size {split} is not a multiple of the key tile {block_n}")
+    plan = launches(meta, group, block_n, head_dim, q.device)
+    if tile_rows or maxnreg is not None:
+        plan = [_Launch(tile_rows or block_q * max(1, triton.next_power_of_2(group)), num_warps,
+                        max_registers(head_dim, q.device) or 0 if maxnreg is None else maxnreg)]
     max_splits = triton.cdiv(max_keys, split)
-    slots = num_tokens // block_q + meta.num_rows
-    schedule = tile_schedule(meta, block_q, slots)
     if max_splits > 1:
         part = torch.empty(num_tokens, max_splits, num_heads, head_dim, device=q.device, dtype=torch.float32)
         lse = torch.empty(num_tokens, max_splits, num_heads, device=q.device, dtype=torch.float32)
     else:  # every query has one split: never written
         part = lse = out
+    for launch in plan:
+        _launch_splits(q, kv_cache, meta, scale, kv_scale, out, part, lse, launch, block_n, split, max_splits,
+                       num_stages, heads_fastest)
+    if max_splits > 1:
+        block_d = max(16, triton.next_power_of_2(head_dim))
+        _merge_kernel[(num_tokens,)](
+            part, lse, out, meta.positions, meta.kv_lens, meta.token_to_row, out.stride(0), out.stride(1),
+            num_heads, SPLIT=split, MAX_SPLITS=max_splits, BLOCK_H=triton.next_power_of_2(num_heads),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
+def _launch_splits(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                   kv_scale: torch.Tensor | None, out: torch.Tensor, part: torch.Tensor, lse: torch.Tensor,
+                   launch: _Launch, block_n: int, split: int, max_splits: int, num_stages: int,
+                   heads_fastest: bool) -> None:
+    """One launch of the split kernel over the rows ``launch`` takes."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_g = max(1, triton.next_power_of_2(group))
+    block_q = max(1, launch.rows // block_g)
+    slots = num_tokens // block_q + meta.num_rows
+    schedule = tile_schedule(meta, block_q, slots, launch.min_query, launch.max_query)
+    if launch.max_query < num_tokens:  # short rows only, a few tiles each (live tiles come first)
+        slots = min(slots, meta.num_rows * triton.cdiv(launch.max_query, block_q))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     scale_ptr, fp8 = kv_scale_args(kv_cache, kv_scale, q)
     block_d = max(16, triton.next_power_of_2(head_dim))
     num_stages = launch_limits.attention_tiles(  # the key tile fixes the summation order: stages alone
-        block_q * max(1, triton.next_power_of_2(group)), block_n, block_d, num_stages, 4, q.element_size(),
+        block_q * block_g, block_n, block_d, num_stages, launch.num_warps, q.element_size(),
         kv_cache.element_size(), launch_limits.device_limits(q.device)).num_stages
     heads_fastest = heads_fastest and slots < 65536  # the grid's 2nd axis holds at most 65,535
     grid = (num_kv_heads, slots, max_splits) if heads_fastest else (slots, num_kv_heads, max_splits)
@@ -242,16 +312,9 @@ def invariant_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         out, part, lse, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0),
         num_heads, scale * _LOG2E, scale_ptr, num_kv_heads,
-        GROUP=group, BLOCK_G=max(1, triton.next_power_of_2(group)), BLOCK_Q=block_q, HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split, MAX_SPLITS=max_splits,
         **dot_args(_split_kernel, kv_cache.dtype, q.dtype), KV_FP8=fp8, HEADS_FASTEST=heads_fastest,
-        num_warps=4, num_stages=num_stages, enable_fp_fusion=False,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
+        num_warps=launch.num_warps, num_stages=num_stages, enable_fp_fusion=False,
+        **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}),
     )
-    if max_splits > 1:
-        _merge_kernel[(num_tokens,)](
-            part, lse, out, meta.positions, meta.kv_lens, meta.token_to_row, out.stride(0), out.stride(1),
-            num_heads, SPLIT=split, MAX_SPLITS=max_splits, BLOCK_H=triton.next_power_of_2(num_heads),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
-        )
-    return out

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_async import SamplingParams
 from megatron_async.inference.text_generation_controllers.cuda_graphs import CudaGraphRunner
-from megatron_async.kernels import triton_prefill_attention
+from megatron_async.kernels import triton_invariant_attention, triton_prefill_attention
 from megatron_async.kernels.triton_prefill_common import HOPPER_LONG, LONG_TILE_MIN_QUERY
 from tests.helpers.engine_harness import count_replays_by_variant, make_llm, random_prompts
 from tests.helpers.hf_models import make_tiny_checkpoint
@@ -94,10 +94,33 @@ def test_long_rows_take_the_long_launch_and_tokens_do_not_change(ckpt, graphs, l
     assert results[False] == results[True]  # launch-ahead == serial
 
 
-@pytest.mark.parametrize("cfg", [dict(batch_invariant=True), dict(attention_backend="torch")])
-def test_batch_invariant_and_torch_attention_keep_their_tiles(ckpt, cfg):
-    """Batch-invariant kernels keep their fixed tiles; the torch reference has none: no long steps."""
-    llm = make_llm(ckpt, **{"attention_backend": "triton", "long_prefill_tiles": True, **cfg})
+def test_batch_invariant_long_tile_steps_keep_every_bit(ckpt, monkeypatch):
+    """Batch-invariant mode takes the long-tile steps too: its kernel runs the rows that fill a
+    larger tile in such tiles, a launch apart from the others, and tokens and log-probs equal the
+    switch-off engine's bit for bit (a tile's size changes which program computes a query, never
+    its bits), serial and launch-ahead."""
+    prompts = [p[:n] for p, n in zip(random_prompts(6, 40, 40, 256, seed=5), (30, 8, 25, 12, 10, 7))]
+    split = []
+    real = triton_invariant_attention.launches
+    monkeypatch.setattr(triton_invariant_attention, "launches", lambda *a: split.append(len(out := real(*a)) > 1) or out)
+    cfg = dict(attention_backend="triton", max_requests=4, max_tokens=48, batch_invariant=True)
+    ref_tokens, ref_lps, _, _ = _run(make_llm(ckpt, long_prefill_tiles=False, **cfg), prompts)
+    assert not any(split)
+    for async_scheduling in (False, True):
+        llm = make_llm(ckpt, long_prefill_tiles=True, async_scheduling=async_scheduling, **cfg)
+        assert llm.context.long_tile_min_query == LONG_TILE_MIN_QUERY
+        llm.context.long_tile_min_query = MIN_QUERY
+        split.clear()
+        tokens, lps, shapes, _ = _run(llm, prompts)
+        assert (tokens, lps) == (ref_tokens, ref_lps)
+        chosen = sum(long for _, _, long in shapes)
+        assert 0 < chosen == llm.engine.stats.long_tile_steps
+        assert sum(split) == chosen * llm.model.kv_cache_spec().num_layers  # two launches in each layer of those
+
+
+def test_torch_attention_has_no_long_tiles(ckpt):
+    """The torch reference has no tiles: no long steps."""
+    llm = make_llm(ckpt, attention_backend="torch", long_prefill_tiles=True)
     assert llm.context.long_tile_min_query == 0
     llm.generate([list(range(3, 40))], SamplingParams(top_k=1, num_tokens_to_generate=2))
     assert llm.engine.stats.long_tile_steps == 0

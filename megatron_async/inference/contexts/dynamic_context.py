@@ -48,7 +48,7 @@ class DynamicInferenceContext:
         ``long_tile_min_query``: a step whose longest row has this many query tokens runs the prefill
         attention's long-row launch (``StepShape.long_tiles``); 0: never."""
         self.batch_invariant = batch_invariant
-        self.long_tile_min_query = 0 if batch_invariant else long_tile_min_query  # its kernels keep fixed tiles
+        self.long_tile_min_query = long_tile_min_query
         self.long_tile_steps = 0
         """Assembled steps that chose the long-row prefill launch."""
         # the sizes the tables hold (read by the book, the runner and warm-up)

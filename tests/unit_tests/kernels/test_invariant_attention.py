@@ -4,6 +4,8 @@ other rows, or as the last token of a prefill chunk of any length next to other 
 on CPU (interpreter), the Qwen3-0.6B attention shape with rows up to 16k keys on CUDA (``gpu``)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,7 +13,9 @@ pytest.importorskip("triton")
 
 from megatron_async.forward_batch import AttentionMetadata  # noqa: E402
 from megatron_async.kernels import attention_torch, attention_triton  # noqa: E402
-from megatron_async.kernels.triton_invariant_attention import invariant_attention, split_size  # noqa: E402
+from megatron_async.kernels.triton_invariant_attention import (  # noqa: E402
+    invariant_attention, launches, split_size, splits_long_steps, tiles,
+)
 
 from tests.helpers.paged_attention_cases import QWEN3_06B_HEADS, make_case  # noqa: E402
 
@@ -57,10 +61,11 @@ def _reference_in_parts(case, rows_per_call: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _last_query_of(case, picks, probe_q, split=None) -> list[torch.Tensor]:
+def _last_query_of(case, picks, probe_q, split=None, long_tiles=False) -> list[torch.Tensor]:
     """Outputs of every row's last query in a step over ``picks`` whose last queries are ``probe_q``
-    [rows, H, D] (earlier queries of a row: random)."""
-    meta = _meta(case, picks)
+    [rows, H, D] (earlier queries of a row: random); ``long_tiles``: a long-tile step (its long rows
+    in a launch of larger tiles)."""
+    meta = dataclasses.replace(_meta(case, picks), long_tiles=long_tiles)
     g = torch.Generator(device=case.q.device).manual_seed(len(picks))
     q = torch.randn(meta.num_tokens, *probe_q.shape[1:], generator=g, device=case.q.device).to(probe_q.dtype)
     last = (meta.cu_query_lens[1:] - 1).long()
@@ -87,7 +92,9 @@ def _check_invariance(case, probes: list[int], fillers: list[int], chunk: int, s
         picks.append((r, chunk))
         qs = torch.cat([torch.randn(len(picks) - 1, H, D, generator=g, device=case.q.device).to(case.q.dtype),
                         probe_q[i:i + 1]])
-        assert torch.equal(_last_query_of(case, picks, qs, split)[-1], alone[i]), f"row {r} in a {chunk}-token chunk"
+        for long_tiles in (False, True):
+            assert torch.equal(_last_query_of(case, picks, qs, split, long_tiles)[-1], alone[i]), \
+                f"row {r} in a {chunk}-token chunk, long tiles {long_tiles}"
 
 
 # (cached, new): decode rows around split boundaries (32 keys on CPU), chunks crossing them,
@@ -105,9 +112,20 @@ def test_matches_reference_across_splits(group, head_dim, block_size):
     assert max(case.meta.kv_lens.tolist()) > 3 * split_size(max_keys, case.q.device)  # several splits merged
     tol = dict(rtol=1e-4, atol=1e-5) if case.q.dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out, ref, **tol)
+    long_meta = dataclasses.replace(case.meta, long_tiles=True)  # the chunks' rows in larger tiles, a launch apart
+    assert len(launches(long_meta, group, 16, head_dim, case.q.device)) == 2
+    assert torch.equal(invariant_attention(case.q, case.kv_cache, long_meta, case.scale), out)
     if group == 2:  # tiles on the grid's first axis (past 65,535 tiles): the same bits
         flipped = invariant_attention(case.q, case.kv_cache, case.meta, case.scale, heads_fastest=False)
         assert torch.equal(flipped, out)
+
+
+def test_key_tile_and_long_steps_are_fixed_by_the_table():
+    """32-key tiles and one launch in the default 4,096-key table; 64-key tiles, and long-tile steps
+    split in two launches, from 8,192 keys (long-context engines)."""
+    cuda = torch.device("cuda")
+    assert [tiles(2, cuda, keys)[1] for keys in (4096, 8191, 8192, 16500)] == [32, 32, 64, 64]
+    assert [splits_long_steps(cuda, keys) for keys in (4096, 16500)] == [False, True]
 
 
 def test_split_size_is_fixed_by_the_table():
