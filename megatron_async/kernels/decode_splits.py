@@ -44,3 +44,19 @@ def choose_num_splits(num_rows: int, num_kv_heads: int, max_blocks_per_row: int,
 def _wave_fill(programs: int, places: int) -> Fraction:
     """The share of the programs' waves (``places`` programs each) that holds a program."""
     return Fraction(programs, places * triton.cdiv(programs, places))
+
+
+MIXED_SPLIT_KEYS = 2048
+"""Keys a split holds at most for the decode rows of a long-tile step (``mixed_step_splits``)."""
+
+
+def mixed_step_splits(num_rows: int, num_kv_heads: int, max_blocks_per_row: int, block_size: int,
+                      device: torch.device) -> int:
+    """Split count for the one-token rows of a step that also holds long prompt rows (its rows
+    counted with the prompts' and the graph's padding): ``choose_num_splits`` of its rows, but at
+    least enough that a full-length row's splits hold <= ``MIXED_SPLIT_KEYS`` keys. Such a step
+    may have few decode rows among many: counted as rows they would get one split each, a few
+    programs streaming a long row apiece; a row's splits past its keys cost an empty program."""
+    width = max_blocks_per_row * block_size
+    least = min(triton.cdiv(width, MIXED_SPLIT_KEYS), _MAX_SPLITS)
+    return max(choose_num_splits(num_rows, num_kv_heads, max_blocks_per_row, block_size, device), least)

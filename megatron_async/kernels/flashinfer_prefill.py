@@ -18,7 +18,8 @@ output quantized for an FP8 o projection (the attention layer asks for none in s
 
 The step's one-token rows run the split-K decode kernel (``attend_decode_rows``): alone, without
 the prompts' tiles to overlap, the prefill kernel's one program a row and KV head streams a long
-row's keys at a fraction of the memory bandwidth that key splits reach.
+row's keys at a fraction of the memory bandwidth that key splits reach; the split count assumes
+few decode rows among the step's (``mixed_step_splits``).
 
 The lists follow FlashInfer 0.7's layout (``PrefillPlanSM90Info``), an internal of its; ``ready``
 checks the kernel against a float32 attention before the engine takes it."""
@@ -34,6 +35,7 @@ import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels import attention_torch
+from megatron_async.kernels.decode_splits import mixed_step_splits
 from megatron_async.kernels.triton_decode_attention import decode_attention
 from megatron_async.kernels.triton_paged_common import num_compute_units
 from megatron_async.kernels.triton_tile_schedule import tile_schedule
@@ -182,7 +184,8 @@ def attend_decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionM
     outputs untouched): through a view of the step with one query a row, each row's last token,
     the rows of more tokens (or none) given no keys and their outputs not copied back."""
     last, view = _decode_view(meta)
-    got = decode_attention(q[last], kv_cache, view, scale)
+    splits = mixed_step_splits(meta.num_rows, kv_cache.shape[3], meta.block_table.shape[1], kv_cache.shape[2], q.device)
+    got = decode_attention(q[last], kv_cache, view, scale, num_splits=splits)
     width = q.shape[1] * q.shape[2]
     _scatter_rows[(meta.num_rows,)](got, out, meta.cu_query_lens, got.stride(0), out.stride(0), WIDTH=width,
                                     BLOCK=triton.next_power_of_2(width))

@@ -162,6 +162,11 @@ def test_decode_split_count_rule(monkeypatch):
     assert dec.choose_num_splits(1, 8, 1025, 16, dev) == 32  # 256 of 264
     assert dec.choose_num_splits(1, 8, 128, 16, dev) == 16  # capped: >= 128 keys per split of a 2,048-token row
     assert dec.choose_num_splits(1, 8, 8, 16, dev) == 1  # a 128-token table keeps one split
+    # a long-tile step's decode rows: rows counted with the prompts' and padding, splits of <= 2,048 keys
+    assert dec.mixed_step_splits(32, 8, 1032, 16, dev) == 9  # one split as a decode step of 32 rows
+    assert dec.mixed_step_splits(4, 8, 1032, 16, dev) == 9
+    assert dec.mixed_step_splits(16, 8, 128, 16, dev) == 2  # a short table: the decode step's count
+    assert dec.mixed_step_splits(1, 8, 16384, 16, dev) == 64  # capped
 
 
 def test_prefill_grid_order_changes_launch_order_only():

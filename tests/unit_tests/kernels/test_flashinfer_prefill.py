@@ -81,14 +81,22 @@ def test_the_schedules_split_the_rows():
     assert {e >> 32 for e in long_rows} == {0, 2, 5} and {e >> 32 for e in short_rows} == {3}
 
 
-def test_decode_rows_on_the_decode_kernel_leave_the_others():
+@pytest.mark.parametrize("split_keys", [None, 32])
+def test_decode_rows_on_the_decode_kernel_leave_the_others(monkeypatch, split_keys):
     """``attend_decode_rows``: each one-token row's output against the reference (fresh random
-    inputs, every other row's output left as it was: an empty row, prompt rows, long rows)."""
+    inputs, every other row's output left as it was: an empty row, prompt rows, long rows), with
+    the step's split count, and with splits of 32 keys (``mixed_step_splits``' floor lowered)."""
+    from megatron_async.kernels import decode_splits
     from megatron_async.kernels.triton_kv_append import append_kv
 
+    if split_keys:
+        monkeypatch.setattr(decode_splits, "MIXED_SPLIT_KEYS", split_keys)
     case = make_case(ROWS, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, device=DEVICE, seed=11)
     ref, _ = case.reference()
     append_kv(case.kv_cache, case.k, case.v, case.meta.slot_mapping)
+    if split_keys:
+        table = case.meta.block_table.shape[1] * 16
+        assert decode_splits.mixed_step_splits(case.meta.num_rows, 2, table // 16, 16, case.q.device) >= table // 32 > 1
     out = torch.full_like(case.q, 7.0)
     flashinfer_prefill.attend_decode_rows(case.q, case.kv_cache, case.meta, case.scale, out)
     view = case.meta.scratch["fa3_decode_view"]
