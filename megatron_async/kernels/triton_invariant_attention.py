@@ -98,8 +98,8 @@ class _Launch:
 
 def launches(meta: AttentionMetadata, group: int, block_n: int, head_dim: int, device: torch.device) -> list[_Launch]:
     """The step's launches. A tile's rows and warps change which program computes a query, never
-    its bits (the sweep above compares them bit for bit: 64 and 128 rows, 4 and 8 warps, any
-    cap), so a long-tile step (``meta.long_tiles``) of a 64-key table runs its rows that fill a
+    its bits (``kernel-times invariant-kernels --sweep`` compares them bit for bit: 64 and 128
+    rows, 4 and 8 warps, any cap; 16 and 32 rows, other MMA instructions, do not), so a long-tile step (``meta.long_tiles``) of a 64-key table runs its rows that fill a
     128-row tile in such tiles (8 warps, 128 registers: 1,527 against 1,758 us above) and its
     other rows, decode rows among them, in 64-row tiles (128-row tiles ran 32 long decode rows
     627 us against 497). Other steps run every row in one launch of 64-row tiles: capped at 128
@@ -264,8 +264,8 @@ def invariant_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         raise ValueError(f"split size {split} is not a multiple of the key tile {block_n}")
     plan = launches(meta, group, block_n, head_dim, q.device)
     if tile_rows or maxnreg is not None:
-        plan = [_Launch(tile_rows or block_q * max(1, triton.next_power_of_2(group)), num_warps,
-                        max_registers(head_dim, q.device) or 0 if maxnreg is None else maxnreg)]
+        cap = (max_registers(head_dim, q.device) or 0) if maxnreg is None else maxnreg
+        plan = [_Launch(tile_rows or block_q * max(1, triton.next_power_of_2(group)), num_warps, cap)]
     max_splits = triton.cdiv(max_keys, split)
     if max_splits > 1:
         part = torch.empty(num_tokens, max_splits, num_heads, head_dim, device=q.device, dtype=torch.float32)
