@@ -1,7 +1,7 @@
 """The batch-invariant attention's kernels (split + merge), the invariant matmul with its K ranges
 added in one program, its TMA kernel for prefill rows and the fused invariant SwiGLU, compiled ahead of time for an H100 (sm_90) with the installed
 Triton, on any machine: the interpreter tests cannot see a compile failure. The split kernel's
-64-row tile must use Hopper's wgmma (the tensor-core instruction the speed of prefill in the mode
+tiles (64 rows of 32 or 64 keys, 128 rows on 8 warps) must use Hopper's wgmma (the tensor-core instruction the speed of prefill in the mode
 rests on), built without FMA contraction as the launch asks. A subprocess without TRITON_INTERPRET; skipped where Triton has no CUDA backend."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from megatron_async.kernels import triton_tma_linear as tma
 
 def build(fn, types, consts, **opts):
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-    asm = compile_asm(fn, sig, consts, num_warps=4, **opts)
+    asm = compile_asm(fn, sig, consts, **{"num_warps": 4, **opts})
     return {"cubin": "cubin" in asm, "wgmma": "wgmma.mma_async" in asm["ptx"], "fma": "fma.rn.f32" in asm["ptx"]}
 
 i32 = "i32"
@@ -37,6 +37,13 @@ for group, fp8 in ((2, False), (4, False), (2, True)):
         GROUP=group, BLOCK_G=group, BLOCK_Q=block_q, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=block_n,
         SPLIT=4096, MAX_SPLITS=5, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", KV_FP8=fp8, HEADS_FASTEST=True), num_stages=2,
         enable_fp_fusion=False)
+# a long-context table's 64-key tiles: 64-row tiles on 4 warps, a long-tile step's 128-row tiles on 8 (ia.launches)
+_, long_n = ia.tiles(2, __import__("torch").device("cuda"), 16500)
+for rows, warps in ((64, 4), (128, 8)):
+    out[f"split_g2_n{long_n}_rows{rows}"] = build(ia._split_kernel, dict(attn, kv_scale_ptr="*fp32"), dict(
+        GROUP=2, BLOCK_G=2, BLOCK_Q=rows // 2, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=long_n, SPLIT=4096,
+        MAX_SPLITS=5, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", KV_FP8=False, HEADS_FASTEST=True), num_stages=2,
+        num_warps=warps, enable_fp_fusion=False)
 out["split_with_fusion"] = build(ia._split_kernel, dict(attn, kv_scale_ptr="*fp32"), dict(
     GROUP=2, BLOCK_G=2, BLOCK_Q=32, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=32, SPLIT=4096, MAX_SPLITS=5,
     DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", KV_FP8=False, HEADS_FASTEST=True), num_stages=2, enable_fp_fusion=True)
