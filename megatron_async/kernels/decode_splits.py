@@ -48,6 +48,10 @@ def _wave_fill(programs: int, places: int) -> Fraction:
 
 MIXED_SPLIT_KEYS = 2048
 """Keys a split holds at most for the decode rows of a long-tile step (``mixed_step_splits``)."""
+MIXED_ROW_SPLITS = 2048
+"""Rows x splits past which ``mixed_step_splits`` adds no split: a step of that many rows holds
+many decode rows (prompt rows of 2,048+ tokens are few), and the partials' workspace (rows x
+heads x splits x head_dim float32, kept in a captured graph's pool) stays bounded."""
 
 
 def mixed_step_splits(num_rows: int, num_kv_heads: int, max_blocks_per_row: int, block_size: int,
@@ -56,7 +60,8 @@ def mixed_step_splits(num_rows: int, num_kv_heads: int, max_blocks_per_row: int,
     counted with the prompts' and the graph's padding): ``choose_num_splits`` of its rows, but at
     least enough that a full-length row's splits hold <= ``MIXED_SPLIT_KEYS`` keys. Such a step
     may have few decode rows among many: counted as rows they would get one split each, a few
-    programs streaming a long row apiece; a row's splits past its keys cost an empty program."""
+    programs streaming a long row apiece; a row's splits past its keys cost an empty program.
+    Past ``MIXED_ROW_SPLITS`` rows x splits no more."""
     width = max_blocks_per_row * block_size
-    least = min(triton.cdiv(width, MIXED_SPLIT_KEYS), _MAX_SPLITS)
+    least = min(triton.cdiv(width, MIXED_SPLIT_KEYS), _MAX_SPLITS, max(1, MIXED_ROW_SPLITS // max(1, num_rows)))
     return max(choose_num_splits(num_rows, num_kv_heads, max_blocks_per_row, block_size, device), least)

@@ -167,6 +167,7 @@ def test_decode_split_count_rule(monkeypatch):
     assert dec.mixed_step_splits(4, 8, 1032, 16, dev) == 9
     assert dec.mixed_step_splits(16, 8, 128, 16, dev) == 2  # a short table: the decode step's count
     assert dec.mixed_step_splits(1, 8, 16384, 16, dev) == 64  # capped
+    assert dec.mixed_step_splits(512, 8, 8192, 16, dev) == 4  # many rows: 2,048 row-splits bound the partials
 
 
 def test_prefill_grid_order_changes_launch_order_only():
