@@ -39,10 +39,13 @@ for group, fp8 in ((2, False), (4, False), (2, True)):
         enable_fp_fusion=False)
 # a long-context table's 64-key tiles: 64-row tiles on 4 warps, a long-tile step's 128-row tiles on 8 (ia.launches)
 _, long_n = ia.tiles(2, __import__("torch").device("cuda"), 16500)
-for rows, warps in ((64, 4), (128, 8)):
-    out[f"split_g2_n{long_n}_rows{rows}"] = build(ia._split_kernel, dict(attn, kv_scale_ptr="*fp32"), dict(
+for rows, warps, fp8 in ((64, 4, False), (128, 8, False), (128, 8, True)):
+    types = dict(attn, kv_scale_ptr="*fp32")
+    if fp8:
+        types.update(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
+    out[f"split_g2_n{long_n}_rows{rows}_fp8{fp8}"] = build(ia._split_kernel, types, dict(
         GROUP=2, BLOCK_G=2, BLOCK_Q=rows // 2, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=long_n, SPLIT=4096,
-        MAX_SPLITS=5, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", KV_FP8=False, HEADS_FASTEST=True), num_stages=2,
+        MAX_SPLITS=5, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", KV_FP8=fp8, HEADS_FASTEST=True), num_stages=2,
         num_warps=warps, enable_fp_fusion=False)
 out["split_with_fusion"] = build(ia._split_kernel, dict(attn, kv_scale_ptr="*fp32"), dict(
     GROUP=2, BLOCK_G=2, BLOCK_Q=32, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=32, SPLIT=4096, MAX_SPLITS=5,
