@@ -162,8 +162,9 @@ class LLM:
             self.model, self.tokenizer = load_model(model, default_model, seed, self.device, self.dtype, self.parallel,
                                                     self.quantization, reader)  # engine.suspend frees the weights
         self.model.eval()
-        self.model.kernels = kernels  # this model's kernels, not the process's (the long-tile test below reads them)
-        self.model.kernels = replace(kernels, flashinfer_prefill=self._flashinfer_prefill(choice))
+        self.model.kernels = kernels  # this model's kernels, not the process's
+        if self._flashinfer_prefill(choice):  # (its long-tile test reads the kernels above)
+            self.model.kernels = replace(kernels, flashinfer_prefill=True)
         if self.config.enable_lora:  # adapter slots before graphs, warm-up and the snapshot layout
             LoRAAdapters.attach(self.model, self.config.lora())
         if choice.batch_invariant:

@@ -256,8 +256,8 @@ def prefill_attention(
     block_q = launch.rows // block_g
     q_arg = q_as_pairs(q) if pairs else q
     tiles = num_tokens // block_q + meta.num_rows
-    schedule = _rows_here(q, kv_cache, meta, scale, out, block_q, tiles,
-                          flashinfer_rows and meta.long_tiles and not fp8 and rows_q is None)
+    schedule = _hand_off_rows(q, kv_cache, meta, scale, out, block_q, tiles,
+                              flashinfer_rows and meta.long_tiles and not fp8 and rows_q is None)
     heads_fastest = heads_fastest and tiles < 65536  # the grid's 2nd axis holds at most 65,535
     grid = (num_kv_heads, tiles) if heads_fastest else (tiles, num_kv_heads)
     settings = dict(num_warps=launch.num_warps, num_stages=launch.num_stages,
@@ -290,10 +290,11 @@ def _invariant(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
     return invariant_attention(q, kv_cache, meta, scale, kv_scale=kv_scale)
 
 
-def _rows_here(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor,
-              block_q: int, tiles: int, split: bool) -> torch.Tensor:
+def _hand_off_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                   out: torch.Tensor, block_q: int, tiles: int, split: bool) -> torch.Tensor:
     """The tile schedule of the rows this kernel runs: all, or with ``split`` those of 2 to
-    ``MIN_QUERY`` - 1 tokens, the longer ones run first on FA3 and the one-token rows on the decode kernel."""
+    ``MIN_QUERY`` - 1 tokens, after it has run the longer ones on FA3 and the one-token rows on the
+    decode kernel (into ``out``)."""
     if not split:
         return tile_schedule(meta, block_q, tiles)
     flashinfer_prefill.attend_long_rows(q, kv_cache, meta, scale, out)
