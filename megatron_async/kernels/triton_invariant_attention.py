@@ -106,8 +106,8 @@ def launches(meta: AttentionMetadata, group: int, block_n: int, head_dim: int, d
     registers with 32-key tiles, the compiler's choice with 64 (decode 497 against 589 us)."""
     cpu = device.type == "cpu"
     small = _Launch(16 if cpu else 64, 4, 0 if cpu or block_n > 32 else max_registers(head_dim, device) or 0)
-    if not (meta.long_tiles and (cpu or block_n > 32)):  # (block_n > 32: a table splits_long_steps takes)
-        return [small]
+    if not (meta.long_tiles and (cpu or block_n > 32)) or head_dim > 128:  # (block_n > 32: a table
+        return [small]  # splits_long_steps takes; the big tiles' 128 registers hold head_dim <= 128 only)
     big = _Launch(32 if cpu else 128, 8, 0 if cpu else 128)
     fills = max(1, big.rows // max(1, triton.next_power_of_2(group)))  # query tokens of one big tile
     return [dataclasses.replace(big, min_query=fills), dataclasses.replace(small, max_query=fills - 1)]

@@ -127,3 +127,25 @@ def test_prefill_variants_real_shapes_match_reference(block_size, launch, heads)
     out = prefill_attention(case.q, case.kv_cache, case.meta, case.scale,
                             launch=PrefillLaunch(*launch))
     torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("kernel", ["prefill", "invariant"])
+def test_long_tile_steps_at_other_head_dims(kernel, head_dim):
+    """A long-tile step (a row of ``LONG_TILE_MIN_QUERY``+ tokens) at head_dim 64 and 256, bf16, in a
+    long-context table (the invariant kernel's 64-key tiles): its launches compile (the long tiles'
+    128-register cap holds head_dim <= 128 only) and match the reference."""
+    from megatron_async.kernels.triton_invariant_attention import invariant_attention
+    from megatron_async.kernels.triton_prefill_attention import prefill_attention
+
+    case = make_case([(1000, 2048), (3000, 1), (0, 300), (9000, 1)], block_size=16, dtype=torch.bfloat16,
+                     device="cuda", seed=head_dim, num_heads=16, num_kv_heads=8, head_dim=head_dim,
+                     table_width=16384 // 16)
+    ref_out, _ = case.reference()
+    attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the keys
+    meta = dataclasses.replace(case.meta, long_tiles=True)
+    if kernel == "prefill":
+        out = prefill_attention(case.q, case.kv_cache, meta, case.scale, flashinfer_rows=False)
+    else:
+        out = invariant_attention(case.q, case.kv_cache, meta, case.scale)
+    torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=1e-2)
