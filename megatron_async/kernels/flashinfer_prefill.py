@@ -2,8 +2,9 @@
 wgmma with TMA, a persistent grid of one program an SM), where the ``flashinfer`` package is
 importable; the step's other rows stay on the Triton prefill kernel (``triton_prefill_attention``).
 
-The kernel runs work items (query head, row, 128-query tile) from lists that say which program
-runs which: FlashInfer plans them on the host (``PrefillSM90Plan``) and copies them in per call.
+The kernel runs work items (query head, row, query tile: 128 tokens, 192 at head_dim 64) from
+lists that say which program runs which: FlashInfer plans them on the host (``PrefillSM90Plan``)
+and copies them in per call.
 Here ``_work_lists`` writes them on the device from the step's tile schedule (``tile_schedule``:
 tiles most keys first), inside the step's CUDA graph and shared by every layer, so the step keeps
 its one host-to-device copy and the host reads no lengths. Items are dealt to the programs in
@@ -13,7 +14,7 @@ dealing without its heap.
 The kernel reads the cache through the step's block table as FlashInfer's page indices (a row's
 pages start at row * the table's stride) and each item's key count from the lists: causal,
 bottom-right (a row's queries are the last of its keys), as the Triton kernels. bf16 / fp16 caches
-and queries, head_dim 128; not the e4m3 cache, not batch-invariant mode (its own kernels), not an
+and queries, head_dim 64 / 128 / 256; not the e4m3 cache, not batch-invariant mode (its own kernels), not an
 output quantized for an FP8 o projection (the attention layer asks for none in such a step).
 
 The step's one-token rows run the split-K decode kernel (``attend_decode_rows``): alone, without
@@ -42,14 +43,17 @@ from megatron_async.kernels.triton_tile_schedule import tile_schedule
 
 log = logging.getLogger(__name__)
 
-TILE_Q = 128
-"""Query tokens of the kernel's tile (head_dim 128; FlashInfer's ``cta_tile_q``)."""
+def tile_q(head_dim: int) -> int:
+    """Query tokens of the kernel's tile: 192 at head_dim 64, else 128 (FlashInfer's ``cta_tile_q``
+    in ``PrefillSM90Plan``, which the lists' tile indices count in)."""
+    return 192 if head_dim == 64 else 128
+
+
 MIN_QUERY = 128
 """Rows with this many query tokens or more go to the kernel; shorter rows (decode rows, short
 chunks) would fill a fraction of a tile each and stay on the Triton kernel."""
-HEAD_DIMS = (128,)
-"""The head dims measured and tested here on a GPU (FlashInfer's FA3 also builds 64, on 192-query
-tiles, and 256)."""
+HEAD_DIMS = (64, 128, 256)
+"""The head dims FlashInfer's FA3 builds (``test_flashinfer_prefill``'s GPU tests run each)."""
 CHECK_TOLERANCE = 3e-2
 """``self_check``'s bound on the largest error of bf16 / fp16 outputs of unit-variance values."""
 _LISTS = 8  # qo tile, qo start, page start, qo len, kv len, head, program start (work_indptr), row
@@ -128,14 +132,14 @@ def _work_lists(entry_ptr, live_ptr, cu_q_ptr, kv_lens_ptr, tile_ptr, qo_ptr, pa
     tl.store(row_ptr + pos, row, mask=live)
 
 
-def work_lists(meta: AttentionMetadata, num_heads: int, programs: int) -> tuple[torch.Tensor, list[int]]:
+def work_lists(meta: AttentionMetadata, num_heads: int, programs: int, tile: int = 128) -> tuple[torch.Tensor, list[int]]:
     """(int32 workspace, FlashInfer's plan info: the byte offsets of its lists) of the step's rows of
-    ``MIN_QUERY``+ tokens dealt to ``programs`` programs (the kernel launches one an SM); computed by
-    the first layer that asks and kept on ``meta``."""
-    key = ("fa3_lists", num_heads, programs)
+    ``MIN_QUERY``+ tokens in ``tile``-query tiles (``tile_q``) dealt to ``programs`` programs (the
+    kernel launches one an SM); computed by the first layer that asks and kept on ``meta``."""
+    key = ("fa3_lists", num_heads, programs, tile)
     if key not in meta.scratch:
-        slots = meta.num_tokens // TILE_Q + meta.num_rows
-        schedule = tile_schedule(meta, TILE_Q, slots, min_query=MIN_QUERY)
+        slots = meta.num_tokens // tile + meta.num_rows
+        schedule = tile_schedule(meta, tile, slots, min_query=MIN_QUERY)
         live = (schedule >= 0).sum(dtype=torch.int32)
         items = -(-slots * num_heads // 4) * 4  # each list 16-byte aligned
         sizes = [items] * 6 + [-(-(programs + 1) // 4) * 4, items]
@@ -144,7 +148,7 @@ def work_lists(meta: AttentionMetadata, num_heads: int, programs: int) -> tuple[
         block = 1024
         _work_lists[(triton.cdiv(slots * num_heads, block),)](
             schedule, live, meta.cu_query_lens, meta.kv_lens, *lists, programs, meta.block_table.stride(0),
-            HEADS=num_heads, TILE=TILE_Q, BLOCK=block)
+            HEADS=num_heads, TILE=tile, BLOCK=block)
         offsets = [4 * sum(sizes[:i]) for i in range(_LISTS)]
         meta.scratch[key] = ws, offsets + [0]  # 0: a schedule per head
     return meta.scratch[key]
@@ -155,7 +159,7 @@ def attend_long_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
     """Causal attention of the step's rows of ``MIN_QUERY``+ query tokens over their paged keys into
     ``out`` ([T, H, D]; the other rows' outputs untouched). q [T, H, D], the cache [2, blocks,
     block_size, KVH, D] of q's dtype, the new keys already appended."""
-    ws, plan_info = work_lists(meta, q.shape[1], num_compute_units(q.device))
+    ws, plan_info = work_lists(meta, q.shape[1], num_compute_units(q.device), tile_q(q.shape[2]))
     table = meta.block_table
     if not table.is_contiguous():
         raise ValueError("attend_long_rows: the block table must be contiguous (its rows are the kernel's page lists)")

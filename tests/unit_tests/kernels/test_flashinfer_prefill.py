@@ -1,12 +1,12 @@
 """A long-tile step's long rows on FlashInfer's FA3 kernel (``flashinfer_prefill``), its one-token
 rows on the decode kernel, the others on the Triton prefill kernel. Everywhere (interpreted on
-CPU): the work lists written on the device hold every (query head, row, 128-query tile) of the
+CPU): the work lists written on the device hold every (query head, row, query tile) of the
 rows of 128+ tokens exactly once, dealt evenly in snake order; the kernels' tile schedules split
 the step's rows; the decode rows' outputs equal the reference and leave the others; the start-up
 check turns a wrong kernel away. On an H100 / H200 with ``flashinfer`` importable: the split
 step's outputs against a float32 reference at real shapes (a fresh 8k prompt, prompts beside
-decode rows, a chunk after a cached prefix, rows of 127 / 128 tokens), in a CUDA graph the same
-bits as eager, and the start-up check passes."""
+decode rows, a chunk after a cached prefix, rows of 127 / 128 tokens; head_dim 64, 128 and 256),
+in a CUDA graph the same bits as eager, and the start-up check passes at each head_dim."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,26 +25,26 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (cached, new): long rows of one, three and eight tiles (one ending mid-tile), a row of exactly
 # 128, rows just below (127) and far below (decode rows, an empty row).
 ROWS = [(0, 300), (7, 1), (50, 128), (10, 127), (0, 0), (200, 1000), (33, 1)]
-TILE = flashinfer_prefill.TILE_Q
 
 
-def _lists(rows, heads: int, programs: int):
+def _lists(rows, heads: int, programs: int, tile: int):
     case = make_case(rows, num_heads=heads, num_kv_heads=2, head_dim=16, block_size=16, device=DEVICE, seed=1)
-    ws, plan_info = flashinfer_prefill.work_lists(case.meta, heads, programs)
-    assert flashinfer_prefill.work_lists(case.meta, heads, programs)[0] is ws  # once per step
+    ws, plan_info = flashinfer_prefill.work_lists(case.meta, heads, programs, tile)
+    assert flashinfer_prefill.work_lists(case.meta, heads, programs, tile)[0] is ws  # once per step
     assert plan_info[-1] == 0 and all(off % 16 == 0 for off in plan_info[:-1])  # a schedule per head, aligned
     ws = ws.cpu()
     tile, qo, page, qo_len, kv_len, head, indptr, row = (ws[off // 4:] for off in plan_info[:-1])
     return case, tile, qo, page, qo_len, kv_len, head, indptr[: programs + 1].tolist(), row
 
 
-@pytest.mark.parametrize("heads,programs", [(4, 7), (2, 5), (4, 48), (4, 200)])
-def test_work_lists_hold_every_long_tile_once_dealt_evenly(heads, programs):
-    case, tile, qo, page, qo_len, kv_len, head, indptr, row = _lists(ROWS, heads, programs)
+@pytest.mark.parametrize("heads,programs,head_dim", [(4, 7, 128), (2, 5, 128), (4, 48, 64), (4, 200, 256)])
+def test_work_lists_hold_every_long_tile_once_dealt_evenly(heads, programs, head_dim):
+    size = flashinfer_prefill.tile_q(head_dim)  # 192 at head_dim 64: the lists count in the kernel's tiles
+    case, tile, qo, page, qo_len, kv_len, head, indptr, row = _lists(ROWS, heads, programs, size)
     cu = case.meta.cu_query_lens.tolist()
     stride = case.meta.block_table.stride(0)
     want = {(h, r, t) for r, (_, new) in enumerate(ROWS) if new >= flashinfer_prefill.MIN_QUERY
-            for t in range(-(-new // TILE)) for h in range(heads)}
+            for t in range(-(-new // size)) for h in range(heads)}
     n = len(want)
     assert indptr[0] == 0 and indptr[-1] == n and all(a <= b for a, b in zip(indptr, indptr[1:]))
     counts = [b - a for a, b in zip(indptr, indptr[1:])]
@@ -57,7 +57,7 @@ def test_work_lists_hold_every_long_tile_once_dealt_evenly(heads, programs):
             cached, new = ROWS[r]
             assert (qo[i], page[i], qo_len[i], kv_len[i]) == (cu[r], r * stride, new, cached + new)
             got.append((int(head[i]), r, int(tile[i])))
-            keys.append(cached + min((int(tile[i]) + 1) * TILE, new))
+            keys.append(cached + min((int(tile[i]) + 1) * size, new))
         assert keys == sorted(keys, reverse=True)  # a program's items in rounds: most keys first
     assert sorted(got) == sorted(want) and len(got) == n
 
@@ -129,9 +129,9 @@ def _reference(case) -> torch.Tensor:
     [(0, 1024)] * 4 + [(700, 1), (1500, 1), (2047, 1)],
     [(4096, 2048), (9000, 1), (0, 127), (0, 128)],
 ], ids=["8k", "prompts+decode", "after-prefix"])
-@pytest.mark.parametrize("heads", [(16, 8), (32, 8)])
-def test_split_step_matches_the_reference(rows, heads):
-    case = make_case(rows, num_heads=heads[0], num_kv_heads=heads[1], head_dim=128, block_size=16,
+@pytest.mark.parametrize("heads,head_dim", [((16, 8), 128), ((32, 8), 128), ((16, 8), 64), ((16, 8), 256)])
+def test_split_step_matches_the_reference(rows, heads, head_dim):
+    case = make_case(rows, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim, block_size=16,
                      dtype=torch.bfloat16, device="cuda", seed=7)
     from megatron_async.kernels.triton_kv_append import append_kv
 
@@ -144,7 +144,8 @@ def test_split_step_matches_the_reference(rows, heads):
         return prefill_attention(case.q, case.kv_cache, meta, case.scale, flashinfer_rows=True)
 
     out = run()
-    assert ("fa3_lists", heads[0], torch.cuda.get_device_properties(0).multi_processor_count) in meta.scratch
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    assert ("fa3_lists", heads[0], programs, flashinfer_prefill.tile_q(head_dim)) in meta.scratch
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -180,6 +181,8 @@ def test_not_ready_without_an_sm90_device():
 
 @pytest.mark.gpu
 @needs_fa3
-def test_start_up_check_passes_the_installed_flashinfer():
-    assert flashinfer_prefill.self_check(torch.device("cuda"), torch.bfloat16, 128) < flashinfer_prefill.CHECK_TOLERANCE
-    assert flashinfer_prefill.ready(torch.device("cuda"), torch.bfloat16, 128)
+@pytest.mark.parametrize("head_dim", flashinfer_prefill.HEAD_DIMS)
+def test_start_up_check_passes_the_installed_flashinfer(head_dim):
+    error = flashinfer_prefill.self_check(torch.device("cuda"), torch.bfloat16, head_dim)
+    assert error < flashinfer_prefill.CHECK_TOLERANCE
+    assert flashinfer_prefill.ready(torch.device("cuda"), torch.bfloat16, head_dim)
