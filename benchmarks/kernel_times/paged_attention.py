@@ -234,10 +234,10 @@ def prompt_rows(tokens: int, min_len: int, max_len: int, gen: torch.Generator) -
     return rows
 
 
-def attention_flops(rows: list[tuple[int, int]], heads: int | None = None) -> int:
+def attention_flops(rows: list[tuple[int, int]], heads: int | None = None, head_dim: int = HEAD_DIM) -> int:
     """Causal work: each query attends to prefix + its index + 1 keys (4 * D FLOPs per key per head;
     ``heads`` query heads, default ``HEADS``)."""
-    return sum(4 * (heads or HEADS) * HEAD_DIM * (p * q + q * (q + 1) // 2) for p, q in rows)
+    return sum(4 * (heads or HEADS) * head_dim * (p * q + q * (q + 1) // 2) for p, q in rows)
 
 
 # (block_q, block_n, warps, stages, register cap; 0: the compiler's choice) of the prefill sweep

@@ -1,9 +1,9 @@
 """Prefill attention TFLOP/s (causal FLOPs, ``attention_flops``) of the prefill kernels' launches
 (``PrefillLaunch``: rows x keys a tile, warps, stages, register cap, kernel variant) on five steps:
 one 8,192-token prompt, 4 x 2,048, 8 x 1,024 beside 64 decode rows, one 8,192-token chunk
-continuing a 4,096-token cached prefix, and workload A's mixed step; bf16, head_dim 128, 16 / 8 (Qwen3-0.6B) and 32 / 8 (8B)
-query / KV heads, pages of 16 tokens (the engine's default) and of 64 and 128 (where TMA tiles fit
-inside a page). Each launch: CUDA-graph replay time after a warm-up, the largest error against a
+continuing a 4,096-token cached prefix, and workload A's mixed step; bf16, head_dim 128
+(``--head-dims``: others), 16 / 8 (Qwen3-0.6B) and 32 / 8 (8B) query / KV heads, pages of 16
+tokens (the engine's default) and of 64 and 128 (where TMA tiles fit inside a page). Each launch: CUDA-graph replay time after a warm-up, the largest error against a
 float32 torch reference, and the launch the device actually ran where ``launch_limits`` shrank it;
 one that fails to compile or launch is marked, not fatal. The short table last: per heads and page
 size the default launch first, then the fastest by mean TFLOP/s, then the peers: torch's scaled
@@ -13,9 +13,11 @@ read what the step's new keys were before the append), at 16-token pages only.
 
     python -m benchmarks kernel-times prefill-attention [--iters 10] [--heads 16 8 32 8] [--block-sizes 16 64 128]
     python -m benchmarks kernel-times prefill-attention --kernels pointer wide   # a subset of the variants
+    python -m benchmarks kernel-times prefill-attention --head-dims 64 256 --heads 16 8 --block-sizes 16
 
 With ``flashinfer`` importable on an H100 / H200, also the engine's long-tile step on FlashInfer's
-FA3 kernel (``flashinfer_prefill``: rows of 128+ tokens on FA3, one-token rows on the decode kernel).
+FA3 kernel (``flashinfer_prefill``: rows of 128+ tokens on FA3, one-token rows on the decode kernel,
+the rest on the long-tile launch: ``HOPPER_LONG`` up to head_dim 128, the default above).
 """
 from __future__ import annotations
 
@@ -34,7 +36,6 @@ from megatron_async.kernels.triton_prefill_attention import prefill_attention
 from megatron_async.kernels.triton_prefill_common import HOPPER_LONG, PrefillLaunch, fitted_launch, prefill_launch
 from tests.helpers.paged_attention_cases import PagedCase, make_case
 
-HEAD_DIM = 128
 BAD_ERROR = 3e-2
 """A launch whose largest error is past this (bf16 outputs of unit-variance values) is marked wrong."""
 
@@ -103,9 +104,9 @@ def reference(case: PagedCase, chunk: int = 1024) -> torch.Tensor:
     return out
 
 
-def build(rows: list[tuple[int, int]], heads: tuple[int, int], block_size: int) -> PagedCase:
+def build(rows: list[tuple[int, int]], heads: tuple[int, int], block_size: int, head_dim: int) -> PagedCase:
     case = make_case(rows, block_size=block_size, seed=5, num_heads=heads[0], num_kv_heads=heads[1],
-                     head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+                     head_dim=head_dim, dtype=torch.bfloat16, device="cuda")
     attention_triton.attend(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)  # append the new keys
     return case
 
@@ -171,25 +172,25 @@ def peer_rows(steps: list, iters: int) -> list[tuple]:
     return out
 
 
-def sweep(heads: tuple[int, int], block_size: int, iters: int, kernels: list[str]) -> list[tuple]:
-    """Every candidate launch on the steps at one head shape and page size; prints a row each."""
+def sweep(heads: tuple[int, int], block_size: int, iters: int, kernels: list[str], head_dim: int) -> list[tuple]:
+    """Every candidate launch on the steps at one head shape, head_dim and page size; prints a row each."""
     group = heads[0] // heads[1]
-    default = prefill_launch(group, HEAD_DIM, block_size, torch.device("cuda"))
+    default = prefill_launch(group, head_dim, block_size, torch.device("cuda"))
     limits = launch_limits.device_limits(torch.device("cuda"))
     steps = []
     for rows in cases().values():
-        case = build(rows, heads, block_size)
-        steps.append((case, reference(case), attention_flops(rows, heads[0]), rows))
+        case = build(rows, heads, block_size, head_dim)
+        steps.append((case, reference(case), attention_flops(rows, heads[0], head_dim), rows))
     names = list(cases())
-    print(f"\nheads {heads[0]}/{heads[1]}, pages of {block_size} tokens: TFLOP/s on {', '.join(names)}; max error",
-          flush=True)
+    print(f"\nheads {heads[0]}/{heads[1]}, head_dim {head_dim}, pages of {block_size} tokens: TFLOP/s on "
+          f"{', '.join(names)}; max error", flush=True)
     results, seen = [], set()
     for launch in candidates(block_size):
         asked = launch or default
         if asked.kernel not in kernels and launch not in (None, HOPPER_LONG):
             continue
         name = ("default " if launch is None else "") + label(asked)
-        ran = fitted_launch(asked, 1 << (group - 1).bit_length(), HEAD_DIM, 2, 2, limits)
+        ran = fitted_launch(asked, 1 << (group - 1).bit_length(), head_dim, 2, 2, limits)
         if ran in seen:  # shrunk to a launch already timed
             continue
         seen.add(ran)
@@ -203,9 +204,9 @@ def sweep(heads: tuple[int, int], block_size: int, iters: int, kernels: list[str
         flag = "  WRONG" if not err <= BAD_ERROR else ""
         print(f"  {name:<48} " + " ".join(f"{t:6.0f}" for t in tflops) + f"  {err:.1e}{flag}", flush=True)
         results.append((name, tflops, err, launch is None, False))
-    if flashinfer_prefill.unusable(torch.device("cuda"), torch.bfloat16, HEAD_DIM) is None:
-        name = "FlashInfer FA3 + decode kernel + HOPPER_LONG"
-        got = measure(HOPPER_LONG, steps, iters, flashinfer_rows=True)
+    if flashinfer_prefill.unusable(torch.device("cuda"), torch.bfloat16, head_dim) is None:
+        name = "FlashInfer FA3 + decode kernel + long-tile launch"
+        got = measure(None, steps, iters, flashinfer_rows=True)  # the rest on the engine's long-tile launch
         if isinstance(got, str):
             print(f"  {name:<48} failed: {got}", flush=True)
         else:
@@ -215,14 +216,14 @@ def sweep(heads: tuple[int, int], block_size: int, iters: int, kernels: list[str
 
 
 def short_table(tables: dict[tuple, list[tuple]], best: int = 5) -> None:
-    print("\n| heads | page | launch | " + " | ".join(cases()) + " | mean | max err |")
-    print("|---|---:|---|" + "---:|" * (len(cases()) + 2))
-    for (heads, block_size), results in tables.items():
+    print("\n| heads | head_dim | page | launch | " + " | ".join(cases()) + " | mean | max err |")
+    print("|---|---:|---:|---|" + "---:|" * (len(cases()) + 2))
+    for (heads, head_dim, block_size), results in tables.items():
         ranked = sorted((r for r in results if not r[3] and not r[4] and r[2] <= BAD_ERROR),
                         key=lambda r: -math.fsum(r[1]))[:best]
         for name, tflops, err, _, peer_row in [r for r in results if r[3]] + ranked + [r for r in results if r[4]]:
             mean = "n/a" if peer_row else f"{math.fsum(tflops) / len(tflops):.0f}"
-            print(f"| {heads[0]}/{heads[1]} | {block_size} | {name} | "
+            print(f"| {heads[0]}/{heads[1]} | {head_dim} | {block_size} | {name} | "
                   + " | ".join("n/a" if math.isnan(t) else f"{t:.0f}" for t in tflops) + f" | {mean} | {err:.1e} |")
 
 
@@ -233,6 +234,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 128], help="KV page sizes, tokens")
     parser.add_argument("--kernels", nargs="+", default=["pointer", "wide", "tma"],
                         help="the variants to sweep (the default launch and HOPPER_LONG always run)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[128])
 
 
 def run(args: argparse.Namespace) -> None:
@@ -241,7 +243,8 @@ def run(args: argparse.Namespace) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference in float32
     tables = {}
     for heads in zip(args.heads[::2], args.heads[1::2]):
-        for block_size in args.block_sizes:
-            tables[(heads, block_size)] = sweep(heads, block_size, args.iters, args.kernels)
-            torch.cuda.empty_cache()
+        for head_dim in args.head_dims:
+            for block_size in args.block_sizes:
+                tables[(heads, head_dim, block_size)] = sweep(heads, block_size, args.iters, args.kernels, head_dim)
+                torch.cuda.empty_cache()
     short_table(tables)
