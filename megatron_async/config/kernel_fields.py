@@ -66,8 +66,8 @@ class KernelFields:
     long_prefill_tiles: bool = True
     """Triton attention on Hopper, one engine (no expert parallelism): a step whose longest row has
     ``LONG_TILE_MIN_QUERY`` (2,048) query tokens or more runs the prefill attention on 128 x 64
-    tiles, 8 warps (kernels/triton_prefill_common.py ``HOPPER_LONG``: an 8k prompt's attention
-    466-480 TFLOP/s against 404), other steps on the default 64 x 32 tiles, which suit short rows
+    tiles, 8 warps, up to head_dim 128 (kernels/triton_prefill_common.py ``HOPPER_LONG``: an 8k
+    prompt's attention 466-480 TFLOP/s against 404), other steps on the default 64 x 32 tiles, which suit short rows
     beside decode rows. In batch-invariant mode with a table of 8,192+ keys, such a step runs its
     rows that fill a 128-row tile on such tiles, the others on 64-row tiles (the same bits:
     kernels/triton_invariant_attention.py ``launches``). The host picks it per step; mixed CUDA graphs of 2,048+
@@ -77,7 +77,7 @@ class KernelFields:
 
     flashinfer_prefill: bool = True
     """With the long prefill tiles, where the ``flashinfer`` package is importable on an H100 / H200
-    (bf16 / fp16 cache and queries, head_dim 128): a long-tile step's rows of 128+ query
+    (bf16 / fp16 cache and queries, head_dim 64 / 128 / 256): a long-tile step's rows of 128+ query
     tokens run FlashInfer's FlashAttention-3 kernel (kernels/flashinfer_prefill.py), its one-token
     rows the split-K decode kernel, the others the Triton prefill kernel. FlashInfer builds the kernel on first use (minutes, then cached); a build or
     load that fails leaves every row on Triton, with a warning. False: Triton only (A/B)."""
