@@ -46,3 +46,18 @@ def test_long_launch_equals_the_default_launch(group, block_size, seed, monkeypa
     assert chosen[0].rows < HOPPER_LONG.rows and chosen[0].block_n < HOPPER_LONG.block_n  # two tilings
     torch.testing.assert_close(long, default, **FP32_TOL)
     torch.testing.assert_close(long, ref, **FP32_TOL)
+
+
+def test_long_tiles_hold_head_dims_up_to_128():
+    """``HOPPER_LONG``'s 128-register cap and the invariant kernel's 128-row tiles (128 registers)
+    cannot hold a 256-wide accumulator (ptxas refuses it on sm_90): wider heads keep the default
+    launch, and the invariant kernel one launch of its small tiles."""
+    from megatron_async.kernels.triton_invariant_attention import launches
+
+    cuda = torch.device("cuda")
+    assert prefill_launch(2, 128, 16, cuda, long=True) == HOPPER_LONG
+    assert prefill_launch(2, 64, 16, cuda, long=True) == HOPPER_LONG
+    assert prefill_launch(2, 256, 16, cuda, long=True) == prefill_launch(2, 256, 16, cuda)
+    case = make_case([(0, 300), (40, 1)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
+    meta = dataclasses.replace(case.meta, long_tiles=True)
+    assert [len(launches(meta, 2, 64, d, cuda)) for d in (64, 128, 256)] == [2, 2, 1]
