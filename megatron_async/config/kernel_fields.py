@@ -67,8 +67,8 @@ class KernelFields:
     """Triton attention on Hopper, one engine (no expert parallelism): a step whose longest row has
     ``LONG_TILE_MIN_QUERY`` (2,048) query tokens or more runs the prefill attention on 128 x 64
     tiles, 8 warps, up to head_dim 128 (kernels/triton_prefill_common.py ``HOPPER_LONG``: an 8k
-    prompt's attention 466-480 TFLOP/s against 404), other steps on the default 64 x 32 tiles, which suit short rows
-    beside decode rows. In batch-invariant mode with a table of 8,192+ keys, such a step runs its
+    prompt's attention 466-480 TFLOP/s against 404), other steps on the default 64 x 32 tiles,
+    which suit short rows beside decode rows. In batch-invariant mode with a table of 8,192+ keys, such a step runs its
     rows that fill a 128-row tile on such tiles, the others on 64-row tiles (the same bits:
     kernels/triton_invariant_attention.py ``launches``). The host picks it per step; mixed CUDA graphs of 2,048+
     tokens get a long-tile twin (``GraphKey.long_tiles``). Counted by ``EngineStats.long_tile_steps``.

@@ -14,8 +14,9 @@ dealing without its heap.
 The kernel reads the cache through the step's block table as FlashInfer's page indices (a row's
 pages start at row * the table's stride) and each item's key count from the lists: causal,
 bottom-right (a row's queries are the last of its keys), as the Triton kernels. bf16 / fp16 caches
-and queries, head_dim 64 / 128 / 256; not the e4m3 cache, not batch-invariant mode (its own kernels), not an
-output quantized for an FP8 o projection (the attention layer asks for none in such a step).
+and queries, head_dim 64 / 128 / 256; not the e4m3 cache, not batch-invariant mode (its own
+kernels), not an output quantized for an FP8 o projection (the attention layer asks for none in
+such a step).
 
 The step's one-token rows run the split-K decode kernel (``attend_decode_rows``): alone, without
 the prompts' tiles to overlap, the prefill kernel's one program a row and KV head streams a long
