@@ -68,12 +68,13 @@ class KernelFields:
     ``LONG_TILE_MIN_QUERY`` (2,048) query tokens or more runs the prefill attention on 128 x 64
     tiles, 8 warps, up to head_dim 128 (kernels/triton_prefill_common.py ``HOPPER_LONG``: an 8k
     prompt's attention 466-480 TFLOP/s against 404), other steps on the default 64 x 32 tiles,
-    which suit short rows beside decode rows. In batch-invariant mode with a table of 8,192+ keys, such a step runs its
-    rows that fill a 128-row tile on such tiles, the others on 64-row tiles (the same bits:
-    kernels/triton_invariant_attention.py ``launches``). The host picks it per step; mixed CUDA graphs of 2,048+
-    tokens get a long-tile twin (``GraphKey.long_tiles``). Counted by ``EngineStats.long_tile_steps``.
-    On by default (one H200: 32 prompts of 8-16k on the 0.6B 696 against 661 out tok/s, a 16k-token
-    Qwen3-8B prompt's first token 525 against 553 ms); False: every step on the default tiles."""
+    which suit short rows beside decode rows. In batch-invariant mode with a table of 8,192+
+    keys, such a step runs its rows that fill a 128-row tile on such tiles, the others on 64-row
+    tiles (the same bits: kernels/triton_invariant_attention.py ``launches``). The host picks it
+    per step; mixed CUDA graphs of 2,048+ tokens get a long-tile twin (``GraphKey.long_tiles``).
+    Counted by ``EngineStats.long_tile_steps``. On by default (one H200: 32 prompts of 8-16k on
+    the 0.6B 696 against 661 out tok/s, a 16k-token Qwen3-8B prompt's first token 525 against 553
+    ms); False: every step on the default tiles."""
 
     flashinfer_prefill: bool = True
     """With the long prefill tiles, where the ``flashinfer`` package is importable on an H100 / H200

@@ -134,7 +134,7 @@ def _work_lists(entry_ptr, live_ptr, cu_q_ptr, kv_lens_ptr, tile_ptr, qo_ptr, pa
 
 
 def work_lists(meta: AttentionMetadata, num_heads: int, programs: int,
-               tile: int = 128) -> tuple[torch.Tensor, list[int]]:
+               tile: int) -> tuple[torch.Tensor, list[int]]:
     """(int32 workspace, FlashInfer's plan info: the byte offsets of its lists) of the step's rows of
     ``MIN_QUERY``+ tokens in ``tile``-query tiles (``tile_q``) dealt to ``programs`` programs (the
     kernel launches one an SM); computed by the first layer that asks and kept on ``meta``."""

@@ -42,7 +42,9 @@ import triton.language as tl
 
 from megatron_async.forward_batch import AttentionMetadata
 from megatron_async.kernels import launch_limits
-from megatron_async.kernels.triton_paged_common import attend, check_cache, dot_args, kv_scale_args, max_registers
+from megatron_async.kernels.triton_paged_common import (
+    CAPPED_HEAD_DIM, attend, check_cache, dot_args, kv_scale_args, max_registers,
+)
 from megatron_async.kernels.triton_tile_schedule import tile_schedule
 
 _LOG2E = 1.4426950408889634
@@ -106,8 +108,8 @@ def launches(meta: AttentionMetadata, group: int, block_n: int, head_dim: int, d
     registers with 32-key tiles, the compiler's choice with 64 (decode 497 against 589 us)."""
     cpu = device.type == "cpu"
     small = _Launch(16 if cpu else 64, 4, 0 if cpu or block_n > 32 else max_registers(head_dim, device) or 0)
-    if not (meta.long_tiles and (cpu or block_n > 32)) or head_dim > 128:  # (block_n > 32: a table
-        return [small]  # splits_long_steps takes; the big tiles' 128 registers hold head_dim <= 128 only)
+    if not (meta.long_tiles and (cpu or block_n > 32)) or head_dim > CAPPED_HEAD_DIM:  # (block_n > 32:
+        return [small]  # a table splits_long_steps takes; the big tiles hold 128 registers)
     big = _Launch(32 if cpu else 128, 8, 0 if cpu else 128)
     fills = max(1, big.rows // max(1, triton.next_power_of_2(group)))  # query tokens of one big tile
     return [dataclasses.replace(big, min_query=fills), dataclasses.replace(small, max_query=fills - 1)]

@@ -172,13 +172,19 @@ def attend(acc, l_i, m_i, q, pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, 
     return acc, l_i, m_i
 
 
+CAPPED_HEAD_DIM = 128
+"""The widest head an attention launch capped at 128 registers a thread holds (``max_registers``,
+``HOPPER_LONG``, the batch-invariant kernel's 128-row tiles): a wider accumulator alone would take
+the cap (at head_dim 256 ptxas refuses the long tiles)."""
+
+
 def max_registers(head_dim: int, device: torch.device) -> int | None:
     """Registers per thread the compiler may use (None: its choice). Capped at 128 for 64-row
-    tiles of 32 keys and head_dim <= 128, four programs fit an H100 SM instead of two (its
-    choice: 232 registers): 1.2x on a 30B-A3B / 8B / 0.6B-shaped mixed step of 8,192 tokens
-    (``kernel-times paged-attention --sweep-prefill``). Larger heads keep the compiler's choice
-    (the accumulator alone would take the cap)."""
-    return 128 if device.type == "cuda" and head_dim <= 128 else None
+    tiles of 32 keys and head_dim <= ``CAPPED_HEAD_DIM``, four programs fit an H100 SM instead of
+    two (its choice: 232 registers): 1.2x on a 30B-A3B / 8B / 0.6B-shaped mixed step of 8,192
+    tokens (``kernel-times paged-attention --sweep-prefill``). Larger heads keep the compiler's
+    choice."""
+    return 128 if device.type == "cuda" and head_dim <= CAPPED_HEAD_DIM else None
 
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}

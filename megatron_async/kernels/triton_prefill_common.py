@@ -15,7 +15,7 @@ import triton.language as tl
 
 from megatron_async.kernels import launch_limits
 from megatron_async.kernels.triton_fp8_act import store_heads_quantized
-from megatron_async.kernels.triton_paged_common import max_registers
+from megatron_async.kernels.triton_paged_common import CAPPED_HEAD_DIM, max_registers
 
 
 @triton.jit
@@ -129,9 +129,9 @@ def prefill_launch(group: int, head_dim: int, block_size: int, device: torch.dev
                    long: bool = False) -> PrefillLaunch:
     """The default launch for a GQA group of ``group`` query heads a KV head, ``head_dim`` and pages of
     ``block_size`` tokens: the one place to change after measuring (``kernel-times prefill-attention``).
-    ``long``: a step with a row of ``LONG_TILE_MIN_QUERY``+ tokens (``HOPPER_LONG``, whose 128-register
-    cap holds head_dim <= 128 only: ptxas refuses a 256-wide accumulator in it)."""
-    if long and head_dim <= 128:
+    ``long``: a step with a row of ``LONG_TILE_MIN_QUERY``+ tokens (``HOPPER_LONG``, up to
+    ``CAPPED_HEAD_DIM``: its 128-register cap)."""
+    if long and head_dim <= CAPPED_HEAD_DIM:
         return HOPPER_LONG
     block_q, block_n = prefill_tiles(group, device)
     block_g = max(1, triton.next_power_of_2(group))
