@@ -27,10 +27,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS = [(0, 300), (7, 1), (50, 128), (10, 127), (0, 0), (200, 1000), (33, 1)]
 
 
-def _lists(rows, heads: int, programs: int, tile: int):
+def _lists(rows, heads: int, programs: int, size: int):
     case = make_case(rows, num_heads=heads, num_kv_heads=2, head_dim=16, block_size=16, device=DEVICE, seed=1)
-    ws, plan_info = flashinfer_prefill.work_lists(case.meta, heads, programs, tile)
-    assert flashinfer_prefill.work_lists(case.meta, heads, programs, tile)[0] is ws  # once per step
+    ws, plan_info = flashinfer_prefill.work_lists(case.meta, heads, programs, size)
+    assert flashinfer_prefill.work_lists(case.meta, heads, programs, size)[0] is ws  # once per step
     assert plan_info[-1] == 0 and all(off % 16 == 0 for off in plan_info[:-1])  # a schedule per head, aligned
     ws = ws.cpu()
     tile, qo, page, qo_len, kv_len, head, indptr, row = (ws[off // 4:] for off in plan_info[:-1])
