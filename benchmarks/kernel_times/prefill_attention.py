@@ -3,8 +3,9 @@
 one 8,192-token prompt, 4 x 2,048, 8 x 1,024 beside 64 decode rows, one 8,192-token chunk
 continuing a 4,096-token cached prefix, and workload A's mixed step; bf16, head_dim 128
 (``--head-dims``: others), 16 / 8 (Qwen3-0.6B) and 32 / 8 (8B) query / KV heads, pages of 16
-tokens (the engine's default) and of 64 and 128 (where TMA tiles fit inside a page). Each launch: CUDA-graph replay time after a warm-up, the largest error against a
-float32 torch reference, and the launch the device actually ran where ``launch_limits`` shrank it;
+tokens (the engine's default) and of 64 and 128 (where TMA tiles fit inside a page). Each launch:
+CUDA-graph replay time after a warm-up, the largest error against a float32 torch reference, and
+the launch the device actually ran where ``launch_limits`` shrank it;
 one that fails to compile or launch is marked, not fatal. The short table last: per heads and page
 size the default launch first, then the fastest by mean TFLOP/s, then the peers: torch's scaled
 dot-product attention (its cuDNN and flash backends, GQA) on the steps whose rows are all fresh

@@ -44,6 +44,7 @@ from megatron_async.kernels.triton_tile_schedule import tile_schedule
 
 log = logging.getLogger(__name__)
 
+
 def tile_q(head_dim: int) -> int:
     """Query tokens of the kernel's tile: 192 at head_dim 64, else 128 (FlashInfer's ``cta_tile_q``
     in ``PrefillSM90Plan``, which the lists' tile indices count in)."""
